@@ -1,0 +1,192 @@
+"""Validated configuration dataclasses: the engine's `ContinuousBatchingConfig` and per-request `SamplingParams`.
+
+Field names follow transformers' continuous batching where the concept is the same, so its users can carry their
+settings over. Every field is checked in `__post_init__`; a bad value raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+LOGPROB_MODES = ("processed", "raw")
+# Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def _check(condition: bool, name: str, reason: str, value: Any) -> None:
+    """Raise a ValueError naming the field `name` when `condition` is false."""
+    if not condition:
+        raise ValueError(f"{name}={value!r} is invalid: {reason}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled. Applied per request, so one batch mixes any settings.
+
+    The processors run in the order documented on `rollout.engine.sampler.Sampler`. `None` means "take it from the
+    GenerationConfig given to the manager, else the default noted on the field".
+    """
+
+    # Softmax temperature; 0 means greedy.
+    temperature: float = 1.0
+    # Keep only the k most likely tokens; 0 disables.
+    top_k: int = 0
+    # Keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
+    top_p: float = 1.0
+    # Drop tokens whose probability is below min_p times the top token's; 0 disables.
+    min_p: float = 0.0
+    # Divide positive (multiply negative) logits of tokens seen in prompt or output; 1.0 disables (HF semantics).
+    repetition_penalty: float = 1.0
+    # Subtract this from the logit of every token already generated (OpenAI semantics); 0 disables.
+    presence_penalty: float = 0.0
+    # Subtract this times the token's count among generated tokens (OpenAI semantics); 0 disables.
+    frequency_penalty: float = 0.0
+    # Stop tokens are masked until this many tokens were generated.
+    min_new_tokens: int = 0
+    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS).
+    max_new_tokens: int | None = None
+    # Any of these ends generation (None: the GenerationConfig's eos_token_id; () never stops early).
+    stop_token_ids: tuple[int, ...] | None = None
+    # False forces greedy decoding whatever the temperature.
+    do_sample: bool = True
+    # Seed of this request's randomness (None: a fresh random seed). Sample i of a group uses (seed, i).
+    seed: int | None = None
+    # "processed": log-prob under the distribution actually sampled from; "raw": log_softmax of the model's logits.
+    logprob_mode: Literal["processed", "raw"] = "processed"
+    # Also return the top-k log-probs (in the same mode) at every position; 0 disables.
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0", self.temperature)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)", self.top_k)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be a number > 0",
+            self.repetition_penalty,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, "must be a number in [-2, 2]", value)
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "must be an integer >= 0", self.min_new_tokens)
+        if self.max_new_tokens is not None:
+            _check(
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                "max_new_tokens",
+                "must be an integer >= 1",
+                self.max_new_tokens,
+            )
+        if self.stop_token_ids is not None:
+            if _is_int(self.stop_token_ids):
+                self.stop_token_ids = (self.stop_token_ids,)
+            _check(
+                isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be a list of non-negative token ids",
+                self.stop_token_ids,
+            )
+            self.stop_token_ids = tuple(self.stop_token_ids)
+        _check(isinstance(self.do_sample, bool), "do_sample", "must be a bool", self.do_sample)
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(self.logprob_mode in LOGPROB_MODES, "logprob_mode", f"must be one of {LOGPROB_MODES}", self.logprob_mode)
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 100, "top_logprobs", "must be an integer in [0, 100]", self.top_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0 or do_sample=False)."""
+        return not self.do_sample or self.temperature == 0
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Any, **overrides: Any) -> SamplingParams:
+        """Build SamplingParams from a `transformers.GenerationConfig`, keeping our defaults where it says nothing.
+
+        Args:
+            generation_config: a `transformers.GenerationConfig` (or None for all defaults). Only fields it sets
+                (not None) are taken: temperature, top_k, top_p, min_p, repetition_penalty, do_sample,
+                max_new_tokens, min_new_tokens, eos_token_id (as stop_token_ids).
+            **overrides: SamplingParams fields that win over the generation config.
+        """
+        values: dict[str, Any] = {}
+        if generation_config is not None:
+            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample", "max_new_tokens", "min_new_tokens"):
+                value = getattr(generation_config, name, None)
+                if value is not None:
+                    values[name] = value
+            eos = getattr(generation_config, "eos_token_id", None)
+            if eos is not None:
+                values["stop_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+            # As in transformers' generate, a GenerationConfig that does not ask for sampling decodes greedily.
+            values.setdefault("do_sample", False)
+        values.update(overrides)
+        return cls(**values)
+
+    def merged(self, **overrides: Any) -> SamplingParams:
+        """Return a copy with `overrides` applied (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Engine settings: KV cache size, batch shape, scheduling policy, logprobs and queueing."""
+
+    # Tokens per KV block. Smaller blocks share prefixes more finely; larger ones cut per-step metadata.
+    block_size: int = 16
+    # Number of KV blocks. None sizes the cache from max_memory_percent of free device memory.
+    num_blocks: int | None = None
+    # Most tokens (prefill chunks + decodes) computed in one engine step.
+    max_batch_tokens: int = 2048
+    # Most sequences in one engine step.
+    max_num_seqs: int = 256
+    # Fraction of free memory (after the model is loaded) given to the KV cache when num_blocks is None.
+    # None: 0.9 on an accelerator, 0.05 of available RAM on CPU (CPU runs are for tests and examples).
+    max_memory_percent: float | None = None
+    # Reuse computed KV blocks across requests with the same prefix (and policy version).
+    allow_block_sharing: bool = True
+    # "fifo": running requests (decodes) first, then new prefills; "prefill_first": new prefills first.
+    scheduler_type: str = "fifo"
+    # Compute per-token log-probs for every request.
+    return_logprobs: bool = True
+    # GiB of CPU memory for swapping preempted requests' KV; 0 recomputes them instead.
+    cpu_offload_space: float = 0.0
+    # Most requests waiting to be scheduled (queued, not yet running); 0 means unbounded. A full queue is an error.
+    max_queue_size: int = 0
+    # Capture CUDA graphs for decode steps (accelerators only; ignored on CPU).
+    use_cuda_graph: bool = False
+    # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", "must be an integer >= 1", self.block_size)
+        if self.num_blocks is not None:
+            _check(_is_int(self.num_blocks) and self.num_blocks >= 1, "num_blocks", "must be an integer >= 1", self.num_blocks)
+        _check(_is_int(self.max_batch_tokens) and self.max_batch_tokens >= 1, "max_batch_tokens", "must be an integer >= 1", self.max_batch_tokens)
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "must be an integer >= 1", self.max_num_seqs)
+        if self.max_memory_percent is not None:
+            _check(
+                _is_number(self.max_memory_percent) and 0 < self.max_memory_percent <= 1,
+                "max_memory_percent",
+                "must be in (0, 1]",
+                self.max_memory_percent,
+            )
+        _check(isinstance(self.allow_block_sharing, bool), "allow_block_sharing", "must be a bool", self.allow_block_sharing)
+        _check(self.scheduler_type in SCHEDULER_TYPES, "scheduler_type", f"must be one of {SCHEDULER_TYPES}", self.scheduler_type)
+        _check(isinstance(self.return_logprobs, bool), "return_logprobs", "must be a bool", self.return_logprobs)
+        _check(_is_number(self.cpu_offload_space) and self.cpu_offload_space >= 0, "cpu_offload_space", "must be >= 0 (GiB)", self.cpu_offload_space)
+        _check(_is_int(self.max_queue_size) and self.max_queue_size >= 0, "max_queue_size", "must be an integer >= 0 (0: unbounded)", self.max_queue_size)
+        _check(isinstance(self.use_cuda_graph, bool), "use_cuda_graph", "must be a bool", self.use_cuda_graph)
+        if self.max_model_len is not None:
+            _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "must be an integer >= 2", self.max_model_len)

@@ -1,0 +1,210 @@
+"""Paged attention, registered in transformers' `AttentionInterface` as "rollout_paged".
+
+The model is called with a packed ragged batch (`input_ids` of shape (1, total_tokens)); this module's
+`PagedAttentionMetadata` travels to every attention layer through the forward kwargs (`rollout_metadata=`). Each
+layer writes its new keys/values into the paged cache, then attends per group of sequences: decodes (one query
+token each) in one padded call, prefill chunks in another, so a long prefill does not pad every decode.
+
+Masks honour each layer's `sliding_window` (a key is visible when q - window < k <= q, transformers' convention) and
+logit soft-capping (Gemma 2). Without our metadata (a plain training or `generate` forward of the same model) the
+function falls back to SDPA, or to eager attention when soft-capping is on, so the model stays usable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rollout.engine.kv_cache import PagedKVCache
+
+ATTENTION_NAME = "rollout_paged"
+
+
+@dataclass
+class SequenceGroup:
+    """A padded sub-batch of sequences: B sequences, up to Q query tokens each, up to L cached keys each."""
+
+    query_index: torch.Tensor  # (B, Q) positions in the packed batch (padding points at 0)
+    query_valid: torch.Tensor  # (B, Q) False on padding
+    query_pos: torch.Tensor  # (B, Q) absolute positions (padding: 0, so its mask row is never empty)
+    block_table: torch.Tensor  # (B, num_blocks) device block ids, padded with block 0
+    all_valid: bool  # no padding among the queries
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
+        """Boolean (B, 1, Q, L) mask, True where attention is allowed; built once per step per window size."""
+        if sliding_window not in self._masks:
+            length = self.block_table.shape[1] * block_size
+            key_pos = torch.arange(length, device=self.query_pos.device)
+            query_pos = self.query_pos.unsqueeze(-1)
+            allowed = key_pos <= query_pos
+            if sliding_window is not None:
+                allowed &= key_pos > query_pos - sliding_window
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step tensors shared by every layer; built once by the model runner."""
+
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
+    groups: list[SequenceGroup]
+
+    @classmethod
+    def build(
+        cls,
+        kv_cache: PagedKVCache,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        block_table: torch.Tensor,
+        device: torch.device,
+    ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
+        """Turn per-sequence (start, length, blocks) into attention metadata and position ids.
+
+        Args:
+            kv_cache: the cache the layers read and write.
+            starts: (S,) first position computed for each sequence (= tokens already cached).
+            lengths: (S,) tokens computed for each sequence this step.
+            block_table: (S, max_blocks) block ids, padded with 0.
+            device: where the tensors go.
+        Returns:
+            (metadata, position_ids of shape (T,)).
+        """
+        block_size = kv_cache.block_size
+        starts, lengths, block_table = starts.to(device), lengths.to(device), block_table.to(device)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        token_offset = torch.cumsum(lengths, 0) - lengths  # first packed index of each sequence
+        positions = starts[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
+        slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+        groups = []
+        is_decode = lengths == 1
+        for selected in (is_decode, ~is_decode):
+            index = selected.nonzero().squeeze(1)
+            if len(index) == 0:
+                continue
+            group_lengths, group_starts = lengths[index], starts[index]
+            max_query = int(group_lengths.max())
+            max_blocks = int(((group_starts + group_lengths + block_size - 1) // block_size).max())
+            offsets = torch.arange(max_query, device=device)
+            valid = offsets < group_lengths.unsqueeze(1)
+            query_index = torch.where(valid, token_offset[index].unsqueeze(1) + offsets, 0)
+            query_pos = torch.where(valid, group_starts.unsqueeze(1) + offsets, 0)
+            all_valid = bool(valid.all())
+            groups.append(SequenceGroup(query_index, valid, query_pos, block_table[index, :max_blocks], all_valid))
+        return cls(kv_cache, slots, groups), positions
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Masked attention with grouped KV heads. query (B, H, Q, D), key/value (B, Hkv, K, D), mask bool or additive
+    (B or 1, 1, Q, K) or None (causal, bottom-right aligned). Returns (B, H, Q, D)."""
+    if softcap is None:
+        is_causal = mask is None and query.shape[2] > 1 and query.shape[2] == key.shape[2]
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=is_causal, enable_gqa=True
+        )
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        q_len, k_len = query.shape[2], key.shape[2]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The "rollout_paged" attention function (transformers' AttentionInterface signature).
+
+    Args:
+        module: the attention module; its `layer_idx` selects the cache layer.
+        query: (1, H, T, D) queries of the packed batch.
+        key, value: (1, Hkv, T, D) keys/values of the new tokens.
+        attention_mask: ignored on the paged path (masks come from the metadata).
+        scaling: softmax scale (default 1/sqrt(D)).
+        dropout: attention dropout (fallback path only).
+        sliding_window: the layer's window, or None.
+        softcap: attention logit soft-capping, or None.
+        **kwargs: `rollout_metadata` (PagedAttentionMetadata) on the paged path; anything else is passed through.
+    Returns:
+        (attention output of shape (1, T, H, D), None).
+    """
+    metadata: PagedAttentionMetadata | None = kwargs.get("rollout_metadata")
+    if metadata is None:
+        return _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        raise TypeError(f"{type(module).__name__} has no layer_idx; paged attention needs it to find its cache layer")
+    cache = metadata.kv_cache
+    cache.write(layer_idx, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    key_cache, value_cache = cache.layer(layer_idx)
+    tokens = query[0].transpose(0, 1)  # (T, H, D)
+    output = torch.empty_like(tokens)
+    for group in metadata.groups:
+        batch, num_queries = group.query_index.shape
+        group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
+        group_key = key_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
+        group_value = value_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        mask = group.mask(sliding_window, cache.block_size)
+        result = attend(group_query, group_key, group_value, mask, scaling, softcap).transpose(1, 2)  # (B, Q, H, D)
+        if group.all_valid:
+            output[group.query_index.flatten()] = result.flatten(0, 1)
+        else:
+            output[group.query_index[group.query_valid]] = result[group.query_valid]
+    return output.unsqueeze(0), None
+
+
+def _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs):
+    """A forward without our metadata (training, teacher forcing, `generate`): ordinary SDPA/eager attention."""
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    output = attend(query, key, value, attention_mask, scaling, softcap, dropout)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register_paged_attention() -> str:
+    """Register "rollout_paged" (attention + SDPA-style masks for the unpaged fallback). Idempotent.
+
+    Returns:
+        The implementation name to pass to `model.set_attn_implementation`.
+    """
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

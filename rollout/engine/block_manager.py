@@ -1,0 +1,216 @@
+"""Ref-counted KV blocks with chained prefix hashes and copy-on-write.
+
+Invariants:
+- A block is in `free_blocks` exactly when its ref count is 0. Free blocks may still hold a cached prefix (their hash
+  stays in `cached_blocks`) until they are handed out again, oldest-freed first (LRU).
+- Only full blocks whose KV has been computed get a hash: hash(parent hash, the block's tokens, policy version). The
+  version in the key means KV computed under old weights never serves a request admitted after a weight update.
+- Tokens are only ever written at positions >= num_computed_tokens, so a full computed (hashed) block is never
+  written again; a shared partial block is copied before its first write (copy-on-write).
+This module never imports torch: copies are returned as (src, dst) block pairs for the model runner to execute.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from rollout.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative integers."""
+    return -(-a // b)
+
+
+class BlockManager:
+    """Owns the device KV blocks (ref counts, prefix hashes) and the CPU swap blocks of one engine."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0):
+        """
+        Args:
+            num_blocks: device KV blocks.
+            block_size: tokens per block.
+            enable_prefix_caching: reuse full computed blocks across requests with the same prefix.
+            num_swap_blocks: CPU blocks for swapping preempted requests (0 disables swapping).
+        """
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        # Bumped by the engine on every weight update; part of every prefix hash.
+        self.policy_version = 0
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """True when `num_blocks` more blocks can be handed out now."""
+        return num_blocks <= len(self.free_blocks)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks `allocate(request, num_new_tokens)` would take, copy-on-write included."""
+        start = request.num_computed_tokens
+        needed = max(0, cdiv(start + num_new_tokens, self.block_size) - len(request.block_ids))
+        return needed + int(self._needs_copy_on_write(request, start))
+
+    def _needs_copy_on_write(self, request: Request, position: int) -> bool:
+        index = position // self.block_size
+        return index < len(request.block_ids) and self.ref_counts[request.block_ids[index]] > 1
+
+    # ---- verbs ------------------------------------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Give `request` room to write its next `num_new_tokens` tokens.
+
+        Args:
+            request: the request; its `block_ids` grow in place.
+            num_new_tokens: tokens it computes next, from position `num_computed_tokens`.
+        Returns:
+            (src, dst) block copies to execute before the write (copy-on-write of a shared partial block).
+        Raises:
+            RuntimeError: when there are not enough free blocks (callers check `blocks_needed` first).
+        """
+        if not self.can_allocate(self.blocks_needed(request, num_new_tokens)):
+            raise RuntimeError(f"out of KV blocks for request {request.request_id}")
+        copies = []
+        start = request.num_computed_tokens
+        if self._needs_copy_on_write(request, start):
+            index = start // self.block_size
+            shared = request.block_ids[index]
+            private = self._take_free_block()
+            self.ref_counts[shared] -= 1  # > 0: another owner keeps it
+            request.block_ids[index] = private
+            copies.append((shared, private))
+        while len(request.block_ids) * self.block_size < start + num_new_tokens:
+            request.block_ids.append(self._take_free_block())
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make `child` share every block of `parent` (ref counts +1)."""
+        child.block_ids = list(parent.block_ids)
+        for block in child.block_ids:
+            self.ref_counts[block] += 1
+
+    def free(self, request: Request) -> None:
+        """Release the request's device blocks and swap blocks. Tail blocks become reusable before head blocks,
+        so common prefixes stay cached longest."""
+        for block in reversed(request.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        request.block_ids = []
+        self.free_swap_blocks.extend(request.swap_block_ids)
+        request.swap_block_ids = []
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        old_hash = self.block_hash[block]
+        if old_hash is not None:
+            if self.cached_blocks.get(old_hash) == block:
+                del self.cached_blocks[old_hash]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    # ---- prefix caching ---------------------------------------------------------------------------------------
+    def _hash_block(self, parent_hash: int | None, tokens: list[int]) -> int:
+        return hash((parent_hash, tuple(tokens), self.policy_version))
+
+    def match_prefix(self, request: Request) -> tuple[list[int], list[int]]:
+        """Find cached blocks for the leading full blocks of a request that holds no blocks.
+
+        At most (num_tokens - 1) // block_size blocks match, so at least one token is left to compute (its logits
+        are needed to sample) and a matched block is never written.
+        Returns:
+            (block ids, their hashes); nothing is taken until `take_prefix`.
+        """
+        if not self.enable_prefix_caching:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = None
+        size = self.block_size
+        for index in range((request.num_tokens - 1) // size):
+            parent = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size])
+            block = self.cached_blocks.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def num_free_in(self, blocks: list[int]) -> int:
+        """How many of `blocks` sit in the free pool (taking them lowers the free count)."""
+        return sum(1 for block in blocks if self.ref_counts[block] == 0)
+
+    def take_prefix(self, request: Request, blocks: list[int], hashes: list[int]) -> None:
+        """Attach matched prefix blocks to `request` and mark their tokens computed."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        request.block_ids = list(blocks)
+        request.block_hashes = list(hashes)
+        request.num_computed_tokens = len(blocks) * self.block_size
+
+    def commit_hashes(self, request: Request) -> None:
+        """Hash the request's newly full, computed blocks and offer them for prefix reuse. Amortised O(1) per token:
+        each block is hashed once."""
+        size = self.block_size
+        num_full = min(request.num_computed_tokens // size, len(request.block_ids))
+        while len(request.block_hashes) < num_full:
+            index = len(request.block_hashes)
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size])
+            request.block_hashes.append(block_hash)
+            block = request.block_ids[index]
+            if self.enable_prefix_caching and block_hash not in self.cached_blocks and self.block_hash[block] is None:
+                self.cached_blocks[block_hash] = block
+                self.block_hash[block] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents)."""
+        self.cached_blocks.clear()
+        self.block_hash = [None] * self.num_blocks
+
+    # ---- swapping ---------------------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return 0 < len(request.block_ids) <= len(self.free_swap_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's KV to CPU swap blocks. Returns (device block, cpu block) copies to execute before any
+        freed device block is written again."""
+        cpu_blocks = [self.free_swap_blocks.pop() for _ in request.block_ids]
+        copies = list(zip(request.block_ids, cpu_blocks))
+        swap_blocks = cpu_blocks
+        request.swap_block_ids = []
+        self.free(request)
+        request.swap_block_ids = swap_blocks
+        return copies
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's KV back into fresh device blocks. Returns (cpu block, device block) copies."""
+        if not self.can_allocate(len(request.swap_block_ids)):
+            raise RuntimeError(f"out of KV blocks to swap in request {request.request_id}")
+        device_blocks = [self._take_free_block() for _ in request.swap_block_ids]
+        copies = list(zip(request.swap_block_ids, device_blocks))
+        self.free_swap_blocks.extend(request.swap_block_ids)
+        request.swap_block_ids = []
+        request.block_ids = device_blocks
+        return copies
+
+    def check_all_free(self) -> None:
+        """Raise AssertionError unless every device and swap block is free (used by tests and at shutdown)."""
+        leaked = [block for block, count in enumerate(self.ref_counts) if count != 0]
+        assert not leaked and len(self.free_blocks) == self.num_blocks, f"leaked KV blocks: {leaked[:16]}"
+        assert len(self.free_swap_blocks) == self.num_swap_blocks, "leaked swap blocks"

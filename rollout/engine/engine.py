@@ -1,0 +1,221 @@
+"""The engine loop: `step()` reads as schedule -> run -> sample -> update. Single-threaded; the manager drives it."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, SamplingParams
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.request import Request, sample_id
+from rollout.engine.sampler import Sampler
+from rollout.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    """What one sample produced (a streaming delta carries only the new tokens since the last delta).
+
+    Attributes:
+        request_id: the sample's id: the id given to `add_request` when n == 1, else "<id>#<sample_index>".
+        group_id: the id given to `add_request`.
+        sample_index: index of this sample within its group (0 for n == 1).
+        prompt_ids: the prompt.
+        generated_tokens: generated token ids (only the new ones in a streaming delta).
+        logprobs: one fp32 log-prob per generated token (empty when logprobs are off).
+        top_logprobs: per generated token, (token id, log-prob) pairs of the most likely tokens, if asked.
+        finish_reason: "stop", "length", "abort" or "error"; None while running (streaming deltas).
+        error: a message when finish_reason is "error".
+        is_finished: True on the last output of a sample.
+    """
+
+    request_id: str
+    group_id: str
+    sample_index: int
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    is_finished: bool = False
+
+
+class Engine:
+    """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
+
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None):
+        """
+        Args:
+            model: a transformers causal LM (any decoder-only model whose attention uses AttentionInterface).
+            config: engine settings (defaults if None).
+        """
+        self.config = config or ContinuousBatchingConfig()
+        self.model = model.eval()
+        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
+        parameter = next(model.parameters())
+        shape = KVCacheShape.from_model_config(model.config)
+        num_blocks = resolve_num_blocks(self.config, shape, parameter.dtype, parameter.device, self.max_model_len)
+        self.kv_cache = PagedKVCache(
+            shape, num_blocks, self.config.block_size, parameter.dtype, parameter.device, self.config.cpu_offload_space
+        )
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.allow_block_sharing, self.kv_cache.num_swap_blocks
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
+        )
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.sampler = Sampler(self.vocab_size)
+        self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+        self._seed_source = random.SystemRandom()
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
+        """Raise ValueError naming the field when a request can never be served by this model."""
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise ValueError("input_ids: the prompt must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise ValueError(f"input_ids: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        bad_stops = [t for t in (sampling.stop_token_ids or ()) if t >= self.vocab_size]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids: {bad_stops} outside the vocabulary [0, {self.vocab_size})")
+        if sampling.top_k > self.vocab_size:
+            raise ValueError(f"top_k: {sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+
+    def add_request(
+        self,
+        group_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int = 1,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+    ) -> list[str]:
+        """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
+
+        Args:
+            group_id: unique id of the group (must not be running already).
+            prompt_ids: prompt token ids.
+            sampling: sampling parameters (None fields must be resolved by the caller or take defaults here).
+            n: samples in the group.
+            max_new_tokens: overrides `sampling.max_new_tokens`.
+            streaming: emit a delta after every token (else one output per sample when it finishes).
+        Returns:
+            The request ids of the n samples.
+        Raises:
+            ValueError: bad input (names the field).
+        """
+        if group_id in self._open_groups:
+            raise ValueError(f"request_id: {group_id!r} is already running")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n: must be an integer >= 1, got {n!r}")
+        max_new = max_new_tokens if max_new_tokens is not None else (sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new!r}")
+        self.validate(prompt_ids, sampling, max_new)
+        leader = Request(
+            request_id=group_id if n == 1 else sample_id(group_id, 0),
+            group_id=group_id,
+            sample_index=0,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            sampling=sampling,
+            max_new_tokens=max_new,
+            stop_token_ids=frozenset(sampling.stop_token_ids or ()),
+            seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
+            arrival=0,
+            num_forks=n - 1,
+            streaming=streaming,
+        )
+        self.scheduler.add(leader)
+        self._open_groups[group_id] = n
+        return [leader.request_id] + [sample_id(group_id, i) for i in range(1, n)]
+
+    def cancel(self, group_id: str) -> list[GenerationOutput]:
+        """Abort every unfinished sample of a group; returns their final outputs (finish_reason "abort")."""
+        if group_id not in self._open_groups:
+            return []
+        return self._outputs(self.scheduler.abort(group_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def step(self) -> list[GenerationOutput]:
+        """Run one step: schedule -> forward -> sample -> update. Never raises: a failing forward ends the step's
+        requests with an error output and the engine goes on.
+
+        Returns:
+            Outputs of this step: deltas of streaming samples that got a token, final outputs of finished samples.
+        """
+        batch = self.scheduler.schedule()
+        outputs = self._outputs(batch.finished)
+        if batch.is_empty:
+            return outputs
+        try:
+            logits = self.runner.run(batch)
+            sampled = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
+        except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
+            logger.exception("engine step failed; ending its requests with an error")
+            ended: list[Request] = []
+            for group_id in {seq.request.group_id for seq in batch.sequences}:
+                ended += self.scheduler.abort(group_id)
+            for request in ended:
+                request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
+            return outputs + self._outputs(ended)
+        for index, (request, _) in enumerate(batch.samples):
+            if sampled.logprobs is not None:
+                request.logprobs.append(sampled.logprobs[index])
+            if sampled.top_logprobs is not None and request.sampling.top_logprobs:
+                request.top_logprobs.append(sampled.top_logprobs[index])
+        finished = self.scheduler.update(batch, sampled.token_ids)
+        self.num_generated_tokens += len(batch.samples)
+        self.num_steps += 1
+        return outputs + self._outputs(finished + [r for r, _ in batch.samples if r.streaming and not r.is_finished])
+
+    def _outputs(self, requests: list[Request]) -> list[GenerationOutput]:
+        """Outputs for requests that progressed: a streaming request gets the tokens since its last delta, a
+        non-streaming one its whole output once finished. A group is forgotten when its last sample finishes."""
+        outputs = []
+        for request in requests:
+            start = request.num_delivered_tokens if request.streaming else 0
+            outputs.append(
+                GenerationOutput(
+                    request_id=request.request_id,
+                    group_id=request.group_id,
+                    sample_index=request.sample_index,
+                    prompt_ids=request.prompt_ids,
+                    generated_tokens=request.output_ids[start:],
+                    logprobs=request.logprobs[start:],
+                    top_logprobs=request.top_logprobs[start:],
+                    finish_reason=request.finish_reason if request.is_finished else None,
+                    error=request.error,
+                    is_finished=request.is_finished,
+                )
+            )
+            request.num_delivered_tokens = request.num_output_tokens
+            if request.is_finished:
+                request.sampler_state = None
+                self._open_groups[request.group_id] -= 1
+                if self._open_groups[request.group_id] == 0:
+                    del self._open_groups[request.group_id]
+        return outputs

@@ -1,0 +1,79 @@
+"""ScheduledBatch -> tensors -> model forward -> logits of the sampled positions. Owns every tensor of a step."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from rollout.engine.attention import PagedAttentionMetadata, register_paged_attention
+from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    """Runs an unmodified transformers causal LM over packed ragged batches with the paged cache."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache):
+        """
+        Args:
+            model: a transformers causal LM; its attention implementation is switched to "rollout_paged", which
+                still serves ordinary (unpaged) forwards through SDPA/eager.
+            kv_cache: the paged cache the attention layers read and write.
+        """
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = next(model.parameters()).device
+        model.set_attn_implementation(register_paged_attention())
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Execute the step's block moves, then the forward.
+
+        Returns:
+            fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
+        """
+        # 1. Block moves, in an order that never reads a block after it was overwritten.
+        self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.swap_in(batch.swap_in)
+        self.kv_cache.copy_blocks(batch.block_copies)
+        # 2. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
+        input_ids: list[int] = []
+        starts, lengths, tables = [], [], []
+        for seq in batch.sequences:
+            input_ids.extend(seq.request.token_ids[seq.start : seq.start + seq.num_tokens])
+            starts.append(seq.start)
+            lengths.append(seq.num_tokens)
+            tables.append(seq.request.block_ids)
+        lengths_t = torch.tensor(lengths)
+        metadata, positions = PagedAttentionMetadata.build(
+            self.kv_cache, torch.tensor(starts), lengths_t, _pad_table(tables), self.device
+        )
+        ends = torch.cumsum(lengths_t, 0) - 1
+        keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
+        # 3. Forward; logits only at the positions that get sampled.
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        logits = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=positions.unsqueeze(0),
+            attention_mask=self._no_mask,
+            use_cache=False,
+            rollout_metadata=metadata,
+            **kwargs,
+        ).logits[0]
+        if not self._logits_to_keep:
+            logits = logits[keep]
+        return logits.float()
+
+
+def _pad_table(tables: list[list[int]]) -> torch.Tensor:
+    """Stack block lists into a (sequences, longest) tensor padded with block 0 (masked out by attention)."""
+    width = max(len(table) for table in tables)
+    flat = torch.tensor([block for table in tables for block in table], dtype=torch.long)
+    counts = torch.tensor([len(table) for table in tables])
+    padded = torch.zeros(len(tables), width, dtype=torch.long)
+    padded[torch.arange(width) < counts.unsqueeze(1)] = flat
+    return padded

@@ -1,0 +1,120 @@
+"""One sample being generated: its tokens, its progress through the KV cache and its sampling state.
+
+A GRPO group of n samples is n `Request`s that share a `group_id`; sample 0 (the leader) is admitted first and, when
+its prompt is computed, the scheduler forks the other n - 1 from it so they share the prompt's KV blocks.
+This module never imports torch: the scheduler and block manager work on these objects alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from rollout.config import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Where a request is in its life. Only WAITING/SWAPPED requests are queued; only RUNNING ones hold GPU blocks."""
+
+    WAITING = 0  # queued; holds no blocks (new, or preempted for recompute)
+    RUNNING = 1  # scheduled; holds KV blocks on the device
+    SWAPPED = 2  # preempted; its KV lives in CPU swap blocks
+    FINISHED = 3  # done; holds nothing
+
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def sample_id(group_id: str, index: int) -> str:
+    """Request id of sample `index` of a group of several samples (a group of one keeps its group id)."""
+    return f"{group_id}#{index}"
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sample. `num_computed_tokens` catches up with `num_tokens`; the gap is what the scheduler schedules."""
+
+    request_id: str
+    group_id: str
+    sample_index: int
+    # Prompt followed by generated tokens; grows by one per sampled token.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    # Per-request base seed; the sampler derives per-token randomness from (seed, sample_index, position).
+    seed: int
+    # Arrival order; preemption picks the newest (largest) first.
+    arrival: int
+    # Samples still to fork from this request once its prompt is computed (n - 1 for a group leader, else 0).
+    num_forks: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # CPU swap blocks holding this request's KV while SWAPPED.
+    swap_block_ids: list[int] = field(default_factory=list)
+    # Chained hash of each of this request's full, computed blocks, in order (prefix caching).
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    # Opaque per-request tensors owned by the sampler (penalty counts); dropped when the request finishes.
+    sampler_state: Any = None
+    # Emit a delta per token (else one output when finished).
+    streaming: bool = False
+    # How many output tokens were already handed to the caller (streaming deltas).
+    num_delivered_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token and set `finish_reason` when it stops the request (stop token or length)."""
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids and self.num_output_tokens >= self.sampling.min_new_tokens:
+            self.finish_reason = "stop"
+        elif self.num_output_tokens >= self.max_new_tokens:
+            self.finish_reason = "length"
+
+    def fork(self, sample_index: int, request_id: str, arrival: int) -> Request:
+        """A new sample of the same group with the same tokens so far; blocks are shared by the block manager."""
+        return Request(
+            request_id=request_id,
+            group_id=self.group_id,
+            sample_index=sample_index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            sampling=self.sampling,
+            max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            arrival=arrival,
+            streaming=self.streaming,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            block_hashes=list(self.block_hashes),
+        )

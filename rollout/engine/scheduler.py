@@ -1,0 +1,274 @@
+"""Token-budget scheduler. Never imports torch: it returns a plain `ScheduledBatch` and the model runner does the rest.
+
+One rule covers prefill, chunked prefill and decode: each request has `num_tokens - num_computed_tokens` tokens to
+compute and gets as many as the step's token budget allows, so mixed batches fall out for free. A request whose
+chunk reaches its last token gets a logits row and a sampled token.
+
+Policies:
+- "fifo": running requests first (decodes, then unfinished prefill chunks, oldest first), then swapped-out requests,
+  then new requests in arrival order. Keeps decode latency low.
+- "prefill_first": new requests first (with blocks reserved for the running ones' next step), then running ones.
+  Maximises admission, at some cost in decode latency.
+
+When blocks run out, the newest running request not yet in this step is preempted: swapped to CPU blocks when there
+are enough, else freed and recomputed later. A request that cannot fit even in an empty cache ends with an error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rollout.engine.block_manager import BlockManager, cdiv
+from rollout.engine.request import Request, RequestStatus, sample_id
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: tokens [start, start + num_tokens) are computed."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+
+@dataclass
+class ScheduledBatch:
+    """Everything the model runner and sampler need for one step; plain data, no tensors."""
+
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    # Indices into `sequences` whose last position gets logits, in logits-row order.
+    logits_sequences: list[int] = field(default_factory=list)
+    # (request that receives a token, logits row to sample from). Forked group samples share their leader's row.
+    samples: list[tuple[Request, int]] = field(default_factory=list)
+    # Block copies to execute before the forward, in this order: swap-outs, swap-ins, copy-on-write.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended while scheduling (they can never fit); they need no compute.
+    finished: list[Request] = field(default_factory=list)
+    # Requests preempted while scheduling; nothing is admitted in such a step (no swap-out/swap-in ping-pong).
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_tokens for seq in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class Scheduler:
+    """Decides which requests compute which tokens each step and owns their KV blocks."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_num_seqs: int,
+        policy: str = "fifo",
+    ):
+        """
+        Args:
+            block_manager: the KV block pool this scheduler allocates from.
+            max_batch_tokens: token budget per step.
+            max_num_seqs: most sequences computed per step.
+            policy: "fifo" or "prefill_first".
+        """
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._arrivals = 0
+        self.num_preemptions = 0
+        self.num_swaps = 0
+
+    # ---- queue management -------------------------------------------------------------------------------------
+    def next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (a group leader brings its samples with it through `num_forks`)."""
+        request.arrival = self.next_arrival()
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.swapped or self.running)
+
+    def abort(self, group_id: str) -> list[Request]:
+        """End every sample of `group_id` with finish_reason "abort"; returns them (unforked samples included)."""
+        ended: list[Request] = []
+        for queue in (self.waiting, self.swapped):
+            for request in [r for r in queue if r.group_id == group_id]:
+                queue.remove(request)
+                ended += self._finish(request, "abort")
+        for request in [r for r in self.running if r.group_id == group_id]:
+            self.running.remove(request)
+            ended += self._finish(request, "abort")
+        return ended
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]:
+        """Mark finished and free blocks. A leader whose samples were never forked ends them too, so a group always
+        yields all n outputs."""
+        ended = [request]
+        for index in range(1, request.num_forks + 1):
+            child = request.fork(index, sample_id(request.group_id, index), request.arrival)
+            ended.append(child)
+        request.num_forks = 0
+        for r in ended:
+            if r is request:
+                self.block_manager.free(r)
+            r.status = RequestStatus.FINISHED
+            r.finish_reason = reason
+            r.error = error
+        return ended
+
+    # ---- scheduling -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
+        batch = ScheduledBatch()
+        budget = [self.max_batch_tokens]
+        if self.policy == "prefill_first":
+            reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running)
+            self._schedule_swapped(batch, budget, reserve)
+            self._schedule_waiting(batch, budget, reserve)
+            self._schedule_running(batch, budget)
+        else:
+            self._schedule_running(batch, budget)
+            self._schedule_swapped(batch, budget, 0)
+            self._schedule_waiting(batch, budget, 0)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
+        in_batch = {id(seq.request) for seq in batch.sequences}
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget[0] == 0 or len(batch.sequences) >= self.max_num_seqs:
+                return
+            if id(request) in in_batch or request.status != RequestStatus.RUNNING:
+                continue  # scheduled already, or preempted by an older request in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            while not self.block_manager.can_allocate(self.block_manager.blocks_needed(request, num_new)):
+                victim = next((r for r in reversed(self.running) if id(r) not in in_batch), None)
+                if victim is None:
+                    break
+                self._preempt(victim, batch)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING or not self.block_manager.can_allocate(
+                self.block_manager.blocks_needed(request, num_new)
+            ):
+                continue
+            self._add_to_batch(batch, request, num_new)
+            in_batch.add(id(request))
+            budget[0] -= num_new
+
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
+        while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            needed = len(request.swap_block_ids) + max(
+                0, cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size) - len(request.swap_block_ids)
+            )
+            if not self.block_manager.can_allocate(needed + reserve):
+                return
+            self.swapped.popleft()
+            batch.swap_in += self.block_manager.swap_in(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_to_batch(batch, request, num_new)
+            budget[0] -= num_new
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
+        manager = self.block_manager
+        while not batch.num_preempted and self.waiting and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
+            request = self.waiting[0]
+            blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens, manager.block_size)
+            if blocks_for_life > manager.num_blocks:
+                self.waiting.popleft()
+                batch.finished += self._finish(
+                    request,
+                    "error",
+                    f"request needs {blocks_for_life} KV blocks for prompt + max_new_tokens but the cache has "
+                    f"{manager.num_blocks}; raise num_blocks or lower max_new_tokens",
+                )
+                continue
+            prefix_blocks, prefix_hashes = manager.match_prefix(request)
+            num_computed = len(prefix_blocks) * manager.block_size
+            num_new = min(request.num_tokens - num_computed, budget[0])
+            needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
+            needed += manager.num_free_in(prefix_blocks)
+            # Keep a little headroom for running requests' next tokens, unless nothing else runs (no deadlock).
+            headroom = reserve + (max(1, manager.num_blocks // 100) if self.running else 0)
+            if not manager.can_allocate(needed + headroom):
+                return
+            self.waiting.popleft()
+            manager.take_prefix(request, prefix_blocks, prefix_hashes)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_to_batch(batch, request, num_new)
+            budget[0] -= num_new
+
+    def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        batch.block_copies += self.block_manager.allocate(request, num_new)
+        start = request.num_computed_tokens
+        batch.sequences.append(ScheduledSequence(request, start, num_new))
+        if start + num_new < request.num_tokens:
+            return  # a prefill chunk that does not reach the last token: no logits
+        row = len(batch.logits_sequences)
+        batch.logits_sequences.append(len(batch.sequences) - 1)
+        batch.samples.append((request, row))
+        # A group leader that just computed its prompt forks its other samples, sharing every block.
+        for index in range(1, request.num_forks + 1):
+            child = request.fork(index, sample_id(request.group_id, index), self.next_arrival())
+            child.num_computed_tokens = start + num_new
+            self.block_manager.fork(request, child)
+            self.running.append(child)
+            batch.samples.append((child, row))
+        request.num_forks = 0
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        batch.num_preempted += 1
+        if self.block_manager.can_swap_out(request):
+            batch.swap_out += self.block_manager.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            self.num_swaps += 1
+            return
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.block_hashes = []
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # ---- results ----------------------------------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens (one per `batch.samples` entry) and finish requests.
+
+        Returns:
+            Requests that finished in this step (stop token or length), blocks already freed.
+        """
+        for seq in batch.sequences:
+            seq.request.num_computed_tokens = seq.start + seq.num_tokens
+            self.block_manager.commit_hashes(seq.request)
+        finished: list[Request] = []
+        for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
+            request.append_token(token)
+            if request.finish_reason is not None:
+                self.running.remove(request)
+                finished += self._finish(request, request.finish_reason)
+        return finished
+
+
