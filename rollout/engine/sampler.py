@@ -54,9 +54,11 @@ class Sampler:
             samples: (request, row) pairs; several requests may share a row (a group's first token).
             return_logprobs: compute log-probs (and top log-probs where asked).
         """
+        if not samples:
+            return SamplerOutput([], [] if return_logprobs else None, None)
         requests = [request for request, _ in samples]
         params = [request.sampling for request in requests]
-        rows = torch.tensor([row for _, row in samples], device=logits.device)
+        rows = torch.tensor([row for _, row in samples], dtype=torch.long, device=logits.device)
         raw = logits.float().index_select(0, rows)
         scores = raw.clone()
         self._apply_penalties(scores, requests)
