@@ -79,6 +79,7 @@ class Engine:
         self.sampler = Sampler(self.vocab_size)
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
         self.num_steps = 0
         self._seed_source = random.SystemRandom()
 
@@ -189,6 +190,7 @@ class Engine:
                 request.top_logprobs.append(sampled.top_logprobs[index])
         finished = self.scheduler.update(batch, sampled.token_ids)
         self.num_generated_tokens += len(batch.samples)
+        self.num_computed_tokens += batch.num_tokens
         self.num_steps += 1
         return outputs + self._outputs(finished + [r for r, _ in batch.samples if r.streaming and not r.is_finished])
 
