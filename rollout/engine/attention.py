@@ -176,8 +176,8 @@ def paged_attention_forward(
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
         group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
-        group_key = key_cache[group.block_table].flatten(1, 2).transpose(1, 2)  # (B, Hkv, L, D)
-        group_value = value_cache[group.block_table].flatten(1, 2).transpose(1, 2)
+        group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
+        group_value = _gather_blocks(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
         result = attend(group_query, group_key, group_value, mask, scaling, softcap).transpose(1, 2)  # (B, Q, H, D)
         if group.all_valid:
@@ -185,6 +185,14 @@ def paged_attention_forward(
         else:
             output[group.query_index[group.query_valid]] = result[group.query_valid]
     return output.unsqueeze(0), None
+
+
+def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, block_size, Hkv, D) cache + (B, n) block table -> (B, Hkv, n * block_size, D) view.
+    index_select over whole blocks as rows is several times faster on CPU than advanced indexing."""
+    num_blocks, block_size, heads, dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_table.flatten())
+    return rows.view(block_table.shape[0], -1, heads, dim).transpose(1, 2)
 
 
 def _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs):

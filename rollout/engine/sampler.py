@@ -43,7 +43,8 @@ class Sampler:
             vocab_size: width of the logits rows.
         """
         self.vocab_size = vocab_size
-        self._generator = torch.Generator()
+        # One generator per device, re-seeded per row: randomness depends on (seed, sample, position) only.
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> SamplerOutput:
@@ -150,9 +151,11 @@ class Sampler:
 
     def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exponential-race sampling with per-request, per-position noise."""
-        noise = torch.empty(scores.shape, dtype=torch.float32)
+        generator = self._generators.get(scores.device)
+        if generator is None:
+            generator = self._generators[scores.device] = torch.Generator(device=scores.device)
+        noise = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
         for i, request in enumerate(requests):
             seed = hash((request.seed, request.sample_index, request.num_tokens)) & _SEED_MASK
-            noise[i].exponential_(generator=self._generator.manual_seed(seed))
-        probs = scores.softmax(dim=-1)
-        return (probs / noise.to(scores.device)).argmax(dim=-1)
+            noise[i].exponential_(generator=generator.manual_seed(seed))
+        return (scores.softmax(dim=-1) / noise).argmax(dim=-1)

@@ -1,0 +1,1 @@
+"""`rollout-bench` workloads: each prints a table and, last, one line of JSON."""

@@ -1,0 +1,28 @@
+"""`rollout-bench`: benchmark subcommands. Each prints a table, then one line of JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rollout.benchmarks import throughput
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `rollout-bench` console script."""
+    parser = argparse.ArgumentParser(prog="rollout-bench", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    tp = commands.add_parser("throughput", help="generated tokens/s vs transformers' generate_batch and generate")
+    tp.add_argument("--workload", choices=sorted(throughput.WORKLOADS), default="cpu-small",
+                    help="workload from DESIGN.md (default: cpu-small)")
+    tp.add_argument("--systems", nargs="+", choices=sorted(throughput.SYSTEMS), default=None,
+                    help="systems to run, in order (default: all)")
+    tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
+    args = parser.parse_args(argv)
+    if args.command == "throughput":
+        summary = throughput.run(args.workload, args.systems, args.seed)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

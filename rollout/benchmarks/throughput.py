@@ -1,0 +1,193 @@
+"""`rollout-bench throughput`: generated tokens/s of this engine vs transformers' `generate_batch` (continuous
+batching) and `generate` (one left-padded static batch), one after another in one process, same model and prompts.
+
+Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
+exactly those tokens (a static batch computes up to the longest, but only the requested tokens count).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.engine.manager import generate_batch
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A throughput workload (DESIGN.md, Benchmarks)."""
+
+    name: str
+    device: str
+    dtype: torch.dtype
+    num_prompts: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    model_config: dict
+    engine_config: dict
+
+
+WORKLOADS = {
+    "cpu-small": Workload(
+        name="cpu-small",
+        device="cpu",
+        dtype=torch.float32,
+        num_prompts=64,
+        prompt_len=(16, 256),
+        output_len=(16, 256),
+        model_config=dict(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+        ),
+        engine_config=dict(block_size=16, num_blocks=2304, max_batch_tokens=2048, max_num_seqs=64),
+    ),
+    "nano": Workload(
+        name="nano",
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_prompts=256,
+        prompt_len=(100, 1024),
+        output_len=(100, 1024),
+        # The Qwen3-0.6B architecture with random weights.
+        model_config=dict(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+            num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+        ),
+        engine_config=dict(block_size=16, max_batch_tokens=8192, max_num_seqs=256),
+    ),
+}
+
+
+def make_workload(workload: Workload, seed: int = 0) -> tuple[torch.nn.Module, list[list[int]], list[int]]:
+    """The random model (seeded) and the prompts with their own max_new_tokens."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**workload.model_config), dtype=workload.dtype)
+    model = model.to(workload.device).eval()
+    rng = random.Random(seed)
+    vocab = workload.model_config["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*workload.prompt_len))] for _ in range(workload.num_prompts)]
+    max_new = [rng.randint(*workload.output_len) for _ in range(workload.num_prompts)]
+    return model, prompts, max_new
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_rollout(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """This engine: every prompt with its own max_new_tokens, greedy, EOS ignored."""
+    config = ContinuousBatchingConfig(**workload.engine_config)
+    sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
+    _sync(workload.device)
+    start = time.perf_counter()
+    outputs = generate_batch(model, prompts, continuous_batching_config=config, progress_bar=False, sampling=sampling)
+    _sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def run_transformers_generate_batch(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """transformers' continuous batching manager, each request with its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=generation_config)
+    _sync(workload.device)
+    start = time.perf_counter()
+    manager.start()
+    for index, (prompt, count) in enumerate(zip(prompts, max_new)):
+        manager.add_request(prompt, request_id=f"req_{index}", max_new_tokens=count)
+    results = {}
+    while len(results) < len(prompts):
+        output = manager.get_result(timeout=600)
+        if output is None:
+            raise RuntimeError("transformers generate_batch produced no result within 600 s")
+        if output.is_finished():
+            results[output.request_id] = output.generated_tokens
+    manager.stop(block=True)
+    _sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [results[f"req_{i}"] for i in range(len(prompts))]
+
+
+def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """transformers' `generate` on one left-padded static batch up to the longest max_new_tokens."""
+    width = max(len(p) for p in prompts)
+    pad = 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=workload.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=workload.device)
+    longest = max(max_new)
+    _sync(workload.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest, min_new_tokens=longest,
+            do_sample=False, pad_token_id=pad, eos_token_id=None,
+        )
+    _sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [output[i, width : width + m].tolist() for i, m in enumerate(max_new)]
+
+
+SYSTEMS = {
+    "rollout": run_rollout,
+    "transformers_generate_batch": run_transformers_generate_batch,
+    "transformers_generate": run_transformers_generate,
+}
+
+
+def run(workload_name: str, systems: list[str] | None = None, seed: int = 0) -> dict:
+    """Run the workload on each system and return the JSON-able summary (also printed as a table).
+
+    Args:
+        workload_name: a key of WORKLOADS.
+        systems: which systems to run (default: all three).
+        seed: model and prompt seed.
+    """
+    workload = WORKLOADS[workload_name]
+    if workload.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"workload {workload_name!r} needs a CUDA device")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    base_model, prompts, max_new = make_workload(workload, seed)
+    useful_tokens = sum(max_new)
+    results: dict[str, dict] = {}
+    reference_tokens = None
+    for name in systems or list(SYSTEMS):
+        model = copy.deepcopy(base_model)
+        elapsed, tokens = SYSTEMS[name](model, prompts, max_new, workload)
+        assert [len(t) for t in tokens] == max_new, f"{name} did not produce the requested lengths"
+        if reference_tokens is None:
+            reference_tokens = tokens
+        same = sum(a == b for a, b in zip(tokens, reference_tokens))
+        results[name] = {"seconds": round(elapsed, 3), "tokens_per_s": round(useful_tokens / elapsed, 1),
+                         "identical_to_first": same}
+        del model
+        gc.collect()
+    summary = {"benchmark": "throughput", "workload": workload_name, "generated_tokens": useful_tokens,
+               "num_prompts": len(prompts), "results": results}
+    if "rollout" in results:
+        for name, result in results.items():
+            if name != "rollout":
+                summary[f"speedup_vs_{name}"] = round(results["rollout"]["tokens_per_s"] / result["tokens_per_s"], 2)
+    _print_table(summary)
+    return summary
+
+
+def _print_table(summary: dict) -> None:
+    print(f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated tokens")
+    print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'vs rollout':>12}{'same tokens':>13}")
+    rollout = summary["results"].get("rollout")
+    for name, result in summary["results"].items():
+        ratio = "" if rollout is None else f"{rollout['tokens_per_s'] / result['tokens_per_s']:.2f}x"
+        same = f"{result['identical_to_first']}/{summary['num_prompts']}"
+        print(f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>12}{same:>13}")

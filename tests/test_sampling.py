@@ -1,0 +1,377 @@
+"""Sampling against transformers itself: processed/raw log-probs of sampled tokens (teacher-forced forward of an
+independent copy + transformers' own logits processors in the documented order), greedy parity with `generate`,
+per-request seeds (alone, in a mixed batch, under preemption, in groups; global RNG untouched) and stop tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from conftest import VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
+from rollout.config import SamplingParams
+
+KINDS = ["qwen3", "mistral_sliding"]
+MAX_NEW = 12
+TOL = 1e-5
+# Every 4th token id: stops are frequent enough that min_new_tokens has something to mask.
+MANY_STOPS = tuple(range(0, VOCAB, 4))
+
+# Each case runs 4 prompts; top_logprobs is on everywhere so its consistency is checked in every mode.
+LOGPROB_CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=0.9, top_k=5),
+    "top_p": SamplingParams(top_p=0.6),
+    "min_p": SamplingParams(temperature=1.3, min_p=0.2),
+    "repetition": SamplingParams(temperature=0.8, repetition_penalty=1.6),
+    "repetition_below_one": SamplingParams(repetition_penalty=0.7),
+    "presence_frequency": SamplingParams(presence_penalty=1.5, frequency_penalty=0.7),
+    "min_new_tokens_with_stops": SamplingParams(min_new_tokens=8, stop_token_ids=MANY_STOPS),
+    "combined": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
+                               presence_penalty=0.5, frequency_penalty=0.3, min_new_tokens=4, stop_token_ids=MANY_STOPS),
+    "greedy_penalized": SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4,
+                                       frequency_penalty=0.2, min_new_tokens=4, stop_token_ids=MANY_STOPS),
+}
+
+
+# ---- references built from transformers ---------------------------------------------------------------------------
+def reference_logits(reference: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Teacher-forced fp32 logits of the reference copy at every generated position: (len(completion), vocab)."""
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + completion])).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+
+
+def processed_scores(scores: torch.Tensor, prompt: list[int], previous: list[int], params: SamplingParams) -> torch.Tensor:
+    """One position's logits (vocab,) through transformers' processors in the documented pipeline order.
+
+    Presence/frequency penalties have no transformers processor: they are the OpenAI formula over generated tokens.
+    """
+    input_ids = torch.tensor([prompt + previous])
+    scores = scores.unsqueeze(0).clone()
+    if params.repetition_penalty != 1:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, scores)
+    counts = torch.bincount(torch.tensor(previous, dtype=torch.long), minlength=scores.shape[-1]).float()
+    scores = scores - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+    if params.min_new_tokens and params.stop_token_ids:
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_new_tokens, list(params.stop_token_ids))(
+            input_ids, scores
+        )
+    if not params.greedy:  # temperature and truncation do not change a greedy row's argmax (documented)
+        warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        if params.min_p > 0:
+            warpers.append(MinPLogitsWarper(params.min_p))
+        for warper in warpers:
+            scores = warper(input_ids, scores)
+    return scores[0]
+
+
+def expected_logprobs(
+    reference: torch.nn.Module, prompt: list[int], completion: list[int], params: SamplingParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw, processed) fp32 log-prob rows, (len(completion), vocab), for a completion the engine produced."""
+    logits = reference_logits(reference, prompt, completion)
+    raw = torch.log_softmax(logits, dim=-1)
+    processed = torch.stack(
+        [torch.log_softmax(processed_scores(logits[t], prompt, completion[:t], params), dim=-1) for t in range(len(completion))]
+    )
+    return raw, processed
+
+
+def reference_generate(
+    reference: torch.nn.Module, prompt: list[int], max_new_tokens: int, stops: tuple[int, ...] = (), **kwargs
+) -> list[int]:
+    """transformers' greedy `generate` (stops as eos ids; none means it never stops early)."""
+    reference.generation_config.eos_token_id = None  # only the stops we pass may end generation
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stops) or None,
+                              pad_token_id=0, **kwargs)
+    output = reference.generate(torch.tensor([prompt]), generation_config=config)
+    return output[0, len(prompt) :].tolist()
+
+
+def close(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= TOL  # a == b covers -inf == -inf
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], n: int = 1) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params, n=n, max_new_tokens=MAX_NEW)
+    outputs = run_to_completion(engine)
+    engine.block_manager.check_all_free()
+    return outputs
+
+
+# ---- 1. log-probs -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(LOGPROB_CASES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_processed_logprobs_match_transformers_processors(kind, case):
+    """The "processed" log-prob of every sampled token equals log_softmax of transformers' processors applied to a
+    teacher-forced forward of an untouched copy; the sampled token survived the filters; top_logprobs are the
+    sorted top-k of that same distribution and agree with the sampled token's own log-prob."""
+    model = tiny_model(kind)
+    reference = reference_copy(model)
+    params = LOGPROB_CASES[case].merged(seed=11, top_logprobs=5)
+    prompts = make_prompts(4, 4, 24, seed=1)
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, prompt in enumerate(prompts):
+        out = outputs[str(i)]
+        tokens = out.generated_tokens
+        assert len(out.logprobs) == len(tokens) == len(out.top_logprobs) > 0
+        _, processed = expected_logprobs(reference, prompt, tokens, params)
+        for t, token in enumerate(tokens):
+            where = f"prompt {i} position {t} token {token}"
+            expected = processed[t, token].item()
+            assert math.isfinite(expected), f"{where}: the sampled token was filtered out by the processors"
+            assert math.isfinite(out.logprobs[t]), where
+            assert abs(out.logprobs[t] - expected) <= TOL, (where, out.logprobs[t], expected)
+            if params.greedy:
+                assert token == processed[t].argmax().item(), where
+            top = out.top_logprobs[t]
+            ids, values = [tid for tid, _ in top], [v for _, v in top]
+            assert len(top) == 5 and len(set(ids)) == 5, where
+            assert values == sorted(values, reverse=True), where
+            assert all(close(v, processed[t, tid].item()) for tid, v in top), where
+            assert all(close(v, e) for v, e in zip(values, processed[t].topk(5).values.tolist())), where
+            if token in ids:
+                assert values[ids.index(token)] == out.logprobs[t], where
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_raw_logprobs_are_log_softmax_of_unprocessed_logits(kind):
+    """logprob_mode="raw" returns log_softmax of the model's own logits (ignoring penalties, masks and warpers),
+    top_logprobs in the same mode, while sampling still obeys the filters."""
+    model = tiny_model(kind)
+    reference = reference_copy(model)
+    params = SamplingParams(temperature=0.6, top_k=8, top_p=0.9, repetition_penalty=1.4, presence_penalty=0.5,
+                            min_new_tokens=5, stop_token_ids=MANY_STOPS, seed=5, logprob_mode="raw", top_logprobs=3)
+    prompts = make_prompts(4, 4, 24, seed=2)
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, prompt in enumerate(prompts):
+        out = outputs[str(i)]
+        raw, processed = expected_logprobs(reference, prompt, out.generated_tokens, params)
+        for t, token in enumerate(out.generated_tokens):
+            assert math.isfinite(processed[t, token].item()), (i, t)
+            assert abs(out.logprobs[t] - raw[t, token].item()) <= TOL, (i, t)
+            expected_top = raw[t].topk(3)
+            assert [tid for tid, _ in out.top_logprobs[t]] == expected_top.indices.tolist(), (i, t)
+            assert all(close(v, e) for (_, v), e in zip(out.top_logprobs[t], expected_top.values.tolist())), (i, t)
+
+
+def test_mixed_batch_applies_each_requests_own_settings():
+    """One batch mixing every LOGPROB_CASES setting: each request's log-probs match transformers' processors with
+    its own parameters (no setting leaks across rows)."""
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    prompts = make_prompts(len(LOGPROB_CASES), 4, 24, seed=3)
+    requests = {case: (prompt, params.merged(seed=21)) for (case, params), prompt in zip(LOGPROB_CASES.items(), prompts)}
+    outputs = run(make_engine(model), requests)
+    for case, (prompt, params) in requests.items():
+        out = outputs[case]
+        _, processed = expected_logprobs(reference, prompt, out.generated_tokens, params)
+        expected = processed.gather(1, torch.tensor(out.generated_tokens).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=TOL, rtol=0), case
+
+
+# ---- 2. greedy ----------------------------------------------------------------------------------------------------
+GREEDY_CASES = {
+    "temperature_zero": (SamplingParams(temperature=0, stop_token_ids=()), {}),
+    "do_sample_false": (SamplingParams(do_sample=False, temperature=0.7, top_k=3, stop_token_ids=()), {}),
+    "repetition": (SamplingParams(temperature=0, repetition_penalty=1.8, stop_token_ids=()), {"repetition_penalty": 1.8}),
+    "repetition_below_one": (SamplingParams(do_sample=False, repetition_penalty=0.6, stop_token_ids=()),
+                             {"repetition_penalty": 0.6}),
+    "stops_and_min_new": (SamplingParams(temperature=0, min_new_tokens=5, stop_token_ids=MANY_STOPS),
+                          {"min_new_tokens": 5}),
+}
+
+
+@pytest.mark.parametrize("case", list(GREEDY_CASES))
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_greedy_matches_generate(kind, case):
+    """temperature=0 / do_sample=False give transformers' greedy `generate` token for token (with its repetition
+    penalty, min_new_tokens and eos handling), and finish_reason says whether a stop token ended it."""
+    params, generate_kwargs = GREEDY_CASES[case]
+    model = tiny_model(kind)
+    reference = reference_copy(model)
+    prompts = make_prompts(4, 4, 24, seed=4)
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
+    for i, prompt in enumerate(prompts):
+        expected = reference_generate(reference, prompt, MAX_NEW, params.stop_token_ids, **generate_kwargs)
+        out = outputs[str(i)]
+        assert out.generated_tokens == expected, i
+        stopped = expected[-1] in params.stop_token_ids
+        assert out.finish_reason == ("stop" if stopped else "length"), i
+
+
+# ---- 3. seeds -----------------------------------------------------------------------------------------------------
+TARGETS = {
+    "a": SamplingParams(temperature=1.0, seed=7, stop_token_ids=()),
+    "b": SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, seed=8, stop_token_ids=()),
+    "c": SamplingParams(temperature=1.2, min_p=0.05, frequency_penalty=0.5, seed=9, stop_token_ids=()),
+}
+COMPANIONS = {
+    "x": SamplingParams(temperature=0.5, top_k=10, seed=100, stop_token_ids=()),
+    "y": SamplingParams(temperature=0, stop_token_ids=()),
+    "z": SamplingParams(temperature=1.5, presence_penalty=1.0, stop_token_ids=()),  # unseeded
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind):
+    """A seeded request samples the same tokens (and log-probs) run alone, inside a batch of different requests
+    (other prompts, lengths, settings, a group), and in a tiny cache that forces preemption and chunked prefill."""
+    model = tiny_model(kind)
+    prompts = make_prompts(6, 4, 30, seed=5)
+    targets = {name: (prompt, params) for (name, params), prompt in zip(TARGETS.items(), prompts)}
+    companions = {name: (prompt, params) for (name, params), prompt in zip(COMPANIONS.items(), prompts[3:])}
+    alone = {}
+    for name, request in targets.items():
+        alone.update(run(make_engine(model), {name: request}))
+    mixed_engine = make_engine(model)
+    mixed_engine.add_request("group", prompts[0], SamplingParams(seed=7, stop_token_ids=()), n=3, max_new_tokens=MAX_NEW)
+    mixed = run(mixed_engine, {**companions, **targets})
+    tight = make_engine(model, num_blocks=14, max_batch_tokens=16)
+    tight.add_request("group", prompts[1], SamplingParams(seed=3, stop_token_ids=()), n=2, max_new_tokens=MAX_NEW)
+    preempted = run(tight, {**companions, **targets})
+    assert tight.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
+    for name in targets:
+        assert mixed[name].generated_tokens == alone[name].generated_tokens, name
+        assert preempted[name].generated_tokens == alone[name].generated_tokens, name
+        assert torch.allclose(torch.tensor(mixed[name].logprobs), torch.tensor(alone[name].logprobs), atol=TOL, rtol=0)
+        assert torch.allclose(torch.tensor(preempted[name].logprobs), torch.tensor(alone[name].logprobs), atol=TOL, rtol=0)
+
+
+def test_different_seeds_give_different_completions():
+    """Same prompt and settings, seeds 0..3: four pairwise different completions."""
+    model = tiny_model("qwen3")
+    prompt = make_prompts(1, 10, 10, seed=6)[0]
+    outputs = run(make_engine(model), {str(s): (prompt, SamplingParams(seed=s, stop_token_ids=())) for s in range(4)})
+    completions = {tuple(out.generated_tokens) for out in outputs.values()}
+    assert len(completions) == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_samples_differ_and_are_reproducible(kind):
+    """A group of n=4 with seed s: its samples differ from each other; the same group in a fresh engine and in a
+    different batch (other groups, a tight cache) gives the same four samples; sample 0 equals a lone (n=1)
+    request with seed s, since sample i uses (seed, i) and a lone request is sample 0."""
+    model = tiny_model(kind)
+    prompt, other = make_prompts(2, 12, 20, seed=7)
+    params = SamplingParams(temperature=1.0, top_k=50, seed=42, stop_token_ids=())
+    ids = [f"g#{i}" for i in range(4)]
+
+    first = run(make_engine(model), {"g": (prompt, params)}, n=4)
+    samples = [tuple(first[i].generated_tokens) for i in ids]
+    assert len(set(samples)) == 4, "the samples of a group must differ"
+    assert [first[i].sample_index for i in ids] == [0, 1, 2, 3]
+
+    again = run(make_engine(model), {"g": (prompt, params)}, n=4)
+    assert [tuple(again[i].generated_tokens) for i in ids] == samples
+
+    busy = make_engine(model, num_blocks=20, max_batch_tokens=16)
+    busy.add_request("h", other, SamplingParams(temperature=0.7, seed=1, stop_token_ids=()), n=4, max_new_tokens=MAX_NEW)
+    busy.add_request("lone", prompt, params, max_new_tokens=MAX_NEW)
+    elsewhere = run(busy, {"g": (prompt, params)}, n=4)
+    assert busy.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
+    assert [tuple(elsewhere[i].generated_tokens) for i in ids] == samples
+    assert tuple(elsewhere["lone"].generated_tokens) == samples[0]
+
+
+def test_sampling_leaves_global_rng_untouched():
+    """Seeded and unseeded sampling (groups included) never read or advance torch's global RNG, and a seeded
+    completion does not depend on the global RNG's state."""
+    model = tiny_model("qwen3")
+    prompts = make_prompts(3, 5, 20, seed=8)
+    requests = {
+        "seeded": (prompts[0], SamplingParams(temperature=0.9, top_p=0.95, seed=3, stop_token_ids=())),
+        "unseeded": (prompts[1], SamplingParams(temperature=1.1, top_k=20, stop_token_ids=())),
+        "group": (prompts[2], SamplingParams(min_p=0.1, seed=4, stop_token_ids=())),
+    }
+    tokens = []
+    for global_seed in (0, 99):
+        torch.manual_seed(global_seed)
+        engine = make_engine(model)
+        before = torch.get_rng_state()
+        for request_id, (prompt, params) in requests.items():
+            engine.add_request(request_id, prompt, params, n=3 if request_id == "group" else 1, max_new_tokens=MAX_NEW)
+        outputs = run_to_completion(engine)
+        assert torch.equal(torch.get_rng_state(), before), "sampling touched the global torch RNG"
+        engine.block_manager.check_all_free()
+        tokens.append({k: v.generated_tokens for k, v in outputs.items() if k != "unseeded"})
+    assert tokens[0] == tokens[1]
+
+
+# ---- 4. stop tokens -----------------------------------------------------------------------------------------------
+def test_stop_tokens_end_with_stop_else_length():
+    """Several stop ids: a completion that meets one ends right there with finish_reason "stop" (stop token
+    included as its last token); one that never meets one runs to max_new_tokens with "length"."""
+    model = tiny_model("qwen3")
+    stops = tuple(range(3, VOCAB, 16))  # 16 stop ids
+    prompts = make_prompts(8, 4, 20, seed=9)
+    params = SamplingParams(temperature=1.0, stop_token_ids=stops, seed=13)
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
+    reasons = set()
+    for out in outputs.values():
+        tokens = out.generated_tokens
+        assert not set(tokens[:-1]) & set(stops), "generation went on past a stop token"
+        if out.finish_reason == "stop":
+            assert tokens[-1] in stops and len(tokens) <= MAX_NEW
+        else:
+            assert out.finish_reason == "length" and len(tokens) == MAX_NEW and tokens[-1] not in stops
+        reasons.add(out.finish_reason)
+    assert reasons == {"stop", "length"}, "the setup should produce both endings"
+
+
+def test_stop_token_ends_greedy_completion_exactly_where_it_appears():
+    """Greedy: taking as stop ids a token the unconstrained completion produces first at position j (and one at the
+    very last position) cuts the completion to its first j + 1 tokens with "stop"; a stop at the last allowed
+    position still reports "stop", not "length"."""
+    model = tiny_model("llama")
+    engine = make_engine(model)
+    greedy = SamplingParams(temperature=0, stop_token_ids=())
+    prompts = make_prompts(6, 4, 20, seed=10)
+    free = run(engine, {str(i): (p, greedy) for i, p in enumerate(prompts)})
+    checked_last = 0
+    for i, prompt in enumerate(prompts):
+        tokens = free[str(i)].generated_tokens
+        for j in (2, MAX_NEW - 1):
+            if tokens[j] in tokens[:j]:
+                continue
+            unused = next(t for t in range(VOCAB) if t not in tokens)
+            out = run(engine, {"s": (prompt, greedy.merged(stop_token_ids=(unused, tokens[j])))})["s"]
+            assert out.generated_tokens == tokens[: j + 1], (i, j)
+            assert out.finish_reason == "stop", (i, j)
+            checked_last += j == MAX_NEW - 1
+    assert checked_last, "no prompt exercised a stop at the last position"
+
+
+def test_min_new_tokens_masks_stop_tokens():
+    """With min_new_tokens=m no stop token appears among the first m tokens (they get probability 0), and the
+    first stop after that ends the completion; without the mask the same seeds stop earlier."""
+    model = tiny_model("qwen3")
+    prompts = make_prompts(6, 4, 20, seed=11)
+    base = SamplingParams(temperature=1.0, stop_token_ids=MANY_STOPS, seed=17, top_logprobs=3)
+    masked = run(make_engine(model), {str(i): (p, base.merged(min_new_tokens=6)) for i, p in enumerate(prompts)})
+    unmasked = run(make_engine(model), {str(i): (p, base) for i, p in enumerate(prompts)})
+    for out in masked.values():
+        tokens = out.generated_tokens
+        assert len(tokens) >= 6 and not set(tokens[:6]) & set(MANY_STOPS), tokens
+        assert not set(tokens[6:-1]) & set(MANY_STOPS), tokens
+        assert out.finish_reason == ("stop" if tokens[-1] in MANY_STOPS else "length")
+        for top in out.top_logprobs[:6]:  # masked stops never rank among the most likely tokens
+            assert not {tid for tid, _ in top} & set(MANY_STOPS), top
+    assert any(out.finish_reason == "stop" for out in masked.values())
+    assert any(len(out.generated_tokens) < 6 for out in unmasked.values()), "the setup should stop early unmasked"
