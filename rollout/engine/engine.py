@@ -49,6 +49,10 @@ class GenerationOutput:
     is_finished: bool = False
 
 
+def _is_token(value: object, vocab_size: int) -> bool:
+    return type(value) is int and 0 <= value < vocab_size
+
+
 class Engine:
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
@@ -90,9 +94,11 @@ class Engine:
         """Raise ValueError naming the field when a request can never be served by this model."""
         if not isinstance(prompt_ids, list) or not prompt_ids:
             raise ValueError("input_ids: the prompt must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt_ids):
-            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
-            raise ValueError(f"input_ids: token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        for position, token in enumerate(prompt_ids):
+            if not _is_token(token, self.vocab_size):
+                raise ValueError(
+                    f"input_ids: {token!r} at position {position} is not a token id in [0, {self.vocab_size})"
+                )
         if len(prompt_ids) + max_new_tokens > self.max_model_len:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "

@@ -8,6 +8,7 @@ call takes a timeout, and a stopped manager answers at once instead of blocking.
 from __future__ import annotations
 
 import itertools
+import numbers
 import logging
 import queue
 import threading
@@ -60,6 +61,8 @@ class ContinuousBatchingManager:
         self._handlers: dict[str, Callable[[GenerationOutput], None]] = {}
         self._open: dict[str, list[str]] = {}  # group id -> sample ids, until every sample finished
         self._samples_left: dict[str, int] = {}
+        # group id -> finished samples not yet read by get_result (request_id_iter needs the group size until then)
+        self._unread: dict[str, int] = {}
         self._lock = threading.Lock()
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._stop = threading.Event()
@@ -150,12 +153,15 @@ class ContinuousBatchingManager:
             raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.flatten().tolist()
+        # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
+        input_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
         sampling = self._resolve_sampling(sampling)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n: must be an integer >= 1, got {n!r}")
         max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
-        max_new = SamplingParams(max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS).max_new_tokens  # validates it
-        self.engine.validate(list(input_ids), sampling, max_new)
+        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        SamplingParams(max_new_tokens=max_new)  # raises naming max_new_tokens when invalid
+        self.engine.validate(input_ids, sampling, max_new)
         with self._lock:
             if request_id in self._open:
                 raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
@@ -164,6 +170,7 @@ class ContinuousBatchingManager:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
             self._open[request_id] = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
             self._samples_left[request_id] = n
+            self._unread[request_id] = n
             self._num_queued += 1
         self._commands.put(("add", (request_id, list(input_ids), sampling, n, max_new, streaming)))
         return request_id
@@ -211,6 +218,8 @@ class ContinuousBatchingManager:
                 for index, output in enumerate(self._results):
                     if request_id is None or request_id in (output.group_id, output.request_id):
                         del self._results[index]
+                        if output.is_finished:
+                            self._mark_read(output.group_id)
                         return output
                 if not self.is_running() and self._commands.empty():
                     return None
@@ -226,7 +235,7 @@ class ContinuousBatchingManager:
             request_id: the id given to / returned by `add_request`.
             timeout: most seconds to wait for each output; the iterator ends early if it passes.
         """
-        samples_left = len(self._open.get(request_id, [request_id]))
+        samples_left = self._unread.get(request_id, 1)
         while samples_left:
             output = self.get_result(request_id, timeout)
             if output is None:
@@ -274,14 +283,15 @@ class ContinuousBatchingManager:
             try:
                 self.engine.add_request(request_id, input_ids, sampling, n, max_new, streaming)
             except ValueError as error:  # validated at submit time; a failure here still reaches the caller
-                self._fail_unstarted(request_id, str(error))
+                self._end_unstarted(request_id, input_ids, "error", str(error))
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
 
-    def _fail_unstarted(self, group_id: str, message: str) -> None:
+    def _end_unstarted(self, group_id: str, prompt_ids: list[int], reason: str, error: str | None) -> None:
+        """Final outputs for a group the engine never took (rejected late, or the manager stopped first)."""
         sample_ids = self._open.get(group_id, [group_id])
         outputs = [
-            GenerationOutput(sid, group_id, i, [], finish_reason="error", error=message, is_finished=True)
+            GenerationOutput(sid, group_id, i, list(prompt_ids), finish_reason=reason, error=error, is_finished=True)
             for i, sid in enumerate(sample_ids)
         ]
         self._deliver(outputs)
@@ -297,6 +307,8 @@ class ContinuousBatchingManager:
                     handler(output)
                 except Exception:  # noqa: BLE001
                     logger.exception("result handler for %s raised", output.group_id)
+                if output.is_finished:
+                    self._mark_read(output.group_id)
             else:
                 queued.append(output)
             if output.is_finished:
@@ -304,6 +316,14 @@ class ContinuousBatchingManager:
         with self._results_ready:
             self._results.extend(queued)
             self._results_ready.notify_all()
+
+    def _mark_read(self, group_id: str) -> None:
+        with self._lock:
+            left = self._unread.get(group_id, 1) - 1
+            if left > 0:
+                self._unread[group_id] = left
+            else:
+                self._unread.pop(group_id, None)
 
     def _sample_finished(self, group_id: str) -> None:
         with self._lock:
@@ -325,7 +345,7 @@ class ContinuousBatchingManager:
             if command == "add":
                 with self._lock:
                     self._num_queued -= 1
-                self._fail_unstarted(payload[0], reason or "the manager stopped before this request started")
+                self._end_unstarted(payload[0], payload[1], "abort" if reason is None else "error", reason)
         for group_id in list(self._open):
             outputs = self.engine.cancel(group_id)
             if reason is not None:
