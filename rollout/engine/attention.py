@@ -61,8 +61,8 @@ class PagedAttentionMetadata:
     def build(
         cls,
         kv_cache: PagedKVCache,
-        starts: torch.Tensor,
-        lengths: torch.Tensor,
+        starts: list[int],
+        lengths: list[int],
         block_table: torch.Tensor,
         device: torch.device,
     ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
@@ -70,35 +70,57 @@ class PagedAttentionMetadata:
 
         Args:
             kv_cache: the cache the layers read and write.
-            starts: (S,) first position computed for each sequence (= tokens already cached).
-            lengths: (S,) tokens computed for each sequence this step.
+            starts: first position computed for each sequence (= tokens already cached).
+            lengths: tokens computed for each sequence this step.
             block_table: (S, max_blocks) block ids, padded with 0.
             device: where the tensors go.
         Returns:
             (metadata, position_ids of shape (T,)).
         """
         block_size = kv_cache.block_size
-        starts, lengths, block_table = starts.to(device), lengths.to(device), block_table.to(device)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        token_offset = torch.cumsum(lengths, 0) - lengths  # first packed index of each sequence
-        positions = starts[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
+        starts_t = torch.tensor(starts, device=device)
+        lengths_t = torch.tensor(lengths, device=device)
+        block_table = block_table.to(device)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
+        token_offset = torch.cumsum(lengths_t, 0) - lengths_t  # first packed index of each sequence
+        positions = starts_t[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
         slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
         groups = []
-        is_decode = lengths == 1
-        for selected in (is_decode, ~is_decode):
-            index = selected.nonzero().squeeze(1)
-            if len(index) == 0:
-                continue
-            group_lengths, group_starts = lengths[index], starts[index]
-            max_query = int(group_lengths.max())
-            max_blocks = int(((group_starts + group_lengths + block_size - 1) // block_size).max())
+        for members in _partition(starts, lengths, block_size):
+            index = torch.tensor(members, device=device)
+            group_lengths, group_starts = lengths_t[index], starts_t[index]
+            max_query = max(lengths[i] for i in members)
+            max_blocks = max(-(-(starts[i] + lengths[i]) // block_size) for i in members)
             offsets = torch.arange(max_query, device=device)
             valid = offsets < group_lengths.unsqueeze(1)
             query_index = torch.where(valid, token_offset[index].unsqueeze(1) + offsets, 0)
             query_pos = torch.where(valid, group_starts.unsqueeze(1) + offsets, 0)
-            all_valid = bool(valid.all())
+            all_valid = all(lengths[i] == max_query for i in members)
             groups.append(SequenceGroup(query_index, valid, query_pos, block_table[index, :max_blocks], all_valid))
         return cls(kv_cache, slots, groups), positions
+
+
+# A decode group is split when a sequence needs less than this fraction of the group's longest context, and the
+# group already holds enough sequences to be worth a separate attention call: padding to the longest context costs
+# memory traffic in every layer, each extra group costs a few kernel launches.
+_SPLIT_FRACTION = 0.5
+_MIN_GROUP = 8
+
+
+def _partition(starts: list[int], lengths: list[int], block_size: int) -> list[list[int]]:
+    """Group sequences for padded attention calls: prefill chunks together, decodes by similar context length."""
+    prefills = [i for i, length in enumerate(lengths) if length > 1]
+    decodes = sorted((i for i, length in enumerate(lengths) if length == 1), key=lambda i: -starts[i])
+    groups = [prefills] if prefills else []
+    current: list[int] = []
+    for i in decodes:
+        if len(current) >= _MIN_GROUP and starts[i] + 1 < _SPLIT_FRACTION * (starts[current[0]] + 1):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
 
 
 def attend(

@@ -48,11 +48,8 @@ class ModelRunner:
             starts.append(seq.start)
             lengths.append(seq.num_tokens)
             tables.append(seq.request.block_ids)
-        lengths_t = torch.tensor(lengths)
-        metadata, positions = PagedAttentionMetadata.build(
-            self.kv_cache, torch.tensor(starts), lengths_t, _pad_table(tables), self.device
-        )
-        ends = torch.cumsum(lengths_t, 0) - 1
+        metadata, positions = PagedAttentionMetadata.build(self.kv_cache, starts, lengths, _pad_table(tables), self.device)
+        ends = torch.cumsum(torch.tensor(lengths), 0) - 1
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 3. Forward; logits only at the positions that get sampled.
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}

@@ -95,7 +95,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """Append a sampled token and set `finish_reason` when it stops the request (stop token or length)."""
         self.token_ids.append(token_id)
-        if token_id in self.stop_token_ids and self.num_output_tokens >= self.sampling.min_new_tokens:
+        # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
+        if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_new_tokens:
             self.finish_reason = "length"

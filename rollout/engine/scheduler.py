@@ -149,7 +149,8 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
-        in_batch = {id(seq.request) for seq in batch.sequences}
+        # Requests computed or sampled in this step must not be preempted by it (forked samples included).
+        in_batch = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
@@ -159,7 +160,7 @@ class Scheduler:
                 continue  # scheduled already, or preempted by an older request in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             while not self.block_manager.can_allocate(self.block_manager.blocks_needed(request, num_new)):
-                victim = next((r for r in reversed(self.running) if id(r) not in in_batch), None)
+                victim = max((r for r in self.running if id(r) not in in_batch), key=_arrival, default=None)
                 if victim is None:
                     break
                 self._preempt(victim, batch)
@@ -170,6 +171,7 @@ class Scheduler:
             ):
                 continue
             self._add_to_batch(batch, request, num_new)
+            in_batch.update(id(sampled) for sampled, _ in batch.samples)
             in_batch.add(id(request))
             budget[0] -= num_new
 
@@ -241,7 +243,9 @@ class Scheduler:
         self.running.remove(request)
         self.num_preemptions += 1
         batch.num_preempted += 1
-        if self.block_manager.can_swap_out(request):
+        # Swap only when this step swapped nothing in: a swap-in frees CPU blocks that are read by this step's
+        # copies, and swap-outs are executed first.
+        if not batch.swap_in and self.block_manager.can_swap_out(request):
             batch.swap_out += self.block_manager.swap_out(request)
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
@@ -272,3 +276,5 @@ class Scheduler:
         return finished
 
 
+def _arrival(request: Request) -> int:
+    return request.arrival

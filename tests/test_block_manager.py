@@ -1,0 +1,250 @@
+"""BlockManager unit tests: ref counts, fork and copy-on-write, prefix hashes, LRU reuse, swapping. No model."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import make_request
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.request import Request
+
+BS = 4  # tokens per block in every test
+
+
+def computed(manager: BlockManager, tokens: list[int], num_computed: int | None = None) -> Request:
+    """A request holding blocks for all `tokens`, the first `num_computed` (default all) computed and hashed."""
+    request = make_request("r", tokens)
+    manager.allocate(request, len(tokens))
+    request.num_computed_tokens = len(tokens) if num_computed is None else num_computed
+    manager.commit_hashes(request)
+    return request
+
+
+def test_allocate_grows_block_table_to_cover_tokens():
+    """allocate() adds blocks only when the next tokens cross a block boundary; each new block has ref count 1."""
+    manager = BlockManager(8, BS)
+    request = make_request("r", list(range(5)))
+    assert manager.blocks_needed(request, 5) == 2
+    assert manager.allocate(request, 5) == []
+    assert len(request.block_ids) == 2 and [manager.ref_counts[b] for b in request.block_ids] == [1, 1]
+
+    request.num_computed_tokens = 5
+    request.token_ids += [5, 6, 7]
+    assert manager.blocks_needed(request, 3) == 0  # positions 5..7 still fit in block 1
+    manager.allocate(request, 3)
+    assert len(request.block_ids) == 2
+
+    request.num_computed_tokens = 8
+    request.token_ids.append(8)
+    assert manager.blocks_needed(request, 1) == 1
+    manager.allocate(request, 1)
+    assert len(request.block_ids) == 3 and len(set(request.block_ids)) == 3
+    assert (manager.num_used_blocks, manager.num_free_blocks) == (3, 5)
+
+
+def test_allocate_out_of_blocks_raises_and_takes_nothing():
+    """A request that needs more blocks than are free is refused as a whole (no partial allocation)."""
+    manager = BlockManager(2, BS)
+    request = make_request("r", list(range(12)))
+    assert manager.blocks_needed(request, 12) == 3 and not manager.can_allocate(3)
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        manager.allocate(request, 12)
+    assert request.block_ids == [] and manager.num_free_blocks == 2
+
+
+def test_fork_shares_every_block():
+    """fork() gives the child the parent's block table and raises every ref count to 2 without taking blocks."""
+    manager = BlockManager(8, BS)
+    parent = computed(manager, list(range(6)))
+    child = parent.fork(1, "r#1", arrival=1)
+    manager.fork(parent, child)
+    assert child.block_ids == parent.block_ids
+    assert [manager.ref_counts[b] for b in parent.block_ids] == [2, 2]
+    assert manager.num_used_blocks == 2
+
+
+def test_copy_on_write_of_shared_partial_block():
+    """After a fork at 6 tokens, the first writer of the shared partial block gets a private copy (src, dst);
+    the last owner writes in place; the full block stays shared."""
+    manager = BlockManager(8, BS)
+    parent = computed(manager, list(range(6)))
+    full, partial = parent.block_ids
+    child = parent.fork(1, "r#1", arrival=1)
+    manager.fork(parent, child)
+
+    parent.token_ids.append(100)
+    assert manager.blocks_needed(parent, 1) == 1  # the copy-on-write block
+    copies = manager.allocate(parent, 1)
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == partial and dst not in (full, partial)
+    assert parent.block_ids == [full, dst] and child.block_ids == [full, partial]
+    assert (manager.ref_counts[full], manager.ref_counts[partial], manager.ref_counts[dst]) == (2, 1, 1)
+
+    child.token_ids.append(200)
+    assert manager.blocks_needed(child, 1) == 0
+    assert manager.allocate(child, 1) == []  # sole owner now: no copy
+    assert child.block_ids == [full, partial]
+    assert manager.num_used_blocks == 3
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    """When the prompt ends on a block boundary, the next token goes to a new private block: nothing is copied and
+    the full blocks stay shared by both samples."""
+    manager = BlockManager(8, BS)
+    parent = computed(manager, list(range(8)))
+    child = parent.fork(1, "r#1", arrival=1)
+    manager.fork(parent, child)
+    for request in (parent, child):
+        request.token_ids.append(9)
+        assert manager.allocate(request, 1) == []
+    assert parent.block_ids[:2] == child.block_ids[:2] and parent.block_ids[2] != child.block_ids[2]
+    assert [manager.ref_counts[b] for b in parent.block_ids] == [2, 2, 1]
+
+
+def test_free_returns_blocks_and_check_all_free_detects_leak():
+    """Blocks come back only when their last owner frees them; check_all_free raises while any block is held."""
+    manager = BlockManager(8, BS)
+    parent = computed(manager, list(range(6)))
+    child = parent.fork(1, "r#1", arrival=1)
+    manager.fork(parent, child)
+    manager.free(parent)
+    assert parent.block_ids == [] and manager.num_used_blocks == 2  # still held by the child
+    with pytest.raises(AssertionError, match="leaked KV blocks"):
+        manager.check_all_free()
+    manager.free(child)
+    assert manager.num_free_blocks == 8
+    manager.check_all_free()
+
+
+def test_prefix_match_finds_full_computed_blocks():
+    """An identical prefix matches the cached full blocks; take_prefix shares them and marks their tokens computed.
+    At most (num_tokens - 1) // block_size blocks match, so the last token is always computed."""
+    manager = BlockManager(16, BS)
+    tokens = list(range(10))
+    first = computed(manager, tokens)
+    assert len(first.block_hashes) == 2  # the partial third block is not hashed
+
+    second = make_request("s", tokens)
+    blocks, hashes = manager.match_prefix(second)
+    assert blocks == first.block_ids[:2] and hashes == first.block_hashes
+    manager.take_prefix(second, blocks, hashes)
+    assert second.num_computed_tokens == 8 and second.block_ids == first.block_ids[:2]
+    assert [manager.ref_counts[b] for b in blocks] == [2, 2]
+
+    assert len(manager.match_prefix(make_request("t", tokens[:8]))[0]) == 1  # (8 - 1) // 4
+    assert len(manager.match_prefix(make_request("u", tokens[:9]))[0]) == 2  # (9 - 1) // 4
+    assert manager.match_prefix(make_request("v", tokens[:4]))[0] == []  # (4 - 1) // 4
+    manager.free(first)
+    manager.free(second)
+    manager.check_all_free()
+
+
+def test_prefix_match_ignores_uncomputed_blocks():
+    """Only blocks whose KV has been computed get a hash: a full but not yet computed block never matches."""
+    manager = BlockManager(16, BS)
+    tokens = list(range(10))
+    first = computed(manager, tokens, num_computed=6)
+    assert len(first.block_hashes) == 1
+    assert len(manager.match_prefix(make_request("s", tokens))[0]) == 1
+
+
+def test_prefix_hash_is_chained():
+    """A block matches only if every block before it matches too (the hash includes the parent's hash)."""
+    manager = BlockManager(16, BS)
+    computed(manager, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert manager.match_prefix(make_request("s", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == ([], [])
+    assert len(manager.match_prefix(make_request("t", [1, 2, 3, 4, 0, 6, 7, 8, 9]))[0]) == 1
+
+
+def test_policy_version_keys_prefix_hashes():
+    """After a weight update (policy_version bump) the same tokens do not match KV computed under old weights;
+    blocks computed under the new version match again."""
+    manager = BlockManager(16, BS)
+    tokens = list(range(10))
+    old = computed(manager, tokens)
+    manager.policy_version += 1
+    assert manager.match_prefix(make_request("s", tokens)) == ([], [])
+
+    new = computed(manager, tokens)
+    blocks, _ = manager.match_prefix(make_request("t", tokens))
+    assert blocks == new.block_ids[:2] and not set(blocks) & set(old.block_ids)
+    manager.policy_version -= 1
+    assert manager.match_prefix(make_request("u", tokens))[0] == old.block_ids[:2]
+
+
+def test_freed_cached_blocks_are_reused_tail_first_and_lose_their_hash():
+    """Freed blocks keep their prefix until handed out again, oldest-freed first; a request's tail block is freed
+    before its head, so the head (the shared prefix) survives longest. A reused block's hash is dropped."""
+    manager = BlockManager(4, BS)
+    tokens = list(range(9))
+    first = computed(manager, tokens[:8])
+    head, tail = first.block_ids
+    manager.free(first)
+
+    other = make_request("o", list(range(100, 112)))
+    manager.allocate(other, 12)  # the 2 never-used blocks, then the freed tail
+    assert tail in other.block_ids and head not in other.block_ids
+    assert manager.block_hash[tail] is None and manager.block_hash[head] is not None
+    assert manager.match_prefix(make_request("s", tokens))[0] == [head]
+
+    manager.free(other)
+    manager.check_all_free()
+
+
+def test_take_prefix_revives_a_free_cached_block():
+    """A matched block sitting in the free pool leaves it (ref count 0 -> 1) when taken."""
+    manager = BlockManager(8, BS)
+    tokens = list(range(9))
+    first = computed(manager, tokens)
+    manager.free(first)
+    assert manager.num_free_blocks == 8
+
+    second = make_request("s", tokens)
+    blocks, hashes = manager.match_prefix(second)
+    assert manager.num_free_in(blocks) == 2
+    manager.take_prefix(second, blocks, hashes)
+    assert manager.num_free_blocks == 6 and [manager.ref_counts[b] for b in blocks] == [1, 1]
+    manager.free(second)
+    manager.check_all_free()
+
+
+def test_prefix_caching_disabled_never_matches():
+    """With prefix caching off, identical prompts share nothing."""
+    manager = BlockManager(8, BS, enable_prefix_caching=False)
+    tokens = list(range(9))
+    computed(manager, tokens)
+    assert manager.match_prefix(make_request("s", tokens)) == ([], [])
+
+
+def test_swap_out_and_swap_in():
+    """swap_out copies each device block to its own CPU block and frees the device blocks; swap_in takes fresh
+    device blocks and pairs them with the same CPU blocks, which become free again."""
+    manager = BlockManager(8, BS, num_swap_blocks=4)
+    request = computed(manager, list(range(10)))
+    device = list(request.block_ids)
+    assert manager.can_swap_out(request)
+
+    out = manager.swap_out(request)
+    assert [d for d, _ in out] == device and len({c for _, c in out}) == 3
+    assert request.block_ids == [] and request.swap_block_ids == [c for _, c in out]
+    assert manager.num_free_blocks == 8 and len(manager.free_swap_blocks) == 1
+    with pytest.raises(AssertionError, match="leaked swap blocks"):
+        manager.check_all_free()
+
+    second = computed(manager, list(range(10)))  # 3 blocks, but only 1 swap block left
+    assert not manager.can_swap_out(second)
+    blocker = make_request("b", list(range(16)))
+    manager.allocate(blocker, 16)  # 7 of 8 device blocks now held
+    with pytest.raises(RuntimeError, match="swap in"):
+        manager.swap_in(request)
+    manager.free(blocker)
+
+    back = manager.swap_in(request)
+    assert [c for c, _ in back] == [c for _, c in out]
+    assert request.block_ids == [d for _, d in back] and request.swap_block_ids == []
+    assert len(manager.free_swap_blocks) == 4
+    assert [manager.ref_counts[b] for b in request.block_ids] == [1, 1, 1]
+    manager.free(request)
+    manager.free(second)
+    manager.check_all_free()
