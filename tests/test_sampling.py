@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
 
 from conftest import VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
+from rollout.engine.engine import Engine
 
 KINDS = ["qwen3", "mistral_sliding"]
 MAX_NEW = 12
@@ -36,9 +37,12 @@ LOGPROB_CASES = {
     "repetition": SamplingParams(temperature=0.8, repetition_penalty=1.6),
     "repetition_below_one": SamplingParams(repetition_penalty=0.7),
     "presence_frequency": SamplingParams(presence_penalty=1.5, frequency_penalty=0.7),
+    # A negative frequency penalty makes repeats likely, so counts above 1 are exercised.
+    "frequency_repeats": SamplingParams(temperature=0.7, presence_penalty=0.2, frequency_penalty=-1.0),
     "min_new_tokens_with_stops": SamplingParams(min_new_tokens=8, stop_token_ids=MANY_STOPS),
     "combined": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
-                               presence_penalty=0.5, frequency_penalty=0.3, min_new_tokens=4, stop_token_ids=MANY_STOPS),
+                               presence_penalty=0.5, frequency_penalty=0.3, min_new_tokens=4,
+                               stop_token_ids=MANY_STOPS),
     "greedy_penalized": SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4,
                                        frequency_penalty=0.2, min_new_tokens=4, stop_token_ids=MANY_STOPS),
 }
@@ -52,7 +56,9 @@ def reference_logits(reference: torch.nn.Module, prompt: list[int], completion: 
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
 
 
-def processed_scores(scores: torch.Tensor, prompt: list[int], previous: list[int], params: SamplingParams) -> torch.Tensor:
+def processed_scores(
+    scores: torch.Tensor, prompt: list[int], previous: list[int], params: SamplingParams
+) -> torch.Tensor:
     """One position's logits (vocab,) through transformers' processors in the documented pipeline order.
 
     Presence/frequency penalties have no transformers processor: they are the OpenAI formula over generated tokens.
@@ -86,9 +92,8 @@ def expected_logprobs(
     """(raw, processed) fp32 log-prob rows, (len(completion), vocab), for a completion the engine produced."""
     logits = reference_logits(reference, prompt, completion)
     raw = torch.log_softmax(logits, dim=-1)
-    processed = torch.stack(
-        [torch.log_softmax(processed_scores(logits[t], prompt, completion[:t], params), dim=-1) for t in range(len(completion))]
-    )
+    rows = [processed_scores(logits[t], prompt, completion[:t], params) for t in range(len(completion))]
+    processed = torch.log_softmax(torch.stack(rows), dim=-1)
     return raw, processed
 
 
@@ -107,7 +112,8 @@ def close(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= TOL  # a == b covers -inf == -inf
 
 
-def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], n: int = 1) -> dict:
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], n: int = 1) -> dict:
+    """Add (prompt, params) requests of n samples each, step to completion, check no KV block leaked."""
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params, n=n, max_new_tokens=MAX_NEW)
     outputs = run_to_completion(engine)
@@ -172,13 +178,20 @@ def test_raw_logprobs_are_log_softmax_of_unprocessed_logits(kind):
 
 
 def test_mixed_batch_applies_each_requests_own_settings():
-    """One batch mixing every LOGPROB_CASES setting: each request's log-probs match transformers' processors with
-    its own parameters (no setting leaks across rows)."""
+    """One batch mixing every LOGPROB_CASES setting and a penalized group of n=3 (whose samples share their
+    leader's logits row for the first token): each sample's log-probs match transformers' processors with its own
+    parameters and its own previous tokens (no setting or penalty state leaks across rows or samples)."""
     model = tiny_model("qwen3")
     reference = reference_copy(model)
-    prompts = make_prompts(len(LOGPROB_CASES), 4, 24, seed=3)
-    requests = {case: (prompt, params.merged(seed=21)) for (case, params), prompt in zip(LOGPROB_CASES.items(), prompts)}
-    outputs = run(make_engine(model), requests)
+    prompts = make_prompts(len(LOGPROB_CASES) + 1, 4, 24, seed=3)
+    requests = {case: (p, params.merged(seed=21)) for (case, params), p in zip(LOGPROB_CASES.items(), prompts)}
+    engine = make_engine(model)
+    for case, (prompt, params) in requests.items():
+        engine.add_request(case, prompt, params, max_new_tokens=MAX_NEW)
+    group = SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.4, frequency_penalty=-0.8, seed=5)
+    outputs = run(engine, {"group": (prompts[-1], group)}, n=3)  # last in the batch: its row is not row 0
+    requests.update({f"group#{i}": (prompts[-1], group) for i in range(3)})
+    assert len({tuple(outputs[f"group#{i}"].generated_tokens) for i in range(3)}) == 3
     for case, (prompt, params) in requests.items():
         out = outputs[case]
         _, processed = expected_logprobs(reference, prompt, out.generated_tokens, params)
@@ -190,7 +203,8 @@ def test_mixed_batch_applies_each_requests_own_settings():
 GREEDY_CASES = {
     "temperature_zero": (SamplingParams(temperature=0, stop_token_ids=()), {}),
     "do_sample_false": (SamplingParams(do_sample=False, temperature=0.7, top_k=3, stop_token_ids=()), {}),
-    "repetition": (SamplingParams(temperature=0, repetition_penalty=1.8, stop_token_ids=()), {"repetition_penalty": 1.8}),
+    "repetition": (SamplingParams(temperature=0, repetition_penalty=1.8, stop_token_ids=()),
+                   {"repetition_penalty": 1.8}),
     "repetition_below_one": (SamplingParams(do_sample=False, repetition_penalty=0.6, stop_token_ids=()),
                              {"repetition_penalty": 0.6}),
     "stops_and_min_new": (SamplingParams(temperature=0, min_new_tokens=5, stop_token_ids=MANY_STOPS),
@@ -232,7 +246,8 @@ COMPANIONS = {
 @pytest.mark.parametrize("kind", KINDS)
 def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind):
     """A seeded request samples the same tokens (and log-probs) run alone, inside a batch of different requests
-    (other prompts, lengths, settings, a group), and in a tiny cache that forces preemption and chunked prefill."""
+    (other prompts, lengths, settings, a group), and in a tiny cache that forces chunked prefill and preemption
+    (recompute, and swap to CPU)."""
     model = tiny_model(kind)
     prompts = make_prompts(6, 4, 30, seed=5)
     targets = {name: (prompt, params) for (name, params), prompt in zip(TARGETS.items(), prompts)}
@@ -241,17 +256,21 @@ def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind):
     for name, request in targets.items():
         alone.update(run(make_engine(model), {name: request}))
     mixed_engine = make_engine(model)
-    mixed_engine.add_request("group", prompts[0], SamplingParams(seed=7, stop_token_ids=()), n=3, max_new_tokens=MAX_NEW)
+    group = SamplingParams(seed=7, stop_token_ids=())
+    mixed_engine.add_request("group", prompts[0], group, n=3, max_new_tokens=MAX_NEW)
     mixed = run(mixed_engine, {**companions, **targets})
-    tight = make_engine(model, num_blocks=14, max_batch_tokens=16)
-    tight.add_request("group", prompts[1], SamplingParams(seed=3, stop_token_ids=()), n=2, max_new_tokens=MAX_NEW)
-    preempted = run(tight, {**companions, **targets})
-    assert tight.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
-    for name in targets:
-        assert mixed[name].generated_tokens == alone[name].generated_tokens, name
-        assert preempted[name].generated_tokens == alone[name].generated_tokens, name
-        assert torch.allclose(torch.tensor(mixed[name].logprobs), torch.tensor(alone[name].logprobs), atol=TOL, rtol=0)
-        assert torch.allclose(torch.tensor(preempted[name].logprobs), torch.tensor(alone[name].logprobs), atol=TOL, rtol=0)
+    runs = {"mixed": mixed}
+    for mode, offload in (("recompute", 0.0), ("swap", 0.01)):
+        tight = make_engine(model, num_blocks=14, max_batch_tokens=16, cpu_offload_space=offload)
+        tight.add_request("group", prompts[1], SamplingParams(seed=3, stop_token_ids=()), n=2, max_new_tokens=MAX_NEW)
+        runs[mode] = run(tight, {**companions, **targets})
+        assert tight.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
+        assert (tight.scheduler.num_swaps > 0) == (mode == "swap")
+    for mode, outputs in runs.items():
+        for name in targets:
+            assert outputs[name].generated_tokens == alone[name].generated_tokens, (mode, name)
+            got, expected = torch.tensor(outputs[name].logprobs), torch.tensor(alone[name].logprobs)
+            assert torch.allclose(got, expected, atol=TOL, rtol=0), (mode, name)
 
 
 def test_different_seeds_give_different_completions():
@@ -282,7 +301,8 @@ def test_group_samples_differ_and_are_reproducible(kind):
     assert [tuple(again[i].generated_tokens) for i in ids] == samples
 
     busy = make_engine(model, num_blocks=20, max_batch_tokens=16)
-    busy.add_request("h", other, SamplingParams(temperature=0.7, seed=1, stop_token_ids=()), n=4, max_new_tokens=MAX_NEW)
+    other_params = SamplingParams(temperature=0.7, seed=1, stop_token_ids=())
+    busy.add_request("h", other, other_params, n=4, max_new_tokens=MAX_NEW)
     busy.add_request("lone", prompt, params, max_new_tokens=MAX_NEW)
     elsewhere = run(busy, {"g": (prompt, params)}, n=4)
     assert busy.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
