@@ -18,9 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--systems", nargs="+", choices=sorted(throughput.SYSTEMS), default=None,
                     help="systems to run, in order (default: all)")
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
+    tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
     args = parser.parse_args(argv)
     if args.command == "throughput":
-        summary = throughput.run(args.workload, args.systems, args.seed)
+        summary = throughput.run(args.workload, args.systems, args.seed, args.repeats)
     print(json.dumps(summary))
 
 

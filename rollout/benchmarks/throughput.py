@@ -11,6 +11,7 @@ import copy
 import gc
 import logging
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -146,13 +147,14 @@ SYSTEMS = {
 }
 
 
-def run(workload_name: str, systems: list[str] | None = None, seed: int = 0) -> dict:
+def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, repeats: int = 1) -> dict:
     """Run the workload on each system and return the JSON-able summary (also printed as a table).
 
     Args:
         workload_name: a key of WORKLOADS.
         systems: which systems to run (default: all three).
         seed: model and prompt seed.
+        repeats: runs per system; the median time is reported.
     """
     workload = WORKLOADS[workload_name]
     if workload.device == "cuda" and not torch.cuda.is_available():
@@ -163,18 +165,23 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0) -> 
     results: dict[str, dict] = {}
     reference_tokens = None
     for name in systems or list(SYSTEMS):
-        model = copy.deepcopy(base_model)
-        elapsed, tokens = SYSTEMS[name](model, prompts, max_new, workload)
-        assert [len(t) for t in tokens] == max_new, f"{name} did not produce the requested lengths"
+        times = []
+        for _ in range(repeats):
+            model = copy.deepcopy(base_model)
+            elapsed, tokens = SYSTEMS[name](model, prompts, max_new, workload)
+            assert [len(t) for t in tokens] == max_new, f"{name} did not produce the requested lengths"
+            times.append(elapsed)
+            del model
+            gc.collect()
+        elapsed = statistics.median(times)
         if reference_tokens is None:
             reference_tokens = tokens
         same = sum(a == b for a, b in zip(tokens, reference_tokens))
         results[name] = {"seconds": round(elapsed, 3), "tokens_per_s": round(useful_tokens / elapsed, 1),
-                         "identical_to_first": same}
-        del model
-        gc.collect()
+                         "identical_to_first": same, "runs_s": [round(t, 3) for t in times]}
     summary = {"benchmark": "throughput", "workload": workload_name, "generated_tokens": useful_tokens,
-               "num_prompts": len(prompts), "results": results}
+               "num_prompts": len(prompts), "repeats": repeats, "torch_threads": torch.get_num_threads(),
+               "results": results}
     if "rollout" in results:
         for name, result in results.items():
             if name != "rollout":
@@ -184,7 +191,8 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0) -> 
 
 
 def _print_table(summary: dict) -> None:
-    print(f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated tokens")
+    print(f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated "
+          f"tokens, median of {summary['repeats']} run(s), {summary['torch_threads']} torch threads")
     print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'vs rollout':>12}{'same tokens':>13}")
     rollout = summary["results"].get("rollout")
     for name, result in summary["results"].items():

@@ -168,6 +168,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Abort what is left and give the model back its attention implementation. Idempotent."""
+        for group_id in list(self._open_groups):
+            self.cancel(group_id)
+        self.runner.close()
+
     # ---- the loop ---------------------------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
         """Run one step: schedule -> forward -> sample -> update. Never raises: a failing forward ends the step's

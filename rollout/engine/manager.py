@@ -53,7 +53,6 @@ class ContinuousBatchingManager:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.generation_config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
         self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
-        self._original_attn = getattr(model.config, "_attn_implementation", None)
         self.engine = Engine(model, self.config)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._results: deque[GenerationOutput] = deque()
@@ -259,9 +258,14 @@ class ContinuousBatchingManager:
     def _shutdown(self, reason: str | None = None) -> None:
         """End everything still queued or running and give the model its attention implementation back."""
         self._abort_all(reason)
-        if self._original_attn is not None:
-            self.engine.model.set_attn_implementation(self._original_attn)
-            self._original_attn = None
+        self.engine.close()
+
+    def drain_commands(self) -> None:
+        """Hand queued requests and cancellations to the engine now. Only for callers that drive the engine
+        themselves (generate_batch) while the engine thread is not running."""
+        if self.is_running():
+            raise RuntimeError("drain_commands() would race with the running engine thread")
+        self._drain_commands(block=False)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -394,6 +398,8 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a list of prompts with continuous batching and return them all.
 
+    Runs the engine loop in the calling thread (no background thread: nothing to hand over between threads).
+
     Args:
         model: a transformers causal LM.
         inputs: prompts as lists of token ids.
@@ -403,6 +409,8 @@ def generate_batch(
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt).
     Returns:
         Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
+    Raises:
+        ValueError: bad input, naming the field (nothing is generated then).
     """
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
@@ -413,20 +421,23 @@ def generate_batch(
     if len(per_prompt) != len(inputs):
         raise ValueError(f"sampling: got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
     manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+    engine = manager.engine
     results: dict[str, GenerationOutput] = {}
     try:
         order = []
         for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
+            # The manager validates and resolves defaults exactly as for a served request; its queue is drained here.
             group = manager.add_request(prompt, f"req_{index}", max_new_tokens, n=n, sampling=params)
             order += [group] if n == 1 else [f"{group}#{i}" for i in range(n)]
-        manager.start()
+        manager.drain_commands()
         with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
-            while len(results) < len(order):
-                output = manager.get_result(timeout=None)
-                if output is None:
-                    raise RuntimeError(f"the engine stopped early: {manager.error!r}")
-                results[output.request_id] = output
-                bar.update(1)
+            while engine.has_unfinished():
+                for output in engine.step():
+                    results[output.request_id] = output
+                    bar.update(1)
+        # Requests the engine refused when they were handed over end with an error output in the manager's queue.
+        while (output := manager.get_result(timeout=0)) is not None:
+            results[output.request_id] = output
     finally:
         manager.stop(block=True)
     return {request_id: results[request_id] for request_id in order}

@@ -24,10 +24,17 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
+        self._original_attn = model.config._attn_implementation
         model.set_attn_implementation(register_paged_attention())
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    def close(self) -> None:
+        """Give the model back its original attention implementation (idempotent)."""
+        if self._original_attn is not None:
+            self.model.set_attn_implementation(self._original_attn)
+            self._original_attn = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
