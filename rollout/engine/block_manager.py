@@ -138,16 +138,27 @@ class BlockManager:
             return [], []
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = None
-        size = self.block_size
-        for index in range((request.num_tokens - 1) // size):
-            parent = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size])
-            block = self.cached_blocks.get(parent)
+        for block_hash in self._token_block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = self.cached_blocks.get(block_hash)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(parent)
+            hashes.append(block_hash)
         return blocks, hashes
+
+    def _token_block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the request's first `num_blocks` full token blocks under the current version, memoised
+        on the request: a request that waits for blocks is matched every step without rehashing its tokens."""
+        version, hashes = request.prefix_hash_memo or (self.policy_version, [])
+        if version != self.policy_version:
+            hashes = []
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(self._hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
+        request.prefix_hash_memo = (self.policy_version, hashes)
+        return hashes[:num_blocks]
 
     def num_free_in(self, blocks: list[int]) -> int:
         """How many of `blocks` sit in the free pool (taking them lowers the free count)."""

@@ -57,6 +57,8 @@ class Request:
     swap_block_ids: list[int] = field(default_factory=list)
     # Chained hash of each of this request's full, computed blocks, in order (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
+    # (policy version, chained hashes of full token blocks): memo for prefix matching while waiting.
+    prefix_hash_memo: tuple[int, list[int]] | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
