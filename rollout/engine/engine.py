@@ -220,7 +220,7 @@ class Engine:
                     group_id=request.group_id,
                     sample_index=request.sample_index,
                     prompt_ids=request.prompt_ids,
-                    generated_tokens=request.output_ids[start:],
+                    generated_tokens=request.token_ids[request.num_prompt_tokens + start :],
                     logprobs=request.logprobs[start:],
                     top_logprobs=request.top_logprobs[start:],
                     finish_reason=request.finish_reason if request.is_finished else None,

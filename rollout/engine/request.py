@@ -69,6 +69,7 @@ class Request:
     streaming: bool = False
     # How many output tokens were already handed to the caller (streaming deltas).
     num_delivered_tokens: int = 0
+    _prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -82,8 +83,10 @@ class Request:
 
     @property
     def prompt_ids(self) -> list[int]:
-        """The prompt (a copy)."""
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt. One list per request, shared by all its outputs (copied once, not per streamed token)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt_ids
 
     @property
     def output_ids(self) -> list[int]:
