@@ -102,3 +102,28 @@ def test_logits_only_at_sampled_positions(monkeypatch):
     engine.step()  # 36 prompt tokens packed, 3 sampled positions
     assert rows == [3]
     run_to_completion(engine)
+
+
+def test_request_that_fits_exactly_runs():
+    """KV is needed for prompt + max_new_tokens - 1 tokens (the last token is never fed back): a request needing
+    exactly the whole cache runs and equals generate; one token more is refused with an error output."""
+    model = tiny_model("llama")
+    reference = reference_copy(model)
+    prompt = [1, 2, 3, 4, 5, 6]
+    engine = make_engine(model, num_blocks=2, block_size=4)
+    engine.add_request("fits", prompt, GREEDY, max_new_tokens=3)
+    engine.add_request("too_big", prompt, GREEDY, max_new_tokens=4)
+    outputs = run_to_completion(engine)
+    expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 6, dtype=torch.long),
+                                  max_new_tokens=3, min_new_tokens=3, do_sample=False)[0, 6:].tolist()
+    assert outputs["fits"].generated_tokens == expected and outputs["fits"].finish_reason == "length"
+    assert outputs["too_big"].finish_reason == "error" and "KV blocks" in outputs["too_big"].error
+    engine.block_manager.check_all_free()
+
+
+def test_top_logprobs_without_logprobs_is_refused():
+    """Asking for top_logprobs from an engine that computes no logprobs is an error naming the field, not a silent
+    empty list."""
+    engine = make_engine(tiny_model("qwen3"), return_logprobs=False)
+    with pytest.raises(ValueError, match="top_logprobs"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(top_logprobs=2), max_new_tokens=2)

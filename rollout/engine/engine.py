@@ -107,6 +107,8 @@ class Engine:
         bad_stops = [t for t in (sampling.stop_token_ids or ()) if t >= self.vocab_size]
         if bad_stops:
             raise ValueError(f"stop_token_ids: {bad_stops} outside the vocabulary [0, {self.vocab_size})")
+        if sampling.top_logprobs and not self.config.return_logprobs:
+            raise ValueError("top_logprobs: needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
             raise ValueError(f"top_k: {sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
 

@@ -195,14 +195,15 @@ class Scheduler:
         manager = self.block_manager
         while not batch.num_preempted and self.waiting and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
             request = self.waiting[0]
-            blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens, manager.block_size)
+            # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
+            blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
             if blocks_for_life > manager.num_blocks:
                 self.waiting.popleft()
                 batch.finished += self._finish(
                     request,
                     "error",
-                    f"request needs {blocks_for_life} KV blocks for prompt + max_new_tokens but the cache has "
-                    f"{manager.num_blocks}; raise num_blocks or lower max_new_tokens",
+                    f"request needs {blocks_for_life} KV blocks (prompt + max_new_tokens - 1 tokens) but the cache "
+                    f"has {manager.num_blocks}; raise num_blocks or lower max_new_tokens",
                 )
                 continue
             prefix_blocks, prefix_hashes = manager.match_prefix(request)
