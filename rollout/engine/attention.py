@@ -103,8 +103,8 @@ class PagedAttentionMetadata:
 # A decode group is split when a sequence needs less than this fraction of the group's longest context, and the
 # group already holds enough sequences to be worth a separate attention call: padding to the longest context costs
 # memory traffic in every layer, each extra group costs a few kernel launches.
-_SPLIT_FRACTION = 0.5
-_MIN_GROUP = 8
+_SPLIT_FRACTION = 0.75
+_MIN_GROUP = 6
 
 
 def _partition(starts: list[int], lengths: list[int], block_size: int) -> list[list[int]]:
