@@ -30,6 +30,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+# GenerationConfig fields that map onto SamplingParams.
+_GENERATION_FIELDS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample", "max_new_tokens", "min_new_tokens",
+    "eos_token_id",
+)
+# transformers' global generation defaults for those fields (GenerationConfig._get_default_generation_params).
+_TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled. Applied per request, so one batch mixes any settings.
@@ -111,27 +120,27 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
     @classmethod
-    def from_generation_config(cls, generation_config: Any, **overrides: Any) -> SamplingParams:
-        """Build SamplingParams from a `transformers.GenerationConfig`, keeping our defaults where it says nothing.
+    def from_generation_config(cls, *generation_configs: Any) -> SamplingParams:
+        """Build SamplingParams from `transformers.GenerationConfig`s, resolved as transformers' `generate` does.
 
         Args:
-            generation_config: a `transformers.GenerationConfig` (or None for all defaults). Only fields it sets
-                (not None) are taken: temperature, top_k, top_p, min_p, repetition_penalty, do_sample,
-                max_new_tokens, min_new_tokens, eos_token_id (as stop_token_ids).
-            **overrides: SamplingParams fields that win over the generation config.
+            *generation_configs: configs in priority order (e.g. the caller's, then the model's); None entries are
+                skipped. Each field takes the first value that is set, else transformers' global default
+                (greedy unless do_sample=True; top_k 50 when sampling). Fields read: temperature, top_k, top_p, min_p,
+                repetition_penalty, do_sample, max_new_tokens, min_new_tokens, eos_token_id (as stop_token_ids).
+                Without any config: transformers' defaults, greedy.
         """
         values: dict[str, Any] = {}
-        if generation_config is not None:
-            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample", "max_new_tokens", "min_new_tokens"):
-                value = getattr(generation_config, name, None)
-                if value is not None:
-                    values[name] = value
-            eos = getattr(generation_config, "eos_token_id", None)
-            if eos is not None:
-                values["stop_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-            # As in transformers' generate, a GenerationConfig that does not ask for sampling decodes greedily.
-            values.setdefault("do_sample", False)
-        values.update(overrides)
+        for name in _GENERATION_FIELDS:
+            value = next((getattr(c, name, None) for c in generation_configs if getattr(c, name, None) is not None), None)
+            if value is None:
+                value = _TRANSFORMERS_DEFAULTS.get(name)
+            if value is None:
+                continue
+            if name == "eos_token_id":
+                values["stop_token_ids"] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            else:
+                values[name] = value
         return cls(**values)
 
     def merged(self, **overrides: Any) -> SamplingParams:

@@ -52,8 +52,12 @@ def tiny_model(kind: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.fl
 
 
 def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """An independent copy for transformers' own generate / forward (the engine switches attention on its model)."""
-    return copy.deepcopy(model)
+    """An independent copy for transformers' own generate / forward (the engine switches attention on its model).
+    Its generation config has no EOS, like the engine's requests with stop_token_ids=() (otherwise generate's
+    min_new_tokens would mask the config's EOS and the two would differ); tests with stops pass eos explicitly."""
+    reference = copy.deepcopy(model)
+    reference.generation_config.eos_token_id = None
+    return reference
 
 
 def make_prompts(count: int, low: int, high: int, seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
@@ -100,3 +104,19 @@ def make_request(request_id: str, prompt: list[int], max_new_tokens: int = 8, n:
 def _deterministic():
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(monkeypatch):
+    """Every engine a test builds (directly, through a manager or generate_batch) ends with all KV blocks free."""
+    engines: list[Engine] = []
+    original_init = Engine.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", tracking_init)
+    yield engines
+    for engine in engines:
+        engine.block_manager.check_all_free()

@@ -345,12 +345,12 @@ def test_length_after_max_new_tokens():
     assert (outputs["b"].finish_reason, outputs["b"].num_output_tokens) == ("stop", 5)
 
 
-# ---- known engine bugs ----------------------------------------------------------------------------------------
+# ---- regressions (bugs found and fixed) ------------------------------------------------------------------------------------------
 
 
 def test_sample_forked_this_step_is_not_preempted():
     """Group g's leader finishes its prompt and forks g#1; r's chunk then runs out of blocks. The victim must not
-    be g#1 (it gets a token this step): today it is, then update() raises ValueError when g#1 finishes."""
+    be g#1 (it gets a token this step); before the fix it was, and update() raised ValueError."""
     s = sim(make_request("g", prompt(7), max_new_tokens=1, n=2), make_request("r", prompt(7, 50), max_new_tokens=2),
             num_blocks=6, block_size=2, max_batch_tokens=4, policy="prefill_first")
     outputs = s.drain()

@@ -185,6 +185,8 @@ def paged_attention_forward(
     metadata: PagedAttentionMetadata | None = kwargs.get("rollout_metadata")
     if metadata is None:
         return _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by rollout_paged attention")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     layer_idx = getattr(module, "layer_idx", None)
@@ -217,7 +219,17 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     return rows.view(block_table.shape[0], -1, heads, dim).transpose(1, 2)
 
 
-def _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs):
+def _unpaged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    softcap: float | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """A forward without our metadata (training, teacher forcing, `generate`): ordinary SDPA/eager attention."""
     if softcap is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -48,10 +48,12 @@ class BlockManager:
     # ---- accounting -------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
+        """Device blocks with ref count 0 (cached prefixes among them stay reusable until handed out)."""
         return len(self.free_blocks)
 
     @property
     def num_used_blocks(self) -> int:
+        """Device blocks held by at least one request."""
         return self.num_blocks - len(self.free_blocks)
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -104,13 +106,16 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's device blocks and swap blocks. Tail blocks become reusable before head blocks,
         so common prefixes stay cached longest."""
+        self._release_device_blocks(request)
+        self.free_swap_blocks.extend(request.swap_block_ids)
+        request.swap_block_ids = []
+
+    def _release_device_blocks(self, request: Request) -> None:
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         request.block_ids = []
-        self.free_swap_blocks.extend(request.swap_block_ids)
-        request.swap_block_ids = []
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -177,6 +182,8 @@ class BlockManager:
     def commit_hashes(self, request: Request) -> None:
         """Hash the request's newly full, computed blocks and offer them for prefix reuse. Amortised O(1) per token:
         each block is hashed once."""
+        if not self.enable_prefix_caching:
+            return
         size = self.block_size
         num_full = min(request.num_computed_tokens // size, len(request.block_ids))
         while len(request.block_hashes) < num_full:
@@ -185,7 +192,7 @@ class BlockManager:
             block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size])
             request.block_hashes.append(block_hash)
             block = request.block_ids[index]
-            if self.enable_prefix_caching and block_hash not in self.cached_blocks and self.block_hash[block] is None:
+            if block_hash not in self.cached_blocks and self.block_hash[block] is None:
                 self.cached_blocks[block_hash] = block
                 self.block_hash[block] = block_hash
 
@@ -196,6 +203,7 @@ class BlockManager:
 
     # ---- swapping ---------------------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
+        """True when there are enough free CPU swap blocks for all of the request's device blocks."""
         return 0 < len(request.block_ids) <= len(self.free_swap_blocks)
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
@@ -203,10 +211,8 @@ class BlockManager:
         freed device block is written again."""
         cpu_blocks = [self.free_swap_blocks.pop() for _ in request.block_ids]
         copies = list(zip(request.block_ids, cpu_blocks))
-        swap_blocks = cpu_blocks
-        request.swap_block_ids = []
-        self.free(request)
-        request.swap_block_ids = swap_blocks
+        self._release_device_blocks(request)
+        request.swap_block_ids = cpu_blocks
         return copies
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:

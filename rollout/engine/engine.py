@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
 import random
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, SamplingParams
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, SamplingParams, _is_int
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner
@@ -18,6 +20,10 @@ from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+# Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
+# state the engine does not keep, so such models are refused instead of generating wrong tokens.
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 @dataclass
@@ -53,18 +59,48 @@ def _is_token(value: object, vocab_size: int) -> bool:
     return type(value) is int and 0 <= value < vocab_size
 
 
+def as_prompt(input_ids: Any) -> list[int]:
+    """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
+
+    Raises:
+        ValueError: anything else, naming input_ids.
+    """
+    if isinstance(input_ids, torch.Tensor) or type(input_ids).__module__ == "numpy":
+        array = torch.as_tensor(input_ids)
+        if array.dim() == 2 and array.shape[0] == 1:
+            array = array[0]
+        if array.dim() != 1 or array.is_floating_point():
+            raise ValueError(f"input_ids: expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} "
+                             f"of shape {tuple(array.shape)}")
+        return array.tolist()
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError(f"input_ids: expected a list of token ids, got {type(input_ids).__name__}")
+    # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
+
+
 class Engine:
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None):
+    def __init__(
+        self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config: Any = None
+    ):
         """
         Args:
             model: a transformers causal LM (any decoder-only model whose attention uses AttentionInterface).
             config: engine settings (defaults if None).
+            generation_config: a `transformers.GenerationConfig` with default sampling settings; fields it leaves
+                unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
         """
         self.config = config or ContinuousBatchingConfig()
-        self.model = model.eval()
+        self.model = model
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
+        if unsupported:
+            raise ValueError(f"model: layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
+        self.default_sampling = SamplingParams.from_generation_config(
+            generation_config, getattr(model, "generation_config", None)
+        )
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
         parameter = next(model.parameters())
@@ -92,7 +128,7 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
         """Raise ValueError naming the field when a request can never be served by this model."""
-        if not isinstance(prompt_ids, list) or not prompt_ids:
+        if not prompt_ids:
             raise ValueError("input_ids: the prompt must be a non-empty list of token ids")
         for position, token in enumerate(prompt_ids):
             if not _is_token(token, self.vocab_size):
@@ -112,43 +148,41 @@ class Engine:
         if sampling.top_k > self.vocab_size:
             raise ValueError(f"top_k: {sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
 
-    def add_request(
+    def prepare(
         self,
         group_id: str,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
         n: int = 1,
         max_new_tokens: int | None = None,
         streaming: bool = False,
-    ) -> list[str]:
-        """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
+    ) -> Request:
+        """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
+        thread may call it). `submit` queues the result.
 
-        Args:
-            group_id: unique id of the group (must not be running already).
-            prompt_ids: prompt token ids.
-            sampling: sampling parameters (None fields must be resolved by the caller or take defaults here).
-            n: samples in the group.
-            max_new_tokens: overrides `sampling.max_new_tokens`.
-            streaming: emit a delta after every token (else one output per sample when it finishes).
+        Args: as for `add_request`.
         Returns:
-            The request ids of the n samples.
+            The group's leader `Request` (it forks the other n - 1 samples once its prompt is computed).
         Raises:
-            ValueError: bad input (names the field).
+            ValueError: bad input, naming the field.
         """
-        if group_id in self._open_groups:
-            raise ValueError(f"request_id: {group_id!r} is already running")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not isinstance(group_id, str) or not group_id or "#" in group_id:
+            raise ValueError(f"request_id: must be a non-empty string without '#' (sample ids use it), got {group_id!r}")
+        prompt = as_prompt(prompt_ids)
+        sampling = self.resolve_sampling(sampling)
+        if not _is_int(n) or n < 1:
             raise ValueError(f"n: must be an integer >= 1, got {n!r}")
-        max_new = max_new_tokens if max_new_tokens is not None else (sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        if not _is_int(max_new) or max_new < 1:
             raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new!r}")
-        self.validate(prompt_ids, sampling, max_new)
-        leader = Request(
+        self.validate(prompt, sampling, max_new)
+        return Request(
             request_id=group_id if n == 1 else sample_id(group_id, 0),
             group_id=group_id,
             sample_index=0,
-            token_ids=list(prompt_ids),
-            num_prompt_tokens=len(prompt_ids),
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
             sampling=sampling,
             max_new_tokens=max_new,
             stop_token_ids=frozenset(sampling.stop_token_ids or ()),
@@ -157,9 +191,58 @@ class Engine:
             num_forks=n - 1,
             streaming=streaming,
         )
-        self.scheduler.add(leader)
-        self._open_groups[group_id] = n
-        return [leader.request_id] + [sample_id(group_id, i) for i in range(1, n)]
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by `prepare`.
+
+        Raises:
+            ValueError: its group id is still running.
+        """
+        if request.group_id in self._open_groups:
+            raise ValueError(f"request_id: {request.group_id!r} is already running")
+        self.scheduler.add(request)
+        self._open_groups[request.group_id] = request.num_forks + 1
+
+    def add_request(
+        self,
+        group_id: str,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        n: int = 1,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+    ) -> list[str]:
+        """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
+
+        Args:
+            group_id: unique id of the group (must not be running already).
+            prompt_ids: prompt token ids (a list, or a 1-D / (1, L) tensor or array).
+            sampling: sampling parameters (copied; None fields come from the generation config).
+            n: samples in the group; sample i is seeded from (seed, i).
+            max_new_tokens: overrides `sampling.max_new_tokens`.
+            streaming: emit a delta after every token (else one output per sample when it finishes).
+        Returns:
+            The request ids of the n samples.
+        Raises:
+            ValueError: bad input (names the field).
+        """
+        request = self.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming)
+        self.submit(request)
+        return [request.request_id] + [sample_id(group_id, i) for i in range(1, n)]
+
+    def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
+        tokens and max_new_tokens taken from the generation config where it leaves them None."""
+        if sampling is None:
+            return dataclasses.replace(self.default_sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        fill: dict[str, Any] = {}
+        if sampling.stop_token_ids is None:
+            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
+        if sampling.max_new_tokens is None:
+            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
+        return dataclasses.replace(sampling, **fill)
 
     def cancel(self, group_id: str) -> list[GenerationOutput]:
         """Abort every unfinished sample of a group; returns their final outputs (finish_reason "abort")."""
@@ -168,6 +251,7 @@ class Engine:
         return self._outputs(self.scheduler.abort(group_id))
 
     def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.block_manager import cdiv
@@ -30,7 +31,7 @@ class KVCacheShape:
     head_dim: int
 
     @classmethod
-    def from_model_config(cls, model_config) -> KVCacheShape:
+    def from_model_config(cls, model_config: PretrainedConfig) -> KVCacheShape:
         """Read layers, KV heads and head dim from a transformers `PretrainedConfig` (text config for wrappers)."""
         config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         num_heads = config.num_attention_heads

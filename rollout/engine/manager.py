@@ -1,33 +1,44 @@
 """ContinuousBatchingManager: the engine on a background thread, with queues, streaming and result handlers; plus
 `generate_batch` and `init_continuous_batching`, mirroring transformers' continuous batching API.
 
-Threads: callers only enqueue commands and read results; the engine thread alone touches the engine. Every blocking
-call takes a timeout, and a stopped manager answers at once instead of blocking.
+Threads: callers validate their request (`Engine.prepare` reads no mutable engine state), then enqueue a command;
+only the engine thread queues requests into the engine and steps it. All bookkeeping shared by the two sides lives
+under one condition variable. Every blocking call takes a timeout, and a stopped manager answers at once.
 """
 
 from __future__ import annotations
 
-import itertools
-import numbers
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine, GenerationOutput
+from rollout.engine.request import Request, sample_id
 
 logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
+
+
+@dataclass
+class _Group:
+    """Manager-side state of one added request (a group of n samples) until its last output was read."""
+
+    sample_ids: list[str]
+    unfinished: int  # samples the engine has not finished
+    unread: int  # finished samples whose final output nobody has taken yet
+    handler: Callable[[GenerationOutput], None] | None = None
 
 
 class ContinuousBatchingManager:
@@ -46,27 +57,23 @@ class ContinuousBatchingManager:
         """
         Args:
             model: a transformers causal LM.
-            generation_config: a `transformers.GenerationConfig` giving defaults for requests without SamplingParams
-                (and the stop tokens / max_new_tokens of those with); None uses `model.generation_config`.
+            generation_config: a `transformers.GenerationConfig` with defaults for requests (merged with the
+                model's own generation config as `generate` does).
             continuous_batching_config: engine settings; None uses the defaults.
         """
         self.config = continuous_batching_config or ContinuousBatchingConfig()
-        self.generation_config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-        self.default_sampling = SamplingParams.from_generation_config(self.generation_config)
-        self.engine = Engine(model, self.config)
+        self.engine = Engine(model, self.config, generation_config)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._results: deque[GenerationOutput] = deque()
-        self._results_ready = threading.Condition()
-        self._handlers: dict[str, Callable[[GenerationOutput], None]] = {}
-        self._open: dict[str, list[str]] = {}  # group id -> sample ids, until every sample finished
-        self._samples_left: dict[str, int] = {}
-        # group id -> finished samples not yet read by get_result (request_id_iter needs the group size until then)
-        self._unread: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._sample_groups: dict[str, str] = {}  # sample id "<group>#<i>" -> group id, for groups of n > 1
+        self._early_handlers: dict[str, Callable[[GenerationOutput], None]] = {}  # registered before add_request
         self._num_queued = 0  # groups added but not yet handed to the engine
+        self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
+        self._next_id = 0
         self.started_at: float | None = None
         self.error: BaseException | None = None
 
@@ -87,7 +94,7 @@ class ContinuousBatchingManager:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine thread; unfinished requests end with finish_reason "abort".
+        """Stop the engine thread; unfinished requests end with finish_reason "abort". New requests are refused.
 
         Args:
             block: wait for the thread to finish.
@@ -125,7 +132,7 @@ class ContinuousBatchingManager:
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(
         self,
-        input_ids: list[int],
+        input_ids: Any,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
@@ -135,110 +142,117 @@ class ContinuousBatchingManager:
         """Queue a prompt for `n` samples; they share the prompt's KV.
 
         Args:
-            input_ids: prompt token ids.
+            input_ids: prompt token ids (a list, or a 1-D / (1, L) tensor).
             request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id "<id>#<i>".
             max_new_tokens: overrides the sampling / generation config value.
             streaming: deliver a delta (new tokens only) after every token instead of one final output.
             n: number of samples (a GRPO group); sample i is seeded from (seed, i).
-            sampling: per-request SamplingParams; None fields are filled from the generation config.
+            sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
         Returns:
             The request (group) id.
         Raises:
             ValueError: bad input, naming the field. QueueFullError: `max_queue_size` requests already wait.
+            RuntimeError: the manager was stopped.
         """
-        if request_id is None:
-            request_id = f"req_{next(self._ids)}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.flatten().tolist()
-        # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
-        input_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
-        sampling = self._resolve_sampling(sampling)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n: must be an integer >= 1, got {n!r}")
-        max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
-        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-        SamplingParams(max_new_tokens=max_new)  # raises naming max_new_tokens when invalid
-        self.engine.validate(input_ids, sampling, max_new)
-        with self._lock:
-            if request_id in self._open:
+        with self._state:
+            if request_id is None:
+                request_id = f"req_{self._next_id}"
+                self._next_id += 1
+        request = self.engine.prepare(request_id, input_ids, sampling, n, max_new_tokens, streaming)
+        with self._state:
+            if self._closed:
+                raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
+            if request_id in self._groups:
                 raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
             if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
-            self._open[request_id] = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-            self._samples_left[request_id] = n
-            self._unread[request_id] = n
+            sample_ids = [request_id] if n == 1 else [sample_id(request_id, i) for i in range(n)]
+            self._groups[request_id] = _Group(sample_ids, n, n, self._early_handlers.pop(request_id, None))
+            self._sample_groups.update((sid, request_id) for sid in sample_ids if sid != request_id)
             self._num_queued += 1
-        self._commands.put(("add", (request_id, list(input_ids), sampling, n, max_new, streaming)))
+            self._commands.put(("add", request))
         return request_id
 
     def cancel_request(self, request_id: str) -> None:
         """Abort a request (every sample of its group); each delivers its partial output with finish_reason "abort".
+        Unknown or finished ids are ignored.
 
         Args:
             request_id: the id returned by `add_request`, or one sample's id ("<id>#<i>").
         """
-        group_id = request_id
-        if group_id not in self._open and "#" in request_id:
-            group_id = request_id.rsplit("#", 1)[0]
-        self._commands.put(("cancel", group_id))
+        group_id = self._group_of(request_id)
+        if group_id is not None:
+            self._commands.put(("cancel", group_id))
 
-    def _resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
-        if sampling is None:
-            return self.default_sampling
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        fill = {}
-        if sampling.stop_token_ids is None:
-            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
-        if sampling.max_new_tokens is None and self.default_sampling.max_new_tokens is not None:
-            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
-        return sampling.merged(**fill) if fill else sampling
+    def _group_of(self, request_id: str | None) -> str | None:
+        with self._state:
+            if request_id in self._groups:
+                return request_id
+            return self._sample_groups.get(request_id)
 
     # ---- results ----------------------------------------------------------------------------------------------
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
-        """Call `callback(output)` on the engine thread for every output of `request_id` (instead of queueing it).
-        Keep it quick; exceptions it raises are logged and ignored."""
-        self._handlers[request_id] = callback
+        """Call `callback(output)` for every output of a request instead of queueing it: first for outputs already
+        waiting, then on the engine thread as they come. Keep it quick; exceptions it raises are logged.
+
+        Args:
+            request_id: a request (group) id or one of its sample ids; an id not added yet is remembered until
+                `add_request` uses it (registering first guarantees no output is missed).
+            callback: receives each `GenerationOutput`.
+        """
+        with self._state:
+            group_id = self._group_of(request_id)
+            if group_id is None:  # not added yet: add_request picks it up
+                self._early_handlers[request_id] = callback
+                return
+            waiting = [output for output in self._results if output.group_id == group_id]
+            for output in waiting:
+                self._results.remove(output)
+            self._groups[group_id].handler = callback
+            for output in waiting:
+                self._call_handler(callback, output)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """Next output (of `request_id`'s group if given). Returns None on timeout, or at once when the manager is
-        not running and nothing matching is pending (so it never blocks forever).
+        not running and nothing matching is waiting, so it never blocks forever.
 
         Args:
             request_id: a group id or a sample id; None takes any request's output.
             timeout: most seconds to wait (None: until an output arrives or the manager stops).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._results_ready:
+        with self._state:
             while True:
-                for index, output in enumerate(self._results):
+                for output in self._results:
                     if request_id is None or request_id in (output.group_id, output.request_id):
-                        del self._results[index]
+                        self._results.remove(output)
                         if output.is_finished:
                             self._mark_read(output.group_id)
                         return output
-                if not self.is_running() and self._commands.empty():
+                if not self.is_running():
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._results_ready.wait(0.1 if remaining is None else min(remaining, 0.1))
+                self._state.wait(0.1 if remaining is None else min(remaining, 0.1))
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Yield the outputs of a request (deltas when streaming) until every one of its samples finished.
 
         Args:
-            request_id: the id given to / returned by `add_request`.
-            timeout: most seconds to wait for each output; the iterator ends early if it passes.
+            request_id: the id given to / returned by `add_request` (or one sample's id).
+            timeout: most seconds to wait for each output.
+        Raises:
+            TimeoutError: no output came within `timeout`, or the manager stopped with the request unfinished.
         """
-        samples_left = self._unread.get(request_id, 1)
+        with self._state:
+            group = self._groups.get(request_id)
+            samples_left = group.unread if group is not None else int(self._group_of(request_id) is not None)
         while samples_left:
             output = self.get_result(request_id, timeout)
             if output is None:
-                return
+                raise TimeoutError(f"request {request_id!r}: no output within {timeout} s (or the manager stopped)")
             samples_left -= output.is_finished
             yield output
 
@@ -256,16 +270,25 @@ class ContinuousBatchingManager:
             self._shutdown(reason=None if self.error is None else f"engine thread failed: {self.error!r}")
 
     def _shutdown(self, reason: str | None = None) -> None:
-        """End everything still queued or running and give the model its attention implementation back."""
-        self._abort_all(reason)
+        """Refuse new requests, end everything still queued or running, release the model."""
+        with self._state:
+            self._closed = True
+        while True:
+            try:
+                command, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command == "add":
+                self._end_unstarted(payload, "abort" if reason is None else "error", reason)
+        for group_id in list(self.engine._open_groups):
+            outputs = self.engine.cancel(group_id)
+            if reason is not None:
+                for output in outputs:
+                    output.finish_reason, output.error = "error", reason
+            self._deliver(outputs)
         self.engine.close()
-
-    def drain_commands(self) -> None:
-        """Hand queued requests and cancellations to the engine now. Only for callers that drive the engine
-        themselves (generate_batch) while the engine thread is not running."""
-        if self.is_running():
-            raise RuntimeError("drain_commands() would race with the running engine thread")
-        self._drain_commands(block=False)
+        with self._state:
+            self._state.notify_all()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -281,81 +304,64 @@ class ContinuousBatchingManager:
 
     def _apply(self, command: str, payload: Any) -> None:
         if command == "add":
-            request_id, input_ids, sampling, n, max_new, streaming = payload
-            with self._lock:
+            with self._state:
                 self._num_queued -= 1
             try:
-                self.engine.add_request(request_id, input_ids, sampling, n, max_new, streaming)
-            except ValueError as error:  # validated at submit time; a failure here still reaches the caller
-                self._end_unstarted(request_id, input_ids, "error", str(error))
+                self.engine.submit(payload)
+            except ValueError as error:  # e.g. its id is still running in the engine: the caller still hears back
+                self._end_unstarted(payload, "error", str(error))
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
 
-    def _end_unstarted(self, group_id: str, prompt_ids: list[int], reason: str, error: str | None) -> None:
-        """Final outputs for a group the engine never took (rejected late, or the manager stopped first)."""
-        sample_ids = self._open.get(group_id, [group_id])
-        outputs = [
-            GenerationOutput(sid, group_id, i, list(prompt_ids), finish_reason=reason, error=error, is_finished=True)
-            for i, sid in enumerate(sample_ids)
-        ]
-        self._deliver(outputs)
+    def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
+        """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
+        if request.num_forks == 0:
+            sample_ids = [request.request_id]
+        else:
+            sample_ids = [sample_id(request.group_id, i) for i in range(request.num_forks + 1)]
+        self._deliver(
+            [
+                GenerationOutput(sid, request.group_id, i, request.prompt_ids, finish_reason=reason, error=error,
+                                 is_finished=True)
+                for i, sid in enumerate(sample_ids)
+            ]
+        )
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         if not outputs:
             return
-        queued = []
-        for output in outputs:
-            handler = self._handlers.get(output.group_id)
-            if handler is not None:
-                try:
-                    handler(output)
-                except Exception:  # noqa: BLE001
-                    logger.exception("result handler for %s raised", output.group_id)
-                if output.is_finished:
-                    self._mark_read(output.group_id)
-            else:
-                queued.append(output)
-            if output.is_finished:
-                self._sample_finished(output.group_id)
-        with self._results_ready:
-            self._results.extend(queued)
-            self._results_ready.notify_all()
+        with self._state:
+            for output in outputs:
+                group = self._groups.get(output.group_id)
+                if group is not None and group.handler is not None:
+                    self._call_handler(group.handler, output)
+                    if output.is_finished:
+                        self._mark_read(output.group_id)
+                else:
+                    self._results.append(output)
+                if output.is_finished and group is not None:
+                    group.unfinished -= 1
+                    self._forget_if_done(output.group_id)
+            self._state.notify_all()
+
+    def _call_handler(self, callback: Callable[[GenerationOutput], None], output: GenerationOutput) -> None:
+        try:
+            callback(output)
+        except Exception:  # noqa: BLE001 - a user callback must not kill the engine thread
+            logger.exception("result handler for %s raised", output.group_id)
 
     def _mark_read(self, group_id: str) -> None:
-        with self._lock:
-            left = self._unread.get(group_id, 1) - 1
-            if left > 0:
-                self._unread[group_id] = left
-            else:
-                self._unread.pop(group_id, None)
+        group = self._groups.get(group_id)
+        if group is not None:
+            group.unread -= 1
+            self._forget_if_done(group_id)
 
-    def _sample_finished(self, group_id: str) -> None:
-        with self._lock:
-            left = self._samples_left.get(group_id, 0) - 1
-            if left > 0:
-                self._samples_left[group_id] = left
-                return
-            self._samples_left.pop(group_id, None)
-            self._open.pop(group_id, None)
-        self._handlers.pop(group_id, None)
-
-    def _abort_all(self, reason: str | None = None) -> None:
-        """End everything still queued or running (on stop, or when the engine thread died)."""
-        while True:
-            try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command == "add":
-                with self._lock:
-                    self._num_queued -= 1
-                self._end_unstarted(payload[0], payload[1], "abort" if reason is None else "error", reason)
-        for group_id in list(self._open):
-            outputs = self.engine.cancel(group_id)
-            if reason is not None:
-                for output in outputs:
-                    output.finish_reason, output.error = "error", reason
-            self._deliver(outputs)
+    def _forget_if_done(self, group_id: str) -> None:
+        group = self._groups[group_id]
+        if group.unfinished <= 0 and group.unread <= 0:
+            del self._groups[group_id]
+            for sid in group.sample_ids:
+                self._sample_groups.pop(sid, None)
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -382,7 +388,7 @@ def init_continuous_batching(
 
     Args:
         model: a transformers causal LM.
-        generation_config: default sampling settings (`transformers.GenerationConfig`); None: the model's own.
+        generation_config: default sampling settings (`transformers.GenerationConfig`), merged with the model's own.
         continuous_batching_config: engine settings.
     """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
@@ -398,12 +404,12 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a list of prompts with continuous batching and return them all.
 
-    Runs the engine loop in the calling thread (no background thread: nothing to hand over between threads).
+    Runs the engine loop in the calling thread (no background thread, no queue limit).
 
     Args:
         model: a transformers causal LM.
         inputs: prompts as lists of token ids.
-        generation_config: a `transformers.GenerationConfig` for default sampling settings.
+        generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
         continuous_batching_config: engine settings.
         progress_bar: show a tqdm bar of finished samples.
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt).
@@ -420,24 +426,17 @@ def generate_batch(
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
     if len(per_prompt) != len(inputs):
         raise ValueError(f"sampling: got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
-    manager = init_continuous_batching(model, generation_config, continuous_batching_config)
-    engine = manager.engine
+    engine = Engine(model, continuous_batching_config, generation_config)
     results: dict[str, GenerationOutput] = {}
     try:
-        order = []
+        order: list[str] = []
         for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
-            # The manager validates and resolves defaults exactly as for a served request; its queue is drained here.
-            group = manager.add_request(prompt, f"req_{index}", max_new_tokens, n=n, sampling=params)
-            order += [group] if n == 1 else [f"{group}#{i}" for i in range(n)]
-        manager.drain_commands()
+            order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens)
         with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
             while engine.has_unfinished():
                 for output in engine.step():
                     results[output.request_id] = output
                     bar.update(1)
-        # Requests the engine refused when they were handed over end with an error output in the manager's queue.
-        while (output := manager.get_result(timeout=0)) is not None:
-            results[output.request_id] = output
     finally:
-        manager.stop(block=True)
+        engine.close()
     return {request_id: results[request_id] for request_id in order}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import weakref
+from dataclasses import dataclass
 
 import torch
 
-from rollout.engine.attention import PagedAttentionMetadata, register_paged_attention
+from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.scheduler import ScheduledBatch
 
@@ -24,17 +26,18 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
-        self._original_attn = model.config._attn_implementation
-        model.set_attn_implementation(register_paged_attention())
+        _acquire(model)
+        self._closed = False
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     def close(self) -> None:
-        """Give the model back its original attention implementation (idempotent)."""
-        if self._original_attn is not None:
-            self.model.set_attn_implementation(self._original_attn)
-            self._original_attn = None
+        """Release the model: the last runner to close gives it back its attention implementation and training
+        mode. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            _release(self.model)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -43,6 +46,11 @@ class ModelRunner:
         Returns:
             fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
         """
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                f"the model's attention implementation was changed to {self.model.config._attn_implementation!r} "
+                "while an engine is using it"
+            )
         # 1. Block moves, in an order that never reads a block after it was overwritten.
         self.kv_cache.swap_out(batch.swap_out)
         self.kv_cache.swap_in(batch.swap_in)
@@ -81,3 +89,33 @@ def _pad_table(tables: list[list[int]]) -> torch.Tensor:
     padded = torch.zeros(len(tables), width, dtype=torch.long)
     padded[torch.arange(width) < counts.unsqueeze(1)] = flat
     return padded
+
+
+@dataclass
+class _Holder:
+    """What the engines sharing one model must give back when the last one closes."""
+
+    engines: int
+    attn_implementation: str
+    was_training: bool
+
+
+_HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
+
+
+def _acquire(model: torch.nn.Module) -> None:
+    holder = _HOLDERS.get(model)
+    if holder is None:
+        holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, model.training)
+        model.set_attn_implementation(register_paged_attention())
+        model.eval()
+    holder.engines += 1
+
+
+def _release(model: torch.nn.Module) -> None:
+    holder = _HOLDERS[model]
+    holder.engines -= 1
+    if holder.engines == 0:
+        del _HOLDERS[model]
+        model.set_attn_implementation(holder.attn_implementation)
+        model.train(holder.was_training)

@@ -95,6 +95,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """True once the request ended (any finish reason)."""
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.config import SamplingParams
 from rollout.engine.request import Request
 
 _SEED_MASK = (1 << 63) - 1
@@ -128,7 +129,7 @@ class Sampler:
                 seen[token] = True
                 counts[token] += 1
 
-    def _warp(self, scores: torch.Tensor, params: list) -> torch.Tensor:
+    def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Steps 3-6 on the sampling rows (same semantics as transformers' warpers)."""
         device = scores.device
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype).unsqueeze(1)

@@ -52,10 +52,12 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed in this step."""
         return sum(seq.num_tokens for seq in self.sequences)
 
     @property
     def is_empty(self) -> bool:
+        """True when nothing is computed in this step."""
         return not self.sequences
 
 
@@ -89,6 +91,7 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------------------------------
     def next_arrival(self) -> int:
+        """A fresh arrival number (larger is newer)."""
         self._arrivals += 1
         return self._arrivals
 
@@ -99,9 +102,11 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for admission (new, preempted or swapped out)."""
         return len(self.waiting) + len(self.swapped)
 
     def has_unfinished(self) -> bool:
+        """True while any request is waiting, swapped or running."""
         return bool(self.waiting or self.swapped or self.running)
 
     def abort(self, group_id: str) -> list[Request]:
@@ -170,8 +175,9 @@ class Scheduler:
                 self.block_manager.blocks_needed(request, num_new)
             ):
                 continue
+            first_new_sample = len(batch.samples)
             self._add_to_batch(batch, request, num_new)
-            in_batch.update(id(sampled) for sampled, _ in batch.samples)
+            in_batch.update(id(sampled) for sampled, _ in batch.samples[first_new_sample:])
             in_batch.add(id(request))
             budget[0] -= num_new
 
