@@ -98,11 +98,18 @@ def run_rollout(model, prompts, max_new, workload: Workload) -> tuple[float, lis
 
 
 def run_transformers_generate_batch(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
-    """transformers' continuous batching manager, each request with its own max_new_tokens."""
+    """transformers' continuous batching manager, each request with its own max_new_tokens, with our cache size,
+    page size, token budget and batch width."""
+    from transformers import ContinuousBatchingConfig as TransformersConfig
     from transformers import GenerationConfig
 
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=generation_config)
+    # The same cache and batch shape as ours (page = block), so neither side wins on settings alone.
+    engine = workload.engine_config
+    settings = dict(max_batch_tokens=engine["max_batch_tokens"], max_requests_per_batch=engine["max_num_seqs"],
+                    page_size=engine["block_size"], num_blocks=engine.get("num_blocks"))
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=TransformersConfig(**settings))
     _sync(workload.device)
     start = time.perf_counter()
     manager.start()
