@@ -47,7 +47,7 @@ class ScheduledBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests that ended while scheduling (they can never fit); they need no compute.
     finished: list[Request] = field(default_factory=list)
-    # Requests preempted while scheduling; nothing is admitted in such a step (no swap-out/swap-in ping-pong).
+    # Requests preempted while scheduling; after a preemption nothing more is admitted in the step (no ping-pong).
     num_preempted: int = 0
 
     @property
