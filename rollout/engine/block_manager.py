@@ -95,11 +95,13 @@ class BlockManager:
             copies.append((shared, private))
         while len(request.block_ids) * self.block_size < start + num_new_tokens:
             request.block_ids.append(self._take_free_block())
+        request.blocks_version += 1
         return copies
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make `child` share every block of `parent` (ref counts +1)."""
         child.block_ids = list(parent.block_ids)
+        child.blocks_version += 1
         for block in child.block_ids:
             self.ref_counts[block] += 1
 
@@ -116,6 +118,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         request.block_ids = []
+        request.blocks_version += 1
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -176,6 +179,7 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         request.block_ids = list(blocks)
+        request.blocks_version += 1
         request.block_hashes = list(hashes)
         request.num_computed_tokens = len(blocks) * self.block_size
 
@@ -224,6 +228,7 @@ class BlockManager:
         self.free_swap_blocks.extend(request.swap_block_ids)
         request.swap_block_ids = []
         request.block_ids = device_blocks
+        request.blocks_version += 1
         return copies
 
     def check_all_free(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.request import Request
 from rollout.engine.scheduler import ScheduledBatch
 
 
@@ -28,9 +29,20 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         _acquire(model)
         self._closed = False
+        # Per request (weakly held: finished requests drop out): (blocks_version, block ids tensor).
+        self._block_tables: weakref.WeakKeyDictionary[Request, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    def _block_table(self, request: Request) -> torch.Tensor:
+        """The request's block ids as a tensor, rebuilt only when its blocks changed (once per block_size tokens),
+        so a step's host work does not grow with the context."""
+        cached = self._block_tables.get(request)
+        if cached is None or cached[0] != request.blocks_version:
+            cached = (request.blocks_version, torch.tensor(request.block_ids, dtype=torch.long))
+            self._block_tables[request] = cached
+        return cached[1]
 
     def close(self) -> None:
         """Release the model: the last runner to close gives it back its attention implementation and training
@@ -62,8 +74,10 @@ class ModelRunner:
             input_ids.extend(seq.request.token_ids[seq.start : seq.start + seq.num_tokens])
             starts.append(seq.start)
             lengths.append(seq.num_tokens)
-            tables.append(seq.request.block_ids)
-        metadata, positions = PagedAttentionMetadata.build(self.kv_cache, starts, lengths, _pad_table(tables), self.device)
+            tables.append(self._block_table(seq.request))
+        # Padding with block 0 is harmless: attention masks every position past a sequence's context.
+        block_table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+        metadata, positions = PagedAttentionMetadata.build(self.kv_cache, starts, lengths, block_table, self.device)
         ends = torch.cumsum(torch.tensor(lengths), 0) - 1
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 3. Forward; logits only at the positions that get sampled.
@@ -81,14 +95,6 @@ class ModelRunner:
         return logits.float()
 
 
-def _pad_table(tables: list[list[int]]) -> torch.Tensor:
-    """Stack block lists into a (sequences, longest) tensor padded with block 0 (masked out by attention)."""
-    width = max(len(table) for table in tables)
-    flat = torch.tensor([block for table in tables for block in table], dtype=torch.long)
-    counts = torch.tensor([len(table) for table in tables])
-    padded = torch.zeros(len(tables), width, dtype=torch.long)
-    padded[torch.arange(width) < counts.unsqueeze(1)] = flat
-    return padded
 
 
 @dataclass

@@ -53,6 +53,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Bumped by the block manager whenever block_ids changes, so the model runner can cache its tensor form.
+    blocks_version: int = 0
     # CPU swap blocks holding this request's KV while SWAPPED.
     swap_block_ids: list[int] = field(default_factory=list)
     # Chained hash of each of this request's full, computed blocks, in order (prefix caching).
