@@ -1,0 +1,286 @@
+"""The wire protocol between trainers and rollout workers: every message is a dataclass, one codec turns it into
+bytes. `trainer_bridge` imports this module (and nothing else from `rollout`) on the trainer side.
+
+Transport: ZeroMQ multipart messages. A worker binds a ROUTER socket; clients connect DEALER sockets (the ROUTER
+adds and strips the client's identity frame). Frame 0 of every message is a msgpack map, the header:
+
+    {"protocol": 1, "type": "<message type>", <the message's fields>}
+
+Frames after the header carry raw tensor bytes (weight updates only), described by the header, never pickled.
+Decoding checks the protocol version, the type, and every field's presence and type; anything wrong raises
+`ProtocolError`, whose `field` names the culprit ("header" for undecodable bytes), and the worker answers with an
+`Error` message carrying that field.
+
+Messages (client -> worker, then what the worker answers):
+
+| type      | fields                                                                  | answer                          |
+|-----------|-------------------------------------------------------------------------|---------------------------------|
+| hello     | -                                                                       | hello_reply                     |
+| generate  | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = {},| delta* (stream only), then      |
+|           | stream: bool = false                                                    | group_result; or error          |
+| cancel    | group_id: str                                                           | group_result (abort) or error   |
+| ping      | nonce: int = 0                                                          | pong                            |
+| stats     | -                                                                       | stats_reply                     |
+
+Worker -> client:
+
+| type         | fields                                                                                          |
+|--------------|-------------------------------------------------------------------------------------------------|
+| hello_reply  | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any}        |
+| delta        | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int      |
+| group_result | group_id: str, prompt_ids: [int], completions: [Completion as a map]                            |
+| pong         | nonce: int, policy_version: int                                                                 |
+| stats_reply  | stats: {str: any}                                                                               |
+| error        | code: str, message: str, field: str or nil, group_id: str or nil                                |
+
+A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
+"abort" | "error", error: str or nil, policy_versions: [[version, first token index], ...] (run-length encoded),
+kv_version_min: int. `sampling` takes the field names of `rollout.SamplingParams`. Error codes: "bad_request"
+(a field is wrong), "busy" (the queue is full: retry later), "unknown_group", "duplicate_group", "internal".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded or has a wrong field.
+
+    Attributes:
+        field: the offending field ("header" when the bytes are not a message at all, "type" for unknown types).
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    """Base of every wire message; subclasses set TYPE."""
+
+    TYPE: ClassVar[str] = ""
+
+
+# ---- client -> worker --------------------------------------------------------------------------------------------
+@dataclass
+class Hello(Message):
+    """Ask the worker what it serves."""
+
+    TYPE: ClassVar[str] = "hello"
+
+
+@dataclass
+class Generate(Message):
+    """Generate `n` samples of one prompt (a GRPO group); the worker prefills the prompt once."""
+
+    TYPE: ClassVar[str] = "generate"
+    group_id: str
+    prompt_ids: list[int]
+    n: int = 1
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+
+
+@dataclass
+class Cancel(Message):
+    """Abort every sample of a group; its group_result comes back with finish_reason "abort"."""
+
+    TYPE: ClassVar[str] = "cancel"
+    group_id: str
+
+
+@dataclass
+class Ping(Message):
+    """Liveness check (heartbeat)."""
+
+    TYPE: ClassVar[str] = "ping"
+    nonce: int = 0
+
+
+@dataclass
+class Stats(Message):
+    """Ask for the worker's counters."""
+
+    TYPE: ClassVar[str] = "stats"
+
+
+# ---- worker -> client --------------------------------------------------------------------------------------------
+@dataclass
+class HelloReply(Message):
+    """What the worker serves."""
+
+    TYPE: ClassVar[str] = "hello_reply"
+    model: str
+    vocab_size: int
+    max_model_len: int
+    policy_version: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Delta(Message):
+    """New tokens of one streaming sample (only the new ones)."""
+
+    TYPE: ClassVar[str] = "delta"
+    group_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+
+
+@dataclass
+class Completion:
+    """One finished sample of a group (travels as a map inside GroupResult)."""
+
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    error: str | None = None
+    # Run-length encoded policy versions: [version, index of the first token it sampled] pairs.
+    policy_versions: list[list[int]] = field(default_factory=list)
+    # Oldest policy version behind this sample's KV.
+    kv_version_min: int = 0
+
+
+@dataclass
+class GroupResult(Message):
+    """Every sample of a group, once all finished."""
+
+    TYPE: ClassVar[str] = "group_result"
+    group_id: str
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+@dataclass
+class Pong(Message):
+    """Answer to ping."""
+
+    TYPE: ClassVar[str] = "pong"
+    nonce: int
+    policy_version: int
+
+
+@dataclass
+class StatsReply(Message):
+    """The worker's counters."""
+
+    TYPE: ClassVar[str] = "stats_reply"
+    stats: dict[str, Any]
+
+
+@dataclass
+class Error(Message):
+    """A request was refused or failed; `field` names the culprit when a field was wrong."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    field: str | None = None
+    group_id: str | None = None
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, Generate, Cancel, Ping, Stats, HelloReply, Delta, GroupResult, Pong, StatsReply, Error)
+}
+
+
+# ---- codec -------------------------------------------------------------------------------------------------------
+def encode(message: Message) -> list[bytes]:
+    """Turn a message into ZeroMQ frames (header first)."""
+    header = {"protocol": PROTOCOL_VERSION, "type": message.TYPE}
+    for item in dataclasses.fields(message):
+        header[item.name] = _plain(getattr(message, item.name))
+    return [msgpack.packb(header, use_bin_type=True)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Turn ZeroMQ frames back into a message, checking version, type and every field.
+
+    Raises:
+        ProtocolError: naming the field that is missing, unknown or of the wrong type.
+    """
+    if not frames:
+        raise ProtocolError("header", "empty message")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+    except Exception as error:  # noqa: BLE001 - any undecodable input is the sender's fault
+        raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header", f"expected a map, got {type(header).__name__}")
+    if header.get("protocol") != PROTOCOL_VERSION:
+        raise ProtocolError("protocol", f"expected protocol version {PROTOCOL_VERSION}, got {header.get('protocol')!r}")
+    cls = MESSAGE_TYPES.get(header.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError("type", f"unknown message type {header.get('type')!r}")
+    return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, prefix="")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {item.name: item for item in dataclasses.fields(cls)}
+    extra = sorted(set(values) - set(known), key=str)
+    if extra:
+        raise ProtocolError(f"{prefix}{extra[0]}", f"unknown field for {getattr(cls, 'TYPE', cls.__name__)!r}")
+    kwargs = {}
+    for name, item in known.items():
+        if name not in values:
+            if item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{prefix}{name}", "missing")
+            continue
+        kwargs[name] = _check(values[name], hints[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _check(value: Any, annotation: Any, name: str) -> Any:
+    """Return `value` if it matches `annotation` (converting maps into dataclasses), else raise naming `name`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _check(value, next(a for a in args if a is not type(None)), name)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ProtocolError(name, f"expected a map, got {type(value).__name__}")
+        return _build(annotation, value, prefix=f"{name}.")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(name, f"expected a list, got {type(value).__name__}")
+        return [_check(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ProtocolError(name, "expected a map with string keys")
+        return {k: _check(v, args[1], f"{name}.{k}") for k, v in value.items()}
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ProtocolError(name, f"expected a number, got {type(value).__name__}")
+    if annotation in (int, str, bool):
+        if type(value) is not annotation:
+            raise ProtocolError(name, f"expected {annotation.__name__}, got {type(value).__name__}")
+        return value
+    raise TypeError(f"protocol field {name} has an unsupported annotation {annotation!r}")  # a bug of ours
