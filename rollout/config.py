@@ -1,7 +1,7 @@
 """Validated configuration dataclasses: the engine's `ContinuousBatchingConfig` and per-request `SamplingParams`.
 
 Field names follow transformers' continuous batching where the concept is the same, so its users can carry their
-settings over. Every field is checked in `__post_init__`; a bad value raises `ValueError` naming the field.
+settings over. Every field is checked in `__post_init__`; a bad value raises `FieldError` (a ValueError) naming the field.
 """
 
 from __future__ import annotations
@@ -16,10 +16,19 @@ LOGPROB_MODES = ("processed", "raw")
 DEFAULT_MAX_NEW_TOKENS = 256
 
 
+class FieldError(ValueError):
+    """Bad input, naming the field that is wrong (the service turns it into an error reply carrying `field`)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 def _check(condition: bool, name: str, reason: str, value: Any) -> None:
-    """Raise a ValueError naming the field `name` when `condition` is false."""
+    """Raise a FieldError naming the field `name` when `condition` is false."""
     if not condition:
-        raise ValueError(f"{name}={value!r} is invalid: {reason}")
+        raise FieldError(name, f"{value!r} is invalid: {reason}")
 
 
 def _is_int(value: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, SamplingParams, _is_int
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner
@@ -70,11 +70,11 @@ def as_prompt(input_ids: Any) -> list[int]:
         if array.dim() == 2 and array.shape[0] == 1:
             array = array[0]
         if array.dim() != 1 or array.is_floating_point():
-            raise ValueError(f"input_ids: expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} "
+            raise FieldError("input_ids", f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} "
                              f"of shape {tuple(array.shape)}")
         return array.tolist()
     if not isinstance(input_ids, (list, tuple)):
-        raise ValueError(f"input_ids: expected a list of token ids, got {type(input_ids).__name__}")
+        raise FieldError("input_ids", f"expected a list of token ids, got {type(input_ids).__name__}")
     # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
     return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
 
@@ -97,7 +97,8 @@ class Engine:
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
         if unsupported:
-            raise ValueError(f"model: layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
+            supported = sorted(SUPPORTED_LAYER_TYPES)
+            raise FieldError("model", f"layer types {unsupported} are not supported (only {supported})")
         self.default_sampling = SamplingParams.from_generation_config(
             generation_config, getattr(model, "generation_config", None)
         )
@@ -127,26 +128,26 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
-        """Raise ValueError naming the field when a request can never be served by this model."""
+        """Raise FieldError naming the field when a request can never be served by this model."""
         if not prompt_ids:
-            raise ValueError("input_ids: the prompt must be a non-empty list of token ids")
+            raise FieldError("input_ids", "the prompt must be a non-empty list of token ids")
         for position, token in enumerate(prompt_ids):
             if not _is_token(token, self.vocab_size):
-                raise ValueError(
-                    f"input_ids: {token!r} at position {position} is not a token id in [0, {self.vocab_size})"
-                )
+                reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
+                raise FieldError("input_ids", reason)
         if len(prompt_ids) + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens"
+            raise FieldError(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {self.max_model_len} tokens",
             )
         bad_stops = [t for t in (sampling.stop_token_ids or ()) if t >= self.vocab_size]
         if bad_stops:
-            raise ValueError(f"stop_token_ids: {bad_stops} outside the vocabulary [0, {self.vocab_size})")
+            raise FieldError("stop_token_ids", f"{bad_stops} outside the vocabulary [0, {self.vocab_size})")
         if sampling.top_logprobs and not self.config.return_logprobs:
-            raise ValueError("top_logprobs: needs ContinuousBatchingConfig(return_logprobs=True)")
+            raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
-            raise ValueError(f"top_k: {sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+            raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
 
     def prepare(
         self,
@@ -167,15 +168,16 @@ class Engine:
             ValueError: bad input, naming the field.
         """
         if not isinstance(group_id, str) or not group_id or "#" in group_id:
-            raise ValueError(f"request_id: must be a non-empty string without '#' (sample ids use it), got {group_id!r}")
+            reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
+            raise FieldError("request_id", reason)
         prompt = as_prompt(prompt_ids)
         sampling = self.resolve_sampling(sampling)
         if not _is_int(n) or n < 1:
-            raise ValueError(f"n: must be an integer >= 1, got {n!r}")
+            raise FieldError("n", f"must be an integer >= 1, got {n!r}")
         max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
         max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
         if not _is_int(max_new) or max_new < 1:
-            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {max_new!r}")
+            raise FieldError("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
         self.validate(prompt, sampling, max_new)
         return Request(
             request_id=group_id if n == 1 else sample_id(group_id, 0),
@@ -199,7 +201,7 @@ class Engine:
             ValueError: its group id is still running.
         """
         if request.group_id in self._open_groups:
-            raise ValueError(f"request_id: {request.group_id!r} is already running")
+            raise FieldError("request_id", f"{request.group_id!r} is already running")
         self.scheduler.add(request)
         self._open_groups[request.group_id] = request.num_forks + 1
 
@@ -236,7 +238,7 @@ class Engine:
         if sampling is None:
             return dataclasses.replace(self.default_sampling)
         if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
         fill: dict[str, Any] = {}
         if sampling.stop_token_ids is None:
             fill["stop_token_ids"] = self.default_sampling.stop_token_ids

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.engine.engine import Engine, GenerationOutput
 from rollout.engine.request import Request, sample_id
 
@@ -163,7 +163,7 @@ class ContinuousBatchingManager:
             if self._closed:
                 raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
             if request_id in self._groups:
-                raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
+                raise FieldError("request_id", f"{request_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
             if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
@@ -425,7 +425,7 @@ def generate_batch(
         raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
     if len(per_prompt) != len(inputs):
-        raise ValueError(f"sampling: got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
+        raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
     engine = Engine(model, continuous_batching_config, generation_config)
     results: dict[str, GenerationOutput] = {}
     try:
