@@ -41,7 +41,14 @@ def _is_number(value: Any) -> bool:
 
 # GenerationConfig fields that map onto SamplingParams.
 _GENERATION_FIELDS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "do_sample", "max_new_tokens", "min_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "do_sample",
+    "max_new_tokens",
+    "min_new_tokens",
     "eos_token_id",
 )
 # transformers' global generation defaults for those fields (GenerationConfig._get_default_generation_params).
@@ -86,7 +93,12 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0", self.temperature)
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a number >= 0",
+            self.temperature,
+        )
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)", self.top_k)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
@@ -99,7 +111,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, "must be a number in [-2, 2]", value)
-        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0, "min_new_tokens", "must be an integer >= 0", self.min_new_tokens)
+        _check(
+            _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            "must be an integer >= 0",
+            self.min_new_tokens,
+        )
         if self.max_new_tokens is not None:
             _check(
                 _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -111,7 +128,8 @@ class SamplingParams:
             if _is_int(self.stop_token_ids):
                 self.stop_token_ids = (self.stop_token_ids,)
             _check(
-                isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                isinstance(self.stop_token_ids, (list, tuple))
+                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
                 "must be a list of non-negative token ids",
                 self.stop_token_ids,
@@ -121,7 +139,12 @@ class SamplingParams:
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
         _check(self.logprob_mode in LOGPROB_MODES, "logprob_mode", f"must be one of {LOGPROB_MODES}", self.logprob_mode)
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 100, "top_logprobs", "must be an integer in [0, 100]", self.top_logprobs)
+        _check(
+            _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 100,
+            "top_logprobs",
+            "must be an integer in [0, 100]",
+            self.top_logprobs,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -141,7 +164,9 @@ class SamplingParams:
         """
         values: dict[str, Any] = {}
         for name in _GENERATION_FIELDS:
-            value = next((getattr(c, name, None) for c in generation_configs if getattr(c, name, None) is not None), None)
+            value = next(
+                (getattr(c, name, None) for c in generation_configs if getattr(c, name, None) is not None), None
+            )
             if value is None:
                 value = _TRANSFORMERS_DEFAULTS.get(name)
             if value is None:
@@ -188,11 +213,28 @@ class ContinuousBatchingConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.block_size) and self.block_size >= 1, "block_size", "must be an integer >= 1", self.block_size)
+        _check(
+            _is_int(self.block_size) and self.block_size >= 1, "block_size", "must be an integer >= 1", self.block_size
+        )
         if self.num_blocks is not None:
-            _check(_is_int(self.num_blocks) and self.num_blocks >= 1, "num_blocks", "must be an integer >= 1", self.num_blocks)
-        _check(_is_int(self.max_batch_tokens) and self.max_batch_tokens >= 1, "max_batch_tokens", "must be an integer >= 1", self.max_batch_tokens)
-        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "must be an integer >= 1", self.max_num_seqs)
+            _check(
+                _is_int(self.num_blocks) and self.num_blocks >= 1,
+                "num_blocks",
+                "must be an integer >= 1",
+                self.num_blocks,
+            )
+        _check(
+            _is_int(self.max_batch_tokens) and self.max_batch_tokens >= 1,
+            "max_batch_tokens",
+            "must be an integer >= 1",
+            self.max_batch_tokens,
+        )
+        _check(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            "must be an integer >= 1",
+            self.max_num_seqs,
+        )
         if self.max_memory_percent is not None:
             _check(
                 _is_number(self.max_memory_percent) and 0 < self.max_memory_percent <= 1,
@@ -200,11 +242,36 @@ class ContinuousBatchingConfig:
                 "must be in (0, 1]",
                 self.max_memory_percent,
             )
-        _check(isinstance(self.allow_block_sharing, bool), "allow_block_sharing", "must be a bool", self.allow_block_sharing)
-        _check(self.scheduler_type in SCHEDULER_TYPES, "scheduler_type", f"must be one of {SCHEDULER_TYPES}", self.scheduler_type)
+        _check(
+            isinstance(self.allow_block_sharing, bool),
+            "allow_block_sharing",
+            "must be a bool",
+            self.allow_block_sharing,
+        )
+        _check(
+            self.scheduler_type in SCHEDULER_TYPES,
+            "scheduler_type",
+            f"must be one of {SCHEDULER_TYPES}",
+            self.scheduler_type,
+        )
         _check(isinstance(self.return_logprobs, bool), "return_logprobs", "must be a bool", self.return_logprobs)
-        _check(_is_number(self.cpu_offload_space) and self.cpu_offload_space >= 0, "cpu_offload_space", "must be >= 0 (GiB)", self.cpu_offload_space)
-        _check(_is_int(self.max_queue_size) and self.max_queue_size >= 0, "max_queue_size", "must be an integer >= 0 (0: unbounded)", self.max_queue_size)
+        _check(
+            _is_number(self.cpu_offload_space) and self.cpu_offload_space >= 0,
+            "cpu_offload_space",
+            "must be >= 0 (GiB)",
+            self.cpu_offload_space,
+        )
+        _check(
+            _is_int(self.max_queue_size) and self.max_queue_size >= 0,
+            "max_queue_size",
+            "must be an integer >= 0 (0: unbounded)",
+            self.max_queue_size,
+        )
         _check(isinstance(self.use_cuda_graph, bool), "use_cuda_graph", "must be a bool", self.use_cuda_graph)
         if self.max_model_len is not None:
-            _check(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len", "must be an integer >= 2", self.max_model_len)
+            _check(
+                _is_int(self.max_model_len) and self.max_model_len >= 2,
+                "max_model_len",
+                "must be an integer >= 2",
+                self.max_model_len,
+            )

@@ -17,16 +17,22 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from rollout.config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.engine import Engine
 from rollout.engine.request import Request
 from rollout.engine.scheduler import Scheduler
-from rollout.config import SamplingParams
 
 VOCAB = 256
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 MODEL_CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
@@ -35,8 +41,14 @@ MODEL_CONFIGS = {
     # A window shorter than the test sequences, so the sliding mask matters.
     "mistral_sliding": lambda: MistralConfig(**_COMMON, sliding_window=24),
     "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=24, query_pre_attn_scalar=16),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**{**_COMMON, "intermediate_size": 64}, head_dim=16, moe_intermediate_size=32,
-                                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **{**_COMMON, "intermediate_size": 64},
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    ),
 }
 
 
@@ -83,21 +95,43 @@ def run_to_completion(engine: Engine) -> dict:
     return outputs
 
 
-def make_scheduler(num_blocks: int = 32, block_size: int = 4, max_batch_tokens: int = 64, max_num_seqs: int = 16,
-                   policy: str = "fifo", prefix_caching: bool = True, num_swap_blocks: int = 0) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 32,
+    block_size: int = 4,
+    max_batch_tokens: int = 64,
+    max_num_seqs: int = 16,
+    policy: str = "fifo",
+    prefix_caching: bool = True,
+    num_swap_blocks: int = 0,
+) -> Scheduler:
     """A real scheduler over a real block manager; no model."""
     manager = BlockManager(num_blocks, block_size, prefix_caching, num_swap_blocks)
     return Scheduler(manager, max_batch_tokens, max_num_seqs, policy)
 
 
-def make_request(request_id: str, prompt: list[int], max_new_tokens: int = 8, n: int = 1,
-                 stop_token_ids: tuple[int, ...] = (), **sampling) -> Request:
+def make_request(
+    request_id: str,
+    prompt: list[int],
+    max_new_tokens: int = 8,
+    n: int = 1,
+    stop_token_ids: tuple[int, ...] = (),
+    **sampling,
+) -> Request:
     """A Request as the engine would build it (group leader when n > 1)."""
     params = SamplingParams(stop_token_ids=stop_token_ids, max_new_tokens=max_new_tokens, **sampling)
-    return Request(request_id=request_id if n == 1 else f"{request_id}#0", group_id=request_id, sample_index=0,
-                   token_ids=list(prompt), num_prompt_tokens=len(prompt), sampling=params,
-                   max_new_tokens=max_new_tokens, stop_token_ids=frozenset(stop_token_ids), seed=params.seed or 0,
-                   arrival=0, num_forks=n - 1)
+    return Request(
+        request_id=request_id if n == 1 else f"{request_id}#0",
+        group_id=request_id,
+        sample_index=0,
+        token_ids=list(prompt),
+        num_prompt_tokens=len(prompt),
+        sampling=params,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=frozenset(stop_token_ids),
+        seed=params.seed or 0,
+        arrival=0,
+        num_forks=n - 1,
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -23,8 +23,10 @@ def test_num_blocks_from_memory_percent(monkeypatch):
     engine = Engine(model, ContinuousBatchingConfig(block_size=4, max_memory_percent=0.5))
     assert engine.block_manager.num_blocks == 50
     assert engine.kv_cache.kv.shape[2] == 50
-    capped = Engine(tiny_model("qwen3"), ContinuousBatchingConfig(block_size=4, max_memory_percent=1.0, max_num_seqs=1,
-                                                                  max_model_len=40))
+    capped = Engine(
+        tiny_model("qwen3"),
+        ContinuousBatchingConfig(block_size=4, max_memory_percent=1.0, max_num_seqs=1, max_model_len=40),
+    )
     assert capped.block_manager.num_blocks == 10  # one sequence of 40 tokens needs 10 blocks of 4
     monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: per_block // 2)
     with pytest.raises(ValueError, match="max_memory_percent"):
@@ -54,7 +56,7 @@ def test_failing_forward_ends_its_requests_with_error_and_engine_goes_on(monkeyp
     prompt = make_prompts(1, 10, 10)[0]
     engine.add_request("after", prompt, GREEDY, max_new_tokens=8)
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    assert run_to_completion(engine)["after"].generated_tokens == expected[0, len(prompt):].tolist()
+    assert run_to_completion(engine)["after"].generated_tokens == expected[0, len(prompt) :].tolist()
     engine.block_manager.check_all_free()
 
 
@@ -114,8 +116,13 @@ def test_request_that_fits_exactly_runs():
     engine.add_request("fits", prompt, GREEDY, max_new_tokens=3)
     engine.add_request("too_big", prompt, GREEDY, max_new_tokens=4)
     outputs = run_to_completion(engine)
-    expected = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 6, dtype=torch.long),
-                                  max_new_tokens=3, min_new_tokens=3, do_sample=False)[0, 6:].tolist()
+    expected = reference.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, 6, dtype=torch.long),
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+    )[0, 6:].tolist()
     assert outputs["fits"].generated_tokens == expected and outputs["fits"].finish_reason == "length"
     assert outputs["too_big"].finish_reason == "error" and "KV blocks" in outputs["too_big"].error
     engine.block_manager.check_all_free()

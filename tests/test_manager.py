@@ -57,7 +57,9 @@ def cb_config(**overrides) -> ContinuousBatchingConfig:
 
 
 def new_manager(model=None, generation_config=None, **config) -> ContinuousBatchingManager:
-    return init_continuous_batching(model if model is not None else tiny_model(), generation_config, cb_config(**config))
+    return init_continuous_batching(
+        model if model is not None else tiny_model(), generation_config, cb_config(**config)
+    )
 
 
 def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -133,8 +135,9 @@ def test_generate_batch_per_prompt_sampling_params():
     reference = reference_copy(model)
     prompts = make_prompts(2, 4, 12, seed=4)
     per_prompt = [GREEDY.merged(max_new_tokens=3), GREEDY.merged(max_new_tokens=6)]
-    outputs = generate_batch(model, prompts, continuous_batching_config=cb_config(), progress_bar=False,
-                             sampling=per_prompt)
+    outputs = generate_batch(
+        model, prompts, continuous_batching_config=cb_config(), progress_bar=False, sampling=per_prompt
+    )
     assert outputs["req_0"].generated_tokens == reference_greedy(reference, prompts[0], 3)
     assert outputs["req_1"].generated_tokens == reference_greedy(reference, prompts[1], 6)
     with pytest.raises(ValueError, match="sampling"):
@@ -198,8 +201,9 @@ def test_streaming_delivers_deltas_of_new_tokens_only():
 def test_request_id_iter_ends_after_every_sample_of_a_streaming_group():
     """request_id_iter over a streaming n=2 group ends by itself once both samples finished (not by timeout)."""
     with new_manager() as manager:
-        group = manager.add_request([3, 1, 4, 1, 5], max_new_tokens=6, n=2, streaming=True,
-                                    sampling=SamplingParams(seed=1, stop_token_ids=()))
+        group = manager.add_request(
+            [3, 1, 4, 1, 5], max_new_tokens=6, n=2, streaming=True, sampling=SamplingParams(seed=1, stop_token_ids=())
+        )
         started = time.monotonic()
         deltas = list(manager.request_id_iter(group, timeout=3 * TIMEOUT))
         assert time.monotonic() - started < TIMEOUT, "the iterator waited for its timeout instead of ending"
@@ -344,8 +348,10 @@ BAD_REQUESTS = {
     "n not an int": ("n", dict(input_ids=[1], n=2.0)),
     "sampling as dict": ("sampling", dict(input_ids=[1], sampling={"temperature": 0.5})),
     "top_k over vocab": ("top_k", dict(input_ids=[1], max_new_tokens=2, sampling=SamplingParams(top_k=VOCAB + 1))),
-    "stop token over vocab": ("stop_token_ids", dict(input_ids=[1], max_new_tokens=2,
-                                             sampling=SamplingParams(stop_token_ids=(VOCAB,)))),
+    "stop token over vocab": (
+        "stop_token_ids",
+        dict(input_ids=[1], max_new_tokens=2, sampling=SamplingParams(stop_token_ids=(VOCAB,))),
+    ),
     "empty request_id": ("request_id", dict(input_ids=[1], request_id="")),
 }
 
@@ -413,7 +419,9 @@ INVALID_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("field, kwargs", INVALID_SAMPLING, ids=[f"{f}={v}" for f, k in INVALID_SAMPLING for v in k.values()])
+@pytest.mark.parametrize(
+    "field, kwargs", INVALID_SAMPLING, ids=[f"{f}={v}" for f, k in INVALID_SAMPLING for v in k.values()]
+)
 def test_sampling_params_reject_invalid_values(field, kwargs):
     """Each invalid SamplingParams value raises ValueError naming its field."""
     with pytest.raises(ValueError, match=field):

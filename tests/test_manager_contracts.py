@@ -25,9 +25,14 @@ def manager_for(model=None, generation_config=None, **config):
 
 
 def greedy_reference(model, prompt, length):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=length, min_new_tokens=length)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=length,
+        min_new_tokens=length,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_sampling_params_are_copied_at_submit():
@@ -39,8 +44,12 @@ def test_sampling_params_are_copied_at_submit():
             params.seed = seed
             manager.add_request([1, 2, 3, 4], request_id=f"s{seed}", sampling=params)
         got = {seed: manager.get_result(f"s{seed}", timeout=TIMEOUT).generated_tokens for seed in range(3)}
-    expected = generate_batch(model, [[1, 2, 3, 4]] * 3, progress_bar=False,
-                              sampling=[SamplingParams(stop_token_ids=(), max_new_tokens=8, seed=s) for s in range(3)])
+    expected = generate_batch(
+        model,
+        [[1, 2, 3, 4]] * 3,
+        progress_bar=False,
+        sampling=[SamplingParams(stop_token_ids=(), max_new_tokens=8, seed=s) for s in range(3)],
+    )
     assert [got[s] for s in range(3)] == [expected[f"req_{s}"].generated_tokens for s in range(3)]
     assert len({tuple(t) for t in got.values()}) == 3
 
@@ -81,9 +90,14 @@ def test_prompt_shapes_are_never_reinterpreted():
 
 def test_generate_batch_ignores_serving_queue_limit():
     """max_queue_size bounds a serving queue; generate_batch with more prompts than that still completes."""
-    outputs = generate_batch(tiny_model(), make_prompts(5, 3, 6), progress_bar=False, max_new_tokens=2,
-                             sampling=GREEDY, continuous_batching_config=ContinuousBatchingConfig(
-                                 num_blocks=64, block_size=4, max_queue_size=2))
+    outputs = generate_batch(
+        tiny_model(),
+        make_prompts(5, 3, 6),
+        progress_bar=False,
+        max_new_tokens=2,
+        sampling=GREEDY,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=4, max_queue_size=2),
+    )
     assert len(outputs) == 5 and all(o.finish_reason == "length" for o in outputs.values())
 
 

@@ -51,10 +51,14 @@ def header(**fields) -> list[bytes]:
         (header(type="generate", group_id="g", prompt_ids=[1], n=True), "n"),
         (header(type="generate", group_id="g", prompt_ids=[1], sampling=[1]), "sampling"),
         (header(type="generate", group_id="g", prompt_ids=[1], surprise=1), "surprise"),
-        (header(type="group_result", group_id="g", prompt_ids=[1], completions=[{"sample_index": 0}]),
-         "completions[0].token_ids"),
-        (header(type="delta", group_id="g", sample_index=0, token_ids=[1], logprobs=["a"], policy_version=0),
-         "logprobs[0]"),
+        (
+            header(type="group_result", group_id="g", prompt_ids=[1], completions=[{"sample_index": 0}]),
+            "completions[0].token_ids",
+        ),
+        (
+            header(type="delta", group_id="g", sample_index=0, token_ids=[1], logprobs=["a"], policy_version=0),
+            "logprobs[0]",
+        ),
     ],
 )
 def test_malformed_messages_name_the_field(frames, field):
@@ -64,7 +68,11 @@ def test_malformed_messages_name_the_field(frames, field):
 
 
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
     | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
@@ -74,8 +82,26 @@ _values = st.recursive(
 @settings(max_examples=2000, deadline=None)
 @given(
     message_type=st.sampled_from(sorted(p.MESSAGE_TYPES) + ["bogus"]),
-    fields=st.dictionaries(st.sampled_from(["group_id", "prompt_ids", "n", "sampling", "stream", "nonce", "token_ids",
-                                            "logprobs", "completions", "code", "message", "x"]), _values, max_size=6),
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "group_id",
+                "prompt_ids",
+                "n",
+                "sampling",
+                "stream",
+                "nonce",
+                "token_ids",
+                "logprobs",
+                "completions",
+                "code",
+                "message",
+                "x",
+            ]
+        ),
+        _values,
+        max_size=6,
+    ),
 )
 def test_fuzzed_headers_decode_or_raise_protocol_error(message_type, fields):
     """Any header either decodes into a well-typed message or raises ProtocolError; nothing else escapes."""

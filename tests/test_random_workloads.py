@@ -18,9 +18,10 @@ KINDS = list(MODEL_CONFIGS)
 
 def _reference(model, prompt: list[int], length: int) -> list[int]:
     ones = torch.ones(1, len(prompt), dtype=torch.long)
-    out = model.generate(torch.tensor([prompt]), attention_mask=ones, do_sample=False,
-                         min_new_tokens=length, max_new_tokens=length)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=ones, do_sample=False, min_new_tokens=length, max_new_tokens=length
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -37,9 +38,14 @@ def test_random_workload_matches_generate(seed):
     block_size = rng.randint(1, 8)
     largest = max(-(-(len(p) + k - 1) // block_size) for _, p, _, k in groups)
     engine = make_engine(
-        model, block_size=block_size, num_blocks=largest * rng.randint(1, 3), max_batch_tokens=rng.randint(1, 48),
-        max_num_seqs=rng.randint(1, 12), scheduler_type=rng.choice(["fifo", "prefill_first"]),
-        allow_block_sharing=rng.random() < 0.7, cpu_offload_space=rng.choice([0, 0.01]),
+        model,
+        block_size=block_size,
+        num_blocks=largest * rng.randint(1, 3),
+        max_batch_tokens=rng.randint(1, 48),
+        max_num_seqs=rng.randint(1, 12),
+        scheduler_type=rng.choice(["fifo", "prefill_first"]),
+        allow_block_sharing=rng.random() < 0.7,
+        cpu_offload_space=rng.choice([0, 0.01]),
     )
     pending, cancelled, finals = list(groups), set(), {}
     while pending or engine.has_unfinished():

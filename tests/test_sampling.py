@@ -40,11 +40,25 @@ LOGPROB_CASES = {
     # A negative frequency penalty makes repeats likely, so counts above 1 are exercised.
     "frequency_repeats": SamplingParams(temperature=0.7, presence_penalty=0.2, frequency_penalty=-1.0),
     "min_new_tokens_with_stops": SamplingParams(min_new_tokens=8, stop_token_ids=MANY_STOPS),
-    "combined": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3,
-                               presence_penalty=0.5, frequency_penalty=0.3, min_new_tokens=4,
-                               stop_token_ids=MANY_STOPS),
-    "greedy_penalized": SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4,
-                                       frequency_penalty=0.2, min_new_tokens=4, stop_token_ids=MANY_STOPS),
+    "combined": SamplingParams(
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        min_new_tokens=4,
+        stop_token_ids=MANY_STOPS,
+    ),
+    "greedy_penalized": SamplingParams(
+        temperature=0,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.2,
+        min_new_tokens=4,
+        stop_token_ids=MANY_STOPS,
+    ),
 }
 
 
@@ -102,8 +116,9 @@ def reference_generate(
 ) -> list[int]:
     """transformers' greedy `generate` (stops as eos ids; none means it never stops early)."""
     reference.generation_config.eos_token_id = None  # only the stops we pass may end generation
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stops) or None,
-                              pad_token_id=0, **kwargs)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stops) or None, pad_token_id=0, **kwargs
+    )
     output = reference.generate(torch.tensor([prompt]), generation_config=config)
     return output[0, len(prompt) :].tolist()
 
@@ -162,8 +177,18 @@ def test_raw_logprobs_are_log_softmax_of_unprocessed_logits(kind):
     top_logprobs in the same mode, while sampling still obeys the filters."""
     model = tiny_model(kind)
     reference = reference_copy(model)
-    params = SamplingParams(temperature=0.6, top_k=8, top_p=0.9, repetition_penalty=1.4, presence_penalty=0.5,
-                            min_new_tokens=5, stop_token_ids=MANY_STOPS, seed=5, logprob_mode="raw", top_logprobs=3)
+    params = SamplingParams(
+        temperature=0.6,
+        top_k=8,
+        top_p=0.9,
+        repetition_penalty=1.4,
+        presence_penalty=0.5,
+        min_new_tokens=5,
+        stop_token_ids=MANY_STOPS,
+        seed=5,
+        logprob_mode="raw",
+        top_logprobs=3,
+    )
     prompts = make_prompts(4, 4, 24, seed=2)
     outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
@@ -203,12 +228,18 @@ def test_mixed_batch_applies_each_requests_own_settings():
 GREEDY_CASES = {
     "temperature_zero": (SamplingParams(temperature=0, stop_token_ids=()), {}),
     "do_sample_false": (SamplingParams(do_sample=False, temperature=0.7, top_k=3, stop_token_ids=()), {}),
-    "repetition": (SamplingParams(temperature=0, repetition_penalty=1.8, stop_token_ids=()),
-                   {"repetition_penalty": 1.8}),
-    "repetition_below_one": (SamplingParams(do_sample=False, repetition_penalty=0.6, stop_token_ids=()),
-                             {"repetition_penalty": 0.6}),
-    "stops_and_min_new": (SamplingParams(temperature=0, min_new_tokens=5, stop_token_ids=MANY_STOPS),
-                          {"min_new_tokens": 5}),
+    "repetition": (
+        SamplingParams(temperature=0, repetition_penalty=1.8, stop_token_ids=()),
+        {"repetition_penalty": 1.8},
+    ),
+    "repetition_below_one": (
+        SamplingParams(do_sample=False, repetition_penalty=0.6, stop_token_ids=()),
+        {"repetition_penalty": 0.6},
+    ),
+    "stops_and_min_new": (
+        SamplingParams(temperature=0, min_new_tokens=5, stop_token_ids=MANY_STOPS),
+        {"min_new_tokens": 5},
+    ),
 }
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-
 from conftest import make_request, make_scheduler
 from rollout.engine.request import Request, RequestStatus
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,7 +35,9 @@ class Sim:
         assert batch.num_tokens <= scheduler.max_batch_tokens
         assert len(batch.sequences) <= scheduler.max_num_seqs
         for request, _ in batch.samples:
-            assert request.status == RequestStatus.RUNNING, f"{request.request_id} gets a token while {request.status.name}"
+            assert request.status == RequestStatus.RUNNING, (
+                f"{request.request_id} gets a token while {request.status.name}"
+            )
         self._run_kv(batch)
         tokens = [token(r) if callable(token) else token for r, _ in batch.samples]
         finished = batch.finished + scheduler.update(batch, tokens)
@@ -130,7 +130,10 @@ def test_mixed_batch_of_decodes_and_a_prefill_chunk():
     s.scheduler.add(long)
     batch, _ = s.step()
     assert [(seq.request.request_id, seq.start, seq.num_tokens) for seq in batch.sequences] == [
-        ("a", 4, 1), ("b", 4, 1), ("long", 0, 6)]
+        ("a", 4, 1),
+        ("b", 4, 1),
+        ("long", 0, 6),
+    ]
     assert [r.request_id for r, _ in batch.samples] == ["a", "b"]  # the partial chunk gets no logits row
     assert batch.logits_sequences == [0, 1]
     outputs = s.drain()
@@ -183,8 +186,10 @@ def test_group_prefills_prompt_once_and_shares_its_blocks():
 def test_group_uses_fewer_blocks_than_separate_requests():
     """n samples of one prompt hold the prompt's full blocks once; n separate requests hold n copies."""
     used = []
-    for requests in ([make_request("g", prompt(16), max_new_tokens=2, n=4)],
-                     [make_request(f"r{i}", prompt(16), max_new_tokens=2) for i in range(4)]):
+    for requests in (
+        [make_request("g", prompt(16), max_new_tokens=2, n=4)],
+        [make_request(f"r{i}", prompt(16), max_new_tokens=2) for i in range(4)],
+    ):
         s = sim(*requests, num_blocks=64, block_size=4, prefix_caching=False)
         s.step()
         used.append(s.scheduler.block_manager.num_used_blocks)
@@ -243,7 +248,9 @@ def test_preemption_swaps_when_swap_blocks_exist():
     computed, cpu_blocks = b.num_computed_tokens, list(b.swap_block_ids)
     while not batch.swap_in:
         batch, _ = s.step()
-    assert [c for c, _ in batch.swap_in] == cpu_blocks and [d for _, d in batch.swap_in] == b.block_ids[: len(cpu_blocks)]
+    assert [c for c, _ in batch.swap_in] == cpu_blocks and [d for _, d in batch.swap_in] == b.block_ids[
+        : len(cpu_blocks)
+    ]
     assert [(seq.request, seq.start) for seq in batch.sequences] == [(b, computed)]
     assert len(manager.free_swap_blocks) == 8 and s.scheduler.num_swaps == 1
     outputs = s.drain()
@@ -255,8 +262,10 @@ def test_many_requests_under_pressure_all_finish():
     under both policies, with recompute and with swapping."""
     for policy in ("fifo", "prefill_first"):
         for swap in (0, 32):
-            requests = [make_request(f"r{i}", prompt(3 + 5 * i, 20 * i), max_new_tokens=4 + 3 * i, n=1 + i % 3)
-                        for i in range(6)]
+            requests = [
+                make_request(f"r{i}", prompt(3 + 5 * i, 20 * i), max_new_tokens=4 + 3 * i, n=1 + i % 3)
+                for i in range(6)
+            ]
             s = sim(*requests, num_blocks=12, block_size=4, max_batch_tokens=16, policy=policy, num_swap_blocks=swap)
             outputs = s.drain()
             assert len(outputs) == 12  # 1 + 2 + 3 + 1 + 2 + 3 samples
@@ -294,8 +303,12 @@ def test_abort_before_prompt_is_computed_ends_all_samples():
 def test_abort_mid_prefill_and_mid_decode():
     """abort() frees a group whose prompt is half computed (samples not yet forked) and a group that is decoding;
     the other request is unaffected."""
-    s = sim(make_request("chunked", prompt(20), n=2), make_request("decoding", prompt(4, 50), n=2),
-            make_request("other", prompt(4, 80), max_new_tokens=6), max_batch_tokens=12)
+    s = sim(
+        make_request("chunked", prompt(20), n=2),
+        make_request("decoding", prompt(4, 50), n=2),
+        make_request("other", prompt(4, 80), max_new_tokens=6),
+        max_batch_tokens=12,
+    )
     s.step()  # "chunked" gets 12 of 20 tokens
     ended = s.scheduler.abort("chunked")
     assert sorted((r.request_id, r.finish_reason) for r in ended) == [("chunked#0", "abort"), ("chunked#1", "abort")]
@@ -351,8 +364,14 @@ def test_length_after_max_new_tokens():
 def test_sample_forked_this_step_is_not_preempted():
     """Group g's leader finishes its prompt and forks g#1; r's chunk then runs out of blocks. The victim must not
     be g#1 (it gets a token this step); before the fix it was, and update() raised ValueError."""
-    s = sim(make_request("g", prompt(7), max_new_tokens=1, n=2), make_request("r", prompt(7, 50), max_new_tokens=2),
-            num_blocks=6, block_size=2, max_batch_tokens=4, policy="prefill_first")
+    s = sim(
+        make_request("g", prompt(7), max_new_tokens=1, n=2),
+        make_request("r", prompt(7, 50), max_new_tokens=2),
+        num_blocks=6,
+        block_size=2,
+        max_batch_tokens=4,
+        policy="prefill_first",
+    )
     outputs = s.drain()
     assert [outputs[i].num_output_tokens for i in ("g#0", "g#1", "r")] == [1, 1, 2]
 
@@ -360,10 +379,20 @@ def test_sample_forked_this_step_is_not_preempted():
 def test_swap_in_and_swap_out_in_one_step_use_distinct_cpu_blocks():
     """prefill_first swaps r1 in, then r2's chunk preempts r2 to CPU in the same step. Swap-outs execute before
     swap-ins, so r2 must not be written into the CPU blocks r1 is being read from (Sim sees r1's KV corrupted)."""
-    requests = [make_request("r0", prompt(6), max_new_tokens=5), make_request("r1", prompt(8, 50), max_new_tokens=4),
-                make_request("r2", prompt(10, 80), max_new_tokens=1)]
-    s = sim(*requests, num_blocks=5, block_size=4, max_batch_tokens=4, max_num_seqs=4, policy="prefill_first",
-            num_swap_blocks=16)
+    requests = [
+        make_request("r0", prompt(6), max_new_tokens=5),
+        make_request("r1", prompt(8, 50), max_new_tokens=4),
+        make_request("r2", prompt(10, 80), max_new_tokens=1),
+    ]
+    s = sim(
+        *requests,
+        num_blocks=5,
+        block_size=4,
+        max_batch_tokens=4,
+        max_num_seqs=4,
+        policy="prefill_first",
+        num_swap_blocks=16,
+    )
     for _ in range(20):
         batch, _ = s.step()
         assert not {c for _, c in batch.swap_out} & {c for c, _ in batch.swap_in}
@@ -373,8 +402,11 @@ def test_swap_in_and_swap_out_in_one_step_use_distinct_cpu_blocks():
 def test_preemption_victim_is_newest_by_arrival():
     """Request.arrival: "preemption picks the newest (largest) first". r1 is preempted once (r2 is already in that
     step), is re-admitted behind the newer r2, and at the next shortage, caused by r2's decode, r2 must be the victim."""
-    requests = [make_request("r0", prompt(7), max_new_tokens=1), make_request("r1", prompt(8, 50), max_new_tokens=3),
-                make_request("r2", prompt(1, 80), max_new_tokens=5)]
+    requests = [
+        make_request("r0", prompt(7), max_new_tokens=1),
+        make_request("r1", prompt(8, 50), max_new_tokens=3),
+        make_request("r2", prompt(1, 80), max_new_tokens=5),
+    ]
     s = sim(*requests, num_blocks=6, block_size=2, max_batch_tokens=3, policy="prefill_first")
     victims = []
     while s.scheduler.has_unfinished():

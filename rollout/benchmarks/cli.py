@@ -13,10 +13,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollout-bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     tp = commands.add_parser("throughput", help="generated tokens/s vs transformers' generate_batch and generate")
-    tp.add_argument("--workload", choices=sorted(throughput.WORKLOADS), default="cpu-small",
-                    help="workload from DESIGN.md (default: cpu-small)")
-    tp.add_argument("--systems", nargs="+", choices=sorted(throughput.SYSTEMS), default=None,
-                    help="systems to run, in order (default: all)")
+    tp.add_argument(
+        "--workload",
+        choices=sorted(throughput.WORKLOADS),
+        default="cpu-small",
+        help="workload from DESIGN.md (default: cpu-small)",
+    )
+    tp.add_argument(
+        "--systems",
+        nargs="+",
+        choices=sorted(throughput.SYSTEMS),
+        default=None,
+        help="systems to run, in order (default: all)",
+    )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
     args = parser.parse_args(argv)

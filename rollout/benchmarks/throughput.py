@@ -44,8 +44,14 @@ WORKLOADS = {
         prompt_len=(16, 256),
         output_len=(16, 256),
         model_config=dict(
-            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=2048,
         ),
         engine_config=dict(block_size=16, num_blocks=2304, max_batch_tokens=2048, max_num_seqs=64),
     ),
@@ -58,8 +64,15 @@ WORKLOADS = {
         output_len=(100, 1024),
         # The Qwen3-0.6B architecture with random weights.
         model_config=dict(
-            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-            num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
         ),
         engine_config=dict(block_size=16, max_batch_tokens=8192, max_num_seqs=256),
     ),
@@ -75,7 +88,9 @@ def make_workload(workload: Workload, seed: int = 0) -> tuple[torch.nn.Module, l
     model = model.to(workload.device).eval()
     rng = random.Random(seed)
     vocab = workload.model_config["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*workload.prompt_len))] for _ in range(workload.num_prompts)]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(*workload.prompt_len))] for _ in range(workload.num_prompts)
+    ]
     max_new = [rng.randint(*workload.output_len) for _ in range(workload.num_prompts)]
     return model, prompts, max_new
 
@@ -106,10 +121,15 @@ def run_transformers_generate_batch(model, prompts, max_new, workload: Workload)
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1)
     # The same cache and batch shape as ours (page = block), so neither side wins on settings alone.
     engine = workload.engine_config
-    settings = dict(max_batch_tokens=engine["max_batch_tokens"], max_requests_per_batch=engine["max_num_seqs"],
-                    page_size=engine["block_size"], num_blocks=engine.get("num_blocks"))
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=TransformersConfig(**settings))
+    settings = dict(
+        max_batch_tokens=engine["max_batch_tokens"],
+        max_requests_per_batch=engine["max_num_seqs"],
+        page_size=engine["block_size"],
+        num_blocks=engine.get("num_blocks"),
+    )
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=TransformersConfig(**settings)
+    )
     _sync(workload.device)
     start = time.perf_counter()
     manager.start()
@@ -139,8 +159,13 @@ def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tu
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest, min_new_tokens=longest,
-            do_sample=False, pad_token_id=pad, eos_token_id=None,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
         )
     _sync(workload.device)
     elapsed = time.perf_counter() - start
@@ -184,11 +209,21 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, rep
         if reference_tokens is None:
             reference_tokens = tokens
         same = sum(a == b for a, b in zip(tokens, reference_tokens))
-        results[name] = {"seconds": round(elapsed, 3), "tokens_per_s": round(useful_tokens / elapsed, 1),
-                         "identical_to_first": same, "runs_s": [round(t, 3) for t in times]}
-    summary = {"benchmark": "throughput", "workload": workload_name, "generated_tokens": useful_tokens,
-               "num_prompts": len(prompts), "repeats": repeats, "torch_threads": torch.get_num_threads(),
-               "results": results}
+        results[name] = {
+            "seconds": round(elapsed, 3),
+            "tokens_per_s": round(useful_tokens / elapsed, 1),
+            "identical_to_first": same,
+            "runs_s": [round(t, 3) for t in times],
+        }
+    summary = {
+        "benchmark": "throughput",
+        "workload": workload_name,
+        "generated_tokens": useful_tokens,
+        "num_prompts": len(prompts),
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "results": results,
+    }
     if "rollout" in results:
         for name, result in results.items():
             if name != "rollout":
@@ -198,8 +233,10 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, rep
 
 
 def _print_table(summary: dict) -> None:
-    print(f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated "
-          f"tokens, median of {summary['repeats']} run(s), {summary['torch_threads']} torch threads")
+    print(
+        f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated "
+        f"tokens, median of {summary['repeats']} run(s), {summary['torch_threads']} torch threads"
+    )
     print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'vs rollout':>12}{'same tokens':>13}")
     rollout = summary["results"].get("rollout")
     for name, result in summary["results"].items():

@@ -232,7 +232,9 @@ def _unpaged_attention(
 ) -> tuple[torch.Tensor, None]:
     """A forward without our metadata (training, teacher forcing, `generate`): ordinary SDPA/eager attention."""
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if attention_mask is not None:

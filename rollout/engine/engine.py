@@ -70,8 +70,10 @@ def as_prompt(input_ids: Any) -> list[int]:
         if array.dim() == 2 and array.shape[0] == 1:
             array = array[0]
         if array.dim() != 1 or array.is_floating_point():
-            raise FieldError("input_ids", f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} "
-                             f"of shape {tuple(array.shape)}")
+            raise FieldError(
+                "input_ids",
+                f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
+            )
         return array.tolist()
     if not isinstance(input_ids, (list, tuple)):
         raise FieldError("input_ids", f"expected a list of token ids, got {type(input_ids).__name__}")

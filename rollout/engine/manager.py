@@ -321,8 +321,9 @@ class ContinuousBatchingManager:
             sample_ids = [sample_id(request.group_id, i) for i in range(request.num_forks + 1)]
         self._deliver(
             [
-                GenerationOutput(sid, request.group_id, i, request.prompt_ids, finish_reason=reason, error=error,
-                                 is_finished=True)
+                GenerationOutput(
+                    sid, request.group_id, i, request.prompt_ids, finish_reason=reason, error=error, is_finished=True
+                )
                 for i, sid in enumerate(sample_ids)
             ]
         )

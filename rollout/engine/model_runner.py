@@ -95,8 +95,6 @@ class ModelRunner:
         return logits.float()
 
 
-
-
 @dataclass
 class _Holder:
     """What the engines sharing one model must give back when the last one closes."""

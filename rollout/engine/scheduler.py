@@ -186,7 +186,9 @@ class Scheduler:
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             needed = len(request.swap_block_ids) + max(
-                0, cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size) - len(request.swap_block_ids)
+                0,
+                cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size)
+                - len(request.swap_block_ids),
             )
             if not self.block_manager.can_allocate(needed + reserve):
                 return

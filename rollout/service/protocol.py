@@ -195,7 +195,8 @@ class Error(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Generate, Cancel, Ping, Stats, HelloReply, Delta, GroupResult, Pong, StatsReply, Error)
+    cls.TYPE: cls
+    for cls in (Hello, Generate, Cancel, Ping, Stats, HelloReply, Delta, GroupResult, Pong, StatsReply, Error)
 }
 
 
