@@ -212,6 +212,8 @@ class ContinuousBatchingManager:
             self._groups[group_id].handler = callback
             for output in waiting:
                 self._call_handler(callback, output)
+                if output.is_finished:
+                    self._mark_read(group_id)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """Next output (of `request_id`'s group if given). Returns None on timeout, or at once when the manager is

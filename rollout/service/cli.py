@@ -1,0 +1,108 @@
+"""`rollout-worker`: serve a model over ZeroMQ for trainers.
+
+Every option can also come from an environment variable ROLLOUT_<OPTION> (upper case, dashes as underscores, e.g.
+ROLLOUT_BIND, ROLLOUT_MAX_BATCH_TOKENS); a flag given on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import torch
+
+from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig
+from rollout.engine.manager import init_continuous_batching
+from rollout.service.presets import PRESETS, tiny_model
+from rollout.service.worker import RolloutWorker
+
+logger = logging.getLogger("rollout.worker")
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (defaults may come from ROLLOUT_* environment variables)."""
+    parser = argparse.ArgumentParser(
+        prog="rollout-worker", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add(
+        "--model",
+        default="tiny",
+        help="a local Hugging Face model directory, a hub id, or a preset: "
+        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code)",
+    )
+    place = parser.add_mutually_exclusive_group()
+    place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on")
+    place.add_argument("--device", default=None, help="torch device, e.g. cpu (default: cpu unless --gpu)")
+    add(
+        "--dtype", choices=sorted(DTYPES), default="auto", help="parameter dtype (auto: the checkpoint's, fp32 presets)"
+    )
+    add("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind (default: tcp://127.0.0.1:5555)")
+    add("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    add("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --max-memory-percent)")
+    add("--max-memory-percent", type=float, default=None, help="fraction of free memory for the KV cache")
+    add("--max-batch-tokens", type=int, default=2048, help="token budget per engine step (default: 2048)")
+    add("--max-num-seqs", type=int, default=256, help="most sequences per engine step (default: 256)")
+    add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduling policy (default: fifo)")
+    add("--max-queue-size", type=int, default=0, help="most waiting requests before 'busy' (default: 0, unbounded)")
+    add("--cpu-offload-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (default: 0)")
+    add("--client-timeout", type=float, default=60.0, help="seconds of client silence before its groups are cancelled")
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    for action in parser._actions:  # ROLLOUT_* environment variables become the defaults
+        if action.option_strings and action.dest != "help":
+            value = os.environ.get("ROLLOUT_" + action.dest.upper())
+            if value is not None:
+                action.default = action.type(value) if action.type else value
+    return parser
+
+
+def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
+    """A preset, or `from_pretrained` of a local directory / hub id."""
+    if name == "tiny":
+        return tiny_model(dtype=dtype or torch.float32).to(device)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto").to(device).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rollout-worker`: load, bind, serve until SIGTERM/SIGINT, then abort in-flight groups."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
+    config = ContinuousBatchingConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_memory_percent=args.max_memory_percent,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        scheduler_type=args.scheduler,
+        max_queue_size=args.max_queue_size,
+        cpu_offload_space=args.cpu_offload_space,
+    )
+    model = load_model(args.model, DTYPES[args.dtype], device)
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    worker = RolloutWorker(manager, args.bind, args.model, client_timeout_s=args.client_timeout)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.shutdown())
+    logger.info(
+        "rollout-worker ready on %s: model %s on %s (%s), %d KV blocks of %d tokens",
+        worker.address,
+        args.model,
+        device,
+        next(model.parameters()).dtype,
+        manager.engine.block_manager.num_blocks,
+        config.block_size,
+    )
+    worker.serve()
+    logger.info("rollout-worker stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

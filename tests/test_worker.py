@@ -1,0 +1,282 @@
+"""A real `rollout-worker` subprocess on CPU, spoken to over loopback with raw DEALER sockets and the protocol
+codec: results equal the in-process engine's, streams reassemble, cancel and bad input are answered, a vanished
+client's blocks are freed, backpressure says busy, and SIGTERM aborts in-flight groups and tells their clients."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout.service import protocol as p
+from rollout.service.presets import tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Worker:
+    """A rollout-worker subprocess; stopped (SIGTERM, then SIGKILL) by `close`."""
+
+    def __init__(self, *flags: str):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        command = [
+            sys.executable,
+            "-m",
+            "rollout.service.cli",
+            "--device",
+            "cpu",
+            "--bind",
+            self.address,
+            "--num-blocks",
+            "256",
+            "--block-size",
+            "16",
+            "--log-level",
+            "WARNING",
+            *flags,
+        ]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        client = Client(self.address)
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                assert self.process.poll() is None, self.process.stdout.read().decode()
+                client.send(p.Ping(1))
+                if client.socket.poll(500):
+                    assert isinstance(client.receive(), p.Pong)
+                    return
+            raise TimeoutError("the worker did not answer ping")
+        finally:
+            client.close()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class Client:
+    """A raw DEALER socket speaking the protocol; every receive has a timeout."""
+
+    context = zmq.Context.instance()
+
+    def __init__(self, address: str):
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+
+    def send(self, message: p.Message) -> None:
+        self.socket.send_multipart(p.encode(message))
+
+    def receive(self, timeout_s: float = TIMEOUT_S) -> p.Message:
+        if not self.socket.poll(timeout_s * 1000):
+            raise TimeoutError("no reply from the worker")
+        return p.decode(self.socket.recv_multipart())
+
+    def ask(self, message: p.Message) -> p.Message:
+        self.send(message)
+        return self.receive()
+
+    def until_result(self, group_id: str) -> tuple[list[p.Delta], p.Message]:
+        deltas = []
+        while True:
+            reply = self.receive()
+            if isinstance(reply, p.Delta):
+                deltas.append(reply)
+            elif getattr(reply, "group_id", None) == group_id:
+                return deltas, reply
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(worker):
+    connection = Client(worker.address)
+    yield connection
+    connection.close()
+
+
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 12}
+
+
+def test_hello_describes_the_model(client):
+    reply = client.ask(p.Hello())
+    assert (reply.model, reply.vocab_size, reply.max_model_len, reply.policy_version) == ("tiny", 1024, 2048, 0)
+    assert reply.config["block_size"] == 16
+
+
+def test_group_of_eight_equals_in_process_engine(client):
+    """A greedy group of n=8 with logprobs through the socket equals the in-process engine on the same preset."""
+    prompt = list(range(5, 45))
+    result = client.ask(p.Generate("g8", prompt, n=8, sampling=GREEDY))
+    expected = generate_batch(
+        tiny_model(),
+        [prompt],
+        progress_bar=False,
+        n=8,
+        sampling=SamplingParams(**GREEDY),
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, block_size=16),
+    )
+    assert isinstance(result, p.GroupResult) and result.prompt_ids == prompt
+    assert [c.sample_index for c in result.completions] == list(range(8))
+    for completion in result.completions:
+        local = expected[f"req_0#{completion.sample_index}"]
+        assert completion.token_ids == local.generated_tokens
+        assert completion.logprobs == pytest.approx(local.logprobs, abs=1e-5)
+        assert (completion.finish_reason, completion.policy_versions) == ("length", [[0, 0]])
+
+
+def test_stream_reassembles_to_the_result(client):
+    sampling = {"temperature": 1.0, "seed": 5, "stop_token_ids": [], "max_new_tokens": 9}
+    client.send(p.Generate("s", [3, 1, 4, 1, 5], n=3, sampling=sampling, stream=True))
+    deltas, result = client.until_result("s")
+    for completion in result.completions:
+        mine = [d for d in deltas if d.sample_index == completion.sample_index]
+        assert [t for d in mine for t in d.token_ids] == completion.token_ids
+        assert [x for d in mine for x in d.logprobs] == completion.logprobs
+        assert all(len(d.token_ids) == 1 for d in mine)  # deltas, not cumulative copies
+
+
+def test_cancel_mid_stream_returns_partial_output(client):
+    sampling = {**GREEDY, "max_new_tokens": 1500}
+    client.send(p.Generate("long", [1, 2, 3], n=2, sampling=sampling, stream=True))
+    assert isinstance(client.receive(), p.Delta)
+    client.send(p.Cancel("long"))
+    deltas, result = client.until_result("long")
+    assert [c.finish_reason for c in result.completions] == ["abort", "abort"]
+    assert all(0 < len(c.token_ids) < 1500 for c in result.completions)
+    assert isinstance(client.ask(p.Cancel("long")), p.Error)  # no longer in flight: unknown_group
+
+
+@pytest.mark.parametrize(
+    "frames, field",
+    [
+        ([b"\x00\xff"], "header"),
+        ([msgpack.packb({"protocol": 1, "type": "generate", "group_id": "x"})], "prompt_ids"),
+        (p.encode(p.Generate("x", [1, 2], n=0)), "n"),
+        (p.encode(p.Generate("x", [1, 5000])), "prompt_ids"),
+        (p.encode(p.Generate("x", [])), "prompt_ids"),
+        (p.encode(p.Generate("x", [1], sampling={"top_p": 2.0})), "sampling.top_p"),
+        (p.encode(p.Generate("x", [1], sampling={"max_new_tokens": 5000})), "sampling.max_new_tokens"),
+        (p.encode(p.Generate("x", [1], sampling={"nope": 1})), "sampling.nope"),
+        (p.encode(p.Generate("x#1", [1])), "group_id"),
+        (p.encode(p.Pong(1, 0)), "type"),
+    ],
+)
+def test_bad_input_gets_an_error_naming_the_field(client, frames, field):
+    client.socket.send_multipart(frames)
+    reply = client.receive()
+    assert isinstance(reply, p.Error) and reply.field == field and reply.code == "bad_request", reply
+    assert isinstance(client.ask(p.Ping(9)), p.Pong)
+
+
+def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):
+    """A few thousand malformed or mistyped messages each get exactly one error reply; then a normal group works."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    values = (
+        st.none()
+        | st.booleans()
+        | st.integers(-5, 5000)
+        | st.text(max_size=4)
+        | st.lists(st.integers(-5, 5000) | st.text(max_size=2), max_size=4)
+        | st.dictionaries(st.text(max_size=6), st.integers(-5, 5000))
+    )
+    count = {"n": 0}
+
+    @settings(max_examples=2000, deadline=None, database=None)
+    @given(
+        kind=st.sampled_from(["generate", "cancel", "ping", "hello", "stats", "delta", "x"]),
+        fields=st.dictionaries(
+            st.sampled_from(["group_id", "prompt_ids", "n", "sampling", "stream", "nonce"]), values, max_size=5
+        ),
+        raw=st.binary(max_size=12),
+    )
+    def one(kind, fields, raw):
+        frames = [raw] if kind == "x" else [msgpack.packb({"protocol": 1, "type": kind, **fields})]
+        client.socket.send_multipart(frames)
+        reply = client.receive()
+        count["n"] += 1
+        if isinstance(reply, (p.Pong, p.HelloReply, p.StatsReply)):
+            return
+        if isinstance(reply, p.Error):
+            return
+        # A well-formed generate was accepted: wait for its result so groups do not pile up.
+        while not isinstance(reply, p.GroupResult):
+            reply = client.receive()
+
+    one()
+    assert count["n"] >= 2000
+    result = client.ask(p.Generate("after-fuzz", [7, 8, 9], sampling=GREEDY))
+    assert isinstance(result, p.GroupResult) and len(result.completions[0].token_ids) == 12
+
+
+def test_vanished_client_frees_its_blocks(worker):
+    """A client that disconnects mid-stream has its groups cancelled; the worker's KV blocks all come back."""
+    doomed = Client(worker.address)
+    doomed.send(p.Generate("gone", list(range(100)), n=4, sampling={**GREEDY, "max_new_tokens": 1500}, stream=True))
+    assert isinstance(doomed.receive(), p.Delta)
+    doomed.close()
+    observer = Client(worker.address)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            stats = observer.ask(p.Stats()).stats
+            if stats["groups_in_flight"] == 0 and stats["kv_blocks_used"] == 0:
+                break
+            time.sleep(0.1)
+        assert stats["groups_in_flight"] == 0 and stats["kv_blocks_used"] == 0, stats
+    finally:
+        observer.close()
+
+
+def test_busy_and_sigterm():
+    """With max_queue_size=1 and one sequence at a time, extra groups are refused with "busy" at once; SIGTERM then
+    ends the accepted groups with "abort", tells their client, and the worker exits cleanly."""
+    server = Worker("--max-queue-size", "1", "--max-num-seqs", "1")
+    client = Client(server.address)
+    try:
+        for index in range(4):
+            client.send(p.Generate(f"q{index}", [1, 2, 3], sampling={**GREEDY, "max_new_tokens": 1500}))
+        busy = []
+        while client.socket.poll(1000):  # refusals come at once; accepted groups stay silent until they end
+            reply = client.receive()
+            assert isinstance(reply, p.Error) and reply.code == "busy", reply
+            busy.append(reply.group_id)
+        accepted = sorted({f"q{i}" for i in range(4)} - set(busy))
+        assert busy and accepted  # at most one waits in the queue; the rest are refused at once
+        server.process.send_signal(signal.SIGTERM)
+        results = [client.receive() for _ in accepted]
+        assert sorted(r.group_id for r in results) == accepted
+        assert all(r.completions[0].finish_reason == "abort" for r in results)
+        assert server.process.wait(TIMEOUT_S) == 0
+    finally:
+        client.close()
+        server.close()
