@@ -1,5 +1,6 @@
-"""The trainer side of rollout: `RolloutClient`, weight sync and the TRL integration.
+"""The trainer side of rollout: `RolloutClient` to get completions from rollout workers (weight sync and the TRL
+integration come next). Imports only `rollout.service.protocol` from the worker side."""
 
-Nothing is exported yet: the worker/client protocol lands next (see the project's issues). This package exists now
-so the distribution layout matches DESIGN.md.
-"""
+from trainer_bridge.client import Completion, Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, WorkerBusy
+
+__all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]

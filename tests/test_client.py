@@ -1,0 +1,134 @@
+"""RolloutClient against real rollout-worker subprocesses: generate/stream/generate_many (sync and asyncio),
+errors with timeouts, thread safety, balancing, and failover when a worker is killed mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout.service.presets import tiny_model
+from service_helpers import Worker
+from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError
+
+pytestmark = pytest.mark.timeout(180)
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 10}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    servers = [Worker(), Worker()]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def client(workers):
+    with RolloutClient([w.address for w in workers], timeout=60) as connection:
+        yield connection
+
+
+def test_generate_equals_in_process_engine(client):
+    prompt = list(range(10, 30))
+    result = client.generate(PromptGroup(prompt, n=4, sampling=GREEDY))
+    expected = generate_batch(
+        tiny_model(),
+        [prompt],
+        progress_bar=False,
+        n=4,
+        sampling=SamplingParams(**GREEDY),
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, block_size=16),
+    )
+    assert isinstance(result, GroupResult) and result.prompt_ids == prompt
+    assert [c.token_ids for c in result.completions] == [expected[f"req_0#{i}"].generated_tokens for i in range(4)]
+
+
+def test_stream_and_generate_many_and_async(client):
+    sampling = {"temperature": 1.0, "seed": 3, "stop_token_ids": [], "max_new_tokens": 8}
+    events = list(client.stream(PromptGroup([4, 5, 6], n=2, sampling=sampling)))
+    result = events[-1]
+    assert isinstance(result, GroupResult) and all(isinstance(e, Delta) for e in events[:-1])
+    for completion in result.completions:
+        streamed = [t for e in events[:-1] if e.sample_index == completion.sample_index for t in e.token_ids]
+        assert streamed == completion.token_ids
+    again = client.generate(PromptGroup([4, 5, 6], n=2, sampling=sampling))
+    assert [c.token_ids for c in again.completions] == [c.token_ids for c in result.completions]  # same seed
+
+    groups = [PromptGroup([i, i + 1, i + 2], n=2, sampling=GREEDY, group_id=f"many-{i}") for i in range(6)]
+    assert sorted(r.group_id for r in client.generate_many(groups)) == sorted(g.group_id for g in groups)
+
+    async def run():
+        single = await client.agenerate(PromptGroup([9, 9], sampling=GREEDY))
+        streamed = [e async for e in client.astream(PromptGroup([9, 9], sampling=GREEDY))]
+        many = [r async for r in client.agenerate_many([PromptGroup([1, 2], sampling=GREEDY)] * 3)]
+        return single, streamed, many
+
+    single, streamed, many = asyncio.run(run())
+    assert streamed[-1].completions[0].token_ids == single.completions[0].token_ids
+    assert len(many) == 3
+
+
+def test_errors_name_the_field_and_timeouts_never_hang(client):
+    with pytest.raises(RolloutError) as raised:
+        client.generate(PromptGroup([1, 2, 99999], sampling=GREEDY))
+    assert raised.value.code == "bad_request" and raised.value.field == "prompt_ids"
+    with pytest.raises(RolloutError) as raised:
+        client.generate(PromptGroup([1, 2], sampling={**GREEDY, "max_new_tokens": 1800}), timeout=0.2)
+    assert raised.value.code == "timeout"
+    with RolloutClient("tcp://127.0.0.1:9", timeout=0.5) as nobody:  # nothing listens there
+        with pytest.raises(RolloutError):
+            nobody.generate(PromptGroup([1, 2], sampling=GREEDY))
+
+
+def test_safe_from_many_threads_and_balanced(client):
+    results, errors = [], []
+
+    def work(offset):
+        try:
+            for i in range(4):
+                results.append(client.generate(PromptGroup([offset, i, 7], n=2, sampling=GREEDY)).group_id)
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(set(results)) == 24
+    served = [s["generated_tokens"] for s in client.stats()]
+    assert len(served) == 2 and all(count > 0 for count in served)  # both workers got work
+
+
+def test_failover_when_a_worker_is_killed():
+    """Two workers; one is SIGKILLed while both are generating. Every group completes exactly once, full length,
+    and the survivor generated the dead worker's groups too."""
+    survivor, victim = Worker(), Worker()
+    try:
+        with RolloutClient([survivor.address, victim.address], timeout=120, heartbeat_s=0.2, dead_after_s=1.5) as c:
+            groups = [
+                PromptGroup([i, 2, 3], n=2, sampling={**GREEDY, "max_new_tokens": 300}, group_id=f"f{i}")
+                for i in range(8)
+            ]
+            results = c.generate_many(groups)
+            gathered = threading.Thread(target=lambda: collected.extend(results))
+            collected: list[GroupResult] = []
+            gathered.start()
+            deadline = time.monotonic() + 60
+            while not all(s["running"] > 0 for s in c.stats()):  # both workers busy with their share
+                assert time.monotonic() < deadline, "the workers never got busy"
+            victim.process.send_signal(signal.SIGKILL)
+            gathered.join(150)
+            assert not gathered.is_alive()
+            (survivor_stats,) = c.stats()  # only the live worker answers
+        assert sorted(r.group_id for r in collected) == sorted(g.group_id for g in groups)  # each exactly once
+        assert all(len(comp.token_ids) == 300 for r in collected for comp in r.completions)
+        assert survivor_stats["generated_tokens"] == 8 * 2 * 300  # its own 4 groups plus the 4 resubmitted
+    finally:
+        survivor.close()
+        victim.close()

@@ -1,0 +1,416 @@
+"""RolloutClient: what a trainer process uses to get completions from one or many rollout workers.
+
+One background I/O thread owns every ZeroMQ socket (sockets are not thread-safe); public calls, from any thread,
+hand it commands and wait on their own results with a timeout. Groups go to the live worker with the least
+outstanding work (tokens still to generate), a whole group to one worker so its prompt is shared. Each worker is
+pinged every `heartbeat_s`; one that stays silent for `dead_after_s` is declared dead and its unfinished groups are
+resubmitted to the others. Every group carries a seed (the client draws one if the caller did not), so a resubmitted
+group reproduces the same tokens and a stream simply skips what it already delivered: no group is lost and none is
+returned twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from rollout.service import protocol as p
+from rollout.service.protocol import Completion, Delta
+
+__all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
+
+
+@dataclass
+class PromptGroup:
+    """A prompt to sample `n` completions of (a GRPO group)."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    # rollout.SamplingParams field names: temperature, top_p, max_new_tokens, seed, stop_token_ids, ...
+    sampling: dict[str, Any] = field(default_factory=dict)
+    group_id: str | None = None
+
+
+@dataclass
+class GroupResult:
+    """All completions of a group, in sample order."""
+
+    group_id: str
+    prompt_ids: list[int]
+    completions: list[Completion]
+
+
+class RolloutError(RuntimeError):
+    """A worker refused or failed a request, or no answer came in time.
+
+    Attributes:
+        code: the worker's error code ("bad_request", "busy", "timeout", "no_workers", ...).
+        field: the offending field, when one was named.
+    """
+
+    def __init__(self, code: str, message: str, field: str | None = None):
+        super().__init__(f"{code}: {message}" + (f" (field {field})" if field else ""))
+        self.code = code
+        self.field = field
+
+
+class WorkerBusy(RolloutError):
+    """The worker's queue is full; retry later or add workers."""
+
+
+@dataclass
+class _Call:
+    group: PromptGroup
+    cost: int
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Delta, GroupResult or RolloutError
+    worker: int | None = None
+    stream: bool = False
+    # Per sample index: tokens handed to the caller, and tokens received from the current worker. After a failover
+    # the new worker resends from token 0 (same seed, same tokens); only positions >= delivered are passed on.
+    delivered: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, context: zmq.Context, address: str):
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.alive = True
+        self.last_heard = time.monotonic()
+        self.last_ping = 0.0
+        self.outstanding = 0  # tokens still to generate for groups in flight
+
+
+class RolloutClient:
+    """Client of one or several rollout workers. Safe to use from several threads; use `close()` (or `with`)."""
+
+    def __init__(
+        self,
+        addresses: str | list[str],
+        timeout: float = 300.0,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 10.0,
+    ):
+        """
+        Args:
+            addresses: one worker address ("tcp://host:port") or a list of them.
+            timeout: default seconds any call waits for its answer.
+            heartbeat_s: seconds between pings to each worker.
+            dead_after_s: a worker silent this long is dead; its groups go to the others.
+        """
+        self.timeout = timeout
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self._context = zmq.Context()
+        addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not addresses:
+            raise ValueError("addresses: give at least one worker address")
+        self._workers = [_Worker(self._context, address) for address in addresses]
+        self._calls: dict[str, _Call] = {}  # I/O thread only
+        self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._closed = threading.Event()
+        self._seed_source = random.SystemRandom()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._thread = threading.Thread(target=self._loop, name="rollout-client", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------------------------
+    def generate(self, group: PromptGroup, timeout: float | None = None) -> GroupResult:
+        """Sample a group and return all its completions.
+
+        Args:
+            group: the prompt, n and sampling settings.
+            timeout: seconds to wait (default: the client's).
+        Raises:
+            RolloutError: refused (names the field), busy (`WorkerBusy`), or no answer within the timeout.
+        """
+        call = self._submit(group, stream=False)
+        return self._wait_result(call, timeout)
+
+    def stream(self, group: PromptGroup, timeout: float | None = None) -> Iterator[Delta | GroupResult]:
+        """Yield `Delta`s (new tokens of one sample) as they come, then the `GroupResult`.
+
+        Args:
+            group: the prompt, n and sampling settings.
+            timeout: most seconds to wait for each next event.
+        """
+        call = self._submit(group, stream=True)
+        while True:
+            event = self._next_event(call, timeout)
+            yield event
+            if isinstance(event, GroupResult):
+                return
+
+    def generate_many(self, groups: Iterable[PromptGroup], timeout: float | None = None) -> Iterator[GroupResult]:
+        """Submit every group at once and yield each result as it finishes (not in submission order).
+
+        Args:
+            groups: the groups.
+            timeout: most seconds to wait for the next result.
+        """
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        calls = [self._submit(group, stream=False, sink=finished) for group in groups]
+        for _ in calls:
+            try:
+                event = finished.get(timeout=self.timeout if timeout is None else timeout)
+            except queue.Empty:
+                raise RolloutError("timeout", "no group finished in time") from None
+            if isinstance(event, RolloutError):
+                raise event
+            yield event
+
+    def cancel(self, group_id: str) -> None:
+        """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort"."""
+        self._command("cancel", group_id)
+
+    def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._command("stats", replies)
+        count = replies.get(timeout=5)
+        results = []
+        for _ in range(count):
+            try:
+                results.append(replies.get(timeout=self.timeout if timeout is None else timeout))
+            except queue.Empty:
+                raise RolloutError("timeout", "a worker did not answer stats in time") from None
+        return results
+
+    def close(self) -> None:
+        """Stop the I/O thread and close the sockets; calls still waiting fail with RolloutError."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._wake()
+            self._thread.join(10)
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    async def agenerate(self, group: PromptGroup, timeout: float | None = None) -> GroupResult:
+        """asyncio version of `generate` (waits in a worker thread, never blocks the event loop)."""
+        return await asyncio.to_thread(self.generate, group, timeout)
+
+    async def astream(self, group: PromptGroup, timeout: float | None = None) -> AsyncIterator[Delta | GroupResult]:
+        """asyncio version of `stream`."""
+        events = self.stream(group, timeout)
+        while True:
+            event = await asyncio.to_thread(next, events, None)
+            if event is None:
+                return
+            yield event
+
+    async def agenerate_many(
+        self, groups: Iterable[PromptGroup], timeout: float | None = None
+    ) -> AsyncIterator[GroupResult]:
+        """asyncio version of `generate_many`."""
+        results = self.generate_many(list(groups), timeout)
+        while True:
+            result = await asyncio.to_thread(next, results, None)
+            if result is None:
+                return
+            yield result
+
+    # ---- caller side ------------------------------------------------------------------------------------------
+    def _submit(self, group: PromptGroup, stream: bool, sink: queue.SimpleQueue | None = None) -> _Call:
+        if self._closed.is_set():
+            raise RolloutError("closed", "the client is closed")
+        if not isinstance(group, PromptGroup):
+            raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
+        sampling = dict(group.sampling)
+        sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
+        group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
+        group = PromptGroup(list(group.prompt_ids), group.n, sampling, group_id)
+        cost = group.n * int(sampling.get("max_new_tokens") or 256)
+        call = _Call(group, cost, stream=stream)
+        if sink is not None:
+            call.events = sink
+        self._command("submit", call)
+        return call
+
+    def _command(self, name: str, payload: Any) -> None:
+        self._commands.put((name, payload))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_writer.send(b"x")
+        except OSError:
+            pass
+
+    def _next_event(self, call: _Call, timeout: float | None) -> Delta | GroupResult:
+        try:
+            event = call.events.get(timeout=self.timeout if timeout is None else timeout)
+        except queue.Empty:
+            self.cancel(call.group.group_id)
+            raise RolloutError("timeout", f"group {call.group.group_id!r}: no answer in time") from None
+        if isinstance(event, RolloutError):
+            raise event
+        return event
+
+    def _wait_result(self, call: _Call, timeout: float | None) -> GroupResult:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            event = self._next_event(call, max(0.0, deadline - time.monotonic()))
+            if isinstance(event, GroupResult):
+                return event
+
+    # ---- I/O thread -------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_reader, zmq.POLLIN)
+        for worker in self._workers:
+            poller.register(worker.socket, zmq.POLLIN)
+        sockets = {worker.socket: index for index, worker in enumerate(self._workers)}
+        try:
+            while not self._closed.is_set():
+                for sock, _ in poller.poll(int(self.heartbeat_s * 1000 / 2)):
+                    if sock is self._wake_reader or sock == self._wake_reader.fileno():
+                        self._drain_wake()
+                    else:
+                        self._receive(sockets[sock])
+                self._run_commands()
+                self._heartbeat()
+        finally:
+            for call in self._calls.values():
+                call.events.put(RolloutError("closed", "the client was closed"))
+            for worker in self._workers:
+                worker.socket.close(linger=0)
+            self._context.term()
+            self._wake_reader.close()
+            self._wake_writer.close()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                name, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if name == "submit":
+                self._calls[payload.group.group_id] = payload
+                self._dispatch(payload)
+            elif name == "cancel":
+                call = self._calls.get(payload)
+                if call is not None and call.worker is not None:
+                    self._send(call.worker, p.Cancel(payload))
+            elif name == "stats":
+                live = [index for index, worker in enumerate(self._workers) if worker.alive]
+                payload.put(len(live))
+                for index in live:
+                    self._stats_sinks[index].append(payload)
+                    self._send(index, p.Stats())
+
+    def _dispatch(self, call: _Call) -> None:
+        live = [index for index, worker in enumerate(self._workers) if worker.alive]
+        if not live:
+            self._calls.pop(call.group.group_id, None)
+            call.events.put(RolloutError("no_workers", "no live rollout worker"))
+            return
+        index = min(live, key=lambda i: self._workers[i].outstanding)
+        call.worker = index
+        self._workers[index].outstanding += call.cost
+        group = call.group
+        self._send(index, p.Generate(group.group_id, group.prompt_ids, group.n, group.sampling, call.stream))
+
+    def _send(self, index: int, message: p.Message) -> None:
+        try:
+            self._workers[index].socket.send_multipart(p.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the heartbeat will declare the worker dead and resubmit its groups
+
+    def _receive(self, index: int) -> None:
+        worker = self._workers[index]
+        while True:
+            try:
+                frames = worker.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            worker.last_heard = time.monotonic()
+            try:
+                message = p.decode(frames)
+            except p.ProtocolError:
+                continue
+            self._handle(index, message)
+
+    def _handle(self, index: int, message: p.Message) -> None:
+        if isinstance(message, p.StatsReply):
+            if self._stats_sinks[index]:
+                self._stats_sinks[index].popleft().put({"address": self._workers[index].address, **message.stats})
+            return
+        call = self._calls.get(getattr(message, "group_id", None))
+        if call is None or call.worker != index:
+            return  # a pong, or a late answer from a worker the group was taken away from
+        if isinstance(message, p.Delta):
+            sample = message.sample_index
+            first = call.received.get(sample, 0)  # position of this delta's first token
+            call.received[sample] = first + len(message.token_ids)
+            skip = max(0, call.delivered.get(sample, 0) - first)
+            if skip < len(message.token_ids):
+                call.delivered[sample] = call.received[sample]
+                call.events.put(
+                    Delta(
+                        message.group_id,
+                        sample,
+                        message.token_ids[skip:],
+                        message.logprobs[skip:],
+                        message.policy_version,
+                    )
+                )
+        elif isinstance(message, p.GroupResult):
+            self._finish(call)
+            call.events.put(GroupResult(message.group_id, message.prompt_ids, message.completions))
+        elif isinstance(message, p.Error):
+            self._finish(call)
+            kind = WorkerBusy if message.code == "busy" else RolloutError
+            call.events.put(kind(message.code, message.message, message.field))
+
+    def _finish(self, call: _Call) -> None:
+        self._calls.pop(call.group.group_id, None)
+        if call.worker is not None:
+            self._workers[call.worker].outstanding -= call.cost
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for index, worker in enumerate(self._workers):
+            if not worker.alive:
+                continue
+            if now - worker.last_heard > self.dead_after_s:
+                worker.alive = False
+                self._failover(index)
+            elif now - worker.last_ping >= self.heartbeat_s:
+                worker.last_ping = now
+                self._send(index, p.Ping())
+
+    def _failover(self, index: int) -> None:
+        """Resubmit every group of a dead worker to the live ones (streams skip what they already delivered)."""
+        for call in [c for c in self._calls.values() if c.worker == index]:
+            call.worker = None
+            call.received = {}
+            self._dispatch(call)
