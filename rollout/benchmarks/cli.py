@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import throughput
+from rollout.benchmarks import service, throughput
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,9 +28,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
+    sv = commands.add_parser("service", help="tokens/s through a rollout-worker socket vs in-process (cpu-small)")
+    sv.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     args = parser.parse_args(argv)
     if args.command == "throughput":
         summary = throughput.run(args.workload, args.systems, args.seed, args.repeats)
+    else:
+        summary = service.run(args.seed)
     print(json.dumps(summary))
 
 

@@ -1,0 +1,134 @@
+"""`rollout-bench service`: the cost of the socket. The cpu-small workload (on the built-in "tiny" preset, which has
+its shape) run in-process with `generate_batch`, then through a `rollout-worker` subprocess with `RolloutClient`:
+whole group results (`generate_many`) and streamed deltas (one `stream` per group, consumed concurrently).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from rollout.benchmarks.throughput import WORKLOADS, make_workload
+from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.engine.manager import generate_batch
+from rollout.service.presets import tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(seed: int = 0) -> dict:
+    """Run the three variants one after another and return the JSON-able summary (also printed as a table)."""
+    from trainer_bridge import GroupResult, PromptGroup, RolloutClient
+
+    workload = WORKLOADS["cpu-small"]
+    _, prompts, max_new = make_workload(workload, seed)
+    engine = workload.engine_config
+    useful = sum(max_new)
+    timings: dict[str, float] = {}
+
+    sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
+    start = time.perf_counter()
+    local = generate_batch(
+        tiny_model(),
+        prompts,
+        continuous_batching_config=ContinuousBatchingConfig(**engine),
+        progress_bar=False,
+        sampling=sampling,
+    )
+    timings["in_process"] = time.perf_counter() - start
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    flags = [
+        "--bind",
+        address,
+        "--device",
+        "cpu",
+        "--log-level",
+        "WARNING",
+        "--block-size",
+        str(engine["block_size"]),
+        "--num-blocks",
+        str(engine["num_blocks"]),
+        "--max-batch-tokens",
+        str(engine["max_batch_tokens"]),
+        "--max-num-seqs",
+        str(engine["max_num_seqs"]),
+    ]
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags])
+    try:
+        _wait_ready(address)
+        with RolloutClient(address, timeout=600) as client:
+            greedy = {"do_sample": False, "stop_token_ids": []}
+            groups = [
+                PromptGroup(p, 1, {**greedy, "max_new_tokens": m}, f"b{i}")
+                for i, (p, m) in enumerate(zip(prompts, max_new))
+            ]
+            start = time.perf_counter()
+            results = {r.group_id: r for r in client.generate_many(groups)}
+            timings["socket_results"] = time.perf_counter() - start
+            same = sum(
+                results[f"b{i}"].completions[0].token_ids == local[f"req_{i}"].generated_tokens
+                for i in range(len(prompts))
+            )
+
+            streamed: list[int] = []
+
+            def consume(group: PromptGroup) -> None:
+                for event in client.stream(PromptGroup(group.prompt_ids, 1, group.sampling)):
+                    if not isinstance(event, GroupResult):
+                        streamed.append(len(event.token_ids))
+
+            threads = [threading.Thread(target=consume, args=(g,)) for g in groups]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            timings["socket_stream"] = time.perf_counter() - start
+    finally:
+        worker.terminate()
+        worker.wait(60)
+    assert sum(streamed) == useful, "streamed deltas do not add up to the generated tokens"
+    summary = {
+        "benchmark": "service",
+        "workload": "cpu-small",
+        "generated_tokens": useful,
+        "identical_tokens_socket_vs_in_process": f"{same}/{len(prompts)}",
+        "results": {
+            name: {"seconds": round(t, 3), "tokens_per_s": round(useful / t, 1)} for name, t in timings.items()
+        },
+    }
+    print(f"service overhead, cpu-small workload ({useful} generated tokens), one run each")
+    print(f"{'variant':<20}{'seconds':>10}{'tokens/s':>12}{'vs in-process':>15}")
+    for name, t in timings.items():
+        print(f"{name:<20}{t:>10.2f}{useful / t:>12.1f}{timings['in_process'] / t:>14.2f}x")
+    return summary
+
+
+def _wait_ready(address: str) -> None:
+    """Ping until the worker answers (before any client starts counting heartbeats)."""
+    import zmq
+
+    from rollout.service import protocol
+
+    context = zmq.Context()
+    probe = context.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    probe.connect(address)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            probe.send_multipart(protocol.encode(protocol.Ping()))
+            if probe.poll(500):
+                return
+        raise TimeoutError(f"no rollout-worker answered on {address}")
+    finally:
+        probe.close()
+        context.term()
