@@ -24,8 +24,8 @@ def free_port() -> int:
 class Worker:
     """A rollout-worker subprocess; stopped (SIGTERM, then SIGKILL) by `close`."""
 
-    def __init__(self, *flags: str):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+    def __init__(self, *flags: str, address: str | None = None):
+        self.address = address or f"tcp://127.0.0.1:{free_port()}"
         command = [
             sys.executable,
             "-m",
