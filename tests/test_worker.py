@@ -190,3 +190,22 @@ def test_busy_and_sigterm():
     finally:
         client.close()
         server.close()
+
+
+def test_duplicate_group_id_while_running_is_refused(client, worker):
+    """A second generate with the id of a group still running gets duplicate_group; another client may use the
+    same id (ids are per client); the first group still completes."""
+    client.send(p.Generate("dup", [1, 2, 3], sampling={**GREEDY, "max_new_tokens": 300}))
+    reply = client.ask(p.Generate("dup", [4, 5, 6], sampling=GREEDY))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field, reply.group_id) == (
+        "duplicate_group",
+        "group_id",
+        "dup",
+    )
+    other = Client(worker.address)
+    try:
+        assert isinstance(other.ask(p.Generate("dup", [4, 5, 6], sampling=GREEDY)), p.GroupResult)
+    finally:
+        other.close()
+    _, result = client.until_result("dup")
+    assert len(result.completions[0].token_ids) == 300
