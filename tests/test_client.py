@@ -132,3 +132,45 @@ def test_failover_when_a_worker_is_killed():
     finally:
         survivor.close()
         victim.close()
+
+
+def test_input_is_checked_in_the_callers_thread(client):
+    """numpy ids are accepted; float ids, a duplicate in-flight id or an unpackable sampling value are refused at
+    once naming the field, and the client keeps working afterwards."""
+    np = pytest.importorskip("numpy")
+    result = client.generate(PromptGroup(np.array([1, 2, 3]), sampling={**GREEDY, "temperature": np.float32(1.0)}))
+    assert len(result.completions[0].token_ids) == 10
+    for group, field in [
+        (PromptGroup([1.0, 2.0], sampling=GREEDY), "prompt_ids"),
+        (PromptGroup([1, 2], sampling={"seed": {1, 2}}), "sampling"),
+        (PromptGroup([1, 2], n="2", sampling=GREEDY), "n"),
+    ]:
+        with pytest.raises(RolloutError) as raised:
+            client.generate(group, timeout=5)
+        assert raised.value.field == field
+    long = PromptGroup([1, 2], sampling={**GREEDY, "max_new_tokens": 1000}, group_id="twice")
+    stream = client.stream(long)
+    next(stream)
+    with pytest.raises(RolloutError) as raised:
+        client.generate(long, timeout=5)
+    assert raised.value.code == "duplicate_group"
+    stream.close()  # leaving a stream early cancels its group on the worker
+    deadline = time.monotonic() + 30
+    while any(s["groups_in_flight"] for s in client.stats()):
+        assert time.monotonic() < deadline, "the abandoned stream's group kept running"
+        time.sleep(0.1)
+    assert client.generate(PromptGroup([5, 6], sampling=GREEDY)).completions[0].finish_reason == "length"
+
+
+def test_client_built_before_its_worker_starts():
+    """A client may start before its worker: calls wait (within their timeout) until the worker answers."""
+    from service_helpers import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with RolloutClient(address, timeout=120, heartbeat_s=0.2, dead_after_s=0.5) as early:
+        time.sleep(1.0)  # long enough to be declared dead
+        server = Worker(address=address)
+        try:
+            assert early.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].finish_reason == "length"
+        finally:
+            server.close()

@@ -1,18 +1,24 @@
 """RolloutClient: what a trainer process uses to get completions from one or many rollout workers.
 
 One background I/O thread owns every ZeroMQ socket (sockets are not thread-safe); public calls, from any thread,
-hand it commands and wait on their own results with a timeout. Groups go to the live worker with the least
-outstanding work (tokens still to generate), a whole group to one worker so its prompt is shared. Each worker is
-pinged every `heartbeat_s`; one that stays silent for `dead_after_s` is declared dead and its unfinished groups are
-resubmitted to the others. Every group carries a seed (the client draws one if the caller did not), so a resubmitted
-group reproduces the same tokens and a stream simply skips what it already delivered: no group is lost and none is
-returned twice.
+check their input, hand the I/O thread a command and wait on their own results with a timeout. Groups go to the
+live worker with the least outstanding work (tokens still to generate), a whole group to one worker so its prompt
+is shared. Every worker is pinged every `heartbeat_s`; one whose ping stays unanswered for `dead_after_s` is
+declared dead and its unfinished groups are resubmitted to the others (with none alive, calls wait for one until
+their timeout). A dead worker that answers again is used again, and the groups taken from it are cancelled there.
+
+Every group carries a seed (the client draws one if the caller did not), so a resubmitted group reproduces the same
+tokens and a stream skips what it already delivered: no group is lost and none is returned twice. That splice is
+exact when both workers compute the same numbers (same model, hardware and dtype); otherwise the tokens after the
+failover point may come from a different sample.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import operator
 import queue
 import random
 import socket
@@ -24,10 +30,13 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import zmq
 
 from rollout.service import protocol as p
 from rollout.service.protocol import Completion, Delta
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
@@ -89,10 +98,11 @@ class _Worker:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
-        self.alive = True
-        self.last_heard = time.monotonic()
+        self.alive = True  # optimistic until a ping goes unanswered for dead_after_s
         self.last_ping = 0.0
+        self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight
+        self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
 
 
 class RolloutClient:
@@ -121,6 +131,7 @@ class RolloutClient:
             raise ValueError("addresses: give at least one worker address")
         self._workers = [_Worker(self._context, address) for address in addresses]
         self._calls: dict[str, _Call] = {}  # I/O thread only
+        self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake_reader, self._wake_writer = socket.socketpair()
@@ -153,11 +164,15 @@ class RolloutClient:
             timeout: most seconds to wait for each next event.
         """
         call = self._submit(group, stream=True)
-        while True:
-            event = self._next_event(call, timeout)
-            yield event
-            if isinstance(event, GroupResult):
-                return
+        finished = False
+        try:
+            while not finished:
+                event = self._next_event(call, timeout)
+                finished = isinstance(event, GroupResult)
+                yield event
+        finally:
+            if not finished:  # the caller stopped early (or failed): do not leave the group running
+                self.cancel(call.group.group_id)
 
     def generate_many(self, groups: Iterable[PromptGroup], timeout: float | None = None) -> Iterator[GroupResult]:
         """Submit every group at once and yield each result as it finishes (not in submission order).
@@ -168,14 +183,20 @@ class RolloutClient:
         """
         finished: queue.SimpleQueue = queue.SimpleQueue()
         calls = [self._submit(group, stream=False, sink=finished) for group in groups]
-        for _ in calls:
-            try:
-                event = finished.get(timeout=self.timeout if timeout is None else timeout)
-            except queue.Empty:
-                raise RolloutError("timeout", "no group finished in time") from None
-            if isinstance(event, RolloutError):
-                raise event
-            yield event
+        pending = {call.group.group_id for call in calls}
+        try:
+            while pending:
+                try:
+                    event = finished.get(timeout=self.timeout if timeout is None else timeout)
+                except queue.Empty:
+                    raise RolloutError("timeout", "no group finished in time") from None
+                if isinstance(event, RolloutError):
+                    raise event
+                pending.discard(event.group_id)
+                yield event
+        finally:
+            for group_id in pending:  # an error, a timeout or an abandoned iterator: cancel what is left
+                self.cancel(group_id)
 
     def cancel(self, group_id: str) -> None:
         """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort"."""
@@ -237,16 +258,38 @@ class RolloutClient:
             raise RolloutError("closed", "the client is closed")
         if not isinstance(group, PromptGroup):
             raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
-        sampling = dict(group.sampling)
-        sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
-        group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
-        group = PromptGroup(list(group.prompt_ids), group.n, sampling, group_id)
-        cost = group.n * int(sampling.get("max_new_tokens") or 256)
+        group = self._checked(group)
+        max_new = group.sampling.get("max_new_tokens")
+        cost = group.n * (max_new if isinstance(max_new, int) and max_new > 0 else 256)
         call = _Call(group, cost, stream=stream)
         if sink is not None:
             call.events = sink
         self._command("submit", call)
         return call
+
+    def _checked(self, group: PromptGroup) -> PromptGroup:
+        """A copy with plain Python values (numpy/torch scalars unwrapped), a seed and a group id; bad values raise
+        here, in the caller's thread, naming the field."""
+        try:
+            prompt_ids = [operator.index(token) for token in group.prompt_ids]
+        except TypeError:
+            raise RolloutError("bad_request", "token ids must be integers", "prompt_ids") from None
+        if not isinstance(group.n, int) or isinstance(group.n, bool):
+            raise RolloutError("bad_request", f"n must be an integer, got {group.n!r}", "n")
+        if group.group_id is not None and not isinstance(group.group_id, str):
+            raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
+        if not isinstance(group.sampling, dict):
+            raise RolloutError("bad_request", "sampling must be a dict of SamplingParams fields", "sampling")
+        sampling = {key: value.item() if hasattr(value, "item") else value for key, value in group.sampling.items()}
+        try:
+            msgpack.packb(sampling)
+        except (TypeError, ValueError, OverflowError) as error:
+            raise RolloutError(
+                "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
+            ) from None
+        sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
+        group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
+        return PromptGroup(prompt_ids, group.n, sampling, group_id)
 
     def _command(self, name: str, payload: Any) -> None:
         self._commands.put((name, payload))
@@ -291,7 +334,11 @@ class RolloutClient:
                         self._receive(sockets[sock])
                 self._run_commands()
                 self._heartbeat()
+        except BaseException:
+            logger.exception("rollout client I/O thread failed")
+            raise
         finally:
+            self._closed.set()  # later calls fail at once instead of waiting for a dead thread
             for call in self._calls.values():
                 call.events.put(RolloutError("closed", "the client was closed"))
             for worker in self._workers:
@@ -314,12 +361,21 @@ class RolloutClient:
             except queue.Empty:
                 return
             if name == "submit":
+                if payload.group.group_id in self._calls:
+                    message = "a group with this id is still in flight on this client"
+                    payload.events.put(RolloutError("duplicate_group", message, "group_id"))
+                    continue
                 self._calls[payload.group.group_id] = payload
                 self._dispatch(payload)
             elif name == "cancel":
                 call = self._calls.get(payload)
-                if call is not None and call.worker is not None:
+                if call is None:
+                    continue
+                if call.worker is not None:
                     self._send(call.worker, p.Cancel(payload))
+                else:  # parked: nobody has it, so it ends here
+                    self._calls.pop(payload)
+                    self._parked = [c for c in self._parked if c is not call]
             elif name == "stats":
                 live = [index for index, worker in enumerate(self._workers) if worker.alive]
                 payload.put(len(live))
@@ -329,9 +385,8 @@ class RolloutClient:
 
     def _dispatch(self, call: _Call) -> None:
         live = [index for index, worker in enumerate(self._workers) if worker.alive]
-        if not live:
-            self._calls.pop(call.group.group_id, None)
-            call.events.put(RolloutError("no_workers", "no live rollout worker"))
+        if not live:  # wait for a worker to come (back); the caller's timeout bounds the wait
+            self._parked.append(call)
             return
         index = min(live, key=lambda i: self._workers[i].outstanding)
         call.worker = index
@@ -352,10 +407,13 @@ class RolloutClient:
                 frames = worker.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            worker.last_heard = time.monotonic()
+            worker.unanswered_since = None
+            if not worker.alive:
+                self._revive(index)
             try:
                 message = p.decode(frames)
             except p.ProtocolError:
+                logger.warning("undecodable message from %s", worker.address)
                 continue
             self._handle(index, message)
 
@@ -397,20 +455,43 @@ class RolloutClient:
             self._workers[call.worker].outstanding -= call.cost
 
     def _heartbeat(self) -> None:
+        """Ping every worker (dead ones too, so they can come back); one whose ping stays unanswered for
+        dead_after_s is declared dead and its groups move to the others."""
         now = time.monotonic()
         for index, worker in enumerate(self._workers):
-            if not worker.alive:
-                continue
-            if now - worker.last_heard > self.dead_after_s:
+            if (
+                worker.alive
+                and worker.unanswered_since is not None
+                and now - worker.unanswered_since > self.dead_after_s
+            ):
+                logger.warning("rollout worker %s stopped answering; resubmitting its groups", worker.address)
                 worker.alive = False
                 self._failover(index)
-            elif now - worker.last_ping >= self.heartbeat_s:
+            if now - worker.last_ping >= self.heartbeat_s:
                 worker.last_ping = now
+                if worker.unanswered_since is None:
+                    worker.unanswered_since = now
                 self._send(index, p.Ping())
 
     def _failover(self, index: int) -> None:
         """Resubmit every group of a dead worker to the live ones (streams skip what they already delivered)."""
+        worker = self._workers[index]
         for call in [c for c in self._calls.values() if c.worker == index]:
+            worker.outstanding -= call.cost
+            worker.taken_away.add(call.group.group_id)
             call.worker = None
             call.received = {}
             self._dispatch(call)
+
+    def _revive(self, index: int) -> None:
+        """A worker declared dead answered again: cancel what it no longer owns, and give it parked calls."""
+        worker = self._workers[index]
+        logger.warning("rollout worker %s is answering again", worker.address)
+        worker.alive = True
+        for group_id in worker.taken_away:
+            self._send(index, p.Cancel(group_id))
+        worker.taken_away.clear()
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._dispatch(call)

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
 # state the engine does not keep, so such models are refused instead of generating wrong tokens.
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Most samples in one group: bounds what one request can make the engine allocate up front.
+MAX_GROUP_SIZE = 4096
 
 
 @dataclass
@@ -174,8 +176,8 @@ class Engine:
             raise FieldError("request_id", reason)
         prompt = as_prompt(prompt_ids)
         sampling = self.resolve_sampling(sampling)
-        if not _is_int(n) or n < 1:
-            raise FieldError("n", f"must be an integer >= 1, got {n!r}")
+        if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
+            raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
         max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
         max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
         if not _is_int(max_new) or max_new < 1:

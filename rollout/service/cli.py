@@ -55,9 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     for action in parser._actions:  # ROLLOUT_* environment variables become the defaults
         if action.option_strings and action.dest != "help":
-            value = os.environ.get("ROLLOUT_" + action.dest.upper())
+            variable = "ROLLOUT_" + action.dest.upper()
+            value = os.environ.get(variable)
             if value is not None:
-                action.default = action.type(value) if action.type else value
+                try:
+                    action.default = action.type(value) if action.type else value
+                except ValueError:
+                    parser.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
     return parser
 
 

@@ -33,6 +33,9 @@ Worker -> client:
 | stats_reply  | stats: {str: any}                                                                               |
 | error        | code: str, message: str, field: str or nil, group_id: str or nil                                |
 
+Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
+`--client-timeout` (60 s by default), so a client waiting on long groups should send `ping` every few seconds.
+
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, first token index], ...] (run-length encoded),
 kv_version_min: int. `sampling` takes the field names of `rollout.SamplingParams`. Error codes: "bad_request"

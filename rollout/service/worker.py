@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgpack
 import zmq
 
 from rollout.config import FieldError, SamplingParams
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 # Engine-side field names -> the protocol's.
 _FIELD_NAMES = {"input_ids": "prompt_ids", "request_id": "group_id"}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Largest request accepted on the socket (a generate is a few KB; weight buckets travel in their own messages).
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass
@@ -72,6 +75,9 @@ class RolloutWorker:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
+        # No send high-water mark: a slow reader must never lose a result (what waits is bounded by its groups).
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -93,7 +99,7 @@ class RolloutWorker:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wake_reader, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.manager.is_running():
                 ready = dict(poller.poll(100))
                 if self._socket in ready:
                     self._receive_all()
@@ -104,7 +110,7 @@ class RolloutWorker:
         finally:
             self.manager.stop(block=True, timeout=30)
             self._flush_outbox()
-            self._socket.close(linger=0)
+            self._socket.close(linger=2000)  # let the final abort results reach their clients
             self._context.term()
             self._wake_reader.close()
             self._wake_writer.close()
@@ -138,9 +144,14 @@ class RolloutWorker:
             try:
                 message = p.decode(frames)
             except p.ProtocolError as error:
-                self._send(identity, p.Error("bad_request", str(error), error.field))
+                self._send(identity, p.Error("bad_request", str(error), error.field, _raw_group_id(frames)))
                 continue
-            self._handle(identity, message)
+            try:
+                self._handle(identity, message)
+            except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
+                logger.exception("request %s failed", message.TYPE)
+                group_id = getattr(message, "group_id", None)
+                self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None, group_id))
 
     def _handle(self, identity: bytes, message: p.Message) -> None:
         if isinstance(message, p.Generate):
@@ -219,10 +230,13 @@ class RolloutWorker:
             p.Completion(index, tokens, logprobs, output.finish_reason, output.error, versions, self.policy_version)
         )
         if len(group.completions) == group.n:
+            # Forget the group before its result can reach the client, which may then reuse the id at once.
+            engine_id = _engine_id(group.identity, group.group_id)
+            if self._groups.get(engine_id) is group:
+                del self._groups[engine_id]
             completions = sorted(group.completions, key=lambda c: c.sample_index)
             self._outbox.put((group.identity, p.GroupResult(group.group_id, group.prompt_ids, completions)))
             self._wake()
-            self._groups.pop(_engine_id(group.identity, group.group_id), None)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -235,8 +249,11 @@ class RolloutWorker:
     def _send(self, identity: bytes, message: p.Message) -> None:
         try:
             self._socket.send_multipart([identity, *p.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError as error:  # the client is gone (or its pipe is full): drop its groups
-            logger.warning("cannot reach client %s (%s); cancelling its groups", identity.hex(), error)
+        except zmq.ZMQError as error:
+            if error.errno != zmq.EHOSTUNREACH:  # not expected without a send high-water mark
+                logger.error("cannot send %s to client %s: %s", message.TYPE, identity.hex(), error)
+                return
+            logger.warning("client %s is gone; cancelling its groups", identity.hex())
             self._cancel_client(identity)
 
     def _cancel_client(self, identity: bytes) -> None:
@@ -247,6 +264,8 @@ class RolloutWorker:
     def _expire_silent_clients(self) -> None:
         now = time.monotonic()
         busy = {group.identity for group in list(self._groups.values())}
+        for identity in [i for i in self._last_seen if i not in busy]:  # only clients with work are watched
+            del self._last_seen[identity]
         for identity in busy:
             if now - self._last_seen.get(identity, now) > self.client_timeout_s:
                 logger.warning(
@@ -266,6 +285,17 @@ class RolloutWorker:
             tokens_per_s=stats["generated_tokens"] / uptime,
         )
         return stats
+
+
+def _raw_group_id(frames: list[bytes]) -> str | None:
+    """The group id of an undecodable request, when its header still has a string one (so the client can route
+    the error to the waiting call)."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+    except Exception:  # noqa: BLE001
+        return None
+    value = header.get("group_id") if isinstance(header, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _engine_id(identity: bytes, group_id: str) -> str:
