@@ -4,25 +4,38 @@ The in-process API mirrors transformers' continuous batching:
 
     from rollout import generate_batch, SamplingParams
     outputs = generate_batch(model, [[1, 2, 3]], sampling=SamplingParams(temperature=0.8, seed=0), max_new_tokens=32)
+
+Names are imported lazily, so `import rollout.service.protocol` (all a trainer-side client needs) does not pull in
+torch, transformers or the engine.
 """
 
-from rollout.config import ContinuousBatchingConfig, SamplingParams
-from rollout.engine.engine import Engine, GenerationOutput
-from rollout.engine.manager import (
-    ContinuousBatchingManager,
-    QueueFullError,
-    generate_batch,
-    init_continuous_batching,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ContinuousBatchingConfig",
-    "ContinuousBatchingManager",
-    "Engine",
-    "GenerationOutput",
-    "QueueFullError",
-    "SamplingParams",
-    "generate_batch",
-    "init_continuous_batching",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ContinuousBatchingConfig": "rollout.config",
+    "FieldError": "rollout.config",
+    "SamplingParams": "rollout.config",
+    "Engine": "rollout.engine.engine",
+    "GenerationOutput": "rollout.engine.engine",
+    "ContinuousBatchingManager": "rollout.engine.manager",
+    "QueueFullError": "rollout.engine.manager",
+    "generate_batch": "rollout.engine.manager",
+    "init_continuous_batching": "rollout.engine.manager",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -174,3 +174,38 @@ def test_client_built_before_its_worker_starts():
             assert early.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].finish_reason == "length"
         finally:
             server.close()
+
+
+def test_asyncio_calls_do_not_need_a_thread_each(client):
+    """24 concurrent agenerate calls are all in flight at once (no thread-pool cap), and a cancelled task cancels
+    its group on the worker."""
+
+    async def run():
+        groups = [PromptGroup([i, 1], sampling={**GREEDY, "max_new_tokens": 800}) for i in range(24)]
+        tasks = [asyncio.create_task(client.agenerate(g)) for g in groups]
+        await asyncio.sleep(0.5)
+        in_flight = sum(s["groups_in_flight"] for s in client.stats())
+        results = await asyncio.gather(*tasks)
+        slow = asyncio.create_task(client.agenerate(PromptGroup([3, 3], sampling={**GREEDY, "max_new_tokens": 1500})))
+        await asyncio.sleep(0.5)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        return in_flight, results
+
+    in_flight, results = asyncio.run(run())
+    assert in_flight == 24 and len(results) == 24
+    deadline = time.monotonic() + 30
+    while any(s["groups_in_flight"] for s in client.stats()):
+        assert time.monotonic() < deadline, "the cancelled task's group kept running"
+        time.sleep(0.1)
+
+
+def test_trainer_bridge_does_not_import_the_engine():
+    """The trainer side imports only the protocol from rollout: no torch, transformers or engine."""
+    import subprocess
+    import sys
+
+    code = "import sys, trainer_bridge; bad = [m for m in ('torch', 'transformers', 'rollout.engine') if m in sys.modules]; print(bad)"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "[]"

@@ -83,13 +83,35 @@ class WorkerBusy(RolloutError):
 class _Call:
     group: PromptGroup
     cost: int
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # Delta, GroupResult or RolloutError
+    # Where Delta, GroupResult or RolloutError events go: a queue.SimpleQueue, or an _AsyncSink for coroutines.
+    events: Any = field(default_factory=queue.SimpleQueue)
     worker: int | None = None
     stream: bool = False
     # Per sample index: tokens handed to the caller, and tokens received from the current worker. After a failover
     # the new worker resends from token 0 (same seed, same tokens); only positions >= delivered are passed on.
     delivered: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
+
+
+class _AsyncSink:
+    """Where the I/O thread puts a call's events when the caller is a coroutine: straight into an asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, event: Any) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def next(self, timeout: float, group_id: str) -> Delta | GroupResult:
+        try:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise RolloutError("timeout", f"group {group_id!r}: no answer in time") from None
+        if isinstance(event, RolloutError):
+            raise event
+        return event
 
 
 class _Worker:
@@ -206,14 +228,12 @@ class RolloutClient:
         """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._command("stats", replies)
-        count = replies.get(timeout=5)
-        results = []
-        for _ in range(count):
-            try:
-                results.append(replies.get(timeout=self.timeout if timeout is None else timeout))
-            except queue.Empty:
-                raise RolloutError("timeout", "a worker did not answer stats in time") from None
-        return results
+        deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
+        try:
+            count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
+        except queue.Empty:
+            raise RolloutError("timeout", "a worker did not answer stats in time (or the client is closed)") from None
 
     def close(self) -> None:
         """Stop the I/O thread and close the sockets; calls still waiting fail with RolloutError."""
@@ -229,31 +249,47 @@ class RolloutClient:
         self.close()
 
     async def agenerate(self, group: PromptGroup, timeout: float | None = None) -> GroupResult:
-        """asyncio version of `generate` (waits in a worker thread, never blocks the event loop)."""
-        return await asyncio.to_thread(self.generate, group, timeout)
+        """asyncio version of `generate`: events come straight from the I/O thread into the event loop (no thread
+        per call, so thousands of groups can be awaited at once); cancelling the task cancels the group."""
+        sink = _AsyncSink(asyncio.get_running_loop())
+        call = self._submit(group, stream=False, sink=sink)
+        try:
+            return await sink.next(self.timeout if timeout is None else timeout, call.group.group_id)
+        except BaseException:  # timeout, error reply or task cancelled: make sure nothing keeps running
+            self.cancel(call.group.group_id)
+            raise
 
     async def astream(self, group: PromptGroup, timeout: float | None = None) -> AsyncIterator[Delta | GroupResult]:
         """asyncio version of `stream`."""
-        events = self.stream(group, timeout)
-        while True:
-            event = await asyncio.to_thread(next, events, None)
-            if event is None:
-                return
-            yield event
+        sink = _AsyncSink(asyncio.get_running_loop())
+        call = self._submit(group, stream=True, sink=sink)
+        finished = False
+        try:
+            while not finished:
+                event = await sink.next(self.timeout if timeout is None else timeout, call.group.group_id)
+                finished = isinstance(event, GroupResult)
+                yield event
+        finally:
+            if not finished:
+                self.cancel(call.group.group_id)
 
     async def agenerate_many(
         self, groups: Iterable[PromptGroup], timeout: float | None = None
     ) -> AsyncIterator[GroupResult]:
-        """asyncio version of `generate_many`."""
-        results = self.generate_many(list(groups), timeout)
-        while True:
-            result = await asyncio.to_thread(next, results, None)
-            if result is None:
-                return
-            yield result
+        """asyncio version of `generate_many`: each result as it finishes."""
+        sink = _AsyncSink(asyncio.get_running_loop())
+        pending = {self._submit(group, stream=False, sink=sink).group.group_id for group in groups}
+        try:
+            while pending:
+                result = await sink.next(self.timeout if timeout is None else timeout, "any")
+                pending.discard(result.group_id)
+                yield result
+        finally:
+            for group_id in pending:
+                self.cancel(group_id)
 
     # ---- caller side ------------------------------------------------------------------------------------------
-    def _submit(self, group: PromptGroup, stream: bool, sink: queue.SimpleQueue | None = None) -> _Call:
+    def _submit(self, group: PromptGroup, stream: bool, sink: Any = None) -> _Call:
         if self._closed.is_set():
             raise RolloutError("closed", "the client is closed")
         if not isinstance(group, PromptGroup):

@@ -202,6 +202,9 @@ class RolloutWorker:
     def _refusal(self, identity: bytes, message: p.Generate, engine_id: str) -> p.Error | None:
         if engine_id in self._groups:
             return p.Error("duplicate_group", "a group with this id is still running", "group_id", message.group_id)
+        if message.sampling.get("top_logprobs"):
+            reason = "top_logprobs are not carried over the socket yet"
+            return p.Error("bad_request", reason, "sampling.top_logprobs", message.group_id)
         unknown = sorted(set(message.sampling) - _SAMPLING_FIELDS)
         if unknown:
             return p.Error(
