@@ -209,3 +209,34 @@ def test_duplicate_group_id_while_running_is_refused(client, worker):
         other.close()
     _, result = client.until_result("dup")
     assert len(result.completions[0].token_ids) == 300
+
+
+def test_slow_reader_loses_nothing(worker):
+    """A client that reads nothing until its streaming groups are done (thousands of deltas queued) still gets every
+    delta and every result. (At this size the kernel's socket buffers absorb the backlog, so this does not by itself
+    reproduce a full ZeroMQ send queue; the worker disables the send high-water mark so none can drop results.)"""
+    reader = Client(worker.address)
+    observer = Client(worker.address)
+    try:
+        for index in range(4):
+            reader.send(
+                p.Generate(f"slow{index}", [index, 1, 2], n=4, sampling={**GREEDY, "max_new_tokens": 300}, stream=True)
+            )
+        deadline = time.monotonic() + 120
+        time.sleep(0.5)
+        while observer.ask(p.Stats()).stats["groups_in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        results, tokens = {}, 0
+        while len(results) < 4:
+            reply = reader.receive()
+            if isinstance(reply, p.Delta):
+                tokens += len(reply.token_ids)
+            else:
+                assert isinstance(reply, p.GroupResult), reply
+                results[reply.group_id] = reply
+        assert tokens == 4 * 4 * 300
+        assert all(c.finish_reason == "length" for r in results.values() for c in r.completions)
+    finally:
+        reader.close()
+        observer.close()
