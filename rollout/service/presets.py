@@ -1,11 +1,27 @@
-"""Built-in models that need no download: what `rollout-worker --model tiny` serves."""
+"""Built-in model and tokenizer that need no download: what `rollout-worker --model tiny` serves."""
 
 from __future__ import annotations
 
+import string
+
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 PRESETS = ("tiny",)
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built in code: printable ASCII and newline, plus <pad>, <bos>, <eos>, <unk>
+    (ids 0-99, inside the tiny model's vocabulary of 1024)."""
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *string.printable[:95], "\n"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -31,4 +47,8 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedM
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     finally:
         torch.random.set_rng_state(generator_state)  # building a preset leaves the caller's RNG alone
+    tokenizer = tiny_tokenizer()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(model.config, name, getattr(tokenizer, name))
+        setattr(model.generation_config, name, getattr(tokenizer, name))
     return model.eval()
