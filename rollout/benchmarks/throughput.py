@@ -19,6 +19,7 @@ import torch
 
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.manager import generate_batch
+from rollout.service.presets import TINY_MODEL_CONFIG
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,7 @@ WORKLOADS = {
         num_prompts=64,
         prompt_len=(16, 256),
         output_len=(16, 256),
-        model_config=dict(
-            vocab_size=1024,
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=2048,
-        ),
+        model_config=TINY_MODEL_CONFIG,
         engine_config=dict(block_size=16, num_blocks=2304, max_batch_tokens=2048, max_num_seqs=64),
     ),
     "nano": Workload(

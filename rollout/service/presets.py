@@ -9,6 +9,17 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
 PRESETS = ("tiny",)
+# The "tiny" preset's shape, which is also DESIGN.md's cpu-small benchmark model.
+TINY_MODEL_CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
@@ -31,16 +42,7 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedM
         seed: weight initialisation seed.
         dtype: parameter dtype.
     """
-    config = Qwen3Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-    )
+    config = Qwen3Config(**TINY_MODEL_CONFIG)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
