@@ -21,7 +21,6 @@ import logging
 import operator
 import queue
 import random
-import socket
 import threading
 import time
 import uuid
@@ -156,8 +155,7 @@ class RolloutClient:
         self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake_reader, self._wake_writer = socket.socketpair()
-        self._wake_reader.setblocking(False)
+        self._waker = p.Waker()
         self._closed = threading.Event()
         self._seed_source = random.SystemRandom()
         self._ids = itertools.count()
@@ -239,7 +237,7 @@ class RolloutClient:
         """Stop the I/O thread and close the sockets; calls still waiting fail with RolloutError."""
         if not self._closed.is_set():
             self._closed.set()
-            self._wake()
+            self._waker.wake()
             self._thread.join(10)
 
     def __enter__(self) -> RolloutClient:
@@ -329,13 +327,7 @@ class RolloutClient:
 
     def _command(self, name: str, payload: Any) -> None:
         self._commands.put((name, payload))
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_writer.send(b"x")
-        except OSError:
-            pass
+        self._waker.wake()
 
     def _next_event(self, call: _Call, timeout: float | None) -> Delta | GroupResult:
         try:
@@ -357,15 +349,15 @@ class RolloutClient:
     # ---- I/O thread -------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_reader, zmq.POLLIN)
+        poller.register(self._waker.reader, zmq.POLLIN)
         for worker in self._workers:
             poller.register(worker.socket, zmq.POLLIN)
         sockets = {worker.socket: index for index, worker in enumerate(self._workers)}
         try:
             while not self._closed.is_set():
                 for sock, _ in poller.poll(int(self.heartbeat_s * 1000 / 2)):
-                    if sock is self._wake_reader or sock == self._wake_reader.fileno():
-                        self._drain_wake()
+                    if sock is self._waker.reader or sock == self._waker.reader.fileno():
+                        self._waker.drain()
                     else:
                         self._receive(sockets[sock])
                 self._run_commands()
@@ -380,15 +372,7 @@ class RolloutClient:
             for worker in self._workers:
                 worker.socket.close(linger=0)
             self._context.term()
-            self._wake_reader.close()
-            self._wake_writer.close()
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_reader.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+            self._waker.close()
 
     def _run_commands(self) -> None:
         while True:

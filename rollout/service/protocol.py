@@ -45,6 +45,7 @@ kv_version_min: int. `sampling` takes the field names of `rollout.SamplingParams
 from __future__ import annotations
 
 import dataclasses
+import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -288,3 +289,35 @@ def _check(value: Any, annotation: Any, name: str) -> Any:
             raise ProtocolError(name, f"expected {annotation.__name__}, got {type(value).__name__}")
         return value
     raise TypeError(f"protocol field {name} has an unsupported annotation {annotation!r}")  # a bug of ours
+
+
+class Waker:
+    """Wakes a thread blocked in `zmq.Poller.poll` from any other thread (register `reader` for POLLIN).
+
+    Both the worker's serving thread and the client's I/O thread own their ZeroMQ sockets alone; other threads leave
+    work in a queue and call `wake()` instead of touching a socket.
+    """
+
+    def __init__(self):
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def wake(self) -> None:
+        """Make the next (or current) poll return. Safe from any thread; extra wake-ups are harmless."""
+        try:
+            self._writer.send(b"x")
+        except OSError:  # buffer full (a wake-up is pending anyway) or closed
+            pass
+
+    def drain(self) -> None:
+        """Consume pending wake-ups (call from the polling thread)."""
+        try:
+            while self.reader.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()

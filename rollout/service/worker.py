@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -84,9 +83,7 @@ class RolloutWorker:
         self._outbox: queue.SimpleQueue[tuple[bytes, p.Message]] = queue.SimpleQueue()
         # The engine thread writes a byte here after filling the outbox, waking the serving thread's poll (no
         # busy polling, which would steal the GIL from the engine).
-        self._wake_reader, self._wake_writer = socket.socketpair()
-        self._wake_reader.setblocking(False)
-        self._wake_writer.setblocking(False)
+        self._waker = p.Waker()
         self._groups: dict[str, _Group] = {}  # engine id -> group; the serving thread adds, the engine thread removes
         self._last_seen: dict[bytes, float] = {}
         self._stop = threading.Event()
@@ -97,14 +94,14 @@ class RolloutWorker:
         self.manager.start()
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_reader, zmq.POLLIN)
+        poller.register(self._waker.reader, zmq.POLLIN)
         try:
             while not self._stop.is_set() and self.manager.is_running():
                 ready = dict(poller.poll(100))
                 if self._socket in ready:
                     self._receive_all()
                 if ready:
-                    self._drain_wake()
+                    self._waker.drain()
                 self._flush_outbox()
                 self._expire_silent_clients()
         finally:
@@ -112,26 +109,12 @@ class RolloutWorker:
             self._flush_outbox()
             self._socket.close(linger=2000)  # let the final abort results reach their clients
             self._context.term()
-            self._wake_reader.close()
-            self._wake_writer.close()
+            self._waker.close()
 
     def shutdown(self) -> None:
         """Ask `serve` to return (safe from signal handlers and other threads)."""
         self._stop.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_writer.send(b"x")
-        except OSError:  # buffer full (a wake-up is pending anyway) or closed
-            pass
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_reader.recv(4096):
-                pass
-        except OSError:
-            pass
+        self._waker.wake()
 
     def _receive_all(self) -> None:
         while True:
@@ -223,7 +206,7 @@ class RolloutWorker:
             if output.generated_tokens:
                 delta = p.Delta(group.group_id, index, output.generated_tokens, output.logprobs, self.policy_version)
                 self._outbox.put((group.identity, delta))
-                self._wake()
+                self._waker.wake()
         else:
             tokens[:], logprobs[:] = output.generated_tokens, output.logprobs
         if not output.is_finished:
@@ -239,7 +222,7 @@ class RolloutWorker:
                 del self._groups[engine_id]
             completions = sorted(group.completions, key=lambda c: c.sample_index)
             self._outbox.put((group.identity, p.GroupResult(group.group_id, group.prompt_ids, completions)))
-            self._wake()
+            self._waker.wake()
 
     def _flush_outbox(self) -> None:
         while True:
