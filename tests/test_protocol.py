@@ -21,6 +21,16 @@ EXAMPLES = [
     p.Pong(7, 3),
     p.StatsReply({"queued": 0, "tokens_per_s": 12.5}),
     p.Error("bad_request", "n: must be >= 1", "n", "g1"),
+    p.WeightsSpec("u1"),
+    p.WeightsSpecReply("u1", [p.TensorSpec("lm_head.weight", "bfloat16", [1024, 256])], 3),
+    p.WeightsBegin("u1", [p.TensorSpec("a", "float32", [2, 3])], version=7, mode="recompute", transport="shm"),
+    p.WeightsReady("u1", 64, "rollout-abc"),
+    p.WeightsBucket("u1", [p.TensorPiece(0, 0, 24)]),
+    p.WeightsAck("u1", 24),
+    p.WeightsCommit("u1"),
+    p.WeightsCommitted("u1", 7, 12.5, 10.0, 0.0, 1, 2),
+    p.WeightsAbort("u1"),
+    p.Error("bad_update", "a: shape [2] does not match the model's [2, 3]", "a", None, "u1"),
 ]
 
 
@@ -58,6 +68,11 @@ def header(**fields) -> list[bytes]:
         (
             header(type="delta", group_id="g", sample_index=0, token_ids=[1], logprobs=["a"], policy_version=0),
             "logprobs[0]",
+        ),
+        (header(type="weights_begin", update_id="u", tensors=[{"name": "a", "dtype": "float32"}]), "tensors[0].shape"),
+        (
+            header(type="weights_bucket", update_id="u", pieces=[{"index": 0, "offset": "0", "nbytes": 4}]),
+            "pieces[0].offset",
         ),
     ],
 )

@@ -92,6 +92,34 @@ class _Call:
     received: dict[int, int] = field(default_factory=dict)
 
 
+class UpdateChannel:
+    """One weight update's link to the workers (see `RolloutClient.open_update_channel`)."""
+
+    def __init__(self, client: RolloutClient, update_id: str, replies: queue.SimpleQueue):
+        self.client = client
+        self.update_id = update_id
+        self._replies = replies
+
+    def send(self, worker: int, message: p.Message, data: list | None = None) -> None:
+        """Send `message` (and raw data frames after its header) to worker `worker`."""
+        self.client._command("send_raw", (worker, message, data))
+
+    def receive(self, timeout: float) -> tuple[int, p.Message]:
+        """The next reply of any worker to this update, as (worker index, message).
+
+        Raises:
+            RolloutError: code "timeout" when none came in time.
+        """
+        try:
+            return self._replies.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            raise RolloutError("timeout", f"weight update {self.update_id}: no answer within {timeout:.1f} s") from None
+
+    def close(self) -> None:
+        """Stop routing replies to this channel."""
+        self.client._command("close_channel", self.update_id)
+
+
 class _AsyncSink:
     """Where the I/O thread puts a call's events when the caller is a coroutine: straight into an asyncio.Queue."""
 
@@ -154,6 +182,7 @@ class RolloutClient:
         self._calls: dict[str, _Call] = {}  # I/O thread only
         self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
+        self._channels: dict[str, queue.SimpleQueue] = {}  # I/O thread only: weight update id -> its replies
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waker = p.Waker()
         self._closed = threading.Event()
@@ -286,6 +315,25 @@ class RolloutClient:
             for group_id in pending:
                 self.cancel(group_id)
 
+    # ---- weight updates (used by trainer_bridge.weight_sync) ---------------------------------------------------
+    @property
+    def worker_addresses(self) -> list[str]:
+        """Every worker's address, in the order given."""
+        return [worker.address for worker in self._workers]
+
+    def live_workers(self) -> list[int]:
+        """Indices of the workers not declared dead."""
+        return [index for index, worker in enumerate(self._workers) if worker.alive]
+
+    def open_update_channel(self, update_id: str) -> UpdateChannel:
+        """A channel for one weight update: raw sends to chosen workers, and every reply carrying `update_id`.
+        `push_weights` drives it; close it when done."""
+        if self._closed.is_set():
+            raise RolloutError("closed", "the client is closed")
+        replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._command("open_channel", (update_id, replies))
+        return UpdateChannel(self, update_id, replies)
+
     # ---- caller side ------------------------------------------------------------------------------------------
     def _submit(self, group: PromptGroup, stream: bool, sink: Any = None) -> _Call:
         if self._closed.is_set():
@@ -396,6 +444,13 @@ class RolloutClient:
                 else:  # parked: nobody has it, so it ends here
                     self._calls.pop(payload)
                     self._parked = [c for c in self._parked if c is not call]
+            elif name == "open_channel":
+                self._channels[payload[0]] = payload[1]
+            elif name == "close_channel":
+                self._channels.pop(payload, None)
+            elif name == "send_raw":
+                index, message, data = payload
+                self._send(index, message, data)
             elif name == "stats":
                 live = [index for index, worker in enumerate(self._workers) if worker.alive]
                 payload.put(len(live))
@@ -414,9 +469,12 @@ class RolloutClient:
         group = call.group
         self._send(index, p.Generate(group.group_id, group.prompt_ids, group.n, group.sampling, call.stream))
 
-    def _send(self, index: int, message: p.Message) -> None:
+    def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
         try:
-            self._workers[index].socket.send_multipart(p.encode(message), zmq.NOBLOCK)
+            if data:  # tensor bytes: handed to ZeroMQ without a copy (it keeps a reference until sent)
+                self._workers[index].socket.send_multipart(p.encode(message) + data, zmq.NOBLOCK, copy=False)
+            else:
+                self._workers[index].socket.send_multipart(p.encode(message), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the heartbeat will declare the worker dead and resubmit its groups
 
@@ -438,6 +496,10 @@ class RolloutClient:
             self._handle(index, message)
 
     def _handle(self, index: int, message: p.Message) -> None:
+        channel = self._channels.get(getattr(message, "update_id", None))
+        if channel is not None:
+            channel.put((index, message))
+            return
         if isinstance(message, p.StatsReply):
             if self._stats_sinks[index]:
                 self._stats_sinks[index].popleft().put({"address": self._workers[index].address, **message.stats})

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import numbers
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,10 @@ class GenerationOutput:
         finish_reason: "stop", "length", "abort" or "error"; None while running (streaming deltas).
         error: a message when finish_reason is "error".
         is_finished: True on the last output of a sample.
+        policy_versions: the weights' version that sampled each token in `generated_tokens`, run-length encoded as
+            [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
+        kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
+            when it never computed anything).
     """
 
     request_id: str
@@ -55,6 +60,41 @@ class GenerationOutput:
     finish_reason: str | None = None
     error: str | None = None
     is_finished: bool = False
+    policy_versions: list[list[int]] = field(default_factory=list)
+    kv_version_min: int | None = None
+
+
+@dataclass
+class WeightUpdateResult:
+    """What `Engine.update_weights` did.
+
+    Attributes:
+        version: the policy version now served.
+        mode: the commit mode used.
+        pause_ms: how long the engine stood still (validation, copy and mode handling).
+        copy_ms: of which copying the tensors into the model.
+        drain_ms: for mode "wait", how long in-flight samples ran before the update (admission was paused).
+        aborted: samples ended with finish_reason "abort" (mode "abort").
+        recomputed: samples whose KV is recomputed under the new weights.
+        outputs: the final outputs of the aborted samples (the caller delivers them).
+    """
+
+    version: int
+    mode: str
+    pause_ms: float
+    copy_ms: float
+    drain_ms: float = 0.0
+    aborted: int = 0
+    recomputed: int = 0
+    outputs: list[GenerationOutput] = field(default_factory=list, repr=False)
+
+
+WEIGHT_UPDATE_MODES = ("keep", "recompute", "abort", "wait")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as the wire names it: "bfloat16", "float32", ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _is_token(value: object, vocab_size: int) -> bool:
@@ -128,7 +168,17 @@ class Engine:
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
         self.num_steps = 0
+        self.num_weight_updates = 0
         self._seed_source = random.SystemRandom()
+        # Every name a weight update may target (state_dict names: parameters, tied aliases, persistent buffers).
+        self._weights: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        # Names that must be covered by a whole update: one per distinct parameter (tied weights count once).
+        self._parameter_names = {id(p): name for name, p in model.named_parameters()}
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now served: 0 at start, then what each weight update set."""
+        return self.block_manager.policy_version
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
@@ -256,6 +306,96 @@ class Engine:
             return []
         return self._outputs(self.scheduler.abort(group_id))
 
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Every name a weight update may target, with its dtype name and shape (state_dict names)."""
+        return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._weights.items()}
+
+    def check_weight_specs(self, specs: dict[str, tuple[str, tuple[int, ...]]], partial: bool = False) -> None:
+        """Check an update's names, dtypes and shapes against the model before any byte of it is applied.
+
+        Args:
+            specs: name -> (dtype name, shape) of every tensor the update brings.
+            partial: allow an update that leaves some parameters out (else every parameter must be covered).
+        Raises:
+            FieldError: whose `field` is the culprit tensor's name (unknown, wrong dtype or shape, or missing).
+        """
+        for name, (dtype, shape) in specs.items():
+            target = self._weights.get(name)
+            if target is None:
+                raise FieldError(name, "unknown tensor: the model has no parameter or buffer of this name")
+            if dtype != dtype_name(target.dtype):
+                raise FieldError(name, f"dtype {dtype} does not match the model's {dtype_name(target.dtype)}")
+            if tuple(shape) != tuple(target.shape):
+                raise FieldError(name, f"shape {list(shape)} does not match the model's {list(target.shape)}")
+        if not partial:
+            covered = {id(self._weights[name]) for name in specs}
+            for parameter_name in self._parameter_names.values():
+                if id(self._weights[parameter_name]) not in covered:
+                    raise FieldError(
+                        parameter_name, "missing: a whole update must cover every parameter (or pass partial=True)"
+                    )
+
+    def num_in_flight(self) -> int:
+        """Samples that hold KV or sampled tokens (what a "wait" update waits for)."""
+        return len(self.scheduler.in_flight())
+
+    def update_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None = None,
+        mode: str = "keep",
+        partial: bool = False,
+    ) -> WeightUpdateResult:
+        """Copy new weights into the model in place, all at once, between two steps; bump the policy version.
+
+        Everything is validated first: a bad update changes nothing. In-place copies keep the model's tensors (and
+        anything captured against them) valid.
+
+        Args:
+            tensors: name (as in the model's state_dict) -> new value.
+            version: the new policy version (must exceed the current one); None adds one.
+            mode: what happens to in-flight samples: "keep" (continue on their old KV), "recompute" (re-prefill
+                prompt + tokens so far under the new weights), "abort" (end now with finish_reason "abort";
+                samples that have not sampled yet are recomputed instead), "wait" (only valid once nothing is in
+                flight: the manager pauses admission and drains first).
+            partial: allow updating a subset of the parameters.
+        Returns:
+            A `WeightUpdateResult`; its `outputs` are the aborted samples' final outputs, for the caller to deliver.
+        Raises:
+            FieldError: a bad mode, version or tensor (named); nothing was changed.
+        """
+        started = time.perf_counter()
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
+        new_version = self.policy_version + 1 if version is None else version
+        if not _is_int(new_version) or new_version <= self.policy_version:
+            raise FieldError("version", f"must be an integer above the current {self.policy_version}, got {version!r}")
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
+        self.check_weight_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
+        if mode == "wait" and self.num_in_flight():
+            raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
+        copy_started = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self._weights[name].copy_(tensor, non_blocking=True)
+            if self.kv_cache.kv.device.type == "cuda":  # non-blocking copies from pinned staging must land first
+                torch.cuda.synchronize(self.kv_cache.kv.device)
+        copy_ms = (time.perf_counter() - copy_started) * 1000
+        self.block_manager.policy_version = new_version
+        # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
+        self.block_manager.reset_prefix_cache()
+        result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
+        if mode == "recompute":
+            result.recomputed = self.scheduler.recompute_in_flight()
+        elif mode == "abort":
+            result.outputs = self._outputs(self.scheduler.abort_in_flight())
+            result.aborted = sum(1 for output in result.outputs if output.finish_reason == "abort")
+        self.num_weight_updates += 1
+        result.pause_ms = (time.perf_counter() - started) * 1000
+        return result
+
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
         return self.scheduler.has_unfinished()
@@ -318,6 +458,8 @@ class Engine:
                     finish_reason=request.finish_reason if request.is_finished else None,
                     error=request.error,
                     is_finished=request.is_finished,
+                    policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
+                    kv_version_min=request.kv_version_min,
                 )
             )
             request.num_delivered_tokens = request.num_output_tokens
@@ -327,3 +469,13 @@ class Engine:
                 if self._open_groups[request.group_id] == 0:
                     del self._open_groups[request.group_id]
         return outputs
+
+
+def _versions_from(token_versions: list[list[int]], start: int, end: int) -> list[list[int]]:
+    """The run-length encoded versions of output tokens [start:end) (end: all tokens so far), re-indexed."""
+    if start >= end:
+        return []
+    runs = [[version, max(0, first - start)] for version, first in token_versions]
+    # Keep only the last run that begins at or before `start`, and every later one.
+    first_kept = max((i for i, (_, first) in enumerate(token_versions) if first <= start), default=0)
+    return runs[first_kept:]

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rollout.config import ContinuousBatchingConfig, FieldError, SamplingParams
-from rollout.engine.engine import Engine, GenerationOutput
+from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, GenerationOutput, WeightUpdateResult
 from rollout.engine.request import Request, sample_id
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,19 @@ class _Group:
     unfinished: int  # samples the engine has not finished
     unread: int  # finished samples whose final output nobody has taken yet
     handler: Callable[[GenerationOutput], None] | None = None
+
+
+@dataclass
+class _PendingUpdate:
+    """A weight update handed to the engine thread; a "wait" one stays pending while in-flight samples drain."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int | None
+    mode: str
+    partial: bool
+    callback: Callable[[WeightUpdateResult | BaseException], None]
+    drain_deadline: float | None
+    received: float = 0.0
 
 
 class ContinuousBatchingManager:
@@ -74,6 +87,9 @@ class ContinuousBatchingManager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
+        self._pending_update: _PendingUpdate | None = None  # engine thread only
+        self.last_weight_update: WeightUpdateResult | None = None
+        self.last_weight_update_at: float | None = None  # unix time
         self.started_at: float | None = None
         self.error: BaseException | None = None
 
@@ -191,6 +207,96 @@ class ContinuousBatchingManager:
                 return request_id
             return self._sample_groups.get(request_id)
 
+    # ---- weights ----------------------------------------------------------------------------------------------
+    def update_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None = None,
+        mode: str = "keep",
+        partial: bool = False,
+        timeout: float | None = None,
+    ) -> WeightUpdateResult:
+        """Apply new weights between two engine steps and wait for it (see `Engine.update_weights`).
+
+        Args:
+            tensors: name (as in the model's state_dict) -> new value; validated before anything changes.
+            version: the new policy version (above the current one); None adds one.
+            mode: "keep", "recompute", "abort" or "wait" (pause admission, let in-flight samples finish, apply).
+            partial: allow a subset of the parameters.
+            timeout: most seconds to wait; with mode "wait" also the most the drain may take, after which the
+                update is dropped unapplied.
+        Returns:
+            The `WeightUpdateResult` (version, pause and copy times, aborted / recomputed counts).
+        Raises:
+            ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
+            time (the old weights keep serving). RuntimeError: the manager is stopped.
+        """
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self.submit_weight_update(tensors, version, mode, partial, timeout, done.put)
+        try:
+            outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
+        except queue.Empty:
+            raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def submit_weight_update(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        mode: str,
+        partial: bool,
+        drain_timeout: float | None,
+        callback: Callable[[WeightUpdateResult | BaseException], None],
+    ) -> None:
+        """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
+        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`."""
+        if mode not in WEIGHT_UPDATE_MODES:
+            callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
+            return
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        update = _PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic())
+        with self._state:
+            if self._closed:
+                callback(RuntimeError("the manager is stopped"))
+                return
+            if not self.is_running():  # nothing else touches the engine: apply here
+                self._pending_update = update
+                self._try_apply_update()
+                return
+            self._commands.put(("weights", update))
+
+    def _try_apply_update(self) -> None:
+        """Engine thread: apply the pending update once nothing it must wait for is in flight."""
+        update = self._pending_update
+        if update is None:
+            return
+        waits = update.mode == "wait"
+        if waits and self.engine.num_in_flight():
+            if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
+                self._pending_update = None
+                self.engine.scheduler.resume_admission()
+                count = self.engine.num_in_flight()
+                update.callback(TimeoutError(f"'wait' update dropped: {count} samples still in flight at its deadline"))
+            else:
+                self.engine.scheduler.pause_admission()
+            return
+        self._pending_update = None
+        drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
+        try:
+            result = self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
+        except Exception as error:  # noqa: BLE001 - a refused update goes back to its sender
+            outcome: WeightUpdateResult | BaseException = error
+        else:
+            result.drain_ms = drain_ms
+            outcome = result
+            self.last_weight_update, self.last_weight_update_at = result, time.time()
+            self._deliver(result.outputs)
+        finally:
+            self.engine.scheduler.resume_admission()
+        update.callback(outcome)
+
     # ---- results ----------------------------------------------------------------------------------------------
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
         """Call `callback(output)` for every output of a request instead of queueing it: first for outputs already
@@ -262,7 +368,8 @@ class ContinuousBatchingManager:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished())
+                self._drain_commands(block=not self.engine.has_unfinished() and self._pending_update is None)
+                self._try_apply_update()
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
         except BaseException as error:  # noqa: BLE001 - report to every waiter instead of dying silently
@@ -275,6 +382,9 @@ class ContinuousBatchingManager:
         """Refuse new requests, end everything still queued or running, release the model."""
         with self._state:
             self._closed = True
+        if self._pending_update is not None:
+            self._pending_update.callback(RuntimeError("the manager stopped before the weight update was applied"))
+            self._pending_update = None
         while True:
             try:
                 command, payload = self._commands.get_nowait()
@@ -282,6 +392,8 @@ class ContinuousBatchingManager:
                 break
             if command == "add":
                 self._end_unstarted(payload, "abort" if reason is None else "error", reason)
+            elif command == "weights":
+                payload.callback(RuntimeError("the manager stopped before the weight update was applied"))
         for group_id in list(self.engine._open_groups):
             outputs = self.engine.cancel(group_id)
             if reason is not None:
@@ -314,6 +426,11 @@ class ContinuousBatchingManager:
                 self._end_unstarted(payload, "error", str(error))
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
+        elif command == "weights":
+            if self._pending_update is not None:
+                payload.callback(RuntimeError("another weight update is still waiting for in-flight samples"))
+            else:
+                self._pending_update = payload
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
@@ -368,9 +485,15 @@ class ContinuousBatchingManager:
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue depth, running samples, KV blocks used/free, generated tokens and uptime (a snapshot)."""
+        """Queue depth, running samples, KV blocks used/free, generated tokens, uptime, and the policy version with
+        the number, time (unix) and pause of weight updates (a snapshot)."""
         engine = self.engine
+        last = self.last_weight_update
         return {
+            "policy_version": engine.policy_version,
+            "weight_updates": engine.num_weight_updates,
+            "last_weight_update_at": self.last_weight_update_at,
+            "last_weight_update_pause_ms": None if last is None else last.pause_ms,
             "queued": self._num_queued + engine.scheduler.num_waiting,
             "running": len(engine.scheduler.running),
             "kv_blocks_used": engine.block_manager.num_used_blocks,

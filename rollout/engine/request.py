@@ -61,6 +61,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # (policy version, chained hashes of full token blocks): memo for prefix matching while waiting.
     prefix_hash_memo: tuple[int, list[int]] | None = None
+    # Policy versions that sampled the output tokens, run-length encoded: [version, first output index] pairs.
+    token_versions: list[list[int]] = field(default_factory=list)
+    # Oldest policy version behind the KV the request holds now (None while it holds none). Versions only grow,
+    # so it is the version of the step that computed the first token of that KV.
+    kv_version_min: int | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -100,9 +105,16 @@ class Request:
         """True once the request ended (any finish reason)."""
         return self.status == RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        """Append a sampled token and set `finish_reason` when it stops the request (stop token or length)."""
+    def append_token(self, token_id: int, policy_version: int = 0) -> None:
+        """Append a sampled token and set `finish_reason` when it stops the request (stop token or length).
+
+        Args:
+            token_id: the sampled token.
+            policy_version: the version of the weights that sampled it.
+        """
         self.token_ids.append(token_id)
+        if not self.token_versions or self.token_versions[-1][0] != policy_version:
+            self.token_versions.append([policy_version, self.num_output_tokens - 1])
         # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
         if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
             self.finish_reason = "stop"
@@ -126,4 +138,6 @@ class Request:
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),
+            token_versions=[list(pair) for pair in self.token_versions],
+            kv_version_min=self.kv_version_min,
         )

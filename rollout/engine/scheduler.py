@@ -12,6 +12,10 @@ Policies:
 
 When blocks run out, the newest running request not yet in this step is preempted: swapped to CPU blocks when there
 are enough, else freed and recomputed later. A request that cannot fit even in an empty cache ends with an error.
+
+Weight updates: `pause_admission()` stops admitting requests that have not sampled yet (in-flight ones, preempted
+or swapped, still come back), so the in-flight set drains; `recompute_in_flight()` and `abort_in_flight()` carry out
+the "recompute" and "abort" commit modes.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_swaps = 0
+        # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
+        self.admitting = True
 
     # ---- queue management -------------------------------------------------------------------------------------
     def next_arrival(self) -> int:
@@ -108,6 +114,56 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while any request is waiting, swapped or running."""
         return bool(self.waiting or self.swapped or self.running)
+
+    def in_flight(self) -> list[Request]:
+        """Requests that hold KV or have sampled tokens: running, swapped, and preempted ones with output."""
+        waiting = [r for r in self.waiting if r.num_output_tokens > 0]
+        return self.running + list(self.swapped) + waiting
+
+    def pause_admission(self) -> None:
+        """Admit no request that has not sampled yet, until `resume_admission()`."""
+        self.admitting = False
+
+    def resume_admission(self) -> None:
+        """Admit new requests again."""
+        self.admitting = True
+
+    def recompute_in_flight(self) -> int:
+        """Drop the KV of every running and swapped request and queue it to be re-prefilled (prompt + tokens so
+        far), oldest first, ahead of new requests. Returns how many requests were reset."""
+        reset = sorted(self.running + list(self.swapped), key=_arrival)
+        self.running, self.swapped = [], deque()
+        for request in reversed(reset):
+            self._reset_for_recompute(request)
+        return len(reset)
+
+    def abort_in_flight(self) -> list[Request]:
+        """End every request that sampled tokens with finish_reason "abort" (its partial output goes back). Running
+        or swapped ones that sampled nothing yet (a prompt mid-prefill) are queued for recompute instead: nothing of
+        theirs came from the old weights. Returns the ended requests."""
+        ended: list[Request] = []
+        for request in [r for r in self.waiting if r.num_output_tokens > 0]:
+            self.waiting.remove(request)
+            ended += self._finish(request, "abort")
+        fresh = []
+        for request in sorted(self.running + list(self.swapped), key=_arrival):
+            if request.num_output_tokens > 0:
+                ended += self._finish(request, "abort")
+            else:
+                fresh.append(request)
+        self.running, self.swapped = [], deque()
+        for request in reversed(fresh):
+            self._reset_for_recompute(request)
+        return ended
+
+    def _reset_for_recompute(self, request: Request) -> None:
+        """Free the request's KV (device and swap) and put it at the head of the waiting queue."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.block_hashes = []
+        request.kv_version_min = None
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def abort(self, group_id: str) -> list[Request]:
         """End every sample of `group_id` with finish_reason "abort"; returns them (unforked samples included)."""
@@ -201,12 +257,14 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         manager = self.block_manager
-        while not batch.num_preempted and self.waiting and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
-            request = self.waiting[0]
+        while not batch.num_preempted and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
+            request = self._next_admissible()
+            if request is None:
+                return
             # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
             blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
             if blocks_for_life > manager.num_blocks:
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 batch.finished += self._finish(
                     request,
                     "error",
@@ -223,15 +281,23 @@ class Scheduler:
             headroom = reserve + (max(1, manager.num_blocks // 100) if self.running else 0)
             if not manager.can_allocate(needed + headroom):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_batch(batch, request, num_new)
             budget[0] -= num_new
 
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request that may be admitted now (while admission is paused: one that sampled)."""
+        if self.admitting:
+            return self.waiting[0] if self.waiting else None
+        return next((r for r in self.waiting if r.num_output_tokens > 0), None)
+
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
         batch.block_copies += self.block_manager.allocate(request, num_new)
+        if request.kv_version_min is None:
+            request.kv_version_min = self.block_manager.policy_version
         start = request.num_computed_tokens
         batch.sequences.append(ScheduledSequence(request, start, num_new))
         if start + num_new < request.num_tokens:
@@ -260,11 +326,7 @@ class Scheduler:
             self.swapped.appendleft(request)
             self.num_swaps += 1
             return
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
-        request.block_hashes = []
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self._reset_for_recompute(request)
 
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
@@ -278,7 +340,7 @@ class Scheduler:
             self.block_manager.commit_hashes(seq.request)
         finished: list[Request] = []
         for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
-            request.append_token(token)
+            request.append_token(token, self.block_manager.policy_version)
             if request.finish_reason is not None:
                 self.running.remove(request)
                 finished += self._finish(request, request.finish_reason)

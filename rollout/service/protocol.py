@@ -54,6 +54,8 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 PROTOCOL_VERSION = 1
+# Largest frame a worker accepts (a weight bucket's pieces are split below it); larger ones drop the connection.
+MAX_FRAME_BYTES = 256 << 20
 
 
 class ProtocolError(ValueError):
@@ -118,6 +120,75 @@ class Stats(Message):
     """Ask for the worker's counters."""
 
     TYPE: ClassVar[str] = "stats"
+
+
+@dataclass
+class TensorSpec:
+    """One tensor of a weight update (travels as a map)."""
+
+    name: str  # as in the model's state_dict
+    dtype: str  # torch dtype without "torch.": "bfloat16", "float32", ...
+    shape: list[int]
+
+
+@dataclass
+class TensorPiece:
+    """Bytes [offset, offset + nbytes) of announced tensor `index` (travels as a map inside a bucket)."""
+
+    index: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class WeightsSpec(Message):
+    """Ask which tensors (names, dtypes, shapes) a weight update may target."""
+
+    TYPE: ClassVar[str] = "weights_spec"
+    update_id: str
+
+
+@dataclass
+class WeightsBegin(Message):
+    """Open a weight update: announce every tensor it brings. Nothing changes until `weights_commit`."""
+
+    TYPE: ClassVar[str] = "weights_begin"
+    update_id: str
+    tensors: list[TensorSpec]
+    version: int | None = None  # the new policy version (above the current one); nil: current + 1
+    mode: str = "keep"  # in-flight samples at commit: "keep", "recompute", "abort" or "wait"
+    transport: str = "frames"  # how bucket bytes travel: "frames", "shm" or "torch.distributed"
+    partial: bool = False  # allow leaving parameters out
+    timeout_s: float = 60.0  # deadline of every phase (and of the drain for mode "wait")
+    # torch.distributed only: {"host", "port", "world_size", "rank", "backend", "group"} of the process group.
+    dist: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightsBucket(Message):
+    """Bytes of some announced tensors. With transport "frames" one raw frame per piece follows the header; with
+    "shm" the pieces were written into the staging segment; with "torch.distributed" they follow as one broadcast
+    of their concatenation."""
+
+    TYPE: ClassVar[str] = "weights_bucket"
+    update_id: str
+    pieces: list[TensorPiece]
+
+
+@dataclass
+class WeightsCommit(Message):
+    """Validate that every announced tensor arrived whole, then apply the update between two engine steps."""
+
+    TYPE: ClassVar[str] = "weights_commit"
+    update_id: str
+
+
+@dataclass
+class WeightsAbort(Message):
+    """Drop an open update (the old weights keep serving)."""
+
+    TYPE: ClassVar[str] = "weights_abort"
+    update_id: str
 
 
 # ---- worker -> client --------------------------------------------------------------------------------------------
@@ -188,33 +259,101 @@ class StatsReply(Message):
 
 
 @dataclass
+class WeightsSpecReply(Message):
+    """The tensors a weight update may target (state_dict names, tied aliases and persistent buffers included)."""
+
+    TYPE: ClassVar[str] = "weights_spec_reply"
+    update_id: str
+    tensors: list[TensorSpec]
+    policy_version: int
+
+
+@dataclass
+class WeightsReady(Message):
+    """Answer to weights_begin: the update is staged here, send the buckets."""
+
+    TYPE: ClassVar[str] = "weights_ready"
+    update_id: str
+    staging_bytes: int
+    shm_name: str | None = None  # transport "shm": the segment to write the tensors into, at `staging_offsets`
+
+
+@dataclass
+class WeightsAck(Message):
+    """Answer to weights_bucket and weights_abort."""
+
+    TYPE: ClassVar[str] = "weights_ack"
+    update_id: str
+    received_bytes: int
+    state: str = "staging"  # "staging", or "aborted"
+
+
+@dataclass
+class WeightsCommitted(Message):
+    """Answer to weights_commit: the new weights serve from the next engine step on."""
+
+    TYPE: ClassVar[str] = "weights_committed"
+    update_id: str
+    version: int
+    pause_ms: float  # how long the engine stood still
+    copy_ms: float  # of which copying tensors into the model
+    drain_ms: float = 0.0  # mode "wait": how long in-flight samples ran before the update
+    aborted: int = 0
+    recomputed: int = 0
+
+
+@dataclass
 class Error(Message):
-    """A request was refused or failed; `field` names the culprit when a field was wrong."""
+    """A request was refused or failed; `field` names the culprit when a field was wrong (for weight updates: the
+    tensor's name, or a weights_begin field)."""
 
     TYPE: ClassVar[str] = "error"
     code: str
     message: str
     field: str | None = None
     group_id: str | None = None
+    update_id: str | None = None
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Generate, Cancel, Ping, Stats, HelloReply, Delta, GroupResult, Pong, StatsReply, Error)
+    for cls in (
+        Hello,
+        Generate,
+        Cancel,
+        Ping,
+        Stats,
+        WeightsSpec,
+        WeightsBegin,
+        WeightsBucket,
+        WeightsCommit,
+        WeightsAbort,
+        HelloReply,
+        Delta,
+        GroupResult,
+        Pong,
+        StatsReply,
+        WeightsSpecReply,
+        WeightsReady,
+        WeightsAck,
+        WeightsCommitted,
+        Error,
+    )
 }
 
 
 # ---- codec -------------------------------------------------------------------------------------------------------
 def encode(message: Message) -> list[bytes]:
-    """Turn a message into ZeroMQ frames (header first)."""
+    """Turn a message into ZeroMQ frames (header first; raw tensor frames, if any, are appended by the sender)."""
     header = {"protocol": PROTOCOL_VERSION, "type": message.TYPE}
     for item in dataclasses.fields(message):
         header[item.name] = _plain(getattr(message, item.name))
     return [msgpack.packb(header, use_bin_type=True)]
 
 
-def decode(frames: list[bytes]) -> Message:
-    """Turn ZeroMQ frames back into a message, checking version, type and every field.
+def decode(frames: list[Any]) -> Message:
+    """Turn ZeroMQ frames back into a message, checking version, type and every field (frames after the header,
+    the raw tensor bytes of a weights_bucket, are left to the caller).
 
     Raises:
         ProtocolError: naming the field that is missing, unknown or of the wrong type.
@@ -222,7 +361,7 @@ def decode(frames: list[bytes]) -> Message:
     if not frames:
         raise ProtocolError("header", "empty message")
     try:
-        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+        header = msgpack.unpackb(_bytes(frames[0]), raw=False, strict_map_key=True)
     except Exception as error:  # noqa: BLE001 - any undecodable input is the sender's fault
         raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
     if not isinstance(header, dict):
@@ -233,6 +372,11 @@ def decode(frames: list[bytes]) -> Message:
     if cls is None:
         raise ProtocolError("type", f"unknown message type {header.get('type')!r}")
     return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, prefix="")
+
+
+def _bytes(frame: Any) -> Any:
+    """The payload of a frame received with copy=False (a zmq.Frame), or the frame itself."""
+    return frame.buffer if hasattr(frame, "buffer") else frame
 
 
 def _plain(value: Any) -> Any:

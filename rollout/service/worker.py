@@ -7,6 +7,11 @@ engine never blocks on I/O, and a slow engine never stalls `ping` or `stats`.
 Group ids are per client: the engine sees "<client identity>/<group id>", so two trainers may both send group "0".
 A client that vanishes (a send to it fails, or it has groups in flight and has been silent longer than
 `client_timeout_s`) has its groups cancelled, which frees their KV blocks.
+
+Weight updates (see `weights.py`): one at a time. The serving thread stages buckets as they come and rejects the
+update at the first bad byte, phase deadline or client disappearance; on commit the engine thread applies it
+between two steps and the answer goes back through the outbox. torch.distributed buckets are received by their own
+thread (`dist.DistReceiver`), so pings are answered during a long broadcast.
 """
 
 from __future__ import annotations
@@ -19,20 +24,21 @@ import time
 from dataclasses import dataclass, field
 
 import msgpack
+import torch
 import zmq
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.engine import GenerationOutput
+from rollout.engine.engine import GenerationOutput, WeightUpdateResult
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
 from rollout.service import protocol as p
+from rollout.service.dist import DistReceiver
+from rollout.service.weights import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
 
 # Engine-side field names -> the protocol's.
 _FIELD_NAMES = {"input_ids": "prompt_ids", "request_id": "group_id"}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Largest request accepted on the socket (a generate is a few KB; weight buckets travel in their own messages).
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass
@@ -46,6 +52,7 @@ class _Group:
     stream: bool
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
+    versions: dict[int, list[list[int]]] = field(default_factory=dict)
     completions: list[p.Completion] = field(default_factory=list)
 
 
@@ -70,13 +77,12 @@ class RolloutWorker:
         self.manager = manager
         self.model_name = model_name
         self.client_timeout_s = client_timeout_s
-        self.policy_version = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
         # No send high-water mark: a slow reader must never lose a result (what waits is bounded by its groups).
         self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # per frame
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(bind)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -87,6 +93,16 @@ class RolloutWorker:
         self._groups: dict[str, _Group] = {}  # engine id -> group; the serving thread adds, the engine thread removes
         self._last_seen: dict[bytes, float] = {}
         self._stop = threading.Event()
+        self._update: StagedUpdate | None = None  # serving thread only
+        # Finished steps of an update, from other threads: (update, reply) for the serving thread to conclude.
+        self._update_events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
+        self._dist: DistReceiver | None = None
+        self._device = next(manager.engine.model.parameters()).device
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights being served."""
+        return self.manager.engine.policy_version
 
     # ---- serving loop -----------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -102,10 +118,17 @@ class RolloutWorker:
                     self._receive_all()
                 if ready:
                     self._waker.drain()
+                self._conclude_update_steps()
                 self._flush_outbox()
                 self._expire_silent_clients()
+                self._expire_update()
         finally:
             self.manager.stop(block=True, timeout=30)
+            self._conclude_update_steps()
+            if self._update is not None:
+                self._reject_update(p.Error("internal", "the worker is shutting down", None))
+            if self._dist is not None:
+                self._dist.close()
             self._flush_outbox()
             self._socket.close(linger=2000)  # let the final abort results reach their clients
             self._context.term()
@@ -119,22 +142,31 @@ class RolloutWorker:
     def _receive_all(self) -> None:
         while True:
             try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                # Weight buckets are large: take their frames without a copy (small ones come as plain bytes).
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, frames = frames[0], frames[1:]
+            identity, frames = frames[0].bytes, frames[1:]
             self._last_seen[identity] = time.monotonic()
             try:
                 message = p.decode(frames)
             except p.ProtocolError as error:
-                self._send(identity, p.Error("bad_request", str(error), error.field, _raw_group_id(frames)))
+                group_id, update_id = _raw_ids(frames)
+                self._send(identity, p.Error("bad_request", str(error), error.field, group_id, update_id))
                 continue
             try:
-                self._handle(identity, message)
+                if isinstance(message, _WEIGHT_MESSAGES):
+                    self._handle_weights(identity, message, frames[1:])
+                else:
+                    self._handle(identity, message)
             except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
                 logger.exception("request %s failed", message.TYPE)
-                group_id = getattr(message, "group_id", None)
-                self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None, group_id))
+                group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+                reply = p.Error("internal", f"{type(error).__name__}: {error}", None, group_id, update_id)
+                if self._update is not None and self._update.update_id == update_id:
+                    self._reject_update(reply)
+                else:
+                    self._send(identity, reply)
 
     def _handle(self, identity: bytes, message: p.Message) -> None:
         if isinstance(message, p.Generate):
@@ -195,6 +227,174 @@ class RolloutWorker:
             )
         return None
 
+    # ---- weight updates ---------------------------------------------------------------------------------------
+    def _handle_weights(self, identity: bytes, message: p.Message, data_frames: list) -> None:
+        update_id = message.update_id
+        if isinstance(message, p.WeightsSpec):
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in self.manager.engine.weight_specs().items()]
+            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version))
+            return
+        update = self._update
+        if isinstance(message, p.WeightsBegin):
+            if update is not None:
+                reason = f"update {update.update_id!r} is still open; one update at a time"
+                self._send(identity, p.Error("update_in_progress", reason, "update_id", None, update_id))
+                return
+            self._begin_update(identity, message)
+            return
+        if update is None or update.update_id != update_id or update.identity != identity:
+            self._send(identity, p.Error("unknown_update", "no such open update", "update_id", None, update_id))
+            return
+        update.touch()
+        if isinstance(message, p.WeightsAbort):
+            if update.committing:
+                reason = "the update is being committed; it cannot be aborted now"
+                self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
+                return
+            received = update.received_bytes
+            self._close_update()
+            self._send(identity, p.WeightsAck(update_id, received, "aborted"))
+            return
+        if update.committing:
+            reason = "the update is being committed"
+            self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
+            return
+        try:
+            if isinstance(message, p.WeightsBucket):
+                self._receive_bucket(update, message, data_frames)
+            elif isinstance(message, p.WeightsCommit):
+                self._commit_update(update)
+        except UpdateRejected as error:
+            self._reject_update(p.Error(error.code, str(error), error.field, None, update_id))
+
+    def _begin_update(self, identity: bytes, message: p.WeightsBegin) -> None:
+        try:
+            update = StagedUpdate(message, self.manager.engine, identity)
+        except UpdateRejected as error:
+            self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
+            return
+        self._update = update
+        logger.info(
+            "weight update %s: %d tensors, %.1f MB over %s, mode %s",
+            update.update_id,
+            len(update.specs),
+            update.staging_bytes / 1e6,
+            message.transport,
+            message.mode,
+        )
+        ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
+        if message.transport != "torch.distributed":
+            self._send(identity, ready)
+            return
+        if self._dist is None:
+            self._dist = DistReceiver()
+
+        def joined(error: BaseException | None) -> None:  # on the receiver thread
+            reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
+            self._update_events.put((update, reply))
+            self._waker.wake()
+
+        self._dist.join(message.dist, message.timeout_s, joined)
+
+    def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
+        transport = update.begin.transport
+        if transport == "frames":
+            update.accept_frames(message.pieces, data_frames)
+        elif transport == "shm":
+            update.accept_written(message.pieces)
+        else:
+            update.announce(message.pieces)
+            device = self._device if update.begin.dist["backend"] == "nccl" else torch.device("cpu")
+
+            def received(buffer: torch.Tensor | BaseException) -> None:  # on the receiver thread
+                if update.closed:
+                    return  # rejected meanwhile: drop the bytes
+                if isinstance(buffer, BaseException):
+                    reply: p.Message = p.Error("bad_update", f"broadcast failed: {buffer}", "dist")
+                else:
+                    update.accept_buffer(message.pieces, buffer.cpu())
+                    reply = p.WeightsAck(update.update_id, update.received_bytes)
+                self._update_events.put((update, reply))
+                self._waker.wake()
+
+            self._dist.receive(sum(piece.nbytes for piece in message.pieces), device, received)
+            return
+        self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
+
+    def _commit_update(self, update: StagedUpdate) -> None:
+        tensors = update.tensors()  # raises UpdateRejected naming an incomplete tensor
+        update.committing = True
+        begin = update.begin
+
+        def applied(outcome: WeightUpdateResult | BaseException) -> None:  # on the engine thread
+            if isinstance(outcome, WeightUpdateResult):
+                reply: p.Message = p.WeightsCommitted(
+                    update.update_id,
+                    outcome.version,
+                    outcome.pause_ms,
+                    outcome.copy_ms,
+                    outcome.drain_ms,
+                    outcome.aborted,
+                    outcome.recomputed,
+                )
+            elif isinstance(outcome, FieldError):
+                reply = p.Error("bad_update", str(outcome), outcome.field, None, update.update_id)
+            elif isinstance(outcome, TimeoutError):
+                reply = p.Error("update_timeout", str(outcome), "mode", None, update.update_id)
+            else:
+                reply = p.Error("internal", f"{type(outcome).__name__}: {outcome}", None, None, update.update_id)
+            self._update_events.put((update, reply))
+            self._waker.wake()
+
+        self.manager.submit_weight_update(tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied)
+
+    def _conclude_update_steps(self) -> None:
+        """Serving thread: send what the engine or receiver thread finished; close the update when it ended."""
+        while True:
+            try:
+                update, reply = self._update_events.get_nowait()
+            except queue.Empty:
+                return
+            if update is not self._update:
+                continue  # rejected or aborted meanwhile
+            if isinstance(reply, p.Error):
+                self._reject_update(reply)
+                continue
+            update.touch()
+            if isinstance(reply, p.WeightsCommitted):
+                self._close_update()
+                logger.info(
+                    "weight update %s committed: version %d, pause %.1f ms (copy %.1f ms)",
+                    update.update_id,
+                    reply.version,
+                    reply.pause_ms,
+                    reply.copy_ms,
+                )
+            self._send(update.identity, reply)
+
+    def _reject_update(self, error: p.Error) -> None:
+        """End the open update unapplied and tell its client why."""
+        update = self._update
+        if update is None:
+            return
+        logger.warning("weight update %s rejected: %s", update.update_id, error.message)
+        self._close_update()
+        if update.begin.transport == "torch.distributed" and self._dist is not None:
+            self._dist.forget()  # the trainer may be stuck mid-broadcast: the next update starts a fresh group
+        error.update_id = update.update_id
+        self._send(update.identity, error)
+
+    def _close_update(self) -> None:
+        if self._update is not None:
+            self._update.close()
+            self._update = None
+
+    def _expire_update(self) -> None:
+        update = self._update
+        if update is not None and update.expired(time.monotonic()):
+            reason = f"no message of the update within its phase deadline of {update.begin.timeout_s:g} s"
+            self._reject_update(p.Error("update_timeout", reason, None))
+
     # ---- engine thread -> outbox ------------------------------------------------------------------------------
     def _on_output(self, group: _Group, output: GenerationOutput) -> None:
         index = output.sample_index
@@ -204,16 +404,31 @@ class RolloutWorker:
             tokens.extend(output.generated_tokens)
             logprobs.extend(output.logprobs)
             if output.generated_tokens:
-                delta = p.Delta(group.group_id, index, output.generated_tokens, output.logprobs, self.policy_version)
+                version = output.policy_versions[-1][0] if output.policy_versions else self.policy_version
+                delta = p.Delta(group.group_id, index, output.generated_tokens, output.logprobs, version)
                 self._outbox.put((group.identity, delta))
                 self._waker.wake()
         else:
             tokens[:], logprobs[:] = output.generated_tokens, output.logprobs
+        if group.stream:
+            _extend_runs(
+                group.versions.setdefault(index, []), output.policy_versions, len(tokens) - len(output.generated_tokens)
+            )
+        else:
+            group.versions[index] = output.policy_versions
         if not output.is_finished:
             return
-        versions = [[self.policy_version, 0]] if tokens else []
+        kv_version_min = output.kv_version_min if output.kv_version_min is not None else self.policy_version
         group.completions.append(
-            p.Completion(index, tokens, logprobs, output.finish_reason, output.error, versions, self.policy_version)
+            p.Completion(
+                index,
+                tokens,
+                logprobs,
+                output.finish_reason,
+                output.error,
+                group.versions.get(index, []),
+                kv_version_min,
+            )
         )
         if len(group.completions) == group.n:
             # Forget the group before its result can reach the client, which may then reuse the id at once.
@@ -241,6 +456,8 @@ class RolloutWorker:
                 return
             logger.warning("client %s is gone; cancelling its groups", identity.hex())
             self._cancel_client(identity)
+            if self._update is not None and self._update.identity == identity and not self._update.committing:
+                self._reject_update(p.Error("update_timeout", "the client is gone", None))
 
     def _cancel_client(self, identity: bytes) -> None:
         for engine_id, group in list(self._groups.items()):
@@ -273,15 +490,27 @@ class RolloutWorker:
         return stats
 
 
-def _raw_group_id(frames: list[bytes]) -> str | None:
-    """The group id of an undecodable request, when its header still has a string one (so the client can route
-    the error to the waiting call)."""
+_WEIGHT_MESSAGES = (p.WeightsSpec, p.WeightsBegin, p.WeightsBucket, p.WeightsCommit, p.WeightsAbort)
+
+
+def _extend_runs(runs: list[list[int]], new_runs: list[list[int]], first_index: int) -> None:
+    """Append a delta's run-length encoded versions (indices relative to the delta) to a sample's runs."""
+    for version, first in new_runs:
+        if not runs or runs[-1][0] != version:
+            runs.append([version, first_index + first])
+
+
+def _raw_ids(frames: list) -> tuple[str | None, str | None]:
+    """The group and update ids of an undecodable request, when its header still has string ones (so the client
+    can route the error to the waiting call)."""
     try:
-        header = msgpack.unpackb(frames[0], raw=False)
+        header = msgpack.unpackb(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0], raw=False)
     except Exception:  # noqa: BLE001
-        return None
-    value = header.get("group_id") if isinstance(header, dict) else None
-    return value if isinstance(value, str) else None
+        return None, None
+    if not isinstance(header, dict):
+        return None, None
+    group_id, update_id = header.get("group_id"), header.get("update_id")
+    return (group_id if isinstance(group_id, str) else None), (update_id if isinstance(update_id, str) else None)
 
 
 def _engine_id(identity: bytes, group_id: str) -> str:

@@ -1,0 +1,270 @@
+"""A weight update on the worker, as a transaction: begin (announce names, dtypes, shapes) -> buckets of bytes ->
+commit. Everything is staged in host memory first and checked (every name, dtype and shape against the model at
+begin; every byte of every announced tensor at commit); only then does the engine copy it into the model, all at
+once, between two steps. A rejected update leaves nothing behind and the old weights keep serving.
+
+Staging layout: the announced tensors one after the other, each at an offset aligned to `ALIGN` bytes, so a slice
+of the staging area viewed as the tensor's dtype is a valid tensor. Both ends compute it with `staging_layout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from rollout.config import FieldError
+from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine
+from rollout.service import protocol as p
+from rollout.service.dist import check_dist_fields
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("frames", "shm", "torch.distributed")
+ALIGN = 64
+MAX_PHASE_S = 3600.0
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "bfloat16",
+        "float16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    )
+    if hasattr(torch, name)
+}
+
+
+class UpdateRejected(Exception):
+    """A weight update that cannot go on; the worker answers with an Error carrying `code` and `field`."""
+
+    def __init__(self, code: str, field: str | None, reason: str):
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.code = code
+        self.field = field
+
+
+def tensor_nbytes(spec: p.TensorSpec) -> int:
+    """Bytes of an announced tensor."""
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    return numel * DTYPES[spec.dtype].itemsize
+
+
+def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
+    """(offset of each tensor, total bytes) in the staging area: in order, each aligned to ALIGN bytes."""
+    offsets, end = [], 0
+    for spec in specs:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + tensor_nbytes(spec)
+    return offsets, end
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
+    it; Python < 3.13 would otherwise unlink it when this process exits)."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        segment = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
+        return segment
+
+
+class StagedUpdate:
+    """One open weight update of one client: its announcement, staging area, progress and deadline."""
+
+    def __init__(self, begin: p.WeightsBegin, engine: Engine, identity: bytes):
+        """Validate the announcement and allocate the staging area.
+
+        Args:
+            begin: the client's weights_begin.
+            engine: the engine whose model the update targets (read-only here).
+            identity: the client's ZeroMQ identity (only it may continue the update).
+        Raises:
+            UpdateRejected: a bad field or tensor, named.
+        """
+        self.begin = begin
+        self.identity = identity
+        self.update_id = begin.update_id
+        self.committing = False
+        self.closed = False
+        self._check_fields(begin, engine)
+        self.specs = begin.tensors
+        self.sizes = [tensor_nbytes(spec) for spec in self.specs]
+        self.offsets, self.staging_bytes = staging_layout(self.specs)
+        self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
+        self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
+        self.shm: shared_memory.SharedMemory | None = None
+        pin = torch.cuda.is_available() and engine.kv_cache.kv.device.type == "cuda"
+        if begin.transport == "shm":
+            try:
+                self.shm = shared_memory.SharedMemory(
+                    name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(self.staging_bytes, 1)
+                )
+            except OSError as error:
+                raise UpdateRejected(
+                    "bad_update", "transport", f"cannot create a shared-memory segment: {error}"
+                ) from None
+            self.staging = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+        else:
+            self.staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.deadline = 0.0
+        self.touch()
+
+    @staticmethod
+    def _check_fields(begin: p.WeightsBegin, engine: Engine) -> None:
+        if begin.mode not in WEIGHT_UPDATE_MODES:
+            raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
+        if begin.transport not in TRANSPORTS:
+            raise UpdateRejected("bad_update", "transport", f"must be one of {list(TRANSPORTS)}")
+        if begin.transport == "torch.distributed":
+            culprit = check_dist_fields(begin.dist)
+            if culprit is not None:
+                raise UpdateRejected("bad_update", culprit, "missing or wrong (host, port, world_size, rank, ...)")
+        if not 0 < begin.timeout_s <= MAX_PHASE_S:
+            raise UpdateRejected("bad_update", "timeout_s", f"must be in (0, {MAX_PHASE_S:.0f}] seconds")
+        if begin.version is not None and begin.version <= engine.policy_version:
+            raise UpdateRejected(
+                "bad_update", "version", f"must exceed the current version {engine.policy_version}, got {begin.version}"
+            )
+        if not begin.tensors:
+            raise UpdateRejected("bad_update", "tensors", "an update must announce at least one tensor")
+        seen: set[str] = set()
+        for index, spec in enumerate(begin.tensors):
+            if spec.name in seen:
+                raise UpdateRejected("bad_update", spec.name, "announced twice")
+            seen.add(spec.name)
+            if spec.dtype not in DTYPES:
+                raise UpdateRejected("bad_update", spec.name, f"unknown dtype {spec.dtype!r}")
+            if any(size < 0 for size in spec.shape):
+                raise UpdateRejected("bad_update", f"tensors[{index}].shape", "sizes must be >= 0")
+        try:
+            engine.check_weight_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
+        except FieldError as error:
+            raise UpdateRejected("bad_update", error.field, error.reason) from None
+
+    def touch(self) -> None:
+        """Restart the phase deadline (called on every message of the update)."""
+        self.deadline = time.monotonic() + self.begin.timeout_s
+
+    def expired(self, now: float) -> bool:
+        """True when the client let a phase run past its deadline (a committing update waits on the engine)."""
+        return not self.committing and now > self.deadline
+
+    # ---- bytes in ---------------------------------------------------------------------------------------------
+    def announce(self, pieces: list[p.TensorPiece]) -> None:
+        """Check a bucket header's pieces and count them as promised. Pieces must name announced tensors and continue
+        each exactly where its previous piece stopped (in order, no gap, no overlap, nothing past its end).
+
+        Raises:
+            UpdateRejected: naming the tensor.
+        """
+        expected = list(self.announced)
+        for piece in pieces:
+            if not 0 <= piece.index < len(self.specs):
+                raise UpdateRejected("bad_update", "pieces.index", f"{piece.index} is not an announced tensor index")
+            name = self.specs[piece.index].name
+            if piece.offset != expected[piece.index]:
+                raise UpdateRejected(
+                    "bad_update", name, f"piece at byte {piece.offset}, expected byte {expected[piece.index]}"
+                )
+            if piece.nbytes < 0 or piece.offset + piece.nbytes > self.sizes[piece.index]:
+                raise UpdateRejected(
+                    "bad_update",
+                    name,
+                    f"piece [{piece.offset}, {piece.offset + piece.nbytes}) exceeds its "
+                    f"{self.sizes[piece.index]} bytes",
+                )
+            expected[piece.index] += piece.nbytes
+        self.announced = expected
+
+    def accept_frames(self, pieces: list[p.TensorPiece], frames: list) -> None:
+        """Copy one frame per piece into the staging area (transport "frames").
+
+        Raises:
+            UpdateRejected: a missing or truncated frame, or a bad piece; nothing of the bucket is counted then.
+        """
+        if len(frames) != len(pieces):
+            raise UpdateRejected("bad_update", "pieces", f"{len(pieces)} pieces but {len(frames)} data frames")
+        self.announce(pieces)
+        for piece, frame in zip(pieces, frames):
+            payload = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+            if payload.nbytes != piece.nbytes:
+                name = self.specs[piece.index].name
+                raise UpdateRejected(
+                    "bad_update", name, f"truncated: frame has {payload.nbytes} bytes, piece says {piece.nbytes}"
+                )
+        for piece, frame in zip(pieces, frames):
+            payload = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+            if piece.nbytes:
+                self._stage(piece, torch.frombuffer(payload, dtype=torch.uint8))
+
+    def accept_buffer(self, pieces: list[p.TensorPiece], buffer: torch.Tensor) -> None:
+        """Copy the concatenated pieces of a broadcast bucket into the staging area (transport
+        "torch.distributed"; `announce` was called when the bucket header came)."""
+        start = 0
+        for piece in pieces:
+            self._stage(piece, buffer[start : start + piece.nbytes])
+            start += piece.nbytes
+
+    def accept_written(self, pieces: list[p.TensorPiece]) -> None:
+        """Count pieces the client wrote straight into the shared staging segment (transport "shm")."""
+        self.announce(pieces)
+        for piece in pieces:
+            self.received[piece.index] += piece.nbytes
+
+    def _stage(self, piece: p.TensorPiece, data: torch.Tensor) -> None:
+        start = self.offsets[piece.index] + piece.offset
+        self.staging[start : start + piece.nbytes].copy_(data)
+        self.received[piece.index] += piece.nbytes
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes staged so far."""
+        return sum(self.received)
+
+    # ---- commit -----------------------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every announced tensor as a view of the staging area, once all arrived whole.
+
+        Raises:
+            UpdateRejected: naming the first tensor that did not arrive whole.
+        """
+        for spec, size, got in zip(self.specs, self.sizes, self.received):
+            if got != size:
+                raise UpdateRejected("bad_update", spec.name, f"incomplete: {got} of {size} bytes arrived")
+        return {
+            spec.name: self.staging[offset : offset + size].view(DTYPES[spec.dtype]).view(spec.shape)
+            for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
+        }
+
+    def close(self) -> None:
+        """Release the staging area (idempotent). A shared segment is unlinked at once; its memory goes when the
+        last view of it does."""
+        if self.closed:
+            return
+        self.closed = True
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        if self.shm is not None:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+            try:
+                self.shm.close()
+            except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
+                pass
