@@ -49,6 +49,8 @@ __all__ = ["PushResult", "WeightSyncCallback", "iter_weights", "push_weights", "
 DEFAULT_BUCKET_BYTES = 64 << 20
 TRANSPORTS = ("auto", "frames", "shm", "torch.distributed")
 _WINDOW = 2  # buckets in flight per worker: the next one travels while the previous is staged
+# Attribute of a RolloutClient holding its torch.distributed group between pushes: (key, store, group, dist fields).
+_DIST_ATTRIBUTE = "_weight_sync_dist_group"
 
 
 @dataclass
@@ -199,6 +201,11 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
 def _entries(source: Any, accelerator: Any) -> list[_Entry]:
     if isinstance(source, torch.nn.Module):
         model = _unwrap(source, accelerator)
+        if any(type(module).__name__ == "FullyShardedDataParallel" for module in model.modules()):
+            raise NotImplementedError(
+                "FSDP1 (FullyShardedDataParallel) flat parameters are not supported; shard with FSDP2 (fully_shard, "
+                "accelerate's fsdp_version=2), whose parameters are gathered one at a time"
+            )
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
             return _peft_entries(model)
         return _module_entries(model)
@@ -238,6 +245,7 @@ class _Link:
     address: str
     transport: str = "frames"
     specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    version: int = 0  # the worker's policy version before the push
     ready: p.WeightsReady | None = None
     committed: p.WeightsCommitted | None = None
     open: bool = False  # begun, neither committed nor rejected
@@ -353,11 +361,16 @@ class _Push:
             self._send_buckets(specs)
             transfer_s = time.perf_counter() - started
             results = self._commit()
-        except _WorkerFailed as failure:
-            error = failure.error
-            raise RolloutError(
-                error.code, f"worker {failure.link.address} rejected the weight update: {error.message}", error.field
-            ) from None
+        except BaseException as failure:
+            self.client.__dict__.pop(_DIST_ATTRIBUTE, None)  # a failed push may leave a collective half done
+            if isinstance(failure, _WorkerFailed):
+                error = failure.error
+                raise RolloutError(
+                    error.code,
+                    f"worker {failure.link.address} rejected the weight update: {error.message}",
+                    error.field,
+                ) from None
+            raise
         total_bytes = staging_layout(specs)[1]
         versions = {result["version"] for result in results}
         if len(versions) != 1:
@@ -370,6 +383,9 @@ class _Push:
         for link in self.links:
             self.channel.send(link.index, p.WeightsSpec(self.update_id))
         self._wait(lambda: all(link.specs is not None for link in self.links), self.timeout, "weights_spec")
+        current = max(link.version for link in self.links)
+        if self.version is not None and self.version <= current:
+            raise RolloutError("bad_update", f"must exceed the workers' current version {current}", "version")
         reference = self.links[0].specs
         for link in self.links[1:]:
             if link.specs != reference:
@@ -401,11 +417,15 @@ class _Push:
             link.transport = "shm" if self.transport == "auto" else self.transport
             fields = dict(dist_fields, rank=1 + self.links.index(link)) if dist_fields else {}
             self._send_begin(link, specs, fields)
-        if self.transport == "torch.distributed":
-            # Blocks until every worker joined (they do so on receiving their begin).
-            self.group = make_process_group(
-                self.store, dist_fields["group"], 0, dist_fields["world_size"], self.dist_backend, self.timeout
-            )
+        if self.transport == "torch.distributed" and self.group is None:
+            try:  # blocks until every worker joined (they do so on receiving their begin)
+                self.group = make_process_group(
+                    self.store, dist_fields["group"], 0, dist_fields["world_size"], self.dist_backend, self.timeout
+                )
+            except Exception as error:  # noqa: BLE001 - a worker's own refusal explains it better, if one came
+                self._receive(1.0, "weights_ready")
+                raise RolloutError("dist", f"the workers did not join the process group: {error}") from None
+            setattr(self.client, _DIST_ATTRIBUTE, (self._dist_key(), self.store, self.group, dist_fields))
         deadline = time.monotonic() + self.timeout
         while not all(link.ready is not None for link in self.links):
             try:
@@ -450,7 +470,17 @@ class _Push:
         link.segment = segment
         link.staging = torch.frombuffer(segment.buf, dtype=torch.uint8)
 
+    def _dist_key(self) -> tuple:
+        return (tuple(link.index for link in self.links), self.dist_host, self.dist_backend)
+
     def _dist_fields(self) -> dict[str, Any]:
+        """The group of the client's previous push when the workers are the same (no new rendezvous), else a new
+        rendezvous store and group key."""
+        cached = self.client.__dict__.pop(_DIST_ATTRIBUTE, None)
+        if cached is not None and cached[0] == self._dist_key():
+            _, self.store, self.group, fields = cached
+            setattr(self.client, _DIST_ATTRIBUTE, cached)
+            return fields
         self.store = make_store(self.dist_host, 0, 1 + len(self.links), True, self.timeout)
         return {
             "host": self.dist_host,
@@ -547,6 +577,7 @@ class _Push:
             raise _WorkerFailed(link, message)
         if isinstance(message, p.WeightsSpecReply):
             link.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
+            link.version = message.policy_version
         elif isinstance(message, p.WeightsReady):
             link.ready = message
         elif isinstance(message, p.WeightsAck):

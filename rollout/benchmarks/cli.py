@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import service, throughput
+from rollout.benchmarks import service, throughput, weights
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +30,20 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
     sv = commands.add_parser("service", help="tokens/s through a rollout-worker socket vs in-process (cpu-small)")
     sv.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    wt = commands.add_parser("weights", help="push_weights GB/s per transport over loopback, and the commit pause")
+    wt.add_argument("--size-mb", type=float, default=512, help="state dict size in MB (default: 512)")
+    wt.add_argument(
+        "--transports", nargs="+", choices=weights.TRANSPORTS, default=None, help="transports (default: all)"
+    )
+    wt.add_argument("--repeats", type=int, default=3, help="pushes per transport, median reported (default: 3)")
+    wt.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MB (default: 64)")
     args = parser.parse_args(argv)
     if args.command == "throughput":
         summary = throughput.run(args.workload, args.systems, args.seed, args.repeats)
+    elif args.command == "weights":
+        if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
+            parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")
+        summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb)
     else:
         summary = service.run(args.seed)
     print(json.dumps(summary))

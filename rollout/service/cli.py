@@ -16,7 +16,7 @@ import torch
 
 from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
-from rollout.service.presets import PRESETS, tiny_model
+from rollout.service.presets import PRESETS, model_from_preset
 from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="tiny",
         help="a local Hugging Face model directory, a hub id, or a preset: "
-        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code)",
+        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; sized:512 is a random "
+        "model with about 512 MB of weights, for weight-transfer benchmarks)",
     )
     place = parser.add_mutually_exclusive_group()
     place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on")
@@ -67,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
     """A preset, or `from_pretrained` of a local directory / hub id."""
-    if name == "tiny":
-        return tiny_model(dtype=dtype or torch.float32).to(device)
+    preset = model_from_preset(name, dtype=dtype or torch.float32)
+    if preset is not None:
+        return preset.to(device)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto").to(device).eval()
@@ -76,7 +78,8 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `rollout-worker`: load, bind, serve until SIGTERM/SIGINT, then abort in-flight groups."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
     config = ContinuousBatchingConfig(
@@ -89,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         max_queue_size=args.max_queue_size,
         cpu_offload_space=args.cpu_offload_space,
     )
-    model = load_model(args.model, DTYPES[args.dtype], device)
+    try:
+        model = load_model(args.model, DTYPES[args.dtype], device)
+    except ValueError as error:
+        parser.error(str(error))
     manager = init_continuous_batching(model, continuous_batching_config=config)
     worker = RolloutWorker(manager, args.bind, args.model, client_timeout_s=args.client_timeout)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
 
-PRESETS = ("tiny",)
+PRESETS = ("tiny", "sized:<MB>")
 # The "tiny" preset's shape, which is also DESIGN.md's cpu-small benchmark model.
 TINY_MODEL_CONFIG = dict(
     vocab_size=1024,
@@ -35,6 +35,12 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+# The "sized" preset: layers of this shape (about 12.6M parameters each) on the tiny vocabulary.
+SIZED_LAYER_CONFIG = dict(
+    hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=64
+)
+
+
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A tiny random Qwen3-style model (the cpu-small benchmark shape), the same for the same seed.
 
@@ -42,7 +48,52 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedM
         seed: weight initialisation seed.
         dtype: parameter dtype.
     """
-    config = Qwen3Config(**TINY_MODEL_CONFIG)
+    return _random_model(Qwen3Config(**TINY_MODEL_CONFIG), seed, dtype)
+
+
+def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A random Qwen3-style model with about `megabytes` MB (1e6 bytes) of weights: as many 1024-wide layers as it
+    takes (at least one), on the tiny vocabulary. For weight-transfer benchmarks (`rollout-worker --model sized:512`).
+
+    Args:
+        megabytes: target size of the weights in `dtype`.
+        seed: weight initialisation seed.
+        dtype: parameter dtype.
+    """
+    if not megabytes > 0:
+        raise ValueError(f"megabytes must be > 0, got {megabytes!r}")
+    h, f = SIZED_LAYER_CONFIG["hidden_size"], SIZED_LAYER_CONFIG["intermediate_size"]
+    heads, kv_heads, head_dim = (
+        SIZED_LAYER_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    per_layer = h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * f + 2 * h + 2 * head_dim
+    fixed = 2 * TINY_MODEL_CONFIG["vocab_size"] * h + h
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    layers = max(1, round((megabytes * 1e6 / itemsize - fixed) / per_layer))
+    config = Qwen3Config(
+        **{**TINY_MODEL_CONFIG, **SIZED_LAYER_CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": False}
+    )
+    return _random_model(config, seed, dtype)
+
+
+def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
+    """The preset model `name` ("tiny" or "sized:<MB>"), or None when `name` is not a preset.
+
+    Raises:
+        ValueError: a malformed "sized:" size.
+    """
+    if name == "tiny":
+        return tiny_model(seed, dtype)
+    if name.startswith("sized:"):
+        try:
+            megabytes = float(name.removeprefix("sized:"))
+        except ValueError:
+            raise ValueError(f"--model {name}: expected sized:<megabytes>, e.g. sized:512") from None
+        return sized_model(megabytes, seed, dtype)
+    return None
+
+
+def _random_model(config: Qwen3Config, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -13,33 +13,65 @@ Decoding checks the protocol version, the type, and every field's presence and t
 
 Messages (client -> worker, then what the worker answers):
 
-| type      | fields                                                                  | answer                          |
-|-----------|-------------------------------------------------------------------------|---------------------------------|
-| hello     | -                                                                       | hello_reply                     |
-| generate  | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = {},| delta* (stream only), then      |
-|           | stream: bool = false                                                    | group_result; or error          |
-| cancel    | group_id: str                                                           | group_result (abort) or error   |
-| ping      | nonce: int = 0                                                          | pong                            |
-| stats     | -                                                                       | stats_reply                     |
+| type           | fields                                                               | answer                          |
+|----------------|----------------------------------------------------------------------|---------------------------------|
+| hello          | -                                                                    | hello_reply                     |
+| generate       | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = | delta* (stream only), then      |
+|                | {}, stream: bool = false                                             | group_result; or error          |
+| cancel         | group_id: str                                                        | group_result (abort) or error   |
+| ping           | nonce: int = 0                                                       | pong                            |
+| stats          | -                                                                    | stats_reply                     |
+| weights_spec   | update_id: str                                                       | weights_spec_reply              |
+| weights_begin  | update_id: str, tensors: [TensorSpec], version: int or nil, mode:    | weights_ready, or error         |
+|                | str = "keep", transport: str = "frames", partial: bool = false,      |                                 |
+|                | timeout_s: float = 60, dist: {str: any} = {}                         |                                 |
+| weights_bucket | update_id: str, pieces: [TensorPiece]; + one raw frame per piece     | weights_ack, or error (the      |
+|                | (transport "frames")                                                 | update is then dropped)         |
+| weights_commit | update_id: str                                                       | weights_committed, or error     |
+| weights_abort  | update_id: str                                                       | weights_ack (state "aborted")   |
 
 Worker -> client:
 
-| type         | fields                                                                                          |
-|--------------|-------------------------------------------------------------------------------------------------|
-| hello_reply  | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any}        |
-| delta        | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int      |
-| group_result | group_id: str, prompt_ids: [int], completions: [Completion as a map]                            |
-| pong         | nonce: int, policy_version: int                                                                 |
-| stats_reply  | stats: {str: any}                                                                               |
-| error        | code: str, message: str, field: str or nil, group_id: str or nil                                |
+| type               | fields                                                                                     |
+|--------------------|--------------------------------------------------------------------------------------------|
+| hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any}   |
+| delta              | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int |
+| group_result       | group_id: str, prompt_ids: [int], completions: [Completion as a map]                       |
+| pong               | nonce: int, policy_version: int                                                            |
+| stats_reply        | stats: {str: any} (policy_version, weight_updates, last_weight_update_at, queue, KV, ...)  |
+| weights_spec_reply | update_id: str, tensors: [TensorSpec], policy_version: int                                 |
+| weights_ready      | update_id: str, staging_bytes: int, shm_name: str or nil                                   |
+| weights_ack        | update_id: str, received_bytes: int, state: "staging" or "aborted"                         |
+| weights_committed  | update_id: str, version: int, pause_ms: float, copy_ms: float, drain_ms: float,            |
+|                    | aborted: int, recomputed: int                                                              |
+| error              | code: str, message: str, field: str or nil, group_id: str or nil, update_id: str or nil    |
 
 Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
 `--client-timeout` (60 s by default), so a client waiting on long groups should send `ping` every few seconds.
 
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
-"abort" | "error", error: str or nil, policy_versions: [[version, first token index], ...] (run-length encoded),
-kv_version_min: int. `sampling` takes the field names of `rollout.SamplingParams`. Error codes: "bad_request"
-(a field is wrong), "busy" (the queue is full: retry later), "unknown_group", "duplicate_group", "internal".
+"abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
+(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished).
+`sampling` takes the field names of `rollout.SamplingParams`.
+
+Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec
+map: name, dtype such as "bfloat16", shape) and is checked against the model at once (unknown or missing names,
+wrong dtypes or shapes, a version not above the current one are refused, `field` naming the tensor or setting);
+buckets carry TensorPiece maps (index: announced tensor, offset and nbytes: a byte range of it; each tensor's pieces
+in order, without gaps); weights_commit checks that every announced byte arrived, then the engine copies the update
+into the model in place between two steps. The staging area lays the tensors out in order, each at an offset
+aligned to 64 bytes (`rollout.service.weights.staging_layout`); transport "shm" makes it a shared-memory segment
+(named in weights_ready) that the client writes into; "torch.distributed" broadcasts each bucket's concatenated
+pieces over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
+worker, >= 1; backend "gloo" or "nccl"; group: a key, reused while it does not change). Every phase must follow the
+previous one within `timeout_s`; a client that misses a deadline or disappears gets its update dropped, and the old
+weights keep serving. `mode` says what happens to in-flight samples at commit: "keep" (continue on their KV),
+"recompute" (re-prefill prompt + tokens so far), "abort" (end with finish_reason "abort"), "wait" (admission pauses
+until in-flight samples finish, at most `timeout_s`).
+
+Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
+"duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
+"update_timeout", "update_in_progress", "update_committing", "unknown_update".
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""`rollout-bench weights`: push a state dict of a given size to a `rollout-worker` subprocess over loopback, with
+each transport, and report GB/s of transfer and the engine's commit pause (DESIGN.md's "weights" workload).
+
+The worker serves the `sized:<MB>` preset; the trainer side is the same architecture with other weights, so every
+push really changes the model. GB/s counts update bytes over the time from `weights_begin` to the last bucket
+acknowledged; the pause is how long the engine stood still at commit, of which `copy` is the in-place copy itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+
+from rollout.benchmarks.service import _free_port, _wait_ready
+from rollout.service.presets import sized_model
+
+TRANSPORTS = ("frames", "shm", "torch.distributed")
+
+
+def run(megabytes: float, transports: list[str] | None, repeats: int, bucket_mb: float) -> dict:
+    """Push `repeats` times per transport; return the JSON-able summary of medians (also printed as a table).
+
+    Args:
+        megabytes: size of the state dict (fp32 weights).
+        transports: transports to measure, in order (default: all).
+        repeats: pushes per transport (the median is reported).
+        bucket_mb: bucket size in MB.
+    """
+    from trainer_bridge import RolloutClient, push_weights
+
+    transports = list(transports or TRANSPORTS)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    flags = ["--bind", address, "--device", "cpu", "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags, "--log-level", "WARNING"])
+    models = [sized_model(megabytes, seed=1), sized_model(megabytes, seed=2)]  # alternate: every push changes
+    results: dict[str, dict] = {}
+    try:
+        _wait_ready(address)
+        with RolloutClient(address, timeout=600) as client:
+            pushes = 0
+            for transport in transports:
+                runs = []
+                for _ in range(repeats):
+                    model = models[pushes % 2]
+                    pushes += 1
+                    runs.append(
+                        push_weights(client, model, transport=transport, bucket_bytes=int(bucket_mb * 1e6), timeout=300)
+                    )
+                worker_side = [r.workers[0] for r in runs]
+                results[transport] = {
+                    "gb_per_s": round(statistics.median(r.gb_per_s for r in runs), 3),
+                    "transfer_s": round(statistics.median(r.transfer_s for r in runs), 4),
+                    "total_s": round(statistics.median(r.total_s for r in runs), 4),
+                    "pause_ms": round(statistics.median(w["pause_ms"] for w in worker_side), 2),
+                    "copy_ms": round(statistics.median(w["copy_ms"] for w in worker_side), 2),
+                    "pause_beyond_copy_ms": round(
+                        statistics.median(w["pause_ms"] - w["copy_ms"] for w in worker_side), 2
+                    ),
+                }
+            num_bytes = runs[-1].num_bytes
+    finally:
+        worker.terminate()
+        worker.wait(60)
+    print(f"weights: {num_bytes / 1e9:.3f} GB state dict over loopback, median of {repeats} pushes per transport")
+    print(f"{'transport':<20}{'GB/s':>8}{'transfer s':>12}{'pause ms':>10}{'copy ms':>10}{'pause-copy ms':>15}")
+    for name, row in results.items():
+        print(
+            f"{name:<20}{row['gb_per_s']:>8.2f}{row['transfer_s']:>12.3f}{row['pause_ms']:>10.1f}"
+            f"{row['copy_ms']:>10.1f}{row['pause_beyond_copy_ms']:>15.2f}"
+        )
+    return {"benchmark": "weights", "bytes": num_bytes, "repeats": repeats, "results": results}
