@@ -3,8 +3,9 @@
 Invariants:
 - A block is in `free_blocks` exactly when its ref count is 0. Free blocks may still hold a cached prefix (their hash
   stays in `cached_blocks`) until they are handed out again, oldest-freed first (LRU).
-- Only full blocks whose KV has been computed get a hash: hash(parent hash, the block's tokens, policy version). The
-  version in the key means KV computed under old weights never serves a request admitted after a weight update.
+- Only full blocks whose KV has been computed get a hash: hash(parent hash, the block's tokens, version), where the
+  version is the oldest one behind the request's KV (`kv_version_min`), and lookups use the current version. So KV
+  computed (even partly, across a "keep" update) under old weights never serves a request admitted after an update.
 - Tokens are only ever written at positions >= num_computed_tokens, so a full computed (hashed) block is never
   written again; a shared partial block is copied before its first write (copy-on-write).
 This module never imports torch: copies are returned as (src, dst) block pairs for the model runner to execute.
@@ -131,8 +132,8 @@ class BlockManager:
         return block
 
     # ---- prefix caching ---------------------------------------------------------------------------------------
-    def _hash_block(self, parent_hash: int | None, tokens: list[int]) -> int:
-        return hash((parent_hash, tuple(tokens), self.policy_version))
+    def _hash_block(self, parent_hash: int | None, tokens: list[int], version: int) -> int:
+        return hash((parent_hash, tuple(tokens), version))
 
     def match_prefix(self, request: Request) -> tuple[list[int], list[int]]:
         """Find cached blocks for the leading full blocks of a request that holds no blocks.
@@ -164,7 +165,8 @@ class BlockManager:
         while len(hashes) < num_blocks:
             index = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(self._hash_block(parent, request.token_ids[index * size : (index + 1) * size]))
+            tokens = request.token_ids[index * size : (index + 1) * size]
+            hashes.append(self._hash_block(parent, tokens, self.policy_version))
         request.prefix_hash_memo = (self.policy_version, hashes)
         return hashes[:num_blocks]
 
@@ -193,7 +195,11 @@ class BlockManager:
         while len(request.block_hashes) < num_full:
             index = len(request.block_hashes)
             parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size])
+            # Keyed by the oldest version behind the request's KV, not the current one: a block finished after a
+            # "keep" update holds KV partly computed under the old weights and must never match a lookup made
+            # under the new version (lookups always use the current version, which only grows).
+            version = self.policy_version if request.kv_version_min is None else request.kv_version_min
+            block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size], version)
             request.block_hashes.append(block_hash)
             block = request.block_ids[index]
             if block_hash not in self.cached_blocks and self.block_hash[block] is None:

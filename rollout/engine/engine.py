@@ -336,6 +336,14 @@ class Engine:
                         parameter_name, "missing: a whole update must cover every parameter (or pass partial=True)"
                     )
 
+    def _check_tied_values(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Two names of one tied parameter (e.g. embed_tokens and lm_head) must bring the same values."""
+        first_name: dict[int, str] = {}
+        for name, tensor in tensors.items():
+            other = first_name.setdefault(id(self._weights[name]), name)
+            if other != name and not torch.equal(tensors[other], tensor):
+                raise FieldError(name, f"is tied to {other} in the model but the update gives them different values")
+
     def num_in_flight(self) -> int:
         """Samples that hold KV or sampled tokens (what a "wait" update waits for)."""
         return len(self.scheduler.in_flight())
@@ -374,6 +382,7 @@ class Engine:
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
         self.check_weight_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
+        self._check_tied_values(tensors)
         if mode == "wait" and self.num_in_flight():
             raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
         copy_started = time.perf_counter()
@@ -390,7 +399,8 @@ class Engine:
         if mode == "recompute":
             result.recomputed = self.scheduler.recompute_in_flight()
         elif mode == "abort":
-            result.outputs = self._outputs(self.scheduler.abort_in_flight())
+            ended, result.recomputed = self.scheduler.abort_in_flight()
+            result.outputs = self._outputs(ended)
             result.aborted = sum(1 for output in result.outputs if output.finish_reason == "abort")
         self.num_weight_updates += 1
         result.pause_ms = (time.perf_counter() - started) * 1000

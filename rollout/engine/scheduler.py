@@ -137,10 +137,10 @@ class Scheduler:
             self._reset_for_recompute(request)
         return len(reset)
 
-    def abort_in_flight(self) -> list[Request]:
+    def abort_in_flight(self) -> tuple[list[Request], int]:
         """End every request that sampled tokens with finish_reason "abort" (its partial output goes back). Running
         or swapped ones that sampled nothing yet (a prompt mid-prefill) are queued for recompute instead: nothing of
-        theirs came from the old weights. Returns the ended requests."""
+        theirs came from the old weights. Returns (the ended requests, how many were queued for recompute)."""
         ended: list[Request] = []
         for request in [r for r in self.waiting if r.num_output_tokens > 0]:
             self.waiting.remove(request)
@@ -154,7 +154,7 @@ class Scheduler:
         self.running, self.swapped = [], deque()
         for request in reversed(fresh):
             self._reset_for_recompute(request)
-        return ended
+        return ended, len(fresh)
 
     def _reset_for_recompute(self, request: Request) -> None:
         """Free the request's KV (device and swap) and put it at the head of the waiting queue."""

@@ -1,0 +1,709 @@
+"""Weight updates against real rollout-worker subprocesses on CPU: `push_weights` over every transport (frames, shm,
+auto, torch.distributed with gloo to two workers) makes the workers serve exactly what an in-process model with the
+new weights generates; bad updates (unknown, missing, misshapen or mistyped tensors, stale versions, truncated or
+misordered bytes, early commits, silent or vanished clients, aborts) are refused naming the culprit and change
+nothing; streamed completions carry the version of every token across a push in each mode.
+
+Two worker processes serve the whole module: worker A takes every test, worker B only joins the torch.distributed
+ones. References are in-process generations (`generate_batch`, transformers' forward) of `tiny_model(seed)`, the
+same architecture as the worker's `--model tiny` (seed 0) with other weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+import torch
+
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout.service import protocol as p
+from rollout.service.presets import tiny_model
+from service_helpers import Client, Worker
+from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, push_weights
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [5, 17, 33, 2, 9, 11, 40, 41]
+SHORT = 16  # tokens compared after every update
+LONG = 200  # tokens of the streamed groups that see an update happen
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": SHORT}
+BASE_SEED = 4  # what the rejection tests start from
+BAD_SEED = 3  # the weights that bad updates carry (they would change the output if applied)
+NAME = "model.layers.1.mlp.up_proj.weight"  # the tensor the bad updates spoil
+MISSING = "model.layers.2.self_attn.k_proj.weight"
+
+
+# ---- references ---------------------------------------------------------------------------------------------------
+@functools.cache
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """The state dict of tiny_model(seed) (every name the worker's model has)."""
+    return tiny_model(seed).state_dict()
+
+
+def _generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=max_new_tokens)
+    output = generate_batch(
+        model,
+        [prompt],
+        progress_bar=False,
+        sampling=sampling,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=16),
+    )["req_0"]
+    return list(output.generated_tokens), list(output.logprobs)
+
+
+@functools.cache
+def reference(seed: int, length: int = SHORT) -> tuple[list[int], list[float]]:
+    """Greedy tokens and logprobs of an in-process tiny_model(seed) for PROMPT."""
+    return _generate(tiny_model(seed), PROMPT, length)
+
+
+def keep_reference(old_seed: int, new_seed: int, tokens: list[int], switch: int, count: int) -> list[int]:
+    """What mode "keep" must generate after the switch, computed with transformers' own forward: KV of the prompt
+    and of tokens[:switch - 1] from the old weights (the last old token is fed under the new ones), then greedy
+    decoding with the new weights on that cache."""
+    old, new = tiny_model(old_seed), tiny_model(new_seed)
+    with torch.no_grad():
+        cache = old(torch.tensor([PROMPT + tokens[: switch - 1]]), use_cache=True).past_key_values
+        current, generated = tokens[switch - 1], []
+        for _ in range(count):
+            output = new(torch.tensor([[current]]), past_key_values=cache, use_cache=True)
+            cache, current = output.past_key_values, int(output.logits[0, -1].argmax())
+            generated.append(current)
+    return generated
+
+
+# ---- workers and clients ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workers():
+    """Worker A and worker B, started side by side."""
+    servers: list[Worker | None] = [None, None]
+    failures: list[BaseException] = []
+
+    def start(index: int) -> None:
+        try:
+            servers[index] = Worker()
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            failures.append(error)
+
+    threads = [threading.Thread(target=start, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        if failures:
+            raise failures[0]
+        yield servers
+    finally:
+        for server in servers:
+            if server is not None:
+                server.close()
+
+
+@pytest.fixture(scope="module")
+def client(workers):
+    """A RolloutClient of worker A only."""
+    with RolloutClient(workers[0].address, timeout=60) as connection:
+        yield connection
+
+
+@pytest.fixture
+def raw(workers):
+    """A raw protocol client of worker A."""
+    connection = Client(workers[0].address)
+    yield connection
+    connection.close()
+
+
+@dataclass
+class Served:
+    seed: int
+    version: int
+
+
+def push_seed(client: RolloutClient, seed: int, **kwargs) -> Served:
+    result = push_weights(client, tiny_model(seed), **kwargs)
+    return Served(seed, result.version)
+
+
+@pytest.fixture
+def baseline(client) -> Served:
+    """Worker A serving tiny_model(BASE_SEED) (pushed afresh, so no earlier test decides what it serves)."""
+    return push_seed(client, BASE_SEED, transport="frames")
+
+
+def version_of(address: str) -> int:
+    connection = Client(address)
+    try:
+        pong = connection.ask(p.Ping(3))
+    finally:
+        connection.close()
+    assert isinstance(pong, p.Pong) and pong.nonce == 3
+    return pong.policy_version
+
+
+def greedy_of(address: str) -> p.Completion:
+    """A greedy completion of PROMPT from one worker (raw socket, so it is that worker and no other)."""
+    connection = Client(address)
+    try:
+        result = connection.ask(p.Generate(uuid.uuid4().hex, PROMPT, sampling=GREEDY))
+    finally:
+        connection.close()
+    assert isinstance(result, p.GroupResult), result
+    return result.completions[0]
+
+
+def assert_serves(address: str, seed: int, version: int | None = None) -> None:
+    """The worker's greedy output (tokens and logprobs) is the in-process reference of tiny_model(seed)."""
+    completion = greedy_of(address)
+    tokens, logprobs = reference(seed)
+    assert completion.token_ids == tokens, f"the worker does not serve tiny_model({seed})'s weights"
+    assert completion.logprobs == pytest.approx(logprobs, abs=1e-4)
+    if version is not None:
+        assert completion.policy_versions == [[version, 0]] and completion.kv_version_min == version
+        assert version_of(address) == version
+
+
+def test_the_seeds_generate_different_tokens():
+    """Every check below tells weights apart by their greedy output: the seeds must differ within SHORT tokens."""
+    outputs = [tuple(reference(seed)[0]) for seed in range(6)]
+    assert len(set(outputs)) == 6
+
+
+# ---- raw protocol helpers -----------------------------------------------------------------------------------------
+def specs_of(state: dict[str, torch.Tensor]) -> list[p.TensorSpec]:
+    return [
+        p.TensorSpec(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
+        for name, tensor in state.items()
+    ]
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def send_bucket(raw: Client, update_id: str, pieces: list[p.TensorPiece], frames: list[bytes]) -> None:
+    """A weights_bucket header and its raw data frames, as they are (no check that they agree)."""
+    raw.socket.send_multipart(p.encode(p.WeightsBucket(update_id, pieces)) + list(frames))
+
+
+def begin(raw: Client, update_id: str, **fields) -> p.Message:
+    fields.setdefault("tensors", specs_of(weights(BAD_SEED)))
+    return raw.ask(p.WeightsBegin(update_id, **fields))
+
+
+def assert_no_update_open(raw: Client) -> None:
+    """A fresh update can begin at once (nothing was left open), and is dropped again."""
+    update_id = uuid.uuid4().hex
+    ready = begin(raw, update_id)
+    assert isinstance(ready, p.WeightsReady) and ready.update_id == update_id, ready
+    ack = raw.ask(p.WeightsAbort(update_id))
+    assert isinstance(ack, p.WeightsAck) and ack.state == "aborted", ack
+
+
+def assert_unchanged(address: str, raw: Client, served: Served, updates_before: int | None = None) -> None:
+    assert_serves(address, served.seed, served.version)
+    stats = raw.ask(p.Stats())
+    assert stats.stats["policy_version"] == served.version
+    if updates_before is not None:
+        assert stats.stats["weight_updates"] == updates_before
+    assert_no_update_open(raw)
+
+
+# ---- 1. pushes over each transport ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "transport, seed, expected_transport, version_step",
+    [("frames", 1, "frames", None), ("shm", 2, "shm", 5), ("auto", 1, "shm", None)],
+)
+def test_push_serves_the_new_weights(workers, client, raw, transport, seed, expected_transport, version_step):
+    """After the push the worker's greedy output equals the in-process model with the new weights; the version grows
+    (by one, or to the one asked for) and stats, hello and pong all report it."""
+    address = workers[0].address
+    before_tokens = greedy_of(address).token_ids
+    assert before_tokens != reference(seed)[0], "the worker already serves these weights: the push proves nothing"
+    stats_before = client.stats()[0]
+    version_before = stats_before["policy_version"]
+    asked = None if version_step is None else version_before + version_step
+    started = time.time()
+    # Odd-sized buckets: tensors split across buckets at offsets that are no multiple of anything.
+    result = push_weights(client, tiny_model(seed), version=asked, transport=transport, bucket_bytes=(1 << 20) + 7)
+    finished = time.time()
+
+    assert result.version == (version_before + 1 if asked is None else asked)
+    assert result.num_bytes >= sum(t.numel() * 4 for t in weights(seed).values())
+    [worker] = result.workers
+    assert (worker["address"], worker["transport"], worker["version"]) == (address, expected_transport, result.version)
+    assert (worker["aborted"], worker["recomputed"]) == (0, 0)
+
+    stats = client.stats()[0]
+    assert stats["policy_version"] == result.version
+    assert stats["weight_updates"] == stats_before["weight_updates"] + 1
+    assert started <= stats["last_weight_update_at"] <= finished
+    hello = raw.ask(p.Hello())
+    assert isinstance(hello, p.HelloReply) and hello.policy_version == result.version
+    pong = raw.ask(p.Ping(42))
+    assert isinstance(pong, p.Pong) and (pong.nonce, pong.policy_version) == (42, result.version)
+    assert_serves(address, seed, result.version)
+
+
+def test_raw_transaction_by_hand(workers, raw, baseline):
+    """The protocol alone, without push_weights: begin, one bucket per tensor (two frames each), commit."""
+    state = weights(5)
+    update_id = uuid.uuid4().hex
+    ready = begin(raw, update_id, tensors=specs_of(state), version=baseline.version + 3)
+    assert isinstance(ready, p.WeightsReady) and ready.shm_name is None
+    received = 0
+    for index, tensor in enumerate(state.values()):
+        data = raw_bytes(tensor)
+        half = len(data) // 2
+        pieces = [p.TensorPiece(index, 0, half), p.TensorPiece(index, half, len(data) - half)]
+        send_bucket(raw, update_id, pieces, [data[:half], data[half:]])
+        ack = raw.receive()
+        received += len(data)
+        assert isinstance(ack, p.WeightsAck) and (ack.state, ack.received_bytes) == ("staging", received), ack
+    committed = raw.ask(p.WeightsCommit(update_id))
+    assert isinstance(committed, p.WeightsCommitted), committed
+    assert (committed.update_id, committed.version) == (update_id, baseline.version + 3)
+    assert_serves(workers[0].address, 5, baseline.version + 3)
+
+
+def test_partial_update(workers, client, raw, baseline):
+    """partial=True replaces only the tensors sent; without it the worker names a parameter left out."""
+    head = {"lm_head.weight": weights(BAD_SEED)["lm_head.weight"]}
+    with pytest.raises(RolloutError) as refused:
+        push_weights(client, head, transport="frames")
+    assert refused.value.code == "bad_update" and refused.value.field in set(weights(0)) - {"lm_head.weight"}
+    assert_unchanged(workers[0].address, raw, baseline)
+
+    result = push_weights(client, head, transport="frames", partial=True)
+    mixed = tiny_model(BASE_SEED)
+    with torch.no_grad():
+        mixed.lm_head.weight.copy_(head["lm_head.weight"])
+    tokens, logprobs = _generate(mixed, PROMPT, SHORT)
+    completion = greedy_of(workers[0].address)
+    assert tokens not in (reference(BASE_SEED)[0], reference(BAD_SEED)[0])
+    assert completion.token_ids == tokens and completion.logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert completion.policy_versions == [[result.version, 0]]
+
+
+# ---- 2. bad updates -----------------------------------------------------------------------------------------------
+def _renamed(state):
+    return {**state, "model.layers.9.mlp.up_proj.weight": state[NAME]}
+
+
+BAD_PUSHES = {
+    "unknown name": (_renamed, {}, "model.layers.9.mlp.up_proj.weight"),
+    "missing parameter": (lambda s: {k: v for k, v in s.items() if k != MISSING}, {}, MISSING),
+    "wrong shape": (lambda s: {**s, NAME: s[NAME][:, :-1]}, {}, NAME),
+    "integer dtype": (lambda s: {**s, NAME: s[NAME].to(torch.int32)}, {}, NAME),
+    "same version": (lambda s: s, {"version": 0}, "version"),
+    "older version": (lambda s: s, {"version": -1}, "version"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_bad_push_is_refused_naming_the_culprit(workers, client, raw, baseline, case):
+    """push_weights raises RolloutError("bad_update") whose field names the tensor or setting; the worker still
+    serves the old weights at the old version, counted no update, and has nothing left open."""
+    spoil, kwargs, field = BAD_PUSHES[case]
+    if "version" in kwargs:
+        kwargs = {"version": baseline.version + kwargs["version"]}
+    updates = raw.ask(p.Stats()).stats["weight_updates"]
+    with pytest.raises(RolloutError) as refused:
+        push_weights(client, spoil(dict(weights(BAD_SEED))), transport="frames", **kwargs)
+    assert (refused.value.code, refused.value.field) == ("bad_update", field), refused.value
+    assert_unchanged(workers[0].address, raw, baseline, updates)
+
+
+def _begin_fields(case: str, served: Served) -> tuple[dict, str]:
+    """weights_begin fields for a refused begin, and the field its error must name."""
+    specs = specs_of(weights(BAD_SEED))
+    index = [s.name for s in specs].index(NAME)
+
+    def replaced(**changes):
+        spoiled = list(specs)
+        spoiled[index] = p.TensorSpec(**{**vars(specs[index]), **changes})
+        return spoiled
+
+    cases = {
+        "wrong dtype": ({"tensors": replaced(dtype="float16")}, NAME),
+        "unknown dtype": ({"tensors": replaced(dtype="complex64")}, NAME),
+        "wrong shape": ({"tensors": replaced(shape=[512, 255])}, NAME),
+        "negative size": ({"tensors": replaced(shape=[-512, -256])}, f"tensors[{index}].shape"),
+        "unknown name": ({"tensors": specs + [p.TensorSpec("model.nope", "float32", [4])]}, "model.nope"),
+        "announced twice": ({"tensors": specs + [specs[index]]}, NAME),
+        "missing parameter": ({"tensors": [s for s in specs if s.name != MISSING]}, MISSING),
+        "no tensors": ({"tensors": []}, "tensors"),
+        "same version": ({"version": served.version}, "version"),
+        "bad mode": ({"mode": "sometimes"}, "mode"),
+        "bad transport": ({"transport": "pigeon"}, "transport"),
+        "zero timeout": ({"timeout_s": 0.0}, "timeout_s"),
+        "dist without rendezvous": ({"transport": "torch.distributed"}, "dist.host"),
+    }
+    return cases[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wrong dtype",
+        "unknown dtype",
+        "wrong shape",
+        "negative size",
+        "unknown name",
+        "announced twice",
+        "missing parameter",
+        "no tensors",
+        "same version",
+        "bad mode",
+        "bad transport",
+        "zero timeout",
+        "dist without rendezvous",
+    ],
+)
+def test_bad_begin_is_refused_naming_the_culprit(workers, raw, baseline, case):
+    """A weights_begin with a bad announcement gets Error("bad_update") naming the tensor or field, carrying the
+    update id; nothing is left open and nothing changes."""
+    fields, field = _begin_fields(case, baseline)
+    update_id = uuid.uuid4().hex
+    error = begin(raw, update_id, **fields)
+    assert isinstance(error, p.Error), error
+    assert (error.code, error.field, error.update_id) == ("bad_update", field, update_id), error
+    unknown = raw.ask(p.WeightsCommit(update_id))
+    assert isinstance(unknown, p.Error) and unknown.code == "unknown_update", unknown
+    assert_unchanged(workers[0].address, raw, baseline)
+
+
+def _bad_bucket(case: str) -> tuple[list[list[p.TensorPiece]], list[list[bytes]], str]:
+    """Buckets (pieces and frames) of an update whose last bucket is bad, and the field its error must name."""
+    state = weights(BAD_SEED)
+    names = list(state)
+    first, second = raw_bytes(state[names[0]]), raw_bytes(state[names[1]])
+    size = len(first)
+    cases = {
+        "truncated frame": ([[p.TensorPiece(0, 0, size)]], [[first[:-4]]], names[0]),
+        "overlong frame": ([[p.TensorPiece(0, 0, 64)]], [[first[:68]]], names[0]),
+        "out of order": (
+            [[p.TensorPiece(0, 128, 128), p.TensorPiece(0, 0, 128)]],
+            [[first[128:256], first[:128]]],
+            names[0],
+        ),
+        "gap": (
+            [[p.TensorPiece(0, 0, 128)], [p.TensorPiece(0, 256, 128)]],
+            [[first[:128]], [first[256:384]]],
+            names[0],
+        ),
+        "overlap": (
+            [[p.TensorPiece(0, 0, 128)], [p.TensorPiece(0, 64, 128)]],
+            [[first[:128]], [first[64:192]]],
+            names[0],
+        ),
+        "past the end": ([[p.TensorPiece(0, 0, size + 4)]], [[first + b"\0" * 4]], names[0]),
+        "second tensor past its end": (
+            [[p.TensorPiece(0, 0, size), p.TensorPiece(1, 0, len(second) + 64)]],
+            [[first, second + b"\0" * 64]],
+            names[1],
+        ),
+        "unknown index": ([[p.TensorPiece(len(names), 0, 4)]], [[b"\0" * 4]], "pieces.index"),
+        "missing frame": ([[p.TensorPiece(0, 0, 64), p.TensorPiece(0, 64, 64)]], [[first[:64]]], "pieces"),
+    }
+    return cases[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated frame",
+        "overlong frame",
+        "out of order",
+        "gap",
+        "overlap",
+        "past the end",
+        "second tensor past its end",
+        "unknown index",
+        "missing frame",
+    ],
+)
+def test_bad_bucket_drops_the_update(workers, raw, baseline, case):
+    """A bucket whose bytes do not fit its announcement gets Error("bad_update") naming the tensor; the update is
+    dropped (a later commit of it is unknown) and the old weights keep serving."""
+    buckets, frames, field = _bad_bucket(case)
+    update_id = uuid.uuid4().hex
+    assert isinstance(begin(raw, update_id, version=baseline.version + 1), p.WeightsReady)
+    for pieces, data in zip(buckets[:-1], frames[:-1]):
+        send_bucket(raw, update_id, pieces, data)
+        assert isinstance(raw.receive(), p.WeightsAck)
+    send_bucket(raw, update_id, buckets[-1], frames[-1])
+    error = raw.receive()
+    assert isinstance(error, p.Error), error
+    assert (error.code, error.field, error.update_id) == ("bad_update", field, update_id), error
+    unknown = raw.ask(p.WeightsCommit(update_id))
+    assert isinstance(unknown, p.Error) and (unknown.code, unknown.update_id) == ("unknown_update", update_id), unknown
+    assert_unchanged(workers[0].address, raw, baseline)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a weights_bucket whose header does not decode gets Error(bad_request) carrying the update id, but the "
+    "update stays open (the protocol says it is dropped): it blocks other updates until its deadline and can still "
+    "be committed",
+)
+def test_malformed_bucket_header_drops_the_update(workers, raw, baseline):
+    update_id = uuid.uuid4().hex
+    assert isinstance(begin(raw, update_id), p.WeightsReady)
+    header = {"protocol": 1, "type": "weights_bucket", "update_id": update_id, "pieces": [{"index": 0, "offset": 0}]}
+    raw.socket.send_multipart([msgpack.packb(header), b"\0" * 4])
+    error = raw.receive()
+    assert isinstance(error, p.Error), error
+    assert (error.field, error.update_id) == ("pieces[0].nbytes", update_id), error
+    unknown = raw.ask(p.WeightsCommit(update_id))
+    assert isinstance(unknown, p.Error) and unknown.code == "unknown_update", unknown
+    assert_unchanged(workers[0].address, raw, baseline)
+
+
+def test_commit_before_every_byte_arrived_names_the_incomplete_tensor(workers, raw, baseline):
+    state = weights(BAD_SEED)
+    names = list(state)
+    first, second = raw_bytes(state[names[0]]), raw_bytes(state[names[1]])
+    update_id = uuid.uuid4().hex
+    assert isinstance(begin(raw, update_id), p.WeightsReady)
+    send_bucket(raw, update_id, [p.TensorPiece(0, 0, len(first)), p.TensorPiece(1, 0, 1024)], [first, second[:1024]])
+    ack = raw.receive()
+    assert isinstance(ack, p.WeightsAck) and ack.received_bytes == len(first) + 1024
+    error = raw.ask(p.WeightsCommit(update_id))
+    assert isinstance(error, p.Error), error
+    assert (error.code, error.field, error.update_id) == ("bad_update", names[1], update_id), error
+    assert_unchanged(workers[0].address, raw, baseline)
+
+
+def test_silent_client_times_out_per_phase(workers, raw, baseline):
+    """Every message restarts the phase deadline (timeout_s); after a silence longer than it the client gets
+    Error("update_timeout") with its update id, and a new update can begin."""
+    update_id = uuid.uuid4().hex
+    assert isinstance(begin(raw, update_id, timeout_s=1.0), p.WeightsReady)
+    time.sleep(0.6)
+    first = raw_bytes(weights(BAD_SEED)["model.embed_tokens.weight"])
+    send_bucket(raw, update_id, [p.TensorPiece(0, 0, 4096)], [first[:4096]])
+    sent = time.monotonic()
+    assert isinstance(raw.receive(), p.WeightsAck)  # 0.6 s after begin: still in time
+    error = raw.receive(timeout_s=10)
+    waited = time.monotonic() - sent
+    assert isinstance(error, p.Error), error
+    assert (error.code, error.update_id) == ("update_timeout", update_id), error
+    assert 0.9 <= waited < 5, f"the deadline is 1 s after the last message, the error came after {waited:.2f} s"
+    assert_unchanged(workers[0].address, raw, baseline)
+
+
+def test_vanished_client_update_is_dropped_at_its_deadline(workers, client, raw, baseline):
+    """A client that begins, sends a bucket and disappears blocks other updates ("update_in_progress") until its
+    phase deadline; then another client's push goes through."""
+    doomed = Client(workers[0].address)
+    try:
+        update_id = uuid.uuid4().hex
+        assert isinstance(begin(doomed, update_id, timeout_s=1.5), p.WeightsReady)
+        first = raw_bytes(weights(BAD_SEED)["model.embed_tokens.weight"])
+        sent = time.monotonic()
+        send_bucket(doomed, update_id, [p.TensorPiece(0, 0, 4096)], [first[:4096]])
+        assert isinstance(doomed.receive(), p.WeightsAck)
+    finally:
+        doomed.close()
+    with pytest.raises(RolloutError) as refused:
+        push_weights(client, tiny_model(5), transport="frames")
+    assert (refused.value.code, refused.value.field) == ("update_in_progress", "update_id")
+    assert_serves(workers[0].address, baseline.seed, baseline.version)
+    while True:
+        try:
+            result = push_weights(client, tiny_model(5), transport="frames")
+            break
+        except RolloutError as error:
+            assert error.code == "update_in_progress", error
+            assert time.monotonic() - sent < 10, "the vanished client's update was never dropped"
+            time.sleep(0.1)
+    assert time.monotonic() - sent >= 1.4, "another update went through before the phase deadline"
+    assert result.version == baseline.version + 1
+    assert_serves(workers[0].address, 5, result.version)
+
+
+def test_abort_drops_an_open_update(workers, client, raw, baseline):
+    """weights_abort answers an ack with state "aborted" and the bytes staged so far; the update is gone (neither
+    commit nor abort know it, another client may begin at once); only its owner may touch it before."""
+    update_id = uuid.uuid4().hex
+    assert isinstance(begin(raw, update_id), p.WeightsReady)
+    first = raw_bytes(weights(BAD_SEED)["model.embed_tokens.weight"])
+    send_bucket(raw, update_id, [p.TensorPiece(0, 0, len(first))], [first])
+    assert isinstance(raw.receive(), p.WeightsAck)
+    intruder = Client(workers[0].address)
+    try:
+        for message in (p.WeightsCommit(update_id), p.WeightsAbort(update_id)):
+            error = intruder.ask(message)
+            assert isinstance(error, p.Error) and error.code == "unknown_update", error
+    finally:
+        intruder.close()
+    ack = raw.ask(p.WeightsAbort(update_id))
+    assert isinstance(ack, p.WeightsAck), ack
+    assert (ack.update_id, ack.state, ack.received_bytes) == (update_id, "aborted", len(first))
+    for message in (p.WeightsCommit(update_id), p.WeightsAbort(update_id)):
+        error = raw.ask(message)
+        assert isinstance(error, p.Error) and error.code == "unknown_update", error
+    assert_unchanged(workers[0].address, raw, baseline)
+    result = push_weights(client, tiny_model(5), transport="frames")
+    assert_serves(workers[0].address, 5, result.version)
+
+
+# ---- 3. version tags of a streamed group across a push ------------------------------------------------------------
+def _stream_across_push(client: RolloutClient, old: Served, new_seed: int, version: int, mode: str):
+    """Stream LONG greedy tokens; after a few deltas push tiny_model(new_seed). Returns (deltas, completion,
+    push result)."""
+    model = tiny_model(new_seed)
+    deltas: list[Delta] = []
+    result = final = None
+    sampling = {**GREEDY, "max_new_tokens": LONG}
+    for event in client.stream(PromptGroup(PROMPT, sampling=sampling), timeout=60):
+        if isinstance(event, Delta):
+            deltas.append(event)
+            if len(deltas) == 4:
+                result = push_weights(client, model, version=version, mode=mode, transport="frames")
+        else:
+            assert isinstance(event, GroupResult)
+            final = event
+    assert result is not None and final is not None
+    [completion] = final.completions
+    assert [t for d in deltas for t in d.token_ids] == completion.token_ids
+    return deltas, completion, result
+
+
+def _version_at(runs: list[list[int]], index: int) -> int:
+    return [version for version, first in runs if first <= index][-1]
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_streamed_versions_across_a_push(workers, client, mode):
+    """A long greedy stream during a push: tokens before the switch are the old model's, after it what the mode
+    says; policy_versions has a run per version, each delta carries its tokens' version."""
+    v0 = version_of(workers[0].address) + 10  # explicit versions, as a trainer's steps
+    old = push_seed(client, 1, transport="frames", version=v0)
+    v1 = v0 + 1
+    reference_old = reference(1, LONG)[0]
+    deltas, completion, result = _stream_across_push(client, old, 2, v1, mode)
+    tokens, runs = completion.token_ids, completion.policy_versions
+    assert result.version == v1
+    for delta in deltas:  # each delta: its tokens' version
+        start = sum(len(d.token_ids) for d in deltas[: deltas.index(delta)])
+        assert {_version_at(runs, start + i) for i in range(len(delta.token_ids))} == {delta.policy_version}
+
+    if mode == "abort":
+        assert completion.finish_reason == "abort"
+        assert 4 <= len(tokens) < LONG and runs == [[v0, 0]] and completion.kv_version_min == v0
+        assert tokens == reference_old[: len(tokens)]
+        assert result.workers[0]["aborted"] == 1
+    else:
+        assert completion.finish_reason == "length" and len(tokens) == LONG
+        assert len(runs) == 2 and runs[0] == [v0, 0] and runs[1][0] == v1, runs
+        switch = runs[1][1]
+        assert 4 <= switch < LONG, runs
+        assert tokens[:switch] == reference_old[:switch]
+        assert {d.policy_version for d in deltas} == {v0, v1}
+        if mode == "keep":
+            assert completion.kv_version_min == v0 and result.workers[0]["recomputed"] == 0
+            count = min(24, LONG - switch)
+            assert tokens[switch : switch + count] == keep_reference(1, 2, tokens, switch, count)
+        else:
+            assert completion.kv_version_min == v1 and result.workers[0]["recomputed"] == 1
+            count = min(24, LONG - switch)
+            expected, _ = _generate(tiny_model(2), PROMPT + tokens[:switch], count)
+            assert tokens[switch : switch + count] == expected
+    assert_serves(workers[0].address, 2, v1)
+
+
+def test_wait_mode_drains_in_flight_samples_first(workers, client):
+    """mode="wait": the push returns only after the stream in flight finished on the old weights, and reports how
+    long that drain took; the next group gets the new weights."""
+    old = push_seed(client, 1, transport="frames")
+    deltas, completion, result = _stream_across_push(client, old, 2, old.version + 1, "wait")
+    assert completion.finish_reason == "length" and completion.token_ids == reference(1, LONG)[0]
+    assert completion.policy_versions == [[old.version, 0]] and completion.kv_version_min == old.version
+    assert {d.policy_version for d in deltas} == {old.version}
+    drain_ms = result.workers[0]["drain_ms"]
+    assert 0 < drain_ms <= result.total_s * 1000
+    assert_serves(workers[0].address, 2, old.version + 1)
+
+
+def test_wait_mode_drain_past_its_timeout_is_dropped(workers, client):
+    """mode="wait" whose in-flight sample outlasts the timeout: the update is dropped with update_timeout naming
+    "mode", the old weights keep serving, new groups are admitted again, and the sample goes on at the old version."""
+    old = push_seed(client, 1, transport="frames")
+    stream = client.stream(PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 1800}), timeout=60)
+    first = [next(stream) for _ in range(4)]
+    started = time.monotonic()
+    with pytest.raises(RolloutError) as dropped:
+        push_weights(client, tiny_model(2), mode="wait", timeout=1.5, transport="frames")
+    assert (dropped.value.code, dropped.value.field) == ("update_timeout", "mode"), dropped.value
+    assert time.monotonic() - started >= 1.5
+    assert_serves(workers[0].address, 1, old.version)  # admitted although the long sample still runs
+    client.cancel(first[0].group_id)
+    [result] = [event for event in stream if isinstance(event, GroupResult)]
+    [completion] = result.completions
+    assert completion.finish_reason == "abort" and completion.policy_versions == [[old.version, 0]]
+    assert completion.token_ids[:LONG] == reference(1, LONG)[0][: len(completion.token_ids)]
+
+
+# ---- 4. torch.distributed (gloo on CPU) to two workers --------------------------------------------------------------
+def test_torch_distributed_to_two_workers(workers):
+    """Buckets broadcast over a gloo group of the trainer and both workers: both serve exactly the pushed model,
+    push after push (the group is reused, no stale bytes); a refused push names the culprit, changes neither worker,
+    and the next push works."""
+    addresses = [worker.address for worker in workers]
+    with RolloutClient(addresses, timeout=60) as both:
+        start = push_weights(both, tiny_model(0), transport="frames", version=max(map(version_of, addresses)) + 1)
+        version = start.version
+        for seed in (1, 2):
+            version += 10
+            result = push_weights(
+                both, tiny_model(seed), version=version, transport="torch.distributed", dist_backend="gloo"
+            )
+            assert result.version == version
+            assert [(w["address"], w["transport"], w["version"]) for w in result.workers] == [
+                (address, "torch.distributed", version) for address in addresses
+            ]
+            for address in addresses:
+                assert_serves(address, seed, version)
+
+        spoiled = {k: v for k, v in weights(BAD_SEED).items() if k != MISSING}
+        with pytest.raises(RolloutError) as refused:
+            push_weights(both, spoiled, version=version + 1, transport="torch.distributed", dist_backend="gloo")
+        assert (refused.value.code, refused.value.field) == ("bad_update", MISSING)
+        for address in addresses:
+            assert_serves(address, 2, version)
+
+        result = push_weights(
+            both, tiny_model(5), version=version + 2, transport="torch.distributed", dist_backend="gloo", timeout=20
+        )
+        for address in addresses:
+            assert_serves(address, 5, result.version)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="push_weights reuses its cached torch.distributed group after a worker restarted (the new process is not "
+    "in it): the push fails with gloo's RuntimeError 'Connection closed by peer' instead of rendezvousing anew",
+)
+def test_torch_distributed_push_after_a_worker_restart(workers):
+    """A worker restarted at the same address (what RolloutClient's revive logic expects) gets the next push."""
+    addresses = [worker.address for worker in workers]
+    with RolloutClient(addresses, timeout=60) as both:
+        version = max(map(version_of, addresses)) + 10
+        push_weights(both, tiny_model(1), version=version, transport="torch.distributed", dist_backend="gloo")
+        workers[1].close()
+        workers[1] = Worker(address=addresses[1])  # the module fixture stops this one
+        result = push_weights(
+            both, tiny_model(2), version=version + 1, transport="torch.distributed", dist_backend="gloo", timeout=10
+        )
+        for address in addresses:
+            assert_serves(address, 2, result.version)
