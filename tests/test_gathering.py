@@ -120,12 +120,6 @@ def test_dict_and_pairs_and_bad_input():
         weight_specs([("w", [1.0, 2.0])])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: a str (e.g. a checkpoint path) or pairs of the wrong arity escape the TypeError check and raise "
-    "ValueError('not enough/too many values to unpack') from the tuple unpacking in _entries",
-)
 def test_malformed_pairs_raise_type_error():
     for bad in ("model.safetensors", [("w", torch.zeros(2), "extra")]):
         try:
@@ -297,13 +291,7 @@ def test_peft_adapter_states():
     assert_same_tensors(collect(merged), expected, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: _peft_entries only walks named_parameters, so a PEFT model's persistent buffers (sent by the plain "
-    "path, present in the base model's and in merge_and_unload()'s state_dict) are never sent",
-)
-def test_peft_drops_persistent_buffers():
+def test_peft_sends_persistent_buffers():
     base = tiny_model(0)
     base.model.register_buffer("step_scale", torch.full((3,), 2.0))
     model = get_peft_model(base, LoraConfig(r=4, target_modules=LORA_TARGETS))
@@ -487,12 +475,6 @@ def test_real_ddp_is_unwrapped(two_ranks):
         assert_same_tensors(result["ddp"]["values"], reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="bug: PEFT LoRA on FSDP2: _merged() never calls full_tensor(), so each LoRA-targeted weight is yielded as "
-    "a sharded DTensor (base shard + delta) instead of the whole tensor",
-)
 def test_fsdp2_peft_yields_whole_merged_tensors(two_ranks):
     for result in two_ranks:
         _skip_if_unshardable(result)

@@ -639,19 +639,24 @@ def test_wait_mode_drain_past_its_timeout_is_dropped(workers, client):
     """mode="wait" whose in-flight sample outlasts the timeout: the update is dropped with update_timeout naming
     "mode", the old weights keep serving, new groups are admitted again, and the sample goes on at the old version."""
     old = push_seed(client, 1, transport="frames")
-    stream = client.stream(PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 1800}), timeout=60)
+    # About 3 s of decoding on this machine's CPU, against a drain deadline of 1 s.
+    stream = client.stream(PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 2000}), timeout=60)
     first = [next(stream) for _ in range(4)]
     started = time.monotonic()
     with pytest.raises(RolloutError) as dropped:
-        push_weights(client, tiny_model(2), mode="wait", timeout=1.5, transport="frames")
+        push_weights(client, tiny_model(2), mode="wait", timeout=1.0, transport="frames")
     assert (dropped.value.code, dropped.value.field) == ("update_timeout", "mode"), dropped.value
-    assert time.monotonic() - started >= 1.5
-    assert_serves(workers[0].address, 1, old.version)  # admitted although the long sample still runs
+    assert time.monotonic() - started >= 1.0
+    # Admission is open again while the long sample still runs (a paused one would never admit this group).
+    short = client.generate(PromptGroup([7, 8, 9], sampling=GREEDY), timeout=30).completions[0]
+    assert len(short.token_ids) == SHORT and short.policy_versions == [[old.version, 0]]
     client.cancel(first[0].group_id)
     [result] = [event for event in stream if isinstance(event, GroupResult)]
     [completion] = result.completions
     assert completion.finish_reason == "abort" and completion.policy_versions == [[old.version, 0]]
-    assert completion.token_ids[:LONG] == reference(1, LONG)[0][: len(completion.token_ids)]
+    assert LONG <= len(completion.token_ids) < 2000
+    assert completion.token_ids[:LONG] == reference(1, LONG)[0]
+    assert_serves(workers[0].address, 1, old.version)
 
 
 # ---- 4. torch.distributed (gloo on CPU) to two workers --------------------------------------------------------------
@@ -691,6 +696,24 @@ def test_torch_distributed_to_two_workers(workers):
 
 @pytest.mark.xfail(
     strict=True,
+    reason="over torch.distributed with no group yet, the trainer blocks in the gloo rendezvous for its whole timeout "
+    "while the worker's refusal of the weights_begin (sent in milliseconds) waits unread",
+)
+def test_torch_distributed_refusal_is_reported_promptly(workers):
+    """A worker that refuses a torch.distributed update at begin (here a missing parameter) never joins the group;
+    the push should fail with the refusal as fast as it does over frames, not after its full timeout."""
+    spoiled = {k: v for k, v in weights(BAD_SEED).items() if k != MISSING}
+    with RolloutClient(workers[0].address, timeout=60) as fresh:  # no cached group
+        started = time.monotonic()
+        with pytest.raises(RolloutError) as refused:
+            push_weights(fresh, spoiled, transport="torch.distributed", dist_backend="gloo", timeout=3.0)
+        elapsed = time.monotonic() - started
+    assert (refused.value.code, refused.value.field) == ("bad_update", MISSING)
+    assert elapsed < 1.5, f"the refusal took {elapsed:.1f} s to surface (timeout 3 s)"
+
+
+@pytest.mark.xfail(
+    strict=True,
     reason="push_weights reuses its cached torch.distributed group after a worker restarted (the new process is not "
     "in it): the push fails with gloo's RuntimeError 'Connection closed by peer' instead of rendezvousing anew",
 )
@@ -703,7 +726,7 @@ def test_torch_distributed_push_after_a_worker_restart(workers):
         workers[1].close()
         workers[1] = Worker(address=addresses[1])  # the module fixture stops this one
         result = push_weights(
-            both, tiny_model(2), version=version + 1, transport="torch.distributed", dist_backend="gloo", timeout=10
+            both, tiny_model(2), version=version + 1, transport="torch.distributed", dist_backend="gloo", timeout=5
         )
         for address in addresses:
             assert_serves(address, 2, result.version)

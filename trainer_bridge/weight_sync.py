@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,10 +140,18 @@ def _module_entries(model: torch.nn.Module) -> list[_Entry]:
         _Entry(name, param.dtype, _shape_of(param), lambda param=param: _full_copy(param))
         for name, param in model.named_parameters()
     ]
+    return entries + _buffer_entries(model)
+
+
+def _buffer_entries(model: torch.nn.Module, rename: Callable[[str], str | None] = lambda name: name) -> list[_Entry]:
+    """Persistent buffers (they are in the state_dict); `rename` maps a name, or drops it by returning None."""
+    entries = []
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
-            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                name = f"{module_name}.{buffer_name}" if module_name else buffer_name
+            if buffer is None or buffer_name in module._non_persistent_buffers_set:
+                continue
+            name = rename(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+            if name is not None:
                 entries.append(_Entry(name, buffer.dtype, tuple(buffer.shape), lambda b=buffer: _full_copy(b)))
     return entries
 
@@ -165,26 +173,32 @@ def _peft_entries(model: torch.nn.Module) -> list[_Entry]:
                 f"{name}: only LoRA adapters (without DoRA) can be merged on the fly; merge_and_unload() the model "
                 "into a plain one to sync it"
             )
-    entries = []
-    for name, param in base.named_parameters():
+
+    def base_name(name: str) -> str | None:
+        """The base model's name of a PEFT model's tensor; None for adapter tensors and frozen originals."""
         parts = name.split(".")
         if any(part.startswith(prefix) for part in parts) or "original_module" in parts:
-            continue  # adapter tensors, and the frozen originals of modules_to_save
+            return None  # adapter tensors, and the frozen originals of modules_to_save
         if "modules_to_save" in parts:
             at = parts.index("modules_to_save")
-            owner = modules[".".join(parts[:at])]
-            if parts[at + 1] != owner.active_adapter:
-                continue
+            if parts[at + 1] != modules[".".join(parts[:at])].active_adapter:
+                return None
             parts = parts[:at] + parts[at + 2 :]
         if len(parts) >= 2 and parts[-2] == "base_layer":
-            layer = modules[".".join(parts[:-2])]
-            clean = ".".join(parts[:-2] + parts[-1:])
-            if isinstance(layer, LoraLayer) and parts[-1] == "weight":
-                entries.append(_Entry(clean, param.dtype, _shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
-                continue
             parts = parts[:-2] + parts[-1:]
-        entries.append(_Entry(".".join(parts), param.dtype, _shape_of(param), lambda param=param: _full_copy(param)))
-    return entries
+        return ".".join(parts)
+
+    entries = []
+    for name, param in base.named_parameters():
+        clean = base_name(name)
+        if clean is None:
+            continue
+        layer = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
+        if isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
+            entries.append(_Entry(clean, param.dtype, _shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
+        else:
+            entries.append(_Entry(clean, param.dtype, _shape_of(param), lambda param=param: _full_copy(param)))
+    return entries + _buffer_entries(base, base_name)
 
 
 def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
@@ -195,7 +209,7 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
             known = adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
             if known and adapter not in layer.merged_adapters:
                 merged += layer.get_delta_weight(adapter).to(merged.dtype)
-        return merged
+        return merged.full_tensor() if _is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
 
 
 def _entries(source: Any, accelerator: Any) -> list[_Entry]:
@@ -209,11 +223,16 @@ def _entries(source: Any, accelerator: Any) -> list[_Entry]:
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
             return _peft_entries(model)
         return _module_entries(model)
-    items = source.items() if isinstance(source, Mapping) else source
+    expected = "expected an nn.Module, a dict of name -> torch.Tensor, or an iterable of (name, tensor) pairs"
+    if isinstance(source, (str, bytes)) or not isinstance(source, (Mapping, Iterable)):
+        raise TypeError(f"{expected}, got {type(source).__name__}")
     entries = []
-    for name, tensor in items:
+    for item in source.items() if isinstance(source, Mapping) else source:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"{expected}; got an item {type(item).__name__} {item!r:.60}")
+        name, tensor = item
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise TypeError("expected an nn.Module or (name, tensor) pairs / a dict of name -> torch.Tensor")
+            raise TypeError(f"{expected}; got ({type(name).__name__}, {type(tensor).__name__})")
         entries.append(_Entry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: _full_copy(t)))
     return entries
 
