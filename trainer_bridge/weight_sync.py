@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -49,8 +50,6 @@ __all__ = ["PushResult", "WeightSyncCallback", "iter_weights", "push_weights", "
 DEFAULT_BUCKET_BYTES = 64 << 20
 TRANSPORTS = ("auto", "frames", "shm", "torch.distributed")
 _WINDOW = 2  # buckets in flight per worker: the next one travels while the previous is staged
-# Attribute of a RolloutClient holding its torch.distributed group between pushes: (key, store, group, dist fields).
-_DIST_ATTRIBUTE = "_weight_sync_dist_group"
 
 
 @dataclass
@@ -273,6 +272,10 @@ class _Link:
     pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
 
 
+class _NoReply(Exception):
+    """No reply within a short poll."""
+
+
 class _WorkerFailed(Exception):
     def __init__(self, link: _Link, error: p.Error):
         super().__init__(error.message)
@@ -380,16 +383,11 @@ class _Push:
             self._send_buckets(specs)
             transfer_s = time.perf_counter() - started
             results = self._commit()
-        except BaseException as failure:
-            self.client.__dict__.pop(_DIST_ATTRIBUTE, None)  # a failed push may leave a collective half done
-            if isinstance(failure, _WorkerFailed):
-                error = failure.error
-                raise RolloutError(
-                    error.code,
-                    f"worker {failure.link.address} rejected the weight update: {error.message}",
-                    error.field,
-                ) from None
-            raise
+        except _WorkerFailed as failure:
+            error = failure.error
+            raise RolloutError(
+                error.code, f"worker {failure.link.address} rejected the weight update: {error.message}", error.field
+            ) from None
         total_bytes = staging_layout(specs)[1]
         versions = {result["version"] for result in results}
         if len(versions) != 1:
@@ -436,15 +434,8 @@ class _Push:
             link.transport = "shm" if self.transport == "auto" else self.transport
             fields = dict(dist_fields, rank=1 + self.links.index(link)) if dist_fields else {}
             self._send_begin(link, specs, fields)
-        if self.transport == "torch.distributed" and self.group is None:
-            try:  # blocks until every worker joined (they do so on receiving their begin)
-                self.group = make_process_group(
-                    self.store, dist_fields["group"], 0, dist_fields["world_size"], self.dist_backend, self.timeout
-                )
-            except Exception as error:  # noqa: BLE001 - a worker's own refusal explains it better, if one came
-                self._receive(1.0, "weights_ready")
-                raise RolloutError("dist", f"the workers did not join the process group: {error}") from None
-            setattr(self.client, _DIST_ATTRIBUTE, (self._dist_key(), self.store, self.group, dist_fields))
+        if self.transport == "torch.distributed":
+            self._join_group(dist_fields)
         deadline = time.monotonic() + self.timeout
         while not all(link.ready is not None for link in self.links):
             try:
@@ -489,17 +480,36 @@ class _Push:
         link.segment = segment
         link.staging = torch.frombuffer(segment.buf, dtype=torch.uint8)
 
-    def _dist_key(self) -> tuple:
-        return (tuple(link.index for link in self.links), self.dist_host, self.dist_backend)
+    def _join_group(self, fields: dict[str, Any]) -> None:
+        """Join the push's process group as rank 0. The workers join on receiving their begin; a worker that
+        refuses the begin never joins, so its refusal is watched for meanwhile and raised at once."""
+        outcome: list[BaseException | Any] = []
+
+        def join() -> None:
+            try:
+                outcome.append(
+                    make_process_group(
+                        self.store, fields["group"], 0, fields["world_size"], self.dist_backend, self.timeout
+                    )
+                )
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                outcome.append(error)
+
+        thread = threading.Thread(target=join, name="rollout-weights-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(_NoReply):
+                self._receive(0.05, "weights_ready", quiet=True)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if not outcome or isinstance(outcome[0], BaseException):
+            reason = outcome[0] if outcome else f"no rendezvous within {self.timeout:g} s"
+            raise RolloutError("dist", f"the workers did not join the torch.distributed group: {reason}")
+        self.group = outcome[0]
 
     def _dist_fields(self) -> dict[str, Any]:
-        """The group of the client's previous push when the workers are the same (no new rendezvous), else a new
-        rendezvous store and group key."""
-        cached = self.client.__dict__.pop(_DIST_ATTRIBUTE, None)
-        if cached is not None and cached[0] == self._dist_key():
-            _, self.store, self.group, fields = cached
-            setattr(self.client, _DIST_ATTRIBUTE, cached)
-            return fields
+        """A new rendezvous store and group key for this push (a group is never reused: a worker that restarted,
+        or another trainer's push in between, would leave a kept one dangling)."""
         self.store = make_store(self.dist_host, 0, 1 + len(self.links), True, self.timeout)
         return {
             "host": self.dist_host,
@@ -553,7 +563,10 @@ class _Push:
                 link.pending.append(None)
         if self.transport == "torch.distributed":
             packed = torch.cat([data for _, _, data in bucket]) if len(bucket) > 1 else bucket[0][2].contiguous()
-            broadcast(self.group, packed)
+            try:
+                broadcast(self.group, packed)
+            except Exception as error:  # noqa: BLE001 - e.g. a worker died mid-broadcast
+                raise RolloutError("dist", f"broadcast to the workers failed: {error}") from None
 
     def _commit(self) -> list[dict[str, Any]]:
         for link in self.links:
@@ -583,10 +596,12 @@ class _Push:
         while not condition():
             self._receive(deadline - time.monotonic(), what)
 
-    def _receive(self, timeout: float, what: str) -> None:
+    def _receive(self, timeout: float, what: str, quiet: bool = False) -> None:
         try:
             index, message = self.channel.receive(timeout)
         except RolloutError:
+            if quiet:
+                raise _NoReply from None
             raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
         link = next((link for link in self.links if link.index == index), None)
         if link is None:

@@ -152,7 +152,13 @@ class RolloutWorker:
                 message = p.decode(frames)
             except p.ProtocolError as error:
                 group_id, update_id = _raw_ids(frames)
-                self._send(identity, p.Error("bad_request", str(error), error.field, group_id, update_id))
+                reply = p.Error("bad_request", str(error), error.field, group_id, update_id)
+                update = self._update
+                if update is not None and update.update_id == update_id and update.identity == identity:
+                    if not update.committing:
+                        self._reject_update(reply)  # a malformed message of an open update drops it
+                        continue
+                self._send(identity, reply)
                 continue
             try:
                 if isinstance(message, _WEIGHT_MESSAGES):
