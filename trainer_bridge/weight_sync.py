@@ -562,9 +562,9 @@ class _Push:
                 self.channel.send(link.index, header)
                 link.pending.append(None)
         if self.transport == "torch.distributed":
-            packed = torch.cat([data for _, _, data in bucket]) if len(bucket) > 1 else bucket[0][2].contiguous()
-            try:
-                broadcast(self.group, packed)
+            try:  # one broadcast per piece, each straight into its place in the workers' staging areas
+                for _, _, data in bucket:
+                    broadcast(self.group, data)
             except Exception as error:  # noqa: BLE001 - e.g. a worker died mid-broadcast
                 raise RolloutError("dist", f"broadcast to the workers failed: {error}") from None
 

@@ -83,6 +83,7 @@ class DistReceiver:
         self._group: Any = None
         self._group_key: str | None = None
         self._store: dist.TCPStore | None = None
+        self._buffer: torch.Tensor | None = None  # receive buffer, reused while large enough
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rollout-weights-dist", daemon=True)
         self._thread.start()
@@ -106,26 +107,36 @@ class DistReceiver:
 
         self._jobs.put(job)
 
-    def receive(self, nbytes: int, device: torch.device, done: Callable[[torch.Tensor | BaseException], None]) -> None:
-        """Receive the next broadcast of `nbytes` bytes into a fresh buffer on `device`; then call `done` with it."""
+    def receive(
+        self, targets: list[torch.Tensor], device: torch.device, done: Callable[[BaseException | None], None]
+    ) -> None:
+        """Receive one broadcast per target, in order, into the targets (through a reused buffer on `device` when
+        a target lives elsewhere, e.g. NCCL into CPU staging); then call `done` (None, or the error)."""
 
         def job() -> None:
             try:
                 if self._group is None:
                     raise RuntimeError("no torch.distributed group joined")
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-                broadcast(self._group, buffer)
+                for target in targets:
+                    if target.device == device:
+                        broadcast(self._group, target)
+                        continue
+                    buffer = self._buffer
+                    if buffer is None or buffer.device != device or buffer.numel() < target.numel():
+                        buffer = self._buffer = torch.empty(target.numel(), dtype=torch.uint8, device=device)
+                    broadcast(self._group, buffer[: target.numel()])
+                    target.copy_(buffer[: target.numel()])
             except Exception as error:  # noqa: BLE001
                 self.forget()  # a failed collective leaves the group unusable: the next update makes a new one
                 done(error)
             else:
-                done(buffer)
+                done(None)
 
         self._jobs.put(job)
 
     def forget(self) -> None:
-        """Drop the current group (after a failure, or when the trainer left)."""
-        self._group = self._group_key = self._store = None
+        """Drop the current group (after a failure, or when the trainer left) and the receive buffer."""
+        self._group = self._group_key = self._store = self._buffer = None
 
     def close(self) -> None:
         """Stop the thread after the jobs already queued."""

@@ -61,8 +61,8 @@ buckets carry TensorPiece maps (index: announced tensor, offset and nbytes: a by
 in order, without gaps); weights_commit checks that every announced byte arrived, then the engine copies the update
 into the model in place between two steps. The staging area lays the tensors out in order, each at an offset
 aligned to 64 bytes (`rollout.service.weights.staging_layout`); transport "shm" makes it a shared-memory segment
-(named in weights_ready) that the client writes into; "torch.distributed" broadcasts each bucket's concatenated
-pieces over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
+(named in weights_ready) that the client writes into; "torch.distributed" broadcasts each piece of a bucket, in
+order, over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
 worker, >= 1; backend "gloo" or "nccl"; group: a key, reused while it does not change). Every phase must follow the
 previous one within `timeout_s`; a client that misses a deadline or disappears gets its update dropped, and the old
 weights keep serving. `mode` says what happens to in-flight samples at commit: "keep" (continue on their KV),
@@ -200,7 +200,7 @@ class WeightsBegin(Message):
 class WeightsBucket(Message):
     """Bytes of some announced tensors. With transport "frames" one raw frame per piece follows the header; with
     "shm" the pieces were written into the staging segment; with "torch.distributed" they follow as one broadcast
-    of their concatenation."""
+    per piece, in order."""
 
     TYPE: ClassVar[str] = "weights_bucket"
     update_id: str

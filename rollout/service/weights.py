@@ -213,19 +213,24 @@ class StagedUpdate:
             if piece.nbytes:
                 self._stage(piece, torch.frombuffer(payload, dtype=torch.uint8))
 
-    def accept_buffer(self, pieces: list[p.TensorPiece], buffer: torch.Tensor) -> None:
-        """Copy the concatenated pieces of a broadcast bucket into the staging area (transport
-        "torch.distributed"; `announce` was called when the bucket header came)."""
-        start = 0
+    def staging_views(self, pieces: list[p.TensorPiece]) -> list[torch.Tensor]:
+        """Where each piece's bytes go in the staging area (transport "torch.distributed" receives into them;
+        `announce` was called when the bucket header came)."""
+        views = []
         for piece in pieces:
-            self._stage(piece, buffer[start : start + piece.nbytes])
-            start += piece.nbytes
+            start = self.offsets[piece.index] + piece.offset
+            views.append(self.staging[start : start + piece.nbytes])
+        return views
+
+    def mark_received(self, pieces: list[p.TensorPiece]) -> None:
+        """Count pieces whose bytes landed in the staging area."""
+        for piece in pieces:
+            self.received[piece.index] += piece.nbytes
 
     def accept_written(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces the client wrote straight into the shared staging segment (transport "shm")."""
         self.announce(pieces)
-        for piece in pieces:
-            self.received[piece.index] += piece.nbytes
+        self.mark_received(pieces)
 
     def _stage(self, piece: p.TensorPiece, data: torch.Tensor) -> None:
         start = self.offsets[piece.index] + piece.offset

@@ -312,18 +312,19 @@ class RolloutWorker:
             update.announce(message.pieces)
             device = self._device if update.begin.dist["backend"] == "nccl" else torch.device("cpu")
 
-            def received(buffer: torch.Tensor | BaseException) -> None:  # on the receiver thread
+            def received(error: BaseException | None) -> None:  # on the receiver thread
                 if update.closed:
                     return  # rejected meanwhile: drop the bytes
-                if isinstance(buffer, BaseException):
-                    reply: p.Message = p.Error("bad_update", f"broadcast failed: {buffer}", "dist")
+                if error is not None:
+                    reply: p.Message = p.Error("bad_update", f"broadcast failed: {error}", "dist")
                 else:
-                    update.accept_buffer(message.pieces, buffer.cpu())
+                    update.mark_received(message.pieces)
                     reply = p.WeightsAck(update.update_id, update.received_bytes)
                 self._update_events.put((update, reply))
                 self._waker.wake()
 
-            self._dist.receive(sum(piece.nbytes for piece in message.pieces), device, received)
+            # One broadcast per piece, straight into its place in the staging area.
+            self._dist.receive(update.staging_views(message.pieces), device, received)
             return
         self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
 
