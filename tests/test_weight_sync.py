@@ -724,3 +724,37 @@ def test_torch_distributed_push_after_a_worker_restart(workers):
         )
         for address in addresses:
             assert_serves(address, 2, result.version)
+
+
+def test_staging_pool_keeps_and_releases_areas():
+    """The worker's staging pool hands the kept area back when it is large enough, a new one when not, and frees
+    everything (the shared segment unlinked) when not keeping or on close."""
+    from multiprocessing import shared_memory
+
+    from rollout.service.weights import StagingPool
+
+    pool = StagingPool(keep=True)
+    host = pool.host(1000)
+    pool.give_back(host, None)
+    assert pool.host(800).data_ptr() == host.data_ptr()  # reused while large enough
+    pool.give_back(host, None)
+    assert pool.host(5000).numel() >= 5000  # too small: a new one
+    segment, view = pool.shared(4096)
+    name = segment.name
+    pool.give_back(None, (segment, view))
+    again = pool.shared(100)
+    assert again[0].name == name
+    pool.give_back(None, again)
+    del segment, view, again
+    pool.close()
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+
+    dropping = StagingPool(keep=False)
+    shared = dropping.shared(64)
+    name = shared[0].name
+    dropping.give_back(dropping.host(64), shared)
+    del shared
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+    assert dropping.host(64).numel() == 64

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queue-size", type=int, default=0, help="most waiting requests before 'busy' (default: 0, unbounded)")
     add("--cpu-offload-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (default: 0)")
     add("--client-timeout", type=float, default=60.0, help="seconds of client silence before its groups are cancelled")
+    add(
+        "--release-staging",
+        action="store_true",
+        help="free a weight update's host staging area after it (default: keep it for the next, faster update)",
+    )
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     for action in parser._actions:  # ROLLOUT_* environment variables become the defaults
         if action.option_strings and action.dest != "help":
@@ -60,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
             value = os.environ.get(variable)
             if value is not None:
                 try:
+                    if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001 - a flag: 1/true/yes or 0/false/no
+                        if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                            raise ValueError(value)
+                        action.default = value.lower() in ("1", "true", "yes")
+                        continue
                     action.default = action.type(value) if action.type else value
                 except ValueError:
                     parser.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
@@ -97,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     manager = init_continuous_batching(model, continuous_batching_config=config)
-    worker = RolloutWorker(manager, args.bind, args.model, client_timeout_s=args.client_timeout)
+    worker = RolloutWorker(
+        manager, args.bind, args.model, client_timeout_s=args.client_timeout, keep_staging=not args.release_staging
+    )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.shutdown())
     logger.info(

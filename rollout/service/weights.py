@@ -84,16 +84,85 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
         return segment
 
 
+class StagingPool:
+    """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
+    on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
+
+    def __init__(self, keep: bool = True, pin: bool = False):
+        """
+        Args:
+            keep: keep the last host buffer and shared segment for the next update.
+            pin: allocate page-locked host memory (the model is on a GPU: faster, non-blocking copies).
+        """
+        self.keep = keep
+        self.pin = pin
+        self._host: torch.Tensor | None = None
+        self._shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
+
+    def host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes` (the kept one when it is large enough)."""
+        buffer, self._host = self._host, None
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = None  # free the small one first
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buffer
+
+    def shared(self, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+        """A shared-memory segment of at least `nbytes` and a uint8 view of it (the kept one when large enough).
+
+        Raises:
+            OSError: the segment cannot be created (e.g. /dev/shm is too small).
+        """
+        kept, self._shm = self._shm, None
+        if kept is not None and kept[0].size >= nbytes:
+            return kept
+        if kept is not None:
+            _release_segment(*kept)
+        segment = shared_memory.SharedMemory(name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
+        return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
+
+    def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
+        """Keep an update's area for the next one (or free it when not keeping)."""
+        if host is not None and self.keep:
+            self._host = host
+        if shm is not None:
+            if self.keep and self._shm is None:
+                self._shm = shm
+            else:
+                _release_segment(*shm)
+
+    def close(self) -> None:
+        """Free what is kept (unlinks the shared segment)."""
+        self._host = None
+        if self._shm is not None:
+            _release_segment(*self._shm)
+            self._shm = None
+
+
+def _release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:
+    """Unlink a segment at once; its memory goes when the last view of it does."""
+    del view
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        segment.close()
+    except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
+        pass
+
+
 class StagedUpdate:
     """One open weight update of one client: its announcement, staging area, progress and deadline."""
 
-    def __init__(self, begin: p.WeightsBegin, engine: Engine, identity: bytes):
-        """Validate the announcement and allocate the staging area.
+    def __init__(self, begin: p.WeightsBegin, engine: Engine, identity: bytes, pool: StagingPool):
+        """Validate the announcement and take a staging area from the pool.
 
         Args:
             begin: the client's weights_begin.
             engine: the engine whose model the update targets (read-only here).
             identity: the client's ZeroMQ identity (only it may continue the update).
+            pool: where staging areas come from and go back to.
         Raises:
             UpdateRejected: a bad field or tensor, named.
         """
@@ -108,20 +177,22 @@ class StagedUpdate:
         self.offsets, self.staging_bytes = staging_layout(self.specs)
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
+        self.pool = pool
         self.shm: shared_memory.SharedMemory | None = None
-        pin = torch.cuda.is_available() and engine.kv_cache.kv.device.type == "cuda"
+        self._shared: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
+        self._host: torch.Tensor | None = None
         if begin.transport == "shm":
             try:
-                self.shm = shared_memory.SharedMemory(
-                    name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(self.staging_bytes, 1)
-                )
+                self._shared = pool.shared(self.staging_bytes)
             except OSError as error:
                 raise UpdateRejected(
                     "bad_update", "transport", f"cannot create a shared-memory segment: {error}"
                 ) from None
-            self.staging = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+            self.shm = self._shared[0]
+            self.staging = self._shared[1][: self.staging_bytes]
         else:
-            self.staging = torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+            self._host = pool.host(self.staging_bytes)
+            self.staging = self._host[: self.staging_bytes]
         self.deadline = 0.0
         self.touch()
 
@@ -257,19 +328,18 @@ class StagedUpdate:
             for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
         }
 
-    def close(self) -> None:
-        """Release the staging area (idempotent). A shared segment is unlinked at once; its memory goes when the
-        last view of it does."""
+    def close(self, reusable: bool = True) -> None:
+        """Give the staging area back to the pool (idempotent).
+
+        Args:
+            reusable: False when something may still write into it (a broadcast in flight): it is dropped instead.
+        """
         if self.closed:
             return
         self.closed = True
         self.staging = torch.empty(0, dtype=torch.uint8)
-        if self.shm is not None:
-            try:
-                self.shm.unlink()
-            except FileNotFoundError:
-                pass
-            try:
-                self.shm.close()
-            except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
-                pass
+        if reusable:
+            self.pool.give_back(self._host, self._shared)
+        elif self._shared is not None:
+            _release_segment(*self._shared)
+        self._host = self._shared = None
