@@ -1,0 +1,237 @@
+"""TRL's GRPOTrainer generating through rollout workers: a one-line switch from `trl vllm-serve`.
+
+    trainer = RolloutGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                                 rollout_workers="tcp://127.0.0.1:5555")   # was: GRPOTrainer(..., use_vllm=True)
+
+Why a subclass: TRL 1.16 has no pluggable generation backend, but its vLLM code path is exactly what a rollout
+service needs. Once per generation round, when the global step changed, it calls `vllm_generation.sync_weights()`
+on every rank; it then calls `vllm_generation.generate(...)` for the rows; it feeds the returned per-token logprobs
+to the importance-sampling correction (`importance_sampling_ratio`, `sampling/*` metrics). `RolloutGRPOTrainer`
+builds the stock trainer with vLLM off (so vLLM need not be installed), then turns TRL's vLLM path on with
+`RolloutGeneration` in place of TRL's vLLM backend: an object with the same two methods. Everything else (rewards,
+advantages, loss, logging, checkpoints) is TRL's own code. `check_trl_internals()` fails loudly when a TRL release
+moves what this relies on; the supported range is `SUPPORTED_TRL`.
+
+What `RolloutGeneration` does:
+- `generate`: each rank sends its own rows, with no collective (ranks cannot deadlock). Consecutive rows with the
+  same prompt (TRL repeats a prompt `num_generations` times) become one group with `n`, so the prompt is prefilled
+  once. Sampling settings come from GRPOConfig: temperature, top_p, top_k, min_p, repetition_penalty,
+  max_completion_length; the trainer's EOS tokens stop generation; logprobs are "processed" (after temperature and
+  the processors), what TRL's correction expects. The policy lag of every token (trainer step - the step whose
+  weights sampled it) is logged as `rollout/policy_lag_mean` and `rollout/policy_lag_max`.
+- `sync_weights`: `push_weights` with version = (the workers' version when training started) + 1 + global step.
+  Every rank takes part in gathering (ZeRO-3, FSDP2, PEFT merged weights); only the main process sends.
+
+Multi-turn or tool rollouts: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)`
+samples through the workers (weights are synced before each call, as for vLLM). See
+`examples/multi_turn_rollout.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass, fields
+from typing import Any
+
+import trl
+from packaging.version import Version
+from trl import GRPOConfig, GRPOTrainer
+
+from rollout.config import SamplingParams
+from trainer_bridge.client import PromptGroup, RolloutClient, RolloutError
+from trainer_bridge.weight_sync import push_weights
+
+__all__ = ["SUPPORTED_TRL", "RolloutGRPOTrainer", "RolloutGeneration", "RolloutRows", "check_trl_internals"]
+
+SUPPORTED_TRL = (Version("1.16"), Version("1.17"))  # [low, high)
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def check_trl_internals() -> None:
+    """Raise RuntimeError unless the installed TRL has what the integration relies on: its version in
+    `SUPPORTED_TRL`, and GRPOTrainer's vLLM path calling `vllm_generation.sync_weights()` and
+    `vllm_generation.generate(...)` and reading the attributes set here."""
+    version = Version(trl.__version__)
+    if not SUPPORTED_TRL[0] <= version < SUPPORTED_TRL[1]:
+        raise RuntimeError(
+            f"trainer_bridge.trl supports trl>={SUPPORTED_TRL[0]},<{SUPPORTED_TRL[1]}; trl {version} is installed"
+        )
+    single_turn = inspect.getsource(GRPOTrainer._generate_single_turn)
+    generate = inspect.getsource(GRPOTrainer._generate)
+    scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    expected = [
+        (single_turn, "self.vllm_generation.sync_weights()"),
+        (single_turn, "self.vllm_generation.generate("),
+        (single_turn, "self._last_loaded_step"),
+        (single_turn, "logprobs = [[lp[0] for lp in seq] for seq in logprobs]"),
+        (generate, "self.rollout_func(prompts, self)"),
+        (scoring, "self.use_vllm and self.vllm_importance_sampling_correction"),
+    ]
+    for source, needle in expected:
+        if needle not in source:
+            raise RuntimeError(
+                f"TRL {version}'s GRPOTrainer changed: {needle!r} is gone; trainer_bridge.trl needs an update"
+            )
+
+
+@dataclass
+class RolloutRows:
+    """Completions of a list of rows, in row order.
+
+    Attributes:
+        completion_ids: generated token ids per row (the stop token included when one ended it).
+        logprobs: the sampling logprob of every generated token.
+        policy_versions: per row, run-length encoded [version, first token index] pairs.
+        finish_reasons: "stop" or "length" per row.
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    policy_versions: list[list[list[int]]]
+    finish_reasons: list[str]
+
+
+class RolloutGeneration:
+    """TRL's vLLM generation backend, replaced: `sync_weights()` and `generate(...)` through rollout workers."""
+
+    def __init__(self, trainer: GRPOTrainer, client: RolloutClient, base_version: int, **push_kwargs: Any):
+        """
+        Args:
+            trainer: the GRPOTrainer (its GRPOConfig gives the sampling settings, its state the step).
+            client: this rank's RolloutClient.
+            base_version: the workers' policy version for step 0 (their version when training started, plus one).
+            **push_kwargs: passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
+        """
+        self.trainer = trainer
+        self.client = client
+        self.base_version = base_version
+        self.push_kwargs = push_kwargs
+        self._group_ids = itertools.count()
+        extra = dict(trainer.args.generation_kwargs or {})
+        unknown = sorted(set(extra) - _SAMPLING_FIELDS)
+        if unknown:
+            raise ValueError(f"generation_kwargs {unknown} are not rollout SamplingParams fields")
+        self.sampling: dict[str, Any] = {
+            "do_sample": True,
+            "temperature": trainer.temperature,
+            "top_p": trainer.top_p,
+            "top_k": trainer.top_k or 0,
+            "min_p": trainer.min_p or 0.0,
+            "repetition_penalty": trainer.repetition_penalty,
+            "max_new_tokens": trainer.max_completion_length,
+            "stop_token_ids": list(trainer.eos_token_ids),
+            "logprob_mode": "processed",
+            **extra,
+        }
+        SamplingParams(**{k: v for k, v in self.sampling.items() if k != "stop_token_ids"})  # fail early, by name
+
+    def sync_weights(self) -> None:
+        """Push the trainer's weights (every rank calls this; only the main process sends)."""
+        trainer = self.trainer
+        main = trainer.accelerator.is_main_process
+        push_weights(
+            self.client if main else None,
+            trainer.model_wrapped,
+            version=self.base_version + trainer.state.global_step,
+            accelerator=trainer.accelerator,
+            **self.push_kwargs,
+        )
+
+    def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
+        """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
+
+        Args:
+            prompt_ids: token ids of each row's prompt.
+            **sampling: SamplingParams fields overriding the GRPOConfig-derived ones (e.g. max_new_tokens).
+        Raises:
+            RolloutError: a worker failed, or a completion ended with an error or was aborted.
+        """
+        settings = {**self.sampling, **sampling}
+        groups: list[PromptGroup] = []
+        for row in prompt_ids:
+            if groups and groups[-1].prompt_ids == list(row):
+                groups[-1].n += 1
+            else:
+                groups.append(PromptGroup(list(row), 1, dict(settings), f"grpo-{next(self._group_ids)}"))
+        results = {result.group_id: result for result in self.client.generate_many(groups)}
+        ordered = [completion for group in groups for completion in results[group.group_id].completions]
+        for completion in ordered:
+            if completion.finish_reason not in ("stop", "length"):
+                raise RolloutError(completion.finish_reason, completion.error or "a completion did not finish")
+        self._log_lag(ordered)
+        return RolloutRows(
+            [c.token_ids for c in ordered],
+            [c.logprobs for c in ordered],
+            [c.policy_versions for c in ordered],
+            [c.finish_reason for c in ordered],
+        )
+
+    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
+        """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs [token][1], None) for the rows."""
+        if images is not None and any(image is not None for image in images):
+            raise NotImplementedError("rollout workers serve text-only models; images are not supported")
+        if profiler is None:
+            rows = self.generate_rows(prompts)
+        else:
+            with profiler:
+                rows = self.generate_rows(prompts)
+        return prompts, rows.completion_ids, [[[lp] for lp in logprobs] for logprobs in rows.logprobs], None
+
+    def _log_lag(self, completions: list) -> None:
+        """Policy lag per token: trainer step now - the step whose weights sampled the token (this rank's rows)."""
+        step = self.trainer.state.global_step
+        lags: list[int] = []
+        for completion in completions:
+            runs = completion.policy_versions + [[None, len(completion.token_ids)]]
+            for (version, first), (_, end) in zip(runs, runs[1:]):
+                lags += [step - (version - self.base_version)] * (end - first)
+        if lags:
+            mode = "train" if self.trainer.model.training else "eval"
+            self.trainer._metrics[mode]["rollout/policy_lag_mean"].append(sum(lags) / len(lags))
+            self.trainer._metrics[mode]["rollout/policy_lag_max"].append(float(max(lags)))
+
+
+class RolloutGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose generation and weight sync go through rollout workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        rollout_workers: str | list[str] | RolloutClient,
+        rollout_push_kwargs: dict[str, Any] | None = None,
+        rollout_client_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ):
+        """
+        Args:
+            *args, **kwargs: GRPOTrainer's (model, reward_funcs, args, train_dataset, processing_class,
+                rollout_func, ...). `args.use_vllm` must be False: the workers replace vLLM.
+            rollout_workers: worker address(es), or a RolloutClient (then used on every rank of this process).
+            rollout_push_kwargs: passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
+            rollout_client_kwargs: passed to `RolloutClient` when addresses are given (timeout, heartbeat_s, ...).
+        """
+        check_trl_internals()
+        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        if isinstance(config, GRPOConfig) and config.use_vllm:
+            raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
+        super().__init__(*args, **kwargs)
+        if isinstance(rollout_workers, RolloutClient):
+            client = rollout_workers
+        else:
+            client = RolloutClient(rollout_workers, **(rollout_client_kwargs or {}))
+        self.rollout_client = client
+        # The workers may have served other weights before: version base + step is this run's weights at `step`.
+        # (A collective here, at construction, never inside generate.)
+        from accelerate.utils import broadcast_object_list
+
+        current = (
+            [max((s["policy_version"] for s in client.stats()), default=0)] if self.accelerator.is_main_process else [0]
+        )
+        broadcast_object_list(current, from_process=0)
+        self.rollout = RolloutGeneration(self, client, current[0] + 1, **(rollout_push_kwargs or {}))
+        # Route TRL through its vLLM code path, with the rollout workers as the backend.
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        self.vllm_generation = self.rollout
+        self._last_loaded_step = -1
