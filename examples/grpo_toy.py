@@ -60,7 +60,9 @@ def free_port() -> int:
 def start_worker(address: str) -> subprocess.Popen:
     """A rollout-worker on the tiny preset; returns once it answers."""
     command = [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", "cpu", "--bind", address]
-    worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"])
+    # One compute thread for the tiny worker: on a 2-core machine the trainer needs the other core.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("ROLLOUT_WORKER_THREADS", "1")}
+    worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"], env=env)
     with RolloutClient(address, timeout=120) as client:
         deadline = time.monotonic() + 120
         while True:

@@ -20,7 +20,9 @@ What `RolloutGeneration` does:
   the processors), what TRL's correction expects. The policy lag of every token (trainer step - the step whose
   weights sampled it) is logged as `rollout/policy_lag_mean` and `rollout/policy_lag_max`.
 - `sync_weights`: `push_weights` with version = (the workers' version when training started) + 1 + global step.
-  Every rank takes part in gathering (ZeRO-3, FSDP2, PEFT merged weights); only the main process sends.
+  Every rank takes part in gathering (ZeRO-3, FSDP2, PEFT merged weights); only the main process sends; then the
+  ranks wait for each other (all of them call it at the same point), so none samples before the workers serve the
+  new weights.
 
 Multi-turn or tool rollouts: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)`
 samples through the workers (weights are synced before each call, as for vLLM). See
@@ -137,6 +139,9 @@ class RolloutGeneration:
             accelerator=trainer.accelerator,
             **self.push_kwargs,
         )
+        # Every rank calls this at the same point; the others must not generate before the workers serve the new
+        # weights (they would sample their rows with the previous step's).
+        trainer.accelerator.wait_for_everyone()
 
     def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
         """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
