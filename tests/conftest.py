@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
 import torch
-from transformers import (
+
+# Triton kernels run in Triton's interpreter on machines without CUDA. The variable must be set before anything
+# imports triton (transformers does, through the engine), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
     LlamaConfig,
@@ -17,7 +24,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.engine import Engine
 from rollout.engine.request import Request

@@ -1,0 +1,383 @@
+"""Paged attention in Triton: one kernel for decode, prefill and mixed batches (varlen queries over the paged KV
+cache), with split-K over the block table for long decodes. Selected automatically on CUDA; tested against a plain
+PyTorch reference on GPU and, with `TRITON_INTERPRET=1`, on CPU.
+
+Layout: queries packed as (T, H, D); the cache layer as (num_blocks, block_size, Hkv, D). A program takes one KV
+head and a tile of query tokens of one sequence, and holds the `H / Hkv` query heads that share that KV head in the
+rows of its tile, so every key and value block is loaded once per KV head (decode: one token x the group's heads).
+Scores and the softmax are fp32 (online softmax); sliding windows (a key is visible when q - window < k <= q) and
+logit soft-capping (`softcap * tanh(s / softcap)`, Gemma 2) are applied per score.
+
+With split-K, each program covers a slice of the key blocks and writes its partial (max, sum, accumulator); a second
+kernel merges the slices. `plan_splits` chooses the number of slices from the batch shape.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter computes tl.dot wrongly on bf16/fp16 operands: there, products are taken in fp32.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_table_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    query_start_ptr,
+    context_ptr,
+    scale,
+    softcap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    HEADS_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first_query = tl.load(tile_start_ptr + tile)  # offset of the tile's first query token within its sequence
+    query_begin = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
+    context = tl.load(context_ptr + seq)  # tokens cached before this step
+
+    rows = tl.arange(0, BLOCK_M)
+    token = first_query + rows // HEADS_PER_KV  # query offset within the sequence, per row
+    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
+    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
+    query_pos = context + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + (query_begin + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys [lo, hi): up to the tile's last query, from the first one's window start.
+    last_token = tl.minimum(first_query + BLOCK_Q, query_len) - 1
+    hi = context + last_token + 1
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(context + first_query - window + 1, 0)
+    first_block = lo // BLOCK_N
+    num_blocks = (hi + BLOCK_N - 1) // BLOCK_N - first_block
+    per_split = (num_blocks + NUM_SPLITS - 1) // NUM_SPLITS
+    block_lo = first_block + split * per_split
+    block_hi = tl.minimum(block_lo + per_split, first_block + num_blocks)
+
+    running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    slots = tl.arange(0, BLOCK_N)
+    for block in range(block_lo, block_hi):
+        physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)
+        key_pos = block * BLOCK_N + slots
+        k = tl.load(
+            k_cache_ptr + physical * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
+            mask=dim_valid[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+        if USE_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
+        allowed = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None]
+        if USE_WINDOW:
+            allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
+        probs = tl.exp(scores - safe_max[:, None])
+        rescale = tl.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + tl.sum(probs, 1)
+        v = tl.load(
+            v_cache_ptr + physical * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
+            mask=dim_valid[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        running_max = new_max
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+        tl.store(
+            out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        part = (tile * num_kv_heads + kv_head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part * BLOCK_M + rows, running_max)
+        tl.store(part_sum_ptr + part * BLOCK_M + rows, running_sum)
+        tl.store(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * BLOCK_D + dims[None, :], acc)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    tile_seq_ptr,
+    tile_start_ptr,
+    query_start_ptr,
+    stride_ot,
+    stride_oh,
+    HEADS_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    first_query = tl.load(tile_start_ptr + tile)
+    query_begin = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
+    rows = tl.arange(0, BLOCK_M)
+    token = first_query + rows // HEADS_PER_KV
+    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
+    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
+    dims = tl.arange(0, BLOCK_D)
+    base = (tile * num_kv_heads + kv_head) * NUM_SPLITS
+
+    overall_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        overall_max = tl.maximum(overall_max, tl.load(part_max_ptr + (base + split) * BLOCK_M + rows))
+    safe_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        part = base + split
+        weight = tl.exp(tl.load(part_max_ptr + part * BLOCK_M + rows) - safe_max)
+        total += tl.load(part_sum_ptr + part * BLOCK_M + rows) * weight
+        acc += tl.load(part_acc_ptr + (part * BLOCK_M + rows)[:, None] * BLOCK_D + dims[None, :]) * weight[:, None]
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        out_ptr + (query_begin + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (dims < HEAD_DIM)[None, :],
+    )
+
+
+@dataclass
+class TritonAttentionPlan:
+    """Per-step launch data shared by every layer (built once by `plan`)."""
+
+    tile_seq: torch.Tensor  # (tiles,) int32 sequence of each tile
+    tile_start: torch.Tensor  # (tiles,) int32 first query offset of each tile within its sequence
+    query_start: torch.Tensor  # (S + 1,) int32 packed offsets of each sequence's queries
+    context: torch.Tensor  # (S,) int32 tokens cached before this step
+    block_table: torch.Tensor  # (S, max_blocks) int32
+    block_m: int
+    block_q: int
+    num_splits: int
+
+
+def tile_shape(heads_per_kv: int, max_query_len: int) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_Q query tokens) of a tile: rows hold BLOCK_Q tokens x the heads of one KV head; at least
+    16 rows (the smallest tl.dot), at most 64."""
+    rows = max(16, triton.next_power_of_2(heads_per_kv))
+    while rows < 64 and rows // heads_per_kv < max_query_len:
+        rows *= 2
+    return rows, rows // heads_per_kv
+
+
+def plan_splits(num_tiles: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
+    """Key-block slices per tile: enough programs to fill the GPU when few tiles have long contexts (decode), each
+    slice at least 8 blocks; 1 when the tiles alone are enough."""
+    programs = num_tiles * num_kv_heads
+    if programs >= target_programs or max_blocks < 16:
+        return 1
+    return int(min(triton.next_power_of_2(-(-target_programs // programs)), max(1, max_blocks // 8), 16))
+
+
+def plan(
+    query_lens: list[int],
+    contexts: list[int],
+    block_table: torch.Tensor,
+    heads_per_kv: int,
+    num_kv_heads: int,
+    block_size: int,
+    device: torch.device,
+    num_splits: int | None = None,
+) -> TritonAttentionPlan:
+    """Launch data for one step.
+
+    Args:
+        query_lens: tokens computed per sequence this step.
+        contexts: tokens already cached per sequence.
+        block_table: (S, max_blocks) block ids.
+        heads_per_kv: query heads per KV head.
+        num_kv_heads: KV heads.
+        block_size: tokens per cache block.
+        device: where the tensors go.
+        num_splits: force the number of key slices (None: `plan_splits`).
+    """
+    block_m, block_q = tile_shape(heads_per_kv, max(query_lens))
+    tiles_per_seq = [-(-length // block_q) for length in query_lens]
+    tile_seq = [seq for seq, count in enumerate(tiles_per_seq) for _ in range(count)]
+    tile_start = [tile * block_q for count in tiles_per_seq for tile in range(count)]
+    query_start = [0]
+    for length in query_lens:
+        query_start.append(query_start[-1] + length)
+    max_blocks = max(-(-(c + q) // block_size) for c, q in zip(contexts, query_lens))
+    splits = num_splits or plan_splits(len(tile_seq), num_kv_heads, max_blocks)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return TritonAttentionPlan(
+        tensor(tile_seq),
+        tensor(tile_start),
+        tensor(query_start),
+        tensor(contexts),
+        block_table.to(device=device, dtype=torch.int32),
+        block_m,
+        block_q,
+        splits,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attention_plan: TritonAttentionPlan,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries over the paged cache (the new tokens' keys/values already written).
+
+    Args:
+        query: (T, H, D) queries, sequences packed in `attention_plan.query_start` order.
+        key_cache, value_cache: (num_blocks, block_size, Hkv, D) one layer of the cache.
+        attention_plan: from `plan`.
+        scale: softmax scale.
+        sliding_window: the layer's window, or None.
+        softcap: logit soft-capping, or None.
+    Returns:
+        (T, H, D) attention output, in the query's dtype.
+    """
+    tokens, heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    heads_per_kv = heads // num_kv_heads
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"the Triton kernel needs a power-of-two block_size >= 16, got {block_size}")
+    query = query.contiguous()
+    output = torch.empty_like(query)
+    p = attention_plan
+    num_tiles = p.tile_seq.numel()
+    if num_tiles == 0:
+        return output
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    splits = p.num_splits
+    if splits > 1:
+        shape = (num_tiles * num_kv_heads * splits, p.block_m)
+        part_max = torch.empty(shape, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty((*shape, block_d), dtype=torch.float32, device=query.device)
+    else:
+        part_max = part_sum = part_acc = output  # unused
+    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+        query,
+        key_cache,
+        value_cache,
+        output,
+        part_acc,
+        part_max,
+        part_sum,
+        p.block_table,
+        p.tile_seq,
+        p.tile_start,
+        p.query_start,
+        p.context,
+        scale,
+        softcap or 1.0,
+        sliding_window or 0,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        output.stride(0),
+        output.stride(1),
+        p.block_table.stride(0),
+        HEADS_PER_KV=heads_per_kv,
+        HEAD_DIM=head_dim,
+        BLOCK_M=p.block_m,
+        BLOCK_Q=p.block_q,
+        BLOCK_N=block_size,
+        BLOCK_D=block_d,
+        USE_SOFTCAP=softcap is not None,
+        USE_WINDOW=sliding_window is not None,
+        NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
+        UPCAST=_INTERPRETED and query.dtype != torch.float32,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tiles, num_kv_heads)](
+            output,
+            part_acc,
+            part_max,
+            part_sum,
+            p.tile_seq,
+            p.tile_start,
+            p.query_start,
+            output.stride(0),
+            output.stride(1),
+            HEADS_PER_KV=heads_per_kv,
+            HEAD_DIM=head_dim,
+            BLOCK_M=p.block_m,
+            BLOCK_Q=p.block_q,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+        )
+    return output

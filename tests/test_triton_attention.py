@@ -1,0 +1,113 @@
+"""The Triton paged-attention kernels against a plain PyTorch reference: on CUDA when there is one, else on the CPU
+with Triton's interpreter (conftest sets TRITON_INTERPRET=1 before anything imports triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from rollout.engine.triton_attention import paged_attention, plan  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def reference(query, key_cache, value_cache, block_tables, contexts, query_lens, scale, window, softcap):
+    """Per sequence and head: gather the sequence's keys/values from its blocks, mask, softmax in float64."""
+    outputs = []
+    start = 0
+    heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    for seq, (context, length) in enumerate(zip(contexts, query_lens)):
+        total = context + length
+        blocks = block_tables[seq]
+        keys = key_cache[blocks].flatten(0, 1)[:total].double()  # (total, Hkv, D)
+        values = value_cache[blocks].flatten(0, 1)[:total].double()
+        q = query[start : start + length].double()  # (length, H, D)
+        keys = keys.repeat_interleave(heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        query_pos = torch.arange(context, total).unsqueeze(1)
+        key_pos = torch.arange(total).unsqueeze(0)
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= key_pos > query_pos - window
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += length
+    return torch.cat(outputs)
+
+
+def make_case(contexts, query_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + q) // block_size) for c, q in zip(contexts, query_lens)]
+    num_blocks = sum(blocks_per_seq) + 3
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()  # blocks scattered through the cache
+    tables, used = [], 0
+    for count in blocks_per_seq:
+        tables.append(order[used : used + count])
+        used += count
+    width = max(blocks_per_seq)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(sum(query_lens), heads, head_dim, generator=generator).to(DEVICE, dtype)
+    return query, key_cache, value_cache, block_table, tables
+
+
+CASES = {
+    # name: (contexts, query lengths, heads, kv heads, head dim)
+    "decode": ([5, 40, 17, 63], [1, 1, 1, 1], 4, 2, 32),
+    "prefill": ([0, 0], [37, 20], 4, 2, 32),
+    "chunked_prefill_mixed": ([33, 0, 70, 12], [1, 25, 19, 1], 8, 2, 64),
+    "mha_odd_head_dim": ([10, 3], [7, 1], 3, 3, 40),
+    "gqa_4": ([50], [18], 8, 2, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 30.0), (9, 5.0)])
+def test_kernel_matches_reference(name, window, softcap):
+    contexts, query_lens, heads, kv_heads, head_dim = CASES[name]
+    query, key_cache, value_cache, block_table, tables = make_case(
+        contexts, query_lens, heads, kv_heads, head_dim, 16, torch.float32
+    )
+    scale = head_dim**-0.5
+    attention_plan = plan(query_lens, contexts, block_table, heads // kv_heads, kv_heads, 16, DEVICE, num_splits=1)
+    got = paged_attention(query, key_cache, value_cache, attention_plan, scale, window, softcap)
+    expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, scale, window, softcap)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("window", [None, 40])
+def test_split_k_matches_reference(splits, window):
+    """Long decodes split over the block table: the merged slices equal the unsplit result, including slices that
+    see no key at all (short sequences, or keys outside the window)."""
+    contexts, query_lens = [150, 3, 97, 64], [1, 1, 1, 2]
+    query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 8, 2, 32, 16, torch.float32)
+    scale = 32**-0.5
+    attention_plan = plan(query_lens, contexts, block_table, 4, 2, 16, DEVICE, num_splits=splits)
+    assert attention_plan.num_splits == splits
+    got = paged_attention(query, key_cache, value_cache, attention_plan, scale, window, None)
+    expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, scale, window, None)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_bf16_within_bf16_tolerance():
+    contexts, query_lens = [20, 0], [1, 30]
+    query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 4, 2, 64, 16, torch.bfloat16)
+    attention_plan = plan(query_lens, contexts, block_table, 2, 2, 16, DEVICE)
+    got = paged_attention(query, key_cache, value_cache, attention_plan, 0.125, None, None)
+    assert got.dtype == torch.bfloat16
+    expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, 0.125, None, None)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_small_block_size_is_refused():
+    query, key_cache, value_cache, block_table, _ = make_case([3], [1], 2, 1, 16, 8, torch.float32)
+    attention_plan = plan([1], [3], block_table, 2, 1, 8, DEVICE)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_attention(query, key_cache, value_cache, attention_plan, 0.25)
