@@ -182,6 +182,9 @@ class SamplingParams:
         return dataclasses.replace(self, **overrides)
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass
 class ContinuousBatchingConfig:
     """Engine settings: KV cache size, batch shape, scheduling policy, logprobs and queueing."""
@@ -209,6 +212,9 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     # Capture CUDA graphs for decode steps (accelerators only; ignored on CPU).
     use_cuda_graph: bool = False
+    # Paged attention kernels: "auto" (Triton on CUDA when it is installed and block_size is a power of two >= 16,
+    # else PyTorch), "torch", or "triton" (on CPU only inside Triton's interpreter, TRITON_INTERPRET=1: for tests).
+    attention_backend: str = "auto"
     # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -268,6 +274,12 @@ class ContinuousBatchingConfig:
             self.max_queue_size,
         )
         _check(isinstance(self.use_cuda_graph, bool), "use_cuda_graph", "must be a bool", self.use_cuda_graph)
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}",
+            self.attention_backend,
+        )
         if self.max_model_len is not None:
             _check(
                 _is_int(self.max_model_len) and self.max_model_len >= 2,

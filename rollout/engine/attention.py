@@ -13,6 +13,7 @@ function falls back to SDPA, or to eager attention when soft-capping is on, so t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,8 @@ class PagedAttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # (T,) flat cache slot of every new token
     groups: list[SequenceGroup]
+    # Launch data of the Triton kernel, when it serves this step (then `groups` is empty).
+    triton_plan: Any = None
 
     @classmethod
     def build(
@@ -65,6 +68,7 @@ class PagedAttentionMetadata:
         lengths: list[int],
         block_table: torch.Tensor,
         device: torch.device,
+        heads_per_kv: int | None = None,
     ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """Turn per-sequence (start, length, blocks) into attention metadata and position ids.
 
@@ -74,6 +78,7 @@ class PagedAttentionMetadata:
             lengths: tokens computed for each sequence this step.
             block_table: (S, max_blocks) block ids, padded with 0.
             device: where the tensors go.
+            heads_per_kv: query heads per KV head when the Triton kernel serves the step; None for PyTorch.
         Returns:
             (metadata, position_ids of shape (T,)).
         """
@@ -85,6 +90,13 @@ class PagedAttentionMetadata:
         token_offset = torch.cumsum(lengths_t, 0) - lengths_t  # first packed index of each sequence
         positions = starts_t[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
         slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
+        if heads_per_kv is not None:
+            from rollout.engine import triton_attention
+
+            triton_plan = triton_attention.plan(
+                lengths, starts, block_table, heads_per_kv, kv_cache.shape.num_kv_heads, block_size, device
+            )
+            return cls(kv_cache, slots, [], triton_plan), positions
         groups = []
         for members in _partition(starts, lengths, block_size):
             index = torch.tensor(members, device=device)
@@ -196,6 +208,11 @@ def paged_attention_forward(
     cache.write(layer_idx, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     key_cache, value_cache = cache.layer(layer_idx)
     tokens = query[0].transpose(0, 1)  # (T, H, D)
+    if metadata.triton_plan is not None:
+        from rollout.engine.triton_attention import paged_attention
+
+        output = paged_attention(tokens, key_cache, value_cache, metadata.triton_plan, scaling, sliding_window, softcap)
+        return output.unsqueeze(0), None
     output = torch.empty_like(tokens)
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.config import FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import Request
@@ -17,15 +18,19 @@ from rollout.engine.scheduler import ScheduledBatch
 class ModelRunner:
     """Runs an unmodified transformers causal LM over packed ragged batches with the paged cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache):
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto"):
         """
         Args:
             model: a transformers causal LM; its attention implementation is switched to "rollout_paged", which
                 still serves ordinary (unpaged) forwards through SDPA/eager.
             kv_cache: the paged cache the attention layers read and write.
+            attention_backend: "auto", "torch" or "triton" (see `ContinuousBatchingConfig.attention_backend`).
+        Raises:
+            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve).
         """
         self.model = model
         self.kv_cache = kv_cache
+        self.heads_per_kv = resolve_attention_backend(model, kv_cache, attention_backend)
         self.device = next(model.parameters()).device
         _acquire(model)
         self._closed = False
@@ -77,7 +82,9 @@ class ModelRunner:
             tables.append(self._block_table(seq.request))
         # Padding with block 0 is harmless: attention masks every position past a sequence's context.
         block_table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
-        metadata, positions = PagedAttentionMetadata.build(self.kv_cache, starts, lengths, block_table, self.device)
+        metadata, positions = PagedAttentionMetadata.build(
+            self.kv_cache, starts, lengths, block_table, self.device, self.heads_per_kv
+        )
         ends = torch.cumsum(torch.tensor(lengths), 0) - 1
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 3. Forward; logits only at the positions that get sampled.
@@ -93,6 +100,33 @@ class ModelRunner:
         if not self._logits_to_keep:
             logits = logits[keep]
         return logits.float()
+
+
+def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:
+    """Query heads per KV head when the Triton kernel serves attention, None for the PyTorch path.
+
+    "auto" picks Triton on CUDA when it is installed and the block size is a power of two >= 16.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads_per_kv = config.num_attention_heads // kv_cache.shape.num_kv_heads
+    block_size = kv_cache.block_size
+    block_ok = block_size >= 16 and block_size & (block_size - 1) == 0
+    if backend == "torch":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        triton_available = False
+    else:
+        triton_available = True
+    if backend == "auto":
+        on_cuda = kv_cache.kv.device.type == "cuda"
+        return heads_per_kv if on_cuda and triton_available and block_ok else None
+    if not triton_available:
+        raise FieldError("attention_backend", "'triton' needs the triton package")
+    if not block_ok:
+        raise FieldError("attention_backend", f"'triton' needs a power-of-two block_size >= 16, got {block_size}")
+    return heads_per_kv
 
 
 @dataclass
