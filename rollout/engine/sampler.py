@@ -29,9 +29,9 @@ class Sampler:
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
       2. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
       3. temperature; 4. top_k; 5. top_p; 6. min_p (transformers' warper semantics);
-      7. sample: greedy rows take the argmax; others draw by the exponential race argmax(p / E), E ~ Exp(1), with E
-         drawn from a generator seeded by (request seed, sample index, position) alone, so a completion never
-         depends on the rest of the batch, on preemption, or on the global RNG.
+      7. sample: greedy rows take the argmax; others draw by inverse CDF with one uniform number per row, a
+         counter-based hash of (request seed, sample index, position) computed on the device: a completion never
+         depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no host round trip.
 
     Log-probs are fp32. "processed": log_softmax after step 6 (the distribution actually sampled from; for greedy
     rows, after step 2, as temperature and truncation do not change the argmax). "raw": log_softmax of the model's
@@ -44,8 +44,6 @@ class Sampler:
             vocab_size: width of the logits rows.
         """
         self.vocab_size = vocab_size
-        # One generator per device, re-seeded per row: randomness depends on (seed, sample, position) only.
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> SamplerOutput:
@@ -81,14 +79,27 @@ class Sampler:
             return SamplerOutput(token_ids.tolist(), None, None)
         use_raw = torch.tensor([p.logprob_mode == "raw" for p in params], device=scores.device).unsqueeze(1)
         logprobs = torch.log_softmax(torch.where(use_raw, raw, scores), dim=-1)
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-        top = None
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         max_top = max(p.top_logprobs for p in params)
+        parts = [token_ids.double(), chosen.double()]
         if max_top:
             values, indices = logprobs.topk(max_top, dim=-1)
-            values, indices = values.tolist(), indices.tolist()
-            top = [list(zip(indices[i][: p.top_logprobs], values[i][: p.top_logprobs])) for i, p in enumerate(params)]
-        return SamplerOutput(token_ids.tolist(), chosen, top)
+            parts += [values.double().flatten(), indices.double().flatten()]
+        # One device-to-host transfer per step (token ids are exact in float64).
+        host = torch.cat(parts).tolist()
+        rows = len(requests)
+        tokens, chosen_list = [int(t) for t in host[:rows]], host[rows : 2 * rows]
+        top = None
+        if max_top:
+            flat_values, flat_indices = host[2 * rows : 2 * rows + rows * max_top], host[2 * rows + rows * max_top :]
+            top = [
+                [
+                    (int(flat_indices[i * max_top + j]), flat_values[i * max_top + j])
+                    for j in range(params[i].top_logprobs)
+                ]
+                for i in range(rows)
+            ]
+        return SamplerOutput(tokens, chosen_list, top)
 
     def _apply_penalties(self, scores: torch.Tensor, requests: list[Request]) -> None:
         rows = [
@@ -98,9 +109,9 @@ class Sampler:
         ]
         if not rows:
             return
-        states = [self._penalty_state(requests[i]) for i in rows]
-        seen = torch.stack([s[0] for s in states]).to(scores.device)
-        counts = torch.stack([s[1] for s in states]).to(scores.device)
+        states = [self._penalty_state(requests[i], scores.device) for i in rows]
+        seen = torch.stack([s[0] for s in states])
+        counts = torch.stack([s[1] for s in states])
         params = [requests[i].sampling for i in rows]
 
         def column(name: str) -> torch.Tensor:
@@ -113,19 +124,22 @@ class Sampler:
         sub = sub - column("presence_penalty") * (counts > 0) - column("frequency_penalty") * counts
         scores[index] = sub
 
-    def _penalty_state(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen in prompt or output, count in output) over the vocabulary; built once, then updated per token."""
+    def _penalty_state(self, request: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen in prompt or output, count in output) over the vocabulary, on the device; built once, then updated
+        per token on the device."""
         if request.sampler_state is None:
-            seen = torch.zeros(self.vocab_size, dtype=torch.bool)
-            seen[torch.tensor(request.token_ids)] = True
-            counts = torch.bincount(torch.tensor(request.output_ids, dtype=torch.long), minlength=self.vocab_size)
-            request.sampler_state = (seen, counts.float())
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+            seen[torch.tensor(request.token_ids, device=device)] = True
+            output = torch.tensor(request.output_ids, dtype=torch.long, device=device)
+            request.sampler_state = (seen, torch.bincount(output, minlength=self.vocab_size).float())
         return request.sampler_state
 
     def _update_penalty_state(self, requests: list[Request], token_ids: torch.Tensor) -> None:
-        for request, token in zip(requests, token_ids.tolist()):
+        """Count each sampled token, indexing with device scalars (no host round trip)."""
+        for index, request in enumerate(requests):
             if request.sampler_state is not None:
                 seen, counts = request.sampler_state
+                token = token_ids[index]
                 seen[token] = True
                 counts[token] += 1
 
@@ -151,12 +165,46 @@ class Sampler:
         return scores
 
     def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Exponential-race sampling with per-request, per-position noise."""
-        generator = self._generators.get(scores.device)
-        if generator is None:
-            generator = self._generators[scores.device] = torch.Generator(device=scores.device)
-        noise = torch.empty(scores.shape, dtype=torch.float32, device=scores.device)
-        for i, request in enumerate(requests):
-            seed = hash((request.seed, request.sample_index, request.num_tokens)) & _SEED_MASK
-            noise[i].exponential_(generator=generator.manual_seed(seed))
-        return (scores.softmax(dim=-1) / noise).argmax(dim=-1)
+        """One token per row, by inverse-CDF sampling with a counter-based uniform per (request, position)."""
+        row_seeds = [hash((r.seed, r.sample_index, r.num_tokens)) & _SEED_MASK for r in requests]
+        seeds = torch.tensor(row_seeds, dtype=torch.int64).to(scores.device, non_blocking=True)
+        return sample_from(scores.softmax(dim=-1), seeds)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding values in [0, 2^32). Products may wrap
+    around 64 bits; their low 32 bits, all that is kept, are exact either way."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_from_seeds(seeds: torch.Tensor) -> torch.Tensor:
+    """One uniform number in (0, 1) per seed (float64, 52 random bits), a pure function of the seed.
+
+    Args:
+        seeds: (rows,) int64 seeds (already mixed from request seed, sample index and position).
+    """
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    first = _hash32(low ^ _hash32(high ^ 0x9E3779B9))
+    second = _hash32(first ^ 0x85EBCA6B ^ _hash32(high))
+    bits = (first << 20) | (second >> 12)  # 52 bits
+    return (bits.to(torch.float64) + 0.5) * 2.0**-52
+
+
+def sample_from(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Draw one column per row of `probs` (rows need not be normalised) with the uniform of its seed: the first
+    column whose cumulative probability reaches u * total, so a zero-probability column is never drawn.
+
+    Args:
+        probs: (rows, vocab) non-negative weights.
+        seeds: (rows,) int64 seeds.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = uniform_from_seeds(seeds).unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)
