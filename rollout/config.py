@@ -215,6 +215,9 @@ class ContinuousBatchingConfig:
     # Paged attention kernels: "auto" (Triton on CUDA when it is installed and block_size is a power of two >= 16,
     # else PyTorch), "torch", or "triton" (on CPU only inside Triton's interpreter, TRITON_INTERPRET=1: for tests).
     attention_backend: str = "auto"
+    # Compute the final projection (lm_head) and the softmax in fp32 even for a bf16/fp16 model: logprobs closer to
+    # a trainer that does the same (TRL's cast_lm_head_to_fp32), for one fp32 copy of the lm_head weight per step.
+    fp32_logits: bool = False
     # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -274,6 +277,7 @@ class ContinuousBatchingConfig:
             self.max_queue_size,
         )
         _check(isinstance(self.use_cuda_graph, bool), "use_cuda_graph", "must be a bool", self.use_cuda_graph)
+        _check(isinstance(self.fp32_logits, bool), "fp32_logits", "must be a bool", self.fp32_logits)
         _check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

@@ -4,6 +4,7 @@ per-request seeds (alone, in a mixed batch, under preemption, in groups; global 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from transformers.generation.logits_process import (
 )
 
 from conftest import VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.config import SamplingParams
+from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
 KINDS = ["qwen3", "mistral_sliding"]
@@ -460,3 +461,34 @@ def test_inverse_cdf_samples_the_distribution_and_never_zero_probability():
     expected = probs[nonzero].double() * draws
     chi_square = ((observed[nonzero] - expected) ** 2 / expected).sum().item()
     assert chi_square < 18.5  # 4 degrees of freedom: p = 0.001
+
+
+def test_fp32_logits_computes_the_projection_in_fp32():
+    """A bf16 model: by default the logprobs match transformers' bf16 lm_head on a teacher-forced forward; with
+    fp32_logits=True they match an fp32 projection of the same hidden states instead (and the bf16 weights are
+    left as they are)."""
+    from rollout import Engine
+    from rollout.service.presets import tiny_model as preset_model
+
+    model = preset_model(0, dtype=torch.bfloat16)
+    prompt = make_prompts(1, 40, 40, seed=9)[0]
+    params = SamplingParams(do_sample=False, max_new_tokens=16, stop_token_ids=())
+    results = {}
+    for flag in (False, True):
+        engine = Engine(copy.deepcopy(model), ContinuousBatchingConfig(num_blocks=64, fp32_logits=flag))
+        engine.add_request("a", prompt, params)
+        results[flag] = run_to_completion(engine)["a"]
+        engine.close()
+    tokens = results[False].generated_tokens
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state[0, len(prompt) - 1 : -1]
+        bf16_head = torch.log_softmax(model.lm_head(hidden).float(), -1)
+        fp32_head = torch.log_softmax(hidden.float() @ model.lm_head.weight.float().T, -1)
+    index = torch.tensor(tokens).unsqueeze(1)
+    bf16_ref, fp32_ref = bf16_head.gather(1, index)[:, 0], fp32_head.gather(1, index)[:, 0]
+    default, fp32 = torch.tensor(results[False].logprobs), torch.tensor(results[True].logprobs)
+    assert (default - bf16_ref).abs().mean() < 2e-3  # bf16 logits: one rounding step is ~4e-3 here
+    assert (fp32 - fp32_ref).abs().mean() < 0.5 * (fp32 - bf16_ref).abs().mean()
+    assert (fp32 - fp32_ref).abs().mean() < 2e-3
+    assert model.lm_head.weight.dtype == torch.bfloat16

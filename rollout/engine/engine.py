@@ -160,7 +160,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
-        self.runner = ModelRunner(model, self.kv_cache, self.config.attention_backend)
+        self.runner = ModelRunner(model, self.kv_cache, self.config.attention_backend, self.config.fp32_logits)
         if self.config.use_cuda_graph and parameter.device.type == "cuda":
             logger.warning("use_cuda_graph: CUDA graph capture is not implemented yet; running eagerly")
         self.sampler = Sampler(self.vocab_size)

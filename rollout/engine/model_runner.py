@@ -18,19 +18,28 @@ from rollout.engine.scheduler import ScheduledBatch
 class ModelRunner:
     """Runs an unmodified transformers causal LM over packed ragged batches with the paged cache."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        attention_backend: str = "auto",
+        fp32_logits: bool = False,
+    ):
         """
         Args:
             model: a transformers causal LM; its attention implementation is switched to "rollout_paged", which
                 still serves ordinary (unpaged) forwards through SDPA/eager.
             kv_cache: the paged cache the attention layers read and write.
             attention_backend: "auto", "torch" or "triton" (see `ContinuousBatchingConfig.attention_backend`).
+            fp32_logits: compute the output projection in fp32 (a no-op for fp32 models).
         Raises:
             ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve).
         """
         self.model = model
         self.kv_cache = kv_cache
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, attention_backend)
+        head = model.get_output_embeddings() if fp32_logits else None
+        self._fp32_head = head if head is not None and head.weight.dtype != torch.float32 else None
         self.device = next(model.parameters()).device
         _acquire(model)
         self._closed = False
@@ -89,17 +98,29 @@ class ModelRunner:
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 3. Forward; logits only at the positions that get sampled.
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        logits = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=positions.unsqueeze(0),
-            attention_mask=self._no_mask,
-            use_cache=False,
-            rollout_metadata=metadata,
-            **kwargs,
-        ).logits[0]
+        hook = self._fp32_head.register_forward_hook(_fp32_projection) if self._fp32_head is not None else None
+        try:
+            logits = self.model(
+                input_ids=torch.tensor([input_ids], device=self.device),
+                position_ids=positions.unsqueeze(0),
+                attention_mask=self._no_mask,
+                use_cache=False,
+                rollout_metadata=metadata,
+                **kwargs,
+            ).logits[0]
+        finally:
+            if hook is not None:
+                hook.remove()
         if not self._logits_to_keep:
             logits = logits[keep]
         return logits.float()
+
+
+def _fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on the output projection: the same product in fp32 (what follows, e.g. Gemma 2's final logit
+    soft-capping, then runs in fp32 too)."""
+    bias = None if module.bias is None else module.bias.float()
+    return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
 
 
 def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:
