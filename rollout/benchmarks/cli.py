@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
+    tp.add_argument(
+        "--details",
+        action="store_true",
+        help="also report the decode roofline fraction, peak memory and logprob fidelity (one more rollout run)",
+    )
     sv = commands.add_parser("service", help="tokens/s through a rollout-worker socket vs in-process (cpu-small)")
     sv.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
     wt = commands.add_parser("weights", help="push_weights GB/s per transport over loopback, and the commit pause")
@@ -39,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     wt.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MB (default: 64)")
     args = parser.parse_args(argv)
     if args.command == "throughput":
-        summary = throughput.run(args.workload, args.systems, args.seed, args.repeats)
+        summary = throughput.run(args.workload, args.systems, args.seed, args.repeats, args.details)
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")

@@ -171,7 +171,9 @@ SYSTEMS = {
 }
 
 
-def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, repeats: int = 1) -> dict:
+def run(
+    workload_name: str, systems: list[str] | None = None, seed: int = 0, repeats: int = 1, details: bool = False
+) -> dict:
     """Run the workload on each system and return the JSON-able summary (also printed as a table).
 
     Args:
@@ -179,6 +181,7 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, rep
         systems: which systems to run (default: all three).
         seed: model and prompt seed.
         repeats: runs per system; the median time is reported.
+        details: add `rollout.benchmarks.details` figures (decode roofline fraction, peak memory, logprob fidelity).
     """
     workload = WORKLOADS[workload_name]
     if workload.device == "cuda" and not torch.cuda.is_available():
@@ -220,6 +223,10 @@ def run(workload_name: str, systems: list[str] | None = None, seed: int = 0, rep
         for name, result in results.items():
             if name != "rollout":
                 summary[f"speedup_vs_{name}"] = round(results["rollout"]["tokens_per_s"] / result["tokens_per_s"], 2)
+    if details:
+        from rollout.benchmarks.details import run_details
+
+        summary["details"] = run_details(base_model, prompts, max_new, workload.engine_config)
     _print_table(summary)
     return summary
 
@@ -235,3 +242,16 @@ def _print_table(summary: dict) -> None:
         ratio = "" if rollout is None else f"{rollout['tokens_per_s'] / result['tokens_per_s']:.2f}x"
         same = f"{result['identical_to_first']}/{summary['num_prompts']}"
         print(f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>12}{same:>13}")
+    details = summary.get("details")
+    if details:
+        print(
+            f"decode roofline fraction {details['decode_roofline_fraction']:.3f} (device copy bandwidth "
+            f"{details['device_bandwidth_gb_per_s']} GB/s, median decode step {details['median_decode_step_ms']} ms), "
+            f"peak memory {details['peak_memory_gib']} GiB"
+        )
+        for key in ("default", "fp32_logits"):
+            row = details[key]
+            print(
+                f"logprob |rollout - teacher-forced| ({key}): mean {row['logprob_abs_diff_mean']:.2e}, "
+                f"max {row['logprob_abs_diff_max']:.2e}"
+            )

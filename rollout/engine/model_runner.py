@@ -98,7 +98,7 @@ class ModelRunner:
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 3. Forward; logits only at the positions that get sampled.
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        hook = self._fp32_head.register_forward_hook(_fp32_projection) if self._fp32_head is not None else None
+        hook = self._fp32_head.register_forward_hook(fp32_projection) if self._fp32_head is not None else None
         try:
             logits = self.model(
                 input_ids=torch.tensor([input_ids], device=self.device),
@@ -116,7 +116,7 @@ class ModelRunner:
         return logits.float()
 
 
-def _fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook on the output projection: the same product in fp32 (what follows, e.g. Gemma 2's final logit
     soft-capping, then runs in fp32 too)."""
     bias = None if module.bias is None else module.bias.float()
