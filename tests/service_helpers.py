@@ -99,3 +99,38 @@ class Client:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def run_ranks(script, args: list[str], world_size: int = 2, timeout: float = 180.0) -> None:
+    """Run `python script *args` as `world_size` torch.distributed ranks (gloo env: MASTER_ADDR/PORT, RANK,
+    LOCAL_RANK, WORLD_SIZE; one compute thread each) and wait; fails with a rank's log when one exits non-zero."""
+    import os
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    port = str(free_port())
+    processes = []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+        )
+        command = [sys.executable, str(script), *args]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = []
+    for process in processes:
+        try:
+            logs.append(process.communicate(timeout=timeout)[0].decode(errors="replace"))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            raise
+    for process, log in zip(processes, logs):
+        assert process.returncode == 0, log[-4000:]

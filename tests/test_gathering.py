@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import subprocess
 import sys
 import textwrap
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Trainer, TrainerCall
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import TINY_MODEL_CONFIG, tiny_model
-from service_helpers import Worker, free_port
+from service_helpers import Worker, run_ranks
 from trainer_bridge import PromptGroup, RolloutClient
 from trainer_bridge.weight_sync import WeightSyncCallback, iter_weights, push_weights, weight_specs
 
@@ -30,7 +27,6 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 LORA_TARGETS = ["q_proj", "v_proj"]
 
 
@@ -420,34 +416,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     script = out / "child.py"
     script.write_text(CHILD)
-    port = str(free_port())
-    processes = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-            )
-        )
-    logs = []
-    for process in processes:
-        try:
-            logs.append(process.communicate(timeout=150)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-    for process, log in zip(processes, logs):
-        assert process.returncode == 0, log[-4000:]
+    run_ranks(script, [str(out)], timeout=150)
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 

@@ -11,8 +11,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollout.config import SamplingParams  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from service_helpers import Worker, free_port  # noqa: E402
+from service_helpers import Worker, run_ranks  # noqa: E402
 from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError  # noqa: E402
 from trainer_bridge.trl import SUPPORTED_TRL, RolloutGeneration, RolloutGRPOTrainer, check_trl_internals  # noqa: E402
 
@@ -507,40 +505,9 @@ def two_ranks(worker, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     script = out / "child.py"
     script.write_text(CHILD)
-    port = str(free_port())
     with RolloutClient(worker.address, timeout=60) as client:
         before = versions(client)
-        processes = []
-        for rank in range(2):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE="2",
-                LOCAL_WORLD_SIZE="2",
-                OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            )
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, str(script), worker.address, str(out)],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-        logs = []
-        for process in processes:
-            try:
-                logs.append(process.communicate(timeout=180)[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                for other in processes:
-                    other.kill()
-                raise
-        for process, log in zip(processes, logs):
-            assert process.returncode == 0, log[-4000:]
+        run_ranks(script, [worker.address, str(out)])
         after = versions(client)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)], before, after
 
