@@ -26,6 +26,30 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _tile_rows(
+    tile,
+    kv_head,
+    tile_seq_ptr,
+    tile_start_ptr,
+    query_start_ptr,
+    HEADS_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
+    """A tile's sequence and its rows: row r holds query token first_query + r // HEADS_PER_KV of that sequence,
+    for query head kv_head * HEADS_PER_KV + r % HEADS_PER_KV."""
+    seq = tl.load(tile_seq_ptr + tile)
+    first_query = tl.load(tile_start_ptr + tile)  # offset of the tile's first query token within its sequence
+    query_begin = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
+    rows = tl.arange(0, BLOCK_M)
+    token = first_query + rows // HEADS_PER_KV
+    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
+    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
+    return seq, first_query, query_begin, query_len, rows, token, head, row_valid
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -69,16 +93,10 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    first_query = tl.load(tile_start_ptr + tile)  # offset of the tile's first query token within its sequence
-    query_begin = tl.load(query_start_ptr + seq)
-    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
+    seq, first_query, query_begin, query_len, rows, token, head, row_valid = _tile_rows(
+        tile, kv_head, tile_seq_ptr, tile_start_ptr, query_start_ptr, HEADS_PER_KV, BLOCK_M, BLOCK_Q
+    )
     context = tl.load(context_ptr + seq)  # tokens cached before this step
-
-    rows = tl.arange(0, BLOCK_M)
-    token = first_query + rows // HEADS_PER_KV  # query offset within the sequence, per row
-    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
-    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
     query_pos = context + token
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
@@ -173,14 +191,9 @@ def _merge_splits_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    first_query = tl.load(tile_start_ptr + tile)
-    query_begin = tl.load(query_start_ptr + seq)
-    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
-    rows = tl.arange(0, BLOCK_M)
-    token = first_query + rows // HEADS_PER_KV
-    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
-    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
+    _, _, query_begin, _, rows, token, head, row_valid = _tile_rows(
+        tile, kv_head, tile_seq_ptr, tile_start_ptr, query_start_ptr, HEADS_PER_KV, BLOCK_M, BLOCK_Q
+    )
     dims = tl.arange(0, BLOCK_D)
     base = (tile * num_kv_heads + kv_head) * NUM_SPLITS
 
