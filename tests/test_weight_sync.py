@@ -758,3 +758,76 @@ def test_staging_pool_keeps_and_releases_areas():
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=name)
     assert dropping.host(64).numel() == 64
+
+
+def test_a_refused_dist_push_does_not_hold_up_the_next(workers):
+    """Worker B is busy with another client's update, so a torch.distributed push to A and B is refused at once;
+    worker A had already started joining that push's group. Once B is free, the next push goes through promptly:
+    the abandoned rendezvous on A does not stand in its way."""
+    addresses = [worker.address for worker in workers]
+    blocker = Client(addresses[1])
+    try:
+        opened = blocker.ask(p.WeightsBegin("blocker", specs_of(weights(0)), timeout_s=30.0))
+        assert isinstance(opened, p.WeightsReady), opened
+        with RolloutClient(addresses, timeout=60) as both:
+            version = max(map(version_of, addresses)) + 1
+            with pytest.raises(RolloutError) as refused:
+                push_weights(both, tiny_model(1), version=version, transport="torch.distributed", timeout=8.0)
+            assert refused.value.code == "update_in_progress", refused.value
+            aborted = blocker.ask(p.WeightsAbort("blocker"))
+            assert isinstance(aborted, p.WeightsAck) and aborted.state == "aborted"
+            started = time.monotonic()
+            result = push_weights(both, tiny_model(2), version=version, transport="torch.distributed", timeout=8.0)
+            assert time.monotonic() - started < 5.0
+    finally:
+        blocker.close()
+    assert result.version == version
+    for address in addresses:
+        assert_serves(address, 2, version)
+
+
+def test_a_commit_that_fails_on_one_worker_says_which_committed(workers):
+    """mode="wait" with a long sample in flight on worker A only: B commits, A's drain runs out; the error says the
+    commit failed on A while B committed, with B's version, and each worker serves what it says."""
+    addresses = [worker.address for worker in workers]
+    with RolloutClient(addresses, timeout=60) as both, RolloutClient(addresses[0], timeout=60) as only_a:
+        start = max(map(version_of, addresses)) + 1
+        push_weights(both, tiny_model(1), version=start, transport="frames")
+        stream = only_a.stream(PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 2000}), timeout=60)
+        [next(stream) for _ in range(4)]
+        with pytest.raises(RolloutError) as partial:
+            push_weights(both, tiny_model(2), version=start + 1, mode="wait", timeout=1.0, transport="frames")
+        stream.close()
+    assert partial.value.code == "partial_commit", partial.value
+    assert addresses[1] in str(partial.value) and f"version {start + 1}" in str(partial.value)
+    assert version_of(addresses[0]) == start and version_of(addresses[1]) == start + 1
+
+
+def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
+    """/dev/shm too small (posix_fallocate fails): the pool raises OSError (the worker then refuses transport "shm",
+    and "auto" falls back to frames) and leaves no segment behind."""
+    import errno
+    import os as os_module
+    from multiprocessing import shared_memory
+
+    from rollout.service import weights as staging
+
+    created = []
+    real = shared_memory.SharedMemory
+
+    def recording(*args, **kwargs):
+        segment = real(*args, **kwargs)
+        created.append(segment.name)
+        return segment
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.shared_memory, "SharedMemory", recording)
+    monkeypatch.setattr(os_module, "posix_fallocate", no_space)
+    with pytest.raises(OSError):
+        staging.StagingPool().shared(1 << 20)
+    assert created
+    monkeypatch.setattr(staging.shared_memory, "SharedMemory", real)
+    with pytest.raises(FileNotFoundError):
+        real(name=created[0])

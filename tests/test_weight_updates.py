@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -595,3 +596,27 @@ def test_tied_names_with_different_values_are_refused():
     assert "tied" in str(raised.value)
     assert torch.equal(model.lm_head.weight, before) and engine.policy_version == 0
     assert engine.update_weights(dict(model_b.state_dict())).version == 1  # equal values are fine
+
+
+def test_manager_update_that_times_out_is_never_applied():
+    """update_weights gives up after its timeout while the engine is busy: it raises TimeoutError and the update is
+    dropped for good (not applied later behind the caller's back)."""
+    model, model_b = tiny_model("qwen3", seed=0), tiny_model("qwen3", seed=1)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    manager = init_continuous_batching(model, continuous_batching_config=ContinuousBatchingConfig(num_blocks=64))
+    release = threading.Event()
+    hook = model.register_forward_pre_hook(lambda *_: release.wait(10))
+    manager.start()
+    try:
+        manager.add_request(make_prompts(1, 10, 10, seed=3)[0], max_new_tokens=2, sampling=GREEDY)
+        time.sleep(0.2)  # the engine thread is inside a forward, held by the hook
+        with pytest.raises(TimeoutError):
+            manager.update_weights(dict(model_b.state_dict()), timeout=0.1)
+        release.set()
+        time.sleep(1.0)  # the engine thread goes on; the dropped update must not land
+        assert manager.engine.policy_version == 0
+        assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    finally:
+        release.set()
+        hook.remove()
+        manager.stop()

@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import trl
+from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
@@ -132,16 +133,21 @@ class RolloutGeneration:
         """Push the trainer's weights (every rank calls this; only the main process sends)."""
         trainer = self.trainer
         main = trainer.accelerator.is_main_process
-        push_weights(
-            self.client if main else None,
-            trainer.model_wrapped,
-            version=self.base_version + trainer.state.global_step,
-            accelerator=trainer.accelerator,
-            **self.push_kwargs,
-        )
-        # Every rank calls this at the same point; the others must not generate before the workers serve the new
-        # weights (they would sample their rows with the previous step's).
-        trainer.accelerator.wait_for_everyone()
+        failure: BaseException | None = None
+        try:
+            push_weights(
+                self.client if main else None,
+                trainer.model_wrapped,
+                version=self.base_version + trainer.state.global_step,
+                accelerator=trainer.accelerator,
+                **self.push_kwargs,
+            )
+        except BaseException as error:  # noqa: BLE001 - every rank hears of it below, then raises
+            failure = error
+        # Every rank calls this at the same point. The broadcast makes the others wait until the workers serve the
+        # new weights (else they would sample their rows with the previous step's), and makes them fail with the
+        # main process when its push failed, instead of waiting for it forever.
+        _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
 
     def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
         """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
@@ -197,6 +203,17 @@ class RolloutGeneration:
             self.trainer._metrics[mode]["rollout/policy_lag_max"].append(float(max(lags)))
 
 
+def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: str) -> None:
+    """A collective: the main process's outcome goes to every rank; all raise when it failed."""
+    outcome: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(outcome, from_process=0)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise RolloutError("main_process_failed", f"the main process failed {what}: {outcome[0]}")
+
+
 class RolloutGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose generation and weight sync go through rollout workers (see the module docstring)."""
 
@@ -228,12 +245,16 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self.rollout_client = client
         # The workers may have served other weights before: version base + step is this run's weights at `step`.
         # (A collective here, at construction, never inside generate.)
-        from accelerate.utils import broadcast_object_list
-
-        current = (
-            [max((s["policy_version"] for s in client.stats()), default=0)] if self.accelerator.is_main_process else [0]
-        )
-        broadcast_object_list(current, from_process=0)
+        current: list[Any] = [0]
+        if self.accelerator.is_main_process:
+            try:
+                current = [max((s["policy_version"] for s in client.stats()), default=0)]
+            except Exception as error:  # noqa: BLE001 - handed to every rank
+                current = [f"cannot read the workers' policy version: {error}"]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(current, from_process=0)
+        if isinstance(current[0], str):
+            raise RolloutError("unreachable", current[0])
         self.rollout = RolloutGeneration(self, client, current[0] + 1, **(rollout_push_kwargs or {}))
         # Route TRL through its vLLM code path, with the rollout workers as the backend.
         self.use_vllm = True

@@ -333,7 +333,12 @@ def push_weights(
             entry.fetch()
         return None
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    push = _Push(client, entries, version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend)
+    try:
+        push = _Push(client, entries, version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend)
+    except BaseException:
+        for entry in entries:  # the other ranks are in these gathers: finish them before raising
+            entry.fetch()
+        raise
     try:
         return push.run()
     finally:
@@ -572,7 +577,28 @@ class _Push:
         for link in self.links:
             self.channel.send(link.index, p.WeightsCommit(self.update_id))
         drain = self.timeout if self.mode == "wait" else 0.0
-        self._wait(lambda: all(link.committed is not None for link in self.links), self.timeout + drain, "commit")
+        deadline = time.monotonic() + self.timeout + drain
+        failed: dict[int, p.Error] = {}
+        # Hear from every worker, even after a failure: the error must say which ones now serve the new weights.
+        while not all(link.committed is not None or link.index in failed for link in self.links):
+            try:
+                self._receive(deadline - time.monotonic(), "commit")
+            except _WorkerFailed as failure:
+                failed[failure.link.index] = failure.error
+        if failed:
+            first = next(link for link in self.links if link.index in failed)
+            committed = [f"{link.address} (version {link.committed.version})" for link in self.links if link.committed]
+            if not committed:
+                raise _WorkerFailed(first, failed[first.index])
+            errors = "; ".join(
+                f"{link.address}: {failed[link.index].message}" for link in self.links if link.index in failed
+            )
+            raise RolloutError(
+                "partial_commit",
+                f"the commit failed on some workers ({errors}) while {', '.join(committed)} committed: the workers "
+                "now serve different weights; push again",
+                failed[first.index].field,
+            )
         results = []
         for link in self.links:
             done = link.committed

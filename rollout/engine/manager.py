@@ -52,6 +52,9 @@ class _PendingUpdate:
     callback: Callable[[WeightUpdateResult | BaseException], None]
     drain_deadline: float | None
     received: float = 0.0
+    # "pending" until the engine thread takes it ("applying"), or its waiter gave up first ("cancelled"); changed
+    # only under the manager's lock, so an update is either applied and reported, or never applied.
+    state: str = "pending"
 
 
 class ContinuousBatchingManager:
@@ -232,11 +235,15 @@ class ContinuousBatchingManager:
             time (the old weights keep serving). RuntimeError: the manager is stopped.
         """
         done: queue.SimpleQueue = queue.SimpleQueue()
-        self.submit_weight_update(tensors, version, mode, partial, timeout, done.put)
+        update = self._submit_weight_update(tensors, version, mode, partial, timeout, done.put)
         try:
             outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
         except queue.Empty:
-            raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
+            with self._state:
+                if update is not None and update.state == "pending":
+                    update.state = "cancelled"  # the engine thread will skip it: nothing changes
+                    raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
+            outcome = done.get()  # being applied right now: a copy, so this returns promptly
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -252,26 +259,43 @@ class ContinuousBatchingManager:
     ) -> None:
         """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
         (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`."""
+        self._submit_weight_update(tensors, version, mode, partial, drain_timeout, callback)
+
+    def _submit_weight_update(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        mode: str,
+        partial: bool,
+        drain_timeout: float | None,
+        callback: Callable[[WeightUpdateResult | BaseException], None],
+    ) -> _PendingUpdate | None:
         if mode not in WEIGHT_UPDATE_MODES:
             callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
-            return
+            return None
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
         update = _PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic())
         with self._state:
             if self._closed:
                 callback(RuntimeError("the manager is stopped"))
-                return
+                return None
             if not self.is_running():  # nothing else touches the engine: apply here
                 self._pending_update = update
                 self._try_apply_update()
-                return
+                return update
             self._commands.put(("weights", update))
+        return update
 
     def _try_apply_update(self) -> None:
         """Engine thread: apply the pending update once nothing it must wait for is in flight."""
         update = self._pending_update
         if update is None:
             return
+        with self._state:
+            if update.state == "cancelled":  # its waiter gave up: never apply it
+                self._pending_update = None
+                self.engine.scheduler.resume_admission()
+                return
         waits = update.mode == "wait"
         if waits and self.engine.num_in_flight():
             if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
@@ -282,6 +306,12 @@ class ContinuousBatchingManager:
             else:
                 self.engine.scheduler.pause_admission()
             return
+        with self._state:
+            if update.state == "cancelled":
+                self._pending_update = None
+                self.engine.scheduler.resume_admission()
+                return
+            update.state = "applying"
         self._pending_update = None
         drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
         try:
@@ -427,6 +457,8 @@ class ContinuousBatchingManager:
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
         elif command == "weights":
+            if payload.state == "cancelled":
+                return
             if self._pending_update is not None:
                 payload.callback(RuntimeError("another weight update is still waiting for in-flight samples"))
             else:

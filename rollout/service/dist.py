@@ -76,56 +76,72 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
 
 
 class DistReceiver:
-    """The worker's side: one thread that joins groups and receives broadcast buckets, so the serving thread
-    keeps answering while bytes arrive. Work items run in order; each reports through its own callback."""
+    """The worker's side. Each join runs on a thread of its own (a rendezvous the trainer abandoned must not hold up
+    the next update's); receives run in order on one thread, so the serving thread keeps answering while bytes
+    arrive. Every job reports through its own callback; jobs of an update that ended meanwhile are skipped."""
 
     def __init__(self):
-        self._group: Any = None
+        self._lock = threading.Lock()
+        self._group: Any = None  # the process group of the newest join that completed, if still wanted
         self._group_key: str | None = None
-        self._store: dist.TCPStore | None = None
-        self._buffer: torch.Tensor | None = None  # receive buffer, reused while large enough
+        self._wanted_key: str | None = None  # the newest join asked for
+        self._stores: dict[str, dist.TCPStore] = {}
+        self._buffer: torch.Tensor | None = None  # receive buffer (NCCL into host staging), reused while large
+        self._stream: Any = None  # NCCL: a stream of its own, so engine kernels never queue behind a broadcast
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="rollout-weights-dist", daemon=True)
         self._thread.start()
 
     def join(self, fields: dict[str, Any], timeout_s: float, done: Callable[[BaseException | None], None]) -> None:
-        """Join the group `fields` describes (reusing it when its key is the current one); then call `done`."""
+        """Join the group `fields` describes (at once when it is the current one); then call `done`."""
+        key = fields["group"]
+        with self._lock:
+            self._wanted_key = key
+            if self._group_key == key and self._group is not None:
+                done(None)
+                return
 
-        def job() -> None:
+        def rendezvous() -> None:
             try:
-                if self._group_key != fields["group"]:
-                    self._group = self._group_key = None
-                    self._store = make_store(fields["host"], fields["port"], fields["world_size"], False, timeout_s)
-                    self._group = make_process_group(
-                        self._store, fields["group"], fields["rank"], fields["world_size"], fields["backend"], timeout_s
-                    )
-                    self._group_key = fields["group"]
+                store = make_store(fields["host"], fields["port"], fields["world_size"], False, timeout_s)
+                group = make_process_group(
+                    store, key, fields["rank"], fields["world_size"], fields["backend"], timeout_s
+                )
             except Exception as error:  # noqa: BLE001 - reported to the update, which is rejected
                 done(error)
-            else:
-                done(None)
+                return
+            with self._lock:
+                if self._wanted_key != key:  # a newer update asked for another group meanwhile
+                    stale = True
+                else:
+                    stale = False
+                    self._abort(self._group)
+                    self._group, self._group_key, self._stores = group, key, {key: store}
+            done(RuntimeError("a newer weight update replaced this group") if stale else None)
 
-        self._jobs.put(job)
+        threading.Thread(target=rendezvous, name="rollout-weights-join", daemon=True).start()
 
     def receive(
-        self, targets: list[torch.Tensor], device: torch.device, done: Callable[[BaseException | None], None]
+        self,
+        targets: list[torch.Tensor],
+        device: torch.device,
+        done: Callable[[BaseException | None], None],
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         """Receive one broadcast per target, in order, into the targets (through a reused buffer on `device` when
-        a target lives elsewhere, e.g. NCCL into CPU staging); then call `done` (None, or the error)."""
+        a target lives elsewhere, e.g. NCCL into CPU staging); then call `done` (None, or the error). Skipped when
+        `cancelled()` is true by the time the job starts."""
 
         def job() -> None:
+            if cancelled():
+                return
             try:
-                if self._group is None:
+                with self._lock:
+                    group = self._group
+                if group is None:
                     raise RuntimeError("no torch.distributed group joined")
                 for target in targets:
-                    if target.device == device:
-                        broadcast(self._group, target)
-                        continue
-                    buffer = self._buffer
-                    if buffer is None or buffer.device != device or buffer.numel() < target.numel():
-                        buffer = self._buffer = torch.empty(target.numel(), dtype=torch.uint8, device=device)
-                    broadcast(self._group, buffer[: target.numel()])
-                    target.copy_(buffer[: target.numel()])
+                    self._receive_one(group, target, device)
             except Exception as error:  # noqa: BLE001
                 self.forget()  # a failed collective leaves the group unusable: the next update makes a new one
                 done(error)
@@ -134,12 +150,39 @@ class DistReceiver:
 
         self._jobs.put(job)
 
+    def _receive_one(self, group: Any, target: torch.Tensor, device: torch.device) -> None:
+        if device.type != "cuda":
+            broadcast(group, target)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        buffer = self._buffer
+        if buffer is None or buffer.device != device or buffer.numel() < target.numel():
+            buffer = self._buffer = torch.empty(target.numel(), dtype=torch.uint8, device=device)
+        with torch.cuda.stream(self._stream):
+            broadcast(group, buffer[: target.numel()])
+            target.copy_(buffer[: target.numel()], non_blocking=False)
+        self._stream.synchronize()  # blocks this thread only
+
     def forget(self) -> None:
-        """Drop the current group (after a failure, or when the trainer left) and the receive buffer."""
-        self._group = self._group_key = self._store = self._buffer = None
+        """Drop (and abort, where the backend can) the current group, after a failure or when its update ended
+        uncleanly; the next update makes a new one."""
+        with self._lock:
+            group, self._group, self._group_key, self._stores = self._group, None, None, {}
+            self._buffer = None
+        self._abort(group)
+
+    @staticmethod
+    def _abort(group: Any) -> None:
+        abort = getattr(group, "abort", None)  # NCCL: unblocks a collective stuck on a vanished trainer
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - best effort
+                logger.warning("could not abort a torch.distributed group", exc_info=True)
 
     def close(self) -> None:
-        """Stop the thread after the jobs already queued."""
+        """Stop the receive thread after the jobs already queued."""
         self._jobs.put(None)
 
     def _run(self) -> None:

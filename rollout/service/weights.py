@@ -10,6 +10,7 @@ of the staging area viewed as the tensor's dtype is a valid tensor. Both ends co
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
@@ -119,6 +120,15 @@ class StagingPool:
         if kept is not None:
             _release_segment(*kept)
         segment = shared_memory.SharedMemory(name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
+        try:
+            # tmpfs segments are sparse: reserve the pages now, so a too-small /dev/shm (64 MB in a default Docker
+            # container) fails here, and the client falls back to frames, instead of a SIGBUS on first write.
+            if hasattr(os, "posix_fallocate") and getattr(segment, "_fd", -1) >= 0:
+                os.posix_fallocate(segment._fd, 0, max(nbytes, 1))  # noqa: SLF001
+        except OSError:
+            segment.close()
+            segment.unlink()
+            raise
         return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
 
     def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
@@ -328,18 +338,20 @@ class StagedUpdate:
             for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
         }
 
-    def close(self, reusable: bool = True) -> None:
+    def close(self, clean: bool = True) -> None:
         """Give the staging area back to the pool (idempotent).
 
         Args:
-            reusable: False when something may still write into it (a broadcast in flight): it is dropped instead.
+            clean: the update was committed. Otherwise only a frames update's host buffer goes back (the serving
+                thread is its only writer); a shared segment (its client may not know yet) and a dist update's
+                buffer (a broadcast may still be writing) are dropped.
         """
         if self.closed:
             return
         self.closed = True
         self.staging = torch.empty(0, dtype=torch.uint8)
-        if reusable:
-            self.pool.give_back(self._host, self._shared)
-        elif self._shared is not None:
+        if clean or self.begin.transport == "frames":
+            self.pool.give_back(self._host, self._shared if clean else None)
+        if not clean and self._shared is not None:
             _release_segment(*self._shared)
         self._host = self._shared = None

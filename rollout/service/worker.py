@@ -263,7 +263,7 @@ class RolloutWorker:
                 self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
                 return
             received = update.received_bytes
-            self._close_update()
+            self._end_uncleanly()
             self._send(identity, p.WeightsAck(update_id, received, "aborted"))
             return
         if update.committing:
@@ -329,7 +329,7 @@ class RolloutWorker:
                 self._waker.wake()
 
             # One broadcast per piece, straight into its place in the staging area.
-            self._dist.receive(update.staging_views(message.pieces), device, received)
+            self._dist.receive(update.staging_views(message.pieces), device, received, lambda: update.closed)
             return
         self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
 
@@ -390,17 +390,23 @@ class RolloutWorker:
         if update is None:
             return
         logger.warning("weight update %s rejected: %s", update.update_id, error.message)
-        dist = update.begin.transport == "torch.distributed"
-        self._close_update(reusable=not dist)  # a broadcast may still be writing into a dist update's area
-        if dist and self._dist is not None:
-            self._dist.forget()  # the trainer may be stuck mid-broadcast: the next update starts a fresh group
+        self._end_uncleanly()
         error.update_id = update.update_id
         self._send(update.identity, error)
 
-    def _close_update(self, reusable: bool = True) -> None:
+    def _close_update(self, clean: bool = True) -> None:
         if self._update is not None:
-            self._update.close(reusable)
+            self._update.close(clean)
             self._update = None
+
+    def _end_uncleanly(self) -> None:
+        """Close an update that was rejected or aborted: its staging is not reused (a client that has not heard
+        yet may still write into a shared segment, a broadcast into a dist one), and a dist group is dropped (the
+        trainer may be stuck mid-broadcast)."""
+        dist = self._update is not None and self._update.begin.transport == "torch.distributed"
+        self._close_update(clean=False)
+        if dist and self._dist is not None:
+            self._dist.forget()
 
     def _expire_update(self) -> None:
         update = self._update
