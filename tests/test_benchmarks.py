@@ -18,3 +18,12 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     assert 0 < details["decode_roofline_fraction"] < 1 and details["decode_steps"] > 0
     # fp32 model: the engine's logprobs equal transformers' own teacher-forced ones to float rounding.
     assert details["default"]["logprob_abs_diff_max"] < 1e-4
+
+
+def test_grpo_benchmark_shares_each_groups_prompt(capsys):
+    """rollout-bench grpo on CPU: a group of 8 computes its prompt once (up to preemptions that recompute)."""
+    cli.main(["grpo", "--device", "cpu", "--no-transformers"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["group_size"] == 8 and summary["generated_tokens"] > 0
+    assert summary["prompt_tokens_computed"] * 6 < summary["prompt_tokens_without_sharing"]
+    assert summary["rollout"]["tokens_per_s"] > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import service, throughput, weights
+from rollout.benchmarks import grpo, service, throughput, weights
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,8 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     wt.add_argument("--repeats", type=int, default=3, help="pushes per transport, median reported (default: 3)")
     wt.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MB (default: 64)")
+    gr = commands.add_parser("grpo", help="GRPO groups (32 prompts x n=8): tokens/s and prompt tokens computed")
+    gr.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    gr.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
+    gr.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
     args = parser.parse_args(argv)
-    if args.command == "throughput":
+    if args.command == "grpo":
+        summary = grpo.run(args.device, args.seed, not args.no_transformers)
+    elif args.command == "throughput":
         summary = throughput.run(args.workload, args.systems, args.seed, args.repeats, args.details)
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
