@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -147,6 +148,8 @@ def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, ba
         raise FieldError("attention_backend", "'triton' needs the triton package")
     if not block_ok:
         raise FieldError("attention_backend", f"'triton' needs a power-of-two block_size >= 16, got {block_size}")
+    if kv_cache.kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FieldError("attention_backend", "'triton' runs on CUDA (on CPU only inside TRITON_INTERPRET=1)")
     return heads_per_kv
 
 

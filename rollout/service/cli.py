@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig
+from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.service.presets import PRESETS, model_from_preset
 from rollout.service.worker import RolloutWorker
@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queue-size", type=int, default=0, help="most waiting requests before 'busy' (default: 0, unbounded)")
     add("--cpu-offload-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (default: 0)")
     add("--client-timeout", type=float, default=60.0, help="seconds of client silence before its groups are cancelled")
+    add(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="paged attention kernels: auto (Triton on CUDA), torch, triton (default: auto)",
+    )
+    add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
     add(
         "--release-staging",
         action="store_true",
@@ -101,12 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_type=args.scheduler,
         max_queue_size=args.max_queue_size,
         cpu_offload_space=args.cpu_offload_space,
+        attention_backend=args.attention_backend,
+        fp32_logits=args.fp32_logits,
     )
     try:
         model = load_model(args.model, DTYPES[args.dtype], device)
     except ValueError as error:
         parser.error(str(error))
-    manager = init_continuous_batching(model, continuous_batching_config=config)
+    try:
+        manager = init_continuous_batching(model, continuous_batching_config=config)
+    except ValueError as error:  # e.g. a kernel backend this machine cannot run
+        parser.error(str(error))
     worker = RolloutWorker(
         manager, args.bind, args.model, client_timeout_s=args.client_timeout, keep_staging=not args.release_staging
     )
