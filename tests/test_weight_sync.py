@@ -831,3 +831,36 @@ def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
     monkeypatch.setattr(staging.shared_memory, "SharedMemory", real)
     with pytest.raises(FileNotFoundError):
         real(name=created[0])
+
+
+def test_a_worker_that_missed_a_push_gets_no_groups_while_an_up_to_date_one_serves(workers):
+    """Worker B is frozen (SIGSTOP) through a push, so only A takes it; B then answers again with older weights. The
+    client sends new groups to A only (B's generated-token count stays put) until a push brings B up to date."""
+    import signal
+
+    addresses = [worker.address for worker in workers]
+    frozen = workers[1].process
+    with RolloutClient(addresses, timeout=60, heartbeat_s=0.2, dead_after_s=1.0) as both:
+        version = max(map(version_of, addresses)) + 1
+        push_weights(both, tiny_model(1), version=version, transport="frames")
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 10
+            while both.live_workers() != [0] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert both.live_workers() == [0], "B should be declared dead"
+            result = push_weights(both, tiny_model(2), version=version + 1, transport="frames")
+            assert [w["address"] for w in result.workers] == [addresses[0]]
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while both.live_workers() != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert both.live_workers() == [0, 1], "B should answer again"
+        b_tokens = {s["address"]: s["generated_tokens"] for s in both.stats()}[addresses[1]]
+        groups = [PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 8}) for _ in range(6)]
+        for result in both.generate_many(groups):
+            assert result.completions[0].policy_versions == [[version + 1, 0]]
+        assert {s["address"]: s["generated_tokens"] for s in both.stats()}[addresses[1]] == b_tokens
+        push_weights(both, tiny_model(2), version=version + 2, transport="frames")  # both current again
+        assert version_of(addresses[1]) == version + 2

@@ -151,6 +151,7 @@ class _Worker:
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight
+        self.policy_version = 0  # as of the worker's last pong or weight commit
         self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
 
 
@@ -183,6 +184,9 @@ class RolloutClient:
         self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
         self._channels: dict[str, queue.SimpleQueue] = {}  # I/O thread only: weight update id -> its replies
+        # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
+        # serve at least this one whenever one is alive.
+        self.min_policy_version = 0
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waker = p.Waker()
         self._closed = threading.Event()
@@ -460,6 +464,10 @@ class RolloutClient:
 
     def _dispatch(self, call: _Call) -> None:
         live = [index for index, worker in enumerate(self._workers) if worker.alive]
+        # Prefer workers that serve the newest pushed weights: one that was dead during a push and came back
+        # serves older ones (its tokens say so) and only gets groups while no up-to-date worker is alive.
+        current = [index for index in live if self._workers[index].policy_version >= self.min_policy_version]
+        live = current or live
         if not live:  # wait for a worker to come (back); the caller's timeout bounds the wait
             self._parked.append(call)
             return
@@ -496,6 +504,9 @@ class RolloutClient:
             self._handle(index, message)
 
     def _handle(self, index: int, message: p.Message) -> None:
+        if isinstance(message, (p.Pong, p.WeightsCommitted)):
+            version = message.policy_version if isinstance(message, p.Pong) else message.version
+            self._workers[index].policy_version = version
         channel = self._channels.get(getattr(message, "update_id", None))
         if channel is not None:
             channel.put((index, message))

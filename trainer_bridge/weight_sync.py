@@ -397,7 +397,9 @@ class _Push:
         versions = {result["version"] for result in results}
         if len(versions) != 1:
             raise RolloutError("version_mismatch", f"workers now serve different versions: {results}")
-        return PushResult(versions.pop(), total_bytes, transfer_s, time.perf_counter() - started, results)
+        version = versions.pop()
+        self.client.min_policy_version = max(self.client.min_policy_version, version)
+        return PushResult(version, total_bytes, transfer_s, time.perf_counter() - started, results)
 
     def _plan(self) -> list[p.TensorSpec]:
         """Ask every worker for its tensors; check names and shapes here, before gathering anything; choose the
