@@ -235,7 +235,7 @@ class ContinuousBatchingManager:
             time (the old weights keep serving). RuntimeError: the manager is stopped.
         """
         done: queue.SimpleQueue = queue.SimpleQueue()
-        update = self._submit_weight_update(tensors, version, mode, partial, timeout, done.put)
+        update = self.submit_weight_update(tensors, version, mode, partial, timeout, done.put)
         try:
             outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
         except queue.Empty:
@@ -256,20 +256,13 @@ class ContinuousBatchingManager:
         partial: bool,
         drain_timeout: float | None,
         callback: Callable[[WeightUpdateResult | BaseException], None],
-    ) -> None:
-        """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
-        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`."""
-        self._submit_weight_update(tensors, version, mode, partial, drain_timeout, callback)
-
-    def _submit_weight_update(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int | None,
-        mode: str,
-        partial: bool,
-        drain_timeout: float | None,
-        callback: Callable[[WeightUpdateResult | BaseException], None],
     ) -> _PendingUpdate | None:
+        """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
+        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`.
+
+        Returns:
+            The queued update (its `state` says whether it was applied), or None when it was refused at once.
+        """
         if mode not in WEIGHT_UPDATE_MODES:
             callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
             return None
