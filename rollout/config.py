@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # this module stays free of torch and transformers at import (the scheduler imports it)
+    from transformers import CompileConfig
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROB_MODES = ("processed", "raw")
@@ -183,6 +186,8 @@ class SamplingParams:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).
+COMPILE_MODES_WITHOUT_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -210,8 +215,13 @@ class ContinuousBatchingConfig:
     cpu_offload_space: float = 0.0
     # Most requests waiting to be scheduled (queued, not yet running); 0 means unbounded. A full queue is an error.
     max_queue_size: int = 0
-    # Capture CUDA graphs for decode steps (accelerators only; ignored on CPU).
-    use_cuda_graph: bool = False
+    # Replay CUDA graphs for decode steps (one capture per bucketed batch size; `warmup()` captures them all ahead
+    # of time). None: on CUDA whenever the Triton attention kernels serve it; True: insist (an error without the
+    # kernels); False: eager. Never used on CPU.
+    use_cuda_graph: bool | None = None
+    # torch.compile settings (transformers' CompileConfig) for the decode forward, None: no compilation. With CUDA
+    # graphs on, the compiled forward is what gets captured, so its mode must not capture graphs itself.
+    decode_compile_config: CompileConfig | None = None
     # Paged attention kernels: "auto" (Triton on CUDA when it is installed and block_size is a power of two >= 16,
     # else PyTorch), "torch", or "triton" (on CPU only inside Triton's interpreter, TRITON_INTERPRET=1: for tests).
     attention_backend: str = "auto"
@@ -276,7 +286,28 @@ class ContinuousBatchingConfig:
             "must be an integer >= 0 (0: unbounded)",
             self.max_queue_size,
         )
-        _check(isinstance(self.use_cuda_graph, bool), "use_cuda_graph", "must be a bool", self.use_cuda_graph)
+        _check(
+            self.use_cuda_graph is None or isinstance(self.use_cuda_graph, bool),
+            "use_cuda_graph",
+            "must be None (auto) or a bool",
+            self.use_cuda_graph,
+        )
+        if self.decode_compile_config is not None:
+            from transformers import CompileConfig
+
+            _check(
+                isinstance(self.decode_compile_config, CompileConfig),
+                "decode_compile_config",
+                "must be a transformers.CompileConfig or None",
+                self.decode_compile_config,
+            )
+            _check(
+                self.use_cuda_graph is False or self.decode_compile_config.mode in COMPILE_MODES_WITHOUT_GRAPHS,
+                "decode_compile_config",
+                f"mode must be one of {COMPILE_MODES_WITHOUT_GRAPHS} while use_cuda_graph may capture graphs itself "
+                "(or set use_cuda_graph=False)",
+                self.decode_compile_config.mode,
+            )
         _check(isinstance(self.fp32_logits, bool), "fp32_logits", "must be a bool", self.fp32_logits)
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

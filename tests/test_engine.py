@@ -22,7 +22,7 @@ def test_num_blocks_from_memory_percent(monkeypatch):
     monkeypatch.setattr(kv_cache, "free_memory_bytes", lambda device: 100 * per_block)
     engine = Engine(model, ContinuousBatchingConfig(block_size=4, max_memory_percent=0.5))
     assert engine.block_manager.num_blocks == 50
-    assert engine.kv_cache.kv.shape[2] == 50
+    assert engine.kv_cache.kv.shape[2] == 50 + 1  # + the scratch block
     capped = Engine(
         tiny_model("qwen3"),
         ContinuousBatchingConfig(block_size=4, max_memory_percent=1.0, max_num_seqs=1, max_model_len=40),

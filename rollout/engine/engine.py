@@ -160,9 +160,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
-        self.runner = ModelRunner(model, self.kv_cache, self.config.attention_backend, self.config.fp32_logits)
-        if self.config.use_cuda_graph and parameter.device.type == "cuda":
-            logger.warning("use_cuda_graph: CUDA graph capture is not implemented yet; running eagerly")
+        self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
         self.sampler = Sampler(self.vocab_size)
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0

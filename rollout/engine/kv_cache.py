@@ -1,7 +1,8 @@
 """The paged K/V tensors of every layer, sized from `num_blocks` or from free memory, plus the CPU swap space.
 
-Layout: one tensor of shape (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), so a block copy or a
-swap moves a block of every layer in one indexing op. Zero-initialised: masked-out slots must hold finite values
+Layout: one tensor of shape (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), so a block copy or
+a swap moves a block of every layer in one indexing op. The extra block is scratch space that no request owns.
+Zero-initialised: masked-out slots must hold finite values
 (0 * NaN would poison the attention output).
 """
 
@@ -106,7 +107,10 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dims = (shape.num_layers, 2, num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        # One block past the last is the scratch block: padded rows of a CUDA-graph decode write and read only there.
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * block_size
+        dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
         self.kv = torch.zeros(dims, dtype=dtype, device=device)
         self.num_swap_blocks = int(swap_space_gib * GIB) // shape.bytes_per_block(block_size, dtype)
         self.swap = None

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.config import FieldError
+from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
+from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import Request
 from rollout.engine.scheduler import ScheduledBatch
@@ -23,32 +24,76 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         kv_cache: PagedKVCache,
-        attention_backend: str = "auto",
-        fp32_logits: bool = False,
+        config: ContinuousBatchingConfig | None = None,
+        max_model_len: int = 1 << 16,
     ):
         """
         Args:
             model: a transformers causal LM; its attention implementation is switched to "rollout_paged", which
                 still serves ordinary (unpaged) forwards through SDPA/eager.
             kv_cache: the paged cache the attention layers read and write.
-            attention_backend: "auto", "torch" or "triton" (see `ContinuousBatchingConfig.attention_backend`).
-            fp32_logits: compute the output projection in fp32 (a no-op for fp32 models).
+            config: the engine settings this runner reads: attention_backend, fp32_logits, use_cuda_graph,
+                decode_compile_config and max_num_seqs (defaults if None).
+            max_model_len: the longest sequence the engine accepts (sizes the decode graphs' block table).
         Raises:
-            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve).
+            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve), or
+                CUDA graphs asked for without the Triton kernels.
         """
+        config = config or ContinuousBatchingConfig()
         self.model = model
         self.kv_cache = kv_cache
-        self.heads_per_kv = resolve_attention_backend(model, kv_cache, attention_backend)
-        head = model.get_output_embeddings() if fp32_logits else None
-        self._fp32_head = head if head is not None and head.weight.dtype != torch.float32 else None
+        self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
         self.device = next(model.parameters()).device
         _acquire(model)
         self._closed = False
+        # With fp32_logits the output projection runs in fp32 for as long as this runner holds the model: a hook
+        # that stays put keeps compiled and captured forwards valid (one added per call would change them).
+        head = model.get_output_embeddings() if config.fp32_logits else None
+        self._fp32_hook = None
+        if head is not None and head.weight.dtype != torch.float32:
+            self._fp32_hook = head.register_forward_hook(fp32_projection)
         # Per request (weakly held: finished requests drop out): (blocks_version, block ids tensor).
         self._block_tables: weakref.WeakKeyDictionary[Request, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._decode_forward = self._forward
+        if config.decode_compile_config is not None:
+            self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
+        self.decode_graphs: DecodeGraphs | None = None
+        # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
+        if self.device.type == "cuda" and config.use_cuda_graph is not False:
+            if self.heads_per_kv is not None:
+                self.enable_decode_graphs(config.max_num_seqs, max_model_len)
+            elif config.use_cuda_graph:
+                raise FieldError(
+                    "use_cuda_graph",
+                    "CUDA graphs need the Triton attention kernels (attention_backend 'triton', or 'auto' with "
+                    "triton installed and a power-of-two block_size >= 16)",
+                )
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        """Serve decode steps of up to `max_num_seqs` sequences through `DecodeGraphs` (the engine does this on CUDA
+        when `use_cuda_graph` allows; graphs are captured lazily per bucket, or all at once by `capture_graphs`).
+
+        Args:
+            max_num_seqs: the largest decode batch.
+            max_model_len: the longest sequence (sizes the persistent block table).
+            capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
+        """
+        if self.heads_per_kv is None:
+            raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
+        max_blocks = -(-max_model_len // self.kv_cache.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self._decode_forward, self.kv_cache, max_num_seqs, max_blocks, self.heads_per_kv, capture
+        )
+        return self.decode_graphs
+
+    def capture_graphs(self) -> None:
+        """Capture every decode bucket now (no-op without graphs)."""
+        if self.decode_graphs is not None:
+            with torch.inference_mode():
+                self.decode_graphs.capture()
 
     def _block_table(self, request: Request) -> torch.Tensor:
         """The request's block ids as a tensor, rebuilt only when its blocks changed (once per block_size tokens),
@@ -64,6 +109,9 @@ class ModelRunner:
         mode. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._fp32_hook is not None:
+                self._fp32_hook.remove()
+            self.decode_graphs = None  # frees the graphs' memory pool
             _release(self.model)
 
     @torch.inference_mode()
@@ -82,7 +130,10 @@ class ModelRunner:
         self.kv_cache.swap_out(batch.swap_out)
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
-        # 2. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
+        # 2. A pure decode step of a captured size replays its CUDA graph.
+        if self.decode_graphs is not None and _is_decode(batch) and len(batch.sequences) <= self.decode_graphs.max_batch:
+            return self._run_decode_graph(batch).float()
+        # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         input_ids: list[int] = []
         starts, lengths, tables = [], [], []
         for seq in batch.sequences:
@@ -97,24 +148,45 @@ class ModelRunner:
         )
         ends = torch.cumsum(torch.tensor(lengths), 0) - 1
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
-        # 3. Forward; logits only at the positions that get sampled.
+        # 4. Forward; logits only at the positions that get sampled.
+        forward = self._decode_forward if _is_decode(batch) else self._forward
+        input_tensor = torch.tensor([input_ids], device=self.device)
+        return forward(input_tensor, positions.unsqueeze(0), metadata, keep).float()
+
+    def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        block_size = self.kv_cache.block_size
+        token_ids, positions, slots = [], [], []
+        for seq in batch.sequences:
+            position = seq.start
+            token_ids.append(seq.request.token_ids[position])
+            positions.append(position)
+            slots.append(seq.request.block_ids[position // block_size] * block_size + position % block_size)
+        tables = torch.nn.utils.rnn.pad_sequence([self._block_table(seq.request) for seq in batch.sequences], True)
+        return self.decode_graphs.run(token_ids, positions, slots, tables)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The model call of a step: logits (in the model's dtype) at the packed positions `keep`."""
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
-        hook = self._fp32_head.register_forward_hook(fp32_projection) if self._fp32_head is not None else None
-        try:
-            logits = self.model(
-                input_ids=torch.tensor([input_ids], device=self.device),
-                position_ids=positions.unsqueeze(0),
-                attention_mask=self._no_mask,
-                use_cache=False,
-                rollout_metadata=metadata,
-                **kwargs,
-            ).logits[0]
-        finally:
-            if hook is not None:
-                hook.remove()
-        if not self._logits_to_keep:
-            logits = logits[keep]
-        return logits.float()
+        logits = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            rollout_metadata=metadata,
+            **kwargs,
+        ).logits[0]
+        return logits if self._logits_to_keep else logits[keep]
+
+
+def _is_decode(batch: ScheduledBatch) -> bool:
+    """Every sequence computes one token and samples it (the shape a decode graph serves)."""
+    return len(batch.logits_sequences) == len(batch.sequences) and all(s.num_tokens == 1 for s in batch.sequences)
+
+
+def _text_config(model: torch.nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -129,8 +201,7 @@ def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, ba
 
     "auto" picks Triton on CUDA when it is installed and the block size is a power of two >= 16.
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads_per_kv = config.num_attention_heads // kv_cache.shape.num_kv_heads
+    heads_per_kv = _text_config(model).num_attention_heads // kv_cache.shape.num_kv_heads
     block_size = kv_cache.block_size
     block_ok = block_size >= 16 and block_size & (block_size - 1) == 0
     if backend == "torch":

@@ -1,0 +1,173 @@
+"""CUDA graphs for decode steps: one capture per bucketed batch size, replayed with persistent input buffers.
+
+A decode step (every sequence computes one token) has the same tensor shapes for every batch of the same size, so
+its forward, hundreds of kernel launches, is captured once per bucket and replayed with one launch. The batch is
+padded up to its bucket.
+
+Invariants:
+- A graph reads only the persistent buffers below; `run` copies the step's inputs into them before each replay.
+- Every padding row is a one-token sequence at position 0 whose only block is the cache's scratch block: it writes
+  its key/value there and attends only to it, so padding never touches a real sequence's cache and stays finite.
+- The attention plan is fixed per bucket (tiles, split count); the kernel reads each row's context length from a
+  buffer, so one graph serves every context up to `max_blocks_per_seq` blocks.
+- Weights are updated in place (`Engine.update_weights` copies into the same storage), so graphs stay valid.
+- All graphs share one memory pool, captured largest first so smaller ones reuse its memory; a replay's logits are
+  read (copied by the sampler) before the next replay overwrites them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from rollout.engine.attention import PagedAttentionMetadata
+from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.triton_attention import TritonAttentionPlan, plan_splits, tile_shape
+
+logger = logging.getLogger(__name__)
+
+# (input_ids (1, B), position_ids (1, B), metadata, rows to keep (B,)) -> logits (B, vocab)
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor], torch.Tensor]
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: fine-grained where padding would cost the most (small batches), every 32
+    sequences above 64, and `max_num_seqs` itself: padding is always under half the bucket (under a third above 64)."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64] + list(range(96, max_num_seqs, 32))
+    return sorted({size for size in sizes if size < max_num_seqs} | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Captured decode forwards, one per bucket, over persistent buffers sized for `max_num_seqs` sequences."""
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        kv_cache: PagedKVCache,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        heads_per_kv: int,
+        capture: bool = True,
+    ):
+        """
+        Args:
+            forward: the model call of a step (the model runner's), run eagerly once per bucket, then captured.
+            kv_cache: the paged cache; its scratch block takes the padding rows.
+            max_num_seqs: the largest decode batch.
+            max_blocks_per_seq: blocks of the longest sequence (max_model_len / block_size, rounded up).
+            heads_per_kv: query heads per KV head (the Triton kernel's tile layout).
+            capture: False replays by running the forward eagerly on the same buffers (CPU tests of the padding and
+                buffer logic; CUDA graphs need a CUDA device).
+        """
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.buckets = decode_buckets(max_num_seqs)
+        self.capture_enabled = capture
+        self.disabled_reason: str | None = None  # set when a capture failed: decode then runs eagerly
+        device = kv_cache.kv.device
+        size = self.buckets[-1]
+        # Rows: 0 input ids, 1 positions (= tokens cached before the step), 2 cache slots of the new tokens.
+        self._rows = torch.zeros((3, size), dtype=torch.long, device=device)
+        self._context = torch.zeros(size, dtype=torch.int32, device=device)
+        self._block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self._keep = torch.arange(size, device=device)
+        self._tile_seq = torch.arange(size, dtype=torch.int32, device=device)
+        self._tile_start = torch.zeros(size, dtype=torch.int32, device=device)
+        self._query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self._block_m, self._block_q = tile_shape(heads_per_kv, 1)
+        self._max_blocks = max_blocks_per_seq
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @property
+    def max_batch(self) -> int:
+        """The largest batch a graph serves."""
+        return self.buckets[-1]
+
+    @property
+    def captured(self) -> list[int]:
+        """Bucket sizes captured so far."""
+        return sorted(self._graphs)
+
+    def bucket(self, batch_size: int) -> int:
+        """The smallest bucket holding `batch_size` sequences."""
+        return next(size for size in self.buckets if size >= batch_size)
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture the graphs of `sizes` (default: every bucket) not captured yet, largest first. A failed capture
+        (a model with host synchronisation in its forward, e.g. data-dependent MoE routing) turns graphs off with a
+        warning: decode then runs eagerly, never wrongly."""
+        if not self.capture_enabled or self.disabled_reason is not None:
+            return
+        for size in sorted(sizes or self.buckets, reverse=True):
+            if size in self._graphs:
+                continue
+            try:
+                self._capture_one(size)
+            except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager decode
+                self.disabled_reason = f"{type(error).__name__}: {error}"
+                self._graphs.clear()
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", self.disabled_reason)
+                return
+
+    def _capture_one(self, size: int) -> None:
+        self._pad(0, size)  # only padding rows: capture writes nothing but the scratch block
+        self._step(size)  # eager first run: Triton compiles and lazy allocations happen outside the graph
+        torch.cuda.synchronize(self._rows.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(size)
+        self._graphs[size] = (graph, logits)
+
+    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: torch.Tensor):
+        """One decode step of `len(token_ids)` sequences (at most `max_batch`).
+
+        Args:
+            token_ids: each sequence's input token.
+            positions: each token's position (= tokens already cached).
+            slots: each new token's flat cache slot.
+            block_tables: (B, n) int block ids (padded with anything: only blocks before the position are read).
+        Returns:
+            (B, vocab) logits in the model's dtype; a view of the graph's output, valid until the next `run`.
+        """
+        batch = len(token_ids)
+        size = self.bucket(batch)
+        if size not in self._graphs:
+            self.capture([size])  # a bucket not captured by warmup(): now, before the inputs are loaded
+        padding = size - batch
+        scratch = self.kv_cache.scratch_slot
+        rows = torch.tensor([token_ids + [0] * padding, positions + [0] * padding, slots + [scratch] * padding])
+        self._rows[:, :size].copy_(rows, non_blocking=True)
+        self._block_table[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self._block_table[batch:size, 0] = self.kv_cache.scratch_block
+        if size in self._graphs:
+            graph, logits = self._graphs[size]
+            graph.replay()
+        else:
+            logits = self._step(size)
+        return logits[:batch]
+
+    def _pad(self, start: int, end: int) -> None:
+        """Make rows [start, end) padding rows."""
+        self._rows[0, start:end] = 0
+        self._rows[1, start:end] = 0
+        self._rows[2, start:end] = self.kv_cache.scratch_slot
+        self._block_table[start:end, 0] = self.kv_cache.scratch_block
+
+    def _step(self, size: int) -> torch.Tensor:
+        """The captured work: the int32 context lengths from the positions, then the forward over `size` rows."""
+        self._context[:size].copy_(self._rows[1, :size])
+        attention_plan = TritonAttentionPlan(
+            self._tile_seq[:size],
+            self._tile_start[:size],
+            self._query_start[: size + 1],
+            self._context[:size],
+            self._block_table[:size],
+            self._block_m,
+            self._block_q,
+            plan_splits(size, self.kv_cache.shape.num_kv_heads, self._max_blocks),
+        )
+        metadata = PagedAttentionMetadata(self.kv_cache, self._rows[2, :size], [], attention_plan)
+        return self.forward(self._rows[0:1, :size], self._rows[1:2, :size], metadata, self._keep[:size])

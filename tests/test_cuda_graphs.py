@@ -1,0 +1,136 @@
+"""The decode-graph path: persistent, padded input buffers and the scratch block that takes padding rows.
+
+On CPU the graphs are not captured (that needs CUDA): `enable_decode_graphs(..., capture=False)` runs the same
+forward eagerly over the same persistent buffers, so these tests check everything but the capture itself against
+transformers' `generate`. Capture and replay, also after a weight update, are tested in tests/gpu/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
+from test_parity import GREEDY, reference_greedy  # noqa: E402
+
+from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
+from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 64, 100, 256, 1000])
+def test_buckets_cover_every_batch_size_with_bounded_padding(max_num_seqs):
+    buckets = decode_buckets(max_num_seqs)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == max_num_seqs
+    for batch in range(1, max_num_seqs + 1):
+        bucket = next(size for size in buckets if size >= batch)
+        assert bucket < 2 * batch, (batch, bucket)  # padding under half the bucket
+
+
+def graph_engine(model, **config):
+    config = {"num_blocks": 96, "block_size": 16, "max_batch_tokens": 64, "attention_backend": "triton", **config}
+    engine = make_engine(model, **config)
+    graphs = engine.runner.enable_decode_graphs(
+        engine.config.max_num_seqs, engine.max_model_len, capture=DEVICE.type == "cuda"
+    )
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *args: replays.append(len(args[0])) or run(*args)  # count the steps the graphs serve
+    return engine, replays
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # gemma2: sliding windows and soft-capping
+def test_graph_decode_matches_generate(kind):
+    """Seven sequences of different lengths and budgets: decode batches shrink from 7 (bucket 8) through the small
+    buckets as sequences finish, so rows that held a sequence become padding. Greedy tokens equal generate's, which
+    they would not if a padding row wrote into a live sequence's cache or a stale row leaked into a step."""
+    model = tiny_model(kind).to(DEVICE)
+    reference = reference_copy(model)
+    prompts = make_prompts(7, 5, 40, seed=3)
+    budgets = [9, 6, 4, 2, 3, 7, 5]  # the first owns block 0, the first block handed out
+    engine, replays = graph_engine(model, max_batch_tokens=512)  # all prompts in the first step
+    for index, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        engine.add_request(str(index), prompt, GREEDY, max_new_tokens=budget)
+    outputs = run_to_completion(engine)
+    for index, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, budget), index
+    assert 7 in replays and 1 in replays and len(set(replays)) >= 4, replays  # shrinking batches, several buckets
+    engine.close()
+
+
+def test_graph_decode_with_groups_and_sampling_equals_eager():
+    """Sampled groups (forked samples share blocks, copy-on-write of the last one) decode to the same tokens and
+    logprobs through the graph path as through the eager path (randomness is keyed per sample and position)."""
+    from rollout.config import SamplingParams
+
+    prompts = make_prompts(2, 10, 30, seed=8)
+    sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=11, stop_token_ids=())
+    results = []
+    for use_graphs in (False, True):
+        model = tiny_model("qwen3").to(DEVICE)
+        if use_graphs:
+            engine, replays = graph_engine(model)
+        else:
+            engine = make_engine(model, num_blocks=96, block_size=16, max_batch_tokens=64, attention_backend="triton")
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), prompt, sampling, n=4, max_new_tokens=5)
+        outputs = run_to_completion(engine)
+        results.append({k: (v.generated_tokens, v.logprobs) for k, v in outputs.items()})
+        engine.close()
+    assert replays and max(replays) == 8
+    assert results[0].keys() == results[1].keys()
+    for key, (tokens, logprobs) in results[0].items():
+        assert results[1][key][0] == tokens, key
+        assert torch.allclose(torch.tensor(results[1][key][1]), torch.tensor(logprobs), atol=1e-5), key
+
+
+def test_scratch_block_is_outside_the_managed_cache():
+    """The block manager hands out blocks [0, num_blocks); the cache has one more, the scratch block."""
+    engine = make_engine(tiny_model("qwen3"), num_blocks=10, block_size=16)
+    assert engine.block_manager.num_blocks == 10 and engine.kv_cache.scratch_block == 10
+    assert engine.kv_cache.kv.shape[2] == 11 and engine.kv_cache.scratch_slot == 10 * 16
+    engine.close()
+
+
+def test_graphs_need_the_triton_kernels():
+    engine = make_engine(tiny_model("qwen3"), block_size=16, attention_backend="torch")
+    with pytest.raises(FieldError) as raised:
+        engine.runner.enable_decode_graphs(8, 256)
+    assert raised.value.field == "use_cuda_graph"
+    engine.close()
+
+
+def test_compile_settings_are_validated():
+    from transformers import CompileConfig
+
+    with pytest.raises(FieldError, match="decode_compile_config"):
+        ContinuousBatchingConfig(decode_compile_config={"mode": "default"})
+    # transformers' default mode captures graphs itself: refused unless our graphs are off.
+    with pytest.raises(FieldError, match="reduce-overhead"):
+        ContinuousBatchingConfig(decode_compile_config=CompileConfig())
+    ContinuousBatchingConfig(decode_compile_config=CompileConfig(), use_cuda_graph=False)
+    with pytest.raises(FieldError, match="use_cuda_graph"):
+        ContinuousBatchingConfig(use_cuda_graph="yes")
+
+
+def test_compiled_decode_matches_generate():
+    """decode_compile_config compiles the decode forward (here with torch.compile's "eager" backend, which traces
+    with dynamo but needs no C++ compiler): greedy tokens still equal generate's."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    prompts = make_prompts(3, 5, 20, seed=4)
+    compile_config = CompileConfig(backend="eager", mode="default", dynamic=True)
+    engine = make_engine(model, attention_backend="torch", decode_compile_config=compile_config)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, GREEDY, max_new_tokens=6)
+    outputs = run_to_completion(engine)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo did trace the forward
+    for index, prompt in enumerate(prompts):
+        assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, 6), index
+    engine.close()
