@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from test_parity import GREEDY, reference_greedy  # noqa: E402
 
+from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
 from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
 

@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=sorted(throughput.SYSTEMS),
         default=None,
-        help="systems to run, in order (default: all)",
+        help="systems to run, in order (default: all three for cpu-small; rollout and transformers_generate_batch "
+        "for nano)",
     )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")

@@ -52,6 +52,7 @@ def instrumented_run(
     """
     device = next(model.parameters()).device
     engine = Engine(model, ContinuousBatchingConfig(**engine_config, fp32_logits=fp32_logits))
+    engine.warmup()  # decode CUDA graphs captured before any step is timed
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     shape = engine.kv_cache.shape
     kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * engine.kv_cache.kv.element_size()

@@ -404,6 +404,26 @@ class Engine:
         result.pause_ms = (time.perf_counter() - started) * 1000
         return result
 
+    def warmup(self, num_tokens: int = 8) -> None:
+        """Run one short request (allocator, kernel compilation), then capture the decode CUDA graph of every batch
+        bucket (when graphs are on), so that no later step pays for them. Leaves no trace: its cached prefix is
+        forgotten and the token and step counters are restored. Call it while the engine is idle.
+
+        Args:
+            num_tokens: length of the warm-up prompt.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("warmup() needs an idle engine")
+        counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_steps)
+        sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2)
+        self.add_request("__warmup__", [0] * num_tokens, sampling)
+        while self.has_unfinished():
+            self.step()
+        self.block_manager.reset_prefix_cache()
+        # The warm-up is not served work: statistics start from where they were.
+        self.num_generated_tokens, self.num_computed_tokens, self.num_steps = counters
+        self.runner.capture_graphs()
+
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
         return self.scheduler.has_unfinished()

@@ -138,15 +138,15 @@ class ContinuousBatchingManager:
         self.stop(block=True)
 
     def warmup(self, num_tokens: int = 8) -> None:
-        """Run one short request through the engine so first-step costs (allocator, kernels) are paid up front.
-        Call it before `start()`; it forgets the warm-up prompt's cached prefix afterwards."""
+        """Pay first-step costs up front (see `Engine.warmup`: a short request, then every decode CUDA graph).
+        Call it before `start()`.
+
+        Args:
+            num_tokens: length of the warm-up prompt.
+        """
         if self.is_running():
             raise RuntimeError("warmup() must be called before start()")
-        sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2)
-        self.engine.add_request("__warmup__", [0] * num_tokens, sampling)
-        while self.engine.has_unfinished():
-            self.engine.step()
-        self.engine.block_manager.reset_prefix_cache()
+        self.engine.warmup(num_tokens)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(

@@ -131,7 +131,11 @@ class ModelRunner:
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
         # 2. A pure decode step of a captured size replays its CUDA graph.
-        if self.decode_graphs is not None and _is_decode(batch) and len(batch.sequences) <= self.decode_graphs.max_batch:
+        if (
+            self.decode_graphs is not None
+            and _is_decode(batch)
+            and len(batch.sequences) <= self.decode_graphs.max_batch
+        ):
             return self._run_decode_graph(batch).float()
         # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         input_ids: list[int] = []

@@ -21,6 +21,7 @@ from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
 
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ATTENTION_BACKENDS,
         default="auto",
         help="paged attention kernels: auto (Triton on CUDA), torch, triton (default: auto)",
+    )
+    add(
+        "--cuda-graphs",
+        choices=sorted(CUDA_GRAPHS),
+        default="auto",
+        help="replay CUDA graphs for decode steps: auto (on CUDA with the Triton kernels), on, off (default: auto)",
     )
     add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
     add(
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_offload_space=args.cpu_offload_space,
         attention_backend=args.attention_backend,
         fp32_logits=args.fp32_logits,
+        use_cuda_graph=CUDA_GRAPHS[args.cuda_graphs],
     )
     try:
         model = load_model(args.model, DTYPES[args.dtype], device)
@@ -119,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         manager = init_continuous_batching(model, continuous_batching_config=config)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
         parser.error(str(error))
+    manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     worker = RolloutWorker(
         manager, args.bind, args.model, client_timeout_s=args.client_timeout, keep_staging=not args.release_staging
     )
