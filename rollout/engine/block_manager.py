@@ -87,6 +87,7 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks for request {request.request_id}")
         copies = []
         start = request.num_computed_tokens
+        num_blocks = len(request.block_ids)
         if self._needs_copy_on_write(request, start):
             index = start // self.block_size
             shared = request.block_ids[index]
@@ -96,7 +97,8 @@ class BlockManager:
             copies.append((shared, private))
         while len(request.block_ids) * self.block_size < start + num_new_tokens:
             request.block_ids.append(self._take_free_block())
-        request.blocks_version += 1
+        if copies or len(request.block_ids) != num_blocks:  # the runner rebuilds its block table only then
+            request.blocks_version += 1
         return copies
 
     def fork(self, parent: Request, child: Request) -> None:

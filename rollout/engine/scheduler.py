@@ -220,16 +220,16 @@ class Scheduler:
             if id(request) in in_batch or request.status != RequestStatus.RUNNING:
                 continue  # scheduled already, or preempted by an older request in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
-            while not self.block_manager.can_allocate(self.block_manager.blocks_needed(request, num_new)):
+            needed = self.block_manager.blocks_needed(request, num_new)
+            while not self.block_manager.can_allocate(needed):
                 victim = max((r for r in self.running if id(r) not in in_batch), key=_arrival, default=None)
                 if victim is None:
                     break
                 self._preempt(victim, batch)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING or not self.block_manager.can_allocate(
-                self.block_manager.blocks_needed(request, num_new)
-            ):
+                needed = self.block_manager.blocks_needed(request, num_new)  # a freed sharer may spare a copy
+            if request.status != RequestStatus.RUNNING or not self.block_manager.can_allocate(needed):
                 continue
             first_new_sample = len(batch.samples)
             self._add_to_batch(batch, request, num_new)
