@@ -301,8 +301,21 @@ class ContinuousBatchingConfig:
                 "must be a transformers.CompileConfig or None",
                 self.decode_compile_config,
             )
+            compile_config = self.decode_compile_config
             _check(
-                self.use_cuda_graph is False or self.decode_compile_config.mode in COMPILE_MODES_WITHOUT_GRAPHS,
+                compile_config.options is None or compile_config.mode is None,
+                "decode_compile_config",
+                "torch.compile takes mode or options, not both: set mode=None when giving options",
+                compile_config.mode,
+            )
+            _check(
+                self.use_cuda_graph is False or not (compile_config.options or {}).get("triton.cudagraphs"),
+                "decode_compile_config",
+                "options 'triton.cudagraphs' captures graphs itself while use_cuda_graph may (set it False)",
+                compile_config.options,
+            )
+            _check(
+                self.use_cuda_graph is False or compile_config.mode in COMPILE_MODES_WITHOUT_GRAPHS,
                 "decode_compile_config",
                 f"mode must be one of {COMPILE_MODES_WITHOUT_GRAPHS} while use_cuda_graph may capture graphs itself "
                 "(or set use_cuda_graph=False)",

@@ -44,21 +44,56 @@ def graph_engine(model, **config):
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # gemma2: sliding windows and soft-capping
 def test_graph_decode_matches_generate(kind):
-    """Seven sequences of different lengths and budgets: decode batches shrink from 7 (bucket 8) through the small
-    buckets as sequences finish, so rows that held a sequence become padding. Greedy tokens equal generate's, which
-    they would not if a padding row wrote into a live sequence's cache or a stale row leaked into a step."""
+    """Seven sequences of different lengths and budgets, three more arriving mid-run into a cache too small to avoid
+    reusing finished sequences' blocks: decode batches grow and shrink across buckets, so rows that held a sequence
+    become padding while its blocks serve a newcomer. Greedy tokens equal generate's, which they would not if a
+    padding or stale row wrote into a live sequence's cache."""
     model = tiny_model(kind).to(DEVICE)
     reference = reference_copy(model)
-    prompts = make_prompts(7, 5, 40, seed=3)
-    budgets = [9, 6, 4, 2, 3, 7, 5]  # the first owns block 0, the first block handed out
-    engine, replays = graph_engine(model, max_batch_tokens=512)  # all prompts in the first step
-    for index, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        engine.add_request(str(index), prompt, GREEDY, max_new_tokens=budget)
-    outputs = run_to_completion(engine)
+    prompts = make_prompts(10, 5, 40, seed=3)
+    budgets = [9, 6, 4, 2, 3, 7, 5, 8, 3, 6]  # the first owns block 0, the first block handed out
+    engine, replays = graph_engine(model, num_blocks=24, max_batch_tokens=512)  # all of a wave in one step
+    for index in range(7):
+        engine.add_request(str(index), prompts[index], GREEDY, max_new_tokens=budgets[index])
+    outputs = {}
+    for step in range(200):
+        if step == 4:
+            for index in range(7, 10):
+                engine.add_request(str(index), prompts[index], GREEDY, max_new_tokens=budgets[index])
+        outputs.update({o.request_id: o for o in engine.step() if o.is_finished})
+        if step > 4 and not engine.has_unfinished():
+            break
     for index, (prompt, budget) in enumerate(zip(prompts, budgets)):
         assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, budget), index
     assert 7 in replays and 1 in replays and len(set(replays)) >= 4, replays  # shrinking batches, several buckets
     engine.close()
+
+
+def test_padding_rows_point_at_the_scratch_block():
+    """After a batch of 7 (bucket 8) then one of 3 (bucket 4), row 3 is padding again: token 0 at position 0,
+    writing the scratch slot, with the scratch block first in its block table; the plan covers the bucket."""
+    from rollout.engine.cuda_graphs import DecodeGraphs
+    from rollout.engine.kv_cache import KVCacheShape, PagedKVCache
+
+    cache = PagedKVCache(KVCacheShape(1, 2, 16), num_blocks=20, block_size=16, dtype=torch.float32, device=DEVICE)
+    seen = []
+
+    def forward(input_ids, positions, metadata, keep):
+        seen.append((input_ids.clone(), positions.clone(), metadata.slot_mapping.clone(), metadata.triton_plan))
+        return torch.zeros(input_ids.shape[1], 5)
+
+    graphs = DecodeGraphs(forward, cache, max_batch=16, max_blocks_per_seq=8, heads_per_kv=2, capture=False)
+    tables = torch.arange(7 * 3).view(7, 3)
+    graphs.run(list(range(1, 8)), [20 + i for i in range(7)], [100 + i for i in range(7)], tables)
+    logits = graphs.run([5, 6, 7], [30, 31, 32], [200, 201, 202], tables[:3])
+    assert logits.shape == (3, 5)
+    input_ids, positions, slots, attention_plan = seen[-1]
+    assert input_ids.tolist() == [[5, 6, 7, 0]] and positions.tolist() == [[30, 31, 32, 0]]
+    assert slots.tolist() == [200, 201, 202, cache.scratch_slot]
+    assert attention_plan.block_table[3, 0] == cache.scratch_block
+    assert attention_plan.block_table[:3, :3].tolist() == tables[:3].tolist()
+    assert attention_plan.context.tolist() == [30, 31, 32, 0]
+    assert attention_plan.query_start.tolist() == [0, 1, 2, 3, 4] and attention_plan.tile_seq.tolist() == [0, 1, 2, 3]
 
 
 def test_graph_decode_with_groups_and_sampling_equals_eager():
@@ -67,6 +102,7 @@ def test_graph_decode_with_groups_and_sampling_equals_eager():
     from rollout.config import SamplingParams
 
     prompts = make_prompts(2, 10, 30, seed=8)
+    budgets = [6, 3]  # 6 samples (bucket 8), then 3 (bucket 4): padding rows in both
     sampling = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=11, stop_token_ids=())
     results = []
     for use_graphs in (False, True):
@@ -76,11 +112,11 @@ def test_graph_decode_with_groups_and_sampling_equals_eager():
         else:
             engine = make_engine(model, num_blocks=96, block_size=16, max_batch_tokens=64, attention_backend="triton")
         for index, prompt in enumerate(prompts):
-            engine.add_request(str(index), prompt, sampling, n=4, max_new_tokens=5)
+            engine.add_request(str(index), prompt, sampling, n=3, max_new_tokens=budgets[index])
         outputs = run_to_completion(engine)
         results.append({k: (v.generated_tokens, v.logprobs) for k, v in outputs.items()})
         engine.close()
-    assert replays and max(replays) == 8
+    assert replays and max(replays) == 6 and 3 in replays
     assert results[0].keys() == results[1].keys()
     for key, (tokens, logprobs) in results[0].items():
         assert results[1][key][0] == tokens, key
@@ -117,20 +153,30 @@ def test_compile_settings_are_validated():
 
 
 def test_compiled_decode_matches_generate():
-    """decode_compile_config compiles the decode forward (here with torch.compile's "eager" backend, which traces
-    with dynamo but needs no C++ compiler): greedy tokens still equal generate's."""
+    """decode_compile_config compiles the decode forward (here with a backend that records what dynamo traced and
+    runs it as is: no C++ compiler needed): greedy tokens still equal generate's."""
     from transformers import CompileConfig
 
     torch._dynamo.reset()
     model = tiny_model("qwen3")
     reference = reference_copy(model)
     prompts = make_prompts(3, 5, 20, seed=4)
-    compile_config = CompileConfig(backend="eager", mode="default", dynamic=True)
+    graph_inputs: list[torch.Tensor] = []
+
+    def recording_backend(graph_module, example_inputs, **kwargs):  # what dynamo hands a compiler
+        graph_inputs.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
+        return graph_module.forward
+
+    compile_config = CompileConfig(backend=recording_backend, mode=None, dynamic=True)
     engine = make_engine(model, attention_backend="torch", decode_compile_config=compile_config)
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, GREEDY, max_new_tokens=6)
     outputs = run_to_completion(engine)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo did trace the forward
+    assert graph_inputs, "dynamo should have traced the decode forward"
+    # The paged attention (cache write included) is never traced: functionalising the in-place write of a cache
+    # that is a graph input would copy the whole cache every step.
+    cache_storage = engine.kv_cache.kv.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != cache_storage for t in graph_inputs)
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, 6), index
     engine.close()

@@ -204,6 +204,23 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise TypeError(f"{type(module).__name__} has no layer_idx; paged attention needs it to find its cache layer")
+    return _paged_attention(metadata, layer_idx, query, key, value, scaling, sliding_window, softcap)
+
+
+# Never traced by torch.compile: functionalising the in-place cache write would copy the whole cache every step,
+# and the per-step plan would become guards that recompile. The compiled forward calls it as an opaque function.
+@torch.compiler.disable
+def _paged_attention(
+    metadata: PagedAttentionMetadata,
+    layer_idx: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> tuple[torch.Tensor, None]:
+    """Write the new keys/values into the paged cache, then attend over it (Triton plan or padded groups)."""
     cache = metadata.kv_cache
     cache.write(layer_idx, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     key_cache, value_cache = cache.layer(layer_idx)

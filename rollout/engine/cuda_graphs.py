@@ -40,13 +40,13 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards, one per bucket, over persistent buffers sized for `max_num_seqs` sequences."""
+    """Captured decode forwards, one per bucket, over persistent buffers sized for the largest decode batch."""
 
     def __init__(
         self,
         forward: DecodeForward,
         kv_cache: PagedKVCache,
-        max_num_seqs: int,
+        max_batch: int,
         max_blocks_per_seq: int,
         heads_per_kv: int,
         capture: bool = True,
@@ -55,7 +55,7 @@ class DecodeGraphs:
         Args:
             forward: the model call of a step (the model runner's), run eagerly once per bucket, then captured.
             kv_cache: the paged cache; its scratch block takes the padding rows.
-            max_num_seqs: the largest decode batch.
+            max_batch: the largest decode batch (max_num_seqs, or max_batch_tokens when smaller).
             max_blocks_per_seq: blocks of the longest sequence (max_model_len / block_size, rounded up).
             heads_per_kv: query heads per KV head (the Triton kernel's tile layout).
             capture: False replays by running the forward eagerly on the same buffers (CPU tests of the padding and
@@ -63,7 +63,7 @@ class DecodeGraphs:
         """
         self.forward = forward
         self.kv_cache = kv_cache
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_batch)
         self.capture_enabled = capture
         self.disabled_reason: str | None = None  # set when a capture failed: decode then runs eagerly
         device = kv_cache.kv.device
@@ -104,6 +104,9 @@ class DecodeGraphs:
         for size in sorted(sizes or self.buckets, reverse=True):
             if size in self._graphs:
                 continue
+            # torch.cuda.graph switches to its capture stream and, when capture_end raises, never switches back:
+            # the stream in use is restored here, or every later op of this thread would run on the capture stream.
+            stream = torch.cuda.current_stream(self._rows.device)
             try:
                 self._capture_one(size)
             except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager decode
@@ -111,14 +114,18 @@ class DecodeGraphs:
                 self._graphs.clear()
                 logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", self.disabled_reason)
                 return
+            finally:
+                torch.cuda.set_stream(stream)
 
     def _capture_one(self, size: int) -> None:
-        self._pad(0, size)  # only padding rows: capture writes nothing but the scratch block
-        self._step(size)  # eager first run: Triton compiles and lazy allocations happen outside the graph
-        torch.cuda.synchronize(self._rows.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(size)
+        with torch.cuda.device(self._rows.device):
+            self._pad(0, size)  # only padding rows: capture writes nothing but the scratch block
+            self._step(size)  # eager first run: Triton compiles and lazy allocations happen outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (a weight update's receiving thread) may go on meanwhile.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = self._step(size)
         self._graphs[size] = (graph, logits)
 
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: torch.Tensor):

@@ -405,8 +405,8 @@ class Engine:
         return result
 
     def warmup(self, num_tokens: int = 8) -> None:
-        """Run one short request (allocator, kernel compilation), then capture the decode CUDA graph of every batch
-        bucket (when graphs are on), so that no later step pays for them. Leaves no trace: its cached prefix is
+        """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
+        (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
         forgotten and the token and step counters are restored. Call it while the engine is idle.
 
         Args:
@@ -414,6 +414,7 @@ class Engine:
         """
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine")
+        self.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
         counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_steps)
         sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2)
         self.add_request("__warmup__", [0] * num_tokens, sampling)
@@ -422,7 +423,6 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         # The warm-up is not served work: statistics start from where they were.
         self.num_generated_tokens, self.num_computed_tokens, self.num_steps = counters
-        self.runner.capture_graphs()
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""

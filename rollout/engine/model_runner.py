@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +48,13 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         _acquire(model)
         self._closed = False
-        # With fp32_logits the output projection runs in fp32 for as long as this runner holds the model: a hook
-        # that stays put keeps compiled and captured forwards valid (one added per call would change them).
+        # With fp32_logits the output projection runs in fp32 in this runner's forwards: the hook stays put for the
+        # runner's life (one added per call would invalidate compiled code) and acts only inside a step.
         head = model.get_output_embeddings() if config.fp32_logits else None
         self._fp32_hook = None
+        self._in_step = False  # the hook projects only in this runner's forwards, not in other users' of the model
         if head is not None and head.weight.dtype != torch.float32:
-            self._fp32_hook = head.register_forward_hook(fp32_projection)
+            self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
         # Per request (weakly held: finished requests drop out): (blocks_version, block ids tensor).
         self._block_tables: weakref.WeakKeyDictionary[Request, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -64,7 +67,7 @@ class ModelRunner:
         # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
             if self.heads_per_kv is not None:
-                self.enable_decode_graphs(config.max_num_seqs, max_model_len)
+                self.enable_decode_graphs(min(config.max_num_seqs, config.max_batch_tokens), max_model_len)
             elif config.use_cuda_graph:
                 raise FieldError(
                     "use_cuda_graph",
@@ -72,12 +75,12 @@ class ModelRunner:
                     "triton installed and a power-of-two block_size >= 16)",
                 )
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
-        """Serve decode steps of up to `max_num_seqs` sequences through `DecodeGraphs` (the engine does this on CUDA
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
         when `use_cuda_graph` allows; graphs are captured lazily per bucket, or all at once by `capture_graphs`).
 
         Args:
-            max_num_seqs: the largest decode batch.
+            max_batch: the largest decode batch.
             max_model_len: the longest sequence (sizes the persistent block table).
             capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
         """
@@ -85,15 +88,26 @@ class ModelRunner:
             raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
         max_blocks = -(-max_model_len // self.kv_cache.block_size)
         self.decode_graphs = DecodeGraphs(
-            self._decode_forward, self.kv_cache, max_num_seqs, max_blocks, self.heads_per_kv, capture
+            self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture
         )
         return self.decode_graphs
 
     def capture_graphs(self) -> None:
         """Capture every decode bucket now (no-op without graphs)."""
         if self.decode_graphs is not None:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._stepping():
                 self.decode_graphs.capture()
+
+    @contextlib.contextmanager
+    def _stepping(self) -> Iterator[None]:
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def _project_in_fp32(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        return fp32_projection(module, inputs, output) if self._in_step else None
 
     def _block_table(self, request: Request) -> torch.Tensor:
         """The request's block ids as a tensor, rebuilt only when its blocks changed (once per block_size tokens),
@@ -114,13 +128,16 @@ class ModelRunner:
             self.decode_graphs = None  # frees the graphs' memory pool
             _release(self.model)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Execute the step's block moves, then the forward.
 
         Returns:
             fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
         """
+        with torch.inference_mode(), self._stepping():
+            return self._run(batch)
+
+    def _run(self, batch: ScheduledBatch) -> torch.Tensor:
         if self.model.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError(
                 f"the model's attention implementation was changed to {self.model.config._attn_implementation!r} "

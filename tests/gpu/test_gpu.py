@@ -155,7 +155,9 @@ def test_decode_graphs_replay_after_a_weight_update():
 
 def test_graph_and_eager_decode_agree_in_bf16():
     """bf16 through the graphs vs eager decoding: padding to the bucket changes matmul shapes, hence rounding, so
-    the same near-tie threshold as the generate parity test applies (90% of each completion before any flip)."""
+    the same near-tie threshold as the generate parity test applies (90% of each completion before any flip); up
+    to the first differing token both saw the same context, so their logprobs may differ only by rounding (bf16
+    keeps about 3 significant digits; a corrupted cache row would move them by far more than 2e-2 on average)."""
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 
     model = small_qwen3(torch.bfloat16)
@@ -168,6 +170,43 @@ def test_graph_and_eager_decode_agree_in_bf16():
         outputs = generate_batch(
             model, prompts, sampling=sampling, max_new_tokens=40, continuous_batching_config=config, progress_bar=False
         )
-        results.append([outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))])
-    agreement = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) / len(x) for x, y in zip(*results)]
+        results.append([outputs[f"req_{i}"] for i in range(len(prompts))])
+    agreement, deltas = [], []
+    for eager, graph in zip(*results):
+        same = next((i for i, (a, b) in enumerate(zip(eager.generated_tokens, graph.generated_tokens)) if a != b), 40)
+        agreement.append(same / 40)
+        deltas += [abs(a - b) for a, b in zip(eager.logprobs[: same + 1], graph.logprobs[: same + 1])]
     assert sum(agreement) / len(agreement) >= 0.9, agreement
+    assert sum(deltas) / len(deltas) <= 2e-2, sum(deltas) / len(deltas)
+
+
+def test_a_failed_capture_falls_back_to_eager_on_the_default_stream():
+    """A forward that synchronises with the host cannot be captured: the engine warns, decodes eagerly and
+    correctly, and leaves the thread on the stream it was on (torch.cuda.graph does not restore it on failure)."""
+    from rollout.config import ContinuousBatchingConfig, SamplingParams
+    from rollout.engine.engine import Engine
+
+    model = small_qwen3(torch.float32)
+    reference = copy.deepcopy(model)
+    layer = model.model.layers[0]
+
+    def host_sync(module, args):
+        float(args[0].sum())  # reads a device value on the host: not capturable
+
+    handle = layer.register_forward_pre_hook(host_sync)
+    engine = Engine(model, ContinuousBatchingConfig(num_blocks=128, max_num_seqs=4))
+    engine.warmup()
+    graphs = engine.runner.decode_graphs
+    assert graphs.disabled_reason is not None and not graphs.captured
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    prompt = list(range(5, 40))
+    engine.add_request("a", prompt, SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=8))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step() if o.is_finished})
+    engine.close()
+    handle.remove()
+    expected = reference.generate(
+        torch.tensor([prompt], device="cuda"), max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )[0, len(prompt) :].tolist()
+    assert outputs["a"].generated_tokens == expected
