@@ -148,11 +148,8 @@ class ModelRunner:
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
         # 2. A pure decode step of a captured size replays its CUDA graph.
-        if (
-            self.decode_graphs is not None
-            and _is_decode(batch)
-            and len(batch.sequences) <= self.decode_graphs.max_batch
-        ):
+        decode = _is_decode(batch)
+        if self.decode_graphs is not None and decode and len(batch.sequences) <= self.decode_graphs.max_batch:
             return self._run_decode_graph(batch).float()
         # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         input_ids: list[int] = []
@@ -170,7 +167,7 @@ class ModelRunner:
         ends = torch.cumsum(torch.tensor(lengths), 0) - 1
         keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
         # 4. Forward; logits only at the positions that get sampled.
-        forward = self._decode_forward if _is_decode(batch) else self._forward
+        forward = self._decode_forward if decode else self._forward
         input_tensor = torch.tensor([input_ids], device=self.device)
         return forward(input_tensor, positions.unsqueeze(0), metadata, keep).float()
 
