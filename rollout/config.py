@@ -219,6 +219,11 @@ class ContinuousBatchingConfig:
     # of time). None: on CUDA whenever the Triton attention kernels serve it; True: insist (an error without the
     # kernels); False: eager. Never used on CPU.
     use_cuda_graph: bool | None = None
+    # Schedule step N+1 while step N runs on the device: the host's scheduling and input building hide behind the
+    # GPU's forward, and step N's tokens reach the host once, after N+1 was queued. A sample that stops at step N
+    # wastes one row of step N+1. None: on CUDA; False: schedule after each step's tokens are on the host.
+    # Outputs are the same either way.
+    overlap_scheduling: bool | None = None
     # torch.compile settings (transformers' CompileConfig) for the decode forward, None: no compilation. With CUDA
     # graphs on, the compiled forward is what gets captured, so its mode must not capture graphs itself.
     decode_compile_config: CompileConfig | None = None
@@ -291,6 +296,12 @@ class ContinuousBatchingConfig:
             "use_cuda_graph",
             "must be None (auto) or a bool",
             self.use_cuda_graph,
+        )
+        _check(
+            self.overlap_scheduling is None or isinstance(self.overlap_scheduling, bool),
+            "overlap_scheduling",
+            "must be None (auto) or a bool",
+            self.overlap_scheduling,
         )
         if self.decode_compile_config is not None:
             from transformers import CompileConfig

@@ -42,11 +42,11 @@ def test_failing_forward_ends_its_requests_with_error_and_engine_goes_on(monkeyp
     real_run = engine.runner.run
     calls = {"n": 0}
 
-    def flaky_run(batch):
+    def flaky_run(batch, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("device fell over")
-        return real_run(batch)
+        return real_run(batch, *args)
 
     monkeypatch.setattr(engine.runner, "run", flaky_run)
     engine.add_request("doomed", [1, 2, 3, 4, 5], GREEDY, max_new_tokens=8)

@@ -59,11 +59,11 @@ def instrumented_run(
     steps: list[tuple[float, int]] = []  # (seconds, bytes) of pure-decode forwards
     run = engine.runner.run
 
-    def probe(batch):
+    def probe(batch, unresolved=None):
         decode = all(seq.num_tokens == 1 for seq in batch.sequences)
         _sync(device)
         start = time.perf_counter()
-        logits = run(batch)
+        logits = run(batch, unresolved)
         _sync(device)
         if decode:
             context = sum(seq.start + 1 for seq in batch.sequences)

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.transfer import to_device
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -83,10 +84,13 @@ class PagedAttentionMetadata:
             (metadata, position_ids of shape (T,)).
         """
         block_size = kv_cache.block_size
-        starts_t = torch.tensor(starts, device=device)
-        lengths_t = torch.tensor(lengths, device=device)
-        block_table = block_table.to(device)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t)
+        starts_t = to_device(starts, torch.long, device)
+        lengths_t = to_device(lengths, torch.long, device)
+        block_table = to_device(block_table, torch.long, device)
+        # output_size given: repeat_interleave on CUDA would otherwise read the total back to the host.
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(lengths), device=device), lengths_t, output_size=sum(lengths)
+        )
         token_offset = torch.cumsum(lengths_t, 0) - lengths_t  # first packed index of each sequence
         positions = starts_t[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
         slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
@@ -99,7 +103,7 @@ class PagedAttentionMetadata:
             return cls(kv_cache, slots, [], triton_plan), positions
         groups = []
         for members in _partition(starts, lengths, block_size):
-            index = torch.tensor(members, device=device)
+            index = to_device(members, torch.long, device)
             group_lengths, group_starts = lengths_t[index], starts_t[index]
             max_query = max(lengths[i] for i in members)
             max_blocks = max(-(-(starts[i] + lengths[i]) // block_size) for i in members)

@@ -128,14 +128,25 @@ class DecodeGraphs:
                 logits = self._step(size)
         self._graphs[size] = (graph, logits)
 
-    def run(self, token_ids: list[int], positions: list[int], slots: list[int], block_tables: torch.Tensor):
-        """One decode step of `len(token_ids)` sequences (at most `max_batch`).
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_tables: torch.Tensor,
+        device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One decode step of `len(token_ids)` sequences (at most `max_batch`). Queues copies and the replay; never
+        waits for the device.
 
         Args:
             token_ids: each sequence's input token.
             positions: each token's position (= tokens already cached).
             slots: each new token's flat cache slot.
-            block_tables: (B, n) int block ids (padded with anything: only blocks before the position are read).
+            block_tables: (B, n) int block ids on the host (padded with anything: only blocks before the position
+                are read).
+            device_tokens: (row indices, token ids) on the device that replace those rows' `token_ids` (tokens the
+                previous step sampled and the host has not seen yet).
         Returns:
             (B, vocab) logits in the model's dtype; a view of the graph's output, valid until the next `run`.
         """
@@ -145,9 +156,13 @@ class DecodeGraphs:
             self.capture([size])  # a bucket not captured by warmup(): now, before the inputs are loaded
         padding = size - batch
         scratch = self.kv_cache.scratch_slot
-        rows = torch.tensor([token_ids + [0] * padding, positions + [0] * padding, slots + [scratch] * padding])
-        self._rows[:, :size].copy_(rows, non_blocking=True)
-        self._block_table[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        pinned = self._rows.is_cuda  # pinned host memory: the copies below do not wait for the device
+        rows = [token_ids + [0] * padding, positions + [0] * padding, slots + [scratch] * padding]
+        self._rows[:, :size].copy_(torch.tensor(rows, pin_memory=pinned), non_blocking=True)
+        if device_tokens is not None:
+            self._rows[0].index_copy_(0, *device_tokens)
+        tables = block_tables.pin_memory() if pinned else block_tables
+        self._block_table[:batch, : block_tables.shape[1]].copy_(tables, non_blocking=True)
         self._block_table[batch:size, 0] = self.kv_cache.scratch_block
         if size in self._graphs:
             graph, logits = self._graphs[size]

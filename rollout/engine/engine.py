@@ -15,10 +15,10 @@ import torch
 from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
-from rollout.engine.model_runner import ModelRunner
+from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.request import Request, sample_id
-from rollout.engine.sampler import Sampler
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.sampler import PendingSamples, Sampler
+from rollout.engine.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class WeightUpdateResult:
         drain_ms: for mode "wait", how long in-flight samples ran before the update (admission was paused).
         aborted: samples ended with finish_reason "abort" (mode "abort").
         recomputed: samples whose KV is recomputed under the new weights.
-        outputs: the final outputs of the aborted samples (the caller delivers them).
+        outputs: the outputs of the step that was in flight, then the final outputs of the aborted samples (the
+            caller delivers them).
     """
 
     version: int
@@ -90,6 +91,15 @@ class WeightUpdateResult:
 
 
 WEIGHT_UPDATE_MODES = ("keep", "recompute", "abort", "wait")
+
+
+@dataclass
+class _InFlightStep:
+    """A step queued on the device whose sampled tokens the host has not seen yet."""
+
+    batch: ScheduledBatch
+    samples: PendingSamples
+    policy_version: int  # the weights that ran it (a weight update drains the step first)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -162,6 +172,10 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
         self.sampler = Sampler(self.vocab_size)
+        overlap = self.config.overlap_scheduling
+        self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: _InFlightStep | None = None  # queued on the device, not advanced yet (overlap)
+        self._undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
@@ -299,10 +313,18 @@ class Engine:
         return dataclasses.replace(sampling, **fill)
 
     def cancel(self, group_id: str) -> list[GenerationOutput]:
-        """Abort every unfinished sample of a group; returns their final outputs (finish_reason "abort")."""
+        """Abort every unfinished sample of a group.
+
+        Returns:
+            The group's outputs of the step in flight (finished first), then the final outputs of its aborted
+            samples (finish_reason "abort"). Other groups' outputs of that step come with the next `step()`.
+        """
+        self._drain()
+        drained = [output for output in self._undelivered if output.group_id == group_id]
+        self._undelivered = [output for output in self._undelivered if output.group_id != group_id]
         if group_id not in self._open_groups:
-            return []
-        return self._outputs(self.scheduler.abort(group_id))
+            return drained
+        return drained + self._outputs(self.scheduler.abort(group_id))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -343,8 +365,9 @@ class Engine:
                 raise FieldError(name, f"is tied to {other} in the model but the update gives them different values")
 
     def num_in_flight(self) -> int:
-        """Samples that hold KV or sampled tokens (what a "wait" update waits for)."""
-        return len(self.scheduler.in_flight())
+        """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
+        waits for)."""
+        return len(self.scheduler.in_flight()) or int(self._in_flight is not None)
 
     def update_weights(
         self,
@@ -381,6 +404,7 @@ class Engine:
             raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
         self.check_weight_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
         self._check_tied_values(tensors)
+        self._drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
         if mode == "wait" and self.num_in_flight():
             raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
         copy_started = time.perf_counter()
@@ -394,12 +418,14 @@ class Engine:
         # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
         self.block_manager.reset_prefix_cache()
         result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
+        result.outputs, self._undelivered = self._undelivered, []
         if mode == "recompute":
             result.recomputed = self.scheduler.recompute_in_flight()
         elif mode == "abort":
             ended, result.recomputed = self.scheduler.abort_in_flight()
-            result.outputs = self._outputs(ended)
-            result.aborted = sum(1 for output in result.outputs if output.finish_reason == "abort")
+            aborted = self._outputs(ended)
+            result.outputs += aborted
+            result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")
         self.num_weight_updates += 1
         result.pause_ms = (time.perf_counter() - started) * 1000
         return result
@@ -425,11 +451,13 @@ class Engine:
         self.num_generated_tokens, self.num_computed_tokens, self.num_steps = counters
 
     def has_unfinished(self) -> bool:
-        """True while any request is queued or running."""
-        return self.scheduler.has_unfinished()
+        """True while any request is queued or running, or outputs wait to be returned by `step()`."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
 
     def close(self) -> None:
         """Abort what is left and give the model back its attention implementation. Idempotent."""
+        self._drain()
+        self._undelivered = []
         for group_id in list(self._open_groups):
             self.cancel(group_id)
         self.runner.close()
@@ -439,34 +467,92 @@ class Engine:
         """Run one step: schedule -> forward -> sample -> update. Never raises: a failing forward ends the step's
         requests with an error output and the engine goes on.
 
+        With overlapped scheduling the update of a step comes one call later: this call records what the queued
+        step computes, schedules and queues the next one, then fetches the queued step's tokens (by then the device
+        is busy with the next step) and returns its outputs. Between calls no placeholder is ever visible.
+
         Returns:
             Outputs of this step: deltas of streaming samples that got a token, final outputs of finished samples.
         """
+        outputs, self._undelivered = self._undelivered, []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self.scheduler.advance(previous.batch, previous.policy_version)
         batch = self.scheduler.schedule()
-        outputs = self._outputs(batch.finished)
-        if batch.is_empty:
-            return outputs
+        outputs += self._outputs(batch.finished)
+        launched, failure = None, None
+        if not batch.is_empty:
+            try:
+                launched = self._launch(batch, previous)
+            except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
+                logger.exception("engine step failed; ending its requests with an error")
+                failure = error
+        if previous is not None:
+            outputs += self._resolve(previous)
+        if failure is not None:
+            outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
+        if launched is not None and not self.overlap_scheduling:
+            self.scheduler.advance(launched.batch, launched.policy_version)
+            return outputs + self._resolve(launched)
+        self._in_flight = launched
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, previous: _InFlightStep | None) -> _InFlightStep:
+        """Queue a step's forward and sampling on the device; nothing here waits for the device."""
+        unresolved = None
+        if previous is not None:
+            rows = {request: row for row, (request, _) in enumerate(previous.batch.samples)}
+            unresolved = UnresolvedTokens(previous.samples.token_ids, rows)
+        logits = self.runner.run(batch, unresolved)
+        samples = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
+        self.num_computed_tokens += batch.num_tokens
+        self.num_steps += 1
+        return _InFlightStep(batch, samples, self.policy_version)
+
+    def _resolve(self, step: _InFlightStep) -> list[GenerationOutput]:
+        """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
         try:
-            logits = self.runner.run(batch)
-            sampled = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
-        except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
+            sampled = step.samples.fetch()
+        except Exception as error:  # noqa: BLE001 - a device failure surfaces here when the copy is waited for
             logger.exception("engine step failed; ending its requests with an error")
-            ended: list[Request] = []
-            for group_id in {seq.request.group_id for seq in batch.sequences}:
-                ended += self.scheduler.abort(group_id)
-            for request in ended:
-                request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
-            return outputs + self._outputs(ended)
-        for index, (request, _) in enumerate(batch.samples):
+            for request, _ in step.batch.samples:
+                request.drop_placeholder()
+            return self._end_with_error({request.group_id for request, _ in step.batch.samples}, error)
+        live = [index for index, (request, _) in enumerate(step.batch.samples) if not request.is_finished]
+        for index in live:
+            request = step.batch.samples[index][0]
             if sampled.logprobs is not None:
                 request.logprobs.append(sampled.logprobs[index])
             if sampled.top_logprobs is not None and request.sampling.top_logprobs:
                 request.top_logprobs.append(sampled.top_logprobs[index])
-        finished = self.scheduler.update(batch, sampled.token_ids)
-        self.num_generated_tokens += len(batch.samples)
-        self.num_computed_tokens += batch.num_tokens
-        self.num_steps += 1
-        return outputs + self._outputs(finished + [r for r, _ in batch.samples if r.streaming and not r.is_finished])
+        finished = self.scheduler.resolve(step.batch, sampled.token_ids)
+        self.num_generated_tokens += len(live)
+        streaming = [step.batch.samples[i][0] for i in live]
+        return self._outputs(finished + [r for r in streaming if r.streaming and not r.is_finished])
+
+    def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
+        """End every sample of these groups with finish_reason "error"."""
+        ended: list[Request] = []
+        for group_id in group_ids:
+            ended += self.scheduler.abort(group_id)
+        for request in ended:
+            request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
+        return self._outputs(ended)
+
+    def _drain(self) -> None:
+        """Finish the step in flight (its outputs wait for the next `step()` or `flush()`), so that the engine's
+        state is final: done before anything changes requests or weights from outside the loop."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self.scheduler.advance(step.batch, step.policy_version)
+            self._undelivered += self._resolve(step)
+
+    def flush(self) -> list[GenerationOutput]:
+        """Finish the step in flight, if any, and return every output not handed out yet (the manager calls it
+        before it ends requests, so that no output is lost or overtaken)."""
+        self._drain()
+        outputs, self._undelivered = self._undelivered, []
+        return outputs
 
     def _outputs(self, requests: list[Request]) -> list[GenerationOutput]:
         """Outputs for requests that progressed: a streaming request gets the tokens since its last delta, a

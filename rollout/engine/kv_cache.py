@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.block_manager import cdiv
+from rollout.engine.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,11 @@ class PagedKVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks src -> dst for every layer (copy-on-write)."""
         if pairs:
-            src, dst = self._index(pairs)
-            self.kv[:, :, dst.to(self.kv.device)] = self.kv[:, :, src.to(self.kv.device)]
+            index = to_device(list(zip(*pairs)), torch.long, self.kv.device)
+            self.kv[:, :, index[1]] = self.kv[:, :, index[0]]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy (device block, swap block) pairs to the CPU swap space."""
+        """Copy (device block, swap block) pairs to the CPU swap space (waits for the device: swapping is rare)."""
         if pairs:
             device_blocks, swap_blocks = self._index(pairs)
             self.swap[:, :, swap_blocks] = self.kv[:, :, device_blocks.to(self.kv.device)].cpu()

@@ -417,6 +417,10 @@ class ContinuousBatchingManager:
                 self._end_unstarted(payload, "abort" if reason is None else "error", reason)
             elif command == "weights":
                 payload.callback(RuntimeError("the manager stopped before the weight update was applied"))
+        try:
+            self._deliver(self.engine.flush())  # the step still on the device ends first
+        except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
+            logger.exception("could not finish the last engine step")
         for group_id in list(self.engine._open_groups):
             outputs = self.engine.cancel(group_id)
             if reason is not None:

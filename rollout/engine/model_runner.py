@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import weakref
 from collections.abc import Iterator
@@ -15,8 +16,17 @@ from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.engine.request import Request
+from rollout.engine.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.scheduler import ScheduledBatch
+from rollout.engine.transfer import to_device
+
+
+@dataclass
+class UnresolvedTokens:
+    """The previous step's sampled tokens while they are only on the device (overlapped scheduling)."""
+
+    token_ids: torch.Tensor  # (samples,) int64, in the previous batch's `samples` order
+    rows: dict[Request, int]  # request -> its row in token_ids
 
 
 class ModelRunner:
@@ -128,16 +138,22 @@ class ModelRunner:
             self.decode_graphs = None  # frees the graphs' memory pool
             _release(self.model)
 
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Execute the step's block moves, then the forward.
+    def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
+        """Queue the step's block moves, then the forward, without waiting for the device.
 
+        Args:
+            batch: the step.
+            unresolved: the previous step's sampled tokens, when they are not on the host yet (overlapped
+                scheduling): a sequence whose input ends with a placeholder reads its token from there.
         Returns:
             fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
+        Raises:
+            RuntimeError: an input token is a placeholder that `unresolved` does not cover.
         """
         with torch.inference_mode(), self._stepping():
-            return self._run(batch)
+            return self._run(batch, unresolved)
 
-    def _run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> torch.Tensor:
         if self.model.config._attn_implementation != ATTENTION_NAME:
             raise RuntimeError(
                 f"the model's attention implementation was changed to {self.model.config._attn_implementation!r} "
@@ -148,14 +164,13 @@ class ModelRunner:
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
         # 2. A pure decode step of a captured size replays its CUDA graph.
+        input_ids, device_tokens = self._input_ids(batch, unresolved)
         decode = _is_decode(batch)
         if self.decode_graphs is not None and decode and len(batch.sequences) <= self.decode_graphs.max_batch:
-            return self._run_decode_graph(batch).float()
+            return self._run_decode_graph(batch, input_ids, device_tokens).float()
         # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
-        input_ids: list[int] = []
         starts, lengths, tables = [], [], []
         for seq in batch.sequences:
-            input_ids.extend(seq.request.token_ids[seq.start : seq.start + seq.num_tokens])
             starts.append(seq.start)
             lengths.append(seq.num_tokens)
             tables.append(self._block_table(seq.request))
@@ -164,23 +179,51 @@ class ModelRunner:
         metadata, positions = PagedAttentionMetadata.build(
             self.kv_cache, starts, lengths, block_table, self.device, self.heads_per_kv
         )
-        ends = torch.cumsum(torch.tensor(lengths), 0) - 1
-        keep = ends[torch.tensor(batch.logits_sequences, dtype=torch.long)].to(self.device)
+        ends = list(itertools.accumulate(lengths))
+        keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
         # 4. Forward; logits only at the positions that get sampled.
         forward = self._decode_forward if decode else self._forward
-        input_tensor = torch.tensor([input_ids], device=self.device)
+        input_tensor = to_device([input_ids], torch.long, self.device)
+        if device_tokens is not None:
+            input_tensor[0].index_copy_(0, *device_tokens)
         return forward(input_tensor, positions.unsqueeze(0), metadata, keep).float()
 
-    def _run_decode_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _input_ids(
+        self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None
+    ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's packed input ids, with 0 where a token is still on the device, and (packed indices, device
+        token ids) to put there. Only a request's last token can be unresolved, so only a chunk's last one is."""
+        input_ids: list[int] = []
+        targets: list[int] = []
+        sources: list[int] = []
+        for seq in batch.sequences:
+            input_ids.extend(seq.request.token_ids[seq.start : seq.start + seq.num_tokens])
+            if input_ids[-1] == PLACEHOLDER_TOKEN:
+                row = None if unresolved is None else unresolved.rows.get(seq.request)
+                if row is None:
+                    raise RuntimeError(
+                        f"the input token of {seq.request.request_id} is neither on the host nor among the previous "
+                        "step's samples"
+                    )
+                input_ids[-1] = 0
+                targets.append(len(input_ids) - 1)
+                sources.append(row)
+        if not targets:
+            return input_ids, None
+        index = to_device([targets, sources], torch.long, self.device)
+        return input_ids, (index[0], unresolved.token_ids.index_select(0, index[1]))
+
+    def _run_decode_graph(
+        self, batch: ScheduledBatch, token_ids: list[int], device_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         block_size = self.kv_cache.block_size
-        token_ids, positions, slots = [], [], []
+        positions, slots = [], []
         for seq in batch.sequences:
             position = seq.start
-            token_ids.append(seq.request.token_ids[position])
             positions.append(position)
             slots.append(seq.request.block_ids[position // block_size] * block_size + position % block_size)
         tables = torch.nn.utils.rnn.pad_sequence([self._block_table(seq.request) for seq in batch.sequences], True)
-        return self.decode_graphs.run(token_ids, positions, slots, tables)
+        return self.decode_graphs.run(token_ids, positions, slots, tables, device_tokens)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor

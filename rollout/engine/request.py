@@ -24,6 +24,8 @@ class RequestStatus(IntEnum):
 
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Stands for a token sampled on the device and not yet copied to the host (never a real token id, which is >= 0).
+PLACEHOLDER_TOKEN = -1
 
 
 def sample_id(group_id: str, index: int) -> str:
@@ -105,21 +107,59 @@ class Request:
         """True once the request ended (any finish reason)."""
         return self.status == RequestStatus.FINISHED
 
+    @property
+    def reached_max_tokens(self) -> bool:
+        """True once its last token, possibly not resolved yet, is its max_new_tokens-th: it computes nothing more."""
+        return self.num_output_tokens >= self.max_new_tokens
+
+    @property
+    def has_placeholder(self) -> bool:
+        """True between `add_placeholder` and `resolve_token`: the last token was sampled but is still on the
+        device."""
+        return bool(self.token_ids) and self.token_ids[-1] == PLACEHOLDER_TOKEN
+
+    def add_placeholder(self, policy_version: int) -> None:
+        """Count a token sampled on the device whose value is not on the host yet (overlapped scheduling).
+
+        Args:
+            policy_version: the version of the weights that sampled it.
+        """
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        if not self.token_versions or self.token_versions[-1][0] != policy_version:
+            self.token_versions.append([policy_version, self.num_output_tokens - 1])
+
+    def resolve_token(self, token_id: int) -> None:
+        """Replace the placeholder by the sampled token and set `finish_reason` when it stops the request (stop
+        token or length).
+
+        Args:
+            token_id: the sampled token.
+        """
+        if not self.has_placeholder:
+            raise RuntimeError(f"request {self.request_id} has no sampled token to resolve")
+        self.token_ids[-1] = token_id
+        # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
+        if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
+            self.finish_reason = "stop"
+        elif self.reached_max_tokens:
+            self.finish_reason = "length"
+
+    def drop_placeholder(self) -> None:
+        """Forget an unresolved token (its step failed): the request is as before `add_placeholder`."""
+        if self.has_placeholder:
+            self.token_ids.pop()
+            if self.token_versions[-1][1] >= self.num_output_tokens:  # a run that began with the dropped token
+                self.token_versions.pop()
+
     def append_token(self, token_id: int, policy_version: int = 0) -> None:
-        """Append a sampled token and set `finish_reason` when it stops the request (stop token or length).
+        """Append a sampled token (`add_placeholder` then `resolve_token`).
 
         Args:
             token_id: the sampled token.
             policy_version: the version of the weights that sampled it.
         """
-        self.token_ids.append(token_id)
-        if not self.token_versions or self.token_versions[-1][0] != policy_version:
-            self.token_versions.append([policy_version, self.num_output_tokens - 1])
-        # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
-        if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
-            self.finish_reason = "stop"
-        elif self.num_output_tokens >= self.max_new_tokens:
-            self.finish_reason = "length"
+        self.add_placeholder(policy_version)
+        self.resolve_token(token_id)
 
     def fork(self, sample_index: int, request_id: str, arrival: int) -> Request:
         """A new sample of the same group with the same tokens so far; blocks are shared by the block manager."""

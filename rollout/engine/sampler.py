@@ -8,6 +8,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
+from rollout.engine.transfer import HostCopy, to_device
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -19,6 +20,46 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class PendingSamples:
+    """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the host after
+    `fetch()`. Everything the host needs comes down in one copy, queued when the sampling was."""
+
+    def __init__(self, token_ids: torch.Tensor, parts: list[torch.Tensor], top_counts: list[int] | None):
+        """
+        Args:
+            token_ids: (rows,) int64 sampled tokens on the device.
+            parts: 1-D device tensors brought to the host together: token ids, then (with logprobs) the chosen
+                log-probs, then (with top log-probs) the flattened top values and top indices.
+            top_counts: per row, how many top log-probs it asked for (None: top log-probs not computed).
+        """
+        self.token_ids = token_ids
+        self._rows = token_ids.shape[0]
+        self._has_logprobs = len(parts) > 1
+        self._top_counts = top_counts
+        # float64 holds token ids exactly.
+        self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
+
+    def fetch(self) -> SamplerOutput:
+        """The sampled tokens and log-probs as Python values (waits for the copy to land)."""
+        if self._host is None:
+            return SamplerOutput([], [] if self._has_logprobs else None, None)
+        host = self._host.tolist()
+        rows = self._rows
+        tokens = [int(t) for t in host[:rows]]
+        if not self._has_logprobs:
+            return SamplerOutput(tokens, None, None)
+        chosen = host[rows : 2 * rows]
+        top = None
+        if self._top_counts is not None:
+            width = max(self._top_counts)
+            values, indices = host[2 * rows : 2 * rows + rows * width], host[2 * rows + rows * width :]
+            top = [
+                [(int(indices[i * width + j]), values[i * width + j]) for j in range(self._top_counts[i])]
+                for i in range(rows)
+            ]
+        return SamplerOutput(tokens, chosen, top)
 
 
 class Sampler:
@@ -46,60 +87,58 @@ class Sampler:
         self.vocab_size = vocab_size
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> SamplerOutput:
-        """Sample one token for each (request, logits row) pair.
+    def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> PendingSamples:
+        """Sample one token for each (request, logits row) pair, without waiting for the device: the work is queued
+        and the results come to the host in one copy (`PendingSamples.fetch()`).
 
         Args:
             logits: (rows, vocab) logits of the positions that get sampled.
             samples: (request, row) pairs; several requests may share a row (a group's first token).
             return_logprobs: compute log-probs (and top log-probs where asked).
         """
+        device = logits.device
         if not samples:
-            return SamplerOutput([], [] if return_logprobs else None, None)
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return PendingSamples(empty, [empty] * (2 if return_logprobs else 1), None)
         requests = [request for request, _ in samples]
         params = [request.sampling for request in requests]
-        rows = torch.tensor([row for _, row in samples], dtype=torch.long, device=logits.device)
+        rows = to_device([row for _, row in samples], torch.long, device)
         raw = logits.float().index_select(0, rows)
         scores = raw.clone()
         self._apply_penalties(scores, requests)
-        for i, request in enumerate(requests):
-            if request.num_output_tokens < request.sampling.min_new_tokens and request.stop_token_ids:
-                scores[i, list(request.stop_token_ids)] = float("-inf")
+        self._mask_early_stops(scores, requests)
 
         sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = scores.argmax(dim=-1)
         if sampling_rows:
-            index = torch.tensor(sampling_rows, device=scores.device)
+            index = to_device(sampling_rows, torch.long, device)
             warped = self._warp(scores.index_select(0, index), [params[i] for i in sampling_rows])
             scores[index] = warped
             token_ids[index] = self._draw(warped, [requests[i] for i in sampling_rows])
         self._update_penalty_state(requests, token_ids)
 
         if not return_logprobs:
-            return SamplerOutput(token_ids.tolist(), None, None)
-        use_raw = torch.tensor([p.logprob_mode == "raw" for p in params], device=scores.device).unsqueeze(1)
+            return PendingSamples(token_ids, [token_ids], None)
+        use_raw = to_device([p.logprob_mode == "raw" for p in params], torch.bool, device).unsqueeze(1)
         logprobs = torch.log_softmax(torch.where(use_raw, raw, scores), dim=-1)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        max_top = max(p.top_logprobs for p in params)
-        parts = [token_ids.double(), chosen.double()]
-        if max_top:
-            values, indices = logprobs.topk(max_top, dim=-1)
-            parts += [values.double().flatten(), indices.double().flatten()]
-        # One device-to-host transfer per step (token ids are exact in float64).
-        host = torch.cat(parts).tolist()
-        rows = len(requests)
-        tokens, chosen_list = [int(t) for t in host[:rows]], host[rows : 2 * rows]
-        top = None
-        if max_top:
-            flat_values, flat_indices = host[2 * rows : 2 * rows + rows * max_top], host[2 * rows + rows * max_top :]
-            top = [
-                [
-                    (int(flat_indices[i * max_top + j]), flat_values[i * max_top + j])
-                    for j in range(params[i].top_logprobs)
-                ]
-                for i in range(rows)
-            ]
-        return SamplerOutput(tokens, chosen_list, top)
+        top_counts = [p.top_logprobs for p in params]
+        if not max(top_counts):
+            return PendingSamples(token_ids, [token_ids, chosen], None)
+        values, indices = logprobs.topk(max(top_counts), dim=-1)
+        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts)
+
+    def _mask_early_stops(self, scores: torch.Tensor, requests: list[Request]) -> None:
+        """min_new_tokens: stop tokens get -inf while fewer than min_new_tokens tokens were generated."""
+        rows: list[int] = []
+        columns: list[int] = []
+        for i, request in enumerate(requests):
+            if request.num_output_tokens < request.sampling.min_new_tokens and request.stop_token_ids:
+                rows += [i] * len(request.stop_token_ids)
+                columns += request.stop_token_ids
+        if rows:
+            index = to_device([rows, columns], torch.long, scores.device)
+            scores.index_put_((index[0], index[1]), scores.new_full((), float("-inf")))
 
     def _apply_penalties(self, scores: torch.Tensor, requests: list[Request]) -> None:
         rows = [
@@ -115,9 +154,9 @@ class Sampler:
         params = [requests[i].sampling for i in rows]
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], device=scores.device).unsqueeze(1)
+            return to_device([getattr(p, name) for p in params], scores.dtype, scores.device).unsqueeze(1)
 
-        index = torch.tensor(rows, device=scores.device)
+        index = to_device(rows, torch.long, scores.device)
         sub = scores.index_select(0, index)
         repetition = column("repetition_penalty")
         sub = torch.where(seen, torch.where(sub < 0, sub * repetition, sub / repetition), sub)
@@ -128,10 +167,15 @@ class Sampler:
         """(seen in prompt or output, count in output) over the vocabulary, on the device; built once, then updated
         per token on the device."""
         if request.sampler_state is None:
+            # Built at a request's first sampled token, when all of its tokens are on the host.
+            if request.has_placeholder:
+                raise RuntimeError(f"penalty state of {request.request_id} built before its last token was resolved")
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            seen[torch.tensor(request.token_ids, device=device)] = True
-            output = torch.tensor(request.output_ids, dtype=torch.long, device=device)
-            request.sampler_state = (seen, torch.bincount(output, minlength=self.vocab_size).float())
+            seen[to_device(request.token_ids, torch.long, device)] = True
+            output = to_device(request.output_ids, torch.long, device)
+            counts = torch.zeros(self.vocab_size, device=device)
+            # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
+            request.sampler_state = (seen, counts.index_add_(0, output, torch.ones_like(output, dtype=counts.dtype)))
         return request.sampler_state
 
     def _update_penalty_state(self, requests: list[Request], token_ids: torch.Tensor) -> None:
@@ -146,20 +190,21 @@ class Sampler:
     def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Steps 3-6 on the sampling rows (same semantics as transformers' warpers)."""
         device = scores.device
-        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype).unsqueeze(1)
+        temperature = to_device([p.temperature for p in params], scores.dtype, device).unsqueeze(1)
         scores = scores / temperature
         if any(p.top_k for p in params):
-            k = torch.tensor([min(p.top_k or self.vocab_size, self.vocab_size) for p in params], device=device)
-            kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            top_ks = [min(p.top_k or self.vocab_size, self.vocab_size) for p in params]
+            k = to_device(top_ks, torch.long, device)
+            kth = scores.topk(max(top_ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
             scores = scores.masked_fill(scores < kth, float("-inf"))
         if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=scores.dtype).unsqueeze(1)
+            top_p = to_device([p.top_p for p in params], scores.dtype, device).unsqueeze(1)
             sorted_scores, sorted_index = scores.sort(dim=-1, descending=False)
             remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
             remove[:, -1] = False
             scores = scores.masked_fill(remove.scatter(1, sorted_index, remove), float("-inf"))
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=scores.dtype).unsqueeze(1)
+            min_p = to_device([p.min_p for p in params], scores.dtype, device).unsqueeze(1)
             probs = scores.softmax(dim=-1)
             scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return scores
@@ -167,7 +212,7 @@ class Sampler:
     def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row, by inverse-CDF sampling with a counter-based uniform per (request, position)."""
         row_seeds = [hash((r.seed, r.sample_index, r.num_tokens)) & _SEED_MASK for r in requests]
-        seeds = torch.tensor(row_seeds, dtype=torch.int64).to(scores.device, non_blocking=True)
+        seeds = to_device(row_seeds, torch.int64, scores.device)
         return sample_from(scores.softmax(dim=-1), seeds)
 
 

@@ -199,7 +199,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = [self.max_batch_tokens]
         if self.policy == "prefill_first":
-            reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running)
+            reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running if not r.reached_max_tokens)
             self._schedule_swapped(batch, budget, reserve)
             self._schedule_waiting(batch, budget, reserve)
             self._schedule_running(batch, budget)
@@ -212,7 +212,10 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
         # Requests computed or sampled in this step must not be preempted by it (forked samples included).
         in_batch = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
+        # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
+        in_batch.update(id(r) for r in self.running if r.reached_max_tokens)
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.reached_max_tokens]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget[0] == 0 or len(batch.sequences) >= self.max_num_seqs:
@@ -240,6 +243,7 @@ class Scheduler:
     def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
             request = self.swapped[0]
+            _check_resolved(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             needed = len(request.swap_block_ids) + max(
                 0,
@@ -261,6 +265,7 @@ class Scheduler:
             request = self._next_admissible()
             if request is None:
                 return
+            _check_resolved(request)
             # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
             blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
             if blocks_for_life > manager.num_blocks:
@@ -329,23 +334,72 @@ class Scheduler:
         self._reset_for_recompute(request)
 
     # ---- results ----------------------------------------------------------------------------------------------
+    # A step's results arrive in two parts, so that the next step can be scheduled while this one still runs:
+    # `advance` right after its forward was queued (what it computed is known, the sampled values are not), then
+    # `resolve` once the sampled tokens reach the host. Between the two, each sample's last token is a placeholder,
+    # and the only work ever scheduled for such a request is the decode of that token (its input id is taken on
+    # the device): it was sampled in the step before, so it is never re-prefilled, hashed or forked meanwhile.
+    def advance(self, batch: ScheduledBatch, policy_version: int) -> None:
+        """Record what a queued step computes: tokens computed, full blocks offered for prefix reuse, and one
+        placeholder token per sample. Requests that finished meanwhile (a stop token of the step before) are
+        skipped: their blocks are gone.
+
+        Args:
+            batch: the step, as scheduled.
+            policy_version: the weights' version that runs the step (tags the tokens it samples).
+        """
+        for seq in batch.sequences:
+            if not seq.request.is_finished:
+                seq.request.num_computed_tokens = seq.start + seq.num_tokens
+                self.block_manager.commit_hashes(seq.request)
+        for request, _ in batch.samples:
+            if not request.is_finished:
+                request.add_placeholder(policy_version)
+
+    def resolve(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
+        """Put an advanced step's sampled tokens in place of the placeholders and finish the requests they end.
+
+        Args:
+            batch: the step, as passed to `advance`.
+            sampled_tokens: one token per `batch.samples` entry (entries of finished requests are ignored).
+        Returns:
+            Requests that finished in this step (stop token or length), blocks already freed.
+        """
+        finished: list[Request] = []
+        for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
+            if request.is_finished:
+                continue
+            request.resolve_token(token)
+            if request.finish_reason is not None:
+                self._dequeue(request)
+                finished += self._finish(request, request.finish_reason)
+        return finished
+
     def update(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens (one per `batch.samples` entry) and finish requests.
+        """`advance` then `resolve` (a step whose tokens are already on the host).
 
         Returns:
             Requests that finished in this step (stop token or length), blocks already freed.
         """
-        for seq in batch.sequences:
-            seq.request.num_computed_tokens = seq.start + seq.num_tokens
-            self.block_manager.commit_hashes(seq.request)
-        finished: list[Request] = []
-        for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
-            request.append_token(token, self.block_manager.policy_version)
-            if request.finish_reason is not None:
-                self.running.remove(request)
-                finished += self._finish(request, request.finish_reason)
-        return finished
+        self.advance(batch, self.block_manager.policy_version)
+        return self.resolve(batch, sampled_tokens)
+
+    def _dequeue(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it (it may have been preempted since it was sampled)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
 
 
 def _arrival(request: Request) -> int:
     return request.arrival
+
+
+def _check_resolved(request: Request) -> None:
+    """A preempted request comes back only once its last token is known (a step that preempts admits nothing, and
+    the step before is resolved before the next one is scheduled): prefix hashes and prefill inputs read it."""
+    if request.has_placeholder:
+        raise RuntimeError(f"request {request.request_id} was readmitted before its last token was resolved")

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.engine.transfer import to_device
+
 # Triton's CPU interpreter computes tl.dot wrongly on bf16/fp16 operands: there, products are taken in fp32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -281,7 +283,7 @@ def plan(
     splits = num_splits or plan_splits(len(tile_seq), num_kv_heads, max_blocks)
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return to_device(values, torch.int32, device)
 
     return TritonAttentionPlan(
         tensor(tile_seq),

@@ -1,0 +1,65 @@
+"""Host <-> device copies that never make the host wait for the device.
+
+A step's inputs go up and its sampled tokens come down while the device may still be busy with earlier work.
+PyTorch's default copies synchronise: `torch.tensor(values, device="cuda")` and `.to("cuda")` from pageable memory
+wait for the stream, and `.tolist()` of a device tensor waits for everything queued before it. With overlapped
+scheduling that would stall the host on the very forward it means to hide behind, so the engine's step path moves
+data only through these helpers:
+
+- `to_device`: values staged in pinned host memory, then an asynchronous copy. PyTorch's caching host allocator
+  keeps the pinned buffer alive until the copy has run, so the caller may drop it at once.
+- `HostCopy`: a device tensor queued for the host now (pinned destination + CUDA event); `tolist()` waits for that
+  copy alone, later.
+
+On CPU every copy is a plain synchronous one (there is nothing to overlap with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_device(values: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`values` (a list, or a CPU tensor) as a tensor of `dtype` on `device`, without waiting for the device.
+
+    Args:
+        values: a (nested) list of numbers, or a CPU tensor.
+        dtype: the result's dtype.
+        device: where the result lives.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        if isinstance(values, torch.Tensor):
+            return values.to(device=device, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, device=device)
+    if isinstance(values, torch.Tensor):
+        staged = values.to(dtype=dtype).pin_memory()
+    else:
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return staged.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to host memory: the copy is queued at construction, waited for in `tolist()`."""
+
+    def __init__(self, tensor: torch.Tensor):
+        """
+        Args:
+            tensor: the device tensor to bring to the host (its values as of the work queued so far).
+        """
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tensor.device))
+        else:
+            self._host = tensor
+
+    def tolist(self) -> list:
+        """The values as Python numbers, once the copy has landed (waits for it, and for nothing queued later)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
