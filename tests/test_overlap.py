@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_parity import GREEDY, reference_greedy
 from test_weight_updates import two_policies
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
@@ -236,36 +237,79 @@ def test_weight_update_drains_the_step_in_flight(mode):
         assert any(v == 1 for o in sequential["r0"] for v, _ in o.policy_versions), "tokens after the update"
 
 
-def test_launching_a_step_never_reads_the_device(monkeypatch):
-    """Queueing a step (inputs, forward, every sampling processor, log-probs) calls nothing that brings a device
-    value to the host: on CUDA each would stall the host until the step before had finished. (tests/gpu checks
-    the same with CUDA's own sync detector.)"""
-    engine = make_engine(tiny_model("qwen3"), overlap_scheduling=True, max_batch_tokens=24)
+class HostReads(TorchDispatchMode):
+    """Records the ATen ops that make the host wait for a CUDA device: reading a value (`item`, what `int(t)`,
+    `bool(t)` and 0-dim tensor indices lower to), ops whose output size depends on values (`nonzero`, boolean-mask
+    indexing, `repeat_interleave` without `output_size`, `bincount`, `unique`)."""
+
+    VALUE_SIZED = ("nonzero", "masked_select", "bincount", "unique", "_unique", "_unique2", "unique_consecutive")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+        self.active = False  # recording (off while a swap-out, which waits by design, runs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if not self.active:
+            pass
+        elif name in ("_local_scalar_dense", "item", "is_nonzero", "equal") or name in self.VALUE_SIZED:
+            self.calls.append(name)
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.calls.append(name)
+        elif name in ("index", "index_put", "index_put_") and any(
+            index is not None and index.dtype in (torch.bool, torch.uint8) for index in args[1]
+        ):
+            self.calls.append(f"{name} with a boolean mask")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("swap", [0.0, 0.01])
+def test_launching_a_step_never_reads_the_device(monkeypatch, swap):
+    """Queueing a step (block moves, inputs, forward, every sampling processor, log-probs) runs no op that brings
+    a device value to the host: on CUDA each would stall the host until the step before had finished. Seen on CPU
+    at the ATen level (tests/gpu checks the same with CUDA's own sync detector). Prefill chunks of unequal length,
+    copy-on-write of forked samples and (with swap space) swap-ins included; swap-outs wait by design."""
+    engine = make_engine(
+        tiny_model("qwen3"), overlap_scheduling=True, num_blocks=36, max_batch_tokens=24, cpu_offload_space=swap
+    )
     sampled_workload(engine, make_prompts(1, 8, 8, seed=60)[0])
     launch = engine._launch
-    inside = [False]
-    calls: list[str] = []
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+    spy = HostReads()
+    python_reads: list[str] = []
+    for name in ("tolist", "numpy"):  # no ATen op behind these
         original = getattr(torch.Tensor, name)
 
         def guarded(self, *args, _original=original, _name=name, **kwargs):
-            if inside[0]:
-                calls.append(_name)
+            if spy.active:
+                python_reads.append(_name)
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
 
-    def watched_launch(*args):
-        inside[0] = True
+    def watched_launch(batch, previous):
+        spy.active = True
         try:
-            return launch(*args)
+            with spy:
+                return launch(batch, previous)
         finally:
-            inside[0] = False
+            spy.active = False
+
+    def unwatched_swap_out(pairs, _swap_out=engine.kv_cache.swap_out):
+        active, spy.active = spy.active, False
+        try:
+            return _swap_out(pairs)
+        finally:
+            spy.active = active
 
     engine._launch = watched_launch
+    engine.kv_cache.swap_out = unwatched_swap_out
     outputs = _collected(engine)
     assert len(outputs) == 10 and engine.num_steps > 10
-    assert calls == []
+    if swap:
+        assert engine.scheduler.num_swaps > 0
+    assert spy.calls == [] and python_reads == []
 
 
 @pytest.mark.parametrize("graphs", [False, True])

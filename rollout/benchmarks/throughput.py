@@ -14,6 +14,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ WORKLOADS = {
             tie_word_embeddings=True,
         ),
         engine_config=dict(block_size=16, max_batch_tokens=8192, max_num_seqs=256),
-        default_systems=("rollout", "transformers_generate_batch"),
+        default_systems=("rollout", "rollout_sequential", "transformers_generate_batch"),
     ),
 }
 
@@ -95,9 +96,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_rollout(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
-    """This engine: every prompt with its own max_new_tokens, greedy, EOS ignored."""
-    config = ContinuousBatchingConfig(**workload.engine_config)
+def run_rollout(model, prompts, max_new, workload: Workload, **overrides: Any) -> tuple[float, list[list[int]]]:
+    """This engine: every prompt with its own max_new_tokens, greedy, EOS ignored.
+
+    Args:
+        overrides: ContinuousBatchingConfig fields set on top of the workload's.
+    """
+    config = ContinuousBatchingConfig(**{**workload.engine_config, **overrides})
     sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
     _sync(workload.device)
     start = time.perf_counter()
@@ -167,8 +172,15 @@ def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tu
     return elapsed, [output[i, width : width + m].tolist() for i, m in enumerate(max_new)]
 
 
+def run_rollout_sequential(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """This engine with overlapped scheduling off: each step is scheduled after the last one's tokens reached the
+    host (what overlap gains is the difference)."""
+    return run_rollout(model, prompts, max_new, workload, overlap_scheduling=False)
+
+
 SYSTEMS = {
     "rollout": run_rollout,
+    "rollout_sequential": run_rollout_sequential,
     "transformers_generate_batch": run_transformers_generate_batch,
     "transformers_generate": run_transformers_generate,
 }

@@ -32,10 +32,11 @@ class SequenceGroup:
     """A padded sub-batch of sequences: B sequences, up to Q query tokens each, up to L cached keys each."""
 
     query_index: torch.Tensor  # (B, Q) positions in the packed batch (padding points at 0)
-    query_valid: torch.Tensor  # (B, Q) False on padding
     query_pos: torch.Tensor  # (B, Q) absolute positions (padding: 0, so its mask row is never empty)
     block_table: torch.Tensor  # (B, num_blocks) device block ids, padded with block 0
-    all_valid: bool  # no padding among the queries
+    # Flat (B * Q) rows of the real queries, None when there is no padding: a gather by index, not a boolean mask
+    # (which would read the mask's true count back to the host).
+    valid_rows: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
@@ -111,8 +112,11 @@ class PagedAttentionMetadata:
             valid = offsets < group_lengths.unsqueeze(1)
             query_index = torch.where(valid, token_offset[index].unsqueeze(1) + offsets, 0)
             query_pos = torch.where(valid, group_starts.unsqueeze(1) + offsets, 0)
-            all_valid = all(lengths[i] == max_query for i in members)
-            groups.append(SequenceGroup(query_index, valid, query_pos, block_table[index, :max_blocks], all_valid))
+            valid_rows = None
+            if any(lengths[i] != max_query for i in members):
+                rows = [row * max_query + q for row, i in enumerate(members) for q in range(lengths[i])]
+                valid_rows = to_device(rows, torch.long, device)
+            groups.append(SequenceGroup(query_index, query_pos, block_table[index, :max_blocks], valid_rows))
         return cls(kv_cache, slots, groups), positions
 
 
@@ -242,10 +246,10 @@ def _paged_attention(
         group_value = _gather_blocks(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
         result = attend(group_query, group_key, group_value, mask, scaling, softcap).transpose(1, 2)  # (B, Q, H, D)
-        if group.all_valid:
-            output[group.query_index.flatten()] = result.flatten(0, 1)
-        else:
-            output[group.query_index[group.query_valid]] = result[group.query_valid]
+        targets, result = group.query_index.flatten(), result.flatten(0, 1)
+        if group.valid_rows is not None:
+            targets, result = targets.index_select(0, group.valid_rows), result.index_select(0, group.valid_rows)
+        output.index_copy_(0, targets, result)
     return output.unsqueeze(0), None
 
 

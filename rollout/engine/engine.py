@@ -1,4 +1,12 @@
-"""The engine loop: `step()` reads as schedule -> run -> sample -> update. Single-threaded; the manager drives it."""
+"""The engine loop: `step()` reads as schedule -> run -> sample -> update. Single-threaded; the manager drives it.
+
+With `overlap_scheduling` (the CUDA default) the update is split around the next step: a step's forward and sampling
+are queued on the device, the scheduler `advance`s (computed tokens, one placeholder per sampled token), the next
+step is scheduled and queued (its decode inputs read the placeholders' tokens on the device), and only then are the
+first step's tokens copied to the host and `resolve`d (stop tokens, log-probs, outputs). A sample that stopped has
+one wasted row in the step already queued. Anything that changes requests or weights from outside the loop
+(`cancel`, `update_weights`, `close`) first drains the step in flight, so it always sees resolved tokens.
+"""
 
 from __future__ import annotations
 
@@ -100,6 +108,7 @@ class _InFlightStep:
     batch: ScheduledBatch
     samples: PendingSamples
     policy_version: int  # the weights that ran it (a weight update drains the step first)
+    advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -392,7 +401,8 @@ class Engine:
         Returns:
             A `WeightUpdateResult`; its `outputs` are the aborted samples' final outputs, for the caller to deliver.
         Raises:
-            FieldError: a bad mode, version or tensor (named); nothing was changed.
+            FieldError: a bad mode, version or tensor (named); nothing was changed (a "wait" refused for samples in
+                flight has finished the step in flight first: its outputs come with the next `step()`).
         """
         started = time.perf_counter()
         if mode not in WEIGHT_UPDATE_MODES:
@@ -455,7 +465,8 @@ class Engine:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
 
     def close(self) -> None:
-        """Abort what is left and give the model back its attention implementation. Idempotent."""
+        """Abort what is left and give the model back its attention implementation. Outputs not returned yet are
+        dropped (call `flush()` first to get them). Idempotent."""
         self._drain()
         self._undelivered = []
         for group_id in list(self._open_groups):
@@ -475,9 +486,10 @@ class Engine:
             Outputs of this step: deltas of streaming samples that got a token, final outputs of finished samples.
         """
         outputs, self._undelivered = self._undelivered, []
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None:
+        previous = self._in_flight  # stays reachable (for _drain) until it is resolved, whatever raises meanwhile
+        if previous is not None and not previous.advanced:
             self.scheduler.advance(previous.batch, previous.policy_version)
+            previous.advanced = True
         batch = self.scheduler.schedule()
         outputs += self._outputs(batch.finished)
         launched, failure = None, None
@@ -487,7 +499,10 @@ class Engine:
             except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
                 logger.exception("engine step failed; ending its requests with an error")
                 failure = error
+        elif batch.swap_out:  # a step that only preempted: the preempted KV still goes to the swap space
+            self.runner.move_blocks(batch)
         if previous is not None:
+            self._in_flight = None
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
@@ -544,7 +559,8 @@ class Engine:
         state is final: done before anything changes requests or weights from outside the loop."""
         step, self._in_flight = self._in_flight, None
         if step is not None:
-            self.scheduler.advance(step.batch, step.policy_version)
+            if not step.advanced:
+                self.scheduler.advance(step.batch, step.policy_version)
             self._undelivered += self._resolve(step)
 
     def flush(self) -> list[GenerationOutput]:

@@ -153,7 +153,8 @@ class PagedKVCache:
             self.swap[:, :, swap_blocks] = self.kv[:, :, device_blocks.to(self.kv.device)].cpu()
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy (swap block, device block) pairs back to the device."""
+        """Copy (swap block, device block) pairs back to the device (staged in pinned memory: no wait)."""
         if pairs:
             swap_blocks, device_blocks = self._index(pairs)
-            self.kv[:, :, device_blocks.to(self.kv.device)] = self.swap[:, :, swap_blocks].to(self.kv.device)
+            blocks = to_device(self.swap[:, :, swap_blocks], self.kv.dtype, self.kv.device)
+            self.kv[:, :, to_device(device_blocks, torch.long, self.kv.device)] = blocks

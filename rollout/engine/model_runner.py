@@ -160,9 +160,7 @@ class ModelRunner:
                 "while an engine is using it"
             )
         # 1. Block moves, in an order that never reads a block after it was overwritten.
-        self.kv_cache.swap_out(batch.swap_out)
-        self.kv_cache.swap_in(batch.swap_in)
-        self.kv_cache.copy_blocks(batch.block_copies)
+        self.move_blocks(batch)
         # 2. A pure decode step of a captured size replays its CUDA graph.
         input_ids, device_tokens = self._input_ids(batch, unresolved)
         decode = _is_decode(batch)
@@ -187,6 +185,13 @@ class ModelRunner:
         if device_tokens is not None:
             input_tensor[0].index_copy_(0, *device_tokens)
         return forward(input_tensor, positions.unsqueeze(0), metadata, keep).float()
+
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        """Queue the step's swap-outs, swap-ins and copy-on-write copies, in that order (`run` does it first; a
+        step that only preempts, computing nothing, needs it alone)."""
+        self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.swap_in(batch.swap_in)
+        self.kv_cache.copy_blocks(batch.block_copies)
 
     def _input_ids(
         self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None

@@ -173,19 +173,20 @@ class Sampler:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
             seen[to_device(request.token_ids, torch.long, device)] = True
             output = to_device(request.output_ids, torch.long, device)
-            counts = torch.zeros(self.vocab_size, device=device)
+            counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
             # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
             request.sampler_state = (seen, counts.index_add_(0, output, torch.ones_like(output, dtype=counts.dtype)))
         return request.sampler_state
 
     def _update_penalty_state(self, requests: list[Request], token_ids: torch.Tensor) -> None:
-        """Count each sampled token, indexing with device scalars (no host round trip)."""
+        """Count each sampled token on the device. index_fill_/index_add_ with a one-element index tensor: indexing
+        with a 0-dim device tensor (`seen[token] = True`) would read the index back to the host."""
         for index, request in enumerate(requests):
             if request.sampler_state is not None:
                 seen, counts = request.sampler_state
-                token = token_ids[index]
-                seen[token] = True
-                counts[token] += 1
+                token = token_ids[index : index + 1]
+                seen.index_fill_(0, token, True)
+                counts.index_add_(0, token, torch.ones(1, dtype=counts.dtype, device=counts.device))
 
     def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Steps 3-6 on the sampling rows (same semantics as transformers' warpers)."""

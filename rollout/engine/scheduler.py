@@ -13,6 +13,9 @@ Policies:
 When blocks run out, the newest running request not yet in this step is preempted: swapped to CPU blocks when there
 are enough, else freed and recomputed later. A request that cannot fit even in an empty cache ends with an error.
 
+Results come in two parts, `advance` (what a queued step computes) and `resolve` (its sampled tokens), so the
+engine can schedule the next step before this one's tokens reach the host (overlapped scheduling).
+
 Weight updates: `pause_admission()` stops admitting requests that have not sampled yet (in-flight ones, preempted
 or swapped, still come back), so the in-flight set drains; `recompute_in_flight()` and `abort_in_flight()` carry out
 the "recompute" and "abort" commit modes.
@@ -214,7 +217,8 @@ class Scheduler:
         in_batch = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
         # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
         # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
-        in_batch.update(id(r) for r in self.running if r.reached_max_tokens)
+        finishing = {id(r) for r in self.running if r.reached_max_tokens}
+        in_batch |= finishing
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.reached_max_tokens]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
@@ -225,6 +229,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             needed = self.block_manager.blocks_needed(request, num_new)
             while not self.block_manager.can_allocate(needed):
+                if finishing:
+                    break  # their blocks come back when this step's previous one is resolved: wait, do not preempt
                 victim = max((r for r in self.running if id(r) not in in_batch), key=_arrival, default=None)
                 if victim is None:
                     break

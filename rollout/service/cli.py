@@ -21,7 +21,7 @@ from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
 
-CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -62,9 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--cuda-graphs",
-        choices=sorted(CUDA_GRAPHS),
+        choices=sorted(AUTO_ON_OFF),
         default="auto",
         help="replay CUDA graphs for decode steps: auto (on CUDA with the Triton kernels), on, off (default: auto)",
+    )
+    add(
+        "--overlap",
+        choices=sorted(AUTO_ON_OFF),
+        default="auto",
+        help="schedule the next step while the device runs this one: auto (on CUDA), on, off (default: auto)",
     )
     add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
     add(
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_offload_space=args.cpu_offload_space,
         attention_backend=args.attention_backend,
         fp32_logits=args.fp32_logits,
-        use_cuda_graph=CUDA_GRAPHS[args.cuda_graphs],
+        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
+        overlap_scheduling=AUTO_ON_OFF[args.overlap],
     )
     try:
         model = load_model(args.model, DTYPES[args.dtype], device)

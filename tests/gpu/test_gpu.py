@@ -210,3 +210,54 @@ def test_a_failed_capture_falls_back_to_eager_on_the_default_stream():
         torch.tensor([prompt], device="cuda"), max_new_tokens=8, min_new_tokens=8, do_sample=False
     )[0, len(prompt) :].tolist()
     assert outputs["a"].generated_tokens == expected
+
+
+def test_overlapped_steps_never_wait_for_the_device():
+    """With overlap on (the CUDA default), queueing a step (inputs, graph replay or forward, every sampling
+    processor, log-probs) makes no host synchronisation: CUDA's sync detector is set to raise around each launch.
+    fp32 and no stop tokens, so overlap and sequential steps run the same batches: their outputs are identical."""
+    from rollout.config import ContinuousBatchingConfig, SamplingParams
+    from rollout.engine.engine import Engine
+
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=generator).tolist() for n in (25, 80, 150, 40)]
+    samplings = [
+        SamplingParams(do_sample=False, stop_token_ids=(), top_logprobs=3),
+        SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1, stop_token_ids=()),
+        SamplingParams(
+            do_sample=True, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.1, seed=2, stop_token_ids=()
+        ),
+        SamplingParams(do_sample=True, presence_penalty=0.3, logprob_mode="raw", seed=3, stop_token_ids=()),
+    ]
+    results = []
+    for overlap in (False, True):
+        engine = Engine(
+            small_qwen3(torch.float32), ContinuousBatchingConfig(num_blocks=256, overlap_scheduling=overlap)
+        )
+        assert engine.overlap_scheduling is overlap
+        engine.warmup()
+        launch = engine._launch
+        launches = []
+
+        def watched(*args, _launch=launch, _launches=launches):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return _launch(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                _launches.append(1)
+
+        if overlap:
+            engine._launch = watched
+        for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+            engine.add_request(str(index), prompt, sampling, n=2, max_new_tokens=16)
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update({o.request_id: o for o in engine.step() if o.is_finished})
+        engine.close()
+        assert not overlap or len(launches) > 10
+        results.append({k: (o.generated_tokens, o.logprobs, o.finish_reason) for k, o in outputs.items()})
+    assert results[0].keys() == results[1].keys()
+    for key, (tokens, logprobs, reason) in results[0].items():
+        assert results[1][key][0] == tokens and results[1][key][2] == reason, key
+        assert torch.allclose(torch.tensor(results[1][key][1]), torch.tensor(logprobs), atol=1e-5), key
