@@ -42,8 +42,10 @@ def graph_engine(model, **config):
     return engine, replays
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])  # gemma2: sliding windows and soft-capping
-def test_graph_decode_matches_generate(kind):
+# gemma2: sliding windows and soft-capping; with overlapped scheduling, so each step's input ids reach the graph's
+# buffer from the previous step's tokens on the device.
+@pytest.mark.parametrize("kind, overlap", [("qwen3", False), ("gemma2", True)])
+def test_graph_decode_matches_generate(kind, overlap):
     """Seven sequences of different lengths and budgets, three more arriving mid-run into a cache too small to avoid
     reusing finished sequences' blocks: decode batches grow and shrink across buckets, so rows that held a sequence
     become padding while its blocks serve a newcomer. Greedy tokens equal generate's, which they would not if a
@@ -52,7 +54,8 @@ def test_graph_decode_matches_generate(kind):
     reference = reference_copy(model)
     prompts = make_prompts(10, 5, 40, seed=3)
     budgets = [9, 6, 4, 2, 3, 7, 5, 8, 3, 6]  # the first owns block 0, the first block handed out
-    engine, replays = graph_engine(model, num_blocks=24, max_batch_tokens=512)  # all of a wave in one step
+    # max_batch_tokens: all of a wave in one step.
+    engine, replays = graph_engine(model, num_blocks=24, max_batch_tokens=512, overlap_scheduling=overlap)
     for index in range(7):
         engine.add_request(str(index), prompts[index], GREEDY, max_new_tokens=budgets[index])
     outputs = {}
