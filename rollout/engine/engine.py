@@ -183,7 +183,7 @@ class Engine:
         self.sampler = Sampler(self.vocab_size)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
-        self._in_flight: _InFlightStep | None = None  # queued on the device, not advanced yet (overlap)
+        self._in_flight: _InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
         self._undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0
@@ -487,9 +487,8 @@ class Engine:
         """
         outputs, self._undelivered = self._undelivered, []
         previous = self._in_flight  # stays reachable (for _drain) until it is resolved, whatever raises meanwhile
-        if previous is not None and not previous.advanced:
-            self.scheduler.advance(previous.batch, previous.policy_version)
-            previous.advanced = True
+        if previous is not None:
+            self._advance(previous)
         batch = self.scheduler.schedule()
         outputs += self._outputs(batch.finished)
         launched, failure = None, None
@@ -507,7 +506,7 @@ class Engine:
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
         if launched is not None and not self.overlap_scheduling:
-            self.scheduler.advance(launched.batch, launched.policy_version)
+            self._advance(launched)
             return outputs + self._resolve(launched)
         self._in_flight = launched
         return outputs
@@ -523,6 +522,12 @@ class Engine:
         self.num_computed_tokens += batch.num_tokens
         self.num_steps += 1
         return _InFlightStep(batch, samples, self.policy_version)
+
+    def _advance(self, step: _InFlightStep) -> None:
+        """Let the scheduler count what a queued step computes (once)."""
+        if not step.advanced:
+            self.scheduler.advance(step.batch, step.policy_version)
+            step.advanced = True
 
     def _resolve(self, step: _InFlightStep) -> list[GenerationOutput]:
         """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
@@ -559,8 +564,7 @@ class Engine:
         state is final: done before anything changes requests or weights from outside the loop."""
         step, self._in_flight = self._in_flight, None
         if step is not None:
-            if not step.advanced:
-                self.scheduler.advance(step.batch, step.policy_version)
+            self._advance(step)
             self._undelivered += self._resolve(step)
 
     def flush(self) -> list[GenerationOutput]:
