@@ -5,6 +5,12 @@ from __future__ import annotations
 import json
 
 from rollout.benchmarks import cli
+from rollout.benchmarks.report import SectionResult, rows
+
+
+def _report_rows(name: str, summary: dict) -> dict:
+    """gpu-report's rows for a real summary, by figure."""
+    return {row.figure: row for row in rows([SectionResult(name, name, "ok", 1.0, data=summary)])}
 
 
 def test_throughput_benchmark_runs_and_ends_with_json(capsys):
@@ -18,6 +24,18 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     assert 0 < details["decode_roofline_fraction"] < 1 and details["decode_steps"] > 0
     # fp32 model: the engine's logprobs equal transformers' own teacher-forced ones to float rounding.
     assert details["default"]["logprob_abs_diff_max"] < 1e-4
+    # gpu-report finds every figure in the real summary (only transformers was not run).
+    report = _report_rows("throughput", summary)
+    assert report["rollout tokens/s"].value == summary["results"]["rollout"]["tokens_per_s"]
+    assert report["decode roofline fraction"].value == details["decode_roofline_fraction"]
+    fidelity = report["logprob |rollout - teacher-forced| mean, fp32_logits"]
+    assert fidelity.value == details["fp32_logits"]["logprob_abs_diff_mean"] and fidelity.verdict == "<= 0.002: met"
+    assert [f for f, row in report.items() if row.value is None] == [
+        "transformers_generate_batch tokens/s",
+        "rollout vs transformers generate_batch",
+        "overlap gain (rollout vs rollout_sequential)",
+        "peak memory",  # CUDA only
+    ]
 
 
 def test_grpo_benchmark_shares_each_groups_prompt(capsys):
@@ -27,3 +45,7 @@ def test_grpo_benchmark_shares_each_groups_prompt(capsys):
     assert summary["group_size"] == 8 and summary["generated_tokens"] > 0
     assert summary["prompt_tokens_computed"] * 6 < summary["prompt_tokens_without_sharing"]
     assert summary["rollout"]["tokens_per_s"] > 0
+    report = _report_rows("grpo", summary)
+    assert report["rollout tokens/s (n=8 groups, sampled)"].value == summary["rollout"]["tokens_per_s"]
+    computed = f"prompt tokens computed (of {summary['prompt_tokens_without_sharing']} without sharing)"
+    assert report[computed].value == summary["prompt_tokens_computed"]

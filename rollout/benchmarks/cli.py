@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import grpo, service, throughput, weights
+from rollout.benchmarks import gpu_report, grpo, service, throughput, weights
+from rollout.service.cli import DTYPES
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the `rollout-bench` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags."""
     parser = argparse.ArgumentParser(prog="rollout-bench", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     tp = commands.add_parser("throughput", help="generated tokens/s vs transformers' generate_batch and generate")
@@ -43,11 +44,34 @@ def main(argv: list[str] | None = None) -> None:
     )
     wt.add_argument("--repeats", type=int, default=3, help="pushes per transport, median reported (default: 3)")
     wt.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MB (default: 64)")
+    wt.add_argument("--device", default="cpu", help="the worker's device and the pushed model's: cpu, cuda or cuda:N")
+    wt.add_argument(
+        "--dtype",
+        choices=sorted(name for name in DTYPES if name != "auto"),
+        default="float32",
+        help="parameter dtype on both sides (default: float32)",
+    )
     gr = commands.add_parser("grpo", help="GRPO groups (32 prompts x n=8): tokens/s and prompt tokens computed")
     gr.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gr.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     gr.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
+    gpu_report.add_arguments(
+        commands.add_parser(
+            "gpu-report",
+            help="every GPU figure and the GPU tests in one run: a markdown table and a JSON file",
+            description=gpu_report.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `rollout-bench` console script."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "gpu-report":
+        raise SystemExit(gpu_report.main(args, parser))
     if args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers)
     elif args.command == "throughput":
@@ -55,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")
-        summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb)
+        summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
     else:
         summary = service.run(args.seed)
     print(json.dumps(summary))

@@ -63,7 +63,7 @@ def run(seed: int = 0) -> dict:
     ]
     worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags])
     try:
-        _wait_ready(address)
+        _wait_ready(address, worker)
         with RolloutClient(address, timeout=600) as client:
             greedy = {"do_sample": False, "stop_token_ids": []}
             groups = [
@@ -112,8 +112,9 @@ def run(seed: int = 0) -> dict:
     return summary
 
 
-def _wait_ready(address: str) -> None:
-    """Ping until the worker answers (before any client starts counting heartbeats)."""
+def _wait_ready(address: str, worker: subprocess.Popen | None = None) -> None:
+    """Ping until the worker answers (before any client starts counting heartbeats); a worker process that exits
+    first is an error at once."""
     import zmq
 
     from rollout.service import protocol
@@ -125,6 +126,8 @@ def _wait_ready(address: str) -> None:
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if worker is not None and worker.poll() is not None:
+                raise RuntimeError(f"the rollout-worker on {address} exited with status {worker.returncode}")
             probe.send_multipart(protocol.encode(protocol.Ping()))
             if probe.poll(500):
                 return

@@ -12,31 +12,48 @@ import statistics
 import subprocess
 import sys
 
+import torch
+
 from rollout.benchmarks.service import _free_port, _wait_ready
+from rollout.service.cli import DTYPES
 from rollout.service.presets import sized_model
 
 TRANSPORTS = ("frames", "shm", "torch.distributed")
 
 
-def run(megabytes: float, transports: list[str] | None, repeats: int, bucket_mb: float) -> dict:
+def run(
+    megabytes: float,
+    transports: list[str] | None,
+    repeats: int,
+    bucket_mb: float,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> dict:
     """Push `repeats` times per transport; return the JSON-able summary of medians (also printed as a table).
 
     Args:
-        megabytes: size of the state dict (fp32 weights).
+        megabytes: size of the state dict in `dtype`.
         transports: transports to measure, in order (default: all).
         repeats: pushes per transport (the median is reported).
         bucket_mb: bucket size in MB.
+        device: where the worker serves and the trainer-side model lives ("cpu", "cuda" or "cuda:N").
+        dtype: parameter dtype on both sides, a `rollout-worker --dtype` name other than "auto".
     """
     from trainer_bridge import RolloutClient, push_weights
 
     transports = list(transports or TRANSPORTS)
+    place = torch.device(device)
+    if place.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: no CUDA device is available")
     address = f"tcp://127.0.0.1:{_free_port()}"
-    flags = ["--bind", address, "--device", "cpu", "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
+    where = ["--gpu", str(place.index or 0)] if place.type == "cuda" else ["--device", device]
+    flags = ["--bind", address, *where, "--dtype", dtype, "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
     worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags, "--log-level", "WARNING"])
-    models = [sized_model(megabytes, seed=1), sized_model(megabytes, seed=2)]  # alternate: every push changes
+    # Two sets of weights, alternated, so every push really changes the model.
+    models = [sized_model(megabytes, seed=seed, dtype=DTYPES[dtype]).to(place) for seed in (1, 2)]
     results: dict[str, dict] = {}
     try:
-        _wait_ready(address)
+        _wait_ready(address, worker)
         with RolloutClient(address, timeout=600) as client:
             pushes = 0
             for transport in transports:
@@ -62,11 +79,21 @@ def run(megabytes: float, transports: list[str] | None, repeats: int, bucket_mb:
     finally:
         worker.terminate()
         worker.wait(60)
-    print(f"weights: {num_bytes / 1e9:.3f} GB state dict over loopback, median of {repeats} pushes per transport")
+    print(
+        f"weights: {num_bytes / 1e9:.3f} GB {dtype} state dict over loopback into a worker on {device}, "
+        f"median of {repeats} pushes per transport"
+    )
     print(f"{'transport':<20}{'GB/s':>8}{'transfer s':>12}{'pause ms':>10}{'copy ms':>10}{'pause-copy ms':>15}")
     for name, row in results.items():
         print(
             f"{name:<20}{row['gb_per_s']:>8.2f}{row['transfer_s']:>12.3f}{row['pause_ms']:>10.1f}"
             f"{row['copy_ms']:>10.1f}{row['pause_beyond_copy_ms']:>15.2f}"
         )
-    return {"benchmark": "weights", "bytes": num_bytes, "repeats": repeats, "results": results}
+    return {
+        "benchmark": "weights",
+        "device": device,
+        "dtype": dtype,
+        "bytes": num_bytes,
+        "repeats": repeats,
+        "results": results,
+    }

@@ -1,0 +1,218 @@
+"""The figures of `rollout-bench gpu-report`: what each section's JSON holds, the issue's goals, and one markdown
+table. Pure functions over the sections' results, so the table is tested on CPU with real benchmark summaries."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A target a figure should reach, e.g. `Goal(">=", 5.0, "x")`."""
+
+    comparison: str  # ">=" or "<="
+    target: float
+    unit: str = ""
+
+    def met(self, value: float) -> bool:
+        """Whether `value` reaches the target."""
+        return {">=": operator.ge, "<=": operator.le}[self.comparison](value, self.target)
+
+    def __str__(self) -> str:
+        return f"{self.comparison} {self.target:g}{self.unit}"
+
+
+@dataclass
+class SectionResult:
+    """What one section of the report produced."""
+
+    name: str
+    title: str
+    status: str  # "ok", "failed" or "timeout"
+    seconds: float
+    data: dict[str, Any] = field(default_factory=dict)  # a benchmark's JSON summary, or a test section's counts
+    error: str | None = None  # why it failed: exit status, failing tests, the end of its output
+
+    @property
+    def ok(self) -> bool:
+        """Whether the section ran to the end and nothing in it failed."""
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    section: str
+    figure: str
+    value: float | str | None  # None: not measured (its section failed or did not produce it)
+    text: str  # the value as shown
+    goal: Goal | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None:
+            return ""
+        if not isinstance(self.value, int | float):
+            return f"{self.goal}: not measured"
+        return f"{self.goal}: {'met' if self.goal.met(self.value) else 'MISSED'}"
+
+
+def _get(data: dict, *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _number(section: str, figure: str, value: Any, spec: str, goal: Goal | None = None, unit: str = "") -> Row:
+    if not isinstance(value, int | float):
+        return Row(section, figure, None, "not measured", goal)
+    return Row(section, figure, value, f"{value:{spec}}{unit}", goal)
+
+
+def _tests_rows(result: SectionResult) -> list[Row]:
+    counts = result.data
+    if "tests" not in counts:
+        return [Row(result.name, result.title, None, "did not run", None)]
+    text = (
+        f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+    )
+    return [Row(result.name, result.title, counts["failed"] + counts["errors"], text, Goal("<=", 0, " failures"))]
+
+
+def _throughput_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    rows = []
+    for system in ("rollout", "rollout_sequential", "transformers_generate_batch", "transformers_generate"):
+        if system in (_get(data, "results") or {}) or system in ("rollout", "transformers_generate_batch"):
+            rows.append(_number(name, f"{system} tokens/s", _get(data, "results", system, "tokens_per_s"), ",.0f"))
+    rows += [
+        _number(
+            name,
+            "rollout vs transformers generate_batch",
+            _get(data, "speedup_vs_transformers_generate_batch"),
+            ".2f",
+            Goal(">=", 5.0, "x"),
+            "x",
+        ),
+        _number(
+            name, "overlap gain (rollout vs rollout_sequential)", _get(data, "speedup_vs_rollout_sequential"), ".2f"
+        ),
+        _number(
+            name, "decode roofline fraction", _get(data, "details", "decode_roofline_fraction"), ".3f", Goal(">=", 0.5)
+        ),
+        _number(name, "device copy bandwidth", _get(data, "details", "device_bandwidth_gb_per_s"), ".0f", unit=" GB/s"),
+        _number(name, "median decode step", _get(data, "details", "median_decode_step_ms"), ".2f", unit=" ms"),
+        _number(name, "peak memory", _get(data, "details", "peak_memory_gib"), ".2f", unit=" GiB"),
+    ]
+    for mode, goal in (("default", None), ("fp32_logits", Goal("<=", 2e-3))):
+        for stat in ("mean", "max"):
+            value = _get(data, "details", mode, f"logprob_abs_diff_{stat}")
+            rows.append(
+                _number(
+                    name,
+                    f"logprob |rollout - teacher-forced| {stat}, {mode}",
+                    value,
+                    ".2e",
+                    goal if stat == "mean" else None,
+                )
+            )
+    return rows
+
+
+def _grpo_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    computed, unshared = _get(data, "prompt_tokens_computed"), _get(data, "prompt_tokens_without_sharing")
+    sharing = unshared / computed if isinstance(computed, int) and computed and isinstance(unshared, int) else None
+    return [
+        _number(name, "rollout tokens/s (n=8 groups, sampled)", _get(data, "rollout", "tokens_per_s"), ",.0f"),
+        _number(
+            name,
+            "transformers generate_batch tokens/s",
+            _get(data, "transformers_generate_batch", "tokens_per_s"),
+            ",.0f",
+        ),
+        _number(
+            name,
+            "rollout vs transformers generate_batch",
+            _get(data, "speedup_vs_transformers_generate_batch"),
+            ".2f",
+            unit="x",
+        ),
+        _number(name, f"prompt tokens computed (of {unshared} without sharing)", computed, ",d"),
+        _number(name, "prompt compute saved by sharing", sharing, ".1f", unit="x"),
+    ]
+
+
+def _weights_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    size = _get(data, "bytes")
+    what = f"{size / 1e9:.2f} GB {_get(data, 'dtype')}" if isinstance(size, int) else "state dict"
+    rows = []
+    for transport in _get(data, "results") or {"frames": {}, "shm": {}}:
+        row = _get(data, "results", transport) or {}
+        rows += [
+            _number(name, f"{transport}: {what} pushed", row.get("gb_per_s"), ".2f", unit=" GB/s"),
+            _number(name, f"{transport}: commit pause", row.get("pause_ms"), ".1f", unit=" ms"),
+            _number(name, f"{transport}: pause beyond the copy", row.get("pause_beyond_copy_ms"), ".2f", unit=" ms"),
+        ]
+    return rows
+
+
+ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
+    "gpu-tests": _tests_rows,
+    "kernel-tests": _tests_rows,
+    "throughput": _throughput_rows,
+    "grpo": _grpo_rows,
+    "weights": _weights_rows,
+}
+
+
+def rows(results: list[SectionResult]) -> list[Row]:
+    """Every row of the table, section by section, in the order the sections ran."""
+    return [row for result in results for row in ROWS[result.name](result)]
+
+
+def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -> str:
+    """The report as markdown: the machine, one table of figures with their goals, then what failed."""
+    lines = [
+        f"# rollout GPU report: {environment.get('gpu')}, {environment.get('date')}",
+        "",
+        ", ".join(
+            f"{key} {environment[key]}"
+            for key in ("driver", "cuda", "torch", "transformers", "triton", "python", "commit")
+            if environment.get(key)
+        ),
+        "",
+        "| section | figure | value | goal |",
+        "| --- | --- | ---: | --- |",
+    ]
+    lines += [f"| {r.section} | {r.figure} | {r.text} | {r.verdict} |" for r in rows(results)]
+    lines += ["", "| section | status | seconds |", "| --- | --- | ---: |"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} |" for r in results]
+    failures = [r for r in results if not r.ok]
+    if failures:
+        lines += ["", "## Failures", ""]
+        for result in failures:
+            lines += [f"### {result.name} ({result.status})", "", "```", (result.error or "").strip(), "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def goals(results: list[SectionResult]) -> list[dict[str, Any]]:
+    """Each goal with its figure, value and whether it was met (None: not measured), for the JSON file."""
+    return [
+        {
+            "section": r.section,
+            "figure": r.figure,
+            "goal": str(r.goal),
+            "value": r.value,
+            "met": r.goal.met(r.value) if isinstance(r.value, int | float) else None,
+        }
+        for r in rows(results)
+        if r.goal is not None
+    ]

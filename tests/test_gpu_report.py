@@ -1,0 +1,178 @@
+"""`rollout-bench gpu-report` orchestration on CPU: argument handling, the no-GPU stop, the sections being valid
+`rollout-bench` / pytest commands, and a report assembled from real subprocesses (a real pytest run with a failing
+test, a real `rollout-bench weights` run, a crash and a hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.benchmarks import cli, gpu_report
+
+TESTS_DIR = Path(__file__).parent
+
+
+def _parse(argv: list[str]):
+    parser = cli.build_parser()
+    return parser, parser.parse_args(argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_without_a_gpu_it_stops_at_once_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "report"
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["gpu-report", "--out", str(out), "--tests-dir", str(TESTS_DIR)])
+    assert stop.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--only", "throughput", "--skip", "grpo"], "not allowed with argument"),
+        (["--only", "nano"], "invalid choice: 'nano'"),
+        (["--skip", *gpu_report.SECTION_NAMES], "leaves no section to run"),
+        (["--tests-dir", "/nonexistent"], "--tests-dir /nonexistent has no gpu/ folder"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parser, args = _parse(["gpu-report", *argv])
+        gpu_report.main(args, parser)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_without_test_sections_no_tests_folder_is_needed(monkeypatch):
+    """--skip of both test sections runs from anywhere (an installed package has no tests/ folder)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # stop right after argument checks
+    parser, args = _parse(["gpu-report", "--tests-dir", "/nonexistent", "--skip", "gpu-tests", "kernel-tests"])
+    assert gpu_report.main(args, parser) == 2
+
+
+def test_every_section_is_a_valid_command_of_the_issue():
+    chosen = {s.name: s for s in gpu_report.sections(TESTS_DIR)}
+    assert tuple(chosen) == gpu_report.SECTION_NAMES
+    parser = cli.build_parser()
+    bench = {name: parser.parse_args(list(s.argv[3:])) for name, s in chosen.items() if not s.tests}
+    assert bench["throughput"].workload == "nano" and bench["throughput"].details
+    assert bench["grpo"].device == "cuda" and not bench["grpo"].no_transformers
+    weights = bench["weights"]
+    assert (weights.device, weights.dtype, weights.size_mb) == ("cuda", "bfloat16", 1200)
+    assert weights.transports == ["frames", "shm"]
+    for name in ("gpu-tests", "kernel-tests"):
+        paths = [Path(a) for a in chosen[name].argv if a.startswith(str(TESTS_DIR))]
+        assert paths and all(p.exists() for p in paths)
+    gpu_tests = chosen["gpu-tests"].argv
+    assert ("-m", "gpu") in zip(gpu_tests, gpu_tests[1:])  # overrides the default `-m 'not gpu'`
+
+
+def _section(name: str, code: str, timeout_s: float = 120, tests: bool = False) -> gpu_report.Section:
+    argv = (sys.executable, "-m", "pytest", "-q", code) if tests else (sys.executable, "-c", code)
+    return gpu_report.Section(name, name, argv, timeout_s, tests)
+
+
+MACHINE = {"date": "2026-11-22", "gpu": "test GPU", "torch": torch.__version__}
+
+
+def test_report_from_real_sections_names_every_failure(tmp_path):
+    """A real pytest run (one pass, one fail, one skip), a real weights benchmark, a crash and a hang: the report
+    counts the tests, names the failing one, keeps the benchmark's figures, and exits 1."""
+    test_file = tmp_path / "test_sample.py"
+    test_file.write_text(
+        textwrap.dedent(
+            """
+            import pytest
+            def test_passes(): assert True
+            def test_fails(): assert 1 == 2, "one is not two"
+            @pytest.mark.skip(reason="not here")
+            def test_skipped(): pass
+            """
+        )
+    )
+    grandchild = tmp_path / "grandchild.pid"
+    hang = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(grandchild)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(600)"
+    )
+    bench = (sys.executable, "-m", "rollout.benchmarks.cli", "weights", "--device", "cpu", "--dtype", "bfloat16")
+    chosen = [
+        gpu_report.Section(
+            "gpu-tests", "sample tests", (sys.executable, "-m", "pytest", "-q", str(test_file)), 120, True
+        ),
+        gpu_report.Section(
+            "weights", "weights", (*bench, "--size-mb", "30", "--transports", "frames", "shm", "--repeats", "1"), 240
+        ),
+        _section("grpo", "print('about to fail', flush=True); raise SystemExit(3)"),
+        _section("throughput", hang, timeout_s=3),
+    ]
+    out = tmp_path / "report"
+    log = (tmp_path / "console.txt").open("w+")
+    start = time.monotonic()
+    assert gpu_report.run_report(chosen, out, MACHINE, log) == 1
+    assert time.monotonic() - start < 200
+
+    report = json.loads((out / "gpu_report.json").read_text())
+    sections = report["sections"]
+    assert report["ok"] is False and report["environment"] == MACHINE
+    assert [sections[n]["status"] for n in ("gpu-tests", "weights", "grpo", "throughput")] == [
+        "failed",
+        "ok",
+        "failed",
+        "timeout",
+    ]
+    assert sections["gpu-tests"]["data"] == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
+    assert "test_sample::test_fails" in sections["gpu-tests"]["error"]
+    assert "exit status 3" in sections["grpo"]["error"] and "about to fail" in sections["grpo"]["error"]
+    weights = sections["weights"]["data"]
+    assert weights["dtype"] == "bfloat16" and 24e6 < weights["bytes"] < 36e6
+    assert set(weights["results"]) == {"frames", "shm"} and weights["results"]["shm"]["gb_per_s"] > 0
+    tests_goal = next(g for g in report["goals"] if g["section"] == "gpu-tests")
+    assert tests_goal["met"] is False and tests_goal["value"] == 1
+    assert all(g["met"] is None for g in report["goals"] if g["section"] == "throughput")  # timed out: not measured
+
+    # The hang was killed with the process it started.
+    pid = int(grandchild.read_text())
+    time.sleep(0.5)
+    state = Path(f"/proc/{pid}/status")
+    assert not state.exists() or "zombie" in state.read_text()
+
+    markdown = (out / "gpu_report.md").read_text()
+    assert markdown.startswith("# rollout GPU report: test GPU, 2026-11-22")
+    assert "| gpu-tests | sample tests | 1 passed, 1 failed, 0 errors, 1 skipped | <= 0 failures: MISSED |" in markdown
+    shm_rate = f"{weights['results']['shm']['gb_per_s']:.2f} GB/s"
+    assert f"| weights | shm: {weights['bytes'] / 1e9:.2f} GB bfloat16 pushed | {shm_rate} |" in markdown
+    assert "| throughput | decode roofline fraction | not measured | >= 0.5: not measured |" in markdown
+    assert "### throughput (timeout)" in markdown and "killed after 3 s" in markdown
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["gpu_report.md", "gpu_report.json", *(f"{s.name}.log" for s in chosen)]
+    )
+    log.seek(0)
+    console = log.read()
+    assert "gpu-report [4/4] throughput: timeout" in console and "  weights | " in console
+
+
+def test_a_clean_run_exits_zero_and_hides_triton_interpret(tmp_path, monkeypatch):
+    """Sections run with TRITON_INTERPRET removed, so the kernels compile for real on the GPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    summary = {"benchmark": "grpo", "rollout": {"tokens_per_s": 123.0}, "env": "x"}
+    code = (
+        "import json, os; print('a table'); "
+        f"summary = {summary!r}; summary['env'] = os.environ.get('TRITON_INTERPRET'); print(json.dumps(summary))"
+    )
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report([_section("grpo", code)], out, MACHINE, devnull) == 0
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert report["ok"] is True
+    assert report["sections"]["grpo"]["data"] == {**summary, "env": None}
+    assert "| grpo | rollout tokens/s (n=8 groups, sampled) | 123 |" in (out / "gpu_report.md").read_text()
