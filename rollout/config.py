@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # this module stays free of torch and transformers at import 
     from transformers import CompileConfig
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
-LOGPROB_MODES = ("processed", "raw")
+# Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
+LOGPROB_MODES = ("processed", "raw", "temperature_scaled")
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -90,8 +91,9 @@ class SamplingParams:
     do_sample: bool = True
     # Seed of this request's randomness (None: a fresh random seed). Sample i of a group uses (seed, i).
     seed: int | None = None
-    # "processed": log-prob under the distribution actually sampled from; "raw": log_softmax of the model's logits.
-    logprob_mode: Literal["processed", "raw"] = "processed"
+    # "processed": log-prob under the distribution actually sampled from; "raw": log_softmax of the model's logits;
+    # "temperature_scaled": log_softmax(logits / temperature), what TRL and verl recompute in their losses.
+    logprob_mode: Literal["processed", "raw", "temperature_scaled"] = "processed"
     # Also return the top-k log-probs (in the same mode) at every position; 0 disables.
     top_logprobs: int = 0
 

@@ -203,6 +203,55 @@ def test_raw_logprobs_are_log_softmax_of_unprocessed_logits(kind):
             assert all(close(v, e) for (_, v), e in zip(out.top_logprobs[t], expected_top.values.tolist())), (i, t)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_temperature_scaled_logprobs_are_what_a_trainer_recomputes(kind):
+    """logprob_mode="temperature_scaled" returns log_softmax(logits / temperature) of a teacher-forced forward (what
+    TRL's GRPOTrainer and verl's actors recompute), whatever penalties, masks and truncation shaped the sampling;
+    temperature 0 counts as 1, a do_sample=False row keeps its temperature, and a "processed" row in the same batch
+    keeps its own mode."""
+    model = tiny_model(kind)
+    reference = reference_copy(model)
+    scaled = dict(logprob_mode="temperature_scaled", top_logprobs=3)
+    cases = {
+        "truncated": SamplingParams(
+            temperature=0.6,
+            top_k=8,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.4,
+            presence_penalty=0.5,
+            min_new_tokens=5,
+            stop_token_ids=MANY_STOPS,
+            seed=5,
+            **scaled,
+        ),
+        "greedy_temperature_0": SamplingParams(temperature=0, repetition_penalty=1.3, stop_token_ids=(), **scaled),
+        "greedy_keeps_temperature": SamplingParams(do_sample=False, temperature=0.5, stop_token_ids=(), **scaled),
+        "processed_beside": SamplingParams(temperature=0.6, top_k=8, seed=6, stop_token_ids=(), top_logprobs=3),
+    }
+    prompts = make_prompts(len(cases), 4, 24, seed=3)
+    outputs = run(make_engine(model), {name: (p, cases[name]) for name, p in zip(cases, prompts)})
+    for name, prompt in zip(cases, prompts):
+        params, out = cases[name], outputs[name]
+        logits = reference_logits(reference, prompt, out.generated_tokens)
+        if params.logprob_mode == "processed":
+            _, expected = expected_logprobs(reference, prompt, out.generated_tokens, params)
+        else:
+            expected = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+        for t, token in enumerate(out.generated_tokens):
+            assert abs(out.logprobs[t] - expected[t, token].item()) <= TOL, (name, t)
+            top = expected[t].topk(3)
+            assert [tid for tid, _ in out.top_logprobs[t]] == top.indices.tolist(), (name, t)
+            assert all(close(v, e) for (_, v), e in zip(out.top_logprobs[t], top.values.tolist())), (name, t)
+    truncated = outputs["truncated"]
+    _, processed = expected_logprobs(reference, prompts[0], truncated.generated_tokens, cases["truncated"])
+    # The sampled distribution differs (truncation renormalises), so the two modes really are different numbers.
+    assert any(
+        abs(lp - processed[t, tok].item()) > 1e-3
+        for t, (tok, lp) in enumerate(zip(truncated.generated_tokens, truncated.logprobs))
+    )
+
+
 def test_mixed_batch_applies_each_requests_own_settings():
     """One batch mixing every LOGPROB_CASES setting and a penalized group of n=3 (whose samples share their
     leader's logits row for the first token): each sample's log-probs match transformers' processors with its own

@@ -189,7 +189,7 @@ def test_grpo_steps_through_a_worker(tmp_path, client):
     trainer = RolloutGRPOTrainer(
         model=tiny_model(0),
         reward_funcs=id_reward,
-        args=grpo_config(tmp_path, temperature=0.7),  # processed logprobs must then include the temperature
+        args=grpo_config(tmp_path, temperature=0.7),  # the logprobs must then include the temperature
         train_dataset=dataset(),
         processing_class=TOKENIZER,
         rollout_workers=client,
@@ -236,6 +236,36 @@ def test_grpo_steps_through_a_worker(tmp_path, client):
     served = worker_greedy(client, GREEDY_PROMPTS)
     assert served == hf_greedy(trained, GREEDY_PROMPTS)
     assert served != hf_greedy(untrained, GREEDY_PROMPTS), "training did not change greedy outputs"
+
+
+@pytest.mark.timeout(180)
+def test_importance_ratio_is_one_whatever_truncates_the_sampling(tmp_path, client):
+    """TRL's own step-1 `importance_sampling_ratio/mean` is 1 within fp32 noise under top_p=0.9, top_k=20, min_p and
+    repetition_penalty: the workers return the logprobs TRL recomputes (log_softmax(logits / T)). Asking for
+    "processed" logprobs (the truncated distribution actually sampled from) in the same run makes TRL's ratio
+    collapse by the kept mass of every position: the mismatch the default avoids."""
+    truncating = dict(
+        temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, max_completion_length=16, max_steps=1
+    )
+    entries = {}
+    for mode in ("temperature_scaled", "processed"):
+        extra = {} if mode == "temperature_scaled" else {"generation_kwargs": {"logprob_mode": mode}}
+        trainer = RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path / mode, **truncating, **extra),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_workers=client,
+        )
+        assert trainer.rollout.sampling["logprob_mode"] == mode
+        trainer.train()
+        (entries[mode],) = train_logs(trainer)
+    scaled = entries["temperature_scaled"]
+    for name in IS_METRICS:
+        assert abs(scaled[name] - 1) < 1e-3, (name, scaled)
+    assert scaled["sampling/sampling_logp_difference/max"] < 1e-3, scaled
+    assert entries["processed"]["sampling/importance_sampling_ratio/mean"] < 0.5, entries["processed"]
 
 
 # ---- 3. RolloutGeneration with a fake client ------------------------------------------------------------------------
@@ -318,7 +348,7 @@ def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):
         repetition_penalty=1.1,
         max_new_tokens=6,
         stop_token_ids=[EOS],
-        logprob_mode="processed",
+        logprob_mode="temperature_scaled",
     )
     for group in groups:
         assert group.sampling == expected_sampling

@@ -16,8 +16,12 @@ What `RolloutGeneration` does:
 - `generate`: each rank sends its own rows, with no collective (ranks cannot deadlock). Consecutive rows with the
   same prompt (TRL repeats a prompt `num_generations` times) become one group with `n`, so the prompt is prefilled
   once. Sampling settings come from GRPOConfig: temperature, top_p, top_k, min_p, repetition_penalty,
-  max_completion_length; the trainer's EOS tokens stop generation; logprobs are "processed" (after temperature and
-  the processors), what TRL's correction expects. The policy lag of every token (trainer step - the step whose
+  max_completion_length; the trainer's EOS tokens stop generation; logprobs are "temperature_scaled"
+  (log_softmax(logits / temperature) of the unprocessed logits), exactly what TRL recomputes for its importance
+  ratio, so the ratio measures only numerical train/inference differences, whatever top_p, top_k, min_p or
+  repetition_penalty truncated or reshaped the sampled distribution. (`generation_kwargs={"logprob_mode":
+  "processed"}` asks for the sampled distribution's logprobs instead; TRL's ratio then falls below 1 by the kept
+  probability mass of every truncated position.) The policy lag of every token (trainer step - the step whose
   weights sampled it) is logged as `rollout/policy_lag_mean` and `rollout/policy_lag_max`.
 - `sync_weights`: `push_weights` with version = (the workers' version when training started) + 1 + global step.
   Every rank takes part in gathering (ZeRO-3, FSDP2, PEFT merged weights); only the main process sends; then the
@@ -124,7 +128,7 @@ class RolloutGeneration:
             "repetition_penalty": trainer.repetition_penalty,
             "max_new_tokens": trainer.max_completion_length,
             "stop_token_ids": list(trainer.eos_token_ids),
-            "logprob_mode": "processed",
+            "logprob_mode": "temperature_scaled",  # what TRL's loss recomputes: log_softmax(logits / T)
             **extra,
         }
         SamplingParams(**{k: v for k, v in self.sampling.items() if k != "stop_token_ids"})  # fail early, by name

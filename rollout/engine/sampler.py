@@ -74,9 +74,19 @@ class Sampler:
          counter-based hash of (request seed, sample index, position) computed on the device: a completion never
          depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no host round trip.
 
-    Log-probs are fp32. "processed": log_softmax after step 6 (the distribution actually sampled from; for greedy
-    rows, after step 2, as temperature and truncation do not change the argmax). "raw": log_softmax of the model's
-    logits. `top_logprobs` > 0 also returns that many top entries of the same distribution.
+    Log-probs are fp32, in the request's `logprob_mode`:
+
+      processed           log_softmax after step 6: the distribution actually sampled from. For greedy rows
+                          (temperature 0 or do_sample=False), after step 2: like transformers' `generate`, which
+                          runs its warpers only when sampling (a greedy row's sampled distribution is a point mass,
+                          whose log-prob would always be 0).
+      raw                 log_softmax of the model's logits, before any step.
+      temperature_scaled  log_softmax(logits / temperature) of the model's logits, without penalties, masks or
+                          truncation (temperature 0 counts as 1): what a trainer recomputes when it divides its own
+                          logits by the sampling temperature (TRL's GRPOTrainer, verl's actors), so their importance
+                          ratio measures only numerical train/inference differences.
+
+    `top_logprobs` > 0 also returns that many top entries of the same distribution.
     """
 
     def __init__(self, vocab_size: int):
@@ -119,14 +129,31 @@ class Sampler:
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None)
-        use_raw = to_device([p.logprob_mode == "raw" for p in params], torch.bool, device).unsqueeze(1)
-        logprobs = torch.log_softmax(torch.where(use_raw, raw, scores), dim=-1)
+        logprobs = torch.log_softmax(self._logprob_source(raw, scores, params), dim=-1)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_counts = [p.top_logprobs for p in params]
         if not max(top_counts):
             return PendingSamples(token_ids, [token_ids, chosen], None)
         values, indices = logprobs.topk(max(top_counts), dim=-1)
         return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts)
+
+    @staticmethod
+    def _logprob_source(raw: torch.Tensor, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The logits each row's log-probs are the log_softmax of, by its logprob_mode (see the class docstring)."""
+        modes = {p.logprob_mode for p in params}
+        if modes == {"processed"}:
+            return scores
+        device = raw.device
+        unprocessed = raw
+        if "temperature_scaled" in modes:
+            divisors = [
+                p.temperature if p.logprob_mode == "temperature_scaled" and p.temperature > 0 else 1.0 for p in params
+            ]
+            unprocessed = raw / to_device(divisors, raw.dtype, device).unsqueeze(1)
+        if "processed" not in modes:
+            return unprocessed
+        use_processed = to_device([p.logprob_mode == "processed" for p in params], torch.bool, device).unsqueeze(1)
+        return torch.where(use_processed, scores, unprocessed)
 
     def _mask_early_stops(self, scores: torch.Tensor, requests: list[Request]) -> None:
         """min_new_tokens: stop tokens get -inf while fewer than min_new_tokens tokens were generated."""
