@@ -237,6 +237,8 @@ class ContinuousBatchingConfig:
     fp32_logits: bool = False
     # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
     max_model_len: int | None = None
+    # Seed of the seeds given to requests that bring none (None: fresh randomness), so a whole run can repeat.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -348,3 +350,5 @@ class ContinuousBatchingConfig:
                 "must be an integer >= 2",
                 self.max_model_len,
             )
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", "must be an integer or None", self.seed)

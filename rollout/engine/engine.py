@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, FieldError, SamplingParams, _is_int
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.transformers_configs import engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +146,16 @@ def as_prompt(input_ids: Any) -> list[int]:
 class Engine:
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
-    def __init__(
-        self, model: torch.nn.Module, config: ContinuousBatchingConfig | None = None, generation_config: Any = None
-    ):
+    def __init__(self, model: torch.nn.Module, config: Any = None, generation_config: Any = None):
         """
         Args:
             model: a transformers causal LM (any decoder-only model whose attention uses AttentionInterface).
-            config: engine settings (defaults if None).
+            config: engine settings: rollout's ContinuousBatchingConfig, transformers' (converted field by field by
+                `rollout.transformers_configs`, refusing by name what rollout cannot honour), or None (defaults).
             generation_config: a `transformers.GenerationConfig` with default sampling settings; fields it leaves
                 unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
         """
-        self.config = config or ContinuousBatchingConfig()
+        self.config = engine_config(config)
         self.model = model
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
@@ -190,7 +190,8 @@ class Engine:
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
         self.num_steps = 0
         self.num_weight_updates = 0
-        self._seed_source = random.SystemRandom()
+        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
+        self._seed_source = random.SystemRandom() if self.config.seed is None else random.Random(self.config.seed)
         # Every name a weight update may target (state_dict names: parameters, tied aliases, persistent buffers).
         self._weights: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
         # Names that must be covered by a whole update: one per distinct parameter (tied weights count once).

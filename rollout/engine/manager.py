@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rollout.config import ContinuousBatchingConfig, FieldError, SamplingParams
+from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, GenerationOutput, WeightUpdateResult
 from rollout.engine.request import Request, sample_id
 
@@ -68,17 +68,18 @@ class ContinuousBatchingManager:
         self,
         model: torch.nn.Module,
         generation_config: Any = None,
-        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        continuous_batching_config: Any = None,
     ):
         """
         Args:
             model: a transformers causal LM.
             generation_config: a `transformers.GenerationConfig` with defaults for requests (merged with the
                 model's own generation config as `generate` does).
-            continuous_batching_config: engine settings; None uses the defaults.
+            continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
+                `Engine`), or None for the defaults.
         """
-        self.config = continuous_batching_config or ContinuousBatchingConfig()
-        self.engine = Engine(model, self.config, generation_config)
+        self.engine = Engine(model, continuous_batching_config, generation_config)
+        self.config = self.engine.config
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._results: deque[GenerationOutput] = deque()
@@ -537,14 +538,15 @@ class ContinuousBatchingManager:
 def init_continuous_batching(
     model: torch.nn.Module,
     generation_config: Any = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: Any = None,
 ) -> ContinuousBatchingManager:
     """Build a (not yet started) `ContinuousBatchingManager` for `model`.
 
     Args:
         model: a transformers causal LM.
         generation_config: default sampling settings (`transformers.GenerationConfig`), merged with the model's own.
-        continuous_batching_config: engine settings.
+        continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
+            `Engine`), or None for the defaults.
     """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
 
@@ -553,7 +555,7 @@ def generate_batch(
     model: torch.nn.Module,
     inputs: list[list[int]],
     generation_config: Any = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: Any = None,
     progress_bar: bool = True,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
@@ -565,7 +567,8 @@ def generate_batch(
         model: a transformers causal LM.
         inputs: prompts as lists of token ids.
         generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
-        continuous_batching_config: engine settings.
+        continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
+            `Engine`), or None for the defaults.
         progress_bar: show a tqdm bar of finished samples.
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt).
     Returns:
