@@ -43,20 +43,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-# GenerationConfig fields that map onto SamplingParams.
-_GENERATION_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "do_sample",
-    "max_new_tokens",
-    "min_new_tokens",
-    "eos_token_id",
-)
-# transformers' global generation defaults for those fields (GenerationConfig._get_default_generation_params).
-_TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+def _listed(name: str, value: Any) -> list | tuple:
+    _check(isinstance(value, (list, tuple)), name, "must be a list", value)
+    return value
+
+
+def _token_ids(name: str, value: Any, whole: Any = None) -> tuple[int, ...]:
+    """`value` as a tuple of token ids, or a FieldError naming `name` (showing `whole` when given)."""
+    _check(
+        isinstance(value, (list, tuple)) and all(_is_int(t) and t >= 0 for t in value),
+        name,
+        "must be a list of non-negative token ids" + (" per word" if whole is not None else ""),
+        value if whole is None else whole,
+    )
+    return tuple(value)
 
 
 @dataclass
@@ -91,6 +91,20 @@ class SamplingParams:
     do_sample: bool = True
     # Seed of this request's randomness (None: a fresh random seed). Sample i of a group uses (seed, i).
     seed: int | None = None
+    # Ban any token that would repeat an n-gram of this size already in the prompt or output; 0 disables.
+    no_repeat_ngram_size: int = 0
+    # Token sequences that must never be generated: the last token of each is banned where the rest precedes it.
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # Tokens never generated.
+    suppress_tokens: tuple[int, ...] = ()
+    # Tokens not generated as the first new token.
+    begin_suppress_tokens: tuple[int, ...] = ()
+    # Typical sampling: keep the locally typical tokens whose probability reaches typical_p; 1.0 disables.
+    typical_p: float = 1.0
+    # Drop tokens whose probability is below epsilon_cutoff (the top token always stays); 0 disables.
+    epsilon_cutoff: float = 0.0
+    # Eta sampling: an entropy-dependent epsilon, min(eta, sqrt(eta) * exp(-entropy)); 0 disables.
+    eta_cutoff: float = 0.0
     # "processed": log-prob under the distribution actually sampled from; "raw": log_softmax of the model's logits;
     # "temperature_scaled": log_softmax(logits / temperature), what TRL and verl recompute in their losses.
     logprob_mode: Literal["processed", "raw", "temperature_scaled"] = "processed"
@@ -140,6 +154,23 @@ class SamplingParams:
                 self.stop_token_ids,
             )
             self.stop_token_ids = tuple(self.stop_token_ids)
+        _check(
+            _is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+            "no_repeat_ngram_size",
+            "must be an integer >= 0 (0 disables)",
+            self.no_repeat_ngram_size,
+        )
+        self.bad_words_ids = tuple(
+            _token_ids("bad_words_ids", word, self.bad_words_ids)
+            for word in _listed("bad_words_ids", self.bad_words_ids)
+        )
+        _check(all(self.bad_words_ids), "bad_words_ids", "each word must have at least one token", self.bad_words_ids)
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            setattr(self, name, _token_ids(name, getattr(self, name)))
+        _check(_is_number(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "must be in (0, 1]", self.typical_p)
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            value = getattr(self, name)
+            _check(_is_number(value) and 0 <= value < 1, name, "must be in [0, 1) (0 disables)", value)
         _check(isinstance(self.do_sample, bool), "do_sample", "must be a bool", self.do_sample)
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
@@ -155,32 +186,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0 or do_sample=False)."""
         return not self.do_sample or self.temperature == 0
-
-    @classmethod
-    def from_generation_config(cls, *generation_configs: Any) -> SamplingParams:
-        """Build SamplingParams from `transformers.GenerationConfig`s, resolved as transformers' `generate` does.
-
-        Args:
-            *generation_configs: configs in priority order (e.g. the caller's, then the model's); None entries are
-                skipped. Each field takes the first value that is set, else transformers' global default
-                (greedy unless do_sample=True; top_k 50 when sampling). Fields read: temperature, top_k, top_p, min_p,
-                repetition_penalty, do_sample, max_new_tokens, min_new_tokens, eos_token_id (as stop_token_ids).
-                Without any config: transformers' defaults, greedy.
-        """
-        values: dict[str, Any] = {}
-        for name in _GENERATION_FIELDS:
-            value = next(
-                (getattr(c, name, None) for c in generation_configs if getattr(c, name, None) is not None), None
-            )
-            if value is None:
-                value = _TRANSFORMERS_DEFAULTS.get(name)
-            if value is None:
-                continue
-            if name == "eos_token_id":
-                values["stop_token_ids"] = tuple(value) if isinstance(value, (list, tuple)) else (value,)
-            else:
-                values[name] = value
-        return cls(**values)
 
     def merged(self, **overrides: Any) -> SamplingParams:
         """Return a copy with `overrides` applied (validated again)."""

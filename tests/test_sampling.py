@@ -11,12 +11,19 @@ import pytest
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from conftest import VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
@@ -52,6 +59,20 @@ LOGPROB_CASES = {
         min_new_tokens=4,
         stop_token_ids=MANY_STOPS,
     ),
+    # Every token already seen is banned (n = 1), so bans happen at every step.
+    "no_repeat_unigram": SamplingParams(temperature=0.9, no_repeat_ngram_size=1),
+    "bans": SamplingParams(
+        temperature=0.8,
+        no_repeat_ngram_size=2,
+        bad_words_ids=((3,), (5, 7), (9, 11, 13), (4,)),
+        suppress_tokens=(1, 2),
+        begin_suppress_tokens=(6, 8),
+        stop_token_ids=(4,),  # transformers keeps a single-token bad word that is a stop token
+    ),
+    "typical": SamplingParams(typical_p=0.6),
+    "epsilon": SamplingParams(temperature=1.2, epsilon_cutoff=0.01),
+    "eta": SamplingParams(eta_cutoff=0.05),
+    "greedy_bans": SamplingParams(temperature=0, no_repeat_ngram_size=1, suppress_tokens=(0,)),
     "greedy_penalized": SamplingParams(
         temperature=0,
         repetition_penalty=1.3,
@@ -84,6 +105,17 @@ def processed_scores(
         scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, scores)
     counts = torch.bincount(torch.tensor(previous, dtype=torch.long), minlength=scores.shape[-1]).float()
     scores = scores - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+    if params.no_repeat_ngram_size:
+        scores = NoRepeatNGramLogitsProcessor(params.no_repeat_ngram_size)(input_ids, scores)
+    if params.bad_words_ids:
+        stops = list(params.stop_token_ids or ()) or None
+        scores = NoBadWordsLogitsProcessor([list(w) for w in params.bad_words_ids], stops)(input_ids, scores)
+    if params.suppress_tokens:
+        scores = SuppressTokensLogitsProcessor(list(params.suppress_tokens))(input_ids, scores)
+    if params.begin_suppress_tokens:
+        scores = SuppressTokensAtBeginLogitsProcessor(list(params.begin_suppress_tokens), len(prompt))(
+            input_ids, scores
+        )
     if params.min_new_tokens and params.stop_token_ids:
         scores = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_new_tokens, list(params.stop_token_ids))(
             input_ids, scores
@@ -96,6 +128,12 @@ def processed_scores(
             warpers.append(TopPLogitsWarper(params.top_p))
         if params.min_p > 0:
             warpers.append(MinPLogitsWarper(params.min_p))
+        if params.typical_p < 1:
+            warpers.append(TypicalLogitsWarper(params.typical_p))
+        if params.epsilon_cutoff > 0:
+            warpers.append(EpsilonLogitsWarper(params.epsilon_cutoff))
+        if params.eta_cutoff > 0:
+            warpers.append(EtaLogitsWarper(params.eta_cutoff))
         for warper in warpers:
             scores = warper(input_ids, scores)
     return scores[0]

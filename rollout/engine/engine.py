@@ -27,6 +27,7 @@ from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config
 
 logger = logging.getLogger(__name__)
@@ -155,16 +156,17 @@ class Engine:
             generation_config: a `transformers.GenerationConfig` with default sampling settings; fields it leaves
                 unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
         """
-        self.config = engine_config(config)
+        defaults = resolve_generation_config(generation_config, getattr(model, "generation_config", None))
+        self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
+        self.default_sampling = defaults.sampling
+        self.default_n = defaults.n  # num_return_sequences
+        self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
         self.model = model
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
         if unsupported:
             supported = sorted(SUPPORTED_LAYER_TYPES)
             raise FieldError("model", f"layer types {unsupported} are not supported (only {supported})")
-        self.default_sampling = SamplingParams.from_generation_config(
-            generation_config, getattr(model, "generation_config", None)
-        )
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
         parameter = next(model.parameters())
@@ -217,9 +219,16 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
                 f"of {self.max_model_len} tokens",
             )
-        bad_stops = [t for t in (sampling.stop_token_ids or ()) if t >= self.vocab_size]
-        if bad_stops:
-            raise FieldError("stop_token_ids", f"{bad_stops} outside the vocabulary [0, {self.vocab_size})")
+        token_fields = {
+            "stop_token_ids": sampling.stop_token_ids or (),
+            "suppress_tokens": sampling.suppress_tokens,
+            "begin_suppress_tokens": sampling.begin_suppress_tokens,
+            "bad_words_ids": [t for word in sampling.bad_words_ids for t in word],
+        }
+        for name, tokens in token_fields.items():
+            outside = sorted({t for t in tokens if t >= self.vocab_size})
+            if outside:
+                raise FieldError(name, f"{outside} outside the vocabulary [0, {self.vocab_size})")
         if sampling.top_logprobs and not self.config.return_logprobs:
             raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
@@ -230,7 +239,7 @@ class Engine:
         group_id: str,
         prompt_ids: Any,
         sampling: SamplingParams | None = None,
-        n: int = 1,
+        n: int | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
     ) -> Request:
@@ -248,9 +257,15 @@ class Engine:
             raise FieldError("request_id", reason)
         prompt = as_prompt(prompt_ids)
         sampling = self.resolve_sampling(sampling)
+        n = self.default_n if n is None else n
         if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
             raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
         max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        if max_new is None and self.default_max_length is not None:  # a GenerationConfig's max_length, as generate
+            max_new = self.default_max_length - len(prompt)
+            if max_new < 1:
+                reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
+                raise FieldError("max_length", reason)
         max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
         if not _is_int(max_new) or max_new < 1:
             raise FieldError("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
@@ -286,7 +301,7 @@ class Engine:
         group_id: str,
         prompt_ids: Any,
         sampling: SamplingParams | None = None,
-        n: int = 1,
+        n: int | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
     ) -> list[str]:
@@ -296,7 +311,8 @@ class Engine:
             group_id: unique id of the group (must not be running already).
             prompt_ids: prompt token ids (a list, or a 1-D / (1, L) tensor or array).
             sampling: sampling parameters (copied; None fields come from the generation config).
-            n: samples in the group; sample i is seeded from (seed, i).
+            n: samples in the group (None: the GenerationConfig's num_return_sequences, else 1); sample i is seeded
+                from (seed, i).
             max_new_tokens: overrides `sampling.max_new_tokens`.
             streaming: emit a delta after every token (else one output per sample when it finishes).
         Returns:
@@ -306,7 +322,7 @@ class Engine:
         """
         request = self.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming)
         self.submit(request)
-        return [request.request_id] + [sample_id(group_id, i) for i in range(1, n)]
+        return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 
     def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
         """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop

@@ -156,7 +156,7 @@ class ContinuousBatchingManager:
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
-        n: int = 1,
+        n: int | None = None,
         sampling: SamplingParams | None = None,
     ) -> str:
         """Queue a prompt for `n` samples; they share the prompt's KV.
@@ -166,7 +166,8 @@ class ContinuousBatchingManager:
             request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id "<id>#<i>".
             max_new_tokens: overrides the sampling / generation config value.
             streaming: deliver a delta (new tokens only) after every token instead of one final output.
-            n: number of samples (a GRPO group); sample i is seeded from (seed, i).
+            n: number of samples (a GRPO group; None: the GenerationConfig's num_return_sequences, else 1); sample
+                i is seeded from (seed, i).
             sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
         Returns:
             The request (group) id.
@@ -187,8 +188,9 @@ class ContinuousBatchingManager:
             limit = self.config.max_queue_size
             if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
-            sample_ids = [request_id] if n == 1 else [sample_id(request_id, i) for i in range(n)]
-            self._groups[request_id] = _Group(sample_ids, n, n, self._early_handlers.pop(request_id, None))
+            size = request.num_forks + 1
+            sample_ids = [request_id] if size == 1 else [sample_id(request_id, i) for i in range(size)]
+            self._groups[request_id] = _Group(sample_ids, size, size, self._early_handlers.pop(request_id, None))
             self._sample_groups.update((sid, request_id) for sid in sample_ids if sid != request_id)
             self._num_queued += 1
             self._commands.put(("add", request))
@@ -570,7 +572,8 @@ def generate_batch(
         continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
             `Engine`), or None for the defaults.
         progress_bar: show a tqdm bar of finished samples.
-        **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt).
+        **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
+            default: the GenerationConfig's num_return_sequences, else 1).
     Returns:
         Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
     Raises:
@@ -578,7 +581,7 @@ def generate_batch(
     """
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
-    n = kwargs.pop("n", 1)
+    n = kwargs.pop("n", None)
     if kwargs:
         raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)

@@ -72,7 +72,7 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    # Opaque per-request tensors owned by the sampler (penalty counts); dropped when the request finishes.
+    # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
     sampler_state: Any = None
     # Emit a delta per token (else one output when finished).
     streaming: bool = False

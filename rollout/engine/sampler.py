@@ -8,9 +8,20 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
+from rollout.engine.token_bans import history_bans, needs_history, new_history, record, static_bans
 from rollout.engine.transfer import HostCopy, to_device
+from rollout.engine.warpers import warp
 
 _SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class SamplerState:
+    """A request's sampling state on the device, kept on `Request.sampler_state` while it runs."""
+
+    seen: torch.Tensor | None = None  # (vocab,) bool: in prompt or output (repetition_penalty)
+    counts: torch.Tensor | None = None  # (vocab,) fp32: times generated (presence/frequency penalties)
+    history: torch.Tensor | None = None  # its tokens (n-gram and multi-token bad-word bans)
 
 
 @dataclass
@@ -68,16 +79,19 @@ class Sampler:
     Pipeline order (each step only for the rows that ask for it):
       1. penalties on the request's own tokens: repetition_penalty (prompt + output, transformers' semantics),
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
-      2. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
-      3. temperature; 4. top_k; 5. top_p; 6. min_p (transformers' warper semantics);
-      7. sample: greedy rows take the argmax; others draw by inverse CDF with one uniform number per row, a
+      2. bans (`rollout.engine.token_bans`): no_repeat_ngram_size, bad_words_ids, suppress_tokens,
+         begin_suppress_tokens;
+      3. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
+      4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
+         (`rollout.engine.warpers`, transformers' warper semantics);
+      11. sample: greedy rows take the argmax; others draw by inverse CDF with one uniform number per row, a
          counter-based hash of (request seed, sample index, position) computed on the device: a completion never
          depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no host round trip.
 
     Log-probs are fp32, in the request's `logprob_mode`:
 
-      processed           log_softmax after step 6: the distribution actually sampled from. For greedy rows
-                          (temperature 0 or do_sample=False), after step 2: like transformers' `generate`, which
+      processed           log_softmax after step 10: the distribution actually sampled from. For greedy rows
+                          (temperature 0 or do_sample=False), after step 3: like transformers' `generate`, which
                           runs its warpers only when sampling (a greedy row's sampled distribution is a point mass,
                           whose log-prob would always be 0).
       raw                 log_softmax of the model's logits, before any step.
@@ -115,17 +129,19 @@ class Sampler:
         rows = to_device([row for _, row in samples], torch.long, device)
         raw = logits.float().index_select(0, rows)
         scores = raw.clone()
-        self._apply_penalties(scores, requests)
+        states = [self._state(request, device) for request in requests]
+        self._apply_penalties(scores, requests, states)
+        self._apply_bans(scores, requests, states)
         self._mask_early_stops(scores, requests)
 
         sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = scores.argmax(dim=-1)
         if sampling_rows:
             index = to_device(sampling_rows, torch.long, device)
-            warped = self._warp(scores.index_select(0, index), [params[i] for i in sampling_rows])
+            warped = warp(scores.index_select(0, index), [params[i] for i in sampling_rows], self.vocab_size)
             scores[index] = warped
             token_ids[index] = self._draw(warped, [requests[i] for i in sampling_rows])
-        self._update_penalty_state(requests, token_ids)
+        self._record(requests, states, token_ids)
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None)
@@ -167,17 +183,35 @@ class Sampler:
             index = to_device([rows, columns], torch.long, scores.device)
             scores.index_put_((index[0], index[1]), scores.new_full((), float("-inf")))
 
-    def _apply_penalties(self, scores: torch.Tensor, requests: list[Request]) -> None:
-        rows = [
-            i
-            for i, r in enumerate(requests)
-            if r.sampling.repetition_penalty != 1 or r.sampling.presence_penalty or r.sampling.frequency_penalty
-        ]
+    def _state(self, request: Request, device: torch.device) -> SamplerState | None:
+        """The request's device state, built at its first draw (when all its tokens are on the host); None when its
+        processors need none."""
+        params = request.sampling
+        penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+        if request.sampler_state is None and (penalized or needs_history(params)):
+            if request.has_placeholder:
+                raise RuntimeError(f"sampler state of {request.request_id} built before its last token was resolved")
+            state = SamplerState()
+            if penalized:
+                state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
+                state.seen[to_device(request.token_ids, torch.long, device)] = True
+                output = to_device(request.output_ids, torch.long, device)
+                counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
+                # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
+                state.counts = counts.index_add_(0, output, torch.ones_like(output, dtype=counts.dtype))
+            if needs_history(params):
+                state.history = new_history(request, device)
+            request.sampler_state = state
+        return request.sampler_state
+
+    def _apply_penalties(
+        self, scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]
+    ) -> None:
+        rows = [i for i, state in enumerate(states) if state is not None and state.seen is not None]
         if not rows:
             return
-        states = [self._penalty_state(requests[i], scores.device) for i in rows]
-        seen = torch.stack([s[0] for s in states])
-        counts = torch.stack([s[1] for s in states])
+        seen = torch.stack([states[i].seen for i in rows])
+        counts = torch.stack([states[i].counts for i in rows])
         params = [requests[i].sampling for i in rows]
 
         def column(name: str) -> torch.Tensor:
@@ -190,52 +224,36 @@ class Sampler:
         sub = sub - column("presence_penalty") * (counts > 0) - column("frequency_penalty") * counts
         scores[index] = sub
 
-    def _penalty_state(self, request: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(seen in prompt or output, count in output) over the vocabulary, on the device; built once, then updated
-        per token on the device."""
-        if request.sampler_state is None:
-            # Built at a request's first sampled token, when all of its tokens are on the host.
-            if request.has_placeholder:
-                raise RuntimeError(f"penalty state of {request.request_id} built before its last token was resolved")
-            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-            seen[to_device(request.token_ids, torch.long, device)] = True
-            output = to_device(request.output_ids, torch.long, device)
-            counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
-            # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
-            request.sampler_state = (seen, counts.index_add_(0, output, torch.ones_like(output, dtype=counts.dtype)))
-        return request.sampler_state
+    @staticmethod
+    def _apply_bans(scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]) -> None:
+        """Step 2: static bans in one index_put, then history-dependent ones row by row (on the device)."""
+        rows: list[int] = []
+        columns: list[int] = []
+        for i, request in enumerate(requests):
+            banned = static_bans(request)
+            rows += [i] * len(banned)
+            columns += banned
+        if rows:
+            index = to_device([rows, columns], torch.long, scores.device)
+            scores.index_put_((index[0], index[1]), scores.new_full((), float("-inf")))
+        for i, (request, state) in enumerate(zip(requests, states)):
+            if state is not None and state.history is not None:
+                history_bans(scores[i], state.history, request.num_tokens, request.sampling)
 
-    def _update_penalty_state(self, requests: list[Request], token_ids: torch.Tensor) -> None:
-        """Count each sampled token on the device. index_fill_/index_add_ with a one-element index tensor: indexing
-        with a 0-dim device tensor (`seen[token] = True`) would read the index back to the host."""
-        for index, request in enumerate(requests):
-            if request.sampler_state is not None:
-                seen, counts = request.sampler_state
-                token = token_ids[index : index + 1]
-                seen.index_fill_(0, token, True)
-                counts.index_add_(0, token, torch.ones(1, dtype=counts.dtype, device=counts.device))
-
-    def _warp(self, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Steps 3-6 on the sampling rows (same semantics as transformers' warpers)."""
-        device = scores.device
-        temperature = to_device([p.temperature for p in params], scores.dtype, device).unsqueeze(1)
-        scores = scores / temperature
-        if any(p.top_k for p in params):
-            top_ks = [min(p.top_k or self.vocab_size, self.vocab_size) for p in params]
-            k = to_device(top_ks, torch.long, device)
-            kth = scores.topk(max(top_ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if any(p.top_p < 1 for p in params):
-            top_p = to_device([p.top_p for p in params], scores.dtype, device).unsqueeze(1)
-            sorted_scores, sorted_index = scores.sort(dim=-1, descending=False)
-            remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-            remove[:, -1] = False
-            scores = scores.masked_fill(remove.scatter(1, sorted_index, remove), float("-inf"))
-        if any(p.min_p > 0 for p in params):
-            min_p = to_device([p.min_p for p in params], scores.dtype, device).unsqueeze(1)
-            probs = scores.softmax(dim=-1)
-            scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-        return scores
+    @staticmethod
+    def _record(requests: list[Request], states: list[SamplerState | None], token_ids: torch.Tensor) -> None:
+        """Count / append each drawn token in its request's device state. index_fill_/index_add_ with a one-element
+        index tensor: indexing with a 0-dim device tensor (`seen[token] = True`) would read the index back to the
+        host."""
+        for index, (request, state) in enumerate(zip(requests, states)):
+            if state is None:
+                continue
+            token = token_ids[index : index + 1]
+            if state.seen is not None:
+                state.seen.index_fill_(0, token, True)
+                state.counts.index_add_(0, token, torch.ones(1, dtype=state.counts.dtype, device=state.counts.device))
+            if state.history is not None:
+                record(state.history, request.num_tokens, token)
 
     def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row, by inverse-CDF sampling with a counter-based uniform per (request, position)."""

@@ -1,0 +1,181 @@
+"""transformers' `GenerationConfig`, resolved into rollout's request defaults as transformers' `generate` resolves it:
+each field takes its value from the caller's config, else the model's own (`model.generation_config`), else
+transformers' global default.
+
+Every field is honoured, has no effect on which tokens are produced (and is accepted), or is refused with a
+`FieldError` naming it when it is set to anything but transformers' default: rollout never silently ignores a field
+that would change the output (beam search, assistant models, watermarking, ...). A field this module does not know
+(a newer transformers) is refused the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.config import FieldError, SamplingParams
+
+# GenerationConfig field -> SamplingParams field of the same meaning.
+HONOURED = {
+    name: name
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "do_sample",
+        "max_new_tokens",
+        "min_new_tokens",
+        "no_repeat_ngram_size",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+    )
+} | {"eos_token_id": "stop_token_ids", "bad_words_ids": "bad_words_ids"}
+# Honoured outside SamplingParams (see GenerationDefaults).
+HONOURED_ELSEWHERE = ("num_return_sequences", "max_length", "continuous_batching_config")
+# Fields that do not change which tokens are generated, with the reason.
+NO_EFFECT = {
+    "pad_token_id": "rollout batches without padding",
+    "bos_token_id": "the prompt is given as token ids",
+    "decoder_start_token_id": "decoder-only models",
+    "output_scores": "rollout always returns per-token logprobs (return_logprobs)",
+    "output_logits": "logits are not returned; per-token logprobs are",
+    "output_attentions": "attentions are not returned",
+    "output_hidden_states": "hidden states are not returned",
+    "return_dict_in_generate": "outputs are GenerationOutput objects",
+    "renormalize_logits": "rollout's logprobs are always normalised",
+    "use_cache": "rollout always uses its paged KV cache",
+    "cache_implementation": "rollout always uses its paged KV cache",
+    "cache_config": "rollout always uses its paged KV cache",
+    "max_cache_len": "rollout always uses its paged KV cache",
+    "compile_config": "set ContinuousBatchingConfig.decode_compile_config",
+    "disable_compile": "set ContinuousBatchingConfig.decode_compile_config",
+    "prefill_chunk_size": "the token budget (max_batch_tokens) chunks prefills; tokens are the same",
+    "low_memory": "beam search only",
+    "length_penalty": "beam search only",
+    "early_stopping": "beam search only",
+    "num_assistant_tokens": "used only with an assistant model",
+    "num_assistant_tokens_schedule": "used only with an assistant model",
+    "assistant_confidence_threshold": "used only with an assistant model",
+    "assistant_lookbehind": "used only with an assistant model",
+    "target_lookbehind": "used only with an assistant model",
+    "is_assistant": "marks a config as an assistant's",
+    "transformers_version": "metadata",
+}
+# transformers' global defaults (GenerationConfig._get_default_generation_params in transformers 5.23): a field at
+# its default changes nothing, so even a refused field may carry it.
+TRANSFORMERS_DEFAULTS = {
+    "max_length": 20,
+    "min_length": 0,
+    "do_sample": False,
+    "use_cache": True,
+    "early_stopping": False,
+    "num_beams": 1,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "typical_p": 1.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "num_return_sequences": 1,
+    "output_scores": False,
+    "return_dict_in_generate": False,
+    "remove_invalid_values": False,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "num_beam_groups": 1,
+    "diversity_penalty": 0.0,
+    "guidance_scale": 1.0,
+    "token_healing": False,
+    "use_mtp": False,
+}
+# Why some refused fields are refused (others: "not supported by rollout").
+REFUSAL_REASONS = {
+    "num_beams": "beam search is not supported; sample n completions with num_return_sequences",
+    "num_beam_groups": "beam search is not supported",
+    "diversity_penalty": "beam search is not supported",
+    "penalty_alpha": "contrastive search is not supported",
+    "dola_layers": "DoLa decoding is not supported",
+    "min_length": "counts the prompt; use min_new_tokens",
+    "stop_strings": "needs a tokenizer; pass stop tokens as eos_token_id",
+    "watermarking_config": "watermarking is not supported",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding is not supported",
+    "max_matching_ngram_size": "prompt-lookup decoding is not supported",
+    "assistant_early_exit": "assisted decoding is not supported",
+    "speculation_type": "speculative decoding is not supported",
+    "max_time": "a wall-clock limit is not supported; use max_new_tokens",
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a GenerationConfig sets for requests that do not say otherwise."""
+
+    sampling: SamplingParams
+    n: int  # samples per prompt (num_return_sequences)
+    max_length: int | None  # prompt + generated tokens, used when no max_new_tokens is set anywhere
+    continuous_batching_config: Any  # carried by the GenerationConfig; used when none is passed explicitly
+
+
+def resolve(generation_config: Any = None, model_generation_config: Any = None) -> GenerationDefaults:
+    """The request defaults of `generation_config` over `model_generation_config`, as `generate` resolves them.
+
+    Args:
+        generation_config: the caller's `transformers.GenerationConfig` (or None).
+        model_generation_config: the model's own (`model.generation_config`, or None).
+    Raises:
+        FieldError: a field set to a value rollout cannot honour, named "generation_config.<field>" or
+            "model.generation_config.<field>" after the config it came from.
+    """
+    values: dict[str, tuple[str, Any]] = {}  # field -> (which config set it, value)
+    for label, config in (
+        ("generation_config", generation_config),
+        ("model.generation_config", model_generation_config),
+    ):
+        for name, value in _fields(config).items():
+            if value is not None and name not in values:
+                values[name] = (label, value)
+    for name, (label, value) in values.items():
+        known = name in HONOURED or name in HONOURED_ELSEWHERE or name in NO_EFFECT
+        if not known and value != TRANSFORMERS_DEFAULTS.get(name):
+            reason = REFUSAL_REASONS.get(name, "not supported by rollout")
+            raise FieldError(f"{label}.{name}", f"{value!r} is invalid: {reason}")
+
+    def named(name: str, reason: str) -> FieldError:
+        return FieldError(f"{values[name][0]}.{name}" if name in values else name, reason)
+
+    sampling: dict[str, Any] = {}
+    for name, target in HONOURED.items():
+        value = values[name][1] if name in values else TRANSFORMERS_DEFAULTS.get(name)
+        if value is not None:
+            sampling[target] = [value] if name == "eos_token_id" and not isinstance(value, (list, tuple)) else value
+    try:
+        params = SamplingParams(**sampling)
+    except FieldError as error:  # name the GenerationConfig field and its config, not the SamplingParams field
+        source = next((name for name, target in HONOURED.items() if target == error.field), error.field)
+        raise named(source, error.reason) from None
+    n = _value(values, "num_return_sequences", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise named("num_return_sequences", f"{n!r} is invalid: must be an integer >= 1")
+    max_length = _value(values, "max_length", None)
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2):
+        raise named("max_length", f"{max_length!r} is invalid: must be an integer >= 2")
+    return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None))
+
+
+def _value(values: dict[str, tuple[str, Any]], name: str, default: Any) -> Any:
+    return values[name][1] if name in values else default
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """The public fields of a GenerationConfig, set or not (None when not); nothing for None."""
+    if config is None:
+        return {}
+    return {name: value for name, value in vars(config).items() if not name.startswith("_")}

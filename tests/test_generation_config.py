@@ -1,0 +1,165 @@
+"""`transformers.GenerationConfig` given to rollout's doors: every field honoured as transformers' `generate` honours
+it (checked token for token against `generate` itself) or refused by name; none silently ignored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, WatermarkingConfig
+
+from conftest import make_prompts, reference_copy, tiny_model
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
+from rollout.config import FieldError
+from rollout.generation_config import resolve
+
+MAX_NEW = 30
+CACHE = dict(num_blocks=256, block_size=4)
+
+
+def reference_greedy(reference, prompt: list[int], **fields) -> list[int]:
+    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, **fields)
+    return reference.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+
+
+def rollout_greedy(model, prompts, overlap: bool, **fields) -> list[list[int]]:
+    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, **fields)
+    outputs = generate_batch(
+        model,
+        prompts,
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(**CACHE, overlap_scheduling=overlap),
+        progress_bar=False,
+    )
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_bans_decode_exactly_as_generate(overlap):
+    """no_repeat_ngram_size, bad_words_ids (single- and multi-token), suppress_tokens and begin_suppress_tokens:
+    greedy completions equal transformers' generate with the same GenerationConfig, with overlapped scheduling too
+    (the bans then read tokens the host has not seen yet). Bad words are taken from the unbanned completions, so
+    every one of them would otherwise have been generated."""
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    prompts = make_prompts(4, 3, 16, seed=7)
+    plain = rollout_greedy(model, prompts, overlap)
+    assert plain == [reference_greedy(reference, p) for p in prompts]
+    first, second = plain[0], plain[1]
+    cases = {
+        "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+        "bad_words_ids": dict(bad_words_ids=[[first[3]], [second[5], second[6]], [first[0], first[1], first[2]]]),
+        "suppress": dict(suppress_tokens=[second[2], first[8]], begin_suppress_tokens=[first[0], second[0]]),
+    }
+    for name, fields in cases.items():
+        banned = rollout_greedy(model, prompts, overlap, **fields)
+        assert banned == [reference_greedy(reference, p, **fields) for p in prompts], name
+        assert banned != plain, f"{name} changed nothing: the test would not notice it being ignored"
+
+
+def test_num_return_sequences_samples_n_per_prompt():
+    model = tiny_model("qwen3")
+    prompts = make_prompts(2, 3, 8, seed=1)
+    config = GenerationConfig(do_sample=True, num_return_sequences=3, max_new_tokens=6, top_k=0)
+    outputs = generate_batch(
+        model,
+        prompts,
+        generation_config=config,
+        continuous_batching_config=ContinuousBatchingConfig(**CACHE),
+        progress_bar=False,
+    )
+    assert list(outputs) == [f"req_{i}#{j}" for i in range(2) for j in range(3)]
+    assert len({tuple(outputs[f"req_0#{j}"].generated_tokens) for j in range(3)}) > 1
+    with init_continuous_batching(model, config, ContinuousBatchingConfig(**CACHE)) as manager:
+        group = manager.add_request(prompts[0])
+        results = [manager.get_result(group, timeout=30) for _ in range(3)]
+        assert sorted(r.request_id for r in results) == [f"{group}#{j}" for j in range(3)]
+        single = manager.add_request(prompts[0], n=1)  # an explicit n wins
+        assert manager.get_result(single, timeout=30).request_id == single
+
+
+def test_max_length_bounds_prompt_plus_completion_as_generate():
+    """A GenerationConfig's max_length (Llama 3 ships one) counts the prompt, as in generate; max_new_tokens wins."""
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    prompt = make_prompts(1, 9, 9, seed=2)[0]
+    config = GenerationConfig(do_sample=False, max_length=15)
+    (out,) = generate_batch(model, [prompt], generation_config=config, progress_bar=False).values()
+    expected = reference.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
+    assert out.generated_tokens == expected and len(expected) == 6
+    (out,) = generate_batch(model, [prompt], generation_config=config, max_new_tokens=3, progress_bar=False).values()
+    assert len(out.generated_tokens) == 3
+    with pytest.raises(FieldError) as raised:
+        generate_batch(model, [list(range(20))], generation_config=config, progress_bar=False)
+    assert raised.value.field == "max_length"
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(num_beams=2), "num_beams"),
+        (dict(num_beams=2, num_beam_groups=2, diversity_penalty=0.5), "num_beams"),
+        (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
+        (dict(watermarking_config=WatermarkingConfig()), "watermarking_config"),
+        (dict(stop_strings=["\n"]), "stop_strings"),
+        (dict(min_length=5), "min_length"),
+        (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+        (dict(sequence_bias={(3,): -1.0}), "sequence_bias"),
+        (dict(forced_eos_token_id=2), "forced_eos_token_id"),
+        (dict(guidance_scale=1.5), "guidance_scale"),
+        (dict(max_time=1.0), "max_time"),
+        (dict(made_up_knob=3), "made_up_knob"),  # an unknown field is never silently dropped
+        (dict(top_p=1.5), "top_p"),  # honoured, but invalid: named as the GenerationConfig's field
+    ],
+)
+def test_fields_rollout_cannot_honour_are_refused_by_name(fields, field):
+    model = tiny_model("qwen3")
+    with pytest.raises(FieldError) as raised:
+        generate_batch(model, [[1, 2, 3]], generation_config=GenerationConfig(**fields), progress_bar=False)
+    assert raised.value.field == f"generation_config.{field}"
+
+
+def test_the_models_own_config_is_checked_and_named():
+    model = tiny_model("qwen3")
+    model.generation_config.num_beams = 3
+    with pytest.raises(FieldError) as raised:
+        generate_batch(model, [[1, 2, 3]], progress_bar=False)
+    assert raised.value.field == "model.generation_config.num_beams"
+    # The caller's value wins over the model's, as in generate.
+    (out,) = generate_batch(
+        model, [[1, 2, 3]], generation_config=GenerationConfig(num_beams=1), max_new_tokens=2, progress_bar=False
+    ).values()
+    assert len(out.generated_tokens) == 2
+
+
+def test_fields_without_effect_and_defaults_are_accepted():
+    config = GenerationConfig(
+        num_beams=1,
+        length_penalty=1.0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        use_cache=True,
+        renormalize_logits=True,
+        typical_p=0.5,
+        epsilon_cutoff=0.001,
+        eta_cutoff=0.002,
+        eos_token_id=[5, 6],
+        suppress_tokens=[7],
+    )
+    defaults = resolve(config, None)
+    sampling = defaults.sampling
+    assert (sampling.typical_p, sampling.epsilon_cutoff, sampling.eta_cutoff) == (0.5, 0.001, 0.002)
+    assert sampling.stop_token_ids == (5, 6) and sampling.suppress_tokens == (7,)
+    assert defaults.n == 1 and defaults.max_length is None
+    # transformers' global defaults: greedy, top_k 50 once sampling.
+    assert resolve(None, None).sampling == SamplingParams(do_sample=False, top_k=50)
+
+
+def test_a_continuous_batching_config_carried_by_the_generation_config_is_used():
+    import transformers
+
+    model = tiny_model("qwen3")
+    config = GenerationConfig(max_new_tokens=2)
+    config.continuous_batching_config = transformers.ContinuousBatchingConfig(page_size=8, num_blocks=40)
+    with init_continuous_batching(model, config) as manager:
+        assert (manager.config.block_size, manager.config.num_blocks) == (8, 40)
