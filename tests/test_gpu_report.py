@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -176,3 +177,118 @@ def test_a_clean_run_exits_zero_and_hides_triton_interpret(tmp_path, monkeypatch
     assert report["ok"] is True
     assert report["sections"]["grpo"]["data"] == {**summary, "env": None}
     assert "| grpo | rollout tokens/s (n=8 groups, sampled) | 123 |" in (out / "gpu_report.md").read_text()
+
+
+def _grandchild_code(pid_file: Path, then: str) -> str:
+    """A section that starts a long-lived child, writes its pid, then runs `then`."""
+    return (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n{then}"
+    )
+
+
+def _gone(pid: int) -> bool:
+    time.sleep(0.5)
+    state = Path(f"/proc/{pid}/status")
+    return not state.exists() or "zombie" in state.read_text()
+
+
+def test_sections_that_misbehave_never_hang_or_lose_the_report(tmp_path, monkeypatch):
+    """Undecodable bytes and a large output before the summary, a warning after it, a child left running after a
+    normal exit, unreadable JUnit XML, a summary of the wrong benchmark or of odd shapes: each section ends promptly
+    with a result, the report is written, and nothing a section started is left running."""
+    leftover = tmp_path / "leftover.pid"
+    summary = json.dumps({"benchmark": "grpo", "rollout": {"tokens_per_s": 5.0}})
+    odd = json.dumps({"benchmark": "weights", "bytes": "many", "results": {"frames": [1, 2], "shm": 1.5}})
+    chosen = [
+        _section(
+            "grpo",
+            "import sys; sys.stdout.buffer.write(b'\\xff\\xfe bad bytes\\n' + b'x' * 200000 + b'\\n'); "
+            f"sys.stdout.flush(); print({summary!r}); print('ResourceWarning: at exit')",
+            timeout_s=60,
+        ),
+        _section("throughput", _grandchild_code(leftover, 'print(\'{"benchmark": "throughput"}\')'), timeout_s=60),
+        gpu_report.Section(
+            "gpu-tests",
+            "junit",
+            (sys.executable, "-c", "import sys; open(sys.argv[1][11:], 'w').write('<test')"),
+            60,
+            True,
+        ),
+        _section("kernel-tests", 'print(\'{"benchmark": "grpo"}\')'),
+        _section("weights", f"print({odd!r})"),
+    ]
+    chosen[3] = gpu_report.Section("kernel-tests", "wrong", chosen[3].argv, 60, benchmark="throughput")
+    out = tmp_path / "report"
+    start = time.monotonic()
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull) == 1
+    assert time.monotonic() - start < 60
+    assert _gone(int(leftover.read_text()))
+    sections = json.loads((out / "gpu_report.json").read_text())["sections"]
+    assert sections["grpo"]["status"] == "ok" and sections["grpo"]["data"]["rollout"]["tokens_per_s"] == 5.0
+    assert sections["throughput"]["status"] == "ok"
+    assert sections["gpu-tests"]["status"] == "failed" and "JUnit XML is unreadable" in sections["gpu-tests"]["error"]
+    assert sections["kernel-tests"]["status"] == "failed" and "not a 'throughput'" in sections["kernel-tests"]["error"]
+    assert sections["weights"]["status"] == "ok"
+    markdown = (out / "gpu_report.md").read_text()
+    assert "| weights | frames: state dict pushed | not measured |" in markdown
+    assert "\ufffd" in (out / "grpo.log").read_text()  # the bad bytes, replaced, not fatal
+
+
+def test_an_interrupted_report_kills_its_section_and_still_writes(tmp_path, monkeypatch):
+    started = tmp_path / "started.pid"
+    chosen = [_section("grpo", _grandchild_code(started, "time.sleep(600)")), _section("weights", "print('{}')")]
+    real_wait = subprocess.Popen.wait
+
+    def interrupted_wait(self, timeout=None):
+        if timeout is not None:  # the report's wait for the section: the user presses Ctrl-C meanwhile
+            deadline = time.monotonic() + 30
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise KeyboardInterrupt
+        return real_wait(self, timeout)
+
+    monkeypatch.setattr(subprocess.Popen, "wait", interrupted_wait)
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull) == 130
+    assert _gone(int(started.read_text()))
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert list(report["sections"]) == ["grpo"] and report["sections"]["grpo"]["status"] == "interrupted"
+
+
+def test_split_runs_merge_into_one_report(tmp_path):
+    """`--only` runs into the same folder add up to one report (a section run again replaces its earlier result);
+    --fresh (keep_earlier=False) starts over."""
+    grpo = _section("grpo", 'print(\'{"benchmark": "grpo"}\')')
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report([grpo], out, MACHINE, devnull) == 0
+        assert gpu_report.run_report([_section("throughput", "raise SystemExit(1)")], out, MACHINE, devnull) == 1
+        assert list(json.loads((out / "gpu_report.json").read_text())["sections"]) == ["throughput", "grpo"]
+        assert gpu_report.run_report([_section("throughput", "print('{}')")], out, MACHINE, devnull) == 0
+        assert gpu_report.run_report([grpo], out, MACHINE, devnull, keep_earlier=False) == 0
+    assert list(json.loads((out / "gpu_report.json").read_text())["sections"]) == ["grpo"]
+
+
+def test_out_must_be_a_folder(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("")
+    with pytest.raises(SystemExit):
+        parser, args = _parse(["gpu-report", "--out", str(target), "--skip", "gpu-tests", "kernel-tests"])
+        gpu_report.main(args, parser)
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_rollout_bench_starts_without_the_service_dependencies():
+    """The GPU image has no pyzmq or msgpack unless carried: every subcommand but weights must still start."""
+    code = (
+        "import sys; sys.modules['zmq'] = None; sys.modules['msgpack'] = None\n"
+        "from rollout.benchmarks import cli\n"
+        "for command in ('throughput', 'grpo', 'gpu-report'):\n"
+        "    try:\n        cli.main([command, '--help'])\n    except SystemExit as stop:\n        assert stop.code == 0\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

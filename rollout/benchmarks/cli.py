@@ -6,7 +6,7 @@ import argparse
 import json
 
 from rollout.benchmarks import gpu_report, grpo, service, throughput, weights
-from rollout.service.cli import DTYPES
+from rollout.service.presets import MODEL_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
     tp.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the untimed warm-up run of each system (a few short prompts, so compilation is not timed)",
+    )
+    tp.add_argument(
         "--details",
         action="store_true",
         help="also report the decode roofline fraction, peak memory and logprob fidelity (one more rollout run)",
@@ -47,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     wt.add_argument("--device", default="cpu", help="the worker's device and the pushed model's: cpu, cuda or cuda:N")
     wt.add_argument(
         "--dtype",
-        choices=sorted(name for name in DTYPES if name != "auto"),
+        choices=sorted(name for name in MODEL_DTYPES if name != "auto"),
         default="float32",
         help="parameter dtype on both sides (default: float32)",
     )
@@ -75,7 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers)
     elif args.command == "throughput":
-        summary = throughput.run(args.workload, args.systems, args.seed, args.repeats, args.details)
+        summary = throughput.run(
+            args.workload, args.systems, args.seed, args.repeats, args.details, warmup=not args.no_warmup
+        )
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")

@@ -19,34 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
-import xml.etree.ElementTree as ElementTree
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
 from rollout.benchmarks.report import SectionResult, goals, render_markdown
-
-TAIL_LINES = 40  # lines of a failed section's output kept in the report
-
-
-@dataclass(frozen=True)
-class Section:
-    """One part of the report: a command run in its own process."""
-
-    name: str
-    title: str
-    argv: tuple[str, ...]
-    timeout_s: float
-    tests: bool = False  # a pytest run: counts come from its JUnit XML; otherwise its last output line is JSON
+from rollout.benchmarks.sections import Section, run_section
 
 
 def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
@@ -68,14 +51,16 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             "nano workload",
             (*bench, "throughput", "--workload", "nano", "--details", "--repeats", "1"),
             420,
+            benchmark="throughput",
         ),
-        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 240),
+        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 240, benchmark="grpo"),
         Section(
             "weights",
             "weights into a GPU worker",
             (*bench, "weights", "--device", "cuda", "--dtype", "bfloat16", "--size-mb", "1200")
             + ("--transports", "frames", "shm", "--repeats", "3"),
             240,
+            benchmark="weights",
         ),
     ]
 
@@ -97,10 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("tests"),
         help="the checkout's tests folder, for the test sections (default: tests, relative to the current folder)",
     )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start a new report; by default sections run earlier into the same --out (e.g. split with --only) "
+        "stay in the report unless run again",
+    )
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run the chosen sections and write the report; the exit status (0 ok, 1 something failed, 2 no GPU)."""
+    """Run the chosen sections and write the report; the exit status (0 ok, 1 something failed, 2 no GPU, 130
+    interrupted)."""
     chosen = [
         s
         for s in sections(args.tests_dir)
@@ -113,6 +105,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"gpu-report: --tests-dir {args.tests_dir} has no gpu/ folder; run from a rollout checkout, pass "
             "--tests-dir, or leave the test sections out with --skip gpu-tests kernel-tests"
         )
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"gpu-report: --out {args.out} exists and is not a folder")
     import torch
 
     if not torch.cuda.is_available():
@@ -123,10 +117,17 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_report(chosen, args.out, environment())
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated report still kills its section and writes the report
+    return run_report(chosen, args.out, environment(), keep_earlier=not args.fresh)
 
 
-def run_report(chosen: list[Section], out: Path, machine: dict[str, Any], stream: TextIO = sys.stdout) -> int:
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_report(
+    chosen: list[Section], out: Path, machine: dict[str, Any], stream: TextIO = sys.stdout, keep_earlier: bool = True
+) -> int:
     """Run `chosen` one after another, write gpu_report.md and gpu_report.json into `out`, print the table.
 
     Args:
@@ -134,121 +135,59 @@ def run_report(chosen: list[Section], out: Path, machine: dict[str, Any], stream
         out: the output folder (created).
         machine: the environment() figures the report's header names.
         stream: where the sections' output and progress lines go.
+        keep_earlier: keep the results of sections an earlier report in `out` ran and this one does not.
 
     Returns:
-        0 when every section finished and no test failed, else 1.
+        0 when every section of the report finished and no test failed, 130 when interrupted, else 1.
     """
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    earlier = _earlier_results(out / "gpu_report.json") if keep_earlier else {}
+    results: dict[str, SectionResult] = {}
+    interrupted = False
     for index, section in enumerate(chosen, 1):
-        print(f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}", file=stream, flush=True)
-        result = run_section(section, out, stream)
-        results.append(result)
-        print(
-            f"gpu-report [{index}/{len(chosen)}] {section.name}: {result.status} in {result.seconds:.0f} s", file=stream
-        )
-    markdown = render_markdown(machine, results)
-    ok = all(result.ok for result in results)
-    report = {"report": "gpu-report", "ok": ok, "environment": machine, "goals": goals(results)}
-    report["sections"] = {result.name: asdict(result) for result in results}
+        _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}")
+        try:
+            result = run_section(section, out, stream)
+        except KeyboardInterrupt:
+            result = SectionResult(section.name, section.title, "interrupted", 0.0, error="interrupted")
+            interrupted = True
+        results[section.name] = result
+        _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {result.status} in {result.seconds:.0f} s")
+        if interrupted:
+            break
+    order = [name for name in SECTION_NAMES if name in results or name in earlier]
+    report_results = [results.get(name) or earlier[name] for name in order]
+    markdown = render_markdown(machine, report_results)
+    ok = all(result.ok for result in report_results) and not interrupted
+    report = {"report": "gpu-report", "ok": ok, "environment": machine, "goals": goals(report_results)}
+    report["sections"] = {result.name: asdict(result) for result in report_results}
     (out / "gpu_report.md").write_text(markdown)
     (out / "gpu_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(markdown, file=stream)
-    print(
-        f"gpu-report: {'all sections ok' if ok else 'FAILED'}; wrote {out / 'gpu_report.md'} and gpu_report.json",
-        file=stream,
+    reused = [name for name in order if name not in results]
+    _say(stream, markdown)
+    _say(
+        stream,
+        f"gpu-report: {'all sections ok' if ok else 'FAILED'}; wrote {out / 'gpu_report.md'} and gpu_report.json"
+        + (f" (kept from an earlier run: {', '.join(reused)}; --fresh starts over)" if reused else ""),
     )
-    return 0 if ok else 1
+    return 130 if interrupted else 0 if ok else 1
 
 
-def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
-    """Run one section in its own process group, its output teed to `stream` and to out/<name>.log; a section past
-    its timeout is killed with everything it started."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # kernels compiled for real
-    env["PYTHONUNBUFFERED"] = "1"
-    with tempfile.TemporaryDirectory() as scratch:
-        junit = Path(scratch) / "junit.xml"
-        argv = [*section.argv, f"--junitxml={junit}"] if section.tests else list(section.argv)
-        lines: list[str] = []
-        start = time.monotonic()
-        with open(out / f"{section.name}.log", "w") as log:
-            process = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-            )
-
-            def tee() -> None:
-                for line in process.stdout:
-                    lines.append(line)
-                    log.write(line)
-                    stream.write(f"  {section.name} | {line}")
-
-            reader = threading.Thread(target=tee, daemon=True)
-            reader.start()
-            try:
-                returncode = process.wait(section.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the section and every process it started
-                returncode, timed_out = process.wait(), True
-            reader.join(10)
-            process.stdout.close()
-        seconds = time.monotonic() - start
-        tail = "".join(lines[-TAIL_LINES:])
-        if timed_out:
-            return SectionResult(
-                section.name, section.title, "timeout", seconds, error=f"killed after {section.timeout_s:.0f} s\n{tail}"
-            )
-        if section.tests:
-            return _tests_result(section, seconds, returncode, junit, tail)
-        return _bench_result(section, seconds, returncode, lines, tail)
-
-
-def _bench_result(section: Section, seconds: float, returncode: int, lines: list[str], tail: str) -> SectionResult:
-    last = next((line for line in reversed(lines) if line.strip()), "")
+def _say(stream: TextIO, text: str) -> None:
+    """Progress on the console, best effort: a closed console must not lose the report."""
     try:
-        data = json.loads(last)
-    except json.JSONDecodeError:
-        data = None
-    if returncode != 0 or not isinstance(data, dict):
-        why = f"exit status {returncode}" if returncode != 0 else "its last output line is not a JSON summary"
-        return SectionResult(section.name, section.title, "failed", seconds, error=f"{why}\n{tail}")
-    return SectionResult(section.name, section.title, "ok", seconds, data=data)
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
-def _tests_result(section: Section, seconds: float, returncode: int, junit: Path, tail: str) -> SectionResult:
-    counts = junit_counts(junit) if junit.exists() else {}
-    failing = counts.pop("failing", [])
-    problems = [f"failed: {name}" for name in failing]
-    if not counts:
-        problems.append(f"pytest wrote no results (exit status {returncode})")
-    elif counts["passed"] == 0:
-        problems.append(f"no test passed ({counts['skipped']} skipped)")
-    elif returncode != 0 and not failing:
-        problems.append(f"pytest exit status {returncode}")
-    status = "failed" if problems else "ok"
-    error = "\n".join(problems) + f"\n{tail}" if problems else None
-    return SectionResult(section.name, section.title, status, seconds, data=counts, error=error)
-
-
-def junit_counts(path: Path) -> dict[str, Any]:
-    """passed / failed / errors / skipped counts and the failing tests' ids from a pytest JUnit XML file."""
-    root = ElementTree.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    failing = []
-    for case in root.iter("testcase"):
-        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
-        if problem is not None:
-            message = (problem.get("message") or "").strip().splitlines()
-            failing.append(f"{case.get('classname')}::{case.get('name')}" + (f": {message[0]}" if message else ""))
-    return {
-        "tests": counts["tests"],
-        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-        "failed": counts["failures"],
-        "errors": counts["errors"],
-        "skipped": counts["skipped"],
-        "failing": failing,
-    }
+def _earlier_results(path: Path) -> dict[str, SectionResult]:
+    """The sections of an earlier report in the same folder (none when it is missing or unreadable)."""
+    try:
+        sections_json = json.loads(path.read_text())["sections"]
+        return {name: SectionResult(**fields) for name, fields in sections_json.items() if name in SECTION_NAMES}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def environment() -> dict[str, Any]:

@@ -15,7 +15,15 @@ import time
 
 import torch
 
-from rollout.benchmarks.throughput import WORKLOADS, _sync, make_workload, run_transformers_generate_batch
+from rollout.benchmarks.throughput import (
+    WARMUP_PROMPTS,
+    WARMUP_TOKENS,
+    WORKLOADS,
+    _sync,
+    make_workload,
+    run_rollout,
+    run_transformers_generate_batch,
+)
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
@@ -39,6 +47,11 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True) -> 
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))] for _ in range(NUM_PROMPTS)]
     max_new = [rng.randint(*OUTPUT_LEN) for _ in range(NUM_PROMPTS)]
 
+    # Untimed warm-ups of both systems on a few short requests: compilation and first-call costs stay out.
+    warm_prompts, warm_lengths = prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts))
+    run_rollout(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
+    if transformers:
+        run_transformers_generate_batch(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
     model = copy.deepcopy(base_model)
     engine = Engine(model, ContinuousBatchingConfig(**workload.engine_config))
     for index, (prompt, count) in enumerate(zip(prompts, max_new)):

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+FENCE = "```"  # markdown code fence around a failed section's output
+
 
 @dataclass(frozen=True)
 class Goal:
@@ -31,7 +33,7 @@ class SectionResult:
 
     name: str
     title: str
-    status: str  # "ok", "failed" or "timeout"
+    status: str  # "ok", "failed", "timeout" or "interrupted"
     seconds: float
     data: dict[str, Any] = field(default_factory=dict)  # a benchmark's JSON summary, or a test section's counts
     error: str | None = None  # why it failed: exit status, failing tests, the end of its output
@@ -61,7 +63,7 @@ class Row:
         return f"{self.goal}: {'met' if self.goal.met(self.value) else 'MISSED'}"
 
 
-def _get(data: dict, *path: str) -> Any:
+def _get(data: Any, *path: str) -> Any:
     for key in path:
         if not isinstance(data, dict) or key not in data:
             return None
@@ -69,8 +71,12 @@ def _get(data: dict, *path: str) -> Any:
     return data
 
 
+def _mapping(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def _number(section: str, figure: str, value: Any, spec: str, goal: Goal | None = None, unit: str = "") -> Row:
-    if not isinstance(value, int | float):
+    if not isinstance(value, int | float) or isinstance(value, bool) or value != value:  # value != value: NaN
         return Row(section, figure, None, "not measured", goal)
     return Row(section, figure, value, f"{value:{spec}}{unit}", goal)
 
@@ -89,7 +95,7 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
     data, name = result.data, result.name
     rows = []
     for system in ("rollout", "rollout_sequential", "transformers_generate_batch", "transformers_generate"):
-        if system in (_get(data, "results") or {}) or system in ("rollout", "transformers_generate_batch"):
+        if system in _mapping(_get(data, "results")) or system in ("rollout", "transformers_generate_batch"):
             rows.append(_number(name, f"{system} tokens/s", _get(data, "results", system, "tokens_per_s"), ",.0f"))
     rows += [
         _number(
@@ -128,7 +134,8 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
 def _grpo_rows(result: SectionResult) -> list[Row]:
     data, name = result.data, result.name
     computed, unshared = _get(data, "prompt_tokens_computed"), _get(data, "prompt_tokens_without_sharing")
-    sharing = unshared / computed if isinstance(computed, int) and computed and isinstance(unshared, int) else None
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (computed, unshared))
+    sharing = unshared / computed if numbers and computed else None
     return [
         _number(name, "rollout tokens/s (n=8 groups, sampled)", _get(data, "rollout", "tokens_per_s"), ",.0f"),
         _number(
@@ -144,7 +151,7 @@ def _grpo_rows(result: SectionResult) -> list[Row]:
             ".2f",
             unit="x",
         ),
-        _number(name, f"prompt tokens computed (of {unshared} without sharing)", computed, ",d"),
+        _number(name, f"prompt tokens computed (of {unshared} without sharing)", computed, ",.0f"),
         _number(name, "prompt compute saved by sharing", sharing, ".1f", unit="x"),
     ]
 
@@ -152,10 +159,10 @@ def _grpo_rows(result: SectionResult) -> list[Row]:
 def _weights_rows(result: SectionResult) -> list[Row]:
     data, name = result.data, result.name
     size = _get(data, "bytes")
-    what = f"{size / 1e9:.2f} GB {_get(data, 'dtype')}" if isinstance(size, int) else "state dict"
+    what = f"{size / 1e9:.2f} GB {_get(data, 'dtype')}" if isinstance(size, int | float) else "state dict"
     rows = []
-    for transport in _get(data, "results") or {"frames": {}, "shm": {}}:
-        row = _get(data, "results", transport) or {}
+    for transport in _mapping(_get(data, "results")) or {"frames": {}, "shm": {}}:
+        row = _mapping(_get(data, "results", transport))
         rows += [
             _number(name, f"{transport}: {what} pushed", row.get("gb_per_s"), ".2f", unit=" GB/s"),
             _number(name, f"{transport}: commit pause", row.get("pause_ms"), ".1f", unit=" ms"),
@@ -175,7 +182,13 @@ ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
 
 def rows(results: list[SectionResult]) -> list[Row]:
     """Every row of the table, section by section, in the order the sections ran."""
-    return [row for result in results for row in ROWS[result.name](result)]
+    table = []
+    for result in results:
+        try:
+            table += ROWS[result.name](result)
+        except Exception as error:  # noqa: BLE001 - one odd summary must not lose the whole report
+            table.append(Row(result.name, "figures", None, f"unreadable summary ({type(error).__name__}: {error})"))
+    return table
 
 
 def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -> str:
@@ -199,7 +212,8 @@ def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -
     if failures:
         lines += ["", "## Failures", ""]
         for result in failures:
-            lines += [f"### {result.name} ({result.status})", "", "```", (result.error or "").strip(), "```", ""]
+            text = (result.error or "").strip().replace(FENCE, "'" * 3)  # keep the fence closed
+            lines += [f"### {result.name} ({result.status})", "", FENCE, text, FENCE, ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

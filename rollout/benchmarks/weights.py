@@ -15,8 +15,7 @@ import sys
 import torch
 
 from rollout.benchmarks.service import _free_port, _wait_ready
-from rollout.service.cli import DTYPES
-from rollout.service.presets import sized_model
+from rollout.service.presets import MODEL_DTYPES, sized_model
 
 TRANSPORTS = ("frames", "shm", "torch.distributed")
 
@@ -48,9 +47,10 @@ def run(
     address = f"tcp://127.0.0.1:{_free_port()}"
     where = ["--gpu", str(place.index or 0)] if place.type == "cuda" else ["--device", device]
     flags = ["--bind", address, *where, "--dtype", dtype, "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
+    # Two sets of weights, alternated, so every push really changes the model (built first: a failure here must not
+    # leave a worker behind).
+    models = [sized_model(megabytes, seed=seed, dtype=MODEL_DTYPES[dtype]).to(place) for seed in (1, 2)]
     worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags, "--log-level", "WARNING"])
-    # Two sets of weights, alternated, so every push really changes the model.
-    models = [sized_model(megabytes, seed=seed, dtype=DTYPES[dtype]).to(place) for seed in (1, 2)]
     results: dict[str, dict] = {}
     try:
         _wait_ready(address, worker)
@@ -78,7 +78,11 @@ def run(
             num_bytes = runs[-1].num_bytes
     finally:
         worker.terminate()
-        worker.wait(60)
+        try:
+            worker.wait(60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
     print(
         f"weights: {num_bytes / 1e9:.3f} GB {dtype} state dict over loopback into a worker on {device}, "
         f"median of {repeats} pushes per transport"

@@ -16,13 +16,12 @@ import torch
 
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
-from rollout.service.presets import PRESETS, model_from_preset
+from rollout.service.presets import MODEL_DTYPES, PRESETS, model_from_preset
 from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
 
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on")
     place.add_argument("--device", default=None, help="torch device, e.g. cpu (default: cpu unless --gpu)")
     add(
-        "--dtype", choices=sorted(DTYPES), default="auto", help="parameter dtype (auto: the checkpoint's, fp32 presets)"
+        "--dtype",
+        choices=sorted(MODEL_DTYPES),
+        default="auto",
+        help="parameter dtype (auto: the checkpoint's, fp32 presets)",
     )
     add("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind (default: tcp://127.0.0.1:5555)")
     add("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_scheduling=AUTO_ON_OFF[args.overlap],
     )
     try:
-        model = load_model(args.model, DTYPES[args.dtype], device)
+        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
     except ValueError as error:
         parser.error(str(error))
     try:

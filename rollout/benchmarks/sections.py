@@ -1,0 +1,179 @@
+"""One section of `rollout-bench gpu-report`: a command run in its own process group, its output teed to the console
+and to a log, its result read from a JSON summary (benchmarks) or a JUnit XML file (tests).
+
+Whatever the section does (crash, hang, leave processes behind, print undecodable bytes, be interrupted), the
+report gets a `SectionResult` and nothing the section started outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ElementTree
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from rollout.benchmarks.report import SectionResult
+
+TAIL_LINES = 40  # lines of a failed section's output kept in the report
+SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
+READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
+
+
+@dataclass(frozen=True)
+class Section:
+    """One part of the report: a command run in its own process."""
+
+    name: str
+    title: str
+    argv: tuple[str, ...]
+    timeout_s: float
+    tests: bool = False  # a pytest run: counts come from its JUnit XML; otherwise a JSON summary line
+    benchmark: str | None = None  # the "benchmark" its JSON summary must name (None: any)
+
+
+def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
+    """Run one section in its own process group; its output goes to out/<name>.log and, best effort, to `stream`.
+
+    Past its timeout, or when this process is interrupted, the section is killed with everything it started; after
+    it exits, whatever it left running is killed too.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # kernels compiled for real
+    env["PYTHONUNBUFFERED"] = "1"
+    with tempfile.TemporaryDirectory() as scratch:
+        junit = Path(scratch) / "junit.xml"
+        argv = [*section.argv, f"--junitxml={junit}"] if section.tests else list(section.argv)
+        lines: deque[str] = deque(maxlen=SEARCHED_LINES)
+        start = time.monotonic()
+        with open(out / f"{section.name}.log", "w", encoding="utf-8") as log:
+            try:
+                process = subprocess.Popen(
+                    argv,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    encoding="utf-8",
+                    errors="replace",  # one undecodable byte must not stop the draining of the pipe
+                    env=env,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                return SectionResult(section.name, section.title, "failed", 0.0, error=f"cannot start: {error}")
+            reader = threading.Thread(target=_tee, args=(process, section.name, log, stream, lines), daemon=True)
+            reader.start()
+            timed_out = False
+            try:
+                returncode = process.wait(section.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:  # also on KeyboardInterrupt / SystemExit: nothing the section started outlives it
+                _kill_group(process.pid)
+                if timed_out:
+                    returncode = process.wait()
+            reader.join(READER_GRACE_S)  # the pipe closes once every process of the group is gone
+        seconds = time.monotonic() - start
+        tail = "".join(list(lines)[-TAIL_LINES:])
+        if reader.is_alive():  # a process outside the group (it called setsid) still holds the pipe: stop reading
+            tail += "\n[gpu-report: the section's output stayed open after it ended; stopped reading it]\n"
+        if timed_out:
+            error = f"killed after {section.timeout_s:.0f} s\n{tail}"
+            return SectionResult(section.name, section.title, "timeout", seconds, error=error)
+        if section.tests:
+            return _tests_result(section, seconds, returncode, junit, tail)  # before the scratch folder goes
+        return _bench_result(section, seconds, returncode, list(lines), tail)
+
+
+def _tee(process: subprocess.Popen, name: str, log: TextIO, stream: TextIO, lines: deque[str]) -> None:
+    """Drain the section's output to the log and the console until the pipe closes, whatever the console does."""
+    for line in process.stdout:
+        lines.append(line)
+        for target, text in ((log, line), (stream, f"  {name} | {line}")):
+            try:
+                target.write(text)
+            except (OSError, ValueError):  # a closed console (e.g. `| head`), or a log closed after the grace
+                pass
+    process.stdout.close()
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _bench_result(section: Section, seconds: float, returncode: int, lines: list[str], tail: str) -> SectionResult:
+    data = _last_json(lines)
+    problem = None
+    if returncode != 0:
+        problem = f"exit status {returncode}"
+    elif data is None:
+        problem = "it printed no JSON summary"
+    elif section.benchmark is not None and data.get("benchmark") != section.benchmark:
+        problem = f"its JSON summary is not a {section.benchmark!r} benchmark's"
+    if problem:
+        return SectionResult(
+            section.name, section.title, "failed", seconds, data=data or {}, error=f"{problem}\n{tail}"
+        )
+    return SectionResult(section.name, section.title, "ok", seconds, data=data)
+
+
+def _last_json(lines: list[str]) -> dict[str, Any] | None:
+    """The last line that is a JSON object (exit-time warnings may follow it)."""
+    for line in reversed(lines):
+        if line.lstrip().startswith("{"):
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def _tests_result(section: Section, seconds: float, returncode: int, junit: Path, tail: str) -> SectionResult:
+    problems = []
+    try:
+        counts = junit_counts(junit) if junit.exists() else {}
+    except (ElementTree.ParseError, ValueError) as error:
+        counts, problems = {}, [f"pytest's JUnit XML is unreadable: {error}"]
+    failing = counts.pop("failing", [])
+    problems += [f"failed: {name}" for name in failing]
+    if not counts and not problems:
+        problems.append(f"pytest wrote no results (exit status {returncode})")
+    elif counts and counts["passed"] == 0:
+        problems.append(f"no test passed ({counts['skipped']} skipped)")
+    elif returncode != 0 and not failing:
+        problems.append(f"pytest exit status {returncode}")
+    status = "failed" if problems else "ok"
+    error = "\n".join(problems) + f"\n{tail}" if problems else None
+    return SectionResult(section.name, section.title, status, seconds, data=counts, error=error)
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """Counts of tests by their worst outcome (a test that fails and then errors in teardown counts once) and the
+    failing tests' ids, from a pytest JUnit XML file."""
+    outcomes: dict[str, str] = {}
+    failing = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}::{case.get('name')}"
+        problem = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
+        if problem is not None:
+            outcome = "failed" if problem.tag == "failure" else "errors"
+            message = (problem.get("message") or "").strip().splitlines()
+            failing.append(test_id + (f": {message[0]}" if message else ""))
+        else:
+            outcome = "skipped" if case.find("skipped") is not None else "passed"
+        order = ("passed", "skipped", "errors", "failed")
+        if order.index(outcome) > order.index(outcomes.get(test_id, "passed")) or test_id not in outcomes:
+            outcomes[test_id] = outcome
+    counts = {
+        key: sum(outcome == key for outcome in outcomes.values()) for key in ("passed", "failed", "errors", "skipped")
+    }
+    return {"tests": len(outcomes), **counts, "failing": failing}
