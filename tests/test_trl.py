@@ -6,7 +6,10 @@ GRPOConfig values, and the worker's own counters (`policy_version`, `weight_upda
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -26,7 +29,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from rollout.config import SamplingParams  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker, run_ranks  # noqa: E402
-from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError  # noqa: E402
+from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError, grpo_sampling  # noqa: E402
 from trainer_bridge.trl import SUPPORTED_TRL, RolloutGeneration, RolloutGRPOTrainer, check_trl_internals  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,6 +409,103 @@ def test_bad_generation_kwargs_and_images(tmp_path, fake_trainer):
     trainer.args = bad
     with pytest.raises(ValueError, match="bogus_knob"):
         RolloutGeneration(trainer, FakeClient(), 1)
+
+
+def _vllm_backend_fields() -> set[str]:
+    """The GRPOConfig fields TRL's own GRPOTrainer hands its vLLM generation backend (read from TRL's source)."""
+    import ast
+
+    source = textwrap.dedent(inspect.getsource(GRPOTrainer.__init__))
+    call = next(
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "VLLMGeneration"
+    )
+    names = set()
+    for keyword in call.keywords:
+        for node in ast.walk(keyword.value):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("args", "self")
+            ):
+                names.add(node.attr)
+    return names & {f.name for f in dataclasses.fields(GRPOConfig)}
+
+
+# A value other than the default for each honoured field, and how the worker's request must change.
+HONOURED_CHANGES = {
+    "temperature": (0.5, {"temperature": 0.5}),
+    "top_p": (0.8, {"top_p": 0.8}),
+    "top_k": (7, {"top_k": 7}),
+    "min_p": (0.1, {"min_p": 0.1}),
+    "repetition_penalty": (1.3, {"repetition_penalty": 1.3}),
+    "max_completion_length": (3, {"max_new_tokens": 3}),
+    "generation_kwargs": ({"presence_penalty": 0.5}, {"presence_penalty": 0.5}),
+}
+
+
+def test_every_generation_field_trl_hands_vllm_is_honoured_or_refused(fake_trainer):
+    """Each GRPOConfig field TRL passes its vLLM backend is classified; an honoured one changes the group the worker
+    gets, a refused one fails by name, and the rest configure the vLLM engine the workers replace."""
+    trainer, fake = fake_trainer
+    backend_fields = _vllm_backend_fields()
+    assert {"temperature", "generation_kwargs", "vllm_structured_outputs_regex"} <= backend_fields  # parsed for real
+    assert backend_fields <= {*grpo_sampling.HONOURED, *grpo_sampling.NO_EFFECT, *grpo_sampling.REFUSED}
+    assert set(HONOURED_CHANGES) == set(grpo_sampling.HONOURED)
+    base_args = trainer.args
+
+    def submitted(**changes) -> dict:
+        trainer.args = copy.copy(base_args)
+        for name, value in changes.items():
+            setattr(trainer.args, name, value)
+        RolloutGeneration(trainer, fake, 1).generate_rows([[1, 2]])
+        return fake.submitted[-1][0].sampling
+
+    baseline = submitted()
+    for name, (value, expected) in HONOURED_CHANGES.items():
+        request = submitted(**{name: value})
+        assert request == {**baseline, **expected}, name
+    for name in grpo_sampling.REFUSED:
+        with pytest.raises(ValueError, match=f"GRPOConfig.{name}="):
+            submitted(**{name: "a+" if name.startswith("vllm") else True})
+
+
+def test_vllm_spellings_in_generation_kwargs_are_mapped(fake_trainer):
+    trainer, fake = fake_trainer
+    base_args = trainer.args
+
+    def sampling(generation_kwargs: dict) -> dict:
+        trainer.args = copy.copy(base_args)
+        trainer.args.generation_kwargs = generation_kwargs
+        return RolloutGeneration(trainer, fake, 1).sampling
+
+    mapped = sampling({"max_tokens": 5, "min_tokens": 2, "stop_token_ids": [7, EOS], "skip_special_tokens": True})
+    assert (mapped["max_new_tokens"], mapped["min_new_tokens"], mapped["stop_token_ids"]) == (5, 2, [EOS, 7])
+    assert "skip_special_tokens" not in mapped
+    assert sampling({"ignore_eos": True})["stop_token_ids"] == []
+    assert sampling({"ignore_eos": True, "stop_token_ids": [9]})["stop_token_ids"] == [9]
+    for bad, match in [
+        ({"stop": ["\n"]}, "'stop'"),
+        ({"structured_outputs": {"regex": "a"}}, "'structured_outputs'"),
+        ({"max_tokens": 4, "max_new_tokens": 4}, "both 'max_tokens' and 'max_new_tokens'"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"min_tokens": -1}, "min_new_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sampling(bad)
+
+
+def test_refused_fields_fail_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="vllm_structured_outputs_regex"):
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path, vllm_structured_outputs_regex="[a-z]+"),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_workers=FakeClient(),
+        )
 
 
 # ---- 4. rollout_func ------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ moves what this relies on; the supported range is `SUPPORTED_TRL`.
 What `RolloutGeneration` does:
 - `generate`: each rank sends its own rows, with no collective (ranks cannot deadlock). Consecutive rows with the
   same prompt (TRL repeats a prompt `num_generations` times) become one group with `n`, so the prompt is prefilled
-  once. Sampling settings come from GRPOConfig: temperature, top_p, top_k, min_p, repetition_penalty,
-  max_completion_length; the trainer's EOS tokens stop generation; logprobs are "temperature_scaled"
+  once. Sampling settings come from GRPOConfig (`trainer_bridge.grpo_sampling`: temperature, top_p, top_k, min_p,
+  repetition_penalty, max_completion_length, generation_kwargs with vLLM's spellings mapped; what cannot be
+  honoured is refused at construction); the trainer's EOS tokens stop generation; logprobs are "temperature_scaled"
   (log_softmax(logits / temperature) of the unprocessed logits), exactly what TRL recomputes for its importance
   ratio, so the ratio measures only numerical train/inference differences, whatever top_p, top_k, min_p or
   repetition_penalty truncated or reshaped the sampled distribution. (`generation_kwargs={"logprob_mode":
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import trl
@@ -45,14 +46,13 @@ from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from rollout.config import SamplingParams
 from trainer_bridge.client import PromptGroup, RolloutClient, RolloutError
+from trainer_bridge.grpo_sampling import grpo_sampling
 from trainer_bridge.weight_sync import push_weights
 
 __all__ = ["SUPPORTED_TRL", "RolloutGRPOTrainer", "RolloutGeneration", "RolloutRows", "check_trl_internals"]
 
 SUPPORTED_TRL = (Version("1.16"), Version("1.17"))  # [low, high)
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 def check_trl_internals() -> None:
@@ -115,23 +115,7 @@ class RolloutGeneration:
         self.base_version = base_version
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
-        extra = dict(trainer.args.generation_kwargs or {})
-        unknown = sorted(set(extra) - _SAMPLING_FIELDS)
-        if unknown:
-            raise ValueError(f"generation_kwargs {unknown} are not rollout SamplingParams fields")
-        self.sampling: dict[str, Any] = {
-            "do_sample": True,
-            "temperature": trainer.temperature,
-            "top_p": trainer.top_p,
-            "top_k": trainer.top_k or 0,
-            "min_p": trainer.min_p or 0.0,
-            "repetition_penalty": trainer.repetition_penalty,
-            "max_new_tokens": trainer.max_completion_length,
-            "stop_token_ids": list(trainer.eos_token_ids),
-            "logprob_mode": "temperature_scaled",  # what TRL's loss recomputes: log_softmax(logits / T)
-            **extra,
-        }
-        SamplingParams(**{k: v for k, v in self.sampling.items() if k != "stop_token_ids"})  # fail early, by name
+        self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
 
     def sync_weights(self) -> None:
         """Push the trainer's weights (every rank calls this; only the main process sends)."""

@@ -1,0 +1,104 @@
+"""How a `GRPOConfig` becomes the rollout workers' sampling settings, field by field.
+
+Every GRPOConfig field that TRL hands its vLLM generation backend is honoured, has no effect here (the settings of
+the vLLM engine the workers replace), or is refused at construction with an error naming it. `generation_kwargs`
+takes rollout `SamplingParams` fields and the vLLM spellings users copy from TRL recipes: `max_tokens`,
+`min_tokens`, `ignore_eos` and `stop_token_ids` (stops in addition to the EOS tokens, as in vLLM); detokenization
+options have no effect (workers return token ids); anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from rollout.config import SamplingParams
+
+# GRPOConfig fields the workers' sampling follows.
+HONOURED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_completion_length",
+    "generation_kwargs",
+)
+# Settings of the vLLM engine (or server) that rollout workers replace: they change no token.
+NO_EFFECT = (
+    "vllm_mode",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_group_port",
+    "vllm_server_timeout",
+    "vllm_tensor_parallel_size",
+    "vllm_gpu_memory_utilization",
+    "vllm_max_model_length",
+    "vllm_enable_sleep_mode",
+    "vllm_model_impl",
+    "trust_remote_code",
+    "per_device_train_batch_size",
+    "steps_per_generation",
+)
+# Fields rollout cannot honour, with their harmless value and why.
+REFUSED = {
+    "vllm_structured_outputs_regex": (None, "structured (regex-constrained) outputs are not supported by rollout"),
+    "use_transformers_continuous_batching": (False, "RolloutGRPOTrainer generates through rollout workers"),
+    "use_transformers_paged": (False, "RolloutGRPOTrainer generates through rollout workers"),
+}
+# vLLM SamplingParams spellings in generation_kwargs -> rollout's.
+VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# vLLM options about detokenization: the workers return token ids, so they change nothing.
+NO_EFFECT_KWARGS = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
+    """The sampling settings (a `SamplingParams` dict) for the rows of a GRPO trainer.
+
+    Args:
+        args: the trainer's GRPOConfig.
+        eos_token_ids: the trainer's EOS tokens (they stop generation unless `ignore_eos`).
+    Raises:
+        ValueError: a field or generation_kwargs key rollout cannot honour, naming it.
+    """
+    for name, (harmless, why) in REFUSED.items():
+        if getattr(args, name, harmless) != harmless:
+            raise ValueError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported: {why}")
+    extra = dict(args.generation_kwargs or {})
+    for vllm_name, name in VLLM_SPELLINGS.items():
+        if vllm_name in extra:
+            if name in extra:
+                raise ValueError(f"generation_kwargs gives both {vllm_name!r} and {name!r} (the same setting)")
+            extra[name] = extra.pop(vllm_name)
+    for name in NO_EFFECT_KWARGS:
+        extra.pop(name, None)
+    ignore_eos = extra.pop("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"generation_kwargs['ignore_eos'] must be a bool, got {ignore_eos!r}")
+    stops = [] if ignore_eos else list(eos_token_ids)
+    extra_stops = extra.pop("stop_token_ids", None) or []
+    if not isinstance(extra_stops, (list, tuple)):
+        raise ValueError(f"generation_kwargs['stop_token_ids'] must be a list of token ids, got {extra_stops!r}")
+    stops += [token for token in extra_stops if token not in stops]
+    unknown = sorted(set(extra) - _SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"generation_kwargs {unknown} are not supported: give rollout SamplingParams fields, or the vLLM "
+            f"spellings {sorted([*VLLM_SPELLINGS, 'ignore_eos', 'stop_token_ids'])}"
+        )
+    sampling = {
+        "do_sample": True,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k or 0,
+        "min_p": args.min_p or 0.0,
+        "repetition_penalty": args.repetition_penalty,
+        "max_new_tokens": args.max_completion_length,
+        "stop_token_ids": stops,
+        "logprob_mode": "temperature_scaled",  # what TRL's loss recomputes: log_softmax(logits / T)
+        **extra,
+    }
+    SamplingParams(**sampling)  # fail at construction, naming the field
+    return sampling
