@@ -19,10 +19,10 @@ _EXPORTS = {
     "FieldError": "rollout.config",
     "SamplingParams": "rollout.config",
     "Engine": "rollout.engine.engine",
-    "GenerationOutput": "rollout.engine.engine",
+    "GenerationOutput": "rollout.engine.outputs",
     "ContinuousBatchingManager": "rollout.engine.manager",
     "QueueFullError": "rollout.engine.manager",
-    "generate_batch": "rollout.engine.manager",
+    "generate_batch": "rollout.engine.generate",
     "init_continuous_batching": "rollout.engine.manager",
 }
 __all__ = sorted(_EXPORTS)

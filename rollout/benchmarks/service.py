@@ -13,7 +13,7 @@ import time
 
 from rollout.benchmarks.throughput import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
-from rollout.engine.manager import generate_batch
+from rollout.engine.generate import generate_batch
 from rollout.service.presets import tiny_model
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from rollout.config import ContinuousBatchingConfig, SamplingParams
-from rollout.engine.manager import generate_batch
+from rollout.engine.generate import generate_batch
 from rollout.service.presets import TINY_MODEL_CONFIG
 
 
@@ -106,7 +106,9 @@ def run_rollout(model, prompts, max_new, workload: Workload, **overrides: Any) -
     sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
     _sync(workload.device)
     start = time.perf_counter()
-    outputs = generate_batch(model, prompts, continuous_batching_config=config, progress_bar=False, sampling=sampling)
+    outputs = generate_batch(
+        model, prompts, continuous_batching_config=config, progress_bar=False, sampling=sampling, warmup=False
+    )
     _sync(workload.device)
     elapsed = time.perf_counter() - start
     return elapsed, [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]

@@ -24,6 +24,7 @@ from rollout.config import DEFAULT_MAX_NEW_TOKENS, FieldError, SamplingParams, _
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
+from rollout.engine.outputs import GenerationOutput, OutputStatus
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,41 +38,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
-
-
-@dataclass
-class GenerationOutput:
-    """What one sample produced (a streaming delta carries only the new tokens since the last delta).
-
-    Attributes:
-        request_id: the sample's id: the id given to `add_request` when n == 1, else "<id>#<sample_index>".
-        group_id: the id given to `add_request`.
-        sample_index: index of this sample within its group (0 for n == 1).
-        prompt_ids: the prompt.
-        generated_tokens: generated token ids (only the new ones in a streaming delta).
-        logprobs: one fp32 log-prob per generated token (empty when logprobs are off).
-        top_logprobs: per generated token, (token id, log-prob) pairs of the most likely tokens, if asked.
-        finish_reason: "stop", "length", "abort" or "error"; None while running (streaming deltas).
-        error: a message when finish_reason is "error".
-        is_finished: True on the last output of a sample.
-        policy_versions: the weights' version that sampled each token in `generated_tokens`, run-length encoded as
-            [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
-        kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
-            when it never computed anything).
-    """
-
-    request_id: str
-    group_id: str
-    sample_index: int
-    prompt_ids: list[int]
-    generated_tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    is_finished: bool = False
-    policy_versions: list[list[int]] = field(default_factory=list)
-    kv_version_min: int | None = None
 
 
 @dataclass
@@ -192,6 +158,7 @@ class Engine:
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
         self.num_steps = 0
         self.num_weight_updates = 0
+        self.warmed_up = False  # warmup() ran
         # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
         self._seed_source = random.SystemRandom() if self.config.seed is None else random.Random(self.config.seed)
         # Every name a weight update may target (state_dict names: parameters, tied aliases, persistent buffers).
@@ -242,6 +209,7 @@ class Engine:
         n: int | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        record_timestamps: bool = False,
     ) -> Request:
         """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
         thread may call it). `submit` queues the result.
@@ -283,6 +251,8 @@ class Engine:
             arrival=0,
             num_forks=n - 1,
             streaming=streaming,
+            created_time=time.perf_counter(),
+            token_times=[] if record_timestamps else None,
         )
 
     def submit(self, request: Request) -> None:
@@ -304,6 +274,7 @@ class Engine:
         n: int | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        record_timestamps: bool = False,
     ) -> list[str]:
         """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
 
@@ -315,12 +286,13 @@ class Engine:
                 from (seed, i).
             max_new_tokens: overrides `sampling.max_new_tokens`.
             streaming: emit a delta after every token (else one output per sample when it finishes).
+            record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
         Returns:
             The request ids of the n samples.
         Raises:
             ValueError: bad input (names the field).
         """
-        request = self.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming)
+        request = self.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 
@@ -469,13 +441,14 @@ class Engine:
             raise RuntimeError("warmup() needs an idle engine")
         self.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
         counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_steps)
-        sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2)
+        sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
         self.add_request("__warmup__", [0] * num_tokens, sampling)
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()
         # The warm-up is not served work: statistics start from where they were.
         self.num_generated_tokens, self.num_computed_tokens, self.num_steps = counters
+        self.warmed_up = True
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running, or outputs wait to be returned by `step()`."""
@@ -597,17 +570,23 @@ class Engine:
         outputs = []
         for request in requests:
             start = request.num_delivered_tokens if request.streaming else 0
+            if request.is_finished and request.finished_time < 0:
+                request.finished_time = time.perf_counter()
             outputs.append(
                 GenerationOutput(
                     request_id=request.request_id,
-                    group_id=request.group_id,
-                    sample_index=request.sample_index,
                     prompt_ids=request.prompt_ids,
                     generated_tokens=request.token_ids[request.num_prompt_tokens + start :],
                     logprobs=request.logprobs[start:],
+                    error=request.error,
+                    status=_output_status(request),
+                    created_time=request.created_time,
+                    lifespan=(request.started_time, request.finished_time),
+                    timestamps=None if request.token_times is None else request.token_times[start:],
+                    group_id=request.group_id,
+                    sample_index=request.sample_index,
                     top_logprobs=request.top_logprobs[start:],
                     finish_reason=request.finish_reason if request.is_finished else None,
-                    error=request.error,
                     is_finished=request.is_finished,
                     policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
                     kv_version_min=request.kv_version_min,
@@ -620,6 +599,12 @@ class Engine:
                 if self._open_groups[request.group_id] == 0:
                     del self._open_groups[request.group_id]
         return outputs
+
+
+def _output_status(request: Request) -> OutputStatus:
+    if request.is_finished:
+        return OutputStatus.FAILED if request.finish_reason == "error" else OutputStatus.FINISHED
+    return OutputStatus.DECODING if request.num_output_tokens else OutputStatus.PREFILLING
 
 
 def _versions_from(token_versions: list[list[int]], start: int, end: int) -> list[list[int]]:

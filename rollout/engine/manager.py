@@ -12,33 +12,24 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, GenerationOutput, WeightUpdateResult
+from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, WeightUpdateResult
+from rollout.engine.outputs import GenerationOutput
 from rollout.engine.request import Request, sample_id
+from rollout.engine.results import ResultRouter
 
 logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
-
-
-@dataclass
-class _Group:
-    """Manager-side state of one added request (a group of n samples) until its last output was read."""
-
-    sample_ids: list[str]
-    unfinished: int  # samples the engine has not finished
-    unread: int  # finished samples whose final output nobody has taken yet
-    handler: Callable[[GenerationOutput], None] | None = None
 
 
 @dataclass
@@ -80,12 +71,10 @@ class ContinuousBatchingManager:
         """
         self.engine = Engine(model, continuous_batching_config, generation_config)
         self.config = self.engine.config
+        self.generation_config = generation_config  # as given (transformers' manager has it too)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
-        self._results: deque[GenerationOutput] = deque()
-        self._groups: dict[str, _Group] = {}
-        self._sample_groups: dict[str, str] = {}  # sample id "<group>#<i>" -> group id, for groups of n > 1
-        self._early_handlers: dict[str, Callable[[GenerationOutput], None]] = {}  # registered before add_request
+        self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
@@ -149,6 +138,42 @@ class ContinuousBatchingManager:
             raise RuntimeError("warmup() must be called before start()")
         self.engine.warmup(num_tokens)
 
+    def destroy(self) -> None:
+        """Stop the manager for good and release the engine (safe to call more than once; it cannot restart)."""
+        self.stop(block=True)
+
+    @contextmanager
+    def pause(self, timeout: float | None = None) -> Iterator[None]:
+        """Pause the engine loop between two steps, e.g. to use or change the model in place; requests in flight
+        and the KV cache are kept, and the loop resumes when the block exits (as transformers' `pause`). Several
+        threads pausing take turns.
+
+        Args:
+            timeout: most seconds to wait for the loop to pause (None: as long as one step takes).
+        Raises:
+            RuntimeError: the manager is not running, or this is the engine thread (a result handler).
+            TimeoutError: the loop did not pause in time (it then does not pause at all).
+        """
+        if not self.is_running():
+            raise RuntimeError("cannot pause: the manager is not running")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
+        paused, release = threading.Event(), threading.Event()
+        self._commands.put(("pause", (paused, release)))
+        try:
+            if not paused.wait(timeout):
+                raise TimeoutError(f"the engine loop did not pause within {timeout} s")
+            yield
+        finally:
+            release.set()  # also when the wait timed out: a late pause then ends at once
+
+    def _hold_pause(self, paused: threading.Event, release: threading.Event) -> None:
+        """Engine thread: finish the step in flight, then wait for the pausing thread (or a stop)."""
+        self._deliver(self.engine.flush())
+        paused.set()
+        while not release.wait(0.1) and not self._stop.is_set():
+            pass
+
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(
         self,
@@ -158,6 +183,7 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         n: int | None = None,
         sampling: SamplingParams | None = None,
+        record_timestamps: bool = False,
     ) -> str:
         """Queue a prompt for `n` samples; they share the prompt's KV.
 
@@ -169,6 +195,7 @@ class ContinuousBatchingManager:
             n: number of samples (a GRPO group; None: the GenerationConfig's num_return_sequences, else 1); sample
                 i is seeded from (seed, i).
             sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
+            record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
         Returns:
             The request (group) id.
         Raises:
@@ -179,22 +206,45 @@ class ContinuousBatchingManager:
             if request_id is None:
                 request_id = f"req_{self._next_id}"
                 self._next_id += 1
-        request = self.engine.prepare(request_id, input_ids, sampling, n, max_new_tokens, streaming)
+        request = self.engine.prepare(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
         with self._state:
             if self._closed:
                 raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
-            if request_id in self._groups:
+            if self._router.is_open(request_id):
                 raise FieldError("request_id", f"{request_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
             if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
-            size = request.num_forks + 1
-            sample_ids = [request_id] if size == 1 else [sample_id(request_id, i) for i in range(size)]
-            self._groups[request_id] = _Group(sample_ids, size, size, self._early_handlers.pop(request_id, None))
-            self._sample_groups.update((sid, request_id) for sid in sample_ids if sid != request_id)
+            self._router.open(request_id, request.num_forks + 1)
             self._num_queued += 1
             self._commands.put(("add", request))
         return request_id
+
+    def add_requests(
+        self,
+        inputs: list[Any],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> list[str]:
+        """`add_request` for each prompt, with generated ids, in order (as transformers' `add_requests`).
+
+        Args: as for `add_request`. Returns: the request ids. Raises: as `add_request`; requests added before the
+        one that failed stay added.
+        """
+        return [
+            self.add_request(
+                prompt,
+                max_new_tokens=max_new_tokens,
+                streaming=streaming,
+                n=n,
+                sampling=sampling,
+                record_timestamps=record_timestamps,
+            )
+            for prompt in inputs
+        ]
 
     def cancel_request(self, request_id: str) -> None:
         """Abort a request (every sample of its group); each delivers its partial output with finish_reason "abort".
@@ -203,15 +253,9 @@ class ContinuousBatchingManager:
         Args:
             request_id: the id returned by `add_request`, or one sample's id ("<id>#<i>").
         """
-        group_id = self._group_of(request_id)
+        group_id = self._router.group_of(request_id)
         if group_id is not None:
             self._commands.put(("cancel", group_id))
-
-    def _group_of(self, request_id: str | None) -> str | None:
-        with self._state:
-            if request_id in self._groups:
-                return request_id
-            return self._sample_groups.get(request_id)
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(
@@ -326,26 +370,16 @@ class ContinuousBatchingManager:
     # ---- results ----------------------------------------------------------------------------------------------
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
         """Call `callback(output)` for every output of a request instead of queueing it: first for outputs already
-        waiting, then on the engine thread as they come. Keep it quick; exceptions it raises are logged.
+        waiting, then as they come. Registered from a coroutine, the callback runs on its event loop (through
+        `call_soon_threadsafe`, as in transformers); from plain code, on the engine thread. Keep it quick;
+        exceptions it raises are logged. The handler is dropped once the request's last output was delivered.
 
         Args:
             request_id: a request (group) id or one of its sample ids; an id not added yet is remembered until
                 `add_request` uses it (registering first guarantees no output is missed).
             callback: receives each `GenerationOutput`.
         """
-        with self._state:
-            group_id = self._group_of(request_id)
-            if group_id is None:  # not added yet: add_request picks it up
-                self._early_handlers[request_id] = callback
-                return
-            waiting = [output for output in self._results if output.group_id == group_id]
-            for output in waiting:
-                self._results.remove(output)
-            self._groups[group_id].handler = callback
-            for output in waiting:
-                self._call_handler(callback, output)
-                if output.is_finished:
-                    self._mark_read(group_id)
+        self._router.register_handler(request_id, callback)
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """Next output (of `request_id`'s group if given). Returns None on timeout, or at once when the manager is
@@ -355,21 +389,7 @@ class ContinuousBatchingManager:
             request_id: a group id or a sample id; None takes any request's output.
             timeout: most seconds to wait (None: until an output arrives or the manager stops).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._state:
-            while True:
-                for output in self._results:
-                    if request_id is None or request_id in (output.group_id, output.request_id):
-                        self._results.remove(output)
-                        if output.is_finished:
-                            self._mark_read(output.group_id)
-                        return output
-                if not self.is_running():
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._state.wait(0.1 if remaining is None else min(remaining, 0.1))
+        return self._router.get(request_id, timeout, self.is_running)
 
     def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
         """Yield the outputs of a request (deltas when streaming) until every one of its samples finished.
@@ -380,15 +400,16 @@ class ContinuousBatchingManager:
         Raises:
             TimeoutError: no output came within `timeout`, or the manager stopped with the request unfinished.
         """
-        with self._state:
-            group = self._groups.get(request_id)
-            samples_left = group.unread if group is not None else int(self._group_of(request_id) is not None)
-        while samples_left:
-            output = self.get_result(request_id, timeout)
-            if output is None:
-                raise TimeoutError(f"request {request_id!r}: no output within {timeout} s (or the manager stopped)")
-            samples_left -= output.is_finished
-            yield output
+        return self._router.iter_request(request_id, timeout, self.is_running)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Every output, of any request, as it comes, while the manager runs (as transformers' manager)."""
+        while True:
+            output = self.get_result(timeout=0.1)
+            if output is not None:
+                yield output
+            elif not self.is_running():
+                return
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -456,6 +477,8 @@ class ContinuousBatchingManager:
                 self._end_unstarted(payload, "error", str(error))
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
+        elif command == "pause":
+            self._hold_pause(*payload)
         elif command == "weights":
             if payload.state == "cancelled":
                 return
@@ -473,47 +496,21 @@ class ContinuousBatchingManager:
         self._deliver(
             [
                 GenerationOutput(
-                    sid, request.group_id, i, request.prompt_ids, finish_reason=reason, error=error, is_finished=True
+                    sid,
+                    request.prompt_ids,
+                    error=error,
+                    created_time=request.created_time,
+                    group_id=request.group_id,
+                    sample_index=i,
+                    finish_reason=reason,
+                    is_finished=True,
                 )
                 for i, sid in enumerate(sample_ids)
             ]
         )
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        if not outputs:
-            return
-        with self._state:
-            for output in outputs:
-                group = self._groups.get(output.group_id)
-                if group is not None and group.handler is not None:
-                    self._call_handler(group.handler, output)
-                    if output.is_finished:
-                        self._mark_read(output.group_id)
-                else:
-                    self._results.append(output)
-                if output.is_finished and group is not None:
-                    group.unfinished -= 1
-                    self._forget_if_done(output.group_id)
-            self._state.notify_all()
-
-    def _call_handler(self, callback: Callable[[GenerationOutput], None], output: GenerationOutput) -> None:
-        try:
-            callback(output)
-        except Exception:  # noqa: BLE001 - a user callback must not kill the engine thread
-            logger.exception("result handler for %s raised", output.group_id)
-
-    def _mark_read(self, group_id: str) -> None:
-        group = self._groups.get(group_id)
-        if group is not None:
-            group.unread -= 1
-            self._forget_if_done(group_id)
-
-    def _forget_if_done(self, group_id: str) -> None:
-        group = self._groups[group_id]
-        if group.unfinished <= 0 and group.unread <= 0:
-            del self._groups[group_id]
-            for sid in group.sample_ids:
-                self._sample_groups.pop(sid, None)
+        self._router.deliver(outputs)
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -551,53 +548,3 @@ def init_continuous_batching(
             `Engine`), or None for the defaults.
     """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
-
-
-def generate_batch(
-    model: torch.nn.Module,
-    inputs: list[list[int]],
-    generation_config: Any = None,
-    continuous_batching_config: Any = None,
-    progress_bar: bool = True,
-    **kwargs: Any,
-) -> dict[str, GenerationOutput]:
-    """Generate completions for a list of prompts with continuous batching and return them all.
-
-    Runs the engine loop in the calling thread (no background thread, no queue limit).
-
-    Args:
-        model: a transformers causal LM.
-        inputs: prompts as lists of token ids.
-        generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
-        continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
-            `Engine`), or None for the defaults.
-        progress_bar: show a tqdm bar of finished samples.
-        **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
-            default: the GenerationConfig's num_return_sequences, else 1).
-    Returns:
-        Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
-    Raises:
-        ValueError: bad input, naming the field (nothing is generated then).
-    """
-    sampling = kwargs.pop("sampling", None)
-    max_new_tokens = kwargs.pop("max_new_tokens", None)
-    n = kwargs.pop("n", None)
-    if kwargs:
-        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
-    per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
-    if len(per_prompt) != len(inputs):
-        raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
-    engine = Engine(model, continuous_batching_config, generation_config)
-    results: dict[str, GenerationOutput] = {}
-    try:
-        order: list[str] = []
-        for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
-            order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens)
-        with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
-            while engine.has_unfinished():
-                for output in engine.step():
-                    results[output.request_id] = output
-                    bar.update(1)
-    finally:
-        engine.close()
-    return {request_id: results[request_id] for request_id in order}

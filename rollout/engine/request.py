@@ -7,6 +7,7 @@ This module never imports torch: the scheduler and block manager work on these o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -78,6 +79,12 @@ class Request:
     streaming: bool = False
     # How many output tokens were already handed to the caller (streaming deltas).
     num_delivered_tokens: int = 0
+    # time.perf_counter() when added, first scheduled, ended (-1: not yet); per output token when it reached the host
+    # (None unless the request records timestamps).
+    created_time: float = -1.0
+    started_time: float = -1.0
+    finished_time: float = -1.0
+    token_times: list[float] | None = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -138,6 +145,8 @@ class Request:
         if not self.has_placeholder:
             raise RuntimeError(f"request {self.request_id} has no sampled token to resolve")
         self.token_ids[-1] = token_id
+        if self.token_times is not None:
+            self.token_times.append(time.perf_counter())
         # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
         if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
             self.finish_reason = "stop"
@@ -175,6 +184,9 @@ class Request:
             seed=self.seed,
             arrival=arrival,
             streaming=self.streaming,
+            created_time=self.created_time,
+            started_time=self.started_time,
+            token_times=None if self.token_times is None else list(self.token_times),
             status=self.status,
             num_computed_tokens=self.num_computed_tokens,
             block_hashes=list(self.block_hashes),

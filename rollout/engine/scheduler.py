@@ -23,6 +23,7 @@ the "recompute" and "abort" commit modes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -295,6 +296,8 @@ class Scheduler:
             self.waiting.remove(request)
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING
+            if request.started_time < 0:
+                request.started_time = time.perf_counter()
             self.running.append(request)
             self._add_to_batch(batch, request, num_new)
             budget[0] -= num_new

@@ -28,8 +28,9 @@ import torch
 import zmq
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.engine import GenerationOutput, WeightUpdateResult
+from rollout.engine.engine import WeightUpdateResult
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
+from rollout.engine.outputs import GenerationOutput
 from rollout.service import protocol as p
 from rollout.service.dist import DistReceiver
 from rollout.service.weights import StagedUpdate, StagingPool, UpdateRejected

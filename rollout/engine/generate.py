@@ -1,0 +1,101 @@
+"""`generate_batch`: a whole list of prompts through the engine in the calling thread, outputs keyed by request id
+(transformers' `generate_batch`, as a function of the model)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from rollout.config import FieldError
+from rollout.engine.engine import Engine
+from rollout.engine.outputs import GenerationOutput
+
+# Attribute of the model holding the engine kept by `generate_batch(..., persistent_manager=True)`.
+CACHED_ENGINE_ATTRIBUTE = "_rollout_cached_engine"
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    generation_config: Any = None,
+    continuous_batching_config: Any = None,
+    progress_bar: bool = True,
+    record_timestamps: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate completions for a list of prompts with continuous batching and return them all.
+
+    Runs the engine loop in the calling thread (no background thread, no queue limit).
+
+    Args:
+        model: a transformers causal LM.
+        inputs: prompts as lists of token ids.
+        generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
+        continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
+            `Engine`), or None for the defaults.
+        progress_bar: show a tqdm bar of finished samples.
+        record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+        persistent_manager: keep the engine (its KV cache and CUDA graphs) on the model for the next call with the
+            same configs instead of building one per call; `release_cached_engine(model)` frees it.
+        warmup: capture the decode CUDA graphs and run a short request before the prompts (once per engine).
+        **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
+            default: the GenerationConfig's num_return_sequences, else 1).
+    Returns:
+        Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
+    Raises:
+        ValueError: bad input, naming the field (nothing is generated then).
+    """
+    sampling = kwargs.pop("sampling", None)
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    n = kwargs.pop("n", None)
+    if kwargs:
+        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
+    per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
+    if len(per_prompt) != len(inputs):
+        raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
+    engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
+    results: dict[str, GenerationOutput] = {}
+    try:
+        if warmup and not warm:
+            engine.warmup()
+        order: list[str] = []
+        for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
+            order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps)
+        with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
+            while engine.has_unfinished():
+                for output in engine.step():
+                    results[output.request_id] = output
+                    bar.update(1)
+    except BaseException:
+        if persistent_manager:
+            release_cached_engine(model)  # an engine left mid-run is not reused
+        raise
+    finally:
+        if not persistent_manager:
+            engine.close()
+    return {request_id: results[request_id] for request_id in order}
+
+
+def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persistent: bool) -> tuple[Engine, bool]:
+    """(engine, already warmed up): the model's cached engine when kept for these same configs, else a new one."""
+    cached = getattr(model, CACHED_ENGINE_ATTRIBUTE, None)
+    if persistent and cached is not None and cached[0] == (generation_config, config):
+        return cached[1], cached[1].warmed_up
+    release_cached_engine(model)
+    engine = Engine(model, config, generation_config)
+    if persistent:  # a snapshot of the configs: one changed in place later must not find this engine
+        setattr(model, CACHED_ENGINE_ATTRIBUTE, (copy.deepcopy((generation_config, config)), engine))
+    return engine, False
+
+
+def release_cached_engine(model: torch.nn.Module) -> None:
+    """Close and forget the engine `generate_batch(..., persistent_manager=True)` kept on `model` (if any)."""
+    cached = getattr(model, CACHED_ENGINE_ATTRIBUTE, None)
+    if cached is not None:
+        delattr(model, CACHED_ENGINE_ATTRIBUTE)
+        cached[1].close()

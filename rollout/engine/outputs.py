@@ -1,0 +1,98 @@
+"""`GenerationOutput`: what one sample produced, shaped so that code written for transformers' continuous batching
+reads it unchanged (`status`, `is_finished()`, `created_time`, `lifespan`, `timestamps`), with rollout's own fields
+beside them (group, finish reason, top logprobs, policy versions)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class OutputStatus(IntEnum):
+    """Where a sample was when an output was made; the values of transformers' `RequestStatus`, so outputs compare
+    equal to its members (`output.status == transformers...RequestStatus.FINISHED`)."""
+
+    PENDING = 0  # not started (an output made before the engine took the request)
+    PREFILLING = 1
+    DECODING = 2  # running: a streaming delta
+    FINISHED = 3  # ended: stop, length or abort
+    FAILED = 4  # ended with an error
+
+
+class FinishedFlag(int):
+    """A bool that can also be called: `if output.is_finished:` and transformers' `output.is_finished()` both work
+    (an int subclass because bool cannot be subclassed; it only ever holds 0 or 1)."""
+
+    def __new__(cls, value: object) -> FinishedFlag:
+        return super().__new__(cls, bool(value))
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    __str__ = __repr__
+
+
+@dataclass
+class GenerationOutput:
+    """What one sample produced (a streaming delta carries only the new tokens since the last delta).
+
+    Constructible as transformers constructs its own: `GenerationOutput(request_id, prompt_ids=..., generated_tokens=
+    ..., logprobs=..., error=..., status=..., created_time=..., lifespan=..., timestamps=...)`; rollout's engine also
+    sets the fields after those.
+
+    Attributes:
+        request_id: the sample's id: the id given to `add_request` when n == 1, else "<id>#<sample_index>".
+        prompt_ids: the prompt.
+        generated_tokens: generated token ids (only the new ones in a streaming delta).
+        logprobs: one fp32 log-prob per generated token (empty when logprobs are off).
+        error: a message when finish_reason is "error".
+        status: an `OutputStatus` (transformers' `RequestStatus` values).
+        created_time: `time.perf_counter()` when the request was added.
+        lifespan: (perf_counter when it was first scheduled, when it ended); -1 for what has not happened yet.
+        timestamps: perf_counter of each token in `generated_tokens` when it reached the host, if the request was
+            added with record_timestamps=True, else None.
+        group_id: the id given to `add_request` (defaults to request_id).
+        sample_index: index of this sample within its group (0 for n == 1).
+        top_logprobs: per generated token, (token id, log-prob) pairs of the most likely tokens, if asked.
+        finish_reason: "stop", "length", "abort" or "error"; None while running (streaming deltas).
+        is_finished: true on the last output of a sample; also callable, as transformers' `is_finished()`.
+        policy_versions: the weights' version that sampled each token in `generated_tokens`, run-length encoded as
+            [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
+        kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
+            when it never computed anything).
+    """
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    error: str | None = None
+    status: OutputStatus | None = None  # None: derived from is_finished / finish_reason
+    created_time: float = field(default_factory=time.perf_counter)
+    lifespan: tuple[float, float] = (-1.0, -1.0)
+    timestamps: list[float] | None = None
+    group_id: str | None = None
+    sample_index: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    is_finished: FinishedFlag | bool | None = None  # None: derived from status
+    policy_versions: list[list[int]] = field(default_factory=list)
+    kv_version_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.group_id is None:
+            self.group_id = self.request_id
+        if self.status is None:
+            if not self.is_finished:
+                self.status = OutputStatus.DECODING if self.generated_tokens else OutputStatus.PENDING
+            else:
+                self.status = OutputStatus.FAILED if self.finish_reason == "error" else OutputStatus.FINISHED
+        else:
+            self.status = OutputStatus(self.status)
+        if self.is_finished is None:
+            self.is_finished = self.status >= OutputStatus.FINISHED
+        self.is_finished = FinishedFlag(self.is_finished)
