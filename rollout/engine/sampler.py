@@ -8,7 +8,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
-from rollout.engine.token_bans import history_bans, needs_history, new_history, record, static_bans
+from rollout.engine.token_bans import has_bans, history_bans, needs_history, new_history, record, static_bans
 from rollout.engine.transfer import HostCopy, to_device
 from rollout.engine.warpers import warp
 
@@ -186,9 +186,11 @@ class Sampler:
     def _state(self, request: Request, device: torch.device) -> SamplerState | None:
         """The request's device state, built at its first draw (when all its tokens are on the host); None when its
         processors need none."""
+        if request.sampler_state is not None:
+            return request.sampler_state
         params = request.sampling
         penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
-        if request.sampler_state is None and (penalized or needs_history(params)):
+        if penalized or needs_history(params):
             if request.has_placeholder:
                 raise RuntimeError(f"sampler state of {request.request_id} built before its last token was resolved")
             state = SamplerState()
@@ -227,18 +229,22 @@ class Sampler:
     @staticmethod
     def _apply_bans(scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]) -> None:
         """Step 2: static bans in one index_put, then history-dependent ones row by row (on the device)."""
+        banning = [i for i, request in enumerate(requests) if has_bans(request.sampling)]
+        if not banning:  # the common case: one attribute check per request
+            return
         rows: list[int] = []
         columns: list[int] = []
-        for i, request in enumerate(requests):
-            banned = static_bans(request)
+        for i in banning:
+            banned = static_bans(requests[i])
             rows += [i] * len(banned)
             columns += banned
         if rows:
             index = to_device([rows, columns], torch.long, scores.device)
             scores.index_put_((index[0], index[1]), scores.new_full((), float("-inf")))
-        for i, (request, state) in enumerate(zip(requests, states)):
+        for i in banning:
+            state = states[i]
             if state is not None and state.history is not None:
-                history_bans(scores[i], state.history, request.num_tokens, request.sampling)
+                history_bans(scores[i], state.history, requests[i].num_tokens, requests[i].sampling)
 
     @staticmethod
     def _record(requests: list[Request], states: list[SamplerState | None], token_ids: torch.Tensor) -> None:

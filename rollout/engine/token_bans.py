@@ -15,6 +15,13 @@ from rollout.engine.request import Request
 from rollout.engine.transfer import to_device
 
 
+def has_bans(params: SamplingParams) -> bool:
+    """True when the request bans any token (cheap: the sampler asks it for every row of every step)."""
+    return bool(
+        params.no_repeat_ngram_size or params.bad_words_ids or params.suppress_tokens or params.begin_suppress_tokens
+    )
+
+
 def needs_history(params: SamplingParams) -> bool:
     """True when the request's bans depend on its latest tokens."""
     return params.no_repeat_ngram_size > 0 or any(len(word) > 1 for word in params.bad_words_ids)
