@@ -116,6 +116,13 @@ def sampled_workload(engine, shared_prefix: list[int]) -> None:
     engine.add_request("h", prompts[1], min_p, n=2, max_new_tokens=MAX_NEW)
     raw = SamplingParams(do_sample=True, temperature=1.2, logprob_mode="raw", stop_token_ids=stops, seed=3)
     engine.add_request("raw", prompts[2], raw, max_new_tokens=MAX_NEW, streaming=True)
+    # Bans read a device-side token history; typical/epsilon/eta and temperature_scaled logprobs.
+    bans = SamplingParams(
+        do_sample=True, typical_p=0.8, epsilon_cutoff=0.001, eta_cutoff=0.002, no_repeat_ngram_size=1,
+        bad_words_ids=((5,), (9, 11), (20, 21, 22)), suppress_tokens=(7,), begin_suppress_tokens=(8,),
+        logprob_mode="temperature_scaled", stop_token_ids=stops, seed=4,
+    )  # fmt: skip
+    engine.add_request("bans", prompts[1], bans, n=2, max_new_tokens=MAX_NEW, streaming=True)
     greedy = SamplingParams(do_sample=False, stop_token_ids=stops)
     for index, prompt in enumerate(prompts[3:]):
         engine.add_request(f"s{index}", prompt, greedy if index % 2 else raw, max_new_tokens=MAX_NEW - 3 * index)
@@ -306,7 +313,7 @@ def test_launching_a_step_never_reads_the_device(monkeypatch, swap):
     engine._launch = watched_launch
     engine.kv_cache.swap_out = unwatched_swap_out
     outputs = _collected(engine)
-    assert len(outputs) == 10 and engine.num_steps > 10
+    assert len(outputs) == 12 and engine.num_steps > 10  # every sample of sampled_workload
     if swap:
         assert engine.scheduler.num_swaps > 0
     assert spy.calls == [] and python_reads == []
