@@ -220,7 +220,7 @@ def test_overlapped_steps_never_wait_for_the_device():
     from rollout.engine.engine import Engine
 
     generator = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=generator).tolist() for n in (25, 80, 150, 40)]
+    prompts = [torch.randint(0, 4096, (int(n),), generator=generator).tolist() for n in (25, 80, 150, 40, 60)]
     samplings = [
         SamplingParams(do_sample=False, stop_token_ids=(), top_logprobs=3),
         SamplingParams(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1, stop_token_ids=()),
@@ -228,6 +228,11 @@ def test_overlapped_steps_never_wait_for_the_device():
             do_sample=True, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.1, seed=2, stop_token_ids=()
         ),
         SamplingParams(do_sample=True, presence_penalty=0.3, logprob_mode="raw", seed=3, stop_token_ids=()),
+        SamplingParams(
+            do_sample=True, typical_p=0.8, epsilon_cutoff=0.001, eta_cutoff=0.002, no_repeat_ngram_size=1,
+            bad_words_ids=((5,), (9, 11)), suppress_tokens=(7,), begin_suppress_tokens=(8,),
+            logprob_mode="temperature_scaled", seed=4, stop_token_ids=(),
+        ),  # fmt: skip
     ]
     results = []
     for overlap in (False, True):
