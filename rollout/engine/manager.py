@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -27,9 +27,20 @@ from rollout.engine.results import ResultRouter
 
 logger = logging.getLogger(__name__)
 
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
 
 class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
+
+
+@dataclass
+class _PauseRequest:
+    """A `pause()` waiting for, then holding, the engine loop."""
+
+    paused: threading.Event = field(default_factory=threading.Event)  # set by the engine thread once paused
+    release: threading.Event = field(default_factory=threading.Event)  # set by the caller when its block ends
+    refused: str | None = None  # why the loop will never pause (it stopped first)
 
 
 @dataclass
@@ -75,6 +86,7 @@ class ContinuousBatchingManager:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
+        self._pause_holders: set[int] = set()  # threads inside `with pause():`
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
@@ -109,6 +121,11 @@ class ContinuousBatchingManager:
             block: wait for the thread to finish.
             timeout: most seconds to wait when blocking.
         """
+        if threading.get_ident() in self._pause_holders:
+            raise RuntimeError(
+                "cannot stop the manager from inside its pause: the loop waits for the pause to end, so this would "
+                "wait forever; leave the `with manager.pause():` block first"
+            )
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is None:
@@ -146,33 +163,53 @@ class ContinuousBatchingManager:
     def pause(self, timeout: float | None = None) -> Iterator[None]:
         """Pause the engine loop between two steps, e.g. to use or change the model in place; requests in flight
         and the KV cache are kept, and the loop resumes when the block exits (as transformers' `pause`). Several
-        threads pausing take turns.
+        threads pausing take turns. `stop()` from another thread waits until the pause ends; from inside the block
+        it raises.
 
         Args:
             timeout: most seconds to wait for the loop to pause (None: as long as one step takes).
         Raises:
-            RuntimeError: the manager is not running, or this is the engine thread (a result handler).
+            RuntimeError: the manager is not running or stops before pausing (its error, if any, as the cause), or
+                this is the engine thread (a result handler).
             TimeoutError: the loop did not pause in time (it then does not pause at all).
         """
-        if not self.is_running():
-            raise RuntimeError("cannot pause: the manager is not running")
         if threading.current_thread() is self._thread:
             raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
-        paused, release = threading.Event(), threading.Event()
-        self._commands.put(("pause", (paused, release)))
+        if not self.is_running():
+            raise RuntimeError("cannot pause: the manager is not running") from self.error
+        request = _PauseRequest()
+        self._commands.put(("pause", request))
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            if not paused.wait(timeout):
-                raise TimeoutError(f"the engine loop did not pause within {timeout} s")
-            yield
+            while not request.paused.is_set():
+                if not self.is_running():
+                    raise RuntimeError("the manager stopped before it could pause") from self.error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"the engine loop did not pause within {timeout} s")
+                request.paused.wait(0.1 if remaining is None else min(0.1, remaining))
+            if request.refused:
+                raise RuntimeError(f"cannot pause: {request.refused}") from self.error
+            self._pause_holders.add(threading.get_ident())
+            try:
+                yield
+            finally:
+                self._pause_holders.discard(threading.get_ident())
         finally:
-            release.set()  # also when the wait timed out: a late pause then ends at once
+            request.release.set()  # also when the wait failed: a late pause then ends at once
 
-    def _hold_pause(self, paused: threading.Event, release: threading.Event) -> None:
-        """Engine thread: finish the step in flight, then wait for the pausing thread (or a stop)."""
+    def _hold_pause(self, request: _PauseRequest) -> None:
+        """Engine thread: finish the step in flight, then wait for the pausing thread to leave its block (a stop
+        from elsewhere waits too: the caller may be using the model)."""
+        if request.release.is_set():  # the caller gave up waiting
+            return
+        if self._stop.is_set():  # asked before a stop, reached after it: the loop is ending, not pausing
+            request.refused = "the manager is stopping"
+            request.paused.set()
+            return
         self._deliver(self.engine.flush())
-        paused.set()
-        while not release.wait(0.1) and not self._stop.is_set():
-            pass
+        request.paused.set()
+        request.release.wait()
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -184,6 +221,8 @@ class ContinuousBatchingManager:
         n: int | None = None,
         sampling: SamplingParams | None = None,
         record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **sampling_fields: Any,
     ) -> str:
         """Queue a prompt for `n` samples; they share the prompt's KV.
 
@@ -196,12 +235,17 @@ class ContinuousBatchingManager:
                 i is seeded from (seed, i).
             sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
             record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+            eos_token_id: this request's stop token(s), as in transformers' `add_request`.
+            **sampling_fields: SamplingParams fields for this request (`temperature=0.7, top_k=10`, ...), applied
+                over `sampling` (or the generation config's defaults), as transformers' per-request processor
+                arguments.
         Returns:
             The request (group) id.
         Raises:
-            ValueError: bad input, naming the field. QueueFullError: `max_queue_size` requests already wait.
-            RuntimeError: the manager was stopped.
+            ValueError: bad input, naming the field (also a keyword that is no SamplingParams field).
+            QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
         """
+        sampling = self._with_fields(sampling, eos_token_id, sampling_fields)
         with self._state:
             if request_id is None:
                 request_id = f"req_{self._next_id}"
@@ -226,25 +270,39 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
-        n: int | None = None,
-        sampling: SamplingParams | None = None,
+        **request_fields: Any,
     ) -> list[str]:
         """`add_request` for each prompt, with generated ids, in order (as transformers' `add_requests`).
 
-        Args: as for `add_request`. Returns: the request ids. Raises: as `add_request`; requests added before the
-        one that failed stay added.
+        Args: as for `add_request` (`n`, `sampling`, `eos_token_id` and SamplingParams fields as keywords).
+        Returns: the request ids. Raises: as `add_request`; requests added before the one that failed stay added.
         """
-        return [
-            self.add_request(
-                prompt,
-                max_new_tokens=max_new_tokens,
-                streaming=streaming,
-                n=n,
-                sampling=sampling,
-                record_timestamps=record_timestamps,
-            )
-            for prompt in inputs
-        ]
+        common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
+        return [self.add_request(prompt, **common, **request_fields) for prompt in inputs]
+
+    def _with_fields(
+        self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
+    ) -> SamplingParams | None:
+        """`sampling` (or the generation config's defaults) with per-request keyword fields applied."""
+        if eos_token_id is None and not fields:
+            return sampling
+        unknown = sorted(set(fields) - SAMPLING_FIELDS)
+        if unknown:
+            raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
+        if eos_token_id is not None:
+            fields["stop_token_ids"] = eos_token_id
+        return (sampling if sampling is not None else self.engine.default_sampling).merged(**fields)
+
+    @property
+    def num_return_sequences(self) -> int:
+        """Samples per request when `add_request` is given no `n` (transformers' manager attribute; settable)."""
+        return self.engine.default_n
+
+    @num_return_sequences.setter
+    def num_return_sequences(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FieldError("num_return_sequences", f"must be an integer >= 1, got {value!r}")
+        self.engine.default_n = value
 
     def cancel_request(self, request_id: str) -> None:
         """Abort a request (every sample of its group); each delivers its partial output with finish_reason "abort".
@@ -441,6 +499,9 @@ class ContinuousBatchingManager:
                 self._end_unstarted(payload, "abort" if reason is None else "error", reason)
             elif command == "weights":
                 payload.callback(RuntimeError("the manager stopped before the weight update was applied"))
+            elif command == "pause":
+                payload.refused = "the manager stopped before the loop paused"
+                payload.paused.set()
         try:
             self._deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
@@ -478,7 +539,7 @@ class ContinuousBatchingManager:
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
         elif command == "pause":
-            self._hold_pause(*payload)
+            self._hold_pause(payload)
         elif command == "weights":
             if payload.state == "cancelled":
                 return
