@@ -5,11 +5,14 @@ transformers' global default.
 Every field is honoured, has no effect on which tokens are produced (and is accepted), or is refused with a
 `FieldError` naming it when it is set to anything but transformers' default: rollout never silently ignores a field
 that would change the output (beam search, assistant models, watermarking, ...). A field this module does not know
-(a newer transformers) is refused the same way.
+(a newer transformers, or a typo) is refused the same way in the caller's config; in the model's own config, entries
+that are no GenerationConfig field at all (a checkpoint's custom keys such as `chat_format`) are ignored, as
+`generate` ignores them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,8 +145,11 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
         for name, value in _fields(config).items():
             if value is not None and name not in values:
                 values[name] = (label, value)
+    standard = _standard_fields()
     for name, (label, value) in values.items():
         known = name in HONOURED or name in HONOURED_ELSEWHERE or name in NO_EFFECT
+        if label == "model.generation_config" and name not in standard:
+            continue  # a checkpoint's custom entry (chat_format, ...): generate ignores it too
         if not known and value != TRANSFORMERS_DEFAULTS.get(name):
             reason = REFUSAL_REASONS.get(name, "not supported by rollout")
             raise FieldError(f"{label}.{name}", f"{value!r} is invalid: {reason}")
@@ -168,6 +174,14 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2):
         raise named("max_length", f"{max_length!r} is invalid: must be an integer >= 2")
     return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None))
+
+
+@functools.cache
+def _standard_fields() -> frozenset[str]:
+    """The fields of the installed transformers' GenerationConfig (anything else on a config is a custom entry)."""
+    from transformers import GenerationConfig
+
+    return frozenset(_fields(GenerationConfig()))
 
 
 def _value(values: dict[str, tuple[str, Any]], name: str, default: Any) -> Any:

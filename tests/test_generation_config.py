@@ -163,3 +163,16 @@ def test_a_continuous_batching_config_carried_by_the_generation_config_is_used()
     config.continuous_batching_config = transformers.ContinuousBatchingConfig(page_size=8, num_blocks=40)
     with init_continuous_batching(model, config) as manager:
         assert (manager.config.block_size, manager.config.num_blocks) == (8, 40)
+
+
+def test_custom_entries_of_a_checkpoint_config_are_ignored_as_generate_ignores_them():
+    """Hub generation_config.json files carry custom keys (chat_format, user_token_id, ...): generate ignores them, so
+    a model with one must still serve; the same unknown key in the caller's own config is a likely typo: refused."""
+    model = tiny_model("qwen3")
+    model.generation_config.chat_format, model.generation_config.user_token_id = "chatml", 195  # as from_pretrained
+    assert "chat_format" in vars(model.generation_config)
+    (out,) = generate_batch(model, [[1, 2, 3]], max_new_tokens=2, progress_bar=False).values()
+    assert len(out.generated_tokens) == 2
+    with pytest.raises(FieldError) as raised:
+        generate_batch(model, [[1, 2, 3]], generation_config=GenerationConfig(chat_format="x"), progress_bar=False)
+    assert raised.value.field == "generation_config.chat_format"

@@ -229,9 +229,17 @@ def test_overlapped_steps_never_wait_for_the_device():
         ),
         SamplingParams(do_sample=True, presence_penalty=0.3, logprob_mode="raw", seed=3, stop_token_ids=()),
         SamplingParams(
-            do_sample=True, typical_p=0.8, epsilon_cutoff=0.001, eta_cutoff=0.002, no_repeat_ngram_size=1,
-            bad_words_ids=((5,), (9, 11)), suppress_tokens=(7,), begin_suppress_tokens=(8,),
-            logprob_mode="temperature_scaled", seed=4, stop_token_ids=(),
+            do_sample=True,
+            typical_p=0.8,
+            epsilon_cutoff=0.001,
+            eta_cutoff=0.002,
+            no_repeat_ngram_size=1,
+            bad_words_ids=((5,), (9, 11)),
+            suppress_tokens=(7,),
+            begin_suppress_tokens=(8,),
+            logprob_mode="temperature_scaled",
+            seed=4,
+            stop_token_ids=(),
         ),  # fmt: skip
     ]
     results = []
