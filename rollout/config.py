@@ -7,6 +7,8 @@ settings over. Every field is checked in `__post_init__`; a bad value raises `Fi
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -16,6 +18,12 @@ if TYPE_CHECKING:  # this module stays free of torch and transformers at import 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 # Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
 LOGPROB_MODES = ("processed", "raw", "temperature_scaled")
+# Bounds on the per-request bans, so that one request cannot make every engine step slow for everyone.
+MAX_NO_REPEAT_NGRAM_SIZE = 64
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
+MAX_SUPPRESSED_TOKENS = 8192
+# Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
+MIN_TEMPERATURE = 1e-5
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -29,10 +37,16 @@ class FieldError(ValueError):
         self.reason = reason
 
 
+_SHORT = reprlib.Repr()  # attributes, not keywords: Python 3.10/3.11 take none
+_SHORT.maxlist = _SHORT.maxtuple = 8
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
 def _check(condition: bool, name: str, reason: str, value: Any) -> None:
-    """Raise a FieldError naming the field `name` when `condition` is false."""
+    """Raise a FieldError naming the field `name` when `condition` is false (the value shown abridged: a huge bad
+    value must not make a huge error message)."""
     if not condition:
-        raise FieldError(name, f"{value!r} is invalid: {reason}")
+        raise FieldError(name, f"{_SHORT.repr(value)} is invalid: {reason}")
 
 
 def _is_int(value: Any) -> bool:
@@ -113,9 +127,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_number(self.temperature)
+            and math.isfinite(self.temperature)
+            and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
             "temperature",
-            "must be a number >= 0",
+            f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}",
             self.temperature,
         )
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be an integer >= 0 (0 disables)", self.top_k)
@@ -155,18 +171,24 @@ class SamplingParams:
             )
             self.stop_token_ids = tuple(self.stop_token_ids)
         _check(
-            _is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+            _is_int(self.no_repeat_ngram_size) and 0 <= self.no_repeat_ngram_size <= MAX_NO_REPEAT_NGRAM_SIZE,
             "no_repeat_ngram_size",
-            "must be an integer >= 0 (0 disables)",
+            f"must be an integer in [0, {MAX_NO_REPEAT_NGRAM_SIZE}] (0 disables)",
             self.no_repeat_ngram_size,
         )
-        self.bad_words_ids = tuple(
-            _token_ids("bad_words_ids", word, self.bad_words_ids)
-            for word in _listed("bad_words_ids", self.bad_words_ids)
+        words = _listed("bad_words_ids", self.bad_words_ids)
+        _check(len(words) <= MAX_BAD_WORDS, "bad_words_ids", f"at most {MAX_BAD_WORDS} words", words)
+        self.bad_words_ids = tuple(dict.fromkeys(_token_ids("bad_words_ids", word, words) for word in words))
+        _check(
+            all(0 < len(word) <= MAX_BAD_WORD_TOKENS for word in self.bad_words_ids),
+            "bad_words_ids",
+            f"each word must have 1 to {MAX_BAD_WORD_TOKENS} tokens",
+            self.bad_words_ids,
         )
-        _check(all(self.bad_words_ids), "bad_words_ids", "each word must have at least one token", self.bad_words_ids)
         for name in ("suppress_tokens", "begin_suppress_tokens"):
-            setattr(self, name, _token_ids(name, getattr(self, name)))
+            tokens = _listed(name, getattr(self, name))
+            _check(len(tokens) <= MAX_SUPPRESSED_TOKENS, name, f"at most {MAX_SUPPRESSED_TOKENS} tokens", tokens)
+            setattr(self, name, tuple(dict.fromkeys(_token_ids(name, tokens))))
         _check(_is_number(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "must be in (0, 1]", self.typical_p)
         for name in ("epsilon_cutoff", "eta_cutoff"):
             value = getattr(self, name)

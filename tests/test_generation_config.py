@@ -17,7 +17,7 @@ CACHE = dict(num_blocks=256, block_size=4)
 
 
 def reference_greedy(reference, prompt: list[int], **fields) -> list[int]:
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW, **fields)
+    config = GenerationConfig(**{"do_sample": False, "max_new_tokens": MAX_NEW, **fields})
     return reference.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt) :].tolist()
 
 
@@ -176,3 +176,30 @@ def test_custom_entries_of_a_checkpoint_config_are_ignored_as_generate_ignores_t
     with pytest.raises(FieldError) as raised:
         generate_batch(model, [[1, 2, 3]], generation_config=GenerationConfig(chat_format="x"), progress_bar=False)
     assert raised.value.field == "generation_config.chat_format"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sample_with_every_token_banned_ends_with_an_error_not_a_token(overlap):
+    """Bans that leave nothing to draw end that sample with finish_reason "error" and its tokens so far (transformers
+    would draw token 0 greedily, or raise when sampling); the other samples in the batch are untouched."""
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    prompts = make_prompts(2, 4, 8, seed=9)
+    everything = tuple(range(256))
+    banned = SamplingParams(do_sample=False, stop_token_ids=(), begin_suppress_tokens=everything)
+    late = SamplingParams(do_sample=True, seed=1, stop_token_ids=(), no_repeat_ngram_size=1)  # runs out of tokens
+    plain = SamplingParams(do_sample=False, stop_token_ids=())
+    outputs = generate_batch(
+        model,
+        [prompts[0], prompts[1], prompts[1]],
+        sampling=[banned, late, plain],
+        max_new_tokens=300,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=512, block_size=4, overlap_scheduling=overlap),
+        progress_bar=False,
+    )
+    first, exhausted, untouched = outputs["req_0"], outputs["req_1"], outputs["req_2"]
+    assert (first.finish_reason, first.generated_tokens) == ("error", []) and "banned" in first.error
+    # n = 1: every token seen is banned, so after the prompt's distinct tokens and 256 - those, nothing is left.
+    assert exhausted.finish_reason == "error" and len(exhausted.generated_tokens) == 256 - len(set(prompts[1]))
+    assert len(set(exhausted.generated_tokens)) == len(exhausted.generated_tokens)
+    assert untouched.generated_tokens == reference_greedy(reference, prompts[1], max_new_tokens=300)

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 # Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
 # state the engine does not keep, so such models are refused instead of generating wrong tokens.
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+NOTHING_TO_DRAW = (
+    "every token is banned at this position (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
+    "no_repeat_ngram_size and min_new_tokens together leave none)"
+)
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
 
@@ -528,6 +532,12 @@ class Engine:
             for request, _ in step.batch.samples:
                 request.drop_placeholder()
             return self._end_with_error({request.group_id for request, _ in step.batch.samples}, error)
+        failed: list[Request] = []
+        for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
+            request = step.batch.samples[index][0]
+            if not request.is_finished:
+                request.drop_placeholder()
+                failed += self.scheduler.fail(request, NOTHING_TO_DRAW)
         live = [index for index, (request, _) in enumerate(step.batch.samples) if not request.is_finished]
         for index in live:
             request = step.batch.samples[index][0]
@@ -538,7 +548,7 @@ class Engine:
         finished = self.scheduler.resolve(step.batch, sampled.token_ids)
         self.num_generated_tokens += len(live)
         streaming = [step.batch.samples[i][0] for i in live]
-        return self._outputs(finished + [r for r in streaming if r.streaming and not r.is_finished])
+        return self._outputs(failed + finished + [r for r in streaming if r.streaming and not r.is_finished])
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
         """End every sample of these groups with finish_reason "error"."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
-from rollout.engine.token_bans import has_bans, history_bans, needs_history, new_history, record, static_bans
+from rollout.engine.token_bans import Bans, apply_bans, build_bans, has_bans, record
 from rollout.engine.transfer import HostCopy, to_device
 from rollout.engine.warpers import warp
 
@@ -21,7 +21,7 @@ class SamplerState:
 
     seen: torch.Tensor | None = None  # (vocab,) bool: in prompt or output (repetition_penalty)
     counts: torch.Tensor | None = None  # (vocab,) fp32: times generated (presence/frequency penalties)
-    history: torch.Tensor | None = None  # its tokens (n-gram and multi-token bad-word bans)
+    bans: Bans | None = None  # step 2 (token_bans)
 
 
 @dataclass
@@ -31,24 +31,35 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    # Rows whose bans left no token to draw (their token is meaningless; the engine ends those samples).
+    dead_rows: list[int] = field(default_factory=list)
 
 
 class PendingSamples:
     """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the host after
     `fetch()`. Everything the host needs comes down in one copy, queued when the sampling was."""
 
-    def __init__(self, token_ids: torch.Tensor, parts: list[torch.Tensor], top_counts: list[int] | None):
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        parts: list[torch.Tensor],
+        top_counts: list[int] | None,
+        dead: torch.Tensor | None = None,
+    ):
         """
         Args:
             token_ids: (rows,) int64 sampled tokens on the device.
             parts: 1-D device tensors brought to the host together: token ids, then (with logprobs) the chosen
                 log-probs, then (with top log-probs) the flattened top values and top indices.
             top_counts: per row, how many top log-probs it asked for (None: top log-probs not computed).
+            dead: (rows,) bool, rows with no drawable token (None: not checked); copied with the rest, last.
         """
         self.token_ids = token_ids
         self._rows = token_ids.shape[0]
         self._has_logprobs = len(parts) > 1
         self._top_counts = top_counts
+        self._checked = dead is not None
+        parts = parts if dead is None else [*parts, dead]
         # float64 holds token ids exactly.
         self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
 
@@ -59,8 +70,9 @@ class PendingSamples:
         host = self._host.tolist()
         rows = self._rows
         tokens = [int(t) for t in host[:rows]]
+        dead_rows = [i for i, flag in enumerate(host[-rows:]) if flag] if self._checked else []
         if not self._has_logprobs:
-            return SamplerOutput(tokens, None, None)
+            return SamplerOutput(tokens, None, None, dead_rows)
         chosen = host[rows : 2 * rows]
         top = None
         if self._top_counts is not None:
@@ -70,7 +82,7 @@ class PendingSamples:
                 [(int(indices[i * width + j]), values[i * width + j]) for j in range(self._top_counts[i])]
                 for i in range(rows)
             ]
-        return SamplerOutput(tokens, chosen, top)
+        return SamplerOutput(tokens, chosen, top, dead_rows)
 
 
 class Sampler:
@@ -133,6 +145,8 @@ class Sampler:
         self._apply_penalties(scores, requests, states)
         self._apply_bans(scores, requests, states)
         self._mask_early_stops(scores, requests)
+        # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
+        dead = ~torch.isfinite(scores).any(dim=-1) if any(s is not None and s.bans for s in states) else None
 
         sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = scores.argmax(dim=-1)
@@ -144,14 +158,14 @@ class Sampler:
         self._record(requests, states, token_ids)
 
         if not return_logprobs:
-            return PendingSamples(token_ids, [token_ids], None)
+            return PendingSamples(token_ids, [token_ids], None, dead)
         logprobs = torch.log_softmax(self._logprob_source(raw, scores, params), dim=-1)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_counts = [p.top_logprobs for p in params]
         if not max(top_counts):
-            return PendingSamples(token_ids, [token_ids, chosen], None)
+            return PendingSamples(token_ids, [token_ids, chosen], None, dead)
         values, indices = logprobs.topk(max(top_counts), dim=-1)
-        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts)
+        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, dead)
 
     @staticmethod
     def _logprob_source(raw: torch.Tensor, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -190,7 +204,7 @@ class Sampler:
             return request.sampler_state
         params = request.sampling
         penalized = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
-        if penalized or needs_history(params):
+        if penalized or has_bans(params):
             if request.has_placeholder:
                 raise RuntimeError(f"sampler state of {request.request_id} built before its last token was resolved")
             state = SamplerState()
@@ -201,8 +215,8 @@ class Sampler:
                 counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
                 # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
                 state.counts = counts.index_add_(0, output, torch.ones_like(output, dtype=counts.dtype))
-            if needs_history(params):
-                state.history = new_history(request, device)
+            if has_bans(params):
+                state.bans = build_bans(request, device)
             request.sampler_state = state
         return request.sampler_state
 
@@ -228,23 +242,11 @@ class Sampler:
 
     @staticmethod
     def _apply_bans(scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]) -> None:
-        """Step 2: static bans in one index_put, then history-dependent ones row by row (on the device)."""
-        banning = [i for i, request in enumerate(requests) if has_bans(request.sampling)]
-        if not banning:  # the common case: one attribute check per request
-            return
-        rows: list[int] = []
-        columns: list[int] = []
-        for i in banning:
-            banned = static_bans(requests[i])
-            rows += [i] * len(banned)
-            columns += banned
-        if rows:
-            index = to_device([rows, columns], torch.long, scores.device)
-            scores.index_put_((index[0], index[1]), scores.new_full((), float("-inf")))
-        for i in banning:
+        """Step 2, on the rows of requests that ban tokens (one attribute check per row otherwise)."""
+        for i, request in enumerate(requests):
             state = states[i]
-            if state is not None and state.history is not None:
-                history_bans(scores[i], state.history, requests[i].num_tokens, requests[i].sampling)
+            if state is not None and state.bans is not None:
+                apply_bans(scores[i], state.bans, request.num_tokens, request.num_output_tokens)
 
     @staticmethod
     def _record(requests: list[Request], states: list[SamplerState | None], token_ids: torch.Tensor) -> None:
@@ -258,8 +260,8 @@ class Sampler:
             if state.seen is not None:
                 state.seen.index_fill_(0, token, True)
                 state.counts.index_add_(0, token, torch.ones(1, dtype=state.counts.dtype, device=state.counts.device))
-            if state.history is not None:
-                record(state.history, request.num_tokens, token)
+            if state.bans is not None:
+                record(state.bans, request.num_tokens, token)
 
     def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """One token per row, by inverse-CDF sampling with a counter-based uniform per (request, position)."""

@@ -393,6 +393,11 @@ class Scheduler:
         self.advance(batch, self.block_manager.policy_version)
         return self.resolve(batch, sampled_tokens)
 
+    def fail(self, request: Request, error: str) -> list[Request]:
+        """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples)."""
+        self._dequeue(request)
+        return self._finish(request, "error", error)
+
     def _dequeue(self, request: Request) -> None:
         """Take a request out of whichever queue holds it (it may have been preempted since it was sampled)."""
         if request.status == RequestStatus.RUNNING:

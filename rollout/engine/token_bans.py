@@ -1,18 +1,36 @@
 """Step 2 of the sampling pipeline: tokens a request may not generate next, set to -inf (transformers' semantics of
 `no_repeat_ngram_size`, `bad_words_ids`, `suppress_tokens` and `begin_suppress_tokens`).
 
-Bans that depend on the request's latest tokens (n-grams, multi-token bad words) read them from a per-request
-history on the device, appended on the device after each draw: with overlapped scheduling the newest token is not on
-the host yet when the next step is sampled, and nothing here waits for it.
+A request's bans become device tensors once, at its first draw: per step each banning row costs a few tensor ops
+whatever the number of banned tokens or words (words are matched a whole length group at a time). Bans that depend
+on the latest tokens (n-grams, multi-token bad words) read a per-request token history on the device, appended on the
+device after each draw: with overlapped scheduling the newest token is not on the host yet when the next step is
+sampled, and nothing here waits for it. `SamplingParams` bounds every list, so no request can make steps slow.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
 from rollout.engine.transfer import to_device
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class Bans:
+    """One request's bans on the device."""
+
+    always: torch.Tensor | None  # token ids never generated (suppress_tokens, single-token bad words)
+    first: torch.Tensor | None  # token ids not generated as the first token (begin_suppress_tokens)
+    # Multi-token bad words by length: (prefix length k, prefixes (m, k), their last tokens (m,)).
+    words: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    ngram: int = 0  # no_repeat_ngram_size
+    history: torch.Tensor | None = None  # the request's tokens, when n-grams or words need them
 
 
 def has_bans(params: SamplingParams) -> bool:
@@ -22,62 +40,66 @@ def has_bans(params: SamplingParams) -> bool:
     )
 
 
-def needs_history(params: SamplingParams) -> bool:
-    """True when the request's bans depend on its latest tokens."""
-    return params.no_repeat_ngram_size > 0 or any(len(word) > 1 for word in params.bad_words_ids)
-
-
-def new_history(request: Request, device: torch.device) -> torch.Tensor:
-    """The request's tokens so far in a device buffer with room for all it may generate (built at its first draw,
-    when all its tokens are on the host)."""
-    if request.has_placeholder:
-        raise RuntimeError(f"token history of {request.request_id} built before its last token was resolved")
-    history = torch.zeros(request.num_prompt_tokens + request.max_new_tokens, dtype=torch.long, device=device)
-    history[: request.num_tokens] = to_device(request.token_ids, torch.long, device)
-    return history
-
-
-def static_bans(request: Request) -> list[int]:
-    """Tokens banned whatever came before: suppress_tokens, single-token bad words (except stop tokens, as in
-    transformers), and begin_suppress_tokens for the first generated token."""
+def build_bans(request: Request, device: torch.device) -> Bans:
+    """The request's bans as device tensors (at its first draw, when all its tokens are on the host)."""
     params = request.sampling
-    banned = list(params.suppress_tokens)
-    banned += [word[0] for word in params.bad_words_ids if len(word) == 1 and word[0] not in request.stop_token_ids]
-    if request.num_output_tokens == 0:
-        banned += params.begin_suppress_tokens
-    return banned
+
+    def ids(tokens: list[int]) -> torch.Tensor | None:
+        return to_device(sorted(set(tokens)), torch.long, device) if tokens else None
+
+    # A single-token bad word that is a stop token is kept allowed, as transformers does.
+    single = [w[0] for w in params.bad_words_ids if len(w) == 1 and w[0] not in request.stop_token_ids]
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for word in params.bad_words_ids:
+        if len(word) > 1:
+            by_length.setdefault(len(word) - 1, []).append(word)
+    words = [
+        (
+            k,
+            to_device([w[:-1] for w in group], torch.long, device),
+            to_device([w[-1] for w in group], torch.long, device),
+        )
+        for k, group in sorted(by_length.items())
+    ]
+    bans = Bans(ids(list(params.suppress_tokens) + single), ids(list(params.begin_suppress_tokens)), words)
+    bans.ngram = params.no_repeat_ngram_size
+    if bans.ngram or words:
+        if request.has_placeholder:
+            raise RuntimeError(f"token history of {request.request_id} built before its last token was resolved")
+        bans.history = torch.zeros(request.num_prompt_tokens + request.max_new_tokens, dtype=torch.long, device=device)
+        bans.history[: request.num_tokens] = to_device(request.token_ids, torch.long, device)
+    return bans
 
 
-def history_bans(scores: torch.Tensor, history: torch.Tensor, length: int, params: SamplingParams) -> None:
-    """Ban, in one row of scores, the tokens that would complete a repeated n-gram or a multi-token bad word.
+def apply_bans(scores: torch.Tensor, bans: Bans, length: int, num_output_tokens: int) -> None:
+    """Set the banned tokens of one row to -inf, in place, on the device.
 
     Args:
-        scores: (vocab,) the row, changed in place.
-        history: the request's token buffer on the device; its first `length` entries are its tokens so far.
+        scores: (vocab,) the row.
+        bans: the request's bans.
         length: how many tokens the request has (a host count, exact even while the newest value is on the device).
-        params: the request's sampling parameters.
+        num_output_tokens: how many of them it generated.
     """
-    device = scores.device
+    if bans.always is not None:
+        scores.index_fill_(0, bans.always, _NEG_INF)
+    if bans.first is not None and num_output_tokens == 0:
+        scores.index_fill_(0, bans.first, _NEG_INF)
+    if bans.history is None:
+        return
     penalty = torch.zeros_like(scores)
-    n = params.no_repeat_ngram_size
+    n = bans.ngram
     if n and length >= n:
-        windows = history[:length].unfold(0, n, 1)  # every n-gram so far
-        repeats = (windows[:, :-1] == history[length - n + 1 : length]).all(dim=1)  # those starting like the next
-        blocked = torch.where(repeats, float("-inf"), 0.0).to(scores.dtype)
-        penalty.scatter_reduce_(0, windows[:, -1], blocked, reduce="amin")
-    words = [word for word in params.bad_words_ids if 1 < len(word) <= length + 1]
-    if words:
-        matches = torch.stack(
-            [
-                (history[length - len(word) + 1 : length] == to_device(word[:-1], torch.long, device)).all()
-                for word in words
-            ]
-        )
-        blocked = torch.where(matches, float("-inf"), 0.0).to(scores.dtype)
-        penalty.scatter_reduce_(0, to_device([word[-1] for word in words], torch.long, device), blocked, reduce="amin")
+        windows = bans.history[:length].unfold(0, n, 1)  # every n-gram so far
+        repeats = (windows[:, :-1] == bans.history[length - n + 1 : length]).all(dim=1)  # those starting as the next
+        penalty.scatter_reduce_(0, windows[:, -1], torch.where(repeats, _NEG_INF, 0.0), reduce="amin")
+    for k, prefixes, lasts in bans.words:
+        if k <= length:  # a word whose prefix ends the tokens so far
+            matches = (prefixes == bans.history[length - k : length]).all(dim=1)
+            penalty.scatter_reduce_(0, lasts, torch.where(matches, _NEG_INF, 0.0), reduce="amin")
     scores.add_(penalty)
 
 
-def record(history: torch.Tensor, length: int, token: torch.Tensor) -> None:
-    """Append a drawn token (a one-element device tensor) at position `length`, on the device."""
-    history[length : length + 1].copy_(token)
+def record(bans: Bans, length: int, token: torch.Tensor) -> None:
+    """Append a drawn token (a one-element device tensor) at position `length` of the history, on the device."""
+    if bans.history is not None:
+        bans.history[length : length + 1].copy_(token)
