@@ -6,6 +6,7 @@ warmup."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import threading
 import time
@@ -18,7 +19,7 @@ from transformers.generation.continuous_batching.requests import RequestState, R
 
 from conftest import make_prompts, reference_copy, tiny_model
 from rollout import ContinuousBatchingConfig, GenerationOutput, SamplingParams, generate_batch, init_continuous_batching
-from rollout.engine.generate import CACHED_ENGINE_ATTRIBUTE, release_cached_engine
+from rollout.engine.generate import cached_engine, release_cached_engine
 
 CACHE = ContinuousBatchingConfig(num_blocks=128, block_size=4)
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
@@ -171,19 +172,61 @@ def test_generate_batch_persistent_manager_reuses_its_engine():
         )
 
     fresh = run()
-    assert getattr(model, CACHED_ENGINE_ATTRIBUTE, None) is None
+    assert cached_engine(model) is None
     kept = run(persistent_manager=True)
-    engine = getattr(model, CACHED_ENGINE_ATTRIBUTE)[1]
+    engine = cached_engine(model)
     assert engine.warmed_up  # warmup=True (the default) ran once, on the new engine
     again = run(persistent_manager=True)
-    assert getattr(model, CACHED_ENGINE_ATTRIBUTE)[1] is engine
+    assert cached_engine(model) is engine
     assert [o.generated_tokens for o in fresh.values()] == [o.generated_tokens for o in kept.values()]
     assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in fresh.values()]
     other = ContinuousBatchingConfig(num_blocks=64, block_size=8)
     run(other, persistent_manager=True)  # other settings: a new engine
-    assert getattr(model, CACHED_ENGINE_ATTRIBUTE)[1] is not engine
+    assert cached_engine(model) is not engine
     release_cached_engine(model)
-    assert getattr(model, CACHED_ENGINE_ATTRIBUTE, None) is None
+    assert cached_engine(model) is None
     cold = run(persistent_manager=True, warmup=False)
-    assert not getattr(model, CACHED_ENGINE_ATTRIBUTE)[1].warmed_up and len(cold) == 2
+    assert not cached_engine(model).warmed_up and len(cold) == 2
     release_cached_engine(model)
+
+
+def test_a_persistent_engine_gives_the_model_back_and_sees_new_weights():
+    """Between persistent calls the model is the caller's again (attention implementation, training mode); weights
+    changed in place are used by the next call (no stale prefix cache), and so is a changed model generation
+    config."""
+    model = tiny_model("qwen3")
+    model.train()
+    attention = model.config._attn_implementation
+    prompts = make_prompts(2, 8, 8, seed=5)
+
+    def run(**kwargs):
+        outputs = generate_batch(
+            model,
+            prompts,
+            sampling=kwargs.pop("sampling", GREEDY),
+            continuous_batching_config=CACHE,
+            progress_bar=False,
+            persistent_manager=True,
+            **kwargs,
+        )
+        return [o.generated_tokens for o in outputs.values()]
+
+    before = run(max_new_tokens=6)
+    assert model.training and model.config._attn_implementation == attention
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)  # an optimizer step, in place
+    after = run(max_new_tokens=6)
+    fresh = generate_batch(
+        copy.deepcopy(model),
+        prompts,
+        sampling=GREEDY,
+        max_new_tokens=6,
+        continuous_batching_config=CACHE,
+        progress_bar=False,
+    )
+    assert after == [o.generated_tokens for o in fresh.values()] != before
+    model.generation_config.max_new_tokens = 3
+    assert [len(t) for t in run(sampling=None)] == [3, 3]
+    release_cached_engine(model)
+    assert model.training and model.config._attn_implementation == attention

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.outputs import GenerationOutput
 
-# Attribute of the model holding the engine kept by `generate_batch(..., persistent_manager=True)`.
-CACHED_ENGINE_ATTRIBUTE = "_rollout_cached_engine"
+# Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that
+# copying the model copies no engine): (what it was built from, the engine).
+_CACHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Engine]] = weakref.WeakKeyDictionary()
 
 
 def generate_batch(
@@ -41,7 +43,10 @@ def generate_batch(
         progress_bar: show a tqdm bar of finished samples.
         record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
         persistent_manager: keep the engine (its KV cache and CUDA graphs) on the model for the next call with the
-            same configs instead of building one per call; `release_cached_engine(model)` frees it.
+            same configs (and the same model generation config and parameter storage) instead of building one per
+            call; between calls the model is the caller's (its attention implementation and training mode back),
+            and each call starts with an empty prefix cache, since weights may change in place in between.
+            `release_cached_engine(model)` frees it.
         warmup: capture the decode CUDA graphs and run a short request before the prompts (once per engine).
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
             default: the GenerationConfig's num_return_sequences, else 1).
@@ -78,24 +83,37 @@ def generate_batch(
     finally:
         if not persistent_manager:
             engine.close()
+        elif model in _CACHED:
+            engine.runner.suspend()  # the model is the caller's again until the next call
     return {request_id: results[request_id] for request_id in order}
 
 
 def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persistent: bool) -> tuple[Engine, bool]:
     """(engine, already warmed up): the model's cached engine when kept for these same configs, else a new one."""
-    cached = getattr(model, CACHED_ENGINE_ATTRIBUTE, None)
-    if persistent and cached is not None and cached[0] == (generation_config, config):
-        return cached[1], cached[1].warmed_up
+    # What the engine was built from: the configs (snapshots: one changed in place must not find this engine), the
+    # model's own generation config, and its parameters' storage (graphs and cache read them in place).
+    key = (generation_config, config, model.generation_config, [p.data_ptr() for p in model.parameters()])
+    cached = _CACHED.get(model)
+    if persistent and cached is not None and cached[0] == key:
+        engine = cached[1]
+        engine.runner.resume()
+        engine.block_manager.reset_prefix_cache()  # the weights may have changed in place since
+        return engine, engine.warmed_up
     release_cached_engine(model)
     engine = Engine(model, config, generation_config)
-    if persistent:  # a snapshot of the configs: one changed in place later must not find this engine
-        setattr(model, CACHED_ENGINE_ATTRIBUTE, (copy.deepcopy((generation_config, config)), engine))
+    if persistent:
+        _CACHED[model] = (copy.deepcopy(key), engine)
     return engine, False
 
 
+def cached_engine(model: torch.nn.Module) -> Engine | None:
+    """The engine `generate_batch(..., persistent_manager=True)` keeps for `model`, if any."""
+    cached = _CACHED.get(model)
+    return None if cached is None else cached[1]
+
+
 def release_cached_engine(model: torch.nn.Module) -> None:
-    """Close and forget the engine `generate_batch(..., persistent_manager=True)` kept on `model` (if any)."""
-    cached = getattr(model, CACHED_ENGINE_ATTRIBUTE, None)
+    """Close and forget the engine `generate_batch(..., persistent_manager=True)` keeps for `model` (if any)."""
+    cached = _CACHED.pop(model, None)
     if cached is not None:
-        delattr(model, CACHED_ENGINE_ATTRIBUTE)
         cached[1].close()

@@ -63,6 +63,7 @@ class ModelRunner:
         head = model.get_output_embeddings() if config.fp32_logits else None
         self._fp32_hook = None
         self._in_step = False  # the hook projects only in this runner's forwards, not in other users' of the model
+        self._suspended = False  # the model was given back by suspend()
         if head is not None and head.weight.dtype != torch.float32:
             self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
         # Per request (weakly held: finished requests drop out): (blocks_version, block ids tensor).
@@ -136,7 +137,21 @@ class ModelRunner:
             if self._fp32_hook is not None:
                 self._fp32_hook.remove()
             self.decode_graphs = None  # frees the graphs' memory pool
+            if not self._suspended:
+                _release(self.model)
+
+    def suspend(self) -> None:
+        """Give the model back between uses (attention implementation, training mode) while keeping the KV cache
+        and CUDA graphs; `resume()` takes it again. Idempotent."""
+        if not self._closed and not self._suspended:
+            self._suspended = True
             _release(self.model)
+
+    def resume(self) -> None:
+        """Take the model again after `suspend()` (paged attention, eval mode)."""
+        if self._suspended:
+            self._suspended = False
+            _acquire(self.model)
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
         """Queue the step's block moves, then the forward, without waiting for the device.
