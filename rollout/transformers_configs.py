@@ -36,8 +36,8 @@ _INFERRED_WHEN_NONE = {
 # Fields with no rollout counterpart: the values rollout's behaviour already matches, and why.
 _ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     "max_blocks_per_request": (
-        (None,),
-        "sizes transformers' flash_attn_with_kvcache decode path, which rollout has not",
+        (None, 0),
+        "sizes transformers' flash_attn_with_kvcache decode path, which rollout has not (0 turns it off)",
     ),
     "q_padding_interval_size": ((0,), "rollout pads decode graphs to fixed batch-size buckets, not by tokens"),
     "kv_padding_interval_size": ((0,), "rollout pads decode graphs to fixed batch-size buckets, not by tokens"),
@@ -53,7 +53,7 @@ _ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "disable_nccl_graph_mixing": ((False, True), "rollout runs no tensor-parallel collectives"),
     "cpu_group_timeout": (None, "rollout runs no tensor-parallel process group"),  # any value: nothing to time out
-    "use_default_compile_configs": ((None,), "deprecated in transformers 5.11: pass decode_compile_config"),
+    "use_default_compile_configs": ((None, False), "deprecated in transformers 5.11: pass decode_compile_config"),
     "max_cached_graphs": ((None,), "deprecated in transformers 5.13"),
 }
 

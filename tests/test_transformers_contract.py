@@ -230,3 +230,22 @@ def test_a_persistent_engine_gives_the_model_back_and_sees_new_weights():
     assert [len(t) for t in run(sampling=None)] == [3, 3]
     release_cached_engine(model)
     assert model.training and model.config._attn_implementation == attention
+
+
+def test_pause_nests_and_refuses_what_would_wait_on_itself():
+    """A thread inside a pause may pause again (re-entrant); waiting for a weight update there would wait for the
+    loop it holds: refused at once. stop() from a result handler ends the loop instead of failing to join itself."""
+    model = tiny_model("qwen3")
+    manager = init_continuous_batching(model, continuous_batching_config=CACHE).start()
+    with manager.pause(timeout=30):
+        with manager.pause(timeout=1):
+            steps = manager.engine.num_steps
+        with pytest.raises(RuntimeError, match="inside this thread's pause"):
+            manager.update_weights({}, timeout=1)
+        assert manager.engine.num_steps == steps
+    request_id = manager.add_request([1, 2, 3], max_new_tokens=2, sampling=GREEDY)
+    manager.register_result_handler(request_id, lambda output: manager.stop())
+    manager.join(timeout=30)
+    assert not manager.is_running()
+    with pytest.raises(TypeError, match="add_request"):
+        manager.add_requests([[1]], request_id="x")

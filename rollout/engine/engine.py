@@ -446,7 +446,9 @@ class Engine:
         self.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
         counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_steps)
         sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
-        self.add_request("__warmup__", [0] * num_tokens, sampling)
+        num_tokens = min(num_tokens, self.max_model_len - 2)  # a short context must not refuse its own warm-up
+        if num_tokens > 0:
+            self.add_request("__warmup__", [0] * num_tokens, sampling)
         while self.has_unfinished():
             self.step()
         self.block_manager.reset_prefix_cache()

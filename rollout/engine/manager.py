@@ -86,7 +86,7 @@ class ContinuousBatchingManager:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
-        self._pause_holders: set[int] = set()  # threads inside `with pause():`
+        self._pause_holders: dict[int, int] = {}  # thread ident -> depth of its `with pause():` blocks
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
@@ -130,7 +130,7 @@ class ContinuousBatchingManager:
         self._commands.put(("wake", None))
         if self._thread is None:
             self._shutdown()
-        elif block:
+        elif block and threading.current_thread() is not self._thread:  # from a handler: the loop ends after it
             self.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
@@ -170,13 +170,21 @@ class ContinuousBatchingManager:
             timeout: most seconds to wait for the loop to pause (None: as long as one step takes).
         Raises:
             RuntimeError: the manager is not running or stops before pausing (its error, if any, as the cause), or
-                this is the engine thread (a result handler).
+                this is the engine thread (a result handler). A thread already inside a pause may nest another.
             TimeoutError: the loop did not pause in time (it then does not pause at all).
         """
         if threading.current_thread() is self._thread:
             raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
         if not self.is_running():
             raise RuntimeError("cannot pause: the manager is not running") from self.error
+        me = threading.get_ident()
+        if me in self._pause_holders:  # nested (or another coroutine of the same thread): the loop is paused already
+            self._pause_holders[me] += 1
+            try:
+                yield
+            finally:
+                self._pause_holders[me] -= 1
+            return
         request = _PauseRequest()
         self._commands.put(("pause", request))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -190,11 +198,11 @@ class ContinuousBatchingManager:
                 request.paused.wait(0.1 if remaining is None else min(0.1, remaining))
             if request.refused:
                 raise RuntimeError(f"cannot pause: {request.refused}") from self.error
-            self._pause_holders.add(threading.get_ident())
+            self._pause_holders[me] = 1
             try:
                 yield
             finally:
-                self._pause_holders.discard(threading.get_ident())
+                del self._pause_holders[me]
         finally:
             request.release.set()  # also when the wait failed: a late pause then ends at once
 
@@ -277,6 +285,8 @@ class ContinuousBatchingManager:
         Args: as for `add_request` (`n`, `sampling`, `eos_token_id` and SamplingParams fields as keywords).
         Returns: the request ids. Raises: as `add_request`; requests added before the one that failed stay added.
         """
+        if "request_id" in request_fields:
+            raise TypeError("add_requests() generates one id per request; use add_request to give your own")
         common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
         return [self.add_request(prompt, **common, **request_fields) for prompt in inputs]
 
@@ -286,6 +296,8 @@ class ContinuousBatchingManager:
         """`sampling` (or the generation config's defaults) with per-request keyword fields applied."""
         if eos_token_id is None and not fields:
             return sampling
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
         unknown = sorted(set(fields) - SAMPLING_FIELDS)
         if unknown:
             raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
@@ -339,6 +351,11 @@ class ContinuousBatchingManager:
             ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
             time (the old weights keep serving). RuntimeError: the manager is stopped.
         """
+        if threading.get_ident() in self._pause_holders:
+            raise RuntimeError(
+                "cannot wait for a weight update inside this thread's pause: the loop applies it only after the pause "
+                "(copy the tensors into the model directly while paused, or update after the `with` block)"
+            )
         done: queue.SimpleQueue = queue.SimpleQueue()
         update = self.submit_weight_update(tensors, version, mode, partial, timeout, done.put)
         try:
