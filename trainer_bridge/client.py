@@ -155,6 +155,15 @@ class _Worker:
         self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
 
 
+def _plain(value: Any) -> Any:
+    """A sampling value as plain Python: numpy / torch scalars and arrays become numbers and lists, recursively."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
 class RolloutClient:
     """Client of one or several rollout workers. Safe to use from several threads; use `close()` (or `with`)."""
 
@@ -366,10 +375,10 @@ class RolloutClient:
             raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
         if not isinstance(group.sampling, dict):
             raise RolloutError("bad_request", "sampling must be a dict of SamplingParams fields", "sampling")
-        sampling = {key: value.item() if hasattr(value, "item") else value for key, value in group.sampling.items()}
         try:
+            sampling = {key: _plain(value) for key, value in group.sampling.items()}
             msgpack.packb(sampling)
-        except (TypeError, ValueError, OverflowError) as error:
+        except (TypeError, ValueError, OverflowError, RuntimeError) as error:
             raise RolloutError(
                 "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
             ) from None
