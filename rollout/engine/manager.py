@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, WeightUpdateResult
 from rollout.engine.outputs import GenerationOutput
+from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request, sample_id
 from rollout.engine.results import ResultRouter
 
@@ -32,15 +33,6 @@ SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
-
-
-@dataclass
-class _PauseRequest:
-    """A `pause()` waiting for, then holding, the engine loop."""
-
-    paused: threading.Event = field(default_factory=threading.Event)  # set by the engine thread once paused
-    release: threading.Event = field(default_factory=threading.Event)  # set by the caller when its block ends
-    refused: str | None = None  # why the loop will never pause (it stopped first)
 
 
 @dataclass
@@ -86,7 +78,9 @@ class ContinuousBatchingManager:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
-        self._pause_holders: dict[int, int] = {}  # thread ident -> depth of its `with pause():` blocks
+        self._pauses = PauseGate(
+            lambda request: self._commands.put(("pause", request)), self.is_running, lambda: self.error
+        )
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
@@ -121,7 +115,7 @@ class ContinuousBatchingManager:
             block: wait for the thread to finish.
             timeout: most seconds to wait when blocking.
         """
-        if threading.get_ident() in self._pause_holders:
+        if self._pauses.held_here():
             raise RuntimeError(
                 "cannot stop the manager from inside its pause: the loop waits for the pause to end, so this would "
                 "wait forever; leave the `with manager.pause():` block first"
@@ -177,47 +171,8 @@ class ContinuousBatchingManager:
             raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
         if not self.is_running():
             raise RuntimeError("cannot pause: the manager is not running") from self.error
-        me = threading.get_ident()
-        if me in self._pause_holders:  # nested (or another coroutine of the same thread): the loop is paused already
-            self._pause_holders[me] += 1
-            try:
-                yield
-            finally:
-                self._pause_holders[me] -= 1
-            return
-        request = _PauseRequest()
-        self._commands.put(("pause", request))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not request.paused.is_set():
-                if not self.is_running():
-                    raise RuntimeError("the manager stopped before it could pause") from self.error
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"the engine loop did not pause within {timeout} s")
-                request.paused.wait(0.1 if remaining is None else min(0.1, remaining))
-            if request.refused:
-                raise RuntimeError(f"cannot pause: {request.refused}") from self.error
-            self._pause_holders[me] = 1
-            try:
-                yield
-            finally:
-                del self._pause_holders[me]
-        finally:
-            request.release.set()  # also when the wait failed: a late pause then ends at once
-
-    def _hold_pause(self, request: _PauseRequest) -> None:
-        """Engine thread: finish the step in flight, then wait for the pausing thread to leave its block (a stop
-        from elsewhere waits too: the caller may be using the model)."""
-        if request.release.is_set():  # the caller gave up waiting
-            return
-        if self._stop.is_set():  # asked before a stop, reached after it: the loop is ending, not pausing
-            request.refused = "the manager is stopping"
-            request.paused.set()
-            return
-        self._deliver(self.engine.flush())
-        request.paused.set()
-        request.release.wait()
+        with self._pauses.hold(timeout):
+            yield
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def add_request(
@@ -351,7 +306,7 @@ class ContinuousBatchingManager:
             ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
             time (the old weights keep serving). RuntimeError: the manager is stopped.
         """
-        if threading.get_ident() in self._pause_holders:
+        if self._pauses.held_here():
             raise RuntimeError(
                 "cannot wait for a weight update inside this thread's pause: the loop applies it only after the pause "
                 "(copy the tensors into the model directly while paused, or update after the `with` block)"
@@ -517,8 +472,7 @@ class ContinuousBatchingManager:
             elif command == "weights":
                 payload.callback(RuntimeError("the manager stopped before the weight update was applied"))
             elif command == "pause":
-                payload.refused = "the manager stopped before the loop paused"
-                payload.paused.set()
+                PauseGate.refuse(payload, "the manager stopped before the loop paused")
         try:
             self._deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
@@ -556,7 +510,7 @@ class ContinuousBatchingManager:
         elif command == "cancel":
             self._deliver(self.engine.cancel(payload))
         elif command == "pause":
-            self._hold_pause(payload)
+            PauseGate.serve(payload, self._stop.is_set(), lambda: self._deliver(self.engine.flush()))
         elif command == "weights":
             if payload.state == "cancelled":
                 return
