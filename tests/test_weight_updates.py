@@ -620,3 +620,11 @@ def test_manager_update_that_times_out_is_never_applied():
         release.set()
         hook.remove()
         manager.stop()
+
+
+def test_versions_stay_within_int64():
+    """Versions travel as int64: one beyond it is refused by name before anything changes."""
+    engine = make_engine(tiny_model("qwen3"))
+    with pytest.raises(FieldError, match="int64") as raised:
+        engine.update_weights({}, version=2**63)
+    assert raised.value.field == "version" and engine.policy_version == 0

@@ -240,3 +240,29 @@ def test_slow_reader_loses_nothing(worker):
     finally:
         reader.close()
         observer.close()
+
+
+@pytest.mark.parametrize("kind", [[], {}, [1, [2]], {"a": 1}])
+def test_an_unhashable_message_type_gets_an_error_and_the_worker_keeps_serving(client, kind):
+    """The 17-byte message of issue 14 (a header whose `type` is a list or a map) ended `serve()`: it must get an
+    error reply naming the field, and the worker must go on answering."""
+    client.socket.send_multipart([msgpack.packb({"protocol": 1, "type": kind})])
+    reply = client.receive()
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", "type")
+    assert isinstance(client.ask(p.Ping(7)), p.Pong)
+
+
+def test_data_frames_after_a_message_without_data_are_refused(client):
+    client.socket.send_multipart([*p.encode(p.Ping(3)), b"unexpected bytes"])
+    reply = client.receive()
+    assert isinstance(reply, p.Error) and reply.field == "frames"
+    assert isinstance(client.ask(p.Ping(4)), p.Pong)
+
+
+@pytest.mark.parametrize("version", [2**64 - 1, 2**63])
+def test_a_version_beyond_int64_is_refused_at_begin(client, version):
+    """A version near 2**64 was accepted and the next update's reply could not be encoded, ending the worker."""
+    spec = p.TensorSpec("model.norm.weight", "float32", [256])
+    reply = client.ask(p.WeightsBegin("huge", [spec], version=version, partial=True))
+    assert isinstance(reply, p.Error) and reply.field == "version" and "int64" in reply.message
+    assert client.ask(p.Hello()).policy_version == 0

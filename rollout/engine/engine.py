@@ -40,6 +40,8 @@ NOTHING_TO_DRAW = (
     "every token is banned at this position (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
     "no_repeat_ngram_size and min_new_tokens together leave none)"
 )
+# Policy versions travel as int64 (msgpack, tensors of versions): the largest a weight update may set.
+MAX_POLICY_VERSION = 2**63 - 1
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
 
@@ -401,8 +403,12 @@ class Engine:
         if mode not in WEIGHT_UPDATE_MODES:
             raise FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
         new_version = self.policy_version + 1 if version is None else version
-        if not _is_int(new_version) or new_version <= self.policy_version:
-            raise FieldError("version", f"must be an integer above the current {self.policy_version}, got {version!r}")
+        if not _is_int(new_version) or not self.policy_version < new_version <= MAX_POLICY_VERSION:
+            raise FieldError(
+                "version",
+                f"must be an integer above the current {self.policy_version} and at most {MAX_POLICY_VERSION} "
+                f"(int64), got {version!r}",
+            )
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
         self.check_weight_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)

@@ -400,10 +400,21 @@ def decode(frames: list[Any]) -> Message:
         raise ProtocolError("header", f"expected a map, got {type(header).__name__}")
     if header.get("protocol") != PROTOCOL_VERSION:
         raise ProtocolError("protocol", f"expected protocol version {PROTOCOL_VERSION}, got {header.get('protocol')!r}")
-    cls = MESSAGE_TYPES.get(header.get("type"))  # type: ignore[arg-type]
+    kind = header.get("type")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None  # a list or map would be unhashable
     if cls is None:
-        raise ProtocolError("type", f"unknown message type {header.get('type')!r}")
-    return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, prefix="")
+        raise ProtocolError("type", f"unknown message type {_abridged(kind)}")
+    try:
+        return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, prefix="")
+    except ProtocolError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever a hostile header trips on is the sender's fault
+        raise ProtocolError("header", f"malformed {kind!r} message ({type(error).__name__})") from None
+
+
+def _abridged(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bytes(frame: Any) -> Any:

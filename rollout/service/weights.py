@@ -18,7 +18,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from rollout.config import FieldError
-from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine
+from rollout.engine.engine import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, Engine
 from rollout.service import protocol as p
 from rollout.service.dist import check_dist_fields
 
@@ -218,10 +218,15 @@ class StagedUpdate:
                 raise UpdateRejected("bad_update", culprit, "missing or wrong (host, port, world_size, rank, ...)")
         if not 0 < begin.timeout_s <= MAX_PHASE_S:
             raise UpdateRejected("bad_update", "timeout_s", f"must be in (0, {MAX_PHASE_S:.0f}] seconds")
-        if begin.version is not None and begin.version <= engine.policy_version:
+        if begin.version is not None and not engine.policy_version < begin.version <= MAX_POLICY_VERSION:
             raise UpdateRejected(
-                "bad_update", "version", f"must exceed the current version {engine.policy_version}, got {begin.version}"
+                "bad_update",
+                "version",
+                f"must exceed the current version {engine.policy_version} and be at most {MAX_POLICY_VERSION} (int64), "
+                f"got {begin.version}",
             )
+        if begin.version is None and engine.policy_version >= MAX_POLICY_VERSION:
+            raise UpdateRejected("bad_update", "version", f"the current version is already {MAX_POLICY_VERSION}")
         if not begin.tensors:
             raise UpdateRejected("bad_update", "tensors", "an update must announce at least one tensor")
         seen: set[str] = set()

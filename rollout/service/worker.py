@@ -156,6 +156,8 @@ class RolloutWorker:
             self._last_seen[identity] = time.monotonic()
             try:
                 message = p.decode(frames)
+                if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
+                    raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
             except p.ProtocolError as error:
                 group_id, update_id = _raw_ids(frames)
                 reply = p.Error("bad_request", str(error), error.field, group_id, update_id)
@@ -469,7 +471,15 @@ class RolloutWorker:
 
     def _send(self, identity: bytes, message: p.Message) -> None:
         try:
-            self._socket.send_multipart([identity, *p.encode(message)], zmq.NOBLOCK)
+            frames = p.encode(message)
+        except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
+            logger.exception("cannot encode a %s reply", message.TYPE)
+            ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
+            frames = p.encode(
+                p.Error("internal", f"the {message.TYPE} reply could not be encoded: {error}", None, *ids)
+            )
+        try:
+            self._socket.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as error:
             if error.errno != zmq.EHOSTUNREACH:  # not expected without a send high-water mark
                 logger.error("cannot send %s to client %s: %s", message.TYPE, identity.hex(), error)
