@@ -9,6 +9,7 @@ import time
 
 import msgpack
 import pytest
+import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service import protocol as p
@@ -266,3 +267,47 @@ def test_a_version_beyond_int64_is_refused_at_begin(client, version):
     reply = client.ask(p.WeightsBegin("huge", [spec], version=version, partial=True))
     assert isinstance(reply, p.Error) and reply.field == "version" and "int64" in reply.message
     assert client.ask(p.Hello()).policy_version == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--bind", "127.0.0.1:5630"], "is not a ZeroMQ address"),
+        (["--bind", "tcp://127.0.0.1"], "has no port"),
+        (["--num-blocks", "0"], "num_blocks: 0 is invalid"),
+        (["--model", "/nonexistent/model"], "no such model directory"),
+        (["--device", "bogus"], "--device bogus"),
+        pytest.param(
+            ["--gpu", "0"],
+            "sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA"),
+        ),
+    ],
+)
+def test_ordinary_mistakes_are_one_line_usage_errors(flags, message, capsys):
+    """rollout-worker answers a malformed address, a bad setting, a missing model directory or a CUDA flag on a
+    CPU-only torch with a usage error (exit 2), before loading any model."""
+    from rollout.service import cli
+
+    bind = [] if "--bind" in flags else ["--bind", "tcp://127.0.0.1:*"]  # the default port may be taken here
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*flags, *bind])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_port_in_use_is_a_usage_error_before_the_model_loads(worker, capsys, monkeypatch):
+    from rollout.service import cli
+
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the bind check"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--bind", worker.address])
+    assert stop.value.code == 2 and "cannot bind" in capsys.readouterr().err
+
+
+def test_a_client_refuses_a_malformed_address():
+    from trainer_bridge import RolloutClient
+
+    with pytest.raises(ValueError, match="is not a ZeroMQ address"):
+        RolloutClient("127.0.0.1:5630")

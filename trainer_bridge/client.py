@@ -188,6 +188,10 @@ class RolloutClient:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses:
             raise ValueError("addresses: give at least one worker address")
+        for address in addresses:
+            problem = p.check_address(address)
+            if problem is not None:
+                raise ValueError(f"addresses: {problem}")
         self._workers = [_Worker(self._context, address) for address in addresses]
         self._calls: dict[str, _Call] = {}  # I/O thread only
         self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive

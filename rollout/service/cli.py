@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 
 import torch
@@ -113,25 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
-    config = ContinuousBatchingConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_memory_percent=args.max_memory_percent,
-        max_batch_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_num_seqs,
-        scheduler_type=args.scheduler,
-        max_queue_size=args.max_queue_size,
-        cpu_offload_space=args.cpu_offload_space,
-        attention_backend=args.attention_backend,
-        fp32_logits=args.fp32_logits,
-        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
-        overlap_scheduling=AUTO_ON_OFF[args.overlap],
-    )
+    # Ordinary mistakes are one-line usage errors, found before the model loads.
+    device = _device(parser, args)
+    _check_bind(parser, args.bind)
+    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+        parser.error(f"--model {args.model}: no such model directory")
     try:
-        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+        config = _engine_config(args)
     except ValueError as error:
         parser.error(str(error))
+    try:
+        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+    except (ValueError, OSError) as error:
+        parser.error(f"--model {args.model}: {error}")
     try:
         manager = init_continuous_batching(model, continuous_batching_config=config)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
@@ -154,6 +149,60 @@ def main(argv: list[str] | None = None) -> int:
     worker.serve()
     logger.info("rollout-worker stopped")
     return 0
+
+
+def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
+    flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
+    try:
+        device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
+    except RuntimeError as error:
+        parser.error(f"{flag}: {error}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            parser.error(f"{flag}: torch {torch.__version__} ({build}) sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"{flag}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def _check_bind(parser: argparse.ArgumentParser, address: str) -> None:
+    """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
+    from rollout.service.protocol import check_address
+
+    problem = check_address(address)
+    if problem is not None:
+        parser.error(f"--bind {problem}")
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or port == "*":
+        return
+    probe = socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no conflict
+    try:
+        probe.bind(("" if host in ("*", "") else host.strip("[]"), int(port)))
+    except (OSError, ValueError) as error:
+        parser.error(f"--bind {address}: cannot bind ({error})")
+    finally:
+        probe.close()
+
+
+def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine settings the flags give (a FieldError names a bad one)."""
+    return ContinuousBatchingConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_memory_percent=args.max_memory_percent,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        scheduler_type=args.scheduler,
+        max_queue_size=args.max_queue_size,
+        cpu_offload_space=args.cpu_offload_space,
+        attention_backend=args.attention_backend,
+        fp32_logits=args.fp32_logits,
+        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
+        overlap_scheduling=AUTO_ON_OFF[args.overlap],
+    )
 
 
 if __name__ == "__main__":

@@ -383,6 +383,18 @@ def encode(message: Message) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True)]
 
 
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_address(address: Any) -> str | None:
+    """Why `address` is no ZeroMQ endpoint a worker can bind or a client connect to (None when it looks right)."""
+    if not isinstance(address, str) or not address.startswith(ADDRESS_SCHEMES):
+        return f"{address!r} is not a ZeroMQ address: expected e.g. tcp://127.0.0.1:5555 (tcp://, ipc:// or inproc://)"
+    if address.startswith("tcp://") and ":" not in address.removeprefix("tcp://"):
+        return f"{address!r} has no port: expected e.g. tcp://127.0.0.1:5555"
+    return None
+
+
 def decode(frames: list[Any]) -> Message:
     """Turn ZeroMQ frames back into a message, checking version, type and every field (frames after the header,
     the raw tensor bytes of a weights_bucket, are left to the caller).
