@@ -249,3 +249,22 @@ def test_pause_nests_and_refuses_what_would_wait_on_itself():
     assert not manager.is_running()
     with pytest.raises(TypeError, match="add_request"):
         manager.add_requests([[1]], request_id="x")
+
+
+def test_generate_batch_takes_what_a_tokenizer_returns():
+    """A padded BatchEncoding (tokenizer(texts, padding=True)) gives the same completions as the unpadded id lists."""
+    from rollout.service.presets import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("qwen3")
+    texts = ["abc: ", "a much longer prompt: "]
+    expected = generate_batch(
+        model, [tokenizer(t)["input_ids"] for t in texts], sampling=GREEDY, max_new_tokens=4, progress_bar=False
+    )
+    for side in ("left", "right"):
+        tokenizer.padding_side = side
+        encoded = tokenizer(texts, padding=True, return_tensors="pt")
+        assert (encoded["attention_mask"] == 0).any()
+        outputs = generate_batch(model, encoded, sampling=GREEDY, max_new_tokens=4, progress_bar=False)
+        assert [o.prompt_ids for o in outputs.values()] == [o.prompt_ids for o in expected.values()]
+        assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]

@@ -36,7 +36,8 @@ def generate_batch(
 
     Args:
         model: a transformers causal LM.
-        inputs: prompts as lists of token ids.
+        inputs: prompts as lists of token ids, or what a tokenizer returns (its `input_ids`, padding removed by its
+            `attention_mask`).
         generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
         continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
             `Engine`), or None for the defaults.
@@ -55,6 +56,7 @@ def generate_batch(
     Raises:
         ValueError: bad input, naming the field (nothing is generated then).
     """
+    inputs = _prompts(inputs)
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     n = kwargs.pop("n", None)
@@ -86,6 +88,26 @@ def generate_batch(
         elif model in _CACHED:
             engine.runner.suspend()  # the model is the caller's again until the next call
     return {request_id: results[request_id] for request_id in order}
+
+
+def _prompts(inputs: Any) -> Any:
+    """Prompts as lists of token ids, also from what a tokenizer returns (a BatchEncoding or dict with `input_ids`;
+    padding dropped where its `attention_mask` is 0) or a 2-D tensor / array; anything else is left for the
+    engine's validation to name."""
+    mask = None
+    if hasattr(inputs, "keys") and "input_ids" in inputs:
+        mask, inputs = inputs.get("attention_mask"), inputs["input_ids"]
+    if hasattr(inputs, "tolist"):
+        inputs = inputs.tolist()
+    if isinstance(inputs, list) and inputs and isinstance(inputs[0], int):  # one prompt
+        inputs = [inputs]
+    if mask is not None:
+        mask = mask.tolist() if hasattr(mask, "tolist") else mask
+        mask = [mask] if mask and isinstance(mask[0], int) else mask
+        if len(mask) != len(inputs):
+            raise FieldError("attention_mask", f"{len(mask)} rows for {len(inputs)} prompts")
+        inputs = [[token for token, keep in zip(row, keeps) if keep] for row, keeps in zip(inputs, mask)]
+    return inputs
 
 
 def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persistent: bool) -> tuple[Engine, bool]:
