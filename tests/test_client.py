@@ -12,7 +12,7 @@ import pytest
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import tiny_model
-from service_helpers import Worker
+from service_helpers import Worker, free_port
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError
 
 pytestmark = pytest.mark.timeout(180)
@@ -209,3 +209,28 @@ def test_trainer_bridge_does_not_import_the_engine():
     code = "import sys, trainer_bridge; bad = [m for m in ('torch', 'transformers', 'rollout.engine') if m in sys.modules]; print(bad)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"
+
+
+@pytest.mark.timeout(180)
+def test_groups_sent_before_the_worker_is_up_are_never_dropped():
+    """Issue 14: 1,500 groups submitted to a worker that is not up yet overflowed the socket's send queue (1,000
+    messages) and a third of them were silently dropped. All of them must come back, once."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    groups = [
+        PromptGroup([1 + i % 50, 2], 1, {"do_sample": False, "max_new_tokens": 1, "stop_token_ids": []}, f"q{i}")
+        for i in range(1500)
+    ]
+    with RolloutClient(address, timeout=150, dead_after_s=120) as client:
+        results = {}
+        collector = threading.Thread(
+            target=lambda: results.update((r.group_id, r) for r in client.generate_many(groups))
+        )
+        collector.start()
+        time.sleep(1.0)  # every group is queued in the client before the worker exists
+        worker = Worker(address=address)
+        try:
+            collector.join(150)
+        finally:
+            worker.close()
+    assert sorted(results) == sorted(g.group_id for g in groups)
+    assert all(len(r.completions[0].token_ids) == 1 for r in results.values())

@@ -146,6 +146,9 @@ class _Worker:
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
+        # (a refused send would lose the group); the client's own calls bound what waits.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.connect(address)
         self.alive = True  # optimistic until a ping goes unanswered for dead_after_s
         self.last_ping = 0.0
