@@ -4,6 +4,7 @@ errors with timeouts, thread safety, balancing, and failover when a worker is ki
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
 import time
@@ -234,3 +235,17 @@ def test_groups_sent_before_the_worker_is_up_are_never_dropped():
             worker.close()
     assert sorted(results) == sorted(g.group_id for g in groups)
     assert all(len(r.completions[0].token_ids) == 1 for r in results.values())
+
+
+def test_generate_cancels_its_group_when_the_wait_ends_early(client):
+    """Issue 14: Ctrl-C (or any exception) during generate() left the group running on the worker; it is cancelled
+    on the way out, so the workers stop generating for it (8 x 2000 tokens would keep them busy for seconds)."""
+    group = PromptGroup([1, 2, 3], 8, {"do_sample": False, "max_new_tokens": 2000, "stop_token_ids": []})
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while generate() waits
+    with pytest.raises(KeyboardInterrupt):
+        client.generate(group, timeout=60)
+    time.sleep(1.0)  # the cancel lands within a step or two
+    before = sum(s["generated_tokens"] for s in client.stats())
+    time.sleep(1.0)
+    assert sum(s["generated_tokens"] for s in client.stats()) == before
+    assert all(s["running"] == 0 and s["queued"] == 0 for s in client.stats())

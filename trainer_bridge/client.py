@@ -221,9 +221,14 @@ class RolloutClient:
             timeout: seconds to wait (default: the client's).
         Raises:
             RolloutError: refused (names the field), busy (`WorkerBusy`), or no answer within the timeout.
+        A wait that ends without the result (timeout, Ctrl-C, any exception) cancels the group on its worker.
         """
         call = self._submit(group, stream=False)
-        return self._wait_result(call, timeout)
+        try:
+            return self._wait_result(call, timeout)
+        except BaseException:
+            self.cancel(call.group.group_id)  # do not leave the group computing for nobody
+            raise
 
     def stream(self, group: PromptGroup, timeout: float | None = None) -> Iterator[Delta | GroupResult]:
         """Yield `Delta`s (new tokens of one sample) as they come, then the `GroupResult`.
