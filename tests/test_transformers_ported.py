@@ -69,6 +69,13 @@ _DEFAULT_PROMPTS = make_prompts(3, 16, 40, seed=7)
 CUDA_GRAPHS = "CUDA graphs need a CUDA device (transformers skips this case too when torch_device != 'cuda')"
 FLASH = "needs flash-attention (CUDA only; not installed here)"
 KERNELS = "needs the kernels-community flash-attn3 paged kernels (CUDA, hub download)"
+# The (use_cuda_graph, use_async_batching) grid of the source's parity tests; graph cases need CUDA.
+GRAPH_AND_ASYNC_CASES = [
+    (False, False),
+    (False, True),
+    pytest.param(True, False, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
+    pytest.param(True, True, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
+]
 COMPILE = (
     "default_compile_level>0 compiles transformers' varlen forward; rollout refuses it by name (README: varlen "
     "compilation is not honoured), checked in test_continuous_batching_config_combinations_with_compile"
@@ -797,15 +804,7 @@ def test_cuda_graph_capture_on_non_default_device():
     pass
 
 
-@pytest.mark.parametrize(
-    "use_cuda_graph, use_async_batching",
-    [
-        (False, False),
-        (False, True),
-        pytest.param(True, False, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
-        pytest.param(True, True, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
-    ],
-)
+@pytest.mark.parametrize("use_cuda_graph, use_async_batching", GRAPH_AND_ASYNC_CASES)
 def test_continuous_batching_log_probs(use_cuda_graph, use_async_batching):
     """Log probabilities match between continuous batching and regular generate."""
     model = cb(load_model("llama", "sdpa"))
@@ -1120,15 +1119,7 @@ def test_decode_fast_path_wide_batch_parity():
     pass
 
 
-@pytest.mark.parametrize(
-    "use_cuda_graph, use_async_batching",
-    [
-        (False, False),
-        (False, True),
-        pytest.param(True, False, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
-        pytest.param(True, True, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
-    ],
-)
+@pytest.mark.parametrize("use_cuda_graph, use_async_batching", GRAPH_AND_ASYNC_CASES)
 def test_per_request_logits_processors(use_cuda_graph, use_async_batching):
     """Per-request logits processor settings (temperature, top_k, top_p) are honoured per request."""
     max_new_tokens = 10
