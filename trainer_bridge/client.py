@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import operator
+import os
 import queue
 import random
 import threading
@@ -31,11 +32,18 @@ from typing import Any
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rollout.service import protocol as p
+from rollout.service.auth import secure_client_socket
 from rollout.service.protocol import Completion, Delta
+from rollout.service.sockets import Waker, check_address
 
 logger = logging.getLogger(__name__)
+
+# Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
+# one): reported at once instead of waiting out the connect deadline.
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
@@ -90,6 +98,10 @@ class _Call:
     # the new worker resends from token 0 (same seed, same tokens); only positions >= delivered are passed on.
     delivered: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
+    # The id the current worker knows the group by: the group id at first, "<group id>~retry<k>" after a failover,
+    # so a resubmission never collides with the first run (still running on a worker that was only slow).
+    wire_id: str = ""
+    attempts: int = 0
 
 
 class UpdateChannel:
@@ -142,15 +154,23 @@ class _AsyncSink:
 
 
 class _Worker:
-    def __init__(self, context: zmq.Context, address: str):
+    def __init__(self, context: zmq.Context, address: str, keys: tuple[Any, Any] | None):
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
         # (a refused send would lose the group); the client's own calls bound what waits.
         self.socket.setsockopt(zmq.SNDHWM, 0)
+        if keys is not None:
+            secure_client_socket(self.socket, *keys)
+        self.monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILURES)
         self.socket.connect(address)
-        self.alive = True  # optimistic until a ping goes unanswered for dead_after_s
+        # Groups only go to a worker that answered: one that is not up yet (or a wrong address) gets pings only,
+        # so nothing queued for it can reach it twice (once queued, once resubmitted) when it comes up.
+        self.alive = False
+        self.answered = False  # ever
+        self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
+        self.warned = False  # "never answered" was logged
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight
@@ -176,6 +196,9 @@ class RolloutClient:
         timeout: float = 300.0,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 10.0,
+        connect_timeout: float = 20.0,
+        curve_secret_key: str | os.PathLike | bytes | None = None,
+        server_public_key: str | os.PathLike | bytes | None = None,
     ):
         """
         Args:
@@ -183,20 +206,37 @@ class RolloutClient:
             timeout: default seconds any call waits for its answer.
             heartbeat_s: seconds between pings to each worker.
             dead_after_s: a worker silent this long is dead; its groups go to the others.
+            connect_timeout: seconds to wait for the first answer of any worker; when none answered by then, calls
+                fail with code "no_workers" naming the addresses (raise it for workers that take long to start).
+            curve_secret_key: this client's CurveZMQ key pair (a `.key_secret` file from `rollout-keygen`, or a z85
+                secret key), for workers started with `--curve-secret-key`.
+            server_public_key: the workers' public key (their `.key` file, or z85); with `curve_secret_key`.
         """
+        if (curve_secret_key is None) != (server_public_key is None):
+            raise ValueError("curve_secret_key and server_public_key: give both (an authenticated worker) or neither")
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}")
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
+        self.connect_timeout = connect_timeout
+        self._started = time.monotonic()
         self._context = zmq.Context()
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses:
             raise ValueError("addresses: give at least one worker address")
         for address in addresses:
-            problem = p.check_address(address)
+            problem = check_address(address)
             if problem is not None:
                 raise ValueError(f"addresses: {problem}")
-        self._workers = [_Worker(self._context, address) for address in addresses]
-        self._calls: dict[str, _Call] = {}  # I/O thread only
+        keys = None if curve_secret_key is None else (curve_secret_key, server_public_key)
+        try:
+            self._workers = [_Worker(self._context, address, keys) for address in addresses]
+        except (ValueError, zmq.ZMQError) as error:
+            self._context.destroy(linger=0)
+            raise ValueError(f"curve_secret_key/server_public_key: {error}") from None
+        self._calls: dict[str, _Call] = {}  # I/O thread only: group id -> call
+        self._by_wire: dict[str, _Call] = {}  # I/O thread only: wire id -> call
         self._parked: list[_Call] = []  # I/O thread only: calls waiting for any worker to be alive
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self._workers]  # I/O thread only
         self._channels: dict[str, queue.SimpleQueue] = {}  # I/O thread only: weight update id -> its replies
@@ -204,7 +244,7 @@ class RolloutClient:
         # serve at least this one whenever one is alive.
         self.min_policy_version = 0
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._waker = p.Waker()
+        self._waker = Waker()
         self._closed = threading.Event()
         self._seed_source = random.SystemRandom()
         self._ids = itertools.count()
@@ -346,8 +386,26 @@ class RolloutClient:
         """Every worker's address, in the order given."""
         return [worker.address for worker in self._workers]
 
+    def wait_connected(self, timeout: float | None = None) -> list[int]:
+        """Wait until every worker answered once (or refused this client), at most until `connect_timeout` after
+        this client was made or `timeout` seconds; return `live_workers()`. Calls need not wait: groups wait for
+        a worker by themselves. `push_weights` waits, to reach every worker that is up.
+
+        Args:
+            timeout: most seconds to wait (default: what is left of connect_timeout).
+        """
+        deadline = min(
+            self._started + self.connect_timeout,
+            time.monotonic() + (self.connect_timeout if timeout is None else timeout),
+        )
+        while time.monotonic() < deadline and not self._closed.is_set():
+            if all(worker.answered or worker.refused for worker in self._workers):
+                break
+            time.sleep(0.005)
+        return self.live_workers()
+
     def live_workers(self) -> list[int]:
-        """Indices of the workers not declared dead."""
+        """Indices of the workers that answered and are not declared dead."""
         return [index for index, worker in enumerate(self._workers) if worker.alive]
 
     def open_update_channel(self, update_id: str) -> UpdateChannel:
@@ -425,12 +483,16 @@ class RolloutClient:
         poller.register(self._waker.reader, zmq.POLLIN)
         for worker in self._workers:
             poller.register(worker.socket, zmq.POLLIN)
+            poller.register(worker.monitor, zmq.POLLIN)
         sockets = {worker.socket: index for index, worker in enumerate(self._workers)}
+        monitors = {worker.monitor: index for index, worker in enumerate(self._workers)}
         try:
             while not self._closed.is_set():
                 for sock, _ in poller.poll(int(self.heartbeat_s * 1000 / 2)):
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
+                    elif sock in monitors:
+                        self._on_refusal(monitors[sock])
                     else:
                         self._receive(sockets[sock])
                 self._run_commands()
@@ -443,6 +505,8 @@ class RolloutClient:
             for call in self._calls.values():
                 call.events.put(RolloutError("closed", "the client was closed"))
             for worker in self._workers:
+                worker.socket.disable_monitor()
+                worker.monitor.close(linger=0)
                 worker.socket.close(linger=0)
             self._context.term()
             self._waker.close()
@@ -454,6 +518,9 @@ class RolloutClient:
             except queue.Empty:
                 return
             if name == "submit":
+                if self._unreachable() is not None:
+                    payload.events.put(RolloutError("no_workers", self._unreachable()))
+                    continue
                 if payload.group.group_id in self._calls:
                     message = "a group with this id is still in flight on this client"
                     payload.events.put(RolloutError("duplicate_group", message, "group_id"))
@@ -465,9 +532,10 @@ class RolloutClient:
                 if call is None:
                     continue
                 if call.worker is not None:
-                    self._send(call.worker, p.Cancel(payload))
+                    self._send(call.worker, p.Cancel(call.wire_id))
                 else:  # parked: nobody has it, so it ends here
                     self._calls.pop(payload)
+                    self._by_wire.pop(call.wire_id, None)
                     self._parked = [c for c in self._parked if c is not call]
             elif name == "open_channel":
                 self._channels[payload[0]] = payload[1]
@@ -496,7 +564,11 @@ class RolloutClient:
         call.worker = index
         self._workers[index].outstanding += call.cost
         group = call.group
-        self._send(index, p.Generate(group.group_id, group.prompt_ids, group.n, group.sampling, call.stream))
+        self._by_wire.pop(call.wire_id, None)
+        call.attempts += 1
+        call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
+        self._by_wire[call.wire_id] = call
+        self._send(index, p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
 
     def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
         try:
@@ -536,9 +608,10 @@ class RolloutClient:
             if self._stats_sinks[index]:
                 self._stats_sinks[index].popleft().put({"address": self._workers[index].address, **message.stats})
             return
-        call = self._calls.get(getattr(message, "group_id", None))
+        call = self._by_wire.get(getattr(message, "group_id", None))
         if call is None or call.worker != index:
             return  # a pong, or a late answer from a worker the group was taken away from
+        group_id = call.group.group_id
         if isinstance(message, p.Delta):
             sample = message.sample_index
             first = call.received.get(sample, 0)  # position of this delta's first token
@@ -548,7 +621,7 @@ class RolloutClient:
                 call.delivered[sample] = call.received[sample]
                 call.events.put(
                     Delta(
-                        message.group_id,
+                        group_id,
                         sample,
                         message.token_ids[skip:],
                         message.logprobs[skip:],
@@ -557,7 +630,7 @@ class RolloutClient:
                 )
         elif isinstance(message, p.GroupResult):
             self._finish(call)
-            call.events.put(GroupResult(message.group_id, message.prompt_ids, message.completions))
+            call.events.put(GroupResult(group_id, message.prompt_ids, message.completions))
         elif isinstance(message, p.Error):
             self._finish(call)
             kind = WorkerBusy if message.code == "busy" else RolloutError
@@ -565,14 +638,68 @@ class RolloutClient:
 
     def _finish(self, call: _Call) -> None:
         self._calls.pop(call.group.group_id, None)
+        self._by_wire.pop(call.wire_id, None)
         if call.worker is not None:
             self._workers[call.worker].outstanding -= call.cost
 
+    def _unreachable(self) -> str | None:
+        """Why no call can be served: every worker refused this client or none answered within connect_timeout
+        (None while one answered, or the deadline has not passed)."""
+        if any(worker.answered for worker in self._workers):
+            return None
+        waited = time.monotonic() - self._started
+        if waited <= self.connect_timeout and not all(worker.refused for worker in self._workers):
+            return None
+        reasons = [
+            f"{worker.address}: {worker.refused or f'no answer within {self.connect_timeout:g} s'}"
+            for worker in self._workers
+        ]
+        return (
+            "no rollout worker answered (" + "; ".join(reasons) + "). Is rollout-worker running at that address "
+            "and port? If it is still starting, give RolloutClient a larger connect_timeout."
+        )
+
+    def _fail_parked(self) -> None:
+        reason = self._unreachable()
+        if reason is None or not self._parked:
+            return
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._finish(call)
+                call.events.put(RolloutError("no_workers", reason))
+
+    def _on_refusal(self, index: int) -> None:
+        """A socket monitor event: the worker refused this client's handshake (its key, or a missing one)."""
+        worker = self._workers[index]
+        while True:
+            try:
+                event = recv_monitor_message(worker.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = "refused this client's key (not among its --authorized-keys/--trainer-keys)"
+            else:
+                reason = "the security handshake failed (do both sides use CurveZMQ keys, and the right server key?)"
+            if worker.refused != reason:
+                logger.error("rollout worker %s %s", worker.address, reason)
+            worker.refused = reason
+        self._fail_parked()
+
     def _heartbeat(self) -> None:
         """Ping every worker (dead ones too, so they can come back); one whose ping stays unanswered for
-        dead_after_s is declared dead and its groups move to the others."""
+        dead_after_s is declared dead and its groups move to the others. Fail parked calls once no worker can
+        be reached."""
         now = time.monotonic()
+        self._fail_parked()
         for index, worker in enumerate(self._workers):
+            if not worker.answered and not worker.warned and now - self._started > self.connect_timeout:
+                worker.warned = True
+                logger.warning(
+                    "rollout worker %s never answered within %.0f s (not running, or a wrong address or port?)",
+                    worker.address,
+                    self.connect_timeout,
+                )
             if (
                 worker.alive
                 and worker.unanswered_since is not None
@@ -592,16 +719,21 @@ class RolloutClient:
         worker = self._workers[index]
         for call in [c for c in self._calls.values() if c.worker == index]:
             worker.outstanding -= call.cost
-            worker.taken_away.add(call.group.group_id)
+            worker.taken_away.add(call.wire_id)
             call.worker = None
             call.received = {}
             self._dispatch(call)
 
     def _revive(self, index: int) -> None:
-        """A worker declared dead answered again: cancel what it no longer owns, and give it parked calls."""
+        """A worker answered for the first time, or again after it was declared dead: cancel what it no longer
+        owns, and give it the parked calls."""
         worker = self._workers[index]
-        logger.warning("rollout worker %s is answering again", worker.address)
-        worker.alive = True
+        if worker.answered:
+            logger.warning("rollout worker %s is answering again", worker.address)
+        else:
+            logger.info("connected to rollout worker %s", worker.address)
+        worker.alive = worker.answered = True
+        worker.refused = None
         for group_id in worker.taken_away:
             self._send(index, p.Cancel(group_id))
         worker.taken_away.clear()

@@ -373,7 +373,7 @@ class _Push:
         self.dist_backend = dist_backend
         self.update_id = uuid.uuid4().hex
         self.channel = client.open_update_channel(self.update_id)
-        self.links = [_Link(index, client.worker_addresses[index]) for index in client.live_workers()]
+        self.links = [_Link(index, client.worker_addresses[index]) for index in client.wait_connected()]
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
         self.group: Any = None  # torch.distributed group for this push
 

@@ -14,10 +14,14 @@ import socket
 import sys
 
 import torch
+import zmq
 
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
+from rollout.service.auth import WorkerAuth
+from rollout.service.limits import WorkerLimits
 from rollout.service.presets import MODEL_DTYPES, PRESETS, model_from_preset
+from rollout.service.sockets import is_loopback
 from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
@@ -56,7 +60,55 @@ def build_parser() -> argparse.ArgumentParser:
     add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduling policy (default: fifo)")
     add("--max-queue-size", type=int, default=0, help="most waiting requests before 'busy' (default: 0, unbounded)")
     add("--cpu-offload-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (default: 0)")
-    add("--client-timeout", type=float, default=60.0, help="seconds of client silence before its groups are cancelled")
+    limits = WorkerLimits()
+    add(
+        "--client-timeout",
+        type=float,
+        default=limits.client_timeout_s,
+        help="seconds a client with groups in flight may stay silent before they are cancelled (RolloutClient "
+        f"pings every second; default: {limits.client_timeout_s:g})",
+    )
+    add(
+        "--max-message-bytes",
+        type=int,
+        default=limits.max_message_bytes,
+        help=f"largest frame accepted; larger ones drop the connection (default: {limits.max_message_bytes})",
+    )
+    add("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the model's context)")
+    add("--max-n", type=int, default=limits.max_n, help=f"most samples per group (default: {limits.max_n})")
+    add(
+        "--max-groups-per-client",
+        type=int,
+        default=limits.max_groups_per_client,
+        help="most groups one client may have in flight; more are answered 'busy' (default: 0, no limit)",
+    )
+    add(
+        "--max-pending-bytes",
+        type=int,
+        default=limits.max_pending_bytes,
+        help="most bytes of replies kept for a client that does not read them; past it the client is dropped and "
+        f"its groups cancelled (default: {limits.max_pending_bytes})",
+    )
+    add(
+        "--max-update-phase-s",
+        type=float,
+        default=limits.max_update_phase_s,
+        help=f"longest phase deadline (timeout_s) a weight update may ask for (default: {limits.max_update_phase_s:g})",
+    )
+    add(
+        "--curve-secret-key",
+        default=None,
+        help="this worker's CurveZMQ key pair (a .key_secret file from rollout-keygen): encrypt every connection "
+        "and accept only the keys of --authorized-keys and --trainer-keys",
+    )
+    add("--authorized-keys", default=None, help="directory of public keys (*.key) of clients that may generate")
+    add("--trainer-keys", default=None, help="directory of public keys (*.key) of trainers that may also push weights")
+    add(
+        "--insecure",
+        action="store_true",
+        help="allow binding a non-loopback address without --curve-secret-key (anyone who can reach it may push "
+        "weights)",
+    )
     add(
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
@@ -117,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     # Ordinary mistakes are one-line usage errors, found before the model loads.
     device = _device(parser, args)
     _check_bind(parser, args.bind)
+    _check_security(parser, args)
+    try:
+        limits = _limits(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
         parser.error(f"--model {args.model}: no such model directory")
     try:
@@ -132,8 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
         parser.error(str(error))
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
+    auth = None
+    if args.curve_secret_key is not None:
+        try:
+            auth = WorkerAuth(zmq.Context(), args.curve_secret_key, args.authorized_keys, args.trainer_keys)
+        except ValueError as error:
+            parser.error(f"--curve-secret-key: {error}")
+    elif args.insecure and not is_loopback(args.bind):
+        logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
     worker = RolloutWorker(
-        manager, args.bind, args.model, client_timeout_s=args.client_timeout, keep_staging=not args.release_staging
+        manager, args.bind, args.model, limits=limits, keep_staging=not args.release_staging, auth=auth
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.shutdown())
@@ -169,7 +234,7 @@ def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.
 
 def _check_bind(parser: argparse.ArgumentParser, address: str) -> None:
     """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
-    from rollout.service.protocol import check_address
+    from rollout.service.sockets import check_address
 
     problem = check_address(address)
     if problem is not None:
@@ -185,6 +250,39 @@ def _check_bind(parser: argparse.ArgumentParser, address: str) -> None:
         parser.error(f"--bind {address}: cannot bind ({error})")
     finally:
         probe.close()
+
+
+def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Keys must come together, and a non-loopback address needs them (or --insecure)."""
+    if args.curve_secret_key is None:
+        if args.authorized_keys or args.trainer_keys:
+            parser.error("--authorized-keys/--trainer-keys need --curve-secret-key (the worker's own key pair)")
+        if not args.insecure and not is_loopback(args.bind):
+            parser.error(
+                f"--bind {args.bind}: a non-loopback address needs authentication (--curve-secret-key with "
+                "--authorized-keys/--trainer-keys; make keys with rollout-keygen), or --insecure to accept anyone"
+            )
+        return
+    if not args.authorized_keys and not args.trainer_keys:
+        parser.error("--curve-secret-key needs --authorized-keys and/or --trainer-keys (whom to accept)")
+    for flag, path in (("--authorized-keys", args.authorized_keys), ("--trainer-keys", args.trainer_keys)):
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"{flag} {path}: no such directory")
+    if not os.path.isfile(args.curve_secret_key):
+        parser.error(f"--curve-secret-key {args.curve_secret_key}: no such file (make one with rollout-keygen)")
+
+
+def _limits(args: argparse.Namespace) -> WorkerLimits:
+    """The per-client limits the flags give (a FieldError names a bad one)."""
+    return WorkerLimits(
+        max_message_bytes=args.max_message_bytes,
+        max_prompt_len=args.max_prompt_len,
+        max_n=args.max_n,
+        max_groups_per_client=args.max_groups_per_client,
+        max_pending_bytes=args.max_pending_bytes,
+        max_update_phase_s=args.max_update_phase_s,
+        client_timeout_s=args.client_timeout,
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import logging
 import queue
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +77,27 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+RETRY_S = 0.25  # between connection attempts to a trainer's store that is not listening yet
+
+
+def _wait_reachable(host: str, port: int, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
+    """Wait until something accepts TCP connections at host:port. False when cancelled first.
+
+    Raises:
+        TimeoutError: nothing accepted within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not cancelled():
+        try:
+            socket.create_connection((host, port), timeout=RETRY_S).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing accepts connections at {host}:{port} (the trainer's store)") from None
+            time.sleep(RETRY_S)
+    return False
+
+
 class DistReceiver:
     """The worker's side. Each join runs on a thread of its own (a rendezvous the trainer abandoned must not hold up
     the next update's); receives run in order on one thread, so the serving thread keeps answering while bytes
@@ -92,8 +115,19 @@ class DistReceiver:
         self._thread = threading.Thread(target=self._run, name="rollout-weights-dist", daemon=True)
         self._thread.start()
 
-    def join(self, fields: dict[str, Any], timeout_s: float, done: Callable[[BaseException | None], None]) -> None:
-        """Join the group `fields` describes (at once when it is the current one); then call `done`."""
+    def join(
+        self,
+        fields: dict[str, Any],
+        timeout_s: float,
+        done: Callable[[BaseException | None], None],
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Join the group `fields` describes (at once when it is the current one); then call `done`.
+
+        The rendezvous thread waits for the trainer's store to accept a connection (one attempt every
+        `RETRY_S`), and gives up as soon as `cancelled()` is true (its update ended) or at `timeout_s`: no thread
+        outlives its update by more than one attempt.
+        """
         key = fields["group"]
         with self._lock:
             self._wanted_key = key
@@ -103,6 +137,8 @@ class DistReceiver:
 
         def rendezvous() -> None:
             try:
+                if not _wait_reachable(fields["host"], fields["port"], timeout_s, cancelled):
+                    return  # the update ended meanwhile: nobody waits for this answer
                 store = make_store(fields["host"], fields["port"], fields["world_size"], False, timeout_s)
                 group = make_process_group(
                     store, key, fields["rank"], fields["world_size"], fields["backend"], timeout_s
@@ -111,12 +147,14 @@ class DistReceiver:
                 done(error)
                 return
             with self._lock:
-                if self._wanted_key != key:  # a newer update asked for another group meanwhile
+                if self._wanted_key != key or cancelled():  # a newer update asked for another group meanwhile
                     stale = True
                 else:
                     stale = False
                     self._abort(self._group)
                     self._group, self._group_key, self._stores = group, key, {key: store}
+            if stale:
+                self._abort(group)
             done(RuntimeError("a newer weight update replaced this group") if stale else None)
 
         threading.Thread(target=rendezvous, name="rollout-weights-join", daemon=True).start()

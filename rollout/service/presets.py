@@ -12,7 +12,7 @@ PRESETS = ("tiny", "sized:<MB>")
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
 MODEL_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The "tiny" preset's shape, which is also DESIGN.md's cpu-small benchmark model.
+# The "tiny" preset's shape, which is also the cpu-small benchmark model (docs/architecture.md, Benchmark workloads).
 TINY_MODEL_CONFIG = dict(
     vocab_size=1024,
     hidden_size=256,

@@ -1,5 +1,5 @@
 """The wire protocol between trainers and rollout workers: every message is a dataclass, one codec turns it into
-bytes. `trainer_bridge` imports this module (and nothing else from `rollout`) on the trainer side.
+bytes. `trainer_bridge` imports this module and `rollout.service.sockets` (nothing else from `rollout`).
 
 Transport: ZeroMQ multipart messages. A worker binds a ROUTER socket; clients connect DEALER sockets (the ROUTER
 adds and strips the client's identity frame). Frame 0 of every message is a msgpack map, the header:
@@ -24,7 +24,7 @@ Messages (client -> worker, then what the worker answers):
 | weights_spec   | update_id: str                                                       | weights_spec_reply              |
 | weights_begin  | update_id: str, tensors: [TensorSpec], version: int or nil, mode:    | weights_ready, or error         |
 |                | str = "keep", transport: str = "frames", partial: bool = false,      |                                 |
-|                | timeout_s: float = 60, dist: {str: any} = {}                         |                                 |
+|                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false |                                 |
 | weights_bucket | update_id: str, pieces: [TensorPiece]; + one raw frame per piece     | weights_ack, or error (the      |
 |                | (transport "frames")                                                 | update is then dropped)         |
 | weights_commit | update_id: str                                                       | weights_committed, or error     |
@@ -71,13 +71,13 @@ until in-flight samples finish, at most `timeout_s`).
 
 Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
 "duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
-"update_timeout", "update_in_progress", "update_committing", "unknown_update".
+"update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update"; "unauthorized"
+(the client's key may not do this: weight updates need a trainer key).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import types
 import typing
 from dataclasses import dataclass, field
@@ -88,6 +88,10 @@ import msgpack
 PROTOCOL_VERSION = 1
 # Largest frame a worker accepts (a weight bucket's pieces are split below it); larger ones drop the connection.
 MAX_FRAME_BYTES = 256 << 20
+# Most items of any list or map in a header, and the longest string or bytes value in one (tensor bytes travel in
+# frames of their own): checked while msgpack decodes, so an oversized list is refused before it is built.
+MAX_HEADER_ITEMS = 1 << 20
+MAX_HEADER_STR = 1 << 20
 
 
 class ProtocolError(ValueError):
@@ -194,6 +198,7 @@ class WeightsBegin(Message):
     timeout_s: float = 60.0  # deadline of every phase (and of the drain for mode "wait")
     # torch.distributed only: {"host", "port", "world_size", "rank", "backend", "group"} of the process group.
     dist: dict[str, Any] = field(default_factory=dict)
+    preempt: bool = False  # take the update slot over from another client's open update (which is rejected)
 
 
 @dataclass
@@ -383,39 +388,58 @@ def encode(message: Message) -> list[bytes]:
     return [msgpack.packb(header, use_bin_type=True)]
 
 
-ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-def check_address(address: Any) -> str | None:
-    """Why `address` is no ZeroMQ endpoint a worker can bind or a client connect to (None when it looks right)."""
-    if not isinstance(address, str) or not address.startswith(ADDRESS_SCHEMES):
-        return f"{address!r} is not a ZeroMQ address: expected e.g. tcp://127.0.0.1:5555 (tcp://, ipc:// or inproc://)"
-    if address.startswith("tcp://") and ":" not in address.removeprefix("tcp://"):
-        return f"{address!r} has no port: expected e.g. tcp://127.0.0.1:5555"
-    return None
-
-
-def decode(frames: list[Any]) -> Message:
+def decode(
+    frames: list[Any],
+    max_items: int = MAX_HEADER_ITEMS,
+    max_str: int = MAX_HEADER_STR,
+    max_lengths: dict[str, int] | None = None,
+) -> Message:
     """Turn ZeroMQ frames back into a message, checking version, type and every field (frames after the header,
     the raw tensor bytes of a weights_bucket, are left to the caller).
 
+    Args:
+        frames: the message's frames (bytes or zmq.Frame).
+        max_items: most items of any list or map in the header; enforced while msgpack decodes, so an oversized
+            list is refused before it is built.
+        max_str: longest string or bytes value in the header.
+        max_lengths: tighter bounds on named top-level list fields (e.g. {"prompt_ids": 32768}), checked from the
+            list's length before its elements.
     Raises:
-        ProtocolError: naming the field that is missing, unknown or of the wrong type.
+        ProtocolError: naming the field that is missing, unknown, too long or of the wrong type.
     """
     if not frames:
         raise ProtocolError("header", "empty message")
     try:
-        header = msgpack.unpackb(_bytes(frames[0]), raw=False, strict_map_key=True)
+        header = msgpack.unpackb(
+            _bytes(frames[0]),
+            raw=False,
+            strict_map_key=True,
+            max_array_len=max_items,
+            max_map_len=max_items,
+            max_str_len=max_str,
+            max_bin_len=max_str,
+            max_ext_len=max_str,
+        )
+    except ValueError as error:
+        if "exceeds max_" in str(error):  # msgpack's bound check: the whole header is refused unread
+            raise ProtocolError("header", f"a list, map or string is over the limit ({error})") from None
+        raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
     except Exception as error:  # noqa: BLE001 - any undecodable input is the sender's fault
         raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise ProtocolError("header", f"expected a map, got {type(header).__name__}")
     if header.get("protocol") != PROTOCOL_VERSION:
-        raise ProtocolError("protocol", f"expected protocol version {PROTOCOL_VERSION}, got {header.get('protocol')!r}")
+        raise ProtocolError(
+            "protocol", f"expected protocol version {PROTOCOL_VERSION}, got {_abridged(header.get('protocol'))}"
+        )
     kind = header.get("type")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None  # a list or map would be unhashable
     if cls is None:
         raise ProtocolError("type", f"unknown message type {_abridged(kind)}")
+    for name, limit in (max_lengths or {}).items():
+        value = header.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise ProtocolError(name, f"{len(value)} items, more than the limit of {limit}")
     try:
         return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, prefix="")
     except ProtocolError:
@@ -488,35 +512,3 @@ def _check(value: Any, annotation: Any, name: str) -> Any:
             raise ProtocolError(name, f"expected {annotation.__name__}, got {type(value).__name__}")
         return value
     raise TypeError(f"protocol field {name} has an unsupported annotation {annotation!r}")  # a bug of ours
-
-
-class Waker:
-    """Wakes a thread blocked in `zmq.Poller.poll` from any other thread (register `reader` for POLLIN).
-
-    Both the worker's serving thread and the client's I/O thread own their ZeroMQ sockets alone; other threads leave
-    work in a queue and call `wake()` instead of touching a socket.
-    """
-
-    def __init__(self):
-        self.reader, self._writer = socket.socketpair()
-        self.reader.setblocking(False)
-        self._writer.setblocking(False)
-
-    def wake(self) -> None:
-        """Make the next (or current) poll return. Safe from any thread; extra wake-ups are harmless."""
-        try:
-            self._writer.send(b"x")
-        except OSError:  # buffer full (a wake-up is pending anyway) or closed
-            pass
-
-    def drain(self) -> None:
-        """Consume pending wake-ups (call from the polling thread)."""
-        try:
-            while self.reader.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.reader.close()
-        self._writer.close()

@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("frames", "shm", "torch.distributed")
 ALIGN = 64
-MAX_PHASE_S = 3600.0
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -165,7 +164,9 @@ def _release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) ->
 class StagedUpdate:
     """One open weight update of one client: its announcement, staging area, progress and deadline."""
 
-    def __init__(self, begin: p.WeightsBegin, engine: Engine, identity: bytes, pool: StagingPool):
+    def __init__(
+        self, begin: p.WeightsBegin, engine: Engine, identity: bytes, pool: StagingPool, max_phase_s: float = 600.0
+    ):
         """Validate the announcement and take a staging area from the pool.
 
         Args:
@@ -173,6 +174,7 @@ class StagedUpdate:
             engine: the engine whose model the update targets (read-only here).
             identity: the client's ZeroMQ identity (only it may continue the update).
             pool: where staging areas come from and go back to.
+            max_phase_s: the longest phase deadline (`timeout_s`) allowed.
         Raises:
             UpdateRejected: a bad field or tensor, named.
         """
@@ -181,7 +183,7 @@ class StagedUpdate:
         self.update_id = begin.update_id
         self.committing = False
         self.closed = False
-        self._check_fields(begin, engine)
+        self._check_fields(begin, engine, max_phase_s)
         self.specs = begin.tensors
         self.sizes = [tensor_nbytes(spec) for spec in self.specs]
         self.offsets, self.staging_bytes = staging_layout(self.specs)
@@ -207,7 +209,7 @@ class StagedUpdate:
         self.touch()
 
     @staticmethod
-    def _check_fields(begin: p.WeightsBegin, engine: Engine) -> None:
+    def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
         if begin.mode not in WEIGHT_UPDATE_MODES:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
         if begin.transport not in TRANSPORTS:
@@ -216,8 +218,10 @@ class StagedUpdate:
             culprit = check_dist_fields(begin.dist)
             if culprit is not None:
                 raise UpdateRejected("bad_update", culprit, "missing or wrong (host, port, world_size, rank, ...)")
-        if not 0 < begin.timeout_s <= MAX_PHASE_S:
-            raise UpdateRejected("bad_update", "timeout_s", f"must be in (0, {MAX_PHASE_S:.0f}] seconds")
+        if not 0 < begin.timeout_s <= max_phase_s:
+            raise UpdateRejected(
+                "bad_update", "timeout_s", f"must be in (0, {max_phase_s:g}] seconds (the worker's limit)"
+            )
         if begin.version is not None and not engine.policy_version < begin.version <= MAX_POLICY_VERSION:
             raise UpdateRejected(
                 "bad_update",

@@ -1,0 +1,50 @@
+"""Limits an operator sets on a worker (`rollout-worker --max-...`), so that no client can make the serving loop
+stall or the worker's memory grow without bound. Each is enforced with an error reply naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rollout.config import FieldError
+
+
+@dataclass
+class WorkerLimits:
+    """What one client may ask of a worker.
+
+    Attributes:
+        max_message_bytes: largest frame accepted; a larger one drops the connection (ZeroMQ's MAXMSGSIZE). Weight
+            buckets are split below it by `push_weights`.
+        max_prompt_len: longest prompt, in tokens (None: the model's context length). Checked from the list's
+            length before any element is looked at.
+        max_n: most samples per group.
+        max_groups_per_client: most groups one client may have in flight (0: no limit); past it, "busy".
+        max_pending_bytes: most bytes of replies queued for a client that does not read them; past it the client is
+            dropped and its groups cancelled.
+        max_update_phase_s: longest `timeout_s` a weight update may ask for (the most one update can hold the update
+            slot without a message).
+        client_timeout_s: a client with groups in flight that sends nothing (not even ping) for this long is
+            considered gone and its groups are cancelled (RolloutClient pings every second).
+    """
+
+    max_message_bytes: int = 256 << 20
+    max_prompt_len: int | None = None
+    max_n: int = 1024
+    max_groups_per_client: int = 0
+    max_pending_bytes: int = 256 << 20
+    max_update_phase_s: float = 600.0
+    client_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if value is None and item.name == "max_prompt_len":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise FieldError(item.name, f"must be a number, got {value!r}")
+            if value < 0 or (value == 0 and item.name != "max_groups_per_client"):
+                raise FieldError(item.name, f"must be positive, got {value!r}")
+        if self.max_message_bytes < 1 << 10:
+            raise FieldError("max_message_bytes", f"must be at least 1024, got {self.max_message_bytes}")

@@ -1,0 +1,325 @@
+"""The worker's weight-update slot: one `StagedUpdate` (weights.py) open at a time, driven by the serving thread.
+
+Buckets are staged as they come and the update is rejected at the first bad byte, missed phase deadline or
+disappearance of its client; on commit the engine thread applies it between two steps and the answer comes back
+through `conclude()`. torch.distributed buckets are received by their own thread (`dist.DistReceiver`), so pings are
+answered during a long broadcast.
+
+The slot cannot be held hostage: a phase deadline is at most `max_phase_s`; only the update's own messages renew
+it; a new `weights_begin` from the same client replaces its open update, and one with `preempt` from another
+(trainer) client takes the slot over (the old update is rejected with "update_preempted"). torch.distributed makes
+the worker connect out only to the host the `weights_begin` came from (or this machine, when it came over loopback).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import socket
+from collections.abc import Callable
+
+import torch
+
+from rollout.config import FieldError
+from rollout.engine.engine import WeightUpdateResult
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service import protocol as p
+from rollout.service.dist import DistReceiver
+from rollout.service.weights import StagedUpdate, StagingPool, UpdateRejected
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_MESSAGES = (p.WeightsSpec, p.WeightsBegin, p.WeightsBucket, p.WeightsCommit, p.WeightsAbort)
+
+
+class UpdateSlot:
+    """The one open weight update of a worker. Serving thread only, except the callbacks noted."""
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        send: Callable[[bytes, p.Message], None],
+        wake: Callable[[], None],
+        max_phase_s: float,
+        keep_staging: bool = True,
+    ):
+        """
+        Args:
+            manager: the engine manager the updates go into.
+            send: how a reply reaches a client (identity, message).
+            wake: wakes the serving thread after another thread finished a step.
+            max_phase_s: the longest phase deadline (`timeout_s`) an update may ask for.
+            keep_staging: keep the host staging area for the next update.
+        """
+        self.manager = manager
+        self._send = send
+        self._wake = wake
+        self.max_phase_s = max_phase_s
+        self.update: StagedUpdate | None = None
+        # Finished steps, from the engine or receiver thread: (update, reply) for the serving thread to conclude.
+        self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
+        self._dist: DistReceiver | None = None
+        self._device = next(manager.engine.model.parameters()).device
+        self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
+        self.num_rejected = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self.manager.engine.policy_version
+
+    def handle(self, identity: bytes, message: p.Message, data_frames: list, peer: str | None) -> None:
+        """Serve one weight-update message.
+
+        Args:
+            identity: the sender.
+            message: one of WEIGHT_MESSAGES.
+            data_frames: raw frames after the header (a frames bucket's bytes).
+            peer: the sender's IP address, when ZeroMQ knows it (TCP).
+        """
+        update_id = message.update_id
+        if isinstance(message, p.WeightsSpec):
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in self.manager.engine.weight_specs().items()]
+            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version))
+            return
+        update = self.update
+        if isinstance(message, p.WeightsBegin):
+            if update is not None and not self._vacate(identity, message):
+                return
+            self._begin(identity, message, peer)
+            return
+        if update is None or update.update_id != update_id or update.identity != identity:
+            self._send(identity, p.Error("unknown_update", "no such open update", "update_id", None, update_id))
+            return
+        update.touch()
+        if update.committing:
+            reason = "the update is being committed" + ("; it cannot be aborted now" if "Abort" in message.TYPE else "")
+            self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
+            return
+        if isinstance(message, p.WeightsAbort):
+            received = update.received_bytes
+            self._end_uncleanly()
+            self._send(identity, p.WeightsAck(update_id, received, "aborted"))
+            return
+        try:
+            if isinstance(message, p.WeightsBucket):
+                self._receive_bucket(update, message, data_frames)
+            elif isinstance(message, p.WeightsCommit):
+                self._commit(update)
+        except UpdateRejected as error:
+            self.reject(p.Error(error.code, str(error), error.field, None, update_id))
+
+    def _vacate(self, identity: bytes, message: p.WeightsBegin) -> bool:
+        """Make room for a new begin while an update is open: True when the slot is now free."""
+        update = self.update
+        assert update is not None
+        if update.committing:
+            reason = f"update {update.update_id!r} is being committed; begin again once it is"
+            self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
+            return False
+        if update.identity == identity:  # the same client begins again: it abandoned its open update
+            self.reject(p.Error("update_preempted", "replaced by a newer weights_begin of this client", None))
+            return True
+        if message.preempt:
+            self.reject(p.Error("update_preempted", "another trainer took the update slot over (preempt)", None))
+            return True
+        reason = (
+            f"update {update.update_id!r} of another client is still open (one at a time; weights_begin with "
+            "preempt=true takes the slot over)"
+        )
+        self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
+        return False
+
+    def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None) -> None:
+        try:
+            if message.transport == "torch.distributed":
+                _check_dist_host(message.dist.get("host"), peer)
+            update = StagedUpdate(message, self.manager.engine, identity, self._staging, self.max_phase_s)
+        except UpdateRejected as error:
+            self.num_rejected += 1
+            self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
+            return
+        self.update = update
+        logger.info(
+            "weight update %s: %d tensors, %.1f MB over %s, mode %s",
+            update.update_id,
+            len(update.specs),
+            update.staging_bytes / 1e6,
+            message.transport,
+            message.mode,
+        )
+        ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
+        if message.transport != "torch.distributed":
+            self._send(identity, ready)
+            return
+        if self._dist is None:
+            self._dist = DistReceiver()
+
+        def joined(error: BaseException | None) -> None:  # on a rendezvous thread
+            reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
+            self._events.put((update, reply))
+            self._wake()
+
+        self._dist.join(message.dist, message.timeout_s, joined, cancelled=lambda: update.closed)
+
+    def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
+        transport = update.begin.transport
+        if transport == "frames":
+            update.accept_frames(message.pieces, data_frames)
+        elif transport == "shm":
+            update.accept_written(message.pieces)
+        else:
+            update.announce(message.pieces)
+            device = self._device if update.begin.dist["backend"] == "nccl" else torch.device("cpu")
+
+            def received(error: BaseException | None) -> None:  # on the receiver thread
+                if update.closed:
+                    return  # rejected meanwhile: drop the bytes
+                if error is not None:
+                    reply: p.Message = p.Error("bad_update", f"broadcast failed: {error}", "dist")
+                else:
+                    update.mark_received(message.pieces)
+                    reply = p.WeightsAck(update.update_id, update.received_bytes)
+                self._events.put((update, reply))
+                self._wake()
+
+            # One broadcast per piece, straight into its place in the staging area.
+            self._dist.receive(update.staging_views(message.pieces), device, received, lambda: update.closed)
+            return
+        self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
+
+    def _commit(self, update: StagedUpdate) -> None:
+        tensors = update.tensors()  # raises UpdateRejected naming an incomplete tensor
+        update.committing = True
+        begin = update.begin
+
+        def applied(outcome: WeightUpdateResult | BaseException) -> None:  # on the engine thread
+            if isinstance(outcome, WeightUpdateResult):
+                reply: p.Message = p.WeightsCommitted(
+                    update.update_id,
+                    outcome.version,
+                    outcome.pause_ms,
+                    outcome.copy_ms,
+                    outcome.drain_ms,
+                    outcome.aborted,
+                    outcome.recomputed,
+                )
+            elif isinstance(outcome, FieldError):
+                reply = p.Error("bad_update", str(outcome), outcome.field, None, update.update_id)
+            elif isinstance(outcome, TimeoutError):
+                reply = p.Error("update_timeout", str(outcome), "mode", None, update.update_id)
+            else:
+                reply = p.Error("internal", f"{type(outcome).__name__}: {outcome}", None, None, update.update_id)
+            self._events.put((update, reply))
+            self._wake()
+
+        self.manager.submit_weight_update(tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied)
+
+    def conclude(self) -> None:
+        """Send what the engine or receiver thread finished; close the update when it ended."""
+        while True:
+            try:
+                update, reply = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if update is not self.update:
+                continue  # rejected or aborted meanwhile
+            if isinstance(reply, p.Error):
+                self.reject(reply)
+                continue
+            update.touch()
+            if isinstance(reply, p.WeightsCommitted):
+                self.update = None
+                update.close(clean=True)
+                logger.info(
+                    "weight update %s committed: version %d, pause %.1f ms (copy %.1f ms)",
+                    update.update_id,
+                    reply.version,
+                    reply.pause_ms,
+                    reply.copy_ms,
+                )
+            self._send(update.identity, reply)
+
+    def on_malformed(self, identity: bytes, update_id: str | None, reply: p.Error) -> bool:
+        """A malformed message naming the open update drops it (True: handled, the client was told)."""
+        update = self.update
+        if update is None or update.update_id != update_id or update.identity != identity or update.committing:
+            return False
+        self.reject(reply)
+        return True
+
+    def reject(self, error: p.Error) -> None:
+        """End the open update unapplied and tell its client why."""
+        update = self.update
+        if update is None:
+            return
+        self.num_rejected += 1
+        logger.warning("weight update %s rejected: %s", update.update_id, error.message)
+        self._end_uncleanly()
+        error.update_id = update.update_id
+        self._send(update.identity, error)
+
+    def client_lost(self, identity: bytes) -> None:
+        """Drop the open update of a client that is gone (unless the engine is already applying it)."""
+        if self.update is not None and self.update.identity == identity and not self.update.committing:
+            self.reject(p.Error("update_timeout", "the client is gone", None))
+
+    def expire(self, now: float) -> None:
+        """Reject the open update when its client missed a phase deadline."""
+        update = self.update
+        if update is not None and update.expired(now):
+            reason = f"no message of the update within its phase deadline of {update.begin.timeout_s:g} s"
+            self.reject(p.Error("update_timeout", reason, None))
+
+    def _end_uncleanly(self) -> None:
+        """Close an update that was rejected or aborted: its staging is not reused (a client that has not heard
+        yet may still write into a shared segment, a broadcast into a dist one), and a dist group is dropped (the
+        trainer may be stuck mid-broadcast)."""
+        update, self.update = self.update, None
+        if update is None:
+            return
+        update.close(clean=False)
+        if update.begin.transport == "torch.distributed" and self._dist is not None:
+            self._dist.forget()
+
+    def close(self) -> None:
+        """At shutdown: conclude finished steps, reject what is open, stop the receiver, free staging."""
+        self.conclude()
+        if self.update is not None:
+            self.reject(p.Error("internal", "the worker is shutting down", None))
+        if self._dist is not None:
+            self._dist.close()
+        self._staging.close()
+
+
+def _check_dist_host(host: object, peer: str | None) -> None:
+    """torch.distributed makes the worker connect to `host`: only to the host the announcement came from (or to
+    this machine, when it came from this machine), so a message cannot aim the worker at a third party."""
+    if peer is None or not isinstance(host, str):
+        return  # ipc/inproc (same machine), or the field check names a bad host
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        raise UpdateRejected("bad_update", "dist.host", f"cannot resolve {host!r}") from None
+    if peer in wanted:
+        return
+    if ipaddress.ip_address(peer).is_loopback and all(_is_this_machine(address) for address in wanted):
+        return
+    raise UpdateRejected(
+        "bad_update",
+        "dist.host",
+        f"{host!r} is not the host this weights_begin came from ({peer}); the worker only connects back to it",
+    )
+
+
+def _is_this_machine(address: str) -> bool:
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return True
+    probe = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    try:
+        probe.bind((address, 0))  # only an address of one of this machine's interfaces can be bound
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
