@@ -24,7 +24,8 @@ def free_port() -> int:
 class Worker:
     """A rollout-worker subprocess; stopped (SIGTERM, then SIGKILL) by `close`."""
 
-    def __init__(self, *flags: str, address: str | None = None):
+    def __init__(self, *flags: str, address: str | None = None, secure: tuple | None = None):
+        """`secure`: (a .key_secret file, the worker's .key file) to ping a worker that wants CurveZMQ keys."""
         self.address = address or f"tcp://127.0.0.1:{free_port()}"
         command = [
             sys.executable,
@@ -43,7 +44,7 @@ class Worker:
             *flags,
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        client = Client(self.address)
+        client = Client(self.address, secure)
         try:
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
@@ -71,9 +72,13 @@ class Client:
 
     context = zmq.Context.instance()
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, secure: tuple | None = None):
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if secure is not None:
+            from rollout.service.auth import secure_client_socket
+
+            secure_client_socket(self.socket, *secure)
         self.socket.connect(address)
 
     def send(self, message: p.Message) -> None:

@@ -161,6 +161,9 @@ class _Worker:
         # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
         # (a refused send would lose the group); the client's own calls bound what waits.
         self.socket.setsockopt(zmq.SNDHWM, 0)
+        # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
+        # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
             secure_client_socket(self.socket, *keys)
         self.monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILURES)
@@ -318,9 +321,10 @@ class RolloutClient:
 
     def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
+        deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
+        self.wait_connected(max(0.0, deadline - time.monotonic()))  # a new client: let its workers answer first
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._command("stats", replies)
-        deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
         try:
             count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
             return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]

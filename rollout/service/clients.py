@@ -6,7 +6,7 @@ A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connect
 for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
 clients ignore) for a second; a send to a closed connection fails at once. ZeroMQ heartbeats close connections to peers that vanished without closing them (a network
-partition, a powered-off host). Each loss is handled once: its groups are cancelled once and it is logged once;
+partition, a powered-off host) or stopped reading their socket altogether. Each loss is handled once: its groups are cancelled once and it is logged once;
 replies still due to it are dropped quietly until it speaks again.
 """
 
@@ -26,7 +26,11 @@ logger = logging.getLogger(__name__)
 
 # Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
 SEND_HWM = 256
-HEARTBEAT_MS = 2000  # ZeroMQ (ZMTP) heartbeats: a peer silent at the transport level for 3 intervals is dropped
+# ZeroMQ (ZMTP) heartbeats: a connection whose peer does not answer them for HEARTBEAT_TIMEOUT_MS is closed (a
+# vanished host; or a raw client that stopped reading its socket, whose ZeroMQ then stops reading too).
+# RolloutClient's sockets have no receive high-water mark, so they always answer.
+HEARTBEAT_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10_000
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
 FORGET_GONE_AFTER_S = 300.0
@@ -56,7 +60,7 @@ class ClientLinks:
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)  # past it: EAGAIN, and the reply waits in our backlog
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         self._last_seen: dict[bytes, float] = {}
         self._backlog: dict[bytes, deque[list[bytes]]] = {}

@@ -1,0 +1,139 @@
+"""CurveZMQ authentication and roles against one real worker: an unknown key cannot connect (and is told so at
+once), a generate-only key cannot push weights (outputs unchanged), a trainer key can; a non-loopback bind
+without keys is refused unless --insecure; a wrong port fails fast, naming the address."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rollout.service import cli
+from rollout.service.auth import keygen_main
+from rollout.service.presets import tiny_model
+from service_helpers import Worker, free_port
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 10}
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    for name, folder in (("worker", "own"), ("client", "clients"), ("trainer", "trainers"), ("stranger", "strangers")):
+        assert keygen_main([str(root / folder), name]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def worker(keys):
+    server = Worker(
+        "--curve-secret-key",
+        str(keys / "own" / "worker.key_secret"),
+        "--authorized-keys",
+        str(keys / "clients"),
+        "--trainer-keys",
+        str(keys / "trainers"),
+        secure=(keys / "trainers" / "trainer.key_secret", keys / "own" / "worker.key"),
+    )
+    yield server
+    server.close()
+
+
+def _client(worker, keys, name: str, folder: str, **options) -> RolloutClient:
+    return RolloutClient(
+        worker.address,
+        timeout=60,
+        curve_secret_key=keys / folder / f"{name}.key_secret",
+        server_public_key=keys / "own" / "worker.key",
+        **options,
+    )
+
+
+def test_keygen_writes_a_pair_and_refuses_to_overwrite(keys, capsys):
+    assert (keys / "clients" / "client.key").is_file() and (keys / "clients" / "client.key_secret").is_file()
+    assert (keys / "clients" / "client.key_secret").stat().st_mode & 0o077 == 0
+    with pytest.raises(SystemExit):
+        keygen_main([str(keys / "clients"), "client"])
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
+    started = time.monotonic()
+    with _client(worker, keys, "stranger", "strangers") as stranger:
+        with pytest.raises(RolloutError) as error:
+            stranger.generate(PromptGroup([1, 2, 3], sampling=GREEDY))
+        assert stranger.live_workers() == []
+    assert error.value.code == "no_workers" and "refused this client's key" in str(error.value)
+    assert time.monotonic() - started < 15
+
+
+def test_a_client_without_keys_cannot_connect(worker):
+    with RolloutClient(worker.address, timeout=30, connect_timeout=3) as plain:
+        with pytest.raises(RolloutError) as error:
+            plain.generate(PromptGroup([1, 2, 3], sampling=GREEDY))
+    assert error.value.code == "no_workers" and worker.address in str(error.value)
+
+
+def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys):
+    prompt = PromptGroup([4, 5, 6, 7], sampling=GREEDY)
+    changed = tiny_model()
+    with torch.no_grad():
+        for parameter in changed.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    with _client(worker, keys, "client", "clients") as client:
+        before = client.generate(prompt).completions[0].token_ids
+        with pytest.raises(RolloutError) as error:
+            push_weights(client, changed)
+        assert error.value.code == "unauthorized" and "trainer key" in str(error.value)
+        assert client.generate(prompt).completions[0].token_ids == before
+        assert client.stats()[0]["policy_version"] == 0
+    with _client(worker, keys, "trainer", "trainers") as trainer:
+        assert push_weights(trainer, changed).version == 1
+        assert trainer.generate(prompt).completions[0].token_ids != before
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "needs authentication"),
+        (["--curve-secret-key", "/nonexistent/worker.key_secret", "--authorized-keys", "/tmp"], "no such file"),
+        (["--authorized-keys", "/tmp"], "need --curve-secret-key"),
+    ],
+)
+def test_a_non_loopback_bind_needs_keys_or_insecure(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the security check"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--bind", "tcp://0.0.0.0:*", *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_insecure_allows_a_non_loopback_bind(monkeypatch):
+    """--insecure passes the security check (the model load is where this test stops)."""
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args):
+        raise Loaded
+
+    monkeypatch.setattr(cli, "load_model", stop)
+    with pytest.raises(Loaded):
+        cli.main(["--bind", "tcp://0.0.0.0:*", "--insecure"])
+
+
+def test_a_wrong_port_fails_fast_naming_the_address():
+    """No worker at the address: the call fails after connect_timeout (not the 300 s call timeout), naming it, and
+    live_workers() does not count a worker that never answered."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with RolloutClient(address, connect_timeout=2) as client:
+        assert client.live_workers() == []
+        with pytest.raises(RolloutError) as error:
+            client.generate(PromptGroup([1, 2], sampling=GREEDY))
+        assert client.live_workers() == []
+    assert error.value.code == "no_workers" and address in str(error.value) and "connect_timeout" in str(error.value)
+    assert time.monotonic() - started < 10

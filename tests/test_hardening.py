@@ -1,0 +1,252 @@
+"""Issue 14's defects, each against one real worker with operator limits set: no message freezes serving, the
+update slot cannot be held, a torch.distributed announcement cannot aim the worker elsewhere nor leak threads, a
+vanished or non-reading client stops costing compute and memory, and the per-client limits answer by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+
+from rollout.service import protocol as p
+from service_helpers import Client, Worker, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 8}
+LONG = {**GREEDY, "max_new_tokens": 1500}
+MAX_PENDING = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker(
+        "--max-prompt-len",
+        "1024",
+        "--max-n",
+        "16",
+        "--max-groups-per-client",
+        "24",
+        "--max-pending-bytes",
+        str(MAX_PENDING),
+        "--max-update-phase-s",
+        "30",
+        "--client-timeout",
+        "30",
+    )
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(worker):
+    connection = Client(worker.address)
+    yield connection
+    connection.close()
+
+
+def _stats(worker) -> dict:
+    observer = Client(worker.address)
+    try:
+        return observer.ask(p.Stats()).stats
+    finally:
+        observer.close()
+
+
+def _wait_idle(worker, seconds: float = 10.0) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = _stats(worker)
+        if not stats["groups_in_flight"] and not stats["running"]:
+            return stats
+        assert time.monotonic() < deadline, f"still busy: {stats}"
+        time.sleep(0.05)
+
+
+def _threads(worker) -> int:
+    with open(f"/proc/{worker.process.pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+@pytest.mark.parametrize("length, field", [(3_000_000, "header"), (200_000, "prompt_ids")])
+def test_an_oversized_prompt_is_refused_by_its_length_and_pings_still_answer(client, length, field):
+    """A prompt of millions of ints froze serving for a minute: it is refused from its length (msgpack's bound
+    while decoding, or the prompt limit before any element is looked at) and the next ping answers."""
+    client.socket.send_multipart(
+        [msgpack.packb({"protocol": 1, "type": "generate", "group_id": "big", "prompt_ids": [7] * length})]
+    )
+    reply = client.receive(timeout_s=5)
+    assert isinstance(reply, p.Error) and reply.field == field and reply.code == "bad_request", reply
+    started = time.monotonic()
+    assert isinstance(client.ask(p.Ping(1)), p.Pong)
+    assert time.monotonic() - started < 2.0
+
+
+def test_per_client_limits_are_answered_by_name(client, worker):
+    reply = client.ask(p.Generate("wide", [1, 2], n=17, sampling=GREEDY))
+    assert (
+        isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", "n") and "--max-n" in reply.message
+    )
+    reply = client.ask(p.Generate("long", list(range(1025)), sampling=GREEDY))
+    assert isinstance(reply, p.Error) and reply.field == "prompt_ids" and "1024" in reply.message
+    for index in range(24):
+        client.send(p.Generate(f"g{index}", [index, 3], sampling=LONG))
+    client.send(p.Generate("one-too-many", [1, 3], sampling=LONG))
+    reply = client.receive()
+    while not (isinstance(reply, p.Error) and reply.group_id == "one-too-many"):
+        reply = client.receive()
+    assert reply.code == "busy" and "--max-groups-per-client" in reply.message
+    for index in range(24):
+        client.send(p.Cancel(f"g{index}"))
+    _wait_idle(worker)
+
+
+def test_the_update_slot_cannot_be_held(worker):
+    """A begin asking for an hour is refused; unrelated messages of the holder do not renew its deadline; another
+    trainer takes the slot over with preempt; the same client beginning again replaces its own update."""
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
+    holder, trainer = Client(worker.address), Client(worker.address)
+    try:
+        reply = holder.ask(p.WeightsBegin("hour", spec, partial=True, timeout_s=3600))
+        assert isinstance(reply, p.Error) and reply.field == "timeout_s" and "30" in reply.message
+        assert isinstance(holder.ask(p.WeightsBegin("u1", spec, partial=True, timeout_s=1.0)), p.WeightsReady)
+        replies = []
+        for _ in range(8):  # pings for 1.6 s: the update's deadline is not renewed by them
+            holder.send(p.Ping(2))
+            time.sleep(0.2)
+        while holder.socket.poll(200):
+            replies.append(holder.receive())
+        assert any(isinstance(r, p.Error) and r.code == "update_timeout" and r.update_id == "u1" for r in replies)
+
+        assert isinstance(holder.ask(p.WeightsBegin("u2", spec, partial=True, timeout_s=20)), p.WeightsReady)
+        reply = trainer.ask(p.WeightsBegin("t1", spec, partial=True, timeout_s=20))
+        assert isinstance(reply, p.Error) and reply.code == "update_in_progress" and "preempt" in reply.message
+        assert isinstance(
+            trainer.ask(p.WeightsBegin("t1", spec, partial=True, timeout_s=20, preempt=True)), p.WeightsReady
+        )
+        reply = holder.receive()
+        assert isinstance(reply, p.Error) and (reply.code, reply.update_id) == ("update_preempted", "u2")
+        trainer.send(p.WeightsBegin("t2", spec, partial=True, timeout_s=20))
+        first, second = trainer.receive(), trainer.receive()  # the old one is rejected before the new one is ready
+        assert isinstance(first, p.Error) and (first.code, first.update_id) == ("update_preempted", "t1")
+        assert isinstance(second, p.WeightsReady) and second.update_id == "t2"
+        assert isinstance(trainer.ask(p.WeightsAbort("t2")), p.WeightsAck)
+        assert trainer.ask(p.Hello()).policy_version == 0
+    finally:
+        holder.close()
+        trainer.close()
+
+
+def _dist_begin(update_id: str, host: str, port: int) -> p.WeightsBegin:
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
+    dist = {"host": host, "port": port, "world_size": 2, "rank": 1, "backend": "gloo", "group": update_id}
+    return p.WeightsBegin(update_id, spec, partial=True, transport="torch.distributed", timeout_s=20, dist=dist)
+
+
+def test_torch_distributed_connects_only_back_and_leaks_no_thread(client, worker):
+    """A begin over loopback naming another machine's store is refused (field dist.host); begin/abort pairs aimed
+    at a port where nothing listens leave no rendezvous thread behind."""
+    reply = client.ask(_dist_begin("elsewhere", "192.0.2.1", 29500))  # TEST-NET-1: never this machine
+    assert isinstance(reply, p.Error) and reply.field == "dist.host", reply
+    port = free_port()  # nothing listens there
+    before = _threads(worker)
+    for index in range(20):
+        client.send(_dist_begin(f"d{index}", "127.0.0.1", port))
+        time.sleep(0.05)
+        reply = client.ask(p.WeightsAbort(f"d{index}"))
+        assert isinstance(reply, p.WeightsAck) and reply.state == "aborted", reply
+    deadline = time.monotonic() + 5
+    while _threads(worker) > before + 1:  # the receive thread may start once
+        assert time.monotonic() < deadline, f"{_threads(worker) - before} threads more than before"
+        time.sleep(0.1)
+
+
+def test_a_killed_non_streaming_client_stops_costing_compute(worker):
+    """A client SIGKILLed while its non-streaming groups run: the closed connection is noticed at once (socket
+    monitor + a send that fails) and its groups are cancelled, instead of running for the client timeout."""
+    code = (
+        "import sys, time, zmq\n"
+        "from rollout.service import protocol as p\n"
+        f"s = zmq.Context().socket(zmq.DEALER); s.connect({worker.address!r})\n"
+        f"for i in range(4): s.send_multipart(p.encode(p.Generate(f'k{{i}}', [i, 5], n=4, sampling={LONG!r})))\n"
+        "print('sent', flush=True); time.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 20
+        while _stats(worker)["running"] < 16:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        killed = time.monotonic()
+        stats = _wait_idle(worker, seconds=5.0)  # the client timeout is 30 s
+        assert time.monotonic() - killed < 5.0 and stats["kv_blocks_used"] == 0
+    finally:
+        child.kill()
+
+
+def test_a_client_that_never_reads_is_dropped(worker):
+    """A raw client that streams and never reads (its ZeroMQ stops reading too) is dropped and its groups are
+    cancelled long before they finish: by the pending-bytes bound or the heartbeat deadline, whichever comes first;
+    nothing stays queued for it."""
+    import zmq
+
+    reader = Client.__new__(Client)
+    reader.socket = Client.context.socket(zmq.DEALER)
+    reader.socket.setsockopt(zmq.LINGER, 0)
+    reader.socket.setsockopt(zmq.RCVHWM, 1)
+    reader.socket.setsockopt(zmq.RCVBUF, 4096)
+    reader.socket.connect(worker.address)
+    before = _stats(worker)["generated_tokens"]
+    try:
+        for index in range(8):
+            reader.send(p.Generate(f"s{index}", [index, 9], n=2, sampling=LONG, stream=True))
+        time.sleep(1.0)
+        stats = _wait_idle(worker, seconds=60)
+        assert stats["generated_tokens"] - before < 16 * 1500  # cancelled, not run to the end
+        assert stats["pending_reply_bytes"] == 0 and stats["kv_blocks_used"] == 0
+        assert stats["peak_pending_reply_bytes"] <= MAX_PENDING + (16 << 10)
+    finally:
+        reader.close()
+
+
+def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
+    """ClientLinks over a real ROUTER socket and a peer that never reads: past the byte bound the peer is lost once,
+    its backlog freed, and later replies to it are dropped instead of queued."""
+    import zmq
+
+    from rollout.service.clients import ClientLinks
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDBUF, 4096)
+    lost = []
+    links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(r))
+    router.bind("tcp://127.0.0.1:*")
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, 1)
+    peer.setsockopt(zmq.RCVBUF, 4096)
+    peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    try:
+        peer.send_multipart(p.encode(p.Ping(1)))
+        identity = router.recv_multipart()[0]
+        links.seen(identity)
+        delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
+        for _ in range(5000):  # about 5 MB of replies
+            links.send(identity, delta)
+            links.flush()
+        assert len(lost) == 1 and "unread" in lost[0]
+        assert 50_000 < links.peak_pending_bytes <= 50_000 + len(p.encode(delta)[0]) + len(identity)
+        assert links.pending_bytes() == 0 and links.dropped_slow == 1
+    finally:
+        links.close()
+        peer.close(linger=0)
+        router.close(linger=0)
+        context.term()
