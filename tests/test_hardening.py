@@ -38,6 +38,7 @@ def worker():
         "30",
         "--client-timeout",
         "30",
+        "--check-finite",
     )
     yield server
     server.close()
@@ -250,3 +251,62 @@ def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
         peer.close(linger=0)
         router.close(linger=0)
         context.term()
+
+
+def _norm_update(client, update_id: str, transport: str = "frames") -> p.WeightsReady:
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
+    ready = client.ask(p.WeightsBegin(update_id, spec, partial=True, transport=transport, timeout_s=20))
+    assert isinstance(ready, p.WeightsReady), ready
+    return ready
+
+
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+def test_a_corrupted_bucket_is_refused_whole(client, worker, transport):
+    """One flipped byte between the trainer's checksum and the worker's staging: the update is refused (field
+    "checksum"), nothing is applied, and the slot is free again."""
+    import torch
+
+    from rollout.service.staging import attach_shared_memory
+    from rollout.service.weights import bucket_checksum
+
+    before = client.ask(p.Generate("before", [3, 4, 5], sampling=GREEDY))
+    sent = torch.full((256,), 2.0).view(torch.uint8)
+    checksum = bucket_checksum([sent])
+    corrupted = sent.clone()
+    corrupted[100] ^= 0x10
+    ready = _norm_update(client, f"flip-{transport}", transport)
+    piece = [p.TensorPiece(0, 0, 1024)]
+    if transport == "frames":
+        client.socket.send_multipart(
+            [*p.encode(p.WeightsBucket(ready.update_id, piece, checksum)), corrupted.numpy().tobytes()]
+        )
+    else:
+        segment = attach_shared_memory(ready.shm_name)
+        segment.buf[:1024] = corrupted.numpy().tobytes()
+        segment.close()
+        client.send(p.WeightsBucket(ready.update_id, piece, checksum))
+    reply = client.receive()
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_update", "checksum"), reply
+    assert "model.norm.weight" in reply.message
+    assert isinstance(client.ask(p.WeightsCommit(ready.update_id)), p.Error)  # nothing left open to commit
+    after = client.ask(p.Generate("after", [3, 4, 5], sampling=GREEDY))
+    assert after.completions[0].token_ids == before.completions[0].token_ids
+    assert client.ask(p.Hello()).policy_version == 0
+
+
+def test_a_staged_nan_is_refused_at_commit(client):
+    """With --check-finite, an update whose bytes arrived intact but hold a NaN is refused naming the tensor."""
+    import torch
+
+    from rollout.service.weights import bucket_checksum
+
+    values = torch.ones(256)
+    values[17] = float("nan")
+    data = values.view(torch.uint8)
+    ready = _norm_update(client, "nan")
+    header = p.WeightsBucket(ready.update_id, [p.TensorPiece(0, 0, 1024)], bucket_checksum([data]))
+    client.socket.send_multipart([*p.encode(header), data.numpy().tobytes()])
+    assert isinstance(client.receive(), p.WeightsAck)
+    reply = client.ask(p.WeightsCommit(ready.update_id))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_update", "model.norm.weight"), reply
+    assert "NaN" in reply.message and client.ask(p.Hello()).policy_version == 0

@@ -731,7 +731,7 @@ def test_staging_pool_keeps_and_releases_areas():
     everything (the shared segment unlinked) when not keeping or on close."""
     from multiprocessing import shared_memory
 
-    from rollout.service.weights import StagingPool
+    from rollout.service.staging import StagingPool
 
     pool = StagingPool(keep=True)
     host = pool.host(1000)
@@ -810,7 +810,7 @@ def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
     import os as os_module
     from multiprocessing import shared_memory
 
-    from rollout.service import weights as staging
+    from rollout.service import staging
 
     created = []
     real = shared_memory.SharedMemory

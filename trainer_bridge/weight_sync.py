@@ -40,7 +40,8 @@ from transformers import TrainerCallback
 from rollout.engine.engine import WEIGHT_UPDATE_MODES, dtype_name
 from rollout.service import protocol as p
 from rollout.service.dist import broadcast, make_process_group, make_store
-from rollout.service.weights import DTYPES, attach_shared_memory, staging_layout
+from rollout.service.staging import attach_shared_memory
+from rollout.service.weights import DTYPES, bucket_checksum, staging_layout
 from trainer_bridge.client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
@@ -552,7 +553,11 @@ class _Push:
 
     def _flush(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> None:
         pieces = [p.TensorPiece(index, offset, data.numel()) for index, offset, data in bucket]
-        header = p.WeightsBucket(self.update_id, pieces)
+        # The worker checks what it staged against this; NCCL broadcasts from GPU memory carry none (hashing them
+        # would cost a copy to the host).
+        on_host = all(data.device.type == "cpu" for _, _, data in bucket)
+        checksum = bucket_checksum(data for _, _, data in bucket) if on_host else None
+        header = p.WeightsBucket(self.update_id, pieces, checksum)
         for link in self.links:
             self._wait(lambda link=link: len(link.pending) < _WINDOW, self.timeout, "weights_ack")
             if link.transport == "frames":

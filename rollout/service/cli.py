@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="free a weight update's host staging area after it (default: keep it for the next, faster update)",
     )
+    add(
+        "--check-finite",
+        action="store_true",
+        help="refuse a weight update holding NaN or Inf (one pass over the update at commit; the old weights serve on)",
+    )
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     for action in parser._actions:  # ROLLOUT_* environment variables become the defaults
         if action.option_strings and action.dest != "help":
@@ -198,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.insecure and not is_loopback(args.bind):
         logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
     worker = RolloutWorker(
-        manager, args.bind, args.model, limits=limits, keep_staging=not args.release_staging, auth=auth
+        manager,
+        args.bind,
+        args.model,
+        limits=limits,
+        keep_staging=not args.release_staging,
+        auth=auth,
+        check_finite=args.check_finite,
     )
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.shutdown())

@@ -25,8 +25,8 @@ Messages (client -> worker, then what the worker answers):
 | weights_begin  | update_id: str, tensors: [TensorSpec], version: int or nil, mode:    | weights_ready, or error         |
 |                | str = "keep", transport: str = "frames", partial: bool = false,      |                                 |
 |                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false |                                 |
-| weights_bucket | update_id: str, pieces: [TensorPiece]; + one raw frame per piece     | weights_ack, or error (the      |
-|                | (transport "frames")                                                 | update is then dropped)         |
+| weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil; + one   | weights_ack, or error (the      |
+|                | raw frame per piece (transport "frames")                             | update is then dropped)         |
 | weights_commit | update_id: str                                                       | weights_committed, or error     |
 | weights_abort  | update_id: str                                                       | weights_ack (state "aborted")   |
 
@@ -210,6 +210,7 @@ class WeightsBucket(Message):
     TYPE: ClassVar[str] = "weights_bucket"
     update_id: str
     pieces: list[TensorPiece]
+    checksum: int | None = None  # xxh3_64 of the pieces' bytes in order (rollout.service.weights.bucket_checksum)
 
 
 @dataclass

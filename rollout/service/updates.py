@@ -26,7 +26,8 @@ from rollout.engine.engine import WeightUpdateResult
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service import protocol as p
 from rollout.service.dist import DistReceiver
-from rollout.service.weights import StagedUpdate, StagingPool, UpdateRejected
+from rollout.service.staging import StagingPool
+from rollout.service.weights import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class UpdateSlot:
         wake: Callable[[], None],
         max_phase_s: float,
         keep_staging: bool = True,
+        check_finite: bool = False,
     ):
         """
         Args:
@@ -51,11 +53,13 @@ class UpdateSlot:
             wake: wakes the serving thread after another thread finished a step.
             max_phase_s: the longest phase deadline (`timeout_s`) an update may ask for.
             keep_staging: keep the host staging area for the next update.
+            check_finite: refuse an update holding NaN or Inf in a floating tensor (checked at commit).
         """
         self.manager = manager
         self._send = send
         self._wake = wake
         self.max_phase_s = max_phase_s
+        self.check_finite = check_finite
         self.update: StagedUpdate | None = None
         # Finished steps, from the engine or receiver thread: (update, reply) for the serving thread to conclude.
         self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
@@ -165,9 +169,9 @@ class UpdateSlot:
     def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
         transport = update.begin.transport
         if transport == "frames":
-            update.accept_frames(message.pieces, data_frames)
+            update.accept_frames(message.pieces, data_frames, message.checksum)
         elif transport == "shm":
-            update.accept_written(message.pieces)
+            update.accept_written(message.pieces, message.checksum)
         else:
             update.announce(message.pieces)
             device = self._device if update.begin.dist["backend"] == "nccl" else torch.device("cpu")
@@ -175,11 +179,17 @@ class UpdateSlot:
             def received(error: BaseException | None) -> None:  # on the receiver thread
                 if update.closed:
                     return  # rejected meanwhile: drop the bytes
+                reply: p.Message
                 if error is not None:
-                    reply: p.Message = p.Error("bad_update", f"broadcast failed: {error}", "dist")
+                    reply = p.Error("bad_update", f"broadcast failed: {error}", "dist")
                 else:
-                    update.mark_received(message.pieces)
-                    reply = p.WeightsAck(update.update_id, update.received_bytes)
+                    try:
+                        update.verify(message.pieces, update.staging_views(message.pieces), message.checksum)
+                    except UpdateRejected as rejected:
+                        reply = p.Error(rejected.code, str(rejected), rejected.field)
+                    else:
+                        update.mark_received(message.pieces)
+                        reply = p.WeightsAck(update.update_id, update.received_bytes)
                 self._events.put((update, reply))
                 self._wake()
 
@@ -189,7 +199,7 @@ class UpdateSlot:
         self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
 
     def _commit(self, update: StagedUpdate) -> None:
-        tensors = update.tensors()  # raises UpdateRejected naming an incomplete tensor
+        tensors = update.tensors(self.check_finite)  # raises UpdateRejected naming an incomplete or NaN tensor
         update.committing = True
         begin = update.begin
 

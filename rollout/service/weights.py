@@ -10,17 +10,19 @@ of the staging area viewed as the tensor's dtype is a valid tensor. Both ends co
 from __future__ import annotations
 
 import logging
-import os
 import time
-import uuid
-from multiprocessing import resource_tracker, shared_memory
+from collections.abc import Iterable
+from multiprocessing import shared_memory
+from typing import Any
 
 import torch
+import xxhash
 
 from rollout.config import FieldError
 from rollout.engine.engine import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, Engine
 from rollout.service import protocol as p
 from rollout.service.dist import check_dist_fields
+from rollout.service.staging import StagingPool, release_segment
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,15 @@ def tensor_nbytes(spec: p.TensorSpec) -> int:
     return numel * DTYPES[spec.dtype].itemsize
 
 
+def bucket_checksum(chunks: Iterable[Any]) -> int:
+    """The checksum of a bucket: xxh3_64 (xxhash) of its pieces' bytes, in order. Chunks are uint8 CPU tensors or
+    buffers. The trainer sends it with the bucket; the worker recomputes it over what it staged."""
+    digest = xxhash.xxh3_64()
+    for chunk in chunks:
+        digest.update(memoryview(chunk.numpy()) if isinstance(chunk, torch.Tensor) else chunk)
+    return digest.intdigest()
+
+
 def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
     """(offset of each tensor, total bytes) in the staging area: in order, each aligned to ALIGN bytes."""
     offsets, end = [], 0
@@ -73,92 +84,9 @@ def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
-    it; Python < 3.13 would otherwise unlink it when this process exits)."""
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
-    except TypeError:
-        segment = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
-        return segment
-
-
-class StagingPool:
-    """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
-    on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
-
-    def __init__(self, keep: bool = True, pin: bool = False):
-        """
-        Args:
-            keep: keep the last host buffer and shared segment for the next update.
-            pin: allocate page-locked host memory (the model is on a GPU: faster, non-blocking copies).
-        """
-        self.keep = keep
-        self.pin = pin
-        self._host: torch.Tensor | None = None
-        self._shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
-
-    def host(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of at least `nbytes` (the kept one when it is large enough)."""
-        buffer, self._host = self._host, None
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = None  # free the small one first
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        return buffer
-
-    def shared(self, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
-        """A shared-memory segment of at least `nbytes` and a uint8 view of it (the kept one when large enough).
-
-        Raises:
-            OSError: the segment cannot be created (e.g. /dev/shm is too small).
-        """
-        kept, self._shm = self._shm, None
-        if kept is not None and kept[0].size >= nbytes:
-            return kept
-        if kept is not None:
-            _release_segment(*kept)
-        segment = shared_memory.SharedMemory(name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
-        try:
-            # tmpfs segments are sparse: reserve the pages now, so a too-small /dev/shm (64 MB in a default Docker
-            # container) fails here, and the client falls back to frames, instead of a SIGBUS on first write.
-            if hasattr(os, "posix_fallocate") and getattr(segment, "_fd", -1) >= 0:
-                os.posix_fallocate(segment._fd, 0, max(nbytes, 1))  # noqa: SLF001
-        except OSError:
-            segment.close()
-            segment.unlink()
-            raise
-        return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
-
-    def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
-        """Keep an update's area for the next one (or free it when not keeping)."""
-        if host is not None and self.keep:
-            self._host = host
-        if shm is not None:
-            if self.keep and self._shm is None:
-                self._shm = shm
-            else:
-                _release_segment(*shm)
-
-    def close(self) -> None:
-        """Free what is kept (unlinks the shared segment)."""
-        self._host = None
-        if self._shm is not None:
-            _release_segment(*self._shm)
-            self._shm = None
-
-
-def _release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:
-    """Unlink a segment at once; its memory goes when the last view of it does."""
-    del view
-    try:
-        segment.unlink()
-    except FileNotFoundError:
-        pass
-    try:
-        segment.close()
-    except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
-        pass
+def _payload(frame: Any) -> memoryview:
+    """The bytes of a received frame (a zmq.Frame taken without a copy, or bytes)."""
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
 class StagedUpdate:
@@ -187,6 +115,7 @@ class StagedUpdate:
         self.specs = begin.tensors
         self.sizes = [tensor_nbytes(spec) for spec in self.specs]
         self.offsets, self.staging_bytes = staging_layout(self.specs)
+        self.num_buckets = 0
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
         self.pool = pool
@@ -282,11 +211,12 @@ class StagedUpdate:
             expected[piece.index] += piece.nbytes
         self.announced = expected
 
-    def accept_frames(self, pieces: list[p.TensorPiece], frames: list) -> None:
+    def accept_frames(self, pieces: list[p.TensorPiece], frames: list, checksum: int | None = None) -> None:
         """Copy one frame per piece into the staging area (transport "frames").
 
         Raises:
-            UpdateRejected: a missing or truncated frame, or a bad piece; nothing of the bucket is counted then.
+            UpdateRejected: a missing or truncated frame, a bad piece, or bytes that do not match `checksum`;
+                nothing of the bucket is counted then.
         """
         if len(frames) != len(pieces):
             raise UpdateRejected("bad_update", "pieces", f"{len(pieces)} pieces but {len(frames)} data frames")
@@ -298,8 +228,9 @@ class StagedUpdate:
                 raise UpdateRejected(
                     "bad_update", name, f"truncated: frame has {payload.nbytes} bytes, piece says {piece.nbytes}"
                 )
+        self.verify(pieces, [_payload(frame) for frame in frames], checksum)
         for piece, frame in zip(pieces, frames):
-            payload = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+            payload = _payload(frame)
             if piece.nbytes:
                 self._stage(piece, torch.frombuffer(payload, dtype=torch.uint8))
 
@@ -317,10 +248,32 @@ class StagedUpdate:
         for piece in pieces:
             self.received[piece.index] += piece.nbytes
 
-    def accept_written(self, pieces: list[p.TensorPiece]) -> None:
-        """Count pieces the client wrote straight into the shared staging segment (transport "shm")."""
+    def accept_written(self, pieces: list[p.TensorPiece], checksum: int | None = None) -> None:
+        """Count pieces the client wrote straight into the shared staging segment (transport "shm").
+
+        Raises:
+            UpdateRejected: a bad piece, or staged bytes that do not match `checksum`.
+        """
         self.announce(pieces)
+        self.verify(pieces, self.staging_views(pieces), checksum)
         self.mark_received(pieces)
+
+    def verify(self, pieces: list[p.TensorPiece], chunks: list, checksum: int | None) -> None:
+        """Check a bucket's bytes against the checksum its header carried (None: the sender sent none).
+
+        Raises:
+            UpdateRejected: field "checksum", naming the bucket's tensors.
+        """
+        self.num_buckets += 1
+        if checksum is None or bucket_checksum(chunks) == checksum:
+            return
+        names = sorted({self.specs[piece.index].name for piece in pieces})
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise UpdateRejected(
+            "bad_update",
+            "checksum",
+            f"bucket {self.num_buckets} ({shown}) does not match its checksum: its bytes were corrupted on the way",
+        )
 
     def _stage(self, piece: p.TensorPiece, data: torch.Tensor) -> None:
         start = self.offsets[piece.index] + piece.offset
@@ -333,19 +286,28 @@ class StagedUpdate:
         return sum(self.received)
 
     # ---- commit -----------------------------------------------------------------------------------------------
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self, check_finite: bool = False) -> dict[str, torch.Tensor]:
         """Every announced tensor as a view of the staging area, once all arrived whole.
 
+        Args:
+            check_finite: also refuse a floating tensor holding NaN or Inf (a diverged update).
         Raises:
-            UpdateRejected: naming the first tensor that did not arrive whole.
+            UpdateRejected: naming the first tensor that did not arrive whole, or is not finite.
         """
         for spec, size, got in zip(self.specs, self.sizes, self.received):
             if got != size:
                 raise UpdateRejected("bad_update", spec.name, f"incomplete: {got} of {size} bytes arrived")
-        return {
+        tensors = {
             spec.name: self.staging[offset : offset + size].view(DTYPES[spec.dtype]).view(spec.shape)
             for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
         }
+        if check_finite:
+            for name, tensor in tensors.items():
+                if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                    raise UpdateRejected(
+                        "bad_update", name, "holds NaN or Inf values (the worker checks: --check-finite)"
+                    )
+        return tensors
 
     def close(self, clean: bool = True) -> None:
         """Give the staging area back to the pool (idempotent).
@@ -362,5 +324,5 @@ class StagedUpdate:
         if clean or self.begin.transport == "frames":
             self.pool.give_back(self._host, self._shared if clean else None)
         if not clean and self._shared is not None:
-            _release_segment(*self._shared)
+            release_segment(*self._shared)
         self._host = self._shared = None

@@ -67,6 +67,7 @@ class RolloutWorker:
         limits: WorkerLimits | None = None,
         keep_staging: bool = True,
         auth: WorkerAuth | None = None,
+        check_finite: bool = False,
     ):
         """
         Args:
@@ -79,6 +80,7 @@ class RolloutWorker:
                 of freeing it: faster updates for one update-sized host buffer held between them.
             auth: CurveZMQ keys and roles (auth.py; built on this worker's context, see `context`); None: no
                 authentication, everyone who can reach the address is a trainer.
+            check_finite: refuse a weight update holding NaN or Inf (a full pass over the staged bytes at commit).
         """
         self.manager = manager
         self.model_name = model_name
@@ -106,7 +108,12 @@ class RolloutWorker:
         self._groups_lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._stop = threading.Event()
         self._updates = UpdateSlot(
-            manager, self._send, self._waker.wake, self.limits.max_update_phase_s, keep_staging=keep_staging
+            manager,
+            self._send,
+            self._waker.wake,
+            self.limits.max_update_phase_s,
+            keep_staging=keep_staging,
+            check_finite=check_finite,
         )
 
     @property

@@ -1,0 +1,98 @@
+"""Where a weight update's bytes land on the worker before commit: a host buffer (pinned on GPU hosts) or a
+shared-memory segment the trainer writes into, kept from one update to the next (`StagingPool`)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
+    it; Python < 3.13 would otherwise unlink it when this process exits)."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        segment = shared_memory.SharedMemory(name=name)
+        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
+        return segment
+
+
+class StagingPool:
+    """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
+    on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
+
+    def __init__(self, keep: bool = True, pin: bool = False):
+        """
+        Args:
+            keep: keep the last host buffer and shared segment for the next update.
+            pin: allocate page-locked host memory (the model is on a GPU: faster, non-blocking copies).
+        """
+        self.keep = keep
+        self.pin = pin
+        self._host: torch.Tensor | None = None
+        self._shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
+
+    def host(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes` (the kept one when it is large enough)."""
+        buffer, self._host = self._host, None
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = None  # free the small one first
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buffer
+
+    def shared(self, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+        """A shared-memory segment of at least `nbytes` and a uint8 view of it (the kept one when large enough).
+
+        Raises:
+            OSError: the segment cannot be created (e.g. /dev/shm is too small).
+        """
+        kept, self._shm = self._shm, None
+        if kept is not None and kept[0].size >= nbytes:
+            return kept
+        if kept is not None:
+            release_segment(*kept)
+        segment = shared_memory.SharedMemory(name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
+        try:
+            # tmpfs segments are sparse: reserve the pages now, so a too-small /dev/shm (64 MB in a default Docker
+            # container) fails here, and the client falls back to frames, instead of a SIGBUS on first write.
+            if hasattr(os, "posix_fallocate") and getattr(segment, "_fd", -1) >= 0:
+                os.posix_fallocate(segment._fd, 0, max(nbytes, 1))  # noqa: SLF001
+        except OSError:
+            segment.close()
+            segment.unlink()
+            raise
+        return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
+
+    def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
+        """Keep an update's area for the next one (or free it when not keeping)."""
+        if host is not None and self.keep:
+            self._host = host
+        if shm is not None:
+            if self.keep and self._shm is None:
+                self._shm = shm
+            else:
+                release_segment(*shm)
+
+    def close(self) -> None:
+        """Free what is kept (unlinks the shared segment)."""
+        self._host = None
+        if self._shm is not None:
+            release_segment(*self._shm)
+            self._shm = None
+
+
+def release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:
+    """Unlink a segment at once; its memory goes when the last view of it does."""
+    del view
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        segment.close()
+    except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
+        pass
