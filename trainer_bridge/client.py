@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 # Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
 # one): reported at once instead of waiting out the connect deadline.
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# Once the first worker answered, calls submitted before wait this long for the others to answer too.
+FIRST_CONTACT_GRACE_S = 0.5
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
@@ -224,6 +226,7 @@ class RolloutClient:
         self.dead_after_s = dead_after_s
         self.connect_timeout = connect_timeout
         self._started = time.monotonic()
+        self._first_answer_at: float | None = None  # when the first worker answered
         self._context = zmq.Context()
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses:
@@ -492,7 +495,8 @@ class RolloutClient:
         monitors = {worker.monitor: index for index, worker in enumerate(self._workers)}
         try:
             while not self._closed.is_set():
-                for sock, _ in poller.poll(int(self.heartbeat_s * 1000 / 2)):
+                wait_ms = 50 if self._parked else int(self.heartbeat_s * 1000 / 2)  # parked calls: look again soon
+                for sock, _ in poller.poll(wait_ms):
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
                     elif sock in monitors:
@@ -696,6 +700,7 @@ class RolloutClient:
         be reached."""
         now = time.monotonic()
         self._fail_parked()
+        self._release_parked()
         for index, worker in enumerate(self._workers):
             if not worker.answered and not worker.warned and now - self._started > self.connect_timeout:
                 worker.warned = True
@@ -741,6 +746,18 @@ class RolloutClient:
         for group_id in worker.taken_away:
             self._send(index, p.Cancel(group_id))
         worker.taken_away.clear()
+        if self._first_answer_at is None:
+            self._first_answer_at = time.monotonic()
+        self._release_parked()
+
+    def _release_parked(self) -> None:
+        """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the
+        other workers to answer too, so that groups submitted before any answered are spread over all of them."""
+        if not self._parked or self._first_answer_at is None:
+            return
+        starting = [w for w in self._workers if not w.answered and not w.refused]
+        if starting and time.monotonic() - self._first_answer_at < FIRST_CONTACT_GRACE_S:
+            return
         parked, self._parked = self._parked, []
         for call in parked:
             if self._calls.get(call.group.group_id) is call:

@@ -41,6 +41,8 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}
+        self.num_prefix_tokens_hit = 0
+        self.num_prefix_tokens_queried = 0
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         # Bumped by the engine on every weight update; part of every prefix hash.
@@ -186,6 +188,9 @@ class BlockManager:
         request.blocks_version += 1
         request.block_hashes = list(hashes)
         request.num_computed_tokens = len(blocks) * self.block_size
+        # Prefix-cache statistics, counted once per admission: tokens found cached out of tokens to compute.
+        self.num_prefix_tokens_hit += request.num_computed_tokens
+        self.num_prefix_tokens_queried += request.num_tokens
 
     def commit_hashes(self, request: Request) -> None:
         """Hash the request's newly full, computed blocks and offer them for prefix reuse. Amortised O(1) per token:

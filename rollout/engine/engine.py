@@ -162,6 +162,7 @@ class Engine:
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0
         self.num_computed_tokens = 0  # tokens run through the model (prefix hits and forks skip theirs)
+        self.num_prefill_tokens = 0  # of which in chunks of more than one token (prompts, recomputes)
         self.num_steps = 0
         self.num_weight_updates = 0
         self.warmed_up = False  # warmup() ran
@@ -450,7 +451,7 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("warmup() needs an idle engine")
         self.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
-        counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_steps)
+        counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_prefill_tokens, self.num_steps)
         sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
         num_tokens = min(num_tokens, self.max_model_len - 2)  # a short context must not refuse its own warm-up
         if num_tokens > 0:
@@ -459,7 +460,8 @@ class Engine:
             self.step()
         self.block_manager.reset_prefix_cache()
         # The warm-up is not served work: statistics start from where they were.
-        self.num_generated_tokens, self.num_computed_tokens, self.num_steps = counters
+        self.num_generated_tokens, self.num_computed_tokens, self.num_prefill_tokens, self.num_steps = counters
+        self.block_manager.num_prefix_tokens_hit = self.block_manager.num_prefix_tokens_queried = 0
         self.warmed_up = True
 
     def has_unfinished(self) -> bool:
@@ -522,6 +524,8 @@ class Engine:
         logits = self.runner.run(batch, unresolved)
         samples = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
         self.num_computed_tokens += batch.num_tokens
+        # Chunks of more than one token are prompts (or recomputed KV); single tokens are decodes.
+        self.num_prefill_tokens += sum(seq.num_tokens for seq in batch.sequences if seq.num_tokens > 1)
         self.num_steps += 1
         return _InFlightStep(batch, samples, self.policy_version)
 

@@ -90,6 +90,8 @@ class ContinuousBatchingManager:
         self.last_weight_update: WeightUpdateResult | None = None
         self.last_weight_update_at: float | None = None  # unix time
         self.started_at: float | None = None
+        # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).
+        self.step_observer: Callable[[float], None] | None = None
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -448,7 +450,11 @@ class ContinuousBatchingManager:
                 self._drain_commands(block=not self.engine.has_unfinished() and self._pending_update is None)
                 self._try_apply_update()
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    started = time.perf_counter()
+                    outputs = self.engine.step()
+                    if self.step_observer is not None:
+                        self.step_observer(time.perf_counter() - started)
+                    self._deliver(outputs)
         except BaseException as error:  # noqa: BLE001 - report to every waiter instead of dying silently
             logger.exception("engine thread failed")
             self.error = error
@@ -560,8 +566,12 @@ class ContinuousBatchingManager:
             "kv_blocks_used": engine.block_manager.num_used_blocks,
             "kv_blocks_free": engine.block_manager.num_free_blocks,
             "generated_tokens": engine.num_generated_tokens,
+            "prefill_tokens": engine.num_prefill_tokens,
+            "prefix_cache_hit_tokens": engine.block_manager.num_prefix_tokens_hit,
+            "prefix_cache_query_tokens": engine.block_manager.num_prefix_tokens_queried,
             "steps": engine.num_steps,
             "preemptions": engine.scheduler.num_preemptions,
+            "preemptions_swapped": engine.scheduler.num_swaps,
             "uptime_s": 0.0 if self.started_at is None else time.time() - self.started_at,
         }
 

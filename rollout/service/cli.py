@@ -20,8 +20,10 @@ from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES, ContinuousBatchi
 from rollout.engine.manager import init_continuous_batching
 from rollout.service.auth import WorkerAuth
 from rollout.service.limits import WorkerLimits
+from rollout.service.metrics import WorkerMetrics
 from rollout.service.presets import MODEL_DTYPES, PRESETS, model_from_preset
 from rollout.service.sockets import is_loopback
+from rollout.service.tracing import configure_tracing
 from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
@@ -138,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse a weight update holding NaN or Inf (one pass over the update at commit; the old weights serve on)",
     )
+    add(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)",
+    )
+    add("--metrics-host", default="127.0.0.1", help="address the metrics server listens on (default: 127.0.0.1)")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     for action in parser._actions:  # ROLLOUT_* environment variables become the defaults
         if action.option_strings and action.dest != "help":
@@ -175,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     device = _device(parser, args)
     _check_bind(parser, args.bind)
     _check_security(parser, args)
+    if args.metrics_port:
+        _check_bind(parser, f"tcp://{args.metrics_host}:{args.metrics_port}", flag="--metrics-port")
     try:
         limits = _limits(args)
     except ValueError as error:
@@ -211,6 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         auth=auth,
         check_finite=args.check_finite,
     )
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = WorkerMetrics(worker.stats)
+        manager.step_observer = metrics.observe_step
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as error:
+            parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
+        logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+    if configure_tracing():
+        logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: worker.shutdown())
     logger.info(
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         config.block_size,
     )
     worker.serve()
+    if metrics is not None:
+        metrics.close()
     logger.info("rollout-worker stopped")
     return 0
 
@@ -243,13 +267,13 @@ def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.
     return device
 
 
-def _check_bind(parser: argparse.ArgumentParser, address: str) -> None:
+def _check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind") -> None:
     """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
     from rollout.service.sockets import check_address
 
     problem = check_address(address)
     if problem is not None:
-        parser.error(f"--bind {problem}")
+        parser.error(f"{flag} {problem}")
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     if not address.startswith("tcp://") or port == "*":
         return
@@ -258,7 +282,7 @@ def _check_bind(parser: argparse.ArgumentParser, address: str) -> None:
     try:
         probe.bind(("" if host in ("*", "") else host.strip("[]"), int(port)))
     except (OSError, ValueError) as error:
-        parser.error(f"--bind {address}: cannot bind ({error})")
+        parser.error(f"{flag} {address}: cannot bind ({error})")
     finally:
         probe.close()
 

@@ -69,8 +69,10 @@ class ClientLinks:
         self._fds: dict[bytes, int] = {}  # identity -> the descriptor its last message came over
         self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
         self._last_probe = 0.0
+        self._pending_total = 0
         self.peak_pending_bytes = 0
         self.dropped_slow = 0
+        self.num_lost = 0
 
     @property
     def num_clients(self) -> int:
@@ -78,8 +80,8 @@ class ClientLinks:
         return len(self._last_seen)
 
     def pending_bytes(self) -> int:
-        """Bytes of replies waiting in backlogs."""
-        return sum(self._backlog_bytes.values())
+        """Bytes of replies waiting in backlogs (safe to read from any thread)."""
+        return self._pending_total
 
     def seen(self, identity: bytes, fd: int | None = None) -> None:
         """A message came from `identity` (over descriptor `fd`, when known): it is alive (again)."""
@@ -122,9 +124,11 @@ class ClientLinks:
 
     def _queue(self, identity: bytes, frames: list[bytes]) -> None:
         self._backlog.setdefault(identity, deque()).append(frames)
-        size = self._backlog_bytes.get(identity, 0) + sum(len(frame) for frame in frames)
+        nbytes = sum(len(frame) for frame in frames)
+        size = self._backlog_bytes.get(identity, 0) + nbytes
         self._backlog_bytes[identity] = size
-        self.peak_pending_bytes = max(self.peak_pending_bytes, self.pending_bytes())
+        self._pending_total += nbytes
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_total)
         if size > self.max_pending_bytes:
             self.dropped_slow += 1
             self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
@@ -143,7 +147,9 @@ class ClientLinks:
                     self.lose(identity, "its connection is closed", unreachable=True)
                     break
                 backlog.popleft()
-                self._backlog_bytes[identity] -= sum(len(frame) for frame in frames)
+                nbytes = sum(len(frame) for frame in frames)
+                self._backlog_bytes[identity] -= nbytes
+                self._pending_total -= nbytes
             if not backlog and identity in self._backlog:
                 del self._backlog[identity]
                 del self._backlog_bytes[identity]
@@ -164,7 +170,8 @@ class ClientLinks:
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
         self._backlog.pop(identity, None)
-        self._backlog_bytes.pop(identity, None)
+        self._pending_total -= self._backlog_bytes.pop(identity, 0)
+        self.num_lost += 1
         if unreachable:
             self._gone[identity] = time.monotonic()
         self._on_lost(identity, reason)

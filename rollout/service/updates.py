@@ -18,6 +18,7 @@ import logging
 import queue
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service import protocol as p
 from rollout.service.dist import DistReceiver
 from rollout.service.staging import StagingPool
+from rollout.service.tracing import Tracer
 from rollout.service.weights import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class UpdateSlot:
         max_phase_s: float,
         keep_staging: bool = True,
         check_finite: bool = False,
+        tracer: Tracer | None = None,
     ):
         """
         Args:
@@ -54,6 +57,7 @@ class UpdateSlot:
             max_phase_s: the longest phase deadline (`timeout_s`) an update may ask for.
             keep_staging: keep the host staging area for the next update.
             check_finite: refuse an update holding NaN or Inf in a floating tensor (checked at commit).
+            tracer: where the update's span goes (tracing.py).
         """
         self.manager = manager
         self._send = send
@@ -67,6 +71,10 @@ class UpdateSlot:
         self._device = next(manager.engine.model.parameters()).device
         self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
         self.num_rejected = 0
+        self.bytes_committed = 0
+        self.pause_ms_total = 0.0
+        self._tracer = tracer or Tracer()
+        self._span: Any = None
 
     @property
     def policy_version(self) -> int:
@@ -102,6 +110,8 @@ class UpdateSlot:
             return
         if isinstance(message, p.WeightsAbort):
             received = update.received_bytes
+            self._tracer.update_ended(self._span, "aborted")
+            self._span = None
             self._end_uncleanly()
             self._send(identity, p.WeightsAck(update_id, received, "aborted"))
             return
@@ -144,6 +154,9 @@ class UpdateSlot:
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
             return
         self.update = update
+        self._span = self._tracer.update_started(
+            update.update_id, len(update.specs), update.staging_bytes, message.transport, message.mode
+        )
         logger.info(
             "weight update %s: %d tensors, %.1f MB over %s, mode %s",
             update.update_id,
@@ -241,6 +254,10 @@ class UpdateSlot:
             if isinstance(reply, p.WeightsCommitted):
                 self.update = None
                 update.close(clean=True)
+                self.bytes_committed += update.staging_bytes
+                self.pause_ms_total += reply.pause_ms
+                self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)
+                self._span = None
                 logger.info(
                     "weight update %s committed: version %d, pause %.1f ms (copy %.1f ms)",
                     update.update_id,
@@ -264,6 +281,8 @@ class UpdateSlot:
         if update is None:
             return
         self.num_rejected += 1
+        self._tracer.update_ended(self._span, error.code)
+        self._span = None
         logger.warning("weight update %s rejected: %s", update.update_id, error.message)
         self._end_uncleanly()
         error.update_id = update.update_id

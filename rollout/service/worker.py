@@ -19,7 +19,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import msgpack
 import zmq
@@ -30,8 +29,10 @@ from rollout.engine.outputs import GenerationOutput
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
+from rollout.service.groups import GroupInFlight, engine_id
 from rollout.service.limits import WorkerLimits
 from rollout.service.sockets import Waker
+from rollout.service.tracing import Tracer
 from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 
 logger = logging.getLogger(__name__)
@@ -39,21 +40,6 @@ logger = logging.getLogger(__name__)
 # Engine-side field names -> the protocol's.
 _FIELD_NAMES = {"input_ids": "prompt_ids", "request_id": "group_id"}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-
-
-@dataclass
-class _Group:
-    """A generate request in flight, as the client sees it."""
-
-    identity: bytes
-    group_id: str
-    prompt_ids: list[int]
-    n: int
-    stream: bool
-    token_ids: dict[int, list[int]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    versions: dict[int, list[list[int]]] = field(default_factory=dict)
-    completions: list[p.Completion] = field(default_factory=list)
 
 
 class RolloutWorker:
@@ -68,6 +54,7 @@ class RolloutWorker:
         keep_staging: bool = True,
         auth: WorkerAuth | None = None,
         check_finite: bool = False,
+        tracer: Tracer | None = None,
     ):
         """
         Args:
@@ -81,6 +68,7 @@ class RolloutWorker:
             auth: CurveZMQ keys and roles (auth.py; built on this worker's context, see `context`); None: no
                 authentication, everyone who can reach the address is a trainer.
             check_finite: refuse a weight update holding NaN or Inf (a full pass over the staged bytes at commit).
+            tracer: where group and weight-update spans go (default: OpenTelemetry's global tracer provider).
         """
         self.manager = manager
         self.model_name = model_name
@@ -103,15 +91,22 @@ class RolloutWorker:
         # The engine thread writes a byte here after filling the outbox, waking the serving thread's poll (no
         # busy polling, which would steal the GIL from the engine).
         self._waker = Waker()
-        self._groups: dict[str, _Group] = {}  # engine id -> group; the serving thread adds, the engine thread removes
+        self._groups: dict[
+            str, GroupInFlight
+        ] = {}  # engine id -> group; the serving thread adds, the engine thread removes
         self._groups_per_client: dict[bytes, int] = {}
         self._groups_lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._stop = threading.Event()
+        self._tracer = tracer or Tracer()
+        # Counters (stats(), /metrics): written by one thread each, read by any.
+        self.groups_received = self.groups_refused = self.groups_finished = 0
+        self._finish_reasons = {reason: 0 for reason in ("stop", "length", "abort", "error")}
         self._updates = UpdateSlot(
             manager,
             self._send,
             self._waker.wake,
             self.limits.max_update_phase_s,
+            tracer=self._tracer,
             keep_staging=keep_staging,
             check_finite=check_finite,
         )
@@ -207,11 +202,11 @@ class RolloutWorker:
         if isinstance(message, p.Generate):
             self._generate(identity, message)
         elif isinstance(message, p.Cancel):
-            engine_id = _engine_id(identity, message.group_id)
-            if engine_id not in self._groups:
+            key = engine_id(identity, message.group_id)
+            if key not in self._groups:
                 self._send(identity, p.Error("unknown_group", "no such group in flight", "group_id", message.group_id))
             else:
-                self.manager.cancel_request(engine_id)
+                self.manager.cancel_request(key)
         elif isinstance(message, p.Ping):
             self._send(identity, p.Pong(message.nonce, self.policy_version))
         elif isinstance(message, p.Hello):
@@ -227,18 +222,19 @@ class RolloutWorker:
             self._send(identity, p.Error("bad_request", f"{message.TYPE!r} is not a request", "type"))
 
     def _generate(self, identity: bytes, message: p.Generate) -> None:
-        engine_id = _engine_id(identity, message.group_id)
-        reply_error = self._refusal(identity, message, engine_id)
+        group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream)
+        reply_error = self._refusal(identity, message, group.engine_id)
         if reply_error is not None:
+            self.groups_refused += 1
             self._send(identity, reply_error)
             return
-        group = _Group(identity, message.group_id, message.prompt_ids, message.n, message.stream)
-        self._add_group(engine_id, group)
+        self._add_group(group)
         try:
             sampling = SamplingParams(**message.sampling)
-            self.manager.add_request(message.prompt_ids, engine_id, None, message.stream, message.n, sampling)
+            self.manager.add_request(message.prompt_ids, group.engine_id, None, message.stream, message.n, sampling)
         except (FieldError, QueueFullError) as error:
-            self._remove_group(engine_id, group)
+            self._remove_group(group)
+            self.groups_refused += 1
             if isinstance(error, QueueFullError):
                 self._send(identity, p.Error("busy", str(error), None, message.group_id))
                 return
@@ -246,11 +242,13 @@ class RolloutWorker:
             name = f"sampling.{name}" if name in _SAMPLING_FIELDS else name
             self._send(identity, p.Error("bad_request", f"{name}: {error.reason}", name, message.group_id))
             return
+        self.groups_received += 1
+        group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
         # Outputs that came before this line wait in the manager's queue and are handed over here, in order.
-        self.manager.register_result_handler(engine_id, lambda output: self._on_output(group, output))
+        self.manager.register_result_handler(group.engine_id, lambda output: self._on_output(group, output))
 
-    def _refusal(self, identity: bytes, message: p.Generate, engine_id: str) -> p.Error | None:
-        if engine_id in self._groups:
+    def _refusal(self, identity: bytes, message: p.Generate, key: str) -> p.Error | None:
+        if key in self._groups:
             return p.Error("duplicate_group", "a group with this id is still running", "group_id", message.group_id)
         if not 1 <= message.n <= self.limits.max_n:
             reason = f"must be in [1, {self.limits.max_n}] (the worker's --max-n), got {message.n}"
@@ -270,45 +268,22 @@ class RolloutWorker:
         return None
 
     # ---- engine thread -> outbox ------------------------------------------------------------------------------
-    def _on_output(self, group: _Group, output: GenerationOutput) -> None:
-        index = output.sample_index
-        tokens = group.token_ids.setdefault(index, [])
-        logprobs = group.logprobs.setdefault(index, [])
-        if group.stream:
-            tokens.extend(output.generated_tokens)
-            logprobs.extend(output.logprobs)
-            if output.generated_tokens:
-                version = output.policy_versions[-1][0] if output.policy_versions else self.policy_version
-                delta = p.Delta(group.group_id, index, output.generated_tokens, output.logprobs, version)
-                self._outbox.put((group.identity, delta))
-                self._waker.wake()
-        else:
-            tokens[:], logprobs[:] = output.generated_tokens, output.logprobs
-        if group.stream:
-            _extend_runs(
-                group.versions.setdefault(index, []), output.policy_versions, len(tokens) - len(output.generated_tokens)
-            )
-        else:
-            group.versions[index] = output.policy_versions
-        if not output.is_finished:
-            return
-        kv_version_min = output.kv_version_min if output.kv_version_min is not None else self.policy_version
-        group.completions.append(
-            p.Completion(
-                index,
-                tokens,
-                logprobs,
-                output.finish_reason,
-                output.error,
-                group.versions.get(index, []),
-                kv_version_min,
-            )
-        )
-        if len(group.completions) == group.n:
+    def _on_output(self, group: GroupInFlight, output: GenerationOutput) -> None:
+        delta, result = group.absorb(output, self.policy_version)
+        if output.generated_tokens and not group.started_sampling:
+            group.started_sampling = True
+            self._tracer.first_token(group.span)
+        if output.is_finished:
+            self._finish_reasons[output.finish_reason] = self._finish_reasons.get(output.finish_reason, 0) + 1
+        if delta is not None:
+            self._outbox.put((group.identity, delta))
+        if result is not None:
             # Forget the group before its result can reach the client, which may then reuse the id at once.
-            self._remove_group(_engine_id(group.identity, group.group_id), group)
-            completions = sorted(group.completions, key=lambda c: c.sample_index)
-            self._outbox.put((group.identity, p.GroupResult(group.group_id, group.prompt_ids, completions)))
+            self._remove_group(group)
+            self.groups_finished += 1
+            self._tracer.group_finished(group.span, result.completions)
+            self._outbox.put((group.identity, result))
+        if delta is not None or result is not None:
             self._waker.wake()
 
     def _flush_outbox(self) -> None:
@@ -319,17 +294,17 @@ class RolloutWorker:
                 return
             self._send(identity, message)
 
-    def _add_group(self, engine_id: str, group: _Group) -> None:
+    def _add_group(self, group: GroupInFlight) -> None:
         with self._groups_lock:
-            self._groups[engine_id] = group
+            self._groups[group.engine_id] = group
             self._groups_per_client[group.identity] = self._groups_per_client.get(group.identity, 0) + 1
 
-    def _remove_group(self, engine_id: str, group: _Group) -> None:
+    def _remove_group(self, group: GroupInFlight) -> None:
         """Forget a finished or refused group (serving or engine thread)."""
         with self._groups_lock:
-            if self._groups.get(engine_id) is not group:
+            if self._groups.get(group.engine_id) is not group:
                 return
-            del self._groups[engine_id]
+            del self._groups[group.engine_id]
             left = self._groups_per_client[group.identity] - 1
             if left:
                 self._groups_per_client[group.identity] = left
@@ -341,34 +316,36 @@ class RolloutWorker:
 
     def _client_lost(self, identity: bytes, reason: str) -> None:
         """A client is gone (ClientLinks tells once per loss): cancel its groups and drop its open update."""
-        for engine_id, group in list(self._groups.items()):
+        for key, group in list(self._groups.items()):
             if group.identity == identity:
-                self.manager.cancel_request(engine_id)
+                self.manager.cancel_request(key)
         self._updates.client_lost(identity)
 
     def stats(self) -> dict:
-        """The manager's counters plus policy version, groups in flight, clients, bytes waiting for slow clients,
-        rejected weight updates and tokens/s since start."""
+        """The manager's counters plus this worker's: policy version, groups received / refused / in flight /
+        finished, samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for
+        slow clients, weight updates rejected, their bytes and pauses, and tokens/s since start. Safe from any
+        thread (the /metrics scrape reads it)."""
         stats = self.manager.stats()
         uptime = max(stats["uptime_s"], 1e-9)
         stats.update(
             policy_version=self.policy_version,
             groups_in_flight=len(self._groups),
             clients=self._links.num_clients,
+            clients_lost=self._links.num_lost,
             pending_reply_bytes=self._links.pending_bytes(),
             peak_pending_reply_bytes=self._links.peak_pending_bytes,
             clients_dropped_unread=self._links.dropped_slow,
+            groups_received=self.groups_received,
+            groups_refused=self.groups_refused,
+            groups_finished=self.groups_finished,
+            samples_finished=dict(self._finish_reasons),
             weight_updates_rejected=self._updates.num_rejected,
+            weight_update_bytes=self._updates.bytes_committed,
+            weight_update_pause_ms=self._updates.pause_ms_total,
             tokens_per_s=stats["generated_tokens"] / uptime,
         )
         return stats
-
-
-def _extend_runs(runs: list[list[int]], new_runs: list[list[int]], first_index: int) -> None:
-    """Append a delta's run-length encoded versions (indices relative to the delta) to a sample's runs."""
-    for version, first in new_runs:
-        if not runs or runs[-1][0] != version:
-            runs.append([version, first_index + first])
 
 
 def _raw_ids(frames: list) -> tuple[str | None, str | None]:
@@ -407,7 +384,3 @@ def _fd(frame: object) -> int | None:
         return frame.get(zmq.SRCFD)  # type: ignore[attr-defined]
     except (AttributeError, zmq.ZMQError):
         return None
-
-
-def _engine_id(identity: bytes, group_id: str) -> str:
-    return f"{identity.hex()}/{group_id}"

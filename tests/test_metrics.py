@@ -1,0 +1,99 @@
+"""Observability: a real worker's /metrics parses with prometheus_client's own parser and its counters move by
+exactly what a workload did (tokens, groups, a weight update), in agreement with the stats message; with the
+OpenTelemetry SDK's in-memory exporter a group produces one span with the documented attributes, and a weight
+update one span."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rollout.service.presets import tiny_model
+from service_helpers import Worker, free_port
+from trainer_bridge import PromptGroup, RolloutClient, push_weights
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 9}
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_move_with_a_workload_and_agree_with_stats():
+    port = free_port()
+    worker = Worker("--metrics-port", str(port))
+    try:
+        before = scrape(port)
+        with RolloutClient(worker.address, timeout=60) as client:
+            results = [client.generate(PromptGroup([i, 2, 3], n=3, sampling=GREEDY)) for i in range(4)]
+            push_weights(client, tiny_model(5))
+            stats = client.stats()[0]
+        after = scrape(port)
+    finally:
+        worker.close()
+
+    def moved(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    tokens = sum(len(c.token_ids) for r in results for c in r.completions)
+    assert tokens == 4 * 3 * 9
+    assert moved("rollout_generated_tokens_total") == tokens
+    assert moved("rollout_groups_finished_total") == 4 and moved("rollout_groups_received_total") == 4
+    assert moved("rollout_samples_finished_total", (("reason", "length"),)) == 12
+    assert moved("rollout_prefill_tokens_total") > 0
+    assert moved("rollout_weight_updates_total") == 1 and moved("rollout_weight_update_bytes_total") > 1e5
+    assert after[("rollout_policy_version", ())] == 1
+    assert after[("rollout_kv_blocks", (("state", "used"),))] == 0
+    assert moved("rollout_step_seconds_count") >= 9
+    # The stats message carries the same counters.
+    assert after[("rollout_generated_tokens_total", ())] == stats["generated_tokens"]
+    assert after[("rollout_groups_finished_total", ())] == stats["groups_finished"]
+    assert after[("rollout_weight_update_bytes_total", ())] == stats["weight_update_bytes"]
+
+
+def test_a_group_and_a_weight_update_each_make_one_span():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rollout import ContinuousBatchingConfig
+    from rollout.engine.manager import init_continuous_batching
+    from rollout.service.tracing import Tracer
+    from rollout.service.worker import RolloutWorker
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=64))
+    worker = RolloutWorker(manager, "tcp://127.0.0.1:*", "tiny", tracer=Tracer(provider))
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        with RolloutClient(worker.address, timeout=60) as client:
+            result = client.generate(PromptGroup([5, 6, 7, 8], n=2, sampling=GREEDY, group_id="traced"))
+            push_weights(client, tiny_model(3))
+    finally:
+        worker.shutdown()
+        thread.join(30)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    group = spans["rollout.group"]
+    assert [s.name for s in exporter.get_finished_spans()].count("rollout.group") == 1
+    attributes = dict(group.attributes)
+    assert attributes["rollout.group_id"] == "traced" and attributes["rollout.n"] == 2
+    assert attributes["rollout.prompt_tokens"] == 4
+    assert attributes["rollout.completion_tokens"] == sum(len(c.token_ids) for c in result.completions) == 18
+    assert list(attributes["rollout.finish_reasons"]) == ["length", "length"]
+    assert list(attributes["rollout.policy_versions"]) == [0] and attributes["rollout.kv_version_min"] == 0
+    assert [event.name for event in group.events] == ["first_token"]
+    update = dict(spans["rollout.weight_update"].attributes)
+    assert update["rollout.outcome"] == "committed" and update["rollout.version"] == 1 and update["rollout.bytes"] > 0
