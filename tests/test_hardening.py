@@ -310,3 +310,32 @@ def test_a_staged_nan_is_refused_at_commit(client):
     reply = client.ask(p.WeightsCommit(ready.update_id))
     assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_update", "model.norm.weight"), reply
     assert "NaN" in reply.message and client.ask(p.Hello()).policy_version == 0
+
+
+def test_a_vanished_client_is_lost_once_not_once_per_reply(caplog):
+    """64 groups' replies to a client whose connection is gone: it is lost (groups cancelled, a warning logged)
+    once, and the other 63 replies are dropped quietly, instead of a cancel pass and a warning per reply."""
+    import logging
+
+    import zmq
+
+    from rollout.service.clients import ClientLinks
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    lost = []
+    links = ClientLinks(router, max_pending_bytes=1 << 20, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
+    router.bind("tcp://127.0.0.1:*")
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout.service.clients"):
+            for index in range(64):
+                links.send(b"\x00gone", p.GroupResult(f"g{index}", [1], []))
+        assert lost == [b"\x00gone"]
+        assert len([r for r in caplog.records if "is gone" in r.getMessage()]) == 1
+        links.seen(b"\x00gone")  # it spoke again: it is served again (and lost again if still unreachable)
+        links.send(b"\x00gone", p.Pong(0, 0))
+        assert lost == [b"\x00gone", b"\x00gone"]
+    finally:
+        links.close()
+        router.close(linger=0)
+        context.term()
