@@ -1,0 +1,403 @@
+"""The RolloutClient's I/O thread: it alone owns the ZeroMQ sockets (one DEALER per worker). Callers hand it commands
+through a queue and a waker; it sends groups to the live worker with the least outstanding work, routes every reply
+to its call, pings every worker, fails groups over from dead workers and gives them back to workers that return.
+
+A worker gets groups only once it answered (so nothing queued for a worker that is not up yet can reach it twice);
+calls submitted before any answered wait (parked) and are spread over the workers that answer within
+FIRST_CONTACT_GRACE_S of the first; when none answered within `connect_timeout`, or every worker refused this
+client's key, parked and new calls fail with "no_workers" naming the addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from rollout.service import protocol as p
+from rollout.service.auth import secure_client_socket
+from rollout.service.protocol import Delta
+from rollout.service.sockets import Waker
+from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy
+
+logger = logging.getLogger("trainer_bridge.client")
+
+# Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
+# one): reported at once instead of waiting out the connect deadline.
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# Once the first worker answered, calls submitted before wait this long for the others to answer too.
+FIRST_CONTACT_GRACE_S = 0.5
+
+
+class WorkerLink:
+    """One worker as the client sees it: its socket, liveness and outstanding work."""
+
+    def __init__(self, context: zmq.Context, address: str, keys: tuple[Any, Any] | None):
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
+        # (a refused send would lose the group); the client's own calls bound what waits.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
+        # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        if keys is not None:
+            secure_client_socket(self.socket, *keys)
+        self.monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILURES)
+        self.socket.connect(address)
+        # Groups only go to a worker that answered: one that is not up yet (or a wrong address) gets pings only,
+        # so nothing queued for it can reach it twice (once queued, once resubmitted) when it comes up.
+        self.alive = False
+        self.answered = False  # ever
+        self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
+        self.warned = False  # "never answered" was logged
+        self.last_ping = 0.0
+        self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
+        self.outstanding = 0  # tokens still to generate for groups in flight
+        self.policy_version = 0  # as of the worker's last pong or weight commit
+        self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
+
+
+class Dispatcher:
+    """The I/O thread's state and loop (see the module docstring). Only `command`, `workers` (read-only) and
+    `closed` are for other threads."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        keys: tuple[Any, Any] | None,
+        heartbeat_s: float,
+        dead_after_s: float,
+        connect_timeout: float,
+    ):
+        """
+        Args:
+            addresses: the workers' addresses (checked by the caller).
+            keys: (this client's secret key, the workers' public key) for CurveZMQ, or None.
+            heartbeat_s: seconds between pings to each worker.
+            dead_after_s: a worker silent this long is dead; its groups go to the others.
+            connect_timeout: seconds to wait for the first answer of any worker.
+        Raises:
+            ValueError: a key that cannot be loaded.
+        """
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self.connect_timeout = connect_timeout
+        self._started = time.monotonic()
+        self._first_answer_at: float | None = None  # when the first worker answered
+        self._context = zmq.Context()
+        try:
+            self.workers = [WorkerLink(self._context, address, keys) for address in addresses]
+        except (ValueError, zmq.ZMQError) as error:
+            self._context.destroy(linger=0)
+            raise ValueError(f"curve_secret_key/server_public_key: {error}") from None
+        self._calls: dict[str, Call] = {}  # group id -> call
+        self._by_wire: dict[str, Call] = {}  # wire id -> call
+        self._parked: list[Call] = []  # calls waiting for any worker to be alive
+        self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self.workers]
+        self._channels: dict[str, queue.SimpleQueue] = {}  # weight update id -> its replies
+        # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
+        # serve at least this one whenever one is alive.
+        self.min_policy_version = 0
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._waker = Waker()
+        self.closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rollout-client", daemon=True)
+        self._thread.start()
+
+    def command(self, name: str, payload: Any) -> None:
+        """Hand the I/O thread a command (any thread)."""
+        self._commands.put((name, payload))
+        self._waker.wake()
+
+    def stop(self) -> None:
+        """Stop the I/O thread and close the sockets; calls still waiting fail with RolloutError."""
+        if not self.closed.is_set():
+            self.closed.set()
+            self._waker.wake()
+            self._thread.join(10)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._waker.reader, zmq.POLLIN)
+        for worker in self.workers:
+            poller.register(worker.socket, zmq.POLLIN)
+            poller.register(worker.monitor, zmq.POLLIN)
+        sockets = {worker.socket: index for index, worker in enumerate(self.workers)}
+        monitors = {worker.monitor: index for index, worker in enumerate(self.workers)}
+        try:
+            while not self.closed.is_set():
+                wait_ms = 50 if self._parked else int(self.heartbeat_s * 1000 / 2)  # parked calls: look again soon
+                for sock, _ in poller.poll(wait_ms):
+                    if sock is self._waker.reader or sock == self._waker.reader.fileno():
+                        self._waker.drain()
+                    elif sock in monitors:
+                        self._on_refusal(monitors[sock])
+                    else:
+                        self._receive(sockets[sock])
+                self._run_commands()
+                self._heartbeat()
+        except BaseException:
+            logger.exception("rollout client I/O thread failed")
+            raise
+        finally:
+            self.closed.set()  # later calls fail at once instead of waiting for a dead thread
+            for call in self._calls.values():
+                call.events.put(RolloutError("closed", "the client was closed"))
+            for worker in self.workers:
+                worker.socket.disable_monitor()
+                worker.monitor.close(linger=0)
+                worker.socket.close(linger=0)
+            self._context.term()
+            self._waker.close()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                name, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if name == "submit":
+                if self._unreachable() is not None:
+                    payload.events.put(RolloutError("no_workers", self._unreachable()))
+                    continue
+                if payload.group.group_id in self._calls:
+                    message = "a group with this id is still in flight on this client"
+                    payload.events.put(RolloutError("duplicate_group", message, "group_id"))
+                    continue
+                self._calls[payload.group.group_id] = payload
+                self._dispatch(payload)
+            elif name == "cancel":
+                call = self._calls.get(payload)
+                if call is None:
+                    continue
+                if call.worker is not None:
+                    self._send(call.worker, p.Cancel(call.wire_id))
+                else:  # parked: nobody has it, so it ends here
+                    self._calls.pop(payload)
+                    self._by_wire.pop(call.wire_id, None)
+                    self._parked = [c for c in self._parked if c is not call]
+            elif name == "open_channel":
+                self._channels[payload[0]] = payload[1]
+            elif name == "close_channel":
+                self._channels.pop(payload, None)
+            elif name == "send_raw":
+                index, message, data = payload
+                self._send(index, message, data)
+            elif name == "stats":
+                live = [index for index, worker in enumerate(self.workers) if worker.alive]
+                payload.put(len(live))
+                for index in live:
+                    self._stats_sinks[index].append(payload)
+                    self._send(index, p.Stats())
+
+    def _dispatch(self, call: Call) -> None:
+        live = [index for index, worker in enumerate(self.workers) if worker.alive]
+        # Prefer workers that serve the newest pushed weights: one that was dead during a push and came back
+        # serves older ones (its tokens say so) and only gets groups while no up-to-date worker is alive.
+        current = [index for index in live if self.workers[index].policy_version >= self.min_policy_version]
+        live = current or live
+        if not live:  # wait for a worker to come (back); the caller's timeout bounds the wait
+            self._parked.append(call)
+            return
+        index = min(live, key=lambda i: self.workers[i].outstanding)
+        call.worker = index
+        self.workers[index].outstanding += call.cost
+        group = call.group
+        self._by_wire.pop(call.wire_id, None)
+        call.attempts += 1
+        call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
+        self._by_wire[call.wire_id] = call
+        self._send(index, p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
+
+    def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
+        try:
+            if data:  # tensor bytes: handed to ZeroMQ without a copy (it keeps a reference until sent)
+                self.workers[index].socket.send_multipart(p.encode(message) + data, zmq.NOBLOCK, copy=False)
+            else:
+                self.workers[index].socket.send_multipart(p.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the heartbeat will declare the worker dead and resubmit its groups
+
+    def _receive(self, index: int) -> None:
+        worker = self.workers[index]
+        while True:
+            try:
+                frames = worker.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            worker.unanswered_since = None
+            if not worker.alive:
+                self._revive(index)
+            try:
+                message = p.decode(frames)
+            except p.ProtocolError:
+                logger.warning("undecodable message from %s", worker.address)
+                continue
+            self._handle(index, message)
+
+    def _handle(self, index: int, message: p.Message) -> None:
+        if isinstance(message, (p.Pong, p.WeightsCommitted)):
+            version = message.policy_version if isinstance(message, p.Pong) else message.version
+            self.workers[index].policy_version = version
+        channel = self._channels.get(getattr(message, "update_id", None))
+        if channel is not None:
+            channel.put((index, message))
+            return
+        if isinstance(message, p.StatsReply):
+            if self._stats_sinks[index]:
+                self._stats_sinks[index].popleft().put({"address": self.workers[index].address, **message.stats})
+            return
+        call = self._by_wire.get(getattr(message, "group_id", None))
+        if call is None or call.worker != index:
+            return  # a pong, or a late answer from a worker the group was taken away from
+        group_id = call.group.group_id
+        if isinstance(message, p.Delta):
+            sample = message.sample_index
+            first = call.received.get(sample, 0)  # position of this delta's first token
+            call.received[sample] = first + len(message.token_ids)
+            skip = max(0, call.delivered.get(sample, 0) - first)
+            if skip < len(message.token_ids):
+                call.delivered[sample] = call.received[sample]
+                call.events.put(
+                    Delta(
+                        group_id,
+                        sample,
+                        message.token_ids[skip:],
+                        message.logprobs[skip:],
+                        message.policy_version,
+                    )
+                )
+        elif isinstance(message, p.GroupResult):
+            self._finish(call)
+            call.events.put(GroupResult(group_id, message.prompt_ids, message.completions))
+        elif isinstance(message, p.Error):
+            self._finish(call)
+            kind = WorkerBusy if message.code == "busy" else RolloutError
+            call.events.put(kind(message.code, message.message, message.field))
+
+    def _finish(self, call: Call) -> None:
+        self._calls.pop(call.group.group_id, None)
+        self._by_wire.pop(call.wire_id, None)
+        if call.worker is not None:
+            self.workers[call.worker].outstanding -= call.cost
+
+    def _unreachable(self) -> str | None:
+        """Why no call can be served: every worker refused this client or none answered within connect_timeout
+        (None while one answered, or the deadline has not passed)."""
+        if any(worker.answered for worker in self.workers):
+            return None
+        waited = time.monotonic() - self._started
+        if waited <= self.connect_timeout and not all(worker.refused for worker in self.workers):
+            return None
+        reasons = [
+            f"{worker.address}: {worker.refused or f'no answer within {self.connect_timeout:g} s'}"
+            for worker in self.workers
+        ]
+        return (
+            "no rollout worker answered (" + "; ".join(reasons) + "). Is rollout-worker running at that address "
+            "and port? If it is still starting, give RolloutClient a larger connect_timeout."
+        )
+
+    def _fail_parked(self) -> None:
+        reason = self._unreachable()
+        if reason is None or not self._parked:
+            return
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._finish(call)
+                call.events.put(RolloutError("no_workers", reason))
+
+    def _on_refusal(self, index: int) -> None:
+        """A socket monitor event: the worker refused this client's handshake (its key, or a missing one)."""
+        worker = self.workers[index]
+        while True:
+            try:
+                event = recv_monitor_message(worker.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = "refused this client's key (not among its --authorized-keys/--trainer-keys)"
+            else:
+                reason = "the security handshake failed (do both sides use CurveZMQ keys, and the right server key?)"
+            if worker.refused != reason:
+                logger.error("rollout worker %s %s", worker.address, reason)
+            worker.refused = reason
+        self._fail_parked()
+
+    def _heartbeat(self) -> None:
+        """Ping every worker (dead ones too, so they can come back); one whose ping stays unanswered for
+        dead_after_s is declared dead and its groups move to the others. Fail parked calls once no worker can
+        be reached."""
+        now = time.monotonic()
+        self._fail_parked()
+        self._release_parked()
+        for index, worker in enumerate(self.workers):
+            if not worker.answered and not worker.warned and now - self._started > self.connect_timeout:
+                worker.warned = True
+                logger.warning(
+                    "rollout worker %s never answered within %.0f s (not running, or a wrong address or port?)",
+                    worker.address,
+                    self.connect_timeout,
+                )
+            if (
+                worker.alive
+                and worker.unanswered_since is not None
+                and now - worker.unanswered_since > self.dead_after_s
+            ):
+                logger.warning("rollout worker %s stopped answering; resubmitting its groups", worker.address)
+                worker.alive = False
+                self._failover(index)
+            if now - worker.last_ping >= self.heartbeat_s:
+                worker.last_ping = now
+                if worker.unanswered_since is None:
+                    worker.unanswered_since = now
+                self._send(index, p.Ping())
+
+    def _failover(self, index: int) -> None:
+        """Resubmit every group of a dead worker to the live ones (streams skip what they already delivered)."""
+        worker = self.workers[index]
+        for call in [c for c in self._calls.values() if c.worker == index]:
+            worker.outstanding -= call.cost
+            worker.taken_away.add(call.wire_id)
+            call.worker = None
+            call.received = {}
+            self._dispatch(call)
+
+    def _revive(self, index: int) -> None:
+        """A worker answered for the first time, or again after it was declared dead: cancel what it no longer
+        owns, and give it the parked calls."""
+        worker = self.workers[index]
+        if worker.answered:
+            logger.warning("rollout worker %s is answering again", worker.address)
+        else:
+            logger.info("connected to rollout worker %s", worker.address)
+        worker.alive = worker.answered = True
+        worker.refused = None
+        for group_id in worker.taken_away:
+            self._send(index, p.Cancel(group_id))
+        worker.taken_away.clear()
+        if self._first_answer_at is None:
+            self._first_answer_at = time.monotonic()
+        self._release_parked()
+
+    def _release_parked(self) -> None:
+        """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the
+        other workers to answer too, so that groups submitted before any answered are spread over all of them."""
+        if not self._parked or self._first_answer_at is None:
+            return
+        starting = [w for w in self.workers if not w.answered and not w.refused]
+        if starting and time.monotonic() - self._first_answer_at < FIRST_CONTACT_GRACE_S:
+            return
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._dispatch(call)
