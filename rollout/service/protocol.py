@@ -47,7 +47,18 @@ Worker -> client:
 | error              | code: str, message: str, field: str or nil, group_id: str or nil, update_id: str or nil    |
 
 Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
-`--client-timeout` (60 s by default), so a client waiting on long groups should send `ping` every few seconds.
+`--client-timeout` (30 s by default), so a client waiting on long groups should send `ping` every few seconds. A
+client whose connection closed, or that leaves more than `--max-pending-bytes` of replies unread, is dropped at
+once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
+unsolicited `pong` with nonce 0: clients ignore pongs they did not ask for.
+
+Limits (`rollout-worker --max-...`, answered by name): header lists and maps hold at most 2**20 items and strings
+2**20 bytes (longer ones are refused before they are built); a prompt is at most `--max-prompt-len` tokens (checked
+from its length first); `n` at most `--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it);
+frames at most `--max-message-bytes` (a larger one drops the connection).
+
+Security: with `--curve-secret-key` every connection is CurveZMQ-encrypted and only listed keys connect; weight
+updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, others get "unauthorized".
 
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
