@@ -24,8 +24,17 @@ MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
 MAX_SUPPRESSED_TOKENS = 8192
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
+# Policy versions travel as int64 (msgpack, tensors of versions): the largest a weight update may set.
+MAX_POLICY_VERSION = 2**63 - 1
+# What happens to in-flight samples when a weight update commits (Engine.update_weights documents each).
+WEIGHT_UPDATE_MODES = ("keep", "recompute", "abort", "wait")
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype as the wire names it: "bfloat16", "float32", ..."""
+    return str(dtype).removeprefix("torch.")
 
 
 class FieldError(ValueError):

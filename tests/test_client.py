@@ -212,6 +212,19 @@ def test_trainer_bridge_does_not_import_the_engine():
     assert output.strip() == "[]"
 
 
+def test_weight_sync_does_not_import_the_engine_or_transformers_models():
+    """Pushing weights needs torch and the wire contract, not the engine nor transformers' models."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trainer_bridge.weight_sync; "
+        "print([m for m in ('rollout.engine', 'transformers.models') if any(k.startswith(m) for k in sys.modules)])"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "[]"
+
+
 @pytest.mark.timeout(180)
 def test_groups_sent_before_the_worker_is_up_are_never_dropped():
     """Issue 14: 1,500 groups submitted to a worker that is not up yet overflowed the socket's send queue (1,000

@@ -21,7 +21,8 @@ from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import TINY_MODEL_CONFIG, tiny_model
 from service_helpers import Worker, run_ranks
 from trainer_bridge import PromptGroup, RolloutClient
-from trainer_bridge.weight_sync import WeightSyncCallback, iter_weights, push_weights, weight_specs
+from trainer_bridge.sync_callback import WeightSyncCallback
+from trainer_bridge.weight_sync import iter_weights, push_weights, weight_specs
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402

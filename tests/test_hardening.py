@@ -266,8 +266,7 @@ def test_a_corrupted_bucket_is_refused_whole(client, worker, transport):
     "checksum"), nothing is applied, and the slot is free again."""
     import torch
 
-    from rollout.service.staging import attach_shared_memory
-    from rollout.service.weights import bucket_checksum
+    from rollout.service.staging import attach_shared_memory, bucket_checksum
 
     before = client.ask(p.Generate("before", [3, 4, 5], sampling=GREEDY))
     sent = torch.full((256,), 2.0).view(torch.uint8)
@@ -298,7 +297,7 @@ def test_a_staged_nan_is_refused_at_commit(client):
     """With --check-finite, an update whose bytes arrived intact but hold a NaN is refused naming the tensor."""
     import torch
 
-    from rollout.service.weights import bucket_checksum
+    from rollout.service.staging import bucket_checksum
 
     values = torch.ones(256)
     values[17] = float("nan")

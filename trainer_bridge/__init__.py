@@ -13,6 +13,10 @@ __all__ += list(_WEIGHT_SYNC)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "WeightSyncCallback":  # loads transformers' Trainer
+        from trainer_bridge import sync_callback
+
+        return sync_callback.WeightSyncCallback
     if name in _WEIGHT_SYNC:
         from trainer_bridge import weight_sync
 

@@ -35,18 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
-from rollout.engine.engine import WEIGHT_UPDATE_MODES, dtype_name
+from rollout.config import WEIGHT_UPDATE_MODES, dtype_name
 from rollout.service import protocol as p
 from rollout.service.dist import broadcast, make_process_group, make_store
-from rollout.service.staging import attach_shared_memory
-from rollout.service.weights import DTYPES, bucket_checksum, staging_layout
+from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, staging_layout
 from trainer_bridge.client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PushResult", "WeightSyncCallback", "iter_weights", "push_weights", "weight_specs"]
+__all__ = ["PushResult", "iter_weights", "push_weights", "weight_specs"]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 TRANSPORTS = ("auto", "frames", "shm", "torch.distributed")
@@ -680,34 +678,3 @@ def _as_bytes(tensor: torch.Tensor, dtype: torch.dtype, keep_device: bool) -> to
     if not keep_device:
         tensor = tensor.cpu()
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-class WeightSyncCallback(TrainerCallback):
-    """Push the model's weights to the rollout workers after every `every` optimizer steps (HF Trainer-based loops).
-
-    The policy version is the trainer's global step. Add it on every rank (gathers are collectives); only the main
-    process sends: `trainer.add_callback(WeightSyncCallback(client))`.
-    """
-
-    def __init__(self, client: RolloutClient | None, every: int = 1, **push_kwargs: Any):
-        """
-        Args:
-            client: the RolloutClient (may be None on ranks other than the main one).
-            every: push after every `every` optimizer steps.
-            **push_kwargs: passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
-        """
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
-        self.client = client
-        self.every = every
-        self.push_kwargs = push_kwargs
-        self.last_result: PushResult | None = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        """Push when the global step is a multiple of `every`."""
-        if state.global_step % self.every:
-            return
-        client = self.client if state.is_world_process_zero else None
-        result = push_weights(client, model, version=state.global_step, **self.push_kwargs)
-        if result is not None:
-            self.last_result = result

@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from rollout.config import DEFAULT_MAX_NEW_TOKENS, FieldError, SamplingParams, _is_int
+from rollout.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    MAX_POLICY_VERSION,
+    WEIGHT_UPDATE_MODES,
+    FieldError,
+    SamplingParams,
+    _is_int,
+    dtype_name,
+)
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
@@ -40,8 +48,6 @@ NOTHING_TO_DRAW = (
     "every token is banned at this position (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
     "no_repeat_ngram_size and min_new_tokens together leave none)"
 )
-# Policy versions travel as int64 (msgpack, tensors of versions): the largest a weight update may set.
-MAX_POLICY_VERSION = 2**63 - 1
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
 
@@ -72,9 +78,6 @@ class WeightUpdateResult:
     outputs: list[GenerationOutput] = field(default_factory=list, repr=False)
 
 
-WEIGHT_UPDATE_MODES = ("keep", "recompute", "abort", "wait")
-
-
 @dataclass
 class _InFlightStep:
     """A step queued on the device whose sampled tokens the host has not seen yet."""
@@ -83,11 +86,6 @@ class _InFlightStep:
     samples: PendingSamples
     policy_version: int  # the weights that ran it (a weight update drains the step first)
     advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """A torch dtype as the wire names it: "bfloat16", "float32", ..."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _is_token(value: object, vocab_size: int) -> bool:

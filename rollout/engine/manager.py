@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from rollout.config import FieldError, SamplingParams
-from rollout.engine.engine import WEIGHT_UPDATE_MODES, Engine, WeightUpdateResult
+from rollout.config import WEIGHT_UPDATE_MODES, FieldError, SamplingParams
+from rollout.engine.engine import Engine, WeightUpdateResult
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request, sample_id

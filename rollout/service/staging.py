@@ -1,13 +1,71 @@
-"""Where a weight update's bytes land on the worker before commit: a host buffer (pinned on GPU hosts) or a
-shared-memory segment the trainer writes into, kept from one update to the next (`StagingPool`)."""
+"""The weight wire contract that trainer and worker share, and where an update's bytes land before commit.
+
+Staging layout: the announced tensors one after the other, each at an offset aligned to `ALIGN` bytes, so a slice
+of the staging area viewed as the tensor's dtype is a valid tensor; both ends compute it with `staging_layout`. A
+bucket's checksum is `bucket_checksum` of its pieces' bytes. The area is a host buffer (pinned on GPU hosts) or a
+shared-memory segment the trainer writes into, kept from one update to the next (`StagingPool`). This module
+imports neither the engine nor transformers: `trainer_bridge` uses it."""
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import torch
+import xxhash
+
+from rollout.service import protocol as p
+
+TRANSPORTS = ("frames", "shm", "torch.distributed")
+ALIGN = 64
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "bfloat16",
+        "float16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+    )
+    if hasattr(torch, name)
+}
+
+
+def tensor_nbytes(spec: p.TensorSpec) -> int:
+    """Bytes of an announced tensor."""
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    return numel * DTYPES[spec.dtype].itemsize
+
+
+def bucket_checksum(chunks: Iterable[Any]) -> int:
+    """The checksum of a bucket: xxh3_64 (xxhash) of its pieces' bytes, in order. Chunks are uint8 CPU tensors or
+    buffers. The trainer sends it with the bucket; the worker recomputes it over what it staged."""
+    digest = xxhash.xxh3_64()
+    for chunk in chunks:
+        digest.update(memoryview(chunk.numpy()) if isinstance(chunk, torch.Tensor) else chunk)
+    return digest.intdigest()
+
+
+def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
+    """(offset of each tensor, total bytes) in the staging area: in order, each aligned to ALIGN bytes."""
+    offsets, end = [], 0
+    for spec in specs:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + tensor_nbytes(spec)
+    return offsets, end
 
 
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:

@@ -3,49 +3,33 @@ commit. Everything is staged in host memory first and checked (every name, dtype
 begin; every byte of every announced tensor at commit); only then does the engine copy it into the model, all at
 once, between two steps. A rejected update leaves nothing behind and the old weights keep serving.
 
-Staging layout: the announced tensors one after the other, each at an offset aligned to `ALIGN` bytes, so a slice
-of the staging area viewed as the tensor's dtype is a valid tensor. Both ends compute it with `staging_layout`.
+The wire contract both ends share (dtype names, staging layout, checksums) is in staging.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from multiprocessing import shared_memory
 from typing import Any
 
 import torch
-import xxhash
 
-from rollout.config import FieldError
-from rollout.engine.engine import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, Engine
+from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError
+from rollout.engine.engine import Engine
 from rollout.service import protocol as p
 from rollout.service.dist import check_dist_fields
-from rollout.service.staging import StagingPool, release_segment
+from rollout.service.staging import (
+    DTYPES,
+    TRANSPORTS,
+    StagingPool,
+    bucket_checksum,
+    release_segment,
+    staging_layout,
+    tensor_nbytes,
+)
 
 logger = logging.getLogger(__name__)
-
-TRANSPORTS = ("frames", "shm", "torch.distributed")
-ALIGN = 64
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64",
-        "float32",
-        "bfloat16",
-        "float16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "bool",
-    )
-    if hasattr(torch, name)
-}
 
 
 class UpdateRejected(Exception):
@@ -55,33 +39,6 @@ class UpdateRejected(Exception):
         super().__init__(f"{field}: {reason}" if field else reason)
         self.code = code
         self.field = field
-
-
-def tensor_nbytes(spec: p.TensorSpec) -> int:
-    """Bytes of an announced tensor."""
-    numel = 1
-    for size in spec.shape:
-        numel *= size
-    return numel * DTYPES[spec.dtype].itemsize
-
-
-def bucket_checksum(chunks: Iterable[Any]) -> int:
-    """The checksum of a bucket: xxh3_64 (xxhash) of its pieces' bytes, in order. Chunks are uint8 CPU tensors or
-    buffers. The trainer sends it with the bucket; the worker recomputes it over what it staged."""
-    digest = xxhash.xxh3_64()
-    for chunk in chunks:
-        digest.update(memoryview(chunk.numpy()) if isinstance(chunk, torch.Tensor) else chunk)
-    return digest.intdigest()
-
-
-def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
-    """(offset of each tensor, total bytes) in the staging area: in order, each aligned to ALIGN bytes."""
-    offsets, end = [], 0
-    for spec in specs:
-        start = -(-end // ALIGN) * ALIGN
-        offsets.append(start)
-        end = start + tensor_nbytes(spec)
-    return offsets, end
 
 
 def _payload(frame: Any) -> memoryview:
