@@ -1,5 +1,6 @@
-"""What a RolloutClient call is made of: the caller's `PromptGroup`, the `GroupResult` it gets back, the errors it may
-raise, and the state the I/O thread keeps for it (`Call`, and `AsyncSink` for coroutines)."""
+"""What a RolloutClient call is made of: the caller's `PromptGroup`, the `GroupResult` (or, for a weight push, the
+`PushResult`) it gets back, the errors it may raise, and the state the I/O thread keeps for it (`Call`, and
+`AsyncSink` for coroutines)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,30 @@ class RolloutError(RuntimeError):
 
 class WorkerBusy(RolloutError):
     """The worker's queue is full; retry later or add workers."""
+
+
+@dataclass
+class PushResult:
+    """What a push did.
+
+    Attributes:
+        version: the policy version every worker now serves.
+        num_bytes: bytes of the update (per worker).
+        transfer_s: seconds from the first begin to the last bucket acknowledged by every worker.
+        total_s: seconds of the whole push, commits included.
+        workers: per worker: address, transport, version, pause_ms, copy_ms, drain_ms, aborted, recomputed.
+    """
+
+    version: int
+    num_bytes: int
+    transfer_s: float
+    total_s: float
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Update bytes per second of transfer, per worker (1 GB = 1e9 bytes)."""
+        return self.num_bytes / max(self.transfer_s, 1e-9) / 1e9
 
 
 @dataclass

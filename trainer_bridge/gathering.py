@@ -1,0 +1,203 @@
+"""What a weight push sends: the tensors of a model, one whole tensor at a time, from a plain module, an
+accelerate-prepared one (DDP, torch.compile wrappers), DeepSpeed ZeRO-3 (gathered one parameter at a time), FSDP2
+DTensors (`full_tensor()` one at a time) or a PEFT model (LoRA merged into the base weights under the base names,
+the model left unmodified). `weight_sync.py` decides how to send them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Entry:
+    """One tensor to send: its name, dtype and full shape, and how to get its whole value."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fetch: Callable[[], torch.Tensor]  # gathers if needed: every rank must call it, in the same order
+
+
+def _is_zero3(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(tensor, DTensor) or isinstance(getattr(tensor, "data", None), DTensor)
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.Tensor]) -> Iterator[None]:
+    """Make ZeRO-3-partitioned `params` whole for the duration (a collective: every rank enters it)."""
+    partitioned = [param for param in params if _is_zero3(param)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
+def _full_copy(param: torch.Tensor) -> torch.Tensor:
+    """A whole, detached copy of one parameter or buffer (gathered if sharded)."""
+    if _is_dtensor(param):
+        return param.full_tensor().detach()
+    if _is_zero3(param):
+        with _gathered([param]):
+            return param.data.detach().clone()
+    return param.detach()
+
+
+def _shape_of(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param.ds_shape) if _is_zero3(param) else tuple(param.shape)
+
+
+def _unwrap(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    if accelerator is not None:
+        model = accelerator.unwrap_model(model)
+    while type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine") and hasattr(
+        model, "module"
+    ):
+        model = model.module
+    return getattr(model, "_orig_mod", model)  # torch.compile wrapper
+
+
+def _module_entries(model: torch.nn.Module) -> list[Entry]:
+    entries = [
+        Entry(name, param.dtype, _shape_of(param), lambda param=param: _full_copy(param))
+        for name, param in model.named_parameters()
+    ]
+    return entries + _buffer_entries(model)
+
+
+def _buffer_entries(model: torch.nn.Module, rename: Callable[[str], str | None] = lambda name: name) -> list[Entry]:
+    """Persistent buffers (they are in the state_dict); `rename` maps a name, or drops it by returning None."""
+    entries = []
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or buffer_name in module._non_persistent_buffers_set:
+                continue
+            name = rename(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+            if name is not None:
+                entries.append(Entry(name, buffer.dtype, tuple(buffer.shape), lambda b=buffer: _full_copy(b)))
+    return entries
+
+
+def _peft_entries(model: torch.nn.Module) -> list[Entry]:
+    """Merged weights of a PEFT LoRA model under the base model's names: W + sum of the active adapters' deltas,
+    computed per layer (the model is not modified), with no LoRA tensors."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    base = model.get_base_model()
+    prefix = getattr(model, "prefix", None) or getattr(model.base_model, "prefix", "lora_")
+    modules = dict(base.named_modules())
+    for name, module in modules.items():
+        if isinstance(module, BaseTunerLayer) and (
+            not isinstance(module, LoraLayer) or any(getattr(module, "use_dora", {}).values())
+        ):
+            raise NotImplementedError(
+                f"{name}: only LoRA adapters (without DoRA) can be merged on the fly; merge_and_unload() the model "
+                "into a plain one to sync it"
+            )
+
+    def base_name(name: str) -> str | None:
+        """The base model's name of a PEFT model's tensor; None for adapter tensors and frozen originals."""
+        parts = name.split(".")
+        if any(part.startswith(prefix) for part in parts) or "original_module" in parts:
+            return None  # adapter tensors, and the frozen originals of modules_to_save
+        if "modules_to_save" in parts:
+            at = parts.index("modules_to_save")
+            if parts[at + 1] != modules[".".join(parts[:at])].active_adapter:
+                return None
+            parts = parts[:at] + parts[at + 2 :]
+        if len(parts) >= 2 and parts[-2] == "base_layer":
+            parts = parts[:-2] + parts[-1:]
+        return ".".join(parts)
+
+    entries = []
+    for name, param in base.named_parameters():
+        clean = base_name(name)
+        if clean is None:
+            continue
+        layer = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
+        if isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
+            entries.append(Entry(clean, param.dtype, _shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
+        else:
+            entries.append(Entry(clean, param.dtype, _shape_of(param), lambda param=param: _full_copy(param)))
+    return entries + _buffer_entries(base, base_name)
+
+
+def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+    """Base weight + the LoRA deltas of the active, not yet merged adapters of one layer."""
+    with _gathered(list(layer.parameters())), torch.no_grad():
+        merged = weight.detach().clone()
+        for adapter in layer.active_adapters:
+            known = adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
+            if known and adapter not in layer.merged_adapters:
+                merged += layer.get_delta_weight(adapter).to(merged.dtype)
+        return merged.full_tensor() if _is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
+
+
+def entries_of(source: Any, accelerator: Any) -> list[Entry]:
+    """What `push_weights` sends of `source` (see `weight_specs`), in order, nothing gathered yet."""
+    if isinstance(source, torch.nn.Module):
+        model = _unwrap(source, accelerator)
+        if any(type(module).__name__ == "FullyShardedDataParallel" for module in model.modules()):
+            raise NotImplementedError(
+                "FSDP1 (FullyShardedDataParallel) flat parameters are not supported; shard with FSDP2 (fully_shard, "
+                "accelerate's fsdp_version=2), whose parameters are gathered one at a time"
+            )
+        if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+            return _peft_entries(model)
+        return _module_entries(model)
+    expected = "expected an nn.Module, a dict of name -> torch.Tensor, or an iterable of (name, tensor) pairs"
+    if isinstance(source, (str, bytes)) or not isinstance(source, (Mapping, Iterable)):
+        raise TypeError(f"{expected}, got {type(source).__name__}")
+    entries = []
+    for item in source.items() if isinstance(source, Mapping) else source:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(f"{expected}; got an item {type(item).__name__} {item!r:.60}")
+        name, tensor = item
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{expected}; got ({type(name).__name__}, {type(tensor).__name__})")
+        entries.append(Entry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: _full_copy(t)))
+    return entries
+
+
+def weight_specs(model_or_named_tensors: Any, accelerator: Any = None) -> dict[str, tuple[torch.dtype, tuple]]:
+    """Name -> (dtype, full shape) of what `push_weights` would send, without gathering anything.
+
+    Args:
+        model_or_named_tensors: an nn.Module (plain, accelerate-prepared, ZeRO-3, FSDP2 or PEFT), or a dict /
+            iterable of (name, tensor).
+        accelerator: the `accelerate.Accelerator` that prepared the model, if any.
+    """
+    return {entry.name: (entry.dtype, entry.shape) for entry in entries_of(model_or_named_tensors, accelerator)}
+
+
+def iter_weights(model_or_named_tensors: Any, accelerator: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, whole tensor) one at a time, gathering sharded parameters as it goes. In a multi-process run
+    every rank must iterate it to the end (the gathers are collectives). Arguments as for `weight_specs`."""
+    for entry in entries_of(model_or_named_tensors, accelerator):
+        yield entry.name, entry.fetch()
+
+
+def as_wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, keep_device: bool) -> torch.Tensor:
+    """The tensor in the wire dtype as a flat uint8 tensor (on the CPU unless `keep_device`)."""
+    tensor = tensor.detach()
+    if tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if not keep_device:
+        tensor = tensor.cpu()
+    return tensor.contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,44 @@
+"""A client's link to one worker: its DEALER socket (optionally CurveZMQ), the socket monitor that reports a refused
+key at once, and what the I/O thread knows of the worker (answered, alive, outstanding work, policy version)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from rollout.service.auth import secure_client_socket
+
+# Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
+# one): reported at once instead of waiting out the connect deadline.
+_HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class WorkerLink:
+    """One worker as the client sees it: its socket, liveness and outstanding work."""
+
+    def __init__(self, context: zmq.Context, address: str, keys: tuple[Any, Any] | None):
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
+        # (a refused send would lose the group); the client's own calls bound what waits.
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
+        # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        if keys is not None:
+            secure_client_socket(self.socket, *keys)
+        self.monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILURES)
+        self.socket.connect(address)
+        # Groups only go to a worker that answered: one that is not up yet (or a wrong address) gets pings only,
+        # so nothing queued for it can reach it twice (once queued, once resubmitted) when it comes up.
+        self.alive = False
+        self.answered = False  # ever
+        self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
+        self.warned = False  # "never answered" was logged
+        self.last_ping = 0.0
+        self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
+        self.outstanding = 0  # tokens still to generate for groups in flight
+        self.policy_version = 0  # as of the worker's last pong or weight commit
+        self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead

@@ -1,0 +1,383 @@
+"""One weight push, as a transaction per worker (`push_weights` in weight_sync.py drives it): weights_spec from
+every worker, weights_begin, buckets of at most `bucket_bytes` (two in flight per worker), then weights_commit once
+every worker staged the whole update."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.config import dtype_name
+from rollout.service import protocol as p
+from rollout.service.dist import broadcast, make_process_group, make_store
+from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, staging_layout
+from trainer_bridge.calls import PushResult
+from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.gathering import Entry, as_wire_bytes
+
+logger = logging.getLogger("trainer_bridge.weight_sync")
+
+_WINDOW = 2  # buckets in flight per worker: the next one travels while the previous is staged
+
+
+@dataclass
+class _Link:
+    """One worker's side of a push."""
+
+    index: int
+    address: str
+    transport: str = "frames"
+    specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    version: int = 0  # the worker's policy version before the push
+    ready: p.WeightsReady | None = None
+    committed: p.WeightsCommitted | None = None
+    open: bool = False  # begun, neither committed nor rejected
+    segment: Any = None  # shm transport: the attached SharedMemory
+    staging: torch.Tensor | None = None  # shm transport: a uint8 view of the segment
+    pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
+
+
+class _NoReply(Exception):
+    """No reply within a short poll."""
+
+
+class WorkerFailed(Exception):
+    def __init__(self, link: _Link, error: p.Error):
+        super().__init__(error.message)
+        self.link = link
+        self.error = error
+
+
+class WeightPush:
+    """One push from the main process (see `push_weights`)."""
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        entries: list[Entry],
+        version: int | None,
+        mode: str,
+        bucket_bytes: int,
+        transport: str,
+        timeout: float,
+        partial: bool,
+        dist_host: str,
+        dist_backend: str,
+    ):
+        self.client = client
+        self.entries = entries
+        self.version = version
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        self.transport = transport
+        self.timeout = timeout
+        self.partial = partial
+        self.dist_host = dist_host
+        self.dist_backend = dist_backend
+        self.update_id = uuid.uuid4().hex
+        self.channel = client.open_update_channel(self.update_id)
+        self.links = [_Link(index, client.worker_addresses[index]) for index in client.wait_connected()]
+        self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
+        self.group: Any = None  # torch.distributed group for this push
+
+    # ---- the phases -------------------------------------------------------------------------------------------
+    def run(self) -> PushResult:
+        if not self.links:
+            raise RolloutError("no_workers", "no live rollout worker to push weights to")
+        started = time.perf_counter()
+        try:
+            specs = self._plan()
+            self._begin(specs)
+            self._send_buckets(specs)
+            transfer_s = time.perf_counter() - started
+            results = self._commit()
+        except WorkerFailed as failure:
+            error = failure.error
+            raise RolloutError(
+                error.code, f"worker {failure.link.address} rejected the weight update: {error.message}", error.field
+            ) from None
+        total_bytes = staging_layout(specs)[1]
+        versions = {result["version"] for result in results}
+        if len(versions) != 1:
+            raise RolloutError("version_mismatch", f"workers now serve different versions: {results}")
+        version = versions.pop()
+        self.client.min_policy_version = max(self.client.min_policy_version, version)
+        return PushResult(version, total_bytes, transfer_s, time.perf_counter() - started, results)
+
+    def _plan(self) -> list[p.TensorSpec]:
+        """Ask every worker for its tensors; check names and shapes here, before gathering anything; choose the
+        wire dtype of each tensor (floating tensors travel in the worker's dtype)."""
+        for link in self.links:
+            self.channel.send(link.index, p.WeightsSpec(self.update_id))
+        self._wait(lambda: all(link.specs is not None for link in self.links), self.timeout, "weights_spec")
+        current = max(link.version for link in self.links)
+        if self.version is not None and self.version <= current:
+            raise RolloutError("bad_update", f"must exceed the workers' current version {current}", "version")
+        reference = self.links[0].specs
+        for link in self.links[1:]:
+            if link.specs != reference:
+                raise RolloutError(
+                    "bad_update",
+                    f"workers {self.links[0].address} and {link.address} serve models "
+                    "with different tensors; push to each separately",
+                )
+        specs = []
+        for entry in self.entries:
+            target = reference.get(entry.name)
+            if target is None:
+                raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
+            dtype_wire, shape = target
+            if tuple(shape) != tuple(entry.shape):
+                raise RolloutError(
+                    "bad_update", f"shape {list(entry.shape)} does not match the workers' {list(shape)}", entry.name
+                )
+            if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
+                dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
+            specs.append(p.TensorSpec(entry.name, dtype_wire, list(entry.shape)))
+        return specs
+
+    def _begin(self, specs: list[p.TensorSpec]) -> None:
+        dist_fields: dict[str, Any] = {}
+        if self.transport == "torch.distributed":
+            dist_fields = self._dist_fields()
+        for link in self.links:
+            link.transport = "shm" if self.transport == "auto" else self.transport
+            fields = dict(dist_fields, rank=1 + self.links.index(link)) if dist_fields else {}
+            self._send_begin(link, specs, fields)
+        if self.transport == "torch.distributed":
+            self._join_group(dist_fields)
+        deadline = time.monotonic() + self.timeout
+        while not all(link.ready is not None for link in self.links):
+            try:
+                self._receive(deadline - time.monotonic(), "weights_ready")
+            except WorkerFailed as failure:
+                link = failure.link
+                if self.transport != "auto" or link.transport != "shm":
+                    raise
+                link.transport, link.open = "frames", False  # the worker could not make a segment
+                self._send_begin(link, specs, {})
+                continue
+            for link in self.links:
+                if link.ready is not None and link.transport == "shm" and link.segment is None:
+                    self._attach(link, specs)
+
+    def _send_begin(self, link: _Link, specs: list[p.TensorSpec], dist_fields: dict[str, Any]) -> None:
+        link.open = True
+        link.ready = None
+        begin = p.WeightsBegin(
+            self.update_id, specs, self.version, self.mode, link.transport, self.partial, self.timeout, dist_fields
+        )
+        self.channel.send(link.index, begin)
+
+    def _attach(self, link: _Link, specs: list[p.TensorSpec]) -> None:
+        """Open the worker's staging segment; where that fails (another host), fall back to frames."""
+        expected = staging_layout(specs)[1]
+        try:
+            segment = attach_shared_memory(link.ready.shm_name)
+            if segment.size < expected:
+                segment.close()
+                raise OSError(f"segment of {segment.size} bytes, expected {expected}")
+        except OSError as error:
+            if self.transport == "shm":
+                raise RolloutError(
+                    "bad_update", f"cannot open {link.address}'s shared memory: {error}", "transport"
+                ) from None
+            logger.info("worker %s does not share this host's memory (%s); using frames", link.address, error)
+            self.channel.send(link.index, p.WeightsAbort(self.update_id))  # the worker drops it, then begins anew
+            link.transport = "frames"
+            self._send_begin(link, specs, {})
+            return
+        link.segment = segment
+        link.staging = torch.frombuffer(segment.buf, dtype=torch.uint8)
+
+    def _join_group(self, fields: dict[str, Any]) -> None:
+        """Join the push's process group as rank 0. The workers join on receiving their begin; a worker that
+        refuses the begin never joins, so its refusal is watched for meanwhile and raised at once."""
+        outcome: list[BaseException | Any] = []
+
+        def join() -> None:
+            try:
+                outcome.append(
+                    make_process_group(
+                        self.store, fields["group"], 0, fields["world_size"], self.dist_backend, self.timeout
+                    )
+                )
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                outcome.append(error)
+
+        thread = threading.Thread(target=join, name="rollout-weights-join", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(_NoReply):
+                self._receive(0.05, "weights_ready", quiet=True)
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if not outcome or isinstance(outcome[0], BaseException):
+            reason = outcome[0] if outcome else f"no rendezvous within {self.timeout:g} s"
+            raise RolloutError("dist", f"the workers did not join the torch.distributed group: {reason}")
+        self.group = outcome[0]
+
+    def _dist_fields(self) -> dict[str, Any]:
+        """A new rendezvous store and group key for this push (a group is never reused: a worker that restarted,
+        or another trainer's push in between, would leave a kept one dangling)."""
+        self.store = make_store(self.dist_host, 0, 1 + len(self.links), True, self.timeout)
+        return {
+            "host": self.dist_host,
+            "port": self.store.port,
+            "world_size": 1 + len(self.links),
+            "rank": 1,
+            "backend": self.dist_backend,
+            "group": uuid.uuid4().hex,
+        }
+
+    def _send_buckets(self, specs: list[p.TensorSpec]) -> None:
+        offsets, _ = staging_layout(specs)
+        bucket: list[tuple[int, int, torch.Tensor]] = []  # (tensor index, byte offset in the tensor, bytes)
+        used = 0
+        for index, (entry, spec) in enumerate(zip(self.entries, specs)):
+            tensor = entry.fetch()
+            self.fetched += 1
+            data = as_wire_bytes(tensor, DTYPES[spec.dtype], self.transport == "torch.distributed")
+            start = 0
+            while start < data.numel() or (data.numel() == 0 and start == 0):
+                take = min(self.bucket_bytes - used, data.numel() - start)
+                bucket.append((index, start, data[start : start + take]))
+                used += take
+                start += take
+                if used >= self.bucket_bytes:
+                    self._flush(bucket, offsets)
+                    bucket, used = [], 0
+                if data.numel() == 0:
+                    break
+        if bucket:
+            self._flush(bucket, offsets)
+        self._wait(lambda: all(not link.pending for link in self.links), self.timeout, "weights_ack")
+
+    def _flush(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> None:
+        pieces = [p.TensorPiece(index, offset, data.numel()) for index, offset, data in bucket]
+        # The worker checks what it staged against this; NCCL broadcasts from GPU memory carry none (hashing them
+        # would cost a copy to the host).
+        on_host = all(data.device.type == "cpu" for _, _, data in bucket)
+        checksum = bucket_checksum(data for _, _, data in bucket) if on_host else None
+        header = p.WeightsBucket(self.update_id, pieces, checksum)
+        for link in self.links:
+            self._wait(lambda link=link: len(link.pending) < _WINDOW, self.timeout, "weights_ack")
+            if link.transport == "frames":
+                cpu = [data.cpu() for _, _, data in bucket]
+                self.channel.send(link.index, header, [memoryview(d.numpy()) for d in cpu])
+                link.pending.append(cpu)
+            elif link.transport == "shm":
+                for index, offset, data in bucket:
+                    start = offsets[index] + offset
+                    link.staging[start : start + data.numel()].copy_(data)
+                self.channel.send(link.index, header)
+                link.pending.append(None)
+            else:
+                self.channel.send(link.index, header)
+                link.pending.append(None)
+        if self.transport == "torch.distributed":
+            try:  # one broadcast per piece, each straight into its place in the workers' staging areas
+                for _, _, data in bucket:
+                    broadcast(self.group, data)
+            except Exception as error:  # noqa: BLE001 - e.g. a worker died mid-broadcast
+                raise RolloutError("dist", f"broadcast to the workers failed: {error}") from None
+
+    def _commit(self) -> list[dict[str, Any]]:
+        for link in self.links:
+            self.channel.send(link.index, p.WeightsCommit(self.update_id))
+        drain = self.timeout if self.mode == "wait" else 0.0
+        deadline = time.monotonic() + self.timeout + drain
+        failed: dict[int, p.Error] = {}
+        # Hear from every worker, even after a failure: the error must say which ones now serve the new weights.
+        while not all(link.committed is not None or link.index in failed for link in self.links):
+            try:
+                self._receive(deadline - time.monotonic(), "commit")
+            except WorkerFailed as failure:
+                failed[failure.link.index] = failure.error
+        if failed:
+            first = next(link for link in self.links if link.index in failed)
+            committed = [f"{link.address} (version {link.committed.version})" for link in self.links if link.committed]
+            if not committed:
+                raise WorkerFailed(first, failed[first.index])
+            errors = "; ".join(
+                f"{link.address}: {failed[link.index].message}" for link in self.links if link.index in failed
+            )
+            raise RolloutError(
+                "partial_commit",
+                f"the commit failed on some workers ({errors}) while {', '.join(committed)} committed: the workers "
+                "now serve different weights; push again",
+                failed[first.index].field,
+            )
+        results = []
+        for link in self.links:
+            done = link.committed
+            results.append(
+                {
+                    "address": link.address,
+                    "transport": link.transport,
+                    "version": done.version,
+                    "pause_ms": done.pause_ms,
+                    "copy_ms": done.copy_ms,
+                    "drain_ms": done.drain_ms,
+                    "aborted": done.aborted,
+                    "recomputed": done.recomputed,
+                }
+            )
+        return results
+
+    # ---- replies ----------------------------------------------------------------------------------------------
+    def _wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            self._receive(deadline - time.monotonic(), what)
+
+    def _receive(self, timeout: float, what: str, quiet: bool = False) -> None:
+        try:
+            index, message = self.channel.receive(timeout)
+        except RolloutError:
+            if quiet:
+                raise _NoReply from None
+            raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
+        link = next((link for link in self.links if link.index == index), None)
+        if link is None:
+            return
+        if isinstance(message, p.Error):
+            link.open = False
+            raise WorkerFailed(link, message)
+        if isinstance(message, p.WeightsSpecReply):
+            link.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
+            link.version = message.policy_version
+        elif isinstance(message, p.WeightsReady):
+            link.ready = message
+        elif isinstance(message, p.WeightsAck):
+            if message.state == "staging" and link.pending:
+                link.pending.popleft()
+        elif isinstance(message, p.WeightsCommitted):
+            link.committed = message
+            link.open = False
+
+    def close(self) -> None:
+        """Abort what is still open on the workers, finish every gather (other ranks are in them too), release
+        shared memory and the channel."""
+        for link in self.links:
+            if link.open:
+                self.channel.send(link.index, p.WeightsAbort(self.update_id))
+            link.pending.clear()
+            link.staging = None
+            if link.segment is not None:
+                with contextlib.suppress(BufferError):
+                    link.segment.close()
+        for entry in self.entries[self.fetched :]:
+            entry.fetch()
+        self.fetched = len(self.entries)
+        self.group = None
+        self.channel.close()
