@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import gpu_report, grpo, service, throughput, weights
+from rollout.benchmarks import gpu_report, grpo, load, service, throughput, weights
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=sorted(throughput.WORKLOADS),
         default="cpu-small",
-        help="workload from DESIGN.md (default: cpu-small)",
+        help="workload, see docs/architecture.md, Benchmark workloads (default: cpu-small)",
     )
     tp.add_argument(
         "--systems",
@@ -60,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gr.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     gr.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
+    load.add_arguments(
+        commands.add_parser(
+            "load",
+            help="N client processes against 1-2 workers over loopback: groups/s, p50/p99 latency, exactly-once, RSS, "
+            "KV blocks left; --kill-one, --fuzz N",
+            description=load.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     gpu_report.add_arguments(
         commands.add_parser(
             "gpu-report",
@@ -83,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         summary = throughput.run(
             args.workload, args.systems, args.seed, args.repeats, args.details, warmup=not args.no_warmup
         )
+    elif args.command == "load":
+        load.check_arguments(parser, args)
+        summary = load.run(args)
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")
@@ -90,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         summary = service.run(args.seed)
     print(json.dumps(summary))
+    if args.command == "load" and not summary["passed"]:
+        raise SystemExit(1)  # a group lost or duplicated, KV blocks left in use, or a fuzzed worker stopped serving
 
 
 if __name__ == "__main__":
