@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import zmq
@@ -43,12 +44,15 @@ class Worker:
             "WARNING",
             *flags,
         ]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # Output goes to a file, not a pipe: nobody reads a pipe while the worker runs, and a full one (64 KiB of
+        # logged warnings) would block the worker mid-test.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         client = Client(self.address, secure)
         try:
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
-                assert self.process.poll() is None, self.process.stdout.read().decode()
+                assert self.process.poll() is None, self.output()
                 client.send(p.Ping(1))
                 if client.socket.poll(500):
                     assert isinstance(client.receive(), p.Pong)
@@ -56,6 +60,11 @@ class Worker:
             raise TimeoutError("the worker did not answer ping")
         finally:
             client.close()
+
+    def output(self) -> str:
+        """Everything the worker printed so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 # Engine-side field names -> the protocol's.
 _FIELD_NAMES = {"input_ids": "prompt_ids", "request_id": "group_id"}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+MAX_PIECES = 1 << 16  # pieces in one weight bucket
+MAX_TENSORS = 1 << 16  # tensors in one weight update
 
 
 class RolloutWorker:
@@ -75,6 +77,8 @@ class RolloutWorker:
         self.limits = limits or WorkerLimits()
         engine = manager.engine
         self.max_prompt_len = min(self.limits.max_prompt_len or engine.max_model_len, engine.max_model_len)
+        # Long lists are refused from their length, before their items are looked at.
+        self._max_lengths = {"prompt_ids": self.max_prompt_len, "pieces": MAX_PIECES, "tensors": MAX_TENSORS}
         self._context = auth.context if auth is not None else zmq.Context()
         self._auth = auth
         self._socket = self._context.socket(zmq.ROUTER)
@@ -172,7 +176,7 @@ class RolloutWorker:
 
     def _receive(self, identity: bytes, frames: list) -> None:
         try:
-            message = p.decode(frames, max_lengths={"prompt_ids": self.max_prompt_len})
+            message = p.decode(frames, max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
             if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
                 raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
         except p.ProtocolError as error:
