@@ -131,10 +131,12 @@ class RolloutWorker:
         try:
             while not self._stop.is_set() and self.manager.is_running():
                 ready = dict(poller.poll(100))
-                if self._socket in ready:
-                    self._receive_all()
+                # Closed connections first: their descriptors may already serve new clients whose messages wait
+                # on the socket (a closed connection's event is queued before its descriptor is released).
                 if self._links.monitor in ready:
                     self._links.on_monitor_events()
+                if self._socket in ready:
+                    self._receive_all()
                 if ready:
                     self._waker.drain()
                 self._updates.conclude()
