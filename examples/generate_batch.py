@@ -2,6 +2,11 @@
 logprobs, on the built-in tiny model and tokenizer.
 
     python examples/generate_batch.py [--model <HF dir or id>] [--samples 4] [--max-new-tokens 32]
+
+On the tiny model the printed text is short gibberish, and that is expected: its weights are random (every token is
+about equally likely: a mean logprob near -ln(1024) = -6.9), and its tokenizer gives characters to only 100 of the
+model's 1024 token ids (printable ASCII, newline and 4 special tokens). The other ids decode to nothing, so 32
+generated tokens print as about 3 characters. `--model` with a real checkpoint prints real text.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ import sys
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import tiny_model, tiny_tokenizer
 
+TINY_NOTE = (
+    "tiny model: random weights, and only 100 of its 1024 token ids have a character (the others decode to nothing), "
+    "so the text below is short gibberish; pass --model <HF dir or id> for real text"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -21,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model is None:
         model, tokenizer = tiny_model(), tiny_tokenizer()
+        print(TINY_NOTE)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,7 @@
-"""`rollout-bench grpo`: DESIGN.md's GRPO workload. 32 prompts of 128-512 tokens, each sampled n=8 times (temperature
-1, EOS ignored) with its own 32-256 new tokens. Reports generated tokens/s, and prompt tokens actually computed
-against what computing every sample's prompt separately would cost (a group prefills its prompt once and forks).
+"""`rollout-bench grpo`: the GRPO workload (docs/architecture.md, Benchmark workloads). 32 prompts of 128-512
+tokens, each sampled n=8 times (temperature 1, EOS ignored) with its own 32-256 new tokens. Reports generated
+tokens/s, and prompt tokens actually computed against what computing every sample's prompt separately would cost (a
+group prefills its prompt once and forks).
 
 Compared with transformers' continuous batching given the same 256 requests (8 copies of each prompt) with our cache,
 page size, token budget and batch width. On CPU (`--device cpu`, the default without CUDA) the model is the cpu-small

@@ -25,7 +25,7 @@ from rollout.service.presets import TINY_MODEL_CONFIG
 
 @dataclass(frozen=True)
 class Workload:
-    """A throughput workload (DESIGN.md, Benchmarks)."""
+    """A throughput workload (docs/architecture.md, Benchmark workloads)."""
 
     name: str
     device: str
