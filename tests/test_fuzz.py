@@ -172,4 +172,6 @@ STALLS = {
 def test_one_large_message_does_not_stall_serving(worker, name):
     waited, reply = _ping_while(worker.address, [msgpack.packb(STALLS[name])])
     assert isinstance(reply, p.Error)
-    assert waited < 0.5, f"a ping waited {waited:.1f} s behind the {name} message"
+    # Before the fix these stood serving still for 2.7 s to over 2 minutes; now ~0.1 s of work (2 s leaves room for
+    # a loaded 2-core CI machine moving the 24 MB frame).
+    assert waited < 2.0, f"a ping waited {waited:.1f} s behind the {name} message"
