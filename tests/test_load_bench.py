@@ -33,19 +33,6 @@ def _bench(*flags: str, module: str = "rollout.benchmarks.cli", timeout: float =
     return summary, out
 
 
-def test_a_tiny_load_returns_every_group_once_and_frees_every_block():
-    summary, out = _bench(*TINY)
-    assert summary["passed"] and summary["exactly_once"], out[-4000:]
-    assert (summary["groups"], summary["groups_returned"]) == (9, 9)
-    assert (summary["lost"], summary["duplicated"], summary["unexpected"], summary["malformed_results"]) == (0, 0, 0, 0)
-    assert summary["kv_blocks_used_end"] == 0 and summary["worker"][0]["kv_blocks_used_end"] == 0
-    assert summary["generated_tokens"] == 9 * 2 * 4 and summary["worker"][0]["generated_tokens"] >= 72
-    assert summary["groups_per_s"] > 0 and 0 < summary["latency_p50_s"] <= summary["latency_p99_s"]
-    rss = summary["worker"][0]
-    assert 0 < rss["rss_start_mb"] <= rss["rss_peak_mb"] and rss["rss_end_mb"] > 0
-    assert "exactly once" in out and "KV blocks in use at end" in out  # the table, before the JSON line
-
-
 def test_killing_one_of_two_workers_mid_run_loses_nothing_while_the_other_is_fuzzed():
     # Killed as soon as it has groups in flight; its clients give up on it after 2 s and resubmit them to the other
     # worker, which meanwhile gets 300 malformed messages.
@@ -59,6 +46,12 @@ def test_killing_one_of_two_workers_mid_run_loses_nothing_while_the_other_is_fuz
     fuzz = summary["fuzz"]
     assert fuzz["sent"] == fuzz["answered"] == 300 and fuzz["unanswered"] == 0, fuzz
     assert fuzz["serving"]["hello"] and fuzz["greedy_unchanged"], fuzz["serving"]
+    # What every load run reports (one run here: a suite on 2 cores has no time for two).
+    assert summary["unexpected"] == summary["malformed_results"] == 0
+    assert summary["groups_per_s"] > 0 and 0 < summary["latency_p50_s"] <= summary["latency_p99_s"]
+    survivor = summary["worker"][1]
+    assert 0 < survivor["rss_start_mb"] <= survivor["rss_peak_mb"] and survivor["rss_end_mb"] > 0
+    assert "exactly once" in out and "KV blocks in use at end" in out  # the table, before the JSON line
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ def test_bad_input_gets_an_error_naming_the_field(client, frames, field):
 
 
 def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):
-    """A few thousand malformed or mistyped messages each get exactly one error reply; then a normal group works."""
+    """Hundreds of malformed or mistyped messages each get exactly one error reply; then a normal group works."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -122,7 +122,7 @@ def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):
     )
     count = {"n": 0}
 
-    @settings(max_examples=2000, deadline=None, database=None)
+    @settings(max_examples=500, deadline=None, database=None)  # tests/test_fuzz.py sends 3,000 more
     @given(
         kind=st.sampled_from(["generate", "cancel", "ping", "hello", "stats", "delta", "x"]),
         fields=st.dictionaries(
@@ -144,7 +144,7 @@ def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):
             reply = client.receive()
 
     one()
-    assert count["n"] >= 2000
+    assert count["n"] >= 500
     result = client.ask(p.Generate("after-fuzz", [7, 8, 9], sampling=GREEDY))
     assert isinstance(result, p.GroupResult) and len(result.completions[0].token_ids) == 12
 

@@ -101,8 +101,7 @@ class Dispatcher:
         monitors = {worker.monitor: index for index, worker in enumerate(self.workers)}
         try:
             while not self.closed.is_set():
-                wait_ms = 50 if self._parked else int(self.heartbeat_s * 1000 / 2)  # parked calls: look again soon
-                for sock, _ in poller.poll(wait_ms):
+                for sock, _ in poller.poll(self._poll_ms()):
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
                     elif sock in monitors:
@@ -355,6 +354,13 @@ class Dispatcher:
         if self._first_answer_at is None:
             self._first_answer_at = time.monotonic()
         self._release_parked()
+
+    def _poll_ms(self) -> int:
+        """How long the loop may sleep: half a heartbeat, or until parked calls' first-contact grace ends."""
+        wait_s = self.heartbeat_s / 2
+        if self._parked and self._first_answer_at is not None:
+            wait_s = min(wait_s, max(0.0, self._first_answer_at + FIRST_CONTACT_GRACE_S - time.monotonic()))
+        return int(wait_s * 1000) + 1
 
     def _release_parked(self) -> None:
         """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the

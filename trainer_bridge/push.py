@@ -264,10 +264,9 @@ class WeightPush:
 
     def _flush(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> None:
         pieces = [p.TensorPiece(index, offset, data.numel()) for index, offset, data in bucket]
-        # The worker checks what it staged against this; NCCL broadcasts from GPU memory carry none (hashing them
-        # would cost a copy to the host).
-        on_host = all(data.device.type == "cpu" for _, _, data in bucket)
-        checksum = bucket_checksum(data for _, _, data in bucket) if on_host else None
+        # The worker checks what it staged against this. Buckets broadcast from GPU memory (NCCL) are hashed from a
+        # host copy: one device-to-host copy of the update, the price of catching a corrupted transfer.
+        checksum = bucket_checksum(data.cpu() for _, _, data in bucket)
         header = p.WeightsBucket(self.update_id, pieces, checksum)
         for link in self.links:
             self._wait(lambda link=link: len(link.pending) < _WINDOW, self.timeout, "weights_ack")
