@@ -262,3 +262,25 @@ def test_generate_cancels_its_group_when_the_wait_ends_early(client):
     time.sleep(1.0)
     assert sum(s["generated_tokens"] for s in client.stats()) == before
     assert all(s["running"] == 0 and s["queued"] == 0 for s in client.stats())
+
+
+@pytest.mark.parametrize(
+    "group, field",
+    [
+        (PromptGroup([2**64]), "prompt_ids"),
+        (PromptGroup([1], n=2**64), "n"),
+        (PromptGroup([1], group_id="\udc80"), "group_id"),
+    ],
+)
+def test_values_msgpack_cannot_carry_are_refused_and_the_client_lives_on(client, group, field):
+    """Review finding: such a group raised inside the I/O thread, which died and failed every call of the client."""
+    with pytest.raises(RolloutError) as error:
+        client.generate(group)
+    assert (error.value.code, error.value.field) == ("bad_request", field)
+    assert client.generate(PromptGroup([5, 6], sampling=GREEDY)).completions[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("address", ["tcp://localhost:abc", "tcp://127.0.0.1:", "ipc://"])
+def test_a_malformed_address_is_named_as_such(address):
+    with pytest.raises(ValueError, match="addresses"):
+        RolloutClient(address)

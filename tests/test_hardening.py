@@ -338,3 +338,51 @@ def test_a_vanished_client_is_lost_once_not_once_per_reply(caplog):
         links.close()
         router.close(linger=0)
         context.term()
+
+
+@pytest.mark.parametrize("host", ["a" * 64 + ".x", "rollout-trainer.invalid", "bad\0host"])
+def test_a_dist_host_that_is_no_ip_address_is_refused_by_name(client, host):
+    """Review finding: a host name was looked up on the serving thread (a black-holed DNS zone stalls serving),
+    and a malformed one came back as "internal". The host must be an IP address; no lookup happens."""
+    reply = client.ask(_dist_begin(f"name-{len(host)}", host, 29500))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_update", "dist.host"), reply
+    assert isinstance(client.ask(p.Ping(1)), p.Pong)
+
+
+def test_a_vanished_trainer_frees_the_update_slot_and_push_weights_can_preempt(worker):
+    """Review finding: a trainer SIGKILLed with an update open held the slot until its deadline (only clients with
+    groups were watched). Its closed connection now frees the slot at once; and push_weights(preempt=True) takes
+    a slot held by a live client over."""
+    from rollout.service.presets import tiny_model
+    from trainer_bridge import RolloutClient, push_weights
+
+    code = (
+        "import time, zmq\n"
+        "from rollout.service import protocol as p\n"
+        f"s = zmq.Context().socket(zmq.DEALER); s.connect({worker.address!r})\n"
+        "spec = [p.TensorSpec('model.norm.weight', 'float32', [256])]\n"
+        "s.send_multipart(p.encode(p.WeightsBegin('doomed', spec, partial=True, timeout_s=30)))\n"
+        "print(type(p.decode(s.recv_multipart())).__name__, flush=True); time.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    holder = Client(worker.address)
+    try:
+        assert child.stdout.readline().strip() == "WeightsReady"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
+        deadline = time.monotonic() + 5  # the update's own deadline is 30 s
+        while not isinstance(
+            reply := holder.ask(p.WeightsBegin("next", spec, partial=True, timeout_s=30)), p.WeightsReady
+        ):
+            assert reply.code == "update_in_progress" and time.monotonic() < deadline, reply
+            time.sleep(0.1)
+        with RolloutClient(worker.address, timeout=60) as trainer:
+            version = trainer.stats()[0]["policy_version"] + 1
+            pushed = push_weights(trainer, tiny_model(), version=version, preempt=True, timeout=20)
+            assert pushed.version == version
+        reply = holder.receive()
+        assert isinstance(reply, p.Error) and (reply.code, reply.update_id) == ("update_preempted", "next")
+    finally:
+        child.kill()
+        holder.close()

@@ -90,6 +90,7 @@ class Call:
     # so a resubmission never collides with the first run (still running on a worker that was only slow).
     wire_id: str = ""
     attempts: int = 0
+    cancelled: bool = False  # the caller gave up on it (a failover finishes it instead of resubmitting)
 
 
 class AsyncSink:

@@ -37,6 +37,8 @@ from trainer_bridge.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
 
+_INT64 = 1 << 63  # ids and counts travel as msgpack integers
+
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
 
@@ -169,9 +171,10 @@ class RolloutClient:
             timeout: most seconds to wait for the next result.
         """
         finished: queue.SimpleQueue = queue.SimpleQueue()
-        calls = [self._submit(group, stream=False, sink=finished) for group in groups]
-        pending = {call.group.group_id for call in calls}
+        pending: set[str] = set()
         try:
+            for group in groups:  # a bad group raises here: those submitted before it are cancelled below
+                pending.add(self._submit(group, stream=False, sink=finished).group.group_id)
             while pending:
                 try:
                     event = finished.get(timeout=self.timeout if timeout is None else timeout)
@@ -241,8 +244,10 @@ class RolloutClient:
     ) -> AsyncIterator[GroupResult]:
         """asyncio version of `generate_many`: each result as it finishes."""
         sink = AsyncSink(asyncio.get_running_loop())
-        pending = {self._submit(group, stream=False, sink=sink).group.group_id for group in groups}
+        pending: set[str] = set()
         try:
+            for group in groups:
+                pending.add(self._submit(group, stream=False, sink=sink).group.group_id)
             while pending:
                 result = await sink.next(self.timeout if timeout is None else timeout, "any")
                 pending.discard(result.group_id)
@@ -310,10 +315,16 @@ class RolloutClient:
             prompt_ids = [operator.index(token) for token in group.prompt_ids]
         except TypeError:
             raise RolloutError("bad_request", "token ids must be integers", "prompt_ids") from None
-        if not isinstance(group.n, int) or isinstance(group.n, bool):
-            raise RolloutError("bad_request", f"n must be an integer, got {group.n!r}", "n")
+        if not all(0 <= token < _INT64 for token in prompt_ids):
+            raise RolloutError("bad_request", "token ids must be in [0, 2**63)", "prompt_ids")
+        if not isinstance(group.n, int) or isinstance(group.n, bool) or not 0 < group.n < _INT64:
+            raise RolloutError("bad_request", f"n must be a positive integer, got {group.n!r}", "n")
         if group.group_id is not None and not isinstance(group.group_id, str):
             raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
+        try:
+            (group.group_id or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
         if not isinstance(group.sampling, dict):
             raise RolloutError("bad_request", "sampling must be a dict of SamplingParams fields", "sampling")
         try:

@@ -105,7 +105,7 @@ class Dispatcher:
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
                     elif sock in monitors:
-                        self._on_refusal(monitors[sock])
+                        self._on_monitor(monitors[sock])
                     else:
                         self._receive(sockets[sock])
                 self._run_commands()
@@ -144,6 +144,7 @@ class Dispatcher:
                 call = self._calls.get(payload)
                 if call is None:
                     continue
+                call.cancelled = True
                 if call.worker is not None:
                     self._send(call.worker, p.Cancel(call.wire_id))
                 else:  # parked: nobody has it, so it ends here
@@ -181,7 +182,16 @@ class Dispatcher:
         call.attempts += 1
         call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
         self._by_wire[call.wire_id] = call
-        self._send(index, p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
+        try:
+            frames = p.encode(p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
+        except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
+            self._finish(call)
+            call.events.put(RolloutError("bad_request", f"the group cannot be encoded: {error}"))
+            return
+        try:
+            self.workers[index].socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the heartbeat will declare the worker dead and resubmit its groups
 
     def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
         try:
@@ -245,6 +255,8 @@ class Dispatcher:
             self._finish(call)
             call.events.put(GroupResult(group_id, message.prompt_ids, message.completions))
         elif isinstance(message, p.Error):
+            if message.code == "unknown_group":  # answers a cancel that crossed the result: not this call's fate
+                return
             self._finish(call)
             kind = WorkerBusy if message.code == "busy" else RolloutError
             call.events.put(kind(message.code, message.message, message.field))
@@ -282,14 +294,21 @@ class Dispatcher:
                 self._finish(call)
                 call.events.put(RolloutError("no_workers", reason))
 
-    def _on_refusal(self, index: int) -> None:
-        """A socket monitor event: the worker refused this client's handshake (its key, or a missing one)."""
+    def _on_monitor(self, index: int) -> None:
+        """Socket monitor events: the connection closed (the worker died, restarted, or dropped this client: its
+        groups are gone there, so they fail over at once), or the worker refused this client's handshake."""
         worker = self.workers[index]
         while True:
             try:
                 event = recv_monitor_message(worker.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                if worker.alive:
+                    logger.warning("connection to rollout worker %s closed; resubmitting its groups", worker.address)
+                    worker.alive = False
+                    self._failover(index)
+                continue
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 reason = "refused this client's key (not among its --authorized-keys/--trainer-keys)"
             else:
@@ -336,7 +355,12 @@ class Dispatcher:
             worker.taken_away.add(call.wire_id)
             call.worker = None
             call.received = {}
+            if call.cancelled:  # its caller gave up: nobody waits for a resubmission
+                self._finish(call)
+                continue
             self._dispatch(call)
+        self._stats_sinks[index].clear()  # stats asked of it will not come (those callers time out): a later reply
+        # from the same address must not go to them
 
     def _revive(self, index: int) -> None:
         """A worker answered for the first time, or again after it was declared dead: cancel what it no longer

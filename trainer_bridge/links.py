@@ -12,6 +12,8 @@ from rollout.service.auth import secure_client_socket
 # Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
 # one): reported at once instead of waiting out the connect deadline.
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# A closed connection: the worker died or restarted, or dropped this client (its groups are gone there).
+_MONITORED = _HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED
 
 
 class WorkerLink:
@@ -29,7 +31,7 @@ class WorkerLink:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:
             secure_client_socket(self.socket, *keys)
-        self.monitor = self.socket.get_monitor_socket(_HANDSHAKE_FAILURES)
+        self.monitor = self.socket.get_monitor_socket(_MONITORED)
         self.socket.connect(address)
         # Groups only go to a worker that answered: one that is not up yet (or a wrong address) gets pings only,
         # so nothing queued for it can reach it twice (once queued, once resubmitted) when it comes up.

@@ -72,6 +72,7 @@ class WeightPush:
         partial: bool,
         dist_host: str,
         dist_backend: str,
+        preempt: bool = False,
     ):
         self.client = client
         self.entries = entries
@@ -83,6 +84,7 @@ class WeightPush:
         self.partial = partial
         self.dist_host = dist_host
         self.dist_backend = dist_backend
+        self.preempt = preempt
         self.update_id = uuid.uuid4().hex
         self.channel = client.open_update_channel(self.update_id)
         self.links = [_Link(index, client.worker_addresses[index]) for index in client.wait_connected()]
@@ -174,7 +176,15 @@ class WeightPush:
         link.open = True
         link.ready = None
         begin = p.WeightsBegin(
-            self.update_id, specs, self.version, self.mode, link.transport, self.partial, self.timeout, dist_fields
+            self.update_id,
+            specs,
+            self.version,
+            self.mode,
+            link.transport,
+            self.partial,
+            self.timeout,
+            dist_fields,
+            self.preempt,
         )
         self.channel.send(link.index, begin)
 

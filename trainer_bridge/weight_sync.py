@@ -56,6 +56,7 @@ def push_weights(
     partial: bool = False,
     dist_host: str = "127.0.0.1",
     dist_backend: str | None = None,
+    preempt: bool = False,
 ) -> PushResult | None:
     """Send weights to every live worker of `client` and make them serve them, as one transaction per worker.
 
@@ -72,6 +73,8 @@ def push_weights(
         partial: send only some parameters (else the workers insist on all of them).
         dist_host: torch.distributed: an address of this host the workers can reach (the rendezvous store).
         dist_backend: torch.distributed backend: "gloo" or "nccl" (default: nccl when CUDA is available).
+        preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
+            a restart), which is rejected; without it such a worker answers "update_in_progress".
     Returns:
         A `PushResult` on the main process, None elsewhere.
     Raises:
@@ -95,7 +98,9 @@ def push_weights(
         return None
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        push = WeightPush(client, entries, version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend)
+        push = WeightPush(
+            client, entries, version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend, preempt
+        )
     except BaseException:
         for entry in entries:  # the other ranks are in these gathers: finish them before raising
             entry.fetch()

@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     worker.serve()
     if metrics is not None:
         metrics.close()
+    if manager.error is not None:  # the engine thread failed: a supervisor should restart this worker
+        logger.error("rollout-worker stopped: the engine failed (%r)", manager.error)
+        return 1
     logger.info("rollout-worker stopped")
     return 0
 

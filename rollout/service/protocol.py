@@ -106,9 +106,11 @@ MAX_FRAME_BYTES = 256 << 20
 # frames of their own): checked while msgpack decodes, so an oversized list is refused before it is built.
 MAX_HEADER_ITEMS = 1 << 20
 MAX_HEADER_STR = 1 << 20
-# Most maps in a header (each costs a dict to build: a header of a million tiny maps took a second to decode); a
-# weight update's pieces and tensors are bounded below it.
-MAX_HEADER_MAPS = 1 << 17
+# Most maps and lists in a header together (each costs an object to build: a header of a million tiny maps took a
+# second to decode); a weight update's pieces and tensors are bounded below it.
+MAX_HEADER_CONTAINERS = 1 << 17
+# Largest header frame (a prompt of a million tokens is ~5 MB, an update announcing 65,536 tensors ~15 MB).
+MAX_HEADER_BYTES = 32 << 20
 
 
 class ProtocolError(ValueError):
@@ -117,12 +119,16 @@ class ProtocolError(ValueError):
     Attributes:
         field: the offending field ("header" when the bytes are not a message at all, "type" for unknown types).
         reason: what is wrong with it.
+        group_id, update_id: the message's ids when its header still had string ones (so the answer can be routed
+            to the waiting call), else None.
     """
 
     def __init__(self, field: str, reason: str):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.group_id: str | None = None
+        self.update_id: str | None = None
 
 
 @dataclass
@@ -448,20 +454,24 @@ def decode(
     """
     if not frames:
         raise ProtocolError("header", "empty message")
-    maps = [0]
+    containers = [0]
 
-    def count_map(value: dict) -> dict:
-        maps[0] += 1
-        if maps[0] > MAX_HEADER_MAPS:
-            raise ValueError(f"more than {MAX_HEADER_MAPS} maps exceeds max_maps")
+    def count(value: Any) -> Any:
+        containers[0] += 1
+        if containers[0] > MAX_HEADER_CONTAINERS:
+            raise ValueError(f"more than {MAX_HEADER_CONTAINERS} maps and lists exceeds max_containers")
         return value
 
+    payload = _bytes(frames[0])
+    if len(payload) > MAX_HEADER_BYTES:
+        raise ProtocolError("header", f"{len(payload)} bytes, more than the limit of {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(
-            _bytes(frames[0]),
+            payload,
             raw=False,
             strict_map_key=True,
-            object_hook=count_map,
+            object_hook=count,
+            list_hook=count,
             max_array_len=max_items,
             max_map_len=max_items,
             max_str_len=max_str,
@@ -476,6 +486,18 @@ def decode(
         raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise ProtocolError("header", f"expected a map, got {type(header).__name__}")
+    try:
+        return _checked_message(header, max_items, max_lengths, accept)
+    except ProtocolError as error:
+        group_id, update_id = header.get("group_id"), header.get("update_id")
+        error.group_id = group_id if isinstance(group_id, str) else None
+        error.update_id = update_id if isinstance(update_id, str) else None
+        raise
+
+
+def _checked_message(
+    header: dict, max_items: int, max_lengths: dict[str, int] | None, accept: Collection[str] | None
+) -> Message:
     if type(header.get("protocol")) is not int or header["protocol"] != PROTOCOL_VERSION:
         raise ProtocolError(
             "protocol", f"expected protocol version {PROTOCOL_VERSION}, got {_abridged(header.get('protocol'))}"

@@ -13,8 +13,16 @@ def check_address(address: Any) -> str | None:
     """Why `address` is no ZeroMQ endpoint a worker can bind or a client connect to (None when it looks right)."""
     if not isinstance(address, str) or not address.startswith(ADDRESS_SCHEMES):
         return f"{address!r} is not a ZeroMQ address: expected e.g. tcp://127.0.0.1:5555 (tcp://, ipc:// or inproc://)"
-    if address.startswith("tcp://") and ":" not in address.removeprefix("tcp://"):
-        return f"{address!r} has no port: expected e.g. tcp://127.0.0.1:5555"
+    if address.startswith("tcp://"):
+        host, colon, port = address.removeprefix("tcp://").rpartition(":")
+        if not colon:
+            return f"{address!r} has no port: expected e.g. tcp://127.0.0.1:5555"
+        if not host:
+            return f"{address!r} has no host: expected e.g. tcp://127.0.0.1:5555"
+        if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+            return f"{address!r} has no valid port: expected e.g. tcp://127.0.0.1:5555 (or :* for any free one)"
+    elif address in ("ipc://", "inproc://"):
+        return f"{address!r} names no endpoint"
     return None
 
 

@@ -323,21 +323,24 @@ class UpdateSlot:
 
 def _check_dist_host(host: object, peer: str | None) -> None:
     """torch.distributed makes the worker connect to `host`: only to the host the announcement came from (or to
-    this machine, when it came from this machine), so a message cannot aim the worker at a third party."""
-    if peer is None or not isinstance(host, str):
-        return  # ipc/inproc (same machine), or the field check names a bad host
+    this machine, when it came from this machine), so a message cannot aim the worker at a third party. The host
+    must be an IP address (no name lookup on the serving thread)."""
+    if not isinstance(host, str):
+        return  # the field check names a missing or mistyped host
     try:
-        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        raise UpdateRejected("bad_update", "dist.host", f"cannot resolve {host!r}") from None
-    if peer in wanted:
+        wanted = ipaddress.ip_address(host)
+    except ValueError:
+        raise UpdateRejected("bad_update", "dist.host", f"{host[:80]!r} is not an IP address") from None
+    if peer is not None and str(wanted) == peer.removeprefix("::ffff:"):
         return
-    if ipaddress.ip_address(peer).is_loopback and all(_is_this_machine(address) for address in wanted):
+    local_peer = peer is None or ipaddress.ip_address(peer.split("%")[0]).is_loopback  # ipc/inproc: this machine
+    if local_peer and _is_this_machine(str(wanted)):
         return
     raise UpdateRejected(
         "bad_update",
         "dist.host",
-        f"{host!r} is not the host this weights_begin came from ({peer}); the worker only connects back to it",
+        f"{host!r} is not the host this weights_begin came from ({peer or 'this machine'}); the worker only connects "
+        "back to it",
     )
 
 

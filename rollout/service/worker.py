@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 
-import msgpack
 import zmq
 
 from rollout.config import FieldError, SamplingParams
@@ -142,7 +141,7 @@ class RolloutWorker:
                 self._updates.conclude()
                 self._flush_outbox()
                 self._links.flush()
-                self._links.watch([g.identity for g in list(self._groups.values())], p.Pong(0, self.policy_version))
+                self._links.watch(self._watched(), p.Pong(0, self.policy_version))
                 self._updates.expire(time.monotonic())
         finally:
             self.manager.stop(block=True, timeout=30)
@@ -182,9 +181,8 @@ class RolloutWorker:
             if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
                 raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
         except p.ProtocolError as error:
-            group_id, update_id = _raw_ids(frames)
-            reply = p.Error("bad_request", str(error), error.field, group_id, update_id)
-            if not self._updates.on_malformed(identity, update_id, reply):  # a malformed update message drops it
+            reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
+            if not self._updates.on_malformed(identity, error.update_id, reply):  # a malformed update message drops it
                 self._send(identity, reply)
             return
         if self._auth is not None and not self._auth.may(_property(frames[0], "User-Id"), message.TYPE):
@@ -317,6 +315,14 @@ class RolloutWorker:
             else:
                 del self._groups_per_client[group.identity]
 
+    def _watched(self) -> list[bytes]:
+        """Clients whose disappearance matters: those with groups in flight, and the owner of the open update (a
+        vanished trainer must not hold the update slot until its deadline)."""
+        watched = [group.identity for group in list(self._groups.values())]
+        if self._updates.update is not None:
+            watched.append(self._updates.update.identity)
+        return watched
+
     def _send(self, identity: bytes, message: p.Message) -> None:
         self._links.send(identity, message)
 
@@ -352,27 +358,6 @@ class RolloutWorker:
             tokens_per_s=stats["generated_tokens"] / uptime,
         )
         return stats
-
-
-def _raw_ids(frames: list) -> tuple[str | None, str | None]:
-    """The group and update ids of an undecodable request, when its header still has string ones (so the client
-    can route the error to the waiting call)."""
-    try:
-        header = msgpack.unpackb(
-            frames[0].bytes if hasattr(frames[0], "bytes") else frames[0],
-            raw=False,
-            max_array_len=p.MAX_HEADER_ITEMS,
-            max_map_len=p.MAX_HEADER_ITEMS,
-            max_str_len=p.MAX_HEADER_STR,
-            max_bin_len=p.MAX_HEADER_STR,
-            max_ext_len=p.MAX_HEADER_STR,
-        )
-    except Exception:  # noqa: BLE001
-        return None, None
-    if not isinstance(header, dict):
-        return None, None
-    group_id, update_id = header.get("group_id"), header.get("update_id")
-    return (group_id if isinstance(group_id, str) else None), (update_id if isinstance(update_id, str) else None)
 
 
 def _property(frame: object, name: str) -> str | None:
