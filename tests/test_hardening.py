@@ -193,34 +193,11 @@ def test_a_killed_non_streaming_client_stops_costing_compute(worker):
         child.kill()
 
 
-def test_a_client_that_never_reads_is_dropped(worker):
-    """A raw client that streams and never reads (its ZeroMQ stops reading too) is dropped and its groups are
-    cancelled long before they finish: by the pending-bytes bound or the heartbeat deadline, whichever comes first;
-    nothing stays queued for it."""
-    import zmq
-
-    reader = Client.__new__(Client)
-    reader.socket = Client.context.socket(zmq.DEALER)
-    reader.socket.setsockopt(zmq.LINGER, 0)
-    reader.socket.setsockopt(zmq.RCVHWM, 1)
-    reader.socket.setsockopt(zmq.RCVBUF, 4096)
-    reader.socket.connect(worker.address)
-    before = _stats(worker)["generated_tokens"]
-    try:
-        for index in range(8):
-            reader.send(p.Generate(f"s{index}", [index, 9], n=2, sampling=LONG, stream=True))
-        time.sleep(1.0)
-        stats = _wait_idle(worker, seconds=60)
-        assert stats["generated_tokens"] - before < 16 * 1500  # cancelled, not run to the end
-        assert stats["pending_reply_bytes"] == 0 and stats["kv_blocks_used"] == 0
-        assert stats["peak_pending_reply_bytes"] <= MAX_PENDING + (16 << 10)
-    finally:
-        reader.close()
-
-
 def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
-    """ClientLinks over a real ROUTER socket and a peer that never reads: past the byte bound the peer is lost once,
-    its backlog freed, and later replies to it are dropped instead of queued."""
+    """ClientLinks over a real ROUTER socket and a peer that never reads: past the byte bound the peer is lost once
+    (its groups cancelled by the worker), its backlog freed, and later replies to it are dropped instead of queued.
+    (In a whole worker, kernel socket buffers absorb a few MB first, and ZeroMQ heartbeats drop a peer that stopped
+    reading its socket altogether after 10 s.)"""
     import zmq
 
     from rollout.service.clients import ClientLinks

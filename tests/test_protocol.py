@@ -127,7 +127,7 @@ def test_fuzzed_headers_decode_or_raise_protocol_error(message_type, fields):
     assert p.decode(p.encode(message)) == message
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_random_bytes_raise_protocol_error(data):
     with pytest.raises(p.ProtocolError):
