@@ -39,7 +39,18 @@ def check_dist_fields(fields: dict[str, Any]) -> str | None:
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store; the trainer hosts it (`is_master`, port 0 picks a free port: read `store.port`)."""
+    """The rendezvous store; the trainer hosts it (`is_master`, port 0 picks a free port: read `store.port`).
+
+    The trainer's store listens on `host` only (torch's own would listen on every interface): its socket is bound
+    here and handed over."""
+    listen_fd = None
+    if is_master:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        listen_fd = listener.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(
         host,
         port,
@@ -47,6 +58,7 @@ def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s
         is_master=is_master,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 

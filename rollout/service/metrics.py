@@ -79,7 +79,7 @@ class _StatsCollector:
         blocks.add_metric(["used"], stats["kv_blocks_used"])
         blocks.add_metric(["free"], stats["kv_blocks_free"])
         yield blocks
-        yield gauge("clients", "Clients with work or recent messages", stats["clients"])
+        yield gauge("clients", "Clients with groups in flight, an open update or replies waiting", stats["clients"])
         yield counter("clients_lost", "Clients found gone (closed, not reading or silent)", stats["clients_lost"])
         yield gauge("pending_reply_bytes", "Reply bytes waiting for slow clients", stats["pending_reply_bytes"])
         yield gauge("policy_version", "Version of the weights being served", stats["policy_version"])
