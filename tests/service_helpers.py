@@ -94,9 +94,15 @@ class Client:
         self.socket.send_multipart(p.encode(message))
 
     def receive(self, timeout_s: float = TIMEOUT_S) -> p.Message:
-        if not self.socket.poll(timeout_s * 1000):
-            raise TimeoutError("no reply from the worker")
-        return p.decode(self.socket.recv_multipart())
+        """The next reply, skipping the worker's liveness probes (unsolicited pongs, which the protocol lets a
+        worker send to any client whose connection descriptor just closed and may be reused)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.socket.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise TimeoutError("no reply from the worker")
+            message = p.decode(self.socket.recv_multipart())
+            if not (isinstance(message, p.Pong) and message.nonce == p.PROBE_NONCE):
+                return message
 
     def ask(self, message: p.Message) -> p.Message:
         self.send(message)

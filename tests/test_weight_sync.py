@@ -499,9 +499,9 @@ def test_silent_client_times_out_per_phase(workers, raw, baseline):
     assert_unchanged(workers[0].address, raw, baseline)
 
 
-def test_vanished_client_update_is_dropped_at_its_deadline(workers, client, raw, baseline):
-    """A client that begins, sends a bucket and disappears blocks other updates ("update_in_progress") until its
-    phase deadline; then another client's push goes through."""
+def test_vanished_client_update_is_dropped_when_its_connection_closes(workers, client, raw, baseline):
+    """A client that begins, sends a bucket and disappears does not hold the update slot: its closed connection
+    drops the update (before its phase deadline), and another client's push goes through."""
     doomed = Client(workers[0].address)
     try:
         update_id = uuid.uuid4().hex
@@ -512,9 +512,6 @@ def test_vanished_client_update_is_dropped_at_its_deadline(workers, client, raw,
         assert isinstance(doomed.receive(), p.WeightsAck)
     finally:
         doomed.close()
-    with pytest.raises(RolloutError) as refused:
-        push_weights(client, tiny_model(5), transport="frames")
-    assert (refused.value.code, refused.value.field) == ("update_in_progress", "update_id")
     assert_serves(workers[0].address, baseline.seed, baseline.version)
     while True:
         try:
@@ -524,7 +521,6 @@ def test_vanished_client_update_is_dropped_at_its_deadline(workers, client, raw,
             assert error.code == "update_in_progress", error
             assert time.monotonic() - sent < 10, "the vanished client's update was never dropped"
             time.sleep(0.1)
-    assert time.monotonic() - sent >= 1.4, "another update went through before the phase deadline"
     assert result.version == baseline.version + 1
     assert_serves(workers[0].address, 5, result.version)
 

@@ -29,7 +29,7 @@ from trainer_bridge.links import WorkerLink
 logger = logging.getLogger("trainer_bridge.client")
 
 # Once the first worker answered, calls submitted before wait this long for the others to answer too.
-FIRST_CONTACT_GRACE_S = 0.5
+FIRST_CONTACT_GRACE_S = 2.0
 
 
 class Dispatcher:
@@ -303,7 +303,13 @@ class Dispatcher:
                 event = recv_monitor_message(worker.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (re)connected: ask at once whether it serves
+                worker.connected = True
+                worker.last_ping = time.monotonic()
+                self._send(index, p.Ping())
+                continue
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                worker.connected = False
                 if worker.alive:
                     logger.warning("connection to rollout worker %s closed; resubmitting its groups", worker.address)
                     worker.alive = False

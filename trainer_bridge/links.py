@@ -13,7 +13,7 @@ from rollout.service.auth import secure_client_socket
 # one): reported at once instead of waiting out the connect deadline.
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 # A closed connection: the worker died or restarted, or dropped this client (its groups are gone there).
-_MONITORED = _HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED
+_MONITORED = _HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 class WorkerLink:
@@ -39,6 +39,7 @@ class WorkerLink:
         self.answered = False  # ever
         self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
         self.warned = False  # "never answered" was logged
+        self.connected = False  # a connection is up (handshake done); a worker that answered is alive soon after
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight

@@ -1035,7 +1035,7 @@ def _attribute(sock: _Socket, message: p.Message, report: FuzzReport, latencies:
         report.stray_replies += 1  # the answer to a case already concluded (it came after every wait)
         return
     if isinstance(message, p.Pong) and not (sock.pending and sock.pending[0].case.nonce == message.nonce):
-        # Not the answer to the case in flight: the worker probes clients with unsolicited pongs (nonce 0) when a
+        # Not the answer to the case in flight: the worker probes clients with unsolicited pongs (nonce -1) when a
         # connection closes (e.g. after this sender replaced its socket).
         report.unsolicited_pongs += 1
         return

@@ -61,7 +61,9 @@ class ClientLinks:
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)  # past it: EAGAIN, and the reply waits in our backlog
         socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        # Only DISCONNECTED: it is queued before the descriptor is released, so no new client can hold that descriptor
+        # yet (CLOSED comes after the close, when a new connection may already reuse it).
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._last_seen: dict[bytes, float] = {}
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}

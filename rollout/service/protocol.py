@@ -50,7 +50,7 @@ Liveness: a worker cancels the groups of a client that has groups in flight and 
 `--client-timeout` (30 s by default), so a client waiting on long groups should send `ping` every few seconds. A
 client whose connection closed, or that leaves more than `--max-pending-bytes` of replies unread, is dropped at
 once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
-unsolicited `pong` with nonce 0: clients ignore pongs they did not ask for.
+unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did not ask for.
 
 Limits (`rollout-worker --max-...`, answered by name): header lists and maps hold at most 2**20 items and strings
 2**20 bytes (longer ones are refused before they are built); a prompt is at most `--max-prompt-len` tokens (checked
@@ -100,6 +100,8 @@ from typing import Any, ClassVar, Union
 import msgpack
 
 PROTOCOL_VERSION = 1
+# The nonce of the unsolicited pong a worker may send to check that a client's connection is still up.
+PROBE_NONCE = -1
 # Largest frame a worker accepts (a weight bucket's pieces are split below it); larger ones drop the connection.
 MAX_FRAME_BYTES = 256 << 20
 # Most items of any list or map in a header, and the longest string or bytes value in one (tensor bytes travel in

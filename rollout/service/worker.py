@@ -141,7 +141,7 @@ class RolloutWorker:
                 self._updates.conclude()
                 self._flush_outbox()
                 self._links.flush()
-                self._links.watch(self._watched(), p.Pong(0, self.policy_version))
+                self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
                 self._updates.expire(time.monotonic())
         finally:
             self.manager.stop(block=True, timeout=30)
