@@ -175,3 +175,20 @@ def test_one_large_message_does_not_stall_serving(worker, name):
     # Before the fix these stood serving still for 2.7 s to over 2 minutes; now ~0.1 s of work (2 s leaves room for
     # a loaded 2-core CI machine moving the 24 MB frame).
     assert waited < 2.0, f"a ping waited {waited:.1f} s behind the {name} message"
+
+
+def test_a_message_of_more_frames_than_any_may_have_is_cut_and_drained(worker):
+    """ZeroMQ bounds each frame, not how many one message has: a generate followed by 200,000 frames is refused
+    (field "frames", its group named) with only its header kept while the rest is dropped a few thousand frames per
+    loop turn, so a ping from another client is answered meanwhile and the worker serves on."""
+    header = p.encode(p.Generate("many-frames", [1, 2, 3], sampling={"max_new_tokens": 2}))
+    waited, reply = _ping_while(worker.address, [*header, *([b"x"] * 200_000)])
+    assert isinstance(reply, p.Error) and (reply.code, reply.field, reply.group_id) == (
+        "bad_request",
+        "frames",
+        "many-frames",
+    ), reply
+    assert "more than 65537 frames" in reply.message
+    assert waited < 2.0, f"a ping waited {waited:.1f} s behind the drain"
+    answer = _ask(worker.address, p.encode(p.Generate("after", [1, 2, 3], sampling={"max_new_tokens": 2})))
+    assert isinstance(answer, p.GroupResult), answer

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import queue
 import socket
 import threading
 import time
@@ -90,30 +89,56 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
 
 
 RETRY_S = 0.25  # between connection attempts to a trainer's store that is not listening yet
+MAX_RENDEZVOUS = 4  # rendezvous threads alive at once (an abandoned one may wait for its timeout)
+CONNECT_S = 10.0  # for the store to answer once something accepts connections at its address
+# torch's TCPStore client opens with these bytes (query VALIDATE + its magic number, then PING + a nonce) and then
+# waits for the nonce with no timeout at all: a listener that accepts and stays silent would hold the joining
+# thread forever. `_wait_for_store` sends them first, with a deadline.
+_STORE_PROBE = bytes([0x00]) + (0x3C85F7CE).to_bytes(4, "little") + bytes([0x0D]) + (0x524F4C4C).to_bytes(4, "little")
 
 
-def _wait_reachable(host: str, port: int, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
-    """Wait until something accepts TCP connections at host:port. False when cancelled first.
+def _wait_for_store(host: str, port: int, timeout_s: float, cancelled: Callable[[], bool]) -> bool:
+    """Wait until something accepts TCP connections at host:port and answers a store client's opening (any reply,
+    or closing the connection, counts: torch's own client then says what is wrong). False when cancelled first.
 
     Raises:
-        TimeoutError: nothing accepted within `timeout_s`.
+        TimeoutError: nothing accepted within `timeout_s`, or what accepted stayed silent for `CONNECT_S`.
     """
     deadline = time.monotonic() + timeout_s
     while not cancelled():
         try:
-            socket.create_connection((host, port), timeout=RETRY_S).close()
-            return True
+            probe = socket.create_connection((host, port), timeout=RETRY_S)
         except OSError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nothing accepts connections at {host}:{port} (the trainer's store)") from None
             time.sleep(RETRY_S)
+            continue
+        with probe:
+            probe.sendall(_STORE_PROBE)
+            silent_until = time.monotonic() + min(CONNECT_S, timeout_s)
+            while not cancelled():
+                try:
+                    probe.recv(16)
+                    return True  # an answer, or the connection closed
+                except TimeoutError:
+                    if time.monotonic() > silent_until:
+                        raise TimeoutError(
+                            f"{host}:{port} accepts connections but does not answer as a torch.distributed store"
+                        ) from None
+                except OSError:
+                    return True  # reset: torch's client will say what is wrong
+        return False
     return False
 
 
 class DistReceiver:
-    """The worker's side. Each join runs on a thread of its own (a rendezvous the trainer abandoned must not hold up
-    the next update's); receives run in order on one thread, so the serving thread keeps answering while bytes
-    arrive. Every job reports through its own callback; jobs of an update that ended meanwhile are skipped."""
+    """The worker's side. Rendezvous run on threads of their own, at most `MAX_RENDEZVOUS` at once, so no number of
+    begun and abandoned updates can pile up threads: further joins wait their turn, and one whose update ended
+    before its turn is dropped. A join waiting for the store gives up within `RETRY_S` of its update ending; what
+    accepts at the store's address must answer as a store within `CONNECT_S`. What can still take up to its
+    update's `timeout_s` is a store whose process group never forms (an abandoned push): it holds one of the slots
+    meanwhile. Receives are blocking calls that the update's own job thread makes (updates.py), so the serving
+    thread keeps answering while bytes arrive."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -123,9 +148,8 @@ class DistReceiver:
         self._stores: dict[str, dist.TCPStore] = {}
         self._buffer: torch.Tensor | None = None  # receive buffer (NCCL into host staging), reused while large
         self._stream: Any = None  # NCCL: a stream of its own, so engine kernels never queue behind a broadcast
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="rollout-weights-dist", daemon=True)
-        self._thread.start()
+        self._joining = 0  # rendezvous threads alive
+        self._waiting: list[tuple[Callable[[], None], Callable[[], bool]]] = []  # (join, cancelled), oldest first
 
     def join(
         self,
@@ -134,11 +158,8 @@ class DistReceiver:
         done: Callable[[BaseException | None], None],
         cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
-        """Join the group `fields` describes (at once when it is the current one); then call `done`.
-
-        The rendezvous thread waits for the trainer's store to accept a connection (one attempt every
-        `RETRY_S`), and gives up as soon as `cancelled()` is true (its update ended) or at `timeout_s`: no thread
-        outlives its update by more than one attempt.
+        """Join the group `fields` describes (at once when it is the current one); then call `done` (None, or the
+        error), unless `cancelled()` became true first (its update ended: nobody waits for the answer).
         """
         key = fields["group"]
         with self._lock:
@@ -148,10 +169,15 @@ class DistReceiver:
                 return
 
         def rendezvous() -> None:
+            if cancelled():
+                return
             try:
-                if not _wait_reachable(fields["host"], fields["port"], timeout_s, cancelled):
-                    return  # the update ended meanwhile: nobody waits for this answer
-                store = make_store(fields["host"], fields["port"], fields["world_size"], False, timeout_s)
+                if not _wait_for_store(fields["host"], fields["port"], timeout_s, cancelled):
+                    return
+                store = make_store(
+                    fields["host"], fields["port"], fields["world_size"], False, min(timeout_s, CONNECT_S)
+                )
+                store.set_timeout(datetime.timedelta(seconds=timeout_s))
                 group = make_process_group(
                     store, key, fields["rank"], fields["world_size"], fields["backend"], timeout_s
                 )
@@ -159,46 +185,54 @@ class DistReceiver:
                 done(error)
                 return
             with self._lock:
-                if self._wanted_key != key or cancelled():  # a newer update asked for another group meanwhile
-                    stale = True
-                else:
-                    stale = False
+                stale = self._wanted_key != key or cancelled()  # its update ended, or a newer one asked meanwhile
+                if not stale:
                     self._abort(self._group)
                     self._group, self._group_key, self._stores = group, key, {key: store}
             if stale:
                 self._abort(group)
             done(RuntimeError("a newer weight update replaced this group") if stale else None)
 
-        threading.Thread(target=rendezvous, name="rollout-weights-join", daemon=True).start()
-
-    def receive(
-        self,
-        targets: list[torch.Tensor],
-        device: torch.device,
-        done: Callable[[BaseException | None], None],
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> None:
-        """Receive one broadcast per target, in order, into the targets (through a reused buffer on `device` when
-        a target lives elsewhere, e.g. NCCL into CPU staging); then call `done` (None, or the error). Skipped when
-        `cancelled()` is true by the time the job starts."""
-
-        def job() -> None:
-            if cancelled():
+        with self._lock:
+            self._waiting = [entry for entry in self._waiting if not entry[1]()]
+            if self._joining >= MAX_RENDEZVOUS:
+                self._waiting.append((rendezvous, cancelled))
                 return
-            try:
-                with self._lock:
-                    group = self._group
-                if group is None:
-                    raise RuntimeError("no torch.distributed group joined")
-                for target in targets:
-                    self._receive_one(group, target, device)
-            except Exception as error:  # noqa: BLE001
-                self.forget()  # a failed collective leaves the group unusable: the next update makes a new one
-                done(error)
-            else:
-                done(None)
+            self._joining += 1
+        threading.Thread(target=self._run_joins, args=(rendezvous,), name="rollout-weights-join", daemon=True).start()
 
-        self._jobs.put(job)
+    def _run_joins(self, job: Callable[[], None] | None) -> None:
+        """Run `job`, then the oldest waiting join still wanted, until none is left."""
+        while job is not None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - `done` callbacks report errors; anything else is logged
+                logger.exception("torch.distributed rendezvous failed")
+            with self._lock:
+                job = None
+                while self._waiting and job is None:
+                    candidate, cancelled = self._waiting.pop(0)
+                    job = None if cancelled() else candidate
+                if job is None:
+                    self._joining -= 1
+
+    def receive(self, targets: list[torch.Tensor], device: torch.device) -> None:
+        """Receive one broadcast per target, in order, into the targets (through a reused buffer on `device` when
+        a target lives elsewhere, e.g. NCCL into CPU staging). Blocks the calling thread.
+
+        Raises:
+            Exception: the collective failed (the group is dropped: the next update makes a new one).
+        """
+        with self._lock:
+            group = self._group
+        if group is None:
+            raise RuntimeError("no torch.distributed group joined")
+        try:
+            for target in targets:
+                self._receive_one(group, target, device)
+        except Exception:
+            self.forget()  # a failed collective leaves the group unusable
+            raise
 
     def _receive_one(self, group: Any, target: torch.Tensor, device: torch.device) -> None:
         if device.type != "cuda":
@@ -232,15 +266,6 @@ class DistReceiver:
                 logger.warning("could not abort a torch.distributed group", exc_info=True)
 
     def close(self) -> None:
-        """Stop the receive thread after the jobs already queued."""
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - a failing callback must not end the thread
-                logger.exception("weight transport job failed")
+        """Drop the joins that wait for their turn (running ones end with their update)."""
+        with self._lock:
+            self._waiting.clear()

@@ -1,10 +1,13 @@
-"""Socket plumbing shared by the worker and the client: address checks and the poll waker."""
+"""Socket plumbing shared by the worker and the client: address checks, the poll waker, bounded message reads."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from dataclasses import dataclass
 from typing import Any
+
+import zmq
 
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -70,3 +73,70 @@ class Waker:
     def close(self) -> None:
         self.reader.close()
         self._writer.close()
+
+
+@dataclass
+class Inbound:
+    """One message a ROUTER socket received."""
+
+    identity: bytes
+    frames: list  # zmq.Frame: the header, then data frames (only the header when the message was cut)
+    refused: str | None = None  # why the message was cut: more frames or bytes than a message may have
+
+
+class MessageReader:
+    """Reads a ROUTER socket's messages part by part and keeps at most `max_frames` frames and `max_bytes` bytes of
+    each. ZeroMQ bounds every frame (MAXMSGSIZE) but not how many frames one message has: the rest of an oversized
+    message is read and dropped at once (never held), at most `drain_per_read` frames per call, so the caller's
+    loop keeps serving while a huge one drains.
+
+    ZeroMQ itself delivers a message only once all of it arrived, so the sender's connection holds a whole message
+    in the receiver's memory before this sees its first frame; CurveZMQ authentication (auth.py) limits who can.
+    """
+
+    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, drain_per_read: int = 4096):
+        """
+        Args:
+            socket: a ROUTER socket (the first part of each message is its sender's identity).
+            max_frames: the most frames a message may have after the identity.
+            max_bytes: the most bytes those frames may hold together.
+            drain_per_read: frames of an oversized message dropped per `read`.
+        """
+        self._socket = socket
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.drain_per_read = drain_per_read
+        self._draining: Inbound | None = None  # a cut message whose remaining frames are still being dropped
+
+    def read(self) -> Inbound | None:
+        """The next message, or None when none is waiting (or a cut one is still being drained: call again)."""
+        if self._draining is not None:
+            return self._drain()
+        try:
+            first = self._socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        message = Inbound(first.bytes, [])
+        more, total = first.more, 0
+        while more:
+            frame = self._socket.recv(copy=False)  # the rest of a message is there once its first part is
+            more = frame.more
+            message.frames.append(frame)
+            total += len(frame)
+            if len(message.frames) > self.max_frames or total > self.max_bytes:
+                count = f"more than {self.max_frames} frames" if len(message.frames) > self.max_frames else ""
+                size = f"more than {self.max_bytes} bytes" if total > self.max_bytes else ""
+                message.refused = f"the message has {count or size} (the worker's limit; see --max-message-bytes)"
+                del message.frames[1:]  # keep the header: its ids name what was refused
+                if not more:
+                    return message
+                self._draining = message
+                return self._drain()
+        return message
+
+    def _drain(self) -> Inbound | None:
+        for _ in range(self.drain_per_read):
+            if not self._socket.recv(copy=False).more:
+                message, self._draining = self._draining, None
+                return message
+        return None

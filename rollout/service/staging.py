@@ -9,6 +9,7 @@ imports neither the engine nor transformers: `trainer_bridge` uses it."""
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Iterable
 from multiprocessing import resource_tracker, shared_memory
@@ -91,12 +92,15 @@ class StagingPool:
         """
         self.keep = keep
         self.pin = pin
+        self._lock = threading.Lock()  # areas are taken on the serving thread and come back on an update's job thread
+        self._closed = False  # areas given back after `close` are freed
         self._host: torch.Tensor | None = None
         self._shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
 
     def host(self, nbytes: int) -> torch.Tensor:
         """A host buffer of at least `nbytes` (the kept one when it is large enough)."""
-        buffer, self._host = self._host, None
+        with self._lock:
+            buffer, self._host = self._host, None
         if buffer is None or buffer.numel() < nbytes:
             buffer = None  # free the small one first
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -108,7 +112,8 @@ class StagingPool:
         Raises:
             OSError: the segment cannot be created (e.g. /dev/shm is too small).
         """
-        kept, self._shm = self._shm, None
+        with self._lock:
+            kept, self._shm = self._shm, None
         if kept is not None and kept[0].size >= nbytes:
             return kept
         if kept is not None:
@@ -127,20 +132,21 @@ class StagingPool:
 
     def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
         """Keep an update's area for the next one (or free it when not keeping)."""
-        if host is not None and self.keep:
-            self._host = host
+        with self._lock:
+            if host is not None and self.keep and not self._closed:
+                self._host = host
+            if shm is not None and self.keep and self._shm is None and not self._closed:
+                self._shm, shm = shm, None
         if shm is not None:
-            if self.keep and self._shm is None:
-                self._shm = shm
-            else:
-                release_segment(*shm)
+            release_segment(*shm)
 
     def close(self) -> None:
         """Free what is kept (unlinks the shared segment)."""
-        self._host = None
-        if self._shm is not None:
-            release_segment(*self._shm)
-            self._shm = None
+        with self._lock:
+            kept, self._host, self._shm = self._shm, None, None
+            self._closed = True
+        if kept is not None:
+            release_segment(*kept)
 
 
 def release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:

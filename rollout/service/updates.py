@@ -33,6 +33,8 @@ from rollout.service.weights import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_WAIT_S = 5.0  # for the last update's jobs (its staging goes back) when the worker stops
+MAX_QUEUED_BUCKETS = 4  # per update; a trainer keeps two in flight per worker (push.py)
 WEIGHT_MESSAGES = (p.WeightsSpec, p.WeightsBegin, p.WeightsBucket, p.WeightsCommit, p.WeightsAbort)
 
 
@@ -65,6 +67,7 @@ class UpdateSlot:
         self.max_phase_s = max_phase_s
         self.check_finite = check_finite
         self.update: StagedUpdate | None = None
+        self._last: StagedUpdate | None = None  # the newest update, whose staging may still be on its way back
         # Finished steps, from the engine or receiver thread: (update, reply) for the serving thread to conclude.
         self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
         self._dist: DistReceiver | None = None
@@ -153,7 +156,7 @@ class UpdateSlot:
             self.num_rejected += 1
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
             return
-        self.update = update
+        self.update = self._last = update
         self._span = self._tracer.update_started(
             update.update_id, len(update.specs), update.staging_bytes, message.transport, message.mode
         )
@@ -172,47 +175,55 @@ class UpdateSlot:
         if self._dist is None:
             self._dist = DistReceiver()
 
-        def joined(error: BaseException | None) -> None:  # on a rendezvous thread
+        def joined(error: BaseException | None) -> None:  # on the rendezvous thread
             reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
-            self._events.put((update, reply))
-            self._wake()
+            self._report(update, reply)
 
-        self._dist.join(message.dist, message.timeout_s, joined, cancelled=lambda: update.closed)
+        self._dist.join(message.dist, message.timeout_s, joined, cancelled=lambda: update.ended)
 
     def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
+        """Check the bucket's structure here; its bytes are hashed, staged or received on the update's job thread,
+        which acks it (so the serving thread's work per bucket does not grow with its size)."""
+        if update.jobs.pending >= MAX_QUEUED_BUCKETS:
+            raise UpdateRejected(
+                "bad_update", "pieces", f"more than {MAX_QUEUED_BUCKETS} buckets wait for their acks (wait for them)"
+            )
         transport = update.begin.transport
+        pieces = message.pieces
         if transport == "frames":
-            update.accept_frames(message.pieces, data_frames, message.checksum)
-        elif transport == "shm":
-            update.accept_written(message.pieces, message.checksum)
+            update.check_frames(pieces, data_frames)
         else:
-            update.announce(message.pieces)
-            device = self._device if update.begin.dist["backend"] == "nccl" else torch.device("cpu")
+            update.announce(pieces)
+        dist_receiver = self._dist
+        device = self._device if transport == "torch.distributed" and update.begin.dist["backend"] == "nccl" else None
 
-            def received(error: BaseException | None) -> None:  # on the receiver thread
-                if update.closed:
-                    return  # rejected meanwhile: drop the bytes
-                reply: p.Message
-                if error is not None:
-                    reply = p.Error("bad_update", f"broadcast failed: {error}", "dist")
-                else:
-                    try:
-                        update.verify(message.pieces, update.staging_views(message.pieces), message.checksum)
-                    except UpdateRejected as rejected:
-                        reply = p.Error(rejected.code, str(rejected), rejected.field)
-                    else:
-                        update.mark_received(message.pieces)
-                        reply = p.WeightsAck(update.update_id, update.received_bytes)
-                self._events.put((update, reply))
-                self._wake()
+        def take_bytes() -> None:
+            if transport == "frames":
+                update.stage_frames(pieces, data_frames, message.checksum)
+                return
+            if transport == "torch.distributed":  # one broadcast per piece, straight into its place in staging
+                assert dist_receiver is not None
+                try:
+                    dist_receiver.receive(update.staging_views(pieces), device or torch.device("cpu"))
+                except Exception as error:  # noqa: BLE001 - reported to the update, which is rejected
+                    raise UpdateRejected("bad_update", "dist", f"broadcast failed: {error}") from None
+            update.check_written(pieces, message.checksum)
 
-            # One broadcast per piece, straight into its place in the staging area.
-            self._dist.receive(update.staging_views(message.pieces), device, received, lambda: update.closed)
-            return
-        self._send(update.identity, p.WeightsAck(update.update_id, update.received_bytes))
+        def job() -> None:
+            if update.ended:
+                return  # rejected meanwhile: the bytes are not wanted
+            try:
+                take_bytes()
+            except UpdateRejected as rejected:
+                self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+            else:
+                self._report(update, p.WeightsAck(update.update_id, update.received_bytes))
+
+        update.jobs.submit(job)
 
     def _commit(self, update: StagedUpdate) -> None:
-        tensors = update.tensors(self.check_finite)  # raises UpdateRejected naming an incomplete or NaN tensor
+        """Hand the staged tensors to the engine once every bucket before the commit was taken (and, with
+        `check_finite`, checked for NaN and Inf): both on the update's job thread."""
         update.committing = True
         begin = update.begin
 
@@ -233,10 +244,26 @@ class UpdateSlot:
                 reply = p.Error("update_timeout", str(outcome), "mode", None, update.update_id)
             else:
                 reply = p.Error("internal", f"{type(outcome).__name__}: {outcome}", None, None, update.update_id)
-            self._events.put((update, reply))
-            self._wake()
+            self._report(update, reply)
 
-        self.manager.submit_weight_update(tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied)
+        def job() -> None:
+            if update.ended:
+                return
+            try:
+                tensors = update.tensors(self.check_finite)  # names an incomplete or NaN tensor
+            except UpdateRejected as rejected:
+                self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+                return
+            self.manager.submit_weight_update(
+                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied
+            )
+
+        update.jobs.submit(job)
+
+    def _report(self, update: StagedUpdate, reply: p.Message) -> None:
+        """From another thread: `reply` concludes a step of `update`; the serving thread sends it (`conclude`)."""
+        self._events.put((update, reply))
+        self._wake()
 
     def conclude(self) -> None:
         """Send what the engine or receiver thread finished; close the update when it ended."""
@@ -253,7 +280,7 @@ class UpdateSlot:
             update.touch()
             if isinstance(reply, p.WeightsCommitted):
                 self.update = None
-                update.close(clean=True)
+                update.end(clean=True)
                 self.bytes_committed += update.staging_bytes
                 self.pause_ms_total += reply.pause_ms
                 self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)
@@ -307,15 +334,18 @@ class UpdateSlot:
         update, self.update = self.update, None
         if update is None:
             return
-        update.close(clean=False)
+        update.end(clean=False)
         if update.begin.transport == "torch.distributed" and self._dist is not None:
             self._dist.forget()
 
     def close(self) -> None:
         """At shutdown: conclude finished steps, reject what is open, stop the receiver, free staging."""
         self.conclude()
+        last = self.update or self._last
         if self.update is not None:
             self.reject(p.Error("internal", "the worker is shutting down", None))
+        if last is not None and not last.jobs.join(SHUTDOWN_WAIT_S):
+            logger.warning("weight update %s: its jobs did not end within %g s", last.update_id, SHUTDOWN_WAIT_S)
         if self._dist is not None:
             self._dist.close()
         self._staging.close()

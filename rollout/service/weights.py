@@ -19,6 +19,7 @@ from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
 from rollout.service import protocol as p
 from rollout.service.dist import check_dist_fields
+from rollout.service.jobs import SerialJobs
 from rollout.service.staging import (
     DTYPES,
     TRANSPORTS,
@@ -67,7 +68,8 @@ class StagedUpdate:
         self.identity = identity
         self.update_id = begin.update_id
         self.committing = False
-        self.closed = False
+        self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work
+        self.closed = False  # its staging area went back (`close`)
         self._check_fields(begin, engine, max_phase_s)
         self.specs = begin.tensors
         self.sizes = [tensor_nbytes(spec) for spec in self.specs]
@@ -93,6 +95,9 @@ class StagedUpdate:
             self.staging = self._host[: self.staging_bytes]
         self.deadline = 0.0
         self.touch()
+        # Work that grows with the update's size (hashing, staging, receiving, the commit's checks) runs here, in
+        # order, off the serving thread; one thread per update, so a stuck broadcast holds up only its own update.
+        self.jobs = SerialJobs(f"rollout-weights-{self.update_id[:32]}")
 
     @staticmethod
     def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
@@ -168,26 +173,34 @@ class StagedUpdate:
             expected[piece.index] += piece.nbytes
         self.announced = expected
 
-    def accept_frames(self, pieces: list[p.TensorPiece], frames: list, checksum: int | None = None) -> None:
-        """Copy one frame per piece into the staging area (transport "frames").
+    def check_frames(self, pieces: list[p.TensorPiece], frames: list) -> None:
+        """Check a frames bucket's structure (one whole frame per piece, pieces in order) and count its pieces as
+        promised; `stage_frames` then checks the bytes and stages them (off the serving thread).
 
         Raises:
-            UpdateRejected: a missing or truncated frame, a bad piece, or bytes that do not match `checksum`;
-                nothing of the bucket is counted then.
+            UpdateRejected: a missing or truncated frame, or a bad piece.
         """
         if len(frames) != len(pieces):
             raise UpdateRejected("bad_update", "pieces", f"{len(pieces)} pieces but {len(frames)} data frames")
-        self.announce(pieces)
         for piece, frame in zip(pieces, frames):
-            payload = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
-            if payload.nbytes != piece.nbytes:
-                name = self.specs[piece.index].name
+            nbytes = _payload(frame).nbytes
+            if nbytes != piece.nbytes:
+                name = self.specs[piece.index].name if 0 <= piece.index < len(self.specs) else f"piece {piece.index}"
                 raise UpdateRejected(
-                    "bad_update", name, f"truncated: frame has {payload.nbytes} bytes, piece says {piece.nbytes}"
+                    "bad_update", name, f"truncated: frame has {nbytes} bytes, piece says {piece.nbytes}"
                 )
-        self.verify(pieces, [_payload(frame) for frame in frames], checksum)
-        for piece, frame in zip(pieces, frames):
-            payload = _payload(frame)
+        self.announce(pieces)
+
+    def stage_frames(self, pieces: list[p.TensorPiece], frames: list, checksum: int | None = None) -> None:
+        """Check a frames bucket's bytes against its checksum, then copy them into the staging area (transport
+        "frames"; `check_frames` passed).
+
+        Raises:
+            UpdateRejected: bytes that do not match `checksum`; nothing of the bucket is staged then.
+        """
+        payloads = [_payload(frame) for frame in frames]
+        self.verify(pieces, payloads, checksum)
+        for piece, payload in zip(pieces, payloads):
             if piece.nbytes:
                 self._stage(piece, torch.frombuffer(payload, dtype=torch.uint8))
 
@@ -205,13 +218,13 @@ class StagedUpdate:
         for piece in pieces:
             self.received[piece.index] += piece.nbytes
 
-    def accept_written(self, pieces: list[p.TensorPiece], checksum: int | None = None) -> None:
-        """Count pieces the client wrote straight into the shared staging segment (transport "shm").
+    def check_written(self, pieces: list[p.TensorPiece], checksum: int | None = None) -> None:
+        """Check the pieces the client wrote straight into the shared staging segment (transport "shm") against
+        the bucket's checksum and count them (`announce` was called when the bucket header came).
 
         Raises:
-            UpdateRejected: a bad piece, or staged bytes that do not match `checksum`.
+            UpdateRejected: staged bytes that do not match `checksum`.
         """
-        self.announce(pieces)
         self.verify(pieces, self.staging_views(pieces), checksum)
         self.mark_received(pieces)
 
@@ -266,17 +279,28 @@ class StagedUpdate:
                     )
         return tensors
 
-    def close(self, clean: bool = True) -> None:
-        """Give the staging area back to the pool (idempotent).
+    def end(self, clean: bool) -> None:
+        """The update is over (committed, rejected or aborted): its queued jobs skip their work, and its staging
+        area goes back once the job running now, if any, is done with it (`close`, on the job thread).
 
         Args:
-            clean: the update was committed. Otherwise only a frames update's host buffer goes back (the serving
-                thread is its only writer); a shared segment (its client may not know yet) and a dist update's
-                buffer (a broadcast may still be writing) are dropped.
+            clean: it was committed.
+        """
+        self.ended = True
+        self.jobs.submit(lambda: self.close(clean))
+        self.jobs.close()
+
+    def close(self, clean: bool = True) -> None:
+        """Give the staging area back to the pool (idempotent). No job of the update may run meanwhile (`end`).
+
+        Args:
+            clean: the update was committed. Otherwise only a frames update's host buffer goes back (only its
+                jobs wrote it); a shared segment (its client may not know yet) and a dist update's buffer (a
+                broadcast of an abandoned group may still be writing) are dropped.
         """
         if self.closed:
             return
-        self.closed = True
+        self.closed = self.ended = True
         self.staging = torch.empty(0, dtype=torch.uint8)
         if clean or self.begin.transport == "frames":
             self.pool.give_back(self._host, self._shared if clean else None)

@@ -30,7 +30,7 @@ from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
 from rollout.service.groups import GroupInFlight, engine_id
 from rollout.service.limits import WorkerLimits
-from rollout.service.sockets import Waker
+from rollout.service.sockets import MessageReader, Waker
 from rollout.service.tracing import Tracer
 from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 
@@ -89,6 +89,8 @@ class RolloutWorker:
             self._socket, self.limits.max_pending_bytes, self.limits.client_timeout_s, self._client_lost
         )
         self._socket.bind(bind)
+        # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
+        self._reader = MessageReader(self._socket, 1 + MAX_PIECES, p.MAX_HEADER_BYTES + self.limits.max_message_bytes)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._outbox: queue.SimpleQueue[tuple[bytes, p.Message]] = queue.SimpleQueue()
         # The engine thread writes a byte here after filling the outbox, waking the serving thread's poll (no
@@ -162,18 +164,32 @@ class RolloutWorker:
 
     def _receive_all(self) -> None:
         for _ in range(1000):  # then let the loop flush replies and watch clients before reading on
-            try:
-                # Weight buckets are large: take their frames without a copy (small ones come as plain bytes).
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # Weight buckets are large: their frames are taken without a copy.
+            inbound = self._reader.read()
+            if inbound is None:
                 return
-            identity, frames = frames[0].bytes, frames[1:]
+            identity, frames = inbound.identity, inbound.frames
             self._links.seen(identity, _fd(frames[0]) if frames else None)
             try:
-                self._receive(identity, frames)
+                if inbound.refused is not None:
+                    self._refuse_cut(identity, frames, inbound.refused)
+                else:
+                    self._receive(identity, frames)
             except Exception as error:  # noqa: BLE001 - nothing one message does may end the serving loop
                 logger.exception("a message from client %s failed", identity.hex())
                 self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
+
+    def _refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
+        """Answer a message that had more frames or bytes than any may have (its header names its ids)."""
+        group_id = update_id = None
+        try:
+            message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
+            group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+        except p.ProtocolError as error:
+            group_id, update_id = error.group_id, error.update_id
+        reply = p.Error("bad_request", reason, "frames", group_id, update_id)
+        if not self._updates.on_malformed(identity, update_id, reply):
+            self._send(identity, reply)
 
     def _receive(self, identity: bytes, frames: list) -> None:
         try:

@@ -1,0 +1,146 @@
+"""The weight-update slot in process (no sockets): work that grows with an update's size runs on the update's job
+thread, not on the serving thread that must keep answering pings, and it runs in order, so a commit that arrives
+before its buckets' acks still commits what they carried. torch.distributed rendezvous cannot pile up threads."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager import init_continuous_batching
+from rollout.service import dist as dist_module
+from rollout.service import protocol as p
+from rollout.service import weights as weights_module
+from rollout.service.staging import bucket_checksum
+from rollout.service.updates import UpdateSlot
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_S = 1.0  # what the patched hash or NaN check costs: far above what the serving thread may spend per message
+
+
+@pytest.fixture
+def slot():
+    manager = init_continuous_batching(
+        tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=32, block_size=16)
+    )
+    sent: list[p.Message] = []
+    woken = threading.Event()
+    update_slot = UpdateSlot(manager, lambda identity, message: sent.append(message), woken.set, 600.0)
+    update_slot.sent = sent
+    yield update_slot
+    update_slot.close()
+
+
+def _replies(slot: UpdateSlot, count: int, timeout_s: float = 20.0) -> list[p.Message]:
+    """Conclude finished steps (as the serving loop does) until `count` replies were sent."""
+    deadline = time.monotonic() + timeout_s
+    while len(slot.sent) < count:
+        assert time.monotonic() < deadline, f"only {slot.sent}"
+        slot.conclude()
+        time.sleep(0.01)
+    return slot.sent
+
+
+def _timed(call) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+def test_hashing_and_the_nan_check_run_off_the_serving_thread_in_order(slot, monkeypatch):
+    """With hashing and the finiteness check each taking SLOW_S, handling a bucket and the commit right after it
+    (before the bucket's ack) returns at once; the ack, then the commit, arrive later, and the weights changed."""
+    real_hash, real_tensors = weights_module.bucket_checksum, weights_module.StagedUpdate.tensors
+
+    def slow_hash(chunks):
+        time.sleep(SLOW_S)
+        return real_hash(chunks)
+
+    def slow_tensors(self, check_finite=False):
+        time.sleep(SLOW_S)
+        return real_tensors(self, check_finite)
+
+    monkeypatch.setattr(weights_module, "bucket_checksum", slow_hash)
+    monkeypatch.setattr(weights_module.StagedUpdate, "tensors", slow_tensors)
+    slot.check_finite = True
+    values = torch.full((64,), 3.0)
+    data = values.view(torch.uint8)
+    begin = p.WeightsBegin("u", [p.TensorSpec("model.norm.weight", "float32", [64])], version=7, partial=True)
+    slot.handle(b"trainer", begin, [], None)
+    assert isinstance(slot.sent[-1], p.WeightsReady)
+    bucket = p.WeightsBucket("u", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
+    assert _timed(lambda: slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)) < SLOW_S / 4
+    assert _timed(lambda: slot.handle(b"trainer", p.WeightsCommit("u"), [], None)) < SLOW_S / 4
+    ack, committed = _replies(slot, 3)[1:]
+    assert isinstance(ack, p.WeightsAck) and ack.received_bytes == 256, ack
+    assert isinstance(committed, p.WeightsCommitted) and committed.version == 7, committed
+    assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
+    assert slot.update is None
+
+
+def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(slot):
+    """A wrong checksum is found on the job thread: the update is rejected (field "checksum") once the serving
+    thread concludes it, nothing was applied, and a new update can begin."""
+    before = slot.manager.engine.model.model.norm.weight.detach().clone()
+    data = torch.full((64,), 5.0).view(torch.uint8)
+    begin = p.WeightsBegin("bad", [p.TensorSpec("model.norm.weight", "float32", [64])], partial=True)
+    slot.handle(b"trainer", begin, [], None)
+    bucket = p.WeightsBucket("bad", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]) ^ 1)
+    slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
+    error = _replies(slot, 2)[1]
+    assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "checksum"), error
+    assert slot.update is None and torch.equal(slot.manager.engine.model.model.norm.weight.detach(), before)
+    slot.handle(b"trainer", p.WeightsBegin("next", begin.tensors, partial=True), [], None)
+    assert isinstance(slot.sent[-1], p.WeightsReady)
+
+
+def test_more_buckets_than_may_wait_for_their_acks_reject_the_update(slot, monkeypatch):
+    """A trainer keeps two buckets in flight; one that floods the job thread is refused by name."""
+    monkeypatch.setattr(weights_module, "bucket_checksum", lambda chunks: time.sleep(SLOW_S) or 0)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"trainer", p.WeightsBegin("flood", spec, partial=True), [], None)
+    for index in range(6):
+        piece = p.TensorPiece(0, index * 8, 8)
+        slot.handle(b"trainer", p.WeightsBucket("flood", [piece], 0), [bytes(8)], None)
+    errors = [m for m in slot.sent if isinstance(m, p.Error)]
+    assert errors and errors[0].field == "pieces" and "wait for their acks" in errors[0].message, slot.sent
+
+
+def test_rendezvous_threads_are_bounded_when_stores_never_answer(monkeypatch):
+    """Ten joins aimed at a port that accepts connections but never speaks the store's protocol (a rendezvous
+    that would block until its timeout): at most MAX_RENDEZVOUS threads run; joins cancelled while waiting their
+    turn never start one, and the running ones end within a retry interval of their update ending."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)  # the kernel accepts; nobody answers
+    port = listener.getsockname()[1]
+    receiver = dist_module.DistReceiver()
+    cancelled = threading.Event()
+    answers: list[BaseException | None] = []
+    baseline = threading.active_count()
+    try:
+        for index in range(10):
+            fields = {"host": "127.0.0.1", "port": port, "world_size": 2, "rank": 1, "backend": "gloo"}
+            receiver.join({**fields, "group": f"g{index}"}, 3.0, answers.append, cancelled.is_set)
+        assert threading.active_count() - baseline == dist_module.MAX_RENDEZVOUS
+        cancelled.set()  # the updates ended: the six waiting joins are dropped
+        deadline = time.monotonic() + 30
+        while threading.active_count() > baseline:
+            assert time.monotonic() < deadline, f"{threading.active_count() - baseline} rendezvous threads left"
+            time.sleep(0.1)
+        assert not answers  # cancelled joins answer nobody
+        # Not cancelled: the silent listener is named as such after its update's timeout (torch's own store client
+        # would wait for its answer forever).
+        silent = threading.Event()
+        receiver.join({**fields, "group": "alone"}, 2.0, lambda error: answers.append(error) or silent.set())
+        assert silent.wait(10) and "does not answer as a torch.distributed store" in str(answers[0]), answers
+    finally:
+        receiver.close()
+        listener.close()
