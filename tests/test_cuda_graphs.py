@@ -17,6 +17,7 @@ from test_parity import GREEDY, reference_greedy  # noqa: E402
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
 from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
+from rollout.engine.triton_attention import plan_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -30,9 +31,22 @@ def test_buckets_cover_every_batch_size_with_bounded_padding(max_num_seqs):
         assert bucket < 2 * batch, (batch, bucket)  # padding under half the bucket
 
 
+# max_model_len 256: 16 blocks per sequence, so the graphs' static plan splits each decode over 2 key slices (and
+# merges them) instead of the 16 a 2048-token context gets; on CPU every slice is a Triton interpreter program.
+ENGINE = {
+    "num_blocks": 96,
+    "block_size": 16,
+    "max_batch_tokens": 64,
+    "attention_backend": "triton",
+    "max_model_len": 256,
+}
+
+
 def graph_engine(model, **config):
-    config = {"num_blocks": 96, "block_size": 16, "max_batch_tokens": 64, "attention_backend": "triton", **config}
+    config = {**ENGINE, **config}
     engine = make_engine(model, **config)
+    max_blocks = config["max_model_len"] // config["block_size"]
+    assert plan_splits(8, model.config.num_key_value_heads, max_blocks) == 2  # the split-and-merge path runs
     graphs = engine.runner.enable_decode_graphs(
         engine.config.max_num_seqs, engine.max_model_len, capture=DEVICE.type == "cuda"
     )
@@ -113,7 +127,7 @@ def test_graph_decode_with_groups_and_sampling_equals_eager():
         if use_graphs:
             engine, replays = graph_engine(model)
         else:
-            engine = make_engine(model, num_blocks=96, block_size=16, max_batch_tokens=64, attention_backend="triton")
+            engine = make_engine(model, **ENGINE)
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), prompt, sampling, n=3, max_new_tokens=budgets[index])
         outputs = run_to_completion(engine)
