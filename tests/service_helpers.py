@@ -25,8 +25,9 @@ def free_port() -> int:
 class Worker:
     """A rollout-worker subprocess; stopped (SIGTERM, then SIGKILL) by `close`."""
 
-    def __init__(self, *flags: str, address: str | None = None, secure: tuple | None = None):
-        """`secure`: (a .key_secret file, the worker's .key file) to ping a worker that wants CurveZMQ keys."""
+    def __init__(self, *flags: str, address: str | None = None, secure: tuple | None = None, wait: bool = True):
+        """`secure`: (a .key_secret file, the worker's .key file) to ping a worker that wants CurveZMQ keys;
+        `wait`: return once it answers a ping (else call `wait_ready`)."""
         self.address = address or f"tcp://127.0.0.1:{free_port()}"
         command = [
             sys.executable,
@@ -48,7 +49,13 @@ class Worker:
         # logged warnings) would block the worker mid-test.
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        client = Client(self.address, secure)
+        self._secure = secure
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the worker answers a ping (it loads its model first)."""
+        client = Client(self.address, self._secure)
         try:
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
@@ -60,6 +67,19 @@ class Worker:
             raise TimeoutError("the worker did not answer ping")
         finally:
             client.close()
+
+    @classmethod
+    def several(cls, count: int, *flags: str) -> list[Worker]:
+        """`count` workers started side by side (their model loads overlap), each answering once this returns."""
+        servers = [cls(*flags, wait=False) for _ in range(count)]
+        try:
+            for server in servers:
+                server.wait_ready()
+        except BaseException:
+            for server in servers:
+                server.close()
+            raise
+        return servers
 
     def output(self) -> str:
         """Everything the worker printed so far."""

@@ -14,10 +14,11 @@ def _report_rows(name: str, summary: dict) -> dict:
 
 
 def test_throughput_benchmark_runs_and_ends_with_json(capsys):
-    cli.main(["throughput", "--workload", "cpu-small", "--systems", "rollout", "--repeats", "1", "--details"])
+    quick = ["--num-prompts", "8"]  # the first 8 of cpu-small's 64 requests: the whole path, a third of the time
+    cli.main(["throughput", "--workload", "cpu-small", "--systems", "rollout", "--repeats", "1", "--details", *quick])
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert summary["benchmark"] == "throughput" and summary["num_prompts"] == 64
+    assert summary["benchmark"] == "throughput" and summary["num_prompts"] == 8
     assert summary["results"]["rollout"]["tokens_per_s"] > 0
     assert any(line.startswith("rollout") for line in lines[:-1])  # the table row
     details = summary["details"]
@@ -40,9 +41,9 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
 
 def test_grpo_benchmark_shares_each_groups_prompt(capsys):
     """rollout-bench grpo on CPU: a group of 8 computes its prompt once (up to preemptions that recompute)."""
-    cli.main(["grpo", "--device", "cpu", "--no-transformers"])
+    cli.main(["grpo", "--device", "cpu", "--no-transformers", "--num-prompts", "4"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["group_size"] == 8 and summary["generated_tokens"] > 0
+    assert summary["group_size"] == 8 and summary["prompts"] == 4 and summary["generated_tokens"] > 0
     assert summary["prompt_tokens_computed"] * 6 < summary["prompt_tokens_without_sharing"]
     assert summary["rollout"]["tokens_per_s"] > 0
     report = _report_rows("grpo", summary)

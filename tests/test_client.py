@@ -22,7 +22,7 @@ GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 10}
 
 @pytest.fixture(scope="module")
 def workers():
-    servers = [Worker(), Worker()]
+    servers = Worker.several(2)
     yield servers
     for server in servers:
         server.close()
@@ -109,11 +109,11 @@ def test_safe_from_many_threads_and_balanced(client):
 def test_failover_when_a_worker_is_killed():
     """Two workers; one is SIGKILLed while both are generating. Every group completes exactly once, full length,
     and the survivor generated the dead worker's groups too."""
-    survivor, victim = Worker(), Worker()
+    survivor, victim = Worker.several(2)
     try:
         with RolloutClient([survivor.address, victim.address], timeout=120, heartbeat_s=0.2, dead_after_s=1.5) as c:
             groups = [
-                PromptGroup([i, 2, 3], n=2, sampling={**GREEDY, "max_new_tokens": 300}, group_id=f"f{i}")
+                PromptGroup([i, 2, 3], n=2, sampling={**GREEDY, "max_new_tokens": 150}, group_id=f"f{i}")
                 for i in range(8)
             ]
             results = c.generate_many(groups)
@@ -128,8 +128,8 @@ def test_failover_when_a_worker_is_killed():
             assert not gathered.is_alive()
             (survivor_stats,) = c.stats()  # only the live worker answers
         assert sorted(r.group_id for r in collected) == sorted(g.group_id for g in groups)  # each exactly once
-        assert all(len(comp.token_ids) == 300 for r in collected for comp in r.completions)
-        assert survivor_stats["generated_tokens"] == 8 * 2 * 300  # its own 4 groups plus the 4 resubmitted
+        assert all(len(comp.token_ids) == 150 for r in collected for comp in r.completions)
+        assert survivor_stats["generated_tokens"] == 8 * 2 * 150  # its own 4 groups plus the 4 resubmitted
     finally:
         survivor.close()
         victim.close()
@@ -182,7 +182,7 @@ def test_asyncio_calls_do_not_need_a_thread_each(client):
     its group on the worker."""
 
     async def run():
-        groups = [PromptGroup([i, 1], sampling={**GREEDY, "max_new_tokens": 800}) for i in range(24)]
+        groups = [PromptGroup([i, 1], sampling={**GREEDY, "max_new_tokens": 300}) for i in range(24)]
         tasks = [asyncio.create_task(client.agenerate(g)) for g in groups]
         await asyncio.sleep(0.5)
         in_flight = sum(s["groups_in_flight"] for s in client.stats())

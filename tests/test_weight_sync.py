@@ -12,7 +12,6 @@ same architecture as the worker's `--model tiny` (seed 0) with other weights.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -85,28 +84,10 @@ def keep_reference(old_seed: int, new_seed: int, tokens: list[int], switch: int,
 @pytest.fixture(scope="module")
 def workers():
     """Worker A and worker B, started side by side."""
-    servers: list[Worker | None] = [None, None]
-    failures: list[BaseException] = []
-
-    def start(index: int) -> None:
-        try:
-            servers[index] = Worker()
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            failures.append(error)
-
-    threads = [threading.Thread(target=start, args=(index,)) for index in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    try:
-        if failures:
-            raise failures[0]
-        yield servers
-    finally:
-        for server in servers:
-            if server is not None:
-                server.close()
+    servers = Worker.several(2)
+    yield servers
+    for server in servers:
+        server.close()
 
 
 @pytest.fixture(scope="module")

@@ -275,9 +275,9 @@ class RolloutClient:
             time.monotonic() + (self.connect_timeout if timeout is None else timeout),
         )
         while time.monotonic() < deadline and not self._closed.is_set():
-            # Settled: refused, alive, or answered once and now without a connection (down). A worker that is not up
-            # yet, or reconnected but has not answered yet, is waited for.
-            if all(w.refused or w.alive or (w.answered and not w.connected) for w in self._io.workers):
+            # Settled: refused, alive, or answered once and now down (no connection, or silent over one: frozen). A
+            # worker that is not up yet, or reconnected but has not answered yet, is waited for.
+            if all(w.refused or w.alive or (w.answered and (w.silent or not w.connected)) for w in self._io.workers):
                 break
             time.sleep(0.005)
         return self.live_workers()

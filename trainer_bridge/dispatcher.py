@@ -304,7 +304,7 @@ class Dispatcher:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (re)connected: ask at once whether it serves
-                worker.connected = True
+                worker.connected, worker.silent = True, False
                 worker.last_ping = time.monotonic()
                 self._send(index, p.Ping())
                 continue
@@ -345,7 +345,7 @@ class Dispatcher:
                 and now - worker.unanswered_since > self.dead_after_s
             ):
                 logger.warning("rollout worker %s stopped answering; resubmitting its groups", worker.address)
-                worker.alive = False
+                worker.alive, worker.silent = False, True
                 self._failover(index)
             if now - worker.last_ping >= self.heartbeat_s:
                 worker.last_ping = now
@@ -377,7 +377,7 @@ class Dispatcher:
         else:
             logger.info("connected to rollout worker %s", worker.address)
         worker.alive = worker.answered = True
-        worker.refused = None
+        worker.refused, worker.silent = None, False
         for group_id in worker.taken_away:
             self._send(index, p.Cancel(group_id))
         worker.taken_away.clear()

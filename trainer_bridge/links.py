@@ -40,6 +40,7 @@ class WorkerLink:
         self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
         self.warned = False  # "never answered" was logged
         self.connected = False  # a connection is up (handshake done); a worker that answered is alive soon after
+        self.silent = False  # declared dead for not answering pings over a connection that is still up (frozen)
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         "for nano)",
     )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
+    tp.add_argument(
+        "--num-prompts", type=int, default=None, help="requests to run (default: the workload's; fewer: a quick run)"
+    )
     tp.add_argument("--repeats", type=int, default=3, help="runs per system, median reported (default: 3)")
     tp.add_argument(
         "--no-warmup",
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gr.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     gr.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
+    gr.add_argument(
+        "--num-prompts", type=int, default=grpo.NUM_PROMPTS, help=f"groups to run (default: {grpo.NUM_PROMPTS})"
+    )
     load.add_arguments(
         commands.add_parser(
             "load",
@@ -86,11 +92,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "gpu-report":
         raise SystemExit(gpu_report.main(args, parser))
+    if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.command == "grpo":
-        summary = grpo.run(args.device, args.seed, not args.no_transformers)
+        summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":
         summary = throughput.run(
-            args.workload, args.systems, args.seed, args.repeats, args.details, warmup=not args.no_warmup
+            args.workload,
+            args.systems,
+            args.seed,
+            args.repeats,
+            args.details,
+            warmup=not args.no_warmup,
+            num_prompts=args.num_prompts,
         )
     elif args.command == "load":
         load.check_arguments(parser, args)

@@ -32,21 +32,22 @@ NUM_PROMPTS, GROUP_SIZE = 32, 8
 PROMPT_LEN, OUTPUT_LEN = (128, 512), (32, 256)
 
 
-def run(device: str | None = None, seed: int = 0, transformers: bool = True) -> dict:
+def run(device: str | None = None, seed: int = 0, transformers: bool = True, num_prompts: int = NUM_PROMPTS) -> dict:
     """Run the workload and return the JSON-able summary (also printed).
 
     Args:
         device: "cpu" or "cuda" (default: cuda when available).
         seed: model and prompt seed.
         transformers: also run transformers' generate_batch on the same requests.
+        num_prompts: groups to run (fewer than the workload's 32: a quick run).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     workload = WORKLOADS["nano" if device == "cuda" else "cpu-small"]
     base_model, _, _ = make_workload(workload, seed)
     rng = random.Random(seed)
     vocab = workload.model_config["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))] for _ in range(NUM_PROMPTS)]
-    max_new = [rng.randint(*OUTPUT_LEN) for _ in range(NUM_PROMPTS)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))] for _ in range(num_prompts)]
+    max_new = [rng.randint(*OUTPUT_LEN) for _ in range(num_prompts)]
 
     # Untimed warm-ups of both systems on a few short requests: compilation and first-call costs stay out.
     warm_prompts, warm_lengths = prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts))
@@ -74,7 +75,7 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True) -> 
         "benchmark": "grpo",
         "device": device,
         "model": workload.name,
-        "prompts": NUM_PROMPTS,
+        "prompts": num_prompts,
         "group_size": GROUP_SIZE,
         "generated_tokens": generated,
         "rollout": {"seconds": round(elapsed, 3), "tokens_per_s": round(generated / elapsed, 1)},
@@ -92,7 +93,7 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True) -> 
         }
         summary["speedup_vs_transformers_generate_batch"] = round(seconds / elapsed, 2)
     print(
-        f"grpo workload on {device} ({workload.name} model): {NUM_PROMPTS} prompts x n={GROUP_SIZE}, "
+        f"grpo workload on {device} ({workload.name} model): {num_prompts} prompts x n={GROUP_SIZE}, "
         f"{generated} generated tokens"
     )
     print(f"rollout: {summary['rollout']['tokens_per_s']:.1f} tokens/s")

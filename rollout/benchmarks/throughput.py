@@ -199,6 +199,7 @@ def run(
     repeats: int = 1,
     details: bool = False,
     warmup: bool = True,
+    num_prompts: int | None = None,
 ) -> dict:
     """Run the workload on each system and return the JSON-able summary (also printed as a table).
 
@@ -210,12 +211,14 @@ def run(
         details: add `rollout.benchmarks.details` figures (decode roofline fraction, peak memory, logprob fidelity).
         warmup: run each system once, untimed, on a few short prompts first (Triton's JIT compilation and other
             first-call costs then stay out of the timed runs, whichever system runs first).
+        num_prompts: run this many of the workload's requests (the first ones; default: all).
     """
     workload = WORKLOADS[workload_name]
     if workload.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"workload {workload_name!r} needs a CUDA device")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     base_model, prompts, max_new = make_workload(workload, seed)
+    prompts, max_new = prompts[:num_prompts], max_new[:num_prompts]
     useful_tokens = sum(max_new)
     results: dict[str, dict] = {}
     reference_tokens = None

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-message-bytes",
         type=int,
         default=limits.max_message_bytes,
-        help=f"largest frame accepted; larger ones drop the connection (default: {limits.max_message_bytes})",
+        help="largest frame accepted (larger ones drop the connection) and most data bytes per message (larger "
+        f"messages are refused; keep it >= the trainers' bucket_bytes) (default: {limits.max_message_bytes})",
     )
     add("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the model's context)")
     add("--max-n", type=int, default=limits.max_n, help=f"most samples per group (default: {limits.max_n})")

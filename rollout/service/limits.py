@@ -15,8 +15,9 @@ class WorkerLimits:
     """What one client may ask of a worker.
 
     Attributes:
-        max_message_bytes: largest frame accepted; a larger one drops the connection (ZeroMQ's MAXMSGSIZE). Weight
-            buckets are split below it by `push_weights`.
+        max_message_bytes: largest frame accepted (a larger one drops the connection: ZeroMQ's MAXMSGSIZE), and
+            the most data frames one message may carry together (a larger message is refused). Keep it at least
+            the trainers' `bucket_bytes`.
         max_prompt_len: longest prompt, in tokens (None: the model's context length). Checked from the list's
             length before any element is looked at.
         max_n: most samples per group.
