@@ -29,6 +29,9 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     report = _report_rows("throughput", summary)
     assert report["rollout tokens/s"].value == summary["results"]["rollout"]["tokens_per_s"]
     assert report["decode roofline fraction"].value == details["decode_roofline_fraction"]
+    host = details["host_ms_per_step"]
+    assert set(host) == {"64", "256"} and 0 < host["64"] and 0 < host["256"]
+    assert report["engine host time per step, 256 running"].value == host["256"]
     fidelity = report["logprob |rollout - teacher-forced| mean, fp32_logits"]
     assert fidelity.value == details["fp32_logits"]["logprob_abs_diff_mean"] and fidelity.verdict == "<= 0.002: met"
     assert [f for f, row in report.items() if row.value is None] == [

@@ -6,7 +6,8 @@
 - peak memory (CUDA: `max_memory_allocated`);
 - logprob fidelity: |rollout logprob - teacher-forced logprob| of every generated token, where the teacher-forced
   one comes from the same transformers model (its own attention, same dtype) run over prompt + completion; with and
-  without `fp32_logits` (the reference then projects in fp32 too).
+  without `fp32_logits` (the reference then projects in fp32 too);
+- the engine's host time per decode step at 64 and 256 running sequences (host_time.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rollout.benchmarks.host_time import run_host_time
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.model_runner import fp32_projection
@@ -139,4 +141,5 @@ def run_details(base_model: torch.nn.Module, prompts: list[list[int]], max_new: 
             details["decode_steps"] = figures["decode_steps"]
             details["peak_memory_gib"] = figures["peak_memory_gib"]
         del model
+    details["host_ms_per_step"] = run_host_time(device.type)
     return details

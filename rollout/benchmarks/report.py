@@ -115,6 +115,21 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
         _number(name, "device copy bandwidth", _get(data, "details", "device_bandwidth_gb_per_s"), ".0f", unit=" GB/s"),
         _number(name, "median decode step", _get(data, "details", "median_decode_step_ms"), ".2f", unit=" ms"),
         _number(name, "peak memory", _get(data, "details", "peak_memory_gib"), ".2f", unit=" GiB"),
+        _number(
+            name,
+            "engine host time per step, 64 running",
+            _get(data, "details", "host_ms_per_step", "64"),
+            ".3f",
+            unit=" ms",
+        ),
+        _number(
+            name,
+            "engine host time per step, 256 running",
+            _get(data, "details", "host_ms_per_step", "256"),
+            ".3f",
+            Goal("<=", 1.0, " ms"),
+            " ms",
+        ),
     ]
     for mode, goal in (("default", None), ("fp32_logits", Goal("<=", 2e-3))):
         for stat in ("mean", "max"):
