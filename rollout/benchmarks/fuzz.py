@@ -55,23 +55,9 @@ import zmq
 
 from rollout.service import protocol as p
 
-# The worker's own message types (what it sends); every other type in MESSAGE_TYPES is a request.
-REPLY_TYPES = frozenset(
-    {
-        "hello_reply",
-        "delta",
-        "group_result",
-        "pong",
-        "stats_reply",
-        "weights_spec_reply",
-        "weights_ready",
-        "weights_ack",
-        "weights_committed",
-        "error",
-    }
-)
-REQUEST_TYPES = tuple(kind for kind in p.MESSAGE_TYPES if kind not in REPLY_TYPES)
-WORKER_TYPES = tuple(kind for kind in p.MESSAGE_TYPES if kind in REPLY_TYPES)
+# What a client may send (requests), and the worker's own answers (sent to it, they must be refused by type).
+REQUEST_TYPES = tuple(kind for kind in p.MESSAGE_TYPES if kind in p.REQUEST_TYPES)
+WORKER_TYPES = tuple(kind for kind in p.MESSAGE_TYPES if kind not in p.REQUEST_TYPES)
 
 # Sentinel pings carry nonces from here on (a pong is a sentinel only when its nonce is one in flight).
 SENTINEL_BASE = 0x7E57_0000_0000_0000
@@ -338,7 +324,7 @@ def _targets() -> tuple[tuple[str, str], ...]:
         if kind == "weights_begin":
             targets += [(kind, f"dist.{name}") for name in ("host", "port", "world_size", "rank", "backend", "group")]
     # Requests twice as often as the worker's reply types.
-    requests = [t for t in targets if t[0] not in REPLY_TYPES]
+    requests = [t for t in targets if t[0] in p.REQUEST_TYPES]
     return tuple(requests + targets)
 
 
@@ -770,7 +756,7 @@ def _classify(case: FuzzCase) -> None:
     except Exception:  # noqa: BLE001 - ProtocolError, or whatever else the codec trips on: the worker owes an error
         case.expect = "error"
         return
-    if message.TYPE in REPLY_TYPES or (len(case.frames) > 1 and not isinstance(message, p.WeightsBucket)):
+    if message.TYPE not in p.REQUEST_TYPES or (len(case.frames) > 1 and not isinstance(message, p.WeightsBucket)):
         case.expect = "error"
         return
     case.expect = "reply"
