@@ -131,8 +131,8 @@ def test_generation_config_merges_with_models_own():
         output = manager.get_result("eos", timeout=TIMEOUT)
     assert (output.generated_tokens, output.finish_reason) == ([first_token], "stop")
     sampling_manager = manager_for(model, GenerationConfig(do_sample=True))
-    assert sampling_manager.engine.default_sampling.top_k == 50
-    assert sampling_manager.engine.default_sampling.stop_token_ids == (first_token,)
+    assert sampling_manager.engine.intake.default_sampling.top_k == 50
+    assert sampling_manager.engine.intake.default_sampling.stop_token_ids == (first_token,)
     sampling_manager.stop()
 
 

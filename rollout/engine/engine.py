@@ -10,18 +10,14 @@ one wasted row in the step already queued. Anything that changes requests or wei
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import numbers
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rollout.config import (
-    DEFAULT_MAX_NEW_TOKENS,
     MAX_POLICY_VERSION,
     WEIGHT_UPDATE_MODES,
     FieldError,
@@ -30,12 +26,14 @@ from rollout.config import (
     dtype_name,
 )
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.outputs import GenerationOutput, OutputStatus
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.engine.weight_table import WeightTable, WeightUpdateResult
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config
 
@@ -48,34 +46,6 @@ NOTHING_TO_DRAW = (
     "every token is banned at this position (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
     "no_repeat_ngram_size and min_new_tokens together leave none)"
 )
-# Most samples in one group: bounds what one request can make the engine allocate up front.
-MAX_GROUP_SIZE = 4096
-
-
-@dataclass
-class WeightUpdateResult:
-    """What `Engine.update_weights` did.
-
-    Attributes:
-        version: the policy version now served.
-        mode: the commit mode used.
-        pause_ms: how long the engine stood still (validation, copy and mode handling).
-        copy_ms: of which copying the tensors into the model.
-        drain_ms: for mode "wait", how long in-flight samples ran before the update (admission was paused).
-        aborted: samples ended with finish_reason "abort" (mode "abort").
-        recomputed: samples whose KV is recomputed under the new weights.
-        outputs: the outputs of the step that was in flight, then the final outputs of the aborted samples (the
-            caller delivers them).
-    """
-
-    version: int
-    mode: str
-    pause_ms: float
-    copy_ms: float
-    drain_ms: float = 0.0
-    aborted: int = 0
-    recomputed: int = 0
-    outputs: list[GenerationOutput] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -86,32 +56,6 @@ class _InFlightStep:
     samples: PendingSamples
     policy_version: int  # the weights that ran it (a weight update drains the step first)
     advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
-
-
-def _is_token(value: object, vocab_size: int) -> bool:
-    return type(value) is int and 0 <= value < vocab_size
-
-
-def as_prompt(input_ids: Any) -> list[int]:
-    """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
-
-    Raises:
-        ValueError: anything else, naming input_ids.
-    """
-    if isinstance(input_ids, torch.Tensor) or type(input_ids).__module__ == "numpy":
-        array = torch.as_tensor(input_ids)
-        if array.dim() == 2 and array.shape[0] == 1:
-            array = array[0]
-        if array.dim() != 1 or array.is_floating_point():
-            raise FieldError(
-                "input_ids",
-                f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
-            )
-        return array.tolist()
-    if not isinstance(input_ids, (list, tuple)):
-        raise FieldError("input_ids", f"expected a list of token ids, got {type(input_ids).__name__}")
-    # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
-    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
 
 
 class Engine:
@@ -128,9 +72,6 @@ class Engine:
         """
         defaults = resolve_generation_config(generation_config, getattr(model, "generation_config", None))
         self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
-        self.default_sampling = defaults.sampling
-        self.default_n = defaults.n  # num_return_sequences
-        self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
         self.model = model
         model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
@@ -164,12 +105,8 @@ class Engine:
         self.num_steps = 0
         self.num_weight_updates = 0
         self.warmed_up = False  # warmup() ran
-        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
-        self._seed_source = random.SystemRandom() if self.config.seed is None else random.Random(self.config.seed)
-        # Every name a weight update may target (state_dict names: parameters, tied aliases, persistent buffers).
-        self._weights: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
-        # Names that must be covered by a whole update: one per distinct parameter (tied weights count once).
-        self._parameter_names = {id(p): name for name, p in model.named_parameters()}
+        self.intake = RequestIntake(self.vocab_size, self.max_model_len, self.config, defaults)
+        self.weights = WeightTable(model)
 
     @property
     def policy_version(self) -> int:
@@ -177,35 +114,6 @@ class Engine:
         return self.block_manager.policy_version
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
-        """Raise FieldError naming the field when a request can never be served by this model."""
-        if not prompt_ids:
-            raise FieldError("input_ids", "the prompt must be a non-empty list of token ids")
-        for position, token in enumerate(prompt_ids):
-            if not _is_token(token, self.vocab_size):
-                reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
-                raise FieldError("input_ids", reason)
-        if len(prompt_ids) + max_new_tokens > self.max_model_len:
-            raise FieldError(
-                "max_new_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
-                f"of {self.max_model_len} tokens",
-            )
-        token_fields = {
-            "stop_token_ids": sampling.stop_token_ids or (),
-            "suppress_tokens": sampling.suppress_tokens,
-            "begin_suppress_tokens": sampling.begin_suppress_tokens,
-            "bad_words_ids": [t for word in sampling.bad_words_ids for t in word],
-        }
-        for name, tokens in token_fields.items():
-            outside = sorted({t for t in tokens if t >= self.vocab_size})
-            if outside:
-                raise FieldError(name, f"{outside} outside the vocabulary [0, {self.vocab_size})")
-        if sampling.top_logprobs and not self.config.return_logprobs:
-            raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
-        if sampling.top_k > self.vocab_size:
-            raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
-
     def prepare(
         self,
         group_id: str,
@@ -216,49 +124,9 @@ class Engine:
         streaming: bool = False,
         record_timestamps: bool = False,
     ) -> Request:
-        """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
-        thread may call it). `submit` queues the result.
-
-        Args: as for `add_request`.
-        Returns:
-            The group's leader `Request` (it forks the other n - 1 samples once its prompt is computed).
-        Raises:
-            ValueError: bad input, naming the field.
-        """
-        if not isinstance(group_id, str) or not group_id or "#" in group_id:
-            reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
-            raise FieldError("request_id", reason)
-        prompt = as_prompt(prompt_ids)
-        sampling = self.resolve_sampling(sampling)
-        n = self.default_n if n is None else n
-        if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
-            raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
-        max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
-        if max_new is None and self.default_max_length is not None:  # a GenerationConfig's max_length, as generate
-            max_new = self.default_max_length - len(prompt)
-            if max_new < 1:
-                reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
-                raise FieldError("max_length", reason)
-        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-        if not _is_int(max_new) or max_new < 1:
-            raise FieldError("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
-        self.validate(prompt, sampling, max_new)
-        return Request(
-            request_id=group_id if n == 1 else sample_id(group_id, 0),
-            group_id=group_id,
-            sample_index=0,
-            token_ids=prompt,
-            num_prompt_tokens=len(prompt),
-            sampling=sampling,
-            max_new_tokens=max_new,
-            stop_token_ids=frozenset(sampling.stop_token_ids or ()),
-            seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
-            arrival=0,
-            num_forks=n - 1,
-            streaming=streaming,
-            created_time=time.perf_counter(),
-            token_times=[] if record_timestamps else None,
-        )
+        """Validate a request and resolve its defaults without queueing it (`RequestIntake.prepare`: any thread may
+        call it); `submit` queues the result. Arguments as for `add_request`."""
+        return self.intake.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
 
     def submit(self, request: Request) -> None:
         """Queue a request made by `prepare`.
@@ -301,20 +169,6 @@ class Engine:
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 
-    def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
-        """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
-        tokens and max_new_tokens taken from the generation config where it leaves them None."""
-        if sampling is None:
-            return dataclasses.replace(self.default_sampling)
-        if not isinstance(sampling, SamplingParams):
-            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
-        fill: dict[str, Any] = {}
-        if sampling.stop_token_ids is None:
-            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
-        if sampling.max_new_tokens is None:
-            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
-        return dataclasses.replace(sampling, **fill)
-
     def cancel(self, group_id: str) -> list[GenerationOutput]:
         """Abort every unfinished sample of a group.
 
@@ -330,43 +184,6 @@ class Engine:
         return drained + self._outputs(self.scheduler.abort(group_id))
 
     # ---- weights ----------------------------------------------------------------------------------------------
-    def weight_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Every name a weight update may target, with its dtype name and shape (state_dict names)."""
-        return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._weights.items()}
-
-    def check_weight_specs(self, specs: dict[str, tuple[str, tuple[int, ...]]], partial: bool = False) -> None:
-        """Check an update's names, dtypes and shapes against the model before any byte of it is applied.
-
-        Args:
-            specs: name -> (dtype name, shape) of every tensor the update brings.
-            partial: allow an update that leaves some parameters out (else every parameter must be covered).
-        Raises:
-            FieldError: whose `field` is the culprit tensor's name (unknown, wrong dtype or shape, or missing).
-        """
-        for name, (dtype, shape) in specs.items():
-            target = self._weights.get(name)
-            if target is None:
-                raise FieldError(name, "unknown tensor: the model has no parameter or buffer of this name")
-            if dtype != dtype_name(target.dtype):
-                raise FieldError(name, f"dtype {dtype} does not match the model's {dtype_name(target.dtype)}")
-            if tuple(shape) != tuple(target.shape):
-                raise FieldError(name, f"shape {list(shape)} does not match the model's {list(target.shape)}")
-        if not partial:
-            covered = {id(self._weights[name]) for name in specs}
-            for parameter_name in self._parameter_names.values():
-                if id(self._weights[parameter_name]) not in covered:
-                    raise FieldError(
-                        parameter_name, "missing: a whole update must cover every parameter (or pass partial=True)"
-                    )
-
-    def _check_tied_values(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Two names of one tied parameter (e.g. embed_tokens and lm_head) must bring the same values."""
-        first_name: dict[int, str] = {}
-        for name, tensor in tensors.items():
-            other = first_name.setdefault(id(self._weights[name]), name)
-            if other != name and not torch.equal(tensors[other], tensor):
-                raise FieldError(name, f"is tied to {other} in the model but the update gives them different values")
-
     def num_in_flight(self) -> int:
         """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
         waits for)."""
@@ -410,17 +227,13 @@ class Engine:
             )
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
-        self.check_weight_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
-        self._check_tied_values(tensors)
+        self.weights.check_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
+        self.weights.check_tied_values(tensors)
         self._drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
         if mode == "wait" and self.num_in_flight():
             raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
         copy_started = time.perf_counter()
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                self._weights[name].copy_(tensor, non_blocking=True)
-            if self.kv_cache.kv.device.type == "cuda":  # non-blocking copies from pinned staging must land first
-                torch.cuda.synchronize(self.kv_cache.kv.device)
+        self.weights.copy_in(tensors)
         copy_ms = (time.perf_counter() - copy_started) * 1000
         self.block_manager.policy_version = new_version
         # Cached prefixes of old versions can never match again (the version is in their hash): let them go.

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError, SamplingParams
-from rollout.engine.engine import Engine, WeightUpdateResult
+from rollout.engine.engine import Engine
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request, sample_id
 from rollout.engine.results import ResultRouter
+from rollout.engine.weight_table import WeightUpdateResult
 
 logger = logging.getLogger(__name__)
 
@@ -260,18 +261,18 @@ class ContinuousBatchingManager:
             raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
         if eos_token_id is not None:
             fields["stop_token_ids"] = eos_token_id
-        return (sampling if sampling is not None else self.engine.default_sampling).merged(**fields)
+        return (sampling if sampling is not None else self.engine.intake.default_sampling).merged(**fields)
 
     @property
     def num_return_sequences(self) -> int:
         """Samples per request when `add_request` is given no `n` (transformers' manager attribute; settable)."""
-        return self.engine.default_n
+        return self.engine.intake.default_n
 
     @num_return_sequences.setter
     def num_return_sequences(self, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FieldError("num_return_sequences", f"must be an integer >= 1, got {value!r}")
-        self.engine.default_n = value
+        self.engine.intake.default_n = value
 
     def cancel_request(self, request_id: str) -> None:
         """Abort a request (every sample of its group); each delivers its partial output with finish_reason "abort".

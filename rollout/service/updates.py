@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
-from rollout.engine.engine import WeightUpdateResult
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.weight_table import WeightUpdateResult
 from rollout.service import protocol as p
 from rollout.service.dist import DistReceiver
 from rollout.service.staging import StagingPool
@@ -94,7 +94,7 @@ class UpdateSlot:
         """
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
-            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in self.manager.engine.weight_specs().items()]
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in self.manager.engine.weights.specs().items()]
             self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version))
             return
         update = self.update

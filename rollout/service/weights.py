@@ -134,7 +134,7 @@ class StagedUpdate:
             if any(size < 0 for size in spec.shape):
                 raise UpdateRejected("bad_update", f"tensors[{index}].shape", "sizes must be >= 0")
         try:
-            engine.check_weight_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
+            engine.weights.check_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
         except FieldError as error:
             raise UpdateRejected("bad_update", error.field, error.reason) from None
 

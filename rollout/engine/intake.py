@@ -1,0 +1,166 @@
+"""Request intake: a prompt and its settings checked against the model and resolved into a group's leader
+`Request` (defaults from the generation config, a seed when none was given), without touching the engine's
+mutable state, so any thread may prepare a request; the engine thread queues it (`Engine.submit`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import random
+import time
+from typing import Any
+
+import torch
+
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
+from rollout.engine.request import Request, sample_id
+from rollout.generation_config import GenerationDefaults
+
+# Most samples in one group: bounds what one request can make the engine allocate up front.
+MAX_GROUP_SIZE = 4096
+
+
+def _is_token(value: object, vocab_size: int) -> bool:
+    return type(value) is int and 0 <= value < vocab_size
+
+
+def as_prompt(input_ids: Any) -> list[int]:
+    """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
+
+    Raises:
+        ValueError: anything else, naming input_ids.
+    """
+    if isinstance(input_ids, torch.Tensor) or type(input_ids).__module__ == "numpy":
+        array = torch.as_tensor(input_ids)
+        if array.dim() == 2 and array.shape[0] == 1:
+            array = array[0]
+        if array.dim() != 1 or array.is_floating_point():
+            raise FieldError(
+                "input_ids",
+                f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
+            )
+        return array.tolist()
+    if not isinstance(input_ids, (list, tuple)):
+        raise FieldError("input_ids", f"expected a list of token ids, got {type(input_ids).__name__}")
+    # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
+
+
+class RequestIntake:
+    """Checks and resolves requests for one model: its vocabulary, context length and generation defaults."""
+
+    def __init__(
+        self, vocab_size: int, max_model_len: int, config: ContinuousBatchingConfig, defaults: GenerationDefaults
+    ):
+        """
+        Args:
+            vocab_size: token ids must be below it.
+            max_model_len: prompt + max_new_tokens must fit in it.
+            config: the engine's settings (seed, return_logprobs).
+            defaults: the resolved generation config (sampling defaults, num_return_sequences, max_length).
+        """
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.config = config
+        self.default_sampling = defaults.sampling
+        self.default_n = defaults.n  # num_return_sequences
+        self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
+        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
+        self._seed_source = random.SystemRandom() if config.seed is None else random.Random(config.seed)
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
+        """Raise FieldError naming the field when a request can never be served by this model."""
+        if not prompt_ids:
+            raise FieldError("input_ids", "the prompt must be a non-empty list of token ids")
+        for position, token in enumerate(prompt_ids):
+            if not _is_token(token, self.vocab_size):
+                reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
+                raise FieldError("input_ids", reason)
+        if len(prompt_ids) + max_new_tokens > self.max_model_len:
+            raise FieldError(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {self.max_model_len} tokens",
+            )
+        token_fields = {
+            "stop_token_ids": sampling.stop_token_ids or (),
+            "suppress_tokens": sampling.suppress_tokens,
+            "begin_suppress_tokens": sampling.begin_suppress_tokens,
+            "bad_words_ids": [t for word in sampling.bad_words_ids for t in word],
+        }
+        for name, tokens in token_fields.items():
+            outside = sorted({t for t in tokens if t >= self.vocab_size})
+            if outside:
+                raise FieldError(name, f"{outside} outside the vocabulary [0, {self.vocab_size})")
+        if sampling.top_logprobs and not self.config.return_logprobs:
+            raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
+        if sampling.top_k > self.vocab_size:
+            raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+
+    def prepare(
+        self,
+        group_id: str,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+    ) -> Request:
+        """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
+        thread may call it). `submit` queues the result.
+
+        Args: as for `add_request`.
+        Returns:
+            The group's leader `Request` (it forks the other n - 1 samples once its prompt is computed).
+        Raises:
+            ValueError: bad input, naming the field.
+        """
+        if not isinstance(group_id, str) or not group_id or "#" in group_id:
+            reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
+            raise FieldError("request_id", reason)
+        prompt = as_prompt(prompt_ids)
+        sampling = self.resolve_sampling(sampling)
+        n = self.default_n if n is None else n
+        if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
+            raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
+        max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        if max_new is None and self.default_max_length is not None:  # a GenerationConfig's max_length, as generate
+            max_new = self.default_max_length - len(prompt)
+            if max_new < 1:
+                reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
+                raise FieldError("max_length", reason)
+        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        if not _is_int(max_new) or max_new < 1:
+            raise FieldError("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
+        self.validate(prompt, sampling, max_new)
+        return Request(
+            request_id=group_id if n == 1 else sample_id(group_id, 0),
+            group_id=group_id,
+            sample_index=0,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            max_new_tokens=max_new,
+            stop_token_ids=frozenset(sampling.stop_token_ids or ()),
+            seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
+            arrival=0,
+            num_forks=n - 1,
+            streaming=streaming,
+            created_time=time.perf_counter(),
+            token_times=[] if record_timestamps else None,
+        )
+
+    def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
+        tokens and max_new_tokens taken from the generation config where it leaves them None."""
+        if sampling is None:
+            return dataclasses.replace(self.default_sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        fill: dict[str, Any] = {}
+        if sampling.stop_token_ids is None:
+            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
+        if sampling.max_new_tokens is None:
+            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
+        return dataclasses.replace(sampling, **fill)
