@@ -14,18 +14,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
 
-from rollout.config import WEIGHT_UPDATE_MODES, FieldError, SamplingParams
+from rollout.config import FieldError, SamplingParams
+from rollout.engine.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
 from rollout.engine.engine import Engine
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request, sample_id
 from rollout.engine.results import ResultRouter
+from rollout.engine.weight_queue import WeightUpdateQueue
 from rollout.engine.weight_table import WeightUpdateResult
+from rollout.mailbox import drain
 
 logger = logging.getLogger(__name__)
 
@@ -34,22 +37,6 @@ SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
-
-
-@dataclass
-class _PendingUpdate:
-    """A weight update handed to the engine thread; a "wait" one stays pending while in-flight samples drain."""
-
-    tensors: dict[str, torch.Tensor]
-    version: int | None
-    mode: str
-    partial: bool
-    callback: Callable[[WeightUpdateResult | BaseException], None]
-    drain_deadline: float | None
-    received: float = 0.0
-    # "pending" until the engine thread takes it ("applying"), or its waiter gave up first ("cancelled"); changed
-    # only under the manager's lock, so an update is either applied and reported, or never applied.
-    state: str = "pending"
 
 
 class ContinuousBatchingManager:
@@ -76,20 +63,20 @@ class ContinuousBatchingManager:
         self.engine = Engine(model, continuous_batching_config, generation_config)
         self.config = self.engine.config
         self.generation_config = generation_config  # as given (transformers' manager has it too)
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
         self._pauses = PauseGate(
-            lambda request: self._commands.put(("pause", request)), self.is_running, lambda: self.error
+            lambda request: self._commands.put(PauseLoop(request)), self.is_running, lambda: self.error
         )
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
-        self._pending_update: _PendingUpdate | None = None  # engine thread only
-        self.last_weight_update: WeightUpdateResult | None = None
-        self.last_weight_update_at: float | None = None  # unix time
+        self._updates = WeightUpdateQueue(
+            self.engine, self._state, self._commands.put, self._deliver, self.is_running, lambda: self._closed
+        )
         self.started_at: float | None = None
         # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).
         self.step_observer: Callable[[float], None] | None = None
@@ -124,7 +111,7 @@ class ContinuousBatchingManager:
                 "wait forever; leave the `with manager.pause():` block first"
             )
         self._stop.set()
-        self._commands.put(("wake", None))
+        self._commands.put(Wake())
         if self._thread is None:
             self._shutdown()
         elif block and threading.current_thread() is not self._thread:  # from a handler: the loop ends after it
@@ -227,7 +214,7 @@ class ContinuousBatchingManager:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
             self._router.open(request_id, request.num_forks + 1)
             self._num_queued += 1
-            self._commands.put(("add", request))
+            self._commands.put(AddGroup(request))
         return request_id
 
     def add_requests(
@@ -283,7 +270,7 @@ class ContinuousBatchingManager:
         """
         group_id = self._router.group_of(request_id)
         if group_id is not None:
-            self._commands.put(("cancel", group_id))
+            self._commands.put(CancelGroup(group_id))
 
     # ---- weights ----------------------------------------------------------------------------------------------
     def update_weights(
@@ -336,69 +323,24 @@ class ContinuousBatchingManager:
         partial: bool,
         drain_timeout: float | None,
         callback: Callable[[WeightUpdateResult | BaseException], None],
-    ) -> _PendingUpdate | None:
+    ) -> PendingUpdate | None:
         """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
         (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`.
 
         Returns:
             The queued update (its `state` says whether it was applied), or None when it was refused at once.
         """
-        if mode not in WEIGHT_UPDATE_MODES:
-            callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
-            return None
-        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
-        update = _PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic())
-        with self._state:
-            if self._closed:
-                callback(RuntimeError("the manager is stopped"))
-                return None
-            if not self.is_running():  # nothing else touches the engine: apply here
-                self._pending_update = update
-                self._try_apply_update()
-                return update
-            self._commands.put(("weights", update))
-        return update
+        return self._updates.submit(tensors, version, mode, partial, drain_timeout, callback)
 
-    def _try_apply_update(self) -> None:
-        """Engine thread: apply the pending update once nothing it must wait for is in flight."""
-        update = self._pending_update
-        if update is None:
-            return
-        with self._state:
-            if update.state == "cancelled":  # its waiter gave up: never apply it
-                self._pending_update = None
-                self.engine.scheduler.resume_admission()
-                return
-        waits = update.mode == "wait"
-        if waits and self.engine.num_in_flight():
-            if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
-                self._pending_update = None
-                self.engine.scheduler.resume_admission()
-                count = self.engine.num_in_flight()
-                update.callback(TimeoutError(f"'wait' update dropped: {count} samples still in flight at its deadline"))
-            else:
-                self.engine.scheduler.pause_admission()
-            return
-        with self._state:
-            if update.state == "cancelled":
-                self._pending_update = None
-                self.engine.scheduler.resume_admission()
-                return
-            update.state = "applying"
-        self._pending_update = None
-        drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
-        try:
-            result = self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
-        except Exception as error:  # noqa: BLE001 - a refused update goes back to its sender
-            outcome: WeightUpdateResult | BaseException = error
-        else:
-            result.drain_ms = drain_ms
-            outcome = result
-            self.last_weight_update, self.last_weight_update_at = result, time.time()
-            self._deliver(result.outputs)
-        finally:
-            self.engine.scheduler.resume_admission()
-        update.callback(outcome)
+    @property
+    def last_weight_update(self) -> WeightUpdateResult | None:
+        """What the newest applied weight update did."""
+        return self._updates.last_result
+
+    @property
+    def last_weight_update_at(self) -> float | None:
+        """When (unix time) the newest weight update was applied."""
+        return self._updates.last_at
 
     # ---- results ----------------------------------------------------------------------------------------------
     def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
@@ -448,8 +390,8 @@ class ContinuousBatchingManager:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished() and self._pending_update is None)
-                self._try_apply_update()
+                self._drain_commands(block=not self.engine.has_unfinished() and self._updates.pending is None)
+                self._updates.try_apply()
                 if self.engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = self.engine.step()
@@ -466,20 +408,14 @@ class ContinuousBatchingManager:
         """Refuse new requests, end everything still queued or running, release the model."""
         with self._state:
             self._closed = True
-        if self._pending_update is not None:
-            self._pending_update.callback(RuntimeError("the manager stopped before the weight update was applied"))
-            self._pending_update = None
-        while True:
-            try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if command == "add":
-                self._end_unstarted(payload, "abort" if reason is None else "error", reason)
-            elif command == "weights":
-                payload.callback(RuntimeError("the manager stopped before the weight update was applied"))
-            elif command == "pause":
-                PauseGate.refuse(payload, "the manager stopped before the loop paused")
+        self._updates.refuse_pending("the manager stopped before the weight update was applied")
+        for command in drain(self._commands):
+            if isinstance(command, AddGroup):
+                self._end_unstarted(command.request, "abort" if reason is None else "error", reason)
+            elif isinstance(command, ApplyWeights):
+                command.update.callback(RuntimeError("the manager stopped before the weight update was applied"))
+            elif isinstance(command, PauseLoop):
+                PauseGate.refuse(command.request, "the manager stopped before the loop paused")
         try:
             self._deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
@@ -495,36 +431,23 @@ class ContinuousBatchingManager:
             self._state.notify_all()
 
     def _drain_commands(self, block: bool) -> None:
-        try:
-            command, payload = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(command, payload)
-            try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in drain(self._commands, wait_s=0.5 if block else None):
+            self._apply(command)
 
-    def _apply(self, command: str, payload: Any) -> None:
-        if command == "add":
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, AddGroup):
             with self._state:
                 self._num_queued -= 1
             try:
-                self.engine.submit(payload)
+                self.engine.submit(command.request)
             except ValueError as error:  # e.g. its id is still running in the engine: the caller still hears back
-                self._end_unstarted(payload, "error", str(error))
-        elif command == "cancel":
-            self._deliver(self.engine.cancel(payload))
-        elif command == "pause":
-            PauseGate.serve(payload, self._stop.is_set(), lambda: self._deliver(self.engine.flush()))
-        elif command == "weights":
-            if payload.state == "cancelled":
-                return
-            if self._pending_update is not None:
-                payload.callback(RuntimeError("another weight update is still waiting for in-flight samples"))
-            else:
-                self._pending_update = payload
+                self._end_unstarted(command.request, "error", str(error))
+        elif isinstance(command, CancelGroup):
+            self._deliver(self.engine.cancel(command.group_id))
+        elif isinstance(command, PauseLoop):
+            PauseGate.serve(command.request, self._stop.is_set(), lambda: self._deliver(self.engine.flush()))
+        elif isinstance(command, ApplyWeights):
+            self._updates.take(command.update)
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
