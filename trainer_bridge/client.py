@@ -33,6 +33,7 @@ from rollout.service import protocol as p
 from rollout.service.protocol import Completion, Delta
 from rollout.service.sockets import check_address
 from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
+from trainer_bridge.commands import AskStats, CancelCall, CloseChannel, OpenChannel, SendRaw, Submit
 from trainer_bridge.dispatcher import Dispatcher
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class UpdateChannel:
 
     def send(self, worker: int, message: p.Message, data: list | None = None) -> None:
         """Send `message` (and raw data frames after its header) to worker `worker`."""
-        self.client._command("send_raw", (worker, message, data))
+        self.client._io.command(SendRaw(worker, message, data))
 
     def receive(self, timeout: float) -> tuple[int, p.Message]:
         """The next reply of any worker to this update, as (worker index, message).
@@ -67,7 +68,7 @@ class UpdateChannel:
 
     def close(self) -> None:
         """Stop routing replies to this channel."""
-        self.client._command("close_channel", self.update_id)
+        self.client._io.command(CloseChannel(self.update_id))
 
 
 def _plain(value: Any) -> Any:
@@ -190,14 +191,14 @@ class RolloutClient:
 
     def cancel(self, group_id: str) -> None:
         """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort"."""
-        self._command("cancel", group_id)
+        self._io.command(CancelCall(group_id))
 
     def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
         deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
         self.wait_connected(max(0.0, deadline - time.monotonic()))  # a new client: let its workers answer first
         replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._command("stats", replies)
+        self._io.command(AskStats(replies))
         try:
             count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
             return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
@@ -292,7 +293,7 @@ class RolloutClient:
         if self._closed.is_set():
             raise RolloutError("closed", "the client is closed")
         replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._command("open_channel", (update_id, replies))
+        self._io.command(OpenChannel(update_id, replies))
         return UpdateChannel(self, update_id, replies)
 
     # ---- caller side ------------------------------------------------------------------------------------------
@@ -307,7 +308,7 @@ class RolloutClient:
         call = Call(group, cost, stream=stream)
         if sink is not None:
             call.events = sink
-        self._command("submit", call)
+        self._io.command(Submit(call))
         return call
 
     def _checked(self, group: PromptGroup) -> PromptGroup:
@@ -339,9 +340,6 @@ class RolloutClient:
         sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
         group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
         return PromptGroup(prompt_ids, group.n, sampling, group_id)
-
-    def _command(self, name: str, payload: Any) -> None:
-        self._io.command(name, payload)
 
     @property
     def min_policy_version(self) -> int:

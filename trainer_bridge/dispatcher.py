@@ -18,12 +18,13 @@ from collections import deque
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
+from rollout.mailbox import drain
 from rollout.service import protocol as p
 from rollout.service.protocol import Delta
 from rollout.service.sockets import Waker
 from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy
+from trainer_bridge.commands import AskStats, CancelCall, CloseChannel, Command, OpenChannel, SendRaw, Submit
 from trainer_bridge.links import WorkerLink
 
 logger = logging.getLogger("trainer_bridge.client")
@@ -73,15 +74,15 @@ class Dispatcher:
         # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
         # serve at least this one whenever one is alive.
         self.min_policy_version = 0
-        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._waker = Waker()
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rollout-client", daemon=True)
         self._thread.start()
 
-    def command(self, name: str, payload: Any) -> None:
+    def command(self, command: Command) -> None:
         """Hand the I/O thread a command (any thread)."""
-        self._commands.put((name, payload))
+        self._commands.put(command)
         self._waker.wake()
 
     def stop(self) -> None:
@@ -125,45 +126,46 @@ class Dispatcher:
             self._waker.close()
 
     def _run_commands(self) -> None:
-        while True:
-            try:
-                name, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if name == "submit":
-                if self._unreachable() is not None:
-                    payload.events.put(RolloutError("no_workers", self._unreachable()))
-                    continue
-                if payload.group.group_id in self._calls:
-                    message = "a group with this id is still in flight on this client"
-                    payload.events.put(RolloutError("duplicate_group", message, "group_id"))
-                    continue
-                self._calls[payload.group.group_id] = payload
-                self._dispatch(payload)
-            elif name == "cancel":
-                call = self._calls.get(payload)
-                if call is None:
-                    continue
-                call.cancelled = True
-                if call.worker is not None:
-                    self._send(call.worker, p.Cancel(call.wire_id))
-                else:  # parked: nobody has it, so it ends here
-                    self._calls.pop(payload)
-                    self._by_wire.pop(call.wire_id, None)
-                    self._parked = [c for c in self._parked if c is not call]
-            elif name == "open_channel":
-                self._channels[payload[0]] = payload[1]
-            elif name == "close_channel":
-                self._channels.pop(payload, None)
-            elif name == "send_raw":
-                index, message, data = payload
-                self._send(index, message, data)
-            elif name == "stats":
+        for command in drain(self._commands):
+            if isinstance(command, Submit):
+                self._submit(command.call)
+            elif isinstance(command, CancelCall):
+                self._cancel(command.group_id)
+            elif isinstance(command, OpenChannel):
+                self._channels[command.update_id] = command.replies
+            elif isinstance(command, CloseChannel):
+                self._channels.pop(command.update_id, None)
+            elif isinstance(command, SendRaw):
+                self._send(command.worker, command.message, command.data)
+            elif isinstance(command, AskStats):
                 live = [index for index, worker in enumerate(self.workers) if worker.alive]
-                payload.put(len(live))
+                command.replies.put(len(live))
                 for index in live:
-                    self._stats_sinks[index].append(payload)
+                    self._stats_sinks[index].append(command.replies)
                     self._send(index, p.Stats())
+
+    def _submit(self, call: Call) -> None:
+        unreachable = self._unreachable()
+        if unreachable is not None:
+            call.events.put(RolloutError("no_workers", unreachable))
+        elif call.group.group_id in self._calls:
+            message = "a group with this id is still in flight on this client"
+            call.events.put(RolloutError("duplicate_group", message, "group_id"))
+        else:
+            self._calls[call.group.group_id] = call
+            self._dispatch(call)
+
+    def _cancel(self, group_id: str) -> None:
+        call = self._calls.get(group_id)
+        if call is None:
+            return
+        call.cancelled = True
+        if call.worker is not None:
+            self._send(call.worker, p.Cancel(call.wire_id))
+        else:  # parked: nobody has it, so it ends here
+            self._calls.pop(group_id)
+            self._by_wire.pop(call.wire_id, None)
+            self._parked = [c for c in self._parked if c is not call]
 
     def _dispatch(self, call: Call) -> None:
         live = [index for index, worker in enumerate(self.workers) if worker.alive]
@@ -298,30 +300,21 @@ class Dispatcher:
         """Socket monitor events: the connection closed (the worker died, restarted, or dropped this client: its
         groups are gone there, so they fail over at once), or the worker refused this client's handshake."""
         worker = self.workers[index]
-        while True:
-            try:
-                event = recv_monitor_message(worker.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:  # (re)connected: ask at once whether it serves
+        for kind, reason in worker.monitor_events():
+            if kind == "connected":  # (re)connected: ask at once whether it serves
                 worker.connected, worker.silent = True, False
                 worker.last_ping = time.monotonic()
                 self._send(index, p.Ping())
-                continue
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            elif kind == "disconnected":
                 worker.connected = False
                 if worker.alive:
                     logger.warning("connection to rollout worker %s closed; resubmitting its groups", worker.address)
                     worker.alive = False
                     self._failover(index)
-                continue
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                reason = "refused this client's key (not among its --authorized-keys/--trainer-keys)"
             else:
-                reason = "the security handshake failed (do both sides use CurveZMQ keys, and the right server key?)"
-            if worker.refused != reason:
-                logger.error("rollout worker %s %s", worker.address, reason)
-            worker.refused = reason
+                if worker.refused != reason:
+                    logger.error("rollout worker %s %s", worker.address, reason)
+                worker.refused = reason
         self._fail_parked()
 
     def _heartbeat(self) -> None:

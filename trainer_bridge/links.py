@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rollout.service.auth import secure_client_socket
 
@@ -46,3 +47,23 @@ class WorkerLink:
         self.outstanding = 0  # tokens still to generate for groups in flight
         self.policy_version = 0  # as of the worker's last pong or weight commit
         self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
+
+    def monitor_events(self) -> list[tuple[str, str | None]]:
+        """What the socket monitor reported since the last call, oldest first: ("connected", None) after a
+        handshake, ("disconnected", None) when the connection closed, ("refused", why) when the worker refused
+        this client's key or security mechanism."""
+        events: list[tuple[str, str | None]] = []
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return events
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                events.append(("connected", None))
+            elif event == zmq.EVENT_DISCONNECTED:
+                events.append(("disconnected", None))
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                events.append(("refused", "refused this client's key (not among its --authorized-keys/--trainer-keys)"))
+            else:
+                reason = "the security handshake failed (do both sides use CurveZMQ keys, and the right server key?)"
+                events.append(("refused", reason))

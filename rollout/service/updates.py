@@ -25,6 +25,7 @@ import torch
 from rollout.config import FieldError
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.engine.weight_table import WeightUpdateResult
+from rollout.mailbox import drain
 from rollout.service import protocol as p
 from rollout.service.dist import DistReceiver
 from rollout.service.staging import StagingPool
@@ -267,11 +268,7 @@ class UpdateSlot:
 
     def conclude(self) -> None:
         """Send what the engine or receiver thread finished; close the update when it ended."""
-        while True:
-            try:
-                update, reply = self._events.get_nowait()
-            except queue.Empty:
-                return
+        for update, reply in drain(self._events):
             if update is not self.update:
                 continue  # rejected or aborted meanwhile
             if isinstance(reply, p.Error):

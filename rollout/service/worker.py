@@ -25,6 +25,7 @@ import zmq
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
 from rollout.engine.outputs import GenerationOutput
+from rollout.mailbox import drain
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
@@ -307,11 +308,7 @@ class RolloutWorker:
             self._waker.wake()
 
     def _flush_outbox(self) -> None:
-        while True:
-            try:
-                identity, message = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        for identity, message in drain(self._outbox):
             self._send(identity, message)
 
     def _add_group(self, group: GroupInFlight) -> None:

@@ -1,0 +1,59 @@
+"""What caller threads ask of the RolloutClient's I/O thread: one small dataclass per command, put in its mailbox
+with a wake-up (`Dispatcher.command`), applied in order by the thread that owns the sockets."""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.service import protocol as p
+from trainer_bridge.calls import Call
+
+
+@dataclass
+class Submit:
+    """Send a call's group to the least busy live worker (or park it until one answers)."""
+
+    call: Call
+
+
+@dataclass
+class CancelCall:
+    """Cancel a group: on its worker, or at once while it is parked."""
+
+    group_id: str
+
+
+@dataclass
+class OpenChannel:
+    """Route every reply carrying `update_id` to `replies` (a weight update's channel)."""
+
+    update_id: str
+    replies: queue.SimpleQueue
+
+
+@dataclass
+class CloseChannel:
+    """Stop routing a weight update's replies."""
+
+    update_id: str
+
+
+@dataclass
+class SendRaw:
+    """Send a message (and raw data frames) to one worker, by index."""
+
+    worker: int
+    message: p.Message
+    data: Any = None
+
+
+@dataclass
+class AskStats:
+    """Ask every live worker for its stats; `replies` first gets how many will answer, then each answer."""
+
+    replies: queue.SimpleQueue
+
+
+Command = Submit | CancelCall | OpenChannel | CloseChannel | SendRaw | AskStats
