@@ -45,6 +45,10 @@ class FieldError(ValueError):
         self.field = field
         self.reason = reason
 
+    def renamed(self, names: dict[str, str]) -> FieldError:
+        """The same error under another layer's name for its field (`names`: ours -> theirs), else itself."""
+        return FieldError(names[self.field], self.reason) if self.field in names else self
+
 
 _SHORT = reprlib.Repr()  # attributes, not keywords: Python 3.10/3.11 take none
 _SHORT.maxlist = _SHORT.maxtuple = 8
@@ -221,6 +225,35 @@ class SamplingParams:
     def merged(self, **overrides: Any) -> SamplingParams:
         """Return a copy with `overrides` applied (validated again)."""
         return dataclasses.replace(self, **overrides)
+
+    def changed_fields(self) -> dict[str, Any]:
+        """The fields that differ from the defaults, as plain values (lists for tuples): what the wire protocol's
+        `sampling` map carries for these settings."""
+        defaults = SamplingParams()
+        return {
+            item.name: _as_plain(getattr(self, item.name))
+            for item in dataclasses.fields(self)
+            if getattr(self, item.name) != getattr(defaults, item.name)
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> SamplingParams:
+        """Build from a `sampling` map of field names (the wire's), checking every field.
+
+        Raises:
+            FieldError: an unknown or bad field, named "sampling.<field>".
+        """
+        unknown = sorted(set(fields) - {item.name for item in dataclasses.fields(cls)})
+        if unknown:
+            raise FieldError(f"sampling.{unknown[0]}", f"unknown sampling field {unknown[0]!r}")
+        try:
+            return cls(**fields)
+        except FieldError as error:
+            raise FieldError(f"sampling.{error.field}", error.reason) from None
+
+
+def _as_plain(value: Any) -> Any:
+    return [_as_plain(item) for item in value] if isinstance(value, tuple | list) else value
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")

@@ -284,3 +284,16 @@ def test_values_msgpack_cannot_carry_are_refused_and_the_client_lives_on(client,
 def test_a_malformed_address_is_named_as_such(address):
     with pytest.raises(ValueError, match="addresses"):
         RolloutClient(address)
+
+
+def test_a_sampling_params_is_sent_like_its_dict_and_checked_by_the_workers_rules(client):
+    """PromptGroup.sampling takes a rollout.SamplingParams too: the same completion as the dict of its fields; a
+    misspelled or invalid field is refused in the caller's thread by the worker's own check, naming it."""
+    as_dict = client.generate(PromptGroup([5, 6, 7], sampling={**GREEDY, "seed": 3}))
+    params = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=10, seed=3)
+    as_params = client.generate(PromptGroup([5, 6, 7], sampling=params))
+    assert as_params.completions[0].token_ids == as_dict.completions[0].token_ids
+    for sampling, field in [({"temprature": 1.0}, "sampling.temprature"), ({"top_p": 2.0}, "sampling.top_p")]:
+        with pytest.raises(RolloutError) as raised:
+            client.generate(PromptGroup([1, 2], sampling=sampling))
+        assert raised.value.field == field, raised.value

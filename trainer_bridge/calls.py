@@ -9,6 +9,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.config import SamplingParams
 from rollout.service.protocol import Completion, Delta
 
 
@@ -18,8 +19,8 @@ class PromptGroup:
 
     prompt_ids: list[int]
     n: int = 1
-    # rollout.SamplingParams field names: temperature, top_p, max_new_tokens, seed, stop_token_ids, ...
-    sampling: dict[str, Any] = field(default_factory=dict)
+    # A rollout.SamplingParams, or a dict of its field names: temperature, top_p, max_new_tokens, seed, ...
+    sampling: SamplingParams | dict[str, Any] = field(default_factory=dict)
     group_id: str | None = None
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgpack
 
+from rollout.config import FieldError, SamplingParams
 from rollout.service import protocol as p
 from rollout.service.protocol import Completion, Delta
 from rollout.service.sockets import check_address
@@ -328,15 +329,22 @@ class RolloutClient:
             (group.group_id or "").encode("utf-8")
         except UnicodeEncodeError:
             raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
-        if not isinstance(group.sampling, dict):
-            raise RolloutError("bad_request", "sampling must be a dict of SamplingParams fields", "sampling")
-        try:
-            sampling = {key: _plain(value) for key, value in group.sampling.items()}
-            msgpack.packb(sampling)
-        except (TypeError, ValueError, OverflowError, RuntimeError) as error:
-            raise RolloutError(
-                "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
-            ) from None
+        if isinstance(group.sampling, SamplingParams):
+            sampling = group.sampling.changed_fields()
+        elif isinstance(group.sampling, dict):
+            try:
+                sampling = {key: _plain(value) for key, value in group.sampling.items()}
+                msgpack.packb(sampling)
+            except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+                raise RolloutError(
+                    "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
+                ) from None
+        else:
+            raise RolloutError("bad_request", "sampling must be a SamplingParams or a dict of its fields", "sampling")
+        try:  # the worker's own check, here in the caller's thread
+            SamplingParams.from_fields(sampling)
+        except FieldError as error:
+            raise RolloutError("bad_request", str(error), error.field) from None
         sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
         group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
         return PromptGroup(prompt_ids, group.n, sampling, group_id)

@@ -135,7 +135,7 @@ class Engine:
             ValueError: its group id is still running.
         """
         if request.group_id in self._open_groups:
-            raise FieldError("request_id", f"{request.group_id!r} is already running")
+            raise FieldError("group_id", f"{request.group_id!r} is already running")
         self.scheduler.add(request)
         self._open_groups[request.group_id] = request.num_forks + 1
 

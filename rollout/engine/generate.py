@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
+from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.outputs import GenerationOutput
 
 # Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that
@@ -71,8 +72,11 @@ def generate_batch(
         if warmup and not warm:
             engine.warmup()
         order: list[str] = []
-        for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
-            order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps)
+        try:
+            for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
+                order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps)
+        except FieldError as error:
+            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
         with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
             while engine.has_unfinished():
                 for output in engine.step():

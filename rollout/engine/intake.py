@@ -18,32 +18,35 @@ from rollout.generation_config import GenerationDefaults
 
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
+# The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
+# and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
+TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
 
 
 def _is_token(value: object, vocab_size: int) -> bool:
     return type(value) is int and 0 <= value < vocab_size
 
 
-def as_prompt(input_ids: Any) -> list[int]:
+def as_prompt(prompt_ids: Any) -> list[int]:
     """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
 
     Raises:
-        ValueError: anything else, naming input_ids.
+        ValueError: anything else, naming prompt_ids.
     """
-    if isinstance(input_ids, torch.Tensor) or type(input_ids).__module__ == "numpy":
-        array = torch.as_tensor(input_ids)
+    if isinstance(prompt_ids, torch.Tensor) or type(prompt_ids).__module__ == "numpy":
+        array = torch.as_tensor(prompt_ids)
         if array.dim() == 2 and array.shape[0] == 1:
             array = array[0]
         if array.dim() != 1 or array.is_floating_point():
             raise FieldError(
-                "input_ids",
+                "prompt_ids",
                 f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
             )
         return array.tolist()
-    if not isinstance(input_ids, (list, tuple)):
-        raise FieldError("input_ids", f"expected a list of token ids, got {type(input_ids).__name__}")
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}")
     # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
-    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in input_ids]
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
 
 
 class RequestIntake:
@@ -71,11 +74,11 @@ class RequestIntake:
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
         """Raise FieldError naming the field when a request can never be served by this model."""
         if not prompt_ids:
-            raise FieldError("input_ids", "the prompt must be a non-empty list of token ids")
+            raise FieldError("prompt_ids", "the prompt must be a non-empty list of token ids")
         for position, token in enumerate(prompt_ids):
             if not _is_token(token, self.vocab_size):
                 reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
-                raise FieldError("input_ids", reason)
+                raise FieldError("prompt_ids", reason)
         if len(prompt_ids) + max_new_tokens > self.max_model_len:
             raise FieldError(
                 "max_new_tokens",
@@ -118,7 +121,7 @@ class RequestIntake:
         """
         if not isinstance(group_id, str) or not group_id or "#" in group_id:
             reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
-            raise FieldError("request_id", reason)
+            raise FieldError("group_id", reason)
         prompt = as_prompt(prompt_ids)
         sampling = self.resolve_sampling(sampling)
         n = self.default_n if n is None else n

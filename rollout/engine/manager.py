@@ -22,6 +22,7 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
 from rollout.engine.engine import Engine
+from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request, sample_id
@@ -203,19 +204,51 @@ class ContinuousBatchingManager:
             if request_id is None:
                 request_id = f"req_{self._next_id}"
                 self._next_id += 1
-        request = self.engine.prepare(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
+        try:
+            return self.add_group(
+                request_id,
+                input_ids,
+                sampling=sampling,
+                n=n,
+                max_new_tokens=max_new_tokens,
+                streaming=streaming,
+                record_timestamps=record_timestamps,
+            )
+        except FieldError as error:
+            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
+
+    def add_group(
+        self,
+        group_id: str,
+        prompt_ids: Any,
+        *,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+    ) -> str:
+        """`add_request` in the engine's own terms (the worker's path): the arguments in `Engine.add_request`'s
+        order and names, errors naming `group_id` / `prompt_ids`.
+
+        Returns:
+            `group_id`.
+        Raises:
+            FieldError: bad input, naming the field. QueueFullError, RuntimeError: as for `add_request`.
+        """
+        request = self.engine.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
         with self._state:
             if self._closed:
                 raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
-            if self._router.is_open(request_id):
-                raise FieldError("request_id", f"{request_id!r} is already in use by an unfinished request")
+            if self._router.is_open(group_id):
+                raise FieldError("group_id", f"{group_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
             if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
-            self._router.open(request_id, request.num_forks + 1)
+            self._router.open(group_id, request.num_forks + 1)
             self._num_queued += 1
             self._commands.put(AddGroup(request))
-        return request_id
+        return group_id
 
     def add_requests(
         self,
@@ -440,8 +473,8 @@ class ContinuousBatchingManager:
                 self._num_queued -= 1
             try:
                 self.engine.submit(command.request)
-            except ValueError as error:  # e.g. its id is still running in the engine: the caller still hears back
-                self._end_unstarted(command.request, "error", str(error))
+            except FieldError as error:  # e.g. its id is still running in the engine: the caller still hears back
+                self._end_unstarted(command.request, "error", str(error.renamed(TRANSFORMERS_FIELD_NAMES)))
         elif isinstance(command, CancelGroup):
             self._deliver(self.engine.cancel(command.group_id))
         elif isinstance(command, PauseLoop):

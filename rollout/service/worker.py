@@ -38,7 +38,6 @@ from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 logger = logging.getLogger(__name__)
 
 # Engine-side field names -> the protocol's.
-_FIELD_NAMES = {"input_ids": "prompt_ids", "request_id": "group_id"}
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 MAX_PIECES = 1 << 16  # pieces in one weight bucket
 MAX_TENSORS = 1 << 16  # tensors in one weight update
@@ -251,16 +250,17 @@ class RolloutWorker:
             return
         self._add_group(group)
         try:
-            sampling = SamplingParams(**message.sampling)
-            self.manager.add_request(message.prompt_ids, group.engine_id, None, message.stream, message.n, sampling)
+            sampling = SamplingParams.from_fields(message.sampling)
+            self.manager.add_group(
+                group.engine_id, message.prompt_ids, sampling=sampling, n=message.n, streaming=message.stream
+            )
         except (FieldError, QueueFullError) as error:
             self._remove_group(group)
             self.groups_refused += 1
             if isinstance(error, QueueFullError):
                 self._send(identity, p.Error("busy", str(error), None, message.group_id))
                 return
-            name = _FIELD_NAMES.get(error.field, error.field)
-            name = f"sampling.{name}" if name in _SAMPLING_FIELDS else name
+            name = f"sampling.{error.field}" if error.field in _SAMPLING_FIELDS else error.field
             self._send(identity, p.Error("bad_request", f"{name}: {error.reason}", name, message.group_id))
             return
         self.groups_received += 1
@@ -281,11 +281,6 @@ class RolloutWorker:
         if message.sampling.get("top_logprobs"):
             reason = "top_logprobs are not carried over the socket yet"
             return p.Error("bad_request", reason, "sampling.top_logprobs", message.group_id)
-        unknown = sorted(set(message.sampling) - _SAMPLING_FIELDS)
-        if unknown:
-            return p.Error(
-                "bad_request", f"unknown sampling field {unknown[0]!r}", f"sampling.{unknown[0]}", message.group_id
-            )
         return None
 
     # ---- engine thread -> outbox ------------------------------------------------------------------------------
