@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conftest import make_request, make_scheduler
+from rollout.engine.batch import ScheduledBatch
 from rollout.engine.request import Request, RequestStatus
-from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.engine.scheduler import Scheduler
 
 TOKEN = 7  # the fake sampler's token: never a stop token in these tests
 STOP = 2

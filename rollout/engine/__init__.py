@@ -1,9 +1,11 @@
 """The continuous-batching engine, in process. One request crosses these files in this order:
 
 - `intake.py`: a prompt and its settings checked and resolved into a group's leader `Request` (`request.py`);
-- `manager.py`: `ContinuousBatchingManager`, the engine thread and its command queue (`pause.py`, `results.py`);
+- `manager.py`: `ContinuousBatchingManager`, the engine thread and its mailbox of typed commands (`commands.py`,
+  `pause.py`, `results.py`, `weight_queue.py`);
 - `engine.py`: `Engine.step()`, schedule -> run -> sample -> update, and the outputs (`outputs.py`);
-- `scheduler.py` and `block_manager.py`: which requests compute how many tokens, and their KV blocks (no torch);
+- `scheduler.py` and `block_manager.py`: which requests compute how many tokens (a `ScheduledBatch`, `batch.py`),
+  and their KV blocks (no torch);
 - `model_runner.py`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv_cache.py`,
   `attention.py`, `triton_attention.py`, `cuda_graphs.py`, `transfer.py`);
 - `sampler.py`: per-request penalties and bans (`token_bans.py`), warpers (`warpers.py`), seeded draws, logprobs;

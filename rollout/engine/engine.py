@@ -25,6 +25,7 @@ from rollout.config import (
     _is_int,
     dtype_name,
 )
+from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
@@ -32,7 +33,7 @@ from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.outputs import GenerationOutput, OutputStatus
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
-from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.engine.scheduler import Scheduler
 from rollout.engine.weight_table import WeightTable, WeightUpdateResult
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config

@@ -14,10 +14,10 @@ import torch
 
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
+from rollout.engine.batch import ScheduledBatch
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
-from rollout.engine.scheduler import ScheduledBatch
 from rollout.engine.transfer import to_device
 
 
