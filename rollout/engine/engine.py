@@ -115,22 +115,8 @@ class Engine:
         return self.block_manager.policy_version
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def prepare(
-        self,
-        group_id: str,
-        prompt_ids: Any,
-        sampling: SamplingParams | None = None,
-        n: int | None = None,
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        record_timestamps: bool = False,
-    ) -> Request:
-        """Validate a request and resolve its defaults without queueing it (`RequestIntake.prepare`: any thread may
-        call it); `submit` queues the result. Arguments as for `add_request`."""
-        return self.intake.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
-
     def submit(self, request: Request) -> None:
-        """Queue a request made by `prepare`.
+        """Queue a request made by `intake.prepare` (`RequestIntake`).
 
         Raises:
             ValueError: its group id is still running.
@@ -166,7 +152,7 @@ class Engine:
         Raises:
             ValueError: bad input (names the field).
         """
-        request = self.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
+        request = self.intake.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 

@@ -236,7 +236,9 @@ class ContinuousBatchingManager:
         Raises:
             FieldError: bad input, naming the field. QueueFullError, RuntimeError: as for `add_request`.
         """
-        request = self.engine.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
+        request = self.engine.intake.prepare(
+            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps
+        )
         with self._state:
             if self._closed:
                 raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
@@ -357,12 +359,7 @@ class ContinuousBatchingManager:
         drain_timeout: float | None,
         callback: Callable[[WeightUpdateResult | BaseException], None],
     ) -> PendingUpdate | None:
-        """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
-        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`.
-
-        Returns:
-            The queued update (its `state` says whether it was applied), or None when it was refused at once.
-        """
+        """Queue a weight update without waiting for it (`WeightUpdateQueue.submit`: `callback` gets the outcome)."""
         return self._updates.submit(tensors, version, mode, partial, drain_timeout, callback)
 
     @property
