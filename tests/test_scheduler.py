@@ -341,7 +341,7 @@ def test_stop_token_ignored_before_min_new_tokens():
 
 def test_stop_token_at_min_new_tokens_boundary_does_not_stop():
     """The sampler masks stop tokens while fewer than min_new_tokens tokens were generated, so the min_new_tokens-th
-    output can never be a stop token; append_token must agree and not stop there."""
+    output can never be a stop token; resolving it must agree and not stop there."""
     request = make_request("r", prompt(4), max_new_tokens=10, stop_token_ids=(STOP,), min_new_tokens=3)
     s = sim(request)
     outputs = s.drain(token=STOP)

@@ -245,7 +245,7 @@ class BlockManager:
         return copies
 
     def check_all_free(self) -> None:
-        """Raise AssertionError unless every device and swap block is free (used by tests and at shutdown)."""
+        """Raise AssertionError unless every device and swap block is free (tests; `Engine.close` logs a leak)."""
         leaked = [block for block, count in enumerate(self.ref_counts) if count != 0]
         assert not leaked and len(self.free_blocks) == self.num_blocks, f"leaked KV blocks: {leaked[:16]}"
         assert len(self.free_swap_blocks) == self.num_swap_blocks, "leaked swap blocks"

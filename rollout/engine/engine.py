@@ -273,6 +273,10 @@ class Engine:
         self._undelivered = []
         for group_id in list(self._open_groups):
             self.cancel(group_id)
+        try:
+            self.block_manager.check_all_free()  # every request ended: a block still held is a leak
+        except AssertionError as leak:
+            logger.error("engine closed with KV blocks still held: %s", leak)
         self.runner.close()
 
     # ---- the loop ---------------------------------------------------------------------------------------------

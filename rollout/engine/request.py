@@ -160,16 +160,6 @@ class Request:
             if self.token_versions[-1][1] >= self.num_output_tokens:  # a run that began with the dropped token
                 self.token_versions.pop()
 
-    def append_token(self, token_id: int, policy_version: int = 0) -> None:
-        """Append a sampled token (`add_placeholder` then `resolve_token`).
-
-        Args:
-            token_id: the sampled token.
-            policy_version: the version of the weights that sampled it.
-        """
-        self.add_placeholder(policy_version)
-        self.resolve_token(token_id)
-
     def fork(self, sample_index: int, request_id: str, arrival: int) -> Request:
         """A new sample of the same group with the same tokens so far; blocks are shared by the block manager."""
         return Request(
