@@ -3,7 +3,8 @@
 - `intake.py`: a prompt and its settings checked and resolved into a group's leader `Request` (`request.py`);
 - `manager.py`: `ContinuousBatchingManager`, the engine thread and its mailbox of typed commands (`commands.py`,
   `pause.py`, `results.py`, `weight_queue.py`);
-- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update, and the outputs (`outputs.py`);
+- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update, and the outputs (`outputs.py`); `warmup.py`
+  and `counters.py` act on a whole engine from outside its loop;
 - `scheduler.py` and `block_manager.py`: which requests compute how many tokens (a `ScheduledBatch`, `batch.py`),
   and their KV blocks (no torch);
 - `model_runner.py`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv_cache.py`,

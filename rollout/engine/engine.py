@@ -18,22 +18,20 @@ from typing import Any
 import torch
 
 from rollout.config import (
-    MAX_POLICY_VERSION,
-    WEIGHT_UPDATE_MODES,
     FieldError,
     SamplingParams,
-    _is_int,
-    dtype_name,
 )
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.counters import engine_stats
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
-from rollout.engine.outputs import GenerationOutput, OutputStatus
+from rollout.engine.outputs import GenerationOutput, progress_output
 from rollout.engine.request import Request, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import Scheduler
+from rollout.engine.warmup import warm_up
 from rollout.engine.weight_table import WeightTable, WeightUpdateResult
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config
@@ -170,6 +168,32 @@ class Engine:
             return drained
         return drained + self._outputs(self.scheduler.abort(group_id))
 
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks (of `config.block_size` tokens each) on the device."""
+        return self.block_manager.num_blocks
+
+    def open_group_ids(self) -> list[str]:
+        """Groups queued or running (not every sample finished yet)."""
+        return list(self._open_groups)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (or preempted) that wait for admission."""
+        return self.scheduler.num_waiting
+
+    def pause_admission(self) -> None:
+        """Admit no request that has not sampled yet (a "wait" weight update drains what runs)."""
+        self.scheduler.pause_admission()
+
+    def resume_admission(self) -> None:
+        """Admit requests again."""
+        self.scheduler.resume_admission()
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters, a snapshot (`engine_stats`)."""
+        return engine_stats(self)
+
     # ---- weights ----------------------------------------------------------------------------------------------
     def num_in_flight(self) -> int:
         """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
@@ -203,19 +227,7 @@ class Engine:
                 flight has finished the step in flight first: its outputs come with the next `step()`).
         """
         started = time.perf_counter()
-        if mode not in WEIGHT_UPDATE_MODES:
-            raise FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-        new_version = self.policy_version + 1 if version is None else version
-        if not _is_int(new_version) or not self.policy_version < new_version <= MAX_POLICY_VERSION:
-            raise FieldError(
-                "version",
-                f"must be an integer above the current {self.policy_version} and at most {MAX_POLICY_VERSION} "
-                f"(int64), got {version!r}",
-            )
-        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-            raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
-        self.weights.check_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
-        self.weights.check_tied_values(tensors)
+        new_version = self.weights.check_update(tensors, version, mode, partial, self.policy_version)
         self._drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
         if mode == "wait" and self.num_in_flight():
             raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
@@ -239,28 +251,13 @@ class Engine:
         return result
 
     def warmup(self, num_tokens: int = 8) -> None:
-        """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
-        (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
-        forgotten and the token and step counters are restored. Call it while the engine is idle.
+        """Capture the decode CUDA graphs and run one short request, leaving no trace (`warm_up`). Call it while
+        the engine is idle.
 
         Args:
             num_tokens: length of the warm-up prompt.
         """
-        if self.has_unfinished():
-            raise RuntimeError("warmup() needs an idle engine")
-        self.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
-        counters = (self.num_generated_tokens, self.num_computed_tokens, self.num_prefill_tokens, self.num_steps)
-        sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
-        num_tokens = min(num_tokens, self.max_model_len - 2)  # a short context must not refuse its own warm-up
-        if num_tokens > 0:
-            self.add_request("__warmup__", [0] * num_tokens, sampling)
-        while self.has_unfinished():
-            self.step()
-        self.block_manager.reset_prefix_cache()
-        # The warm-up is not served work: statistics start from where they were.
-        self.num_generated_tokens, self.num_computed_tokens, self.num_prefill_tokens, self.num_steps = counters
-        self.block_manager.num_prefix_tokens_hit = self.block_manager.num_prefix_tokens_queried = 0
-        self.warmed_up = True
+        warm_up(self, num_tokens)
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running, or outputs wait to be returned by `step()`."""
@@ -389,53 +386,13 @@ class Engine:
         return outputs
 
     def _outputs(self, requests: list[Request]) -> list[GenerationOutput]:
-        """Outputs for requests that progressed: a streaming request gets the tokens since its last delta, a
-        non-streaming one its whole output once finished. A group is forgotten when its last sample finishes."""
+        """Outputs for requests that progressed (`outputs.progress_output`); a group is forgotten when its last
+        sample finishes."""
         outputs = []
         for request in requests:
-            start = request.num_delivered_tokens if request.streaming else 0
-            if request.is_finished and request.finished_time < 0:
-                request.finished_time = time.perf_counter()
-            outputs.append(
-                GenerationOutput(
-                    request_id=request.request_id,
-                    prompt_ids=request.prompt_ids,
-                    generated_tokens=request.token_ids[request.num_prompt_tokens + start :],
-                    logprobs=request.logprobs[start:],
-                    error=request.error,
-                    status=_output_status(request),
-                    created_time=request.created_time,
-                    lifespan=(request.started_time, request.finished_time),
-                    timestamps=None if request.token_times is None else request.token_times[start:],
-                    group_id=request.group_id,
-                    sample_index=request.sample_index,
-                    top_logprobs=request.top_logprobs[start:],
-                    finish_reason=request.finish_reason if request.is_finished else None,
-                    is_finished=request.is_finished,
-                    policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
-                    kv_version_min=request.kv_version_min,
-                )
-            )
-            request.num_delivered_tokens = request.num_output_tokens
+            outputs.append(progress_output(request))
             if request.is_finished:
-                request.sampler_state = None
                 self._open_groups[request.group_id] -= 1
                 if self._open_groups[request.group_id] == 0:
                     del self._open_groups[request.group_id]
         return outputs
-
-
-def _output_status(request: Request) -> OutputStatus:
-    if request.is_finished:
-        return OutputStatus.FAILED if request.finish_reason == "error" else OutputStatus.FINISHED
-    return OutputStatus.DECODING if request.num_output_tokens else OutputStatus.PREFILLING
-
-
-def _versions_from(token_versions: list[list[int]], start: int, end: int) -> list[list[int]]:
-    """The run-length encoded versions of output tokens [start:end) (end: all tokens so far), re-indexed."""
-    if start >= end:
-        return []
-    runs = [[version, max(0, first - start)] for version, first in token_versions]
-    # Keep only the last run that begins at or before `start`, and every later one.
-    first_kept = max((i for i, (_, first) in enumerate(token_versions) if first <= start), default=0)
-    return runs[first_kept:]

@@ -23,9 +23,9 @@ from rollout.config import FieldError, SamplingParams
 from rollout.engine.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
 from rollout.engine.engine import Engine
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.outputs import GenerationOutput
+from rollout.engine.outputs import GenerationOutput, never_started
 from rollout.engine.pause import PauseGate
-from rollout.engine.request import Request, sample_id
+from rollout.engine.request import Request
 from rollout.engine.results import ResultRouter
 from rollout.engine.weight_queue import WeightUpdateQueue
 from rollout.engine.weight_table import WeightUpdateResult
@@ -245,7 +245,7 @@ class ContinuousBatchingManager:
             if self._router.is_open(group_id):
                 raise FieldError("group_id", f"{group_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
-            if limit and self._num_queued + self.engine.scheduler.num_waiting >= limit:
+            if limit and self._num_queued + self.engine.num_waiting >= limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
             self._router.open(group_id, request.num_forks + 1)
             self._num_queued += 1
@@ -336,19 +336,7 @@ class ContinuousBatchingManager:
                 "cannot wait for a weight update inside this thread's pause: the loop applies it only after the pause "
                 "(copy the tensors into the model directly while paused, or update after the `with` block)"
             )
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        update = self.submit_weight_update(tensors, version, mode, partial, timeout, done.put)
-        try:
-            outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
-        except queue.Empty:
-            with self._state:
-                if update is not None and update.state == "pending":
-                    update.state = "cancelled"  # the engine thread will skip it: nothing changes
-                    raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
-            outcome = done.get()  # being applied right now: a copy, so this returns promptly
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+        return self._updates.apply(tensors, version, mode, partial, timeout)
 
     def submit_weight_update(
         self,
@@ -450,7 +438,7 @@ class ContinuousBatchingManager:
             self._deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
             logger.exception("could not finish the last engine step")
-        for group_id in list(self.engine._open_groups):
+        for group_id in self.engine.open_group_ids():
             outputs = self.engine.cancel(group_id)
             if reason is not None:
                 for output in outputs:
@@ -481,25 +469,7 @@ class ContinuousBatchingManager:
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
-        if request.num_forks == 0:
-            sample_ids = [request.request_id]
-        else:
-            sample_ids = [sample_id(request.group_id, i) for i in range(request.num_forks + 1)]
-        self._deliver(
-            [
-                GenerationOutput(
-                    sid,
-                    request.prompt_ids,
-                    error=error,
-                    created_time=request.created_time,
-                    group_id=request.group_id,
-                    sample_index=i,
-                    finish_reason=reason,
-                    is_finished=True,
-                )
-                for i, sid in enumerate(sample_ids)
-            ]
-        )
+        self._deliver(never_started(request, reason, error))
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._router.deliver(outputs)
@@ -508,26 +478,15 @@ class ContinuousBatchingManager:
     def stats(self) -> dict[str, Any]:
         """Queue depth, running samples, KV blocks used/free, generated tokens, uptime, and the policy version with
         the number, time (unix) and pause of weight updates (a snapshot)."""
-        engine = self.engine
         last = self.last_weight_update
-        return {
-            "policy_version": engine.policy_version,
-            "weight_updates": engine.num_weight_updates,
-            "last_weight_update_at": self.last_weight_update_at,
-            "last_weight_update_pause_ms": None if last is None else last.pause_ms,
-            "queued": self._num_queued + engine.scheduler.num_waiting,
-            "running": len(engine.scheduler.running),
-            "kv_blocks_used": engine.block_manager.num_used_blocks,
-            "kv_blocks_free": engine.block_manager.num_free_blocks,
-            "generated_tokens": engine.num_generated_tokens,
-            "prefill_tokens": engine.num_prefill_tokens,
-            "prefix_cache_hit_tokens": engine.block_manager.num_prefix_tokens_hit,
-            "prefix_cache_query_tokens": engine.block_manager.num_prefix_tokens_queried,
-            "steps": engine.num_steps,
-            "preemptions": engine.scheduler.num_preemptions,
-            "preemptions_swapped": engine.scheduler.num_swaps,
-            "uptime_s": 0.0 if self.started_at is None else time.time() - self.started_at,
-        }
+        stats = self.engine.stats()
+        stats["queued"] += self._num_queued
+        stats.update(
+            last_weight_update_at=self.last_weight_update_at,
+            last_weight_update_pause_ms=None if last is None else last.pause_ms,
+            uptime_s=0.0 if self.started_at is None else time.time() - self.started_at,
+        )
+        return stats
 
 
 def init_continuous_batching(

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from rollout.engine.request import Request, sample_id
+
 
 class OutputStatus(IntEnum):
     """Where a sample was when an output was made; the values of transformers' `RequestStatus`, so outputs compare
@@ -96,3 +98,70 @@ class GenerationOutput:
         if self.is_finished is None:
             self.is_finished = self.status >= OutputStatus.FINISHED
         self.is_finished = FinishedFlag(self.is_finished)
+
+
+def progress_output(request: Request) -> GenerationOutput:
+    """What a request that progressed delivers now: a streaming one the tokens since its last delta, a non-streaming
+    one its whole output once finished. Marks them delivered (and drops a finished request's sampler state)."""
+    start = request.num_delivered_tokens if request.streaming else 0
+    if request.is_finished and request.finished_time < 0:
+        request.finished_time = time.perf_counter()
+    output = GenerationOutput(
+        request_id=request.request_id,
+        prompt_ids=request.prompt_ids,
+        generated_tokens=request.token_ids[request.num_prompt_tokens + start :],
+        logprobs=request.logprobs[start:],
+        error=request.error,
+        status=_output_status(request),
+        created_time=request.created_time,
+        lifespan=(request.started_time, request.finished_time),
+        timestamps=None if request.token_times is None else request.token_times[start:],
+        group_id=request.group_id,
+        sample_index=request.sample_index,
+        top_logprobs=request.top_logprobs[start:],
+        finish_reason=request.finish_reason if request.is_finished else None,
+        is_finished=request.is_finished,
+        policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
+        kv_version_min=request.kv_version_min,
+    )
+    request.num_delivered_tokens = request.num_output_tokens
+    if request.is_finished:
+        request.sampler_state = None
+    return output
+
+
+def never_started(request: Request, reason: str, error: str | None) -> list[GenerationOutput]:
+    """Final outputs, one per sample, for a group the engine never took (refused late, or its manager stopped)."""
+    if request.num_forks == 0:
+        sample_ids = [request.request_id]
+    else:
+        sample_ids = [sample_id(request.group_id, i) for i in range(request.num_forks + 1)]
+    return [
+        GenerationOutput(
+            sid,
+            request.prompt_ids,
+            error=error,
+            created_time=request.created_time,
+            group_id=request.group_id,
+            sample_index=i,
+            finish_reason=reason,
+            is_finished=True,
+        )
+        for i, sid in enumerate(sample_ids)
+    ]
+
+
+def _output_status(request: Request) -> OutputStatus:
+    if request.is_finished:
+        return OutputStatus.FAILED if request.finish_reason == "error" else OutputStatus.FINISHED
+    return OutputStatus.DECODING if request.num_output_tokens else OutputStatus.PREFILLING
+
+
+def _versions_from(token_versions: list[list[int]], start: int, end: int) -> list[list[int]]:
+    """The run-length encoded versions of output tokens [start:end) (end: all tokens so far), re-indexed."""
+    if start >= end:
+        return []
+    runs = [[version, max(0, first - start)] for version, first in token_versions]
+    # Keep only the last run that begins at or before `start`, and every later one.
+    first_kept = max((i for i, (_, first) in enumerate(token_versions) if first <= start), default=0)
+    return runs[first_kept:]

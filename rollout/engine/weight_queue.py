@@ -4,6 +4,7 @@ either applied and reported, or never applied: a waiter that gives up cancels it
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -87,22 +88,22 @@ class WeightUpdateQueue:
         with self._lock:
             if update.state == "cancelled":  # its waiter gave up: never apply it
                 self.pending = None
-                self.engine.scheduler.resume_admission()
+                self.engine.resume_admission()
                 return
         waits = update.mode == "wait"
         if waits and self.engine.num_in_flight():
             if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
                 self.pending = None
-                self.engine.scheduler.resume_admission()
+                self.engine.resume_admission()
                 count = self.engine.num_in_flight()
                 update.callback(TimeoutError(f"'wait' update dropped: {count} samples still in flight at its deadline"))
             else:
-                self.engine.scheduler.pause_admission()
+                self.engine.pause_admission()
             return
         with self._lock:
             if update.state == "cancelled":
                 self.pending = None
-                self.engine.scheduler.resume_admission()
+                self.engine.resume_admission()
                 return
             update.state = "applying"
         self.pending = None
@@ -117,8 +118,31 @@ class WeightUpdateQueue:
             self.last_result, self.last_at = result, time.time()
             self._deliver(result.outputs)
         finally:
-            self.engine.scheduler.resume_admission()
+            self.engine.resume_admission()
         update.callback(outcome)
+
+    def apply(
+        self, tensors: dict[str, torch.Tensor], version: int | None, mode: str, partial: bool, timeout: float | None
+    ) -> WeightUpdateResult:
+        """Submit an update and wait for its outcome (arguments as for `ContinuousBatchingManager.update_weights`).
+        A waiter that gives up first cancels it under the lock, so it is never applied late.
+
+        Raises:
+            The update's error; TimeoutError when it was not applied in time.
+        """
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        update = self.submit(tensors, version, mode, partial, timeout, done.put)
+        try:
+            outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
+        except queue.Empty:
+            with self._lock:
+                if update is not None and update.state == "pending":
+                    update.state = "cancelled"  # the engine thread will skip it: nothing changes
+                    raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
+            outcome = done.get()  # being applied right now: a copy, so this returns promptly
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def take(self, update: PendingUpdate) -> None:
         """Engine thread: an `ApplyWeights` command arrived."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.config import FieldError, dtype_name
+from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError, _is_int, dtype_name
 from rollout.engine.outputs import GenerationOutput
 
 
@@ -83,6 +83,32 @@ class WeightTable:
             other = first_name.setdefault(id(self._weights[name]), name)
             if other != name and not torch.equal(tensors[other], tensor):
                 raise FieldError(name, f"is tied to {other} in the model but the update gives them different values")
+
+    def check_update(
+        self, tensors: dict[str, torch.Tensor], version: int | None, mode: str, partial: bool, current: int
+    ) -> int:
+        """Check a whole update before anything changes (arguments as for `Engine.update_weights`); return the
+        version it sets.
+
+        Args:
+            current: the policy version served now.
+        Raises:
+            FieldError: a bad mode, version or tensor, named.
+        """
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
+        new_version = current + 1 if version is None else version
+        if not _is_int(new_version) or not current < new_version <= MAX_POLICY_VERSION:
+            raise FieldError(
+                "version",
+                f"must be an integer above the current {current} and at most {MAX_POLICY_VERSION} (int64), "
+                f"got {version!r}",
+            )
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
+        self.check_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
+        self.check_tied_values(tensors)
+        return new_version
 
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors into the model's own, in place (non-blocking from pinned memory; waited for)."""

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model,
         device,
         next(model.parameters()).dtype,
-        manager.engine.block_manager.num_blocks,
+        manager.engine.num_blocks,
         config.block_size,
     )
     worker.serve()

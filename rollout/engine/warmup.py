@@ -1,0 +1,35 @@
+"""Warming an engine up before it serves: decode graphs captured and first-call costs paid, leaving no trace."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollout.config import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.engine.engine import Engine
+
+
+def warm_up(engine: Engine, num_tokens: int = 8) -> None:
+    """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
+    (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
+    forgotten and the token and step counters are restored. Call it while the engine is idle.
+
+    Args:
+        num_tokens: length of the warm-up prompt.
+    """
+    if engine.has_unfinished():
+        raise RuntimeError("warmup() needs an idle engine")
+    engine.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
+    counters = (engine.num_generated_tokens, engine.num_computed_tokens, engine.num_prefill_tokens, engine.num_steps)
+    sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
+    num_tokens = min(num_tokens, engine.max_model_len - 2)  # a short context must not refuse its own warm-up
+    if num_tokens > 0:
+        engine.add_request("__warmup__", [0] * num_tokens, sampling)
+    while engine.has_unfinished():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()
+    # The warm-up is not served work: statistics start from where they were.
+    engine.num_generated_tokens, engine.num_computed_tokens, engine.num_prefill_tokens, engine.num_steps = counters
+    engine.block_manager.num_prefix_tokens_hit = engine.block_manager.num_prefix_tokens_queried = 0
+    engine.warmed_up = True

@@ -1,0 +1,56 @@
+"""Checking values and naming what is wrong: `FieldError` (a ValueError naming the field) and the small checks the
+configuration dataclasses share. Free of torch."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+
+class FieldError(ValueError):
+    """Bad input, naming the field that is wrong (the service turns it into an error reply carrying `field`)."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+    def renamed(self, names: dict[str, str]) -> FieldError:
+        """The same error under another layer's name for its field (`names`: ours -> theirs), else itself."""
+        return FieldError(names[self.field], self.reason) if self.field in names else self
+
+
+_SHORT = reprlib.Repr()  # attributes, not keywords: Python 3.10/3.11 take none
+_SHORT.maxlist = _SHORT.maxtuple = 8
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+def _check(condition: bool, name: str, reason: str, value: Any) -> None:
+    """Raise a FieldError naming the field `name` when `condition` is false (the value shown abridged: a huge bad
+    value must not make a huge error message)."""
+    if not condition:
+        raise FieldError(name, f"{_SHORT.repr(value)} is invalid: {reason}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _listed(name: str, value: Any) -> list | tuple:
+    _check(isinstance(value, (list, tuple)), name, "must be a list", value)
+    return value
+
+
+def _token_ids(name: str, value: Any, whole: Any = None) -> tuple[int, ...]:
+    """`value` as a tuple of token ids, or a FieldError naming `name` (showing `whole` when given)."""
+    _check(
+        isinstance(value, (list, tuple)) and all(_is_int(t) and t >= 0 for t in value),
+        name,
+        "must be a list of non-negative token ids" + (" per word" if whole is not None else ""),
+        value if whole is None else whole,
+    )
+    return tuple(value)
