@@ -1,8 +1,8 @@
 """The continuous-batching engine, in process. One request crosses these files in this order:
 
 - `intake.py`: a prompt and its settings checked and resolved into a group's leader `Request` (`request.py`);
-- `manager.py`: `ContinuousBatchingManager`, the engine thread and its mailbox of typed commands (`commands.py`,
-  `pause.py`, `results.py`, `weight_queue.py`);
+- `manager.py`: `ContinuousBatchingManager`, the caller side; `engine_loop.py` its engine thread, fed through a
+  mailbox of typed commands (`commands.py`; `pause.py`, `results.py`, `weight_queue.py`);
 - `engine.py`: `Engine.step()`, schedule -> run -> sample -> update, and the outputs (`outputs.py`); `warmup.py`
   and `counters.py` act on a whole engine from outside its loop;
 - `scheduler.py` and `block_manager.py`: which requests compute how many tokens (a `ScheduledBatch`, `batch.py`),

@@ -1,8 +1,8 @@
-"""ContinuousBatchingManager: the engine on a background thread, with queues, streaming and result handlers; plus
-`generate_batch` and `init_continuous_batching`, mirroring transformers' continuous batching API.
+"""ContinuousBatchingManager: the engine on a background thread (engine_loop.py), with queues, streaming and result
+handlers; and `init_continuous_batching`, mirroring transformers' continuous batching API.
 
-Threads: callers validate their request (`Engine.prepare` reads no mutable engine state), then enqueue a command;
-only the engine thread queues requests into the engine and steps it. All bookkeeping shared by the two sides lives
+Threads: callers validate their request (`RequestIntake.prepare` reads no mutable engine state), then put a command
+in the engine thread's mailbox; only the engine thread queues requests into the engine and steps it. All bookkeeping shared by the two sides lives
 under one condition variable. Every blocking call takes a timeout, and a stopped manager answers at once.
 """
 
@@ -20,16 +20,15 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
+from rollout.engine.commands import AddGroup, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
 from rollout.engine.engine import Engine
+from rollout.engine.engine_loop import EngineLoop
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.outputs import GenerationOutput, never_started
+from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
-from rollout.engine.request import Request
 from rollout.engine.results import ResultRouter
 from rollout.engine.weight_queue import WeightUpdateQueue
 from rollout.engine.weight_table import WeightUpdateResult
-from rollout.mailbox import drain
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +74,7 @@ class ContinuousBatchingManager:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
+        self._loop = EngineLoop(self)
         self._updates = WeightUpdateQueue(
             self.engine, self._state, self._commands.put, self._deliver, self.is_running, lambda: self._closed
         )
@@ -90,7 +90,7 @@ class ContinuousBatchingManager:
             return self
         if self._stop.is_set():
             raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching")
-        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run, name="rollout-engine", daemon=True)
         self.started_at = time.time()
         self._thread.start()
         return self
@@ -114,7 +114,7 @@ class ContinuousBatchingManager:
         self._stop.set()
         self._commands.put(Wake())
         if self._thread is None:
-            self._shutdown()
+            self._loop.shutdown()
         elif block and threading.current_thread() is not self._thread:  # from a handler: the loop ends after it
             self.join(timeout)
 
@@ -403,73 +403,6 @@ class ContinuousBatchingManager:
                 yield output
             elif not self.is_running():
                 return
-
-    # ---- engine thread ----------------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished() and self._updates.pending is None)
-                self._updates.try_apply()
-                if self.engine.has_unfinished():
-                    started = time.perf_counter()
-                    outputs = self.engine.step()
-                    if self.step_observer is not None:
-                        self.step_observer(time.perf_counter() - started)
-                    self._deliver(outputs)
-        except BaseException as error:  # noqa: BLE001 - report to every waiter instead of dying silently
-            logger.exception("engine thread failed")
-            self.error = error
-        finally:
-            self._shutdown(reason=None if self.error is None else f"engine thread failed: {self.error!r}")
-
-    def _shutdown(self, reason: str | None = None) -> None:
-        """Refuse new requests, end everything still queued or running, release the model."""
-        with self._state:
-            self._closed = True
-        self._updates.refuse_pending("the manager stopped before the weight update was applied")
-        for command in drain(self._commands):
-            if isinstance(command, AddGroup):
-                self._end_unstarted(command.request, "abort" if reason is None else "error", reason)
-            elif isinstance(command, ApplyWeights):
-                command.update.callback(RuntimeError("the manager stopped before the weight update was applied"))
-            elif isinstance(command, PauseLoop):
-                PauseGate.refuse(command.request, "the manager stopped before the loop paused")
-        try:
-            self._deliver(self.engine.flush())  # the step still on the device ends first
-        except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
-            logger.exception("could not finish the last engine step")
-        for group_id in self.engine.open_group_ids():
-            outputs = self.engine.cancel(group_id)
-            if reason is not None:
-                for output in outputs:
-                    output.finish_reason, output.error = "error", reason
-            self._deliver(outputs)
-        self.engine.close()
-        with self._state:
-            self._state.notify_all()
-
-    def _drain_commands(self, block: bool) -> None:
-        for command in drain(self._commands, wait_s=0.5 if block else None):
-            self._apply(command)
-
-    def _apply(self, command: Command) -> None:
-        if isinstance(command, AddGroup):
-            with self._state:
-                self._num_queued -= 1
-            try:
-                self.engine.submit(command.request)
-            except FieldError as error:  # e.g. its id is still running in the engine: the caller still hears back
-                self._end_unstarted(command.request, "error", str(error.renamed(TRANSFORMERS_FIELD_NAMES)))
-        elif isinstance(command, CancelGroup):
-            self._deliver(self.engine.cancel(command.group_id))
-        elif isinstance(command, PauseLoop):
-            PauseGate.serve(command.request, self._stop.is_set(), lambda: self._deliver(self.engine.flush()))
-        elif isinstance(command, ApplyWeights):
-            self._updates.take(command.update)
-
-    def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
-        """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
-        self._deliver(never_started(request, reason, error))
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._router.deliver(outputs)
