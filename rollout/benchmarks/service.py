@@ -5,22 +5,16 @@ whole group results (`generate_many`) and streamed deltas (one `stream` per grou
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from rollout.benchmarks.throughput import WORKLOADS, make_workload
+from rollout.benchmarks.worker_probe import free_port, wait_answering
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.service.presets import tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(seed: int = 0) -> dict:
@@ -44,7 +38,7 @@ def run(seed: int = 0) -> dict:
     )
     timings["in_process"] = time.perf_counter() - start
 
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     flags = [
         "--bind",
         address,
@@ -63,7 +57,7 @@ def run(seed: int = 0) -> dict:
     ]
     worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags])
     try:
-        _wait_ready(address, worker)
+        wait_answering(address, 120, lambda: None if worker.poll() is None else f"status {worker.returncode}")
         with RolloutClient(address, timeout=600) as client:
             greedy = {"do_sample": False, "stop_token_ids": []}
             groups = [
@@ -110,28 +104,3 @@ def run(seed: int = 0) -> dict:
     for name, t in timings.items():
         print(f"{name:<20}{t:>10.2f}{useful / t:>12.1f}{timings['in_process'] / t:>14.2f}x")
     return summary
-
-
-def _wait_ready(address: str, worker: subprocess.Popen | None = None) -> None:
-    """Ping until the worker answers (before any client starts counting heartbeats); a worker process that exits
-    first is an error at once."""
-    import zmq
-
-    from rollout.service import protocol
-
-    context = zmq.Context()
-    probe = context.socket(zmq.DEALER)
-    probe.setsockopt(zmq.LINGER, 0)
-    probe.connect(address)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if worker is not None and worker.poll() is not None:
-                raise RuntimeError(f"the rollout-worker on {address} exited with status {worker.returncode}")
-            probe.send_multipart(protocol.encode(protocol.Ping()))
-            if probe.poll(500):
-                return
-        raise TimeoutError(f"no rollout-worker answered on {address}")
-    finally:
-        probe.close()
-        context.term()

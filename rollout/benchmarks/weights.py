@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from rollout.benchmarks.service import _free_port, _wait_ready
+from rollout.benchmarks.worker_probe import free_port, wait_answering
 from rollout.service.presets import MODEL_DTYPES, sized_model
 
 TRANSPORTS = ("frames", "shm", "torch.distributed")
@@ -45,7 +45,7 @@ def run(
     place = torch.device(device)
     if place.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {device}: no CUDA device is available")
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     where = ["--gpu", str(place.index or 0)] if place.type == "cuda" else ["--device", device]
     flags = ["--bind", address, *where, "--dtype", dtype, "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
     # Two sets of weights, alternated, so every push really changes the model (built first: a failure here must not
@@ -54,7 +54,7 @@ def run(
     worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags, "--log-level", "WARNING"])
     results: dict[str, dict] = {}
     try:
-        _wait_ready(address, worker)
+        wait_answering(address, 120, lambda: None if worker.poll() is None else f"status {worker.returncode}")
         with RolloutClient(address, timeout=600) as client:
             pushes = 0
             for transport in transports:

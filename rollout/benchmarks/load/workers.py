@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from rollout.benchmarks.worker_probe import free_port, wait_answering
 
 
 class WorkerProcess:
@@ -53,26 +48,10 @@ class WorkerProcess:
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Ping until the worker answers; a worker that exits first is an error naming its log."""
-        import zmq
-
-        from rollout.service import protocol as p
-
-        context = zmq.Context()
-        probe = context.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        probe.connect(self.address)
         try:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                if not self.alive():
-                    raise RuntimeError(f"the rollout-worker on {self.address} exited: {self.log_tail()}")
-                probe.send_multipart(p.encode(p.Ping(0)))
-                if probe.poll(500):
-                    return
-            raise TimeoutError(f"no rollout-worker answered on {self.address}: {self.log_tail()}")
-        finally:
-            probe.close()
-            context.term()
+            wait_answering(self.address, timeout_s, lambda: None if self.alive() else self.log_tail())
+        except TimeoutError as error:
+            raise TimeoutError(f"{error}: {self.log_tail()}") from None
 
     def kill(self) -> None:
         self.killed = True

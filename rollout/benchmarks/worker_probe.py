@@ -1,0 +1,47 @@
+"""Finding a free loopback port for a benchmark's `rollout-worker` subprocess, and waiting until it answers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_answering(address: str, timeout_s: float, exited: Callable[[], str | None] = lambda: None) -> None:
+    """Ping the worker at `address` until it answers (before any client starts counting heartbeats).
+
+    Args:
+        address: the worker's ZeroMQ address.
+        timeout_s: most seconds to wait.
+        exited: why the worker process is gone, or None while it runs: checked between pings.
+    Raises:
+        RuntimeError: the worker exited first (with `exited()`'s words). TimeoutError: no answer in time.
+    """
+    import zmq
+
+    from rollout.service import protocol as p
+
+    context = zmq.Context()
+    probe = context.socket(zmq.DEALER)
+    probe.setsockopt(zmq.LINGER, 0)
+    probe.connect(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            gone = exited()
+            if gone is not None:
+                raise RuntimeError(f"the rollout-worker on {address} exited: {gone}")
+            probe.send_multipart(p.encode(p.Ping(0)))
+            if probe.poll(500):
+                return
+        raise TimeoutError(f"no rollout-worker answered on {address}")
+    finally:
+        probe.close()
+        context.term()
