@@ -696,9 +696,16 @@ def test_torch_distributed_push_after_a_worker_restart(workers):
         push_weights(both, tiny_model(1), version=version, transport="torch.distributed", dist_backend="gloo")
         workers[1].close()
         workers[1] = Worker(address=addresses[1])  # the module fixture stops this one
+        # A push goes to the workers the client knows alive: wait until its reconnect saw the new process answer
+        # (the worker answered the fixture's ping; the client's own connection may come a moment later).
+        deadline = time.monotonic() + 20
+        while both.live_workers() != [0, 1]:
+            assert time.monotonic() < deadline, "the restarted worker never answered the client"
+            time.sleep(0.05)
         result = push_weights(
             both, tiny_model(2), version=version + 1, transport="torch.distributed", dist_backend="gloo", timeout=5
         )
+        assert [w["address"] for w in result.workers] == addresses
         for address in addresses:
             assert_serves(address, 2, result.version)
 

@@ -224,7 +224,9 @@ class WeightPush:
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
                 outcome.append(error)
 
-        thread = threading.Thread(target=join, name="rollout-weights-join", daemon=True)
+        # Not a daemon: a join abandoned by a refused push runs until its own deadline (`timeout`), and an interpreter
+        # that exits meanwhile waits for it; a daemon thread inside torch's rendezvous at exit aborts the process.
+        thread = threading.Thread(target=join, name="rollout-weights-join", daemon=False)
         thread.start()
         deadline = time.monotonic() + self.timeout
         while thread.is_alive() and time.monotonic() < deadline:
