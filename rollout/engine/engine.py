@@ -17,10 +17,7 @@ from typing import Any
 
 import torch
 
-from rollout.config import (
-    FieldError,
-    SamplingParams,
-)
+from rollout.config import FieldError, SamplingParams
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.counters import engine_stats
@@ -92,7 +89,7 @@ class Engine:
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
-        self.sampler = Sampler(self.vocab_size)
+        self.sampler = Sampler(self.vocab_size, parameter.device)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
         self._in_flight: _InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
@@ -274,6 +271,8 @@ class Engine:
             self.block_manager.check_all_free()  # every request ended: a block still held is a leak
         except AssertionError as leak:
             logger.error("engine closed with KV blocks still held: %s", leak)
+        if self.sampler.slots.num_live:  # every request ended: a slot still held is a leak too
+            logger.error("engine closed with %d sampling slots still held", self.sampler.slots.num_live)
         self.runner.close()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -386,12 +385,13 @@ class Engine:
         return outputs
 
     def _outputs(self, requests: list[Request]) -> list[GenerationOutput]:
-        """Outputs for requests that progressed (`outputs.progress_output`); a group is forgotten when its last
-        sample finishes."""
+        """Outputs for requests that progressed (`outputs.progress_output`); a finished sample gives back its
+        sampling slot, and a group is forgotten when its last sample finishes."""
         outputs = []
         for request in requests:
             outputs.append(progress_output(request))
             if request.is_finished:
+                self.sampler.release(request)
                 self._open_groups[request.group_id] -= 1
                 if self._open_groups[request.group_id] == 0:
                     del self._open_groups[request.group_id]

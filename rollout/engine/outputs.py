@@ -102,7 +102,7 @@ class GenerationOutput:
 
 def progress_output(request: Request) -> GenerationOutput:
     """What a request that progressed delivers now: a streaming one the tokens since its last delta, a non-streaming
-    one its whole output once finished. Marks them delivered (and drops a finished request's sampler state)."""
+    one its whole output once finished. Marks them delivered."""
     start = request.num_delivered_tokens if request.streaming else 0
     if request.is_finished and request.finished_time < 0:
         request.finished_time = time.perf_counter()
@@ -125,8 +125,6 @@ def progress_output(request: Request) -> GenerationOutput:
         kv_version_min=request.kv_version_min,
     )
     request.num_delivered_tokens = request.num_output_tokens
-    if request.is_finished:
-        request.sampler_state = None
     return output
 
 

@@ -75,6 +75,9 @@ class Request:
     error: str | None = None
     # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
     sampler_state: Any = None
+    # Row of the sampler's slot tables that holds this sample's sampling parameters (-1: none, before its first draw
+    # and once it finished).
+    sampling_slot: int = -1
     # Emit a delta per token (else one output when finished).
     streaming: bool = False
     # How many output tokens were already handed to the caller (streaming deltas).

@@ -6,13 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.config import SamplingParams
 from rollout.engine.request import Request
+from rollout.engine.sampling_slots import SamplingSlots, SlotColumns
 from rollout.engine.token_bans import Bans, apply_bans, build_bans, has_bans, record
 from rollout.engine.transfer import HostCopy, to_device
 from rollout.engine.warpers import warp
-
-_SEED_MASK = (1 << 63) - 1
 
 
 @dataclass
@@ -115,12 +113,19 @@ class Sampler:
     `top_logprobs` > 0 also returns that many top entries of the same distribution.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         """
         Args:
             vocab_size: width of the logits rows.
+            device: where the logits are (and the per-slot sampling tables live).
         """
         self.vocab_size = vocab_size
+        self.slots = SamplingSlots(vocab_size, torch.device(device))
+
+    def release(self, request: Request) -> None:
+        """Drop a finished request's sampling state and give back its slot."""
+        self.slots.release(request)
+        request.sampler_state = None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> PendingSamples:
@@ -136,54 +141,59 @@ class Sampler:
         if not samples:
             empty = torch.empty(0, dtype=torch.long, device=device)
             return PendingSamples(empty, [empty] * (2 if return_logprobs else 1), None)
+        slots = self.slots
         requests = [request for request, _ in samples]
-        params = [request.sampling for request in requests]
+        columns = slots.gather(requests)
         rows = to_device([row for _, row in samples], torch.long, device)
         raw = logits.float().index_select(0, rows)
         scores = raw.clone()
-        states = [self._state(request, device) for request in requests]
-        self._apply_penalties(scores, requests, states)
-        self._apply_bans(scores, requests, states)
-        self._mask_early_stops(scores, requests)
+        states = None
+        if slots.any("penalties") or slots.any("bans"):
+            states = [self._state(request, device) for request in requests]
+            self._apply_penalties(scores, columns, states)
+            self._apply_bans(scores, requests, states)
+        if slots.any("min_new_tokens"):
+            self._mask_early_stops(scores, requests)
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
-        dead = ~torch.isfinite(scores).any(dim=-1) if any(s is not None and s.bans for s in states) else None
+        dead = ~torch.isfinite(scores).any(dim=-1) if slots.any("bans") or slots.any("min_new_tokens") else None
 
-        sampling_rows = [i for i, p in enumerate(params) if not p.greedy]
         token_ids = scores.argmax(dim=-1)
-        if sampling_rows:
-            index = to_device(sampling_rows, torch.long, device)
-            warped = warp(scores.index_select(0, index), [params[i] for i in sampling_rows], self.vocab_size)
-            scores[index] = warped
-            token_ids[index] = self._draw(warped, [requests[i] for i in sampling_rows])
-        self._record(requests, states, token_ids)
+        if slots.any("sampled"):
+            # Greedy rows keep their unwarped scores and their argmax (transformers warps only when sampling).
+            warped = warp(scores, columns, slots)
+            drawn = sample_from(warped.softmax(dim=-1), columns.seeds())
+            if slots.any("greedy"):
+                greedy = columns.int("greedy").bool()
+                scores = torch.where(greedy.unsqueeze(1), scores, warped)
+                token_ids = torch.where(greedy, token_ids, drawn)
+            else:
+                scores, token_ids = warped, drawn
+        if states is not None:
+            self._record(requests, states, token_ids)
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None, dead)
-        logprobs = torch.log_softmax(self._logprob_source(raw, scores, params), dim=-1)
+        logprobs = torch.log_softmax(self._logprob_source(raw, scores, columns), dim=-1)
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        top_counts = [p.top_logprobs for p in params]
+        if not slots.any("top_logprobs"):
+            return PendingSamples(token_ids, [token_ids, chosen], None, dead)
+        top_counts = [request.sampling.top_logprobs for request in requests]
         if not max(top_counts):
             return PendingSamples(token_ids, [token_ids, chosen], None, dead)
         values, indices = logprobs.topk(max(top_counts), dim=-1)
         return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, dead)
 
-    @staticmethod
-    def _logprob_source(raw: torch.Tensor, scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _logprob_source(self, raw: torch.Tensor, scores: torch.Tensor, columns: SlotColumns) -> torch.Tensor:
         """The logits each row's log-probs are the log_softmax of, by its logprob_mode (see the class docstring)."""
-        modes = {p.logprob_mode for p in params}
-        if modes == {"processed"}:
+        slots = self.slots
+        if not slots.any("logprob_mode:raw") and not slots.any("logprob_mode:temperature_scaled"):
             return scores
-        device = raw.device
         unprocessed = raw
-        if "temperature_scaled" in modes:
-            divisors = [
-                p.temperature if p.logprob_mode == "temperature_scaled" and p.temperature > 0 else 1.0 for p in params
-            ]
-            unprocessed = raw / to_device(divisors, raw.dtype, device).unsqueeze(1)
-        if "processed" not in modes:
+        if slots.any("logprob_mode:temperature_scaled"):
+            unprocessed = raw / columns.float("logprob_divisor")
+        if not slots.any("logprob_mode:processed"):
             return unprocessed
-        use_processed = to_device([p.logprob_mode == "processed" for p in params], torch.bool, device).unsqueeze(1)
-        return torch.where(use_processed, scores, unprocessed)
+        return torch.where(columns.int("use_processed").bool().unsqueeze(1), scores, unprocessed)
 
     def _mask_early_stops(self, scores: torch.Tensor, requests: list[Request]) -> None:
         """min_new_tokens: stop tokens get -inf while fewer than min_new_tokens tokens were generated."""
@@ -220,24 +230,20 @@ class Sampler:
             request.sampler_state = state
         return request.sampler_state
 
-    def _apply_penalties(
-        self, scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]
-    ) -> None:
+    @staticmethod
+    def _apply_penalties(scores: torch.Tensor, columns: SlotColumns, states: list[SamplerState | None]) -> None:
         rows = [i for i, state in enumerate(states) if state is not None and state.seen is not None]
         if not rows:
             return
         seen = torch.stack([states[i].seen for i in rows])
         counts = torch.stack([states[i].counts for i in rows])
-        params = [requests[i].sampling for i in rows]
-
-        def column(name: str) -> torch.Tensor:
-            return to_device([getattr(p, name) for p in params], scores.dtype, scores.device).unsqueeze(1)
-
         index = to_device(rows, torch.long, scores.device)
         sub = scores.index_select(0, index)
-        repetition = column("repetition_penalty")
+        repetition = columns.float("repetition_penalty").index_select(0, index)
+        presence = columns.float("presence_penalty").index_select(0, index)
+        frequency = columns.float("frequency_penalty").index_select(0, index)
         sub = torch.where(seen, torch.where(sub < 0, sub * repetition, sub / repetition), sub)
-        sub = sub - column("presence_penalty") * (counts > 0) - column("frequency_penalty") * counts
+        sub = sub - presence * (counts > 0) - frequency * counts
         scores[index] = sub
 
     @staticmethod
@@ -262,12 +268,6 @@ class Sampler:
                 state.counts.index_add_(0, token, torch.ones(1, dtype=state.counts.dtype, device=state.counts.device))
             if state.bans is not None:
                 record(state.bans, request.num_tokens, token)
-
-    def _draw(self, scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """One token per row, by inverse-CDF sampling with a counter-based uniform per (request, position)."""
-        row_seeds = [hash((r.seed, r.sample_index, r.num_tokens)) & _SEED_MASK for r in requests]
-        seeds = to_device(row_seeds, torch.int64, scores.device)
-        return sample_from(scores.softmax(dim=-1), seeds)
 
 
 _MASK32 = 0xFFFFFFFF

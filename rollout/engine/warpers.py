@@ -1,54 +1,48 @@
 """Steps 4-10 of the sampling pipeline on the rows that sample: temperature, top_k, top_p, min_p, typical_p,
 epsilon_cutoff, eta_cutoff, in transformers' order and with its warpers' semantics (one token always survives).
-Each step runs only when some row asks for it, and a row that does not ask is left as it was."""
+Each step runs only when some running sample asks for it, and a row that does not ask is left as it was."""
 
 from __future__ import annotations
 
 import torch
 
-from rollout.config import SamplingParams
-from rollout.engine.transfer import to_device
+from rollout.engine.sampling_slots import SamplingSlots, SlotColumns
 
 _NEG_INF = float("-inf")
 
 
-def warp(scores: torch.Tensor, params: list[SamplingParams], vocab_size: int) -> torch.Tensor:
-    """Return the warped scores of the sampling rows.
+def warp(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots) -> torch.Tensor:
+    """Return the warped scores of every row (greedy rows too: the caller keeps their unwarped scores).
 
     Args:
         scores: (rows, vocab) fp32 scores after penalties, bans and min_new_tokens.
-        params: each row's sampling parameters.
-        vocab_size: the vocabulary width (top_k is capped at it).
+        columns: each row's sampling parameters (`SamplingSlots.gather`); a row that does not ask for a warper
+            holds its neutral value, so running the warper over it leaves it as it was.
+        slots: the slot tables, whose live-slot counts skip the warpers that no running sample asks for.
     """
-    device = scores.device
-
-    def column(values: list[float]) -> torch.Tensor:
-        return to_device(values, scores.dtype, device).unsqueeze(1)
-
-    scores = scores / column([p.temperature for p in params])
-    if any(p.top_k for p in params):
-        top_ks = [min(p.top_k or vocab_size, vocab_size) for p in params]
-        k = to_device(top_ks, torch.long, device)
-        kth = scores.topk(max(top_ks), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-        scores = scores.masked_fill(scores < kth, _NEG_INF)
-    if any(p.top_p < 1 for p in params):
+    scores = scores / columns.float("temperature")
+    width = slots.max_top_k()
+    if width:
+        k = columns.int("top_k")
+        kth = scores.topk(width, dim=-1).values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+        # Rows without top_k hold the vocabulary size: more than `width`, so they are left alone.
+        scores = scores.masked_fill((scores < kth) & (k <= width).unsqueeze(1), _NEG_INF)
+    if slots.any("top_p"):
+        top_p = columns.float("top_p")
         sorted_scores, sorted_index = scores.sort(dim=-1, descending=False)
-        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - column([p.top_p for p in params])
+        remove = (sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p) & (top_p < 1)
         remove[:, -1] = False
         scores = scores.masked_fill(remove.scatter(1, sorted_index, remove), _NEG_INF)
-    if any(p.min_p > 0 for p in params):
+    if slots.any("min_p"):
         probs = scores.softmax(dim=-1)
-        scores = scores.masked_fill(
-            probs < column([p.min_p for p in params]) * probs.amax(dim=-1, keepdim=True), _NEG_INF
-        )
-    if any(p.typical_p < 1 for p in params):
-        typical = _typical(scores, column([p.typical_p for p in params]))
-        enabled = to_device([p.typical_p < 1 for p in params], torch.bool, device).unsqueeze(1)
-        scores = torch.where(enabled, typical, scores)
-    if any(p.epsilon_cutoff > 0 for p in params):
-        scores = _cut_below(scores, scores.softmax(dim=-1), column([p.epsilon_cutoff for p in params]))
-    if any(p.eta_cutoff > 0 for p in params):
-        eta = column([p.eta_cutoff for p in params])
+        scores = scores.masked_fill(probs < columns.float("min_p") * probs.amax(dim=-1, keepdim=True), _NEG_INF)
+    if slots.any("typical_p"):
+        typical_p = columns.float("typical_p")
+        scores = torch.where(typical_p < 1, _typical(scores, typical_p), scores)
+    if slots.any("epsilon_cutoff"):
+        scores = _cut_below(scores, scores.softmax(dim=-1), columns.float("epsilon_cutoff"))
+    if slots.any("eta_cutoff"):
+        eta = columns.float("eta_cutoff")
         log_probs = scores.log_softmax(dim=-1)
         probs = log_probs.exp()
         # Entropy as torch.distributions.Categorical computes it (-inf clamped, so 0 * -inf is 0, not nan).

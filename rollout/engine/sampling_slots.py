@@ -1,0 +1,208 @@
+"""Each running sample's sampling parameters, kept on the device in persistent per-slot buffers.
+
+A sample takes a slot at its first draw and keeps it until it finishes (through preemption and recompute): its
+temperature, top-k/p, min-p, typical-p, epsilon/eta cutoffs, penalties, greediness, log-prob mode and seed are
+written into one row of two device tables once, and every step gathers its rows by slot index (one host-to-device
+copy of the step's slot indices and positions, then two `index_select`s) instead of rebuilding columns from Python
+objects. A host-side count of the live slots that use each processor lets a step skip the processors nobody asks
+for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p 1, ...)
+so running a processor over it leaves it as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from rollout.config import SamplingParams
+from rollout.engine.request import Request
+from rollout.engine.token_bans import has_bans
+from rollout.engine.transfer import to_device
+
+# Columns of the float table (fp32), in this order.
+FLOAT_COLUMNS = (
+    "temperature",  # 1 for greedy rows (they are never divided)
+    "top_p",
+    "min_p",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprob_divisor",  # temperature_scaled rows: their temperature (1 when it is 0); other rows 1
+)
+# Columns of the integer table (int64), in this order.
+INT_COLUMNS = (
+    "top_k",  # the vocabulary size when top_k is off
+    "greedy",  # 1: argmax; 0: drawn
+    "use_processed",  # 1: log-probs of the processed scores; 0: of the raw or temperature-scaled logits
+    "seed_base",  # a 63-bit hash of (seed, sample_index); a row's seed mixes in the position
+)
+_F = {name: i for i, name in enumerate(FLOAT_COLUMNS)}
+_I = {name: i for i, name in enumerate(INT_COLUMNS)}
+_SEED_MASK = (1 << 63) - 1
+# Odd 64-bit constant (2^64 / golden ratio) that spreads consecutive positions over the seed space.
+_POSITION_STRIDE = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def features(params: SamplingParams) -> list[str]:
+    """The processors a request's parameters switch on (what `SamplingSlots.uses` counts)."""
+    used = ["greedy" if params.greedy else "sampled"]
+    if params.top_k:
+        used.append("top_k")
+    if params.top_p < 1:
+        used.append("top_p")
+    if params.min_p > 0:
+        used.append("min_p")
+    if params.typical_p < 1:
+        used.append("typical_p")
+    if params.epsilon_cutoff > 0:
+        used.append("epsilon_cutoff")
+    if params.eta_cutoff > 0:
+        used.append("eta_cutoff")
+    if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty:
+        used.append("penalties")
+    if has_bans(params):
+        used.append("bans")
+    if params.min_new_tokens:
+        used.append("min_new_tokens")
+    if params.top_logprobs:
+        used.append("top_logprobs")
+    used.append(f"logprob_mode:{params.logprob_mode}")
+    return used
+
+
+class SlotColumns:
+    """One step's parameters, one row per sampled row (views into two gathered tensors)."""
+
+    def __init__(self, floats: torch.Tensor, ints: torch.Tensor, positions: torch.Tensor):
+        self._floats = floats
+        self._ints = ints
+        self.positions = positions  # (rows,) int64: position of the token each row samples
+
+    def float(self, name: str) -> torch.Tensor:
+        """(rows, 1) fp32 column `name` of FLOAT_COLUMNS."""
+        return self._floats[:, _F[name]].unsqueeze(1)
+
+    def int(self, name: str) -> torch.Tensor:
+        """(rows,) int64 column `name` of INT_COLUMNS."""
+        return self._ints[:, _I[name]]
+
+    def seeds(self) -> torch.Tensor:
+        """(rows,) int64 per-token seeds: a pure function of (seed, sample_index, position)."""
+        return self.int("seed_base") + self.positions * _POSITION_STRIDE
+
+
+class SamplingSlots:
+    """Slot tables of the running samples' sampling parameters (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64):
+        """
+        Args:
+            vocab_size: the logits' width (top_k is capped at it).
+            device: where the tables live.
+            capacity: slots allocated at first; the tables double when a sample finds none free.
+        """
+        self.vocab_size = vocab_size
+        self.device = device
+        self._floats = torch.zeros(capacity, len(FLOAT_COLUMNS), dtype=torch.float32, device=device)
+        self._ints = torch.zeros(capacity, len(INT_COLUMNS), dtype=torch.long, device=device)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._pending: list[tuple[int, list[float], list[int]]] = []  # rows written at the next gather
+        self.uses: Counter[str] = Counter()  # feature -> live slots that use it
+        self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
+
+    @property
+    def num_live(self) -> int:
+        """Slots held by samples that have not finished."""
+        return self._floats.shape[0] - len(self._free)
+
+    def gather(self, requests: list[Request]) -> SlotColumns:
+        """The step's columns, one row per request (taking a slot for each request's first draw).
+
+        Args:
+            requests: the sampled requests, in row order; each's last token is the one being sampled.
+        """
+        slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
+        # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
+        positions = [r.num_tokens for r in requests]
+        self._write_pending()
+        index = to_device([slots, positions], torch.long, self.device)
+        floats = self._floats.index_select(0, index[0])
+        ints = self._ints.index_select(0, index[0])
+        return SlotColumns(floats, ints, index[1])
+
+    def any(self, feature: str) -> bool:
+        """Whether some live slot uses `feature` (see `features`)."""
+        return self.uses[feature] > 0
+
+    def max_top_k(self) -> int:
+        """The largest top_k that a live slot sets, capped at the vocabulary size (0 when none sets one)."""
+        return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0
+
+    def release(self, request: Request) -> None:
+        """Give back a finished request's slot (no-op when it never drew)."""
+        slot = request.sampling_slot
+        if slot < 0:
+            return
+        request.sampling_slot = -1
+        params = request.sampling
+        self.uses.subtract(features(params))
+        if params.top_k:
+            self._top_ks[params.top_k] -= 1
+            if not self._top_ks[params.top_k]:
+                del self._top_ks[params.top_k]
+        self._free.append(slot)
+
+    def _assign(self, request: Request) -> int:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        request.sampling_slot = slot
+        params = request.sampling
+        self.uses.update(features(params))
+        if params.top_k:
+            self._top_ks[params.top_k] += 1
+        self._pending.append((slot, _float_row(params), self._int_row(request)))
+        return slot
+
+    def _int_row(self, request: Request) -> list[int]:
+        params = request.sampling
+        seed_base = hash((request.seed, request.sample_index)) & _SEED_MASK
+        top_k = min(params.top_k or self.vocab_size, self.vocab_size)
+        return [top_k, int(params.greedy), int(params.logprob_mode == "processed"), seed_base]
+
+    def _write_pending(self) -> None:
+        if not self._pending:
+            return
+        slots = to_device([slot for slot, _, _ in self._pending], torch.long, self.device)
+        self._floats.index_copy_(0, slots, to_device([row for _, row, _ in self._pending], torch.float32, self.device))
+        self._ints.index_copy_(0, slots, to_device([row for _, _, row in self._pending], torch.long, self.device))
+        self._pending.clear()
+
+    def _grow(self) -> None:
+        """Double the tables (stream-ordered copies: steps already queued read the old ones)."""
+        old = self._floats.shape[0]
+        self._floats = torch.cat([self._floats, torch.zeros_like(self._floats)])
+        self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _float_row(params: SamplingParams) -> list[float]:
+    greedy = params.greedy
+    divisor = params.temperature if params.logprob_mode == "temperature_scaled" and params.temperature > 0 else 1.0
+    values = {
+        "temperature": 1.0 if greedy else params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "typical_p": params.typical_p,
+        "epsilon_cutoff": params.epsilon_cutoff,
+        "eta_cutoff": params.eta_cutoff,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "logprob_divisor": divisor,
+    }
+    return [float(values[name]) for name in FLOAT_COLUMNS]
