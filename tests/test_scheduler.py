@@ -1,4 +1,4 @@
-"""Scheduler unit tests with a fake model: `schedule()`, then `update()` with one made-up token per sample.
+"""Scheduler unit tests with a fake model: `schedule()`, then `advance()` and `resolve()` with one made-up token per sample.
 
 `Sim` plays the engine and the model runner. Every step it checks the batch limits and runs a fake KV cache (block
 copies in their documented order, then one write per scheduled token), asserting that each scheduled sequence reads
@@ -41,7 +41,9 @@ class Sim:
             )
         self._run_kv(batch)
         tokens = [token(r) if callable(token) else token for r, _ in batch.samples]
-        finished = batch.finished + scheduler.update(batch, tokens)
+        # `advance` then `resolve`: the engine's update of a step whose tokens are already on the host.
+        scheduler.advance(batch, scheduler.block_manager.policy_version)
+        finished = batch.finished + scheduler.resolve(batch, tokens)
         for request in finished:
             assert request.is_finished and request.request_id not in self.finished
             self.finished[request.request_id] = request
@@ -364,7 +366,7 @@ def test_length_after_max_new_tokens():
 
 def test_sample_forked_this_step_is_not_preempted():
     """Group g's leader finishes its prompt and forks g#1; r's chunk then runs out of blocks. The victim must not
-    be g#1 (it gets a token this step); before the fix it was, and update() raised ValueError."""
+    be g#1 (it gets a token this step); before the fix it was, and resolve() raised ValueError."""
     s = sim(
         make_request("g", prompt(7), max_new_tokens=1, n=2),
         make_request("r", prompt(7, 50), max_new_tokens=2),

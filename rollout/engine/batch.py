@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from rollout.engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One request's share of a step: tokens [start, start + num_tokens) are computed."""
 

@@ -180,16 +180,34 @@ class Scheduler:
         in_batch = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
         # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
         # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
-        finishing = {id(r) for r in self.running if r.reached_max_tokens}
+        finishing: set[int] = set()
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:  # one pass, properties inlined: it runs for every running request at every step
+            num_tokens = len(r.token_ids)
+            if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
+                finishing.add(id(r))
+            elif num_tokens - r.num_computed_tokens == 1:
+                decodes.append(r)
+            elif num_tokens - r.num_computed_tokens > 1:
+                prefills.append(r)
         in_batch |= finishing
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.reached_max_tokens]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        has_room = self.block_manager.has_room_for_next_token
+        sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
         for request in decodes + prefills:
-            if budget[0] == 0 or len(batch.sequences) >= self.max_num_seqs:
+            if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
                 return
             if id(request) in in_batch or request.status != RequestStatus.RUNNING:
                 continue  # scheduled already, or preempted by an older request in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            if num_new == 1 and not request.num_forks and request.kv_version_min is not None and has_room(request):
+                # Most decodes: the token goes into a block the request holds alone; nothing to allocate or fork.
+                sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
+                logits_sequences.append(len(sequences) - 1)
+                samples.append((request, len(logits_sequences) - 1))
+                in_batch.add(id(request))
+                budget[0] -= 1
+                continue
             needed = self.block_manager.blocks_needed(request, num_new)
             while not self.block_manager.can_allocate(needed):
                 if finishing:
@@ -319,12 +337,17 @@ class Scheduler:
             batch: the step, as scheduled.
             policy_version: the weights' version that runs the step (tags the tokens it samples).
         """
+        manager = self.block_manager
+        block_size = manager.block_size
+        finished = RequestStatus.FINISHED
         for seq in batch.sequences:
-            if not seq.request.is_finished:
-                seq.request.num_computed_tokens = seq.start + seq.num_tokens
-                self.block_manager.commit_hashes(seq.request)
+            request = seq.request
+            if request.status != finished:
+                request.num_computed_tokens = computed = seq.start + seq.num_tokens
+                if computed >= (len(request.block_hashes) + 1) * block_size:  # a block became full
+                    manager.commit_hashes(request)
         for request, _ in batch.samples:
-            if not request.is_finished:
+            if request.status != finished:
                 request.add_placeholder(policy_version)
 
     def resolve(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
@@ -345,15 +368,6 @@ class Scheduler:
                 self._dequeue(request)
                 finished += self._finish(request, request.finish_reason)
         return finished
-
-    def update(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
-        """`advance` then `resolve` (a step whose tokens are already on the host).
-
-        Returns:
-            Requests that finished in this step (stop token or length), blocks already freed.
-        """
-        self.advance(batch, self.block_manager.policy_version)
-        return self.resolve(batch, sampled_tokens)
 
     def fail(self, request: Request, error: str) -> list[Request]:
         """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples)."""
