@@ -4,16 +4,19 @@ must hide behind the device's decode step; for a small model that step takes a f
 
 Measured with `running` sequences all decoding, sampled as GRPO samples them (temperature, top-p, top-k, a seed
 each): the model's forward is replaced by a stub that returns ready logits, and the vocabulary is small (64
-tokens), so the sampling kernels cost next to nothing and what is left of a step is the engine's own host work.
+tokens). On CPU the sampling kernels still run on the host (on a GPU they are queued): their time is measured
+apart, inside the sampler's torch operators, and taken out of the "host" figure.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
@@ -39,8 +42,69 @@ def _stub_model(device: torch.device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
-def host_ms_per_step(running: int, device: str = "cpu", steps: int = STEPS) -> float:
-    """Median host milliseconds per decode step with `running` sequences decoding.
+class _KernelClock(TorchDispatchMode):
+    """Adds up the time spent inside torch operators (their kernels, on CPU run synchronously) while active, and
+    counts the operators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        start = time.perf_counter()
+        result = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        return result
+
+
+def _operator_floor_seconds() -> float:
+    """What a trivial operator costs inside `_KernelClock` (dispatch and allocation, no work to speak of): host
+    time that a GPU does not hide either (it becomes the launch), so it is not counted as kernel time."""
+    one = torch.zeros(1)
+    with _KernelClock() as clock:
+        for _ in range(200):
+            one + 1  # noqa: B018 - timed for its cost only
+    return clock.seconds / clock.calls
+
+
+def _timed(phases: dict[str, float], name: str, function: Callable) -> Callable:
+    """`function`, adding the seconds each call takes to phases[name]."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - start
+
+    return timed
+
+
+def _kernel_timed(kernel_seconds: list[float], function: Callable) -> Callable:
+    """`function`, appending the seconds its torch operators work at each call to `kernel_seconds` (their time
+    beyond what a trivial operator costs)."""
+    floor = _operator_floor_seconds()
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with _KernelClock() as clock:
+            result = function(*args, **kwargs)
+        kernel_seconds.append(max(0.0, clock.seconds - clock.calls * floor))
+        return result
+
+    return timed
+
+
+def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) -> dict[str, float]:
+    """The engine's host milliseconds per decode step with `running` sequences decoding, and where they go.
+
+    Returns a dict of medians over `steps` decode steps: "step" (the whole step), "sampling_kernels" (the work of
+    the sampler's torch operators beyond a trivial operator's cost: on CPU they run on the host, on a GPU they are
+    queued and cost only their launch, so it is 0 there), "host" (step - sampling_kernels: the figure the goal is
+    about), and the step's
+    phases, means: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
+    stub), "sampling" (the sampler, kernels included) and "update" (advance, fetch, resolve and outputs).
 
     Args:
         running: sequences decoding at once (one batch).
@@ -72,17 +136,39 @@ def host_ms_per_step(running: int, device: str = "cpu", steps: int = STEPS) -> f
         engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(16)], sampling)
     while engine.scheduler.waiting or any(r.num_computed_tokens < 16 for r in engine.scheduler.running):
         engine.step()  # prefill: every prompt in the cache, every sequence decoding from here on
-    times = []
-    for _ in range(steps + 5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+
+    def timed_steps(count: int) -> list[float]:
+        times = []
+        for _ in range(count):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return times
+
+    timed_steps(5)  # warm
+    phases = dict.fromkeys(("schedule", "inputs", "sampling", "update"), 0.0)
+    sample, schedule, run = engine.sampler.sample, engine.scheduler.schedule, engine.runner.run
+    advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - instance attributes, restored below
+    engine.scheduler.schedule = _timed(phases, "schedule", schedule)
+    engine.runner.run = _timed(phases, "inputs", run)
+    engine.sampler.sample = _timed(phases, "sampling", sample)
+    engine._advance = _timed(phases, "update", advance)  # noqa: SLF001
+    engine._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
+    step_times = timed_steps(steps)
+    kernel_seconds: list[float] = []
+    if device != "cuda":  # on a GPU the sampler's kernels are queued, not run by the host
+        engine.sampler.sample = _kernel_timed(kernel_seconds, sample)
+        timed_steps(min(steps, 20))
     engine.close()
-    return statistics.median(times[5:]) * 1000
+    step_ms = statistics.median(step_times) * 1000
+    kernels_ms = statistics.median(kernel_seconds) * 1000 if kernel_seconds else 0.0
+    figures = {"step": step_ms, "sampling_kernels": kernels_ms, "host": step_ms - kernels_ms}
+    figures.update({name: seconds * 1000 / steps for name, seconds in phases.items()})
+    return {name: round(value, 3) for name, value in figures.items()}
 
 
-def run_host_time(device: str = "cpu", sizes: tuple[int, ...] = (64, 256)) -> dict[str, float]:
-    """`host_ms_per_step` at each number of running sequences, rounded to µs."""
-    return {str(size): round(host_ms_per_step(size, device), 3) for size in sizes}
+def run_host_time(device: str = "cpu", sizes: tuple[int, ...] = (64, 256)) -> dict[str, dict[str, float]]:
+    """`host_time_per_step` at each number of running sequences (keys: the numbers, as strings)."""
+    return {str(size): host_time_per_step(size, device) for size in sizes}
