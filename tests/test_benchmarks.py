@@ -31,6 +31,10 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     assert report["decode roofline fraction"].value == details["decode_roofline_fraction"]
     host = details["host_ms_per_step"]
     assert set(host) == {"64", "256"} and 0 < host["64"] and 0 < host["256"]
+    for size, figures in details["host_time_ms"].items():  # the step, its sampling kernels taken out, its phases
+        assert figures["host"] == host[size] and figures["sampling_kernels"] >= 0
+        assert abs(figures["step"] - figures["sampling_kernels"] - figures["host"]) <= 0.002
+        assert all(figures[phase] > 0 for phase in ("schedule", "inputs", "sampling", "update"))
     assert report["engine host time per step, 256 running"].value == host["256"]
     fidelity = report["logprob |rollout - teacher-forced| mean, fp32_logits"]
     assert fidelity.value == details["fp32_logits"]["logprob_abs_diff_mean"] and fidelity.verdict == "<= 0.002: met"

@@ -579,3 +579,22 @@ def test_fp32_logits_computes_the_projection_in_fp32():
     assert (fp32 - fp32_ref).abs().mean() < 0.5 * (fp32 - bf16_ref).abs().mean()
     assert (fp32 - fp32_ref).abs().mean() < 2e-3
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_sampling_slots_grow_are_given_back_and_reused():
+    """More samples than the slot tables first hold run at once (the tables grow, and every sample still draws with
+    its own seed: 80 different completions); each slot comes back when its sample finishes; then a slot that held
+    a top-k/top-p sample's settings serves a greedy request exactly as transformers' greedy `generate`."""
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    engine = make_engine(model, num_blocks=1024)
+    slots = engine.sampler.slots
+    first_capacity = slots.num_live + len(slots._free)  # noqa: SLF001 - the tables' size
+    prompt = make_prompts(1, 8, 8, seed=9)[0]
+    wide = SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=1, stop_token_ids=())
+    outputs = run(engine, {"wide": (prompt, wide)}, n=first_capacity + 16)
+    assert len({tuple(out.generated_tokens) for out in outputs.values()}) == first_capacity + 16
+    assert slots.num_live == 0 and not any(slots.uses.values())
+    out = run(engine, {"greedy": (prompt, SamplingParams(temperature=0, stop_token_ids=()))})["greedy"]
+    assert out.generated_tokens == reference_generate(reference, prompt, MAX_NEW)
+    assert slots.num_live == 0

@@ -7,7 +7,7 @@
 - logprob fidelity: |rollout logprob - teacher-forced logprob| of every generated token, where the teacher-forced
   one comes from the same transformers model (its own attention, same dtype) run over prompt + completion; with and
   without `fp32_logits` (the reference then projects in fp32 too);
-- the engine's host time per decode step at 64 and 256 running sequences (host_time.py).
+- the engine's host time per decode step at 64 and 256 running sequences, and its phases (host_time.py).
 """
 
 from __future__ import annotations
@@ -141,5 +141,7 @@ def run_details(base_model: torch.nn.Module, prompts: list[list[int]], max_new: 
             details["decode_steps"] = figures["decode_steps"]
             details["peak_memory_gib"] = figures["peak_memory_gib"]
         del model
-    details["host_ms_per_step"] = run_host_time(device.type)
+    host_time = run_host_time(device.type)
+    details["host_ms_per_step"] = {size: figures["host"] for size, figures in host_time.items()}
+    details["host_time_ms"] = host_time  # the whole step, the sampling kernels taken out of it, and its phases
     return details

@@ -86,7 +86,9 @@ class PendingSamples:
 class Sampler:
     """Applies each request's own processors to its logits row, then samples.
 
-    Pipeline order (each step only for the rows that ask for it):
+    Each sample's parameters live in the per-slot device tables of `rollout.engine.sampling_slots`, written at its
+    first draw; a step gathers its rows' columns there. Pipeline order (each step runs only while some running
+    sample asks for it; rows that do not ask hold neutral values and come out as they went in):
       1. penalties on the request's own tokens: repetition_penalty (prompt + output, transformers' semantics),
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
       2. bans (`rollout.engine.token_bans`): no_repeat_ngram_size, bad_words_ids, suppress_tokens,
@@ -95,7 +97,7 @@ class Sampler:
       4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
          (`rollout.engine.warpers`, transformers' warper semantics);
       11. sample: greedy rows take the argmax; others draw by inverse CDF with one uniform number per row, a
-         counter-based hash of (request seed, sample index, position) computed on the device: a completion never
+         counter-based hash of (request seed, sample index, position) mixed on the device: a completion never
          depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no host round trip.
 
     Log-probs are fp32, in the request's `logprob_mode`:
