@@ -9,7 +9,8 @@
   and their KV blocks (no torch);
 - `model_runner.py`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv_cache.py`,
   `attention.py`, `triton_attention.py`, `cuda_graphs.py`, `transfer.py`);
-- `sampler.py`: per-request penalties and bans (`token_bans.py`), warpers (`warpers.py`), seeded draws, logprobs;
+- `sampler.py`: per-request penalties and bans (`token_bans.py`), warpers (`warpers.py`), seeded draws, logprobs,
+  over each sample's parameters held in persistent per-slot device tables (`sampling_slots.py`);
 - `weight_table.py`: what a weight update may write, checked and copied in place;
 - `generate.py`: `generate_batch`, the one-call API over a cached engine.
 """

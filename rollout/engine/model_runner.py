@@ -269,9 +269,13 @@ def pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
     flat = torch.cat(tables)
     if min(lengths) == width:
         return flat.view(len(tables), width)
-    padded = flat.new_zeros(len(tables), width)
-    padded[torch.arange(width) < torch.tensor(lengths).unsqueeze(1)] = flat
-    return padded
+    # Each id's place in the padded table: its row's start, plus its offset within the row (integer indices: a
+    # boolean mask would be value-sized).
+    counts = torch.tensor(lengths)
+    rows = torch.repeat_interleave(torch.arange(len(tables)), counts, output_size=flat.shape[0])
+    row_starts = torch.cumsum(counts, 0) - counts
+    places = rows * width + torch.arange(flat.shape[0]) - row_starts[rows]
+    return flat.new_zeros(len(tables) * width).index_copy_(0, places, flat).view(len(tables), width)
 
 
 def _is_decode(batch: ScheduledBatch) -> bool:
