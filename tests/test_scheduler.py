@@ -143,6 +143,24 @@ def test_mixed_batch_of_decodes_and_a_prefill_chunk():
     assert [outputs[i].num_output_tokens for i in ("a", "b", "long")] == [10, 10, 2]
 
 
+def test_a_one_token_chunk_of_a_longer_prompt_is_not_a_decode():
+    """A running request mid-prefill that gets a budget of one token computes that one token and samples nothing:
+    a one-token chunk is not a decode (it gets no logits row), even when its block already has room for it."""
+    a = make_request("a", prompt(2), max_new_tokens=12)
+    s = sim(a, max_batch_tokens=2, block_size=4)
+    s.step()  # a's prompt
+    long = make_request("long", prompt(10, 100), max_new_tokens=2)
+    s.scheduler.add(long)
+    chunks = []
+    while long.num_computed_tokens < 10:
+        batch, _ = s.step()  # a decodes; long gets the one token left
+        (seq,) = [seq for seq in batch.sequences if seq.request is long]
+        chunks.append((seq.start, seq.num_tokens, long in [r for r, _ in batch.samples]))
+    assert chunks == [(i, 1, i == 9) for i in range(10)]
+    outputs = s.drain()
+    assert [outputs[i].num_output_tokens for i in ("a", "long")] == [12, 2]
+
+
 def test_fifo_decodes_first_prefill_first_admits_first():
     """With a budget too small for both: "fifo" gives the running request its decode token before the new prompt,
     "prefill_first" spends the whole budget on the new prompt and leaves the running request out of the step."""

@@ -130,7 +130,8 @@ _MIN_GROUP = 6
 def _partition(starts: list[int], lengths: list[int], block_size: int) -> list[list[int]]:
     """Group sequences for padded attention calls: prefill chunks together, decodes by similar context length."""
     prefills = [i for i, length in enumerate(lengths) if length > 1]
-    decodes = sorted((i for i, length in enumerate(lengths) if length == 1), key=lambda i: -starts[i])
+    # Longest context first; ties keep their order (sorted is stable, with reverse=True too).
+    decodes = sorted((i for i, length in enumerate(lengths) if length == 1), key=starts.__getitem__, reverse=True)
     groups = [prefills] if prefills else []
     current: list[int] = []
     for i in decodes:

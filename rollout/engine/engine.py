@@ -25,7 +25,7 @@ from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.outputs import GenerationOutput, progress_output
-from rollout.engine.request import Request, sample_id
+from rollout.engine.request import Request, RequestStatus, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.warmup import warm_up
@@ -348,17 +348,19 @@ class Engine:
             if not request.is_finished:
                 request.drop_placeholder()
                 failed += self.scheduler.fail(request, NOTHING_TO_DRAW)
-        live = [index for index, (request, _) in enumerate(step.batch.samples) if not request.is_finished]
-        for index in live:
-            request = step.batch.samples[index][0]
-            if sampled.logprobs is not None:
-                request.logprobs.append(sampled.logprobs[index])
-            if sampled.top_logprobs is not None and request.sampling.top_logprobs:
-                request.top_logprobs.append(sampled.top_logprobs[index])
+        live: list[Request] = []
+        logprobs, top_logprobs = sampled.logprobs, sampled.top_logprobs
+        for index, (request, _) in enumerate(step.batch.samples):  # one pass: it runs for every sample every step
+            if request.status == RequestStatus.FINISHED:
+                continue
+            live.append(request)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[index])
+            if top_logprobs is not None and request.sampling.top_logprobs:
+                request.top_logprobs.append(top_logprobs[index])
         finished = self.scheduler.resolve(step.batch, sampled.token_ids)
         self.num_generated_tokens += len(live)
-        streaming = [step.batch.samples[i][0] for i in live]
-        return self._outputs(failed + finished + [r for r in streaming if r.streaming and not r.is_finished])
+        return self._outputs(failed + finished + [r for r in live if r.streaming and not r.is_finished])
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
         """End every sample of these groups with finish_reason "error"."""

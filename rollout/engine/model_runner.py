@@ -125,7 +125,7 @@ class ModelRunner:
         so a step's host work does not grow with the context."""
         cached = self._block_tables.get(request)
         if cached is None or cached[0] != request.blocks_version:
-            cached = (request.blocks_version, torch.tensor(request.block_ids, dtype=torch.long))
+            cached = (request.blocks_version, to_device(request.block_ids, torch.long, "cpu"))
             self._block_tables[request] = cached
         return cached[1]
 
@@ -182,11 +182,9 @@ class ModelRunner:
         if self.decode_graphs is not None and decode and len(batch.sequences) <= self.decode_graphs.max_batch:
             return self._run_decode_graph(batch, input_ids, device_tokens).float()
         # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
-        starts, lengths, tables = [], [], []
-        for seq in batch.sequences:
-            starts.append(seq.start)
-            lengths.append(seq.num_tokens)
-            tables.append(self._block_table(seq.request))
+        starts = [seq.start for seq in batch.sequences]
+        lengths = [seq.num_tokens for seq in batch.sequences]
+        tables = [self._block_table(seq.request) for seq in batch.sequences]
         # Padding with block 0 is harmless: attention masks every position past a sequence's context.
         block_table = pad_block_tables(tables)
         metadata, positions = PagedAttentionMetadata.build(

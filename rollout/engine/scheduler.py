@@ -199,9 +199,11 @@ class Scheduler:
                 return
             if id(request) in in_batch or request.status != RequestStatus.RUNNING:
                 continue  # scheduled already, or preempted by an older request in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
-            if num_new == 1 and not request.num_forks and request.kv_version_min is not None and has_room(request):
-                # Most decodes: the token goes into a block the request holds alone; nothing to allocate or fork.
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget[0])
+            if remaining == 1 and not request.num_forks and request.kv_version_min is not None and has_room(request):
+                # Most decodes (a last token, not a one-token chunk of a longer prefill): the token goes into a
+                # block the request holds alone; nothing to allocate or fork.
                 sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
                 logits_sequences.append(len(sequences) - 1)
                 samples.append((request, len(logits_sequences) - 1))
@@ -360,8 +362,9 @@ class Scheduler:
             Requests that finished in this step (stop token or length), blocks already freed.
         """
         finished: list[Request] = []
+        done = RequestStatus.FINISHED
         for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
-            if request.is_finished:
+            if request.status == done:
                 continue
             request.resolve_token(token)
             if request.finish_reason is not None:
