@@ -146,8 +146,10 @@ class Sampler:
         slots = self.slots
         requests = [request for request, _ in samples]
         columns = slots.gather(requests)
-        rows = to_device([row for _, row in samples], torch.long, device)
-        raw = logits.float().index_select(0, rows)
+        if len(samples) == logits.shape[0]:
+            raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
+        else:  # a group's samples share their leader's row for their first token
+            raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
         scores = raw.clone()
         states = None
         if slots.any("penalties") or slots.any("bans"):
@@ -272,30 +274,30 @@ class Sampler:
                 record(state.bans, request.num_tokens, token)
 
 
-_MASK32 = 0xFFFFFFFF
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 torch multiplies by (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) of int64 tensors holding values in [0, 2^32). Products may wrap
-    around 64 bits; their low 32 bits, all that is kept, are exact either way."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's `>>` is arithmetic: it copies the sign bit)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+_MIX_1, _MIX_2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
 def uniform_from_seeds(seeds: torch.Tensor) -> torch.Tensor:
-    """One uniform number in (0, 1) per seed (float64, 52 random bits), a pure function of the seed.
+    """One uniform number in (0, 1) per seed (float64, 52 random bits), a pure function of the seed: SplitMix64's
+    finaliser (products wrap around 64 bits, as its arithmetic modulo 2^64 wants), in a dozen element-wise ops.
 
     Args:
         seeds: (rows,) int64 seeds (already mixed from request seed, sample index and position).
     """
-    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
-    first = _hash32(low ^ _hash32(high ^ 0x9E3779B9))
-    second = _hash32(first ^ 0x85EBCA6B ^ _hash32(high))
-    bits = (first << 20) | (second >> 12)  # 52 bits
-    return (bits.to(torch.float64) + 0.5) * 2.0**-52
+    z = (seeds ^ _shift_right(seeds, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    z = z ^ _shift_right(z, 31)
+    return (_shift_right(z, 12).to(torch.float64) + 0.5) * 2.0**-52
 
 
 def sample_from(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
