@@ -598,3 +598,31 @@ def test_sampling_slots_grow_are_given_back_and_reused():
     out = run(engine, {"greedy": (prompt, SamplingParams(temperature=0, stop_token_ids=()))})["greedy"]
     assert out.generated_tokens == reference_generate(reference, prompt, MAX_NEW)
     assert slots.num_live == 0
+
+
+def test_a_step_that_fails_while_writing_slot_rows_leaves_nothing_for_the_slots_next_owner(monkeypatch):
+    """The table write of a new sample's row fails (as a CUDA OOM would): its group ends with an error, its slot
+    comes back with no row left pending for it, and the next request on that slot samples with its own settings
+    (greedy, as transformers' `generate`)."""
+    import rollout.engine.sampling_slots as sampling_slots
+
+    model = tiny_model("qwen3")
+    reference = reference_copy(model)
+    engine = make_engine(model)
+    real_to_device = sampling_slots.to_device
+    failures = [RuntimeError("simulated out of memory while staging slot rows")]
+
+    def flaky_to_device(values, dtype, device):
+        if failures and dtype is torch.float32:
+            raise failures.pop()
+        return real_to_device(values, dtype, device)
+
+    monkeypatch.setattr(sampling_slots, "to_device", flaky_to_device)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.7, top_k=5, seed=1), max_new_tokens=4)
+    (failed,) = engine.step()
+    assert failed.finish_reason == "error" and "simulated out of memory" in failed.error
+    slots = engine.sampler.slots
+    assert slots.num_live == 0 and slots._pending == []  # noqa: SLF001 - nothing left to land on the freed slot
+    prompt = make_prompts(1, 8, 8, seed=12)[0]
+    out = run(engine, {"b": (prompt, SamplingParams(do_sample=False, stop_token_ids=()))})["b"]
+    assert out.generated_tokens == reference_generate(reference, prompt, MAX_NEW)

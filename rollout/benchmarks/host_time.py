@@ -23,6 +23,8 @@ from rollout.engine.engine import Engine
 
 VOCAB = 64
 STEPS = 100  # timed decode steps per measurement
+WARM_STEPS = 5  # decode steps run before timing
+PROMPT_TOKENS = 16
 
 
 def _stub_model(device: torch.device) -> torch.nn.Module:
@@ -102,8 +104,7 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     Returns a dict of medians over `steps` decode steps: "step" (the whole step), "sampling_kernels" (the work of
     the sampler's torch operators beyond a trivial operator's cost: on CPU they run on the host, on a GPU they are
     queued and cost only their launch, so it is 0 there), "host" (step - sampling_kernels: the figure the goal is
-    about), and the step's
-    phases, means: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
+    about), and the step's phases, means: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
     stub), "sampling" (the sampler, kernels included) and "update" (advance, fetch, resolve and outputs).
 
     Args:
@@ -112,11 +113,17 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
         steps: decode steps timed.
     """
     target = torch.device(device)
+    kernel_steps = min(steps, 20) if device != "cuda" else 0
+    # Every sequence decodes through the whole run without finishing and its blocks fit from the start: no step
+    # measured here preempts or ends anything.
+    decode_steps = WARM_STEPS + steps + kernel_steps
+    max_new_tokens = decode_steps + 8
+    blocks_per_sequence = -(-(PROMPT_TOKENS + max_new_tokens) // 16)
     engine = Engine(
         _stub_model(target),
         ContinuousBatchingConfig(
             block_size=16,
-            num_blocks=running * 8 + 8,
+            num_blocks=running * blocks_per_sequence,
             max_num_seqs=running,
             max_batch_tokens=max(running * 16, 2048),
             use_cuda_graph=False,
@@ -131,10 +138,16 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     engine.runner._decode_forward = forward  # noqa: SLF001
     for index in range(running):
         sampling = SamplingParams(
-            do_sample=True, temperature=0.9, top_p=0.95, top_k=50, seed=index, stop_token_ids=(), max_new_tokens=4096
+            do_sample=True,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=50,
+            seed=index,
+            stop_token_ids=(),
+            max_new_tokens=max_new_tokens,
         )
-        engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(16)], sampling)
-    while engine.scheduler.waiting or any(r.num_computed_tokens < 16 for r in engine.scheduler.running):
+        engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(PROMPT_TOKENS)], sampling)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running):
         engine.step()  # prefill: every prompt in the cache, every sequence decoding from here on
 
     def timed_steps(count: int) -> list[float]:
@@ -147,10 +160,10 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
             times.append(time.perf_counter() - start)
         return times
 
-    timed_steps(5)  # warm
+    timed_steps(WARM_STEPS)
     phases = dict.fromkeys(("schedule", "inputs", "sampling", "update"), 0.0)
     sample, schedule, run = engine.sampler.sample, engine.scheduler.schedule, engine.runner.run
-    advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - instance attributes, restored below
+    advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - timed through instance attributes
     engine.scheduler.schedule = _timed(phases, "schedule", schedule)
     engine.runner.run = _timed(phases, "inputs", run)
     engine.sampler.sample = _timed(phases, "sampling", sample)
@@ -158,10 +171,16 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     engine._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
     step_times = timed_steps(steps)
     kernel_seconds: list[float] = []
-    if device != "cuda":  # on a GPU the sampler's kernels are queued, not run by the host
+    if kernel_steps:  # on a GPU the sampler's kernels are queued, not run by the host
         engine.sampler.sample = _kernel_timed(kernel_seconds, sample)
-        timed_steps(min(steps, 20))
+        timed_steps(kernel_steps)
+    decoding = len(engine.scheduler.running)
+    preemptions = engine.scheduler.num_preemptions
     engine.close()
+    if decoding != running or preemptions:
+        raise RuntimeError(
+            f"host time measurement invalid: {decoding} of {running} sequences still decoding, {preemptions} preemptions"
+        )
     step_ms = statistics.median(step_times) * 1000
     kernels_ms = statistics.median(kernel_seconds) * 1000 if kernel_seconds else 0.0
     figures = {"step": step_ms, "sampling_kernels": kernels_ms, "host": step_ms - kernels_ms}

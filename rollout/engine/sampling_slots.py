@@ -148,6 +148,8 @@ class SamplingSlots:
         if slot < 0:
             return
         request.sampling_slot = -1
+        # A row still waiting to be written (its step failed before the write) must not land on the slot's next owner.
+        self._pending = [entry for entry in self._pending if entry[0] != slot]
         params = request.sampling
         self.uses.subtract(features(params))
         if params.top_k:
