@@ -66,8 +66,6 @@ class ModelRunner:
         self._suspended = False  # the model was given back by suspend()
         if head is not None and head.weight.dtype != torch.float32:
             self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
-        # Per request (weakly held: finished requests drop out): (blocks_version, block ids tensor).
-        self._block_tables: weakref.WeakKeyDictionary[Request, tuple[int, torch.Tensor]] = weakref.WeakKeyDictionary()
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -123,10 +121,12 @@ class ModelRunner:
     def _block_table(self, request: Request) -> torch.Tensor:
         """The request's block ids as a tensor, rebuilt only when its blocks changed (once per block_size tokens),
         so a step's host work does not grow with the context."""
-        cached = self._block_tables.get(request)
+        cached = request.block_table_cache
         if cached is None or cached[0] != request.blocks_version:
-            cached = (request.blocks_version, to_device(request.block_ids, torch.long, "cpu"))
-            self._block_tables[request] = cached
+            cached = request.block_table_cache = (
+                request.blocks_version,
+                to_device(request.block_ids, torch.long, "cpu"),
+            )
         return cached[1]
 
     def close(self) -> None:

@@ -75,6 +75,8 @@ class Request:
     error: str | None = None
     # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
     sampler_state: Any = None
+    # The model runner's (blocks_version, block ids as a CPU tensor): rebuilt only when the blocks change.
+    block_table_cache: Any = None
     # Row of the sampler's slot tables that holds this sample's sampling parameters (-1: none, before its first draw
     # and once it finished).
     sampling_slot: int = -1
