@@ -64,10 +64,6 @@ class Tracer:
         else:
             self._tracer = (provider or _trace.get_tracer_provider()).get_tracer("rollout")
 
-    @property
-    def enabled(self) -> bool:
-        return self._tracer is not None
-
     def group_started(self, group_id: str, client: str, n: int, prompt_tokens: int) -> Any:
         """A span for an accepted group (None without OpenTelemetry)."""
         if self._tracer is None:
