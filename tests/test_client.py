@@ -109,11 +109,14 @@ def test_safe_from_many_threads_and_balanced(client):
 def test_failover_when_a_worker_is_killed():
     """Two workers; one is SIGKILLed while both are generating. Every group completes exactly once, full length,
     and the survivor generated the dead worker's groups too."""
+    long = 600  # tokens per sample
     survivor, victim = Worker.several(2)
     try:
         with RolloutClient([survivor.address, victim.address], timeout=120, heartbeat_s=0.2, dead_after_s=1.5) as c:
             groups = [
-                PromptGroup([i, 2, 3], n=2, sampling={**GREEDY, "max_new_tokens": 150}, group_id=f"f{i}")
+                # Long enough that both workers are still generating when the stats are read (a faster engine
+                # finished 150 tokens before a poll could see both busy).
+                PromptGroup([i, 2, 3], n=2, sampling={**GREEDY, "max_new_tokens": long}, group_id=f"f{i}")
                 for i in range(8)
             ]
             results = c.generate_many(groups)
@@ -128,8 +131,8 @@ def test_failover_when_a_worker_is_killed():
             assert not gathered.is_alive()
             (survivor_stats,) = c.stats()  # only the live worker answers
         assert sorted(r.group_id for r in collected) == sorted(g.group_id for g in groups)  # each exactly once
-        assert all(len(comp.token_ids) == 150 for r in collected for comp in r.completions)
-        assert survivor_stats["generated_tokens"] == 8 * 2 * 150  # its own 4 groups plus the 4 resubmitted
+        assert all(len(comp.token_ids) == long for r in collected for comp in r.completions)
+        assert survivor_stats["generated_tokens"] == 8 * 2 * long  # its own 4 groups plus the 4 resubmitted
     finally:
         survivor.close()
         victim.close()
