@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 # state the engine does not keep, so such models are refused instead of generating wrong tokens.
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 NOTHING_TO_DRAW = (
-    "every token is banned at this position (bad_words_ids, suppress_tokens, begin_suppress_tokens, "
-    "no_repeat_ngram_size and min_new_tokens together leave none)"
+    "no token can be drawn at this position: every token is banned (bad_words_ids, suppress_tokens, "
+    "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none), or the model's logits there "
+    "are not finite"
 )
 
 
@@ -389,9 +390,8 @@ class Engine:
     def _outputs(self, requests: list[Request]) -> list[GenerationOutput]:
         """Outputs for requests that progressed (`outputs.progress_output`); a finished sample gives back its
         sampling slot, and a group is forgotten when its last sample finishes."""
-        outputs = []
+        outputs = [progress_output(request) for request in requests]
         for request in requests:
-            outputs.append(progress_output(request))
             if request.is_finished:
                 self.sampler.release(request)
                 self._open_groups[request.group_id] -= 1
