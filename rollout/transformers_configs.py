@@ -58,8 +58,17 @@ _ACCEPTED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+def page_size_field() -> str:
+    """The name of the page (block) size in the installed transformers' ContinuousBatchingConfig: `page_size`, or
+    `block_size` in releases before the rename (5.17 has only `block_size`)."""
+    from transformers import ContinuousBatchingConfig as TransformersConfig
+
+    names = {field.name for field in dataclasses.fields(TransformersConfig)}
+    return "page_size" if "page_size" in names else "block_size"
+
+
 def _page_size(config: Any) -> int:
-    """page_size, or block_size, its name before transformers 5.17 (transformers copies it into page_size)."""
+    """page_size, or block_size, its older name (newer releases copy a given block_size into page_size)."""
     block_size = getattr(config, "block_size", None)
     return config.page_size if block_size is None else block_size
 

@@ -160,7 +160,10 @@ def test_a_continuous_batching_config_carried_by_the_generation_config_is_used()
 
     model = tiny_model("qwen3")
     config = GenerationConfig(max_new_tokens=2)
-    config.continuous_batching_config = transformers.ContinuousBatchingConfig(page_size=8, num_blocks=40)
+    from rollout.transformers_configs import page_size_field
+
+    page_size = {page_size_field(): 8}  # block_size before transformers renamed it
+    config.continuous_batching_config = transformers.ContinuousBatchingConfig(**page_size, num_blocks=40)
     with init_continuous_batching(model, config) as manager:
         assert (manager.config.block_size, manager.config.num_blocks) == (8, 40)
 

@@ -139,7 +139,7 @@ def test_backend_choice():
     from conftest import make_engine, tiny_model
     from rollout.config import ContinuousBatchingConfig, FieldError
 
-    engine = make_engine(tiny_model("qwen3"), block_size=16)
+    engine = make_engine(tiny_model("qwen3").to(DEVICE), block_size=16)
     assert (engine.runner.heads_per_kv is None) == (DEVICE.type != "cuda")
     engine.close()
     with pytest.raises(FieldError) as raised:

@@ -120,15 +120,17 @@ def run_transformers_generate_batch(model, prompts, max_new, workload: Workload)
     from transformers import ContinuousBatchingConfig as TransformersConfig
     from transformers import GenerationConfig
 
+    from rollout.transformers_configs import page_size_field
+
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1)
     # The same cache and batch shape as ours (page = block), so neither side wins on settings alone.
     engine = workload.engine_config
     settings = dict(
         max_batch_tokens=engine["max_batch_tokens"],
         max_requests_per_batch=engine["max_num_seqs"],
-        page_size=engine["block_size"],
         num_blocks=engine.get("num_blocks"),
     )
+    settings[page_size_field()] = engine["block_size"]
     manager = model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=TransformersConfig(**settings)
     )
@@ -138,10 +140,18 @@ def run_transformers_generate_batch(model, prompts, max_new, workload: Workload)
     for index, (prompt, count) in enumerate(zip(prompts, max_new)):
         manager.add_request(prompt, request_id=f"req_{index}", max_new_tokens=count)
     results = {}
+    deadline = time.monotonic() + 600
     while len(results) < len(prompts):
-        output = manager.get_result(timeout=600)
+        # Short polls: a generation thread that died (an error inside transformers) is reported at once rather
+        # than waited on; a live one that stops producing is given 600 s.
+        output = manager.get_result(timeout=1)
         if output is None:
-            raise RuntimeError("transformers generate_batch produced no result within 600 s")
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped (see its log above) before finishing")
+            if time.monotonic() > deadline:
+                raise RuntimeError("transformers generate_batch produced no result within 600 s")
+            continue
+        deadline = time.monotonic() + 600
         if output.is_finished():
             results[output.request_id] = output.generated_tokens
     manager.stop(block=True)

@@ -224,7 +224,7 @@ class Sampler:
             state = SamplerState()
             if penalized:
                 state.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device)
-                state.seen[to_device(request.token_ids, torch.long, device)] = True
+                state.seen.index_fill_(0, to_device(request.token_ids, torch.long, device), True)
                 output = to_device(request.output_ids, torch.long, device)
                 counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
                 # index_add_, not bincount: bincount on CUDA reads the largest id back to the host.
@@ -248,7 +248,7 @@ class Sampler:
         frequency = columns.float("frequency_penalty").index_select(0, index)
         sub = torch.where(seen, torch.where(sub < 0, sub * repetition, sub / repetition), sub)
         sub = sub - presence * (counts > 0) - frequency * counts
-        scores[index] = sub
+        scores.index_copy_(0, index, sub)
 
     @staticmethod
     def _apply_bans(scores: torch.Tensor, requests: list[Request], states: list[SamplerState | None]) -> None:

@@ -34,11 +34,50 @@ def small_qwen3(dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=dtype).cuda().eval()
 
 
+def argmax_gaps(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """At every generated position, the largest logit minus the chosen token's logit, from one teacher-forced
+    forward of `model` over prompt + tokens: 0 where the token is the reference's greedy choice."""
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(tokens, device="cuda").unsqueeze(1))[:, 0]
+    return (logits.max(1).values - chosen).cpu()
+
+
+def eager_attention_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights under transformers' eager attention: its distance from the default (sdpa) forward is the
+    bf16 noise floor of the reference itself."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return eager
+
+
+def assert_within_the_noise_floor(model, prompts, completions, floor_completions) -> None:
+    """Greedy parity in bf16. A greedy path flips at a near-tie and then diverges for good, and transformers' own
+    eager and sdpa attention already disagree that way (on this model they share under half of each completion), so
+    token equality with generate cannot be the test. What must hold is that every token the engine chose is a
+    near-argmax of the reference's teacher-forced logits on the engine's own sequence, no farther from it than
+    transformers' eager attention is (largest gap, and share of positions that are not the argmax); an attention
+    bug picks tokens several logits below the top at most positions."""
+    gaps = torch.cat([argmax_gaps(model, p, c) for p, c in zip(prompts, completions)])
+    floor = torch.cat([argmax_gaps(model, p, c) for p, c in zip(prompts, floor_completions)])
+    assert gaps.max() <= 2 * max(floor.max().item(), 0.125), (gaps.max().item(), floor.max().item())
+    missed, floor_missed = (gaps > 0).float().mean().item(), (floor > 0).float().mean().item()
+    assert missed <= 2 * floor_missed + 0.01, (missed, floor_missed)
+
+
+def greedy_reference(model, prompts, max_new) -> list[list[int]]:
+    return [
+        model.generate(
+            torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
+        )[0, len(prompt) :].tolist()
+        for prompt in prompts
+    ]
+
+
 def test_bf16_greedy_agrees_with_generate_on_the_triton_kernels():
-    """bf16 changes rounding with the kernel's summation order, so a greedy path may flip at a near-tie and then
-    diverge for good; what must hold is that most tokens agree before any divergence. Threshold: on average at
-    least 90% of each completion equals generate's before the first difference (random-weight models with sharp
-    logits rarely have ties; an attention bug makes completions diverge at once)."""
+    """bf16 greedy completions on the Triton kernels are as close to generate's forward as transformers' own eager
+    attention is (see assert_within_the_noise_floor)."""
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 
     model = small_qwen3(torch.bfloat16)
@@ -54,25 +93,22 @@ def test_bf16_greedy_agrees_with_generate_on_the_triton_kernels():
         continuous_batching_config=config,
         progress_bar=False,
     )
-    agreement = []
-    for index, prompt in enumerate(prompts):
-        expected = model.generate(
-            torch.tensor([prompt], device="cuda"), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
-        )[0, len(prompt) :].tolist()
-        got = outputs[f"req_{index}"].generated_tokens
-        same = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), max_new)
-        agreement.append(same / max_new)
-    assert sum(agreement) / len(agreement) >= 0.9, agreement
+    completions = [outputs[f"req_{index}"].generated_tokens for index in range(len(prompts))]
+    floor = greedy_reference(eager_attention_copy(model), prompts, max_new)
+    assert_within_the_noise_floor(model, prompts, completions, floor)
 
 
 def test_bf16_logprobs_close_to_teacher_forced():
-    """Rollout logprobs of a bf16 model vs the same model's teacher-forced forward: mean |delta| <= 2e-3 (the
-    nano figure's goal), with the projection in fp32 on both sides."""
+    """Rollout logprobs of a bf16 model (projection in fp32, as TRL's cast_lm_head_to_fp32) vs the same model's
+    teacher-forced forward: the mean |delta| is at most 1.5x what transformers' own eager attention gives against
+    that forward on the same tokens (the bf16 floor: about 0.04 on this sharp random model; the nano workload's
+    report figure has its own goal)."""
     from rollout.benchmarks.details import teacher_forced_logprobs
     from rollout.config import ContinuousBatchingConfig, SamplingParams
     from rollout.engine.engine import Engine
 
     model = small_qwen3(torch.bfloat16)
+    eager = eager_attention_copy(model)
     engine = Engine(model, ContinuousBatchingConfig(num_blocks=256, fp32_logits=True))
     prompts = [[int(t) for t in torch.randint(0, 4096, (n,))] for n in (40, 120)]
     for index, prompt in enumerate(prompts):
@@ -83,16 +119,14 @@ def test_bf16_logprobs_close_to_teacher_forced():
             if output.is_finished:
                 outputs[output.request_id] = output
     engine.close()
-    deltas = torch.cat(
-        [
-            (
-                torch.tensor(outputs[str(i)].logprobs)
-                - teacher_forced_logprobs(model, p, outputs[str(i)].generated_tokens, True)
-            ).abs()
-            for i, p in enumerate(prompts)
-        ]
-    )
-    assert deltas.mean().item() <= 2e-3, deltas.mean().item()
+    deltas, floor = [], []
+    for index, prompt in enumerate(prompts):
+        tokens = outputs[str(index)].generated_tokens
+        reference = teacher_forced_logprobs(model, prompt, tokens, True)
+        deltas.append((torch.tensor(outputs[str(index)].logprobs) - reference).abs())
+        floor.append((teacher_forced_logprobs(eager, prompt, tokens, True) - reference).abs())
+    mean, floor_mean = torch.cat(deltas).mean().item(), torch.cat(floor).mean().item()
+    assert mean <= 1.5 * floor_mean, (mean, floor_mean)
 
 
 def _spy_replays(engine) -> list[int]:
@@ -155,10 +189,12 @@ def test_decode_graphs_replay_after_a_weight_update():
 
 def test_graph_and_eager_decode_agree_in_bf16():
     """bf16 through the graphs vs eager decoding: padding to the bucket changes matmul shapes, hence rounding, so
-    the same near-tie threshold as the generate parity test applies (90% of each completion before any flip); up
-    to the first differing token both saw the same context, so their logprobs may differ only by rounding (bf16
-    keeps about 3 significant digits; a corrupted cache row would move them by far more than 2e-2 on average)."""
+    each may flip at a near-tie; both must stay within the noise floor of generate's forward (see
+    assert_within_the_noise_floor), and up to the first differing token, where both saw the same context, their
+    logprobs differ by rounding only: on average by at most 1.5x what transformers' eager attention gives against
+    the default forward on the same tokens (measured on an H100: 0.037 between the two paths, floor about 0.04)."""
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+    from rollout.benchmarks.details import teacher_forced_logprobs
 
     model = small_qwen3(torch.bfloat16)
     generator = torch.Generator().manual_seed(5)
@@ -171,13 +207,19 @@ def test_graph_and_eager_decode_agree_in_bf16():
             model, prompts, sampling=sampling, max_new_tokens=40, continuous_batching_config=config, progress_bar=False
         )
         results.append([outputs[f"req_{i}"] for i in range(len(prompts))])
-    agreement, deltas = [], []
-    for eager, graph in zip(*results):
+    eager_attention = eager_attention_copy(model)
+    floor = greedy_reference(eager_attention, prompts, 40)
+    for outputs in results:
+        assert_within_the_noise_floor(model, prompts, [o.generated_tokens for o in outputs], floor)
+    deltas, floor_deltas = [], []
+    for prompt, eager, graph in zip(prompts, *results):
         same = next((i for i, (a, b) in enumerate(zip(eager.generated_tokens, graph.generated_tokens)) if a != b), 40)
-        agreement.append(same / 40)
         deltas += [abs(a - b) for a, b in zip(eager.logprobs[: same + 1], graph.logprobs[: same + 1])]
-    assert sum(agreement) / len(agreement) >= 0.9, agreement
-    assert sum(deltas) / len(deltas) <= 2e-2, sum(deltas) / len(deltas)
+        tokens = eager.generated_tokens
+        reference = teacher_forced_logprobs(model, prompt, tokens)
+        floor_deltas += (teacher_forced_logprobs(eager_attention, prompt, tokens) - reference).abs().tolist()
+    mean, floor_mean = sum(deltas) / len(deltas), sum(floor_deltas) / len(floor_deltas)
+    assert mean <= 1.5 * floor_mean, (mean, floor_mean)
 
 
 def test_a_failed_capture_falls_back_to_eager_on_the_default_stream():
