@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rollout.benchmarks.host_time import run_host_time
+from rollout.benchmarks.throughput import stage
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.model_runner import fp32_projection
@@ -123,6 +124,7 @@ def run_details(base_model: torch.nn.Module, prompts: list[list[int]], max_new: 
     details: dict[str, Any] = {"device_bandwidth_gb_per_s": round(bandwidth / 1e9, 1)}
     for fp32_logits in (False, True):
         model = copy.deepcopy(base_model)
+        stage(f"details: instrumented run, fp32_logits={fp32_logits}")
         figures, logprobs, tokens = instrumented_run(model, prompts, max_new, engine_config, fp32_logits)
         deltas = torch.cat(
             [
@@ -141,6 +143,7 @@ def run_details(base_model: torch.nn.Module, prompts: list[list[int]], max_new: 
             details["decode_steps"] = figures["decode_steps"]
             details["peak_memory_gib"] = figures["peak_memory_gib"]
         del model
+    stage("details: host time per step")
     host_time = run_host_time(device.type)
     details["host_ms_per_step"] = {size: figures["host"] for size, figures in host_time.items()}
     details["host_time_ms"] = host_time  # the whole step, the sampling kernels taken out of it, and its phases

@@ -24,6 +24,7 @@ from rollout.benchmarks.throughput import (
     make_workload,
     run_rollout,
     run_transformers_generate_batch,
+    stage,
 )
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
@@ -51,9 +52,12 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True, num
 
     # Untimed warm-ups of both systems on a few short requests: compilation and first-call costs stay out.
     warm_prompts, warm_lengths = prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts))
+    stage("rollout: warm-up")
     run_rollout(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
     if transformers:
+        stage("transformers_generate_batch: warm-up")
         run_transformers_generate_batch(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
+    stage(f"rollout: {num_prompts} groups of {GROUP_SIZE}")
     model = copy.deepcopy(base_model)
     engine = Engine(model, ContinuousBatchingConfig(**workload.engine_config))
     for index, (prompt, count) in enumerate(zip(prompts, max_new)):
@@ -82,8 +86,10 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True, num
         "prompt_tokens_computed": prompt_computed,
         "prompt_tokens_without_sharing": prompt_unshared,
     }
+    stage(f"rollout: {elapsed:.2f} s")
     del model
     if transformers:
+        stage(f"transformers_generate_batch: {num_prompts} groups of {GROUP_SIZE}")
         rows = [p for p in prompts for _ in range(GROUP_SIZE)]
         lengths = [m for m in max_new for _ in range(GROUP_SIZE)]
         seconds, _ = run_transformers_generate_batch(copy.deepcopy(base_model), rows, lengths, workload)

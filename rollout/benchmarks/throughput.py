@@ -12,6 +12,7 @@ import gc
 import logging
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,15 @@ WORKLOADS = {
         default_systems=("rollout", "rollout_sequential", "transformers_generate_batch"),
     ),
 }
+
+
+_STARTED = time.monotonic()
+
+
+def stage(message: str) -> None:
+    """One progress line on stderr, with the seconds since the benchmark started: a run killed at its time limit
+    still shows in its log how far it got."""
+    print(f"[{time.monotonic() - _STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def make_workload(workload: Workload, seed: int = 0) -> tuple[torch.nn.Module, list[list[int]], list[int]]:
@@ -227,6 +237,7 @@ def run(
     if workload.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"workload {workload_name!r} needs a CUDA device")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    stage(f"building the {workload_name} model and prompts")
     base_model, prompts, max_new = make_workload(workload, seed)
     prompts, max_new = prompts[:num_prompts], max_new[:num_prompts]
     useful_tokens = sum(max_new)
@@ -234,14 +245,17 @@ def run(
     reference_tokens = None
     for name in systems or workload.default_systems:
         if warmup:
+            stage(f"{name}: warm-up")
             count = min(WARMUP_PROMPTS, len(prompts))
             short = [min(m, WARMUP_TOKENS) for m in max_new[:count]]
             SYSTEMS[name](copy.deepcopy(base_model), prompts[:count], short, workload)
             gc.collect()
         times = []
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            stage(f"{name}: run {repeat + 1} of {repeats}, {len(prompts)} prompts, {useful_tokens} tokens")
             model = copy.deepcopy(base_model)
             elapsed, tokens = SYSTEMS[name](model, prompts, max_new, workload)
+            stage(f"{name}: {elapsed:.2f} s")
             assert [len(t) for t in tokens] == max_new, f"{name} did not produce the requested lengths"
             times.append(elapsed)
             del model
@@ -273,6 +287,7 @@ def run(
     if details:
         from rollout.benchmarks.details import run_details
 
+        stage("details: instrumented runs")
         summary["details"] = run_details(base_model, prompts, max_new, workload.engine_config)
     _print_table(summary)
     return summary
