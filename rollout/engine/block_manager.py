@@ -69,12 +69,6 @@ class BlockManager:
         needed = max(0, cdiv(start + num_new_tokens, self.block_size) - len(request.block_ids))
         return needed + int(self._needs_copy_on_write(request, start))
 
-    def has_room_for_next_token(self, request: Request) -> bool:
-        """True when the request's next token goes into a block it holds alone (`blocks_needed(request, 1) == 0`:
-        a decode that allocates nothing), checked without building anything."""
-        index = request.num_computed_tokens // self.block_size
-        return index < len(request.block_ids) and self.ref_counts[request.block_ids[index]] <= 1
-
     def _needs_copy_on_write(self, request: Request, position: int) -> bool:
         index = position // self.block_size
         return index < len(request.block_ids) and self.ref_counts[request.block_ids[index]] > 1

@@ -192,24 +192,29 @@ class Scheduler:
             elif num_tokens - r.num_computed_tokens > 1:
                 prefills.append(r)
         in_batch |= finishing
-        has_room = self.block_manager.has_room_for_next_token
+        block_size, ref_counts = self.block_manager.block_size, self.block_manager.ref_counts
         sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
+        running = RequestStatus.RUNNING
         for request in decodes + prefills:
             if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
                 return
-            if id(request) in in_batch or request.status != RequestStatus.RUNNING:
+            if id(request) in in_batch or request.status is not running:
                 continue  # scheduled already, or preempted by an older request in this loop
-            remaining = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            remaining = len(request.token_ids) - computed
+            if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
+                # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the
+                # request holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: it runs per decode).
+                block_ids = request.block_ids
+                index = computed // block_size
+                if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
+                    sequences.append(ScheduledSequence(request, computed, 1))
+                    logits_sequences.append(len(sequences) - 1)
+                    samples.append((request, len(logits_sequences) - 1))
+                    in_batch.add(id(request))
+                    budget[0] -= 1
+                    continue
             num_new = min(remaining, budget[0])
-            if remaining == 1 and not request.num_forks and request.kv_version_min is not None and has_room(request):
-                # Most decodes (a last token, not a one-token chunk of a longer prefill): the token goes into a
-                # block the request holds alone; nothing to allocate or fork.
-                sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
-                logits_sequences.append(len(sequences) - 1)
-                samples.append((request, len(logits_sequences) - 1))
-                in_batch.add(id(request))
-                budget[0] -= 1
-                continue
             needed = self.block_manager.blocks_needed(request, num_new)
             while not self.block_manager.can_allocate(needed):
                 if finishing:
