@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from rollout.engine.triton_attention import paged_attention, plan  # noqa: E402
+from rollout.engine.triton_attention import paged_attention, plan, plan_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -147,3 +147,15 @@ def test_backend_choice():
     assert raised.value.field == "attention_backend"
     with pytest.raises(ValueError):
         ContinuousBatchingConfig(attention_backend="flash")
+
+
+def test_split_counts_are_few_powers_of_two_with_long_enough_slices():
+    """NUM_SPLITS is a compile-time constant of the kernel: every count plan_splits picks is one of five powers of
+    two (each is a separate compilation), and every slice still covers at least 8 key blocks."""
+    counts = {}
+    for tiles in range(1, 80):
+        for max_blocks in range(1, 3000, 7):
+            splits = plan_splits(tiles, 4, max_blocks)
+            counts[splits] = counts.get(splits, 0) + 1
+            assert splits == 1 or max_blocks // splits >= 8, (tiles, max_blocks, splits)
+    assert set(counts) == {1, 2, 4, 8, 16}, counts

@@ -243,11 +243,13 @@ def tile_shape(heads_per_kv: int, max_query_len: int) -> tuple[int, int]:
 
 def plan_splits(num_tiles: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
     """Key-block slices per tile: enough programs to fill the GPU when few tiles have long contexts (decode), each
-    slice at least 8 blocks; 1 when the tiles alone are enough."""
+    slice at least 8 blocks; 1 when the tiles alone are enough. Always a power of two up to 16: NUM_SPLITS is a
+    compile-time constant, so each distinct value is one more kernel for Triton to compile (at most five)."""
     programs = num_tiles * num_kv_heads
     if programs >= target_programs or max_blocks < 16:
         return 1
-    return int(min(triton.next_power_of_2(-(-target_programs // programs)), max(1, max_blocks // 8), 16))
+    longest_slices = 1 << ((max_blocks // 8).bit_length() - 1)  # the largest power of two <= max_blocks // 8
+    return int(min(triton.next_power_of_2(-(-target_programs // programs)), longest_slices, 16))
 
 
 def plan(
