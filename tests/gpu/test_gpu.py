@@ -63,7 +63,7 @@ def assert_within_the_noise_floor(model, prompts, completions, floor_completions
     floor = torch.cat([argmax_gaps(model, p, c) for p, c in zip(prompts, floor_completions)])
     assert gaps.max() <= 2 * max(floor.max().item(), 0.125), (gaps.max().item(), floor.max().item())
     missed, floor_missed = (gaps > 0).float().mean().item(), (floor > 0).float().mean().item()
-    assert missed <= 2 * floor_missed + 0.01, (missed, floor_missed)
+    assert missed <= min(2 * floor_missed + 0.01, 0.5), (missed, floor_missed)  # never vacuous
 
 
 def greedy_reference(model, prompts, max_new) -> list[list[int]]:
@@ -102,7 +102,8 @@ def test_bf16_logprobs_close_to_teacher_forced():
     """Rollout logprobs of a bf16 model (projection in fp32, as TRL's cast_lm_head_to_fp32) vs the same model's
     teacher-forced forward: the mean |delta| is at most 1.5x what transformers' own eager attention gives against
     that forward on the same tokens (the bf16 floor: about 0.04 on this sharp random model; the nano workload's
-    report figure has its own goal)."""
+    report figure has its own goal). The floor is above what the fp32 projection itself changes (about 0.01 here),
+    so the projection is pinned apart, exactly, by test_sampling.py::test_fp32_logits_computes_the_projection_in_fp32."""
     from rollout.benchmarks.details import teacher_forced_logprobs
     from rollout.config import ContinuousBatchingConfig, SamplingParams
     from rollout.engine.engine import Engine
@@ -126,7 +127,7 @@ def test_bf16_logprobs_close_to_teacher_forced():
         deltas.append((torch.tensor(outputs[str(index)].logprobs) - reference).abs())
         floor.append((teacher_forced_logprobs(eager, prompt, tokens, True) - reference).abs())
     mean, floor_mean = torch.cat(deltas).mean().item(), torch.cat(floor).mean().item()
-    assert mean <= 1.5 * floor_mean, (mean, floor_mean)
+    assert mean <= 1.5 * max(floor_mean, 1e-3), (mean, floor_mean)
 
 
 def _spy_replays(engine) -> list[int]:
@@ -192,7 +193,8 @@ def test_graph_and_eager_decode_agree_in_bf16():
     each may flip at a near-tie; both must stay within the noise floor of generate's forward (see
     assert_within_the_noise_floor), and up to the first differing token, where both saw the same context, their
     logprobs differ by rounding only: on average by at most 1.5x what transformers' eager attention gives against
-    the default forward on the same tokens (measured on an H100: 0.037 between the two paths, floor about 0.04)."""
+    the default forward on the same tokens, and by at most 0.05 (measured on an H100: 0.037 between the two paths,
+    floor about 0.04)."""
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
     from rollout.benchmarks.details import teacher_forced_logprobs
 
@@ -219,7 +221,7 @@ def test_graph_and_eager_decode_agree_in_bf16():
         reference = teacher_forced_logprobs(model, prompt, tokens)
         floor_deltas += (teacher_forced_logprobs(eager_attention, prompt, tokens) - reference).abs().tolist()
     mean, floor_mean = sum(deltas) / len(deltas), sum(floor_deltas) / len(floor_deltas)
-    assert mean <= 1.5 * floor_mean, (mean, floor_mean)
+    assert mean <= min(1.5 * max(floor_mean, 1e-3), 0.05), (mean, floor_mean)
 
 
 def test_a_failed_capture_falls_back_to_eager_on_the_default_stream():
