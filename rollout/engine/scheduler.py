@@ -1,8 +1,7 @@
 """Token-budget scheduler. Never imports torch: it returns a plain `ScheduledBatch` and the model runner does the rest.
 
-One rule covers prefill, chunked prefill and decode: each request has `num_tokens - num_computed_tokens` tokens to
-compute and gets as many as the step's token budget allows, so mixed batches fall out for free. A request whose
-chunk reaches its last token gets a logits row and a sampled token.
+One rule covers prefill, chunked prefill and decode: a request computes as many of its uncomputed tokens as the
+step's token budget allows (mixed batches fall out); a chunk that reaches its last token gets a sampled token.
 
 Policies:
 - "fifo": running requests first (decodes, then unfinished prefill chunks, oldest first), then swapped-out requests,
@@ -194,19 +193,17 @@ class Scheduler:
         in_batch |= finishing
         block_size, ref_counts = self.block_manager.block_size, self.block_manager.ref_counts
         sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
-        running = RequestStatus.RUNNING
         for request in decodes + prefills:
             if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
                 return
-            if id(request) in in_batch or request.status is not running:
+            if id(request) in in_batch or request.status is not RequestStatus.RUNNING:
                 continue  # scheduled already, or preempted by an older request in this loop
             computed = request.num_computed_tokens
             remaining = len(request.token_ids) - computed
             if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
-                # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the
-                # request holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: it runs per decode).
-                block_ids = request.block_ids
-                index = computed // block_size
+                # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the request
+                # holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: hot path).
+                block_ids, index = request.block_ids, computed // block_size
                 if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
                     sequences.append(ScheduledSequence(request, computed, 1))
                     logits_sequences.append(len(sequences) - 1)
