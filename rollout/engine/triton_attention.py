@@ -248,8 +248,8 @@ def plan_splits(num_tiles: int, num_kv_heads: int, max_blocks: int, target_progr
     programs = num_tiles * num_kv_heads
     if programs >= target_programs or max_blocks < 16:
         return 1
-    longest_slices = 1 << ((max_blocks // 8).bit_length() - 1)  # the largest power of two <= max_blocks // 8
-    return int(min(triton.next_power_of_2(-(-target_programs // programs)), longest_slices, 16))
+    most_splits = 1 << ((max_blocks // 8).bit_length() - 1)  # largest power of two <= max_blocks // 8 (slices >= 8)
+    return int(min(triton.next_power_of_2(-(-target_programs // programs)), most_splits, 16))
 
 
 def plan(
