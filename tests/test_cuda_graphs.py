@@ -101,12 +101,14 @@ def test_padding_rows_point_at_the_scratch_block():
 
     graphs = DecodeGraphs(forward, cache, max_batch=16, max_blocks_per_seq=8, heads_per_kv=2, capture=False)
     tables = torch.arange(7 * 3).view(7, 3)
-    graphs.run(list(range(1, 8)), [20 + i for i in range(7)], [100 + i for i in range(7)], tables)
-    logits = graphs.run([5, 6, 7], [30, 31, 32], [200, 201, 202], tables[:3])
+    graphs.run(list(range(1, 8)), [20 + i for i in range(7)], tables)
+    logits = graphs.run([5, 6, 7], [30, 31, 32], tables[:3])
     assert logits.shape == (3, 5)
     input_ids, positions, slots, attention_plan = seen[-1]
     assert input_ids.tolist() == [[5, 6, 7, 0]] and positions.tolist() == [[30, 31, 32, 0]]
-    assert slots.tolist() == [200, 201, 202, cache.scratch_slot]
+    # Each new token's slot: its block (position // 16 in its table) * 16 + position % 16.
+    expected = [int(tables[row, position // 16]) * 16 + position % 16 for row, position in enumerate([30, 31, 32])]
+    assert slots.tolist() == [*expected, cache.scratch_slot]
     assert attention_plan.block_table[3, 0] == cache.scratch_block
     assert attention_plan.block_table[:3, :3].tolist() == tables[:3].tolist()
     assert attention_plan.context.tolist() == [30, 31, 32, 0]

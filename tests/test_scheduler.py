@@ -43,7 +43,7 @@ class Sim:
         tokens = [token(r) if callable(token) else token for r, _ in batch.samples]
         # `advance` then `resolve`: the engine's update of a step whose tokens are already on the host.
         scheduler.advance(batch, scheduler.block_manager.policy_version)
-        finished = batch.finished + scheduler.resolve(batch, tokens)
+        finished = batch.finished + [r for r in scheduler.resolve(batch, tokens) if r.is_finished]
         for request in finished:
             assert request.is_finished and request.request_id not in self.finished
             self.finished[request.request_id] = request

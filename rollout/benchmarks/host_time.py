@@ -4,7 +4,8 @@ must hide behind the device's decode step; for a small model that step takes a f
 
 Measured with `running` sequences all decoding, sampled as GRPO samples them (temperature, top-p, top-k, a seed
 each): the model's forward is replaced by a stub that returns ready logits, and the vocabulary is small (64
-tokens). On CPU the sampling kernels still run on the host (on a GPU they are queued): their time is measured
+tokens). Decode steps go through the decode graphs' persistent buffers, as on a GPU (without capturing: on a GPU a
+replay is one launch). On CPU the sampling kernels still run on the host (on a GPU they are queued): their time is measured
 apart, inside the sampler's torch operators, and taken out of the "host" figure.
 """
 
@@ -25,6 +26,8 @@ VOCAB = 64
 STEPS = 100  # timed decode steps per measurement
 WARM_STEPS = 5  # decode steps run before timing
 PROMPT_TOKENS = 16
+PHASES = ("schedule", "inputs", "sampling", "update")
+HEADS_PER_KV = 2  # the stub model's query heads per KV head (the decode graphs' attention tile layout)
 
 
 def _stub_model(device: torch.device) -> torch.nn.Module:
@@ -104,7 +107,7 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     Returns a dict of medians over `steps` decode steps: "step" (the whole step), "sampling_kernels" (the work of
     the sampler's torch operators beyond a trivial operator's cost: on CPU they run on the host, on a GPU they are
     queued and cost only their launch, so it is 0 there), "host" (step - sampling_kernels: the figure the goal is
-    about), and the step's phases, means: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
+    about), and the step's phases: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
     stub), "sampling" (the sampler, kernels included) and "update" (advance, fetch, resolve and outputs).
 
     Args:
@@ -136,6 +139,10 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
 
     engine.runner._forward = forward  # noqa: SLF001 - the measurement leaves out exactly the model's forward
     engine.runner._decode_forward = forward  # noqa: SLF001
+    # Decode steps take the path they take on a GPU: the decode graphs' persistent buffers (here without capture: the
+    # replay of a captured graph is one launch, and the forward is stubbed anyway).
+    engine.runner.heads_per_kv = HEADS_PER_KV
+    engine.runner.enable_decode_graphs(running, engine.max_model_len, capture=False)
     for index in range(running):
         sampling = SamplingParams(
             do_sample=True,
@@ -150,30 +157,38 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running):
         engine.step()  # prefill: every prompt in the cache, every sequence decoding from here on
 
-    def timed_steps(count: int) -> list[float]:
-        times = []
-        for _ in range(count):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return times
+    def timed_step() -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
 
-    timed_steps(WARM_STEPS)
-    phases = dict.fromkeys(("schedule", "inputs", "sampling", "update"), 0.0)
+    for _ in range(WARM_STEPS):
+        timed_step()
+    phases = dict.fromkeys(PHASES, 0.0)  # the step being timed
     sample, schedule, run = engine.sampler.sample, engine.scheduler.schedule, engine.runner.run
     advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - timed through instance attributes
     engine.scheduler.schedule = _timed(phases, "schedule", schedule)
     engine.runner.run = _timed(phases, "inputs", run)
-    engine.sampler.sample = _timed(phases, "sampling", sample)
     engine._advance = _timed(phases, "update", advance)  # noqa: SLF001
     engine._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
-    step_times = timed_steps(steps)
-    kernel_seconds: list[float] = []
-    if kernel_steps:  # on a GPU the sampler's kernels are queued, not run by the host
-        engine.sampler.sample = _kernel_timed(kernel_seconds, sample)
-        timed_steps(kernel_steps)
+    plain_sample, kernel_sample = _timed(phases, "sampling", sample), _kernel_timed(kernel_seconds := [], sample)
+    # The kernel steps are spread among the plain ones, so that both sample the machine in the same state (a
+    # shared CPU's speed drifts by tens of percent within seconds).
+    kernel_every = steps // kernel_steps if kernel_steps else 0
+    step_times: list[float] = []
+    phase_times: dict[str, list[float]] = {name: [] for name in PHASES}
+    for index in range(steps):
+        engine.sampler.sample = plain_sample
+        step_times.append(timed_step())
+        for name in PHASES:
+            phase_times[name].append(phases[name])
+            phases[name] = 0.0
+        if kernel_every and index % kernel_every == 0:  # on a GPU the sampler's kernels are queued, not run here
+            engine.sampler.sample = kernel_sample
+            engine.step()
+            phases.update(dict.fromkeys(PHASES, 0.0))
     decoding = len(engine.scheduler.running)
     preemptions = engine.scheduler.num_preemptions
     engine.close()
@@ -184,7 +199,7 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     step_ms = statistics.median(step_times) * 1000
     kernels_ms = statistics.median(kernel_seconds) * 1000 if kernel_seconds else 0.0
     figures = {"step": step_ms, "sampling_kernels": kernels_ms, "host": step_ms - kernels_ms}
-    figures.update({name: seconds * 1000 / steps for name, seconds in phases.items()})
+    figures.update({name: statistics.median(times) * 1000 for name, times in phase_times.items()})
     return {name: round(value, 3) for name, value in figures.items()}
 
 

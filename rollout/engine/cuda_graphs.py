@@ -24,6 +24,7 @@ import torch
 
 from rollout.engine.attention import PagedAttentionMetadata
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.transfer import to_device
 from rollout.engine.triton_attention import TritonAttentionPlan, plan_splits, tile_shape
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ class DecodeGraphs:
         self.disabled_reason: str | None = None  # set when a capture failed: decode then runs eagerly
         device = kv_cache.kv.device
         size = self.buckets[-1]
-        # Rows: 0 input ids, 1 positions (= tokens cached before the step), 2 cache slots of the new tokens.
-        self._rows = torch.zeros((3, size), dtype=torch.long, device=device)
+        # Rows: 0 input ids, 1 positions (= tokens cached before the step); the new tokens' cache slots follow.
+        self._rows = torch.zeros((2, size), dtype=torch.long, device=device)
+        self._slots = torch.zeros(size, dtype=torch.long, device=device)
         self._context = torch.zeros(size, dtype=torch.int32, device=device)
         self._block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
         self._keep = torch.arange(size, device=device)
@@ -132,7 +134,6 @@ class DecodeGraphs:
         self,
         token_ids: list[int],
         positions: list[int],
-        slots: list[int],
         block_tables: torch.Tensor,
         device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
@@ -142,9 +143,8 @@ class DecodeGraphs:
         Args:
             token_ids: each sequence's input token.
             positions: each token's position (= tokens already cached).
-            slots: each new token's flat cache slot.
-            block_tables: (B, n) int block ids on the host (padded with anything: only blocks before the position
-                are read).
+            block_tables: (B, n) int block ids on the host, n covering every position (entries past a sequence's
+                blocks may hold anything: only blocks before the position are read).
             device_tokens: (row indices, token ids) on the device that replace those rows' `token_ids` (tokens the
                 previous step sampled and the host has not seen yet).
         Returns:
@@ -154,16 +154,15 @@ class DecodeGraphs:
         size = self.bucket(batch)
         if size not in self._graphs:
             self.capture([size])  # a bucket not captured by warmup(): now, before the inputs are loaded
-        padding = size - batch
-        scratch = self.kv_cache.scratch_slot
         pinned = self._rows.is_cuda  # pinned host memory: the copies below do not wait for the device
-        rows = [token_ids + [0] * padding, positions + [0] * padding, slots + [scratch] * padding]
-        self._rows[:, :size].copy_(torch.tensor(rows, pin_memory=pinned), non_blocking=True)
+        rows = to_device(token_ids + positions, torch.long, "cpu").view(2, batch)
+        self._rows[:, :batch].copy_(rows.pin_memory() if pinned else rows, non_blocking=True)
         if device_tokens is not None:
             self._rows[0].index_copy_(0, *device_tokens)
         tables = block_tables.pin_memory() if pinned else block_tables
         self._block_table[:batch, : block_tables.shape[1]].copy_(tables, non_blocking=True)
-        self._block_table[batch:size, 0] = self.kv_cache.scratch_block
+        if batch < size:
+            self._pad(batch, size)
         if size in self._graphs:
             graph, logits = self._graphs[size]
             graph.replay()
@@ -172,15 +171,18 @@ class DecodeGraphs:
         return logits[:batch]
 
     def _pad(self, start: int, end: int) -> None:
-        """Make rows [start, end) padding rows."""
-        self._rows[0, start:end] = 0
-        self._rows[1, start:end] = 0
-        self._rows[2, start:end] = self.kv_cache.scratch_slot
+        """Make rows [start, end) padding rows (their slot, computed in `_step`, is then the scratch slot)."""
+        self._rows[:, start:end] = 0
         self._block_table[start:end, 0] = self.kv_cache.scratch_block
 
     def _step(self, size: int) -> torch.Tensor:
-        """The captured work: the int32 context lengths from the positions, then the forward over `size` rows."""
-        self._context[:size].copy_(self._rows[1, :size])
+        """The captured work: the int32 context lengths and the new tokens' cache slots from the positions, then the
+        forward over `size` rows."""
+        positions = self._rows[1, :size]
+        self._context[:size].copy_(positions)
+        block_size = self.kv_cache.block_size
+        blocks = self._block_table[:size].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        torch.add(positions % block_size, blocks, alpha=block_size, out=self._slots[:size])
         attention_plan = TritonAttentionPlan(
             self._tile_seq[:size],
             self._tile_start[:size],
@@ -191,5 +193,5 @@ class DecodeGraphs:
             self._block_q,
             plan_splits(size, self.kv_cache.shape.num_kv_heads, self._max_blocks),
         )
-        metadata = PagedAttentionMetadata(self.kv_cache, self._rows[2, :size], [], attention_plan)
+        metadata = PagedAttentionMetadata(self.kv_cache, self._slots[:size], [], attention_plan)
         return self.forward(self._rows[0:1, :size], self._rows[1:2, :size], metadata, self._keep[:size])

@@ -272,8 +272,10 @@ class Engine:
             self.block_manager.check_all_free()  # every request ended: a block still held is a leak
         except AssertionError as leak:
             logger.error("engine closed with KV blocks still held: %s", leak)
-        if self.sampler.slots.num_live:  # every request ended: a slot still held is a leak too
-            logger.error("engine closed with %d sampling slots still held", self.sampler.slots.num_live)
+        held = {"sampling slots": self.sampler.slots.num_live, "block-table rows": self.runner.block_tables.num_live}
+        for what, count in held.items():  # every request ended: a slot or row still held is a leak too
+            if count:
+                logger.error("engine closed with %d %s still held", count, what)
         self.runner.close()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
@@ -349,19 +351,16 @@ class Engine:
             if not request.is_finished:
                 request.drop_placeholder()
                 failed += self.scheduler.fail(request, NOTHING_TO_DRAW)
-        live: list[Request] = []
-        logprobs, top_logprobs = sampled.logprobs, sampled.top_logprobs
-        for index, (request, _) in enumerate(step.batch.samples):  # one pass: it runs for every sample every step
-            if request.status == RequestStatus.FINISHED:
-                continue
-            live.append(request)
-            if logprobs is not None:
-                request.logprobs.append(logprobs[index])
-            if top_logprobs is not None and request.sampling.top_logprobs:
-                request.top_logprobs.append(top_logprobs[index])
-        finished = self.scheduler.resolve(step.batch, sampled.token_ids)
-        self.num_generated_tokens += len(live)
-        return self._outputs(failed + finished + [r for r in live if r.streaming and not r.is_finished])
+        if sampled.top_logprobs is not None:
+            for index, (request, _) in enumerate(step.batch.samples):
+                if request.status != RequestStatus.FINISHED and request.sampling.top_logprobs:
+                    request.top_logprobs.append(sampled.top_logprobs[index])
+        resolved = self.scheduler.resolve(step.batch, sampled.token_ids, sampled.logprobs)
+        self.num_generated_tokens += len(resolved)
+        done = RequestStatus.FINISHED
+        finished = [r for r in resolved if r.status == done]
+        streaming = [r for r in resolved if r.streaming and r.status != done]
+        return self._outputs(failed + finished + streaming)
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
         """End every sample of these groups with finish_reason "error"."""
@@ -394,6 +393,7 @@ class Engine:
         for request in requests:
             if request.is_finished:
                 self.sampler.release(request)
+                self.runner.release(request)
                 self._open_groups[request.group_id] -= 1
                 if self._open_groups[request.group_id] == 0:
                     del self._open_groups[request.group_id]

@@ -15,6 +15,7 @@ import torch
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.batch import ScheduledBatch
+from rollout.engine.block_tables import BlockTables
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
@@ -54,6 +55,7 @@ class ModelRunner:
         config = config or ContinuousBatchingConfig()
         self.model = model
         self.kv_cache = kv_cache
+        self.block_tables = BlockTables()
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
         self.device = next(model.parameters()).device
         _acquire(model)
@@ -118,17 +120,6 @@ class ModelRunner:
     def _project_in_fp32(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         return fp32_projection(module, inputs, output) if self._in_step else None
 
-    def _block_table(self, request: Request) -> torch.Tensor:
-        """The request's block ids as a tensor, rebuilt only when its blocks changed (once per block_size tokens),
-        so a step's host work does not grow with the context."""
-        cached = request.block_table_cache
-        if cached is None or cached[0] != request.blocks_version:
-            cached = request.block_table_cache = (
-                request.blocks_version,
-                to_device(request.block_ids, torch.long, "cpu"),
-            )
-        return cached[1]
-
     def close(self) -> None:
         """Release the model: the last runner to close gives it back its attention implementation and training
         mode. Idempotent."""
@@ -139,6 +130,10 @@ class ModelRunner:
             self.decode_graphs = None  # frees the graphs' memory pool
             if not self._suspended:
                 _release(self.model)
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request (its block-table row goes back)."""
+        self.block_tables.release(request)
 
     def suspend(self) -> None:
         """Give the model back between uses (attention implementation, training mode) while keeping the KV cache
@@ -176,28 +171,28 @@ class ModelRunner:
             )
         # 1. Block moves, in an order that never reads a block after it was overwritten.
         self.move_blocks(batch)
-        # 2. A pure decode step of a captured size replays its CUDA graph.
+        # 2. One pass over the step's requests: input ids (placeholders read on the device), block tables.
         input_ids, device_tokens = self._input_ids(batch, unresolved)
+        requests = [seq.request for seq in batch.sequences]
+        block_table = self.block_tables.gather(requests)
+        # 3. A pure decode step of a captured size replays its CUDA graph.
         decode = _is_decode(batch)
-        if self.decode_graphs is not None and decode and len(batch.sequences) <= self.decode_graphs.max_batch:
-            return self._run_decode_graph(batch, input_ids, device_tokens).float()
-        # 3. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         starts = [seq.start for seq in batch.sequences]
+        if self.decode_graphs is not None and decode and len(requests) <= self.decode_graphs.max_batch:
+            return self.decode_graphs.run(input_ids, starts, block_table, device_tokens).float()
+        # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
-        tables = [self._block_table(seq.request) for seq in batch.sequences]
-        # Padding with block 0 is harmless: attention masks every position past a sequence's context.
-        block_table = pad_block_tables(tables)
         metadata, positions = PagedAttentionMetadata.build(
             self.kv_cache, starts, lengths, block_table, self.device, self.heads_per_kv
         )
         ends = list(itertools.accumulate(lengths))
         keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
-        # 4. Forward; logits only at the positions that get sampled.
+        # 5. Forward; logits only at the positions that get sampled.
         forward = self._decode_forward if decode else self._forward
-        input_tensor = to_device([input_ids], torch.long, self.device)
+        input_tensor = to_device(input_ids, torch.long, self.device)
         if device_tokens is not None:
-            input_tensor[0].index_copy_(0, *device_tokens)
-        return forward(input_tensor, positions.unsqueeze(0), metadata, keep).float()
+            input_tensor.index_copy_(0, *device_tokens)
+        return forward(input_tensor.unsqueeze(0), positions.unsqueeze(0), metadata, keep).float()
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """Queue the step's swap-outs, swap-ins and copy-on-write copies, in that order (`run` does it first; a
@@ -214,13 +209,19 @@ class ModelRunner:
         input_ids: list[int] = []
         targets: list[int] = []
         sources: list[int] = []
-        for seq in batch.sequences:
-            input_ids.extend(seq.request.token_ids[seq.start : seq.start + seq.num_tokens])
-            if input_ids[-1] == PLACEHOLDER_TOKEN:
-                row = None if unresolved is None else unresolved.rows.get(seq.request)
+        for seq in batch.sequences:  # one pass: it runs for every sequence at every step
+            request = seq.request
+            if seq.num_tokens == 1:
+                token = request.token_ids[seq.start]
+                input_ids.append(token)
+            else:
+                input_ids.extend(request.token_ids[seq.start : seq.start + seq.num_tokens])
+                token = input_ids[-1]
+            if token == PLACEHOLDER_TOKEN:
+                row = None if unresolved is None else unresolved.rows.get(request)
                 if row is None:
                     raise RuntimeError(
-                        f"the input token of {seq.request.request_id} is neither on the host nor among the previous "
+                        f"the input token of {request.request_id} is neither on the host nor among the previous "
                         "step's samples"
                     )
                 input_ids[-1] = 0
@@ -230,18 +231,6 @@ class ModelRunner:
             return input_ids, None
         index = to_device([targets, sources], torch.long, self.device)
         return input_ids, (index[0], unresolved.token_ids.index_select(0, index[1]))
-
-    def _run_decode_graph(
-        self, batch: ScheduledBatch, token_ids: list[int], device_tokens: tuple[torch.Tensor, torch.Tensor] | None
-    ) -> torch.Tensor:
-        block_size = self.kv_cache.block_size
-        positions, slots = [], []
-        for seq in batch.sequences:
-            position = seq.start
-            positions.append(position)
-            slots.append(seq.request.block_ids[position // block_size] * block_size + position % block_size)
-        tables = pad_block_tables([self._block_table(seq.request) for seq in batch.sequences])
-        return self.decode_graphs.run(token_ids, positions, slots, tables, device_tokens)
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
@@ -257,23 +246,6 @@ class ModelRunner:
             **kwargs,
         ).logits[0]
         return logits if self._logits_to_keep else logits[keep]
-
-
-def pad_block_tables(tables: list[torch.Tensor]) -> torch.Tensor:
-    """`pad_sequence(tables, batch_first=True)`: the rows' block ids padded with 0, in a few whole-batch operations
-    (pad_sequence copies row by row, which at hundreds of sequences costs more than the rest of a step's inputs)."""
-    lengths = [table.shape[0] for table in tables]
-    width = max(lengths)
-    flat = torch.cat(tables)
-    if min(lengths) == width:
-        return flat.view(len(tables), width)
-    # Each id's place in the padded table: its row's start, plus its offset within the row (integer indices: a
-    # boolean mask would be value-sized).
-    counts = torch.tensor(lengths)
-    rows = torch.repeat_interleave(torch.arange(len(tables)), counts, output_size=flat.shape[0])
-    row_starts = torch.cumsum(counts, 0) - counts
-    places = rows * width + torch.arange(flat.shape[0]) - row_starts[rows]
-    return flat.new_zeros(len(tables) * width).index_copy_(0, places, flat).view(len(tables), width)
 
 
 def _is_decode(batch: ScheduledBatch) -> bool:

@@ -75,8 +75,9 @@ class Request:
     error: str | None = None
     # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
     sampler_state: Any = None
-    # The model runner's (blocks_version, block ids as a CPU tensor): rebuilt only when the blocks change.
-    block_table_cache: Any = None
+    # Row of the model runner's persistent block tables that holds this request's block ids (-1: none yet, and once
+    # it finished).
+    block_table_row: int = -1
     # Row of the sampler's slot tables that holds this sample's sampling parameters (-1: none, before its first draw
     # and once it finished).
     sampling_slot: int = -1
@@ -136,26 +137,32 @@ class Request:
         Args:
             policy_version: the version of the weights that sampled it.
         """
-        self.token_ids.append(PLACEHOLDER_TOKEN)
-        if not self.token_versions or self.token_versions[-1][0] != policy_version:
-            self.token_versions.append([policy_version, self.num_output_tokens - 1])
+        token_ids, versions = self.token_ids, self.token_versions
+        token_ids.append(PLACEHOLDER_TOKEN)
+        if not versions or versions[-1][0] != policy_version:
+            versions.append([policy_version, len(token_ids) - 1 - self.num_prompt_tokens])
 
-    def resolve_token(self, token_id: int) -> None:
+    def resolve_token(self, token_id: int, logprob: float | None = None) -> None:
         """Replace the placeholder by the sampled token and set `finish_reason` when it stops the request (stop
-        token or length).
+        token or length). Runs for every sample at every step: properties inlined.
 
         Args:
             token_id: the sampled token.
+            logprob: its log-prob, appended to `logprobs` (None: log-probs are not computed).
         """
-        if not self.has_placeholder:
+        token_ids = self.token_ids
+        if not token_ids or token_ids[-1] != PLACEHOLDER_TOKEN:
             raise RuntimeError(f"request {self.request_id} has no sampled token to resolve")
-        self.token_ids[-1] = token_id
+        token_ids[-1] = token_id
+        if logprob is not None:
+            self.logprobs.append(logprob)
         if self.token_times is not None:
             self.token_times.append(time.perf_counter())
+        num_output_tokens = len(token_ids) - self.num_prompt_tokens
         # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
-        if token_id in self.stop_token_ids and self.num_output_tokens > self.sampling.min_new_tokens:
+        if token_id in self.stop_token_ids and num_output_tokens > self.sampling.min_new_tokens:
             self.finish_reason = "stop"
-        elif self.reached_max_tokens:
+        elif num_output_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
 
     def drop_placeholder(self) -> None:

@@ -65,17 +65,20 @@ class PendingSamples:
         """The sampled tokens and log-probs as Python values (waits for the copy to land)."""
         if self._host is None:
             return SamplerOutput([], [] if self._has_logprobs else None, None)
-        host = self._host.tolist()
+        host = self._host.tensor()
         rows = self._rows
-        tokens = [int(t) for t in host[:rows]]
-        dead_rows = [i for i, flag in enumerate(host[-rows:]) if flag] if self._checked else []
+        tokens = host[:rows].long().tolist()
+        dead_rows = host[-rows:].nonzero().flatten().tolist() if self._checked else []
         if not self._has_logprobs:
             return SamplerOutput(tokens, None, None, dead_rows)
-        chosen = host[rows : 2 * rows]
+        chosen = host[rows : 2 * rows].tolist()
         top = None
         if self._top_counts is not None:
             width = max(self._top_counts)
-            values, indices = host[2 * rows : 2 * rows + rows * width], host[2 * rows + rows * width :]
+            values, indices = (
+                host[2 * rows : 2 * rows + rows * width].tolist(),
+                host[2 * rows + rows * width :].tolist(),
+            )
             top = [
                 [(int(indices[i * width + j]), values[i * width + j]) for j in range(self._top_counts[i])]
                 for i in range(rows)

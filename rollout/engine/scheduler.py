@@ -354,25 +354,31 @@ class Scheduler:
             if request.status != finished:
                 request.add_placeholder(policy_version)
 
-    def resolve(self, batch: ScheduledBatch, sampled_tokens: list[int]) -> list[Request]:
-        """Put an advanced step's sampled tokens in place of the placeholders and finish the requests they end.
+    def resolve(
+        self, batch: ScheduledBatch, sampled_tokens: list[int], logprobs: list[float] | None = None
+    ) -> list[Request]:
+        """Put an advanced step's sampled tokens (and log-probs) in place of the placeholders and finish the
+        requests they end.
 
         Args:
             batch: the step, as passed to `advance`.
             sampled_tokens: one token per `batch.samples` entry (entries of finished requests are ignored).
+            logprobs: the tokens' log-probs, in the same order (None: not computed).
         Returns:
-            Requests that finished in this step (stop token or length), blocks already freed.
+            The requests that got their token, in `batch.samples` order; those it ended (stop token or length) are
+            finished, their blocks freed.
         """
-        finished: list[Request] = []
+        resolved: list[Request] = []
         done = RequestStatus.FINISHED
-        for (request, _), token in zip(batch.samples, sampled_tokens, strict=True):
+        for index, (request, _) in enumerate(batch.samples):
             if request.status == done:
                 continue
-            request.resolve_token(token)
+            request.resolve_token(sampled_tokens[index], None if logprobs is None else logprobs[index])
+            resolved.append(request)
             if request.finish_reason is not None:
                 self._dequeue(request)
-                finished += self._finish(request, request.finish_reason)
-        return finished
+                self._finish(request, request.finish_reason)  # it forked already: it ends alone
+        return resolved
 
     def fail(self, request: Request, error: str) -> list[Request]:
         """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples)."""

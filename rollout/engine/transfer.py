@@ -70,8 +70,12 @@ class HostCopy:
         else:
             self._host = tensor
 
-    def tolist(self) -> list:
-        """The values as Python numbers, once the copy has landed (waits for it, and for nothing queued later)."""
+    def tensor(self) -> torch.Tensor:
+        """The values in host memory, once the copy has landed (waits for it, and for nothing queued later)."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host
+
+    def tolist(self) -> list:
+        """The values as Python numbers, once the copy has landed (`tensor()`)."""
+        return self.tensor().tolist()
