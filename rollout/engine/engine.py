@@ -324,9 +324,10 @@ class Engine:
             unresolved = UnresolvedTokens(previous.samples.token_ids, rows)
         logits = self.runner.run(batch, unresolved)
         samples = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
-        self.num_computed_tokens += batch.num_tokens
+        chunks = [seq.num_tokens for seq in batch.sequences]
+        self.num_computed_tokens += sum(chunks)
         # Chunks of more than one token are prompts (or recomputed KV); single tokens are decodes.
-        self.num_prefill_tokens += sum(seq.num_tokens for seq in batch.sequences if seq.num_tokens > 1)
+        self.num_prefill_tokens += sum(chunks) - chunks.count(1)
         self.num_steps += 1
         return _InFlightStep(batch, samples, self.policy_version)
 

@@ -8,7 +8,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,18 @@ class UnresolvedTokens:
 
     token_ids: torch.Tensor  # (samples,) int64, in the previous batch's `samples` order
     rows: dict[Request, int]  # request -> its row in token_ids
+
+
+@dataclass
+class _StepInputs:
+    """A step's packed input ids and its sequences' requests and start positions."""
+
+    token_ids: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    one_token_each: bool = True  # every sequence computes a single token
+    # (packed indices, token ids on the device) of inputs sampled by the previous step and not on the host yet.
+    device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -172,26 +184,26 @@ class ModelRunner:
         # 1. Block moves, in an order that never reads a block after it was overwritten.
         self.move_blocks(batch)
         # 2. One pass over the step's requests: input ids (placeholders read on the device), block tables.
-        input_ids, device_tokens = self._input_ids(batch, unresolved)
-        requests = [seq.request for seq in batch.sequences]
-        block_table = self.block_tables.gather(requests)
-        # 3. A pure decode step of a captured size replays its CUDA graph.
-        decode = _is_decode(batch)
-        starts = [seq.start for seq in batch.sequences]
-        if self.decode_graphs is not None and decode and len(requests) <= self.decode_graphs.max_batch:
-            return self.decode_graphs.run(input_ids, starts, block_table, device_tokens).float()
+        inputs = self._inputs(batch, unresolved)
+        block_table = self.block_tables.gather(inputs.requests)
+        # 3. A pure decode step (every sequence computes one token and samples it) of a captured size replays its
+        # CUDA graph.
+        num_sequences = len(inputs.requests)
+        decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
+        if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
+            return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
         metadata, positions = PagedAttentionMetadata.build(
-            self.kv_cache, starts, lengths, block_table, self.device, self.heads_per_kv
+            self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv
         )
         ends = list(itertools.accumulate(lengths))
         keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
         # 5. Forward; logits only at the positions that get sampled.
         forward = self._decode_forward if decode else self._forward
-        input_tensor = to_device(input_ids, torch.long, self.device)
-        if device_tokens is not None:
-            input_tensor.index_copy_(0, *device_tokens)
+        input_tensor = to_device(inputs.token_ids, torch.long, self.device)
+        if inputs.device_tokens is not None:
+            input_tensor.index_copy_(0, *inputs.device_tokens)
         return forward(input_tensor.unsqueeze(0), positions.unsqueeze(0), metadata, keep).float()
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
@@ -201,21 +213,24 @@ class ModelRunner:
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
 
-    def _input_ids(
-        self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None
-    ) -> tuple[list[int], tuple[torch.Tensor, torch.Tensor] | None]:
-        """The step's packed input ids, with 0 where a token is still on the device, and (packed indices, device
-        token ids) to put there. Only a request's last token can be unresolved, so only a chunk's last one is."""
-        input_ids: list[int] = []
+    def _inputs(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> _StepInputs:
+        """The step's packed input ids (0 where a token is still on the device, with the (packed indices, device
+        token ids) to put there), its requests and their start positions, in one pass. Only a request's last token
+        can be unresolved, so only a chunk's last one is."""
+        inputs = _StepInputs()
+        input_ids, requests, starts = inputs.token_ids, inputs.requests, inputs.starts
         targets: list[int] = []
         sources: list[int] = []
-        for seq in batch.sequences:  # one pass: it runs for every sequence at every step
-            request = seq.request
+        for seq in batch.sequences:  # runs for every sequence at every step
+            request, start = seq.request, seq.start
+            requests.append(request)
+            starts.append(start)
             if seq.num_tokens == 1:
-                token = request.token_ids[seq.start]
+                token = request.token_ids[start]
                 input_ids.append(token)
             else:
-                input_ids.extend(request.token_ids[seq.start : seq.start + seq.num_tokens])
+                inputs.one_token_each = False
+                input_ids.extend(request.token_ids[start : start + seq.num_tokens])
                 token = input_ids[-1]
             if token == PLACEHOLDER_TOKEN:
                 row = None if unresolved is None else unresolved.rows.get(request)
@@ -227,10 +242,10 @@ class ModelRunner:
                 input_ids[-1] = 0
                 targets.append(len(input_ids) - 1)
                 sources.append(row)
-        if not targets:
-            return input_ids, None
-        index = to_device([targets, sources], torch.long, self.device)
-        return input_ids, (index[0], unresolved.token_ids.index_select(0, index[1]))
+        if targets:
+            index = to_device([targets, sources], torch.long, self.device)
+            inputs.device_tokens = (index[0], unresolved.token_ids.index_select(0, index[1]))
+        return inputs
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
@@ -246,11 +261,6 @@ class ModelRunner:
             **kwargs,
         ).logits[0]
         return logits if self._logits_to_keep else logits[keep]
-
-
-def _is_decode(batch: ScheduledBatch) -> bool:
-    """Every sequence computes one token and samples it (the shape a decode graph serves)."""
-    return len(batch.logits_sequences) == len(batch.sequences) and all(s.num_tokens == 1 for s in batch.sequences)
 
 
 def _text_config(model: torch.nn.Module):

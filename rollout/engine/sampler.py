@@ -153,7 +153,9 @@ class Sampler:
             raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
         else:  # a group's samples share their leader's row for their first token
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
-        scores = raw.clone()
+        # Penalties, bans and min_new_tokens write into the scores in place; `raw` stays the model's logits.
+        edits = slots.any("penalties") or slots.any("bans") or slots.any("min_new_tokens")
+        scores = raw.clone() if edits else raw
         states = None
         if slots.any("penalties") or slots.any("bans"):
             states = [self._state(request, device) for request in requests]
@@ -164,7 +166,7 @@ class Sampler:
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
         dead = ~torch.isfinite(scores).any(dim=-1) if slots.any("bans") or slots.any("min_new_tokens") else None
 
-        token_ids = scores.argmax(dim=-1)
+        token_ids = scores.argmax(dim=-1) if slots.any("greedy") or not slots.any("sampled") else None
         if slots.any("sampled"):
             # Greedy rows keep their unwarped scores and their argmax (transformers warps only when sampling).
             warped = warp(scores, columns, slots)

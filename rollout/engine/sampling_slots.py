@@ -127,7 +127,7 @@ class SamplingSlots:
         """
         slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
         # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
-        positions = [r.num_tokens for r in requests]
+        positions = [len(r.token_ids) for r in requests]
         self._write_pending()
         index = to_device([slots, positions], torch.long, self.device)
         floats = self._floats.index_select(0, index[0])

@@ -15,9 +15,8 @@ are enough, else freed and recomputed later. A request that cannot fit even in a
 Results come in two parts, `advance` (what a queued step computes) and `resolve` (its sampled tokens), so the
 engine can schedule the next step before this one's tokens reach the host (overlapped scheduling).
 
-Weight updates: `pause_admission()` stops admitting requests that have not sampled yet (in-flight ones, preempted
-or swapped, still come back), so the in-flight set drains; `recompute_in_flight()` and `abort_in_flight()` carry out
-the "recompute" and "abort" commit modes.
+Weight updates: `pause_admission()` admits only requests that sampled already, so the in-flight set drains;
+`recompute_in_flight()` and `abort_in_flight()` carry out the "recompute" and "abort" commit modes.
 """
 
 from __future__ import annotations
@@ -196,8 +195,8 @@ class Scheduler:
         for request in decodes + prefills:
             if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
                 return
-            if id(request) in in_batch or request.status is not RequestStatus.RUNNING:
-                continue  # scheduled already, or preempted by an older request in this loop
+            if request.status is not RequestStatus.RUNNING or id(request) in in_batch:
+                continue  # preempted by an older request in this loop, or scheduled already
             computed = request.num_computed_tokens
             remaining = len(request.token_ids) - computed
             if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
@@ -205,9 +204,9 @@ class Scheduler:
                 # holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: hot path).
                 block_ids, index = request.block_ids, computed // block_size
                 if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
+                    samples.append((request, len(logits_sequences)))
+                    logits_sequences.append(len(sequences))
                     sequences.append(ScheduledSequence(request, computed, 1))
-                    logits_sequences.append(len(sequences) - 1)
-                    samples.append((request, len(logits_sequences) - 1))
                     in_batch.add(id(request))
                     budget[0] -= 1
                     continue
@@ -333,9 +332,8 @@ class Scheduler:
     # and the only work ever scheduled for such a request is the decode of that token (its input id is taken on
     # the device): it was sampled in the step before, so it is never re-prefilled, hashed or forked meanwhile.
     def advance(self, batch: ScheduledBatch, policy_version: int) -> None:
-        """Record what a queued step computes: tokens computed, full blocks offered for prefix reuse, and one
-        placeholder token per sample. Requests that finished meanwhile (a stop token of the step before) are
-        skipped: their blocks are gone.
+        """Record what a queued step computes: tokens computed, full blocks offered for prefix reuse, one placeholder
+        token per sample. Requests that finished meanwhile (a stop token of the step before) are skipped.
 
         Args:
             batch: the step, as scheduled.
@@ -354,19 +352,15 @@ class Scheduler:
             if request.status != finished:
                 request.add_placeholder(policy_version)
 
-    def resolve(
-        self, batch: ScheduledBatch, sampled_tokens: list[int], logprobs: list[float] | None = None
-    ) -> list[Request]:
-        """Put an advanced step's sampled tokens (and log-probs) in place of the placeholders and finish the
-        requests they end.
+    def resolve(self, batch: ScheduledBatch, sampled_tokens: list[int], logprobs: list | None = None) -> list[Request]:
+        """Put an advanced step's sampled tokens (and log-probs) in place of the placeholders; end requests they stop.
 
         Args:
             batch: the step, as passed to `advance`.
             sampled_tokens: one token per `batch.samples` entry (entries of finished requests are ignored).
             logprobs: the tokens' log-probs, in the same order (None: not computed).
         Returns:
-            The requests that got their token, in `batch.samples` order; those it ended (stop token or length) are
-            finished, their blocks freed.
+            The requests that got their token, in `batch.samples` order (those it ended among them).
         """
         resolved: list[Request] = []
         done = RequestStatus.FINISHED
