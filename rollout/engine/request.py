@@ -34,7 +34,7 @@ def sample_id(group_id: str, index: int) -> str:
     return f"{group_id}#{index}"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A single sample. `num_computed_tokens` catches up with `num_tokens`; the gap is what the scheduler schedules."""
 

@@ -12,9 +12,6 @@ Policies:
 When blocks run out, the newest running request not yet in this step is preempted: swapped to CPU blocks when there
 are enough, else freed and recomputed later. A request that cannot fit even in an empty cache ends with an error.
 
-Results come in two parts, `advance` (what a queued step computes) and `resolve` (its sampled tokens), so the
-engine can schedule the next step before this one's tokens reach the host (overlapped scheduling).
-
 Weight updates: `pause_admission()` admits only requests that sampled already, so the in-flight set drains;
 `recompute_in_flight()` and `abort_in_flight()` carry out the "recompute" and "abort" commit modes.
 """
@@ -174,28 +171,27 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
-        # Requests computed or sampled in this step must not be preempted by it (forked samples included).
-        in_batch = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
+        # Requests an earlier phase of this step scheduled ("prefill_first") are not scheduled again.
+        scheduled_before = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
         # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
         # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
-        finishing: set[int] = set()
+        finishing = False
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:  # one pass, properties inlined: it runs for every running request at every step
             num_tokens = len(r.token_ids)
             if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
-                finishing.add(id(r))
+                finishing = True
             elif num_tokens - r.num_computed_tokens == 1:
                 decodes.append(r)
             elif num_tokens - r.num_computed_tokens > 1:
                 prefills.append(r)
-        in_batch |= finishing
         block_size, ref_counts = self.block_manager.block_size, self.block_manager.ref_counts
         sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
-        for request in decodes + prefills:
+        for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
             if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
                 return
-            if request.status is not RequestStatus.RUNNING or id(request) in in_batch:
+            if request.status is not RequestStatus.RUNNING or (scheduled_before and id(request) in scheduled_before):
                 continue  # preempted by an older request in this loop, or scheduled already
             computed = request.num_computed_tokens
             remaining = len(request.token_ids) - computed
@@ -207,7 +203,6 @@ class Scheduler:
                     samples.append((request, len(logits_sequences)))
                     logits_sequences.append(len(sequences))
                     sequences.append(ScheduledSequence(request, computed, 1))
-                    in_batch.add(id(request))
                     budget[0] -= 1
                     continue
             num_new = min(remaining, budget[0])
@@ -215,7 +210,7 @@ class Scheduler:
             while not self.block_manager.can_allocate(needed):
                 if finishing:
                     break  # their blocks come back when this step's previous one is resolved: wait, do not preempt
-                victim = max((r for r in self.running if id(r) not in in_batch), key=_arrival, default=None)
+                victim = self._newest_unscheduled(batch)
                 if victim is None:
                     break
                 self._preempt(victim, batch)
@@ -224,11 +219,13 @@ class Scheduler:
                 needed = self.block_manager.blocks_needed(request, num_new)  # a freed sharer may spare a copy
             if request.status != RequestStatus.RUNNING or not self.block_manager.can_allocate(needed):
                 continue
-            first_new_sample = len(batch.samples)
             self._add_to_batch(batch, request, num_new)
-            in_batch.update(id(sampled) for sampled, _ in batch.samples[first_new_sample:])
-            in_batch.add(id(request))
             budget[0] -= num_new
+
+    def _newest_unscheduled(self, batch: ScheduledBatch) -> Request | None:
+        """The newest running request this step neither computes nor samples: what a preemption may take."""
+        scheduled = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
+        return max((r for r in self.running if id(r) not in scheduled), key=_arrival, default=None)
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
@@ -326,11 +323,10 @@ class Scheduler:
         self._reset_for_recompute(request)
 
     # ---- results ----------------------------------------------------------------------------------------------
-    # A step's results arrive in two parts, so that the next step can be scheduled while this one still runs:
-    # `advance` right after its forward was queued (what it computed is known, the sampled values are not), then
-    # `resolve` once the sampled tokens reach the host. Between the two, each sample's last token is a placeholder,
-    # and the only work ever scheduled for such a request is the decode of that token (its input id is taken on
-    # the device): it was sampled in the step before, so it is never re-prefilled, hashed or forked meanwhile.
+    # A step's results arrive in two parts, so that the next step can be scheduled while this one still runs
+    # (overlapped scheduling): `advance` once its forward is queued, `resolve` once its sampled tokens reach the host.
+    # Between the two, each sample's last token is a placeholder, and the only work ever scheduled for such a request
+    # is the decode of that token (its input id is taken on the device): never a re-prefill, a hash or a fork.
     def advance(self, batch: ScheduledBatch, policy_version: int) -> None:
         """Record what a queued step computes: tokens computed, full blocks offered for prefix reuse, one placeholder
         token per sample. Requests that finished meanwhile (a stop token of the step before) are skipped.
@@ -342,15 +338,19 @@ class Scheduler:
         manager = self.block_manager
         block_size = manager.block_size
         finished = RequestStatus.FINISHED
-        for seq in batch.sequences:
+        for seq in batch.sequences:  # runs for every sequence at every step
             request = seq.request
             if request.status != finished:
                 request.num_computed_tokens = computed = seq.start + seq.num_tokens
                 if computed >= (len(request.block_hashes) + 1) * block_size:  # a block became full
                     manager.commit_hashes(request)
-        for request, _ in batch.samples:
-            if request.status != finished:
-                request.add_placeholder(policy_version)
+                if computed == len(request.token_ids):  # its chunk reached its last token: it was sampled
+                    request.add_placeholder(policy_version)
+        if len(batch.samples) > len(batch.logits_sequences):  # forked samples share their leader's row
+            leaders = {id(batch.sequences[index].request) for index in batch.logits_sequences}
+            for request, _ in batch.samples:
+                if id(request) not in leaders and request.status != finished:
+                    request.add_placeholder(policy_version)
 
     def resolve(self, batch: ScheduledBatch, sampled_tokens: list[int], logprobs: list | None = None) -> list[Request]:
         """Put an advanced step's sampled tokens (and log-probs) in place of the placeholders; end requests they stop.

@@ -17,6 +17,7 @@ On CPU every copy is a plain synchronous one (there is nothing to overlap with).
 from __future__ import annotations
 
 import array
+import itertools
 from typing import Any
 
 import torch
@@ -45,9 +46,14 @@ _ARRAY_CODES = {torch.long: "q", torch.float32: "f", torch.float64: "d", torch.i
 def _host_tensor(values: Any, dtype: torch.dtype) -> torch.Tensor:
     """`values` as a CPU tensor of `dtype`."""
     code = _ARRAY_CODES.get(dtype)
-    if code is not None and isinstance(values, list) and values and not isinstance(values[0], (list, tuple)):
+    if code is not None and isinstance(values, list) and values:
         try:
-            return torch.frombuffer(array.array(code, values), dtype=dtype)
+            if not isinstance(values[0], (list, tuple)):
+                return torch.frombuffer(array.array(code, values), dtype=dtype)
+            width = len(values[0])  # rows of equal length: one flat array, viewed as a matrix
+            if width and all(len(row) == width for row in values):
+                flat = array.array(code, itertools.chain.from_iterable(values))
+                return torch.frombuffer(flat, dtype=dtype).view(len(values), width)
         except (TypeError, OverflowError):
             pass  # not plain numbers of that kind (e.g. floats for an integer dtype): let torch convert them
     return torch.tensor(values, dtype=dtype)
