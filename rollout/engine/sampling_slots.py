@@ -138,6 +138,14 @@ class SamplingSlots:
         """Whether some live slot uses `feature` (see `features`)."""
         return self.uses[feature] > 0
 
+    def all_use(self, feature: str) -> bool:
+        """Whether every live slot uses `feature` (a step's rows then need no per-row check of it)."""
+        return self.uses[feature] == self.num_live
+
+    def one_top_k(self) -> bool:
+        """Whether every live slot sets top_k, all to the same value."""
+        return len(self._top_ks) == 1 and self.all_use("top_k")
+
     def max_top_k(self) -> int:
         """The largest top_k that a live slot sets, capped at the vocabulary size (0 when none sets one)."""
         return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0

@@ -22,7 +22,9 @@ def warp(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots) -> to
     """
     scores = scores / columns.float("temperature")
     width = slots.max_top_k()
-    if width:
+    if width and slots.one_top_k():  # the same top_k for every row: no per-row k to gather or check
+        scores = scores.masked_fill(scores < scores.topk(width, dim=-1).values[:, -1:], _NEG_INF)
+    elif width:
         k = columns.int("top_k")
         kth = scores.topk(width, dim=-1).values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
         # Rows without top_k hold the vocabulary size: more than `width`, so they are left alone.
@@ -30,7 +32,9 @@ def warp(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots) -> to
     if slots.any("top_p"):
         top_p = columns.float("top_p")
         sorted_scores, sorted_index = scores.sort(dim=-1, descending=False)
-        remove = (sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p) & (top_p < 1)
+        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        if not slots.all_use("top_p"):
+            remove &= top_p < 1
         remove[:, -1] = False
         scores = scores.masked_fill(remove.scatter(1, sorted_index, remove), _NEG_INF)
     if slots.any("min_p"):
