@@ -8,7 +8,7 @@
 - `scheduler.py` and `block_manager.py`: which requests compute how many tokens (a `ScheduledBatch`, `batch.py`),
   and their KV blocks (no torch);
 - `model_runner.py`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv_cache.py`,
-  `attention.py`, `triton_attention.py`, `cuda_graphs.py`, `transfer.py`);
+  `block_tables.py`, `attention.py`, `triton_attention.py`, `cuda_graphs.py`, `transfer.py`);
 - `sampler.py`: per-request penalties and bans (`token_bans.py`), warpers (`warpers.py`), seeded draws, logprobs,
   over each sample's parameters held in persistent per-slot device tables (`sampling_slots.py`);
 - `weight_table.py`: what a weight update may write, checked and copied in place;

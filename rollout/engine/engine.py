@@ -273,9 +273,8 @@ class Engine:
         except AssertionError as leak:
             logger.error("engine closed with KV blocks still held: %s", leak)
         held = {"sampling slots": self.sampler.slots.num_live, "block-table rows": self.runner.block_tables.num_live}
-        for what, count in held.items():  # every request ended: a slot or row still held is a leak too
-            if count:
-                logger.error("engine closed with %d %s still held", count, what)
+        for what in [what for what, count in held.items() if count]:  # every request ended: a slot or row held leaks
+            logger.error("engine closed with %d %s still held", held[what], what)
         self.runner.close()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
