@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import os
 import random
+import sys
+import types
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from transformers import (  # noqa: E402
     Qwen3MoeConfig,
 )
 
+from fakes import FakeZero3  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.engine import Engine
@@ -161,3 +164,14 @@ def no_leaked_blocks(monkeypatch):
     yield engines
     for engine in engines:
         engine.block_manager.check_all_free()
+
+
+@pytest.fixture
+def zero3(monkeypatch):
+    """A fake DeepSpeed (`deepspeed.zero.GatheredParameters`) backed by a `FakeZero3` that partitions models."""
+    fake = FakeZero3()
+    module = types.ModuleType("deepspeed")
+    module.zero = types.SimpleNamespace(GatheredParameters=fake.GatheredParameters)
+    monkeypatch.setitem(sys.modules, "deepspeed", module)
+    monkeypatch.setitem(sys.modules, "deepspeed.zero", module.zero)
+    return fake

@@ -7,11 +7,8 @@ model, and the in-process engine running the trained model."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
 import textwrap
-import types
 
 import pytest
 import torch
@@ -128,59 +125,7 @@ def test_malformed_pairs_raise_type_error():
         raise AssertionError(f"{bad!r} was accepted")
 
 
-# ---- 2. fake DeepSpeed ZeRO-3 -------------------------------------------------------------------------------------
-class FakeZero3:
-    """Partitions a model the way ZeRO-3 leaves it (empty `data`, `ds_id`, `ds_shape`) and stands in for
-    `deepspeed.zero.GatheredParameters`, recording what is gathered at once."""
-
-    def __init__(self):
-        self.full: dict[int, torch.Tensor] = {}
-        self.live: set[int] = set()
-        self.peak = 0
-        self.enters = 0
-        self.gathered_sets: list[frozenset[int]] = []
-        self.gather_counts: dict[int, int] = {}
-
-    def partition(self, model: torch.nn.Module) -> None:
-        for index, param in enumerate(model.parameters()):
-            self.full[id(param)] = param.data.clone()
-            param.ds_id = index
-            param.ds_shape = param.shape
-            param.data = torch.empty(0, dtype=param.dtype)
-
-    @contextlib.contextmanager
-    def GatheredParameters(self, params, modifier_rank=None):  # deepspeed's name
-        assert modifier_rank is None
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        assert params and all(hasattr(param, "ds_id") for param in params)
-        ids = {id(param) for param in params}
-        assert not ids & self.live, "a parameter was gathered while already gathered"
-        self.enters += 1
-        self.live |= ids
-        self.peak = max(self.peak, len(self.live))
-        self.gathered_sets.append(frozenset(self.live))
-        for param in params:
-            self.gather_counts[id(param)] = self.gather_counts.get(id(param), 0) + 1
-            param.data = self.full[id(param)].clone()  # modifier_rank=None: changes are discarded
-        try:
-            yield
-        finally:
-            for param in params:
-                param.data.fill_(float("nan"))  # the gathered buffer is freed / reused: aliases of it go stale
-                param.data = torch.empty(0, dtype=param.dtype)
-            self.live -= ids
-
-
-@pytest.fixture
-def zero3(monkeypatch):
-    fake = FakeZero3()
-    module = types.ModuleType("deepspeed")
-    module.zero = types.SimpleNamespace(GatheredParameters=fake.GatheredParameters)
-    monkeypatch.setitem(sys.modules, "deepspeed", module)
-    monkeypatch.setitem(sys.modules, "deepspeed.zero", module.zero)
-    return fake
-
-
+# ---- 2. fake DeepSpeed ZeRO-3 (the `zero3` fixture: fakes.py, via conftest) ---------------------------------------
 def test_zero3_gathers_one_parameter_at_a_time(zero3):
     model = tiny_model(0)
     reference = snapshot(model)

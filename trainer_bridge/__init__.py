@@ -1,6 +1,6 @@
 """The trainer side of rollout: `RolloutClient` to get completions from rollout workers, and `push_weights` /
-`WeightSyncCallback` to send them new weights. `import trainer_bridge` loads no torch: the weight-sync names import
-it on first use."""
+`WeightSyncCallback` to send them new weights; `ColocatedEngine` to generate inside the trainer's process on its own
+model instead. `import trainer_bridge` loads no torch: the weight-sync and colocated names import it on first use."""
 
 from typing import Any
 
@@ -9,7 +9,7 @@ from trainer_bridge.client import Completion, Delta, GroupResult, PromptGroup, R
 _WEIGHT_SYNC = ("PushResult", "WeightSyncCallback", "iter_weights", "push_weights", "weight_specs")
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
-__all__ += list(_WEIGHT_SYNC)
+__all__ += [*_WEIGHT_SYNC, "ColocatedEngine"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +17,10 @@ def __getattr__(name: str) -> Any:
         from trainer_bridge import sync_callback
 
         return sync_callback.WeightSyncCallback
+    if name == "ColocatedEngine":  # loads torch and the engine
+        from trainer_bridge import colocated
+
+        return colocated.ColocatedEngine
     if name in _WEIGHT_SYNC:
         from trainer_bridge import weight_sync
 

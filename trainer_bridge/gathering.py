@@ -36,7 +36,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def _gathered(params: list[torch.Tensor]) -> Iterator[None]:
+def gathered(params: list[torch.Tensor]) -> Iterator[None]:
     """Make ZeRO-3-partitioned `params` whole for the duration (a collective: every rank enters it)."""
     partitioned = [param for param in params if _is_zero3(param)]
     if not partitioned:
@@ -53,7 +53,7 @@ def _full_copy(param: torch.Tensor) -> torch.Tensor:
     if _is_dtensor(param):
         return param.full_tensor().detach()
     if _is_zero3(param):
-        with _gathered([param]):
+        with gathered([param]):
             return param.data.detach().clone()
     return param.detach()
 
@@ -140,7 +140,7 @@ def _peft_entries(model: torch.nn.Module) -> list[Entry]:
 
 def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
     """Base weight + the LoRA deltas of the active, not yet merged adapters of one layer."""
-    with _gathered(list(layer.parameters())), torch.no_grad():
+    with gathered(list(layer.parameters())), torch.no_grad():
         merged = weight.detach().clone()
         for adapter in layer.active_adapters:
             known = adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})

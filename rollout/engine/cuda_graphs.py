@@ -93,6 +93,12 @@ class DecodeGraphs:
         """Bucket sizes captured so far."""
         return sorted(self._graphs)
 
+    def release(self) -> None:
+        """Drop every captured graph and its memory pool (the graphs read the KV cache and the weights where they
+        were at capture: after those move, each bucket is captured again when next used)."""
+        self._graphs.clear()
+        self._pool = torch.cuda.graph_pool_handle() if self.capture_enabled else None
+
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket holding `batch_size` sequences."""
         return next(size for size in self.buckets if size >= batch_size)

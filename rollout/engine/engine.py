@@ -23,7 +23,7 @@ from rollout.engine.block_manager import BlockManager
 from rollout.engine.counters import engine_stats
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
-from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
+from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
 from rollout.engine.outputs import GenerationOutput, progress_output
 from rollout.engine.request import Request, RequestStatus, sample_id
 from rollout.engine.sampler import PendingSamples, Sampler
@@ -35,9 +35,6 @@ from rollout.transformers_configs import engine_config
 
 logger = logging.getLogger(__name__)
 
-# Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
-# state the engine does not keep, so such models are refused instead of generating wrong tokens.
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 NOTHING_TO_DRAW = (
     "no token can be drawn at this position: every token is banned (bad_words_ids, suppress_tokens, "
     "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none), or the model's logits there "
@@ -66,15 +63,14 @@ class Engine:
                 `rollout.transformers_configs`, refusing by name what rollout cannot honour), or None (defaults).
             generation_config: a `transformers.GenerationConfig` with default sampling settings; fields it leaves
                 unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
+        Raises:
+            FieldError: a model the engine cannot serve or a setting it cannot honour (named), or a KV cache that
+                does not fit the device's free memory ("num_blocks").
         """
         defaults = resolve_generation_config(generation_config, getattr(model, "generation_config", None))
         self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
         self.model = model
-        model_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        unsupported = sorted(set(getattr(model_config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
-        if unsupported:
-            supported = sorted(SUPPORTED_LAYER_TYPES)
-            raise FieldError("model", f"layer types {unsupported} are not supported (only {supported})")
+        model_config = servable_text_config(model)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
         parameter = next(model.parameters())

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from rollout.config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.block_manager import cdiv
 from rollout.engine.transfer import to_device
 
@@ -48,8 +48,9 @@ class KVCacheShape:
 
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory on `device`: the accelerator's free memory, or the host's available RAM for CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free on the device, plus what torch's allocator holds cached but unused
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -69,18 +70,26 @@ def resolve_num_blocks(
     Raises:
         ValueError: when not even one block fits.
     """
+    per_block = shape.bytes_per_block(config.block_size, dtype)
     if config.num_blocks is not None:
+        needed, free = (config.num_blocks + 1) * per_block, free_memory_bytes(device)  # + the scratch block
+        if needed > free:
+            raise FieldError(
+                "num_blocks",
+                f"{config.num_blocks} blocks of {per_block} bytes need {needed / GIB:.2f} GiB but {device} has "
+                f"{free / GIB:.2f} GiB free; lower num_blocks (or max_memory_percent instead)",
+            )
         return config.num_blocks
     percent = config.max_memory_percent
     if percent is None:
         percent = 0.9 if device.type == "cuda" else 0.05
-    per_block = shape.bytes_per_block(config.block_size, dtype)
     num_blocks = int(free_memory_bytes(device) * percent) // per_block
     num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_model_len, config.block_size))
     if num_blocks < 1:
-        raise ValueError(
-            f"max_memory_percent={percent} of free memory on {device} holds no KV block of {per_block} bytes; "
-            "raise max_memory_percent or set num_blocks"
+        raise FieldError(
+            "max_memory_percent",
+            f"{percent} of free memory on {device} holds no KV block of {per_block} bytes; "
+            "raise max_memory_percent or set num_blocks",
         )
     return num_blocks
 
@@ -111,13 +120,12 @@ class PagedKVCache:
         # One block past the last is the scratch block: padded rows of a CUDA-graph decode write and read only there.
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
-        dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
-        self.kv = torch.zeros(dims, dtype=dtype, device=device)
+        self._dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
         self.num_swap_blocks = int(swap_space_gib * GIB) // shape.bytes_per_block(block_size, dtype)
-        self.swap = None
-        if self.num_swap_blocks:
-            swap_dims = (shape.num_layers, 2, self.num_swap_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-            self.swap = torch.zeros(swap_dims, dtype=dtype, pin_memory=device.type == "cuda")
+        self._swap_dims = (shape.num_layers, 2, self.num_swap_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        self.kv = torch.empty(0, dtype=dtype, device=device)
+        self.swap: torch.Tensor | None = None
+        self.restore()
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB), %d swap blocks",
             num_blocks,
@@ -125,6 +133,30 @@ class PagedKVCache:
             self.kv.numel() * dtype.itemsize / 2**20,
             self.num_swap_blocks,
         )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the K/V tensors hold on the device now (0 while released)."""
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def is_released(self) -> bool:
+        """True between `release()` and `restore()`."""
+        return self.kv.numel() == 0
+
+    def release(self) -> None:
+        """Free the K/V tensors and the swap space (their memory goes back to the allocator); what they held is lost.
+        Idempotent."""
+        self.kv = self.kv.new_empty(0)
+        self.swap = None
+
+    def restore(self) -> None:
+        """Allocate the K/V tensors (and the swap space) again, zeroed as at construction. Idempotent."""
+        if self.is_released:
+            self.kv = torch.zeros(self._dims, dtype=self.kv.dtype, device=self.kv.device)
+        if self.num_swap_blocks and self.swap is None:
+            pinned = self.kv.device.type == "cuda"
+            self.swap = torch.zeros(self._swap_dims, dtype=self.kv.dtype, pin_memory=pinned)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key, value) of one layer, each (num_blocks, block_size, num_kv_heads, head_dim)."""

@@ -9,6 +9,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -265,6 +266,30 @@ class ModelRunner:
 
 def _text_config(model: torch.nn.Module):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+# Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
+# state the engine does not keep, so such models are refused instead of generating wrong tokens.
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def servable_text_config(model: torch.nn.Module) -> Any:
+    """The text config of a model the engine can serve: a transformers causal LM (a module with a `config` and
+    parameters) whose layers are all attention layers the paged cache serves.
+
+    Raises:
+        FieldError: ("model") anything else, saying what.
+    """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or next(model.parameters(), None) is None:
+        kind = type(model).__name__
+        raise FieldError(
+            "model", f"expected a transformers causal LM (a module with a config and parameters), got {kind}"
+        )
+    config = _text_config(model)
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
+    if unsupported:
+        raise FieldError("model", f"layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
+    return config
 
 
 def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:

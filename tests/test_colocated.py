@@ -1,0 +1,186 @@
+"""ColocatedEngine: the engine inside the trainer's process on the trainer's own model (trainer_bridge/colocated.py).
+
+References we did not write: a rollout-worker subprocess on the same weights (what colocated must equal), a
+training forward/backward of an untouched copy of the model, and transformers' own model state (training flag,
+gradient checkpointing, attention implementation)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
+from rollout.service.presets import tiny_model
+from service_helpers import Worker
+from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient
+
+CONFIG = ContinuousBatchingConfig(num_blocks=256, block_size=16)
+PROMPTS = [[5, 9, 14, 3, 7], [11, 2, 8, 8, 30, 4, 6, 1, 9], [3, 3, 3]]
+
+
+def groups() -> list[PromptGroup]:
+    """Greedy, sampled with a seed (a group of 3), and sampled with top_p and processed logprobs."""
+    return [
+        PromptGroup(PROMPTS[0], 1, SamplingParams(do_sample=False, max_new_tokens=12, stop_token_ids=()), "greedy"),
+        PromptGroup(PROMPTS[1], 3, {"temperature": 0.9, "seed": 7, "max_new_tokens": 10, "stop_token_ids": []}, "g"),
+        PromptGroup(
+            PROMPTS[2],
+            2,
+            SamplingParams(temperature=1.1, top_p=0.8, seed=3, max_new_tokens=9, logprob_mode="processed"),
+            "top_p",
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker("--model", "tiny")
+    yield server
+    server.close()
+
+
+def checkpointing(model: torch.nn.Module, what: str):
+    """transformers' (activation | gradient) checkpointing attribute (renamed in transformers 5.x)."""
+    new, old = {
+        "enable": ("activation_checkpointing_enable", "gradient_checkpointing_enable"),
+        "is": ("is_activation_checkpointing", "is_gradient_checkpointing"),
+    }[what]
+    return getattr(model, new) if hasattr(type(model), new) else getattr(model, old)
+
+
+def training_loss(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A training forward/backward on a fixed batch: (loss, every parameter's gradient)."""
+    model.zero_grad(set_to_none=True)
+    batch = torch.tensor([PROMPTS[1], [4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    return loss.detach(), [param.grad.clone() for param in model.parameters()]
+
+
+def test_completions_equal_a_workers(worker):
+    """The same weights, prompts and seeds: the same tokens, finish reasons and policy versions as a worker, and
+    logprobs within 1e-5 (fp32; the batches differ, so the sums may round differently)."""
+    with RolloutClient(worker.address) as client:
+        served = {result.group_id: result for result in client.generate_many(groups())}  # in finishing order
+    with ColocatedEngine(tiny_model(0), CONFIG) as engine:
+        colocated = engine.generate(groups())
+    assert [result.group_id for result in colocated] == ["greedy", "g", "top_p"]
+    for ours in colocated:
+        theirs = served[ours.group_id]
+        assert ours.prompt_ids == theirs.prompt_ids
+        assert len(ours.completions) == len(theirs.completions)
+        for a, b in zip(ours.completions, theirs.completions):
+            assert (a.sample_index, a.token_ids, a.finish_reason) == (b.sample_index, b.token_ids, b.finish_reason)
+            assert a.policy_versions == b.policy_versions == [[0, 0]]
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_a_round_leaves_the_trainers_model_as_it_was():
+    """Parameters bit-identical, training mode, gradient checkpointing, attention implementation and use_cache as
+    the trainer set them; a training step after a round equals one on a copy that never generated."""
+    model = tiny_model(0)
+    model.config._attn_implementation = "eager"
+    checkpointing(model, "enable")()
+    model.config.use_cache = True
+    model.train()
+    untouched = copy.deepcopy(model)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with ColocatedEngine(model, CONFIG) as engine:
+        assert model.training and model.config._attn_implementation == "eager"  # construction gave it back
+        engine.generate(groups())
+        engine.sleep()
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+        assert model.training and checkpointing(model, "is") and model.config.use_cache
+        assert model.config._attn_implementation == "eager"
+        loss, grads = training_loss(model)
+        expected_loss, expected_grads = training_loss(untouched)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+
+
+def test_weights_changed_in_place_are_sampled_at_the_next_round_with_their_version():
+    """No push: an in-place change to the trainer's parameters (an optimizer step) is what the next round samples,
+    tagged with the version the caller sets; versions never go back."""
+    model = tiny_model(0)
+    greedy = [PromptGroup(PROMPTS[0], 1, SamplingParams(do_sample=False, max_new_tokens=8, stop_token_ids=()))]
+    with ColocatedEngine(model, CONFIG, policy_version=3) as engine:
+        first = engine.generate(greedy)[0].completions[0]
+        assert first.policy_versions == [[3, 0]]
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)  # a different argmax almost everywhere
+        second = engine.generate(greedy, policy_version=4)[0].completions[0]
+        assert second.policy_versions == [[4, 0]] and engine.policy_version == 4
+        with ColocatedEngine(copy.deepcopy(model), CONFIG) as fresh:  # the changed weights from scratch
+            assert fresh.generate(greedy)[0].completions[0].token_ids == second.token_ids
+        assert second.token_ids != first.token_ids
+        with pytest.raises(FieldError, match="version"):
+            engine.set_policy_version(2)
+
+
+def test_sleep_frees_the_cache_and_wake_restores_it_over_many_cycles():
+    """sleep() releases the cache tensor (nothing keeps it alive), wake() or the next generate allocates it again;
+    20 cycles leak nothing (blocks, sampling slots, block-table rows) and generate the same greedy tokens."""
+    greedy = [PromptGroup(PROMPTS[1], 2, SamplingParams(do_sample=False, max_new_tokens=6, stop_token_ids=()))]
+    with ColocatedEngine(tiny_model(0), CONFIG) as engine:
+        cache_bytes = engine.kv_cache_bytes
+        assert cache_bytes > 0 and not engine.is_sleeping
+        expected = engine.generate(greedy)[0].completions[0].token_ids
+        for cycle in range(20):
+            released = weakref.ref(engine.engine.kv_cache.kv)
+            engine.sleep()
+            gc.collect()
+            assert released() is None, "the cache tensor is still referenced after sleep()"
+            assert engine.is_sleeping and engine.kv_cache_bytes == 0
+            if cycle % 2:
+                engine.wake()
+                assert engine.kv_cache_bytes == cache_bytes
+            result = engine.generate(greedy)[0]  # wakes the cache when asleep
+            assert [c.token_ids for c in result.completions] == [expected, expected]
+            assert engine.kv_cache_bytes == cache_bytes
+        engine.engine.block_manager.check_all_free()
+        assert engine.engine.sampler.slots.num_live == 0 and engine.engine.runner.block_tables.num_live == 0
+
+
+def test_zero3_parameters_are_gathered_once_per_round(zero3):
+    """A ZeRO-3-partitioned model is gathered once for a whole round (every parameter at once), never per step,
+    and left partitioned; its completions equal the whole model's."""
+    reference = tiny_model(0)
+    model = tiny_model(0)
+    zero3.partition(model)
+    sampled = [PromptGroup(PROMPTS[1], 2, SamplingParams(temperature=0.8, seed=1, max_new_tokens=8))]
+    with ColocatedEngine(reference, CONFIG) as engine:
+        expected = engine.generate(sampled)[0]
+    with ColocatedEngine(model, CONFIG) as engine:
+        enters = zero3.enters
+        for _ in range(2):
+            result = engine.generate(sampled)[0]
+            assert [c.token_ids for c in result.completions] == [c.token_ids for c in expected.completions]
+        assert zero3.enters - enters == 2  # one gather per round, over many decode steps each
+        assert all(len(gathered) == len(list(model.parameters())) for gathered in zero3.gathered_sets[-2:])
+    assert all(param.numel() == 0 for param in model.parameters())
+
+
+def test_bad_input_fails_by_name_and_loses_nothing():
+    """A model the engine cannot serve and a cache that cannot fit fail at construction; a bad group fails the
+    call by name before anything is generated, and the engine goes on serving."""
+    with pytest.raises(FieldError, match="model"):
+        ColocatedEngine(torch.nn.Linear(4, 4), CONFIG)
+    with pytest.raises(FieldError, match="num_blocks"):
+        ColocatedEngine(tiny_model(0), ContinuousBatchingConfig(num_blocks=10**9))
+    with ColocatedEngine(tiny_model(0), CONFIG) as engine:
+        bad = groups() + [PromptGroup([], 1, SamplingParams())]
+        with pytest.raises(FieldError, match=r"groups\[3\]\.prompt_ids"):
+            engine.generate(bad)
+        with pytest.raises(FieldError, match=r"groups\[1\]\.sampling\.temperature"):
+            engine.generate([groups()[0], PromptGroup([1, 2], 1, {"temperature": -1.0})])
+        with pytest.raises(FieldError, match="appears twice"):
+            engine.generate([groups()[0], groups()[0]])
+        assert engine.engine.open_group_ids() == [] and engine.num_rounds == 0
+        assert len(engine.generate(groups())) == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(groups())

@@ -1,0 +1,220 @@
+"""Colocated rollouts: the continuous-batching engine inside the trainer's process, on the trainer's own model.
+
+    engine = ColocatedEngine(model, continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=2048))
+    for step in range(num_steps):
+        results = engine.generate(groups, policy_version=step)  # sampled with the weights as they are now
+        engine.sleep()  # the KV cache's memory is the optimizer's during the training step
+        loss(results).backward(); optimizer.step(); optimizer.zero_grad()
+    engine.close()
+
+The engine shares the model's parameters: nothing is copied and nothing is pushed, so an optimizer step (in place,
+as torch's optimizers do it) is what the next round samples with. A round is one `generate` call: the model is the
+engine's for its length (eval mode, rollout's paged attention, inference mode) and exactly what the trainer had is
+back afterwards (training mode and attention implementation; gradient checkpointing and `use_cache` are never
+touched). Under DeepSpeed ZeRO-3 the parameters are gathered once for the whole round, not once per step.
+
+`generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
+completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same
+trainer code runs against a worker fleet or colocated. `sleep()` frees the KV cache (and the CUDA graphs, which
+read it where it was); the next `generate` wakes it (`wake()` does it ahead of time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from rollout.config import FieldError, SamplingParams
+from rollout.engine.engine import Engine
+from rollout.engine.request import Request
+from rollout.service.groups import GroupInFlight
+from trainer_bridge.calls import GroupResult, PromptGroup
+from trainer_bridge.gathering import gathered
+
+__all__ = ["ColocatedEngine"]
+
+
+class ColocatedEngine:
+    """The continuous-batching engine on a model the caller trains (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        continuous_batching_config: Any = None,
+        generation_config: Any = None,
+        *,
+        policy_version: int = 0,
+    ):
+        """
+        Args:
+            model: the trainer's causal LM, unwrapped (not the DDP / accelerate wrapper); its parameters are used
+                where they are, never copied.
+            continuous_batching_config: engine settings (rollout's or transformers' ContinuousBatchingConfig, see
+                `rollout.Engine`); None: the defaults, whose KV cache takes 90% of free GPU memory: on the
+                trainer's GPU, set `max_memory_percent` or `num_blocks` to leave the training step its memory.
+            generation_config: default sampling settings (a `transformers.GenerationConfig`), as for `Engine`.
+            policy_version: the version of the weights now (e.g. the trainer's global step).
+        Raises:
+            FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
+                does not fit memory too), before any training step.
+        """
+        self.model = model
+        self.engine = Engine(model, continuous_batching_config, generation_config)
+        self.engine.runner.suspend()  # between rounds the model is the trainer's
+        self._closed = False
+        self._storage = _parameter_storage(model)
+        self._group_ids = itertools.count()
+        self.num_rounds = 0
+        self.set_policy_version(policy_version)
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The version that tags the tokens of the next round."""
+        return self.engine.policy_version
+
+    def set_policy_version(self, version: int) -> None:
+        """Tag what is sampled from now on with `version` (the weights changed in place: e.g. the global step).
+
+        Raises:
+            FieldError: a version below the current one (versions never go back).
+        """
+        if version != self.policy_version:
+            self.engine.update_weights({}, version=version, mode="keep", partial=True)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between `sleep()` and the next `wake()` (or `generate`)."""
+        return self.engine.kv_cache.is_released
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds on its device now (0 while sleeping)."""
+        return self.engine.kv_cache.nbytes
+
+    def sleep(self) -> None:
+        """Free the KV cache and the CUDA graphs until the next round (their memory goes back to torch's
+        allocator, for the training step to use). Idempotent."""
+        self._check_open()
+        self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
+        self.engine.kv_cache.release()
+        if self.engine.runner.decode_graphs is not None:
+            self.engine.runner.decode_graphs.release()
+
+    def wake(self) -> None:
+        """Allocate the KV cache again (zeroed); graphs are captured again as their batch sizes come. Idempotent."""
+        self._check_open()
+        self.engine.kv_cache.restore()
+
+    def close(self) -> None:
+        """Free the engine (KV cache, graphs, the fp32 projection hook). The model stays the caller's. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
+
+    def __enter__(self) -> ColocatedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- a round ----------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        groups: Iterable[PromptGroup],
+        *,
+        policy_version: int | None = None,
+        progress_bar: bool = False,
+    ) -> list[GroupResult]:
+        """Sample every group with the model's weights as they are now; one round.
+
+        Args:
+            groups: `PromptGroup`s (prompt ids, `n`, a `SamplingParams` or a dict of its fields, optional group id).
+            policy_version: set the version first (`set_policy_version`); None keeps the current one.
+            progress_bar: show a tqdm bar of finished samples.
+        Returns:
+            One `GroupResult` per group, in order; completions in sample order, each with its logprobs and
+            run-length encoded policy versions. A completion the engine ended with an error says so in its
+            `finish_reason` and `error`, as from a worker.
+        Raises:
+            FieldError: a bad group (named, with its position); nothing was generated.
+        """
+        self._check_open()
+        groups = list(groups)
+        requests = self._prepare(groups)
+        if policy_version is not None:
+            self.set_policy_version(policy_version)
+        if self.is_sleeping:
+            self.wake()
+        in_flight = {
+            request.group_id: GroupInFlight(b"", request.group_id, group.prompt_ids, group.n, False)
+            for request, group in zip(requests, groups)
+        }
+        results: dict[str, GroupResult] = {}
+        with self._round(), tqdm(total=sum(g.n for g in groups), disable=not progress_bar, unit="seq") as bar:
+            for request in requests:
+                self.engine.submit(request)
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    _, result = in_flight[output.group_id].absorb(output, self.engine.policy_version)
+                    bar.update(int(output.is_finished))
+                    if result is not None:
+                        results[result.group_id] = GroupResult(result.group_id, result.prompt_ids, result.completions)
+        self.num_rounds += 1
+        return [results[request.group_id] for request in requests]
+
+    def _prepare(self, groups: list[PromptGroup]) -> list[Request]:
+        """Each group checked and resolved into its leader request (nothing queued yet: a bad group loses nothing)."""
+        requests: list[Request] = []
+        seen: set[str] = set()
+        for index, group in enumerate(groups):
+            if not isinstance(group, PromptGroup):
+                raise FieldError(f"groups[{index}]", f"expected a PromptGroup, got {type(group).__name__}")
+            group_id = group.group_id if group.group_id is not None else f"colocated-{next(self._group_ids)}"
+            if group_id in seen:
+                raise FieldError(f"groups[{index}].group_id", f"{group_id!r} appears twice")
+            seen.add(group_id)
+            sampling = group.sampling
+            try:
+                if not isinstance(sampling, SamplingParams):
+                    sampling = SamplingParams.from_fields(sampling)
+                requests.append(self.engine.intake.prepare(group_id, group.prompt_ids, sampling, group.n))
+            except FieldError as error:
+                raise FieldError(f"groups[{index}].{error.field}", error.reason) from None
+        return requests
+
+    @contextlib.contextmanager
+    def _round(self) -> Iterator[None]:
+        """The model is the engine's for a round: parameters gathered (ZeRO-3) once, paged attention, eval mode;
+        afterwards everything is the trainer's again, even when the round failed."""
+        with gathered(list(self.model.parameters())):
+            storage = _parameter_storage(self.model)
+            if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
+                self._storage = storage
+                if self.engine.runner.decode_graphs is not None:
+                    self.engine.runner.decode_graphs.release()
+            self.engine.block_manager.reset_prefix_cache()  # the weights changed in place since the last round
+            self.engine.runner.resume()
+            try:
+                yield
+            finally:
+                try:
+                    self.engine.flush()
+                    for group_id in self.engine.open_group_ids():
+                        self.engine.cancel(group_id)  # a round that failed leaves nothing queued
+                finally:
+                    self.engine.runner.suspend()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ColocatedEngine is closed")
+
+
+def _parameter_storage(model: torch.nn.Module) -> list[int]:
+    """Where each parameter's data lives now."""
+    return [param.data_ptr() for param in model.parameters()]
