@@ -29,6 +29,12 @@ What `RolloutGeneration` does:
   ranks wait for each other (all of them call it at the same point), so none samples before the workers serve the
   new weights.
 
+Colocated (`rollout_mode="colocate"`, TRL's `vllm_mode="colocate"` without vLLM): each rank builds a
+`ColocatedEngine` on the model it trains (unwrapped from DDP / accelerate) and samples its own rows in its own
+process: no worker, no push. `ColocatedGeneration.sync_weights` only sets the next round's policy version (the global
+step); the engine reads the parameters as the optimizer left them. With `sleep_between_rounds=True` the KV cache is
+freed after each round, for the training step. IS correction, `sampling/*` and policy-lag metrics are as above.
+
 Multi-turn or tool rollouts: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)`
 samples through the workers (weights are synced before each call, as for vLLM). See
 `examples/multi_turn_rollout.py`.
@@ -38,19 +44,30 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trl
 from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from trainer_bridge.client import PromptGroup, RolloutClient, RolloutError
+from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
 from trainer_bridge.weight_sync import push_weights
 
-__all__ = ["SUPPORTED_TRL", "RolloutGRPOTrainer", "RolloutGeneration", "RolloutRows", "check_trl_internals"]
+if TYPE_CHECKING:
+    from trainer_bridge.colocated import ColocatedEngine
+
+__all__ = [
+    "ColocatedGeneration",
+    "SUPPORTED_TRL",
+    "RolloutGRPOTrainer",
+    "RolloutGeneration",
+    "RolloutRows",
+    "check_trl_internals",
+]
 
 SUPPORTED_TRL = (Version("1.16"), Version("1.17"))  # [low, high)
 
@@ -153,7 +170,7 @@ class RolloutGeneration:
                 groups[-1].n += 1
             else:
                 groups.append(PromptGroup(list(row), 1, dict(settings), f"grpo-{next(self._group_ids)}"))
-        results = {result.group_id: result for result in self.client.generate_many(groups)}
+        results = {result.group_id: result for result in self._generate_groups(groups)}
         ordered = [completion for group in groups for completion in results[group.group_id].completions]
         for completion in ordered:
             if completion.finish_reason not in ("stop", "length"):
@@ -165,6 +182,9 @@ class RolloutGeneration:
             [c.policy_versions for c in ordered],
             [c.finish_reason for c in ordered],
         )
+
+    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
+        return self.client.generate_many(groups)
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs [token][1], None) for the rows."""
@@ -191,6 +211,36 @@ class RolloutGeneration:
             self.trainer._metrics[mode]["rollout/policy_lag_max"].append(float(max(lags)))
 
 
+class ColocatedGeneration(RolloutGeneration):
+    """The same backend, colocated: each rank samples its rows with a `ColocatedEngine` on its own copy of the
+    trainer's model (the DDP / ZeRO-3 module itself, unwrapped): no worker, no push. The policy version of a round
+    is the global step."""
+
+    def __init__(self, trainer: GRPOTrainer, engine: ColocatedEngine, sleep_between_rounds: bool):
+        """
+        Args:
+            trainer: the GRPOTrainer.
+            engine: this rank's colocated engine.
+            sleep_between_rounds: free the KV cache after each round, for the training step (the next round
+                allocates it again).
+        """
+        super().__init__(trainer, None, 0)
+        self.engine = engine
+        self.sleep_between_rounds = sleep_between_rounds
+
+    def sync_weights(self) -> None:
+        """Nothing to send: the engine samples with the trainer's parameters; the next round is tagged with the
+        global step."""
+        self.engine.set_policy_version(self.base_version + self.trainer.state.global_step)
+
+    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
+        try:
+            return self.engine.generate(groups)
+        finally:
+            if self.sleep_between_rounds:
+                self.engine.sleep()
+
+
 def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: str) -> None:
     """A collective: the main process's outcome goes to every rank; all raise when it failed."""
     outcome: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
@@ -203,33 +253,73 @@ def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: 
 
 
 class RolloutGRPOTrainer(GRPOTrainer):
-    """`trl.GRPOTrainer` whose generation and weight sync go through rollout workers (see the module docstring)."""
+    """`trl.GRPOTrainer` whose generation goes through rollout: workers ("server", weights pushed each step) or an
+    engine in each rank's own process ("colocate"); see the module docstring."""
 
     def __init__(
         self,
         *args: Any,
-        rollout_workers: str | list[str] | RolloutClient,
+        rollout_workers: str | list[str] | RolloutClient | None = None,
+        rollout_mode: str = "server",
         rollout_push_kwargs: dict[str, Any] | None = None,
         rollout_client_kwargs: dict[str, Any] | None = None,
+        rollout_engine_config: Any = None,
+        sleep_between_rounds: bool = False,
         **kwargs: Any,
     ):
         """
         Args:
             *args, **kwargs: GRPOTrainer's (model, reward_funcs, args, train_dataset, processing_class,
-                rollout_func, ...). `args.use_vllm` must be False: the workers replace vLLM.
-            rollout_workers: worker address(es), or a RolloutClient (then used on every rank of this process).
-            rollout_push_kwargs: passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
-            rollout_client_kwargs: passed to `RolloutClient` when addresses are given (timeout, heartbeat_s, ...).
+                rollout_func, ...). `args.use_vllm` must be False: rollout replaces vLLM.
+            rollout_workers: "server" mode: worker address(es), or a RolloutClient (then used on every rank of
+                this process).
+            rollout_mode: "server" (rollout workers, weights pushed each step) or "colocate" (each rank generates
+                in its own process on the model it trains: nothing pushed). Mirrors TRL's `vllm_mode`.
+            rollout_push_kwargs: "server": passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
+            rollout_client_kwargs: "server": passed to `RolloutClient` when addresses are given.
+            rollout_engine_config: "colocate": the engine's ContinuousBatchingConfig (rollout's or transformers');
+                None: the defaults, with the KV cache at 30% of free GPU memory on CUDA (TRL's default
+                `vllm_gpu_memory_utilization` for colocated vLLM).
+            sleep_between_rounds: "colocate": free the KV cache after each generation round, so the training step
+                has its memory; the next round allocates it again.
+        Raises:
+            ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
         check_trl_internals()
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
+        _check_mode(
+            rollout_mode,
+            rollout_workers,
+            rollout_push_kwargs,
+            rollout_client_kwargs,
+            rollout_engine_config,
+            sleep_between_rounds,
+        )
         super().__init__(*args, **kwargs)
-        if isinstance(rollout_workers, RolloutClient):
-            client = rollout_workers
+        self.rollout_mode = rollout_mode
+        self.rollout_client: RolloutClient | None = None
+        if rollout_mode == "colocate":
+            from trainer_bridge.colocated import ColocatedEngine
+
+            model = self.accelerator.unwrap_model(self.model)
+            engine = ColocatedEngine(model, _colocated_config(rollout_engine_config, model))
+            self.rollout: RolloutGeneration = ColocatedGeneration(self, engine, sleep_between_rounds)
         else:
-            client = RolloutClient(rollout_workers, **(rollout_client_kwargs or {}))
+            self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
+        # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
+        # with rollout as the backend.
+        self.use_vllm = True
+        self.vllm_mode = "server"
+        self.vllm_generation = self.rollout
+        self._last_loaded_step = -1
+
+    def _server_generation(
+        self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
+    ) -> RolloutGeneration:
+        """The backend of "server" mode: this rank's client, and the policy version the workers start from."""
+        client = workers if isinstance(workers, RolloutClient) else RolloutClient(workers, **(client_kwargs or {}))
         self.rollout_client = client
         # The workers may have served other weights before: version base + step is this run's weights at `step`.
         # (A collective here, at construction, never inside generate.)
@@ -243,9 +333,37 @@ class RolloutGRPOTrainer(GRPOTrainer):
             broadcast_object_list(current, from_process=0)
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
-        self.rollout = RolloutGeneration(self, client, current[0] + 1, **(rollout_push_kwargs or {}))
-        # Route TRL through its vLLM code path, with the rollout workers as the backend.
-        self.use_vllm = True
-        self.vllm_mode = "server"
-        self.vllm_generation = self.rollout
-        self._last_loaded_step = -1
+        return RolloutGeneration(self, client, current[0] + 1, **(push_kwargs or {}))
+
+
+ROLLOUT_MODES = ("server", "colocate")
+
+
+def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool) -> None:
+    """Each setting belongs to one mode: a setting of the other mode would be silently ignored, so it is refused."""
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout_mode must be one of {list(ROLLOUT_MODES)}, got {mode!r}")
+    if mode == "server" and workers is None:
+        raise ValueError('rollout_mode="server" needs rollout_workers (addresses or a RolloutClient)')
+    other_mode = {
+        "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": bool(sleep)},
+        "colocate": {
+            "rollout_workers": workers is not None,
+            "rollout_push_kwargs": push is not None,
+            "rollout_client_kwargs": client is not None,
+        },
+    }[mode]
+    for name, given in other_mode.items():
+        if given:
+            raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")
+
+
+def _colocated_config(config: Any, model: Any) -> Any:
+    """The colocated engine's config: the caller's, else the defaults with the KV cache at 30% of free memory on
+    CUDA (the training step needs the rest)."""
+    if config is not None:
+        return config
+    from rollout.config import ContinuousBatchingConfig
+
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return ContinuousBatchingConfig(max_memory_percent=0.3) if on_cuda else None
