@@ -1,11 +1,14 @@
 """The main job: GRPO with TRL's GRPOTrainer generating through a rollout worker, on a fresh machine in under a minute.
 
     python examples/grpo_toy.py            # no arguments; about 45 s on a 2-core machine, worker start included
+    python examples/grpo_toy.py --colocate # the same task with no worker: generation in the trainer's process
 
 It starts a `rollout-worker` subprocess serving the built-in tiny model (a random Qwen3-style model built in code,
 nothing downloaded), builds the matching character-level tokenizer in code, and trains the same tiny model with
 `trainer_bridge.trl.RolloutGRPOTrainer`: completions come from the worker (with the logprob and policy version of
-every token), and the trainer pushes its weights to the worker before every generation round.
+every token), and the trainer pushes its weights to the worker before every generation round. With `--colocate`
+there is no worker: each generation round runs the engine in the trainer's process on the model being trained
+(`rollout_mode="colocate"`), nothing is pushed, and the KV cache is freed between rounds (`sleep_between_rounds`).
 
 The task: answer with lowercase letters only. The reward of a completion is the fraction of its tokens that are
 lowercase letters (26 of the model's 1024 token ids), so an untrained model scores about 0.03 and the reward rises
@@ -34,6 +37,7 @@ from datasets import Dataset  # noqa: E402
 from transformers.trainer_callback import ProgressCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
+from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_bridge import RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
@@ -90,7 +94,7 @@ class RewardLog(ProgressCallback):
             (self.training_bar.write if self.training_bar is not None else print)(line)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +104,7 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     top.plot(steps, [r["reward"] for r in rows], marker="o", markersize=3)
     top.set_ylabel("mean reward")
-    top.set_title("GRPO through a rollout worker (tiny model, letters-only task)")
+    top.set_title(f"GRPO {title} (tiny model, letters-only task)")
     bottom.plot(steps, [r["lag"] for r in rows], marker="o", markersize=3, color="tab:orange")
     bottom.set_ylabel("policy lag (steps)")
     bottom.set_xlabel("training step")
@@ -113,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
     parser.add_argument("--output-dir", default="grpo_toy_output", help="where the plot and trainer files go")
     parser.add_argument("--worker", default=None, help="use a running rollout-worker at this address instead")
+    parser.add_argument(
+        "--colocate", action="store_true", help="generate in the trainer's process on its own model (no worker)"
+    )
     args = parser.parse_args(argv)
+    if args.colocate and args.worker:
+        parser.error("--colocate runs no worker: it cannot be combined with --worker")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     random.seed(0)
@@ -122,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     address = args.worker or f"tcp://127.0.0.1:{free_port()}"
     started = time.perf_counter()
-    worker = None if args.worker else start_worker(address)
+    worker = None if args.worker or args.colocate else start_worker(address)
+    # colocated: the engine in this process (its cache sized like the worker's, 512 blocks of 16 tokens, and freed
+    # for every training step); else the worker's address
+    colocated = dict(rollout_engine_config=ContinuousBatchingConfig(num_blocks=512), sleep_between_rounds=True)
+    rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     try:
         prompts = ["".join(random.choices(string.ascii_letters + string.digits, k=8)) + ": " for _ in range(256)]
         config = GRPOConfig(
@@ -148,12 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             args=config,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
             processing_class=TOKENIZER,
-            rollout_workers=address,
+            **rollout,
         )
         trainer.remove_callback(ProgressCallback)  # RewardLog is the progress bar
         trainer.add_callback(log)
         trainer.train()
-        trainer.rollout_client.close()
+        if trainer.rollout_client is not None:
+            trainer.rollout_client.close()
     finally:
         if worker is not None:
             worker.terminate()
@@ -161,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     rewards = [r["reward"] for r in log.rows]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
-    plot(log.rows, output / "reward.png")
-    print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s with worker start)")
+    plot(log.rows, output / "reward.png", "colocated" if args.colocate else "through a rollout worker")
+    setup = "colocated, no worker" if args.colocate else "with worker start"
+    print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s, {setup})")
     print(f"plot: {output / 'reward.png'}")
     return 0 if last > first else 1
 

@@ -5,12 +5,24 @@ trained model, and what each rank of a 2-process (gloo) run generated and traine
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import textwrap
 
 import pytest
 import torch
-from test_trl import GREEDY_PROMPTS, IS_METRICS, TOKENIZER, dataset, grpo_config, hf_greedy, id_reward, train_logs
+from test_trl import (
+    GREEDY_PROMPTS,
+    IS_METRICS,
+    REPO,
+    TOKENIZER,
+    dataset,
+    grpo_config,
+    hf_greedy,
+    id_reward,
+    train_logs,
+)
 from transformers import TrainerCallback
 
 import trainer_bridge.trl as bridge
@@ -189,3 +201,26 @@ def test_the_model_it_trains_is_the_model_it_samples(tmp_path):
     engine_params = {p.data_ptr() for p in trainer.rollout.engine.model.parameters()}
     assert engine_params == {p.data_ptr() for p in model.parameters()}
     assert torch.equal(next(model.parameters()), next(tiny_model(0).parameters()))
+
+
+@pytest.mark.timeout(240)
+def test_grpo_toy_main_job_colocated(tmp_path, capsys):
+    """`python examples/grpo_toy.py --colocate`: the same task with no worker process; the reward rises as in
+    server mode."""
+    spec = importlib.util.spec_from_file_location("grpo_toy_colocated", REPO / "examples" / "grpo_toy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def no_worker(address):
+        raise AssertionError("--colocate started a worker")
+
+    module.start_worker = no_worker
+    assert module.main(["--colocate", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "colocated, no worker" in out
+    steps = re.findall(r"step\s+(\d+)\s+reward ([\d.]+)\s+policy lag ([\d.]+)", out)
+    assert [int(step) for step, _, _ in steps] == list(range(1, 101))
+    assert all(float(lag) == 0.0 for _, _, lag in steps)
+    (first, last) = re.search(r"mean reward, first 5 steps: ([\d.]+); last 5 steps: ([\d.]+)", out).groups()
+    assert float(last) - float(first) > 0.3, out[-2000:]
+    assert (tmp_path / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
