@@ -184,3 +184,36 @@ def test_bad_input_fails_by_name_and_loses_nothing():
         assert len(engine.generate(groups())) == 3
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(groups())
+
+
+def test_peft_model_samples_with_its_adapters_and_keeps_its_weights():
+    """A LoRA model generates as its merged weights do (peft's own merge_and_unload of a copy), not as its base
+    model; its weights, adapters included, are bit-identical after the round."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(0), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)  # adapters that change outputs
+    merged = copy.deepcopy(model).merge_and_unload()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    greedy = SamplingParams(do_sample=False, max_new_tokens=10, stop_token_ids=())
+    asked = [PromptGroup(prompt, 1, greedy) for prompt in PROMPTS]
+
+    def tokens(of: torch.nn.Module) -> list[list[int]]:
+        with ColocatedEngine(of, CONFIG) as engine:
+            return [result.completions[0].token_ids for result in engine.generate(asked)]
+
+    assert tokens(model) == tokens(merged) != tokens(tiny_model(0))
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def test_fsdp2_parameters_are_refused_by_name(monkeypatch):
+    """FSDP2 would gather at every decode step: refused at construction, pointing at server mode."""
+    import trainer_bridge.colocated as colocated
+
+    monkeypatch.setattr(colocated, "is_dtensor", lambda param: True)  # as every parameter of a fully_shard model
+    with pytest.raises(FieldError, match="FSDP2"):
+        ColocatedEngine(tiny_model(0), CONFIG)

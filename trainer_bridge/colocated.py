@@ -11,7 +11,8 @@ The engine shares the model's parameters: nothing is copied and nothing is pushe
 as torch's optimizers do it) is what the next round samples with. A round is one `generate` call: the model is the
 engine's for its length (eval mode, rollout's paged attention, inference mode) and exactly what the trainer had is
 back afterwards (training mode and attention implementation; gradient checkpointing and `use_cache` are never
-touched). Under DeepSpeed ZeRO-3 the parameters are gathered once for the whole round, not once per step.
+touched). Under DeepSpeed ZeRO-3 the parameters are gathered once for the whole round, not once per step; a PEFT
+model samples with its adapters active, its weights untouched; FSDP2 (DTensor) parameters are refused for now.
 
 `generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
 completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same
@@ -34,7 +35,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.request import Request
 from rollout.service.groups import GroupInFlight
 from trainer_bridge.calls import GroupResult, PromptGroup
-from trainer_bridge.gathering import gathered
+from trainer_bridge.gathering import gathered, is_dtensor
 
 __all__ = ["ColocatedEngine"]
 
@@ -52,8 +53,8 @@ class ColocatedEngine:
     ):
         """
         Args:
-            model: the trainer's causal LM, unwrapped (not the DDP / accelerate wrapper); its parameters are used
-                where they are, never copied.
+            model: the trainer's causal LM (or PEFT model), unwrapped (not the DDP / accelerate wrapper); its
+                parameters are used where they are, never copied.
             continuous_batching_config: engine settings (rollout's or transformers' ContinuousBatchingConfig, see
                 `rollout.Engine`); None: the defaults, whose KV cache takes 90% of free GPU memory: on the
                 trainer's GPU, set `max_memory_percent` or `num_blocks` to leave the training step its memory.
@@ -63,6 +64,12 @@ class ColocatedEngine:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
                 does not fit memory too), before any training step.
         """
+        if isinstance(model, torch.nn.Module) and any(is_dtensor(param) for param in model.parameters()):
+            raise FieldError(
+                "model",
+                "FSDP2-sharded (DTensor) parameters are not supported by ColocatedEngine yet (they would be gathered "
+                "at every decode step); use rollout workers (rollout_mode='server') for FSDP2 training",
+            )
         self.model = model
         self.engine = Engine(model, continuous_batching_config, generation_config)
         self.engine.runner.suspend()  # between rounds the model is the trainer's

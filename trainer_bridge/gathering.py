@@ -27,7 +27,7 @@ def _is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -50,7 +50,7 @@ def gathered(params: list[torch.Tensor]) -> Iterator[None]:
 
 def _full_copy(param: torch.Tensor) -> torch.Tensor:
     """A whole, detached copy of one parameter or buffer (gathered if sharded)."""
-    if _is_dtensor(param):
+    if is_dtensor(param):
         return param.full_tensor().detach()
     if _is_zero3(param):
         with gathered([param]):
@@ -146,7 +146,7 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
             known = adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
             if known and adapter not in layer.merged_adapters:
                 merged += layer.get_delta_weight(adapter).to(merged.dtype)
-        return merged.full_tensor() if _is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
+        return merged.full_tensor() if is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
 
 
 def entries_of(source: Any, accelerator: Any) -> list[Entry]:
