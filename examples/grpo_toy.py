@@ -24,7 +24,6 @@ import logging
 import os
 import random
 import socket
-import string
 import subprocess
 import sys
 import time
@@ -38,21 +37,11 @@ from transformers.trainer_callback import ProgressCallback  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_prompts  # noqa: E402
 from trainer_bridge import RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
-LETTERS = {TOKENIZER.convert_tokens_to_ids(c) for c in string.ascii_lowercase}
-
-
-def letter_reward(completions: list[str], completion_ids: list[list[int]], **_: object) -> list[float]:
-    """Fraction of the completion's tokens that are lowercase letters (the stop token does not count)."""
-    rewards = []
-    for ids in completion_ids:
-        ids = [t for t in ids if t != TOKENIZER.eos_token_id]
-        rewards.append(sum(t in LETTERS for t in ids) / max(len(ids), 1))
-    return rewards
 
 
 def free_port() -> int:
@@ -137,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     colocated = dict(rollout_engine_config=ContinuousBatchingConfig(num_blocks=512), sleep_between_rounds=True)
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     try:
-        prompts = ["".join(random.choices(string.ascii_letters + string.digits, k=8)) + ": " for _ in range(256)]
+        prompts = toy_prompts(256, seed=0)
         config = GRPOConfig(
             output_dir=str(output),
             max_steps=args.steps,

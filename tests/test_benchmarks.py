@@ -57,3 +57,21 @@ def test_grpo_benchmark_shares_each_groups_prompt(capsys):
     assert report["rollout tokens/s (n=8 groups, sampled)"].value == summary["rollout"]["tokens_per_s"]
     computed = f"prompt tokens computed (of {summary['prompt_tokens_without_sharing']} without sharing)"
     assert report[computed].value == summary["prompt_tokens_computed"]
+
+
+def test_grpo_step_benchmark_splits_each_step(capsys):
+    """rollout-bench grpo-step on CPU, one timed step each of the two rollout systems: each step splits into
+    generation + weight sync + training; colocated has nothing to push, server mode pushes every step."""
+    cli.main(["grpo-step", "--device", "cpu", "--steps", "1", "--systems", "rollout_colocate", "rollout_server"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["benchmark"] == "grpo-step" and summary["device"] == "cpu"
+    results = summary["results"]
+    assert set(results) == {"rollout_colocate", "rollout_server"}, results
+    for system, row in results.items():
+        assert "error" not in row, (system, row)
+        parts = row["generation_s"] + row["weight_sync_s"] + row["training_s"]
+        assert abs(parts - row["step_s"]) <= 0.002 and row["generation_s"] > 0 and row["training_s"] > 0
+        assert row["peak_memory_gib"] > 0 and row["steps"] == 1
+        assert any(line.startswith(system) for line in lines[:-1])  # its table row
+    assert results["rollout_colocate"]["weight_sync_s"] < 0.01 < results["rollout_server"]["weight_sync_s"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import gpu_report, grpo, load, service, throughput, weights
+from rollout.benchmarks import gpu_report, grpo, grpo_step, load, service, throughput, weights
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -66,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument(
         "--num-prompts", type=int, default=grpo.NUM_PROMPTS, help=f"groups to run (default: {grpo.NUM_PROMPTS})"
     )
+    gs = commands.add_parser(
+        "grpo-step",
+        help="whole GRPO steps of the main job: rollout colocated and server vs TRL's generate and generate_batch",
+        description=grpo_step.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gs.add_argument(
+        "--systems", nargs="+", choices=grpo_step.SYSTEMS, default=None, help="systems to run (default: all four)"
+    )
+    gs.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    gs.add_argument(
+        "--steps",
+        type=int,
+        default=grpo_step.STEPS,
+        help=f"timed steps per system, after {grpo_step.WARMUP_STEPS} warm-up steps (default: {grpo_step.STEPS})",
+    )
     load.add_arguments(
         commands.add_parser(
             "load",
@@ -94,7 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(gpu_report.main(args, parser))
     if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-    if args.command == "grpo":
+    if args.command == "grpo-step":
+        if args.steps < 1:
+            parser.error(f"--steps must be >= 1, got {args.steps}")
+        summary = grpo_step.run(args.systems, args.device, args.steps)
+    elif args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":
         summary = throughput.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import string
 
 import torch
@@ -108,3 +109,31 @@ def _random_model(config: Qwen3Config, seed: int, dtype: torch.dtype) -> PreTrai
         setattr(model.config, name, getattr(tokenizer, name))
         setattr(model.generation_config, name, getattr(tokenizer, name))
     return model.eval()
+
+
+# ---- the main job's task (examples/grpo_toy.py, rollout-bench grpo-step) -----------------------------------------
+def toy_prompts(count: int = 256, seed: int = 0) -> list[str]:
+    """The letters-only task's prompts: 8 random letters and digits, then ": "."""
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choices(string.ascii_letters + string.digits, k=8)) + ": " for _ in range(count)]
+
+
+def letter_reward(completion_ids: list[list[int]], **_: object) -> list[float]:
+    """The letters-only task's reward (a TRL reward function): the fraction of a completion's tokens that are
+    lowercase letters in `tiny_tokenizer()`'s vocabulary (its EOS does not count). An untrained tiny model scores
+    about 0.03."""
+    letters, eos = _letter_ids()
+    rewards = []
+    for ids in completion_ids:
+        ids = [t for t in ids if t != eos]
+        rewards.append(sum(t in letters for t in ids) / max(len(ids), 1))
+    return rewards
+
+
+@functools.cache
+def _letter_ids() -> tuple[frozenset[int], int]:
+    """(the lowercase letters' token ids, the EOS id) of `tiny_tokenizer()`."""
+    tokenizer = tiny_tokenizer()
+    return frozenset(tokenizer.convert_tokens_to_ids(c) for c in string.ascii_lowercase), tokenizer.eos_token_id

@@ -1,0 +1,245 @@
+"""`rollout-bench grpo-step`: whole GRPO steps (generation + rewards + loss + optimizer step) of the main job
+(`examples/grpo_toy.py`: the tiny model, the letters-only task, 16 rows of 8 samples per step, 16 new tokens),
+one system at a time, each in its own process, through TRL's own GRPOTrainer:
+
+- `rollout_colocate`: `RolloutGRPOTrainer(rollout_mode="colocate", sleep_between_rounds=True)`: the engine in the
+  trainer's process on the trainer's model, nothing pushed;
+- `rollout_server`: `RolloutGRPOTrainer(rollout_workers=...)` with a rollout-worker on the same device (started by
+  the benchmark; on CPU it gets one thread), weights pushed every step;
+- `trl_generate`: `GRPOTrainer` with `use_vllm=False`: transformers' `generate`;
+- `trl_generate_batch`: `GRPOTrainer` with `use_transformers_continuous_batching=True`: transformers'
+  `generate_batch`.
+
+Per system: the median seconds per step over the timed steps (after untimed warm-up steps), split into generation
+(TRL's `_generate_single_turn` without the weight sync inside it), weight sync (`sync_weights`: the push in server
+mode, nothing to send colocated) and training (the rest: rewards, logprob recomputation, loss, backward, optimizer
+step); and peak memory (CUDA: the trainer's peak allocated bytes; CPU: the trainer process's peak RSS, plus the
+worker's for server mode).
+
+GPU recipe: `rollout-bench grpo-step --device cuda` runs the same comparison on one GPU (worker and trainer share it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+SYSTEMS = ("rollout_colocate", "rollout_server", "trl_generate", "trl_generate_batch")
+STEPS, WARMUP_STEPS = 5, 2
+KV_BLOCKS = 512  # the main job's worker cache (512 blocks of 16 tokens), for both rollout systems
+
+
+def _config(output_dir: str, steps: int, device: str, **overrides: Any) -> Any:
+    """The main job's GRPOConfig."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=16,
+        learning_rate=3e-3,
+        beta=0.0,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=device == "cpu",
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+        **overrides,
+    )
+
+
+class _StepClock:
+    """Seconds per training step, and the generation and weight-sync seconds inside each."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._current: dict[str, float] = {}
+        self._started = 0.0
+
+    def callback(self) -> Any:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class StepTimes(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                clock._started, clock._current = time.perf_counter(), {"generation": 0.0, "weight_sync": 0.0}
+
+            def on_step_end(self, args, state, control, **kwargs):
+                _device_sync()
+                clock._current["step"] = time.perf_counter() - clock._started
+                clock.steps.append(clock._current)
+
+        return StepTimes()
+
+    def timed(self, name: str, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _device_sync()
+                self._current[name] = self._current.get(name, 0.0) + time.perf_counter() - started
+
+        return timed
+
+
+def _device_sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_STEPS) -> dict:
+    """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from rollout.config import ContinuousBatchingConfig
+    from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_prompts
+
+    torch.manual_seed(0)
+    model = tiny_model(0).to(device)
+    common = dict(reward_funcs=letter_reward, train_dataset=Dataset.from_dict({"prompt": toy_prompts(256, 0)}))
+    common["processing_class"] = tiny_tokenizer()
+    output = tempfile.mkdtemp(prefix="grpo_step_")
+    total = warmup + steps
+    worker = None
+    if system.startswith("rollout"):
+        from trainer_bridge.trl import RolloutGRPOTrainer
+
+        if system == "rollout_colocate":
+            rollout = dict(rollout_mode="colocate", sleep_between_rounds=True)
+            rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=KV_BLOCKS)
+        else:
+            worker, address = _start_worker(device)
+            rollout = dict(rollout_workers=address)
+        trainer = RolloutGRPOTrainer(model=model, args=_config(output, total, device), **common, **rollout)
+    elif system == "trl_generate":
+        trainer = GRPOTrainer(model=model, args=_config(output, total, device), **common)
+    elif system == "trl_generate_batch":
+        config = _config(output, total, device, use_transformers_continuous_batching=True)
+        trainer = GRPOTrainer(model=model, args=config, **common)
+    else:
+        raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS)}")
+    clock = _StepClock()
+    trainer.add_callback(clock.callback())
+    trainer._generate_single_turn = clock.timed("generation", trainer._generate_single_turn)
+    if system.startswith("rollout"):
+        trainer.rollout.sync_weights = clock.timed("weight_sync", trainer.rollout.sync_weights)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+        peak = _peak_memory_gib(device, worker)
+    finally:
+        if getattr(trainer, "rollout_client", None) is not None:
+            trainer.rollout_client.close()
+        if worker is not None:
+            worker.terminate()
+            worker.wait(30)
+    timed = clock.steps[warmup:]
+    medians = {name: statistics.median(step[name] for step in timed) for name in ("step", "generation", "weight_sync")}
+    return {
+        "step_s": round(medians["step"], 4),
+        "generation_s": round(medians["generation"] - medians["weight_sync"], 4),
+        "weight_sync_s": round(medians["weight_sync"], 4),
+        "training_s": round(medians["step"] - medians["generation"], 4),
+        "peak_memory_gib": round(peak, 3),
+        "steps": len(timed),
+    }
+
+
+def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
+    """A rollout-worker on the tiny preset on `device`, answering; (process, address)."""
+    from rollout.benchmarks.worker_probe import free_port, wait_answering
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", device, "--bind", address]
+    command += ["--num-blocks", str(KV_BLOCKS), "--log-level", "WARNING"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if device == "cpu" else None  # the trainer needs the other core
+    worker = subprocess.Popen(command, env=env)
+    wait_answering(address, 120, lambda: None if worker.poll() is None else f"exit code {worker.returncode}")
+    return worker, address
+
+
+def _peak_memory_gib(device: str, worker: subprocess.Popen | None) -> float:
+    """The trainer's peak (CUDA allocated bytes, or process RSS on CPU), plus the worker's peak RSS on CPU."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if worker is not None:
+        try:
+            with open(f"/proc/{worker.pid}/status") as status:
+                peak_kib += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            pass
+    return peak_kib / 2**20
+
+
+def run(systems: list[str] | None = None, device: str | None = None, steps: int = STEPS) -> dict:
+    """Each system in its own process; print the table and return the JSON-able summary (`rollout-bench` prints it).
+
+    Args:
+        systems: which to run (default: all four, in the order of `SYSTEMS`).
+        device: "cpu" or "cuda" (default: cuda when available).
+        steps: timed steps per system (after `WARMUP_STEPS` untimed ones).
+    """
+    import torch
+
+    from rollout.benchmarks.throughput import stage
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    results: dict[str, Any] = {}
+    for system in systems or SYSTEMS:
+        stage(f"grpo-step: {system} ({WARMUP_STEPS} + {steps} steps on {device})")
+        code = "import json, sys; from rollout.benchmarks.grpo_step import run_one; "
+        code += f"print(json.dumps(run_one({system!r}, {device!r}, {steps})))"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if done.returncode:
+            results[system] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+        else:
+            results[system] = json.loads(done.stdout.strip().splitlines()[-1])
+    summary = {"benchmark": "grpo-step", "device": device, "steps": steps, "warmup_steps": WARMUP_STEPS}
+    summary["results"] = results
+    print(table(summary))
+    return summary
+
+
+def table(summary: dict) -> str:
+    """The summary as a fixed-width table, with each system's step time against rollout colocated's."""
+    rows = summary["results"]
+    base = rows.get("rollout_colocate", {}).get("step_s")
+    lines = [
+        f"grpo-step on {summary['device']}: median of {summary['steps']} steps after {summary['warmup_steps']} warm-up",
+        f"{'system':<20}{'step s':>9}{'generation':>12}{'weight sync':>13}{'training':>10}{'peak GiB':>10}"
+        f"{'vs colocate':>13}",
+    ]
+    for system, row in rows.items():
+        if "error" in row:
+            lines.append(f"{system:<20} failed: {row['error']}")
+            continue
+        ratio = f"{row['step_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"{system:<20}{row['step_s']:>9.3f}{row['generation_s']:>12.3f}{row['weight_sync_s']:>13.3f}"
+            f"{row['training_s']:>10.3f}{row['peak_memory_gib']:>10.2f}{ratio:>13}"
+        )
+    return "\n".join(lines)
