@@ -318,3 +318,29 @@ def test_overlapped_steps_never_wait_for_the_device():
     for key, (tokens, logprobs, reason) in results[0].items():
         assert results[1][key][0] == tokens and results[1][key][2] == reason, key
         assert torch.allclose(torch.tensor(results[1][key][1]), torch.tensor(logprobs), atol=1e-5), key
+
+
+def test_colocated_sleep_returns_the_cache_and_graphs_come_back():
+    """ColocatedEngine on CUDA: sleep() lowers torch.cuda.memory_allocated by at least the KV cache's bytes; the
+    next round wakes the cache, captures its decode graphs again (they read the cache where it was) and generates the
+    same greedy tokens as before the sleep, on the trainer's own fp32 model, which comes back in training mode."""
+    from rollout import ContinuousBatchingConfig, SamplingParams
+    from trainer_bridge import ColocatedEngine, PromptGroup
+
+    model = small_qwen3(torch.float32).train()
+    greedy = SamplingParams(do_sample=False, max_new_tokens=24, stop_token_ids=())
+    groups = [PromptGroup([5 + i, 17, 300 + i, 9], 2, greedy) for i in range(4)]
+    with ColocatedEngine(model, ContinuousBatchingConfig(num_blocks=512)) as engine:
+        first = [[c.token_ids for c in r.completions] for r in engine.generate(groups)]
+        graphs = engine.engine.runner.decode_graphs
+        assert graphs is not None and graphs.captured  # decode ran through captured graphs
+        cache_bytes = engine.kv_cache_bytes
+        torch.cuda.synchronize()
+        awake = torch.cuda.memory_allocated()
+        engine.sleep()
+        torch.cuda.synchronize()
+        assert awake - torch.cuda.memory_allocated() >= cache_bytes
+        assert not graphs.captured
+        again = [[c.token_ids for c in r.completions] for r in engine.generate(groups)]
+        assert again == first and graphs.captured
+        assert model.training
