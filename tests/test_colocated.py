@@ -10,6 +10,7 @@ import copy
 import gc
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,7 @@ def test_a_round_leaves_the_trainers_model_as_it_was():
     checkpointing(model, "enable")()
     model.config.use_cache = True
     model.train()
+    model.model.embed_tokens.eval()  # a part the trainer keeps in eval mode: a round must not switch it on
     untouched = copy.deepcopy(model)
     before = {name: value.clone() for name, value in model.state_dict().items()}
     with ColocatedEngine(model, CONFIG) as engine:
@@ -96,6 +98,7 @@ def test_a_round_leaves_the_trainers_model_as_it_was():
         for name, value in model.state_dict().items():
             assert torch.equal(value, before[name]), name
         assert model.training and checkpointing(model, "is") and model.config.use_cache
+        assert [m.training for m in model.modules()] == [m.training for m in untouched.modules()]
         assert model.config._attn_implementation == "eager"
         loss, grads = training_loss(model)
         expected_loss, expected_grads = training_loss(untouched)
@@ -118,8 +121,12 @@ def test_weights_changed_in_place_are_sampled_at_the_next_round_with_their_versi
         with ColocatedEngine(copy.deepcopy(model), CONFIG) as fresh:  # the changed weights from scratch
             assert fresh.generate(greedy)[0].completions[0].token_ids == second.token_ids
         assert second.token_ids != first.token_ids
-        with pytest.raises(FieldError, match="version"):
-            engine.set_policy_version(2)
+        for bad in (2, None, True, 4.0, "5"):  # lower, or not an integer: refused by its name, nothing changes
+            with pytest.raises(FieldError, match="policy_version"):
+                engine.set_policy_version(bad)
+        assert engine.policy_version == 4
+        engine.set_policy_version(np.int64(6))  # an integer of another kind is an integer
+        assert engine.policy_version == 6
 
 
 def test_sleep_frees_the_cache_and_wake_restores_it_over_many_cycles():
@@ -180,6 +187,13 @@ def test_bad_input_fails_by_name_and_loses_nothing():
             engine.generate([groups()[0], PromptGroup([1, 2], 1, {"temperature": -1.0})])
         with pytest.raises(FieldError, match="appears twice"):
             engine.generate([groups()[0], groups()[0]])
+        with pytest.raises(FieldError, match=r"groups\[1\]\.sampling\.max_new_tokens"):  # the worker's names
+            engine.generate([groups()[0], PromptGroup([1, 2], 1, {"max_new_tokens": 10**9})])
+        for sampling in (None, "greedy"):
+            with pytest.raises(FieldError, match=r"groups\[0\]\.sampling: expected a SamplingParams"):
+                engine.generate([PromptGroup([1, 2], 1, sampling)])
+        with pytest.raises(FieldError, match="wrap it in a list"):
+            engine.generate(groups()[0])
         assert engine.engine.open_group_ids() == [] and engine.num_rounds == 0
         assert len(engine.generate(groups())) == 3
     with pytest.raises(RuntimeError, match="closed"):

@@ -30,7 +30,8 @@ from rollout.config import SamplingParams
 from rollout.service.presets import tiny_model
 from service_helpers import run_ranks
 from trainer_bridge import PromptGroup
-from trainer_bridge.trl import ColocatedGeneration, RolloutGRPOTrainer
+from trainer_bridge.trl import RolloutGRPOTrainer
+from trainer_bridge.trl_colocated import ColocatedGeneration
 
 
 class CacheAtOptimizerStep(TrainerCallback):
@@ -90,6 +91,30 @@ def test_grpo_steps_colocated_without_a_worker(tmp_path, monkeypatch):
     assert trained.training  # TRL's model is back in training mode after every round
 
 
+@pytest.mark.timeout(180)
+def test_mixed_precision_and_a_second_train_call(tmp_path):
+    """TRL's default bf16 mixed precision (accelerate's autocast around the fp32 model's forward) reaches the
+    engine's forwards too: the rounds sample without error, in the trainer's own numerics (IS ratio 1 within bf16
+    noise). A second `train()` starts the step count again: versions keep growing and the lag stays 0."""
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, bf16=True, max_steps=1),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+    )
+    trainer.train()
+    logs = train_logs(trainer)
+    trainer.train()  # each train() starts a new log history
+    logs += train_logs(trainer)
+    assert trainer.rollout.engine.num_rounds == 2 and trainer.rollout.engine.policy_version == 1
+    assert len(logs) == 2
+    for entry in logs:
+        assert abs(entry["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2, entry
+        assert entry["rollout/policy_lag_max"] == 0.0
+
+
 def test_each_setting_belongs_to_its_mode(tmp_path):
     """A setting of the other mode would have no effect: refused by name before the trainer is built."""
     common = dict(model=None, reward_funcs=id_reward, args=grpo_config(tmp_path))
@@ -97,6 +122,7 @@ def test_each_setting_belongs_to_its_mode(tmp_path):
         (dict(rollout_mode="vllm"), "rollout_mode must be one of"),
         (dict(), 'rollout_mode="server" needs rollout_workers'),
         (dict(rollout_workers="tcp://x:1", sleep_between_rounds=True), "sleep_between_rounds has no effect"),
+        (dict(rollout_workers="tcp://x:1", sleep_between_rounds=False), "sleep_between_rounds has no effect"),
         (dict(rollout_workers="tcp://x:1", rollout_engine_config={}), "rollout_engine_config has no effect"),
         (dict(rollout_mode="colocate", rollout_workers="tcp://x:1"), "rollout_workers has no effect"),
         (dict(rollout_mode="colocate", rollout_push_kwargs={}), "rollout_push_kwargs has no effect"),

@@ -23,8 +23,11 @@ read it where it was); the next `generate` wakes it (`wake()` does it ahead of t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -39,6 +42,8 @@ from trainer_bridge.gathering import gathered, is_dtensor
 
 __all__ = ["ColocatedEngine"]
 
+_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
+
 
 class ColocatedEngine:
     """The continuous-batching engine on a model the caller trains (see the module docstring)."""
@@ -50,6 +55,7 @@ class ColocatedEngine:
         generation_config: Any = None,
         *,
         policy_version: int = 0,
+        round_context: Callable[[], AbstractContextManager] | None = None,
     ):
         """
         Args:
@@ -60,17 +66,16 @@ class ColocatedEngine:
                 trainer's GPU, set `max_memory_percent` or `num_blocks` to leave the training step its memory.
             generation_config: default sampling settings (a `transformers.GenerationConfig`), as for `Engine`.
             policy_version: the version of the weights now (e.g. the trainer's global step).
+            round_context: makes a context manager entered around each round, in place of the default (ZeRO-3
+                parameters gathered for the round): the TRL integration passes TRL's own
+                `unwrap_model_for_generation`, which also lifts DeepSpeed's per-module hooks for the round.
         Raises:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
                 does not fit memory too), before any training step.
         """
-        if isinstance(model, torch.nn.Module) and any(is_dtensor(param) for param in model.parameters()):
-            raise FieldError(
-                "model",
-                "FSDP2-sharded (DTensor) parameters are not supported by ColocatedEngine yet (they would be gathered "
-                "at every decode step); use rollout workers (rollout_mode='server') for FSDP2 training",
-            )
+        _refuse_fsdp2(model)
         self.model = model
+        self._round_context = round_context
         self.engine = Engine(model, continuous_batching_config, generation_config)
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False
@@ -89,10 +94,17 @@ class ColocatedEngine:
         """Tag what is sampled from now on with `version` (the weights changed in place: e.g. the global step).
 
         Raises:
-            FieldError: a version below the current one (versions never go back).
+            FieldError: ("policy_version") not an integer, or below the current version (versions never go back),
+                or past int64.
         """
+        if isinstance(version, bool) or not hasattr(version, "__index__"):
+            raise FieldError("policy_version", f"must be an integer, got {version!r}")
+        version = operator.index(version)  # numpy integers too
         if version != self.policy_version:
-            self.engine.update_weights({}, version=version, mode="keep", partial=True)
+            try:
+                self.engine.update_weights({}, version=version, mode="keep", partial=True)
+            except FieldError as error:
+                raise FieldError("policy_version", error.reason) from None
 
     @property
     def is_sleeping(self) -> bool:
@@ -152,18 +164,18 @@ class ColocatedEngine:
             FieldError: a bad group (named, with its position); nothing was generated.
         """
         self._check_open()
+        if isinstance(groups, PromptGroup):
+            raise FieldError("groups", "expected a list of PromptGroup, got one PromptGroup (wrap it in a list)")
         groups = list(groups)
         requests = self._prepare(groups)
         if policy_version is not None:
             self.set_policy_version(policy_version)
         if self.is_sleeping:
             self.wake()
-        in_flight = {
-            request.group_id: GroupInFlight(b"", request.group_id, group.prompt_ids, group.n, False)
-            for request, group in zip(requests, groups)
-        }
+        in_flight = {r.group_id: GroupInFlight(b"", r.group_id, r.prompt_ids, r.num_forks + 1, False) for r in requests}
+        samples = sum(r.num_forks + 1 for r in requests)
         results: dict[str, GroupResult] = {}
-        with self._round(), tqdm(total=sum(g.n for g in groups), disable=not progress_bar, unit="seq") as bar:
+        with self._round(), tqdm(total=samples, disable=not progress_bar, unit="seq") as bar:
             for request in requests:
                 self.engine.submit(request)
             while self.engine.has_unfinished():
@@ -188,18 +200,25 @@ class ColocatedEngine:
             seen.add(group_id)
             sampling = group.sampling
             try:
-                if not isinstance(sampling, SamplingParams):
+                if isinstance(sampling, dict):
                     sampling = SamplingParams.from_fields(sampling)
+                elif not isinstance(sampling, SamplingParams):
+                    kind = type(sampling).__name__
+                    raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
                 requests.append(self.engine.intake.prepare(group_id, group.prompt_ids, sampling, group.n))
             except FieldError as error:
-                raise FieldError(f"groups[{index}].{error.field}", error.reason) from None
+                # The worker's names: a sampling setting is "sampling.<field>".
+                field = f"sampling.{error.field}" if error.field in _SAMPLING_FIELDS else error.field
+                raise FieldError(f"groups[{index}].{field}", error.reason) from None
         return requests
 
     @contextlib.contextmanager
     def _round(self) -> Iterator[None]:
         """The model is the engine's for a round: parameters gathered (ZeRO-3) once, paged attention, eval mode;
         afterwards everything is the trainer's again, even when the round failed."""
-        with gathered(list(self.model.parameters())):
+        _refuse_fsdp2(self.model)  # sharded after construction (a Trainer prepares its model in train())
+        context = self._round_context() if self._round_context else gathered(list(self.model.parameters()))
+        with context:
             storage = _parameter_storage(self.model)
             if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
                 self._storage = storage
@@ -225,3 +244,13 @@ class ColocatedEngine:
 def _parameter_storage(model: torch.nn.Module) -> list[int]:
     """Where each parameter's data lives now."""
     return [param.data_ptr() for param in model.parameters()]
+
+
+def _refuse_fsdp2(model: Any) -> None:
+    """FSDP2 would gather every parameter at every decode step (and its hooks expect training forwards): refused."""
+    if isinstance(model, torch.nn.Module) and any(is_dtensor(param) for param in model.parameters()):
+        raise FieldError(
+            "model",
+            "FSDP2-sharded (DTensor) parameters are not supported by ColocatedEngine yet (they would be gathered "
+            "at every decode step); use rollout workers (rollout_mode='server') for FSDP2 training",
+        )

@@ -24,7 +24,9 @@ HONOURED = (
     "max_completion_length",
     "generation_kwargs",
 )
-# Settings of the vLLM engine (or server) that rollout workers replace: they change no token.
+# Settings of the vLLM engine (or server) that rollout replaces: they change no token. (In rollout_mode="colocate"
+# vllm_gpu_memory_utilization sizes the KV cache on CUDA and vllm_enable_sleep_mode turns sleep_between_rounds on:
+# see RolloutGRPOTrainer.)
 NO_EFFECT = (
     "vllm_mode",
     "vllm_server_base_url",
@@ -44,8 +46,8 @@ NO_EFFECT = (
 # Fields rollout cannot honour, with their harmless value and why.
 REFUSED = {
     "vllm_structured_outputs_regex": (None, "structured (regex-constrained) outputs are not supported by rollout"),
-    "use_transformers_continuous_batching": (False, "RolloutGRPOTrainer generates through rollout workers"),
-    "use_transformers_paged": (False, "RolloutGRPOTrainer generates through rollout workers"),
+    "use_transformers_continuous_batching": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
+    "use_transformers_paged": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
 }
 # vLLM SamplingParams spellings in generation_kwargs -> rollout's.
 VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}

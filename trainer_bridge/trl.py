@@ -46,7 +46,7 @@ import inspect
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trl
 from accelerate.utils import broadcast_object_list
@@ -57,11 +57,7 @@ from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, Rollo
 from trainer_bridge.grpo_sampling import grpo_sampling
 from trainer_bridge.weight_sync import push_weights
 
-if TYPE_CHECKING:
-    from trainer_bridge.colocated import ColocatedEngine
-
 __all__ = [
-    "ColocatedGeneration",
     "SUPPORTED_TRL",
     "RolloutGRPOTrainer",
     "RolloutGeneration",
@@ -130,9 +126,19 @@ class RolloutGeneration:
         self.trainer = trainer
         self.client = client
         self.base_version = base_version
+        self._last_version: int | None = None  # the version the last sync set
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
+
+    def _next_version(self) -> int:
+        """The version of the weights a sync makes current: base + global step, and after the first sync always
+        above the last one (a new `train()` or a resumed checkpoint starts the step count again; the base moves)."""
+        step = self.trainer.state.global_step
+        if self._last_version is not None and self.base_version + step <= self._last_version:
+            self.base_version = self._last_version + 1 - step
+        self._last_version = self.base_version + step
+        return self._last_version
 
     def sync_weights(self) -> None:
         """Push the trainer's weights (every rank calls this; only the main process sends)."""
@@ -143,7 +149,7 @@ class RolloutGeneration:
             push_weights(
                 self.client if main else None,
                 trainer.model_wrapped,
-                version=self.base_version + trainer.state.global_step,
+                version=self._next_version(),
                 accelerator=trainer.accelerator,
                 **self.push_kwargs,
             )
@@ -211,36 +217,6 @@ class RolloutGeneration:
             self.trainer._metrics[mode]["rollout/policy_lag_max"].append(float(max(lags)))
 
 
-class ColocatedGeneration(RolloutGeneration):
-    """The same backend, colocated: each rank samples its rows with a `ColocatedEngine` on its own copy of the
-    trainer's model (the DDP / ZeRO-3 module itself, unwrapped): no worker, no push. The policy version of a round
-    is the global step."""
-
-    def __init__(self, trainer: GRPOTrainer, engine: ColocatedEngine, sleep_between_rounds: bool):
-        """
-        Args:
-            trainer: the GRPOTrainer.
-            engine: this rank's colocated engine.
-            sleep_between_rounds: free the KV cache after each round, for the training step (the next round
-                allocates it again).
-        """
-        super().__init__(trainer, None, 0)
-        self.engine = engine
-        self.sleep_between_rounds = sleep_between_rounds
-
-    def sync_weights(self) -> None:
-        """Nothing to send: the engine samples with the trainer's parameters; the next round is tagged with the
-        global step."""
-        self.engine.set_policy_version(self.base_version + self.trainer.state.global_step)
-
-    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
-        try:
-            return self.engine.generate(groups)
-        finally:
-            if self.sleep_between_rounds:
-                self.engine.sleep()
-
-
 def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: str) -> None:
     """A collective: the main process's outcome goes to every rank; all raise when it failed."""
     outcome: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
@@ -264,7 +240,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         rollout_push_kwargs: dict[str, Any] | None = None,
         rollout_client_kwargs: dict[str, Any] | None = None,
         rollout_engine_config: Any = None,
-        sleep_between_rounds: bool = False,
+        sleep_between_rounds: bool | None = None,
         **kwargs: Any,
     ):
         """
@@ -278,10 +254,10 @@ class RolloutGRPOTrainer(GRPOTrainer):
             rollout_push_kwargs: "server": passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
             rollout_client_kwargs: "server": passed to `RolloutClient` when addresses are given.
             rollout_engine_config: "colocate": the engine's ContinuousBatchingConfig (rollout's or transformers');
-                None: the defaults, with the KV cache at 30% of free GPU memory on CUDA (TRL's default
-                `vllm_gpu_memory_utilization` for colocated vLLM).
+                None: the defaults, with the KV cache at `GRPOConfig.vllm_gpu_memory_utilization` of free memory on
+                CUDA (TRL's default 0.3; on CPU the engine's default).
             sleep_between_rounds: "colocate": free the KV cache after each generation round, so the training step
-                has its memory; the next round allocates it again.
+                has its memory; the next round allocates it again. None: `GRPOConfig.vllm_enable_sleep_mode`.
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
@@ -301,11 +277,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
         if rollout_mode == "colocate":
-            from trainer_bridge.colocated import ColocatedEngine
+            from trainer_bridge.trl_colocated import colocated_generation
 
-            model = self.accelerator.unwrap_model(self.model)
-            engine = ColocatedEngine(model, _colocated_config(rollout_engine_config, model))
-            self.rollout: RolloutGeneration = ColocatedGeneration(self, engine, sleep_between_rounds)
+            self.rollout: RolloutGeneration = colocated_generation(self, rollout_engine_config, sleep_between_rounds)
         else:
             self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
@@ -314,6 +288,13 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self.vllm_mode = "server"
         self.vllm_generation = self.rollout
         self._last_loaded_step = -1
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`GRPOTrainer.train`, syncing at its first generation round even when the step count starts where an
+        earlier `train()` left off it (TRL syncs only when the step changed: a second run would sample, or push,
+        nothing new)."""
+        self._last_loaded_step = -1
+        return super().train(*args, **kwargs)
 
     def _server_generation(
         self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
@@ -339,14 +320,14 @@ class RolloutGRPOTrainer(GRPOTrainer):
 ROLLOUT_MODES = ("server", "colocate")
 
 
-def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool) -> None:
+def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool | None) -> None:
     """Each setting belongs to one mode: a setting of the other mode would be silently ignored, so it is refused."""
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {list(ROLLOUT_MODES)}, got {mode!r}")
     if mode == "server" and workers is None:
         raise ValueError('rollout_mode="server" needs rollout_workers (addresses or a RolloutClient)')
     other_mode = {
-        "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": bool(sleep)},
+        "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": sleep is not None},
         "colocate": {
             "rollout_workers": workers is not None,
             "rollout_push_kwargs": push is not None,
@@ -356,14 +337,3 @@ def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: 
     for name, given in other_mode.items():
         if given:
             raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")
-
-
-def _colocated_config(config: Any, model: Any) -> Any:
-    """The colocated engine's config: the caller's, else the defaults with the KV cache at 30% of free memory on
-    CUDA (the training step needs the rest)."""
-    if config is not None:
-        return config
-    from rollout.config import ContinuousBatchingConfig
-
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    return ContinuousBatchingConfig(max_memory_percent=0.3) if on_cuda else None

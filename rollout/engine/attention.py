@@ -233,12 +233,14 @@ def _paged_attention(
     cache = metadata.kv_cache
     cache.write(layer_idx, metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     key_cache, value_cache = cache.layer(layer_idx)
-    tokens = query[0].transpose(0, 1)  # (T, H, D)
+    # Attention runs in the cache's dtype; under autocast (a trainer's mixed precision) the queries come in the
+    # autocast dtype, and the output goes back in it.
+    tokens = query[0].transpose(0, 1).to(key_cache.dtype)  # (T, H, D)
     if metadata.triton_plan is not None:
         from rollout.engine.triton_attention import paged_attention
 
         output = paged_attention(tokens, key_cache, value_cache, metadata.triton_plan, scaling, sliding_window, softcap)
-        return output.unsqueeze(0), None
+        return output.to(query.dtype).unsqueeze(0), None
     output = torch.empty_like(tokens)
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
@@ -250,8 +252,8 @@ def _paged_attention(
         targets, result = group.query_index.flatten(), result.flatten(0, 1)
         if group.valid_rows is not None:
             targets, result = targets.index_select(0, group.valid_rows), result.index_select(0, group.valid_rows)
-        output.index_copy_(0, targets, result)
-    return output.unsqueeze(0), None
+        output.index_copy_(0, targets, result.to(output.dtype))
+    return output.to(query.dtype).unsqueeze(0), None
 
 
 def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

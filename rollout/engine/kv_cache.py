@@ -68,7 +68,8 @@ def resolve_num_blocks(
     `max_num_seqs` sequences of `max_model_len` tokens could ever use.
 
     Raises:
-        ValueError: when not even one block fits.
+        FieldError: ("num_blocks") the blocks asked for do not fit the device's free memory; ("max_memory_percent")
+            not even one block fits.
     """
     per_block = shape.bytes_per_block(config.block_size, dtype)
     if config.num_blocks is not None:
@@ -163,10 +164,11 @@ class PagedKVCache:
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the keys/values of new tokens ((tokens, kv_heads, head_dim) each) at flat slot indices."""
+        """Store the keys/values of new tokens ((tokens, kv_heads, head_dim) each) at flat slot indices, in the
+        cache's dtype (under autocast, e.g. a trainer's bf16 mixed precision, they come in the autocast dtype)."""
         flat = (-1, self.shape.num_kv_heads, self.shape.head_dim)
-        self.kv[layer_idx, 0].view(flat).index_copy_(0, slots, key)
-        self.kv[layer_idx, 1].view(flat).index_copy_(0, slots, value)
+        self.kv[layer_idx, 0].view(flat).index_copy_(0, slots, key.to(self.kv.dtype))
+        self.kv[layer_idx, 1].view(flat).index_copy_(0, slots, value.to(self.kv.dtype))
 
     def _index(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = zip(*pairs)

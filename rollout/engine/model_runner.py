@@ -71,16 +71,10 @@ class ModelRunner:
         self.block_tables = BlockTables()
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
         self.device = next(model.parameters()).device
-        _acquire(model)
         self._closed = False
-        # With fp32_logits the output projection runs in fp32 in this runner's forwards: the hook stays put for the
-        # runner's life (one added per call would invalidate compiled code) and acts only inside a step.
-        head = model.get_output_embeddings() if config.fp32_logits else None
         self._fp32_hook = None
         self._in_step = False  # the hook projects only in this runner's forwards, not in other users' of the model
         self._suspended = False  # the model was given back by suspend()
-        if head is not None and head.weight.dtype != torch.float32:
-            self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -98,6 +92,13 @@ class ModelRunner:
                     "CUDA graphs need the Triton attention kernels (attention_backend 'triton', or 'auto' with "
                     "triton installed and a power-of-two block_size >= 16)",
                 )
+        # Last, once nothing above can fail: a runner that was not built leaves the model as it found it.
+        # With fp32_logits the output projection runs in fp32 in this runner's forwards: the hook stays put for the
+        # runner's life (one added per call would invalidate compiled code) and acts only inside a step.
+        head = model.get_output_embeddings() if config.fp32_logits else None
+        if head is not None and head.weight.dtype != torch.float32:
+            self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
+        _acquire(model)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
         """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
@@ -333,7 +334,9 @@ class _Holder:
 
     engines: int
     attn_implementation: str
-    was_training: bool
+    # Every submodule's own training flag: a trainer may keep parts in eval mode (frozen embeddings, say), which
+    # model.train(True) would switch on again.
+    training_flags: list[tuple[torch.nn.Module, bool]]
 
 
 _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
@@ -342,7 +345,8 @@ _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyD
 def _acquire(model: torch.nn.Module) -> None:
     holder = _HOLDERS.get(model)
     if holder is None:
-        holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, model.training)
+        flags = [(module, module.training) for module in model.modules()]
+        holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, flags)
         model.set_attn_implementation(register_paged_attention())
         model.eval()
     holder.engines += 1
@@ -354,4 +358,5 @@ def _release(model: torch.nn.Module) -> None:
     if holder.engines == 0:
         del _HOLDERS[model]
         model.set_attn_implementation(holder.attn_implementation)
-        model.train(holder.was_training)
+        for module, training in holder.training_flags:
+            module.training = training

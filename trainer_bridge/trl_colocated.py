@@ -1,0 +1,73 @@
+"""`RolloutGRPOTrainer(rollout_mode="colocate")`: TRL's generation backend replaced by a `ColocatedEngine` on each
+rank's own model (see `trainer_bridge.trl` for the server mode this mirrors, and `trainer_bridge.colocated` for the
+engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+
+from rollout.config import ContinuousBatchingConfig
+from trainer_bridge.client import GroupResult, PromptGroup
+from trainer_bridge.colocated import ColocatedEngine
+from trainer_bridge.trl import RolloutGeneration
+
+if TYPE_CHECKING:
+    from trainer_bridge.trl import RolloutGRPOTrainer
+
+__all__ = ["ColocatedGeneration", "colocated_generation"]
+
+
+class ColocatedGeneration(RolloutGeneration):
+    """The same backend, colocated: each rank samples its rows with a `ColocatedEngine` on the model it trains (the
+    module inside the DDP / ZeRO-3 wrapper, not a copy): no worker, no push. The policy version of a round is the
+    global step (shifted up when a new `train()` or a resumed checkpoint starts the count below it again)."""
+
+    def __init__(self, trainer: GRPOTrainer, engine: ColocatedEngine, sleep_between_rounds: bool):
+        """
+        Args:
+            trainer: the GRPOTrainer.
+            engine: this rank's colocated engine.
+            sleep_between_rounds: free the KV cache after each round, for the training step (the next round
+                allocates it again).
+        """
+        super().__init__(trainer, None, 0)
+        self.engine = engine
+        self.sleep_between_rounds = sleep_between_rounds
+
+    def sync_weights(self) -> None:
+        """Nothing to send: the engine samples with the trainer's parameters; the next round is tagged with the
+        global step."""
+        self.engine.set_policy_version(self._next_version())
+
+    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
+        try:
+            return self.engine.generate(groups)
+        finally:
+            if self.sleep_between_rounds:
+                self.engine.sleep()
+
+
+def colocated_generation(trainer: RolloutGRPOTrainer, engine_config: Any, sleep: bool | None) -> ColocatedGeneration:
+    """The backend of "colocate" mode: an engine on this rank's model; each round runs inside TRL's own
+    `unwrap_model_for_generation` (ZeRO-3 gathered once, DeepSpeed's hooks lifted, as TRL generates)."""
+    if trainer.is_fsdp_enabled:
+        raise ValueError("rollout_mode='colocate' does not support FSDP yet: use rollout workers (server mode)")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    args = trainer.args
+    if engine_config is None and next(model.parameters()).device.type == "cuda":
+        engine_config = ContinuousBatchingConfig(max_memory_percent=args.vllm_gpu_memory_utilization)
+
+    def round_context() -> Any:
+        return unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        )
+
+    engine = ColocatedEngine(model, engine_config, round_context=round_context)
+    return ColocatedGeneration(trainer, engine, args.vllm_enable_sleep_mode if sleep is None else sleep)
