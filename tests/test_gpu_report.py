@@ -66,6 +66,7 @@ def test_every_section_is_a_valid_command_of_the_issue():
     bench = {name: parser.parse_args(list(s.argv[3:])) for name, s in chosen.items() if not s.tests}
     assert bench["throughput"].workload == "nano" and bench["throughput"].details
     assert bench["grpo"].device == "cuda" and not bench["grpo"].no_transformers
+    assert bench["grpo-step"].device == "cuda" and bench["grpo-step"].systems is None  # all four
     weights = bench["weights"]
     assert (weights.device, weights.dtype, weights.size_mb) == ("cuda", "bfloat16", 1200)
     assert weights.transports == ["frames", "shm"]

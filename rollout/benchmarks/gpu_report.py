@@ -55,6 +55,13 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
         ),
         Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 240, benchmark="grpo"),
         Section(
+            "grpo-step",
+            "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
+            (*bench, "grpo-step", "--device", "cuda"),
+            420,
+            benchmark="grpo-step",
+        ),
+        Section(
             "weights",
             "weights into a GPU worker",
             (*bench, "weights", "--device", "cuda", "--dtype", "bfloat16", "--size-mb", "1200")

@@ -171,6 +171,29 @@ def _grpo_rows(result: SectionResult) -> list[Row]:
     ]
 
 
+def _grpo_step_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    rows = []
+    for system in ("rollout_colocate", "rollout_server", "trl_generate", "trl_generate_batch"):
+        for part in ("step", "generation", "weight_sync"):
+            value = _get(data, "results", system, f"{part}_s")
+            rows.append(_number(name, f"{system}: {part.replace('_', ' ')} s", value, ".3f", unit=" s"))
+    colocated = _get(data, "results", "rollout_colocate", "generation_s")
+    colocated_step = _get(data, "results", "rollout_colocate", "step_s")
+    for system, goal in (("trl_generate", 3.0), ("trl_generate_batch", 2.0)):
+        theirs = _get(data, "results", system, "generation_s")
+        ratio = theirs / colocated if _positive(theirs, colocated) else None
+        rows.append(_number(name, f"generation: {system} / colocated", ratio, ".2f", Goal(">=", goal, "x"), "x"))
+        theirs = _get(data, "results", system, "step_s")
+        ratio = theirs / colocated_step if _positive(theirs, colocated_step) else None
+        rows.append(_number(name, f"whole step: {system} / colocated", ratio, ".2f", Goal(">=", 1.0, "x"), "x"))
+    return rows
+
+
+def _positive(*values: Any) -> bool:
+    return all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)
+
+
 def _weights_rows(result: SectionResult) -> list[Row]:
     data, name = result.data, result.name
     size = _get(data, "bytes")
@@ -191,6 +214,7 @@ ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
     "kernel-tests": _tests_rows,
     "throughput": _throughput_rows,
     "grpo": _grpo_rows,
+    "grpo-step": _grpo_step_rows,
     "weights": _weights_rows,
 }
 
