@@ -34,10 +34,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers.trainer_callback import ProgressCallback  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
-from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_prompts  # noqa: E402
+from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_grpo_config, toy_prompts  # noqa: E402
 from trainer_bridge import RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
@@ -127,22 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     try:
         prompts = toy_prompts(256, seed=0)
-        config = GRPOConfig(
-            output_dir=str(output),
-            max_steps=args.steps,
-            per_device_train_batch_size=16,
-            num_generations=8,
-            max_completion_length=16,
-            learning_rate=3e-3,
-            beta=0.0,
-            temperature=1.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            bf16=False,  # fp32 on both sides: the trainer's logprobs then match the worker's (see sampling/*)
-            seed=0,
-        )
+        config = toy_grpo_config(str(output), args.steps)  # fp32 on both sides: logprobs match (sampling/*)
         log = RewardLog()
         trainer = RolloutGRPOTrainer(
             model=tiny_model(0),

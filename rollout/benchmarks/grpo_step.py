@@ -36,27 +36,10 @@ KV_BLOCKS = 512  # the main job's worker cache (512 blocks of 16 tokens), for bo
 
 
 def _config(output_dir: str, steps: int, device: str, **overrides: Any) -> Any:
-    """The main job's GRPOConfig."""
-    from trl import GRPOConfig
+    """The main job's GRPOConfig, quiet."""
+    from rollout.service.presets import toy_grpo_config
 
-    return GRPOConfig(
-        output_dir=output_dir,
-        max_steps=steps,
-        per_device_train_batch_size=16,
-        num_generations=8,
-        max_completion_length=16,
-        learning_rate=3e-3,
-        beta=0.0,
-        temperature=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=device == "cpu",
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-        **overrides,
-    )
+    return toy_grpo_config(output_dir, steps, use_cpu=device == "cpu", disable_tqdm=True, **overrides)
 
 
 class _StepClock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import string
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -112,6 +113,37 @@ def _random_model(config: Qwen3Config, seed: int, dtype: torch.dtype) -> PreTrai
 
 
 # ---- the main job's task (examples/grpo_toy.py, rollout-bench grpo-step) -----------------------------------------
+def toy_grpo_config(output_dir: str, max_steps: int, use_cpu: bool = True, **overrides: Any) -> Any:
+    """The main job's `trl.GRPOConfig`: 16 rows of 8 samples per step, 16 new tokens, temperature 1, fp32 (the
+    trainer's logprobs then match rollout's: see the sampling/* metrics).
+
+    Args:
+        output_dir: the trainer's output folder.
+        max_steps: training steps.
+        use_cpu: train on the CPU.
+        **overrides: other GRPOConfig fields.
+    """
+    from trl import GRPOConfig
+
+    settings = dict(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=16,
+        learning_rate=3e-3,
+        beta=0.0,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=use_cpu,
+        bf16=False,
+        seed=0,
+    )
+    return GRPOConfig(**{**settings, **overrides})
+
+
 def toy_prompts(count: int = 256, seed: int = 0) -> list[str]:
     """The letters-only task's prompts: 8 random letters and digits, then ": "."""
     import random
