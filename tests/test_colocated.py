@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
+import textwrap
 import weakref
 
 import numpy as np
@@ -16,7 +18,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.service.presets import tiny_model
-from service_helpers import Worker
+from service_helpers import Worker, run_ranks
 from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient
 
 CONFIG = ContinuousBatchingConfig(num_blocks=256, block_size=16)
@@ -224,10 +226,59 @@ def test_peft_model_samples_with_its_adapters_and_keeps_its_weights():
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
 
 
-def test_fsdp2_parameters_are_refused_by_name(monkeypatch):
-    """FSDP2 would gather at every decode step: refused at construction, pointing at server mode."""
-    import trainer_bridge.colocated as colocated
+FSDP2_CHILD = textwrap.dedent(
+    """
+    import datetime, json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from rollout import ContinuousBatchingConfig, SamplingParams
+    from rollout.service.presets import tiny_model
+    from trainer_bridge import ColocatedEngine, PromptGroup
 
-    monkeypatch.setattr(colocated, "is_dtensor", lambda param: True)  # as every parameter of a fully_shard model
-    with pytest.raises(FieldError, match="FSDP2"):
-        ColocatedEngine(tiny_model(0), CONFIG)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    greedy = SamplingParams(do_sample=False, max_new_tokens=8, stop_token_ids=())
+    groups = [PromptGroup([5, 9, 14, 3 + rank], 2, greedy)]  # each rank its own rows
+    config = ContinuousBatchingConfig(num_blocks=64)
+    with ColocatedEngine(tiny_model(0), config) as engine:
+        whole = [c.token_ids for c in engine.generate(groups)[0].completions]
+    model = tiny_model(0)
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    gathers = [0]
+    all_gather = dist.all_gather_single  # what FSDP2 gathers with
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    with ColocatedEngine(model, config) as engine:
+        sharded = [c.token_ids for c in engine.generate(groups)[0].completions]
+    round_gathers = gathers[0]
+    batch = torch.tensor([[5, 9, 14, 3, 7, 8]])
+    loss = model(input_ids=batch, labels=batch).loss  # training goes on, sharded
+    loss.backward()
+    result = {"same": sharded == whole, "gathers": round_gathers, "loss": float(loss),
+              "sharded_after": all(isinstance(p, DTensor) for p in model.parameters())}
+    json.dump(result, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+    """
+)
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_is_gathered_once_per_round_on_two_ranks(tmp_path):
+    """Two gloo ranks, a model sharded with FSDP2's fully_shard: a round all-gathers each of its 5 FSDP modules
+    once (its 8 decode steps gather nothing more: per-step gathering would be 5 x 8), its completions equal the
+    whole model's, and the model is left sharded, ready for a training step."""
+    script = tmp_path / "child.py"
+    script.write_text(FSDP2_CHILD)
+    run_ranks(script, [str(tmp_path)])
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["same"] and result["sharded_after"] and result["loss"] > 0, result
+        assert result["gathers"] == 5, result

@@ -11,8 +11,9 @@ The engine shares the model's parameters: nothing is copied and nothing is pushe
 as torch's optimizers do it) is what the next round samples with. A round is one `generate` call: the model is the
 engine's for its length (eval mode, rollout's paged attention, inference mode) and exactly what the trainer had is
 back afterwards (training mode and attention implementation; gradient checkpointing and `use_cache` are never
-touched). Under DeepSpeed ZeRO-3 the parameters are gathered once for the whole round, not once per step; a PEFT
-model samples with its adapters active, its weights untouched; FSDP2 (DTensor) parameters are refused for now.
+touched). Under DeepSpeed ZeRO-3 and FSDP2 the parameters are gathered once for the whole round, not once per
+decode step (every rank must run its rounds at the same points, as it runs its training steps); a PEFT model samples
+with its adapters active, its weights untouched.
 
 `generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
 completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same
@@ -38,7 +39,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.request import Request
 from rollout.service.groups import GroupInFlight
 from trainer_bridge.calls import GroupResult, PromptGroup
-from trainer_bridge.gathering import gathered, is_dtensor
+from trainer_bridge.gathering import gathered
 
 __all__ = ["ColocatedEngine"]
 
@@ -73,7 +74,6 @@ class ColocatedEngine:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
                 does not fit memory too), before any training step.
         """
-        _refuse_fsdp2(model)
         self.model = model
         self._round_context = round_context
         self.engine = Engine(model, continuous_batching_config, generation_config)
@@ -216,9 +216,8 @@ class ColocatedEngine:
     def _round(self) -> Iterator[None]:
         """The model is the engine's for a round: parameters gathered (ZeRO-3) once, paged attention, eval mode;
         afterwards everything is the trainer's again, even when the round failed."""
-        _refuse_fsdp2(self.model)  # sharded after construction (a Trainer prepares its model in train())
         context = self._round_context() if self._round_context else gathered(list(self.model.parameters()))
-        with context:
+        with context, fsdp2_unsharded(self.model):
             storage = _parameter_storage(self.model)
             if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
                 self._storage = storage
@@ -246,11 +245,29 @@ def _parameter_storage(model: torch.nn.Module) -> list[int]:
     return [param.data_ptr() for param in model.parameters()]
 
 
-def _refuse_fsdp2(model: Any) -> None:
-    """FSDP2 would gather every parameter at every decode step (and its hooks expect training forwards): refused."""
-    if isinstance(model, torch.nn.Module) and any(is_dtensor(param) for param in model.parameters()):
-        raise FieldError(
-            "model",
-            "FSDP2-sharded (DTensor) parameters are not supported by ColocatedEngine yet (they would be gathered "
-            "at every decode step); use rollout workers (rollout_mode='server') for FSDP2 training",
-        )
+@contextlib.contextmanager
+def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """The FSDP2 (`fully_shard`) modules of `model` unsharded once for a whole round (one all-gather each, every
+    rank taking part), with resharding after forward off so that the round's forwards gather nothing; afterwards
+    resharded, each module's setting as it was. A model without FSDP2 modules is left alone."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        FSDPModule = ()  # noqa: N806
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    settings = [(module, _reshards_after_forward(module)) for module in modules]
+    for module in modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module, reshard in settings:
+            module.set_reshard_after_forward(reshard, recurse=False)
+            module.reshard()
+
+
+def _reshards_after_forward(module: Any) -> bool:
+    """An FSDP2 module's reshard_after_forward (FSDP2 has a setter but no getter: read from its parameter group)."""
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+    return group is None or getattr(group, "post_forward_mesh_info", True) is not None

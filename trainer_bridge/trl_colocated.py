@@ -54,8 +54,9 @@ class ColocatedGeneration(RolloutGeneration):
 def colocated_generation(trainer: RolloutGRPOTrainer, engine_config: Any, sleep: bool | None) -> ColocatedGeneration:
     """The backend of "colocate" mode: an engine on this rank's model; each round runs inside TRL's own
     `unwrap_model_for_generation` (ZeRO-3 gathered once, DeepSpeed's hooks lifted, as TRL generates)."""
-    if trainer.is_fsdp_enabled:
-        raise ValueError("rollout_mode='colocate' does not support FSDP yet: use rollout workers (server mode)")
+    fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if trainer.is_fsdp_enabled and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        raise ValueError("rollout_mode='colocate' supports FSDP2, not FSDP1 (flat parameters): set fsdp_version 2")
     model = trainer.accelerator.unwrap_model(trainer.model)
     args = trainer.args
     if engine_config is None and next(model.parameters()).device.type == "cuda":
