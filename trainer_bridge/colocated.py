@@ -57,6 +57,7 @@ class ColocatedEngine:
         *,
         policy_version: int = 0,
         round_context: Callable[[], AbstractContextManager] | None = None,
+        peft_merge: bool = False,
     ):
         """
         Args:
@@ -70,12 +71,16 @@ class ColocatedEngine:
             round_context: makes a context manager entered around each round, in place of the default (ZeRO-3
                 parameters gathered for the round): the TRL integration passes TRL's own
                 `unwrap_model_for_generation`, which also lifts DeepSpeed's per-module hooks for the round.
+            peft_merge: a PEFT model's adapters merged into its base weights for each round (faster decoding), the
+                base weights copied back bit for bit afterwards (merge/unmerge arithmetic alone is not exact); costs
+                a copy of the adapted base weights during the round. False: the adapters run as they are.
         Raises:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
                 does not fit memory too), before any training step.
         """
         self.model = model
         self._round_context = round_context
+        self._peft_merge = peft_merge
         self.engine = Engine(model, continuous_batching_config, generation_config)
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False
@@ -217,7 +222,8 @@ class ColocatedEngine:
         """The model is the engine's for a round: parameters gathered (ZeRO-3) once, paged attention, eval mode;
         afterwards everything is the trainer's again, even when the round failed."""
         context = self._round_context() if self._round_context else gathered(list(self.model.parameters()))
-        with context, fsdp2_unsharded(self.model):
+        merged = peft_merged(self.model) if self._peft_merge else contextlib.nullcontext()
+        with context, fsdp2_unsharded(self.model), merged:
             storage = _parameter_storage(self.model)
             if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
                 self._storage = storage
@@ -271,3 +277,22 @@ def _reshards_after_forward(module: Any) -> bool:
     """An FSDP2 module's reshard_after_forward (FSDP2 has a setter but no getter: read from its parameter group)."""
     group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
     return group is None or getattr(group, "post_forward_mesh_info", True) is not None
+
+
+@contextlib.contextmanager
+def peft_merged(model: torch.nn.Module) -> Iterator[None]:
+    """A PEFT model's active adapters merged into its base weights for the duration; afterwards the adapters are
+    unmerged and every adapted base weight is copied back from a copy taken first, so the model is bit-identical."""
+    layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "get_base_layer") and not m.merged]
+    saved = [(layer.get_base_layer().weight, layer.get_base_layer().weight.detach().clone()) for layer in layers]
+    with torch.no_grad():
+        for layer in layers:
+            layer.merge()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for layer in layers:
+                layer.unmerge()
+            for weight, copy in saved:
+                weight.copy_(copy)
