@@ -3,10 +3,10 @@ logprobs, on the built-in tiny model and tokenizer.
 
     python examples/generate_batch.py [--model <HF dir or id>] [--samples 4] [--max-new-tokens 32]
 
-On the tiny model the printed text is short gibberish, and that is expected: its weights are random (every token is
-about equally likely: a mean logprob near -ln(1024) = -6.9), and its tokenizer gives characters to only 100 of the
-model's 1024 token ids (printable ASCII, newline and 4 special tokens). The other ids decode to nothing, so 32
-generated tokens print as about 3 characters. `--model` with a real checkpoint prints real text.
+On the tiny model the printed text is gibberish, and that is expected: its weights are random (every token is about
+equally likely: a mean logprob near -ln(1024) = -6.9), and most of its token ids are letter pairs and triples (the
+tokenizer covers the whole vocabulary: characters, chat markers, then pairs and triples). `--model` with a real
+checkpoint prints real text.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import tiny_model, tiny_tokenizer
 
 TINY_NOTE = (
-    "tiny model: random weights, and only 100 of its 1024 token ids have a character (the others decode to nothing), "
-    "so the text below is short gibberish; pass --model <HF dir or id> for real text"
+    "tiny model: random weights, so the text below is gibberish (mostly letter pairs and triples, the tokens most of "
+    "its 1024 ids stand for); pass --model <HF dir or id> for real text"
 )
 
 

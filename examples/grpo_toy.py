@@ -4,7 +4,7 @@
     python examples/grpo_toy.py --colocate # the same task with no worker: generation in the trainer's process
 
 It starts a `rollout-worker` subprocess serving the built-in tiny model (a random Qwen3-style model built in code,
-nothing downloaded), builds the matching character-level tokenizer in code, and trains the same tiny model with
+nothing downloaded), builds the matching tokenizer in code (one token per character when it encodes), and trains the same tiny model with
 `trainer_bridge.trl.RolloutGRPOTrainer`: completions come from the worker (with the logprob and policy version of
 every token), and the trainer pushes its weights to the worker before every generation round. With `--colocate`
 there is no worker: each generation round runs the engine in the trainer's process on the model being trained

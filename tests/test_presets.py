@@ -22,3 +22,30 @@ def test_preset_is_deterministic_and_leaves_the_global_rng_alone():
     first, second = tiny_model(), tiny_model()
     assert torch.equal(torch.random.get_rng_state(), state)
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+
+
+def test_every_id_the_model_can_sample_decodes_to_text():
+    """The tokenizer covers the model's whole vocabulary: each id is its own token, each decodes to text (no id
+    decodes to nothing), and encoding text still gives one id per character."""
+    tokenizer = tiny_tokenizer()
+    vocab_size = tiny_model().config.vocab_size
+    assert len(tokenizer) == vocab_size
+    pieces = tokenizer.convert_ids_to_tokens(list(range(vocab_size)))
+    assert len(set(pieces)) == vocab_size and "<unk>" not in pieces[4:]
+    assert all(tokenizer.decode([i]) for i in range(4, vocab_size))
+    assert tokenizer("ab", add_special_tokens=False)["input_ids"] == [14, 15]  # characters, not the pair "ab"
+
+
+def test_chat_template_renders_chatml_turns_with_special_markers():
+    """transformers' own apply_chat_template on the built-in template: ChatML text, and <|im_start|> / <|im_end|>
+    encoded as one special id each; tools are listed in a system turn."""
+    tokenizer = tiny_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(start) == 3 and ids.count(end) == 2 and tokenizer.decode(ids) == text
+    tool = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    with_tools = tokenizer.apply_chat_template(messages[:1], tools=[tool], tokenize=False)
+    assert with_tools.startswith("<|im_start|>system\n") and '"name": "add"' in with_tools

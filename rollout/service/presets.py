@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import string
 from typing import Any
 
@@ -28,16 +29,41 @@ TINY_MODEL_CONFIG = dict(
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
+# ChatML turns, as many chat models render them; `tools` (if given) are listed in a system turn first.
+TINY_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer built in code: printable ASCII and newline, plus <pad>, <bos>, <eos>, <unk>
-    (ids 0-99, inside the tiny model's vocabulary of 1024)."""
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *string.printable[:95], "\n"])}
+    """A tokenizer built in code that covers the tiny model's whole vocabulary of 1024: <pad>, <bos>, <eos>, <unk>
+    (ids 0-3), printable ASCII and newline, one character each (4-99: what encoding text produces), the chat turn
+    markers <|im_start|> and <|im_end|> (100-101, special), then lowercase letter pairs and triples (102-1023), so
+    every id a model samples decodes to text. Its chat template renders ChatML turns (`TINY_CHAT_TEMPLATE`)."""
+    chars = [*string.printable[:95], "\n"]
+    pairs = [a + b for a in string.ascii_lowercase for b in string.ascii_lowercase]
+    triples = (
+        a + b + c for a in string.ascii_lowercase for b in string.ascii_lowercase for c in string.ascii_lowercase
+    )
+    tokens = [*SPECIAL_TOKENS, *chars, *CHAT_TOKENS, *pairs]
+    tokens += list(itertools.islice(triples, TINY_MODEL_CONFIG["vocab_size"] - len(tokens)))
+    vocab = {token: index for index, token in enumerate(tokens)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        additional_special_tokens=list(CHAT_TOKENS),
     )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
 
 
 # The "sized" preset: layers of this shape (about 12.6M parameters each) on the tiny vocabulary.
