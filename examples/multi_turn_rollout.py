@@ -19,10 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from datasets import Dataset  # noqa: E402
-from grpo_toy import TOKENIZER, free_port, letter_reward, start_worker  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
+from grpo_toy import TOKENIZER, free_port, start_worker  # noqa: E402
 
-from rollout.service.presets import tiny_model  # noqa: E402
+from rollout.service.presets import letter_reward, tiny_model, toy_grpo_config  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 TURN_TOKENS = 8
@@ -53,19 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     worker = start_worker(address)
     try:
         prompts = ["".join(random.choices(string.ascii_letters, k=8)) + ": " for _ in range(64)]
-        config = GRPOConfig(
-            output_dir=args.output_dir,
-            max_steps=args.steps,
+        config = toy_grpo_config(
+            args.output_dir,
+            args.steps,
             per_device_train_batch_size=8,
             num_generations=4,
             max_completion_length=2 * TURN_TOKENS + len(ENV_REPLY),
-            learning_rate=3e-3,
-            beta=0.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
         )
         trainer = RolloutGRPOTrainer(
             model=tiny_model(0),
