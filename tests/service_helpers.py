@@ -143,7 +143,8 @@ class Client:
 
 def run_ranks(script, args: list[str], world_size: int = 2, timeout: float = 180.0) -> None:
     """Run `python script *args` as `world_size` torch.distributed ranks (gloo env: MASTER_ADDR/PORT, RANK,
-    LOCAL_RANK, WORLD_SIZE; one compute thread each) and wait; fails with a rank's log when one exits non-zero."""
+    LOCAL_RANK, WORLD_SIZE; one compute thread each; the repository and tests/ importable) and wait; fails with a
+    rank's log when one exits non-zero."""
     import os
     from pathlib import Path
 
@@ -160,7 +161,7 @@ def run_ranks(script, args: list[str], world_size: int = 2, timeout: float = 180
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size),
             OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests"), os.environ.get("PYTHONPATH", "")]),
         )
         command = [sys.executable, str(script), *args]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

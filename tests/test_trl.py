@@ -22,7 +22,6 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
-from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -31,43 +30,13 @@ from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker, run_ranks  # noqa: E402
 from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError, grpo_sampling  # noqa: E402
 from trainer_bridge.trl import SUPPORTED_TRL, RolloutGeneration, RolloutGRPOTrainer, check_trl_internals  # noqa: E402
+from trl_helpers import PROMPTS, dataset, grpo_config, id_reward  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id
 GREEDY = dict(do_sample=False, max_new_tokens=8, stop_token_ids=[])
 IS_METRICS = [f"sampling/importance_sampling_ratio/{stat}" for stat in ("min", "mean", "max")]
-PROMPTS = [f"q{i:02d} say: " for i in range(32)]
-
-
-def id_reward(completion_ids: list[list[int]], **_: object) -> list[float]:
-    """A reward that differs between almost any two completions (so every group has a non-zero advantage)."""
-    return [sum(ids) / (1024 * max(len(ids), 1)) for ids in completion_ids]
-
-
-def grpo_config(tmp_path: Path, **overrides) -> GRPOConfig:
-    settings = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        beta=0.0,
-        use_cpu=True,
-        bf16=False,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    settings.update(overrides)
-    return GRPOConfig(**settings)
-
-
-def dataset() -> Dataset:
-    return Dataset.from_dict({"prompt": PROMPTS})
 
 
 def versions(client: RolloutClient) -> tuple[int, int]:
@@ -574,8 +543,7 @@ CHILD = textwrap.dedent(
     import json, os, sys
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
-    from datasets import Dataset
-    from trl import GRPOConfig
+    from trl_helpers import dataset, grpo_config, id_reward
 
     import trainer_bridge.trl as bridge
     from rollout.service.presets import tiny_model, tiny_tokenizer
@@ -592,17 +560,8 @@ CHILD = textwrap.dedent(
 
     bridge.push_weights = recording_push
 
-    def reward(completion_ids, **_):
-        return [sum(ids) / (1024 * max(len(ids), 1)) for ids in completion_ids]
-
-    config = GRPOConfig(
-        output_dir=out, max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        learning_rate=1e-2, beta=0.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
-        save_strategy="no", disable_tqdm=True, seed=0,
-    )
     trainer = RolloutGRPOTrainer(
-        model=tiny_model(0), reward_funcs=reward, args=config,
-        train_dataset=Dataset.from_dict({"prompt": [f"q{i:02d} say: " for i in range(32)]}),
+        model=tiny_model(0), reward_funcs=id_reward, args=grpo_config(out), train_dataset=dataset(),
         processing_class=tiny_tokenizer(), rollout_workers=address,
     )
     rows = []

@@ -12,26 +12,17 @@ import textwrap
 
 import pytest
 import torch
-from test_trl import (
-    GREEDY_PROMPTS,
-    IS_METRICS,
-    REPO,
-    TOKENIZER,
-    dataset,
-    grpo_config,
-    hf_greedy,
-    id_reward,
-    train_logs,
-)
 from transformers import TrainerCallback
 
 import trainer_bridge.trl as bridge
 from rollout.config import SamplingParams
 from rollout.service.presets import tiny_model
 from service_helpers import run_ranks
+from test_trl import GREEDY_PROMPTS, IS_METRICS, REPO, TOKENIZER, hf_greedy, train_logs
 from trainer_bridge import PromptGroup
 from trainer_bridge.trl import RolloutGRPOTrainer
 from trainer_bridge.trl_colocated import ColocatedGeneration
+from trl_helpers import dataset, grpo_config, id_reward
 
 
 class CacheAtOptimizerStep(TrainerCallback):
@@ -136,8 +127,7 @@ CHILD = textwrap.dedent(
     """
     import json, os, sys
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from datasets import Dataset
-    from trl import GRPOConfig
+    from trl_helpers import dataset, grpo_config, id_reward
 
     import trainer_bridge.trl as bridge
     from rollout.service.presets import tiny_model, tiny_tokenizer
@@ -150,17 +140,8 @@ CHILD = textwrap.dedent(
 
     bridge.push_weights = no_push
 
-    def reward(completion_ids, **_):
-        return [sum(ids) / (1024 * max(len(ids), 1)) for ids in completion_ids]
-
-    config = GRPOConfig(
-        output_dir=out, max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
-        learning_rate=1e-2, beta=0.0, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
-        save_strategy="no", disable_tqdm=True, seed=0,
-    )
     trainer = RolloutGRPOTrainer(
-        model=tiny_model(0), reward_funcs=reward, args=config,
-        train_dataset=Dataset.from_dict({"prompt": [f"q{i:02d} say: " for i in range(32)]}),
+        model=tiny_model(0), reward_funcs=id_reward, args=grpo_config(out), train_dataset=dataset(),
         processing_class=tiny_tokenizer(), rollout_mode="colocate", sleep_between_rounds=True,
     )
     rows = []
