@@ -37,7 +37,7 @@ HONOURED = {
         "epsilon_cutoff",
         "eta_cutoff",
     )
-} | {"eos_token_id": "stop_token_ids", "bad_words_ids": "bad_words_ids"}
+} | {"eos_token_id": "stop_token_ids", "bad_words_ids": "bad_words_ids", "stop_strings": "stop"}
 # Honoured outside SamplingParams (see GenerationDefaults).
 HONOURED_ELSEWHERE = ("num_return_sequences", "max_length", "continuous_batching_config")
 # Fields that do not change which tokens are generated, with the reason.
@@ -107,7 +107,6 @@ REFUSAL_REASONS = {
     "penalty_alpha": "contrastive search is not supported",
     "dola_layers": "DoLa decoding is not supported",
     "min_length": "counts the prompt; use min_new_tokens",
-    "stop_strings": "needs a tokenizer; pass stop tokens as eos_token_id",
     "watermarking_config": "watermarking is not supported",
     "prompt_lookup_num_tokens": "prompt-lookup decoding is not supported",
     "max_matching_ngram_size": "prompt-lookup decoding is not supported",

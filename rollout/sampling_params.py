@@ -16,6 +16,7 @@ LOGPROB_MODES = ("processed", "raw", "temperature_scaled")
 MAX_NO_REPEAT_NGRAM_SIZE = 64
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
 MAX_SUPPRESSED_TOKENS = 8192
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
@@ -50,6 +51,13 @@ class SamplingParams:
     max_new_tokens: int | None = None
     # Any of these ends generation (None: the GenerationConfig's eos_token_id; () never stops early).
     stop_token_ids: tuple[int, ...] | None = None
+    # Strings that end generation where the output text first contains one (needs a tokenizer on the engine;
+    # rollout.detokenizer says which tokens and text a stopped output returns).
+    stop: tuple[str, ...] = ()
+    # Keep the stop string at the end of the returned text (the tokens are the same either way).
+    include_stop_str_in_output: bool = False
+    # Leave special tokens out of the text that stop strings are matched in (and that the HTTP API returns).
+    skip_special_tokens: bool = True
     # False forces greedy decoding whatever the temperature.
     do_sample: bool = True
     # Seed of this request's randomness (None: a fresh random seed). Sample i of a group uses (seed, i).
@@ -119,6 +127,20 @@ class SamplingParams:
                 self.stop_token_ids,
             )
             self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        _check(
+            isinstance(self.stop, (list, tuple))
+            and len(self.stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"must be a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} "
+            "characters",
+            self.stop,
+        )
+        self.stop = tuple(dict.fromkeys(self.stop))
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
         _check(
             _is_int(self.no_repeat_ngram_size) and 0 <= self.no_repeat_ngram_size <= MAX_NO_REPEAT_NGRAM_SIZE,
             "no_repeat_ngram_size",

@@ -100,7 +100,6 @@ def test_max_length_bounds_prompt_plus_completion_as_generate():
         (dict(num_beams=2, num_beam_groups=2, diversity_penalty=0.5), "num_beams"),
         (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha"),
         (dict(watermarking_config=WatermarkingConfig()), "watermarking_config"),
-        (dict(stop_strings=["\n"]), "stop_strings"),
         (dict(min_length=5), "min_length"),
         (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(sequence_bias={(3,): -1.0}), "sequence_bias"),

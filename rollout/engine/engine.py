@@ -55,7 +55,9 @@ class _InFlightStep:
 class Engine:
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
-    def __init__(self, model: torch.nn.Module, config: Any = None, generation_config: Any = None):
+    def __init__(
+        self, model: torch.nn.Module, config: Any = None, generation_config: Any = None, tokenizer: Any = None
+    ):
         """
         Args:
             model: a transformers causal LM (any decoder-only model whose attention uses AttentionInterface).
@@ -63,6 +65,7 @@ class Engine:
                 `rollout.transformers_configs`, refusing by name what rollout cannot honour), or None (defaults).
             generation_config: a `transformers.GenerationConfig` with default sampling settings; fields it leaves
                 unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
+            tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         Raises:
             FieldError: a model the engine cannot serve or a setting it cannot honour (named), or a KV cache that
                 does not fit the device's free memory ("num_blocks").
@@ -98,7 +101,7 @@ class Engine:
         self.num_steps = 0
         self.num_weight_updates = 0
         self.warmed_up = False  # warmup() ran
-        self.intake = RequestIntake(self.vocab_size, self.max_model_len, self.config, defaults)
+        self.intake = RequestIntake(self.vocab_size, self.max_model_len, self.config, defaults, tokenizer)
         self.weights = WeightTable(model)
 
     @property

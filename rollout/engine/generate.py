@@ -29,6 +29,7 @@ def generate_batch(
     record_timestamps: bool = False,
     persistent_manager: bool = False,
     warmup: bool = True,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a list of prompts with continuous batching and return them all.
@@ -50,6 +51,8 @@ def generate_batch(
             and each call starts with an empty prefix cache, since weights may change in place in between.
             `release_cached_engine(model)` frees it.
         warmup: capture the decode CUDA graphs and run a short request before the prompts (once per engine).
+        tokenizer: the model's tokenizer, needed for stop strings (`SamplingParams.stop`, or a GenerationConfig's
+            `stop_strings`), as `generate(..., stop_strings=..., tokenizer=...)` needs one.
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
             default: the GenerationConfig's num_return_sequences, else 1).
     Returns:
@@ -67,6 +70,7 @@ def generate_batch(
     if len(per_prompt) != len(inputs):
         raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
     engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
+    engine.intake.tokenizer = tokenizer  # this call's (a kept engine may have served another tokenizer's)
     results: dict[str, GenerationOutput] = {}
     try:
         if warmup and not warm:

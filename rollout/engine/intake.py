@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
+from rollout.detokenizer import OutputText
 from rollout.engine.request import Request, sample_id
 from rollout.generation_config import GenerationDefaults
 
@@ -53,7 +54,12 @@ class RequestIntake:
     """Checks and resolves requests for one model: its vocabulary, context length and generation defaults."""
 
     def __init__(
-        self, vocab_size: int, max_model_len: int, config: ContinuousBatchingConfig, defaults: GenerationDefaults
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        config: ContinuousBatchingConfig,
+        defaults: GenerationDefaults,
+        tokenizer: Any = None,
     ):
         """
         Args:
@@ -61,7 +67,9 @@ class RequestIntake:
             max_model_len: prompt + max_new_tokens must fit in it.
             config: the engine's settings (seed, return_logprobs).
             defaults: the resolved generation config (sampling defaults, num_return_sequences, max_length).
+            tokenizer: decodes outputs for stop strings (`SamplingParams.stop`); None: stop strings are refused.
         """
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -99,6 +107,12 @@ class RequestIntake:
             raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
             raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+        if sampling.stop and self.tokenizer is None:
+            reason = (
+                "stop strings need a tokenizer: pass tokenizer= to generate_batch / init_continuous_batching, or "
+                "serve a model with one (rollout-worker --tokenizer)"
+            )
+            raise FieldError("stop", reason)
 
     def prepare(
         self,
@@ -152,6 +166,20 @@ class RequestIntake:
             streaming=streaming,
             created_time=time.perf_counter(),
             token_times=[] if record_timestamps else None,
+            stop_text=self._stop_text(prompt, sampling),
+        )
+
+    def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:
+        """What finds the request's stop strings in its output (None when it has none)."""
+        if not sampling.stop:
+            return None
+        return OutputText(
+            self.tokenizer,
+            prompt,
+            sampling.skip_special_tokens,
+            sampling.stop,
+            sampling.include_stop_str_in_output,
+            sampling.min_new_tokens,
         )
 
     def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:

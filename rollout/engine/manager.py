@@ -51,6 +51,7 @@ class ContinuousBatchingManager(ResultReading):
         model: torch.nn.Module,
         generation_config: Any = None,
         continuous_batching_config: Any = None,
+        tokenizer: Any = None,
     ):
         """
         Args:
@@ -59,8 +60,9 @@ class ContinuousBatchingManager(ResultReading):
                 model's own generation config as `generate` does).
             continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
                 `Engine`), or None for the defaults.
+            tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         """
-        self.engine = Engine(model, continuous_batching_config, generation_config)
+        self.engine = Engine(model, continuous_batching_config, generation_config, tokenizer)
         self.config = self.engine.config
         self.generation_config = generation_config  # as given (transformers' manager has it too)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -382,6 +384,7 @@ def init_continuous_batching(
     model: torch.nn.Module,
     generation_config: Any = None,
     continuous_batching_config: Any = None,
+    tokenizer: Any = None,
 ) -> ContinuousBatchingManager:
     """Build a (not yet started) `ContinuousBatchingManager` for `model`.
 
@@ -390,5 +393,6 @@ def init_continuous_batching(
         generation_config: default sampling settings (`transformers.GenerationConfig`), merged with the model's own.
         continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
             `Engine`), or None for the defaults.
+        tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
     """
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer)

@@ -13,6 +13,7 @@ from enum import IntEnum
 from typing import Any
 
 from rollout.config import SamplingParams
+from rollout.detokenizer import OutputText
 
 
 class RequestStatus(IntEnum):
@@ -81,6 +82,8 @@ class Request:
     # Row of the sampler's slot tables that holds this sample's sampling parameters (-1: none, before its first draw
     # and once it finished).
     sampling_slot: int = -1
+    # The output's text, decoded as tokens resolve, when the request has stop strings (else None).
+    stop_text: OutputText | None = None
     # Emit a delta per token (else one output when finished).
     streaming: bool = False
     # How many output tokens were already handed to the caller (streaming deltas).
@@ -144,7 +147,7 @@ class Request:
 
     def resolve_token(self, token_id: int, logprob: float | None = None) -> None:
         """Replace the placeholder by the sampled token and set `finish_reason` when it stops the request (stop
-        token or length). Runs for every sample at every step: properties inlined.
+        token, stop string or length). Runs for every sample at every step: properties inlined.
 
         Args:
             token_id: the sampled token.
@@ -159,8 +162,14 @@ class Request:
         if self.token_times is not None:
             self.token_times.append(time.perf_counter())
         num_output_tokens = len(token_ids) - self.num_prompt_tokens
-        # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then).
+        stop_text = self.stop_text
+        if stop_text is not None:
+            stop_text.add(token_id)
+        # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then); so does a
+        # stop string (OutputText looks for one only past min_new_tokens).
         if token_id in self.stop_token_ids and num_output_tokens > self.sampling.min_new_tokens:
+            self.finish_reason = "stop"
+        elif stop_text is not None and stop_text.stopped is not None:
             self.finish_reason = "stop"
         elif num_output_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
@@ -185,6 +194,7 @@ class Request:
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,
             arrival=arrival,
+            stop_text=None if self.stop_text is None else self.stop_text.restarted(),
             streaming=self.streaming,
             created_time=self.created_time,
             started_time=self.started_time,

@@ -1,0 +1,131 @@
+"""`OutputText`: a completion's text, decoded a few tokens at a time as tokens arrive, and the stop strings found in
+it. The engine uses it to end a request at a stop string; the HTTP front end uses the same class, fed the same tokens,
+to build the text it returns and streams, so both always agree on where a completion stopped. Free of torch.
+
+Decoding is incremental (the offsets algorithm of vLLM's detokenizer): each token decodes a window of the last few
+tokens, never the whole completion, and text is released only once its characters are whole (a token that ends in the
+middle of a UTF-8 character waits for the next). A stop string is found wherever it lies across token boundaries.
+
+Which tokens a stopped completion returns: every token up to and including the one whose text completes the stop
+string (the tokenizer may have merged the stop string's last characters with text after it into that token, so the
+token ids are never cut inside a token; their log-probs are those of exactly these tokens). The text ends just before
+the stop string, or just after it with `include_stop_str_in_output`, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens decoded ahead of the first output token, so that its text is what it reads after the prompt (a
+# SentencePiece token's leading space, for one, depends on the token before it).
+CONTEXT_TOKENS = 5
+# Decoded text that ends in this character ends inside a multi-byte character: wait for the next token.
+INCOMPLETE = "\ufffd"
+
+
+class OutputText:
+    """The text of one completion, fed one token at a time.
+
+    Attributes:
+        stopped: the stop string that ended the completion, or None.
+        text: the text so far (cut at the stop string once one was found), released or not.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+    ):
+        """
+        Args:
+            tokenizer: a transformers tokenizer (anything with `decode(ids, skip_special_tokens=...)`).
+            prompt_ids: the prompt (its last few tokens give the first output token its context).
+            skip_special_tokens: leave special tokens out of the text (stop strings are matched in this text).
+            stop: strings that end the completion where they first appear.
+            include_stop_str_in_output: keep the stop string at the end of the text.
+            min_tokens: stop strings count only in text that the tokens after the first `min_tokens` complete.
+        """
+        self._settings = (tokenizer, list(prompt_ids[-CONTEXT_TOKENS:]), skip_special_tokens, stop)
+        self._settings += (include_stop_str_in_output, min_tokens)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = tuple(stop)
+        self._include_stop = include_stop_str_in_output
+        # Characters that may still turn out to begin a stop string are held back from `add`'s released text.
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # self._ids[prefix:read] was decoded already; its text is the base of the next
+        self._read_offset = len(self._ids)
+        self._released = 0  # characters of `text` handed out by add() / finish()
+        self.text = ""
+        self.stopped: str | None = None
+
+    def add(self, token_id: int) -> str:
+        """Take one more token.
+
+        Args:
+            token_id: the next generated token.
+        Returns:
+            The text released by this token: new whole characters, less any that may begin a stop string (they
+            follow once it is clear they do not); "" once stopped.
+        """
+        if self.stopped is not None:
+            return ""
+        self._num_tokens += 1
+        new_text = self._decode_next(token_id)
+        if not new_text:
+            return ""
+        before = len(self.text)
+        self.text += new_text
+        if self._stop and self._num_tokens > self._min_tokens:
+            self._find_stop(before)
+            if self.stopped is None:
+                return self._release(len(self.text) - self._hold)
+        return self._release(len(self.text))
+
+    def restarted(self) -> OutputText:
+        """A new `OutputText` with the same settings, fed nothing yet (for another sample of the same prompt)."""
+        return OutputText(*self._settings)
+
+    def finish(self) -> str:
+        """The text still held back (the completion ended without completing a stop string there)."""
+        return self._release(len(self.text))
+
+    def _decode_next(self, token_id: int) -> str:
+        ids = self._ids
+        ids.append(token_id)
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(INCOMPLETE):
+            return ""
+        # The decoded window moves on: tokens before the new prefix are never decoded again.
+        del ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+
+    def _find_stop(self, before: int) -> None:
+        """Cut `text` at the stop string that the newest characters (from `before` on) complete first (of two that
+        end at the same character, the longer)."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self._stop:
+            start = self.text.find(stop, max(0, before - len(stop) + 1))
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        if best is not None:
+            end, start, self.stopped = best
+            self.text = self.text[: end if self._include_stop else start]
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._released:
+            return ""
+        released, self._released = self.text[self._released : upto], upto
+        return released
