@@ -8,5 +8,6 @@
   into messages, `clients.py` keeps each client's link) and weight-update messages to `updates.py`;
 - weight updates: `updates.py` (the single update slot), `weights.py` (one staged update), `staging.py` (the wire
   contract and staging areas), `jobs.py` (the update's job thread), `dist.py` (the torch.distributed transport);
+- `http/`: the OpenAI-compatible HTTP front end (`rollout-worker --http`), on the same engine manager;
 - observability: `metrics.py` (Prometheus), `tracing.py` (OpenTelemetry).
 """

@@ -19,9 +19,11 @@ import zmq
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.service.auth import WorkerAuth
+from rollout.service.http.launch import check_http_address, start_http
 from rollout.service.limits import WorkerLimits
+from rollout.service.loading import load_model, load_tokenizer
 from rollout.service.metrics import WorkerMetrics
-from rollout.service.presets import MODEL_DTYPES, PRESETS, model_from_preset
+from rollout.service.presets import MODEL_DTYPES, PRESETS
 from rollout.service.sockets import is_loopback
 from rollout.service.tracing import configure_tracing
 from rollout.service.worker import RolloutWorker
@@ -44,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; sized:512 is a random "
         "model with about 512 MB of weights, for weight-transfer benchmarks)",
     )
+    add(
+        "--tokenizer",
+        default=None,
+        help="a local tokenizer directory or hub id, for stop strings and (with --http) text prompts and chat; "
+        "'none' serves without one (default: the preset's built-in tokenizer, else the model directory's, if any)",
+    )
     place = parser.add_mutually_exclusive_group()
     place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on")
     place.add_argument("--device", default=None, help="torch device, e.g. cpu (default: cpu unless --gpu)")
@@ -54,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameter dtype (auto: the checkpoint's, fp32 presets)",
     )
     add("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind (default: tcp://127.0.0.1:5555)")
+    add(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/tokenize, /detokenize, /health) on this address, over the same engine (needs pip install 'rollout[http]'; "
+        "port 0 picks a free one)",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
+        "needs it or --insecure",
+    )
     add("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     add("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --max-memory-percent)")
     add("--max-memory-percent", type=float, default=None, help="fraction of free memory for the KV cache")
@@ -166,16 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
-    """A preset, or `from_pretrained` of a local directory / hub id."""
-    preset = model_from_preset(name, dtype=dtype or torch.float32)
-    if preset is not None:
-        return preset.to(device)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto").to(device).eval()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `rollout-worker`: load, bind, serve until SIGTERM/SIGINT, then abort in-flight groups."""
     parser = build_parser()
@@ -183,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Ordinary mistakes are one-line usage errors, found before the model loads.
     device = _device(parser, args)
-    _check_bind(parser, args.bind)
+    check_bind(parser, args.bind)
     _check_security(parser, args)
     if args.metrics_port:
-        _check_bind(parser, f"tcp://{args.metrics_host}:{args.metrics_port}", flag="--metrics-port")
+        check_bind(parser, f"tcp://{args.metrics_host}:{args.metrics_port}", flag="--metrics-port")
+    http_address = check_http_address(parser, args)
     try:
         limits = _limits(args)
     except ValueError as error:
@@ -202,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         parser.error(f"--model {args.model}: {error}")
     try:
-        manager = init_continuous_batching(model, continuous_batching_config=config)
+        tokenizer, tokenizer_name = load_tokenizer(args.model, args.tokenizer)
+    except (ValueError, OSError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: {error}")
+    try:
+        manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
         parser.error(str(error))
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
@@ -222,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_staging=not args.release_staging,
         auth=auth,
         check_finite=args.check_finite,
+        tokenizer_name=tokenizer_name,
     )
     metrics = None
     if args.metrics_port is not None:
@@ -232,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as error:
             parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
         logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+    http = None
+    if http_address is not None:
+        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits)
     if configure_tracing():
         logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -245,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
         manager.engine.num_blocks,
         config.block_size,
     )
-    worker.serve()
+    try:
+        worker.serve()
+    finally:
+        if http is not None:
+            http.stop()
     if metrics is not None:
         metrics.close()
     if manager.error is not None:  # the engine thread failed: a supervisor should restart this worker
@@ -271,7 +296,7 @@ def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.
     return device
 
 
-def _check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind") -> None:
+def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind") -> None:
     """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
     from rollout.service.sockets import check_address
 

@@ -51,7 +51,7 @@ class GroupInFlight:
             if output.generated_tokens:
                 version = output.policy_versions[-1][0] if output.policy_versions else policy_version
                 delta = p.Delta(self.group_id, index, output.generated_tokens, output.logprobs, version)
-            _extend_runs(
+            extend_version_runs(
                 self.versions.setdefault(index, []), output.policy_versions, len(tokens) - len(output.generated_tokens)
             )
         else:
@@ -75,8 +75,14 @@ def engine_id(identity: bytes, group_id: str) -> str:
     return f"{identity.hex()}/{group_id}"
 
 
-def _extend_runs(runs: list[list[int]], new_runs: list[list[int]], first_index: int) -> None:
-    """Append a delta's run-length encoded versions (indices relative to the delta) to a sample's runs."""
+def extend_version_runs(runs: list[list[int]], new_runs: list[list[int]], first_index: int) -> None:
+    """Append a delta's run-length encoded versions (indices relative to the delta) to a sample's runs.
+
+    Args:
+        runs: the sample's [version, first token index] runs so far (extended in place).
+        new_runs: the delta's runs, indices relative to the delta.
+        first_index: index in the sample of the delta's first token.
+    """
     for version, first in new_runs:
         if not runs or runs[-1][0] != version:
             runs.append([version, first_index + first])

@@ -182,6 +182,7 @@ class HelloReply(WorkerMessage):
     max_model_len: int
     policy_version: int
     config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None  # where the worker's tokenizer came from; None: it has none (no stop strings)
 
 
 @dataclass

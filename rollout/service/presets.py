@@ -124,6 +124,12 @@ def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float
     return None
 
 
+def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
+    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny" and "sized:<MB>", which share its
+    vocabulary), or None when `name` is not a preset."""
+    return tiny_tokenizer() if name == "tiny" or name.startswith("sized:") else None
+
+
 def _random_model(config: Qwen3Config, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

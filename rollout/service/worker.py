@@ -56,6 +56,7 @@ class RolloutWorker:
         auth: WorkerAuth | None = None,
         check_finite: bool = False,
         tracer: Tracer | None = None,
+        tokenizer_name: str | None = None,
     ):
         """
         Args:
@@ -70,7 +71,9 @@ class RolloutWorker:
                 authentication, everyone who can reach the address is a trainer.
             check_finite: refuse a weight update holding NaN or Inf (a full pass over the staged bytes at commit).
             tracer: where group and weight-update spans go (default: OpenTelemetry's global tracer provider).
+            tokenizer_name: where the engine's tokenizer came from, as `hello` and `stats` report it (None: none).
         """
+        self.tokenizer_name = tokenizer_name
         self.manager = manager
         self.model_name = model_name
         self.limits = limits or WorkerLimits()
@@ -234,7 +237,14 @@ class RolloutWorker:
             config = dataclasses.asdict(self.manager.config)
             self._send(
                 identity,
-                p.HelloReply(self.model_name, engine.vocab_size, engine.max_model_len, self.policy_version, config),
+                p.HelloReply(
+                    self.model_name,
+                    engine.vocab_size,
+                    engine.max_model_len,
+                    self.policy_version,
+                    config,
+                    self.tokenizer_name,
+                ),
             )
         elif isinstance(message, p.Stats):
             self._send(identity, p.StatsReply(self.stats()))
@@ -364,6 +374,7 @@ class RolloutWorker:
             weight_update_bytes=self._updates.bytes_committed,
             weight_update_pause_ms=self._updates.pause_ms_total,
             tokens_per_s=stats["generated_tokens"] / uptime,
+            tokenizer=self.tokenizer_name,
         )
         return stats
 

@@ -1,0 +1,5 @@
+"""The OpenAI-compatible HTTP front end of `rollout-worker --http HOST:PORT` (needs the `http` extra: FastAPI and
+uvicorn). Files: server.py (uvicorn on a thread), app.py (routes, errors, body limits, API key), endpoints.py
+(completions and chat answers, streaming), openai_fields.py (request fields -> SamplingParams), prompts.py (prompts
+and chat templates -> token ids), bridge.py (a request's groups on the engine), choices.py (one sample's answer),
+errors.py (OpenAI error bodies)."""

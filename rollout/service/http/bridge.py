@@ -1,0 +1,129 @@
+"""An HTTP request's groups on the engine: one group per prompt (n samples each), added to the same manager that
+serves ZeroMQ clients, their streamed outputs handed to the request's coroutine on its event loop. A request that
+ends early (its client went away, or a later prompt of its batch was refused) cancels its groups, which frees their
+KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rollout.config import FieldError, SamplingParams
+from rollout.detokenizer import OutputText
+from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
+from rollout.engine.outputs import GenerationOutput
+from rollout.service.http.choices import Choice, ChoiceDelta
+from rollout.service.http.errors import APIError, busy, from_field_error
+
+# How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
+
+
+class Submission:
+    """The groups of one request and the choices they fill."""
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        n: int,
+        tokenizer: Any,
+    ):
+        """
+        Args:
+            manager: the worker's engine manager.
+            prompts: token ids of each prompt.
+            sampling: how every sample is drawn.
+            n: samples per prompt.
+            tokenizer: decodes the choices' text.
+        """
+        self._manager = manager
+        self._prompts = prompts
+        self._sampling = sampling
+        self._n = n
+        self.choices = [
+            Choice(
+                index * n + sample,
+                prompt,
+                OutputText(
+                    tokenizer,
+                    prompt,
+                    sampling.skip_special_tokens,
+                    sampling.stop,
+                    sampling.include_stop_str_in_output,
+                    sampling.min_new_tokens,
+                ),
+            )
+            for index, prompt in enumerate(prompts)
+            for sample in range(n)
+        ]
+        self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+        self._group_ids: list[str] = []
+        self._unfinished = len(self.choices)
+
+    def start(self, prompt_field: str) -> None:
+        """Add every prompt's group (from the request's coroutine, so outputs come back on its loop).
+
+        Raises:
+            APIError: a prompt the engine refuses (400 naming the field), a full queue (503 busy), or a stopped
+                engine (503); groups already added for this request are cancelled first.
+        """
+        try:
+            for index, prompt in enumerate(self._prompts):
+                group_id = f"http-{uuid.uuid4().hex}"
+                self._manager.add_group(group_id, prompt, sampling=self._sampling, n=self._n, streaming=True)
+                self._group_ids.append(group_id)
+                self._manager.register_result_handler(group_id, self._handler(index * self._n))
+        except FieldError as error:
+            self.cancel()
+            raise from_field_error(error, prompt_field) from None
+        except QueueFullError as error:
+            self.cancel()
+            raise busy(str(error)) from None
+        except RuntimeError as error:  # the manager stopped (the worker is shutting down, or its engine failed)
+            self.cancel()
+            raise APIError(503, f"the engine is not serving: {error}", None, "service_unavailable_error") from None
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice has its final output."""
+        return self._unfinished == 0
+
+    async def deltas(self, disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[Choice, ChoiceDelta]]:
+        """Yield (choice, what it gained) per engine output until every choice finished.
+
+        Args:
+            disconnected: an async callable that says whether the client went away (polled while waiting); the
+                groups are then cancelled and `ClientGone` raised.
+        """
+        while not self.finished:
+            try:
+                base, output = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if disconnected is not None and await disconnected():
+                    self.cancel()
+                    raise ClientGone from None
+                continue
+            choice = self.choices[base + output.sample_index]
+            delta = choice.absorb(output)
+            if delta.finished:
+                self._unfinished -= 1
+            yield choice, delta
+
+    def cancel(self) -> None:
+        """Cancel the groups not finished yet (their KV blocks are freed; unknown or finished ones are ignored)."""
+        if self.finished:
+            return
+        for group_id in self._group_ids:
+            self._manager.cancel_request(group_id)
+
+    def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
+        queue = self._queue
+        return lambda output: queue.put_nowait((base, output))
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its answer was ready."""

@@ -1,0 +1,121 @@
+"""One choice of an HTTP answer (one sample): the engine's streamed outputs folded into its tokens, log-probs,
+policy versions and text, and the OpenAI shapes of what it returns (a whole choice, or a streamed chunk's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.detokenizer import OutputText
+from rollout.engine.outputs import GenerationOutput
+from rollout.service.groups import extend_version_runs
+
+
+@dataclass
+class ChoiceDelta:
+    """What one engine output added to a choice."""
+
+    text: str
+    start: int  # index in the choice of the first new token
+    end: int  # one past the last new token
+    finished: bool
+
+
+@dataclass
+class Choice:
+    """One sample of a request, as the HTTP answer reports it.
+
+    Attributes:
+        index: the choice's index in the answer (prompt index * n + sample index).
+        prompt_ids: its prompt.
+        text: the completion's text (cut at a stop string; `rollout.detokenizer`).
+    """
+
+    index: int
+    prompt_ids: list[int]
+    text: OutputText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    policy_versions: list[list[int]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_version_min: int | None = None
+
+    def absorb(self, output: GenerationOutput) -> ChoiceDelta:
+        """Fold in one streamed output of this sample (its new tokens only)."""
+        start = len(self.token_ids)
+        self.token_ids += output.generated_tokens
+        self.logprobs += output.logprobs
+        self.top_logprobs += output.top_logprobs
+        extend_version_runs(self.policy_versions, output.policy_versions, start)
+        text = "".join([self.text.add(token) for token in output.generated_tokens])
+        if output.is_finished:
+            self.finish_reason, self.error = output.finish_reason, output.error
+            self.kv_version_min = output.kv_version_min
+            text += self.text.finish()
+        return ChoiceDelta(text, start, len(self.token_ids), bool(output.is_finished))
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """The stop string that ended the choice, else the stop token that did (vLLM's stop_reason), else None."""
+        if self.text.stopped is not None:
+            return self.text.stopped
+        return self.token_ids[-1] if self.finish_reason == "stop" and self.token_ids else None
+
+    def rollout_fields(self, start: int = 0, end: int | None = None) -> dict[str, Any]:
+        """rollout's extra fields: the policy versions of tokens [start, end) (run-length encoded, re-indexed), and
+        the oldest version behind the sample's KV once finished."""
+        end = len(self.token_ids) if end is None else end
+        runs = [[v, max(0, first - start)] for v, first in self.policy_versions if first < end]
+        first_kept = max((i for i, (_, first) in enumerate(self.policy_versions) if first <= start), default=0)
+        extra: dict[str, Any] = {"policy_versions": runs[first_kept:] if start < end else []}
+        if self.finish_reason is not None:
+            extra["kv_version_min"] = self.kv_version_min
+        return extra
+
+
+class LogprobFormat:
+    """Token strings and the two OpenAI log-prob shapes (completions' and chat's) for one tokenizer."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        """The text of one token on its own."""
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+    def completion(self, choice: Choice, start: int, end: int, top: int, offset: int) -> dict[str, Any]:
+        """Completions' `logprobs` object for tokens [start, end) (`offset`: their text's start in the choice)."""
+        tokens = [self.token(t) for t in choice.token_ids[start:end]]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        top_maps = None
+        if top:
+            top_maps = [{self.token(t): lp for t, lp in row[:top]} for row in choice.top_logprobs[start:end]]
+        return {
+            "tokens": tokens,
+            "token_logprobs": choice.logprobs[start:end],
+            "top_logprobs": top_maps,
+            "text_offset": offsets,
+        }
+
+    def chat(self, choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
+        """Chat's `logprobs` object for tokens [start, end)."""
+        content = []
+        for position in range(start, end):
+            entry = self._entry(choice.token_ids[position], choice.logprobs[position])
+            rows = choice.top_logprobs[position][:top] if top else []
+            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in rows]
+            content.append(entry)
+        return {"content": content}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,218 @@
+"""/v1/completions and /v1/chat/completions: a request body in, an OpenAI answer (or a stream of server-sent
+events) out, every choice carrying rollout's `policy_versions` and `kv_version_min` (and, with `return_token_ids`,
+vLLM's `prompt_token_ids` and `token_ids`)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.http import openai_fields as fields
+from rollout.service.http.bridge import Submission
+from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
+from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.prompts import chat_prompt, completion_prompts, needs_tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+
+
+@dataclass
+class Answer:
+    """How one request is answered: its kind, its settings, its submission."""
+
+    chat: bool
+    request: fields.GenerationRequest
+    submission: Submission
+    id: str
+    created: int
+
+    @property
+    def object(self) -> str:
+        if self.chat:
+            return "chat.completion"
+        return "text_completion"
+
+
+class OpenAIEndpoints:
+    """The two generation endpoints over one engine manager."""
+
+    def __init__(
+        self, manager: ContinuousBatchingManager, model_name: str, tokenizer: Any, max_n: int, max_prompt_len: int
+    ):
+        """
+        Args:
+            manager: the worker's engine manager (shared with the ZeroMQ socket).
+            model_name: the served model's name (`model` must be it, or absent).
+            tokenizer: the worker's tokenizer (None: these endpoints answer 400).
+            max_n: most samples per prompt (the worker's --max-n).
+            max_prompt_len: longest prompt in tokens.
+        """
+        self.manager = manager
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+        self.max_prompt_len = max_prompt_len
+        self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def prepare(self, body: Any, chat: bool) -> Answer:
+        """Check a body and add its groups to the engine.
+
+        Raises:
+            APIError: anything wrong with it, naming the field.
+        """
+        body = fields.check_fields(body, fields.CHAT_FIELDS if chat else fields.COMPLETION_FIELDS)
+        needs_tokenizer(self.tokenizer, "/v1/chat/completions" if chat else "/v1/completions")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            message = f"the model `{model}` does not exist: this worker serves `{self.model_name}`"
+            raise APIError(404, message, "model", "not_found_error", "model_not_found")
+        prompt_field = "messages" if chat else "prompt"
+        prompts = [chat_prompt(body, self.tokenizer)] if chat else completion_prompts(body, self.tokenizer)
+        context = self.manager.engine.max_model_len
+        for prompt in prompts:
+            if len(prompt) > self.max_prompt_len or len(prompt) >= context:
+                reason = f"is {len(prompt)} tokens; this worker takes at most {min(self.max_prompt_len, context - 1)}"
+                raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
+        n = fields.integer(body, "n", 1, 1, self.max_n)
+        if chat:
+            max_tokens = fields.integer(body, "max_completion_tokens", None, 1)
+            if max_tokens is None:
+                max_tokens = fields.integer(body, "max_tokens", context - len(prompts[0]), 1)
+            logprobs = self._chat_logprobs(body)
+        else:
+            max_tokens = fields.integer(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
+            logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
+            best_of = body.get("best_of")
+            if best_of is not None and best_of != n:
+                raise bad_field("best_of", "only best_of = n (or unset) is supported")
+        if logprobs is not None and not self.manager.config.return_logprobs:
+            raise bad_field("logprobs", "this worker computes no log-probs (return_logprobs=False)")
+        stream, include_usage = fields.stream_settings(body)
+        default_stops = self.manager.engine.intake.default_sampling.stop_token_ids or ()
+        sampling = fields.sampling_from(body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field)
+        request = fields.GenerationRequest(
+            prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids")
+        )
+        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer)
+        submission.start(prompt_field)
+        prefix = "chatcmpl" if chat else "cmpl"
+        return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    @staticmethod
+    def _chat_logprobs(body: dict[str, Any]) -> int | None:
+        wanted = fields.flag(body, "logprobs")
+        top = fields.integer(body, "top_logprobs", 0, 0, fields.MAX_COMPLETION_LOGPROBS)
+        if top and not wanted:
+            raise bad_field("top_logprobs", "needs logprobs=true")
+        return top if wanted else None
+
+    # ---- answers ------------------------------------------------------------------------------------------------
+    async def complete(self, answer: Answer, disconnected: Callable[[], Any]) -> dict[str, Any]:
+        """The whole answer once every choice finished (groups cancelled if the client leaves first)."""
+        async for _ in answer.submission.deltas(disconnected):
+            pass
+        choices = answer.submission.choices
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed.error}", None, "internal_server_error")
+        return {
+            "id": answer.id,
+            "object": answer.object,
+            "created": answer.created,
+            "model": self.model_name,
+            "choices": [self._choice(answer, choice) for choice in choices],
+            "usage": _usage(answer),
+            **(
+                {"prompt_token_ids": answer.request.prompts[0]}
+                if answer.chat and answer.request.return_token_ids
+                else {}
+            ),
+        }
+
+    async def stream(self, answer: Answer) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per engine output, a usage chunk if asked, then [DONE]. A client that leaves
+        mid-stream cancels the request's groups."""
+        submission = answer.submission
+        try:
+            async for choice, delta in submission.deltas():
+                if choice.finish_reason == "error":
+                    error = APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
+                    yield _event(error.body())
+                    submission.cancel()
+                    break
+                chunk = self._chunk(answer, choice, delta)
+                yield _event(chunk)
+            else:
+                if answer.request.include_usage:
+                    base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created}
+                    yield _event({**base, "model": self.model_name, "choices": [], "usage": _usage(answer)})
+            yield "data: [DONE]\n\n"
+        finally:
+            submission.cancel()  # the client left (the generator was closed) or an error: free the KV blocks
+
+    def _choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
+        request, end = answer.request, len(choice.token_ids)
+        entry: dict[str, Any] = {"index": choice.index}
+        if answer.chat:
+            entry["message"] = {"role": "assistant", "content": choice.text.text}
+        else:
+            entry["text"] = choice.text.text
+        entry["logprobs"] = self._logprobs(answer, choice, 0, end)
+        entry.update(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+        if request.return_token_ids:
+            entry.update(prompt_token_ids=choice.prompt_ids, token_ids=choice.token_ids)
+        entry.update(choice.rollout_fields())
+        return entry
+
+    def _chunk(self, answer: Answer, choice: Choice, delta: ChoiceDelta) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": choice.index}
+        if answer.chat:
+            entry["delta"] = {"content": delta.text}
+            if delta.start == 0:
+                entry["delta"]["role"] = "assistant"
+        else:
+            entry["text"] = delta.text
+        entry["logprobs"] = self._logprobs(answer, choice, delta.start, delta.end)
+        entry["finish_reason"] = choice.finish_reason
+        if delta.finished:
+            entry["stop_reason"] = choice.stop_reason
+        if answer.request.return_token_ids:
+            if delta.start == 0:
+                entry["prompt_token_ids"] = choice.prompt_ids
+            entry["token_ids"] = choice.token_ids[delta.start : delta.end]
+        entry.update(choice.rollout_fields(delta.start, delta.end))
+        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created}
+        return {**base, "model": self.model_name, "choices": [entry]}
+
+    def _logprobs(self, answer: Answer, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
+        top = answer.request.logprobs
+        if top is None:
+            return None
+        if answer.chat:
+            return self.format.chat(choice, start, end, top)
+        offset = sum(len(self.format.token(t)) for t in choice.token_ids[:start])
+        return self.format.completion(choice, start, end, top, offset)
+
+
+def _usage(answer: Answer) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in answer.request.prompts)
+    completion_tokens = sum(len(c.token_ids) for c in answer.submission.choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _chunk_object(answer: Answer) -> str:
+    return "chat.completion.chunk" if answer.chat else "text_completion"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

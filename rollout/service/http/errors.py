@@ -1,0 +1,58 @@
+"""Errors of the HTTP front end in OpenAI's format: `{"error": {"message", "type", "param", "code"}}` with the HTTP
+status a client's SDK maps to its exception classes (400 BadRequestError, 404 NotFoundError, 413, 503 ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.config import FieldError
+
+# The engine's and SamplingParams' names -> the OpenAI / vLLM request field a client set.
+OPENAI_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "prompt_ids": "prompt",
+    "stop_token_ids": "stop_token_ids",
+}
+
+
+@dataclass
+class APIError(Exception):
+    """An HTTP error reply.
+
+    Attributes:
+        status: HTTP status code.
+        message: what was wrong, for a person.
+        param: the request field at fault (None: the request as a whole).
+        type: OpenAI's error type ("invalid_request_error", "not_found_error", ...).
+        code: a short machine-readable code ("model_not_found", "busy", ...), or None.
+    """
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the reply."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_field(param: str, reason: str) -> APIError:
+    """A 400 naming the request field `param`."""
+    return APIError(400, f"{param}: {reason}", param)
+
+
+def from_field_error(error: FieldError, prompt_field: str = "prompt") -> APIError:
+    """A 400 for a FieldError raised by SamplingParams or the engine's intake, under the client's name of the field
+    (`prompt_field`: "prompt" or "messages", where the prompt came from)."""
+    names = {**OPENAI_NAMES, "prompt_ids": prompt_field}
+    param = names.get(error.field, error.field)
+    return bad_field(param, error.reason)
+
+
+def busy(reason: str) -> APIError:
+    """A 503: the worker's queue is full; retry later."""
+    return APIError(503, reason, None, "service_unavailable_error", "busy")

@@ -1,0 +1,75 @@
+"""`rollout-worker --http HOST:PORT [--api-key KEY]`: the flags checked before the model loads, and the HTTP
+front end started beside the ZeroMQ socket. Imports FastAPI and uvicorn only when the front end starts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING, Any
+
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.limits import WorkerLimits
+from rollout.service.sockets import is_loopback
+
+if TYPE_CHECKING:
+    from rollout.service.http.server import HttpServer
+    from rollout.service.worker import RolloutWorker
+
+logger = logging.getLogger("rollout.worker")
+
+
+def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
+    """(host, port) of --http, checked before the model loads (None without it)."""
+    if args.http is None:
+        if args.api_key is not None:
+            parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
+        return None
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    host = host.strip("[]")
+    if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None and not args.insecure:
+        parser.error(f"--http {args.http}: a non-loopback address needs --api-key (or --insecure to accept anyone)")
+    if int(port):
+        from rollout.service.cli import check_bind  # here: cli imports this module
+
+        check_bind(parser, f"tcp://{host}:{port}", flag="--http")
+    return host, int(port)
+
+
+def start_http(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    address: tuple[str, int],
+    manager: ContinuousBatchingManager,
+    worker: RolloutWorker,
+    tokenizer: Any,
+    limits: WorkerLimits,
+) -> HttpServer:
+    """Start the HTTP front end on the worker's manager (a usage error when FastAPI/uvicorn are missing or it
+    cannot listen).
+
+    Args:
+        parser, args: rollout-worker's parser and arguments (--model names the served model).
+        address: (host, port) from `check_http_address`.
+        manager, worker, tokenizer, limits: what the worker serves, and its limits.
+    """
+    from rollout.service.http.server import HttpServer
+
+    try:
+        http = HttpServer(
+            manager,
+            address[0],
+            address[1],
+            args.model,
+            tokenizer,
+            limits.max_n,
+            worker.max_prompt_len,
+            limits.max_message_bytes,
+            args.api_key,
+        )
+        http.start()
+    except (ImportError, RuntimeError) as error:
+        parser.error(f"--http {args.http}: {error}")
+    logger.info("OpenAI-compatible API at %s/v1", http.url)
+    return http

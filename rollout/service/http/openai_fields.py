@@ -1,0 +1,173 @@
+"""OpenAI / vLLM request bodies -> what the engine takes: prompts as token ids, a `SamplingParams`, `n`.
+
+Every field of a body is honoured, has no effect on the tokens (and is accepted: `user`, `tool_choice="auto"`), or is
+refused with a 400 naming it; an unknown field is refused too, never silently dropped. `REFUSED` lists the OpenAI
+fields rollout does not serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.config import FieldError, SamplingParams
+from rollout.service.http.errors import APIError, bad_field, from_field_error
+
+# Sampling fields both endpoints take, by their OpenAI / vLLM names -> SamplingParams fields.
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "min_tokens": "min_new_tokens",
+    "skip_special_tokens": "skip_special_tokens",
+    "include_stop_str_in_output": "include_stop_str_in_output",
+    "logprob_mode": "logprob_mode",  # rollout's: which distribution log-probs come from (README)
+}
+# Fields both endpoints take that are handled outside SamplingParams.
+COMMON_FIELDS = {
+    "model",
+    "n",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "return_token_ids",
+    "user",  # an end-user id for the caller's own records: changes nothing
+} | set(SAMPLING_FIELDS)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "response_format",
+    "logit_bias",
+}
+# Fields refused unless at their harmless value, and why.
+REFUSED = {
+    "echo": (False, "echoing the prompt is not supported; ask for return_token_ids"),
+    "suffix": (None, "insertion (suffix) is not supported"),
+    "logit_bias": (None, "logit_bias is not supported; use stop_token_ids or the worker's bad words"),
+    "response_format": (None, "structured outputs are not supported"),
+}
+MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
+
+
+@dataclass
+class GenerationRequest:
+    """One request, ready for the engine.
+
+    Attributes:
+        prompts: token ids of each prompt (a batch for /v1/completions; one for chat).
+        sampling: how every sample is drawn (max_new_tokens set).
+        n: samples per prompt.
+        stream: answer with server-sent events.
+        include_usage: streaming: a last chunk with token counts.
+        logprobs: top log-probs per token to return (0: only the sampled token's), or None: no logprobs.
+        return_token_ids: each choice carries prompt_token_ids and token_ids.
+    """
+
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    return_token_ids: bool = False
+
+
+def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
+    """The body as a dict, or a 400 for a non-object body or a field this endpoint does not know."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_field(unknown[0], "unknown field (rollout refuses fields it would otherwise ignore)")
+    for name, (harmless, why) in REFUSED.items():
+        value = body.get(name)
+        if value is not None and value != harmless and value != {} and value != {"type": "text"}:
+            raise bad_field(name, why)
+    return body
+
+
+def sampling_from(
+    body: dict[str, Any], default_stops: tuple[int, ...], max_tokens: int, top_logprobs: int, prompt_field: str
+) -> SamplingParams:
+    """The SamplingParams of a body (a 400 naming the body's field when one is bad).
+
+    Args:
+        body: the request body (fields already checked by `check_fields`).
+        default_stops: the model's EOS tokens (stop unless `ignore_eos`; `stop_token_ids` add to them).
+        max_tokens: the request's resolved max_tokens.
+        top_logprobs: top log-probs per token to compute.
+        prompt_field: "prompt" or "messages" (where prompt errors point).
+    """
+    fields: dict[str, Any] = {
+        target: body[name] for name, target in SAMPLING_FIELDS.items() if body.get(name) is not None
+    }
+    if fields.get("top_k") == -1:  # vLLM's "disabled"
+        fields["top_k"] = 0
+    ignore_eos = flag(body, "ignore_eos")
+    extra_stops = body.get("stop_token_ids") or []
+    if not isinstance(extra_stops, list):
+        raise bad_field("stop_token_ids", "must be a list of token ids")
+    stops = [] if ignore_eos else list(default_stops)
+    fields["stop_token_ids"] = stops + [t for t in extra_stops if t not in stops]
+    stop = body.get("stop")
+    if stop is not None:
+        fields["stop"] = [stop] if isinstance(stop, str) else stop
+    fields.update(max_new_tokens=max_tokens, top_logprobs=top_logprobs)
+    try:
+        return SamplingParams(**fields)
+    except FieldError as error:
+        reverse = {target: name for name, target in SAMPLING_FIELDS.items()}
+        raise from_field_error(FieldError(reverse.get(error.field, error.field), error.reason), prompt_field) from None
+
+
+def integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    """An integer field in [low, high] (None or absent: `default`), or a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise bad_field(name, f"must be an integer {bounds}, got {value!r}")
+    return value
+
+
+def stream_settings(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a body."""
+    stream = flag(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_field("stream_options", "only include_usage is supported")
+    if not stream:
+        raise bad_field("stream_options", "only allowed with stream=true")
+    if options.get("continuous_usage_stats"):
+        raise bad_field("stream_options", "continuous_usage_stats is not supported")
+    return stream, bool(options.get("include_usage", False))
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    """A boolean field (None or absent: False), or a 400 naming it."""
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_field(name, f"must be a boolean, got {value!r}")
+    return value

@@ -1,0 +1,115 @@
+"""The prompts of HTTP requests as token ids: /v1/completions' `prompt` (text or token ids, one or a batch) and
+/v1/chat/completions' `messages`, rendered by the tokenizer's own chat template (`apply_chat_template`, with `tools`
+and `chat_template_kwargs` passed through), so the ids are exactly what the trainer's tokenizer makes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.service.http.errors import APIError, bad_field
+
+MAX_BATCH = 1024  # prompts in one /v1/completions request
+
+
+def completion_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+    """The prompts of a completions body: a string, a list of token ids, or a list of either.
+
+    Raises:
+        APIError: no prompt, an empty one, or a malformed one (param "prompt").
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [_encode(tokenizer, prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_field("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    if all(_is_token(t) for t in prompt):
+        return [list(prompt)]
+    if len(prompt) > MAX_BATCH:
+        raise bad_field("prompt", f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
+    prompts = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str):
+            prompts.append(_encode(tokenizer, item))
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            prompts.append(list(item))
+        else:
+            raise bad_field("prompt", f"item {index} is neither a string nor a non-empty list of token ids")
+    return prompts
+
+
+def chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The token ids of a chat body's `messages`, rendered with the tokenizer's chat template.
+
+    Raises:
+        APIError: malformed messages, tools or template arguments, or a template that fails on them.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_field("messages", "must be a non-empty list of messages")
+    rendered = [_message(index, message) for index, message in enumerate(messages)]
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise bad_field("tools", "must be a list of tool objects")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "auto", "none"):
+        raise bad_field("tool_choice", "only 'auto' and 'none' are supported (no constrained tool calls)")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_field("chat_template_kwargs", "must be an object")
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    continue_final = body.get("continue_final_message", False)
+    for name, value in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final)):
+        if not isinstance(value, bool):
+            raise bad_field(name, f"must be a boolean, got {value!r}")
+    if add_generation_prompt and continue_final:
+        raise bad_field("continue_final_message", "cannot be combined with add_generation_prompt=true")
+    if _chat_template(tokenizer) is None and "chat_template" not in kwargs:
+        raise bad_field("messages", "the worker's tokenizer has no chat template")
+    try:
+        encoded = tokenizer.apply_chat_template(
+            rendered,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=True,
+            return_dict=True,
+            **kwargs,
+        )
+    except Exception as error:  # noqa: BLE001 - a template's own errors (jinja, ValueError) are the request's fault
+        raise bad_field("messages", f"the chat template failed: {type(error).__name__}: {error}") from None
+    return list(encoded["input_ids"])
+
+
+def needs_tokenizer(tokenizer: Any, what: str) -> None:
+    """A 400 when the worker serves no tokenizer."""
+    if tokenizer is None:
+        raise APIError(400, f"{what} needs a tokenizer, and this worker has none (start it with --tokenizer)")
+
+
+def _message(index: int, message: Any) -> dict[str, Any]:
+    """A message for the template: text content parts joined into one string (OpenAI's list form)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_field("messages", f"message {index} must be an object with a string role")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise bad_field("messages", f"message {index}: only text content parts are supported")
+        message = {**message, "content": "".join(part["text"] for part in content)}
+    elif content is not None and not isinstance(content, str):
+        raise bad_field("messages", f"message {index}: content must be a string or a list of text parts")
+    return message
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    ids = list(tokenizer(text)["input_ids"])
+    if not ids:
+        raise bad_field("prompt", "encodes to no tokens")
+    return ids
+
+
+def _chat_template(tokenizer: Any) -> Any:
+    return getattr(tokenizer, "chat_template", None)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
