@@ -57,15 +57,8 @@ def build_app(
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if api_key is not None and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                error = APIError(
-                    401, "a valid API key is required (Authorization: Bearer ...)", None, "authentication_error"
-                )
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -151,6 +144,24 @@ def build_app(
         return {"prompt": tokenizer.decode(tokens)}
 
     return app
+
+
+class ApiKeyCheck:
+    """Pure ASGI middleware answering 401 to requests without `Authorization: Bearer <api_key>` (but /health).
+    Not Starlette's BaseHTTPMiddleware: that wraps `receive`, and a handler then no longer sees its client leave."""
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                message = "a valid API key is required (Authorization: Bearer ...)"
+                error = APIError(401, message, None, "authentication_error")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _json(request: Request, limit: int) -> Any:

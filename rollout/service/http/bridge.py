@@ -6,6 +6,7 @@ KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -99,13 +100,19 @@ class Submission:
             disconnected: an async callable that says whether the client went away (polled while waiting); the
                 groups are then cancelled and `ClientGone` raised.
         """
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         while not self.finished:
             try:
                 base, output = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if disconnected is not None and await disconnected():
+                output = None
+            # Checked on a clock, not only when idle: a busy request's outputs never leave the queue empty.
+            if disconnected is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await disconnected():
                     self.cancel()
-                    raise ClientGone from None
+                    raise ClientGone
+            if output is None:
                 continue
             choice = self.choices[base + output.sample_index]
             delta = choice.absorb(output)

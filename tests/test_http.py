@@ -1,0 +1,236 @@
+"""`rollout-worker --http`: the OpenAI-compatible front end, driven by the official `openai` client against a real
+worker subprocess that also serves ZeroMQ; answers checked against the ZeroMQ path, the tokenizer's own chat
+template and full decodes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx2 as httpx  # the HTTP library the openai client is built on
+import openai
+import pytest
+
+from rollout import SamplingParams
+from rollout.service import protocol as p
+from rollout.service.presets import tiny_tokenizer
+from service_helpers import Client, Worker, free_port
+from trainer_bridge import PromptGroup, RolloutClient
+
+TOKENIZER = tiny_tokenizer()
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a color"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    port = free_port()
+    server = Worker("--http", f"127.0.0.1:{port}")
+    server.url = f"http://127.0.0.1:{port}"
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def api(worker):
+    with openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def zmq_client(worker):
+    with RolloutClient(worker.address, timeout=60) as client:
+        yield client
+
+
+def zeromq_samples(zmq_client, prompt_ids, n, **sampling):
+    result = zmq_client.generate(PromptGroup(prompt_ids, n=n, sampling=SamplingParams(**sampling)))
+    return [(c.token_ids, c.logprobs) for c in result.completions]
+
+
+def extra(choice) -> dict:
+    return choice.model_extra
+
+
+def test_completions_match_the_zeromq_path(api, zmq_client):
+    prompt = "the quick brown fox"
+    answer = api.completions.create(
+        model="tiny", prompt=prompt, n=4, seed=3, max_tokens=12, logprobs=0, extra_body={"return_token_ids": True}
+    )
+    prompt_ids = TOKENIZER(prompt)["input_ids"]
+    expected = zeromq_samples(zmq_client, prompt_ids, 4, seed=3, max_new_tokens=12)
+    got = [(extra(c)["token_ids"], c.logprobs.token_logprobs) for c in answer.choices]
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert all(extra(c)["prompt_token_ids"] == prompt_ids for c in answer.choices)
+    assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+    for (_, http_logprobs), (_, zmq_logprobs) in zip(got, expected):
+        assert http_logprobs == pytest.approx(zmq_logprobs, abs=1e-6)
+    for choice in answer.choices:
+        assert choice.text == TOKENIZER.decode(extra(choice)["token_ids"], skip_special_tokens=True)
+        assert extra(choice)["policy_versions"] == [[0, 0]] and extra(choice)["kv_version_min"] == 0
+    assert answer.usage.prompt_tokens == len(prompt_ids) and answer.usage.completion_tokens == 48
+
+
+def test_chat_renders_the_tokenizers_template_and_matches_zeromq(api, zmq_client):
+    answer = api.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        n=4,
+        seed=5,
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"return_token_ids": True},
+    )
+    template_ids = TOKENIZER.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True)["input_ids"]
+    assert answer.model_extra["prompt_token_ids"] == template_ids
+    expected = zeromq_samples(zmq_client, template_ids, 4, seed=5, max_new_tokens=10)
+    for choice, (ids, logprobs) in zip(answer.choices, expected):
+        assert extra(choice)["token_ids"] == ids
+        assert [entry.logprob for entry in choice.logprobs.content] == pytest.approx(logprobs, abs=1e-6)
+        assert [entry.token for entry in choice.logprobs.content] == [TOKENIZER.decode([t]) for t in ids]
+        assert all(len(entry.top_logprobs) == 3 for entry in choice.logprobs.content)
+        assert choice.message.role == "assistant"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_reassembles_to_the_whole_answer(api, chat):
+    settings = dict(model="tiny", n=2, seed=11, max_tokens=14, extra_body={"return_token_ids": True})
+    if chat:
+        whole = api.chat.completions.create(messages=MESSAGES, logprobs=True, **settings)
+        stream = api.chat.completions.create(
+            messages=MESSAGES, logprobs=True, stream=True, stream_options={"include_usage": True}, **settings
+        )
+    else:
+        whole = api.completions.create(prompt="stream me", logprobs=1, **settings)
+        stream = api.completions.create(
+            prompt="stream me", logprobs=1, stream=True, stream_options={"include_usage": True}, **settings
+        )
+    text, ids, logprobs, finish, usage = {}, {}, {}, {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        (choice,) = chunk.choices
+        i = choice.index
+        text[i] = text.get(i, "") + (choice.delta.content if chat else choice.text)
+        ids[i] = ids.get(i, []) + extra(choice)["token_ids"]
+        entries = choice.logprobs.content if chat else choice.logprobs.token_logprobs
+        logprobs[i] = logprobs.get(i, []) + [e.logprob if chat else e for e in entries]
+        finish[i] = choice.finish_reason or finish.get(i)
+    for choice in whole.choices:
+        i = choice.index
+        assert text[i] == (choice.message.content if chat else choice.text)
+        assert ids[i] == extra(choice)["token_ids"]
+        expected = [e.logprob for e in choice.logprobs.content] if chat else choice.logprobs.token_logprobs
+        assert logprobs[i] == pytest.approx(expected, abs=1e-6)
+        assert finish[i] == choice.finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_returned_token_ids_continue_without_retokenizing(api):
+    prompt = "continue: "
+    greedy = dict(model="tiny", temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = api.completions.create(prompt=prompt, max_tokens=8, **greedy).choices[0]
+    first = api.completions.create(prompt=prompt, max_tokens=4, **greedy).choices[0]
+    history = extra(first)["prompt_token_ids"] + extra(first)["token_ids"]
+    second = api.completions.create(prompt=history, max_tokens=4, **greedy).choices[0]
+    assert extra(second)["prompt_token_ids"] == history
+    assert extra(first)["token_ids"] + extra(second)["token_ids"] == extra(whole)["token_ids"]
+    assert first.text + second.text == whole.text
+    assert TOKENIZER.decode(history, skip_special_tokens=True) == prompt + first.text
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_across_token_boundaries(api, include):
+    settings = dict(model="tiny", prompt="stop here", seed=2, max_tokens=20)
+    full = api.completions.create(**settings, extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    ids = extra(full)["token_ids"]
+    pieces = [TOKENIZER.decode([t], skip_special_tokens=True) for t in ids]
+    stop = next(a[-1] + b[:1] for a, b in zip(pieces[5:], pieces[6:]) if a and b)  # spans a token boundary
+    extra_body = {"return_token_ids": True, "ignore_eos": True, "include_stop_str_in_output": include}
+    stopped = api.completions.create(**settings, stop=[stop], extra_body=extra_body).choices[0]
+    # Reference: the first prefix of the full output whose decoded text contains the stop string.
+    keep = next(k for k in range(1, len(ids) + 1) if stop in TOKENIZER.decode(ids[:k], skip_special_tokens=True))
+    reference_text = TOKENIZER.decode(ids[:keep], skip_special_tokens=True)
+    end = reference_text.find(stop)
+    assert extra(stopped)["token_ids"] == ids[:keep]
+    assert stopped.text == reference_text[: end + len(stop) if include else end]
+    assert stopped.finish_reason == "stop" and extra(stopped)["stop_reason"] == stop
+    streamed = api.completions.create(**settings, stop=[stop], stream=True, extra_body=extra_body)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == stopped.text
+
+
+def test_zeromq_hello_reports_the_tokenizer(worker):
+    client = Client(worker.address)
+    try:
+        reply = client.ask(p.Hello())
+    finally:
+        client.close()
+    assert reply.tokenizer == "tiny"
+
+
+def test_http_and_zeromq_clients_at_once(api, zmq_client):
+    prompt_ids = TOKENIZER("together")["input_ids"]
+    results: dict[str, object] = {}
+
+    def over_zeromq():
+        results["zmq"] = [zeromq_samples(zmq_client, prompt_ids, 2, seed=s, max_new_tokens=30) for s in range(3)]
+
+    thread = threading.Thread(target=over_zeromq)
+    thread.start()
+    http = [
+        api.completions.create(model="tiny", prompt=prompt_ids, n=2, seed=s, max_tokens=30, logprobs=0)
+        for s in range(3)
+    ]
+    thread.join(60)
+    for answer, samples in zip(http, results["zmq"]):
+        for choice, (ids, logprobs) in zip(answer.choices, samples):
+            assert TOKENIZER.decode(ids, skip_special_tokens=True) == choice.text
+            assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-6)
+
+
+def worker_stats(worker) -> dict:
+    client = Client(worker.address)
+    try:
+        return client.ask(p.Stats()).stats
+    finally:
+        client.close()
+
+
+def wait_idle(worker, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker_stats(worker)
+        if (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_has_its_request_cancelled(worker, stream):
+    body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+    before = wait_idle(worker)["generated_tokens"]
+    if stream:
+        with httpx.stream("POST", f"{worker.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # generation is under way; now hang up
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{worker.url}/v1/completions", json=body, timeout=1.0)
+    stats = wait_idle(worker)
+    assert (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, 0)
+    assert stats["generated_tokens"] - before < 1900  # cancelled, not finished
+
+
+def test_models_health_tokenize_detokenize(worker, api):
+    (model,) = api.models.list().data
+    assert (model.id, model.model_extra["max_model_len"]) == ("tiny", 2048)
+    assert httpx.get(f"{worker.url}/health").json()["status"] == "ok"
+    tokens = httpx.post(f"{worker.url}/tokenize", json={"prompt": "hi there"}).json()
+    assert tokens["tokens"] == TOKENIZER("hi there")["input_ids"] and tokens["count"] == len(tokens["tokens"])
+    chat = httpx.post(f"{worker.url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == TOKENIZER.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    text = httpx.post(f"{worker.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "hi there"}
