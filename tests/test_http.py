@@ -234,3 +234,79 @@ def test_models_health_tokenize_detokenize(worker, api):
     assert chat["tokens"] == TOKENIZER.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
     text = httpx.post(f"{worker.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text == {"prompt": "hi there"}
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "made_up": 1}, 400, "made_up"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s"] * 33}, 400, "stop"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [7] * 2100}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [7] * 2000, "max_tokens": 100}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [5000]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/v1/nothing", {}, 404, None),
+    ],
+)
+def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, status, param):
+    response = httpx.post(f"{worker.url}{path}", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+def test_a_body_that_is_not_json_is_a_400(worker, api):
+    response = httpx.post(f"{worker.url}/v1/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):  # what the official client raises for a 404
+        api.completions.create(model="other", prompt="x")
+    assert api.completions.create(model="tiny", prompt="still serving", max_tokens=2).choices[0].finish_reason
+
+
+def test_agent_example_rows_match_a_teacher_forced_forward(worker):
+    """examples/agent_openai.py's multi-turn rows: the model's tokens carry the log-probs a plain forward of the
+    same model gives over the whole conversation (so nothing was re-tokenized between turns), tool tokens are
+    masked out, and every model token has its policy version."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from rollout.service.presets import tiny_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import agent_openai
+
+    episodes = agent_openai.main(["--base-url", f"{worker.url}/v1", "--episodes", "2", "--turns", "3"])
+    model = tiny_model()
+    for episode in episodes:
+        assert episode.turns == 3 and 0 < sum(episode.completion_mask) < len(episode.completion_ids)
+        assert episode.policy_versions == [0] * sum(episode.completion_mask)
+        sequence = torch.tensor([episode.prompt_ids + episode.completion_ids])
+        with torch.no_grad():
+            logits = model(sequence).logits[0, len(episode.prompt_ids) - 1 : -1]
+        forward = torch.log_softmax(logits.float(), -1).gather(-1, sequence[0, len(episode.prompt_ids) :, None])[:, 0]
+        model_positions = [i for i, m in enumerate(episode.completion_mask) if m]
+        expected = forward[model_positions].tolist()
+        assert [episode.logprobs[i] for i in model_positions] == pytest.approx(expected, abs=1e-4)
+        assert all(episode.logprobs[i] == 0.0 for i, m in enumerate(episode.completion_mask) if not m)

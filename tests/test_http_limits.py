@@ -1,0 +1,75 @@
+"""The HTTP front end's refusals that need particular worker settings (an API key, a small body limit, a full queue,
+no tokenizer), on in-process servers over one engine manager whose loop never runs: every request here is answered
+before it would reach the engine."""
+
+from __future__ import annotations
+
+import httpx2 as httpx  # the HTTP library the openai client is built on
+import openai
+import pytest
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager import init_continuous_batching
+from rollout.service.http.server import HttpServer
+from rollout.service.presets import tiny_model, tiny_tokenizer
+
+KEY = "secret-key"
+
+
+@pytest.fixture(scope="module")
+def manager():
+    config = ContinuousBatchingConfig(num_blocks=64, block_size=16, max_queue_size=1)
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=config, tokenizer=tiny_tokenizer())
+    manager.add_group("fills-the-queue", [5, 6, 7])  # never taken: the engine thread is not started
+    yield manager
+    manager.stop()
+
+
+def serve(manager, tokenizer, api_key=None):
+    return HttpServer(manager, "127.0.0.1", 0, "tiny", tokenizer, 8, 2048, 4096, api_key).start()
+
+
+@pytest.fixture(scope="module")
+def server(manager):
+    http = serve(manager, tiny_tokenizer(), KEY)
+    yield http
+    http.stop()
+
+
+def test_a_full_queue_answers_503_busy(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as client:
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model="tiny", prompt="hello")
+    assert raised.value.status_code == 503 and raised.value.body["code"] == "busy"
+
+
+def test_the_api_key_is_required_except_for_health(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 503  # open to probes; the engine is not running
+    models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert models.json()["data"][0]["id"] == "tiny"
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * 5000}, headers=headers)
+    assert response.status_code == 413 and response.json()["error"]["type"] == "invalid_request_error"
+
+    def chunks():  # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=headers)
+    assert response.status_code == 413
+
+
+def test_text_endpoints_without_a_tokenizer_say_so(manager):
+    http = serve(manager, None)
+    try:
+        for path, body in (("/v1/completions", {"prompt": [5, 6]}), ("/tokenize", {"prompt": "x"})):
+            response = httpx.post(f"{http.url}{path}", json=body)
+            assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]
+    finally:
+        http.stop()
