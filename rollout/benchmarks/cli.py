@@ -43,8 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also report the decode roofline fraction, peak memory and logprob fidelity (one more rollout run)",
     )
-    sv = commands.add_parser("service", help="tokens/s through a rollout-worker socket vs in-process (cpu-small)")
+    sv = commands.add_parser(
+        "service", help="tokens/s through a rollout-worker (ZeroMQ, HTTP) vs in-process (cpu-small)"
+    )
     sv.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
+    sv.add_argument(
+        "--path",
+        choices=service.PATHS,
+        default="zmq",
+        help="zmq: ZeroMQ results and streams; http: the OpenAI HTTP API's results and streams beside ZeroMQ "
+        "results (the reference); all: both (default: zmq)",
+    )
     wt = commands.add_parser("weights", help="push_weights GB/s per transport over loopback, and the commit pause")
     wt.add_argument("--size-mb", type=float, default=512, help="state dict size in MB (default: 512)")
     wt.add_argument(
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")
         summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
     else:
-        summary = service.run(args.seed)
+        summary = service.run(args.seed, args.path)
     print(json.dumps(summary))
     if args.command == "load" and not summary["passed"]:
         raise SystemExit(1)  # a group lost or duplicated, KV blocks left in use, or a fuzzed worker stopped serving

@@ -1,6 +1,7 @@
 """`rollout-bench service`: the cost of the socket. The cpu-small workload (on the built-in "tiny" preset, which has
-its shape) run in-process with `generate_batch`, then through a `rollout-worker` subprocess with `RolloutClient`:
-whole group results (`generate_many`) and streamed deltas (one `stream` per group, consumed concurrently).
+its shape) run in-process with `generate_batch`, then through one `rollout-worker` subprocess: over ZeroMQ with
+`RolloutClient` (whole group results with `generate_many`, and streamed deltas, one `stream` per group, consumed
+concurrently) and, with `--path http` or `all`, over its OpenAI-compatible HTTP API (service_http.py).
 """
 
 from __future__ import annotations
@@ -10,16 +11,25 @@ import sys
 import threading
 import time
 
+from rollout.benchmarks import service_http
 from rollout.benchmarks.throughput import WORKLOADS, make_workload
 from rollout.benchmarks.worker_probe import free_port, wait_answering
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.service.presets import tiny_model
 
+PATHS = ("zmq", "http", "all")
 
-def run(seed: int = 0) -> dict:
-    """Run the three variants one after another and return the JSON-able summary (also printed as a table)."""
-    from trainer_bridge import GroupResult, PromptGroup, RolloutClient
+
+def run(seed: int = 0, path: str = "zmq") -> dict:
+    """Run the variants one after another and return the JSON-able summary (also printed as a table).
+
+    Args:
+        seed: the workload's prompt seed.
+        path: "zmq" (ZeroMQ results and streams), "http" (ZeroMQ results as the reference, then the HTTP API's
+            results and streams), or "all".
+    """
+    from trainer_bridge import PromptGroup, RolloutClient
 
     workload = WORKLOADS["cpu-small"]
     _, prompts, max_new = make_workload(workload, seed)
@@ -39,7 +49,10 @@ def run(seed: int = 0) -> dict:
     timings["in_process"] = time.perf_counter() - start
 
     address = f"tcp://127.0.0.1:{free_port()}"
+    http_port = free_port()
     flags = [
+        "--http",
+        f"127.0.0.1:{http_port}",
         "--bind",
         address,
         "--device",
@@ -72,35 +85,52 @@ def run(seed: int = 0) -> dict:
                 for i in range(len(prompts))
             )
 
-            streamed: list[int] = []
-
-            def consume(group: PromptGroup) -> None:
-                for event in client.stream(PromptGroup(group.prompt_ids, 1, group.sampling)):
-                    if not isinstance(event, GroupResult):
-                        streamed.append(len(event.token_ids))
-
-            threads = [threading.Thread(target=consume, args=(g,)) for g in groups]
-            start = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            timings["socket_stream"] = time.perf_counter() - start
+            if path in ("http", "all"):
+                http_timings, http_tokens = service_http.measure(f"http://127.0.0.1:{http_port}/v1", prompts, max_new)
+                timings.update(http_timings)
+                same_http = sum(http_tokens[i] == local[f"req_{i}"].generated_tokens for i in range(len(prompts)))
+            if path != "http":
+                timings["socket_stream"] = _stream_all(client, groups, useful)
     finally:
         worker.terminate()
         worker.wait(60)
-    assert sum(streamed) == useful, "streamed deltas do not add up to the generated tokens"
     summary = {
         "benchmark": "service",
         "workload": "cpu-small",
+        "path": path,
         "generated_tokens": useful,
         "identical_tokens_socket_vs_in_process": f"{same}/{len(prompts)}",
         "results": {
             name: {"seconds": round(t, 3), "tokens_per_s": round(useful / t, 1)} for name, t in timings.items()
         },
     }
+    if path in ("http", "all"):
+        summary["identical_tokens_http_vs_in_process"] = f"{same_http}/{len(prompts)}"
+        summary["http_vs_zmq_results"] = round(timings["socket_results"] / timings["http_results"], 3)
     print(f"service overhead, cpu-small workload ({useful} generated tokens), one run each")
     print(f"{'variant':<20}{'seconds':>10}{'tokens/s':>12}{'vs in-process':>15}")
     for name, t in timings.items():
         print(f"{name:<20}{t:>10.2f}{useful / t:>12.1f}{timings['in_process'] / t:>14.2f}x")
     return summary
+
+
+def _stream_all(client: object, groups: list, useful: int) -> float:
+    """Seconds to stream every group at once (a thread per group); checks the deltas add up to `useful` tokens."""
+    from trainer_bridge import GroupResult, PromptGroup
+
+    streamed: list[int] = []
+
+    def consume(group: PromptGroup) -> None:
+        for event in client.stream(PromptGroup(group.prompt_ids, 1, group.sampling)):
+            if not isinstance(event, GroupResult):
+                streamed.append(len(event.token_ids))
+
+    threads = [threading.Thread(target=consume, args=(g,)) for g in groups]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - start
+    assert sum(streamed) == useful, "streamed deltas do not add up to the generated tokens"
+    return seconds
