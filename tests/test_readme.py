@@ -1,8 +1,10 @@
-"""The README's Python examples run as written (against a real rollout-worker on the README's address)."""
+"""The README's Python and curl examples run as written (against a real rollout-worker on the README's addresses)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 from service_helpers import Worker
@@ -11,13 +13,21 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_python_blocks_run():
-    """Every ```python block of the README executes without error (they share one namespace, in order)."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    """Every ```python block of the README executes without error (they share one namespace, in order), and every
+    curl command answers a JSON body without an error."""
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "the README should show runnable Python usage"
-    worker = Worker(address="tcp://127.0.0.1:5555")
+    curls = [b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if b.startswith("curl ")]
+    assert curls, "the README should show the HTTP API with curl"
+    worker = Worker("--http", "127.0.0.1:8000", address="tcp://127.0.0.1:5555")
     try:
         namespace: dict = {}
         for block in blocks:
             exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        for command in curls:
+            answer = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, check=True)
+            body = json.loads(answer.stdout)
+            assert "error" not in body and body["choices"], body
     finally:
         worker.close()

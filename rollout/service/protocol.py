@@ -34,7 +34,8 @@ Worker -> client:
 
 | type               | fields                                                                                     |
 |--------------------|--------------------------------------------------------------------------------------------|
-| hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any}   |
+| hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any},  |
+|                    | tokenizer: str or nil (where the worker's tokenizer came from; nil: none, no stop strings) |
 | delta              | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int |
 | group_result       | group_id: str, prompt_ids: [int], completions: [Completion as a map]                       |
 | pong               | nonce: int, policy_version: int                                                            |
