@@ -162,13 +162,25 @@ def test_stop_strings_across_token_boundaries(api, include):
     assert "".join(chunk.choices[0].text for chunk in streamed) == stopped.text
 
 
-def test_zeromq_hello_reports_the_tokenizer(worker):
+def test_zeromq_hello_and_stats_report_the_tokenizer(worker):
     client = Client(worker.address)
     try:
-        reply = client.ask(p.Hello())
+        assert client.ask(p.Hello()).tokenizer == "tiny"
+        assert client.ask(p.Stats()).stats["tokenizer"] == "tiny"
     finally:
         client.close()
-    assert reply.tokenizer == "tiny"
+
+
+def test_stop_strings_over_zeromq_end_where_http_ends(api, zmq_client):
+    prompt_ids = TOKENIZER("zeromq stops")["input_ids"]
+    full = zeromq_samples(zmq_client, prompt_ids, 1, seed=4, max_new_tokens=20, stop_token_ids=())[0][0]
+    stop = TOKENIZER.decode(full[6:8], skip_special_tokens=True) or "zz"
+    stopped = zeromq_samples(zmq_client, prompt_ids, 1, seed=4, max_new_tokens=20, stop_token_ids=(), stop=[stop])
+    body = {"return_token_ids": True, "ignore_eos": True}
+    answer = api.completions.create(
+        model="tiny", prompt=prompt_ids, seed=4, max_tokens=20, stop=[stop], extra_body=body
+    )
+    assert stopped[0][0] == extra(answer.choices[0])["token_ids"] and len(stopped[0][0]) <= 8
 
 
 def test_http_and_zeromq_clients_at_once(api, zmq_client):

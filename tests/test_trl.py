@@ -449,13 +449,15 @@ def test_vllm_spellings_in_generation_kwargs_are_mapped(fake_trainer):
         trainer.args.generation_kwargs = generation_kwargs
         return RolloutGeneration(trainer, fake, 1).sampling
 
-    mapped = sampling({"max_tokens": 5, "min_tokens": 2, "stop_token_ids": [7, EOS], "skip_special_tokens": True})
+    mapped = sampling({"max_tokens": 5, "min_tokens": 2, "stop_token_ids": [7, EOS], "detokenize": True})
     assert (mapped["max_new_tokens"], mapped["min_new_tokens"], mapped["stop_token_ids"]) == (5, 2, [EOS, 7])
-    assert "skip_special_tokens" not in mapped
+    assert "detokenize" not in mapped  # no effect: the workers return token ids
+    stops = sampling({"stop": ["\n"], "include_stop_str_in_output": True, "skip_special_tokens": False})
+    assert (stops["stop"], stops["include_stop_str_in_output"], stops["skip_special_tokens"]) == (["\n"], True, False)
     assert sampling({"ignore_eos": True})["stop_token_ids"] == []
     assert sampling({"ignore_eos": True, "stop_token_ids": [9]})["stop_token_ids"] == [9]
     for bad, match in [
-        ({"stop": ["\n"]}, "'stop'"),
+        ({"stop": [5]}, "stop"),
         ({"structured_outputs": {"regex": "a"}}, "'structured_outputs'"),
         ({"max_tokens": 4, "max_new_tokens": 4}, "both 'max_tokens' and 'max_new_tokens'"),
         ({"ignore_eos": "yes"}, "ignore_eos"),

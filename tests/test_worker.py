@@ -277,6 +277,10 @@ def test_a_version_beyond_int64_is_refused_at_begin(client, version):
         (["--num-blocks", "0"], "num_blocks: 0 is invalid"),
         (["--model", "/nonexistent/model"], "no such model directory"),
         (["--device", "bogus"], "--device bogus"),
+        (["--api-key", "k"], "--api-key protects the HTTP API"),
+        (["--http", "8000"], "expected HOST:PORT"),
+        (["--http", "0.0.0.0:8000"], "needs --api-key"),
+        (["--tokenizer", "/nonexistent/tokenizer"], "--tokenizer /nonexistent/tokenizer"),
         pytest.param(
             ["--gpu", "0"],
             "sees no CUDA device",

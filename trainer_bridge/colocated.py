@@ -58,6 +58,7 @@ class ColocatedEngine:
         policy_version: int = 0,
         round_context: Callable[[], AbstractContextManager] | None = None,
         peft_merge: bool = False,
+        tokenizer: Any = None,
     ):
         """
         Args:
@@ -74,6 +75,7 @@ class ColocatedEngine:
             peft_merge: a PEFT model's adapters merged into its base weights for each round (faster decoding), the
                 base weights copied back bit for bit afterwards (merge/unmerge arithmetic alone is not exact); costs
                 a copy of the adapted base weights during the round. False: the adapters run as they are.
+            tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         Raises:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
                 does not fit memory too), before any training step.
@@ -81,7 +83,7 @@ class ColocatedEngine:
         self.model = model
         self._round_context = round_context
         self._peft_merge = peft_merge
-        self.engine = Engine(model, continuous_batching_config, generation_config)
+        self.engine = Engine(model, continuous_batching_config, generation_config, tokenizer)
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False
         self._storage = _parameter_storage(model)

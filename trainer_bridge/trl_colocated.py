@@ -70,5 +70,6 @@ def colocated_generation(trainer: RolloutGRPOTrainer, engine_config: Any, sleep:
             gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
         )
 
-    engine = ColocatedEngine(model, engine_config, round_context=round_context)
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # a processor's tokenizer
+    engine = ColocatedEngine(model, engine_config, round_context=round_context, tokenizer=tokenizer)
     return ColocatedGeneration(trainer, engine, args.vllm_enable_sleep_mode if sleep is None else sleep)

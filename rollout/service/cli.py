@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
         parser.error(f"--model {args.model}: no such model directory")
+    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
+        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
     try:
         config = _engine_config(args)
     except ValueError as error:
