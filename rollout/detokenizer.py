@@ -19,8 +19,11 @@ from typing import Any
 # Prompt tokens decoded ahead of the first output token, so that its text is what it reads after the prompt (a
 # SentencePiece token's leading space, for one, depends on the token before it).
 CONTEXT_TOKENS = 5
-# Decoded text that ends in this character ends inside a multi-byte character: wait for the next token.
+# Decoded text that ends in this character ends inside a multi-byte character: wait for the next token...
 INCOMPLETE = "\ufffd"
+# ...but for no more than this many tokens (a run of bytes that never completes a character is released as it is,
+# so the decoded window, and the cost of a token, stay bounded).
+MAX_PENDING_TOKENS = 8
 
 
 class OutputText:
@@ -83,31 +86,41 @@ class OutputText:
             return ""
         before = len(self.text)
         self.text += new_text
-        if self._stop and self._num_tokens > self._min_tokens:
+        if not self._stop:
+            return self._release(len(self.text))
+        if self._num_tokens > self._min_tokens:
             self._find_stop(before)
-            if self.stopped is None:
-                return self._release(len(self.text) - self._hold)
-        return self._release(len(self.text))
+            if self.stopped is not None:
+                return self._release(len(self.text))
+        # Held back even within min_tokens: what was released can never be taken back.
+        return self._release(len(self.text) - self._hold)
 
     def restarted(self) -> OutputText:
         """A new `OutputText` with the same settings, fed nothing yet (for another sample of the same prompt)."""
         return OutputText(*self._settings)
 
     def finish(self) -> str:
-        """The text still held back (the completion ended without completing a stop string there)."""
+        """The text still held back: characters that might have begun a stop string, and tokens that ended inside
+        a character (decoded as they are). Call it once the completion ended without a stop string."""
+        if self.stopped is None and len(self._ids) > self._read_offset:
+            self.text += self._decode_next(None)
         return self._release(len(self.text))
 
-    def _decode_next(self, token_id: int) -> str:
+    def _decode_next(self, token_id: int | None) -> str:
+        """The new text of `token_id` (None: flush what waits), or "" while it ends inside a character."""
         ids = self._ids
-        ids.append(token_id)
+        if token_id is not None:
+            ids.append(token_id)
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(ids[self._prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith(INCOMPLETE):
+        pending = len(ids) - self._read_offset
+        if token_id is not None and full_text.endswith(INCOMPLETE) and pending < MAX_PENDING_TOKENS:
             return ""
-        # The decoded window moves on: tokens before the new prefix are never decoded again.
+        # The decoded window moves on, also past tokens without text (special tokens left out): tokens before the
+        # new prefix are never decoded again, so a token costs the same however long the completion.
         del ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, len(ids)
-        return full_text[len(prefix_text) :]
+        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""

@@ -93,6 +93,8 @@ def test_multibyte_characters_wait_for_their_last_token():
     released = [text.add(t) for t in ids]
     assert "\ufffd" not in "".join(released)
     assert text.stopped == "€b" and text.text == "aé"
+    cut = OutputText(tokenizer, [ids[0]])  # a completion that ends inside "é" still returns all its bytes
+    assert "".join(cut.add(t) for t in ids[:2]) + cut.finish() == tokenizer.decode(ids[:2]) == "a\ufffd"
 
 
 def greedy_run(model, prompts, max_new_tokens=24, **fields):
@@ -176,3 +178,19 @@ def test_bad_stop_strings_are_refused_by_name(stop):
     with pytest.raises(FieldError) as raised:
         SamplingParams(stop=stop)
     assert raised.value.field == "stop"
+
+
+def test_text_released_within_min_tokens_is_never_taken_back():
+    ids = TOKENIZER.encode("kkjsz", add_special_tokens=False)
+    text = OutputText(TOKENIZER, [5], stop=("js",), min_tokens=2)
+    released = "".join(text.add(t) for t in ids) + ("" if text.stopped else text.finish())
+    assert released == text.text == "kk" and text.stopped == "js"
+
+
+def test_tokens_without_text_keep_each_step_cheap():
+    special = TOKENIZER.convert_tokens_to_ids("<|im_start|>")
+    text = OutputText(TOKENIZER, [5], skip_special_tokens=True, stop=("zz",))
+    for _ in range(2000):
+        text.add(special)
+    assert len(text._ids) <= 2  # the decoded window did not grow with the text-less tokens
+    assert text.add(TOKENIZER.convert_tokens_to_ids("a")) == "" and text.finish() == "a"
