@@ -95,9 +95,9 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
             "repetition_penalty",
-            "must be a number > 0",
+            "must be a finite number > 0",
             self.repetition_penalty,
         )
         for name in ("presence_penalty", "frequency_penalty"):

@@ -276,20 +276,60 @@ def test_models_health_tokenize_detokenize(worker, api):
             "response_format",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+        ("/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "n"),  # 1200 samples > --max-n
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}},
+            400,
+            "stream_options",
+        ),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": 0}, 400, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "x", "echo": {}}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of"),
+        ("/v1/completions", b'{"prompt": "x", "repetition_penalty": Infinity}', 400, "repetition_penalty"),
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),  # a lone surrogate
+        ("/v1/completions", {"prompt": "x" * 70_000}, 400, "prompt"),  # longer than any 2048-token prompt
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": 4, "max_tokens": "x"},
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": "{{ 'a' * 9 }}"}},
+            400,
+            "chat_template_kwargs",
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls"),
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"messages": MESSAGES, "prompt": "x"}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "tools": 5}, 400, "tools"),
         ("/v1/nothing", {}, 404, None),
     ],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, status, param):
-    response = httpx.post(f"{worker.url}{path}", json=body, timeout=30)
+    if isinstance(body, bytes):  # JSON a client library would not write (Infinity)
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(f"{worker.url}{path}", content=body, headers=headers, timeout=30)
+    else:
+        response = httpx.post(f"{worker.url}{path}", json=body, timeout=30)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"], error
 
 
-def test_a_body_that_is_not_json_is_a_400(worker, api):
-    response = httpx.post(f"{worker.url}/v1/completions", content=b"{not json", timeout=30)
-    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+def test_bodies_that_are_not_json_or_not_for_this_host_are_refused(worker, api):
+    json_type = {"Content-Type": "application/json"}
+    for content in (b"{not json", b"[" * 100_000 + b"]" * 100_000):
+        response = httpx.post(f"{worker.url}/v1/completions", content=content, headers=json_type, timeout=30)
+        assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    form = httpx.post(f"{worker.url}/v1/completions", content=b'{"prompt": "x"}', timeout=30)  # no JSON type
+    assert form.status_code == 415
+    rebound = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "x"}, headers={"Host": "evil.example"})
+    assert rebound.status_code == 421  # a loopback server answers only loopback host names
     with pytest.raises(openai.NotFoundError):  # what the official client raises for a 404
         api.completions.create(model="other", prompt="x")
     assert api.completions.create(model="tiny", prompt="still serving", max_tokens=2).choices[0].finish_reason

@@ -61,6 +61,7 @@ def test_a_body_over_the_limit_is_a_413(server):
         for _ in range(10):
             yield b" " * 1000
 
+    headers["Content-Type"] = "application/json"
     response = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=headers)
     assert response.status_code == 413
 

@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         "port 0 picks a free one)",
     )
     add(
+        "--http-max-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="largest HTTP request body; larger ones are answered 413 (default: 16 MiB)",
+    )
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let HTTP requests bring their own chat template (chat_template_kwargs.chat_template): a template is "
+        "code the worker runs, so only when every client is trusted",
+    )
+    add(
         "--api-key",
         default=None,
         help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "

@@ -2,27 +2,39 @@
 /v1/models, vLLM's /tokenize and /detokenize, and /health, over the worker's engine manager.
 
 Errors are OpenAI-format bodies (errors.py): 400 naming the field, 401 without the worker's --api-key, 404 for
-another model name or path, 413 for a body over the limit, 503 `busy` when the queue is full.
+another model name or path, 408/413/415 for a body too slow, too big or not JSON, 503 `busy` when the queue is full.
+Parsing, chat templates and tokenization run on worker threads, off the event loop that streams every answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.http.bridge import ClientGone
 from rollout.service.http.endpoints import OpenAIEndpoints
 from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.guard import RequestGuard, read_body
 from rollout.service.http.prompts import chat_prompt, needs_tokenizer
 
-# Paths anyone may call without the API key (load balancers probe them).
-OPEN_PATHS = ("/health",)
+TOKENIZE_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "tools",
+    "chat_template_kwargs",
+    "continue_final_message",
+}
+CHAT_ONLY_FIELDS = TOKENIZE_FIELDS - {"model", "prompt", "messages", "add_special_tokens"}
 
 
 def build_app(
@@ -33,6 +45,8 @@ def build_app(
     max_prompt_len: int,
     max_body_bytes: int,
     api_key: str | None = None,
+    loopback_only: bool = False,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The application.
 
@@ -44,9 +58,11 @@ def build_app(
         max_prompt_len: longest prompt, in tokens.
         max_body_bytes: largest request body (a larger one is answered 413).
         api_key: when set, every path but /health needs `Authorization: Bearer <api_key>`.
+        loopback_only: the server listens on loopback only: requests naming another host are refused (421).
+        trust_request_chat_template: requests may bring their own chat template (it runs on the worker).
     """
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
-    endpoints = OpenAIEndpoints(manager, model_name, tokenizer, max_n, max_prompt_len)
+    endpoints = OpenAIEndpoints(manager, model_name, tokenizer, max_n, max_prompt_len, trust_request_chat_template)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -57,8 +73,11 @@ def build_app(
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    app.add_middleware(RequestGuard, api_key=api_key, loopback_only=loopback_only)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -92,97 +111,74 @@ def build_app(
         return await _generate(request, chat=True)
 
     async def _generate(request: Request, chat: bool) -> Any:
-        answer = endpoints.prepare(await _json(request, max_body_bytes), chat)
+        raw = await read_body(request, max_body_bytes)
+        answer = await asyncio.to_thread(lambda: endpoints.prepare(_parse(raw), chat))
+        answer.start()  # on the event loop: the groups' outputs come back to it
         if answer.request.stream:
             return StreamingResponse(endpoints.stream(answer), media_type="text/event-stream")
         try:
             return await endpoints.complete(answer, request.is_disconnected)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)  # nobody reads it: the groups were cancelled
         finally:
             answer.submission.cancel()
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await _json(request, max_body_bytes)
-        needs_tokenizer(tokenizer, "/tokenize")
-        _only(
-            body,
-            {
-                "model",
-                "prompt",
-                "messages",
-                "add_special_tokens",
-                "add_generation_prompt",
-                "tools",
-                "chat_template_kwargs",
-                "continue_final_message",
-            },
-        )
-        if "messages" in body:
-            ids = chat_prompt(body, tokenizer)
-        elif isinstance(body.get("prompt"), str):
-            add_special = body.get("add_special_tokens", True)
-            if not isinstance(add_special, bool):
-                raise bad_field("add_special_tokens", "must be a boolean")
-            ids = list(tokenizer(body["prompt"], add_special_tokens=add_special)["input_ids"])
-        else:
-            raise bad_field("prompt", "give a string prompt, or messages")
+        raw = await read_body(request, max_body_bytes)
+        ids = await asyncio.to_thread(lambda: _tokenize(_parse(raw)))
         return {"count": len(ids), "max_model_len": manager.engine.max_model_len, "tokens": ids}
+
+    def _tokenize(body: Any) -> list[int]:
+        _check_request(body, "/tokenize")
+        if "messages" in body:
+            extra = sorted({"prompt", "add_special_tokens"} & set(body))
+            if extra:
+                raise bad_field(extra[0], "not used with messages (the chat template decides special tokens)")
+            return chat_prompt(body, tokenizer, endpoints.limits)
+        extra = sorted(CHAT_ONLY_FIELDS & set(body))
+        if extra:
+            raise bad_field(extra[0], "only used with messages")
+        prompt, add_special = body.get("prompt"), body.get("add_special_tokens", True)
+        if not isinstance(prompt, str):
+            raise bad_field("prompt", "give a string prompt, or messages")
+        if not isinstance(add_special, bool):
+            raise bad_field("add_special_tokens", "must be a boolean")
+        if len(prompt) > endpoints.limits.max_chars:
+            raise bad_field("prompt", f"over {endpoints.limits.max_chars} characters")
+        try:
+            return list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"])
+        except Exception as error:  # noqa: BLE001 - text the tokenizer cannot take
+            raise bad_field("prompt", f"the tokenizer cannot encode it: {type(error).__name__}") from None
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await _json(request, max_body_bytes)
-        needs_tokenizer(tokenizer, "/detokenize")
-        _only(body, {"model", "tokens"})
+        body = _parse(await read_body(request, max_body_bytes))
+        _check_request(body, "/detokenize", {"model", "tokens"})
         tokens = body.get("tokens")
         vocab = manager.engine.vocab_size
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
         ):
             raise bad_field("tokens", f"must be a list of token ids in [0, {vocab})")
-        return {"prompt": tokenizer.decode(tokens)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, tokens)}
+
+    def _check_request(body: Any, path: str, known: set[str] = TOKENIZE_FIELDS) -> None:
+        needs_tokenizer(tokenizer, path)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise bad_field(unknown[0], "unknown field")
+        if body.get("model") not in (None, model_name):
+            raise APIError(
+                404, f"the model `{body['model']}` does not exist", "model", "not_found_error", "model_not_found"
+            )
 
     return app
 
 
-class ApiKeyCheck:
-    """Pure ASGI middleware answering 401 to requests without `Authorization: Bearer <api_key>` (but /health).
-    Not Starlette's BaseHTTPMiddleware: that wraps `receive`, and a handler then no longer sees its client leave."""
-
-    def __init__(self, app: Any, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
-                message = "a valid API key is required (Authorization: Bearer ...)"
-                error = APIError(401, message, None, "authentication_error")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-async def _json(request: Request, limit: int) -> Any:
-    """The request's JSON body, read no further than `limit` bytes (413 past it, 400 when it is not JSON)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body is over {limit} bytes, the most this worker takes")
+def _parse(raw: bytes) -> Any:
+    """A JSON body (400 when it is not JSON, or nested too deeply to parse)."""
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}") from None
-
-
-def _only(body: Any, known: set[str]) -> None:
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise bad_field(unknown[0], "unknown field")
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None

@@ -16,7 +16,7 @@ from rollout.service.http import openai_fields as fields
 from rollout.service.http.bridge import Submission
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.errors import APIError, bad_field
-from rollout.service.http.prompts import chat_prompt, completion_prompts, needs_tokenizer
+from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -33,35 +33,48 @@ class Answer:
 
     @property
     def object(self) -> str:
-        if self.chat:
-            return "chat.completion"
-        return "text_completion"
+        """The answer's OpenAI object type."""
+        return "chat.completion" if self.chat else "text_completion"
+
+    def start(self) -> None:
+        """Add the request's groups to the engine (from its coroutine: outputs come back on its event loop)."""
+        self.submission.start("messages" if self.chat else "prompt")
 
 
 class OpenAIEndpoints:
     """The two generation endpoints over one engine manager."""
 
     def __init__(
-        self, manager: ContinuousBatchingManager, model_name: str, tokenizer: Any, max_n: int, max_prompt_len: int
+        self,
+        manager: ContinuousBatchingManager,
+        model_name: str,
+        tokenizer: Any,
+        max_n: int,
+        max_prompt_len: int,
+        trust_request_chat_template: bool = False,
     ):
         """
         Args:
             manager: the worker's engine manager (shared with the ZeroMQ socket).
             model_name: the served model's name (`model` must be it, or absent).
             tokenizer: the worker's tokenizer (None: these endpoints answer 400).
-            max_n: most samples per prompt (the worker's --max-n).
+            max_n: most samples per request (the worker's --max-n): `n` times the number of prompts.
             max_prompt_len: longest prompt in tokens.
+            trust_request_chat_template: accept a chat template in a request's `chat_template_kwargs` (a template
+                is code that runs on the worker: off unless the operator trusts every client).
         """
         self.manager = manager
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_n = max_n
-        self.max_prompt_len = max_prompt_len
+        self.max_prompt_len = min(max_prompt_len, manager.engine.max_model_len - 1)
+        self.limits = PromptLimits(self.max_prompt_len, trust_request_chat_template)
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prepare(self, body: Any, chat: bool) -> Answer:
-        """Check a body and add its groups to the engine.
+        """Check a body and tokenize its prompts (slow work: call it off the event loop); `Answer.start` then adds
+        its groups to the engine.
 
         Raises:
             APIError: anything wrong with it, naming the field.
@@ -73,23 +86,27 @@ class OpenAIEndpoints:
             message = f"the model `{model}` does not exist: this worker serves `{self.model_name}`"
             raise APIError(404, message, "model", "not_found_error", "model_not_found")
         prompt_field = "messages" if chat else "prompt"
-        prompts = [chat_prompt(body, self.tokenizer)] if chat else completion_prompts(body, self.tokenizer)
-        context = self.manager.engine.max_model_len
-        for prompt in prompts:
-            if len(prompt) > self.max_prompt_len or len(prompt) >= context:
-                reason = f"is {len(prompt)} tokens; this worker takes at most {min(self.max_prompt_len, context - 1)}"
-                raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
         n = fields.integer(body, "n", 1, 1, self.max_n)
         if chat:
-            max_tokens = fields.integer(body, "max_completion_tokens", None, 1)
-            if max_tokens is None:
-                max_tokens = fields.integer(body, "max_tokens", context - len(prompts[0]), 1)
+            prompts = [chat_prompt(body, self.tokenizer, self.limits)]
+        else:
+            prompts = completion_prompts(body, self.tokenizer, self.limits)
+        if len(prompts) * n > self.max_n:
+            reason = f"{len(prompts)} prompts x n={n} samples; this worker takes at most {self.max_n} per request"
+            raise bad_field("n", reason)
+        context = self.manager.engine.max_model_len
+        for prompt in prompts:
+            if len(prompt) > self.max_prompt_len:
+                reason = f"is {len(prompt)} tokens; this worker takes at most {self.max_prompt_len}"
+                raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
+        if chat:
+            max_tokens = fields.integer(body, "max_tokens", context - len(prompts[0]), 1)
+            max_tokens = fields.integer(body, "max_completion_tokens", max_tokens, 1)
             logprobs = self._chat_logprobs(body)
         else:
             max_tokens = fields.integer(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
             logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
-            best_of = body.get("best_of")
-            if best_of is not None and best_of != n:
+            if fields.integer(body, "best_of", n, 1) != n:
                 raise bad_field("best_of", "only best_of = n (or unset) is supported")
         if logprobs is not None and not self.manager.config.return_logprobs:
             raise bad_field("logprobs", "this worker computes no log-probs (return_logprobs=False)")
@@ -100,7 +117,6 @@ class OpenAIEndpoints:
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids")
         )
         submission = Submission(self.manager, prompts, sampling, n, self.tokenizer)
-        submission.start(prompt_field)
         prefix = "chatcmpl" if chat else "cmpl"
         return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 
@@ -118,9 +134,9 @@ class OpenAIEndpoints:
         async for _ in answer.submission.deltas(disconnected):
             pass
         choices = answer.submission.choices
-        failed = next((c for c in choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            raise APIError(500, f"generation failed: {failed.error}", None, "internal_server_error")
+        for choice in choices:
+            if choice.finish_reason in ("error", "abort"):
+                raise _ended_early(choice)
         return {
             "id": answer.id,
             "object": answer.object,
@@ -141,9 +157,8 @@ class OpenAIEndpoints:
         submission = answer.submission
         try:
             async for choice, delta in submission.deltas():
-                if choice.finish_reason == "error":
-                    error = APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
-                    yield _event(error.body())
+                if choice.finish_reason in ("error", "abort"):
+                    yield _event(_ended_early(choice).body())  # not a finish_reason an OpenAI client knows
                     submission.cancel()
                     break
                 chunk = self._chunk(answer, choice, delta)
@@ -198,6 +213,15 @@ class OpenAIEndpoints:
             return self.format.chat(choice, start, end, top)
         offset = sum(len(self.format.token(t)) for t in choice.token_ids[:start])
         return self.format.completion(choice, start, end, top, offset)
+
+
+def _ended_early(choice: Choice) -> APIError:
+    """The error for a choice the engine ended without finishing it: a failure (500), or an abort (503: the worker
+    is shutting down, or a weight update in mode "abort" ended it; retry)."""
+    if choice.finish_reason == "error":
+        return APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
+    reason = "generation was aborted (the worker is stopping, or a weight update aborted in-flight requests); retry"
+    return APIError(503, reason, None, "service_unavailable_error", "aborted")
 
 
 def _usage(answer: Answer) -> dict[str, int]:

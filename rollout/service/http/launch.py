@@ -28,6 +28,8 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     if not host or not port.isdigit() or int(port) > 65535:
         parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     host = host.strip("[]")
+    if args.http_max_body_bytes < 1024:
+        parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
     if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None and not args.insecure:
         parser.error(f"--http {args.http}: a non-loopback address needs --api-key (or --insecure to accept anyone)")
     if int(port):
@@ -65,8 +67,9 @@ def start_http(
             tokenizer,
             limits.max_n,
             worker.max_prompt_len,
-            limits.max_message_bytes,
+            args.http_max_body_bytes,
             args.api_key,
+            args.trust_request_chat_template,
         )
         http.start()
     except (ImportError, RuntimeError) as error:

@@ -56,12 +56,12 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "response_format",
     "logit_bias",
 }
-# Fields refused unless at their harmless value, and why.
+# Fields refused unless absent, null or one of their harmless values, and why.
 REFUSED = {
-    "echo": (False, "echoing the prompt is not supported; ask for return_token_ids"),
-    "suffix": (None, "insertion (suffix) is not supported"),
-    "logit_bias": (None, "logit_bias is not supported; use stop_token_ids or the worker's bad words"),
-    "response_format": (None, "structured outputs are not supported"),
+    "echo": ((False,), "echoing the prompt is not supported; ask for return_token_ids"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+    "logit_bias": (({},), "logit_bias is not supported; use stop_token_ids or the worker's bad words"),
+    "response_format": (({"type": "text"},), "structured outputs are not supported"),
 }
 MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
 
@@ -98,8 +98,10 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
         raise bad_field(unknown[0], "unknown field (rollout refuses fields it would otherwise ignore)")
     for name, (harmless, why) in REFUSED.items():
         value = body.get(name)
-        if value is not None and value != harmless and value != {} and value != {"type": "text"}:
+        if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
             raise bad_field(name, why)
+    for name in ("parallel_tool_calls",):  # about tool calls the model makes: no constraint to apply
+        flag(body, name)
     return body
 
 
@@ -121,9 +123,12 @@ def sampling_from(
     if fields.get("top_k") == -1:  # vLLM's "disabled"
         fields["top_k"] = 0
     ignore_eos = flag(body, "ignore_eos")
-    extra_stops = body.get("stop_token_ids") or []
+    extra_stops = body.get("stop_token_ids")
+    extra_stops = [] if extra_stops is None else extra_stops
     if not isinstance(extra_stops, list):
         raise bad_field("stop_token_ids", "must be a list of token ids")
+    if fields.get("min_new_tokens", 0) > max_tokens:
+        raise bad_field("min_tokens", f"must be at most max_tokens ({max_tokens})")
     stops = [] if ignore_eos else list(default_stops)
     fields["stop_token_ids"] = stops + [t for t in extra_stops if t not in stops]
     stop = body.get("stop")
@@ -160,7 +165,10 @@ def stream_settings(body: dict[str, Any]) -> tuple[bool, bool]:
         raise bad_field("stream_options", "only allowed with stream=true")
     if options.get("continuous_usage_stats"):
         raise bad_field("stream_options", "continuous_usage_stats is not supported")
-    return stream, bool(options.get("include_usage", False))
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_field("stream_options", f"include_usage must be a boolean, got {include_usage!r}")
+    return stream, include_usage
 
 
 def flag(body: dict[str, Any], name: str) -> bool:

@@ -4,22 +4,44 @@ and `chat_template_kwargs` passed through), so the ids are exactly what the trai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rollout.service.http.errors import APIError, bad_field
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
+# Text longer than this many characters per token of the longest prompt is refused before it is tokenized (no
+# tokenizer makes tokens that long on ordinary text), so that a huge text cannot tie the worker up tokenizing it.
+MAX_CHARS_PER_TOKEN = 32
 
 
-def completion_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a request's prompts may be.
+
+    Attributes:
+        max_prompt_len: longest prompt in tokens (text longer than MAX_CHARS_PER_TOKEN times it is refused unread).
+        trust_request_chat_template: a request may bring its own chat template (`chat_template_kwargs`).
+    """
+
+    max_prompt_len: int
+    trust_request_chat_template: bool = False
+
+    @property
+    def max_chars(self) -> int:
+        """Most characters of text a request's prompt may have."""
+        return self.max_prompt_len * MAX_CHARS_PER_TOKEN
+
+
+def completion_prompts(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> list[list[int]]:
     """The prompts of a completions body: a string, a list of token ids, or a list of either.
 
     Raises:
-        APIError: no prompt, an empty one, or a malformed one (param "prompt").
+        APIError: no prompt, an empty one, a malformed one or text too long for any prompt (param "prompt").
     """
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return [_encode(tokenizer, prompt)]
+        return [_encode(tokenizer, prompt, limits)]
     if not isinstance(prompt, list) or not prompt:
         raise bad_field("prompt", "must be a string, a list of token ids, or a non-empty list of either")
     if all(_is_token(t) for t in prompt):
@@ -29,7 +51,7 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     prompts = []
     for index, item in enumerate(prompt):
         if isinstance(item, str):
-            prompts.append(_encode(tokenizer, item))
+            prompts.append(_encode(tokenizer, item, limits))
         elif isinstance(item, list) and item and all(_is_token(t) for t in item):
             prompts.append(list(item))
         else:
@@ -37,25 +59,33 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> list[int]:
     """The token ids of a chat body's `messages`, rendered with the tokenizer's chat template.
 
     Raises:
-        APIError: malformed messages, tools or template arguments, or a template that fails on them.
+        APIError: malformed messages, tools or template arguments, a template that fails on them, or text too long
+            for any prompt.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_field("messages", "must be a non-empty list of messages")
     rendered = [_message(index, message) for index, message in enumerate(messages)]
+    characters = sum(len(m["content"]) for m in rendered if isinstance(m.get("content"), str))
+    if characters > limits.max_chars:
+        _too_long("messages", characters, limits)
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise bad_field("tools", "must be a list of tool objects")
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
         raise bad_field("tool_choice", "only 'auto' and 'none' are supported (no constrained tool calls)")
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise bad_field("chat_template_kwargs", "must be an object")
+    if "chat_template" in kwargs and not limits.trust_request_chat_template:
+        reason = "a request's own chat template runs on the worker: refused unless it runs with --trust-request-chat-template"
+        raise bad_field("chat_template_kwargs", reason)
     add_generation_prompt = body.get("add_generation_prompt", True)
     continue_final = body.get("continue_final_message", False)
     for name, value in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final)):
@@ -100,11 +130,21 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     return message
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    ids = list(tokenizer(text)["input_ids"])
+def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
+    if len(text) > limits.max_chars:
+        _too_long("prompt", len(text), limits)
+    try:
+        ids = list(tokenizer(text)["input_ids"])
+    except Exception as error:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate, ...)
+        raise bad_field("prompt", f"the tokenizer cannot encode it: {type(error).__name__}: {error}") from None
     if not ids:
         raise bad_field("prompt", "encodes to no tokens")
     return ids
+
+
+def _too_long(field: str, characters: int, limits: PromptLimits) -> None:
+    reason = f"{characters} characters cannot fit the {limits.max_prompt_len} tokens a prompt may have"
+    raise APIError(400, f"{field}: {reason}", field, code="context_length_exceeded")
 
 
 def _chat_template(tokenizer: Any) -> Any:

@@ -9,8 +9,14 @@ import time
 from typing import Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.sockets import is_loopback
 
 logger = logging.getLogger(__name__)
+# Connections (and requests) served at once; more are answered 503 and closed at once (a flood of idle connections
+# must not take every file descriptor of the worker, which its ZeroMQ clients need too).
+MAX_CONNECTIONS = 1024
+# Seconds open requests get to finish when the worker stops; streams still open then are closed.
+GRACEFUL_SHUTDOWN_S = 3.0
 
 
 class HttpServer:
@@ -27,13 +33,17 @@ class HttpServer:
         max_prompt_len: int,
         max_body_bytes: int,
         api_key: str | None = None,
+        trust_request_chat_template: bool = False,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         """
         Args:
             manager: the worker's engine manager.
-            host: address to listen on.
+            host: address to listen on (a loopback address answers only loopback Host headers).
             port: TCP port (0 picks a free one; `port` then says which once started).
-            model_name, tokenizer, max_n, max_prompt_len, max_body_bytes, api_key: as for `build_app`.
+            model_name, tokenizer, max_n, max_prompt_len, max_body_bytes, api_key, trust_request_chat_template: as
+                for `build_app`.
+            max_connections: most connections and requests at once; more are answered 503 at once.
         """
         try:
             import uvicorn
@@ -43,8 +53,28 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        app = build_app(manager, model_name, tokenizer, max_n, max_prompt_len, max_body_bytes, api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+        loopback_only = is_loopback(f"tcp://{host}:{port}")
+        app = build_app(
+            manager,
+            model_name,
+            tokenizer,
+            max_n,
+            max_prompt_len,
+            max_body_bytes,
+            api_key,
+            loopback_only,
+            trust_request_chat_template,
+        )
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            limit_concurrency=max_connections,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.host = host

@@ -1,0 +1,94 @@
+"""What every HTTP request passes before a handler sees it: the API key, the Host header of a loopback-only server
+(so a web page cannot reach it through DNS rebinding), and reading a JSON body within a size and a time limit.
+
+The key and host checks are a pure ASGI middleware, not Starlette's BaseHTTPMiddleware: that one wraps `receive`,
+and a handler then no longer sees its client leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+
+from rollout.service.http.bridge import ClientGone
+from rollout.service.http.errors import APIError
+
+# Paths anyone may call without the API key (load balancers probe them).
+OPEN_PATHS = ("/health",)
+# Host names a loopback-only server answers to (any port).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+# Most seconds a client may take to send its request body.
+BODY_TIMEOUT_S = 30.0
+
+
+class RequestGuard:
+    """ASGI middleware: 401 without `Authorization: Bearer <api_key>` (when one is set; /health is open), 421 for a
+    Host header a loopback-only server does not answer to."""
+
+    def __init__(self, app: Any, api_key: str | None, loopback_only: bool):
+        """
+        Args:
+            app: the application it guards.
+            api_key: the bearer token every path but /health needs (None: none).
+            loopback_only: the server listens on loopback: only loopback host names are answered.
+        """
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.loopback_only = loopback_only
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = None
+            if self.loopback_only and _host_name(headers.get(b"host", b"")) not in LOOPBACK_HOSTS:
+                error = APIError(421, "this server answers only to loopback host names", None)
+            elif self.expected is not None and scope["path"] not in OPEN_PATHS:
+                if headers.get(b"authorization") != self.expected:
+                    message = "a valid API key is required (Authorization: Bearer ...)"
+                    error = APIError(401, message, None, "authentication_error")
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's JSON body as bytes, read no further than `limit` bytes and `BODY_TIMEOUT_S` seconds.
+
+    Raises:
+        APIError: not declared as JSON (415), over the limit (413), too slow (408).
+        ClientGone: the client left while sending it.
+    """
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got {kind or 'none'!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {limit}")
+    body = bytearray()
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise APIError(413, f"the request body is over {limit} bytes, the most this worker takes")
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone from None
+    return bytes(body)
+
+
+def _host_name(host: bytes) -> str:
+    """The host name of a Host header, without its port."""
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[: text.find("]") + 1]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
