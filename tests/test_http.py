@@ -362,3 +362,16 @@ def test_agent_example_rows_match_a_teacher_forced_forward(worker):
         expected = forward[model_positions].tolist()
         assert [episode.logprobs[i] for i in model_positions] == pytest.approx(expected, abs=1e-4)
         assert all(episode.logprobs[i] == 0.0 for i, m in enumerate(episode.completion_mask) if not m)
+
+
+def test_a_stop_tokens_text_is_left_out_as_in_vllm(api):
+    greedy = dict(model="tiny", prompt="stop token", temperature=0, max_tokens=12)
+    full = api.completions.create(**greedy, extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    stop_id = extra(full)["token_ids"][4]
+    body = {"return_token_ids": True, "ignore_eos": True, "stop_token_ids": [stop_id]}
+    stopped = api.completions.create(**greedy, extra_body=body).choices[0]
+    ids = extra(stopped)["token_ids"]
+    assert ids[-1] == stop_id and stopped.finish_reason == "stop" and extra(stopped)["stop_reason"] == stop_id
+    assert stopped.text == TOKENIZER.decode(ids[:-1], skip_special_tokens=True)
+    kept = api.completions.create(**greedy, extra_body={**body, "include_stop_str_in_output": True}).choices[0]
+    assert kept.text == TOKENIZER.decode(ids, skip_special_tokens=True)

@@ -57,6 +57,7 @@ class Submission:
                     sampling.include_stop_str_in_output,
                     sampling.min_new_tokens,
                 ),
+                frozenset() if sampling.include_stop_str_in_output else frozenset(sampling.stop_token_ids or ()),
             )
             for index, prompt in enumerate(prompts)
             for sample in range(n)

@@ -28,12 +28,15 @@ class Choice:
     Attributes:
         index: the choice's index in the answer (prompt index * n + sample index).
         prompt_ids: its prompt.
-        text: the completion's text (cut at a stop string; `rollout.detokenizer`).
+        text: the completion's text (cut at a stop string; `rollout.detokenizer`; without the text of a stop token
+            that ended it).
     """
 
     index: int
     prompt_ids: list[int]
     text: OutputText
+    # Stop tokens whose text is left out of `text` when they end the choice (unless include_stop_str_in_output).
+    silent_stops: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -49,7 +52,10 @@ class Choice:
         self.logprobs += output.logprobs
         self.top_logprobs += output.top_logprobs
         extend_version_runs(self.policy_versions, output.policy_versions, start)
-        text = "".join([self.text.add(token) for token in output.generated_tokens])
+        tokens = output.generated_tokens
+        if output.is_finished and output.finish_reason == "stop" and tokens and tokens[-1] in self.silent_stops:
+            tokens = tokens[:-1]  # a stop token's text is not returned (vLLM), though the token is
+        text = "".join([self.text.add(token) for token in tokens])
         if output.is_finished:
             self.finish_reason, self.error = output.finish_reason, output.error
             self.kv_version_min = output.kv_version_min
