@@ -81,6 +81,14 @@ class Worker:
             raise
         return servers
 
+    def stats(self) -> dict:
+        """The worker's `stats` reply (asked over a connection of its own)."""
+        client = Client(self.address)
+        try:
+            return client.ask(p.Stats()).stats
+        finally:
+            client.close()
+
     def output(self) -> str:
         """Everything the worker printed so far."""
         self.log.seek(0)

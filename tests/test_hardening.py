@@ -51,18 +51,10 @@ def client(worker):
     connection.close()
 
 
-def _stats(worker) -> dict:
-    observer = Client(worker.address)
-    try:
-        return observer.ask(p.Stats()).stats
-    finally:
-        observer.close()
-
-
 def _wait_idle(worker, seconds: float = 10.0) -> dict:
     deadline = time.monotonic() + seconds
     while True:
-        stats = _stats(worker)
+        stats = worker.stats()
         if not stats["groups_in_flight"] and not stats["running"]:
             return stats
         assert time.monotonic() < deadline, f"still busy: {stats}"
@@ -181,7 +173,7 @@ def test_a_killed_non_streaming_client_stops_costing_compute(worker):
     try:
         assert child.stdout.readline().strip() == "sent"
         deadline = time.monotonic() + 20
-        while _stats(worker)["running"] < 16:
+        while worker.stats()["running"] < 16:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(child.pid, signal.SIGKILL)

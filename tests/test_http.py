@@ -203,18 +203,10 @@ def test_http_and_zeromq_clients_at_once(api, zmq_client):
             assert choice.logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-6)
 
 
-def worker_stats(worker) -> dict:
-    client = Client(worker.address)
-    try:
-        return client.ask(p.Stats()).stats
-    finally:
-        client.close()
-
-
 def wait_idle(worker, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        stats = worker_stats(worker)
+        stats = worker.stats()
         if (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)

@@ -11,6 +11,7 @@ import pytest
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.service.http.server import HttpServer
+from rollout.service.http.settings import HttpSettings
 from rollout.service.presets import tiny_model, tiny_tokenizer
 
 KEY = "secret-key"
@@ -26,7 +27,8 @@ def manager():
 
 
 def serve(manager, tokenizer, api_key=None):
-    return HttpServer(manager, "127.0.0.1", 0, "tiny", tokenizer, 8, 2048, 4096, api_key).start()
+    settings = HttpSettings(max_n=8, max_prompt_len=2048, max_body_bytes=4096, api_key=api_key)
+    return HttpServer(manager, tokenizer, settings).start()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from rollout.service.http.endpoints import OpenAIEndpoints
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.guard import RequestGuard, read_body
 from rollout.service.http.prompts import chat_prompt, needs_tokenizer
+from rollout.service.http.settings import HttpSettings
 
 TOKENIZE_FIELDS = {
     "model",
@@ -37,32 +38,24 @@ TOKENIZE_FIELDS = {
 CHAT_ONLY_FIELDS = TOKENIZE_FIELDS - {"model", "prompt", "messages", "add_special_tokens"}
 
 
-def build_app(
-    manager: ContinuousBatchingManager,
-    model_name: str,
-    tokenizer: Any,
-    max_n: int,
-    max_prompt_len: int,
-    max_body_bytes: int,
-    api_key: str | None = None,
-    loopback_only: bool = False,
-    trust_request_chat_template: bool = False,
-) -> FastAPI:
+def build_app(manager: ContinuousBatchingManager, tokenizer: Any, settings: HttpSettings) -> FastAPI:
     """The application.
 
     Args:
         manager: the worker's engine manager (started by the worker; shared with its ZeroMQ socket).
-        model_name: the name /v1/models reports and `model` fields must match.
         tokenizer: the worker's tokenizer (None: text endpoints answer 400).
-        max_n: most samples per prompt.
-        max_prompt_len: longest prompt, in tokens.
-        max_body_bytes: largest request body (a larger one is answered 413).
-        api_key: when set, every path but /health needs `Authorization: Bearer <api_key>`.
-        loopback_only: the server listens on loopback only: requests naming another host are refused (421).
-        trust_request_chat_template: requests may bring their own chat template (it runs on the worker).
+        settings: the served model's name, limits, API key and trust (`HttpSettings`).
     """
     app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
-    endpoints = OpenAIEndpoints(manager, model_name, tokenizer, max_n, max_prompt_len, trust_request_chat_template)
+    model_name, max_body_bytes = settings.model_name, settings.max_body_bytes
+    endpoints = OpenAIEndpoints(
+        manager,
+        model_name,
+        tokenizer,
+        settings.max_n,
+        settings.max_prompt_len,
+        settings.trust_request_chat_template,
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -73,7 +66,7 @@ def build_app(
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
 
-    app.add_middleware(RequestGuard, api_key=api_key, loopback_only=loopback_only)
+    app.add_middleware(RequestGuard, api_key=settings.api_key, loopback_only=settings.loopback_only)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

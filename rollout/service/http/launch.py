@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.http.settings import HttpSettings
 from rollout.service.limits import WorkerLimits
 from rollout.service.sockets import is_loopback
 
@@ -30,6 +31,8 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     host = host.strip("[]")
     if args.http_max_body_bytes < 1024:
         parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
+    if args.api_key == "":
+        parser.error("--api-key: must not be empty")
     if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None and not args.insecure:
         parser.error(f"--http {args.http}: a non-loopback address needs --api-key (or --insecure to accept anyone)")
     if int(port):
@@ -59,20 +62,19 @@ def start_http(
     from rollout.service.http.server import HttpServer
 
     try:
-        http = HttpServer(
-            manager,
-            address[0],
-            address[1],
-            args.model,
-            tokenizer,
-            limits.max_n,
-            worker.max_prompt_len,
-            args.http_max_body_bytes,
-            args.api_key,
-            args.trust_request_chat_template,
+        settings = HttpSettings(
+            host=address[0],
+            port=address[1],
+            model_name=args.model,
+            max_n=limits.max_n,
+            max_prompt_len=worker.max_prompt_len,
+            max_body_bytes=args.http_max_body_bytes,
+            api_key=args.api_key,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
+        http = HttpServer(manager, tokenizer, settings)
         http.start()
-    except (ImportError, RuntimeError) as error:
+    except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")
     logger.info("OpenAI-compatible API at %s/v1", http.url)
     return http

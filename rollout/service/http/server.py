@@ -9,12 +9,9 @@ import time
 from typing import Any
 
 from rollout.engine.manager import ContinuousBatchingManager
-from rollout.service.sockets import is_loopback
+from rollout.service.http.settings import HttpSettings
 
 logger = logging.getLogger(__name__)
-# Connections (and requests) served at once; more are answered 503 and closed at once (a flood of idle connections
-# must not take every file descriptor of the worker, which its ZeroMQ clients need too).
-MAX_CONNECTIONS = 1024
 # Seconds open requests get to finish when the worker stops; streams still open then are closed.
 GRACEFUL_SHUTDOWN_S = 3.0
 
@@ -22,28 +19,13 @@ GRACEFUL_SHUTDOWN_S = 3.0
 class HttpServer:
     """The HTTP front end of one worker."""
 
-    def __init__(
-        self,
-        manager: ContinuousBatchingManager,
-        host: str,
-        port: int,
-        model_name: str,
-        tokenizer: Any,
-        max_n: int,
-        max_prompt_len: int,
-        max_body_bytes: int,
-        api_key: str | None = None,
-        trust_request_chat_template: bool = False,
-        max_connections: int = MAX_CONNECTIONS,
-    ):
+    def __init__(self, manager: ContinuousBatchingManager, tokenizer: Any, settings: HttpSettings):
         """
         Args:
             manager: the worker's engine manager.
-            host: address to listen on (a loopback address answers only loopback Host headers).
-            port: TCP port (0 picks a free one; `port` then says which once started).
-            model_name, tokenizer, max_n, max_prompt_len, max_body_bytes, api_key, trust_request_chat_template: as
-                for `build_app`.
-            max_connections: most connections and requests at once; more are answered 503 at once.
+            tokenizer: the worker's tokenizer (None: text endpoints answer 400).
+            settings: where to listen and how to serve (`HttpSettings`; port 0 picks a free one, `port` then says
+                which once started).
         """
         try:
             import uvicorn
@@ -53,32 +35,20 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        loopback_only = is_loopback(f"tcp://{host}:{port}")
-        app = build_app(
-            manager,
-            model_name,
-            tokenizer,
-            max_n,
-            max_prompt_len,
-            max_body_bytes,
-            api_key,
-            loopback_only,
-            trust_request_chat_template,
-        )
         config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
+            build_app(manager, tokenizer, settings),
+            host=settings.host,
+            port=settings.port,
             log_level="warning",
             lifespan="off",
             access_log=False,
-            limit_concurrency=max_connections,
+            limit_concurrency=settings.max_connections,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
-        self.host = host
-        self.port = port
+        self.host = settings.host
+        self.port = settings.port
 
     def start(self, timeout: float = 30.0) -> HttpServer:
         """Start serving on a background thread; return once it listens.

@@ -1,0 +1,57 @@
+"""`HttpSettings`: how the worker's HTTP front end serves (`rollout-worker --http ...` flags), validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout.config import FieldError
+from rollout.service.sockets import is_loopback
+
+# Connections (and requests) served at once; more are answered 503 and closed at once (a flood of idle connections
+# must not take every file descriptor of the worker, which its ZeroMQ clients need too).
+MAX_CONNECTIONS = 1024
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP front end's settings.
+
+    Attributes:
+        host: address to listen on (a loopback address answers only loopback Host headers).
+        port: TCP port (0 picks a free one).
+        model_name: the name /v1/models reports and requests' `model` must match.
+        max_n: most samples per request (`n` times the number of prompts).
+        max_prompt_len: longest prompt, in tokens.
+        max_body_bytes: largest request body (larger ones are answered 413).
+        api_key: every path but /health needs `Authorization: Bearer <api_key>` (None: no key).
+        trust_request_chat_template: requests may bring their own chat template (code the worker runs).
+        max_connections: most connections and requests at once; more are answered 503.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model_name: str = "tiny"
+    max_n: int = 1024
+    max_prompt_len: int = 1 << 20
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
+    trust_request_chat_template: bool = False
+    max_connections: int = MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise FieldError("port", f"must be in [0, 65535], got {self.port!r}")
+        for name in ("max_n", "max_prompt_len", "max_connections"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise FieldError(name, f"must be an integer >= 1, got {value!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise FieldError("max_body_bytes", f"must be at least 1024, got {self.max_body_bytes!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise FieldError("api_key", "must be a non-empty string")
+
+    @property
+    def loopback_only(self) -> bool:
+        """The server listens on loopback only (then it answers only loopback Host headers)."""
+        return is_loopback(f"tcp://{self.host}:{self.port}")
