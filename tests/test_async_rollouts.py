@@ -1,0 +1,97 @@
+"""`AsyncRollouts`: prefetched rollouts with a staleness bound, against a real worker whose weights are pushed after
+every step; the bound is checked on the policy version of every token trained on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rollout.service.presets import tiny_model
+from service_helpers import Worker
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError
+from trainer_bridge.async_rollouts import AsyncRollouts
+from trainer_bridge.weight_sync import push_weights
+
+GROUPS_PER_STEP = 3
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def client(worker, model):
+    with RolloutClient(worker.address, timeout=60) as connection:
+        push_weights(connection, model, version=connection.stats()[0]["policy_version"] + 1)  # a fresh baseline
+        yield connection
+
+
+def groups(count: int, seed: int = 0) -> list[PromptGroup]:
+    sampling = {"max_new_tokens": 24, "stop_token_ids": [], "seed": seed}
+    return [PromptGroup([5 + i, 6, 7, 8], n=2, sampling={**sampling, "seed": seed + i}) for i in range(count)]
+
+
+def run(client, model, max_staleness: int, steps: int, push=None, **kwargs) -> list:
+    """Train-loop stand-in: take `steps` batches, pushing weights after each (`version_after(step)`, or
+    `push(step)` versions past the start, None: no push)."""
+    batches = []
+    prompts = groups(steps * GROUPS_PER_STEP + 2 * GROUPS_PER_STEP)
+    with AsyncRollouts(client, prompts, GROUPS_PER_STEP, max_staleness, **kwargs) as rollouts:
+        base = rollouts.base_version
+        for batch in rollouts:
+            batches.append((base, batch))
+            version = rollouts.version_after(batch.step) if push is None else push(batch.step)
+            if version is not None:
+                push_weights(client, model, version=version if push is None else base + version)
+            if batch.step + 1 == steps:
+                break
+    return batches
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_every_trained_token_is_within_the_staleness_bound(client, model, max_staleness):
+    batches = run(client, model, max_staleness, steps=5)
+    prompts = groups(5 * GROUPS_PER_STEP)
+    for base, batch in batches:
+        first = batch.step * GROUPS_PER_STEP
+        assert [g.prompt_ids for g in batch.groups] == [p.prompt_ids for p in prompts[first : first + GROUPS_PER_STEP]]
+        for group in batch.groups:
+            for completion in group.completions:
+                versions = [v for v, _ in completion.policy_versions] + [completion.kv_version_min]
+                assert min(versions) - base >= batch.step - max_staleness, (batch.step, versions)
+        assert all(0 <= lag <= max_staleness for lag in batch.lags) and len(batch.lags) == 2 * GROUPS_PER_STEP
+        assert batch.regenerated == 0  # pushed every step: the window alone keeps samples fresh
+    if max_staleness == 0:
+        assert all(lag == 0 for _, batch in batches for lag in batch.lags)  # synchronous: on-policy
+
+
+def test_stale_groups_are_regenerated_and_a_stalled_version_is_named(client, model):
+    # No push after step 0, then a jump: step 2's prefetched groups (sampled at the baseline) are too old.
+    batches = run(client, model, 1, steps=4, push=lambda step: {0: None, 1: 2, 2: 3, 3: 4}[step])
+    assert sum(batch.regenerated for _, batch in batches) > 0
+    assert all(lag <= 1 for _, batch in batches for lag in batch.lags)
+    with pytest.raises(RolloutError, match="push weights with version=version_after"):
+        run(client, model, 1, steps=4, push=lambda step: None)  # never pushed: would regenerate forever
+
+
+def test_closing_cancels_what_is_in_flight(client, worker):
+    rollouts = AsyncRollouts(client, groups(30), GROUPS_PER_STEP, max_staleness=3)
+    next(rollouts)
+    rollouts.close()
+    assert list(rollouts) == []
+    deadline = time.monotonic() + 20
+    while (stats := worker.stats())["groups_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (stats["groups_in_flight"], stats["running"]) == (0, 0)  # the prefetched groups were cancelled
+    assert stats["samples_finished"]["abort"] > 0
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=-1)

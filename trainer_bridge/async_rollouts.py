@@ -1,0 +1,215 @@
+"""`AsyncRollouts`: asynchronous off-policy rollouts for a plain training loop. Groups for the next `max_staleness`
+steps are generated while the trainer trains on this one; a sample is trained on only if the weights that produced it
+are at most `max_staleness` steps old.
+
+    with AsyncRollouts(client, groups, groups_per_step=16, max_staleness=2) as rollouts:
+        for batch in rollouts:                             # batch.groups: this step's GroupResults
+            loss(batch.groups).backward(); optimizer.step()
+            push_weights(client, model, version=rollouts.version_after(batch.step))  # mode "keep"
+            if batch.step + 1 == num_steps:
+                break
+
+The staleness rule: step `s` trains weights of version `base_version + s` (`base_version`: what the workers serve
+when the rollouts start; push `version_after(s) = base_version + s + 1` after step `s`, as above); a group is fresh
+for step `s` when the oldest weights behind any of its samples (the version that sampled its first token, or that
+computed its prompt's KV if older) are at least `base_version + s - max_staleness`. With `stale_policy="regenerate"` (the default) a stale group is generated again (same prompt,
+same seed) until it is fresh; with `"is_correct"` it is kept as it is (its logprobs are the behaviour policy's, so an
+importance-sampling correction stays exact). Groups are taken from `groups` in order and step `s` always trains on
+groups `s * groups_per_step` to `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in
+which prompts each step sees. `max_staleness=0` is synchronous: the next step's groups are sent only when it asks.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError
+
+STALE_POLICIES = ("regenerate", "is_correct")
+
+
+@dataclass
+class RolloutBatch:
+    """One training step's groups.
+
+    Attributes:
+        step: the step it is for (0, 1, ...).
+        groups: its GroupResults, in the order their prompts came.
+        lags: per sample, `step` minus the oldest weights' version behind it (0: on-policy).
+        regenerated: groups generated again because they were too stale.
+        wait_s: seconds the caller waited for this batch.
+    """
+
+    step: int
+    groups: list[GroupResult]
+    lags: list[int] = field(default_factory=list)
+    regenerated: int = 0
+    wait_s: float = 0.0
+
+
+class AsyncRollouts:
+    """Iterates `RolloutBatch`es; see the module docstring."""
+
+    def __init__(
+        self,
+        client: Any,
+        groups: Iterable[PromptGroup],
+        groups_per_step: int,
+        max_staleness: int = 0,
+        stale_policy: str = "regenerate",
+        timeout: float | None = None,
+        base_version: int | None = None,
+    ):
+        """
+        Args:
+            client: a `RolloutClient`.
+            groups: the prompt groups, in training order (an iterator is read as far ahead as the window needs).
+            groups_per_step: groups per training batch.
+            max_staleness: how many optimizer steps older than the current one a sample's weights may be (0:
+                synchronous; k: the next k steps' groups are generated while this one trains).
+            stale_policy: "regenerate" (stale groups are generated again) or "is_correct" (kept as they are).
+            timeout: most seconds to wait for one group (default: the client's).
+            base_version: the version of step 0's weights (default: the oldest version the client's workers serve
+                now).
+        Raises:
+            ValueError: a bad setting, naming it.
+        """
+        if not isinstance(groups_per_step, int) or isinstance(groups_per_step, bool) or groups_per_step < 1:
+            raise ValueError(f"groups_per_step must be an integer >= 1, got {groups_per_step!r}")
+        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        self.client = client
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.timeout = client.timeout if timeout is None else timeout
+        self.step = 0  # the step the next batch is for
+        if base_version is None:
+            base_version = min(stats["policy_version"] for stats in client.stats())
+        self.base_version = base_version
+        self._source: Iterator[PromptGroup] = iter(groups)
+        self._exhausted = False
+        self._sink: queue.SimpleQueue = queue.SimpleQueue()  # GroupResults and RolloutErrors of submitted groups
+        self._slots: list[PromptGroup] = []  # submitted groups in order (as checked by the client: id and seed set)
+        self._slot_of: dict[str, int] = {}  # group id -> index in the prompt order
+        self._results: dict[int, GroupResult] = {}
+        self._in_flight: set[str] = set()
+        self._closed = False
+
+    def __iter__(self) -> AsyncRollouts:
+        return self
+
+    def __next__(self) -> RolloutBatch:
+        """The next step's batch: waits for its groups (regenerating stale ones) while later steps' groups run.
+
+        Raises:
+            StopIteration: the groups ran out before a whole batch.
+            RolloutError: a group failed or timed out (naming why); the rollouts are closed then.
+        """
+        if self._closed:
+            raise StopIteration
+        started = time.perf_counter()
+        try:
+            self._fill_window()
+            first = self.step * self.groups_per_step
+            wanted = range(first, first + self.groups_per_step)
+            if wanted.stop > len(self._slots):
+                self.close()
+                raise StopIteration
+            regenerated: set[int] = set()
+            oldest_allowed = self.base_version + self.step - self.max_staleness
+            while True:
+                self._collect_until(wanted)
+                stale = [i for i in wanted if self._oldest_version(self._results[i]) < oldest_allowed]
+                if not stale or self.stale_policy == "is_correct":
+                    break
+                if regenerated & set(stale):  # sent after the newest push and still too old: it would never end
+                    version = self._oldest_version(self._results[stale[0]])
+                    raise RolloutError(
+                        "stale",
+                        f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers still serve "
+                        f"version {version}: push weights with version=version_after(step) after each optimizer step",
+                    )
+                for index in stale:  # generated again under newer weights, in the same slot (same prompt and seed)
+                    del self._results[index]
+                    self._send(index)
+                regenerated.update(stale)
+        except BaseException:
+            self.close()
+            raise
+        groups = [self._results.pop(i) for i in wanted]
+        now = self.base_version + self.step
+        lags = [now - self._sample_oldest(c) for g in groups for c in g.completions]
+        batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started)
+        self.step += 1
+        return batch
+
+    def version_after(self, step: int) -> int:
+        """The policy version to push after training on step `step`'s batch."""
+        return self.base_version + step + 1
+
+    def close(self) -> None:
+        """Cancel every group still in flight (also at the end of a `with` block, and on errors)."""
+        if self._closed:
+            return
+        self._closed = True
+        for group_id in list(self._in_flight):
+            self.client.cancel(group_id)
+        self._in_flight.clear()
+
+    def __enter__(self) -> AsyncRollouts:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _fill_window(self) -> None:
+        """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
+        end = (self.step + self.max_staleness + 1) * self.groups_per_step
+        while len(self._slots) < end and not self._exhausted:
+            try:
+                group = next(self._source)
+            except StopIteration:
+                self._exhausted = True
+                return
+            self._slots.append(group)
+            self._send(len(self._slots) - 1)
+
+    def _send(self, index: int) -> None:
+        call = self.client._submit(self._slots[index], stream=False, sink=self._sink)  # noqa: SLF001 - same package
+        self._slots[index] = call.group  # its id and seed, kept for a regeneration
+        self._slot_of[call.group.group_id] = index
+        self._in_flight.add(call.group.group_id)
+
+    def _collect_until(self, wanted: range) -> None:
+        while any(i not in self._results for i in wanted):
+            try:
+                event = self._sink.get(timeout=self.timeout)
+            except queue.Empty:
+                raise RolloutError("timeout", f"no group finished within {self.timeout:g} s") from None
+            if isinstance(event, RolloutError):
+                raise event
+            self._in_flight.discard(event.group_id)
+            index = self._slot_of[event.group_id]
+            if any(c.finish_reason in ("abort", "error") for c in event.completions):
+                if any(c.finish_reason == "error" for c in event.completions):
+                    error = next(c.error for c in event.completions if c.finish_reason == "error")
+                    raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
+                self._send(index)  # aborted (a weight update in mode "abort"): generated again
+                continue
+            self._results[index] = event
+
+    @staticmethod
+    def _sample_oldest(completion: Any) -> int:
+        first = completion.policy_versions[0][0] if completion.policy_versions else completion.kv_version_min
+        return min(first, completion.kv_version_min)
+
+    def _oldest_version(self, group: GroupResult) -> int:
+        return min(self._sample_oldest(c) for c in group.completions)
