@@ -241,6 +241,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
         rollout_client_kwargs: dict[str, Any] | None = None,
         rollout_engine_config: Any = None,
         sleep_between_rounds: bool | None = None,
+        max_staleness: int = 0,
+        stale_policy: str = "regenerate",
         **kwargs: Any,
     ):
         """
@@ -258,6 +260,11 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 CUDA (TRL's default 0.3; on CPU the engine's default).
             sleep_between_rounds: "colocate": free the KV cache after each generation round, so the training step
                 has its memory; the next round allocates it again. None: `GRPOConfig.vllm_enable_sleep_mode`.
+            max_staleness: "server": generate the next k rounds' rows (read ahead from this trainer's dataloader)
+                while training on this one; a sample trained at step s comes from weights of step s - k or newer
+                (`trainer_bridge.trl_async`). 0 (default): synchronous, as without it.
+            stale_policy: with max_staleness: "regenerate" a too stale group, or keep it ("is_correct": TRL's
+                importance-sampling correction weighs it with the behaviour policy's logprobs).
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
@@ -273,7 +280,11 @@ class RolloutGRPOTrainer(GRPOTrainer):
             rollout_engine_config,
             sleep_between_rounds,
         )
+        _check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"))
+        self.max_staleness, self.stale_policy = max_staleness, stale_policy
         super().__init__(*args, **kwargs)
+        if max_staleness and getattr(self, "environment_factories", None) is not None:
+            raise ValueError("max_staleness > 0 does not support environment_factories yet")
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
         if rollout_mode == "colocate":
@@ -292,9 +303,24 @@ class RolloutGRPOTrainer(GRPOTrainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`GRPOTrainer.train`, syncing at its first generation round even when the step count starts where an
         earlier `train()` left off it (TRL syncs only when the step changed: a second run would sample, or push,
-        nothing new)."""
+        nothing new). With max_staleness, what was sent ahead is cancelled when it returns or raises."""
+        if self.max_staleness and (kwargs.get("resume_from_checkpoint") or (args and args[0])):
+            raise ValueError("resuming from a checkpoint with max_staleness > 0 is not supported yet")
         self._last_loaded_step = -1
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if hasattr(self.rollout, "close"):
+                self.rollout.close()
+
+    def get_train_dataloader(self) -> Any:
+        """TRL's train dataloader; with max_staleness, read ahead by the generation (same batches, same order)."""
+        loader = super().get_train_dataloader()
+        if not self.max_staleness:
+            return loader
+        from trainer_bridge.trl_async import LookaheadLoader
+
+        return LookaheadLoader(loader, lambda iterator: setattr(self.rollout, "lookahead", iterator))
 
     def _server_generation(
         self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
@@ -314,10 +340,33 @@ class RolloutGRPOTrainer(GRPOTrainer):
             broadcast_object_list(current, from_process=0)
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
+        if self.max_staleness:
+            from trainer_bridge.trl_async import AsyncRolloutGeneration
+
+            return AsyncRolloutGeneration(
+                self,
+                client,
+                current[0] + 1,
+                max_staleness=self.max_staleness,
+                stale_policy=self.stale_policy,
+                **(push_kwargs or {}),
+            )
         return RolloutGeneration(self, client, current[0] + 1, **(push_kwargs or {}))
 
 
 ROLLOUT_MODES = ("server", "colocate")
+
+
+def _check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_func: Any) -> None:
+    """max_staleness and stale_policy, refused by name where they cannot be honoured."""
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+    if stale_policy not in ("regenerate", "is_correct"):
+        raise ValueError(f"stale_policy must be 'regenerate' or 'is_correct', got {stale_policy!r}")
+    if max_staleness and mode != "server":
+        raise ValueError("max_staleness > 0 needs rollout_mode='server' (colocated generation shares the GPU)")
+    if max_staleness and rollout_func is not None:
+        raise ValueError("max_staleness > 0 does not apply to rollout_func (it generates its own rows)")
 
 
 def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool | None) -> None:

@@ -1,0 +1,118 @@
+"""`RolloutGRPOTrainer(..., max_staleness=k)`: TRL's GRPOTrainer with the next rounds generated ahead through a real
+worker. Checked on what TRL's loss actually received: the rows of every round (their prompts, in the order TRL's own
+dataloader gives them to a synchronous run) and the policy version of each of their tokens."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import pytest  # noqa: E402
+
+from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from service_helpers import Worker  # noqa: E402
+from trainer_bridge import RolloutClient  # noqa: E402
+from trainer_bridge.trl import RolloutGeneration, RolloutGRPOTrainer  # noqa: E402
+from trainer_bridge.trl_async import AsyncRolloutGeneration  # noqa: E402
+from trl_helpers import dataset, grpo_config, id_reward  # noqa: E402
+
+TOKENIZER = tiny_tokenizer()
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def worker():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        server = Worker()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(worker):
+    with RolloutClient(worker.address, timeout=60) as rollout_client:
+        yield rollout_client
+
+
+def train(tmp_path, client, max_staleness: int, reward=id_reward, **kwargs) -> tuple:
+    """A short run; returns (trainer, rounds: (global step, row prompts, row policy versions) per round)."""
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=reward,
+        args=grpo_config(tmp_path, max_steps=STEPS),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=client,
+        max_staleness=max_staleness,
+        **kwargs,
+    )
+    rounds = []
+    generate_rows = trainer.rollout.generate_rows
+
+    def recorded(prompt_ids, **sampling):
+        rows = generate_rows(prompt_ids, **sampling)
+        rounds.append((trainer.state.global_step, [list(p) for p in prompt_ids], rows.policy_versions))
+        return rows
+
+    trainer.rollout.generate_rows = recorded
+    trainer.train()
+    return trainer, rounds
+
+
+def wait_no_groups(worker) -> dict:
+    deadline = time.monotonic() + 20
+    while (stats := worker.stats())["groups_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return stats
+
+
+def test_async_rounds_keep_the_bound_and_train_the_synchronous_prompts(tmp_path, client, worker):
+    sync_trainer, sync_rounds = train(tmp_path / "sync", client, 0)
+    assert type(sync_trainer.rollout) is RolloutGeneration  # k=0: today's synchronous path, unchanged
+    trainer, rounds = train(tmp_path / "async", client, 2)
+    assert isinstance(trainer.rollout, AsyncRolloutGeneration)
+    # The same rows, round by round, as the synchronous run: the dataloader was read ahead, never reordered.
+    assert [prompts for _, prompts, _ in rounds] == [prompts for _, prompts, _ in sync_rounds]
+    assert len(rounds) == STEPS and all(len(prompts) == 8 for _, prompts, _ in rounds)
+    # Only the first round was generated on demand: every later one had been sent ahead.
+    assert trainer.rollout.num_unmatched_rounds == 1
+    base = trainer.rollout.base_version
+    for step, _, row_versions in rounds:
+        for runs in row_versions:
+            assert all(version - base >= step - 2 for version, _ in runs), (step, runs)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert all(entry["rollout/policy_lag_max"] <= 2 for entry in logs)
+    assert all("rollout/wait_s" in entry and "rollout/policy_lag_0" in entry for entry in logs)
+    assert any(entry["rollout/policy_lag_max"] > 0 for entry in logs), "nothing was generated ahead under old weights"
+    assert wait_no_groups(worker)["groups_in_flight"] == 0  # train() cancelled what was sent ahead
+
+
+def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
+    calls = []
+
+    def failing_reward(completion_ids, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("reward server down")
+        return id_reward(completion_ids, **kwargs)
+
+    with pytest.raises(RuntimeError, match="reward server down"):
+        train(tmp_path, client, 2, reward=failing_reward)
+    assert wait_no_groups(worker)["groups_in_flight"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_staleness=-1), "max_staleness"),
+        (dict(max_staleness=1, stale_policy="drop"), "stale_policy"),
+        (dict(max_staleness=1, rollout_mode="colocate", rollout_workers=None), "rollout_mode='server'"),
+    ],
+)
+def test_bad_staleness_settings_are_refused(tmp_path, client, kwargs, message):
+    settings = {"rollout_workers": client, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        RolloutGRPOTrainer(tiny_model(0), id_reward, grpo_config(tmp_path), train_dataset=dataset(), **settings)

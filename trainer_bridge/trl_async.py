@@ -1,0 +1,202 @@
+"""Asynchronous off-policy GRPO for `RolloutGRPOTrainer(..., max_staleness=k)` ("server" mode): the rows of the next
+`k` generation rounds are taken from the trainer's own dataloader ahead of time (same sampler, same order, same
+per-rank split: the dataloader is only read ahead, never reordered), tokenized by the trainer's own
+`_tokenize_prompts`, and sent to the workers while the trainer trains on the current round. Weights are still pushed
+at every step (TRL's `sync_weights`, mode "keep" by default): samples in flight continue under the new weights and
+their per-token versions say so.
+
+When TRL asks for a round's completions, the round sent ahead for the same rows is used; a group whose oldest weights
+(the version of its first token, or of its KV if older) are older than `global_step - k` is generated again
+(`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the behaviour policy's, so TRL's
+importance-sampling correction is exact). Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the
+trainer's wait for the round) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the
+fraction of tokens `i` steps old). `close()` (at the end of `train()`, on errors and KeyboardInterrupt) cancels what
+was sent ahead.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
+from trainer_bridge.trl import RolloutGeneration
+
+STALE_POLICIES = ("regenerate", "is_correct")
+RoundKey = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round
+
+
+class Lookahead:
+    """An iterator over a dataloader's batches that can also read ahead without changing what it yields."""
+
+    def __init__(self, iterator: Iterator[Any]):
+        self._iterator = iterator
+        self._ahead: deque[Any] = deque()
+
+    def __iter__(self) -> Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        return self._ahead.popleft() if self._ahead else next(self._iterator)
+
+    def peek(self, count: int) -> list[Any]:
+        """The next `count` batches (fewer at the end), still to be yielded."""
+        while len(self._ahead) < count:
+            try:
+                self._ahead.append(next(self._iterator))
+            except StopIteration:
+                break
+        return list(self._ahead)[:count]
+
+
+class LookaheadLoader:
+    """The trainer's train dataloader, whose iterators are `Lookahead`s handed to `on_iter`; everything else (len,
+    set_epoch, batch_size, ...) is the dataloader's own."""
+
+    def __init__(self, loader: Any, on_iter: Callable[[Lookahead], None]):
+        self._loader = loader
+        self._on_iter = on_iter
+
+    def __iter__(self) -> Lookahead:
+        iterator = Lookahead(iter(self._loader))
+        self._on_iter(iterator)
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class AsyncRolloutGeneration(RolloutGeneration):
+    """`RolloutGeneration` that sends the next rounds ahead and keeps their samples within a staleness bound."""
+
+    def __init__(self, *args: Any, max_staleness: int, stale_policy: str = "regenerate", **kwargs: Any):
+        """
+        Args:
+            *args, **kwargs: `RolloutGeneration`'s.
+            max_staleness: rounds sent ahead, and how many steps old a sample's weights may be (>= 1).
+            stale_policy: "regenerate" or "is_correct".
+        """
+        super().__init__(*args, **kwargs)
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.lookahead: Lookahead | None = None  # the train dataloader's current iterator (LookaheadLoader sets it)
+        self._sink: queue.SimpleQueue = queue.SimpleQueue()
+        self._ahead: dict[RoundKey, list[PromptGroup]] = {}  # rounds sent ahead, by their rows
+        self._results: dict[str, GroupResult] = {}
+        self._in_flight: set[str] = set()
+        self.num_unmatched_rounds = 0  # rounds TRL asked for that were not sent ahead (generated then)
+
+    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
+        started = time.perf_counter()
+        sent = self._ahead.pop(_key(groups), None)
+        if sent is None:
+            self.num_unmatched_rounds += 1
+            sent = [self._send(group) for group in groups]
+        self._send_ahead()  # the next rounds run while this one is waited for and trained on
+        oldest_allowed = self.base_version + self.trainer.state.global_step - self.max_staleness
+        regenerated: set[int] = set()
+        while True:
+            results = self._wait([g.group_id for g in sent])
+            stale = [i for i, r in enumerate(results) if _oldest_version(r) < oldest_allowed]
+            if not stale or self.stale_policy == "is_correct":
+                break
+            if regenerated & set(stale):
+                raise RolloutError(
+                    "stale", f"a group regenerated now is still older than version {oldest_allowed}: the workers lag"
+                )
+            for i in stale:
+                sent[i] = self._send(sent[i])
+            regenerated.update(stale)
+        self._log(
+            {"rollout/stale_regenerated": float(len(regenerated)), "rollout/wait_s": time.perf_counter() - started}
+        )
+        return [dataclasses.replace(result, group_id=group.group_id) for result, group in zip(results, groups)]
+
+    def close(self) -> None:
+        """Cancel every group sent ahead and still in flight."""
+        for group_id in list(self._in_flight):
+            self.client.cancel(group_id)
+        self._in_flight.clear()
+        self._ahead.clear()
+        self._results.clear()
+
+    def _send_ahead(self) -> None:
+        """Send the rows of the next `max_staleness` rounds not sent yet (read ahead from the dataloader)."""
+        if self.lookahead is None:
+            return
+        args = self.trainer.args
+        every = args.steps_per_generation * self.trainer.num_iterations  # batches per generation round
+        batches = self.lookahead.peek(self.max_staleness * every)
+        for position in range(every - 1, len(batches), every):  # the batch each later round generates from
+            prompts = [row["prompt"] for row in batches[position]]
+            prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy(prompts))  # noqa: SLF001 - TRL's own
+            groups = self._groups(prompt_ids)
+            key = _key(groups)
+            if key not in self._ahead:
+                self._ahead[key] = [self._send(group) for group in groups]
+
+    def _groups(self, prompt_ids: list[list[int]]) -> list[PromptGroup]:
+        """Consecutive equal rows as one group of n, as `generate_rows` makes them."""
+        groups: list[PromptGroup] = []
+        for row in prompt_ids:
+            if groups and groups[-1].prompt_ids == list(row):
+                groups[-1].n += 1
+            else:
+                groups.append(PromptGroup(list(row), 1, dict(self.sampling)))
+        return groups
+
+    def _send(self, group: PromptGroup) -> PromptGroup:
+        call = self.client._submit(group, stream=False, sink=self._sink)  # noqa: SLF001 - same package
+        self._in_flight.add(call.group.group_id)
+        return call.group
+
+    def _wait(self, group_ids: list[str]) -> list[GroupResult]:
+        while any(group_id not in self._results for group_id in group_ids):
+            try:
+                event = self._sink.get(timeout=self.client.timeout)
+            except queue.Empty:
+                raise RolloutError("timeout", f"no group finished within {self.client.timeout:g} s") from None
+            if isinstance(event, RolloutError):
+                raise event
+            self._in_flight.discard(event.group_id)
+            self._results[event.group_id] = event
+        return [self._results.pop(group_id) for group_id in group_ids]
+
+    def _log(self, values: dict[str, float]) -> None:
+        mode = "train" if self.trainer.model.training else "eval"
+        for name, value in values.items():
+            self.trainer._metrics[mode][name].append(value)  # noqa: SLF001 - TRL's metric store
+
+    def _log_lag(self, completions: list) -> None:
+        super()._log_lag(completions)
+        step, counts, total = self.trainer.state.global_step, [0] * (self.max_staleness + 1), 0
+        for completion in completions:
+            runs = completion.policy_versions + [[None, len(completion.token_ids)]]
+            for (version, first), (_, end) in zip(runs, runs[1:]):
+                lag = step - (version - self.base_version)
+                if 0 <= lag <= self.max_staleness:
+                    counts[lag] += end - first
+                total += end - first
+        if total:
+            self._log({f"rollout/policy_lag_{lag}": count / total for lag, count in enumerate(counts)})
+
+
+def _key(groups: list[PromptGroup]) -> RoundKey:
+    return tuple((tuple(group.prompt_ids), group.n) for group in groups)
+
+
+def _oldest_version(result: GroupResult) -> int:
+    """The oldest weights behind any sample of a group: its first token's version, or its KV's if older."""
+    oldest = []
+    for completion in result.completions:
+        first = completion.policy_versions[0][0] if completion.policy_versions else completion.kv_version_min
+        oldest.append(min(first, completion.kv_version_min))
+    return min(oldest)
