@@ -2,6 +2,7 @@
 
     python examples/grpo_toy.py            # no arguments; about 45 s on a 2-core machine, worker start included
     python examples/grpo_toy.py --colocate # the same task with no worker: generation in the trainer's process
+    python examples/grpo_toy.py --max-staleness 2  # asynchronous: the next 2 rounds generate while it trains
 
 It starts a `rollout-worker` subprocess serving the built-in tiny model (a random Qwen3-style model built in code,
 nothing downloaded), builds the matching tokenizer in code (one token per character when it encodes), and trains the same tiny model with
@@ -9,6 +10,8 @@ nothing downloaded), builds the matching tokenizer in code (one token per charac
 every token), and the trainer pushes its weights to the worker before every generation round. With `--colocate`
 there is no worker: each generation round runs the engine in the trainer's process on the model being trained
 (`rollout_mode="colocate"`), nothing is pushed, and the KV cache is freed between rounds (`sleep_between_rounds`).
+With `--max-staleness k` the worker generates the next k rounds while the trainer trains (`max_staleness=k`):
+samples may come from weights up to k steps old, and the plot's policy lag shows how old they were.
 
 The task: answer with lowercase letters only. The reward of a completion is the fraction of its tokens that are
 lowercase letters (26 of the model's 1024 token ids), so an untrained model scores about 0.03 and the reward rises
@@ -108,9 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--colocate", action="store_true", help="generate in the trainer's process on its own model (no worker)"
     )
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="generate the next k rounds while training; samples up to k steps old (default: 0, synchronous)",
+    )
     args = parser.parse_args(argv)
     if args.colocate and args.worker:
         parser.error("--colocate runs no worker: it cannot be combined with --worker")
+    if args.max_staleness < 0 or (args.max_staleness and args.colocate):
+        parser.error("--max-staleness must be >= 0, and needs a worker (not --colocate)")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     random.seed(0)
@@ -124,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     # for every training step); else the worker's address
     colocated = dict(rollout_engine_config=ContinuousBatchingConfig(num_blocks=512), sleep_between_rounds=True)
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
+    if args.max_staleness:
+        rollout["max_staleness"] = args.max_staleness
     try:
         prompts = toy_prompts(256, seed=0)
         config = toy_grpo_config(str(output), args.steps)  # fp32 on both sides: logprobs match (sampling/*)
@@ -148,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     rewards = [r["reward"] for r in log.rows]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])
-    plot(log.rows, output / "reward.png", "colocated" if args.colocate else "through a rollout worker")
+    title = "colocated" if args.colocate else "through a rollout worker"
+    if args.max_staleness:
+        title += f", max staleness {args.max_staleness}"
+    plot(log.rows, output / "reward.png", title)
     setup = "colocated, no worker" if args.colocate else "with worker start"
     print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s, {setup})")
     print(f"plot: {output / 'reward.png'}")
