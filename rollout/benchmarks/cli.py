@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=grpo_step.STEPS,
         help=f"timed steps per system, after {grpo_step.WARMUP_STEPS} warm-up steps (default: {grpo_step.STEPS})",
     )
+    gs.add_argument(
+        "--max-staleness",
+        default=None,
+        help="comma-separated bounds, e.g. 0,1,2: run rollout_server once per bound (RolloutGRPOTrainer "
+        "max_staleness=k) instead of the four systems",
+    )
     load.add_arguments(
         commands.add_parser(
             "load",
@@ -122,7 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "grpo-step":
         if args.steps < 1:
             parser.error(f"--steps must be >= 1, got {args.steps}")
-        summary = grpo_step.run(args.systems, args.device, args.steps)
+        bounds = None
+        if args.max_staleness is not None:
+            try:
+                bounds = [int(k) for k in args.max_staleness.split(",")]
+            except ValueError:
+                parser.error(f"--max-staleness {args.max_staleness}: expected integers like 0,1,2")
+            if any(k < 0 for k in bounds):
+                parser.error(f"--max-staleness {args.max_staleness}: bounds must be >= 0")
+            if args.systems:
+                parser.error("--max-staleness runs rollout_server only: leave out --systems")
+        summary = grpo_step.run(args.systems, args.device, args.steps, bounds)
     elif args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":

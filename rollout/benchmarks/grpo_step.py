@@ -16,7 +16,14 @@ mode, nothing to send colocated) and training (the rest: rewards, logprob recomp
 step); and peak memory (CUDA: the trainer's peak allocated bytes; CPU: the trainer process's peak RSS, plus the
 worker's for server mode).
 
-GPU recipe: `rollout-bench grpo-step --device cuda` runs the same comparison on one GPU (worker and trainer share it).
+With `--max-staleness 0,1,2`, `rollout_server` runs once per staleness bound instead (`RolloutGRPOTrainer(...,
+max_staleness=k)`: the next k rounds generate on the worker while the trainer trains): seconds per step, the
+trainer's wait for rollouts per step, completion tokens trained per second, and the policy lag (mean and max over
+the timed steps' tokens).
+
+GPU recipe: `rollout-bench grpo-step --device cuda` runs the same comparison on one GPU (worker and trainer share it);
+asynchronous generation pays off when the worker has a device of its own (`--max-staleness 0,1,2` with the worker on
+a second GPU: `CUDA_VISIBLE_DEVICES` of the two processes), since on one device the two contend for it.
 """
 
 from __future__ import annotations
@@ -85,8 +92,9 @@ def _device_sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_STEPS) -> dict:
-    """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory."""
+def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_STEPS, max_staleness: int = 0) -> dict:
+    """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory
+    (`max_staleness`: rollout_server's bound; the timed steps' tokens per second and policy lag are added)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import tempfile
 
@@ -112,7 +120,7 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
             rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=KV_BLOCKS)
         else:
             worker, address = _start_worker(device)
-            rollout = dict(rollout_workers=address)
+            rollout = dict(rollout_workers=address, max_staleness=max_staleness)
         trainer = RolloutGRPOTrainer(model=model, args=_config(output, total, device), **common, **rollout)
     elif system == "trl_generate":
         trainer = GRPOTrainer(model=model, args=_config(output, total, device), **common)
@@ -139,7 +147,7 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
             worker.wait(30)
     timed = clock.steps[warmup:]
     medians = {name: statistics.median(step[name] for step in timed) for name in ("step", "generation", "weight_sync")}
-    return {
+    result = {
         "step_s": round(medians["step"], 4),
         "generation_s": round(medians["generation"] - medians["weight_sync"], 4),
         "weight_sync_s": round(medians["weight_sync"], 4),
@@ -147,6 +155,15 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
         "peak_memory_gib": round(peak, 3),
         "steps": len(timed),
     }
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry][warmup:]
+    rows = trainer.args.per_device_train_batch_size
+    tokens = sum(entry["completions/mean_length"] * rows for entry in logs)
+    result["tokens_per_s"] = round(tokens / sum(step["step"] for step in timed), 1)
+    if system == "rollout_server":
+        result["max_staleness"] = max_staleness
+        result["lag_mean"] = round(statistics.mean(entry["rollout/policy_lag_mean"] for entry in logs), 3)
+        result["lag_max"] = max(entry["rollout/policy_lag_max"] for entry in logs)
+    return result
 
 
 def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
@@ -178,13 +195,19 @@ def _peak_memory_gib(device: str, worker: subprocess.Popen | None) -> float:
     return peak_kib / 2**20
 
 
-def run(systems: list[str] | None = None, device: str | None = None, steps: int = STEPS) -> dict:
+def run(
+    systems: list[str] | None = None,
+    device: str | None = None,
+    steps: int = STEPS,
+    max_staleness: list[int] | None = None,
+) -> dict:
     """Each system in its own process; print the table and return the JSON-able summary (`rollout-bench` prints it).
 
     Args:
         systems: which to run (default: all four, in the order of `SYSTEMS`).
         device: "cpu" or "cuda" (default: cuda when available).
         steps: timed steps per system (after `WARMUP_STEPS` untimed ones).
+        max_staleness: run rollout_server once per bound instead (systems is then ignored).
     """
     import torch
 
@@ -192,19 +215,39 @@ def run(systems: list[str] | None = None, device: str | None = None, steps: int 
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {}
-    for system in systems or SYSTEMS:
-        stage(f"grpo-step: {system} ({WARMUP_STEPS} + {steps} steps on {device})")
-        code = "import json, sys; from rollout.benchmarks.grpo_step import run_one; "
-        code += f"print(json.dumps(run_one({system!r}, {device!r}, {steps})))"
+    runs = [(system, 0, system) for system in systems or SYSTEMS]
+    if max_staleness is not None:
+        runs = [("rollout_server", k, f"rollout_server k={k}") for k in max_staleness]
+    for system, k, name in runs:
+        stage(f"grpo-step: {name} ({WARMUP_STEPS} + {steps} steps on {device})")
+        code = "import json, sys; from rollout.benchmarks.grpo_step import run_one, WARMUP_STEPS; "
+        code += f"print(json.dumps(run_one({system!r}, {device!r}, {steps}, WARMUP_STEPS, {k})))"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if done.returncode:
-            results[system] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
+            results[name] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
         else:
-            results[system] = json.loads(done.stdout.strip().splitlines()[-1])
+            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
     summary = {"benchmark": "grpo-step", "device": device, "steps": steps, "warmup_steps": WARMUP_STEPS}
     summary["results"] = results
-    print(table(summary))
+    print(table(summary) if max_staleness is None else staleness_table(summary))
     return summary
+
+
+def staleness_table(summary: dict) -> str:
+    """`--max-staleness` runs as a fixed-width table: step time, the trainer's wait, tokens/s, policy lag."""
+    lines = [
+        f"grpo-step on {summary['device']}, rollout_server by max_staleness: median of {summary['steps']} steps",
+        f"{'run':<22}{'step s':>9}{'wait s':>9}{'train s':>9}{'tokens/s':>10}{'lag mean':>10}{'lag max':>9}",
+    ]
+    for name, row in summary["results"].items():
+        if "error" in row:
+            lines.append(f"{name:<22} failed: {row['error']}")
+            continue
+        lines.append(
+            f"{name:<22}{row['step_s']:>9.3f}{row['generation_s']:>9.3f}{row['training_s']:>9.3f}"
+            f"{row['tokens_per_s']:>10.1f}{row['lag_mean']:>10.2f}{row['lag_max']:>9.0f}"
+        )
+    return "\n".join(lines)
 
 
 def table(summary: dict) -> str:
