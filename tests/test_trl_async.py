@@ -116,3 +116,33 @@ def test_bad_staleness_settings_are_refused(tmp_path, client, kwargs, message):
     settings = {"rollout_workers": client, **kwargs}
     with pytest.raises(ValueError, match=message):
         RolloutGRPOTrainer(tiny_model(0), id_reward, grpo_config(tmp_path), train_dataset=dataset(), **settings)
+
+
+def test_a_worker_killed_mid_run_leaves_training_on_the_survivor(tmp_path):
+    """Two workers; one is SIGKILLed after step 1 while it holds groups sent ahead. Training goes on to the end on
+    the survivor, every round with all its rows, in the order a synchronous run trains them."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    survivor, victim = Worker.several(2)
+    try:
+        with RolloutClient([survivor.address, victim.address], timeout=120, heartbeat_s=0.2, dead_after_s=1.5) as c:
+
+            class KillAfterStep1(TrainerCallback):
+                def on_step_end(self, args, state, control, **kwargs):
+                    if state.global_step == 1:
+                        victim.process.send_signal(signal.SIGKILL)
+
+            _, sync_rounds = train(tmp_path / "sync", c, 0)
+            trainer, rounds = train(tmp_path / "async", c, 1, callbacks=[KillAfterStep1()])
+            assert victim.process.poll() is not None  # it was killed mid-run
+            assert len(c.stats()) == 1
+        assert trainer.state.global_step == STEPS
+        assert [prompts for _, prompts, _ in rounds] == [prompts for _, prompts, _ in sync_rounds]
+        base = trainer.rollout.base_version
+        for step, _, row_versions in rounds:
+            assert all(version - base >= step - 1 for runs in row_versions for version, _ in runs)
+    finally:
+        survivor.close()
+        victim.close()

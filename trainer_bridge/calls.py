@@ -52,6 +52,14 @@ class WorkerBusy(RolloutError):
 
 
 @dataclass
+class WorkerLost:
+    """Put in every open weight update's replies when the client declares a worker dead (the push goes on without
+    it)."""
+
+    address: str
+
+
+@dataclass
 class PushResult:
     """What a push did.
 

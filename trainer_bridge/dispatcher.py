@@ -2,10 +2,9 @@
 through a queue and a waker; it sends groups to the live worker with the least outstanding work, routes every reply
 to its call, pings every worker, fails groups over from dead workers and gives them back to workers that return.
 
-A worker gets groups only once it answered (so nothing queued for a worker that is not up yet can reach it twice);
-calls submitted before any answered wait (parked) and are spread over the workers that answer within
-FIRST_CONTACT_GRACE_S of the first; when none answered within `connect_timeout`, or every worker refused this
-client's key, parked and new calls fail with "no_workers" naming the addresses.
+A worker gets groups only once it answered (nothing queued for a worker not up yet can reach it twice); calls made
+before any answered wait (parked), spread over the workers that answer within FIRST_CONTACT_GRACE_S of the first;
+when none answered within `connect_timeout`, or all refused this client's key, calls fail with "no_workers".
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from rollout.mailbox import drain
 from rollout.service import protocol as p
 from rollout.service.protocol import Delta
 from rollout.service.sockets import Waker
-from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy
+from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
 from trainer_bridge.commands import AskStats, CancelCall, CloseChannel, Command, OpenChannel, SendRaw, Submit
 from trainer_bridge.links import WorkerLink
 
@@ -347,8 +346,10 @@ class Dispatcher:
                 self._send(index, p.Ping())
 
     def _failover(self, index: int) -> None:
-        """Resubmit every group of a dead worker to the live ones (streams skip what they already delivered)."""
+        """Resubmit a dead worker's groups to the live ones (streams skip what they delivered); updates go on."""
         worker = self.workers[index]
+        for replies in self._channels.values():
+            replies.put((index, WorkerLost(worker.address)))
         for call in [c for c in self._calls.values() if c.worker == index]:
             worker.outstanding -= call.cost
             worker.taken_away.add(call.wire_id)

@@ -20,7 +20,7 @@ from rollout.config import dtype_name
 from rollout.service import protocol as p
 from rollout.service.dist import broadcast, make_process_group, make_store
 from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, staging_layout
-from trainer_bridge.calls import PushResult
+from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.gathering import Entry, as_wire_bytes
 
@@ -280,8 +280,10 @@ class WeightPush:
         # host copy: one device-to-host copy of the update, the price of catching a corrupted transfer.
         checksum = bucket_checksum(data.cpu() for _, _, data in bucket)
         header = p.WeightsBucket(self.update_id, pieces, checksum)
-        for link in self.links:
-            self._wait(lambda link=link: len(link.pending) < _WINDOW, self.timeout, "weights_ack")
+        for link in list(self.links):
+            self._wait(lambda link=link: link not in self.links or len(link.pending) < _WINDOW, self.timeout, "ack")
+            if link not in self.links:
+                continue
             if link.transport == "frames":
                 cpu = [data.cpu() for _, _, data in bucket]
                 self.channel.send(link.index, header, [memoryview(d.numpy()) for d in cpu])
@@ -328,21 +330,11 @@ class WeightPush:
                 "now serve different weights; push again",
                 failed[first.index].field,
             )
+        fields = ("version", "pause_ms", "copy_ms", "drain_ms", "aborted", "recomputed")
         results = []
         for link in self.links:
-            done = link.committed
-            results.append(
-                {
-                    "address": link.address,
-                    "transport": link.transport,
-                    "version": done.version,
-                    "pause_ms": done.pause_ms,
-                    "copy_ms": done.copy_ms,
-                    "drain_ms": done.drain_ms,
-                    "aborted": done.aborted,
-                    "recomputed": done.recomputed,
-                }
-            )
+            done = {name: getattr(link.committed, name) for name in fields}
+            results.append({"address": link.address, "transport": link.transport, **done})
         return results
 
     # ---- replies ----------------------------------------------------------------------------------------------
@@ -358,6 +350,11 @@ class WeightPush:
             if quiet:
                 raise _NoReply from None
             raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
+        if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
+            self.links = [link for link in self.links if link.index != index]
+            if not self.links:
+                raise RolloutError("no_workers", f"every worker was lost during the weight update ({message.address})")
+            return
         link = next((link for link in self.links if link.index == index), None)
         if link is None:
             return
