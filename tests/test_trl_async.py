@@ -87,6 +87,7 @@ def test_async_rounds_keep_the_bound_and_train_the_synchronous_prompts(tmp_path,
     assert all(entry["rollout/policy_lag_max"] <= 2 for entry in logs)
     assert all("rollout/wait_s" in entry and "rollout/policy_lag_0" in entry for entry in logs)
     assert any(entry["rollout/policy_lag_max"] > 0 for entry in logs), "nothing was generated ahead under old weights"
+    assert all(entry["rollout/worker_idle_s"] >= 0 for entry in logs[1:]) and worker.stats()["idle_s"] > 0
     assert wait_no_groups(worker)["groups_in_flight"] == 0  # train() cancelled what was sent ahead
 
 

@@ -9,7 +9,8 @@ When TRL asks for a round's completions, the round sent ahead for the same rows 
 (the version of its first token, or of its KV if older) are older than `global_step - k` is generated again
 (`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the behaviour policy's, so TRL's
 importance-sampling correction is exact). Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the
-trainer's wait for the round) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the
+trainer's wait for the round), `rollout/worker_idle_s` (how long the workers' engines had nothing to run since the
+last round, summed over the workers) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the
 fraction of tokens `i` steps old). `close()` (at the end of `train()`, on errors and KeyboardInterrupt) cancels what
 was sent ahead.
 """
@@ -93,6 +94,7 @@ class AsyncRolloutGeneration(RolloutGeneration):
         self._results: dict[str, GroupResult] = {}
         self._in_flight: set[str] = set()
         self.num_unmatched_rounds = 0  # rounds TRL asked for that were not sent ahead (generated then)
+        self._idle_s: float | None = None  # the workers' summed idle seconds at the last round
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         started = time.perf_counter()
@@ -115,9 +117,9 @@ class AsyncRolloutGeneration(RolloutGeneration):
             for i in stale:
                 sent[i] = self._send(sent[i])
             regenerated.update(stale)
-        self._log(
-            {"rollout/stale_regenerated": float(len(regenerated)), "rollout/wait_s": time.perf_counter() - started}
-        )
+        waited = time.perf_counter() - started
+        self._log({"rollout/stale_regenerated": float(len(regenerated)), "rollout/wait_s": waited})
+        self._log_worker_idle()
         return [dataclasses.replace(result, group_id=group.group_id) for result, group in zip(results, groups)]
 
     def close(self) -> None:
@@ -169,6 +171,16 @@ class AsyncRolloutGeneration(RolloutGeneration):
             self._in_flight.discard(event.group_id)
             self._results[event.group_id] = event
         return [self._results.pop(group_id) for group_id in group_ids]
+
+    def _log_worker_idle(self) -> None:
+        """`rollout/worker_idle_s`: seconds the workers' engines sat idle since the last round (summed over them)."""
+        try:
+            idle = sum(stats.get("idle_s", 0.0) for stats in self.client.stats(timeout=5))
+        except RolloutError:  # a worker did not answer in time: no figure this round
+            return
+        if self._idle_s is not None:
+            self._log({"rollout/worker_idle_s": max(0.0, idle - self._idle_s)})
+        self._idle_s = idle
 
     def _log(self, values: dict[str, float]) -> None:
         mode = "train" if self.trainer.model.training else "eval"

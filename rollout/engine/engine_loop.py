@@ -77,7 +77,11 @@ class EngineLoop:
             self.manager._state.notify_all()
 
     def _drain_commands(self, block: bool) -> None:
-        for command in drain(self.manager._commands, wait_s=0.5 if block else None):
+        started = time.perf_counter()
+        commands = drain(self.manager._commands, wait_s=0.5 if block else None)
+        if block:  # nothing to run: the engine was idle while it waited
+            self.manager.idle_s += time.perf_counter() - started
+        for command in commands:
             self._apply(command)
 
     def _apply(self, command: Command) -> None:

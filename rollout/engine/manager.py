@@ -81,6 +81,7 @@ class ContinuousBatchingManager(ResultReading):
             self.engine, self._state, self._commands.put, self._deliver, self.is_running, lambda: self._closed
         )
         self.started_at: float | None = None
+        self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
         # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).
         self.step_observer: Callable[[float], None] | None = None
         self.error: BaseException | None = None
@@ -376,6 +377,7 @@ class ContinuousBatchingManager(ResultReading):
             last_weight_update_at=self.last_weight_update_at,
             last_weight_update_pause_ms=None if last is None else last.pause_ms,
             uptime_s=0.0 if self.started_at is None else time.time() - self.started_at,
+            idle_s=self.idle_s,
         )
         return stats
 
