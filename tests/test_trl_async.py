@@ -147,3 +147,37 @@ def test_a_worker_killed_mid_run_leaves_training_on_the_survivor(tmp_path):
     finally:
         survivor.close()
         victim.close()
+
+
+def test_groups_sent_ahead_that_grew_too_stale_are_generated_again(tmp_path, client):
+    """After step 1 the versions jump by 3 (as when the workers served other weights meanwhile): the rows sent ahead
+    under the old weights are now too old for their step and are generated again; the stale_policy "is_correct"
+    keeps them instead."""
+    from transformers import TrainerCallback
+
+    class VersionJump(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                jumped.rollout.base_version += 3
+
+    for policy in ("regenerate", "is_correct"):
+        jumped = None
+        trainer = RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path / policy, max_steps=STEPS),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_workers=client,
+            max_staleness=1,
+            stale_policy=policy,
+            callbacks=[VersionJump()],
+        )
+        jumped = trainer
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        regenerated = [entry["rollout/stale_regenerated"] for entry in logs]
+        if policy == "regenerate":
+            assert regenerated[1] > 0 and all(entry["rollout/policy_lag_max"] <= 1 for entry in logs)
+        else:
+            assert sum(regenerated) == 0 and max(entry["rollout/policy_lag_max"] for entry in logs) > 1
