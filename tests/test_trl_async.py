@@ -37,12 +37,12 @@ def client(worker):
         yield rollout_client
 
 
-def train(tmp_path, client, max_staleness: int, reward=id_reward, **kwargs) -> tuple:
+def train(tmp_path, client, max_staleness: int, reward=id_reward, config=None, **kwargs) -> tuple:
     """A short run; returns (trainer, rounds: (global step, row prompts, row policy versions) per round)."""
     trainer = RolloutGRPOTrainer(
         model=tiny_model(0),
         reward_funcs=reward,
-        args=grpo_config(tmp_path, max_steps=STEPS),
+        args=grpo_config(tmp_path, max_steps=STEPS, **(config or {})),
         train_dataset=dataset(),
         processing_class=TOKENIZER,
         rollout_workers=client,
@@ -91,6 +91,26 @@ def test_async_rounds_keep_the_bound_and_train_the_synchronous_prompts(tmp_path,
     assert wait_no_groups(worker)["groups_in_flight"] == 0  # train() cancelled what was sent ahead
 
 
+@pytest.mark.parametrize(
+    "config, max_staleness",
+    [
+        (dict(gradient_accumulation_steps=2, steps_per_generation=2), 1),  # a round = 2 micro-steps = 1 step
+        (dict(steps_per_generation=2), 2),  # a round spans 2 optimizer steps: 1 round ahead within k=2
+        (dict(gradient_accumulation_steps=2, steps_per_generation=1), 1),  # 2 rounds per step: 2 ahead
+    ],
+)
+def test_rounds_ahead_follow_the_steps_a_round_spans(tmp_path, client, config, max_staleness):
+    _, sync_rounds = train(tmp_path / "sync", client, 0, config=config)
+    trainer, rounds = train(tmp_path / "async", client, max_staleness, config=config)
+    assert [prompts for _, prompts, _ in rounds] == [prompts for _, prompts, _ in sync_rounds]
+    assert trainer.rollout.num_unmatched_rounds == 1  # every later round had been sent ahead, at the right batch
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert sum(entry.get("rollout/stale_regenerated", 0) for entry in logs) == 0  # none sent too far ahead
+    base = trainer.rollout.base_version
+    for step, _, row_versions in rounds:
+        assert all(version - base >= step - max_staleness for runs in row_versions for version, _ in runs)
+
+
 def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
     calls = []
 
@@ -111,12 +131,17 @@ def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
         (dict(max_staleness=-1), "max_staleness"),
         (dict(max_staleness=1, stale_policy="drop"), "stale_policy"),
         (dict(max_staleness=1, rollout_mode="colocate", rollout_workers=None), "rollout_mode='server'"),
+        (dict(max_staleness=1, rollout_push_kwargs={"mode": "abort"}), "push mode"),
+        (dict(max_staleness=1, args_overrides={"steps_per_generation": 2}), "spans"),
     ],
 )
 def test_bad_staleness_settings_are_refused(tmp_path, client, kwargs, message):
     settings = {"rollout_workers": client, **kwargs}
+    config = grpo_config(tmp_path, **settings.pop("args_overrides", {}))
     with pytest.raises(ValueError, match=message):
-        RolloutGRPOTrainer(tiny_model(0), id_reward, grpo_config(tmp_path), train_dataset=dataset(), **settings)
+        RolloutGRPOTrainer(
+            tiny_model(0), id_reward, config, train_dataset=dataset(), processing_class=TOKENIZER, **settings
+        )
 
 
 def test_a_worker_killed_mid_run_leaves_training_on_the_survivor(tmp_path):

@@ -73,8 +73,8 @@ class AsyncRollouts:
                 synchronous; k: the next k steps' groups are generated while this one trains).
             stale_policy: "regenerate" (stale groups are generated again) or "is_correct" (kept as they are).
             timeout: most seconds to wait for one group (default: the client's).
-            base_version: the version of step 0's weights (default: the oldest version the client's workers serve
-                now).
+            base_version: the version of step 0's weights (default: the newest version the client's workers serve
+                now; the client routes groups only to workers that serve it).
         Raises:
             ValueError: a bad setting, naming it.
         """
@@ -91,12 +91,14 @@ class AsyncRollouts:
         self.timeout = client.timeout if timeout is None else timeout
         self.step = 0  # the step the next batch is for
         if base_version is None:
-            base_version = min(stats["policy_version"] for stats in client.stats())
+            base_version = max(stats["policy_version"] for stats in client.stats())
         self.base_version = base_version
         self._source: Iterator[PromptGroup] = iter(groups)
         self._exhausted = False
         self._sink: queue.SimpleQueue = queue.SimpleQueue()  # GroupResults and RolloutErrors of submitted groups
-        self._slots: list[PromptGroup] = []  # submitted groups in order (as checked by the client: id and seed set)
+        # Groups of the steps not yielded yet, by index in the prompt order (as checked by the client: id and seed set).
+        self._slots: dict[int, PromptGroup] = {}
+        self._num_taken = 0  # groups taken from `groups` so far
         self._slot_of: dict[str, int] = {}  # group id -> index in the prompt order
         self._results: dict[int, GroupResult] = {}
         self._in_flight: set[str] = set()
@@ -119,7 +121,7 @@ class AsyncRollouts:
             self._fill_window()
             first = self.step * self.groups_per_step
             wanted = range(first, first + self.groups_per_step)
-            if wanted.stop > len(self._slots):
+            if wanted.stop > self._num_taken:
                 self.close()
                 raise StopIteration
             regenerated: set[int] = set()
@@ -144,6 +146,8 @@ class AsyncRollouts:
             self.close()
             raise
         groups = [self._results.pop(i) for i in wanted]
+        for index in wanted:  # done with: forget them (a long run must not keep every prompt)
+            del self._slot_of[self._slots.pop(index).group_id]
         now = self.base_version + self.step
         lags = [now - self._sample_oldest(c) for g in groups for c in g.completions]
         batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started)
@@ -173,14 +177,15 @@ class AsyncRollouts:
     def _fill_window(self) -> None:
         """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
         end = (self.step + self.max_staleness + 1) * self.groups_per_step
-        while len(self._slots) < end and not self._exhausted:
+        while self._num_taken < end and not self._exhausted:
             try:
                 group = next(self._source)
             except StopIteration:
                 self._exhausted = True
                 return
-            self._slots.append(group)
-            self._send(len(self._slots) - 1)
+            self._slots[self._num_taken] = group
+            self._num_taken += 1
+            self._send(self._num_taken - 1)
 
     def _send(self, index: int) -> None:
         call = self.client._submit(self._slots[index], stream=False, sink=self._sink)  # noqa: SLF001 - same package
@@ -197,7 +202,9 @@ class AsyncRollouts:
             if isinstance(event, RolloutError):
                 raise event
             self._in_flight.discard(event.group_id)
-            index = self._slot_of[event.group_id]
+            index = self._slot_of.get(event.group_id)
+            if index is None:  # a group already trained on (never expected: the client delivers each result once)
+                continue
             if any(c.finish_reason in ("abort", "error") for c in event.completions):
                 if any(c.finish_reason == "error" for c in event.completions):
                     error = next(c.error for c in event.completions if c.finish_reason == "error")

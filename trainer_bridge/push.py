@@ -88,6 +88,7 @@ class WeightPush:
         self.update_id = uuid.uuid4().hex
         self.channel = client.open_update_channel(self.update_id)
         self.links = [_Link(index, client.worker_addresses[index]) for index in client.wait_connected()]
+        self.lost: list[_Link] = []  # links of workers lost during the push (their segments are closed at the end)
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
         self.group: Any = None  # torch.distributed group for this push
 
@@ -316,7 +317,8 @@ class WeightPush:
                 self._receive(deadline - time.monotonic(), "commit")
             except WorkerFailed as failure:
                 failed[failure.link.index] = failure.error
-        if failed:
+        failed = {index: error for index, error in failed.items() if any(link.index == index for link in self.links)}
+        if failed:  # (a worker that refused and was then lost counts as lost)
             first = next(link for link in self.links if link.index in failed)
             committed = [f"{link.address} (version {link.committed.version})" for link in self.links if link.committed]
             if not committed:
@@ -351,6 +353,9 @@ class WeightPush:
                 raise _NoReply from None
             raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
         if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
+            if self.transport == "torch.distributed":  # its process group counts on every worker: it cannot
+                raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update")
+            self.lost += [link for link in self.links if link.index == index]
             self.links = [link for link in self.links if link.index != index]
             if not self.links:
                 raise RolloutError("no_workers", f"every worker was lost during the weight update ({message.address})")
@@ -376,7 +381,7 @@ class WeightPush:
     def close(self) -> None:
         """Abort what is still open on the workers, finish every gather (other ranks are in them too), release
         shared memory and the channel."""
-        for link in self.links:
+        for link in self.links + self.lost:
             if link.open:
                 self.channel.send(link.index, p.WeightsAbort(self.update_id))
             link.pending.clear()

@@ -280,7 +280,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             rollout_engine_config,
             sleep_between_rounds,
         )
-        _check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"))
+        _check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"), rollout_push_kwargs)
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         super().__init__(*args, **kwargs)
         if max_staleness and getattr(self, "environment_factories", None) is not None:
@@ -320,7 +320,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             return loader
         from trainer_bridge.trl_async import LookaheadLoader
 
-        return LookaheadLoader(loader, lambda iterator: setattr(self.rollout, "lookahead", iterator))
+        return LookaheadLoader(loader, self.rollout.start_epoch)
 
     def _server_generation(
         self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
@@ -357,8 +357,10 @@ class RolloutGRPOTrainer(GRPOTrainer):
 ROLLOUT_MODES = ("server", "colocate")
 
 
-def _check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_func: Any) -> None:
+def _check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_func: Any, push: Any) -> None:
     """max_staleness and stale_policy, refused by name where they cannot be honoured."""
+    if max_staleness and (push or {}).get("mode", "keep") not in ("keep", "recompute"):
+        raise ValueError("max_staleness > 0 needs push mode 'keep' or 'recompute' (rounds sent ahead are in flight)")
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
     if stale_policy not in ("regenerate", "is_correct"):

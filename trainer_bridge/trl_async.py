@@ -5,10 +5,15 @@ per-rank split: the dataloader is only read ahead, never reordered), tokenized b
 at every step (TRL's `sync_weights`, mode "keep" by default): samples in flight continue under the new weights and
 their per-token versions say so.
 
-When TRL asks for a round's completions, the round sent ahead for the same rows is used; a group whose oldest weights
-(the version of its first token, or of its KV if older) are older than `global_step - k` is generated again
-(`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the behaviour policy's, so TRL's
-importance-sampling correction is exact). Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the
+How far ahead: a round spans `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps, so
+`k` steps allow `k * gradient_accumulation_steps // (steps_per_generation * num_iterations)` rounds ahead (at least
+one, else the trainer is refused at construction); round j after the current one generates from batch `p + j *
+steps_per_generation * num_iterations` of the epoch's stream, `p` being the current round's. When TRL asks for a
+round's completions, the round sent ahead for the same rows is used; a group whose oldest weights (the version of its
+first token, or of its KV if older) are older than `global_step - k` at the step the round is generated for is
+generated again (`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the behaviour policy's, so
+TRL's importance-sampling correction, `vllm_importance_sampling_correction=True`, weighs it; exactly so where TRL's
+ratio is not truncated or capped). The first round of each epoch is generated on demand. Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the
 trainer's wait for the round), `rollout/worker_idle_s` (how long the workers' engines had nothing to run since the
 last round, summed over the workers) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the
 fraction of tokens `i` steps old). `close()` (at the end of `train()`, on errors and KeyboardInterrupt) cancels what
@@ -21,7 +26,6 @@ import copy
 import dataclasses
 import queue
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,30 +33,49 @@ from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
 from trainer_bridge.trl import RolloutGeneration
 
 STALE_POLICIES = ("regenerate", "is_correct")
+KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
+_END = object()
 RoundKey = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round
 
 
 class Lookahead:
-    """An iterator over a dataloader's batches that can also read ahead without changing what it yields."""
+    """An iterator over a dataloader's batches that can also read ahead without changing what it yields; batches are
+    addressed by their index in this iterator (the epoch's stream)."""
 
     def __init__(self, iterator: Iterator[Any]):
         self._iterator = iterator
-        self._ahead: deque[Any] = deque()
+        self._batches: dict[int, Any] = {}  # read, by index: those not yielded yet and a few yielded ones
+        self._read = 0  # batches taken from the underlying iterator
+        self.yielded = 0  # batches handed to the trainer
 
     def __iter__(self) -> Lookahead:
         return self
 
     def __next__(self) -> Any:
-        return self._ahead.popleft() if self._ahead else next(self._iterator)
+        if self.yielded == self._read:
+            self._read_one()
+        batch = self._batches.get(self.yielded, _END)
+        if batch is _END:
+            raise StopIteration
+        self.yielded += 1
+        for old in [index for index in self._batches if index < self.yielded - KEPT_YIELDED]:
+            del self._batches[old]  # the trainer may still be on a batch it took a few ahead (gradient accumulation)
+        return batch
 
-    def peek(self, count: int) -> list[Any]:
-        """The next `count` batches (fewer at the end), still to be yielded."""
-        while len(self._ahead) < count:
-            try:
-                self._ahead.append(next(self._iterator))
-            except StopIteration:
-                break
-        return list(self._ahead)[:count]
+    def at(self, index: int) -> Any:
+        """The batch at `index` of the stream (reading ahead as needed), or None past its end or long yielded."""
+        while self._read <= index and self._read_one():
+            pass
+        batch = self._batches.get(index, _END)
+        return None if batch is _END else batch
+
+    def _read_one(self) -> bool:
+        try:
+            self._batches[self._read] = next(self._iterator)
+        except StopIteration:
+            return False
+        self._read += 1
+        return True
 
 
 class LookaheadLoader:
@@ -88,13 +111,25 @@ class AsyncRolloutGeneration(RolloutGeneration):
         super().__init__(*args, **kwargs)
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
-        self.lookahead: Lookahead | None = None  # the train dataloader's current iterator (LookaheadLoader sets it)
+        config = self.trainer.args
+        # Batches per generation round (TRL generates from every `every`-th batch of the stream, and trains on it
+        # `every` micro-steps), and the optimizer steps one round spans: rounds sent ahead must stay within k steps.
+        self.every = config.steps_per_generation * self.trainer.num_iterations
+        self.rounds_ahead = max_staleness * config.gradient_accumulation_steps // self.every
+        if self.rounds_ahead < 1:
+            raise ValueError(
+                f"max_staleness={max_staleness} is less than the optimizer steps one generation round spans "
+                f"(steps_per_generation * num_iterations / gradient_accumulation_steps = "
+                f"{self.every / config.gradient_accumulation_steps:g}): raise it"
+            )
+        self.lookahead: Lookahead | None = None  # the train dataloader's current iterator (see `start_epoch`)
+        self._epoch_start_step = 0  # the trainer's micro-step count when that iterator began
         self._sink: queue.SimpleQueue = queue.SimpleQueue()
         self._ahead: dict[RoundKey, list[PromptGroup]] = {}  # rounds sent ahead, by their rows
         self._results: dict[str, GroupResult] = {}
         self._in_flight: set[str] = set()
         self.num_unmatched_rounds = 0  # rounds TRL asked for that were not sent ahead (generated then)
-        self._idle_s: float | None = None  # the workers' summed idle seconds at the last round
+        self._idle_s: dict[str, float] = {}  # each worker's idle seconds at the last round
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         started = time.perf_counter()
@@ -102,7 +137,8 @@ class AsyncRolloutGeneration(RolloutGeneration):
         if sent is None:
             self.num_unmatched_rounds += 1
             sent = [self._send(group) for group in groups]
-        self._send_ahead()  # the next rounds run while this one is waited for and trained on
+        if self.trainer.model.training:
+            self._send_ahead()  # the next rounds run while this one is waited for and trained on
         oldest_allowed = self.base_version + self.trainer.state.global_step - self.max_staleness
         regenerated: set[int] = set()
         while True:
@@ -122,23 +158,34 @@ class AsyncRolloutGeneration(RolloutGeneration):
         self._log_worker_idle()
         return [dataclasses.replace(result, group_id=group.group_id) for result, group in zip(results, groups)]
 
+    def start_epoch(self, iterator: Lookahead) -> None:
+        """The trainer began iterating its dataloader (an epoch): read ahead from this iterator."""
+        self.lookahead = iterator
+        self._epoch_start_step = self.trainer._step  # noqa: SLF001 - TRL's micro-step count
+
     def close(self) -> None:
-        """Cancel every group sent ahead and still in flight."""
+        """Cancel every group sent ahead and still in flight, and forget the dataloader's iterator."""
         for group_id in list(self._in_flight):
             self.client.cancel(group_id)
         self._in_flight.clear()
         self._ahead.clear()
         self._results.clear()
+        self.lookahead = None
+        while not self._sink.empty():  # the cancelled groups' results, arriving late, are nobody's
+            self._sink.get_nowait()
 
     def _send_ahead(self) -> None:
-        """Send the rows of the next `max_staleness` rounds not sent yet (read ahead from the dataloader)."""
+        """Send the rows of the next rounds (as many as stay within max_staleness optimizer steps) not sent yet,
+        read ahead from the dataloader: the current round generates from batch p of the epoch's stream (p: the
+        trainer's micro-steps since the epoch began), round j after it from batch p + j * every."""
         if self.lookahead is None:
             return
-        args = self.trainer.args
-        every = args.steps_per_generation * self.trainer.num_iterations  # batches per generation round
-        batches = self.lookahead.peek(self.max_staleness * every)
-        for position in range(every - 1, len(batches), every):  # the batch each later round generates from
-            prompts = [row["prompt"] for row in batches[position]]
+        current = self.trainer._step - self._epoch_start_step  # noqa: SLF001
+        for ahead in range(1, self.rounds_ahead + 1):
+            batch = self.lookahead.at(current + ahead * self.every)
+            if batch is None:
+                return
+            prompts = [row["prompt"] for row in batch]
             prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy(prompts))  # noqa: SLF001 - TRL's own
             groups = self._groups(prompt_ids)
             key = _key(groups)
@@ -175,12 +222,12 @@ class AsyncRolloutGeneration(RolloutGeneration):
     def _log_worker_idle(self) -> None:
         """`rollout/worker_idle_s`: seconds the workers' engines sat idle since the last round (summed over them)."""
         try:
-            idle = sum(stats.get("idle_s", 0.0) for stats in self.client.stats(timeout=5))
+            now = {stats["address"]: stats.get("idle_s", 0.0) for stats in self.client.stats(timeout=5)}
         except RolloutError:  # a worker did not answer in time: no figure this round
             return
-        if self._idle_s is not None:
-            self._log({"rollout/worker_idle_s": max(0.0, idle - self._idle_s)})
-        self._idle_s = idle
+        if self._idle_s:  # workers seen last round only (one that just came back has no delta yet)
+            self._log({"rollout/worker_idle_s": sum(now[a] - self._idle_s[a] for a in now if a in self._idle_s)})
+        self._idle_s = now
 
     def _log(self, values: dict[str, float]) -> None:
         mode = "train" if self.trainer.model.training else "eval"
