@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rollout.service import cli
+from rollout.service import cli, startup
 from rollout.service.auth import keygen_main
 from rollout.service.presets import tiny_model
 from service_helpers import Worker, free_port
@@ -105,7 +105,7 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
     ],
 )
 def test_a_non_loopback_bind_needs_keys_or_insecure(flags, message, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the security check"))
+    monkeypatch.setattr(startup, "load_model", lambda *a: pytest.fail("the model was loaded before the security check"))
     with pytest.raises(SystemExit) as stop:
         cli.main(["--bind", "tcp://0.0.0.0:*", *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
@@ -120,7 +120,7 @@ def test_insecure_allows_a_non_loopback_bind(monkeypatch):
     def stop(*args):
         raise Loaded
 
-    monkeypatch.setattr(cli, "load_model", stop)
+    monkeypatch.setattr(startup, "load_model", stop)
     with pytest.raises(Loaded):
         cli.main(["--bind", "tcp://0.0.0.0:*", "--insecure"])
 

@@ -302,9 +302,9 @@ def test_ordinary_mistakes_are_one_line_usage_errors(flags, message, capsys):
 
 
 def test_a_port_in_use_is_a_usage_error_before_the_model_loads(worker, capsys, monkeypatch):
-    from rollout.service import cli
+    from rollout.service import cli, startup
 
-    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded before the bind check"))
+    monkeypatch.setattr(startup, "load_model", lambda *a: pytest.fail("the model was loaded before the bind check"))
     with pytest.raises(SystemExit) as stop:
         cli.main(["--bind", worker.address])
     assert stop.value.code == 2 and "cannot bind" in capsys.readouterr().err

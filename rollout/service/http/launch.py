@@ -36,7 +36,7 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None and not args.insecure:
         parser.error(f"--http {args.http}: a non-loopback address needs --api-key (or --insecure to accept anyone)")
     if int(port):
-        from rollout.service.cli import check_bind  # here: cli imports this module
+        from rollout.service.startup import check_bind  # here: startup imports this module
 
         check_bind(parser, f"tcp://{host}:{port}", flag="--http")
     return host, int(port)

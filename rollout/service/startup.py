@@ -1,0 +1,230 @@
+"""Building a rollout worker from `rollout-worker`'s parsed flags: every ordinary mistake a one-line usage error
+found before the model loads, then the model, engine, sockets and optional HTTP / metrics servers. `cli.main` serves
+what `start_worker` builds until a signal; `rollout.ray` serves it inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.service.auth import WorkerAuth
+from rollout.service.http.launch import check_http_address, start_http
+from rollout.service.limits import WorkerLimits
+from rollout.service.loading import load_model, load_tokenizer
+from rollout.service.metrics import WorkerMetrics
+from rollout.service.presets import MODEL_DTYPES
+from rollout.service.sockets import is_loopback
+from rollout.service.tracing import configure_tracing
+from rollout.service.worker import RolloutWorker
+
+logger = logging.getLogger("rollout.worker")
+
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
+@dataclass
+class RunningWorker:
+    """A built worker: its ZeroMQ server, engine manager, model and optional HTTP / metrics servers."""
+
+    worker: RolloutWorker
+    manager: ContinuousBatchingManager
+    model: torch.nn.Module
+    http: Any = None  # rollout.service.http.server.HttpServer, with --http
+    metrics: WorkerMetrics | None = None
+
+    def serve(self) -> int:
+        """Serve until `worker.shutdown()` (a signal, or the engine failing); then stop the other servers. Returns the
+        exit status: 1 when the engine failed (a supervisor should restart the worker), else 0."""
+        try:
+            self.worker.serve()
+        finally:
+            if self.http is not None:
+                self.http.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.manager.error is not None:
+            logger.error("rollout-worker stopped: the engine failed (%r)", self.manager.error)
+            return 1
+        logger.info("rollout-worker stopped")
+        return 0
+
+
+def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunningWorker:
+    """Check the flags, load the model and tokenizer, warm the engine up and bind the sockets (serving starts with
+    `RunningWorker.serve`).
+
+    Args:
+        parser: rollout-worker's parser (`cli.build_parser`); its `error` reports every usage error.
+        args: the parsed flags.
+    """
+    # Ordinary mistakes are one-line usage errors, found before the model loads.
+    device = _device(parser, args)
+    check_bind(parser, args.bind)
+    _check_security(parser, args)
+    if args.metrics_port:
+        check_bind(parser, f"tcp://{args.metrics_host}:{args.metrics_port}", flag="--metrics-port")
+    http_address = check_http_address(parser, args)
+    try:
+        limits = _limits(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+        parser.error(f"--model {args.model}: no such model directory")
+    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
+        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    try:
+        config = _engine_config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+    except (ValueError, OSError) as error:
+        parser.error(f"--model {args.model}: {error}")
+    try:
+        tokenizer, tokenizer_name = load_tokenizer(args.model, args.tokenizer)
+    except (ValueError, OSError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: {error}")
+    try:
+        manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
+    except ValueError as error:  # e.g. a kernel backend this machine cannot run
+        parser.error(str(error))
+    manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
+    auth = None
+    if args.curve_secret_key is not None:
+        try:
+            auth = WorkerAuth(zmq.Context(), args.curve_secret_key, args.authorized_keys, args.trainer_keys)
+        except ValueError as error:
+            parser.error(f"--curve-secret-key: {error}")
+    elif args.insecure and not is_loopback(args.bind):
+        logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
+    worker = RolloutWorker(
+        manager,
+        args.bind,
+        args.model,
+        limits=limits,
+        keep_staging=not args.release_staging,
+        auth=auth,
+        check_finite=args.check_finite,
+        tokenizer_name=tokenizer_name,
+    )
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = WorkerMetrics(worker.stats)
+        manager.step_observer = metrics.observe_step
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as error:
+            parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
+        logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+    http = None
+    if http_address is not None:
+        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits)
+    if configure_tracing():
+        logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
+    logger.info(
+        "rollout-worker ready on %s: model %s on %s (%s), %d KV blocks of %d tokens",
+        worker.address,
+        args.model,
+        device,
+        next(model.parameters()).dtype,
+        manager.engine.num_blocks,
+        config.block_size,
+    )
+    return RunningWorker(worker, manager, model, http, metrics)
+
+
+def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
+    flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
+    try:
+        device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
+    except RuntimeError as error:
+        parser.error(f"{flag}: {error}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            parser.error(f"{flag}: torch {torch.__version__} ({build}) sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"{flag}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind") -> None:
+    """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
+    from rollout.service.sockets import check_address
+
+    problem = check_address(address)
+    if problem is not None:
+        parser.error(f"{flag} {problem}")
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or port == "*":
+        return
+    probe = socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no conflict
+    try:
+        probe.bind(("" if host in ("*", "") else host.strip("[]"), int(port)))
+    except (OSError, ValueError) as error:
+        parser.error(f"{flag} {address}: cannot bind ({error})")
+    finally:
+        probe.close()
+
+
+def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Keys must come together, and a non-loopback address needs them (or --insecure)."""
+    if args.curve_secret_key is None:
+        if args.authorized_keys or args.trainer_keys:
+            parser.error("--authorized-keys/--trainer-keys need --curve-secret-key (the worker's own key pair)")
+        if not args.insecure and not is_loopback(args.bind):
+            parser.error(
+                f"--bind {args.bind}: a non-loopback address needs authentication (--curve-secret-key with "
+                "--authorized-keys/--trainer-keys; make keys with rollout-keygen), or --insecure to accept anyone"
+            )
+        return
+    if not args.authorized_keys and not args.trainer_keys:
+        parser.error("--curve-secret-key needs --authorized-keys and/or --trainer-keys (whom to accept)")
+    for flag, path in (("--authorized-keys", args.authorized_keys), ("--trainer-keys", args.trainer_keys)):
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"{flag} {path}: no such directory")
+    if not os.path.isfile(args.curve_secret_key):
+        parser.error(f"--curve-secret-key {args.curve_secret_key}: no such file (make one with rollout-keygen)")
+
+
+def _limits(args: argparse.Namespace) -> WorkerLimits:
+    """The per-client limits the flags give (a FieldError names a bad one)."""
+    return WorkerLimits(
+        max_message_bytes=args.max_message_bytes,
+        max_prompt_len=args.max_prompt_len,
+        max_n=args.max_n,
+        max_groups_per_client=args.max_groups_per_client,
+        max_pending_bytes=args.max_pending_bytes,
+        max_update_phase_s=args.max_update_phase_s,
+        client_timeout_s=args.client_timeout,
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine settings the flags give (a FieldError names a bad one)."""
+    return ContinuousBatchingConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_memory_percent=args.max_memory_percent,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        scheduler_type=args.scheduler,
+        max_queue_size=args.max_queue_size,
+        cpu_offload_space=args.cpu_offload_space,
+        attention_backend=args.attention_backend,
+        fp32_logits=args.fp32_logits,
+        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
+        overlap_scheduling=AUTO_ON_OFF[args.overlap],
+    )
