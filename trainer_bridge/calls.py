@@ -5,11 +5,15 @@
 from __future__ import annotations
 
 import asyncio
+import operator
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.config import SamplingParams
+import msgpack
+
+from rollout.config import FieldError, SamplingParams
 from rollout.service.protocol import Completion, Delta
 
 
@@ -121,3 +125,61 @@ class AsyncSink:
         if isinstance(event, RolloutError):
             raise event
         return event
+
+
+_INT64 = 1 << 63  # ids and counts travel as msgpack integers
+
+
+def _plain(value: Any) -> Any:
+    """A sampling value as plain Python: numpy / torch scalars and arrays become numbers and lists, recursively."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def checked_group(group: PromptGroup, new_seed: Callable[[], int], new_group_id: Callable[[], str]) -> PromptGroup:
+    """A copy of `group` with plain Python values (numpy/torch scalars unwrapped), a seed and a group id; bad values
+    raise here, in the caller's thread, naming the field.
+
+    Args:
+        group: the caller's group.
+        new_seed: draws the seed of a group that has none (a resubmitted group then reproduces its tokens).
+        new_group_id: makes the id of a group that has none.
+    Raises:
+        RolloutError: code "bad_request", naming the field.
+    """
+    try:
+        prompt_ids = [operator.index(token) for token in group.prompt_ids]
+    except TypeError:
+        raise RolloutError("bad_request", "token ids must be integers", "prompt_ids") from None
+    if not all(0 <= token < _INT64 for token in prompt_ids):
+        raise RolloutError("bad_request", "token ids must be in [0, 2**63)", "prompt_ids")
+    if not isinstance(group.n, int) or isinstance(group.n, bool) or not 0 < group.n < _INT64:
+        raise RolloutError("bad_request", f"n must be a positive integer, got {group.n!r}", "n")
+    if group.group_id is not None and not isinstance(group.group_id, str):
+        raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
+    try:
+        (group.group_id or "").encode("utf-8")
+    except UnicodeEncodeError:
+        raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
+    if isinstance(group.sampling, SamplingParams):
+        sampling = group.sampling.changed_fields()
+    elif isinstance(group.sampling, dict):
+        try:
+            sampling = {key: _plain(value) for key, value in group.sampling.items()}
+            msgpack.packb(sampling)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+            raise RolloutError(
+                "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
+            ) from None
+    else:
+        raise RolloutError("bad_request", "sampling must be a SamplingParams or a dict of its fields", "sampling")
+    try:  # the worker's own check, here in the caller's thread
+        SamplingParams.from_fields(sampling)
+    except FieldError as error:
+        raise RolloutError("bad_request", str(error), error.field) from None
+    sampling.setdefault("seed", new_seed())  # a resubmitted group reproduces its tokens
+    group_id = group.group_id or new_group_id()
+    return PromptGroup(prompt_ids, group.n, sampling, group_id)

@@ -18,67 +18,33 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import operator
 import os
 import queue
 import random
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-import msgpack
-
-from rollout.config import FieldError, SamplingParams
-from rollout.service import protocol as p
 from rollout.service.protocol import Completion, Delta
 from rollout.service.sockets import check_address
-from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
-from trainer_bridge.commands import AskStats, CancelCall, CloseChannel, OpenChannel, SendRaw, Submit
+from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, checked_group
+from trainer_bridge.commands import (
+    AddWorker,
+    AskStats,
+    CancelCall,
+    OpenChannel,
+    RemoveWorker,
+    Submit,
+)
 from trainer_bridge.dispatcher import Dispatcher
+from trainer_bridge.update_channel import UpdateChannel
 
 logger = logging.getLogger(__name__)
 
-_INT64 = 1 << 63  # ids and counts travel as msgpack integers
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
-
-
-class UpdateChannel:
-    """One weight update's link to the workers (see `RolloutClient.open_update_channel`)."""
-
-    def __init__(self, client: RolloutClient, update_id: str, replies: queue.SimpleQueue):
-        self.client = client
-        self.update_id = update_id
-        self._replies = replies
-
-    def send(self, worker: int, message: p.Message, data: list | None = None) -> None:
-        """Send `message` (and raw data frames after its header) to worker `worker`."""
-        self.client._io.command(SendRaw(worker, message, data))
-
-    def receive(self, timeout: float) -> tuple[int, p.Message]:
-        """The next reply of any worker to this update, as (worker index, message).
-
-        Raises:
-            RolloutError: code "timeout" when none came in time.
-        """
-        try:
-            return self._replies.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            raise RolloutError("timeout", f"weight update {self.update_id}: no answer within {timeout:.1f} s") from None
-
-    def close(self) -> None:
-        """Stop routing replies to this channel."""
-        self.client._io.command(CloseChannel(self.update_id))
-
-
-def _plain(value: Any) -> Any:
-    """A sampling value as plain Python: numpy / torch scalars and arrays become numbers and lists, recursively."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
 
 
 class RolloutClient:
@@ -261,8 +227,42 @@ class RolloutClient:
     # ---- weight updates (used by trainer_bridge.weight_sync) ---------------------------------------------------
     @property
     def worker_addresses(self) -> list[str]:
-        """Every worker's address, in the order given."""
-        return [worker.address for worker in self._io.workers]
+        """The address of every worker this client uses (removed ones left out), in the order they were given."""
+        return [worker.address for worker in self._io.workers if not worker.retired]
+
+    def worker_address(self, index: int) -> str:
+        """The address of worker `index` (an index of `live_workers()`; a removed worker keeps its index)."""
+        return self._io.workers[index].address
+
+    def add_worker(self, address: str, timeout: float = 10.0) -> None:
+        """Use one more worker (nothing when this client already uses one at `address`). It gets groups once it
+        answered and serves the newest weights pushed through this client.
+
+        Args:
+            address: the worker's address ("tcp://host:port"), with the same keys as the others.
+            timeout: most seconds to wait for the I/O thread to take it.
+        """
+        problem = check_address(address)
+        if problem is not None:
+            raise ValueError(f"address: {problem}")
+        self._membership(AddWorker(address, threading.Event()), timeout)
+
+    def remove_worker(self, address: str, timeout: float = 10.0) -> None:
+        """Stop using the worker at `address` (nothing when none): its unfinished groups are resubmitted to the
+        others (and cancelled on it), an open weight push goes on without it. Returns once it is out.
+
+        Args:
+            address: the worker's address, as given.
+            timeout: most seconds to wait for the I/O thread to take it out.
+        """
+        self._membership(RemoveWorker(address, threading.Event()), timeout)
+
+    def _membership(self, command: AddWorker | RemoveWorker, timeout: float) -> None:
+        if self._closed.is_set():
+            raise RolloutError("closed", "the client is closed")
+        self._io.command(command)
+        if not command.done.wait(timeout):
+            raise RolloutError("timeout", f"the client's I/O thread did not take {command.address} in time")
 
     def wait_connected(self, timeout: float | None = None) -> list[int]:
         """Wait until every worker answered once (or refused this client), at most until `connect_timeout` after
@@ -279,7 +279,10 @@ class RolloutClient:
         while time.monotonic() < deadline and not self._closed.is_set():
             # Settled: refused, alive, or answered once and now down (no connection, or silent over one: frozen). A
             # worker that is not up yet, or reconnected but has not answered yet, is waited for.
-            if all(w.refused or w.alive or (w.answered and (w.silent or not w.connected)) for w in self._io.workers):
+            if all(
+                w.retired or w.refused or w.alive or (w.answered and (w.silent or not w.connected))
+                for w in self._io.workers
+            ):
                 break
             time.sleep(0.005)
         return self.live_workers()
@@ -303,7 +306,7 @@ class RolloutClient:
             raise RolloutError("closed", "the client is closed")
         if not isinstance(group, PromptGroup):
             raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
-        group = self._checked(group)
+        group = checked_group(group, lambda: self._seed_source.getrandbits(62), self._new_group_id)
         max_new = group.sampling.get("max_new_tokens")
         cost = group.n * (max_new if isinstance(max_new, int) and max_new > 0 else 256)
         call = Call(group, cost, stream=stream)
@@ -312,42 +315,8 @@ class RolloutClient:
         self._io.command(Submit(call))
         return call
 
-    def _checked(self, group: PromptGroup) -> PromptGroup:
-        """A copy with plain Python values (numpy/torch scalars unwrapped), a seed and a group id; bad values raise
-        here, in the caller's thread, naming the field."""
-        try:
-            prompt_ids = [operator.index(token) for token in group.prompt_ids]
-        except TypeError:
-            raise RolloutError("bad_request", "token ids must be integers", "prompt_ids") from None
-        if not all(0 <= token < _INT64 for token in prompt_ids):
-            raise RolloutError("bad_request", "token ids must be in [0, 2**63)", "prompt_ids")
-        if not isinstance(group.n, int) or isinstance(group.n, bool) or not 0 < group.n < _INT64:
-            raise RolloutError("bad_request", f"n must be a positive integer, got {group.n!r}", "n")
-        if group.group_id is not None and not isinstance(group.group_id, str):
-            raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
-        try:
-            (group.group_id or "").encode("utf-8")
-        except UnicodeEncodeError:
-            raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
-        if isinstance(group.sampling, SamplingParams):
-            sampling = group.sampling.changed_fields()
-        elif isinstance(group.sampling, dict):
-            try:
-                sampling = {key: _plain(value) for key, value in group.sampling.items()}
-                msgpack.packb(sampling)
-            except (TypeError, ValueError, OverflowError, RuntimeError) as error:
-                raise RolloutError(
-                    "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
-                ) from None
-        else:
-            raise RolloutError("bad_request", "sampling must be a SamplingParams or a dict of its fields", "sampling")
-        try:  # the worker's own check, here in the caller's thread
-            SamplingParams.from_fields(sampling)
-        except FieldError as error:
-            raise RolloutError("bad_request", str(error), error.field) from None
-        sampling.setdefault("seed", self._seed_source.getrandbits(62))  # a resubmitted group reproduces its tokens
-        group_id = group.group_id or f"{self._prefix}-{next(self._ids)}"
-        return PromptGroup(prompt_ids, group.n, sampling, group_id)
+    def _new_group_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
 
     @property
     def min_policy_version(self) -> int:

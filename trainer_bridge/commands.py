@@ -4,6 +4,7 @@ with a wake-up (`Dispatcher.command`), applied in order by the thread that owns 
 from __future__ import annotations
 
 import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,4 +57,20 @@ class AskStats:
     replies: queue.SimpleQueue
 
 
-Command = Submit | CancelCall | OpenChannel | CloseChannel | SendRaw | AskStats
+@dataclass
+class AddWorker:
+    """Connect to one more worker; `done` is set once it is in the client's list."""
+
+    address: str
+    done: threading.Event
+
+
+@dataclass
+class RemoveWorker:
+    """Stop using a worker (its groups go to the others); `done` is set once it is retired."""
+
+    address: str
+    done: threading.Event
+
+
+Command = AddWorker | RemoveWorker | Submit | CancelCall | OpenChannel | CloseChannel | SendRaw | AskStats

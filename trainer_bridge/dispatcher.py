@@ -1,10 +1,12 @@
 """The RolloutClient's I/O thread: it alone owns the ZeroMQ sockets (one DEALER per worker). Callers hand it commands
-through a queue and a waker; it sends groups to the live worker with the least outstanding work, routes every reply
-to its call, pings every worker, fails groups over from dead workers and gives them back to workers that return.
+through a queue and a waker; it sends groups to workers (routing.py), routes every reply to its call, pings every
+worker, fails groups over from dead workers, gives them back to workers that return, and adds or removes workers
+while running (a `RolloutFleet` follows its workers this way).
 
 A worker gets groups only once it answered (nothing queued for a worker not up yet can reach it twice); calls made
 before any answered wait (parked), spread over the workers that answer within FIRST_CONTACT_GRACE_S of the first;
 when none answered within `connect_timeout`, or all refused this client's key, calls fail with "no_workers".
+Workers keep their index for the client's life: a removed one stays in `workers`, retired.
 """
 
 from __future__ import annotations
@@ -23,16 +25,24 @@ from rollout.service import protocol as p
 from rollout.service.protocol import Delta
 from rollout.service.sockets import Waker
 from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
-from trainer_bridge.commands import AskStats, CancelCall, CloseChannel, Command, OpenChannel, SendRaw, Submit
+from trainer_bridge.commands import (
+    AddWorker,
+    AskStats,
+    CancelCall,
+    CloseChannel,
+    Command,
+    OpenChannel,
+    RemoveWorker,
+    SendRaw,
+    Submit,
+)
 from trainer_bridge.links import WorkerLink
+from trainer_bridge.routing import Routing
 
 logger = logging.getLogger("trainer_bridge.client")
 
-# Once the first worker answered, calls submitted before wait this long for the others to answer too.
-FIRST_CONTACT_GRACE_S = 2.0
 
-
-class Dispatcher:
+class Dispatcher(Routing):
     """The I/O thread's state and loop (see the module docstring). Only `command`, `workers` (read-only) and
     `closed` are for other threads."""
 
@@ -60,14 +70,19 @@ class Dispatcher:
         self._started = time.monotonic()
         self._first_answer_at: float | None = None  # when the first worker answered
         self._context = zmq.Context()
+        self._keys = keys
         try:
             self.workers = [WorkerLink(self._context, address, keys) for address in addresses]
         except (ValueError, zmq.ZMQError) as error:
             self._context.destroy(linger=0)
             raise ValueError(f"curve_secret_key/server_public_key: {error}") from None
+        self._poller = zmq.Poller()
+        self._sockets: dict[Any, int] = {}  # a worker's socket -> its index
+        self._monitors: dict[Any, int] = {}  # a worker's monitor socket -> its index
         self._calls: dict[str, Call] = {}  # group id -> call
         self._by_wire: dict[str, Call] = {}  # wire id -> call
         self._parked: list[Call] = []  # calls waiting for any worker to be alive
+        self._stale_since: float | None = None
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self.workers]
         self._channels: dict[str, queue.SimpleQueue] = {}  # weight update id -> its replies
         # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
@@ -92,22 +107,18 @@ class Dispatcher:
             self._thread.join(10)
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._waker.reader, zmq.POLLIN)
-        for worker in self.workers:
-            poller.register(worker.socket, zmq.POLLIN)
-            poller.register(worker.monitor, zmq.POLLIN)
-        sockets = {worker.socket: index for index, worker in enumerate(self.workers)}
-        monitors = {worker.monitor: index for index, worker in enumerate(self.workers)}
+        self._poller.register(self._waker.reader, zmq.POLLIN)
+        for index in range(len(self.workers)):
+            self._watch(index)
         try:
             while not self.closed.is_set():
-                for sock, _ in poller.poll(self._poll_ms()):
+                for sock, _ in self._poller.poll(self._poll_ms()):
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
-                    elif sock in monitors:
-                        self._on_monitor(monitors[sock])
-                    else:
-                        self._receive(sockets[sock])
+                    elif sock in self._monitors:
+                        self._on_monitor(self._monitors[sock])
+                    elif sock in self._sockets:  # (not a worker removed earlier in this same poll)
+                        self._receive(self._sockets[sock])
                 self._run_commands()
                 self._heartbeat()
         except BaseException:
@@ -118,9 +129,8 @@ class Dispatcher:
             for call in self._calls.values():
                 call.events.put(RolloutError("closed", "the client was closed"))
             for worker in self.workers:
-                worker.socket.disable_monitor()
-                worker.monitor.close(linger=0)
-                worker.socket.close(linger=0)
+                if not worker.retired:
+                    worker.close()
             self._context.term()
             self._waker.close()
 
@@ -136,6 +146,10 @@ class Dispatcher:
                 self._channels.pop(command.update_id, None)
             elif isinstance(command, SendRaw):
                 self._send(command.worker, command.message, command.data)
+            elif isinstance(command, AddWorker):
+                self._add_worker(command)
+            elif isinstance(command, RemoveWorker):
+                self._remove_worker(command)
             elif isinstance(command, AskStats):
                 live = [index for index, worker in enumerate(self.workers) if worker.alive]
                 command.replies.put(len(live))
@@ -166,35 +180,42 @@ class Dispatcher:
             self._by_wire.pop(call.wire_id, None)
             self._parked = [c for c in self._parked if c is not call]
 
-    def _dispatch(self, call: Call) -> None:
-        live = [index for index, worker in enumerate(self.workers) if worker.alive]
-        # Prefer workers that serve the newest pushed weights: one that was dead during a push and came back
-        # serves older ones (its tokens say so) and only gets groups while no up-to-date worker is alive.
-        current = [index for index in live if self.workers[index].policy_version >= self.min_policy_version]
-        live = current or live
-        if not live:  # wait for a worker to come (back); the caller's timeout bounds the wait
-            self._parked.append(call)
-            return
-        index = min(live, key=lambda i: self.workers[i].outstanding)
-        call.worker = index
-        self.workers[index].outstanding += call.cost
-        group = call.group
-        self._by_wire.pop(call.wire_id, None)
-        call.attempts += 1
-        call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
-        self._by_wire[call.wire_id] = call
-        try:
-            frames = p.encode(p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
-        except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
-            self._finish(call)
-            call.events.put(RolloutError("bad_request", f"the group cannot be encoded: {error}"))
-            return
-        try:
-            self.workers[index].socket.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the heartbeat will declare the worker dead and resubmit its groups
+    def _watch(self, index: int) -> None:
+        worker = self.workers[index]
+        self._poller.register(worker.socket, zmq.POLLIN)
+        self._poller.register(worker.monitor, zmq.POLLIN)
+        self._sockets[worker.socket] = index
+        self._monitors[worker.monitor] = index
+
+    def _add_worker(self, command: AddWorker) -> None:
+        """Connect to one more worker (nothing when one at this address is already connected): it gets groups once
+        it answered and serves the newest pushed weights."""
+        if not any(worker.address == command.address and not worker.retired for worker in self.workers):
+            self.workers.append(WorkerLink(self._context, command.address, self._keys))
+            self._watch(len(self.workers) - 1)
+        command.done.set()
+
+    def _remove_worker(self, command: RemoveWorker) -> None:
+        """Stop using a worker: its groups go to the others (and are cancelled on it), open weight updates go on
+        without it, its socket closes; it keeps its index, retired."""
+        for index, worker in enumerate(self.workers):
+            if worker.address != command.address or worker.retired:
+                continue
+            worker.alive = False
+            self._failover(index)
+            for wire_id in worker.taken_away:
+                self._send(index, p.Cancel(wire_id))
+            worker.retired = True
+            for sock in (worker.socket, worker.monitor):
+                self._poller.unregister(sock)
+            self._sockets.pop(worker.socket)
+            self._monitors.pop(worker.monitor)
+            worker.close(linger_ms=500)  # the cancels above may still go out
+        command.done.set()
 
     def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
+        if self.workers[index].retired:
+            return
         try:
             if data:  # tensor bytes: handed to ZeroMQ without a copy (it keeps a reference until sent)
                 self.workers[index].socket.send_multipart(p.encode(message) + data, zmq.NOBLOCK, copy=False)
@@ -262,39 +283,6 @@ class Dispatcher:
             kind = WorkerBusy if message.code == "busy" else RolloutError
             call.events.put(kind(message.code, message.message, message.field))
 
-    def _finish(self, call: Call) -> None:
-        self._calls.pop(call.group.group_id, None)
-        self._by_wire.pop(call.wire_id, None)
-        if call.worker is not None:
-            self.workers[call.worker].outstanding -= call.cost
-
-    def _unreachable(self) -> str | None:
-        """Why no call can be served: every worker refused this client or none answered within connect_timeout
-        (None while one answered, or the deadline has not passed)."""
-        if any(worker.answered for worker in self.workers):
-            return None
-        waited = time.monotonic() - self._started
-        if waited <= self.connect_timeout and not all(worker.refused for worker in self.workers):
-            return None
-        reasons = [
-            f"{worker.address}: {worker.refused or f'no answer within {self.connect_timeout:g} s'}"
-            for worker in self.workers
-        ]
-        return (
-            "no rollout worker answered (" + "; ".join(reasons) + "). Is rollout-worker running at that address "
-            "and port? If it is still starting, give RolloutClient a larger connect_timeout."
-        )
-
-    def _fail_parked(self) -> None:
-        reason = self._unreachable()
-        if reason is None or not self._parked:
-            return
-        parked, self._parked = self._parked, []
-        for call in parked:
-            if self._calls.get(call.group.group_id) is call:
-                self._finish(call)
-                call.events.put(RolloutError("no_workers", reason))
-
     def _on_monitor(self, index: int) -> None:
         """Socket monitor events: the connection closed (the worker died, restarted, or dropped this client: its
         groups are gone there, so they fail over at once), or the worker refused this client's handshake."""
@@ -324,6 +312,8 @@ class Dispatcher:
         self._fail_parked()
         self._release_parked()
         for index, worker in enumerate(self.workers):
+            if worker.retired:
+                continue
             if not worker.answered and not worker.warned and now - self._started > self.connect_timeout:
                 worker.warned = True
                 logger.warning(
@@ -378,23 +368,3 @@ class Dispatcher:
         if self._first_answer_at is None:
             self._first_answer_at = time.monotonic()
         self._release_parked()
-
-    def _poll_ms(self) -> int:
-        """How long the loop may sleep: half a heartbeat, or until parked calls' first-contact grace ends."""
-        wait_s = self.heartbeat_s / 2
-        if self._parked and self._first_answer_at is not None:
-            wait_s = min(wait_s, max(0.0, self._first_answer_at + FIRST_CONTACT_GRACE_S - time.monotonic()))
-        return int(wait_s * 1000) + 1
-
-    def _release_parked(self) -> None:
-        """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the
-        other workers to answer too, so that groups submitted before any answered are spread over all of them."""
-        if not self._parked or self._first_answer_at is None:
-            return
-        starting = [w for w in self.workers if not w.answered and not w.refused]
-        if starting and time.monotonic() - self._first_answer_at < FIRST_CONTACT_GRACE_S:
-            return
-        parked, self._parked = self._parked, []
-        for call in parked:
-            if self._calls.get(call.group.group_id) is call:
-                self._dispatch(call)

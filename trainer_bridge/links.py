@@ -47,6 +47,13 @@ class WorkerLink:
         self.outstanding = 0  # tokens still to generate for groups in flight
         self.policy_version = 0  # as of the worker's last pong or weight commit
         self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
+        self.retired = False  # removed from the client (RolloutClient.remove_worker): its socket is closed
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket and its monitor (messages still queued get `linger_ms` to go out)."""
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=linger_ms)
 
     def monitor_events(self) -> list[tuple[str, str | None]]:
         """What the socket monitor reported since the last call, oldest first: ("connected", None) after a

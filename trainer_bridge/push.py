@@ -87,7 +87,7 @@ class WeightPush:
         self.preempt = preempt
         self.update_id = uuid.uuid4().hex
         self.channel = client.open_update_channel(self.update_id)
-        self.links = [_Link(index, client.worker_addresses[index]) for index in client.wait_connected()]
+        self.links = [_Link(index, client.worker_address(index)) for index in client.wait_connected()]
         self.lost: list[_Link] = []  # links of workers lost during the push (their segments are closed at the end)
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
         self.group: Any = None  # torch.distributed group for this push
@@ -353,6 +353,8 @@ class WeightPush:
                 raise _NoReply from None
             raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
         if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
+            if not any(link.index == index for link in self.links):
+                return  # not one of this push's workers (or already dropped)
             if self.transport == "torch.distributed":  # its process group counts on every worker: it cannot
                 raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update")
             self.lost += [link for link in self.links if link.index == index]

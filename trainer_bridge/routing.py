@@ -1,0 +1,147 @@
+"""Which worker a group goes to, and the calls that wait for one (parked): the routing half of the client's I/O
+thread (`Dispatcher` mixes it in; only that thread calls it).
+
+A group goes to the live worker with the least outstanding work among those that serve the newest weights pushed
+through the client (`min_policy_version`): a worker that restarted, joined or missed a push serves older weights and
+gets no group until it is brought up to date (by a push, or by a `RolloutFleet` from a peer). Calls wait (parked)
+while no such worker is alive: for the first workers to answer, for a dead one to come back, for a stale one to be
+updated. They fail, naming why, once none can come: no worker answered within `connect_timeout`, every worker refused
+this client's key, or live workers stayed behind the newest version for `connect_timeout`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from rollout.service import protocol as p
+from trainer_bridge.calls import Call, RolloutError
+
+if TYPE_CHECKING:
+    from trainer_bridge.links import WorkerLink
+
+# Once the first worker answered, calls submitted before wait this long for the others to answer too.
+FIRST_CONTACT_GRACE_S = 2.0
+
+
+class Routing:
+    """Routing and parking, for the Dispatcher (which owns the attributes below)."""
+
+    workers: list[WorkerLink]
+    min_policy_version: int
+    connect_timeout: float
+    heartbeat_s: float
+    _started: float
+    _first_answer_at: float | None
+    _calls: dict[str, Call]
+    _by_wire: dict[str, Call]
+    _parked: list[Call]
+    _stale_since: float | None  # since when every live worker serves weights older than min_policy_version
+
+    def _dispatch(self, call: Call) -> None:
+        current = [
+            index
+            for index, worker in enumerate(self.workers)
+            if worker.alive and worker.policy_version >= self.min_policy_version
+        ]
+        if not current:  # wait for a worker to come (back) or be brought up to date; a deadline bounds the wait
+            self._parked.append(call)
+            return
+        index = min(current, key=lambda i: self.workers[i].outstanding)
+        call.worker = index
+        self.workers[index].outstanding += call.cost
+        group = call.group
+        self._by_wire.pop(call.wire_id, None)
+        call.attempts += 1
+        call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
+        self._by_wire[call.wire_id] = call
+        try:
+            frames = p.encode(p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
+        except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
+            self._finish(call)
+            call.events.put(RolloutError("bad_request", f"the group cannot be encoded: {error}"))
+            return
+        try:
+            self.workers[index].socket.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the heartbeat will declare the worker dead and resubmit its groups
+
+    def _finish(self, call: Call) -> None:
+        self._calls.pop(call.group.group_id, None)
+        self._by_wire.pop(call.wire_id, None)
+        if call.worker is not None:
+            self.workers[call.worker].outstanding -= call.cost
+
+    def _unreachable(self) -> str | None:
+        """Why no call can be served: every worker refused this client or none answered within connect_timeout
+        (None while one answered, or the deadline has not passed)."""
+        workers = [worker for worker in self.workers if not worker.retired]
+        if any(worker.answered for worker in workers):
+            return None
+        waited = time.monotonic() - self._started
+        if waited <= self.connect_timeout and not (workers and all(worker.refused for worker in workers)):
+            return None
+        if not workers:
+            return "the client has no rollout worker (every one was removed)"
+        reasons = [
+            f"{worker.address}: {worker.refused or f'no answer within {self.connect_timeout:g} s'}"
+            for worker in workers
+        ]
+        return (
+            "no rollout worker answered (" + "; ".join(reasons) + "). Is rollout-worker running at that address "
+            "and port? If it is still starting, give RolloutClient a larger connect_timeout."
+        )
+
+    def _stale(self) -> str | None:
+        """Why no call can be served although workers are alive: all of them served weights older than the newest
+        pushed for longer than connect_timeout (None otherwise)."""
+        live = [worker for worker in self.workers if worker.alive]
+        if not live or any(worker.policy_version >= self.min_policy_version for worker in live):
+            self._stale_since = None
+            return None
+        now = time.monotonic()
+        if self._stale_since is None:
+            self._stale_since = now
+        if now - self._stale_since <= self.connect_timeout:
+            return None
+        served = ", ".join(f"{worker.address} (version {worker.policy_version})" for worker in live)
+        return (
+            f"every live rollout worker serves weights older than version {self.min_policy_version}, the newest pushed "
+            f"through this client: {served}. They restarted or missed a push since; push the weights again "
+            "(push_weights) so they serve the trainer's policy."
+        )
+
+    def _fail_parked(self) -> None:
+        unreachable = self._unreachable()
+        reason, code = (unreachable, "no_workers") if unreachable is not None else (self._stale(), "stale_workers")
+        if reason is None or not self._parked:
+            return
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._finish(call)
+                call.events.put(RolloutError(code, reason))
+
+    def _poll_ms(self) -> int:
+        """How long the loop may sleep: half a heartbeat, or until parked calls' first-contact grace ends."""
+        wait_s = self.heartbeat_s / 2
+        if self._parked and self._first_answer_at is not None:
+            wait_s = min(wait_s, max(0.0, self._first_answer_at + FIRST_CONTACT_GRACE_S - time.monotonic()))
+        return int(wait_s * 1000) + 1
+
+    def _release_parked(self) -> None:
+        """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the
+        other workers to answer too, so that groups submitted before any answered are spread over all of them."""
+        if not self._parked or self._first_answer_at is None:
+            return
+        if not any(worker.alive and worker.policy_version >= self.min_policy_version for worker in self.workers):
+            return  # nobody to take them yet
+        starting = [w for w in self.workers if not w.answered and not w.refused and not w.retired]
+        if starting and time.monotonic() - self._first_answer_at < FIRST_CONTACT_GRACE_S:
+            return
+        parked, self._parked = self._parked, []
+        for call in parked:
+            if self._calls.get(call.group.group_id) is call:
+                self._dispatch(call)
