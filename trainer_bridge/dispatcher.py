@@ -192,6 +192,7 @@ class Dispatcher(Routing):
         it answered and serves the newest pushed weights."""
         if not any(worker.address == command.address and not worker.retired for worker in self.workers):
             self.workers.append(WorkerLink(self._context, command.address, self._keys))
+            self._stats_sinks.append(deque())
             self._watch(len(self.workers) - 1)
         command.done.set()
 

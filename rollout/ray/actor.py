@@ -1,0 +1,162 @@
+"""One rollout worker inside a Ray actor: the same worker `rollout-worker` builds (`rollout.service.startup`), bound to
+its node's address with the fleet's keys, served on a thread of the actor's process. The worker lives and dies with
+the actor: when it stops by itself (its engine failed), the actor exits so that Ray restarts it; killing the actor
+leaves nothing behind.
+
+The actor also copies its weights to another worker (`copy_weights_to`): the peer weight copy that brings a restarted
+or added worker up to the fleet's newest version, as a weight transaction from this worker's model (the same
+staging, checks and commit as a trainer's push).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+from rollout.ray.keys import FleetKeys
+
+logger = logging.getLogger("rollout.ray")
+
+# Flags the fleet sets itself: worker_args may not give them.
+FLEET_FLAGS = ("--bind", "--curve-secret-key", "--authorized-keys", "--trainer-keys", "--insecure", "--model", "--http")
+
+
+class _UsageError(ValueError):
+    """A bad `rollout-worker` flag, raised instead of exiting the process."""
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """`rollout-worker`'s parser, raising `ValueError` on a usage error instead of exiting."""
+    from rollout.service.cli import build_parser
+
+    parser = build_parser()
+
+    def refuse(message: str) -> None:
+        raise _UsageError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    return parser
+
+
+def check_worker_args(worker_args: list[str]) -> None:
+    """Refuse, naming it, a `worker_args` entry the fleet sets itself or `rollout-worker` would refuse.
+
+    Raises:
+        ValueError: starting with "worker_args".
+    """
+    if not isinstance(worker_args, (list, tuple)) or not all(isinstance(arg, str) for arg in worker_args):
+        raise ValueError(f"worker_args: a list of rollout-worker command-line arguments (strings), got {worker_args!r}")
+    for arg in worker_args:
+        flag = arg.split("=", 1)[0]
+        if flag in FLEET_FLAGS:
+            raise ValueError(f"worker_args: {flag} is set by the fleet (use RolloutFleet.launch's own arguments)")
+    try:
+        worker_parser().parse_args([*worker_args, "--bind", "tcp://127.0.0.1:*"])
+    except (ValueError, SystemExit) as error:  # SystemExit: --help / --version
+        raise ValueError(f"worker_args: {error}") from None
+
+
+class RolloutWorkerActor:
+    """The Ray actor class (`RolloutFleet` makes it remote with the placement and restart options)."""
+
+    def __init__(self, argv: list[str], keys: FleetKeys, http: bool, api_key: str | None):
+        """Build and start the worker.
+
+        Args:
+            argv: `rollout-worker` arguments (model, device, engine flags), without the address or keys.
+            keys: the fleet's keys.
+            http: also serve the OpenAI API on this node's address (a free port, `api_key` required).
+            api_key: the HTTP API key.
+        """
+        import ray
+
+        from rollout.service.startup import start_worker
+
+        self.started_at = time.time()
+        self._keys = keys
+        self._key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
+        self._files = keys.write(self._key_dir)
+        host = ray.util.get_node_ip_address()
+        bracketed = f"[{host}]" if ":" in host else host
+        argv = [
+            *argv,
+            "--bind",
+            f"tcp://{bracketed}:*",
+            "--curve-secret-key",
+            self._files.worker_secret,
+            "--trainer-keys",
+            self._files.trainer_keys,
+        ]
+        if http:
+            argv += ["--http", f"{bracketed}:0", "--api-key", api_key or ""]
+        parser = worker_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._running = start_worker(parser, args)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="rollout-worker-serve", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        status = self._running.serve()
+        shutil.rmtree(self._key_dir, ignore_errors=True)
+        if not self._stopping:  # the engine failed: end the actor's process so that Ray restarts it
+            logger.error("rollout worker stopped by itself (status %d); ending the actor for Ray to restart it", status)
+            os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        """The worker's address, served version, HTTP URL (or None), process id and start time."""
+        http = self._running.http
+        return {
+            "address": self._running.worker.address,
+            "version": self._running.worker.policy_version,
+            "http": None if http is None else http.url,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+        }
+
+    def copy_weights_to(self, address: str, timeout: float = 120.0) -> int:
+        """Push this worker's weights, with its version, to the worker at `address` (one of the fleet: it accepts
+        the fleet's trainer key). Returns the version copied; 0 copies nothing (every worker starts with the
+        model's own weights, version 0).
+
+        The copy is read from the live model while this worker serves; a weight update committed here meanwhile
+        would mix two versions, so the copy is made again until this worker's version stayed the same throughout.
+
+        Raises:
+            RuntimeError: the version kept changing over three copies, or the copy failed (naming why).
+        """
+        from trainer_bridge.client import RolloutClient
+        from trainer_bridge.weight_sync import push_weights
+
+        worker = self._running.worker
+        for _ in range(3):
+            version = worker.policy_version
+            if version == 0:
+                return 0
+            with RolloutClient(
+                [address],
+                timeout=timeout,
+                connect_timeout=timeout,
+                curve_secret_key=self._files.trainer_secret,
+                server_public_key=self._files.worker_secret,
+            ) as client:
+                try:
+                    push_weights(client, self._running.model, version=version, timeout=timeout)
+                except Exception as error:  # noqa: BLE001 - named for the fleet, which tries another peer
+                    raise RuntimeError(f"copying weights version {version} to {address} failed: {error}") from None
+            if worker.policy_version == version:
+                return version
+        raise RuntimeError(f"this worker's weights changed during each of three copies to {address}")
+
+    def shutdown(self) -> None:
+        """Stop serving (in-flight groups are aborted) and wait for the worker to stop."""
+        self._stopping = True
+        self._running.worker.shutdown()
+        self._thread.join(60)

@@ -1,0 +1,310 @@
+"""`RolloutFleet`: rollout workers as Ray actors in placement groups, with clients that follow them.
+
+    import ray
+    from rollout.ray import RolloutFleet
+
+    ray.init()                                            # or a cluster: ray.init(address="auto")
+    fleet = RolloutFleet.launch(4, model="Qwen/Qwen3-0.6B", resources_per_worker={"GPU": 1})
+    client = fleet.client()                               # a RolloutClient over every worker, now and later
+    push_weights(client, model, version=step)             # as with workers started by hand
+    fleet.scale(8); fleet.shutdown()
+
+Each worker is one `rollout-worker` in an actor (`actor.py`), bound to its node's address and accepting only the
+fleet's CurveZMQ keys (made fresh per fleet). Ray restarts an actor that dies (`max_restarts`); the fleet's monitor
+(`membership.py`) brings the new process to the newest weights from a healthy peer before any client sends it a
+group, and tells the clients its new address.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import shutil
+import tempfile
+import time
+import weakref
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout.ray.actor import RolloutWorkerActor, check_worker_args
+from rollout.ray.keys import FleetKeys
+from rollout.ray.membership import Membership, Slot
+from trainer_bridge.client import RolloutClient
+
+logger = logging.getLogger("rollout.ray")
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+class RolloutFleet:
+    """Rollout workers on Ray (make one with `RolloutFleet.launch`). Shut it down with `shutdown()`; it is also shut
+    down when garbage collected and at interpreter exit."""
+
+    def __init__(self, options: dict[str, Any], keys: FleetKeys, api_key: str | None):
+        """Use `RolloutFleet.launch`."""
+        self._options = options
+        self._keys = keys
+        self.api_key = api_key
+        self._key_dir = tempfile.mkdtemp(prefix="rollout-fleet-")
+        self._files = keys.write(self._key_dir)
+        self._membership = Membership(options["copy_timeout"])
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shut_down, self._membership, self._key_dir)
+
+    @classmethod
+    def launch(
+        cls,
+        num_workers: int,
+        model: str = "tiny",
+        resources_per_worker: dict[str, float] | None = None,
+        placement_strategy: str = "PACK",
+        worker_args: list[str] | tuple[str, ...] = (),
+        http: bool = False,
+        max_restarts: int = 4,
+        placement_timeout: float = 60.0,
+        ready_timeout: float = 600.0,
+        copy_timeout: float = 300.0,
+    ) -> RolloutFleet:
+        """Start `num_workers` rollout workers, one per bundle of a Ray placement group, and return once every one
+        serves. Connects to Ray with `ray.init()` when it is not yet (RAY_ADDRESS picks a cluster).
+
+        Args:
+            num_workers: how many workers.
+            model: what each worker serves (`rollout-worker --model`: a preset, a hub id or a directory every node
+                can read).
+            resources_per_worker: one bundle's resources (default {"GPU": 1}; {"CPU": 1} for CPU workers). With a
+                GPU and no --gpu/--device in `worker_args`, each worker serves on the GPU Ray gave its actor.
+            placement_strategy: "PACK" (as few nodes as possible), "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
+            worker_args: more `rollout-worker` arguments, e.g. ["--device", "cpu", "--num-blocks", "256"] (the fleet
+                sets --bind, --model, --http and the keys itself).
+            http: also serve the OpenAI API on each worker (`http_urls`; clients send `api_key`).
+            max_restarts: how many times Ray restarts a worker that died (-1: without limit).
+            placement_timeout: seconds to wait for Ray to place the workers (too few resources: a clear error).
+            ready_timeout: seconds to wait for every worker to load its model and serve.
+            copy_timeout: seconds a peer weight copy may take.
+        Raises:
+            ValueError: a bad argument, naming it.
+            TimeoutError: Ray could not place the workers within `placement_timeout` (names what the cluster has).
+            RuntimeError: a worker failed to start (its error).
+        """
+        resources = {"GPU": 1} if resources_per_worker is None else dict(resources_per_worker)
+        _check_launch(num_workers, model, resources, placement_strategy, max_restarts)
+        worker_args = list(worker_args)
+        check_worker_args(worker_args)
+        if resources.get("GPU", 0) > 0 and not any(arg.split("=")[0] in ("--gpu", "--device") for arg in worker_args):
+            worker_args += ["--gpu", "0"]  # the GPU Ray assigned: CUDA_VISIBLE_DEVICES holds only it
+        if not ray.is_initialized():
+            ray.init()
+        options = {
+            "argv": ["--model", model, *worker_args],
+            "resources": resources,
+            "strategy": placement_strategy,
+            "http": bool(http),
+            "max_restarts": max_restarts,
+            "placement_timeout": placement_timeout,
+            "ready_timeout": ready_timeout,
+            "copy_timeout": copy_timeout,
+        }
+        fleet = cls(options, FleetKeys.generate(), secrets.token_urlsafe(24) if http else None)
+        try:
+            fleet._add(num_workers)
+        except BaseException:
+            fleet.shutdown()
+            raise
+        fleet._membership.start()
+        return fleet
+
+    # ---- what users read ---------------------------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[str]:
+        """Each worker's ZeroMQ address, in slot order (while Ray restarts one: its previous address)."""
+        return [slot.info["address"] if slot.info else "" for slot in self._slots()]
+
+    @property
+    def workers(self) -> list[Any]:
+        """The workers' Ray actor handles, in the order of `addresses`."""
+        return [slot.actor for slot in self._slots()]
+
+    @property
+    def http_urls(self) -> list[str]:
+        """Each worker's OpenAI API base URL (launched with http=True; clients send `api_key`)."""
+        return [slot.info["http"] if slot.info else "" for slot in self._slots()]
+
+    def client(self, **kwargs: Any) -> RolloutClient:
+        """A `RolloutClient` over every serving worker that follows the fleet: workers added, removed or restarted
+        later come and go in it, each only once it serves the newest weights.
+
+        Args:
+            kwargs: `RolloutClient` arguments (timeout, heartbeat_s, dead_after_s, connect_timeout); the fleet gives
+                the addresses and keys.
+        """
+        for name in ("addresses", "curve_secret_key", "server_public_key"):
+            if name in kwargs:
+                raise ValueError(f"{name}: set by the fleet")
+        self._check_open()
+        with self._membership.lock:
+            addresses = [slot.joined for slot in self._membership.slots if slot.joined is not None]
+            if not addresses:
+                raise RuntimeError("no worker of the fleet serves right now (all restarting?); try again shortly")
+            client = RolloutClient(
+                addresses,
+                curve_secret_key=self._files.trainer_secret,
+                server_public_key=self._files.worker_secret,
+                **kwargs,
+            )
+            client.min_policy_version = self._membership.newest()
+            self._membership.clients.add(client)
+        return client
+
+    def scale(self, num_workers: int) -> None:
+        """Grow the fleet to `num_workers` (returns once the new workers serve, with the newest weights) or shrink
+        it (the newest workers go first; their unfinished groups are resubmitted to the others, nothing is lost).
+
+        Args:
+            num_workers: the new size, at least 1.
+        """
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"num_workers: a positive integer (shutdown() stops them all), got {num_workers!r}")
+        self._check_open()
+        with self._membership.lock:
+            current = len(self._membership.slots)
+            if num_workers > current:
+                self._add(num_workers - current)
+            elif num_workers < current:
+                self._remove(self._membership.slots[num_workers:])
+
+    def shutdown(self) -> None:
+        """Stop every worker (in-flight groups are aborted), remove the actors and placement groups, close the clients
+        the fleet made. Safe to call twice."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # ---- inside --------------------------------------------------------------------------------------------------
+    def _slots(self) -> list[Slot]:
+        with self._membership.lock:
+            return list(self._membership.slots)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the fleet is shut down")
+
+    def _add(self, count: int) -> None:
+        """Place `count` workers in a new placement group, start them and join them (see membership.py)."""
+        options = self._options
+        bundles = [dict(options["resources"]) for _ in range(count)]
+        group = placement_group(bundles, strategy=options["strategy"])
+        try:
+            ray.get(group.ready(), timeout=options["placement_timeout"])
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise TimeoutError(
+                f"Ray could not place {count} worker(s) of {options['resources']} ({options['strategy']}) within "
+                f"{options['placement_timeout']:g} s: the cluster has {ray.cluster_resources()}, of which "
+                f"{ray.available_resources()} are free. Lower num_workers or resources_per_worker, or add nodes."
+            ) from None
+        resources = options["resources"]
+        actor_options = {
+            "num_cpus": resources.get("CPU", 0),
+            "num_gpus": resources.get("GPU", 0),
+            "resources": {key: value for key, value in resources.items() if key not in ("CPU", "GPU")},
+            "max_restarts": options["max_restarts"],
+            "max_concurrency": 4,  # info() answers while a peer weight copy runs
+        }
+        remote = ray.remote(RolloutWorkerActor)
+        slots = []
+        for bundle in range(count):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+            actor = remote.options(scheduling_strategy=strategy, **actor_options).remote(
+                options["argv"], self._keys, options["http"], self.api_key
+            )
+            slots.append(Slot(actor, group))
+        with self._membership.lock:
+            self._membership.slots += slots
+        deadline = time.monotonic() + options["ready_timeout"]
+        try:
+            for index, slot in enumerate(slots):
+                try:
+                    slot.info = ray.get(slot.actor.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
+                except ray.exceptions.GetTimeoutError:
+                    raise TimeoutError(
+                        f"a worker did not serve within ready_timeout={options['ready_timeout']:g} s"
+                    ) from None
+                except ray.exceptions.RayActorError as error:
+                    raise RuntimeError(f"worker {index} of {count} failed to start: {_reason(error)}") from None
+            with self._membership.lock:
+                for slot in slots:
+                    self._membership.join(slot)
+        except BaseException:
+            self._remove(slots)
+            raise
+
+    def _remove(self, slots: list[Slot]) -> None:
+        """Take the slots' workers out of the clients, stop them and free their placement groups."""
+        _remove_slots(self._membership, slots)
+
+
+def _remove_slots(membership: Membership, slots: list[Slot]) -> None:
+    with membership.lock:
+        for slot in slots:
+            membership.leave(slot)
+        stops = [slot.actor.shutdown.remote() for slot in slots if slot.dead is None]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=30)  # graceful: in-flight groups end "abort"
+        for slot in slots:
+            ray.kill(slot.actor, no_restart=True)
+        membership.slots = [slot for slot in membership.slots if slot not in slots]
+        kept = {id(slot.group) for slot in membership.slots}
+        for group in {id(slot.group): slot.group for slot in slots}.values():
+            if id(group) not in kept:
+                remove_placement_group(group)
+
+
+def _shut_down(membership: Membership, key_dir: str) -> None:
+    """Everything `RolloutFleet.shutdown` does; also run by the garbage collector and at interpreter exit."""
+    membership.stop()
+    try:
+        if ray.is_initialized():
+            _remove_slots(membership, list(membership.slots))
+    finally:
+        for client in list(membership.clients):
+            client.close()
+        shutil.rmtree(key_dir, ignore_errors=True)
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error)
+    for line in reversed(text.splitlines()):  # the actor's own exception is the traceback's last line
+        if line.strip() and not line.startswith(" "):
+            return line.strip()
+    return text
+
+
+def _check_launch(num_workers: Any, model: Any, resources: dict, strategy: Any, max_restarts: Any) -> None:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        raise ValueError(f"num_workers: a positive integer, got {num_workers!r}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model: a rollout-worker --model value (preset, hub id or directory), got {model!r}")
+    for key, value in resources.items():
+        if (
+            not isinstance(key, str)
+            or isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not (math.isfinite(value) and value >= 0)
+        ):
+            raise ValueError(f"resources_per_worker: {key!r}: a resource name and a non-negative amount, got {value!r}")
+    if not any(value > 0 for value in resources.values()):
+        raise ValueError(f"resources_per_worker: give each worker some resource (e.g. {{'GPU': 1}}), got {resources}")
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement_strategy: one of {list(PLACEMENT_STRATEGIES)}, got {strategy!r}")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < -1:
+        raise ValueError(f"max_restarts: -1 (no limit) or a non-negative integer, got {max_restarts!r}")

@@ -1,0 +1,176 @@
+"""Which workers a fleet's clients use, kept true by a monitor thread on the driver.
+
+Each worker sits in a slot (one bundle of a placement group). The monitor asks every slot's actor for its `info` every
+`POLL_S`. A worker seen for the first time (launched, added, or restarted by Ray: a new process) joins: when it serves
+weights older than the fleet's newest version, a healthy peer first copies its weights to it (`copy_weights_to`), and
+only then is it added to the clients, so no group ever reaches it with old weights. A worker whose actor died leaves
+the clients (they had already resubmitted its groups when its connection closed). The newest version is the highest
+any client pushed (`min_policy_version`) or any joined worker served; every client learns it, so each routes only to
+workers that serve it.
+
+When no peer holds the newest version (they all restarted), the worker joins with what it has; the clients send it
+nothing until the trainer's next push reaches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from trainer_bridge.client import RolloutClient
+
+logger = logging.getLogger("rollout.ray")
+
+POLL_S = 0.25  # between two rounds of info calls
+
+
+@dataclass
+class Slot:
+    """One worker of the fleet: its actor and where it is placed."""
+
+    actor: Any  # the Ray actor handle (the same across Ray's restarts)
+    group: Any  # its placement group
+    info: dict[str, Any] | None = None  # the current process's last info (address, version, http, pid, started_at)
+    joined: str | None = None  # the address the clients use for it; None while it is not serving
+    pending: Any = None  # an info() call in flight
+    dead: str | None = None  # why its actor is gone for good, once Ray stopped restarting it
+
+    @property
+    def incarnation(self) -> tuple[int, float] | None:
+        return None if self.info is None else (self.info["pid"], self.info["started_at"])
+
+
+class Membership:
+    """The slots and the clients that follow them (the fleet's state; see the module docstring)."""
+
+    def __init__(self, copy_timeout: float):
+        self.slots: list[Slot] = []
+        self.clients: weakref.WeakSet[RolloutClient] = weakref.WeakSet()
+        self.copy_timeout = copy_timeout
+        self.lock = threading.RLock()  # slots, clients and joins: the monitor and the caller's thread
+        self.newest_version = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the monitor -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the monitor thread."""
+        self._thread = threading.Thread(target=self._run, name="rollout-fleet-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the monitor thread (and wait for a join in progress)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.copy_timeout + 10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the monitor outlives one bad round (Ray shutting down, say)
+                logger.exception("rollout fleet monitor")
+
+    def poll(self, wait_s: float = 0.0) -> None:
+        """One round: ask every slot for its info, join new workers, let dead ones leave, spread the newest version."""
+        with self.lock:
+            for slot in self.slots:
+                if slot.pending is None and slot.dead is None:
+                    slot.pending = slot.actor.info.remote()
+            pending = [slot.pending for slot in self.slots if slot.pending is not None]
+            ready = set(ray.wait(pending, num_returns=len(pending), timeout=wait_s)[0]) if pending else set()
+            for slot in list(self.slots):
+                if slot.pending is not None and slot.pending in ready and not self._stop.is_set():
+                    self._update(slot)
+            self._spread_version()
+
+    def _update(self, slot: Slot) -> None:
+        reference, slot.pending = slot.pending, None
+        try:
+            info = ray.get(reference)
+        except ray.exceptions.ActorDiedError as error:
+            self.leave(slot)
+            if not getattr(error, "preempted", False) and "restart" not in str(error).lower():
+                slot.dead = str(error).splitlines()[0]
+                logger.error("rollout fleet: a worker's actor is gone for good: %s", slot.dead)
+            return
+        except ray.exceptions.RayActorError:  # dying or restarting: it comes back with a new process
+            self.leave(slot)
+            return
+        if slot.incarnation is not None and (info["pid"], info["started_at"]) == slot.incarnation:
+            slot.info = info
+            if slot.joined is not None:
+                self.newest_version = max(self.newest_version, info["version"])
+            return
+        if slot.joined is not None:  # Ray restarted it between two polls
+            self.leave(slot)
+        slot.info = info
+        self.join(slot)
+
+    # ---- joining and leaving -----------------------------------------------------------------------------------
+    def newest(self) -> int:
+        """The newest policy version: pushed through a client, or served by a joined worker."""
+        pushed = [client.min_policy_version for client in list(self.clients)]
+        return max([self.newest_version, *pushed])
+
+    def join(self, slot: Slot) -> None:
+        """Bring the slot's worker to the newest version from a peer when it is behind, then add it to the clients."""
+        assert slot.info is not None
+        address, newest = slot.info["address"], self.newest()
+        if slot.info["version"] < newest:
+            slot.info["version"] = self._copy_from_peer(slot, newest)
+        if slot.info["version"] < newest:
+            logger.warning(
+                "rollout fleet: no live worker holds version %d: %s joins with version %d and gets groups once the "
+                "trainer's next push reaches it",
+                newest,
+                address,
+                slot.info["version"],
+            )
+        for client in list(self.clients):
+            client.add_worker(address)
+        slot.joined = address
+        self.newest_version = max(self.newest_version, slot.info["version"])
+        logger.info("rollout fleet: %s serves (version %d)", address, slot.info["version"])
+
+    def _copy_from_peer(self, slot: Slot, newest: int) -> int:
+        peers = [
+            peer
+            for peer in self.slots
+            if peer is not slot and peer.joined is not None and peer.info is not None and peer.info["version"] >= newest
+        ]
+        for peer in sorted(peers, key=lambda s: -s.info["version"]):
+            try:
+                copied = ray.get(
+                    peer.actor.copy_weights_to.remote(slot.info["address"], self.copy_timeout),
+                    timeout=self.copy_timeout + 10,
+                )
+            except Exception as error:  # noqa: BLE001 - try the next peer
+                logger.warning("rollout fleet: copying weights from %s failed: %s", peer.joined, error)
+                continue
+            logger.info("rollout fleet: %s copied version %d to %s", peer.joined, copied, slot.info["address"])
+            return copied
+        return slot.info["version"]
+
+    def leave(self, slot: Slot) -> None:
+        """Take the slot's worker out of every client (its groups are resubmitted to the others)."""
+        if slot.joined is None:
+            return
+        for client in list(self.clients):
+            try:
+                client.remove_worker(slot.joined)
+            except Exception as error:  # noqa: BLE001 - a closed client has nothing to remove
+                logger.debug("removing %s from a client: %s", slot.joined, error)
+        logger.info("rollout fleet: %s left", slot.joined)
+        slot.joined = None
+
+    def _spread_version(self) -> None:
+        newest = self.newest()
+        for client in list(self.clients):
+            if client.min_policy_version < newest:
+                client.min_policy_version = newest
