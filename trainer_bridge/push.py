@@ -18,8 +18,8 @@ import torch
 
 from rollout.config import dtype_name
 from rollout.service import protocol as p
-from rollout.service.dist import broadcast, make_process_group, make_store
-from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, staging_layout
+from rollout.service.dist import broadcast, host_towards, make_process_group, make_store
+from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.gathering import Entry, as_wire_bytes
@@ -70,7 +70,7 @@ class WeightPush:
         transport: str,
         timeout: float,
         partial: bool,
-        dist_host: str,
+        dist_host: str | None,
         dist_backend: str,
         preempt: bool = False,
     ):
@@ -242,9 +242,10 @@ class WeightPush:
     def _dist_fields(self) -> dict[str, Any]:
         """A new rendezvous store and group key for this push (a group is never reused: a worker that restarted,
         or another trainer's push in between, would leave a kept one dangling)."""
-        self.store = make_store(self.dist_host, 0, 1 + len(self.links), True, self.timeout)
+        host = self.dist_host or host_towards(self.links[0].address)
+        self.store = make_store(host, 0, 1 + len(self.links), True, self.timeout)
         return {
-            "host": self.dist_host,
+            "host": host,
             "port": self.store.port,
             "world_size": 1 + len(self.links),
             "rank": 1,
@@ -299,9 +300,8 @@ class WeightPush:
                 self.channel.send(link.index, header)
                 link.pending.append(None)
         if self.transport == "torch.distributed":
-            try:  # one broadcast per piece, each straight into its place in the workers' staging areas
-                for _, _, data in bucket:
-                    broadcast(self.group, data)
+            try:  # one broadcast per bucket, straight into its place in the workers' staging areas
+                broadcast(self.group, bucket_span(bucket, offsets))
             except Exception as error:  # noqa: BLE001 - e.g. a worker died mid-broadcast
                 raise RolloutError("dist", f"broadcast to the workers failed: {error}") from None
 

@@ -54,7 +54,7 @@ def push_weights(
     timeout: float = 60.0,
     accelerator: Any = None,
     partial: bool = False,
-    dist_host: str = "127.0.0.1",
+    dist_host: str | None = None,
     dist_backend: str | None = None,
     preempt: bool = False,
 ) -> PushResult | None:
@@ -71,7 +71,8 @@ def push_weights(
         timeout: deadline in seconds of every phase, on both sides (and of the drain in mode "wait").
         accelerator: the `accelerate.Accelerator` of a multi-process run (only its main process sends).
         partial: send only some parameters (else the workers insist on all of them).
-        dist_host: torch.distributed: an address of this host the workers can reach (the rendezvous store).
+        dist_host: torch.distributed: an address of this host the workers can reach (the rendezvous store); default:
+            the address this host reaches the first worker from (127.0.0.1 for workers on loopback).
         dist_backend: torch.distributed backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
             a restart), which is rejected; without it such a worker answers "update_in_progress".

@@ -9,6 +9,7 @@ parallelism. It rendezvouses through a TCPStore that the trainer hosts.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import socket
 import threading
@@ -35,6 +36,27 @@ def check_dist_fields(fields: dict[str, Any]) -> str | None:
     if not 0 < fields["rank"] < fields["world_size"]:
         return "dist.rank"
     return None
+
+
+def host_towards(address: str) -> str:
+    """An IP address of this machine that the worker at `address` ("tcp://host:port") can connect back to: loopback
+    for a worker on this machine's loopback (and for ipc:// workers), else the address of the interface that routes
+    to the worker's host (no packet is sent)."""
+    if not address.startswith("tcp://"):
+        return "127.0.0.1"
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        ip = ipaddress.ip_address(socket.gethostbyname(host))
+    if ip.is_loopback:
+        return str(ip)
+    probe = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((str(ip), 9))  # a UDP "connect" only picks the route
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:

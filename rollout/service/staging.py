@@ -69,6 +69,18 @@ def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
     return offsets, end
 
 
+def bucket_span(bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> torch.Tensor:
+    """A bucket's bytes laid out as in the workers' staging area, from its first piece to its last (alignment gaps
+    zeroed): what one broadcast sends (`StagedUpdate.staging_span` receives it)."""
+    if len(bucket) == 1:
+        return bucket[0][2]
+    starts = [offsets[index] + offset for index, offset, _ in bucket]
+    span = torch.zeros(starts[-1] + bucket[-1][2].numel() - starts[0], dtype=torch.uint8, device=bucket[0][2].device)
+    for start, (_, _, data) in zip(starts, bucket):
+        span[start - starts[0] : start - starts[0] + data.numel()].copy_(data)
+    return span
+
+
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
     it; Python < 3.13 would otherwise unlink it when this process exits)."""

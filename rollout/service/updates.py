@@ -195,6 +195,7 @@ class UpdateSlot:
             update.check_frames(pieces, data_frames)
         else:
             update.announce(pieces)
+        span = update.staging_span(pieces) if transport == "torch.distributed" and pieces else None
         dist_receiver = self._dist
         device = self._device if transport == "torch.distributed" and update.begin.dist["backend"] == "nccl" else None
 
@@ -202,10 +203,10 @@ class UpdateSlot:
             if transport == "frames":
                 update.stage_frames(pieces, data_frames, message.checksum)
                 return
-            if transport == "torch.distributed":  # one broadcast per piece, straight into its place in staging
+            if transport == "torch.distributed":  # one broadcast per bucket, straight into its place in staging
                 assert dist_receiver is not None
                 try:
-                    dist_receiver.receive(update.staging_views(pieces), device or torch.device("cpu"))
+                    dist_receiver.receive([] if span is None else [span], device or torch.device("cpu"))
                 except Exception as error:  # noqa: BLE001 - reported to the update, which is rejected
                     raise UpdateRejected("bad_update", "dist", f"broadcast failed: {error}") from None
             update.check_written(pieces, message.checksum)

@@ -213,6 +213,31 @@ class StagedUpdate:
             views.append(self.staging[start : start + piece.nbytes])
         return views
 
+    def staging_span(self, pieces: list[p.TensorPiece]) -> torch.Tensor:
+        """The staging bytes from the first piece's start to the last piece's end, alignment gaps included: transport
+        "torch.distributed" receives a whole bucket in one broadcast. Its pieces must follow one another: each but
+        the last ends its tensor, and the next starts the next tensor (`announce` checked each piece).
+
+        Raises:
+            UpdateRejected: pieces that leave a tensor unfinished, skip one, or go back.
+        """
+        for before, after in zip(pieces, pieces[1:]):
+            if (
+                before.offset + before.nbytes != self.sizes[before.index]
+                or after.index != before.index + 1
+                or after.offset != 0
+            ):
+                raise UpdateRejected(
+                    "bad_update",
+                    "pieces",
+                    "a torch.distributed bucket holds consecutive pieces (each but the last ends its tensor, the next "
+                    f"starts the following tensor): piece of tensor {after.index} at byte {after.offset} follows "
+                    f"tensor {before.index} up to byte {before.offset + before.nbytes}",
+                )
+        first, last = pieces[0], pieces[-1]
+        start = self.offsets[first.index] + first.offset
+        return self.staging[start : self.offsets[last.index] + last.offset + last.nbytes]
+
     def mark_received(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces whose bytes landed in the staging area."""
         for piece in pieces:
