@@ -235,7 +235,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         *args: Any,
-        rollout_workers: str | list[str] | RolloutClient | None = None,
+        rollout_workers: str | list[str] | RolloutClient | Any = None,
         rollout_mode: str = "server",
         rollout_push_kwargs: dict[str, Any] | None = None,
         rollout_client_kwargs: dict[str, Any] | None = None,
@@ -249,12 +249,12 @@ class RolloutGRPOTrainer(GRPOTrainer):
         Args:
             *args, **kwargs: GRPOTrainer's (model, reward_funcs, args, train_dataset, processing_class,
                 rollout_func, ...). `args.use_vllm` must be False: rollout replaces vLLM.
-            rollout_workers: "server" mode: worker address(es), or a RolloutClient (then used on every rank of
-                this process).
+            rollout_workers: "server" mode: worker address(es), a RolloutClient (then used on every rank of
+                this process), or a `rollout.ray.RolloutFleet` (its `client()`, following the fleet's workers).
             rollout_mode: "server" (rollout workers, weights pushed each step) or "colocate" (each rank generates
                 in its own process on the model it trains: nothing pushed). Mirrors TRL's `vllm_mode`.
             rollout_push_kwargs: "server": passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
-            rollout_client_kwargs: "server": passed to `RolloutClient` when addresses are given.
+            rollout_client_kwargs: "server": passed to `RolloutClient` when addresses (or a fleet) are given.
             rollout_engine_config: "colocate": the engine's ContinuousBatchingConfig (rollout's or transformers');
                 None: the defaults, with the KV cache at `GRPOConfig.vllm_gpu_memory_utilization` of free memory on
                 CUDA (TRL's default 0.3; on CPU the engine's default).
@@ -326,7 +326,12 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
     ) -> RolloutGeneration:
         """The backend of "server" mode: this rank's client, and the policy version the workers start from."""
-        client = workers if isinstance(workers, RolloutClient) else RolloutClient(workers, **(client_kwargs or {}))
+        if isinstance(workers, RolloutClient):
+            client = workers
+        elif callable(getattr(workers, "client", None)):  # a rollout.ray.RolloutFleet: a client that follows it
+            client = workers.client(**(client_kwargs or {}))
+        else:
+            client = RolloutClient(workers, **(client_kwargs or {}))
         self.rollout_client = client
         # The workers may have served other weights before: version base + step is this run's weights at `step`.
         # (A collective here, at construction, never inside generate.)

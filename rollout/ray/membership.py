@@ -27,6 +27,8 @@ from trainer_bridge.client import RolloutClient
 logger = logging.getLogger("rollout.ray")
 
 POLL_S = 0.25  # between two rounds of info calls
+# While Ray restarts an actor its calls wait; calls that keep failing mean Ray gave up on it (restarts exhausted).
+DEAD_AFTER_FAILURES = 3
 
 
 @dataclass
@@ -38,7 +40,8 @@ class Slot:
     info: dict[str, Any] | None = None  # the current process's last info (address, version, http, pid, started_at)
     joined: str | None = None  # the address the clients use for it; None while it is not serving
     pending: Any = None  # an info() call in flight
-    dead: str | None = None  # why its actor is gone for good, once Ray stopped restarting it
+    failures: int = 0  # info calls failed in a row
+    dead: str | None = None  # why its actor is gone, once its info calls keep failing (Ray stopped restarting it)
 
     @property
     def incarnation(self) -> tuple[int, float] | None:
@@ -80,7 +83,7 @@ class Membership:
         """One round: ask every slot for its info, join new workers, let dead ones leave, spread the newest version."""
         with self.lock:
             for slot in self.slots:
-                if slot.pending is None and slot.dead is None:
+                if slot.pending is None:
                     slot.pending = slot.actor.info.remote()
             pending = [slot.pending for slot in self.slots if slot.pending is not None]
             ready = set(ray.wait(pending, num_returns=len(pending), timeout=wait_s)[0]) if pending else set()
@@ -93,15 +96,14 @@ class Membership:
         reference, slot.pending = slot.pending, None
         try:
             info = ray.get(reference)
-        except ray.exceptions.ActorDiedError as error:
+        except ray.exceptions.RayActorError as error:  # it died (while Ray restarts it, calls wait instead)
             self.leave(slot)
-            if not getattr(error, "preempted", False) and "restart" not in str(error).lower():
+            slot.failures += 1
+            if slot.failures == DEAD_AFTER_FAILURES:
                 slot.dead = str(error).splitlines()[0]
-                logger.error("rollout fleet: a worker's actor is gone for good: %s", slot.dead)
+                logger.error("rollout fleet: a worker's actor is gone (Ray restarts it no more?): %s", slot.dead)
             return
-        except ray.exceptions.RayActorError:  # dying or restarting: it comes back with a new process
-            self.leave(slot)
-            return
+        slot.failures, slot.dead = 0, None
         if slot.incarnation is not None and (info["pid"], info["started_at"]) == slot.incarnation:
             slot.info = info
             if slot.joined is not None:

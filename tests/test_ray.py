@@ -1,0 +1,219 @@
+"""`rollout.ray.RolloutFleet` on a local Ray cluster started here (2 CPU workers of the tiny preset, one fleet for the
+module; the tests run in order and share it). References: an in-process `generate_batch` of the same weights
+(greedy), the versions each completion carries, the worker processes themselves (gone after shutdown), and TRL's own
+GRPO metrics for the trainer test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
+from rollout.ray import RolloutFleet  # noqa: E402
+from rollout.service.presets import tiny_model  # noqa: E402
+from trainer_bridge import PromptGroup, RolloutClient, push_weights  # noqa: E402
+
+CPU_WORKER = ["--device", "cpu", "--num-blocks", "128", "--log-level", "WARNING"]
+PROMPTS = [[(13 * i + 7 * j + 5) % 997 + 4 for j in range(9 + i)] for i in range(12)]
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 24}
+
+
+@functools.cache
+def reference(seed: int, prompt_index: int) -> list[int]:
+    """Greedy tokens of an in-process tiny_model(seed) for PROMPTS[prompt_index]."""
+    sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=GREEDY["max_new_tokens"])
+    output = generate_batch(
+        tiny_model(seed),
+        [PROMPTS[prompt_index]],
+        progress_bar=False,
+        sampling=sampling,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=16),
+    )["req_0"]
+    return list(output.generated_tokens)
+
+
+def groups(indices) -> list[PromptGroup]:
+    return [PromptGroup(PROMPTS[i], n=2, sampling=GREEDY, group_id=f"p{i}-{time.monotonic_ns()}") for i in indices]
+
+
+def check_results(results, submitted: list[PromptGroup], seed: int, version: int) -> None:
+    """Every group came back once, every sample greedy-equal to the in-process reference, from weights `version`."""
+    assert sorted(r.group_id for r in results) == sorted(g.group_id for g in submitted), "a group lost or duplicated"
+    by_id = {g.group_id: PROMPTS.index(g.prompt_ids) for g in submitted}
+    for result in results:
+        for completion in result.completions:
+            assert completion.token_ids == reference(seed, by_id[result.group_id]), result.group_id
+            assert completion.policy_versions == [[version, 0]], (result.group_id, completion.policy_versions)
+
+
+def worker_stats(client: RolloutClient) -> dict[str, dict]:
+    return {entry["address"]: entry for entry in client.stats()}
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster):
+    started = time.monotonic()
+    fleet = RolloutFleet.launch(2, resources_per_worker={"CPU": 1}, worker_args=CPU_WORKER, ready_timeout=120)
+    fleet.launch_s = time.monotonic() - started
+    yield fleet
+    fleet.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return fleet.client(timeout=120, heartbeat_s=0.2, dead_after_s=3.0)
+
+
+def test_bad_launch_arguments_are_named():
+    for kwargs, name in [
+        ({"num_workers": 0}, "num_workers"),
+        ({"worker_args": ["--bind", "tcp://0.0.0.0:1"]}, "--bind"),
+        ({"worker_args": ["--num-blocks", "many"]}, "--num-blocks"),
+        ({"worker_args": "--device cpu"}, "worker_args"),
+        ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
+        ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker"),
+        ({"max_restarts": -2}, "max_restarts"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            RolloutFleet.launch(**{"num_workers": 1, **kwargs})
+
+
+def test_two_workers_serve_groups_like_an_in_process_engine(fleet, client):
+    assert len(fleet.addresses) == len(fleet.workers) == 2 and all(a.startswith("tcp://") for a in fleet.addresses)
+    assert sorted(client.worker_addresses) == sorted(fleet.addresses)
+    submitted = groups(range(8))
+    check_results(list(client.generate_many(submitted)), submitted, seed=0, version=0)
+    served = worker_stats(client)
+    assert all(served[address]["generated_tokens"] > 0 for address in fleet.addresses), "one worker got no group"
+    print(f"launch to serving: {fleet.launch_s:.1f} s")
+
+
+def test_a_killed_worker_restarts_and_copies_the_newest_weights_from_its_peer(fleet, client):
+    version = push_weights(client, tiny_model(1), version=5).version
+    assert version == 5
+    killed_address = fleet.addresses[0]
+    submitted = groups(range(12))
+    results, killed_at = [], None
+    for result in client.generate_many(submitted):
+        results.append(result)
+        if killed_at is None:  # mid-run: the other groups are in flight on both workers
+            ray.kill(fleet.workers[0], no_restart=False)
+            killed_at = time.monotonic()
+    check_results(results, submitted, seed=1, version=5)
+
+    # Ray restarts the actor: a new process with a new address, which joins the client once it holds version 5,
+    # copied from its peer (nothing was pushed since). Groups keep going meanwhile; none may see old weights.
+    def restarted_serves() -> bool:
+        batch = groups(range(4))
+        check_results(list(client.generate_many(batch)), batch, seed=1, version=5)
+        address = fleet.addresses[0]
+        if address == killed_address or address not in client.worker_addresses:
+            return False
+        return worker_stats(client).get(address, {}).get("generated_tokens", 0) > 0
+
+    wait_until(restarted_serves, 90, "the restarted worker to serve")
+    print(f"restart to serving again: {time.monotonic() - killed_at:.1f} s")
+    assert killed_address not in client.worker_addresses
+    assert {entry["policy_version"] for entry in client.stats()} == {5}
+
+
+def test_scale_up_copies_weights_and_scale_down_resubmits_in_flight_groups(fleet, client):
+    fleet.scale(3)
+    assert len(fleet.addresses) == 3 and sorted(client.worker_addresses) == sorted(fleet.addresses)
+    assert {entry["address"]: entry["policy_version"] for entry in client.stats()} == dict.fromkeys(fleet.addresses, 5)
+
+    # torch.distributed across the fleet: one process group (gloo) spanning this process and the three workers.
+    result = push_weights(client, tiny_model(2), version=6, transport="torch.distributed", dist_backend="gloo")
+    assert [w["version"] for w in result.workers] == [6, 6, 6]
+
+    submitted = groups(range(12))
+    results, shrunk = [], False
+    for result in client.generate_many(submitted):
+        results.append(result)
+        if not shrunk:  # two of three workers leave with groups in flight
+            fleet.scale(1)
+            shrunk = True
+    check_results(results, submitted, seed=2, version=6)
+    assert len(fleet.addresses) == 1 and client.worker_addresses == fleet.addresses
+
+
+def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
+    from rollout.service.presets import tiny_tokenizer
+    from trainer_bridge.trl import RolloutGRPOTrainer
+    from trl_helpers import dataset, grpo_config, id_reward
+
+    fleet.scale(2)
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, temperature=0.7),
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+        rollout_workers=fleet,
+    )
+    assert sorted(trainer.rollout_client.worker_addresses) == sorted(fleet.addresses)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert trainer.state.global_step == 2 and len(logs) == 2
+    for entry in logs:  # TRL's own metrics: the fleet's logprobs are the trainer's (fp32 on both sides)
+        assert entry["sampling/sampling_logp_difference/mean"] < 1e-4, entry
+        assert entry["rollout/policy_lag_max"] == 0.0
+    versions = {entry["policy_version"] for entry in trainer.rollout_client.stats()}
+    assert len(versions) == 1 and versions.pop() > 6  # both workers took every push
+    trainer.rollout_client.close()
+
+
+def test_too_few_resources_is_a_clear_error_within_the_timeout(cluster):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="could not place 2 worker"):
+        RolloutFleet.launch(2, resources_per_worker={"CPU": 64}, worker_args=CPU_WORKER, placement_timeout=2)
+    assert time.monotonic() - started < 15
+
+
+def test_shutdown_leaves_no_actor_and_no_worker_process(fleet, client):
+    pids = [ray.get(actor.info.remote())["pid"] for actor in fleet.workers]
+    groups_before = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+    assert groups_before
+    fleet.shutdown()
+    fleet.shutdown()  # twice is fine
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(lambda: all(gone(pid) for pid in pids), 30, "the worker processes to end")
+    created = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+    assert not created & groups_before, "a placement group was left behind"
+    with pytest.raises(Exception, match="closed"):
+        client.generate(groups([0])[0])
+    with pytest.raises(RuntimeError, match="shut down"):
+        fleet.scale(2)
+
+
+def test_threads_left():
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("rollout-fleet")]
+    assert not leftover, leftover
