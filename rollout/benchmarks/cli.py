@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import gpu_report, grpo, grpo_step, load, service, throughput, weights
+from rollout.benchmarks import fleet, gpu_report, grpo, grpo_step, load, service, throughput, weights
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
+    fleet.add_arguments(
+        commands.add_parser(
+            "fleet",
+            help="RolloutFleet on Ray: launch to first group, a killed worker serving again, gloo fan-out GB/s",
+            description=fleet.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     gpu_report.add_arguments(
         commands.add_parser(
             "gpu-report",
@@ -154,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "load":
         load.check_arguments(parser, args)
         summary = load.run(args)
+    elif args.command == "fleet":
+        summary = fleet.run(args)
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")

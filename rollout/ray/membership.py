@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ logger = logging.getLogger("rollout.ray")
 POLL_S = 0.25  # between two rounds of info calls
 # While Ray restarts an actor its calls wait; calls that keep failing mean Ray gave up on it (restarts exhausted).
 DEAD_AFTER_FAILURES = 3
+# "The actor is restarting" (Ray >= 2.30 names it; older versions make calls wait instead).
+_RESTARTING = getattr(ray.exceptions, "ActorUnavailableError", ())
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Membership:
         self.copy_timeout = copy_timeout
         self.lock = threading.RLock()  # slots, clients and joins: the monitor and the caller's thread
         self.newest_version = 0
+        self.copies: list[dict[str, Any]] = []  # every peer weight copy: from, to, version, seconds (newest last)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,7 +100,10 @@ class Membership:
         reference, slot.pending = slot.pending, None
         try:
             info = ray.get(reference)
-        except ray.exceptions.RayActorError as error:  # it died (while Ray restarts it, calls wait instead)
+        except _RESTARTING:  # Ray is restarting it: it comes back with a new process
+            self.leave(slot)
+            return
+        except ray.exceptions.RayActorError as error:  # it died (while Ray restarts it, calls wait or say so)
             self.leave(slot)
             slot.failures += 1
             if slot.failures == DEAD_AFTER_FAILURES:
@@ -147,6 +154,7 @@ class Membership:
             if peer is not slot and peer.joined is not None and peer.info is not None and peer.info["version"] >= newest
         ]
         for peer in sorted(peers, key=lambda s: -s.info["version"]):
+            started = time.monotonic()
             try:
                 copied = ray.get(
                     peer.actor.copy_weights_to.remote(slot.info["address"], self.copy_timeout),
@@ -155,7 +163,18 @@ class Membership:
             except Exception as error:  # noqa: BLE001 - try the next peer
                 logger.warning("rollout fleet: copying weights from %s failed: %s", peer.joined, error)
                 continue
-            logger.info("rollout fleet: %s copied version %d to %s", peer.joined, copied, slot.info["address"])
+            seconds = time.monotonic() - started
+            self.copies = [
+                *self.copies[-99:],
+                {"from": peer.joined, "to": slot.info["address"], "version": copied, "s": seconds},
+            ]
+            logger.info(
+                "rollout fleet: %s copied version %d to %s in %.2f s",
+                peer.joined,
+                copied,
+                slot.info["address"],
+                seconds,
+            )
             return copied
         return slot.info["version"]
 
