@@ -301,3 +301,48 @@ def test_a_sampling_params_is_sent_like_its_dict_and_checked_by_the_workers_rule
         with pytest.raises(RolloutError) as raised:
             client.generate(PromptGroup([1, 2], sampling=sampling))
         assert raised.value.field == field, raised.value
+
+
+def test_workers_added_and_removed_while_groups_run(workers):
+    """A client of worker A takes worker B in while running; removing A with groups in flight resubmits them to B:
+    every group comes back once, equal to the in-process engine (greedy, seeded)."""
+    a, b = (w.address for w in workers)
+    expected = generate_batch(
+        tiny_model(),
+        [[9, 8, 7]],
+        progress_bar=False,
+        sampling=SamplingParams(**{**GREEDY, "max_new_tokens": 120}),
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=256, block_size=16),
+    )["req_0"].generated_tokens
+    with RolloutClient([a], timeout=120) as client:
+        client.add_worker(b)
+        client.add_worker(b)  # already there: nothing
+        assert client.worker_addresses == [a, b]
+        assert len(client.stats()) == 2
+        groups = [PromptGroup([9, 8, 7], n=2, sampling={**GREEDY, "max_new_tokens": 120}) for _ in range(6)]
+        results, removed = [], False
+        for result in client.generate_many(groups):
+            results.append(result)
+            if not removed:
+                client.remove_worker(a)
+                removed = True
+        assert len({r.group_id for r in results}) == len(results) == len(groups)  # each exactly once
+        assert all(c.token_ids == list(expected) for r in results for c in r.completions)
+        assert client.worker_addresses == [b] and [s["address"] for s in client.stats()] == [b]
+        client.remove_worker("tcp://127.0.0.1:1")  # not one of its workers: nothing
+        with pytest.raises(ValueError, match="address"):
+            client.add_worker("127.0.0.1:5555")
+
+
+def test_no_group_goes_to_a_worker_behind_the_newest_pushed_version(workers):
+    """Workers serving weights older than the newest version pushed through the client get no group; calls wait, and
+    fail naming the stale workers after connect_timeout."""
+    with RolloutClient([w.address for w in workers], timeout=30, connect_timeout=1.5) as client:
+        assert len(client.stats()) == 2
+        client.min_policy_version = 10**6  # as if a push had reached other workers
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match="older than version 1000000") as refused:
+            client.generate(PromptGroup([1, 2, 3], sampling=GREEDY))
+        assert refused.value.code == "stale_workers" and time.monotonic() - started < 10
+        client.min_policy_version = 0
+        assert client.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].token_ids
