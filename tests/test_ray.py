@@ -102,6 +102,7 @@ def test_bad_launch_arguments_are_named():
 def test_two_workers_serve_groups_like_an_in_process_engine(fleet, client):
     assert len(fleet.addresses) == len(fleet.workers) == 2 and all(a.startswith("tcp://") for a in fleet.addresses)
     assert sorted(client.worker_addresses) == sorted(fleet.addresses)
+    assert len(client.stats()) == 2  # both answered: the groups are balanced over both, none waits for a worker
     submitted = groups(range(8))
     check_results(list(client.generate_many(submitted)), submitted, seed=0, version=0)
     served = worker_stats(client)
