@@ -74,7 +74,9 @@ def test_grpo_step_benchmark_splits_each_step(capsys):
         assert abs(parts - row["step_s"]) <= 0.002 and row["generation_s"] > 0 and row["training_s"] > 0
         assert row["peak_memory_gib"] > 0 and row["steps"] == 1
         assert any(line.startswith(system) for line in lines[:-1])  # its table row
-    assert results["rollout_colocate"]["weight_sync_s"] < 0.01 < results["rollout_server"]["weight_sync_s"]
+    # Colocated: nothing to push (a no-op); server: a real push each step (a few ms for the tiny model over shm).
+    assert results["rollout_colocate"]["weight_sync_s"] < 0.002
+    assert results["rollout_server"]["weight_sync_s"] > results["rollout_colocate"]["weight_sync_s"]
     report = _report_rows("grpo-step", summary)  # gpu-report reads the same summary
     assert report["rollout_colocate: step s"].value == results["rollout_colocate"]["step_s"]
     assert report["rollout_server: weight sync s"].value == results["rollout_server"]["weight_sync_s"]
