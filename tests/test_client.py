@@ -346,3 +346,24 @@ def test_no_group_goes_to_a_worker_behind_the_newest_pushed_version(workers):
         assert refused.value.code == "stale_workers" and time.monotonic() - started < 10
         client.min_policy_version = 0
         assert client.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].token_ids
+
+
+def test_calls_wait_while_every_worker_is_replaced(workers):
+    """All of a client's workers removed (a fleet whose workers all restart) long after connect_timeout: calls wait for
+    the next worker to be added instead of failing with no_workers; an address ZeroMQ refuses leaves the client up."""
+    a, b = (w.address for w in workers)
+    with RolloutClient([a], timeout=60, connect_timeout=0.5) as client:
+        assert len(client.stats()) == 1
+        time.sleep(0.7)
+        client.remove_worker(a)
+        waiting = threading.Thread(target=lambda: done.append(client.generate(PromptGroup([4, 5], sampling=GREEDY))))
+        done: list[GroupResult] = []
+        waiting.start()
+        time.sleep(1.0)
+        assert not done and waiting.is_alive()  # parked, not failed
+        with pytest.raises(ValueError, match="port"):
+            client.add_worker("tcp://127.0.0.1:*")
+        client.add_worker(b)
+        waiting.join(60)
+        assert done and len(done[0].completions[0].token_ids) == GREEDY["max_new_tokens"]
+        assert client.worker_addresses == [b]

@@ -71,7 +71,11 @@ def test_an_oversized_prompt_is_refused_by_its_length_and_pings_still_answer(cli
     """A prompt of millions of ints froze serving for a minute: it is refused from its length (msgpack's bound
     while decoding, or the prompt limit before any element is looked at) and the next ping answers."""
     client.socket.send_multipart(
-        [msgpack.packb({"protocol": 1, "type": "generate", "group_id": "big", "prompt_ids": [7] * length})]
+        [
+            msgpack.packb(
+                {"protocol": p.PROTOCOL_VERSION, "type": "generate", "group_id": "big", "prompt_ids": [7] * length}
+            )
+        ]
     )
     reply = client.receive(timeout_s=5)
     assert isinstance(reply, p.Error) and reply.field == field and reply.code == "bad_request", reply

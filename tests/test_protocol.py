@@ -139,19 +139,25 @@ def test_a_header_of_millions_of_small_containers_is_refused_while_decoding():
     200 million lists. Maps and lists are counted together while decoding, and the header's bytes are bounded."""
     import time
 
-    many = msgpack.packb({"protocol": 1, "type": "ping", **{f"x{i}": [[]] * 100_000 for i in range(20)}})
+    many = msgpack.packb(
+        {"protocol": p.PROTOCOL_VERSION, "type": "ping", **{f"x{i}": [[]] * 100_000 for i in range(20)}}
+    )
     started = time.monotonic()
     with pytest.raises(p.ProtocolError) as error:
         p.decode([many])
     assert error.value.field == "header" and "max_containers" in str(error.value)
     assert time.monotonic() - started < 5.0  # refused after 2**17 containers, not after 2 million
     with pytest.raises(p.ProtocolError, match="more than the limit"):
-        p.decode([msgpack.packb({"protocol": 1, "type": "ping", "x": b"\0" * (p.MAX_HEADER_BYTES + 1)})])
+        p.decode(
+            [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "ping", "x": b"\0" * (p.MAX_HEADER_BYTES + 1)})]
+        )
 
 
 def test_a_refused_message_still_names_its_ids():
     """The ids of a malformed message travel on the ProtocolError, so the worker routes its error reply without
     decoding the header a second time."""
     with pytest.raises(p.ProtocolError) as error:
-        p.decode([msgpack.packb({"protocol": 1, "type": "generate", "group_id": "g7", "prompt_ids": "x"})])
+        p.decode(
+            [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "generate", "group_id": "g7", "prompt_ids": "x"})]
+        )
     assert (error.value.field, error.value.group_id, error.value.update_id) == ("prompt_ids", "g7", None)

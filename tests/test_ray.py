@@ -89,6 +89,7 @@ def test_bad_launch_arguments_are_named():
     for kwargs, name in [
         ({"num_workers": 0}, "num_workers"),
         ({"worker_args": ["--bind", "tcp://0.0.0.0:1"]}, "--bind"),
+        ({"worker_args": ["--mod", "other"]}, "--mod"),  # no abbreviation of a flag the fleet sets
         ({"worker_args": ["--num-blocks", "many"]}, "--num-blocks"),
         ({"worker_args": "--device cpu"}, "worker_args"),
         ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
@@ -164,7 +165,9 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
     from trainer_bridge.trl import RolloutGRPOTrainer
     from trl_helpers import dataset, grpo_config, id_reward
 
-    fleet.scale(2)
+    groups_before = created_groups()
+    fleet.scale(2)  # back in the bundle scale(1) freed: no new placement group
+    assert created_groups() == groups_before
     trainer = RolloutGRPOTrainer(
         model=tiny_model(0),
         reward_funcs=id_reward,
@@ -186,15 +189,23 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
 
 
 def test_too_few_resources_is_a_clear_error_within_the_timeout(cluster):
+    groups_before = created_groups()
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="could not place 2 worker"):
         RolloutFleet.launch(2, resources_per_worker={"CPU": 64}, worker_args=CPU_WORKER, placement_timeout=2)
     assert time.monotonic() - started < 15
+    with pytest.raises(ValueError, match="resources_per_worker"):
+        RolloutFleet.launch(1, resources_per_worker={"CPU": 1, "object_store_memory": 1e9}, worker_args=CPU_WORKER)
+    assert created_groups() == groups_before, "a failed launch left its placement group behind"
+
+
+def created_groups() -> set:
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
 
 
 def test_shutdown_leaves_no_actor_and_no_worker_process(fleet, client):
     pids = [ray.get(actor.info.remote())["pid"] for actor in fleet.workers]
-    groups_before = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
+    groups_before = created_groups()
     assert groups_before
     fleet.shutdown()
     fleet.shutdown()  # twice is fine
@@ -207,8 +218,7 @@ def test_shutdown_leaves_no_actor_and_no_worker_process(fleet, client):
         return False
 
     wait_until(lambda: all(gone(pid) for pid in pids), 30, "the worker processes to end")
-    created = {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] == "CREATED"}
-    assert not created & groups_before, "a placement group was left behind"
+    assert not created_groups() & groups_before, "a placement group was left behind"
     with pytest.raises(Exception, match="closed"):
         client.generate(groups([0])[0])
     with pytest.raises(RuntimeError, match="shut down"):

@@ -437,7 +437,12 @@ def test_malformed_bucket_header_drops_the_update(workers, raw, baseline):
     is then dropped like any other bad bucket."""
     update_id = uuid.uuid4().hex
     assert isinstance(begin(raw, update_id), p.WeightsReady)
-    header = {"protocol": 1, "type": "weights_bucket", "update_id": update_id, "pieces": [{"index": 0, "offset": 0}]}
+    header = {
+        "protocol": p.PROTOCOL_VERSION,
+        "type": "weights_bucket",
+        "update_id": update_id,
+        "pieces": [{"index": 0, "offset": 0}],
+    }
     raw.socket.send_multipart([msgpack.packb(header), b"\0" * 4])
     error = raw.receive()
     assert isinstance(error, p.Error), error

@@ -89,7 +89,7 @@ def test_cancel_mid_stream_returns_partial_output(client):
     "frames, field",
     [
         ([b"\x00\xff"], "header"),
-        ([msgpack.packb({"protocol": 1, "type": "generate", "group_id": "x"})], "prompt_ids"),
+        ([msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "generate", "group_id": "x"})], "prompt_ids"),
         (p.encode(p.Generate("x", [1, 2], n=0)), "n"),
         (p.encode(p.Generate("x", [1, 5000])), "prompt_ids"),
         (p.encode(p.Generate("x", [])), "prompt_ids"),
@@ -131,7 +131,7 @@ def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):
         raw=st.binary(max_size=12),
     )
     def one(kind, fields, raw):
-        frames = [raw] if kind == "x" else [msgpack.packb({"protocol": 1, "type": kind, **fields})]
+        frames = [raw] if kind == "x" else [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": kind, **fields})]
         client.socket.send_multipart(frames)
         reply = client.receive()
         count["n"] += 1
@@ -247,7 +247,7 @@ def test_slow_reader_loses_nothing(worker):
 def test_an_unhashable_message_type_gets_an_error_and_the_worker_keeps_serving(client, kind):
     """The 17-byte message of issue 14 (a header whose `type` is a list or a map) ended `serve()`: it must get an
     error reply naming the field, and the worker must go on answering."""
-    client.socket.send_multipart([msgpack.packb({"protocol": 1, "type": kind})])
+    client.socket.send_multipart([msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": kind})])
     reply = client.receive()
     assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", "type")
     assert isinstance(client.ask(p.Ping(7)), p.Pong)

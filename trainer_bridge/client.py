@@ -91,6 +91,7 @@ class RolloutClient:
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
         self._started = time.monotonic()
         self._closed = self._io.closed
+        self.fleet: Any = None  # the rollout.ray.RolloutFleet this client follows (kept alive with the client)
         self._seed_source = random.SystemRandom()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
@@ -168,9 +169,15 @@ class RolloutClient:
         self._io.command(AskStats(replies))
         try:
             count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
-            return [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
+            answers = [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
+            return [answer for answer in answers if answer is not None]  # None: a worker lost or removed meanwhile
         except queue.Empty:
             raise RolloutError("timeout", "a worker did not answer stats in time (or the client is closed)") from None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the client is closed (calls fail with code "closed")."""
+        return self._closed.is_set()
 
     def close(self) -> None:
         """Stop the I/O thread and close the sockets; calls still waiting fail with RolloutError."""
@@ -245,7 +252,12 @@ class RolloutClient:
         problem = check_address(address)
         if problem is not None:
             raise ValueError(f"address: {problem}")
-        self._membership(AddWorker(address, threading.Event()), timeout)
+        if address.removeprefix("tcp://").rpartition(":")[2] == "*":
+            raise ValueError(f"address: {address}: a worker's address names its port (* is for binding)")
+        command = AddWorker(address, threading.Event())
+        self._membership(command, timeout)
+        if command.error is not None:
+            raise ValueError(f"address: {command.error}")
 
     def remove_worker(self, address: str, timeout: float = 10.0) -> None:
         """Stop using the worker at `address` (nothing when none): its unfinished groups are resubmitted to the
@@ -272,8 +284,9 @@ class RolloutClient:
         Args:
             timeout: most seconds to wait (default: what is left of connect_timeout).
         """
+        added = [worker.added_at for worker in self._io.workers if not worker.retired]
         deadline = min(
-            self._started + self.connect_timeout,
+            max(added, default=self._started) + self.connect_timeout,  # a worker added later gets its own time
             time.monotonic() + (self.connect_timeout if timeout is None else timeout),
         )
         while time.monotonic() < deadline and not self._closed.is_set():

@@ -59,10 +59,11 @@ class AskStats:
 
 @dataclass
 class AddWorker:
-    """Connect to one more worker; `done` is set once it is in the client's list."""
+    """Connect to one more worker; `done` is set once it is in the client's list (or `error` says why not)."""
 
     address: str
     done: threading.Event
+    error: str | None = None
 
 
 @dataclass

@@ -104,7 +104,8 @@ class Dispatcher(Routing):
         if not self.closed.is_set():
             self.closed.set()
             self._waker.wake()
-            self._thread.join(10)
+            if threading.current_thread() is not self._thread:  # (a finalizer may run on it)
+                self._thread.join(10)
 
     def _loop(self) -> None:
         self._poller.register(self._waker.reader, zmq.POLLIN)
@@ -191,7 +192,13 @@ class Dispatcher(Routing):
         """Connect to one more worker (nothing when one at this address is already connected): it gets groups once
         it answered and serves the newest pushed weights."""
         if not any(worker.address == command.address and not worker.retired for worker in self.workers):
-            self.workers.append(WorkerLink(self._context, command.address, self._keys))
+            try:
+                link = WorkerLink(self._context, command.address, self._keys)
+            except (ValueError, zmq.ZMQError) as error:  # the caller raises it; the client goes on
+                command.error = f"{command.address}: {error}"
+                command.done.set()
+                return
+            self.workers.append(link)
             self._stats_sinks.append(deque())
             self._watch(len(self.workers) - 1)
         command.done.set()
@@ -216,6 +223,9 @@ class Dispatcher(Routing):
 
     def _send(self, index: int, message: p.Message, data: list | None = None) -> None:
         if self.workers[index].retired:
+            channel = self._channels.get(getattr(message, "update_id", None))
+            if channel is not None:  # a push that chose this worker before it was removed: it goes on without it
+                channel.put((index, WorkerLost(self.workers[index].address)))
             return
         try:
             if data:  # tensor bytes: handed to ZeroMQ without a copy (it keeps a reference until sent)
@@ -315,7 +325,7 @@ class Dispatcher(Routing):
         for index, worker in enumerate(self.workers):
             if worker.retired:
                 continue
-            if not worker.answered and not worker.warned and now - self._started > self.connect_timeout:
+            if not worker.answered and not worker.warned and now - worker.added_at > self.connect_timeout:
                 worker.warned = True
                 logger.warning(
                     "rollout worker %s never answered within %.0f s (not running, or a wrong address or port?)",
@@ -350,8 +360,8 @@ class Dispatcher(Routing):
                 self._finish(call)
                 continue
             self._dispatch(call)
-        self._stats_sinks[index].clear()  # stats asked of it will not come (those callers time out): a later reply
-        # from the same address must not go to them
+        while self._stats_sinks[index]:  # stats asked of it will not come: its callers count it as none (a later
+            self._stats_sinks[index].popleft().put(None)  # reply from the same address must not go to them)
 
     def _revive(self, index: int) -> None:
         """A worker answered for the first time, or again after it was declared dead: cancel what it no longer

@@ -3,6 +3,7 @@ key at once, and what the I/O thread knows of the worker (answered, alive, outst
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
@@ -30,10 +31,19 @@ class WorkerLink:
         # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
         # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        if keys is not None:
-            secure_client_socket(self.socket, *keys)
-        self.monitor = self.socket.get_monitor_socket(_MONITORED)
-        self.socket.connect(address)
+        try:
+            if keys is not None:
+                secure_client_socket(self.socket, *keys)
+            self.monitor = self.socket.get_monitor_socket(_MONITORED)
+        except BaseException:
+            self.socket.close(linger=0)
+            raise
+        try:
+            self.socket.connect(address)
+        except BaseException:  # an address ZeroMQ refuses (e.g. port "*"): nothing may stay open
+            self.close()
+            raise
+        self.added_at = time.monotonic()  # its connect_timeout counts from here
         # Groups only go to a worker that answered: one that is not up yet (or a wrong address) gets pings only,
         # so nothing queued for it can reach it twice (once queued, once resubmitted) when it comes up.
         self.alive = False

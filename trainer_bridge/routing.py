@@ -77,11 +77,12 @@ class Routing:
     def _unreachable(self) -> str | None:
         """Why no call can be served: every worker refused this client or none answered within connect_timeout
         (None while one answered, or the deadline has not passed)."""
-        workers = [worker for worker in self.workers if not worker.retired]
-        if any(worker.answered for worker in workers):
+        if self._first_answer_at is not None:  # a worker answered once: calls wait for one to be back (their timeout)
             return None
-        waited = time.monotonic() - self._started
-        if waited <= self.connect_timeout and not (workers and all(worker.refused for worker in workers)):
+        workers = [worker for worker in self.workers if not worker.retired]
+        now = time.monotonic()
+        starting = any(now - worker.added_at <= self.connect_timeout for worker in workers)
+        if workers and starting and not all(worker.refused for worker in workers):
             return None
         if not workers:
             return "the client has no rollout worker (every one was removed)"
@@ -98,8 +99,8 @@ class Routing:
         """Why no call can be served although workers are alive: all of them served weights older than the newest
         pushed for longer than connect_timeout (None otherwise)."""
         live = [worker for worker in self.workers if worker.alive]
-        if not live or any(worker.policy_version >= self.min_policy_version for worker in live):
-            self._stale_since = None
+        if not self._parked or not live or any(w.policy_version >= self.min_policy_version for w in live):
+            self._stale_since = None  # (counted only while calls wait: a new call gets the whole connect_timeout)
             return None
         now = time.monotonic()
         if self._stale_since is None:
@@ -118,6 +119,7 @@ class Routing:
         reason, code = (unreachable, "no_workers") if unreachable is not None else (self._stale(), "stale_workers")
         if reason is None or not self._parked:
             return
+        self._stale_since = None
         parked, self._parked = self._parked, []
         for call in parked:
             if self._calls.get(call.group.group_id) is call:

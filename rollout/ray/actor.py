@@ -36,6 +36,7 @@ def worker_parser() -> argparse.ArgumentParser:
     from rollout.service.cli import build_parser
 
     parser = build_parser()
+    parser.allow_abbrev = False  # "--mod" must not pass for --model, a flag the fleet sets
 
     def refuse(message: str) -> None:
         raise _UsageError(message)
@@ -74,14 +75,29 @@ class RolloutWorkerActor:
             http: also serve the OpenAI API on this node's address (a free port, `api_key` required).
             api_key: the HTTP API key.
         """
+
+        from rollout.service.auth import load_key_pair, load_public_key
+
+        self.started_at = time.time()
+        # The certificates exist on disk only while the worker loads them (it keeps them in memory).
+        key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
+        try:
+            files = keys.write(key_dir)
+            self._trainer_secret = load_key_pair(files.trainer_secret)[1]
+            self._worker_public = load_public_key(files.worker_secret)
+            self._running = self._start(argv, files, http, api_key)
+        finally:
+            shutil.rmtree(key_dir, ignore_errors=True)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="rollout-worker-serve", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _start(argv: list[str], files: Any, http: bool, api_key: str | None) -> Any:
         import ray
 
         from rollout.service.startup import start_worker
 
-        self.started_at = time.time()
-        self._keys = keys
-        self._key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
-        self._files = keys.write(self._key_dir)
         host = ray.util.get_node_ip_address()
         bracketed = f"[{host}]" if ":" in host else host
         argv = [
@@ -89,26 +105,27 @@ class RolloutWorkerActor:
             "--bind",
             f"tcp://{bracketed}:*",
             "--curve-secret-key",
-            self._files.worker_secret,
+            files.worker_secret,
             "--trainer-keys",
-            self._files.trainer_keys,
+            files.trainer_keys,
         ]
         if http:
             argv += ["--http", f"{bracketed}:0", "--api-key", api_key or ""]
         parser = worker_parser()
         args = parser.parse_args(argv)
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self._running = start_worker(parser, args)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._serve, name="rollout-worker-serve", daemon=True)
-        self._thread.start()
+        return start_worker(parser, args)
 
     def _serve(self) -> None:
-        status = self._running.serve()
-        shutil.rmtree(self._key_dir, ignore_errors=True)
-        if not self._stopping:  # the engine failed: end the actor's process so that Ray restarts it
-            logger.error("rollout worker stopped by itself (status %d); ending the actor for Ray to restart it", status)
-            os._exit(1)
+        status = 1
+        try:
+            status = self._running.serve()
+        finally:
+            if not self._stopping:  # the engine failed (or serving raised): end the process for Ray to restart it
+                logger.error(
+                    "rollout worker stopped by itself (status %d); ending the actor for Ray to restart it", status
+                )
+                os._exit(1)
 
     def info(self) -> dict[str, Any]:
         """The worker's address, served version, HTTP URL (or None), process id and start time."""
@@ -144,8 +161,8 @@ class RolloutWorkerActor:
                 [address],
                 timeout=timeout,
                 connect_timeout=timeout,
-                curve_secret_key=self._files.trainer_secret,
-                server_public_key=self._files.worker_secret,
+                curve_secret_key=self._trainer_secret,
+                server_public_key=self._worker_public,
             ) as client:
                 try:
                     push_weights(client, self._running.model, version=version, timeout=timeout)

@@ -22,17 +22,16 @@ import math
 import secrets
 import shutil
 import tempfile
-import time
+import threading
 import weakref
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout.ray.actor import RolloutWorkerActor, check_worker_args
+from rollout.ray.actor import check_worker_args
 from rollout.ray.keys import FleetKeys
 from rollout.ray.membership import Membership, Slot
+from rollout.ray.placement import start_workers
 from trainer_bridge.client import RolloutClient
 
 logger = logging.getLogger("rollout.ray")
@@ -52,6 +51,7 @@ class RolloutFleet:
         self._key_dir = tempfile.mkdtemp(prefix="rollout-fleet-")
         self._files = keys.write(self._key_dir)
         self._membership = Membership(options["copy_timeout"])
+        self._scaling = threading.Lock()  # one scale() or shutdown() at a time
         self._closed = False
         self._finalizer = weakref.finalize(self, _shut_down, self._membership, self._key_dir)
 
@@ -157,6 +157,7 @@ class RolloutFleet:
                 **kwargs,
             )
             client.min_policy_version = self._membership.newest()
+            client.fleet = self  # a client keeps its fleet alive (the fleet closes its clients when it shuts down)
             self._membership.clients.add(client)
         return client
 
@@ -170,18 +171,21 @@ class RolloutFleet:
         if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"num_workers: a positive integer (shutdown() stops them all), got {num_workers!r}")
         self._check_open()
-        with self._membership.lock:
-            current = len(self._membership.slots)
-            if num_workers > current:
-                self._add(num_workers - current)
-            elif num_workers < current:
-                self._remove(self._membership.slots[num_workers:])
+        with self._scaling:
+            self._check_open()
+            with self._membership.lock:
+                current = list(self._membership.slots)
+            if num_workers > len(current):
+                self._add(num_workers - len(current))
+            elif num_workers < len(current):
+                self._remove(current[num_workers:])
 
     def shutdown(self) -> None:
         """Stop every worker (in-flight groups are aborted), remove the actors and placement groups, close the clients
         the fleet made. Safe to call twice."""
         self._closed = True
-        self._finalizer()
+        with self._scaling:  # after a scale in progress
+            self._finalizer()
 
     def __enter__(self) -> RolloutFleet:
         return self
@@ -199,74 +203,22 @@ class RolloutFleet:
             raise RuntimeError("the fleet is shut down")
 
     def _add(self, count: int) -> None:
-        """Place `count` workers in a new placement group, start them and join them (see membership.py)."""
-        options = self._options
-        bundles = [dict(options["resources"]) for _ in range(count)]
-        group = placement_group(bundles, strategy=options["strategy"])
+        """Start `count` workers (in free bundles first, then in a new placement group) and join them (see
+        membership.py). Placement and start-up wait outside the membership lock: the monitor keeps serving."""
+        reused = self._membership.take_free_bundles(count)
         try:
-            ray.get(group.ready(), timeout=options["placement_timeout"])
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(group)
-            raise TimeoutError(
-                f"Ray could not place {count} worker(s) of {options['resources']} ({options['strategy']}) within "
-                f"{options['placement_timeout']:g} s: the cluster has {ray.cluster_resources()}, of which "
-                f"{ray.available_resources()} are free. Lower num_workers or resources_per_worker, or add nodes."
-            ) from None
-        resources = options["resources"]
-        actor_options = {
-            "num_cpus": resources.get("CPU", 0),
-            "num_gpus": resources.get("GPU", 0),
-            "resources": {key: value for key, value in resources.items() if key not in ("CPU", "GPU")},
-            "max_restarts": options["max_restarts"],
-            "max_concurrency": 4,  # info() answers while a peer weight copy runs
-        }
-        remote = ray.remote(RolloutWorkerActor)
-        slots = []
-        for bundle in range(count):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
-            actor = remote.options(scheduling_strategy=strategy, **actor_options).remote(
-                options["argv"], self._keys, options["http"], self.api_key
-            )
-            slots.append(Slot(actor, group))
+            slots = start_workers(count, reused, self._options, self._keys, self.api_key)
+        except BaseException:
+            self._membership.give_back(reused)
+            raise
         with self._membership.lock:
             self._membership.slots += slots
-        deadline = time.monotonic() + options["ready_timeout"]
-        try:
-            for index, slot in enumerate(slots):
-                try:
-                    slot.info = ray.get(slot.actor.info.remote(), timeout=max(0.0, deadline - time.monotonic()))
-                except ray.exceptions.GetTimeoutError:
-                    raise TimeoutError(
-                        f"a worker did not serve within ready_timeout={options['ready_timeout']:g} s"
-                    ) from None
-                except ray.exceptions.RayActorError as error:
-                    raise RuntimeError(f"worker {index} of {count} failed to start: {_reason(error)}") from None
-            with self._membership.lock:
-                for slot in slots:
-                    self._membership.join(slot)
-        except BaseException:
-            self._remove(slots)
-            raise
+            for slot in slots:
+                self._membership.join(slot)
 
     def _remove(self, slots: list[Slot]) -> None:
-        """Take the slots' workers out of the clients, stop them and free their placement groups."""
-        _remove_slots(self._membership, slots)
-
-
-def _remove_slots(membership: Membership, slots: list[Slot]) -> None:
-    with membership.lock:
-        for slot in slots:
-            membership.leave(slot)
-        stops = [slot.actor.shutdown.remote() for slot in slots if slot.dead is None]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=30)  # graceful: in-flight groups end "abort"
-        for slot in slots:
-            ray.kill(slot.actor, no_restart=True)
-        membership.slots = [slot for slot in membership.slots if slot not in slots]
-        kept = {id(slot.group) for slot in membership.slots}
-        for group in {id(slot.group): slot.group for slot in slots}.values():
-            if id(group) not in kept:
-                remove_placement_group(group)
+        """Take the slots' workers out of the clients and stop them (in-flight groups are resubmitted)."""
+        self._membership.remove(slots, graceful_s=30)
 
 
 def _shut_down(membership: Membership, key_dir: str) -> None:
@@ -274,19 +226,11 @@ def _shut_down(membership: Membership, key_dir: str) -> None:
     membership.stop()
     try:
         if ray.is_initialized():
-            _remove_slots(membership, list(membership.slots))
+            membership.remove(list(membership.slots), graceful_s=30)  # (their placement groups go with them)
     finally:
         for client in list(membership.clients):
             client.close()
         shutil.rmtree(key_dir, ignore_errors=True)
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error)
-    for line in reversed(text.splitlines()):  # the actor's own exception is the traceback's last line
-        if line.strip() and not line.startswith(" "):
-            return line.strip()
-    return text
 
 
 def _check_launch(num_workers: Any, model: Any, resources: dict, strategy: Any, max_restarts: Any) -> None:
@@ -302,6 +246,8 @@ def _check_launch(num_workers: Any, model: Any, resources: dict, strategy: Any, 
             or not (math.isfinite(value) and value >= 0)
         ):
             raise ValueError(f"resources_per_worker: {key!r}: a resource name and a non-negative amount, got {value!r}")
+    if "object_store_memory" in resources:
+        raise ValueError("resources_per_worker: object_store_memory is not a worker's resource (workers use none)")
     if not any(value > 0 for value in resources.values()):
         raise ValueError(f"resources_per_worker: give each worker some resource (e.g. {{'GPU': 1}}), got {resources}")
     if strategy not in PLACEMENT_STRATEGIES:

@@ -40,6 +40,7 @@ class Slot:
 
     actor: Any  # the Ray actor handle (the same across Ray's restarts)
     group: Any  # its placement group
+    bundle: int  # its bundle in the group
     info: dict[str, Any] | None = None  # the current process's last info (address, version, http, pid, started_at)
     joined: str | None = None  # the address the clients use for it; None while it is not serving
     pending: Any = None  # an info() call in flight
@@ -60,6 +61,7 @@ class Membership:
         self.copy_timeout = copy_timeout
         self.lock = threading.RLock()  # slots, clients and joins: the monitor and the caller's thread
         self.newest_version = 0
+        self.free_bundles: list[tuple[Any, int]] = []  # (placement group, bundle) with no worker, of groups in use
         self.copies: list[dict[str, Any]] = []  # every peer weight copy: from, to, version, seconds (newest last)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,14 +108,22 @@ class Membership:
         except ray.exceptions.RayActorError as error:  # it died (while Ray restarts it, calls wait or say so)
             self.leave(slot)
             slot.failures += 1
-            if slot.failures == DEAD_AFTER_FAILURES:
+            if slot.failures == DEAD_AFTER_FAILURES:  # Ray gave up on it: its bundle is freed for scale() to refill
                 slot.dead = str(error).splitlines()[0]
-                logger.error("rollout fleet: a worker's actor is gone (Ray restarts it no more?): %s", slot.dead)
+                logger.error(
+                    "rollout fleet: a worker's actor is gone for good (%s); the fleet goes on with %d worker(s): "
+                    "scale() replaces it",
+                    slot.dead,
+                    len(self.slots) - 1,
+                )
+                self.remove([slot])
             return
-        slot.failures, slot.dead = 0, None
+        slot.failures = 0
         if slot.incarnation is not None and (info["pid"], info["started_at"]) == slot.incarnation:
             slot.info = info
-            if slot.joined is not None:
+            if slot.joined is None:  # it left (unavailable for a moment, or a join failed) and is back
+                self.join(slot)
+            else:
                 self.newest_version = max(self.newest_version, info["version"])
             return
         if slot.joined is not None:  # Ray restarted it between two polls
@@ -122,9 +132,16 @@ class Membership:
         self.join(slot)
 
     # ---- joining and leaving -----------------------------------------------------------------------------------
+    def live_clients(self) -> list[RolloutClient]:
+        """The clients that follow the fleet (closed ones are dropped)."""
+        for client in list(self.clients):
+            if client.closed:
+                self.clients.discard(client)
+        return list(self.clients)
+
     def newest(self) -> int:
         """The newest policy version: pushed through a client, or served by a joined worker."""
-        pushed = [client.min_policy_version for client in list(self.clients)]
+        pushed = [client.min_policy_version for client in self.live_clients()]
         return max([self.newest_version, *pushed])
 
     def join(self, slot: Slot) -> None:
@@ -141,8 +158,11 @@ class Membership:
                 address,
                 slot.info["version"],
             )
-        for client in list(self.clients):
-            client.add_worker(address)
+        for client in self.live_clients():
+            try:
+                client.add_worker(address)
+            except Exception as error:  # noqa: BLE001 - one client closing meanwhile does not keep it from the rest
+                logger.warning("rollout fleet: adding %s to a client failed: %s", address, error)
         slot.joined = address
         self.newest_version = max(self.newest_version, slot.info["version"])
         logger.info("rollout fleet: %s serves (version %d)", address, slot.info["version"])
@@ -182,7 +202,7 @@ class Membership:
         """Take the slot's worker out of every client (its groups are resubmitted to the others)."""
         if slot.joined is None:
             return
-        for client in list(self.clients):
+        for client in self.live_clients():
             try:
                 client.remove_worker(slot.joined)
             except Exception as error:  # noqa: BLE001 - a closed client has nothing to remove
@@ -192,6 +212,54 @@ class Membership:
 
     def _spread_version(self) -> None:
         newest = self.newest()
-        for client in list(self.clients):
+        for client in self.live_clients():
             if client.min_policy_version < newest:
                 client.min_policy_version = newest
+
+    # ---- removing workers and reusing their bundles -------------------------------------------------------------
+    def remove(self, slots: list[Slot], graceful_s: float = 0.0) -> None:
+        """Take the slots' workers out of the clients, stop them (gracefully within `graceful_s`: in-flight groups
+        end "abort"), kill their actors and free their bundles: a placement group none of whose bundles holds a
+        worker any more is removed; the free bundles of one still in use are reused by the next `Fleet.scale`."""
+        with self.lock:
+            for slot in slots:
+                self.leave(slot)
+            self.slots = [slot for slot in self.slots if slot not in slots]
+        if graceful_s > 0:
+            stops = [slot.actor.shutdown.remote() for slot in slots if slot.dead is None]
+            if stops:
+                ray.wait(stops, num_returns=len(stops), timeout=graceful_s)
+        for slot in slots:
+            ray.kill(slot.actor, no_restart=True)
+        with self.lock:
+            self.free_bundles += [(slot.group, slot.bundle) for slot in slots]
+            self._remove_empty_groups()
+
+    def take_free_bundles(self, count: int) -> list[tuple[Any, int]]:
+        """Up to `count` free bundles of placement groups still in use (they are the caller's now)."""
+        with self.lock:
+            taken, self.free_bundles = self.free_bundles[:count], self.free_bundles[count:]
+            return taken
+
+    def give_back(self, bundles: list[tuple[Any, int]]) -> None:
+        """Bundles taken but not used (a failed scale)."""
+        with self.lock:
+            self.free_bundles += bundles
+            self._remove_empty_groups()
+
+    def _remove_empty_groups(self) -> None:
+        used = {id(slot.group) for slot in self.slots}
+        empty = {id(group): group for group, _ in self.free_bundles if id(group) not in used}
+        self.free_bundles = [(group, bundle) for group, bundle in self.free_bundles if id(group) in used]
+        for group in empty.values():
+            remove_group(group)
+
+
+def remove_group(group: Any) -> None:
+    """Remove a placement group (its resources go back to Ray)."""
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as error:  # noqa: BLE001 - Ray shutting down: its groups go with it
+        logger.debug("removing a placement group: %s", error)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: torch.distributed buckets travel as one broadcast each (1: one per piece)
 # The nonce of the unsolicited pong a worker may send to check that a client's connection is still up.
 PROBE_NONCE = -1
 # Largest frame a worker accepts (a weight bucket's pieces are split below it); larger ones drop the connection.

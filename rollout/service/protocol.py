@@ -4,7 +4,7 @@ bytes. `trainer_bridge` imports this module and `rollout.service.sockets` (nothi
 Transport: ZeroMQ multipart messages. A worker binds a ROUTER socket; clients connect DEALER sockets (the ROUTER
 adds and strips the client's identity frame). Frame 0 of every message is a msgpack map, the header:
 
-    {"protocol": 1, "type": "<message type>", <the message's fields>}
+    {"protocol": 2, "type": "<message type>", <the message's fields>}
 
 Frames after the header carry raw tensor bytes (weight updates only), described by the header, never pickled.
 Decoding checks the protocol version, the type, and every field's presence and type; anything wrong raises
