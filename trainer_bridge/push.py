@@ -9,9 +9,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,38 +21,11 @@ from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksu
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.gathering import Entry, as_wire_bytes
+from trainer_bridge.push_links import NoReply, PushLink, WorkerFailed
 
 logger = logging.getLogger("trainer_bridge.weight_sync")
 
 _WINDOW = 2  # buckets in flight per worker: the next one travels while the previous is staged
-
-
-@dataclass
-class _Link:
-    """One worker's side of a push."""
-
-    index: int
-    address: str
-    transport: str = "frames"
-    specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
-    version: int = 0  # the worker's policy version before the push
-    ready: p.WeightsReady | None = None
-    committed: p.WeightsCommitted | None = None
-    open: bool = False  # begun, neither committed nor rejected
-    segment: Any = None  # shm transport: the attached SharedMemory
-    staging: torch.Tensor | None = None  # shm transport: a uint8 view of the segment
-    pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
-
-
-class _NoReply(Exception):
-    """No reply within a short poll."""
-
-
-class WorkerFailed(Exception):
-    def __init__(self, link: _Link, error: p.Error):
-        super().__init__(error.message)
-        self.link = link
-        self.error = error
 
 
 class WeightPush:
@@ -87,8 +58,8 @@ class WeightPush:
         self.preempt = preempt
         self.update_id = uuid.uuid4().hex
         self.channel = client.open_update_channel(self.update_id)
-        self.links = [_Link(index, client.worker_address(index)) for index in client.wait_connected()]
-        self.lost: list[_Link] = []  # links of workers lost during the push (their segments are closed at the end)
+        self.links = [PushLink(index, client.worker_address(index)) for index in client.wait_connected()]
+        self.lost: list[PushLink] = []  # links of workers lost during the push (their segments are closed at the end)
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
         self.group: Any = None  # torch.distributed group for this push
 
@@ -173,7 +144,7 @@ class WeightPush:
                 if link.ready is not None and link.transport == "shm" and link.segment is None:
                     self._attach(link, specs)
 
-    def _send_begin(self, link: _Link, specs: list[p.TensorSpec], dist_fields: dict[str, Any]) -> None:
+    def _send_begin(self, link: PushLink, specs: list[p.TensorSpec], dist_fields: dict[str, Any]) -> None:
         link.open = True
         link.ready = None
         begin = p.WeightsBegin(
@@ -189,7 +160,7 @@ class WeightPush:
         )
         self.channel.send(link.index, begin)
 
-    def _attach(self, link: _Link, specs: list[p.TensorSpec]) -> None:
+    def _attach(self, link: PushLink, specs: list[p.TensorSpec]) -> None:
         """Open the worker's staging segment; where that fails (another host), fall back to frames."""
         expected = staging_layout(specs)[1]
         try:
@@ -231,7 +202,7 @@ class WeightPush:
         thread.start()
         deadline = time.monotonic() + self.timeout
         while thread.is_alive() and time.monotonic() < deadline:
-            with contextlib.suppress(_NoReply):
+            with contextlib.suppress(NoReply):
                 self._receive(0.05, "weights_ready", quiet=True)
         thread.join(max(0.0, deadline - time.monotonic()))
         if not outcome or isinstance(outcome[0], BaseException):
@@ -242,15 +213,19 @@ class WeightPush:
     def _dist_fields(self) -> dict[str, Any]:
         """A new rendezvous store and group key for this push (a group is never reused: a worker that restarted,
         or another trainer's push in between, would leave a kept one dangling)."""
-        host = self.dist_host or host_towards(self.links[0].address)
+        try:
+            host = self.dist_host or host_towards([link.address for link in self.links])
+        except ValueError as error:
+            raise RolloutError("bad_update", str(error), "dist_host") from None
         self.store = make_store(host, 0, 1 + len(self.links), True, self.timeout)
+        world_size, group = 1 + len(self.links), uuid.uuid4().hex
         return {
             "host": host,
             "port": self.store.port,
-            "world_size": 1 + len(self.links),
+            "world_size": world_size,
             "rank": 1,
             "backend": self.dist_backend,
-            "group": uuid.uuid4().hex,
+            "group": group,
         }
 
     def _send_buckets(self, specs: list[p.TensorSpec]) -> None:
@@ -350,7 +325,7 @@ class WeightPush:
             index, message = self.channel.receive(timeout)
         except RolloutError:
             if quiet:
-                raise _NoReply from None
+                raise NoReply from None
             raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
         if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
             if not any(link.index == index for link in self.links):

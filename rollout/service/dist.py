@@ -38,25 +38,31 @@ def check_dist_fields(fields: dict[str, Any]) -> str | None:
     return None
 
 
-def host_towards(address: str) -> str:
-    """An IP address of this machine that the worker at `address` ("tcp://host:port") can connect back to: loopback
-    for a worker on this machine's loopback (and for ipc:// workers), else the address of the interface that routes
-    to the worker's host (no packet is sent)."""
-    if not address.startswith("tcp://"):
-        return "127.0.0.1"
-    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        ip = ipaddress.ip_address(socket.gethostbyname(host))
-    if ip.is_loopback:
-        return str(ip)
-    probe = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((str(ip), 9))  # a UDP "connect" only picks the route
-        return probe.getsockname()[0]
-    finally:
-        probe.close()
+def host_towards(addresses: list[str]) -> str:
+    """An IP address of this machine that every worker at `addresses` ("tcp://host:port") can connect back to: the
+    address of the interface that routes to the first worker on another host, else loopback (workers on this
+    machine's loopback, ipc://). A worker on this machine accepts this machine's own addresses too.
+
+    Raises:
+        ValueError: a worker host that does not resolve, or no route to it (naming it).
+    """
+    for address in addresses:
+        if not address.startswith("tcp://"):
+            continue
+        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        try:
+            family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+            if ipaddress.ip_address(target[0].split("%")[0]).is_loopback:
+                continue
+            probe = socket.socket(family, socket.SOCK_DGRAM)
+            try:
+                probe.connect(target)  # a UDP "connect" only picks the route (and keeps an IPv6 scope)
+                return probe.getsockname()[0].split("%")[0]
+            finally:
+                probe.close()
+        except OSError as error:
+            raise ValueError(f"no route to worker {address} to choose dist_host by ({error}); give dist_host") from None
+    return "127.0.0.1"
 
 
 def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:

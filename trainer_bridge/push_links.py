@@ -1,0 +1,41 @@
+"""What one weight push keeps per worker (`PushLink`) and the two ways a wait for replies ends early."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.service import protocol as p
+
+
+@dataclass
+class PushLink:
+    """One worker's side of a push."""
+
+    index: int
+    address: str
+    transport: str = "frames"
+    specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    version: int = 0  # the worker's policy version before the push
+    ready: p.WeightsReady | None = None
+    committed: p.WeightsCommitted | None = None
+    open: bool = False  # begun, neither committed nor rejected
+    segment: Any = None  # shm transport: the attached SharedMemory
+    staging: torch.Tensor | None = None  # shm transport: a uint8 view of the segment
+    pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
+
+
+class NoReply(Exception):
+    """No reply within a short poll."""
+
+
+class WorkerFailed(Exception):
+    """A worker answered the push with an error."""
+
+    def __init__(self, link: PushLink, error: p.Error):
+        super().__init__(error.message)
+        self.link = link
+        self.error = error
