@@ -97,14 +97,14 @@ def test_a_value_nested_past_the_recursion_limit_gets_an_error_and_the_worker_ke
     1,000 lists ended `serve()`: the codec's error message repr()s the value and hits RecursionError outside any
     handler. Since dd86ee3 the serving loop survives it; the error is a bad_request naming the field (below)."""
     for field in ("type", "protocol"):
-        frames = [msgpack.packb({"protocol": 1, field: None})[:-1] + b"\x91" * 1000 + b"\xc0"]
+        frames = [msgpack.packb({"protocol": p.PROTOCOL_VERSION, field: None})[:-1] + b"\x91" * 1000 + b"\xc0"]
         assert isinstance(_ask(worker.address, frames), p.Error)
         assert isinstance(_ask(worker.address, p.encode(p.Ping(3))), p.Pong)
 
 
 @pytest.mark.parametrize("field", ["type", "protocol"])
 def test_a_value_nested_past_the_recursion_limit_is_a_bad_request_naming_the_field(worker, field):
-    frames = [msgpack.packb({"protocol": 1, field: None})[:-1] + b"\x91" * 1000 + b"\xc0"]
+    frames = [msgpack.packb({"protocol": p.PROTOCOL_VERSION, field: None})[:-1] + b"\x91" * 1000 + b"\xc0"]
     reply = _ask(worker.address, frames)
     assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", field), reply
 
@@ -132,19 +132,19 @@ def _ping_while(address: str, frames: list[bytes]) -> tuple[float, p.Message]:
 # their length, all lists of a header share one item budget, and lists of small maps are checked in one tight loop.
 STALLS = {
     "weights_bucket_1M_pieces": {
-        "protocol": 1,
+        "protocol": p.PROTOCOL_VERSION,
         "type": "weights_bucket",
         "update_id": "u",
         "pieces": [{"index": 0, "offset": 0, "nbytes": 1}] * 1_000_000,
     },
     "weights_begin_8x1M_shape": {
-        "protocol": 1,
+        "protocol": p.PROTOCOL_VERSION,
         "type": "weights_begin",
         "update_id": "u",
         "tensors": [{"name": "x", "dtype": "float32", "shape": [1] * 1_000_000}] * 8,
     },
     "delta_1M_token_ids": {
-        "protocol": 1,
+        "protocol": p.PROTOCOL_VERSION,
         "type": "delta",
         "group_id": "g",
         "sample_index": 0,
@@ -153,13 +153,13 @@ STALLS = {
         "policy_version": 0,
     },
     "weights_bucket_50k_pieces": {
-        "protocol": 1,
+        "protocol": p.PROTOCOL_VERSION,
         "type": "weights_bucket",
         "update_id": "u",
         "pieces": [{"index": 0, "offset": 0, "nbytes": 1}] * 50_000,
     },
     "group_result_2x1M_token_ids": {
-        "protocol": 1,
+        "protocol": p.PROTOCOL_VERSION,
         "type": "group_result",
         "group_id": "g",
         "prompt_ids": [],
