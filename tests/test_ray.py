@@ -74,7 +74,9 @@ def cluster():
 @pytest.fixture(scope="module")
 def fleet(cluster):
     started = time.monotonic()
-    fleet = RolloutFleet.launch(2, resources_per_worker={"CPU": 1}, worker_args=CPU_WORKER, ready_timeout=120)
+    fleet = RolloutFleet.launch(
+        2, resources_per_worker={"CPU": 1}, worker_args=CPU_WORKER, ready_timeout=120, http=True
+    )
     fleet.launch_s = time.monotonic() - started
     yield fleet
     fleet.shutdown()
@@ -109,6 +111,27 @@ def test_two_workers_serve_groups_like_an_in_process_engine(fleet, client):
     served = worker_stats(client)
     assert all(served[address]["generated_tokens"] > 0 for address in fleet.addresses), "one worker got no group"
     print(f"launch to serving: {fleet.launch_s:.1f} s")
+
+
+def test_http_on_every_worker_with_the_fleets_api_key(fleet):
+    """http=True: each worker serves the OpenAI API on its node's address; the official client with the fleet's key
+    gets the greedy tokens the ZeroMQ path gives, a wrong key gets 401."""
+    import openai
+
+    assert len(fleet.http_urls) == 2 and all(url.startswith("http://") for url in fleet.http_urls)
+    for url in fleet.http_urls:
+        answer = openai.OpenAI(base_url=url + "/v1", api_key=fleet.api_key).completions.create(
+            model="tiny",
+            prompt=[PROMPTS[0]],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        assert answer.choices[0].model_extra["token_ids"] == reference(0, 0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=fleet.http_urls[0] + "/v1", api_key="wrong").completions.create(
+            model="tiny", prompt="x", max_tokens=2
+        )
 
 
 def test_a_killed_worker_restarts_and_copies_the_newest_weights_from_its_peer(fleet, client):
