@@ -248,6 +248,40 @@ def test_shutdown_leaves_no_actor_and_no_worker_process(fleet, client):
         fleet.scale(2)
 
 
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+import torch  # noqa: F401 - imported first, as in a trainer: its exit hooks come before Ray's
+import ray
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 << 20)
+from rollout.ray import RolloutFleet
+fleet = RolloutFleet.launch(1, resources_per_worker={"CPU": 1}, worker_args=sys.argv[1:])
+print(ray.get(fleet.workers[0].info.remote())["pid"], flush=True)
+"""
+
+
+def test_a_fleet_left_running_at_exit_is_shut_down(tmp_path):
+    """A script that never calls shutdown(): the interpreter exits promptly and cleanly, and the worker is gone."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    finished = subprocess.run(
+        [sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, *CPU_WORKER], capture_output=True, text=True, timeout=180
+    )
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert time.monotonic() - started < 90
+    pid = int(finished.stdout.split()[-1])
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(gone, 30, "the worker process to end")
+
+
 def test_threads_left():
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("rollout-fleet")]
     assert not leftover, leftover

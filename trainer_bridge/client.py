@@ -47,6 +47,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
 
+def _worker_address_problem(address: str) -> str | None:
+    """What is wrong with a worker address to connect to (None: nothing)."""
+    problem = check_address(address)
+    if problem is None and address.startswith("tcp://") and address.rpartition(":")[2] == "*":
+        problem = f"{address}: a worker's address names its port (* is for binding)"
+    return problem
+
+
 class RolloutClient:
     """Client of one or several rollout workers. Safe to use from several threads; use `close()` (or `with`)."""
 
@@ -84,7 +92,7 @@ class RolloutClient:
         if not addresses:
             raise ValueError("addresses: give at least one worker address")
         for address in addresses:
-            problem = check_address(address)
+            problem = _worker_address_problem(address)
             if problem is not None:
                 raise ValueError(f"addresses: {problem}")
         keys = None if curve_secret_key is None else (curve_secret_key, server_public_key)
@@ -249,11 +257,9 @@ class RolloutClient:
             address: the worker's address ("tcp://host:port"), with the same keys as the others.
             timeout: most seconds to wait for the I/O thread to take it.
         """
-        problem = check_address(address)
+        problem = _worker_address_problem(address)
         if problem is not None:
             raise ValueError(f"address: {problem}")
-        if address.removeprefix("tcp://").rpartition(":")[2] == "*":
-            raise ValueError(f"address: {address}: a worker's address names its port (* is for binding)")
         command = AddWorker(address, threading.Event())
         self._membership(command, timeout)
         if command.error is not None:

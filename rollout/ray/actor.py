@@ -120,6 +120,9 @@ class RolloutWorkerActor:
         status = 1
         try:
             status = self._running.serve()
+        except BaseException:
+            logger.exception("rollout worker's serving loop failed")
+            raise
         finally:
             if not self._stopping:  # the engine failed (or serving raised): end the process for Ray to restart it
                 logger.error(

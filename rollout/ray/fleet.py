@@ -17,6 +17,7 @@ group, and tells the clients its new address.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import secrets
@@ -110,6 +111,8 @@ class RolloutFleet:
             "copy_timeout": copy_timeout,
         }
         fleet = cls(options, FleetKeys.generate(), secrets.token_urlsafe(24) if http else None)
+        # At exit, before Ray's own exit hook (registered when ray was imported: exit hooks run newest first).
+        atexit.register(fleet._finalizer)
         try:
             fleet._add(num_workers)
         except BaseException:
@@ -212,7 +215,7 @@ class RolloutFleet:
             self._membership.give_back(reused)
             raise
         with self._membership.lock:
-            self._membership.slots += slots
+            self._membership.add_started(slots, reused)
             for slot in slots:
                 self._membership.join(slot)
 
@@ -225,7 +228,7 @@ def _shut_down(membership: Membership, key_dir: str) -> None:
     """Everything `RolloutFleet.shutdown` does; also run by the garbage collector and at interpreter exit."""
     membership.stop()
     try:
-        if ray.is_initialized():
+        if ray.is_initialized():  # (else Ray is gone, and its actors and groups with it)
             membership.remove(list(membership.slots), graceful_s=30)  # (their placement groups go with them)
     finally:
         for client in list(membership.clients):

@@ -62,6 +62,7 @@ class Membership:
         self.lock = threading.RLock()  # slots, clients and joins: the monitor and the caller's thread
         self.newest_version = 0
         self.free_bundles: list[tuple[Any, int]] = []  # (placement group, bundle) with no worker, of groups in use
+        self.reserved: list[tuple[Any, int]] = []  # free bundles a scale is starting workers in (their groups stay)
         self.copies: list[dict[str, Any]] = []  # every peer weight copy: from, to, version, seconds (newest last)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,6 +81,8 @@ class Membership:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
+            if not ray.is_initialized():  # Ray was shut down (by the user, or at exit): any call would start a new one
+                return
             try:
                 self.poll()
             except Exception:  # noqa: BLE001 - the monitor outlives one bad round (Ray shutting down, say)
@@ -222,9 +225,12 @@ class Membership:
         end "abort"), kill their actors and free their bundles: a placement group none of whose bundles holds a
         worker any more is removed; the free bundles of one still in use are reused by the next `Fleet.scale`."""
         with self.lock:
+            slots = [slot for slot in slots if any(slot is kept for kept in self.slots)]  # (each removed once)
             for slot in slots:
                 self.leave(slot)
-            self.slots = [slot for slot in self.slots if slot not in slots]
+            self.slots = [slot for slot in self.slots if not any(slot is gone for gone in slots)]
+        if not slots:
+            return
         if graceful_s > 0:
             stops = [slot.actor.shutdown.remote() for slot in slots if slot.dead is None]
             if stops:
@@ -239,16 +245,28 @@ class Membership:
         """Up to `count` free bundles of placement groups still in use (they are the caller's now)."""
         with self.lock:
             taken, self.free_bundles = self.free_bundles[:count], self.free_bundles[count:]
+            self.reserved += taken
             return taken
+
+    def add_started(self, slots: list[Slot], reused: list[tuple[Any, int]]) -> None:
+        """Slots a scale started (in `reused` bundles and a new group): from now on the monitor watches them."""
+        with self.lock:
+            self.slots += slots
+            self._unreserve(reused)
 
     def give_back(self, bundles: list[tuple[Any, int]]) -> None:
         """Bundles taken but not used (a failed scale)."""
         with self.lock:
+            self._unreserve(bundles)
             self.free_bundles += bundles
             self._remove_empty_groups()
 
+    def _unreserve(self, bundles: list[tuple[Any, int]]) -> None:
+        for taken in bundles:
+            self.reserved = [other for other in self.reserved if other is not taken]
+
     def _remove_empty_groups(self) -> None:
-        used = {id(slot.group) for slot in self.slots}
+        used = {id(slot.group) for slot in self.slots} | {id(group) for group, _ in self.reserved}
         empty = {id(group): group for group, _ in self.free_bundles if id(group) not in used}
         self.free_bundles = [(group, bundle) for group, bundle in self.free_bundles if id(group) in used]
         for group in empty.values():
