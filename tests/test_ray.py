@@ -211,6 +211,22 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
     trainer.rollout_client.close()
 
 
+def test_a_worker_that_missed_a_push_catches_up_from_its_peer(fleet, client):
+    """A push through a client that left one worker out: the fleet copies the newest weights to that worker from its
+    peer within seconds (no further push), and it serves them."""
+    behind = fleet.addresses[1]
+    solo = fleet.client(timeout=60)
+    solo.remove_worker(behind)
+    version = max(entry["policy_version"] for entry in client.stats()) + 1
+    push_weights(solo, tiny_model(3), version=version)
+    solo.close()
+    wait_until(lambda: worker_stats(client).get(behind, {}).get("policy_version") == version, 30, "the catch-up")
+    before = worker_stats(client)[behind]["generated_tokens"]
+    submitted = groups(range(8))
+    check_results(list(client.generate_many(submitted)), submitted, seed=3, version=version)
+    assert worker_stats(client)[behind]["generated_tokens"] > before, "the caught-up worker got no group"
+
+
 def test_too_few_resources_is_a_clear_error_within_the_timeout(cluster):
     groups_before = created_groups()
     started = time.monotonic()

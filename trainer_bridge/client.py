@@ -99,6 +99,8 @@ class RolloutClient:
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
         self._started = time.monotonic()
         self._closed = self._io.closed
+        self._open_updates: set[str] = set()  # weight updates whose channel is open
+        self._updates_lock = threading.Lock()
         self.fleet: Any = None  # the rollout.ray.RolloutFleet this client follows (kept alive with the client)
         self._seed_source = random.SystemRandom()
         self._ids = itertools.count()
@@ -317,7 +319,19 @@ class RolloutClient:
             raise RolloutError("closed", "the client is closed")
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._io.command(OpenChannel(update_id, replies))
+        with self._updates_lock:
+            self._open_updates.add(update_id)
         return UpdateChannel(self, update_id, replies)
+
+    @property
+    def updating(self) -> bool:
+        """Whether a weight update (`push_weights`) through this client is open."""
+        with self._updates_lock:
+            return bool(self._open_updates)
+
+    def _update_closed(self, update_id: str) -> None:
+        with self._updates_lock:
+            self._open_updates.discard(update_id)
 
     # ---- caller side ------------------------------------------------------------------------------------------
     def _submit(self, group: PromptGroup, stream: bool, sink: Any = None) -> Call:

@@ -40,3 +40,4 @@ class UpdateChannel:
     def close(self) -> None:
         """Stop routing replies to this channel."""
         self.client._io.command(CloseChannel(self.update_id))
+        self.client._update_closed(self.update_id)

@@ -9,7 +9,9 @@ any client pushed (`min_policy_version`) or any joined worker served; every clie
 workers that serve it.
 
 When no peer holds the newest version (they all restarted), the worker joins with what it has; the clients send it
-nothing until the trainer's next push reaches it.
+nothing until the trainer's next push reaches it. A joined worker that missed a push (it joined while the push went
+to the others, or was frozen through it) is caught up from a peer once it stayed behind for CATCH_UP_S with no push
+open: it leaves the clients, takes the copy and joins again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from trainer_bridge.client import RolloutClient
 logger = logging.getLogger("rollout.ray")
 
 POLL_S = 0.25  # between two rounds of info calls
+# A joined worker behind the newest version this long, with no push open, is caught up from a peer (it joined while
+# a push went to the others, or was frozen through one).
+CATCH_UP_S = 2.0
 # While Ray restarts an actor its calls wait; calls that keep failing mean Ray gave up on it (restarts exhausted).
 DEAD_AFTER_FAILURES = 3
 # "The actor is restarting" (Ray >= 2.30 names it; older versions make calls wait instead).
@@ -45,6 +50,7 @@ class Slot:
     joined: str | None = None  # the address the clients use for it; None while it is not serving
     pending: Any = None  # an info() call in flight
     failures: int = 0  # info calls failed in a row
+    behind_since: float | None = None  # since when it serves (joined) an older version than the newest
     dead: str | None = None  # why its actor is gone, once its info calls keep failing (Ray stopped restarting it)
 
     @property
@@ -100,6 +106,7 @@ class Membership:
                 if slot.pending is not None and slot.pending in ready and not self._stop.is_set():
                     self._update(slot)
             self._spread_version()
+            self._catch_up()
 
     def _update(self, slot: Slot) -> None:
         reference, slot.pending = slot.pending, None
@@ -212,6 +219,29 @@ class Membership:
                 logger.debug("removing %s from a client: %s", slot.joined, error)
         logger.info("rollout fleet: %s left", slot.joined)
         slot.joined = None
+
+    def _catch_up(self) -> None:
+        """Copy the newest weights from a peer to a joined worker that stayed behind them for CATCH_UP_S while no push
+        was open: it leaves the clients (none of its groups is lost), takes the copy, and joins again."""
+        now, newest = time.monotonic(), self.newest()
+        clients = self.live_clients()
+        for slot in list(self.slots):
+            if slot.joined is None or slot.info is None or slot.info["version"] >= newest:
+                slot.behind_since = None
+                continue
+            if slot.behind_since is None:
+                slot.behind_since = now
+            elif now - slot.behind_since >= CATCH_UP_S and not any(client.updating for client in clients):
+                if any(peer.joined and peer.info and peer.info["version"] >= newest for peer in self.slots):
+                    logger.info(
+                        "rollout fleet: %s serves version %d, behind %d: copying from a peer",
+                        slot.joined,
+                        slot.info["version"],
+                        newest,
+                    )
+                    self.leave(slot)
+                    self.join(slot)
+                slot.behind_since = None
 
     def _spread_version(self) -> None:
         newest = self.newest()
