@@ -57,6 +57,14 @@ def worker_stats(client: RolloutClient) -> dict[str, dict]:
     return {entry["address"]: entry for entry in client.stats()}
 
 
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def wait_until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -248,15 +256,7 @@ def test_shutdown_leaves_no_actor_and_no_worker_process(fleet, client):
     assert groups_before
     fleet.shutdown()
     fleet.shutdown()  # twice is fine
-
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_until(lambda: all(gone(pid) for pid in pids), 30, "the worker processes to end")
+    wait_until(lambda: all(process_gone(pid) for pid in pids), 30, "the worker processes to end")
     assert not created_groups() & groups_before, "a placement group was left behind"
     with pytest.raises(Exception, match="closed"):
         client.generate(groups([0])[0])
@@ -287,15 +287,7 @@ def test_a_fleet_left_running_at_exit_is_shut_down(tmp_path):
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert time.monotonic() - started < 90
     pid = int(finished.stdout.split()[-1])
-
-    def gone() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    wait_until(gone, 30, "the worker process to end")
+    wait_until(lambda: process_gone(pid), 30, "the worker process to end")
 
 
 def test_threads_left():
