@@ -67,7 +67,6 @@ class Dispatcher(Routing):
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.connect_timeout = connect_timeout
-        self._started = time.monotonic()
         self._first_answer_at: float | None = None  # when the first worker answered
         self._context = zmq.Context()
         self._keys = keys

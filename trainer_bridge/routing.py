@@ -33,7 +33,6 @@ class Routing:
     min_policy_version: int
     connect_timeout: float
     heartbeat_s: float
-    _started: float
     _first_answer_at: float | None
     _calls: dict[str, Call]
     _by_wire: dict[str, Call]
