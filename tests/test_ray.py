@@ -1,5 +1,5 @@
 """`rollout.ray.RolloutFleet` on a local Ray cluster started here (2 CPU workers of the tiny preset, one fleet for the
-module; the tests run in order and share it). References: an in-process `generate_batch` of the same weights
+module; the tests run in order and share it). References: transformers' own `generate` of the same weights
 (greedy), the versions each completion carries, the worker processes themselves (gone after shutdown), and TRL's own
 GRPO metrics for the trainer test.
 """
@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
-from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
 from rollout.ray import RolloutFleet  # noqa: E402
 from rollout.service.presets import tiny_model  # noqa: E402
 from trainer_bridge import PromptGroup, RolloutClient, push_weights  # noqa: E402
@@ -27,16 +27,20 @@ GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 24}
 
 @functools.cache
 def reference(seed: int, prompt_index: int) -> list[int]:
-    """Greedy tokens of an in-process tiny_model(seed) for PROMPTS[prompt_index]."""
-    sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=GREEDY["max_new_tokens"])
-    output = generate_batch(
-        tiny_model(seed),
-        [PROMPTS[prompt_index]],
-        progress_bar=False,
-        sampling=sampling,
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=16),
-    )["req_0"]
-    return list(output.generated_tokens)
+    """Greedy tokens of transformers' own `generate` with tiny_model(seed) for PROMPTS[prompt_index] (no stop token)."""
+    model = tiny_model(seed)
+    prompt = torch.tensor([PROMPTS[prompt_index]])
+    with torch.no_grad():
+        output = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=GREEDY["max_new_tokens"],
+            min_new_tokens=GREEDY["max_new_tokens"],
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return output[0, prompt.shape[1] :].tolist()
 
 
 def groups(indices) -> list[PromptGroup]:
@@ -44,7 +48,7 @@ def groups(indices) -> list[PromptGroup]:
 
 
 def check_results(results, submitted: list[PromptGroup], seed: int, version: int) -> None:
-    """Every group came back once, every sample greedy-equal to the in-process reference, from weights `version`."""
+    """Every group came back once, every sample greedy-equal to transformers' generate, from weights `version`."""
     assert sorted(r.group_id for r in results) == sorted(g.group_id for g in submitted), "a group lost or duplicated"
     by_id = {g.group_id: PROMPTS.index(g.prompt_ids) for g in submitted}
     for result in results:
@@ -110,7 +114,7 @@ def test_bad_launch_arguments_are_named():
             RolloutFleet.launch(**{"num_workers": 1, **kwargs})
 
 
-def test_two_workers_serve_groups_like_an_in_process_engine(fleet, client):
+def test_two_workers_serve_groups_like_transformers_generate(fleet, client):
     assert len(fleet.addresses) == len(fleet.workers) == 2 and all(a.startswith("tcp://") for a in fleet.addresses)
     assert sorted(client.worker_addresses) == sorted(fleet.addresses)
     assert len(client.stats()) == 2  # both answered: the groups are balanced over both, none waits for a worker
