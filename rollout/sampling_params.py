@@ -212,3 +212,7 @@ class SamplingParams:
 
 def _as_plain(value: Any) -> Any:
     return [_as_plain(item) for item in value] if isinstance(value, tuple | list) else value
+
+
+# Every SamplingParams field name (what a `sampling` map or keyword may name).
+SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))

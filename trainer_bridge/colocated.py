@@ -24,7 +24,6 @@ read it where it was); the next `generate` wakes it (`wake()` does it ahead of t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import operator
 from collections.abc import Callable, Iterable, Iterator
@@ -37,13 +36,12 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.request import Request
+from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service.groups import GroupInFlight
 from trainer_bridge.calls import GroupResult, PromptGroup
 from trainer_bridge.gathering import gathered
 
 __all__ = ["ColocatedEngine"]
-
-_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
 
 
 class ColocatedEngine:
@@ -215,7 +213,7 @@ class ColocatedEngine:
                 requests.append(self.engine.intake.prepare(group_id, group.prompt_ids, sampling, group.n))
             except FieldError as error:
                 # The worker's names: a sampling setting is "sampling.<field>".
-                field = f"sampling.{error.field}" if error.field in _SAMPLING_FIELDS else error.field
+                field = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
                 raise FieldError(f"groups[{index}].{field}", error.reason) from None
         return requests
 

@@ -11,10 +11,10 @@ name.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from rollout.config import SamplingParams
+from rollout.sampling_params import SAMPLING_FIELDS
 
 # GRPOConfig fields the workers' sampling follows.
 HONOURED = (
@@ -55,7 +55,6 @@ REFUSED = {
 VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # vLLM options about detokenization: the workers return token ids, so they change nothing.
 NO_EFFECT_KWARGS = ("spaces_between_special_tokens", "detokenize")
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
 def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
@@ -86,7 +85,7 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
     if not isinstance(extra_stops, (list, tuple)):
         raise ValueError(f"generation_kwargs['stop_token_ids'] must be a list of token ids, got {extra_stops!r}")
     stops += [token for token in extra_stops if token not in stops]
-    unknown = sorted(set(extra) - _SAMPLING_FIELDS)
+    unknown = sorted(set(extra) - SAMPLING_FIELDS)
     if unknown:
         raise ValueError(
             f"generation_kwargs {unknown} are not supported: give rollout SamplingParams fields, or the vLLM "

@@ -261,8 +261,9 @@ class Engine:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._undelivered)
 
     def close(self) -> None:
-        """Abort what is left and give the model back its attention implementation. Outputs not returned yet are
-        dropped (call `flush()` first to get them). Idempotent."""
+        """Abort what is left, give the model back its attention implementation, and free the KV cache, the swap
+        space and the decode graphs at once (on CUDA their cached blocks go back to the device), whoever still
+        holds this engine. Outputs not returned yet are dropped (call `flush()` first to get them). Idempotent."""
         self._drain()
         self._undelivered = []
         for group_id in list(self._open_groups):
@@ -275,6 +276,9 @@ class Engine:
         for what in [what for what, count in held.items() if count]:  # every request ended: a slot or row held leaks
             logger.error("engine closed with %d %s still held", held[what], what)
         self.runner.close()
+        self.kv_cache.release()
+        if self.kv_cache.kv.device.type == "cuda":  # the allocator keeps freed blocks for this process otherwise
+            torch.cuda.empty_cache()
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:

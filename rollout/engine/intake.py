@@ -16,6 +16,7 @@ from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, Fie
 from rollout.detokenizer import OutputText
 from rollout.engine.request import Request, sample_id
 from rollout.generation_config import GenerationDefaults
+from rollout.sampling_params import SAMPLING_FIELDS
 
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
@@ -195,3 +196,27 @@ class RequestIntake:
         if sampling.max_new_tokens is None:
             fill["max_new_tokens"] = self.default_sampling.max_new_tokens
         return dataclasses.replace(sampling, **fill)
+
+    def with_fields(
+        self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
+    ) -> SamplingParams | None:
+        """`sampling` (or the generation config's defaults) with per-request keyword fields applied (the manager's
+        `add_request(..., temperature=0.7, eos_token_id=...)`).
+
+        Args:
+            sampling: the request's SamplingParams, or None.
+            eos_token_id: the request's stop token(s), or None.
+            fields: SamplingParams fields by name.
+        Raises:
+            FieldError: `sampling` is no SamplingParams, or a keyword is no SamplingParams field.
+        """
+        if eos_token_id is None and not fields:
+            return sampling
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        unknown = sorted(set(fields) - SAMPLING_FIELDS)
+        if unknown:
+            raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
+        if eos_token_id is not None:
+            fields["stop_token_ids"] = eos_token_id
+        return (sampling if sampling is not None else self.default_sampling).merged(**fields)

@@ -12,9 +12,9 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -31,8 +31,6 @@ from rollout.engine.weight_queue import WeightUpdateQueue
 from rollout.engine.weight_table import WeightUpdateResult
 
 logger = logging.getLogger(__name__)
-
-SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 
 
 class QueueFullError(RuntimeError):
@@ -68,17 +66,27 @@ class ContinuousBatchingManager(ResultReading):
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
+        # The helpers call back into the manager through a weak proxy, never a bound method or a closure over self:
+        # a reference back would put the manager, its engine and the KV cache in a cycle that only a garbage
+        # collection frees. While the engine thread runs, the thread itself keeps the manager alive.
+        owner = weakref.proxy(self)
+        commands = self._commands
         self._pauses = PauseGate(
-            lambda request: self._commands.put(PauseLoop(request)), self.is_running, lambda: self.error
+            lambda request: commands.put(PauseLoop(request)), lambda: owner.is_running(), lambda: owner.error
         )
         self._num_queued = 0  # groups added but not yet handed to the engine
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_id = 0
-        self._loop = EngineLoop(self)
+        self._loop = EngineLoop(owner)
         self._updates = WeightUpdateQueue(
-            self.engine, self._state, self._commands.put, self._deliver, self.is_running, lambda: self._closed
+            self.engine,
+            self._state,
+            commands.put,
+            lambda outputs: owner._deliver(outputs),
+            lambda: owner.is_running(),
+            lambda: owner._closed,
         )
         self.started_at: float | None = None
         self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
@@ -93,7 +101,8 @@ class ContinuousBatchingManager(ResultReading):
             return self
         if self._stop.is_set():
             raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching")
-        self._thread = threading.Thread(target=self._loop.run, name="rollout-engine", daemon=True)
+        # The thread holds the manager (its args) until its loop returns: a running manager is never collected.
+        self._thread = threading.Thread(target=_run_loop, args=(self,), name="rollout-engine", daemon=True)
         self.started_at = time.time()
         self._thread.start()
         return self
@@ -202,7 +211,7 @@ class ContinuousBatchingManager(ResultReading):
             ValueError: bad input, naming the field (also a keyword that is no SamplingParams field).
             QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
         """
-        sampling = self._with_fields(sampling, eos_token_id, sampling_fields)
+        sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
         with self._state:
             if request_id is None:
                 request_id = f"req_{self._next_id}"
@@ -272,21 +281,6 @@ class ContinuousBatchingManager(ResultReading):
             raise TypeError("add_requests() generates one id per request; use add_request to give your own")
         common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
         return [self.add_request(prompt, **common, **request_fields) for prompt in inputs]
-
-    def _with_fields(
-        self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
-    ) -> SamplingParams | None:
-        """`sampling` (or the generation config's defaults) with per-request keyword fields applied."""
-        if eos_token_id is None and not fields:
-            return sampling
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
-        unknown = sorted(set(fields) - SAMPLING_FIELDS)
-        if unknown:
-            raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
-        if eos_token_id is not None:
-            fields["stop_token_ids"] = eos_token_id
-        return (sampling if sampling is not None else self.engine.intake.default_sampling).merged(**fields)
 
     @property
     def num_return_sequences(self) -> int:
@@ -380,6 +374,11 @@ class ContinuousBatchingManager(ResultReading):
             idle_s=self.idle_s,
         )
         return stats
+
+
+def _run_loop(manager: ContinuousBatchingManager) -> None:
+    """The engine thread's body (a function of the manager, so that the thread keeps it alive while it runs)."""
+    manager._loop.run()
 
 
 def init_continuous_batching(

@@ -17,7 +17,7 @@ from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_tables import BlockTables
-from rollout.engine.cuda_graphs import DecodeGraphs
+from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.transfer import to_device
@@ -75,10 +75,11 @@ class ModelRunner:
         self._fp32_hook = None
         self._in_step = False  # the hook projects only in this runner's forwards, not in other users' of the model
         self._suspended = False  # the model was given back by suspend()
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
-        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
-        self._decode_forward = self._forward
+        # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
+        # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
+        # only a garbage collection frees.
+        self._forward: DecodeForward = ModelForward(model, self.device)
+        self._decode_forward: DecodeForward = self._forward
         if config.decode_compile_config is not None:
             self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
         self.decode_graphs: DecodeGraphs | None = None
@@ -135,13 +136,14 @@ class ModelRunner:
         return fp32_projection(module, inputs, output) if self._in_step else None
 
     def close(self) -> None:
-        """Release the model: the last runner to close gives it back its attention implementation and training
-        mode. Idempotent."""
+        """Release the model (the last runner to close gives it back its attention implementation and training
+        mode), the decode graphs and their memory pool, and the compiled forward. Idempotent."""
         if not self._closed:
             self._closed = True
             if self._fp32_hook is not None:
                 self._fp32_hook.remove()
-            self.decode_graphs = None  # frees the graphs' memory pool
+            self.decode_graphs = None  # frees the graphs and their memory pool
+            self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
                 _release(self.model)
 
@@ -249,20 +251,35 @@ class ModelRunner:
             inputs.device_tokens = (index[0], unresolved.token_ids.index_select(0, index[1]))
         return inputs
 
-    def _forward(
+
+class ModelForward:
+    """The model call of a step: packed input ids and positions, the paged metadata, the rows to keep -> logits
+    (in the model's dtype) at the packed positions `keep`."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        """
+        Args:
+            model: the transformers causal LM, already switched to paged attention by its runner.
+            device: where its parameters live.
+        """
+        self.model = model
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
+        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
     ) -> torch.Tensor:
-        """The model call of a step: logits (in the model's dtype) at the packed positions `keep`."""
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
         logits = self.model(
             input_ids=input_ids,
             position_ids=positions,
-            attention_mask=self._no_mask,
+            attention_mask=self.no_mask,
             use_cache=False,
             rollout_metadata=metadata,
             **kwargs,
         ).logits[0]
-        return logits if self._logits_to_keep else logits[keep]
+        return logits if self.logits_to_keep else logits[keep]
 
 
 def _text_config(model: torch.nn.Module):

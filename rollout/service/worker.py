@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 
 import zmq
 
@@ -26,6 +27,7 @@ from rollout.config import FieldError, SamplingParams
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
 from rollout.engine.outputs import GenerationOutput
 from rollout.mailbox import drain
+from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
@@ -38,7 +40,6 @@ from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 logger = logging.getLogger(__name__)
 
 # Engine-side field names -> the protocol's.
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 MAX_PIECES = 1 << 16  # pieces in one weight bucket
 MAX_TENSORS = 1 << 16  # tensors in one weight update
 
@@ -88,8 +89,14 @@ class RolloutWorker:
             auth.secure(self._socket)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)  # per frame; larger drops the link
         self._socket.setsockopt(zmq.LINGER, 0)
+        # Helpers call back through a weak proxy, never a bound method: a reference back would put the worker (its
+        # manager, model and staging area) in a cycle that only a garbage collection frees.
+        owner = weakref.proxy(self)
         self._links = ClientLinks(
-            self._socket, self.limits.max_pending_bytes, self.limits.client_timeout_s, self._client_lost
+            self._socket,
+            self.limits.max_pending_bytes,
+            self.limits.client_timeout_s,
+            lambda identity, reason: owner._client_lost(identity, reason),
         )
         self._socket.bind(bind)
         # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
@@ -111,7 +118,7 @@ class RolloutWorker:
         self._finish_reasons = {reason: 0 for reason in ("stop", "length", "abort", "error")}
         self._updates = UpdateSlot(
             manager,
-            self._send,
+            lambda identity, message: owner._send(identity, message),
             self._waker.wake,
             self.limits.max_update_phase_s,
             tracer=self._tracer,
@@ -270,7 +277,7 @@ class RolloutWorker:
             if isinstance(error, QueueFullError):
                 self._send(identity, p.Error("busy", str(error), None, message.group_id))
                 return
-            name = f"sampling.{error.field}" if error.field in _SAMPLING_FIELDS else error.field
+            name = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
             self._send(identity, p.Error("bad_request", f"{name}: {error.reason}", name, message.group_id))
             return
         self.groups_received += 1
