@@ -67,6 +67,9 @@ def test_every_section_is_a_valid_command_of_the_issue():
     assert bench["throughput"].workload == "nano" and bench["throughput"].details
     assert bench["grpo"].device == "cuda" and not bench["grpo"].no_transformers
     assert bench["grpo-step"].device == "cuda" and bench["grpo-step"].systems is None  # all four
+    nano = bench["grpo-step-nano"]
+    assert (nano.device, nano.model, nano.systems) == ("cuda", "nano", ["rollout_colocate"])
+    assert chosen["throughput"].budget_flag == "--time-budget"  # it shares its time out among its systems
     weights = bench["weights"]
     assert (weights.device, weights.dtype, weights.size_mb) == ("cuda", "bfloat16", 1200)
     assert weights.transports == ["frames", "shm"]
@@ -293,3 +296,76 @@ def test_rollout_bench_starts_without_the_service_dependencies():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_plan_runs_every_section_once_in_calls_that_fit_the_device():
+    """`--plan`: each call's command is a valid gpu-report command of at most 2000 characters whose sections' time
+    fits a 9-minute call; the first call is the headline; later calls merge the earlier report."""
+    from rollout.benchmarks.gpu_plan import CALLS, MINUTES_PER_CALL, call_command, render_plan
+
+    ceilings = {s.name: s.timeout_s for s in gpu_report.sections(TESTS_DIR)}
+    assert sorted(name for call in CALLS for name in call.sections) == sorted(gpu_report.SECTION_NAMES)
+    assert set(CALLS[0].sections) == {"kernel-tests", "throughput", "grpo-step-nano"}
+    for number, call in enumerate(CALLS):
+        command = call_command(call, first=number == 0)
+        assert len(command) <= 2000
+        assert call.budget_s <= MINUTES_PER_CALL * 60 - 30  # the wheels' install and start-up fit in the rest
+        assert min(ceilings[name] for name in call.sections) <= call.budget_s
+        bench_argv = command.split("python3 -m rollout.benchmarks.cli ")[1].split()
+        args = cli.build_parser().parse_args([a.replace("$OUT", "/out") for a in bench_argv])
+        assert args.only == list(call.sections) and args.budget_s == call.budget_s
+        assert (args.merge == []) == (number == 0)
+    plan = render_plan()
+    assert plan.count("command: ") == len(CALLS) and "pip download" in plan
+
+
+def test_plan_needs_no_gpu(capsys):
+    parser, args = _parse(["gpu-report", "--plan"])
+    assert gpu_report.main(args, parser) == 0
+    assert "Call 1: the headline" in capsys.readouterr().out
+
+
+def test_a_budget_cuts_the_sections_and_the_report_keeps_what_finished(tmp_path):
+    """--budget-s: a section gets at most what is left (a budgeted command is told its share), the report is written
+    after every section, and a later call merges it."""
+    told = tmp_path / "told"
+    budgeted = gpu_report.Section(
+        "throughput",
+        "budgeted",
+        (sys.executable, "-c", f"import sys; open({str(told)!r}, 'w').write(sys.argv[-1]); print('{{}}')", "--x"),
+        600,
+        budget_flag="--time-budget",
+    )
+    chosen = [
+        _section("grpo", 'print(\'{"benchmark": "grpo"}\')'),
+        budgeted,
+        _section("weights", "import time; time.sleep(600)"),
+    ]
+    out = tmp_path / "first"
+    start = time.monotonic()
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull, budget_s=30) == 1
+    assert time.monotonic() - start < 60  # the hanging section got only what was left of the 30 s
+    assert float(told.read_text()) <= 30 - 20 + 1  # its share, less the margin to print its summary
+    sections = json.loads((out / "gpu_report.json").read_text())["sections"]
+    assert [sections[name]["status"] for name in ("grpo", "throughput", "weights")] == ["ok", "ok", "timeout"]
+    merged = gpu_report._earlier_results(out / "gpu_report.json")
+    with open(os.devnull, "w") as devnull:  # the next call (a fresh machine) runs weights again and keeps the rest
+        assert (
+            gpu_report.run_report(
+                [_section("weights", "print('{}')")], tmp_path / "second", MACHINE, devnull, merged=merged
+            )
+            == 0
+        )
+    sections = json.loads((tmp_path / "second" / "gpu_report.json").read_text())["sections"]
+    assert list(sections) == ["throughput", "grpo", "weights"] and sections["weights"]["status"] == "ok"
+
+
+def test_merge_refuses_what_is_not_a_report(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parser, args = _parse(
+            ["gpu-report", "--merge", str(tmp_path / "bad.json"), "--skip", "gpu-tests", "kernel-tests"]
+        )
+        gpu_report.main(args, parser)
+    assert "not an earlier call's gpu_report.json" in capsys.readouterr().err

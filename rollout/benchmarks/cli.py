@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from rollout.benchmarks import fleet, gpu_report, grpo, grpo_step, load, service, throughput, weights
+from rollout.benchmarks import (
+    fleet,
+    gpu_report,
+    grpo,
+    grpo_step,
+    load,
+    service,
+    systems,
+    throughput,
+    weights,
+    workloads,
+)
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -16,17 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     tp = commands.add_parser("throughput", help="generated tokens/s vs transformers' generate_batch and generate")
     tp.add_argument(
         "--workload",
-        choices=sorted(throughput.WORKLOADS),
+        choices=sorted(workloads.WORKLOADS),
         default="cpu-small",
         help="workload, see docs/architecture.md, Benchmark workloads (default: cpu-small)",
     )
     tp.add_argument(
         "--systems",
         nargs="+",
-        choices=sorted(throughput.SYSTEMS),
+        choices=sorted(systems.SYSTEMS),
         default=None,
-        help="systems to run, in order (default: all three for cpu-small; rollout and transformers_generate_batch "
-        "for nano)",
+        help="systems to run, in order, each in its own process (default: rollout, transformers_generate_batch "
+        "and transformers_generate for cpu-small; rollout, rollout_sequential and transformers_generate_batch for "
+        "nano)",
     )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed (default: 0)")
     tp.add_argument(
@@ -36,7 +48,24 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument(
         "--no-warmup",
         action="store_true",
-        help="skip the untimed warm-up run of each system (a few short prompts, so compilation is not timed)",
+        help="skip each system's untimed warm-up (rollout: every decode graph captured, every prompt prefilled and the "
+        "longest requests run, so compilation is not timed; transformers: a few short prompts)",
+    )
+    tp.add_argument(
+        "--system-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="each system's own time limit, warm-up and repeats included; a system past it is reported as a timeout "
+        "and the others still run (default: 600 for cpu-small, 420 for nano)",
+    )
+    tp.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the most the whole run may take: each system (and --details) gets at most an equal share of what is "
+        "left when it starts (default: no budget)",
     )
     tp.add_argument(
         "--details",
@@ -92,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"timed steps per system, after {grpo_step.WARMUP_STEPS} warm-up steps (default: {grpo_step.STEPS})",
     )
     gs.add_argument(
+        "--model",
+        choices=sorted(grpo_step.MODEL_SHAPES),
+        default="tiny",
+        help="the policy: tiny (the main job's model, default) or nano (the Qwen3-0.6B architecture, bf16 mixed "
+        "precision, 32 rows of 256 new tokens; not with rollout_server)",
+    )
+    gs.add_argument(
         "--max-staleness",
         default=None,
         help="comma-separated bounds, e.g. 0,1,2: run rollout_server once per bound (RolloutGRPOTrainer "
@@ -131,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "gpu-report":
         raise SystemExit(gpu_report.main(args, parser))
+    for flag in ("system_timeout", "time_budget"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.command == "grpo-step":
@@ -146,7 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                 parser.error(f"--max-staleness {args.max_staleness}: bounds must be >= 0")
             if args.systems:
                 parser.error("--max-staleness runs rollout_server only: leave out --systems")
-        summary = grpo_step.run(args.systems, args.device, args.steps, bounds)
+        if args.model != "tiny" and (bounds is not None or "rollout_server" in (args.systems or grpo_step.SYSTEMS)):
+            parser.error(f"--model {args.model}: rollout_server runs the tiny preset only; pass --systems without it")
+        summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model)
     elif args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":
@@ -158,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             args.details,
             warmup=not args.no_warmup,
             num_prompts=args.num_prompts,
+            system_timeout_s=args.system_timeout,
+            time_budget_s=args.time_budget,
         )
     elif args.command == "load":
         load.check_arguments(parser, args)

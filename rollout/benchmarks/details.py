@@ -1,29 +1,30 @@
-"""Extra figures of `rollout-bench throughput --details`, from one more (instrumented) run of this engine:
+"""Extra figures of `rollout-bench throughput --details`, from instrumented runs of this engine in a process of
+their own (`isolated.py`), each engine warmed up first:
 
 - decode roofline fraction: per pure-decode step, the bytes it must read (every weight once, plus the KV of every
   sequence's context) over the step's measured forward time, divided by the device's memory bandwidth, measured in
   the same run with a device-to-device copy;
 - peak memory (CUDA: `max_memory_allocated`);
-- logprob fidelity: |rollout logprob - teacher-forced logprob| of every generated token, where the teacher-forced
-  one comes from the same transformers model (its own attention, same dtype) run over prompt + completion; with and
-  without `fp32_logits` (the reference then projects in fp32 too);
+- logprob fidelity (fidelity.py): on the workload's model with its logits scaled to realistic entropy, |rollout
+  logprob - teacher-forced logprob| of every generated token against the trainer's own floor (its padded-batch vs
+  one-sequence forward), with and without `fp32_logits` (the reference then projects in fp32 too);
 - the engine's host time per decode step at 64 and 256 running sequences, and its phases (host_time.py).
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from rollout.benchmarks.fidelity import fidelity_against_floor, scale_to_entropy
 from rollout.benchmarks.host_time import run_host_time
-from rollout.benchmarks.throughput import stage
+from rollout.benchmarks.progress import stage
+from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
-from rollout.engine.model_runner import fp32_projection
 
 
 def device_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
@@ -45,10 +46,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _warm(engine: Engine, prompts: list[list[int]], max_new: list[int]) -> None:
+    """Untimed: every prompt prefilled and the longest requests decoded to their end, so each kernel variant a run
+    of these requests asks for (prefill tiles, split-K at long contexts) is compiled before anything is timed."""
+    longest = sorted(range(len(prompts)), key=lambda index: -max_new[index])[:8]
+    warm = [(prompts[i], 1) for i in range(len(prompts))] + [(prompts[i], max_new[i]) for i in longest]
+    for index, (prompt, count) in enumerate(warm):
+        engine.add_request(
+            f"w{index}", prompt, SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=count)
+        )
+    while engine.has_unfinished():
+        engine.step()
+    engine.block_manager.reset_prefix_cache()  # the timed run computes its prompts again
+
+
 def instrumented_run(
-    model: torch.nn.Module, prompts: list[list[int]], max_new: list[int], engine_config: dict, fp32_logits: bool
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new: list[int],
+    engine_config: dict,
+    fp32_logits: bool,
+    warm: bool = True,
 ) -> tuple[dict[str, Any], list[list[float]], list[list[int]]]:
     """Run the engine once with a timing probe around each forward.
+
+    Args:
+        warm: first compile what the run will ask for, untimed (see below); off when only the outputs matter.
 
     Returns:
         (decode step figures, logprobs per prompt, generated tokens per prompt).
@@ -56,6 +79,8 @@ def instrumented_run(
     device = next(model.parameters()).device
     engine = Engine(model, ContinuousBatchingConfig(**engine_config, fp32_logits=fp32_logits))
     engine.warmup()  # decode CUDA graphs captured before any step is timed
+    if warm:
+        _warm(engine, prompts, max_new)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     shape = engine.kv_cache.shape
     kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * engine.kv_cache.kv.element_size()
@@ -98,51 +123,52 @@ def instrumented_run(
     return figures, [outputs[k].logprobs for k in order], [outputs[k].generated_tokens for k in order]
 
 
-@torch.inference_mode()
-def teacher_forced_logprobs(
-    model: torch.nn.Module, prompt: list[int], tokens: list[int], fp32_head: bool = False
-) -> torch.Tensor:
-    """Log-probs of `tokens` after `prompt` from one ordinary forward of the model (fp32 log_softmax of its
-    logits, in the model's own dtype up to there; with `fp32_head`, the output projection in fp32, as TRL's
-    cast_lm_head_to_fp32 does)."""
+def measure_details(
+    system: str, workload: str, seed: int = 0, num_prompts: int | None = None, fidelity_prompts: int = 32
+) -> dict[str, Any]:
+    """The figures of this module's docstring for the workload, as a JSON-able dict (`isolated.py` runs this in a
+    process of its own).
+
+    Args:
+        system: "rollout" (the only one instrumented).
+        workload: a key of WORKLOADS.
+        seed: model and prompt seed.
+        num_prompts: the workload's first requests only.
+        fidelity_prompts: requests whose logprobs are compared (the reference forwards cost a model forward each).
+    """
+    if system != "rollout":
+        raise ValueError(f"details instrument rollout only, not {system!r}")
+    chosen = WORKLOADS[workload]
+    model, prompts, max_new = make_workload(chosen, seed)
+    prompts, max_new = prompts[:num_prompts], max_new[:num_prompts]
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt + tokens], device=device)
-    head = model.get_output_embeddings()
-    hook = head.register_forward_hook(fp32_projection) if fp32_head else None
-    try:
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    finally:
-        if hook is not None:
-            hook.remove()
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens, device=device).unsqueeze(1))[:, 0].cpu()
-
-
-def run_details(base_model: torch.nn.Module, prompts: list[list[int]], max_new: list[int], engine_config: dict) -> dict:
-    """The figures of this module's docstring, as a JSON-able dict."""
-    device = next(base_model.parameters()).device
     bandwidth = device_bandwidth(device)
     details: dict[str, Any] = {"device_bandwidth_gb_per_s": round(bandwidth / 1e9, 1)}
+    stage("details: instrumented run (decode roofline)")
+    figures, _, _ = instrumented_run(model, prompts, max_new, chosen.cache_config(), False)
+    details["decode_roofline_fraction"] = round(figures["decode_bytes_per_s"] / bandwidth, 3)
+    details["median_decode_step_ms"] = round(figures["median_decode_step_ms"], 2)
+    details["decode_steps"] = figures["decode_steps"]
+    details["peak_memory_gib"] = None if figures["peak_memory_gib"] is None else round(figures["peak_memory_gib"], 2)
+    count = min(fidelity_prompts, len(prompts))
+    details["entropy_nats"] = round(scale_to_entropy(model, [p[:128] for p in prompts[:4]]), 3)
     for fp32_logits in (False, True):
-        model = copy.deepcopy(base_model)
-        stage(f"details: instrumented run, fp32_logits={fp32_logits}")
-        figures, logprobs, tokens = instrumented_run(model, prompts, max_new, engine_config, fp32_logits)
-        deltas = torch.cat(
-            [
-                (torch.tensor(lp) - teacher_forced_logprobs(model, prompt, out, fp32_logits)).abs()
-                for prompt, out, lp in zip(prompts, tokens, logprobs)
-            ]
-        )
         key = "fp32_logits" if fp32_logits else "default"
+        stage(f"details: logprob fidelity, {key}, {count} requests at {details['entropy_nats']} nats")
+        lengths = [min(m, 256) for m in max_new[:count]]
+        _, logprobs, tokens = instrumented_run(
+            model, prompts[:count], lengths, chosen.cache_config(), fp32_logits, warm=False
+        )
+        found = fidelity_against_floor(model, prompts[:count], tokens, logprobs, fp32_logits)
         details[key] = {
-            "logprob_abs_diff_mean": float(deltas.mean()),
-            "logprob_abs_diff_max": float(deltas.max()),
+            "logprob_abs_diff_mean": found["rollout"]["mean"],
+            "logprob_abs_diff_p99": found["rollout"]["p99"],
+            "logprob_abs_diff_max": found["rollout"]["max"],
+            "floor_abs_diff_mean": found["floor"]["mean"],
+            "floor_abs_diff_p99": found["floor"]["p99"],
+            "within_floor": found["rollout"]["mean"] <= found["floor"]["mean"]
+            and found["rollout"]["p99"] <= found["floor"]["p99"],
         }
-        if not fp32_logits:
-            details["decode_roofline_fraction"] = round(figures["decode_bytes_per_s"] / bandwidth, 3)
-            details["median_decode_step_ms"] = round(figures["median_decode_step_ms"], 2)
-            details["decode_steps"] = figures["decode_steps"]
-            details["peak_memory_gib"] = figures["peak_memory_gib"]
-        del model
     stage("details: host time per step")
     host_time = run_host_time(device.type)
     details["host_ms_per_step"] = {size: figures["host"] for size, figures in host_time.items()}

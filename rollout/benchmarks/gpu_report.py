@@ -3,16 +3,22 @@ JSON file.
 
 Sections, each in its own subprocess (a crash or a hang in one is reported and the next still runs), in order:
 
-  gpu-tests     pytest -m gpu tests/gpu (bf16 parity on the Triton kernels, graph replay, sync-free steps, ...)
-  kernel-tests  tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured for real
-  throughput    rollout-bench throughput --workload nano --details: rollout, rollout_sequential and transformers'
-                generate_batch tokens/s, decode roofline fraction, peak memory, bf16 logprob fidelity
-  grpo          rollout-bench grpo --device cuda: 32 prompts x n=8 vs transformers' generate_batch
-  weights       rollout-bench weights: a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over
-                ZeroMQ frames and shared memory: GB/s, commit pause, pause beyond the copy
+  gpu-tests       pytest -m gpu tests/gpu (bf16 parity on the Triton kernels, graph replay, sync-free steps, ...)
+  kernel-tests    tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured for real
+  throughput      rollout-bench throughput --workload nano --details: rollout, rollout_sequential and transformers'
+                  generate_batch tokens/s (each in its own process, warmed up, the same KV budget in bytes), decode
+                  roofline fraction, peak memory, bf16 logprob fidelity against the trainer's own floor
+  grpo-step-nano  rollout-bench grpo-step --model nano: colocated GRPO steps on the Qwen3-0.6B architecture, peak
+                  memory and the memory each sleep() hands to the training step
+  grpo            rollout-bench grpo --device cuda: 32 prompts x n=8 vs transformers' generate_batch
+  grpo-step       rollout-bench grpo-step --device cuda: the main job's steps, colocated and server vs TRL's paths
+  weights         rollout-bench weights: a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over
+                  ZeroMQ frames and shared memory: GB/s, commit pause, pause beyond the copy
 
-Writes DIR/gpu_report.md, DIR/gpu_report.json and each section's output as DIR/<section>.log. Exits 1 when any
-test failed or any section did not finish, 2 without a CUDA GPU (before running anything).
+Writes DIR/gpu_report.md, DIR/gpu_report.json (after every section: a call cut short keeps what finished) and each
+section's output as DIR/<section>.log. `--plan` prints the device calls that produce the whole report on fresh
+machines, each under 9 minutes, and `--merge` joins earlier calls' reports. Exits 1 when any test failed or any
+section did not finish, 2 without a CUDA GPU (before running anything).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +41,8 @@ from rollout.benchmarks.sections import Section, run_section
 
 def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
     """The report's sections, in the order they run. Timeouts are ceilings well above what each should take on an
-    H100, so a hang is reported rather than waited out; `--only` splits a run across several shorter calls."""
+    H100, so a hang is reported rather than waited out; `--only` splits a run across several shorter calls
+    (`--plan` prints them) and `--budget-s` caps a whole call."""
     bench = (python, "-m", "rollout.benchmarks.cli")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     return [
@@ -43,17 +51,36 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             "kernel-tests",
             "Triton kernels and CUDA graphs, compiled",
             (*pytest, str(tests_dir / "test_triton_attention.py"), str(tests_dir / "test_cuda_graphs.py")),
-            120,
+            90,
             tests=True,
         ),
         Section(
             "throughput",
             "nano workload",
             (*bench, "throughput", "--workload", "nano", "--details", "--repeats", "1"),
-            420,
+            330,
             benchmark="throughput",
+            budget_flag="--time-budget",
         ),
-        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 240, benchmark="grpo"),
+        Section(
+            "grpo-step-nano",
+            "colocated GRPO steps, Qwen3-0.6B architecture",
+            (
+                *bench,
+                "grpo-step",
+                "--device",
+                "cuda",
+                "--model",
+                "nano",
+                "--systems",
+                "rollout_colocate",
+                "--steps",
+                "3",
+            ),
+            150,
+            benchmark="grpo-step",
+        ),
+        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 200, benchmark="grpo"),
         Section(
             "grpo-step",
             "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
@@ -66,7 +93,7 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             "weights into a GPU worker",
             (*bench, "weights", "--device", "cuda", "--dtype", "bfloat16", "--size-mb", "1200")
             + ("--transports", "frames", "shm", "--repeats", "3"),
-            240,
+            150,
             benchmark="weights",
         ),
     ]
@@ -90,6 +117,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the checkout's tests folder, for the test sections (default: tests, relative to the current folder)",
     )
     parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the most this whole run may take: each section gets at most what is left (a section cut short is "
+        "reported as a timeout, and the report is still written); default: each section's own ceiling",
+    )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="gpu_report.json files of earlier calls (e.g. on other, fresh machines) whose sections join this report "
+        "unless run again",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the device calls (each under 9 minutes on a fresh H100) that produce the whole report, and exit",
+    )
+    parser.add_argument(
         "--fresh",
         action="store_true",
         help="start a new report; by default sections run earlier into the same --out (e.g. split with --only) "
@@ -99,7 +148,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the chosen sections and write the report; the exit status (0 ok, 1 something failed, 2 no GPU, 130
-    interrupted)."""
+    interrupted). With `--plan`, print the device calls instead (no GPU needed)."""
+    if args.plan:
+        from rollout.benchmarks.gpu_plan import render_plan
+
+        print(render_plan())
+        return 0
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"gpu-report: --budget-s must be > 0, got {args.budget_s}")
+    earlier: dict[str, SectionResult] = {}
+    for path in args.merge:
+        found = _earlier_results(path)
+        if not found:
+            parser.error(f"gpu-report: --merge {path}: not an earlier call's gpu_report.json (missing or unreadable)")
+        earlier.update(found)
     chosen = [
         s
         for s in sections(args.tests_dir)
@@ -125,7 +187,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         return 2
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated report still kills its section and writes the report
-    return run_report(chosen, args.out, environment(), keep_earlier=not args.fresh)
+    return run_report(
+        chosen, args.out, environment(), keep_earlier=not args.fresh, budget_s=args.budget_s, merged=earlier
+    )
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -133,9 +197,16 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def run_report(
-    chosen: list[Section], out: Path, machine: dict[str, Any], stream: TextIO = sys.stdout, keep_earlier: bool = True
+    chosen: list[Section],
+    out: Path,
+    machine: dict[str, Any],
+    stream: TextIO = sys.stdout,
+    keep_earlier: bool = True,
+    budget_s: float | None = None,
+    merged: dict[str, SectionResult] | None = None,
 ) -> int:
-    """Run `chosen` one after another, write gpu_report.md and gpu_report.json into `out`, print the table.
+    """Run `chosen` one after another; after each, write gpu_report.md and gpu_report.json into `out` (a call cut
+    short keeps what finished) and print the table at the end.
 
     Args:
         chosen: the sections to run, in order.
@@ -143,15 +214,20 @@ def run_report(
         machine: the environment() figures the report's header names.
         stream: where the sections' output and progress lines go.
         keep_earlier: keep the results of sections an earlier report in `out` ran and this one does not.
+        budget_s: the most seconds the whole run may take; each section gets at most what is left.
+        merged: sections of earlier calls' reports (`--merge`), kept unless run again (after those in `out`).
 
     Returns:
         0 when every section of the report finished and no test failed, 130 when interrupted, else 1.
     """
     out.mkdir(parents=True, exist_ok=True)
-    earlier = _earlier_results(out / "gpu_report.json") if keep_earlier else {}
+    earlier = {**(merged or {}), **(_earlier_results(out / "gpu_report.json") if keep_earlier else {})}
     results: dict[str, SectionResult] = {}
     interrupted = False
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     for index, section in enumerate(chosen, 1):
+        if deadline is not None:
+            section = section.within(max(1.0, deadline - time.monotonic()))
         _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}")
         try:
             result = run_section(section, out, stream)
@@ -160,8 +236,27 @@ def run_report(
             interrupted = True
         results[section.name] = result
         _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {result.status} in {result.seconds:.0f} s")
+        markdown, ok = _write(out, machine, results, earlier, interrupted)
         if interrupted:
             break
+    reused = [name for name in SECTION_NAMES if name in earlier and name not in results]
+    _say(stream, markdown)
+    _say(
+        stream,
+        f"gpu-report: {'all sections ok' if ok else 'FAILED'}; wrote {out / 'gpu_report.md'} and gpu_report.json"
+        + (f" (kept from earlier runs: {', '.join(reused)}; --fresh starts over)" if reused else ""),
+    )
+    return 130 if interrupted else 0 if ok else 1
+
+
+def _write(
+    out: Path,
+    machine: dict[str, Any],
+    results: dict[str, SectionResult],
+    earlier: dict[str, SectionResult],
+    interrupted: bool,
+) -> tuple[str, bool]:
+    """Write the report of what ran so far (and what earlier runs kept); (its markdown, whether all is ok)."""
     order = [name for name in SECTION_NAMES if name in results or name in earlier]
     report_results = [results.get(name) or earlier[name] for name in order]
     markdown = render_markdown(machine, report_results)
@@ -170,14 +265,7 @@ def run_report(
     report["sections"] = {result.name: asdict(result) for result in report_results}
     (out / "gpu_report.md").write_text(markdown)
     (out / "gpu_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    reused = [name for name in order if name not in results]
-    _say(stream, markdown)
-    _say(
-        stream,
-        f"gpu-report: {'all sections ok' if ok else 'FAILED'}; wrote {out / 'gpu_report.md'} and gpu_report.json"
-        + (f" (kept from an earlier run: {', '.join(reused)}; --fresh starts over)" if reused else ""),
-    )
-    return 130 if interrupted else 0 if ok else 1
+    return markdown, ok
 
 
 def _say(stream: TextIO, text: str) -> None:

@@ -10,31 +10,96 @@ shape; on CUDA it is the nano model (the Qwen3-0.6B architecture, bf16).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
+from typing import Any
 
 import torch
 
-from rollout.benchmarks.throughput import (
-    WARMUP_PROMPTS,
-    WARMUP_TOKENS,
-    WORKLOADS,
-    _sync,
-    make_workload,
-    run_rollout,
-    run_transformers_generate_batch,
-    stage,
-)
+from rollout.benchmarks.isolated import run_system
+from rollout.benchmarks.progress import stage
+from rollout.benchmarks.systems import WARMUP_PROMPTS, WARMUP_TOKENS, run_transformers_generate_batch, sync
+from rollout.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
 NUM_PROMPTS, GROUP_SIZE = 32, 8
 PROMPT_LEN, OUTPUT_LEN = (128, 512), (32, 256)
+SYSTEMS = ("rollout", "transformers_generate_batch")
+SYSTEM_TIMEOUT_S = 300.0
+
+
+def _requests(workload: Workload, seed: int, num_prompts: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    vocab = workload.model_config["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))] for _ in range(num_prompts)]
+    return prompts, [rng.randint(*OUTPUT_LEN) for _ in range(num_prompts)]
+
+
+def _run_groups(engine: Engine, prompts: list[list[int]], max_new: list[int], seed: int, device: str) -> float:
+    """Every prompt as a group of GROUP_SIZE samples; seconds until all finished."""
+    for index, (prompt, count) in enumerate(zip(prompts, max_new)):
+        sampling = SamplingParams(do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed + index)
+        engine.add_request(f"g{index}", prompt, sampling, n=GROUP_SIZE, max_new_tokens=count)
+    sync(device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure_system(system: str, device: str, seed: int = 0, num_prompts: int = NUM_PROMPTS) -> dict[str, Any]:
+    """Warm `system` up, then time the groups (`isolated.py` runs this in a process of its own).
+
+    Args:
+        system: "rollout" or "transformers_generate_batch".
+        device: "cpu" or "cuda".
+        seed: model and prompt seed.
+        num_prompts: groups to run.
+    """
+    workload = WORKLOADS["nano" if device == "cuda" else "cpu-small"]
+    model, _, _ = make_workload(workload, seed)
+    prompts, max_new = _requests(workload, seed, num_prompts)
+    generated = GROUP_SIZE * sum(max_new)
+    if system == "transformers_generate_batch":
+        warm = min(WARMUP_PROMPTS, len(prompts))
+        stage("transformers_generate_batch: warm-up")
+        run_transformers_generate_batch(model, prompts[:warm], [WARMUP_TOKENS] * warm, workload)
+        stage(f"transformers_generate_batch: {num_prompts} groups of {GROUP_SIZE} (greedy, the same requests)")
+        rows = [p for p in prompts for _ in range(GROUP_SIZE)]
+        seconds, _ = run_transformers_generate_batch(
+            model, rows, [m for m in max_new for _ in range(GROUP_SIZE)], workload
+        )
+        return {"seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1)}
+    if system != "rollout":
+        raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS)}")
+    engine = Engine(model, ContinuousBatchingConfig(**workload.cache_config()))
+    try:
+        stage("rollout: warm-up")
+        engine.warmup()
+        _run_groups(engine, prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts)), seed, device)
+        engine.block_manager.reset_prefix_cache()  # the timed groups prefill their prompts themselves
+        computed_before, generated_before = engine.num_computed_tokens, engine.num_generated_tokens
+        stage(f"rollout: {num_prompts} groups of {GROUP_SIZE}")
+        seconds = _run_groups(engine, prompts, max_new, seed, device)
+        computed = engine.num_computed_tokens - computed_before
+        if engine.num_generated_tokens - generated_before != generated:
+            raise RuntimeError("rollout did not generate the requested lengths")
+    finally:
+        engine.close()
+    return {
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(generated / seconds, 1),
+        "generated_tokens": generated,
+        # Every sample feeds back all its tokens but the last; the rest of what was computed is prompt.
+        "prompt_tokens_computed": computed - GROUP_SIZE * sum(m - 1 for m in max_new),
+        "prompt_tokens_without_sharing": GROUP_SIZE * sum(len(p) for p in prompts),
+    }
 
 
 def run(device: str | None = None, seed: int = 0, transformers: bool = True, num_prompts: int = NUM_PROMPTS) -> dict:
-    """Run the workload and return the JSON-able summary (also printed).
+    """Run the workload, each system in its own process, and return the JSON-able summary (also printed).
 
     Args:
         device: "cpu" or "cuda" (default: cuda when available).
@@ -44,73 +109,41 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True, num
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     workload = WORKLOADS["nano" if device == "cuda" else "cpu-small"]
-    base_model, _, _ = make_workload(workload, seed)
-    rng = random.Random(seed)
-    vocab = workload.model_config["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_LEN))] for _ in range(num_prompts)]
-    max_new = [rng.randint(*OUTPUT_LEN) for _ in range(num_prompts)]
-
-    # Untimed warm-ups of both systems on a few short requests: compilation and first-call costs stay out.
-    warm_prompts, warm_lengths = prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts))
-    stage("rollout: warm-up")
-    run_rollout(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
-    if transformers:
-        stage("transformers_generate_batch: warm-up")
-        run_transformers_generate_batch(copy.deepcopy(base_model), warm_prompts, warm_lengths, workload)
-    stage(f"rollout: {num_prompts} groups of {GROUP_SIZE}")
-    model = copy.deepcopy(base_model)
-    engine = Engine(model, ContinuousBatchingConfig(**workload.engine_config))
-    for index, (prompt, count) in enumerate(zip(prompts, max_new)):
-        sampling = SamplingParams(do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed + index)
-        engine.add_request(f"g{index}", prompt, sampling, n=GROUP_SIZE, max_new_tokens=count)
-    _sync(device)
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    engine.close()
-    generated = GROUP_SIZE * sum(max_new)
-    assert engine.num_generated_tokens == generated
-    # Every sample feeds back all its tokens but the last; the rest of what was computed is prompt.
-    prompt_computed = engine.num_computed_tokens - GROUP_SIZE * sum(m - 1 for m in max_new)
-    prompt_unshared = GROUP_SIZE * sum(len(p) for p in prompts)
-    summary = {
+    options = dict(device=device, seed=seed, num_prompts=num_prompts)
+    rollout = run_system("grpo", "rollout", options, SYSTEM_TIMEOUT_S)
+    summary: dict[str, Any] = {
         "benchmark": "grpo",
         "device": device,
         "model": workload.name,
         "prompts": num_prompts,
         "group_size": GROUP_SIZE,
-        "generated_tokens": generated,
-        "rollout": {"seconds": round(elapsed, 3), "tokens_per_s": round(generated / elapsed, 1)},
-        "prompt_tokens_computed": prompt_computed,
-        "prompt_tokens_without_sharing": prompt_unshared,
+        "kv_budget_bytes": workload.kv_budget_bytes(),
+        "generated_tokens": rollout.get("generated_tokens"),
+        "rollout": rollout,
+        "prompt_tokens_computed": rollout.get("prompt_tokens_computed"),
+        "prompt_tokens_without_sharing": rollout.get("prompt_tokens_without_sharing"),
     }
-    stage(f"rollout: {elapsed:.2f} s")
-    del model
+    print(f"grpo workload on {device} ({workload.name} model): {num_prompts} prompts x n={GROUP_SIZE}")
+    print(f"rollout: {_figure(rollout)}")
     if transformers:
-        stage(f"transformers_generate_batch: {num_prompts} groups of {GROUP_SIZE}")
-        rows = [p for p in prompts for _ in range(GROUP_SIZE)]
-        lengths = [m for m in max_new for _ in range(GROUP_SIZE)]
-        seconds, _ = run_transformers_generate_batch(copy.deepcopy(base_model), rows, lengths, workload)
-        summary["transformers_generate_batch"] = {
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(generated / seconds, 1),
-        }
-        summary["speedup_vs_transformers_generate_batch"] = round(seconds / elapsed, 2)
-    print(
-        f"grpo workload on {device} ({workload.name} model): {num_prompts} prompts x n={GROUP_SIZE}, "
-        f"{generated} generated tokens"
-    )
-    print(f"rollout: {summary['rollout']['tokens_per_s']:.1f} tokens/s")
-    if transformers:
-        print(
-            f"transformers generate_batch (greedy, the same 256 requests): "
-            f"{summary['transformers_generate_batch']['tokens_per_s']:.1f} tokens/s "
-            f"(rollout {summary['speedup_vs_transformers_generate_batch']:.2f}x)"
+        theirs = summary["transformers_generate_batch"] = run_system(
+            "grpo", "transformers_generate_batch", options, SYSTEM_TIMEOUT_S
         )
-    print(
-        f"prompt tokens computed: {prompt_computed} (without sharing: {prompt_unshared}, "
-        f"{prompt_unshared / max(prompt_computed, 1):.1f}x more)"
-    )
+        print(f"transformers generate_batch (greedy, the same requests): {_figure(theirs)}")
+        if rollout.get("tokens_per_s") and theirs.get("tokens_per_s"):
+            summary["speedup_vs_transformers_generate_batch"] = round(
+                rollout["tokens_per_s"] / theirs["tokens_per_s"], 2
+            )
+            print(f"rollout {summary['speedup_vs_transformers_generate_batch']:.2f}x transformers' generate_batch")
+    if rollout["status"] == "ok":
+        computed, unshared = rollout["prompt_tokens_computed"], rollout["prompt_tokens_without_sharing"]
+        print(
+            f"prompt tokens computed: {computed} (without sharing: {unshared}, {unshared / max(computed, 1):.1f}x more)"
+        )
     return summary
+
+
+def _figure(result: dict[str, Any]) -> str:
+    if result["status"] != "ok":
+        return f"{result['status'].upper()} after {result['seconds']:.0f} s (see its output above)"
+    return f"{result['tokens_per_s']:.1f} tokens/s"

@@ -28,7 +28,6 @@ a second GPU: `CUDA_VISIBLE_DEVICES` of the two processes), since on one device 
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import statistics
@@ -40,6 +39,14 @@ from typing import Any
 SYSTEMS = ("rollout_colocate", "rollout_server", "trl_generate", "trl_generate_batch")
 STEPS, WARMUP_STEPS = 5, 2
 KV_BLOCKS = 512  # the main job's worker cache (512 blocks of 16 tokens), for both rollout systems
+# Policy shapes: the main job's tiny model, or the Qwen3-0.6B architecture in bf16 mixed precision with 256 new
+# tokens per sample (the nano workload's model in a GRPO step).
+MODEL_SHAPES = {
+    "tiny": dict(),
+    "nano": dict(bf16=True, max_completion_length=256, per_device_train_batch_size=32, learning_rate=1e-6),
+}
+COLOCATED_KV_BLOCKS = {"tiny": KV_BLOCKS, "nano": 2048}  # nano: 32 rows of up to ~300 tokens, several times over
+SYSTEM_TIMEOUT_S = 540.0
 
 
 def _config(output_dir: str, steps: int, device: str, **overrides: Any) -> Any:
@@ -92,9 +99,45 @@ def _device_sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_STEPS, max_staleness: int = 0) -> dict:
+def _model(shape: str, device: str) -> Any:
+    """The policy: the main job's tiny model, or the Qwen3-0.6B architecture (random weights; the tiny tokenizer
+    still writes the prompts, and completion ids past its vocabulary decode to nothing)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.benchmarks.workloads import QWEN3_0_6B
+    from rollout.service.presets import tiny_model
+
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; one of {list(MODEL_SHAPES)}")
+    torch.manual_seed(0)
+    model = tiny_model(0) if shape == "tiny" else AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_0_6B))
+    return model.to(device)
+
+
+def measure_system(
+    system: str,
+    device: str,
+    steps: int = STEPS,
+    warmup: int = WARMUP_STEPS,
+    max_staleness: int = 0,
+    model: str = "tiny",
+) -> dict:
+    """`run_one` under the name `isolated.py` calls (in a process of its own)."""
+    return run_one(system, device, steps, warmup, max_staleness, model)
+
+
+def run_one(
+    system: str,
+    device: str,
+    steps: int = STEPS,
+    warmup: int = WARMUP_STEPS,
+    max_staleness: int = 0,
+    model_shape: str = "tiny",
+) -> dict:
     """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory
-    (`max_staleness`: rollout_server's bound; the timed steps' tokens per second and policy lag are added)."""
+    (`max_staleness`: rollout_server's bound; the timed steps' tokens per second and policy lag are added;
+    rollout_colocate on CUDA: the memory each `sleep()` hands back to the training step)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import tempfile
 
@@ -103,10 +146,12 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
     from trl import GRPOTrainer
 
     from rollout.config import ContinuousBatchingConfig
-    from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_prompts
+    from rollout.service.presets import letter_reward, tiny_tokenizer, toy_prompts
 
-    torch.manual_seed(0)
-    model = tiny_model(0).to(device)
+    if system == "rollout_server" and model_shape != "tiny":
+        raise ValueError("rollout_server runs its worker on the tiny preset only; use --model tiny for it")
+    model = _model(model_shape, device)
+    shape = MODEL_SHAPES[model_shape]
     common = dict(reward_funcs=letter_reward, train_dataset=Dataset.from_dict({"prompt": toy_prompts(256, 0)}))
     common["processing_class"] = tiny_tokenizer()
     output = tempfile.mkdtemp(prefix="grpo_step_")
@@ -117,15 +162,15 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
 
         if system == "rollout_colocate":
             rollout = dict(rollout_mode="colocate", sleep_between_rounds=True)
-            rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=KV_BLOCKS)
+            rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=COLOCATED_KV_BLOCKS[model_shape])
         else:
             worker, address = _start_worker(device)
             rollout = dict(rollout_workers=address, max_staleness=max_staleness)
-        trainer = RolloutGRPOTrainer(model=model, args=_config(output, total, device), **common, **rollout)
+        trainer = RolloutGRPOTrainer(model=model, args=_config(output, total, device, **shape), **common, **rollout)
     elif system == "trl_generate":
-        trainer = GRPOTrainer(model=model, args=_config(output, total, device), **common)
+        trainer = GRPOTrainer(model=model, args=_config(output, total, device, **shape), **common)
     elif system == "trl_generate_batch":
-        config = _config(output, total, device, use_transformers_continuous_batching=True)
+        config = _config(output, total, device, use_transformers_continuous_batching=True, **shape)
         trainer = GRPOTrainer(model=model, args=config, **common)
     else:
         raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS)}")
@@ -134,6 +179,10 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
     trainer._generate_single_turn = clock.timed("generation", trainer._generate_single_turn)
     if system.startswith("rollout"):
         trainer.rollout.sync_weights = clock.timed("weight_sync", trainer.rollout.sync_weights)
+    sleeps: list[int] = []  # bytes each colocated sleep() handed back to the allocator's users (CUDA)
+    if system == "rollout_colocate" and device == "cuda":
+        engine = trainer.rollout.engine
+        engine.sleep = _measured_sleep(engine.sleep, sleeps)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -159,11 +208,25 @@ def run_one(system: str, device: str, steps: int = STEPS, warmup: int = WARMUP_S
     rows = trainer.args.per_device_train_batch_size
     tokens = sum(entry["completions/mean_length"] * rows for entry in logs)
     result["tokens_per_s"] = round(tokens / sum(step["step"] for step in timed), 1)
+    if sleeps:
+        result["sleep_frees_gib"] = round(statistics.median(sleeps) / 2**30, 3)
     if system == "rollout_server":
         result["max_staleness"] = max_staleness
         result["lag_mean"] = round(statistics.mean(entry["rollout/policy_lag_mean"] for entry in logs), 3)
         result["lag_max"] = max(entry["rollout/policy_lag_max"] for entry in logs)
     return result
+
+
+def _measured_sleep(sleep: Any, freed: list[int]) -> Any:
+    """`ColocatedEngine.sleep`, recording the CUDA memory it frees (allocated bytes before minus after)."""
+    import torch
+
+    def measured() -> None:
+        before = torch.cuda.memory_allocated()
+        sleep()
+        freed.append(before - torch.cuda.memory_allocated())
+
+    return measured
 
 
 def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
@@ -200,18 +263,22 @@ def run(
     device: str | None = None,
     steps: int = STEPS,
     max_staleness: list[int] | None = None,
+    model: str = "tiny",
 ) -> dict:
-    """Each system in its own process; print the table and return the JSON-able summary (`rollout-bench` prints it).
+    """Each system in its own process (its result printed as one JSON line as it finishes); print the table and
+    return the JSON-able summary (`rollout-bench` prints it).
 
     Args:
         systems: which to run (default: all four, in the order of `SYSTEMS`).
         device: "cpu" or "cuda" (default: cuda when available).
         steps: timed steps per system (after `WARMUP_STEPS` untimed ones).
         max_staleness: run rollout_server once per bound instead (systems is then ignored).
+        model: the policy's shape, a key of MODEL_SHAPES.
     """
     import torch
 
-    from rollout.benchmarks.throughput import stage
+    from rollout.benchmarks.isolated import run_system
+    from rollout.benchmarks.progress import stage
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {}
@@ -219,15 +286,11 @@ def run(
     if max_staleness is not None:
         runs = [("rollout_server", k, f"rollout_server k={k}") for k in max_staleness]
     for system, k, name in runs:
-        stage(f"grpo-step: {name} ({WARMUP_STEPS} + {steps} steps on {device})")
-        code = "import json, sys; from rollout.benchmarks.grpo_step import run_one, WARMUP_STEPS; "
-        code += f"print(json.dumps(run_one({system!r}, {device!r}, {steps}, WARMUP_STEPS, {k})))"
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if done.returncode:
-            results[name] = {"error": (done.stderr.strip().splitlines() or ["failed"])[-1]}
-        else:
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    summary = {"benchmark": "grpo-step", "device": device, "steps": steps, "warmup_steps": WARMUP_STEPS}
+        stage(f"grpo-step: {name} ({WARMUP_STEPS} + {steps} steps on {device}, {model} model)")
+        options = dict(device=device, steps=steps, warmup=WARMUP_STEPS, max_staleness=k, model=model)
+        result = run_system("grpo-step", system, options, SYSTEM_TIMEOUT_S)
+        results[name] = result if result["status"] == "ok" else {"error": f"{result['status']}: {result['error']}"}
+    summary = {"benchmark": "grpo-step", "device": device, "model": model, "steps": steps, "warmup_steps": WARMUP_STEPS}
     summary["results"] = results
     print(table(summary) if max_staleness is None else staleness_table(summary))
     return summary

@@ -96,7 +96,10 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
     rows = []
     for system in ("rollout", "rollout_sequential", "transformers_generate_batch", "transformers_generate"):
         if system in _mapping(_get(data, "results")) or system in ("rollout", "transformers_generate_batch"):
-            rows.append(_number(name, f"{system} tokens/s", _get(data, "results", system, "tokens_per_s"), ",.0f"))
+            goal = Goal(">=", 12000) if system == "rollout" and data.get("workload") == "nano" else None
+            rows.append(
+                _number(name, f"{system} tokens/s", _get(data, "results", system, "tokens_per_s"), ",.0f", goal)
+            )
     rows += [
         _number(
             name,
@@ -107,7 +110,12 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
             "x",
         ),
         _number(
-            name, "overlap gain (rollout vs rollout_sequential)", _get(data, "speedup_vs_rollout_sequential"), ".2f"
+            name,
+            "overlap gain (rollout vs rollout_sequential)",
+            _get(data, "speedup_vs_rollout_sequential"),
+            ".2f",
+            Goal(">=", 1.1, "x"),
+            "x",
         ),
         _number(
             name, "decode roofline fraction", _get(data, "details", "decode_roofline_fraction"), ".3f", Goal(">=", 0.5)
@@ -131,18 +139,14 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
             " ms",
         ),
     ]
-    for mode, goal in (("default", None), ("fp32_logits", Goal("<=", 2e-3))):
-        for stat in ("mean", "max"):
+    rows.append(_number(name, "logprob fidelity model's mean entropy", _get(data, "details", "entropy_nats"), ".2f"))
+    for mode in ("default", "fp32_logits"):
+        for stat in ("mean", "p99"):
+            floor = _get(data, "details", mode, f"floor_abs_diff_{stat}")
+            rows.append(_number(name, f"trainer's own floor (padded vs one sequence) {stat}, {mode}", floor, ".2e"))
             value = _get(data, "details", mode, f"logprob_abs_diff_{stat}")
-            rows.append(
-                _number(
-                    name,
-                    f"logprob |rollout - teacher-forced| {stat}, {mode}",
-                    value,
-                    ".2e",
-                    goal if stat == "mean" else None,
-                )
-            )
+            goal = Goal("<=", floor) if isinstance(floor, (int, float)) else None
+            rows.append(_number(name, f"logprob |rollout - teacher-forced| {stat}, {mode}", value, ".2e", goal))
     return rows
 
 
@@ -190,6 +194,37 @@ def _grpo_step_rows(result: SectionResult) -> list[Row]:
     return rows
 
 
+def _grpo_step_nano_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    rows = [
+        _number(
+            name,
+            f"rollout_colocate: {part.replace('_', ' ')} s",
+            _get(data, "results", "rollout_colocate", f"{part}_s"),
+            ".3f",
+            unit=" s",
+        )
+        for part in ("step", "generation", "training")
+    ]
+    rows += [
+        _number(
+            name,
+            "rollout_colocate: peak memory",
+            _get(data, "results", "rollout_colocate", "peak_memory_gib"),
+            ".2f",
+            unit=" GiB",
+        ),
+        _number(
+            name,
+            "rollout_colocate: memory each sleep() frees",
+            _get(data, "results", "rollout_colocate", "sleep_frees_gib"),
+            ".2f",
+            unit=" GiB",
+        ),
+    ]
+    return rows
+
+
 def _positive(*values: Any) -> bool:
     return all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values)
 
@@ -199,14 +234,21 @@ def _weights_rows(result: SectionResult) -> list[Row]:
     size = _get(data, "bytes")
     what = f"{size / 1e9:.2f} GB {_get(data, 'dtype')}" if isinstance(size, int | float) else "state dict"
     rows = []
+    # The goal is for the Qwen3-0.6B-sized bf16 push (1.2 GB) into a GPU worker.
+    goal = Goal("<=", 0.5, " s") if isinstance(size, int | float) and 1.1e9 <= size <= 1.3e9 else None
     for transport in _mapping(_get(data, "results")) or {"frames": {}, "shm": {}}:
         row = _mapping(_get(data, "results", transport))
         rows += [
             _number(name, f"{transport}: {what} pushed", row.get("gb_per_s"), ".2f", unit=" GB/s"),
+            _number(name, f"{transport}: push time", _push_seconds(size, row.get("gb_per_s")), ".2f", goal, " s"),
             _number(name, f"{transport}: commit pause", row.get("pause_ms"), ".1f", unit=" ms"),
             _number(name, f"{transport}: pause beyond the copy", row.get("pause_beyond_copy_ms"), ".2f", unit=" ms"),
         ]
     return rows
+
+
+def _push_seconds(size: Any, gb_per_s: Any) -> float | None:
+    return size / 1e9 / gb_per_s if _positive(size, gb_per_s) else None
 
 
 ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
@@ -215,6 +257,7 @@ ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
     "throughput": _throughput_rows,
     "grpo": _grpo_rows,
     "grpo-step": _grpo_step_rows,
+    "grpo-step-nano": _grpo_step_nano_rows,
     "weights": _weights_rows,
 }
 

@@ -7,6 +7,7 @@ report gets a `SectionResult` and nothing the section started outlives it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from rollout.benchmarks.report import SectionResult
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
 SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
 READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
+SUMMARY_MARGIN_S = 20.0  # of a section's timeout, left to a budgeted command to print its summary
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,17 @@ class Section:
     timeout_s: float
     tests: bool = False  # a pytest run: counts come from its JUnit XML; otherwise a JSON summary line
     benchmark: str | None = None  # the "benchmark" its JSON summary must name (None: any)
+    # A flag that tells the command how many seconds it has (its timeout less a margin to print its summary), so it
+    # can share them out itself (e.g. throughput's --time-budget); None: the command is not told.
+    budget_flag: str | None = None
+
+    def within(self, seconds: float) -> Section:
+        """This section with at most `seconds` to run (its own timeout when that is shorter)."""
+        timeout = min(self.timeout_s, seconds)
+        argv = self.argv
+        if self.budget_flag is not None:
+            argv = (*argv, self.budget_flag, f"{max(1.0, timeout - SUMMARY_MARGIN_S):.0f}")
+        return dataclasses.replace(self, timeout_s=timeout, argv=argv)
 
 
 def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:

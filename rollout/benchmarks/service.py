@@ -12,8 +12,8 @@ import threading
 import time
 
 from rollout.benchmarks import service_http
-from rollout.benchmarks.throughput import WORKLOADS, make_workload
 from rollout.benchmarks.worker_probe import free_port, wait_answering
+from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.service.presets import tiny_model
@@ -33,7 +33,7 @@ def run(seed: int = 0, path: str = "zmq") -> dict:
 
     workload = WORKLOADS["cpu-small"]
     _, prompts, max_new = make_workload(workload, seed)
-    engine = workload.engine_config
+    engine = workload.cache_config()
     useful = sum(max_new)
     timings: dict[str, float] = {}
 

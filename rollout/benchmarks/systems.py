@@ -1,0 +1,225 @@
+"""The systems `rollout-bench throughput` compares, each measured in a process of its own (`isolated.py`): this
+engine (with and without overlapped scheduling), transformers' `generate_batch` (continuous batching) and `generate`
+(one left-padded static batch).
+
+Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
+exactly those tokens (a static batch computes up to the longest, but only the requested tokens count). Each is warmed
+up before its timer starts; every system gets the workload's KV budget in bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from rollout.benchmarks.progress import stage
+from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
+from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.engine.generate import generate_batch, release_cached_engine
+
+# The untimed warm-up of transformers' systems: the first prompts, few tokens (kernels loaded, allocator warm).
+WARMUP_PROMPTS, WARMUP_TOKENS = 8, 16
+# rollout's warm-up also runs the requests with the longest outputs to their end: the long-context decode steps of
+# few sequences are where attention splits its key blocks (kernel variants the full batch never asks for).
+WARMUP_TAIL_REQUESTS = 8
+
+
+def sync(device: str) -> None:
+    """Wait for the device (a timer must not stop while work is still queued)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_rollout(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    max_new: list[int],
+    workload: Workload,
+    warmup: bool = False,
+    **overrides: Any,
+) -> tuple[float, list[list[int]]]:
+    """This engine, kept on the model between calls (its cache and captured graphs too): every prompt with its own
+    max_new_tokens, greedy, EOS ignored. (seconds, tokens per prompt).
+
+    Args:
+        warmup: capture every decode graph before the timer starts (the first call with these settings).
+        overrides: ContinuousBatchingConfig fields set on top of the workload's.
+    """
+    config = ContinuousBatchingConfig(**{**workload.cache_config(), **overrides})
+    sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
+    if warmup:
+        one_token = dict(max_new_tokens=1, progress_bar=False, persistent_manager=True, warmup=True)
+        generate_batch(model, prompts[:1], continuous_batching_config=config, **one_token)
+    sync(workload.device)
+    start = time.perf_counter()
+    outputs = generate_batch(
+        model,
+        prompts,
+        continuous_batching_config=config,
+        progress_bar=False,
+        sampling=sampling,
+        persistent_manager=True,
+        warmup=False,
+    )
+    sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def run_rollout_sequential(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine with overlapped scheduling off: each step is scheduled after the last one's tokens reached the
+    host (what overlap gains is the difference)."""
+    return run_rollout(model, prompts, max_new, workload, warmup, overlap_scheduling=False)
+
+
+def run_transformers_generate_batch(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """transformers' continuous batching manager, each request with its own max_new_tokens, with our cache size in
+    bytes (as many pages of our block size), token budget and batch width."""
+    from transformers import ContinuousBatchingConfig as TransformersConfig
+    from transformers import GenerationConfig
+
+    from rollout.transformers_configs import page_size_field
+
+    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=-1)
+    engine = workload.cache_config()
+    settings = dict(
+        max_batch_tokens=engine["max_batch_tokens"],
+        max_requests_per_batch=engine["max_num_seqs"],
+        num_blocks=engine["num_blocks"],
+    )
+    settings[page_size_field()] = engine["block_size"]
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=TransformersConfig(**settings)
+    )
+    sync(workload.device)
+    start = time.perf_counter()
+    manager.start()
+    try:
+        for index, (prompt, count) in enumerate(zip(prompts, max_new)):
+            manager.add_request(prompt, request_id=f"req_{index}", max_new_tokens=count)
+        results = {}
+        deadline = time.monotonic() + 600
+        while len(results) < len(prompts):
+            # Short polls: a generation thread that died (an error inside transformers) is reported at once rather
+            # than waited on; a live one that stops producing is given 600 s.
+            output = manager.get_result(timeout=1)
+            if output is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' generation thread stopped (see its log above) before finishing")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("transformers generate_batch produced no result within 600 s")
+                continue
+            deadline = time.monotonic() + 600
+            if output.is_finished():
+                results[output.request_id] = output.generated_tokens
+    finally:
+        manager.stop(block=True)
+    sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [results[f"req_{i}"] for i in range(len(prompts))]
+
+
+def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+    """transformers' `generate` on one left-padded static batch up to the longest max_new_tokens."""
+    width = max(len(p) for p in prompts)
+    pad = 0
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=workload.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=workload.device)
+    longest = max(max_new)
+    sync(workload.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+        )
+    sync(workload.device)
+    elapsed = time.perf_counter() - start
+    return elapsed, [output[i, width : width + m].tolist() for i, m in enumerate(max_new)]
+
+
+SYSTEMS = {
+    "rollout": run_rollout,
+    "rollout_sequential": run_rollout_sequential,
+    "transformers_generate_batch": run_transformers_generate_batch,
+    "transformers_generate": run_transformers_generate,
+}
+
+
+def warm_up(system: str, model: torch.nn.Module, prompts: list[list[int]], max_new: list[int], workload: Workload):
+    """The system's untimed warm-up. rollout: every decode graph captured, then every prompt prefilled (each
+    prefill shape's kernels) and the longest requests run to their end (the long-context decode kernels); the
+    engine, its cache and graphs are kept for the timed runs. transformers: its first prompts, a few tokens each."""
+    if system.startswith("rollout"):
+        SYSTEMS[system](model, prompts, [min(m, 2) for m in max_new], workload, warmup=True)
+        longest = sorted(range(len(prompts)), key=lambda index: -max_new[index])[:WARMUP_TAIL_REQUESTS]
+        SYSTEMS[system](model, [prompts[i] for i in longest], [max_new[i] for i in longest], workload)
+    else:
+        count = min(WARMUP_PROMPTS, len(prompts))
+        SYSTEMS[system](model, prompts[:count], [min(m, WARMUP_TOKENS) for m in max_new[:count]], workload)
+
+
+def token_digest(tokens: list[int]) -> str:
+    """A short fingerprint of one completion (systems compare completions across processes by it)."""
+    return hashlib.sha1(str(tokens).encode()).hexdigest()[:12]
+
+
+def measure_system(
+    system: str, workload: str, seed: int = 0, repeats: int = 1, warmup: bool = True, num_prompts: int | None = None
+) -> dict[str, Any]:
+    """Warm `system` up, then time it on the workload (`isolated.py` runs this in a process of its own).
+
+    Args:
+        system: a key of SYSTEMS.
+        workload: a key of WORKLOADS.
+        seed: model and prompt seed.
+        repeats: timed runs; the median is reported.
+        warmup: run the warm-up first (off: first-call costs are timed).
+        num_prompts: run the workload's first requests only.
+    Returns:
+        tokens_per_s, seconds (median), runs_s, warmup_s, kv_budget_bytes, peak_memory_gib (CUDA) and a digest of
+        each completion.
+    """
+    chosen = WORKLOADS[workload]
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    stage(f"{system}: building the {workload} model and prompts")
+    model, prompts, max_new = make_workload(chosen, seed)
+    prompts, max_new = prompts[:num_prompts], max_new[:num_prompts]
+    started = time.perf_counter()
+    if warmup:
+        stage(f"{system}: warm-up")
+        warm_up(system, model, prompts, max_new, chosen)
+    warmup_s = time.perf_counter() - started
+    if chosen.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for repeat in range(repeats):
+        stage(f"{system}: run {repeat + 1} of {repeats}, {len(prompts)} prompts, {sum(max_new)} tokens")
+        elapsed, tokens = SYSTEMS[system](model, prompts, max_new, chosen)
+        stage(f"{system}: {elapsed:.2f} s")
+        if [len(t) for t in tokens] != max_new:
+            raise RuntimeError(f"{system} did not produce the requested lengths")
+        times.append(elapsed)
+    release_cached_engine(model)
+    seconds = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / GIB if chosen.device == "cuda" else None
+    return {
+        "generated_tokens": sum(max_new),
+        "tokens_per_s": round(sum(max_new) / seconds, 1),
+        "seconds": round(seconds, 3),
+        "runs_s": [round(t, 3) for t in times],
+        "warmup_s": round(warmup_s, 1),
+        "kv_budget_bytes": chosen.kv_budget_bytes(),
+        "peak_memory_gib": None if peak is None else round(peak, 2),
+        "token_digests": [token_digest(t) for t in tokens],
+    }
