@@ -85,6 +85,8 @@ class ColocatedEngine:
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False
         self._storage = _parameter_storage(model)
+        self._cache_address = self.engine.kv_cache.kv.data_ptr()  # where the graphs read the cache
+        self.graph_releases = 0  # times captured graphs were dropped (parameters or cache moved)
         self._group_ids = itertools.count()
         self.num_rounds = 0
         self.set_policy_version(policy_version)
@@ -122,18 +124,39 @@ class ColocatedEngine:
         return self.engine.kv_cache.nbytes
 
     def sleep(self) -> None:
-        """Free the KV cache and the CUDA graphs until the next round (their memory goes back to torch's
-        allocator, for the training step to use). Idempotent."""
+        """Free the KV cache until the next round (its memory goes back to torch's allocator, for the training step
+        to use). The decode CUDA graphs are kept (they read the cache and the parameters where they were: if either
+        moved by the next round, they are captured again then); `previous_paths=("colocated_graphs",)` frees them
+        too, as before. Idempotent."""
         self._check_open()
         self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
+        if not self.engine.kv_cache.is_released:
+            self._cache_address = self.engine.kv_cache.kv.data_ptr()
         self.engine.kv_cache.release()
-        if self.engine.runner.decode_graphs is not None:
-            self.engine.runner.decode_graphs.release()
+        if "colocated_graphs" in self.engine.config.previous_paths:
+            self._release_graphs()
 
     def wake(self) -> None:
-        """Allocate the KV cache again (zeroed); graphs are captured again as their batch sizes come. Idempotent."""
+        """Allocate the KV cache again (zeroed); when it lands elsewhere than before, the graphs are captured again
+        as their batch sizes come. Idempotent."""
         self._check_open()
-        self.engine.kv_cache.restore()
+        if self.engine.kv_cache.is_released:
+            self.engine.kv_cache.restore()
+            if self.engine.kv_cache.kv.data_ptr() != self._cache_address:
+                self._release_graphs()
+
+    def _release_graphs(self) -> None:
+        graphs = self.engine.runner.decode_graphs
+        if graphs is not None and graphs.captured:
+            self.graph_releases += 1
+        if graphs is not None:
+            graphs.release()
+
+    @property
+    def graph_capture_s(self) -> float:
+        """Seconds spent capturing decode CUDA graphs so far (each round's share is what keeping them saves)."""
+        graphs = self.engine.runner.decode_graphs
+        return 0.0 if graphs is None else graphs.capture_s
 
     def close(self) -> None:
         """Free the engine (KV cache, graphs, the fp32 projection hook). The model stays the caller's. Idempotent."""
@@ -227,8 +250,7 @@ class ColocatedEngine:
             storage = _parameter_storage(self.model)
             if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
                 self._storage = storage
-                if self.engine.runner.decode_graphs is not None:
-                    self.engine.runner.decode_graphs.release()
+                self._release_graphs()
             self.engine.block_manager.reset_prefix_cache()  # the weights changed in place since the last round
             self.engine.runner.resume()
             try:

@@ -33,7 +33,9 @@ class DeviceCall:
 CALLS = (
     DeviceCall("the headline", ("kernel-tests", "throughput", "grpo-step-nano"), 500),
     DeviceCall("GPU tests, GRPO groups and weight pushes", ("gpu-tests", "grpo", "weights"), 500),
-    DeviceCall("whole GRPO steps of the main job", ("grpo-step",), 450),
+    DeviceCall(
+        "whole GRPO steps of the main job; current vs previous GPU paths", ("grpo-step", "throughput-previous"), 500
+    ),
 )
 
 

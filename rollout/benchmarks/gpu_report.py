@@ -12,6 +12,7 @@ Sections, each in its own subprocess (a crash or a hang in one is reported and t
                   memory and the memory each sleep() hands to the training step
   grpo            rollout-bench grpo --device cuda: 32 prompts x n=8 vs transformers' generate_batch
   grpo-step       rollout-bench grpo-step --device cuda: the main job's steps, colocated and server vs TRL's paths
+  throughput-previous  nano tokens/s of rollout on its current GPU paths vs its previous ones (previous_paths)
   weights         rollout-bench weights: a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over
                   ZeroMQ frames and shared memory: GB/s, commit pause, pause beyond the copy
 
@@ -85,8 +86,16 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             "grpo-step",
             "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
             (*bench, "grpo-step", "--device", "cuda"),
-            420,
+            300,
             benchmark="grpo-step",
+        ),
+        Section(
+            "throughput-previous",
+            "nano workload: current vs previous GPU paths",
+            (*bench, "throughput", "--workload", "nano", "--systems", "rollout", "rollout_previous", "--repeats", "1"),
+            200,
+            benchmark="throughput",
+            budget_flag="--time-budget",
         ),
         Section(
             "weights",

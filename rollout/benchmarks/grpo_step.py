@@ -210,6 +210,10 @@ def run_one(
     result["tokens_per_s"] = round(tokens / sum(step["step"] for step in timed), 1)
     if sleeps:
         result["sleep_frees_gib"] = round(statistics.median(sleeps) / 2**30, 3)
+    if system == "rollout_colocate":  # graphs captured again because the cache or the parameters moved
+        engine = trainer.rollout.engine
+        result["graph_capture_s_per_round"] = round(engine.graph_capture_s / max(engine.num_rounds, 1), 4)
+        result["graph_releases"] = engine.graph_releases
     if system == "rollout_server":
         result["max_staleness"] = max_staleness
         result["lag_mean"] = round(statistics.mean(entry["rollout/policy_lag_mean"] for entry in logs), 3)

@@ -94,7 +94,13 @@ def _tests_rows(result: SectionResult) -> list[Row]:
 def _throughput_rows(result: SectionResult) -> list[Row]:
     data, name = result.data, result.name
     rows = []
-    for system in ("rollout", "rollout_sequential", "transformers_generate_batch", "transformers_generate"):
+    for system in (
+        "rollout",
+        "rollout_sequential",
+        "rollout_previous",
+        "transformers_generate_batch",
+        "transformers_generate",
+    ):
         if system in _mapping(_get(data, "results")) or system in ("rollout", "transformers_generate_batch"):
             goal = Goal(">=", 12000) if system == "rollout" and data.get("workload") == "nano" else None
             rows.append(
@@ -148,6 +154,15 @@ def _throughput_rows(result: SectionResult) -> list[Row]:
             goal = Goal("<=", floor) if isinstance(floor, (int, float)) else None
             rows.append(_number(name, f"logprob |rollout - teacher-forced| {stat}, {mode}", value, ".2e", goal))
     return rows
+
+
+def _previous_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    return [
+        _number(name, "rollout tokens/s", _get(data, "results", "rollout", "tokens_per_s"), ",.0f"),
+        _number(name, "rollout_previous tokens/s", _get(data, "results", "rollout_previous", "tokens_per_s"), ",.0f"),
+        _number(name, "current vs previous GPU paths", _get(data, "speedup_vs_rollout_previous"), ".2f", unit="x"),
+    ]
 
 
 def _grpo_rows(result: SectionResult) -> list[Row]:
@@ -258,6 +273,7 @@ ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
     "grpo": _grpo_rows,
     "grpo-step": _grpo_step_rows,
     "grpo-step-nano": _grpo_step_nano_rows,
+    "throughput-previous": _previous_rows,
     "weights": _weights_rows,
 }
 

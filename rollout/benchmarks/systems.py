@@ -1,5 +1,5 @@
 """The systems `rollout-bench throughput` compares, each measured in a process of its own (`isolated.py`): this
-engine (with and without overlapped scheduling), transformers' `generate_batch` (continuous batching) and `generate`
+engine (with and without overlapped scheduling, and on its previous GPU paths), transformers' `generate_batch` (continuous batching) and `generate`
 (one left-padded static batch).
 
 Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
@@ -19,7 +19,7 @@ import torch
 
 from rollout.benchmarks.progress import stage
 from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
-from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.config import PREVIOUS_PATHS, ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
 
 # The untimed warm-up of transformers' systems: the first prompts, few tokens (kernels loaded, allocator warm).
@@ -148,9 +148,15 @@ def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tu
     return elapsed, [output[i, width : width + m].tolist() for i, m in enumerate(max_new)]
 
 
+def run_rollout_previous(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine on every previous GPU path (`PREVIOUS_PATHS`): what the current paths gain is the difference."""
+    return run_rollout(model, prompts, max_new, workload, warmup, previous_paths=tuple(PREVIOUS_PATHS))
+
+
 SYSTEMS = {
     "rollout": run_rollout,
     "rollout_sequential": run_rollout_sequential,
+    "rollout_previous": run_rollout_previous,
     "transformers_generate_batch": run_transformers_generate_batch,
     "transformers_generate": run_transformers_generate,
 }

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -82,6 +83,7 @@ class DecodeGraphs:
         self._max_blocks = max_blocks_per_seq
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_s = 0.0  # seconds spent capturing, every bucket and every capture again after a release
 
     @property
     def max_batch(self) -> int:
@@ -126,6 +128,13 @@ class DecodeGraphs:
                 torch.cuda.set_stream(stream)
 
     def _capture_one(self, size: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._capture_in_pool(size)
+        finally:
+            self.capture_s += time.perf_counter() - started
+
+    def _capture_in_pool(self, size: int) -> None:
         with torch.cuda.device(self._rows.device):
             self._pad(0, size)  # only padding rows: capture writes nothing but the scratch block
             self._step(size)  # eager first run: Triton compiles and lazy allocations happen outside the graph

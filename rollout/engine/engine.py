@@ -230,6 +230,7 @@ class Engine:
             raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
         copy_started = time.perf_counter()
         self.weights.copy_in(tensors)
+        self.runner.weights_changed()
         copy_ms = (time.perf_counter() - copy_started) * 1000
         self.block_manager.policy_version = new_version
         # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
@@ -246,6 +247,11 @@ class Engine:
         self.num_weight_updates += 1
         result.pause_ms = (time.perf_counter() - started) * 1000
         return result
+
+    def weights_changed(self) -> None:
+        """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
+        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed."""
+        self.runner.weights_changed()
 
     def warmup(self, num_tokens: int = 8) -> None:
         """Capture the decode CUDA graphs and run one short request, leaving no trace (`warm_up`). Call it while

@@ -98,6 +98,7 @@ class EngineLoop:
             PauseGate.serve(
                 command.request, self.manager._stop.is_set(), lambda: self.manager._deliver(self.manager.engine.flush())
             )
+            self.manager.engine.weights_changed()  # the pause's holder may have changed the model in place
         elif isinstance(command, ApplyWeights):
             self.manager._updates.take(command.update)
 

@@ -18,6 +18,7 @@ from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, reg
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_tables import BlockTables
 from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
+from rollout.engine.fp32_head import Fp32Head
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.transfer import to_device
@@ -72,8 +73,7 @@ class ModelRunner:
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
         self.device = next(model.parameters()).device
         self._closed = False
-        self._fp32_hook = None
-        self._in_step = False  # the hook projects only in this runner's forwards, not in other users' of the model
+        self.fp32_head: Fp32Head | None = None  # with fp32_logits on a bf16/fp16 model (fp32_head.py)
         self._suspended = False  # the model was given back by suspend()
         # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
         # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
@@ -98,7 +98,7 @@ class ModelRunner:
         # runner's life (one added per call would invalidate compiled code) and acts only inside a step.
         head = model.get_output_embeddings() if config.fp32_logits else None
         if head is not None and head.weight.dtype != torch.float32:
-            self._fp32_hook = head.register_forward_hook(self._project_in_fp32)
+            self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
         _acquire(model)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
@@ -126,22 +126,30 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _stepping(self) -> Iterator[None]:
-        self._in_step = True
+        """Inside: the fp32 head (if any) projects, from an up-to-date copy of the head's weight."""
+        if self.fp32_head is None:
+            yield
+            return
+        self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
+        self.fp32_head.active = True
         try:
             yield
         finally:
-            self._in_step = False
+            self.fp32_head.active = False
 
-    def _project_in_fp32(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        return fp32_projection(module, inputs, output) if self._in_step else None
+    def weights_changed(self) -> None:
+        """The model's weights may have changed in place (a weight update, a trainer's step, a paused manager's
+        user): refresh what the runner derives from them (the fp32 head's copy, in place: graphs stay valid)."""
+        if self.fp32_head is not None:
+            self.fp32_head.refresh(self.model.get_output_embeddings())
 
     def close(self) -> None:
         """Release the model (the last runner to close gives it back its attention implementation and training
         mode), the decode graphs and their memory pool, and the compiled forward. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self._fp32_hook is not None:
-                self._fp32_hook.remove()
+            if self.fp32_head is not None:
+                self.fp32_head.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
@@ -163,6 +171,7 @@ class ModelRunner:
         if self._suspended:
             self._suspended = False
             _acquire(self.model)
+            self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
         """Queue the step's block moves, then the forward, without waiting for the device.
@@ -308,13 +317,6 @@ def servable_text_config(model: torch.nn.Module) -> Any:
     if unsupported:
         raise FieldError("model", f"layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
     return config
-
-
-def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-    """Forward hook on the output projection: the same product in fp32 (what follows, e.g. Gemma 2's final logit
-    soft-capping, then runs in fp32 too)."""
-    bias = None if module.bias is None else module.bias.float()
-    return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
 
 
 def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:

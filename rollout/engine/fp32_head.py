@@ -1,0 +1,76 @@
+"""`fp32_logits`: the output projection computed in fp32 inside the engine's steps, for a bf16/fp16 model (what TRL's
+`cast_lm_head_to_fp32` does in the trainer), through a forward hook on the model's output head.
+
+By default the head's weight is converted to fp32 once and kept: converting it at every step writes the whole fp32
+weight each time (622 MB for Qwen3-0.6B's head), more than a decode step's own reads. The copy is refreshed in place
+(so CUDA graphs captured against it stay valid) whenever the head's weight may have changed: a weight update, a
+colocated round, a kept engine's next call, the end of a manager's pause, or a change torch's version counter or the
+weight's storage shows. `previous_paths=("fp32_head",)` converts at every step instead (the earlier path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on the output projection: the same product in fp32, converting the weight now (what follows,
+    e.g. Gemma 2's final logit soft-capping, then runs in fp32 too)."""
+    bias = None if module.bias is None else module.bias.float()
+    return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
+
+
+class Fp32Head:
+    """The fp32 projection hook of one engine: active only inside the engine's own forwards (other users of the
+    model, a trainer's forward say, are left alone)."""
+
+    def __init__(self, head: torch.nn.Module, cached: bool):
+        """
+        Args:
+            head: the model's output embeddings (a Linear-like module with `weight` and `bias`).
+            cached: keep an fp32 copy of the weight (refreshed when it changes); False converts at every step.
+        """
+        self.cached = cached
+        self.active = False
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self._seen: tuple[int, int] | None = None  # (storage address, version) of the weight last copied
+        if cached:
+            self.refresh(head)
+        # The hook holds this object, not the engine's runner: no cycle through the runner, the cache or the graphs.
+        self._hook = head.register_forward_hook(self._project)
+
+    def refresh(self, head: torch.nn.Module) -> None:
+        """Copy the head's current weight (and bias) into the fp32 copy, in place when the shape still fits."""
+        if not self.cached:
+            return
+        with torch.no_grad():
+            weight = head.weight.detach()
+            if self.weight is None or self.weight.shape != weight.shape or self.weight.device != weight.device:
+                self.weight = weight.float()  # a new tensor: only at construction or after the head was replaced
+            else:
+                self.weight.copy_(weight)
+            bias = getattr(head, "bias", None)
+            if bias is None or self.bias is None or self.bias.shape != bias.shape or self.bias.device != bias.device:
+                self.bias = None if bias is None else bias.detach().float()
+            else:
+                self.bias.copy_(bias.detach())
+        self._seen = (weight.data_ptr(), weight._version)
+
+    def refresh_if_changed(self, head: torch.nn.Module) -> None:
+        """Refresh when the weight's storage or torch's version counter moved since the last copy (host-only
+        checks: nothing waits for the device)."""
+        if self.cached and self._seen != (head.weight.data_ptr(), head.weight._version):
+            self.refresh(head)
+
+    def _project(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if not self.active:
+            return None
+        if not self.cached:
+            return fp32_projection(module, inputs, output)
+        return torch.nn.functional.linear(inputs[0].float(), self.weight, self.bias)
+
+    def close(self) -> None:
+        """Remove the hook and free the fp32 copy. Idempotent."""
+        self._hook.remove()
+        self.weight = self.bias = None

@@ -1,0 +1,68 @@
+"""A colocated engine keeps its decode graphs across sleep() while the cache and the parameters come back where the
+graphs read them, and drops them (to capture again) exactly when either moved; `previous_paths=("colocated_graphs",)`
+drops them at every sleep, as before. On CPU the graphs run their padded buffers eagerly (capture=False), so what is
+checked is which releases happen, and that tokens equal transformers' greedy `generate` throughout."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import make_prompts, reference_copy
+from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout.service.presets import tiny_model
+from trainer_bridge import ColocatedEngine, PromptGroup
+
+GREEDY = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
+PROMPTS = make_prompts(2, 5, 9, seed=4, vocab=1024)
+
+
+def _engine(previous: tuple[str, ...] = ()) -> tuple[ColocatedEngine, list[int]]:
+    """A colocated engine on the Triton path (interpreted) with decode graphs, and a log of graph releases."""
+    config = ContinuousBatchingConfig(num_blocks=32, attention_backend="triton", previous_paths=previous)
+    engine = ColocatedEngine(tiny_model(0), config)
+    graphs = engine.engine.runner.enable_decode_graphs(4, 64, capture=False)
+    releases: list[int] = []
+    release = graphs.release
+    graphs.release = lambda: (releases.append(1), release())[1]
+    return engine, releases
+
+
+def _round(engine: ColocatedEngine) -> list[list[int]]:
+    results = engine.generate([PromptGroup(prompt, sampling=GREEDY) for prompt in PROMPTS])
+    return [result.completions[0].token_ids for result in results]
+
+
+def _expected() -> list[list[int]]:
+    reference = reference_copy(tiny_model(0))
+    outputs = []
+    for prompt in PROMPTS:
+        ids = reference.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        outputs.append(ids[0, len(prompt) :].tolist())
+    return outputs
+
+
+def test_graphs_are_kept_while_the_cache_comes_back_in_place_and_dropped_when_it_moved():
+    engine, releases = _engine()
+    expected = _expected()
+    assert _round(engine) == expected
+    for _ in range(2):  # whatever the allocator does, graphs are dropped exactly when the cache moved
+        before = engine.engine.kv_cache.kv.data_ptr()
+        engine.sleep()
+        engine.wake()
+        moved = engine.engine.kv_cache.kv.data_ptr() != before
+        assert releases.pop() if moved else not releases
+        assert _round(engine) == expected
+    held = engine.engine.kv_cache.kv  # the old cache cannot be freed: the new one must land elsewhere
+    engine.sleep()
+    engine.wake()
+    assert engine.engine.kv_cache.kv.data_ptr() != held.data_ptr() and releases == [1]
+    assert _round(engine) == expected
+    engine.close()
+
+
+def test_previous_path_drops_the_graphs_at_every_sleep():
+    engine, releases = _engine(("colocated_graphs",))
+    _round(engine)
+    engine.sleep()
+    assert releases  # at sleep itself, wherever the cache comes back
+    engine.close()
