@@ -57,6 +57,9 @@ PREVIOUS_PATHS = {
     "blocks per iteration and at least 4 programs per SM)",
     "colocated_graphs": "ColocatedEngine releasing its CUDA graphs at every sleep() (now: kept while the parameters "
     "and the cache stay where they were)",
+    "moe_experts": "an MoE model keeping its own experts implementation, whose eager loop reads the routing back to "
+    "the host, so decode steps cannot be captured (now: transformers' grouped_mm or batched_mm while the engine holds "
+    "the model, the model's own given back)",
 }
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).

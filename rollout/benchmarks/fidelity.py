@@ -8,7 +8,7 @@
   model's dtype, with the trainer's head dtype (`fp32_head`, what TRL's `cast_lm_head_to_fp32` does and rollout's
   `fp32_logits` pairs with).
 - The floor is what the trainer itself cannot tell apart: the same model's |delta| between its padded-batch forward
-  and its one-sequence forward over the same tokens. rollout is within it when its |delta| against the one-sequence
+  (TRL's layout: prompts left-padded, completions right-padded) and its one-sequence forward over the same tokens. rollout is within it when its |delta| against the one-sequence
   forward is no larger, in mean and p99.
 """
 
@@ -103,21 +103,27 @@ def padded_batch_logprobs(
     fp32_head: bool = False,
     batch_size: int = 8,
 ) -> Iterator[torch.Tensor]:
-    """Log-probs of each completion from the trainer's usual forward: right-padded batches of `batch_size`
-    sequences with an attention mask, as a trainer recomputes them. Yields one tensor per sequence, in order."""
+    """Log-probs of each completion from the trainer's usual forward: batches of `batch_size` sequences laid out as
+    TRL's GRPOTrainer lays them out (prompts left-padded to the longest prompt, completions right-padded, one
+    attention mask, no position ids). Yields one tensor per sequence, in order."""
     device = next(model.parameters()).device
     hook = _head_in_fp32(model, fp32_head)
     try:
         for first in range(0, len(prompts), batch_size):
-            rows = [p + c for p, c in zip(prompts[first : first + batch_size], completions[first : first + batch_size])]
-            width = max(len(row) for row in rows)
-            ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device)
-            mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], device=device)
+            batch = list(zip(prompts[first : first + batch_size], completions[first : first + batch_size]))
+            prompt_width = max(len(p) for p, _ in batch)
+            completion_width = max(len(c) for _, c in batch)
+            rows, masks = [], []
+            for prompt, completion in batch:
+                left, right = prompt_width - len(prompt), completion_width - len(completion)
+                rows.append([0] * left + prompt + completion + [0] * right)
+                masks.append([0] * left + [1] * (len(prompt) + len(completion)) + [0] * right)
+            ids, mask = torch.tensor(rows, device=device), torch.tensor(masks, device=device)
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
-            for row, prompt in enumerate(prompts[first : first + batch_size]):
-                tokens = rows[row][len(prompt) :]
-                positions = logits[row, len(prompt) - 1 : len(rows[row]) - 1]
-                picked = torch.tensor(tokens, device=device).unsqueeze(1)
+            for row, (_, completion) in enumerate(batch):
+                # The logits that predict completion token j sit at position prompt_width - 1 + j.
+                positions = logits[row, prompt_width - 1 : prompt_width - 1 + len(completion)]
+                picked = torch.tensor(completion, device=device).unsqueeze(1)
                 yield torch.log_softmax(positions, -1).gather(1, picked)[:, 0].cpu()
     finally:
         if hook is not None:

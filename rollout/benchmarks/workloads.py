@@ -78,6 +78,19 @@ WORKLOADS = {
         engine_config=dict(block_size=16, max_batch_tokens=2048, max_num_seqs=64),
         kv_budget_gib=0.140625,  # 2304 blocks of 16 tokens (64 KiB each): every request fits at once
     ),
+    # The cpu-small model in bf16: bf16 logprob fidelity against the trainer's floor, measured on a CPU (--details).
+    "cpu-bf16": Workload(
+        name="cpu-bf16",
+        device="cpu",
+        dtype=torch.bfloat16,
+        num_prompts=64,
+        prompt_len=(16, 256),
+        output_len=(16, 256),
+        model_config=TINY_MODEL_CONFIG,
+        engine_config=dict(block_size=16, max_batch_tokens=2048, max_num_seqs=64),
+        kv_budget_gib=0.0703125,  # 2304 blocks of 16 tokens (32 KiB each in bf16)
+        default_systems=("rollout",),
+    ),
     "nano": Workload(
         name="nano",
         device="cuda",

@@ -6,7 +6,6 @@ import contextlib
 import inspect
 import itertools
 import os
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,12 +13,13 @@ from typing import Any
 import torch
 
 from rollout.config import ContinuousBatchingConfig, FieldError
-from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata, register_paged_attention
+from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_tables import BlockTables
 from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.fp32_head import Fp32Head
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.model_lease import acquire, release
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.transfer import to_device
 
@@ -99,7 +99,8 @@ class ModelRunner:
         head = model.get_output_embeddings() if config.fp32_logits else None
         if head is not None and head.weight.dtype != torch.float32:
             self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
-        _acquire(model)
+        self._sync_free_experts = "moe_experts" not in config.previous_paths
+        acquire(model, self._sync_free_experts)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
         """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
@@ -153,7 +154,7 @@ class ModelRunner:
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
-                _release(self.model)
+                release(self.model)
 
     def release(self, request: Request) -> None:
         """Forget a finished request (its block-table row goes back)."""
@@ -164,13 +165,13 @@ class ModelRunner:
         and CUDA graphs; `resume()` takes it again. Idempotent."""
         if not self._closed and not self._suspended:
             self._suspended = True
-            _release(self.model)
+            release(self.model)
 
     def resume(self) -> None:
         """Take the model again after `suspend()` (paged attention, eval mode)."""
         if self._suspended:
             self._suspended = False
-            _acquire(self.model)
+            acquire(self.model, self._sync_free_experts)
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
@@ -345,37 +346,3 @@ def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, ba
     if kv_cache.kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise FieldError("attention_backend", "'triton' runs on CUDA (on CPU only inside TRITON_INTERPRET=1)")
     return heads_per_kv
-
-
-@dataclass
-class _Holder:
-    """What the engines sharing one model must give back when the last one closes."""
-
-    engines: int
-    attn_implementation: str
-    # Every submodule's own training flag: a trainer may keep parts in eval mode (frozen embeddings, say), which
-    # model.train(True) would switch on again.
-    training_flags: list[tuple[torch.nn.Module, bool]]
-
-
-_HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
-
-
-def _acquire(model: torch.nn.Module) -> None:
-    holder = _HOLDERS.get(model)
-    if holder is None:
-        flags = [(module, module.training) for module in model.modules()]
-        holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, flags)
-        model.set_attn_implementation(register_paged_attention())
-        model.eval()
-    holder.engines += 1
-
-
-def _release(model: torch.nn.Module) -> None:
-    holder = _HOLDERS[model]
-    holder.engines -= 1
-    if holder.engines == 0:
-        del _HOLDERS[model]
-        model.set_attn_implementation(holder.attn_implementation)
-        for module, training in holder.training_flags:
-            module.training = training

@@ -1,0 +1,62 @@
+"""An MoE model runs transformers' sync-free experts while an engine holds it: its decode steps read nothing back to
+the host (so a GPU can capture them in graphs like a dense model's), its tokens equal transformers' `generate` with
+the model's own experts, and the model's own setting comes back when the engine lets go."""
+
+from __future__ import annotations
+
+import torch
+from test_overlap import HostReads
+
+from conftest import make_prompts, reference_copy, run_to_completion, tiny_model
+from rollout import ContinuousBatchingConfig, SamplingParams
+from rollout.engine.engine import Engine
+
+GREEDY = SamplingParams(do_sample=False, max_new_tokens=8, stop_token_ids=())
+PROMPTS = make_prompts(3, 6, 14, seed=70)
+
+
+def _eager_moe() -> torch.nn.Module:
+    """A tiny Qwen3-MoE whose experts run transformers' eager loop (reads the routing back to the host)."""
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("eager")
+    return model
+
+
+def _run(model: torch.nn.Module, previous: tuple[str, ...]) -> tuple[dict, list[str], dict]:
+    """Greedy outputs, the host reads made while queueing steps, and the experts implementation during the run."""
+    engine = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4, previous_paths=previous))
+    during = model.get_experts_implementation()
+    spy = HostReads()
+    launch = engine._launch
+
+    def watched_launch(batch, prior):
+        spy.active = True
+        try:
+            with spy:
+                return launch(batch, prior)
+        finally:
+            spy.active = False
+
+    engine._launch = watched_launch
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"p{index}", prompt, GREEDY)
+    outputs = run_to_completion(engine)
+    engine.close()
+    return outputs, spy.calls, during
+
+
+def test_moe_decodes_without_host_reads_and_gives_its_experts_back():
+    model = _eager_moe()
+    reference = reference_copy(model)  # keeps the eager experts: generate runs the model's own
+    outputs, reads, during = _run(model, ())
+    assert during == {"": "grouped_mm"} and reads == []
+    assert model.get_experts_implementation() == {"": "eager"}  # given back as found
+    for index, prompt in enumerate(PROMPTS):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        assert outputs[f"p{index}"].generated_tokens == expected.tolist()
+
+
+def test_previous_path_keeps_the_models_own_experts_and_its_host_reads():
+    model = _eager_moe()
+    _, reads, during = _run(model, ("moe_experts",))
+    assert during == {"": "eager"} and {"nonzero", "item"} <= set(reads)
