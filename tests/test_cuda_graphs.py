@@ -16,8 +16,8 @@ from test_parity import GREEDY, reference_greedy  # noqa: E402
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
+from rollout.engine.attention_plan import plan_splits  # noqa: E402
 from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
-from rollout.engine.triton_attention import plan_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

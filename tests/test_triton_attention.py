@@ -8,7 +8,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from rollout.engine.triton_attention import paged_attention, plan, plan_splits  # noqa: E402
+from rollout.engine.attention_plan import Tiling, plan, plan_splits  # noqa: E402
+from rollout.engine.triton_attention import paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -57,6 +58,9 @@ def make_case(contexts, query_lens, heads, kv_heads, head_dim, block_size, dtype
     return query, key_cache, value_cache, block_table, tables
 
 
+# The default tiling (several blocks per loop iteration, four programs per SM) and the previous one (one block).
+TILINGS = {"multi_block": Tiling(), "previous": Tiling.for_device(torch.device("cpu"), previous=True)}
+
 CASES = {
     # name: (contexts, query lengths, heads, kv heads, head dim)
     "decode": ([5, 40, 17, 63], [1, 1, 1, 1], 4, 2, 32),
@@ -67,29 +71,34 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("tiling", sorted(TILINGS))
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 30.0), (9, 5.0)])
-def test_kernel_matches_reference(name, window, softcap):
+def test_kernel_matches_reference(name, window, softcap, tiling):
     contexts, query_lens, heads, kv_heads, head_dim = CASES[name]
     query, key_cache, value_cache, block_table, tables = make_case(
         contexts, query_lens, heads, kv_heads, head_dim, 16, torch.float32
     )
     scale = head_dim**-0.5
-    attention_plan = plan(query_lens, contexts, block_table, heads // kv_heads, kv_heads, 16, DEVICE, num_splits=1)
+    hpk = heads // kv_heads
+    attention_plan = plan(query_lens, contexts, block_table, hpk, kv_heads, 16, DEVICE, 1, TILINGS[tiling])
+    assert attention_plan.blocks_per_iter == (1 if tiling == "previous" else 4)
     got = paged_attention(query, key_cache, value_cache, attention_plan, scale, window, softcap)
     expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, scale, window, softcap)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("tiling", sorted(TILINGS))
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("window", [None, 40])
-def test_split_k_matches_reference(splits, window):
+def test_split_k_matches_reference(splits, window, tiling):
     """Long decodes split over the block table: the merged slices equal the unsplit result, including slices that
-    see no key at all (short sequences, or keys outside the window)."""
+    see no key at all (short sequences, or keys outside the window) and slices whose blocks are not a multiple of
+    the blocks read per iteration."""
     contexts, query_lens = [150, 3, 97, 64], [1, 1, 1, 2]
     query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 8, 2, 32, 16, torch.float32)
     scale = 32**-0.5
-    attention_plan = plan(query_lens, contexts, block_table, 4, 2, 16, DEVICE, num_splits=splits)
+    attention_plan = plan(query_lens, contexts, block_table, 4, 2, 16, DEVICE, splits, TILINGS[tiling])
     assert attention_plan.num_splits == splits
     got = paged_attention(query, key_cache, value_cache, attention_plan, scale, window, None)
     expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, scale, window, None)
@@ -159,3 +168,15 @@ def test_split_counts_are_few_powers_of_two_with_long_enough_slices():
             counts[splits] = counts.get(splits, 0) + 1
             assert splits == 1 or max_blocks // splits >= 8, (tiles, max_blocks, splits)
     assert set(counts) == {1, 2, 4, 8, 16}, counts
+
+
+def test_default_tiling_plans_four_programs_per_sm_for_mid_size_decodes():
+    """On an H100 (132 SMs) a decode of 8-64 sequences of 4k tokens over 8 KV heads plans at least 4 programs per
+    SM (split-K fills what the tiles do not); the previous tiling stopped at 256 programs."""
+    current = Tiling.for_device(torch.device("cpu"))
+    previous = Tiling.for_device(torch.device("cpu"), previous=True)
+    for batch in (8, 16, 32, 64):
+        splits = plan_splits(batch, 8, 256, current.target_programs)
+        assert batch * 8 * splits >= 4 * 132, (batch, splits)
+        assert batch * 8 * plan_splits(batch, 8, 256, previous.target_programs) < 4 * 132
+    assert current.blocks_per_iter(16) == 4 and current.blocks_per_iter(64) == 1 and previous.blocks_per_iter(16) == 1

@@ -21,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout.engine.attention_plan import Tiling, plan
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.transfer import to_device
 
@@ -71,6 +72,7 @@ class PagedAttentionMetadata:
         block_table: torch.Tensor,
         device: torch.device,
         heads_per_kv: int | None = None,
+        tiling: Tiling | None = None,
     ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """Turn per-sequence (start, length, blocks) into attention metadata and position ids.
 
@@ -81,6 +83,7 @@ class PagedAttentionMetadata:
             block_table: (S, max_blocks) block ids, padded with 0.
             device: where the tensors go.
             heads_per_kv: query heads per KV head when the Triton kernel serves the step; None for PyTorch.
+            tiling: the Triton kernel's tiling (None: the default `Tiling()`).
         Returns:
             (metadata, position_ids of shape (T,)).
         """
@@ -96,10 +99,9 @@ class PagedAttentionMetadata:
         positions = starts_t[seq_of_token] + torch.arange(len(seq_of_token), device=device) - token_offset[seq_of_token]
         slots = block_table[seq_of_token, positions // block_size] * block_size + positions % block_size
         if heads_per_kv is not None:
-            from rollout.engine import triton_attention
-
-            triton_plan = triton_attention.plan(
-                lengths, starts, block_table, heads_per_kv, kv_cache.shape.num_kv_heads, block_size, device
+            num_kv_heads = kv_cache.shape.num_kv_heads
+            triton_plan = plan(
+                lengths, starts, block_table, heads_per_kv, num_kv_heads, block_size, device, None, tiling
             )
             return cls(kv_cache, slots, [], triton_plan), positions
         groups = []

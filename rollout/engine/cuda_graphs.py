@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention import PagedAttentionMetadata
+from rollout.engine.attention_plan import Tiling, TritonAttentionPlan, plan_splits, tile_shape
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.transfer import to_device
-from rollout.engine.triton_attention import TritonAttentionPlan, plan_splits, tile_shape
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         heads_per_kv: int,
         capture: bool = True,
+        tiling: Tiling | None = None,
     ):
         """
         Args:
@@ -62,7 +63,9 @@ class DecodeGraphs:
             heads_per_kv: query heads per KV head (the Triton kernel's tile layout).
             capture: False replays by running the forward eagerly on the same buffers (CPU tests of the padding and
                 buffer logic; CUDA graphs need a CUDA device).
+            tiling: the attention kernel's tiling (None: the default `Tiling()`).
         """
+        self.tiling = tiling or Tiling()
         self.forward = forward
         self.kv_cache = kv_cache
         self.buckets = decode_buckets(max_batch)
@@ -206,7 +209,8 @@ class DecodeGraphs:
             self._block_table[:size],
             self._block_m,
             self._block_q,
-            plan_splits(size, self.kv_cache.shape.num_kv_heads, self._max_blocks),
+            plan_splits(size, self.kv_cache.shape.num_kv_heads, self._max_blocks, self.tiling.target_programs),
+            self.tiling.blocks_per_iter(block_size),
         )
         metadata = PagedAttentionMetadata(self.kv_cache, self._slots[:size], [], attention_plan)
         return self.forward(self._rows[0:1, :size], self._rows[1:2, :size], metadata, self._keep[:size])

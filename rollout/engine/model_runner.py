@@ -14,6 +14,7 @@ import torch
 
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention import ATTENTION_NAME, PagedAttentionMetadata
+from rollout.engine.attention_plan import Tiling
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_tables import BlockTables
 from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
@@ -71,6 +72,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_tables = BlockTables()
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
+        self.tiling = Tiling.for_device(kv_cache.kv.device, previous="decode_tiling" in config.previous_paths)
         self.device = next(model.parameters()).device
         self._closed = False
         self.fp32_head: Fp32Head | None = None  # with fp32_logits on a bf16/fp16 model (fp32_head.py)
@@ -115,7 +117,7 @@ class ModelRunner:
             raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
         max_blocks = -(-max_model_len // self.kv_cache.block_size)
         self.decode_graphs = DecodeGraphs(
-            self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture
+            self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture, self.tiling
         )
         return self.decode_graphs
 
@@ -209,7 +211,7 @@ class ModelRunner:
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
         metadata, positions = PagedAttentionMetadata.build(
-            self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv
+            self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv, self.tiling
         )
         ends = list(itertools.accumulate(lengths))
         keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)

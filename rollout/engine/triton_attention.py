@@ -15,13 +15,12 @@ kernel merges the slices. `plan_splits` chooses the number of slices from the ba
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from rollout.engine.transfer import to_device
+from rollout.engine.attention_plan import TritonAttentionPlan
 
 # Triton's CPU interpreter computes tl.dot wrongly on bf16/fp16 operands: there, products are taken in fp32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -52,6 +51,54 @@ def _tile_rows(
 
 
 @triton.jit
+def _attend_keys(
+    q,
+    k_rows,
+    v_rows,
+    key_pos,
+    key_valid,
+    dims,
+    dim_valid,
+    query_pos,
+    row_valid,
+    running_max,
+    running_sum,
+    acc,
+    scale,
+    softcap,
+    window,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax update over a run of keys: `k_rows` / `v_rows` (keys,) point at each key's and value's
+    first element for this KV head, `key_pos` are their positions, `key_valid` which of them exist. Returns the new
+    (running_max, running_sum, acc)."""
+    mask = key_valid[:, None] & dim_valid[None, :]
+    k = tl.load(k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
+    if USE_SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
+    allowed = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None] & key_valid[None, :]
+    if USE_WINDOW:
+        allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
+    scores = tl.where(allowed, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
+    probs = tl.exp(scores - safe_max[:, None])
+    rescale = tl.exp(running_max - safe_max)
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    v = tl.load(v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+    return new_max, running_sum, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -90,6 +137,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    BLOCKS_PER_ITER: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,38 +173,29 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    slots = tl.arange(0, BLOCK_N)
-    for block in range(block_lo, block_hi):
-        physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)
-        key_pos = block * BLOCK_N + slots
-        k = tl.load(
-            k_cache_ptr + physical * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],
-            mask=dim_valid[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-        if USE_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
-        allowed = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None]
-        if USE_WINDOW:
-            allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
-        scores = tl.where(allowed, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
-        probs = tl.exp(scores - safe_max[:, None])
-        rescale = tl.exp(running_max - safe_max)
-        running_sum = running_sum * rescale + tl.sum(probs, 1)
-        v = tl.load(
-            v_cache_ptr + physical * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :],
-            mask=dim_valid[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-        running_max = new_max
+    if BLOCKS_PER_ITER == 1:  # one block per iteration (previous_paths "decode_tiling")
+        slots = tl.arange(0, BLOCK_N)
+        for block in range(block_lo, block_hi):
+            physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)
+            running_max, running_sum, acc = _attend_keys(
+                q, k_cache_ptr + physical * stride_kb + slots * stride_ks + kv_head * stride_kh,
+                v_cache_ptr + physical * stride_vb + slots * stride_vs + kv_head * stride_vh,
+                block * BLOCK_N + slots, slots < BLOCK_N, dims, dim_valid, query_pos, row_valid,
+                running_max, running_sum, acc, scale, softcap, window, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+    else:  # several blocks per iteration: their table entries load together and each product covers more keys
+        keys = tl.arange(0, BLOCK_N * BLOCKS_PER_ITER)
+        slot = keys % BLOCK_N
+        for first in range(block_lo, block_hi, BLOCKS_PER_ITER):
+            block = first + keys // BLOCK_N
+            valid = block < block_hi
+            physical = tl.load(block_table_ptr + seq * stride_bt + block, mask=valid, other=0).to(tl.int64)
+            running_max, running_sum, acc = _attend_keys(
+                q, k_cache_ptr + physical * stride_kb + slot * stride_ks + kv_head * stride_kh,
+                v_cache_ptr + physical * stride_vb + slot * stride_vs + kv_head * stride_vh,
+                block * BLOCK_N + slot, valid, dims, dim_valid, query_pos, row_valid,
+                running_max, running_sum, acc, scale, softcap, window, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
@@ -218,87 +257,6 @@ def _merge_splits_kernel(
     )
 
 
-@dataclass
-class TritonAttentionPlan:
-    """Per-step launch data shared by every layer (built once by `plan`)."""
-
-    tile_seq: torch.Tensor  # (tiles,) int32 sequence of each tile
-    tile_start: torch.Tensor  # (tiles,) int32 first query offset of each tile within its sequence
-    query_start: torch.Tensor  # (S + 1,) int32 packed offsets of each sequence's queries
-    context: torch.Tensor  # (S,) int32 tokens cached before this step
-    block_table: torch.Tensor  # (S, max_blocks) int32
-    block_m: int
-    block_q: int
-    num_splits: int
-
-
-def tile_shape(heads_per_kv: int, max_query_len: int) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_Q query tokens) of a tile: rows hold BLOCK_Q tokens x the heads of one KV head; at least
-    16 rows (the smallest tl.dot), at most 64."""
-    rows = max(16, triton.next_power_of_2(heads_per_kv))
-    while rows < 64 and rows // heads_per_kv < max_query_len:
-        rows *= 2
-    return rows, rows // heads_per_kv
-
-
-def plan_splits(num_tiles: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
-    """Key-block slices per tile: enough programs to fill the GPU when few tiles have long contexts (decode), each
-    slice at least 8 blocks; 1 when the tiles alone are enough. Always a power of two up to 16: NUM_SPLITS is a
-    compile-time constant, so each distinct value is one more kernel for Triton to compile (at most five)."""
-    programs = num_tiles * num_kv_heads
-    if programs >= target_programs or max_blocks < 16:
-        return 1
-    most_splits = 1 << ((max_blocks // 8).bit_length() - 1)  # largest power of two <= max_blocks // 8 (slices >= 8)
-    return int(min(triton.next_power_of_2(-(-target_programs // programs)), most_splits, 16))
-
-
-def plan(
-    query_lens: list[int],
-    contexts: list[int],
-    block_table: torch.Tensor,
-    heads_per_kv: int,
-    num_kv_heads: int,
-    block_size: int,
-    device: torch.device,
-    num_splits: int | None = None,
-) -> TritonAttentionPlan:
-    """Launch data for one step.
-
-    Args:
-        query_lens: tokens computed per sequence this step.
-        contexts: tokens already cached per sequence.
-        block_table: (S, max_blocks) block ids.
-        heads_per_kv: query heads per KV head.
-        num_kv_heads: KV heads.
-        block_size: tokens per cache block.
-        device: where the tensors go.
-        num_splits: force the number of key slices (None: `plan_splits`).
-    """
-    block_m, block_q = tile_shape(heads_per_kv, max(query_lens))
-    tiles_per_seq = [-(-length // block_q) for length in query_lens]
-    tile_seq = [seq for seq, count in enumerate(tiles_per_seq) for _ in range(count)]
-    tile_start = [tile * block_q for count in tiles_per_seq for tile in range(count)]
-    query_start = [0]
-    for length in query_lens:
-        query_start.append(query_start[-1] + length)
-    max_blocks = max(-(-(c + q) // block_size) for c, q in zip(contexts, query_lens))
-    splits = num_splits or plan_splits(len(tile_seq), num_kv_heads, max_blocks)
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int32, device)
-
-    return TritonAttentionPlan(
-        tensor(tile_seq),
-        tensor(tile_start),
-        tensor(query_start),
-        tensor(contexts),
-        block_table.to(device=device, dtype=torch.int32),
-        block_m,
-        block_q,
-        splits,
-    )
-
-
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -340,6 +298,9 @@ def paged_attention(
         part_acc = torch.empty((*shape, block_d), dtype=torch.float32, device=query.device)
     else:
         part_max = part_sum = part_acc = output  # unused
+    # fp32 tiles 256 wide (Gemma 2's head dim) with 32+ query rows and 64-token blocks overflow an A100's shared
+    # memory when the key loop is software-pipelined (213 KB > 163 KB); one stage fits (148 KB) on every target.
+    options = {"num_stages": 1} if query.dtype == torch.float32 and block_d >= 256 else {}
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         query,
         key_cache,
@@ -378,6 +339,8 @@ def paged_attention(
         NUM_SPLITS=splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
         UPCAST=_INTERPRETED and query.dtype != torch.float32,
+        BLOCKS_PER_ITER=p.blocks_per_iter,
+        **options,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tiles, num_kv_heads)](
