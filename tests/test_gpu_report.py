@@ -344,9 +344,9 @@ def test_a_budget_cuts_the_sections_and_the_report_keeps_what_finished(tmp_path)
     out = tmp_path / "first"
     start = time.monotonic()
     with open(os.devnull, "w") as devnull:
-        assert gpu_report.run_report(chosen, out, MACHINE, devnull, budget_s=30) == 1
-    assert time.monotonic() - start < 60  # the hanging section got only what was left of the 30 s
-    assert float(told.read_text()) <= 30 - 20 + 1  # its share, less the margin to print its summary
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull, budget_s=8) == 1
+    assert time.monotonic() - start < 40  # the hanging section got only what was left of the 8 s
+    assert float(told.read_text()) == 1  # its share less the margin to print its summary (20 s), at least 1 s
     sections = json.loads((out / "gpu_report.json").read_text())["sections"]
     assert [sections[name]["status"] for name in ("grpo", "throughput", "weights")] == ["ok", "ok", "timeout"]
     merged = gpu_report._earlier_results(out / "gpu_report.json")

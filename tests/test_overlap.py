@@ -128,17 +128,19 @@ def sampled_workload(engine, shared_prefix: list[int]) -> None:
         engine.add_request(f"s{index}", prompt, greedy if index % 2 else raw, max_new_tokens=MAX_NEW - 3 * index)
 
 
-@pytest.mark.parametrize("swap", [0.0, 0.01])
-def test_overlap_gives_the_same_outputs_as_sequential_steps(swap):
+@pytest.mark.parametrize(
+    ("swap", "previous_paths"), [(0.0, ()), (0.01, ()), (0.0, ("sampler_state", "logprobs"))], ids=str
+)
+def test_overlap_gives_the_same_outputs_as_sequential_steps(swap, previous_paths):
     """The same sampled workload, overlap off then on, under a cache that preempts (recompute, or swap to CPU):
     every sample has the same tokens, log-probs, top log-probs, finish reason and versions, and streamed deltas add
-    up to the same completions."""
+    up to the same completions (on the sampler's default path and on its previous one)."""
     shared_prefix = make_prompts(1, 24, 24, seed=30)[0]
     runs = []
     for overlap in (False, True):
         model = tiny_model("qwen3")
         config = {"num_blocks": 36, "block_size": 4, "max_batch_tokens": 40, "cpu_offload_space": swap}
-        engine = make_engine(model, overlap_scheduling=overlap, **config)
+        engine = make_engine(model, overlap_scheduling=overlap, previous_paths=previous_paths, **config)
         sampled_workload(engine, shared_prefix)
         outputs: dict[str, list] = {}
         collect(engine, outputs)
@@ -272,16 +274,34 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def every_processor_workload(engine, shared_prefix: list[int]) -> None:
+    """Every sample uses every penalty and ban processor, min_new_tokens, top_k, top_p, min_p and top log-probs
+    (the sampler's default path then draws from each row's top candidates); groups, shared prefixes."""
+    every = SamplingParams(
+        do_sample=True, temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+        presence_penalty=0.3, frequency_penalty=0.2, no_repeat_ngram_size=2, bad_words_ids=((5,), (9, 11), (20, 21, 22)),
+        suppress_tokens=(7,), begin_suppress_tokens=(8,), min_new_tokens=4, stop_token_ids=(3, 17, 29, 41),
+        top_logprobs=3, seed=1,
+    )  # fmt: skip
+    prompts = [shared_prefix + tail for tail in make_prompts(3, 3, 12, seed=33)]
+    for index, prompt in enumerate(prompts):
+        params = every.merged(seed=index, no_repeat_ngram_size=2 + index)  # n-grams of several sizes in a step
+        engine.add_request(f"e{index}", prompt, params, n=2 if index else 4, max_new_tokens=MAX_NEW, streaming=True)
+
+
+@pytest.mark.parametrize(("workload", "samples"), [(sampled_workload, 12), (every_processor_workload, 8)])
 @pytest.mark.parametrize("swap", [0.0, 0.01])
-def test_launching_a_step_never_reads_the_device(monkeypatch, swap):
+def test_launching_a_step_never_reads_the_device(monkeypatch, swap, workload, samples):
     """Queueing a step (block moves, inputs, forward, every sampling processor, log-probs) runs no op that brings
     a device value to the host: on CUDA each would stall the host until the step before had finished. Seen on CPU
     at the ATen level (tests/gpu checks the same with CUDA's own sync detector). Prefill chunks of unequal length,
-    copy-on-write of forked samples and (with swap space) swap-ins included; swap-outs wait by design."""
+    copy-on-write of forked samples and (with swap space) swap-ins included; swap-outs wait by design. Both on a
+    mixed workload and with every penalty and ban processor on in every sample (the sampler's slot tables, their
+    first fills and scatters included)."""
     engine = make_engine(
         tiny_model("qwen3"), overlap_scheduling=True, num_blocks=36, max_batch_tokens=24, cpu_offload_space=swap
     )
-    sampled_workload(engine, make_prompts(1, 8, 8, seed=60)[0])
+    workload(engine, make_prompts(1, 8, 8, seed=60)[0])
     launch = engine._launch
     spy = HostReads()
     python_reads: list[str] = []
@@ -313,7 +333,7 @@ def test_launching_a_step_never_reads_the_device(monkeypatch, swap):
     engine._launch = watched_launch
     engine.kv_cache.swap_out = unwatched_swap_out
     outputs = _collected(engine)
-    assert len(outputs) == 12 and engine.num_steps > 10  # every sample of sampled_workload
+    assert len(outputs) == samples and engine.num_steps > 10  # every sample of the workload
     if swap:
         assert engine.scheduler.num_swaps > 0
     assert spy.calls == [] and python_reads == []

@@ -3,7 +3,7 @@ sampling kernels (scheduling, batch preparation, sampling-state preparation, out
 must hide behind the device's decode step; for a small model that step takes a few milliseconds.
 
 Measured with `running` sequences all decoding, sampled as GRPO samples them (temperature, top-p, top-k, a seed
-each): the model's forward is replaced by a stub that returns ready logits, and the vocabulary is small (64
+each), or with every penalty and ban processor on as well (`processors="all"`): the model's forward is replaced by a stub that returns ready logits, and the vocabulary is small (64
 tokens). Decode steps go through the decode graphs' persistent buffers, as on a GPU (without capturing: on a GPU a
 replay is one launch). On CPU the sampling kernels still run on the host (on a GPU they are queued): their time is measured
 apart, inside the sampler's torch operators, and taken out of the "host" figure.
@@ -29,6 +29,20 @@ WARM_STEPS = 5  # decode steps run before timing
 PROMPT_TOKENS = 16
 PHASES = ("schedule", "inputs", "sampling", "update")
 HEADS_PER_KV = 2  # the stub model's query heads per KV head (the decode graphs' attention tile layout)
+PROCESSORS = ("grpo", "all")
+# Token 63 is a stop token that is also suppressed: min_new_tokens has a stop to mask, and no sequence ever stops.
+_ALL_PROCESSORS = dict(
+    repetition_penalty=1.2,
+    presence_penalty=0.3,
+    frequency_penalty=0.2,
+    no_repeat_ngram_size=3,
+    bad_words_ids=((10,), (5, 6), (7, 8, 9)),
+    suppress_tokens=(11, 12, 63),
+    begin_suppress_tokens=(13,),
+    min_p=0.02,
+    top_logprobs=5,
+    stop_token_ids=(63,),
+)
 
 
 def _stub_model(device: torch.device) -> torch.nn.Module:
@@ -102,7 +116,13 @@ def _kernel_timed(kernel_seconds: list[float], function: Callable) -> Callable:
     return timed
 
 
-def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) -> dict[str, float]:
+def host_time_per_step(
+    running: int,
+    device: str = "cpu",
+    steps: int = STEPS,
+    processors: str = "grpo",
+    previous_paths: tuple[str, ...] = (),
+) -> dict[str, float]:
     """The engine's host milliseconds per decode step with `running` sequences decoding, and where they go.
 
     Returns a dict of medians over `steps` decode steps: "step" (the whole step), "sampling_kernels" (the work of
@@ -115,7 +135,13 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
         running: sequences decoding at once (one batch).
         device: where the engine runs ("cpu" or "cuda").
         steps: decode steps timed.
+        processors: "grpo" (temperature, top-p, top-k and a seed) or "all" (those, and every penalty and ban
+            processor, min_new_tokens, min_p and top log-probs as well).
+        previous_paths: names of `rollout.config.PREVIOUS_PATHS` the engine switches back to.
     """
+    if processors not in PROCESSORS:
+        raise ValueError(f"processors must be one of {PROCESSORS}, not {processors!r}")
+    extra = _ALL_PROCESSORS if processors == "all" else {"stop_token_ids": ()}
     target = torch.device(device)
     kernel_steps = min(steps, 20) if device != "cuda" else 0
     # Every sequence decodes through the whole run without finishing and its blocks fit from the start: no step
@@ -132,6 +158,7 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
             max_batch_tokens=max(running * 16, 2048),
             use_cuda_graph=False,
             overlap_scheduling=True,  # as on a GPU: step N+1 is scheduled before step N's tokens are on the host
+            previous_paths=previous_paths,
         ),
     )
     logits = torch.randn(running, VOCAB, device=target)
@@ -154,8 +181,9 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
             top_p=0.95,
             top_k=50,
             seed=index,
-            stop_token_ids=(),
             max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if processors == "all" else 0,
+            **extra,
         )
         engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(PROMPT_TOKENS)], sampling)
     while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running):
@@ -207,6 +235,21 @@ def host_time_per_step(running: int, device: str = "cpu", steps: int = STEPS) ->
     return {name: round(value, 3) for name, value in figures.items()}
 
 
-def run_host_time(device: str = "cpu", sizes: tuple[int, ...] = (64, 256)) -> dict[str, dict[str, float]]:
-    """`host_time_per_step` at each number of running sequences (keys: the numbers, as strings)."""
-    return {str(size): host_time_per_step(size, device) for size in sizes}
+def run_host_time(
+    device: str = "cpu",
+    sizes: tuple[int, ...] = (64, 256),
+    processors: str = "grpo",
+    previous_paths: tuple[str, ...] = (),
+) -> dict[str, dict[str, float]]:
+    """`host_time_per_step` at each number of running sequences (keys: the numbers, as strings).
+
+    Args:
+        device: where the engine runs ("cpu" or "cuda").
+        sizes: the numbers of running sequences measured.
+        processors: the sampling processors every sequence uses ("grpo" or "all", see `host_time_per_step`).
+        previous_paths: names of `rollout.config.PREVIOUS_PATHS` the engine switches back to.
+    """
+    return {
+        str(size): host_time_per_step(size, device, processors=processors, previous_paths=previous_paths)
+        for size in sizes
+    }

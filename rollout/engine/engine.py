@@ -25,8 +25,9 @@ from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
 from rollout.engine.outputs import GenerationOutput, progress_output
+from rollout.engine.pending_samples import PendingSamples
 from rollout.engine.request import Request, RequestStatus, sample_id
-from rollout.engine.sampler import PendingSamples, Sampler
+from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.warmup import warm_up
 from rollout.engine.weight_table import WeightTable, WeightUpdateResult
@@ -89,7 +90,7 @@ class Engine:
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
-        self.sampler = Sampler(self.vocab_size, parameter.device)
+        self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
         self._in_flight: _InFlightStep | None = None  # queued on the device, not resolved yet (overlap)

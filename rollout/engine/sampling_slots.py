@@ -7,6 +7,10 @@ copy of the step's slot indices and positions, then two `index_select`s) instead
 objects. A host-side count of the live slots that use each processor lets a step skip the processors nobody asks
 for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p 1, ...)
 so running a processor over it leaves it as it was.
+
+Unless `previous_paths` holds "sampler_state", the token-dependent state (penalty counts, token history, ban
+lists) lives in per-slot tables too (`rollout.engine.slot_state`), filled at a sample's first draw and kept through
+preemption and recompute with its slot.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
+from rollout.engine.slot_state import SlotState
 from rollout.engine.token_bans import has_bans
 from rollout.engine.transfer import to_device
 
@@ -39,6 +44,9 @@ INT_COLUMNS = (
     "greedy",  # 1: argmax; 0: drawn
     "use_processed",  # 1: log-probs of the processed scores; 0: of the raw or temperature-scaled logits
     "seed_base",  # a 63-bit hash of (seed, sample_index); a row's seed mixes in the position
+    "prompt_tokens",  # the prompt's length: a row's output count is its position minus this
+    "min_new_tokens",  # 0 when the request has no stop token to mask
+    "ngram",  # no_repeat_ngram_size (0: off)
 )
 _F = {name: i for i, name in enumerate(FLOAT_COLUMNS)}
 _I = {name: i for i, name in enumerate(INT_COLUMNS)}
@@ -52,6 +60,8 @@ def features(params: SamplingParams) -> list[str]:
     used = ["greedy" if params.greedy else "sampled"]
     if params.top_k:
         used.append("top_k")
+        if not params.greedy:
+            used.append("sampled_top_k")
     if params.top_p < 1:
         used.append("top_p")
     if params.min_p > 0:
@@ -77,14 +87,19 @@ def features(params: SamplingParams) -> list[str]:
 class SlotColumns:
     """One step's parameters, one row per sampled row (views into two gathered tensors)."""
 
-    def __init__(self, floats: torch.Tensor, ints: torch.Tensor, positions: torch.Tensor):
+    def __init__(
+        self, floats: torch.Tensor, ints: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, max_position: int
+    ):
         self._floats = floats
         self._ints = ints
+        self.slots = slots  # (rows,) int64: each row's slot
         self.positions = positions  # (rows,) int64: position of the token each row samples
+        self.max_position = max_position  # the largest of them (a host count)
 
     def float(self, name: str) -> torch.Tensor:
-        """(rows, 1) fp32 column `name` of FLOAT_COLUMNS."""
-        return self._floats[:, _F[name]].unsqueeze(1)
+        """(rows, 1) fp32 column `name` of FLOAT_COLUMNS (one slicing op: this runs several times a step)."""
+        index = _F[name]
+        return self._floats[:, index : index + 1]
 
     def int(self, name: str) -> torch.Tensor:
         """(rows,) int64 column `name` of INT_COLUMNS."""
@@ -98,12 +113,14 @@ class SlotColumns:
 class SamplingSlots:
     """Slot tables of the running samples' sampling parameters (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64):
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64, state: bool = True):
         """
         Args:
             vocab_size: the logits' width (top_k is capped at it).
             device: where the tables live.
             capacity: slots allocated at first; the tables double when a sample finds none free.
+            state: keep the token-dependent state in per-slot tables too (`self.state`); False leaves it to the
+                caller (the "sampler_state" previous path).
         """
         self.vocab_size = vocab_size
         self.device = device
@@ -113,6 +130,8 @@ class SamplingSlots:
         self._pending: list[tuple[int, list[float], list[int]]] = []  # rows written at the next gather
         self.uses: Counter[str] = Counter()  # feature -> live slots that use it
         self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
+        self._assigned: list[Request] = []  # requests given a slot by the gather under way
+        self.state = SlotState(vocab_size, device, capacity) if state else None
 
     @property
     def num_live(self) -> int:
@@ -126,13 +145,16 @@ class SamplingSlots:
             requests: the sampled requests, in row order; each's last token is the one being sampled.
         """
         slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
+        assigned, self._assigned = self._assigned, []
         # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
         positions = [len(r.token_ids) for r in requests]
         self._write_pending()
+        if assigned and self.state is not None:
+            self.state.assign(assigned)
         index = to_device([slots, positions], torch.long, self.device)
         floats = self._floats.index_select(0, index[0])
         ints = self._ints.index_select(0, index[0])
-        return SlotColumns(floats, ints, index[1])
+        return SlotColumns(floats, ints, index[0], index[1], max(positions))
 
     def any(self, feature: str) -> bool:
         """Whether some live slot uses `feature` (see `features`)."""
@@ -160,6 +182,8 @@ class SamplingSlots:
         self._pending = [entry for entry in self._pending if entry[0] != slot]
         params = request.sampling
         self.uses.subtract(features(params))
+        if self.state is not None:
+            self.state.release(slot)
         if params.top_k:
             self._top_ks[params.top_k] -= 1
             if not self._top_ks[params.top_k]:
@@ -176,13 +200,23 @@ class SamplingSlots:
         if params.top_k:
             self._top_ks[params.top_k] += 1
         self._pending.append((slot, _float_row(params), self._int_row(request)))
+        self._assigned.append(request)
         return slot
 
     def _int_row(self, request: Request) -> list[int]:
         params = request.sampling
         seed_base = hash((request.seed, request.sample_index)) & _SEED_MASK
         top_k = min(params.top_k or self.vocab_size, self.vocab_size)
-        return [top_k, int(params.greedy), int(params.logprob_mode == "processed"), seed_base]
+        min_new_tokens = params.min_new_tokens if request.stop_token_ids else 0
+        return [
+            top_k,
+            int(params.greedy),
+            int(params.logprob_mode == "processed"),
+            seed_base,
+            request.num_prompt_tokens,
+            min_new_tokens,
+            params.no_repeat_ngram_size,
+        ]
 
     def _write_pending(self) -> None:
         if not self._pending:
@@ -197,6 +231,8 @@ class SamplingSlots:
         old = self._floats.shape[0]
         self._floats = torch.cat([self._floats, torch.zeros_like(self._floats)])
         self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
+        if self.state is not None:
+            self.state.grow(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
 

@@ -6,6 +6,10 @@ whatever the number of banned tokens or words (words are matched a whole length 
 on the latest tokens (n-grams, multi-token bad words) read a per-request token history on the device, appended on the
 device after each draw: with overlapped scheduling the newest token is not on the host yet when the next step is
 sampled, and nothing here waits for it. `SamplingParams` bounds every list, so no request can make steps slow.
+
+That per-request state is the "sampler_state" previous path (`ContinuousBatchingConfig.previous_paths`); by default
+the same bans read per-slot tables for all rows at once (`rollout.engine.slot_bans`), built from the same lists
+(`always_banned`, `multi_token_words`).
 """
 
 from __future__ import annotations
@@ -40,19 +44,34 @@ def has_bans(params: SamplingParams) -> bool:
     )
 
 
+def has_history(params: SamplingParams) -> bool:
+    """True when the request's bans read its latest tokens (no_repeat_ngram_size, multi-token bad words)."""
+    return bool(params.no_repeat_ngram_size) or any(len(word) > 1 for word in params.bad_words_ids)
+
+
+def always_banned(request: Request) -> list[int]:
+    """Sorted token ids the request never generates: suppress_tokens and single-token bad words, except that a
+    single-token bad word that is a stop token is kept allowed, as transformers does."""
+    params = request.sampling
+    single = [w[0] for w in params.bad_words_ids if len(w) == 1 and w[0] not in request.stop_token_ids]
+    return sorted(set(params.suppress_tokens).union(single))
+
+
+def multi_token_words(params: SamplingParams) -> list[tuple[int, ...]]:
+    """The bad words of more than one token (their last token is banned after the others)."""
+    return [word for word in params.bad_words_ids if len(word) > 1]
+
+
 def build_bans(request: Request, device: torch.device) -> Bans:
     """The request's bans as device tensors (at its first draw, when all its tokens are on the host)."""
     params = request.sampling
 
     def ids(tokens: list[int]) -> torch.Tensor | None:
-        return to_device(sorted(set(tokens)), torch.long, device) if tokens else None
+        return to_device(tokens, torch.long, device) if tokens else None
 
-    # A single-token bad word that is a stop token is kept allowed, as transformers does.
-    single = [w[0] for w in params.bad_words_ids if len(w) == 1 and w[0] not in request.stop_token_ids]
     by_length: dict[int, list[tuple[int, ...]]] = {}
-    for word in params.bad_words_ids:
-        if len(word) > 1:
-            by_length.setdefault(len(word) - 1, []).append(word)
+    for word in multi_token_words(params):
+        by_length.setdefault(len(word) - 1, []).append(word)
     words = [
         (
             k,
@@ -61,7 +80,7 @@ def build_bans(request: Request, device: torch.device) -> Bans:
         )
         for k, group in sorted(by_length.items())
     ]
-    bans = Bans(ids(list(params.suppress_tokens) + single), ids(list(params.begin_suppress_tokens)), words)
+    bans = Bans(ids(always_banned(request)), ids(sorted(set(params.begin_suppress_tokens))), words)
     bans.ngram = params.no_repeat_ngram_size
     if bans.ngram or words:
         if request.has_placeholder:

@@ -1,0 +1,73 @@
+"""A step's sampled tokens on their way to the host: queued with the sampling, fetched (one copy) when the engine
+resolves the step, as Python values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.engine.transfer import HostCopy
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per sampled row, in `batch.samples` order (plain Python values)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    # Rows whose bans left no token to draw (their token is meaningless; the engine ends those samples).
+    dead_rows: list[int] = field(default_factory=list)
+
+
+class PendingSamples:
+    """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the host after
+    `fetch()`. Everything the host needs comes down in one copy, queued when the sampling was."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        parts: list[torch.Tensor],
+        top_counts: list[int] | None,
+        dead: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            token_ids: (rows,) int64 sampled tokens on the device.
+            parts: 1-D device tensors brought to the host together: token ids, then (with logprobs) the chosen
+                log-probs, then (with top log-probs) the flattened top values and top indices.
+            top_counts: per row, how many top log-probs it asked for (None: top log-probs not computed).
+            dead: (rows,) bool, rows with no drawable token (None: not checked); copied with the rest, last.
+        """
+        self.token_ids = token_ids
+        self._rows = token_ids.shape[0]
+        self._has_logprobs = len(parts) > 1
+        self._top_counts = top_counts
+        self._checked = dead is not None
+        parts = parts if dead is None else [*parts, dead]
+        # float64 holds token ids exactly.
+        self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
+
+    def fetch(self) -> SamplerOutput:
+        """The sampled tokens and log-probs as Python values (waits for the copy to land)."""
+        if self._host is None:
+            return SamplerOutput([], [] if self._has_logprobs else None, None)
+        host = self._host.tensor()
+        rows = self._rows
+        tokens = host[:rows].long().tolist()
+        dead_rows = host[-rows:].nonzero().flatten().tolist() if self._checked else []
+        if not self._has_logprobs:
+            return SamplerOutput(tokens, None, None, dead_rows)
+        chosen = host[rows : 2 * rows].tolist()
+        top = None
+        if self._top_counts is not None:
+            width = max(self._top_counts)
+            values = host[2 * rows : 2 * rows + rows * width].tolist()
+            indices = host[2 * rows + rows * width : 2 * rows + 2 * rows * width].long().tolist()
+            # One C-level zip for every row, then a slice per row (this runs for every row of every step).
+            pairs = list(zip(indices, values))
+            top = [
+                pairs[start : start + count] for start, count in zip(range(0, rows * width, width), self._top_counts)
+            ]
+        return SamplerOutput(tokens, chosen, top, dead_rows)
