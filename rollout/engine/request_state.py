@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.request import Request
-from rollout.engine.sampling_slots import SlotColumns
+from rollout.engine.slot_columns import SlotColumns
 from rollout.engine.token_bans import Bans, apply_bans, build_bans, has_bans, record
 from rollout.engine.transfer import to_device
 

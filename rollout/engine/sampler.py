@@ -17,8 +17,9 @@ from rollout.engine.request_state import (
     record_draws,
     request_state,
 )
-from rollout.engine.sampling_slots import SamplingSlots, SlotColumns
+from rollout.engine.sampling_slots import SamplingSlots
 from rollout.engine.slot_bans import mask_bans
+from rollout.engine.slot_columns import SlotColumns
 from rollout.engine.transfer import to_device
 from rollout.engine.warpers import candidate_width, warp, warp_candidates
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.sampling_slots import SlotColumns
+from rollout.engine.slot_columns import SlotColumns
 from rollout.engine.slot_state import SlotState
 
 _NEG_INF = float("-inf")

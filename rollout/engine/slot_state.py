@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.engine.request import Request
+from rollout.engine.slot_columns import SlotColumns
 from rollout.engine.token_bans import always_banned, has_history, multi_token_words
 from rollout.engine.transfer import to_device
-
-if TYPE_CHECKING:  # sampling_slots imports this module
-    from rollout.engine.sampling_slots import SlotColumns
 
 LISTS = ("always", "first", "stops")  # token-list tables, in the order the ban mask reads them
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.sampling_slots import SamplingSlots, SlotColumns
+from rollout.engine.sampling_slots import SamplingSlots
+from rollout.engine.slot_columns import SlotColumns
 
 _NEG_INF = float("-inf")
 # Candidates taken beyond the largest top_k: tokens tied with a row's k-th score are all kept (transformers'
