@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gs.add_argument(
-        "--systems", nargs="+", choices=grpo_step.SYSTEMS, default=None, help="systems to run (default: all four)"
+        "--systems",
+        nargs="+",
+        choices=grpo_step.SYSTEMS + grpo_step.EXTRA_SYSTEMS,
+        default=None,
+        help="systems to run (default: the first four; rollout_colocate_no_is: colocated without TRL's "
+        "importance-sampling forward)",
     )
     gs.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gs.add_argument(

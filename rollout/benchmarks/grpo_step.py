@@ -37,6 +37,10 @@ import time
 from typing import Any
 
 SYSTEMS = ("rollout_colocate", "rollout_server", "trl_generate", "trl_generate_batch")
+# Also measurable (not run by default): rollout_colocate without TRL's importance-sampling correction, whose extra
+# no-grad forward over every completion (old_per_token_logps, which TRL's vLLM path always computes) is most of
+# what a colocated step's training part costs beyond TRL's plain `generate` path.
+EXTRA_SYSTEMS = ("rollout_colocate_no_is",)
 STEPS, WARMUP_STEPS = 5, 2
 KV_BLOCKS = 512  # the main job's worker cache (512 blocks of 16 tokens), for both rollout systems
 # Policy shapes: the main job's tiny model, or the Qwen3-0.6B architecture in bf16 mixed precision with 256 new
@@ -160,8 +164,10 @@ def run_one(
     if system.startswith("rollout"):
         from trainer_bridge.trl import RolloutGRPOTrainer
 
-        if system == "rollout_colocate":
+        if system.startswith("rollout_colocate"):
             rollout = dict(rollout_mode="colocate", sleep_between_rounds=True)
+            if system == "rollout_colocate_no_is":
+                shape = {**shape, "vllm_importance_sampling_correction": False}
             rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=COLOCATED_KV_BLOCKS[model_shape])
         else:
             worker, address = _start_worker(device)
@@ -173,14 +179,14 @@ def run_one(
         config = _config(output, total, device, use_transformers_continuous_batching=True, **shape)
         trainer = GRPOTrainer(model=model, args=config, **common)
     else:
-        raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS)}")
+        raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS + EXTRA_SYSTEMS)}")
     clock = _StepClock()
     trainer.add_callback(clock.callback())
     trainer._generate_single_turn = clock.timed("generation", trainer._generate_single_turn)
     if system.startswith("rollout"):
         trainer.rollout.sync_weights = clock.timed("weight_sync", trainer.rollout.sync_weights)
     sleeps: list[int] = []  # bytes each colocated sleep() handed back to the allocator's users (CUDA)
-    if system == "rollout_colocate" and device == "cuda":
+    if system.startswith("rollout_colocate") and device == "cuda":
         engine = trainer.rollout.engine
         engine.sleep = _measured_sleep(engine.sleep, sleeps)
     if device == "cuda":
@@ -210,7 +216,7 @@ def run_one(
     result["tokens_per_s"] = round(tokens / sum(step["step"] for step in timed), 1)
     if sleeps:
         result["sleep_frees_gib"] = round(statistics.median(sleeps) / 2**30, 3)
-    if system == "rollout_colocate":  # graphs captured again because the cache or the parameters moved
+    if system.startswith("rollout_colocate"):  # graphs captured again because the cache or the parameters moved
         engine = trainer.rollout.engine
         result["graph_capture_s_per_round"] = round(engine.graph_capture_s / max(engine.num_rounds, 1), 4)
         result["graph_releases"] = engine.graph_releases
@@ -323,16 +329,16 @@ def table(summary: dict) -> str:
     base = rows.get("rollout_colocate", {}).get("step_s")
     lines = [
         f"grpo-step on {summary['device']}: median of {summary['steps']} steps after {summary['warmup_steps']} warm-up",
-        f"{'system':<20}{'step s':>9}{'generation':>12}{'weight sync':>13}{'training':>10}{'peak GiB':>10}"
+        f"{'system':<24}{'step s':>9}{'generation':>12}{'weight sync':>13}{'training':>10}{'peak GiB':>10}"
         f"{'vs colocate':>13}",
     ]
     for system, row in rows.items():
         if "error" in row:
-            lines.append(f"{system:<20} failed: {row['error']}")
+            lines.append(f"{system:<24} failed: {row['error']}")
             continue
         ratio = f"{row['step_s'] / base:.2f}x" if base else "-"
         lines.append(
-            f"{system:<20}{row['step_s']:>9.3f}{row['generation_s']:>12.3f}{row['weight_sync_s']:>13.3f}"
+            f"{system:<24}{row['step_s']:>9.3f}{row['generation_s']:>12.3f}{row['weight_sync_s']:>13.3f}"
             f"{row['training_s']:>10.3f}{row['peak_memory_gib']:>10.2f}{ratio:>13}"
         )
     return "\n".join(lines)
