@@ -99,7 +99,6 @@ def test_matrix_reaches_every_value_the_planners_pick():
         "num_splits": split_counts(),
         "softcap": (False, True),
         "window": (False, True),
-        "previous_tiling": (False, True),
     }
     for (a, values_a), (b, values_b) in itertools.combinations(axes.items(), 2):
         seen = {(getattr(s, a), getattr(s, b)) for s in shapes}

@@ -119,17 +119,18 @@ def pairwise(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 def covering_launch_shapes() -> list[LaunchShape]:
     """Every pair of input values at least once (`pairwise` over dtype, head dim, heads per KV head, block size,
-    tile, split count, both flags and the tiling), plus each dtype's largest-resource shape (the most shared memory: the
+    tile, split count and both flags; the previous tiling's one-block loop is the current tiling's with 64-token
+    blocks, so it is covered without an axis of its own), plus each dtype's largest-resource shape (the most shared memory: the
     largest head dim, block size and tile): a fast stand-in for `all_launch_shapes`."""
     splits = split_counts()
     tiles = [sorted(tile_shapes(hpk).values()) for hpk in HEADS_PER_KV]
     axes: list[Sequence[Any]] = [DTYPES, HEAD_DIMS, range(len(HEADS_PER_KV)), BLOCK_SIZES, range(max(map(len, tiles)))]
-    axes += [splits, (False, True), (False, True), (False, True)]
+    axes += [splits, (False, True), (False, True)]
     shapes = []
     for row in pairwise([len(axis) for axis in axes]):
-        dtype, dim, hpk, size, tile, split, softcap, window, previous = (axis[i] for axis, i in zip(axes, row))
+        dtype, dim, hpk, size, tile, split, softcap, window = (axis[index] for axis, index in zip(axes, row))
         query_len = tiles[hpk][min(tile, len(tiles[hpk]) - 1)]
-        shapes.append(LaunchShape(dtype, dim, HEADS_PER_KV[hpk], size, query_len, split, softcap, window, previous))
+        shapes.append(LaunchShape(dtype, dim, HEADS_PER_KV[hpk], size, query_len, split, softcap, window))
     return shapes + largest_launch_shapes()
 
 
