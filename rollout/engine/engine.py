@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,12 +19,12 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.counters import engine_stats
+from rollout.engine.counters import engine_stats, log_leaks
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
 from rollout.engine.outputs import GenerationOutput, progress_output
-from rollout.engine.pending_samples import PendingSamples
+from rollout.engine.pending_samples import InFlightStep
 from rollout.engine.request import Request, RequestStatus, sample_id
 from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
@@ -41,16 +40,6 @@ NOTHING_TO_DRAW = (
     "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none), or the model's logits there "
     "are not finite"
 )
-
-
-@dataclass
-class _InFlightStep:
-    """A step queued on the device whose sampled tokens the host has not seen yet."""
-
-    batch: ScheduledBatch
-    samples: PendingSamples
-    policy_version: int  # the weights that ran it (a weight update drains the step first)
-    advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
 
 
 class Engine:
@@ -93,7 +82,7 @@ class Engine:
         self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
-        self._in_flight: _InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
+        self._in_flight: InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
         self._undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.num_generated_tokens = 0
@@ -275,13 +264,7 @@ class Engine:
         self._undelivered = []
         for group_id in list(self._open_groups):
             self.cancel(group_id)
-        try:
-            self.block_manager.check_all_free()  # every request ended: a block still held is a leak
-        except AssertionError as leak:
-            logger.error("engine closed with KV blocks still held: %s", leak)
-        held = {"sampling slots": self.sampler.slots.num_live, "block-table rows": self.runner.block_tables.num_live}
-        for what in [what for what, count in held.items() if count]:  # every request ended: a slot or row held leaks
-            logger.error("engine closed with %d %s still held", held[what], what)
+        log_leaks(self)  # every request ended: a block, slot or row still held is a leak
         self.runner.close()
         self.kv_cache.release()
         if self.kv_cache.kv.device.type == "cuda":  # the allocator keeps freed blocks for this process otherwise
@@ -325,7 +308,7 @@ class Engine:
         self._in_flight = launched
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, previous: _InFlightStep | None) -> _InFlightStep:
+    def _launch(self, batch: ScheduledBatch, previous: InFlightStep | None) -> InFlightStep:
         """Queue a step's forward and sampling on the device; nothing here waits for the device."""
         unresolved = None
         if previous is not None:
@@ -338,15 +321,15 @@ class Engine:
         # Chunks of more than one token are prompts (or recomputed KV); single tokens are decodes.
         self.num_prefill_tokens += sum(chunks) - chunks.count(1)
         self.num_steps += 1
-        return _InFlightStep(batch, samples, self.policy_version)
+        return InFlightStep(batch, samples, self.policy_version)
 
-    def _advance(self, step: _InFlightStep) -> None:
+    def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""
         if not step.advanced:
             self.scheduler.advance(step.batch, step.policy_version)
             step.advanced = True
 
-    def _resolve(self, step: _InFlightStep) -> list[GenerationOutput]:
+    def _resolve(self, step: InFlightStep) -> list[GenerationOutput]:
         """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
         try:
             sampled = step.samples.fetch()

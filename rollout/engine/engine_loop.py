@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rollout.config import FieldError
 from rollout.engine.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop
@@ -16,16 +17,30 @@ from rollout.engine.pause import PauseGate
 from rollout.engine.request import Request
 from rollout.mailbox import drain
 
-if TYPE_CHECKING:
-    from rollout.engine.manager import ContinuousBatchingManager
-
 logger = logging.getLogger("rollout.engine.manager")
+
+
+class LoopOwner(Protocol):
+    """What the loop uses of its `ContinuousBatchingManager` (structural: this module does not import the manager)."""
+
+    engine: Any
+    error: BaseException | None
+    idle_s: float
+    step_observer: Callable[[float], None] | None
+    _stop: Any  # threading.Event
+    _state: Any  # threading.Condition
+    _closed: bool
+    _commands: Any  # the engine thread's mailbox
+    _num_queued: int
+    _updates: Any  # WeightUpdateQueue
+
+    def _deliver(self, outputs: list[Any]) -> None: ...
 
 
 class EngineLoop:
     """The engine side of a `ContinuousBatchingManager` (it shares the manager's lock, mailbox and state)."""
 
-    def __init__(self, manager: ContinuousBatchingManager):
+    def __init__(self, manager: LoopOwner):
         self.manager = manager
 
     def run(self) -> None:

@@ -1,5 +1,5 @@
 """A step's sampled tokens on their way to the host: queued with the sampling, fetched (one copy) when the engine
-resolves the step, as Python values."""
+resolves the step, as Python values; and the step they belong to while it is in flight."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.engine.batch import ScheduledBatch
 from rollout.engine.transfer import HostCopy
 
 
@@ -71,3 +72,13 @@ class PendingSamples:
                 pairs[start : start + count] for start, count in zip(range(0, rows * width, width), self._top_counts)
             ]
         return SamplerOutput(tokens, chosen, top, dead_rows)
+
+
+@dataclass
+class InFlightStep:
+    """A step queued on the device whose sampled tokens the host has not seen yet (overlapped scheduling)."""
+
+    batch: ScheduledBatch
+    samples: PendingSamples
+    policy_version: int  # the weights that ran it (a weight update drains the step first)
+    advanced: bool = False  # the scheduler counted its tokens (placeholders appended)

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rollout.config import SamplingParams
 
-if TYPE_CHECKING:
-    from rollout.engine.engine import Engine
+
+class WarmableEngine(Protocol):
+    """What `warm_up` uses of an `Engine` (structural: this module does not import the engine)."""
+
+    runner: Any
+    block_manager: Any
+    max_model_len: int
+    num_generated_tokens: int
+    num_computed_tokens: int
+    num_prefill_tokens: int
+    num_steps: int
+    warmed_up: bool
+
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(self, group_id: str, prompt_ids: Any, sampling: Any = None) -> list[str]: ...
+
+    def step(self) -> list[Any]: ...
 
 
-def warm_up(engine: Engine, num_tokens: int = 8) -> None:
+def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
     (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
     forgotten and the token and step counters are restored. Call it while the engine is idle.

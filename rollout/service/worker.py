@@ -89,15 +89,11 @@ class RolloutWorker:
             auth.secure(self._socket)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)  # per frame; larger drops the link
         self._socket.setsockopt(zmq.LINGER, 0)
-        # Helpers call back through a weak proxy, never a bound method: a reference back would put the worker (its
-        # manager, model and staging area) in a cycle that only a garbage collection frees.
-        owner = weakref.proxy(self)
-        self._links = ClientLinks(
-            self._socket,
-            self.limits.max_pending_bytes,
-            self.limits.client_timeout_s,
-            lambda identity, reason: owner._client_lost(identity, reason),
-        )
+        # Helpers call back through a weak proxy: a bound method would put the worker (manager, model, staging) in
+        # a reference cycle that only a garbage collection frees.
+        owner, limits = weakref.proxy(self), self.limits
+        lost = lambda identity, reason: owner._client_lost(identity, reason)  # noqa: E731 - one callback, named
+        self._links = ClientLinks(self._socket, limits.max_pending_bytes, limits.client_timeout_s, lost)
         self._socket.bind(bind)
         # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
         self._reader = MessageReader(self._socket, 1 + MAX_PIECES, p.MAX_HEADER_BYTES + self.limits.max_message_bytes)
