@@ -86,3 +86,16 @@ def test_weights_changed_between_calls_or_during_a_pause_are_seen():
         second = manager.get_result(manager.add_request(PROMPT, sampling=GREEDY), timeout=60)
     assert _delta(model, second.generated_tokens, second.logprobs) < 2e-3
     assert _delta(model, first.generated_tokens, first.logprobs) > STALE  # the first ran on the earlier head
+
+
+def test_an_engine_built_under_inference_mode_refreshes_outside_it():
+    """A trainer may build the engine inside torch.inference_mode(); the copy is then an inference tensor, and
+    updating it later (a weight update, a pause) must still work outside inference mode."""
+    model = tiny_model(0, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        engine = Engine(model, _config())
+    new_head = tiny_model(1, dtype=torch.bfloat16).lm_head.weight.detach().clone()
+    engine.update_weights({"lm_head.weight": new_head}, version=5, partial=True)
+    tokens, logprobs = _generate(engine)
+    assert engine.policy_version == 5 and _delta(model, tokens, logprobs) < 2e-3
+    engine.close()

@@ -350,15 +350,16 @@ def test_a_budget_cuts_the_sections_and_the_report_keeps_what_finished(tmp_path)
     sections = json.loads((out / "gpu_report.json").read_text())["sections"]
     assert [sections[name]["status"] for name in ("grpo", "throughput", "weights")] == ["ok", "ok", "timeout"]
     merged = gpu_report._earlier_results(out / "gpu_report.json")
+    other = {**MACHINE, "gpu": "other GPU"}
+    weights = [_section("weights", "print('{}')")]
     with open(os.devnull, "w") as devnull:  # the next call (a fresh machine) runs weights again and keeps the rest
-        assert (
-            gpu_report.run_report(
-                [_section("weights", "print('{}')")], tmp_path / "second", MACHINE, devnull, merged=merged
-            )
-            == 0
-        )
+        assert gpu_report.run_report(weights, tmp_path / "second", other, devnull, merged=merged) == 0
     sections = json.loads((tmp_path / "second" / "gpu_report.json").read_text())["sections"]
     assert list(sections) == ["throughput", "grpo", "weights"] and sections["weights"]["status"] == "ok"
+    # Each figure says which machine it came from: merged sections keep their own.
+    assert [sections[name]["machine"]["gpu"] for name in sections] == ["test GPU", "test GPU", "other GPU"]
+    markdown = (tmp_path / "second" / "gpu_report.md").read_text()
+    assert "| grpo | ok | 0 | test GPU, 2026-11-22 |" in markdown and "| weights | ok | 0 | other GPU" in markdown
 
 
 def test_merge_refuses_what_is_not_a_report(tmp_path, capsys):

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from conftest import tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
@@ -148,3 +149,20 @@ def test_worker_shutdown_frees_the_cache(watched):
     assert not serving.is_alive() and watched.alive() == 0
     del running
     assert engine_garbage() == [], engine_garbage.__name__
+
+
+def test_a_closed_engine_refuses_work_by_name():
+    engine = Engine(tiny_model(), ContinuousBatchingConfig(**CONFIG))
+    engine.close()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        engine.add_request("g", [1, 2, 3], SAMPLING)
+    with pytest.raises(RuntimeError, match="closed engine"):
+        engine.warmup()
+
+
+def test_a_colocated_engine_that_fails_to_build_leaves_nothing_on_the_model():
+    model = tiny_model(dtype=torch.bfloat16)  # bf16: fp32_logits hooks an fp32 copy of the head onto it
+    head = model.get_output_embeddings()
+    with pytest.raises(ValueError, match="policy_version"):
+        ColocatedEngine(model, ContinuousBatchingConfig(**CONFIG, fp32_logits=True), policy_version=-1)
+    assert not head._forward_hooks and model.config._attn_implementation != "rollout_paged"

@@ -89,7 +89,11 @@ class ColocatedEngine:
         self.graph_releases = 0  # times captured graphs were dropped (parameters or cache moved)
         self._group_ids = itertools.count()
         self.num_rounds = 0
-        self.set_policy_version(policy_version)
+        try:
+            self.set_policy_version(policy_version)
+        except BaseException:
+            self.close()  # nothing of a failed construction stays on the trainer's model (hooks, the fp32 copy)
+            raise
 
     # ---- state ------------------------------------------------------------------------------------------------
     @property

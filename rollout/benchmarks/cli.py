@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
+import threading
+from typing import Any
 
 from rollout.benchmarks import (
     fleet,
@@ -166,15 +170,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `rollout-bench` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args, parser)
+    # SIGTERM (a timeout, a section killed by gpu-report) unwinds like Ctrl-C: the systems' own process groups are
+    # killed on the way out, never left running. The caller's handler comes back afterwards.
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run(args, parser)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Run the parsed subcommand."""
     if args.command == "gpu-report":
         raise SystemExit(gpu_report.main(args, parser))
     for flag in ("system_timeout", "time_budget"):
-        if getattr(args, flag, None) is not None and getattr(args, flag) <= 0:
-            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            parser.error(f"--{flag.replace('_', '-')} must be a number > 0, got {value}")
+    if args.command == "throughput" and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.command == "grpo-step" and args.model != "tiny" and args.device == "cpu":
+        parser.error(f"--model {args.model} is a GPU shape: run it with --device cuda")
     if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.command == "grpo-step":

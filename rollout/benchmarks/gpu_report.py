@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import signal
 import subprocess
@@ -163,8 +164,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         print(render_plan())
         return 0
-    if args.budget_s is not None and args.budget_s <= 0:
-        parser.error(f"gpu-report: --budget-s must be > 0, got {args.budget_s}")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        parser.error(f"gpu-report: --budget-s must be a number > 0, got {args.budget_s}")
     earlier: dict[str, SectionResult] = {}
     for path in args.merge:
         found = _earlier_results(path)
@@ -243,6 +244,7 @@ def run_report(
         except KeyboardInterrupt:
             result = SectionResult(section.name, section.title, "interrupted", 0.0, error="interrupted")
             interrupted = True
+        result.machine = machine
         results[section.name] = result
         _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {result.status} in {result.seconds:.0f} s")
         markdown, ok = _write(out, machine, results, earlier, interrupted)
@@ -288,10 +290,15 @@ def _say(stream: TextIO, text: str) -> None:
 def _earlier_results(path: Path) -> dict[str, SectionResult]:
     """The sections of an earlier report in the same folder (none when it is missing or unreadable)."""
     try:
-        sections_json = json.loads(path.read_text())["sections"]
-        return {name: SectionResult(**fields) for name, fields in sections_json.items() if name in SECTION_NAMES}
-    except (OSError, ValueError, KeyError, TypeError):
+        report = json.loads(path.read_text())
+        found = {name: SectionResult(**fields) for name, fields in report["sections"].items() if name in SECTION_NAMES}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+    for result in found.values():
+        if not isinstance(result.seconds, int | float) or not isinstance(result.data, dict):
+            return {}  # a hand-edited or truncated report: not merged, rather than a crash once sections ran
+        result.machine = result.machine or report.get("environment")
+    return found
 
 
 def environment() -> dict[str, Any]:

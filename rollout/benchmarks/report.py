@@ -37,6 +37,9 @@ class SectionResult:
     seconds: float
     data: dict[str, Any] = field(default_factory=dict)  # a benchmark's JSON summary, or a test section's counts
     error: str | None = None  # why it failed: exit status, failing tests, the end of its output
+    # The machine it ran on (environment()): set on every section, so a report merged from several calls (several
+    # fresh machines) says which machine each figure comes from.
+    machine: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -304,8 +307,8 @@ def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -
         "| --- | --- | ---: | --- |",
     ]
     lines += [f"| {r.section} | {r.figure} | {r.text} | {r.verdict} |" for r in rows(results)]
-    lines += ["", "| section | status | seconds |", "| --- | --- | ---: |"]
-    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} |" for r in results]
+    lines += ["", "| section | status | seconds | machine |", "| --- | --- | ---: | --- |"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {_machine(r.machine or environment)} |" for r in results]
     failures = [r for r in results if not r.ok]
     if failures:
         lines += ["", "## Failures", ""]
@@ -313,6 +316,10 @@ def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -
             text = (result.error or "").strip().replace(FENCE, "'" * 3)  # keep the fence closed
             lines += [f"### {result.name} ({result.status})", "", FENCE, text, FENCE, ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _machine(machine: dict[str, Any]) -> str:
+    return ", ".join(str(machine[key]) for key in ("gpu", "date", "commit") if machine.get(key))
 
 
 def goals(results: list[SectionResult]) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from rollout.benchmarks.report import SectionResult
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
 SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
 READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
+TERM_GRACE_S = 10.0  # how long a section may take to end its own children after SIGTERM, before SIGKILL
 SUMMARY_MARGIN_S = 20.0  # of a section's timeout, left to a budgeted command to print its summary
 
 
@@ -86,7 +87,7 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:  # also on KeyboardInterrupt / SystemExit: nothing the section started outlives it
-                _kill_group(process.pid)
+                _kill_group(process)
                 if timed_out:
                     returncode = process.wait()
             reader.join(READER_GRACE_S)  # the pipe closes once every process of the group is gone
@@ -114,11 +115,19 @@ def _tee(process: subprocess.Popen, name: str, log: TextIO, stream: TextIO, line
     process.stdout.close()
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _kill_group(process: subprocess.Popen) -> None:
+    """End the section's process group: SIGTERM first, so that a section that runs systems in process groups of their
+    own (`rollout-bench throughput` and the like) kills those on its way out; SIGKILL for whatever is left."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            return
+        if signum == signal.SIGTERM:
+            try:
+                process.wait(TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _bench_result(section: Section, seconds: float, returncode: int, lines: list[str], tail: str) -> SectionResult:

@@ -106,6 +106,8 @@ class Engine:
         Raises:
             ValueError: its group id is still running.
         """
+        if self.kv_cache.is_released and self.runner.closed:
+            raise RuntimeError("this engine is closed: its KV cache and graphs were freed; build a new one")
         if request.group_id in self._open_groups:
             raise FieldError("group_id", f"{request.group_id!r} is already running")
         self.scheduler.add(request)

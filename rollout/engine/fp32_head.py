@@ -3,9 +3,11 @@
 
 By default the head's weight is converted to fp32 once and kept: converting it at every step writes the whole fp32
 weight each time (622 MB for Qwen3-0.6B's head), more than a decode step's own reads. The copy is refreshed in place
-(so CUDA graphs captured against it stay valid) whenever the head's weight may have changed: a weight update, a
-colocated round, a kept engine's next call, the end of a manager's pause, or a change torch's version counter or the
-weight's storage shows. `previous_paths=("fp32_head",)` converts at every step instead (the earlier path).
+(so CUDA graphs captured against it stay valid) at every point where the engine knows the weights may have changed:
+a weight update, a colocated round, a kept engine's next call, the end of a manager's pause, `Engine.weights_changed()`,
+and a change that torch's version counter or the weight's storage shows. Writes neither shows (a fused optimizer's
+step, `param.data.copy_`) on a model an `Engine` is serving directly need `engine.weights_changed()`.
+`previous_paths=("fp32_head",)` converts at every step instead (the earlier path).
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class Fp32Head:
         """Copy the head's current weight (and bias) into the fp32 copy, in place when the shape still fits."""
         if not self.cached:
             return
-        with torch.no_grad():
+        # Inference mode both times: a copy made under it (an engine built inside a trainer's inference_mode) is an
+        # inference tensor, which only inference mode may update in place; the hook reads it inside a step.
+        with torch.inference_mode():
             weight = head.weight.detach()
             if self.weight is None or self.weight.shape != weight.shape or self.weight.device != weight.device:
                 self.weight = weight.float()  # a new tensor: only at construction or after the head was replaced

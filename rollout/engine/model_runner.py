@@ -158,6 +158,11 @@ class ModelRunner:
             if not self._suspended:
                 release(self.model)
 
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran."""
+        return self._closed
+
     def release(self, request: Request) -> None:
         """Forget a finished request (its block-table row goes back)."""
         self.block_tables.release(request)

@@ -36,6 +36,8 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     """
     if engine.has_unfinished():
         raise RuntimeError("warmup() needs an idle engine")
+    if engine.runner.closed:
+        raise RuntimeError("warmup() of a closed engine: build a new one")
     engine.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
     counters = (engine.num_generated_tokens, engine.num_computed_tokens, engine.num_prefill_tokens, engine.num_steps)
     sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
