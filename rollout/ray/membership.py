@@ -32,6 +32,7 @@ logger = logging.getLogger("rollout.ray")
 POLL_S = 0.25  # between two rounds of info calls
 # A joined worker behind the newest version this long, with no push open, is caught up from a peer (it joined while
 # a push went to the others, or was frozen through one).
+CONFIRM_S = 5.0  # how long a catch-up waits to confirm the worker it copies to still runs
 CATCH_UP_S = 2.0
 # While Ray restarts an actor its calls wait; calls that keep failing mean Ray gave up on it (restarts exhausted).
 DEAD_AFTER_FAILURES = 3
@@ -232,7 +233,8 @@ class Membership:
             if slot.behind_since is None:
                 slot.behind_since = now
             elif now - slot.behind_since >= CATCH_UP_S and not any(client.updating for client in clients):
-                if any(peer.joined and peer.info and peer.info["version"] >= newest for peer in self.slots):
+                peers_ahead = any(peer.joined and peer.info and peer.info["version"] >= newest for peer in self.slots)
+                if peers_ahead and self._still_the_same_process(slot):
                     logger.info(
                         "rollout fleet: %s serves version %d, behind %d: copying from a peer",
                         slot.joined,
@@ -242,6 +244,19 @@ class Membership:
                     self.leave(slot)
                     self.join(slot)
                 slot.behind_since = None
+
+    def _still_the_same_process(self, slot: Slot) -> bool:
+        """Whether the slot's actor still runs the process its info describes: a worker killed since the last poll
+        must not be copied to at its old address (the copy would wait out its whole timeout); the next poll sees it
+        restart and joins the new process instead."""
+        try:
+            info = ray.get(slot.actor.info.remote(), timeout=CONFIRM_S)
+        except Exception:  # noqa: BLE001 - dead, restarting or slow: not now
+            return False
+        return slot.info is not None and (info["pid"], info["started_at"]) == (
+            slot.info["pid"],
+            slot.info["started_at"],
+        )
 
     def _spread_version(self) -> None:
         newest = self.newest()
