@@ -3,6 +3,7 @@ own output length, and the KV cache every system gets, as one budget in bytes.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -66,30 +67,24 @@ class Workload:
         return {**self.engine_config, "num_blocks": self.num_blocks()}
 
 
+CPU_SMALL = Workload(
+    name="cpu-small",
+    device="cpu",
+    dtype=torch.float32,
+    num_prompts=64,
+    prompt_len=(16, 256),
+    output_len=(16, 256),
+    model_config=TINY_MODEL_CONFIG,
+    engine_config=dict(block_size=16, max_batch_tokens=2048, max_num_seqs=64),
+    kv_budget_gib=0.140625,  # 2304 blocks of 16 tokens (64 KiB each): every request fits at once
+)
+
 WORKLOADS = {
-    "cpu-small": Workload(
-        name="cpu-small",
-        device="cpu",
-        dtype=torch.float32,
-        num_prompts=64,
-        prompt_len=(16, 256),
-        output_len=(16, 256),
-        model_config=TINY_MODEL_CONFIG,
-        engine_config=dict(block_size=16, max_batch_tokens=2048, max_num_seqs=64),
-        kv_budget_gib=0.140625,  # 2304 blocks of 16 tokens (64 KiB each): every request fits at once
-    ),
+    "cpu-small": CPU_SMALL,
     # The cpu-small model in bf16: bf16 logprob fidelity against the trainer's floor, measured on a CPU (--details).
-    "cpu-bf16": Workload(
-        name="cpu-bf16",
-        device="cpu",
-        dtype=torch.bfloat16,
-        num_prompts=64,
-        prompt_len=(16, 256),
-        output_len=(16, 256),
-        model_config=TINY_MODEL_CONFIG,
-        engine_config=dict(block_size=16, max_batch_tokens=2048, max_num_seqs=64),
-        kv_budget_gib=0.0703125,  # 2304 blocks of 16 tokens (32 KiB each in bf16)
-        default_systems=("rollout",),
+    # The same 2304 blocks (32 KiB each in bf16).
+    "cpu-bf16": dataclasses.replace(
+        CPU_SMALL, name="cpu-bf16", dtype=torch.bfloat16, kv_budget_gib=0.0703125, default_systems=("rollout",)
     ),
     "nano": Workload(
         name="nano",
