@@ -13,6 +13,7 @@ import signal
 import sys
 
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES
+from rollout.service.http.settings import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_WAITING_CONNECTIONS
 from rollout.service.limits import WorkerLimits
 from rollout.service.presets import MODEL_DTYPES, PRESETS
 from rollout.service.startup import AUTO_ON_OFF, check_bind, start_worker
@@ -66,6 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest HTTP request body; larger ones are answered 413 (default: 16 MiB)",
     )
     add(
+        "--http-head-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds an HTTP connection may take to send a complete request head; slower ones are closed "
+        f"(default: {HEAD_TIMEOUT_S:g})",
+    )
+    add(
+        "--http-keep-alive-timeout",
+        type=float,
+        default=KEEP_ALIVE_TIMEOUT_S,
+        help=f"seconds an idle HTTP keep-alive connection stays open (default: {KEEP_ALIVE_TIMEOUT_S:g})",
+    )
+    add(
+        "--http-max-waiting-connections",
+        type=int,
+        default=MAX_WAITING_CONNECTIONS,
+        help="most HTTP connections waiting for a request head at once; past it the one that waited longest is "
+        "closed (connections with a request in progress never count; default: "
+        f"{MAX_WAITING_CONNECTIONS})",
+    )
+    add(
         "--trust-request-chat-template",
         action="store_true",
         help="let HTTP requests bring their own chat template (chat_template_kwargs.chat_template): a template is "
@@ -75,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
-        "needs it or --insecure",
+        "needs it or --insecure (default: the ROLLOUT_API_KEY environment variable, which keeps the key out of ps)",
     )
     add("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     add("--num-blocks", type=int, default=None, help="KV blocks (default: sized from --max-memory-percent)")

@@ -27,18 +27,26 @@ as tokens per second come from Prometheus: `rate(rollout_generated_tokens_total[
 | rollout_weight_update_bytes_total           | counter   | weight_update_bytes                                   |
 | rollout_weight_update_pause_seconds_total   | counter   | weight_update_pause_ms / 1000                         |
 | rollout_step_seconds                        | histogram | (observed on the engine thread)                       |
+| rollout_http_requests_total{endpoint,status}| counter   | (observed by the HTTP front end, with --http)         |
+| rollout_http_request_seconds{endpoint}      | histogram | (to the end of the answer: a stream's last event)     |
+
+Groups count alike whichever door they came through: a /v1/completions request with 3 prompts is 3 groups.
+`endpoint` is the path (/v1/completions, /v1/chat/completions, /tokenize, ...) or "other" for any path the API does
+not serve (a bounded set of labels, whatever paths clients send).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rollout.service.metrics_server import MetricsServer
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class _StatsCollector:
@@ -104,21 +112,48 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             "rollout_step_seconds", "Wall time of one engine step", buckets=STEP_BUCKETS, registry=self.registry
         )
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self.http_requests = Counter(
+            "rollout_http_requests",
+            "HTTP requests answered, by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.http_request_seconds = Histogram(
+            "rollout_http_request_seconds",
+            "HTTP request time to the end of its answer",
+            ["endpoint"],
+            buckets=HTTP_BUCKETS,
+            registry=self.registry,
+        )
+        self._server: MetricsServer | None = None
 
     def observe_step(self, seconds: float) -> None:
         """Record one engine step (engine thread)."""
         self.step_seconds.observe(seconds)
 
+    def observe_http(self, endpoint: str, status: int, seconds: float) -> None:
+        """Record one HTTP request answered (the HTTP front end's thread).
+
+        Args:
+            endpoint: its path, or "other".
+            status: the HTTP status it was answered with.
+            seconds: from its arrival to the end of its answer.
+        """
+        self.http_requests.labels(endpoint, str(status)).inc()
+        self.http_request_seconds.labels(endpoint).observe(seconds)
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve /metrics over HTTP on a thread of its own; returns the port (0 picks a free one)."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._server.server_port
+        """Serve /metrics over HTTP on a thread of its own (only to loopback Host headers when `host` is loopback);
+        returns the port (0 picks a free one).
+
+        Raises:
+            OSError: it cannot listen there.
+        """
+        self._server = MetricsServer(self.registry, port, host)
+        return self._server.port
 
     def close(self) -> None:
         """Stop the HTTP server."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None

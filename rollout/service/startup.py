@@ -126,9 +126,12 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         except OSError as error:
             parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
         logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+        if not is_loopback(f"tcp://{args.metrics_host}:{port}"):
+            logger.warning("--metrics-host %s: the metrics are readable by anyone who can reach it", args.metrics_host)
     http = None
     if http_address is not None:
-        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits)
+        observe = metrics.observe_http if metrics is not None else None
+        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
     if configure_tracing():
         logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
     logger.info(

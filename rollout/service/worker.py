@@ -31,6 +31,7 @@ from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
+from rollout.service.group_counters import GroupCounters
 from rollout.service.groups import GroupInFlight, engine_id
 from rollout.service.limits import WorkerLimits
 from rollout.service.sockets import MessageReader, Waker
@@ -109,9 +110,8 @@ class RolloutWorker:
         self._groups_lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._stop = threading.Event()
         self._tracer = tracer or Tracer()
-        # Counters (stats(), /metrics): written by one thread each, read by any.
-        self.groups_received = self.groups_refused = self.groups_finished = 0
-        self._finish_reasons = {reason: 0 for reason in ("stop", "length", "abort", "error")}
+        # Counters (stats(), /metrics), shared with the HTTP front end.
+        self.counters = GroupCounters()
         self._updates = UpdateSlot(
             manager,
             lambda identity, message: owner._send(identity, message),
@@ -258,7 +258,7 @@ class RolloutWorker:
         group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream)
         reply_error = self._refusal(identity, message, group.engine_id)
         if reply_error is not None:
-            self.groups_refused += 1
+            self.counters.group_refused()
             self._send(identity, reply_error)
             return
         self._add_group(group)
@@ -269,14 +269,14 @@ class RolloutWorker:
             )
         except (FieldError, QueueFullError) as error:
             self._remove_group(group)
-            self.groups_refused += 1
+            self.counters.group_refused()
             if isinstance(error, QueueFullError):
                 self._send(identity, p.Error("busy", str(error), None, message.group_id))
                 return
             name = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
             self._send(identity, p.Error("bad_request", f"{name}: {error.reason}", name, message.group_id))
             return
-        self.groups_received += 1
+        self.counters.group_received()
         group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
         # Outputs that came before this line wait in the manager's queue and are handed over here, in order.
         self.manager.register_result_handler(group.engine_id, lambda output: self._on_output(group, output))
@@ -303,13 +303,13 @@ class RolloutWorker:
             group.started_sampling = True
             self._tracer.first_token(group.span)
         if output.is_finished:
-            self._finish_reasons[output.finish_reason] = self._finish_reasons.get(output.finish_reason, 0) + 1
+            self.counters.sample_finished(output.finish_reason)
         if delta is not None:
             self._outbox.put((group.identity, delta))
         if result is not None:
             # Forget the group before its result can reach the client, which may then reuse the id at once.
             self._remove_group(group)
-            self.groups_finished += 1
+            self.counters.group_finished()
             self._tracer.group_finished(group.span, result.completions)
             self._outbox.put((group.identity, result))
         if delta is not None or result is not None:
@@ -369,10 +369,7 @@ class RolloutWorker:
             pending_reply_bytes=self._links.pending_bytes(),
             peak_pending_reply_bytes=self._links.peak_pending_bytes,
             clients_dropped_unread=self._links.dropped_slow,
-            groups_received=self.groups_received,
-            groups_refused=self.groups_refused,
-            groups_finished=self.groups_finished,
-            samples_finished=dict(self._finish_reasons),
+            **self.counters.snapshot(),
             weight_updates_rejected=self._updates.num_rejected,
             weight_update_bytes=self._updates.bytes_committed,
             weight_update_pause_ms=self._updates.pause_ms_total,

@@ -15,6 +15,7 @@ from rollout.config import FieldError, SamplingParams
 from rollout.detokenizer import OutputText
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
 from rollout.engine.outputs import GenerationOutput
+from rollout.service.group_counters import GroupCounters
 from rollout.service.http.choices import Choice, ChoiceDelta
 from rollout.service.http.errors import APIError, busy, from_field_error
 
@@ -32,6 +33,7 @@ class Submission:
         sampling: SamplingParams,
         n: int,
         tokenizer: Any,
+        counters: GroupCounters,
     ):
         """
         Args:
@@ -40,11 +42,14 @@ class Submission:
             sampling: how every sample is drawn.
             n: samples per prompt.
             tokenizer: decodes the choices' text.
+            counters: the worker's group counters (groups received and finished, samples by finish reason).
         """
         self._manager = manager
         self._prompts = prompts
         self._sampling = sampling
         self._n = n
+        self._counters = counters
+        self._unfinished_per_group = [n] * len(prompts)
         self.choices = [
             Choice(
                 index * n + sample,
@@ -78,6 +83,7 @@ class Submission:
                 group_id = f"http-{uuid.uuid4().hex}"
                 self._manager.add_group(group_id, prompt, sampling=self._sampling, n=self._n, streaming=True)
                 self._group_ids.append(group_id)
+                self._counters.group_received()
                 self._manager.register_result_handler(group_id, self._handler(index * self._n))
         except FieldError as error:
             self.cancel()
@@ -129,8 +135,18 @@ class Submission:
             self._manager.cancel_request(group_id)
 
     def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
-        queue = self._queue
-        return lambda output: queue.put_nowait((base, output))
+        queue, counters, unfinished = self._queue, self._counters, self._unfinished_per_group
+        group = base // self._n
+
+        def handle(output: GenerationOutput) -> None:
+            if output.is_finished:
+                counters.sample_finished(output.finish_reason)
+                unfinished[group] -= 1
+                if not unfinished[group]:
+                    counters.group_finished()
+            queue.put_nowait((base, output))
+
+        return handle
 
 
 class ClientGone(Exception):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
 from rollout.service.http.bridge import Submission
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
@@ -52,6 +53,7 @@ class OpenAIEndpoints:
         max_n: int,
         max_prompt_len: int,
         trust_request_chat_template: bool = False,
+        counters: GroupCounters | None = None,
     ):
         """
         Args:
@@ -62,6 +64,7 @@ class OpenAIEndpoints:
             max_prompt_len: longest prompt in tokens.
             trust_request_chat_template: accept a chat template in a request's `chat_template_kwargs` (a template
                 is code that runs on the worker: off unless the operator trusts every client).
+            counters: the worker's group counters (None: a fresh set).
         """
         self.manager = manager
         self.model_name = model_name
@@ -70,6 +73,7 @@ class OpenAIEndpoints:
         self.max_prompt_len = min(max_prompt_len, manager.engine.max_model_len - 1)
         self.limits = PromptLimits(self.max_prompt_len, trust_request_chat_template)
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
+        self.counters = GroupCounters() if counters is None else counters
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prepare(self, body: Any, chat: bool) -> Answer:
@@ -116,7 +120,7 @@ class OpenAIEndpoints:
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids")
         )
-        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer)
+        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters)
         prefix = "chatcmpl" if chat else "cmpl"
         return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 

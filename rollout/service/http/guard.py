@@ -8,6 +8,7 @@ and a handler then no longer sees its client leave.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from typing import Any
 
 from fastapi import Request
@@ -16,11 +17,10 @@ from starlette.requests import ClientDisconnect
 
 from rollout.service.http.bridge import ClientGone
 from rollout.service.http.errors import APIError
+from rollout.service.loopback_hosts import is_loopback_host
 
 # Paths anyone may call without the API key (load balancers probe them).
 OPEN_PATHS = ("/health",)
-# Host names a loopback-only server answers to (any port).
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 # Most seconds a client may take to send its request body.
 BODY_TIMEOUT_S = 30.0
 
@@ -44,10 +44,11 @@ class RequestGuard:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             error = None
-            if self.loopback_only and _host_name(headers.get(b"host", b"")) not in LOOPBACK_HOSTS:
+            if self.loopback_only and not is_loopback_host(headers.get(b"host", b"")):
                 error = APIError(421, "this server answers only to loopback host names", None)
             elif self.expected is not None and scope["path"] not in OPEN_PATHS:
-                if headers.get(b"authorization") != self.expected:
+                # Compared in constant time: the time taken must not tell how much of a guessed key was right.
+                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                     message = "a valid API key is required (Authorization: Bearer ...)"
                     error = APIError(401, message, None, "authentication_error")
             if error is not None:
@@ -84,11 +85,3 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise ClientGone from None
     return bytes(body)
-
-
-def _host_name(host: bytes) -> str:
-    """The host name of a Host header, without its port."""
-    text = host.decode("latin-1").strip().lower()
-    if text.startswith("["):
-        return text[: text.find("]") + 1]
-    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text

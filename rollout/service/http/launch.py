@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager import ContinuousBatchingManager
@@ -17,14 +20,21 @@ if TYPE_CHECKING:
     from rollout.service.worker import RolloutWorker
 
 logger = logging.getLogger("rollout.worker")
+# The environment variable the HTTP API key is read from when --api-key is not given.
+API_KEY_VARIABLE = "ROLLOUT_API_KEY"
 
 
 def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
-    """(host, port) of --http, checked before the model loads (None without it)."""
+    """(host, port) of --http, checked before the model loads (None without it). Without --api-key, the key is
+    read from the ROLLOUT_API_KEY environment variable (so it is not in `ps`), into `args.api_key`."""
     if args.http is None:
         if args.api_key is not None:
             parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
         return None
+    if args.api_key is None and API_KEY_VARIABLE in os.environ:
+        args.api_key = os.environ[API_KEY_VARIABLE]
+        if not args.api_key:
+            parser.error(f"{API_KEY_VARIABLE} is set but empty: set the key, or unset it")
     host, _, port = args.http.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
@@ -33,8 +43,21 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
     if args.api_key == "":
         parser.error("--api-key: must not be empty")
-    if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None and not args.insecure:
-        parser.error(f"--http {args.http}: a non-loopback address needs --api-key (or --insecure to accept anyone)")
+    for flag, value in (
+        ("--http-head-timeout", args.http_head_timeout),
+        ("--http-keep-alive-timeout", args.http_keep_alive_timeout),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} {value}: must be a number of seconds > 0")
+    if args.http_max_waiting_connections < 1:
+        parser.error(f"--http-max-waiting-connections {args.http_max_waiting_connections}: must be at least 1")
+    if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None:
+        if not args.insecure:
+            parser.error(
+                f"--http {args.http}: a non-loopback address needs --api-key or {API_KEY_VARIABLE} (or --insecure "
+                "to accept anyone)"
+            )
+        logger.warning("--insecure: the HTTP API at %s answers anyone who can reach it, without a key", args.http)
     if int(port):
         from rollout.service.startup import check_bind  # here: startup imports this module
 
@@ -50,6 +73,7 @@ def start_http(
     worker: RolloutWorker,
     tokenizer: Any,
     limits: WorkerLimits,
+    observe: Callable[[str, int, float], None] | None = None,
 ) -> HttpServer:
     """Start the HTTP front end on the worker's manager (a usage error when FastAPI/uvicorn are missing or it
     cannot listen).
@@ -58,6 +82,7 @@ def start_http(
         parser, args: rollout-worker's parser and arguments (--model names the served model).
         address: (host, port) from `check_http_address`.
         manager, worker, tokenizer, limits: what the worker serves, and its limits.
+        observe: records each HTTP request in the worker's metrics (None: no --metrics-port).
     """
     from rollout.service.http.server import HttpServer
 
@@ -71,8 +96,11 @@ def start_http(
             max_body_bytes=args.http_max_body_bytes,
             api_key=args.api_key,
             trust_request_chat_template=args.trust_request_chat_template,
+            head_timeout_s=args.http_head_timeout,
+            keep_alive_timeout_s=args.http_keep_alive_timeout,
+            max_waiting_connections=args.http_max_waiting_connections,
         )
-        http = HttpServer(manager, tokenizer, settings)
+        http = HttpServer(manager, tokenizer, settings, worker.counters, observe)
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")

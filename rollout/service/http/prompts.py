@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.template_inputs import check_rendered_size, template_variables
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
 # Text longer than this many characters per token of the longest prompt is refused before it is tokenized (no
@@ -70,22 +71,15 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
     if not isinstance(messages, list) or not messages:
         raise bad_field("messages", "must be a non-empty list of messages")
     rendered = [_message(index, message) for index, message in enumerate(messages)]
-    characters = sum(len(m["content"]) for m in rendered if isinstance(m.get("content"), str))
-    if characters > limits.max_chars:
-        _too_long("messages", characters, limits)
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise bad_field("tools", "must be a list of tool objects")
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "auto", "none"):
         raise bad_field("tool_choice", "only 'auto' and 'none' are supported (no constrained tool calls)")
-    kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
-        raise bad_field("chat_template_kwargs", "must be an object")
-    if "chat_template" in kwargs and not limits.trust_request_chat_template:
-        reason = "a request's own chat template runs on the worker: refused unless it runs with --trust-request-chat-template"
-        raise bad_field("chat_template_kwargs", reason)
+    kwargs = template_variables(body.get("chat_template_kwargs"), tokenizer, limits.trust_request_chat_template)
+    inputs = {"messages": rendered, "tools": tools, "chat_template_kwargs": kwargs}
+    check_rendered_size(inputs, limits.max_chars, limits.max_prompt_len)
     add_generation_prompt = body.get("add_generation_prompt", True)
     continue_final = body.get("continue_final_message", False)
     for name, value in (("add_generation_prompt", add_generation_prompt), ("continue_final_message", continue_final)):
@@ -106,7 +100,7 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
             **kwargs,
         )
     except Exception as error:  # noqa: BLE001 - a template's own errors (jinja, ValueError) are the request's fault
-        raise bad_field("messages", f"the chat template failed: {type(error).__name__}: {error}") from None
+        raise bad_field("messages", f"the chat template failed: {type(error).__name__}: {str(error)[:300]}") from None
     return list(encoded["input_ids"])
 
 
@@ -136,7 +130,9 @@ def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
     try:
         ids = list(tokenizer(text)["input_ids"])
     except Exception as error:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate, ...)
-        raise bad_field("prompt", f"the tokenizer cannot encode it: {type(error).__name__}: {error}") from None
+        raise bad_field(
+            "prompt", f"the tokenizer cannot encode it: {type(error).__name__}: {str(error)[:300]}"
+        ) from None
     if not ids:
         raise bad_field("prompt", "encodes to no tokens")
     return ids

@@ -4,45 +4,82 @@ ZeroMQ serving loop, both over the same engine manager."""
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.group_counters import GroupCounters
 from rollout.service.http.settings import HttpSettings
 
 logger = logging.getLogger(__name__)
 # Seconds open requests get to finish when the worker stops; streams still open then are closed.
 GRACEFUL_SHUTDOWN_S = 3.0
+# Open files the worker asks for (up to the hard limit): each HTTP client holds a socket, and a common soft limit of
+# 1,024 would refuse hundreds of agent clients' connections long before the server's own limits do.
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> None:
+    """Raise this process's soft limit of open files towards `wanted`, never past the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as error:
+            logger.warning("could not raise the open files limit from %d to %d: %s", soft, target, error)
 
 
 class HttpServer:
     """The HTTP front end of one worker."""
 
-    def __init__(self, manager: ContinuousBatchingManager, tokenizer: Any, settings: HttpSettings):
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        tokenizer: Any,
+        settings: HttpSettings,
+        counters: GroupCounters | None = None,
+        observe: Callable[[str, int, float], None] | None = None,
+    ):
         """
         Args:
             manager: the worker's engine manager.
             tokenizer: the worker's tokenizer (None: text endpoints answer 400).
             settings: where to listen and how to serve (`HttpSettings`; port 0 picks a free one, `port` then says
                 which once started).
+            counters: the worker's group counters, which HTTP groups add to (None: a set of their own).
+            observe: called with (endpoint, status, seconds) for every request answered (`WorkerMetrics.
+                observe_http`); None: not observed.
         """
         try:
             import uvicorn
 
-            from rollout.service.http.app import build_app
+            from rollout.service.http.app import ENDPOINTS, build_app
+            from rollout.service.http.connections import WaitingConnections, protocol_for
+            from rollout.service.http.request_metrics import RequestMetrics
         except ImportError as error:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
+        app = build_app(manager, tokenizer, settings, counters)
+        if observe is not None:
+            app = RequestMetrics(app, observe, ENDPOINTS)
+        # No cap on connections as a whole (uvicorn's limit_concurrency): idle sockets would take the API down.
+        # Only connections that have not sent a request head are timed and capped.
+        self.waiting = WaitingConnections(settings.head_timeout_s, settings.max_waiting_connections)
+        raise_open_files_limit()
         config = uvicorn.Config(
-            build_app(manager, tokenizer, settings),
+            app,
             host=settings.host,
             port=settings.port,
+            http=protocol_for(self.waiting),
             log_level="warning",
             lifespan="off",
             access_log=False,
-            limit_concurrency=settings.max_connections,
+            timeout_keep_alive=settings.keep_alive_timeout_s,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         self._server = uvicorn.Server(config)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rollout.config import FieldError
 from rollout.service.sockets import is_loopback
 
-# Connections (and requests) served at once; more are answered 503 and closed at once (a flood of idle connections
-# must not take every file descriptor of the worker, which its ZeroMQ clients need too).
-MAX_CONNECTIONS = 1024
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Seconds a connection may take to send a complete request head, from when it connected (or its last answer ended).
+HEAD_TIMEOUT_S = 10.0
+# Seconds an idle keep-alive connection stays open after its last answer (uvicorn's timeout_keep_alive).
+KEEP_ALIVE_TIMEOUT_S = 5.0
+# Connections waiting for a request head at once; past it the one that waited longest is closed.
+MAX_WAITING_CONNECTIONS = 256
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,10 @@ class HttpSettings:
         max_body_bytes: largest request body (larger ones are answered 413).
         api_key: every path but /health needs `Authorization: Bearer <api_key>` (None: no key).
         trust_request_chat_template: requests may bring their own chat template (code the worker runs).
-        max_connections: most connections and requests at once; more are answered 503.
+        head_timeout_s: seconds a connection may take to send a complete request head (then it is closed).
+        keep_alive_timeout_s: seconds an idle keep-alive connection stays open after its last answer.
+        max_waiting_connections: most connections waiting for a request head at once (past it the one that waited
+            longest is closed); connections with a request in progress are never counted.
     """
 
     host: str = "127.0.0.1"
@@ -37,17 +44,27 @@ class HttpSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None
     trust_request_chat_template: bool = False
-    max_connections: int = MAX_CONNECTIONS
+    head_timeout_s: float = HEAD_TIMEOUT_S
+    keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
+    max_waiting_connections: int = MAX_WAITING_CONNECTIONS
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise FieldError("port", f"must be in [0, 65535], got {self.port!r}")
-        for name in ("max_n", "max_prompt_len", "max_connections"):
+        for name in ("max_n", "max_prompt_len", "max_waiting_connections"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise FieldError(name, f"must be an integer >= 1, got {value!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise FieldError("max_body_bytes", f"must be at least 1024, got {self.max_body_bytes!r}")
+        for name in ("head_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise FieldError(name, f"must be a number of seconds > 0, got {value!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise FieldError("api_key", "must be a non-empty string")
 
