@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-max-waiting-connections",
         type=int,
         default=MAX_WAITING_CONNECTIONS,
-        help="most HTTP connections waiting for a request head at once; past it the one that waited longest is "
-        "closed (connections with a request in progress never count; default: "
+        help="most new HTTP connections that have not sent their first request head; past it the one that waited "
+        "longest is closed (connections with a request in progress, or kept alive between requests, never count; "
+        "default: "
         f"{MAX_WAITING_CONNECTIONS})",
     )
     add(

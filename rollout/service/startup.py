@@ -71,8 +71,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
     device = _device(parser, args)
     check_bind(parser, args.bind)
     _check_security(parser, args)
-    if args.metrics_port:
-        check_bind(parser, f"tcp://{args.metrics_host}:{args.metrics_port}", flag="--metrics-port")
+    check_metrics_address(parser, args)
     http_address = check_http_address(parser, args)
     try:
         limits = _limits(args)
@@ -126,8 +125,6 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         except OSError as error:
             parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
         logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
-        if not is_loopback(f"tcp://{args.metrics_host}:{port}"):
-            logger.warning("--metrics-host %s: the metrics are readable by anyone who can reach it", args.metrics_host)
     http = None
     if http_address is not None:
         observe = metrics.observe_http if metrics is not None else None
@@ -180,6 +177,18 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
         parser.error(f"{flag} {address}: cannot bind ({error})")
     finally:
         probe.close()
+
+
+def check_metrics_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--metrics-port's address is free (a usage error if not); a warning when it is not loopback (the metrics
+    server has no key: anyone who can reach it reads them)."""
+    if args.metrics_port is None:
+        return
+    address = f"tcp://{args.metrics_host}:{args.metrics_port}"
+    if args.metrics_port:
+        check_bind(parser, address, flag="--metrics-port")
+    if not is_loopback(address):
+        logger.warning("--metrics-host %s: the metrics are readable by anyone who can reach it", args.metrics_host)
 
 
 def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -103,12 +103,13 @@ class OpenAIEndpoints:
             if len(prompt) > self.max_prompt_len:
                 reason = f"is {len(prompt)} tokens; this worker takes at most {self.max_prompt_len}"
                 raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
+        room = context - max(len(prompt) for prompt in prompts)  # tokens the longest prompt leaves in the context
         if chat:
-            max_tokens = fields.integer(body, "max_tokens", context - len(prompts[0]), 1)
-            max_tokens = fields.integer(body, "max_completion_tokens", max_tokens, 1)
+            max_tokens = fields.integer(body, "max_tokens", room, 1, room)
+            max_tokens = fields.integer(body, "max_completion_tokens", max_tokens, 1, room)
             logprobs = self._chat_logprobs(body)
         else:
-            max_tokens = fields.integer(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
+            max_tokens = fields.integer(body, "max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room), 1, room)
             logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
             if fields.integer(body, "best_of", n, 1) != n:
                 raise bad_field("best_of", "only best_of = n (or unset) is supported")

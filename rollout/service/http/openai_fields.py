@@ -127,7 +127,8 @@ def sampling_from(
     extra_stops = [] if extra_stops is None else extra_stops
     if not isinstance(extra_stops, list):
         raise bad_field("stop_token_ids", "must be a list of token ids")
-    if fields.get("min_new_tokens", 0) > max_tokens:
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None and integer(body, "min_tokens", 0, 0) > max_tokens:
         raise bad_field("min_tokens", f"must be at most max_tokens ({max_tokens})")
     stops = [] if ignore_eos else list(default_stops)
     fields["stop_token_ids"] = stops + [t for t in extra_stops if t not in stops]

@@ -13,7 +13,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20
 HEAD_TIMEOUT_S = 10.0
 # Seconds an idle keep-alive connection stays open after its last answer (uvicorn's timeout_keep_alive).
 KEEP_ALIVE_TIMEOUT_S = 5.0
-# Connections waiting for a request head at once; past it the one that waited longest is closed.
+# New connections that have not sent their first request head; past it the one that waited longest is closed.
 MAX_WAITING_CONNECTIONS = 256
 
 
@@ -32,8 +32,9 @@ class HttpSettings:
         trust_request_chat_template: requests may bring their own chat template (code the worker runs).
         head_timeout_s: seconds a connection may take to send a complete request head (then it is closed).
         keep_alive_timeout_s: seconds an idle keep-alive connection stays open after its last answer.
-        max_waiting_connections: most connections waiting for a request head at once (past it the one that waited
-            longest is closed); connections with a request in progress are never counted.
+        max_waiting_connections: most new connections that have not sent their first request head (past it the one
+            that waited longest is closed); connections with a request in progress, or kept alive between requests,
+            are never counted.
     """
 
     host: str = "127.0.0.1"

@@ -83,13 +83,13 @@ class TokenizeEndpoints:
         body = self._body(raw, "/detokenize", DETOKENIZE_FIELDS)
         tokens = body.get("tokens")
         vocab = self.vocab_size
+        if isinstance(tokens, list) and len(tokens) > self.max_model_len:  # before reading a huge list through
+            reason = f"{len(tokens)} ids; this worker decodes at most {self.max_model_len} (its max_model_len) at once"
+            raise bad_field("tokens", reason)
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
         ):
             raise bad_field("tokens", f"must be a list of token ids in [0, {vocab})")
-        if len(tokens) > self.max_model_len:
-            reason = f"{len(tokens)} ids; this worker decodes at most {self.max_model_len} (its max_model_len) at once"
-            raise bad_field("tokens", reason)
         return self.tokenizer.decode(tokens)
 
     def _body(self, raw: bytes, path: str, known: set[str]) -> dict[str, Any]:

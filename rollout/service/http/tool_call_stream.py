@@ -161,7 +161,10 @@ class TaggedCallStream(ToolCallStream):
                 self._mode = _CALL
                 continue
             keep = 0 if final else partial_suffix(self._pending, self._start)
-            ready, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
+            ready, self._pending = (
+                self._pending[: len(self._pending) - keep],
+                self._pending[len(self._pending) - keep :],
+            )
             if self._mode == _TEXT:
                 self._text(ready, final)
             return

@@ -1,0 +1,348 @@
+"""The HTTP front end under attack, against a real worker subprocess (its API key from ROLLOUT_API_KEY): tokenizer
+options smuggled through chat_template_kwargs, text smuggled past the prompt cap through tools and documents, every
+field sent every JSON type, huge /detokenize bodies, idle and slow-drip sockets, with thresholds: no 5xx, no event
+loop stall over 1 s, bounded worker memory, no outage; and HTTP traffic counted in the worker's metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import resource
+import socket
+import threading
+import time
+
+import httpx2 as httpx  # the HTTP library the openai client is built on
+import pytest
+
+from rollout.service.http.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
+from rollout.service.http.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from rollout.service.presets import tiny_tokenizer
+from service_helpers import Worker, free_port
+
+KEY = "attack-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HEAD_TIMEOUT_S = 3.0
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOKENIZER = tiny_tokenizer()
+# Every JSON type, and the awkward values of each.
+JSON_VALUES = [None, True, False, 0, -1, 1.5, 10**30, float("1e308"), "", "a", [], [1], ["a"], [[]], {}, {"a": 1}]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 16384)), hard))  # the test's own sockets
+    port, metrics_port = free_port(), free_port()
+    os.environ["ROLLOUT_API_KEY"] = KEY  # the worker reads its key from the environment, not from its command line
+    try:
+        server = Worker(
+            "--http",
+            f"127.0.0.1:{port}",
+            "--metrics-port",
+            str(metrics_port),
+            "--http-head-timeout",
+            str(HEAD_TIMEOUT_S),
+        )
+    finally:
+        del os.environ["ROLLOUT_API_KEY"]
+    server.url = f"http://127.0.0.1:{port}"
+    server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def http(worker):
+    with httpx.Client(base_url=worker.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def assert_openai_error(response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def rss_mb(worker) -> float:
+    with open(f"/proc/{worker.process.pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"padding": "max_length", "max_length": 30_000_000},
+        {"truncation": True, "max_length": 1},
+        {"return_tensors": "pt"},
+        {"tokenize": False},
+        {"return_dict": False},
+        {"tokenizer_kwargs": {"padding": "max_length", "max_length": 10**9}},
+        {"add_generation_prompt": False},
+    ],
+)
+def test_tokenizer_options_in_chat_template_kwargs_are_refused_at_once(http, options):
+    named = sorted(options)[0]
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        start = time.monotonic()
+        response = http.post(path, json={"messages": MESSAGES, "chat_template_kwargs": options, **extra})
+        error = assert_openai_error(response, 400, "chat_template_kwargs")
+        assert f"chat_template_kwargs.{named}" in error["message"] and "tensor(" not in error["message"]
+        assert time.monotonic() - start < 1.0
+
+
+def test_template_variables_still_reach_the_template(http):
+    response = http.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}})
+    expected = TOKENIZER.apply_chat_template(MESSAGES, add_generation_prompt=True, enable_thinking=False)
+    assert response.status_code == 200 and response.json()["tokens"] == list(expected["input_ids"])
+
+
+@pytest.mark.parametrize(
+    "field, body",
+    [
+        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "description": "x" * (4 << 20)}}]}),
+        ("chat_template_kwargs", {"chat_template_kwargs": {"documents": [{"text": "y" * (4 << 20)}]}}),
+        ("messages", {"messages": [{"role": "user", "content": "hi", "name": "z" * (4 << 20)}]}),
+    ],
+)
+def test_everything_the_template_renders_counts_toward_the_prompt_cap(http, field, body):
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})):
+        start = time.monotonic()
+        response = http.post(path, json={"messages": MESSAGES, **extra, **body})
+        error = assert_openai_error(response, 400, field)
+        assert error["code"] == "context_length_exceeded"
+        assert time.monotonic() - start < 1.0
+
+
+def test_tokenize_is_capped_like_a_prompt(http):
+    tokens = http.post("/tokenize", json={"prompt": "hello"}).json()
+    most = tokens["max_model_len"] - 1
+    many = " ".join(["a"] * (most + 10))  # within the character cap, over the token cap
+    for body, field in (({"prompt": many}, "prompt"), ({"messages": [{"role": "user", "content": many}]}, "messages")):
+        assert assert_openai_error(http.post("/tokenize", json=body), 400, field)["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("value", ["a", [], {}, 1.5, True])
+def test_a_badly_typed_min_tokens_is_a_400_naming_it(http, value):
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "min_tokens": value}), 400, "min_tokens")
+
+
+def fuzz_cases() -> list[tuple[str, dict]]:
+    bases = {
+        "/v1/completions": ({"prompt": "hi", "max_tokens": 1}, COMPLETION_FIELDS),
+        "/v1/chat/completions": ({"messages": MESSAGES, "max_tokens": 1}, CHAT_FIELDS),
+        "/tokenize": ({"prompt": "hi"}, TOKENIZE_FIELDS),
+        "/detokenize": ({"tokens": [5, 6]}, DETOKENIZE_FIELDS),
+    }
+    cases = []
+    for path, (base, fields) in bases.items():
+        for field in sorted(fields | {"not_a_field"}):
+            for value in JSON_VALUES:
+                cases.append((path, {**base, field: value}))
+    return cases
+
+
+def test_every_field_sent_every_json_type_never_gets_a_5xx(http):
+    cases = fuzz_cases()
+
+    def send(case):
+        path, body = case
+        return path, body, http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+    failures = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for path, body, response in pool.map(send, cases):
+            if response.status_code >= 500:
+                failures.append((path, body, response.status_code, response.text[:200]))
+            elif response.status_code >= 400:
+                assert_openai_error(response, response.status_code)
+    assert not failures, failures[:10]
+    assert len(cases) > 1000
+
+
+class StreamWatch:
+    """A long streamed completion whose events are timed: the longest gap tells whether the event loop stalled."""
+
+    def __init__(self, worker):
+        self.gaps: list[float] = []
+        self.events = 0
+        self._stop = threading.Event()
+        body = {"prompt": "watch", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        self._thread = threading.Thread(target=self._watch, args=(worker.url, body), daemon=True)
+        self._thread.start()
+
+    def _watch(self, url: str, body: dict) -> None:
+        last = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=120) as response:
+            for line in response.iter_lines():
+                if self._stop.is_set():
+                    return  # leaving closes the stream, which cancels its group
+                if line.startswith("data:"):
+                    now = time.monotonic()
+                    if last is not None:
+                        self.gaps.append(now - last)
+                    last, self.events = now, self.events + 1
+
+    def started(self) -> StreamWatch:
+        """Wait for the stream's first events."""
+        deadline = time.monotonic() + 60
+        while self.events < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> float:
+        """End the stream; the longest gap between its events, in seconds."""
+        self._stop.set()
+        self._thread.join(60)
+        assert not self._thread.is_alive() and self.events > 5
+        return max(self.gaps)
+
+
+def test_huge_detokenize_bodies_do_not_stall_streams(worker, http):
+    watch = StreamWatch(worker).started()
+    body = json.dumps({"tokens": [7] * (3 << 20)})  # about 9 MB
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        responses = list(pool.map(lambda _: http.post("/detokenize", content=body, headers=JSON), range(3)))
+    for response in responses:
+        assert_openai_error(response, 400, "tokens")
+    assert watch.stop() < 1.0
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def attack_mix(index: int) -> tuple[str, dict | bytes]:
+    """One request of the attack mix (cycling through its kinds)."""
+    kind = index % 8
+    if kind == 0:
+        return "/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"padding": "max_length"}}
+    if kind == 1:
+        tool = {"type": "function", "function": {"name": "f", "description": "x" * (1 << 20)}}
+        return "/v1/chat/completions", {"messages": MESSAGES, "tools": [tool]}
+    if kind == 2:
+        return "/v1/completions", {"prompt": "hi", "min_tokens": "a"}
+    if kind == 3:
+        return "/detokenize", {"tokens": [7] * 100_000}
+    if kind == 4:
+        return "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": {"return_tensors": "pt"}}
+    if kind == 5:
+        return "/v1/completions", b'{"prompt": "hi", "max_tokens": '
+    if kind == 6:
+        return "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": index}
+    return "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": 3}
+
+
+def test_an_attack_mix_keeps_memory_bounded_and_the_loop_responsive(worker, http):
+    def send(index: int):
+        path, body = attack_mix(index)
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return http.post(path, content=content, headers=JSON).status_code
+
+    send(0), send(1)  # the first of each kind loads what it needs once
+    before = rss_mb(worker)
+    watch = StreamWatch(worker).started()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(send, range(1000)))
+    longest_stall = watch.stop()
+    growth = rss_mb(worker) - before
+    assert all(status < 500 for status in statuses), sorted(set(statuses))
+    assert statuses.count(200) == 250
+    assert growth < 200, f"worker RSS grew {growth:.0f} MB over 1,000 requests"
+    assert longest_stall < 1.0
+
+
+async def keep_alive_clients(url_host: str, port: int, count: int) -> int:
+    """`count` clients on one address, each sending two requests over one kept-alive connection; returns how many
+    answers were 200."""
+    request = (
+        f"GET /v1/models HTTP/1.1\r\nHost: {url_host}:{port}\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+    ).encode()
+    connect = asyncio.Semaphore(256)
+
+    async def client() -> int:
+        async with connect:
+            reader, writer = await asyncio.open_connection(url_host, port)
+        ok = 0
+        try:
+            for _ in range(2):
+                writer.write(request)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+                length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                             .split(b":")[1])
+                await reader.readexactly(length)
+                ok += head.startswith(b"HTTP/1.1 200")
+                await asyncio.sleep(0.5)
+        finally:
+            writer.close()
+        return ok
+
+    return sum(await asyncio.gather(*(client() for _ in range(count))))
+
+
+def test_idle_sockets_do_not_take_the_api_down(worker, http):
+    port = int(worker.url.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1100)]
+    drip = socket.create_connection(("127.0.0.1", port))
+    try:
+        drip.sendall(b"GET /health HTTP/1.1\r\n")
+        time.sleep(0.2)
+        assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+        assert httpx.head(f"{worker.url}/health", timeout=10).status_code == 200
+        answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
+        assert asyncio.run(keep_alive_clients("127.0.0.1", port, 2000)) == 4000
+        deadline = time.monotonic() + HEAD_TIMEOUT_S + 5
+        for header_byte in b"X-Slow: 1\r\n":  # a slow-drip head does not extend its deadline
+            if time.monotonic() > deadline:
+                break
+            try:
+                drip.sendall(bytes([header_byte]))
+            except OSError:
+                break
+            time.sleep(0.5)
+        for sock in [*idle, drip]:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                assert sock.recv(1024) == b""  # closed by the worker
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in [*idle, drip]:
+            sock.close()
+    assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+
+
+def test_http_traffic_is_counted_in_the_metrics(worker, http):
+    def scrape() -> dict[str, float]:
+        values = {}
+        for line in httpx.get(worker.metrics_url, timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    answer = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3})
+    assert answer.status_code == 200
+    assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "n": 0}), 400, "n")
+    after = scrape()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("rollout_groups_received_total") == 3 and grew("rollout_groups_finished_total") == 3
+    assert grew('rollout_samples_finished_total{reason="length"}') == 6
+    assert grew("rollout_groups_refused_total") == 1
+    assert grew('rollout_http_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    assert grew('rollout_http_requests_total{endpoint="/v1/completions",status="400"}') == 1
+    assert grew('rollout_http_request_seconds_count{endpoint="/v1/completions"}') == 2
+    stats = worker.stats()
+    assert stats["groups_received"] == after["rollout_groups_received_total"]
+    rebinding = httpx.get(worker.metrics_url, headers={"Host": "attacker.example"}, timeout=10)
+    assert rebinding.status_code == 421
