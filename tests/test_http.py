@@ -76,6 +76,7 @@ def test_chat_renders_the_tokenizers_template_and_matches_zeromq(api, zmq_client
         model="tiny",
         messages=MESSAGES,
         tools=TOOLS,
+        tool_choice="none",  # rendered into the prompt, not parsed
         n=4,
         seed=5,
         max_tokens=10,
@@ -240,12 +241,57 @@ def test_models_health_tokenize_detokenize(worker, api):
     assert text == {"prompt": "hi there"}
 
 
+def test_logit_bias_is_honoured_as_on_the_zeromq_path(api, zmq_client):
+    prompt_ids = TOKENIZER("tell me")["input_ids"]
+    bias = {"50": 100.0, "51": -100.0}
+    answer = api.completions.create(
+        model="tiny",
+        prompt=prompt_ids,
+        n=2,
+        seed=9,
+        max_tokens=6,
+        logprobs=0,
+        logit_bias=bias,
+        extra_body={"return_token_ids": True},
+    )
+    expected = zeromq_samples(zmq_client, prompt_ids, 2, seed=9, max_new_tokens=6, logit_bias={50: 100.0, 51: -100.0})
+    assert [extra(c)["token_ids"] for c in answer.choices] == [ids for ids, _ in expected] == [[50] * 6] * 2
+
+
+def test_completions_top_logprobs_add_the_sampled_token_when_it_is_not_among_them(api):
+    # A bias makes token 50 the top token about half the time it is drawn from: samples are in and out of the top 1.
+    answer = api.completions.create(model="tiny", prompt="abc", seed=1, max_tokens=30, logprobs=1, logit_bias={"50": 7})
+    logprobs = answer.choices[0].logprobs
+    sizes = {len(top) for top in logprobs.top_logprobs}
+    assert sizes == {1, 2}  # 2 entries where the sampled token is not the top one, as vLLM
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == pytest.approx(logprob)
+
+
+def test_fields_without_generation_semantics_are_accepted(api):
+    answer = api.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        user="u1",
+        metadata={"run": "7"},
+        store=False,
+        service_tier="auto",
+    )
+    assert answer.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "made_up": 1}, 400, "made_up"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {str(t): 1 for t in range(301)}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5000": 1}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS}, 400, "tools"),  # no --tool-call-parser
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "x"}]}, 400, "tools"),
+        ("/v1/completions", {"prompt": "x", "metadata": "tag"}, 400, "metadata"),
         ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),

@@ -13,7 +13,12 @@ import signal
 import sys
 
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES
-from rollout.service.http.settings import HEAD_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_WAITING_CONNECTIONS
+from rollout.service.http.settings import (
+    HEAD_TIMEOUT_S,
+    KEEP_ALIVE_TIMEOUT_S,
+    MAX_WAITING_CONNECTIONS,
+    TOOL_CALL_PARSER_NAMES,
+)
 from rollout.service.limits import WorkerLimits
 from rollout.service.presets import MODEL_DTYPES, PRESETS
 from rollout.service.startup import AUTO_ON_OFF, check_bind, start_worker
@@ -87,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         "longest is closed (connections with a request in progress, or kept alive between requests, never count; "
         "default: "
         f"{MAX_WAITING_CONNECTIONS})",
+    )
+    add(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSER_NAMES,
+        default=None,
+        help="read tool calls out of chat answers in this format (hermes: Qwen/Hermes <tool_call>{json}</tool_call>; "
+        "llama3_json: Llama 3.1/3.2 JSON) into message.tool_calls; without it, chat requests that ask for tool "
+        "calls are refused (default: none)",
     )
     add(
         "--trust-request-chat-template",

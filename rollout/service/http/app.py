@@ -55,6 +55,7 @@ def build_app(
         settings.max_prompt_len,
         settings.trust_request_chat_template,
         counters,
+        settings.tool_call_parser,
     )
     engine = manager.engine
     tokens = TokenizeEndpoints(tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits)

@@ -96,7 +96,9 @@ class LogprobFormat:
         return text
 
     def completion(self, choice: Choice, start: int, end: int, top: int, offset: int) -> dict[str, Any]:
-        """Completions' `logprobs` object for tokens [start, end) (`offset`: their text's start in the choice)."""
+        """Completions' `logprobs` object for tokens [start, end) (`offset`: their text's start in the choice); each
+        position's `top_logprobs` holds the `top` most likely tokens and the sampled one (k+1 entries when it is not
+        among them, as vLLM)."""
         tokens = [self.token(t) for t in choice.token_ids[start:end]]
         offsets = []
         for text in tokens:
@@ -104,7 +106,12 @@ class LogprobFormat:
             offset += len(text)
         top_maps = None
         if top:
-            top_maps = [{self.token(t): lp for t, lp in row[:top]} for row in choice.top_logprobs[start:end]]
+            # As vLLM: the sampled token joins the top `top` when it is not among them (then k+1 entries).
+            top_maps = []
+            for position in range(start, end):
+                row = {self.token(t): lp for t, lp in choice.top_logprobs[position][:top]}
+                row.setdefault(self.token(choice.token_ids[position]), choice.logprobs[position])
+                top_maps.append(row)
         return {
             "tokens": tokens,
             "token_logprobs": choice.logprobs[start:end],

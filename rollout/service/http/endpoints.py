@@ -15,9 +15,10 @@ from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
 from rollout.service.http.bridge import Submission
+from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.errors import APIError, bad_field
-from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer
+from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -31,6 +32,7 @@ class Answer:
     submission: Submission
     id: str
     created: int
+    tools: ToolCalling | None = None  # chat with tools: how tool calls are read out of the text
 
     @property
     def object(self) -> str:
@@ -54,6 +56,7 @@ class OpenAIEndpoints:
         max_prompt_len: int,
         trust_request_chat_template: bool = False,
         counters: GroupCounters | None = None,
+        tool_call_parser: str | None = None,
     ):
         """
         Args:
@@ -65,6 +68,8 @@ class OpenAIEndpoints:
             trust_request_chat_template: accept a chat template in a request's `chat_template_kwargs` (a template
                 is code that runs on the worker: off unless the operator trusts every client).
             counters: the worker's group counters (None: a fresh set).
+            tool_call_parser: how chat answers' tool calls are read (`tool_calls.TOOL_CALL_PARSERS`; None: chat
+                requests that ask for tool calls are refused).
         """
         self.manager = manager
         self.model_name = model_name
@@ -74,6 +79,7 @@ class OpenAIEndpoints:
         self.limits = PromptLimits(self.max_prompt_len, trust_request_chat_template)
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.counters = GroupCounters() if counters is None else counters
+        self.tool_call_parser = tool_call_parser
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prepare(self, body: Any, chat: bool) -> Answer:
@@ -91,6 +97,7 @@ class OpenAIEndpoints:
             raise APIError(404, message, "model", "not_found_error", "model_not_found")
         prompt_field = "messages" if chat else "prompt"
         n = fields.integer(body, "n", 1, 1, self.max_n)
+        tools = tool_calling(tool_spec(body), self.tool_call_parser) if chat else None
         if chat:
             prompts = [chat_prompt(body, self.tokenizer, self.limits)]
         else:
@@ -98,7 +105,10 @@ class OpenAIEndpoints:
         if len(prompts) * n > self.max_n:
             reason = f"{len(prompts)} prompts x n={n} samples; this worker takes at most {self.max_n} per request"
             raise bad_field("n", reason)
-        context = self.manager.engine.max_model_len
+        engine = self.manager.engine
+        # A sample's tokens (but its last, never fed back) must fit the context and the whole KV cache: more is
+        # refused here by name, never left to fail in the engine (a 500).
+        context = min(engine.max_model_len, engine.num_blocks * self.manager.config.block_size + 1)
         for prompt in prompts:
             if len(prompt) > self.max_prompt_len:
                 reason = f"is {len(prompt)} tokens; this worker takes at most {self.max_prompt_len}"
@@ -123,7 +133,7 @@ class OpenAIEndpoints:
         )
         submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters)
         prefix = "chatcmpl" if chat else "cmpl"
-        return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), tools)
 
     @staticmethod
     def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -166,8 +176,8 @@ class OpenAIEndpoints:
                     yield _event(_ended_early(choice).body())  # not a finish_reason an OpenAI client knows
                     submission.cancel()
                     break
-                chunk = self._chunk(answer, choice, delta)
-                yield _event(chunk)
+                for chunk in self._chunks(answer, choice, delta):
+                    yield _event(chunk)
             else:
                 if answer.request.include_usage:
                     base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created}
@@ -179,27 +189,37 @@ class OpenAIEndpoints:
     def _choice(self, answer: Answer, choice: Choice) -> dict[str, Any]:
         request, end = answer.request, len(choice.token_ids)
         entry: dict[str, Any] = {"index": choice.index}
-        if answer.chat:
+        finish_reason = choice.finish_reason
+        if answer.tools is not None:
+            entry["message"], finish_reason = answer.tools.message(choice.text.text, finish_reason)
+        elif answer.chat:
             entry["message"] = {"role": "assistant", "content": choice.text.text}
         else:
             entry["text"] = choice.text.text
         entry["logprobs"] = self._logprobs(answer, choice, 0, end)
-        entry.update(finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+        entry.update(finish_reason=finish_reason, stop_reason=choice.stop_reason)
         if request.return_token_ids:
             entry.update(prompt_token_ids=choice.prompt_ids, token_ids=choice.token_ids)
         entry.update(choice.rollout_fields())
         return entry
 
-    def _chunk(self, answer: Answer, choice: Choice, delta: ChoiceDelta) -> dict[str, Any]:
+    def _chunks(self, answer: Answer, choice: Choice, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The chunks of one engine output: one, or with tool calls one per delta the parser made (the first
+        carries the output's tokens, log-probs and versions; the last its finish reason)."""
         entry: dict[str, Any] = {"index": choice.index}
+        finish_reason = choice.finish_reason
+        pieces = [{"content": delta.text}]
+        if answer.tools is not None:
+            pieces = answer.tools.deltas(choice.index, delta.text, delta.finished) or [{}]
+            finish_reason = answer.tools.finish_reason(choice.index, finish_reason) if delta.finished else None
         if answer.chat:
-            entry["delta"] = {"content": delta.text}
+            entry["delta"] = pieces[0]
             if delta.start == 0:
-                entry["delta"]["role"] = "assistant"
+                entry["delta"] = {"role": "assistant", **pieces[0]}
         else:
             entry["text"] = delta.text
         entry["logprobs"] = self._logprobs(answer, choice, delta.start, delta.end)
-        entry["finish_reason"] = choice.finish_reason
+        entry["finish_reason"] = finish_reason if len(pieces) == 1 else None
         if delta.finished:
             entry["stop_reason"] = choice.stop_reason
         if answer.request.return_token_ids:
@@ -207,8 +227,12 @@ class OpenAIEndpoints:
                 entry["prompt_token_ids"] = choice.prompt_ids
             entry["token_ids"] = choice.token_ids[delta.start : delta.end]
         entry.update(choice.rollout_fields(delta.start, delta.end))
-        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created}
-        return {**base, "model": self.model_name, "choices": [entry]}
+        entries = [entry]
+        for number, piece in enumerate(pieces[1:], 2):
+            last = number == len(pieces)
+            entries.append({"index": choice.index, "delta": piece, "finish_reason": finish_reason if last else None})
+        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": self.model_name}
+        return [{**base, "choices": [each]} for each in entries]
 
     def _logprobs(self, answer: Answer, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
         top = answer.request.logprobs

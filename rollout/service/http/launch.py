@@ -99,6 +99,7 @@ def start_http(
             head_timeout_s=args.http_head_timeout,
             keep_alive_timeout_s=args.http_keep_alive_timeout,
             max_waiting_connections=args.http_max_waiting_connections,
+            tool_call_parser=args.tool_call_parser,
         )
         http = HttpServer(manager, tokenizer, settings, worker.counters, observe)
         http.start()

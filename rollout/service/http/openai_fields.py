@@ -1,7 +1,7 @@
 """OpenAI / vLLM request bodies -> what the engine takes: prompts as token ids, a `SamplingParams`, `n`.
 
-Every field of a body is honoured, has no effect on the tokens (and is accepted: `user`, `tool_choice="auto"`), or is
-refused with a 400 naming it; an unknown field is refused too, never silently dropped. `REFUSED` lists the OpenAI
+Every field of a body is honoured, has no effect on the tokens (and is accepted: `NO_EFFECT_FIELDS`), or is refused
+with a 400 naming it; an unknown field is refused too, never silently dropped. `REFUSED` lists the OpenAI
 fields rollout does not serve.
 """
 
@@ -27,21 +27,32 @@ SAMPLING_FIELDS = {
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
     "logprob_mode": "logprob_mode",  # rollout's: which distribution log-probs come from (README)
+    "logit_bias": "logit_bias",  # token id (a JSON string key) -> bias in [-100, 100], at most 300 of them
+}
+# OpenAI request fields that carry no generation semantics: accepted, with no effect (README, HTTP API).
+NO_EFFECT_FIELDS = {
+    "user",  # an end-user id for the caller's own records
+    "metadata",  # tags for the caller's stored completions
+    "store",  # whether OpenAI stores the completion (rollout stores nothing)
+    "service_tier",  # OpenAI's processing tier
 }
 # Fields both endpoints take that are handled outside SamplingParams.
-COMMON_FIELDS = {
-    "model",
-    "n",
-    "max_tokens",
-    "stream",
-    "stream_options",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "return_token_ids",
-    "user",  # an end-user id for the caller's own records: changes nothing
-} | set(SAMPLING_FIELDS)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix", "logit_bias"}
+COMMON_FIELDS = (
+    {
+        "model",
+        "n",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "return_token_ids",
+    }
+    | set(SAMPLING_FIELDS)
+    | NO_EFFECT_FIELDS
+)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
     "logprobs",
@@ -54,13 +65,11 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "add_generation_prompt",
     "continue_final_message",
     "response_format",
-    "logit_bias",
 }
 # Fields refused unless absent, null or one of their harmless values, and why.
 REFUSED = {
     "echo": ((False,), "echoing the prompt is not supported; ask for return_token_ids"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "logit_bias": (({},), "logit_bias is not supported; use stop_token_ids or the worker's bad words"),
     "response_format": (({"type": "text"},), "structured outputs are not supported"),
 }
 MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
@@ -100,8 +109,11 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
             raise bad_field(name, why)
-    for name in ("parallel_tool_calls",):  # about tool calls the model makes: no constraint to apply
+    for name in ("parallel_tool_calls", "store"):  # no constraint to apply, or nothing to store
         flag(body, name)
+    for name, kind in (("user", str), ("service_tier", str), ("metadata", dict)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise bad_field(name, f"must be a {'string' if kind is str else 'JSON object'}")
     return body
 
 

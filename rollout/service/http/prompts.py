@@ -9,6 +9,7 @@ from typing import Any
 
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.template_inputs import check_rendered_size, template_variables
+from rollout.service.http.tool_calls import ToolsError, ToolSpec, check_tools
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
 # Text longer than this many characters per token of the longest prompt is refused before it is tokenized (no
@@ -71,12 +72,7 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
     if not isinstance(messages, list) or not messages:
         raise bad_field("messages", "must be a non-empty list of messages")
     rendered = [_message(index, message) for index, message in enumerate(messages)]
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise bad_field("tools", "must be a list of tool objects")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise bad_field("tool_choice", "only 'auto' and 'none' are supported (no constrained tool calls)")
+    tools = tool_spec(body).tools or None
     kwargs = template_variables(body.get("chat_template_kwargs"), tokenizer, limits.trust_request_chat_template)
     inputs = {"messages": rendered, "tools": tools, "chat_template_kwargs": kwargs}
     check_rendered_size(inputs, limits.max_chars, limits.max_prompt_len)
@@ -102,6 +98,15 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
     except Exception as error:  # noqa: BLE001 - a template's own errors (jinja, ValueError) are the request's fault
         raise bad_field("messages", f"the chat template failed: {type(error).__name__}: {str(error)[:300]}") from None
     return list(encoded["input_ids"])
+
+
+def tool_spec(body: dict[str, Any]) -> ToolSpec:
+    """A chat body's `tools` and `tool_choice`, checked (a 400 naming the field, and the part of it at fault)."""
+    try:
+        return check_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolsError as error:
+        param = "tool_choice" if error.field.startswith("tool_choice") else "tools"
+        raise APIError(400, str(error), param) from None
 
 
 def needs_tokenizer(tokenizer: Any, what: str) -> None:

@@ -9,6 +9,8 @@ from rollout.config import FieldError
 from rollout.service.sockets import is_loopback
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# The tool-call formats --tool-call-parser reads (rollout.service.http.tool_calls.TOOL_CALL_PARSERS).
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 # Seconds a connection may take to send a complete request head, from when it connected (or its last answer ended).
 HEAD_TIMEOUT_S = 10.0
 # Seconds an idle keep-alive connection stays open after its last answer (uvicorn's timeout_keep_alive).
@@ -35,6 +37,8 @@ class HttpSettings:
         max_waiting_connections: most new connections that have not sent their first request head (past it the one
             that waited longest is closed); connections with a request in progress, or kept alive between requests,
             are never counted.
+        tool_call_parser: how chat answers' tool calls are read ("hermes" or "llama3_json"; None: chat requests
+            that ask for tool calls are refused).
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +52,7 @@ class HttpSettings:
     head_timeout_s: float = HEAD_TIMEOUT_S
     keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
     max_waiting_connections: int = MAX_WAITING_CONNECTIONS
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -66,6 +71,10 @@ class HttpSettings:
                 or not (math.isfinite(value) and value > 0)
             ):
                 raise FieldError(name, f"must be a number of seconds > 0, got {value!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
+            raise FieldError(
+                "tool_call_parser", f"must be one of {TOOL_CALL_PARSER_NAMES}, got {self.tool_call_parser!r}"
+            )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise FieldError("api_key", "must be a non-empty string")
 

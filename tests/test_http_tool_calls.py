@@ -1,0 +1,116 @@
+"""Tool calls through the HTTP API, end to end with the official `openai` client: a scripted model whose logits really
+spell a hermes `<tool_call>` (a random model never emits one), served with --tool-call-parser hermes; the calls
+come back in `message.tool_calls` and, streamed, as `delta.tool_calls` that the openai package's own stream state
+reassembles; the tokens and log-probs are still every token's."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager import init_continuous_batching
+from rollout.service.http.server import HttpServer
+from rollout.service.http.settings import TOOL_CALL_PARSER_NAMES, HttpSettings
+from rollout.service.http.tool_calls import TOOL_CALL_PARSERS
+from rollout.service.presets import TINY_MODEL_CONFIG, tiny_tokenizer
+
+CALL = {"name": "add", "arguments": {"a": 1, "b": 2}}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+MESSAGES = [{"role": "user", "content": "add 1 and 2"}]
+
+
+def scripted_tool_caller():
+    """A tokenizer with three added words (`<tool_call>`, the call's JSON, `</tool_call>`) and a Qwen3 model whose
+    layers add nothing (each position's output is its own token's embedding), so its next token is a function of
+    the current one: greedy decoding after the chat template's "assistant\\n" spells the call, then ends the turn."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<tool_call>", json.dumps(CALL), "</tool_call>"])
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in ("\n", "<tool_call>", json.dumps(CALL), "</tool_call>")]
+    chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = chain[-1]  # a chat model's turn ends at <|im_end|> (as Qwen's config says)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for step, (token, following) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(step), 256) * 1.0
+            model.lm_head.weight[:, step] = 0.0
+            model.lm_head.weight[following, step] = 1.0  # logit sqrt(256) = 16 after the final norm
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tokenizer = scripted_tool_caller()
+    config = ContinuousBatchingConfig(num_blocks=64, block_size=16)
+    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer).start()
+    settings = HttpSettings(max_n=8, max_prompt_len=1024, tool_call_parser="hermes")
+    http = HttpServer(manager, tokenizer, settings).start()
+    yield http
+    http.stop()
+    manager.stop()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def test_a_tool_call_comes_back_in_message_tool_calls(api):
+    answer = api.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "add"
+    assert json.loads(call.function.arguments) == CALL["arguments"] and call.id
+    assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content) == 4  # every token's log-prob
+
+
+def test_a_streamed_tool_call_reassembles_in_the_openai_stream_state(api):
+    state = ChatCompletionStreamState()
+    with api.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, stream=True
+    ) as stream:
+        for chunk in stream:
+            state.handle_chunk(chunk)
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_tool_choice_none_renders_the_tools_and_parses_nothing(api):
+    answer = api.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", temperature=0
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == f"<tool_call>{json.dumps(CALL)}</tool_call>"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_constrained_tool_choices_are_refused_by_name(api, tool_choice):
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
+    assert raised.value.body["param"] == "tool_choice"
+
+
+def test_the_flag_offers_every_parser():
+    assert set(TOOL_CALL_PARSER_NAMES) == set(TOOL_CALL_PARSERS)
