@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,16 +24,12 @@ API_KEY_VARIABLE = "ROLLOUT_API_KEY"
 
 
 def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
-    """(host, port) of --http, checked before the model loads (None without it). Without --api-key, the key is
-    read from the ROLLOUT_API_KEY environment variable (so it is not in `ps`), into `args.api_key`."""
+    """(host, port) of --http, checked before the model loads (None without it). The key may come from the
+    ROLLOUT_API_KEY environment variable (as every flag may from its ROLLOUT_* variable), which keeps it out of `ps`."""
     if args.http is None:
         if args.api_key is not None:
             parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
         return None
-    if args.api_key is None and API_KEY_VARIABLE in os.environ:
-        args.api_key = os.environ[API_KEY_VARIABLE]
-        if not args.api_key:
-            parser.error(f"{API_KEY_VARIABLE} is set but empty: set the key, or unset it")
     host, _, port = args.http.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
@@ -42,7 +37,7 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.http_max_body_bytes < 1024:
         parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
     if args.api_key == "":
-        parser.error("--api-key: must not be empty")
+        parser.error(f"--api-key (or {API_KEY_VARIABLE}): must not be empty")
     for flag, value in (
         ("--http-head-timeout", args.http_head_timeout),
         ("--http-keep-alive-timeout", args.http_keep_alive_timeout),

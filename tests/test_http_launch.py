@@ -1,0 +1,68 @@
+"""`rollout-worker --http` flags checked before the model loads: the API key from ROLLOUT_API_KEY, warnings for an
+API or a metrics server that anyone on the network can reach, and the connection settings' bounds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rollout.service.cli import build_parser
+from rollout.service.http.launch import check_http_address
+from rollout.service.startup import check_metrics_address
+
+
+def parsed(*flags: str):
+    parser = build_parser()
+    return parser, parser.parse_args(list(flags))
+
+
+def test_the_api_key_comes_from_the_environment_when_not_on_the_command_line(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_API_KEY", "from-env")  # read as the flag's default, like every ROLLOUT_* variable
+    parser, args = parsed("--http", "0.0.0.0:0")
+    assert check_http_address(parser, args) == ("0.0.0.0", 0)
+    assert args.api_key == "from-env"  # a non-loopback address with a key: no --insecure needed
+    parser, args = parsed("--http", "127.0.0.1:0", "--api-key", "given")
+    check_http_address(parser, args)
+    assert args.api_key == "given"
+
+
+def test_an_empty_environment_key_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("ROLLOUT_API_KEY", "")
+    parser, args = parsed("--http", "127.0.0.1:0")
+    with pytest.raises(SystemExit):
+        check_http_address(parser, args)
+    assert "--api-key (or ROLLOUT_API_KEY): must not be empty" in capsys.readouterr().err
+
+
+def test_an_open_api_or_metrics_server_is_warned_about(monkeypatch, caplog):
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    caplog.set_level(logging.WARNING, logger="rollout.worker")
+    parser, args = parsed("--http", "0.0.0.0:0", "--insecure", "--metrics-port", "0", "--metrics-host", "0.0.0.0")
+    check_http_address(parser, args)
+    check_metrics_address(parser, args)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("HTTP API at 0.0.0.0:0 answers anyone" in m for m in messages), messages
+    assert any("--metrics-host 0.0.0.0" in m for m in messages), messages
+    caplog.clear()
+    parser, args = parsed("--http", "127.0.0.1:0", "--metrics-port", "0")
+    check_http_address(parser, args)
+    check_metrics_address(parser, args)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--http-head-timeout", "0"), "--http-head-timeout"),
+        (("--http-keep-alive-timeout", "nan"), "--http-keep-alive-timeout"),
+        (("--http-max-waiting-connections", "0"), "--http-max-waiting-connections"),
+        (("--http", "0.0.0.0:0"), "needs --api-key or ROLLOUT_API_KEY"),
+    ],
+)
+def test_bad_connection_settings_are_usage_errors(monkeypatch, capsys, flags, message):
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    parser, args = parsed("--http", "127.0.0.1:0", *flags)
+    with pytest.raises(SystemExit):
+        check_http_address(parser, args)
+    assert message in capsys.readouterr().err
