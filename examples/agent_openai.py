@@ -13,6 +13,11 @@ of every model token (so an off-policy loss can weigh or drop stale turns).
 
 The built-in tiny model is random, so its "tool calls" are noise: the tool here reads any turn as a call (it counts
 the letters of the turn's text). Swap `run_tool` for a real parser and tools.
+
+With --tool-calls, the worker parses the calls instead (it must run with `--tool-call-parser hermes` or
+`llama3_json`, and serve a model that writes tool calls, e.g. Qwen3): each turn is a chat request with `tools`, the
+calls come back in `message.tool_calls`, each is run and its result sent back as a `tool` message, and each model turn
+is kept as its own row (the chat template re-renders the conversation, so turns are not concatenated as token ids).
 """
 
 from __future__ import annotations
@@ -116,6 +121,58 @@ def run_episode(client: openai.OpenAI, model: str, task: str, turns: int, seed: 
     return episode
 
 
+@dataclass
+class ToolTurn:
+    """One model turn of a --tool-calls episode: its own prompt (the rendered conversation) and completion."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    tool_calls: list[dict]  # {"name", "arguments"} of each call the model made
+    tool_results: list[str]
+
+
+def run_tool_calls_episode(client: openai.OpenAI, model: str, task: str, turns: int, max_tokens: int) -> list[ToolTurn]:
+    """A conversation whose tool calls the worker parses (`--tool-call-parser`): up to `turns` model turns, each
+    call run by `call_tool` and answered with a `tool` message; it ends when the model answers without a call."""
+    messages: list[dict] = [{"role": "user", "content": task}]
+    rows = []
+    for _ in range(turns):
+        answer = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=max_tokens,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
+        choice = answer.choices[0]
+        calls = choice.message.tool_calls or []
+        results = [call_tool(call.function.name, call.function.arguments) for call in calls]
+        rows.append(
+            ToolTurn(
+                answer.model_extra["prompt_token_ids"],
+                choice.model_extra["token_ids"],
+                [entry.logprob for entry in choice.logprobs.content],
+                [{"name": call.function.name, "arguments": json.loads(call.function.arguments)} for call in calls],
+                results,
+            )
+        )
+        if not calls:
+            break
+        messages.append(choice.message.model_dump(include={"role", "content", "tool_calls"}))
+        for call, result in zip(calls, results):
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return rows
+
+
+def call_tool(name: str, arguments: str) -> str:
+    """Run one parsed tool call (only count_letters exists here)."""
+    if name != "count_letters":
+        return json.dumps({"error": f"no tool named {name}"})
+    return run_tool(json.loads(arguments).get("text", ""))
+
+
 def start_worker(port: int) -> subprocess.Popen:
     """A tiny-preset rollout-worker serving HTTP on `port`; returns once /health answers."""
     command = [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", "cpu"]
@@ -133,13 +190,18 @@ def start_worker(port: int) -> subprocess.Popen:
             time.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> list[Episode]:
+def main(argv: list[str] | None = None) -> list[Episode] | list[list[ToolTurn]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--episodes", type=int, default=4, help="conversations to roll out (default: 4)")
     parser.add_argument("--turns", type=int, default=3, help="model turns per conversation (default: 3)")
     parser.add_argument("--max-tokens", type=int, default=12, help="most tokens per model turn (default: 12)")
     parser.add_argument("--base-url", default=None, help="a running worker's OpenAI API (default: start one)")
     parser.add_argument("--model", default="tiny", help="the served model's name (default: tiny)")
+    parser.add_argument(
+        "--tool-calls",
+        action="store_true",
+        help="let the worker parse tool calls (it needs --tool-call-parser and a model that writes them)",
+    )
     args = parser.parse_args(argv)
     if args.turns < 2:
         parser.error("--turns must be at least 2 (a tool turn sits between two model turns)")
@@ -151,6 +213,14 @@ def main(argv: list[str] | None = None) -> list[Episode]:
     try:
         with openai.OpenAI(base_url=args.base_url, api_key="unused", timeout=120) as client:
             tasks = [f"count the letters of word {i}" for i in range(args.episodes)]
+            if args.tool_calls:
+                conversations = [
+                    run_tool_calls_episode(client, args.model, t, args.turns, args.max_tokens) for t in tasks
+                ]
+                for i, rows in enumerate(conversations):
+                    calls = [call["name"] for row in rows for call in row.tool_calls]
+                    print(f"episode {i}: {len(rows)} model turns, tool calls {calls}")
+                return conversations
             episodes = [
                 run_episode(client, args.model, task, args.turns, i, args.max_tokens) for i, task in enumerate(tasks)
             ]

@@ -6,6 +6,8 @@ reassembles; the tokens and log-probs are still every token's."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -20,9 +22,9 @@ from rollout.service.http.settings import TOOL_CALL_PARSER_NAMES, HttpSettings
 from rollout.service.http.tool_calls import TOOL_CALL_PARSERS
 from rollout.service.presets import TINY_MODEL_CONFIG, tiny_tokenizer
 
-CALL = {"name": "add", "arguments": {"a": 1, "b": 2}}
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-MESSAGES = [{"role": "user", "content": "add 1 and 2"}]
+CALL = {"name": "count_letters", "arguments": {"text": "abc"}}  # examples/agent_openai.py's tool
+TOOLS = [{"type": "function", "function": {"name": "count_letters", "parameters": {"type": "object"}}}]
+MESSAGES = [{"role": "user", "content": "count the letters of abc"}]
 
 
 def scripted_tool_caller():
@@ -49,8 +51,13 @@ def scripted_tool_caller():
 
 
 @pytest.fixture(scope="module")
-def server():
-    model, tokenizer = scripted_tool_caller()
+def scripted():
+    return scripted_tool_caller()
+
+
+@pytest.fixture(scope="module")
+def server(scripted):
+    model, tokenizer = scripted
     config = ContinuousBatchingConfig(num_blocks=64, block_size=16)
     manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer).start()
     settings = HttpSettings(max_n=8, max_prompt_len=1024, tool_call_parser="hermes")
@@ -78,7 +85,7 @@ def test_a_tool_call_comes_back_in_message_tool_calls(api):
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "add"
+    assert call.type == "function" and call.function.name == "count_letters"
     assert json.loads(call.function.arguments) == CALL["arguments"] and call.id
     assert len(choice.model_extra["token_ids"]) == len(choice.logprobs.content) == 4  # every token's log-prob
 
@@ -93,7 +100,7 @@ def test_a_streamed_tool_call_reassembles_in_the_openai_stream_state(api):
     choice = state.get_final_completion().choices[0]
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
-    assert call.function.name == "add" and json.loads(call.function.arguments) == CALL["arguments"]
+    assert call.function.name == "count_letters" and json.loads(call.function.arguments) == CALL["arguments"]
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_nothing(api):
@@ -105,7 +112,7 @@ def test_tool_choice_none_renders_the_tools_and_parses_nothing(api):
     assert choice.message.content == f"<tool_call>{json.dumps(CALL)}</tool_call>"
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "count_letters"}}])
 def test_constrained_tool_choices_are_refused_by_name(api, tool_choice):
     with pytest.raises(openai.BadRequestError) as raised:
         api.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice)
@@ -114,3 +121,19 @@ def test_constrained_tool_choices_are_refused_by_name(api, tool_choice):
 
 def test_the_flag_offers_every_parser():
     assert set(TOOL_CALL_PARSER_NAMES) == set(TOOL_CALL_PARSERS)
+
+
+def test_the_agent_example_round_trips_tool_calls(server, scripted):
+    """examples/agent_openai.py --tool-calls: each turn's call parsed by the worker, run, and answered with a tool
+    message the next turn's prompt renders; every turn keeps its own token ids and log-probs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import agent_openai
+
+    args = ["--base-url", f"{server.url}/v1", "--tool-calls", "--episodes", "1", "--turns", "2", "--max-tokens", "8"]
+    [rows] = agent_openai.main(args)
+    assert len(rows) == 2
+    for row in rows:
+        assert row.tool_calls == [CALL] and row.tool_results == ['{"letters": 3}']
+        assert len(row.completion_ids) == len(row.logprobs) == 4
+    second_prompt = scripted[1].decode(rows[1].prompt_ids)
+    assert second_prompt.count("<|im_start|>tool") == 1 and '{"letters": 3}' in second_prompt
