@@ -17,6 +17,10 @@ MAX_NO_REPEAT_NGRAM_SIZE = 64
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
 MAX_SUPPRESSED_TOKENS = 8192
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
+# Most top-k log-probs per prompt position (vLLM's default max_logprobs).
+MAX_PROMPT_LOGPROBS = 20
+# logit_bias: at most this many tokens (OpenAI's limit), each biased by a number in [-MAX, MAX] (OpenAI's bound).
+MAX_LOGIT_BIAS_TOKENS, MAX_LOGIT_BIAS = 300, 100.0
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
@@ -47,7 +51,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Stop tokens are masked until this many tokens were generated.
     min_new_tokens: int = 0
-    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS).
+    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS); 0 (only with
+    # prompt_logprobs) scores the prompt and generates nothing.
     max_new_tokens: int | None = None
     # Any of these ends generation (None: the GenerationConfig's eos_token_id; () never stops early).
     stop_token_ids: tuple[int, ...] | None = None
@@ -70,6 +75,11 @@ class SamplingParams:
     suppress_tokens: tuple[int, ...] = ()
     # Tokens not generated as the first new token.
     begin_suppress_tokens: tuple[int, ...] = ()
+    # Added to the logits of these tokens before any other processing (OpenAI / vLLM semantics). Given as a map
+    # {token id: bias} (keys may be ints or strings of decimal digits, as JSON has them) or (token id, bias) pairs;
+    # kept as (token id, bias) pairs sorted by token id. At most MAX_LOGIT_BIAS_TOKENS tokens, biases finite
+    # numbers in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; None means none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Typical sampling: keep the locally typical tokens whose probability reaches typical_p; 1.0 disables.
     typical_p: float = 1.0
     # Drop tokens whose probability is below epsilon_cutoff (the top token always stays); 0 disables.
@@ -81,6 +91,9 @@ class SamplingParams:
     logprob_mode: Literal["processed", "raw", "temperature_scaled"] = "processed"
     # Also return the top-k log-probs (in the same mode) at every position; 0 disables.
     top_logprobs: int = 0
+    # Also return log p(prompt[i] | prompt[:i]) for every prompt position i >= 1 (raw log_softmax of the model's
+    # logits, as vLLM's prompt_logprobs), with this many top-k (token, log-prob) pairs per position; None disables.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -111,9 +124,9 @@ class SamplingParams:
         )
         if self.max_new_tokens is not None:
             _check(
-                _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+                _is_int(self.max_new_tokens) and self.max_new_tokens >= (0 if self.prompt_logprobs is not None else 1),
                 "max_new_tokens",
-                "must be an integer >= 1",
+                "must be an integer >= 1 (0 only with prompt_logprobs)",
                 self.max_new_tokens,
             )
         if self.stop_token_ids is not None:
@@ -160,6 +173,7 @@ class SamplingParams:
             tokens = _listed(name, getattr(self, name))
             _check(len(tokens) <= MAX_SUPPRESSED_TOKENS, name, f"at most {MAX_SUPPRESSED_TOKENS} tokens", tokens)
             setattr(self, name, tuple(dict.fromkeys(_token_ids(name, tokens))))
+        self.logit_bias = _logit_bias(self.logit_bias)
         _check(_is_number(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "must be in (0, 1]", self.typical_p)
         for name in ("epsilon_cutoff", "eta_cutoff"):
             value = getattr(self, name)
@@ -174,6 +188,13 @@ class SamplingParams:
             "must be an integer in [0, 100]",
             self.top_logprobs,
         )
+        if self.prompt_logprobs is not None:
+            _check(
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS,
+                "prompt_logprobs",
+                f"must be None (off) or an integer in [0, {MAX_PROMPT_LOGPROBS}] (top-k per prompt position)",
+                self.prompt_logprobs,
+            )
 
     @property
     def greedy(self) -> bool:
@@ -208,6 +229,44 @@ class SamplingParams:
             return cls(**fields)
         except FieldError as error:
             raise FieldError(f"sampling.{error.field}", error.reason) from None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """`value` (None, a map of token id -> bias, or (token id, bias) pairs) as sorted (token id, bias) pairs, or a
+    FieldError naming logit_bias. Sizes are checked before any entry is looked at."""
+    if value is None:
+        return ()
+    _check(
+        isinstance(value, (dict, list, tuple)),
+        "logit_bias",
+        "must be a map of token id -> bias, or a list of (token id, bias) pairs",
+        value,
+    )
+    _check(
+        len(value) <= MAX_LOGIT_BIAS_TOKENS,
+        "logit_bias",
+        f"at most {MAX_LOGIT_BIAS_TOKENS} tokens (got {len(value)})",
+        value,
+    )
+    pairs = value.items() if isinstance(value, dict) else value
+    biases: dict[int, float] = {}
+    for pair in pairs:
+        _check(
+            isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "must hold (token id, bias) pairs", pair
+        )
+        token, bias = pair
+        if isinstance(token, str) and 0 < len(token) <= 19 and token.isascii() and token.isdecimal():
+            token = int(token)  # a JSON map's key
+        _check(_is_int(token) and token >= 0, "logit_bias", "token ids must be integers >= 0", token)
+        _check(
+            _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,  # False for nan and inf
+            "logit_bias",
+            f"the bias of token {token} must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            bias,
+        )
+        _check(token not in biases, "logit_bias", "each token may be biased once", token)
+        biases[token] = float(bias)
+    return tuple(sorted(biases.items()))
 
 
 def _as_plain(value: Any) -> Any:

@@ -136,6 +136,8 @@ def _plain(value: Any) -> Any:
         return value.tolist()
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
+    if isinstance(value, dict):  # logit_bias: {token id: bias}
+        return {_plain(key): _plain(item) for key, item in value.items()}
     return value
 
 
@@ -177,9 +179,11 @@ def checked_group(group: PromptGroup, new_seed: Callable[[], int], new_group_id:
     else:
         raise RolloutError("bad_request", "sampling must be a SamplingParams or a dict of its fields", "sampling")
     try:  # the worker's own check, here in the caller's thread
-        SamplingParams.from_fields(sampling)
+        checked = SamplingParams.from_fields(sampling)
     except FieldError as error:
         raise RolloutError("bad_request", str(error), error.field) from None
+    if "logit_bias" in sampling:  # as (token id, bias) pairs: the worker takes maps with string keys only
+        sampling["logit_bias"] = checked.changed_fields().get("logit_bias", [])
     sampling.setdefault("seed", new_seed())  # a resubmitted group reproduces its tokens
     group_id = group.group_id or new_group_id()
     return PromptGroup(prompt_ids, group.n, sampling, group_id)

@@ -237,6 +237,8 @@ class ColocatedEngine:
                 elif not isinstance(sampling, SamplingParams):
                     kind = type(sampling).__name__
                     raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
+                if sampling.prompt_logprobs is not None:  # a Completion has no field for them: refused, not dropped
+                    raise FieldError("prompt_logprobs", "are not carried in a GroupResult yet")
                 requests.append(self.engine.intake.prepare(group_id, group.prompt_ids, sampling, group.n))
             except FieldError as error:
                 # The worker's names: a sampling setting is "sampling.<field>".

@@ -143,11 +143,12 @@ class BlockManager:
         """Find cached blocks for the leading full blocks of a request that holds no blocks.
 
         At most (num_tokens - 1) // block_size blocks match, so at least one token is left to compute (its logits
-        are needed to sample) and a matched block is never written.
+        are needed to sample) and a matched block is never written. A request that still wants prompt log-probs
+        matches nothing: every prompt token must run through the model (as vLLM does for prompt_logprobs).
         Returns:
             (block ids, their hashes); nothing is taken until `take_prefix`.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return [], []
         blocks: list[int] = []
         hashes: list[int] = []

@@ -25,6 +25,7 @@ from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_bloc
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
 from rollout.engine.outputs import GenerationOutput, progress_output
 from rollout.engine.pending_samples import InFlightStep
+from rollout.engine.prompt_logprobs import deliver as deliver_prompt_logprobs
 from rollout.engine.request import Request, RequestStatus, sample_id
 from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
@@ -104,12 +105,13 @@ class Engine:
         """Queue a request made by `intake.prepare` (`RequestIntake`).
 
         Raises:
-            ValueError: its group id is still running.
+            ValueError: its group id is still running, or it asks for prompt_logprobs this model cannot give.
         """
         if self.kv_cache.is_released and self.runner.closed:
             raise RuntimeError("this engine is closed: its KV cache and graphs were freed; build a new one")
         if request.group_id in self._open_groups:
             raise FieldError("group_id", f"{request.group_id!r} is already running")
+        self.runner.prompt_scorer.admit(request)  # prompt_logprobs on a model known not to give them: refused
         self.scheduler.add(request)
         self._open_groups[request.group_id] = request.num_forks + 1
 
@@ -323,7 +325,7 @@ class Engine:
         # Chunks of more than one token are prompts (or recomputed KV); single tokens are decodes.
         self.num_prefill_tokens += sum(chunks) - chunks.count(1)
         self.num_steps += 1
-        return InFlightStep(batch, samples, self.policy_version)
+        return InFlightStep(batch, samples, self.policy_version, prompt_logprobs=self.runner.prompt_results)
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""
@@ -335,6 +337,7 @@ class Engine:
         """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
         try:
             sampled = step.samples.fetch()
+            deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
         except Exception as error:  # noqa: BLE001 - a device failure surfaces here when the copy is waited for
             logger.exception("engine step failed; ending its requests with an error")
             for request, _ in step.batch.samples:

@@ -99,6 +99,7 @@ class RequestIntake:
             "suppress_tokens": sampling.suppress_tokens,
             "begin_suppress_tokens": sampling.begin_suppress_tokens,
             "bad_words_ids": [t for word in sampling.bad_words_ids for t in word],
+            "logit_bias": [t for t, _ in sampling.logit_bias],
         }
         for name, tokens in token_fields.items():
             outside = sorted({t for t in tokens if t >= self.vocab_size})
@@ -108,6 +109,8 @@ class RequestIntake:
             raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
             raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+        if (sampling.prompt_logprobs or 0) > self.vocab_size:
+            raise FieldError("prompt_logprobs", f"{sampling.prompt_logprobs} exceeds the vocabulary size")
         if sampling.stop and self.tokenizer is None:
             reason = (
                 "stop strings need a tokenizer: pass tokenizer= to generate_batch / init_continuous_batching, or "
@@ -149,8 +152,9 @@ class RequestIntake:
                 reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
                 raise FieldError("max_length", reason)
         max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-        if not _is_int(max_new) or max_new < 1:
-            raise FieldError("max_new_tokens", f"must be an integer >= 1, got {max_new!r}")
+        scoring = sampling.prompt_logprobs is not None
+        if not _is_int(max_new) or max_new < (0 if scoring else 1):  # 0: score the prompt only (prompt_logprobs)
+            raise FieldError("max_new_tokens", f"must be an integer >= 1 (0 with prompt_logprobs), got {max_new!r}")
         self.validate(prompt, sampling, max_new)
         return Request(
             request_id=group_id if n == 1 else sample_id(group_id, 0),
@@ -159,7 +163,7 @@ class RequestIntake:
             token_ids=prompt,
             num_prompt_tokens=len(prompt),
             sampling=sampling,
-            max_new_tokens=max_new,
+            max_new_tokens=max(max_new, 1),
             stop_token_ids=frozenset(sampling.stop_token_ids or ()),
             seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
             arrival=0,
@@ -168,6 +172,9 @@ class RequestIntake:
             created_time=time.perf_counter(),
             token_times=[] if record_timestamps else None,
             stop_text=self._stop_text(prompt, sampling),
+            prompt_logprobs=[None] if scoring else None,
+            prompt_top_logprobs=[None] if scoring else None,
+            score_only=max_new == 0,
         )
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:

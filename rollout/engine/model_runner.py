@@ -21,6 +21,7 @@ from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.fp32_head import Fp32Head
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.model_lease import acquire, release
+from rollout.engine.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.transfer import to_device
 
@@ -102,6 +103,9 @@ class ModelRunner:
         if head is not None and head.weight.dtype != torch.float32:
             self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
         self._sync_free_experts = "moe_experts" not in config.previous_paths
+        # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
+        self.prompt_scorer = PromptScorer(model, _text_config(model))
+        self.prompt_results: PendingPromptLogprobs | None = None
         acquire(model, self._sync_free_experts)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
@@ -153,6 +157,7 @@ class ModelRunner:
             self._closed = True
             if self.fp32_head is not None:
                 self.fp32_head.close()
+            self.prompt_scorer.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
@@ -190,9 +195,11 @@ class ModelRunner:
                 scheduling): a sequence whose input ends with a placeholder reads its token from there.
         Returns:
             fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
+            A step that scores prompt positions (`SamplingParams.prompt_logprobs`) leaves them in `prompt_results`.
         Raises:
             RuntimeError: an input token is a placeholder that `unresolved` does not cover.
         """
+        self.prompt_results = None
         with torch.inference_mode(), self._stepping():
             return self._run(batch, unresolved)
 
@@ -225,7 +232,12 @@ class ModelRunner:
         input_tensor = to_device(inputs.token_ids, torch.long, self.device)
         if inputs.device_tokens is not None:
             input_tensor.index_copy_(0, *inputs.device_tokens)
-        return forward(input_tensor.unsqueeze(0), positions.unsqueeze(0), metadata, keep).float()
+        args = (input_tensor.unsqueeze(0), positions.unsqueeze(0), metadata, keep)
+        plan = None if decode else plan_prompt_rows(batch)  # a decode step never scores prompt positions
+        if plan is None:
+            return forward(*args).float()
+        logits, self.prompt_results = self.prompt_scorer.run(forward, args, plan)
+        return logits.float()
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
         """Queue the step's swap-outs, swap-ins and copy-on-write copies, in that order (`run` does it first; a

@@ -66,6 +66,12 @@ class GenerationOutput:
             [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
         kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
             when it never computed anything).
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, log p(prompt[i] | prompt[:i]) for every prompt
+            position (None at position 0), fp32 log_softmax of the model's raw logits; set on a sample's first
+            output only (its first streaming delta, or its one final output), else None (also when the sample ended
+            before its prompt was computed).
+        prompt_top_logprobs: alongside prompt_logprobs, per prompt position the `prompt_logprobs` most likely
+            (token id, log-prob) pairs, most likely first (None at position 0; empty lists when k is 0).
     """
 
     request_id: str
@@ -84,6 +90,8 @@ class GenerationOutput:
     is_finished: FinishedFlag | bool | None = None  # None: derived from status
     policy_versions: list[list[int]] = field(default_factory=list)
     kv_version_min: int | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -124,6 +132,9 @@ def progress_output(request: Request) -> GenerationOutput:
         policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
         kv_version_min=request.kv_version_min,
     )
+    scored = request.prompt_logprobs
+    if start == 0 and scored is not None and len(scored) == request.num_prompt_tokens:  # its first output
+        output.prompt_logprobs, output.prompt_top_logprobs = scored, request.prompt_top_logprobs
     request.num_delivered_tokens = request.num_output_tokens
     return output
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.engine.batch import ScheduledBatch
+from rollout.engine.prompt_logprobs import PendingPromptLogprobs
 from rollout.engine.transfer import HostCopy
 
 
@@ -82,3 +83,4 @@ class InFlightStep:
     samples: PendingSamples
     policy_version: int  # the weights that ran it (a weight update drains the step first)
     advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
+    prompt_logprobs: PendingPromptLogprobs | None = None  # what it scored of prompts (prompt_logprobs.py)

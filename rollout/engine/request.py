@@ -72,6 +72,14 @@ class Request:
     kv_version_min: int | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With sampling.prompt_logprobs: log p(prompt[i] | prompt[:i]) per prompt position scored so far (None at 0), and
+    # the top-k pairs per position (None at 0), appended as prefill chunks resolve (prompt_logprobs.py); shared, not
+    # copied, by forked samples. None without prompt_logprobs.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # max_new_tokens 0 (with prompt_logprobs): the one token drawn after the prompt is dropped when it resolves, and
+    # the sample ends with finish_reason "length" and no tokens (max_new_tokens is 1 for the scheduler).
+    score_only: bool = False
     finish_reason: str | None = None
     error: str | None = None
     # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
@@ -119,6 +127,12 @@ class Request:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt position still lacks its log-prob: such a request takes no cached prefix (its
+        tokens must run through the model)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         """True once the request ended (any finish reason)."""
         return self.status == RequestStatus.FINISHED
@@ -156,6 +170,11 @@ class Request:
         token_ids = self.token_ids
         if not token_ids or token_ids[-1] != PLACEHOLDER_TOKEN:
             raise RuntimeError(f"request {self.request_id} has no sampled token to resolve")
+        if self.score_only:  # max_new_tokens 0: nothing drawn is kept
+            self.drop_placeholder()
+            self.top_logprobs.clear()
+            self.finish_reason = "length"
+            return
         token_ids[-1] = token_id
         if logprob is not None:
             self.logprobs.append(logprob)
@@ -204,4 +223,7 @@ class Request:
             block_hashes=list(self.block_hashes),
             token_versions=[list(pair) for pair in self.token_versions],
             kv_version_min=self.kv_version_min,
+            prompt_logprobs=self.prompt_logprobs,  # shared: the prompt is scored once per group
+            prompt_top_logprobs=self.prompt_top_logprobs,
+            score_only=self.score_only,
         )

@@ -32,6 +32,8 @@ class Sampler:
     Each sample's parameters live in the per-slot device tables of `rollout.engine.sampling_slots`, written at its
     first draw; a step gathers its rows' columns there. Pipeline order (each step runs only while some running
     sample asks for it; rows that do not ask hold neutral values and come out as they went in):
+      0. logit_bias added to the model's logits (`rollout.engine.slot_bias`), before anything else, as vLLM (and
+         transformers' sequence_bias) apply it: the penalties below see the biased logits;
       1. penalties on the request's own tokens: repetition_penalty (prompt + output, transformers' semantics),
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
       2. bans: no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens;
@@ -51,19 +53,20 @@ class Sampler:
     "logprobs") takes the paths these replaced: per-request state updated row by row (`rollout.engine.
     request_state`, `rollout.engine.token_bans`), and whole-row warping, an fp64 cumsum over the vocabulary and a
     full log_softmax. Both draw the same tokens (up to float rounding) and give the same log-probs (to fp32
-    rounding).
+    rounding); step 0 reads per-slot tables on both.
 
     Log-probs are fp32, in the request's `logprob_mode`:
 
-      processed           log_softmax after step 10: the distribution actually sampled from. For greedy rows
-                          (temperature 0 or do_sample=False), after step 3: like transformers' `generate`, which
-                          runs its warpers only when sampling (a greedy row's sampled distribution is a point mass,
-                          whose log-prob would always be 0).
-      raw                 log_softmax of the model's logits, before any step.
-      temperature_scaled  log_softmax(logits / temperature) of the model's logits, without penalties, masks or
-                          truncation (temperature 0 counts as 1): what a trainer recomputes when it divides its own
-                          logits by the sampling temperature (TRL's GRPOTrainer, verl's actors), so their importance
-                          ratio measures only numerical train/inference differences.
+      processed           log_softmax after step 10: the distribution actually sampled from (logit_bias included).
+                          For greedy rows (temperature 0 or do_sample=False), after step 3: like transformers'
+                          `generate`, which runs its warpers only when sampling (a greedy row's sampled
+                          distribution is a point mass, whose log-prob would always be 0).
+      raw                 log_softmax of the model's logits, before any step (logit_bias not included, as vLLM's
+                          raw_logprobs).
+      temperature_scaled  log_softmax(logits / temperature) of the model's logits, without logit_bias, penalties,
+                          masks or truncation (temperature 0 counts as 1): what a trainer recomputes when it divides
+                          its own logits by the sampling temperature (TRL's GRPOTrainer, verl's actors), so their
+                          importance ratio measures only numerical train/inference differences.
 
     `top_logprobs` > 0 also returns that many top entries of the same distribution.
     """
@@ -112,7 +115,10 @@ class Sampler:
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
         # Penalties, bans and min_new_tokens write into the scores in place; `raw` stays the model's logits.
         banned = slots.any("bans") or slots.any("min_new_tokens")
-        scores = raw.clone() if banned or slots.any("penalties") else raw
+        if slots.any("logit_bias"):  # step 0: a new tensor
+            scores = slots.bias.apply(raw, columns)
+        else:
+            scores = raw.clone() if banned or slots.any("penalties") else raw
         states = None
         if self.per_request_state:
             if slots.any("penalties") or slots.any("bans"):

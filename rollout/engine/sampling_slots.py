@@ -10,7 +10,8 @@ so running a processor over it leaves it as it was.
 
 Unless `previous_paths` holds "sampler_state", the token-dependent state (penalty counts, token history, ban
 lists) lives in per-slot tables too (`rollout.engine.slot_state`), filled at a sample's first draw and kept through
-preemption and recompute with its slot.
+preemption and recompute with its slot. Logit biases have per-slot tables of their own on both paths
+(`rollout.engine.slot_bias`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.request import Request
+from rollout.engine.slot_bias import SlotBias
 from rollout.engine.slot_columns import FLOAT_COLUMNS, INT_COLUMNS, SlotColumns
 from rollout.engine.slot_state import SlotState
 from rollout.engine.token_bans import has_bans
@@ -32,6 +34,8 @@ _SEED_MASK = (1 << 63) - 1
 def features(params: SamplingParams) -> list[str]:
     """The processors a request's parameters switch on (what `SamplingSlots.uses` counts)."""
     used = ["greedy" if params.greedy else "sampled"]
+    if params.logit_bias:
+        used.append("logit_bias")
     if params.top_k:
         used.append("top_k")
         if not params.greedy:
@@ -80,6 +84,7 @@ class SamplingSlots:
         self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
         self._assigned: list[Request] = []  # requests given a slot by the gather under way
         self.state = SlotState(vocab_size, device, capacity) if state else None
+        self.bias = SlotBias(vocab_size, device, capacity)  # logit_bias, on both paths
 
     @property
     def num_live(self) -> int:
@@ -99,6 +104,8 @@ class SamplingSlots:
         self._write_pending()
         if assigned and self.state is not None:
             self.state.assign(assigned)
+        if assigned:
+            self.bias.assign(assigned)
         index = to_device([slots, positions], torch.long, self.device)
         floats = self._floats.index_select(0, index[0])
         ints = self._ints.index_select(0, index[0])
@@ -132,6 +139,7 @@ class SamplingSlots:
         self.uses.subtract(features(params))
         if self.state is not None:
             self.state.release(slot)
+        self.bias.release(slot)
         if params.top_k:
             self._top_ks[params.top_k] -= 1
             if not self._top_ks[params.top_k]:
@@ -181,6 +189,7 @@ class SamplingSlots:
         self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
         if self.state is not None:
             self.state.grow(2 * old)
+        self.bias.grow(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
 
