@@ -292,7 +292,10 @@ def test_fields_without_generation_semantics_are_accepted(api):
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS}, 400, "tools"),  # no --tool-call-parser
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "x"}]}, 400, "tools"),
         ("/v1/completions", {"prompt": "x", "metadata": "tag"}, 400, "metadata"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only to score the prompt
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "x", "stop": ["s"] * 33}, 400, "stop"),
@@ -413,3 +416,86 @@ def test_a_stop_tokens_text_is_left_out_as_in_vllm(api):
     assert stopped.text == TOKENIZER.decode(ids[:-1], skip_special_tokens=True)
     kept = api.completions.create(**greedy, extra_body={**body, "include_stop_str_in_output": True}).choices[0]
     assert kept.text == TOKENIZER.decode(ids, skip_special_tokens=True)
+
+
+def teacher_forced_logprobs(prompt_ids: list[int]):
+    """(len(prompt) - 1, vocab) fp32 log-probs of positions 1.. from one forward of the worker's model."""
+    import torch
+
+    from rollout.service.presets import tiny_model
+
+    with torch.no_grad():
+        logits = tiny_model()(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_an_lm_eval_loglikelihood_request_matches_a_teacher_forced_forward(worker):
+    """lm-evaluation-harness's `local-completions` loglikelihood request (its documented shape: token ids, echo,
+    logprobs=1, max_tokens=1, temperature 0), read as it reads the answer: the continuation's summed log-prob and
+    whether it is the greedy one."""
+    contexts = [TOKENIZER("the capital of france is")["input_ids"], TOKENIZER("two plus two is")["input_ids"]]
+    continuations = [TOKENIZER(" paris")["input_ids"], TOKENIZER(" four")["input_ids"]]
+    prompts = [c + x for c, x in zip(contexts, continuations)]
+    body = {
+        "model": "tiny",
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    answer = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60).json()
+    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+    for choice, prompt, context in zip(choices, prompts, contexts):
+        logprobs = choice["logprobs"]
+        assert choice["text"].startswith(TOKENIZER.decode(prompt))
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+        assert logprobs["top_logprobs"][0] is None and logprobs["tokens"][: len(prompt)] == [
+            TOKENIZER.decode([t]) for t in prompt
+        ]
+        expected = teacher_forced_logprobs(prompt)
+        chosen = expected.gather(1, torch_tensor(prompt[1:])[:, None])[:, 0]
+        assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(chosen.tolist(), abs=1e-5)
+        ctxlen = len(context)  # lm-eval's parse_logprobs: the continuation is [ctxlen:-1]
+        continuation_sum = sum(logprobs["token_logprobs"][ctxlen:-1])
+        greedy = all(
+            lp == max(top.values())
+            for lp, top in zip(logprobs["token_logprobs"][ctxlen:-1], logprobs["top_logprobs"][ctxlen:-1])
+        )
+        assert continuation_sum == pytest.approx(float(chosen[ctxlen - 1 :].sum()), abs=1e-4)
+        assert greedy == bool((expected[ctxlen - 1 :].argmax(-1) == torch_tensor(prompt[ctxlen:])).all())
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values)
+
+
+def test_max_tokens_0_scores_the_prompt_only_and_prompt_logprobs_carry_ranks(worker):
+    prompt = TOKENIZER("score me please")["input_ids"]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0, "prompt_logprobs": 2}
+    choice = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["text"] == TOKENIZER.decode(prompt) and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt)
+    expected = teacher_forced_logprobs(prompt)
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    for position, entry in enumerate(entries[1:]):
+        token = prompt[position + 1]
+        own = entry[str(token)]
+        rank = int((expected[position] > expected[position, token]).sum()) + 1
+        assert own["rank"] == rank and own["logprob"] == pytest.approx(float(expected[position, token]), abs=1e-5)
+        top_ids = expected[position].topk(2).indices.tolist()
+        assert all(str(t) in entry for t in top_ids) and len(entry) == (2 if token in top_ids else 3)
+
+
+def test_a_streamed_echo_starts_with_the_prompt(api):
+    chunks = list(
+        api.completions.create(model="tiny", prompt="echo this", max_tokens=3, echo=True, logprobs=0, stream=True)
+    )
+    first = chunks[0].choices[0]
+    assert first.text.startswith("echo this") and first.logprobs.token_logprobs[0] is None
+    tokens = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert "".join(tokens) == "".join(c.choices[0].text for c in chunks if c.choices)

@@ -106,7 +106,13 @@ def test_template_variables_still_reach_the_template(http):
 @pytest.mark.parametrize(
     "field, body",
     [
-        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "description": "x" * (4 << 20)}}]}),
+        (
+            "tools",  # rendered, not parsed (this worker has no --tool-call-parser)
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "description": "x" * (4 << 20)}}],
+                "tool_choice": "none",
+            },
+        ),
         ("chat_template_kwargs", {"chat_template_kwargs": {"documents": [{"text": "y" * (4 << 20)}]}}),
         ("messages", {"messages": [{"role": "user", "content": "hi", "name": "z" * (4 << 20)}]}),
     ],
@@ -224,7 +230,7 @@ def attack_mix(index: int) -> tuple[str, dict | bytes]:
         return "/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"padding": "max_length"}}
     if kind == 1:
         tool = {"type": "function", "function": {"name": "f", "description": "x" * (1 << 20)}}
-        return "/v1/chat/completions", {"messages": MESSAGES, "tools": [tool]}
+        return "/v1/chat/completions", {"messages": MESSAGES, "tools": [tool], "tool_choice": "none"}
     if kind == 2:
         return "/v1/completions", {"prompt": "hi", "min_tokens": "a"}
     if kind == 3:
@@ -327,6 +333,10 @@ def test_http_traffic_is_counted_in_the_metrics(worker, http):
                 values[name] = float(value)
         return values
 
+    deadline = time.monotonic() + 30
+    while (stats := worker.stats())["running"] or stats["queued"]:  # earlier tests' cancelled streams wind down
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
     before = scrape()
     answer = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3})
     assert answer.status_code == 200

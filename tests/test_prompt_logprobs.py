@@ -40,6 +40,9 @@ def check(output, reference: torch.nn.Module, prompt: list[int], k: int, toleran
     assert output.prompt_logprobs[0] is None and output.prompt_top_logprobs[0] is None
     chosen = expected.gather(1, torch.tensor(prompt[1:]).unsqueeze(1))[:, 0]
     worst = float((torch.tensor(output.prompt_logprobs[1:]) - chosen).abs().max())
+    if exact_ids:  # vLLM's rank: 1 + the tokens strictly more likely than the prompt's own
+        ranks = (expected > chosen.unsqueeze(1)).sum(-1) + 1
+        assert output.prompt_logprob_ranks == [None, *ranks.tolist()]
     top_values, top_ids = expected.topk(k, -1) if k else (None, None)
     for position, pairs in enumerate(output.prompt_top_logprobs[1:]):
         assert len(pairs) == k, position

@@ -174,6 +174,7 @@ class RequestIntake:
             stop_text=self._stop_text(prompt, sampling),
             prompt_logprobs=[None] if scoring else None,
             prompt_top_logprobs=[None] if scoring else None,
+            prompt_logprob_ranks=[None] if scoring else None,
             score_only=max_new == 0,
         )
 

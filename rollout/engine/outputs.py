@@ -72,6 +72,8 @@ class GenerationOutput:
             before its prompt was computed).
         prompt_top_logprobs: alongside prompt_logprobs, per prompt position the `prompt_logprobs` most likely
             (token id, log-prob) pairs, most likely first (None at position 0; empty lists when k is 0).
+        prompt_logprob_ranks: alongside prompt_logprobs, each prompt token's rank in its distribution (1: the most
+            likely; ties share the better rank, as vLLM; None at position 0).
     """
 
     request_id: str
@@ -92,6 +94,7 @@ class GenerationOutput:
     kv_version_min: int | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -135,6 +138,7 @@ def progress_output(request: Request) -> GenerationOutput:
     scored = request.prompt_logprobs
     if start == 0 and scored is not None and len(scored) == request.num_prompt_tokens:  # its first output
         output.prompt_logprobs, output.prompt_top_logprobs = scored, request.prompt_top_logprobs
+        output.prompt_logprob_ranks = request.prompt_logprob_ranks
     request.num_delivered_tokens = request.num_output_tokens
     return output
 

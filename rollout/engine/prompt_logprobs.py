@@ -94,7 +94,8 @@ class PendingPromptLogprobs:
         Args:
             plan: what the step scored.
             width: top-k pairs computed per row (the largest any run wants).
-            values: float64, the chosen log-probs, then the top values and top ids (row-major, `width` per row).
+            values: float64, the chosen log-probs, their ranks, then the top values and top ids (row-major, `width`
+                per row).
         """
         self.plan = plan
         self.width = width
@@ -106,9 +107,10 @@ class PendingPromptLogprobs:
         plan, width = self.plan, self.width
         total = len(plan.rows)
         chosen = host[:total].tolist()
+        ranks = host[total : 2 * total].long().tolist()
         if width:
-            top_values = host[total : total * (1 + width)].view(total, width).tolist()
-            top_ids = host[total * (1 + width) :].long().view(total, width).tolist()
+            top_values = host[2 * total : total * (2 + width)].view(total, width).tolist()
+            top_ids = host[total * (2 + width) :].long().view(total, width).tolist()
         row = 0
         for request, first, count, top in zip(plan.requests, plan.firsts, plan.counts, plan.tops):
             scored = request.prompt_logprobs
@@ -117,6 +119,7 @@ class PendingPromptLogprobs:
                 logger.warning("prompt log-probs of %s lost a chunk; its outputs carry none", request.request_id)
             elif skip < count:
                 scored.extend(chosen[row + skip : row + count])
+                request.prompt_logprob_ranks.extend(ranks[row + skip : row + count])
                 request.prompt_top_logprobs.extend(
                     list(zip(top_ids[i][:top], top_values[i][:top])) if top else []
                     for i in range(row + skip, row + count)
@@ -234,16 +237,19 @@ class PromptScorer:
         width = max(plan.tops)
         step = max(1, MAX_SLICE_ELEMENTS // self.vocab_size)
         chosen: list[torch.Tensor] = []
+        ranks: list[torch.Tensor] = []
         top_values: list[torch.Tensor] = []
         top_ids: list[torch.Tensor] = []
         for begin in range(0, len(plan.rows), step):
             logits = self.logits(hidden.index_select(0, rows[begin : begin + step]))
             normalizer = torch.logsumexp(logits, -1, keepdim=True)
-            chosen.append((logits.gather(1, targets[begin : begin + step]) - normalizer).flatten())
+            target_logits = logits.gather(1, targets[begin : begin + step])
+            chosen.append((target_logits - normalizer).flatten())
+            ranks.append((logits > target_logits).sum(-1) + 1)  # vLLM's rank: 1 + tokens strictly more likely
             if width:
                 values, ids = logits.topk(width, -1)
                 top_values.append((values - normalizer).flatten())
                 top_ids.append(ids.flatten())
             del logits, normalizer
-        parts = chosen + top_values + top_ids
+        parts = chosen + ranks + top_values + top_ids
         return PendingPromptLogprobs(plan, width, torch.cat([part.double() for part in parts]))

@@ -77,6 +77,7 @@ class Request:
     # copied, by forked samples. None without prompt_logprobs.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1: the top)
     # max_new_tokens 0 (with prompt_logprobs): the one token drawn after the prompt is dropped when it resolves, and
     # the sample ends with finish_reason "length" and no tokens (max_new_tokens is 1 for the scheduler).
     score_only: bool = False
@@ -225,5 +226,6 @@ class Request:
             kv_version_min=self.kv_version_min,
             prompt_logprobs=self.prompt_logprobs,  # shared: the prompt is scored once per group
             prompt_top_logprobs=self.prompt_top_logprobs,
+            prompt_logprob_ranks=self.prompt_logprob_ranks,
             score_only=self.score_only,
         )

@@ -44,9 +44,17 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     kv_version_min: int | None = None
+    # With prompt log-probs (echo, prompt_logprobs): per prompt position (None at 0) the prompt token's log-prob, the
+    # top pairs and its rank, from the sample's first output.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     def absorb(self, output: GenerationOutput) -> ChoiceDelta:
         """Fold in one streamed output of this sample (its new tokens only)."""
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = output.prompt_logprobs, output.prompt_top_logprobs
+            self.prompt_ranks = output.prompt_logprob_ranks
         start = len(self.token_ids)
         self.token_ids += output.generated_tokens
         self.logprobs += output.logprobs
@@ -99,25 +107,68 @@ class LogprobFormat:
         """Completions' `logprobs` object for tokens [start, end) (`offset`: their text's start in the choice); each
         position's `top_logprobs` holds the `top` most likely tokens and the sampled one (k+1 entries when it is not
         among them, as vLLM)."""
-        tokens = [self.token(t) for t in choice.token_ids[start:end]]
+        return self._completion_rows(
+            choice.token_ids[start:end], choice.logprobs[start:end], choice.top_logprobs[start:end], top, offset
+        )
+
+    def echoed_prompt(self, choice: Choice, top: int) -> dict[str, Any]:
+        """Completions' `logprobs` object for the prompt of an `echo` answer: the first token has no log-prob (None,
+        as its top_logprobs), the others their log-probs given the tokens before them (as vLLM and lm-eval read)."""
+        prompt = choice.prompt_ids
+        rows = self._completion_rows(prompt[1:], choice.prompt_logprobs[1:], choice.prompt_top_logprobs[1:], top, 0)
+        first = self.token(prompt[0])
+        return {
+            "tokens": [first, *rows["tokens"]],
+            "token_logprobs": [None, *rows["token_logprobs"]],
+            "top_logprobs": None if rows["top_logprobs"] is None else [None, *rows["top_logprobs"]],
+            "text_offset": [0, *(offset + len(first) for offset in rows["text_offset"])],
+        }
+
+    def prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per token a map of token id to
+        {logprob, rank, decoded_token} holding the prompt token and the top k (None: the prompt was not scored)."""
+        if choice.prompt_logprobs is None:
+            return None
+        entries: list[dict[str, dict[str, Any]] | None] = [None]
+        for position in range(1, len(choice.prompt_ids)):
+            token = choice.prompt_ids[position]
+            entry = {
+                str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token(t)}
+                for rank, (t, lp) in enumerate(choice.prompt_top_logprobs[position], 1)
+            }
+            entry.setdefault(
+                str(token),
+                {
+                    "logprob": choice.prompt_logprobs[position],
+                    "rank": choice.prompt_ranks[position],
+                    "decoded_token": self.token(token),
+                },
+            )
+            entries.append(entry)
+        return entries
+
+    def _completion_rows(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        top_rows: list[list[tuple[int, float]]],
+        top: int,
+        offset: int,
+    ) -> dict[str, Any]:
+        tokens = [self.token(t) for t in token_ids]
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
         top_maps = None
         if top:
-            # As vLLM: the sampled token joins the top `top` when it is not among them (then k+1 entries).
+            # As vLLM: the sampled (or prompt) token joins the top `top` when it is not among them (k+1 entries).
             top_maps = []
-            for position in range(start, end):
-                row = {self.token(t): lp for t, lp in choice.top_logprobs[position][:top]}
-                row.setdefault(self.token(choice.token_ids[position]), choice.logprobs[position])
-                top_maps.append(row)
-        return {
-            "tokens": tokens,
-            "token_logprobs": choice.logprobs[start:end],
-            "top_logprobs": top_maps,
-            "text_offset": offsets,
-        }
+            for token, logprob, row in zip(tokens, logprobs, top_rows):
+                entries = {self.token(t): lp for t, lp in row[:top]}
+                entries.setdefault(token, logprob)
+                top_maps.append(entries)
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
 
     def chat(self, choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
         """Chat's `logprobs` object for tokens [start, end)."""

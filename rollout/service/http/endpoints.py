@@ -18,6 +18,7 @@ from rollout.service.http.bridge import Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -114,12 +115,15 @@ class OpenAIEndpoints:
                 reason = f"is {len(prompt)} tokens; this worker takes at most {self.max_prompt_len}"
                 raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
         room = context - max(len(prompt) for prompt in prompts)  # tokens the longest prompt leaves in the context
+        scoring = None
         if chat:
             max_tokens = fields.integer(body, "max_tokens", room, 1, room)
             max_tokens = fields.integer(body, "max_completion_tokens", max_tokens, 1, room)
             logprobs = self._chat_logprobs(body)
         else:
-            max_tokens = fields.integer(body, "max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room), 1, room)
+            scoring = PromptScoring.of(body)
+            least = 0 if scoring.scores_prompts else 1  # echo / prompt_logprobs may score the prompt only
+            max_tokens = fields.integer(body, "max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room), least, room)
             logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
             if fields.integer(body, "best_of", n, 1) != n:
                 raise bad_field("best_of", "only best_of = n (or unset) is supported")
@@ -127,9 +131,12 @@ class OpenAIEndpoints:
             raise bad_field("logprobs", "this worker computes no log-probs (return_logprobs=False)")
         stream, include_usage = fields.stream_settings(body)
         default_stops = self.manager.engine.intake.default_sampling.stop_token_ids or ()
-        sampling = fields.sampling_from(body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field)
+        prompt_top = scoring.engine_top(logprobs, max_tokens) if scoring is not None else None
+        sampling = fields.sampling_from(
+            body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field, prompt_logprobs=prompt_top
+        )
         request = fields.GenerationRequest(
-            prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids")
+            prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring
         )
         submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters)
         prefix = "chatcmpl" if chat else "cmpl"
@@ -195,7 +202,9 @@ class OpenAIEndpoints:
         elif answer.chat:
             entry["message"] = {"role": "assistant", "content": choice.text.text}
         else:
-            entry["text"] = choice.text.text
+            entry["text"] = self._echo(answer, choice) + choice.text.text
+            if request.scoring.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = self.format.prompt_logprobs(choice)
         entry["logprobs"] = self._logprobs(answer, choice, 0, end)
         entry.update(finish_reason=finish_reason, stop_reason=choice.stop_reason)
         if request.return_token_ids:
@@ -217,7 +226,9 @@ class OpenAIEndpoints:
             if delta.start == 0:
                 entry["delta"] = {"role": "assistant", **pieces[0]}
         else:
-            entry["text"] = delta.text
+            entry["text"] = (self._echo(answer, choice) if delta.start == 0 else "") + delta.text
+            if delta.start == 0 and answer.request.scoring.prompt_logprobs is not None:
+                entry["prompt_logprobs"] = self.format.prompt_logprobs(choice)
         entry["logprobs"] = self._logprobs(answer, choice, delta.start, delta.end)
         entry["finish_reason"] = finish_reason if len(pieces) == 1 else None
         if delta.finished:
@@ -240,8 +251,19 @@ class OpenAIEndpoints:
             return None
         if answer.chat:
             return self.format.chat(choice, start, end, top)
-        offset = sum(len(self.format.token(t)) for t in choice.token_ids[:start])
-        return self.format.completion(choice, start, end, top, offset)
+        echo = self._echo(answer, choice)
+        offset = len(echo) + sum(len(self.format.token(t)) for t in choice.token_ids[:start])
+        rest = self.format.completion(choice, start, end, top, offset)
+        if answer.request.scoring.echo and start == 0:
+            return echoed_logprobs(self.format, choice, rest, top)
+        return rest
+
+    def _echo(self, answer: Answer, choice: Choice) -> str:
+        """The prompt text an `echo` completion starts with ("" without echo)."""
+        scoring = answer.request.scoring
+        if scoring is None or not scoring.echo:
+            return ""
+        return scoring.prompt_text(choice.index // answer.request.n, choice.prompt_ids, self.tokenizer)
 
 
 def _ended_early(choice: Choice) -> APIError:

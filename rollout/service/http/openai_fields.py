@@ -52,7 +52,7 @@ COMMON_FIELDS = (
     | set(SAMPLING_FIELDS)
     | NO_EFFECT_FIELDS
 )
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
     "logprobs",
@@ -68,7 +68,6 @@ CHAT_FIELDS = COMMON_FIELDS | {
 }
 # Fields refused unless absent, null or one of their harmless values, and why.
 REFUSED = {
-    "echo": ((False,), "echoing the prompt is not supported; ask for return_token_ids"),
     "suffix": (("",), "insertion (suffix) is not supported"),
     "response_format": (({"type": "text"},), "structured outputs are not supported"),
 }
@@ -87,6 +86,7 @@ class GenerationRequest:
         include_usage: streaming: a last chunk with token counts.
         logprobs: top log-probs per token to return (0: only the sampled token's), or None: no logprobs.
         return_token_ids: each choice carries prompt_token_ids and token_ids.
+        scoring: completions' echo and prompt_logprobs (None: chat, which has neither).
     """
 
     prompts: list[list[int]]
@@ -96,6 +96,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None
     return_token_ids: bool = False
+    scoring: Any = None  # completions: echo and prompt_logprobs (prompt_scoring.PromptScoring)
 
 
 def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
@@ -118,7 +119,12 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
 
 
 def sampling_from(
-    body: dict[str, Any], default_stops: tuple[int, ...], max_tokens: int, top_logprobs: int, prompt_field: str
+    body: dict[str, Any],
+    default_stops: tuple[int, ...],
+    max_tokens: int,
+    top_logprobs: int,
+    prompt_field: str,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The SamplingParams of a body (a 400 naming the body's field when one is bad).
 
@@ -128,6 +134,7 @@ def sampling_from(
         max_tokens: the request's resolved max_tokens.
         top_logprobs: top log-probs per token to compute.
         prompt_field: "prompt" or "messages" (where prompt errors point).
+        prompt_logprobs: top log-probs per prompt position to compute (None: the prompt is not scored).
     """
     fields: dict[str, Any] = {
         target: body[name] for name, target in SAMPLING_FIELDS.items() if body.get(name) is not None
@@ -147,7 +154,7 @@ def sampling_from(
     stop = body.get("stop")
     if stop is not None:
         fields["stop"] = [stop] if isinstance(stop, str) else stop
-    fields.update(max_new_tokens=max_tokens, top_logprobs=top_logprobs)
+    fields.update(max_new_tokens=max_tokens, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**fields)
     except FieldError as error:
