@@ -13,6 +13,7 @@ import signal
 import sys
 
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES
+from rollout.service.address_checks import check_bind
 from rollout.service.http.settings import (
     HEAD_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
@@ -21,7 +22,7 @@ from rollout.service.http.settings import (
 )
 from rollout.service.limits import WorkerLimits
 from rollout.service.presets import MODEL_DTYPES, PRESETS
-from rollout.service.startup import AUTO_ON_OFF, check_bind, start_worker
+from rollout.service.startup import AUTO_ON_OFF, start_worker
 
 __all__ = ["build_parser", "check_bind", "main"]
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.address_checks import check_bind
 from rollout.service.http.settings import HttpSettings
 from rollout.service.limits import WorkerLimits
 from rollout.service.sockets import is_loopback
@@ -54,8 +55,6 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
             )
         logger.warning("--insecure: the HTTP API at %s answers anyone who can reach it, without a key", args.http)
     if int(port):
-        from rollout.service.startup import check_bind  # here: startup imports this module
-
         check_bind(parser, f"tcp://{host}:{port}", flag="--http")
     return host, int(port)
 
