@@ -117,6 +117,9 @@ def test_streaming_reassembles_to_the_whole_answer(api, chat):
         i = choice.index
         text[i] = text.get(i, "") + (choice.delta.content if chat else choice.text)
         ids[i] = ids.get(i, []) + extra(choice)["token_ids"]
+        if choice.logprobs is None:  # chat's first chunk per choice carries only its role, as vLLM's
+            assert chat and choice.delta.role == "assistant" and not extra(choice)["token_ids"]
+            continue
         entries = choice.logprobs.content if chat else choice.logprobs.token_logprobs
         logprobs[i] = logprobs.get(i, []) + [e.logprob if chat else e for e in entries]
         finish[i] = choice.finish_reason or finish.get(i)
@@ -499,3 +502,22 @@ def test_a_streamed_echo_starts_with_the_prompt(api):
     assert first.text.startswith("echo this") and first.logprobs.token_logprobs[0] is None
     tokens = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
     assert "".join(tokens) == "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streamed_chat_choices_reassemble_in_the_openai_stream_state(api, seed):
+    """n>1 streams whose choices finish in any order (stop strings) reassemble in the openai package's own stream
+    state into what the same request answers whole, every token's log-prob once."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    request = dict(model="tiny", messages=MESSAGES, n=3, seed=seed, max_tokens=12, stop=["a"], logprobs=True)
+    whole = api.chat.completions.create(**request, extra_body={"return_token_ids": True})
+    state = ChatCompletionStreamState()
+    with api.chat.completions.create(**request, stream=True) as stream:
+        for chunk in stream:
+            state.handle_chunk(chunk)
+    streamed = state.get_final_completion()
+    for got, expected in zip(streamed.choices, whole.choices):
+        assert got.message.content == expected.message.content and got.finish_reason == expected.finish_reason
+        assert [e.logprob for e in got.logprobs.content] == [e.logprob for e in expected.logprobs.content]
+        assert len(got.logprobs.content) == len(expected.model_extra["token_ids"])

@@ -324,6 +324,24 @@ def test_idle_sockets_do_not_take_the_api_down(worker, http):
     assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
 
 
+def test_a_connection_answered_before_its_body_ended_is_closed(worker):
+    """A body still dripping after its answer (a GET with a chunked body, a 401, a 413) would otherwise hold the
+    connection past every timeout, each drop of data resetting the keep-alive timer."""
+    port = int(worker.url.rsplit(":", 1)[1])
+    heads = [
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n",
+    ]
+    for head in heads:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(head)
+            sock.settimeout(10)
+            received = b""
+            while chunk := sock.recv(65536):
+                received += chunk
+            assert received.startswith((b"HTTP/1.1 200", b"HTTP/1.1 401"))  # answered, then closed by the worker
+
+
 def test_http_traffic_is_counted_in_the_metrics(worker, http):
     def scrape() -> dict[str, float]:
         values = {}

@@ -400,12 +400,14 @@ def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind, paths):
 
 
 def test_different_seeds_give_different_completions():
-    """Same prompt and settings, seeds 0..3: four pairwise different completions."""
+    """Same prompt and settings, seeds 0..3 and the pairs Python's hash confuses (-1 and -2; 0 and 2**61 - 1, which
+    integer hashing wraps to 0): pairwise different completions."""
     model = tiny_model("qwen3")
     prompt = make_prompts(1, 10, 10, seed=6)[0]
-    outputs = run(make_engine(model), {str(s): (prompt, SamplingParams(seed=s, stop_token_ids=())) for s in range(4)})
+    seeds = [0, 1, 2, 3, -1, -2, 2**61 - 1, 5 + 2**61 - 1, 5]
+    outputs = run(make_engine(model), {str(s): (prompt, SamplingParams(seed=s, stop_token_ids=())) for s in seeds})
     completions = {tuple(out.generated_tokens) for out in outputs.values()}
-    assert len(completions) == 4
+    assert len(completions) == len(seeds)
 
 
 @pytest.mark.parametrize("kind, paths", KINDS_AND_PATHS)

@@ -16,6 +16,7 @@ preemption and recompute with its slot. Logit biases have per-slot tables of the
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 import torch
@@ -29,6 +30,13 @@ from rollout.engine.token_bans import has_bans
 from rollout.engine.transfer import to_device
 
 _SEED_MASK = (1 << 63) - 1
+
+
+def stream_seed(seed: int, sample_index: int) -> int:
+    """A sample's 63-bit random stream id: a keyed digest of (seed, sample index). Python's `hash` would not do:
+    hash(-1) == hash(-2), and integers' hashes wrap modulo 2**61 - 1, so distinct seeds would draw alike."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
 
 
 def features(params: SamplingParams) -> list[str]:
@@ -161,7 +169,7 @@ class SamplingSlots:
 
     def _int_row(self, request: Request) -> list[int]:
         params = request.sampling
-        seed_base = hash((request.seed, request.sample_index)) & _SEED_MASK
+        seed_base = stream_seed(request.seed, request.sample_index)
         top_k = min(params.top_k or self.vocab_size, self.vocab_size)
         min_new_tokens = params.min_new_tokens if request.stop_token_ids else 0
         return [

@@ -23,7 +23,7 @@ INT_COLUMNS = (
     "top_k",  # the vocabulary size when top_k is off
     "greedy",  # 1: argmax; 0: drawn
     "use_processed",  # 1: log-probs of the processed scores; 0: of the raw or temperature-scaled logits
-    "seed_base",  # a 63-bit hash of (seed, sample_index); a row's seed mixes in the position
+    "seed_base",  # a 63-bit digest of (seed, sample_index) (sampling_slots.stream_seed); mixed with the position
     "prompt_tokens",  # the prompt's length: a row's output count is its position minus this
     "min_new_tokens",  # 0 when the request has no stop token to mask
     "ngram",  # no_repeat_ngram_size (0: off)

@@ -14,14 +14,14 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.bridge import ClientGone
-from rollout.service.http.endpoints import OpenAIEndpoints
-from rollout.service.http.errors import APIError
+from rollout.service.http.endpoints import Answer, OpenAIEndpoints
+from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.http.guard import RequestGuard, read_body
 from rollout.service.http.settings import HttpSettings
 from rollout.service.http.tokenize import TokenizeEndpoints, parse_json
@@ -45,7 +45,9 @@ def build_app(
         counters: the worker's group counters (HTTP groups count as ZeroMQ ones do); None: a fresh set.
     """
     counters = GroupCounters() if counters is None else counters
-    app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="rollout", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=SafeJSONResponse
+    )
     model_name, max_body_bytes = settings.model_name, settings.max_body_bytes
     endpoints = OpenAIEndpoints(
         manager,
@@ -61,13 +63,13 @@ def build_app(
     tokens = TokenizeEndpoints(tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+    async def api_error(_: Request, error: APIError) -> SafeJSONResponse:
+        return SafeJSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(_: Request, error: HTTPException) -> SafeJSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
+        return SafeJSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
 
     app.add_middleware(RequestGuard, api_key=settings.api_key, loopback_only=settings.loopback_only)
 
@@ -76,10 +78,10 @@ def build_app(
         return Response(status_code=499)  # nobody reads it
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> JSONResponse:
+    async def health() -> SafeJSONResponse:
         if not manager.is_running():
-            return JSONResponse({"status": "stopped"}, status_code=503)
-        return JSONResponse({"status": "ok", "policy_version": manager.engine.policy_version})
+            return SafeJSONResponse({"status": "stopped"}, status_code=503)
+        return SafeJSONResponse({"status": "ok", "policy_version": manager.engine.policy_version})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -108,16 +110,26 @@ def build_app(
 
     async def _generate(request: Request, chat: bool) -> Any:
         raw = await read_body(request, max_body_bytes)
+        loop = asyncio.get_running_loop()
+
+        def prepare_and_start() -> Answer:  # a worker thread: parsing, tokenizing and checking are slow work
+            answer = endpoints.prepare(parse_json(raw), chat)
+            answer.start(loop)
+            return answer
+
+        starting = asyncio.ensure_future(asyncio.to_thread(prepare_and_start))
         try:
-            answer = await asyncio.to_thread(lambda: endpoints.prepare(parse_json(raw), chat))
-            answer.start()  # on the event loop: the groups' outputs come back to it
+            answer = await asyncio.shield(starting)
         except APIError:
             counters.group_refused()
+            raise
+        except asyncio.CancelledError:  # the client left while its groups were being added: cancel them once added
+            starting.add_done_callback(_cancel_started)
             raise
         if answer.request.stream:
             return StreamingResponse(endpoints.stream(answer), media_type="text/event-stream")
         try:
-            return await endpoints.complete(answer, request.is_disconnected)
+            return Response(await endpoints.complete(answer, request.is_disconnected), media_type="application/json")
         finally:
             answer.submission.cancel()
 
@@ -133,3 +145,9 @@ def build_app(
         return {"prompt": await asyncio.to_thread(tokens.detokenize, raw)}
 
     return app
+
+
+def _cancel_started(starting: asyncio.Future) -> None:
+    """Cancel the groups of a request whose client left before they were all added."""
+    if not starting.cancelled() and starting.exception() is None:
+        starting.result().submission.cancel()

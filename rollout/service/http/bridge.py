@@ -70,14 +70,17 @@ class Submission:
         self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
         self._group_ids: list[str] = []
         self._unfinished = len(self.choices)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self, prompt_field: str) -> None:
-        """Add every prompt's group (from the request's coroutine, so outputs come back on its loop).
+    def start(self, prompt_field: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Add every prompt's group (on a worker thread: checking a batch of long prompts takes a while); their
+        outputs are handed to `loop`, the request's event loop.
 
         Raises:
             APIError: a prompt the engine refuses (400 naming the field), a full queue (503 busy), or a stopped
                 engine (503); groups already added for this request are cancelled first.
         """
+        self._loop = loop
         try:
             for index, prompt in enumerate(self._prompts):
                 group_id = f"http-{uuid.uuid4().hex}"
@@ -135,16 +138,19 @@ class Submission:
             self._manager.cancel_request(group_id)
 
     def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
-        queue, counters, unfinished = self._queue, self._counters, self._unfinished_per_group
+        queue, counters, unfinished, loop = self._queue, self._counters, self._unfinished_per_group, self._loop
         group = base // self._n
 
-        def handle(output: GenerationOutput) -> None:
+        def handle(output: GenerationOutput) -> None:  # on the engine thread: quick, and hands over to the loop
             if output.is_finished:
                 counters.sample_finished(output.finish_reason)
                 unfinished[group] -= 1
                 if not unfinished[group]:
                     counters.group_finished()
-            queue.put_nowait((base, output))
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (base, output))
+            except RuntimeError:  # the loop closed (the server stopped): nobody reads this answer any more
+                pass
 
         return handle
 

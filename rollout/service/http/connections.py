@@ -119,6 +119,13 @@ class HeadDeadlineProtocol(H11Protocol):
         else:
             self.waiting.done(self)
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Answered before the client finished sending its body (a 413, a 408, a 401, or a body on a GET): what
+        # follows would be read and dropped for as long as the client drips it, past every timeout. Close instead.
+        if self.conn.their_state is h11.SEND_BODY:
+            self.close_connection()
+
     def close_connection(self) -> None:
         """Close the connection (it sent no request head in time, or was pushed out by newer waiting ones)."""
         if not self.transport.is_closing():

@@ -4,6 +4,7 @@ vLLM's `prompt_token_ids` and `token_ids`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -17,7 +18,7 @@ from rollout.service.http import openai_fields as fields
 from rollout.service.http.bridge import Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
-from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.errors import APIError, bad_field, json_bytes
 from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 
@@ -40,9 +41,9 @@ class Answer:
         """The answer's OpenAI object type."""
         return "chat.completion" if self.chat else "text_completion"
 
-    def start(self) -> None:
-        """Add the request's groups to the engine (from its coroutine: outputs come back on its event loop)."""
-        self.submission.start("messages" if self.chat else "prompt")
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Add the request's groups to the engine (on a worker thread); their outputs come back on `loop`."""
+        self.submission.start("messages" if self.chat else "prompt", loop)
 
 
 class OpenAIEndpoints:
@@ -151,14 +152,18 @@ class OpenAIEndpoints:
         return top if wanted else None
 
     # ---- answers ------------------------------------------------------------------------------------------------
-    async def complete(self, answer: Answer, disconnected: Callable[[], Any]) -> dict[str, Any]:
-        """The whole answer once every choice finished (groups cancelled if the client leaves first)."""
+    async def complete(self, answer: Answer, disconnected: Callable[[], Any]) -> bytes:
+        """The whole answer's JSON once every choice finished (groups cancelled if the client leaves first), built
+        and encoded on a worker thread (a thousand choices with top log-probs are tens of megabytes)."""
         async for _ in answer.submission.deltas(disconnected):
             pass
-        choices = answer.submission.choices
-        for choice in choices:
+        for choice in answer.submission.choices:
             if choice.finish_reason in ("error", "abort"):
                 raise _ended_early(choice)
+        return await asyncio.to_thread(lambda: json_bytes(self._whole(answer)))
+
+    def _whole(self, answer: Answer) -> dict[str, Any]:
+        choices = answer.submission.choices
         return {
             "id": answer.id,
             "object": answer.object,
@@ -177,7 +182,16 @@ class OpenAIEndpoints:
         """Server-sent events: a chunk per engine output, a usage chunk if asked, then [DONE]. A client that leaves
         mid-stream cancels the request's groups."""
         submission = answer.submission
+        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": self.model_name}
         try:
+            if (
+                answer.chat
+            ):  # as vLLM: each choice's role first, in index order (the openai client's stream state needs it)
+                for choice in submission.choices:
+                    entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+                    if answer.request.return_token_ids:
+                        entry["token_ids"] = []
+                    yield _event({**base, "choices": [{**entry, "finish_reason": None}]})
             async for choice, delta in submission.deltas():
                 if choice.finish_reason in ("error", "abort"):
                     yield _event(_ended_early(choice).body())  # not a finish_reason an OpenAI client knows
@@ -187,8 +201,7 @@ class OpenAIEndpoints:
                     yield _event(chunk)
             else:
                 if answer.request.include_usage:
-                    base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created}
-                    yield _event({**base, "model": self.model_name, "choices": [], "usage": _usage(answer)})
+                    yield _event({**base, "choices": [], "usage": _usage(answer)})
             yield "data: [DONE]\n\n"
         finally:
             submission.cancel()  # the client left (the generator was closed) or an error: free the KV blocks
@@ -223,8 +236,6 @@ class OpenAIEndpoints:
             finish_reason = answer.tools.finish_reason(choice.index, finish_reason) if delta.finished else None
         if answer.chat:
             entry["delta"] = pieces[0]
-            if delta.start == 0:
-                entry["delta"] = {"role": "assistant", **pieces[0]}
         else:
             entry["text"] = (self._echo(answer, choice) if delta.start == 0 else "") + delta.text
             if delta.start == 0 and answer.request.scoring.prompt_logprobs is not None:

@@ -3,8 +3,11 @@ status a client's SDK maps to its exception classes (400 BadRequestError, 404 No
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
+
+from starlette.responses import JSONResponse
 
 from rollout.config import FieldError
 
@@ -56,3 +59,21 @@ def from_field_error(error: FieldError, prompt_field: str = "prompt") -> APIErro
 def busy(reason: str) -> APIError:
     """A 503: the worker's queue is full; retry later."""
     return APIError(503, reason, None, "service_unavailable_error", "busy")
+
+
+class SafeJSONResponse(JSONResponse):
+    """Starlette's JSONResponse, that also renders text which is not valid Unicode: a lone surrogate (`"\\ud800"`,
+    which JSON allows) in a request field an error message quotes, or in a model's tool-call arguments, is sent
+    escaped (`\\ud800`) instead of failing to encode (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        """The body: `json_bytes(content)`."""
+        return json_bytes(content)
+
+
+def json_bytes(content: Any) -> bytes:
+    """`content` as compact UTF-8 JSON, ASCII-escaped where its text is not valid Unicode (a lone surrogate)."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")

@@ -12,11 +12,10 @@ import hmac
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from rollout.service.http.bridge import ClientGone
-from rollout.service.http.errors import APIError
+from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.loopback_hosts import is_loopback_host
 
 # Paths anyone may call without the API key (load balancers probe them).
@@ -52,7 +51,7 @@ class RequestGuard:
                     message = "a valid API key is required (Authorization: Bearer ...)"
                     error = APIError(401, message, None, "authentication_error")
             if error is not None:
-                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                await SafeJSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

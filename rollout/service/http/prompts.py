@@ -47,14 +47,16 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any, limits: PromptLimit
     if not isinstance(prompt, list) or not prompt:
         raise bad_field("prompt", "must be a string, a list of token ids, or a non-empty list of either")
     if all(_is_token(t) for t in prompt):
-        return [list(prompt)]
+        return [_capped(list(prompt), limits)]
     if len(prompt) > MAX_BATCH:
         raise bad_field("prompt", f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
     prompts = []
+    # Each prompt is checked as soon as it is read: a batch of over-long prompts is refused at its first one,
+    # before the rest are tokenized.
     for index, item in enumerate(prompt):
         if isinstance(item, str):
             prompts.append(_encode(tokenizer, item, limits))
-        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+        elif isinstance(item, list) and item and all(_is_token(t) for t in _capped(item, limits)):
             prompts.append(list(item))
         else:
             raise bad_field("prompt", f"item {index} is neither a string nor a non-empty list of token ids")
@@ -140,6 +142,14 @@ def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
         ) from None
     if not ids:
         raise bad_field("prompt", "encodes to no tokens")
+    return _capped(ids, limits)
+
+
+def _capped(ids: list[int], limits: PromptLimits) -> list[int]:
+    """`ids`, or a 400 when the prompt is longer than any prompt may be."""
+    if len(ids) > limits.max_prompt_len:
+        reason = f"is {len(ids)} tokens; this worker takes at most {limits.max_prompt_len}"
+        raise APIError(400, f"prompt: {reason}", "prompt", code="context_length_exceeded")
     return ids
 
 
