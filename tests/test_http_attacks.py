@@ -206,7 +206,7 @@ class StreamWatch:
         """End the stream; the longest gap between its events, in seconds."""
         self._stop.set()
         self._thread.join(60)
-        assert not self._thread.is_alive() and self.events > 5
+        assert not self._thread.is_alive() and self.events >= 5
         return max(self.gaps)
 
 
@@ -221,6 +221,44 @@ def test_huge_detokenize_bodies_do_not_stall_streams(worker, http):
 
 
 JSON = {"Content-Type": "application/json"}
+
+
+def test_big_token_batches_and_big_answers_do_not_stall_streams(worker, http):
+    """A 1024-prompt batch of token ids is checked and added off the event loop (its last prompt holds an id past
+    the vocabulary, which only the engine's intake finds, after 1023 groups were added: they are cancelled), and a
+    big whole answer (n=64 with top log-probs) is built and encoded off it too."""
+    watch = StreamWatch(worker).started()
+    batch = json.dumps({"prompt": [[7] * 2000] * 1023 + [[5000] * 2000], "max_tokens": 1})  # 10 MB of ids
+    big = {"prompt": "x", "n": 64, "max_tokens": 40, "logprobs": 20, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        refused = pool.submit(lambda: http.post("/v1/completions", content=batch, headers=JSON))
+        answers = [pool.submit(lambda: http.post("/v1/completions", json=big)) for _ in range(2)]
+        assert_openai_error(refused.result(), 400, "prompt")
+        assert all(len(answer.result().json()["choices"]) == 64 for answer in answers)
+    assert watch.stop() < 1.0
+
+
+def test_a_batch_of_over_long_prompts_is_refused_at_its_first(http):
+    start = time.monotonic()
+    response = http.post("/v1/completions", json={"prompt": ["y" * 60_000] * 200, "max_tokens": 1})
+    assert assert_openai_error(response, 400, "prompt")["code"] == "context_length_exceeded"
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}'),
+        ("/v1/completions", b'{"prompt": "hi", "\\ud800": 1}'),
+        ("/tokenize", b'{"prompt": "hi", "model": "\\ud800"}'),
+        ("/detokenize", b'{"tokens": [5], "\\ud800": 1}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"\\ud800": 1}]}'),
+    ],
+)
+def test_lone_surrogates_in_what_an_error_quotes_are_a_4xx(http, path, body):
+    response = http.post(path, content=body, headers=JSON)
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["error"]["message"]
 
 
 def attack_mix(index: int) -> tuple[str, dict | bytes]:
@@ -372,5 +410,29 @@ def test_http_traffic_is_counted_in_the_metrics(worker, http):
     assert grew('rollout_http_request_seconds_count{endpoint="/v1/completions"}') == 2
     stats = worker.stats()
     assert stats["groups_received"] == after["rollout_groups_received_total"]
+    assert stats["groups_in_flight"] == after["rollout_groups_in_flight"] == 0
+    watch = StreamWatch(worker).started()
+    assert worker.stats()["groups_in_flight"] == 1  # an HTTP group in flight counts
+    watch.stop()
     rebinding = httpx.get(worker.metrics_url, headers={"Host": "attacker.example"}, timeout=10)
     assert rebinding.status_code == 421
+
+
+def test_slow_scrapes_take_a_bounded_number_of_threads(worker):
+    def threads() -> int:
+        with open(f"/proc/{worker.process.pid}/status") as status:
+            return int(next(line for line in status if line.startswith("Threads")).split()[1])
+
+    before = threads()
+    port = int(worker.metrics_url.split(":")[2].split("/")[0])
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        for sock in slow:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        time.sleep(0.5)
+        assert threads() <= before + 16
+    finally:
+        for sock in slow:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(worker.metrics_url, timeout=10).status_code == 200

@@ -37,11 +37,13 @@ class GroupCounters:
             self._finish_reasons[reason] = self._finish_reasons.get(reason, 0) + 1
 
     def snapshot(self) -> dict[str, object]:
-        """groups_received, groups_refused, groups_finished and samples_finished (reason -> count)."""
+        """groups_received, groups_refused, groups_finished, groups_in_flight (received, not finished) and
+        samples_finished (reason -> count)."""
         with self._lock:
             return {
                 "groups_received": self.received,
                 "groups_refused": self.refused,
                 "groups_finished": self.finished,
+                "groups_in_flight": self.received - self.finished,
                 "samples_finished": dict(self._finish_reasons),
             }

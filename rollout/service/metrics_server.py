@@ -14,10 +14,37 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from rollout.service.loopback_hosts import is_loopback_host
 from rollout.service.sockets import is_loopback
 
+# Seconds a scrape connection may stay silent (a client that never finishes its request is closed), and scrapes
+# served at once (each takes a thread; more are closed at once: a flood must not take the worker's threads).
+SCRAPE_TIMEOUT_S = 10.0
+MAX_CONCURRENT_SCRAPES = 16
+
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # socketserver applies it to the connection's socket
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         """Scrapes are not logged."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per scrape, at most MAX_CONCURRENT_SCRAPES at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, the scraper retries at its next interval
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _host_checked(app: Any) -> Any:
@@ -47,7 +74,7 @@ class MetricsServer:
             OSError: it cannot listen there.
         """
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("MetricsWSGIServer", (ThreadingWSGIServer,), {"address_family": family})
+        server_class = type("MetricsWSGIServer", (_BoundedServer,), {"address_family": family})
         app = make_wsgi_app(registry)
         if is_loopback(f"tcp://{host}:{port}"):
             app = _host_checked(app)

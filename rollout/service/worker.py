@@ -365,7 +365,6 @@ class RolloutWorker:
         uptime = max(stats["uptime_s"], 1e-9)
         stats.update(
             policy_version=self.policy_version,
-            groups_in_flight=len(self._groups),
             clients=self._links.num_clients,
             clients_lost=self._links.num_lost,
             pending_reply_bytes=self._links.pending_bytes(),
