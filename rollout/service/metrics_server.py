@@ -30,6 +30,8 @@ class _QuietHandler(WSGIRequestHandler):
 class _BoundedServer(ThreadingWSGIServer):
     """A thread per scrape, at most MAX_CONCURRENT_SCRAPES at once."""
 
+    request_queue_size = 64  # socketserver's default backlog of 5 makes a burst of connections wait seconds
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_SCRAPES)
         super().__init__(*args, **kwargs)

@@ -21,6 +21,10 @@ from rollout.service.http.errors import APIError, busy, from_field_error
 
 # How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+# Engine outputs a request may leave unread per sample (a stream whose client stops reading); past it the request
+# is cancelled, so that an unread stream cannot hold the rest of its generation in memory. Per sample: a stream of
+# n=1024 gets 1024 outputs a step, more than an event loop may send in a step's time, and must not be cut.
+MAX_UNREAD_OUTPUTS_PER_SAMPLE = 64
 
 
 class Submission:
@@ -34,6 +38,7 @@ class Submission:
         n: int,
         tokenizer: Any,
         counters: GroupCounters,
+        named_stops: frozenset[int] = frozenset(),
     ):
         """
         Args:
@@ -43,6 +48,7 @@ class Submission:
             n: samples per prompt.
             tokenizer: decodes the choices' text.
             counters: the worker's group counters (groups received and finished, samples by finish reason).
+            named_stops: the stop tokens the request named (what a choice's stop_reason may be).
         """
         self._manager = manager
         self._prompts = prompts
@@ -63,6 +69,7 @@ class Submission:
                     sampling.min_new_tokens,
                 ),
                 frozenset() if sampling.include_stop_str_in_output else frozenset(sampling.stop_token_ids or ()),
+                named_stops,
             )
             for index, prompt in enumerate(prompts)
             for sample in range(n)
@@ -71,6 +78,7 @@ class Submission:
         self._group_ids: list[str] = []
         self._unfinished = len(self.choices)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.overflowed = False  # cancelled because its client left too many outputs unread
 
     def start(self, prompt_field: str, loop: asyncio.AbstractEventLoop) -> None:
         """Add every prompt's group (on a worker thread: checking a batch of long prompts takes a while); their
@@ -137,8 +145,15 @@ class Submission:
         for group_id in self._group_ids:
             self._manager.cancel_request(group_id)
 
+    def _arrive(self, item: tuple[int, GenerationOutput]) -> None:
+        """An output reaches the request's loop; too many unread cancel the request (its client is not reading)."""
+        self._queue.put_nowait(item)
+        if self._queue.qsize() > MAX_UNREAD_OUTPUTS_PER_SAMPLE * len(self.choices) and not self.overflowed:
+            self.overflowed = True
+            self.cancel()
+
     def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
-        queue, counters, unfinished, loop = self._queue, self._counters, self._unfinished_per_group, self._loop
+        counters, unfinished, loop, arrive = self._counters, self._unfinished_per_group, self._loop, self._arrive
         group = base // self._n
 
         def handle(output: GenerationOutput) -> None:  # on the engine thread: quick, and hands over to the loop
@@ -148,7 +163,7 @@ class Submission:
                 if not unfinished[group]:
                     counters.group_finished()
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (base, output))
+                loop.call_soon_threadsafe(arrive, (base, output))
             except RuntimeError:  # the loop closed (the server stopped): nobody reads this answer any more
                 pass
 

@@ -37,6 +37,9 @@ class Choice:
     text: OutputText
     # Stop tokens whose text is left out of `text` when they end the choice (unless include_stop_str_in_output).
     silent_stops: frozenset[int] = frozenset()
+    # The stop tokens the request named (`stop_token_ids`): the one that ended the choice is its stop_reason; the
+    # model's own EOS is not (None, as vLLM).
+    named_stops: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -49,6 +52,9 @@ class Choice:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    # (token index, text length of the tokens before it): where the last streamed chunk's text offsets ended, so
+    # that a long stream's offsets are not summed from its first token at every chunk.
+    offset_mark: tuple[int, int] = (0, 0)
 
     def absorb(self, output: GenerationOutput) -> ChoiceDelta:
         """Fold in one streamed output of this sample (its new tokens only)."""
@@ -72,10 +78,13 @@ class Choice:
 
     @property
     def stop_reason(self) -> str | int | None:
-        """The stop string that ended the choice, else the stop token that did (vLLM's stop_reason), else None."""
+        """vLLM's stop_reason: the stop string that ended the choice, else the requested stop token that did, else
+        None (the model's EOS, the length limit)."""
         if self.text.stopped is not None:
             return self.text.stopped
-        return self.token_ids[-1] if self.finish_reason == "stop" and self.token_ids else None
+        if self.finish_reason == "stop" and self.token_ids and self.token_ids[-1] in self.named_stops:
+            return self.token_ids[-1]
+        return None
 
     def rollout_fields(self, start: int = 0, end: int | None = None) -> dict[str, Any]:
         """rollout's extra fields: the policy versions of tokens [start, end) (run-length encoded, re-indexed), and
@@ -110,6 +119,13 @@ class LogprobFormat:
         return self._completion_rows(
             choice.token_ids[start:end], choice.logprobs[start:end], choice.top_logprobs[start:end], top, offset
         )
+
+    def text_offset(self, choice: Choice, start: int) -> int:
+        """The length of the text of the choice's tokens before token `start` (each token's own text)."""
+        index, chars = choice.offset_mark if choice.offset_mark[0] <= start else (0, 0)
+        chars += sum(len(self.token(t)) for t in choice.token_ids[index:start])
+        choice.offset_mark = (start, chars)
+        return chars
 
     def echoed_prompt(self, choice: Choice, top: int) -> dict[str, Any]:
         """Completions' `logprobs` object for the prompt of an `echo` answer: the first token has no log-prob (None,

@@ -15,7 +15,7 @@ from typing import Any
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
-from rollout.service.http.bridge import Submission
+from rollout.service.http.bridge import MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.errors import APIError, bad_field, json_bytes
@@ -139,7 +139,8 @@ class OpenAIEndpoints:
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring
         )
-        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters)
+        named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
+        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops)
         prefix = "chatcmpl" if chat else "cmpl"
         return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), tools)
 
@@ -194,7 +195,8 @@ class OpenAIEndpoints:
                     yield _event({**base, "choices": [{**entry, "finish_reason": None}]})
             async for choice, delta in submission.deltas():
                 if choice.finish_reason in ("error", "abort"):
-                    yield _event(_ended_early(choice).body())  # not a finish_reason an OpenAI client knows
+                    error = _ended_early(choice, submission.overflowed)
+                    yield _event(error.body())  # not a finish_reason an OpenAI client knows
                     submission.cancel()
                     break
                 for chunk in self._chunks(answer, choice, delta):
@@ -263,7 +265,7 @@ class OpenAIEndpoints:
         if answer.chat:
             return self.format.chat(choice, start, end, top)
         echo = self._echo(answer, choice)
-        offset = len(echo) + sum(len(self.format.token(t)) for t in choice.token_ids[:start])
+        offset = len(echo) + self.format.text_offset(choice, start)
         rest = self.format.completion(choice, start, end, top, offset)
         if answer.request.scoring.echo and start == 0:
             return echoed_logprobs(self.format, choice, rest, top)
@@ -277,11 +279,16 @@ class OpenAIEndpoints:
         return scoring.prompt_text(choice.index // answer.request.n, choice.prompt_ids, self.tokenizer)
 
 
-def _ended_early(choice: Choice) -> APIError:
+def _ended_early(choice: Choice, unread: bool = False) -> APIError:
     """The error for a choice the engine ended without finishing it: a failure (500), or an abort (503: the worker
-    is shutting down, or a weight update in mode "abort" ended it; retry)."""
+    is shutting down, or a weight update in mode "abort" ended it; retry), or a stream its client did not read."""
     if choice.finish_reason == "error":
         return APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
+    if unread:
+        reason = (
+            f"the stream was cancelled: its client left over {MAX_UNREAD_OUTPUTS_PER_SAMPLE} outputs per sample unread"
+        )
+        return APIError(408, reason, None, "invalid_request_error", "stream_not_read")
     reason = "generation was aborted (the worker is stopping, or a weight update aborted in-flight requests); retry"
     return APIError(503, reason, None, "service_unavailable_error", "aborted")
 

@@ -76,7 +76,7 @@ class HttpServer:
             host=settings.host,
             port=settings.port,
             http=protocol_for(self.waiting),
-            log_level="warning",
+            log_level="error",  # not a warning per malformed request: one client could flood the log
             lifespan="off",
             access_log=False,
             timeout_keep_alive=settings.keep_alive_timeout_s,
