@@ -522,3 +522,13 @@ def test_streamed_chat_choices_reassemble_in_the_openai_stream_state(api, seed):
         expected_logprobs = [e.logprob for e in expected.logprobs.content]
         assert [e.logprob for e in got.logprobs.content] == pytest.approx(expected_logprobs, abs=1e-4)
         assert len(got.logprobs.content) == len(expected.model_extra["token_ids"])
+
+
+def test_stop_reason_is_null_at_the_models_eos_and_names_a_requested_stop_token(api):
+    eos = str(TOKENIZER.eos_token_id)
+    ended = api.completions.create(model="tiny", prompt="end", max_tokens=5, logit_bias={eos: 100}).choices[0]
+    assert ended.finish_reason == "stop" and ended.model_extra["stop_reason"] is None  # vLLM: None at EOS
+    named = api.completions.create(
+        model="tiny", prompt="end", max_tokens=5, logit_bias={eos: 100}, extra_body={"stop_token_ids": [int(eos)]}
+    ).choices[0]
+    assert named.finish_reason == "stop" and named.model_extra["stop_reason"] == int(eos)
