@@ -1,0 +1,305 @@
+"""`rollout-bench long-tail`: reasoning-GRPO lengths with a KV cache far smaller than the work (issue 31).
+
+Every prompt (100-1000 tokens, uniform) is sampled n times; each sample gets its own length, lognormal with the given
+median and sigma, capped at --max-tokens, and generates exactly that many tokens: every sample is its own request (n=1,
+its group's prompt, its own max_new_tokens, no stop token), so it ends with finish_reason "length" at its length. The
+prefix cache still shares a group's prompt blocks between its samples once one of them computed them (samples admitted
+in the same step as the first compute the prompt themselves; `first_admission_prefix_hit_tokens` says how much was
+shared). The cache gets `--cache-fraction` of the peak demand, defined as the sum over samples of each sample's own
+blocks, ceil((prompt + length) / block_size) (a group's prompt counted once per sample). So preemption (recompute, or
+swap with --cpu-offload-space) is the normal state.
+
+--model stub (default: 128 prompts x n=8, median 2048, cap 16384): the model's forward is replaced by ready logits
+over a 64-token vocabulary, as in `host_time`, so a run costs the engine's own host work only. --model tiny (16 x 4,
+median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for real.
+
+Figures:
+- recomputed_tokens = computed - (first_admission_prompt_tokens + generated - samples_with_output), where computed is
+  the engine's `num_computed_tokens` (every token run through the model: prefill chunks and decodes),
+  first_admission_prompt_tokens the sum over samples of prompt - prefix-cache hit at its first admission, and
+  generated - samples_with_output the decodes a sample needs (each generated token but the last is fed back once):
+  the tokens computed beyond a run without preemption. Its ratio to generated tokens is `recompute_ratio`.
+  `recomputed_tokens_by_position` counts the same from the batches (tokens at positions the sample had computed
+  already): the two agree when the counters do.
+- mean_decoding_per_step: sequences that computed exactly one token, averaged over the engine's steps.
+- last_over_median_finish: the last sample's finish time over the median sample's, both from the start of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm import tqdm
+
+from rollout.benchmarks.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
+from rollout.benchmarks.progress import stage
+from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig, SamplingParams
+from rollout.engine.block_manager import cdiv
+from rollout.engine.engine import Engine
+
+BLOCK_SIZE = 16
+TIME_BUDGET_S = 1200.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How many samples, how long."""
+
+    num_prompts: int
+    n: int
+    median_tokens: int
+    max_tokens: int
+    prompt_tokens: tuple[int, int]
+    sigma: float = 1.0
+
+
+SHAPES = {"stub": Shape(128, 8, 2048, 16384, (100, 1000)), "tiny": Shape(16, 4, 150, 1200, (20, 200))}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `rollout-bench long-tail` (shape flags default to --model's shape)."""
+    add = parser.add_argument
+    add("--model", choices=sorted(SHAPES), default="stub", help="stub (forward stubbed, default) or tiny (real)")
+    add("--num-prompts", type=int, default=None, help="prompts (stub: 128, tiny: 16)")
+    add("--n", type=int, default=None, help="samples per prompt, each with its own length (stub: 8, tiny: 4)")
+    add("--median-tokens", type=int, default=None, help="median output length (stub: 2048, tiny: 150)")
+    add("--max-tokens", type=int, default=None, help="output length cap (stub: 16384, tiny: 1200)")
+    add("--sigma", type=float, default=1.0, help="sigma of the lognormal output lengths (default: 1.0)")
+    add("--prompt-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="stub: 100 1000, tiny: 20 200")
+    add("--cache-fraction", type=float, default=0.27, help="KV blocks as a fraction of peak demand (default: 0.27)")
+    add("--cpu-offload-space", type=float, default=0.0, metavar="GIB", help="swap space, GiB (default: 0, recompute)")
+    add("--max-num-seqs", type=int, default=256, help="max_num_seqs: most sequences per step (default: 256)")
+    add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduler_type (default: fifo)")
+    add("--seed", type=int, default=0, help="lengths, prompts and sampling seed (default: 0)")
+    add("--time-budget", type=float, default=TIME_BUDGET_S, metavar="SECONDS", help="stop the run after this long")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for impossible settings."""
+    shape = shape_from(args)
+    low, high = shape.prompt_tokens
+    if min(shape.num_prompts, shape.n, shape.median_tokens, shape.max_tokens, low) < 1 or high < low:
+        parser.error("--num-prompts, --n, --median-tokens, --max-tokens and --prompt-tokens must be >= 1, MIN <= MAX")
+    if args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be >= 1")
+    if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
+        parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
+
+
+def shape_from(args: argparse.Namespace) -> Shape:
+    """The workload's shape: --model's, with the flags given."""
+    base = SHAPES[args.model]
+    given = {name: getattr(args, name) for name in ("num_prompts", "n", "median_tokens", "max_tokens", "prompt_tokens")}
+    given = {name: tuple(v) if name == "prompt_tokens" else v for name, v in given.items() if v is not None}
+    return Shape(**{**base.__dict__, **given, "sigma": args.sigma})
+
+
+def make_workload(shape: Shape, seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Random prompts and each sample's length: (prompts, lengths[prompt][sample])."""
+    rng = random.Random(seed)
+    prompts, lengths = [], []
+    for _ in range(shape.num_prompts):
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_tokens))])
+        draws = (rng.lognormvariate(math.log(shape.median_tokens), shape.sigma) for _ in range(shape.n))
+        lengths.append([min(shape.max_tokens, max(1, round(draw))) for draw in draws])
+    return prompts, lengths
+
+
+def measure(
+    prompts: list[list[int]],
+    lengths: list[list[int]],
+    model: str = "stub",
+    cache_fraction: float = 0.27,
+    cpu_offload_space: float = 0.0,
+    scheduler: str = "fifo",
+    max_num_seqs: int = 256,
+    seed: int = 0,
+    time_budget_s: float = TIME_BUDGET_S,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every sample to its length on an engine with `cache_fraction` of the peak demand; return the figures."""
+    own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
+    longest = max(cdiv(len(p) + length - 1, BLOCK_SIZE) for p, group in zip(prompts, lengths) for length in group)
+    num_blocks = max(math.ceil(cache_fraction * sum(own)), longest)  # the longest sample must fit alone
+    max_len = max(map(len, prompts)) + max(map(max, lengths))
+    if model == "stub":
+        net = stub_model(max_len)
+    else:
+        from rollout.service.presets import tiny_model
+
+        net = tiny_model(seed)
+        context = net.config.max_position_embeddings
+        if max_len > context:
+            raise ValueError(f"prompt + length reach {max_len} tokens; the tiny model's context is {context}")
+    config = ContinuousBatchingConfig(
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        scheduler_type=scheduler,
+        max_num_seqs=max_num_seqs,
+        cpu_offload_space=cpu_offload_space,
+        use_cuda_graph=False,
+        seed=seed,
+    )
+    engine = Engine(net, config)
+    if model == "stub":
+        stub_forward(engine, config.max_num_seqs)
+    probe = Probe(engine)
+    expected: dict[str, int] = {}
+    for g, (prompt, group) in enumerate(zip(prompts, lengths)):
+        for j, length in enumerate(group):
+            sampling = SamplingParams(
+                do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed * 100_003 + len(expected)
+            )
+            expected[f"p{g}s{j}"] = length
+            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=length)
+    stage(
+        f"long-tail {model}: {len(prompts)} prompts x n={len(lengths[0])}, {sum(expected.values())} tokens to "
+        f"generate, {num_blocks} KV blocks = {num_blocks / sum(own):.3f} of the peak demand ({sum(own)} blocks)"
+    )
+    finished: dict[str, tuple[float, str, int]] = {}  # request id -> (seconds from start, finish reason, tokens)
+    start = time.perf_counter()
+    try:
+        with tqdm(total=len(expected), desc=f"long-tail {model}", unit="sample", file=sys.stderr, mininterval=5,
+                  disable=not progress) as bar:  # fmt: skip
+            while engine.has_unfinished() and time.perf_counter() - start < time_budget_s:
+                for output in engine.step():
+                    if output.is_finished:
+                        reason, tokens = output.finish_reason, len(output.generated_tokens)
+                        finished[output.request_id] = (output.lifespan[1] - start, reason, tokens)
+                        bar.update(1)
+                        bar.set_postfix(
+                            tokens=engine.num_generated_tokens,
+                            preempted=engine.scheduler.num_preemptions,
+                            refresh=False,
+                        )
+        wall = time.perf_counter() - start
+        queues = engine.scheduler.running + list(engine.scheduler.swapped) + list(engine.scheduler.waiting)
+        with_output = sum(1 for r in queues if r.num_output_tokens > 0)
+        with_output += sum(1 for _, _, tokens in finished.values() if tokens)
+        stats, computed = engine.stats(), engine.num_computed_tokens
+        block_bytes = engine.kv_cache.shape.bytes_per_block(BLOCK_SIZE, engine.kv_cache.kv.dtype)
+        swap_blocks = engine.kv_cache.num_swap_blocks
+    finally:
+        engine.close()
+    stage(f"long-tail {model}: {len(finished)} of {len(expected)} samples finished in {wall:.1f} s")
+    generated = stats["generated_tokens"]
+    recomputed = computed - (probe.first_admission_tokens + generated - with_output)
+    times = sorted(seconds for seconds, _, _ in finished.values())
+    complete = len(finished) == len(expected)
+    return {
+        "benchmark": "long-tail",
+        "model": model,
+        "prompts": len(prompts),
+        "n": len(lengths[0]),
+        "samples": len(expected),
+        "scheduler": scheduler,
+        "max_num_seqs": config.max_num_seqs,
+        "max_batch_tokens": config.max_batch_tokens,
+        "block_size": BLOCK_SIZE,
+        "peak_demand_blocks": sum(own),
+        "peak_demand_definition": "sum over samples of ceil((prompt + length) / block_size)",
+        "num_blocks": num_blocks,
+        "cache_fraction": round(num_blocks / sum(own), 4),
+        "cache_holds_samples": round(num_blocks / statistics.mean(own), 1),  # at their full length, on average
+        "tokens_to_generate": sum(expected.values()),
+        "prompt_tokens": sum(len(p) * len(group) for p, group in zip(prompts, lengths)),
+        "generated_tokens": generated,
+        "computed_tokens": computed,
+        "prefill_tokens": stats["prefill_tokens"],
+        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+        "first_admission_prompt_tokens": probe.first_admission_tokens,
+        "first_admission_prefix_hit_tokens": probe.first_admission_hits,
+        "recomputed_tokens": recomputed,
+        "recomputed_tokens_by_position": probe.recomputed_by_position,
+        "recompute_ratio": round(recomputed / max(generated, 1), 4),
+        "recompute_definition": "computed - (first-admission prompt tokens + generated - samples with output)",
+        "readmissions": probe.readmissions,
+        "readmission_tokens": probe.readmission_tokens,
+        "readmission_prefix_hit_tokens": probe.readmission_hits,
+        "max_admissions_per_sample": probe.max_admissions,
+        "preemptions": stats["preemptions"],
+        "preemptions_swapped": stats["preemptions_swapped"],
+        "swap_out_blocks": probe.swap_out_blocks,
+        "swap_in_blocks": probe.swap_in_blocks,
+        "swap_out_bytes": probe.swap_out_blocks * block_bytes,
+        "swap_in_bytes": probe.swap_in_blocks * block_bytes,
+        "swap_space_blocks": swap_blocks,
+        "kv_block_bytes": block_bytes,
+        "steps": stats["steps"],
+        "mean_decoding_per_step": round(probe.decoding / max(probe.steps, 1), 1),
+        "mean_sequences_per_step": round(probe.sequences / max(probe.steps, 1), 1),
+        "mean_running_per_step": round(probe.running / max(probe.steps, 1), 1),
+        "queued_steps": probe.queued_steps,
+        "mean_decoding_while_queued": round(probe.queued_decoding / max(probe.queued_steps, 1), 1),
+        "median_finish_s": round(statistics.median(times), 3) if complete else None,
+        "last_finish_s": round(times[-1], 3) if complete else None,
+        "last_over_median_finish": round(times[-1] / statistics.median(times), 2) if complete else None,
+        "finished": complete,
+        "samples_finished": len(finished),
+        "samples_errored": sum(1 for _, reason, _ in finished.values() if reason == "error"),
+        "samples_off_length": sum(1 for rid, (_, _, tokens) in finished.items() if tokens != expected[rid]),
+        "wall_s": round(wall, 2),
+        "time_budget_s": time_budget_s,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the workload from the flags, measure it, print the table; returns the JSON-able summary."""
+    shape = shape_from(args)
+    vocab = STUB_VOCAB if args.model == "stub" else 1024
+    prompts, lengths = make_workload(shape, args.seed, vocab)
+    summary = measure(
+        prompts,
+        lengths,
+        model=args.model,
+        cache_fraction=args.cache_fraction,
+        cpu_offload_space=args.cpu_offload_space,
+        scheduler=args.scheduler,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+    )
+    summary.update(median_tokens=shape.median_tokens, max_tokens=shape.max_tokens, sigma=shape.sigma)
+    summary["prompt_tokens_range"] = list(shape.prompt_tokens)
+    _print_table(summary)
+    return summary
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    generated = s["generated_tokens"]
+    rows = [
+        ("workload", f"{s['prompts']} prompts x n={s['n']} ({s['model']}), lengths lognormal median "
+         f"{s['median_tokens']} sigma {s['sigma']} cap {s['max_tokens']}, prompts {s['prompt_tokens_range']}"),
+        ("KV cache", f"{s['num_blocks']} blocks = {s['cache_fraction']} x peak demand {s['peak_demand_blocks']} "
+         f"(sum of each sample's own blocks); holds ~{s['cache_holds_samples']} samples at full length"),
+        ("generated tokens", f"{generated} of {s['tokens_to_generate']}"),
+        ("recomputed tokens", f"{s['recomputed_tokens']} (by position {s['recomputed_tokens_by_position']}), "
+         f"ratio to generated {s['recompute_ratio']}"),
+        ("prompt sharing", f"first admissions computed {s['first_admission_prompt_tokens']} of {s['prompt_tokens']} "
+         f"prompt tokens ({s['first_admission_prefix_hit_tokens']} from the prefix cache)"),
+        ("readmissions", f"{s['readmissions']} ({s['readmission_prefix_hit_tokens']} of {s['readmission_tokens']} "
+         f"tokens from the prefix cache), at most {s['max_admissions_per_sample']} admissions for one sample"),
+        ("preemptions", f"{s['preemptions']} ({s['preemptions_swapped']} swapped)"),
+        ("swap", f"{s['swap_out_blocks']} blocks out, {s['swap_in_blocks']} in ({s['swap_out_bytes'] / 2**20:.1f} / "
+         f"{s['swap_in_bytes'] / 2**20:.1f} MiB at {s['kv_block_bytes']} B per block; {s['swap_space_blocks']} "
+         "swap blocks)"),
+        ("engine steps", s["steps"]),
+        ("running batch", f"{s['mean_decoding_per_step']} decoding per step ({s['mean_sequences_per_step']} "
+         f"sequences, {s['mean_running_per_step']} running); {s['mean_decoding_while_queued']} over the "
+         f"{s['queued_steps']} steps with requests queued; max_num_seqs {s['max_num_seqs']}"),
+        ("last / median finish", f"{s['last_over_median_finish']} ({s['last_finish_s']} s / {s['median_finish_s']} s)"),
+        ("finished", f"{s['finished']}: {s['samples_finished']} of {s['samples']} samples, {s['samples_errored']} "
+         f"errors, {s['samples_off_length']} off their length"),
+        ("wall time", f"{s['wall_s']} s (budget {s['time_budget_s']} s), {generated / max(s['wall_s'], 1e-9):.0f} "
+         "tokens/s"),
+    ]  # fmt: skip
+    for name, value in rows:
+        print(f"{name:<22}{value}")
+    print(f"recomputed = {s['recompute_definition']}", flush=True)

@@ -1,0 +1,137 @@
+"""What `rollout-bench long-tail` reads of a running engine beyond its counters, and the stubbed model it runs on.
+
+`Probe` wraps two of the engine's instance attributes (it changes nothing the engine does): the scheduler's
+`schedule` (each step's batch: sequences that decode, blocks swapped out and in, running requests) and the block
+manager's `take_prefix` (every admission: how many of the request's tokens the prefix cache already held, and whether
+the request was admitted before, i.e. is readmitted after a preemption by recompute).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollout.benchmarks.host_time import VOCAB as STUB_VOCAB
+from rollout.engine.engine import Engine
+
+__all__ = ["STUB_VOCAB", "Probe", "stub_forward", "stub_model"]
+
+
+def stub_model(max_position_embeddings: int) -> torch.nn.Module:
+    """The tiny Qwen3 config `host_time` stubs (64-token vocabulary, one layer, one 16-wide KV head): it only gives the
+    KV cache its shape, its forward is replaced by `stub_forward`."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=STUB_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def stub_forward(engine: Engine, max_rows: int) -> None:
+    """Replace the engine's model forward (prefill and decode) by ready logits, as `host_time` does: a step costs the
+    engine's own host work (scheduling, inputs, attention metadata, sampling, outputs) and no model compute."""
+    logits = torch.randn(max_rows, STUB_VOCAB, generator=torch.Generator().manual_seed(0))
+
+    def forward(input_ids: torch.Tensor, positions: Any, metadata: Any, keep: torch.Tensor) -> torch.Tensor:
+        return logits[: keep.numel()]
+
+    engine.runner._forward = forward  # noqa: SLF001 - the measurement leaves out exactly the model's forward
+    engine.runner._decode_forward = forward  # noqa: SLF001
+
+
+class Probe:
+    """Per-step and per-admission figures the engine does not count.
+
+    Attributes:
+        steps: schedules that computed something (equals the engine's `num_steps`).
+        decoding: sum over those steps of the sequences that computed exactly one token (decodes).
+        sequences: sum over those steps of all sequences computed (decodes and prefill chunks).
+        running: sum over those steps of the scheduler's running requests after scheduling.
+        queued_steps, queued_decoding: the steps (and their decodes) taken while some request still waited for
+            admission (new, preempted or swapped out): the batch the scheduler keeps while work is queued.
+        swap_out_blocks, swap_in_blocks: KV blocks copied to and from the CPU swap space.
+        first_admission_tokens: sum over requests of the tokens left to compute at their first admission (prompt
+            minus the prefix-cache hit then).
+        first_admission_hits: sum of those prefix-cache hits.
+        readmissions: admissions of a request admitted before (recompute after preemption).
+        readmission_tokens, readmission_hits: its tokens then (prompt + output so far) and how many of them the
+            prefix cache still held (its own freed blocks, or its group's prompt).
+        recomputed_by_position: tokens computed at a position the same request had already computed (or found in
+            the prefix cache at its first admission): an independent count of the recomputed tokens, from the
+            batches rather than the engine's counters.
+        max_admissions: the most times one request was admitted.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.steps = self.decoding = self.sequences = self.running = 0
+        self.queued_steps = self.queued_decoding = 0
+        self.swap_out_blocks = self.swap_in_blocks = 0
+        self.first_admission_tokens = self.first_admission_hits = 0
+        self.readmissions = self.readmission_tokens = self.readmission_hits = 0
+        self.recomputed_by_position = 0
+        self._covered: dict[str, int] = {}  # request id -> positions computed or prefix-hit so far (high-water mark)
+        self._admissions: dict[str, int] = {}
+        schedule, take_prefix = engine.scheduler.schedule, engine.block_manager.take_prefix
+
+        def probed_schedule() -> Any:
+            batch = schedule()
+            self._count_batch(batch)
+            return batch
+
+        def probed_take_prefix(request: Any, blocks: list[int], hashes: list[int]) -> None:
+            take_prefix(request, blocks, hashes)
+            self._count_admission(request)
+
+        engine.scheduler.schedule = probed_schedule  # instance attributes: the engine's code is unchanged
+        engine.block_manager.take_prefix = probed_take_prefix
+
+    @property
+    def max_admissions(self) -> int:
+        return max(self._admissions.values(), default=0)
+
+    def _count_admission(self, request: Any) -> None:
+        rid, hit = request.request_id, request.num_computed_tokens
+        admissions = self._admissions[rid] = self._admissions.get(rid, 0) + 1
+        if admissions == 1:
+            self._covered[rid] = hit
+            self.first_admission_tokens += request.num_tokens - hit
+            self.first_admission_hits += hit
+        else:
+            self.readmissions += 1
+            self.readmission_tokens += request.num_tokens
+            self.readmission_hits += hit
+
+    def _count_batch(self, batch: Any) -> None:
+        self.swap_out_blocks += len(batch.swap_out)
+        self.swap_in_blocks += len(batch.swap_in)
+        if not batch.sequences:
+            return
+        self.steps += 1
+        self.sequences += len(batch.sequences)
+        self.running += len(self.engine.scheduler.running)
+        covered, decoding, recomputed = self._covered, 0, 0
+        for seq in batch.sequences:
+            rid, start, end = seq.request.request_id, seq.start, seq.start + seq.num_tokens
+            if seq.num_tokens == 1:
+                decoding += 1
+            high = covered.get(rid, 0)
+            if start < high:
+                recomputed += min(end, high) - start
+            if end > high:
+                covered[rid] = end
+        self.decoding += decoding
+        if self.engine.scheduler.num_waiting:
+            self.queued_steps += 1
+            self.queued_decoding += decoding
+        self.recomputed_by_position += recomputed

@@ -1,0 +1,127 @@
+"""rollout-bench long-tail: every sample generates exactly its own length, preemption happens in a cache smaller than
+the work, and the recompute figure the counters give matches an independent count."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollout.benchmarks import cli
+from rollout.benchmarks.long_tail import Shape, make_workload, measure
+from rollout.benchmarks.long_tail_probe import STUB_VOCAB
+
+SMALL = Shape(num_prompts=8, n=4, median_tokens=64, max_tokens=256, prompt_tokens=(16, 64))
+SMALL_FLAGS = ["--num-prompts", "8", "--n", "4", "--median-tokens", "64", "--max-tokens", "256"]
+SMALL_FLAGS += ["--prompt-tokens", "16", "64", "--cache-fraction", "0.3"]
+FIELDS = (
+    "generated_tokens",
+    "recomputed_tokens",
+    "recomputed_tokens_by_position",
+    "recompute_ratio",
+    "preemptions",
+    "preemptions_swapped",
+    "swap_out_blocks",
+    "swap_in_blocks",
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "steps",
+    "mean_decoding_per_step",
+    "mean_decoding_while_queued",
+    "cache_holds_samples",
+    "median_finish_s",
+    "last_finish_s",
+    "last_over_median_finish",
+    "finished",
+    "samples_finished",
+    "samples_errored",
+    "wall_s",
+    "num_blocks",
+    "peak_demand_blocks",
+)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return make_workload(SMALL, seed=0, vocab=STUB_VOCAB)
+
+
+@pytest.fixture(scope="module")
+def tight(workload):
+    return measure(*workload, cache_fraction=0.3, progress=False)
+
+
+def _minimum_tokens(summary: dict) -> int:
+    """Tokens a run without preemption computes: each prompt's tokens at its first admission, and every generated
+    token but each sample's last fed back once."""
+    return summary["first_admission_prompt_tokens"] + summary["generated_tokens"] - summary["samples"]
+
+
+def test_every_sample_generates_its_own_length_under_preemption(workload, tight):
+    prompts, lengths = workload
+    assert len({length for group in lengths for length in group}) > 20  # each sample its own length
+    assert tight["finished"] and tight["samples_finished"] == 32
+    assert tight["samples_errored"] == 0 and tight["samples_off_length"] == 0
+    assert tight["generated_tokens"] == tight["tokens_to_generate"] == sum(map(sum, lengths))
+    assert tight["num_blocks"] == math.ceil(0.3 * tight["peak_demand_blocks"])
+    assert tight["preemptions"] > 0 and tight["readmissions"] == tight["preemptions"]  # recomputed, none swapped
+    assert tight["steps"] > max(map(max, lengths))  # the longest sample decodes one token per step
+    assert tight["last_over_median_finish"] > 1
+
+
+def test_recompute_figure_matches_an_independent_count(workload, tight):
+    recomputed = tight["computed_tokens"] - _minimum_tokens(tight)
+    assert tight["recomputed_tokens"] == recomputed > 0
+    assert tight["recompute_ratio"] == round(recomputed / tight["generated_tokens"], 4)
+    # Counted from the batches: tokens at positions the same sample had already computed.
+    assert tight["recomputed_tokens_by_position"] == recomputed
+    # Each readmission recomputes what the prefix cache no longer holds (its last token would be a decode anyway).
+    readmitted = tight["readmission_tokens"] - tight["readmission_prefix_hit_tokens"]
+    assert readmitted - tight["readmissions"] <= recomputed
+    # A cache that holds every sample at once: nothing preempted, nothing recomputed, the same tokens generated.
+    roomy = measure(*workload, cache_fraction=1.0, progress=False)
+    assert roomy["preemptions"] == 0 and roomy["readmissions"] == 0
+    assert roomy["recomputed_tokens"] == roomy["recomputed_tokens_by_position"] == roomy["recompute_ratio"] == 0
+    assert roomy["computed_tokens"] == _minimum_tokens(roomy)
+    assert roomy["generated_tokens"] == tight["generated_tokens"] and roomy["steps"] < tight["steps"]
+    # The prompt tokens a first admission computes plus what the prefix cache gave it are the group's prompts.
+    assert roomy["first_admission_prompt_tokens"] + roomy["first_admission_prefix_hit_tokens"] == roomy["prompt_tokens"]
+
+
+def test_swap_is_counted_in_blocks_out_and_back_in(workload):
+    summary = measure(*workload, cache_fraction=0.3, cpu_offload_space=0.001, progress=False)  # 512 swap blocks
+    assert summary["finished"] and summary["samples_off_length"] == 0
+    assert summary["preemptions_swapped"] > 0 and summary["swap_space_blocks"] == int(0.001 * 2**30) // 2048
+    assert summary["swap_out_blocks"] == summary["swap_in_blocks"] > 0  # every swapped sample came back
+    assert summary["swap_out_bytes"] == summary["swap_out_blocks"] * summary["kv_block_bytes"]
+    assert summary["recomputed_tokens"] == summary["recomputed_tokens_by_position"]
+    swapped_only = summary["preemptions"] == summary["preemptions_swapped"]
+    assert summary["readmissions"] == summary["preemptions"] - summary["preemptions_swapped"]
+    assert not swapped_only or summary["recomputed_tokens"] == 0
+
+
+def test_cli_prints_a_table_and_a_json_line_with_every_field(capsys):
+    cli.main(["long-tail", *SMALL_FLAGS])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["benchmark"] == "long-tail" and summary["samples"] == 32 and summary["finished"]
+    for field in FIELDS:
+        assert summary[field] is not None, field
+    assert summary["recompute_ratio"] > 0 and summary["preemptions"] > 0
+    assert any(line.startswith("recomputed tokens") for line in lines[:-1])
+
+
+def test_time_budget_cuts_the_run_and_says_so(workload):
+    summary = measure(*workload, cache_fraction=0.3, time_budget_s=1e-9, progress=False)
+    assert summary["finished"] is False and summary["samples_finished"] < summary["samples"]
+    assert summary["last_over_median_finish"] is None and summary["recomputed_tokens"] >= 0
+
+
+def test_tiny_model_smoke():
+    shape = Shape(num_prompts=2, n=2, median_tokens=16, max_tokens=48, prompt_tokens=(8, 24))
+    prompts, lengths = make_workload(shape, seed=0, vocab=1024)
+    summary = measure(prompts, lengths, model="tiny", cache_fraction=0.5, progress=False)
+    assert summary["finished"] and summary["samples_off_length"] == 0 and summary["samples_errored"] == 0
+    assert summary["generated_tokens"] == sum(map(sum, lengths))
+    assert summary["recomputed_tokens"] == summary["recomputed_tokens_by_position"] >= 0
