@@ -18,6 +18,7 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.auth import WorkerAuth
+from rollout.service.cache_capacity import cache_capacity
 from rollout.service.http.launch import check_http_address, start_http
 from rollout.service.limits import WorkerLimits
 from rollout.service.loading import load_model, load_tokenizer
@@ -140,6 +141,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         manager.engine.num_blocks,
         config.block_size,
     )
+    logger.info(cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len))
     return RunningWorker(worker, manager, model, http, metrics)
 
 
