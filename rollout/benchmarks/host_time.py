@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rollout.benchmarks.stub_model import VOCAB, stub_model
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
-VOCAB = 64
 STEPS = 100  # timed decode steps per measurement
 WARM_STEPS = 5  # decode steps run before timing
 PROMPT_TOKENS = 16
@@ -43,23 +43,6 @@ _ALL_PROCESSORS = dict(
     top_logprobs=5,
     stop_token_ids=(63,),
 )
-
-
-def _stub_model(device: torch.device) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=8192,
-    )
-    return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
 class _KernelClock(TorchDispatchMode):
@@ -150,7 +133,7 @@ def host_time_per_step(
     max_new_tokens = decode_steps + 8
     blocks_per_sequence = -(-(PROMPT_TOKENS + max_new_tokens) // 16)
     engine = Engine(
-        _stub_model(target),
+        stub_model().to(target),
         ContinuousBatchingConfig(
             block_size=16,
             num_blocks=running * blocks_per_sequence,

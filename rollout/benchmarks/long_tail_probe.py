@@ -12,29 +12,11 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.host_time import VOCAB as STUB_VOCAB
+from rollout.benchmarks.stub_model import VOCAB as STUB_VOCAB
+from rollout.benchmarks.stub_model import stub_model
 from rollout.engine.engine import Engine
 
 __all__ = ["STUB_VOCAB", "Probe", "stub_forward", "stub_model"]
-
-
-def stub_model(max_position_embeddings: int) -> torch.nn.Module:
-    """The tiny Qwen3 config `host_time` stubs (64-token vocabulary, one layer, one 16-wide KV head): it only gives the
-    KV cache its shape, its forward is replaced by `stub_forward`."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=STUB_VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=max_position_embeddings,
-    )
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def stub_forward(engine: Engine, max_rows: int) -> None:
