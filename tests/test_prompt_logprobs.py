@@ -231,16 +231,16 @@ def test_groups_and_preemption_score_each_prompt_once(qwen3, monkeypatch, overla
     plan = model_runner.plan_prompt_rows
     monkeypatch.setattr(model_runner, "plan_prompt_rows", lambda batch: record(plan(batch), planned))
     partial: list[str] = []
-    engine = make_engine(qwen3, num_blocks=40, block_size=4, max_batch_tokens=12, overlap_scheduling=overlap)
-    reset = engine.scheduler._reset_for_recompute
+    engine = make_engine(qwen3, num_blocks=24, block_size=4, max_batch_tokens=8, overlap_scheduling=overlap)
+    reset = engine.scheduler.reset_for_recompute
 
     def reset_and_note(request):
         if request.wants_prompt_logprobs and len(request.prompt_logprobs) > 1:  # scored in part: recomputed
             partial.append(request.request_id)
         reset(request)
 
-    monkeypatch.setattr(engine.scheduler, "_reset_for_recompute", reset_and_note)
-    prompts = make_prompts(5, 20, 50, seed=4)
+    monkeypatch.setattr(engine.scheduler, "reset_for_recompute", reset_and_note)
+    prompts = make_prompts(8, 20, 50, seed=4)
     for index, prompt in enumerate(prompts):
         sampling = SamplingParams(prompt_logprobs=2, seed=index, stop_token_ids=())
         engine.add_request(str(index), prompt, sampling, n=2, max_new_tokens=20)

@@ -2,7 +2,9 @@
 
 Every prompt (100-1000 tokens, uniform) is sampled n times; each sample gets its own length, lognormal with the given
 median and sigma, capped at --max-tokens, and generates exactly that many tokens: every sample is its own request (n=1,
-its group's prompt, its own max_new_tokens, no stop token), so it ends with finish_reason "length" at its length. The
+its group's prompt) with max_new_tokens at the cap, as a trainer sends it, and ends with a stop token at its length
+(the stop token is banned until then through min_new_tokens, and biased by +100 from there on through logit_bias). So
+the scheduler knows no sample's length in advance, as with a real model's EOS. The
 prefix cache still shares a group's prompt blocks between its samples once one of them computed them (samples admitted
 in the same step as the first compute the prompt themselves; `first_admission_prefix_hit_tokens` says how much was
 shared). The cache gets `--cache-fraction` of the peak demand, defined as the sum over samples of each sample's own
@@ -41,6 +43,8 @@ from tqdm import tqdm
 from rollout.benchmarks.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.progress import stage
 from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig, SamplingParams
+from rollout.sampling_params import MAX_LOGIT_BIAS
+from rollout.service.presets import TINY_MODEL_CONFIG
 from rollout.engine.block_manager import cdiv
 from rollout.engine.engine import Engine
 
@@ -116,6 +120,7 @@ def measure(
     prompts: list[list[int]],
     lengths: list[list[int]],
     model: str = "stub",
+    max_tokens: int | None = None,
     cache_fraction: float = 0.27,
     cpu_offload_space: float = 0.0,
     scheduler: str = "fifo",
@@ -124,11 +129,27 @@ def measure(
     time_budget_s: float = TIME_BUDGET_S,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run every sample to its length on an engine with `cache_fraction` of the peak demand; return the figures."""
+    """Run every sample to its length on an engine with `cache_fraction` of the peak demand; return the figures.
+
+    Args:
+        prompts, lengths: from `make_workload`.
+        model: "stub" (forward stubbed) or "tiny" (the real tiny model).
+        max_tokens: every sample's max_new_tokens, the cap (None: the longest length).
+        cache_fraction: KV blocks as a fraction of the peak demand.
+        cpu_offload_space: swap space in GiB (0: preempted samples are recomputed).
+        scheduler: scheduler_type.
+        max_num_seqs: most sequences per step.
+        seed: sampling seed.
+        time_budget_s: the run stops after this long (figures then say what did not finish).
+        progress: show a progress bar on stderr.
+    """
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
-    longest = max(cdiv(len(p) + length - 1, BLOCK_SIZE) for p, group in zip(prompts, lengths) for length in group)
-    num_blocks = max(math.ceil(cache_fraction * sum(own)), longest)  # the longest sample must fit alone
-    max_len = max(map(len, prompts)) + max(map(max, lengths))
+    max_tokens = max_tokens or max(map(max, lengths))
+    # Every sample asks for max_tokens, so the longest prompt at the cap must fit alone (the engine checks it).
+    longest = cdiv(max(map(len, prompts)) + max_tokens - 1, BLOCK_SIZE)
+    num_blocks = max(math.ceil(cache_fraction * sum(own)), longest)
+    max_len = max(map(len, prompts)) + max_tokens
+    stop_token = (STUB_VOCAB if model == "stub" else TINY_MODEL_CONFIG["vocab_size"]) - 1
     if model == "stub":
         net = stub_model(max_len)
     else:
@@ -155,10 +176,15 @@ def measure(
     for g, (prompt, group) in enumerate(zip(prompts, lengths)):
         for j, length in enumerate(group):
             sampling = SamplingParams(
-                do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed * 100_003 + len(expected)
+                do_sample=True,
+                temperature=1.0,
+                min_new_tokens=length - 1,
+                stop_token_ids=(stop_token,),
+                logit_bias={stop_token: MAX_LOGIT_BIAS},
+                seed=seed * 100_003 + len(expected),
             )
             expected[f"p{g}s{j}"] = length
-            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=length)
+            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=max_tokens)
     stage(
         f"long-tail {model}: {len(prompts)} prompts x n={len(lengths[0])}, {sum(expected.values())} tokens to "
         f"generate, {num_blocks} KV blocks = {num_blocks / sum(own):.3f} of the peak demand ({sum(own)} blocks)"
@@ -253,12 +279,13 @@ def measure(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the workload from the flags, measure it, print the table; returns the JSON-able summary."""
     shape = shape_from(args)
-    vocab = STUB_VOCAB if args.model == "stub" else 1024
+    vocab = (STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]) - 1  # the last token is the stop token
     prompts, lengths = make_workload(shape, args.seed, vocab)
     summary = measure(
         prompts,
         lengths,
         model=args.model,
+        max_tokens=shape.max_tokens,
         cache_fraction=args.cache_fraction,
         cpu_offload_space=args.cpu_offload_space,
         scheduler=args.scheduler,

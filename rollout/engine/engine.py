@@ -19,6 +19,7 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.commit_modes import abort_in_flight, recompute_in_flight
 from rollout.engine.counters import engine_stats, log_leaks
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
@@ -232,9 +233,9 @@ class Engine:
         result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
         result.outputs, self._undelivered = self._undelivered, []
         if mode == "recompute":
-            result.recomputed = self.scheduler.recompute_in_flight()
+            result.recomputed = recompute_in_flight(self.scheduler)
         elif mode == "abort":
-            ended, result.recomputed = self.scheduler.abort_in_flight()
+            ended, result.recomputed = abort_in_flight(self.scheduler)
             aborted = self._outputs(ended)
             result.outputs += aborted
             result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")

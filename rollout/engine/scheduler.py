@@ -9,11 +9,13 @@ Policies:
 - "prefill_first": new requests first (with blocks reserved for the running ones' next step), then running ones.
   Maximises admission, at some cost in decode latency.
 
-When blocks run out, the newest running request not yet in this step is preempted: swapped to CPU blocks when there
-are enough, else freed and recomputed later. A request that cannot fit even in an empty cache ends with an error.
+When blocks run out, the running request with the fewest generated tokens not yet in this step is preempted: swapped
+to CPU blocks when there are enough, else freed and recomputed later. A request (new, preempted or swapped out) is
+admitted only while the free blocks also cover the expected growth of the running ones (`rollout.engine.admission`).
+A request that cannot fit even in an empty cache ends with an error.
 
 Weight updates: `pause_admission()` admits only requests that sampled already, so the in-flight set drains;
-`recompute_in_flight()` and `abort_in_flight()` carry out the "recompute" and "abort" commit modes.
+`rollout.engine.commit_modes` carries out the "recompute" and "abort" commit modes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from rollout.engine.admission import GrowthReserve, cheapest_victim
 from rollout.engine.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.block_manager import BlockManager, cdiv
 from rollout.engine.request import Request, RequestStatus, sample_id
@@ -53,6 +56,9 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.growth = GrowthReserve(block_manager.block_size)
+        # Blocks the running requests are expected to grow into, summed once per step when something waits.
+        self._step_growth: int | None = None
         # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
         self.admitting = True
 
@@ -89,36 +95,9 @@ class Scheduler:
         """Admit new requests again."""
         self.admitting = True
 
-    def recompute_in_flight(self) -> int:
-        """Drop the KV of every running and swapped request and queue it to be re-prefilled (prompt + tokens so
-        far), oldest first, ahead of new requests. Returns how many requests were reset."""
-        reset = sorted(self.running + list(self.swapped), key=_arrival)
-        self.running, self.swapped = [], deque()
-        for request in reversed(reset):
-            self._reset_for_recompute(request)
-        return len(reset)
-
-    def abort_in_flight(self) -> tuple[list[Request], int]:
-        """End every request that sampled tokens with finish_reason "abort" (its partial output goes back). Running
-        or swapped ones that sampled nothing yet (a prompt mid-prefill) are queued for recompute instead: nothing of
-        theirs came from the old weights. Returns (the ended requests, how many were queued for recompute)."""
-        ended: list[Request] = []
-        for request in [r for r in self.waiting if r.num_output_tokens > 0]:
-            self.waiting.remove(request)
-            ended += self._finish(request, "abort")
-        fresh = []
-        for request in sorted(self.running + list(self.swapped), key=_arrival):
-            if request.num_output_tokens > 0:
-                ended += self._finish(request, "abort")
-            else:
-                fresh.append(request)
-        self.running, self.swapped = [], deque()
-        for request in reversed(fresh):
-            self._reset_for_recompute(request)
-        return ended, len(fresh)
-
-    def _reset_for_recompute(self, request: Request) -> None:
-        """Free the request's KV (device and swap) and put it at the head of the waiting queue."""
+    def reset_for_recompute(self, request: Request) -> None:
+        """Free the request's KV (device and swap) and put it at the head of the waiting queue (preemption, and a
+        weight update's "recompute" commit mode)."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.block_hashes = []
@@ -132,13 +111,13 @@ class Scheduler:
         for queue in (self.waiting, self.swapped):
             for request in [r for r in queue if r.group_id == group_id]:
                 queue.remove(request)
-                ended += self._finish(request, "abort")
+                ended += self.finish(request, "abort")
         for request in [r for r in self.running if r.group_id == group_id]:
             self.running.remove(request)
-            ended += self._finish(request, "abort")
+            ended += self.finish(request, "abort")
         return ended
 
-    def _finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]:
+    def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]:
         """Mark finished and free blocks. A leader whose samples were never forked ends them too, so a group always
         yields all n outputs."""
         ended = [request]
@@ -159,6 +138,8 @@ class Scheduler:
         """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
         batch = ScheduledBatch()
         budget = [self.max_batch_tokens]
+        self.growth.step()
+        self._step_growth = None
         if self.policy == "prefill_first":
             reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running if not r.reached_max_tokens)
             self._schedule_swapped(batch, budget, reserve)
@@ -210,7 +191,8 @@ class Scheduler:
             while not self.block_manager.can_allocate(needed):
                 if finishing:
                     break  # their blocks come back when this step's previous one is resolved: wait, do not preempt
-                victim = self._newest_unscheduled(batch)
+                scheduled = {id(seq.request) for seq in batch.sequences} | {id(r) for r, _ in batch.samples}
+                victim = cheapest_victim(self.running, scheduled, ref_counts, block_size)
                 if victim is None:
                     break
                 self._preempt(victim, batch)
@@ -222,10 +204,23 @@ class Scheduler:
             self._add_to_batch(batch, request, num_new)
             budget[0] -= num_new
 
-    def _newest_unscheduled(self, batch: ScheduledBatch) -> Request | None:
-        """The newest running request this step neither computes nor samples: what a preemption may take."""
-        scheduled = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
-        return max((r for r in self.running if id(r) not in scheduled), key=_arrival, default=None)
+    def _admits(self, request: Request, blocks: int) -> bool:
+        """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
+        expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits).
+        An admitted request's growth counts for the rest of the step. The O(running) sum is made at most once a
+        step, and only when the blocks themselves are free."""
+        manager = self.block_manager
+        if not manager.can_allocate(blocks):
+            return False
+        headroom = 0
+        if self.running:
+            if self._step_growth is None:
+                self._step_growth = self.growth.total(self.running)
+            own = self.growth.blocks(request)
+            headroom = max(max(1, manager.num_blocks // 100), self._step_growth + own)
+            if manager.can_allocate(blocks + headroom):
+                self._step_growth += own
+        return manager.can_allocate(blocks + headroom)
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
@@ -237,7 +232,7 @@ class Scheduler:
                 cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size)
                 - len(request.swap_block_ids),
             )
-            if not self.block_manager.can_allocate(needed + reserve):
+            if not self._admits(request, needed + reserve):
                 return
             self.swapped.popleft()
             batch.swap_in += self.block_manager.swap_in(request)
@@ -257,7 +252,7 @@ class Scheduler:
             blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
             if blocks_for_life > manager.num_blocks:
                 self.waiting.remove(request)
-                batch.finished += self._finish(
+                batch.finished += self.finish(
                     request,
                     "error",
                     f"request needs {blocks_for_life} KV blocks (prompt + max_new_tokens - 1 tokens) but the cache "
@@ -269,9 +264,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget[0])
             needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
             needed += manager.num_free_in(prefix_blocks)
-            # Keep a little headroom for running requests' next tokens, unless nothing else runs (no deadlock).
-            headroom = reserve + (max(1, manager.num_blocks // 100) if self.running else 0)
-            if not manager.can_allocate(needed + headroom):
+            if not self._admits(request, needed + reserve):
                 return
             self.waiting.remove(request)
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
@@ -311,6 +304,7 @@ class Scheduler:
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)
         self.num_preemptions += 1
+        self.growth.preempted()
         batch.num_preempted += 1
         # Swap only when this step swapped nothing in: a swap-in frees CPU blocks that are read by this step's
         # copies, and swap-outs are executed first.
@@ -320,7 +314,7 @@ class Scheduler:
             self.swapped.appendleft(request)
             self.num_swaps += 1
             return
-        self._reset_for_recompute(request)
+        self.reset_for_recompute(request)
 
     # ---- results ----------------------------------------------------------------------------------------------
     # A step's results arrive in two parts, so that the next step can be scheduled while this one still runs
@@ -370,14 +364,15 @@ class Scheduler:
             request.resolve_token(sampled_tokens[index], None if logprobs is None else logprobs[index])
             resolved.append(request)
             if request.finish_reason is not None:
+                self.growth.finished(request.num_output_tokens)
                 self._dequeue(request)
-                self._finish(request, request.finish_reason)  # it forked already: it ends alone
+                self.finish(request, request.finish_reason)  # it forked already: it ends alone
         return resolved
 
     def fail(self, request: Request, error: str) -> list[Request]:
         """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples)."""
         self._dequeue(request)
-        return self._finish(request, "error", error)
+        return self.finish(request, "error", error)
 
     def _dequeue(self, request: Request) -> None:
         """Take a request out of whichever queue holds it (it may have been preempted since it was sampled)."""
@@ -387,10 +382,6 @@ class Scheduler:
             self.swapped.remove(request)
         else:
             self.waiting.remove(request)
-
-
-def _arrival(request: Request) -> int:
-    return request.arrival
 
 
 def _check_resolved(request: Request) -> None:

@@ -1,0 +1,56 @@
+"""What a weight update's commit mode does to the requests in flight (`Engine.update_weights`): "recompute" drops
+their KV and re-prefills them under the new weights, "abort" ends those that sampled under the old ones. ("keep"
+touches nothing.) Torch-free, like the scheduler whose queues it rearranges."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rollout.engine.request import Request
+from rollout.engine.scheduler import Scheduler
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival
+
+
+def recompute_in_flight(scheduler: Scheduler) -> int:
+    """Drop the KV of every running and swapped request and queue it to be re-prefilled (prompt + tokens so far),
+    oldest first, ahead of new requests.
+
+    Args:
+        scheduler: the engine's scheduler.
+    Returns:
+        How many requests were reset.
+    """
+    reset = sorted(scheduler.running + list(scheduler.swapped), key=_arrival)
+    scheduler.running, scheduler.swapped = [], deque()
+    for request in reversed(reset):
+        scheduler.reset_for_recompute(request)
+    return len(reset)
+
+
+def abort_in_flight(scheduler: Scheduler) -> tuple[list[Request], int]:
+    """End every request that sampled tokens with finish_reason "abort" (its partial output goes back). Running or
+    swapped ones that sampled nothing yet (a prompt mid-prefill) are queued for recompute instead: nothing of theirs
+    came from the old weights.
+
+    Args:
+        scheduler: the engine's scheduler.
+    Returns:
+        (the ended requests, how many were queued for recompute).
+    """
+    ended: list[Request] = []
+    for request in [r for r in scheduler.waiting if r.num_output_tokens > 0]:
+        scheduler.waiting.remove(request)
+        ended += scheduler.finish(request, "abort")
+    fresh = []
+    for request in sorted(scheduler.running + list(scheduler.swapped), key=_arrival):
+        if request.num_output_tokens > 0:
+            ended += scheduler.finish(request, "abort")
+        else:
+            fresh.append(request)
+    scheduler.running, scheduler.swapped = [], deque()
+    for request in reversed(fresh):
+        scheduler.reset_for_recompute(request)
+    return ended, len(fresh)
