@@ -236,9 +236,10 @@ def test_prefix_cache_skips_computed_blocks_until_weights_change():
 # ---- memory pressure -----------------------------------------------------------------------------------------
 
 
-def test_preemption_recomputes_the_newest_request():
-    """When decodes run out of blocks, the newest running request is preempted for recompute: back at the head of
-    the waiting queue with no blocks and num_computed_tokens 0. Both still finish with all their tokens."""
+def test_preemption_recomputes_the_cheapest_request():
+    """When decodes run out of blocks, the running request that loses the fewest tokens (here the newest: as many
+    tokens, a later arrival) is preempted for recompute: back at the head of the waiting queue with no blocks and
+    num_computed_tokens 0. Both still finish with all their tokens."""
     a, b = make_request("a", prompt(8), max_new_tokens=8), make_request("b", prompt(8, 50), max_new_tokens=8)
     s = sim(a, b, num_blocks=6, block_size=4)
     for _ in range(10):
@@ -420,9 +421,9 @@ def test_swap_in_and_swap_out_in_one_step_use_distinct_cpu_blocks():
     s.drain()
 
 
-def test_preemption_victim_is_newest_by_arrival():
-    """Request.arrival: "preemption picks the newest (largest) first". r1 is preempted once (r2 is already in that
-    step), is re-admitted behind the newer r2, and at the next shortage, caused by r2's decode, r2 must be the victim."""
+def test_readmitted_request_is_not_the_next_victim():
+    """r1 is preempted once (r2 is already in that step) and re-admitted behind r2; at the next shortage, caused by
+    r2's decode, r2 is the victim (it loses fewer tokens than r1 and arrived later), not r1 again."""
     requests = [
         make_request("r0", prompt(7), max_new_tokens=1),
         make_request("r1", prompt(8, 50), max_new_tokens=3),

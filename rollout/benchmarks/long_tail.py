@@ -43,10 +43,10 @@ from tqdm import tqdm
 from rollout.benchmarks.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.progress import stage
 from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig, SamplingParams
-from rollout.sampling_params import MAX_LOGIT_BIAS
-from rollout.service.presets import TINY_MODEL_CONFIG
 from rollout.engine.block_manager import cdiv
 from rollout.engine.engine import Engine
+from rollout.sampling_params import MAX_LOGIT_BIAS
+from rollout.service.presets import TINY_MODEL_CONFIG
 
 BLOCK_SIZE = 16
 TIME_BUDGET_S = 1200.0

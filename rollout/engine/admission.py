@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rollout.engine.block_manager import cdiv
+from rollout.engine.block_manager import BlockManager, cdiv
 from rollout.engine.request import Request
 
 
@@ -82,13 +82,91 @@ class GrowthReserve:
         return sum(self.blocks(request) for request in requests)
 
 
+class AdmissionGate:
+    """The scheduler's admission rules, with what they sum over the running requests kept for one step."""
+
+    def __init__(self, block_manager: BlockManager):
+        """
+        Args:
+            block_manager: the KV block pool admissions allocate from.
+        """
+        self.block_manager = block_manager
+        self.growth = GrowthReserve(block_manager.block_size)
+        self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
+        self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
+
+    def new_step(self) -> None:
+        """Forget the per-step sums (the running set changed) and let the growth ratio decay."""
+        self.growth.step()
+        self._step_growth = self._prefilling = None
+
+    def admits(self, request: Request, blocks: int, running: list[Request]) -> bool:
+        """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
+        expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits).
+        An admitted request's growth counts for the rest of the step. The O(running) sum is made at most once a
+        step, and only when the blocks themselves are free.
+
+        Args:
+            request: the candidate (new, preempted or swapped out).
+            blocks: the blocks its admission takes now.
+            running: the running requests.
+        """
+        manager = self.block_manager
+        if not manager.can_allocate(blocks):
+            return False
+        if not running:
+            return True
+        if self._step_growth is None:
+            self._step_growth = self.growth.total(running)
+        own = self.growth.blocks(request)
+        if not manager.can_allocate(blocks + max(max(1, manager.num_blocks // 100), self._step_growth + own)):
+            return False
+        self._step_growth += own
+        return True
+
+    def waits_for_shared_prefill(self, request: Request, num_cached_blocks: int, running: list[Request]) -> bool:
+        """True when a running request is computing, and has not yet offered to the prefix cache, the first block
+        `request` would compute (same tokens before it, same weights): `request` waits a step or two and finds it
+        cached, instead of computing it a second time. This is what keeps a GRPO group's prompt computed once when
+        its samples arrive as separate requests, or come back together after a preemption.
+
+        Args:
+            request: a waiting request just matched against the prefix cache (its block hashes are memoised).
+            num_cached_blocks: how many of its leading blocks the prefix cache holds.
+            running: the running requests.
+        """
+        memo = request.prefix_hash_memo
+        if memo is None or num_cached_blocks >= len(memo[1]):
+            return False  # prefix caching off, or no full block left to share
+        version, block_hash = memo[0], memo[1][num_cached_blocks]
+        if self._prefilling is None:
+            self._prefilling = [r for r in running if r.num_computed_tokens < len(r.token_ids) - 1]
+        end = (num_cached_blocks + 1) * self.block_manager.block_size
+        for other in self._prefilling:
+            other_memo = other.prefix_hash_memo
+            if (
+                other.num_computed_tokens < end
+                and other_memo is not None
+                and other_memo[0] == version
+                and len(other_memo[1]) > num_cached_blocks
+                and other_memo[1][num_cached_blocks] == block_hash  # chained: the same tokens up to there
+            ):
+                return True
+        return False
+
+    def admitted(self, request: Request) -> None:
+        """Count a request admitted by recompute among this step's prefilling requests."""
+        if self._prefilling is not None:
+            self._prefilling.append(request)
+
+
 def cheapest_victim(
     running: list[Request], scheduled: set[int], ref_counts: list[int], block_size: int
 ) -> Request | None:
     """The preemption victim: among running requests this step neither computes nor samples (`scheduled` holds the
     ids of those it does), the one whose preemption loses the fewest computed tokens: its computed tokens beyond its
     leading blocks shared with another request (a GRPO group's prompt, which stays in the cache), then the fewest
-    generated tokens, then the newest arrival.
+    generated tokens, then the newest arrival. A request whose blocks are all shared frees nothing: it comes last.
 
     Args:
         running: the running requests.
@@ -105,11 +183,9 @@ def cheapest_victim(
             if ref_counts[block] <= 1:
                 break
             shared += 1
-        key = (
-            request.num_computed_tokens - shared * block_size,
-            len(request.token_ids) - request.num_prompt_tokens,
-            -request.arrival,
-        )
+        lost = request.num_computed_tokens - shared * block_size
+        frees_nothing = shared == len(request.block_ids)
+        key = (frees_nothing, lost, len(request.token_ids) - request.num_prompt_tokens, -request.arrival)
         if best_key is None or key < best_key:
             best, best_key = request, key
     return best

@@ -20,10 +20,11 @@ Weight updates: `pause_admission()` admits only requests that sampled already, s
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
-from rollout.engine.admission import GrowthReserve, cheapest_victim
+from rollout.engine.admission import AdmissionGate, cheapest_victim
 from rollout.engine.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.block_manager import BlockManager, cdiv
 from rollout.engine.request import Request, RequestStatus, sample_id
@@ -56,9 +57,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.growth = GrowthReserve(block_manager.block_size)
-        # Blocks the running requests are expected to grow into, summed once per step when something waits.
-        self._step_growth: int | None = None
+        self.admission = AdmissionGate(block_manager)
         # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
         self.admitting = True
 
@@ -138,8 +137,7 @@ class Scheduler:
         """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
         batch = ScheduledBatch()
         budget = [self.max_batch_tokens]
-        self.growth.step()
-        self._step_growth = None
+        self.admission.new_step()
         if self.policy == "prefill_first":
             reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running if not r.reached_max_tokens)
             self._schedule_swapped(batch, budget, reserve)
@@ -204,24 +202,6 @@ class Scheduler:
             self._add_to_batch(batch, request, num_new)
             budget[0] -= num_new
 
-    def _admits(self, request: Request, blocks: int) -> bool:
-        """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
-        expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits).
-        An admitted request's growth counts for the rest of the step. The O(running) sum is made at most once a
-        step, and only when the blocks themselves are free."""
-        manager = self.block_manager
-        if not manager.can_allocate(blocks):
-            return False
-        headroom = 0
-        if self.running:
-            if self._step_growth is None:
-                self._step_growth = self.growth.total(self.running)
-            own = self.growth.blocks(request)
-            headroom = max(max(1, manager.num_blocks // 100), self._step_growth + own)
-            if manager.can_allocate(blocks + headroom):
-                self._step_growth += own
-        return manager.can_allocate(blocks + headroom)
-
     def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
             request = self.swapped[0]
@@ -232,7 +212,7 @@ class Scheduler:
                 cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size)
                 - len(request.swap_block_ids),
             )
-            if not self._admits(request, needed + reserve):
+            if not self.admission.admits(request, needed + reserve, self.running):
                 return
             self.swapped.popleft()
             batch.swap_in += self.block_manager.swap_in(request)
@@ -243,8 +223,9 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
         manager = self.block_manager
+        deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
         while not batch.num_preempted and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
-            request = self._next_admissible()
+            request = self._next_admissible(deferred)
             if request is None:
                 return
             _check_resolved(request)
@@ -260,12 +241,16 @@ class Scheduler:
                 )
                 continue
             prefix_blocks, prefix_hashes = manager.match_prefix(request)
+            if self.admission.waits_for_shared_prefill(request, len(prefix_blocks), self.running):
+                deferred += 1
+                continue
             num_computed = len(prefix_blocks) * manager.block_size
             num_new = min(request.num_tokens - num_computed, budget[0])
             needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
             needed += manager.num_free_in(prefix_blocks)
-            if not self._admits(request, needed + reserve):
+            if not self.admission.admits(request, needed + reserve, self.running):
                 return
+            self.admission.admitted(request)
             self.waiting.remove(request)
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING
@@ -275,11 +260,12 @@ class Scheduler:
             self._add_to_batch(batch, request, num_new)
             budget[0] -= num_new
 
-    def _next_admissible(self) -> Request | None:
-        """The first waiting request that may be admitted now (while admission is paused: one that sampled)."""
+    def _next_admissible(self, skip: int) -> Request | None:
+        """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
+        the first `skip` of them."""
         if self.admitting:
-            return self.waiting[0] if self.waiting else None
-        return next((r for r in self.waiting if r.num_output_tokens > 0), None)
+            return self.waiting[skip] if skip < len(self.waiting) else None
+        return next(itertools.islice((r for r in self.waiting if r.num_output_tokens > 0), skip, None), None)
 
     def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
         batch.block_copies += self.block_manager.allocate(request, num_new)
@@ -304,7 +290,7 @@ class Scheduler:
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)
         self.num_preemptions += 1
-        self.growth.preempted()
+        self.admission.growth.preempted()
         batch.num_preempted += 1
         # Swap only when this step swapped nothing in: a swap-in frees CPU blocks that are read by this step's
         # copies, and swap-outs are executed first.
@@ -364,7 +350,7 @@ class Scheduler:
             request.resolve_token(sampled_tokens[index], None if logprobs is None else logprobs[index])
             resolved.append(request)
             if request.finish_reason is not None:
-                self.growth.finished(request.num_output_tokens)
+                self.admission.growth.finished(request.num_output_tokens)
                 self._dequeue(request)
                 self.finish(request, request.finish_reason)  # it forked already: it ends alone
         return resolved

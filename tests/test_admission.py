@@ -1,0 +1,87 @@
+"""Admission and preemption under memory pressure (`rollout.engine.admission`): the growth reserve, the victim that
+loses the fewest tokens, and requests with the same prompt waiting for one of them to compute it."""
+
+from __future__ import annotations
+
+from test_scheduler import TOKEN, prompt, sim
+
+from conftest import make_request
+from rollout.engine.admission import GrowthReserve, cheapest_victim
+from rollout.engine.block_manager import BlockManager
+
+
+def test_growth_ratio_decays_with_turnover_and_rises_on_preemption():
+    growth = GrowthReserve(block_size=4, clip_tokens=400, initial_ratio=0.5, floor_ratio=0.05)
+    request = make_request("r", prompt(8), max_new_tokens=1000)
+    assert growth.blocks(request) == 400 * 0.5 / 4  # clipped at 400 tokens, half of them expected
+    assert growth.blocks(make_request("g", prompt(8), max_new_tokens=1000, n=3)) == 3 * 50  # a leader forks 2 more
+    for _ in range(200):
+        growth.step()
+    assert 0.05 < growth.ratio < 0.5  # before any request finished, it decays over clip_tokens steps
+    growth.finished(40)
+    for _ in range(40):
+        growth.step()
+    assert growth.ratio == 0.05  # then over the mean finished length
+    growth.preempted()
+    assert growth.ratio == 0.5
+    growth.preempted()
+    growth.preempted()
+    assert growth.ratio == 1.0
+
+
+def test_victim_is_the_request_that_loses_fewest_tokens():
+    """Not the newest arrival: the request whose computed tokens, beyond blocks it shares, are the fewest; one
+    whose blocks are all shared (it would free nothing) comes last."""
+    manager = BlockManager(num_blocks=32, block_size=4)
+    old = make_request("old", prompt(6))
+    new = make_request("new", prompt(14, 50))
+    leader = make_request("g", prompt(16, 90), n=2)
+    for arrival, request in enumerate((old, new, leader)):
+        request.arrival = arrival
+        manager.allocate(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+    fork = leader.fork(1, "g#1", arrival=3)
+    manager.fork(leader, fork)
+    fork.token_ids += [TOKEN] * 3
+    manager.allocate(fork, 3)  # 16 shared prompt tokens, 3 of its own
+    fork.num_computed_tokens = 19
+    running = [old, new, leader, fork]
+    assert cheapest_victim(running, set(), manager.ref_counts, 4) is fork  # loses 3 tokens
+    assert cheapest_victim(running, {id(fork)}, manager.ref_counts, 4) is old  # 6, though the oldest
+    assert cheapest_victim(running, {id(fork), id(old)}, manager.ref_counts, 4) is new  # 14
+    assert cheapest_victim([leader], set(), manager.ref_counts, 4) is leader  # loses nothing, frees nothing
+
+
+def test_admission_keeps_the_running_requests_growth_free():
+    """A prompt that fits in the free blocks still waits while the running request is expected to grow into them,
+    and runs once it finished; with a cache large enough for both, it is admitted at once."""
+    for num_blocks, admitted_with_first in ((28, False), (80, True)):
+        first = make_request("first", prompt(8), max_new_tokens=100)
+        second = make_request("second", prompt(8, 50), max_new_tokens=100)
+        s = sim(first, num_blocks=num_blocks, block_size=4, max_batch_tokens=64)
+        s.step()
+        s.scheduler.add(second)
+        s.step()  # free: num_blocks - 3; needed: 2 for its prompt, 13 + 13 for half of 100 tokens each
+        assert (second in s.scheduler.running) == admitted_with_first
+        while second not in s.scheduler.running:
+            s.step()
+        assert first.is_finished == (not admitted_with_first) and s.scheduler.num_preemptions == 0
+        outputs = s.drain()
+        assert outputs["first"].output_ids == outputs["second"].output_ids == [TOKEN] * 100
+
+
+def test_requests_with_one_prompt_admitted_together_compute_it_once():
+    """Four requests with the same 20-token prompt (n=1 each, as the HTTP API sends a group): the first computes
+    the prompt, the others wait one step and take its 4 full blocks from the prefix cache."""
+    requests = [make_request(f"r{i}", prompt(20), max_new_tokens=3) for i in range(4)]
+    s = sim(*requests, num_blocks=64, block_size=4, max_batch_tokens=256)
+    batch, _ = s.step()
+    assert [(seq.request.request_id, seq.start, seq.num_tokens) for seq in batch.sequences] == [("r0", 0, 20)]
+    batch, _ = s.step()
+    assert [(seq.request.request_id, seq.start, seq.num_tokens) for seq in batch.sequences] == [
+        ("r0", 20, 1),
+        ("r1", 16, 4),
+        ("r2", 16, 4),
+        ("r3", 16, 4),
+    ]
+    assert all(o.output_ids == [TOKEN] * 3 for o in s.drain().values())
