@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-import trainer_bridge.trl as bridge
+import trainer_bridge.trl_generation as bridge
 from rollout.config import SamplingParams
 from rollout.service.presets import tiny_model
 from service_helpers import run_ranks
@@ -129,7 +129,7 @@ CHILD = textwrap.dedent(
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl_helpers import dataset, grpo_config, id_reward
 
-    import trainer_bridge.trl as bridge
+    import trainer_bridge.trl_generation as bridge
     from rollout.service.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 

@@ -43,9 +43,6 @@ samples through the workers (weights are synced before each call, as for vLLM). 
 from __future__ import annotations
 
 import inspect
-import itertools
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import trl
@@ -53,9 +50,9 @@ from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
-from trainer_bridge.grpo_sampling import grpo_sampling
-from trainer_bridge.weight_sync import push_weights
+from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.trl_generation import RolloutGeneration, RolloutRows
+from trainer_bridge.trl_settings import check_mode, check_staleness
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -93,139 +90,6 @@ def check_trl_internals() -> None:
             raise RuntimeError(
                 f"TRL {version}'s GRPOTrainer changed: {needle!r} is gone; trainer_bridge.trl needs an update"
             )
-
-
-@dataclass
-class RolloutRows:
-    """Completions of a list of rows, in row order.
-
-    Attributes:
-        completion_ids: generated token ids per row (the stop token included when one ended it).
-        logprobs: the sampling logprob of every generated token.
-        policy_versions: per row, run-length encoded [version, first token index] pairs.
-        finish_reasons: "stop" or "length" per row.
-    """
-
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    policy_versions: list[list[list[int]]]
-    finish_reasons: list[str]
-
-
-class RolloutGeneration:
-    """TRL's vLLM generation backend, replaced: `sync_weights()` and `generate(...)` through rollout workers."""
-
-    def __init__(self, trainer: GRPOTrainer, client: RolloutClient, base_version: int, **push_kwargs: Any):
-        """
-        Args:
-            trainer: the GRPOTrainer (its GRPOConfig gives the sampling settings, its state the step).
-            client: this rank's RolloutClient.
-            base_version: the workers' policy version for step 0 (their version when training started, plus one).
-            **push_kwargs: passed to `push_weights` (mode, transport, bucket_bytes, timeout, ...).
-        """
-        self.trainer = trainer
-        self.client = client
-        self.base_version = base_version
-        self._last_version: int | None = None  # the version the last sync set
-        self.push_kwargs = push_kwargs
-        self._group_ids = itertools.count()
-        self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
-
-    def _next_version(self) -> int:
-        """The version of the weights a sync makes current: base + global step, and after the first sync always
-        above the last one (a new `train()` or a resumed checkpoint starts the step count again; the base moves)."""
-        step = self.trainer.state.global_step
-        if self._last_version is not None and self.base_version + step <= self._last_version:
-            self.base_version = self._last_version + 1 - step
-        self._last_version = self.base_version + step
-        return self._last_version
-
-    def sync_weights(self) -> None:
-        """Push the trainer's weights (every rank calls this; only the main process sends)."""
-        trainer = self.trainer
-        main = trainer.accelerator.is_main_process
-        failure: BaseException | None = None
-        try:
-            push_weights(
-                self.client if main else None,
-                trainer.model_wrapped,
-                version=self._next_version(),
-                accelerator=trainer.accelerator,
-                **self.push_kwargs,
-            )
-        except BaseException as error:  # noqa: BLE001 - every rank hears of it below, then raises
-            failure = error
-        # Every rank calls this at the same point. The broadcast makes the others wait until the workers serve the
-        # new weights (else they would sample their rows with the previous step's), and makes them fail with the
-        # main process when its push failed, instead of waiting for it forever.
-        _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
-
-    def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
-        """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
-
-        Args:
-            prompt_ids: token ids of each row's prompt.
-            **sampling: SamplingParams fields overriding the GRPOConfig-derived ones (e.g. max_new_tokens).
-        Raises:
-            RolloutError: a worker failed, or a completion ended with an error or was aborted.
-        """
-        settings = {**self.sampling, **sampling}
-        groups: list[PromptGroup] = []
-        for row in prompt_ids:
-            if groups and groups[-1].prompt_ids == list(row):
-                groups[-1].n += 1
-            else:
-                groups.append(PromptGroup(list(row), 1, dict(settings), f"grpo-{next(self._group_ids)}"))
-        results = {result.group_id: result for result in self._generate_groups(groups)}
-        ordered = [completion for group in groups for completion in results[group.group_id].completions]
-        for completion in ordered:
-            if completion.finish_reason not in ("stop", "length"):
-                raise RolloutError(completion.finish_reason, completion.error or "a completion did not finish")
-        self._log_lag(ordered)
-        return RolloutRows(
-            [c.token_ids for c in ordered],
-            [c.logprobs for c in ordered],
-            [c.policy_versions for c in ordered],
-            [c.finish_reason for c in ordered],
-        )
-
-    def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
-        return self.client.generate_many(groups)
-
-    def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
-        """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs [token][1], None) for the rows."""
-        if images is not None and any(image is not None for image in images):
-            raise NotImplementedError("rollout workers serve text-only models; images are not supported")
-        if profiler is None:
-            rows = self.generate_rows(prompts)
-        else:
-            with profiler:
-                rows = self.generate_rows(prompts)
-        return prompts, rows.completion_ids, [[[lp] for lp in logprobs] for logprobs in rows.logprobs], None
-
-    def _log_lag(self, completions: list) -> None:
-        """Policy lag per token: trainer step now - the step whose weights sampled the token (this rank's rows)."""
-        step = self.trainer.state.global_step
-        lags: list[int] = []
-        for completion in completions:
-            runs = completion.policy_versions + [[None, len(completion.token_ids)]]
-            for (version, first), (_, end) in zip(runs, runs[1:]):
-                lags += [step - (version - self.base_version)] * (end - first)
-        if lags:
-            mode = "train" if self.trainer.model.training else "eval"
-            self.trainer._metrics[mode]["rollout/policy_lag_mean"].append(sum(lags) / len(lags))
-            self.trainer._metrics[mode]["rollout/policy_lag_max"].append(float(max(lags)))
-
-
-def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: str) -> None:
-    """A collective: the main process's outcome goes to every rank; all raise when it failed."""
-    outcome: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(outcome, from_process=0)
-    if failure is not None:
-        raise failure
-    if outcome[0] is not None:
-        raise RolloutError("main_process_failed", f"the main process failed {what}: {outcome[0]}")
 
 
 class RolloutGRPOTrainer(GRPOTrainer):
@@ -272,7 +136,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
-        _check_mode(
+        check_mode(
             rollout_mode,
             rollout_workers,
             rollout_push_kwargs,
@@ -280,7 +144,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
             rollout_engine_config,
             sleep_between_rounds,
         )
-        _check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"), rollout_push_kwargs)
+        check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"), rollout_push_kwargs)
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         super().__init__(*args, **kwargs)
         if max_staleness and getattr(self, "environment_factories", None) is not None:
@@ -357,39 +221,3 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 **(push_kwargs or {}),
             )
         return RolloutGeneration(self, client, current[0] + 1, **(push_kwargs or {}))
-
-
-ROLLOUT_MODES = ("server", "colocate")
-
-
-def _check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_func: Any, push: Any) -> None:
-    """max_staleness and stale_policy, refused by name where they cannot be honoured."""
-    if max_staleness and (push or {}).get("mode", "keep") not in ("keep", "recompute"):
-        raise ValueError("max_staleness > 0 needs push mode 'keep' or 'recompute' (rounds sent ahead are in flight)")
-    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-        raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
-    if stale_policy not in ("regenerate", "is_correct"):
-        raise ValueError(f"stale_policy must be 'regenerate' or 'is_correct', got {stale_policy!r}")
-    if max_staleness and mode != "server":
-        raise ValueError("max_staleness > 0 needs rollout_mode='server' (colocated generation shares the GPU)")
-    if max_staleness and rollout_func is not None:
-        raise ValueError("max_staleness > 0 does not apply to rollout_func (it generates its own rows)")
-
-
-def _check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool | None) -> None:
-    """Each setting belongs to one mode: a setting of the other mode would be silently ignored, so it is refused."""
-    if mode not in ROLLOUT_MODES:
-        raise ValueError(f"rollout_mode must be one of {list(ROLLOUT_MODES)}, got {mode!r}")
-    if mode == "server" and workers is None:
-        raise ValueError('rollout_mode="server" needs rollout_workers (addresses or a RolloutClient)')
-    other_mode = {
-        "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": sleep is not None},
-        "colocate": {
-            "rollout_workers": workers is not None,
-            "rollout_push_kwargs": push is not None,
-            "rollout_client_kwargs": client is not None,
-        },
-    }[mode]
-    for name, given in other_mode.items():
-        if given:
-            raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")

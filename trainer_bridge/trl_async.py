@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
-from trainer_bridge.trl import RolloutGeneration
+from trainer_bridge.trl_generation import RolloutGeneration
 
 STALE_POLICIES = ("regenerate", "is_correct")
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)

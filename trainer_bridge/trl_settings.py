@@ -1,0 +1,41 @@
+"""The settings of `RolloutGRPOTrainer`, refused by name where they cannot be honoured: each belongs to one mode,
+and the off-policy ones (max_staleness, partial rollouts) to the modes and push modes that can carry them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLLOUT_MODES = ("server", "colocate")
+
+
+def check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_func: Any, push: Any) -> None:
+    """max_staleness and stale_policy, refused by name where they cannot be honoured."""
+    if max_staleness and (push or {}).get("mode", "keep") not in ("keep", "recompute"):
+        raise ValueError("max_staleness > 0 needs push mode 'keep' or 'recompute' (rounds sent ahead are in flight)")
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
+    if stale_policy not in ("regenerate", "is_correct"):
+        raise ValueError(f"stale_policy must be 'regenerate' or 'is_correct', got {stale_policy!r}")
+    if max_staleness and mode != "server":
+        raise ValueError("max_staleness > 0 needs rollout_mode='server' (colocated generation shares the GPU)")
+    if max_staleness and rollout_func is not None:
+        raise ValueError("max_staleness > 0 does not apply to rollout_func (it generates its own rows)")
+
+
+def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool | None) -> None:
+    """Each setting belongs to one mode: a setting of the other mode would be silently ignored, so it is refused."""
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"rollout_mode must be one of {list(ROLLOUT_MODES)}, got {mode!r}")
+    if mode == "server" and workers is None:
+        raise ValueError('rollout_mode="server" needs rollout_workers (addresses or a RolloutClient)')
+    other_mode = {
+        "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": sleep is not None},
+        "colocate": {
+            "rollout_workers": workers is not None,
+            "rollout_push_kwargs": push is not None,
+            "rollout_client_kwargs": client is not None,
+        },
+    }[mode]
+    for name, given in other_mode.items():
+        if given:
+            raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")
