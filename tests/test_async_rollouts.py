@@ -95,3 +95,51 @@ def test_closing_cancels_what_is_in_flight(client, worker):
     assert stats["samples_finished"]["abort"] > 0
     with pytest.raises(ValueError, match="max_staleness"):
         AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=-1)
+
+
+def straggling_groups(count: int) -> list[PromptGroup]:
+    """Every third group is a straggler: 48 tokens against 6 (no stop token: each runs to its length)."""
+    return [
+        PromptGroup([5 + i, 6, 7, 8], n=2, sampling={"max_new_tokens": 48 if i % 3 == 0 else 6, "stop_token_ids": [],
+                                                     "seed": 100 + i})
+        for i in range(count)
+    ]  # fmt: skip
+
+
+def test_partial_rollouts_train_complete_groups_and_carry_stragglers(client, model):
+    """Each step takes the first complete groups; stragglers keep generating (mode "keep", the same weights pushed
+    every step) and join the next step. Every group is trained once, its tokens within the version bound, and a
+    group carried across steps has exactly the tokens of the same group generated alone."""
+    prompts = straggling_groups(18)
+    trained, carried = [], 0
+    with AsyncRollouts(client, prompts, GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True) as rollouts:
+        base = rollouts.base_version
+        for batch in rollouts:
+            assert len(batch.groups) == GROUPS_PER_STEP and all(0 <= lag <= 1 for lag in batch.lags), batch.lags
+            for group in batch.groups:
+                for completion in group.completions:
+                    versions = [v for v, _ in completion.policy_versions] + [completion.kv_version_min]
+                    assert min(versions) - base >= batch.step - 1
+            trained += batch.groups
+            carried += batch.carried_over
+            push_weights(client, model, version=rollouts.version_after(batch.step))  # unchanged weights
+            if batch.step == 3:
+                break
+    assert len({g.group_id for g in trained}) == len(trained) == 4 * GROUPS_PER_STEP  # each trained once
+    assert carried >= 2  # the first step's stragglers joined the second
+    by_prompt = {tuple(p.prompt_ids): p for p in prompts}
+    long_ones = [g for g in trained if len(g.completions[0].token_ids) == 48]
+    assert long_ones
+    alone = client.generate_many([PromptGroup(list(g.prompt_ids), 2, dict(by_prompt[tuple(g.prompt_ids)].sampling))
+                                  for g in long_ones])  # fmt: skip
+    for carried_group, reference in zip(long_ones, alone):
+        assert [c.token_ids for c in carried_group.completions] == [c.token_ids for c in reference.completions]
+
+
+def test_partial_rollouts_settings_are_refused_by_name(client):
+    with pytest.raises(ValueError, match="max_partial_rounds=2 .* beyond max_staleness=0"):
+        AsyncRollouts(client, [], GROUPS_PER_STEP, partial_rollouts=True)
+    with pytest.raises(ValueError, match="max_partial_rounds has no effect without partial_rollouts"):
+        AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, max_partial_rounds=2)
+    with pytest.raises(ValueError, match="partial_overprovision must be"):
+        AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True, partial_overprovision=2)

@@ -17,6 +17,12 @@ same seed) until it is fresh; with `"is_correct"` it is kept as it is (its logpr
 importance-sampling correction stays exact). Groups are taken from `groups` in order and step `s` always trains on
 groups `s * groups_per_step` to `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in
 which prompts each step sees. `max_staleness=0` is synchronous: the next step's groups are sent only when it asks.
+
+With `partial_rollouts=True` (`trainer_bridge.partial_rounds`), a step trains the first complete groups instead:
+`groups_per_step` plus `partial_overprovision` of it more are kept in flight, a step takes the oldest complete ones
+(and waits for any that already spanned `max_partial_rounds` steps), and the rest keep generating into later steps.
+Steps then no longer see the prompts in order; `batch.carried_over` counts the groups sent in an earlier step.
+`max_staleness` must cover `max_partial_rounds - 1` (refused by name otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError
+from trainer_bridge.partial_rounds import PartialRounds, check_partial
 
 STALE_POLICIES = ("regenerate", "is_correct")
 
@@ -42,6 +49,7 @@ class RolloutBatch:
         lags: per sample, `step` minus the oldest weights' version behind it (0: on-policy).
         regenerated: groups generated again because they were too stale.
         wait_s: seconds the caller waited for this batch.
+        carried_over: with partial rollouts, groups sent in an earlier step (they spanned more than one).
     """
 
     step: int
@@ -49,6 +57,7 @@ class RolloutBatch:
     lags: list[int] = field(default_factory=list)
     regenerated: int = 0
     wait_s: float = 0.0
+    carried_over: int = 0
 
 
 class AsyncRollouts:
@@ -63,6 +72,9 @@ class AsyncRollouts:
         stale_policy: str = "regenerate",
         timeout: float | None = None,
         base_version: int | None = None,
+        partial_rollouts: bool = False,
+        max_partial_rounds: int | None = None,
+        partial_overprovision: float | None = None,
     ):
         """
         Args:
@@ -75,6 +87,10 @@ class AsyncRollouts:
             timeout: most seconds to wait for one group (default: the client's).
             base_version: the version of step 0's weights (default: the newest version the client's workers serve
                 now; the client routes groups only to workers that serve it).
+            partial_rollouts: a step trains the first complete groups; unfinished ones join later steps.
+            max_partial_rounds: with partial_rollouts, most steps one group may span (default 2).
+            partial_overprovision: with partial_rollouts, extra groups in flight as a fraction of groups_per_step,
+                in (0, 1] (default 0.5).
         Raises:
             ValueError: a bad setting, naming it.
         """
@@ -84,6 +100,12 @@ class AsyncRollouts:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        check_partial(partial_rollouts, max_partial_rounds, partial_overprovision, max_staleness, 1)
+        self.partial: PartialRounds | None = None
+        if partial_rollouts:
+            self.partial = PartialRounds(groups_per_step)
+            self.partial.max_partial_rounds = max_partial_rounds or self.partial.max_partial_rounds
+            self.partial.overprovision = partial_overprovision or self.partial.overprovision
         self.client = client
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
@@ -120,6 +142,8 @@ class AsyncRollouts:
         if self._closed:
             raise StopIteration
         started = time.perf_counter()
+        if self.partial is not None:
+            return self._next_partial(started)
         try:
             self._fill_window()
             first = self.step * self.groups_per_step
@@ -177,6 +201,78 @@ class AsyncRollouts:
         self.close()
 
     # ---- internals ------------------------------------------------------------------------------------------------
+    def _next_partial(self, started: float) -> RolloutBatch:
+        """The next step's batch with partial rollouts: top the pool up, then wait until it can give a step."""
+        pool = self.partial
+        assert pool is not None
+        try:
+            while pool.room and not self._exhausted:  # new groups, sent in this step
+                try:
+                    group = next(self._source)
+                except StopIteration:
+                    self._exhausted = True
+                    break
+                self._slots[self._num_taken] = group
+                self._num_taken += 1
+                self._send(self._num_taken - 1)
+                pool.add(self._num_taken - 1, self.step)
+            if len(pool) < self.groups_per_step:
+                self.close()
+                raise StopIteration
+            oldest_allowed = self.base_version + self.step - self.max_staleness
+            regenerated: set[int] = set()
+            while True:
+                for index, result in pool.completed():
+                    if self.stale_policy == "regenerate" and self._oldest_version(result) < oldest_allowed:
+                        if index in regenerated:
+                            raise RolloutError(
+                                "stale",
+                                f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers "
+                                f"still serve version {self._oldest_version(result)}: push weights with "
+                                "version=version_after(step) after each optimizer step",
+                            )
+                        regenerated.add(index)
+                        self._send(index)
+                        pool.resent(index, self.step)
+                taken = pool.take(self.step)
+                if taken is not None:
+                    break
+                self._collect_one()
+        except BaseException:
+            self.close()
+            raise
+        carried = sum(1 for _, _, round_sent in taken if round_sent < self.step)
+        for index, _, _ in taken:
+            del self._slot_of[self._slots.pop(index).group_id]
+        groups = [result for _, result, _ in taken]
+        now = self.base_version + self.step
+        lags = [now - self._sample_oldest(c) for g in groups for c in g.completions]
+        batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started, carried)
+        self.step += 1
+        return batch
+
+    def _collect_one(self) -> None:
+        """Wait for one result of a group in flight (partial rollouts): it completes its slot, or is sent again
+        when a weight update aborted it."""
+        try:
+            event = self._sink.get(timeout=self.timeout)
+        except queue.Empty:
+            raise RolloutError("timeout", f"no group finished within {self.timeout:g} s") from None
+        if isinstance(event, RolloutError):
+            raise event
+        self._in_flight.discard(event.group_id)
+        index = self._slot_of.get(event.group_id)
+        if index is None or index not in self.partial:
+            return
+        if any(c.finish_reason == "error" for c in event.completions):
+            error = next(c.error for c in event.completions if c.finish_reason == "error")
+            raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
+        if any(c.finish_reason == "abort" for c in event.completions):
+            self._send(index)
+            self.partial.resent(index, self.step)
+            return
+        self.partial.complete(index, event)
+
     def _fill_window(self) -> None:
         """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
         end = (self.step + self.max_staleness + 1) * self.groups_per_step
