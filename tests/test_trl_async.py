@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker  # noqa: E402
-from trainer_bridge import RolloutClient  # noqa: E402
+from trainer_bridge import PromptGroup, RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGeneration, RolloutGRPOTrainer  # noqa: E402
 from trainer_bridge.trl_async import AsyncRolloutGeneration  # noqa: E402
 from trl_helpers import dataset, grpo_config, id_reward  # noqa: E402
@@ -133,6 +133,11 @@ def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
         (dict(max_staleness=1, rollout_mode="colocate", rollout_workers=None), "rollout_mode='server'"),
         (dict(max_staleness=1, rollout_push_kwargs={"mode": "abort"}), "push mode"),
         (dict(max_staleness=1, args_overrides={"steps_per_generation": 2}), "spans"),
+        (dict(partial_rollouts=True), "max_partial_rounds=2 .* beyond max_staleness=0"),
+        (dict(max_staleness=2, partial_rollouts=True, args_overrides={"steps_per_generation": 4}), "raise max_staleness"),
+        (dict(max_staleness=1, max_partial_rounds=2), "max_partial_rounds has no effect"),
+        (dict(max_staleness=1, partial_rollouts=True, partial_overprovision=0), "partial_overprovision"),
+        (dict(max_staleness=1, partial_rollouts=1), "partial_rollouts must be True or False"),
     ],
 )
 def test_bad_staleness_settings_are_refused(tmp_path, client, kwargs, message):
@@ -206,3 +211,64 @@ def test_groups_sent_ahead_that_grew_too_stale_are_generated_again(tmp_path, cli
             assert regenerated[1] > 0 and all(entry["rollout/policy_lag_max"] <= 1 for entry in logs)
         else:
             assert sum(regenerated) == 0 and max(entry["rollout/policy_lag_max"] for entry in logs) > 1
+
+
+def test_partial_rollouts_train_whole_first_complete_groups(tmp_path, client):
+    """partial_rollouts=True, max_staleness=1 (2 rounds): one prompt in four straggles (32 tokens, EOS banned,
+    against 2). Every round TRL's loss sees whole groups of 4 rows, each prompt once, with every token's version
+    within one step; stragglers are carried into the next round; with the weights unchanged (learning rate 0, push
+    mode "keep"), a carried group's tokens are exactly those of the same group generated at once."""
+    from trainer_bridge.trl_partial import PartialRolloutGeneration
+
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, max_steps=STEPS, learning_rate=0.0, max_completion_length=32),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=client,
+        max_staleness=1,
+        partial_rollouts=True,
+    )
+    generation = trainer.rollout
+    assert isinstance(generation, PartialRolloutGeneration)
+    stragglers = {row for row in dataset()["prompt"] if int(row[1:3]) % 4 == 0}
+    generation._group_sampling = lambda rows: (  # noqa: SLF001 - the test's stragglers
+        {**generation.sampling, "min_new_tokens": 32}
+        if rows[0]["prompt"] in stragglers
+        else {**generation.sampling, "max_new_tokens": 2}
+    )
+    sent, rounds = {}, []
+    send_group, take_round = generation._send_group, generation.take_round  # noqa: SLF001
+
+    def record_send(key, group):
+        send_group(key, group)
+        sent[tuple(group.prompt_ids)] = generation._sent[key]  # noqa: SLF001 - with the seed the client gave it
+
+    def record_round(rows):
+        taken = take_round(rows)
+        rounds.append((trainer.state.global_step, [row["prompt"] for row in taken], generation._stash))  # noqa: SLF001
+        return taken
+
+    generation._send_group, generation.take_round = record_send, record_round  # noqa: SLF001
+    trainer.train()
+    assert trainer.state.global_step == STEPS and len(rounds) == STEPS
+    base, trained = generation.base_version, []
+    for step, prompts, (_, completions) in rounds:
+        assert len(prompts) == 8 and all(len(set(prompts[i : i + 4])) == 1 for i in (0, 4))  # two whole groups
+        trained += prompts[::4]
+        for completion in completions:
+            assert all(version - base >= step - 1 for version, _ in completion.policy_versions), step
+    assert len(set(trained)) == len(trained)  # each prompt trained once
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert sum(entry["rollout/partial_carried_over"] for entry in logs) > 0
+    assert set(trained) & stragglers and any(p not in stragglers for p in trained[:2])  # short ones went first
+    checked = 0
+    for _, prompts, (prompt_ids, completions) in rounds:
+        for first in (0, 4):
+            if prompts[first] in stragglers:
+                group = sent[tuple(prompt_ids[first])]
+                (again,) = client.generate_many([PromptGroup(list(group.prompt_ids), group.n, dict(group.sampling))])
+                assert [c.token_ids for c in again.completions] == [c.token_ids for c in completions[first : first + 4]]
+                checked += 1
+    assert checked

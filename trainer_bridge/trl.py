@@ -51,6 +51,7 @@ from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl_generation import RolloutGeneration, RolloutRows
 from trainer_bridge.trl_settings import check_mode, check_staleness
 
@@ -77,6 +78,7 @@ def check_trl_internals() -> None:
     single_turn = inspect.getsource(GRPOTrainer._generate_single_turn)
     generate = inspect.getsource(GRPOTrainer._generate)
     scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
     expected = [
         (single_turn, "self.vllm_generation.sync_weights()"),
         (single_turn, "self.vllm_generation.generate("),
@@ -84,6 +86,7 @@ def check_trl_internals() -> None:
         (single_turn, "logprobs = [[lp[0] for lp in seq] for seq in logprobs]"),
         (generate, "self.rollout_func(prompts, self)"),
         (scoring, "self.use_vllm and self.vllm_importance_sampling_correction"),
+        (prepare, "self._generate_and_score_completions(generation_batch)"),
     ]
     for source, needle in expected:
         if needle not in source:
@@ -107,6 +110,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
         sleep_between_rounds: bool | None = None,
         max_staleness: int = 0,
         stale_policy: str = "regenerate",
+        partial_rollouts: bool = False,
+        max_partial_rounds: int | None = None,
+        partial_overprovision: float | None = None,
         **kwargs: Any,
     ):
         """
@@ -129,6 +135,12 @@ class RolloutGRPOTrainer(GRPOTrainer):
                 (`trainer_bridge.trl_async`). 0 (default): synchronous, as without it.
             stale_policy: with max_staleness: "regenerate" a too stale group, or keep it ("is_correct": TRL's
                 importance-sampling correction weighs it with the behaviour policy's logprobs).
+            partial_rollouts: "server": a generation round trains the first complete groups; unfinished ones keep
+                generating and join a later round (`trainer_bridge.trl_partial`). Needs max_staleness to cover
+                max_partial_rounds - 1 rounds.
+            max_partial_rounds: with partial_rollouts, most generation rounds one group may span (default 2).
+            partial_overprovision: with partial_rollouts, extra groups in flight as a fraction of a round's, in
+                (0, 1] (default 0.5).
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
@@ -146,6 +158,17 @@ class RolloutGRPOTrainer(GRPOTrainer):
         )
         check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"), rollout_push_kwargs)
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
+        steps_per_round = 1.0
+        if isinstance(config, GRPOConfig):
+            steps_per_round = config.steps_per_generation * config.num_iterations / config.gradient_accumulation_steps
+        check_partial(partial_rollouts, max_partial_rounds, partial_overprovision, max_staleness, steps_per_round)
+        if partial_rollouts and (rollout_mode != "server" or kwargs.get("rollout_func") is not None):
+            raise ValueError("partial_rollouts needs rollout_mode='server' and no rollout_func")
+        self.partial_rollouts = partial_rollouts
+        self._partial_settings = (
+            max_partial_rounds or DEFAULT_MAX_PARTIAL_ROUNDS,
+            partial_overprovision or DEFAULT_OVERPROVISION,
+        )
         super().__init__(*args, **kwargs)
         if max_staleness and getattr(self, "environment_factories", None) is not None:
             raise ValueError("max_staleness > 0 does not support environment_factories yet")
@@ -176,6 +199,12 @@ class RolloutGRPOTrainer(GRPOTrainer):
         finally:
             if hasattr(self.rollout, "close"):
                 self.rollout.close()
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        """TRL's, on the rows the partial rollout round hands it when partial_rollouts is on (training only)."""
+        if self.partial_rollouts and self.model.training:
+            inputs = self.rollout.take_round(inputs)
+        return super()._generate_and_score_completions(inputs)
 
     def get_train_dataloader(self) -> Any:
         """TRL's train dataloader; with max_staleness, read ahead by the generation (same batches, same order)."""
@@ -209,6 +238,20 @@ class RolloutGRPOTrainer(GRPOTrainer):
             broadcast_object_list(current, from_process=0)
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
+        if self.partial_rollouts:
+            from trainer_bridge.trl_partial import PartialRolloutGeneration
+
+            rounds, overprovision = self._partial_settings
+            return PartialRolloutGeneration(
+                self,
+                client,
+                current[0] + 1,
+                max_staleness=self.max_staleness,
+                stale_policy=self.stale_policy,
+                max_partial_rounds=rounds,
+                partial_overprovision=overprovision,
+                **(push_kwargs or {}),
+            )
         if self.max_staleness:
             from trainer_bridge.trl_async import AsyncRolloutGeneration
 

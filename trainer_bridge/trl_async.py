@@ -143,7 +143,7 @@ class AsyncRolloutGeneration(RolloutGeneration):
         regenerated: set[int] = set()
         while True:
             results = self._wait([g.group_id for g in sent])
-            stale = [i for i, r in enumerate(results) if _oldest_version(r) < oldest_allowed]
+            stale = [i for i, r in enumerate(results) if oldest_version(r) < oldest_allowed]
             if not stale or self.stale_policy == "is_correct":
                 break
             if regenerated & set(stale):
@@ -252,7 +252,7 @@ def _key(groups: list[PromptGroup]) -> RoundKey:
     return tuple((tuple(group.prompt_ids), group.n) for group in groups)
 
 
-def _oldest_version(result: GroupResult) -> int:
+def oldest_version(result: GroupResult) -> int:
     """The oldest weights behind any sample of a group: its first token's version, or its KV's if older."""
     oldest = []
     for completion in result.completions:
