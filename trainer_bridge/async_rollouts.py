@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError
+from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError, oldest_version, sample_oldest_version
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
 
 STALE_POLICIES = ("regenerate", "is_correct")
@@ -155,11 +155,11 @@ class AsyncRollouts:
             oldest_allowed = self.base_version + self.step - self.max_staleness
             while True:
                 self._collect_until(wanted)
-                stale = [i for i in wanted if self._oldest_version(self._results[i]) < oldest_allowed]
+                stale = [i for i in wanted if oldest_version(self._results[i]) < oldest_allowed]
                 if not stale or self.stale_policy == "is_correct":
                     break
                 if regenerated & set(stale):  # sent after the newest push and still too old: it would never end
-                    version = self._oldest_version(self._results[stale[0]])
+                    version = oldest_version(self._results[stale[0]])
                     raise RolloutError(
                         "stale",
                         f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers still serve "
@@ -176,7 +176,7 @@ class AsyncRollouts:
         for index in wanted:  # done with: forget them (a long run must not keep every prompt)
             del self._slot_of[self._slots.pop(index).group_id]
         now = self.base_version + self.step
-        lags = [now - self._sample_oldest(c) for g in groups for c in g.completions]
+        lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
         batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started)
         self.step += 1
         return batch
@@ -223,12 +223,12 @@ class AsyncRollouts:
             regenerated: set[int] = set()
             while True:
                 for index, result in pool.completed():
-                    if self.stale_policy == "regenerate" and self._oldest_version(result) < oldest_allowed:
+                    if self.stale_policy == "regenerate" and oldest_version(result) < oldest_allowed:
                         if index in regenerated:
                             raise RolloutError(
                                 "stale",
                                 f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers "
-                                f"still serve version {self._oldest_version(result)}: push weights with "
+                                f"still serve version {oldest_version(result)}: push weights with "
                                 "version=version_after(step) after each optimizer step",
                             )
                         regenerated.add(index)
@@ -246,7 +246,7 @@ class AsyncRollouts:
             del self._slot_of[self._slots.pop(index).group_id]
         groups = [result for _, result, _ in taken]
         now = self.base_version + self.step
-        lags = [now - self._sample_oldest(c) for g in groups for c in g.completions]
+        lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
         batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started, carried)
         self.step += 1
         return batch
@@ -311,11 +311,3 @@ class AsyncRollouts:
                 self._send(index)  # aborted (a weight update in mode "abort"): generated again
                 continue
             self._results[index] = event
-
-    @staticmethod
-    def _sample_oldest(completion: Any) -> int:
-        first = completion.policy_versions[0][0] if completion.policy_versions else completion.kv_version_min
-        return min(first, completion.kv_version_min)
-
-    def _oldest_version(self, group: GroupResult) -> int:
-        return min(self._sample_oldest(c) for c in group.completions)

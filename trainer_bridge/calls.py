@@ -37,6 +37,18 @@ class GroupResult:
     completions: list[Completion]
 
 
+def sample_oldest_version(completion: Completion) -> int:
+    """The oldest weights behind a sample: its first token's version, or its KV's if older (a prompt computed under
+    earlier weights)."""
+    first = completion.policy_versions[0][0] if completion.policy_versions else completion.kv_version_min
+    return min(first, completion.kv_version_min)
+
+
+def oldest_version(result: GroupResult) -> int:
+    """The oldest weights behind any sample of a group (`sample_oldest_version`)."""
+    return min(sample_oldest_version(completion) for completion in result.completions)
+
+
 class RolloutError(RuntimeError):
     """A worker refused or failed a request, or no answer came in time.
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
 from trainer_bridge.trl_generation import RolloutGeneration
 
@@ -250,12 +251,3 @@ class AsyncRolloutGeneration(RolloutGeneration):
 
 def _key(groups: list[PromptGroup]) -> RoundKey:
     return tuple((tuple(group.prompt_ids), group.n) for group in groups)
-
-
-def oldest_version(result: GroupResult) -> int:
-    """The oldest weights behind any sample of a group: its first token's version, or its KV's if older."""
-    oldest = []
-    for completion in result.completions:
-        first = completion.policy_versions[0][0] if completion.policy_versions else completion.kv_version_min
-        oldest.append(min(first, completion.kv_version_min))
-    return min(oldest)

@@ -24,9 +24,10 @@ import queue
 import time
 from typing import Any
 
+from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import PromptGroup, RolloutError
 from trainer_bridge.partial_rounds import PartialRounds
-from trainer_bridge.trl_async import AsyncRolloutGeneration, oldest_version
+from trainer_bridge.trl_async import AsyncRolloutGeneration
 from trainer_bridge.trl_generation import RolloutRows
 
 GroupKey = tuple[int, int, int]  # (epoch, index of its batch in the epoch's stream, index of the group in the batch)
