@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated bounds, e.g. 0,1,2: run rollout_server once per bound (RolloutGRPOTrainer "
         "max_staleness=k) instead of the four systems",
     )
+    gs.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        help="rollout_server on the long-tail shape (forced lognormal lengths, median 32, cap 256): synchronous, "
+        "max_staleness=1, and max_staleness=1 with partial_rollouts",
+    )
     load.add_arguments(
         commands.add_parser(
             "load",
@@ -228,7 +234,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 parser.error("--max-staleness runs rollout_server only: leave out --systems")
         if args.model != "tiny" and (bounds is not None or "rollout_server" in (args.systems or grpo_step.SYSTEMS)):
             parser.error(f"--model {args.model}: rollout_server runs the tiny preset only; pass --systems without it")
-        summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model)
+        if args.partial_rollouts and (bounds is not None or args.systems or args.model != "tiny"):
+            parser.error(
+                "--partial-rollouts runs rollout_server on the tiny model: leave out --max-staleness, --systems"
+            )
+        summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model, args.partial_rollouts)
     elif args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":

@@ -21,6 +21,12 @@ max_staleness=k)`: the next k rounds generate on the worker while the trainer tr
 trainer's wait for rollouts per step, completion tokens trained per second, and the policy lag (mean and max over
 the timed steps' tokens).
 
+With `--partial-rollouts`, rollout_server runs on the long-tail shape (`rollout.benchmarks.grpo_long_tail`: each
+group's length lognormal, median 32, capped at 256, forced by banning EOS until then; 4 groups of 8 per step) three times: synchronous
+(`max_staleness=0`), asynchronous (`max_staleness=1`), and with partial rollouts (`max_staleness=1,
+partial_rollouts=True`: a round trains the first complete groups, stragglers join the next round). Same columns, and
+the groups carried over per step.
+
 GPU recipe: `rollout-bench grpo-step --device cuda` runs the same comparison on one GPU (worker and trainer share it);
 asynchronous generation pays off when the worker has a device of its own (`--max-staleness 0,1,2` with the worker on
 a second GPU: `CUDA_VISIBLE_DEVICES` of the two processes), since on one device the two contend for it.
@@ -126,9 +132,11 @@ def measure_system(
     warmup: int = WARMUP_STEPS,
     max_staleness: int = 0,
     model: str = "tiny",
+    partial: bool = False,
+    long_tail: bool = False,
 ) -> dict:
     """`run_one` under the name `isolated.py` calls (in a process of its own)."""
-    return run_one(system, device, steps, warmup, max_staleness, model)
+    return run_one(system, device, steps, warmup, max_staleness, model, partial, long_tail)
 
 
 def run_one(
@@ -138,10 +146,13 @@ def run_one(
     warmup: int = WARMUP_STEPS,
     max_staleness: int = 0,
     model_shape: str = "tiny",
+    partial: bool = False,
+    long_tail: bool = False,
 ) -> dict:
     """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory
     (`max_staleness`: rollout_server's bound; the timed steps' tokens per second and policy lag are added;
-    rollout_colocate on CUDA: the memory each `sleep()` hands back to the training step)."""
+    rollout_colocate on CUDA: the memory each `sleep()` hands back to the training step; `partial`:
+    rollout_server with partial rollouts; `long_tail`: the long-tail lengths of `grpo_long_tail`)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import tempfile
 
@@ -156,6 +167,10 @@ def run_one(
         raise ValueError("rollout_server runs its worker on the tiny preset only; use --model tiny for it")
     model = _model(model_shape, device)
     shape = MODEL_SHAPES[model_shape]
+    if long_tail:
+        from rollout.benchmarks.grpo_long_tail import CAP_TOKENS
+
+        shape = {**shape, "max_completion_length": CAP_TOKENS, "per_device_train_batch_size": 32}
     common = dict(reward_funcs=letter_reward, train_dataset=Dataset.from_dict({"prompt": toy_prompts(256, 0)}))
     common["processing_class"] = tiny_tokenizer()
     output = tempfile.mkdtemp(prefix="grpo_step_")
@@ -171,7 +186,7 @@ def run_one(
             rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=COLOCATED_KV_BLOCKS[model_shape])
         else:
             worker, address = _start_worker(device)
-            rollout = dict(rollout_workers=address, max_staleness=max_staleness)
+            rollout = dict(rollout_workers=address, max_staleness=max_staleness, partial_rollouts=partial)
         trainer = RolloutGRPOTrainer(model=model, args=_config(output, total, device, **shape), **common, **rollout)
     elif system == "trl_generate":
         trainer = GRPOTrainer(model=model, args=_config(output, total, device, **shape), **common)
@@ -180,11 +195,17 @@ def run_one(
         trainer = GRPOTrainer(model=model, args=config, **common)
     else:
         raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS + EXTRA_SYSTEMS)}")
+    if long_tail:
+        from rollout.benchmarks.grpo_long_tail import force_lengths
+
+        force_lengths(trainer.rollout_client)
     clock = _StepClock()
     trainer.add_callback(clock.callback())
     trainer._generate_single_turn = clock.timed("generation", trainer._generate_single_turn)
     if system.startswith("rollout"):
         trainer.rollout.sync_weights = clock.timed("weight_sync", trainer.rollout.sync_weights)
+    if partial:  # the round's wait (and its push) happens before TRL's generation call, in take_round
+        trainer.rollout.take_round = clock.timed("generation", trainer.rollout.take_round)
     sleeps: list[int] = []  # bytes each colocated sleep() handed back to the allocator's users (CUDA)
     if system.startswith("rollout_colocate") and device == "cuda":
         engine = trainer.rollout.engine
@@ -224,6 +245,8 @@ def run_one(
         result["max_staleness"] = max_staleness
         result["lag_mean"] = round(statistics.mean(entry["rollout/policy_lag_mean"] for entry in logs), 3)
         result["lag_max"] = max(entry["rollout/policy_lag_max"] for entry in logs)
+        if partial:
+            result["carried_over_mean"] = statistics.mean(entry["rollout/partial_carried_over"] for entry in logs)
     return result
 
 
@@ -274,6 +297,7 @@ def run(
     steps: int = STEPS,
     max_staleness: list[int] | None = None,
     model: str = "tiny",
+    partial_rollouts: bool = False,
 ) -> dict:
     """Each system in its own process (its result printed as one JSON line as it finishes); print the table and
     return the JSON-able summary (`rollout-bench` prints it).
@@ -284,6 +308,8 @@ def run(
         steps: timed steps per system (after `WARMUP_STEPS` untimed ones).
         max_staleness: run rollout_server once per bound instead (systems is then ignored).
         model: the policy's shape, a key of MODEL_SHAPES.
+        partial_rollouts: run rollout_server on the long-tail shape: synchronous, max_staleness=1, and
+            max_staleness=1 with partial rollouts (systems and max_staleness are then ignored).
     """
     import torch
 
@@ -292,17 +318,23 @@ def run(
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {}
-    runs = [(system, 0, system) for system in systems or SYSTEMS]
+    runs = [(system, 0, False, system) for system in systems or SYSTEMS]
     if max_staleness is not None:
-        runs = [("rollout_server", k, f"rollout_server k={k}") for k in max_staleness]
-    for system, k, name in runs:
+        runs = [("rollout_server", k, False, f"rollout_server k={k}") for k in max_staleness]
+    if partial_rollouts:
+        runs = [("rollout_server", 0, False, "sync k=0"), ("rollout_server", 1, False, "async k=1")]
+        runs.append(("rollout_server", 1, True, "partial k=1"))
+    for system, k, partial, name in runs:
         stage(f"grpo-step: {name} ({WARMUP_STEPS} + {steps} steps on {device}, {model} model)")
         options = dict(device=device, steps=steps, warmup=WARMUP_STEPS, max_staleness=k, model=model)
+        if partial_rollouts:
+            options.update(partial=partial, long_tail=True)
         result = run_system("grpo-step", system, options, SYSTEM_TIMEOUT_S)
         results[name] = result if result["status"] == "ok" else {"error": f"{result['status']}: {result['error']}"}
     summary = {"benchmark": "grpo-step", "device": device, "model": model, "steps": steps, "warmup_steps": WARMUP_STEPS}
     summary["results"] = results
-    print(table(summary) if max_staleness is None else staleness_table(summary))
+    summary["long_tail"] = partial_rollouts
+    print(table(summary) if max_staleness is None and not partial_rollouts else staleness_table(summary))
     return summary
 
 
@@ -310,7 +342,8 @@ def staleness_table(summary: dict) -> str:
     """`--max-staleness` runs as a fixed-width table: step time, the trainer's wait, tokens/s, policy lag."""
     lines = [
         f"grpo-step on {summary['device']}, rollout_server by max_staleness: median of {summary['steps']} steps",
-        f"{'run':<22}{'step s':>9}{'wait s':>9}{'train s':>9}{'tokens/s':>10}{'lag mean':>10}{'lag max':>9}",
+        f"{'run':<22}{'step s':>9}{'wait s':>9}{'train s':>9}{'tokens/s':>10}{'lag mean':>10}{'lag max':>9}"
+        f"{'carried':>9}",
     ]
     for name, row in summary["results"].items():
         if "error" in row:
@@ -319,6 +352,7 @@ def staleness_table(summary: dict) -> str:
         lines.append(
             f"{name:<22}{row['step_s']:>9.3f}{row['generation_s']:>9.3f}{row['training_s']:>9.3f}"
             f"{row['tokens_per_s']:>10.1f}{row['lag_mean']:>10.2f}{row['lag_max']:>9.0f}"
+            f"{row.get('carried_over_mean', '-'):>9}"
         )
     return "\n".join(lines)
 

@@ -279,7 +279,9 @@ def measure(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the workload from the flags, measure it, print the table; returns the JSON-able summary."""
     shape = shape_from(args)
-    vocab = (STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]) - 1  # the last token is the stop token
+    vocab = (
+        STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]
+    ) - 1  # the last token is the stop token
     prompts, lengths = make_workload(shape, args.seed, vocab)
     summary = measure(
         prompts,

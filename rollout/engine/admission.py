@@ -85,12 +85,15 @@ class GrowthReserve:
 class AdmissionGate:
     """The scheduler's admission rules, with what they sum over the running requests kept for one step."""
 
-    def __init__(self, block_manager: BlockManager):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int):
         """
         Args:
             block_manager: the KV block pool admissions allocate from.
+            max_num_seqs: most sequences a step computes: no more are admitted to run (a running request beyond it
+                would hold KV without computing).
         """
         self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
         self.growth = GrowthReserve(block_manager.block_size)
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
@@ -102,7 +105,8 @@ class AdmissionGate:
 
     def admits(self, request: Request, blocks: int, running: list[Request]) -> bool:
         """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
-        expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits).
+        expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits),
+        and the running requests with its samples stay within max_num_seqs.
         An admitted request's growth counts for the rest of the step. The O(running) sum is made at most once a
         step, and only when the blocks themselves are free.
 
@@ -116,6 +120,8 @@ class AdmissionGate:
             return False
         if not running:
             return True
+        if len(running) + 1 + request.num_forks > self.max_num_seqs:
+            return False
         if self._step_growth is None:
             self._step_growth = self.growth.total(running)
         own = self.growth.blocks(request)

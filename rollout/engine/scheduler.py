@@ -57,7 +57,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.admission = AdmissionGate(block_manager)
+        self.admission = AdmissionGate(block_manager, max_num_seqs)
         # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
         self.admitting = True
 
