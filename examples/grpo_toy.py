@@ -3,6 +3,7 @@
     python examples/grpo_toy.py            # no arguments; about 45 s on a 2-core machine, worker start included
     python examples/grpo_toy.py --colocate # the same task with no worker: generation in the trainer's process
     python examples/grpo_toy.py --max-staleness 2  # asynchronous: the next 2 rounds generate while it trains
+    python examples/grpo_toy.py --max-staleness 1 --partial-rollouts  # rounds train the first complete groups
 
 It starts a `rollout-worker` subprocess serving the built-in tiny model (a random Qwen3-style model built in code,
 nothing downloaded), builds the matching tokenizer in code (one token per character when it encodes), and trains the same tiny model with
@@ -11,7 +12,9 @@ every token), and the trainer pushes its weights to the worker before every gene
 there is no worker: each generation round runs the engine in the trainer's process on the model being trained
 (`rollout_mode="colocate"`), nothing is pushed, and the KV cache is freed between rounds (`sleep_between_rounds`).
 With `--max-staleness k` the worker generates the next k rounds while the trainer trains (`max_staleness=k`):
-samples may come from weights up to k steps old, and the plot's policy lag shows how old they were.
+samples may come from weights up to k steps old, and the plot's policy lag shows how old they were. With
+`--partial-rollouts` (and `--max-staleness 1` or more) a round trains the first complete groups and the others
+carry into the next round (`partial_rollouts=True`).
 
 The task: answer with lowercase letters only. The reward of a completion is the fraction of its tokens that are
 lowercase letters (26 of the model's 1024 token ids), so an untrained model scores about 0.03 and the reward rises
@@ -117,11 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="generate the next k rounds while training; samples up to k steps old (default: 0, synchronous)",
     )
+    parser.add_argument(
+        "--partial-rollouts",
+        action="store_true",
+        help="rounds train the first complete groups, stragglers join the next round (needs --max-staleness 1+)",
+    )
     args = parser.parse_args(argv)
     if args.colocate and args.worker:
         parser.error("--colocate runs no worker: it cannot be combined with --worker")
     if args.max_staleness < 0 or (args.max_staleness and args.colocate):
         parser.error("--max-staleness must be >= 0, and needs a worker (not --colocate)")
+    if args.partial_rollouts and args.max_staleness < 1:
+        parser.error("--partial-rollouts needs --max-staleness 1 or more (a straggler spans two rounds)")
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     random.seed(0)
@@ -137,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     if args.max_staleness:
         rollout["max_staleness"] = args.max_staleness
+    if args.partial_rollouts:
+        rollout["partial_rollouts"] = True
     try:
         prompts = toy_prompts(256, seed=0)
         config = toy_grpo_config(str(output), args.steps)  # fp32 on both sides: logprobs match (sampling/*)
@@ -164,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     title = "colocated" if args.colocate else "through a rollout worker"
     if args.max_staleness:
         title += f", max staleness {args.max_staleness}"
+    if args.partial_rollouts:
+        title += ", partial rollouts"
     plot(log.rows, output / "reward.png", title)
     setup = "colocated, no worker" if args.colocate else "with worker start"
     print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s, {setup})")

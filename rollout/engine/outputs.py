@@ -65,7 +65,7 @@ class GenerationOutput:
         policy_versions: the weights' version that sampled each token in `generated_tokens`, run-length encoded as
             [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
         kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
-            when it never computed anything).
+            when it never computed anything; for a sample preempted and not readmitted yet, the KV it last had).
         prompt_logprobs: with `SamplingParams.prompt_logprobs`, log p(prompt[i] | prompt[:i]) for every prompt
             position (None at position 0), fp32 log_softmax of the model's raw logits; set on a sample's first
             output only (its first streaming delta, or its one final output), else None (also when the sample ended

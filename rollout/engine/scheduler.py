@@ -100,7 +100,8 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.block_hashes = []
-        request.kv_version_min = None
+        # kv_version_min stays until readmission: a sample that ends meanwhile (its last token was in flight) reports
+        # the KV its tokens were computed on.
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
@@ -252,6 +253,7 @@ class Scheduler:
                 return
             self.admission.admitted(request)
             self.waiting.remove(request)
+            request.kv_version_min = None  # its KV is computed anew: under the current weights
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING
             if request.started_time < 0:
