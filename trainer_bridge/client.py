@@ -321,7 +321,7 @@ class RolloutClient:
         self._io.command(OpenChannel(update_id, replies))
         with self._updates_lock:
             self._open_updates.add(update_id)
-        return UpdateChannel(self, update_id, replies)
+        return UpdateChannel(self._io.command, self._update_closed, update_id, replies)
 
     @property
     def updating(self) -> bool:

@@ -5,7 +5,7 @@ engine)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
@@ -14,9 +14,6 @@ from rollout.config import ContinuousBatchingConfig
 from trainer_bridge.client import GroupResult, PromptGroup
 from trainer_bridge.colocated import ColocatedEngine
 from trainer_bridge.trl_generation import RolloutGeneration
-
-if TYPE_CHECKING:
-    from trainer_bridge.trl import RolloutGRPOTrainer
 
 __all__ = ["ColocatedGeneration", "colocated_generation"]
 
@@ -51,7 +48,7 @@ class ColocatedGeneration(RolloutGeneration):
                 self.engine.sleep()
 
 
-def colocated_generation(trainer: RolloutGRPOTrainer, engine_config: Any, sleep: bool | None) -> ColocatedGeneration:
+def colocated_generation(trainer: GRPOTrainer, engine_config: Any, sleep: bool | None) -> ColocatedGeneration:
     """The backend of "colocate" mode: an engine on this rank's model; each round runs inside TRL's own
     `unwrap_model_for_generation` (ZeRO-3 gathered once, DeepSpeed's hooks lifted, as TRL generates)."""
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)

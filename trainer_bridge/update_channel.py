@@ -4,27 +4,39 @@ carries the update's id (the push in push.py drives it)."""
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from rollout.service import protocol as p
 from trainer_bridge.calls import RolloutError
 from trainer_bridge.commands import CloseChannel, SendRaw
 
-if TYPE_CHECKING:
-    from trainer_bridge.client import RolloutClient
-
 
 class UpdateChannel:
     """One weight update's link to the workers (see `RolloutClient.open_update_channel`)."""
 
-    def __init__(self, client: RolloutClient, update_id: str, replies: queue.SimpleQueue):
-        self.client = client
+    def __init__(
+        self,
+        command: Callable[[Any], None],
+        closed: Callable[[str], None],
+        update_id: str,
+        replies: queue.SimpleQueue,
+    ):
+        """
+        Args:
+            command: puts a command in the client's I/O thread's mailbox.
+            closed: tells the client this update's channel is closed.
+            update_id: the update whose replies the channel gets.
+            replies: where the I/O thread puts them, as (worker index, message).
+        """
+        self._command = command
+        self._closed = closed
         self.update_id = update_id
         self._replies = replies
 
     def send(self, worker: int, message: p.Message, data: list | None = None) -> None:
         """Send `message` (and raw data frames after its header) to worker `worker`."""
-        self.client._io.command(SendRaw(worker, message, data))
+        self._command(SendRaw(worker, message, data))
 
     def receive(self, timeout: float) -> tuple[int, p.Message]:
         """The next reply of any worker to this update, as (worker index, message).
@@ -39,5 +51,5 @@ class UpdateChannel:
 
     def close(self) -> None:
         """Stop routing replies to this channel."""
-        self.client._io.command(CloseChannel(self.update_id))
-        self.client._update_closed(self.update_id)
+        self._command(CloseChannel(self.update_id))
+        self._closed(self.update_id)
