@@ -85,3 +85,29 @@ def test_requests_with_one_prompt_admitted_together_compute_it_once():
         ("r3", 16, 4),
     ]
     assert all(o.output_ids == [TOKEN] * 3 for o in s.drain().values())
+
+
+def test_running_samples_stay_within_max_num_seqs_under_prefill_first():
+    """A leader of 4 samples still computing its prompt in chunks counts as 4 sequences: prefill_first admits the
+    short requests behind it only as sequences free up, so no running request holds KV without being computed."""
+    leader = make_request("g", prompt(40), max_new_tokens=50, n=4)
+    s = sim(leader, num_blocks=256, block_size=4, max_batch_tokens=16, max_num_seqs=4, policy="prefill_first")
+    s.step()  # 16 of its 40 prompt tokens
+    for i in range(3):
+        s.scheduler.add(make_request(f"r{i}", prompt(4, 100 + 10 * i), max_new_tokens=50))
+    for _ in range(60):
+        s.step()
+        assert len(s.scheduler.running) <= 4
+    assert len(s.drain()) == 7
+
+
+def test_a_group_larger_than_max_num_seqs_does_not_wait_for_an_empty_batch():
+    """A group of 8 with max_num_seqs 4 goes in while a long request runs (as before the limit was enforced), and
+    the short requests behind it are not held until the long one ends."""
+    s = sim(make_request("long", prompt(4), max_new_tokens=200), num_blocks=512, block_size=4, max_num_seqs=4)
+    s.step()
+    s.scheduler.add(make_request("group", prompt(8, 50), max_new_tokens=20, n=8))
+    s.step()
+    assert any(r.group_id == "group" for r in s.scheduler.running)
+    outputs = s.drain()
+    assert len(outputs) == 9 and outputs["long"].num_output_tokens == 200

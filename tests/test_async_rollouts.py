@@ -141,5 +141,7 @@ def test_partial_rollouts_settings_are_refused_by_name(client):
         AsyncRollouts(client, [], GROUPS_PER_STEP, partial_rollouts=True)
     with pytest.raises(ValueError, match="max_partial_rounds has no effect without partial_rollouts"):
         AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, max_partial_rounds=2)
+    with pytest.raises(ValueError, match="max_partial_rounds must be an integer >= 2"):
+        AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True, max_partial_rounds=1)
     with pytest.raises(ValueError, match="partial_overprovision must be"):
         AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True, partial_overprovision=2)

@@ -134,7 +134,10 @@ def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
         (dict(max_staleness=1, rollout_push_kwargs={"mode": "abort"}), "push mode"),
         (dict(max_staleness=1, args_overrides={"steps_per_generation": 2}), "spans"),
         (dict(partial_rollouts=True), "max_partial_rounds=2 .* beyond max_staleness=0"),
-        (dict(max_staleness=2, partial_rollouts=True, args_overrides={"steps_per_generation": 4}), "raise max_staleness"),
+        (
+            dict(max_staleness=2, partial_rollouts=True, args_overrides={"steps_per_generation": 4}),
+            "raise max_staleness",
+        ),
         (dict(max_staleness=1, max_partial_rounds=2), "max_partial_rounds has no effect"),
         (dict(max_staleness=1, partial_rollouts=True, partial_overprovision=0), "partial_overprovision"),
         (dict(max_staleness=1, partial_rollouts=1), "partial_rollouts must be True or False"),

@@ -45,8 +45,11 @@ def check_partial(
                 raise ValueError(f"{name} has no effect without partial_rollouts=True")
         return
     rounds = DEFAULT_MAX_PARTIAL_ROUNDS if max_partial_rounds is None else max_partial_rounds
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
-        raise ValueError(f"max_partial_rounds must be an integer >= 1, got {max_partial_rounds!r}")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 2:
+        raise ValueError(
+            f"max_partial_rounds must be an integer >= 2, got {max_partial_rounds!r} (1 would wait for every group in "
+            "flight each round: use partial_rollouts=False)"
+        )
     extra = DEFAULT_OVERPROVISION if overprovision is None else overprovision
     if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not 0 < extra <= 1:
         raise ValueError(f"partial_overprovision must be a number in (0, 1], got {overprovision!r}")

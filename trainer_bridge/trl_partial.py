@@ -114,6 +114,10 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
             [c.finish_reason for c in completions],
         )
 
+    def _send_ahead(self) -> None:
+        """Nothing: the pool reads the stream ahead itself (a second generation call in one round, e.g. TRL's tool
+        loop, must not send whole rounds that no round would take)."""
+
     def close(self) -> None:
         """Cancel the groups in flight (and what the parent sent ahead)."""
         for group in self._sent.values():

@@ -97,16 +97,19 @@ class AdmissionGate:
         self.growth = GrowthReserve(block_manager.block_size)
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
+        self._step_sequences: int | None = None  # sequences of the running requests, their unforked samples included
 
     def new_step(self) -> None:
         """Forget the per-step sums (the running set changed) and let the growth ratio decay."""
         self.growth.step()
-        self._step_growth = self._prefilling = None
+        self._step_growth = self._prefilling = self._step_sequences = None
 
     def admits(self, request: Request, blocks: int, running: list[Request]) -> bool:
         """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
         expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits),
-        and the running requests with its samples stay within max_num_seqs.
+        and the running requests with their samples (a leader still computing its prompt counts once per sample it
+        will fork) stay within max_num_seqs. A group larger than max_num_seqs goes in while any room is left (it
+        overshoots for a while), so it does not wait for an empty running set.
         An admitted request's growth counts for the rest of the step. The O(running) sum is made at most once a
         step, and only when the blocks themselves are free.
 
@@ -120,7 +123,10 @@ class AdmissionGate:
             return False
         if not running:
             return True
-        if len(running) + 1 + request.num_forks > self.max_num_seqs:
+        if self._step_sequences is None:
+            self._step_sequences = sum(1 + r.num_forks for r in running)
+        sequences, room = 1 + request.num_forks, self.max_num_seqs - self._step_sequences
+        if room <= 0 or room < sequences <= self.max_num_seqs:
             return False
         if self._step_growth is None:
             self._step_growth = self.growth.total(running)
@@ -128,6 +134,7 @@ class AdmissionGate:
         if not manager.can_allocate(blocks + max(max(1, manager.num_blocks // 100), self._step_growth + own)):
             return False
         self._step_growth += own
+        self._step_sequences += sequences
         return True
 
     def waits_for_shared_prefill(self, request: Request, num_cached_blocks: int, running: list[Request]) -> bool:
