@@ -114,6 +114,19 @@ def test_bad_launch_arguments_are_named():
             RolloutFleet.launch(**{"num_workers": 1, **kwargs})
 
 
+def test_a_random_api_key_that_begins_with_a_dash_reaches_the_worker():
+    """secrets.token_urlsafe may begin with "-": the key still parses as --api-key's value (it once read as a flag
+    and failed the fleet's start at random)."""
+    from types import SimpleNamespace
+
+    from rollout.ray.actor import worker_argv, worker_parser
+
+    files = SimpleNamespace(worker_secret="w.key_secret", trainer_keys="trainers")
+    argv = worker_argv(["--model", "tiny", "--device", "cpu"], "10.0.0.7", files, True, "-Xk3y")
+    args = worker_parser().parse_args(argv)
+    assert args.api_key == "-Xk3y" and args.bind == "tcp://10.0.0.7:*" and args.http == "10.0.0.7:0"
+
+
 def test_two_workers_serve_groups_like_transformers_generate(fleet, client):
     assert len(fleet.addresses) == len(fleet.workers) == 2 and all(a.startswith("tcp://") for a in fleet.addresses)
     assert sorted(client.worker_addresses) == sorted(fleet.addresses)

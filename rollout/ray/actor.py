@@ -27,6 +27,25 @@ logger = logging.getLogger("rollout.ray")
 FLEET_FLAGS = ("--bind", "--curve-secret-key", "--authorized-keys", "--trainer-keys", "--insecure", "--model", "--http")
 
 
+def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str | None) -> list[str]:
+    """The worker's command line on this node: `argv`, bound to the node's address, with the fleet's CurveZMQ key
+    files and, with `http`, the OpenAI API on a free port of the node and its key.
+
+    Args:
+        argv: the fleet's worker arguments.
+        host: this node's IP address.
+        files: the key files (`worker_secret`, `trainer_keys`).
+        http: also serve the OpenAI API.
+        api_key: its key (passed as `--api-key=KEY`: a random key may begin with "-").
+    """
+    bracketed = f"[{host}]" if ":" in host else host
+    argv = [*argv, "--bind", f"tcp://{bracketed}:*", "--curve-secret-key", files.worker_secret]
+    argv += ["--trainer-keys", files.trainer_keys]
+    if http:
+        argv += ["--http", f"{bracketed}:0", f"--api-key={api_key or ''}"]
+    return argv
+
+
 class _UsageError(ValueError):
     """A bad `rollout-worker` flag, raised instead of exiting the process."""
 
@@ -98,21 +117,8 @@ class RolloutWorkerActor:
 
         from rollout.service.startup import start_worker
 
-        host = ray.util.get_node_ip_address()
-        bracketed = f"[{host}]" if ":" in host else host
-        argv = [
-            *argv,
-            "--bind",
-            f"tcp://{bracketed}:*",
-            "--curve-secret-key",
-            files.worker_secret,
-            "--trainer-keys",
-            files.trainer_keys,
-        ]
-        if http:
-            argv += ["--http", f"{bracketed}:0", "--api-key", api_key or ""]
         parser = worker_parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(worker_argv(argv, ray.util.get_node_ip_address(), files, http, api_key))
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return start_worker(parser, args)
 
