@@ -206,16 +206,8 @@ class AsyncRollouts:
         pool = self.partial
         assert pool is not None
         try:
-            while pool.room and not self._exhausted:  # new groups, sent in this step
-                try:
-                    group = next(self._source)
-                except StopIteration:
-                    self._exhausted = True
-                    break
-                self._slots[self._num_taken] = group
-                self._num_taken += 1
-                self._send(self._num_taken - 1)
-                pool.add(self._num_taken - 1, self.step)
+            while pool.room and (index := self._send_next()) is not None:  # new groups, sent in this step
+                pool.add(index, self.step)
             if len(pool) < self.groups_per_step:
                 self.close()
                 raise StopIteration
@@ -276,15 +268,22 @@ class AsyncRollouts:
     def _fill_window(self) -> None:
         """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
         end = (self.step + self.max_staleness + 1) * self.groups_per_step
-        while self._num_taken < end and not self._exhausted:
-            try:
-                group = next(self._source)
-            except StopIteration:
-                self._exhausted = True
-                return
-            self._slots[self._num_taken] = group
-            self._num_taken += 1
-            self._send(self._num_taken - 1)
+        while self._num_taken < end and self._send_next() is not None:
+            pass
+
+    def _send_next(self) -> int | None:
+        """Take the next group from `groups` into the next slot and send it; its slot, or None when they ran out."""
+        if self._exhausted:
+            return None
+        try:
+            group = next(self._source)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        self._slots[self._num_taken] = group
+        self._num_taken += 1
+        self._send(self._num_taken - 1)
+        return self._num_taken - 1
 
     def _send(self, index: int) -> None:
         call = self.client._submit(self._slots[index], stream=False, sink=self._sink)  # noqa: SLF001 - same package
