@@ -243,9 +243,13 @@ class AsyncRollouts:
         self.step += 1
         return batch
 
-    def _collect_one(self) -> None:
-        """Wait for one result of a group in flight (partial rollouts): it completes its slot, or is sent again
-        when a weight update aborted it."""
+    def _next_result(self) -> tuple[int, GroupResult] | None:
+        """Wait for one result of a group in flight: (its slot, the result), or None when it was aborted (a weight
+        update in mode "abort": sent again here) or its slot is gone.
+
+        Raises:
+            RolloutError: a timeout, the client's error, or a sample that failed on its worker.
+        """
         try:
             event = self._sink.get(timeout=self.timeout)
         except queue.Empty:
@@ -254,16 +258,22 @@ class AsyncRollouts:
             raise event
         self._in_flight.discard(event.group_id)
         index = self._slot_of.get(event.group_id)
-        if index is None or index not in self.partial:
-            return
+        if index is None or (self.partial is not None and index not in self.partial):
+            return None  # a group already trained on (never expected: the client delivers each result once)
         if any(c.finish_reason == "error" for c in event.completions):
             error = next(c.error for c in event.completions if c.finish_reason == "error")
             raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
         if any(c.finish_reason == "abort" for c in event.completions):
             self._send(index)
-            self.partial.resent(index, self.step)
-            return
-        self.partial.complete(index, event)
+            if self.partial is not None:
+                self.partial.resent(index, self.step)
+            return None
+        return index, event
+
+    def _collect_one(self) -> None:
+        """Partial rollouts: wait for one result and complete its slot."""
+        if (result := self._next_result()) is not None:
+            self.partial.complete(*result)
 
     def _fill_window(self) -> None:
         """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
@@ -293,20 +303,6 @@ class AsyncRollouts:
 
     def _collect_until(self, wanted: range) -> None:
         while any(i not in self._results for i in wanted):
-            try:
-                event = self._sink.get(timeout=self.timeout)
-            except queue.Empty:
-                raise RolloutError("timeout", f"no group finished within {self.timeout:g} s") from None
-            if isinstance(event, RolloutError):
-                raise event
-            self._in_flight.discard(event.group_id)
-            index = self._slot_of.get(event.group_id)
-            if index is None:  # a group already trained on (never expected: the client delivers each result once)
-                continue
-            if any(c.finish_reason in ("abort", "error") for c in event.completions):
-                if any(c.finish_reason == "error" for c in event.completions):
-                    error = next(c.error for c in event.completions if c.finish_reason == "error")
-                    raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
-                self._send(index)  # aborted (a weight update in mode "abort"): generated again
-                continue
-            self._results[index] = event
+            if (result := self._next_result()) is not None:
+                index, event = result
+                self._results[index] = event
