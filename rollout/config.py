@@ -116,6 +116,11 @@ class ContinuousBatchingConfig:
     # GPU-path changes to switch back to how they were before (names of PREVIOUS_PATHS), so that one GPU run can
     # measure both; () takes every current path.
     previous_paths: tuple[str, ...] = ()
+    # LoRA adapters served side by side (unmerged, `Engine.load_adapter`): at most this many at once, each of rank
+    # at most max_lora_rank. Their stacked weights are allocated when the first adapter arrives; the base model
+    # alone costs nothing.
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         _check(
@@ -140,6 +145,9 @@ class ContinuousBatchingConfig:
             "must be an integer >= 1",
             self.max_num_seqs,
         )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, "must be an integer >= 1", value)
         if self.max_memory_percent is not None:
             _check(
                 _is_number(self.max_memory_percent) and 0 < self.max_memory_percent <= 1,

@@ -6,6 +6,7 @@ Invariants:
 - Only full blocks whose KV has been computed get a hash: hash(parent hash, the block's tokens, version), where the
   version is the oldest one behind the request's KV (`kv_version_min`), and lookups use the current version. So KV
   computed (even partly, across a "keep" update) under old weights never serves a request admitted after an update.
+  A request's first block chains from its LoRA adapter's name (None for the base): adapters never share KV.
 - Tokens are only ever written at positions >= num_computed_tokens, so a full computed (hashed) block is never
   written again; a shared partial block is copied before its first write (copy-on-write).
 This module never imports torch: copies are returned as (src, dst) block pairs for the model runner to execute.
@@ -21,6 +22,12 @@ from rollout.engine.request import Request
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative integers."""
     return -(-a // b)
+
+
+def _first_parent(request: Request) -> tuple[str, str] | None:
+    """What a request's first block hash chains from: its LoRA adapter (a prefix computed under one adapter is never
+    reused by another, nor by the base), None for the base model."""
+    return None if request.adapter is None else ("adapter", request.adapter.name)
 
 
 class BlockManager:
@@ -136,7 +143,7 @@ class BlockManager:
         return block
 
     # ---- prefix caching ---------------------------------------------------------------------------------------
-    def _hash_block(self, parent_hash: int | None, tokens: list[int], version: int) -> int:
+    def _hash_block(self, parent_hash: int | tuple[str, str] | None, tokens: list[int], version: int) -> int:
         return hash((parent_hash, tuple(tokens), version))
 
     def match_prefix(self, request: Request) -> tuple[list[int], list[int]]:
@@ -169,7 +176,7 @@ class BlockManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _first_parent(request)
             tokens = request.token_ids[index * size : (index + 1) * size]
             hashes.append(self._hash_block(parent, tokens, self.policy_version))
         request.prefix_hash_memo = (self.policy_version, hashes)
@@ -202,7 +209,7 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // size, len(request.block_ids))
         while len(request.block_hashes) < num_full:
             index = len(request.block_hashes)
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else _first_parent(request)
             # Keyed by the oldest version behind the request's KV, not the current one: a block finished after a
             # "keep" update holds KV partly computed under the old weights and must never match a lookup made
             # under the new version (lookups always use the current version, which only grows).

@@ -11,7 +11,6 @@ one wasted row in the step already queued. Anything that changes requests or wei
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
-from rollout.engine.commit_modes import abort_in_flight, recompute_in_flight
 from rollout.engine.counters import engine_stats, log_leaks
+from rollout.engine.engine_weights import EngineWeights
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
@@ -31,7 +30,7 @@ from rollout.engine.request import Request, RequestStatus, sample_id
 from rollout.engine.sampler import Sampler
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.warmup import warm_up
-from rollout.engine.weight_table import WeightTable, WeightUpdateResult
+from rollout.engine.weight_table import WeightTable
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config
 
@@ -44,7 +43,7 @@ NOTHING_TO_DRAW = (
 )
 
 
-class Engine:
+class Engine(EngineWeights):
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
     def __init__(
@@ -93,13 +92,10 @@ class Engine:
         self.num_steps = 0
         self.num_weight_updates = 0
         self.warmed_up = False  # warmup() ran
-        self.intake = RequestIntake(self.vocab_size, self.max_model_len, self.config, defaults, tokenizer)
+        self.intake = RequestIntake(
+            self.vocab_size, self.max_model_len, self.config, defaults, tokenizer, self.runner.adapters.ref
+        )
         self.weights = WeightTable(model)
-
-    @property
-    def policy_version(self) -> int:
-        """Version of the weights now served: 0 at start, then what each weight update set."""
-        return self.block_manager.policy_version
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -125,6 +121,7 @@ class Engine:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
+        adapter: str | None = None,
     ) -> list[str]:
         """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
 
@@ -137,12 +134,15 @@ class Engine:
             max_new_tokens: overrides `sampling.max_new_tokens`.
             streaming: emit a delta after every token (else one output per sample when it finishes).
             record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+            adapter: the LoRA adapter to sample with (`load_adapter`); None: the base model.
         Returns:
             The request ids of the n samples.
         Raises:
             ValueError: bad input (names the field).
         """
-        request = self.intake.prepare(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps)
+        request = self.intake.prepare(
+            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
+        )
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 
@@ -185,68 +185,6 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """The engine's counters, a snapshot (`engine_stats`)."""
         return engine_stats(self)
-
-    # ---- weights ----------------------------------------------------------------------------------------------
-    def num_in_flight(self) -> int:
-        """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
-        waits for)."""
-        return len(self.scheduler.in_flight()) or int(self._in_flight is not None)
-
-    def update_weights(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int | None = None,
-        mode: str = "keep",
-        partial: bool = False,
-    ) -> WeightUpdateResult:
-        """Copy new weights into the model in place, all at once, between two steps; bump the policy version.
-
-        Everything is validated first: a bad update changes nothing. In-place copies keep the model's tensors (and
-        anything captured against them) valid.
-
-        Args:
-            tensors: name (as in the model's state_dict) -> new value.
-            version: the new policy version (must exceed the current one); None adds one.
-            mode: what happens to in-flight samples: "keep" (continue on their old KV), "recompute" (re-prefill
-                prompt + tokens so far under the new weights), "abort" (end now with finish_reason "abort";
-                samples that have not sampled yet are recomputed instead), "wait" (only valid once nothing is in
-                flight: the manager pauses admission and drains first).
-            partial: allow updating a subset of the parameters.
-        Returns:
-            A `WeightUpdateResult`; its `outputs` are the aborted samples' final outputs, for the caller to deliver.
-        Raises:
-            FieldError: a bad mode, version or tensor (named); nothing was changed (a "wait" refused for samples in
-                flight has finished the step in flight first: its outputs come with the next `step()`).
-        """
-        started = time.perf_counter()
-        new_version = self.weights.check_update(tensors, version, mode, partial, self.policy_version)
-        self._drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
-        if mode == "wait" and self.num_in_flight():
-            raise FieldError("mode", f"'wait' needs a drained engine; {self.num_in_flight()} samples are in flight")
-        copy_started = time.perf_counter()
-        self.weights.copy_in(tensors)
-        self.runner.weights_changed()
-        copy_ms = (time.perf_counter() - copy_started) * 1000
-        self.block_manager.policy_version = new_version
-        # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
-        self.block_manager.reset_prefix_cache()
-        result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
-        result.outputs, self._undelivered = self._undelivered, []
-        if mode == "recompute":
-            result.recomputed = recompute_in_flight(self.scheduler)
-        elif mode == "abort":
-            ended, result.recomputed = abort_in_flight(self.scheduler)
-            aborted = self._outputs(ended)
-            result.outputs += aborted
-            result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")
-        self.num_weight_updates += 1
-        result.pause_ms = (time.perf_counter() - started) * 1000
-        return result
-
-    def weights_changed(self) -> None:
-        """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
-        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed."""
-        self.runner.weights_changed()
 
     def warmup(self, num_tokens: int = 8) -> None:
         """Capture the decode CUDA graphs and run one short request, leaving no trace (`warm_up`). Call it while

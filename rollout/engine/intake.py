@@ -8,12 +8,14 @@ import dataclasses
 import numbers
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
 from rollout.detokenizer import OutputText
+from rollout.engine.adapter_ref import AdapterRef
 from rollout.engine.request import Request, sample_id
 from rollout.generation_config import GenerationDefaults
 from rollout.sampling_params import SAMPLING_FIELDS
@@ -61,6 +63,7 @@ class RequestIntake:
         config: ContinuousBatchingConfig,
         defaults: GenerationDefaults,
         tokenizer: Any = None,
+        adapter_ref: Callable[[str], AdapterRef] | None = None,
     ):
         """
         Args:
@@ -69,8 +72,11 @@ class RequestIntake:
             config: the engine's settings (seed, return_logprobs).
             defaults: the resolved generation config (sampling defaults, num_return_sequences, max_length).
             tokenizer: decodes outputs for stop strings (`SamplingParams.stop`); None: stop strings are refused.
+            adapter_ref: the served LoRA adapter of a name (raising FieldError for an unknown one); None: the engine
+                serves no adapter.
         """
         self.tokenizer = tokenizer
+        self.adapter_ref = adapter_ref
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -127,6 +133,7 @@ class RequestIntake:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
+        adapter: str | None = None,
     ) -> Request:
         """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
         thread may call it). `submit` queues the result.
@@ -156,6 +163,11 @@ class RequestIntake:
         if not _is_int(max_new) or max_new < (0 if scoring else 1):  # 0: score the prompt only (prompt_logprobs)
             raise FieldError("max_new_tokens", f"must be an integer >= 1 (0 with prompt_logprobs), got {max_new!r}")
         self.validate(prompt, sampling, max_new)
+        ref = None
+        if adapter is not None:
+            if self.adapter_ref is None:
+                raise FieldError("adapter", "this engine serves no LoRA adapter")
+            ref = self.adapter_ref(adapter)
         return Request(
             request_id=group_id if n == 1 else sample_id(group_id, 0),
             group_id=group_id,
@@ -176,6 +188,7 @@ class RequestIntake:
             prompt_top_logprobs=[None] if scoring else None,
             prompt_logprob_ranks=[None] if scoring else None,
             score_only=max_new == 0,
+            adapter=ref,
         )
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:

@@ -20,6 +20,7 @@ from rollout.engine.block_tables import BlockTables
 from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.fp32_head import Fp32Head
 from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.lora import AdapterTable
 from rollout.engine.model_lease import acquire, release
 from rollout.engine.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
@@ -81,7 +82,12 @@ class ModelRunner:
         # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
         # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
         # only a garbage collection frees.
-        self._forward: DecodeForward = ModelForward(model, self.device)
+        # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives.
+        self.adapters = AdapterTable(
+            model, config.max_loras, config.max_lora_rank, max(config.max_batch_tokens, config.max_num_seqs)
+        )
+        self._graphs_layout = 0  # the adapters' layout the captured graphs saw
+        self._forward: DecodeForward = ModelForward(model, self.device, self.adapters)
         self._decode_forward: DecodeForward = self._forward
         if config.decode_compile_config is not None:
             self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
@@ -132,17 +138,20 @@ class ModelRunner:
                 self.decode_graphs.capture()
 
     @contextlib.contextmanager
-    def _stepping(self) -> Iterator[None]:
-        """Inside: the fp32 head (if any) projects, from an up-to-date copy of the head's weight."""
-        if self.fp32_head is None:
+    def _stepping(self, batch: ScheduledBatch | None = None) -> Iterator[None]:
+        """Inside: the fp32 head (if any) projects, from an up-to-date copy of the head's weight, and the LoRA hooks
+        (if any adapter is served) act for `batch`'s sequences (None: a graph capture, every token on the base)."""
+        with contextlib.ExitStack() as stack:
+            if self.adapters.loaded:  # the one check a step makes when no adapter is served
+                sequences = batch.sequences if batch is not None else []
+                adapters = [seq.request.adapter for seq in sequences]
+                lengths = [seq.num_tokens for seq in sequences]
+                stack.enter_context(self.adapters.stepping(adapters, lengths, self.decode_graphs is not None))
+            if self.fp32_head is not None:
+                self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
+                self.fp32_head.active = True
+                stack.callback(setattr, self.fp32_head, "active", False)
             yield
-            return
-        self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
-        self.fp32_head.active = True
-        try:
-            yield
-        finally:
-            self.fp32_head.active = False
 
     def weights_changed(self) -> None:
         """The model's weights may have changed in place (a weight update, a trainer's step, a paused manager's
@@ -158,6 +167,7 @@ class ModelRunner:
             if self.fp32_head is not None:
                 self.fp32_head.close()
             self.prompt_scorer.close()
+            self.adapters.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
@@ -200,7 +210,7 @@ class ModelRunner:
             RuntimeError: an input token is a placeholder that `unresolved` does not cover.
         """
         self.prompt_results = None
-        with torch.inference_mode(), self._stepping():
+        with torch.inference_mode(), self._stepping(batch):
             return self._run(batch, unresolved)
 
     def _run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> torch.Tensor:
@@ -219,6 +229,9 @@ class ModelRunner:
         num_sequences = len(inputs.requests)
         decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
         if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
+            if self._graphs_layout != self.adapters.layout_version:  # LoRA hooks came: capture again
+                self.decode_graphs.release()
+                self._graphs_layout = self.adapters.layout_version
             return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
@@ -285,13 +298,15 @@ class ModelForward:
     """The model call of a step: packed input ids and positions, the paged metadata, the rows to keep -> logits
     (in the model's dtype) at the packed positions `keep`."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, adapters: AdapterTable | None = None):
         """
         Args:
             model: the transformers causal LM, already switched to paged attention by its runner.
             device: where its parameters live.
+            adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
         """
         self.model = model
+        self.adapters = adapters
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
         self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
@@ -300,6 +315,8 @@ class ModelForward:
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
     ) -> torch.Tensor:
         kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
+        if self.adapters is not None:
+            self.adapters.new_forward()
         logits = self.model(
             input_ids=input_ids,
             position_ids=positions,

@@ -74,6 +74,8 @@ class GenerationOutput:
             (token id, log-prob) pairs, most likely first (None at position 0; empty lists when k is 0).
         prompt_logprob_ranks: alongside prompt_logprobs, each prompt token's rank in its distribution (1: the most
             likely; ties share the better rank, as vLLM; None at position 0).
+        adapter: the LoRA adapter that sampled it (None: the base model).
+        adapter_version: that adapter's policy version when this output was made (None for the base model).
     """
 
     request_id: str
@@ -95,6 +97,8 @@ class GenerationOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    adapter: str | None = None
+    adapter_version: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -135,6 +139,8 @@ def progress_output(request: Request) -> GenerationOutput:
         policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
         kv_version_min=request.kv_version_min,
     )
+    if request.adapter is not None:
+        output.adapter, output.adapter_version = request.adapter.name, request.adapter.version
     scored = request.prompt_logprobs
     if start == 0 and scored is not None and len(scored) == request.num_prompt_tokens:  # its first output
         output.prompt_logprobs, output.prompt_top_logprobs = scored, request.prompt_top_logprobs

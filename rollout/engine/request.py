@@ -14,6 +14,7 @@ from typing import Any
 
 from rollout.config import SamplingParams
 from rollout.detokenizer import OutputText
+from rollout.engine.adapter_ref import AdapterRef
 
 
 class RequestStatus(IntEnum):
@@ -103,6 +104,8 @@ class Request:
     started_time: float = -1.0
     finished_time: float = -1.0
     token_times: list[float] | None = None
+    # The LoRA adapter that serves this sample (None: the base model); part of its prefix hashes.
+    adapter: AdapterRef | None = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -228,4 +231,5 @@ class Request:
             prompt_top_logprobs=self.prompt_top_logprobs,
             prompt_logprob_ranks=self.prompt_logprob_ranks,
             score_only=self.score_only,
+            adapter=self.adapter,
         )

@@ -95,6 +95,20 @@ class WeightTable:
         Raises:
             FieldError: a bad mode, version or tensor, named.
         """
+        new_version = self.check_version(version, mode, current)
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
+        self.check_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
+        self.check_tied_values(tensors)
+        return new_version
+
+    @staticmethod
+    def check_version(version: int | None, mode: str, current: int) -> int:
+        """The version an update sets (None: one above `current`), after checking it and the commit mode.
+
+        Raises:
+            FieldError: ("mode" or "version") a bad one.
+        """
         if mode not in WEIGHT_UPDATE_MODES:
             raise FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
         new_version = current + 1 if version is None else version
@@ -104,10 +118,6 @@ class WeightTable:
                 f"must be an integer above the current {current} and at most {MAX_POLICY_VERSION} (int64), "
                 f"got {version!r}",
             )
-        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-            raise FieldError("tensors", "expected a dict of name -> torch.Tensor")
-        self.check_specs({n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}, partial)
-        self.check_tied_values(tensors)
         return new_version
 
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:

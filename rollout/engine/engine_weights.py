@@ -1,0 +1,112 @@
+"""The engine's weights API (`Engine` inherits it): whole-model weight updates and LoRA adapters, each committed
+between two steps as one transaction with a policy version (`weight_commit.commit`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.engine.lora_weights import LoraModule
+from rollout.engine.request import Request
+from rollout.engine.weight_commit import commit
+from rollout.engine.weight_table import WeightUpdateResult
+
+if TYPE_CHECKING:
+    from rollout.engine.block_manager import BlockManager
+    from rollout.engine.model_runner import ModelRunner
+    from rollout.engine.pending_samples import InFlightStep
+    from rollout.engine.scheduler import Scheduler
+    from rollout.engine.weight_table import WeightTable
+
+
+class EngineWeights:
+    """Weight updates and adapters of an `Engine` (its scheduler, runner and weight table)."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    weights: WeightTable
+    block_manager: BlockManager
+    _in_flight: InFlightStep | None
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now served: 0 at start, then what each weight update set."""
+        return self.block_manager.policy_version
+
+    def num_in_flight(self) -> int:
+        """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
+        waits for)."""
+        return len(self.scheduler.in_flight()) or int(self._in_flight is not None)
+
+    def update_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None = None,
+        mode: str = "keep",
+        partial: bool = False,
+    ) -> WeightUpdateResult:
+        """Copy new weights into the model in place, all at once, between two steps; bump the policy version.
+
+        Everything is validated first: a bad update changes nothing. In-place copies keep the model's tensors (and
+        anything captured against them) valid.
+
+        Args:
+            tensors: name (as in the model's state_dict) -> new value.
+            version: the new policy version (must exceed the current one); None adds one.
+            mode: what happens to in-flight samples: "keep" (continue on their old KV), "recompute" (re-prefill
+                prompt + tokens so far under the new weights), "abort" (end now with finish_reason "abort";
+                samples that have not sampled yet are recomputed instead), "wait" (only valid once nothing is in
+                flight: the manager pauses admission and drains first).
+            partial: allow updating a subset of the parameters.
+        Returns:
+            A `WeightUpdateResult`; its `outputs` are the aborted samples' final outputs, for the caller to deliver.
+        Raises:
+            FieldError: a bad mode, version or tensor (named); nothing was changed (a "wait" refused for samples in
+                flight has finished the step in flight first: its outputs come with the next `step()`).
+        """
+        started = time.perf_counter()
+        new_version = self.weights.check_update(tensors, version, mode, partial, self.policy_version)
+        return commit(self, lambda: self.weights.copy_in(tensors), new_version, mode, started)
+
+    def load_adapter(
+        self,
+        name: str,
+        modules: dict[str, LoraModule],
+        version: int | None = None,
+        mode: str = "keep",
+        check_finite: bool = False,
+    ) -> WeightUpdateResult:
+        """Serve a LoRA adapter unmerged under `name` (replacing the one of that name), between two steps: a weight
+        update like `update_weights`, with a policy version, that leaves the base weights untouched.
+
+        Args:
+            name: the adapter's name (requests choose it: `add_request(..., adapter=name)`).
+            modules: base Linear name -> `LoraModule` (lora_A, lora_B, scaling); `lora_weights.load_peft_dir` reads a
+                PEFT adapter directory into this form.
+            version: the new policy version (must exceed the current one); None adds one.
+            mode: as for `update_weights`; "recompute" and "abort" act on this adapter's samples only.
+            check_finite: refuse tensors holding NaN or Inf.
+        Returns:
+            A `WeightUpdateResult`.
+        Raises:
+            FieldError: a bad name, tensor (unknown module, shape, rank above max_lora_rank), mode or version, or
+                max_loras adapters served already (named); nothing was changed.
+        """
+        started = time.perf_counter()
+        new_version = self.weights.check_version(version, mode, self.policy_version)
+        self.runner.adapters.check(name, modules, check_finite)
+
+        def copy() -> None:
+            self.runner.adapters.load(name, modules, new_version)
+
+        def affects(request: Request) -> bool:
+            return request.adapter is not None and request.adapter.name == name
+
+        return commit(self, copy, new_version, mode, started, affects)
+
+    def weights_changed(self) -> None:
+        """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
+        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed."""
+        self.runner.weights_changed()

@@ -1,0 +1,293 @@
+"""LoRA adapters served unmerged, several side by side in one batch: a LoRA Linear's output is
+W0 x + scaling * B (A x), the trainer's own computation (peft's) in any dtype, and the base weights are never
+modified.
+
+Layout: every base Linear an adapter targets gets, once, stacked weights for all `max_loras` slots,
+A (max_loras * max_rank, in) and B (out, max_loras * max_rank) in fp32 (an adapter of lower rank leaves its extra
+rows zero), per-slot scalings, and a forward hook. A step gives every token the slot of its request's adapter (or the
+"base" slot, `max_loras`); the hook computes `x @ A.T`, zeroes the columns of other slots (one mask per forward,
+shared by all layers), and adds `(that @ B.T) * scaling[slot]`: one gathered product per layer, the same shapes
+every step, so decode CUDA graphs capture it.
+
+Invariants:
+- The hooks act only inside an engine step that needs them (`stepping`): a trainer's own forward of a shared model
+  (colocated) never sees them. Without any adapter loaded there are no hooks at all.
+- A base token's mask row is zero: its output gains an exact 0.
+- `layout_version` changes whenever captured graphs would be stale (hooks added, the slot buffer grown): the runner
+  then captures them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rollout.config import FieldError, dtype_name
+from rollout.engine.adapter_ref import AdapterRef, check_adapter_name
+from rollout.engine.lora_weights import WIRE_SUFFIXES, LoraModule
+from rollout.engine.transfer import to_device
+
+# LoRA runs in fp32 whatever the model's dtype, as peft runs it by default (`autocast_adapter_dtype=True` keeps
+# adapter weights in fp32 under a bf16 base); bf16 / fp16 adapters are widened losslessly.
+LORA_DTYPE = torch.float32
+ADAPTER_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+class LoraStepState:
+    """What the hooks of one table share during a step: whether they act, and each token's slot."""
+
+    def __init__(self, num_slots: int, max_rank: int, max_tokens: int, device: torch.device):
+        self.active = False
+        self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
+        # Column c of the stacked A belongs to slot c // max_rank.
+        self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
+        self._mask: torch.Tensor | None = None
+        self._num_tokens = 0
+
+    def new_forward(self) -> None:
+        """Forget the previous forward's mask (the first hook of a forward builds it)."""
+        self._mask = None
+
+    def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask (T, slots * rank) in x's dtype, token slots (T,)) for a LoRA layer's input of T tokens.
+
+        Raises:
+            RuntimeError: a LoRA layer whose input is not one row per token of the step (an MoE expert's share).
+        """
+        num_tokens = x.shape[-2]
+        if self._mask is None:
+            self._num_tokens = num_tokens
+            slots = self.token_slots[:num_tokens]
+            self._mask = (self.columns.unsqueeze(0) == slots.unsqueeze(1)).to(x.dtype)
+        elif num_tokens != self._num_tokens:
+            raise RuntimeError(
+                f"LoRA on {module}: its input has {num_tokens} rows, the step {self._num_tokens} tokens (a module "
+                "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
+            )
+        return self._mask, self.token_slots[:num_tokens]
+
+
+class _LoraLayer:
+    """The stacked LoRA weights of one base Linear and its forward hook."""
+
+    def __init__(self, name: str, module: torch.nn.Linear, state: LoraStepState, num_slots: int, max_rank: int):
+        device = module.weight.device
+        columns = num_slots * max_rank
+        self.name = name
+        self.max_rank = max_rank
+        self.lora_A = torch.zeros(columns, module.in_features, dtype=LORA_DTYPE, device=device)
+        self.lora_B = torch.zeros(module.out_features, columns, dtype=LORA_DTYPE, device=device)
+        self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)  # the last: base
+        self.state = state
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        state = self.state
+        if not state.active:
+            return None
+        x = args[0].to(LORA_DTYPE)
+        mask, slots = state.mask_for(x, self.name)
+        delta = F.linear(F.linear(x, self.lora_A) * mask, self.lora_B)
+        # As peft with fp32 adapter weights: the fp32 product times the scaling, added to the base output in fp32,
+        # rounded once to the model's dtype.
+        return (output + delta * self.scalings.index_select(0, slots).unsqueeze(-1)).to(output.dtype)
+
+    def write(self, slot: int, pair: LoraModule | None) -> None:
+        """Put an adapter's pair (None: nothing) into `slot`, zeroing what it leaves."""
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.lora_A[rows].zero_()
+        self.lora_B[:, rows].zero_()
+        if pair is None:
+            self.scalings[slot] = 0.0
+            return
+        rank = pair.rank
+        self.lora_A[rows][:rank].copy_(pair.lora_A)
+        self.lora_B[:, rows][:, :rank].copy_(pair.lora_B)
+        self.scalings[slot] = pair.scaling
+
+
+class AdapterTable:
+    """The adapters one engine serves, by name, and their stacked weights."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int):
+        """
+        Args:
+            model: the served model (its Linear layers are what adapters may target; the output head is not).
+            max_loras: adapters served at once.
+            max_rank: the highest rank accepted.
+            max_tokens: the most tokens of one forward (the slot buffer grows past it if ever needed).
+        """
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._linears = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and module is not head
+        }
+        self._head_names = {name for name, module in model.named_modules() if module is head and head is not None}
+        self._device = next(model.parameters()).device
+        self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
+        self._layers: dict[str, _LoraLayer] = {}
+        self.refs: dict[str, AdapterRef] = {}
+        self.layout_version = 0
+
+    @property
+    def loaded(self) -> bool:
+        """True once any adapter is served."""
+        return bool(self.refs)
+
+    def ref(self, name: str) -> AdapterRef:
+        """The served adapter of this name (for a request).
+
+        Raises:
+            FieldError: ("adapter") an unknown name, listing the served ones.
+        """
+        ref = self.refs.get(name)
+        if ref is None:
+            check_adapter_name(name)
+            served = sorted(self.refs) or "none"
+            raise FieldError("adapter", f"no adapter named {name!r} is served (served: {served})")
+        return ref
+
+    # ---- loading ----------------------------------------------------------------------------------------------
+    def check_specs(self, name: str, specs: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Check an adapter update's names, dtypes and shapes (wire names) before any byte of it arrives.
+
+        Raises:
+            FieldError: the culprit: the adapter name, a tensor (unknown module, wrong dtype or shape, rank above
+                max_lora_rank), or max_loras when no slot is free.
+        """
+        check_adapter_name(name)
+        if name not in self.refs and len(self.refs) >= self.max_loras:
+            raise FieldError("max_loras", f"{len(self.refs)} adapters are served already ({sorted(self.refs)})")
+        ranks: dict[str, dict[str, int]] = {}
+        for wire_name, (dtype, shape) in specs.items():
+            suffix = next((s for s in WIRE_SUFFIXES if wire_name.endswith(s)), None)
+            if suffix is None:
+                raise FieldError(wire_name, "an adapter tensor is named '<module>.lora_A' or '<module>.lora_B'")
+            module = self._target(wire_name[: -len(suffix)], wire_name)
+            if dtype not in ADAPTER_DTYPES:
+                raise FieldError(wire_name, f"dtype {dtype}: adapters come in {sorted(ADAPTER_DTYPES)}")
+            if len(shape) != 2:
+                raise FieldError(wire_name, f"shape {list(shape)}: expected 2 dimensions")
+            rank, expected = (
+                (shape[0], [shape[0], module.in_features])
+                if suffix == ".lora_A"
+                else (
+                    shape[1],
+                    [module.out_features, shape[1]],
+                )
+            )
+            if list(shape) != expected:
+                raise FieldError(wire_name, f"shape {list(shape)} does not fit the module: expected {expected}")
+            if not 1 <= rank <= self.max_rank:
+                raise FieldError(wire_name, f"rank {rank} is outside [1, max_lora_rank={self.max_rank}]")
+            ranks.setdefault(wire_name[: -len(suffix)], {})[suffix[1:]] = rank
+        for module, pair in ranks.items():
+            if len(pair) != 2:
+                missing = "lora_B" if "lora_A" in pair else "lora_A"
+                raise FieldError(f"{module}.{missing}", "missing: every module brings both lora_A and lora_B")
+            if pair["lora_A"] != pair["lora_B"]:
+                reason = f"rank {pair['lora_B']} differs from its lora_A's {pair['lora_A']}"
+                raise FieldError(f"{module}.lora_B", reason)
+
+    def _target(self, module_name: str, field: str) -> torch.nn.Linear:
+        module = self._linears.get(module_name)
+        if module is not None:
+            return module
+        if module_name in self._head_names:
+            raise FieldError(field, "LoRA on the output head is not served unmerged; push with adapters='merged'")
+        raise FieldError(field, f"the model has no Linear layer named {module_name!r}")
+
+    def check(self, name: str, modules: dict[str, LoraModule], check_finite: bool = False) -> None:
+        """Check a whole adapter before anything changes.
+
+        Raises:
+            FieldError: as `check_specs`, or a non-finite tensor (with check_finite).
+        """
+        if not modules:
+            raise FieldError("tensors", "an adapter brings at least one module's lora_A and lora_B")
+        specs = {}
+        for module, pair in modules.items():
+            specs[f"{module}.lora_A"] = (dtype_name(pair.lora_A.dtype), tuple(pair.lora_A.shape))
+            specs[f"{module}.lora_B"] = (dtype_name(pair.lora_B.dtype), tuple(pair.lora_B.shape))
+        self.check_specs(name, specs)
+        if check_finite:
+            for module, pair in modules.items():
+                for part, tensor in (("lora_A", pair.lora_A), ("lora_B", pair.lora_B)):
+                    if not bool(torch.isfinite(tensor).all()):
+                        raise FieldError(f"{module}.{part}", "holds NaN or Inf")
+
+    def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
+        """Serve `modules` as adapter `name` (replacing one of that name in its slot), after `check`. The engine
+        calls it between two steps (`Engine.load_adapter`).
+
+        Returns:
+            The adapter's reference (the same object as before when it replaced one).
+        """
+        self.check(name, modules)
+        ref = self.refs.get(name)
+        slot = ref.slot if ref is not None else min(set(range(self.max_loras)) - {r.slot for r in self.refs.values()})
+        with torch.no_grad():
+            for module in modules:
+                if module not in self._layers:
+                    linear = self._linears[module]
+                    self._layers[module] = _LoraLayer(module, linear, self.state, self.max_loras, self.max_rank)
+                    self.layout_version += 1
+            for module, layer in self._layers.items():
+                layer.write(slot, modules.get(module))
+        if ref is None:
+            ref = self.refs[name] = AdapterRef(name, slot, version)
+        ref.version = version
+        return ref
+
+    # ---- steps ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stepping(self, adapters: Sequence[AdapterRef | None], lengths: Sequence[int], always: bool) -> Iterator[None]:
+        """Inside: the hooks act for one step's forward, each token in its request's slot.
+
+        Args:
+            adapters: each sequence's adapter (None: the base model).
+            lengths: each sequence's tokens in the step.
+            always: act even when no sequence has an adapter (decode graphs capture the LoRA path once for all).
+        """
+        if not self.refs or not (always or any(adapters)):
+            yield
+            return
+        base = self.max_loras
+        slots: list[int] = []
+        for ref, length in zip(adapters, lengths):
+            slots += [base if ref is None else ref.slot] * length
+        if len(slots) > self.state.token_slots.numel():
+            grown = torch.full((len(slots),), base, dtype=torch.long, device=self._device)
+            self.state.token_slots = grown
+            self.layout_version += 1
+        if slots:  # queued, never waited for (a device-side copy from pinned memory)
+            self.state.token_slots[: len(slots)].copy_(to_device(slots, torch.long, self._device))
+        self.state.active = True
+        try:
+            yield
+        finally:
+            self.state.active = False
+
+    def new_forward(self) -> None:
+        """A forward begins (the model call, also inside a graph capture): the hooks build their mask anew."""
+        self.state.new_forward()
+
+    def stats(self) -> dict[str, Any]:
+        """Served adapters and their versions, for the worker's status."""
+        return {name: {"version": ref.version, "slot": ref.slot} for name, ref in sorted(self.refs.items())}
+
+    def close(self) -> None:
+        """Remove the hooks and free the stacked weights (the model is as it was). Idempotent."""
+        for layer in self._layers.values():
+            layer.handle.remove()
+        self._layers.clear()
+        self.refs.clear()
+        self.state.token_slots = torch.empty(0, dtype=torch.long)

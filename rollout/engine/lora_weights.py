@@ -1,0 +1,214 @@
+"""One LoRA adapter's weights as the engine takes them: per base module (a `torch.nn.Linear` of the served model,
+by its name in the model), `lora_A` (r, in_features), `lora_B` (out_features, r) and the scaling peft applies
+(lora_alpha / r, or / sqrt(r) with rsLoRA, per module with rank_pattern / alpha_pattern).
+
+On the wire (adapter pushes) a module's two tensors are named "<module>.lora_A" and "<module>.lora_B"; the scalings
+travel beside them. A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) is read here too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.config import FieldError
+
+WIRE_SUFFIXES = (".lora_A", ".lora_B")
+# PEFT settings that change the forward beyond W0 x + s B(A x) (or train more than the LoRA pair): not served
+# unmerged; push such a model with adapters="merged".
+UNSERVED_SETTINGS = {
+    "use_dora": "DoRA",
+    "lora_bias": "a trained LoRA bias",
+    "modules_to_save": "fully trained module copies",
+    "trainable_token_indices": "trainable tokens",
+    "target_parameters": "LoRA on bare parameters (MoE experts)",
+    "alora_invocation_tokens": "activated LoRA",
+    "use_qalora": "QALoRA",
+    "layer_replication": "layer replication",
+    "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA",
+    "use_bdlora": "BD-LoRA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+}
+
+
+@dataclass
+class LoraModule:
+    """The LoRA pair of one base Linear: its output gains scaling * lora_B @ lora_A @ x."""
+
+    lora_A: torch.Tensor  # (r, in_features)
+    lora_B: torch.Tensor  # (out_features, r)
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.lora_A.shape[0]
+
+
+def check_peft_config(config: Any) -> None:
+    """Refuse, by name, a PEFT LoRA config whose forward is more than W0 x + s B(A x).
+
+    Args:
+        config: a `peft.LoraConfig` (or anything with its attributes).
+    Raises:
+        FieldError: the setting that cannot be served unmerged.
+    """
+    peft_type = str(getattr(config, "peft_type", "LORA") or "LORA")
+    if peft_type.split(".")[-1].upper() != "LORA":
+        raise FieldError("peft_type", f"only LoRA adapters are served, got {peft_type}")
+    if getattr(config, "bias", "none") != "none":
+        raise FieldError("bias", "trained biases are not served unmerged; push with adapters='merged'")
+    for name, what in UNSERVED_SETTINGS.items():
+        value = getattr(config, name, None)
+        if value not in (None, False, {}, [], ()):
+            raise FieldError(name, f"{what} is not served unmerged; push with adapters='merged'")
+
+
+def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, LoraModule]:
+    """The adapter's modules from wire names ("<module>.lora_A" / "<module>.lora_B") and per-module scalings.
+
+    Raises:
+        FieldError: naming a tensor with another name, a module missing one of its pair or its scaling, a pair
+            whose ranks differ, or a scaling that is not a finite number.
+    """
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        suffix = next((s for s in WIRE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            raise FieldError(name, "an adapter tensor is named '<module>.lora_A' or '<module>.lora_B'")
+        pairs.setdefault(name[: -len(suffix)], {})[suffix[1:]] = tensor
+    modules = {}
+    for module, pair in pairs.items():
+        for part in ("lora_A", "lora_B"):
+            if part not in pair:
+                raise FieldError(f"{module}.{part}", "missing: every module brings both lora_A and lora_B")
+        scaling = scalings.get(module)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+            raise FieldError(f"scalings.{module}", f"must be a finite number, got {scaling!r}")
+        lora_A, lora_B = pair["lora_A"], pair["lora_B"]
+        if lora_A.dim() != 2 or lora_B.dim() != 2 or lora_A.shape[0] != lora_B.shape[1]:
+            raise FieldError(
+                f"{module}.lora_B",
+                f"lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)} are not an (r, in) / (out, r) pair",
+            )
+        modules[module] = LoraModule(lora_A, lora_B, float(scaling))
+    extra = sorted(set(scalings) - set(pairs))
+    if extra:
+        raise FieldError(f"scalings.{extra[0]}", "a scaling for a module the adapter brings no tensors for")
+    return modules
+
+
+def to_named_tensors(modules: dict[str, LoraModule]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The wire form of an adapter: (tensors by wire name, scalings by module)."""
+    tensors = {}
+    for module, pair in modules.items():
+        tensors[f"{module}.lora_A"] = pair.lora_A
+        tensors[f"{module}.lora_B"] = pair.lora_B
+    return tensors, {module: pair.scaling for module, pair in modules.items()}
+
+
+def module_name(peft_key: str) -> str:
+    """The base model's module name behind a PEFT module or state-dict key prefix: peft wraps the model as
+    `base_model.model.<module>`."""
+    return peft_key.removeprefix("base_model.model.")
+
+
+def load_peft_dir(path: str) -> dict[str, LoraModule]:
+    """Read a PEFT LoRA adapter directory (as `PeftModel.save_pretrained` writes it), with peft's own loaders.
+
+    Args:
+        path: the directory.
+    Raises:
+        FieldError: ("lora") a directory peft cannot read, or an adapter that cannot be served unmerged (named).
+    """
+    try:
+        from peft import LoraConfig
+        from peft.utils import load_peft_weights
+        from peft.utils.other import get_pattern_key
+    except ImportError:
+        raise FieldError("lora", "loading adapter directories needs peft: pip install 'rollout[lora]'") from None
+    try:
+        config = LoraConfig.from_pretrained(path)
+        state = load_peft_weights(path, device="cpu")
+    except Exception as error:  # noqa: BLE001 - a missing or broken directory, named
+        raise FieldError("lora", f"cannot read the PEFT adapter at {path!r}: {error}") from None
+    check_peft_config(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.weight"
+            if key.endswith(marker):
+                tensors[f"{module_name(key[: -len(marker)])}.{part}"] = tensor
+                break
+        else:
+            raise FieldError("lora", f"{key}: not a LoRA A/B weight (only plain LoRA adapters are served)")
+    scalings = {}
+    for name in {key.rsplit(".", 1)[0] for key in tensors}:
+        rank = tensors[f"{name}.lora_A"].shape[0]
+        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha)
+        scalings[name] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+    return from_named_tensors(tensors, scalings)
+
+
+def is_peft_model(model: Any) -> bool:
+    """True for a PEFT model (or a module holding peft LoRA layers) with at least one LoRA adapter."""
+    return bool(getattr(model, "peft_config", None)) and any(_lora_layers(model))
+
+
+def _lora_layers(model: Any) -> Any:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return iter(())
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
+
+
+def active_adapter_name(model: Any) -> str:
+    """The adapter a PEFT model trains (its single active adapter).
+
+    Raises:
+        FieldError: ("adapter_name") several adapters are active.
+    """
+    active = getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")]
+    if len(active) != 1:
+        raise FieldError("adapter_name", f"the model has {len(active)} active adapters {active}: name the one to use")
+    return active[0]
+
+
+def from_peft_model(model: Any, adapter_name: str | None = None) -> dict[str, LoraModule]:
+    """One adapter of a live PEFT model, as the engine takes it (the model's own tensors, not copies; ZeRO-3 or
+    FSDP shards must be gathered by the caller).
+
+    Args:
+        model: a `peft.PeftModel` (or its LoRA-injected base).
+        adapter_name: which adapter (None: the active one).
+    Raises:
+        FieldError: an unknown adapter, or one that cannot be served unmerged (DoRA, a LoRA bias, a non-Linear
+            target, modules_to_save, ...), named.
+    """
+    name = adapter_name or active_adapter_name(model)
+    configs = getattr(model, "peft_config", {}) or {}
+    if name not in configs:
+        raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(configs)})")
+    check_peft_config(configs[name])
+    modules = {}
+    for key, layer in _lora_layers(model):
+        if name not in layer.lora_A:
+            continue
+        target = module_name(key)
+        if layer.use_dora.get(name):
+            raise FieldError(target, "DoRA is not served unmerged; push with adapters='merged'")
+        if not isinstance(layer.get_base_layer(), torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False):
+            kind = type(layer.get_base_layer()).__name__
+            raise FieldError(target, f"LoRA on a {kind} is not served unmerged (only torch.nn.Linear layers)")
+        if getattr(layer, "lora_bias", {}).get(name):
+            raise FieldError(target, "a trained LoRA bias is not served unmerged; push with adapters='merged'")
+        lora_A, lora_B = layer.lora_A[name].weight.detach(), layer.lora_B[name].weight.detach()
+        modules[target] = LoraModule(lora_A, lora_B, float(layer.scaling[name]))
+    if not modules:
+        raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    return modules
