@@ -14,6 +14,7 @@ from conftest import make_engine, make_prompts, reference_copy, run_to_completio
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.adapter_ref import BASE_NAME
+from rollout.engine.generate import generate_batch
 from rollout.engine.lora_weights import LoraModule, from_peft_model
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
@@ -237,3 +238,27 @@ def test_bf16_unmerged_serving_is_closer_to_peft_than_merged_weights():
         print(f"bf16 {label}: mean |delta| {delta.mean():.2e}, p99 {delta.quantile(0.99):.2e}")
     assert deltas["unmerged"].mean() < deltas["merged"].mean()
     assert deltas["unmerged"].quantile(0.99) < deltas["merged"].quantile(0.99)
+
+
+def test_generate_batch_serves_a_peft_models_adapters_side_by_side(fp32_pair):
+    """`generate_batch(peft_model, prompts, adapter=[...])`: one name per prompt (None: the base), in one batch;
+    each equals peft's generate, and the PeftModel is left as it was (its active adapter, no hook)."""
+    _, model = fp32_pair
+    model.set_adapter("policy")
+    prompts = make_prompts(3, 6, 20, seed=13)
+    adapters = ["other", None, "policy"]
+    outputs = generate_batch(
+        model, prompts, max_new_tokens=MAX_NEW, sampling=GREEDY, adapter=adapters, progress_bar=False
+    )
+    for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        assert outputs[f"req_{index}"].generated_tokens == peft_greedy(model, adapter, prompt), adapter
+    model.set_adapter("policy")
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    generate_batch(model, prompts[:1], max_new_tokens=2, sampling=GREEDY, adapter="other", progress_bar=False)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before)
+    with pytest.raises(FieldError) as error:
+        generate_batch(model.get_base_model(), prompts[:1], max_new_tokens=2, adapter="other", progress_bar=False)
+    assert error.value.field == "adapter"

@@ -35,6 +35,15 @@ class PauseLoop:
 
 
 @dataclass
+class AdapterUpdate:
+    """What makes a pending update a LoRA adapter's: its name and per-module scalings (the tensors are wire-named,
+    "<module>.lora_A" / "<module>.lora_B")."""
+
+    name: str
+    scalings: dict[str, float]
+
+
+@dataclass
 class PendingUpdate:
     """A weight update handed to the engine thread; a "wait" one stays pending while in-flight samples drain."""
 
@@ -45,6 +54,7 @@ class PendingUpdate:
     callback: Callable[[WeightUpdateResult | BaseException], None]
     drain_deadline: float | None
     received: float = 0.0
+    adapter: AdapterUpdate | None = None  # a LoRA adapter (Engine.load_adapter), else a whole-model update
     # "pending" until the engine thread takes it ("applying"), or its waiter gave up first ("cancelled"); changed
     # only under the manager's lock, so an update is either applied and reported, or never applied.
     state: str = "pending"

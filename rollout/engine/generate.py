@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from typing import Any
@@ -13,6 +14,7 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
+from rollout.engine.lora_weights import from_peft_model, is_peft_model
 from rollout.engine.outputs import GenerationOutput
 
 # Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that
@@ -54,7 +56,9 @@ def generate_batch(
         tokenizer: the model's tokenizer, needed for stop strings (`SamplingParams.stop`, or a GenerationConfig's
             `stop_strings`), as `generate(..., stop_strings=..., tokenizer=...)` needs one.
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
-            default: the GenerationConfig's num_return_sequences, else 1).
+            default: the GenerationConfig's num_return_sequences, else 1), `adapter` (with a `peft.PeftModel`: the
+            name of its LoRA adapter to sample with, or one name per prompt, None for the base model; the adapters
+            are served unmerged, side by side in one batch, and the model is left as it was).
     Returns:
         Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
     Raises:
@@ -64,21 +68,37 @@ def generate_batch(
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     n = kwargs.pop("n", None)
+    adapters = kwargs.pop("adapter", None)
     if kwargs:
         raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
     if len(per_prompt) != len(inputs):
         raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
+    adapters = adapters if isinstance(adapters, (list, tuple)) else [adapters] * len(inputs)
+    if len(adapters) != len(inputs):
+        raise FieldError("adapter", f"got {len(adapters)} adapter names for {len(inputs)} prompts")
+    peft_model = None
+    if any(name is not None for name in adapters):
+        if not is_peft_model(model):
+            raise FieldError("adapter", f"names a LoRA adapter of a peft.PeftModel, got a {type(model).__name__}")
+        peft_model, model = model, model.get_base_model()  # its LoRA layers pass through; the engine adds them
     engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
     engine.intake.tokenizer = tokenizer  # this call's (a kept engine may have served another tokenizer's)
     results: dict[str, GenerationOutput] = {}
+    peft_off = contextlib.ExitStack()
     try:
+        if peft_model is not None:
+            peft_off.enter_context(peft_model.disable_adapter())
+        for name in sorted({name for name in adapters if name is not None}):
+            engine.load_adapter(name, from_peft_model(peft_model, name))
         if warmup and not warm:
             engine.warmup()
         order: list[str] = []
         try:
             for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
-                order += engine.add_request(f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps)
+                order += engine.add_request(
+                    f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps, adapters[index]
+                )
         except FieldError as error:
             raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
         with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
@@ -91,6 +111,7 @@ def generate_batch(
             release_cached_engine(model)  # an engine left mid-run is not reused
         raise
     finally:
+        peft_off.close()
         if not persistent_manager:
             engine.close()
         elif model in _CACHED:

@@ -125,8 +125,9 @@ class AdapterTable:
         self.max_loras = max_loras
         self.max_rank = max_rank
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # By the base model's module names; in a peft-injected model a LoRA layer's Linear is its `base_layer`.
         self._linears = {
-            name: module
+            name.removesuffix(".base_layer"): module
             for name, module in model.named_modules()
             if isinstance(module, torch.nn.Linear) and module is not head
         }

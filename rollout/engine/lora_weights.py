@@ -155,8 +155,12 @@ def load_peft_dir(path: str) -> dict[str, LoraModule]:
 
 
 def is_peft_model(model: Any) -> bool:
-    """True for a PEFT model (or a module holding peft LoRA layers) with at least one LoRA adapter."""
-    return bool(getattr(model, "peft_config", None)) and any(_lora_layers(model))
+    """True for a `peft.PeftModel` with at least one LoRA adapter."""
+    return (
+        callable(getattr(model, "get_base_model", None))
+        and bool(getattr(model, "peft_config", None))
+        and any(_lora_layers(model))
+    )
 
 
 def _lora_layers(model: Any) -> Any:

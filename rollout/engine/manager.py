@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.commands import AddGroup, CancelGroup, Command, PauseLoop, PendingUpdate, Wake
+from rollout.engine.commands import AddGroup, CancelGroup, Command, PauseLoop, Wake
 from rollout.engine.engine import Engine
 from rollout.engine.engine_loop import EngineLoop
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
+from rollout.engine.manager_weights import ManagerWeights
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.pause import PauseGate
 from rollout.engine.results import ResultReading, ResultRouter
 from rollout.engine.weight_queue import WeightUpdateQueue
-from rollout.engine.weight_table import WeightUpdateResult
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class QueueFullError(RuntimeError):
     """Raised by `add_request` when `max_queue_size` requests are already waiting."""
 
 
-class ContinuousBatchingManager(ResultReading):
+class ContinuousBatchingManager(ResultReading, ManagerWeights):
     """Runs an `Engine` on a background thread. Use `init_continuous_batching` to build one.
 
     Lifecycle: `start()`, `stop()`, `join()`, `is_running()`, `warmup()`, or `with manager:`. Requests:
@@ -188,6 +188,7 @@ class ContinuousBatchingManager(ResultReading):
         sampling: SamplingParams | None = None,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        adapter: str | None = None,
         **sampling_fields: Any,
     ) -> str:
         """Queue a prompt for `n` samples; they share the prompt's KV.
@@ -202,6 +203,7 @@ class ContinuousBatchingManager(ResultReading):
             sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
             record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
             eos_token_id: this request's stop token(s), as in transformers' `add_request`.
+            adapter: the LoRA adapter to sample with (`load_adapter`); None: the base model.
             **sampling_fields: SamplingParams fields for this request (`temperature=0.7, top_k=10`, ...), applied
                 over `sampling` (or the generation config's defaults), as transformers' per-request processor
                 arguments.
@@ -225,6 +227,7 @@ class ContinuousBatchingManager(ResultReading):
                 max_new_tokens=max_new_tokens,
                 streaming=streaming,
                 record_timestamps=record_timestamps,
+                adapter=adapter,
             )
         except FieldError as error:
             raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
@@ -239,6 +242,7 @@ class ContinuousBatchingManager(ResultReading):
         max_new_tokens: int | None = None,
         streaming: bool = False,
         record_timestamps: bool = False,
+        adapter: str | None = None,
     ) -> str:
         """`add_request` in the engine's own terms (the worker's path): the arguments in `Engine.add_request`'s
         order and names, errors naming `group_id` / `prompt_ids`.
@@ -249,7 +253,7 @@ class ContinuousBatchingManager(ResultReading):
             FieldError: bad input, naming the field. QueueFullError, RuntimeError: as for `add_request`.
         """
         request = self.engine.intake.prepare(
-            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps
+            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
         )
         with self._state:
             if self._closed:
@@ -303,59 +307,6 @@ class ContinuousBatchingManager(ResultReading):
         group_id = self._router.group_of(request_id)
         if group_id is not None:
             self._commands.put(CancelGroup(group_id))
-
-    # ---- weights ----------------------------------------------------------------------------------------------
-    def update_weights(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int | None = None,
-        mode: str = "keep",
-        partial: bool = False,
-        timeout: float | None = None,
-    ) -> WeightUpdateResult:
-        """Apply new weights between two engine steps and wait for it (see `Engine.update_weights`).
-
-        Args:
-            tensors: name (as in the model's state_dict) -> new value; validated before anything changes.
-            version: the new policy version (above the current one); None adds one.
-            mode: "keep", "recompute", "abort" or "wait" (pause admission, let in-flight samples finish, apply).
-            partial: allow a subset of the parameters.
-            timeout: most seconds to wait; with mode "wait" also the most the drain may take, after which the
-                update is dropped unapplied.
-        Returns:
-            The `WeightUpdateResult` (version, pause and copy times, aborted / recomputed counts).
-        Raises:
-            ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
-            time (the old weights keep serving). RuntimeError: the manager is stopped.
-        """
-        if self._pauses.held_here():
-            raise RuntimeError(
-                "cannot wait for a weight update inside this thread's pause: the loop applies it only after the pause "
-                "(copy the tensors into the model directly while paused, or update after the `with` block)"
-            )
-        return self._updates.apply(tensors, version, mode, partial, timeout)
-
-    def submit_weight_update(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: int | None,
-        mode: str,
-        partial: bool,
-        drain_timeout: float | None,
-        callback: Callable[[WeightUpdateResult | BaseException], None],
-    ) -> PendingUpdate | None:
-        """Queue a weight update without waiting for it (`WeightUpdateQueue.submit`: `callback` gets the outcome)."""
-        return self._updates.submit(tensors, version, mode, partial, drain_timeout, callback)
-
-    @property
-    def last_weight_update(self) -> WeightUpdateResult | None:
-        """What the newest applied weight update did."""
-        return self._updates.last_result
-
-    @property
-    def last_weight_update_at(self) -> float | None:
-        """When (unix time) the newest weight update was applied."""
-        return self._updates.last_at
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:
         self._router.deliver(outputs)

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
-from rollout.engine.commands import ApplyWeights, Command, PendingUpdate
+from rollout.engine.commands import AdapterUpdate, ApplyWeights, Command, PendingUpdate
 from rollout.engine.engine import Engine
+from rollout.engine.lora_weights import from_named_tensors
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.weight_table import WeightUpdateResult
 
@@ -57,9 +58,11 @@ class WeightUpdateQueue:
         partial: bool,
         drain_timeout: float | None,
         callback: Callable[[WeightUpdateResult | BaseException], None],
+        adapter: AdapterUpdate | None = None,
     ) -> PendingUpdate | None:
         """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
-        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`.
+        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`; with
+        `adapter`, `tensors` are a LoRA adapter's, wire-named (`Engine.load_adapter`).
 
         Returns:
             The queued update (its `state` says whether it was applied), or None when it was refused at once.
@@ -68,7 +71,7 @@ class WeightUpdateQueue:
             callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
             return None
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
-        update = PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic())
+        update = PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic(), adapter)
         with self._lock:
             if self._is_closed():
                 callback(RuntimeError("the manager is stopped"))
@@ -109,7 +112,7 @@ class WeightUpdateQueue:
         self.pending = None
         drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
         try:
-            result = self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
+            result = self._apply(update)
         except Exception as error:  # noqa: BLE001 - a refused update goes back to its sender
             outcome: WeightUpdateResult | BaseException = error
         else:
@@ -121,8 +124,20 @@ class WeightUpdateQueue:
             self.engine.resume_admission()
         update.callback(outcome)
 
+    def _apply(self, update: PendingUpdate) -> WeightUpdateResult:
+        if update.adapter is None:
+            return self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
+        modules = from_named_tensors(update.tensors, update.adapter.scalings)
+        return self.engine.load_adapter(update.adapter.name, modules, update.version, update.mode)
+
     def apply(
-        self, tensors: dict[str, torch.Tensor], version: int | None, mode: str, partial: bool, timeout: float | None
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        mode: str,
+        partial: bool,
+        timeout: float | None,
+        adapter: AdapterUpdate | None = None,
     ) -> WeightUpdateResult:
         """Submit an update and wait for its outcome (arguments as for `ContinuousBatchingManager.update_weights`).
         A waiter that gives up first cancels it under the lock, so it is never applied late.
@@ -131,7 +146,7 @@ class WeightUpdateQueue:
             The update's error; TimeoutError when it was not applied in time.
         """
         done: queue.SimpleQueue = queue.SimpleQueue()
-        update = self.submit(tensors, version, mode, partial, timeout, done.put)
+        update = self.submit(tensors, version, mode, partial, timeout, done.put, adapter)
         try:
             outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
         except queue.Empty:
