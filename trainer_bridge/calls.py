@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from rollout.config import FieldError, SamplingParams
+from rollout.engine.adapter_ref import BASE_NAME
 from rollout.service.protocol import Completion, Delta
 
 
@@ -26,6 +27,9 @@ class PromptGroup:
     # A rollout.SamplingParams, or a dict of its field names: temperature, top_p, max_new_tokens, seed, ...
     sampling: SamplingParams | dict[str, Any] = field(default_factory=dict)
     group_id: str | None = None
+    # The served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights` of a PEFT
+    # model), else the base model; "__base__": the base model in any case.
+    adapter: str | None = None
 
 
 @dataclass
@@ -85,6 +89,8 @@ class PushResult:
         transfer_s: seconds from the first begin to the last bucket acknowledged by every worker.
         total_s: seconds of the whole push, commits included.
         workers: per worker: address, transport, version, pause_ms, copy_ms, drain_ms, aborted, recomputed.
+        base_included: an adapter-only push that also carried the frozen base (a worker did not hold it yet);
+            `num_bytes` then counts the base too.
     """
 
     version: int
@@ -92,6 +98,7 @@ class PushResult:
     transfer_s: float
     total_s: float
     workers: list[dict[str, Any]] = field(default_factory=list)
+    base_included: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -153,7 +160,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def checked_group(group: PromptGroup, new_seed: Callable[[], int], new_group_id: Callable[[], str]) -> PromptGroup:
+def checked_group(
+    group: PromptGroup, new_seed: Callable[[], int], new_group_id: Callable[[], str], adapter: str | None = None
+) -> PromptGroup:
     """A copy of `group` with plain Python values (numpy/torch scalars unwrapped), a seed and a group id; bad values
     raise here, in the caller's thread, naming the field.
 
@@ -161,6 +170,7 @@ def checked_group(group: PromptGroup, new_seed: Callable[[], int], new_group_id:
         group: the caller's group.
         new_seed: draws the seed of a group that has none (a resubmitted group then reproduces its tokens).
         new_group_id: makes the id of a group that has none.
+        adapter: the adapter of a group that names none (the client's last pushed one).
     Raises:
         RolloutError: code "bad_request", naming the field.
     """
@@ -198,4 +208,7 @@ def checked_group(group: PromptGroup, new_seed: Callable[[], int], new_group_id:
         sampling["logit_bias"] = checked.changed_fields().get("logit_bias", [])
     sampling.setdefault("seed", new_seed())  # a resubmitted group reproduces its tokens
     group_id = group.group_id or new_group_id()
-    return PromptGroup(prompt_ids, group.n, sampling, group_id)
+    chosen = group.adapter if group.adapter is not None else adapter
+    if chosen is not None and (not isinstance(chosen, str) or not chosen):
+        raise RolloutError("bad_request", f"adapter must be a non-empty string, got {chosen!r}", "adapter")
+    return PromptGroup(prompt_ids, group.n, sampling, group_id, None if chosen == BASE_NAME else chosen)

@@ -105,6 +105,9 @@ class RolloutClient:
         self._seed_source = random.SystemRandom()
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        # The LoRA adapter groups sample with when they name none: the one this client last pushed (push_weights of
+        # a PEFT model), else None (the base model).
+        self.adapter: str | None = None
 
     # ---- public API -------------------------------------------------------------------------------------------
     def generate(self, group: PromptGroup, timeout: float | None = None) -> GroupResult:
@@ -339,7 +342,7 @@ class RolloutClient:
             raise RolloutError("closed", "the client is closed")
         if not isinstance(group, PromptGroup):
             raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
-        group = checked_group(group, lambda: self._seed_source.getrandbits(62), self._new_group_id)
+        group = checked_group(group, lambda: self._seed_source.getrandbits(62), self._new_group_id, self.adapter)
         max_new = group.sampling.get("max_new_tokens")
         cost = group.n * (max_new if isinstance(max_new, int) and max_new > 0 else 256)
         call = Call(group, cost, stream=stream)

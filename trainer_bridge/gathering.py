@@ -48,7 +48,7 @@ def gathered(params: list[torch.Tensor]) -> Iterator[None]:
         yield
 
 
-def _full_copy(param: torch.Tensor) -> torch.Tensor:
+def full_copy(param: torch.Tensor) -> torch.Tensor:
     """A whole, detached copy of one parameter or buffer (gathered if sharded)."""
     if is_dtensor(param):
         return param.full_tensor().detach()
@@ -58,11 +58,11 @@ def _full_copy(param: torch.Tensor) -> torch.Tensor:
     return param.detach()
 
 
-def _shape_of(param: torch.Tensor) -> tuple[int, ...]:
+def shape_of(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.ds_shape) if _is_zero3(param) else tuple(param.shape)
 
 
-def _unwrap(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+def unwrapped(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     if accelerator is not None:
         model = accelerator.unwrap_model(model)
     while type(model).__name__ in ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine") and hasattr(
@@ -74,7 +74,7 @@ def _unwrap(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
 
 def _module_entries(model: torch.nn.Module) -> list[Entry]:
     entries = [
-        Entry(name, param.dtype, _shape_of(param), lambda param=param: _full_copy(param))
+        Entry(name, param.dtype, shape_of(param), lambda param=param: full_copy(param))
         for name, param in model.named_parameters()
     ]
     return entries + _buffer_entries(model)
@@ -89,13 +89,14 @@ def _buffer_entries(model: torch.nn.Module, rename: Callable[[str], str | None] 
                 continue
             name = rename(f"{module_name}.{buffer_name}" if module_name else buffer_name)
             if name is not None:
-                entries.append(Entry(name, buffer.dtype, tuple(buffer.shape), lambda b=buffer: _full_copy(b)))
+                entries.append(Entry(name, buffer.dtype, tuple(buffer.shape), lambda b=buffer: full_copy(b)))
     return entries
 
 
-def _peft_entries(model: torch.nn.Module) -> list[Entry]:
+def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
     """Merged weights of a PEFT LoRA model under the base model's names: W + sum of the active adapters' deltas,
-    computed per layer (the model is not modified), with no LoRA tensors."""
+    computed per layer (the model is not modified), with no LoRA tensors; with merged=False the base weights alone
+    (an adapter-only push's base)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -131,10 +132,10 @@ def _peft_entries(model: torch.nn.Module) -> list[Entry]:
         if clean is None:
             continue
         layer = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
-        if isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
-            entries.append(Entry(clean, param.dtype, _shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
+        if merged and isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
+            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
         else:
-            entries.append(Entry(clean, param.dtype, _shape_of(param), lambda param=param: _full_copy(param)))
+            entries.append(Entry(clean, param.dtype, shape_of(param), lambda param=param: full_copy(param)))
     return entries + _buffer_entries(base, base_name)
 
 
@@ -152,14 +153,14 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
 def entries_of(source: Any, accelerator: Any) -> list[Entry]:
     """What `push_weights` sends of `source` (see `weight_specs`), in order, nothing gathered yet."""
     if isinstance(source, torch.nn.Module):
-        model = _unwrap(source, accelerator)
+        model = unwrapped(source, accelerator)
         if any(type(module).__name__ == "FullyShardedDataParallel" for module in model.modules()):
             raise NotImplementedError(
                 "FSDP1 (FullyShardedDataParallel) flat parameters are not supported; shard with FSDP2 (fully_shard, "
                 "accelerate's fsdp_version=2), whose parameters are gathered one at a time"
             )
         if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-            return _peft_entries(model)
+            return peft_entries(model)
         return _module_entries(model)
     expected = "expected an nn.Module, a dict of name -> torch.Tensor, or an iterable of (name, tensor) pairs"
     if isinstance(source, (str, bytes)) or not isinstance(source, (Mapping, Iterable)):
@@ -171,7 +172,7 @@ def entries_of(source: Any, accelerator: Any) -> list[Entry]:
         name, tensor = item
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{expected}; got ({type(name).__name__}, {type(tensor).__name__})")
-        entries.append(Entry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: _full_copy(t)))
+        entries.append(Entry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: full_copy(t)))
     return entries
 
 

@@ -21,6 +21,7 @@ from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksu
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.gathering import Entry, as_wire_bytes
+from trainer_bridge.lora_push import AdapterPush
 from trainer_bridge.push_links import NoReply, PushLink, WorkerFailed
 
 logger = logging.getLogger("trainer_bridge.weight_sync")
@@ -44,8 +45,11 @@ class WeightPush:
         dist_host: str | None,
         dist_backend: str,
         preempt: bool = False,
+        adapter: AdapterPush | None = None,
     ):
         self.client = client
+        self.adapter = adapter  # an adapter-only push (lora_push.py): entries are chosen in _plan
+        self.base_included = False
         self.entries = entries
         self.version = version
         self.mode = mode
@@ -85,7 +89,8 @@ class WeightPush:
             raise RolloutError("version_mismatch", f"workers now serve different versions: {results}")
         version = versions.pop()
         self.client.min_policy_version = max(self.client.min_policy_version, version)
-        return PushResult(version, total_bytes, transfer_s, time.perf_counter() - started, results)
+        total_s = time.perf_counter() - started
+        return PushResult(version, total_bytes, transfer_s, total_s, results, self.base_included)
 
     def _plan(self) -> list[p.TensorSpec]:
         """Ask every worker for its tensors; check names and shapes here, before gathering anything; choose the
@@ -104,8 +109,16 @@ class WeightPush:
                     f"workers {self.links[0].address} and {link.address} serve models "
                     "with different tensors; push to each separately",
                 )
+        adapter_names = set()
+        if self.adapter is not None:  # the base travels along where a worker does not hold it
+            self.base_included = any(link.base_id != self.adapter.base_id for link in self.links)
+            self.entries = (self.adapter.base_entries if self.base_included else []) + self.adapter.entries
+            adapter_names = {entry.name for entry in self.adapter.entries}
         specs = []
         for entry in self.entries:
+            if entry.name in adapter_names:  # checked by the workers' adapter table; sent in its own dtype
+                specs.append(p.TensorSpec(entry.name, dtype_name(entry.dtype), list(entry.shape)))
+                continue
             target = reference.get(entry.name)
             if target is None:
                 raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
@@ -158,6 +171,12 @@ class WeightPush:
             dist_fields,
             self.preempt,
         )
+        if self.adapter is not None:
+            begin.adapter, begin.scalings, begin.base_id = (
+                self.adapter.name,
+                self.adapter.scalings,
+                self.adapter.base_id,
+            )
         self.channel.send(link.index, begin)
 
     def _attach(self, link: PushLink, specs: list[p.TensorSpec]) -> None:
@@ -345,7 +364,7 @@ class WeightPush:
             raise WorkerFailed(link, message)
         if isinstance(message, p.WeightsSpecReply):
             link.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
-            link.version = message.policy_version
+            link.version, link.base_id = message.policy_version, message.base_id
         elif isinstance(message, p.WeightsReady):
             link.ready = message
         elif isinstance(message, p.WeightsAck):

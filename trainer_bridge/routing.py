@@ -57,7 +57,8 @@ class Routing:
         call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
         self._by_wire[call.wire_id] = call
         try:
-            frames = p.encode(p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream))
+            message = p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream, group.adapter)
+            frames = p.encode(message)
         except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
             self._finish(call)
             call.events.put(RolloutError("bad_request", f"the group cannot be encoded: {error}"))

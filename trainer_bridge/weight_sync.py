@@ -5,8 +5,13 @@
 
 With accelerate (or any multi-process trainer) call it on every rank: only the main process sends, while every rank
 takes part in gathering sharded parameters (ZeRO-3: one parameter at a time; FSDP2 DTensors: one at a time), so no
-rank ever holds the whole model twice. A PEFT model sends its merged weights (base + LoRA delta) under the base
-model's names, without LoRA tensors, and is left unmodified.
+rank ever holds the whole model twice.
+
+A PEFT LoRA model sends only its active adapter (lora_A / lora_B and scalings; `adapters="auto"`, single-process
+trainers), which the workers serve unmerged under the adapter's name; the frozen base travels once, in the same
+transaction, to workers that do not hold it yet. The client then samples with that adapter by default
+(`RolloutClient.adapter`). `adapters="merged"` (and any multi-process trainer) sends merged weights (base + LoRA
+delta) under the base model's names instead. The model is left unmodified either way.
 
 How a push runs, per worker: `weights_spec` (the worker's names, dtypes, shapes; floating tensors are cast to the
 worker's dtype), `weights_begin`, buckets of at most `bucket_bytes` (two in flight per worker), `weights_commit`.
@@ -30,10 +35,12 @@ from typing import Any
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES
+from rollout.engine.lora_weights import is_peft_model
 from rollout.service import protocol as p
 from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient
-from trainer_bridge.gathering import entries_of, iter_weights, weight_specs
+from trainer_bridge.gathering import entries_of, iter_weights, unwrapped, weight_specs
+from trainer_bridge.lora_push import ADAPTER_MODES, adapter_push
 from trainer_bridge.push import WeightPush
 
 logger = logging.getLogger(__name__)
@@ -57,6 +64,8 @@ def push_weights(
     dist_host: str | None = None,
     dist_backend: str | None = None,
     preempt: bool = False,
+    adapters: str = "auto",
+    adapter_name: str | None = None,
 ) -> PushResult | None:
     """Send weights to every live worker of `client` and make them serve them, as one transaction per worker.
 
@@ -76,6 +85,10 @@ def push_weights(
         dist_backend: torch.distributed backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
             a restart), which is rejected; without it such a worker answers "update_in_progress".
+        adapters: for a PEFT LoRA model: "auto" (adapter-only in a single-process trainer; merged across several
+            processes) or "merged" (base + LoRA delta under the base names, as a plain model).
+        adapter_name: the name the workers serve the adapter under (default: its PEFT name); groups then sample
+            with it unless they name another (`PromptGroup.adapter`).
     Returns:
         A `PushResult` on the main process, None elsewhere.
     Raises:
@@ -91,7 +104,14 @@ def push_weights(
         raise ValueError(f"bucket_bytes must be in [1, {p.MAX_FRAME_BYTES}], got {bucket_bytes!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    entries = entries_of(model_or_named_tensors, accelerator)
+    if adapters not in ADAPTER_MODES:
+        raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+    adapter = None
+    if adapters == "auto" and getattr(accelerator, "num_processes", 1) == 1:
+        model = unwrapped(model_or_named_tensors, accelerator)
+        if is_peft_model(model):
+            adapter = adapter_push(model, None, adapter_name)
+    entries = [] if adapter is not None else entries_of(model_or_named_tensors, accelerator)
     is_main = client is not None and (accelerator is None or accelerator.is_main_process)
     if not is_main:
         for entry in entries:  # take part in every gather the main process runs
@@ -100,13 +120,27 @@ def push_weights(
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     try:
         push = WeightPush(
-            client, entries, version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend, preempt
+            client,
+            entries,
+            version,
+            mode,
+            bucket_bytes,
+            transport,
+            timeout,
+            partial,
+            dist_host,
+            backend,
+            preempt,
+            adapter,
         )
     except BaseException:
         for entry in entries:  # the other ranks are in these gathers: finish them before raising
             entry.fetch()
         raise
     try:
-        return push.run()
+        result = push.run()
     finally:
         push.close()
+    if adapter is not None:
+        client.adapter = adapter.name
+    return result

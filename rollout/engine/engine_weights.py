@@ -4,6 +4,7 @@ between two steps as one transaction with a policy version (`weight_commit.commi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ class EngineWeights:
     weights: WeightTable
     block_manager: BlockManager
     _in_flight: InFlightStep | None
+    has_unfinished: Callable[[], bool]
 
     @property
     def policy_version(self) -> int:
@@ -77,6 +79,7 @@ class EngineWeights:
         version: int | None = None,
         mode: str = "keep",
         check_finite: bool = False,
+        base: dict[str, torch.Tensor] | None = None,
     ) -> WeightUpdateResult:
         """Serve a LoRA adapter unmerged under `name` (replacing the one of that name), between two steps: a weight
         update like `update_weights`, with a policy version, that leaves the base weights untouched.
@@ -88,6 +91,8 @@ class EngineWeights:
             version: the new policy version (must exceed the current one); None adds one.
             mode: as for `update_weights`; "recompute" and "abort" act on this adapter's samples only.
             check_finite: refuse tensors holding NaN or Inf.
+            base: whole new base weights (state_dict names) committed with the adapter, in the same transaction
+                (an adapter push to a worker that does not serve the trainer's base yet).
         Returns:
             A `WeightUpdateResult`.
         Raises:
@@ -97,14 +102,30 @@ class EngineWeights:
         started = time.perf_counter()
         new_version = self.weights.check_version(version, mode, self.policy_version)
         self.runner.adapters.check(name, modules, check_finite)
+        if base is not None:
+            self.weights.check_update(base, new_version, mode, False, self.policy_version)
 
         def copy() -> None:
+            if base is not None:
+                self.weights.copy_in(base)
             self.runner.adapters.load(name, modules, new_version)
 
         def affects(request: Request) -> bool:
             return request.adapter is not None and request.adapter.name == name
 
-        return commit(self, copy, new_version, mode, started, affects)
+        return commit(self, copy, new_version, mode, started, None if base is not None else affects)
+
+    def serve_adapter_from_start(self, name: str, modules: dict[str, LoraModule]) -> None:
+        """Serve an adapter from the engine's start, at the current policy version and outside any weight update
+        (`rollout-worker --lora`): call it before the first request.
+
+        Raises:
+            FieldError: as `load_adapter`. RuntimeError: the engine already has requests.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("adapters are served from the start only while the engine is idle: use load_adapter")
+        self.runner.adapters.check(name, modules, check_finite=True)
+        self.runner.adapters.load(name, modules, self.policy_version)
 
     def weights_changed(self) -> None:
         """Say that the model's weights were changed in place from outside the engine (while a manager was paused,

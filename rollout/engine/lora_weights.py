@@ -102,6 +102,22 @@ def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, flo
     return modules
 
 
+def is_adapter_tensor(name: str, scalings: dict[str, float]) -> bool:
+    """True for the wire name of a LoRA tensor of an adapter with these per-module scalings."""
+    module, _, part = name.rpartition(".")
+    return part in ("lora_A", "lora_B") and module in scalings
+
+
+def split_adapter_tensors(
+    tensors: dict[str, torch.Tensor], scalings: dict[str, float]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """(the adapter's tensors, the base weights that travel with them, or None): an adapter update may bring the
+    whole base along (a worker that does not serve the trainer's base yet)."""
+    adapter = {name: tensor for name, tensor in tensors.items() if is_adapter_tensor(name, scalings)}
+    base = {name: tensor for name, tensor in tensors.items() if name not in adapter}
+    return adapter, base or None
+
+
 def to_named_tensors(modules: dict[str, LoraModule]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The wire form of an adapter: (tensors by wire name, scalings by module)."""
     tensors = {}

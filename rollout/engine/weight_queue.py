@@ -14,7 +14,7 @@ import torch
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.commands import AdapterUpdate, ApplyWeights, Command, PendingUpdate
 from rollout.engine.engine import Engine
-from rollout.engine.lora_weights import from_named_tensors
+from rollout.engine.lora_weights import from_named_tensors, split_adapter_tensors
 from rollout.engine.outputs import GenerationOutput
 from rollout.engine.weight_table import WeightUpdateResult
 
@@ -127,8 +127,9 @@ class WeightUpdateQueue:
     def _apply(self, update: PendingUpdate) -> WeightUpdateResult:
         if update.adapter is None:
             return self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
-        modules = from_named_tensors(update.tensors, update.adapter.scalings)
-        return self.engine.load_adapter(update.adapter.name, modules, update.version, update.mode)
+        adapter, base = split_adapter_tensors(update.tensors, update.adapter.scalings)
+        modules = from_named_tensors(adapter, update.adapter.scalings)
+        return self.engine.load_adapter(update.adapter.name, modules, update.version, update.mode, base=base)
 
     def apply(
         self,

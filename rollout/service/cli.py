@@ -121,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int, default=256, help="most sequences per engine step (default: 256)")
     add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduling policy (default: fifo)")
     add("--max-queue-size", type=int, default=0, help="most waiting requests before 'busy' (default: 0, unbounded)")
+    add(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a PEFT LoRA adapter directory unmerged under NAME (repeatable); requests choose it by name "
+        "(needs pip install 'rollout[lora]'); trainers may add or replace adapters while serving",
+    )
+    add("--max-loras", type=int, default=4, help="most LoRA adapters served at once (default: 4)")
+    add("--max-lora-rank", type=int, default=16, help="highest LoRA rank accepted (default: 16)")
     add("--cpu-offload-space", type=float, default=0.0, help="GiB of CPU swap for preempted requests (default: 0)")
     limits = WorkerLimits()
     add(

@@ -61,7 +61,15 @@ class GroupInFlight:
             return delta, None
         kv_version_min = output.kv_version_min if output.kv_version_min is not None else policy_version
         completion = p.Completion(
-            index, tokens, logprobs, output.finish_reason, output.error, self.versions.get(index, []), kv_version_min
+            index,
+            tokens,
+            logprobs,
+            output.finish_reason,
+            output.error,
+            self.versions.get(index, []),
+            kv_version_min,
+            output.adapter,
+            output.adapter_version,
         )
         self.completions.append(completion)
         if len(self.completions) < self.n:

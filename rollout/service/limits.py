@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rollout.config import FieldError
+from rollout.service import messages as p
 
 
 @dataclass
@@ -49,3 +50,29 @@ class WorkerLimits:
                 raise FieldError(item.name, f"must be positive, got {value!r}")
         if self.max_message_bytes < 1 << 10:
             raise FieldError("max_message_bytes", f"must be at least 1024, got {self.max_message_bytes}")
+
+
+def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, client_groups: int) -> p.Error | None:
+    """Why a worker refuses a generate message before the engine sees it (None: it does not).
+
+    Args:
+        limits: the worker's limits.
+        message: the request.
+        running: a group of this client with the same id is still running.
+        client_groups: groups this client has in flight.
+    """
+    if running:
+        return p.Error("duplicate_group", "a group with this id is still running", "group_id", message.group_id)
+    if not 1 <= message.n <= limits.max_n:
+        reason = f"must be in [1, {limits.max_n}] (the worker's --max-n), got {message.n}"
+        return p.Error("bad_request", f"n: {reason}", "n", message.group_id)
+    most = limits.max_groups_per_client
+    if most and client_groups >= most:
+        reason = f"this client already has {most} groups in flight (the worker's --max-groups-per-client)"
+        return p.Error("busy", reason, None, message.group_id)
+    # Outputs the protocol has no field for are refused by name, never silently dropped ({name: its "off" value}).
+    for name, off in {"top_logprobs": 0, "prompt_logprobs": None}.items():
+        if message.sampling.get(name, off) != off:
+            reason = f"{name} are not carried over the socket yet"
+            return p.Error("bad_request", reason, f"sampling.{name}", message.group_id)
+    return None

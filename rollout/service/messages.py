@@ -75,6 +75,7 @@ class Generate(ClientMessage):
     n: int = 1
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
+    adapter: str | None = None  # the served LoRA adapter to sample with; nil: the base model
 
 
 @dataclass
@@ -141,6 +142,12 @@ class WeightsBegin(ClientMessage):
     # torch.distributed only: {"host", "port", "world_size", "rank", "backend", "group"} of the process group.
     dist: dict[str, Any] = field(default_factory=dict)
     preempt: bool = False  # take the update slot over from another client's open update (which is rejected)
+    # A LoRA adapter update: its name (the tensors are "<module>.lora_A" / "<module>.lora_B"), served unmerged.
+    adapter: str | None = None
+    scalings: dict[str, float] = field(default_factory=dict)  # the adapter's scaling per module
+    # The base weights this update is for. A whole update with a base_id makes it the worker's; an adapter update
+    # with one is refused ("base_mismatch") unless the worker serves that base.
+    base_id: str | None = None
 
 
 @dataclass
@@ -210,6 +217,8 @@ class Completion:
     policy_versions: list[list[int]] = field(default_factory=list)
     # Oldest policy version behind this sample's KV.
     kv_version_min: int = 0
+    adapter: str | None = None  # the LoRA adapter that sampled it; nil: the base model
+    adapter_version: int | None = None  # that adapter's version when the sample finished
 
 
 @dataclass
@@ -247,6 +256,8 @@ class WeightsSpecReply(WorkerMessage):
     update_id: str
     tensors: list[TensorSpec]
     policy_version: int
+    base_id: str | None = None  # the base weights served, as the last whole update named them (nil: unnamed)
+    adapters: dict[str, int] = field(default_factory=dict)  # served LoRA adapters and their versions
 
 
 @dataclass

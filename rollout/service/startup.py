@@ -15,6 +15,8 @@ import torch
 import zmq
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.engine import Engine
+from rollout.engine.lora_weights import load_peft_dir
 from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.auth import WorkerAuth
@@ -98,6 +100,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
         parser.error(str(error))
+    serve_start_adapters(parser, args.lora, manager.engine)
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     auth = None
     if args.curve_secret_key is not None:
@@ -194,6 +197,19 @@ def _limits(args: argparse.Namespace) -> WorkerLimits:
     )
 
 
+def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine) -> None:
+    """Serve the `--lora NAME=PATH` adapters from the start (a usage error names a bad one)."""
+    for spec in specs:
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            parser.error(f"--lora {spec}: expected NAME=PATH")
+        try:
+            engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path)))
+        except ValueError as error:
+            parser.error(f"--lora {spec}: {error}")
+        logger.info("serving LoRA adapter %s from %s", name, path)
+
+
 def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine settings the flags give (a FieldError names a bad one)."""
     return ContinuousBatchingConfig(
@@ -209,4 +225,6 @@ def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         fp32_logits=args.fp32_logits,
         use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
         overlap_scheduling=AUTO_ON_OFF[args.overlap],
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
     )

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
+from rollout.engine.commands import AdapterUpdate
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.engine.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
@@ -75,6 +76,9 @@ class UpdateSlot:
         self._device = next(manager.engine.model.parameters()).device
         self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
         self.num_rejected = 0
+        # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
+        # update that named none): adapter updates for another base are refused.
+        self.base_id: str | None = None
         self.bytes_committed = 0
         self.pause_ms_total = 0.0
         self._tracer = tracer or Tracer()
@@ -95,8 +99,10 @@ class UpdateSlot:
         """
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
-            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in self.manager.engine.weights.specs().items()]
-            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version))
+            engine = self.manager.engine
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weights.specs().items()]
+            adapters = {name: ref.version for name, ref in list(engine.runner.adapters.refs.items())}
+            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters))
             return
         update = self.update
         if isinstance(message, p.WeightsBegin):
@@ -152,7 +158,7 @@ class UpdateSlot:
         try:
             if message.transport == "torch.distributed":
                 _check_dist_host(message.dist.get("host"), peer)
-            update = StagedUpdate(message, self.manager.engine, identity, self._staging, self.max_phase_s)
+            update = StagedUpdate(message, self.manager.engine, identity, self._staging, self.max_phase_s, self.base_id)
         except UpdateRejected as error:
             self.num_rejected += 1
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
@@ -256,8 +262,9 @@ class UpdateSlot:
             except UpdateRejected as rejected:
                 self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
                 return
+            adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
             self.manager.submit_weight_update(
-                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied
+                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
             )
 
         update.jobs.submit(job)
@@ -279,6 +286,8 @@ class UpdateSlot:
             if isinstance(reply, p.WeightsCommitted):
                 self.update = None
                 update.end(clean=True)
+                if update.begin.adapter is None or update.begin.base_id != self.base_id:  # new base weights
+                    self.base_id = update.begin.base_id
                 self.bytes_committed += update.staging_bytes
                 self.pause_ms_total += reply.pause_ms
                 self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)

@@ -18,6 +18,7 @@ import torch
 from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
 from rollout.service import protocol as p
+from rollout.service.adapter_updates import BaseMismatch, check_adapter_fields
 from rollout.service.dist import check_dist_fields
 from rollout.service.jobs import SerialJobs
 from rollout.service.staging import (
@@ -51,7 +52,13 @@ class StagedUpdate:
     """One open weight update of one client: its announcement, staging area, progress and deadline."""
 
     def __init__(
-        self, begin: p.WeightsBegin, engine: Engine, identity: bytes, pool: StagingPool, max_phase_s: float = 600.0
+        self,
+        begin: p.WeightsBegin,
+        engine: Engine,
+        identity: bytes,
+        pool: StagingPool,
+        max_phase_s: float = 600.0,
+        base_id: str | None = None,
     ):
         """Validate the announcement and take a staging area from the pool.
 
@@ -61,6 +68,7 @@ class StagedUpdate:
             identity: the client's ZeroMQ identity (only it may continue the update).
             pool: where staging areas come from and go back to.
             max_phase_s: the longest phase deadline (`timeout_s`) allowed.
+            base_id: the base weights the worker serves (an adapter update must be for them).
         Raises:
             UpdateRejected: a bad field or tensor, named.
         """
@@ -71,6 +79,12 @@ class StagedUpdate:
         self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work
         self.closed = False  # its staging area went back (`close`)
         self._check_fields(begin, engine, max_phase_s)
+        if begin.adapter is not None:
+            try:
+                check_adapter_fields(begin, engine, base_id)
+            except FieldError as error:
+                code = "base_mismatch" if isinstance(error, BaseMismatch) else "bad_update"
+                raise UpdateRejected(code, error.field, error.reason) from None
         self.specs = begin.tensors
         self.sizes = [tensor_nbytes(spec) for spec in self.specs]
         self.offsets, self.staging_bytes = staging_layout(self.specs)
@@ -133,6 +147,8 @@ class StagedUpdate:
                 raise UpdateRejected("bad_update", spec.name, f"unknown dtype {spec.dtype!r}")
             if any(size < 0 for size in spec.shape):
                 raise UpdateRejected("bad_update", f"tensors[{index}].shape", "sizes must be >= 0")
+        if begin.adapter is not None:
+            return  # the adapter's tensors are checked against the adapter table (check_adapter_fields)
         try:
             engine.weights.check_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
         except FieldError as error:

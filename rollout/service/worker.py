@@ -33,7 +33,7 @@ from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
 from rollout.service.group_counters import GroupCounters
 from rollout.service.groups import GroupInFlight, engine_id
-from rollout.service.limits import WorkerLimits
+from rollout.service.limits import WorkerLimits, generate_refusal
 from rollout.service.sockets import MessageReader, Waker
 from rollout.service.tracing import Tracer
 from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
@@ -256,7 +256,8 @@ class RolloutWorker:
 
     def _generate(self, identity: bytes, message: p.Generate) -> None:
         group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream)
-        reply_error = self._refusal(identity, message, group.engine_id)
+        running = group.engine_id in self._groups
+        reply_error = generate_refusal(self.limits, message, running, self._groups_per_client.get(identity, 0))
         if reply_error is not None:
             self.counters.group_refused()
             self._send(identity, reply_error)
@@ -264,9 +265,8 @@ class RolloutWorker:
         self._add_group(group)
         try:
             sampling = SamplingParams.from_fields(message.sampling)
-            self.manager.add_group(
-                group.engine_id, message.prompt_ids, sampling=sampling, n=message.n, streaming=message.stream
-            )
+            fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
+            self.manager.add_group(group.engine_id, message.prompt_ids, **fields)
         except (FieldError, QueueFullError) as error:
             self._remove_group(group)
             self.counters.group_refused()
@@ -280,23 +280,6 @@ class RolloutWorker:
         group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
         # Outputs that came before this line wait in the manager's queue and are handed over here, in order.
         self.manager.register_result_handler(group.engine_id, lambda output: self._on_output(group, output))
-
-    def _refusal(self, identity: bytes, message: p.Generate, key: str) -> p.Error | None:
-        if key in self._groups:
-            return p.Error("duplicate_group", "a group with this id is still running", "group_id", message.group_id)
-        if not 1 <= message.n <= self.limits.max_n:
-            reason = f"must be in [1, {self.limits.max_n}] (the worker's --max-n), got {message.n}"
-            return p.Error("bad_request", f"n: {reason}", "n", message.group_id)
-        most = self.limits.max_groups_per_client
-        if most and self._groups_per_client.get(identity, 0) >= most:
-            reason = f"this client already has {most} groups in flight (the worker's --max-groups-per-client)"
-            return p.Error("busy", reason, None, message.group_id)
-        # Outputs the protocol has no field for are refused by name, never silently dropped ({name: its "off" value}).
-        for name, off in {"top_logprobs": 0, "prompt_logprobs": None}.items():
-            if message.sampling.get(name, off) != off:
-                reason = f"{name} are not carried over the socket yet"
-                return p.Error("bad_request", reason, f"sampling.{name}", message.group_id)
-        return None
 
     # ---- engine thread -> outbox ------------------------------------------------------------------------------
     def _on_output(self, group: GroupInFlight, output: GenerationOutput) -> None:

@@ -1,0 +1,119 @@
+"""Adapter-only pushes to a real rollout-worker subprocess: `push_weights(client, peft_model)` sends the frozen base
+once (in the adapter's transaction) and then only the LoRA tensors; the worker serves the adapter unmerged, and its
+completions equal peft's own generate of the same `PeftModel`, tagged with the adapter's name and version. A base
+that changed under the worker makes the next push carry it again, an adapter for another base is refused, and bad
+adapters are refused whole, naming the culprit."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from rollout.service import protocol as p
+from rollout.service.presets import tiny_model
+from service_helpers import Client, Worker
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [(37 * i + 5) % 101 for i in range(37)]
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker("--max-loras", "2", "--max-lora-rank", "8")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with RolloutClient(worker.address, timeout=60) as connection:
+        yield connection
+
+
+def lora_model(seed: int, **config) -> torch.nn.Module:
+    """A PeftModel over the worker's own start model (tiny seed 0) with a random, non-zero adapter."""
+    torch.manual_seed(seed)
+    settings = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False) | config
+    model = get_peft_model(tiny_model(0), LoraConfig(**settings))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn_like(parameter) * 0.1)
+    return model.eval()
+
+
+def peft_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    return output[0, len(prompt) :].tolist()
+
+
+def test_base_once_then_adapter_only_and_tokens_match_peft(client):
+    model = lora_model(1)
+    adapter_bytes = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "lora_" in n)
+    first = push_weights(client, model)
+    assert first.base_included and first.num_bytes > 10 * adapter_bytes
+    model_again = model  # a training step later: the same base, new adapter weights
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_A" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    second = push_weights(client, model_again)
+    assert not second.base_included and second.num_bytes == adapter_bytes
+    assert client.adapter == "default"
+    result = client.generate(PromptGroup(PROMPT, n=2, sampling=GREEDY))
+    for completion in result.completions:
+        assert completion.token_ids == peft_greedy(model_again, PROMPT)
+        assert (completion.adapter, completion.adapter_version) == ("default", second.version)
+    base = client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="__base__")).completions[0]
+    with model_again.disable_adapter():
+        assert base.token_ids == peft_greedy(model_again, PROMPT)
+    assert base.adapter is None
+    with pytest.raises(RolloutError) as error:
+        client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="missing"))
+    assert error.value.field == "adapter"
+
+
+def test_a_changed_base_is_sent_again_and_stale_adapters_are_refused(client, worker):
+    """A whole push of other weights (as a restarted worker's start weights) unnames the worker's base: an adapter
+    update for the trainer's base is refused, and the next push_weights carries the base again."""
+    model = lora_model(3)
+    push_weights(client, model)
+    push_weights(client, tiny_model(5), adapters="merged")  # a plain model: new, unnamed base weights
+    raw = Client(worker.address)
+    try:
+        specs = [p.TensorSpec("model.layers.0.self_attn.q_proj.lora_A", "float32", [8, 64])]
+        specs.append(p.TensorSpec("model.layers.0.self_attn.q_proj.lora_B", "float32", [64, 8]))
+        begin = p.WeightsBegin(uuid.uuid4().hex, specs, adapter="default", base_id="another-base")
+        begin.scalings = {"model.layers.0.self_attn.q_proj": 2.0}
+        reply = raw.ask(begin)
+        assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("base_mismatch", "base_id")
+    finally:
+        raw.close()
+    again = push_weights(client, model)
+    assert again.base_included
+    completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
+    assert completion.token_ids == peft_greedy(model, PROMPT)
+
+
+def test_bad_adapters_are_refused_whole(client):
+    good = lora_model(4)
+    push_weights(client, good)
+    served = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].token_ids
+    with pytest.raises(RolloutError) as error:
+        push_weights(client, lora_model(5, r=16))
+    assert "max_lora_rank" in str(error.value)
+    dora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="DoRA"):
+        push_weights(client, dora)
+    push_weights(client, lora_model(6), adapter_name="second")
+    with pytest.raises(RolloutError) as error:
+        push_weights(client, lora_model(7), adapter_name="third")
+    assert error.value.field == "max_loras"
+    assert client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="default")).completions[0].token_ids == served

@@ -1,0 +1,80 @@
+"""Adapter-only pushes of a PEFT LoRA model: what travels is the active adapter's lora_A / lora_B tensors (wire names
+"<module>.lora_A" / "<module>.lora_B", in the adapter's own dtype) and their scalings; the workers serve them
+unmerged over the base they hold. The frozen base travels once: in the same transaction as the adapter, to every
+worker of the push, whenever a worker does not hold this trainer's base yet (its first push, or a worker that
+restarted). The base is named by a `base_id` made once per base model in this process."""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.engine.lora_weights import active_adapter_name, check_peft_config, module_name
+from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
+
+ADAPTER_MODES = ("auto", "merged")
+_BASE_IDS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class AdapterPush:
+    """The adapter side of one push: its name on the workers, its tensors and scalings, and the base it needs."""
+
+    name: str
+    entries: list[Entry]
+    scalings: dict[str, float]
+    base_id: str
+    base_entries: list[Entry] = field(default_factory=list)  # the frozen base, sent only where it is missing
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the adapter's tensors."""
+        return sum(torch.Size(entry.shape).numel() * entry.dtype.itemsize for entry in self.entries)
+
+
+def base_id_of(model: Any) -> str:
+    """The id of a PEFT model's base weights in this process (one per base model object)."""
+    base = model.get_base_model()
+    if base not in _BASE_IDS:
+        _BASE_IDS[base] = uuid.uuid4().hex
+    return _BASE_IDS[base]
+
+
+def adapter_push(model: Any, adapter_name: str | None = None, served_name: str | None = None) -> AdapterPush:
+    """What an adapter-only push of `model` sends.
+
+    Args:
+        model: an unwrapped `peft.PeftModel` with LoRA adapters.
+        adapter_name: which of its adapters (None: the active one).
+        served_name: the name the workers serve it under (None: the adapter's own name).
+    Raises:
+        ValueError: (FieldError) an adapter that cannot be served unmerged (DoRA, a LoRA bias, modules_to_save,
+            a non-Linear target, ...), named; push such a model with adapters="merged".
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from rollout.config import FieldError
+
+    name = adapter_name or active_adapter_name(model)
+    if name not in model.peft_config:
+        raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(model.peft_config)})")
+    check_peft_config(model.peft_config[name])
+    entries, scalings = [], {}
+    for key, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or name not in layer.lora_A:
+            continue
+        target = module_name(key)
+        if layer.use_dora.get(name) or not isinstance(layer.get_base_layer(), torch.nn.Linear):
+            raise FieldError(target, "only LoRA on torch.nn.Linear layers (without DoRA) is served unmerged")
+        for part in ("lora_A", "lora_B"):
+            weight = getattr(layer, part)[name].weight
+            entries.append(Entry(f"{target}.{part}", weight.dtype, shape_of(weight), lambda w=weight: full_copy(w)))
+        scalings[target] = float(layer.scaling[name])
+    if not entries:
+        raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    base = peft_entries(model, merged=False)
+    return AdapterPush(served_name or name, entries, scalings, base_id_of(model), base)
