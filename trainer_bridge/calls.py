@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.adapter_ref import BASE_NAME
+from rollout.peft_adapters import BASE_NAME
 from rollout.service.protocol import Completion, Delta
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.lora_weights import active_adapter_name, check_peft_config, module_name
+from rollout.peft_adapters import active_adapter_name, check_peft_config, module_name
 from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 
 ADAPTER_MODES = ("auto", "merged")

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES
-from rollout.engine.lora_weights import is_peft_model
+from rollout.peft_adapters import is_peft_model
 from rollout.service import protocol as p
 from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient

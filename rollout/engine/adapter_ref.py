@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.config import FieldError
+from rollout.peft_adapters import BASE_NAME, check_adapter_name
 
-MAX_ADAPTER_NAME = 128
-# The name peft gives the base model in a mixed batch (`adapter_names=`); never an adapter's name here either.
-BASE_NAME = "__base__"
+__all__ = ["BASE_NAME", "AdapterRef", "check_adapter_name"]
 
 
 @dataclass(eq=False, slots=True)
@@ -26,19 +24,3 @@ class AdapterRef:
     name: str
     slot: int
     version: int
-
-
-def check_adapter_name(name: object, field: str = "adapter") -> str:
-    """An adapter name as requests and pushes may use it.
-
-    Args:
-        name: the name to check.
-        field: the field to name in the error.
-    Raises:
-        FieldError: not a non-empty string of at most 128 characters, or the base model's reserved name.
-    """
-    if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
-        raise FieldError(field, f"must be a non-empty string of at most {MAX_ADAPTER_NAME} characters, got {name!r}")
-    if name == BASE_NAME:
-        raise FieldError(field, f"{BASE_NAME!r} is the base model: leave the adapter out (None) to use it")
-    return name

@@ -14,8 +14,9 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.lora_weights import from_peft_model, is_peft_model
+from rollout.engine.lora_weights import from_peft_model
 from rollout.engine.outputs import GenerationOutput
+from rollout.peft_adapters import is_peft_model
 
 # Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that
 # copying the model copies no engine): (what it was built from, the engine).

@@ -15,25 +15,9 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
+from rollout.peft_adapters import active_adapter_name, check_peft_config, lora_layers, module_name
 
 WIRE_SUFFIXES = (".lora_A", ".lora_B")
-# PEFT settings that change the forward beyond W0 x + s B(A x) (or train more than the LoRA pair): not served
-# unmerged; push such a model with adapters="merged".
-UNSERVED_SETTINGS = {
-    "use_dora": "DoRA",
-    "lora_bias": "a trained LoRA bias",
-    "modules_to_save": "fully trained module copies",
-    "trainable_token_indices": "trainable tokens",
-    "target_parameters": "LoRA on bare parameters (MoE experts)",
-    "alora_invocation_tokens": "activated LoRA",
-    "use_qalora": "QALoRA",
-    "layer_replication": "layer replication",
-    "arrow_config": "Arrow routing",
-    "kasa_config": "KaSA",
-    "use_bdlora": "BD-LoRA",
-    "velora_config": "VeLoRA",
-    "monteclora_config": "MonteCLoRA",
-}
 
 
 @dataclass
@@ -47,25 +31,6 @@ class LoraModule:
     @property
     def rank(self) -> int:
         return self.lora_A.shape[0]
-
-
-def check_peft_config(config: Any) -> None:
-    """Refuse, by name, a PEFT LoRA config whose forward is more than W0 x + s B(A x).
-
-    Args:
-        config: a `peft.LoraConfig` (or anything with its attributes).
-    Raises:
-        FieldError: the setting that cannot be served unmerged.
-    """
-    peft_type = str(getattr(config, "peft_type", "LORA") or "LORA")
-    if peft_type.split(".")[-1].upper() != "LORA":
-        raise FieldError("peft_type", f"only LoRA adapters are served, got {peft_type}")
-    if getattr(config, "bias", "none") != "none":
-        raise FieldError("bias", "trained biases are not served unmerged; push with adapters='merged'")
-    for name, what in UNSERVED_SETTINGS.items():
-        value = getattr(config, name, None)
-        if value not in (None, False, {}, [], ()):
-            raise FieldError(name, f"{what} is not served unmerged; push with adapters='merged'")
 
 
 def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, LoraModule]:
@@ -127,12 +92,6 @@ def to_named_tensors(modules: dict[str, LoraModule]) -> tuple[dict[str, torch.Te
     return tensors, {module: pair.scaling for module, pair in modules.items()}
 
 
-def module_name(peft_key: str) -> str:
-    """The base model's module name behind a PEFT module or state-dict key prefix: peft wraps the model as
-    `base_model.model.<module>`."""
-    return peft_key.removeprefix("base_model.model.")
-
-
 def load_peft_dir(path: str) -> dict[str, LoraModule]:
     """Read a PEFT LoRA adapter directory (as `PeftModel.save_pretrained` writes it), with peft's own loaders.
 
@@ -170,35 +129,6 @@ def load_peft_dir(path: str) -> dict[str, LoraModule]:
     return from_named_tensors(tensors, scalings)
 
 
-def is_peft_model(model: Any) -> bool:
-    """True for a `peft.PeftModel` with at least one LoRA adapter."""
-    return (
-        callable(getattr(model, "get_base_model", None))
-        and bool(getattr(model, "peft_config", None))
-        and any(_lora_layers(model))
-    )
-
-
-def _lora_layers(model: Any) -> Any:
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return iter(())
-    return ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
-
-
-def active_adapter_name(model: Any) -> str:
-    """The adapter a PEFT model trains (its single active adapter).
-
-    Raises:
-        FieldError: ("adapter_name") several adapters are active.
-    """
-    active = getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")]
-    if len(active) != 1:
-        raise FieldError("adapter_name", f"the model has {len(active)} active adapters {active}: name the one to use")
-    return active[0]
-
-
 def from_peft_model(model: Any, adapter_name: str | None = None) -> dict[str, LoraModule]:
     """One adapter of a live PEFT model, as the engine takes it (the model's own tensors, not copies; ZeRO-3 or
     FSDP shards must be gathered by the caller).
@@ -216,7 +146,7 @@ def from_peft_model(model: Any, adapter_name: str | None = None) -> dict[str, Lo
         raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(configs)})")
     check_peft_config(configs[name])
     modules = {}
-    for key, layer in _lora_layers(model):
+    for key, layer in lora_layers(model):
         if name not in layer.lora_A:
             continue
         target = module_name(key)

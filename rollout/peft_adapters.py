@@ -1,0 +1,100 @@
+"""PEFT LoRA adapters as rollout reads them, on both sides (the engine and the trainer's pushes): adapter names,
+which PEFT settings can be served unmerged, and how to find a PEFT model's LoRA layers. Imports neither torch nor
+peft until a function needs them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.config import FieldError
+
+MAX_ADAPTER_NAME = 128
+# The name peft gives the base model in a mixed batch (`adapter_names=`); never an adapter's name here either.
+BASE_NAME = "__base__"
+# PEFT settings that change the forward beyond W0 x + s B(A x) (or train more than the LoRA pair): not served
+# unmerged; push such a model with adapters="merged".
+UNSERVED_SETTINGS = {
+    "use_dora": "DoRA",
+    "lora_bias": "a trained LoRA bias",
+    "modules_to_save": "fully trained module copies",
+    "trainable_token_indices": "trainable tokens",
+    "target_parameters": "LoRA on bare parameters (MoE experts)",
+    "alora_invocation_tokens": "activated LoRA",
+    "use_qalora": "QALoRA",
+    "layer_replication": "layer replication",
+    "arrow_config": "Arrow routing",
+    "kasa_config": "KaSA",
+    "use_bdlora": "BD-LoRA",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+}
+
+
+def check_adapter_name(name: object, field: str = "adapter") -> str:
+    """An adapter name as requests and pushes may use it.
+
+    Args:
+        name: the name to check.
+        field: the field to name in the error.
+    Raises:
+        FieldError: not a non-empty string of at most 128 characters, or the base model's reserved name.
+    """
+    if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
+        raise FieldError(field, f"must be a non-empty string of at most {MAX_ADAPTER_NAME} characters, got {name!r}")
+    if name == BASE_NAME:
+        raise FieldError(field, f"{BASE_NAME!r} is the base model: leave the adapter out (None) to use it")
+    return name
+
+
+def check_peft_config(config: Any) -> None:
+    """Refuse, by name, a PEFT LoRA config whose forward is more than W0 x + s B(A x).
+
+    Args:
+        config: a `peft.LoraConfig` (or anything with its attributes).
+    Raises:
+        FieldError: the setting that cannot be served unmerged.
+    """
+    peft_type = str(getattr(config, "peft_type", "LORA") or "LORA")
+    if peft_type.split(".")[-1].upper() != "LORA":
+        raise FieldError("peft_type", f"only LoRA adapters are served, got {peft_type}")
+    if getattr(config, "bias", "none") != "none":
+        raise FieldError("bias", "trained biases are not served unmerged; push with adapters='merged'")
+    for name, what in UNSERVED_SETTINGS.items():
+        value = getattr(config, name, None)
+        if value not in (None, False, {}, [], ()):
+            raise FieldError(name, f"{what} is not served unmerged; push with adapters='merged'")
+
+
+def module_name(peft_key: str) -> str:
+    """The base model's module name behind a PEFT module or state-dict key prefix: peft wraps the model as
+    `base_model.model.<module>`."""
+    return peft_key.removeprefix("base_model.model.")
+
+
+def is_peft_model(model: Any) -> bool:
+    """True for a `peft.PeftModel` with at least one LoRA adapter."""
+    return (
+        callable(getattr(model, "get_base_model", None))
+        and bool(getattr(model, "peft_config", None))
+        and any(lora_layers(model))
+    )
+
+
+def lora_layers(model: Any) -> Any:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return iter(())
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
+
+
+def active_adapter_name(model: Any) -> str:
+    """The adapter a PEFT model trains (its single active adapter).
+
+    Raises:
+        FieldError: ("adapter_name") several adapters are active.
+    """
+    active = getattr(model, "active_adapters", None) or [getattr(model, "active_adapter", "default")]
+    if len(active) != 1:
+        raise FieldError("adapter_name", f"the model has {len(active)} active adapters {active}: name the one to use")
+    return active[0]
