@@ -1,5 +1,6 @@
 """The engine's weights API (`Engine` inherits it): whole-model weight updates and LoRA adapters, each committed
-between two steps as one transaction with a policy version (`weight_commit.commit`)."""
+between two steps as one transaction with a policy version, the same way (`commit`): finish the step in flight, copy,
+bump the policy version, forget cached prefixes, then apply the commit mode to the requests the new weights serve."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rollout.config import FieldError
+from rollout.engine.commit_modes import abort_in_flight, recompute_in_flight
 from rollout.engine.lora_weights import LoraModule
 from rollout.engine.request import Request
-from rollout.engine.weight_commit import commit
 from rollout.engine.weight_table import WeightUpdateResult
 
 if TYPE_CHECKING:
     from rollout.engine.block_manager import BlockManager
     from rollout.engine.model_runner import ModelRunner
+    from rollout.engine.outputs import GenerationOutput
     from rollout.engine.pending_samples import InFlightStep
     from rollout.engine.scheduler import Scheduler
     from rollout.engine.weight_table import WeightTable
@@ -30,7 +33,11 @@ class EngineWeights:
     weights: WeightTable
     block_manager: BlockManager
     _in_flight: InFlightStep | None
+    _undelivered: list[GenerationOutput]
+    num_weight_updates: int
     has_unfinished: Callable[[], bool]
+    _drain: Callable[[], None]
+    _outputs: Callable[[list[Request]], list[GenerationOutput]]
 
     @property
     def policy_version(self) -> int:
@@ -131,3 +138,50 @@ class EngineWeights:
         """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
         by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed."""
         self.runner.weights_changed()
+
+
+def commit(
+    engine: EngineWeights,
+    copy: Callable[[], None],
+    new_version: int,
+    mode: str,
+    started: float,
+    affects: Callable[[Request], bool] | None = None,
+) -> WeightUpdateResult:
+    """Apply checked weights. Nothing here refuses an update except mode "wait" with samples in flight (before
+    anything changed).
+
+    Args:
+        engine: the engine.
+        copy: copies the checked tensors into place.
+        new_version: the policy version they set.
+        mode: "keep", "recompute", "abort" or "wait" (see `Engine.update_weights`).
+        started: `time.perf_counter()` when the update's checks began (its pause counts from there).
+        affects: which in-flight requests "recompute" and "abort" act on (None: all of them).
+    Returns:
+        The `WeightUpdateResult`, with the drained step's outputs and the aborted samples' final ones.
+    Raises:
+        FieldError: ("mode") "wait" while samples are in flight.
+    """
+    engine._drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
+    if mode == "wait" and engine.num_in_flight():
+        raise FieldError("mode", f"'wait' needs a drained engine; {engine.num_in_flight()} samples are in flight")
+    copy_started = time.perf_counter()
+    copy()
+    engine.runner.weights_changed()
+    copy_ms = (time.perf_counter() - copy_started) * 1000
+    engine.block_manager.policy_version = new_version
+    # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
+    engine.block_manager.reset_prefix_cache()
+    result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
+    result.outputs, engine._undelivered = engine._undelivered, []
+    if mode == "recompute":
+        result.recomputed = recompute_in_flight(engine.scheduler, affects)
+    elif mode == "abort":
+        ended, result.recomputed = abort_in_flight(engine.scheduler, affects)
+        aborted = engine._outputs(ended)
+        result.outputs += aborted
+        result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")
+    engine.num_weight_updates += 1
+    result.pause_ms = (time.perf_counter() - started) * 1000
+    return result
