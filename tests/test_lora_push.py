@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import uuid
 
+import openai
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from rollout.service import protocol as p
 from rollout.service.presets import tiny_model
-from service_helpers import Client, Worker
+from service_helpers import Client, Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,7 +26,9 @@ GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 12}
 
 @pytest.fixture(scope="module")
 def worker():
-    server = Worker("--max-loras", "2", "--max-lora-rank", "8")
+    port = free_port()
+    server = Worker("--max-loras", "2", "--max-lora-rank", "8", "--http", f"127.0.0.1:{port}")
+    server.url = f"http://127.0.0.1:{port}"
     yield server
     server.close()
 
@@ -117,3 +120,25 @@ def test_bad_adapters_are_refused_whole(client):
         push_weights(client, lora_model(7), adapter_name="third")
     assert error.value.field == "max_loras"
     assert client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="default")).completions[0].token_ids == served
+
+
+def test_openai_model_names_a_served_adapter(client, worker):
+    """/v1/models lists the adapters under the worker's model (vLLM's shape); `model="NAME"` samples with one (the
+    official openai client), echoing its name; an unknown model is a 404 naming `model`."""
+    model = lora_model(8)
+    push_weights(client, model, adapter_name="default")
+    with openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60) as api:
+        listed = {entry.id: entry.model_extra for entry in api.models.list()}
+        assert listed["default"]["parent"] == "tiny" and listed["tiny"]["parent"] is None
+        settings = dict(
+            prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}
+        )
+        answer = api.completions.create(model="default", **settings)
+        assert answer.model == "default"
+        assert answer.choices[0].model_extra["token_ids"] == peft_greedy(model, PROMPT)
+        base = api.completions.create(model="tiny", **settings).choices[0].model_extra["token_ids"]
+        with model.disable_adapter():
+            assert base == peft_greedy(model, PROMPT)
+        with pytest.raises(openai.NotFoundError) as error:
+            api.completions.create(model="nope", **settings)
+        assert error.value.body["param"] == "model"

@@ -10,7 +10,6 @@ every answer.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,6 +22,7 @@ from rollout.service.http.bridge import ClientGone
 from rollout.service.http.endpoints import Answer, OpenAIEndpoints
 from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.http.guard import RequestGuard, read_body
+from rollout.service.http.served_models import model_list
 from rollout.service.http.settings import HttpSettings
 from rollout.service.http.tokenize import TokenizeEndpoints, parse_json
 
@@ -60,7 +60,9 @@ def build_app(
         settings.tool_call_parser,
     )
     engine = manager.engine
-    tokens = TokenizeEndpoints(tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits)
+    tokens = TokenizeEndpoints(
+        tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits, engine.runner.adapters.refs
+    )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> SafeJSONResponse:
@@ -85,20 +87,8 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "rollout",
-                    "root": model_name,
-                    "max_model_len": manager.engine.max_model_len,
-                    "policy_version": manager.engine.policy_version,
-                }
-            ],
-        }
+        engine = manager.engine
+        return model_list(model_name, engine.max_model_len, engine.policy_version, engine.runner.adapters.refs)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

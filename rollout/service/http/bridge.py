@@ -39,6 +39,7 @@ class Submission:
         tokenizer: Any,
         counters: GroupCounters,
         named_stops: frozenset[int] = frozenset(),
+        adapter: str | None = None,
     ):
         """
         Args:
@@ -49,7 +50,9 @@ class Submission:
             tokenizer: decodes the choices' text.
             counters: the worker's group counters (groups received and finished, samples by finish reason).
             named_stops: the stop tokens the request named (what a choice's stop_reason may be).
+            adapter: the served LoRA adapter the request's `model` names (None: the base model).
         """
+        self._adapter = adapter
         self._manager = manager
         self._prompts = prompts
         self._sampling = sampling
@@ -92,7 +95,8 @@ class Submission:
         try:
             for index, prompt in enumerate(self._prompts):
                 group_id = f"http-{uuid.uuid4().hex}"
-                self._manager.add_group(group_id, prompt, sampling=self._sampling, n=self._n, streaming=True)
+                settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter)
+                self._manager.add_group(group_id, prompt, **settings)
                 self._group_ids.append(group_id)
                 self._counters.group_received()
                 self._manager.register_result_handler(group_id, self._handler(index * self._n))

@@ -21,6 +21,7 @@ from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.errors import APIError, bad_field, json_bytes
 from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
+from rollout.service.http.served_models import requested_adapter
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -35,6 +36,7 @@ class Answer:
     id: str
     created: int
     tools: ToolCalling | None = None  # chat with tools: how tool calls are read out of the text
+    model: str = ""  # what the answer says served it: the worker's model, or the LoRA adapter the request named
 
     @property
     def object(self) -> str:
@@ -94,9 +96,7 @@ class OpenAIEndpoints:
         body = fields.check_fields(body, fields.CHAT_FIELDS if chat else fields.COMPLETION_FIELDS)
         needs_tokenizer(self.tokenizer, "/v1/chat/completions" if chat else "/v1/completions")
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            message = f"the model `{model}` does not exist: this worker serves `{self.model_name}`"
-            raise APIError(404, message, "model", "not_found_error", "model_not_found")
+        adapter = requested_adapter(model, self.model_name, self.manager.engine.runner.adapters.refs)
         prompt_field = "messages" if chat else "prompt"
         n = fields.integer(body, "n", 1, 1, self.max_n)
         tools = tool_calling(tool_spec(body), self.tool_call_parser) if chat else None
@@ -140,9 +140,10 @@ class OpenAIEndpoints:
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring
         )
         named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
-        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops)
+        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter)
         prefix = "chatcmpl" if chat else "cmpl"
-        return Answer(chat, request, submission, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), tools)
+        answer_id = f"{prefix}-{uuid.uuid4().hex}"
+        return Answer(chat, request, submission, answer_id, int(time.time()), tools, adapter or self.model_name)
 
     @staticmethod
     def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -169,7 +170,7 @@ class OpenAIEndpoints:
             "id": answer.id,
             "object": answer.object,
             "created": answer.created,
-            "model": self.model_name,
+            "model": answer.model,
             "choices": [self._choice(answer, choice) for choice in choices],
             "usage": _usage(answer),
             **(
@@ -183,7 +184,7 @@ class OpenAIEndpoints:
         """Server-sent events: a chunk per engine output, a usage chunk if asked, then [DONE]. A client that leaves
         mid-stream cancels the request's groups."""
         submission = answer.submission
-        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": self.model_name}
+        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": answer.model}
         try:
             if (
                 answer.chat
@@ -255,7 +256,7 @@ class OpenAIEndpoints:
         for number, piece in enumerate(pieces[1:], 2):
             last = number == len(pieces)
             entries.append({"index": choice.index, "delta": piece, "finish_reason": finish_reason if last else None})
-        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": self.model_name}
+        base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": answer.model}
         return [{**base, "choices": [each]} for each in entries]
 
     def _logprobs(self, answer: Answer, choice: Choice, start: int, end: int) -> dict[str, Any] | None:

@@ -6,10 +6,13 @@ after)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from rollout.engine.adapter_ref import AdapterRef
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.prompts import PromptLimits, chat_prompt, needs_tokenizer
+from rollout.service.http.served_models import requested_adapter
 
 TOKENIZE_FIELDS = {
     "model",
@@ -29,17 +32,27 @@ DETOKENIZE_FIELDS = {"model", "tokens"}
 class TokenizeEndpoints:
     """/tokenize and /detokenize over the worker's tokenizer (call both off the event loop)."""
 
-    def __init__(self, tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int, limits: PromptLimits):
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        vocab_size: int,
+        max_model_len: int,
+        limits: PromptLimits,
+        adapters: Mapping[str, AdapterRef] | None = None,
+    ):
         """
         Args:
             tokenizer: the worker's tokenizer (None: both answer 400).
-            model_name: the served model's name (`model` must be it, or absent).
+            model_name: the served model's name (`model` must be it, one of `adapters`, or absent).
+            adapters: the served LoRA adapters by name.
             vocab_size: token ids must be below it.
             max_model_len: the longest sequence the engine runs (the most ids /detokenize decodes at once).
             limits: the longest prompt, and whether a request may bring its own chat template.
         """
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.adapters = {} if adapters is None else adapters  # the served LoRA adapters (same tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.limits = limits
@@ -100,9 +113,7 @@ class TokenizeEndpoints:
         unknown = sorted(set(body) - known)
         if unknown:
             raise bad_field(unknown[0], "unknown field")
-        if body.get("model") not in (None, self.model_name):
-            message = f"the model `{body['model']}` does not exist: this worker serves `{self.model_name}`"
-            raise APIError(404, message, "model", "not_found_error", "model_not_found")
+        requested_adapter(body.get("model"), self.model_name, self.adapters)
         return body
 
     def _capped(self, field: str, ids: list[int]) -> list[int]:
