@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rollout.service import protocol as p
-from rollout.service.presets import tiny_model
+from rollout.service.presets import tiny_model, tiny_tokenizer
 from service_helpers import Client, Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 
@@ -142,3 +142,35 @@ def test_openai_model_names_a_served_adapter(client, worker):
         with pytest.raises(openai.NotFoundError) as error:
             api.completions.create(model="nope", **settings)
         assert error.value.body["param"] == "model"
+
+
+def test_trl_grpo_with_peft_pushes_adapters_only(tmp_path, client):
+    """RolloutGRPOTrainer with `peft_config`: the base reaches the worker once, then each sync sends only the
+    adapter; the worker samples with it (TRL's own importance ratio stays 1 within fp32 noise under top_p=0.9,
+    top_k=20, step 2 included, after the adapter moved)."""
+    from trainer_bridge.trl import RolloutGRPOTrainer
+    from trl_helpers import dataset, grpo_config, id_reward
+
+    (before,) = client.stats()
+    config = grpo_config(tmp_path, temperature=0.7, top_p=0.9, top_k=20, max_steps=2)
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=config,
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+        rollout_workers=client,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert abs(entry["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, entry
+    (after,) = client.stats()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "lora_" in n)
+    base = sum(t.numel() * t.element_size() for t in tiny_model(0).parameters())
+    pushed = after["weight_update_bytes"] - before["weight_update_bytes"]
+    assert pushed == base + 2 * adapter  # two syncs: the base once, the adapter each time
+    assert after["adapters"]["default"]["version"] == after["policy_version"]

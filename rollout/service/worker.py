@@ -359,6 +359,7 @@ class RolloutWorker:
             weight_update_pause_ms=self._updates.pause_ms_total,
             tokens_per_s=stats["generated_tokens"] / uptime,
             tokenizer=self.tokenizer_name,
+            adapters=self.manager.engine.runner.adapters.stats(),
         )
         return stats
 
