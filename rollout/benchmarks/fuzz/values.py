@@ -199,6 +199,8 @@ def _hostile(rng: random.Random, kind: str, path: str) -> Any:
 def _oversized(rng: random.Random, annotation: Any, max_items: int) -> tuple[Any, str]:
     size = rng.choice(OVERSIZED_ITEMS[:2]) if rng.random() < 0.75 else OVERSIZED_ITEMS[2]
     size = min(size, max_items)
+    if typing.get_origin(annotation) in (Union, types.UnionType):  # an optional field: its non-nil type
+        annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
     origin = typing.get_origin(annotation)
     shape = rng.choice(("str", "int_list", "str_list", "map")) if annotation is Any else None
     if annotation is str or shape == "str":
