@@ -16,6 +16,7 @@ from rollout.benchmarks import (
     grpo_step,
     load,
     long_tail,
+    lora_push,
     service,
     systems,
     throughput,
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     wt.add_argument("--repeats", type=int, default=3, help="pushes per transport, median reported (default: 3)")
     wt.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MB (default: 64)")
+    wt.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="instead: adapter-only pushes of a PEFT LoRA model of this rank (every Linear layer) against merged "
+        "pushes of it, bytes and seconds side by side (needs peft)",
+    )
     wt.add_argument("--device", default="cpu", help="the worker's device and the pushed model's: cpu, cuda or cuda:N")
     wt.add_argument(
         "--dtype",
@@ -264,7 +272,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     elif args.command == "weights":
         if args.size_mb <= 0 or args.repeats < 1 or args.bucket_mb <= 0:
             parser.error("--size-mb and --bucket-mb must be > 0, --repeats >= 1")
-        summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
+        if args.lora_rank is not None:
+            if args.lora_rank < 1:
+                parser.error("--lora-rank must be >= 1")
+            summary = lora_push.run(args.size_mb, args.lora_rank, args.repeats, args.device, args.dtype)
+        else:
+            summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
     else:
         summary = service.run(args.seed, args.path)
     print(json.dumps(summary))

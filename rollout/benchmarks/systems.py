@@ -1,6 +1,6 @@
 """The systems `rollout-bench throughput` compares, each measured in a process of its own (`isolated.py`): this
-engine (with and without overlapped scheduling, and on its previous GPU paths), transformers' `generate_batch` (continuous batching) and `generate`
-(one left-padded static batch).
+engine (with and without overlapped scheduling, on its previous GPU paths, and serving one or four LoRA adapters
+unmerged), transformers' `generate_batch` (continuous batching) and `generate` (one left-padded static batch).
 
 Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
 exactly those tokens (a static batch computes up to the longest, but only the requested tokens count). Each is warmed
@@ -22,6 +22,8 @@ from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
 from rollout.config import PREVIOUS_PATHS, ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
 
+# PeftModels made by `with_adapters`, by base model (a benchmark process builds one).
+_PEFT_MODELS: dict[torch.nn.Module, torch.nn.Module] = {}
 # The untimed warm-up of transformers' systems: the first prompts, few tokens (kernels loaded, allocator warm).
 WARMUP_PROMPTS, WARMUP_TOKENS = 8, 16
 # rollout's warm-up also runs the requests with the longest outputs to their end: the long-context decode steps of
@@ -50,11 +52,17 @@ def run_rollout(
         warmup: capture every decode graph before the timer starts (the first call with these settings).
         overrides: ContinuousBatchingConfig fields set on top of the workload's.
     """
+    adapters = overrides.pop("adapters", 0)
     config = ContinuousBatchingConfig(**{**workload.cache_config(), **overrides})
     sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
+    chosen = {}
+    if adapters:  # the prompts take the adapters in turn, all in one batch
+        model = with_adapters(model, adapters)
+        chosen = {"adapter": [f"lora{index % adapters}" for index in range(len(prompts))]}
     if warmup:
         one_token = dict(max_new_tokens=1, progress_bar=False, persistent_manager=True, warmup=True)
-        generate_batch(model, prompts[:1], continuous_batching_config=config, **one_token)
+        first = {"adapter": chosen["adapter"][:1]} if chosen else {}
+        generate_batch(model, prompts[:1], continuous_batching_config=config, **one_token, **first)
     sync(workload.device)
     start = time.perf_counter()
     outputs = generate_batch(
@@ -65,6 +73,7 @@ def run_rollout(
         sampling=sampling,
         persistent_manager=True,
         warmup=False,
+        **chosen,
     )
     sync(workload.device)
     elapsed = time.perf_counter() - start
@@ -75,6 +84,34 @@ def run_rollout_sequential(model, prompts, max_new, workload: Workload, warmup: 
     """This engine with overlapped scheduling off: each step is scheduled after the last one's tokens reached the
     host (what overlap gains is the difference)."""
     return run_rollout(model, prompts, max_new, workload, warmup, overlap_scheduling=False)
+
+
+def with_adapters(model: torch.nn.Module, count: int, rank: int = 16) -> torch.nn.Module:
+    """The model as a PeftModel with `count` random LoRA adapters "lora0"... (rank `rank` on every Linear layer),
+    made once per model (the engine serves them unmerged, side by side)."""
+    from peft import LoraConfig, get_peft_model
+
+    if model not in _PEFT_MODELS:
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+        peft_model = get_peft_model(model, config, adapter_name="lora0")
+        for index in range(1, count):
+            peft_model.add_adapter(f"lora{index}", config)
+        with torch.no_grad():
+            for name, parameter in peft_model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=1e-3)
+        _PEFT_MODELS[model] = peft_model
+    return _PEFT_MODELS[model]
+
+
+def run_rollout_lora1(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine serving one LoRA adapter (r=16, every Linear layer) unmerged for every prompt."""
+    return run_rollout(model, prompts, max_new, workload, warmup, adapters=1)
+
+
+def run_rollout_lora4(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine serving four LoRA adapters unmerged, the prompts taking them in turn in one batch."""
+    return run_rollout(model, prompts, max_new, workload, warmup, adapters=4)
 
 
 def run_transformers_generate_batch(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
@@ -157,6 +194,8 @@ SYSTEMS = {
     "rollout": run_rollout,
     "rollout_sequential": run_rollout_sequential,
     "rollout_previous": run_rollout_previous,
+    "rollout_lora1": run_rollout_lora1,
+    "rollout_lora4": run_rollout_lora4,
     "transformers_generate_batch": run_transformers_generate_batch,
     "transformers_generate": run_transformers_generate,
 }
