@@ -26,7 +26,10 @@ from trainer_bridge.push_links import NoReply, PushLink, WorkerFailed
 
 logger = logging.getLogger("trainer_bridge.weight_sync")
 
-_WINDOW = 2  # buckets in flight per worker: the next one travels while the previous is staged
+# Buckets in flight per worker: the next one travels while the previous is staged. "auto" sends an update that fits
+# in one bucket (an adapter, a small partial update) as frames: mapping the worker's segment and touching its pages
+# costs more than copying a few MB through ZeroMQ.
+_WINDOW = 2
 
 
 class WeightPush:
@@ -136,8 +139,9 @@ class WeightPush:
         dist_fields: dict[str, Any] = {}
         if self.transport == "torch.distributed":
             dist_fields = self._dist_fields()
+        small = staging_layout(specs)[1] <= self.bucket_bytes
         for link in self.links:
-            link.transport = "shm" if self.transport == "auto" else self.transport
+            link.transport = ("frames" if small else "shm") if self.transport == "auto" else self.transport
             fields = dict(dist_fields, rank=1 + self.links.index(link)) if dist_fields else {}
             self._send_begin(link, specs, fields)
         if self.transport == "torch.distributed":

@@ -19,7 +19,7 @@ Commits are sent only once every worker staged the whole update, so a bad update
 worker changes. Transports: "frames" (raw ZeroMQ frames), "shm" (the worker's staging area is a shared-memory
 segment the trainer writes into: one copy, same host only), "torch.distributed" (buckets broadcast over a process
 group of the trainer and the workers: gloo on CPU, NCCL on GPU; multi-node), and "auto" (shm where the worker shares
-this host's shared memory, else frames).
+this host's shared memory, else frames; frames for an update that fits in one bucket, such as an adapter).
 
 Plain loops, the two-line hook after `optimizer.step()`:
 

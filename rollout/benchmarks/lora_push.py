@@ -4,7 +4,8 @@
 The trainer side is a PEFT LoRA model (rank R on every Linear layer) over the worker's own start weights. The first
 adapter push also carries the frozen base (the worker does not hold this trainer's base yet) and is reported apart;
 then `repeats` adapter-only pushes, each after the adapter moved (a training step), then `repeats` merged pushes
-(`adapters="merged"`: base + LoRA delta under the base names). Seconds are from `push_weights` called to every
+(`adapters="merged"`: base + LoRA delta under the base names) after one untimed merged push (a run that pushes merged
+weights every step has its staging area warm). Seconds are from `push_weights` called to every
 worker serving the new weights (`PushResult.total_s`); bytes are what one push sends per worker.
 """
 
@@ -65,8 +66,9 @@ def run(megabytes: float, rank: int, repeats: int, device: str = "cpu", dtype: s
                         if "lora_B" in name:
                             parameter.add_(torch.randn_like(parameter) * 1e-3)
                 adapter_runs.append(push_weights(client, model, timeout=300))
-            for _ in range(repeats):
+            for _ in range(repeats + 1):  # the first, untimed, warms the worker's merged-sized staging area up
                 merged_runs.append(push_weights(client, model, adapters="merged", timeout=300))
+            merged_runs = merged_runs[1:]
     finally:
         worker.terminate()
         try:
