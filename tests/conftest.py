@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import random
 import sys
@@ -175,3 +177,35 @@ def zero3(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", module)
     monkeypatch.setitem(sys.modules, "deepspeed.zero", module.zero)
     return fake
+
+
+def _call_on_a_roomy_stack(function, kwargs):
+    __tracebackhide__ = True
+    return function(**kwargs)
+
+
+# CPython 3.11+ keeps frames on a data stack of 16 KiB chunks: a call that does not fit in the current chunk maps a
+# new one, and its return unmaps it. A hot loop whose calls land on a chunk's edge maps and unmaps a chunk per call:
+# the Triton interpreter's tests spent as long in page faults as in Python (tests/test_cuda_graphs.py: 39 s of
+# system time in 75 s). A frame this large (2**17 stack slots, never touched) gets a 2 MiB chunk of its own, and the
+# test's frames fill the free MiB after it without reaching an edge. Only where the frames live changes.
+_call_on_a_roomy_stack.__code__ = _call_on_a_roomy_stack.__code__.replace(co_stacksize=1 << 17)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Every (plain) test function runs on a roomy stack (above)."""
+    function = pyfuncitem.obj
+    if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+        return (yield)
+
+    @functools.wraps(function)  # request.function still names and documents the test
+    def on_a_roomy_stack(**kwargs):
+        __tracebackhide__ = True
+        return _call_on_a_roomy_stack(function, kwargs)
+
+    pyfuncitem.obj = on_a_roomy_stack
+    try:
+        return (yield)
+    finally:
+        pyfuncitem.obj = function
