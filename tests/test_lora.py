@@ -15,7 +15,7 @@ from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.adapter_ref import BASE_NAME
 from rollout.engine.generate import generate_batch
-from rollout.engine.lora_weights import LoraModule, from_peft_model
+from rollout.engine.lora_weights import LoraModule, from_peft_model, load_peft_dir
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=7)
@@ -262,3 +262,30 @@ def test_generate_batch_serves_a_peft_models_adapters_side_by_side(fp32_pair):
     with pytest.raises(FieldError) as error:
         generate_batch(model.get_base_model(), prompts[:1], max_new_tokens=2, adapter="other", progress_bar=False)
     assert error.value.field == "adapter"
+
+
+def test_a_peft_directory_served_from_the_start_matches_peft(tmp_path, fp32_pair):
+    """`rollout-worker --lora NAME=PATH`'s path: an adapter saved by peft (rank_pattern / alpha_pattern and rsLoRA
+    scalings read from its config) and served from the start equals peft's generate of the model that saved it."""
+    base, model = fp32_pair
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "up_proj"],
+        rank_pattern={"up_proj": 4},
+        alpha_pattern={"v_proj": 4},
+        use_rslora=True,
+        init_lora_weights=False,
+    )
+    torch.manual_seed(21)
+    saved = get_peft_model(reference_copy(base), config, adapter_name="patterned").eval()
+    saved.save_pretrained(tmp_path)
+    engine = make_engine(copy.deepcopy(base))
+    engine.serve_adapter_from_start("patterned", load_peft_dir(str(tmp_path / "patterned")))
+    assert engine.policy_version == 0 and engine.runner.adapters.refs["patterned"].version == 0
+    prompt = make_prompts(1, 12, 12, seed=22)[0]
+    engine.add_request("x", prompt, GREEDY, max_new_tokens=MAX_NEW, adapter="patterned")
+    assert run_to_completion(engine)["x"].generated_tokens == peft_greedy(saved, "patterned", prompt)
+    with pytest.raises(FieldError) as error:
+        load_peft_dir(str(tmp_path / "missing"))
+    assert error.value.field == "lora"
