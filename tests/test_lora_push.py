@@ -174,3 +174,64 @@ def test_trl_grpo_with_peft_pushes_adapters_only(tmp_path, client):
     pushed = after["weight_update_bytes"] - before["weight_update_bytes"]
     assert pushed == base + 2 * adapter  # two syncs: the base once, the adapter each time
     assert after["adapters"]["default"]["version"] == after["policy_version"]
+
+
+RANKS = """
+import json, sys
+import torch
+from accelerate import Accelerator
+from peft import LoraConfig, get_peft_model
+from rollout.service.presets import tiny_model
+from trainer_bridge import PromptGroup, RolloutClient, push_weights
+from trainer_bridge.lora_push import served_adapter_name
+
+address, out, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)  # the same adapter on both ranks (DDP keeps them equal)
+config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+model = accelerator.prepare(get_peft_model(tiny_model(0), config))
+greedy = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 12}
+steps = []
+with RolloutClient(address, timeout=60) as client:
+    for step in range(2):
+        result = push_weights(client if accelerator.is_main_process else None, model, accelerator=accelerator)
+        accelerator.wait_for_everyone()  # the workers serve the push before any rank samples
+        client.adapter = served_adapter_name(model, accelerator)
+        completion = client.generate(PromptGroup(prompt, sampling=greedy)).completions[0]
+        with torch.no_grad():
+            reference = accelerator.unwrap_model(model).generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+            )[0, len(prompt):].tolist()
+        steps.append({
+            "base_included": None if result is None else result.base_included,
+            "bytes": None if result is None else result.num_bytes,
+            "tokens": completion.token_ids, "adapter": completion.adapter, "reference": reference,
+        })
+        with torch.no_grad():  # a training step: the adapter moves on every rank alike
+            for name, parameter in accelerator.unwrap_model(model).named_parameters():
+                if "lora_B" in name:
+                    parameter.add_(0.05)
+json.dump(steps, open(f"{out}/rank{accelerator.process_index}.json", "w"))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_push_adapters_only_and_both_sample_with_them(tmp_path, worker):
+    """accelerate on 2 CPU ranks (gloo): only the main process sends, the base once (its decision reaches the other
+    rank, which gathers the same tensors), then the adapter alone; both ranks sample with the adapter and match
+    peft's generate."""
+    import json
+
+    from service_helpers import run_ranks
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    run_ranks(script, [worker.address, str(tmp_path), json.dumps(PROMPT)])
+    main, other = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    assert [step["base_included"] for step in main] == [True, False]
+    assert main[1]["bytes"] < main[0]["bytes"] / 10
+    assert [step["base_included"] for step in other] == [None, None]  # it sent nothing
+    for rank in (main, other):
+        for step in rank:
+            assert step["adapter"] == "default" and step["tokens"] == step["reference"]
+    assert main[0]["tokens"] != main[1]["tokens"]  # the second push served the moved adapter

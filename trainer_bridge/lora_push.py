@@ -29,6 +29,19 @@ class AdapterPush:
     scalings: dict[str, float]
     base_id: str
     base_entries: list[Entry] = field(default_factory=list)  # the frozen base, sent only where it is missing
+    accelerator: Any = None  # a multi-process trainer's: every rank must gather what the main process sends
+    base_included: bool | None = None  # decided once per push (`choose`)
+
+    def choose(self, include_base: bool) -> list[Entry]:
+        """Decide, once per push, whether the base travels, and return what is sent, in order. In a multi-process
+        trainer the main process's decision reaches every rank (each then gathers the same tensors); the other
+        ranks call this with anything (their value is ignored)."""
+        if self.accelerator is not None and self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            include_base = bool(broadcast_object_list([include_base], from_process=0)[0])
+        self.base_included = include_base
+        return (self.base_entries if include_base else []) + self.entries
 
     @property
     def num_bytes(self) -> int:
@@ -44,13 +57,16 @@ def base_id_of(model: Any) -> str:
     return _BASE_IDS[base]
 
 
-def adapter_push(model: Any, adapter_name: str | None = None, served_name: str | None = None) -> AdapterPush:
+def adapter_push(
+    model: Any, adapter_name: str | None = None, served_name: str | None = None, accelerator: Any = None
+) -> AdapterPush:
     """What an adapter-only push of `model` sends.
 
     Args:
         model: an unwrapped `peft.PeftModel` with LoRA adapters.
         adapter_name: which of its adapters (None: the active one).
         served_name: the name the workers serve it under (None: the adapter's own name).
+        accelerator: the `accelerate.Accelerator` of a multi-process trainer (every rank calls this).
     Raises:
         ValueError: (FieldError) an adapter that cannot be served unmerged (DoRA, a LoRA bias, modules_to_save,
             a non-Linear target, ...), named; push such a model with adapters="merged".
@@ -77,4 +93,16 @@ def adapter_push(model: Any, adapter_name: str | None = None, served_name: str |
     if not entries:
         raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
     base = peft_entries(model, merged=False)
-    return AdapterPush(served_name or name, entries, scalings, base_id_of(model), base)
+    return AdapterPush(served_name or name, entries, scalings, base_id_of(model), base, accelerator)
+
+
+def served_adapter_name(source: Any, accelerator: Any = None, adapters: str = "auto", adapter_name: str | None = None):
+    """The adapter name `push_weights(client, source, adapters=..., adapter_name=...)` serves (None when it pushes
+    whole weights): what every rank's client samples with (`RolloutClient.adapter`), the main process's included."""
+    from rollout.peft_adapters import is_peft_model
+    from trainer_bridge.gathering import unwrapped
+
+    if adapters != "auto" or not isinstance(source, torch.nn.Module):
+        return None
+    model = unwrapped(source, accelerator)
+    return (adapter_name or active_adapter_name(model)) if is_peft_model(model) else None

@@ -114,8 +114,8 @@ class WeightPush:
                 )
         adapter_names = set()
         if self.adapter is not None:  # the base travels along where a worker does not hold it
-            self.base_included = any(link.base_id != self.adapter.base_id for link in self.links)
-            self.entries = (self.adapter.base_entries if self.base_included else []) + self.adapter.entries
+            self.entries = self.adapter.choose(any(link.base_id != self.adapter.base_id for link in self.links))
+            self.base_included = bool(self.adapter.base_included)
             adapter_names = {entry.name for entry in self.adapter.entries}
         specs = []
         for entry in self.entries:
@@ -389,6 +389,8 @@ class WeightPush:
             if link.segment is not None:
                 with contextlib.suppress(BufferError):
                     link.segment.close()
+        if self.adapter is not None and self.adapter.base_included is None:  # failed before choosing: no base
+            self.entries = self.adapter.choose(False)
         for entry in self.entries[self.fetched :]:
             entry.fetch()
         self.fetched = len(self.entries)

@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
+from trainer_bridge.lora_push import served_adapter_name
 from trainer_bridge.weight_sync import push_weights
 
 __all__ = ["RolloutGeneration", "RolloutRows"]
@@ -75,6 +76,12 @@ class RolloutGeneration:
                 version=self._next_version(),
                 accelerator=trainer.accelerator,
                 **self.push_kwargs,
+            )
+            # Every rank's rows sample with the adapter a PEFT model's push serves (None: whole weights).
+            self.client.adapter = served_adapter_name(
+                trainer.model_wrapped,
+                trainer.accelerator,
+                **{k: v for k, v in self.push_kwargs.items() if k in ("adapters", "adapter_name")},
             )
         except BaseException as error:  # noqa: BLE001 - every rank hears of it below, then raises
             failure = error

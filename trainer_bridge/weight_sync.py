@@ -7,11 +7,11 @@ With accelerate (or any multi-process trainer) call it on every rank: only the m
 takes part in gathering sharded parameters (ZeRO-3: one parameter at a time; FSDP2 DTensors: one at a time), so no
 rank ever holds the whole model twice.
 
-A PEFT LoRA model sends only its active adapter (lora_A / lora_B and scalings; `adapters="auto"`, single-process
-trainers), which the workers serve unmerged under the adapter's name; the frozen base travels once, in the same
-transaction, to workers that do not hold it yet. The client then samples with that adapter by default
-(`RolloutClient.adapter`). `adapters="merged"` (and any multi-process trainer) sends merged weights (base + LoRA
-delta) under the base model's names instead. The model is left unmodified either way.
+A PEFT LoRA model sends only its active adapter (lora_A / lora_B and scalings; `adapters="auto"`), which the workers
+serve unmerged under the adapter's name; the frozen base travels once, in the same transaction, to workers that do
+not hold it yet (in a multi-process trainer the main process's decision reaches every rank, which gather the same
+tensors). The client then samples with that adapter by default (`RolloutClient.adapter`). `adapters="merged"` sends
+merged weights (base + LoRA delta) under the base model's names instead. The model is left unmodified either way.
 
 How a push runs, per worker: `weights_spec` (the worker's names, dtypes, shapes; floating tensors are cast to the
 worker's dtype), `weights_begin`, buckets of at most `bucket_bytes` (two in flight per worker), `weights_commit`.
@@ -85,8 +85,8 @@ def push_weights(
         dist_backend: torch.distributed backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
             a restart), which is rejected; without it such a worker answers "update_in_progress".
-        adapters: for a PEFT LoRA model: "auto" (adapter-only in a single-process trainer; merged across several
-            processes) or "merged" (base + LoRA delta under the base names, as a plain model).
+        adapters: for a PEFT LoRA model: "auto" (adapter-only) or "merged" (base + LoRA delta under the base names,
+            as a plain model).
         adapter_name: the name the workers serve the adapter under (default: its PEFT name); groups then sample
             with it unless they name another (`PromptGroup.adapter`).
     Returns:
@@ -107,13 +107,15 @@ def push_weights(
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
     adapter = None
-    if adapters == "auto" and getattr(accelerator, "num_processes", 1) == 1:
+    if adapters == "auto":
         model = unwrapped(model_or_named_tensors, accelerator)
         if is_peft_model(model):
-            adapter = adapter_push(model, None, adapter_name)
+            adapter = adapter_push(model, None, adapter_name, accelerator)
     entries = [] if adapter is not None else entries_of(model_or_named_tensors, accelerator)
     is_main = client is not None and (accelerator is None or accelerator.is_main_process)
     if not is_main:
+        if adapter is not None:  # the main process says whether the base travels
+            entries = adapter.choose(False)
         for entry in entries:  # take part in every gather the main process runs
             entry.fetch()
         return None
@@ -134,6 +136,8 @@ def push_weights(
             adapter,
         )
     except BaseException:
+        if adapter is not None:
+            entries = adapter.choose(False)
         for entry in entries:  # the other ranks are in these gathers: finish them before raising
             entry.fetch()
         raise
