@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from rollout.benchmarks.worker_probe import free_port, wait_answering
+from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
 from rollout.service.presets import MODEL_DTYPES, sized_model
 
 
@@ -70,12 +70,7 @@ def run(megabytes: float, rank: int, repeats: int, device: str = "cpu", dtype: s
                 merged_runs.append(push_weights(client, model, adapters="merged", timeout=300))
             merged_runs = merged_runs[1:]
     finally:
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_worker(worker)
     results = {
         "first (base + adapter)": _summary([first]),
         "adapter-only": _summary(adapter_runs),

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from rollout.benchmarks.worker_probe import free_port, wait_answering
+from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
 from rollout.service.presets import MODEL_DTYPES, sized_model
 
 TRANSPORTS = ("frames", "shm", "torch.distributed")
@@ -78,12 +78,7 @@ def run(
                 }
             num_bytes = runs[-1].num_bytes
     finally:
-        worker.terminate()
-        try:
-            worker.wait(60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_worker(worker)
     print(
         f"weights: {num_bytes / 1e9:.3f} GB {dtype} state dict over loopback into a worker on {device}, "
         f"median of {repeats} pushes per transport"

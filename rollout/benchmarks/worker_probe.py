@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -45,3 +46,13 @@ def wait_answering(address: str, timeout_s: float, exited: Callable[[], str | No
     finally:
         probe.close()
         context.term()
+
+
+def stop_worker(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop a worker subprocess: SIGTERM (it aborts its groups and frees its cache), then SIGKILL after `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
