@@ -226,13 +226,12 @@ class AdapterTable:
                         raise FieldError(f"{module}.{part}", "holds NaN or Inf")
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
-        """Serve `modules` as adapter `name` (replacing one of that name in its slot), after `check`. The engine
-        calls it between two steps (`Engine.load_adapter`).
+        """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,
+        before anything changed (`Engine.load_adapter`, between two steps).
 
         Returns:
             The adapter's reference (the same object as before when it replaced one).
         """
-        self.check(name, modules)
         ref = self.refs.get(name)
         slot = ref.slot if ref is not None else min(set(range(self.max_loras)) - {r.slot for r in self.refs.values()})
         with torch.no_grad():
