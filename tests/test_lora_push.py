@@ -235,3 +235,45 @@ def test_two_ranks_push_adapters_only_and_both_sample_with_them(tmp_path, worker
         for step in rank:
             assert step["adapter"] == "default" and step["tokens"] == step["reference"]
     assert main[0]["tokens"] != main[1]["tokens"]  # the second push served the moved adapter
+
+
+def test_a_restarted_worker_gets_the_base_once_again_and_no_adapter_group_before(client, worker):
+    """The worker restarts mid-run (the module's last test: it replaces the module's worker). A group for the
+    adapter, sent meanwhile, waits: the new process serves its start weights, not the trainer's base. The next push
+    carries the base again (the new process names none); the group then runs over the right base and adapter, equal
+    to peft's generate; the push after it is adapter-only again."""
+    import threading
+    import time
+
+    model = lora_model(8)
+    version = push_weights(client, model, version=client.stats()[0]["policy_version"] + 1).version
+    worker.close()
+
+    def wait_live(expected: list[int], what: str) -> None:
+        deadline = time.monotonic() + 20
+        while client.live_workers() != expected:
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    wait_live([], "the client never saw the worker go")
+    restarted = Worker("--max-loras", "2", "--max-lora-rank", "8", address=worker.address)
+    try:
+        wait_live([0], "the restarted worker never answered the client")
+        results = []
+        waiting = threading.Thread(target=lambda: results.append(client.generate(PromptGroup(PROMPT, sampling=GREEDY))))
+        waiting.start()
+        time.sleep(0.5)
+        assert not results and restarted.stats()["generated_tokens"] == 0  # parked: no adapter over the start base
+        with torch.no_grad():  # a training step
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.add_(0.05)
+        again = push_weights(client, model, version=version + 1)  # as trainers do (TRL): the versions go on
+        assert again.base_included
+        waiting.join(60)
+        (completion,) = results[0].completions
+        assert completion.token_ids == peft_greedy(model, PROMPT)
+        assert (completion.adapter, completion.adapter_version) == ("default", again.version)
+        assert not push_weights(client, model, version=version + 2).base_included
+    finally:
+        restarted.close()

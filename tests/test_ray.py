@@ -159,9 +159,23 @@ def test_http_on_every_worker_with_the_fleets_api_key(fleet):
         )
 
 
+@functools.cache
+def lora_policy() -> torch.nn.Module:
+    """A PeftModel over tiny_model(1) with a random, non-zero LoRA adapter on every Linear."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(tiny_model(1), config).eval()
+
+
 def test_a_killed_worker_restarts_and_copies_the_newest_weights_from_its_peer(fleet, client):
-    version = push_weights(client, tiny_model(1), version=5).version
-    assert version == 5
+    """The fleet serves tiny_model(1) as the base of a LoRA adapter "policy" (one push, version 5, base included);
+    the restarted worker gets both from its peer: base groups equal transformers' generate, "policy" groups equal
+    peft's, and the adapter keeps its version."""
+    result = push_weights(client, lora_policy(), version=5, adapter_name="policy")
+    assert (result.version, result.base_included) == (5, True)
+    client.adapter = None  # groups below sample with the base unless they name the adapter
     killed_address = fleet.addresses[0]
     submitted = groups(range(12))
     results, killed_at = [], None
@@ -185,7 +199,24 @@ def test_a_killed_worker_restarts_and_copies_the_newest_weights_from_its_peer(fl
     wait_until(restarted_serves, 90, "the restarted worker to serve")
     print(f"restart to serving again: {time.monotonic() - killed_at:.1f} s")
     assert killed_address not in client.worker_addresses
-    assert {entry["policy_version"] for entry in client.stats()} == {5}
+    stats = worker_stats(client)
+    assert {entry["policy_version"] for entry in stats.values()} == {5}
+    assert len({entry["base_id"] for entry in stats.values()}) == 1  # the peer's named base, not an unnamed one
+    restarted = fleet.client(timeout=60)
+    for address in fleet.addresses[1:]:
+        restarted.remove_worker(address)
+    try:
+        assert stats[fleet.addresses[0]]["adapters"]["policy"]["version"] == 5
+        group = PromptGroup(PROMPTS[0], sampling=GREEDY, adapter="policy")
+        completion = restarted.generate(group).completions[0]
+        with torch.no_grad():
+            prompt = torch.tensor([PROMPTS[0]])
+            expected = lora_policy().generate(input_ids=prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert completion.token_ids == expected[0, len(PROMPTS[0]) :].tolist()
+        assert completion.token_ids != reference(1, 0)  # the adapter changes what is sampled
+        assert (completion.adapter, completion.adapter_version) == ("policy", 5)
+    finally:
+        restarted.close()
 
 
 def test_scale_up_copies_weights_and_scale_down_resubmits_in_flight_groups(fleet, client):
@@ -209,6 +240,9 @@ def test_scale_up_copies_weights_and_scale_down_resubmits_in_flight_groups(fleet
 
 
 def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
+    """A LoRA run (`peft_config`): every sync pushes the adapter alone to both workers (the base once)."""
+    from peft import LoraConfig
+
     from rollout.service.presets import tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
     from trl_helpers import dataset, grpo_config, id_reward
@@ -223,16 +257,25 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
         train_dataset=dataset(),
         processing_class=tiny_tokenizer(),
         rollout_workers=fleet,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
     )
     assert sorted(trainer.rollout_client.worker_addresses) == sorted(fleet.addresses)
+    bytes_before = sum(entry["weight_update_bytes"] for entry in trainer.rollout_client.stats())
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert trainer.state.global_step == 2 and len(logs) == 2
     for entry in logs:  # TRL's own metrics: the fleet's logprobs are the trainer's (fp32 on both sides)
         assert entry["sampling/sampling_logp_difference/mean"] < 1e-4, entry
         assert entry["rollout/policy_lag_max"] == 0.0
-    versions = {entry["policy_version"] for entry in trainer.rollout_client.stats()}
+    stats = trainer.rollout_client.stats()
+    versions = {entry["policy_version"] for entry in stats}
     assert len(versions) == 1 and versions.pop() > 6  # both workers took every push
+    assert {entry["adapters"]["default"]["version"] for entry in stats} == {entry["policy_version"] for entry in stats}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "lora_" in n)
+    base = sum(t.numel() * t.element_size() for t in tiny_model(0).parameters())
+    pushed = sum(entry["weight_update_bytes"] for entry in stats) - bytes_before
+    assert pushed == 2 * (base + 2 * adapter)  # two syncs to two workers: the base once, the adapter each time
     trainer.rollout_client.close()
 
 

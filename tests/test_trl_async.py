@@ -70,9 +70,15 @@ def wait_no_groups(worker) -> dict:
 
 
 def test_async_rounds_keep_the_bound_and_train_the_synchronous_prompts(tmp_path, client, worker):
+    """The async run trains a LoRA adapter (`peft_config`): its syncs push the adapter alone (the base once) while
+    rounds are sent ahead."""
+    from peft import LoraConfig
+
     sync_trainer, sync_rounds = train(tmp_path / "sync", client, 0)
     assert type(sync_trainer.rollout) is RolloutGeneration  # k=0: today's synchronous path, unchanged
-    trainer, rounds = train(tmp_path / "async", client, 2)
+    bytes_before = worker.stats()["weight_update_bytes"]
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    trainer, rounds = train(tmp_path / "async", client, 2, peft_config=lora)
     assert isinstance(trainer.rollout, AsyncRolloutGeneration)
     # The same rows, round by round, as the synchronous run: the dataloader was read ahead, never reordered.
     assert [prompts for _, prompts, _ in rounds] == [prompts for _, prompts, _ in sync_rounds]
@@ -88,7 +94,13 @@ def test_async_rounds_keep_the_bound_and_train_the_synchronous_prompts(tmp_path,
     assert all("rollout/wait_s" in entry and "rollout/policy_lag_0" in entry for entry in logs)
     assert any(entry["rollout/policy_lag_max"] > 0 for entry in logs), "nothing was generated ahead under old weights"
     assert all(entry["rollout/worker_idle_s"] >= 0 for entry in logs[1:]) and worker.stats()["idle_s"] > 0
-    assert wait_no_groups(worker)["groups_in_flight"] == 0  # train() cancelled what was sent ahead
+    stats = wait_no_groups(worker)
+    assert stats["groups_in_flight"] == 0  # train() cancelled what was sent ahead
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "lora_" in n)
+    base = sum(t.numel() * t.element_size() for t in tiny_model(0).parameters())
+    assert stats["weight_update_bytes"] - bytes_before == base + STEPS * adapter  # the base once, then adapters
+    assert stats["adapters"]["default"]["version"] == stats["policy_version"]
 
 
 @pytest.mark.parametrize(

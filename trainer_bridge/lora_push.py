@@ -27,9 +27,10 @@ class AdapterPush:
     name: str
     entries: list[Entry]
     scalings: dict[str, float]
-    base_id: str
+    base_id: str | None  # None: an unnamed base (a peer copy of one)
     base_entries: list[Entry] = field(default_factory=list)  # the frozen base, sent only where it is missing
     accelerator: Any = None  # a multi-process trainer's: every rank must gather what the main process sends
+    always_base: bool = False  # send the base whatever the workers say they hold (a peer copy of an unnamed base)
     base_included: bool | None = None  # decided once per push (`choose`)
 
     def choose(self, include_base: bool) -> list[Entry]:
@@ -40,8 +41,8 @@ class AdapterPush:
             from accelerate.utils import broadcast_object_list
 
             include_base = bool(broadcast_object_list([include_base], from_process=0)[0])
-        self.base_included = include_base
-        return (self.base_entries if include_base else []) + self.entries
+        self.base_included = include_base or self.always_base
+        return (self.base_entries if self.base_included else []) + self.entries
 
     @property
     def num_bytes(self) -> int:

@@ -136,6 +136,7 @@ class AdapterTable:
         self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
         self._layers: dict[str, _LoraLayer] = {}
         self.refs: dict[str, AdapterRef] = {}
+        self._ranks: dict[str, dict[str, int]] = {}  # each adapter's modules and their ranks
         self.layout_version = 0
 
     @property
@@ -245,7 +246,23 @@ class AdapterTable:
         if ref is None:
             ref = self.refs[name] = AdapterRef(name, slot, version)
         ref.version = version
+        self._ranks[name] = {module: pair.rank for module, pair in modules.items()}
         return ref
+
+    def modules_of(self, name: str) -> dict[str, LoraModule]:
+        """A copy of a served adapter's weights (fp32, as served), e.g. to copy it to another worker.
+
+        Raises:
+            FieldError: ("adapter") an unknown name.
+        """
+        slot = self.ref(name).slot
+        modules = {}
+        for module, rank in self._ranks[name].items():
+            layer = self._layers[module]
+            rows = slice(slot * self.max_rank, slot * self.max_rank + rank)
+            scaling = float(layer.scalings[slot])
+            modules[module] = LoraModule(layer.lora_A[rows].clone(), layer.lora_B[:, rows].clone(), scaling)
+        return modules
 
     # ---- steps ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -290,4 +307,5 @@ class AdapterTable:
             layer.handle.remove()
         self._layers.clear()
         self.refs.clear()
+        self._ranks.clear()
         self.state.token_slots = torch.empty(0, dtype=torch.long)

@@ -148,9 +148,9 @@ class RolloutWorkerActor:
         }
 
     def copy_weights_to(self, address: str, timeout: float = 120.0) -> int:
-        """Push this worker's weights, with its version, to the worker at `address` (one of the fleet: it accepts
-        the fleet's trainer key). Returns the version copied; 0 copies nothing (every worker starts with the
-        model's own weights, version 0).
+        """Copy this worker's weights (base and LoRA adapters, `weight_copy.py`), with their versions, to the worker
+        at `address` (one of the fleet: it accepts the fleet's trainer key). Returns the version copied; 0 copies
+        nothing (every worker starts with the model's own weights, version 0).
 
         The copy is read from the live model while this worker serves; a weight update committed here meanwhile
         would mix two versions, so the copy is made again until this worker's version stayed the same throughout.
@@ -158,13 +158,12 @@ class RolloutWorkerActor:
         Raises:
             RuntimeError: the version kept changing over three copies, or the copy failed (naming why).
         """
+        from rollout.ray.weight_copy import copy_weights
         from trainer_bridge.client import RolloutClient
-        from trainer_bridge.weight_sync import push_weights
 
         worker = self._running.worker
         for _ in range(3):
-            version = worker.policy_version
-            if version == 0:
+            if worker.policy_version == 0:
                 return 0
             with RolloutClient(
                 [address],
@@ -174,9 +173,9 @@ class RolloutWorkerActor:
                 server_public_key=self._worker_public,
             ) as client:
                 try:
-                    push_weights(client, self._running.model, version=version, timeout=timeout)
+                    version = copy_weights(worker, self._running.model, client, timeout)
                 except Exception as error:  # noqa: BLE001 - named for the fleet, which tries another peer
-                    raise RuntimeError(f"copying weights version {version} to {address} failed: {error}") from None
+                    raise RuntimeError(f"copying weights to {address} failed: {error}") from None
             if worker.policy_version == version:
                 return version
         raise RuntimeError(f"this worker's weights changed during each of three copies to {address}")

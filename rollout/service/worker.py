@@ -127,6 +127,11 @@ class RolloutWorker:
         """The version of the weights being served."""
         return self.manager.engine.policy_version
 
+    @property
+    def base_id(self) -> str | None:
+        """The base weights served, as the last whole update named them (None: unnamed, e.g. as loaded at start)."""
+        return self._updates.base_id
+
     # ---- serving loop -----------------------------------------------------------------------------------------
     def serve(self) -> None:
         """Start the engine and serve until `shutdown()`; then abort what is in flight and tell its clients."""
@@ -360,6 +365,7 @@ class RolloutWorker:
             tokens_per_s=stats["generated_tokens"] / uptime,
             tokenizer=self.tokenizer_name,
             adapters=self.manager.engine.runner.adapters.stats(),
+            base_id=self.base_id,
         )
         return stats
 

@@ -1,0 +1,122 @@
+"""The peer weight copy: one fleet worker brings another (restarted, added, or left behind by a push) to exactly what
+it serves itself: its base weights, every LoRA adapter it serves, and its policy version.
+
+A copy is a sequence of ordinary weight transactions (the same staging, checks and commit as a trainer's push), in
+version order, planned by `plan_copy` from what both workers say they serve:
+- each adapter the target lacks (or holds at another version) travels alone, at its own version where versions
+  allow, so the target tags its tokens as the peer does; the base travels with the first one unless the target
+  already holds the peer's named base (`base_id`);
+- a last transaction of the whole base brings the target to the peer's version when no adapter did (a plain
+  fleet, or a whole push after the adapters).
+An adapter is never copied over another base than the peer's: the base goes first or with it. A plan that cannot
+keep versions increasing within the peer's is refused (the fleet then tries another peer, or the worker waits for
+the trainer's next push).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CopyStep:
+    """One transaction of a copy: `adapter` (None: the whole base) at `version`, with the base when `with_base`."""
+
+    version: int
+    adapter: str | None
+    with_base: bool
+
+
+def plan_copy(
+    peer_version: int,
+    peer_base_id: str | None,
+    peer_adapters: dict[str, int],
+    target_version: int,
+    target_base_id: str | None,
+    target_adapters: dict[str, int],
+) -> list[CopyStep]:
+    """The transactions that bring the target to the peer's weights.
+
+    Args:
+        peer_version: the policy version the peer serves.
+        peer_base_id: the peer's named base (None: unnamed).
+        peer_adapters: the peer's adapters and their versions.
+        target_version: the target's policy version (every transaction must exceed it, and the one before).
+        target_base_id: the target's named base.
+        target_adapters: the target's adapters and their versions.
+    Returns:
+        The steps, in order; empty when the target is not behind.
+    Raises:
+        ValueError: the versions cannot stay increasing and within `peer_version`.
+    """
+    if target_version >= peer_version:
+        return []
+    same_base = peer_base_id is not None and target_base_id == peer_base_id
+    # (name, version) names one transaction's tensors: a target holding it holds the same adapter.
+    missing = sorted((v, name) for name, v in peer_adapters.items() if target_adapters.get(name) != v)
+    steps, version = [], target_version
+    for adapter_version, name in missing:
+        version = max(adapter_version, version + 1)
+        steps.append(CopyStep(version, name, with_base=not steps and not same_base))
+    if steps and steps[-1].version > peer_version:
+        raise ValueError(
+            f"the worker at version {target_version} lacks {len(missing)} adapters ({[n for _, n in missing]}) that "
+            f"cannot all be copied at increasing versions up to {peer_version}"
+        )
+    if not steps or steps[-1].version < peer_version:
+        steps.append(CopyStep(peer_version, None, with_base=True))
+    return steps
+
+
+def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
+    """Run one copy from `worker` (this process's, serving `model`) to the single worker of `client`.
+
+    Args:
+        worker: the peer's `rollout.service.worker.Worker`.
+        model: the model it serves (its base weights).
+        client: a `RolloutClient` connected to the target only.
+        timeout: seconds each transaction's phases may take.
+    Returns:
+        The peer's version the copy was planned from (the target serves it when this returns).
+    Raises:
+        ValueError: no plan exists (`plan_copy`). RolloutError: a transaction failed.
+    """
+    from trainer_bridge.gathering import Entry, entries_of
+    from trainer_bridge.lora_push import AdapterPush
+    from trainer_bridge.weight_sync import push_weights
+
+    version, base_id = worker.policy_version, worker.base_id
+    table = worker.manager.engine.runner.adapters
+    adapters = {name: ref.version for name, ref in list(table.refs.items())}
+    (target,) = client.stats()
+    served = {name: entry["version"] for name, entry in target.get("adapters", {}).items()}
+    plan = plan_copy(version, base_id, adapters, target["policy_version"], target.get("base_id"), served)
+    for step in plan:
+        if step.adapter is None:
+            push_weights(client, model, version=step.version, timeout=timeout)
+            continue
+        entries = []
+        scalings = {}
+        for module, pair in table.modules_of(step.adapter).items():
+            for part, tensor in (("lora_A", pair.lora_A), ("lora_B", pair.lora_B)):
+                entries.append(Entry(f"{module}.{part}", tensor.dtype, tuple(tensor.shape), lambda t=tensor: t))
+            scalings[module] = pair.scaling
+        base = entries_of(model, None) if step.with_base else []
+        adapter = AdapterPush(step.adapter, entries, scalings, base_id, base, always_base=step.with_base)
+        _send_adapter(client, adapter, step.version, timeout)
+    return version
+
+
+def _send_adapter(client: Any, adapter: Any, version: int, timeout: float) -> None:
+    """One adapter transaction (mode "keep": the target serves no group during a copy)."""
+    from trainer_bridge.push import WeightPush
+    from trainer_bridge.weight_sync import DEFAULT_BUCKET_BYTES
+
+    push = WeightPush(
+        client, [], version, "keep", DEFAULT_BUCKET_BYTES, "auto", timeout, False, None, "gloo", False, adapter
+    )
+    try:
+        push.run()
+    finally:
+        push.close()
