@@ -11,12 +11,13 @@ from rollout.config import FieldError
 MAX_ADAPTER_NAME = 128
 # The name peft gives the base model in a mixed batch (`adapter_names=`); never an adapter's name here either.
 BASE_NAME = "__base__"
+# Wire names of a saved module's parameters (peft's modules_to_save) in an adapter push: "<module>.modules_to_save.<p>".
+SAVED_MARKER = ".modules_to_save."
 # PEFT settings that change the forward beyond W0 x + s B(A x) (or train more than the LoRA pair): not served
 # unmerged; push such a model with adapters="merged".
 UNSERVED_SETTINGS = {
     "use_dora": "DoRA",
     "lora_bias": "a trained LoRA bias",
-    "modules_to_save": "fully trained module copies",
     "trainable_token_indices": "trainable tokens",
     "target_parameters": "LoRA on bare parameters (MoE experts)",
     "alora_invocation_tokens": "activated LoRA",
@@ -98,3 +99,16 @@ def active_adapter_name(model: Any) -> str:
     if len(active) != 1:
         raise FieldError("adapter_name", f"the model has {len(active)} active adapters {active}: name the one to use")
     return active[0]
+
+
+def saved_modules(model: Any, adapter_name: str) -> Any:
+    """(PEFT module name, the adapter's own copy) of every module the adapter trains whole (`modules_to_save`)."""
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return iter(())
+    return (
+        (name, module.modules_to_save[adapter_name])
+        for name, module in model.named_modules()
+        if isinstance(module, ModulesToSaveWrapper) and adapter_name in module.modules_to_save
+    )

@@ -122,6 +122,23 @@ def test_bad_adapters_are_refused_whole(client):
     assert client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="default")).completions[0].token_ids == served
 
 
+def test_modules_to_save_travel_with_the_adapter(client):
+    """An adapter that trains the input embeddings whole (modules_to_save): the push carries the trained copy (not
+    the frozen original, which is the base's), and the worker's tokens equal peft's generate."""
+    model = lora_model(9, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens"])
+    with torch.no_grad():
+        model.base_model.model.model.embed_tokens.modules_to_save["default"].weight.add_(0.3)
+    push_weights(client, model)
+    result = push_weights(client, model)
+    lora = sum(t.numel() * t.element_size() for n, t in model.named_parameters() if "lora_" in n)
+    embeddings = model.base_model.model.model.embed_tokens.original_module.weight
+    assert result.num_bytes == lora + embeddings.numel() * embeddings.element_size()
+    completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
+    assert completion.token_ids == peft_greedy(model, PROMPT)
+    with model.disable_adapter():
+        assert completion.token_ids != peft_greedy(model, PROMPT)
+
+
 def test_openai_model_names_a_served_adapter(client, worker):
     """/v1/models lists the adapters under the worker's model (vLLM's shape); `model="NAME"` samples with one (the
     official openai client), echoing its name; an unknown model is a 404 naming `model`."""

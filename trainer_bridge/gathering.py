@@ -115,8 +115,14 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
     def base_name(name: str) -> str | None:
         """The base model's name of a PEFT model's tensor; None for adapter tensors and frozen originals."""
         parts = name.split(".")
-        if any(part.startswith(prefix) for part in parts) or "original_module" in parts:
-            return None  # adapter tensors, and the frozen originals of modules_to_save
+        if any(part.startswith(prefix) for part in parts):
+            return None  # adapter tensors
+        if not merged:  # the base alone: the frozen originals of modules_to_save, not the trained copies
+            if "modules_to_save" in parts:
+                return None
+            parts = [part for part in parts if part != "original_module"]
+        elif "original_module" in parts:
+            return None  # merged: the active adapter's trained copy instead
         if "modules_to_save" in parts:
             at = parts.index("modules_to_save")
             if parts[at + 1] != modules[".".join(parts[:at])].active_adapter:

@@ -1,5 +1,6 @@
 """Adapter-only pushes of a PEFT LoRA model: what travels is the active adapter's lora_A / lora_B tensors (wire names
-"<module>.lora_A" / "<module>.lora_B", in the adapter's own dtype) and their scalings; the workers serve them
+"<module>.lora_A" / "<module>.lora_B", in the adapter's own dtype) and their scalings, and the trained copies of its
+modules_to_save ("<module>.modules_to_save.<parameter>"); the workers serve them
 unmerged over the base they hold. The frozen base travels once: in the same transaction as the adapter, to every
 worker of the push, whenever a worker does not hold this trainer's base yet (its first push, or a worker that
 restarted). The base is named by a `base_id` made once per base model in this process."""
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rollout.peft_adapters import active_adapter_name, check_peft_config, module_name
+from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, check_peft_config, module_name, saved_modules
 from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 
 ADAPTER_MODES = ("auto", "merged")
@@ -69,8 +70,8 @@ def adapter_push(
         served_name: the name the workers serve it under (None: the adapter's own name).
         accelerator: the `accelerate.Accelerator` of a multi-process trainer (every rank calls this).
     Raises:
-        ValueError: (FieldError) an adapter that cannot be served unmerged (DoRA, a LoRA bias, modules_to_save,
-            a non-Linear target, ...), named; push such a model with adapters="merged".
+        ValueError: (FieldError) an adapter that cannot be served unmerged (DoRA, a LoRA bias, a non-Linear
+            target, ...), named; push such a model with adapters="merged".
     """
     from peft.tuners.lora import LoraLayer
 
@@ -93,6 +94,10 @@ def adapter_push(
         scalings[target] = float(layer.scaling[name])
     if not entries:
         raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    for key, copy in saved_modules(model, name):  # modules_to_save: the adapter's trained copies, whole
+        for part, param in copy.named_parameters():
+            wire = f"{module_name(key)}{SAVED_MARKER}{part}"
+            entries.append(Entry(wire, param.dtype, shape_of(param), lambda p=param: full_copy(p)))
     base = peft_entries(model, merged=False)
     return AdapterPush(served_name or name, entries, scalings, base_id_of(model), base, accelerator)
 

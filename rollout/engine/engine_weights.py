@@ -12,7 +12,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.commit_modes import abort_in_flight, recompute_in_flight
-from rollout.engine.lora_weights import LoraModule
+from rollout.engine.lora_weights import AdapterModules
 from rollout.engine.request import Request
 from rollout.engine.weight_table import WeightUpdateResult
 
@@ -82,7 +82,7 @@ class EngineWeights:
     def load_adapter(
         self,
         name: str,
-        modules: dict[str, LoraModule],
+        modules: AdapterModules,
         version: int | None = None,
         mode: str = "keep",
         check_finite: bool = False,
@@ -93,7 +93,8 @@ class EngineWeights:
 
         Args:
             name: the adapter's name (requests choose it: `add_request(..., adapter=name)`).
-            modules: base Linear name -> `LoraModule` (lora_A, lora_B, scaling); `lora_weights.load_peft_dir` reads a
+            modules: base module name -> `LoraModule` (lora_A, lora_B, scaling) for a Linear it adapts, or
+                `SavedModule` for a module it trains whole (modules_to_save); `lora_weights.load_peft_dir` reads a
                 PEFT adapter directory into this form.
             version: the new policy version (must exceed the current one); None adds one.
             mode: as for `update_weights`; "recompute" and "abort" act on this adapter's samples only.
@@ -122,7 +123,7 @@ class EngineWeights:
 
         return commit(self, copy, new_version, mode, started, None if base is not None else affects)
 
-    def serve_adapter_from_start(self, name: str, modules: dict[str, LoraModule]) -> None:
+    def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
         """Serve an adapter from the engine's start, at the current policy version and outside any weight update
         (`rollout-worker --lora`): call it before the first request.
 

@@ -9,6 +9,8 @@ rows zero), per-slot scalings, and a forward hook. A step gives every token the 
 shared by all layers), and adds `(that @ B.T) * scaling[slot]`: one gathered product per layer, the same shapes
 every step, so decode CUDA graphs capture it.
 
+Modules an adapter trains whole (peft's modules_to_save) are served beside them (`saved_modules.py`).
+
 Invariants:
 - The hooks act only inside an engine step that needs them (`stepping`): a trainer's own forward of a shared model
   (colocated) never sees them. Without any adapter loaded there are no hooks at all.
@@ -24,90 +26,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rollout.config import FieldError, dtype_name
 from rollout.engine.adapter_ref import AdapterRef, check_adapter_name
-from rollout.engine.lora_weights import WIRE_SUFFIXES, LoraModule
+from rollout.engine.lora_layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
+from rollout.engine.lora_weights import (
+    WIRE_SUFFIXES,
+    AdapterModules,
+    LoraModule,
+    SavedModule,
+    saved_parameter,
+    to_named_tensors,
+)
+from rollout.engine.saved_modules import SavedModules
 from rollout.engine.transfer import to_device
-
-# LoRA runs in fp32 whatever the model's dtype, as peft runs it by default (`autocast_adapter_dtype=True` keeps
-# adapter weights in fp32 under a bf16 base); bf16 / fp16 adapters are widened losslessly.
-LORA_DTYPE = torch.float32
-ADAPTER_DTYPES = {"float32", "bfloat16", "float16"}
-
-
-class LoraStepState:
-    """What the hooks of one table share during a step: whether they act, and each token's slot."""
-
-    def __init__(self, num_slots: int, max_rank: int, max_tokens: int, device: torch.device):
-        self.active = False
-        self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
-        # Column c of the stacked A belongs to slot c // max_rank.
-        self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
-        self._mask: torch.Tensor | None = None
-        self._num_tokens = 0
-
-    def new_forward(self) -> None:
-        """Forget the previous forward's mask (the first hook of a forward builds it)."""
-        self._mask = None
-
-    def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask (T, slots * rank) in x's dtype, token slots (T,)) for a LoRA layer's input of T tokens.
-
-        Raises:
-            RuntimeError: a LoRA layer whose input is not one row per token of the step (an MoE expert's share).
-        """
-        num_tokens = x.shape[-2]
-        if self._mask is None:
-            self._num_tokens = num_tokens
-            slots = self.token_slots[:num_tokens]
-            self._mask = (self.columns.unsqueeze(0) == slots.unsqueeze(1)).to(x.dtype)
-        elif num_tokens != self._num_tokens:
-            raise RuntimeError(
-                f"LoRA on {module}: its input has {num_tokens} rows, the step {self._num_tokens} tokens (a module "
-                "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
-            )
-        return self._mask, self.token_slots[:num_tokens]
-
-
-class _LoraLayer:
-    """The stacked LoRA weights of one base Linear and its forward hook."""
-
-    def __init__(self, name: str, module: torch.nn.Linear, state: LoraStepState, num_slots: int, max_rank: int):
-        device = module.weight.device
-        columns = num_slots * max_rank
-        self.name = name
-        self.max_rank = max_rank
-        self.lora_A = torch.zeros(columns, module.in_features, dtype=LORA_DTYPE, device=device)
-        self.lora_B = torch.zeros(module.out_features, columns, dtype=LORA_DTYPE, device=device)
-        self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)  # the last: base
-        self.state = state
-        self.handle = module.register_forward_hook(self)
-
-    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        state = self.state
-        if not state.active:
-            return None
-        x = args[0].to(LORA_DTYPE)
-        mask, slots = state.mask_for(x, self.name)
-        delta = F.linear(F.linear(x, self.lora_A) * mask, self.lora_B)
-        # As peft with fp32 adapter weights: the fp32 product times the scaling, added to the base output in fp32,
-        # rounded once to the model's dtype.
-        return (output + delta * self.scalings.index_select(0, slots).unsqueeze(-1)).to(output.dtype)
-
-    def write(self, slot: int, pair: LoraModule | None) -> None:
-        """Put an adapter's pair (None: nothing) into `slot`, zeroing what it leaves."""
-        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        self.lora_A[rows].zero_()
-        self.lora_B[:, rows].zero_()
-        if pair is None:
-            self.scalings[slot] = 0.0
-            return
-        rank = pair.rank
-        self.lora_A[rows][:rank].copy_(pair.lora_A)
-        self.lora_B[:, rows][:, :rank].copy_(pair.lora_B)
-        self.scalings[slot] = pair.scaling
 
 
 class AdapterTable:
@@ -134,7 +66,8 @@ class AdapterTable:
         self._head_names = {name for name, module in model.named_modules() if module is head and head is not None}
         self._device = next(model.parameters()).device
         self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
-        self._layers: dict[str, _LoraLayer] = {}
+        self._layers: dict[str, LoraLayer] = {}
+        self.saved = SavedModules(model, self._head_names, self.state)
         self.refs: dict[str, AdapterRef] = {}
         self._ranks: dict[str, dict[str, int]] = {}  # each adapter's modules and their ranks
         self.layout_version = 0
@@ -169,7 +102,11 @@ class AdapterTable:
         if name not in self.refs and len(self.refs) >= self.max_loras:
             raise FieldError("max_loras", f"{len(self.refs)} adapters are served already ({sorted(self.refs)})")
         ranks: dict[str, dict[str, int]] = {}
+        saved = {}
         for wire_name, (dtype, shape) in specs.items():
+            if (module_and_parameter := saved_parameter(wire_name)) is not None:
+                saved[wire_name] = (*module_and_parameter, dtype, shape)
+                continue
             suffix = next((s for s in WIRE_SUFFIXES if wire_name.endswith(s)), None)
             if suffix is None:
                 raise FieldError(wire_name, "an adapter tensor is named '<module>.lora_A' or '<module>.lora_B'")
@@ -198,6 +135,10 @@ class AdapterTable:
             if pair["lora_A"] != pair["lora_B"]:
                 reason = f"rank {pair['lora_B']} differs from its lora_A's {pair['lora_A']}"
                 raise FieldError(f"{module}.lora_B", reason)
+        self.saved.check_specs(saved)
+        for module_name, *_ in saved.values():
+            if module_name in ranks:
+                raise FieldError(f"{module_name}.lora_A", "a module the adapter also saves whole (modules_to_save)")
 
     def _target(self, module_name: str, field: str) -> torch.nn.Linear:
         module = self._linears.get(module_name)
@@ -207,7 +148,7 @@ class AdapterTable:
             raise FieldError(field, "LoRA on the output head is not served unmerged; push with adapters='merged'")
         raise FieldError(field, f"the model has no Linear layer named {module_name!r}")
 
-    def check(self, name: str, modules: dict[str, LoraModule], check_finite: bool = False) -> None:
+    def check(self, name: str, modules: AdapterModules, check_finite: bool = False) -> None:
         """Check a whole adapter before anything changes.
 
         Raises:
@@ -215,16 +156,15 @@ class AdapterTable:
         """
         if not modules:
             raise FieldError("tensors", "an adapter brings at least one module's lora_A and lora_B")
-        specs = {}
-        for module, pair in modules.items():
-            specs[f"{module}.lora_A"] = (dtype_name(pair.lora_A.dtype), tuple(pair.lora_A.shape))
-            specs[f"{module}.lora_B"] = (dtype_name(pair.lora_B.dtype), tuple(pair.lora_B.shape))
-        self.check_specs(name, specs)
+        for module, weights in modules.items():
+            if isinstance(weights, SavedModule) and not weights.params:
+                raise FieldError(f"{module}.modules_to_save.weight", "missing: a saved module brings its parameters")
+        tensors, _ = to_named_tensors(modules)
+        self.check_specs(name, {wire: (dtype_name(t.dtype), tuple(t.shape)) for wire, t in tensors.items()})
         if check_finite:
-            for module, pair in modules.items():
-                for part, tensor in (("lora_A", pair.lora_A), ("lora_B", pair.lora_B)):
-                    if not bool(torch.isfinite(tensor).all()):
-                        raise FieldError(f"{module}.{part}", "holds NaN or Inf")
+            for wire, tensor in tensors.items():
+                if not bool(torch.isfinite(tensor).all()):
+                    raise FieldError(wire, "holds NaN or Inf")
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
         """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,
@@ -235,28 +175,33 @@ class AdapterTable:
         """
         ref = self.refs.get(name)
         slot = ref.slot if ref is not None else min(set(range(self.max_loras)) - {r.slot for r in self.refs.values()})
+        pairs = {module: pair for module, pair in modules.items() if isinstance(pair, LoraModule)}
         with torch.no_grad():
-            for module in modules:
+            for module in pairs:
                 if module not in self._layers:
                     linear = self._linears[module]
-                    self._layers[module] = _LoraLayer(module, linear, self.state, self.max_loras, self.max_rank)
+                    self._layers[module] = LoraLayer(module, linear, self.state, self.max_loras, self.max_rank)
                     self.layout_version += 1
             for module, layer in self._layers.items():
-                layer.write(slot, modules.get(module))
+                layer.write(slot, pairs.get(module))
+        saved = {module: copy for module, copy in modules.items() if isinstance(copy, SavedModule)}
+        if self.saved.load(slot, saved):
+            self.layout_version += 1
         if ref is None:
             ref = self.refs[name] = AdapterRef(name, slot, version)
         ref.version = version
-        self._ranks[name] = {module: pair.rank for module, pair in modules.items()}
+        self._ranks[name] = {module: pair.rank for module, pair in pairs.items()}
         return ref
 
-    def modules_of(self, name: str) -> dict[str, LoraModule]:
-        """A copy of a served adapter's weights (fp32, as served), e.g. to copy it to another worker.
+    def modules_of(self, name: str) -> AdapterModules:
+        """A copy of a served adapter's weights (as served: LoRA in fp32, saved modules in the model's dtype), e.g. to
+        copy it to another worker.
 
         Raises:
             FieldError: ("adapter") an unknown name.
         """
         slot = self.ref(name).slot
-        modules = {}
+        modules: AdapterModules = dict(self.saved.modules_of(slot))
         for module, rank in self._ranks[name].items():
             layer = self._layers[module]
             rows = slice(slot * self.max_rank, slot * self.max_rank + rank)
@@ -306,6 +251,7 @@ class AdapterTable:
         for layer in self._layers.values():
             layer.handle.remove()
         self._layers.clear()
+        self.saved.close()
         self.refs.clear()
         self._ranks.clear()
         self.state.token_slots = torch.empty(0, dtype=torch.long)

@@ -1,9 +1,12 @@
-"""One LoRA adapter's weights as the engine takes them: per base module (a `torch.nn.Linear` of the served model,
-by its name in the model), `lora_A` (r, in_features), `lora_B` (out_features, r) and the scaling peft applies
-(lora_alpha / r, or / sqrt(r) with rsLoRA, per module with rank_pattern / alpha_pattern).
+"""One LoRA adapter's weights as the engine takes them, per base module (by its name in the served model):
+- a `LoraModule` for a `torch.nn.Linear` it adapts: `lora_A` (r, in_features), `lora_B` (out_features, r) and the
+  scaling peft applies (lora_alpha / r, or / sqrt(r) with rsLoRA, per module with rank_pattern / alpha_pattern);
+- a `SavedModule` for a module it trains whole (peft's `modules_to_save`, a Linear or an Embedding): the adapter's
+  own parameters, which its tokens use instead of the base module's.
 
-On the wire (adapter pushes) a module's two tensors are named "<module>.lora_A" and "<module>.lora_B"; the scalings
-travel beside them. A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) is read here too.
+On the wire (adapter pushes) a LoRA module's tensors are named "<module>.lora_A" and "<module>.lora_B", with the
+scalings beside them; a saved module's are "<module>.modules_to_save.<parameter>" ("weight", "bias"). A PEFT adapter
+directory (adapter_config.json + adapter_model.safetensors) is read here too.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
-from rollout.peft_adapters import active_adapter_name, check_peft_config, lora_layers, module_name
+from rollout.peft_adapters import (
+    SAVED_MARKER,
+    active_adapter_name,
+    check_peft_config,
+    lora_layers,
+    module_name,
+    saved_modules,
+)
 
 WIRE_SUFFIXES = (".lora_A", ".lora_B")
 
@@ -33,20 +43,46 @@ class LoraModule:
         return self.lora_A.shape[0]
 
 
-def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, LoraModule]:
-    """The adapter's modules from wire names ("<module>.lora_A" / "<module>.lora_B") and per-module scalings.
+@dataclass
+class SavedModule:
+    """A module the adapter trains whole (peft's modules_to_save): its tokens run the base module's own forward with
+    these parameters ("weight", and "bias" where the module has one)."""
+
+    params: dict[str, torch.Tensor]
+
+
+AdapterModules = dict[str, "LoraModule | SavedModule"]
+
+
+def saved_parameter(wire_name: str) -> tuple[str, str] | None:
+    """(module, parameter) of a saved module's wire name ("<module>.modules_to_save.<parameter>"), else None."""
+    module, marker, parameter = wire_name.rpartition(SAVED_MARKER)
+    return (module, parameter) if marker and module and parameter and "." not in parameter else None
+
+
+def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, float]) -> AdapterModules:
+    """The adapter's modules from wire names ("<module>.lora_A" / "<module>.lora_B" with per-module scalings, and
+    "<module>.modules_to_save.<parameter>").
 
     Raises:
         FieldError: naming a tensor with another name, a module missing one of its pair or its scaling, a pair
-            whose ranks differ, or a scaling that is not a finite number.
+            whose ranks differ, a scaling that is not a finite number, or a module both adapted and saved.
     """
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    modules: AdapterModules = {}
     for name, tensor in tensors.items():
+        saved = saved_parameter(name)
+        if saved is not None:
+            module = modules.setdefault(saved[0], SavedModule({}))
+            module.params[saved[1]] = tensor
+            continue
         suffix = next((s for s in WIRE_SUFFIXES if name.endswith(s)), None)
         if suffix is None:
-            raise FieldError(name, "an adapter tensor is named '<module>.lora_A' or '<module>.lora_B'")
+            raise FieldError(
+                name,
+                f"an adapter tensor is named '<module>.lora_A', '<module>.lora_B' or '<module>{SAVED_MARKER}<parameter>'",
+            )
         pairs.setdefault(name[: -len(suffix)], {})[suffix[1:]] = tensor
-    modules = {}
     for module, pair in pairs.items():
         for part in ("lora_A", "lora_B"):
             if part not in pair:
@@ -60,6 +96,8 @@ def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, flo
                 f"{module}.lora_B",
                 f"lora_A {list(lora_A.shape)} and lora_B {list(lora_B.shape)} are not an (r, in) / (out, r) pair",
             )
+        if module in modules:
+            raise FieldError(f"{module}.lora_A", "a module the adapter also saves whole (modules_to_save)")
         modules[module] = LoraModule(lora_A, lora_B, float(scaling))
     extra = sorted(set(scalings) - set(pairs))
     if extra:
@@ -68,9 +106,10 @@ def from_named_tensors(tensors: dict[str, torch.Tensor], scalings: dict[str, flo
 
 
 def is_adapter_tensor(name: str, scalings: dict[str, float]) -> bool:
-    """True for the wire name of a LoRA tensor of an adapter with these per-module scalings."""
+    """True for the wire name of an adapter's tensor (a LoRA tensor of a module with a scaling, or a saved module's
+    parameter), False for a base weight travelling with it."""
     module, _, part = name.rpartition(".")
-    return part in ("lora_A", "lora_B") and module in scalings
+    return (part in ("lora_A", "lora_B") and module in scalings) or saved_parameter(name) is not None
 
 
 def split_adapter_tensors(
@@ -83,16 +122,20 @@ def split_adapter_tensors(
     return adapter, base or None
 
 
-def to_named_tensors(modules: dict[str, LoraModule]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The wire form of an adapter: (tensors by wire name, scalings by module)."""
-    tensors = {}
-    for module, pair in modules.items():
-        tensors[f"{module}.lora_A"] = pair.lora_A
-        tensors[f"{module}.lora_B"] = pair.lora_B
-    return tensors, {module: pair.scaling for module, pair in modules.items()}
+def to_named_tensors(modules: AdapterModules) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The wire form of an adapter: (tensors by wire name, scalings by LoRA module)."""
+    tensors, scalings = {}, {}
+    for module, weights in modules.items():
+        if isinstance(weights, SavedModule):
+            tensors.update({f"{module}{SAVED_MARKER}{part}": value for part, value in weights.params.items()})
+            continue
+        tensors[f"{module}.lora_A"] = weights.lora_A
+        tensors[f"{module}.lora_B"] = weights.lora_B
+        scalings[module] = weights.scaling
+    return tensors, scalings
 
 
-def load_peft_dir(path: str) -> dict[str, LoraModule]:
+def load_peft_dir(path: str) -> AdapterModules:
     """Read a PEFT LoRA adapter directory (as `PeftModel.save_pretrained` writes it), with peft's own loaders.
 
     Args:
@@ -113,6 +156,7 @@ def load_peft_dir(path: str) -> dict[str, LoraModule]:
         raise FieldError("lora", f"cannot read the PEFT adapter at {path!r}: {error}") from None
     check_peft_config(config)
     tensors: dict[str, torch.Tensor] = {}
+    saved = tuple(config.modules_to_save or ())
     for key, tensor in state.items():
         for part in ("lora_A", "lora_B"):
             marker = f".{part}.weight"
@@ -120,16 +164,19 @@ def load_peft_dir(path: str) -> dict[str, LoraModule]:
                 tensors[f"{module_name(key[: -len(marker)])}.{part}"] = tensor
                 break
         else:
-            raise FieldError("lora", f"{key}: not a LoRA A/B weight (only plain LoRA adapters are served)")
+            module, _, parameter = module_name(key).rpartition(".")
+            if not any(module == target or module.endswith(f".{target}") for target in saved):
+                raise FieldError("lora", f"{key}: neither a LoRA A/B weight nor one of modules_to_save {list(saved)}")
+            tensors[f"{module}{SAVED_MARKER}{parameter}"] = tensor
     scalings = {}
-    for name in {key.rsplit(".", 1)[0] for key in tensors}:
+    for name in {key.rsplit(".", 1)[0] for key in tensors if saved_parameter(key) is None}:
         rank = tensors[f"{name}.lora_A"].shape[0]
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha)
         scalings[name] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     return from_named_tensors(tensors, scalings)
 
 
-def from_peft_model(model: Any, adapter_name: str | None = None) -> dict[str, LoraModule]:
+def from_peft_model(model: Any, adapter_name: str | None = None) -> AdapterModules:
     """One adapter of a live PEFT model, as the engine takes it (the model's own tensors, not copies; ZeRO-3 or
     FSDP shards must be gathered by the caller).
 
@@ -138,14 +185,16 @@ def from_peft_model(model: Any, adapter_name: str | None = None) -> dict[str, Lo
         adapter_name: which adapter (None: the active one).
     Raises:
         FieldError: an unknown adapter, or one that cannot be served unmerged (DoRA, a LoRA bias, a non-Linear
-            target, modules_to_save, ...), named.
+            target, ...), named.
     """
     name = adapter_name or active_adapter_name(model)
     configs = getattr(model, "peft_config", {}) or {}
     if name not in configs:
         raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(configs)})")
     check_peft_config(configs[name])
-    modules = {}
+    modules: AdapterModules = {}
+    for key, copy in saved_modules(model, name):
+        modules[module_name(key)] = SavedModule({part: p.detach() for part, p in copy.named_parameters()})
     for key, layer in lora_layers(model):
         if name not in layer.lora_A:
             continue

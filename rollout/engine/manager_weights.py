@@ -10,7 +10,7 @@ import torch
 
 from rollout.engine.adapter_ref import check_adapter_name
 from rollout.engine.commands import AdapterUpdate, PendingUpdate
-from rollout.engine.lora_weights import LoraModule, from_peft_model, load_peft_dir, to_named_tensors
+from rollout.engine.lora_weights import from_peft_model, load_peft_dir, to_named_tensors
 from rollout.engine.weight_table import WeightUpdateResult
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class ManagerWeights:
         Args:
             name: the adapter's name.
             adapter: a PEFT adapter directory (`save_pretrained`'s), a `peft.PeftModel` (its active adapter; its
-                tensors are copied), or base Linear name -> `LoraModule`.
+                tensors are copied), or base module name -> `LoraModule` / `SavedModule`.
             version: the new policy version (above the current one); None adds one.
             mode: "keep", "recompute", "abort" (the latter two act on this adapter's samples) or "wait".
             timeout: as for `update_weights`.
@@ -86,11 +86,10 @@ class ManagerWeights:
         elif isinstance(adapter, dict):
             modules = adapter
         else:
-            modules = {
-                key: LoraModule(p.lora_A.clone(), p.lora_B.clone(), p.scaling)
-                for key, p in from_peft_model(adapter).items()
-            }
+            modules = from_peft_model(adapter)
         tensors, scalings = to_named_tensors(modules)
+        if not isinstance(adapter, (str, dict)):  # a live model's own tensors: copies, taken now
+            tensors = {name: tensor.clone() for name, tensor in tensors.items()}
         return self._updates.apply(tensors, version, mode, False, timeout, AdapterUpdate(name, scalings))
 
     def submit_weight_update(

@@ -82,6 +82,7 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
     Raises:
         ValueError: no plan exists (`plan_copy`). RolloutError: a transaction failed.
     """
+    from rollout.engine.lora_weights import to_named_tensors
     from trainer_bridge.gathering import Entry, entries_of
     from trainer_bridge.lora_push import AdapterPush
     from trainer_bridge.weight_sync import push_weights
@@ -96,12 +97,8 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
         if step.adapter is None:
             push_weights(client, model, version=step.version, timeout=timeout)
             continue
-        entries = []
-        scalings = {}
-        for module, pair in table.modules_of(step.adapter).items():
-            for part, tensor in (("lora_A", pair.lora_A), ("lora_B", pair.lora_B)):
-                entries.append(Entry(f"{module}.{part}", tensor.dtype, tuple(tensor.shape), lambda t=tensor: t))
-            scalings[module] = pair.scaling
+        tensors, scalings = to_named_tensors(table.modules_of(step.adapter))
+        entries = [Entry(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors.items()]
         base = entries_of(model, None) if step.with_base else []
         adapter = AdapterPush(step.adapter, entries, scalings, base_id, base, always_base=step.with_base)
         _send_adapter(client, adapter, step.version, timeout)

@@ -1,0 +1,88 @@
+"""The hooks of LoRA layers served unmerged (see `lora.AdapterTable` for the layout): what the hooks of one table
+share in a step (`LoraStepState`: whether they act, each token's slot, the slot mask) and one LoRA Linear's stacked
+weights and hook (`LoraLayer`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout.engine.lora_weights import LoraModule
+
+# LoRA runs in fp32 whatever the model's dtype, as peft runs it by default (`autocast_adapter_dtype=True` keeps
+# adapter weights in fp32 under a bf16 base); bf16 / fp16 adapters are widened losslessly.
+LORA_DTYPE = torch.float32
+ADAPTER_DTYPES = {"float32", "bfloat16", "float16"}
+
+
+class LoraStepState:
+    """What the hooks of one table share during a step: whether they act, and each token's slot."""
+
+    def __init__(self, num_slots: int, max_rank: int, max_tokens: int, device: torch.device):
+        self.active = False
+        self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
+        # Column c of the stacked A belongs to slot c // max_rank.
+        self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
+        self._mask: torch.Tensor | None = None
+        self._num_tokens = 0
+
+    def new_forward(self) -> None:
+        """Forget the previous forward's mask (the first hook of a forward builds it)."""
+        self._mask = None
+
+    def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask (T, slots * rank) in x's dtype, token slots (T,)) for a LoRA layer's input of T tokens.
+
+        Raises:
+            RuntimeError: a LoRA layer whose input is not one row per token of the step (an MoE expert's share).
+        """
+        num_tokens = x.shape[-2]
+        if self._mask is None:
+            self._num_tokens = num_tokens
+            slots = self.token_slots[:num_tokens]
+            self._mask = (self.columns.unsqueeze(0) == slots.unsqueeze(1)).to(x.dtype)
+        elif num_tokens != self._num_tokens:
+            raise RuntimeError(
+                f"LoRA on {module}: its input has {num_tokens} rows, the step {self._num_tokens} tokens (a module "
+                "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
+            )
+        return self._mask, self.token_slots[:num_tokens]
+
+
+class LoraLayer:
+    """The stacked LoRA weights of one base Linear and its forward hook."""
+
+    def __init__(self, name: str, module: torch.nn.Linear, state: LoraStepState, num_slots: int, max_rank: int):
+        device = module.weight.device
+        columns = num_slots * max_rank
+        self.name = name
+        self.max_rank = max_rank
+        self.lora_A = torch.zeros(columns, module.in_features, dtype=LORA_DTYPE, device=device)
+        self.lora_B = torch.zeros(module.out_features, columns, dtype=LORA_DTYPE, device=device)
+        self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)  # the last: base
+        self.state = state
+        self.handle = module.register_forward_hook(self)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        state = self.state
+        if not state.active:
+            return None
+        x = args[0].to(LORA_DTYPE)
+        mask, slots = state.mask_for(x, self.name)
+        delta = F.linear(F.linear(x, self.lora_A) * mask, self.lora_B)
+        # As peft with fp32 adapter weights: the fp32 product times the scaling, added to the base output in fp32,
+        # rounded once to the model's dtype.
+        return (output + delta * self.scalings.index_select(0, slots).unsqueeze(-1)).to(output.dtype)
+
+    def write(self, slot: int, pair: LoraModule | None) -> None:
+        """Put an adapter's pair (None: nothing) into `slot`, zeroing what it leaves."""
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        self.lora_A[rows].zero_()
+        self.lora_B[:, rows].zero_()
+        if pair is None:
+            self.scalings[slot] = 0.0
+            return
+        rank = pair.rank
+        self.lora_A[rows][:rank].copy_(pair.lora_A)
+        self.lora_B[:, rows][:, :rank].copy_(pair.lora_B)
+        self.scalings[slot] = pair.scaling
