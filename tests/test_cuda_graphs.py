@@ -199,3 +199,58 @@ def test_compiled_decode_matches_generate():
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, 6), index
     engine.close()
+
+
+def test_graph_decode_serves_adapters_side_by_side():
+    """The base, a LoRA adapter on every Linear and one that also trains the input embeddings whole
+    (modules_to_save) decode in the same graph steps; each equals peft's generate. Replacing an adapter in place
+    keeps the graphs; a slot's first saved module (new hooks) makes them captured again."""
+    from peft import LoraConfig, get_peft_model
+
+    from rollout.engine.lora_weights import SavedModule, from_peft_model
+
+    base = tiny_model("qwen3").to(DEVICE)
+    torch.manual_seed(2)
+    saving = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], modules_to_save=["embed_tokens"])
+    peft = get_peft_model(reference_copy(base), saving, adapter_name="saving")
+    peft.add_adapter("plain", LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, parameter in peft.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    peft.eval()
+    engine, replays = graph_engine(base)
+    released = []
+    release = engine.runner.decode_graphs.release
+    engine.runner.decode_graphs.release = lambda: released.append(1) or release()
+    plain = from_peft_model(peft, "plain")
+    engine.load_adapter("plain", plain)
+    saving_modules = from_peft_model(peft, "saving")
+    lora_only = {name: weights for name, weights in saving_modules.items() if not isinstance(weights, SavedModule)}
+    engine.load_adapter("saving", lora_only)
+    prompts = make_prompts(3, 6, 20, seed=4)
+    adapters = [None, "plain", "saving"]
+
+    def decode_all(tag: str, budget: int) -> dict:
+        for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+            engine.add_request(f"{tag}{index}", prompt, GREEDY, max_new_tokens=budget, adapter=adapter)
+        return run_to_completion(engine)
+
+    decode_all("warm", 2)  # the graphs of these buckets exist now, with every LoRA hook
+    count = len(released)
+    engine.load_adapter("plain", plain)  # in place: the same hooks and slots
+    assert len(released) == count
+    engine.load_adapter("saving", saving_modules)  # the embeddings' hook and copy are new
+    outputs = decode_all("x", 5)
+    assert len(released) == count + 1 and replays
+    for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        ids = torch.tensor([prompt], device=DEVICE)
+        kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        if adapter is None:
+            with peft.disable_adapter():
+                expected = peft.generate(input_ids=ids, **kwargs)
+        else:
+            peft.set_adapter(adapter)
+            expected = peft.generate(input_ids=ids, **kwargs)
+        assert outputs[f"x{index}"].generated_tokens == expected[0, len(prompt) :].tolist(), adapter
+    engine.close()
