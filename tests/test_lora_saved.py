@@ -118,3 +118,50 @@ def test_a_saved_directory_is_served_and_bad_saved_modules_are_refused(tmp_path,
     )
     assert run_to_completion(engine)["still"].generated_tokens == peft_greedy(model, "saving", prompt)
     engine.close()
+
+
+def test_a_load_that_fails_to_allocate_changes_nothing_served(saved_pair, monkeypatch):
+    """Out of memory while a replacement's new saved copies are allocated: the adapter served before keeps serving,
+    its LoRA rows and saved copies untouched."""
+    import rollout.engine.saved_modules as saved_modules
+
+    base, model = saved_pair
+    engine = make_engine(copy.deepcopy(base))
+    modules = from_peft_model(model, "saving")
+    lora_only = {name: weights for name, weights in modules.items() if not isinstance(weights, SavedModule)}
+    engine.load_adapter("saving", lora_only)
+    prompt = make_prompts(1, 12, 12, seed=9)[0]
+    greedy = SamplingParams(do_sample=False, stop_token_ids=())
+    engine.add_request("before", prompt, greedy, max_new_tokens=MAX_NEW, adapter="saving")
+    before = run_to_completion(engine)["before"].generated_tokens
+
+    def out_of_memory(module):
+        raise torch.OutOfMemoryError("no room for the copy")
+
+    monkeypatch.setattr(saved_modules, "_shadow", out_of_memory)
+    moved = {name: w for name, w in modules.items()}
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.load_adapter("saving", moved)
+    engine.add_request("after", prompt, greedy, max_new_tokens=MAX_NEW, adapter="saving")
+    assert run_to_completion(engine)["after"].generated_tokens == before
+    engine.close()
+
+
+def test_pushes_of_models_with_saved_modules():
+    """A merged (whole) push of a model whose active adapter saves nothing still sends the frozen original of a
+    module another adapter saves; an adapter-only push of an adapter saving the output head is refused up front."""
+    from rollout.config import FieldError
+    from trainer_bridge.gathering import peft_entries
+    from trainer_bridge.lora_push import adapter_push
+
+    base = tiny_model("qwen3", seed=5)
+    config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"])
+    model = get_peft_model(reference_copy(base), config, adapter_name="saving")
+    model.add_adapter("plain", LoraConfig(r=4, target_modules=["v_proj"]))
+    model.set_adapter("plain")
+    entries = {entry.name: entry for entry in peft_entries(model, merged=True)}
+    assert torch.equal(entries["model.embed_tokens.weight"].fetch(), base.model.embed_tokens.weight)
+    head = get_peft_model(reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with pytest.raises(FieldError) as error:
+        adapter_push(head)
+    assert error.value.field == "lm_head"

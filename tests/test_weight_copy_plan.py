@@ -36,9 +36,14 @@ def test_a_lagging_worker_on_the_same_base_gets_only_what_it_missed():
     assert plan_copy(8, "B", peer, 7, None, {"policy": 7, "ref": 4}) == [CopyStep(8, "policy", with_base=True)]
 
 
-def test_adapters_missed_below_the_targets_version_move_up_and_an_impossible_plan_is_refused():
-    # The target (version 5) missed "ref" (version 4): it is copied at 6, then "policy" at its own 8.
-    plan = plan_copy(8, "B", {"policy": 8, "ref": 4}, 5, "B", {})
-    assert plan == [CopyStep(6, "ref", with_base=False), CopyStep(8, "policy", with_base=False)]
-    with pytest.raises(ValueError, match="cannot all be copied"):
-        plan_copy(8, "B", {"policy": 8, "ref": 4}, 7, "B", {})
+def test_a_copy_that_cannot_give_the_peers_adapters_exactly_is_refused():
+    # The target (version 5) missed "ref" (version 4) while taking later pushes: a copy cannot bring it at its own
+    # version, and a later tag would claim other weights.
+    with pytest.raises(ValueError, match=r"lacks adapters \['ref@4'\]"):
+        plan_copy(8, "B", {"policy": 8, "ref": 4}, 5, "B", {})
+    with pytest.raises(ValueError, match="lacks adapters"):  # even once its version caught up
+        plan_copy(8, "B", {"policy": 8, "ref": 4}, 8, "B", {"policy": 8})
+    with pytest.raises(ValueError, match="lacks adapters"):  # a stale peer never rolls a newer adapter back
+        plan_copy(9, "B", {"policy": 9, "ref": 4}, 7, "B", {"policy": 7, "ref": 6})
+    with pytest.raises(ValueError, match=r"adapters its peer does not \(\['old'\]\)"):
+        plan_copy(8, "B", {"policy": 8}, 5, None, {"old": 3, "policy": 5})

@@ -117,15 +117,16 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
         parts = name.split(".")
         if any(part.startswith(prefix) for part in parts):
             return None  # adapter tensors
-        if not merged:  # the base alone: the frozen originals of modules_to_save, not the trained copies
-            if "modules_to_save" in parts:
-                return None
+        if "original_module" in parts:  # the frozen original of a modules_to_save module
+            wrapper = modules[".".join(parts[: parts.index("original_module")])]
+            if merged and _active_copy(wrapper) is not None:
+                return None  # merged: the active adapter's trained copy instead
             parts = [part for part in parts if part != "original_module"]
-        elif "original_module" in parts:
-            return None  # merged: the active adapter's trained copy instead
+        elif "modules_to_save" in parts and not merged:
+            return None  # the base alone: not the trained copies
         if "modules_to_save" in parts:
             at = parts.index("modules_to_save")
-            if parts[at + 1] != modules[".".join(parts[:at])].active_adapter:
+            if parts[at + 1] != _active_copy(modules[".".join(parts[:at])]):
                 return None
             parts = parts[:at] + parts[at + 2 :]
         if len(parts) >= 2 and parts[-2] == "base_layer":
@@ -143,6 +144,15 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
         else:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda param=param: full_copy(param)))
     return entries + _buffer_entries(base, base_name)
+
+
+def _active_copy(wrapper: Any) -> str | None:
+    """The adapter whose copy a peft ModulesToSaveWrapper uses now (None: it uses the original; peft sets an empty
+    list when the active adapter saves no copy of this module)."""
+    active = wrapper.active_adapter
+    if isinstance(active, (list, tuple)):
+        active = active[0] if active else None
+    return active if active in wrapper.modules_to_save else None
 
 
 def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,13 @@ def adapter_push(
         scalings[target] = float(layer.scaling[name])
     if not entries:
         raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    head, modules = model.get_output_embeddings(), dict(model.named_modules())
     for key, copy in saved_modules(model, name):  # modules_to_save: the adapter's trained copies, whole
+        if head is not None and modules[key] is head:
+            raise FieldError(
+                module_name(key),
+                "modules_to_save on the output head is not served unmerged; push with adapters='merged'",
+            )
         for part, param in copy.named_parameters():
             wire = f"{module_name(key)}{SAVED_MARKER}{part}"
             entries.append(Entry(wire, param.dtype, shape_of(param), lambda p=param: full_copy(p)))

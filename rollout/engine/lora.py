@@ -109,7 +109,10 @@ class AdapterTable:
                 continue
             suffix = next((s for s in WIRE_SUFFIXES if wire_name.endswith(s)), None)
             if suffix is None:
-                raise FieldError(wire_name, "an adapter tensor is named '<module>.lora_A' or '<module>.lora_B'")
+                raise FieldError(
+                    wire_name,
+                    "an adapter tensor is named '<module>.lora_A', '<module>.lora_B' or '<module>.modules_to_save.<p>'",
+                )
             module = self._target(wire_name[: -len(suffix)], wire_name)
             if dtype not in ADAPTER_DTYPES:
                 raise FieldError(wire_name, f"dtype {dtype}: adapters come in {sorted(ADAPTER_DTYPES)}")
@@ -176,16 +179,19 @@ class AdapterTable:
         ref = self.refs.get(name)
         slot = ref.slot if ref is not None else min(set(range(self.max_loras)) - {r.slot for r in self.refs.values()})
         pairs = {module: pair for module, pair in modules.items() if isinstance(pair, LoraModule)}
+        saved = {module: copy for module, copy in modules.items() if isinstance(copy, SavedModule)}
+        # First everything that allocates (a failure leaves what is served as it was: new layers add exact zeros),
+        # then the writes.
+        for module in pairs:
+            if module not in self._layers:
+                linear = self._linears[module]
+                self._layers[module] = LoraLayer(module, linear, self.state, self.max_loras, self.max_rank)
+                self.layout_version += 1
+        shadows = self.saved.reserve(slot, saved)
         with torch.no_grad():
-            for module in pairs:
-                if module not in self._layers:
-                    linear = self._linears[module]
-                    self._layers[module] = LoraLayer(module, linear, self.state, self.max_loras, self.max_rank)
-                    self.layout_version += 1
             for module, layer in self._layers.items():
                 layer.write(slot, pairs.get(module))
-        saved = {module: copy for module, copy in modules.items() if isinstance(copy, SavedModule)}
-        if self.saved.load(slot, saved):
+        if self.saved.install(slot, saved, shadows):
             self.layout_version += 1
         if ref is None:
             ref = self.refs[name] = AdapterRef(name, slot, version)

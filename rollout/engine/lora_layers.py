@@ -24,29 +24,39 @@ class LoraStepState:
         # Column c of the stacked A belongs to slot c // max_rank.
         self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
         self._mask: torch.Tensor | None = None
-        self._num_tokens = 0
+        self._num_tokens: int | None = None  # rows of the forward's hooked modules (the first one sets it)
 
     def new_forward(self) -> None:
-        """Forget the previous forward's mask (the first hook of a forward builds it)."""
+        """Forget the previous forward's mask and row count (the first hook of a forward sets them)."""
         self._mask = None
+        self._num_tokens = None
+
+    def slots_for(self, num_tokens: int, module: str) -> torch.Tensor:
+        """Each token's slot (T,) for a hooked module whose input or output has T rows, the step's tokens.
+
+        Raises:
+            RuntimeError: a module that sees another number of rows than the forward's other hooked modules (an MoE
+                expert's share of the tokens).
+        """
+        if self._num_tokens is None:
+            self._num_tokens = num_tokens
+        elif num_tokens != self._num_tokens:
+            raise RuntimeError(
+                f"adapter on {module}: it sees {num_tokens} rows, the step {self._num_tokens} tokens (a module "
+                "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
+            )
+        return self.token_slots[:num_tokens]
 
     def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(mask (T, slots * rank) in x's dtype, token slots (T,)) for a LoRA layer's input of T tokens.
 
         Raises:
-            RuntimeError: a LoRA layer whose input is not one row per token of the step (an MoE expert's share).
+            RuntimeError: as `slots_for`.
         """
-        num_tokens = x.shape[-2]
+        slots = self.slots_for(x.shape[-2], module)
         if self._mask is None:
-            self._num_tokens = num_tokens
-            slots = self.token_slots[:num_tokens]
             self._mask = (self.columns.unsqueeze(0) == slots.unsqueeze(1)).to(x.dtype)
-        elif num_tokens != self._num_tokens:
-            raise RuntimeError(
-                f"LoRA on {module}: its input has {num_tokens} rows, the step {self._num_tokens} tokens (a module "
-                "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
-            )
-        return self._mask, self.token_slots[:num_tokens]
+        return self._mask, slots
 
 
 class LoraLayer:

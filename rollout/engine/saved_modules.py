@@ -3,15 +3,18 @@ after adding tokens), served beside the LoRA layers of `lora.AdapterTable`: the 
 the tokens of an adapter that saves it get the output of the module's own forward run with the adapter's copy of
 its parameters, as peft's `ModulesToSaveWrapper` computes it (its mixed-batch forward included).
 
-Each saved module gets a forward hook once; per adapter slot that saves it, the copy's parameters are kept in the
-base module's dtype, on its device. In a step, the hook runs the module's forward once per such slot (on every
-token: the same shapes every step, so decode graphs capture it) and takes those rows for that slot's tokens.
-`layout_changed` after `load` tells the table that captured graphs are stale (a slot's copy added or dropped).
+Each saved module gets a forward hook once; per adapter slot that saves it, a shadow of the module (a shallow copy
+with its own parameters, in the base module's dtype, on its device) holds the copy. In a step, the hook runs each
+shadow's forward (on every token: the same shapes every step, so decode graphs capture it) and takes its rows for
+that slot's tokens. A load first reserves everything it allocates, then writes (`reserve`, `install`): a load that
+fails changes nothing served.
 
 The output head is not served this way (the engine computes it in fp32 itself): push such adapters merged.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -23,26 +26,33 @@ SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
 
 
 class _SavedLayer:
-    """One saved module's hook and the copies of the slots that save it."""
+    """One saved module's hook and, per slot that saves it, a shadow of the module holding the slot's copy."""
 
-    def __init__(self, module: torch.nn.Module, state: object):
+    def __init__(self, name: str, module: torch.nn.Module, state: object):
+        self.name = name
         self.state = state  # lora.LoraStepState: whether hooks act, each token's slot
-        self.copies: dict[int, dict[str, torch.Tensor]] = {}
-        self._inside = False  # the hook runs the module's forward itself: not again from there
+        self.shadows: dict[int, torch.nn.Module] = {}
         self.handle = module.register_forward_hook(self)
 
     def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        if not self.state.active or self._inside or not self.copies:
+        if not self.state.active or not self.shadows:
             return None
-        slots = self.state.token_slots[: output.shape[-2]].unsqueeze(-1)  # tokens are the rows of the output
-        for slot, params in self.copies.items():
-            self._inside = True
-            try:
-                replaced = torch.func.functional_call(module, params, args)
-            finally:
-                self._inside = False
-            output = torch.where(slots == slot, replaced, output)
+        slots = self.state.slots_for(output.shape[-2], self.name).unsqueeze(-1)  # tokens are the output's rows
+        for slot, shadow in self.shadows.items():
+            # The shadow's own forward (the module's code, e.g. an embedding's padding_idx or scale) over the copy;
+            # the served module is never touched, so other threads reading its parameters see the base.
+            output = torch.where(slots == slot, shadow.forward(*args), output)
         return output
+
+
+def _shadow(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `module` (sharing its buffers and settings) with parameters of its own, uninitialized."""
+    shadow = copy.copy(module)
+    shadow._parameters = {  # noqa: SLF001 - a private dict of torch's, replaced so the original keeps its own
+        name: None if tensor is None else torch.nn.Parameter(torch.empty_like(tensor), requires_grad=False)
+        for name, tensor in module._parameters.items()  # noqa: SLF001 - None entries too (a Linear without bias)
+    }
+    return shadow
 
 
 class SavedModules:
@@ -98,37 +108,45 @@ class SavedModules:
                         "missing: a saved module brings every parameter of the module",
                     )
 
-    def load(self, slot: int, modules: dict[str, SavedModule]) -> bool:
-        """Make `modules` the copies of `slot` (dropping the slot's others). Returns True when captured graphs are
-        stale (a hook or a copy added or dropped); a copy replaced in place keeps them."""
+    def reserve(self, slot: int, modules: dict[str, SavedModule]) -> dict[str, torch.nn.Module]:
+        """Allocate what `modules` need in `slot` (hooks, new shadows) without serving any of it yet: a failure here
+        (out of memory) changes nothing served. Returns the shadows to `install`."""
+        shadows = {}
+        for name in modules:
+            if name not in self._layers:  # a hook with no shadow changes nothing
+                self._layers[name] = _SavedLayer(name, self._modules[name], self._state)
+            shadow = self._layers[name].shadows.get(slot)
+            shadows[name] = shadow if shadow is not None else _shadow(self._modules[name])
+        return shadows
+
+    def install(self, slot: int, modules: dict[str, SavedModule], shadows: dict[str, torch.nn.Module]) -> bool:
+        """Write `modules` into their reserved shadows and serve them in `slot` (dropping the slot's others).
+        Returns True when captured graphs are stale (a shadow added or dropped); one rewritten in place keeps them."""
         changed = False
-        for name, saved in modules.items():
-            if name not in self._layers:
-                self._layers[name] = _SavedLayer(self._modules[name], self._state)
-            layer, base = self._layers[name], self._modules[name]
-            copy = layer.copies.get(slot)
-            if copy is None:
-                copy = layer.copies[slot] = {p: torch.empty_like(t) for p, t in base.named_parameters(recurse=False)}
-                changed = True
-            with torch.no_grad():
-                for part, target in copy.items():
+        with torch.no_grad():
+            for name, saved in modules.items():
+                shadow = shadows[name]
+                for part, target in shadow.named_parameters(recurse=False):
                     target.copy_(saved.params[part])
+                layer = self._layers[name]
+                changed |= layer.shadows.get(slot) is not shadow
+                layer.shadows[slot] = shadow
         for name, layer in self._layers.items():
-            if name not in modules and layer.copies.pop(slot, None) is not None:
+            if name not in modules and layer.shadows.pop(slot, None) is not None:
                 changed = True
         return changed
 
     def modules_of(self, slot: int) -> dict[str, SavedModule]:
         """Copies of the slot's saved modules."""
         return {
-            name: SavedModule({part: tensor.clone() for part, tensor in layer.copies[slot].items()})
+            name: SavedModule({part: p.detach().clone() for part, p in layer.shadows[slot].named_parameters()})
             for name, layer in self._layers.items()
-            if slot in layer.copies
+            if slot in layer.shadows
         }
 
     def close(self) -> None:
         """Remove the hooks and free the copies. Idempotent."""
         for layer in self._layers.values():
             layer.handle.remove()
-            layer.copies.clear()
+            layer.shadows.clear()
         self._layers.clear()

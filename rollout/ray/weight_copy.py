@@ -3,14 +3,15 @@ it serves itself: its base weights, every LoRA adapter it serves, and its policy
 
 A copy is a sequence of ordinary weight transactions (the same staging, checks and commit as a trainer's push), in
 version order, planned by `plan_copy` from what both workers say they serve:
-- each adapter the target lacks (or holds at another version) travels alone, at its own version where versions
-  allow, so the target tags its tokens as the peer does; the base travels with the first one unless the target
-  already holds the peer's named base (`base_id`);
+- each adapter the target lacks (or holds at another version) travels alone, at its own version, so the target
+  tags its tokens as the peer does ((name, version) names one push's tensors); the base travels with the first one
+  unless the target already holds the peer's named base (`base_id`);
 - a last transaction of the whole base brings the target to the peer's version when no adapter did (a plain
   fleet, or a whole push after the adapters).
-An adapter is never copied over another base than the peer's: the base goes first or with it. A plan that cannot
-keep versions increasing within the peer's is refused (the fleet then tries another peer, or the worker waits for
-the trainer's next push).
+An adapter is never copied over another base than the peer's: the base goes first or with it. A copy that cannot
+give the target exactly the peer's adapters is refused, naming why: an adapter the target lacks at a version no
+higher than its own (versions only grow: it missed that push while taking later ones), or one the target serves
+and the peer does not. The fleet then tries another peer, or the worker waits for the trainer's next push.
 """
 
 from __future__ import annotations
@@ -48,22 +49,23 @@ def plan_copy(
     Returns:
         The steps, in order; empty when the target is not behind.
     Raises:
-        ValueError: the versions cannot stay increasing and within `peer_version`.
+        ValueError: the target lacks an adapter at a version no higher than its own, or serves one the peer does
+            not (named).
     """
+    extra = sorted(set(target_adapters) - set(peer_adapters))
+    if extra:
+        raise ValueError(f"the worker serves adapters its peer does not ({extra}); a copy cannot remove them")
+    missing = sorted((v, name) for name, v in peer_adapters.items() if target_adapters.get(name) != v)
+    stale = [f"{name}@{v}" for v, name in missing if v <= target_version]
+    if stale:
+        raise ValueError(
+            f"the worker at version {target_version} lacks adapters {stale}: a copy can bring an adapter only at its "
+            "own version, above the worker's (push them again)"
+        )
     if target_version >= peer_version:
         return []
     same_base = peer_base_id is not None and target_base_id == peer_base_id
-    # (name, version) names one transaction's tensors: a target holding it holds the same adapter.
-    missing = sorted((v, name) for name, v in peer_adapters.items() if target_adapters.get(name) != v)
-    steps, version = [], target_version
-    for adapter_version, name in missing:
-        version = max(adapter_version, version + 1)
-        steps.append(CopyStep(version, name, with_base=not steps and not same_base))
-    if steps and steps[-1].version > peer_version:
-        raise ValueError(
-            f"the worker at version {target_version} lacks {len(missing)} adapters ({[n for _, n in missing]}) that "
-            f"cannot all be copied at increasing versions up to {peer_version}"
-        )
+    steps = [CopyStep(v, name, with_base=index == 0 and not same_base) for index, (v, name) in enumerate(missing)]
     if not steps or steps[-1].version < peer_version:
         steps.append(CopyStep(peer_version, None, with_base=True))
     return steps
@@ -87,9 +89,14 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
     from trainer_bridge.lora_push import AdapterPush
     from trainer_bridge.weight_sync import push_weights
 
-    version, base_id = worker.policy_version, worker.base_id
     table = worker.manager.engine.runner.adapters
-    adapters = {name: ref.version for name, ref in list(table.refs.items())}
+    for _ in range(3):  # one consistent reading: no update committed between the version and the adapters
+        version, base_id = worker.policy_version, worker.base_id
+        adapters = {name: ref.version for name, ref in list(table.refs.items())}
+        if worker.policy_version == version and all(v <= version for v in adapters.values()):
+            break
+    else:
+        raise RuntimeError("the peer's weights kept changing while the copy was planned")
     (target,) = client.stats()
     served = {name: entry["version"] for name, entry in target.get("adapters", {}).items()}
     plan = plan_copy(version, base_id, adapters, target["policy_version"], target.get("base_id"), served)
