@@ -94,6 +94,9 @@ class SamplingParams:
     # Also return log p(prompt[i] | prompt[:i]) for every prompt position i >= 1 (raw log_softmax of the model's
     # logits, as vLLM's prompt_logprobs), with this many top-k (token, log-prob) pairs per position; None disables.
     prompt_logprobs: int | None = None
+    # Also return the experts an MoE model's routers chose for every token computed (routing replay): the completion's
+    # `routes` and `prompt_routes`. Only for MoE models.
+    return_routes: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -188,6 +191,7 @@ class SamplingParams:
             "must be an integer in [0, 100]",
             self.top_logprobs,
         )
+        _check(isinstance(self.return_routes, bool), "return_routes", "must be true or false", self.return_routes)
         if self.prompt_logprobs is not None:
             _check(
                 _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS,

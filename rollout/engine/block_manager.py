@@ -155,7 +155,7 @@ class BlockManager:
         Returns:
             (block ids, their hashes); nothing is taken until `take_prefix`.
         """
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs or request.routes is not None:
             return [], []
         blocks: list[int] = []
         hashes: list[int] = []

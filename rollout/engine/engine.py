@@ -109,6 +109,7 @@ class Engine(EngineWeights):
         if request.group_id in self._open_groups:
             raise FieldError("group_id", f"{request.group_id!r} is already running")
         self.runner.prompt_scorer.admit(request)  # prompt_logprobs on a model known not to give them: refused
+        self.runner.routes.admit(request)  # return_routes on a dense model: refused
         self.scheduler.add(request)
         self._open_groups[request.group_id] = request.num_forks + 1
 
@@ -264,7 +265,13 @@ class Engine(EngineWeights):
         # Chunks of more than one token are prompts (or recomputed KV); single tokens are decodes.
         self.num_prefill_tokens += sum(chunks) - chunks.count(1)
         self.num_steps += 1
-        return InFlightStep(batch, samples, self.policy_version, prompt_logprobs=self.runner.prompt_results)
+        return InFlightStep(
+            batch,
+            samples,
+            self.policy_version,
+            prompt_logprobs=self.runner.prompt_results,
+            routes=self.runner.route_results,
+        )
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""
@@ -277,6 +284,8 @@ class Engine(EngineWeights):
         try:
             sampled = step.samples.fetch()
             deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
+            if step.routes is not None:
+                step.routes.deliver()
         except Exception as error:  # noqa: BLE001 - a device failure surfaces here when the copy is waited for
             logger.exception("engine step failed; ending its requests with an error")
             for request, _ in step.batch.samples:

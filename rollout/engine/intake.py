@@ -17,6 +17,7 @@ from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, Fie
 from rollout.detokenizer import OutputText
 from rollout.engine.adapter_ref import AdapterRef
 from rollout.engine.request import Request, sample_id
+from rollout.engine.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
 from rollout.sampling_params import SAMPLING_FIELDS
 
@@ -168,7 +169,7 @@ class RequestIntake:
             if self.adapter_ref is None:
                 raise FieldError("adapter", "this engine serves no LoRA adapter")
             ref = self.adapter_ref(adapter)
-        return Request(
+        request = Request(
             request_id=group_id if n == 1 else sample_id(group_id, 0),
             group_id=group_id,
             sample_index=0,
@@ -190,6 +191,9 @@ class RequestIntake:
             score_only=max_new == 0,
             adapter=ref,
         )
+        if sampling.return_routes:
+            request.routes = RouteRows(len(prompt), request)
+        return request
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:
         """What finds the request's stop strings in its output (None when it has none)."""

@@ -24,6 +24,7 @@ from rollout.engine.lora import AdapterTable
 from rollout.engine.model_lease import acquire, release
 from rollout.engine.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
+from rollout.engine.routes import PendingRoutes, RouteRecorder, plan_route_rows
 from rollout.engine.transfer import to_device
 
 
@@ -86,7 +87,7 @@ class ModelRunner:
         self.adapters = AdapterTable(
             model, config.max_loras, config.max_lora_rank, max(config.max_batch_tokens, config.max_num_seqs)
         )
-        self._graphs_layout = 0  # the adapters' layout the captured graphs saw
+        self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
         self._forward: DecodeForward = ModelForward(model, self.device, self.adapters)
         self._decode_forward: DecodeForward = self._forward
         if config.decode_compile_config is not None:
@@ -112,6 +113,9 @@ class ModelRunner:
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
         self.prompt_scorer = PromptScorer(model, _text_config(model))
         self.prompt_results: PendingPromptLogprobs | None = None
+        # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
+        self.routes = RouteRecorder(model, max(config.max_batch_tokens, config.max_num_seqs))
+        self.route_results: PendingRoutes | None = None
         acquire(model, self._sync_free_experts)
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
@@ -147,6 +151,11 @@ class ModelRunner:
                 adapters = [seq.request.adapter for seq in sequences]
                 lengths = [seq.num_tokens for seq in sequences]
                 stack.enter_context(self.adapters.stepping(adapters, lengths, self.decode_graphs is not None))
+            if self.routes.installed:
+                sequences = batch.sequences if batch is not None else []
+                wanted = any(seq.request.routes is not None for seq in sequences)
+                tokens = sum(seq.num_tokens for seq in sequences)
+                stack.enter_context(self.routes.recording(tokens, wanted, self.decode_graphs is not None))
             if self.fp32_head is not None:
                 self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
                 self.fp32_head.active = True
@@ -168,6 +177,7 @@ class ModelRunner:
                 self.fp32_head.close()
             self.prompt_scorer.close()
             self.adapters.close()
+            self.routes.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
@@ -209,9 +219,12 @@ class ModelRunner:
         Raises:
             RuntimeError: an input token is a placeholder that `unresolved` does not cover.
         """
-        self.prompt_results = None
+        self.prompt_results = self.route_results = None
         with torch.inference_mode(), self._stepping(batch):
-            return self._run(batch, unresolved)
+            logits = self._run(batch, unresolved)
+            if self.routes.installed:
+                self.route_results = self.routes.collect(plan_route_rows(batch), batch.num_tokens)
+            return logits
 
     def _run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> torch.Tensor:
         if self.model.config._attn_implementation != ATTENTION_NAME:
@@ -229,9 +242,10 @@ class ModelRunner:
         num_sequences = len(inputs.requests)
         decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
         if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
-            if self._graphs_layout != self.adapters.layout_version:  # LoRA hooks came: capture again
+            layout = (self.adapters.layout_version, self.routes.layout_version)
+            if self._graphs_layout != layout:  # LoRA or route hooks came: capture again
                 self.decode_graphs.release()
-                self._graphs_layout = self.adapters.layout_version
+                self._graphs_layout = layout
             return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]

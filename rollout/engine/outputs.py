@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 from rollout.engine.request import Request, sample_id
 
 
@@ -76,6 +78,11 @@ class GenerationOutput:
             likely; ties share the better rank, as vLLM; None at position 0).
         adapter: the LoRA adapter that sampled it (None: the base model).
         adapter_version: that adapter's policy version when this output was made (None for the base model).
+        routes: with `SamplingParams.return_routes` (an MoE model), int16 (tokens, MoE layers, top_k): row i the
+            experts each MoE layer chose in the forward that sampled `generated_tokens[i]` (the input at position
+            prompt_len - 1 + i), in the router's own order; None without.
+        prompt_routes: alongside routes, int16 (prompt_len - 1, MoE layers, top_k) for the prompt positions before
+            the last; set on a sample's first output only (as prompt_logprobs).
     """
 
     request_id: str
@@ -99,6 +106,8 @@ class GenerationOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     adapter: str | None = None
     adapter_version: int | None = None
+    routes: np.ndarray | None = None
+    prompt_routes: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -141,6 +150,10 @@ def progress_output(request: Request) -> GenerationOutput:
     )
     if request.adapter is not None:
         output.adapter, output.adapter_version = request.adapter.name, request.adapter.version
+    if request.routes is not None:
+        output.routes = request.routes.generated_routes(start, request.num_output_tokens)
+        if start == 0:
+            output.prompt_routes = request.routes.prompt_routes()
     scored = request.prompt_logprobs
     if start == 0 and scored is not None and len(scored) == request.num_prompt_tokens:  # its first output
         output.prompt_logprobs, output.prompt_top_logprobs = scored, request.prompt_top_logprobs

@@ -9,6 +9,7 @@ import torch
 
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.prompt_logprobs import PendingPromptLogprobs
+from rollout.engine.routes import PendingRoutes
 from rollout.engine.transfer import HostCopy
 
 
@@ -84,3 +85,4 @@ class InFlightStep:
     policy_version: int  # the weights that ran it (a weight update drains the step first)
     advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
     prompt_logprobs: PendingPromptLogprobs | None = None  # what it scored of prompts (prompt_logprobs.py)
+    routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)

@@ -15,6 +15,7 @@ from typing import Any
 from rollout.config import SamplingParams
 from rollout.detokenizer import OutputText
 from rollout.engine.adapter_ref import AdapterRef
+from rollout.engine.route_rows import RouteRows
 
 
 class RequestStatus(IntEnum):
@@ -106,6 +107,8 @@ class Request:
     token_times: list[float] | None = None
     # The LoRA adapter that serves this sample (None: the base model); part of its prefix hashes.
     adapter: AdapterRef | None = None
+    # With sampling.return_routes: the MoE routes of every position computed (route_rows.py); else None.
+    routes: RouteRows | None = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -206,7 +209,7 @@ class Request:
 
     def fork(self, sample_index: int, request_id: str, arrival: int) -> Request:
         """A new sample of the same group with the same tokens so far; blocks are shared by the block manager."""
-        return Request(
+        forked = Request(
             request_id=request_id,
             group_id=self.group_id,
             sample_index=sample_index,
@@ -233,3 +236,6 @@ class Request:
             score_only=self.score_only,
             adapter=self.adapter,
         )
+        if self.routes is not None:  # the prompt's routes are shared, as its KV is
+            forked.routes = self.routes.forked(forked)
+        return forked

@@ -1,0 +1,152 @@
+"""MoE routes recorded during rollout (`SamplingParams(return_routes=True)`) and replayed in the trainer
+(`trainer_bridge.routing_replay`), on a tiny Qwen3-MoE with its head scaled to a realistic entropy.
+
+References: the router choices transformers itself reports for a teacher-forced forward of the same tokens
+(`output_router_logits=True`, top-k of each layer's router logits), and the rollout's own fp32 log-probs, which a
+replayed forward must reproduce (and a forward with altered routes must not)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
+from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.config import FieldError, SamplingParams
+from trainer_bridge.routing_replay import routes_for, routing_replay
+
+TOP_K = 2
+SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=5)
+ROUTED = SAMPLED.merged(return_routes=True)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model = tiny_model("qwen3_moe", seed=3)
+    scale_to_entropy(model, make_prompts(4, 20, 40, seed=1))
+    return model
+
+
+@torch.inference_mode()
+def reference_routes(model, tokens: list[int]) -> np.ndarray:
+    """(len(tokens), layers, top_k): each position's experts as transformers reports them (its router logits)."""
+    output = model(input_ids=torch.tensor([tokens]), output_router_logits=True)
+    return torch.stack([logits.topk(TOP_K, -1).indices for logits in output.router_logits], 1).numpy()
+
+
+def check_against_reference(model, output) -> None:
+    tokens = output.prompt_ids + output.generated_tokens
+    expected = reference_routes(model, tokens[:-1])  # the last token was never run through the model
+    prompt_len = len(output.prompt_ids)
+    assert output.prompt_routes.shape == (prompt_len - 1, 2, TOP_K)
+    assert output.routes.shape == (len(output.generated_tokens), 2, TOP_K)
+    assert np.array_equal(output.prompt_routes, expected[: prompt_len - 1]), output.request_id
+    assert np.array_equal(output.routes, expected[prompt_len - 1 :]), output.request_id
+
+
+def test_recorded_routes_equal_transformers_router_choices(moe):
+    """Chunked prefill (a 16-token budget), a group of 3 forked samples, a request without routes in the same
+    steps."""
+    engine = make_engine(copy.deepcopy(moe), max_batch_tokens=16)
+    prompts = make_prompts(3, 10, 30, seed=2)
+    engine.add_request("group", prompts[0], ROUTED, max_new_tokens=8, n=3)
+    engine.add_request("single", prompts[1], ROUTED, max_new_tokens=6)
+    engine.add_request("plain", prompts[2], SAMPLED, max_new_tokens=6)
+    outputs = run_to_completion(engine)
+    reference = reference_copy(moe)
+    for request_id in ("group#0", "group#1", "group#2", "single"):
+        check_against_reference(reference, outputs[request_id])
+    assert outputs["plain"].routes is None and outputs["plain"].prompt_routes is None
+    engine.close()
+
+
+def test_streamed_and_preempted_requests_keep_their_routes(moe):
+    """A cache too small for all of them at once: requests are preempted and recomputed; streamed deltas carry
+    each new token's routes, and they add up to the whole."""
+    engine = make_engine(copy.deepcopy(moe), num_blocks=14, block_size=4, max_batch_tokens=32)
+    prompts = make_prompts(4, 8, 14, seed=4)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, ROUTED, max_new_tokens=10, streaming=True)
+    pieces: dict[str, list] = {}
+    prompt_routes = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.prompt_routes is not None:
+                prompt_routes[output.request_id] = output.prompt_routes
+            if output.generated_tokens:
+                pieces.setdefault(output.request_id, []).append((output.generated_tokens, output.routes))
+    assert engine.scheduler.num_preemptions > 0, "the cache was large enough: nothing was recomputed"
+    reference = reference_copy(moe)
+    for index, prompt in enumerate(prompts):
+        request_id = f"r{index}"
+        tokens = [token for chunk, _ in pieces[request_id] for token in chunk]
+        whole = type("Whole", (), {})()
+        whole.request_id, whole.prompt_ids, whole.generated_tokens = request_id, prompt, tokens
+        whole.prompt_routes = prompt_routes[request_id]
+        whole.routes = np.concatenate([routes for _, routes in pieces[request_id]])
+        check_against_reference(reference, whole)
+    engine.close()
+
+
+@torch.inference_mode()
+def logprobs_of(model, completions, routes=None) -> list[torch.Tensor]:
+    """Teacher-forced fp32 log-probs of each completion's tokens, one right-padded batch, replaying `routes`."""
+    length = max(len(c.prompt_ids) + len(c.generated_tokens) for c in completions)
+    ids = torch.zeros(len(completions), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, completion in enumerate(completions):
+        tokens = completion.prompt_ids + completion.generated_tokens
+        ids[row, : len(tokens)], mask[row, : len(tokens)] = torch.tensor(tokens), 1
+    context = routing_replay(model, routes) if routes is not None else torch.no_grad()
+    with context:
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    result = []
+    for row, completion in enumerate(completions):
+        start = len(completion.prompt_ids) - 1
+        positions = torch.arange(start, start + len(completion.generated_tokens))
+        log_probs = torch.log_softmax(logits[row, positions], -1)
+        result.append(log_probs.gather(1, torch.tensor(completion.generated_tokens).unsqueeze(1)).squeeze(1))
+    return result
+
+
+def test_replayed_routes_reproduce_the_rollout_logprobs_and_altered_ones_do_not(moe):
+    engine = make_engine(copy.deepcopy(moe))
+    prompts = make_prompts(3, 8, 20, seed=6)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, ROUTED, max_new_tokens=8)
+    outputs = run_to_completion(engine)
+    engine.close()
+    completions = [outputs[f"r{index}"] for index in range(3)]
+    routes = routes_for(completions)
+    assert routes.shape[:2] == (3, max(len(c.prompt_ids) + len(c.generated_tokens) for c in completions))
+    trainer = reference_copy(moe)
+    for completion, replayed in zip(completions, logprobs_of(trainer, completions, routes)):
+        assert torch.allclose(replayed, torch.tensor(completion.logprobs), atol=1e-5, rtol=0)
+    altered = routes.clone()
+    altered[altered >= 0] = (altered[altered >= 0] + 1) % 4  # every token to other experts
+    changed = logprobs_of(trainer, completions, altered)
+    assert max(float((c - torch.tensor(o.logprobs)).abs().max()) for c, o in zip(changed, completions)) > 1e-2
+
+
+def test_bad_routes_and_dense_models_are_refused_by_name(moe):
+    dense = make_engine(tiny_model("qwen3"))
+    with pytest.raises(FieldError) as error:
+        dense.add_request("x", [1, 2, 3], ROUTED, max_new_tokens=2)
+    assert error.value.field == "return_routes"
+    dense.close()
+    trainer = reference_copy(moe)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for routes, message in (
+        (torch.zeros(1, 4, 3, TOP_K, dtype=torch.long), "layers"),
+        (torch.zeros(1, 4, 2, 3, dtype=torch.long), "top_k"),
+        (torch.zeros(1, 5, 2, TOP_K, dtype=torch.long), "tokens"),
+        (torch.zeros(1, 4, 2, TOP_K), "integer"),
+    ):
+        with pytest.raises(ValueError, match=message), routing_replay(trainer, routes), torch.no_grad():
+            trainer(input_ids=ids)
+    with pytest.raises(ValueError, match="MoE"):
+        with routing_replay(tiny_model("qwen3"), torch.zeros(1, 4, 2, TOP_K, dtype=torch.long)):
+            pass

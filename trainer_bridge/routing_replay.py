@@ -1,0 +1,148 @@
+"""Routing replay in the trainer (R3): the training forward of an MoE model routes every token to the experts the
+rollout chose for it, so a near-tie in a router that flipped between the two forwards (different kernels, batch
+shapes, bf16 rounding) no longer changes the token's whole computation.
+
+`routing_replay(model, routes)` wraps the forward(s) that score completions; `routes_for(completions, ...)` builds
+the routes tensor from the completions' recorded `prompt_routes` and `routes`, aligned with the batch's input_ids.
+Inside, each router still computes its own scores; only its expert choice (its `torch.topk` over the experts) takes
+the given ids, and the chosen experts' weights are the router's own scores at those ids, normalised by the model's
+own code, so gradients reach the router as in the model's training path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from rollout.engine.routes import DENSE_MODEL, RouterTopK, find_routers, num_experts
+
+__all__ = ["routes_for", "routing_replay"]
+
+
+@contextlib.contextmanager
+def routing_replay(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[None]:
+    """Inside, every MoE router of `model` uses the expert ids of `routes` for the forwards' tokens.
+
+    Args:
+        model: a transformers MoE causal LM (or a PEFT / accelerate wrapper of one).
+        routes: LongTensor (batch, sequence length, MoE layers, top_k), aligned with the `input_ids` of each forward
+            inside; a row holding -1 lets the router decide for that token (padding, positions the rollout did not
+            compute).
+    Raises:
+        ValueError: a dense model, or routes whose shape does not fit the model (layers, top_k) or a forward's
+            tokens (named).
+    """
+    routers = find_routers(model)
+    if not routers:
+        raise ValueError(f"routing_replay: {DENSE_MODEL}")
+    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
+        raise ValueError("routing_replay: routes must be an integer tensor (batch, sequence, MoE layers, top_k)")
+    top_k = routers[0].top_k
+    if routes.shape[2] != len(routers) or routes.shape[3] != top_k:
+        raise ValueError(
+            f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
+            f"{len(routers)} MoE layers with top_k {top_k}"
+        )
+    handles, modes = [], [None] * len(routers)
+
+    def replayer(layer: int, router: torch.nn.Module) -> Any:
+        wanted = routes[:, :, layer, :].reshape(-1, top_k)
+
+        def chosen(indices: torch.Tensor) -> torch.Tensor:
+            rows = indices.reshape(-1, indices.shape[-1])
+            if rows.shape[0] != wanted.shape[0]:
+                raise ValueError(
+                    f"routing_replay: the forward routes {rows.shape[0]} tokens, routes cover "
+                    f"{routes.shape[0]} x {routes.shape[1]} = {wanted.shape[0]}"
+                )
+            given = wanted.to(rows.device)
+            decided = (given >= 0).all(-1, keepdim=True)
+            return torch.where(decided, given, rows).reshape(indices.shape)
+
+        def enter(module: torch.nn.Module, args: tuple) -> None:
+            mode = RouterTopK(top_k, num_experts(router), chosen)
+            mode.__enter__()
+            modes[layer] = mode
+
+        def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            mode, modes[layer] = modes[layer], None
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
+        return enter, leave
+
+    try:
+        for layer, router in enumerate(routers):
+            enter, leave = replayer(layer, router)
+            handles.append(router.register_forward_pre_hook(enter))
+            handles.append(router.register_forward_hook(leave))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for layer, mode in enumerate(modes):  # a forward that raised inside a router
+            if mode is not None:
+                mode.__exit__(None, None, None)
+                modes[layer] = None
+
+
+def routes_for(
+    completions: Sequence[Any],
+    pad_to: int | None = None,
+    padding_side: str = "right",
+    prompt_pad_to: int | None = None,
+) -> torch.Tensor:
+    """The routes tensor of a batch of completions, aligned with its input_ids (-1 at padding and at each
+    sequence's last token, which the rollout never ran through the model).
+
+    Args:
+        completions: objects with `prompt_routes` (prompt_len - 1, layers, top_k) and `routes` (tokens, layers,
+            top_k), as returned with `return_routes` (a `Completion`, a `GenerationOutput`).
+        pad_to: the padded length: of each whole sequence (prompt + completion), or with `prompt_pad_to` of the
+            completion part; default the longest.
+        padding_side: "right" or "left", for whole sequences.
+        prompt_pad_to: TRL's layout: prompts left-padded to this length, then completions right-padded to `pad_to`.
+    Returns:
+        LongTensor (batch, sequence length, layers, top_k).
+    Raises:
+        ValueError: a completion without routes, routes of different shapes, or a length above the padding (named).
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    parts = []
+    for index, completion in enumerate(completions):
+        prompt, generated = getattr(completion, "prompt_routes", None), getattr(completion, "routes", None)
+        if prompt is None or generated is None:
+            raise ValueError(f"completions[{index}] carries no routes: sample it with return_routes=True")
+        prompt, generated = np.asarray(prompt), np.asarray(generated)
+        parts.append((prompt, generated))
+    shapes = {rows.shape[1:] for pair in parts for rows in pair if len(rows)}
+    if len(shapes) > 1:
+        raise ValueError(f"completions' routes have different shapes {sorted(shapes)}")
+    layers, top_k = shapes.pop() if shapes else (0, 0)
+    if prompt_pad_to is not None:
+        longest = max((len(g) + 1 for _, g in parts), default=0)
+        width = pad_to if pad_to is not None else longest
+        total = prompt_pad_to + width
+    else:
+        total = pad_to if pad_to is not None else max((len(p) + len(g) + 1 for p, g in parts), default=0)
+    out = torch.full((len(parts), total, layers, top_k), -1, dtype=torch.long)
+    for row, (prompt, generated) in enumerate(parts):
+        # Positions 0 .. prompt_len - 2: the prompt; prompt_len - 1 ..: the forwards that sampled each token.
+        sequence = np.concatenate([prompt, generated]) if len(prompt) + len(generated) else np.zeros((0, layers, top_k))
+        length = len(prompt) + len(generated) + 1  # the sequence's tokens: the last one has no routes
+        if prompt_pad_to is not None:
+            prompt_len = len(prompt) + 1
+            if prompt_len > prompt_pad_to or len(generated) > total - prompt_pad_to:
+                raise ValueError(f"completions[{row}] is longer than prompt_pad_to / pad_to")
+            start = prompt_pad_to - prompt_len
+        else:
+            if length > total:
+                raise ValueError(f"completions[{row}] has {length} tokens, above pad_to={total}")
+            start = 0 if padding_side == "right" else total - length
+        out[row, start : start + len(sequence)] = torch.from_numpy(sequence.astype(np.int64))
+    return out
