@@ -150,3 +150,72 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
     with pytest.raises(ValueError, match="MoE"):
         with routing_replay(tiny_model("qwen3"), torch.zeros(1, 4, 2, TOP_K, dtype=torch.long)):
             pass
+
+
+def moe_64_experts() -> torch.nn.Module:
+    """A tiny Qwen3-MoE with 64 experts, 8 per token (near-ties between the 8th and 9th expert are common, as in real
+    MoE policies), its head scaled to a realistic entropy, in bf16."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(3)
+    config = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=64,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    scale_to_entropy(model, make_prompts(4, 20, 40, seed=1))
+    return model.to(torch.bfloat16)
+
+
+def test_bf16_replay_turns_differing_routes_into_none():
+    """bf16: the rollout (paged attention, packed chunks) and the trainer's padded forward pick different experts for
+    some (token, layer) decisions; replayed, the experts the trainer's forward runs (what transformers' experts
+    module receives) are the rollout's everywhere."""
+    model = moe_64_experts()
+    engine = make_engine(copy.deepcopy(model), max_batch_tokens=64)
+    prompts = make_prompts(8, 20, 60, seed=2)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, ROUTED, max_new_tokens=32)
+    outputs = run_to_completion(engine)
+    engine.close()
+    completions = [outputs[f"r{index}"] for index in range(len(prompts))]
+    routes = routes_for(completions)
+    batch, length = routes.shape[:2]
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    for row, completion in enumerate(completions):
+        tokens = completion.prompt_ids + completion.generated_tokens
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    mask = (routes[..., 0, 0] >= 0).long()
+    mask[torch.arange(batch), mask.sum(1)] = 1  # each sequence's last token (no routes of its own)
+    trainer = reference_copy(model)
+    used = []
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(lambda module, args: used.append(args[1].view(batch, length, -1)))
+        for layer in trainer.model.layers
+    ]
+
+    def differing() -> float:
+        experts = torch.stack(used[-2:], 2)  # (batch, length, layers, top_k)
+        differ = (experts.sort(-1).values != routes.sort(-1).values).any(-1)
+        return float(differ[routes[..., 0, 0] >= 0].float().mean())
+
+    with torch.no_grad():
+        trainer(input_ids=ids, attention_mask=mask)
+        before = differing()
+        with routing_replay(trainer, routes):
+            trainer(input_ids=ids, attention_mask=mask)
+        after = differing()
+    for hook in hooks:
+        hook.remove()
+    print(f"differing (token, layer) decisions: {before:.4f} -> {after:.4f} replayed")
+    assert before > 0, "no routing decision differed in bf16: the setup does not reproduce the problem"
+    assert after == 0
