@@ -23,6 +23,7 @@ import zmq
 from rollout.mailbox import drain
 from rollout.service import protocol as p
 from rollout.service.protocol import Delta
+from rollout.service.route_frames import unpack_message
 from rollout.service.sockets import Waker
 from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
 from trainer_bridge.commands import (
@@ -249,6 +250,11 @@ class Dispatcher(Routing):
             except p.ProtocolError:
                 logger.warning("undecodable message from %s", worker.address)
                 continue
+            try:
+                unpack_message(message, frames[1:])
+            except ValueError as error:  # the call fails, naming why, instead of waiting for its timeout
+                reason = f"the worker's routes could not be read: {error}"
+                message = p.Error("bad_reply", reason, "routes", getattr(message, "group_id", None))
             self._handle(index, message)
 
     def _handle(self, index: int, message: p.Message) -> None:
@@ -274,6 +280,7 @@ class Dispatcher(Routing):
             skip = max(0, call.delivered.get(sample, 0) - first)
             if skip < len(message.token_ids):
                 call.delivered[sample] = call.received[sample]
+                routes = None if message.routes is None else message.routes[skip:]
                 call.events.put(
                     Delta(
                         group_id,
@@ -281,6 +288,8 @@ class Dispatcher(Routing):
                         message.token_ids[skip:],
                         message.logprobs[skip:],
                         message.policy_version,
+                        routes,
+                        message.prompt_routes if first == 0 else None,
                     )
                 )
         elif isinstance(message, p.GroupResult):

@@ -93,7 +93,13 @@ class Engine(EngineWeights):
         self.num_weight_updates = 0
         self.warmed_up = False  # warmup() ran
         self.intake = RequestIntake(
-            self.vocab_size, self.max_model_len, self.config, defaults, tokenizer, self.runner.adapters.ref
+            self.vocab_size,
+            self.max_model_len,
+            self.config,
+            defaults,
+            tokenizer,
+            self.runner.adapters.ref,
+            moe=bool(self.runner.routes.routers),
         )
         self.weights = WeightTable(model)
 

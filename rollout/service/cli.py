@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default="tiny",
         help="a local Hugging Face model directory, a hub id, or a preset: "
-        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; sized:512 is a random "
-        "model with about 512 MB of weights, for weight-transfer benchmarks)",
+        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; tiny-moe its MoE version; "
+        "sized:512 is a random model with about 512 MB of weights, for weight-transfer benchmarks)",
     )
     add(
         "--tokenizer",

@@ -27,11 +27,13 @@ from rollout.service.messages import (
 
 
 def encode(message: Message) -> list[bytes]:
-    """Turn a message into ZeroMQ frames (header first; raw tensor frames, if any, are appended by the sender)."""
+    """Turn a message into ZeroMQ frames: the header, then the message's `data_frames` if it has any (a request's
+    raw tensor frames are appended by its sender)."""
     header = {"protocol": PROTOCOL_VERSION, "type": message.TYPE}
     for item in dataclasses.fields(message):
         header[item.name] = _plain(getattr(message, item.name))
-    return [msgpack.packb(header, use_bin_type=True)]
+    # Raw frames a reply carries after its header (MoE routes: route_frames.py), set on the message by its maker.
+    return [msgpack.packb(header, use_bin_type=True), *getattr(message, "data_frames", ())]
 
 
 def decode(

@@ -7,8 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rollout.engine.outputs import GenerationOutput
 from rollout.service import protocol as p
+from rollout.service import route_frames
 
 
 @dataclass
@@ -26,6 +29,8 @@ class GroupInFlight:
     versions: dict[int, list[list[int]]] = field(default_factory=dict)
     completions: list[p.Completion] = field(default_factory=list)
     started_sampling: bool = False
+    routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # per sample, with return_routes
+    prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def engine_id(self) -> str:
@@ -45,18 +50,27 @@ class GroupInFlight:
         tokens = self.token_ids.setdefault(index, [])
         logprobs = self.logprobs.setdefault(index, [])
         delta = None
+        if output.prompt_routes is not None:
+            self.prompt_routes[index] = output.prompt_routes
         if self.stream:
             tokens.extend(output.generated_tokens)
             logprobs.extend(output.logprobs)
+            if output.routes is not None:
+                self.routes.setdefault(index, []).append(output.routes)
             if output.generated_tokens:
                 version = output.policy_versions[-1][0] if output.policy_versions else policy_version
                 delta = p.Delta(self.group_id, index, output.generated_tokens, output.logprobs, version)
+                delta.data_frames = []
+                delta.routes = route_frames.pack(output.routes, delta.data_frames)
+                delta.prompt_routes = route_frames.pack(output.prompt_routes, delta.data_frames)
             extend_version_runs(
                 self.versions.setdefault(index, []), output.policy_versions, len(tokens) - len(output.generated_tokens)
             )
         else:
             tokens[:], logprobs[:] = output.generated_tokens, output.logprobs
             self.versions[index] = output.policy_versions
+            if output.routes is not None:
+                self.routes[index] = [output.routes]
         if not output.is_finished:
             return delta, None
         kv_version_min = output.kv_version_min if output.kv_version_min is not None else policy_version
@@ -75,7 +89,16 @@ class GroupInFlight:
         if len(self.completions) < self.n:
             return delta, None
         completions = sorted(self.completions, key=lambda c: c.sample_index)
-        return delta, p.GroupResult(self.group_id, self.prompt_ids, completions)
+        result = p.GroupResult(self.group_id, self.prompt_ids, completions)
+        result.data_frames = []
+        for completion in completions:
+            pieces = self.routes.get(completion.sample_index)
+            routes = np.concatenate(pieces) if pieces else None
+            completion.routes = route_frames.pack(routes, result.data_frames)
+            completion.prompt_routes = route_frames.pack(
+                self.prompt_routes.get(completion.sample_index), result.data_frames
+            )
+        return delta, result
 
 
 def engine_id(identity: bytes, group_id: str) -> str:

@@ -193,6 +193,17 @@ class HelloReply(WorkerMessage):
 
 
 @dataclass
+class RouteArray:
+    """MoE routes carried in a raw frame after the message's header (route_frames.py): `frame` indexes the frames
+    that follow the header; (rows, MoE layers, top_k) integers of `dtype` ("uint8" or "int16"), row-major. A client
+    receives them as numpy int16 arrays in the same field."""
+
+    frame: int
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
 class Delta(WorkerMessage):
     """New tokens of one streaming sample (only the new ones)."""
 
@@ -202,6 +213,9 @@ class Delta(WorkerMessage):
     token_ids: list[int]
     logprobs: list[float]
     policy_version: int
+    # With sampling.return_routes: the new tokens' routes, and on the sample's first delta its prompt's.
+    routes: RouteArray | None = None
+    prompt_routes: RouteArray | None = None
 
 
 @dataclass
@@ -219,6 +233,10 @@ class Completion:
     kv_version_min: int = 0
     adapter: str | None = None  # the LoRA adapter that sampled it; nil: the base model
     adapter_version: int | None = None  # that adapter's version when the sample finished
+    # With sampling.return_routes (an MoE model): row i the experts of the forward that sampled token i (tokens,
+    # MoE layers, top_k), and the prompt's positions before its last (prompt_len - 1, MoE layers, top_k).
+    routes: RouteArray | None = None
+    prompt_routes: RouteArray | None = None
 
 
 @dataclass

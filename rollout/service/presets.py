@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
-PRESETS = ("tiny", "sized:<MB>")
+PRESETS = ("tiny", "tiny-moe", "sized:<MB>")
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
 MODEL_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +82,20 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedM
     return _random_model(Qwen3Config(**TINY_MODEL_CONFIG), seed, dtype)
 
 
+def tiny_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A tiny random Qwen3-MoE (the tiny shape, every MLP 8 experts of which 2 per token), the same for the same
+    seed: what `rollout-worker --model tiny-moe` serves (MoE routes, routing replay).
+
+    Args:
+        seed: weight initialisation seed.
+        dtype: parameter dtype.
+    """
+    config = Qwen3MoeConfig(
+        **TINY_MODEL_CONFIG, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1
+    )
+    return _random_model(config, seed, dtype)
+
+
 def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A random Qwen3-style model with about `megabytes` MB (1e6 bytes) of weights: as many 1024-wide layers as it
     takes (at least one), on the tiny vocabulary. For weight-transfer benchmarks (`rollout-worker --model sized:512`).
@@ -108,13 +122,15 @@ def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.floa
 
 
 def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
-    """The preset model `name` ("tiny" or "sized:<MB>"), or None when `name` is not a preset.
+    """The preset model `name` ("tiny", "tiny-moe" or "sized:<MB>"), or None when `name` is not a preset.
 
     Raises:
         ValueError: a malformed "sized:" size.
     """
     if name == "tiny":
         return tiny_model(seed, dtype)
+    if name == "tiny-moe":
+        return tiny_moe_model(seed, dtype)
     if name.startswith("sized:"):
         try:
             megabytes = float(name.removeprefix("sized:"))
@@ -125,12 +141,12 @@ def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float
 
 
 def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
-    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny" and "sized:<MB>", which share its
+    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>", which share its
     vocabulary), or None when `name` is not a preset."""
-    return tiny_tokenizer() if name == "tiny" or name.startswith("sized:") else None
+    return tiny_tokenizer() if name in ("tiny", "tiny-moe") or name.startswith("sized:") else None
 
 
-def _random_model(config: Qwen3Config, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+def _random_model(config: Qwen3Config | Qwen3MoeConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -63,7 +63,10 @@ updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, othe
 
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
-(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished).
+(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished),
+adapter / adapter_version, and with sampling.return_routes (MoE models) routes / prompt_routes: RouteArray maps
+(frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); a
+delta carries its tokens' routes (and the prompt's on a sample's first delta) the same way.
 `sampling` takes the field names of `rollout.SamplingParams`.
 
 Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec
@@ -111,6 +114,7 @@ from rollout.service.messages import (
     Ping,
     Pong,
     ProtocolError,
+    RouteArray,
     Stats,
     StatsReply,
     TensorPiece,
@@ -133,6 +137,7 @@ __all__ = [
     "Cancel",
     "ClientMessage",
     "Completion",
+    "RouteArray",
     "Delta",
     "Error",
     "Generate",
