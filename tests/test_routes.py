@@ -219,3 +219,33 @@ def test_bf16_replay_turns_differing_routes_into_none():
     print(f"differing (token, layer) decisions: {before:.4f} -> {after:.4f} replayed")
     assert before > 0, "no routing decision differed in bf16: the setup does not reproduce the problem"
     assert after == 0
+
+
+def test_prefix_cached_blocks_keep_the_routes_they_were_computed_with(moe):
+    """A second request sharing a 24-token prefix takes the first one's cached blocks (no recompute) and its routes
+    for them, equal to transformers' router choices; blocks computed without routes are not taken."""
+    shared = make_prompts(1, 24, 24, seed=9)[0]
+    engine = make_engine(copy.deepcopy(moe), block_size=4)
+    engine.add_request("plain", shared + [7, 8], SAMPLED, max_new_tokens=3)
+    run_to_completion(engine)
+    engine.add_request("again", shared + [6], SAMPLED, max_new_tokens=3)  # a plain request takes them
+    run_to_completion(engine)
+    hits = engine.block_manager.num_prefix_tokens_hit
+    assert hits == 24
+    engine.add_request("routed", shared + [9], ROUTED, max_new_tokens=3)  # their routes are unknown: recomputed
+    check_against_reference(reference_copy(moe), run_to_completion(engine)["routed"])
+    assert engine.block_manager.num_prefix_tokens_hit == hits
+    engine.close()
+    engine = make_engine(copy.deepcopy(moe), block_size=4)
+    engine.add_request("first", shared + [1, 2, 3], ROUTED, max_new_tokens=4)
+    first = run_to_completion(engine)["first"]
+    computed = engine.num_computed_tokens
+    engine.add_request("second", shared + [4, 5], ROUTED, max_new_tokens=4)
+    second = run_to_completion(engine)["second"]
+    assert engine.block_manager.num_prefix_tokens_hit == 24  # six cached blocks taken
+    assert engine.num_computed_tokens - computed < len(shared)
+    reference = reference_copy(moe)
+    for output in (first, second):
+        check_against_reference(reference, output)
+    assert np.array_equal(second.prompt_routes[:24], first.prompt_routes[:24])
+    engine.close()

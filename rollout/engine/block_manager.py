@@ -15,6 +15,7 @@ This module never imports torch: copies are returned as (src, dst) block pairs f
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from rollout.engine.request import Request
 
@@ -54,6 +55,9 @@ class BlockManager:
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         # Bumped by the engine on every weight update; part of every prefix hash.
         self.policy_version = 0
+        # The engine's MoE route cache (route_rows.RouteCache, or None): a request that wants routes takes a cached
+        # block only when its routes are known.
+        self.routed: Any = None
 
     # ---- accounting -------------------------------------------------------------------------------------------
     @property
@@ -155,13 +159,14 @@ class BlockManager:
         Returns:
             (block ids, their hashes); nothing is taken until `take_prefix`.
         """
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs or request.routes is not None:
+        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
             return [], []
+        wants_routes = request.routes is not None
         blocks: list[int] = []
         hashes: list[int] = []
         for block_hash in self._token_block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block = self.cached_blocks.get(block_hash)
-            if block is None:
+            if block is None or (wants_routes and (self.routed is None or not self.routed.knows(block_hash, block))):
                 break
             blocks.append(block)
             hashes.append(block_hash)

@@ -80,6 +80,7 @@ class Engine(EngineWeights):
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
+        self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
         self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap

@@ -114,7 +114,9 @@ class ModelRunner:
         self.prompt_scorer = PromptScorer(model, _text_config(model))
         self.prompt_results: PendingPromptLogprobs | None = None
         # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
-        self.routes = RouteRecorder(model, max(config.max_batch_tokens, config.max_num_seqs))
+        self.routes = RouteRecorder(
+            model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
+        )
         self.route_results: PendingRoutes | None = None
         acquire(model, self._sync_free_experts)
 

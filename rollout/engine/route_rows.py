@@ -5,10 +5,14 @@ Positions 0 .. prompt_len - 1 are the prompt's forward, computed once per group 
 samples forked from it (a sample's first token is drawn from the logits at position prompt_len - 1, so that row
 is the first of its `routes`); later positions are the sample's own. A sample that computes shared positions again
 (a recompute after preemption) takes its own copy first: each sample's routes are those of the KV it used.
-This module never imports torch.
+A full KV block's routes are also kept by its prefix hash (`RouteCache`): a request that takes cached blocks gets
+the routes they were computed with, as it gets their KV. This module never imports torch.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +57,25 @@ class RouteRows:
         self.prompt = prompt if prompt is not None else PositionRoutes(0, owner)
         self.own = PositionRoutes(num_prompt_tokens, owner)
         self._owner = owner
+        self.offered = 0  # full blocks whose routes went to the RouteCache
+
+    def known_upto(self) -> int:
+        """How many positions from 0 on have routes."""
+        if self.prompt.known < self.num_prompt_tokens:
+            return self.prompt.known
+        return self.num_prompt_tokens + self.own.known
+
+    def positions(self, start: int, end: int) -> np.ndarray | None:
+        """Routes of positions start .. end - 1 (a copy), or None when one is unknown."""
+        pieces = []
+        for part, last in ((self.prompt, self.num_prompt_tokens), (self.own, None)):
+            low, high = max(start, part.first), min(end, last if last is not None else end)
+            if low >= high:
+                continue
+            if part.known < high - part.first:
+                return None
+            pieces.append(part.rows[low - part.first : high - part.first])
+        return np.concatenate(pieces).copy() if pieces else None
 
     def forked(self, owner: object) -> RouteRows:
         """The routes of a sample forked from this one: the same prompt positions (shared), nothing of its own."""
@@ -87,3 +110,52 @@ class RouteRows:
             last = self.num_prompt_tokens - 1
             pieces.insert(0, self.prompt.rows[last : last + 1])
         return np.concatenate(pieces).copy()
+
+
+class RouteCache:
+    """Routes of full KV blocks by prefix hash, with the block they were recorded in: the most recent `capacity` of
+    them (the prefix cache holds at most the KV cache's blocks, so a capacity above that keeps every block still
+    matchable). Only the block whose KV was computed with them matches: the same tokens computed again elsewhere
+    (in bf16, perhaps routed otherwise) do not lend their routes to it."""
+
+    def __init__(self, block_size: int, capacity: int):
+        self.block_size = block_size
+        self.capacity = capacity
+        self._rows: OrderedDict[int, tuple[int, np.ndarray]] = OrderedDict()
+
+    def knows(self, block_hash: int, block: int) -> bool:
+        """Whether the routes of cached `block` (under `block_hash`) are kept (a lookup counts as a use)."""
+        entry = self._rows.get(block_hash)
+        if entry is None or entry[0] != block:
+            return False
+        self._rows.move_to_end(block_hash)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def fill(self, request: Any, end: int) -> None:
+        """Give a request that took cached blocks the routes of positions 0 .. end - 1 from them (block-aligned)."""
+        size = self.block_size
+        for block in range(end // size):
+            entry = self._rows.get(request.block_hashes[block]) if block < len(request.block_hashes) else None
+            if entry is None:
+                return  # evicted meanwhile: those positions stay unknown (their outputs carry no routes)
+            request.routes.write(block * size, entry[1])
+
+    def keep(self, request: Any) -> None:
+        """Keep the routes of the request's full blocks that have a hash and known routes (each block once)."""
+        routes, size = request.routes, self.block_size
+        if routes.offered > len(request.block_hashes):  # recomputed since: its blocks are hashed again
+            routes.offered = 0
+        while routes.offered < len(request.block_hashes):
+            block = routes.offered
+            rows = routes.positions(block * size, (block + 1) * size)
+            if rows is None:
+                return
+            block_hash = request.block_hashes[block]
+            if block_hash not in self._rows:
+                self._rows[block_hash] = (request.block_ids[block], rows)
+                if len(self._rows) > self.capacity:
+                    self._rows.popitem(last=False)
+            routes.offered += 1

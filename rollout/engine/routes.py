@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from rollout.config import FieldError
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.request import Request
+from rollout.engine.route_rows import RouteCache
 from rollout.engine.transfer import HostCopy
 
 ROUTER_CLASS = re.compile(r"top_?k_?router$", re.IGNORECASE)
@@ -102,28 +103,38 @@ def plan_route_rows(batch: ScheduledBatch) -> RoutePlan | None:
 class PendingRoutes:
     """A step's routes on their way to the host."""
 
-    def __init__(self, plan: RoutePlan, routes: torch.Tensor):
+    def __init__(self, plan: RoutePlan, routes: torch.Tensor, cache: RouteCache):
         self.plan = plan
+        self.cache = cache
         self._copy = HostCopy(routes)  # (tokens, layers, top_k) int16, a tensor of its own
 
     def deliver(self) -> None:
-        """Write each run's rows into its request's routes (waits for the copy)."""
+        """Write each run's rows into its request's routes (waits for the copy): after the routes of cached blocks
+        it took, if any; then keep its full blocks' routes for others."""
         host = self._copy.tensor().numpy()
         plan = self.plan
         for request, position, row, count in zip(plan.requests, plan.positions, plan.rows, plan.counts):
+            if request.routes.known_upto() < position:  # its first chunk after a cached prefix
+                self.cache.fill(request, position)
             request.routes.write(position, host[row : row + count])
+            self.cache.keep(request)
 
 
 class RouteRecorder:
     """The route hooks of one model runner."""
 
-    def __init__(self, model: torch.nn.Module, max_tokens: int):
+    def __init__(self, model: torch.nn.Module, max_tokens: int, block_size: int, num_blocks: int):
         """
         Args:
             model: the served model.
             max_tokens: the most tokens of one forward (the buffer grows past it if ever needed).
+            block_size: the KV cache's block size.
+            num_blocks: its blocks (the route cache keeps a few more blocks' routes than the prefix cache can hold).
         """
         self.routers = find_routers(model)
+        # Routes of full blocks by prefix hash: the block manager lets a request that wants routes take a cached
+        # block only when its routes are here.
+        self.cache = RouteCache(block_size, num_blocks + max_tokens // block_size + 1)
         self.top_k = max((router.top_k for router in self.routers), default=0)
         self._max_tokens = max_tokens
         self._device = next(model.parameters()).device
@@ -210,7 +221,7 @@ class RouteRecorder:
         if plan is None or not self.installed:
             return None
         routes = self.buffer[:, :num_tokens].transpose(0, 1).to(torch.int16)  # (tokens, layers, top_k), a copy
-        return PendingRoutes(plan, routes)
+        return PendingRoutes(plan, routes, self.cache)
 
     def close(self) -> None:
         """Remove the hooks and free the buffer. Idempotent."""
