@@ -254,3 +254,30 @@ def test_graph_decode_serves_adapters_side_by_side():
             expected = peft.generate(input_ids=ids, **kwargs)
         assert outputs[f"x{index}"].generated_tokens == expected[0, len(prompt) :].tolist(), adapter
     engine.close()
+
+
+def test_graph_decode_records_moe_routes():
+    """An MoE model's decode steps through the graph path record each token's routes (the graphs are captured
+    again once the route hooks arrive); they equal the router choices transformers reports for the same tokens."""
+    import numpy as np
+
+    from rollout.config import SamplingParams
+
+    model = tiny_model("qwen3_moe").to(DEVICE)
+    reference = reference_copy(model)
+    engine, replays = graph_engine(model)
+    routed = SamplingParams(do_sample=False, stop_token_ids=(), return_routes=True)
+    prompts = make_prompts(3, 6, 20, seed=5)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, routed if index else GREEDY, max_new_tokens=5)
+    outputs = run_to_completion(engine)
+    assert replays
+    for index, prompt in enumerate(prompts[1:], start=1):
+        output = outputs[str(index)]
+        tokens = torch.tensor([prompt + output.generated_tokens[:-1]], device=DEVICE)
+        with torch.no_grad():
+            logits = reference(input_ids=tokens, output_router_logits=True).router_logits
+        expected = torch.stack([layer.topk(2, -1).indices for layer in logits], 1).cpu().numpy()
+        assert np.array_equal(output.routes, expected[len(prompt) - 1 :])
+        assert np.array_equal(output.prompt_routes, expected[: len(prompt) - 1])
+    engine.close()
