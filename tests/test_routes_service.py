@@ -50,3 +50,56 @@ def test_routes_travel_with_completions_and_deltas(worker):
         assert np.array_equal(streamed.completions[0].routes, expected[len(PROMPTS[1]) - 1 :])
         plain = client.generate(PromptGroup(PROMPTS[0], sampling={**SAMPLING, "return_routes": False}))
         assert plain.completions[0].routes is None
+
+
+def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch):
+    """RolloutGRPOTrainer(routing_replay=True): TRL's log-prob forwards (the loss forward, its recomputation by
+    gradient checkpointing in backward and, with steps_per_generation 2, the old policy's) route by the rollout's
+    routes, covering every prompt and completion token; TRL's importance ratio stays 1 (fp32); the hooks are gone
+    after train(); a dense model is refused by name."""
+    from rollout.service.presets import tiny_model, tiny_tokenizer
+    from trainer_bridge.routing_replay import RouteReplay
+    from trainer_bridge.trl import RolloutGRPOTrainer
+    from trl_helpers import dataset, grpo_config, id_reward
+
+    replayed = []  # the routes each router call of the trainer's forwards was given
+    check = RouteReplay.check
+
+    def spy(self, routes):
+        replayed.append(routes.detach().clone())
+        return check(self, routes)
+
+    monkeypatch.setattr(RouteReplay, "check", spy)
+    config = grpo_config(tmp_path, max_steps=2, steps_per_generation=2, temperature=1.0)
+    trainer = RolloutGRPOTrainer(
+        model=tiny_moe_model(0),
+        reward_funcs=id_reward,
+        args=config,
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+        rollout_workers=worker.address,
+        routing_replay=True,
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    ratios = [
+        entry["sampling/importance_sampling_ratio/mean"]
+        for entry in logs
+        if "sampling/importance_sampling_ratio/mean" in entry
+    ]
+    assert ratios and all(abs(ratio - 1) < 1e-3 for ratio in ratios), logs
+    assert replayed and all(routes.shape[2:] == (4, 2) for routes in replayed)
+    assert trainer._replay is None  # the hooks were removed when train() returned
+    for routes in replayed:  # every row routes its prompt and completion tokens (not the padding)
+        assert ((routes >= 0).all(-1).all(-1).sum(1) > 10).all()
+    with pytest.raises(ValueError, match="routing_replay"):
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=config,
+            train_dataset=dataset(),
+            processing_class=tiny_tokenizer(),
+            rollout_workers=worker.address,
+            routing_replay=True,
+        )

@@ -38,6 +38,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.request import Request
 from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service.groups import GroupInFlight
+from rollout.service.route_frames import unpack_message
 from trainer_bridge.calls import GroupResult, PromptGroup
 from trainer_bridge.gathering import gathered
 
@@ -215,6 +216,7 @@ class ColocatedEngine:
                     _, result = in_flight[output.group_id].absorb(output, self.engine.policy_version)
                     bar.update(int(output.is_finished))
                     if result is not None:
+                        unpack_message(result, result.data_frames)  # MoE routes: arrays, as a client gets them
                         results[result.group_id] = GroupResult(result.group_id, result.prompt_ids, result.completions)
         self.num_rounds += 1
         return [results[request.group_id] for request in requests]

@@ -12,7 +12,7 @@ own code, so gradients reach the router as in the model's training path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from rollout.engine.routes import DENSE_MODEL, RouterTopK, find_routers, num_experts
 
-__all__ = ["routes_for", "routing_replay"]
+__all__ = ["RouteReplay", "routes_for", "routing_replay"]
 
 
 @contextlib.contextmanager
@@ -36,23 +36,56 @@ def routing_replay(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[Non
         ValueError: a dense model, or routes whose shape does not fit the model (layers, top_k) or a forward's
             tokens (named).
     """
-    routers = find_routers(model)
-    if not routers:
-        raise ValueError(f"routing_replay: {DENSE_MODEL}")
-    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
-        raise ValueError("routing_replay: routes must be an integer tensor (batch, sequence, MoE layers, top_k)")
-    top_k = routers[0].top_k
-    if routes.shape[2] != len(routers) or routes.shape[3] != top_k:
-        raise ValueError(
-            f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
-            f"{len(routers)} MoE layers with top_k {top_k}"
-        )
-    handles, modes = [], [None] * len(routers)
+    replay = RouteReplay(model, lambda: routes)
+    try:
+        replay.check(routes)
+        yield
+    finally:
+        replay.close()
 
-    def replayer(layer: int, router: torch.nn.Module) -> Any:
-        wanted = routes[:, :, layer, :].reshape(-1, top_k)
 
-        def chosen(indices: torch.Tensor) -> torch.Tensor:
+class RouteReplay:
+    """Hooks on every MoE router of a model that route each forward's tokens by the tensor `current()` returns at
+    that moment (None: the routers decide), until `close()`. A trainer keeps one for its training steps: the routes
+    of a step must also route gradient checkpointing's recomputation during backward."""
+
+    def __init__(self, model: torch.nn.Module, current: Callable[[], torch.Tensor | None]):
+        """
+        Raises:
+            ValueError: a dense model.
+        """
+        self.routers = find_routers(model)
+        if not self.routers:
+            raise ValueError(f"routing_replay: {DENSE_MODEL}")
+        self.top_k = self.routers[0].top_k
+        self._current = current
+        self._modes: list[RouterTopK | None] = [None] * len(self.routers)
+        self._handles: list[Any] = []
+        for layer, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_pre_hook(self._enter(layer, router)))
+            self._handles.append(router.register_forward_hook(self._leave(layer)))
+
+    def check(self, routes: Any) -> None:
+        """Refuse routes that cannot fit the model.
+
+        Raises:
+            ValueError: not an integer tensor (batch, sequence, layers, top_k), or another layer count or top_k.
+        """
+        if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
+            raise ValueError("routing_replay: routes must be an integer tensor (batch, sequence, MoE layers, top_k)")
+        if routes.shape[2] != len(self.routers) or routes.shape[3] != self.top_k:
+            raise ValueError(
+                f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
+                f"{len(self.routers)} MoE layers with top_k {self.top_k}"
+            )
+
+    def _enter(self, layer: int, router: torch.nn.Module) -> Callable:
+        def chosen(indices: torch.Tensor) -> torch.Tensor | None:
+            routes = self._current()
+            if routes is None:
+                return None
+            self.check(routes)
+            wanted = routes[:, :, layer, :].reshape(-1, self.top_k)
             rows = indices.reshape(-1, indices.shape[-1])
             if rows.shape[0] != wanted.shape[0]:
                 raise ValueError(
@@ -64,30 +97,29 @@ def routing_replay(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[Non
             return torch.where(decided, given, rows).reshape(indices.shape)
 
         def enter(module: torch.nn.Module, args: tuple) -> None:
-            mode = RouterTopK(top_k, num_experts(router), chosen)
+            mode = RouterTopK(self.top_k, num_experts(router), chosen)
             mode.__enter__()
-            modes[layer] = mode
+            self._modes[layer] = mode
 
+        return enter
+
+    def _leave(self, layer: int) -> Callable:
         def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            mode, modes[layer] = modes[layer], None
+            mode, self._modes[layer] = self._modes[layer], None
             if mode is not None:
                 mode.__exit__(None, None, None)
 
-        return enter, leave
+        return leave
 
-    try:
-        for layer, router in enumerate(routers):
-            enter, leave = replayer(layer, router)
-            handles.append(router.register_forward_pre_hook(enter))
-            handles.append(router.register_forward_hook(leave))
-        yield
-    finally:
-        for handle in handles:
+    def close(self) -> None:
+        """Remove the hooks (and end a mode a forward that raised left open). Idempotent."""
+        for handle in self._handles:
             handle.remove()
-        for layer, mode in enumerate(modes):  # a forward that raised inside a router
+        self._handles.clear()
+        for layer, mode in enumerate(self._modes):
             if mode is not None:
                 mode.__exit__(None, None, None)
-                modes[layer] = None
+                self._modes[layer] = None
 
 
 def routes_for(

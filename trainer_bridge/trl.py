@@ -53,6 +53,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl_generation import RolloutGeneration, RolloutRows
+from trainer_bridge.trl_routes import RoutingReplayMixin, check_routing_replay
 from trainer_bridge.trl_settings import check_mode, check_staleness
 
 __all__ = [
@@ -95,7 +96,7 @@ def check_trl_internals() -> None:
             )
 
 
-class RolloutGRPOTrainer(GRPOTrainer):
+class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
     """`trl.GRPOTrainer` whose generation goes through rollout: workers ("server", weights pushed each step) or an
     engine in each rank's own process ("colocate"); see the module docstring."""
 
@@ -113,6 +114,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         partial_rollouts: bool = False,
         max_partial_rounds: int | None = None,
         partial_overprovision: float | None = None,
+        routing_replay: bool = False,
         **kwargs: Any,
     ):
         """
@@ -141,6 +143,8 @@ class RolloutGRPOTrainer(GRPOTrainer):
             max_partial_rounds: with partial_rollouts, most generation rounds one group may span (default 2).
             partial_overprovision: with partial_rollouts, extra groups in flight as a fraction of a round's, in
                 (0, 1] (default 0.5).
+            routing_replay: an MoE policy: the rollout records every token's experts and TRL's log-prob forwards
+                (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl_routes`).
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
@@ -186,6 +190,9 @@ class RolloutGRPOTrainer(GRPOTrainer):
         self.vllm_mode = "server"
         self.vllm_generation = self.rollout
         self._last_loaded_step = -1
+        self.routing_replay = check_routing_replay(self, routing_replay)
+        if self.routing_replay:
+            self.rollout.sampling["return_routes"] = True
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`GRPOTrainer.train`, syncing at its first generation round even when the step count starts where an
@@ -197,6 +204,7 @@ class RolloutGRPOTrainer(GRPOTrainer):
         try:
             return super().train(*args, **kwargs)
         finally:
+            self.close_routing_replay()
             if hasattr(self.rollout, "close"):
                 self.rollout.close()
 

@@ -54,6 +54,8 @@ class RolloutGeneration:
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
+        # The last round's completions in row order when they carry MoE routes (routing replay), else None.
+        self.last_routed: list[Any] | None = None
 
     def _next_version(self) -> int:
         """The version of the weights a sync makes current: base + global step, and after the first sync always
@@ -112,6 +114,7 @@ class RolloutGeneration:
             if completion.finish_reason not in ("stop", "length"):
                 raise RolloutError(completion.finish_reason, completion.error or "a completion did not finish")
         self._log_lag(ordered)
+        self.last_routed = ordered if settings.get("return_routes") else None
         return RolloutRows(
             [c.token_ids for c in ordered],
             [c.logprobs for c in ordered],
