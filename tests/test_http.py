@@ -298,6 +298,7 @@ def test_fields_without_generation_semantics_are_accepted(api):
         ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only to score the prompt
         ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "return_routed_experts": True}, 400, "return_routed_experts"),  # dense
         ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),

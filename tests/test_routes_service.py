@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout.service.presets import tiny_moe_model
-from service_helpers import Worker
+from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient
 from trainer_bridge.routing_replay import routes_for
 
@@ -21,7 +21,9 @@ SAMPLING = {"temperature": 1.0, "top_k": 0, "stop_token_ids": [], "max_new_token
 
 @pytest.fixture(scope="module")
 def worker():
-    server = Worker("--model", "tiny-moe")
+    port = free_port()
+    server = Worker("--model", "tiny-moe", "--http", f"127.0.0.1:{port}")
+    server.url = f"http://127.0.0.1:{port}"
     yield server
     server.close()
 
@@ -50,6 +52,40 @@ def test_routes_travel_with_completions_and_deltas(worker):
         assert np.array_equal(streamed.completions[0].routes, expected[len(PROMPTS[1]) - 1 :])
         plain = client.generate(PromptGroup(PROMPTS[0], sampling={**SAMPLING, "return_routes": False}))
         assert plain.completions[0].routes is None
+
+
+def test_the_http_api_returns_routed_experts(worker):
+    """`return_routed_experts` (the official openai client's extra_body): each choice carries `routed_experts` and
+    `prompt_routed_experts` as base64 .npy arrays (SGLang's and vLLM's field names), whole or per streamed chunk; a
+    malformed value is refused by name (a dense model's refusal: tests/test_http.py)."""
+    import base64
+    import io
+
+    import openai
+
+    def decoded(text: str) -> np.ndarray:
+        return np.load(io.BytesIO(base64.b64decode(text)))
+
+    settings = dict(
+        model="tiny-moe",
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=1.0,
+        extra_body={"return_routed_experts": True, "return_token_ids": True, "ignore_eos": True},
+    )
+    with openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0, timeout=60) as api:
+        choice = api.completions.create(**settings).choices[0].model_extra
+        expected = reference_routes(PROMPTS[0] + choice["token_ids"][:-1])
+        assert np.array_equal(decoded(choice["prompt_routed_experts"]), expected[: len(PROMPTS[0]) - 1])
+        assert np.array_equal(decoded(choice["routed_experts"]), expected[len(PROMPTS[0]) - 1 :])
+        chunks = [c.choices[0].model_extra for c in api.completions.create(stream=True, **settings) if c.choices]
+        tokens = [t for chunk in chunks for t in chunk.get("token_ids") or []]
+        expected = reference_routes(PROMPTS[0] + tokens[:-1])
+        streamed = np.concatenate([decoded(c["routed_experts"]) for c in chunks if c.get("token_ids")])
+        assert np.array_equal(streamed, expected[len(PROMPTS[0]) - 1 :])
+        with pytest.raises(openai.BadRequestError) as error:
+            api.completions.create(**{**settings, "extra_body": {"return_routed_experts": 1}})
+        assert error.value.body["param"] == "return_routed_experts"
 
 
 def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch):

@@ -3,8 +3,12 @@ policy versions and text, and the OpenAI shapes of what it returns (a whole choi
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from rollout.detokenizer import OutputText
 from rollout.engine.outputs import GenerationOutput
@@ -52,6 +56,9 @@ class Choice:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    # With return_routed_experts (an MoE model): the routes of each output's tokens, and of the prompt.
+    routes: list[np.ndarray] = field(default_factory=list)
+    prompt_routes: np.ndarray | None = None
     # (token index, text length of the tokens before it): where the last streamed chunk's text offsets ended, so
     # that a long stream's offsets are not summed from its first token at every chunk.
     offset_mark: tuple[int, int] = (0, 0)
@@ -61,6 +68,10 @@ class Choice:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = output.prompt_logprobs, output.prompt_top_logprobs
             self.prompt_ranks = output.prompt_logprob_ranks
+        if output.prompt_routes is not None:
+            self.prompt_routes = output.prompt_routes
+        if output.routes is not None:
+            self.routes.append(output.routes)
         start = len(self.token_ids)
         self.token_ids += output.generated_tokens
         self.logprobs += output.logprobs
@@ -95,7 +106,30 @@ class Choice:
         extra: dict[str, Any] = {"policy_versions": runs[first_kept:] if start < end else []}
         if self.finish_reason is not None:
             extra["kv_version_min"] = self.kv_version_min
+        if self.routes or self.prompt_routes is not None:
+            extra["routed_experts"] = encoded_routes(self._routes_between(start, end))
+            if start == 0:
+                extra["prompt_routed_experts"] = encoded_routes(self.prompt_routes)
         return extra
+
+    def _routes_between(self, start: int, end: int) -> np.ndarray:
+        """Routes of tokens [start, end): a stream's chunk is its last output's (no copy of the whole)."""
+        pieces = self.routes
+        if pieces and end == len(self.token_ids) and end - start == len(pieces[-1]):
+            return pieces[-1]
+        if not pieces:
+            return np.zeros((0, 0, 0), dtype=np.int16)
+        return np.concatenate(pieces)[start:end]
+
+
+def encoded_routes(routes: np.ndarray | None) -> str | None:
+    """MoE routes as the HTTP API returns them: a base64 .npy file of int16 (tokens, MoE layers, top_k), which
+    `numpy.load(io.BytesIO(base64.b64decode(text)))` reads back with its shape."""
+    if routes is None:
+        return None
+    buffer = io.BytesIO()
+    np.save(buffer, np.ascontiguousarray(routes, dtype=np.int16), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class LogprobFormat:

@@ -17,6 +17,7 @@ OPENAI_NAMES = {
     "min_new_tokens": "min_tokens",
     "prompt_ids": "prompt",
     "stop_token_ids": "stop_token_ids",
+    "return_routes": "return_routed_experts",
 }
 
 

@@ -28,6 +28,7 @@ SAMPLING_FIELDS = {
     "include_stop_str_in_output": "include_stop_str_in_output",
     "logprob_mode": "logprob_mode",  # rollout's: which distribution log-probs come from (README)
     "logit_bias": "logit_bias",  # token id (a JSON string key) -> bias in [-100, 100], at most 300 of them
+    "return_routed_experts": "return_routes",  # MoE models: each choice's routed_experts (SGLang's and vLLM's name)
 }
 # OpenAI request fields that carry no generation semantics: accepted, with no effect (README, HTTP API).
 NO_EFFECT_FIELDS = {
