@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "max_staleness=k) instead of the four systems",
     )
     gs.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="MoE routing replay in bf16 (a tiny Qwen3-MoE and a tiny Mixtral, 64 experts, 8 per token): TRL's step "
+        "1 without and with RolloutGRPOTrainer(routing_replay=True): routing decisions that differ, |logprob delta| "
+        "mean and p99, TRL's importance ratio",
+    )
+    gs.add_argument(
         "--partial-rollouts",
         action="store_true",
         help="rollout_server on the long-tail shape (forced lognormal lengths, median 32, cap 256): synchronous, "
@@ -246,7 +253,14 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(
                 "--partial-rollouts runs rollout_server on the tiny model: leave out --max-staleness, --systems"
             )
-        summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model, args.partial_rollouts)
+        if args.routing_replay:
+            if bounds is not None or args.systems or args.partial_rollouts or args.model != "tiny" or args.device:
+                parser.error("--routing-replay runs its own MoE models on the CPU: leave out the other options")
+            from rollout.benchmarks import routing_replay
+
+            summary = routing_replay.run()
+        else:
+            summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model, args.partial_rollouts)
     elif args.command == "grpo":
         summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
     elif args.command == "throughput":
