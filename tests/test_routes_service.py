@@ -88,7 +88,16 @@ def test_the_http_api_returns_routed_experts(worker):
         assert error.value.body["param"] == "return_routed_experts"
 
 
-def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {},
+        {"max_staleness": 2},  # rounds generated ahead: each round's own routes
+        {"max_staleness": 2, "partial_rollouts": True},  # rounds of whole first-finished groups
+        {"rollout_mode": "colocate"},  # the engine on the trainer's own model
+    ],
+)
+def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch, mode):
     """RolloutGRPOTrainer(routing_replay=True): TRL's log-prob forwards (the loss forward, its recomputation by
     gradient checkpointing in backward and, with steps_per_generation 2, the old policy's) route by the rollout's
     routes, covering every prompt and completion token; TRL's importance ratio stays 1 (fp32); the hooks are gone
@@ -113,8 +122,9 @@ def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch):
         args=config,
         train_dataset=dataset(),
         processing_class=tiny_tokenizer(),
-        rollout_workers=worker.address,
+        rollout_workers=None if mode.get("rollout_mode") == "colocate" else worker.address,
         routing_replay=True,
+        **mode,
     )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -129,6 +139,8 @@ def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch):
     assert trainer._replay is None  # the hooks were removed when train() returned
     for routes in replayed:  # every row routes its prompt and completion tokens (not the padding)
         assert ((routes >= 0).all(-1).all(-1).sum(1) > 10).all()
+    if mode:
+        return
     with pytest.raises(ValueError, match="routing_replay"):
         RolloutGRPOTrainer(
             model=tiny_model(0),

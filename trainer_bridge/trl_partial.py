@@ -107,6 +107,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         if [list(p) for p in prompt_ids] != prompts or sampling:
             raise RuntimeError("TRL generated other rows than the partial rollout round handed it")
         self._log_lag(completions)
+        self.last_routed = completions if self.sampling.get("return_routes") else None
         return RolloutRows(
             [c.token_ids for c in completions],
             [c.logprobs for c in completions],
