@@ -132,11 +132,17 @@ def test_replayed_routes_reproduce_the_rollout_logprobs_and_altered_ones_do_not(
 
 
 def test_bad_routes_and_dense_models_are_refused_by_name(moe):
+    from transformers import CompileConfig
+
     dense = make_engine(tiny_model("qwen3"))
-    with pytest.raises(FieldError) as error:
-        dense.add_request("x", [1, 2, 3], ROUTED, max_new_tokens=2)
-    assert error.value.field == "return_routes"
-    dense.close()
+    compiled = make_engine(
+        copy.deepcopy(moe), decode_compile_config=CompileConfig(mode="default"), use_cuda_graph=False
+    )
+    for engine, reason in ((dense, "no MoE router"), (compiled, "torch.compile")):
+        with pytest.raises(FieldError, match=reason) as error:
+            engine.add_request("x", [1, 2, 3], ROUTED, max_new_tokens=2)
+        assert error.value.field == "return_routes"
+        engine.close()
     trainer = reference_copy(moe)
     ids = torch.tensor([[1, 2, 3, 4]])
     for routes, message in (
@@ -249,3 +255,78 @@ def test_prefix_cached_blocks_keep_the_routes_they_were_computed_with(moe):
         check_against_reference(reference, output)
     assert np.array_equal(second.prompt_routes[:24], first.prompt_routes[:24])
     engine.close()
+
+
+def test_across_a_keep_update_each_tokens_routes_go_with_its_version(moe):
+    """A weight update in "keep" mode mid-generation: the rows sampled before it carry the old weights' routes, the
+    rows after it the new weights' over the old KV, as transformers computes them (the old model's forward with its
+    cache, then the new model's forward continuing from that cache)."""
+    engine = make_engine(copy.deepcopy(moe))
+    prompt = make_prompts(1, 12, 12, seed=12)[0]
+    engine.add_request("r", prompt, ROUTED, max_new_tokens=10)
+    for _ in range(4):  # the prompt and a few tokens under version 0
+        engine.step()
+    new_model = tiny_model("qwen3_moe", seed=4)
+    scale_to_entropy(new_model, make_prompts(4, 20, 40, seed=1))
+    engine.update_weights(new_model.state_dict(), version=1, mode="keep")
+    output = run_to_completion(engine)["r"]
+    engine.close()
+    versions = output.policy_versions  # [[0, 0], [1, first token sampled by the new weights]]
+    assert [version for version, _ in versions] == [0, 1]
+    switch = len(prompt) - 1 + versions[1][1]  # first position the new weights computed
+    tokens = torch.tensor([prompt + output.generated_tokens[:-1]])
+    with torch.inference_mode():
+        before = reference_copy(moe)(input_ids=tokens[:, :switch], use_cache=True, output_router_logits=True)
+        after = reference_copy(new_model)(
+            input_ids=tokens[:, switch:], past_key_values=before.past_key_values, output_router_logits=True
+        )
+    expected = np.concatenate(
+        [torch.stack([r.topk(TOP_K, -1).indices for r in out.router_logits], 1).numpy() for out in (before, after)]
+    )
+    assert np.array_equal(output.prompt_routes, expected[: len(prompt) - 1])
+    assert np.array_equal(output.routes, expected[len(prompt) - 1 :])
+
+
+def test_a_replay_that_raises_inside_a_recorded_router_leaves_no_mode_behind(moe):
+    """The engine's recorder and a trainer's replay tap the same routers (colocated): a forward that raises inside
+    a router (routes of the wrong length) leaves torch's mode stack as it was, and the engine records as before."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    engine = make_engine(copy.deepcopy(moe))
+    prompt = make_prompts(1, 9, 9, seed=13)[0]
+    engine.add_request("a", prompt, ROUTED, max_new_tokens=3)
+    run_to_completion(engine)
+    model = engine.runner.model
+    with (
+        pytest.raises(ValueError, match="tokens"),
+        routing_replay(model, torch.zeros(1, 5, 2, TOP_K, dtype=torch.long)),
+    ):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt]))
+    assert _get_current_function_mode_stack() == []
+    engine.add_request("b", prompt, ROUTED, max_new_tokens=3)
+    check_against_reference(reference_copy(moe), run_to_completion(engine)["b"])
+    engine.close()
+
+
+def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused():
+    """A leader that recomputes its prompt after forking rewrites its own copy (its forks keep the routes of the KV
+    they used); a swapped-out request offers no block; a worker's routes that do not fit the message are refused."""
+    from rollout.engine.route_rows import RouteCache, RouteRows
+    from rollout.service import messages as p
+    from rollout.service.route_frames import pack, unpack_message
+
+    leader = type("Request", (), {})()
+    leader.routes = RouteRows(4, leader)
+    leader.routes.write(0, np.full((4, 2, 2), 1, dtype=np.int16))
+    fork = type("Request", (), {})()
+    fork.routes = leader.routes.forked(fork)
+    leader.routes.write(0, np.full((4, 2, 2), 2, dtype=np.int16))  # the leader recomputed (preemption)
+    assert (fork.routes.prompt_routes() == 1).all() and (leader.routes.prompt_routes() == 2).all()
+    leader.block_hashes, leader.block_ids = [11], []  # swapped out: its blocks are on the host
+    RouteCache(4, 8).keep(leader, {11: 3})  # nothing to offer, no error
+    frames: list[bytes] = []
+    completion = p.Completion(0, [1, 2, 3], [0.0] * 3, "length")
+    completion.routes = pack(np.zeros((2, 2, 2), dtype=np.int16), frames)  # 2 rows for 3 tokens
+    with pytest.raises(ValueError, match="2 rows for 3 tokens"):
+        unpack_message(p.GroupResult("g", [1, 2], [completion]), frames)

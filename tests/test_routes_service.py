@@ -136,9 +136,9 @@ def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch, mod
     ]
     assert ratios and all(abs(ratio - 1) < 1e-3 for ratio in ratios), logs
     assert replayed and all(routes.shape[2:] == (4, 2) for routes in replayed)
-    assert trainer._replay is None  # the hooks were removed when train() returned
+    assert trainer._replays is None  # the taps were detached when train() returned
     for routes in replayed:  # every row routes its prompt and completion tokens (not the padding)
-        assert ((routes >= 0).all(-1).all(-1).sum(1) > 10).all()
+        assert ((routes >= 0).all(-1).all(-1).sum(1) > 0).all()
     if mode:
         return
     with pytest.raises(ValueError, match="routing_replay"):

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.engine.routes import DENSE_MODEL, RouterTopK, find_routers, num_experts
+from rollout.engine.router_taps import Tap, attach, detach, num_experts
+from rollout.engine.routes import DENSE_MODEL, find_routers
 
 __all__ = ["RouteReplay", "routes_for", "routing_replay"]
 
@@ -44,32 +45,64 @@ def routing_replay(model: torch.nn.Module, routes: torch.Tensor) -> Iterator[Non
         replay.close()
 
 
+class _ReplayTap(Tap):
+    """Gives one MoE layer's router the ids of the replay's current routes."""
+
+    replaces = True
+
+    def __init__(self, replay: RouteReplay, layer: int):
+        super().__init__()
+        self.replay, self.layer = replay, layer
+
+    def see(self, indices: torch.Tensor) -> torch.Tensor | None:
+        routes = self.replay.current()
+        if routes is None:
+            return None
+        self.replay.check(routes)
+        wanted = routes[:, :, self.layer, :].reshape(-1, routes.shape[3])
+        rows = indices.reshape(-1, indices.shape[-1])
+        if rows.shape[0] != wanted.shape[0]:
+            raise ValueError(
+                f"routing_replay: the forward routes {rows.shape[0]} tokens, routes cover "
+                f"{routes.shape[0]} x {routes.shape[1]} = {wanted.shape[0]}"
+            )
+        given = wanted.to(rows.device, torch.long)
+        decided = (given >= 0).all(-1, keepdim=True)
+        return torch.where(decided, given, rows).reshape(indices.shape)
+
+
 class RouteReplay:
-    """Hooks on every MoE router of a model that route each forward's tokens by the tensor `current()` returns at
-    that moment (None: the routers decide), until `close()`. A trainer keeps one for its training steps: the routes
-    of a step must also route gradient checkpointing's recomputation during backward."""
+    """Taps on every MoE router of a model that route the forwards of the thread that made it by the tensor
+    `current()` returns at that moment (None: the routers decide), until `close()`. A trainer keeps one for its
+    training steps: the routes of a step must also route gradient checkpointing's recomputation during backward."""
 
     def __init__(self, model: torch.nn.Module, current: Callable[[], torch.Tensor | None]):
         """
         Raises:
-            ValueError: a dense model.
+            ValueError: a dense model, or routers with different top_k.
         """
         self.routers = find_routers(model)
         if not self.routers:
             raise ValueError(f"routing_replay: {DENSE_MODEL}")
+        if len({router.top_k for router in self.routers}) > 1:
+            raise ValueError("routing_replay: the model's routers choose different numbers of experts (top_k)")
         self.top_k = self.routers[0].top_k
-        self._current = current
-        self._modes: list[RouterTopK | None] = [None] * len(self.routers)
-        self._handles: list[Any] = []
+        self.experts = min(num_experts(router) for router in self.routers)
+        self.current = current
+        self._checked: torch.Tensor | None = None  # the last routes checked whole (one device read per tensor)
+        self._taps = []
         for layer, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_pre_hook(self._enter(layer, router)))
-            self._handles.append(router.register_forward_hook(self._leave(layer)))
+            tap = _ReplayTap(self, layer)
+            tap.activate()
+            attach(router, tap)
+            self._taps.append(tap)
 
     def check(self, routes: Any) -> None:
         """Refuse routes that cannot fit the model.
 
         Raises:
-            ValueError: not an integer tensor (batch, sequence, layers, top_k), or another layer count or top_k.
+            ValueError: not an integer tensor (batch, sequence, layers, top_k), another layer count or top_k, or an
+                expert id out of range.
         """
         if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
             raise ValueError("routing_replay: routes must be an integer tensor (batch, sequence, MoE layers, top_k)")
@@ -78,48 +111,16 @@ class RouteReplay:
                 f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
                 f"{len(self.routers)} MoE layers with top_k {self.top_k}"
             )
-
-    def _enter(self, layer: int, router: torch.nn.Module) -> Callable:
-        def chosen(indices: torch.Tensor) -> torch.Tensor | None:
-            routes = self._current()
-            if routes is None:
-                return None
-            self.check(routes)
-            wanted = routes[:, :, layer, :].reshape(-1, self.top_k)
-            rows = indices.reshape(-1, indices.shape[-1])
-            if rows.shape[0] != wanted.shape[0]:
-                raise ValueError(
-                    f"routing_replay: the forward routes {rows.shape[0]} tokens, routes cover "
-                    f"{routes.shape[0]} x {routes.shape[1]} = {wanted.shape[0]}"
-                )
-            given = wanted.to(rows.device)
-            decided = (given >= 0).all(-1, keepdim=True)
-            return torch.where(decided, given, rows).reshape(indices.shape)
-
-        def enter(module: torch.nn.Module, args: tuple) -> None:
-            mode = RouterTopK(self.top_k, num_experts(router), chosen)
-            mode.__enter__()
-            self._modes[layer] = mode
-
-        return enter
-
-    def _leave(self, layer: int) -> Callable:
-        def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            mode, self._modes[layer] = self._modes[layer], None
-            if mode is not None:
-                mode.__exit__(None, None, None)
-
-        return leave
+        if routes is not self._checked:
+            if routes.numel() and int(routes.max()) >= self.experts:
+                raise ValueError(f"routing_replay: expert id {int(routes.max())} >= the {self.experts} experts")
+            self._checked = routes
 
     def close(self) -> None:
-        """Remove the hooks (and end a mode a forward that raised left open). Idempotent."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for layer, mode in enumerate(self._modes):
-            if mode is not None:
-                mode.__exit__(None, None, None)
-                self._modes[layer] = None
+        """Detach the taps. Idempotent."""
+        for router, tap in zip(self.routers, self._taps):
+            detach(router, tap)
+        self._taps.clear()
 
 
 def routes_for(

@@ -44,20 +44,24 @@ class RoutingReplayMixin:
     """GRPOTrainer methods that replay the rollout's routes (`RolloutGRPOTrainer` mixes it in)."""
 
     routing_replay: bool = False
-    _replay: RouteReplay | None = None  # hooks on the trained model's routers, while training
+    _replays: list[RouteReplay] | None = None  # taps on each model TRL scores with (policy, reference), while training
     _active_routes: torch.Tensor | None = None  # what they route by now (None: the routers decide)
-    _replay_rows: list[Any] | None = None
+    _loss_forward = False  # inside a training (or evaluation) step whose loss forward set `_active_routes`
 
-    def _replay_hooks(self, model: Any) -> None:
-        if self._replay is None:
-            self._replay = RouteReplay(model, lambda: self._active_routes)
+    def _replay_on(self, model: Any) -> None:
+        """Tap `model`'s routers (once per model)."""
+        router = find_routers(model)[0]
+        replays = self._replays if self._replays is not None else []
+        if not any(replay.routers[0] is router for replay in replays):
+            replays.append(RouteReplay(model, lambda: self._active_routes))
+        self._replays = replays
 
     def close_routing_replay(self) -> None:
-        """Remove the replay hooks from the model (at the end of `train()`). Idempotent."""
-        if self._replay is not None:
-            self._replay.close()
-            self._replay = None
-        self._active_routes = None
+        """Detach the replay's taps from the models (at the end of `train()`). Idempotent."""
+        for replay in self._replays or []:
+            replay.close()
+        self._replays = None
+        self._active_routes, self._loss_forward = None, False
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         if not self.routing_replay:
@@ -73,13 +77,21 @@ class RoutingReplayMixin:
         try:
             return super().training_step(*args, **kwargs)
         finally:
-            self._active_routes = None
+            self._active_routes, self._loss_forward = None, False
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's evaluation step, its loss forward replayed; nothing of it is left for the next step."""
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._active_routes, self._loss_forward = None, False
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
         routes = inputs.get(ROUTES_KEY) if self.routing_replay else None
         if routes is not None:
-            self._replay_hooks(model)
+            self._replay_on(model)
             self._active_routes = routes.to(inputs["prompt_ids"].device)
+            self._loss_forward = True
         return super()._compute_loss(model, inputs)
 
     def _aligned_routes(self, width: int, completion_width: int) -> torch.Tensor:
@@ -92,9 +104,7 @@ class RoutingReplayMixin:
     def _get_per_token_logps_and_entropies(
         self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *args, **kw
     ) -> tuple:
-        active = self._active_routes
-        if not self.routing_replay or (active is not None and tuple(active.shape[:2]) == tuple(input_ids.shape)):
-            # A loss forward: its routes are active already, for the whole batch.
+        if not self.routing_replay or self._loss_forward:  # a loss forward: its routes are active already
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, *args, **kw
             )
@@ -111,7 +121,7 @@ class RoutingReplayMixin:
         else:
             batch_size = None
         batch_size = batch_size or input_ids.size(0)
-        self._replay_hooks(model)
+        self._replay_on(model)
         results = []
         try:
             for start in range(0, input_ids.size(0), batch_size):

@@ -22,7 +22,8 @@ from rollout.engine.counters import engine_stats, log_leaks
 from rollout.engine.engine_weights import EngineWeights
 from rollout.engine.intake import RequestIntake
 from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
-from rollout.engine.model_runner import ModelRunner, UnresolvedTokens, servable_text_config
+from rollout.engine.model_checks import servable_text_config
+from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
 from rollout.engine.outputs import GenerationOutput, progress_output
 from rollout.engine.pending_samples import InFlightStep
 from rollout.engine.prompt_logprobs import deliver as deliver_prompt_logprobs
@@ -100,7 +101,7 @@ class Engine(EngineWeights):
             defaults,
             tokenizer,
             self.runner.adapters.ref,
-            moe=bool(self.runner.routes.routers),
+            routes_refusal=self.runner.routes_refusal(),
         )
         self.weights = WeightTable(model)
 
@@ -292,7 +293,7 @@ class Engine(EngineWeights):
             sampled = step.samples.fetch()
             deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
             if step.routes is not None:
-                step.routes.deliver()
+                step.routes.deliver(self.block_manager.cached_blocks)
         except Exception as error:  # noqa: BLE001 - a device failure surfaces here when the copy is waited for
             logger.exception("engine step failed; ending its requests with an error")
             for request, _ in step.batch.samples:

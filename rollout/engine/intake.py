@@ -18,7 +18,6 @@ from rollout.detokenizer import OutputText
 from rollout.engine.adapter_ref import AdapterRef
 from rollout.engine.request import Request, sample_id
 from rollout.engine.route_rows import RouteRows
-from rollout.engine.routes import DENSE_MODEL
 from rollout.generation_config import GenerationDefaults
 from rollout.sampling_params import SAMPLING_FIELDS
 
@@ -66,7 +65,7 @@ class RequestIntake:
         defaults: GenerationDefaults,
         tokenizer: Any = None,
         adapter_ref: Callable[[str], AdapterRef] | None = None,
-        moe: bool = False,
+        routes_refusal: str | None = None,
     ):
         """
         Args:
@@ -77,11 +76,11 @@ class RequestIntake:
             tokenizer: decodes outputs for stop strings (`SamplingParams.stop`); None: stop strings are refused.
             adapter_ref: the served LoRA adapter of a name (raising FieldError for an unknown one); None: the engine
                 serves no adapter.
-            moe: the model has MoE routers (`return_routes` is refused otherwise).
+            routes_refusal: why `return_routes` cannot be honoured (None: it can; a dense model, say).
         """
         self.tokenizer = tokenizer
         self.adapter_ref = adapter_ref
-        self.moe = moe
+        self.routes_refusal = routes_refusal
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -120,8 +119,8 @@ class RequestIntake:
             raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
         if sampling.top_k > self.vocab_size:
             raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
-        if sampling.return_routes and not self.moe:
-            raise FieldError("return_routes", DENSE_MODEL)
+        if sampling.return_routes and self.routes_refusal is not None:
+            raise FieldError("return_routes", self.routes_refusal)
         if (sampling.prompt_logprobs or 0) > self.vocab_size:
             raise FieldError("prompt_logprobs", f"{sampling.prompt_logprobs} exceeds the vocabulary size")
         if sampling.stop and self.tokenizer is None:

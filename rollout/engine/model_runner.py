@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -21,6 +19,7 @@ from rollout.engine.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.fp32_head import Fp32Head
 from rollout.engine.kv_cache import PagedKVCache
 from rollout.engine.lora import AdapterTable
+from rollout.engine.model_checks import resolve_attention_backend, text_config
 from rollout.engine.model_lease import acquire, release
 from rollout.engine.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
@@ -111,7 +110,7 @@ class ModelRunner:
             self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
         self._sync_free_experts = "moe_experts" not in config.previous_paths
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
-        self.prompt_scorer = PromptScorer(model, _text_config(model))
+        self.prompt_scorer = PromptScorer(model, text_config(model))
         self.prompt_results: PendingPromptLogprobs | None = None
         # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
         self.routes = RouteRecorder(
@@ -119,6 +118,15 @@ class ModelRunner:
         )
         self.route_results: PendingRoutes | None = None
         acquire(model, self._sync_free_experts)
+
+    def routes_refusal(self) -> str | None:
+        """Why this runner cannot record MoE routes (None: it can)."""
+        reason = self.routes.refusal()
+        if reason is not None:
+            return reason
+        if self._decode_forward is not self._forward:
+            return "not recorded through a torch.compile'd decode forward: leave decode_compile_config unset"
+        return None
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
         """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
@@ -342,59 +350,3 @@ class ModelForward:
             **kwargs,
         ).logits[0]
         return logits if self.logits_to_keep else logits[keep]
-
-
-def _text_config(model: torch.nn.Module):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-# Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
-# state the engine does not keep, so such models are refused instead of generating wrong tokens.
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
-
-
-def servable_text_config(model: torch.nn.Module) -> Any:
-    """The text config of a model the engine can serve: a transformers causal LM (a module with a `config` and
-    parameters) whose layers are all attention layers the paged cache serves.
-
-    Raises:
-        FieldError: ("model") anything else, saying what.
-    """
-    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or next(model.parameters(), None) is None:
-        kind = type(model).__name__
-        raise FieldError(
-            "model", f"expected a transformers causal LM (a module with a config and parameters), got {kind}"
-        )
-    config = _text_config(model)
-    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
-    if unsupported:
-        raise FieldError("model", f"layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
-    return config
-
-
-def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:
-    """Query heads per KV head when the Triton kernel serves attention, None for the PyTorch path.
-
-    "auto" picks Triton on CUDA when it is installed and the block size is a power of two >= 16.
-    """
-    heads_per_kv = _text_config(model).num_attention_heads // kv_cache.shape.num_kv_heads
-    block_size = kv_cache.block_size
-    block_ok = block_size >= 16 and block_size & (block_size - 1) == 0
-    if backend == "torch":
-        return None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        triton_available = False
-    else:
-        triton_available = True
-    if backend == "auto":
-        on_cuda = kv_cache.kv.device.type == "cuda"
-        return heads_per_kv if on_cuda and triton_available and block_ok else None
-    if not triton_available:
-        raise FieldError("attention_backend", "'triton' needs the triton package")
-    if not block_ok:
-        raise FieldError("attention_backend", f"'triton' needs a power-of-two block_size >= 16, got {block_size}")
-    if kv_cache.kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise FieldError("attention_backend", "'triton' runs on CUDA (on CPU only inside TRITON_INTERPRET=1)")
-    return heads_per_kv

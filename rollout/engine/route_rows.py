@@ -27,6 +27,7 @@ class PositionRoutes:
         self.owner = owner  # the request that may write here (others copy first)
         self.rows = np.zeros((0, 0, 0), dtype=ROUTE_DTYPE)
         self.known = 0  # positions first .. first + known - 1 hold routes
+        self.shared = False  # forked samples read it too
 
     def write(self, position: int, rows: np.ndarray) -> None:
         """Routes of positions position .. position + len(rows) - 1 (rows: (n, layers, top_k))."""
@@ -79,13 +80,16 @@ class RouteRows:
 
     def forked(self, owner: object) -> RouteRows:
         """The routes of a sample forked from this one: the same prompt positions (shared), nothing of its own."""
+        self.prompt.shared = True
         return RouteRows(self.num_prompt_tokens, owner, self.prompt)
 
     def write(self, position: int, rows: np.ndarray) -> None:
         """Routes of positions position .. position + len(rows) - 1, computed by this sample's forward."""
         split = max(0, min(len(rows), self.num_prompt_tokens - position))
         if split:
-            if self.prompt.owner is not self._owner:  # recomputing shared positions: a copy of its own
+            # Shared with forks and already known there: a recompute (by anyone, the leader too) rewrites its own
+            # copy; the others keep the routes of the KV they used.
+            if self.prompt.owner is not self._owner or (self.prompt.shared and position < self.prompt.known):
                 self.prompt = self.prompt.copy(self._owner)
             self.prompt.write(position, rows[:split])
         if split < len(rows):
@@ -139,23 +143,27 @@ class RouteCache:
         size = self.block_size
         for block in range(end // size):
             entry = self._rows.get(request.block_hashes[block]) if block < len(request.block_hashes) else None
-            if entry is None:
-                return  # evicted meanwhile: those positions stay unknown (their outputs carry no routes)
+            if entry is None or block >= len(request.block_ids) or entry[0] != request.block_ids[block]:
+                return  # evicted or replaced meanwhile: those positions stay unknown (outputs carry no routes)
             request.routes.write(block * size, entry[1])
 
-    def keep(self, request: Any) -> None:
-        """Keep the routes of the request's full blocks that have a hash and known routes (each block once)."""
+    def keep(self, request: Any, cached_blocks: dict[int, int]) -> None:
+        """Keep the routes of the request's full blocks that have a hash and known routes (each block once), for
+        the blocks the prefix cache holds under that hash (`cached_blocks`: hash -> block, the block manager's)."""
         routes, size = request.routes, self.block_size
         if routes.offered > len(request.block_hashes):  # recomputed since: its blocks are hashed again
             routes.offered = 0
-        while routes.offered < len(request.block_hashes):
+        while routes.offered < min(len(request.block_hashes), len(request.block_ids)):  # swapped out: none
             block = routes.offered
             rows = routes.positions(block * size, (block + 1) * size)
             if rows is None:
                 return
-            block_hash = request.block_hashes[block]
-            if block_hash not in self._rows:
-                self._rows[block_hash] = (request.block_ids[block], rows)
+            block_hash, block_id = request.block_hashes[block], request.block_ids[block]
+            entry = self._rows.get(block_hash)
+            registered = cached_blocks.get(block_hash) == block_id  # the block a lookup would take
+            if registered and (entry is None or entry[0] != block_id):  # new, or a block recycled since
+                self._rows[block_hash] = (block_id, rows)
+                self._rows.move_to_end(block_hash)
                 if len(self._rows) > self.capacity:
                     self._rows.popitem(last=False)
             routes.offered += 1

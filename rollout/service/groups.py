@@ -94,6 +94,8 @@ class GroupInFlight:
         for completion in completions:
             pieces = self.routes.get(completion.sample_index)
             routes = np.concatenate(pieces) if pieces else None
+            if routes is not None and len(routes) != len(completion.token_ids):  # a piece was lost: none, not shifted
+                routes = None
             completion.routes = route_frames.pack(routes, result.data_frames)
             completion.prompt_routes = route_frames.pack(
                 self.prompt_routes.get(completion.sample_index), result.data_frames

@@ -42,15 +42,36 @@ def unpack(entry: RouteArray | None, frames: list[Any], field: str) -> np.ndarra
 
 
 def unpack_message(message: Any, frames: list[Any]) -> None:
-    """Replace the RouteArray entries of a received delta or group_result by their arrays (in place).
+    """Replace the RouteArray entries of a received delta or group_result by their arrays (in place), checked against
+    the message: one row per token (per prompt position before the last), one shape of rows, no negative id.
 
     Raises:
-        ValueError: an entry that does not match the frames (named).
+        ValueError: an entry that does not match the frames or the message (named).
     """
     if isinstance(message, GroupResult):
         for index, completion in enumerate(message.completions):
-            completion.routes = unpack(completion.routes, frames, f"completions[{index}].routes")
-            completion.prompt_routes = unpack(completion.prompt_routes, frames, f"completions[{index}].prompt_routes")
+            name = f"completions[{index}]"
+            completion.routes = _rows(completion.routes, frames, f"{name}.routes", len(completion.token_ids))
+            prompt_rows = len(message.prompt_ids) - 1
+            completion.prompt_routes = _rows(completion.prompt_routes, frames, f"{name}.prompt_routes", prompt_rows)
+            _same_shape(completion.routes, completion.prompt_routes, name)
     elif isinstance(message, Delta):
-        message.routes = unpack(message.routes, frames, "routes")
-        message.prompt_routes = unpack(message.prompt_routes, frames, "prompt_routes")
+        message.routes = _rows(message.routes, frames, "routes", len(message.token_ids))
+        message.prompt_routes = _rows(message.prompt_routes, frames, "prompt_routes", None)
+        _same_shape(message.routes, message.prompt_routes, "delta")
+
+
+def _rows(entry: RouteArray | None, frames: list[Any], field: str, rows: int | None) -> np.ndarray | None:
+    array = unpack(entry, frames, field)
+    if array is None:
+        return None
+    if rows is not None and len(array) != rows:
+        raise ValueError(f"{field}: {len(array)} rows for {rows} tokens")
+    if array.size and int(array.min()) < 0:
+        raise ValueError(f"{field}: a negative expert id")
+    return array
+
+
+def _same_shape(first: np.ndarray | None, second: np.ndarray | None, field: str) -> None:
+    if first is not None and second is not None and len(second) and first.shape[1:] != second.shape[1:]:
+        raise ValueError(f"{field}: routes {first.shape[1:]} and prompt_routes {second.shape[1:]} differ")

@@ -58,6 +58,7 @@ class Choice:
     prompt_ranks: list[int | None] | None = None
     # With return_routed_experts (an MoE model): the routes of each output's tokens, and of the prompt.
     routes: list[np.ndarray] = field(default_factory=list)
+    routes_rows: int = 0
     prompt_routes: np.ndarray | None = None
     # (token index, text length of the tokens before it): where the last streamed chunk's text offsets ended, so
     # that a long stream's offsets are not summed from its first token at every chunk.
@@ -72,6 +73,7 @@ class Choice:
             self.prompt_routes = output.prompt_routes
         if output.routes is not None:
             self.routes.append(output.routes)
+            self.routes_rows += len(output.routes)
         start = len(self.token_ids)
         self.token_ids += output.generated_tokens
         self.logprobs += output.logprobs
@@ -112,9 +114,12 @@ class Choice:
                 extra["prompt_routed_experts"] = encoded_routes(self.prompt_routes)
         return extra
 
-    def _routes_between(self, start: int, end: int) -> np.ndarray:
-        """Routes of tokens [start, end): a stream's chunk is its last output's (no copy of the whole)."""
+    def _routes_between(self, start: int, end: int) -> np.ndarray | None:
+        """Routes of tokens [start, end) (None when some output carried none: never shifted); a stream's chunk is its
+        last output's (no copy of the whole)."""
         pieces = self.routes
+        if self.routes_rows != len(self.token_ids):
+            return None
         if pieces and end == len(self.token_ids) and end - start == len(pieces[-1]):
             return pieces[-1]
         if not pieces:

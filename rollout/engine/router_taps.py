@@ -1,0 +1,130 @@
+"""Taps on MoE routers: whoever watches or steers a router's expert choice (the engine's route recorder, a trainer's
+routing replay) attaches a tap; the router's forward then runs inside one `RouterTopK` mode that hands the ids of
+its expert `torch.topk` to each active tap, those that replace the choice first, then those that only watch (so a
+recorder sees the experts actually used).
+
+Invariants:
+- One pair of hooks per router, installed with its first tap and removed with its last: the pre-hook enters one
+  mode for all taps, the post-hook (`always_call`: also when the forward raises) leaves it, so taps of several owners
+  never unbalance torch's mode stack.
+- The hooks find the taps by the module they run for: a deep copy of a tapped model (its hooks copied along) has no
+  taps, and its forwards are left alone.
+- A tap acts only on the thread that activated it: an engine thread's forward never takes a trainer thread's routes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def num_experts(router: torch.nn.Module) -> int:
+    """Experts a router chooses among (its `num_experts`, else its weight's rows)."""
+    for name in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(router, name, None)
+        if isinstance(value, int):
+            return value
+    return int(router.weight.shape[0])
+
+
+class RouterTopK(TorchFunctionMode):
+    """Inside one router's forward: sees its expert choice (`torch.topk` with k == top_k over `experts` scores) and
+    hands the ids to `chosen(indices)`, which may return other ids to use instead."""
+
+    def __init__(self, top_k: int, experts: int, chosen: Callable[[torch.Tensor], torch.Tensor | None]):
+        super().__init__()
+        self.top_k, self.experts, self.chosen = top_k, experts, chosen
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in (torch.topk, torch.Tensor.topk):
+            scores = args[0]
+            k = args[1] if len(args) > 1 else kwargs.get("k")
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if k == self.top_k and dim in (-1, scores.dim() - 1) and scores.shape[-1] == self.experts:
+                replaced = self.chosen(result.indices)
+                if replaced is not None:
+                    result = torch.return_types.topk((scores.gather(-1, replaced), replaced))
+        return result
+
+
+class Tap:
+    """One owner's view of a router's choice: `see(indices)` returns other ids to use (a replacing tap) or None."""
+
+    replaces = False
+
+    def __init__(self) -> None:
+        self._thread: int | None = None  # the thread it acts on while active
+
+    def activate(self) -> None:
+        """Act on forwards of the calling thread."""
+        self._thread = threading.get_ident()
+
+    def deactivate(self) -> None:
+        self._thread = None
+
+    @property
+    def active(self) -> bool:
+        return self._thread is not None and self._thread == threading.get_ident()
+
+    def see(self, indices: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+_TAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[Tap]] = weakref.WeakKeyDictionary()
+_HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_OPEN: weakref.WeakKeyDictionary[torch.nn.Module, RouterTopK] = weakref.WeakKeyDictionary()  # per forward running
+
+
+def attach(router: torch.nn.Module, tap: Tap) -> None:
+    """Attach `tap` to `router` (installing the router's hooks with its first tap)."""
+    taps = _TAPS.setdefault(router, [])
+    if router not in _HOOKS:
+        _HOOKS[router] = (
+            router.register_forward_pre_hook(_enter),
+            router.register_forward_hook(_leave, always_call=True),
+        )
+    taps.append(tap)
+    taps.sort(key=lambda each: not each.replaces)  # replacing taps first: watchers see the experts used
+
+
+def detach(router: torch.nn.Module, tap: Tap) -> None:
+    """Detach `tap` (removing the router's hooks with the last tap). Idempotent."""
+    taps = _TAPS.get(router)
+    if taps is None or tap not in taps:
+        return
+    taps.remove(tap)
+    if not taps:
+        del _TAPS[router]
+        for handle in _HOOKS.pop(router, ()):
+            handle.remove()
+
+
+def _enter(router: torch.nn.Module, args: tuple) -> None:
+    taps = [tap for tap in _TAPS.get(router, ()) if tap.active]
+    if not taps:
+        return
+
+    def chosen(indices: torch.Tensor) -> torch.Tensor | None:
+        replaced = None
+        for tap in taps:
+            result = tap.see(indices if replaced is None else replaced)
+            if tap.replaces and result is not None:
+                replaced = result
+        return replaced
+
+    mode = RouterTopK(router.top_k, num_experts(router), chosen)
+    mode.__enter__()
+    _OPEN[router] = mode
+
+
+def _leave(router: torch.nn.Module, args: tuple, output: Any) -> None:
+    mode = _OPEN.pop(router, None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
