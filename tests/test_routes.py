@@ -148,7 +148,7 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
     for routes, message in (
         (torch.zeros(1, 4, 3, TOP_K, dtype=torch.long), "layers"),
         (torch.zeros(1, 4, 2, 3, dtype=torch.long), "top_k"),
-        (torch.zeros(1, 5, 2, TOP_K, dtype=torch.long), "tokens"),
+        (torch.arange(TOP_K).expand(1, 5, 2, TOP_K), "tokens"),
         (torch.zeros(1, 4, 2, TOP_K), "integer"),
     ):
         with pytest.raises(ValueError, match=message), routing_replay(trainer, routes), torch.no_grad():
@@ -299,7 +299,7 @@ def test_a_replay_that_raises_inside_a_recorded_router_leaves_no_mode_behind(moe
     model = engine.runner.model
     with (
         pytest.raises(ValueError, match="tokens"),
-        routing_replay(model, torch.zeros(1, 5, 2, TOP_K, dtype=torch.long)),
+        routing_replay(model, torch.arange(TOP_K).expand(1, 5, 2, TOP_K)),
     ):
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]))
@@ -330,3 +330,24 @@ def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused()
     completion.routes = pack(np.zeros((2, 2, 2), dtype=np.int16), frames)  # 2 rows for 3 tokens
     with pytest.raises(ValueError, match="2 rows for 3 tokens"):
         unpack_message(p.GroupResult("g", [1, 2], [completion]), frames)
+
+
+def test_samples_recomputed_onto_cached_blocks_report_those_blocks_routes(moe):
+    """A "recompute" weight update: both samples of a group recompute their KV under the new weights, the second
+    taking the first's new cached blocks; every sample's routes are the new weights' (transformers' router choices
+    of the new model), none left from before the update."""
+    new_model = tiny_model("qwen3_moe", seed=4)
+    scale_to_entropy(new_model, make_prompts(4, 20, 40, seed=1))
+    engine = make_engine(copy.deepcopy(moe), block_size=4, max_batch_tokens=16)
+    prompt = make_prompts(1, 18, 18, seed=9)[0]
+    engine.add_request("g", prompt, ROUTED, max_new_tokens=12, n=2)
+    for _ in range(6):
+        engine.step()
+    hits = engine.block_manager.num_prefix_tokens_hit
+    engine.update_weights(new_model.state_dict(), version=1, mode="recompute")
+    outputs = run_to_completion(engine)
+    assert engine.block_manager.num_prefix_tokens_hit > hits  # the second recompute took cached blocks
+    reference = reference_copy(new_model)
+    for request_id in ("g#0", "g#1"):
+        check_against_reference(reference, outputs[request_id])
+    engine.close()

@@ -72,9 +72,10 @@ class _ReplayTap(Tap):
 
 
 class RouteReplay:
-    """Taps on every MoE router of a model that route the forwards of the thread that made it by the tensor
-    `current()` returns at that moment (None: the routers decide), until `close()`. A trainer keeps one for its
-    training steps: the routes of a step must also route gradient checkpointing's recomputation during backward."""
+    """Taps on every MoE router of a model that route the forwards of the thread that made it (and any recomputation
+    in backward, which CUDA's autograd runs on a thread of its own; never an engine step's) by the tensor `current()`
+    returns at that moment (None: the routers decide), until `close()`. A trainer keeps one for its training steps:
+    the routes of a step must also route gradient checkpointing's recomputation during backward."""
 
     def __init__(self, model: torch.nn.Module, current: Callable[[], torch.Tensor | None]):
         """
@@ -111,9 +112,14 @@ class RouteReplay:
                 f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
                 f"{len(self.routers)} MoE layers with top_k {self.top_k}"
             )
-        if routes is not self._checked:
+        if routes is not self._checked:  # once per tensor (a device read)
             if routes.numel() and int(routes.max()) >= self.experts:
                 raise ValueError(f"routing_replay: expert id {int(routes.max())} >= the {self.experts} experts")
+            if routes.numel() and int(routes.min()) < -1:
+                raise ValueError("routing_replay: an expert id below -1 (-1: the router decides)")
+            ordered = routes.sort(-1).values
+            if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
+                raise ValueError("routing_replay: a token routed to the same expert twice")
             self._checked = routes
 
     def close(self) -> None:

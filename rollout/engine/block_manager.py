@@ -201,6 +201,8 @@ class BlockManager:
         request.blocks_version += 1
         request.block_hashes = list(hashes)
         request.num_computed_tokens = len(blocks) * self.block_size
+        if request.routes is not None:  # their MoE routes come from the route cache, also after a recompute
+            request.routes.refill = request.num_computed_tokens
         # Prefix-cache statistics, counted once per admission: tokens found cached out of tokens to compute.
         self.num_prefix_tokens_hit += request.num_computed_tokens
         self.num_prefix_tokens_queried += request.num_tokens

@@ -23,6 +23,7 @@ from rollout.engine.model_checks import resolve_attention_backend, text_config
 from rollout.engine.model_lease import acquire, release
 from rollout.engine.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.request import PLACEHOLDER_TOKEN, Request
+from rollout.engine.router_taps import engine_step
 from rollout.engine.routes import PendingRoutes, RouteRecorder, plan_route_rows
 from rollout.engine.transfer import to_device
 
@@ -156,6 +157,7 @@ class ModelRunner:
         """Inside: the fp32 head (if any) projects, from an up-to-date copy of the head's weight, and the LoRA hooks
         (if any adapter is served) act for `batch`'s sequences (None: a graph capture, every token on the base)."""
         with contextlib.ExitStack() as stack:
+            stack.enter_context(engine_step())  # a trainer's routing replay leaves the engine's forwards alone
             if self.adapters.loaded:  # the one check a step makes when no adapter is served
                 sequences = batch.sequences if batch is not None else []
                 adapters = [seq.request.adapter for seq in sequences]

@@ -59,6 +59,7 @@ class RouteRows:
         self.own = PositionRoutes(num_prompt_tokens, owner)
         self._owner = owner
         self.offered = 0  # full blocks whose routes went to the RouteCache
+        self.refill = 0  # positions 0 .. refill - 1 come from cached blocks taken at the last admission
 
     def known_upto(self) -> int:
         """How many positions from 0 on have routes."""

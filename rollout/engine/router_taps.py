@@ -9,14 +9,20 @@ Invariants:
   never unbalance torch's mode stack.
 - The hooks find the taps by the module they run for: a deep copy of a tapped model (its hooks copied along) has no
   taps, and its forwards are left alone.
-- A tap acts only on the thread that activated it: an engine thread's forward never takes a trainer thread's routes.
+- Per thread: the mode a forward opened is kept per thread (two threads may run one model), at most one per router
+  and forward (a deep copy's copied hooks beside its own never open a second).
+- A tap acts on the thread that activated it, and a replaying tap also inside autograd's backward on any thread (the
+  recomputation of a checkpointed forward, which CUDA's autograd runs on a thread of its own); never inside an engine
+  step (`engine_step`) unless it is the engine's own recording tap: a trainer's routes never reach an engine's
+  forward, nor a forward another thread runs meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,8 +60,28 @@ class RouterTopK(TorchFunctionMode):
         return result
 
 
+_LOCAL = threading.local()  # per thread: `open` (router id -> the mode its forward opened), `engine_step`
+
+
+def in_engine_step() -> bool:
+    """Whether this thread is inside an engine step's forward."""
+    return getattr(_LOCAL, "engine_step", False)
+
+
+@contextlib.contextmanager
+def engine_step() -> Iterator[None]:
+    """Mark this thread's forwards inside as an engine's: replaying taps leave them alone."""
+    outer = in_engine_step()
+    _LOCAL.engine_step = True
+    try:
+        yield
+    finally:
+        _LOCAL.engine_step = outer
+
+
 class Tap:
-    """One owner's view of a router's choice: `see(indices)` returns other ids to use (a replacing tap) or None."""
+    """One owner's view of a router's choice: `see(indices)` returns other ids to use (a replacing tap) or None.
+    It acts on the thread that activated it; a replacing tap also in backward (any thread), never in engine steps."""
 
     replaces = False
 
@@ -71,7 +97,12 @@ class Tap:
 
     @property
     def active(self) -> bool:
-        return self._thread is not None and self._thread == threading.get_ident()
+        if self._thread is None:
+            return False
+        if self.replaces:
+            in_backward = torch._C._current_autograd_node() is not None
+            return not in_engine_step() and (self._thread == threading.get_ident() or in_backward)
+        return self._thread == threading.get_ident()
 
     def see(self, indices: torch.Tensor) -> torch.Tensor | None:
         raise NotImplementedError
@@ -79,7 +110,12 @@ class Tap:
 
 _TAPS: weakref.WeakKeyDictionary[torch.nn.Module, list[Tap]] = weakref.WeakKeyDictionary()
 _HOOKS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Any]] = weakref.WeakKeyDictionary()
-_OPEN: weakref.WeakKeyDictionary[torch.nn.Module, RouterTopK] = weakref.WeakKeyDictionary()  # per forward running
+
+
+def _open_modes() -> dict[int, RouterTopK]:
+    if not hasattr(_LOCAL, "open"):
+        _LOCAL.open = {}
+    return _LOCAL.open
 
 
 def attach(router: torch.nn.Module, tap: Tap) -> None:
@@ -108,7 +144,8 @@ def detach(router: torch.nn.Module, tap: Tap) -> None:
 
 def _enter(router: torch.nn.Module, args: tuple) -> None:
     taps = [tap for tap in _TAPS.get(router, ()) if tap.active]
-    if not taps:
+    opened = _open_modes()
+    if not taps or id(router) in opened:
         return
 
     def chosen(indices: torch.Tensor) -> torch.Tensor | None:
@@ -121,10 +158,10 @@ def _enter(router: torch.nn.Module, args: tuple) -> None:
 
     mode = RouterTopK(router.top_k, num_experts(router), chosen)
     mode.__enter__()
-    _OPEN[router] = mode
+    opened[id(router)] = mode
 
 
 def _leave(router: torch.nn.Module, args: tuple, output: Any) -> None:
-    mode = _OPEN.pop(router, None)
+    mode = _open_modes().pop(id(router), None)
     if mode is not None:
         mode.__exit__(None, None, None)

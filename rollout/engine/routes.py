@@ -82,8 +82,10 @@ class PendingRoutes:
         host = self._copy.tensor().numpy()
         plan = self.plan
         for request, position, row, count in zip(plan.requests, plan.positions, plan.rows, plan.counts):
-            if request.routes.known_upto() < position:  # its first chunk after a cached prefix
-                self.cache.fill(request, position)
+            refill = request.routes.refill
+            if refill and position >= refill:  # its first chunk after the cached blocks it took
+                self.cache.fill(request, refill)
+                request.routes.refill = 0
             request.routes.write(position, host[row : row + count])
             self.cache.keep(request, cached_blocks)
 
