@@ -149,6 +149,7 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
         (torch.zeros(1, 4, 3, TOP_K, dtype=torch.long), "layers"),
         (torch.zeros(1, 4, 2, 3, dtype=torch.long), "top_k"),
         (torch.arange(TOP_K).expand(1, 5, 2, TOP_K), "tokens"),
+        (torch.arange(TOP_K).expand(2, 2, 2, TOP_K), r"\(2, 2\) tokens"),  # as many tokens, another batch shape
         (torch.zeros(1, 4, 2, TOP_K), "integer"),
     ):
         with pytest.raises(ValueError, match=message), routing_replay(trainer, routes), torch.no_grad():

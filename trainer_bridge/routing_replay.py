@@ -61,6 +61,11 @@ class _ReplayTap(Tap):
         self.replay.check(routes)
         wanted = routes[:, :, self.layer, :].reshape(-1, routes.shape[3])
         rows = indices.reshape(-1, indices.shape[-1])
+        shape = self.replay.input_shape
+        if shape is not None and tuple(routes.shape[:2]) != shape:
+            raise ValueError(
+                f"routing_replay: routes for {tuple(routes.shape[:2])} tokens, the forward's input_ids {shape}"
+            )
         if rows.shape[0] != wanted.shape[0]:
             raise ValueError(
                 f"routing_replay: the forward routes {rows.shape[0]} tokens, routes cover "
@@ -91,6 +96,8 @@ class RouteReplay:
         self.experts = min(num_experts(router) for router in self.routers)
         self.current = current
         self._checked: torch.Tensor | None = None  # the last routes checked whole (one device read per tensor)
+        self.input_shape: tuple[int, ...] | None = None  # (batch, sequence) of the model's last forward
+        self._shape_hook = model.register_forward_pre_hook(self._note_shape, with_kwargs=True)
         self._taps = []
         for layer, router in enumerate(self.routers):
             tap = _ReplayTap(self, layer)
@@ -122,8 +129,15 @@ class RouteReplay:
                 raise ValueError("routing_replay: a token routed to the same expert twice")
             self._checked = routes
 
+    def _note_shape(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self.input_shape = tuple(ids.shape[:2]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+
     def close(self) -> None:
         """Detach the taps. Idempotent."""
+        self._shape_hook.remove()
         for router, tap in zip(self.routers, self._taps):
             detach(router, tap)
         self._taps.clear()
