@@ -533,3 +533,18 @@ def test_stop_reason_is_null_at_the_models_eos_and_names_a_requested_stop_token(
         model="tiny", prompt="end", max_tokens=5, logit_bias={eos: 100}, extra_body={"stop_token_ids": [int(eos)]}
     ).choices[0]
     assert named.finish_reason == "stop" and named.model_extra["stop_reason"] == int(eos)
+
+
+def test_later_turns_report_the_prompt_tokens_the_cache_gave(api, zmq_client):
+    """A conversation's next turn extends its last prompt: its prompt's full blocks come from the prefix cache, and
+    both APIs say how many tokens (OpenAI's usage.prompt_tokens_details.cached_tokens; a Completion's
+    cached_prompt_tokens), per prompt once however many samples share it."""
+    turn = [(11 * i + 3) % 900 + 4 for i in range(40)]  # 2 full blocks of 16 and some
+    settings = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    first = api.completions.create(prompt=turn, **settings)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    later = turn + [5, 6, 7, 8, 9]
+    second = api.completions.create(prompt=later, n=2, **settings)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # the first turn's two full blocks, once
+    result = zmq_client.generate(PromptGroup(later + [10], n=2, sampling={"max_new_tokens": 2, "stop_token_ids": []}))
+    assert [c.cached_prompt_tokens for c in result.completions] == [32, 32]

@@ -201,6 +201,8 @@ class BlockManager:
         request.blocks_version += 1
         request.block_hashes = list(hashes)
         request.num_computed_tokens = len(blocks) * self.block_size
+        if request.cached_prompt_tokens is None:  # its first admission: the prompt tokens the cache spared it
+            request.cached_prompt_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
         if request.routes is not None:  # their MoE routes come from the route cache, also after a recompute
             request.routes.refill = request.num_computed_tokens
         # Prefix-cache statistics, counted once per admission: tokens found cached out of tokens to compute.

@@ -83,6 +83,8 @@ class GenerationOutput:
             prompt_len - 1 + i), in the router's own order; None without.
         prompt_routes: alongside routes, int16 (prompt_len - 1, MoE layers, top_k) for the prompt positions before
             the last; set on a sample's first output only (as prompt_logprobs).
+        cached_prompt_tokens: prompt tokens whose KV the prefix cache gave the sample when it was first admitted
+            (OpenAI's `usage.prompt_tokens_details.cached_tokens`); None before that.
     """
 
     request_id: str
@@ -108,6 +110,7 @@ class GenerationOutput:
     adapter_version: int | None = None
     routes: np.ndarray | None = None
     prompt_routes: np.ndarray | None = None
+    cached_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -147,6 +150,7 @@ def progress_output(request: Request) -> GenerationOutput:
         is_finished=request.is_finished,
         policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
         kv_version_min=request.kv_version_min,
+        cached_prompt_tokens=request.cached_prompt_tokens,
     )
     if request.adapter is not None:
         output.adapter, output.adapter_version = request.adapter.name, request.adapter.version

@@ -107,6 +107,9 @@ class Request:
     token_times: list[float] | None = None
     # The LoRA adapter that serves this sample (None: the base model); part of its prefix hashes.
     adapter: AdapterRef | None = None
+    # Prompt tokens whose KV came from the prefix cache at the first admission (None until admitted; forks: the
+    # leader's, whose prompt KV they share).
+    cached_prompt_tokens: int | None = None
     # With sampling.return_routes: the MoE routes of every position computed (route_rows.py); else None.
     routes: RouteRows | None = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
@@ -235,6 +238,7 @@ class Request:
             prompt_logprob_ranks=self.prompt_logprob_ranks,
             score_only=self.score_only,
             adapter=self.adapter,
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
         if self.routes is not None:  # the prompt's routes are shared, as its KV is
             forked.routes = self.routes.forked(forked)

@@ -84,6 +84,7 @@ class GroupInFlight:
             kv_version_min,
             output.adapter,
             output.adapter_version,
+            cached_prompt_tokens=output.cached_prompt_tokens or 0,
         )
         self.completions.append(completion)
         if len(self.completions) < self.n:

@@ -237,6 +237,7 @@ class Completion:
     # MoE layers, top_k), and the prompt's positions before its last (prompt_len - 1, MoE layers, top_k).
     routes: RouteArray | None = None
     prompt_routes: RouteArray | None = None
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache spared it (its KV computed earlier)
 
 
 @dataclass

@@ -64,7 +64,8 @@ updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, othe
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
 (run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished),
-adapter / adapter_version, and with sampling.return_routes (MoE models) routes / prompt_routes: RouteArray maps
+adapter / adapter_version, cached_prompt_tokens: int (prompt tokens whose KV came from the prefix cache), and
+with sampling.return_routes (MoE models) routes / prompt_routes: RouteArray maps
 (frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); a
 delta carries its tokens' routes (and the prompt's on a sample's first delta) the same way.
 `sampling` takes the field names of `rollout.SamplingParams`.

@@ -57,6 +57,7 @@ class Choice:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
     # With return_routed_experts (an MoE model): the routes of each output's tokens, and of the prompt.
+    cached_prompt_tokens: int = 0  # of its prompt, from the prefix cache (usage.prompt_tokens_details)
     routes: list[np.ndarray] = field(default_factory=list)
     routes_rows: int = 0
     prompt_routes: np.ndarray | None = None
@@ -69,6 +70,8 @@ class Choice:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = output.prompt_logprobs, output.prompt_top_logprobs
             self.prompt_ranks = output.prompt_logprob_ranks
+        if output.cached_prompt_tokens is not None:
+            self.cached_prompt_tokens = output.cached_prompt_tokens
         if output.prompt_routes is not None:
             self.prompt_routes = output.prompt_routes
         if output.routes is not None:

@@ -294,13 +294,17 @@ def _ended_early(choice: Choice, unread: bool = False) -> APIError:
     return APIError(503, reason, None, "service_unavailable_error", "aborted")
 
 
-def _usage(answer: Answer) -> dict[str, int]:
+def _usage(answer: Answer) -> dict[str, Any]:
     prompt_tokens = sum(len(p) for p in answer.request.prompts)
     completion_tokens = sum(len(c.token_ids) for c in answer.submission.choices)
+    # Per prompt once (its n choices share its KV): the first choice of each prompt.
+    n = max(1, len(answer.submission.choices) // max(1, len(answer.request.prompts)))
+    cached = sum(choice.cached_prompt_tokens for choice in answer.submission.choices[::n])
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
