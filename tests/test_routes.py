@@ -159,35 +159,14 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
             pass
 
 
-def moe_64_experts() -> torch.nn.Module:
-    """A tiny Qwen3-MoE with 64 experts, 8 per token (near-ties between the 8th and 9th expert are common, as in real
-    MoE policies), its head scaled to a realistic entropy, in bf16."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(3)
-    config = Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=64,
-        num_experts_per_tok=8,
-        decoder_sparse_step=1,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
-    scale_to_entropy(model, make_prompts(4, 20, 40, seed=1))
-    return model.to(torch.bfloat16)
-
-
 def test_bf16_replay_turns_differing_routes_into_none():
     """bf16: the rollout (paged attention, packed chunks) and the trainer's padded forward pick different experts for
     some (token, layer) decisions; replayed, the experts the trainer's forward runs (what transformers' experts
-    module receives) are the rollout's everywhere."""
-    model = moe_64_experts()
+    module receives) are the rollout's everywhere. The policy: the routing benchmark's Qwen3-MoE (64 experts, 8 per
+    token: near-ties between the 8th and 9th expert are common, as in real MoE policies; head at 1.5 nats; bf16)."""
+    from rollout.benchmarks.routing_replay import moe_policy
+
+    model = moe_policy("qwen3_moe", seed=3)
     engine = make_engine(copy.deepcopy(model), max_batch_tokens=64)
     prompts = make_prompts(8, 20, 60, seed=2)
     for index, prompt in enumerate(prompts):
