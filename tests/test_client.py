@@ -367,3 +367,23 @@ def test_calls_wait_while_every_worker_is_replaced(workers):
         waiting.join(60)
         assert done and len(done[0].completions[0].token_ids) == GREEDY["max_new_tokens"]
         assert client.worker_addresses == [b]
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_a_later_turn_goes_to_the_worker_that_holds_its_prefix(workers, affinity):
+    """An agent's next turn extends its last prompt: with affinity (the default) it goes to the worker that served
+    that prompt although the other one is idler, and its prompt's first blocks come from that worker's prefix cache
+    (the Completion's cached_prompt_tokens); by load alone (affinity_slack=None) it goes to the idle worker, which
+    computes the whole prompt."""
+    slack = {} if affinity else {"affinity_slack": None}
+    settings = {"max_new_tokens": 4, "stop_token_ids": [], "temperature": 0}
+    turn = [(7 * i + 2) % 900 + 4 for i in range(40)]
+    with RolloutClient([w.address for w in workers], timeout=60, **slack) as client:
+        first = client.generate(PromptGroup(turn, sampling=settings)).completions[0]
+        later = turn + first.token_ids + [5, 6, 7]  # the completion, then a tool result
+        busy = PromptGroup([9, 9, 9], sampling={**settings, "max_new_tokens": 8})  # to the first turn's worker
+        results = {
+            r.group_id: r for r in client.generate_many([busy, PromptGroup(later, group_id="t2", sampling=settings)])
+        }
+        cached = results["t2"].completions[0].cached_prompt_tokens
+    assert cached == (32 if affinity else 0), cached

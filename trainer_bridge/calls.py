@@ -30,6 +30,9 @@ class PromptGroup:
     # The served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights` of a PEFT
     # model), else the base model; "__base__": the base model in any case.
     adapter: str | None = None
+    # Groups of one session (an agent's conversation) go to the worker that served the session's last group, when
+    # it is not much busier than the others; None: the prompt's own prefix decides (trainer_bridge.affinity).
+    session_id: str | None = None
 
 
 @dataclass
@@ -211,4 +214,7 @@ def checked_group(
     chosen = group.adapter if group.adapter is not None else adapter
     if chosen is not None and (not isinstance(chosen, str) or not chosen):
         raise RolloutError("bad_request", f"adapter must be a non-empty string, got {chosen!r}", "adapter")
-    return PromptGroup(prompt_ids, group.n, sampling, group_id, None if chosen == BASE_NAME else chosen)
+    if group.session_id is not None and not isinstance(group.session_id, str):
+        raise RolloutError("bad_request", f"session_id must be a string, got {group.session_id!r}", "session_id")
+    adapter = None if chosen == BASE_NAME else chosen
+    return PromptGroup(prompt_ids, group.n, sampling, group_id, adapter, session_id=group.session_id)

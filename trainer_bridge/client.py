@@ -29,6 +29,7 @@ from typing import Any
 
 from rollout.service.protocol import Completion, Delta
 from rollout.service.sockets import check_address
+from trainer_bridge.affinity import PrefixAffinity
 from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, checked_group
 from trainer_bridge.commands import (
     AddWorker,
@@ -67,6 +68,7 @@ class RolloutClient:
         connect_timeout: float = 20.0,
         curve_secret_key: str | os.PathLike | bytes | None = None,
         server_public_key: str | os.PathLike | bytes | None = None,
+        affinity_slack: float | None = 4.0,
     ):
         """
         Args:
@@ -79,6 +81,9 @@ class RolloutClient:
             curve_secret_key: this client's CurveZMQ key pair (a `.key_secret` file from `rollout-keygen`, or a z85
                 secret key), for workers started with `--curve-secret-key`.
             server_public_key: the workers' public key (their `.key` file, or z85); with `curve_secret_key`.
+            affinity_slack: a group whose prompt extends a recent one (or of the same `session_id`) goes to that
+                one's worker while it is at most this many times the group's cost (n x max_new_tokens) busier than the
+                least-loaded worker (`trainer_bridge.affinity`); None: by load alone.
         """
         if (curve_secret_key is None) != (server_public_key is None):
             raise ValueError("curve_secret_key and server_public_key: give both (an authenticated worker) or neither")
@@ -96,7 +101,10 @@ class RolloutClient:
             if problem is not None:
                 raise ValueError(f"addresses: {problem}")
         keys = None if curve_secret_key is None else (curve_secret_key, server_public_key)
+        if affinity_slack is not None and not affinity_slack >= 0:
+            raise ValueError(f"affinity_slack: must be >= 0 or None, got {affinity_slack!r}")
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
+        self._io.affinity = None if affinity_slack is None else PrefixAffinity(affinity_slack)
         self._started = time.monotonic()
         self._closed = self._io.closed
         self._open_updates: set[str] = set()  # weight updates whose channel is open

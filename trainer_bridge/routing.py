@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rollout.service import protocol as p
+from trainer_bridge.affinity import PrefixAffinity
 from trainer_bridge.calls import Call, RolloutError
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class Routing:
     _by_wire: dict[str, Call]
     _parked: list[Call]
     _stale_since: float | None  # since when every live worker serves weights older than min_policy_version
+    affinity: PrefixAffinity | None = None  # prefix-affine routing (None: by load alone)
 
     def _dispatch(self, call: Call) -> None:
         current = [
@@ -48,7 +50,12 @@ class Routing:
         if not current:  # wait for a worker to come (back) or be brought up to date; a deadline bounds the wait
             self._parked.append(call)
             return
-        index = min(current, key=lambda i: self.workers[i].outstanding)
+        if self.affinity is None:
+            index = min(current, key=lambda i: self.workers[i].outstanding)
+        else:  # a prompt that extends a recent one: to the worker holding its prefix, unless it is much busier
+            keys = self.affinity.keys(call.group)
+            index = self.affinity.choose(keys, current, lambda i: self.workers[i].outstanding, call.cost)
+            self.affinity.remember(keys, index)
         call.worker = index
         self.workers[index].outstanding += call.cost
         group = call.group
