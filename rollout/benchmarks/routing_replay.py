@@ -30,10 +30,10 @@ EXPERTS, TOP_K = 64, 8
 
 def moe_policy(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny bf16 MoE policy of `family` on the tiny tokenizer's vocabulary, its head scaled to 1.5 nats."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
     from rollout.benchmarks.fidelity import scale_to_entropy
-    from rollout.service.presets import tiny_tokenizer
+    from rollout.service.presets import random_model, tiny_tokenizer
 
     shape = dict(
         vocab_size=1024,
@@ -51,12 +51,8 @@ def moe_policy(family: str, seed: int = 0) -> torch.nn.Module:
         config = MixtralConfig(**{**shape, "intermediate_size": 64}, num_local_experts=EXPERTS)
     else:
         raise ValueError(f"unknown MoE family {family!r}: one of {FAMILIES}")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = random_model(config, seed, torch.float32)
     tokenizer = tiny_tokenizer()
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        setattr(model.config, name, getattr(tokenizer, name))
-        setattr(model.generation_config, name, getattr(tokenizer, name))
     prompts = [tokenizer(text)["input_ids"] for text in _prompts()[:8]]
     scale_to_entropy(model, prompts)
     return model.to(torch.bfloat16)

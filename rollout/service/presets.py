@@ -79,7 +79,7 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedM
         seed: weight initialisation seed.
         dtype: parameter dtype.
     """
-    return _random_model(Qwen3Config(**TINY_MODEL_CONFIG), seed, dtype)
+    return random_model(Qwen3Config(**TINY_MODEL_CONFIG), seed, dtype)
 
 
 def tiny_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -93,7 +93,7 @@ def tiny_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrai
     config = Qwen3MoeConfig(
         **TINY_MODEL_CONFIG, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1
     )
-    return _random_model(config, seed, dtype)
+    return random_model(config, seed, dtype)
 
 
 def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -118,7 +118,7 @@ def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.floa
     config = Qwen3Config(
         **{**TINY_MODEL_CONFIG, **SIZED_LAYER_CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": False}
     )
-    return _random_model(config, seed, dtype)
+    return random_model(config, seed, dtype)
 
 
 def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
@@ -146,7 +146,15 @@ def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
     return tiny_tokenizer() if name in ("tiny", "tiny-moe") or name.startswith("sized:") else None
 
 
-def _random_model(config: Qwen3Config | Qwen3MoeConfig, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+def random_model(config: Any, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+    """A random causal LM of a transformers `config` on the tiny tokenizer's special tokens, the same for the same
+    seed (the caller's RNG left as it was), in eval mode.
+
+    Args:
+        config: the model's transformers config (its vocabulary within the tiny tokenizer's).
+        seed: weight initialisation seed.
+        dtype: parameter dtype.
+    """
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
