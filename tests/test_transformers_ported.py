@@ -395,7 +395,9 @@ def test_streaming_output_after_soft_reset_does_not_shorten_generation():
     with model.continuous_batching_context_manager(
         generation_config=GenerationConfig(do_sample=False), continuous_batching_config=config
     ) as manager:
-        request_ids = [manager.add_request(p, max_new_tokens=max_new_tokens, streaming=True) for p in prompts]
+        # queued while the loop is paused, so all four compete for the cache however slow this machine is
+        with manager.pause():
+            request_ids = [manager.add_request(p, max_new_tokens=max_new_tokens, streaming=True) for p in prompts]
         streamed = {
             rid: [t for out in manager.request_id_iter(rid, timeout=30) for t in out.generated_tokens]
             for rid in request_ids
