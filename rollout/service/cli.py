@@ -21,7 +21,8 @@ from rollout.service.http.settings import (
     TOOL_CALL_PARSER_NAMES,
 )
 from rollout.service.limits import WorkerLimits
-from rollout.service.presets import MODEL_DTYPES, PRESETS
+from rollout.service.preset_names import PRESETS
+from rollout.service.presets import MODEL_DTYPES
 from rollout.service.startup import AUTO_ON_OFF, start_worker
 
 __all__ = ["build_parser", "check_bind", "main"]
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="a local Hugging Face model directory, a hub id, or a preset: "
         f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; tiny-moe its MoE version; "
-        "sized:512 is a random model with about 512 MB of weights, for weight-transfer benchmarks)",
+        "tiny-agent a scripted tool caller, for agentic rollouts; sized:512 is a random model with about 512 MB of weights, for weight-transfer benchmarks)",
     )
     add(
         "--tokenizer",

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from rollout.service.presets import model_from_preset, tokenizer_for
+from rollout.service.preset_names import model_from_preset, tokenizer_for
 
 logger = logging.getLogger("rollout.worker")
 

@@ -11,7 +11,6 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
-PRESETS = ("tiny", "tiny-moe", "sized:<MB>")
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
 MODEL_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,31 +118,6 @@ def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.floa
         **{**TINY_MODEL_CONFIG, **SIZED_LAYER_CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": False}
     )
     return random_model(config, seed, dtype)
-
-
-def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
-    """The preset model `name` ("tiny", "tiny-moe" or "sized:<MB>"), or None when `name` is not a preset.
-
-    Raises:
-        ValueError: a malformed "sized:" size.
-    """
-    if name == "tiny":
-        return tiny_model(seed, dtype)
-    if name == "tiny-moe":
-        return tiny_moe_model(seed, dtype)
-    if name.startswith("sized:"):
-        try:
-            megabytes = float(name.removeprefix("sized:"))
-        except ValueError:
-            raise ValueError(f"--model {name}: expected sized:<megabytes>, e.g. sized:512") from None
-        return sized_model(megabytes, seed, dtype)
-    return None
-
-
-def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
-    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>", which share its
-    vocabulary), or None when `name` is not a preset."""
-    return tiny_tokenizer() if name in ("tiny", "tiny-moe") or name.startswith("sized:") else None
 
 
 def random_model(config: Any, seed: int, dtype: torch.dtype) -> PreTrainedModel:

@@ -1,0 +1,45 @@
+"""The built-in models by the names `rollout-worker --model` takes: each preset's model and tokenizer."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from rollout.service.agent_preset import agent_tokenizer, scripted_agent
+from rollout.service.presets import sized_model, tiny_model, tiny_moe_model, tiny_tokenizer
+
+PRESETS = ("tiny", "tiny-moe", "tiny-agent", "sized:<MB>")
+
+
+def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
+    """The preset model `name` (one of `PRESETS`), or None when `name` is not a preset.
+
+    Args:
+        name: "tiny", "tiny-moe", "tiny-agent" (the scripted tool caller; its weights do not depend on `seed`) or
+            "sized:<MB>".
+        seed: weight initialisation seed of the random presets.
+        dtype: parameter dtype.
+    Raises:
+        ValueError: a malformed "sized:" size.
+    """
+    if name == "tiny":
+        return tiny_model(seed, dtype)
+    if name == "tiny-moe":
+        return tiny_moe_model(seed, dtype)
+    if name == "tiny-agent":
+        return scripted_agent()[0].to(dtype)
+    if name.startswith("sized:"):
+        try:
+            megabytes = float(name.removeprefix("sized:"))
+        except ValueError:
+            raise ValueError(f"--model {name}: expected sized:<megabytes>, e.g. sized:512") from None
+        return sized_model(megabytes, seed, dtype)
+    return None
+
+
+def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
+    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>", which share its
+    vocabulary; `agent_tokenizer()` for "tiny-agent"), or None when `name` is not a preset."""
+    if name == "tiny-agent":
+        return agent_tokenizer()
+    return tiny_tokenizer() if name in ("tiny", "tiny-moe") or name.startswith("sized:") else None
