@@ -35,9 +35,13 @@ process: no worker, no push. `ColocatedGeneration.sync_weights` only sets the ne
 step); the engine reads the parameters as the optimizer left them. With `sleep_between_rounds=True` the KV cache is
 freed after each round, for the training step. IS correction, `sampling/*` and policy-lag metrics are as above.
 
-Multi-turn or tool rollouts: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)`
-samples through the workers (weights are synced before each call, as for vLLM). See
-`examples/multi_turn_rollout.py`.
+Tool-using, multi-turn rollouts: TRL's own `tools=` and `environment_factory=` work unchanged. TRL's tool loop calls
+`generate` once per turn with the conversation so far (prompt + completion + tool result tokens); every turn's
+tokens carry their logprobs and versions, and TRL masks the tool-result tokens itself. With max_staleness the first
+turn of tool rows is sent ahead, later turns are generated when TRL asks; with environment_factory nothing is sent
+ahead (`check_tool_loop`). partial_rollouts and routing_replay refuse them. See `examples/agent_trl.py`.
+A loop of your own: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)` samples
+through the workers (weights are synced before each call, as for vLLM). See `examples/multi_turn_rollout.py`.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl_generation import RolloutGeneration, RolloutRows
 from trainer_bridge.trl_routes import RoutingReplayMixin, check_routing_replay
-from trainer_bridge.trl_settings import check_mode, check_staleness
+from trainer_bridge.trl_settings import check_mode, check_staleness, check_tool_loop
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -174,8 +178,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             partial_overprovision or DEFAULT_OVERPROVISION,
         )
         super().__init__(*args, **kwargs)
-        if max_staleness and getattr(self, "environment_factories", None) is not None:
-            raise ValueError("max_staleness > 0 does not support environment_factories yet")
+        check_tool_loop(self, partial_rollouts, max_staleness)
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
         if rollout_mode == "colocate":

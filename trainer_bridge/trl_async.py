@@ -179,8 +179,8 @@ class AsyncRolloutGeneration(RolloutGeneration):
         """Send the rows of the next rounds (as many as stay within max_staleness optimizer steps) not sent yet,
         read ahead from the dataloader: the current round generates from batch p of the epoch's stream (p: the
         trainer's micro-steps since the epoch began), round j after it from batch p + j * every."""
-        if self.lookahead is None:
-            return
+        if self.lookahead is None or self.trainer.environment_factories is not None:
+            return  # environments: their reset() at the round writes its prompts (`check_tool_loop` warned)
         current = self.trainer._step - self._epoch_start_step  # noqa: SLF001
         for ahead in range(1, self.rounds_ahead + 1):
             batch = self.lookahead.at(current + ahead * self.every)

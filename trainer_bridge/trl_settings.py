@@ -3,6 +3,7 @@ and the off-policy ones (max_staleness, partial rollouts) to the modes and push 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 ROLLOUT_MODES = ("server", "colocate")
@@ -39,3 +40,26 @@ def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: A
     for name, given in other_mode.items():
         if given:
             raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")
+
+
+def check_tool_loop(trainer: Any, partial_rollouts: bool, max_staleness: int) -> None:
+    """TRL's tool loop (`tools=`, `environment_factory=`) with the rollout settings, after GRPOTrainer's init: refused
+    where it cannot be honoured, warned where it changes what a setting buys.
+
+    Raises:
+        ValueError: partial_rollouts with tools (a later turn cannot join a later round).
+    """
+    if not getattr(trainer, "tools", None):
+        return
+    if partial_rollouts:
+        raise ValueError(
+            "partial_rollouts=True does not support tools or environment_factory (a group's later turns run inside "
+            "TRL's tool loop of the round that took it; they cannot carry over to a later round)"
+        )
+    if max_staleness and getattr(trainer, "environment_factories", None) is not None:
+        warnings.warn(
+            "max_staleness with environment_factory: each round is generated when TRL asks for it, because the "
+            "environments' reset() writes the prompts at that moment; nothing is sent ahead (tools without "
+            "environments are)",
+            stacklevel=3,
+        )

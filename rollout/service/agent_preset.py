@@ -82,18 +82,28 @@ def agent_tokenizer(calls: Any = DEFAULT_CALLS, answer: str = DEFAULT_ANSWER, re
     if len(set(words)) != len(words) or len(words) > AGENT_EXTRA_VOCAB:
         raise ValueError(f"the scripted agent needs distinct calls, answer and refusal, at most {AGENT_EXTRA_VOCAB}")
     tokenizer.add_tokens(words)
+    tokenizer.eos_token = "<|im_end|>"  # a chat model ends its turn there (as Qwen's instruct tokenizers say)
     tokenizer.chat_template = AGENT_CHAT_TEMPLATE
     tokenizer.response_template = AGENT_RESPONSE_TEMPLATE
     return tokenizer
 
 
 def scripted_agent(
-    calls: Any = DEFAULT_CALLS, answer: str = DEFAULT_ANSWER, refusal: str = DEFAULT_REFUSAL
+    calls: Any = DEFAULT_CALLS,
+    answer: str = DEFAULT_ANSWER,
+    refusal: str = DEFAULT_REFUSAL,
+    noise: float = 0.0,
+    seed: int = 0,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """(model, tokenizer) following the module's script; the same architecture and vocabulary size for any script,
     so one worker serving `--model tiny-agent` serves another script once a trainer pushes its weights.
 
-    Args: as `agent_tokenizer`.
+    Args:
+        calls, answer, refusal: as `agent_tokenizer`.
+        noise: standard deviation of random weights under the script (0: exact zeros). With noise every weight
+            takes part in the forward and log-probs are not round numbers, so a train/inference mismatch shows; the
+            script still decides every choice (its logits lead by ~30).
+        seed: the noise's seed (the caller's RNG is left alone).
     """
     tokenizer = agent_tokenizer(calls, answer, refusal)
     word = tokenizer.convert_tokens_to_ids
@@ -119,9 +129,10 @@ def scripted_agent(
     model = Qwen3ForCausalLM(config).eval()
     model.generation_config.eos_token_id = end  # a chat model's turn ends at <|im_end|>
     with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
         for name, parameter in model.named_parameters():
             if "norm" not in name:  # norms stay one
-                parameter.zero_()
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * noise)
         _write_script(model, config, successors, word(_RESULT), newline, word(answer))
     return model, tokenizer
 
@@ -134,10 +145,14 @@ def _write_script(
     newline: int,
     answer: int,
 ) -> None:
-    """Set the weights (all zero before, norms one) that follow the script; see the module docstring."""
+    """Set the weights (zero or small noise before, norms one) that follow the script; see the module docstring."""
     hidden, head = config.hidden_size, config.head_dim
     seen, answering, marker = hidden - 1, hidden - 2, hidden - 3  # directions no scripted token uses
     embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    # No token but the script's own has a component along the script's directions: the norm would blow a noise
+    # component up to ~1 and make any token look like a tool result.
+    embed[:, : len(successors)] = 0.0
+    embed[:, marker:] = 0.0
     for direction, token in enumerate(successors):
         embed[token, direction] = 1.0
         for following in successors[token]:
@@ -153,9 +168,11 @@ def _write_script(
     attention.k_proj.bias[head - 2] = 1e-2
     attention.v_proj.weight[0, marker] = 1.0 / hidden**0.5  # the marker's normalised input is sqrt(hidden)
     attention.o_proj.weight[seen, 0] = 1.0
-    # MLP: silu(gate: "seen") * (up: the generation prompt's newline) -> "answering"; zero unless both are there.
+    # MLP: silu(gate: "seen" - half the newline) * (up: the newline) -> "answering": open only where both are there
+    # (after the norm both are ~11 there; without a tool result "seen" is ~0 and the gate is shut, silu(-8) ~ 0).
     newline_direction = list(successors).index(newline)
     mlp.gate_proj.weight[0, seen] = 1.0
+    mlp.gate_proj.weight[0, newline_direction] = -0.5
     mlp.up_proj.weight[0, newline_direction] = 1.0
     mlp.down_proj.weight[answering, 0] = 0.25
     lm_head[answer, answering] = 2 * _LOGIT
