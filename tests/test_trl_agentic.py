@@ -10,9 +10,12 @@ its tool mask keeps), the chat template's own rendering of a tool turn, and the 
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -25,6 +28,7 @@ from service_helpers import Worker  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 from trl_helpers import grpo_config  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 IS_TOLERANCE = 1e-3  # the bound on TRL's step-1 importance ratio, fp32, worker in another process
 
 
@@ -406,3 +410,20 @@ def test_what_cannot_carry_a_tool_loop_is_refused_by_name(worker, tmp_path):
             tools=[multiply_tool],
             routing_replay=True,
         )
+
+
+# ---- examples/agent_trl.py ------------------------------------------------------------------------------------------
+def test_agent_trl_example(worker, tmp_path, capsys):
+    """The example on this module's worker: TRL's environment loop through rollout, and the environment's reward
+    (a right product from a well-formed call) rises from the script's 0.25 as GRPO trains the head."""
+    spec = importlib.util.spec_from_file_location("agent_trl_under_test", REPO / "examples" / "agent_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--worker", worker.address, "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rewards = [float(r) for r in re.findall(r"step\s+\d+\s+reward ([\d.]+)", out)]
+    assert len(rewards) == 12
+    first, last = re.search(r"first 5 steps: ([\d.]+); last 5 steps: ([\d.]+)", out).groups()
+    assert float(first) == pytest.approx(sum(rewards[:5]) / 5, abs=2e-3)
+    assert float(last) == pytest.approx(sum(rewards[-5:]) / 5, abs=2e-3)
+    assert float(last) - float(first) > 0.2
