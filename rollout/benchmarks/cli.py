@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from rollout.benchmarks import (
+    agentic,
     fleet,
     gpu_report,
     grpo,
@@ -89,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="zmq: ZeroMQ results and streams; http: the OpenAI HTTP API's results and streams beside ZeroMQ "
         "results (the reference); all: both (default: zmq)",
     )
+    sv.add_argument(
+        "--agentic",
+        action="store_true",
+        help="instead: a synthetic multi-turn agent on a fleet of workers, prompt tokens computed / new tokens per "
+        "turn with and without prefix-affine routing (goal: at most 1.2 with it)",
+    )
+    sv.add_argument("--turns", type=int, default=10, help="--agentic: turns per episode (default: 10)")
+    sv.add_argument("--episodes", type=int, default=16, help="--agentic: conversations side by side (default: 16)")
+    sv.add_argument("--workers", type=int, default=2, help="--agentic: rollout-worker processes (default: 2)")
     wt = commands.add_parser("weights", help="push_weights GB/s per transport over loopback, and the commit pause")
     wt.add_argument("--size-mb", type=float, default=512, help="state dict size in MB (default: 512)")
     wt.add_argument(
@@ -292,6 +302,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             summary = lora_push.run(args.size_mb, args.lora_rank, args.repeats, args.device, args.dtype)
         else:
             summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
+    elif args.agentic:
+        if args.turns < 2 or args.episodes < 1 or args.workers < 1:
+            parser.error("--turns must be >= 2, --episodes and --workers >= 1")
+        summary = agentic.run(args.turns, args.episodes, args.workers, seed=args.seed)
     else:
         summary = service.run(args.seed, args.path)
     print(json.dumps(summary))
