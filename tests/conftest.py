@@ -209,3 +209,16 @@ def pytest_pyfunc_call(pyfuncitem):
         return (yield)
     finally:
         pyfuncitem.obj = function
+
+
+@pytest.fixture(scope="session")
+def agent_worker():
+    """One rollout-worker serving the scripted tool caller (`--model tiny-agent`), shared by the agentic test modules;
+    each trainer pushes its own script's weights (same architecture and vocabulary) before it samples."""
+    from service_helpers import Worker
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        server = Worker("--model", "tiny-agent")
+    yield server
+    server.close()

@@ -1,0 +1,123 @@
+"""TRL's tool loop through `RolloutGRPOTrainer` in its other modes (colocate, max_staleness), what refuses it, and
+`examples/agent_trl.py`; on the scripted tool caller, checked against TRL's own metrics as in test_trl_agentic.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import pytest  # noqa: E402
+from agentic_helpers import (  # noqa: E402
+    COUNTER_CALLS,
+    CounterEnvironment,
+    Recorder,
+    agent,
+    check_tool_mask,
+    check_tool_metrics,
+    conversations,
+    multiply_tool,
+    train,
+)
+
+from rollout.service.presets import tiny_moe_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- the other modes ------------------------------------------------------------------------------------------------
+def test_tools_in_colocated_mode(tmp_path):
+    """Colocated (no worker): the tool loop runs in the trainer's own engine; the ratio is 1 to fp32 rounding."""
+    model, tokenizer = agent(calls=COUNTER_CALLS)
+    recorder = Recorder()
+    trainer = train(
+        None, tmp_path, model, tokenizer, recorder, rollout_mode="colocate", environment_factory=CounterEnvironment
+    )
+    check_tool_metrics(trainer, recorder, rows_per_step=3)
+    check_tool_mask(trainer, recorder)
+    first = [entry for entry in trainer.state.log_history if "loss" in entry][0]
+    assert first["sampling/sampling_logp_difference/max"] <= 1e-5
+
+
+def test_tools_with_max_staleness(agent_worker, tmp_path):
+    """max_staleness=1 with tools: the first turn of the next round is sent ahead (generated under older weights:
+    the lag says so), later turns when TRL asks; TRL's tool metrics and mask are as in synchronous runs."""
+    model, tokenizer = agent(calls=COUNTER_CALLS[:1] + [{"name": "multiply_tool", "arguments": {"a": 3}}])
+    recorder = Recorder()
+    trainer = train(
+        agent_worker,
+        tmp_path,
+        model,
+        tokenizer,
+        recorder,
+        config=dict(max_steps=3),
+        train_dataset=conversations(),
+        tools=[multiply_tool],
+        max_staleness=1,
+    )
+    check_tool_metrics(trainer, recorder, rows_per_step=3)
+    check_tool_mask(trainer, recorder)
+    assert max(entry["rollout/policy_lag_max"] for entry in trainer.state.log_history if "loss" in entry) <= 1
+    assert trainer.rollout.num_unmatched_rounds >= 1  # later turns were not sent ahead
+
+
+def test_environment_factory_with_max_staleness_warns_and_trains(agent_worker, tmp_path):
+    model, tokenizer = agent(calls=COUNTER_CALLS)
+    with pytest.warns(UserWarning, match="nothing is sent ahead"):
+        trainer = train(
+            agent_worker,
+            tmp_path,
+            model,
+            tokenizer,
+            Recorder(),
+            environment_factory=CounterEnvironment,
+            max_staleness=1,
+        )
+    assert trainer.state.global_step == 2 and not trainer.rollout._ahead
+
+
+def test_what_cannot_carry_a_tool_loop_is_refused_by_name(agent_worker, tmp_path):
+    model, tokenizer = agent()
+    with pytest.raises(ValueError, match="partial_rollouts=True does not support tools"):
+        train(
+            agent_worker,
+            tmp_path,
+            model,
+            tokenizer,
+            Recorder(),
+            train_dataset=conversations(),
+            tools=[multiply_tool],
+            partial_rollouts=True,
+            max_staleness=1,
+        )
+    with pytest.raises(ValueError, match="routing_replay=True does not support rollout_func, tools"):
+        train(
+            agent_worker,
+            tmp_path,
+            tiny_moe_model(0),
+            tokenizer,
+            Recorder(),
+            train_dataset=conversations(),
+            tools=[multiply_tool],
+            routing_replay=True,
+        )
+
+
+# ---- examples/agent_trl.py ------------------------------------------------------------------------------------------
+def test_agent_trl_example(agent_worker, tmp_path, capsys):
+    """The example on the shared tiny-agent worker: TRL's environment loop through rollout, and the environment's reward
+    (a right product from a well-formed call) rises from the script's 0.25 as GRPO trains the head."""
+    spec = importlib.util.spec_from_file_location("agent_trl_under_test", REPO / "examples" / "agent_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--worker", agent_worker.address, "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rewards = [float(r) for r in re.findall(r"step\s+\d+\s+reward ([\d.]+)", out)]
+    assert len(rewards) == 12
+    first, last = re.search(r"first 5 steps: ([\d.]+); last 5 steps: ([\d.]+)", out).groups()
+    assert float(first) == pytest.approx(sum(rewards[:5]) / 5, abs=2e-3)
+    assert float(last) == pytest.approx(sum(rewards[-5:]) / 5, abs=2e-3)
+    assert float(last) - float(first) > 0.2
