@@ -10,8 +10,9 @@ a tool turn and samples the next turn, until a turn calls no tool. The environme
 
 The policy is the built-in scripted tool caller (`rollout-worker --model tiny-agent`: one Qwen3 layer whose logits
 call a tool or refuse, then answer once a tool result is in the conversation; small random weights under the
-script; only its output head trains here). It cannot read the question, but it can learn which first turn pays: it starts by refusing half the time
-and misnaming an argument (`c` for `b`) in half of its calls, so its reward starts near 0.25, and GRPO raises it.
+script; only its output head trains here). It cannot read the question, but it can learn which first turn pays:
+it starts with a third each of a right call, a call that misnames an argument (`c` for `b`) and a refusal, so its
+reward starts near 0.33, and GRPO raises it.
 Every turn's tokens come back with their log-probs and policy versions; TRL masks the tool-result tokens out of the
 loss itself. The script prints the reward of each step and the mean reward of the first and last 5 steps, and
 stops the worker at the end.

@@ -147,7 +147,7 @@ def check_importance_ratio(trainer: RolloutGRPOTrainer) -> None:
     assert first["sampling/sampling_logp_difference/max"] <= IS_TOLERANCE
 
 
-def train(worker, tmp_path, model, tokenizer, recorder, rows: int = 3, **trainer_kwargs) -> RolloutGRPOTrainer:
+def train(worker, tmp_path, model, tokenizer, recorder, rows: int = 6, **trainer_kwargs) -> RolloutGRPOTrainer:
     """A 2-step server-mode run of `rows` rows per step (one group) on `worker`, recorded by `recorder`."""
     settings = dict(per_device_train_batch_size=rows, num_generations=3, max_completion_length=256, learning_rate=1e-4)
     settings.update(trainer_kwargs.pop("config", {}))

@@ -49,3 +49,39 @@ def test_chat_template_renders_chatml_turns_with_special_markers():
     tool = {"type": "function", "function": {"name": "add", "parameters": {}}}
     with_tools = tokenizer.apply_chat_template(messages[:1], tools=[tool], tokenize=False)
     assert with_tools.startswith("<|im_start|>system\n") and '"name": "add"' in with_tools
+
+
+def test_the_tiny_agent_preset_calls_a_tool_then_answers():
+    """`--model tiny-agent`: transformers' own sampling and response parser see a tool call in the chat template's
+    format (or a refusal) in a fresh turn, each a third, and the answer once a tool result is in the conversation;
+    the preset's model and tokenizer come by name, and the noisy variant keeps the script."""
+    from rollout.service.agent_preset import DEFAULT_CALLS, scripted_agent
+    from rollout.service.preset_names import model_from_preset, tokenizer_for
+
+    model, tokenizer = model_from_preset("tiny-agent"), tokenizer_for("tiny-agent")
+    tool = {"type": "function", "function": {"name": "multiply", "parameters": {"type": "object"}}}
+    question = [{"role": "user", "content": "What is 3 times 4?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=[tool], add_generation_prompt=True, return_dict=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt] * 60), do_sample=True, max_new_tokens=8, top_k=None, top_p=None)
+    replies = [row[len(prompt) :].tolist() for row in out]
+    replies = [reply[: reply.index(tokenizer.eos_token_id) + 1] for reply in replies]  # generate pads after the end
+    parsed = [tokenizer.parse_response(reply, prefix=prompt) for reply in replies]
+    calls = [p["tool_calls"][0]["function"] for p in parsed if p.get("tool_calls")]
+    refusals = [p for p in parsed if p.get("content") == "I won't"]
+    assert len(calls) + len(refusals) == 60
+    assert {(c["name"], tuple(c["arguments"].items())) for c in calls} == {
+        (c["name"], tuple(c["arguments"].items())) for c in DEFAULT_CALLS
+    }
+    assert 10 <= len(refusals) <= 30  # a third of 60, sampled
+    answered = question + [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": DEFAULT_CALLS[0]}]},
+        {"role": "tool", "name": "multiply", "content": "12"},
+    ]
+    for agent in (model, scripted_agent(noise=0.01)[0]):
+        ids = tokenizer.apply_chat_template(answered, tools=[tool], add_generation_prompt=True, return_dict=False)
+        assert ids[: len(prompt) - 3] == prompt[: len(prompt) - 3]  # the template preserves the conversation's prefix
+        with torch.no_grad():
+            reply = agent.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8)[0, len(ids) :].tolist()
+        assert tokenizer.parse_response(reply, prefix=ids) == {"role": "assistant", "content": "Done!"}

@@ -36,7 +36,7 @@ def test_tools_in_colocated_mode(tmp_path):
     trainer = train(
         None, tmp_path, model, tokenizer, recorder, rollout_mode="colocate", environment_factory=CounterEnvironment
     )
-    check_tool_metrics(trainer, recorder, rows_per_step=3)
+    check_tool_metrics(trainer, recorder, rows_per_step=6)
     check_tool_mask(trainer, recorder)
     first = [entry for entry in trainer.state.log_history if "loss" in entry][0]
     assert first["sampling/sampling_logp_difference/max"] <= 1e-5
@@ -58,7 +58,7 @@ def test_tools_with_max_staleness(agent_worker, tmp_path):
         tools=[multiply_tool],
         max_staleness=1,
     )
-    check_tool_metrics(trainer, recorder, rows_per_step=3)
+    check_tool_metrics(trainer, recorder, rows_per_step=6)
     check_tool_mask(trainer, recorder)
     assert max(entry["rollout/policy_lag_max"] for entry in trainer.state.log_history if "loss" in entry) <= 1
     assert trainer.rollout.num_unmatched_rounds >= 1  # later turns were not sent ahead
@@ -109,7 +109,7 @@ def test_what_cannot_carry_a_tool_loop_is_refused_by_name(agent_worker, tmp_path
 # ---- examples/agent_trl.py ------------------------------------------------------------------------------------------
 def test_agent_trl_example(agent_worker, tmp_path, capsys):
     """The example on the shared tiny-agent worker: TRL's environment loop through rollout, and the environment's reward
-    (a right product from a well-formed call) rises from the script's 0.25 as GRPO trains the head."""
+    (a right product from a well-formed call) rises from the script's 1/3 as GRPO trains the head."""
     spec = importlib.util.spec_from_file_location("agent_trl_under_test", REPO / "examples" / "agent_trl.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

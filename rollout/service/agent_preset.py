@@ -2,10 +2,10 @@
 examples train. A random model never emits a well-formed tool call; this one's logits really do, in its chat
 template's hermes format (`<tool_call>\\n{json}\\n</tool_call>`), so TRL's tool loop runs more than one turn.
 
-Its script, in a fresh turn (no tool result in the conversation yet): after the generation prompt it calls a tool
-or refuses, with equal probability; a call is one of `calls`, each as likely. Once a tool result is in the
-conversation (a `<tool_response>` token anywhere before), it answers `answer` instead. Every turn then ends with
-`<|im_end|>`. Sampled at temperature 1 the first-turn choice varies between the samples of a group, so GRPO has an
+Its script, in a fresh turn (no tool result in the conversation yet): after the generation prompt it makes one of
+`calls` or refuses, each as likely (with a valid and an invalid call, as in TRL's tests: a third each). Once a tool
+result is in the conversation (a `<tool_response>` token anywhere before), it answers `answer` instead. Every turn
+then ends with `<|im_end|>`. Sampled at temperature 1 the first-turn choice varies between the samples of a group, so GRPO has an
 advantage to learn from.
 
 How the weights spell that (one Qwen3 layer, everything else zero): each scripted token's embedding is its own
@@ -18,6 +18,7 @@ generation prompt's newline meet, and writes the "answer" direction the head map
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ DEFAULT_ANSWER, DEFAULT_REFUSAL = "Done!", "I won't"
 AGENT_EXTRA_VOCAB = 32  # room for added words: the vocabulary size is fixed, so any script fits one worker's model
 _OPEN, _CLOSE, _RESULT = "<tool_call>\n", "\n</tool_call>", "<tool_response>"
 _LOGIT = 2.0  # the head's weight per unit of a normalised direction: scripted choices lead every other token by ~30
+_NORMALISED = TINY_MODEL_CONFIG["hidden_size"] ** 0.5  # a one-hot direction after the final norm
 
 
 def agent_tokenizer(calls: Any = DEFAULT_CALLS, answer: str = DEFAULT_ANSWER, refusal: str = DEFAULT_REFUSAL):
@@ -71,16 +73,20 @@ def agent_tokenizer(calls: Any = DEFAULT_CALLS, answer: str = DEFAULT_ANSWER, re
     piece (a call's whole JSON is one token, so a bigram can spell it).
 
     Args:
-        calls: the tool calls the model makes, as {"name": ..., "arguments": {...}} dicts.
+        calls: the tool calls the model makes, as {"name": ..., "arguments": {...}} dicts, or as the text between
+            the call's tags (e.g. malformed JSON).
         answer: what it says once a tool result is in the conversation.
         refusal: what it says instead of calling a tool.
     Raises:
-        ValueError: more pieces than `AGENT_EXTRA_VOCAB` words, or two pieces alike.
+        ValueError: no call, more pieces than `AGENT_EXTRA_VOCAB` words, or two pieces alike.
     """
     tokenizer = tiny_tokenizer()
-    words = [_OPEN, _CLOSE, _RESULT, "</tool_response>", answer, refusal, *(json.dumps(call) for call in calls)]
-    if len(set(words)) != len(words) or len(words) > AGENT_EXTRA_VOCAB:
-        raise ValueError(f"the scripted agent needs distinct calls, answer and refusal, at most {AGENT_EXTRA_VOCAB}")
+    words = [_OPEN, _CLOSE, _RESULT, "</tool_response>", answer, refusal, *(_call_text(call) for call in calls)]
+    if not calls or len(set(words)) != len(words) or len(words) > AGENT_EXTRA_VOCAB:
+        raise ValueError(
+            f"the scripted agent needs at least one call, and distinct calls, answer and refusal: at most "
+            f"{AGENT_EXTRA_VOCAB - 6} calls"
+        )
     tokenizer.add_tokens(words)
     tokenizer.eos_token = "<|im_end|>"  # a chat model ends its turn there (as Qwen's instruct tokenizers say)
     tokenizer.chat_template = AGENT_CHAT_TEMPLATE
@@ -108,7 +114,7 @@ def scripted_agent(
     tokenizer = agent_tokenizer(calls, answer, refusal)
     word = tokenizer.convert_tokens_to_ids
     newline, end = word("\n"), word("<|im_end|>")
-    call_ids = [word(json.dumps(call)) for call in calls]
+    call_ids = [word(_call_text(call)) for call in calls]
     successors = {newline: [word(_OPEN), word(refusal)], word(_OPEN): call_ids, word(answer): [end]}
     successors[word(refusal)] = [end]
     successors.update({call: [word(_CLOSE)] for call in call_ids})
@@ -126,7 +132,8 @@ def scripted_agent(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=end,
     )
-    model = Qwen3ForCausalLM(config).eval()
+    with torch.random.fork_rng(devices=[]):  # its random init, all overwritten below, leaves the caller's RNG alone
+        model = Qwen3ForCausalLM(config).eval()
     model.generation_config.eos_token_id = end  # a chat model's turn ends at <|im_end|>
     with torch.no_grad():
         generator = torch.Generator().manual_seed(seed)
@@ -134,7 +141,13 @@ def scripted_agent(
             if "norm" not in name:  # norms stay one
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * noise)
         _write_script(model, config, successors, word(_RESULT), newline, word(answer))
+        # Each call as likely as the refusal: the opening tag leads the refusal by log(number of calls).
+        model.lm_head.weight[word(_OPEN), list(successors).index(newline)] += math.log(len(calls)) / _NORMALISED
     return model, tokenizer
+
+
+def _call_text(call: Any) -> str:
+    return call if isinstance(call, str) else json.dumps(call)
 
 
 def _write_script(
