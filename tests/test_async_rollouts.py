@@ -89,6 +89,9 @@ def test_closing_cancels_what_is_in_flight(client, worker):
     prompts = [PromptGroup(group.prompt_ids, 2, {**group.sampling, "max_new_tokens": 160}) for group in groups(30)]
     rollouts = AsyncRollouts(client, prompts, GROUPS_PER_STEP, max_staleness=3)
     next(rollouts)
+    deadline = time.monotonic() + 20
+    while not worker.stats()["running"] and time.monotonic() < deadline:  # a slow machine: the prefetch arrives
+        time.sleep(0.01)
     rollouts.close()
     assert list(rollouts) == []
     deadline = time.monotonic() + 20

@@ -53,7 +53,6 @@ def test_tools_with_max_staleness(agent_worker, tmp_path):
         model,
         tokenizer,
         recorder,
-        config=dict(max_steps=3),
         train_dataset=conversations(),
         tools=[multiply_tool],
         max_staleness=1,
