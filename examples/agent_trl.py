@@ -1,6 +1,6 @@
 """An agent trained with TRL's own tool loop through a rollout worker: GRPOTrainer's `environment_factory=`.
 
-    python examples/agent_trl.py             # about 30 s on a 2-core machine, worker start included
+    python examples/agent_trl.py             # about 20 s on a 2-core machine, worker start included
     python examples/agent_trl.py --colocate  # the same with no worker: generation in the trainer's process
 
 Each rollout gets its own `Calculator` environment. TRL renders the environment's `multiply` method as a tool in the
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.colocate and args.worker:
         parser.error("--colocate runs no worker: it cannot be combined with --worker")
+    if args.steps < 5:
+        parser.error("--steps must be at least 5 (the first and last 5 steps' rewards are compared)")
     torch.manual_seed(0)
     model, tokenizer = scripted_agent(CALLS, noise=0.01)
     for name, parameter in model.named_parameters():
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     worker = None if args.worker or args.colocate else start_worker(address, model="tiny-agent")
     rollout = dict(rollout_mode="colocate") if args.colocate else dict(rollout_workers=address)
+    trainer = None
     try:
         log = RewardLog()
         config = GRPOConfig(
@@ -127,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         trainer.remove_callback(PrinterCallback)  # RewardLog prints the step's reward instead of every metric
         trainer.train()
-        if trainer.rollout_client is not None:
-            trainer.rollout_client.close()
     finally:
+        if trainer is not None and trainer.rollout_client is not None:
+            trainer.rollout_client.close()
         if worker is not None:
             worker.terminate()
             worker.wait(30)

@@ -67,6 +67,7 @@ class Recorder:
         self.completions: list[list[dict]] = []
         self.environments: list[object] = []
         self.rounds: list[dict] = []
+        self.generate_calls = 0
         self.reward = reward
 
     def __call__(self, completions, completion_ids, environments=None, **kwargs):
@@ -85,6 +86,13 @@ class Recorder:
             return output
 
         trainer._generate_and_score_completions = recorded
+        generate = trainer.rollout.generate
+
+        def counted(*args, **kwargs):
+            self.generate_calls += 1
+            return generate(*args, **kwargs)
+
+        trainer.rollout.generate = counted  # what TRL calls once per turn of a round
         return trainer
 
 

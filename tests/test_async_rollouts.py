@@ -85,8 +85,12 @@ def test_stale_groups_are_regenerated_and_a_stalled_version_is_named(client, mod
 
 def test_closing_cancels_what_is_in_flight(client, worker):
     aborted_before = worker.stats()["samples_finished"].get("abort", 0)
-    # Long samples: the prefetched groups are still generating when the first step's batch is taken.
-    prompts = [PromptGroup(group.prompt_ids, 2, {**group.sampling, "max_new_tokens": 160}) for group in groups(30)]
+    # The first step's groups are short, the prefetched ones long: those are still generating when the first
+    # step's batch is taken, however many of them the worker's batch holds at once.
+    prompts = [
+        PromptGroup(group.prompt_ids, 2, {**group.sampling, "max_new_tokens": 8 if i < GROUPS_PER_STEP else 400})
+        for i, group in enumerate(groups(30))
+    ]
     rollouts = AsyncRollouts(client, prompts, GROUPS_PER_STEP, max_staleness=3)
     next(rollouts)
     deadline = time.monotonic() + 20

@@ -93,3 +93,24 @@ def test_grpo_step_benchmark_splits_each_step(capsys):
     assert report["rollout_colocate: step s"].value == results["rollout_colocate"]["step_s"]
     assert report["rollout_server: weight sync s"].value == results["rollout_server"]["weight_sync_s"]
     assert report["generation: trl_generate / colocated"].value is None  # not run here
+
+
+def test_agentic_service_benchmark_measures_both_routings(capsys):
+    """`rollout-bench service --agentic` on a small agent: a line per routing as it finishes, then the JSON, whose
+    figures come from the completions' cached_prompt_tokens; flags of the other mode are refused by name."""
+    import pytest
+
+    for wrong, message in ((["--turns", "3"], "--turns needs --agentic"), (["--agentic", "--path", "http"], "--path")):
+        with pytest.raises(SystemExit):
+            cli.main(["service", *wrong])
+        assert message in capsys.readouterr().err
+    cli.main(["service", "--agentic", "--turns", "3", "--episodes", "4", "--workers", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert [line.split()[0] for line in lines[:-1]] == ["with_affinity", "without_affinity"]
+    assert (summary["turns"], summary["episodes"], summary["workers"]) == (3, 4, 2)
+    for routing in ("with_affinity", "without_affinity"):
+        assert len(summary[routing]["per_turn"]) == 2 and summary[routing]["ratio"] > 0
+    # with affinity every later turn finds all earlier whole blocks in its worker's cache: at most one partial
+    # block (16 tokens) of the 64 a turn appends is computed again
+    assert summary["with_affinity"]["ratio"] <= (64 + 16) / 64 and summary["passed"]

@@ -60,49 +60,48 @@ def test_tools_with_max_staleness(agent_worker, tmp_path):
     check_tool_metrics(trainer, recorder, rows_per_step=6)
     check_tool_mask(trainer, recorder)
     assert max(entry["rollout/policy_lag_max"] for entry in trainer.state.log_history if "loss" in entry) <= 1
-    assert trainer.rollout.num_unmatched_rounds >= 1  # later turns were not sent ahead
+    # Of TRL's generate calls (2 rounds, each a first turn and later turns), all but round 2's first turn were
+    # generated when asked: that one was sent ahead while round 1 trained.
+    assert recorder.generate_calls >= 3
+    assert trainer.rollout.num_unmatched_rounds == recorder.generate_calls - 1
 
 
 def test_environment_factory_with_max_staleness_warns_and_trains(agent_worker, tmp_path):
     model, tokenizer = agent(calls=COUNTER_CALLS)
+    recorder = Recorder()
     with pytest.warns(UserWarning, match="nothing is sent ahead"):
         trainer = train(
             agent_worker,
             tmp_path,
             model,
             tokenizer,
-            Recorder(),
+            recorder,
             environment_factory=CounterEnvironment,
             max_staleness=1,
         )
-    assert trainer.state.global_step == 2 and not trainer.rollout._ahead
+    assert trainer.state.global_step == 2
+    assert trainer.rollout.num_unmatched_rounds == recorder.generate_calls >= 2  # every turn generated when asked
+    check_tool_mask(trainer, recorder)
 
 
-def test_what_cannot_carry_a_tool_loop_is_refused_by_name(agent_worker, tmp_path):
+class PromptingEnvironment:
+    """An environment with no tools: its reset() writes the prompt (TRL's environment-owned data)."""
+
+    def reset(self, **kwargs):
+        return "Guess the word."
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [dict(train_dataset=conversations(), tools=[multiply_tool]), dict(environment_factory=PromptingEnvironment)],
+    ids=["tools", "environment_without_tools"],
+)
+def test_what_cannot_carry_a_tool_loop_is_refused_by_name(agent_worker, tmp_path, loop):
     model, tokenizer = agent()
-    with pytest.raises(ValueError, match="partial_rollouts=True does not support tools"):
-        train(
-            agent_worker,
-            tmp_path,
-            model,
-            tokenizer,
-            Recorder(),
-            train_dataset=conversations(),
-            tools=[multiply_tool],
-            partial_rollouts=True,
-            max_staleness=1,
-        )
+    with pytest.raises(ValueError, match="partial_rollouts=True does not support tools or environment_factory"):
+        train(agent_worker, tmp_path, model, tokenizer, Recorder(), partial_rollouts=True, max_staleness=1, **loop)
     with pytest.raises(ValueError, match="routing_replay=True does not support rollout_func, tools"):
-        train(
-            agent_worker,
-            tmp_path,
-            tiny_moe_model(0),
-            tokenizer,
-            Recorder(),
-            train_dataset=conversations(),
-            tools=[multiply_tool],
-            routing_replay=True,
-        )
+        train(agent_worker, tmp_path, tiny_moe_model(0), tokenizer, Recorder(), routing_replay=True, **loop)
 
 
 # ---- examples/agent_trl.py ------------------------------------------------------------------------------------------

@@ -179,6 +179,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         )
         super().__init__(*args, **kwargs)
         check_tool_loop(self, partial_rollouts, max_staleness)
+        self.routing_replay = check_routing_replay(self, routing_replay)  # before a client connects
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
         if rollout_mode == "colocate":
@@ -193,7 +194,6 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         self.vllm_mode = "server"
         self.vllm_generation = self.rollout
         self._last_loaded_step = -1
-        self.routing_replay = check_routing_replay(self, routing_replay)
         if self.routing_replay:
             self.rollout.sampling["return_routes"] = True
 

@@ -35,7 +35,8 @@ def check_routing_replay(trainer: Any, enabled: Any) -> bool:
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not find_routers(model):
         raise ValueError("routing_replay=True needs an MoE model (its routers are *TopKRouter modules); this is dense")
-    if trainer.rollout_func is not None or getattr(trainer, "tools", None):
+    environments = getattr(trainer, "environment_factories", None) is not None
+    if trainer.rollout_func is not None or getattr(trainer, "tools", None) or environments:
         raise ValueError(
             "routing_replay=True does not support rollout_func, tools or environment_factory yet (a later turn's "
             "tool-result tokens were never routed by the rollout)"

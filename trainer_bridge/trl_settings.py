@@ -43,20 +43,27 @@ def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: A
 
 
 def check_tool_loop(trainer: Any, partial_rollouts: bool, max_staleness: int) -> None:
-    """TRL's tool loop (`tools=`, `environment_factory=`) with the rollout settings, after GRPOTrainer's init: refused
-    where it cannot be honoured, warned where it changes what a setting buys.
+    """TRL's tool loop and environments (`tools=`, `environment_factory=`) with the rollout settings, after
+    GRPOTrainer's init: refused where they cannot be honoured, warned where they change what a setting buys.
 
+    Args:
+        trainer: the GRPOTrainer, initialised (its `tools` and `environment_factories` set).
+        partial_rollouts: the trainer's `partial_rollouts`.
+        max_staleness: the trainer's `max_staleness`.
     Raises:
-        ValueError: partial_rollouts with tools (a later turn cannot join a later round).
+        ValueError: partial_rollouts with tools or environments (a later turn cannot join a later round, and an
+            environment's reset() writes its prompt at the round).
     """
-    if not getattr(trainer, "tools", None):
+    environments = getattr(trainer, "environment_factories", None) is not None
+    if not getattr(trainer, "tools", None) and not environments:
         return
     if partial_rollouts:
         raise ValueError(
             "partial_rollouts=True does not support tools or environment_factory (a group's later turns run inside "
-            "TRL's tool loop of the round that took it; they cannot carry over to a later round)"
+            "TRL's tool loop of the round that took it, and an environment's reset() writes its prompt at that "
+            "round; neither can carry over to a later round)"
         )
-    if max_staleness and getattr(trainer, "environment_factories", None) is not None:
+    if max_staleness and environments:
         warnings.warn(
             "max_staleness with environment_factory: each round is generated when TRL asks for it, because the "
             "environments' reset() writes the prompts at that moment; nothing is sent ahead (tools without "

@@ -5,9 +5,10 @@ result, as token ids), samples a completion, and appends it and a tool result of
 each turn together, so the client spreads them over the workers by load.
 
 The figure: prompt tokens the workers computed (prompt length - `cached_prompt_tokens`, what the prefix cache did
-not give) / new tokens (what the turn appended: the last completion and tool result), over turns 2 and later; 1.0
-is the ideal (the rest of a turn's KV came from the cache), up to about prompt length / new tokens when a turn
-lands on a worker that never saw its conversation. Measured with affinity (`affinity_slack=4`, the default) and
+not give) / new tokens (what the turn appended: the last completion and tool result), over turns 2 and later. With
+every earlier token's KV cached it is 1.0 or less (less: the completion's own KV, computed while it was generated,
+is cached too, in whole blocks), plus up to one block for the partial block the cache cannot share; it rises to
+about prompt length / new tokens when a turn lands on a worker that never saw its conversation. Measured with affinity (`affinity_slack=4`, the default) and
 without (`affinity_slack=None`: load alone); the goal is at most 1.2 with it. Each run uses its own random tokens,
 so the second finds nothing of the first in the caches.
 """

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--path",
         choices=service.PATHS,
-        default="zmq",
+        default=None,
         help="zmq: ZeroMQ results and streams; http: the OpenAI HTTP API's results and streams beside ZeroMQ "
         "results (the reference); all: both (default: zmq)",
     )
@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: a synthetic multi-turn agent on a fleet of workers, prompt tokens computed / new tokens per "
         "turn with and without prefix-affine routing (goal: at most 1.2 with it)",
     )
-    sv.add_argument("--turns", type=int, default=10, help="--agentic: turns per episode (default: 10)")
-    sv.add_argument("--episodes", type=int, default=16, help="--agentic: conversations side by side (default: 16)")
-    sv.add_argument("--workers", type=int, default=2, help="--agentic: rollout-worker processes (default: 2)")
+    sv.add_argument("--turns", type=int, default=None, help="--agentic: turns per episode (default: 10)")
+    sv.add_argument("--episodes", type=int, default=None, help="--agentic: conversations side by side (default: 16)")
+    sv.add_argument("--workers", type=int, default=None, help="--agentic: rollout-worker processes (default: 2)")
     wt = commands.add_parser("weights", help="push_weights GB/s per transport over loopback, and the commit pause")
     wt.add_argument("--size-mb", type=float, default=512, help="state dict size in MB (default: 512)")
     wt.add_argument(
@@ -303,14 +303,22 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         else:
             summary = weights.run(args.size_mb, args.transports, args.repeats, args.bucket_mb, args.device, args.dtype)
     elif args.agentic:
-        if args.turns < 2 or args.episodes < 1 or args.workers < 1:
+        if args.path is not None:
+            parser.error("--path measures the plain service benchmark: it has no effect with --agentic")
+        turns, episodes, workers = args.turns or 10, args.episodes or 16, args.workers or 2
+        if turns < 2 or episodes < 1 or workers < 1:
             parser.error("--turns must be >= 2, --episodes and --workers >= 1")
-        summary = agentic.run(args.turns, args.episodes, args.workers, seed=args.seed)
+        summary = agentic.run(turns, episodes, workers, seed=args.seed)
     else:
-        summary = service.run(args.seed, args.path)
+        given = [flag for flag in ("turns", "episodes", "workers") if getattr(args, flag) is not None]
+        if given:
+            parser.error(f"--{given[0]} needs --agentic")
+        summary = service.run(args.seed, args.path or "zmq")
     print(json.dumps(summary))
     if args.command == "load" and not summary["passed"]:
         raise SystemExit(1)  # a group lost or duplicated, KV blocks left in use, or a fuzzed worker stopped serving
+    if args.command == "service" and args.agentic and not summary["passed"]:
+        raise SystemExit(1)  # above the goal of computed / new prompt tokens with affinity
 
 
 if __name__ == "__main__":

@@ -78,15 +78,23 @@ def agent_tokenizer(calls: Any = DEFAULT_CALLS, answer: str = DEFAULT_ANSWER, re
         answer: what it says once a tool result is in the conversation.
         refusal: what it says instead of calling a tool.
     Raises:
-        ValueError: no call, more pieces than `AGENT_EXTRA_VOCAB` words, or two pieces alike.
+        ValueError: no call or too many, or a piece that is empty, repeats another, or is already a token (named).
     """
     tokenizer = tiny_tokenizer()
-    words = [_OPEN, _CLOSE, _RESULT, "</tool_response>", answer, refusal, *(_call_text(call) for call in calls)]
-    if not calls or len(set(words)) != len(words) or len(words) > AGENT_EXTRA_VOCAB:
-        raise ValueError(
-            f"the scripted agent needs at least one call, and distinct calls, answer and refusal: at most "
-            f"{AGENT_EXTRA_VOCAB - 6} calls"
-        )
+    named = [("answer", answer), ("refusal", refusal), *((f"calls[{i}]", _call_text(c)) for i, c in enumerate(calls))]
+    words = [_OPEN, _CLOSE, _RESULT, "</tool_response>"]
+    if not calls or len(words) + len(named) > AGENT_EXTRA_VOCAB:
+        raise ValueError(f"calls: the scripted agent takes 1 to {AGENT_EXTRA_VOCAB - 6} calls, got {len(calls)}")
+    for name, text in named:
+        # a piece must be a word of its own (one token the script can map), new to the tokenizer
+        if (
+            not isinstance(text, str)
+            or not text
+            or text in words
+            or tokenizer.convert_tokens_to_ids(text) != tokenizer.unk_token_id
+        ):
+            raise ValueError(f"{name}: {text!r} is empty, repeats another piece, or is already a token")
+        words.append(text)
     tokenizer.add_tokens(words)
     tokenizer.eos_token = "<|im_end|>"  # a chat model ends its turn there (as Qwen's instruct tokenizers say)
     tokenizer.chat_template = AGENT_CHAT_TEMPLATE
