@@ -31,9 +31,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
 
 from rollout.service.agent_preset import scripted_agent  # noqa: E402
+from rollout.service.presets import toy_grpo_config  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -102,20 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         log = RewardLog()
-        config = GRPOConfig(
-            output_dir=args.output_dir,
-            max_steps=args.steps,
-            per_device_train_batch_size=16,
-            num_generations=4,
-            max_completion_length=128,
-            learning_rate=3e-3,
-            beta=0.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=0,
+        # the main job's GRPOConfig (fp32, temperature 1, lr 3e-3, 16 rows a step), with room for two turns
+        config = toy_grpo_config(
+            args.output_dir, args.steps, num_generations=4, max_completion_length=128, disable_tqdm=True
         )
         trainer = RolloutGRPOTrainer(
             model=model,
