@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rollout.constraints import CONSTRAINT_FIELDS, normalized_constraint
 from rollout.validation import FieldError, _check, _is_int, _is_number, _listed, _token_ids
 
 # Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
@@ -97,8 +98,18 @@ class SamplingParams:
     # Also return the experts an MoE model's routers chose for every token computed (routing replay): the completion's
     # `routes` and `prompt_routes`. Only for MoE models.
     return_routes: bool = False
+    # Structured outputs (at most one; vLLM's StructuredOutputsParams names; need the model's tokenizer on the engine,
+    # `rollout.constraints`): the completion matches this regular expression, JSON schema (a dict or its JSON
+    # text), one of these strings, EBNF grammar, or any JSON object. A sample the grammar completes ends with "stop".
+    regex: str | None = None
+    json: Any = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
+        constraint = normalized_constraint({name: getattr(self, name) for name in CONSTRAINT_FIELDS})
+        self.json, self.choice = constraint["json"], constraint["choice"]
         _check(
             _is_number(self.temperature)
             and math.isfinite(self.temperature)

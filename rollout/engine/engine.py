@@ -254,7 +254,8 @@ class Engine(EngineWeights):
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
-        if launched is not None and not self.overlap_scheduling:
+        # A constrained sample's next mask needs its token: its step is resolved before the next one is queued.
+        if launched is not None and (not self.overlap_scheduling or launched.constrained):
             self._advance(launched)
             return outputs + self._resolve(launched)
         self._in_flight = launched
@@ -304,7 +305,10 @@ class Engine(EngineWeights):
             request = step.batch.samples[index][0]
             if not request.is_finished:
                 request.drop_placeholder()
-                failed += self.scheduler.fail(request, NOTHING_TO_DRAW)
+                reason = NOTHING_TO_DRAW
+                if request.constraint is not None:
+                    reason = f"{request.constraint.field}: the grammar allows no token at this position"
+                failed += self.scheduler.fail(request, reason)
         if sampled.top_logprobs is not None:
             for index, (request, _) in enumerate(step.batch.samples):
                 if request.status != RequestStatus.FINISHED and request.sampling.top_logprobs:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
+from rollout.constraints import constraint_of
 from rollout.detokenizer import OutputText
 from rollout.engine.adapter_ref import AdapterRef
+from rollout.engine.grammar import Constrained, Grammars
 from rollout.engine.request import Request, sample_id
 from rollout.engine.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
@@ -79,6 +81,7 @@ class RequestIntake:
             routes_refusal: why `return_routes` cannot be honoured (None: it can; a dense model, say).
         """
         self.tokenizer = tokenizer
+        self.grammars = Grammars()  # structured outputs' compiled grammars, per tokenizer
         self.adapter_ref = adapter_ref
         self.routes_refusal = routes_refusal
         self.vocab_size = vocab_size
@@ -198,6 +201,11 @@ class RequestIntake:
         )
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)
+        constraint = constraint_of(sampling)
+        if constraint is not None:
+            field, spec = constraint
+            compiled = self.grammars.compile(self.tokenizer, self.vocab_size, field, spec)
+            request.constraint = Constrained(field, compiled)
         return request
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:

@@ -95,6 +95,8 @@ class Request:
     sampling_slot: int = -1
     # The output's text, decoded as tokens resolve, when the request has stop strings (else None).
     stop_text: OutputText | None = None
+    # The sample's structured-output grammar state (`rollout.engine.grammar.Constrained`), or None.
+    constraint: Any = None
     # Emit a delta per token (else one output when finished).
     streaming: bool = False
     # How many output tokens were already handed to the caller (streaming deltas).
@@ -194,6 +196,16 @@ class Request:
         stop_text = self.stop_text
         if stop_text is not None:
             stop_text.add(token_id)
+        constraint = self.constraint
+        if constraint is not None:
+            constraint.accept(token_id)
+            if constraint.rejected is not None:
+                self.finish_reason = "error"
+                self.error = f"{constraint.field}: the grammar does not allow token {token_id} here"
+                return
+            if constraint.terminated:
+                self.finish_reason = "stop"
+                return
         # A stop token counts once min_new_tokens tokens came before it (the sampler masks it until then); so does a
         # stop string (OutputText looks for one only past min_new_tokens).
         if token_id in self.stop_token_ids and num_output_tokens > self.sampling.min_new_tokens:
@@ -224,6 +236,7 @@ class Request:
             seed=self.seed,
             arrival=arrival,
             stop_text=None if self.stop_text is None else self.stop_text.restarted(),
+            constraint=None if self.constraint is None else self.constraint.restarted(),
             streaming=self.streaming,
             created_time=self.created_time,
             started_time=self.started_time,

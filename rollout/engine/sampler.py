@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.draw import sample_blocked, sample_from
+from rollout.engine.grammar import mask_rows
 from rollout.engine.pending_samples import PendingSamples
 from rollout.engine.request import Request
 from rollout.engine.request_state import (
@@ -38,6 +39,8 @@ class Sampler:
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
       2. bans: no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens;
       3. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
+         3b. structured outputs: a constrained row's grammar masks every token it does not allow next
+         (`rollout.engine.grammar`; a row it leaves nothing is ended with an error naming the constraint);
       4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
          (`rollout.engine.warpers`, transformers' warper semantics);
       11. sample (`rollout.engine.draw`): greedy rows take the argmax; others draw by inverse CDF with one uniform
@@ -57,7 +60,8 @@ class Sampler:
 
     Log-probs are fp32, in the request's `logprob_mode`:
 
-      processed           log_softmax after step 10: the distribution actually sampled from (logit_bias included).
+      processed           log_softmax after step 10: the distribution actually sampled from (logit_bias and a
+                          grammar's mask included).
                           For greedy rows (temperature 0 or do_sample=False), after step 3: like transformers'
                           `generate`, which runs its warpers only when sampling (a greedy row's sampled
                           distribution is a point mass, whose log-prob would always be 0).
@@ -113,8 +117,10 @@ class Sampler:
             raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
         else:  # a group's samples share their leader's row for their first token
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
-        # Penalties, bans and min_new_tokens write into the scores in place; `raw` stays the model's logits.
-        banned = slots.any("bans") or slots.any("min_new_tokens")
+        # Penalties, bans, min_new_tokens and grammars write into the scores in place; `raw` stays the model's logits.
+        grammars = [request.constraint for request in requests]
+        constrained = any(state is not None for state in grammars)
+        banned = slots.any("bans") or slots.any("min_new_tokens") or constrained
         if slots.any("logit_bias"):  # step 0: a new tensor
             scores = slots.bias.apply(raw, columns)
         else:
@@ -132,6 +138,8 @@ class Sampler:
                 scores = slots.state.penalize(scores, columns)
             if banned:
                 mask_bans(scores, slots.state, columns)
+        if constrained:  # step 3b: each constrained row's grammar masks what it does not allow next
+            mask_rows(scores, grammars)
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
         dead = ~torch.isfinite(scores).any(dim=-1) if banned else None
         top_counts = None

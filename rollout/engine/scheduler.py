@@ -354,7 +354,7 @@ class Scheduler:
             if request.finish_reason is not None:
                 self.admission.growth.finished(request.num_output_tokens)
                 self._dequeue(request)
-                self.finish(request, request.finish_reason)  # it forked already: it ends alone
+                self.finish(request, request.finish_reason, request.error)  # it forked already: it ends alone
         return resolved
 
     def fail(self, request: Request, error: str) -> list[Request]:
