@@ -15,10 +15,11 @@ import torch
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
+from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402
+
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 MODEL = tiny_model(0)
