@@ -165,3 +165,62 @@ def test_bad_constraints_are_refused_by_name():
         run([SamplingParams(regex="(unclosed")], PROMPTS[:1])
     with pytest.raises(FieldError, match="regex: structured outputs need the model's tokenizer"):
         generate_batch(MODEL, PROMPTS[:1], sampling=SamplingParams(regex=REGEX), progress_bar=False)
+
+
+def test_constraints_over_zeromq(agent_worker):
+    """A group's sampling map carries the constraint to a worker, which compiles it with its own tokenizer: every
+    sample matches; a spec that does not compile is refused naming the field, and the worker goes on serving."""
+    from trainer_bridge import PromptGroup, RolloutClient, RolloutError
+
+    with RolloutClient(agent_worker.address, timeout=60) as client:
+        result = client.generate(PromptGroup(PROMPTS[0], 4, {"regex": REGEX, "max_new_tokens": 16, "seed": 5}))
+        tokenizer = agent_worker_tokenizer()
+        for completion in result.completions:
+            assert completion.finish_reason == "stop"
+            assert re.fullmatch(REGEX, tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+        with pytest.raises(RolloutError, match="regex: does not compile") as refused:
+            client.generate(PromptGroup(PROMPTS[0], 1, {"regex": "(unclosed", "max_new_tokens": 4}))
+        assert refused.value.code == "bad_request"
+        assert client.generate(PromptGroup(PROMPTS[0], 1, {"choice": CHOICES})).completions[0].finish_reason == "stop"
+
+
+def agent_worker_tokenizer():
+    from rollout.service.preset_names import tokenizer_for
+
+    return tokenizer_for("tiny-agent")
+
+
+def test_train_vllm_structured_outputs(tmp_path):
+    """TRL's test_train_vllm_structured_outputs, ported (colocated, the tiny model instead of Qwen2.5-0.5B): training
+    works with `vllm_structured_outputs_regex`, and every completion TRL trained on is a prefix the regex's grammar
+    accepts (xgrammar's own matcher; 8 tokens cut most of them short)."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trainer_bridge.trl import RolloutGRPOTrainer
+    from trl_helpers import dataset, grpo_config, id_reward
+
+    pattern = r"<reasoning>\n.*\n</reasoning>\n<answer>\n.*\n</answer>"
+    seen: list[list[int]] = []
+
+    def reward(completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return id_reward(completion_ids)
+
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=reward,
+        args=grpo_config(tmp_path, learning_rate=0.1, vllm_structured_outputs_regex=pattern),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+    )
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert any(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
+    reference = compiled("regex", pattern)
+    assert len(seen) == 16
+    for ids in seen:
+        matcher = xgrammar.GrammarMatcher(reference)
+        assert all(matcher.accept_token(token) for token in ids), TOKENIZER.decode(ids)

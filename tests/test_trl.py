@@ -411,6 +411,7 @@ HONOURED_CHANGES = {
     "repetition_penalty": (1.3, {"repetition_penalty": 1.3}),
     "max_completion_length": (3, {"max_new_tokens": 3}),
     "generation_kwargs": ({"presence_penalty": 0.5}, {"presence_penalty": 0.5}),
+    "vllm_structured_outputs_regex": ("[a-z]+", {"regex": "[a-z]+"}),
 }
 
 
@@ -468,11 +469,11 @@ def test_vllm_spellings_in_generation_kwargs_are_mapped(fake_trainer):
 
 
 def test_refused_fields_fail_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="vllm_structured_outputs_regex"):
+    with pytest.raises(ValueError, match="use_transformers_"):
         RolloutGRPOTrainer(
             model=tiny_model(0),
             reward_funcs=id_reward,
-            args=grpo_config(tmp_path, vllm_structured_outputs_regex="[a-z]+"),
+            args=grpo_config(tmp_path, use_transformers_paged=True),
             train_dataset=dataset(),
             processing_class=TOKENIZER,
             rollout_workers=FakeClient(),

@@ -25,6 +25,7 @@ HONOURED = (
     "repetition_penalty",
     "max_completion_length",
     "generation_kwargs",
+    "vllm_structured_outputs_regex",
 )
 # Settings of the vLLM engine (or server) that rollout replaces: they change no token. (In rollout_mode="colocate"
 # vllm_gpu_memory_utilization sizes the KV cache on CUDA and vllm_enable_sleep_mode turns sleep_between_rounds on:
@@ -47,7 +48,6 @@ NO_EFFECT = (
 )
 # Fields rollout cannot honour, with their harmless value and why.
 REFUSED = {
-    "vllm_structured_outputs_regex": (None, "structured (regex-constrained) outputs are not supported by rollout"),
     "use_transformers_continuous_batching": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
     "use_transformers_paged": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
 }
@@ -103,5 +103,8 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         "logprob_mode": "temperature_scaled",  # what TRL's loss recomputes: log_softmax(logits / T)
         **extra,
     }
+    regex = getattr(args, "vllm_structured_outputs_regex", None)
+    if regex is not None:  # TRL's structured outputs: the completions match it (needs the workers' tokenizer)
+        sampling["regex"] = regex
     SamplingParams(**sampling)  # fail at construction, naming the field
     return sampling
