@@ -104,11 +104,11 @@ def test_agentic_service_benchmark_measures_both_routings(capsys):
         with pytest.raises(SystemExit):
             cli.main(["service", *wrong])
         assert message in capsys.readouterr().err
-    cli.main(["service", "--agentic", "--turns", "3", "--episodes", "4", "--workers", "2"])
+    cli.main(["service", "--agentic", "--turns", "3", "--episodes", "2", "--workers", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert [line.split()[0] for line in lines[:-1]] == ["with_affinity", "without_affinity"]
-    assert (summary["turns"], summary["episodes"], summary["workers"]) == (3, 4, 2)
+    assert (summary["turns"], summary["episodes"], summary["workers"]) == (3, 2, 2)
     for routing in ("with_affinity", "without_affinity"):
         assert len(summary[routing]["per_turn"]) == 2 and summary[routing]["ratio"] > 0
     # with affinity every later turn finds all earlier whole blocks in its worker's cache: at most one partial
