@@ -222,3 +222,15 @@ def agent_worker():
         server = Worker("--model", "tiny-agent")
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def http_worker():
+    """One `rollout-worker --http` on the tiny model, shared by the HTTP modules that only send requests (its `url`)."""
+    from service_helpers import Worker, free_port
+
+    port = free_port()
+    server = Worker("--http", f"127.0.0.1:{port}")
+    server.url = f"http://127.0.0.1:{port}"
+    yield server
+    server.close()

@@ -14,7 +14,7 @@ import pytest
 from rollout import SamplingParams
 from rollout.service import protocol as p
 from rollout.service.presets import tiny_tokenizer
-from service_helpers import Client, Worker, free_port
+from service_helpers import Client
 from trainer_bridge import PromptGroup, RolloutClient
 
 TOKENIZER = tiny_tokenizer()
@@ -23,12 +23,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type":
 
 
 @pytest.fixture(scope="module")
-def worker():
-    port = free_port()
-    server = Worker("--http", f"127.0.0.1:{port}")
-    server.url = f"http://127.0.0.1:{port}"
-    yield server
-    server.close()
+def worker(http_worker):
+    return http_worker
 
 
 @pytest.fixture(scope="module")
@@ -314,12 +310,6 @@ def test_fields_without_generation_semantics_are_accepted(api):
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
-        (
-            "/v1/chat/completions",
-            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
-            400,
-            "response_format",
-        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
         ("/v1/completions", {"prompt": [[5]] * 600, "n": 2}, 400, "n"),  # 1200 samples > --max-n

@@ -21,6 +21,9 @@ except ImportError:  # the extra is not installed: constraints are refused (Gram
 
 
 ANY_OBJECT = json.dumps({"type": "object"})
+# Compiled grammars kept per tokenizer (xgrammar evicts the least recently used beyond it): a client sending endless
+# distinct specs cannot grow the worker's memory without bound. vLLM's default (VLLM_XGRAMMAR_CACHE_MB).
+CACHE_LIMIT_BYTES = 512 << 20
 
 
 class Grammars:
@@ -66,7 +69,8 @@ class Grammars:
             entry = self._compilers.get(key)
             if entry is None or entry[0] is not tokenizer:
                 info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-                entry = (tokenizer, xgrammar.GrammarCompiler(info))  # the tokenizer kept: its id stays unique
+                compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
+                entry = (tokenizer, compiler)  # the tokenizer kept: its id stays unique
                 self._compilers[key] = entry
             return entry[1]
 

@@ -201,12 +201,21 @@ class RequestIntake:
         )
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)
-        constraint = constraint_of(sampling)
-        if constraint is not None:
-            field, spec = constraint
-            compiled = self.grammars.compile(self.tokenizer, self.vocab_size, field, spec)
-            request.constraint = Constrained(field, compiled)
+        request.constraint = self.constraint(sampling)
         return request
+
+    def constraint(self, sampling: SamplingParams) -> Constrained | None:
+        """A fresh grammar state for `sampling`'s structured-output constraint (None: it has none), compiled with this
+        model's tokenizer (xgrammar caches compiled grammars, so a spec compiles once).
+
+        Raises:
+            FieldError: naming the constraint field: no tokenizer, no xgrammar, or a spec that does not compile.
+        """
+        constraint = constraint_of(sampling)
+        if constraint is None:
+            return None
+        field, spec = constraint
+        return Constrained(field, self.grammars.compile(self.tokenizer, self.vocab_size, field, spec))
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:
         """What finds the request's stop strings in its output (None when it has none)."""

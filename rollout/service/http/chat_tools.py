@@ -4,7 +4,7 @@ called tools and stopped by itself, as vLLM answers.
 
 Which requests get a parser: those with `tools` and a `tool_choice` other than "none". Without a parser such a request
 is refused (400 naming --tool-call-parser), never answered with the tools silently dropped; "required" and a named
-function need constrained decoding, which rollout does not have yet, and are refused by name.
+function (vLLM forces them with a grammar) are refused by name.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def tool_calling(spec: ToolSpec, parser_name: str | None) -> ToolCalling | None:
         return None
     if spec.constrained:
         reason = (
-            f"{spec.tool_choice!r} needs constrained decoding (structured outputs), which this worker does not "
-            "have yet; use 'auto' or 'none'"
+            f"{spec.tool_choice!r} (tool calls forced by a grammar) is not supported; use 'auto' or 'none', or "
+            "constrain the text with response_format / structured_outputs"
         )
         raise APIError(400, f"tool_choice: {reason}", "tool_choice")
     if parser_name is None:

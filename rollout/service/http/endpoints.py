@@ -133,8 +133,15 @@ class OpenAIEndpoints:
         stream, include_usage = fields.stream_settings(body)
         default_stops = self.manager.engine.intake.default_sampling.stop_token_ids or ()
         prompt_top = scoring.engine_top(logprobs, max_tokens) if scoring is not None else None
+        # A constraint is compiled here, off the event loop (cached: the engine's intake finds it compiled).
         sampling = fields.sampling_from(
-            body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field, prompt_logprobs=prompt_top
+            body,
+            tuple(default_stops),
+            max_tokens,
+            logprobs or 0,
+            prompt_field,
+            prompt_logprobs=prompt_top,
+            check=self.manager.engine.intake.constraint,
         )
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring

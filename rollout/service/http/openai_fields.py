@@ -7,11 +7,13 @@ fields rollout does not serve.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.service.http.errors import APIError, bad_field, from_field_error
+from rollout.service.http.structured_fields import LEGACY_FIELDS, client_param, structured_request
 
 # Sampling fields both endpoints take, by their OpenAI / vLLM names -> SamplingParams fields.
 SAMPLING_FIELDS = {
@@ -49,7 +51,10 @@ COMMON_FIELDS = (
         "stop_token_ids",
         "ignore_eos",
         "return_token_ids",
+        "response_format",  # OpenAI's structured outputs (structured_fields)
+        "structured_outputs",  # vLLM's
     }
+    | set(LEGACY_FIELDS)  # vLLM's older guided_* fields: refused, naming the field to use
     | set(SAMPLING_FIELDS)
     | NO_EFFECT_FIELDS
 )
@@ -65,12 +70,10 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
-    "response_format",
 }
 # Fields refused unless absent, null or one of their harmless values, and why.
 REFUSED = {
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "response_format": (({"type": "text"},), "structured outputs are not supported"),
 }
 MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
 
@@ -126,6 +129,7 @@ def sampling_from(
     top_logprobs: int,
     prompt_field: str,
     prompt_logprobs: int | None = None,
+    check: Callable[[SamplingParams], object] | None = None,
 ) -> SamplingParams:
     """The SamplingParams of a body (a 400 naming the body's field when one is bad).
 
@@ -136,6 +140,8 @@ def sampling_from(
         top_logprobs: top log-probs per token to compute.
         prompt_field: "prompt" or "messages" (where prompt errors point).
         prompt_logprobs: top log-probs per prompt position to compute (None: the prompt is not scored).
+        check: called with the SamplingParams; a FieldError it raises is answered as one of SamplingParams' own
+            (the engine's compile of a structured-output constraint: its error names the client's field).
     """
     fields: dict[str, Any] = {
         target: body[name] for name, target in SAMPLING_FIELDS.items() if body.get(name) is not None
@@ -156,11 +162,17 @@ def sampling_from(
     if stop is not None:
         fields["stop"] = [stop] if isinstance(stop, str) else stop
     fields.update(max_new_tokens=max_tokens, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs)
+    structured = structured_request(body)
+    fields.update(structured.fields)
     try:
-        return SamplingParams(**fields)
+        sampling = SamplingParams(**fields)
+        if check is not None:
+            check(sampling)
+        return sampling
     except FieldError as error:
         reverse = {target: name for name, target in SAMPLING_FIELDS.items()}
-        raise from_field_error(FieldError(reverse.get(error.field, error.field), error.reason), prompt_field) from None
+        name = client_param(structured, error.field) or reverse.get(error.field, error.field)
+        raise from_field_error(FieldError(name, error.reason), prompt_field) from None
 
 
 def integer(body: dict[str, Any], name: str, default: int | None, low: int, high: int | None = None) -> int | None:
