@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 xgrammar = pytest.importorskip("xgrammar")
 
 from conftest import run_to_completion  # noqa: E402
