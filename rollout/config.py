@@ -57,6 +57,9 @@ PREVIOUS_PATHS = {
     "blocks per iteration and at least 4 programs per SM)",
     "colocated_graphs": "ColocatedEngine releasing its CUDA graphs at every sleep() (now: kept while the parameters "
     "and the cache stay where they were)",
+    "grammar_resolve_first": "with overlap scheduling, a step with grammar-constrained samples resolved (its tokens "
+    "on the host, its grammars advanced) before the next step was scheduled (now: the next step's forward is queued "
+    "first, then the tokens fetched and the next masks filled while it runs)",
     "moe_experts": "an MoE model keeping its own experts implementation, whose eager loop reads the routing back to "
     "the host, so decode steps cannot be captured (now: transformers' grouped_mm or batched_mm while the engine holds "
     "the model, the model's own given back)",

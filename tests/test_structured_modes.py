@@ -69,6 +69,31 @@ def test_preemption_by_swap_and_recompute_changes_no_constrained_token():
     assert all(o.finish_reason == "stop" for o in expected.values())
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [dict(overlap_scheduling=True), dict(overlap_scheduling=True, previous_paths=("grammar_resolve_first",))],
+)
+def test_overlap_scheduling_changes_no_constrained_token(settings):
+    """Overlapped, a constrained step's tokens are fetched while the next forward runs and the next masks filled
+    from them (a sample whose grammar ended has one more row, dropped); or (previous path) resolved before the next
+    step: either way the tokens are the sequential engine's, with unconstrained samples and preemption beside."""
+
+    def run(**config) -> dict:
+        target = engine(num_blocks=24, **config)
+        add_all(target)
+        target.add_request("free", PROMPTS[0], SamplingParams(temperature=1.0, max_new_tokens=20, seed=3), n=2)
+        outputs = run_to_completion(target)
+        assert target.scheduler.num_preemptions > 0
+        return {rid: (o.generated_tokens, o.finish_reason) for rid, o in outputs.items()}
+
+    expected = run(overlap_scheduling=False)
+    assert run(**settings) == expected
+    constrained = [
+        TOKENIZER.decode(tokens, skip_special_tokens=True) for rid, (tokens, _) in expected.items() if rid[0] == "g"
+    ]
+    assert len(constrained) == 8 and all(re.fullmatch(WORDS, text) for text in constrained)
+
+
 @pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
 def test_a_weight_update_mid_generation_keeps_every_sample_in_its_grammar(mode):
     target = engine()

@@ -19,6 +19,7 @@ from rollout.benchmarks import (
     long_tail,
     lora_push,
     service,
+    structured,
     systems,
     throughput,
     weights,
@@ -200,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
+    structured.add_arguments(
+        commands.add_parser(
+            "structured",
+            help="what structured outputs cost: host time at 64/256 constrained rows, compile time cold/cached, "
+            "throughput constrained vs not (cpu-small)",
+            description=structured.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     gpu_report.add_arguments(
         commands.add_parser(
             "gpu-report",
@@ -291,6 +301,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     elif args.command == "long-tail":
         long_tail.check_arguments(parser, args)
         summary = long_tail.run(args)
+    elif args.command == "structured":
+        structured.check_arguments(parser, args)
+        summary = structured.run(tuple(args.rows), args.vocab_size, args.steps, args.repeats, args.num_prompts)
     elif args.command == "fleet":
         summary = fleet.run(args)
     elif args.command == "weights":

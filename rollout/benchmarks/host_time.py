@@ -99,12 +99,31 @@ def _kernel_timed(kernel_seconds: list[float], function: Callable) -> Callable:
     return timed
 
 
+def _time_grammars(seconds: dict[str, float]) -> Callable[[], None]:
+    """Add the time grammars take to `seconds`: "grammar_fill" (xgrammar's matchers filling the rows' token
+    bitmasks: host work on any device), "grammar_apply" (the bitmask applied to the scores: a kernel on a GPU) and
+    "grammar_accept" (matchers following the drawn tokens). Returns what undoes it."""
+    from rollout.engine.grammar import Constrained, GrammarMasks
+
+    originals = (GrammarMasks.fill, GrammarMasks.apply, Constrained.advance)
+    GrammarMasks.fill = _timed(seconds, "grammar_fill", originals[0])
+    GrammarMasks.apply = _timed(seconds, "grammar_apply", originals[1])
+    Constrained.advance = _timed(seconds, "grammar_accept", originals[2])
+
+    def restore() -> None:
+        GrammarMasks.fill, GrammarMasks.apply, Constrained.advance = originals
+
+    return restore
+
+
 def host_time_per_step(
     running: int,
     device: str = "cpu",
     steps: int = STEPS,
     processors: str = "grpo",
     previous_paths: tuple[str, ...] = (),
+    constraint: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, float]:
     """The engine's host milliseconds per decode step with `running` sequences decoding, and where they go.
 
@@ -121,6 +140,10 @@ def host_time_per_step(
         processors: "grpo" (temperature, top-p, top-k and a seed) or "all" (those, and every penalty and ban
             processor, min_new_tokens, min_p and top log-probs as well).
         previous_paths: names of `rollout.config.PREVIOUS_PATHS` the engine switches back to.
+        constraint: a structured-output constraint every sequence samples under (SamplingParams fields, e.g.
+            {"json": schema}; it must not end within the steps), with `tokenizer`. The figures then add "grammar":
+            the host time of the grammars (masks filled and applied, tokens accepted), a part of "host".
+        tokenizer: the vocabulary the logits cover (None: the stub's 64 tokens).
     """
     if processors not in PROCESSORS:
         raise ValueError(f"processors must be one of {PROCESSORS}, not {processors!r}")
@@ -132,8 +155,9 @@ def host_time_per_step(
     decode_steps = WARM_STEPS + steps + kernel_steps
     max_new_tokens = decode_steps + 8
     blocks_per_sequence = -(-(PROMPT_TOKENS + max_new_tokens) // 16)
+    vocab = VOCAB if tokenizer is None else len(tokenizer)
     engine = Engine(
-        stub_model().to(target),
+        stub_model(vocab_size=vocab).to(target),
         ContinuousBatchingConfig(
             block_size=16,
             num_blocks=running * blocks_per_sequence,
@@ -143,8 +167,9 @@ def host_time_per_step(
             overlap_scheduling=True,  # as on a GPU: step N+1 is scheduled before step N's tokens are on the host
             previous_paths=previous_paths,
         ),
+        tokenizer=tokenizer,
     )
-    logits = torch.randn(running, VOCAB, device=target)
+    logits = torch.randn(running, vocab, device=target)
 
     def forward(input_ids: torch.Tensor, positions: Any, metadata: Any, keep: torch.Tensor) -> torch.Tensor:
         return logits[: keep.numel()]  # ready logits: no model compute
@@ -167,6 +192,7 @@ def host_time_per_step(
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens if processors == "all" else 0,
             **extra,
+            **(constraint or {}),
         )
         engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(PROMPT_TOKENS)], sampling)
     while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running):
@@ -182,6 +208,8 @@ def host_time_per_step(
     for _ in range(WARM_STEPS):
         timed_step()
     phases = dict.fromkeys(PHASES, 0.0)  # the step being timed
+    grammar = dict.fromkeys(("grammar_fill", "grammar_apply", "grammar_accept"), 0.0) if constraint else {}
+    restore = _time_grammars(grammar) if constraint else None
     sample, schedule, run = engine.sampler.sample, engine.scheduler.schedule, engine.runner.run
     advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - timed through instance attributes
     engine.scheduler.schedule = _timed(phases, "schedule", schedule)
@@ -191,19 +219,28 @@ def host_time_per_step(
     plain_sample, kernel_sample = _timed(phases, "sampling", sample), _kernel_timed(kernel_seconds := [], sample)
     # The kernel steps are spread among the plain ones, so that both sample the machine in the same state (a
     # shared CPU's speed drifts by tens of percent within seconds).
-    kernel_every = steps // kernel_steps if kernel_steps else 0
+    kernel_every = steps // kernel_steps if kernel_steps else 0  # on a GPU the sampler's kernels are queued
     step_times: list[float] = []
     phase_times: dict[str, list[float]] = {name: [] for name in PHASES}
-    for index in range(steps):
-        engine.sampler.sample = plain_sample
-        step_times.append(timed_step())
-        for name in PHASES:
-            phase_times[name].append(phases[name])
-            phases[name] = 0.0
-        if kernel_every and index % kernel_every == 0:  # on a GPU the sampler's kernels are queued, not run here
-            engine.sampler.sample = kernel_sample
-            engine.step()
-            phases.update(dict.fromkeys(PHASES, 0.0))
+    try:
+        for index in range(steps):
+            engine.sampler.sample = plain_sample
+            step_times.append(timed_step())
+            for name in PHASES:
+                phase_times[name].append(phases[name])
+                phases[name] = 0.0
+            for name in grammar:
+                phase_times.setdefault(name, []).append(grammar[name])
+                grammar[name] = 0.0
+            # (at most kernel_steps of them: the sequences' lengths are sized for that many)
+            if kernel_every and index % kernel_every == 0 and len(kernel_seconds) < kernel_steps:
+                engine.sampler.sample = kernel_sample
+                engine.step()
+                phases.update(dict.fromkeys(PHASES, 0.0))
+                grammar.update(dict.fromkeys(grammar, 0.0))
+    finally:
+        if restore is not None:
+            restore()
     decoding = len(engine.scheduler.running)
     preemptions = engine.scheduler.num_preemptions
     engine.close()

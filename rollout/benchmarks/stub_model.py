@@ -8,17 +8,18 @@ import torch
 VOCAB = 64
 
 
-def stub_model(max_position_embeddings: int = 8192) -> torch.nn.Module:
+def stub_model(max_position_embeddings: int = 8192, vocab_size: int = VOCAB) -> torch.nn.Module:
     """The stub model, the same for every call (seeded), in eval mode on the CPU.
 
     Args:
         max_position_embeddings: the longest sequence it is configured for (the engine's max_model_len).
+        vocab_size: its logits' width (a tokenizer's, when grammars mask them).
     """
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,

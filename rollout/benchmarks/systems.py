@@ -21,6 +21,7 @@ from rollout.benchmarks.progress import stage
 from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
 from rollout.config import PREVIOUS_PATHS, ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
+from rollout.service.presets import tiny_tokenizer
 
 # PeftModels made by `with_adapters`, by base model (a benchmark process builds one).
 _PEFT_MODELS: dict[torch.nn.Module, torch.nn.Module] = {}
@@ -53,15 +54,16 @@ def run_rollout(
         overrides: ContinuousBatchingConfig fields set on top of the workload's.
     """
     adapters = overrides.pop("adapters", 0)
+    constraint = overrides.pop("constraint", {})
     config = ContinuousBatchingConfig(**{**workload.cache_config(), **overrides})
-    sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m) for m in max_new]
-    chosen = {}
+    sampling = [SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=m, **constraint) for m in max_new]
+    chosen: dict[str, Any] = {"tokenizer": tiny_tokenizer()} if constraint else {}
     if adapters:  # the prompts take the adapters in turn, all in one batch
         model = with_adapters(model, adapters)
-        chosen = {"adapter": [f"lora{index % adapters}" for index in range(len(prompts))]}
+        chosen["adapter"] = [f"lora{index % adapters}" for index in range(len(prompts))]
     if warmup:
         one_token = dict(max_new_tokens=1, progress_bar=False, persistent_manager=True, warmup=True)
-        first = {"adapter": chosen["adapter"][:1]} if chosen else {}
+        first = {"adapter": chosen["adapter"][:1]} if adapters else {}
         generate_batch(model, prompts[:1], continuous_batching_config=config, **one_token, **first)
     sync(workload.device)
     start = time.perf_counter()
@@ -185,6 +187,29 @@ def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tu
     return elapsed, [output[i, width : width + m].tolist() for i, m in enumerate(max_new)]
 
 
+# Greedy JSON under a grammar that never ends before a request's length (cpu-small's tiny model and tokenizer).
+ENDLESS_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+
+
+def run_rollout_json(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine with every request under a JSON-schema grammar (structured outputs): what the grammar costs is
+    the difference from `rollout` (the tokens differ: the grammar picks them)."""
+    return run_rollout(model, prompts, max_new, workload, warmup, constraint={"json": ENDLESS_JSON})
+
+
+def run_rollout_json_resolve_first(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """`rollout_json` on the previous path "grammar_resolve_first" (what queueing the next forward first gains)."""
+    return run_rollout(
+        model,
+        prompts,
+        max_new,
+        workload,
+        warmup,
+        constraint={"json": ENDLESS_JSON},
+        previous_paths=("grammar_resolve_first",),
+    )
+
+
 def run_rollout_previous(model, prompts, max_new, workload: Workload, warmup: bool = False):
     """This engine on every previous GPU path (`PREVIOUS_PATHS`): what the current paths gain is the difference."""
     return run_rollout(model, prompts, max_new, workload, warmup, previous_paths=tuple(PREVIOUS_PATHS))
@@ -194,6 +219,8 @@ SYSTEMS = {
     "rollout": run_rollout,
     "rollout_sequential": run_rollout_sequential,
     "rollout_previous": run_rollout_previous,
+    "rollout_json": run_rollout_json,
+    "rollout_json_resolve_first": run_rollout_json_resolve_first,
     "rollout_lora1": run_rollout_lora1,
     "rollout_lora4": run_rollout_lora4,
     "transformers_generate_batch": run_transformers_generate_batch,

@@ -85,6 +85,7 @@ class Engine(EngineWeights):
         self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
+        self.grammar_resolve_first = "grammar_resolve_first" in self.config.previous_paths
         self._in_flight: InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
         self._undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
@@ -254,8 +255,9 @@ class Engine(EngineWeights):
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
-        # A constrained sample's next mask needs its token: its step is resolved before the next one is queued.
-        if launched is not None and (not self.overlap_scheduling or launched.constrained):
+        # (previous path "grammar_resolve_first": a constrained step resolved before the next one is scheduled)
+        resolve_first = self.grammar_resolve_first and launched is not None and launched.constrained
+        if launched is not None and (not self.overlap_scheduling or resolve_first):
             self._advance(launched)
             return outputs + self._resolve(launched)
         self._in_flight = launched
@@ -268,6 +270,8 @@ class Engine(EngineWeights):
             rows = {request: row for row, (request, _) in enumerate(previous.batch.samples)}
             unresolved = UnresolvedTokens(previous.samples.token_ids, rows)
         logits = self.runner.run(batch, unresolved)
+        if previous is not None and previous.constrained and any(r.constraint is not None for r, _ in batch.samples):
+            self._accept_ahead(previous)  # while the device runs this step's forward
         samples = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
         chunks = [seq.num_tokens for seq in batch.sequences]
         self.num_computed_tokens += sum(chunks)
@@ -281,6 +285,17 @@ class Engine(EngineWeights):
             prompt_logprobs=self.runner.prompt_results,
             routes=self.runner.route_results,
         )
+
+    @staticmethod
+    def _accept_ahead(previous: InFlightStep) -> None:
+        """Bring the step before's tokens to the host early (the forward just queued keeps the device busy) and
+        advance its open grammars past them, so this step's masks can be filled; the step is resolved as usual
+        afterwards (its `accept` skips what was advanced here)."""
+        sampled = previous.samples.fetch()
+        dead = set(sampled.dead_rows)
+        for index, (request, _) in enumerate(previous.batch.samples):
+            if request.constraint is not None and index not in dead and not request.is_finished:
+                request.constraint.accept_ahead(sampled.token_ids[index])
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""

@@ -83,15 +83,37 @@ class Constrained:
         self.compiled = compiled
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.rejected: int | None = None  # a token the grammar refused (the sample then ends with an error)
+        # Tokens advanced past before their step was resolved (`accept_ahead`); their `accept` is then a no-op.
+        self.ahead = 0
 
     def restarted(self) -> Constrained:
         """A fresh state on the same grammar (a fork of the group, before its first token)."""
         return Constrained(self.field, self.compiled)
 
     def accept(self, token_id: int) -> None:
-        """Advance past a drawn token; a refused one is kept in `rejected`."""
+        """Advance past a drawn token as its step is resolved (unless `accept_ahead` did already); a refused one is
+        kept in `rejected`."""
+        if self.ahead:
+            self.ahead -= 1
+            return
+        self.advance(token_id)
+
+    def accept_ahead(self, token_id: int) -> None:
+        """Advance past a drawn token whose step is not resolved yet, so the next step's mask can be filled while
+        that step's forward runs (the resolve's `accept` then skips it). Nothing once the state is closed."""
+        if self.is_open:
+            self.advance(token_id)
+            self.ahead += 1
+
+    def advance(self, token_id: int) -> None:
+        """Feed a token to the matcher; a refused one is kept in `rejected`."""
         if not self.matcher.accept_token(token_id):
             self.rejected = token_id
+
+    @property
+    def is_open(self) -> bool:
+        """More tokens may follow: the grammar is not complete and refused nothing."""
+        return self.rejected is None and not self.matcher.is_terminated()
 
     @property
     def terminated(self) -> bool:
@@ -99,18 +121,50 @@ class Constrained:
         return self.matcher.is_terminated()
 
 
-def mask_rows(scores: torch.Tensor, states: list[Constrained | None]) -> None:
-    """Set to -inf, in place, every token the row's grammar does not allow next (rows without one are untouched).
+class GrammarMasks:
+    """Applies constrained rows' grammars to a step's scores: xgrammar's batch matcher fills their token bitmasks on
+    its threads (a row's mask is a walk of its grammar over the vocabulary), xgrammar's kernel sets the refused
+    tokens to -inf on the scores' device. Unconstrained rows are not touched.
 
-    Args:
-        scores: (rows, vocab) logits being processed.
-        states: each row's grammar state, or None.
+    The bitmask is filled in one host buffer (pinned when the scores are on a GPU, so its copy is queued, not
+    waited for). Reusing it is safe: a constrained step is resolved before the next one is queued.
     """
-    rows = [i for i, state in enumerate(states) if state is not None]
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), scores.shape[-1])
-    for slot, row in enumerate(rows):
-        states[row].matcher.fill_next_token_bitmask(bitmask, slot)
-    indices = torch.tensor(rows, dtype=torch.long, device=scores.device)
-    selected = scores.index_select(0, indices)
-    xgrammar.apply_token_bitmask_inplace(selected, bitmask.to(scores.device))
-    scores.index_copy_(0, indices, selected)
+
+    def __init__(self) -> None:
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made at the first constrained step
+        self._buffer: torch.Tensor | None = None
+
+    def fill(self, states: list[Constrained | None], vocab_size: int, pinned: bool) -> tuple[torch.Tensor, list[int]]:
+        """(the bitmask, the constrained rows): row i of the bitmask filled by states[i]'s grammar."""
+        # A closed state (its grammar ended, or refused a token, at the step before) belongs to a sample that ends
+        # when that step is resolved: its row here is dropped, so it is not masked.
+        rows = [i for i, state in enumerate(states) if state is not None and state.is_open]
+        words = (vocab_size + 31) // 32
+        buffer = self._buffer
+        if buffer is None or buffer.shape[0] < len(states) or buffer.shape[1] != words or buffer.is_pinned() != pinned:
+            buffer = torch.empty((max(len(states), 64), words), dtype=torch.int32, pin_memory=pinned)
+            self._buffer = buffer
+        if self._batch is None:
+            self._batch = xgrammar.BatchGrammarMatcher()
+        bitmask = buffer[: len(states)]
+        if len(rows) < len(states):  # unconstrained rows allow every token: the kernel then needs no row list
+            chosen = set(rows)
+            free = [i for i in range(len(states)) if i not in chosen]
+            bitmask.index_fill_(0, torch.tensor(free, dtype=torch.long), -1)
+        self._batch.batch_fill_next_token_bitmask([states[row].matcher for row in rows], bitmask, rows)
+        return bitmask, rows
+
+    def apply(self, scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set to -inf, in place, every token a constrained row's bitmask refuses (`rows`: the constrained ones;
+        the others' bitmask rows allow everything, so every row goes through xgrammar's kernel, with no row list
+        to copy to the device)."""
+        on_device = bitmask.to(scores.device, non_blocking=True)
+        if len(rows) * 4 < len(bitmask) and scores.device.type == "cpu":  # few rows: the CPU kernel takes a list
+            xgrammar.apply_token_bitmask_inplace(scores, on_device, vocab_size=scores.shape[-1], indices=rows)
+        else:
+            xgrammar.apply_token_bitmask_inplace(scores, on_device, vocab_size=scores.shape[-1])
+
+    def __call__(self, scores: torch.Tensor, states: list[Constrained | None]) -> None:
+        """Mask `scores` (rows, vocab), in place, by each row's grammar state (None: the row is not constrained)."""
+        bitmask, rows = self.fill(states, scores.shape[-1], scores.device.type == "cuda")
+        self.apply(scores, bitmask, rows)

@@ -51,9 +51,16 @@ class PendingSamples:
         parts = parts if dead is None else [*parts, dead]
         # float64 holds token ids exactly.
         self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
+        self._fetched: SamplerOutput | None = None
 
     def fetch(self) -> SamplerOutput:
-        """The sampled tokens and log-probs as Python values (waits for the copy to land)."""
+        """The sampled tokens and log-probs as Python values (waits for the copy to land; later calls return the
+        same values: a constrained next step fetches them early, the step's resolve again)."""
+        if self._fetched is None:
+            self._fetched = self._fetch()
+        return self._fetched
+
+    def _fetch(self) -> SamplerOutput:
         if self._host is None:
             return SamplerOutput([], [] if self._has_logprobs else None, None)
         host = self._host.tensor()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.engine.draw import sample_blocked, sample_from
-from rollout.engine.grammar import mask_rows
+from rollout.engine.grammar import GrammarMasks
 from rollout.engine.pending_samples import PendingSamples
 from rollout.engine.request import Request
 from rollout.engine.request_state import (
@@ -90,6 +90,7 @@ class Sampler:
         self.per_request_state = "sampler_state" in previous_paths
         self.full_rows = "logprobs" in previous_paths
         self.slots = SamplingSlots(vocab_size, torch.device(device), state=not self.per_request_state)
+        self.grammar_masks = GrammarMasks()  # structured outputs' constrained rows
 
     def release(self, request: Request) -> None:
         """Drop a finished request's sampling state and give back its slot."""
@@ -139,7 +140,7 @@ class Sampler:
             if banned:
                 mask_bans(scores, slots.state, columns)
         if constrained:  # step 3b: each constrained row's grammar masks what it does not allow next
-            mask_rows(scores, grammars)
+            self.grammar_masks(scores, grammars)
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
         dead = ~torch.isfinite(scores).any(dim=-1) if banned else None
         top_counts = None

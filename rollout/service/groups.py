@@ -31,6 +31,7 @@ class GroupInFlight:
     started_sampling: bool = False
     routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # per sample, with return_routes
     prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)
+    cancel_requested: bool = False  # its client cancelled it (or was lost): a group still compiling is never run
 
     @property
     def engine_id(self) -> str:

@@ -85,6 +85,10 @@ weights keep serving. `mode` says what happens to in-flight samples at commit: "
 "recompute" (re-prefill prompt + tokens so far), "abort" (end with finish_reason "abort"), "wait" (admission pauses
 until in-flight samples finish, at most `timeout_s`).
 
+A generate whose sampling has a structured-output constraint (regex, json, choice, grammar, json_object) is compiled
+off the serving loop first: its refusal (a bad spec: "bad_request" naming `sampling.<field>`) or its outputs may come
+after the replies to messages sent after it; every such reply carries its group_id.
+
 Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
 "duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
 "update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update"; "unauthorized"

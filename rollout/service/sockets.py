@@ -140,3 +140,20 @@ class MessageReader:
                 message, self._draining = self._draining, None
                 return message
         return None
+
+
+def frame_property(frame: object, name: str) -> str | None:
+    """A ZeroMQ message property: "Peer-Address" (the sender's IP, TCP only) or "User-Id" (its CURVE public key,
+    z85); None when the transport or security mechanism has none."""
+    try:
+        return frame.get(name) or None  # type: ignore[attr-defined]
+    except (AttributeError, zmq.ZMQError):
+        return None
+
+
+def frame_fd(frame: object) -> int | None:
+    """The file descriptor a message came over (ZeroMQ's SRCFD), to match the socket monitor's disconnect events."""
+    try:
+        return frame.get(zmq.SRCFD)  # type: ignore[attr-defined]
+    except (AttributeError, zmq.ZMQError):
+        return None

@@ -6,7 +6,9 @@ engine never blocks on I/O, and a slow engine never stalls `ping` or `stats`.
 
 Group ids are per client: the engine sees "<client identity>/<group id>", so two trainers may both send group "0".
 A client that is gone (clients.py: its connection closed, it stopped reading, or it has groups in flight and went
-silent) has its groups cancelled, which frees their KV blocks. Weight updates go through one slot (updates.py).
+silent) has its groups cancelled, which frees their KV blocks. Groups are admitted and answered by the group desk
+(group_desk.py; a structured-output constraint is compiled off this loop); weight updates go through one slot
+(updates.py).
 
 Per-message work on the serving thread is bounded: headers are decoded under the limits of `WorkerLimits` (list
 lengths checked before elements), and everything a message raises becomes an error reply to it.
@@ -16,25 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 import weakref
 
 import zmq
 
-from rollout.config import FieldError, SamplingParams
-from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
-from rollout.engine.outputs import GenerationOutput
-from rollout.mailbox import drain
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
 from rollout.service.group_counters import GroupCounters
-from rollout.service.groups import GroupInFlight, engine_id
-from rollout.service.limits import WorkerLimits, generate_refusal
-from rollout.service.sockets import MessageReader, Waker
+from rollout.service.group_desk import GroupDesk
+from rollout.service.limits import WorkerLimits
+from rollout.service.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.tracing import Tracer
 from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 
@@ -99,19 +96,14 @@ class RolloutWorker:
         # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
         self._reader = MessageReader(self._socket, 1 + MAX_PIECES, p.MAX_HEADER_BYTES + self.limits.max_message_bytes)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._outbox: queue.SimpleQueue[tuple[bytes, p.Message]] = queue.SimpleQueue()
-        # The engine thread writes a byte here after filling the outbox, waking the serving thread's poll (no
-        # busy polling, which would steal the GIL from the engine).
+        # The engine thread writes a byte here after filling the groups' outbox, waking the serving thread's poll
+        # (no busy polling, which would steal the GIL from the engine).
         self._waker = Waker()
-        self._groups: dict[
-            str, GroupInFlight
-        ] = {}  # engine id -> group; the serving thread adds, the engine thread removes
-        self._groups_per_client: dict[bytes, int] = {}
-        self._groups_lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._stop = threading.Event()
         self._tracer = tracer or Tracer()
         # Counters (stats(), /metrics), shared with the HTTP front end.
         self.counters = GroupCounters()
+        self._desk = GroupDesk(manager, self.limits, self.counters, self._tracer, self._waker.wake)
         self._updates = UpdateSlot(
             manager,
             lambda identity, message: owner._send(identity, message),
@@ -149,17 +141,19 @@ class RolloutWorker:
                     self._links.on_monitor_events()
                 if self._socket in ready:
                     self._receive_all()
+                self._desk.admit_compiled(self._send)
                 if ready:
                     self._waker.drain()
                 self._updates.conclude()
-                self._flush_outbox()
+                self._desk.flush(self._send)
                 self._links.flush()
                 self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
                 self._updates.expire(time.monotonic())
         finally:
+            self._desk.close(self._send)
             self.manager.stop(block=True, timeout=30)
             self._updates.close()
-            self._flush_outbox()
+            self._desk.flush(self._send)
             self._links.flush()
             self._links.close()
             self._socket.close(linger=2000)  # let the final abort results reach their clients
@@ -180,7 +174,7 @@ class RolloutWorker:
             if inbound is None:
                 return
             identity, frames = inbound.identity, inbound.frames
-            self._links.seen(identity, _fd(frames[0]) if frames else None)
+            self._links.seen(identity, frame_fd(frames[0]) if frames else None)
             try:
                 if inbound.refused is not None:
                     self._refuse_cut(identity, frames, inbound.refused)
@@ -212,14 +206,14 @@ class RolloutWorker:
             if not self._updates.on_malformed(identity, error.update_id, reply):  # a malformed update message drops it
                 self._send(identity, reply)
             return
-        if self._auth is not None and not self._auth.may(_property(frames[0], "User-Id"), message.TYPE):
+        if self._auth is not None and not self._auth.may(frame_property(frames[0], "User-Id"), message.TYPE):
             reason = f"{message.TYPE} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
             ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
             self._send(identity, p.Error("unauthorized", reason, "type", *ids))
             return
         try:
             if isinstance(message, WEIGHT_MESSAGES):
-                self._updates.handle(identity, message, frames[1:], _property(frames[0], "Peer-Address"))
+                self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
             else:
                 self._handle(identity, message)
         except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
@@ -231,13 +225,9 @@ class RolloutWorker:
 
     def _handle(self, identity: bytes, message: p.Message) -> None:
         if isinstance(message, p.Generate):
-            self._generate(identity, message)
+            self._desk.generate(identity, message, self._send)
         elif isinstance(message, p.Cancel):
-            key = engine_id(identity, message.group_id)
-            if key not in self._groups:
-                self._send(identity, p.Error("unknown_group", "no such group in flight", "group_id", message.group_id))
-            else:
-                self.manager.cancel_request(key)
+            self._desk.cancel(identity, message.group_id, self._send)
         elif isinstance(message, p.Ping):
             self._send(identity, p.Pong(message.nonce, self.policy_version))
         elif isinstance(message, p.Hello):
@@ -259,77 +249,10 @@ class RolloutWorker:
         else:
             self._send(identity, p.Error("bad_request", f"{message.TYPE!r} is not a request", "type"))
 
-    def _generate(self, identity: bytes, message: p.Generate) -> None:
-        group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream)
-        running = group.engine_id in self._groups
-        reply_error = generate_refusal(self.limits, message, running, self._groups_per_client.get(identity, 0))
-        if reply_error is not None:
-            self.counters.group_refused()
-            self._send(identity, reply_error)
-            return
-        self._add_group(group)
-        try:
-            sampling = SamplingParams.from_fields(message.sampling)
-            fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
-            self.manager.add_group(group.engine_id, message.prompt_ids, **fields)
-        except (FieldError, QueueFullError) as error:
-            self._remove_group(group)
-            self.counters.group_refused()
-            if isinstance(error, QueueFullError):
-                self._send(identity, p.Error("busy", str(error), None, message.group_id))
-                return
-            name = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
-            self._send(identity, p.Error("bad_request", f"{name}: {error.reason}", name, message.group_id))
-            return
-        self.counters.group_received()
-        group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
-        # Outputs that came before this line wait in the manager's queue and are handed over here, in order.
-        self.manager.register_result_handler(group.engine_id, lambda output: self._on_output(group, output))
-
-    # ---- engine thread -> outbox ------------------------------------------------------------------------------
-    def _on_output(self, group: GroupInFlight, output: GenerationOutput) -> None:
-        delta, result = group.absorb(output, self.policy_version)
-        if output.generated_tokens and not group.started_sampling:
-            group.started_sampling = True
-            self._tracer.first_token(group.span)
-        if output.is_finished:
-            self.counters.sample_finished(output.finish_reason)
-        if delta is not None:
-            self._outbox.put((group.identity, delta))
-        if result is not None:
-            # Forget the group before its result can reach the client, which may then reuse the id at once.
-            self._remove_group(group)
-            self.counters.group_finished()
-            self._tracer.group_finished(group.span, result.completions)
-            self._outbox.put((group.identity, result))
-        if delta is not None or result is not None:
-            self._waker.wake()
-
-    def _flush_outbox(self) -> None:
-        for identity, message in drain(self._outbox):
-            self._send(identity, message)
-
-    def _add_group(self, group: GroupInFlight) -> None:
-        with self._groups_lock:
-            self._groups[group.engine_id] = group
-            self._groups_per_client[group.identity] = self._groups_per_client.get(group.identity, 0) + 1
-
-    def _remove_group(self, group: GroupInFlight) -> None:
-        """Forget a finished or refused group (serving or engine thread)."""
-        with self._groups_lock:
-            if self._groups.get(group.engine_id) is not group:
-                return
-            del self._groups[group.engine_id]
-            left = self._groups_per_client[group.identity] - 1
-            if left:
-                self._groups_per_client[group.identity] = left
-            else:
-                del self._groups_per_client[group.identity]
-
     def _watched(self) -> list[bytes]:
         """Clients whose disappearance matters: those with groups in flight, and the owner of the open update (a
         vanished trainer must not hold the update slot until its deadline)."""
-        watched = [group.identity for group in list(self._groups.values())]
+        watched = self._desk.identities()
         if self._updates.update is not None:
             watched.append(self._updates.update.identity)
         return watched
@@ -339,9 +262,7 @@ class RolloutWorker:
 
     def _client_lost(self, identity: bytes, reason: str) -> None:
         """A client is gone (ClientLinks tells once per loss): cancel its groups and drop its open update."""
-        for key, group in list(self._groups.items()):
-            if group.identity == identity:
-                self.manager.cancel_request(key)
+        self._desk.client_lost(identity)
         self._updates.client_lost(identity)
 
     def stats(self) -> dict:
@@ -368,20 +289,3 @@ class RolloutWorker:
             base_id=self.base_id,
         )
         return stats
-
-
-def _property(frame: object, name: str) -> str | None:
-    """A ZeroMQ message property: "Peer-Address" (the sender's IP, TCP only) or "User-Id" (its CURVE public key,
-    z85); None when the transport or security mechanism has none."""
-    try:
-        return frame.get(name) or None  # type: ignore[attr-defined]
-    except (AttributeError, zmq.ZMQError):
-        return None
-
-
-def _fd(frame: object) -> int | None:
-    """The file descriptor a message came over (ZeroMQ's SRCFD), to match the socket monitor's disconnect events."""
-    try:
-        return frame.get(zmq.SRCFD)  # type: ignore[attr-defined]
-    except (AttributeError, zmq.ZMQError):
-        return None

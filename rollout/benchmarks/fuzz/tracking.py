@@ -13,6 +13,7 @@ import zmq
 
 from rollout.benchmarks.fuzz.cases import FuzzCase
 from rollout.benchmarks.fuzz.report import FuzzReport
+from rollout.constraints import CONSTRAINT_FIELDS
 from rollout.service import protocol as p
 
 
@@ -74,11 +75,12 @@ def _attribute(sock: _Socket, message: p.Message, report: FuzzReport, latencies:
                 return
         return
     group_id = getattr(message, "group_id", None)
-    if isinstance(message, (p.GroupResult, p.Delta)) and group_id in sock.deferred:
+    answers_group = isinstance(message, (p.GroupResult, p.Delta)) or _compile_refusal(sock, message)
+    if answers_group and group_id in sock.deferred:
         waiting = sock.deferred[group_id]
         tracked = waiting[0]
         tracked.replies.append(message)
-        if isinstance(message, p.GroupResult):
+        if isinstance(message, (p.GroupResult, p.Error)):
             waiting.popleft()
             if not waiting:
                 del sock.deferred[group_id]
@@ -102,6 +104,14 @@ def _attribute(sock: _Socket, message: p.Message, report: FuzzReport, latencies:
         return
     if sock.pending:
         sock.pending[0].replies.append(message)
+
+
+def _compile_refusal(sock: _Socket, message: p.Message) -> bool:
+    """A generate with a structured-output constraint is compiled off the serving loop: its refusal (a bad spec,
+    naming `sampling.<constraint>` and its group) may come after the sentinel, like an accepted group's result."""
+    if not isinstance(message, p.Error) or message.field not in {f"sampling.{name}" for name in CONSTRAINT_FIELDS}:
+        return False
+    return not any(tracked.case.group_id == message.group_id for tracked in sock.pending)
 
 
 def _conclude(tracked: _Tracked, report: FuzzReport) -> None:

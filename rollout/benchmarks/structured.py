@@ -1,0 +1,161 @@
+"""`rollout-bench structured`: what structured outputs cost.
+
+- **Host time per decode step** with 64 and 256 rows under a JSON-schema grammar, beside the same rows
+  unconstrained, over a production-sized vocabulary (`bench_tokenizer`, 128,000 tokens): the model's forward is a
+  stub that returns ready logits, as in `host_time`, since on a CPU the forward hides everything else. The
+  "grammar_mask" figure is what xgrammar's matchers take to fill the rows' token bitmasks (and apply them);
+  "grammar_accept" what they take to follow the drawn tokens. The goal: at 256 rows the constraint adds at most
+  1 ms to a step's host time. The mask is filled after the step's forward is queued, so on a GPU it runs while the
+  forward does.
+- **Compile time** of a typical tool-call JSON schema and a regex: the tokenizer's one-off preparation, a cold
+  compile, and a cached one (xgrammar's cache, by spec).
+- **Throughput** on cpu-small: the engine greedy, each request to its own length, unconstrained and under a JSON
+  schema (`rollout-bench throughput --systems rollout rollout_json` runs the same side by side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rollout.benchmarks.bench_tokenizer import DEFAULT_VOCAB, bench_tokenizer
+from rollout.benchmarks.host_time import host_time_per_step
+
+# A tool call's arguments, as agents emit them: an enum, nested object, integer range, optional fields.
+TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["search", "calculator", "weather", "read_file"]},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+                "units": {"enum": ["metric", "imperial"]},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["query"],
+        },
+    },
+    "required": ["name", "arguments"],
+}
+ANSWER_REGEX = r"<think>[a-z ,.]{1,400}</think><answer>-?[0-9]{1,6}</answer>"
+# A grammar no row finishes within the host-time steps: rows stay inside strings and between items.
+ENDLESS_JSON = {"type": "array", "items": {"type": "string"}, "minItems": 1000}
+
+
+def compile_times(tokenizer: Any) -> dict[str, float]:
+    """Milliseconds to prepare the tokenizer for xgrammar (once per tokenizer), and to compile the tool-call
+    schema and the answer regex cold and again (cached).
+
+    Args:
+        tokenizer: the Hugging Face tokenizer compiled against.
+    """
+    from rollout.engine.grammar import Grammars
+
+    grammars = Grammars()
+    start = time.perf_counter()
+    grammars.compile(tokenizer, len(tokenizer), "json_object", True)  # the tokenizer's preparation, the compiler
+    figures = {"tokenizer_prepare_ms": time.perf_counter() - start}
+    for name, field, spec in (
+        ("json_schema", "json", json.dumps(TOOL_CALL_SCHEMA, sort_keys=True)),
+        ("regex", "regex", ANSWER_REGEX),
+    ):
+        for attempt in ("cold", "cached"):
+            start = time.perf_counter()
+            grammars.compile(tokenizer, len(tokenizer), field, spec)
+            figures[f"{name}_{attempt}_ms"] = time.perf_counter() - start
+    return {name: round(seconds * 1000, 3) for name, seconds in figures.items()}
+
+
+def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int) -> dict[str, dict[str, Any]]:
+    """`host_time_per_step` per number of rows: unconstrained ("none"), under `ENDLESS_JSON` ("json": the next
+    step's forward queued before the tokens are fetched and the masks filled), and the same on the previous path
+    ("json_resolve_first": a constrained step resolved before the next is scheduled). With each, the host time a
+    GPU would wait through ("exposed_ms"): overlapped, the scheduling and inputs of a step (the fetch, the grammars
+    and the resolve run under the forward); resolved first, the resolve ("update") too."""
+    json_constraint = {"json": ENDLESS_JSON}
+    modes = {
+        "none": {},
+        "json": {"constraint": json_constraint},
+        "json_resolve_first": {"constraint": json_constraint, "previous_paths": ("grammar_resolve_first",)},
+    }
+    figures: dict[str, dict[str, Any]] = {}
+    for size in sizes:
+        row: dict[str, Any] = {}
+        for mode, settings in modes.items():
+            row[mode] = host_time_per_step(size, steps=steps, tokenizer=tokenizer, **settings)
+        row["added_host_ms"] = round(row["json"]["host"] - row["none"]["host"], 3)
+        row["exposed_ms"] = {
+            "json": round(row["json"]["schedule"] + row["json"]["inputs"], 3),
+            "json_resolve_first": round(sum(row["json_resolve_first"][k] for k in ("schedule", "inputs", "update")), 3),
+        }
+        figures[str(size)] = row
+    return figures
+
+
+def run(
+    sizes: tuple[int, ...] = (64, 256),
+    vocab_size: int = DEFAULT_VOCAB,
+    steps: int = 60,
+    throughput_repeats: int = 1,
+    num_prompts: int | None = None,
+) -> dict[str, Any]:
+    """Every figure of the module docstring, as a JSON-ready dict (printed as each part finishes).
+
+    Args:
+        sizes: rows for the host time.
+        vocab_size: the bench tokenizer's vocabulary.
+        steps: decode steps timed per host-time measurement.
+        throughput_repeats: runs per system of the throughput part (0: skip it).
+        num_prompts: requests of the throughput part (None: cpu-small's 64).
+    """
+    from rollout.benchmarks import throughput
+    from rollout.benchmarks.progress import stage
+
+    tokenizer = bench_tokenizer(vocab_size)
+    summary: dict[str, Any] = {"vocab_size": vocab_size, "compile": compile_times(tokenizer)}
+    stage(f"compile: {summary['compile']}")
+    summary["host_time_ms"] = host_times(tokenizer, sizes, steps)
+    for size, figures in summary["host_time_ms"].items():
+        stage(f"host time, {size} rows: none {figures['none']['host']} ms, json {figures['json']['host']} ms")
+    if throughput_repeats:
+        summary["throughput"] = throughput.run(
+            "cpu-small", ["rollout", "rollout_json"], 0, throughput_repeats, False, num_prompts=num_prompts
+        )
+    worst = summary["host_time_ms"].get("256", {}).get("added_host_ms")
+    summary["goal_added_host_ms_at_256"] = 1.0
+    summary["passed"] = worst is None or worst <= 1.0
+    return summary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's flags."""
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[64, 256], help="constrained rows of the host time (default: 64 256)"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB,
+        help=f"the bench tokenizer's vocabulary (default: {DEFAULT_VOCAB})",
+    )
+    parser.add_argument("--steps", type=int, default=60, help="decode steps timed per host-time figure (default: 60)")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="throughput runs per system, median reported; 0 skips it (default: 1)"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="throughput requests (default: cpu-small's 64; fewer: quicker)"
+    )
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse out-of-range flags by name (parser.error exits)."""
+    if any(rows < 1 for rows in args.rows):
+        parser.error(f"--rows must be >= 1, got {args.rows}")
+    if args.vocab_size < 1000:
+        parser.error(f"--vocab-size must be >= 1000, got {args.vocab_size}")
+    if args.steps < 1 or args.repeats < 0:
+        parser.error("--steps must be >= 1 and --repeats >= 0")
