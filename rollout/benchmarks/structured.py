@@ -9,6 +9,8 @@
   forward does.
 - **Compile time** of a typical tool-call JSON schema and a regex: the tokenizer's one-off preparation, a cold
   compile, and a cached one (xgrammar's cache, by spec).
+- **xgrammar against llguidance** (when llguidance is installed): preparation, compile and the masks of 64 rows
+  walking the same tokens (`grammar_engines.py`).
 - **Throughput** on cpu-small: the engine greedy, each request to its own length, unconstrained and under a JSON
   schema (`rollout-bench throughput --systems rollout rollout_json` runs the same side by side).
 """
@@ -20,6 +22,7 @@ import json
 import time
 from typing import Any
 
+from rollout.benchmarks import grammar_engines
 from rollout.benchmarks.bench_tokenizer import DEFAULT_VOCAB, bench_tokenizer
 from rollout.benchmarks.host_time import host_time_per_step
 
@@ -121,6 +124,12 @@ def run(
     summary["host_time_ms"] = host_times(tokenizer, sizes, steps)
     for size, figures in summary["host_time_ms"].items():
         stage(f"host time, {size} rows: none {figures['none']['host']} ms, json {figures['json']['host']} ms")
+    if grammar_engines.available():  # llguidance installed: the other grammar engine on the same work
+        summary["engines"] = {
+            name: grammar_engines.compare(tokenizer, schema, rows=64, steps=20)
+            for name, schema in (("tool_call", TOOL_CALL_SCHEMA), ("strings", ENDLESS_JSON))
+        }
+        stage(f"xgrammar vs llguidance: {summary['engines']}")
     if throughput_repeats:
         summary["throughput"] = throughput.run(
             "cpu-small", ["rollout", "rollout_json"], 0, throughput_repeats, False, num_prompts=num_prompts

@@ -127,7 +127,9 @@ class GrammarMasks:
     tokens to -inf on the scores' device. Unconstrained rows are not touched.
 
     The bitmask is filled in one host buffer (pinned when the scores are on a GPU, so its copy is queued, not
-    waited for). Reusing it is safe: a constrained step is resolved before the next one is queued.
+    waited for). Reusing it is safe: before a constrained step's masks are filled, the last step that copied the
+    buffer has had its sampled tokens brought to the host (resolved, or fetched early by the engine's
+    `_accept_ahead`), and that copy was queued before those tokens were.
     """
 
     def __init__(self) -> None:
