@@ -114,3 +114,22 @@ def test_agentic_service_benchmark_measures_both_routings(capsys):
     # with affinity every later turn finds all earlier whole blocks in its worker's cache: at most one partial
     # block (16 tokens) of the 64 a turn appends is computed again
     assert summary["with_affinity"]["ratio"] <= (64 + 16) / 64 and summary["passed"]
+
+
+def test_structured_benchmark_reports_grammar_host_time_and_compile(capsys):
+    """`rollout-bench structured` at a small size: compile cold and cached, host time per mode with the grammar's
+    own fill / apply / accept times, exposed host time per mode; a bad flag is refused by name."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        cli.main(["structured", "--vocab-size", "10"])
+    assert "--vocab-size" in capsys.readouterr().err
+    cli.main(["structured", "--rows", "4", "--steps", "5", "--vocab-size", "2000", "--repeats", "0"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["benchmark"] == "structured" and summary["vocab_size"] == 2000
+    compile_ms = summary["compile"]
+    assert compile_ms["json_schema_cached_ms"] < compile_ms["json_schema_cold_ms"]
+    figures = summary["host_time_ms"]["4"]
+    assert "grammar_fill" not in figures["none"] and figures["json"]["grammar_fill"] > 0
+    assert figures["json"]["grammar_accept"] > 0 and figures["json_resolve_first"]["grammar_accept"] > 0
+    assert set(figures["exposed_ms"]) == {"json", "json_resolve_first"} and "throughput" not in summary

@@ -303,7 +303,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         summary = long_tail.run(args)
     elif args.command == "structured":
         structured.check_arguments(parser, args)
-        summary = structured.run(tuple(args.rows), args.vocab_size, args.steps, args.repeats, args.num_prompts)
+        summary = structured.run(
+            tuple(args.rows), args.vocab_size, args.steps, args.repeats, args.num_prompts, args.device
+        )
     elif args.command == "fleet":
         summary = fleet.run(args)
     elif args.command == "weights":

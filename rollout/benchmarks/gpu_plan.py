@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 # Wheels a GPU image with torch, transformers, Triton and accelerate lacks (trainer_bridge's TRL integration, the
 # worker's sockets), downloaded where pip reaches PyPI, for the image's Python 3.12 on x86-64.
-WHEELS = ("pyzmq==27.3.0", "trl==1.16.0", "datasets==4.8.4", "dill==0.4.1", "multiprocess==0.70.19")
+WHEELS = (
+    "pyzmq==27.3.0",
+    "trl==1.16.0",
+    "datasets==4.8.4",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "xgrammar==0.2.8",  # structured outputs (the section "structured")
+    "apache-tvm-ffi==0.1.15.post2",  # xgrammar's
+)
 WHEEL_DIR = ".whl"
 EARLIER_DIR = ".gpu-report"  # where the earlier calls' gpu_report.json is put before a later call (carried)
 MINUTES_PER_CALL = 9  # of the 10 a call may take: installing the wheels and starting Python fit in the rest
@@ -32,7 +40,11 @@ class DeviceCall:
 
 CALLS = (
     DeviceCall("the headline", ("kernel-tests", "throughput", "grpo-step-nano"), 500),
-    DeviceCall("GPU tests, GRPO groups and weight pushes", ("gpu-tests", "grpo", "weights"), 500),
+    DeviceCall(
+        "GPU tests, structured outputs, GRPO groups and weight pushes",
+        ("gpu-tests", "structured", "grpo", "weights"),
+        500,
+    ),
     DeviceCall(
         "whole GRPO steps of the main job; current vs previous GPU paths", ("grpo-step", "throughput-previous"), 500
     ),

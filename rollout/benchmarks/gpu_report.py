@@ -99,6 +99,13 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             budget_flag="--time-budget",
         ),
         Section(
+            "structured",
+            "structured outputs: host time at 64/256 constrained rows, compile, nano throughput constrained vs not",
+            (*bench, "structured", "--device", "cuda"),
+            240,
+            benchmark="structured",
+        ),
+        Section(
             "weights",
             "weights into a GPU worker",
             (*bench, "weights", "--device", "cuda", "--dtype", "bfloat16", "--size-mb", "1200")

@@ -73,7 +73,7 @@ def compile_times(tokenizer: Any) -> dict[str, float]:
     return {name: round(seconds * 1000, 3) for name, seconds in figures.items()}
 
 
-def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int) -> dict[str, dict[str, Any]]:
+def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int, device: str = "cpu") -> dict[str, dict[str, Any]]:
     """`host_time_per_step` per number of rows: unconstrained ("none"), under `ENDLESS_JSON` ("json": the next
     step's forward queued before the tokens are fetched and the masks filled), and the same on the previous path
     ("json_resolve_first": a constrained step resolved before the next is scheduled). With each, the host time a
@@ -89,7 +89,7 @@ def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int) -> dict[str, 
     for size in sizes:
         row: dict[str, Any] = {}
         for mode, settings in modes.items():
-            row[mode] = host_time_per_step(size, steps=steps, tokenizer=tokenizer, **settings)
+            row[mode] = host_time_per_step(size, device, steps=steps, tokenizer=tokenizer, **settings)
         row["added_host_ms"] = round(row["json"]["host"] - row["none"]["host"], 3)
         row["exposed_ms"] = {
             "json": round(row["json"]["schedule"] + row["json"]["inputs"], 3),
@@ -105,6 +105,7 @@ def run(
     steps: int = 60,
     throughput_repeats: int = 1,
     num_prompts: int | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Every figure of the module docstring, as a JSON-ready dict (printed as each part finishes).
 
@@ -113,15 +114,18 @@ def run(
         vocab_size: the bench tokenizer's vocabulary.
         steps: decode steps timed per host-time measurement.
         throughput_repeats: runs per system of the throughput part (0: skip it).
-        num_prompts: requests of the throughput part (None: cpu-small's 64).
+        num_prompts: requests of the throughput part (None: the workload's).
+        device: "cpu" (throughput on cpu-small) or "cuda" (host time on the GPU, throughput on nano, the previous
+            path "grammar_resolve_first" beside).
     """
     from rollout.benchmarks import throughput
     from rollout.benchmarks.progress import stage
 
     tokenizer = bench_tokenizer(vocab_size)
-    summary: dict[str, Any] = {"vocab_size": vocab_size, "compile": compile_times(tokenizer)}
+    summary: dict[str, Any] = {"benchmark": "structured", "device": device, "vocab_size": vocab_size}
+    summary["compile"] = compile_times(tokenizer)
     stage(f"compile: {summary['compile']}")
-    summary["host_time_ms"] = host_times(tokenizer, sizes, steps)
+    summary["host_time_ms"] = host_times(tokenizer, sizes, steps, device)
     for size, figures in summary["host_time_ms"].items():
         stage(f"host time, {size} rows: none {figures['none']['host']} ms, json {figures['json']['host']} ms")
     if grammar_engines.available():  # llguidance installed: the other grammar engine on the same work
@@ -131,12 +135,15 @@ def run(
         }
         stage(f"xgrammar vs llguidance: {summary['engines']}")
     if throughput_repeats:
-        summary["throughput"] = throughput.run(
-            "cpu-small", ["rollout", "rollout_json"], 0, throughput_repeats, False, num_prompts=num_prompts
-        )
-    worst = summary["host_time_ms"].get("256", {}).get("added_host_ms")
-    summary["goal_added_host_ms_at_256"] = 1.0
-    summary["passed"] = worst is None or worst <= 1.0
+        workload, systems = "cpu-small", ["rollout", "rollout_json"]
+        if device == "cuda":
+            workload, systems = "nano", [*systems, "rollout_json_resolve_first"]
+        summary["throughput"] = throughput.run(workload, systems, 0, throughput_repeats, False, num_prompts=num_prompts)
+    # The goal: at 256 rows the grammar adds at most 1 ms to what the host does while the device waits (the fill,
+    # the fetch and the accepts run under the next forward).
+    exposed = summary["host_time_ms"].get("256", {}).get("exposed_ms", {}).get("json")
+    summary["goal_exposed_ms_at_256"] = 1.0
+    summary["passed"] = exposed is None or exposed <= 1.0
     return summary
 
 
@@ -156,7 +163,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=1, help="throughput runs per system, median reported; 0 skips it (default: 1)"
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=None, help="throughput requests (default: cpu-small's 64; fewer: quicker)"
+        "--num-prompts", type=int, default=None, help="throughput requests (default: the workload's; fewer: quicker)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: throughput on cpu-small; cuda: host time on the GPU, throughput on nano with the previous path "
+        "grammar_resolve_first beside (default: cpu)",
     )
 
 
