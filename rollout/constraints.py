@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rollout.schema_support import unsupported_schema_part
 from rollout.validation import FieldError
 
 CONSTRAINT_FIELDS = ("regex", "json", "choice", "grammar", "json_object")
@@ -14,52 +15,69 @@ MAX_SPEC_CHARS = 1 << 16  # a spec longer than this is refused (compiling it cou
 MAX_CHOICES = 256
 
 
+def is_set(name: str, value: Any) -> bool:
+    """Whether constraint field `name` holds a constraint (`json_object` when true; the others when not None)."""
+    return value is not False if name == "json_object" else value is not None
+
+
 def normalized_constraint(fields: dict[str, Any]) -> dict[str, Any]:
     """The constraint fields of a SamplingParams, checked and in canonical form: `json` as a JSON string (a dict is
     dumped with sorted keys, so equal schemas share a compiled grammar), `choice` as a tuple of strings.
 
     Args:
-        fields: the five fields by name (None / False when not set).
+        fields: the five fields by name (None, and False for `json_object`, when not set).
     Raises:
-        FieldError: several set at once (naming them), or one malformed (naming it).
+        FieldError: several set at once (naming them), one malformed (naming it), or a JSON schema using what the
+            grammar engine cannot enforce (`rollout.schema_support`).
     """
-    given = [name for name in CONSTRAINT_FIELDS if fields[name] not in (None, False)]
+    given = [name for name in CONSTRAINT_FIELDS if is_set(name, fields[name])]
     if len(given) > 1:
         raise FieldError(given[1], f"structured-output constraints are exclusive, got {given}")
     out = dict(fields)
-    if out["json_object"] not in (False, True):
+    if not isinstance(out["json_object"], bool):
         raise FieldError("json_object", f"must be true or false, got {out['json_object']!r}")
     for name in ("regex", "grammar"):
         value = out[name]
         if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_SPEC_CHARS):
             raise FieldError(name, f"must be a non-empty string of at most {MAX_SPEC_CHARS} characters")
-    schema = out["json"]
-    if schema is not None:
-        if isinstance(schema, dict):
-            schema = json.dumps(schema, sort_keys=True)
-        if not isinstance(schema, str) or not schema or len(schema) > MAX_SPEC_CHARS:
-            raise FieldError("json", f"must be a JSON schema (an object, or its JSON text up to {MAX_SPEC_CHARS})")
-        try:
-            parsed = json.loads(schema)
-        except ValueError as error:
-            raise FieldError("json", f"is not valid JSON: {error}") from None
-        if not isinstance(parsed, (dict, bool)):
-            raise FieldError("json", f"a JSON schema is an object (or true/false), got {type(parsed).__name__}")
-        out["json"] = schema
+    if out["json"] is not None:
+        out["json"] = _schema_text(out["json"])
     choice = out["choice"]
     if choice is not None:
         if isinstance(choice, str) or not isinstance(choice, (list, tuple)) or not 0 < len(choice) <= MAX_CHOICES:
             raise FieldError("choice", f"must be a list of 1 to {MAX_CHOICES} strings")
         if not all(isinstance(c, str) and c for c in choice):
             raise FieldError("choice", "every choice must be a non-empty string")
+        if sum(len(c) for c in choice) > MAX_SPEC_CHARS:
+            raise FieldError("choice", f"the choices are longer than {MAX_SPEC_CHARS} characters in all")
         out["choice"] = tuple(choice)
     return out
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema (a dict or its text) as canonical text, checked: JSON, an object, enforceable."""
+    try:
+        if isinstance(schema, dict):
+            schema = json.dumps(schema, sort_keys=True, allow_nan=False)
+        parsed = json.loads(schema) if isinstance(schema, str) and 0 < len(schema) <= MAX_SPEC_CHARS else None
+    except (ValueError, TypeError, RecursionError) as error:  # bytes or NaN in a dict, bad text, deep nesting
+        reason = "is too deeply nested" if isinstance(error, RecursionError) else f"is not valid JSON: {error}"
+        raise FieldError("json", reason) from None
+    if parsed is None:
+        raise FieldError("json", f"must be a JSON schema (an object, or its JSON text up to {MAX_SPEC_CHARS})")
+    if not isinstance(parsed, dict):
+        raise FieldError("json", f"a JSON schema is an object, got {type(parsed).__name__}")
+    unsupported = unsupported_schema_part(parsed)
+    if unsupported is not None:
+        where, why = unsupported
+        raise FieldError("json", f"schema{where} {why}")
+    return schema
 
 
 def constraint_of(sampling: Any) -> tuple[str, Any] | None:
     """(field name, spec) of a SamplingParams' constraint, or None when it has none."""
     for name in CONSTRAINT_FIELDS:
         value = getattr(sampling, name)
-        if value not in (None, False):
+        if is_set(name, value):
             return name, value
     return None

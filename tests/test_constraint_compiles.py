@@ -65,6 +65,9 @@ def test_a_slow_compile_stalls_no_other_client(worker):
     assert all(re.fullmatch(SLOW, text) for text in texts), texts
     refused = slow.ask(generate("bad", regex="(unclosed"))
     assert isinstance(refused, p.Error) and refused.field == "sampling.regex" and refused.group_id == "bad"
+    deep = slow.ask(generate("deep", json="[" * 3000 + "]" * 3000))  # deeper than Python's recursion limit
+    assert isinstance(deep, p.Error) and deep.field == "sampling.json" and deep.code == "bad_request"
+    assert isinstance(slow.ask(generate("deep", seed=3)), p.GroupResult)  # the refused group's id is free again
 
 
 def test_a_group_cancelled_while_compiling_ends_with_abort_and_a_stopping_worker_answers_busy(worker):

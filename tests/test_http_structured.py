@@ -88,6 +88,27 @@ def test_vllm_structured_outputs_regex_choice_and_grammar(api):
     assert all(re.fullmatch(r"x=[0-9][0-9]?;", choice.text) for choice in answer.choices)
 
 
+def test_top_logprobs_of_tokens_a_grammar_rules_out_are_finite(api):
+    """Where the grammar leaves fewer tokens than top_logprobs asks for, the rest have log-prob -inf: sent as
+    vLLM's -9999.0, since JSON has no infinity (whole answers and streams)."""
+    body = {"structured_outputs": {"choice": ["yes", "no"]}}
+    answer = api.chat.completions.create(
+        model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=3, extra_body=body
+    )
+    tops = [top.logprob for entry in answer.choices[0].logprobs.content for top in entry.top_logprobs]
+    assert -9999.0 in tops and all(value >= -9999.0 for value in tops)
+    stream = api.completions.create(model="tiny", prompt="ok?", logprobs=3, stream=True, extra_body=body)
+    streamed = [
+        v
+        for chunk in stream
+        for c in chunk.choices
+        if c.logprobs
+        for row in c.logprobs.top_logprobs
+        for v in row.values()
+    ]
+    assert -9999.0 in streamed
+
+
 def test_greedy_regex_over_http_equals_transformers_with_xgrammars_processor(api):
     import torch
 
@@ -138,6 +159,11 @@ BAD_CONSTRAINTS = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, "structured_outputs.json"),  # deeper than Python
+    (
+        {"response_format": json_schema_format({"type": "array", "uniqueItems": True})},
+        "response_format.json_schema.schema",
+    ),
 ]
 
 

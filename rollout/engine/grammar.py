@@ -56,7 +56,10 @@ class Grammars:
             if field == "json":
                 return compiler.compile_json_schema(spec)
             if field == "choice":
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec))
+                # (ensure_ascii=False: an escaped character above U+FFFF would be two surrogates to xgrammar)
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)
+                )
             if field == "grammar":
                 return compiler.compile_grammar(spec)
             return compiler.compile_json_schema(ANY_OBJECT)  # OpenAI's json_object: a JSON object

@@ -26,6 +26,7 @@ from rollout.service.limits import WorkerLimits, generate_refusal
 from rollout.service.tracing import Tracer
 
 Send = Callable[[bytes, p.Message], None]
+MAX_PENDING_COMPILES = 64  # constraints queued or compiling; a generate past it is answered "busy"
 
 
 class GroupDesk:
@@ -72,11 +73,14 @@ class GroupDesk:
         self._add(group)
         try:
             sampling = SamplingParams.from_fields(message.sampling)
-        except FieldError as error:
+        except Exception as error:  # noqa: BLE001 - a FieldError names the field; anything else is answered too
             return self._admit(group, message, None, send, error)
-        if constraint_of(sampling) is not None:  # compiled off the serving loop, admitted by `admit_compiled`
-            return self._compiles.submit((group, message, sampling), sampling)
-        self._admit(group, message, sampling, send)
+        if constraint_of(sampling) is None:
+            return self._admit(group, message, sampling, send)
+        if self._compiles.num_pending >= MAX_PENDING_COMPILES:
+            reason = f"{MAX_PENDING_COMPILES} structured-output constraints are being compiled; retry later"
+            return self._admit(group, message, None, send, QueueFullError(reason))
+        self._compiles.submit((group, message, sampling), sampling)  # compiled off the loop: `admit_compiled`
 
     def admit_compiled(self, send: Send) -> None:
         """Admit the groups whose constraint finished compiling (the compile's FieldError refuses one by name)."""
@@ -99,14 +103,10 @@ class GroupDesk:
                 raise error
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
             self.manager.add_group(group.engine_id, message.prompt_ids, **fields)
-        except (FieldError, QueueFullError) as refused:
+        except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)
             self.counters.group_refused()
-            if isinstance(refused, QueueFullError):
-                send(identity, p.Error("busy", str(refused), None, message.group_id))
-                return
-            name = f"sampling.{refused.field}" if refused.field in SAMPLING_FIELDS else refused.field
-            send(identity, p.Error("bad_request", f"{name}: {refused.reason}", name, message.group_id))
+            send(identity, _refusal(refused, message.group_id))
             return
         self.counters.group_received()
         group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
@@ -182,3 +182,13 @@ class GroupDesk:
                 self._per_client[group.identity] = left
             else:
                 del self._per_client[group.identity]
+
+
+def _refusal(error: BaseException, group_id: str) -> p.Error:
+    """The error reply of a group the engine did not take: a bad field (named), a full queue, or anything else."""
+    if isinstance(error, QueueFullError):
+        return p.Error("busy", str(error), None, group_id)
+    if isinstance(error, FieldError):
+        name = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
+        return p.Error("bad_request", f"{name}: {error.reason}", name, group_id)
+    return p.Error("internal", f"{type(error).__name__}: {error}", None, group_id)

@@ -141,9 +141,9 @@ class RolloutWorker:
                     self._links.on_monitor_events()
                 if self._socket in ready:
                     self._receive_all()
-                self._desk.admit_compiled(self._send)
                 if ready:
                     self._waker.drain()
+                self._desk.admit_compiled(self._send)  # after the drain: a compile finished since wakes the next poll
                 self._updates.conclude()
                 self._desk.flush(self._send)
                 self._links.flush()

@@ -59,6 +59,7 @@ def build_app(
         counters,
         settings.tool_call_parser,
     )
+    app.state.close = endpoints.close  # what the server calls once it stopped (the compile threads)
     engine = manager.engine
     tokens = TokenizeEndpoints(
         tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits, engine.runner.adapters.refs
@@ -101,15 +102,20 @@ def build_app(
     async def _generate(request: Request, chat: bool) -> Any:
         raw = await read_body(request, max_body_bytes)
         loop = asyncio.get_running_loop()
+        try:  # parsing, tokenizing and checking are slow work (a worker thread); a constraint compiles on its own
+            answer = await asyncio.to_thread(lambda: endpoints.prepare(parse_json(raw), chat))
+            await endpoints.compile(answer)
+        except APIError:
+            counters.group_refused()
+            raise
 
-        def prepare_and_start() -> Answer:  # a worker thread: parsing, tokenizing and checking are slow work
-            answer = endpoints.prepare(parse_json(raw), chat)
+        def start() -> Answer:  # a worker thread: adding a batch of groups checks every prompt
             answer.start(loop)
             return answer
 
-        starting = asyncio.ensure_future(asyncio.to_thread(prepare_and_start))
+        starting = asyncio.ensure_future(asyncio.to_thread(start))
         try:
-            answer = await asyncio.shield(starting)
+            await asyncio.shield(starting)
         except APIError:
             counters.group_refused()
             raise

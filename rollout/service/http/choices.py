@@ -140,8 +140,19 @@ def encoded_routes(routes: np.ndarray | None) -> str | None:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+# What a log-prob of -inf is sent as (a token the processors or a grammar ruled out, among the top log-probs): JSON has
+# no infinity. vLLM's value.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """A log-prob as JSON can carry it: -inf (and anything below) becomes LOGPROB_FLOOR."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 class LogprobFormat:
-    """Token strings and the two OpenAI log-prob shapes (completions' and chat's) for one tokenizer."""
+    """Token strings and the two OpenAI log-prob shapes (completions' and chat's) for one tokenizer; every log-prob
+    finite (`finite`)."""
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
@@ -191,13 +202,13 @@ class LogprobFormat:
         for position in range(1, len(choice.prompt_ids)):
             token = choice.prompt_ids[position]
             entry = {
-                str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token(t)}
+                str(t): {"logprob": finite(lp), "rank": rank, "decoded_token": self.token(t)}
                 for rank, (t, lp) in enumerate(choice.prompt_top_logprobs[position], 1)
             }
             entry.setdefault(
                 str(token),
                 {
-                    "logprob": choice.prompt_logprobs[position],
+                    "logprob": finite(choice.prompt_logprobs[position]),
                     "rank": choice.prompt_ranks[position],
                     "decoded_token": self.token(token),
                 },
@@ -223,10 +234,11 @@ class LogprobFormat:
             # As vLLM: the sampled (or prompt) token joins the top `top` when it is not among them (k+1 entries).
             top_maps = []
             for token, logprob, row in zip(tokens, logprobs, top_rows):
-                entries = {self.token(t): lp for t, lp in row[:top]}
-                entries.setdefault(token, logprob)
+                entries = {self.token(t): finite(lp) for t, lp in row[:top]}
+                entries.setdefault(token, finite(logprob))
                 top_maps.append(entries)
-        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_maps, "text_offset": offsets}
+        token_logprobs = [finite(logprob) for logprob in logprobs]
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_maps, "text_offset": offsets}
 
     def chat(self, choice: Choice, start: int, end: int, top: int) -> dict[str, Any]:
         """Chat's `logprobs` object for tokens [start, end)."""
@@ -240,4 +252,4 @@ class LogprobFormat:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}

@@ -9,21 +9,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.config import FieldError
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.constraint_compiles import COMPILE_THREADS
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
 from rollout.service.http.bridge import MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
-from rollout.service.http.errors import APIError, bad_field, json_bytes
+from rollout.service.http.errors import APIError, bad_field, busy, json_bytes
 from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 from rollout.service.http.served_models import requested_adapter
+from rollout.service.http.structured_fields import structured_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
+MAX_WAITING_COMPILES = 64  # constraints compiling or queued; a request past it is answered 503 busy
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Answer:
     id: str
     created: int
     tools: ToolCalling | None = None  # chat with tools: how tool calls are read out of the text
+    constraint_param: str | None = None  # the field a structured-output constraint came in (None: none)
     model: str = ""  # what the answer says served it: the worker's model, or the LoRA adapter the request named
 
     @property
@@ -84,6 +90,8 @@ class OpenAIEndpoints:
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.counters = GroupCounters() if counters is None else counters
         self.tool_call_parser = tool_call_parser
+        self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rollout-http-compile")
+        self._compiles_waiting = 0
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prepare(self, body: Any, chat: bool) -> Answer:
@@ -133,15 +141,8 @@ class OpenAIEndpoints:
         stream, include_usage = fields.stream_settings(body)
         default_stops = self.manager.engine.intake.default_sampling.stop_token_ids or ()
         prompt_top = scoring.engine_top(logprobs, max_tokens) if scoring is not None else None
-        # A constraint is compiled here, off the event loop (cached: the engine's intake finds it compiled).
         sampling = fields.sampling_from(
-            body,
-            tuple(default_stops),
-            max_tokens,
-            logprobs or 0,
-            prompt_field,
-            prompt_logprobs=prompt_top,
-            check=self.manager.engine.intake.constraint,
+            body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field, prompt_logprobs=prompt_top
         )
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring
@@ -150,7 +151,36 @@ class OpenAIEndpoints:
         submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter)
         prefix = "chatcmpl" if chat else "cmpl"
         answer_id = f"{prefix}-{uuid.uuid4().hex}"
-        return Answer(chat, request, submission, answer_id, int(time.time()), tools, adapter or self.model_name)
+        answer = Answer(chat, request, submission, answer_id, int(time.time()), tools, adapter or self.model_name)
+        answer.constraint_param = structured_request(body).param  # the client's name of its constraint, if any
+        return answer
+
+    async def compile(self, answer: Answer) -> None:
+        """Compile a request's structured-output constraint on the compile threads (a slow spec holds neither the
+        event loop nor the threads that check other requests); the engine then finds it in xgrammar's cache.
+
+        Raises:
+            APIError: a spec that does not compile (400 naming the client's field), or too many compiles waiting
+                (503 busy).
+        """
+        if answer.constraint_param is None:
+            return
+        if self._compiles_waiting >= MAX_WAITING_COMPILES:
+            raise busy(f"{MAX_WAITING_COMPILES} structured-output constraints are being compiled; retry later")
+        self._compiles_waiting += 1  # (event-loop thread only)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._compile_threads, self.manager.engine.intake.constraint, answer.request.sampling
+            )
+        except FieldError as error:
+            raise bad_field(answer.constraint_param, error.reason) from None
+        finally:
+            self._compiles_waiting -= 1
+
+    def close(self) -> None:
+        """Stop the compile threads (waiting for a compile in progress)."""
+        self._compile_threads.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
     def _chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -7,7 +7,6 @@ fields rollout does not serve.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +128,6 @@ def sampling_from(
     top_logprobs: int,
     prompt_field: str,
     prompt_logprobs: int | None = None,
-    check: Callable[[SamplingParams], object] | None = None,
 ) -> SamplingParams:
     """The SamplingParams of a body (a 400 naming the body's field when one is bad).
 
@@ -140,8 +138,6 @@ def sampling_from(
         top_logprobs: top log-probs per token to compute.
         prompt_field: "prompt" or "messages" (where prompt errors point).
         prompt_logprobs: top log-probs per prompt position to compute (None: the prompt is not scored).
-        check: called with the SamplingParams; a FieldError it raises is answered as one of SamplingParams' own
-            (the engine's compile of a structured-output constraint: its error names the client's field).
     """
     fields: dict[str, Any] = {
         target: body[name] for name, target in SAMPLING_FIELDS.items() if body.get(name) is not None
@@ -165,10 +161,7 @@ def sampling_from(
     structured = structured_request(body)
     fields.update(structured.fields)
     try:
-        sampling = SamplingParams(**fields)
-        if check is not None:
-            check(sampling)
-        return sampling
+        return SamplingParams(**fields)
     except FieldError as error:
         reverse = {target: name for name, target in SAMPLING_FIELDS.items()}
         name = client_param(structured, error.field) or reverse.get(error.field, error.field)

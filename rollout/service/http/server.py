@@ -65,6 +65,7 @@ class HttpServer:
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
         app = build_app(manager, tokenizer, settings, counters)
+        self._close_app = app.state.close
         if observe is not None:
             app = RequestMetrics(app, observe, ENDPOINTS)
         # No cap on connections as a whole (uvicorn's limit_concurrency): idle sockets would take the API down.
@@ -118,3 +119,4 @@ class HttpServer:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the HTTP server did not stop within %.0f s", timeout)
+        self._close_app()

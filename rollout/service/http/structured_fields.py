@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.constraints import CONSTRAINT_FIELDS
+from rollout.constraints import CONSTRAINT_FIELDS, is_set
 from rollout.service.http.errors import bad_field
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -112,7 +112,7 @@ def _structured_outputs(value: Any) -> StructuredRequest:
     if not isinstance(value, dict):
         raise bad_field("structured_outputs", f"must be an object with one of {list(CONSTRAINT_FIELDS)}")
     for name, why in REFUSED_OPTIONS.items():
-        if value.get(name) not in (None, False):
+        if value.get(name) is not None and value.get(name) is not False:
             raise bad_field(f"structured_outputs.{name}", why)
     known = set(CONSTRAINT_FIELDS) | NO_EFFECT_OPTIONS | set(REFUSED_OPTIONS)
     unknown = sorted(set(value) - known)
@@ -120,7 +120,7 @@ def _structured_outputs(value: Any) -> StructuredRequest:
         raise bad_field(f"structured_outputs.{unknown[0]}", f"unknown field (known: {sorted(known)})")
     if value.get("disable_fallback") is not None and not isinstance(value["disable_fallback"], bool):
         raise bad_field("structured_outputs.disable_fallback", "must be a boolean")
-    given = [name for name in CONSTRAINT_FIELDS if value.get(name) not in (None, False)]
+    given = [name for name in CONSTRAINT_FIELDS if value.get(name) is not None and is_set(name, value[name])]
     if not given:
         raise bad_field("structured_outputs", f"needs one of {list(CONSTRAINT_FIELDS)}")
     if len(given) > 1:
