@@ -41,8 +41,8 @@ class Answer:
     id: str
     created: int
     tools: ToolCalling | None = None  # chat with tools: how tool calls are read out of the text
-    constraint_param: str | None = None  # the field a structured-output constraint came in (None: none)
     model: str = ""  # what the answer says served it: the worker's model, or the LoRA adapter the request named
+    constraint_param: str | None = None  # the field a structured-output constraint came in (None: none)
 
     @property
     def object(self) -> str:
