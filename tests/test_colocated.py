@@ -18,7 +18,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.service.presets import tiny_model
-from service_helpers import Worker, run_ranks
+from service_helpers import run_ranks
 from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient
 
 CONFIG = ContinuousBatchingConfig(num_blocks=256, block_size=16)
@@ -40,10 +40,8 @@ def groups() -> list[PromptGroup]:
 
 
 @pytest.fixture(scope="module")
-def worker():
-    server = Worker("--model", "tiny")
-    yield server
-    server.close()
+def worker(http_worker):
+    return http_worker  # the session's worker on the tiny model (nothing here changes its weights)
 
 
 def checkpointing(model: torch.nn.Module, what: str):

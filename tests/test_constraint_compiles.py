@@ -21,11 +21,11 @@ from rollout.service.worker import RolloutWorker  # noqa: E402
 from service_helpers import Client  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
-SLOW_S = 2.0
+SLOW_S = 1.0
 SLOW = r"slow[a-z]{3}"  # the spec whose compile sleeps
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def worker():
     config = ContinuousBatchingConfig(num_blocks=64, block_size=16)
     manager = init_continuous_batching(tiny_model(0), continuous_batching_config=config, tokenizer=TOKENIZER)
