@@ -133,3 +133,7 @@ def test_structured_benchmark_reports_grammar_host_time_and_compile(capsys):
     assert "grammar_fill" not in figures["none"] and figures["json"]["grammar_fill"] > 0
     assert figures["json"]["grammar_accept"] > 0 and figures["json_resolve_first"]["grammar_accept"] > 0
     assert set(figures["exposed_ms"]) == {"json", "json_resolve_first"} and "throughput" not in summary
+    report = _report_rows("structured", summary)  # gpu-report reads the same summary
+    assert report["grammar: exposed host time, 4 rows"].value == figures["exposed_ms"]["json"]
+    assert report["JSON schema compile, cached"].value == compile_ms["json_schema_cached_ms"]
+    assert report["rollout_json tokens/s"].value is None  # the throughput part was skipped

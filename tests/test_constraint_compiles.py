@@ -21,7 +21,7 @@ from rollout.service.worker import RolloutWorker  # noqa: E402
 from service_helpers import Client  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
-SLOW_S = 1.0
+SLOW_S = 0.5
 SLOW = r"slow[a-z]{3}"  # the spec whose compile sleeps
 
 

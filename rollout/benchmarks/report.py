@@ -265,6 +265,26 @@ def _weights_rows(result: SectionResult) -> list[Row]:
     return rows
 
 
+def _structured_rows(result: SectionResult) -> list[Row]:
+    data, name = result.data, result.name
+    host = _mapping(_get(data, "host_time_ms"))
+    most = max((key for key in host if key.isdigit()), key=int, default="256")  # the most rows measured
+    widest = _mapping(host.get(most))
+    exposed = _mapping(widest.get("exposed_ms"))
+    goal = Goal("<=", 1.0, " ms") if most == "256" else None  # the goal is for 256 rows
+    rows = [
+        _number(name, f"grammar: exposed host time, {most} rows", exposed.get("json"), ".2f", goal, " ms"),
+        _number(name, "grammar: exposed, resolved first", exposed.get("json_resolve_first"), ".2f", unit=" ms"),
+        _number(name, f"grammar: mask fill, {most} rows", _get(widest, "json", "grammar_fill"), ".2f", unit=" ms"),
+        _number(name, "JSON schema compile, cold", _get(data, "compile", "json_schema_cold_ms"), ".1f", unit=" ms"),
+        _number(name, "JSON schema compile, cached", _get(data, "compile", "json_schema_cached_ms"), ".3f", unit=" ms"),
+    ]
+    for system in ("rollout", "rollout_json", "rollout_json_resolve_first"):
+        tokens = _get(data, "throughput", "results", system, "tokens_per_s")
+        rows.append(_number(name, f"{system} tokens/s", tokens, ",.0f"))
+    return rows
+
+
 def _push_seconds(size: Any, gb_per_s: Any) -> float | None:
     return size / 1e9 / gb_per_s if _positive(size, gb_per_s) else None
 
@@ -278,6 +298,7 @@ ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
     "grpo-step-nano": _grpo_step_nano_rows,
     "throughput-previous": _previous_rows,
     "weights": _weights_rows,
+    "structured": _structured_rows,
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.service.http.errors import APIError, bad_field, from_field_error
-from rollout.service.http.structured_fields import LEGACY_FIELDS, client_param, structured_request
+from rollout.service.http.structured_fields import client_param, refuse_legacy_fields, structured_request
 
 # Sampling fields both endpoints take, by their OpenAI / vLLM names -> SamplingParams fields.
 SAMPLING_FIELDS = {
@@ -53,7 +53,6 @@ COMMON_FIELDS = (
         "response_format",  # OpenAI's structured outputs (structured_fields)
         "structured_outputs",  # vLLM's
     }
-    | set(LEGACY_FIELDS)  # vLLM's older guided_* fields: refused, naming the field to use
     | set(SAMPLING_FIELDS)
     | NO_EFFECT_FIELDS
 )
@@ -106,6 +105,7 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
     """The body as a dict, or a 400 for a non-object body or a field this endpoint does not know."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    refuse_legacy_fields(body)
     unknown = sorted(set(body) - known)
     if unknown:
         raise bad_field(unknown[0], "unknown field (rollout refuses fields it would otherwise ignore)")

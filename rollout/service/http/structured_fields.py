@@ -61,15 +61,20 @@ def structured_request(body: dict[str, Any]) -> StructuredRequest:
     Raises:
         APIError: a malformed field, a legacy `guided_*` field, or both fields set (400 naming the field).
     """
-    for name, replacement in LEGACY_FIELDS.items():
-        if body.get(name) is not None:
-            hint = f"structured_outputs={{'{replacement}': ...}}" if replacement else "structured_outputs"
-            raise bad_field(name, f"vLLM's older field is not taken; send {hint} (vLLM's current field)")
+    refuse_legacy_fields(body)
     from_format = _response_format(body.get("response_format"))
     from_vllm = _structured_outputs(body.get("structured_outputs"))
     if from_format.fields and from_vllm.fields:
         raise bad_field("structured_outputs", "give response_format or structured_outputs, not both")
     return from_format if from_format.fields else from_vllm
+
+
+def refuse_legacy_fields(body: dict[str, Any]) -> None:
+    """Refuse vLLM's older `guided_*` fields with the `structured_outputs` key to send instead (a 400 naming it)."""
+    for name, replacement in LEGACY_FIELDS.items():
+        if name in body:
+            hint = f"structured_outputs={{'{replacement}': ...}}" if replacement else "structured_outputs"
+            raise bad_field(name, f"vLLM's older field is not taken; send {hint} (vLLM's current field)")
 
 
 def _response_format(value: Any) -> StructuredRequest:
