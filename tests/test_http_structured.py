@@ -18,9 +18,7 @@ import pytest
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402
-
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.service.presets import tiny_tokenizer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 MESSAGES = [{"role": "user", "content": "describe a ball in JSON"}]
@@ -110,9 +108,8 @@ def test_top_logprobs_of_tokens_a_grammar_rules_out_are_finite(api):
 
 
 def test_greedy_regex_over_http_equals_transformers_with_xgrammars_processor(api):
-    import torch
+    from test_structured_outputs import compiled, hf_constrained_greedy  # its MODEL is the worker's: tiny_model(0)
 
-    model = tiny_model(0)  # the worker's --model tiny
     prompt = TOKENIZER("ok?")["input_ids"]
     answer = api.completions.create(
         model="tiny",
@@ -121,19 +118,7 @@ def test_greedy_regex_over_http_equals_transformers_with_xgrammars_processor(api
         max_tokens=16,
         extra_body={"structured_outputs": {"regex": REGEX}, "return_token_ids": True},
     )
-    info = xgrammar.TokenizerInfo.from_huggingface(TOKENIZER, vocab_size=model.config.vocab_size)
-    processor = LogitsProcessor(xgrammar.GrammarCompiler(info).compile_regex(REGEX))
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        expected = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=16,
-            logits_processor=[processor],
-            eos_token_id=TOKENIZER.eos_token_id,
-            pad_token_id=TOKENIZER.pad_token_id,
-        )[0, len(prompt) :].tolist()
+    expected = hf_constrained_greedy(prompt, compiled("regex", REGEX), 16)
     assert answer.choices[0].model_extra["token_ids"] == expected
 
 
