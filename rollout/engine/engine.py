@@ -270,7 +270,8 @@ class Engine(EngineWeights):
             rows = {request: row for row, (request, _) in enumerate(previous.batch.samples)}
             unresolved = UnresolvedTokens(previous.samples.token_ids, rows)
         logits = self.runner.run(batch, unresolved)
-        if previous is not None and previous.constrained and any(r.constraint is not None for r, _ in batch.samples):
+        constrained = any(request.constraint is not None for request, _ in batch.samples)  # one check per step
+        if constrained and previous is not None and previous.constrained:
             self._accept_ahead(previous)  # while the device runs this step's forward
         samples = self.sampler.sample(logits, batch.samples, self.config.return_logprobs)
         chunks = [seq.num_tokens for seq in batch.sequences]
@@ -284,6 +285,7 @@ class Engine(EngineWeights):
             self.policy_version,
             prompt_logprobs=self.runner.prompt_results,
             routes=self.runner.route_results,
+            constrained=constrained,
         )
 
     @staticmethod

@@ -93,8 +93,4 @@ class InFlightStep:
     advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
     prompt_logprobs: PendingPromptLogprobs | None = None  # what it scored of prompts (prompt_logprobs.py)
     routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)
-
-    @property
-    def constrained(self) -> bool:
-        """Some sample of the step follows a grammar (its next mask needs this step's token on the host)."""
-        return any(request.constraint is not None for request, _ in self.batch.samples)
+    constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)
