@@ -67,6 +67,8 @@ def test_preemption_by_swap_and_recompute_changes_no_constrained_token():
         }
     assert all(re.fullmatch(WORDS, text) for text in texts(expected).values())
     assert all(o.finish_reason == "stop" for o in expected.values())
+    roomy.close()  # its grammar buffer and compiled grammars go with it, not with a garbage collection
+    assert roomy.sampler.grammar_masks._buffer is None and not roomy.intake.grammars._compilers
 
 
 @pytest.mark.parametrize(

@@ -212,13 +212,16 @@ class Engine(EngineWeights):
     def close(self) -> None:
         """Abort what is left, give the model back its attention implementation, and free the KV cache, the swap
         space and the decode graphs at once (on CUDA their cached blocks go back to the device), whoever still
-        holds this engine. Outputs not returned yet are dropped (call `flush()` first to get them). Idempotent."""
+        holds this engine (and the grammars' buffers and compile caches). Outputs not returned yet are dropped
+        (call `flush()` first to get them). Idempotent."""
         self._drain()
         self._undelivered = []
         for group_id in list(self._open_groups):
             self.cancel(group_id)
         log_leaks(self)  # every request ended: a block, slot or row still held is a leak
         self.runner.close()
+        self.sampler.grammar_masks.release()  # structured outputs' bitmask buffer and compiled grammars
+        self.intake.grammars.clear()
         self.kv_cache.release()
         if self.kv_cache.kv.device.type == "cuda":  # the allocator keeps freed blocks for this process otherwise
             torch.cuda.empty_cache()

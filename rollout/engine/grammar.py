@@ -66,6 +66,11 @@ class Grammars:
         except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for a bad spec
             raise FieldError(field, f"does not compile: {str(error).strip()[:500]}") from None
 
+    def clear(self) -> None:
+        """Drop every compiler and its cache of compiled grammars (up to CACHE_LIMIT_BYTES each)."""
+        with self._lock:
+            self._compilers.clear()
+
     def _compiler(self, tokenizer: Any, vocab_size: int) -> Any:
         key = (id(tokenizer), vocab_size)
         with self._lock:
@@ -158,6 +163,10 @@ class GrammarMasks:
             bitmask.index_fill_(0, torch.tensor(free, dtype=torch.long), -1)
         self._batch.batch_fill_next_token_bitmask([states[row].matcher for row in rows], bitmask, rows)
         return bitmask, rows
+
+    def release(self) -> None:
+        """Drop the bitmask buffer (pinned host memory on a GPU) and the batch matcher's threads."""
+        self._buffer, self._batch = None, None
 
     def apply(self, scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set to -inf, in place, every token a constrained row's bitmask refuses (`rows`: the constrained ones;
