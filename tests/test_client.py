@@ -379,6 +379,8 @@ def test_a_later_turn_goes_to_the_worker_that_holds_its_prefix(workers, affinity
     settings = {"max_new_tokens": 4, "stop_token_ids": [], "temperature": 0}
     turn = [(7 * i + 2) % 900 + 4 for i in range(40)]
     with RolloutClient([w.address for w in workers], timeout=60, **slack) as client:
+        # both workers answered first: load-only routing ties go to the first, so the second must be known by then
+        assert client.wait_connected() == [0, 1]
         first = client.generate(PromptGroup(turn, sampling=settings)).completions[0]
         later = turn + first.token_ids + [5, 6, 7]  # the completion, then a tool result
         busy = PromptGroup([9, 9, 9], sampling={**settings, "max_new_tokens": 8})  # to the first turn's worker
