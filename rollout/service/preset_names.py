@@ -11,6 +11,11 @@ from rollout.service.presets import sized_model, tiny_model, tiny_moe_model, tin
 PRESETS = ("tiny", "tiny-moe", "tiny-agent", "sized:<MB>")
 
 
+def is_preset(name: str) -> bool:
+    """Whether `name` is one of the built-in models (`PRESETS`)."""
+    return name in ("tiny", "tiny-moe", "tiny-agent") or name.startswith("sized:")
+
+
 def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
     """The preset model `name` (one of `PRESETS`), or None when `name` is not a preset.
 

@@ -23,7 +23,7 @@ from rollout.service.auth import WorkerAuth
 from rollout.service.cache_capacity import cache_capacity
 from rollout.service.http.launch import check_http_address, start_http
 from rollout.service.limits import WorkerLimits
-from rollout.service.loading import load_model, load_tokenizer
+from rollout.service.loading import load_model, load_tokenizer, torch_device
 from rollout.service.metrics import WorkerMetrics
 from rollout.service.presets import MODEL_DTYPES
 from rollout.service.sockets import is_loopback
@@ -152,16 +152,9 @@ def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.
     """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
     flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
     try:
-        device = torch.device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"))
-    except RuntimeError as error:
-        parser.error(f"{flag}: {error}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            parser.error(f"{flag}: torch {torch.__version__} ({build}) sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            parser.error(f"{flag}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    return device
+        return torch_device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"), flag)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

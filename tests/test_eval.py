@@ -1,0 +1,215 @@
+"""`rollout-eval`: rows, summary and the comparison with transformers' `generate`, on a tiny model whose head is scaled
+to a realistic entropy (a random model's near-uniform logits would hide a mismatch), and JSONL / CSV / Parquet files.
+The references: transformers' `generate` (greedy completions, which the answers of the accuracy test are made of),
+`datasets` (the CSV and Parquet files are written by it), a brute-force pass@k over every k-subset."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.eval.cli import main
+from rollout.service.presets import tiny_model, tiny_tokenizer
+
+REPO_DATASET = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic.jsonl"
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model, its head scaled to a realistic entropy, saved with its tokenizer as a model directory."""
+    folder = tmp_path_factory.mktemp("model")
+    model, tokenizer = tiny_model(seed=3), tiny_tokenizer()
+    prompts = [tokenizer(json.loads(line)["question"])["input_ids"] for line in REPO_DATASET.read_text().splitlines()]
+    scale_to_entropy(model, prompts)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(capsys, *flags: str) -> tuple[int, list[str], str]:
+    """(exit status, stdout lines, stderr) of rollout-eval with `flags`."""
+    status = main([str(flag) for flag in flags])
+    captured = capsys.readouterr()
+    return status, captured.out.splitlines(), captured.err
+
+
+def read_output(path: Path) -> tuple[list[dict], dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return rows, json.loads(Path(f"{path}.summary.json").read_text())
+
+
+def reference_completions(model_dir: Path, questions: list[str]) -> list[str]:
+    """transformers' greedy `generate` of each question, decoded as rollout-eval decodes completions."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = []
+    for question in questions:
+        prompt = tokenizer(question, return_tensors="pt")
+        output = model.generate(**prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS)
+        texts.append(tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True))
+    return texts
+
+
+def test_rows_and_accuracy_against_generate(model_dir, tmp_path, capsys):
+    """On the repository's dataset, with answers that are transformers' greedy completions for even rows and wrong
+    for odd ones: one row per prompt with every field, the even rows (exactly) correct, and the printed and written
+    accuracy the rows' mean."""
+    rows = [json.loads(line) for line in REPO_DATASET.read_text().splitlines()]
+    reference = reference_completions(model_dir, [row["question"] for row in rows])
+    dataset = tmp_path / "answers.jsonl"
+    dataset.write_text(
+        "".join(
+            json.dumps(dict(question=row["question"], target=text if i % 2 == 0 else "not it")) + "\n"
+            for i, (row, text) in enumerate(zip(rows, reference))
+        )
+    )
+    output = tmp_path / "rows.jsonl"
+    status, out, err = run(
+        capsys,
+        *("--model", model_dir, "--dataset", dataset, "--prompt-field", "question", "--answer-field", "target"),
+        *("--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
+    )
+    assert status == 0, err
+    written, summary = read_output(output)
+    assert len(written) == len(rows)
+    tokenizer = tiny_tokenizer()
+    for index, row in enumerate(written):
+        assert row["prompt_index"] == index and row["sample_index"] == 0
+        assert row["prompt"] == rows[index]["question"]
+        assert row["completion"] == reference[index]
+        assert row["completion"] == tokenizer.decode(row["token_ids"], skip_special_tokens=True)
+        assert len(row["logprobs"]) == len(row["token_ids"]) <= MAX_NEW_TOKENS
+        assert all(logprob <= 0 for logprob in row["logprobs"])
+        assert row["finish_reason"] in ("stop", "length")
+        assert row["correct"] is (index % 2 == 0)
+    accuracy = sum(row["correct"] for row in written) / len(written)
+    assert summary["accuracy"] == accuracy == 0.5
+    low, high = summary["accuracy_interval"]
+    assert low < accuracy < high
+    assert any(line.startswith("accuracy (exact_match): 0.5000") for line in out), out
+    assert summary["output_tokens"] == sum(len(row["token_ids"]) for row in written)
+    assert sum(summary["finish_reasons"].values()) == len(written)
+    assert "pass_at_k" not in summary  # n == 1
+
+
+def brute_force_pass_at_k(flags: list[bool], k: int) -> float:
+    """The fraction of k-subsets of a prompt's samples holding a correct one (pass@k by its definition)."""
+    subsets = list(itertools.combinations(flags, k))
+    return sum(any(subset) for subset in subsets) / len(subsets)
+
+
+def test_sampled_groups_with_a_module_metric(model_dir, tmp_path, capsys, monkeypatch):
+    """n = 4 samples per prompt scored by a module:function metric: pass@k for k = 1, 2, 4 equals the brute force over
+    every k-subset of each prompt's samples, pass@1 the accuracy; the same seed repeats the run."""
+    (tmp_path / "my_metric.py").write_text(
+        "def early_letter(completion, answer):\n    return completion[:1] < 'n'\n"
+    )  # a verdict that varies between samples
+    monkeypatch.syspath_prepend(str(tmp_path))
+    output = tmp_path / "rows.jsonl"
+    flags = [
+        *("--model", model_dir, "--dataset", REPO_DATASET, "--prompt-field", "question", "--answer-field", "answer"),
+        *("--metric", "my_metric:early_letter", "--n", 4, "--temperature", 1.0, "--top-p", 0.95, "--seed", 7),
+        *("--max-new-tokens", 6, "--output", output, "--num-samples", 8),
+    ]
+    status, out, err = run(capsys, *flags)
+    assert status == 0, err
+    rows, summary = read_output(output)
+    assert len(rows) == 8 * 4 and sorted({row["sample_index"] for row in rows}) == [0, 1, 2, 3]
+    assert all(row["correct"] is (row["completion"][:1] < "n") for row in rows)
+    by_prompt = [[row["correct"] for row in rows if row["prompt_index"] == p] for p in range(8)]
+    assert 0 < summary["correct"] < len(rows), "the metric should split the samples"
+    for k in (1, 2, 4):
+        expected = sum(brute_force_pass_at_k(flags, k) for flags in by_prompt) / len(by_prompt)
+        figure = summary["pass_at_k"][str(k)]
+        assert figure["value"] == pytest.approx(expected)
+        assert figure["interval"][0] <= figure["value"] <= figure["interval"][1]
+        assert any(line.startswith(f"pass@{k}: ") for line in out)
+    assert summary["pass_at_k"]["1"]["value"] == pytest.approx(summary["accuracy"])
+    status, _, err = run(capsys, *flags[:-2], "--output", tmp_path / "again.jsonl", "--num-samples", 8)
+    assert status == 0, err
+    assert [row["token_ids"] for row in read_output(tmp_path / "again.jsonl")[0]] == [row["token_ids"] for row in rows]
+
+
+def test_compare_with_generate_agrees_and_catches_an_altered_model(model_dir, capsys, monkeypatch):
+    """--compare-with-generate: 100% agreement in fp32; with the model altered between rollout's run and generate's
+    (its head negated), every compared prompt diverges at its first token, and the summary says where."""
+    flags = ["--model", model_dir, "--dataset", REPO_DATASET, "--prompt-field", "question", "--max-new-tokens", 10]
+    status, out, err = run(capsys, *flags, "--compare-with-generate", 4)
+    assert status == 0, err
+    assert "compare with transformers' generate (greedy, first 4 prompts): 4/4 identical, token agreement 100.0%" in out
+
+    import rollout.eval.session as session
+
+    real_generate = session.generate
+
+    def generate_then_alter(model, *args, **kwargs):
+        generated = real_generate(model, *args, **kwargs)
+        with torch.no_grad():
+            model.get_output_embeddings().weight.neg_()  # what a broken change to the model's code would do
+        return generated
+
+    monkeypatch.setattr(session, "generate", generate_then_alter)
+    status, out, err = run(capsys, *flags, "--compare-with-generate", 3)
+    assert status == 0, err
+    assert "0/3 identical" in "\n".join(out), out
+    assert sum("first divergence at token 0" in line for line in out) == 3, out
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_csv_and_parquet_files_read_like_jsonl(kind, model_dir, tmp_path, capsys):
+    """The repository's JSONL written as CSV / Parquet by `datasets` gives the same prompts and completions."""
+    import datasets
+
+    path = tmp_path / f"arithmetic.{kind}"
+    rows = datasets.load_dataset("json", data_files=str(REPO_DATASET), split="train")
+    rows.to_csv(str(path), index=False) if kind == "csv" else rows.to_parquet(str(path))
+    results = {}
+    for name, dataset in (("jsonl", REPO_DATASET), (kind, path)):
+        output = tmp_path / f"{name}.out.jsonl"
+        status, _, err = run(
+            capsys,
+            *("--model", model_dir, "--dataset", dataset, "--prompt-field", "question", "--num-samples", 5),
+            *("--max-new-tokens", 5, "--output", output),
+        )
+        assert status == 0, err
+        results[name] = [(row["prompt"], row["token_ids"]) for row in read_output(output)[0]]
+    assert len(results["jsonl"]) == 5 and results[kind] == results["jsonl"]
+
+
+def test_python_dash_m_runs_the_same_command(capsys, monkeypatch, tmp_path):
+    """`python -m rollout.eval` is rollout-eval (the built-in tiny model; chat template applied)."""
+    output = tmp_path / "rows.jsonl"
+    argv = ["rollout.eval", "--model", "tiny", "--dataset", str(REPO_DATASET), "--prompt-field", "question"]
+    monkeypatch.setattr(
+        sys, "argv", [*argv, "--chat", "--num-samples", "2", "--max-new-tokens", "3", "--output", str(output)]
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("rollout.eval", run_name="__main__")
+    assert exit_info.value.code == 0
+    assert len(read_output(output)[0]) == 2
+    assert "gibberish" in capsys.readouterr().err
+
+
+def test_the_readme_command_runs_as_written(tmp_path):
+    """The README's `rollout-eval` command, run by the installed console script from a checkout: the summary it
+    prints and the rows it writes."""
+    readme = (REPO_DATASET.parents[2] / "README.md").read_text()
+    command = re.search(r"```bash\n(rollout-eval .*?)```", readme, flags=re.S).group(1)
+    (tmp_path / "examples").symlink_to(REPO_DATASET.parents[1])
+    answer = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert answer.returncode == 0, answer.stderr
+    assert "compare with transformers' generate (greedy, first 4 prompts): 4/4 identical" in answer.stdout
+    assert "accuracy (numeric): " in answer.stdout
+    rows, summary = read_output(tmp_path / "arithmetic.eval.jsonl")
+    assert len(rows) == summary["samples"] == 12
