@@ -304,6 +304,23 @@ def test_ordinary_mistakes_are_one_line_usage_errors(flags, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+def test_a_hub_model_on_a_machine_without_network_is_one_line_at_once(capsys, monkeypatch, tmp_path):
+    """A hub id neither reachable nor cached: one usage line saying what to do, not a minute of retries."""
+    from huggingface_hub import constants
+
+    from rollout.service import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--model", "someone/some-model", "--bind", "tcp://127.0.0.1:*"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --model someone/some-model: not a local path, 127.0.0.1 cannot be reached" in err
+    assert "hf download someone/some-model" in err and "Traceback" not in err
+
+
 def test_a_port_in_use_is_a_usage_error_before_the_model_loads(worker, capsys, monkeypatch):
     from rollout.service import cli, startup
 

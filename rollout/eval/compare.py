@@ -4,6 +4,7 @@ and dtype, token by token against rollout's completions: what a model developer 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,10 @@ class PromptAgreement:
         generate_tokens: `generate`'s completion (token ids).
         agreement: positions where both hold the same token, over the longer completion's length (1.0 when equal).
         first_divergence: the first position where they differ (or where the shorter ended); None when equal.
+        logit_gap: at the first divergence (when both have a token there), `generate`'s logit of its own token minus
+            its logit of rollout's token: 0 is an exact tie, a few rounding steps a near tie.
+        rounding_step: the spacing of the model dtype's numbers at that logit's magnitude (one unit in the last
+            place), the scale `logit_gap` is judged on.
     """
 
     prompt_index: int
@@ -29,20 +34,17 @@ class PromptAgreement:
     generate_tokens: list[int]
     agreement: float
     first_divergence: int | None
+    logit_gap: float | None = None
+    rounding_step: float | None = None
 
-    @classmethod
-    def of(cls, prompt_index: int, rollout_tokens: list[int], generate_tokens: list[int]) -> PromptAgreement:
-        """Compare two completions of prompt `prompt_index`."""
-        longer = max(len(rollout_tokens), len(generate_tokens))
-        same = sum(a == b for a, b in zip(rollout_tokens, generate_tokens))
-        divergence = next(
-            (i for i, (a, b) in enumerate(zip(rollout_tokens, generate_tokens)) if a != b),
-            None if len(rollout_tokens) == len(generate_tokens) else min(len(rollout_tokens), len(generate_tokens)),
-        )
-        return cls(prompt_index, rollout_tokens, generate_tokens, same / longer if longer else 1.0, divergence)
+    @property
+    def near_tie(self) -> bool:
+        """Whether the divergence is one `generate`'s own logits barely decide: the two tokens' logits at most
+        `NEAR_TIE_STEPS` rounding steps apart, where the engine's and transformers' kernels may round either way."""
+        return self.logit_gap is not None and self.logit_gap <= NEAR_TIE_STEPS * (self.rounding_step or 0.0)
 
     def describe(self) -> str:
-        """One line: where the two completions part, and with which tokens."""
+        """One line: where the two completions part, with which tokens, and how close generate's call was."""
         if self.first_divergence is None:
             return f"prompt {self.prompt_index}: identical ({len(self.rollout_tokens)} tokens)"
         at = self.first_divergence
@@ -50,40 +52,74 @@ class PromptAgreement:
         def token(tokens: list[int]) -> str:
             return str(tokens[at]) if at < len(tokens) else "end"
 
-        return (
+        line = (
             f"prompt {self.prompt_index}: first divergence at token {at} (rollout {token(self.rollout_tokens)}, "
             f"generate {token(self.generate_tokens)}), agreement {self.agreement:.1%}"
         )
+        if self.logit_gap is not None:
+            verdict = "a near tie: rounding, not a bug" if self.near_tie else "not a tie: check the model's code"
+            line += f"; generate's logits for the two differ by {self.logit_gap:.4g} ({verdict})"
+        return line
 
 
-def greedy_generate(
-    model: torch.nn.Module, prompts: Sequence[list[int]], generation_config: Any, progress_bar: bool = True
-) -> list[list[int]]:
+# A divergence where generate's logits for the two tokens are at most this many rounding steps apart is a near tie.
+NEAR_TIE_STEPS = 2
+
+
+def compare_with_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[list[int]],
+    rollout_completions: Sequence[list[int]],
+    generation_config: Any,
+    progress_bar: bool = True,
+) -> list[PromptAgreement]:
     """transformers' `generate`, one prompt at a time (no padding to differ by), greedy, with `generation_config`
-    (the one rollout ran with, so the same max_new_tokens, stop tokens and processors apply).
+    (the one rollout ran with, so the same max_new_tokens, stop tokens and processors apply), compared token by
+    token with rollout's completions; at a divergence, generate's own logits say how close its choice was.
 
     Args:
         model: the model rollout ran (same weights, same dtype, same device).
         prompts: token ids of each prompt.
+        rollout_completions: rollout's completion of each prompt.
         generation_config: a `transformers.GenerationConfig` with do_sample=False.
         progress_bar: show a tqdm bar over the prompts.
-    Returns:
-        Each prompt's generated token ids, up to and including a stop token, as rollout returns them.
     """
     device = next(model.parameters()).device
     stops = _stop_ids(generation_config, model)
-    completions = []
-    for prompt in tqdm(prompts, disable=not progress_bar, desc="generate (reference)", unit="prompt"):
+    agreements = []
+    bar = tqdm(prompts, disable=not progress_bar, desc="generate (reference)", unit="prompt")
+    for index, (prompt, ours) in enumerate(zip(bar, rollout_completions)):
         with torch.no_grad():
             output = model.generate(
                 torch.tensor([prompt], device=device),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                 generation_config=generation_config,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        tokens = output[0, len(prompt) :].tolist()
+        tokens = output.sequences[0, len(prompt) :].tolist()
         end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
-        completions.append(tokens[:end])  # generate pads nothing for one prompt, but cut at the stop to be sure
-    return completions
+        agreements.append(_agreement(index, ours, tokens[:end], output.logits, model.dtype))
+    return agreements
+
+
+def _agreement(
+    index: int, ours: list[int], theirs: list[int], logits: Sequence[torch.Tensor], dtype: torch.dtype
+) -> PromptAgreement:
+    """Compare two completions of prompt `index`; `logits` are generate's raw logits of each step."""
+    longer = max(len(ours), len(theirs))
+    same = sum(a == b for a, b in zip(ours, theirs))
+    divergence = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+        None if len(ours) == len(theirs) else min(len(ours), len(theirs)),
+    )
+    agreement = PromptAgreement(index, ours, theirs, same / longer if longer else 1.0, divergence)
+    if divergence is not None and divergence < min(len(ours), len(theirs)):
+        step = logits[divergence][0].float()
+        agreement.logit_gap = float(step[theirs[divergence]] - step[ours[divergence]])
+        magnitude = max(abs(float(step[theirs[divergence]])), torch.finfo(dtype).tiny)
+        agreement.rounding_step = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
+    return agreement
 
 
 def _stop_ids(generation_config: Any, model: torch.nn.Module) -> set[int]:

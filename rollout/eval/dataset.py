@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from rollout.hub import check_hub_source, first_line, is_local_path
@@ -26,8 +28,7 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
         dataset: a local .jsonl / .json / .csv / .parquet file, a local dataset directory (as the hub holds
             datasets; "directory:config" picks a config), or a hub dataset as "name" or "name:config".
         split: the split to read (None: "train" for a file or directory, "test" for a hub dataset); `datasets`
-            slicing such as
-            "test[:100]" works too.
+            slicing such as "test[:100]" works too.
         num_samples: how many rows from the start of the split (None: all).
     Raises:
         DatasetError: no such file, an unknown file type, an unknown split, or a hub dataset this machine cannot get.
@@ -35,6 +36,7 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
     import datasets
 
     datasets.disable_progress_bars()  # rollout-eval's own bar is the one that matters
+    cached_only = False
     folder, _, folder_config = dataset.partition(":")
     if os.path.isdir(os.path.expanduser(folder)):  # e.g. what `hf download --repo-type dataset` fetched
         split = split or DEFAULT_FILE_SPLIT
@@ -53,10 +55,9 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
         cached_only = check_hub_source(name, "--dataset", repo_type="dataset")
         split = split or DEFAULT_HUB_SPLIT
         loader = dict(path=name, name=config or None)
-        if cached_only:
-            loader["download_mode"] = "reuse_cache_if_exists"
     try:
-        rows = datasets.load_dataset(**loader, split=split)
+        with _offline(cached_only):
+            rows = datasets.load_dataset(**loader, split=split)
     except ValueError as error:  # an unknown split; a config that does not exist
         raise DatasetError(f"--dataset {dataset} --split {split}: {first_line(error)}") from None
     except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
@@ -66,6 +67,24 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
     if num_samples is not None:
         rows = rows.select(range(min(num_samples, len(rows))))
     return rows.to_list()
+
+
+@contextlib.contextmanager
+def _offline(on: bool) -> Iterator[None]:
+    """While loading, `datasets` and the hub client read only the local cache (when `on`): the hub was found
+    unreachable, so any request would only retry for a minute."""
+    if not on:
+        yield
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = before
 
 
 def check_fields(rows: list[dict[str, Any]], dataset: str, **flags: str | None) -> None:

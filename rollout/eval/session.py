@@ -11,7 +11,7 @@ import torch
 
 from rollout.batch_config_flags import batch_config_from_pairs
 from rollout.config import FieldError
-from rollout.eval.compare import PromptAgreement, greedy_generate
+from rollout.eval.compare import PromptAgreement, compare_with_generate
 from rollout.eval.dataset import DatasetError, check_fields, load_rows
 from rollout.eval.metrics import MetricError, load_metric
 from rollout.eval.run import PromptError, generate, score_rows, tokenize_prompts
@@ -115,9 +115,8 @@ def _generation_config(args: argparse.Namespace) -> Any:
 def _compare(args: argparse.Namespace, model: torch.nn.Module, generated: Any, config: Any) -> list[PromptAgreement]:
     """transformers' generate on the first K prompts against rollout's first sample of each."""
     count = min(args.compare_with_generate, len(generated.prompt_ids))
-    reference = greedy_generate(model, generated.prompt_ids[:count], config)
     ours = {row["prompt_index"]: row["token_ids"] for row in generated.rows if row["sample_index"] == 0}
-    return [PromptAgreement.of(index, ours[index], reference[index]) for index in range(count)]
+    return compare_with_generate(model, generated.prompt_ids[:count], [ours[i] for i in range(count)], config)
 
 
 # The JSONL row's field order: what a reader looks at first.

@@ -41,9 +41,17 @@ def summarize(generated: Generated, n: int, metric: str | None, agreements: list
         summary["compare_with_generate"] = dict(
             prompts=len(agreements),
             identical=sum(a.first_divergence is None for a in agreements),
+            near_ties=sum(a.near_tie for a in agreements),
             token_agreement=sum(a.agreement for a in agreements) / len(agreements) if agreements else None,
             per_prompt=[
-                dict(prompt_index=a.prompt_index, agreement=a.agreement, first_divergence=a.first_divergence)
+                dict(
+                    prompt_index=a.prompt_index,
+                    agreement=a.agreement,
+                    first_divergence=a.first_divergence,
+                    logit_gap=a.logit_gap,
+                    rounding_step=a.rounding_step,
+                    near_tie=a.near_tie,
+                )
                 for a in agreements
             ],
         )
@@ -96,6 +104,7 @@ def format_summary(summary: dict[str, Any], agreements: list[PromptAgreement] | 
             f"compare with transformers' generate (greedy, first {compared['prompts']} prompts): "
             f"{compared['identical']}/{compared['prompts']} identical, token agreement "
             f"{(compared['token_agreement'] or 0):.1%}"
+            + (f", {compared['near_ties']} diverging at a near tie" if compared["near_ties"] else "")
         )
         lines += [f"  {agreement.describe()}" for agreement in agreements]
     return lines

@@ -18,6 +18,7 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.lora_weights import load_peft_dir
 from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.hub import HubUnreachable
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.auth import WorkerAuth
 from rollout.service.cache_capacity import cache_capacity
@@ -90,6 +91,8 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         parser.error(str(error))
     try:
         model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+    except HubUnreachable as error:  # names --model itself, and says what to do
+        parser.error(str(error))
     except (ValueError, OSError) as error:
         parser.error(f"--model {args.model}: {error}")
     try:
