@@ -27,7 +27,7 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
             as its field's type, or one the config refuses.
     """
     fields = {field.name: str(field.type) for field in dataclasses.fields(ContinuousBatchingConfig)}
-    values = dict(defaults)
+    values, given = dict(defaults), set()
     for pair in pairs:
         key, equals, text = pair.partition("=")
         key = key.strip().replace("-", "_")
@@ -36,6 +36,9 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
         if key not in fields or key in NOT_FROM_COMMAND_LINE:
             known = ", ".join(name for name in fields if name not in NOT_FROM_COMMAND_LINE)
             raise FieldError(key, f"is not a ContinuousBatchingConfig field settable here; those are: {known}")
+        if key in given:
+            raise FieldError(key, "is given twice; give each field once")
+        given.add(key)
         values[key] = _read(key, text.strip(), fields[key])
     return ContinuousBatchingConfig(**values)
 

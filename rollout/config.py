@@ -23,6 +23,7 @@ __all__ = [
     "LOGPROB_MODES",
     "MAX_POLICY_VERSION",
     "MIN_TEMPERATURE",
+    "MODEL_DTYPE_NAMES",
     "PREVIOUS_PATHS",
     "SCHEDULER_TYPES",
     "WEIGHT_UPDATE_MODES",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+# Parameter dtypes by the names the command lines take ("auto": the checkpoint's own, fp32 for presets).
+MODEL_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # Policy versions travel as int64 (msgpack, tensors of versions): the largest a weight update may set.
 MAX_POLICY_VERSION = 2**63 - 1
 # What happens to in-flight samples when a weight update commits (Engine.update_weights documents each).

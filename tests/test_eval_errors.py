@@ -4,17 +4,14 @@ the Wilson interval against Newcombe's published values, percentiles against num
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from rollout.batch_config_flags import batch_config_from_pairs
-from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.eval.cli import main
-from rollout.eval.metrics import numeric
-from rollout.eval.stats import percentile, wilson_interval
 from rollout.service.presets import tiny_model, tiny_tokenizer
 
 REPO_DATASET = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic.jsonl"
@@ -93,24 +90,61 @@ def test_a_gpu_flag_on_a_cpu_torch(capsys, device):
     assert "--device cpu" in message
 
 
+METRIC_MODULES = {
+    "broken_syntax": "def score(completion, answer):\n    return (\n",
+    "needs_a_library": "import no_such_library_anywhere\n",
+    "raises_on_rows": "def score(completion, answer):\n    raise ValueError('cannot parse')\n",
+    "gives_arrays": "import numpy\ndef score(completion, answer):\n    return numpy.array([True, False])\n",
+    "gives_halves": "def score(completion, answer):\n    return 0.5\n",
+    "gives_numpy_bools": "import numpy\ndef score(completion, answer):\n    return numpy.bool_(True)\n",
+}
+
+
+@pytest.fixture
+def metric_folder(tmp_path, monkeypatch):
+    """A directory of metric modules, the current one (as a user runs rollout-eval next to their metric)."""
+    for name, source in METRIC_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
 @pytest.mark.parametrize(
     ("metric", "expected"),
     [
-        ("no_such_module_here:score", "cannot import no_such_module_here (ModuleNotFoundError"),
+        ("no_such_module_here:score", "no module named no_such_module_here; run from the directory that holds"),
         ("json:no_such_function", "json has no function no_such_function"),
         ("accuracy", "expected exact_match, numeric or module:function"),
+        ("broken_syntax:score", "importing broken_syntax failed: SyntaxError"),
+        ("needs_a_library:score", "needs_a_library imports no_such_library_anywhere, which is not installed"),
+        ("broken_syntax.py:score", "name the module, not its file: --metric broken_syntax:score"),
     ],
 )
-def test_a_metric_that_cannot_be_imported(capsys, metric, expected):
+def test_a_metric_that_cannot_be_imported(capsys, metric_folder, metric, expected):
     message = error_of(capsys, [*BASE, "--answer-field", "answer", "--metric", metric])
     assert message.startswith(f"--metric {metric}: ") and expected in message
+    assert str(metric_folder) not in sys.path  # the current directory was importable only while importing
 
 
-def test_a_metric_that_returns_no_verdict(capsys, tmp_path, monkeypatch):
-    (tmp_path / "odd_metric.py").write_text("def score(completion, answer):\n    return 0.5\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    message = error_of(capsys, [*BASE, "--answer-field", "answer", "--metric", "odd_metric:score"])
-    assert message == "--metric odd_metric:score returned 0.5; a metric returns True or False"
+@pytest.mark.parametrize(
+    ("metric", "expected"),
+    [
+        ("raises_on_rows:score", "--metric raises_on_rows:score raised ValueError on row 0: cannot parse"),
+        ("gives_arrays:score", "--metric gives_arrays:score returned array([ True, False]) on row 0; a metric"),
+        ("gives_halves:score", "--metric gives_halves:score returned 0.5 on row 0; a metric returns True or False"),
+    ],
+)
+def test_a_metric_that_gives_no_verdict_names_the_row_and_keeps_the_rows(capsys, metric_folder, metric, expected):
+    output = metric_folder / "rows.jsonl"
+    message = error_of(capsys, [*BASE, "--answer-field", "answer", "--metric", metric, "--output", output])
+    assert message.startswith(expected) and message.endswith(f"(the rows, unscored, are in {output})")
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert len(rows) == 12 and all("correct" not in row and row["token_ids"] for row in rows)
+
+
+def test_numpy_bools_are_verdicts(capsys, metric_folder):
+    assert main([*BASE, "--answer-field", "answer", "--metric", "gives_numpy_bools:score"]) == 0
+    assert "accuracy (gives_numpy_bools:score): 1.0000 (12/12" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -122,62 +156,90 @@ def test_a_metric_that_returns_no_verdict(capsys, tmp_path, monkeypatch):
         (["--metric", "numeric"], "--metric numeric scores against reference answers: pass --answer-field too"),
         (["--num-samples", "0"], "--num-samples 0: must be at least 1"),
         (["--output", "/no/such/folder/rows.jsonl"], "--output /no/such/folder/rows.jsonl: no such directory"),
-        (["--split", "test"], "--split test: Unknown split"),
+        (["--split", "test"], "--split test: a file has one split, train (slices such as train[:100] work)"),
         (["--batch-config", "num_blocks=many"], "--batch-config num_blocks: expected an integer, got 'many'"),
         (["--batch-config", "blocks=4"], "--batch-config blocks: is not a ContinuousBatchingConfig field"),
         (["--seed", "1", "--batch-config", "seed=2"], "--seed and --batch-config seed=... both set the run's seed"),
+        (["--batch-config", "num_blocks=8", "--batch-config", "num_blocks=9"], "num_blocks: is given twice"),
+        (["--temperature", "1e-7"], "--temperature 1e-07: must be 0 (greedy) or a finite number >= 1e-05"),
+        (["--temperature", "inf"], "--temperature inf: must be 0 (greedy) or a finite number"),
+        (["--device", "mps"], "--device mps: rollout runs on cpu or cuda devices, not mps"),
+        (["--device", "meta"], "--device meta: rollout runs on cpu or cuda devices, not meta"),
+        (["--output", ""], "--output '': name a file to write the rows to"),
+        (["--output", "/tmp"], "--output '/tmp': name a file to write the rows to"),
+        (["--output", str(REPO_DATASET)], f"--output {REPO_DATASET} is the dataset itself"),
+        (["--dataset", "notes.txt"], "--dataset notes.txt: no such file"),
+        (["--batch-config", "num_blocks=1", "block_size=1"], "12 of 12 samples failed in the engine: request needs"),
+        (
+            ["--batch-config", "max_model_len=8"],
+            "row 0: its prompt (20 tokens) + --max-new-tokens 2 exceeds the model's",
+        ),
     ],
 )
 def test_flags_that_cannot_work_are_refused_by_name(capsys, flags, expected):
     assert expected in error_of(capsys, [*BASE, *flags])
 
 
-def test_batch_config_pairs_read_as_their_fields_types():
-    config = batch_config_from_pairs(
-        ["num_blocks=64", "max_memory_percent=none", "scheduler_type=prefill_first", "overlap_scheduling=off"]
-        + ["previous_paths=fp32_head,logprobs", "max-batch-tokens=512", "fp32_logits=true"],
-        seed=3,
+# Datasets a newcomer writes by hand: each flaw named with its line or row.
+BAD_DATASETS = {
+    "empty.jsonl": ("", "no rows"),
+    "blank.jsonl": ("\n\n", "no rows"),
+    "header_only.csv": ("prompt,answer\n", "no rows"),
+    "array.json": ("[]", "no rows"),
+    "not_json.jsonl": ('{"prompt": "a"}\n{"prompt": \n', "line 2 is not JSON (Expecting value)"),
+    "ragged.csv": ("prompt,answer\nhi,1,extra\nyo,2\n", "line 2 has 3 fields, the header 2"),
+    "scalars.json": ("[1, 2]", "row 0 is a int, not an object of fields"),
+    "no_answer.jsonl": ('{"prompt": "a", "answer": "5"}\n{"prompt": "b", "answer": null}\n', "row 1 has no answer"),
+    "list_answer.jsonl": ('{"prompt": "a", "answer": ["5", "five"]}\n', "row 0 holds a list, not text or a number"),
+    "dict_prompt.jsonl": ('{"prompt": {"role": "user", "content": "hi"}, "answer": "a"}\n', "row 0 holds a dict"),
+    "list_prompt.jsonl": ('{"prompt": ["a", "b"], "answer": "a"}\n', "row 0 holds a list, not text; pass --chat"),
+    "missing_field.jsonl": ('{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n', "--prompt-field prompt: row 1 of"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_DATASETS))
+def test_hand_written_datasets_are_refused_naming_the_flaw(capsys, tmp_path, name):
+    text, expected = BAD_DATASETS[name]
+    (tmp_path / name).write_text(text)
+    flags = ["--model", "tiny", "--dataset", tmp_path / name, "--answer-field", "answer", "--max-new-tokens", "2"]
+    assert expected in error_of(capsys, flags)
+
+
+def test_chat_refuses_a_list_that_is_not_of_messages(capsys, tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"prompt": [1, 2, 3]}\n')
+    message = error_of(capsys, ["--model", "tiny", "--dataset", tmp_path / "rows.jsonl", "--chat"])
+    assert (
+        message
+        == '--prompt-field prompt: row 0 is a list but not of chat messages ({"role": ..., "content": ...} each)'
     )
-    assert config == ContinuousBatchingConfig(
-        num_blocks=64,
-        max_memory_percent=None,
-        scheduler_type="prefill_first",
-        overlap_scheduling=False,
-        previous_paths=("fp32_head", "logprobs"),
-        max_batch_tokens=512,
-        fp32_logits=True,
-        seed=3,
+
+
+def test_csv_fields_and_json_values_reach_the_metric_as_written(capsys, tmp_path, monkeypatch):
+    """CSV fields stay text ("007", "NA"), JSON numbers stay as written (5 beside 2.5 is not 5.0)."""
+    (tmp_path / "seen.py").write_text(
+        "SEEN = []\ndef score(completion, answer):\n    SEEN.append(answer)\n    return False\n"
     )
-    with pytest.raises(FieldError, match="scheduler_type"):  # the config's own validation still applies
-        batch_config_from_pairs(["scheduler_type=lifo"])
-    with pytest.raises(FieldError, match="decode_compile_config: is not a ContinuousBatchingConfig field settable"):
-        batch_config_from_pairs(["decode_compile_config=x"])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "rows.csv").write_text("prompt,answer\nfirst,007\nsecond,NA\nthird,1.50\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "answer": 5}\n{"prompt": "b", "answer": 2.5}\n')
+    import seen
+
+    for dataset in ("rows.csv", "rows.jsonl"):
+        flags = [
+            "--model",
+            "tiny",
+            "--dataset",
+            tmp_path / dataset,
+            "--answer-field",
+            "answer",
+            "--metric",
+            "seen:score",
+        ]
+        assert main([*(str(flag) for flag in flags), "--max-new-tokens", "1"]) == 0
+    assert seen.SEEN == ["007", "NA", "1.50", "5", "2.5"]
 
 
-def test_wilson_interval_matches_newcombes_published_values():
-    """Newcombe (1998), "Two-sided confidence intervals for the single proportion", Table I, method 3 (score)."""
-    assert wilson_interval(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
-    assert wilson_interval(15, 148) == pytest.approx((0.0624, 0.1605), abs=1e-4)
-    assert wilson_interval(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
-
-
-def test_percentile_matches_numpy():
-    values = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
-    for q in (0, 50, 90, 95, 100):
-        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
-
-
-@pytest.mark.parametrize(
-    ("completion", "answer", "correct"),
-    [  # answers as GSM8K's test split writes them
-        ("She has 5 + 3 = 8 apples. #### 8", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 8", True),
-        ("The total is $1,234.", "#### 1234", True),
-        ("So the answer is 18.0", "#### 18", True),
-        ("First 3, then 4, so 7 in all", "#### 7", True),
-        ("#### 7 (not 8)", "#### 7", True),
-        ("It is 12", "#### -12", False),
-        ("no number here", "#### 3", False),
-    ],
-)
-def test_numeric_metric_reads_gsm8k_answers(completion, answer, correct):
-    assert numeric(completion, answer) is correct
+def test_a_model_directory_without_tokenizer_files(capsys, tmp_path):
+    tiny_model().save_pretrained(tmp_path)
+    message = error_of(capsys, [*BASE[2:], "--model", tmp_path])
+    assert message.startswith(f"--model {tmp_path}: no tokenizer files were found with it")

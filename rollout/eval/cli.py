@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
 
-from rollout.eval.session import EvalError, evaluate
-from rollout.service.presets import MODEL_DTYPES
+from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
+from rollout.eval.errors import EvalError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="also run transformers' generate (greedy) on the first K prompts and report token agreement",
     )
-    add("--dtype", choices=list(MODEL_DTYPES), default="auto", help="parameter dtype (default: the checkpoint's)")
+    add("--dtype", choices=MODEL_DTYPE_NAMES, default="auto", help="parameter dtype (default: the checkpoint's)")
     add("--device", default=None, help="torch device, e.g. cuda, cuda:1, cpu (default: cuda when visible, else cpu)")
     add(
         "--batch-config",
         nargs="+",
+        action="extend",
         default=[],
         metavar="KEY=VALUE",
         help="ContinuousBatchingConfig fields, e.g. num_blocks=4096 max_batch_tokens=8192",
@@ -88,8 +90,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise EvalError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if args.compare_with_generate < 0:
         raise EvalError(f"--compare-with-generate {args.compare_with_generate}: must be 0 (off) or more")
-    if not args.temperature >= 0:
-        raise EvalError(f"--temperature {args.temperature}: must be 0 (greedy) or more")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
+        raise EvalError(f"--temperature {args.temperature}: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
     if not 0 < args.top_p <= 1:
         raise EvalError(f"--top-p {args.top_p}: must be in (0, 1]")
     greedy = args.temperature == 0
@@ -108,37 +110,71 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.metric is not None and args.answer_field is None:
         raise EvalError(f"--metric {args.metric} scores against reference answers: pass --answer-field too")
     if args.output is not None:
-        folder = os.path.dirname(os.path.abspath(os.path.expanduser(args.output)))
-        if not os.path.isdir(folder):
-            raise EvalError(f"--output {args.output}: no such directory {folder}")
-        if not os.access(folder, os.W_OK):
-            raise EvalError(f"--output {args.output}: {folder} is not writable")
+        _check_output(args.output, args.dataset)
+
+
+def _check_output(output: str, dataset: str) -> None:
+    """--output names a file this run can write and that is not its own dataset (checked before anything runs, so
+    an hour of generation is never lost to an unwritable path)."""
+    path = os.path.abspath(os.path.expanduser(output))
+    folder = os.path.dirname(path)
+    if not output or os.path.isdir(path):
+        raise EvalError(f"--output {output!r}: name a file to write the rows to, e.g. --output eval.jsonl")
+    if not os.path.isdir(folder):
+        raise EvalError(f"--output {output}: no such directory {folder}")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise EvalError(f"--output {output}: {path if os.path.exists(path) else folder} is not writable")
+    source = os.path.expanduser(dataset)
+    if os.path.isfile(source) and os.path.exists(path) and os.path.samefile(path, source):
+        raise EvalError(f"--output {output} is the dataset itself: write the rows to another file")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run rollout-eval; returns the exit status (0, 2 on a usage error, 130 when interrupted)."""
+    """Run rollout-eval; returns the exit status (0; 2 on an error the user can fix; 130 when interrupted)."""
     args = build_parser().parse_args(argv)
     try:
         check_flags(args)
-        summary, lines, rows = evaluate(args)
+        from rollout.eval.session import evaluate  # torch and transformers load here, after the cheap checks
+
+        summary, lines = evaluate(args, lambda rows: _write_rows(args.output, rows))
+        if args.compare_with_generate > summary["prompts"]:
+            lines.append(
+                f"(--compare-with-generate {args.compare_with_generate}: the dataset has {summary['prompts']} prompts)"
+            )
+        print("\n".join(lines), flush=True)
+        if args.output is not None:
+            _write_json(f"{args.output}.summary.json", summary)
+            print(f"rows: {args.output} ({summary['samples']}), summary: {args.output}.summary.json", flush=True)
     except EvalError as error:
         print(f"rollout-eval: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("rollout-eval: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        print(f"rollout-eval: {interrupt or 'interrupted'}", file=sys.stderr)
         return 130
-    if args.output is not None:
-        _write(args.output, rows, summary)
-        lines.append(f"rows: {args.output} ({len(rows)}), summary: {args.output}.summary.json")
-    print("\n".join(lines), flush=True)
     return 0
 
 
-def _write(path: str, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    """The rows as JSONL (non-ASCII text as itself) and the summary as JSON beside them."""
-    path = os.path.expanduser(path)
-    with open(path, "w", encoding="utf-8") as file:
-        for row in rows:
-            file.write(json.dumps(row, ensure_ascii=False) + "\n")
-    with open(f"{path}.summary.json", "w", encoding="utf-8") as file:
-        json.dump(summary, file, indent=2)
+def _write_rows(path: str | None, rows: list[dict[str, Any]]) -> str | None:
+    """The rows as JSONL at `path` (None: not written); non-ASCII text as itself, values JSON lacks (dates) as text.
+
+    Raises:
+        EvalError: the file cannot be written.
+    """
+    if path is None:
+        return None
+    try:
+        with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
+            for row in rows:
+                file.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+    except OSError as error:
+        raise EvalError(f"--output {path}: cannot be written ({error.strerror or error})") from None
+    return path
+
+
+def _write_json(path: str, summary: dict[str, Any]) -> None:
+    """The summary as JSON beside the rows."""
+    try:
+        with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
+            json.dump(summary, file, indent=2, default=str)
+    except OSError as error:
+        raise EvalError(f"--output {path}: cannot be written ({error.strerror or error})") from None

@@ -4,6 +4,7 @@ and dtype, token by token against rollout's completions: what a model developer 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +24,12 @@ class PromptAgreement:
         generate_tokens: `generate`'s completion (token ids).
         agreement: positions where both hold the same token, over the longer completion's length (1.0 when equal).
         first_divergence: the first position where they differ (or where the shorter ended); None when equal.
-        logit_gap: at the first divergence (when both have a token there), `generate`'s logit of its own token minus
-            its logit of rollout's token: 0 is an exact tie, a few rounding steps a near tie.
-        rounding_step: the spacing of the model dtype's numbers at that logit's magnitude (one unit in the last
-            place), the scale `logit_gap` is judged on.
+        logit_gap: at the first divergence (when both have a token there), `generate`'s score of its own token minus
+            its score of rollout's token, in the scores greedy decoding takes the argmax of (the logits after
+            generate's processors): 0 is an exact tie, a few rounding steps a near tie, infinite when a processor
+            ruled rollout's token out; negative only if generate did not pick its own argmax.
+        rounding_step: the spacing of the model dtype's numbers at the magnitude of generate's raw logit there (one
+            unit in the last place), the scale `logit_gap` is judged on.
     """
 
     prompt_index: int
@@ -41,7 +44,9 @@ class PromptAgreement:
     def near_tie(self) -> bool:
         """Whether the divergence is one `generate`'s own logits barely decide: the two tokens' logits at most
         `NEAR_TIE_STEPS` rounding steps apart, where the engine's and transformers' kernels may round either way."""
-        return self.logit_gap is not None and self.logit_gap <= NEAR_TIE_STEPS * (self.rounding_step or 0.0)
+        if self.logit_gap is None or self.rounding_step is None:
+            return False
+        return 0.0 <= self.logit_gap <= NEAR_TIE_STEPS * self.rounding_step
 
     def describe(self) -> str:
         """One line: where the two completions part, with which tokens, and how close generate's call was."""
@@ -57,8 +62,13 @@ class PromptAgreement:
             f"generate {token(self.generate_tokens)}), agreement {self.agreement:.1%}"
         )
         if self.logit_gap is not None:
-            verdict = "a near tie: rounding, not a bug" if self.near_tie else "not a tie: check the model's code"
-            line += f"; generate's logits for the two differ by {self.logit_gap:.4g} ({verdict})"
+            if self.near_tie:
+                verdict = "a near tie: rounding, not a bug"
+            elif self.logit_gap < 0:
+                verdict = "generate did not pick its own best score: check its processors"
+            else:
+                verdict = "not a tie: check the model's code"
+            line += f"; generate's scores for the two differ by {self.logit_gap:.4g} ({verdict})"
         return line
 
 
@@ -86,6 +96,8 @@ def compare_with_generate(
     """
     device = next(model.parameters()).device
     stops = _stop_ids(generation_config, model)
+    generation_config = copy.deepcopy(generation_config)  # asked to return the scores too, the caller's untouched
+    generation_config.update(output_logits=True, output_scores=True, return_dict_in_generate=True)
     agreements = []
     bar = tqdm(prompts, disable=not progress_bar, desc="generate (reference)", unit="prompt")
     for index, (prompt, ours) in enumerate(zip(bar, rollout_completions)):
@@ -94,19 +106,23 @@ def compare_with_generate(
                 torch.tensor([prompt], device=device),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                 generation_config=generation_config,
-                output_logits=True,
-                return_dict_in_generate=True,
             )
         tokens = output.sequences[0, len(prompt) :].tolist()
         end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
-        agreements.append(_agreement(index, ours, tokens[:end], output.logits, model.dtype))
+        agreements.append(_agreement(index, ours, tokens[:end], output.scores, output.logits, model.dtype))
     return agreements
 
 
 def _agreement(
-    index: int, ours: list[int], theirs: list[int], logits: Sequence[torch.Tensor], dtype: torch.dtype
+    index: int,
+    ours: list[int],
+    theirs: list[int],
+    scores: Sequence[torch.Tensor],
+    logits: Sequence[torch.Tensor],
+    dtype: torch.dtype,
 ) -> PromptAgreement:
-    """Compare two completions of prompt `index`; `logits` are generate's raw logits of each step."""
+    """Compare two completions of prompt `index`; `scores` are generate's processed scores of each step (what its
+    greedy argmax reads), `logits` its raw logits."""
     longer = max(len(ours), len(theirs))
     same = sum(a == b for a, b in zip(ours, theirs))
     divergence = next(
@@ -115,9 +131,9 @@ def _agreement(
     )
     agreement = PromptAgreement(index, ours, theirs, same / longer if longer else 1.0, divergence)
     if divergence is not None and divergence < min(len(ours), len(theirs)):
-        step = logits[divergence][0].float()
+        step = scores[divergence][0].float()
         agreement.logit_gap = float(step[theirs[divergence]] - step[ours[divergence]])
-        magnitude = max(abs(float(step[theirs[divergence]])), torch.finfo(dtype).tiny)
+        magnitude = max(abs(float(logits[divergence][0, theirs[divergence]])), torch.finfo(dtype).tiny)
         agreement.rounding_step = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
     return agreement
 

@@ -1,17 +1,26 @@
-"""`rollout-eval --dataset`: rows from a local JSONL / JSON, CSV or Parquet file, or a `datasets` hub dataset
-(`name[:config]`), all read through `datasets.load_dataset` so a file and a hub dataset behave the same."""
+"""`rollout-eval --dataset`: rows from a local JSONL / JSON, CSV or Parquet file, a local dataset directory, or a
+`datasets` hub dataset (`name[:config]`).
+
+Local files are read as written: JSON values keep their types (an answer `5` stays 5, not 5.0 beside a 2.5), CSV
+fields stay strings ("007" stays "007"; "NA" is text, not missing), Parquet values keep the file's schema; a
+malformed line is named. Directories and hub datasets go through `datasets.load_dataset`. Every source takes the same
+`--split` (a file has one split, "train"; `datasets` slicing such as "train[:100]" or "test[:10%]" works on all).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from rollout.hub import check_hub_source, first_line, is_local_path
 
-# File endings -> the `datasets` builder that reads them.
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+READERS = (".jsonl", ".json", ".csv", ".parquet")
+# Endings that mark a name as a file the user meant (not a hub id), even one rollout-eval cannot read.
+FILE_LIKE = (*READERS, ".txt", ".tsv", ".arrow", ".xlsx", ".xls", ".gz", ".zip", ".md")
 # The split read when --split is not given: a file has one ("train", as `datasets` names it); on the hub, evaluation
 # sets are conventionally the "test" split.
 DEFAULT_FILE_SPLIT, DEFAULT_HUB_SPLIT = "train", "test"
@@ -27,46 +36,115 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
     Args:
         dataset: a local .jsonl / .json / .csv / .parquet file, a local dataset directory (as the hub holds
             datasets; "directory:config" picks a config), or a hub dataset as "name" or "name:config".
-        split: the split to read (None: "train" for a file or directory, "test" for a hub dataset); `datasets`
-            slicing such as "test[:100]" works too.
+        split: the split to read (None: "train" for a file or directory, "test" for a hub dataset), with `datasets`
+            slicing ("test[:100]", "train[10%:20%]").
         num_samples: how many rows from the start of the split (None: all).
     Raises:
-        DatasetError: no such file, an unknown file type, an unknown split, or a hub dataset this machine cannot get.
+        DatasetError: no such file, an unknown file type, a malformed file, an unknown split, no rows, or a hub
+            dataset this machine cannot get.
     """
-    import datasets
-
-    datasets.disable_progress_bars()  # rollout-eval's own bar is the one that matters
-    cached_only = False
     folder, _, folder_config = dataset.partition(":")
+    path = os.path.expanduser(dataset)
     if os.path.isdir(os.path.expanduser(folder)):  # e.g. what `hf download --repo-type dataset` fetched
-        split = split or DEFAULT_FILE_SPLIT
-        loader: dict[str, Any] = dict(path=os.path.expanduser(folder), name=folder_config or None)
-    elif is_local_path(dataset) or os.path.splitext(dataset)[1].lower() in FILE_BUILDERS:
-        path = os.path.expanduser(dataset)
+        rows = _load_with_datasets(dataset, dict(path=os.path.expanduser(folder), name=folder_config or None), split)
+    elif is_local_path(dataset) or os.path.splitext(dataset)[1].lower() in FILE_LIKE:
         if not os.path.isfile(path):
             raise DatasetError(f"--dataset {dataset}: no such file")
-        builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
-        if builder is None:
-            raise DatasetError(f"--dataset {dataset}: expected a file ending in {', '.join(FILE_BUILDERS)}")
-        split = split or DEFAULT_FILE_SPLIT
-        loader = dict(path=builder, data_files=path)
+        ending = os.path.splitext(path)[1].lower()
+        if ending not in READERS:
+            raise DatasetError(f"--dataset {dataset}: expected a file ending in {', '.join(READERS)}")
+        rows = _slice(_read_file(dataset, path, ending), split or DEFAULT_FILE_SPLIT, dataset)
     else:
         name, _, config = dataset.partition(":")
         cached_only = check_hub_source(name, "--dataset", repo_type="dataset")
-        split = split or DEFAULT_HUB_SPLIT
-        loader = dict(path=name, name=config or None)
-    try:
         with _offline(cached_only):
-            rows = datasets.load_dataset(**loader, split=split)
-    except ValueError as error:  # an unknown split; a config that does not exist
-        raise DatasetError(f"--dataset {dataset} --split {split}: {first_line(error)}") from None
-    except (OSError, ConnectionError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise DatasetError(f"--dataset {dataset}: {first_line(error)}") from None
-    except Exception as error:  # a malformed file: datasets raises its own DatasetGenerationError and friends
+            rows = _load_with_datasets(dataset, dict(path=name, name=config or None), split or DEFAULT_HUB_SPLIT)
+    if not rows:
+        raise DatasetError(f"--dataset {dataset}: no rows{'' if split is None else f' in split {split}'}")
+    return rows[:num_samples] if num_samples is not None else rows
+
+
+def _read_file(dataset: str, path: str, ending: str) -> list[dict[str, Any]]:
+    """A local file's rows as written; a malformed line or row is a DatasetError naming it."""
+    try:
+        if ending == ".parquet":
+            import pyarrow.parquet
+
+            return pyarrow.parquet.read_table(path).to_pylist()
+        with open(path, encoding="utf-8", newline="") as file:
+            if ending == ".csv":
+                return _read_csv(dataset, file)
+            if ending == ".json" and file.read(1) == "[":  # a JSON array of rows
+                file.seek(0)
+                rows = json.load(file)
+            else:
+                file.seek(0)
+                rows = [_json_line(dataset, number, line) for number, line in enumerate(file, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise DatasetError(f"--dataset {dataset}: cannot be read ({first_line(error)})") from None
-    if num_samples is not None:
-        rows = rows.select(range(min(num_samples, len(rows))))
-    return rows.to_list()
+    except Exception as error:  # pyarrow's own errors for a file that is no Parquet
+        raise DatasetError(
+            f"--dataset {dataset}: cannot be read ({type(error).__name__}: {first_line(error)})"
+        ) from None
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"--dataset {dataset}: row {index} is a {type(row).__name__}, not an object of fields")
+    return rows
+
+
+def _json_line(dataset: str, number: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg})") from None
+
+
+def _read_csv(dataset: str, file: Any) -> list[dict[str, Any]]:
+    """CSV rows as strings under the header's names; a row with more or fewer fields than the header is named."""
+    reader = csv.reader(file)
+    header = next(reader, None)
+    if header is None:
+        return []
+    rows = []
+    for fields in reader:
+        if not fields:
+            continue
+        if len(fields) != len(header):
+            raise DatasetError(
+                f"--dataset {dataset}: line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
+            )
+        rows.append(dict(zip(header, fields)))
+    return rows
+
+
+def _slice(rows: list[dict[str, Any]], split: str, dataset: str) -> list[dict[str, Any]]:
+    """The rows a `datasets` split instruction over a file's one split ("train") selects."""
+    import datasets
+
+    try:
+        instructions = datasets.ReadInstruction.from_spec(split).to_absolute({DEFAULT_FILE_SPLIT: len(rows)})
+    except (ValueError, AssertionError) as error:
+        raise DatasetError(
+            f"--split {split}: a file has one split, {DEFAULT_FILE_SPLIT} (slices such as train[:100] work): "
+            f"{first_line(error)}"
+        ) from None
+    return [row for instruction in instructions for row in rows[instruction.from_ : instruction.to]]
+
+
+def _load_with_datasets(dataset: str, loader: dict[str, Any], split: str | None) -> list[dict[str, Any]]:
+    """Rows through `datasets.load_dataset`, its errors as one line."""
+    import datasets
+
+    datasets.disable_progress_bars()  # rollout-eval's own bar is the one that matters
+    split = split or DEFAULT_FILE_SPLIT
+    try:
+        return datasets.load_dataset(**loader, split=split).to_list()
+    except ValueError as error:  # an unknown split or config, an empty slice
+        if "corresponds to no data" in str(error):
+            return []
+        raise DatasetError(f"--dataset {dataset} --split {split}: {first_line(error)}") from None
+    except Exception as error:  # not found, unreachable, malformed: datasets' own error types
+        raise DatasetError(f"--dataset {dataset}: cannot be read ({first_line(error)})") from None
 
 
 @contextlib.contextmanager
@@ -104,3 +182,6 @@ def check_fields(rows: list[dict[str, Any]], dataset: str, **flags: str | None) 
                 f"--{flag.replace('_', '-')} {field}: {dataset} has no such field; its fields are: "
                 f"{', '.join(columns) or '(none: it has no rows)'}"
             )
+        missing = next((index for index, row in enumerate(rows) if field is not None and field not in row), None)
+        if missing is not None:
+            raise DatasetError(f"--{flag.replace('_', '-')} {field}: row {missing} of {dataset} has no such field")

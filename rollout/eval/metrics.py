@@ -8,6 +8,7 @@ and `module:function` names any other importable one (the current directory is o
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -15,8 +16,9 @@ from decimal import Decimal, InvalidOperation
 
 Metric = Callable[[str, str], bool]
 
-# A number as GSM8K and friends write them: an optional sign, digits with optional thousands commas, decimals.
-_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+")
+# A number as GSM8K and friends write them: an optional sign and "$", digits (thousands commas only in groups of
+# three), decimals, an exponent.
+_NUMBER = re.compile(r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\$?\.\d+")
 # GSM8K's final-answer marker: the answer follows "####".
 _FINAL_ANSWER = re.compile(r"####\s*(.+)")
 
@@ -61,6 +63,9 @@ BUILT_IN: dict[str, Metric] = {"exact_match": exact_match, "numeric": numeric}
 def load_metric(spec: str) -> Metric:
     """The metric `spec` names: "exact_match", "numeric" or "module:function".
 
+    The current directory is importable while the module is imported (as with `python -m`), and only then: a file
+    there named like a library must not shadow it for the rest of the run.
+
     Raises:
         MetricError: an unknown name, a module that cannot be imported, or no callable of that name in it.
     """
@@ -72,31 +77,51 @@ def load_metric(spec: str) -> Metric:
             f"--metric {spec}: expected {', '.join(BUILT_IN)} or module:function (a function "
             "(completion, answer) -> bool in an importable module)"
         )
-    if "" not in sys.path:  # `python -m` puts the current directory first; a console script does not
-        sys.path.insert(0, "")
+    if module_name.endswith(".py") or "/" in module_name:
+        raise MetricError(
+            f"--metric {spec}: name the module, not its file: --metric "
+            f"{module_name.removesuffix('.py').replace('/', '.')}:{function_name}, run from the directory above it"
+        )
+    sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as error:  # ImportError, or whatever the module raises while it loads
-        raise MetricError(
-            f"--metric {spec}: cannot import {module_name} ({type(error).__name__}: {error}); run from the directory "
-            "that holds it or put it on PYTHONPATH"
-        ) from None
+    except ModuleNotFoundError as error:
+        if error.name is not None and module_name.startswith(error.name):
+            raise MetricError(
+                f"--metric {spec}: no module named {module_name}; run from the directory that holds "
+                f"{module_name.replace('.', '/')}.py or put that directory on PYTHONPATH"
+            ) from None
+        raise MetricError(f"--metric {spec}: {module_name} imports {error.name}, which is not installed") from None
+    except Exception as error:  # a syntax error, or whatever the module raises while it loads
+        raise MetricError(f"--metric {spec}: importing {module_name} failed: {type(error).__name__}: {error}") from None
+    finally:
+        sys.path.remove(os.getcwd())
     function = getattr(module, function_name, None)
     if not callable(function):
         raise MetricError(f"--metric {spec}: {module_name} has no function {function_name}")
     return function
 
 
-def score(metric: Metric, spec: str, completion: str, answer: object) -> bool:
-    """`metric(completion, answer)`, which must be a bool (or 0 / 1).
+def score(metric: Metric, spec: str, completion: str, answer: object, row: int) -> bool:
+    """`metric(completion, str(answer))`, which must be a bool (or 0 / 1, numpy's bools included).
 
+    Args:
+        metric: the metric.
+        spec: its name, for messages.
+        completion: the sample's text.
+        answer: the row's reference answer (given to the metric as text).
+        row: the dataset row, for messages.
     Raises:
-        MetricError: the metric returned something else, or raised (naming the metric and the error).
+        MetricError: the metric returned something else, or raised (naming the metric, the row and the error).
     """
     try:
-        verdict = metric(completion, "" if answer is None else str(answer))
+        verdict = metric(completion, str(answer))
     except Exception as error:
-        raise MetricError(f"--metric {spec} raised {type(error).__name__}: {error}") from None
-    if verdict not in (True, False):  # 0 and 1 compare equal to False and True
-        raise MetricError(f"--metric {spec} returned {verdict!r}; a metric returns True or False")
+        raise MetricError(f"--metric {spec} raised {type(error).__name__} on row {row}: {error}") from None
+    try:
+        valid = verdict in (True, False)  # 0, 1 and numpy's bools compare equal to them
+    except Exception:  # an array's truth value is ambiguous
+        valid = False
+    if not valid or isinstance(verdict, float):
+        raise MetricError(f"--metric {spec} returned {verdict!r} on row {row}; a metric returns True or False")
     return bool(verdict)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.generate import generate_batch, release_cached_engine
+from rollout.engine.generate import cached_engine, generate_batch, release_cached_engine
 from rollout.eval.metrics import Metric, score
 
 
@@ -39,28 +39,42 @@ class Generated:
 
 
 def tokenize_prompts(tokenizer: Any, prompts: list[Any], chat: bool, prompt_field: str) -> list[list[int]]:
-    """Each prompt as token ids: as the tokenizer encodes it, or with `chat` rendered by the tokenizer's chat
-    template as a user turn (a prompt that already is a list of {"role", "content"} messages is rendered as is),
-    with the assistant's turn opened.
+    """Each prompt as token ids: text as the tokenizer encodes it (a number as its text), or with `chat` rendered by
+    the tokenizer's chat template as a user turn (a prompt that already is a list of {"role", "content"} messages is
+    rendered as is), with the assistant's turn opened.
 
     Raises:
-        PromptError: an empty or missing prompt, or a message list without --chat.
+        PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list, or a
+            prompt that encodes to no tokens.
     """
     encoded = []
     for index, prompt in enumerate(prompts):
         if prompt is None or prompt == "" or prompt == []:
             raise PromptError(f"--prompt-field {prompt_field}: row {index} has an empty prompt")
+        if isinstance(prompt, list) and not chat:
+            raise PromptError(
+                f"--prompt-field {prompt_field}: row {index} holds a list, not text; pass --chat to render a list of "
+                "chat messages with the tokenizer's chat template"
+            )
+        if isinstance(prompt, (dict, bool)) or not isinstance(prompt, (str, int, float, list)):
+            raise PromptError(
+                f"--prompt-field {prompt_field}: row {index} holds a {type(prompt).__name__}; a prompt is text, or "
+                'with --chat a list of {"role": ..., "content": ...} messages'
+            )
         if chat:
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages):
+                raise PromptError(
+                    f"--prompt-field {prompt_field}: row {index} is a list but not of chat messages "
+                    '({"role": ..., "content": ...} each)'
+                )
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        elif isinstance(prompt, (list, dict)):
-            raise PromptError(
-                f"--prompt-field {prompt_field}: row {index} holds a {type(prompt).__name__}, not text; pass --chat to "
-                "render chat messages with the tokenizer's chat template"
-            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
-            encoded.append(tokenizer(str(prompt))["input_ids"])
+            ids = tokenizer(str(prompt))["input_ids"]
+        if not ids:
+            raise PromptError(f"--prompt-field {prompt_field}: row {index} encodes to no tokens")
+        encoded.append(ids)
     return encoded
 
 
@@ -84,18 +98,28 @@ def generate(
         batch_config: the engine's `ContinuousBatchingConfig`.
         n: samples per prompt.
         progress_bar: show generate_batch's bar.
+    Raises:
+        PromptError: a prompt that does not fit the model's context with max_new_tokens (naming its row), or samples
+            the engine ended with an error (its message: e.g. a KV cache too small for one request).
     """
     started = time.perf_counter()
     try:
         shared = dict(
             generation_config=generation_config, continuous_batching_config=batch_config, persistent_manager=True
         )
-        generate_batch(model, prompt_ids[:1], max_new_tokens=1, progress_bar=False, tokenizer=tokenizer, **shared)
+        generate_batch(model, [prompt_ids[0][:1]], max_new_tokens=1, progress_bar=False, tokenizer=tokenizer, **shared)
+        _check_context(cached_engine(model).max_model_len, prompt_ids, generation_config.max_new_tokens)
         timed = time.perf_counter()
         outputs = generate_batch(model, prompt_ids, n=n, progress_bar=progress_bar, tokenizer=tokenizer, **shared)
         done = time.perf_counter()
     finally:
         release_cached_engine(model)  # the KV cache and graphs go now, not at a garbage collection
+    failed = [output for output in outputs.values() if output.finish_reason == "error"]
+    if failed:
+        raise PromptError(
+            f"{len(failed)} of {len(outputs)} samples failed in the engine: {failed[0].error} (engine fields are set "
+            "with --batch-config KEY=VALUE)"
+        )
     rows = []
     for output in outputs.values():
         prompt_index = int(output.group_id.removeprefix("req_"))
@@ -112,8 +136,22 @@ def generate(
     return Generated(rows, prompt_ids, done - timed, timed - started)
 
 
+def _check_context(context: int, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    """Every prompt leaves room for max_new_tokens in the model's context (else a PromptError naming the row)."""
+    for index, prompt in enumerate(prompt_ids):
+        if len(prompt) + max_new_tokens > context:
+            raise PromptError(
+                f"row {index}: its prompt ({len(prompt)} tokens) + --max-new-tokens {max_new_tokens} exceeds the "
+                f"model's context of {context} tokens; leave out or shorten such rows, or lower --max-new-tokens"
+            )
+
+
 def score_rows(rows: list[dict[str, Any]], answers: list[Any], metric: Metric, metric_spec: str) -> None:
-    """Set each row's `answer` and `correct` (the metric's verdict on its completion)."""
+    """Set each row's `answer` and `correct` (the metric's verdict on its completion).
+
+    Raises:
+        MetricError: the metric raised or gave no verdict on a row (named); rows scored before it keep theirs.
+    """
     for row in rows:
         row["answer"] = answers[row["prompt_index"]]
-        row["correct"] = score(metric, metric_spec, row["completion"], row["answer"])
+        row["correct"] = score(metric, metric_spec, row["completion"], row["answer"], row["prompt_index"])

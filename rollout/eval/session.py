@@ -1,103 +1,77 @@
-"""One `rollout-eval` run from its checked flags: load what they name (each failure one line naming its flag), generate,
-score, compare with transformers' `generate`, summarize."""
+"""One `rollout-eval` run from its checked flags: inputs loaded (`inputs.py`), samples generated and scored, their rows
+written before anything slower happens, then the comparison with transformers' `generate`, then the summary."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from rollout.batch_config_flags import batch_config_from_pairs
-from rollout.config import FieldError
 from rollout.eval.compare import PromptAgreement, compare_with_generate
-from rollout.eval.dataset import DatasetError, check_fields, load_rows
-from rollout.eval.metrics import MetricError, load_metric
-from rollout.eval.run import PromptError, generate, score_rows, tokenize_prompts
+from rollout.eval.errors import EvalError, EvalInterrupted
+from rollout.eval.inputs import load_inputs
+from rollout.eval.metrics import MetricError
+from rollout.eval.run import Generated, PromptError, generate, score_rows
 from rollout.eval.summary import format_summary, summarize
-from rollout.hub import first_line
-from rollout.service.loading import load_model, load_tokenizer, torch_device
-from rollout.service.preset_names import is_preset
-from rollout.service.presets import MODEL_DTYPES
+
+# The JSONL row's field order: what a reader looks at first.
+ROW_FIELDS = (
+    "prompt_index",
+    "sample_index",
+    "prompt",
+    "completion",
+    "answer",
+    "correct",
+    "finish_reason",
+    "token_ids",
+    "logprobs",
+)
 
 
-class EvalError(Exception):
-    """What stops a run, as one line for the user (naming the flag, saying what to do)."""
-
-
-def evaluate(args: argparse.Namespace) -> tuple[dict[str, Any], list[str], list[dict[str, Any]]]:
+def evaluate(
+    args: argparse.Namespace, write_rows: Callable[[list[dict[str, Any]]], str | None]
+) -> tuple[dict[str, Any], list[str]]:
     """Run the evaluation the flags describe.
 
     Args:
         args: rollout-eval's parsed flags, already checked by `cli.check_flags`.
+        write_rows: called with the JSONL rows once they are generated and scored (or generated, when the metric
+            fails), before the comparison with `generate`; returns where they went (None: nowhere).
     Returns:
-        (the summary as a JSON-ready dict, the summary's printed lines, the JSONL rows).
+        (the summary as a JSON-ready dict, the summary's printed lines).
     Raises:
-        EvalError: anything the user can fix: a dataset, field, model, tokenizer, device, metric or batch config.
+        EvalError: anything the user can fix: a dataset, field, answer, model, tokenizer, device, metric, batch
+            config or prompt, or samples the engine failed.
+        EvalInterrupted: Ctrl-C during the comparison (the rows are written).
     """
-    metric_spec = args.metric or "exact_match"
+    inputs = load_inputs(args)
+    config = _generation_config(args)
     try:
-        metric = load_metric(metric_spec) if args.answer_field is not None else None
-        config = batch_config_from_pairs(args.batch_config, **({} if args.seed is None else dict(seed=args.seed)))
-        device_spec = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch_device(device_spec, f"--device {device_spec}")
-        dataset = load_rows(args.dataset, args.split, args.num_samples)
-        if not dataset:
-            raise EvalError(f"--dataset {args.dataset}: the split has no rows")
-        check_fields(dataset, args.dataset, prompt_field=args.prompt_field, answer_field=args.answer_field)
-    except (MetricError, DatasetError) as error:
+        generated = generate(inputs.model, inputs.tokenizer, inputs.prompt_ids, config, inputs.batch_config, args.n)
+    except (PromptError, ValueError) as error:  # PromptError names the row; the engine's FieldErrors their field
         raise EvalError(str(error)) from None
-    except FieldError as error:
-        raise EvalError(f"--batch-config {error}") from None
-    except ValueError as error:  # torch_device's and the hub's messages name their flag
-        raise EvalError(str(error)) from None
-    if args.seed is not None and any(pair.partition("=")[0].strip() == "seed" for pair in args.batch_config):
-        raise EvalError("--seed and --batch-config seed=... both set the run's seed: pass one")
-    model, tokenizer = _load(args, device)
-    if args.chat and not getattr(tokenizer, "chat_template", None):
-        raise EvalError(
-            f"--chat: the tokenizer of {args.model} has no chat template; drop --chat to feed each prompt as plain "
-            "text, or use a chat (instruct) model's tokenizer"
-        )
-    prompts = [row[args.prompt_field] for row in dataset]
-    try:
-        prompt_ids = tokenize_prompts(tokenizer, prompts, args.chat, args.prompt_field)
-    except PromptError as error:
-        raise EvalError(str(error)) from None
-    generation_config = _generation_config(args)
-    try:
-        generated = generate(model, tokenizer, prompt_ids, generation_config, config, args.n)
-    except ValueError as error:  # a prompt longer than the model's context, a cache too small for one: named
-        raise EvalError(first_line(error)) from None
     for row in generated.rows:
-        row["prompt"] = prompts[row["prompt_index"]]
-    if args.answer_field is not None:
+        row["prompt"] = inputs.prompts[row["prompt_index"]]
+    metric_spec = args.metric or "exact_match"
+    if inputs.metric is not None:
         try:
-            score_rows(generated.rows, [row[args.answer_field] for row in dataset], metric, metric_spec)
+            score_rows(generated.rows, inputs.answers, inputs.metric, metric_spec)
         except MetricError as error:
-            raise EvalError(str(error)) from None
-    agreements = _compare(args, model, generated, generation_config) if args.compare_with_generate else None
-    summary = summarize(generated, args.n, metric_spec if metric is not None else None, agreements)
-    return summary, format_summary(summary, agreements), [_ordered(row) for row in generated.rows]
-
-
-def _load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
-    """The model on its device and its tokenizer, or an EvalError naming the flag."""
-    try:
-        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
-    except (ValueError, OSError) as error:  # HubUnreachable is a ValueError that names --model itself
-        message = first_line(error)
-        raise EvalError(message if message.startswith("--model") else f"--model {args.model}: {message}") from None
-    try:
-        tokenizer, _ = load_tokenizer(args.model, None)
-    except (ValueError, OSError) as error:
-        raise EvalError(f"--model {args.model}: its tokenizer cannot be loaded ({first_line(error)})") from None
-    if tokenizer is None:
-        raise EvalError(f"--model {args.model}: has no tokenizer, and rollout-eval reads text prompts")
-    if is_preset(args.model):
-        print(f"rollout-eval: --model {args.model} is a built-in random model: its text is gibberish", file=sys.stderr)
-    return model, tokenizer
+            for row in generated.rows:
+                row.pop("correct", None)
+            where = write_rows([_ordered(row) for row in generated.rows])
+            raise EvalError(f"{error}{f' (the rows, unscored, are in {where})' if where else ''}") from None
+    where = write_rows([_ordered(row) for row in generated.rows])
+    agreements = None
+    if args.compare_with_generate:
+        try:
+            agreements = _compare(args, inputs.model, generated, config)
+        except KeyboardInterrupt:
+            raise EvalInterrupted(
+                f"interrupted while comparing with generate{f'; the rows are in {where}' if where else ''}"
+            ) from None
+    summary = summarize(generated, args.n, metric_spec if inputs.metric is not None else None, agreements)
+    return summary, format_summary(summary, agreements)
 
 
 def _generation_config(args: argparse.Namespace) -> Any:
@@ -112,25 +86,11 @@ def _generation_config(args: argparse.Namespace) -> Any:
     )
 
 
-def _compare(args: argparse.Namespace, model: torch.nn.Module, generated: Any, config: Any) -> list[PromptAgreement]:
+def _compare(args: argparse.Namespace, model: Any, generated: Generated, config: Any) -> list[PromptAgreement]:
     """transformers' generate on the first K prompts against rollout's first sample of each."""
     count = min(args.compare_with_generate, len(generated.prompt_ids))
     ours = {row["prompt_index"]: row["token_ids"] for row in generated.rows if row["sample_index"] == 0}
     return compare_with_generate(model, generated.prompt_ids[:count], [ours[i] for i in range(count)], config)
-
-
-# The JSONL row's field order: what a reader looks at first.
-ROW_FIELDS = (
-    "prompt_index",
-    "sample_index",
-    "prompt",
-    "completion",
-    "answer",
-    "correct",
-    "finish_reason",
-    "token_ids",
-    "logprobs",
-)
 
 
 def _ordered(row: dict[str, Any]) -> dict[str, Any]:

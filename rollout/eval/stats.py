@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
 # Two-sided 95% normal quantile.
 Z95 = 1.959963984540054
-# Bootstrap resamples of the prompts for pass@k's interval, and their seed (the same rows give the same interval).
-BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 2000, 0
 
 
-def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+def wilson_interval(successes: float, trials: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval of a binomial proportion (sound at 0 and 1 successes, unlike the normal one).
 
     Args:
-        successes: correct samples.
+        successes: correct samples (a sum of values in [0, 1] for `mean_interval`).
         trials: samples (at least 1).
         z: the normal quantile (default: 95%).
     """
@@ -42,13 +39,15 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - correct + 1, n + 1))
 
 
-def bootstrap_interval(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
-    """The 95% percentile-bootstrap interval of the mean of `values` (one value per prompt: prompts are the
-    independent units, a prompt's samples are not)."""
-    rng = random.Random(BOOTSTRAP_SEED)
-    count = len(values)
-    means = sorted(sum(rng.choices(values, k=count)) / count for _ in range(resamples))
-    return means[int(0.025 * (resamples - 1))], means[int(math.ceil(0.975 * (resamples - 1)))]
+def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """A 95% interval of the mean of values in [0, 1], one per independent unit (a prompt: its samples are not
+    independent of each other): Wilson's interval with one trial per value at the values' mean.
+
+    A value in [0, 1] with mean p has a variance of at most p (1 - p), a Bernoulli's, so the interval is at least as
+    wide as the mean's true one (conservative), and it stays sound where a bootstrap or a normal interval collapses to
+    a point: every value 0 or 1, or a single prompt.
+    """
+    return wilson_interval(sum(values), len(values), z)
 
 
 def ks_to_report(n: int) -> list[int]:

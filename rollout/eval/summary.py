@@ -8,7 +8,7 @@ from typing import Any
 
 from rollout.eval.compare import PromptAgreement
 from rollout.eval.run import Generated
-from rollout.eval.stats import bootstrap_interval, ks_to_report, pass_at_k, percentile, wilson_interval
+from rollout.eval.stats import ks_to_report, mean_interval, pass_at_k, percentile, wilson_interval
 
 
 def summarize(generated: Generated, n: int, metric: str | None, agreements: list[PromptAgreement] | None) -> dict:
@@ -59,8 +59,8 @@ def summarize(generated: Generated, n: int, metric: str | None, agreements: list
 
 
 def _accuracy(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """Accuracy over all samples with its 95% interval (Wilson over samples when n == 1; with n > 1 a bootstrap over
-    prompts, a prompt's samples not being independent), and pass@k for k in `ks_to_report(n)`."""
+    """Accuracy over all samples with its 95% interval (Wilson's over the samples when n == 1; with n > 1 over the
+    prompts, a prompt's samples not being independent: `mean_interval`), and pass@k for k in `ks_to_report(n)`."""
     correct = sum(row["correct"] for row in rows)
     figures: dict[str, Any] = dict(correct=correct, accuracy=correct / len(rows))
     if n == 1:
@@ -68,11 +68,11 @@ def _accuracy(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
         return figures
     per_prompt = Counter(row["prompt_index"] for row in rows if row["correct"])
     prompts = sorted({row["prompt_index"] for row in rows})
-    figures["accuracy_interval"] = list(bootstrap_interval([per_prompt[p] / n for p in prompts]))
+    figures["accuracy_interval"] = list(mean_interval([per_prompt[p] / n for p in prompts]))
     figures["pass_at_k"] = {}
     for k in ks_to_report(n):
         values = [pass_at_k(n, per_prompt[p], k) for p in prompts]
-        figures["pass_at_k"][str(k)] = dict(value=sum(values) / len(values), interval=list(bootstrap_interval(values)))
+        figures["pass_at_k"][str(k)] = dict(value=sum(values) / len(values), interval=list(mean_interval(values)))
     return figures
 
 

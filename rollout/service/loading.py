@@ -27,6 +27,8 @@ def torch_device(spec: str, flag: str) -> torch.device:
         device = torch.device(spec)
     except RuntimeError as error:
         raise ValueError(f"{flag}: {error}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag}: rollout runs on cpu or cuda devices, not {device.type}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"

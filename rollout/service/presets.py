@@ -11,9 +11,11 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
+from rollout.config import MODEL_DTYPE_NAMES
+
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
-MODEL_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in MODEL_DTYPE_NAMES}
 # The "tiny" preset's shape, which is also the cpu-small benchmark model (docs/architecture.md, Benchmark workloads).
 TINY_MODEL_CONFIG = dict(
     vocab_size=1024,
