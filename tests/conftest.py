@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import inspect
 import os
 import random
@@ -18,6 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import kernel_compile_job  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
@@ -190,6 +192,18 @@ def _call_on_a_roomy_stack(function, kwargs):
 # system time in 75 s). A frame this large (2**17 stack slots, never touched) gets a 2 MiB chunk of its own, and the
 # test's frames fill the free MiB after it without reaching an edge. Only where the frames live changes.
 _call_on_a_roomy_stack.__code__ = _call_on_a_roomy_stack.__code__.replace(co_stacksize=1 << 17)
+
+
+def pytest_collection_finish(session):
+    """Start the Triton compile proof in the background, niced, once it is known to be among the tests to run: it
+    then compiles on the cores the other tests leave idle (tests/kernel_compile_job.py)."""
+    wanted = any(item.path.name == "test_kernel_compile.py" and "compiles" in item.name for item in session.items)
+    if wanted and importlib.util.find_spec("triton") is not None:
+        kernel_compile_job.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    kernel_compile_job.close()
 
 
 @pytest.hookimpl(wrapper=True)

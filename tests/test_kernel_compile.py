@@ -6,18 +6,16 @@ matrix plus each dtype's largest-resource shape: the full product of the support
 variants, hours of compiling on a small machine (`python -m rollout.engine.kernel_compile --matrix full` runs it).
 Compiling (rollout.engine.kernel_compile) runs in a subprocess, with TRITON_INTERPRET unset (conftest sets it on
 CPU machines, and the interpreter's kernels cannot be compiled) and a fresh TRITON_CACHE_DIR (so that every
-variant really compiles).
+variant really compiles), started in the background at the lowest priority once the tests are collected
+(tests/kernel_compile_job.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import kernel_compile_job
 import pytest
 import torch
 
@@ -41,22 +39,12 @@ from rollout.engine.kernel_variants import (  # noqa: E402
     tile_shapes,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict:
-    """Every covering variant compiled for every target, once per test session: {variants, seconds, results}."""
-    directory = tmp_path_factory.mktemp("triton_compile")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(directory / "cache"), TRITON_DEFAULT_FP_FUSION="1")  # 1: 3.9's default
-    out = directory / "results.json"
-    workers = str(len(os.sched_getaffinity(0)))
-    command = [sys.executable, "-m", "rollout.engine.kernel_compile", "--matrix", "suite", "--workers", workers]
-    command += ["--json", str(out)]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(out.read_text())
+def compiled() -> dict:
+    """Every covering variant compiled for every target, once per test session: {variants, seconds, results}. The
+    compile starts in the background when the session's tests are collected (kernel_compile_job, conftest)."""
+    return kernel_compile_job.result()
 
 
 def test_ptxas_ships_with_triton():

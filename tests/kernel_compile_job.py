@@ -1,0 +1,90 @@
+"""The Triton compile proof of tests/test_kernel_compile.py, started as soon as the suite's tests are collected and at
+the lowest CPU priority: it is a minute or more of every core's work, independent of every other test, so it compiles
+on the cycles the other tests leave idle (waiting for workers, sockets, subprocesses) and its fixture waits only for
+what is left. Run alone (`pytest tests/test_kernel_compile.py`), it starts the same way and is simply waited for."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# How long the compile may take in all, from its start (the suite's timeout for one test is 300 s).
+TIMEOUT_S = 280.0
+
+
+class CompileJob:
+    """`python -m rollout.engine.kernel_compile --matrix suite` in the background, niced, with a fresh Triton cache
+    (so every variant really compiles) and TRITON_INTERPRET unset (the interpreter's kernels cannot be compiled)."""
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="triton_compile_"))
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        env.update(TRITON_CACHE_DIR=str(self.directory / "cache"), TRITON_DEFAULT_FP_FUSION="1")  # 1: 3.9's default
+        self.out = self.directory / "results.json"
+        workers = str(len(os.sched_getaffinity(0)))
+        command = [sys.executable, "-m", "rollout.engine.kernel_compile", "--matrix", "suite", "--workers", workers]
+        self.log = open(self.directory / "log.txt", "w+")  # noqa: SIM115 - closed by close()
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            ["nice", "-n", "19", *command, "--json", str(self.out)],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def result(self) -> dict:
+        """The compile results ({variants, seconds, results}), waiting for the rest of the compile (at full priority
+        of what is idle then: the tests that need it are running).
+
+        Raises:
+            AssertionError: the compile failed or ran past TIMEOUT_S (with its output's tail).
+        """
+        remaining = max(1.0, TIMEOUT_S - (time.monotonic() - self.started))
+        try:
+            self.process.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.seek(0)
+        assert self.process.returncode == 0, self.log.read()[-4000:]
+        return json.loads(self.out.read_text())
+
+    def close(self) -> None:
+        """Stop the compile if it still runs, and remove its files."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_job: CompileJob | None = None
+
+
+def start() -> None:
+    """Start the compile (once per session)."""
+    global _job
+    if _job is None:
+        _job = CompileJob()
+
+
+def result() -> dict:
+    """The compile's results, starting it first when the session did not (waits for it to finish)."""
+    start()
+    return _job.result()
+
+
+def close() -> None:
+    """Stop and clean up the session's compile, if one was started."""
+    global _job
+    if _job is not None:
+        _job.close()
+        _job = None
