@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=sorted(workloads.WORKLOADS),
         default="cpu-small",
-        help="workload, see docs/architecture.md, Benchmark workloads (default: cpu-small)",
+        help="workload, see docs/concepts/architecture.md, Benchmark workloads (default: cpu-small)",
     )
     tp.add_argument(
         "--systems",

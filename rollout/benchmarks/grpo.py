@@ -1,4 +1,4 @@
-"""`rollout-bench grpo`: the GRPO workload (docs/architecture.md, Benchmark workloads). 32 prompts of 128-512
+"""`rollout-bench grpo`: the GRPO workload (docs/concepts/architecture.md, Benchmark workloads). 32 prompts of 128-512
 tokens, each sampled n=8 times (temperature 1, EOS ignored) with its own 32-256 new tokens. Reports generated
 tokens/s, and prompt tokens actually computed against what computing every sample's prompt separately would cost (a
 group prefills its prompt once and forks).

@@ -1,6 +1,6 @@
 """`rollout-bench weights`: push a state dict of a given size to a `rollout-worker` subprocess over loopback, with
 each transport, and report GB/s of transfer and the engine's commit pause (the "weights" workload of
-docs/architecture.md, Benchmark workloads).
+docs/concepts/architecture.md, Benchmark workloads).
 
 The worker serves the `sized:<MB>` preset; the trainer side is the same architecture with other weights, so every
 push really changes the model. GB/s counts update bytes over the time from `weights_begin` to the last bucket

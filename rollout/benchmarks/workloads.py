@@ -1,4 +1,4 @@
-"""The throughput workloads (docs/architecture.md, Benchmark workloads): the model shape, the prompts, each request's
+"""The throughput workloads (docs/concepts/architecture.md, Benchmark workloads): the model shape, the prompts, each request's
 own output length, and the KV cache every system gets, as one budget in bytes."""
 
 from __future__ import annotations

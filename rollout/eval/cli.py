@@ -34,9 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--dataset",
         required=True,
-        help="a .jsonl / .json / .csv / .parquet file, or a datasets hub dataset as name or name:config",
+        help="a .jsonl / .json / .csv / .parquet file, a local dataset directory (DIR or DIR:config), or a datasets "
+        "hub dataset as name or name:config",
     )
-    add("--split", default=None, help="the split to read (default: train for a file, test for a hub dataset)")
+    add(
+        "--split",
+        default=None,
+        help="the split to read, with datasets slicing such as test[:100] (default: train for a file or directory, "
+        "test for a hub dataset)",
+    )
     add("--prompt-field", default="prompt", help="the field holding each prompt (default: prompt)")
     add("--answer-field", default=None, help="the field holding each reference answer (default: none, no accuracy)")
     add(

@@ -16,7 +16,7 @@ from rollout.config import MODEL_DTYPE_NAMES
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
 MODEL_DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in MODEL_DTYPE_NAMES}
-# The "tiny" preset's shape, which is also the cpu-small benchmark model (docs/architecture.md, Benchmark workloads).
+# The "tiny" preset's shape, which is also the cpu-small benchmark model (docs/concepts/architecture.md, Benchmark workloads).
 TINY_MODEL_CONFIG = dict(
     vocab_size=1024,
     hidden_size=256,

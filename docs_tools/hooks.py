@@ -1,0 +1,114 @@
+"""MkDocs hooks: the reference tables are generated from the code, so the documentation cannot drift from it.
+
+A page asks for a table with a marker on a line of its own:
+
+    <!-- generated: options rollout-worker -->        every flag of a command, from its argparse parser
+    <!-- generated: fields SamplingParams -->          every field of a dataclass: type, default, the comment above it
+
+An unknown marker fails the build (`mkdocs build --strict` is part of the test suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import importlib
+import inspect
+import re
+from typing import Any
+
+MARKER = re.compile(r"^<!-- generated: (\w+) ([\w.-]+) -->$", re.M)
+# Command -> (module, function building its parser).
+PARSERS = {
+    "rollout-worker": ("rollout.service.cli", "build_parser"),
+    "rollout-eval": ("rollout.eval.cli", "build_parser"),
+    "rollout-bench": ("rollout.benchmarks.cli", "build_parser"),
+}
+# Dataclass -> its module.
+DATACLASSES = {
+    "SamplingParams": "rollout.sampling_params",
+    "ContinuousBatchingConfig": "rollout.config",
+}
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """Replace each marker of the page with its generated table."""
+    return MARKER.sub(lambda match: render(match.group(1), match.group(2)), markdown)
+
+
+def render(kind: str, name: str) -> str:
+    """The markdown a marker stands for.
+
+    Raises:
+        ValueError: an unknown kind or name (the build fails, naming it).
+    """
+    if kind == "options" and name in PARSERS:
+        module, function = PARSERS[name]
+        return options_markdown(getattr(importlib.import_module(module), function)())
+    if kind == "fields" and name in DATACLASSES:
+        return fields_markdown(getattr(importlib.import_module(DATACLASSES[name]), name))
+    raise ValueError(f"unknown generated marker: {kind} {name}")
+
+
+def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> str:
+    """A table of a parser's flags (and, for subcommands, one table per subcommand under its own heading)."""
+    formatter = parser._get_formatter()
+    rows, sections = [], []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, subparser in action.choices.items():
+                sections.append(f"{heading} `{parser.prog} {command}`\n\n{_cell(subparser.description or '')}\n\n")
+                sections.append(options_markdown(subparser, heading + "#"))
+            continue
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flags = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.dest}`"
+        if action.metavar is not None and action.option_strings:
+            flags += f" `{action.metavar if isinstance(action.metavar, str) else ' '.join(action.metavar)}`"
+        choices = f" One of: {', '.join(f'`{c}`' for c in action.choices)}." if action.choices else ""
+        hidden = action.default is None or action.default is False or action.default in (argparse.SUPPRESS, [])
+        default = "" if hidden else _code(str(action.default))
+        rows.append(
+            f"| {flags} | {default} | {_cell(formatter._expand_help(action) if action.help else '')}{choices} |"
+        )
+    table = "| flag | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n\n" if rows else ""
+    return table + "".join(sections)
+
+
+def fields_markdown(cls: type) -> str:
+    """A table of a dataclass's fields: name, type, default, and the comment written above the field in the code."""
+    comments = field_comments(cls)
+    rows = []
+    for field in dataclasses.fields(cls):
+        default = field.default if field.default is not dataclasses.MISSING else "(required)"
+        cells = (f"`{field.name}`", _code(str(field.type)), _code(repr(default)))
+        rows.append(f"| {' | '.join(cells)} | {_cell(comments.get(field.name, ''))} |")
+    return "| field | type | default | meaning |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n"
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment: the `#` lines right above its annotation in the class body."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        match = re.match(r"(\w+)\s*:", stripped)
+        if match and line.startswith("    ") and not line.startswith("     ") and pending:
+            comments[match.group(1)] = " ".join(pending)
+        pending = []
+    return comments
+
+
+def _cell(text: str) -> str:
+    """Text fit for one table cell (no line breaks, no bare pipes)."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    """Inline code for a table cell: a `|` inside backticks would still split the cell, so it is an HTML entity in an
+    HTML code element."""
+    return f"<code>{html.escape(_cell(text).replace(chr(92) + '|', '|')).replace('|', '&#124;')}</code>"
