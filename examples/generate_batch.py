@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.service.presets import tiny_model, tiny_tokenizer
 
@@ -33,10 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = tiny_model(), tiny_tokenizer()
         print(TINY_NOTE)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from rollout.service.loading import load_model, load_tokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        try:  # a hub id on a machine without network is one line at once, not a minute of retries
+            model = load_model(args.model, None, torch.device("cpu"))
+            tokenizer, _ = load_tokenizer(args.model, None)
+        except (ValueError, OSError) as error:
+            parser.error(str(error).splitlines()[0])
+        if tokenizer is None:
+            parser.error(f"--model {args.model}: no tokenizer found with it (this example prints text)")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     outputs = generate_batch(
         model,

@@ -44,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model, tokenizer = tiny_model(0), tiny_tokenizer()
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from rollout.service.loading import load_model, load_tokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        try:  # a hub id on a machine without network is one line at once, not a minute of retries
+            model = load_model(args.model, torch.bfloat16, torch.device("cpu"))  # the trainer places it
+            tokenizer, _ = load_tokenizer(args.model, None)
+        except (ValueError, OSError) as error:
+            parser.error(str(error).splitlines()[0])
     rng = random.Random(0)
     pairs = [(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(2048)]
     dataset = Dataset.from_dict(

@@ -42,6 +42,21 @@ def test_a_hub_model_with_no_network(capsys, unreachable_hub):
     assert "hf download someone/some-model --local-dir DIR" in message
 
 
+def test_the_generate_batch_example_with_a_hub_model_and_no_network(capsys, unreachable_hub):
+    import importlib.util
+
+    path = REPO_DATASET.parents[1] / "generate_batch.py"
+    spec = importlib.util.spec_from_file_location("generate_batch_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit) as stop:
+        example.main(["--model", "someone/some-model"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --model someone/some-model: not a local path, 127.0.0.1 cannot be reached" in err
+    assert "Traceback" not in err
+
+
 def test_a_hub_dataset_with_no_network(capsys, unreachable_hub):
     message = error_of(capsys, ["--model", "tiny", "--dataset", "someone/some-data:main", "--prompt-field", "q"])
     assert message.startswith("--dataset someone/some-data: not a local path, 127.0.0.1 cannot be reached")
