@@ -377,7 +377,7 @@ def test_generation_outputs_are_snapshots():
     # An output handed out earlier is never changed by later ones
     for output, snapshot in zip(outputs, snapshots):
         assert (output.generated_tokens, output.logprobs, output.timestamps) == snapshot
-    # adapted: streamed outputs are deltas in rollout (README table), so each carries one token, not the prefix
+    # adapted: streamed outputs are deltas in rollout (docs/coming-from.md), so each carries one token, not the prefix
     assert [len(o.generated_tokens) for o in outputs] == [1, 1, 1]
     assert [len(o.logprobs) for o in outputs] == [1, 1, 1] and [len(o.timestamps) for o in outputs] == [1, 1, 1]
     expected, _ = regular_generate(reference, [[10, 11]], max_new_tokens=3, do_sample=False)
