@@ -667,8 +667,10 @@ def test_torch_distributed_to_two_workers(workers):
                 assert_serves(address, seed, version)
 
         spoiled = {k: v for k, v in weights(BAD_SEED).items() if k != MISSING}
-        with pytest.raises(RolloutError) as refused:
-            push_weights(both, spoiled, version=version + 1, transport="torch.distributed", dist_backend="gloo")
+        with pytest.raises(RolloutError) as refused:  # its abandoned rendezvous lasts its timeout: keep it short
+            push_weights(
+                both, spoiled, version=version + 1, transport="torch.distributed", dist_backend="gloo", timeout=5
+            )
         assert (refused.value.code, refused.value.field) == ("bad_update", MISSING)
         for address in addresses:
             assert_serves(address, 2, version)

@@ -16,7 +16,7 @@ import torch
 
 from rollout.config import dtype_name
 from rollout.service import protocol as p
-from rollout.service.dist import broadcast, host_towards, make_process_group, make_store
+from rollout.service.dist import broadcast, host_towards, make_process_group, make_store, shutdown_group
 from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
@@ -69,6 +69,7 @@ class WeightPush:
         self.lost: list[PushLink] = []  # links of workers lost during the push (their segments are closed at the end)
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
         self.group: Any = None  # torch.distributed group for this push
+        self.store: Any = None  # its rendezvous store, hosted here
 
     # ---- the phases -------------------------------------------------------------------------------------------
     def run(self) -> PushResult:
@@ -394,5 +395,5 @@ class WeightPush:
         for entry in self.entries[self.fetched :]:
             entry.fetch()
         self.fetched = len(self.entries)
-        self.group = None
-        self.channel.close()
+        shutdown_group(self.group)  # now, not at a collection: its sockets would hold the process a minute at exit
+        self.group = self.store = None

@@ -8,6 +8,7 @@ parallelism. It rendezvouses through a TCPStore that the trainer hosts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
@@ -157,6 +158,14 @@ def _wait_for_store(host: str, port: int, timeout_s: float, cancelled: Callable[
                     return True  # reset: torch's client will say what is wrong
         return False
     return False
+
+
+def shutdown_group(group: Any) -> None:
+    """Shut a process group down now (best effort: a peer may be gone already); None is nothing to do. Left to a
+    garbage collection, a group's sockets to peers that died keep the process waiting up to a minute at exit."""
+    if group is not None:
+        with contextlib.suppress(Exception):
+            group.shutdown()
 
 
 class DistReceiver:
