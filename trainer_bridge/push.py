@@ -397,3 +397,4 @@ class WeightPush:
         self.fetched = len(self.entries)
         shutdown_group(self.group)  # now, not at a collection: its sockets would hold the process a minute at exit
         self.group = self.store = None
+        self.channel.close()
