@@ -4,6 +4,7 @@ A page asks for a table with a marker on a line of its own:
 
     <!-- generated: options rollout-worker -->        every flag of a command, from its argparse parser
     <!-- generated: fields SamplingParams -->          every field of a dataclass: type, default, the comment above it
+    <!-- generated: docstring rollout.service.protocol -->   a module's docstring, verbatim (a specification)
 
 An unknown marker fails the build (`mkdocs build --strict` is part of the test suite).
 """
@@ -25,6 +26,8 @@ PARSERS = {
     "rollout-eval": ("rollout.eval.cli", "build_parser"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser"),
 }
+# Modules whose docstring is a specification a page shows verbatim.
+SPECIFICATIONS = {"rollout.service.protocol"}
 # Dataclass -> its module.
 DATACLASSES = {
     "SamplingParams": "rollout.sampling_params",
@@ -48,6 +51,8 @@ def render(kind: str, name: str) -> str:
         return options_markdown(getattr(importlib.import_module(module), function)())
     if kind == "fields" and name in DATACLASSES:
         return fields_markdown(getattr(importlib.import_module(DATACLASSES[name]), name))
+    if kind == "docstring" and name in SPECIFICATIONS:
+        return "```text\n" + inspect.getdoc(importlib.import_module(name)) + "\n```\n"
     raise ValueError(f"unknown generated marker: {kind} {name}")
 
 

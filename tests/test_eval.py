@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import runpy
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -235,21 +233,6 @@ def test_python_dash_m_runs_the_same_command(capsys, monkeypatch, tmp_path):
     assert exit_info.value.code == 0
     assert len(read_output(output)[0]) == 2
     assert "gibberish" in capsys.readouterr().err
-
-
-def test_the_readme_command_runs_as_written(tmp_path, monkeypatch, capsys):
-    """The README's `rollout-eval` command, run from a checkout's root: the summary it prints and the rows it
-    writes."""
-    readme = (REPO_DATASET.parents[2] / "README.md").read_text()
-    command = re.search(r"```bash\n(rollout-eval .*?)```", readme, flags=re.S).group(1)
-    (tmp_path / "examples").symlink_to(REPO_DATASET.parents[1])
-    monkeypatch.chdir(tmp_path)
-    status, out, err = run(capsys, *shlex.split(command.replace("\\\n", " "))[1:])
-    assert status == 0, err
-    assert "compare with transformers' generate (greedy, first 4 prompts): 4/4 identical" in "\n".join(out)
-    assert any(line.startswith("accuracy (numeric): ") for line in out)
-    rows, summary = read_output(tmp_path / "arithmetic.eval.jsonl")
-    assert len(rows) == summary["samples"] == 12
 
 
 def test_the_installed_command(tmp_path):
