@@ -77,7 +77,7 @@ GRAPH_AND_ASYNC_CASES = [
     pytest.param(True, True, marks=pytest.mark.skip(reason=CUDA_GRAPHS)),
 ]
 COMPILE = (
-    "default_compile_level>0 compiles transformers' varlen forward; rollout refuses it by name (README: varlen "
+    "default_compile_level>0 compiles transformers' varlen forward; rollout refuses it by name (docs/guides/generation.md: varlen "
     "compilation is not honoured), checked in test_continuous_batching_config_combinations_with_compile"
 )
 
@@ -299,7 +299,7 @@ def test_full_history_logits_processors_match_independent_generation(name):
     reference = load_model("qwen2")
     prompts = PROCESSOR_HISTORIES
     firsts = [tokens[0] for tokens in regular_generate(reference, prompts, max_new_tokens=1, do_sample=False)[0]]
-    refused = {  # adapted: documented refusals (README "Usage"): an error naming the field, never a silent drop
+    refused = {  # adapted: documented refusals (docs/guides/generation.md): an error naming the field, never a silent drop
         "sequence_bias": {"sequence_bias": [[[5, 4], 3.5], [[1, 2, 3], -2.0]]},
         "forced_bos": {"forced_bos_token_id": 7},
         "forced_eos": {"forced_eos_token_id": 9},
@@ -348,7 +348,7 @@ def test_full_history_processors_preserve_processor_order():
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_paged_forward_without_cache_raises(attn_implementation):
     # adapted: transformers' paged functions refuse a standard forward (they would silently attend bidirectionally).
-    # rollout's documented behaviour (README "Features") is that such a forward falls back to SDPA/eager: the safety
+    # rollout's documented behaviour (docs/index.md, Features) is that such a forward falls back to SDPA/eager: the safety
     # property is the same, the model stays causal, so the forward must equal the unswitched model's.
     model = cb(load_model("llama", attn_implementation))
     reference = load_model("llama", attn_implementation)
@@ -661,7 +661,7 @@ def test_continuous_batching_config_combinations_no_compile(allow_block_sharing,
 )
 def test_continuous_batching_config_combinations_with_compile(attn_implementation, use_cuda_graph):
     # adapted: default_compile_level=1 asks transformers to torch.compile its varlen forward; rollout refuses the
-    # field by name (README "Usage": values rollout cannot honour, varlen compilation among them, are refused), so
+    # field by name (docs/guides/generation.md: values rollout cannot honour, varlen compilation among them, are refused), so
     # the port checks the refusal instead of a compiled parity run.
     model = cb(load_model("llama", attn_implementation))
     continuous_batching_config = ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph, default_compile_level=1)
@@ -691,7 +691,7 @@ def test_switch_to_cb_friendly_attn(attn_implementation, supports_flash_attn, ex
     manager = model.init_continuous_batching(
         continuous_batching_config=ContinuousBatchingConfig(num_blocks=8, block_size=32, use_cuda_graph=False)
     )
-    # adapted: rollout always switches to its own paged attention, "rollout_paged" (README "Features"), never to
+    # adapted: rollout always switches to its own paged attention, "rollout_paged" (docs/index.md, Features), never to
     # transformers' "paged|..." or flash implementations
     assert model.config._attn_implementation == ATTENTION_NAME
     manager.start()
@@ -767,7 +767,7 @@ def test_hybrid_sliding_window_crossing_parity():
     [(True, False), pytest.param(False, True, marks=pytest.mark.skip(reason=CUDA_GRAPHS + "; and flash_attention_3"))],
 )
 def test_continuous_batching_tuple_cuda_graph(varlen_cg, decode_cg):
-    # adapted: rollout captures decode steps only and refuses a varlen CUDA graph by name (README "Usage"), so the
+    # adapted: rollout captures decode steps only and refuses a varlen CUDA graph by name (docs/guides/generation.md), so the
     # (True, False) pair is checked for that refusal instead of a flash_attention_3 parity run on CUDA.
     model = cb(load_model("llama"))
     config = ContinuousBatchingConfig(use_cuda_graph=(varlen_cg, decode_cg), use_async_batching=False)
@@ -882,7 +882,7 @@ def _test_streaming_or_not_request(with_streaming: bool, with_non_streaming: boo
         if with_streaming:
             request_id = manager.add_request(inputs, max_new_tokens=max_new_tokens, streaming=True)
             chunks = [next(manager.request_id_iter(request_id)) for _ in range(3)]
-            # adapted: rollout streams deltas (README table): one new token per chunk, and `tokens += delta` rebuilds
+            # adapted: rollout streams deltas (docs/coming-from.md): one new token per chunk, and `tokens += delta` rebuilds
             # transformers' cumulative 1, 2, 3 tokens
             assert [len(c.generated_tokens) for c in chunks] == [1, 1, 1]
             cumulative = [sum((c.generated_tokens for c in chunks[: k + 1]), []) for k in range(3)]
@@ -929,7 +929,7 @@ def test_register_result_handler():
 
     try:
         token_counts = asyncio.run(collect_results())
-        # adapted: deltas (README table): one token per output instead of transformers' cumulative [1, 2, 3]
+        # adapted: deltas (docs/coming-from.md): one token per output instead of transformers' cumulative [1, 2, 3]
         assert token_counts == [1, 1, 1]
         # The queue is empty: everything went through the handler
         assert manager.get_result(timeout=0.1) is None
@@ -997,7 +997,7 @@ def test_pause_during_generation():
 
 
 def test_pause_with_several_holders():
-    # adapted: in transformers several threads hold the pause at once; in rollout they take turns (README table:
+    # adapted: in transformers several threads hold the pause at once; in rollout they take turns (docs/coming-from.md:
     # "pause() held by several threads at once: they take turns"). What is kept: no step runs while any holder is
     # inside, every holder gets its pause, and the loop resumes and finishes the requests afterwards.
     num_holders = 3
@@ -1158,7 +1158,7 @@ def test_per_request_logits_processors(use_cuda_graph, use_async_batching):
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
     )
-    # adapted: q_padding_interval_size=16 dropped: rollout refuses padding intervals by name (README "Usage")
+    # adapted: q_padding_interval_size=16 dropped: rollout refuses padding intervals by name (docs/guides/generation.md)
     continuous_batching_config = ContinuousBatchingConfig(
         use_cuda_graph=use_cuda_graph,
         use_async_batching=use_async_batching,

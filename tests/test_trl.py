@@ -522,7 +522,7 @@ def test_grpo_toy_main_job(tmp_path, capsys, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker subprocess it starts: one thread each on 2 cores
-    # 30 steps of the default 100 (the suite's time): the reward is near 1.0 by step 30 (README's main-job plot)
+    # 30 steps of the default 100 (the suite's time): the reward is near 1.0 by step 30 (the main job's plot)
     assert module.main(["--steps", "30", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
 

@@ -27,11 +27,11 @@ SAMPLING_FIELDS = {
     "min_tokens": "min_new_tokens",
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
-    "logprob_mode": "logprob_mode",  # rollout's: which distribution log-probs come from (README)
+    "logprob_mode": "logprob_mode",  # rollout's: which distribution log-probs come from (docs/concepts/logprobs.md)
     "logit_bias": "logit_bias",  # token id (a JSON string key) -> bias in [-100, 100], at most 300 of them
     "return_routed_experts": "return_routes",  # MoE models: each choice's routed_experts (SGLang's and vLLM's name)
 }
-# OpenAI request fields that carry no generation semantics: accepted, with no effect (README, HTTP API).
+# OpenAI request fields that carry no generation semantics: accepted, with no effect (docs/guides/openai.md).
 NO_EFFECT_FIELDS = {
     "user",  # an end-user id for the caller's own records
     "metadata",  # tags for the caller's stored completions
