@@ -42,6 +42,7 @@ from datasets import Dataset  # noqa: E402
 from transformers.trainer_callback import ProgressCallback  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
+from rollout.extras import MissingExtra, require_extra  # noqa: E402
 from rollout.service.presets import letter_reward, tiny_model, tiny_tokenizer, toy_grpo_config, toy_prompts  # noqa: E402
 from trainer_bridge import RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-staleness must be >= 0, and needs a worker (not --colocate)")
     if args.partial_rollouts and args.max_staleness < 1:
         parser.error("--partial-rollouts needs --max-staleness 1 or more (a straggler spans two rounds)")
+    try:  # the plot is drawn after training: a missing matplotlib is found before the run, not after it
+        require_extra("examples", "examples/grpo_toy.py (its reward plot)")
+    except MissingExtra as error:
+        parser.error(str(error))
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
     random.seed(0)

@@ -15,6 +15,7 @@ from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.lora_weights import from_peft_model
+from rollout.engine.model_checks import refuse_model_name
 from rollout.engine.outputs import GenerationOutput
 from rollout.peft_adapters import is_peft_model
 
@@ -63,8 +64,10 @@ def generate_batch(
     Returns:
         Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
     Raises:
-        ValueError: bad input, naming the field (nothing is generated then).
+        ValueError: bad input, naming the field (nothing is generated then); a model given by name says how to
+            load it.
     """
+    refuse_model_name(model)
     inputs = _prompts(inputs)
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)

@@ -22,6 +22,22 @@ def text_config(model: torch.nn.Module) -> Any:
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
+def refuse_model_name(model: Any) -> None:
+    """Refuse a model given by name (a hub id or a directory, as `from_pretrained` takes it) where a loaded model is
+    needed: the message says how to load it.
+
+    Raises:
+        FieldError: ("model") `model` is a str or path.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        raise FieldError(
+            "model",
+            f"{name!r} is a model name, not a model: load it first, e.g. model = "
+            f"AutoModelForCausalLM.from_pretrained({name!r}) (from transformers), and pass the model",
+        )
+
+
 def servable_text_config(model: torch.nn.Module) -> Any:
     """The text config of a model the engine can serve: a transformers causal LM (a module with a `config` and
     parameters) whose layers are all attention layers the paged cache serves.
@@ -29,6 +45,7 @@ def servable_text_config(model: torch.nn.Module) -> Any:
     Raises:
         FieldError: ("model") anything else, saying what.
     """
+    refuse_model_name(model)
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or next(model.parameters(), None) is None:
         kind = type(model).__name__
         raise FieldError(

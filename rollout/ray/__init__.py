@@ -3,11 +3,11 @@ Ray."""
 
 from __future__ import annotations
 
-try:
-    import ray  # noqa: F401 - checked here so that the error says what to install
-except ImportError as error:  # pragma: no cover - the extra is missing
-    raise ImportError("rollout.ray needs Ray: pip install 'rollout[ray]'") from error
+from rollout.extras import require_extra
 
-from rollout.ray.fleet import RolloutFleet
+# Without Ray, `import rollout.ray` is one line naming the pip command (MissingExtra, an ImportError).
+require_extra("ray", "rollout.ray")
+
+from rollout.ray.fleet import RolloutFleet  # noqa: E402 - after the check, so its error says what to install
 
 __all__ = ["RolloutFleet"]

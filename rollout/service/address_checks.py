@@ -4,6 +4,7 @@ malformed address or a port in use is a one-line usage error, an address anyone 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import socket
 
@@ -12,8 +13,16 @@ from rollout.service.sockets import check_address, is_loopback
 logger = logging.getLogger("rollout.worker")
 
 
-def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind") -> None:
-    """A usage error when the address is malformed, or is a TCP port already in use, before the model loads."""
+def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bind", shown: str | None = None) -> None:
+    """A usage error when the address is malformed, or is a TCP port already in use, before the model loads.
+
+    Args:
+        parser: its `error` reports the problem (exit status 2).
+        address: a ZeroMQ address (tcp://HOST:PORT for the HTTP and metrics servers too).
+        flag: the flag that gave it, for the message.
+        shown: the flag's value as the user gave it (default: `address`).
+    """
+    shown = address if shown is None else shown
     problem = check_address(address)
     if problem is not None:
         parser.error(f"{flag} {problem}")
@@ -24,8 +33,16 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no conflict
     try:
         probe.bind(("" if host in ("*", "") else host.strip("[]"), int(port)))
-    except (OSError, ValueError) as error:
-        parser.error(f"{flag} {address}: cannot bind ({error})")
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            free = "tcp://HOST:* picks" if flag == "--bind" else "0 picks"
+            parser.error(
+                f"{flag} {shown}: cannot bind, port {port} is already in use: stop what listens there or pick "
+                f"another port ({free} a free one)"
+            )
+        parser.error(f"{flag} {shown}: cannot bind ({error.strerror or error})")
+    except ValueError as error:
+        parser.error(f"{flag} {shown}: cannot bind ({error})")
     finally:
         probe.close()
 
@@ -37,6 +54,6 @@ def check_metrics_address(parser: argparse.ArgumentParser, args: argparse.Namesp
         return
     address = f"tcp://{args.metrics_host}:{args.metrics_port}"
     if args.metrics_port:
-        check_bind(parser, address, flag="--metrics-port")
+        check_bind(parser, address, flag="--metrics-port", shown=str(args.metrics_port))
     if not is_loopback(address):
         logger.warning("--metrics-host %s: the metrics are readable by anyone who can reach it", args.metrics_host)

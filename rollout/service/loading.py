@@ -32,9 +32,10 @@ def torch_device(spec: str, flag: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            instead = "drop --gpu to run on the CPU" if flag.startswith("--gpu") else "run on --device cpu"
             raise ValueError(
                 f"{flag}: torch {torch.__version__} ({build}) sees no CUDA device: install a CUDA build of torch "
-                "(https://pytorch.org/get-started/locally/) on a machine with a GPU, or run on --device cpu"
+                f"(https://pytorch.org/get-started/locally/) on a machine with a GPU, or {instead}"
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"{flag}: only {torch.cuda.device_count()} CUDA device(s) are visible")

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.extras import MissingExtra, require_extra
 from rollout.service.address_checks import check_bind
 from rollout.service.http.settings import HttpSettings
 from rollout.service.limits import WorkerLimits
@@ -35,6 +36,10 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     if not host or not port.isdigit() or int(port) > 65535:
         parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
     host = host.strip("[]")
+    try:  # FastAPI and uvicorn load only once the model has; their absence is found now
+        require_extra("http", f"--http {args.http}")
+    except MissingExtra as error:
+        parser.error(str(error))
     if args.http_max_body_bytes < 1024:
         parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
     if args.api_key == "":
@@ -55,7 +60,7 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
             )
         logger.warning("--insecure: the HTTP API at %s answers anyone who can reach it, without a key", args.http)
     if int(port):
-        check_bind(parser, f"tcp://{host}:{port}", flag="--http")
+        check_bind(parser, f"tcp://{host}:{port}", flag="--http", shown=args.http)
     return host, int(port)
 
 
@@ -99,5 +104,11 @@ def start_http(
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+        logger.warning(
+            "--http: the tokenizer of %s has no chat template, so /v1/chat/completions answers 400: pass --tokenizer "
+            "naming one that has (the instruct model's), or send rendered prompts to /v1/completions",
+            args.tokenizer or args.model,
+        )
     logger.info("OpenAI-compatible API at %s/v1", http.url)
     return http

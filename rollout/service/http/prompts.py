@@ -86,7 +86,11 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
     if add_generation_prompt and continue_final:
         raise bad_field("continue_final_message", "cannot be combined with add_generation_prompt=true")
     if _chat_template(tokenizer) is None and "chat_template" not in kwargs:
-        raise bad_field("messages", "the worker's tokenizer has no chat template")
+        raise bad_field(
+            "messages",
+            "the worker's tokenizer has no chat template: restart the worker with --tokenizer naming one that has "
+            "(the instruct model's), or send the rendered prompt to /v1/completions",
+        )
     try:
         encoded = tokenizer.apply_chat_template(
             rendered,

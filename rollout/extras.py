@@ -1,0 +1,57 @@
+"""rollout's optional extras (pyproject's `[project.optional-dependencies]`): the modules each one brings, and the
+one-line error that names the pip command when a feature's extra is not installed.
+
+    require_extra("http", "--http 127.0.0.1:8000")
+    # MissingExtra: --http 127.0.0.1:8000 needs fastapi, which is not installed: pip install 'rollout[http]'
+
+Checks look modules up without importing them (cheap, before anything loads). Imports nothing of rollout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+# The importable modules of each extra, as its requirements name them (tests/test_newcomer_errors.py checks this
+# against pyproject.toml).
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "http": ("fastapi", "uvicorn"),
+    "ray": ("ray",),
+    "lora": ("peft",),
+    "structured": ("xgrammar",),
+    "examples": ("matplotlib",),
+}
+
+
+class MissingExtra(ImportError):
+    """A feature's optional extra is not installed; the message is one line naming the pip command."""
+
+
+def missing_modules(extra: str) -> list[str]:
+    """The modules of `extra` that cannot be imported here (a module mapped to None in `sys.modules` counts as
+    missing, as `import` treats it)."""
+    missing = []
+    for name in EXTRA_MODULES[extra]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def require_extra(extra: str, feature: str) -> None:
+    """Raise unless every module of `extra` is installed.
+
+    Args:
+        extra: the extra's name in pyproject.toml (a key of `EXTRA_MODULES`), e.g. "http".
+        feature: what needs it, as the user asked for it, e.g. "--http 127.0.0.1:8000" or "rollout.ray".
+    Raises:
+        MissingExtra: "<feature> needs <modules>, which is/are not installed: pip install 'rollout[<extra>]'".
+    """
+    missing = missing_modules(extra)
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingExtra(
+            f"{feature} needs {' and '.join(missing)}, which {verb} not installed: pip install 'rollout[{extra}]'"
+        )

@@ -1,0 +1,242 @@
+"""The errors a newcomer meets first (issue 37, item 3): each is one line that says what to do, never a traceback;
+a console script or example exits 2 with the line on stderr. Everything runs in-process and fails before any model
+loads, so the module costs a few seconds.
+
+(a) a model id with no network: here generate_batch / init_continuous_batching given a model name, and
+    examples/grpo_gpu.py. Already checked elsewhere: `rollout-worker --model ID` in
+    tests/test_worker.py::test_a_hub_model_on_a_machine_without_network_is_one_line_at_once, `rollout-eval --model`
+    and `--dataset` in tests/test_eval_errors.py::test_a_hub_model_with_no_network (and _dataset_, _offline_mode_),
+    examples/generate_batch.py in test_eval_errors.py::test_the_generate_batch_example_with_a_hub_model_and_no_network.
+(b) no chat template where one is needed: here the worker's /v1/chat/completions (a 400 saying what to do, and a
+    warning when the worker starts). `rollout-eval --chat`: test_eval_errors.py::test_chat_with_a_tokenizer_without_a_
+    chat_template. TRL renders conversational prompts itself (transformers' own message names the fix).
+(c) a GPU flag on a CPU torch: here `rollout-worker --gpu 0` and `--device cuda`, word for word. `rollout-eval
+    --device cuda`: test_eval_errors.py::test_a_gpu_flag_on_a_cpu_torch. The examples take no device flag.
+(d) a port in use: here --bind, --http and --metrics-port, word for word, before the model loads (tests/test_worker.py::
+    test_a_port_in_use_is_a_usage_error_before_the_model_loads checks --bind against a running worker).
+(e) a missing extra, naming the pip command: here `rollout-worker --http` without FastAPI/uvicorn, `import rollout.ray`
+    without Ray, examples/grpo_toy.py without matplotlib (its plot), and `rollout.extras` against pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import re
+import socket
+import sys
+import types
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.config import FieldError
+
+ROOT = Path(__file__).resolve().parents[1]
+BIND = ["--bind", "tcp://127.0.0.1:*"]  # the default port may be taken on a test machine
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """A hub endpoint nothing listens on and an empty hub cache: a machine with no network (as test_eval_errors)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """rollout-worker's usage errors must come before the model loads."""
+    from rollout.service import startup
+
+    monkeypatch.setattr(startup, "load_model", lambda *a: pytest.fail("the model was loaded before the check"))
+
+
+def error_line(capsys) -> str:
+    """The message of the one "PROG: error: ..." line on stderr (argparse's usage before it aside), checked to come
+    without a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if re.match(r"\S+: error: ", line)]
+    assert len(lines) == 1, err
+    return lines[0].partition(": error: ")[2]
+
+
+def worker_error(capsys, flags: list[str]) -> str:
+    """rollout-worker's error line for `flags`, checked to exit with status 2."""
+    from rollout.service import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(flags)
+    assert stop.value.code == 2
+    return error_line(capsys)
+
+
+def example(name: str) -> types.ModuleType:
+    """examples/<name>.py, loaded as a module (its main not run)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_example", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stub_module(monkeypatch, name: str, **attributes: object) -> None:
+    """Stand a module in for `name` (an example's heavy import its checks never reach)."""
+    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attributes))
+
+
+# (a) a model id with no network, or given where a model is needed
+
+
+@pytest.mark.parametrize("entry", ["generate_batch", "init_continuous_batching"])
+def test_a_model_name_where_a_loaded_model_is_needed_says_how_to_load_it(entry):
+    import rollout
+
+    arguments = ([[1, 2, 3]],) if entry == "generate_batch" else ()
+    with pytest.raises(FieldError) as refused:
+        getattr(rollout, entry)("Qwen/Qwen3-0.6B", *arguments)
+    assert str(refused.value) == (
+        "model: 'Qwen/Qwen3-0.6B' is a model name, not a model: load it first, e.g. model = "
+        "AutoModelForCausalLM.from_pretrained('Qwen/Qwen3-0.6B') (from transformers), and pass the model"
+    )
+
+
+def test_the_grpo_gpu_example_with_a_hub_model_and_no_network(capsys, monkeypatch, unreachable_hub):
+    stub_module(monkeypatch, "trl", GRPOConfig=None)  # TRL's trainer stack loads for seconds; the hub check is first
+    stub_module(monkeypatch, "trainer_bridge.trl", RolloutGRPOTrainer=None)
+    with pytest.raises(SystemExit) as stop:
+        example("grpo_gpu").main(["--model", "someone/some-model", "--workers", "tcp://127.0.0.1:1"])
+    assert stop.value.code == 2
+    assert error_line(capsys) == (
+        "--model someone/some-model: not a local path, 127.0.0.1 cannot be reached from this machine (no network?), "
+        "and the Hugging Face cache does not hold it: download it where there is network (`hf download "
+        "someone/some-model --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it"
+    )
+
+
+# (b) a tokenizer without a chat template
+
+
+def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
+    from rollout import ContinuousBatchingConfig, init_continuous_batching
+    from rollout.service.cli import build_parser
+    from rollout.service.group_counters import GroupCounters
+    from rollout.service.http.launch import start_http
+    from rollout.service.limits import WorkerLimits
+    from rollout.service.presets import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=8))
+    parser = build_parser()
+    args = parser.parse_args(["--http", "127.0.0.1:0", "--model", "my-base-model"])
+    worker = types.SimpleNamespace(max_prompt_len=64, counters=GroupCounters())
+    caplog.set_level(logging.WARNING, logger="rollout.worker")
+    http = start_http(parser, args, ("127.0.0.1", 0), manager, worker, tokenizer, WorkerLimits())
+    try:
+        assert (
+            "--http: the tokenizer of my-base-model has no chat template, so /v1/chat/completions answers 400: pass "
+            "--tokenizer naming one that has (the instruct model's), or send rendered prompts to /v1/completions"
+        ) in [record.getMessage() for record in caplog.records]
+        body = {"model": "my-base-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        request = urllib.request.Request(
+            f"{http.url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(answer.value.read())["error"]
+    finally:
+        http.stop()
+        manager.engine.close()
+    assert answer.value.code == 400 and error["param"] == "messages"
+    assert error["message"] == (
+        "messages: the worker's tokenizer has no chat template: restart the worker with --tokenizer naming one that "
+        "has (the instruct model's), or send the rendered prompt to /v1/completions"
+    )
+
+
+# (c) a GPU flag on a CPU torch
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+@pytest.mark.parametrize(
+    ("flags", "instead"),
+    [(["--gpu", "0"], "drop --gpu to run on the CPU"), (["--device", "cuda"], "run on --device cpu")],
+)
+def test_a_gpu_flag_on_a_cpu_torch(capsys, no_model_loads, flags, instead):
+    assert worker_error(capsys, [*flags, *BIND]) == (
+        f"{' '.join(flags)}: torch {torch.__version__} (a CPU-only build) sees no CUDA device: install a CUDA build of "
+        f"torch (https://pytorch.org/get-started/locally/) on a machine with a GPU, or {instead}"
+    )
+
+
+# (d) a port in use
+
+
+@pytest.mark.parametrize("flag", ["--bind", "--http", "--metrics-port"])
+def test_a_port_in_use_names_the_flag_and_what_to_do(capsys, no_model_loads, flag):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        value = {"--bind": f"tcp://127.0.0.1:{port}", "--http": f"127.0.0.1:{port}", "--metrics-port": str(port)}[flag]
+        line = worker_error(capsys, [flag, value, *([] if flag == "--bind" else BIND)])
+    free = "tcp://HOST:*" if flag == "--bind" else "0"
+    assert line == (
+        f"{flag} {value}: cannot bind, port {port} is already in use: stop what listens there or pick another port "
+        f"({free} picks a free one)"
+    )
+
+
+# (e) a missing optional extra
+
+
+def test_the_http_api_without_fastapi_and_uvicorn(capsys, monkeypatch, no_model_loads):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # an import of a module mapped to None fails
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    line = worker_error(capsys, ["--http", "127.0.0.1:0", *BIND])
+    assert line == "--http 127.0.0.1:0 needs fastapi and uvicorn, which are not installed: pip install 'rollout[http]'"
+
+
+def test_rollout_ray_without_ray(monkeypatch):
+    from rollout.extras import MissingExtra
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.delitem(sys.modules, "rollout.ray", raising=False)
+    with pytest.raises(ImportError) as refused:
+        importlib.import_module("rollout.ray")
+    assert isinstance(refused.value, MissingExtra) and refused.value.__cause__ is None
+    assert str(refused.value) == "rollout.ray needs ray, which is not installed: pip install 'rollout[ray]'"
+
+
+def test_the_grpo_toy_example_without_matplotlib_stops_before_training(capsys, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # the example sets it; restored after
+    stub_module(monkeypatch, "trainer_bridge.trl", RolloutGRPOTrainer=None)
+    module = example("grpo_toy")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(module, "start_worker", lambda *a: pytest.fail("a worker started before the check"))
+    with pytest.raises(SystemExit) as stop:
+        module.main([])
+    assert stop.value.code == 2
+    assert error_line(capsys) == (
+        "examples/grpo_toy.py (its reward plot) needs matplotlib, which is not installed: pip install "
+        "'rollout[examples]'"
+    )
+
+
+def test_every_extra_named_installs_the_modules_it_is_checked_by():
+    """The pip command each message names installs what was missing (pyproject's extras hold those packages)."""
+    from rollout.extras import EXTRA_MODULES
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, modules in EXTRA_MODULES.items():
+        names = {requirement.split(">")[0].split("[")[0].split(";")[0].strip() for requirement in extras[extra]}
+        assert set(modules) <= names, (extra, modules, names)
