@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 
-# The importable modules of each extra, as its requirements name them (tests/test_newcomer_errors.py checks this
-# against pyproject.toml).
+# The importable modules of each extra that rollout's features check for, as its requirements name them
+# (tests/test_newcomer_errors.py checks this against pyproject.toml).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "http": ("fastapi", "uvicorn"),
     "ray": ("ray",),
     "lora": ("peft",),
     "structured": ("xgrammar",),
     "examples": ("matplotlib",),
+    "docs": ("matplotlib",),  # `rollout-bench ... --plot`: the site's plots
 }
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -18,6 +19,7 @@ from rollout.benchmarks import (
     load,
     long_tail,
     lora_push,
+    plots,
     service,
     structured,
     systems,
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also report the decode roofline fraction, peak memory and logprob fidelity (one more rollout run)",
     )
+    plots.add_plot_argument(tp, "generated tokens/s per system, median run with min-max whiskers over --repeats")
     sv = commands.add_parser(
         "service", help="tokens/s through a rollout-worker (ZeroMQ, HTTP) vs in-process (cpu-small)"
     )
@@ -175,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout_server on the long-tail shape (forced lognormal lengths, median 32, cap 256): synchronous, "
         "max_staleness=1, and max_staleness=1 with partial_rollouts",
     )
+    plots.add_plot_argument(gs, "seconds per step of each system (or run), stacked: generation, weight sync, training")
     load.add_arguments(
         commands.add_parser(
             "load",
@@ -192,14 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    long_tail.add_arguments(
-        commands.add_parser(
-            "long-tail",
-            help="GRPO samples of lognormal lengths (median 2048, cap 16384) in a KV cache 0.27 of peak demand: "
-            "recompute ratio, swap, steps, batch size, last/median finish",
-            description=long_tail.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
+    lt = commands.add_parser(
+        "long-tail",
+        help="GRPO samples of lognormal lengths (median 2048, cap 16384) in a KV cache 0.27 of peak demand: "
+        "recompute ratio, swap, steps, batch size, last/median finish",
+        description=long_tail.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    long_tail.add_arguments(lt)
+    plots.add_plot_argument(
+        lt,
+        "tokens computed (prompts, decodes, recomputed after preemption) and the decoding batch per step against "
+        "what the cache holds",
     )
     structured.add_arguments(
         commands.add_parser(
@@ -254,6 +262,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--model {args.model} is a GPU shape: run it with --device cuda")
     if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if getattr(args, "plot", None) is not None:
+        if getattr(args, "routing_replay", False):
+            parser.error("--plot draws the step split of grpo-step: not with --routing-replay")
+        try:
+            plots.check_plot_request(args.plot)
+        except (ValueError, ImportError) as error:  # a bad path, or matplotlib missing: one line, exit 2
+            parser.error(str(error))
     if args.command == "grpo-step":
         if args.steps < 1:
             parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -330,6 +345,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--{given[0]} needs --agentic")
         summary = service.run(args.seed, args.path or "zmq")
     print(json.dumps(summary))
+    if getattr(args, "plot", None) is not None:
+        written = plots.PLOTTERS[args.command](summary, args.plot)
+        print(f"plot: {written} ({written.stat().st_size / 1024:.0f} KB)", file=sys.stderr, flush=True)
     if args.command == "load" and not summary["passed"]:
         raise SystemExit(1)  # a group lost or duplicated, KV blocks left in use, or a fuzzed worker stopped serving
     if args.command == "service" and args.agentic and not summary["passed"]:

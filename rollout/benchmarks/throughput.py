@@ -71,6 +71,7 @@ def run(
     summary = {
         "benchmark": "throughput",
         "workload": workload_name,
+        "device": workload.device,
         "generated_tokens": next((r["generated_tokens"] for r in results.values() if "generated_tokens" in r), None),
         "num_prompts": count,
         "repeats": repeats,
