@@ -25,6 +25,7 @@ PARSERS = {
     "rollout-worker": ("rollout.service.cli", "build_parser"),
     "rollout-eval": ("rollout.eval.cli", "build_parser"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser"),
+    "rollout-keygen": ("rollout.service.auth", "build_keygen_parser"),
 }
 # Modules whose docstring is a specification a page shows verbatim.
 SPECIFICATIONS = {"rollout.service.protocol"}

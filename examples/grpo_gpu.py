@@ -1,6 +1,6 @@
 """GRPO on a real model with rollout workers on GPUs: the recipe of the GPU guide (docs/guides/gpus.md).
 
-    rollout-worker --gpu 0 --model Qwen/Qwen3-0.6B --dtype bfloat16 --bind tcp://0.0.0.0:5555 &
+    rollout-worker --gpu 0 --model Qwen/Qwen3-0.6B --dtype bfloat16 --bind tcp://127.0.0.1:5555 &
     CUDA_VISIBLE_DEVICES=1 python examples/grpo_gpu.py --model Qwen/Qwen3-0.6B --workers tcp://127.0.0.1:5555
 
 (`accelerate launch` works too: every rank generates its own rows; only the main process pushes weights.)

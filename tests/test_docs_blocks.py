@@ -1,15 +1,19 @@
 """Every Python and shell block of the README and of the documentation site runs as written, page by page in the
-site's order, against one rollout-worker started with the README's own quick-start command.
+site's order, against one rollout-worker started with the flags of the README's quick-start command (through
+`service_helpers.Worker`, with the test's log level; `rollout-worker` is that module's console script).
 
 - A Python block runs in its page's namespace (a page's blocks share one, in order), from a scratch directory where
   `examples/` is the repository's. A block whose first line is `# NAME.py` is that file: it is written there, not
-  run (a later command imports it).
+  run (a later command imports it). A later page may find the worker changed by an earlier one (pushed weights).
 - A shell command runs if it is `curl` (its JSON answer must hold no error), `rollout-eval` (in-process; exit 0 and
-  its summary) or `rollout-keygen`. `rollout-worker` and `rollout-bench` commands are parsed by their own parsers
-  (every flag and value checked): running them means a second server or minutes of benchmark;
-  `tests/test_benchmarks.py` runs the benchmarks small, and the fixture runs the quick start's worker.
-- Everything else is in `SHOWN_NOT_RUN`, with the reason and, where another test runs the same thing, that test.
-  Each entry must match a block or command of the docs, so the list cannot go stale.
+  its summary) or `rollout-keygen`. `rollout-worker` commands are parsed and put through every check the worker
+  makes before it loads a model (addresses, keys, limits, engine settings; a port is not probed, since the fixture
+  holds the docs' ports); `rollout-bench` commands are parsed (running them takes minutes;
+  `tests/test_benchmarks.py` runs the benchmarks small).
+- Everything else is in `SHOWN_NOT_RUN`, the one list of what is shown but not run, with the reason and, where
+  another test runs the same thing, that test. A command matches an entry only exactly, a Python block only by a
+  whole line of it, and each entry must match something the docs show, so the list cannot go stale.
+- A fenced block in any other language than python, bash and text fails the test: it would go unchecked.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
+import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -26,33 +33,61 @@ import yaml
 
 from rollout.benchmarks.cli import build_parser as bench_parser
 from rollout.eval.cli import main as eval_main
+from rollout.service import address_checks
 from rollout.service.auth import keygen_main
 from rollout.service.cli import build_parser as worker_parser
+from rollout.service.startup import check_flags
 from service_helpers import Worker
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = (ROOT / ".ci" / "run").read_text()
 
-# The one list of what the docs show but the tests do not run. Key: text the block or command starts with (a Python
-# block: a line it holds; a command: as the shell passes it on, quotes removed). Value: (why, the test or script that runs the same thing instead, or None).
-SHOWN_NOT_RUN: dict[str, tuple[str, str | None]] = {
-    "python3 -m venv .venv": ("the set-up: CI installs exactly so on a clean clone", ".ci/run"),
-    "source .venv/bin/activate": ("the set-up", ".ci/run"),
-    "pip install torch==2.13.0": ("the set-up", ".ci/run"),
-    "pip install -e .[dev]": ("the set-up", ".ci/run"),
-    "pip install -e .[http]": ("an install; the dev extra holds the http one", None),
-    "python -m pytest -q": ("the suite itself", ".ci/run"),
-    "mkdocs build --strict": ("the site's strict build", ".ci/run"),
-    "python examples/grpo_toy.py": ("the main job, 45 s", "tests/test_trl.py"),
-    "python examples/agent_trl.py": ("12 GRPO steps with tools, 25 s", "tests/test_trl_agentic_modes.py"),
-    "fleet = RolloutFleet.launch(": ("a Ray cluster of two worker actors, 18 s", "tests/test_ray.py"),
-    "ray start": ("a Ray cluster of several nodes", None),
-    "python train.py": ("the user's own training script on a Ray cluster", None),
-    "CUDA_VISIBLE_DEVICES=": ("needs GPUs", None),
-    "echo /.whl/": ("fetching wheels for a GPU machine (needs the package index)", None),
-    "python3 -m pip download": ("fetching wheels for a GPU machine (needs the package index)", None),
-    "python3 -m pip install": ("installing on a GPU machine", None),
-    "export PYTHONPATH": ("installing on a GPU machine", None),
+# What the docs show but the tests do not run. Key: a command exactly as the shell passes it on (quotes removed), or a
+# whole line of a Python block. Value: (why; the test or script that runs the same thing instead, or None; what that
+# file must mention to be running it).
+SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
+    "python3 -m venv .venv": ("the set-up: CI installs exactly so on a clean clone", ".ci/run", None),
+    "source .venv/bin/activate": ("the set-up", ".ci/run", None),
+    "pip install torch==2.13.0": ("the set-up", ".ci/run", None),
+    "pip install -e .[dev]": ("the set-up", ".ci/run", None),
+    "pip install -e .[http]": ("an install; the dev extra holds the http one", None, None),
+    "python -m pytest -q": ("the suite itself", ".ci/run", None),
+    "mkdocs build --strict": ("the site's strict build", ".ci/run", None),
+    "python examples/grpo_toy.py": ("the main job, 45 s", "tests/test_trl.py", "grpo_toy.py"),
+    "python examples/agent_trl.py": (
+        "12 GRPO steps with tools, 25 s",
+        "tests/test_trl_agentic_modes.py",
+        "agent_trl.py",
+    ),
+    'fleet = RolloutFleet.launch(2, model="tiny", resources_per_worker={"CPU": 1}, worker_args=["--device", "cpu"])': (
+        "a Ray cluster of two worker actors, 18 s",
+        "tests/test_ray.py",
+        "RolloutFleet.launch(",
+    ),
+    "ray start --head --port 6379": ("a Ray cluster of several nodes", None, None),
+    "ray start --address HEAD_IP:6379": ("a Ray cluster of several nodes", None, None),
+    "python train.py": ("the user's own training script on a Ray cluster", None, None),
+    "rollout-worker --gpu 0 --model Qwen/Qwen3-0.6B --dtype bfloat16": ("needs a GPU and the hub", None, None),
+    "rollout-worker --gpu 0 --model Qwen/Qwen3-0.6B --dtype bfloat16 --bind tcp://127.0.0.1:5555 &": (
+        "needs a GPU and the hub",
+        None,
+        None,
+    ),
+    "CUDA_VISIBLE_DEVICES=1 python examples/grpo_gpu.py --model Qwen/Qwen3-0.6B --workers tcp://127.0.0.1:5555": (
+        "needs GPUs and the hub",
+        None,
+        None,
+    ),
+    "echo /.whl/ >> .git/info/exclude": ("preparing wheels for a GPU machine", None, None),
+    "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform "
+    "manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq==27.3.0 trl==1.16.0 datasets==4.8.4 "
+    "dill==0.4.1 multiprocess==0.70.19 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2": (
+        "fetching wheels for a GPU machine (needs the package index)",
+        None,
+        None,
+    ),
+    "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl": ("on a GPU machine", None, None),
+    "export PYTHONPATH=$PWD:/tmp/site": ("on a GPU machine", None, None),
 }
 # Commands that are parsed, not run: the command and its parser.
 PARSED = {"rollout-worker": worker_parser, "rollout-bench": bench_parser}
@@ -77,7 +112,10 @@ def pages() -> list[Path]:
 
 
 PAGES = pages()
-FENCE = re.compile(r"^```(python|bash)\n(.*?)^```", flags=re.S | re.M)
+# Any fenced block, indented or not (inside a list item), with ``` or ~~~ and any info string after the language.
+FENCE = re.compile(r"^[ \t]*(```|~~~)[ \t]*([\w-]*)[^\n]*\n(.*?)^[ \t]*\1[ \t]*$", flags=re.S | re.M)
+CHECKED_LANGUAGES = {"python", "bash"}
+SHOWN_LANGUAGES = {"text", ""}  # output and diagrams
 
 
 def shell_commands(block: str) -> list[list[str]]:
@@ -98,17 +136,19 @@ def shell_commands(block: str) -> list[list[str]]:
 def page_items(page: Path) -> list[tuple[str, str | list[str]]]:
     """A page's runnable items in order: ("python", block) and ("shell", argv)."""
     items: list[tuple[str, str | list[str]]] = []
-    for language, block in FENCE.findall(page.read_text()):
-        items += [("python", block)] if language == "python" else [("shell", argv) for argv in shell_commands(block)]
+    for _, language, block in FENCE.findall(page.read_text()):
+        assert language in CHECKED_LANGUAGES | SHOWN_LANGUAGES, f"{page}: a ```{language} block would go unchecked"
+        if language == "python":
+            items.append(("python", textwrap.dedent(block)))
+        elif language == "bash":
+            items += [("shell", argv) for argv in shell_commands(textwrap.dedent(block))]
     return items
 
 
 def shown_not_run(kind: str, item: str | list[str]) -> str | None:
-    """The SHOWN_NOT_RUN entry an item matches: a line a Python block holds, or the start of a command."""
-    for key in SHOWN_NOT_RUN:
-        if (kind == "python" and key in item) or (kind == "shell" and " ".join(item).startswith(key)):
-            return key
-    return None
+    """The SHOWN_NOT_RUN entry an item matches: a whole line of a Python block, or a whole command."""
+    keys = [line.strip() for line in item.splitlines()] if kind == "python" else [" ".join(item)]
+    return next((key for key in keys if key in SHOWN_NOT_RUN), None)
 
 
 def quick_start_worker() -> list[str]:
@@ -162,8 +202,11 @@ def run_command(argv: list[str], capsys) -> None:
     elif argv[0] == "rollout-keygen":
         assert keygen_main(argv[1:]) == 0, command
     elif argv[0] in PARSED:
+        parser = PARSED[argv[0]]()
         try:
-            PARSED[argv[0]]().parse_args(argv[1:])
+            args = parser.parse_args(argv[1:])
+            if argv[0] == "rollout-worker":
+                check_flags(parser, args)
         except SystemExit as exit:  # --help exits 0; a bad flag or value exits 2
             assert exit.code == 0, (command, capsys.readouterr().err)
         capsys.readouterr()
@@ -171,8 +214,35 @@ def run_command(argv: list[str], capsys) -> None:
         raise AssertionError(f"a docs command neither run nor listed in SHOWN_NOT_RUN: {command}")
 
 
+class UnprobedPort:
+    """Stands in for the probe socket of the worker's port check: the docs' ports are the fixture's own."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def setsockopt(self, *args) -> None:
+        pass
+
+    def bind(self, address: tuple) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+UNPROBED_SOCKET_MODULE = types.SimpleNamespace(
+    socket=UnprobedPort,
+    AF_INET=socket.AF_INET,
+    AF_INET6=socket.AF_INET6,
+    SOL_SOCKET=socket.SOL_SOCKET,
+    SO_REUSEADDR=socket.SO_REUSEADDR,
+)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_page_blocks_run_as_written(page, worker, scratch, monkeypatch, capsys, request):
+    # The worker's port probe, in address_checks alone, binds nothing: the fixture holds the docs' ports.
+    monkeypatch.setattr(address_checks, "socket", UNPROBED_SOCKET_MODULE)
     monkeypatch.chdir(scratch)
     monkeypatch.syspath_prepend(str(scratch))
     namespace: dict = {"__name__": "__docs__"}
@@ -193,8 +263,8 @@ def test_every_shown_not_run_entry_is_shown_and_run_elsewhere():
     """Each entry matches a block or command of the docs, and the test or script it names runs the same."""
     matched = {shown_not_run(kind, item) for page in PAGES for kind, item in page_items(page)}
     assert not set(SHOWN_NOT_RUN) - matched, f"entries no page shows: {set(SHOWN_NOT_RUN) - matched}"
-    for key, (_, ran_by) in SHOWN_NOT_RUN.items():
+    for key, (_, ran_by, mention) in SHOWN_NOT_RUN.items():
         if ran_by == ".ci/run":
             assert any(set(key.split()) <= set(shlex.split(line, comments=True)) for line in CI.splitlines()), key
         elif ran_by:
-            assert Path(key.split()[-1]).name in (ROOT / ran_by).read_text(), (key, ran_by)
+            assert mention in (ROOT / ran_by).read_text(), (key, ran_by, mention)

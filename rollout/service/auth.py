@@ -129,8 +129,8 @@ def secure_client_socket(
     socket.curve_serverkey = load_public_key(server_public_key)
 
 
-def keygen_main(argv: list[str] | None = None) -> int:
-    """Entry point of `rollout-keygen DIR NAME`: write DIR/NAME.key (public) and DIR/NAME.key_secret."""
+def build_keygen_parser() -> argparse.ArgumentParser:
+    """`rollout-keygen`'s flags."""
     parser = argparse.ArgumentParser(
         prog="rollout-keygen",
         description="Write a CurveZMQ key pair for a rollout worker, client or trainer: DIR/NAME.key (the public "
@@ -139,6 +139,12 @@ def keygen_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("directory", help="where to write the two files (created if missing)")
     parser.add_argument("name", help="file name stem, e.g. worker, trainer or client1")
+    return parser
+
+
+def keygen_main(argv: list[str] | None = None) -> int:
+    """Entry point of `rollout-keygen DIR NAME`: write DIR/NAME.key (public) and DIR/NAME.key_secret."""
+    parser = build_keygen_parser()
     args = parser.parse_args(argv)
     directory = Path(args.directory)
     secret_path = directory / f"{args.name}.key_secret"

@@ -71,24 +71,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         parser: rollout-worker's parser (`cli.build_parser`); its `error` reports every usage error.
         args: the parsed flags.
     """
-    # Ordinary mistakes are one-line usage errors, found before the model loads.
-    device = _device(parser, args)
-    check_bind(parser, args.bind)
-    _check_security(parser, args)
-    check_metrics_address(parser, args)
-    http_address = check_http_address(parser, args)
-    try:
-        limits = _limits(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
-        parser.error(f"--model {args.model}: no such model directory")
-    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
-        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
-    try:
-        config = _engine_config(args)
-    except ValueError as error:
-        parser.error(str(error))
+    device, http_address, limits, config = check_flags(parser, args)
     try:
         model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
     except HubUnreachable as error:  # names --model itself, and says what to do
@@ -149,6 +132,38 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
     )
     logger.info(cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len))
     return RunningWorker(worker, manager, model, http, metrics)
+
+
+def check_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[torch.device, tuple[str, int] | None, WorkerLimits, ContinuousBatchingConfig]:
+    """Every check of the flags that needs no model: ordinary mistakes are one-line usage errors (`parser.error`,
+    exit status 2), found before the model loads. Binds nothing (ports are probed and released).
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+    Returns:
+        The serving device, the HTTP address (None without --http), the per-client limits and the engine settings.
+    """
+    device = _device(parser, args)
+    check_bind(parser, args.bind)
+    _check_security(parser, args)
+    check_metrics_address(parser, args)
+    http_address = check_http_address(parser, args)
+    try:
+        limits = _limits(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+        parser.error(f"--model {args.model}: no such model directory")
+    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
+        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    try:
+        config = _engine_config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    return device, http_address, limits, config
 
 
 def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
