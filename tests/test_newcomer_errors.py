@@ -216,6 +216,21 @@ def test_rollout_ray_without_ray(monkeypatch):
     assert str(refused.value) == "rollout.ray needs ray, which is not installed: pip install 'rollout[ray]'"
 
 
+def test_the_fleet_benchmark_without_ray(monkeypatch, capsys):
+    from rollout.benchmarks import cli, fleet
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    monkeypatch.setattr(fleet, "run", lambda args: pytest.fail("the benchmark ran without Ray"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["fleet"])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("rollout-bench fleet needs ray, which is not installed: pip install 'rollout[ray]'")
+    )
+
+
 def test_the_grpo_toy_example_without_matplotlib_stops_before_training(capsys, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # the example sets it; restored after
     stub_module(monkeypatch, "trainer_bridge.trl", RolloutGRPOTrainer=None)

@@ -27,6 +27,7 @@ from rollout.benchmarks import (
     weights,
     workloads,
 )
+from rollout.extras import require_extra
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -262,6 +263,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--model {args.model} is a GPU shape: run it with --device cuda")
     if getattr(args, "num_prompts", None) is not None and args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.command == "fleet":
+        try:  # Ray loads only once the run starts: its absence is one line now, naming the pip command
+            require_extra("ray", "rollout-bench fleet")
+        except ImportError as error:
+            parser.error(str(error))
     if getattr(args, "plot", None) is not None:
         if getattr(args, "routing_replay", False):
             parser.error("--plot draws the step split of grpo-step: not with --routing-replay")
