@@ -18,6 +18,7 @@ site's order, against one rollout-worker started with the flags of the README's 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -32,9 +33,10 @@ import pytest
 import yaml
 
 from rollout.benchmarks.cli import build_parser as bench_parser
+from rollout.eval.cli import build_parser as eval_parser
 from rollout.eval.cli import main as eval_main
 from rollout.service import address_checks
-from rollout.service.auth import keygen_main
+from rollout.service.auth import build_keygen_parser, keygen_main
 from rollout.service.cli import build_parser as worker_parser
 from rollout.service.startup import check_flags
 from service_helpers import Worker
@@ -91,6 +93,7 @@ SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
 }
 # Commands that are parsed, not run: the command and its parser.
 PARSED = {"rollout-worker": worker_parser, "rollout-bench": bench_parser}
+INLINE_PARSERS = {**PARSED, "rollout-eval": eval_parser, "rollout-keygen": build_keygen_parser}
 ALIASES = {
     ("python3", "-m", "rollout.benchmarks.cli"): "rollout-bench",
     ("python", "-m", "rollout.eval"): "rollout-eval",
@@ -268,3 +271,30 @@ def test_every_shown_not_run_entry_is_shown_and_run_elsewhere():
             assert any(set(key.split()) <= set(shlex.split(line, comments=True)) for line in CI.splitlines()), key
         elif ran_by:
             assert mention in (ROOT / ran_by).read_text(), (key, ran_by, mention)
+
+
+def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of a parser and of its subcommands."""
+    flags: set[str] = set()
+    for action in parser._actions:
+        flags.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                flags |= parser_flags(subparser)
+    return flags
+
+
+def test_commands_in_prose_name_real_flags():
+    """An inline `rollout-worker --flag ...` (or rollout-bench, rollout-eval, rollout-keygen) in any page's prose
+    names flags its command has: prose drifts as easily as a block."""
+    known = {command: parser_flags(build()) for command, build in INLINE_PARSERS.items()}
+    checked = 0
+    for page in PAGES:
+        prose = re.sub(r"^[ \t]*(```|~~~).*?^[ \t]*\1[ \t]*$", "", page.read_text(), flags=re.S | re.M)
+        for span in re.findall(r"`([^`]+)`", prose):
+            words = span.split()
+            if len(words) > 1 and words[0] in known:
+                flags = {word.split("=")[0] for word in words[1:] if word.startswith("--") and "..." not in word}
+                assert flags <= known[words[0]], f"{page.relative_to(ROOT)}: `{span}` names {flags - known[words[0]]}"
+                checked += 1
+    assert checked > 40, checked  # the docs mention commands in prose often; a parse that finds none is broken
