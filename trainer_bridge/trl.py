@@ -25,7 +25,8 @@ What `RolloutGeneration` does:
   probability mass of every truncated position.) The policy lag of every token (trainer step - the step whose
   weights sampled it) is logged as `rollout/policy_lag_mean` and `rollout/policy_lag_max`.
 - `sync_weights`: `push_weights` with version = (the workers' version when training started) + 1 + global step.
-  Every rank takes part in gathering (ZeRO-3, FSDP2, PEFT merged weights); only the main process sends; then the
+  Every rank takes part in gathering (ZeRO-3, FSDP2; a PEFT model's adapter alone, its base once); only the main
+  process sends; then the
   ranks wait for each other (all of them call it at the same point), so none samples before the workers serve the
   new weights.
 

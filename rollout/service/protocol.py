@@ -91,7 +91,8 @@ after the replies to messages sent after it; every such reply carries its group_
 
 Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
 "duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
-"update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update"; "unauthorized"
+"update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update", "base_mismatch"
+(a LoRA adapter meant for another base); "unauthorized"
 (the client's key may not do this: weight updates need a trainer key).
 """
 
