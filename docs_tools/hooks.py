@@ -16,6 +16,7 @@ import dataclasses
 import html
 import importlib
 import inspect
+import os
 import re
 from typing import Any
 
@@ -49,7 +50,13 @@ def render(kind: str, name: str) -> str:
     """
     if kind == "options" and name in PARSERS:
         module, function = PARSERS[name]
-        return options_markdown(getattr(importlib.import_module(module), function)())
+        # Flags default to ROLLOUT_<FLAG> variables when set: the site shows the code's defaults, never a value (an
+        # API key) of the shell that built it.
+        saved = {key: os.environ.pop(key) for key in list(os.environ) if key.startswith("ROLLOUT_")}
+        try:
+            return options_markdown(getattr(importlib.import_module(module), function)())
+        finally:
+            os.environ.update(saved)
     if kind == "fields" and name in DATACLASSES:
         return fields_markdown(getattr(importlib.import_module(DATACLASSES[name]), name))
     if kind == "docstring" and name in SPECIFICATIONS:

@@ -29,14 +29,15 @@ class MissingExtra(ImportError):
 
 def missing_modules(extra: str) -> list[str]:
     """The modules of `extra` that cannot be imported here (a module mapped to None in `sys.modules` counts as
-    missing, as `import` treats it)."""
+    missing, as `import` treats it, and so does a bare folder of that name, such as one `pip uninstall` left behind:
+    it would import as an empty namespace package)."""
     missing = []
     for name in EXTRA_MODULES[extra]:
         try:
-            found = importlib.util.find_spec(name) is not None
+            spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):  # a parent package missing, or a module without a spec
-            found = False
-        if not found:
+            spec = None
+        if spec is None or (spec.origin is None and spec.submodule_search_locations is not None):
             missing.append(name)
     return missing
 

@@ -77,7 +77,10 @@ def grpo_step_summary(monkeypatch, capsys) -> dict:
 def test_the_keys_plotted_are_those_the_benchmarks_produce(throughput_summary, grpo_step_summary):
     rollout = throughput_summary["results"]["rollout"]
     assert rollout["runs_s"] == [2.0, 2.5, 1.5] and rollout["tokens_per_s"] == 40 / 2.0  # the median run
-    assert throughput_summary["device"] == "cpu" and throughput_summary["results"]["transformers_generate"]["status"]
+    assert (
+        throughput_summary["device"] == "cpu"
+        and throughput_summary["results"]["transformers_generate"]["status"] == "timeout"
+    )
     assert set(grpo_step_summary["results"]) == set(grpo_step.SYSTEMS)
     assert "error" in grpo_step_summary["results"]["trl_generate_batch"]
     source = inspect.getsource(grpo_step.run_one)  # the real row has every key of the fake one
@@ -136,7 +139,7 @@ def test_missing_matplotlib_is_one_line_before_the_run(monkeypatch, tmp_path, ca
     "where, message",
     [
         ("missing/plot.png", "does not exist"),
-        ("a-file/plot.png", "does not exist"),  # its "folder" is a regular file
+        ("a-file/plot.png", "is not a folder"),  # its "folder" is a regular file
         ("a-folder", "ending in .png"),
         ("a-folder.png", "is a folder"),
         ("plot.svg", "ending in .png"),
@@ -165,3 +168,13 @@ def test_routing_replay_has_no_plot(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["grpo-step", "--routing-replay", "--plot", str(tmp_path / "plot.png")])
     assert "not with --routing-replay" in capsys.readouterr().err
+
+
+def test_a_plot_that_fails_after_the_run_keeps_the_summary(monkeypatch, tmp_path, capsys):
+    """The benchmark's JSON line comes first; a plot that cannot be drawn then is one line and exit status 1."""
+    monkeypatch.setattr(long_tail, "run", lambda args: {"benchmark": "long-tail"})  # no key the plot reads
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["long-tail", "--plot", str(tmp_path / "long-tail.png")])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 1 and json.loads(out.splitlines()[-1]) == {"benchmark": "long-tail"}
+    assert "not written (KeyError(" in err and err.splitlines()[-1].endswith("; the summary above is complete")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,10 @@ def test_generated_tables_hold_every_field_and_flag():
     assert "### `rollout-bench throughput`" in bench and "### `rollout-bench gpu-report`" in bench
     with pytest.raises(ValueError, match="unknown generated marker: fields Nothing"):
         module.render("fields", "Nothing")
+
+
+def test_option_tables_show_the_codes_defaults_not_the_shells(monkeypatch):
+    """A ROLLOUT_<FLAG> variable of the shell that builds the site (an API key) never reaches a page."""
+    monkeypatch.setenv("ROLLOUT_API_KEY", "sekrit-123")
+    assert "sekrit-123" not in hooks().render("options", "rollout-worker")
+    assert os.environ["ROLLOUT_API_KEY"] == "sekrit-123"  # restored

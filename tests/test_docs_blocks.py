@@ -169,8 +169,14 @@ def quick_start_worker() -> list[str]:
 def worker():
     flags = quick_start_worker()
     address = flags[flags.index("--bind") + 1]
+    http = flags[flags.index("--http") + 1]
+    for host, port in (address.removeprefix("tcp://").rsplit(":", 1), http.rsplit(":", 1)):
+        with socket.socket() as probe:  # a worker already there (a reader's quick start) would answer in its place
+            if probe.connect_ex((host, int(port))) == 0:
+                pytest.fail(f"{host}:{port} is taken (a rollout-worker from the quick start?): stop it, then rerun")
     rest = [flag for i, flag in enumerate(flags) if "--bind" not in (flag, flags[i - 1])]
     process = Worker(*rest, address=address)
+    assert process.process.poll() is None, "the docs' worker exited: " + process.output()[-2000:]
     yield process
     process.close()
 
@@ -182,10 +188,12 @@ def scratch(tmp_path_factory):
     return directory
 
 
-def run_command(argv: list[str], capsys) -> None:
-    """Run (or parse) one shell command of the docs; fail naming it."""
+def run_command(argv: list[str], capsys, monkeypatch) -> None:
+    """Run (or parse) one shell command of the docs, under its `VAR=value` prefixes; fail naming it."""
     command = " ".join(argv)
-    while re.match(r"^\w+=", argv[0]):  # VAR=value prefixes
+    while re.match(r"^\w+=", argv[0]):
+        name, _, value = argv[0].partition("=")
+        monkeypatch.setenv(name, value)
         argv = argv[1:]
     argv = argv[:-1] if argv[-1] == "&" else argv
     for prefix, name in ALIASES.items():
@@ -199,6 +207,8 @@ def run_command(argv: list[str], capsys) -> None:
         assert eval_main(argv[1:]) == 0, (command, capsys.readouterr().err[-2000:])
         out = capsys.readouterr().out
         assert "samples in" in out and "finish reasons:" in out, out
+        if "--answer-field" in argv:
+            assert re.search(r"^accuracy \(.+\): \d\.\d{4} \(\d+/\d+; 95% interval", out, flags=re.M), out
         if "--compare-with-generate" in argv:  # the tiny model in fp32: every prompt as transformers' generate
             k = argv[argv.index("--compare-with-generate") + 1]
             assert f"{k}/{k} identical" in out, out
@@ -253,7 +263,7 @@ def test_page_blocks_run_as_written(page, worker, scratch, monkeypatch, capsys, 
         if shown_not_run(kind, item):
             continue
         if kind == "shell":
-            run_command(item, capsys)
+            run_command(item, capsys, monkeypatch)
         elif name := re.match(r"# (\w+)\.py\n", item):  # a file the page's commands use
             module = name.group(1)
             (scratch / f"{module}.py").write_text(item)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 
 from rollout.config import FieldError
 
@@ -253,5 +254,33 @@ def test_every_extra_named_installs_the_modules_it_is_checked_by():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for extra, modules in EXTRA_MODULES.items():
-        names = {requirement.split(">")[0].split("[")[0].split(";")[0].strip() for requirement in extras[extra]}
+        names = {Requirement(requirement).name for requirement in extras[extra]}  # the extras' module names
         assert set(modules) <= names, (extra, modules, names)
+
+
+def test_a_leftover_folder_is_not_an_installed_extra(monkeypatch, tmp_path):
+    """A bare folder of the module's name (what an uninstall can leave) would import as an empty namespace package."""
+    from rollout import extras
+
+    (tmp_path / "rollout_leftover_module").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(extras.EXTRA_MODULES, "leftover", ("rollout_leftover_module",))
+    with pytest.raises(extras.MissingExtra, match=r"^x needs rollout_leftover_module, which is not installed"):
+        extras.require_extra("leftover", "x")
+
+
+def test_an_ipv6_loopback_http_address_is_probed_as_ipv6():
+    """`--http [::1]:PORT` reaches the port check as `::1`, which an IPv4 probe could not bind."""
+    import argparse
+
+    from rollout.service.address_checks import check_bind
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback on this machine")
+        port = probe.getsockname()[1]
+    check_bind(argparse.ArgumentParser(), f"tcp://::1:{port}", flag="--http", shown=f"[::1]:{port}")  # no error

@@ -272,7 +272,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if getattr(args, "routing_replay", False):
             parser.error("--plot draws the step split of grpo-step: not with --routing-replay")
         try:
-            plots.check_plot_request(args.plot)
+            args.plot = plots.check_plot_request(args.plot)
         except (ValueError, ImportError) as error:  # a bad path, or matplotlib missing: one line, exit 2
             parser.error(str(error))
     if args.command == "grpo-step":
@@ -352,7 +352,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         summary = service.run(args.seed, args.path or "zmq")
     print(json.dumps(summary))
     if getattr(args, "plot", None) is not None:
-        written = plots.PLOTTERS[args.command](summary, args.plot)
+        try:
+            written = plots.PLOTTERS[args.command](summary, args.plot)
+        except Exception as error:  # noqa: BLE001 - the run is done and printed: one line, not a traceback
+            print(f"--plot {args.plot}: not written ({error!r}); the summary above is complete", file=sys.stderr)
+            raise SystemExit(1) from None
         print(f"plot: {written} ({written.stat().st_size / 1024:.0f} KB)", file=sys.stderr, flush=True)
     if args.command == "load" and not summary["passed"]:
         raise SystemExit(1)  # a group lost or duplicated, KV blocks left in use, or a fuzzed worker stopped serving

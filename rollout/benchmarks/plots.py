@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.extras import require_extra
+from rollout.extras import MissingExtra, require_extra
 
 FIGURE_SIZE_IN = (7.0, 4.0)
 DPI = 100  # 700 x 400 pixels: a few tens of KB
@@ -49,10 +49,16 @@ def check_plot_request(path: str) -> Path:
         The path.
     Raises:
         ValueError: the path cannot take a PNG (`check_output_path`).
-        MissingExtra: matplotlib is not installed (an ImportError naming `pip install 'rollout[docs]'`).
+        MissingExtra: matplotlib is not installed, or does not import (an ImportError naming
+            `pip install 'rollout[docs]'`).
     """
     target = check_output_path(path)
     require_extra("docs", "--plot")
+    try:  # installed is not enough: a broken install (a numpy it was not built for) must fail now, not after the run
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError as error:
+        raise MissingExtra(f"--plot: matplotlib does not import ({error}): pip install 'rollout[docs]'") from None
     return target
 
 
@@ -66,12 +72,14 @@ def check_output_path(path: str) -> Path:
     Raises:
         ValueError: not ending in .png, a folder, a folder that does not exist, or not writable.
     """
-    target = Path(path)
+    target = Path(path).expanduser()
     folder = target.parent
     if target.suffix.lower() != ".png":
         raise ValueError(f"--plot {path}: the plot is a PNG, give a path ending in .png")
     if target.is_dir():
         raise ValueError(f"--plot {path}: is a folder, give a file name ending in .png")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--plot {path}: {folder} is not a folder")
     if not folder.is_dir():
         raise ValueError(f"--plot {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):

@@ -20,7 +20,7 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
         parser: its `error` reports the problem (exit status 2).
         address: a ZeroMQ address (tcp://HOST:PORT for the HTTP and metrics servers too).
         flag: the flag that gave it, for the message.
-        shown: the flag's value as the user gave it (default: `address`).
+        shown: the flag's value as the user gave it, for the message of a port in use (default: `address`).
     """
     shown = address if shown is None else shown
     problem = check_address(address)
@@ -29,10 +29,11 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
     host, _, port = address.removeprefix("tcp://").rpartition(":")
     if not address.startswith("tcp://") or port == "*":
         return
-    probe = socket.socket(socket.AF_INET6 if host.startswith("[") else socket.AF_INET)
+    bare_host = host.strip("[]")
+    probe = socket.socket(socket.AF_INET6 if ":" in bare_host else socket.AF_INET)  # an IPv6 host has colons
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is no conflict
     try:
-        probe.bind(("" if host in ("*", "") else host.strip("[]"), int(port)))
+        probe.bind(("" if host in ("*", "") else bare_host, int(port)))
     except OSError as error:
         if error.errno == errno.EADDRINUSE:
             free = "tcp://HOST:* picks" if flag == "--bind" else "0 picks"
@@ -40,9 +41,9 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
                 f"{flag} {shown}: cannot bind, port {port} is already in use: stop what listens there or pick "
                 f"another port ({free} a free one)"
             )
-        parser.error(f"{flag} {shown}: cannot bind ({error.strerror or error})")
+        parser.error(f"{flag} {address}: cannot bind ({error.strerror or error})")
     except ValueError as error:
-        parser.error(f"{flag} {shown}: cannot bind ({error})")
+        parser.error(f"{flag} {address}: cannot bind ({error})")
     finally:
         probe.close()
 

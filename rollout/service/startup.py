@@ -18,6 +18,7 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.lora_weights import load_peft_dir
 from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.extras import MissingExtra, require_extra
 from rollout.hub import HubUnreachable
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.auth import WorkerAuth
@@ -159,6 +160,11 @@ def check_flags(
         parser.error(f"--model {args.model}: no such model directory")
     if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
         parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    if args.lora:
+        try:  # PEFT loads the adapter directories after the model: its absence is found now
+            require_extra("lora", f"--lora {args.lora[0]}")
+        except MissingExtra as error:
+            parser.error(str(error))
     try:
         config = _engine_config(args)
     except ValueError as error:

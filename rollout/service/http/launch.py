@@ -104,7 +104,9 @@ def start_http(
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")
-    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+    # The attribute prompts.py reads (not imported from there: it loads starlette, and this module loads without it).
+    no_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is None
+    if no_template and not args.trust_request_chat_template:
         logger.warning(
             "--http: the tokenizer of %s has no chat template, so /v1/chat/completions answers 400: pass --tokenizer "
             "naming one that has (the instruct model's), or send rendered prompts to /v1/completions",
