@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernel_compile_job  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
@@ -36,6 +38,31 @@ from rollout.engine.block_manager import BlockManager
 from rollout.engine.engine import Engine
 from rollout.engine.request import Request
 from rollout.engine.scheduler import Scheduler
+
+
+def _triton_interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run kernels here (None when it can, or when kernels run compiled). Triton
+    before 3.7 turns one-element arrays into ints in a way numpy 2.4 refuses (triton-lang/triton#9171): the GPU
+    image's Triton 3.6 beside its numpy 2.5 is such a pair."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        triton_version, numpy_version = importlib.metadata.version("triton"), importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if Version(triton_version) < Version("3.7") and Version(numpy_version) >= Version("2.4"):
+        return (
+            f"Triton {triton_version}'s interpreter breaks under numpy {numpy_version} (triton-lang/triton#9171, "
+            "fixed in Triton 3.7): these run compiled on a GPU, or in the interpreter with numpy<2.4"
+        )
+    return None
+
+
+# Tests that run Triton kernels in the interpreter on CPU: skipped, with the reason, where the interpreter is broken.
+TRITON_INTERPRETER_PROBLEM = _triton_interpreter_problem()
+needs_triton_interpreter = pytest.mark.skipif(
+    TRITON_INTERPRETER_PROBLEM is not None, reason=TRITON_INTERPRETER_PROBLEM or ""
+)
 
 VOCAB = 256
 _COMMON = dict(

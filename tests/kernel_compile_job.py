@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,19 +54,25 @@ class CompileJob:
         try:
             self.process.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self._kill()
         self.log.seek(0)
         assert self.process.returncode == 0, self.log.read()[-4000:]
         return json.loads(self.out.read_text())
 
     def close(self) -> None:
         """Stop the compile if it still runs, and remove its files."""
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        self._kill()
         self.log.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _kill(self) -> None:
+        """End the compile and its worker processes: they share its process group (its own session); killing the
+        compile alone would leave them compiling on, orphaned."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+        self.process.wait()
 
 
 def _lower_group_priority(pid: int) -> None:

@@ -50,12 +50,47 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     fidelity = report["logprob |rollout - teacher-forced| mean, fp32_logits"]
     floor = details["fp32_logits"]["floor_abs_diff_mean"]
     assert fidelity.value == details["fp32_logits"]["logprob_abs_diff_mean"] and fidelity.goal.target == floor
-    assert [f for f, row in report.items() if row.value is None] == [
-        "transformers_generate_batch tokens/s",
-        "rollout vs transformers generate_batch",
-        "overlap gain (rollout vs rollout_sequential)",
-        "peak memory",  # CUDA only
-    ]
+    assert [f for f, row in report.items() if row.value is None] == ["peak memory"]  # CUDA only
+
+
+def test_a_baseline_cut_short_reports_what_it_finished():
+    """transformers' `generate` stopped at a deadline (its own max_time) keeps each row's tokens so far, a prefix of
+    what it returns uncut; measured so, the run is reported cut short with its rate over those tokens, and
+    gpu-report gives the ratio against it no verdict. `generate_batch` past its deadline stops and returns its
+    finished requests only."""
+    import time
+
+    from rollout.benchmarks.systems import measure_system, run_transformers_generate
+    from rollout.benchmarks.workloads import WORKLOADS, make_workload
+
+    workload = WORKLOADS["cpu-small"]
+    model, prompts, max_new = make_workload(workload)
+    prompts, max_new = prompts[:4], max_new[:4]
+    _, full = run_transformers_generate(model, prompts, max_new, workload)
+    assert [len(tokens) for tokens in full] == max_new
+    _, cut = run_transformers_generate(model, prompts, max_new, workload, deadline=time.monotonic())  # 0.1 s left
+    assert 0 < sum(map(len, cut)) < sum(max_new)
+    assert all(tokens == whole[: len(tokens)] for tokens, whole in zip(cut, full))
+
+    for system in ("transformers_generate", "transformers_generate_batch"):
+        result = measure_system(system, "cpu-small", num_prompts=4, time_limit_s=0.01)  # past it before the run
+        cut_short = result["cut_short"]
+        assert cut_short["requests"] == 4 and cut_short["requested_tokens"] == sum(max_new)
+        assert cut_short["finished_requests"] < 4 and cut_short["tokens"] < sum(max_new)
+        assert (
+            abs(result["tokens_per_s"] - cut_short["tokens"] / result["seconds"]) < 0.1 + result["tokens_per_s"] / 100
+        )
+        summary = {"benchmark": "throughput", "workload": "nano", "results": {system: result}}
+        report = rows(
+            [
+                SectionResult("throughput", "t", "ok", 1.0, data={"results": {"rollout": {"tokens_per_s": 1e6}}}),
+                SectionResult("baseline-generate", "b", "ok", 1.0, data=summary),
+            ]
+        )
+        found = {row.figure: row for row in report if row.section == "baseline-generate"}
+        assert "CUT SHORT" in found[f"{system} tokens/s"].text
+        ratio = found[f"rollout vs {system}"]  # no verdict either way: over what it finished, or nothing finished
+        assert ratio.value is None and ("no verdict" in ratio.text) == (cut_short["tokens"] > 0)
 
 
 def test_grpo_benchmark_shares_each_groups_prompt(capsys):

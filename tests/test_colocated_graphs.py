@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import make_prompts, reference_copy
+from conftest import make_prompts, needs_triton_interpreter, reference_copy
 from rollout import ContinuousBatchingConfig, SamplingParams
 from rollout.service.presets import tiny_model
 from trainer_bridge import ColocatedEngine, PromptGroup
@@ -41,6 +41,7 @@ def _expected() -> list[list[int]]:
     return outputs
 
 
+@needs_triton_interpreter
 def test_graphs_are_kept_while_the_cache_comes_back_in_place_and_dropped_when_it_moved():
     engine, releases = _engine()
     expected = _expected()

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from test_parity import GREEDY, reference_greedy  # noqa: E402
 
-from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model  # noqa: E402
+from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
 from rollout.engine.attention_plan import plan_splits  # noqa: E402
 from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
@@ -58,6 +58,7 @@ def graph_engine(model, **config):
 
 # gemma2: sliding windows and soft-capping; with overlapped scheduling, so each step's input ids reach the graph's
 # buffer from the previous step's tokens on the device.
+@needs_triton_interpreter
 @pytest.mark.parametrize("kind, overlap", [("qwen3", False), ("gemma2", True)])
 def test_graph_decode_matches_generate(kind, overlap):
     """Seven sequences of different lengths and budgets, three more arriving mid-run into a cache too small to avoid
@@ -115,6 +116,7 @@ def test_padding_rows_point_at_the_scratch_block():
     assert attention_plan.query_start.tolist() == [0, 1, 2, 3, 4] and attention_plan.tile_seq.tolist() == [0, 1, 2, 3]
 
 
+@needs_triton_interpreter
 def test_graph_decode_with_groups_and_sampling_equals_eager():
     """Sampled groups (forked samples share blocks, copy-on-write of the last one) decode to the same tokens and
     logprobs through the graph path as through the eager path (randomness is keyed per sample and position)."""
@@ -128,8 +130,8 @@ def test_graph_decode_with_groups_and_sampling_equals_eager():
         model = tiny_model("qwen3").to(DEVICE)
         if use_graphs:
             engine, replays = graph_engine(model)
-        else:
-            engine = make_engine(model, **ENGINE)
+        else:  # eager on a GPU too, where graphs are the default
+            engine = make_engine(model, **ENGINE, use_cuda_graph=False)
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), prompt, sampling, n=3, max_new_tokens=budgets[index])
         outputs = run_to_completion(engine)
@@ -201,6 +203,7 @@ def test_compiled_decode_matches_generate():
     engine.close()
 
 
+@needs_triton_interpreter
 def test_graph_decode_serves_adapters_side_by_side():
     """The base, a LoRA adapter on every Linear and one that also trains the input embeddings whole
     (modules_to_save) decode in the same graph steps; each equals peft's generate. Replacing an adapter in place
@@ -256,6 +259,7 @@ def test_graph_decode_serves_adapters_side_by_side():
     engine.close()
 
 
+@needs_triton_interpreter
 def test_graph_decode_records_moe_routes():
     """An MoE model's decode steps through the graph path record each token's routes (the graphs are captured
     again once the route hooks arrive); they equal the router choices transformers reports for the same tokens."""

@@ -59,19 +59,35 @@ def test_without_test_sections_no_tests_folder_is_needed(monkeypatch):
     assert gpu_report.main(args, parser) == 2
 
 
-def test_every_section_is_a_valid_command_of_the_issue():
-    chosen = {s.name: s for s in gpu_report.sections(TESTS_DIR)}
+@pytest.mark.parametrize("workload", ["nano", "cpu-small"])
+def test_every_section_is_a_valid_command_of_the_issue(workload):
+    """Each section is a `rollout-bench` command of its own parser (or pytest on existing test files); cpu-small, the
+    rehearsal, runs the same commands on the CPU shapes."""
+    chosen = {s.name: s for s in gpu_report.sections(TESTS_DIR, workload=workload)}
     assert tuple(chosen) == gpu_report.SECTION_NAMES
     parser = cli.build_parser()
     bench = {name: parser.parse_args(list(s.argv[3:])) for name, s in chosen.items() if not s.tests}
-    assert bench["throughput"].workload == "nano" and bench["throughput"].details
-    assert bench["grpo"].device == "cuda" and not bench["grpo"].no_transformers
-    assert bench["grpo-step"].device == "cuda" and bench["grpo-step"].systems is None  # all four
-    nano = bench["grpo-step-nano"]
-    assert (nano.device, nano.model, nano.systems) == ("cuda", "nano", ["rollout_colocate"])
-    assert chosen["throughput"].budget_flag == "--time-budget"  # it shares its time out among its systems
+    device = "cuda" if workload == "nano" else "cpu"
+    for name, systems in (
+        ("throughput", ["rollout"]),
+        ("baseline-generate-batch", ["transformers_generate_batch"]),
+        ("baseline-generate", ["transformers_generate"]),
+        ("overlap", ["rollout_sequential"]),
+    ):
+        assert (bench[name].workload, bench[name].systems, bench[name].repeats) == (workload, systems, 1)
+        assert chosen[name].budget_flag == "--time-budget"  # each stops itself inside its share of the call
+    assert bench["throughput"].details and not bench["baseline-generate"].details
+    assert bench["grpo"].device == device and not bench["grpo"].no_transformers
+    assert bench["grpo-step"].device == device and bench["grpo-step"].systems is None  # all four
+    colocated = bench["grpo-step-nano"]
+    shape = ("nano", 3) if workload == "nano" else ("tiny", 1)
+    assert (colocated.device, colocated.systems, (colocated.model, colocated.steps)) == (
+        device,
+        ["rollout_colocate"],
+        shape,
+    )
     weights = bench["weights"]
-    assert (weights.device, weights.dtype, weights.size_mb) == ("cuda", "bfloat16", 1200)
+    assert (weights.device, weights.dtype, weights.size_mb) == (device, "bfloat16", 1200)
     assert weights.transports == ["frames", "shm"]
     for name in ("gpu-tests", "kernel-tests"):
         paths = [Path(a) for a in chosen[name].argv if a.startswith(str(TESTS_DIR))]
@@ -298,31 +314,48 @@ def test_rollout_bench_starts_without_the_service_dependencies():
     assert result.returncode == 0, result.stderr
 
 
-def test_the_plan_runs_every_section_once_in_calls_that_fit_the_device():
-    """`--plan`: each call's command is a valid gpu-report command of at most 2000 characters whose sections' time
-    fits a 9-minute call; the first call is the headline; later calls merge the earlier report."""
-    from rollout.benchmarks.gpu_plan import CALLS, MINUTES_PER_CALL, call_command, render_plan
+def test_the_plan_fits_the_window_by_its_own_json(capsys):
+    """`--plan --json`: one headline call of at most 490 s and one optional follow-up, both with their machine starts
+    inside the 900 s window; each command at most 2,000 characters, a valid gpu-report command whose sections run
+    in the order the issue gives (the report runs them in `sections()` order, so that order must agree)."""
+    from rollout.benchmarks.gpu_plan import WHEELS
 
-    ceilings = {s.name: s.timeout_s for s in gpu_report.sections(TESTS_DIR)}
-    assert sorted(name for call in CALLS for name in call.sections) == sorted(gpu_report.SECTION_NAMES)
-    assert set(CALLS[0].sections) == {"kernel-tests", "throughput", "grpo-step-nano"}
-    for number, call in enumerate(CALLS):
-        command = call_command(call, first=number == 0)
-        assert len(command) <= 2000
-        assert call.budget_s <= MINUTES_PER_CALL * 60 - 30  # the wheels' install and start-up fit in the rest
-        assert min(ceilings[name] for name in call.sections) <= call.budget_s
-        bench_argv = command.split("python3 -m rollout.benchmarks.cli ")[1].split()
-        args = cli.build_parser().parse_args([a.replace("$OUT", "/out") for a in bench_argv])
-        assert args.only == list(call.sections) and args.budget_s == call.budget_s
-        assert (args.merge == []) == (number == 0)
-    plan = render_plan()
-    assert plan.count("command: ") == len(CALLS) and "pip download" in plan
-
-
-def test_plan_needs_no_gpu(capsys):
-    parser, args = _parse(["gpu-report", "--plan"])
-    assert gpu_report.main(args, parser) == 0
-    assert "Call 1: the headline" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["gpu-report", "--plan", "--json"])
+    assert stop.value.code == 0
+    plan = json.loads(capsys.readouterr().out)
+    calls = plan["calls"]
+    assert (plan["device_budget_s"], plan["start_s"], len(calls)) == (900, 90, 2)
+    assert sum(call["timeout_s"] + plan["start_s"] for call in calls) <= plan["device_budget_s"]
+    assert calls[0]["timeout_s"] <= 490 and not calls[0]["optional"] and calls[1]["optional"]
+    assert calls[0]["sections"] == [
+        "throughput",
+        "baseline-generate-batch",
+        "baseline-generate",
+        "grpo-step-nano",
+        "kernel-tests",
+    ]
+    order = list(gpu_report.SECTION_NAMES)
+    parser = cli.build_parser()
+    for number, call in enumerate(calls):
+        assert len(call["command"]) <= 2000 and set(call) >= {"title", "timeout_s", "carry", "command"}
+        assert [order.index(name) for name in call["sections"]] == sorted(order.index(n) for n in call["sections"])
+        bench_argv = call["command"].split("python3 -m rollout.benchmarks.cli ")[1].split()
+        args = parser.parse_args([a.replace("$OUT", "/out") for a in bench_argv])
+        assert args.only == call["sections"] and args.budget_s == call["budget_s"] < call["timeout_s"]
+        assert args.workload == "nano" and (args.merge == []) == (number == 0)
+        assert call["command"].count("--target /tmp/site .whl/*.whl") == 1 and ".whl" in call["carry"]
+    assert ".gpu-report" in calls[1]["carry"] and "gpu_report.json" in calls[1]["before"]
+    # Every wheel the image lacks is fetched, xgrammar's pydantic with its own three among them.
+    download = plan["prepare"][1]
+    for wheel in ("pyzmq", "trl", "datasets", "xgrammar", "pydantic", "pydantic-core", "annotated-types"):
+        assert any(w.startswith(f"{wheel}==") for w in WHEELS) and f" {wheel}==" in download
+    # The rehearsal runs the first call's report command, on cpu-small, under a Python 3.12 with the image's versions.
+    rehearsal = plan["rehearsal"]
+    assert rehearsal[0].startswith("python3.12 -m venv")
+    assert all(f"{package}==" in rehearsal[1] for package in ("torch", "transformers", "triton", "numpy"))
+    first = calls[0]["command"].split("python3 -m rollout.benchmarks.cli ")[1]
+    assert rehearsal[-1].endswith(f"{first} --workload cpu-small")
 
 
 def test_a_budget_cuts_the_sections_and_the_report_keeps_what_finished(tmp_path):
@@ -355,9 +388,9 @@ def test_a_budget_cuts_the_sections_and_the_report_keeps_what_finished(tmp_path)
     with open(os.devnull, "w") as devnull:  # the next call (a fresh machine) runs weights again and keeps the rest
         assert gpu_report.run_report(weights, tmp_path / "second", other, devnull, merged=merged) == 0
     sections = json.loads((tmp_path / "second" / "gpu_report.json").read_text())["sections"]
-    assert list(sections) == ["throughput", "grpo", "weights"] and sections["weights"]["status"] == "ok"
+    assert list(sections) == ["throughput", "weights", "grpo"] and sections["weights"]["status"] == "ok"
     # Each figure says which machine it came from: merged sections keep their own.
-    assert [sections[name]["machine"]["gpu"] for name in sections] == ["test GPU", "test GPU", "other GPU"]
+    assert [sections[name]["machine"]["gpu"] for name in sections] == ["test GPU", "other GPU", "test GPU"]
     markdown = (tmp_path / "second" / "gpu_report.md").read_text()
     assert "| grpo | ok | 0 | test GPU, 2026-11-22 |" in markdown and "| weights | ok | 0 | other GPU" in markdown
 

@@ -13,7 +13,7 @@ from test_parity import GREEDY, reference_greedy
 from test_weight_updates import two_policies
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
+from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
 from rollout.engine.model_runner import UnresolvedTokens
 from rollout.engine.request import PLACEHOLDER_TOKEN
@@ -339,7 +339,7 @@ def test_launching_a_step_never_reads_the_device(monkeypatch, swap, workload, sa
     assert spy.calls == [] and python_reads == []
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=needs_triton_interpreter)])
 def test_device_tokens_replace_placeholders(graphs):
     """A decode whose input token is a placeholder reads it from the previous step's device tokens (eager and
     graph paths), giving the logits of the real token; a placeholder nothing covers is an error, not garbage."""

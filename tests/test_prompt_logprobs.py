@@ -8,7 +8,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import MODEL_CONFIGS, VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
+from conftest import (
+    MODEL_CONFIGS,
+    VOCAB,
+    make_engine,
+    make_prompts,
+    needs_triton_interpreter,
+    reference_copy,
+    run_to_completion,
+    tiny_model,
+)
 from rollout.benchmarks.fidelity import fidelity_against_floor, mean_entropy, scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine import model_runner, prompt_logprobs
@@ -261,6 +270,7 @@ def record(plan, planned: list[int]):
     return plan
 
 
+@needs_triton_interpreter
 def test_decode_graphs_serve_the_decodes_around_scoring_steps(qwen3):
     """With decode graphs (persistent buffers; captured on CUDA, eager on CPU), a scoring request's prefill steps run
     eagerly while other samples' decode steps keep replaying the graphs, and its scores are unchanged."""

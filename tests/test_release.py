@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import needs_triton_interpreter, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
 from rollout.engine.engine import Engine
 from rollout.engine.kv_cache import PagedKVCache
@@ -93,6 +93,7 @@ def test_engine_close_frees_the_cache_while_the_engine_is_still_held(watched):
     assert engine_garbage() == [], engine_garbage.__name__
 
 
+@needs_triton_interpreter
 def test_decode_graphs_are_freed_by_close(watched):
     """The graphs' buffers (on CUDA their memory pool) go with close, with no cycle through the runner."""
     model = tiny_model()

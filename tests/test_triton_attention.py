@@ -8,6 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from conftest import needs_triton_interpreter  # noqa: E402
 from rollout.engine.attention_plan import Tiling, plan, plan_splits  # noqa: E402
 from rollout.engine.triton_attention import paged_attention  # noqa: E402
 
@@ -80,6 +81,7 @@ KERNEL_CASES = [
 ]
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("name, window, softcap, tiling", KERNEL_CASES)
 def test_kernel_matches_reference(name, window, softcap, tiling):
     contexts, query_lens, heads, kv_heads, head_dim = CASES[name]
@@ -95,6 +97,7 @@ def test_kernel_matches_reference(name, window, softcap, tiling):
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("tiling", sorted(TILINGS))
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("window", [None, 40])
@@ -112,6 +115,7 @@ def test_split_k_matches_reference(splits, window, tiling):
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@needs_triton_interpreter
 def test_bf16_within_bf16_tolerance():
     contexts, query_lens = [20, 0], [1, 30]
     query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 4, 2, 64, 16, torch.bfloat16)
@@ -129,6 +133,7 @@ def test_small_block_size_is_refused():
         paged_attention(query, key_cache, value_cache, attention_plan, 0.25)
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("kind", ["qwen3", "mistral_sliding", "gemma2"])
 def test_engine_with_triton_backend_matches_generate(kind):
     """The whole engine on the Triton kernel (chunked prefill, decode, a shared group prefix): greedy tokens equal

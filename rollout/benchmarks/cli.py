@@ -8,7 +8,6 @@ import math
 import signal
 import sys
 import threading
-from typing import Any
 
 from rollout.benchmarks import (
     agentic,
@@ -27,6 +26,7 @@ from rollout.benchmarks import (
     weights,
     workloads,
 )
+from rollout.benchmarks.sections import interrupt_on_signals
 from rollout.extras import require_extra
 from rollout.service.presets import MODEL_DTYPES
 
@@ -230,23 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _terminate(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `rollout-bench` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if threading.current_thread() is not threading.main_thread():
         return _run(args, parser)
-    # SIGTERM (a timeout, a section killed by gpu-report) unwinds like Ctrl-C: the systems' own process groups are
-    # killed on the way out, never left running. The caller's handler comes back afterwards.
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM (a timeout, a section killed by gpu-report) and SIGINT unwind alike: the systems' and sections' own
+    # process groups are killed on the way out, never left running. The caller's handlers come back afterwards.
+    previous = interrupt_on_signals()
     try:
         return _run(args, parser)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

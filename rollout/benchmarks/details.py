@@ -156,9 +156,9 @@ def measure_details(
         key = "fp32_logits" if fp32_logits else "default"
         stage(f"details: logprob fidelity, {key}, {count} requests at {details['entropy_nats']} nats")
         lengths = [min(m, 256) for m in max_new[:count]]
-        _, logprobs, tokens = instrumented_run(
-            model, prompts[:count], lengths, chosen.cache_config(), fp32_logits, warm=False
-        )
+        # As many sequences as it runs: its engine captures the decode graphs of those batch sizes only.
+        narrow = {**chosen.cache_config(), "max_num_seqs": count}
+        _, logprobs, tokens = instrumented_run(model, prompts[:count], lengths, narrow, fp32_logits, warm=False)
         found = fidelity_against_floor(model, prompts[:count], tokens, logprobs, fp32_logits)
         details[key] = {
             "logprob_abs_diff_mean": found["rollout"]["mean"],

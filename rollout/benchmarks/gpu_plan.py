@@ -1,108 +1,208 @@
-"""`rollout-bench gpu-report --plan`: the device calls that produce the whole GPU report when GPU time comes in calls
-of at most 10 minutes, each on a machine started fresh (nothing installed, nothing kept from the call before).
+"""`rollout-bench gpu-report --plan`: the device calls that produce the GPU report when GPU time comes in one window of
+15 minutes in all (each machine start about 90 s of it), at most 10 minutes and 2,000 characters per command, on a
+machine that starts bare (nothing installed, nothing kept from a call before).
 
-Each call runs some of gpu-report's sections under a budget of seconds (`--budget-s`: a section gets at most what is
-left, and the report is written after every section, so a call cut short keeps what finished). The first call alone
-gives the headline (nano throughput of rollout, rollout_sequential and transformers' generate_batch, the decode
-roofline fraction, bf16 logprob fidelity against the trainer's floor, the kernel tests, a colocated GRPO step on the
-Qwen3-0.6B architecture); each later call takes the earlier calls' gpu_report.json in (`--merge`) and extends the
-same report.
+The first call alone gives the headline, printed and written as each section finishes, in this order: rollout's nano
+throughput (tokens/s, the decode roofline fraction, bf16 logprob fidelity against the trainer's floor); transformers'
+`generate_batch` on the same workload under a budget of its own, then its `generate` with what is left (a baseline
+cut short says so, with what it finished); a colocated GRPO step at nano shape; the kernel tests last. The optional
+follow-up merges the first call's gpu_report.json and measures what the CPU cannot: weight pushes into a GPU worker
+and the GPU tests (graph capture and replay). Both together, machine starts included, fit `DEVICE_BUDGET_S`.
+
+The GPU image has Python 3.12, torch 2.11, transformers 5.17 and Triton 3.6, and lacks the wheels in `WHEELS`. The
+rehearsal (`rehearsal_commands`) runs the first call's command on the cpu-small workload in a Python 3.12 virtualenv
+with the image's versions, on a CPU, before any GPU second is spent.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-# Wheels a GPU image with torch, transformers, Triton and accelerate lacks (trainer_bridge's TRL integration, the
-# worker's sockets), downloaded where pip reaches PyPI, for the image's Python 3.12 on x86-64.
+DEVICE_BUDGET_S = 900  # the whole window: every call and every machine start
+START_S = 90  # one machine start (a fresh machine for each call: the first one is given back, or idles out)
+COMMAND_CHARS = 2000  # the device tool's limit on one command
+SETUP_S = 35  # of a call's timeout: installing the wheels, nvidia-smi, Python's start and the last report's write
+
+# Wheels the GPU image lacks (the worker's sockets, TRL and its datasets, xgrammar and its pydantic), for its Python
+# 3.12 on x86-64. pydantic 2.12 (not newer): it needs typing-extensions>=4.14.1, which torch's image already has.
 WHEELS = (
     "pyzmq==27.3.0",
     "trl==1.16.0",
     "datasets==4.8.4",
     "dill==0.4.1",
     "multiprocess==0.70.19",
-    "xgrammar==0.2.8",  # structured outputs (the section "structured")
+    "xgrammar==0.2.8",
     "apache-tvm-ffi==0.1.15.post2",  # xgrammar's
+    "pydantic==2.12.5",  # xgrammar's, with the three below
+    "pydantic-core==2.41.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
 )
 WHEEL_DIR = ".whl"
-EARLIER_DIR = ".gpu-report"  # where the earlier calls' gpu_report.json is put before a later call (carried)
-MINUTES_PER_CALL = 9  # of the 10 a call may take: installing the wheels and starting Python fit in the rest
+EARLIER_DIR = ".gpu-report"  # where the first call's gpu_report.json is put before the follow-up (carried)
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# What the GPU image holds (its pip list), installed in the rehearsal's virtualenv; PyPI's torch wheel runs on a CPU.
+IMAGE_PACKAGES = (
+    "torch==2.11.0",
+    "transformers==5.17.0",
+    "triton==3.6.0",
+    "numpy==2.5.2",
+    "accelerate==1.15.0",
+    "safetensors==0.8.0",
+    "huggingface_hub==1.33.0",
+    "peft",
+    "msgpack",
+    "xxhash",
+    "prometheus-client",
+    "tqdm",
+    "pytest",
+    "pytest-timeout",
+    "hypothesis",
+    "pandas",
+    "pyarrow",
+    "fsspec<=2026.2.0",
+    "psutil",
+    "pyyaml",
+    "requests",
+    "httpx",
+    "jinja2",
+)
+REHEARSAL_VENV = "/tmp/rollout-gpu-rehearsal"
 
 
 @dataclass(frozen=True)
 class DeviceCall:
-    """One call of the device: which sections, and the seconds they may take together."""
+    """One call of the device: its sections, in the order they run, and the seconds the call may take."""
 
     title: str
     sections: tuple[str, ...]
-    budget_s: int
+    timeout_s: int  # the device call's timeout_s
+    optional: bool = False
+
+    @property
+    def budget_s(self) -> int:
+        """Seconds the sections share (`gpu-report --budget-s`): the call's timeout less the set-up around them."""
+        return self.timeout_s - SETUP_S
 
 
-CALLS = (
-    DeviceCall("the headline", ("kernel-tests", "throughput", "grpo-step-nano"), 500),
-    DeviceCall(
-        "GPU tests, structured outputs, GRPO groups and weight pushes",
-        ("gpu-tests", "structured", "grpo", "weights"),
-        500,
-    ),
-    DeviceCall(
-        "whole GRPO steps of the main job; current vs previous GPU paths", ("grpo-step", "throughput-previous"), 500
-    ),
+FIRST_CALL = DeviceCall(
+    "the headline",
+    ("throughput", "baseline-generate-batch", "baseline-generate", "grpo-step-nano", "kernel-tests"),
+    490,
 )
+FOLLOW_UP = DeviceCall(
+    "weight pushes and the GPU tests (graph capture and replay)",
+    ("weights", "gpu-tests"),
+    DEVICE_BUDGET_S - 2 * START_S - FIRST_CALL.timeout_s,
+    optional=True,
+)
+CALLS = (FIRST_CALL, FOLLOW_UP)
 
 
 def download_command() -> str:
     """The pip command (run here, where PyPI is reachable) that fetches the wheels every call carries."""
-    platforms = " ".join(
-        f"--platform {tag}"
-        for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-    )
+    platforms = " ".join(f"--platform {tag}" for tag in PLATFORMS)
     return (
         f"python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp {platforms} "
         f"-d {WHEEL_DIR} {' '.join(WHEELS)}"
     )
 
 
-def call_command(call: DeviceCall, first: bool) -> str:
-    """The shell command of one call, run from the checkout's root on the device ($OUT: what comes back)."""
-    install = (
-        f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
+def install_command(python: str = "python3") -> str:
+    """Install the carried wheels beside the image's packages, and put them and the checkout on the path."""
+    return (
+        f"{python} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
         f"{WHEEL_DIR}/*.whl && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1"
     )
+
+
+def report_command(call: DeviceCall, first: bool, python: str = "python3", workload: str | None = None) -> str:
+    """The gpu-report command line of one call (`workload`: the rehearsal's cpu-small instead of the GPU's nano)."""
     merge = "" if first else f" --merge {EARLIER_DIR}/gpu_report.json"
-    report = (
-        f"python3 -m rollout.benchmarks.cli gpu-report --only {' '.join(call.sections)} --budget-s {call.budget_s} "
-        f"--out $OUT/gpu-report{merge}"
+    rehearse = f" --workload {workload}" if workload else ""
+    return (
+        f"{python} -m rollout.benchmarks.cli gpu-report --only {' '.join(call.sections)} --budget-s {call.budget_s} "
+        f"--out $OUT/gpu-report{merge}{rehearse}"
     )
-    return f"{install}; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; {report}"
 
 
-def render_plan() -> str:
-    """The plan as text: the one-time download, then each call's carry list, command and what to do with its files."""
-    lines = [
-        f"rollout GPU report in {len(CALLS)} device calls of at most {MINUTES_PER_CALL} minutes each, every call on "
-        "a fresh machine (H100 or H200, the image's torch, transformers and Triton).",
-        "",
-        "Once, here (PyPI reachable), in the checkout's root: ignore and fetch the wheels the GPU image lacks",
-        f"  echo /{WHEEL_DIR}/ >> .git/info/exclude; echo /{EARLIER_DIR}/ >> .git/info/exclude",
-        f"  {download_command()}",
+def call_command(call: DeviceCall, first: bool) -> str:
+    """The shell command of one call, run from the checkout's root on the device ($OUT: what comes back)."""
+    gpu = "nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv"
+    return f"{install_command()}; {gpu}; {report_command(call, first)}"
+
+
+def rehearsal_commands() -> list[str]:
+    """The rehearsal, run here on a CPU from the checkout's root: a Python 3.12 virtualenv with the GPU image's
+    versions, the carried wheels installed as on the device, and the first call's command on the cpu-small workload
+    (everything but the GPU: the same code paths, imports and flags)."""
+    python = f"{REHEARSAL_VENV}/bin/python3"
+    return [
+        f"python3.12 -m venv {REHEARSAL_VENV}",
+        f"{python} -m pip install -q {' '.join(repr(p) if '<' in p else p for p in IMAGE_PACKAGES)}",
+        "export OUT=$(mktemp -d)",
+        f"{install_command(python)}; {report_command(FIRST_CALL, True, python, 'cpu-small')}",
     ]
+
+
+def plan() -> dict:
+    """The plan as one JSON-able object: the window, the preparation here, the rehearsal, and each call."""
+    calls = []
     for number, call in enumerate(CALLS, 1):
         first = number == 1
-        carry = [WHEEL_DIR] if first else [WHEEL_DIR, EARLIER_DIR]
+        calls.append(
+            {
+                "title": call.title,
+                "optional": call.optional,
+                "timeout_s": call.timeout_s,
+                "budget_s": call.budget_s,
+                "sections": list(call.sections),
+                "carry": [WHEEL_DIR] if first else [WHEEL_DIR, EARLIER_DIR],
+                "before": None
+                if first
+                else f"mkdir -p {EARLIER_DIR} && cp FILES_AT/gpu-report/gpu_report.json {EARLIER_DIR}/ (FILES_AT: where "
+                "the first call's files came back)",
+                "command": call_command(call, first),
+            }
+        )
+    return {
+        "device_budget_s": DEVICE_BUDGET_S,
+        "start_s": START_S,
+        "total_s": sum(call["timeout_s"] + START_S for call in calls),
+        "prepare": [
+            f"echo /{WHEEL_DIR}/ >> .git/info/exclude; echo /{EARLIER_DIR}/ >> .git/info/exclude",
+            download_command(),
+        ],
+        "rehearsal": rehearsal_commands(),
+        "calls": calls,
+    }
+
+
+def render_plan(as_json: bool = False) -> str:
+    """The plan as text (or, `as_json`, as one JSON object): the one-time preparation, the rehearsal, each call."""
+    found = plan()
+    if as_json:
+        return json.dumps(found, indent=2)
+    lines = [
+        f"rollout GPU report: {len(CALLS)} device calls, {found['total_s']} s of the {DEVICE_BUDGET_S} s window with "
+        f"a {START_S} s machine start each (the second is optional; give the machine back after each).",
+        "",
+        "Once, here (PyPI reachable), in the checkout's root: ignore and fetch the wheels the GPU image lacks",
+        *(f"  {line}" for line in found["prepare"]),
+        "",
+        "Rehearse here, on a CPU, before spending GPU time (the image's Python and versions; cpu-small workload):",
+        *(f"  {line}" for line in found["rehearsal"]),
+    ]
+    for number, call in enumerate(found["calls"], 1):
+        lines += ["", f"Call {number}{' (optional)' if call['optional'] else ''}: {call['title']}"]
+        lines.append(f"  sections, in order: {', '.join(call['sections'])} (at most {call['budget_s']} s together)")
+        if call["before"]:
+            lines.append(f"  before: {call['before']}")
         lines += [
-            "",
-            f"Call {number}: {call.title} ({', '.join(call.sections)}; at most {call.budget_s} s of sections)",
-        ]
-        if not first:
-            lines.append(
-                f"  before: copy call {number - 1}'s gpu-report/gpu_report.json (from what came back) to "
-                f"{EARLIER_DIR}/gpu_report.json"
-            )
-        lines += [
-            f"  carry: {carry}",
-            f"  timeout_s: {MINUTES_PER_CALL * 60 + 60}",
-            f"  command: {call_command(call, first)}",
-            "  after: gpu-report/gpu_report.md is the report so far; gpu_report.json feeds the next call",
+            f"  carry: {call['carry']}",
+            f"  timeout_s: {call['timeout_s']}",
+            f"  command: {call['command']}",
+            "  after: gpu-report/gpu_report.md is the report so far, gpu_report.json feeds the next call",
         ]
     return "\n".join(lines)

@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -41,14 +40,54 @@ from rollout.benchmarks.report import SectionResult, goals, render_markdown
 from rollout.benchmarks.sections import Section, run_section
 
 
-def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
-    """The report's sections, in the order they run. Timeouts are ceilings well above what each should take on an
-    H100, so a hang is reported rather than waited out; `--only` splits a run across several shorter calls
-    (`--plan` prints them) and `--budget-s` caps a whole call."""
+def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:
+    """The report's sections, in the order they run: the headline first (`gpu_plan.FIRST_CALL`). Timeouts are
+    ceilings well above what each should take on an H200, so a hang is reported rather than waited out; `--only`
+    splits a run across calls (`--plan` prints them) and `--budget-s` caps a whole call.
+
+    Args:
+        tests_dir: the checkout's tests folder (the test sections).
+        python: the interpreter every section runs with.
+        workload: "nano" on a GPU; "cpu-small" rehearses the same sections on a CPU (`gpu_plan.rehearsal_commands`).
+    """
     bench = (python, "-m", "rollout.benchmarks.cli")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    rehearsal = workload != "nano"
+    device = "cpu" if rehearsal else "cuda"
+    throughput = (*bench, "throughput", "--workload", workload, "--repeats", "1", "--systems")
+    colocated = ("--model", "tiny", "--steps", "1") if rehearsal else ("--model", "nano", "--steps", "3")
     return [
-        Section("gpu-tests", "GPU tests (tests/gpu)", (*pytest, "-m", "gpu", str(tests_dir / "gpu")), 150, tests=True),
+        Section(
+            "throughput",
+            f"{workload} workload: rollout, decode roofline, bf16 logprob fidelity",
+            (*throughput, "rollout", "--details"),
+            240,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+        ),
+        Section(
+            "baseline-generate-batch",
+            f"{workload} workload: transformers' generate_batch",
+            (*throughput, "transformers_generate_batch"),
+            150,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+        ),
+        Section(
+            "baseline-generate",
+            f"{workload} workload: transformers' generate (one static batch)",
+            (*throughput, "transformers_generate"),
+            90,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+        ),
+        Section(
+            "grpo-step-nano",
+            "a colocated GRPO step, Qwen3-0.6B architecture" + (" (tiny model: rehearsal)" if rehearsal else ""),
+            (*bench, "grpo-step", "--device", device, "--systems", "rollout_colocate", *colocated),
+            150,
+            benchmark="grpo-step",
+        ),
         Section(
             "kernel-tests",
             "Triton kernels and CUDA graphs, compiled",
@@ -57,43 +96,34 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
             tests=True,
         ),
         Section(
-            "throughput",
-            "nano workload",
-            (*bench, "throughput", "--workload", "nano", "--details", "--repeats", "1"),
-            330,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-        ),
-        Section(
-            "grpo-step-nano",
-            "colocated GRPO steps, Qwen3-0.6B architecture",
-            (
-                *bench,
-                "grpo-step",
-                "--device",
-                "cuda",
-                "--model",
-                "nano",
-                "--systems",
-                "rollout_colocate",
-                "--steps",
-                "3",
-            ),
+            "weights",
+            "weights into a GPU worker",
+            (*bench, "weights", "--device", device, "--dtype", "bfloat16", "--size-mb", "1200")
+            + ("--transports", "frames", "shm", "--repeats", "3"),
             150,
-            benchmark="grpo-step",
+            benchmark="weights",
         ),
-        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", "cuda"), 200, benchmark="grpo"),
+        Section("gpu-tests", "GPU tests (tests/gpu)", (*pytest, "-m", "gpu", str(tests_dir / "gpu")), 150, tests=True),
+        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", device), 200, benchmark="grpo"),
         Section(
             "grpo-step",
             "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
-            (*bench, "grpo-step", "--device", "cuda"),
+            (*bench, "grpo-step", "--device", device),
             300,
             benchmark="grpo-step",
         ),
         Section(
+            "overlap",
+            f"{workload} workload: rollout with overlapped scheduling off",
+            (*throughput, "rollout_sequential"),
+            150,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+        ),
+        Section(
             "throughput-previous",
-            "nano workload: current vs previous GPU paths",
-            (*bench, "throughput", "--workload", "nano", "--systems", "rollout", "rollout_previous", "--repeats", "1"),
+            f"{workload} workload: current vs previous GPU paths",
+            (*throughput, "rollout", "rollout_previous"),
             200,
             benchmark="throughput",
             budget_flag="--time-budget",
@@ -101,17 +131,9 @@ def sections(tests_dir: Path, python: str = sys.executable) -> list[Section]:
         Section(
             "structured",
             "structured outputs: host time at 64/256 constrained rows, compile, nano throughput constrained vs not",
-            (*bench, "structured", "--device", "cuda"),
+            (*bench, "structured", "--device", device),
             240,
             benchmark="structured",
-        ),
-        Section(
-            "weights",
-            "weights into a GPU worker",
-            (*bench, "weights", "--device", "cuda", "--dtype", "bfloat16", "--size-mb", "1200")
-            + ("--transports", "frames", "shm", "--repeats", "3"),
-            150,
-            benchmark="weights",
         ),
     ]
 
@@ -153,7 +175,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help="print the device calls (each under 9 minutes on a fresh H100) that produce the whole report, and exit",
+        help="print the device calls that produce the report inside a 15-minute GPU window (the headline in one call "
+        "of at most 490 s, then an optional follow-up), the wheels to fetch first and the CPU rehearsal, and exit",
+    )
+    parser.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
+    parser.add_argument(
+        "--workload",
+        choices=("nano", "cpu-small"),
+        default="nano",
+        help="nano (default): the GPU report; cpu-small: rehearse the same sections on a CPU, no GPU needed (the "
+        "plan's rehearsal runs the first call's command so)",
     )
     parser.add_argument(
         "--fresh",
@@ -169,8 +200,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.plan:
         from rollout.benchmarks.gpu_plan import render_plan
 
-        print(render_plan())
+        print(render_plan(as_json=args.json))
         return 0
+    if args.json:
+        parser.error("gpu-report: --json goes with --plan (the report itself is always written as gpu_report.json)")
     if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
         parser.error(f"gpu-report: --budget-s must be a number > 0, got {args.budget_s}")
     earlier: dict[str, SectionResult] = {}
@@ -181,7 +214,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         earlier.update(found)
     chosen = [
         s
-        for s in sections(args.tests_dir)
+        for s in sections(args.tests_dir, workload=args.workload)
         if (args.only is None or s.name in args.only) and s.name not in (args.skip or ())
     ]
     if not chosen:
@@ -195,7 +228,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"gpu-report: --out {args.out} exists and is not a folder")
     import torch
 
-    if not torch.cuda.is_available():
+    rehearsal = args.workload != "nano"
+    if not rehearsal and not torch.cuda.is_available():
         built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         print(
             f"rollout-bench gpu-report needs a CUDA GPU, and torch {torch.__version__} ({built}) sees none; "
@@ -203,14 +237,11 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             file=sys.stderr,
         )
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)  # a terminated report still kills its section and writes the report
+    # A terminated or interrupted report still kills its section's process group and writes the report: the
+    # rollout-bench entry point turns SIGINT and SIGTERM into KeyboardInterrupt (sections.interrupt_on_signals).
     return run_report(
-        chosen, args.out, environment(), keep_earlier=not args.fresh, budget_s=args.budget_s, merged=earlier
+        chosen, args.out, environment(rehearsal), keep_earlier=not args.fresh, budget_s=args.budget_s, merged=earlier
     )
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_report(
@@ -308,8 +339,12 @@ def _earlier_results(path: Path) -> dict[str, SectionResult]:
     return found
 
 
-def environment() -> dict[str, Any]:
-    """The GPU, its driver, the library versions, the date and the checkout's commit."""
+def environment(rehearsal: bool = False) -> dict[str, Any]:
+    """The GPU, its driver, the library versions, the date and the checkout's commit.
+
+    Args:
+        rehearsal: a CPU rehearsal (`--workload cpu-small`): no GPU to name.
+    """
     import torch
     import transformers
 
@@ -319,12 +354,17 @@ def environment() -> dict[str, Any]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    properties = torch.cuda.get_device_properties(0)
+    if rehearsal:
+        gpu, memory, driver = "none (CPU rehearsal)", None, None
+    else:
+        properties = torch.cuda.get_device_properties(0)
+        gpu, memory = properties.name, round(properties.total_memory / 2**30, 1)
+        driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "gpu": properties.name,
-        "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
-        "driver": _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        "gpu": gpu,
+        "gpu_memory_gib": memory,
+        "driver": driver,
         "cuda": torch.version.cuda,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -113,16 +113,17 @@ def _model(shape: str, device: str) -> Any:
     """The policy: the main job's tiny model, or the Qwen3-0.6B architecture (random weights; the tiny tokenizer
     still writes the prompts, and completion ids past its vocabulary decode to nothing)."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import Qwen3Config
 
-    from rollout.benchmarks.workloads import QWEN3_0_6B
+    from rollout.benchmarks.workloads import QWEN3_0_6B, build_model
     from rollout.service.presets import tiny_model
 
     if shape not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; one of {list(MODEL_SHAPES)}")
     torch.manual_seed(0)
-    model = tiny_model(0) if shape == "tiny" else AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_0_6B))
-    return model.to(device)
+    if shape == "tiny":
+        return tiny_model(0).to(device)
+    return build_model(Qwen3Config(**QWEN3_0_6B), device, torch.float32)  # fp32 master weights, bf16 autocast
 
 
 def measure_system(

@@ -51,7 +51,8 @@ def run_system(
         log_dir: where the child's whole output is kept as <benchmark>-<system>.log (default: a temporary folder).
     Returns:
         {"system": system, "status": "ok", **the measure function's result}, or {"system", "status": "failed" |
-        "timeout" | "interrupted", "seconds", "error": the end of its output} when it did not finish.
+        "timeout" | "interrupted", "seconds", "error": the end of its output} when it did not finish; either with
+        "measured": `benchmark`.
     """
     argv = (sys.executable, "-m", "rollout.benchmarks.isolated", benchmark, system, json.dumps(options))
     section = Section(re.sub(r"[^A-Za-z0-9._-]", "_", f"{benchmark}-{system}"), system, argv, timeout_s)
@@ -65,6 +66,7 @@ def run_system(
         error = result.error or "it printed no result"
         line = {"system": system, "status": result.status if not result.ok else "failed"}
         line.update(seconds=round(result.seconds, 1), error=error[-ERROR_CHARS:])
+    line["measured"] = benchmark  # a section killed later keeps this line by it (sections.py)
     print(json.dumps(line), flush=True)
     return line
 

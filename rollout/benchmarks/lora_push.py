@@ -47,7 +47,7 @@ def run(megabytes: float, rank: int, repeats: int, device: str = "cpu", dtype: s
     place = torch.device(device)
     if place.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {device}: no CUDA device is available")
-    base = sized_model(megabytes, seed=0, dtype=MODEL_DTYPES[dtype]).to(place)
+    base = sized_model(megabytes, seed=0, dtype=MODEL_DTYPES[dtype], device=place)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(base, config).eval()
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -94,66 +94,95 @@ def _tests_rows(result: SectionResult) -> list[Row]:
     return [Row(result.name, result.title, counts["failed"] + counts["errors"], text, Goal("<=", 0, " failures"))]
 
 
-def _throughput_rows(result: SectionResult) -> list[Row]:
+# Goals on an H200, nano workload (side by side in one run): rollout's tokens/s, and its ratio to each baseline.
+ROLLOUT_TOKENS_PER_S_GOAL = Goal(">=", 15000)
+BASELINE_GOALS = {"transformers_generate_batch": Goal(">=", 5.0, "x"), "rollout_sequential": Goal(">=", 1.1, "x")}
+
+
+def _system_rows(name: str, data: dict, system: str, rollout: Any, nano: bool) -> list[Row]:
+    """A system's tokens/s and, beside rollout's (`rollout`: its tokens/s, maybe from another section), the ratio.
+    A baseline cut short at its time limit shows its rate over what it finished, and no verdict on the ratio."""
+    line = _mapping(_get(data, "results", system))
+    goal = ROLLOUT_TOKENS_PER_S_GOAL if system == "rollout" and nano else None
+    tokens = _number(name, f"{system} tokens/s", line.get("tokens_per_s"), ",.0f", goal)
+    cut = _mapping(line.get("cut_short"))
+    if cut and tokens.value is not None:
+        tokens = Row(
+            name,
+            tokens.figure,
+            tokens.value,
+            f"{tokens.text} (CUT SHORT after {line.get('seconds')} s: {cut.get('finished_requests')} of "
+            f"{cut.get('requests')} requests finished, {cut.get('tokens')} of {cut.get('requested_tokens')} tokens)",
+        )
+    if system == "rollout":
+        return [tokens]
+    ratio = rollout / tokens.value if _positive(rollout, tokens.value) else None
+    figure = f"rollout vs {system}"
+    goal = BASELINE_GOALS.get(system) if nano else None
+    if cut and ratio is not None:
+        return [tokens, Row(name, figure, None, f"{ratio:.2f}x over what the baseline finished: no verdict", goal)]
+    return [tokens, _number(name, figure, ratio, ".2f", goal, "x")]
+
+
+def _throughput_rows(result: SectionResult, report: dict[str, SectionResult]) -> list[Row]:
     data, name = result.data, result.name
+    nano = _workload(data) == "nano"
+    rollout = _get(data, "results", "rollout", "tokens_per_s")
     rows = []
-    for system in (
-        "rollout",
-        "rollout_sequential",
-        "rollout_previous",
-        "transformers_generate_batch",
-        "transformers_generate",
-    ):
-        if system in _mapping(_get(data, "results")) or system in ("rollout", "transformers_generate_batch"):
-            goal = Goal(">=", 12000) if system == "rollout" and data.get("workload") == "nano" else None
-            rows.append(
-                _number(name, f"{system} tokens/s", _get(data, "results", system, "tokens_per_s"), ",.0f", goal)
-            )
-    rows += [
+    for system in ("rollout", *(s for s in _mapping(_get(data, "results")) if s != "rollout")):
+        rows += _system_rows(name, data, system, rollout, nano)
+    return rows + _details_rows(name, _mapping(_get(data, "details")))
+
+
+def _baseline_rows(result: SectionResult, report: dict[str, SectionResult]) -> list[Row]:
+    """A baseline's section (or the overlap one): its system against rollout's tokens/s from the throughput
+    section."""
+    data, name = result.data, result.name
+    throughput = report.get("throughput")
+    rollout = _get(throughput.data, "results", "rollout", "tokens_per_s") if throughput else None
+    nano = _workload(data) == "nano"
+    systems = [s for s in _mapping(_get(data, "results")) if s != "rollout"] or [BASELINE_SYSTEMS[name]]
+    return [row for system in systems for row in _system_rows(name, data, system, rollout, nano)]
+
+
+def _workload(data: dict) -> str | None:
+    """A throughput summary's workload; a partial one (its section cut short) has it in its systems' lines."""
+    lines = _mapping(_get(data, "results")).values()
+    return data.get("workload") or next((line.get("workload") for line in lines if isinstance(line, dict)), None)
+
+
+# Each baseline section's system (its figures are "not measured" when the section produced none).
+BASELINE_SYSTEMS = {
+    "baseline-generate-batch": "transformers_generate_batch",
+    "baseline-generate": "transformers_generate",
+    "overlap": "rollout_sequential",
+}
+
+
+def _details_rows(name: str, details: dict) -> list[Row]:
+    rows = [
+        _number(name, "decode roofline fraction", details.get("decode_roofline_fraction"), ".3f", Goal(">=", 0.5)),
+        _number(name, "device copy bandwidth", details.get("device_bandwidth_gb_per_s"), ".0f", unit=" GB/s"),
+        _number(name, "median decode step", details.get("median_decode_step_ms"), ".2f", unit=" ms"),
+        _number(name, "peak memory", details.get("peak_memory_gib"), ".2f", unit=" GiB"),
         _number(
-            name,
-            "rollout vs transformers generate_batch",
-            _get(data, "speedup_vs_transformers_generate_batch"),
-            ".2f",
-            Goal(">=", 5.0, "x"),
-            "x",
-        ),
-        _number(
-            name,
-            "overlap gain (rollout vs rollout_sequential)",
-            _get(data, "speedup_vs_rollout_sequential"),
-            ".2f",
-            Goal(">=", 1.1, "x"),
-            "x",
-        ),
-        _number(
-            name, "decode roofline fraction", _get(data, "details", "decode_roofline_fraction"), ".3f", Goal(">=", 0.5)
-        ),
-        _number(name, "device copy bandwidth", _get(data, "details", "device_bandwidth_gb_per_s"), ".0f", unit=" GB/s"),
-        _number(name, "median decode step", _get(data, "details", "median_decode_step_ms"), ".2f", unit=" ms"),
-        _number(name, "peak memory", _get(data, "details", "peak_memory_gib"), ".2f", unit=" GiB"),
-        _number(
-            name,
-            "engine host time per step, 64 running",
-            _get(data, "details", "host_ms_per_step", "64"),
-            ".3f",
-            unit=" ms",
+            name, "engine host time per step, 64 running", _get(details, "host_ms_per_step", "64"), ".3f", unit=" ms"
         ),
         _number(
             name,
             "engine host time per step, 256 running",
-            _get(data, "details", "host_ms_per_step", "256"),
+            _get(details, "host_ms_per_step", "256"),
             ".3f",
             Goal("<=", 1.0, " ms"),
             " ms",
         ),
+        _number(name, "logprob fidelity model's mean entropy", details.get("entropy_nats"), ".2f"),
     ]
-    rows.append(_number(name, "logprob fidelity model's mean entropy", _get(data, "details", "entropy_nats"), ".2f"))
     for mode in ("default", "fp32_logits"):
         for stat in ("mean", "p99"):
-            floor = _get(data, "details", mode, f"floor_abs_diff_{stat}")
+            floor = _get(details, mode, f"floor_abs_diff_{stat}")
             rows.append(_number(name, f"trainer's own floor (padded vs one sequence) {stat}, {mode}", floor, ".2e"))
-            value = _get(data, "details", mode, f"logprob_abs_diff_{stat}")
+            value = _get(details, mode, f"logprob_abs_diff_{stat}")
             goal = Goal("<=", floor) if isinstance(floor, (int, float)) else None
             rows.append(_number(name, f"logprob |rollout - teacher-forced| {stat}, {mode}", value, ".2e", goal))
     return rows
@@ -289,25 +318,35 @@ def _push_seconds(size: Any, gb_per_s: Any) -> float | None:
     return size / 1e9 / gb_per_s if _positive(size, gb_per_s) else None
 
 
-ROWS: dict[str, Callable[[SectionResult], list[Row]]] = {
-    "gpu-tests": _tests_rows,
-    "kernel-tests": _tests_rows,
+def _alone(rows_of: Callable[[SectionResult], list[Row]]) -> Callable[[SectionResult, dict], list[Row]]:
+    """Rows that need only their own section's figures."""
+    return lambda result, report: rows_of(result)
+
+
+# Section -> its rows, given its result and the whole report by section (a ratio may take a figure of another).
+ROWS: dict[str, Callable[[SectionResult, dict[str, SectionResult]], list[Row]]] = {
+    "gpu-tests": _alone(_tests_rows),
+    "kernel-tests": _alone(_tests_rows),
     "throughput": _throughput_rows,
-    "grpo": _grpo_rows,
-    "grpo-step": _grpo_step_rows,
-    "grpo-step-nano": _grpo_step_nano_rows,
-    "throughput-previous": _previous_rows,
-    "weights": _weights_rows,
-    "structured": _structured_rows,
+    "baseline-generate-batch": _baseline_rows,
+    "baseline-generate": _baseline_rows,
+    "overlap": _baseline_rows,
+    "grpo": _alone(_grpo_rows),
+    "grpo-step": _alone(_grpo_step_rows),
+    "grpo-step-nano": _alone(_grpo_step_nano_rows),
+    "throughput-previous": _alone(_previous_rows),
+    "weights": _alone(_weights_rows),
+    "structured": _alone(_structured_rows),
 }
 
 
 def rows(results: list[SectionResult]) -> list[Row]:
     """Every row of the table, section by section, in the order the sections ran."""
     table = []
+    report = {result.name: result for result in results}
     for result in results:
         try:
-            table += ROWS[result.name](result)
+            table += ROWS[result.name](result, report)
         except Exception as error:  # noqa: BLE001 - one odd summary must not lose the whole report
             table.append(Row(result.name, "figures", None, f"unreadable summary ({type(error).__name__}: {error})"))
     return table

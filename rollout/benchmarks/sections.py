@@ -7,11 +7,13 @@ report gets a `SectionResult` and nothing the section started outlives it.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,6 +25,8 @@ from typing import Any, TextIO
 
 from rollout.benchmarks.report import SectionResult
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent thread ends
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
 SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
 READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
@@ -65,6 +69,7 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
         junit = Path(scratch) / "junit.xml"
         argv = [*section.argv, f"--junitxml={junit}"] if section.tests else list(section.argv)
         lines: deque[str] = deque(maxlen=SEARCHED_LINES)
+        systems: dict[str, dict[str, Any]] = {}  # each system's own result line (isolated.run_system), as it came
         start = time.monotonic()
         with open(out / f"{section.name}.log", "w", encoding="utf-8") as log:
             try:
@@ -76,10 +81,13 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
                     errors="replace",  # one undecodable byte must not stop the draining of the pipe
                     env=env,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as error:
                 return SectionResult(section.name, section.title, "failed", 0.0, error=f"cannot start: {error}")
-            reader = threading.Thread(target=_tee, args=(process, section.name, log, stream, lines), daemon=True)
+            reader = threading.Thread(
+                target=_tee, args=(process, section.name, log, stream, lines, systems), daemon=True
+            )
             reader.start()
             timed_out = False
             try:
@@ -97,16 +105,51 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
             tail += "\n[gpu-report: the section's output stayed open after it ended; stopped reading it]\n"
         if timed_out:
             error = f"killed after {section.timeout_s:.0f} s\n{tail}"
-            return SectionResult(section.name, section.title, "timeout", seconds, error=error)
+            return SectionResult(section.name, section.title, "timeout", seconds, _finished(section, systems), error)
         if section.tests:
             return _tests_result(section, seconds, returncode, junit, tail)  # before the scratch folder goes
-        return _bench_result(section, seconds, returncode, list(lines), tail)
+        return _bench_result(section, seconds, returncode, list(lines), tail, systems)
 
 
-def _tee(process: subprocess.Popen, name: str, log: TextIO, stream: TextIO, lines: deque[str]) -> None:
-    """Drain the section's output to the log and the console until the pipe closes, whatever the console does."""
+def _die_with_parent() -> None:
+    """In the section's process, before it starts its program: have Linux kill it (SIGKILL) when the thread that
+    started it ends, so that it cannot outlive a parent killed outright (SIGKILL, or a device's time limit) in its
+    own session, where no signal to the parent's group reaches it. A no-op elsewhere."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def interrupt_on_signals() -> dict[int, Any]:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt in this (main) thread, so that whatever runs sections unwinds
+    and kills their process groups (`run_section`'s `finally`). SIGINT too: a shell starts background jobs with it
+    ignored, and Python then never raises KeyboardInterrupt by itself.
+
+    Returns:
+        The handlers replaced, by signal number (for the caller to put back).
+    """
+    return {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _tee(
+    process: subprocess.Popen,
+    name: str,
+    log: TextIO,
+    stream: TextIO,
+    lines: deque[str],
+    systems: dict[str, dict[str, Any]],
+) -> None:
+    """Drain the section's output to the log and the console until the pipe closes, whatever the console does;
+    keep each system's result line (`{"system": ..., "status": ...}`) in `systems`."""
     for line in process.stdout:
         lines.append(line)
+        if line.startswith('{"system": '):
+            found = _json_object(line)
+            if found is not None and isinstance(found.get("system"), str) and "status" in found:
+                systems[f"{found.get('measured')}:{found['system']}"] = found
         for target, text in ((log, line), (stream, f"  {name} | {line}")):
             try:
                 target.write(text)
@@ -130,7 +173,29 @@ def _kill_group(process: subprocess.Popen) -> None:
                 pass
 
 
-def _bench_result(section: Section, seconds: float, returncode: int, lines: list[str], tail: str) -> SectionResult:
+def _finished(section: Section, systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What a section that did not finish had measured, as a partial summary: its systems' result lines (and
+    throughput's `details`), keyed by `{measured}:{system}` in `systems`."""
+    if section.tests or not systems:
+        return {}
+    found: dict[str, Any] = {"benchmark": section.benchmark, "partial": True, "results": {}}
+    for key, line in systems.items():
+        measured, system = key.split(":", 1)
+        if measured == "details":
+            found["details"] = line
+        elif measured == section.benchmark:
+            found["results"][system] = line
+    return found
+
+
+def _bench_result(
+    section: Section,
+    seconds: float,
+    returncode: int,
+    lines: list[str],
+    tail: str,
+    systems: dict[str, dict[str, Any]] | None = None,
+) -> SectionResult:
     data = _last_json(lines)
     problem = None
     if returncode != 0:
@@ -140,23 +205,29 @@ def _bench_result(section: Section, seconds: float, returncode: int, lines: list
     elif section.benchmark is not None and data.get("benchmark") != section.benchmark:
         problem = f"its JSON summary is not a {section.benchmark!r} benchmark's"
     if problem:
-        return SectionResult(
-            section.name, section.title, "failed", seconds, data=data or {}, error=f"{problem}\n{tail}"
-        )
+        data = data if data and data.get("benchmark") else _finished(section, systems or {})
+        return SectionResult(section.name, section.title, "failed", seconds, data=data, error=f"{problem}\n{tail}")
     return SectionResult(section.name, section.title, "ok", seconds, data=data)
 
 
 def _last_json(lines: list[str]) -> dict[str, Any] | None:
     """The last line that is a JSON object (exit-time warnings may follow it)."""
     for line in reversed(lines):
-        if line.lstrip().startswith("{"):
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(data, dict):
-                return data
+        data = _json_object(line)
+        if data is not None:
+            return data
     return None
+
+
+def _json_object(line: str) -> dict[str, Any] | None:
+    """The line as a JSON object, or None when it is not one."""
+    if not line.lstrip().startswith("{"):
+        return None
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _tests_result(section: Section, seconds: float, returncode: int, junit: Path, tail: str) -> SectionResult:

@@ -116,9 +116,15 @@ def run_rollout_lora4(model, prompts, max_new, workload: Workload, warmup: bool 
     return run_rollout(model, prompts, max_new, workload, warmup, adapters=4)
 
 
-def run_transformers_generate_batch(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
+def run_transformers_generate_batch(
+    model, prompts, max_new, workload: Workload, deadline: float | None = None
+) -> tuple[float, list[list[int]]]:
     """transformers' continuous batching manager, each request with its own max_new_tokens, with our cache size in
-    bytes (as many pages of our block size), token budget and batch width."""
+    bytes (as many pages of our block size), token budget and batch width.
+
+    Args:
+        deadline: a `time.monotonic()` at which to stop (cut short): requests not finished by then come back empty.
+    """
     from transformers import ContinuousBatchingConfig as TransformersConfig
     from transformers import GenerationConfig
 
@@ -142,34 +148,42 @@ def run_transformers_generate_batch(model, prompts, max_new, workload: Workload)
         for index, (prompt, count) in enumerate(zip(prompts, max_new)):
             manager.add_request(prompt, request_id=f"req_{index}", max_new_tokens=count)
         results = {}
-        deadline = time.monotonic() + 600
-        while len(results) < len(prompts):
+        stalled_at = time.monotonic() + 600
+        while len(results) < len(prompts) and (deadline is None or time.monotonic() < deadline):
             # Short polls: a generation thread that died (an error inside transformers) is reported at once rather
             # than waited on; a live one that stops producing is given 600 s.
             output = manager.get_result(timeout=1)
             if output is None:
                 if not manager.is_running():
                     raise RuntimeError("transformers' generation thread stopped (see its log above) before finishing")
-                if time.monotonic() > deadline:
+                if time.monotonic() > stalled_at:
                     raise RuntimeError("transformers generate_batch produced no result within 600 s")
                 continue
-            deadline = time.monotonic() + 600
+            stalled_at = time.monotonic() + 600
             if output.is_finished():
                 results[output.request_id] = output.generated_tokens
+        sync(workload.device)
+        elapsed = time.perf_counter() - start  # before the stop: a cut run is timed up to its deadline
     finally:
         manager.stop(block=True)
-    sync(workload.device)
-    elapsed = time.perf_counter() - start
-    return elapsed, [results[f"req_{i}"] for i in range(len(prompts))]
+    return elapsed, [results.get(f"req_{i}", []) for i in range(len(prompts))]
 
 
-def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tuple[float, list[list[int]]]:
-    """transformers' `generate` on one left-padded static batch up to the longest max_new_tokens."""
+def run_transformers_generate(
+    model, prompts, max_new, workload: Workload, deadline: float | None = None
+) -> tuple[float, list[list[int]]]:
+    """transformers' `generate` on one left-padded static batch up to the longest max_new_tokens.
+
+    Args:
+        deadline: a `time.monotonic()` at which to stop (its `max_time`): every row then has the tokens decoded so
+            far, up to its own max_new_tokens.
+    """
     width = max(len(p) for p in prompts)
     pad = 0
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=workload.device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=workload.device)
     longest = max(max_new)
+    limit = {} if deadline is None else {"max_time": max(0.1, deadline - time.monotonic())}
     sync(workload.device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -181,6 +195,7 @@ def run_transformers_generate(model, prompts, max_new, workload: Workload) -> tu
             do_sample=False,
             pad_token_id=pad,
             eos_token_id=None,
+            **limit,
         )
     sync(workload.device)
     elapsed = time.perf_counter() - start
@@ -215,6 +230,10 @@ def run_rollout_previous(model, prompts, max_new, workload: Workload, warmup: bo
     return run_rollout(model, prompts, max_new, workload, warmup, previous_paths=tuple(PREVIOUS_PATHS))
 
 
+# Systems that stop at a deadline and return what they finished (a baseline cut short reports that; rollout's own
+# systems are not cut: past their time limit they are a timeout).
+STOP_AT_DEADLINE = ("transformers_generate_batch", "transformers_generate")
+
 SYSTEMS = {
     "rollout": run_rollout,
     "rollout_sequential": run_rollout_sequential,
@@ -247,7 +266,13 @@ def token_digest(tokens: list[int]) -> str:
 
 
 def measure_system(
-    system: str, workload: str, seed: int = 0, repeats: int = 1, warmup: bool = True, num_prompts: int | None = None
+    system: str,
+    workload: str,
+    seed: int = 0,
+    repeats: int = 1,
+    warmup: bool = True,
+    num_prompts: int | None = None,
+    time_limit_s: float | None = None,
 ) -> dict[str, Any]:
     """Warm `system` up, then time it on the workload (`isolated.py` runs this in a process of its own).
 
@@ -258,10 +283,14 @@ def measure_system(
         repeats: timed runs; the median is reported.
         warmup: run the warm-up first (off: first-call costs are timed).
         num_prompts: run the workload's first requests only.
+        time_limit_s: seconds this call may take in all: a system of `STOP_AT_DEADLINE` stops its timed run there
+            and reports what it finished (`cut_short`); None: no limit.
     Returns:
-        tokens_per_s, seconds (median), runs_s, warmup_s, kv_budget_bytes, peak_memory_gib (CUDA) and a digest of
-        each completion.
+        tokens_per_s, seconds (median), runs_s, warmup_s, kv_budget_bytes, peak_memory_gib (CUDA), a digest of each
+        completion, and for a run cut short `cut_short`: the requests it finished of those it was given, and the
+        tokens counted (every request's own tokens up to its max_new_tokens) of those requested.
     """
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     chosen = WORKLOADS[workload]
     logging.getLogger("transformers").setLevel(logging.ERROR)
     stage(f"{system}: building the {workload} model and prompts")
@@ -274,24 +303,39 @@ def measure_system(
     warmup_s = time.perf_counter() - started
     if chosen.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    limit = {"deadline": deadline} if deadline is not None and system in STOP_AT_DEADLINE else {}
+    times, cut_short = [], None
     for repeat in range(repeats):
         stage(f"{system}: run {repeat + 1} of {repeats}, {len(prompts)} prompts, {sum(max_new)} tokens")
-        elapsed, tokens = SYSTEMS[system](model, prompts, max_new, chosen)
+        elapsed, tokens = SYSTEMS[system](model, prompts, max_new, chosen, **limit)
+        lengths = [min(len(t), m) for t, m in zip(tokens, max_new)]
+        if lengths != max_new:
+            if not limit or time.monotonic() < deadline:
+                raise RuntimeError(f"{system} did not produce the requested lengths")
+            cut_short = {
+                "finished_requests": sum(n == m for n, m in zip(lengths, max_new)),
+                "requests": len(prompts),
+                "tokens": sum(lengths),
+                "requested_tokens": sum(max_new),
+            }
+            stage(f"{system}: cut short at its deadline after {elapsed:.2f} s: {cut_short}")
+            times = [elapsed]  # the cut run alone is reported: its rate is over what it finished
+            break
         stage(f"{system}: {elapsed:.2f} s")
-        if [len(t) for t in tokens] != max_new:
-            raise RuntimeError(f"{system} did not produce the requested lengths")
         times.append(elapsed)
     release_cached_engine(model)
     seconds = statistics.median(times)
+    counted = cut_short["tokens"] if cut_short else sum(max_new)
     peak = torch.cuda.max_memory_allocated() / GIB if chosen.device == "cuda" else None
     return {
+        "workload": workload,
         "generated_tokens": sum(max_new),
-        "tokens_per_s": round(sum(max_new) / seconds, 1),
+        "tokens_per_s": round(counted / seconds, 1),
         "seconds": round(seconds, 3),
         "runs_s": [round(t, 3) for t in times],
         "warmup_s": round(warmup_s, 1),
         "kv_budget_bytes": chosen.kv_budget_bytes(),
         "peak_memory_gib": None if peak is None else round(peak, 2),
+        "cut_short": cut_short,
         "token_digests": [token_digest(t) for t in tokens],
     }

@@ -16,7 +16,11 @@ import torch
 
 from rollout.benchmarks.isolated import run_system
 from rollout.benchmarks.progress import stage
+from rollout.benchmarks.systems import STOP_AT_DEADLINE
 from rollout.benchmarks.workloads import WORKLOADS
+
+# Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
+STOP_MARGIN_S = 15.0
 
 
 def run(
@@ -62,7 +66,10 @@ def run(
         return timeout if deadline is None else max(1.0, min(timeout, (deadline - time.monotonic()) / runs_left))
 
     for index, name in enumerate(names):
-        result = run_system("throughput", name, options, share(len(names) - index + int(details)))
+        limit = share(len(names) - index + int(details))
+        # A baseline stops itself a little before its process is killed, to report what it finished (`cut_short`).
+        stop_at = {"time_limit_s": max(1.0, limit - STOP_MARGIN_S)} if name in STOP_AT_DEADLINE else {}
+        result = run_system("throughput", name, {**options, **stop_at}, limit)
         digests = result.pop("token_digests", None)
         if digests is not None:
             reference = reference or digests
@@ -110,6 +117,12 @@ def _print_table(summary: dict) -> None:
             f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>12}{same:>13}"
             f"{result['warmup_s']:>11.1f}"
         )
+        cut = result.get("cut_short")
+        if cut:
+            print(
+                f"  {name} was CUT SHORT at its time limit: {cut['finished_requests']} of {cut['requests']} requests "
+                f"finished, {cut['tokens']} of {cut['requested_tokens']} tokens counted in {result['seconds']:.1f} s"
+            )
     details = summary.get("details")
     if details and details["status"] != "ok":
         print(f"details: {details['status'].upper()} after {details['seconds']:.0f} s (see its output above)")

@@ -49,7 +49,7 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
         HubUnreachable (a ValueError): a hub id this machine can neither download nor find in its cache.
         ValueError / OSError: what `from_pretrained` raises.
     """
-    preset = model_from_preset(name, dtype=dtype or torch.float32)
+    preset = model_from_preset(name, dtype=dtype or torch.float32, device=device)
     if preset is not None:
         return preset.to(device)
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,9 @@ def is_preset(name: str) -> bool:
     return name in ("tiny", "tiny-moe", "tiny-agent") or name.startswith("sized:")
 
 
-def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel | None:
+def model_from_preset(
+    name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel | None:
     """The preset model `name` (one of `PRESETS`), or None when `name` is not a preset.
 
     Args:
@@ -24,6 +26,8 @@ def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float
             "sized:<MB>".
         seed: weight initialisation seed of the random presets.
         dtype: parameter dtype.
+        device: where "sized:<MB>" is built (a large random model: on a GPU in well under a second); the small
+            presets are built on the CPU, so that they are the same weights in every process, and moved.
     Raises:
         ValueError: a malformed "sized:" size.
     """
@@ -38,7 +42,7 @@ def model_from_preset(name: str, seed: int = 0, dtype: torch.dtype = torch.float
             megabytes = float(name.removeprefix("sized:"))
         except ValueError:
             raise ValueError(f"--model {name}: expected sized:<megabytes>, e.g. sized:512") from None
-        return sized_model(megabytes, seed, dtype)
+        return sized_model(megabytes, seed, dtype, device)
     return None
 
 

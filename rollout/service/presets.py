@@ -97,7 +97,9 @@ def tiny_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrai
     return random_model(config, seed, dtype)
 
 
-def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def sized_model(
+    megabytes: float, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
     """A random Qwen3-style model with about `megabytes` MB (1e6 bytes) of weights: as many 1024-wide layers as it
     takes (at least one), on the tiny vocabulary. For weight-transfer benchmarks (`rollout-worker --model sized:512`).
 
@@ -105,6 +107,8 @@ def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.floa
         megabytes: target size of the weights in `dtype`.
         seed: weight initialisation seed.
         dtype: parameter dtype.
+        device: where the weights are built and live (a GPU fills a gigabyte in well under a second, a CPU takes
+            tens of seconds); the same seed gives the same weights on the same kind of device only.
     """
     if not megabytes > 0:
         raise ValueError(f"megabytes must be > 0, got {megabytes!r}")
@@ -119,10 +123,10 @@ def sized_model(megabytes: float, seed: int = 0, dtype: torch.dtype = torch.floa
     config = Qwen3Config(
         **{**TINY_MODEL_CONFIG, **SIZED_LAYER_CONFIG, "num_hidden_layers": layers, "tie_word_embeddings": False}
     )
-    return random_model(config, seed, dtype)
+    return random_model(config, seed, dtype, device)
 
 
-def random_model(config: Any, seed: int, dtype: torch.dtype) -> PreTrainedModel:
+def random_model(config: Any, seed: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> PreTrainedModel:
     """A random causal LM of a transformers `config` on the tiny tokenizer's special tokens, the same for the same
     seed (the caller's RNG left as it was), in eval mode.
 
@@ -130,13 +134,14 @@ def random_model(config: Any, seed: int, dtype: torch.dtype) -> PreTrainedModel:
         config: the model's transformers config (its vocabulary within the tiny tokenizer's).
         seed: weight initialisation seed.
         dtype: parameter dtype.
+        device: where the weights are built (and stay).
     """
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(generator_state)  # building a preset leaves the caller's RNG alone
+    device = torch.device(device)
+    # Building a preset leaves the caller's RNG alone: the CPU's, and the GPU's it draws from.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tokenizer = tiny_tokenizer()
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(model.config, name, getattr(tokenizer, name))
