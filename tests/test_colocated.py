@@ -256,13 +256,15 @@ FSDP2_CHILD = textwrap.dedent(
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     gathers = [0]
-    all_gather = dist.all_gather_single  # what FSDP2 gathers with
+    # What FSDP2 gathers with: all_gather_single in torch 2.13, all_gather_into_tensor before it.
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    all_gather = getattr(dist, gather_name)
 
     def counted(*args, **kwargs):
         gathers[0] += 1
         return all_gather(*args, **kwargs)
 
-    dist.all_gather_single = counted
+    setattr(dist, gather_name, counted)
     with ColocatedEngine(model, config) as engine:
         sharded = [c.token_ids for c in engine.generate(groups)[0].completions]
     round_gathers = gathers[0]

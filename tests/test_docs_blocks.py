@@ -82,8 +82,10 @@ SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
     ),
     "echo /.whl/ >> .git/info/exclude": ("preparing wheels for a GPU machine", None, None),
     "python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform "
-    "manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pyzmq==27.3.0 trl==1.16.0 datasets==4.8.4 "
-    "dill==0.4.1 multiprocess==0.70.19 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2": (
+    "manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform "
+    "manylinux2014_x86_64 -d .whl pyzmq==27.3.0 trl==1.16.0 datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 "
+    "xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.8.0 "
+    "typing-inspection==0.4.5": (
         "fetching wheels for a GPU machine (needs the package index)",
         None,
         None,

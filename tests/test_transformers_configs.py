@@ -22,6 +22,7 @@ from rollout.transformers_configs import (
     _SAME_CONCEPT,
     engine_config,
     from_transformers,
+    page_size_field,
 )
 
 TransformersConfig = transformers.ContinuousBatchingConfig
@@ -31,7 +32,8 @@ def test_every_transformers_field_has_a_decision():
     """A field of the installed transformers that this mapping does not name would only pass at its default; listing
     them all here makes a new transformers field a visible decision."""
     known = {"page_size", "block_size", *_SAME_CONCEPT, *_INFERRED_WHEN_NONE, *_CONVERTERS, *_ACCEPTED_VALUES}
-    assert {f.name for f in dataclasses.fields(TransformersConfig)} == known
+    # Decisions for fields of other releases may be listed too (page_size was block_size before transformers 5.2x).
+    assert {f.name for f in dataclasses.fields(TransformersConfig)} - known == set()
     rollout_fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     assert set(_SAME_CONCEPT.values()) | set(_INFERRED_WHEN_NONE.values()) <= rollout_fields
 
@@ -42,7 +44,7 @@ def test_generate_batch_takes_transformers_config_and_matches_generate():
     model = tiny_model("qwen3")
     reference = reference_copy(model)
     prompts = make_prompts(5, 3, 20, seed=4)
-    config = TransformersConfig(page_size=8, num_blocks=96, max_batch_tokens=40, max_requests_per_batch=3)
+    config = TransformersConfig(**{page_size_field(): 8}, num_blocks=96, max_batch_tokens=40, max_requests_per_batch=3)
     config.return_logprobs = True
     with init_continuous_batching(model, continuous_batching_config=config) as manager:
         converted = manager.config
@@ -106,6 +108,8 @@ def test_renamed_and_converted_fields():
     ],
 )
 def test_values_rollout_cannot_honour_are_refused_by_name(field, value):
+    if field not in {f.name for f in dataclasses.fields(TransformersConfig)}:
+        pytest.skip(f"needs a newer transformers: {field} is not a field of transformers {transformers.__version__}")
     config = TransformersConfig()
     setattr(config, field, value)  # after __post_init__, which may reject or normalise some of these itself
     with pytest.raises(FieldError) as raised:
@@ -149,7 +153,7 @@ def test_config_seed_makes_unseeded_sampling_repeat():
     ours = dict(num_blocks=64, block_size=4)
     first = run(ContinuousBatchingConfig(**ours, seed=7))
     assert run(ContinuousBatchingConfig(**ours, seed=7)) == first
-    assert run(TransformersConfig(page_size=4, num_blocks=64, seed=7)) == first
+    assert run(TransformersConfig(**{page_size_field(): 4}, num_blocks=64, seed=7)) == first
     assert run(ContinuousBatchingConfig(**ours, seed=8)) != first
     with pytest.raises(FieldError, match="seed"):
         ContinuousBatchingConfig(seed=1.5)

@@ -62,6 +62,7 @@ import rollout
 from conftest import make_prompts, tiny_model
 from rollout import FieldError, SamplingParams
 from rollout.engine.attention import ATTENTION_NAME
+from rollout.transformers_configs import page_size_field
 
 # adapted: no tokenizer / chat template offline: the three user messages become random prompts of chat-like length.
 _DEFAULT_PROMPTS = make_prompts(3, 16, 40, seed=7)
@@ -80,6 +81,9 @@ COMPILE = (
     "default_compile_level>0 compiles transformers' varlen forward; rollout refuses it by name (docs/guides/generation.md: varlen "
     "compilation is not honoured), checked in test_continuous_batching_config_combinations_with_compile"
 )
+
+# The page size's name in the installed transformers (page_size; block_size before 5.2x): these tests run on both.
+PAGE_SIZE = page_size_field()
 
 
 # ---------------------------------------------------------------------------------------------------------------- #
@@ -391,7 +395,7 @@ def test_streaming_output_after_soft_reset_does_not_shorten_generation():
     model = cb(load_model("qwen3"))
     reference = load_model("qwen3")
     prompts = make_prompts(4, 10, 14, seed=3)
-    config = ContinuousBatchingConfig(num_blocks=12, page_size=4, allow_block_sharing=False)
+    config = ContinuousBatchingConfig(num_blocks=12, **{PAGE_SIZE: 4}, allow_block_sharing=False)
     with model.continuous_batching_context_manager(
         generation_config=GenerationConfig(do_sample=False), continuous_batching_config=config
     ) as manager:
@@ -854,7 +858,7 @@ def test_continuous_batching_few_blocks(no_leaked_blocks, held_back):
     # rollout's counterparts: a preemption (the `preemptions` of stats()), or, as its admission keeps the running
     # requests' growth free, requests held waiting while others run; either shows the cache was too small.
     continuous_batching_config = ContinuousBatchingConfig(
-        use_cuda_graph=False, allow_block_sharing=True, use_async_batching=False, num_blocks=4, page_size=32
+        use_cuda_graph=False, allow_block_sharing=True, use_async_batching=False, num_blocks=4, **{PAGE_SIZE: 32}
     )
     _test_continuous_batching_parity(
         "llama", continuous_batching_config, "sdpa", max_new_tokens=30, num_repeat_prompts=4
@@ -947,7 +951,7 @@ def _test_block_sharing(kind: str, hybrid: bool, input_ids: list[int]) -> None:
 
     cb_context_manager = model.continuous_batching_context_manager(
         generation_config=model.generation_config,
-        continuous_batching_config=ContinuousBatchingConfig(page_size=32),
+        continuous_batching_config=ContinuousBatchingConfig(**{PAGE_SIZE: 32}),
     )
     with cb_context_manager as manager:
         assert 33 <= len(input_ids) < 64
@@ -1229,7 +1233,7 @@ def _offloading_config(use_async_batching: bool, cpu_offload_space: float) -> Co
         allow_block_sharing=True,
         use_async_batching=use_async_batching,
         num_blocks=4,
-        page_size=32,
+        **{PAGE_SIZE: 32},
         cpu_offload_space=cpu_offload_space,
     )
 
