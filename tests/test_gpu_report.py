@@ -42,6 +42,8 @@ def test_without_a_gpu_it_stops_at_once_and_runs_nothing(tmp_path, capsys):
         (["--only", "nano"], "invalid choice: 'nano'"),
         (["--skip", *gpu_report.SECTION_NAMES], "leaves no section to run"),
         (["--tests-dir", "/nonexistent"], "--tests-dir /nonexistent has no gpu/ folder"),
+        (["--json"], "--json goes with --plan"),
+        (["--workload", "cpu-bf16"], "invalid choice: 'cpu-bf16'"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, message, capsys):
@@ -403,3 +405,43 @@ def test_merge_refuses_what_is_not_a_report(tmp_path, capsys):
         )
         gpu_report.main(args, parser)
     assert "not an earlier call's gpu_report.json" in capsys.readouterr().err
+
+
+def test_a_section_cut_short_keeps_the_systems_it_finished_and_ratios_cross_sections(tmp_path):
+    """The headline's sections are separate processes: a throughput section killed at its limit after its rollout
+    system finished keeps that system's line (what `isolated.run_system` printed), and each baseline's ratio is
+    taken against it; a baseline cut short at its own deadline gets its rate and no verdict on the ratio."""
+    rollout = {"system": "rollout", "workload": "nano", "tokens_per_s": 20000.0, "status": "ok"}
+    details = {"system": "rollout", "status": "ok", "decode_roofline_fraction": 0.6}
+    hang = (
+        f"import json, time; print(json.dumps({{**{rollout!r}, 'measured': 'throughput'}}), flush=True); "
+        f"print(json.dumps({{**{details!r}, 'measured': 'details'}}), flush=True); time.sleep(600)"
+    )
+
+    def baseline(system: str, tokens_per_s: float, cut: dict | None) -> str:
+        line = {"system": system, "status": "ok", "tokens_per_s": tokens_per_s, "seconds": 90.0, "cut_short": cut}
+        summary = {"benchmark": "throughput", "workload": "nano", "results": {system: line}}
+        return f"import json; print(json.dumps({summary!r}))"
+
+    cut = {"finished_requests": 100, "requests": 256, "tokens": 40000, "requested_tokens": 134000}
+    chosen = [
+        gpu_report.Section("throughput", "t", (sys.executable, "-c", hang), 3, benchmark="throughput"),
+        _section("baseline-generate-batch", baseline("transformers_generate_batch", 2500.0, None)),
+        _section("baseline-generate", baseline("transformers_generate", 444.4, cut)),
+    ]
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull) == 1  # the throughput section timed out
+    report = json.loads((out / "gpu_report.json").read_text())
+    kept = report["sections"]["throughput"]
+    assert kept["status"] == "timeout" and kept["data"]["partial"] is True
+    assert kept["data"]["results"]["rollout"]["tokens_per_s"] == 20000.0
+    assert kept["data"]["details"]["decode_roofline_fraction"] == 0.6
+    goals = {g["figure"]: g for g in report["goals"]}
+    assert goals["rollout tokens/s"]["met"] is True and goals["decode roofline fraction"]["met"] is True
+    assert goals["rollout vs transformers_generate_batch"]["value"] == 8.0
+    assert goals["rollout vs transformers_generate_batch"]["met"] is True
+    markdown = (out / "gpu_report.md").read_text()
+    assert "| baseline-generate | transformers_generate tokens/s | 444 (CUT SHORT after 90.0 s: 100 of 256" in markdown
+    assert "| baseline-generate | rollout vs transformers_generate | 45.00x over what the baseline finished" in markdown
+    assert "| logprob \\|rollout - teacher-forced\\| mean, default | not measured |" in markdown  # one cell

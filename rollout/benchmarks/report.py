@@ -366,7 +366,7 @@ def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -
         "| section | figure | value | goal |",
         "| --- | --- | ---: | --- |",
     ]
-    lines += [f"| {r.section} | {r.figure} | {r.text} | {r.verdict} |" for r in rows(results)]
+    lines += [f"| {r.section} | {_cell(r.figure)} | {_cell(r.text)} | {r.verdict} |" for r in rows(results)]
     lines += ["", "| section | status | seconds | machine |", "| --- | --- | ---: | --- |"]
     lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | {_machine(r.machine or environment)} |" for r in results]
     failures = [r for r in results if not r.ok]
@@ -376,6 +376,11 @@ def render_markdown(environment: dict[str, Any], results: list[SectionResult]) -
             text = (result.error or "").strip().replace(FENCE, "'" * 3)  # keep the fence closed
             lines += [f"### {result.name} ({result.status})", "", FENCE, text, FENCE, ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _cell(text: str) -> str:
+    """Text for a markdown table cell: a `|` of its own (as in |delta|) would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def _machine(machine: dict[str, Any]) -> str:
