@@ -172,3 +172,26 @@ def test_structured_benchmark_reports_grammar_host_time_and_compile(capsys):
     assert report["grammar: exposed host time, 4 rows"].value == figures["exposed_ms"]["json"]
     assert report["JSON schema compile, cached"].value == compile_ms["json_schema_cached_ms"]
     assert report["rollout_json tokens/s"].value is None  # the throughput part was skipped
+
+
+def test_a_time_budget_puts_the_headline_first(monkeypatch):
+    """Under --time-budget, rollout's own run gets two thirds of the budget (the details count as half a system and
+    then get all that is left), and a baseline is told to stop 15 s before its process would be killed."""
+    from rollout.benchmarks import throughput
+
+    asked = []
+
+    def fake_run_system(benchmark, system, options, timeout_s):
+        asked.append((benchmark, system, options.get("time_limit_s"), timeout_s))
+        line = {"system": system, "status": "ok", "tokens_per_s": 1.0, "seconds": 1.0, "warmup_s": 0.0}
+        return {**line, "generated_tokens": 1, "decode_roofline_fraction": 0.5, "device_bandwidth_gb_per_s": 1}
+
+    monkeypatch.setattr(throughput, "run_system", fake_run_system)
+    monkeypatch.setattr(throughput, "_print_table", lambda summary: None)
+    throughput.run("cpu-small", ["rollout"], details=True, time_budget_s=90)
+    (_, _, rollout_stop, rollout_limit), (details, _, _, details_limit) = asked
+    assert rollout_stop is None and abs(rollout_limit - 60) < 1  # rollout is not cut: a timeout past its limit
+    assert details == "details" and abs(details_limit - 90) < 1  # the fake took no time: all of it is left
+    asked.clear()
+    throughput.run("cpu-small", ["transformers_generate_batch"], time_budget_s=90)
+    assert asked[0][2:] == (asked[0][3] - 15, asked[0][3]) and abs(asked[0][3] - 90) < 1

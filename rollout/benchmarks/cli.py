@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="the most the whole run may take: each system (and --details) gets at most an equal share of what is "
-        "left when it starts (default: no budget)",
+        help="the most the whole run may take: each system gets at most an equal share of what is left when it "
+        "starts (--details counts as half a system, and gets all that is left); transformers' systems stop at "
+        "their share and report what they finished (default: no budget)",
     )
     tp.add_argument(
         "--details",

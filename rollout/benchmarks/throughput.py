@@ -21,6 +21,9 @@ from rollout.benchmarks.workloads import WORKLOADS
 
 # Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
 STOP_MARGIN_S = 15.0
+# Under a time budget, the details count as half a system when the systems' shares are set: a system's figure is
+# the headline, the details come after it and also get whatever time the systems leave.
+DETAILS_WEIGHT = 0.5
 
 
 def run(
@@ -47,8 +50,9 @@ def run(
         warmup: warm each system up before its timer starts (graphs captured, kernels compiled).
         num_prompts: run this many of the workload's requests (the first ones; default: all).
         system_timeout_s: each system's own time limit (default: the workload's).
-        time_budget_s: the most seconds the whole run may take: each system (and the details) gets at most an equal
-            share of what is left when it starts, so time a fast system leaves over goes to the later ones.
+        time_budget_s: the most seconds the whole run may take: each system gets at most an equal share of what is
+            left when it starts (the details count as half a system, and get all that is left), so time a fast
+            system leaves over goes to the later ones.
     """
     workload = WORKLOADS[workload_name]
     if workload.device == "cuda" and not torch.cuda.is_available():
@@ -62,11 +66,11 @@ def run(
     names = list(systems or workload.default_systems)
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
 
-    def share(runs_left: int) -> float:
+    def share(runs_left: float) -> float:
         return timeout if deadline is None else max(1.0, min(timeout, (deadline - time.monotonic()) / runs_left))
 
     for index, name in enumerate(names):
-        limit = share(len(names) - index + int(details))
+        limit = share(len(names) - index + DETAILS_WEIGHT * details)
         # A baseline stops itself a little before its process is killed, to report what it finished (`cut_short`).
         stop_at = {"time_limit_s": max(1.0, limit - STOP_MARGIN_S)} if name in STOP_AT_DEADLINE else {}
         result = run_system("throughput", name, {**options, **stop_at}, limit)
