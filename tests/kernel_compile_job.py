@@ -5,6 +5,7 @@ what is left. Run alone (`pytest tests/test_kernel_compile.py`), it starts the s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -14,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rollout.process_groups import die_with_parent
 
 ROOT = Path(__file__).resolve().parent.parent
 # How long the compile may take in all, from its start (the suite's timeout for one test is 300 s).
@@ -40,6 +43,7 @@ class CompileJob:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own scheduling group, lowered next
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),  # even if pytest is killed outright
         )
         _lower_group_priority(self.process.pid)
 

@@ -26,8 +26,8 @@ from rollout.benchmarks import (
     weights,
     workloads,
 )
-from rollout.benchmarks.sections import interrupt_on_signals
 from rollout.extras import require_extra
+from rollout.process_groups import interrupt_on_signals, process_age_s
 from rollout.service.presets import MODEL_DTYPES
 
 
@@ -312,7 +312,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             warmup=not args.no_warmup,
             num_prompts=args.num_prompts,
             system_timeout_s=args.system_timeout,
-            time_budget_s=args.time_budget,
+            # The budget counts from this process's start: its imports took some of it.
+            time_budget_s=None if args.time_budget is None else max(1.0, args.time_budget - process_age_s()),
         )
     elif args.command == "load":
         load.check_arguments(parser, args)

@@ -17,7 +17,10 @@ with the image's versions, on a CPU, before any GPU second is spent.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 DEVICE_BUDGET_S = 900  # the whole window: every call and every machine start
 START_S = 90  # one machine start (a fresh machine for each call: the first one is given back, or idles out)
@@ -91,10 +94,11 @@ FIRST_CALL = DeviceCall(
     ("throughput", "baseline-generate-batch", "baseline-generate", "grpo-step-nano", "kernel-tests"),
     490,
 )
+SLACK_S = 30  # of the window, for what else counts: transfers, the idle wait before a machine goes back
 FOLLOW_UP = DeviceCall(
     "weight pushes and the GPU tests (graph capture and replay)",
     ("weights", "gpu-tests"),
-    DEVICE_BUDGET_S - 2 * START_S - FIRST_CALL.timeout_s,
+    DEVICE_BUDGET_S - 2 * START_S - FIRST_CALL.timeout_s - SLACK_S,
     optional=True,
 )
 CALLS = (FIRST_CALL, FOLLOW_UP)
@@ -118,13 +122,32 @@ def install_command(python: str = "python3") -> str:
 
 
 def report_command(call: DeviceCall, first: bool, python: str = "python3", workload: str | None = None) -> str:
-    """The gpu-report command line of one call (`workload`: the rehearsal's cpu-small instead of the GPU's nano)."""
+    """The gpu-report command line of one call (`workload`: the rehearsal's cpu-small instead of the GPU's nano).
+    It names the checkout's commit: the copy on the device has no git history to read it from."""
     merge = "" if first else f" --merge {EARLIER_DIR}/gpu_report.json"
     rehearse = f" --workload {workload}" if workload else ""
+    commit = checkout_commit()
+    named = f" --commit {commit}" if commit else ""
     return (
         f"{python} -m rollout.benchmarks.cli gpu-report --only {' '.join(call.sections)} --budget-s {call.budget_s} "
-        f"--out $OUT/gpu-report{merge}{rehearse}"
+        f"--out $OUT/gpu-report{merge}{named}{rehearse}"
     )
+
+
+def checkout_commit() -> str | None:
+    """This checkout's commit, short, with "-dirty" when files differ from it; None outside a git checkout."""
+    try:
+        found = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = found.stdout.strip()
+    return commit if found.returncode == 0 and re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", commit) else None
 
 
 def call_command(call: DeviceCall, first: bool) -> str:
@@ -141,8 +164,8 @@ def rehearsal_commands() -> list[str]:
     return [
         f"python3.12 -m venv {REHEARSAL_VENV}",
         f"{python} -m pip install -q {' '.join(repr(p) if '<' in p else p for p in IMAGE_PACKAGES)}",
-        "export OUT=$(mktemp -d)",
-        f"{install_command(python)}; {report_command(FIRST_CALL, True, python, 'cpu-small')}",
+        # In a subshell: its exports and `exit` stay there, whatever shell it is pasted into.
+        f"(export OUT=$(mktemp -d); {install_command(python)}; {report_command(FIRST_CALL, True, python, 'cpu-small')})",
     ]
 
 

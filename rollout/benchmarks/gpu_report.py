@@ -1,25 +1,29 @@
 """`rollout-bench gpu-report`: every GPU figure and the GPU tests in one run, written as one markdown table and one
 JSON file.
 
-Sections, each in its own subprocess (a crash or a hang in one is reported and the next still runs), in order:
+Sections, each in its own process group (a crash or a hang in one is reported and the next still runs), in order,
+the headline first:
 
-  gpu-tests       pytest -m gpu tests/gpu (bf16 parity on the Triton kernels, graph replay, sync-free steps, ...)
-  kernel-tests    tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured for real
-  throughput      rollout-bench throughput --workload nano --details: rollout, rollout_sequential and transformers'
-                  generate_batch tokens/s (each in its own process, warmed up, the same KV budget in bytes), decode
-                  roofline fraction, peak memory, bf16 logprob fidelity against the trainer's own floor
-  grpo-step-nano  rollout-bench grpo-step --model nano: colocated GRPO steps on the Qwen3-0.6B architecture, peak
-                  memory and the memory each sleep() hands to the training step
-  grpo            rollout-bench grpo --device cuda: 32 prompts x n=8 vs transformers' generate_batch
-  grpo-step       rollout-bench grpo-step --device cuda: the main job's steps, colocated and server vs TRL's paths
-  throughput-previous  nano tokens/s of rollout on its current GPU paths vs its previous ones (previous_paths)
-  weights         rollout-bench weights: a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over
-                  ZeroMQ frames and shared memory: GB/s, commit pause, pause beyond the copy
+  throughput               rollout on the nano workload (warmed up, a 40 GiB KV budget), with --details: decode
+                           roofline fraction, peak memory, bf16 logprob fidelity against the trainer's own floor, host
+                           time per step
+  baseline-generate-batch  transformers' generate_batch on the same workload, stopping at its own time limit
+  baseline-generate        transformers' generate (one static batch), with what is left (stopping likewise)
+  grpo-step-nano           colocated GRPO steps on the Qwen3-0.6B architecture, peak memory, what sleep() frees
+  kernel-tests             tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured
+  weights                  a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over ZeroMQ frames and
+                           shared memory: GB/s, commit pause, pause beyond the copy
+  gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
+  grpo, grpo-step, overlap, throughput-previous, structured
+                           GRPO groups; the main job's steps against TRL's paths; overlapped scheduling off;
+                           previous GPU paths; structured outputs on the GPU
 
-Writes DIR/gpu_report.md, DIR/gpu_report.json (after every section: a call cut short keeps what finished) and each
-section's output as DIR/<section>.log. `--plan` prints the device calls that produce the whole report on fresh
-machines, each under 9 minutes, and `--merge` joins earlier calls' reports. Exits 1 when any test failed or any
-section did not finish, 2 without a CUDA GPU (before running anything).
+Writes DIR/gpu_report.md, DIR/gpu_report.json (after every section; a section cut short or interrupted keeps what
+it had printed) and each section's output as DIR/<section>.log. Under `--budget-s`, each section gets what is left
+less the least time of the sections after it (`reserve_s`), and is skipped, said so, when too little is left.
+`--plan` prints the device calls of a 15-minute GPU window (`gpu_plan.py`); `--workload cpu-small` rehearses the same
+sections on a CPU; `--merge` joins earlier calls' reports. Exits 1 when any test failed or any section did not
+finish, 2 without a CUDA GPU (before running anything).
 """
 
 from __future__ import annotations
@@ -36,14 +40,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.report import SectionResult, goals, render_markdown
+from rollout.benchmarks.report import SectionResult
+from rollout.benchmarks.report_table import goals, render_markdown
 from rollout.benchmarks.sections import Section, run_section
+from rollout.process_groups import process_age_s
 
 
 def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:
     """The report's sections, in the order they run: the headline first (`gpu_plan.FIRST_CALL`). Timeouts are
     ceilings well above what each should take on an H200, so a hang is reported rather than waited out; `--only`
-    splits a run across calls (`--plan` prints them) and `--budget-s` caps a whole call.
+    splits a run across calls (`--plan` prints them) and `--budget-s` caps a whole call, where each section's
+    `reserve_s` is the least it is started with (the sections before it leave it that much).
 
     Args:
         tests_dir: the checkout's tests folder (the test sections).
@@ -64,6 +71,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             240,
             benchmark="throughput",
             budget_flag="--time-budget",
+            reserve_s=90,
         ),
         Section(
             "baseline-generate-batch",
@@ -72,6 +80,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             150,
             benchmark="throughput",
             budget_flag="--time-budget",
+            reserve_s=60,
         ),
         Section(
             "baseline-generate",
@@ -80,6 +89,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             90,
             benchmark="throughput",
             budget_flag="--time-budget",
+            reserve_s=40,
         ),
         Section(
             "grpo-step-nano",
@@ -87,6 +97,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             (*bench, "grpo-step", "--device", device, "--systems", "rollout_colocate", *colocated),
             150,
             benchmark="grpo-step",
+            reserve_s=60,
         ),
         Section(
             "kernel-tests",
@@ -94,6 +105,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             (*pytest, str(tests_dir / "test_triton_attention.py"), str(tests_dir / "test_cuda_graphs.py")),
             90,
             tests=True,
+            reserve_s=45,
         ),
         Section(
             "weights",
@@ -102,15 +114,24 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             + ("--transports", "frames", "shm", "--repeats", "3"),
             150,
             benchmark="weights",
+            reserve_s=60,
         ),
-        Section("gpu-tests", "GPU tests (tests/gpu)", (*pytest, "-m", "gpu", str(tests_dir / "gpu")), 150, tests=True),
-        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", device), 200, benchmark="grpo"),
+        Section(
+            "gpu-tests",
+            "GPU tests (tests/gpu)",
+            (*pytest, "-m", "gpu", str(tests_dir / "gpu")),
+            150,
+            tests=True,
+            reserve_s=60,
+        ),
+        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", device), 200, benchmark="grpo", reserve_s=60),
         Section(
             "grpo-step",
             "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
             (*bench, "grpo-step", "--device", device),
             300,
             benchmark="grpo-step",
+            reserve_s=60,
         ),
         Section(
             "overlap",
@@ -119,6 +140,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             150,
             benchmark="throughput",
             budget_flag="--time-budget",
+            reserve_s=60,
         ),
         Section(
             "throughput-previous",
@@ -127,6 +149,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             200,
             benchmark="throughput",
             budget_flag="--time-budget",
+            reserve_s=60,
         ),
         Section(
             "structured",
@@ -134,6 +157,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             (*bench, "structured", "--device", device),
             240,
             benchmark="structured",
+            reserve_s=60,
         ),
     ]
 
@@ -180,6 +204,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
     parser.add_argument(
+        "--commit",
+        default=None,
+        help="the checkout's commit, named in the report (default: read from git; a copy without git history, as "
+        "on a lent GPU machine, has none, so --plan's commands name it)",
+    )
+    parser.add_argument(
         "--workload",
         choices=("nano", "cpu-small"),
         default="nano",
@@ -198,6 +228,21 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the chosen sections and write the report; the exit status (0 ok, 1 something failed, 2 no GPU, 130
     interrupted). With `--plan`, print the device calls instead (no GPU needed)."""
     if args.plan:
+        ignored = [
+            flag
+            for flag, given in (
+                ("--only", args.only),
+                ("--skip", args.skip),
+                ("--merge", args.merge),
+                ("--budget-s", args.budget_s is not None),
+                ("--fresh", args.fresh),
+                ("--commit", args.commit),
+                ("--workload", args.workload != "nano"),
+            )
+            if given
+        ]
+        if ignored:
+            parser.error(f"gpu-report: --plan prints the calls' own commands; leave out {', '.join(ignored)}")
         from rollout.benchmarks.gpu_plan import render_plan
 
         print(render_plan(as_json=args.json))
@@ -238,9 +283,16 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
         return 2
     # A terminated or interrupted report still kills its section's process group and writes the report: the
-    # rollout-bench entry point turns SIGINT and SIGTERM into KeyboardInterrupt (sections.interrupt_on_signals).
+    # rollout-bench entry point turns SIGINT and SIGTERM into KeyboardInterrupt (process_groups.interrupt_on_signals).
+    # The budget counts from this process's start: its imports took some of it.
+    budget_s = None if args.budget_s is None else max(1.0, args.budget_s - process_age_s())
     return run_report(
-        chosen, args.out, environment(rehearsal), keep_earlier=not args.fresh, budget_s=args.budget_s, merged=earlier
+        chosen,
+        args.out,
+        environment(rehearsal, args.commit),
+        keep_earlier=not args.fresh,
+        budget_s=budget_s,
+        merged=earlier,
     )
 
 
@@ -274,14 +326,24 @@ def run_report(
     interrupted = False
     deadline = None if budget_s is None else time.monotonic() + budget_s
     for index, section in enumerate(chosen, 1):
-        if deadline is not None:
-            section = section.within(max(1.0, deadline - time.monotonic()))
-        _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}")
-        try:
-            result = run_section(section, out, stream)
-        except KeyboardInterrupt:
-            result = SectionResult(section.name, section.title, "interrupted", 0.0, error="interrupted")
-            interrupted = True
+        left = section.timeout_s if deadline is None else deadline - time.monotonic()
+        # The sections after it keep their least time; in order, though: the headline first, so a section that
+        # cannot have all it would like still starts with its own least time while that much is left.
+        kept = 0.0 if deadline is None else sum(later.reserve_s for later in chosen[index:])
+        least = max(1.0, section.reserve_s)
+        if left < least:  # not worth starting
+            why = f"{max(0.0, left):.0f} s of the budget left, less than the {least:.0f} s it needs to start"
+            result = SectionResult(section.name, section.title, "skipped", 0.0, error=f"not run: {why}")
+        else:
+            section = section.within(max(least, left - kept))
+            _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}")
+            try:
+                result = run_section(section, out, stream)
+            except KeyboardInterrupt as stop:  # the section was killed; what it had printed is kept
+                result = getattr(stop, "result", None) or SectionResult(
+                    section.name, section.title, "interrupted", 0.0, error="interrupted"
+                )
+                interrupted = True
         result.machine = machine
         results[section.name] = result
         _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {result.status} in {result.seconds:.0f} s")
@@ -339,11 +401,12 @@ def _earlier_results(path: Path) -> dict[str, SectionResult]:
     return found
 
 
-def environment(rehearsal: bool = False) -> dict[str, Any]:
+def environment(rehearsal: bool = False, commit: str | None = None) -> dict[str, Any]:
     """The GPU, its driver, the library versions, the date and the checkout's commit.
 
     Args:
         rehearsal: a CPU rehearsal (`--workload cpu-small`): no GPU to name.
+        commit: the checkout's commit (`--commit`); None: read from git.
     """
     import torch
     import transformers
@@ -370,7 +433,7 @@ def environment(rehearsal: bool = False) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "commit": _command_output(["git", "rev-parse", "--short", "HEAD"]),
+        "commit": commit or _command_output(["git", "rev-parse", "--short", "HEAD"]),
     }
 
 

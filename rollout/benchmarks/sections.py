@@ -7,13 +7,11 @@ report gets a `SectionResult` and nothing the section started outlives it.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import functools
 import json
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,13 +22,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rollout.benchmarks.report import SectionResult
+from rollout.process_groups import die_with_parent, kill_group
 
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent thread ends
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
 SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
 READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
-TERM_GRACE_S = 10.0  # how long a section may take to end its own children after SIGTERM, before SIGKILL
 SUMMARY_MARGIN_S = 20.0  # of a section's timeout, left to a budgeted command to print its summary
 
 
@@ -47,6 +43,9 @@ class Section:
     # A flag that tells the command how many seconds it has (its timeout less a margin to print its summary), so it
     # can share them out itself (e.g. throughput's --time-budget); None: the command is not told.
     budget_flag: str | None = None
+    # The least time worth starting it with: under a budget, the sections before it leave it this much, and it is
+    # skipped (said so) when less is left.
+    reserve_s: float = 0.0
 
     def within(self, seconds: float) -> Section:
         """This section with at most `seconds` to run (its own timeout when that is shorter)."""
@@ -57,11 +56,23 @@ class Section:
         return dataclasses.replace(self, timeout_s=timeout, argv=argv)
 
 
+class SectionInterrupted(KeyboardInterrupt):
+    """This process was interrupted while a section ran: the section was killed; `result` is what it had printed."""
+
+    def __init__(self, result: SectionResult) -> None:
+        super().__init__(f"interrupted during {result.name}")
+        self.result = result
+
+
 def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
     """Run one section in its own process group; its output goes to out/<name>.log and, best effort, to `stream`.
 
     Past its timeout, or when this process is interrupted, the section is killed with everything it started; after
-    it exits, whatever it left running is killed too.
+    it exits, whatever it left running is killed too. A section killed keeps what it had printed: its summary, or
+    else its finished systems' lines.
+
+    Raises:
+        SectionInterrupted: this process got SIGINT or SIGTERM (as KeyboardInterrupt) while the section ran.
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # kernels compiled for real
     env["PYTHONUNBUFFERED"] = "1"
@@ -81,7 +92,7 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
                     errors="replace",  # one undecodable byte must not stop the draining of the pipe
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
                 )
             except OSError as error:
                 return SectionResult(section.name, section.title, "failed", 0.0, error=f"cannot start: {error}")
@@ -90,48 +101,32 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
             )
             reader.start()
             timed_out = False
+            interrupted = False
             try:
                 returncode = process.wait(section.timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            finally:  # also on KeyboardInterrupt / SystemExit: nothing the section started outlives it
-                _kill_group(process)
-                if timed_out:
+            except KeyboardInterrupt:  # SIGINT or SIGTERM (process_groups.interrupt_on_signals): report, then raise
+                interrupted = True
+            finally:  # also on SystemExit: nothing the section started outlives it
+                kill_group(process)
+                if timed_out or interrupted:
                     returncode = process.wait()
             reader.join(READER_GRACE_S)  # the pipe closes once every process of the group is gone
         seconds = time.monotonic() - start
         tail = "".join(list(lines)[-TAIL_LINES:])
         if reader.is_alive():  # a process outside the group (it called setsid) still holds the pipe: stop reading
             tail += "\n[gpu-report: the section's output stayed open after it ended; stopped reading it]\n"
-        if timed_out:
-            error = f"killed after {section.timeout_s:.0f} s\n{tail}"
-            return SectionResult(section.name, section.title, "timeout", seconds, _finished(section, systems), error)
+        if timed_out or interrupted:  # what it had printed is kept: its summary, else its finished systems
+            status, why = ("timeout", f"killed after {section.timeout_s:.0f} s") if timed_out else ("interrupted", "")
+            data = _summary(section, list(lines)) or _finished(section, systems)
+            result = SectionResult(section.name, section.title, status, seconds, data, f"{why or status}\n{tail}")
+            if interrupted:
+                raise SectionInterrupted(result)
+            return result
         if section.tests:
             return _tests_result(section, seconds, returncode, junit, tail)  # before the scratch folder goes
         return _bench_result(section, seconds, returncode, list(lines), tail, systems)
-
-
-def _die_with_parent() -> None:
-    """In the section's process, before it starts its program: have Linux kill it (SIGKILL) when the thread that
-    started it ends, so that it cannot outlive a parent killed outright (SIGKILL, or a device's time limit) in its
-    own session, where no signal to the parent's group reaches it. A no-op elsewhere."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def interrupt_on_signals() -> dict[int, Any]:
-    """Make SIGINT and SIGTERM raise KeyboardInterrupt in this (main) thread, so that whatever runs sections unwinds
-    and kills their process groups (`run_section`'s `finally`). SIGINT too: a shell starts background jobs with it
-    ignored, and Python then never raises KeyboardInterrupt by itself.
-
-    Returns:
-        The handlers replaced, by signal number (for the caller to put back).
-    """
-    return {signum: signal.signal(signum, _raise_interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _tee(
@@ -158,19 +153,10 @@ def _tee(
     process.stdout.close()
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """End the section's process group: SIGTERM first, so that a section that runs systems in process groups of their
-    own (`rollout-bench throughput` and the like) kills those on its way out; SIGKILL for whatever is left."""
-    for signum in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            return
-        if signum == signal.SIGTERM:
-            try:
-                process.wait(TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
+def _summary(section: Section, lines: list[str]) -> dict[str, Any] | None:
+    """The benchmark summary a section printed before it was killed (it hung on its way out), if any."""
+    data = None if section.tests else _last_json(lines)
+    return data if data is not None and data.get("benchmark") == section.benchmark else None
 
 
 def _finished(section: Section, systems: dict[str, dict[str, Any]]) -> dict[str, Any]:

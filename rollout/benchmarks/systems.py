@@ -272,7 +272,7 @@ def measure_system(
     repeats: int = 1,
     warmup: bool = True,
     num_prompts: int | None = None,
-    time_limit_s: float | None = None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Warm `system` up, then time it on the workload (`isolated.py` runs this in a process of its own).
 
@@ -283,14 +283,15 @@ def measure_system(
         repeats: timed runs; the median is reported.
         warmup: run the warm-up first (off: first-call costs are timed).
         num_prompts: run the workload's first requests only.
-        time_limit_s: seconds this call may take in all: a system of `STOP_AT_DEADLINE` stops its timed run there
-            and reports what it finished (`cut_short`); None: no limit.
+        deadline: a `time.monotonic()` value (one clock for every process of the machine: a parent sets it) at
+            which a system of `STOP_AT_DEADLINE` stops its timed run and reports what it finished (`cut_short`);
+            None: no limit.
     Returns:
         tokens_per_s, seconds (median), runs_s, warmup_s, kv_budget_bytes, peak_memory_gib (CUDA), a digest of each
         completion, and for a run cut short `cut_short`: the requests it finished of those it was given, and the
-        tokens counted (every request's own tokens up to its max_new_tokens) of those requested.
+        tokens counted of those requested (up to each request's max_new_tokens: `generate` returns every row's tokens
+        so far, `generate_batch` its finished requests only, so its rate is then a lower bound).
     """
-    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     chosen = WORKLOADS[workload]
     logging.getLogger("transformers").setLevel(logging.ERROR)
     stage(f"{system}: building the {workload} model and prompts")

@@ -72,7 +72,7 @@ def run(
     for index, name in enumerate(names):
         limit = share(len(names) - index + DETAILS_WEIGHT * details)
         # A baseline stops itself a little before its process is killed, to report what it finished (`cut_short`).
-        stop_at = {"time_limit_s": max(1.0, limit - STOP_MARGIN_S)} if name in STOP_AT_DEADLINE else {}
+        stop_at = {"deadline": time.monotonic() + limit - STOP_MARGIN_S} if name in STOP_AT_DEADLINE else {}
         result = run_system("throughput", name, {**options, **stop_at}, limit)
         digests = result.pop("token_digests", None)
         if digests is not None:
@@ -115,7 +115,7 @@ def _print_table(summary: dict) -> None:
         if result["status"] != "ok":
             print(f"{name:<30}{result['status'].upper()} after {result['seconds']:.0f} s (see its output above)")
             continue
-        ratio = f"{rollout / result['tokens_per_s']:.2f}x" if rollout else ""
+        ratio = f"{rollout / result['tokens_per_s']:.2f}x" if rollout and result["tokens_per_s"] else ""
         same = f"{result.get('identical_to_first', 0)}/{summary['num_prompts']}"
         print(
             f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>12}{same:>13}"

@@ -9,7 +9,9 @@ rollout.engine.kernel_compile`, as tests/test_kernel_compile.py does in a subpro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -30,6 +32,7 @@ from rollout.engine.kernel_variants import (
     kernel_variants,
     largest_launch_shapes,
 )
+from rollout.process_groups import die_with_parent
 
 
 @dataclass
@@ -98,7 +101,9 @@ def compile_jobs(jobs: Sequence[tuple[KernelVariant, str]], workers: int = 1) ->
     jobs = sorted(jobs, key=cost, reverse=True)
     if workers <= 1:
         return [compile_variant(*job) for job in jobs]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    # Each worker dies with this process, even one killed outright (its workers would otherwise compile on).
+    initializer = functools.partial(die_with_parent, os.getpid())
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=initializer) as pool:
         return list(pool.map(compile_variant, *zip(*jobs)))
 
 
