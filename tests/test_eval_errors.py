@@ -97,7 +97,10 @@ def test_chat_with_a_tokenizer_without_a_chat_template(capsys, tmp_path):
     assert message.startswith(f"--chat: the tokenizer of {tmp_path} has no chat template; drop --chat")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.version.cuda is not None,
+    reason="checks the message of a CPU-only torch build (a CUDA build without a GPU says so instead)",
+)
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_a_gpu_flag_on_a_cpu_torch(capsys, device):
     message = error_of(capsys, [*BASE, "--device", device])
