@@ -84,7 +84,13 @@ def test_a_baseline_cut_short_reports_what_it_finished():
         summary = {"benchmark": "throughput", "workload": "nano", "results": {system: result}}
         report = rows(
             [
-                SectionResult("throughput", "t", "ok", 1.0, data={"results": {"rollout": {"tokens_per_s": 1e6}}}),
+                SectionResult(
+                    "throughput",
+                    "t",
+                    "ok",
+                    1.0,
+                    data={"workload": "nano", "results": {"rollout": {"tokens_per_s": 1e6}}},
+                ),
                 SectionResult("baseline-generate", "b", "ok", 1.0, data=summary),
             ]
         )
