@@ -1,0 +1,129 @@
+"""The sections of `rollout-bench gpu-report`, in the order they run, the headline first: each a `rollout-bench` or
+pytest command with its ceiling, its least time under a budget (`reserve_s`) and, for a benchmark, the flag that
+tells it its time. `--workload cpu-small` gives the same commands on the CPU shapes (the plan's rehearsal)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rollout.benchmarks.sections import Section
+
+
+def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:
+    """The report's sections, in the order they run: the headline first (`gpu_plan.FIRST_CALL`). Timeouts are
+    ceilings well above what each should take on an H200, so a hang is reported rather than waited out; `--only`
+    splits a run across calls (`--plan` prints them) and `--budget-s` caps a whole call, where each section's
+    `reserve_s` is the least it is started with (the sections before it leave it that much).
+
+    Args:
+        tests_dir: the checkout's tests folder (the test sections).
+        python: the interpreter every section runs with.
+        workload: "nano" on a GPU; "cpu-small" rehearses the same sections on a CPU (`gpu_plan.rehearsal_commands`).
+    """
+    bench = (python, "-m", "rollout.benchmarks.cli")
+    pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    rehearsal = workload != "nano"
+    device = "cpu" if rehearsal else "cuda"
+    throughput = (*bench, "throughput", "--workload", workload, "--repeats", "1", "--systems")
+    colocated = ("--model", "tiny", "--steps", "1") if rehearsal else ("--model", "nano", "--steps", "3")
+    return [
+        Section(
+            "throughput",
+            f"{workload} workload: rollout, decode roofline, bf16 logprob fidelity",
+            (*throughput, "rollout", "--details"),
+            240,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+            reserve_s=90,
+        ),
+        Section(
+            "baseline-generate-batch",
+            f"{workload} workload: transformers' generate_batch",
+            (*throughput, "transformers_generate_batch"),
+            150,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+            reserve_s=60,
+        ),
+        Section(
+            "baseline-generate",
+            f"{workload} workload: transformers' generate (one static batch)",
+            (*throughput, "transformers_generate"),
+            90,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+            reserve_s=40,
+        ),
+        Section(
+            "grpo-step-nano",
+            "a colocated GRPO step, Qwen3-0.6B architecture" + (" (tiny model: rehearsal)" if rehearsal else ""),
+            (*bench, "grpo-step", "--device", device, "--systems", "rollout_colocate", *colocated),
+            150,
+            benchmark="grpo-step",
+            reserve_s=60,
+        ),
+        Section(
+            "kernel-tests",
+            "Triton kernels and CUDA graphs, compiled",
+            (*pytest, str(tests_dir / "test_triton_attention.py"), str(tests_dir / "test_cuda_graphs.py")),
+            90,
+            tests=True,
+            reserve_s=45,
+        ),
+        Section(
+            "weights",
+            "weights into a GPU worker",
+            (*bench, "weights", "--device", device, "--dtype", "bfloat16", "--size-mb", "1200")
+            + ("--transports", "frames", "shm", "--repeats", "3"),
+            150,
+            benchmark="weights",
+            reserve_s=60,
+        ),
+        Section(
+            "gpu-tests",
+            "GPU tests (tests/gpu)",
+            (*pytest, "-m", "gpu", str(tests_dir / "gpu")),
+            150,
+            tests=True,
+            reserve_s=60,
+        ),
+        Section("grpo", "GRPO workload", (*bench, "grpo", "--device", device), 200, benchmark="grpo", reserve_s=60),
+        Section(
+            "grpo-step",
+            "GRPO steps: rollout colocated and server vs TRL's generate and generate_batch",
+            (*bench, "grpo-step", "--device", device),
+            300,
+            benchmark="grpo-step",
+            reserve_s=60,
+        ),
+        Section(
+            "overlap",
+            f"{workload} workload: rollout with overlapped scheduling off",
+            (*throughput, "rollout_sequential"),
+            150,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+            reserve_s=60,
+        ),
+        Section(
+            "throughput-previous",
+            f"{workload} workload: current vs previous GPU paths",
+            (*throughput, "rollout", "rollout_previous"),
+            200,
+            benchmark="throughput",
+            budget_flag="--time-budget",
+            reserve_s=60,
+        ),
+        Section(
+            "structured",
+            "structured outputs: host time at 64/256 constrained rows, compile, nano throughput constrained vs not",
+            (*bench, "structured", "--device", device),
+            240,
+            benchmark="structured",
+            reserve_s=60,
+        ),
+    ]
+
+
+SECTION_NAMES = tuple(section.name for section in sections(Path("tests")))
