@@ -27,33 +27,35 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
     device = "cpu" if rehearsal else "cuda"
     throughput = (*bench, "throughput", "--workload", workload, "--repeats", "1", "--systems")
     colocated = ("--model", "tiny", "--steps", "1") if rehearsal else ("--model", "nano", "--steps", "3")
+
+    def measure(name: str, title: str, systems: tuple[str, ...], ceiling: float, reserve_s: float) -> Section:
+        """A `rollout-bench throughput` section: `systems` and its flags (told its time: a baseline stops in it)."""
+        argv = (*throughput, *systems)
+        return Section(
+            name, title, argv, ceiling, benchmark="throughput", budget_flag="--time-budget", reserve_s=reserve_s
+        )
+
     return [
-        Section(
+        measure(
             "throughput",
             f"{workload} workload: rollout, decode roofline, bf16 logprob fidelity",
-            (*throughput, "rollout", "--details"),
+            ("rollout", "--details"),
             240,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-            reserve_s=90,
+            90,
         ),
-        Section(
+        measure(
             "baseline-generate-batch",
             f"{workload} workload: transformers' generate_batch",
-            (*throughput, "transformers_generate_batch"),
+            ("transformers_generate_batch",),
             150,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-            reserve_s=60,
+            60,
         ),
-        Section(
+        measure(
             "baseline-generate",
             f"{workload} workload: transformers' generate (one static batch)",
-            (*throughput, "transformers_generate"),
+            ("transformers_generate",),
             90,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-            reserve_s=40,
+            40,
         ),
         Section(
             "grpo-step-nano",
@@ -97,23 +99,18 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             benchmark="grpo-step",
             reserve_s=60,
         ),
-        Section(
-            "overlap",
-            f"{workload} workload: rollout with overlapped scheduling off",
-            (*throughput, "rollout_sequential"),
-            150,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-            reserve_s=60,
+        measure(
+            "overlap", f"{workload} workload: rollout with overlapped scheduling off", ("rollout_sequential",), 150, 60
         ),
-        Section(
+        measure(
             "throughput-previous",
             f"{workload} workload: current vs previous GPU paths",
-            (*throughput, "rollout", "rollout_previous"),
+            (
+                "rollout",
+                "rollout_previous",
+            ),
             200,
-            benchmark="throughput",
-            budget_flag="--time-budget",
-            reserve_s=60,
+            60,
         ),
         Section(
             "structured",
