@@ -105,10 +105,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
         measure(
             "throughput-previous",
             f"{workload} workload: current vs previous GPU paths",
-            (
-                "rollout",
-                "rollout_previous",
-            ),
+            ("rollout", "rollout_previous"),
             200,
             60,
         ),
