@@ -5,6 +5,11 @@ The model is called with a packed ragged batch (`input_ids` of shape (1, total_t
 layer writes its new keys/values into the paged cache, then attends per group of sequences: decodes (one query
 token each) in one padded call, prefill chunks in another, so a long prefill does not pad every decode.
 
+Keys a sequence has not written are never read as garbage: on the PyTorch path a group's block table points past a
+sequence's own blocks at the (zero) scratch block, and its own blocks hold zeros where it has not written yet
+(`BlockManager.zero_new_blocks`); the Triton kernel loads no key past the last one a query can see. So a NaN left in
+a block by a previous owner never meets a mask (NaN + -inf and 0 * NaN are NaN) and never reaches a new owner.
+
 Masks honour each layer's `sliding_window` (a key is visible when q - window < k <= q, transformers' convention) and
 logit soft-capping (Gemma 2). Without our metadata (a plain training or `generate` forward of the same model) the
 function falls back to SDPA, or to eager attention when soft-capping is on, so the model stays usable.
@@ -34,7 +39,7 @@ class SequenceGroup:
 
     query_index: torch.Tensor  # (B, Q) positions in the packed batch (padding points at 0)
     query_pos: torch.Tensor  # (B, Q) absolute positions (padding: 0, so its mask row is never empty)
-    block_table: torch.Tensor  # (B, num_blocks) device block ids, padded with block 0
+    block_table: torch.Tensor  # (B, num_blocks) device block ids, padded with the scratch block
     # Flat (B * Q) rows of the real queries, None when there is no padding: a gather by index, not a boolean mask
     # (which would read the mask's true count back to the host).
     valid_rows: torch.Tensor | None
@@ -118,7 +123,14 @@ class PagedAttentionMetadata:
             if any(lengths[i] != max_query for i in members):
                 rows = [row * max_query + q for row, i in enumerate(members) for q in range(lengths[i])]
                 valid_rows = to_device(rows, torch.long, device)
-            groups.append(SequenceGroup(query_index, query_pos, block_table[index, :max_blocks], valid_rows))
+            table = block_table[index, :max_blocks]
+            if any(-(-(starts[i] + lengths[i]) // block_size) != max_blocks for i in members):
+                # Entries past a sequence's own blocks are stale ids (other owners' blocks, maybe holding NaN): they
+                # read the scratch block instead, which nothing writes on this path (decode graphs need Triton).
+                live = (group_starts + group_lengths + block_size - 1) // block_size
+                padding = torch.arange(max_blocks, device=device) >= live.unsqueeze(1)
+                table = table.masked_fill(padding, kv_cache.scratch_block)
+            groups.append(SequenceGroup(query_index, query_pos, table, valid_rows))
         return cls(kv_cache, slots, groups), positions
 
 

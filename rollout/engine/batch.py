@@ -1,5 +1,6 @@
 """What one engine step computes, as the scheduler decided it (no torch): which sequences, how many new tokens each,
-which of them get a token sampled, and the KV block moves (swap-out, swap-in, copy-on-write) to run first."""
+which of them get a token sampled, and the KV block moves (swap-out, zeroing, swap-in, copy-on-write) to run
+first."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class ScheduledBatch:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Freed blocks that held a failed sample's non-finite KV: zeroed after the swap-outs, before the swap-ins.
+    zero_blocks: list[int] = field(default_factory=list)
     # Requests that ended while scheduling (they can never fit); they need no compute.
     finished: list[Request] = field(default_factory=list)
     # Requests preempted while scheduling; after a preemption nothing more is admitted in the step (no ping-pong).

@@ -9,6 +9,9 @@ Invariants:
   A request's first block chains from its LoRA adapter's name (None for the base): adapters never share KV.
 - Tokens are only ever written at positions >= num_computed_tokens, so a full computed (hashed) block is never
   written again; a shared partial block is copied before its first write (copy-on-write).
+- A request whose logits turned non-finite is `quarantine`d: its blocks leave the prefix cache at once, and each is
+  handed to the runner for zeroing (`take_stale`) when its last owner frees it, before anyone can take it again.
+  With `zero_new_blocks` (PyTorch attention) every block `allocate` hands out is zeroed before its first write.
 This module never imports torch: copies are returned as (src, dst) block pairs for the model runner to execute.
 """
 
@@ -58,6 +61,11 @@ class BlockManager:
         # The engine's MoE route cache (route_rows.RouteCache, or None): a request that wants routes takes a cached
         # block only when its routes are known.
         self.routed: Any = None
+        self._tainted: set[int] = set()  # blocks of quarantined requests that some owner still holds
+        self._stale: list[int] = []  # blocks to zero before their next write or read (`take_stale`)
+        # Set by the engine when PyTorch attention serves it: that path reads whole blocks, so a sequence's own
+        # blocks must hold zeros where it has not written yet (Triton's kernel never loads those slots).
+        self.zero_new_blocks = False
 
     # ---- accounting -------------------------------------------------------------------------------------------
     @property
@@ -110,6 +118,8 @@ class BlockManager:
             copies.append((shared, private))
         while len(request.block_ids) * self.block_size < start + num_new_tokens:
             request.block_ids.append(self._take_free_block())
+            if self.zero_new_blocks:
+                self._stale.append(request.block_ids[-1])
         if copies or len(request.block_ids) != num_blocks:  # the runner rebuilds its block table only then
             request.blocks_version += 1
         return copies
@@ -133,6 +143,9 @@ class BlockManager:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
+                if self._tainted and block in self._tainted:
+                    self._tainted.discard(block)
+                    self._stale.append(block)
         request.block_ids = []
         request.blocks_version += 1
 
@@ -234,6 +247,25 @@ class BlockManager:
         """Forget every cached prefix (blocks in use keep their contents)."""
         self.cached_blocks.clear()
         self.block_hash = [None] * self.num_blocks
+
+    # ---- blocks whose KV went bad ----------------------------------------------------------------------------
+    def quarantine(self, request: Request) -> None:
+        """Keep a request's blocks out of the prefix cache from now on and have each zeroed when its last owner frees
+        it: the request's logits turned non-finite, so its KV may hold NaN or Inf. Call it before freeing it."""
+        for block in request.block_ids:
+            block_hash = self.block_hash[block]
+            if block_hash is not None:
+                if self.cached_blocks.get(block_hash) == block:
+                    del self.cached_blocks[block_hash]
+                self.block_hash[block] = None
+            self._tainted.add(block)
+
+    def take_stale(self) -> list[int]:
+        """Blocks to zero since the last call (quarantined blocks freed, and with `zero_new_blocks` the blocks
+        `allocate` handed out): the runner zeroes them after the step's swap-outs and before anything else writes or
+        reads them (`ScheduledBatch.zero_blocks`)."""
+        stale, self._stale = self._stale, []
+        return stale
 
     # ---- swapping ---------------------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:

@@ -18,6 +18,7 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.batch import ScheduledBatch
 from rollout.engine.block_manager import BlockManager
+from rollout.engine.broken_samples import end_broken
 from rollout.engine.counters import engine_stats, log_leaks
 from rollout.engine.engine_weights import EngineWeights
 from rollout.engine.intake import RequestIntake
@@ -39,8 +40,7 @@ logger = logging.getLogger(__name__)
 
 NOTHING_TO_DRAW = (
     "no token can be drawn at this position: every token is banned (bad_words_ids, suppress_tokens, "
-    "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none), or the model's logits there "
-    "are not finite"
+    "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none)"
 )
 
 
@@ -81,6 +81,7 @@ class Engine(EngineWeights):
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
+        self.block_manager.zero_new_blocks = self.runner.heads_per_kv is None  # PyTorch attention reads whole blocks
         self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
         self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
         overlap = self.config.overlap_scheduling
@@ -251,7 +252,7 @@ class Engine(EngineWeights):
             except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
                 logger.exception("engine step failed; ending its requests with an error")
                 failure = error
-        elif batch.swap_out:  # a step that only preempted: the preempted KV still goes to the swap space
+        elif batch.swap_out or batch.zero_blocks:  # nothing computed: preempted KV still goes to the swap space
             self.runner.move_blocks(batch)
         if previous is not None:
             self._in_flight = None
@@ -297,7 +298,7 @@ class Engine(EngineWeights):
         advance its open grammars past them, so this step's masks can be filled; the step is resolved as usual
         afterwards (its `accept` skips what was advanced here)."""
         sampled = previous.samples.fetch()
-        dead = set(sampled.dead_rows)
+        dead = {*sampled.dead_rows, *sampled.broken_rows}
         for index, (request, _) in enumerate(previous.batch.samples):
             if request.constraint is not None and index not in dead and not request.is_finished:
                 request.constraint.accept_ahead(sampled.token_ids[index])
@@ -320,7 +321,7 @@ class Engine(EngineWeights):
             for request, _ in step.batch.samples:
                 request.drop_placeholder()
             return self._end_with_error({request.group_id for request, _ in step.batch.samples}, error)
-        failed: list[Request] = []
+        failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
         for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
             request = step.batch.samples[index][0]
             if not request.is_finished:

@@ -2,8 +2,9 @@
 
 Layout: one tensor of shape (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), so a block copy or
 a swap moves a block of every layer in one indexing op. The extra block is scratch space that no request owns.
-Zero-initialised: masked-out slots must hold finite values
-(0 * NaN would poison the attention output).
+Zero-initialised, and blocks that held a failed sample's non-finite KV are zeroed before reuse (`zero_blocks`);
+attention leaves out slots a sequence has not written by selection anyway (`attention.py`), so what a block's
+previous owner left there never reaches its new one.
 """
 
 from __future__ import annotations
@@ -179,6 +180,11 @@ class PagedKVCache:
         if pairs:
             index = to_device(list(zip(*pairs)), torch.long, self.kv.device)
             self.kv[:, :, index[1]] = self.kv[:, :, index[0]]
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero device blocks in every layer (blocks that held a failed sample's non-finite KV, before reuse)."""
+        if blocks and not self.is_released:
+            self.kv.index_fill_(2, to_device(blocks, torch.long, self.kv.device), 0)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy (device block, swap block) pairs to the CPU swap space (waits for the device: swapping is rare)."""

@@ -29,6 +29,7 @@ import torch
 
 from rollout.config import FieldError, dtype_name
 from rollout.engine.adapter_ref import AdapterRef, check_adapter_name
+from rollout.engine.lora_bounds import check_magnitudes, check_room, check_table_size
 from rollout.engine.lora_layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
 from rollout.engine.lora_weights import (
     WIRE_SUFFIXES,
@@ -52,6 +53,9 @@ class AdapterTable:
             max_loras: adapters served at once.
             max_rank: the highest rank accepted.
             max_tokens: the most tokens of one forward (the slot buffer grows past it if ever needed).
+        Raises:
+            FieldError: ("max_lora_rank") above the rank any of the model's Linear layers can take, or so high that
+                the stacked weights of even the widest Linear alone would not fit the device's free memory.
         """
         self.model = model
         self.max_loras = max_loras
@@ -65,6 +69,12 @@ class AdapterTable:
         }
         self._head_names = {name for name, module in model.named_modules() if module is head and head is not None}
         self._device = next(model.parameters()).device
+        # The narrowest floating dtype of the model: the one an adapter's delta must not overflow (lora_bounds.py).
+        floating = [p.dtype for p in model.parameters() if p.is_floating_point()] or [torch.float32]
+        self.dtype = min(floating, key=lambda dtype: torch.finfo(dtype).max)
+        # Names an adapter may not take besides the base's reserved one (the worker adds the served model's name).
+        self.reserved_names: set[str] = set()
+        check_table_size(list(self._linears.values()), max_loras, max_rank, self._device)  # before any allocation
         self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
         self._layers: dict[str, LoraLayer] = {}
         self.saved = SavedModules(model, self._head_names, self.state)
@@ -99,6 +109,8 @@ class AdapterTable:
                 max_lora_rank), or max_loras when no slot is free.
         """
         check_adapter_name(name)
+        if name in self.reserved_names:
+            raise FieldError("adapter", f"{name!r} is the served model's name: give the adapter another one")
         if name not in self.refs and len(self.refs) >= self.max_loras:
             raise FieldError("max_loras", f"{len(self.refs)} adapters are served already ({sorted(self.refs)})")
         ranks: dict[str, dict[str, int]] = {}
@@ -152,10 +164,18 @@ class AdapterTable:
         raise FieldError(field, f"the model has no Linear layer named {module_name!r}")
 
     def check(self, name: str, modules: AdapterModules, check_finite: bool = False) -> None:
-        """Check a whole adapter before anything changes.
+        """Check a whole adapter before anything changes: names, shapes and ranks (`check_specs`), magnitudes that
+        could overflow the model's dtype (`lora_bounds.check_magnitudes`, always: an adapter whose samples turn to
+        NaN would leave it in KV blocks), and room for the layers it adds.
 
+        Args:
+            name: the adapter's name.
+            modules: its modules.
+            check_finite: also refuse non-finite entries anywhere (the magnitude check already refuses them in
+                LoRA pairs and saved modules).
         Raises:
-            FieldError: as `check_specs`, or a non-finite tensor (with check_finite).
+            FieldError: as `check_specs`; an overflowing scaling, lora_A, lora_B or saved parameter (named); a
+                non-finite tensor; ("max_lora_rank") new layers that free memory cannot hold.
         """
         if not modules:
             raise FieldError("tensors", "an adapter brings at least one module's lora_A and lora_B")
@@ -168,6 +188,10 @@ class AdapterTable:
             for wire, tensor in tensors.items():
                 if not bool(torch.isfinite(tensor).all()):
                     raise FieldError(wire, "holds NaN or Inf")
+        check_magnitudes(modules, self.dtype)
+        new = [self._linears[m] for m, w in modules.items() if isinstance(w, LoraModule) and m not in self._layers]
+        if new:
+            check_room(new, self.max_loras, self.max_rank, self._device, f"the {len(new)} Linear layers {name!r} adds")
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
         """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,

@@ -15,6 +15,11 @@ LORA_DTYPE = torch.float32
 ADAPTER_DTYPES = {"float32", "bfloat16", "float16"}
 
 
+def layer_bytes(linear: torch.nn.Linear, num_slots: int, max_rank: int) -> int:
+    """Bytes of one `LoraLayer`'s stacked weights over `linear`: A (slots * rank, in) and B (out, slots * rank)."""
+    return num_slots * max_rank * (linear.in_features + linear.out_features) * LORA_DTYPE.itemsize
+
+
 class LoraStepState:
     """What the hooks of one table share during a step: whether they act, and each token's slot."""
 
@@ -48,14 +53,15 @@ class LoraStepState:
         return self.token_slots[:num_tokens]
 
     def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask (T, slots * rank) in x's dtype, token slots (T,)) for a LoRA layer's input of T tokens.
+        """(boolean mask (T, slots * rank), token slots (T,)) for a LoRA layer's input of T tokens: True where a
+        column belongs to the token's slot.
 
         Raises:
             RuntimeError: as `slots_for`.
         """
         slots = self.slots_for(x.shape[-2], module)
         if self._mask is None:
-            self._mask = (self.columns.unsqueeze(0) == slots.unsqueeze(1)).to(x.dtype)
+            self._mask = self.columns.unsqueeze(0) == slots.unsqueeze(1)
         return self._mask, slots
 
 
@@ -79,7 +85,9 @@ class LoraLayer:
             return None
         x = args[0].to(LORA_DTYPE)
         mask, slots = state.mask_for(x, self.name)
-        delta = F.linear(F.linear(x, self.lora_A) * mask, self.lora_B)
+        # Other slots' columns are left out by selection, not multiplied by 0: an Inf there never becomes a NaN in
+        # this token's output (0 * Inf = NaN), so no adapter can reach another request's tokens.
+        delta = F.linear(torch.where(mask, F.linear(x, self.lora_A), 0.0), self.lora_B)
         # As peft with fp32 adapter weights: the fp32 product times the scaling, added to the base output in fp32,
         # rounded once to the model's dtype.
         return (output + delta * self.scalings.index_select(0, slots).unsqueeze(-1)).to(output.dtype)

@@ -279,9 +279,10 @@ class ModelRunner:
         return logits.float()
 
     def move_blocks(self, batch: ScheduledBatch) -> None:
-        """Queue the step's swap-outs, swap-ins and copy-on-write copies, in that order (`run` does it first; a
-        step that only preempts, computing nothing, needs it alone)."""
+        """Queue the step's swap-outs, zeroing of stale blocks, swap-ins and copy-on-write copies, in that order
+        (`run` does it first; a step that computes nothing needs it alone)."""
         self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.zero_blocks(batch.zero_blocks)
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
 

@@ -22,6 +22,25 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     # Rows whose bans left no token to draw (their token is meaningless; the engine ends those samples).
     dead_rows: list[int] = field(default_factory=list)
+    # Rows whose model logits were not finite (their token is meaningless; the engine ends those samples and keeps
+    # their KV out of the prefix cache).
+    broken_rows: list[int] = field(default_factory=list)
+
+
+# Each row's fault code, brought to the host with its token: what `SamplerOutput` sorts rows by.
+NO_FAULT, NOTHING_DRAWABLE, NOT_FINITE = 0.0, 1.0, 2.0
+
+
+def row_faults(broken: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+    """(rows,) fault codes: NOT_FINITE where the model's logits were not finite (it outranks the rest), else
+    NOTHING_DRAWABLE where nothing was left to draw (`dead`, None: not checked), else NO_FAULT.
+
+    Args:
+        broken: (rows,) bool, logits not finite.
+        dead: (rows,) bool, no drawable token, or None.
+    """
+    codes = broken.double() * NOT_FINITE
+    return codes if dead is None else torch.where(broken, codes, dead.double() * NOTHING_DRAWABLE)
 
 
 class PendingSamples:
@@ -33,7 +52,7 @@ class PendingSamples:
         token_ids: torch.Tensor,
         parts: list[torch.Tensor],
         top_counts: list[int] | None,
-        dead: torch.Tensor | None = None,
+        faults: torch.Tensor | None = None,
     ):
         """
         Args:
@@ -41,14 +60,14 @@ class PendingSamples:
             parts: 1-D device tensors brought to the host together: token ids, then (with logprobs) the chosen
                 log-probs, then (with top log-probs) the flattened top values and top indices.
             top_counts: per row, how many top log-probs it asked for (None: top log-probs not computed).
-            dead: (rows,) bool, rows with no drawable token (None: not checked); copied with the rest, last.
+            faults: (rows,) `row_faults` codes (None: not checked); copied with the rest, last.
         """
         self.token_ids = token_ids
         self._rows = token_ids.shape[0]
         self._has_logprobs = len(parts) > 1
         self._top_counts = top_counts
-        self._checked = dead is not None
-        parts = parts if dead is None else [*parts, dead]
+        self._checked = faults is not None
+        parts = parts if faults is None else [*parts, faults]
         # float64 holds token ids exactly.
         self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
         self._fetched: SamplerOutput | None = None
@@ -66,9 +85,14 @@ class PendingSamples:
         host = self._host.tensor()
         rows = self._rows
         tokens = host[:rows].long().tolist()
-        dead_rows = host[-rows:].nonzero().flatten().tolist() if self._checked else []
+        dead_rows: list[int] = []
+        broken_rows: list[int] = []
+        if self._checked:
+            codes = host[-rows:]
+            dead_rows = (codes == NOTHING_DRAWABLE).nonzero().flatten().tolist()
+            broken_rows = (codes == NOT_FINITE).nonzero().flatten().tolist()
         if not self._has_logprobs:
-            return SamplerOutput(tokens, None, None, dead_rows)
+            return SamplerOutput(tokens, None, None, dead_rows, broken_rows)
         chosen = host[rows : 2 * rows].tolist()
         top = None
         if self._top_counts is not None:
@@ -80,7 +104,7 @@ class PendingSamples:
             top = [
                 pairs[start : start + count] for start, count in zip(range(0, rows * width, width), self._top_counts)
             ]
-        return SamplerOutput(tokens, chosen, top, dead_rows)
+        return SamplerOutput(tokens, chosen, top, dead_rows, broken_rows)
 
 
 @dataclass

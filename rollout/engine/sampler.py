@@ -9,7 +9,7 @@ import torch
 
 from rollout.engine.draw import sample_blocked, sample_from
 from rollout.engine.grammar import GrammarMasks
-from rollout.engine.pending_samples import PendingSamples
+from rollout.engine.pending_samples import PendingSamples, row_faults
 from rollout.engine.request import Request
 from rollout.engine.request_state import (
     apply_penalties,
@@ -41,6 +41,8 @@ class Sampler:
       3. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
          3b. structured outputs: a constrained row's grammar masks every token it does not allow next
          (`rollout.engine.grammar`; a row it leaves nothing is ended with an error naming the constraint);
+         a row whose model logits are not finite (NaN or +Inf: an adapter or the model overflowed) is flagged before
+         any of these and its sample ended with an error naming the adapter (or the base model);
       4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
          (`rollout.engine.warpers`, transformers' warper semantics);
       11. sample (`rollout.engine.draw`): greedy rows take the argmax; others draw by inverse CDF with one uniform
@@ -118,6 +120,9 @@ class Sampler:
             raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
         else:  # a group's samples share their leader's row for their first token
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
+        # A row whose model logits hold NaN or +Inf, or nothing above -Inf, is flagged (one reduction per row, brought
+        # to the host with the tokens): its sample ends with an error, never a meaningless token (amax propagates NaN).
+        broken = ~torch.isfinite(raw.amax(dim=-1))
         # Penalties, bans, min_new_tokens and grammars write into the scores in place; `raw` stays the model's logits.
         grammars = [request.constraint for request in requests]
         constrained = any(state is not None for state in grammars)
@@ -143,6 +148,7 @@ class Sampler:
             self.grammar_masks(scores, grammars)
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
         dead = ~torch.isfinite(scores).any(dim=-1) if banned else None
+        faults = row_faults(broken, dead)
         top_counts = None
         if return_logprobs and slots.any("top_logprobs"):
             top_counts = [request.sampling.top_logprobs for request in requests]
@@ -160,15 +166,15 @@ class Sampler:
             slots.state.record(columns, token_ids)
 
         if not return_logprobs:
-            return PendingSamples(token_ids, [token_ids], None, dead)
+            return PendingSamples(token_ids, [token_ids], None, faults)
         if self.full_rows:
             chosen, top = self._full_log_softmax(raw, scores, columns, token_ids, top_counts)
         else:
             chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_counts)
         if top is None:
-            return PendingSamples(token_ids, [token_ids, chosen], None, dead)
+            return PendingSamples(token_ids, [token_ids, chosen], None, faults)
         values, indices = top
-        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, dead)
+        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, faults)
 
     def _candidates(self, top_counts: list[int] | None) -> bool:
         """Whether the step draws from candidates: every live sampling slot sets top_k, and the candidates are

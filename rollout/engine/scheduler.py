@@ -148,6 +148,7 @@ class Scheduler:
             self._schedule_running(batch, budget)
             self._schedule_swapped(batch, budget, 0)
             self._schedule_waiting(batch, budget, 0)
+        batch.zero_blocks = self.block_manager.take_stale()  # freed up to now, this step's preemptions included
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:

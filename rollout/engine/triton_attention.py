@@ -5,6 +5,8 @@ PyTorch reference on GPU and, with `TRITON_INTERPRET=1`, on CPU.
 Layout: queries packed as (T, H, D); the cache layer as (num_blocks, block_size, Hkv, D). A program takes one KV
 head and a tile of query tokens of one sequence, and holds the `H / Hkv` query heads that share that KV head in the
 rows of its tile, so every key and value block is loaded once per KV head (decode: one token x the group's heads).
+Keys past a tile's last query (slots of its last block that the sequence has not written, which may hold a previous
+owner's NaN) are never loaded: a masked score is selected away, but 0 * NaN in the value product would not be.
 Scores and the softmax are fp32 (online softmax); sliding windows (a key is visible when q - window < k <= q) and
 logit soft-capping (`softcap * tanh(s / softcap)`, Gemma 2) are applied per score.
 
@@ -180,7 +182,7 @@ def _paged_attention_kernel(
             running_max, running_sum, acc = _attend_keys(
                 q, k_cache_ptr + physical * stride_kb + slots * stride_ks + kv_head * stride_kh,
                 v_cache_ptr + physical * stride_vb + slots * stride_vs + kv_head * stride_vh,
-                block * BLOCK_N + slots, slots < BLOCK_N, dims, dim_valid, query_pos, row_valid,
+                block * BLOCK_N + slots, block * BLOCK_N + slots < hi, dims, dim_valid, query_pos, row_valid,
                 running_max, running_sum, acc, scale, softcap, window, USE_SOFTCAP, USE_WINDOW, DOT_PRECISION, UPCAST,
             )  # fmt: skip
     else:  # several blocks per iteration: their table entries load together and each product covers more keys
@@ -188,7 +190,7 @@ def _paged_attention_kernel(
         slot = keys % BLOCK_N
         for first in range(block_lo, block_hi, BLOCKS_PER_ITER):
             block = first + keys // BLOCK_N
-            valid = block < block_hi
+            valid = (block < block_hi) & (block * BLOCK_N + slot < hi)  # no slot past the tile's last query
             physical = tl.load(block_table_ptr + seq * stride_bt + block, mask=valid, other=0).to(tl.int64)
             running_max, running_sum, acc = _attend_keys(
                 q, k_cache_ptr + physical * stride_kb + slot * stride_ks + kv_head * stride_kh,

@@ -87,7 +87,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run
         parser.error(str(error))
-    serve_start_adapters(parser, args.lora, manager.engine)
+    serve_start_adapters(parser, args.lora, manager.engine, args.model)
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     auth = None
     if args.curve_secret_key is not None:
@@ -165,6 +165,7 @@ def check_flags(
             require_extra("lora", f"--lora {args.lora[0]}")
         except MissingExtra as error:
             parser.error(str(error))
+        lora_specs(parser, args.lora, args.model)
     try:
         config = _engine_config(args)
     except ValueError as error:
@@ -214,16 +215,44 @@ def _limits(args: argparse.Namespace) -> WorkerLimits:
     )
 
 
-def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine) -> None:
-    """Serve the `--lora NAME=PATH` adapters from the start (a usage error names a bad one)."""
+def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
+    """The `--lora NAME=PATH` flags as (name, path) pairs; a usage error names a malformed one, a name given twice
+    or one that is the served model's (`--model`, which requests name to mean the base model).
+
+    Args:
+        parser: rollout-worker's parser.
+        specs: the --lora values.
+        model_name: the served model's name (--model).
+    """
+    pairs: dict[str, str] = {}
     for spec in specs:
         name, separator, path = spec.partition("=")
         if not separator or not name or not path:
             parser.error(f"--lora {spec}: expected NAME=PATH")
+        if name in pairs:
+            parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
+        if name == model_name:
+            parser.error(f"--lora {spec}: {name!r} is the served model's name (--model): give the adapter another one")
+        pairs[name] = path
+    return list(pairs.items())
+
+
+def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine, model_name: str) -> None:
+    """Serve the `--lora NAME=PATH` adapters from the start (a usage error names a bad one); from then on no adapter
+    may take the served model's name (`AdapterTable.reserved_names`), pushed or loaded.
+
+    Args:
+        parser: rollout-worker's parser.
+        specs: the --lora values.
+        engine: the worker's engine.
+        model_name: the served model's name (--model).
+    """
+    engine.runner.adapters.reserved_names.add(model_name)
+    for name, path in lora_specs(parser, specs, model_name):
         try:
             engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path)))
         except ValueError as error:
-            parser.error(f"--lora {spec}: {error}")
+            parser.error(f"--lora {name}={path}: {error}")
         logger.info("serving LoRA adapter %s from %s", name, path)
 
 
