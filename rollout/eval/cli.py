@@ -14,14 +14,13 @@ where each prompt's completions first differ: the check to run after changing a 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-from typing import Any
 
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
+from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
+from rollout.eval.output import check_output, write_rows, write_summary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         "messages is rendered as is)",
     )
     add("--num-samples", type=int, default=None, help="evaluate the first N rows only (default: all)")
+    add(
+        "--max-line-chars",
+        type=int,
+        default=DEFAULT_MAX_LINE_CHARS,
+        metavar="N",
+        help="the longest line of a JSONL or CSV dataset, and the longest prompt, in characters; a longer one is "
+        f"refused at once, naming its line or row (default: {DEFAULT_MAX_LINE_CHARS})",
+    )
     add("--n", type=int, default=1, help="samples per prompt (default: 1; pass@k is reported when n > 1)")
     add("--max-new-tokens", type=int, default=256, help="most tokens per sample (default: 256)")
     add("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
@@ -90,7 +97,9 @@ def check_flags(args: argparse.Namespace) -> None:
     Raises:
         EvalError: naming the flag and what to do.
     """
-    positive = dict(n=args.n, max_new_tokens=args.max_new_tokens, num_samples=args.num_samples)
+    positive = dict(
+        n=args.n, max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, max_line_chars=args.max_line_chars
+    )
     for name, value in positive.items():
         if value is not None and value < 1:
             raise EvalError(f"--{name.replace('_', '-')} {value}: must be at least 1")
@@ -116,23 +125,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.metric is not None and args.answer_field is None:
         raise EvalError(f"--metric {args.metric} scores against reference answers: pass --answer-field too")
     if args.output is not None:
-        _check_output(args.output, args.dataset)
-
-
-def _check_output(output: str, dataset: str) -> None:
-    """--output names a file this run can write and that is not its own dataset (checked before anything runs, so
-    an hour of generation is never lost to an unwritable path)."""
-    path = os.path.abspath(os.path.expanduser(output))
-    folder = os.path.dirname(path)
-    if not output or os.path.isdir(path):
-        raise EvalError(f"--output {output!r}: name a file to write the rows to, e.g. --output eval.jsonl")
-    if not os.path.isdir(folder):
-        raise EvalError(f"--output {output}: no such directory {folder}")
-    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise EvalError(f"--output {output}: {path if os.path.exists(path) else folder} is not writable")
-    source = os.path.expanduser(dataset)
-    if os.path.isfile(source) and os.path.exists(path) and os.path.samefile(path, source):
-        raise EvalError(f"--output {output} is the dataset itself: write the rows to another file")
+        check_output(args.output, args.dataset)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,15 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args)
         from rollout.eval.session import evaluate  # torch and transformers load here, after the cheap checks
 
-        summary, lines = evaluate(args, lambda rows: _write_rows(args.output, rows))
+        summary, lines = evaluate(args, lambda rows: write_rows(args.output, rows))
         if args.compare_with_generate > summary["prompts"]:
             lines.append(
                 f"(--compare-with-generate {args.compare_with_generate}: the dataset has {summary['prompts']} prompts)"
             )
         print("\n".join(lines), flush=True)
         if args.output is not None:
-            _write_json(f"{args.output}.summary.json", summary)
-            print(f"rows: {args.output} ({summary['samples']}), summary: {args.output}.summary.json", flush=True)
+            written = write_summary(args.output, summary)
+            print(f"rows: {args.output} ({summary['samples']}), summary: {written}", flush=True)
     except EvalError as error:
         print(f"rollout-eval: error: {error}", file=sys.stderr)
         return 2
@@ -158,29 +151,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout-eval: {interrupt or 'interrupted'}", file=sys.stderr)
         return 130
     return 0
-
-
-def _write_rows(path: str | None, rows: list[dict[str, Any]]) -> str | None:
-    """The rows as JSONL at `path` (None: not written); non-ASCII text as itself, values JSON lacks (dates) as text.
-
-    Raises:
-        EvalError: the file cannot be written.
-    """
-    if path is None:
-        return None
-    try:
-        with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
-            for row in rows:
-                file.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
-    except OSError as error:
-        raise EvalError(f"--output {path}: cannot be written ({error.strerror or error})") from None
-    return path
-
-
-def _write_json(path: str, summary: dict[str, Any]) -> None:
-    """The summary as JSON beside the rows."""
-    try:
-        with open(os.path.expanduser(path), "w", encoding="utf-8") as file:
-            json.dump(summary, file, indent=2, default=str)
-    except OSError as error:
-        raise EvalError(f"--output {path}: cannot be written ({error.strerror or error})") from None

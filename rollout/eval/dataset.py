@@ -1,22 +1,24 @@
 """`rollout-eval --dataset`: rows from a local JSONL / JSON, CSV or Parquet file, a local dataset directory, or a
 `datasets` hub dataset (`name[:config]`).
 
-Local files are read as written: JSON values keep their types (an answer `5` stays 5, not 5.0 beside a 2.5), CSV
-fields stay strings ("007" stays "007"; "NA" is text, not missing), Parquet values keep the file's schema; a
-malformed line is named. Directories and hub datasets go through `datasets.load_dataset`. Every source takes the same
-`--split` (a file has one split, "train"; `datasets` slicing such as "train[:100]" or "test[:10%]" works on all).
+Local files are read as written (`file_rows.py`: JSON values keep their types, CSV fields stay strings), regular files
+only, line by line with a limit on each line's length; a malformed line is named. Directories and hub datasets go
+through `datasets.load_dataset`. Every source takes the same `--split` (a file has one split, "train"; `datasets`
+slicing such as "train[:100]" or "test[:10%]" works on all).
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
 
+from rollout.eval.file_rows import DatasetError, read_file_rows
+from rollout.eval.files import DEFAULT_MAX_LINE_CHARS, FileRefused, check_regular
 from rollout.hub import check_hub_source, first_line, is_local_path
+
+__all__ = ["DatasetError", "check_fields", "load_rows"]
 
 READERS = (".jsonl", ".json", ".csv", ".parquet")
 # Endings that mark a name as a file the user meant (not a hub id), even one rollout-eval cannot read.
@@ -26,11 +28,9 @@ FILE_LIKE = (*READERS, ".txt", ".tsv", ".arrow", ".xlsx", ".xls", ".gz", ".zip",
 DEFAULT_FILE_SPLIT, DEFAULT_HUB_SPLIT = "train", "test"
 
 
-class DatasetError(ValueError):
-    """A dataset that cannot be read as asked; the message names the flag and says what to do."""
-
-
-def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[dict[str, Any]]:
+def load_rows(
+    dataset: str, split: str | None, num_samples: int | None, max_line_chars: int = DEFAULT_MAX_LINE_CHARS
+) -> list[dict[str, Any]]:
     """The first `num_samples` rows (all when None) of `dataset`'s `split`.
 
     Args:
@@ -39,21 +39,28 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
         split: the split to read (None: "train" for a file or directory, "test" for a hub dataset), with `datasets`
             slicing ("test[:100]", "train[10%:20%]").
         num_samples: how many rows from the start of the split (None: all).
+        max_line_chars: the longest line of a local JSONL or CSV file read, in characters (a longer one is refused
+            at once, naming its line).
     Raises:
-        DatasetError: no such file, an unknown file type, a malformed file, an unknown split, no rows, or a hub
-            dataset this machine cannot get.
+        DatasetError: no such file, a path that is not a regular file (a FIFO, a device), an unknown file type, a
+            malformed or over-long line, an unknown split, no rows, or a hub dataset this machine cannot get.
     """
     folder, _, folder_config = dataset.partition(":")
     path = os.path.expanduser(dataset)
     if os.path.isdir(os.path.expanduser(folder)):  # e.g. what `hf download --repo-type dataset` fetched
         rows = _load_with_datasets(dataset, dict(path=os.path.expanduser(folder), name=folder_config or None), split)
     elif is_local_path(dataset) or os.path.splitext(dataset)[1].lower() in FILE_LIKE:
-        if not os.path.isfile(path):
-            raise DatasetError(f"--dataset {dataset}: no such file")
+        try:
+            if not check_regular(path):
+                raise DatasetError(f"--dataset {dataset}: no such file")
+        except FileRefused as error:
+            raise DatasetError(
+                f"--dataset {dataset}: {error}; save the rows to a file ({', '.join(READERS)}) and pass that"
+            ) from None
         ending = os.path.splitext(path)[1].lower()
         if ending not in READERS:
             raise DatasetError(f"--dataset {dataset}: expected a file ending in {', '.join(READERS)}")
-        rows = _slice(_read_file(dataset, path, ending), split or DEFAULT_FILE_SPLIT, dataset)
+        rows = _slice(read_file_rows(dataset, path, ending, max_line_chars), split or DEFAULT_FILE_SPLIT, dataset)
     else:
         name, _, config = dataset.partition(":")
         cached_only = check_hub_source(name, "--dataset", repo_type="dataset")
@@ -62,59 +69,6 @@ def load_rows(dataset: str, split: str | None, num_samples: int | None) -> list[
     if not rows:
         raise DatasetError(f"--dataset {dataset}: no rows{'' if split is None else f' in split {split}'}")
     return rows[:num_samples] if num_samples is not None else rows
-
-
-def _read_file(dataset: str, path: str, ending: str) -> list[dict[str, Any]]:
-    """A local file's rows as written; a malformed line or row is a DatasetError naming it."""
-    try:
-        if ending == ".parquet":
-            import pyarrow.parquet
-
-            return pyarrow.parquet.read_table(path).to_pylist()
-        with open(path, encoding="utf-8", newline="") as file:
-            if ending == ".csv":
-                return _read_csv(dataset, file)
-            if ending == ".json" and file.read(1) == "[":  # a JSON array of rows
-                file.seek(0)
-                rows = json.load(file)
-            else:
-                file.seek(0)
-                rows = [_json_line(dataset, number, line) for number, line in enumerate(file, 1) if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DatasetError(f"--dataset {dataset}: cannot be read ({first_line(error)})") from None
-    except Exception as error:  # pyarrow's own errors for a file that is no Parquet
-        raise DatasetError(
-            f"--dataset {dataset}: cannot be read ({type(error).__name__}: {first_line(error)})"
-        ) from None
-    for index, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise DatasetError(f"--dataset {dataset}: row {index} is a {type(row).__name__}, not an object of fields")
-    return rows
-
-
-def _json_line(dataset: str, number: int, line: str) -> Any:
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as error:
-        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg})") from None
-
-
-def _read_csv(dataset: str, file: Any) -> list[dict[str, Any]]:
-    """CSV rows as strings under the header's names; a row with more or fewer fields than the header is named."""
-    reader = csv.reader(file)
-    header = next(reader, None)
-    if header is None:
-        return []
-    rows = []
-    for fields in reader:
-        if not fields:
-            continue
-        if len(fields) != len(header):
-            raise DatasetError(
-                f"--dataset {dataset}: line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
-            )
-        rows.append(dict(zip(header, fields)))
-    return rows
 
 
 def _slice(rows: list[dict[str, Any]], split: str, dataset: str) -> list[dict[str, Any]]:

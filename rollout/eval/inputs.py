@@ -62,7 +62,7 @@ def load_inputs(args: argparse.Namespace) -> EvalInputs:
         config = batch_config_from_pairs(args.batch_config, **({} if args.seed is None else dict(seed=args.seed)))
         device_spec = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         device = torch_device(device_spec, f"--device {device_spec}")
-        rows = load_rows(args.dataset, args.split, args.num_samples)
+        rows = load_rows(args.dataset, args.split, args.num_samples, args.max_line_chars)
         check_fields(rows, args.dataset, prompt_field=args.prompt_field, answer_field=args.answer_field)
     except FieldError as error:
         raise EvalError(f"--batch-config {error}") from None
@@ -80,7 +80,7 @@ def load_inputs(args: argparse.Namespace) -> EvalInputs:
         )
     prompts = [row[args.prompt_field] for row in rows]
     try:
-        prompt_ids = tokenize_prompts(tokenizer, prompts, args.chat, args.prompt_field)
+        prompt_ids = tokenize_prompts(tokenizer, prompts, args.chat, args.prompt_field, args.max_line_chars)
     except PromptError as error:
         raise EvalError(str(error)) from None
     return EvalInputs(metric, config, model, tokenizer, prompts, prompt_ids, answers)

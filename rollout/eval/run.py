@@ -38,17 +38,31 @@ class Generated:
         return sum(len(row["token_ids"]) for row in self.rows)
 
 
-def tokenize_prompts(tokenizer: Any, prompts: list[Any], chat: bool, prompt_field: str) -> list[list[int]]:
+def tokenize_prompts(
+    tokenizer: Any, prompts: list[Any], chat: bool, prompt_field: str, max_chars: int | None = None
+) -> list[list[int]]:
     """Each prompt as token ids: text as the tokenizer encodes it (a number as its text), or with `chat` rendered by
     the tokenizer's chat template as a user turn (a prompt that already is a list of {"role", "content"} messages is
     rendered as is), with the assistant's turn opened.
 
+    Args:
+        tokenizer: the model's tokenizer.
+        prompts: each row's prompt as the dataset holds it.
+        chat: render through the chat template.
+        prompt_field: the field the prompts came from (named in errors).
+        max_chars: the longest prompt tokenized, in characters (a message list: its contents together); a longer
+            one is refused before the tokenizer spends minutes and gigabytes on it (None: no limit).
     Raises:
-        PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list, or a
-            prompt that encodes to no tokens.
+        PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list, a prompt
+            over `max_chars`, or a prompt that encodes to no tokens.
     """
     encoded = []
     for index, prompt in enumerate(prompts):
+        if max_chars is not None and _length(prompt) > max_chars:
+            raise PromptError(
+                f"--prompt-field {prompt_field}: row {index} holds a prompt of {_length(prompt):,} characters, over "
+                f"--max-line-chars {max_chars}; shorten or leave out such rows, or raise --max-line-chars"
+            )
         if prompt is None or prompt == "" or prompt == []:
             raise PromptError(f"--prompt-field {prompt_field}: row {index} has an empty prompt")
         if isinstance(prompt, list) and not chat:
@@ -76,6 +90,13 @@ def tokenize_prompts(tokenizer: Any, prompts: list[Any], chat: bool, prompt_fiel
             raise PromptError(f"--prompt-field {prompt_field}: row {index} encodes to no tokens")
         encoded.append(ids)
     return encoded
+
+
+def _length(prompt: Any) -> int:
+    """A prompt's length in characters: its text, or a message list's contents together."""
+    if isinstance(prompt, list):
+        return sum(len(str(message.get("content", ""))) if isinstance(message, dict) else 0 for message in prompt)
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def generate(

@@ -1,0 +1,167 @@
+"""A local dataset file's rows, read as written: JSON values keep their types (an answer `5` stays 5, not 5.0 beside a
+2.5), CSV fields stay strings ("007" stays "007"; "NA" is text, not missing), Parquet values keep the file's schema.
+
+Only a regular file is read (a FIFO or /dev/zero is refused by name, never waited on), JSONL and CSV line by line
+with a limit on each line's length (`files.read_lines`: a 50 MB line is refused at the limit, never held whole), and
+every flaw is a `DatasetError` naming the file and its line (or row): a malformed line, bytes that are not UTF-8, a
+JSON string holding a lone surrogate (a `"\\ud800"` escape: no tokenizer or UTF-8 file can hold it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from rollout.eval.files import FileRefused, open_for_reading, read_lines
+from rollout.hub import first_line
+
+# The flag that raises the limit on a line's length, named in its error.
+LIMIT_FLAG = "--max-line-chars"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be read as asked; the message names the flag and says what to do."""
+
+
+def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) -> list[dict[str, Any]]:
+    """A local file's rows as written.
+
+    Args:
+        dataset: the dataset as given (named in errors).
+        path: its path, user-expanded.
+        ending: its ending: ".jsonl", ".json" (a JSON array of rows, or JSON lines), ".csv" or ".parquet".
+        max_line_chars: the longest JSONL or CSV line read, in characters.
+    Raises:
+        DatasetError: naming the file and what is wrong: not a regular file, unreadable, a malformed, over-long or
+            non-UTF-8 line, a string that is not valid Unicode, a row that is not an object of fields.
+    """
+    try:
+        with open_for_reading(path) as file:
+            if ending == ".parquet":
+                import pyarrow.parquet
+
+                return _objects(dataset, pyarrow.parquet.read_table(file).to_pylist())
+            if ending == ".csv":
+                return _read_csv(dataset, read_lines(file, max_line_chars, LIMIT_FLAG), max_line_chars)
+            if ending == ".json" and file.read(1) == b"[":  # a JSON array of rows: a regular file, held whole
+                file.seek(0)
+                rows = json.loads(file.read().decode("utf-8"))
+                for index, row in enumerate(rows):
+                    _check_text(dataset, f"row {index}", row)
+                return _objects(dataset, rows)
+            file.seek(0)
+            lines = read_lines(file, max_line_chars, LIMIT_FLAG)
+            return _objects(dataset, [_json_line(dataset, number, line) for number, line in lines if line.strip()])
+    except DatasetError:
+        raise
+    except FileRefused as error:
+        raise DatasetError(f"--dataset {dataset}: {error}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise DatasetError(f"--dataset {dataset}: cannot be read ({first_line(error)})") from None
+    except Exception as error:  # pyarrow's own errors for a file that is no Parquet
+        raise DatasetError(
+            f"--dataset {dataset}: cannot be read ({type(error).__name__}: {first_line(error)})"
+        ) from None
+
+
+def _objects(dataset: str, rows: list[Any]) -> list[dict[str, Any]]:
+    """The rows, each checked to be an object of fields."""
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(f"--dataset {dataset}: row {index} is a {type(row).__name__}, not an object of fields")
+    return rows
+
+
+def _json_line(dataset: str, number: int, line: str) -> Any:
+    """One JSONL line's value, its strings checked to be valid Unicode."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg})") from None
+    except RecursionError:
+        raise DatasetError(f"--dataset {dataset}: line {number} is nested too deeply to read") from None
+    _check_text(dataset, f"line {number}", row)
+    return row
+
+
+def _check_text(dataset: str, where: str, value: Any) -> None:
+    """Every string in a JSON value (keys too) is valid Unicode: JSON's "\\ud800" escapes can make lone surrogates,
+    which no tokenizer encodes and no UTF-8 file holds.
+
+    Raises:
+        DatasetError: naming the line (or row) and the field, e.g. "line 3, field prompt[0].content".
+    """
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:  # not recursive: a deeply nested line must not exhaust the stack
+        field, item = pending.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                refused = next(char for char in item if 0xD800 <= ord(char) <= 0xDFFF)
+                raise DatasetError(
+                    f"--dataset {dataset}: {where}, field {field or '(the value itself)'}: holds a lone surrogate "
+                    f"({ascii(refused)[1:-1]}), which is not text a tokenizer can read; fix or drop that \\u escape"
+                )
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if not _is_text(key):
+                    raise DatasetError(
+                        f"--dataset {dataset}: {where}: the field name {ascii(key)} holds a lone surrogate, which is "
+                        "not text; fix or drop that \\u escape"
+                    )
+                pending.append((f"{field}.{key}" if field else key, child))
+        elif isinstance(item, list):
+            pending.extend((f"{field}[{index}]", child) for index, child in enumerate(item))
+
+
+def _is_text(value: str) -> bool:
+    """Whether a string is valid Unicode text (encodes as UTF-8: no lone surrogates)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _read_csv(dataset: str, lines: Iterable[tuple[int, str]], max_chars: int) -> list[dict[str, Any]]:
+    """CSV rows as strings under the header's names; a row with more or fewer fields than the header is named, and
+    so is a field longer than `max_chars` (a quoted field may span lines: an unclosed quote would take the rest)."""
+    with _field_limit(max_chars):
+        reader = csv.reader(line for _, line in lines)
+        try:
+            header = next(reader, None)
+            if header is None:
+                return []
+            rows = []
+            for fields in reader:
+                if not fields:
+                    continue
+                if len(fields) != len(header):
+                    raise DatasetError(
+                        f"--dataset {dataset}: line {reader.line_num} has {len(fields)} fields, the header "
+                        f"{len(header)}"
+                    )
+                rows.append(dict(zip(header, fields)))
+        except csv.Error as error:
+            if "field larger than field limit" in str(error):
+                raise DatasetError(
+                    f"--dataset {dataset}: line {reader.line_num}: a field is longer than {max_chars:,} characters "
+                    f"(the limit, {LIMIT_FLAG} {max_chars}; a quote left open?); shorten or leave out such fields, "
+                    f"or raise {LIMIT_FLAG}"
+                ) from None
+            raise DatasetError(f"--dataset {dataset}: line {reader.line_num} is not CSV ({error})") from None
+    return rows
+
+
+@contextlib.contextmanager
+def _field_limit(limit: int) -> Iterator[None]:
+    """csv's limit on a field's length set to `limit` while reading (it is process-wide: restored after)."""
+    before = csv.field_size_limit(limit)
+    try:
+        yield
+    finally:
+        csv.field_size_limit(before)
