@@ -192,7 +192,8 @@ class StreamWatch:
         with httpx.Client(base_url=url, timeout=60) as client:
             while not self._stop.is_set():
                 start = time.monotonic()
-                assert client.get("/health").status_code == 200
+                status = client.get("/health").status_code
+                assert status == 200, status
                 self.probes.append(time.monotonic() - start)
                 time.sleep(0.02)
 

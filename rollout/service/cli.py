@@ -15,6 +15,7 @@ import sys
 from rollout.config import ATTENTION_BACKENDS, SCHEDULER_TYPES
 from rollout.service.address_checks import check_bind
 from rollout.service.http.settings import (
+    DEFAULT_MAX_ANSWER_LOGPROBS,
     HEAD_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
     MAX_WAITING_CONNECTIONS,
@@ -72,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16 << 20,
         help="largest HTTP request body; larger ones are answered 413 (default: 16 MiB)",
+    )
+    add(
+        "--http-max-receiving-bytes",
+        type=int,
+        default=None,
+        help="most bytes of HTTP request bodies held at once (being received or parsed) for all clients; past it a "
+        "request is answered 503 (default: 16 x --http-max-body-bytes)",
+    )
+    add(
+        "--http-max-receiving-bytes-per-client",
+        type=int,
+        default=None,
+        help="the same for one client address; past it, 429 (default: 4 x --http-max-body-bytes; behind a proxy "
+        "every client has the proxy's address: raise it)",
+    )
+    add(
+        "--http-max-answer-logprobs",
+        type=int,
+        default=DEFAULT_MAX_ANSWER_LOGPROBS,
+        help="most log-prob entries a whole (not streamed) answer may hold; a request that could exceed it is "
+        f"answered 400 before it starts (default: {DEFAULT_MAX_ANSWER_LOGPROBS})",
     )
     add(
         "--http-head-timeout",

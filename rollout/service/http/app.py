@@ -18,13 +18,14 @@ from starlette.exceptions import HTTPException
 
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
+from rollout.service.http.bodies import BodyIntake, ReceiveBudget
 from rollout.service.http.bridge import ClientGone
 from rollout.service.http.endpoints import Answer, OpenAIEndpoints
 from rollout.service.http.errors import APIError, SafeJSONResponse
-from rollout.service.http.guard import RequestGuard, read_body
+from rollout.service.http.guard import RequestGuard
 from rollout.service.http.served_models import model_list
 from rollout.service.http.settings import HttpSettings
-from rollout.service.http.tokenize import TokenizeEndpoints, parse_json
+from rollout.service.http.tokenize import TokenizeEndpoints
 
 # The paths the API serves (what the HTTP metrics name; any other path is reported as "other").
 ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
@@ -48,7 +49,9 @@ def build_app(
     app = FastAPI(
         title="rollout", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=SafeJSONResponse
     )
-    model_name, max_body_bytes = settings.model_name, settings.max_body_bytes
+    model_name = settings.model_name
+    budget = ReceiveBudget(settings.max_receiving_bytes, settings.max_receiving_bytes_per_client)
+    bodies = BodyIntake(settings.max_body_bytes, budget)
     endpoints = OpenAIEndpoints(
         manager,
         model_name,
@@ -58,8 +61,14 @@ def build_app(
         settings.trust_request_chat_template,
         counters,
         settings.tool_call_parser,
+        settings.max_answer_logprobs,
     )
-    app.state.close = endpoints.close  # what the server calls once it stopped (the compile threads)
+
+    def close() -> None:  # what the server calls once it stopped: the compile and parse threads
+        endpoints.close()
+        bodies.close()
+
+    app.state.close = close
     engine = manager.engine
     tokens = TokenizeEndpoints(
         tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits, engine.runner.adapters.refs
@@ -100,10 +109,10 @@ def build_app(
         return await _generate(request, chat=True)
 
     async def _generate(request: Request, chat: bool) -> Any:
-        raw = await read_body(request, max_body_bytes)
         loop = asyncio.get_running_loop()
-        try:  # parsing, tokenizing and checking are slow work (a worker thread); a constraint compiles on its own
-            answer = await asyncio.to_thread(lambda: endpoints.prepare(parse_json(raw), chat))
+        try:  # parsing, tokenizing and checking are slow work (worker threads); a constraint compiles on its own
+            async with bodies.body(request) as body:
+                answer = await asyncio.to_thread(endpoints.prepare, body, chat)
             await endpoints.compile(answer)
         except APIError:
             counters.group_refused()
@@ -131,14 +140,14 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        raw = await read_body(request, max_body_bytes)
-        ids = await asyncio.to_thread(tokens.tokenize, raw)
+        async with bodies.body(request) as body:
+            ids = await asyncio.to_thread(tokens.tokenize, body)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        raw = await read_body(request, max_body_bytes)
-        return {"prompt": await asyncio.to_thread(tokens.detokenize, raw)}
+        async with bodies.body(request) as body:
+            return {"prompt": await asyncio.to_thread(tokens.detokenize, body)}
 
     return app
 

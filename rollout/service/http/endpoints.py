@@ -18,6 +18,7 @@ from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service.constraint_compiles import COMPILE_THREADS
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
+from rollout.service.http.answer_size import check_answer_size
 from rollout.service.http.bridge import MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
@@ -25,6 +26,7 @@ from rollout.service.http.errors import APIError, bad_field, busy, json_bytes
 from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 from rollout.service.http.served_models import requested_adapter
+from rollout.service.http.settings import DEFAULT_MAX_ANSWER_LOGPROBS
 from rollout.service.http.structured_fields import structured_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -67,6 +69,7 @@ class OpenAIEndpoints:
         trust_request_chat_template: bool = False,
         counters: GroupCounters | None = None,
         tool_call_parser: str | None = None,
+        max_answer_logprobs: int = DEFAULT_MAX_ANSWER_LOGPROBS,
     ):
         """
         Args:
@@ -80,6 +83,7 @@ class OpenAIEndpoints:
             counters: the worker's group counters (None: a fresh set).
             tool_call_parser: how chat answers' tool calls are read (`tool_calls.TOOL_CALL_PARSERS`; None: chat
                 requests that ask for tool calls are refused).
+            max_answer_logprobs: most log-prob entries a whole answer may hold (`answer_size.check_answer_size`).
         """
         self.manager = manager
         self.model_name = model_name
@@ -90,6 +94,7 @@ class OpenAIEndpoints:
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.counters = GroupCounters() if counters is None else counters
         self.tool_call_parser = tool_call_parser
+        self.max_answer_logprobs = max_answer_logprobs
         self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rollout-http-compile")
         self._compiles_waiting = 0
 
@@ -147,6 +152,7 @@ class OpenAIEndpoints:
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring
         )
+        check_answer_size(request, chat, self.max_answer_logprobs)
         named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
         submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter)
         prefix = "chatcmpl" if chat else "cmpl"

@@ -1,5 +1,5 @@
-"""What every HTTP request passes before a handler sees it: the API key, the Host header of a loopback-only server
-(so a web page cannot reach it through DNS rebinding), and reading a JSON body within a size and a time limit.
+"""What every HTTP request passes before a handler sees it: the API key, and the Host header of a loopback-only
+server (so a web page cannot reach it through DNS rebinding). Bodies are read by bodies.py.
 
 The key and host checks are a pure ASGI middleware, not Starlette's BaseHTTPMiddleware: that one wraps `receive`,
 and a handler then no longer sees its client leave.
@@ -7,21 +7,14 @@ and a handler then no longer sees its client leave.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import Any
 
-from fastapi import Request
-from starlette.requests import ClientDisconnect
-
-from rollout.service.http.bridge import ClientGone
 from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.loopback_hosts import is_loopback_host
 
 # Paths anyone may call without the API key (load balancers probe them).
 OPEN_PATHS = ("/health",)
-# Most seconds a client may take to send its request body.
-BODY_TIMEOUT_S = 30.0
 
 
 class RequestGuard:
@@ -54,33 +47,3 @@ class RequestGuard:
                 await SafeJSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's JSON body as bytes, read no further than `limit` bytes and `BODY_TIMEOUT_S` seconds.
-
-    Raises:
-        APIError: not declared as JSON (415), over the limit (413), too slow (408).
-        ClientGone: the client left while sending it.
-    """
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind != "application/json":
-        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got {kind or 'none'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {limit}")
-    body = bytearray()
-
-    async def read() -> None:
-        async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
-                raise APIError(413, f"the request body is over {limit} bytes, the most this worker takes")
-
-    try:
-        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
-    except ClientDisconnect:
-        raise ClientGone from None
-    return bytes(body)

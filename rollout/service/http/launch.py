@@ -50,6 +50,17 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     ):
         if not (math.isfinite(value) and value > 0):
             parser.error(f"{flag} {value}: must be a number of seconds > 0")
+    for flag, value in (
+        ("--http-max-receiving-bytes-per-client", args.http_max_receiving_bytes_per_client),
+        ("--http-max-receiving-bytes", args.http_max_receiving_bytes),
+    ):
+        if value is not None and value < args.http_max_body_bytes:
+            parser.error(f"{flag} {value}: must be at least --http-max-body-bytes ({args.http_max_body_bytes})")
+    total, per_client = args.http_max_receiving_bytes, args.http_max_receiving_bytes_per_client
+    if total is not None and per_client is not None and total < per_client:
+        parser.error(f"--http-max-receiving-bytes {total}: must be at least --http-max-receiving-bytes-per-client")
+    if args.http_max_answer_logprobs < 1:
+        parser.error(f"--http-max-answer-logprobs {args.http_max_answer_logprobs}: must be at least 1")
     if args.http_max_waiting_connections < 1:
         parser.error(f"--http-max-waiting-connections {args.http_max_waiting_connections}: must be at least 1")
     if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None:
@@ -93,6 +104,9 @@ def start_http(
             max_n=limits.max_n,
             max_prompt_len=worker.max_prompt_len,
             max_body_bytes=args.http_max_body_bytes,
+            max_receiving_bytes=args.http_max_receiving_bytes,
+            max_receiving_bytes_per_client=args.http_max_receiving_bytes_per_client,
+            max_answer_logprobs=args.http_max_answer_logprobs,
             api_key=args.api_key,
             trust_request_chat_template=args.trust_request_chat_template,
             head_timeout_s=args.http_head_timeout,

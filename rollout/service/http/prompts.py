@@ -12,6 +12,7 @@ from rollout.service.http.template_inputs import check_rendered_size, template_v
 from rollout.service.http.tool_calls import ToolsError, ToolSpec, check_tools
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
+MAX_TOOLS = 128  # tools in one chat request (OpenAI's own limit)
 # Text longer than this many characters per token of the longest prompt is refused before it is tokenized (no
 # tokenizer makes tokens that long on ordinary text), so that a huge text cannot tie the worker up tokenizing it.
 MAX_CHARS_PER_TOKEN = 32
@@ -108,6 +109,9 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
 
 def tool_spec(body: dict[str, Any]) -> ToolSpec:
     """A chat body's `tools` and `tool_choice`, checked (a 400 naming the field, and the part of it at fault)."""
+    tools = body.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise bad_field("tools", f"{len(tools)} tools; a request may have at most {MAX_TOOLS} (as OpenAI's API)")
     try:
         return check_tools(body.get("tools"), body.get("tool_choice"))
     except ToolsError as error:

@@ -9,6 +9,9 @@ from rollout.config import FieldError
 from rollout.service.sockets import is_loopback
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Log-prob entries of a whole answer: each costs about 400 bytes of memory while the answer is built, so 2^19 bound
+# one answer to about 200 MB (a 2,000-token prompt's 20 top log-probs echoed into 128 choices are 5.4 million).
+DEFAULT_MAX_ANSWER_LOGPROBS = 1 << 19
 # The tool-call formats --tool-call-parser reads (rollout.service.http.tool_calls.TOOL_CALL_PARSERS).
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json")
 # Seconds a connection may take to send a complete request head, from when it connected (or its last answer ended).
@@ -30,6 +33,13 @@ class HttpSettings:
         max_n: most samples per request (`n` times the number of prompts).
         max_prompt_len: longest prompt, in tokens.
         max_body_bytes: largest request body (larger ones are answered 413).
+        max_receiving_bytes: most bytes of request bodies the worker holds at once, being received or parsed, for
+            all clients (past it a request is answered 503; None: 16 x max_body_bytes).
+        max_receiving_bytes_per_client: the same for one client address (past it, 429; None: 4 x max_body_bytes).
+            Behind a proxy every client has the proxy's address: raise it to max_receiving_bytes.
+        max_answer_logprobs: most log-prob entries a whole (not streamed) answer may hold: its choices' prompt and
+            completion log-probs, each with its top alternatives (a request that could exceed it is answered 400
+            before it starts; streamed answers are never held whole).
         api_key: every path but /health needs `Authorization: Bearer <api_key>` (None: no key).
         trust_request_chat_template: requests may bring their own chat template (code the worker runs).
         head_timeout_s: seconds a connection may take to send a complete request head (then it is closed).
@@ -47,6 +57,9 @@ class HttpSettings:
     max_n: int = 1024
     max_prompt_len: int = 1 << 20
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_receiving_bytes: int | None = None
+    max_receiving_bytes_per_client: int | None = None
+    max_answer_logprobs: int = DEFAULT_MAX_ANSWER_LOGPROBS
     api_key: str | None = None
     trust_request_chat_template: bool = False
     head_timeout_s: float = HEAD_TIMEOUT_S
@@ -57,12 +70,25 @@ class HttpSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise FieldError("port", f"must be in [0, 65535], got {self.port!r}")
-        for name in ("max_n", "max_prompt_len", "max_waiting_connections"):
+        for name in ("max_n", "max_prompt_len", "max_waiting_connections", "max_answer_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise FieldError(name, f"must be an integer >= 1, got {value!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise FieldError("max_body_bytes", f"must be at least 1024, got {self.max_body_bytes!r}")
+        # Defaults follow max_body_bytes (a client's share never over the total); each holds at least one body.
+        body, total, per_client = self.max_body_bytes, self.max_receiving_bytes, self.max_receiving_bytes_per_client
+        if per_client is None:
+            per_client = 4 * body if total is None else min(4 * body, total)
+        if total is None:
+            total = max(16 * body, per_client)
+        for name, value, least, what in (
+            ("max_receiving_bytes_per_client", per_client, body, "max_body_bytes"),
+            ("max_receiving_bytes", total, per_client, "max_receiving_bytes_per_client"),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise FieldError(name, f"must be an integer >= {what} ({least}), got {value!r}")
+            object.__setattr__(self, name, value)
         for name in ("head_timeout_s", "keep_alive_timeout_s"):
             value = getattr(self, name)
             if (

@@ -16,6 +16,9 @@ from typing import Any
 
 from rollout.service.http.errors import APIError, bad_field
 
+# Template variables one request may set: chat templates read a handful (enable_thinking, ...); 200,000 of them
+# hold the interpreter lock for seconds while they are copied and measured.
+MAX_TEMPLATE_VARIABLES = 256
 # Parameters of apply_chat_template that a request sets through its own top-level fields.
 TOP_LEVEL = {
     "conversation": "messages",
@@ -58,6 +61,9 @@ def template_variables(kwargs: Any, tokenizer: Any, trust_request_chat_template:
         return {}
     if not isinstance(kwargs, dict):
         raise bad_field("chat_template_kwargs", "must be an object")
+    if len(kwargs) > MAX_TEMPLATE_VARIABLES:
+        reason = f"{len(kwargs)} variables; a request may set at most {MAX_TEMPLATE_VARIABLES}"
+        raise bad_field("chat_template_kwargs", reason)
     options = _tokenizer_options(tokenizer)
     for name in sorted(kwargs):
         if name in TOP_LEVEL:

@@ -5,7 +5,6 @@ after)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,13 +56,13 @@ class TokenizeEndpoints:
         self.max_model_len = max_model_len
         self.limits = limits
 
-    def tokenize(self, raw: bytes) -> list[int]:
-        """The token ids of a /tokenize body.
+    def tokenize(self, body: Any) -> list[int]:
+        """The token ids of a /tokenize body (parsed JSON).
 
         Raises:
             APIError: a malformed body, a field it does not take, or a prompt over the worker's limits.
         """
-        body = self._body(raw, "/tokenize", TOKENIZE_FIELDS)
+        body = self._body(body, "/tokenize", TOKENIZE_FIELDS)
         if "messages" in body:
             extra = sorted({"prompt", "add_special_tokens"} & set(body))
             if extra:
@@ -87,13 +86,13 @@ class TokenizeEndpoints:
             raise bad_field("prompt", f"the tokenizer cannot encode it: {type(error).__name__}") from None
         return self._capped("prompt", ids)
 
-    def detokenize(self, raw: bytes) -> str:
-        """The text of a /detokenize body's token ids.
+    def detokenize(self, body: Any) -> str:
+        """The text of a /detokenize body's token ids (parsed JSON).
 
         Raises:
             APIError: a malformed body, or ids that are not the vocabulary's.
         """
-        body = self._body(raw, "/detokenize", DETOKENIZE_FIELDS)
+        body = self._body(body, "/detokenize", DETOKENIZE_FIELDS)
         tokens = body.get("tokens")
         vocab = self.vocab_size
         if isinstance(tokens, list) and len(tokens) > self.max_model_len:  # before reading a huge list through
@@ -105,9 +104,8 @@ class TokenizeEndpoints:
             raise bad_field("tokens", f"must be a list of token ids in [0, {vocab})")
         return self.tokenizer.decode(tokens)
 
-    def _body(self, raw: bytes, path: str, known: set[str]) -> dict[str, Any]:
+    def _body(self, body: Any, path: str, known: set[str]) -> dict[str, Any]:
         needs_tokenizer(self.tokenizer, path)
-        body = parse_json(raw)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         unknown = sorted(set(body) - known)
@@ -121,11 +119,3 @@ class TokenizeEndpoints:
             reason = f"is {len(ids)} tokens; this worker takes at most {self.limits.max_prompt_len}"
             raise APIError(400, f"{field}: {reason}", field, code="context_length_exceeded")
         return ids
-
-
-def parse_json(raw: bytes) -> Any:
-    """A JSON body (400 when it is not JSON, or nested too deeply to parse)."""
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
