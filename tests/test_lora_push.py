@@ -119,6 +119,12 @@ def test_bad_adapters_are_refused_whole(client):
     with pytest.raises(RolloutError) as error:
         push_weights(client, lora_model(7), adapter_name="third")
     assert error.value.field == "max_loras"
+    with pytest.raises(RolloutError) as error:  # lora_alpha 1e38: a scaling that overflows, refused by name
+        push_weights(client, lora_model(8, lora_alpha=1e38))
+    assert error.value.field.startswith("scalings.model.layers.") and "overflow" in str(error.value)
+    with pytest.raises(RolloutError) as error:  # the served model's name (--model tiny) means the base
+        push_weights(client, lora_model(9), adapter_name="tiny")
+    assert error.value.field == "adapter" and "served model's name" in str(error.value)
     assert client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="default")).completions[0].token_ids == served
 
 
