@@ -246,6 +246,16 @@ def test_a_max_lora_rank_past_the_model_is_refused_by_name(base):
     make_engine(copy.deepcopy(base), max_lora_rank=64)  # the highest useful rank is fine
 
 
+def test_an_adapter_whose_layers_do_not_fit_free_memory_is_refused(engine, monkeypatch):
+    from rollout.engine import lora_bounds
+
+    monkeypatch.setattr(lora_bounds, "free_memory_bytes", lambda device: 1024)
+    module = "model.layers.1.mlp.down_proj"
+    with pytest.raises(FieldError, match="GiB free; lower max_lora_rank or max_loras") as error:
+        engine.load_adapter("big", {module: realistic(engine.model, module)})
+    assert error.value.field == "max_lora_rank" and "big" not in engine.runner.adapters.refs
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

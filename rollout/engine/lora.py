@@ -29,7 +29,7 @@ import torch
 
 from rollout.config import FieldError, dtype_name
 from rollout.engine.adapter_ref import AdapterRef, check_adapter_name
-from rollout.engine.lora_bounds import check_magnitudes, check_room, check_table_size
+from rollout.engine.lora_bounds import check_magnitudes, check_rank_limit, check_room
 from rollout.engine.lora_layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
 from rollout.engine.lora_weights import (
     WIRE_SUFFIXES,
@@ -54,8 +54,7 @@ class AdapterTable:
             max_rank: the highest rank accepted.
             max_tokens: the most tokens of one forward (the slot buffer grows past it if ever needed).
         Raises:
-            FieldError: ("max_lora_rank") above the rank any of the model's Linear layers can take, or so high that
-                the stacked weights of even the widest Linear alone would not fit the device's free memory.
+            FieldError: ("max_lora_rank") above the rank any of the model's Linear layers can take.
         """
         self.model = model
         self.max_loras = max_loras
@@ -74,7 +73,7 @@ class AdapterTable:
         self.dtype = min(floating, key=lambda dtype: torch.finfo(dtype).max)
         # Names an adapter may not take besides the base's reserved one (the worker adds the served model's name).
         self.reserved_names: set[str] = set()
-        check_table_size(list(self._linears.values()), max_loras, max_rank, self._device)  # before any allocation
+        check_rank_limit(list(self._linears.values()), max_rank)  # before anything is allocated
         self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
         self._layers: dict[str, LoraLayer] = {}
         self.saved = SavedModules(model, self._head_names, self.state)

@@ -1,4 +1,4 @@
-"""How large adapters may be: the rank and memory the stacked layout may take (`check_table_size`, `check_room`),
+"""How large adapters may be: the rank and memory the stacked layout may take (`check_rank_limit`, `check_room`),
 and an adapter's numbers: an adapter whose delta can overflow the serving dtype is refused, by name,
 before it is served (with or without check_finite), so its samples can never turn to NaN or Inf and leave them in KV
 blocks.
@@ -96,36 +96,28 @@ def _check_saved(field: str, tensor: torch.Tensor, limit: float, dtype: torch.dt
         )
 
 
-def check_table_size(linears: list[torch.nn.Linear], max_loras: int, max_rank: int, device: torch.device) -> None:
-    """Refuse a max_lora_rank no adapter of this model can use, or one whose stacked weights of even the widest Linear
-    (and the slot columns, 8 bytes each) free memory cannot hold: a clear error at start instead of a failed
-    allocation of, say, 800 GB when the first adapter arrives.
+def check_rank_limit(linears: list[torch.nn.Linear], max_rank: int) -> None:
+    """Refuse a max_lora_rank no adapter of this model can use (a clear error at start instead of a failed allocation
+    of, say, 800 GB when the first adapter arrives; `check_room` then bounds what an adapter's layers take).
 
     Args:
         linears: the Linear layers adapters may target.
-        max_loras: adapters served at once.
         max_rank: the highest rank accepted.
-        device: where the stacked weights go.
     Raises:
-        FieldError: ("max_lora_rank") the bound passed, named with the numbers.
+        FieldError: ("max_lora_rank") above the largest min(in_features, out_features) of `linears`.
     """
-    if not linears:
-        return
-    highest = max(min(linear.in_features, linear.out_features) for linear in linears)
+    highest = max((min(linear.in_features, linear.out_features) for linear in linears), default=max_rank)
     if max_rank > highest:
         raise FieldError(
             "max_lora_rank",
             f"{max_rank} is above {highest}, the largest min(in_features, out_features) of the model's Linear layers: "
             "B @ A never has a higher rank, so a higher max_lora_rank only costs memory",
         )
-    widest = max(linears, key=lambda linear: linear.in_features + linear.out_features)
-    check_room([widest], max_loras, max_rank, device, "one adapted Linear", extra=8 * max_loras * max_rank)
 
 
-def check_room(
-    linears: list[torch.nn.Linear], max_loras: int, max_rank: int, device: torch.device, what: str, extra: int = 0
-) -> None:
-    """Refuse stacked weights for `linears` (plus `extra` bytes) that the device's free memory cannot hold.
+def check_room(linears: list[torch.nn.Linear], max_loras: int, max_rank: int, device: torch.device, what: str) -> None:
+    """Refuse stacked weights for `linears` that the device's free memory cannot hold (checked before an adapter
+    adds them).
 
     Args:
         linears: the Linear layers to be given stacked weights.
@@ -133,11 +125,10 @@ def check_room(
         max_rank: the highest rank accepted.
         device: where they go.
         what: the layers, as the error names them.
-        extra: more bytes allocated with them.
     Raises:
         FieldError: ("max_lora_rank") naming the bytes needed and free.
     """
-    needed = extra + sum(layer_bytes(linear, max_loras, max_rank) for linear in linears)
+    needed = sum(layer_bytes(linear, max_loras, max_rank) for linear in linears)
     free = free_memory_bytes(device)
     if needed > free:
         raise FieldError(
