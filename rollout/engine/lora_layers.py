@@ -85,8 +85,8 @@ class LoraLayer:
             return None
         x = args[0].to(LORA_DTYPE)
         mask, slots = state.mask_for(x, self.name)
-        # Other slots' columns are left out by selection, not multiplied by 0: an Inf there never becomes a NaN in
-        # this token's output (0 * Inf = NaN), so no adapter can reach another request's tokens.
+        # Other slots' columns are left out by selection, not multiplied by 0: an Inf or NaN one adapter's A makes of
+        # an input never reaches another slot's tokens (0 * Inf = NaN); every served B is finite (lora_bounds.py).
         delta = F.linear(torch.where(mask, F.linear(x, self.lora_A), 0.0), self.lora_B)
         # As peft with fp32 adapter weights: the fp32 product times the scaling, added to the base output in fp32,
         # rounded once to the model's dtype.
