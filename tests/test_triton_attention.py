@@ -126,6 +126,26 @@ def test_bf16_within_bf16_tolerance():
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-2)
 
 
+@needs_triton_interpreter
+@pytest.mark.parametrize("tiling", sorted(TILINGS))
+@pytest.mark.parametrize("splits", [1, 2])
+def test_unwritten_slots_holding_nan_never_reach_the_output(splits, tiling):
+    """Each sequence's last block holds NaN past its last key, as a previous owner of the block may have left it
+    (a masked score is selected away, but 0 * NaN in the value product would not be): the kernel loads no key past a
+    tile's last query, so the output equals the reference over the written keys."""
+    contexts, query_lens = [5, 40, 0, 70], [1, 3, 21, 1]
+    query, key_cache, value_cache, block_table, tables = make_case(contexts, query_lens, 4, 2, 32, 16, torch.float32)
+    for table, context, length in zip(tables, contexts, query_lens):
+        written = context + length - (len(table) - 1) * 16  # keys of the sequence in its last block
+        key_cache[table[-1], written:] = float("nan")
+        value_cache[table[-1], written:] = float("nan")
+    attention_plan = plan(query_lens, contexts, block_table, 2, 2, 16, DEVICE, splits, TILINGS[tiling])
+    got = paged_attention(query, key_cache, value_cache, attention_plan, 32**-0.5, None, None)
+    expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, 32**-0.5, None, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_small_block_size_is_refused():
     query, key_cache, value_cache, block_table, _ = make_case([3], [1], 2, 1, 16, 8, torch.float32)
     attention_plan = plan([1], [3], block_table, 2, 1, 8, DEVICE)
