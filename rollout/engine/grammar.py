@@ -1,5 +1,6 @@
 """Structured outputs on xgrammar (vLLM's and SGLang's default grammar engine): a request's constraint compiled once
-per (kind, spec, tokenizer), and a matcher per sample that masks its logits row and follows its tokens.
+per (kind, spec, tokenizer) and checked for admission (grammar_checks.py), and a matcher per sample that masks its
+logits row and follows its tokens.
 
 xgrammar is an optional dependency (`pip install rollout[structured]`): without it a constrained request is refused
 by name."""
@@ -10,8 +11,11 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
+from rollout.engine.grammar_cache import CheckedGrammar, GrammarCache
+from rollout.engine.grammar_checks import first_step_refusal, too_short_refusal
 from rollout.validation import FieldError
 
 try:
@@ -21,66 +25,136 @@ except ImportError:  # the extra is not installed: constraints are refused (Gram
 
 
 ANY_OBJECT = json.dumps({"type": "object"})
-# Compiled grammars kept per tokenizer (xgrammar evicts the least recently used beyond it): a client sending endless
+# Compiled grammars kept per tokenizer (the least recently used evicted beyond it): a client sending endless
 # distinct specs cannot grow the worker's memory without bound. vLLM's default (VLLM_XGRAMMAR_CACHE_MB).
 CACHE_LIMIT_BYTES = 512 << 20
 
 
+def compile_spec(compiler: Any, field: str, spec: Any) -> Any:
+    """Compile constraint `field` = `spec` with an xgrammar GrammarCompiler (xgrammar's exceptions pass through).
+
+    Args:
+        compiler: an xgrammar GrammarCompiler.
+        field: "regex", "json", "choice", "grammar" or "json_object".
+        spec: the field's (normalized) value.
+    """
+    if field == "regex":
+        return compiler.compile_regex(spec)
+    if field == "json":
+        return compiler.compile_json_schema(spec)
+    if field == "choice":
+        # (ensure_ascii=False: an escaped character above U+FFFF would be two surrogates to xgrammar)
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec))
+    if field == "grammar":
+        return compiler.compile_grammar(spec)
+    return compiler.compile_json_schema(ANY_OBJECT)  # OpenAI's json_object: a JSON object
+
+
+class _TokenizerGrammars:
+    """One tokenizer's xgrammar preparation, compiler and cache of checked grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.tokenizer = tokenizer  # kept: its id stays unique while this entry lives
+        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # xgrammar's own cache is off: the cache below holds what any compile made, checks included.
+        self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
+        self.cache = GrammarCache(CACHE_LIMIT_BYTES)
+        self._order: np.ndarray | None = None
+
+    @property
+    def order(self) -> np.ndarray:
+        """Every token id, shortest decoded first (the min_new_tokens check's order), computed once."""
+        if self._order is None:
+            lengths = np.zeros(self.info.vocab_size, dtype=np.int64)
+            decoded = self.info.decoded_vocab
+            lengths[: len(decoded)] = [len(token) for token in decoded]
+            self._order = np.argsort(lengths, kind="stable")
+        return self._order
+
+
 class Grammars:
-    """A grammar compiler per tokenizer, each with xgrammar's own cache of compiled grammars (by kind and spec)."""
+    """A grammar compiler per tokenizer, each with a cache of checked compiled grammars (by kind and spec)."""
 
     def __init__(self) -> None:
-        self._compilers: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(tokenizer), vocab) -> (tokenizer, compiler)
+        self._compilers: dict[tuple[int, int], _TokenizerGrammars] = {}  # (id(tokenizer), vocab) -> its grammars
         self._lock = threading.Lock()  # requests are prepared on callers' threads
 
-    def compile(self, tokenizer: Any, vocab_size: int, field: str, spec: Any) -> Any:
-        """The compiled grammar of constraint `field` = `spec` for this tokenizer and model vocabulary.
+    def compile(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        field: str,
+        spec: Any,
+        min_tokens: int = 0,
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> Any:
+        """The compiled grammar of constraint `field` = `spec` for this tokenizer and model vocabulary (compiled
+        once: later calls find it in the cache), checked that a request can follow it.
 
         Args:
             tokenizer: the model's Hugging Face tokenizer.
             vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
             field: "regex", "json", "choice", "grammar" or "json_object".
             spec: the field's (normalized) value.
+            min_tokens: the request's min_new_tokens (its stop tokens masked until then).
+            stop_token_ids: the request's stop tokens.
         Raises:
-            FieldError: xgrammar missing, no tokenizer, or a spec that does not compile (xgrammar's message quoted).
+            FieldError: naming `field`: xgrammar missing, no tokenizer, a spec that does not compile (xgrammar's
+                message quoted), one that allows no token at the first step, or one whose every output ends before
+                min_tokens.
         """
-        if xgrammar is None:
-            raise FieldError(field, "structured outputs need xgrammar: pip install 'rollout[structured]'")
-        if tokenizer is None:
-            reason = "structured outputs need the model's tokenizer: pass tokenizer= to generate_batch / "
-            raise FieldError(field, reason + "init_continuous_batching, or serve a model with one")
-        compiler = self._compiler(tokenizer, vocab_size)
-        try:
-            if field == "regex":
-                return compiler.compile_regex(spec)
-            if field == "json":
-                return compiler.compile_json_schema(spec)
-            if field == "choice":
-                # (ensure_ascii=False: an escaped character above U+FFFF would be two surrogates to xgrammar)
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec)
-                )
-            if field == "grammar":
-                return compiler.compile_grammar(spec)
-            return compiler.compile_json_schema(ANY_OBJECT)  # OpenAI's json_object: a JSON object
-        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for a bad spec
-            raise FieldError(field, f"does not compile: {str(error).strip()[:500]}") from None
+        grammars = self._grammars(field, tokenizer, vocab_size)
+        entry = grammars.cache.get((field, spec))
+        if entry is None:
+            try:
+                compiled = compile_spec(grammars.compiler, field, spec)
+            except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for a bad spec
+                raise FieldError(field, f"does not compile: {str(error).strip()[:500]}") from None
+            entry = grammars.cache.put((field, spec), CheckedGrammar(compiled, first_step_refusal(compiled)))
+        if entry.first_step is not None:
+            raise FieldError(field, entry.first_step)
+        if min_tokens > 0 and stop_token_ids:
+            key = (min_tokens, frozenset(stop_token_ids))
+            if key not in entry.verdicts:
+                entry.remember(key, too_short_refusal(entry.compiled, min_tokens, key[1], grammars.order))
+            if entry.verdicts[key] is not None:
+                raise FieldError(field, entry.verdicts[key])
+        return entry.compiled
+
+    def is_cached(self, tokenizer: Any, vocab_size: int, field: str, spec: Any) -> bool:
+        """Whether `compile` of this spec finds it compiled (then it costs no compile, at most its checks)."""
+        with self._lock:
+            grammars = self._compilers.get((id(tokenizer), vocab_size))
+        return (
+            grammars is not None and grammars.tokenizer is tokenizer and grammars.cache.get((field, spec)) is not None
+        )
+
+    def tokenizer_info(self, tokenizer: Any, vocab_size: int) -> Any:
+        """xgrammar's TokenizerInfo of this tokenizer and vocabulary (what compiles elsewhere must match).
+
+        Raises:
+            FieldError: naming "grammar" when xgrammar or the tokenizer is missing.
+        """
+        return self._grammars("grammar", tokenizer, vocab_size).info
 
     def clear(self) -> None:
         """Drop every compiler and its cache of compiled grammars (up to CACHE_LIMIT_BYTES each)."""
         with self._lock:
             self._compilers.clear()
 
-    def _compiler(self, tokenizer: Any, vocab_size: int) -> Any:
+    def _grammars(self, field: str, tokenizer: Any, vocab_size: int) -> _TokenizerGrammars:
+        if xgrammar is None:
+            raise FieldError(field, "structured outputs need xgrammar: pip install 'rollout[structured]'")
+        if tokenizer is None:
+            reason = "structured outputs need the model's tokenizer: pass tokenizer= to generate_batch / "
+            raise FieldError(field, reason + "init_continuous_batching, or serve a model with one")
         key = (id(tokenizer), vocab_size)
         with self._lock:
             entry = self._compilers.get(key)
-            if entry is None or entry[0] is not tokenizer:
-                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-                compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
-                entry = (tokenizer, compiler)  # the tokenizer kept: its id stays unique
+            if entry is None or entry.tokenizer is not tokenizer:
+                entry = _TokenizerGrammars(tokenizer, vocab_size)
                 self._compilers[key] = entry
-            return entry[1]
+            return entry
 
 
 class Constrained:

@@ -206,16 +206,19 @@ class RequestIntake:
 
     def constraint(self, sampling: SamplingParams) -> Constrained | None:
         """A fresh grammar state for `sampling`'s structured-output constraint (None: it has none), compiled with this
-        model's tokenizer (xgrammar caches compiled grammars, so a spec compiles once).
+        model's tokenizer (compiled grammars are cached, so a spec compiles once).
 
         Raises:
-            FieldError: naming the constraint field: no tokenizer, no xgrammar, or a spec that does not compile.
+            FieldError: naming the constraint field: no tokenizer, no xgrammar, a spec that does not compile, or one
+                no sample can follow (no token at the first step; every output ends before min_new_tokens).
         """
         constraint = constraint_of(sampling)
         if constraint is None:
             return None
         field, spec = constraint
-        return Constrained(field, self.grammars.compile(self.tokenizer, self.vocab_size, field, spec))
+        stops = frozenset(sampling.stop_token_ids or ())
+        compiled = self.grammars.compile(self.tokenizer, self.vocab_size, field, spec, sampling.min_new_tokens, stops)
+        return Constrained(field, compiled)
 
     def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:
         """What finds the request's stop strings in its output (None when it has none)."""

@@ -192,6 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"longest phase deadline (timeout_s) a weight update may ask for (default: {limits.max_update_phase_s:g})",
     )
     add(
+        "--max-compile-s",
+        type=float,
+        default=limits.max_compile_s,
+        help="seconds a structured-output constraint may take to compile (in a compile process of its own, killed "
+        f"past it); slower ones are refused by name (default: {limits.max_compile_s:g})",
+    )
+    add(
+        "--max-compile-bytes",
+        type=int,
+        default=limits.max_compile_bytes,
+        help="memory a structured-output constraint's compile may allocate; more is refused by name (default: "
+        f"{limits.max_compile_bytes})",
+    )
+    add(
+        "--max-compiles-per-client",
+        type=int,
+        default=limits.max_compiles_per_client,
+        help="structured-output constraints one client may have compiling or waiting to compile (clients take turns "
+        f"at the compile processes); more are answered 'busy' (default: {limits.max_compiles_per_client})",
+    )
+    add(
         "--curve-secret-key",
         default=None,
         help="this worker's CurveZMQ key pair (a .key_secret file from rollout-keygen): encrypt every connection "

@@ -1,84 +1,236 @@
-"""Structured-output constraints compiled off the worker's serving loop.
+"""Structured-output constraints compiled off the worker's serving loop, within a budget, taking turns by client.
 
-Compiling a grammar against a production vocabulary takes milliseconds for a typical JSON schema, but a regular
-expression with large repetition counts (`[a-z]{1,2000}`) takes seconds: a client could stall every other client's
-requests if the serving loop compiled. So a group with a constraint is compiled on a small pool of threads (xgrammar
-releases the GIL while it compiles; its cache makes the engine's own compile of the same spec instant), and admitted
-by the serving loop once compiled, in the order compiles finish.
+Compiling a grammar against a production vocabulary takes milliseconds for a typical JSON schema, but a crafted
+grammar under the 64 KiB cap takes minutes; an xgrammar compile cannot be interrupted in a thread. So a spec never
+seen before goes through a compile slot (`CompileBudget.slots` threads):
+
+1. a fair queue (fair_queue.py): clients take turns, each holds at most slots - 1 slots, and each has a bounded
+   number of compiles waiting;
+2. the compile server (compile_server.py, a child process) compiles it in a forked child under the time and memory
+   budget, killed past either, or as soon as its client cancels or leaves; a spec refused so is refused by name (and
+   remembered: sent again, it is refused at once);
+3. the worker then compiles it itself (about as long as the child took: the budget bounds it) into the engine's
+   grammar cache, with its admission checks (rollout/engine/grammar_checks.py), so the engine's own compile of it
+   (`RequestIntake.constraint`) is a cache hit.
+
+A spec in the cache skips all three: its checks run at once on a small thread pool of their own. The HTTP front end
+and the ZeroMQ socket share one `ConstraintCompiles` (their clients take turns together); a job's `done` is called
+exactly once, from a slot or pool thread, or from the caller's thread when it is cancelled or refused waiting.
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
+import logging
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-Item = TypeVar("Item")
+from rollout.config import FieldError
+from rollout.constraints import constraint_of
+from rollout.engine.manager import QueueFullError
+from rollout.service.compile_jobs import CompileAbandoned, CompileBudget, CompileJob, CompilesClosed
+from rollout.service.compile_link import ANSWER_GRACE_S, CompileLink
+from rollout.service.fair_queue import FairQueue, QueueBusy
 
-COMPILE_THREADS = 2  # slow specs occupy these; unconstrained groups never wait for them
+logger = logging.getLogger(__name__)
+
+CHECK_THREADS = 2  # the checks of cached specs (each bounded: grammar_checks.MAX_CHECK_FILLS masks)
+MAX_REFUSALS = 1024  # specs remembered as refused (past their budget, or not compiling), least recent dropped
 
 
-class ConstraintCompiles(Generic[Item]):
-    """Compiles on a thread pool; the serving thread collects what finished (`ready`) and admits it."""
+class ConstraintCompiles:
+    """The compile slots of one worker (one engine intake)."""
 
-    def __init__(self, compile_constraint: Callable[[Any], object], wake: Callable[[], None]):
+    def __init__(self, intake: Any, budget: CompileBudget | None = None):
         """
         Args:
-            compile_constraint: compiles a SamplingParams' constraint (raising FieldError for a bad spec).
-            wake: wakes the serving loop's poll (called from a pool thread when a compile finished).
+            intake: the engine's RequestIntake (its tokenizer, vocabulary, grammar cache and `constraint`).
+            budget: the limits (CompileBudget's defaults when None).
         """
-        self._compile = compile_constraint
-        self._wake = wake
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rollout-compile")
-        self._done: queue.SimpleQueue[tuple[Item, BaseException | None]] = queue.SimpleQueue()
-        self._pending: dict[Future, Item] = {}
-        self._lock = threading.Lock()
+        self.intake = intake
+        self.budget = budget or CompileBudget()
+        grammars = intake.grammars
+        self.link = CompileLink(
+            lambda: grammars.tokenizer_info(intake.tokenizer, intake.vocab_size).serialize_json(),
+            self.budget.max_seconds,
+            self.budget.max_bytes,
+            self.budget.slots,
+        )
+        running = max(1, self.budget.slots - 1)
+        self._queue: FairQueue[CompileJob] = FairQueue(self.budget.max_waiting, self.budget.max_per_client, running)
+        self._changed = threading.Condition()
+        self._numbers = itertools.count()
+        self._slots: list[threading.Thread] = []
+        self._checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="rollout-constraint-check")
+        self._refused: OrderedDict[tuple[str, Any], FieldError] = OrderedDict()
+        self._active: set[CompileJob] = set()  # jobs whose `done` was not called yet
+        self._closed = False
 
-    def submit(self, item: Item, sampling: Any) -> None:
-        """Compile `sampling`'s constraint; `item` (what the caller needs to admit it) comes back from `ready`."""
-        with self._lock:
-            future = self._pool.submit(self._run, sampling)
-            self._pending[future] = item
-        future.add_done_callback(self._finished)
+    def start(self) -> None:
+        """Start the compile server now, in the background (else the first spec to compile starts it)."""
+        if self._compiles_here():
+            self.link.start()
 
-    def _run(self, sampling: Any) -> None:
-        self._compile(sampling)
+    def submit(
+        self, client: Hashable, sampling: Any, done: Callable[[CompileJob, BaseException | None], None], item: Any
+    ) -> CompileJob:
+        """Compile and check `sampling`'s constraint; `done(job, error)` is called once when it is ready (error
+        None), refused (a FieldError naming the field), abandoned (CompileAbandoned) or not compiled because the
+        worker stops (CompilesClosed) or cannot compile (CompilesUnavailable).
 
-    def _finished(self, future: Future) -> None:
-        with self._lock:
-            item = self._pending.pop(future, None)
-        if item is None or future.cancelled():
-            return  # close() answers it
-        self._done.put((item, future.exception()))
-        self._wake()
+        Args:
+            client: who sent it: its turn in the queue (the HTTP client's address, the ZeroMQ identity).
+            sampling: the request's SamplingParams (it has a constraint).
+            done: called with the job and its outcome.
+            item: carried in the job for the caller.
+        Raises:
+            QueueFullError: too many compiles waiting, for this client or in all (answer "busy").
+        """
+        field, spec = constraint_of(sampling)
+        job = CompileJob(next(self._numbers), client, sampling, field, spec, done, item)
+        with self._changed:
+            if self._closed:
+                raise QueueFullError("the worker is stopping; retry")
+            refused = self._refused.get((field, spec))
+            if refused is None and not self._is_cached(job):
+                try:
+                    self._queue.push(client, job)
+                except QueueBusy as error:
+                    raise QueueFullError(str(error)) from None
+                self._active.add(job)
+                self._grow_slots()
+                self._changed.notify_all()
+                return job
+            job.state = "fast"
+            self._active.add(job)
+        if refused is not None:
+            self._finish(job, FieldError(field, refused.reason))
+        else:
+            self._checks.submit(self._fast, job)
+        return job
 
-    def ready(self) -> list[tuple[Item, BaseException | None]]:
-        """The items whose compile finished since the last call, each with its error (None: compiled)."""
-        finished = []
-        while True:
-            try:
-                finished.append(self._done.get_nowait())
-            except queue.Empty:
-                return finished
+    def cancel(self, job: CompileJob) -> None:
+        """Abandon a job: out of the queue if it waits (`done` now), its compile process killed if it runs (`done`
+        once it is gone); a compile in this process cannot be interrupted, its result is dropped."""
+        with self._changed:
+            if job.cancelled or job.state == "finished":
+                return
+            job.cancelled = True
+            removed = job.state == "waiting" and self._queue.remove(job.client, job)
+        if removed:
+            self._finish(job, CompileAbandoned())
+        else:
+            self.link.wake()
+
+    def cancel_client(self, client: Hashable) -> None:
+        """Abandon every job of a client that is gone."""
+        with self._changed:
+            jobs = [job for job in self._active if job.client == client]
+        for job in jobs:
+            self.cancel(job)
+
+    def close(self) -> None:
+        """Stop: every waiting job ends with CompilesClosed, running ones are killed (a compile in this process is
+        waited for: the budget bounds it); the compile server and the threads end."""
+        with self._changed:
+            self._closed = True
+            waiting = self._queue.drain()
+            self._changed.notify_all()
+        for job in waiting:
+            self._finish(job, CompilesClosed())
+        self.link.close()
+        for slot in self._slots:
+            slot.join(self.budget.max_seconds + ANSWER_GRACE_S)
+        self._checks.shutdown(wait=True)
 
     @property
-    def num_pending(self) -> int:
-        """Compiles queued or running."""
-        with self._lock:
-            return len(self._pending)
+    def num_slots_started(self) -> int:
+        """Slot threads started so far (they start with the first spec to compile)."""
+        return len(self._slots)
 
-    def close(self) -> list[Item]:
-        """Stop: cancel the compiles not started, wait for those running (a compile cannot be interrupted).
+    # ---- slots ----------------------------------------------------------------------------------------------------
+    def _grow_slots(self) -> None:
+        """Start another slot thread if every one is busy (under the lock)."""
+        if len(self._slots) < self.budget.slots:
+            slot = threading.Thread(target=self._slot, name=f"rollout-compile-{len(self._slots)}", daemon=True)
+            self._slots.append(slot)
+            slot.start()
 
-        Returns:
-            Every item never handed out by `ready`: the caller tells their clients.
-        """
-        with self._lock:
-            left = list(self._pending.values())
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        left += [item for item, _ in self.ready()]
-        with self._lock:
-            self._pending.clear()
-        return list({id(item): item for item in left}.values())
+    def _slot(self) -> None:
+        while True:
+            with self._changed:
+                # (a client at its share of slots is skipped by `pop`: woken again when one of its jobs ends)
+                while not self._closed and (taken := self._queue.pop()) is None:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                client, job = taken
+                job.state = "checking"
+            try:
+                error = self._run(job)
+            except Exception as unexpected:  # noqa: BLE001 - a slot outlives any one job
+                logger.exception("compiling a constraint failed")
+                error = unexpected
+            with self._changed:
+                self._queue.done(client)
+                self._changed.notify_all()
+            self._finish(job, error)
+
+    def _run(self, job: CompileJob) -> BaseException | None:
+        """A queued job: proven in the compile server (unless cached meanwhile), then compiled and checked here."""
+        if not self._is_cached(job):
+            answer = self.link.check(job.number, job.field, job.spec, lambda: job.cancelled or self._closed)
+            if job.cancelled or self._closed:
+                return CompileAbandoned() if job.cancelled else CompilesClosed()
+            refusal = self.budget.refusal(job.field, answer)
+            if refusal is not None:
+                if isinstance(refusal, FieldError):
+                    self._remember(job, refusal)
+                return refusal
+        job.state = "compiling"
+        return self._compile(job)
+
+    def _fast(self, job: CompileJob) -> None:
+        """A cached spec (or none can compile here): its checks only, on the check threads."""
+        self._finish(job, self._compile(job))
+
+    def _compile(self, job: CompileJob) -> BaseException | None:
+        """Compile (or find) and check the job's constraint in this process, as the engine will."""
+        try:
+            self.intake.constraint(self.intake.resolve_sampling(job.sampling))
+        except Exception as error:  # noqa: BLE001 - a FieldError names the field; anything else is answered too
+            return error
+        return CompileAbandoned() if job.cancelled else None
+
+    def _finish(self, job: CompileJob, error: BaseException | None) -> None:
+        with self._changed:
+            if job.state == "finished":
+                return
+            job.state = "finished"
+            self._active.discard(job)
+        try:
+            job.done(job, error)
+        except Exception:  # noqa: BLE001 - one caller's callback must not stop a slot
+            logger.exception("a compile's callback failed")
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+    def _is_cached(self, job: CompileJob) -> bool:
+        """Whether the job's spec needs no compile here: compiled already, or nothing can compile (no xgrammar,
+        no tokenizer: the engine's compile then refuses it by name at once)."""
+        if not self._compiles_here():
+            return True
+        return self.intake.grammars.is_cached(self.intake.tokenizer, self.intake.vocab_size, job.field, job.spec)
+
+    def _compiles_here(self) -> bool:
+        from rollout.engine import grammar
+
+        return grammar.xgrammar is not None and self.intake.tokenizer is not None
+
+    def _remember(self, job: CompileJob, refusal: FieldError) -> None:
+        with self._changed:
+            self._refused[(job.field, job.spec)] = refusal
+            while len(self._refused) > MAX_REFUSALS:
+                self._refused.popitem(last=False)

@@ -1,9 +1,10 @@
 """The worker's groups in flight: generate requests checked against the limits, compiled off the serving loop when
-they carry a structured-output constraint (constraint_compiles.py), added to the engine, and their outputs turned
-into deltas and results; cancellation, and the count of groups per client.
+they carry a structured-output constraint (constraint_compiles.py: in turn with other clients, within the worker's
+compile budget), added to the engine, and their outputs turned into deltas and results; cancellation (a group still
+compiling is abandoned: its compile stops, and it ends with "abort"), and the count of groups per client.
 
 Threads: the serving thread admits and cancels; the engine thread hands outputs in (`_on_output`) and leaves the
-replies in an outbox that the serving thread drains; a compile thread only compiles.
+replies in an outbox that the serving thread drains; a compile slot only hands a finished compile back (`_compiled`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rollout.engine.outputs import GenerationOutput
 from rollout.mailbox import drain
 from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service import protocol as p
+from rollout.service.compile_jobs import CompileAbandoned, CompileJob, CompilesClosed
 from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.groups import GroupInFlight, engine_id
@@ -26,7 +28,6 @@ from rollout.service.limits import WorkerLimits, generate_refusal
 from rollout.service.tracing import Tracer
 
 Send = Callable[[bytes, p.Message], None]
-MAX_PENDING_COMPILES = 64  # constraints queued or compiling; a generate past it is answered "busy"
 
 
 class GroupDesk:
@@ -39,6 +40,7 @@ class GroupDesk:
         counters: GroupCounters,
         tracer: Tracer,
         wake: Callable[[], None],
+        compiles: ConstraintCompiles,
     ):
         """
         Args:
@@ -47,6 +49,7 @@ class GroupDesk:
             counters: the worker's group counters.
             tracer: the worker's tracer (a span per group).
             wake: wakes the serving loop (outputs or compiled constraints are waiting).
+            compiles: the worker's compile slots (shared with its HTTP front end; the worker closes them).
         """
         self.manager = manager
         self.limits = limits
@@ -58,7 +61,9 @@ class GroupDesk:
         self._groups: dict[str, GroupInFlight] = {}
         self._per_client: dict[bytes, int] = {}
         self._lock = threading.Lock()  # both maps change on the serving and the engine thread
-        self._compiles: ConstraintCompiles = ConstraintCompiles(manager.engine.intake.constraint, wake)
+        self._compiles = compiles
+        self._compiling: dict[str, CompileJob] = {}  # engine id -> its compile (serving thread only)
+        self._compiled: queue.SimpleQueue[tuple[CompileJob, BaseException | None]] = queue.SimpleQueue()
 
     # ---- serving thread ---------------------------------------------------------------------------------------
     def generate(self, identity: bytes, message: p.Generate, send: Send) -> None:
@@ -77,16 +82,46 @@ class GroupDesk:
             return self._admit(group, message, None, send, error)
         if constraint_of(sampling) is None:
             return self._admit(group, message, sampling, send)
-        if self._compiles.num_pending >= MAX_PENDING_COMPILES:
-            reason = f"{MAX_PENDING_COMPILES} structured-output constraints are being compiled; retry later"
-            return self._admit(group, message, None, send, QueueFullError(reason))
-        self._compiles.submit((group, message, sampling), sampling)  # compiled off the loop: `admit_compiled`
+        try:  # compiled off the loop, in turn with other clients: `admit_compiled`
+            job = self._compiles.submit(identity, sampling, self._on_compiled, (group, message, sampling))
+        except QueueFullError as error:
+            return self._admit(group, message, None, send, error)
+        if job.state != "finished":  # (a spec refused before is answered at once, through `_compiled`)
+            self._compiling[group.engine_id] = job
+
+    def _on_compiled(self, job: CompileJob, error: BaseException | None) -> None:
+        """A compile ended (a slot's thread, or the caller's): hand it to the serving thread."""
+        self._compiled.put((job, error))
+        self._wake()
 
     def admit_compiled(self, send: Send) -> None:
-        """Admit the groups whose constraint finished compiling (the compile's FieldError refuses one by name)."""
-        for (group, message, sampling), error in self._compiles.ready():
-            if self._groups.get(group.engine_id) is group:  # not dropped with its client meanwhile
+        """Admit the groups whose constraint finished compiling (the compile's FieldError refuses one by name); a
+        group abandoned while it compiled ends with "abort" without running."""
+        for job, error in drain(self._compiled):
+            group, message, sampling = job.item
+            if self._compiling.get(group.engine_id) is job:
+                del self._compiling[group.engine_id]
+            if self._groups.get(group.engine_id) is not group:  # dropped meanwhile
+                continue
+            if isinstance(error, CompilesClosed):
+                error = QueueFullError("the worker is stopping; retry")
+            if group.cancel_requested or isinstance(error, CompileAbandoned):
+                self._abort(group, message, send)
+            else:
                 self._admit(group, message, sampling, send, error)
+
+    def _abort(self, group: GroupInFlight, message: p.Generate, send: Send) -> None:
+        """End a group that never ran: every sample "abort", no tokens (as a cancelled running group ends)."""
+        self._remove(group)
+        self.counters.group_received()
+        for _ in range(message.n):
+            self.counters.sample_finished("abort")
+        self.counters.group_finished()
+        version = self.manager.engine.policy_version
+        completions = [p.Completion(index, [], [], "abort", None, [], version) for index in range(message.n)]
+        result = p.GroupResult(message.group_id, message.prompt_ids, completions)
+        result.data_frames = []
+        send(group.identity, result)
 
     def _admit(
         self,
@@ -121,15 +156,22 @@ class GroupDesk:
         if group is None:
             send(identity, p.Error("unknown_group", "no such group in flight", "group_id", group_id))
             return
-        group.cancel_requested = True  # a group still compiling is cancelled once admitted
-        self.manager.cancel_request(group.engine_id)
+        group.cancel_requested = True  # a group still compiling is abandoned: answered by `admit_compiled`
+        self._cancel(group)
 
     def client_lost(self, identity: bytes) -> None:
-        """Cancel every group of a client that is gone."""
+        """Cancel every group of a client that is gone (its compiles abandoned)."""
         for group in list(self._groups.values()):
             if group.identity == identity:
                 group.cancel_requested = True
-                self.manager.cancel_request(group.engine_id)
+                self._cancel(group)
+
+    def _cancel(self, group: GroupInFlight) -> None:
+        job = self._compiling.get(group.engine_id)
+        if job is not None:
+            self._compiles.cancel(job)  # its `done` comes back through `admit_compiled`
+        else:
+            self.manager.cancel_request(group.engine_id)
 
     def identities(self) -> list[bytes]:
         """The clients with groups in flight (one entry per group)."""
@@ -141,8 +183,18 @@ class GroupDesk:
             send(identity, message)
 
     def close(self, send: Send) -> None:
-        """Stop compiling; a group never admitted is answered "busy" (the worker is stopping: retry elsewhere)."""
-        for group, message, _ in self._compiles.close():
+        """Answer the groups whose compile ended with the worker's compile slots (closed first: every compile has
+        ended): a group never admitted is answered "busy" (the worker is stopping: retry elsewhere)."""
+        for job, _ in drain(self._compiled):
+            self._compiling.pop(job.item[0].engine_id, None)
+            self._stopping(job, send)
+        for job in list(self._compiling.values()):  # (a slot that outlived the close's wait)
+            self._stopping(job, send)
+        self._compiling.clear()
+
+    def _stopping(self, job: CompileJob, send: Send) -> None:
+        group, message, _ = job.item
+        if self._groups.get(group.engine_id) is group:
             self._remove(group)
             send(group.identity, p.Error("busy", "the worker is stopping; retry", None, message.group_id))
 

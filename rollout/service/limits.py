@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from rollout.config import FieldError
 from rollout.service import messages as p
+from rollout.service.compile_jobs import CompileBudget
 
 
 @dataclass
@@ -29,6 +30,10 @@ class WorkerLimits:
             slot without a message).
         client_timeout_s: a client with groups in flight that sends nothing (not even ping) for this long is
             considered gone and its groups are cancelled (RolloutClient pings every second).
+        max_compile_s: a structured-output constraint still compiling after this long is killed and refused by
+            name (over ZeroMQ and HTTP alike).
+        max_compile_bytes: memory one constraint's compile may allocate; past it, refused by name.
+        max_compiles_per_client: constraints one client may have compiling or waiting to compile; more, "busy".
     """
 
     max_message_bytes: int = 256 << 20
@@ -38,6 +43,9 @@ class WorkerLimits:
     max_pending_bytes: int = 256 << 20
     max_update_phase_s: float = 600.0
     client_timeout_s: float = 30.0
+    max_compile_s: float = 10.0
+    max_compile_bytes: int = 1 << 30
+    max_compiles_per_client: int = 32
 
     def __post_init__(self):
         for item in dataclasses.fields(self):
@@ -50,6 +58,10 @@ class WorkerLimits:
                 raise FieldError(item.name, f"must be positive, got {value!r}")
         if self.max_message_bytes < 1 << 10:
             raise FieldError("max_message_bytes", f"must be at least 1024, got {self.max_message_bytes}")
+
+    def compile_budget(self) -> CompileBudget:
+        """What one structured-output compile may take, by these limits."""
+        return CompileBudget(self.max_compile_s, self.max_compile_bytes, self.max_compiles_per_client)
 
 
 def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, client_groups: int) -> p.Error | None:

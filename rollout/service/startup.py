@@ -107,6 +107,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         check_finite=args.check_finite,
         tokenizer_name=tokenizer_name,
     )
+    worker.compiles.start()  # the compile processes start now, not with the first structured-output request
     metrics = None
     if args.metrics_port is not None:
         metrics = WorkerMetrics(worker.stats)
@@ -212,6 +213,9 @@ def _limits(args: argparse.Namespace) -> WorkerLimits:
         max_pending_bytes=args.max_pending_bytes,
         max_update_phase_s=args.max_update_phase_s,
         client_timeout_s=args.client_timeout,
+        max_compile_s=args.max_compile_s,
+        max_compile_bytes=args.max_compile_bytes,
+        max_compiles_per_client=args.max_compiles_per_client,
     )
 
 

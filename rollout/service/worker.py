@@ -28,6 +28,7 @@ from rollout.engine.manager import ContinuousBatchingManager
 from rollout.service import protocol as p
 from rollout.service.auth import WorkerAuth
 from rollout.service.clients import ClientLinks
+from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.group_desk import GroupDesk
 from rollout.service.limits import WorkerLimits
@@ -103,7 +104,10 @@ class RolloutWorker:
         self._tracer = tracer or Tracer()
         # Counters (stats(), /metrics), shared with the HTTP front end.
         self.counters = GroupCounters()
-        self._desk = GroupDesk(manager, self.limits, self.counters, self._tracer, self._waker.wake)
+        # Structured-output compiles: in turn between clients, within the compile budget; shared with the HTTP
+        # front end (`compiles`), whose clients take turns with these.
+        self.compiles = ConstraintCompiles(engine.intake, self.limits.compile_budget())
+        self._desk = GroupDesk(manager, self.limits, self.counters, self._tracer, self._waker.wake, self.compiles)
         self._updates = UpdateSlot(
             manager,
             lambda identity, message: owner._send(identity, message),
@@ -150,6 +154,7 @@ class RolloutWorker:
                 self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
                 self._updates.expire(time.monotonic())
         finally:
+            self.compiles.close()  # every compile ends (their processes with them) before the groups are answered
             self._desk.close(self._send)
             self.manager.stop(block=True, timeout=30)
             self._updates.close()

@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.bodies import BodyIntake, ReceiveBudget
 from rollout.service.http.bridge import ClientGone
@@ -36,6 +37,7 @@ def build_app(
     tokenizer: Any,
     settings: HttpSettings,
     counters: GroupCounters | None = None,
+    compiles: ConstraintCompiles | None = None,
 ) -> FastAPI:
     """The application.
 
@@ -44,6 +46,8 @@ def build_app(
         tokenizer: the worker's tokenizer (None: text endpoints answer 400).
         settings: the served model's name, limits, API key and trust (`HttpSettings`).
         counters: the worker's group counters (HTTP groups count as ZeroMQ ones do); None: a fresh set.
+        compiles: the worker's structured-output compile slots (its ZeroMQ clients take turns with HTTP ones);
+            None: the app's own.
     """
     counters = GroupCounters() if counters is None else counters
     app = FastAPI(
@@ -62,6 +66,7 @@ def build_app(
         counters,
         settings.tool_call_parser,
         settings.max_answer_logprobs,
+        compiles,
     )
 
     def close() -> None:  # what the server calls once it stopped: the compile and parse threads
@@ -113,7 +118,7 @@ def build_app(
         try:  # parsing, tokenizing and checking are slow work (worker threads); a constraint compiles on its own
             async with bodies.body(request) as body:
                 answer = await asyncio.to_thread(endpoints.prepare, body, chat)
-            await endpoints.compile(answer)
+            await endpoints.compile(answer, request)
         except APIError:
             counters.group_refused()
             raise

@@ -9,20 +9,19 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.config import FieldError
 from rollout.engine.manager import ContinuousBatchingManager
-from rollout.service.constraint_compiles import COMPILE_THREADS
+from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http import openai_fields as fields
 from rollout.service.http.answer_size import check_answer_size
 from rollout.service.http.bridge import MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
 from rollout.service.http.chat_tools import ToolCalling, tool_calling
 from rollout.service.http.choices import Choice, ChoiceDelta, LogprobFormat
-from rollout.service.http.errors import APIError, bad_field, busy, json_bytes
+from rollout.service.http.constraint_wait import client_address, compile_constraint
+from rollout.service.http.errors import APIError, bad_field, json_bytes
 from rollout.service.http.prompt_scoring import PromptScoring, echoed_logprobs
 from rollout.service.http.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 from rollout.service.http.served_models import requested_adapter
@@ -30,7 +29,6 @@ from rollout.service.http.settings import DEFAULT_MAX_ANSWER_LOGPROBS
 from rollout.service.http.structured_fields import structured_request
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
-MAX_WAITING_COMPILES = 64  # constraints compiling or queued; a request past it is answered 503 busy
 
 
 @dataclass
@@ -70,6 +68,7 @@ class OpenAIEndpoints:
         counters: GroupCounters | None = None,
         tool_call_parser: str | None = None,
         max_answer_logprobs: int = DEFAULT_MAX_ANSWER_LOGPROBS,
+        compiles: ConstraintCompiles | None = None,
     ):
         """
         Args:
@@ -84,6 +83,8 @@ class OpenAIEndpoints:
             tool_call_parser: how chat answers' tool calls are read (`tool_calls.TOOL_CALL_PARSERS`; None: chat
                 requests that ask for tool calls are refused).
             max_answer_logprobs: most log-prob entries a whole answer may hold (`answer_size.check_answer_size`).
+            compiles: the worker's compile slots, shared with its ZeroMQ socket (None: slots of these endpoints' own,
+                closed by `close`).
         """
         self.manager = manager
         self.model_name = model_name
@@ -95,8 +96,8 @@ class OpenAIEndpoints:
         self.counters = GroupCounters() if counters is None else counters
         self.tool_call_parser = tool_call_parser
         self.max_answer_logprobs = max_answer_logprobs
-        self._compile_threads = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="rollout-http-compile")
-        self._compiles_waiting = 0
+        self._own_compiles = compiles is None
+        self.compiles = ConstraintCompiles(manager.engine.intake) if compiles is None else compiles
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def prepare(self, body: Any, chat: bool) -> Answer:
@@ -161,32 +162,28 @@ class OpenAIEndpoints:
         answer.constraint_param = structured_request(body).param  # the client's name of its constraint, if any
         return answer
 
-    async def compile(self, answer: Answer) -> None:
-        """Compile a request's structured-output constraint on the compile threads (a slow spec holds neither the
-        event loop nor the threads that check other requests); the engine then finds it in xgrammar's cache.
+    async def compile(self, answer: Answer, request: Any = None) -> None:
+        """Compile a request's structured-output constraint in the compile slots, in turn with other clients and
+        within the worker's budget (constraint_wait.py); the engine then finds it in its cache.
 
+        Args:
+            answer: the prepared request.
+            request: the HTTP request (its client's address takes the turn; a client that leaves abandons it).
         Raises:
-            APIError: a spec that does not compile (400 naming the client's field), or too many compiles waiting
-                (503 busy).
+            APIError: 400 naming the client's field (a spec that does not compile, in the budget or at all, or that
+                no sample can follow), 503 busy (too many compiles waiting).
         """
         if answer.constraint_param is None:
             return
-        if self._compiles_waiting >= MAX_WAITING_COMPILES:
-            raise busy(f"{MAX_WAITING_COMPILES} structured-output constraints are being compiled; retry later")
-        self._compiles_waiting += 1  # (event-loop thread only)
-        try:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                self._compile_threads, self.manager.engine.intake.constraint, answer.request.sampling
-            )
-        except FieldError as error:
-            raise bad_field(answer.constraint_param, error.reason) from None
-        finally:
-            self._compiles_waiting -= 1
+        disconnected = getattr(request, "is_disconnected", None)
+        await compile_constraint(
+            self.compiles, answer.request.sampling, answer.constraint_param, client_address(request), disconnected
+        )
 
     def close(self) -> None:
-        """Stop the compile threads (waiting for a compile in progress)."""
-        self._compile_threads.shutdown(wait=True, cancel_futures=True)
+        """Stop the compile slots, if they are these endpoints' own (a compile in this process is waited for)."""
+        if self._own_compiles:
+            self.compiles.close()
 
     @staticmethod
     def _chat_logprobs(body: dict[str, Any]) -> int | None:

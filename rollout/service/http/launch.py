@@ -114,7 +114,7 @@ def start_http(
             max_waiting_connections=args.http_max_waiting_connections,
             tool_call_parser=args.tool_call_parser,
         )
-        http = HttpServer(manager, tokenizer, settings, worker.counters, observe)
+        http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles)
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")

@@ -43,6 +43,7 @@ class HttpServer:
         settings: HttpSettings,
         counters: GroupCounters | None = None,
         observe: Callable[[str, int, float], None] | None = None,
+        compiles: Any = None,
     ):
         """
         Args:
@@ -53,6 +54,7 @@ class HttpServer:
             counters: the worker's group counters, which HTTP groups add to (None: a set of their own).
             observe: called with (endpoint, status, seconds) for every request answered (`WorkerMetrics.
                 observe_http`); None: not observed.
+            compiles: the worker's structured-output compile slots (ConstraintCompiles; None: the app's own).
         """
         try:
             import uvicorn
@@ -64,7 +66,7 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        app = build_app(manager, tokenizer, settings, counters)
+        app = build_app(manager, tokenizer, settings, counters, compiles)
         self._close_app = app.state.close
         if observe is not None:
             app = RequestMetrics(app, observe, ENDPOINTS)

@@ -1,0 +1,123 @@
+"""Constraints that compile but can never be followed, found before a request is admitted (else its samples would
+end with an error at their first impossible step, a 500 over HTTP):
+
+- `first_step_refusal`: the grammar allows no token at the first step, and is not complete (a regex `[^\\s\\S]`, a
+  character no token of the vocabulary spells);
+- `too_short_refusal`: with `min_new_tokens`, the request's stop tokens are masked until that many tokens came;
+  a grammar whose every path ends (only stop tokens allowed) before that leaves a sample nothing to draw (a choice
+  `["a"]` with `min_tokens: 3`).
+
+Both walk xgrammar's own matcher over the vocabulary, so they say exactly what the engine's masks would. The second
+is a depth-first search over tokens, shortest first (the longest paths first), bounded in mask fills: it refuses only
+when it has seen every path; past its budget it admits the request (the engine then ends a stuck sample by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+try:
+    import xgrammar
+except ImportError:  # without the extra nothing compiles, so nothing is checked
+    xgrammar = None
+
+MAX_CHECK_FILLS = 256  # token masks one min_new_tokens check may fill (at most ~1 ms each on a 150k vocabulary)
+
+
+def allowed_tokens(matcher: Any, bitmask: Any, vocab_size: int) -> np.ndarray:
+    """The token ids the matcher allows next (sorted).
+
+    Args:
+        matcher: an xgrammar GrammarMatcher.
+        bitmask: a (1, words) int32 buffer from `xgrammar.allocate_token_bitmask` (overwritten).
+        vocab_size: the grammar's vocabulary size.
+    """
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")[:vocab_size]
+    return np.flatnonzero(bits)
+
+
+def first_step_refusal(compiled: Any) -> str | None:
+    """Why a compiled grammar can never be followed from its start (None: some token is allowed, or it is complete).
+
+    Args:
+        compiled: an xgrammar CompiledGrammar.
+    """
+    matcher = xgrammar.GrammarMatcher(compiled)
+    vocab_size = compiled.tokenizer_info.vocab_size
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    if len(allowed_tokens(matcher, bitmask, vocab_size)) or matcher.is_terminated():
+        return None
+    return "allows no token at the first step: no token of this model's vocabulary starts a string it accepts"
+
+
+def too_short_refusal(compiled: Any, min_tokens: int, banned: frozenset[int], order: np.ndarray) -> str | None:
+    """Why a grammar cannot give `min_tokens` tokens while `banned` (the request's stop tokens) are masked: every
+    path it allows ends before (None: a path reaches it, ends on a token not banned, or the search ran out).
+
+    Args:
+        compiled: an xgrammar CompiledGrammar.
+        min_tokens: the request's min_new_tokens.
+        banned: the tokens masked until min_tokens tokens came (its stop tokens).
+        order: every token id, shortest decoded first (tried in this order: shorter tokens make longer paths).
+    """
+    if min_tokens <= 0 or not banned:
+        return None
+    longest = _longest_path(compiled, min_tokens, banned, order)
+    if longest is None or longest >= min_tokens:
+        return None
+    return (
+        f"cannot give min_tokens={min_tokens} tokens: every output it accepts ends after at most {longest} "
+        "(stop tokens are masked until min_tokens)"
+    )
+
+
+def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.ndarray) -> int | None:
+    """The longest path of tokens not banned the grammar allows, once it is below `needed`; `needed` as soon as one
+    reaches it or may end on a stop token not banned; None when the search ran out of mask fills first."""
+    info = compiled.tokenizer_info
+    matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=needed)
+    bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+    banned_ids = np.fromiter(banned, dtype=np.int64)
+    free_stops = np.setdiff1d(np.asarray(info.stop_token_ids, dtype=np.int64), banned_ids)
+    order = order[~np.isin(order, banned_ids)]
+    bits = np.empty(info.vocab_size, dtype=bool)
+    fills = 0
+
+    def candidates() -> Iterator[int] | None:
+        """The tokens to try next, shortest first (None: a stop token not banned may end the grammar here)."""
+        nonlocal fills
+        fills += 1
+        bits[:] = False
+        bits[allowed_tokens(matcher, bitmask, info.vocab_size)] = True
+        if bits[free_stops].any():
+            return None
+        return iter(order[bits[order]].tolist())
+
+    top = candidates()
+    if top is None:
+        return needed
+    stack, longest = [top], 0
+    while stack:
+        token = next(stack[-1], None)
+        if token is None:  # every token from here tried: back up one
+            stack.pop()
+            if stack:
+                matcher.rollback(1)
+            continue
+        if not matcher.accept_token(token):
+            continue
+        depth = len(stack)  # tokens accepted on this path
+        longest = max(longest, depth)
+        if depth >= needed:
+            return needed
+        if fills >= MAX_CHECK_FILLS:
+            return None
+        top = candidates()
+        if top is None:
+            return needed
+        stack.append(top)
+    return longest
