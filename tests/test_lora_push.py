@@ -108,7 +108,12 @@ def test_a_changed_base_is_sent_again_and_stale_adapters_are_refused(client, wor
 def test_bad_adapters_are_refused_whole(client):
     good = lora_model(4)
     push_weights(client, good)
-    served = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].token_ids
+
+    def answers() -> list[tuple[list[int], list[float]]]:  # the base's and the good adapter's, tokens and logprobs
+        groups = [PromptGroup(PROMPT, sampling=GREEDY, adapter=name) for name in ("__base__", "default")]
+        return [(c.token_ids, c.logprobs) for c in (client.generate(g).completions[0] for g in groups)]
+
+    before = answers()
     with pytest.raises(RolloutError) as error:
         push_weights(client, lora_model(5, r=16))
     assert "max_lora_rank" in str(error.value)
@@ -122,10 +127,16 @@ def test_bad_adapters_are_refused_whole(client):
     with pytest.raises(RolloutError) as error:  # lora_alpha 1e38: a scaling that overflows, refused by name
         push_weights(client, lora_model(8, lora_alpha=1e38))
     assert error.value.field.startswith("scalings.model.layers.") and "overflow" in str(error.value)
+    poisoned = lora_model(10)
+    with torch.no_grad():  # finite, but overflowing once multiplied (lora_B = 1e30)
+        next(parameter for name, parameter in poisoned.named_parameters() if "lora_B" in name)[0, 0] = 1e30
+    with pytest.raises(RolloutError) as error:
+        push_weights(client, poisoned, adapter_name="second")
+    assert error.value.field.endswith(".lora_B") and "overflow" in str(error.value)
     with pytest.raises(RolloutError) as error:  # the served model's name (--model tiny) means the base
         push_weights(client, lora_model(9), adapter_name="tiny")
     assert error.value.field == "adapter" and "served model's name" in str(error.value)
-    assert client.generate(PromptGroup(PROMPT, sampling=GREEDY, adapter="default")).completions[0].token_ids == served
+    assert answers() == before  # the base and the good adapter: the same tokens and logprobs as before the attacks
 
 
 def test_modules_to_save_travel_with_the_adapter(client):
