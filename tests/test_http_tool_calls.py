@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -27,13 +28,13 @@ TOOLS = [{"type": "function", "function": {"name": "count_letters", "parameters"
 MESSAGES = [{"role": "user", "content": "count the letters of abc"}]
 
 
-def scripted_tool_caller():
-    """A tokenizer with three added words (`<tool_call>`, the call's JSON, `</tool_call>`) and a Qwen3 model whose
-    layers add nothing (each position's output is its own token's embedding), so its next token is a function of
-    the current one: greedy decoding after the chat template's "assistant\\n" spells the call, then ends the turn."""
+def scripted_tool_caller(call: str = json.dumps(CALL)):
+    """A tokenizer with three added words (`<tool_call>`, the call's JSON `call`, `</tool_call>`) and a Qwen3 model
+    whose layers add nothing (each position's output is its own token's embedding), so its next token is a function
+    of the current one: greedy decoding after the chat template's "assistant\\n" spells the call, then ends the turn."""
     tokenizer = tiny_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", json.dumps(CALL), "</tool_call>"])
-    chain = [tokenizer.convert_tokens_to_ids(t) for t in ("\n", "<tool_call>", json.dumps(CALL), "</tool_call>")]
+    tokenizer.add_tokens(["<tool_call>", call, "</tool_call>"])
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in ("\n", "<tool_call>", call, "</tool_call>")]
     chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     torch.manual_seed(0)
     config = Qwen3Config(**{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
@@ -55,16 +56,24 @@ def scripted():
     return scripted_tool_caller()
 
 
-@pytest.fixture(scope="module")
-def server(scripted):
-    model, tokenizer = scripted
+@contextmanager
+def serving(model, tokenizer):
+    """The scripted model behind an HTTP server with the hermes parser."""
     config = ContinuousBatchingConfig(num_blocks=64, block_size=16)
     manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer).start()
     settings = HttpSettings(max_n=8, max_prompt_len=1024, tool_call_parser="hermes")
     http = HttpServer(manager, tokenizer, settings).start()
-    yield http
-    http.stop()
-    manager.stop()
+    try:
+        yield http
+    finally:
+        http.stop()
+        manager.stop()
+
+
+@pytest.fixture(scope="module")
+def server(scripted):
+    with serving(*scripted) as http:
+        yield http
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +146,16 @@ def test_the_agent_example_round_trips_tool_calls(server, scripted):
         assert len(row.completion_ids) == len(row.logprobs) == 4
     second_prompt = scripted[1].decode(rows[1].prompt_ids)
     assert second_prompt.count("<|im_start|>tool") == 1 and '{"letters": 3}' in second_prompt
+
+
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
+def test_a_call_whose_arguments_json_cannot_hold_is_content(number):
+    """A call holding NaN or Infinity (Python's json reads both; JSON has neither) or a number past a float's range
+    is no tool call: its text comes back as content, finish_reason "stop", as a call that does not parse."""
+    call = f'{{"name": "count_letters", "arguments": {{"n": {number}}}}}'
+    with serving(*scripted_tool_caller(call)) as http:
+        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            answer = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and not choice.message.tool_calls
+        assert choice.message.content == f"<tool_call>{call}</tool_call>"

@@ -124,6 +124,20 @@ def test_hermes_malformed_call_is_all_content(text):
     assert parsed.content == text and parsed.tool_calls == [] and not parsed.tools_called
 
 
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999", "-2e308"])
+@pytest.mark.parametrize("parser", [HERMES, LLAMA], ids=["hermes", "llama3_json"])
+def test_arguments_json_cannot_hold_make_the_call_content(parser, number):
+    """Python's json reads NaN and Infinity (and 1e999 as infinity); JSON has neither, and a client's parser would
+    refuse the arguments: such a call is malformed, all content, streamed or not; finite numbers stay calls."""
+    call = f'{{"name": "f", "arguments": {{"x": {number}, "y": 1.5}}}}'
+    text = hermes_call("f", call) if parser is HERMES else call
+    assert parser.parse(text) == ParsedToolCalls(text, [])
+    assert stream(parser, [text[:9], text[9:]])[:2] == (text, [])
+    fine = text.replace(number, "1e308")
+    [(name, arguments)] = functions(parser.parse(fine))
+    assert name == "f" and json.loads(arguments, parse_constant=lambda c: pytest.fail(c)) == {"x": 1e308, "y": 1.5}
+
+
 @pytest.mark.parametrize("text", ["The weather in Dallas is 98F.", "", "  \n", "a < b and <tool> or <tool_cal"])
 def test_hermes_no_call_is_content(text):
     assert HERMES.parse(text) == ParsedToolCalls(text, [])
@@ -233,6 +247,7 @@ HERMES_OUTPUTS = [
     '<tool_call>\n{"name": "f", "argu',
     "<tool_call>",
     'text <tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call> more',
+    *(hermes_call("f", f'{{"name": "f", "arguments": {{"x": {number}}}}}') for number in ("NaN", "-Infinity", "1e999")),
     '\n<tool_call>{"name": "f"}</tool_call>\n',
     "<tool_call><tool_call>" + '{"name": "f", "arguments": {}}</tool_call>',
     hermes_call("a", {}) + hermes_call("b", {}) + '<tool_call>{"name": "c", "arguments": {"k": "v"}}',
@@ -250,6 +265,7 @@ LLAMA_OUTPUTS = [
     '{"name": "searchTool", "arguments": {"query": "test {value} [complex]", "n": {"m": "}"}}}',
     '{"name": "a", "parameters": {"q": "t1"}} ; {"name": "b", "parameters": {}};{"name": "c", "parameters": {"x": 1}}',
     '{"name": "a", "parameters": {}} Would you like to know more?',
+    '{"name": "a", "parameters": {"x": Infinity}}',
     '{"name": "a", "parameters": {}};  ',
     '{"name": "a", "parameters": {}}; and more {"name": "b", "parameters": {}}',
     'Here is the result: {"name": "getOpenIncidentsTool", "parameters": {}}',
@@ -263,6 +279,12 @@ LLAMA_OUTPUTS = [
 DIVERGENT = [
     (HERMES, "Sure." + hermes_call("a", {}) + '<tool_call>{"name": bad}</tool_call> after', '<tool_call>{"name": bad}'),
     (LLAMA, '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {bad}}', '{"name": "b"'),
+    (LLAMA, '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1e400]}}', '{"name": "b"'),
+    (
+        HERMES,
+        "Sure." + hermes_call("a", {}) + '<tool_call>{"name": "b", "arguments": {"x": NaN}}',
+        '<tool_call>{"name": "b"',
+    ),
 ]
 
 

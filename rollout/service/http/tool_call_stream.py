@@ -25,7 +25,15 @@ Delta = dict[str, Any]
 Function = tuple[str, str]  # (name, arguments as a JSON string)
 
 _WS = re.compile(r"\s*")
-_DECODER = json.JSONDecoder()
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Arguments must be JSON a client's parser reads: Python's own reads NaN, Infinity and -Infinity, JSON has none.
+STRICT_JSON = json.JSONDecoder(parse_constant=_refuse_constant)
+_DECODER = STRICT_JSON
 _TEXT, _CALL, _AFTER, _PLAIN, _START, _JSON, _DONE = range(7)
 
 

@@ -10,7 +10,9 @@
   the last object is dropped.
 
 Either way a malformed call (bad JSON, no string "name", arguments not a JSON object) makes the whole text content with
-no tool calls, as vLLM, and nothing raises. Arguments are re-serialised with `json.dumps(..., ensure_ascii=False)`.
+no tool calls, as vLLM, and nothing raises. Arguments are re-serialised with `json.dumps(..., ensure_ascii=False)`,
+and are strict JSON: a call holding NaN, Infinity or -Infinity (which Python's json reads), or a number past a
+float's range (1e999, read as infinity), is malformed too, so a client's `json.loads` of its arguments never fails.
 Streaming is in `tool_call_stream.py`. Reasoning text (`<think>`) is expected to be split off before these parsers.
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollout.service.http.tool_call_stream import (
+    STRICT_JSON,
     Function,
     JsonCallsStream,
     TaggedCallStream,
@@ -35,7 +38,7 @@ from rollout.validation import FieldError
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-_DECODER = json.JSONDecoder()
+_DECODER = STRICT_JSON
 
 
 @dataclass
@@ -81,13 +84,16 @@ def _function(value: Any, argument_keys: tuple[str, ...]) -> Function | None:
     key = next((key for key in argument_keys if key in value), None)
     if key is None or not isinstance(value[key], dict):
         return None
-    return value["name"], json.dumps(value[key], ensure_ascii=False)
+    try:
+        return value["name"], json.dumps(value[key], ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past a float's range was read as infinity: JSON cannot hold it
+        return None
 
 
 def _hermes_block(block: str) -> Function | None:
     try:
-        value = json.loads(block)
-    except (ValueError, RecursionError):  # bad JSON; absurdly deep nesting
+        value = STRICT_JSON.decode(block)
+    except (ValueError, RecursionError):  # bad JSON (NaN and Infinity included); absurdly deep nesting
         return None
     return _function(value, ("arguments",))
 
