@@ -79,7 +79,7 @@ def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.
     """The longest path of tokens not banned the grammar allows, once it is below `needed`; `needed` as soon as one
     reaches it or may end on a stop token not banned; None when the search ran out of mask fills first."""
     info = compiled.tokenizer_info
-    matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=needed)
+    matcher = xgrammar.GrammarMatcher(compiled)  # (rollbacks are unlimited in xgrammar >= 0.2)
     bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
     banned_ids = np.fromiter(banned, dtype=np.int64)
     free_stops = np.setdiff1d(np.asarray(info.stop_token_ids, dtype=np.int64), banned_ids)

@@ -41,7 +41,8 @@ def serve_jobs(job_fd: int, answer_fd: int, info: Any, max_bytes: int) -> None:
         start = time.monotonic()
         # RLIMIT_DATA counts the heap and private writable mappings (not reserved address space, nor shared
         # pages): allocations past the budget fail, which xgrammar reports as std::bad_alloc.
-        resource.setrlimit(resource.RLIMIT_DATA, (min(_data_bytes() + max_bytes, hard), hard))
+        limit = _data_bytes() + max_bytes
+        resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
         try:
             compile_spec(compiler, field, tuple(spec) if field == "choice" else spec)
             answer: dict[str, Any] = {"status": "ok"}

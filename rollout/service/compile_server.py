@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.process_groups import die_with_parent
-from rollout.service.compile_child import serve_jobs
+from rollout.service.compile_child import RECYCLE_AFTER, serve_jobs
 from rollout.service.compile_frames import READ_BYTES, decode, read_frame, write_frame
 
 # Idle children are forked once the server had nothing to do this long: a fork copies the page tables of a process
@@ -46,6 +46,8 @@ class _Child:
     job: int | None = None
     deadline: float = float("inf")
     inbox: bytearray = field(default_factory=bytearray)
+    answered: int = 0
+    retiring: bool = False  # it exits after its last answer (compile_child.py): never handed another job
 
 
 class _Server:
@@ -90,7 +92,7 @@ class _Server:
                 self._kill(child, None)
 
     def _idle(self) -> list[_Child]:
-        return [child for child in self.children.values() if child.job is None]
+        return [child for child in self.children.values() if child.job is None and not child.retiring]
 
     def _handle(self, message: dict[str, Any]) -> None:
         if message.get("op") == "cancel":
@@ -98,10 +100,16 @@ class _Server:
                 if child.job == message["job"]:
                     self._kill(child, {"status": "cancelled"})
             return
-        idle = self._idle()
-        child = idle[0] if idle else self._fork()
+        while True:
+            idle = self._idle()
+            child = idle[0] if idle else self._fork()
+            try:
+                write_frame(child.job_fd, {"field": message["field"], "spec": message["spec"]})
+                break
+            except BrokenPipeError:  # it exited after its last answer (out of memory, or recycled): another one
+                self._forget(child)
+                self.exited.append(child.pid)
         child.job, child.deadline = message["job"], time.monotonic() + self.max_seconds
-        write_frame(child.job_fd, {"field": message["field"], "spec": message["spec"]})
 
     def _fork(self) -> _Child:
         job_read, job_write = os.pipe()
@@ -131,6 +139,8 @@ class _Server:
             for answer in decode(child.inbox):
                 self._send({"job": child.job, **answer})
                 child.job, child.deadline = None, float("inf")
+                child.answered += 1
+                child.retiring = answer["status"] == "memory" or child.answered >= RECYCLE_AFTER
             return
         self._forget(child)  # it exited (by itself after its answer, or it died)
         if child.job is None:
@@ -185,4 +195,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    os._exit(main(sys.argv))  # (its children are gone; an interpreter holding torch takes a second to tear down)

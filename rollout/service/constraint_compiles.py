@@ -147,9 +147,10 @@ class ConstraintCompiles:
         self._checks.shutdown(wait=True)
 
     @property
-    def num_slots_started(self) -> int:
-        """Slot threads started so far (they start with the first spec to compile)."""
-        return len(self._slots)
+    def num_active(self) -> int:
+        """Jobs not ended yet (waiting, compiling, or being checked)."""
+        with self._changed:
+            return len(self._active)
 
     # ---- slots ----------------------------------------------------------------------------------------------------
     def _grow_slots(self) -> None:
