@@ -145,6 +145,8 @@ BAD_CONSTRAINTS = [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"guided_regex": "a+"}, "guided_regex"),
     ({"structured_outputs": {"json": "[" * 3000 + "]" * 3000}}, "structured_outputs.json"),  # deeper than Python
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),  # no token can start it
+    ({"structured_outputs": {"choice": ["a"]}, "min_tokens": 3}, "structured_outputs.choice"),  # always shorter
     (
         {"response_format": json_schema_format({"type": "array", "uniqueItems": True})},
         "response_format.json_schema.schema",
