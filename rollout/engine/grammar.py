@@ -122,9 +122,9 @@ class Grammars:
         return entry.compiled
 
     def is_cached(self, tokenizer: Any, vocab_size: int, field: str, spec: Any) -> bool:
-        """Whether `compile` of this spec finds it compiled (then it costs no compile, at most its checks)."""
-        with self._lock:
-            grammars = self._compilers.get((id(tokenizer), vocab_size))
+        """Whether `compile` of this spec finds it compiled (then it costs no compile, at most its checks). Never
+        waits for a tokenizer's preparation (seconds on a large vocabulary, under the lock): a serving loop asks."""
+        grammars = self._compilers.get((id(tokenizer), vocab_size))  # (one dict read: atomic without the lock)
         return (
             grammars is not None and grammars.tokenizer is tokenizer and grammars.cache.get((field, spec)) is not None
         )

@@ -60,7 +60,7 @@ class GrammarCache:
         Returns:
             The entry kept.
         """
-        size = max(1, int(entry.compiled.memory_size_bytes))
+        size = max(1, int(entry.compiled.memory_size_bytes)) + _key_bytes(key)  # a 64 KiB spec counts too
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None:
@@ -75,5 +75,15 @@ class GrammarCache:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of compiled grammars kept."""
+        """Bytes of compiled grammars (and their specs) kept."""
         return self._bytes
+
+
+def _key_bytes(key: tuple[str, Any]) -> int:
+    """About what a cache key holds: its spec's characters (a choice's, all together)."""
+    spec = key[1]
+    if isinstance(spec, str):
+        return len(spec)
+    if isinstance(spec, tuple):
+        return sum(len(choice) for choice in spec)
+    return 0

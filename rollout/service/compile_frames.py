@@ -14,7 +14,7 @@ READ_BYTES = 1 << 16
 
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: the message's JSON behind its length."""
-    body = json.dumps(message, ensure_ascii=False).encode()
+    body = json.dumps(message).encode()  # (ASCII: a spec's lone surrogate travels escaped)
     return HEADER.pack(len(body)) + body
 
 

@@ -20,7 +20,9 @@ exactly once, from a slot or pool thread, or from the caller's thread when it is
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -65,7 +67,7 @@ class ConstraintCompiles:
         self._numbers = itertools.count()
         self._slots: list[threading.Thread] = []
         self._checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="rollout-constraint-check")
-        self._refused: OrderedDict[tuple[str, Any], FieldError] = OrderedDict()
+        self._refused: OrderedDict[bytes, FieldError] = OrderedDict()  # by `_digest`: specs may be 64 KiB
         self._active: set[CompileJob] = set()  # jobs whose `done` was not called yet
         self._closed = False
 
@@ -94,7 +96,7 @@ class ConstraintCompiles:
         with self._changed:
             if self._closed:
                 raise QueueFullError("the worker is stopping; retry")
-            refused = self._refused.get((field, spec))
+            refused = self._refused.get(_digest(field, spec))
             if refused is None and not self._is_cached(job):
                 try:
                     self._queue.push(client, job)
@@ -232,6 +234,11 @@ class ConstraintCompiles:
 
     def _remember(self, job: CompileJob, refusal: FieldError) -> None:
         with self._changed:
-            self._refused[(job.field, job.spec)] = refusal
+            self._refused[_digest(job.field, job.spec)] = refusal
             while len(self._refused) > MAX_REFUSALS:
                 self._refused.popitem(last=False)
+
+
+def _digest(field: str, spec: Any) -> bytes:
+    """A constraint's identity in a few bytes (a refused spec is remembered by it, not kept)."""
+    return hashlib.blake2b(json.dumps([field, spec]).encode(), digest_size=16).digest()  # (surrogates escaped)
