@@ -7,6 +7,7 @@ its children are gone after close; a compile past its memory budget is refused b
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 
@@ -145,6 +146,36 @@ def test_a_compile_past_its_memory_budget_is_refused_by_name(intake):
         assert outcomes.wait("small")[1] is None
     finally:
         compiles.close()
+
+
+def test_a_grammar_the_compile_process_sends_back_masks_as_xgrammars_own(compiles, intake, monkeypatch):
+    """A grammar that took a while to compile comes back as xgrammar's JSON: the engine's cache then holds it, and
+    it allows, step by step along a random path, exactly the tokens xgrammar's own compile of the spec allows."""
+    import xgrammar
+
+    adopted = []
+    adopt = intake.grammars.adopt
+    monkeypatch.setattr(intake.grammars, "adopt", lambda *args: adopt(*args) or adopted.append(args[2]))
+    spec = "root ::= " + " ".join("[a-z]? [0-9]?" for _ in range(25))  # ~0.2 s to compile: sent back
+    outcomes = Outcomes()
+    compiles.submit("sent", SamplingParams(grammar=spec), outcomes, "sent")
+    assert outcomes.wait("sent")[1] is None and adopted == ["grammar"]
+    ours = intake.grammars.compile(intake.tokenizer, intake.vocab_size, "grammar", spec)  # the cache's: adopted
+    info = intake.grammars.tokenizer_info(intake.tokenizer, intake.vocab_size)
+    theirs = xgrammar.GrammarCompiler(info).compile_grammar(spec)
+    matchers = [xgrammar.GrammarMatcher(ours), xgrammar.GrammarMatcher(theirs)]
+    masks = [xgrammar.allocate_token_bitmask(1, info.vocab_size) for _ in matchers]
+    rng = random.Random(0)
+    steps = 0
+    while not matchers[0].is_terminated():
+        for matcher, mask in zip(matchers, masks):
+            matcher.fill_next_token_bitmask(mask)
+        assert masks[0].equal(masks[1])
+        allowed = [t for t in range(info.vocab_size) if masks[0][0, t // 32] >> (t % 32) & 1]
+        token = rng.choice(allowed)
+        assert all(matcher.accept_token(token) for matcher in matchers)
+        steps += 1
+    assert matchers[1].is_terminated() and steps > 1
 
 
 def test_close_ends_every_compile_process_and_thread(compiles):

@@ -129,6 +129,20 @@ class Grammars:
             grammars is not None and grammars.tokenizer is tokenizer and grammars.cache.get((field, spec)) is not None
         )
 
+    def adopt(self, tokenizer: Any, vocab_size: int, field: str, spec: Any, grammar_json: str) -> None:
+        """Cache a grammar compiled elsewhere (a compile process of the worker) for this spec, checked as `compile`
+        checks what it compiles: the engine's compile of the spec then finds it.
+
+        Args:
+            tokenizer, vocab_size, field, spec: as for `compile`.
+            grammar_json: the compiled grammar as xgrammar's `serialize_json` wrote it, for this tokenizer.
+        Raises:
+            Exception: xgrammar's, when the JSON is not a grammar for this tokenizer (then compile it instead).
+        """
+        grammars = self._grammars(field, tokenizer, vocab_size)
+        compiled = xgrammar.CompiledGrammar.deserialize_json(grammar_json, grammars.info)
+        grammars.cache.put((field, spec), CheckedGrammar(compiled, first_step_refusal(compiled)))
+
     def tokenizer_info(self, tokenizer: Any, vocab_size: int) -> Any:
         """xgrammar's TokenizerInfo of this tokenizer and vocabulary (what compiles elsewhere must match).
 

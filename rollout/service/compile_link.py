@@ -42,7 +42,8 @@ class CompileLink:
         self.max_bytes = max_bytes
         self.children = children
         self._changed = threading.Condition()  # answers arrived, the server's state changed, a job was cancelled
-        self._answers: dict[int, dict[str, Any]] = {}
+        self._answers: dict[tuple[int, str], dict[str, Any]] = {}  # by (job, "status" or "grammar")
+        self._process_of: dict[int, subprocess.Popen] = {}  # the server each job in flight was sent to
         self._process: subprocess.Popen | None = None
         self._state = "stopped"  # "starting", "ready", "stopped", "failed", "closed"
         self._failed_at = 0.0
@@ -71,6 +72,7 @@ class CompileLink:
                 then kills its child.
         Returns:
             The server's answer ({"status": ...}); "unavailable" (with "message") when there is no server to ask.
+            After "ok", call `grammar` for the compiled grammar.
         """
         self.start()
         with self._changed:
@@ -82,11 +84,31 @@ class CompileLink:
             process = self._process
         if not self._send(process, {"op": "start", "job": job, "field": field, "spec": spec}):
             return {"status": "unavailable", "message": "the compile server is gone"}
+        self._process_of[job] = process
+        answer = self._wait((job, "status"), cancelled)
+        if answer.get("status") != "ok":
+            self._process_of.pop(job, None)
+        return answer
+
+    def grammar(self, job: int, cancelled: Callable[[], bool]) -> str | None:
+        """The grammar a job compiled, as xgrammar's JSON, after `check` answered "ok" (a slot thread).
+
+        Returns:
+            The JSON, or None: quick enough to compile again, written too slowly, or no server to ask.
+        """
+        answer = self._wait((job, "grammar"), cancelled)
+        self._process_of.pop(job, None)
+        return answer.get("grammar")
+
+    def _wait(self, key: tuple[int, str], cancelled: Callable[[], bool]) -> dict[str, Any]:
+        """The server's answer `key` (job, "status" or "grammar"); a cancelled job's child is killed first."""
+        job = key[0]
+        process = self._process_of.get(job)
         limit = time.monotonic() + self.max_seconds + ANSWER_GRACE_S
         told = False
         with self._changed:
-            while job not in self._answers:
-                if self._process is not process:
+            while key not in self._answers:
+                if process is None or self._process is not process:
                     return {"status": "unavailable", "message": self._failure or "the compile server stopped"}
                 if cancelled() and not told:
                     told = True
@@ -104,7 +126,7 @@ class CompileLink:
                     process.kill()
                     return {"status": "unavailable", "message": self._failure}
                 self._changed.wait(remaining)
-            return self._answers.pop(job)
+            return self._answers.pop(key)
 
     def wake(self) -> None:
         """Wake the slot threads waiting in `check` (a job was cancelled)."""
@@ -185,7 +207,7 @@ class CompileLink:
                         if self._state == "starting":
                             self._state = "ready"
                     else:
-                        self._answers[message["job"]] = message
+                        self._answers[(message["job"], "grammar" if "grammar" in message else "status")] = message
                 self._changed.notify_all()
 
     def _send(self, process: subprocess.Popen, message: dict[str, Any]) -> bool:

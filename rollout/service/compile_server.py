@@ -5,16 +5,17 @@ an xgrammar compile cannot be interrupted in a thread.
 It imports xgrammar once, then forks children that compile (compile_child.py): a fork costs milliseconds where a
 fresh interpreter importing xgrammar and torch costs seconds, and a child compiles job after job, so a job costs two
 pipe hops. The server SIGKILLs a child past its job's deadline or when the worker cancels the job, and forks a
-replacement once idle. The compiled grammar is not sent back: xgrammar's JSON serialization of some grammars grows
-with the square of their rules (tens of MB, seconds to write and to read), while compiling again in the worker takes
-about the time the child took, which the budget bounds. compile_link.py is the worker's side.
+replacement once idle. A grammar that took a while to compile comes back as xgrammar's JSON, if written in half
+the time its compile took (MAX_SEND_S at most): xgrammar's serialization of some grammars grows with the square of their rules (tens of
+MB, seconds to write and to read), and past that the worker compiles it again itself, which takes about the time the
+child took (the budget bounds it). compile_link.py is the worker's side.
 
 Protocol (stdin, stdout; compile_frames.py): the worker sends first {"tokenizer_info": ..., "max_seconds": s,
 "max_bytes": b, "children": n}, then {"op": "start", "job": id, "field": f, "spec": s} and {"op": "cancel", "job":
 id}; the server answers {"ready": true} once, then {"job": id, "status": s, ...} once per started job, s one of
 "ok", "error" (with xgrammar's "message"), "timeout", "memory", "crashed" (with "signal" or "exit_code") or
-"cancelled". Every child dies with the server, and the server with the worker (PR_SET_PDEATHSIG, and the end of
-its stdin).
+"cancelled", with "seconds" (the compile's); after "ok", once more {"job": id, "grammar": JSON or null}. Every child
+dies with the server, and the server with the worker (PR_SET_PDEATHSIG, and the end of its stdin).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from rollout.service.compile_frames import READ_BYTES, decode, read_frame, write
 # Idle children are forked once the server had nothing to do this long: a fork copies the page tables of a process
 # holding torch (10-30 ms on a small machine), which must not delay a compile's answer.
 IDLE_S = 0.02
+# How long a compiled grammar's JSON may take to write: half its compile (it is read in about half the time it took
+# to write: worth it only while cheaper than compiling again), at least MIN_SEND_S, at most MAX_SEND_S (a slot waits).
+MIN_SEND_S, MAX_SEND_S = 0.05, 1.0
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _Child:
     inbox: bytearray = field(default_factory=bytearray)
     answered: int = 0
     retiring: bool = False  # it exits after its last answer (compile_child.py): never handed another job
+    sending: bool = False  # its job compiled; its grammar's JSON is being written (deadline: MIN_SEND_S or so)
 
 
 class _Server:
@@ -83,7 +88,7 @@ class _Server:
                         self._read_child(self.children[fd])
                 now = time.monotonic()
                 for child in [c for c in self.children.values() if c.deadline <= now]:
-                    self._kill(child, {"status": "timeout"})
+                    self._kill(child, {"grammar": None} if child.sending else {"status": "timeout"})
                 self.exited = [pid for pid in self.exited if os.waitpid(pid, os.WNOHANG)[0] == 0]
                 if not readable and len(self._idle()) < self.spares:
                     self._fork()
@@ -98,7 +103,7 @@ class _Server:
         if message.get("op") == "cancel":
             for child in list(self.children.values()):
                 if child.job == message["job"]:
-                    self._kill(child, {"status": "cancelled"})
+                    self._kill(child, {"grammar": None} if child.sending else {"status": "cancelled"})
             return
         while True:
             idle = self._idle()
@@ -138,15 +143,22 @@ class _Server:
             child.inbox += data
             for answer in decode(child.inbox):
                 self._send({"job": child.job, **answer})
-                child.job, child.deadline = None, float("inf")
+                if answer.get("status") == "ok":  # its grammar's JSON follows, if written in time
+                    child.sending = True
+                    child.deadline = time.monotonic() + min(max(answer["seconds"] / 2, MIN_SEND_S), MAX_SEND_S)
+                    continue
+                child.job, child.deadline, child.sending = None, float("inf"), False
                 child.answered += 1
-                child.retiring = answer["status"] == "memory" or child.answered >= RECYCLE_AFTER
+                child.retiring = answer.get("status") == "memory" or child.answered >= RECYCLE_AFTER
             return
         self._forget(child)  # it exited (by itself after its answer, or it died)
         if child.job is None:
             self.exited.append(child.pid)
             return
         _, status = os.waitpid(child.pid, 0)
+        if child.sending:  # it died writing the JSON (out of memory): the worker compiles the grammar itself
+            self._send({"job": child.job, "grammar": None})
+            return
         answer = {"status": "crashed"}
         if os.WIFSIGNALED(status):
             answer["signal"] = os.WTERMSIG(status)

@@ -9,7 +9,8 @@ seen before goes through a compile slot (`CompileBudget.slots` threads):
 2. the compile server (compile_server.py, a child process) compiles it in a forked child under the time and memory
    budget, killed past either, or as soon as its client cancels or leaves; a spec refused so is refused by name (and
    remembered: sent again, it is refused at once);
-3. the worker then compiles it itself (about as long as the child took: the budget bounds it) into the engine's
+3. the worker reads the grammar the child compiled (xgrammar's JSON, when it comes within as long as its compile
+   took) or else compiles it itself (about as long as the child took: the budget bounds it) into the engine's
    grammar cache, with its admission checks (rollout/engine/grammar_checks.py), so the engine's own compile of it
    (`RequestIntake.constraint`) is a cache hit.
 
@@ -30,7 +31,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rollout.config import FieldError
+from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
 from rollout.engine.manager import QueueFullError
 from rollout.service.compile_jobs import CompileAbandoned, CompileBudget, CompileJob, CompilesClosed
@@ -72,9 +73,11 @@ class ConstraintCompiles:
         self._closed = False
 
     def start(self) -> None:
-        """Start the compile server now, in the background (else the first spec to compile starts it)."""
+        """Start the compile server now, in the background (else the first spec to compile starts it), and compile
+        `json_object` (the one spec every client may send) into the cache meanwhile."""
         if self._compiles_here():
             self.link.start()
+            self._checks.submit(self._warm)
 
     def submit(
         self, client: Hashable, sampling: Any, done: Callable[[CompileJob, BaseException | None], None], item: Any
@@ -183,8 +186,9 @@ class ConstraintCompiles:
             self._finish(job, error)
 
     def _run(self, job: CompileJob) -> BaseException | None:
-        """A queued job: proven in the compile server (unless cached meanwhile), then compiled and checked here."""
-        if not self._is_cached(job):
+        """A queued job: proven in the compile server (unless cached meanwhile), then compiled and checked here.
+        json_object skips the server: its spec is fixed, its compile time the vocabulary's, not a client's doing."""
+        if job.field != "json_object" and not self._is_cached(job):
             answer = self.link.check(job.number, job.field, job.spec, lambda: job.cancelled or self._closed)
             if job.cancelled or self._closed:
                 return CompileAbandoned() if job.cancelled else CompilesClosed()
@@ -193,8 +197,25 @@ class ConstraintCompiles:
                 if isinstance(refusal, FieldError):
                     self._remember(job, refusal)
                 return refusal
+            grammar_json = self.link.grammar(job.number, lambda: job.cancelled or self._closed)
+            if grammar_json is not None:
+                self._adopt(job, grammar_json)
         job.state = "compiling"
         return self._compile(job)
+
+    def _adopt(self, job: CompileJob, grammar_json: str) -> None:
+        """Cache the grammar the compile process sent (on failure, `_compile` compiles it here instead)."""
+        intake = self.intake
+        try:
+            intake.grammars.adopt(intake.tokenizer, intake.vocab_size, job.field, job.spec, grammar_json)
+        except Exception:  # noqa: BLE001 - an xgrammar version or format mismatch: compiled here instead
+            logger.exception("a compiled grammar from the compile server could not be read; compiling it here")
+
+    def _warm(self) -> None:
+        try:
+            self.intake.constraint(self.intake.resolve_sampling(SamplingParams(json_object=True)))
+        except Exception:  # noqa: BLE001 - a warm-up: the first request's own compile says what is wrong
+            logger.exception("compiling json_object ahead of requests failed")
 
     def _fast(self, job: CompileJob) -> None:
         """A cached spec (or none can compile here): its checks only, on the check threads."""
