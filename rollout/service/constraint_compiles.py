@@ -189,15 +189,17 @@ class ConstraintCompiles:
         """A queued job: proven in the compile server (unless cached meanwhile), then compiled and checked here.
         json_object skips the server: its spec is fixed, its compile time the vocabulary's, not a client's doing."""
         if job.field != "json_object" and not self._is_cached(job):
-            answer = self.link.check(job.number, job.field, job.spec, lambda: job.cancelled or self._closed)
-            if job.cancelled or self._closed:
+            given_up = lambda: job.cancelled or self._closed  # noqa: E731 - asked again while waiting
+            answer = self.link.check(job.number, job.field, job.spec, given_up)
+            # After "ok" the grammar (or None) always follows: collected even when given up, never left behind.
+            grammar_json = self.link.grammar(job.number, given_up) if answer["status"] == "ok" else None
+            if given_up():
                 return CompileAbandoned() if job.cancelled else CompilesClosed()
             refusal = self.budget.refusal(job.field, answer)
             if refusal is not None:
                 if isinstance(refusal, FieldError):
                     self._remember(job, refusal)
                 return refusal
-            grammar_json = self.link.grammar(job.number, lambda: job.cancelled or self._closed)
             if grammar_json is not None:
                 self._adopt(job, grammar_json)
         job.state = "compiling"
