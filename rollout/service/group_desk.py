@@ -20,7 +20,7 @@ from rollout.engine.outputs import GenerationOutput
 from rollout.mailbox import drain
 from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.service import protocol as p
-from rollout.service.compile_jobs import CompileAbandoned, CompileJob, CompilesClosed
+from rollout.service.compile_jobs import CompileAbandoned, CompileJob, CompilesClosed, CompilesUnavailable
 from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.groups import GroupInFlight, engine_id
@@ -105,6 +105,8 @@ class GroupDesk:
                 continue
             if isinstance(error, CompilesClosed):
                 error = QueueFullError("the worker is stopping; retry")
+            elif isinstance(error, CompilesUnavailable):  # the worker's fault, not the spec's: retry (elsewhere)
+                error = QueueFullError(str(error))
             if group.cancel_requested or isinstance(error, CompileAbandoned):
                 self._abort(group, message, send)
             else:
