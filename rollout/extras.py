@@ -14,7 +14,7 @@ import importlib.util
 # The importable modules of each extra that rollout's features check for, as its requirements name them
 # (tests/test_newcomer_errors.py checks this against pyproject.toml).
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
-    "http": ("fastapi", "uvicorn", "msgspec"),
+    "http": ("fastapi", "uvicorn", "orjson"),
     "ray": ("ray",),
     "lora": ("peft",),
     "structured": ("xgrammar",),

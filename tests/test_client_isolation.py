@@ -14,9 +14,13 @@ import time
 import httpx2 as httpx  # the HTTP library the openai client is built on
 import pytest
 
-from rollout.service.http.bodies import MAX_BODY_CONTAINERS, ReceiveBudget
+from rollout.config import SamplingParams
+from rollout.service.http.answer_size import MAX_ANSWER_TOKENS, check_answer_size
+from rollout.service.http.bodies import ReceiveBudget
 from rollout.service.http.errors import APIError
+from rollout.service.http.openai_fields import GenerationRequest
 from rollout.service.http.prompts import MAX_TOOLS
+from rollout.service.http.settings import MAX_BODY_CONTAINERS, MAX_BODY_ELEMENTS, MAX_BODY_STRINGS, HttpSettings
 from rollout.service.http.template_inputs import MAX_TEMPLATE_VARIABLES
 from service_helpers import Worker, free_port
 from serving_watch import ServingWatch
@@ -85,13 +89,25 @@ def test_bodies_of_millions_of_containers_are_refused_while_they_arrive(worker, 
     watch.check()
 
 
-def test_the_largest_legal_bodies_are_parsed_one_at_a_time(worker, http, watch):
-    # Four bodies of four million integers each (the most values one may hold) are parsed, never two at once.
-    raw = b'{"prompt": "hi", "max_tokens": 1, "junk": [' + b",".join([b"0"] * 4_000_000) + b"]}"
+@pytest.mark.parametrize("value", [b"0", b"1e300", b'"ab"'])
+def test_the_largest_legal_bodies_are_parsed_one_at_a_time(worker, http, watch, value):
+    # Four bodies of as many values as one may hold (three million numbers, a million strings, or 16 MB; `1e300` is slow for some JSON
+    # parsers, and short strings take 12 times their bytes once parsed) are parsed one at a time, within the budget.
+    most = MAX_BODY_STRINGS - 10 if value.startswith(b'"') else MAX_BODY_ELEMENTS - 10
+    count = min(most, (BODY_LIMIT - 100) // (len(value) + 1))
+    raw = b'{"prompt": "hi", "max_tokens": 1, "junk": [' + b",".join([value] * count) + b"]}"
     watch = watch()
     for response in sent_together(http, "/v1/completions", raw, 4):
-        assert "junk: unknown field" in error_of(response, 400, "junk")
+        if response.status_code == 429:  # one address holds what one such body may take at once
+            assert "per client address" in error_of(response, 429)
+        else:
+            assert "junk: unknown field" in error_of(response, 400, "junk")
     watch.check()
+
+
+def test_a_code_prompt_full_of_brackets_is_not_refused_for_its_shape(http):
+    response = http.post("/v1/completions", json={"prompt": "x = [[{}]]; " * 22_000, "max_tokens": 1})
+    assert "tokens" in error_of(response, 400, "prompt")  # too long for the tiny model, but read and tokenized
 
 
 @pytest.mark.parametrize(
@@ -146,8 +162,8 @@ def test_stalled_uploads_hold_a_bounded_number_of_bytes(worker, http, watch):
         for upload in uploads:
             upload.join(30)
         watch.check()  # (the RSS threshold: 60 uploads of 15 MB would hold 900 MB)
-        # One address may hold 4 x the body limit: the uploads past it were answered 429 (which names the limit).
-        most_held = (4 * BODY_LIMIT) // size
+        # One address may hold what the largest body may take: the uploads past it were answered 429.
+        most_held = HttpSettings(max_body_bytes=BODY_LIMIT).max_receiving_bytes_per_client // size
         assert answered(worker, 429) - refused_before >= count - most_held
     finally:
         for connection in sockets:
@@ -169,12 +185,13 @@ def test_an_answer_that_would_copy_prompt_logprobs_into_every_choice_is_refused(
     assert "--http-max-answer-logprobs" in message and "stream it" in message
     assert time.monotonic() - start < 1.0
     watch.check()
-    # The largest whole answer allowed (half a million entries, 13 MB) is built and encoded without a stall.
+    # The largest whole answer allowed (half a million entries, 13 MB) is built and encoded without a stall (a
+    # shorter prompt in more choices: a 2,000-token prefill is itself a long engine step on a small CPU).
     watch = start_watch()
-    largest = {**body, "n": 12}
+    largest = {**body, "prompt": [7] * 500, "n": 48}
     del largest["prompt_logprobs"]
     answer = http.post("/v1/completions", json=largest).json()
-    assert [len(choice["logprobs"]["top_logprobs"]) for choice in answer["choices"]] == [2001] * 12
+    assert [len(choice["logprobs"]["top_logprobs"]) for choice in answer["choices"]] == [501] * 48
     watch.check()
     # Streamed, it is sent as it is made: allowed (a smaller one here, to keep the test short).
     streamed = {**body, "n": 4, "stream": True}
@@ -207,3 +224,15 @@ def test_the_receive_budget_holds_a_share_per_address_and_a_total():
     for client, size in (("a", 30), ("b", 40), ("c", 30)):
         budget.release(client, size)
     assert budget.held == 0 and not budget.by_client
+
+
+@pytest.mark.parametrize("chat, field", [(False, "max_tokens"), (True, "max_completion_tokens")])
+def test_a_whole_answer_of_more_tokens_than_the_bound_is_refused_before_it_starts(chat, field):
+    # n at the default --max-n, each choice at a 32k context's max_tokens: 33 million tokens held whole.
+    request = GenerationRequest([[1, 2, 3]], SamplingParams(max_new_tokens=32_768), n=1024)
+    with pytest.raises(APIError) as refused:
+        check_answer_size(request, chat, limit=1 << 19)
+    assert refused.value.param == field and f"at most {MAX_ANSWER_TOKENS}" in str(refused.value.body())
+    check_answer_size(GenerationRequest([[1, 2, 3]], SamplingParams(max_new_tokens=32_768), n=64), chat, 1 << 19)
+    streamed = GenerationRequest([[1, 2, 3]], SamplingParams(max_new_tokens=32_768), n=1024, stream=True)
+    check_answer_size(streamed, chat, 1 << 19)  # sent as it is made: never held whole

@@ -78,15 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-max-receiving-bytes",
         type=int,
         default=None,
-        help="most bytes of HTTP request bodies held at once (being received or parsed) for all clients; past it a "
-        "request is answered 503 (default: 16 x --http-max-body-bytes)",
+        help="most bytes of HTTP request bodies held at once (being received or parsed: a body's bytes plus 40 per "
+        "JSON value and 32 more per string, what they take once parsed) for all clients; past it a request is "
+        "answered 503 (default: twice the per-client share)",
     )
     add(
         "--http-max-receiving-bytes-per-client",
         type=int,
         default=None,
-        help="the same for one client address; past it, 429 (default: 4 x --http-max-body-bytes; behind a proxy "
-        "every client has the proxy's address: raise it)",
+        help="the same for one client address; past it, 429 (default: what the largest body may take, about 180 "
+        "MB; behind a proxy every client has the proxy's address: raise it)",
     )
     add(
         "--http-max-answer-logprobs",

@@ -4,14 +4,19 @@ A whole (not streamed) answer is built in memory and encoded at once. Its log-pr
 choices, the tokens and the top alternatives per token, and an echoed prompt's log-probs are repeated in every
 choice: a 2,000-token prompt with `prompt_logprobs: 20`, `echo` and `n: 128` builds half a gigabyte. So the most
 log-prob entries a request's answer could hold are counted from its fields (the completion at its `max_tokens`) and
-a request over the worker's limit is refused by name, before any token is generated. A streamed answer is sent as it
-is made and never held whole: it is not limited.
+a request over the worker's limit is refused by name, before any token is generated. So are answers whose tokens
+alone (their text, and token ids when asked) could exceed `MAX_ANSWER_TOKENS`. A streamed answer is sent as it is
+made and never held whole: it is not limited.
 """
 
 from __future__ import annotations
 
 from rollout.service.http.errors import APIError
 from rollout.service.http.openai_fields import GenerationRequest
+
+# Tokens a whole answer may hold: its choices' completions at max_tokens, and the prompts it repeats in every choice
+# (echo, return_token_ids). About 40 bytes each while built: 2^22 bound an answer to about 170 MB.
+MAX_ANSWER_TOKENS = 1 << 22
 
 
 def most_logprob_entries(request: GenerationRequest) -> dict[str, int]:
@@ -43,6 +48,18 @@ def check_answer_size(request: GenerationRequest, chat: bool, limit: int) -> Non
     """
     if request.stream:
         return
+    choices = len(request.prompts) * request.n
+    tokens = choices * request.sampling.max_new_tokens
+    if request.return_token_ids or (request.scoring is not None and request.scoring.echo):
+        tokens += request.n * sum(len(prompt) for prompt in request.prompts)
+    if tokens > MAX_ANSWER_TOKENS:
+        field = "max_completion_tokens" if chat else "max_tokens"
+        reason = (
+            f"the answer could hold {tokens} tokens ({len(request.prompts)} prompt(s) x n={request.n} choices of up "
+            f"to {request.sampling.max_new_tokens}); a whole answer holds at most {MAX_ANSWER_TOKENS}: stream it "
+            f"(stream: true), or set {field} lower"
+        )
+        raise APIError(400, f"{field}: {reason}", field)
     entries = most_logprob_entries(request)
     total = sum(entries.values())
     if total <= limit:

@@ -118,6 +118,7 @@ def build_app(
         try:  # parsing, tokenizing and checking are slow work (worker threads); a constraint compiles on its own
             async with bodies.body(request) as body:
                 answer = await asyncio.to_thread(endpoints.prepare, body, chat)
+                del body  # the parsed body leaves the budget: nothing may hold it after (the answer keeps its own)
             await endpoints.compile(answer, request)
         except APIError:
             counters.group_refused()

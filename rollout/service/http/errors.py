@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
+import orjson
 from starlette.responses import JSONResponse
 
 from rollout.config import FieldError
@@ -76,10 +76,10 @@ class SafeJSONResponse(JSONResponse):
 def json_bytes(content: Any) -> bytes:
     """`content` as compact UTF-8 JSON, ASCII-escaped where its text is not valid Unicode (a lone surrogate).
 
-    msgspec encodes it, 15 times faster than `json.dumps`: a whole answer of half a million log-prob entries holds
+    orjson encodes it, 15 times faster than `json.dumps`: a whole answer of half a million log-prob entries holds
     the interpreter lock for about 0.05 s instead of 0.9 s. (It writes a non-finite float as null; answers' log-probs
-    are made finite before.)"""
+    are made finite before.) Text that is not valid Unicode makes it refuse: `json.dumps` then escapes it."""
     try:
-        return msgspec.json.encode(content)
-    except UnicodeEncodeError:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")

@@ -9,6 +9,20 @@ from rollout.config import FieldError
 from rollout.service.sockets import is_loopback
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
+# Most JSON arrays and objects in one body (an upper bound: brackets inside strings count too, so a long prompt of
+# code or JSON text may hold many): a batch of 1,024 token-id prompts, messages with content parts and 128 tools hold
+# a few thousand; parsing 262,144 empty lists takes about 0.13 s.
+MAX_BODY_CONTAINERS = 1 << 18
+# Most values in one body (commas, an upper bound): a batch of 1,024 prompts of 2,000 token ids holds two million;
+# parsing three million numbers or short strings takes about 0.35 s.
+MAX_BODY_ELEMENTS = 3_000_000
+# Most strings in one body (half its double quotes, an upper bound): a short string costs 60 bytes once parsed, twelve
+# times its bytes in the body.
+MAX_BODY_STRINGS = 1 << 20
+# What a body's values may cost once parsed, in bytes, beyond its own bytes: each value's pointer and a number object
+# (or a list's), and each string's object. The receive budget holds a body's bytes plus these.
+PARSED_BYTES_PER_VALUE = 40
+PARSED_BYTES_PER_STRING = 32
 # Log-prob entries of a whole answer: each costs about 400 bytes of memory while the answer is built, so 2^19 bound
 # one answer to about 200 MB (a 2,000-token prompt's 20 top log-probs echoed into 128 choices are 5.4 million).
 DEFAULT_MAX_ANSWER_LOGPROBS = 1 << 19
@@ -33,10 +47,11 @@ class HttpSettings:
         max_n: most samples per request (`n` times the number of prompts).
         max_prompt_len: longest prompt, in tokens.
         max_body_bytes: largest request body (larger ones are answered 413).
-        max_receiving_bytes: most bytes of request bodies the worker holds at once, being received or parsed, for
-            all clients (past it a request is answered 503; None: 16 x max_body_bytes).
-        max_receiving_bytes_per_client: the same for one client address (past it, 429; None: 4 x max_body_bytes).
-            Behind a proxy every client has the proxy's address: raise it to max_receiving_bytes.
+        max_receiving_bytes: most bytes of request bodies the worker holds at once, being received or parsed (each
+            body's bytes plus what its values may take once parsed), for all clients (past it a request is
+            answered 503; None: twice max_receiving_bytes_per_client).
+        max_receiving_bytes_per_client: the same for one client address (past it, 429; None: what the largest body
+            may take, `largest_body_bytes`). Behind a proxy every client has the proxy's address: raise it.
         max_answer_logprobs: most log-prob entries a whole (not streamed) answer may hold: its choices' prompt and
             completion log-probs, each with its top alternatives (a request that could exceed it is answered 400
             before it starts; streamed answers are never held whole).
@@ -79,9 +94,9 @@ class HttpSettings:
         # Defaults follow max_body_bytes (a client's share never over the total); each holds at least one body.
         body, total, per_client = self.max_body_bytes, self.max_receiving_bytes, self.max_receiving_bytes_per_client
         if per_client is None:
-            per_client = 4 * body if total is None else min(4 * body, total)
+            per_client = self.largest_body_bytes if total is None else min(self.largest_body_bytes, total)
         if total is None:
-            total = max(16 * body, per_client)
+            total = 2 * per_client
         for name, value, least, what in (
             ("max_receiving_bytes_per_client", per_client, body, "max_body_bytes"),
             ("max_receiving_bytes", total, per_client, "max_receiving_bytes_per_client"),
@@ -103,6 +118,12 @@ class HttpSettings:
             )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise FieldError("api_key", "must be a non-empty string")
+
+    @property
+    def largest_body_bytes(self) -> int:
+        """What the largest body may hold in the receive budget: its bytes and its most values, parsed."""
+        values = PARSED_BYTES_PER_VALUE * (MAX_BODY_ELEMENTS + MAX_BODY_CONTAINERS)
+        return self.max_body_bytes + values + PARSED_BYTES_PER_STRING * MAX_BODY_STRINGS
 
     @property
     def loopback_only(self) -> bool:
