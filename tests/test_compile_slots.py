@@ -7,7 +7,9 @@ its children are gone after close; a compile past its memory budget is refused b
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 
@@ -18,7 +20,12 @@ pytest.importorskip("xgrammar")
 from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
 from rollout.engine.manager import QueueFullError, init_continuous_batching  # noqa: E402
-from rollout.service.compile_jobs import CompileAbandoned, CompileBudget, CompilesClosed  # noqa: E402
+from rollout.service.compile_jobs import (  # noqa: E402
+    CompileAbandoned,
+    CompileBudget,
+    CompilesClosed,
+    CompilesUnavailable,
+)
 from rollout.service.constraint_compiles import ConstraintCompiles  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -176,6 +183,24 @@ def test_a_grammar_the_compile_process_sends_back_masks_as_xgrammars_own(compile
         assert all(matcher.accept_token(token) for matcher in matchers)
         steps += 1
     assert matchers[1].is_terminated() and steps > 1
+
+
+def test_a_compile_server_that_dies_is_started_again(compiles):
+    """Its children die with it, a compile in flight is answered (not hung), and the next one starts a new server."""
+    outcomes = Outcomes()
+    compiles.submit("x", slow(50), outcomes, "in flight")
+    time.sleep(0.3)
+    server = compiles.link.pid
+    children = _children(server)
+    os.kill(server, signal.SIGKILL)
+    _, error = outcomes.wait("in flight", 10)
+    assert isinstance(error, CompilesUnavailable), error
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "the dead server's children outlived it"
+        time.sleep(0.05)
+    compiles.submit("x", small_schema("after"), outcomes, "after")
+    assert outcomes.wait("after", 120)[1] is None and compiles.link.pid not in (None, server)
 
 
 def test_close_ends_every_compile_process_and_thread(compiles):

@@ -7,6 +7,8 @@ client leaves, while its constraint compiles ends at once and frees its compile 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -22,7 +24,7 @@ from rollout.service import protocol as p  # noqa: E402
 from rollout.service.limits import WorkerLimits  # noqa: E402
 from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from rollout.service.worker import RolloutWorker  # noqa: E402
-from service_helpers import Client  # noqa: E402
+from service_helpers import Client, Worker  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 BUDGET_S = 2.0
@@ -125,3 +127,43 @@ def test_a_stopping_worker_answers_busy_and_leaves_no_compile_process(worker):
     worker.thread.join(30)
     assert not worker.thread.is_alive()
     assert not any(_alive(pid) for pid in processes)
+
+
+def test_the_compile_processes_die_with_a_killed_worker():
+    """rollout-worker starts its compile server at once; SIGKILL the worker (no cleanup runs) and the server and
+    its children go with it (PR_SET_PDEATHSIG, parent to child to grandchild)."""
+    server = Worker()
+    try:
+        deadline = time.monotonic() + 120
+        while len(descendants(server.process.pid)) < 2:  # the compile server and its idle children
+            assert time.monotonic() < deadline, "no compile server started"
+            time.sleep(0.1)
+        processes = descendants(server.process.pid)
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait(10)
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in processes):
+            assert time.monotonic() < deadline, "compile processes outlived their worker"
+            time.sleep(0.05)
+    finally:
+        server.close()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (the children of each of its threads, theirs, ...)."""
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as children:
+                    new = {int(child) for child in children.read().split()} - found
+            except FileNotFoundError:
+                continue
+            found |= new
+            todo.extend(new)
+    return {child for child in found if _alive(child)}
