@@ -15,8 +15,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import rollout
 from rollout.service.compile_frames import HEADER, READ_BYTES, decode, encode
 
 logger = logging.getLogger(__name__)
@@ -162,7 +164,10 @@ class CompileLink:
         try:
             info = self._tokenizer_info()
             command = [sys.executable, "-m", "rollout.service.compile_server", str(os.getpid())]
-            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            # The server imports this same rollout, wherever the worker found it (not only an installed one).
+            paths = [str(Path(rollout.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             with self._changed:
                 if self._state == "closed":
                     process.kill()
