@@ -55,8 +55,12 @@ def watch_main(url: str, address: str, connection: Connection) -> None:
     deadline = time.monotonic() + 60
     while (len(seen["gaps"]) < 5 or len(seen["probes"]) < 3) and time.monotonic() < deadline:
         time.sleep(0.01)
-    connection.send("ready")
-    connection.recv()  # stop
+    try:
+        connection.send("ready")
+        connection.recv()  # stop
+    except (EOFError, OSError):  # the test process left without stopping it
+        stop.set()
+        return
     stop.set()
     for thread in threads:
         thread.join(60)
@@ -108,13 +112,13 @@ class ServingWatch:
             self._process.join(30)
         return self.seen
 
-    def check(self, most_stall_s: float = 1.0, most_growth_mb: float = 300.0) -> None:
+    def check(self, most_stall_s: float = 1.0, most_growth_mb: float = 300.0, most_pause_s: float = 1.0) -> None:
         """Stop watching; assert the thresholds: no /health probe waited `most_stall_s` or more, the stream never
-        paused that long, and the worker's RSS grew less than `most_growth_mb`."""
+        paused `most_pause_s` or more, and the worker's RSS grew less than `most_growth_mb`."""
         seen = self.stop()
         assert not seen["errors"], seen["errors"][:5]
         assert len(seen["gaps"]) >= 5 and len(seen["probes"]) >= 3, "the watching clients did not run"
         assert max(seen["probes"]) < most_stall_s, f"/health waited {max(seen['probes']):.2f} s"
-        assert max(seen["gaps"]) < most_stall_s, f"the trainer's stream paused {max(seen['gaps']):.2f} s"
+        assert max(seen["gaps"]) < most_pause_s, f"the trainer's stream paused {max(seen['gaps']):.2f} s"
         growth = self.peak_mb - self.before_mb
         assert growth < most_growth_mb, f"the worker's RSS grew {growth:.0f} MB"
