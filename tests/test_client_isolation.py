@@ -29,6 +29,9 @@ KEY = "isolation-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 MESSAGES = [{"role": "user", "content": "hi"}]
 BODY_LIMIT = 16 << 20
+COMPILE_BUDGET_S = 2.0
+# A grammar that takes about 20 s to compile on the tiny vocabulary (2.8 KB).
+SLOW_GRAMMAR = "root ::= " + " ".join("[a-z]? [0-9]?" for _ in range(200))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,14 @@ def worker():
     os.environ["ROLLOUT_API_KEY"] = KEY
     try:
         server = Worker(
-            "--http", f"127.0.0.1:{port}", "--http-max-body-bytes", str(BODY_LIMIT), "--metrics-port", str(metrics_port)
+            "--http",
+            f"127.0.0.1:{port}",
+            "--http-max-body-bytes",
+            str(BODY_LIMIT),
+            "--metrics-port",
+            str(metrics_port),
+            "--max-compile-s",
+            str(COMPILE_BUDGET_S),
         )
     finally:
         del os.environ["ROLLOUT_API_KEY"]
@@ -236,3 +246,35 @@ def test_a_whole_answer_of_more_tokens_than_the_bound_is_refused_before_it_start
     check_answer_size(GenerationRequest([[1, 2, 3]], SamplingParams(max_new_tokens=32_768), n=64), chat, 1 << 19)
     streamed = GenerationRequest([[1, 2, 3]], SamplingParams(max_new_tokens=32_768), n=1024, stream=True)
     check_answer_size(streamed, chat, 1 << 19)  # sent as it is made: never held whole
+
+
+def test_slow_grammars_from_two_clients_starve_no_one(worker, watch):
+    """Two clients' grammars that would each hold a compile process for 20 s are refused by name at the budget,
+    while a third client's json_object request and the other clients are served at once."""
+    pytest.importorskip("xgrammar")
+    clients = [
+        httpx.Client(base_url=worker.url, headers=HEADERS, timeout=60, transport=httpx.HTTPTransport(local_address=a))
+        for a in ("127.0.0.1", "127.0.0.3", "127.0.0.2")
+    ]
+    body = {"prompt": "go", "max_tokens": 4}
+    try:
+        assert clients[2].post("/v1/completions", json=body).status_code == 200  # (the compile server is up)
+        watch = watch()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            slow = [
+                pool.submit(
+                    client.post, "/v1/completions", json={**body, "structured_outputs": {"grammar": SLOW_GRAMMAR}}
+                )
+                for client in clients[:2]
+            ]
+            time.sleep(0.5)  # both compiling now
+            asked = time.monotonic()
+            served = clients[2].post("/v1/completions", json={**body, "response_format": {"type": "json_object"}})
+            assert served.status_code == 200 and time.monotonic() - asked < 1.0, served.text
+            for refused in slow:
+                message = error_of(refused.result(), 400, "structured_outputs.grammar")
+                assert f"did not compile within {COMPILE_BUDGET_S:g} s" in message
+        watch.check()
+    finally:
+        for client in clients:
+            client.close()
