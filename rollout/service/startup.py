@@ -51,9 +51,16 @@ class RunningWorker:
     def serve(self) -> int:
         """Serve until `worker.shutdown()` (a signal, or the engine failing); then stop the other servers. Returns the
         exit status: 1 when the engine failed (a supervisor should restart the worker), else 0."""
+        # A full garbage collection holds the interpreter lock while it walks every tracked object: the ~400,000 that
+        # torch, transformers and the model leave at start took 0.5 s, a stall of every client whenever a request's
+        # allocations set one off. Frozen while serving, they are never walked (as vLLM does after its start);
+        # unfrozen after, so that the process's exit frees them (native libraries report what was never freed).
+        gc.collect()
+        gc.freeze()
         try:
             self.worker.serve()
         finally:
+            gc.unfreeze()
             if self.http is not None:
                 self.http.stop()
         if self.metrics is not None:
@@ -134,11 +141,6 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         config.block_size,
     )
     logger.info(cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len))
-    # A full garbage collection holds the interpreter lock while it walks every tracked object: the ~400,000 that
-    # torch, transformers and the model leave at start took 0.5 s, a stall of every client whenever a request's
-    # allocations set one off. Frozen, they are never walked again (as vLLM does after its start).
-    gc.collect()
-    gc.freeze()
     return RunningWorker(worker, manager, model, http, metrics)
 
 
