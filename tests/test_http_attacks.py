@@ -55,6 +55,21 @@ def worker():
     server.close()
 
 
+@pytest.fixture
+def serving_watch(worker):
+    """Starts watching the other clients (`ServingWatch`); stopped at the end of the test, even a failed one (a
+    watch left running would keep its trainer's group in flight for the tests after)."""
+    started: list[ServingWatch] = []
+
+    def start() -> ServingWatch:
+        started.append(ServingWatch(worker.url, worker.address, worker.process.pid))
+        return started[-1]
+
+    yield start
+    for each in started:
+        each.stop()
+
+
 @pytest.fixture(scope="module")
 def http(worker):
     with httpx.Client(base_url=worker.url, headers=AUTH, timeout=60) as client:
@@ -226,8 +241,8 @@ class StreamWatch:
         return max(self.probes)
 
 
-def test_huge_detokenize_bodies_do_not_stall_streams(worker, http):
-    watch = ServingWatch(worker.url, worker.address, worker.process.pid)
+def test_huge_detokenize_bodies_do_not_stall_streams(worker, http, serving_watch):
+    watch = serving_watch()
     body = json.dumps({"tokens": [7] * 2_000_000})  # about 6 MB
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         responses = list(pool.map(lambda _: http.post("/detokenize", content=body, headers=JSON), range(3)))
@@ -243,11 +258,11 @@ def test_huge_detokenize_bodies_do_not_stall_streams(worker, http):
 JSON = {"Content-Type": "application/json"}
 
 
-def test_big_token_batches_and_big_answers_do_not_stall_streams(worker, http):
+def test_big_token_batches_and_big_answers_do_not_stall_streams(worker, http, serving_watch):
     """A 1024-prompt batch of token ids is checked and added off the event loop (its last prompt holds an id past
     the vocabulary, which only the engine's intake finds, after 1023 groups were added: they are cancelled), and a
     big whole answer (n=64 with top log-probs) is built and encoded off it too."""
-    watch = ServingWatch(worker.url, worker.address, worker.process.pid)
+    watch = serving_watch()
     batch = json.dumps({"prompt": [[7] * 2000] * 1023 + [[5000] * 2000], "max_tokens": 1})  # 10 MB of ids
     big = {"prompt": "x", "n": 64, "max_tokens": 40, "logprobs": 20, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
@@ -304,7 +319,7 @@ def attack_mix(index: int) -> tuple[str, dict | bytes]:
     return "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": 3}
 
 
-def test_an_attack_mix_keeps_memory_bounded_and_the_loop_responsive(worker, http):
+def test_an_attack_mix_keeps_memory_bounded_and_the_loop_responsive(worker, http, serving_watch):
     def send(index: int):
         path, body = attack_mix(index)
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -312,7 +327,7 @@ def test_an_attack_mix_keeps_memory_bounded_and_the_loop_responsive(worker, http
 
     send(0), send(1)  # the first of each kind loads what it needs once
     before = rss_mb(worker)
-    watch = ServingWatch(worker.url, worker.address, worker.process.pid)
+    watch = serving_watch()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(send, range(1000)))
     watch.check()
