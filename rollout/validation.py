@@ -36,6 +36,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def all_plain_ints(values: list | tuple) -> bool:
+    """True when every item is a plain `int` (not a bool, not a numpy integer). Runs at C speed (`map(type, ...)`):
+    a batch of long prompts is checked in milliseconds without holding the interpreter lock in Python bytecode,
+    which would slow the engine thread's every lock hand-over (each torch op releases and retakes it)."""
+    return set(map(type, values)) <= {int}
+
+
+def in_range(values: list | tuple, low: int, high: int) -> bool:
+    """True when plain ints `values` all lie in [low, high) (C speed; empty: True)."""
+    return not values or (low <= min(values) and max(values) < high)
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

@@ -12,7 +12,13 @@ import torch
 from transformers import GenerationConfig
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
+from rollout import (
+    ContinuousBatchingConfig,
+    QueueFullError,
+    SamplingParams,
+    generate_batch,
+    init_continuous_batching,
+)
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = 10.0
@@ -86,6 +92,26 @@ def test_prompt_shapes_are_never_reinterpreted():
                 manager.add_request(bad, sampling=GREEDY)
         manager.add_request(torch.tensor([[1, 2, 3]]), request_id="row", max_new_tokens=4, sampling=GREEDY)
         assert manager.get_result("row", timeout=TIMEOUT).generated_tokens == greedy_reference(reference, [1, 2, 3], 4)
+
+
+def test_a_batch_of_groups_is_added_all_or_none():
+    """`add_groups` checks every prompt before queueing any: a batch refused at its last prompt (an id past the
+    vocabulary, a bool, a float) or by a queue that cannot take it all leaves nothing queued, and its ids free."""
+    model = tiny_model()
+    reference = reference_copy(model)
+    vocab = model.config.vocab_size
+    with manager_for(model, max_queue_size=3) as manager:
+        for bad, reason in (([vocab], f"prompt 2 of the batch: {vocab} at position 0"), ([1, True], "True at")):
+            with pytest.raises(ValueError, match=reason) as raised:
+                manager.add_groups(["a", "b", "c"], [[1, 2], [3, 4], bad], sampling=GREEDY, max_new_tokens=2)
+            assert raised.value.field == "prompt_ids"
+        with pytest.raises(QueueFullError):
+            manager.add_groups(list("abcd"), [[1, 2]] * 4, sampling=GREEDY, max_new_tokens=2)
+        assert manager.stats()["queued"] == 0 and manager.stats()["prefill_tokens"] == 0
+        manager.add_groups(["a", "b", "c"], [[1, 2], [3, 4], [5, 6]], sampling=GREEDY, max_new_tokens=3)
+        for group_id, prompt in zip("abc", ([1, 2], [3, 4], [5, 6])):
+            generated = manager.get_result(group_id, timeout=TIMEOUT).generated_tokens
+            assert generated == greedy_reference(reference, prompt, 3)
 
 
 def test_generate_batch_ignores_serving_queue_limit():

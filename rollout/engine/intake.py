@@ -22,6 +22,7 @@ from rollout.engine.request import Request, sample_id
 from rollout.engine.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
 from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.validation import all_plain_ints, in_range
 
 # Most samples in one group: bounds what one request can make the engine allocate up front.
 MAX_GROUP_SIZE = 4096
@@ -52,6 +53,8 @@ def as_prompt(prompt_ids: Any) -> list[int]:
         return array.tolist()
     if not isinstance(prompt_ids, (list, tuple)):
         raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}")
+    if all_plain_ints(prompt_ids):  # the common case, at C speed
+        return list(prompt_ids)
     # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
     return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
 
@@ -97,7 +100,8 @@ class RequestIntake:
         """Raise FieldError naming the field when a request can never be served by this model."""
         if not prompt_ids:
             raise FieldError("prompt_ids", "the prompt must be a non-empty list of token ids")
-        for position, token in enumerate(prompt_ids):
+        fine = all_plain_ints(prompt_ids) and in_range(prompt_ids, 0, self.vocab_size)  # C speed
+        for position, token in enumerate([] if fine else prompt_ids):
             if not _is_token(token, self.vocab_size):
                 reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
                 raise FieldError("prompt_ids", reason)

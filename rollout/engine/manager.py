@@ -252,21 +252,64 @@ class ContinuousBatchingManager(ResultReading, ManagerWeights):
         Raises:
             FieldError: bad input, naming the field. QueueFullError, RuntimeError: as for `add_request`.
         """
-        request = self.engine.intake.prepare(
-            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
+        self.add_groups(
+            [group_id],
+            [prompt_ids],
+            sampling=sampling,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            streaming=streaming,
+            record_timestamps=record_timestamps,
+            adapter=adapter,
         )
+        return group_id
+
+    def add_groups(
+        self,
+        group_ids: list[str],
+        prompts: list[Any],
+        *,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        adapter: str | None = None,
+    ) -> None:
+        """`add_group` for several prompts with the same settings, all or none: every prompt is checked before any
+        is queued, so a batch refused at its last prompt gave the engine no work.
+
+        Raises:
+            FieldError: bad input, naming the field (`prompt_ids` for any prompt). QueueFullError: the queue cannot
+                take them all. RuntimeError: the manager was stopped.
+        """
+        if len(group_ids) != len(prompts) or len(set(group_ids)) != len(group_ids):
+            raise FieldError("group_id", "one distinct group id is needed per prompt")
+        requests = []
+        for index, (group_id, prompt_ids) in enumerate(zip(group_ids, prompts)):
+            try:
+                requests.append(
+                    self.engine.intake.prepare(
+                        group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
+                    )
+                )
+            except FieldError as error:
+                if len(prompts) == 1:
+                    raise
+                raise FieldError(error.field, f"prompt {index} of the batch: {error.reason}") from None
         with self._state:
             if self._closed:
                 raise RuntimeError("the manager is stopped; create a new one with init_continuous_batching")
-            if self._router.is_open(group_id):
-                raise FieldError("group_id", f"{group_id!r} is already in use by an unfinished request")
+            for group_id in group_ids:
+                if self._router.is_open(group_id):
+                    raise FieldError("group_id", f"{group_id!r} is already in use by an unfinished request")
             limit = self.config.max_queue_size
-            if limit and self._num_queued + self.engine.num_waiting >= limit:
+            if limit and self._num_queued + self.engine.num_waiting + len(requests) > limit:
                 raise QueueFullError(f"queue full: max_queue_size={limit} requests are already waiting")
-            self._router.open(group_id, request.num_forks + 1)
-            self._num_queued += 1
-            self._commands.put(AddGroup(request))
-        return group_id
+            for request in requests:
+                self._router.open(request.group_id, request.num_forks + 1)
+                self._num_queued += 1
+                self._commands.put(AddGroup(request))
 
     def add_requests(
         self,

@@ -84,19 +84,19 @@ class Submission:
         self.overflowed = False  # cancelled because its client left too many outputs unread
 
     def start(self, prompt_field: str, loop: asyncio.AbstractEventLoop) -> None:
-        """Add every prompt's group (on a worker thread: checking a batch of long prompts takes a while); their
-        outputs are handed to `loop`, the request's event loop.
+        """Add every prompt's group, all or none (on a worker thread: checking a batch of long prompts takes a
+        while); their outputs are handed to `loop`, the request's event loop.
 
         Raises:
-            APIError: a prompt the engine refuses (400 naming the field), a full queue (503 busy), or a stopped
-                engine (503); groups already added for this request are cancelled first.
+            APIError: a prompt the engine refuses (400 naming the field and the prompt's index), a full queue (503
+                busy), or a stopped engine (503); nothing of the request is then queued.
         """
         self._loop = loop
         try:
-            for index, prompt in enumerate(self._prompts):
-                group_id = f"http-{uuid.uuid4().hex}"
-                settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter)
-                self._manager.add_group(group_id, prompt, **settings)
+            group_ids = [f"http-{uuid.uuid4().hex}" for _ in self._prompts]
+            settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter)
+            self._manager.add_groups(group_ids, self._prompts, **settings)  # all or none
+            for index, group_id in enumerate(group_ids):
                 self._group_ids.append(group_id)
                 self._counters.group_received()
                 self._manager.register_result_handler(group_id, self._handler(index * self._n))

@@ -10,6 +10,7 @@ from typing import Any
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.template_inputs import check_rendered_size, template_variables
 from rollout.service.http.tool_calls import ToolsError, ToolSpec, check_tools
+from rollout.validation import all_plain_ints
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's own limit)
@@ -47,7 +48,7 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any, limits: PromptLimit
         return [_encode(tokenizer, prompt, limits)]
     if not isinstance(prompt, list) or not prompt:
         raise bad_field("prompt", "must be a string, a list of token ids, or a non-empty list of either")
-    if all(_is_token(t) for t in prompt):
+    if all_plain_ints(prompt):
         return [_capped(list(prompt), limits)]
     if len(prompt) > MAX_BATCH:
         raise bad_field("prompt", f"at most {MAX_BATCH} prompts per request, got {len(prompt)}")
@@ -57,7 +58,7 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any, limits: PromptLimit
     for index, item in enumerate(prompt):
         if isinstance(item, str):
             prompts.append(_encode(tokenizer, item, limits))
-        elif isinstance(item, list) and item and all(_is_token(t) for t in _capped(item, limits)):
+        elif isinstance(item, list) and item and all_plain_ints(_capped(item, limits)):
             prompts.append(list(item))
         else:
             raise bad_field("prompt", f"item {index} is neither a string nor a non-empty list of token ids")
@@ -168,7 +169,3 @@ def _too_long(field: str, characters: int, limits: PromptLimits) -> None:
 
 def _chat_template(tokenizer: Any) -> Any:
     return getattr(tokenizer, "chat_template", None)
-
-
-def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
