@@ -184,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.partial_rollouts:
         title += ", partial rollouts"
     plot(log.rows, output / "reward.png", title)
-    setup = "colocated, no worker" if args.colocate else "with worker start"
+    if args.colocate:
+        setup = "colocated, no worker"
+    elif args.worker:
+        setup = f"through the running worker at {args.worker}"
+    else:
+        setup = "worker start included"
     print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s, {setup})")
     print(f"plot: {output / 'reward.png'}")
     return 0 if last > first else 1
