@@ -1,5 +1,5 @@
 """MoE routes recorded during rollout (`SamplingParams(return_routes=True)`) and replayed in the trainer
-(`trainer_bridge.routing_replay`), on a tiny Qwen3-MoE with its head scaled to a realistic entropy.
+(`trainer_bridge.route_replay`), on a tiny Qwen3-MoE with its head scaled to a realistic entropy.
 
 References: the router choices transformers itself reports for a teacher-forced forward of the same tokens
 (`output_router_logits=True`, top-k of each layer's router logits), and the rollout's own fp32 log-probs, which a
@@ -16,7 +16,7 @@ import torch
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
-from trainer_bridge.routing_replay import routes_for, routing_replay
+from trainer_bridge.route_replay import routes_for, routing_replay
 
 TOP_K = 2
 SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=5)

@@ -12,7 +12,7 @@ import torch
 from rollout.service.presets import tiny_moe_model
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient
-from trainer_bridge.routing_replay import routes_for
+from trainer_bridge.route_replay import routes_for
 
 pytestmark = pytest.mark.timeout(120)
 PROMPTS = [[(31 * i + 7 * j) % 1000 + 4 for j in range(12 + 5 * i)] for i in range(2)]
@@ -103,7 +103,7 @@ def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch, mod
     routes, covering every prompt and completion token; TRL's importance ratio stays 1 (fp32); the hooks are gone
     after train(); a dense model is refused by name."""
     from rollout.service.presets import tiny_model, tiny_tokenizer
-    from trainer_bridge.routing_replay import RouteReplay
+    from trainer_bridge.route_replay import RouteReplay
     from trainer_bridge.trl import RolloutGRPOTrainer
     from trl_helpers import dataset, grpo_config, id_reward
 

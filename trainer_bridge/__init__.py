@@ -1,6 +1,8 @@
 """The trainer side of rollout: `RolloutClient` to get completions from rollout workers, and `push_weights` /
 `WeightSyncCallback` to send them new weights; `AsyncRollouts` to generate the next steps' groups while training,
-within a staleness bound; `ColocatedEngine` to generate inside the trainer's process on its own model instead. `import trainer_bridge` loads no torch: the weight-sync and colocated names import it on first use."""
+within a staleness bound; `ColocatedEngine` to generate inside the trainer's process on its own model instead;
+`routing_replay` and `routes_for` to route an MoE policy's training forward as the rollout did. `import
+trainer_bridge` loads no torch: the weight-sync, colocated and routing-replay names import it on first use."""
 
 from typing import Any
 
@@ -8,10 +10,11 @@ from trainer_bridge.async_rollouts import AsyncRollouts, RolloutBatch
 from trainer_bridge.client import Completion, Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, WorkerBusy
 
 _WEIGHT_SYNC = ("PushResult", "WeightSyncCallback", "iter_weights", "push_weights", "weight_specs")
+_ROUTE_REPLAY = ("routes_for", "routing_replay")
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 __all__ += ["AsyncRollouts", "RolloutBatch"]
-__all__ += [*_WEIGHT_SYNC, "ColocatedEngine"]
+__all__ += [*_WEIGHT_SYNC, "ColocatedEngine", *_ROUTE_REPLAY]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from trainer_bridge import weight_sync
 
         return getattr(weight_sync, name)
+    if name in _ROUTE_REPLAY:  # loads torch and the engine's router taps
+        from trainer_bridge import route_replay
+
+        return getattr(route_replay, name)
     raise AttributeError(f"module 'trainer_bridge' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Routing replay for `RolloutGRPOTrainer(..., routing_replay=True)` (an MoE policy): the rollout records every
 token's experts (`return_routes`), and each forward where TRL computes the completions' log-probs (the old-policy
 and reference recomputations, and the loss forward) routes every token as the rollout did
-(`trainer_bridge.routing_replay`).
+(`trainer_bridge.route_replay`).
 
 The routes of a generation round's rows are kept by the generation (`RolloutGeneration.last_routed`); the trainer
 aligns them with TRL's batch (prompts left-padded, completions right-padded, as TRL pads them) when TRL scores the
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rollout.engine.routes import find_routers
-from trainer_bridge.routing_replay import RouteReplay, routes_for
+from trainer_bridge.route_replay import RouteReplay, routes_for
 
 ROUTES_KEY = "rollout_routes"
 

@@ -70,7 +70,7 @@ def measure(family: str) -> list[dict[str, Any]]:
     from datasets import Dataset
 
     from rollout.service.presets import letter_reward, tiny_tokenizer, toy_grpo_config
-    from trainer_bridge.routing_replay import routes_for
+    from trainer_bridge.route_replay import routes_for
     from trainer_bridge.trl import RolloutGRPOTrainer
 
     model = moe_policy(family)
