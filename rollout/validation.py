@@ -11,6 +11,11 @@ class FieldError(ValueError):
     """Bad input, naming the field that is wrong (the service turns it into an error reply carrying `field`)."""
 
     def __init__(self, field: str, reason: str):
+        """
+        Args:
+            field: the field that is wrong (kept as the attribute `field`).
+            reason: what is wrong with it (kept as `reason`).
+        """
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason

@@ -187,6 +187,7 @@ def no_leaked_blocks(monkeypatch):
     engines: list[Engine] = []
     original_init = Engine.__init__
 
+    @functools.wraps(original_init)  # the signature and docstring stay Engine's (tests/test_api_reference.py)
     def tracking_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         engines.append(self)

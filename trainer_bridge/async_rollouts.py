@@ -1,29 +1,4 @@
-"""`AsyncRollouts`: asynchronous off-policy rollouts for a plain training loop. Groups for the next `max_staleness`
-steps are generated while the trainer trains on this one; a sample is trained on only if the weights that produced it
-are at most `max_staleness` steps old.
-
-    with AsyncRollouts(client, groups, groups_per_step=16, max_staleness=2) as rollouts:
-        for batch in rollouts:                             # batch.groups: this step's GroupResults
-            loss(batch.groups).backward(); optimizer.step()
-            push_weights(client, model, version=rollouts.version_after(batch.step))  # mode "keep"
-            if batch.step + 1 == num_steps:
-                break
-
-The staleness rule: step `s` trains weights of version `base_version + s` (`base_version`: what the workers serve
-when the rollouts start; push `version_after(s) = base_version + s + 1` after step `s`, as above); a group is fresh
-for step `s` when the oldest weights behind any of its samples (the version that sampled its first token, or that
-computed its prompt's KV if older) are at least `base_version + s - max_staleness`. With `stale_policy="regenerate"` (the default) a stale group is generated again (same prompt,
-same seed) until it is fresh; with `"is_correct"` it is kept as it is (its logprobs are the behaviour policy's, so an
-importance-sampling correction stays exact). Groups are taken from `groups` in order and step `s` always trains on
-groups `s * groups_per_step` to `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in
-which prompts each step sees. `max_staleness=0` is synchronous: the next step's groups are sent only when it asks.
-
-With `partial_rollouts=True` (`trainer_bridge.partial_rounds`), a step trains the first complete groups instead:
-`groups_per_step` plus `partial_overprovision` of it more are kept in flight, a step takes the oldest complete ones
-(and waits for any that already spanned `max_partial_rounds` steps), and the rest keep generating into later steps.
-Steps then no longer see the prompts in order; `batch.carried_over` counts the groups sent in an earlier step.
-`max_staleness` must cover `max_partial_rounds - 1` (refused by name otherwise).
-"""
+"""`AsyncRollouts`: asynchronous off-policy rollouts for a plain training loop, and its `RolloutBatch`."""
 
 from __future__ import annotations
 
@@ -61,7 +36,35 @@ class RolloutBatch:
 
 
 class AsyncRollouts:
-    """Iterates `RolloutBatch`es; see the module docstring."""
+    """Asynchronous off-policy rollouts for a plain training loop. Groups for the next `max_staleness` steps are
+    generated while the trainer trains on this one; a sample is trained on only if the weights that produced it are at
+    most `max_staleness` steps old.
+
+    ```python
+    with AsyncRollouts(client, groups, groups_per_step=16, max_staleness=2) as rollouts:
+        for batch in rollouts:                             # batch.groups: this step's GroupResults
+            loss(batch.groups).backward(); optimizer.step()
+            push_weights(client, model, version=rollouts.version_after(batch.step))  # mode "keep"
+            if batch.step + 1 == num_steps:
+                break
+    ```
+
+    The staleness rule: step `s` trains weights of version `base_version + s` (`base_version`: what the workers serve
+    when the rollouts start; push `version_after(s) = base_version + s + 1` after step `s`, as above); a group is fresh
+    for step `s` when the oldest weights behind any of its samples (the version that sampled its first token, or that
+    computed its prompt's KV if older) are at least `base_version + s - max_staleness`. With `stale_policy="regenerate"`
+    (the default) a stale group is generated again (same prompt, same seed) until it is fresh; with `"is_correct"` it is
+    kept as it is (its logprobs are the behaviour policy's, so an importance-sampling correction stays exact). Groups
+    are taken from `groups` in order and step `s` always trains on groups `s * groups_per_step` to
+    `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in which prompts each step sees.
+    `max_staleness=0` is synchronous: the next step's groups are sent only when it asks.
+
+    With `partial_rollouts=True` (`trainer_bridge.partial_rounds`), a step trains the first complete groups instead:
+    `groups_per_step` plus `partial_overprovision` of it more are kept in flight, a step takes the oldest complete ones
+    (and waits for any that already spanned `max_partial_rounds` steps), and the rest keep generating into later steps.
+    Steps then no longer see the prompts in order; `batch.carried_over` counts the groups sent in an earlier step.
+    `max_staleness` must cover `max_partial_rounds - 1` (refused by name otherwise).
+    """
 
     def __init__(
         self,

@@ -20,24 +20,39 @@ from rollout.service.protocol import Completion, Delta
 
 @dataclass
 class PromptGroup:
-    """A prompt to sample `n` completions of (a GRPO group)."""
+    """A prompt to sample `n` completions of (a GRPO group).
+
+    Args:
+        prompt_ids: the prompt's token ids.
+        n: how many completions to sample (the prompt is prefilled once).
+        sampling: a `rollout.SamplingParams`, or a dict of its field names (temperature, top_p, max_new_tokens,
+            seed, ...). A group without a seed gets one, so a group resubmitted after a failover reproduces its
+            tokens.
+        group_id: the group's id in results and `cancel`; None: the client makes one.
+        adapter: the served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights`
+            of a PEFT model), else the base model; "__base__": the base model in any case.
+        session_id: groups of one session (an agent's conversation) go to the worker that served the session's
+            last group, when it is not much busier than the others; None: the prompt's own prefix decides
+            (`trainer_bridge.affinity`).
+    """
 
     prompt_ids: list[int]
     n: int = 1
-    # A rollout.SamplingParams, or a dict of its field names: temperature, top_p, max_new_tokens, seed, ...
     sampling: SamplingParams | dict[str, Any] = field(default_factory=dict)
     group_id: str | None = None
-    # The served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights` of a PEFT
-    # model), else the base model; "__base__": the base model in any case.
     adapter: str | None = None
-    # Groups of one session (an agent's conversation) go to the worker that served the session's last group, when
-    # it is not much busier than the others; None: the prompt's own prefix decides (trainer_bridge.affinity).
     session_id: str | None = None
 
 
 @dataclass
 class GroupResult:
-    """All completions of a group, in sample order."""
+    """All completions of a group, in sample order.
+
+    Attributes:
+        group_id: the group's id (`PromptGroup.group_id`, or the one the client made).
+        prompt_ids: the prompt's token ids.
+        completions: one `Completion` per sample, in sample order.
+    """
 
     group_id: str
     prompt_ids: list[int]
@@ -57,21 +72,28 @@ def oldest_version(result: GroupResult) -> int:
 
 
 class RolloutError(RuntimeError):
-    """A worker refused or failed a request, or no answer came in time.
-
-    Attributes:
-        code: the worker's error code ("bad_request", "busy", "timeout", "no_workers", ...).
-        field: the offending field, when one was named.
-    """
+    """A worker refused or failed a request, or no answer came in time. `code` and `field` are kept as attributes."""
 
     def __init__(self, code: str, message: str, field: str | None = None):
+        """
+        Args:
+            code: the worker's error code ("bad_request", "busy", "timeout", "no_workers", ...).
+            message: what went wrong, in words (the exception's text, after the code).
+            field: the offending field, when one was named.
+        """
         super().__init__(f"{code}: {message}" + (f" (field {field})" if field else ""))
         self.code = code
         self.field = field
 
 
 class WorkerBusy(RolloutError):
-    """The worker's queue is full; retry later or add workers."""
+    """The worker's queue is full (code "busy"); retry later or add workers.
+
+    Args:
+        code: "busy".
+        message: the worker's words for it.
+        field: None (no field is at fault).
+    """
 
 
 @dataclass

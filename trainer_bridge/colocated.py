@@ -1,25 +1,5 @@
-"""Colocated rollouts: the continuous-batching engine inside the trainer's process, on the trainer's own model.
-
-    engine = ColocatedEngine(model, continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=2048))
-    for step in range(num_steps):
-        results = engine.generate(groups, policy_version=step)  # sampled with the weights as they are now
-        engine.sleep()  # the KV cache's memory is the optimizer's during the training step
-        loss(results).backward(); optimizer.step(); optimizer.zero_grad()
-    engine.close()
-
-The engine shares the model's parameters: nothing is copied and nothing is pushed, so an optimizer step (in place,
-as torch's optimizers do it) is what the next round samples with. A round is one `generate` call: the model is the
-engine's for its length (eval mode, rollout's paged attention, inference mode) and exactly what the trainer had is
-back afterwards (training mode and attention implementation; gradient checkpointing and `use_cache` are never
-touched). Under DeepSpeed ZeRO-3 and FSDP2 the parameters are gathered once for the whole round, not once per
-decode step (every rank must run its rounds at the same points, as it runs its training steps); a PEFT model samples
-with its adapters active, its weights untouched.
-
-`generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
-completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same
-trainer code runs against a worker fleet or colocated. `sleep()` frees the KV cache (and the CUDA graphs, which
-read it where it was); the next `generate` wakes it (`wake()` does it ahead of time).
-"""
+"""Colocated rollouts: `ColocatedEngine`, the continuous-batching engine inside the trainer's process, on the
+trainer's own model."""
 
 from __future__ import annotations
 
@@ -46,7 +26,30 @@ __all__ = ["ColocatedEngine"]
 
 
 class ColocatedEngine:
-    """The continuous-batching engine on a model the caller trains (see the module docstring)."""
+    """The continuous-batching engine inside the trainer's process, on the trainer's own model.
+
+    ```python
+    engine = ColocatedEngine(model, continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=2048))
+    for step in range(num_steps):
+        results = engine.generate(groups, policy_version=step)  # sampled with the weights as they are now
+        engine.sleep()  # the KV cache's memory is the optimizer's during the training step
+        loss(results).backward(); optimizer.step(); optimizer.zero_grad()
+    engine.close()
+    ```
+
+    The engine shares the model's parameters: nothing is copied and nothing is pushed, so an optimizer step (in place,
+    as torch's optimizers do it) is what the next round samples with. A round is one `generate` call: the model is the
+    engine's for its length (eval mode, rollout's paged attention, inference mode) and exactly what the trainer had is
+    back afterwards (training mode and attention implementation; gradient checkpointing and `use_cache` are never
+    touched). Under DeepSpeed ZeRO-3 and FSDP2 the parameters are gathered once for the whole round, not once per decode
+    step (every rank must run its rounds at the same points, as it runs its training steps); a PEFT model samples with
+    its adapters active, its weights untouched.
+
+    `generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
+    completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same trainer
+    code runs against a worker fleet or colocated. `sleep()` frees the KV cache (and the CUDA graphs, which read it
+    where it was); the next `generate` wakes it (`wake()` does it ahead of time).
+    """
 
     def __init__(
         self,

@@ -205,7 +205,12 @@ def weight_specs(model_or_named_tensors: Any, accelerator: Any = None) -> dict[s
 
 def iter_weights(model_or_named_tensors: Any, accelerator: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, whole tensor) one at a time, gathering sharded parameters as it goes. In a multi-process run
-    every rank must iterate it to the end (the gathers are collectives). Arguments as for `weight_specs`."""
+    every rank must iterate it to the end (the gathers are collectives).
+
+    Args:
+        model_or_named_tensors: as for `weight_specs`.
+        accelerator: as for `weight_specs`.
+    """
     for entry in entries_of(model_or_named_tensors, accelerator):
         yield entry.name, entry.fetch()
 

@@ -1,16 +1,12 @@
-"""TRL's GRPOTrainer generating through rollout workers: a one-line switch from `trl vllm-serve`.
-
-    trainer = RolloutGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
-                                 rollout_workers="tcp://127.0.0.1:5555")   # was: GRPOTrainer(..., use_vllm=True)
+"""TRL's GRPOTrainer generating through rollout workers (`RolloutGRPOTrainer`, whose docstring says how to use it).
 
 Why a subclass: TRL 1.16 has no pluggable generation backend, but its vLLM code path is exactly what a rollout
 service needs. Once per generation round, when the global step changed, it calls `vllm_generation.sync_weights()`
 on every rank; it then calls `vllm_generation.generate(...)` for the rows; it feeds the returned per-token logprobs
 to the importance-sampling correction (`importance_sampling_ratio`, `sampling/*` metrics). `RolloutGRPOTrainer`
 builds the stock trainer with vLLM off (so vLLM need not be installed), then turns TRL's vLLM path on with
-`RolloutGeneration` in place of TRL's vLLM backend: an object with the same two methods. Everything else (rewards,
-advantages, loss, logging, checkpoints) is TRL's own code. `check_trl_internals()` fails loudly when a TRL release
-moves what this relies on; the supported range is `SUPPORTED_TRL`.
+`RolloutGeneration` in place of TRL's vLLM backend: an object with the same two methods. `check_trl_internals()`
+fails loudly when a TRL release moves what this relies on; the supported range is `SUPPORTED_TRL`.
 
 What `RolloutGeneration` does:
 - `generate`: each rank sends its own rows, with no collective (ranks cannot deadlock). Consecutive rows with the
@@ -30,19 +26,9 @@ What `RolloutGeneration` does:
   ranks wait for each other (all of them call it at the same point), so none samples before the workers serve the
   new weights.
 
-Colocated (`rollout_mode="colocate"`, TRL's `vllm_mode="colocate"` without vLLM): each rank builds a
-`ColocatedEngine` on the model it trains (unwrapped from DDP / accelerate) and samples its own rows in its own
-process: no worker, no push. `ColocatedGeneration.sync_weights` only sets the next round's policy version (the global
-step); the engine reads the parameters as the optimizer left them. With `sleep_between_rounds=True` the KV cache is
-freed after each round, for the training step. IS correction, `sampling/*` and policy-lag metrics are as above.
-
-Tool-using, multi-turn rollouts: TRL's own `tools=` and `environment_factory=` work unchanged. TRL's tool loop calls
-`generate` once per turn with the conversation so far (prompt + completion + tool result tokens); every turn's
-tokens carry their logprobs and versions, and TRL masks the tool-result tokens itself. With max_staleness the first
-turn of tool rows is sent ahead, later turns are generated when TRL asks; with environment_factory nothing is sent
-ahead (`check_tool_loop`). partial_rollouts and routing_replay refuse them. See `examples/agent_trl.py`.
-A loop of your own: pass TRL's `rollout_func=`; it gets the trainer, whose `rollout.generate_rows(...)` samples
-through the workers (weights are synced before each call, as for vLLM). See `examples/multi_turn_rollout.py`.
+Colocated: `ColocatedGeneration.sync_weights` only sets the next round's policy version (the global step). Tool
+loops: TRL's loop calls `generate` once per turn with the conversation so far (prompt + completion + tool result
+tokens); every turn's tokens carry their logprobs and versions, and TRL masks the tool-result tokens itself.
 """
 
 from __future__ import annotations
@@ -102,8 +88,28 @@ def check_trl_internals() -> None:
 
 
 class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
-    """`trl.GRPOTrainer` whose generation goes through rollout: workers ("server", weights pushed each step) or an
-    engine in each rank's own process ("colocate"); see the module docstring."""
+    """`trl.GRPOTrainer` whose generation goes through rollout: a one-line switch from `trl vllm-serve`.
+
+    ```python
+    trainer = RolloutGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                                 rollout_workers="tcp://127.0.0.1:5555")  # was: GRPOTrainer(..., use_vllm=True)
+    ```
+
+    "server" mode (the default) samples on rollout workers and pushes the trained weights to them once per
+    generation round. "colocate" mode (TRL's `vllm_mode="colocate"` without vLLM) builds a `ColocatedEngine` on
+    the model each rank trains (unwrapped from DDP / accelerate) and samples the rank's rows in its own process: no
+    worker, no push; the engine reads the parameters as the optimizer left them. In both, the sampled tokens'
+    logprobs feed TRL's importance-sampling correction (`sampling/*` metrics) and every token's policy lag is logged
+    (`rollout/policy_lag_mean`, `rollout/policy_lag_max`); rewards, advantages, loss, logging and checkpoints are
+    TRL's own code.
+
+    Tool-using, multi-turn rollouts: TRL's own `tools=` and `environment_factory=` work unchanged. With
+    max_staleness the first turn of tool rows is sent ahead and later turns are generated when TRL asks; with
+    environment_factory nothing is sent ahead. partial_rollouts and routing_replay refuse a tool loop. See
+    `examples/agent_trl.py`. A loop of your own: pass TRL's `rollout_func=`; it gets the trainer, and
+    `trainer.rollout.generate_rows(prompt_ids, **sampling)` samples through the workers (weights are synced before
+    each call, as for vLLM). See `examples/multi_turn_rollout.py`.
+    """
 
     def __init__(
         self,
@@ -124,8 +130,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
     ):
         """
         Args:
-            *args, **kwargs: GRPOTrainer's (model, reward_funcs, args, train_dataset, processing_class,
-                rollout_func, ...). `args.use_vllm` must be False: rollout replaces vLLM.
+            *args: GRPOTrainer's positional arguments (model, reward_funcs, args, train_dataset, ...).
             rollout_workers: "server" mode: worker address(es), a RolloutClient (then used on every rank of
                 this process), or a `rollout.ray.RolloutFleet` (its `client()`, following the fleet's workers).
             rollout_mode: "server" (rollout workers, weights pushed each step) or "colocate" (each rank generates
@@ -150,6 +155,8 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 (0, 1] (default 0.5).
             routing_replay: an MoE policy: the rollout records every token's experts and TRL's log-prob forwards
                 (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl_routes`).
+            **kwargs: GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset, processing_class,
+                rollout_func, tools, environment_factory, ...). `args.use_vllm` must be False: rollout replaces vLLM.
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """

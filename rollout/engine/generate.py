@@ -162,13 +162,21 @@ def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persist
 
 
 def cached_engine(model: torch.nn.Module) -> Engine | None:
-    """The engine `generate_batch(..., persistent_manager=True)` keeps for `model`, if any."""
+    """The engine `generate_batch(..., persistent_manager=True)` keeps for `model`, if any.
+
+    Args:
+        model: the model given to `generate_batch`.
+    """
     cached = _CACHED.get(model)
     return None if cached is None else cached[1]
 
 
 def release_cached_engine(model: torch.nn.Module) -> None:
-    """Close and forget the engine `generate_batch(..., persistent_manager=True)` keeps for `model` (if any)."""
+    """Close and forget the engine `generate_batch(..., persistent_manager=True)` keeps for `model` (if any).
+
+    Args:
+        model: the model given to `generate_batch`.
+    """
     cached = _CACHED.pop(model, None)
     if cached is not None:
         cached[1].close()

@@ -45,7 +45,13 @@ class RolloutFleet:
     down when garbage collected and at interpreter exit."""
 
     def __init__(self, options: dict[str, Any], keys: FleetKeys, api_key: str | None):
-        """Use `RolloutFleet.launch`."""
+        """Use `RolloutFleet.launch`, which starts the workers; this only holds what it made.
+
+        Args:
+            options: `launch`'s settings (the workers' arguments, resources, placement and timeouts).
+            keys: the fleet's CurveZMQ keys, made fresh per fleet.
+            api_key: the key HTTP clients send (launched with http=True), else None.
+        """
         self._options = options
         self._keys = keys
         self.api_key = api_key

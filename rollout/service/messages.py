@@ -205,7 +205,17 @@ class RouteArray:
 
 @dataclass
 class Delta(WorkerMessage):
-    """New tokens of one streaming sample (only the new ones)."""
+    """New tokens of one streaming sample (only the new ones).
+
+    Attributes:
+        group_id: the sample's group.
+        sample_index: the sample's index in its group.
+        token_ids: the new tokens.
+        logprobs: one log-probability per new token.
+        policy_version: the policy version that sampled them.
+        routes: with sampling.return_routes: the new tokens' routes (a client gets a numpy int16 array).
+        prompt_routes: with sampling.return_routes, on the sample's first delta: its prompt's routes.
+    """
 
     TYPE: ClassVar[str] = "delta"
     group_id: str
@@ -213,31 +223,43 @@ class Delta(WorkerMessage):
     token_ids: list[int]
     logprobs: list[float]
     policy_version: int
-    # With sampling.return_routes: the new tokens' routes, and on the sample's first delta its prompt's.
     routes: RouteArray | None = None
     prompt_routes: RouteArray | None = None
 
 
 @dataclass
 class Completion:
-    """One finished sample of a group (travels as a map inside GroupResult)."""
+    """One finished sample of a group (travels as a map inside GroupResult).
+
+    Attributes:
+        sample_index: the sample's index in its group.
+        token_ids: the completion's tokens.
+        logprobs: one log-probability per token (in the request's logprob mode).
+        finish_reason: why it ended: "stop", "length", "abort" or "error".
+        error: what failed, when finish_reason is "error".
+        policy_versions: run-length encoded policy versions: [version, index of the first token it sampled] pairs.
+        kv_version_min: the oldest policy version behind this sample's KV.
+        adapter: the LoRA adapter that sampled it; None: the base model.
+        adapter_version: that adapter's version when the sample finished.
+        routes: with sampling.return_routes (an MoE model): row i the experts of the forward that sampled token i
+            (tokens, MoE layers, top_k); a client gets a numpy int16 array.
+        prompt_routes: with sampling.return_routes: the prompt's positions before its last (prompt_len - 1, MoE
+            layers, top_k).
+        cached_prompt_tokens: prompt tokens the prefix cache spared it (their KV computed earlier).
+    """
 
     sample_index: int
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     error: str | None = None
-    # Run-length encoded policy versions: [version, index of the first token it sampled] pairs.
     policy_versions: list[list[int]] = field(default_factory=list)
-    # Oldest policy version behind this sample's KV.
     kv_version_min: int = 0
-    adapter: str | None = None  # the LoRA adapter that sampled it; nil: the base model
-    adapter_version: int | None = None  # that adapter's version when the sample finished
-    # With sampling.return_routes (an MoE model): row i the experts of the forward that sampled token i (tokens,
-    # MoE layers, top_k), and the prompt's positions before its last (prompt_len - 1, MoE layers, top_k).
+    adapter: str | None = None
+    adapter_version: int | None = None
     routes: RouteArray | None = None
     prompt_routes: RouteArray | None = None
-    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache spared it (its KV computed earlier)
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

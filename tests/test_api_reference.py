@@ -1,0 +1,129 @@
+"""The Python API reference (docs/reference/api.md) documents what it shows: every `::: dotted.path` entry that is a
+class or a function documents each argument of its signature in an Args section (of the class or of its
+`__init__`; a dataclass's fields may be its Attributes), read as the site renders it (Google style, through
+docs_tools/docstring_sections.py). Every public name of `rollout` and `trainer_bridge` has an entry (or, for the
+settings dataclasses, a generated table of its fields), and `RolloutGRPOTrainer` comes first."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rollout
+import trainer_bridge
+
+griffe = pytest.importorskip("griffe")
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "docs" / "reference"
+ENTRIES = re.findall(r"^::: ([\w.]+)", (REFERENCE / "api.md").read_text(), re.M)
+FIELD_TABLES = {
+    name for page in REFERENCE.glob("*.md") for name in re.findall(r"generated: fields (\w+)", page.read_text())
+}
+EXPORTS = [("rollout", name) for name in sorted(rollout._EXPORTS)] + [
+    ("trainer_bridge", name) for name in trainer_bridge.__all__
+]
+
+
+def _sections() -> Any:
+    spec = importlib.util.spec_from_file_location("docstring_sections", ROOT / "docs_tools" / "docstring_sections.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SECTIONS = _sections()
+
+
+def resolve(dotted: str) -> Any:
+    """The object an entry names: its longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            value = getattr(value, part)
+        return value
+    raise ImportError(dotted)
+
+
+def documented(docstring: str | None, kinds: tuple[str, ...]) -> set[str]:
+    """The names the docstring's sections of these kinds document (`*args` as `args`), parsed as the site does."""
+    if not docstring:
+        return set()
+    # A leading newline keeps a docstring whose first line is "Args:" as written (cleandoc dedents the lines after
+    # the first by their common indentation).
+    text = "\n" + SECTIONS.separated(inspect.cleandoc(docstring))
+    sections = griffe.Docstring(text).parse("google", warnings=False)
+    return {item.name.lstrip("*") for section in sections if section.kind.value in kinds for item in section.value}
+
+
+def undocumented(obj: Any) -> list[str]:
+    """The arguments of a class's or function's signature that no Args section of its docstrings names."""
+    try:
+        parameters = list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):  # an exception class keeping the built-in constructor: no arguments of ours
+        return []
+    names = documented(obj.__doc__, ("parameters", "other parameters"))
+    if inspect.isclass(obj):
+        # The class's own __init__: the site merges that one's docstring into the class's (an inherited one's
+        # arguments show in the signature, but not its docstring).
+        init = vars(obj).get("__init__")
+        if inspect.isfunction(init):
+            names |= documented(init.__doc__, ("parameters", "other parameters"))
+        if dataclasses.is_dataclass(obj):
+            names |= documented(obj.__doc__, ("attributes",))
+    return [name for name in parameters if name != "self" and name not in names]
+
+
+def test_the_check_finds_an_undocumented_argument():
+    def two(first: int, second: int, *rest: int) -> None:
+        """Summary.
+        Args:
+            first: one.
+            *rest: the others.
+        Raises:
+            ValueError: never.
+        """
+
+    class Built:
+        def __init__(self, size: int, name: str):
+            """
+            Args:
+                size: documented in the __init__.
+            """
+
+    class Inherited(Built):
+        """Its own docstring, no Args."""
+
+    assert undocumented(two) == ["second"]
+    assert undocumented(Built) == ["name"]
+    assert undocumented(Inherited) == ["size", "name"]
+
+
+def test_trl_comes_first():
+    assert ENTRIES[0] == "trainer_bridge.trl.RolloutGRPOTrainer"
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_entry_documents_its_arguments(entry):
+    obj = resolve(entry)
+    assert inspect.isclass(obj) or inspect.isfunction(obj), f"{entry}: {type(obj)}"
+    assert obj.__doc__, f"{entry} has no docstring"
+    assert undocumented(obj) == [], f"{entry}: arguments without an Args entry"
+
+
+@pytest.mark.parametrize(("package", "name"), EXPORTS)
+def test_every_public_name_has_a_reference_entry(package, name):
+    value = getattr(importlib.import_module(package), name)
+    entries = [entry for entry in ENTRIES if entry.rsplit(".", 1)[1] == name and resolve(entry) is value]
+    assert entries or name in FIELD_TABLES, f"{package}.{name} has no entry in docs/reference/api.md"
