@@ -66,7 +66,9 @@ def render(kind: str, name: str) -> str:
 
 def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> str:
     """A table of a parser's flags (and, for subcommands, one table per subcommand under its own heading)."""
-    formatter = parser._get_formatter()
+    # argparse's plain formatter: the parsers' own (`rollout.cli_parser`) end each help with its default, which the
+    # table has a column for.
+    formatter = argparse.HelpFormatter(parser.prog)
     rows, sections = [], []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

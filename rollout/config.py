@@ -86,6 +86,7 @@ class ContinuousBatchingConfig:
     max_num_seqs: int = 256
     # Fraction of free memory (after the model is loaded) given to the KV cache when num_blocks is None.
     # None: 0.9 on an accelerator, 0.05 of available RAM on CPU (CPU runs are for tests and examples).
+    # (transformers' name; `rollout-worker --max-memory-percent` takes it as a percent: 90 for 0.9.)
     max_memory_percent: float | None = None
     # Reuse computed KV blocks across requests with the same prefix (and policy version).
     allow_block_sharing: bool = True

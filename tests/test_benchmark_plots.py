@@ -130,7 +130,7 @@ def test_missing_matplotlib_is_one_line_before_the_run(monkeypatch, tmp_path, ca
     assert exit_.value.code == 2
     assert (
         capsys.readouterr()
-        .err.splitlines()[-1]
+        .err.splitlines()[-2]  # the last line points at --help
         .endswith("--plot needs matplotlib, which is not installed: pip install 'rollout[docs]'")
     )
 
@@ -152,7 +152,7 @@ def test_unusable_plot_path_is_refused_before_the_run(where, message, monkeypatc
     monkeypatch.setattr(throughput, "run", refuse_to_run)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["throughput", "--plot", str(tmp_path / where)])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and message in capsys.readouterr().err.splitlines()[-2]  # [-1]: the --help hint
 
 
 def test_unwritable_folder_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
@@ -161,7 +161,8 @@ def test_unwritable_folder_is_refused_before_the_run(monkeypatch, tmp_path, caps
     with pytest.raises(SystemExit) as exit_:
         cli.main(["grpo-step", "--plot", str(tmp_path / "grpo-step.png")])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"--plot {tmp_path / 'grpo-step.png'}: not writable")
+    err = capsys.readouterr().err.splitlines()[-2]  # the last line points at --help
+    assert err.endswith(f"--plot {tmp_path / 'grpo-step.png'}: not writable")
 
 
 def test_routing_replay_has_no_plot(capsys, tmp_path):

@@ -261,7 +261,7 @@ def test_an_adapter_whose_layers_do_not_fit_free_memory_is_refused(engine, monke
     [
         (["--lora", "a=/x", "--lora", "a=/y"], "--lora a=/y: the adapter name 'a' is given twice"),
         (["--lora", "tiny=/x"], "--lora tiny=/x: 'tiny' is the served model's name (--model)"),
-        (["--max-lora-rank", "100000000", "--num-blocks", "16"], "max_lora_rank: 100000000 is above 256"),
+        (["--max-lora-rank", "100000000", "--num-blocks", "16"], "--max-lora-rank: 100000000 is above 256"),
     ],
 )
 def test_lora_flags_are_one_line_usage_errors(flags, message, capsys):

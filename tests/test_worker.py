@@ -277,7 +277,7 @@ def test_a_version_beyond_int64_is_refused_at_begin(client, version):
     [
         (["--bind", "127.0.0.1:5630"], "is not a ZeroMQ address"),
         (["--bind", "tcp://127.0.0.1"], "has no port"),
-        (["--num-blocks", "0"], "num_blocks: 0 is invalid"),
+        (["--num-blocks", "0"], "--num-blocks: 0 is invalid"),
         (["--model", "/nonexistent/model"], "no such model directory"),
         (["--device", "bogus"], "--device bogus"),
         (["--api-key", "k"], "--api-key protects the HTTP API"),

@@ -8,8 +8,10 @@ from __future__ import annotations
 import itertools
 import random
 import string
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerFast
+if TYPE_CHECKING:  # transformers loads when a tokenizer is built: the parser reads DEFAULT_VOCAB without it
+    from transformers import PreTrainedTokenizerFast
 
 DEFAULT_VOCAB = 128_000  # Llama 3's 128,256 and Qwen's 151,936 are this size
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -25,6 +27,7 @@ def bench_tokenizer(vocab_size: int = DEFAULT_VOCAB, seed: int = 0) -> PreTraine
         seed: chooses the longer word pieces.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 1000:
         raise ValueError(f"vocab_size must be at least 1000, got {vocab_size}")

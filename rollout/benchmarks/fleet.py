@@ -20,14 +20,6 @@ import torch
 from rollout.service.presets import sized_model, tiny_model
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `rollout-bench fleet`."""
-    parser.add_argument("--model", default="tiny", help="tiny or sized:<MB> (default: tiny)")
-    parser.add_argument("--workers", type=int, default=2, help="workers in the fleet (default: 2)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: 1 CPU per worker; cuda: 1 GPU")
-    parser.add_argument("--repeats", type=int, default=3, help="pushes per fan-out size, median reported (default: 3)")
-
-
 def _trainer_model(model: str, seed: int, device: str) -> torch.nn.Module:
     if model == "tiny":
         return tiny_model(seed).to(device)

@@ -53,8 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("gpu-report"), metavar="DIR", help="output folder (default: gpu-report)"
     )
     chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--only", nargs="+", choices=SECTION_NAMES, metavar="SECTION", help="run only these sections")
-    chosen.add_argument("--skip", nargs="+", choices=SECTION_NAMES, metavar="SECTION", help="skip these sections")
+    chosen.add_argument(
+        "--only", nargs="+", choices=SECTION_NAMES, metavar="SECTION", help="run only these sections (default: all)"
+    )
+    chosen.add_argument(
+        "--skip", nargs="+", choices=SECTION_NAMES, metavar="SECTION", help="skip these sections (default: none)"
+    )
     parser.add_argument(
         "--tests-dir",
         type=Path,
@@ -76,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="JSON",
         help="gpu_report.json files of earlier calls (e.g. on other, fresh machines) whose sections join this report "
-        "unless run again",
+        "unless run again (default: none)",
     )
     parser.add_argument(
         "--plan",

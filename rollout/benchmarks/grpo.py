@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rollout.benchmarks.choices import GRPO_NUM_PROMPTS as NUM_PROMPTS
 from rollout.benchmarks.isolated import run_system
 from rollout.benchmarks.progress import stage
 from rollout.benchmarks.systems import WARMUP_PROMPTS, WARMUP_TOKENS, run_transformers_generate_batch, sync
@@ -23,7 +24,7 @@ from rollout.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
-NUM_PROMPTS, GROUP_SIZE = 32, 8
+GROUP_SIZE = 8
 PROMPT_LEN, OUTPUT_LEN = (128, 512), (32, 256)
 SYSTEMS = ("rollout", "transformers_generate_batch")
 SYSTEM_TIMEOUT_S = 300.0

@@ -35,74 +35,20 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
+from rollout.benchmarks.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
 from rollout.benchmarks.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.progress import stage
-from rollout.config import SCHEDULER_TYPES, ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.block_manager import cdiv
 from rollout.engine.engine import Engine
 from rollout.sampling_params import MAX_LOGIT_BIAS
 from rollout.service.presets import TINY_MODEL_CONFIG
 
 BLOCK_SIZE = 16
-TIME_BUDGET_S = 1200.0
-
-
-@dataclass(frozen=True)
-class Shape:
-    """How many samples, how long."""
-
-    num_prompts: int
-    n: int
-    median_tokens: int
-    max_tokens: int
-    prompt_tokens: tuple[int, int]
-    sigma: float = 1.0
-
-
-SHAPES = {"stub": Shape(128, 8, 2048, 16384, (100, 1000)), "tiny": Shape(16, 4, 150, 1200, (20, 200))}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `rollout-bench long-tail` (shape flags default to --model's shape)."""
-    add = parser.add_argument
-    add("--model", choices=sorted(SHAPES), default="stub", help="stub (forward stubbed, default) or tiny (real)")
-    add("--num-prompts", type=int, default=None, help="prompts (stub: 128, tiny: 16)")
-    add("--n", type=int, default=None, help="samples per prompt, each with its own length (stub: 8, tiny: 4)")
-    add("--median-tokens", type=int, default=None, help="median output length (stub: 2048, tiny: 150)")
-    add("--max-tokens", type=int, default=None, help="output length cap (stub: 16384, tiny: 1200)")
-    add("--sigma", type=float, default=1.0, help="sigma of the lognormal output lengths (default: 1.0)")
-    add("--prompt-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="stub: 100 1000, tiny: 20 200")
-    add("--cache-fraction", type=float, default=0.27, help="KV blocks as a fraction of peak demand (default: 0.27)")
-    add("--cpu-offload-space", type=float, default=0.0, metavar="GIB", help="swap space, GiB (default: 0, recompute)")
-    add("--max-num-seqs", type=int, default=256, help="max_num_seqs: most sequences per step (default: 256)")
-    add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduler_type (default: fifo)")
-    add("--seed", type=int, default=0, help="lengths, prompts and sampling seed (default: 0)")
-    add("--time-budget", type=float, default=TIME_BUDGET_S, metavar="SECONDS", help="stop the run after this long")
-
-
-def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Usage errors for impossible settings."""
-    shape = shape_from(args)
-    low, high = shape.prompt_tokens
-    if min(shape.num_prompts, shape.n, shape.median_tokens, shape.max_tokens, low) < 1 or high < low:
-        parser.error("--num-prompts, --n, --median-tokens, --max-tokens and --prompt-tokens must be >= 1, MIN <= MAX")
-    if args.max_num_seqs < 1:
-        parser.error("--max-num-seqs must be >= 1")
-    if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
-        parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
-
-
-def shape_from(args: argparse.Namespace) -> Shape:
-    """The workload's shape: --model's, with the flags given."""
-    base = SHAPES[args.model]
-    given = {name: getattr(args, name) for name in ("num_prompts", "n", "median_tokens", "max_tokens", "prompt_tokens")}
-    given = {name: tuple(v) if name == "prompt_tokens" else v for name, v in given.items() if v is not None}
-    return Shape(**{**base.__dict__, **given, "sigma": args.sigma})
 
 
 def make_workload(shape: Shape, seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -36,7 +36,7 @@ def add_plot_argument(parser: argparse.ArgumentParser, chart: str) -> None:
         default=None,
         metavar="FILE.png",
         help=f"also draw the results as a PNG (matplotlib, 7x4 in at 100 dpi): {chart}; the path is checked before "
-        "the run (needs matplotlib: pip install 'rollout[docs]')",
+        "the run (needs matplotlib: pip install 'rollout[docs]'; default: no plot)",
     )
 
 

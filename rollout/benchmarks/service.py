@@ -18,8 +18,6 @@ from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.service.presets import tiny_model
 
-PATHS = ("zmq", "http", "all")
-
 
 def run(seed: int = 0, path: str = "zmq") -> dict:
     """Run the variants one after another and return the JSON-able summary (also printed as a table).

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from typing import Any
@@ -145,40 +144,3 @@ def run(
     summary["goal_exposed_ms_at_256"] = 1.0
     summary["passed"] = exposed is None or exposed <= 1.0
     return summary
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The subcommand's flags."""
-    parser.add_argument(
-        "--rows", type=int, nargs="+", default=[64, 256], help="constrained rows of the host time (default: 64 256)"
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=DEFAULT_VOCAB,
-        help=f"the bench tokenizer's vocabulary (default: {DEFAULT_VOCAB})",
-    )
-    parser.add_argument("--steps", type=int, default=60, help="decode steps timed per host-time figure (default: 60)")
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="throughput runs per system, median reported; 0 skips it (default: 1)"
-    )
-    parser.add_argument(
-        "--num-prompts", type=int, default=None, help="throughput requests (default: the workload's; fewer: quicker)"
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu: throughput on cpu-small; cuda: host time on the GPU, throughput on nano with the previous path "
-        "grammar_resolve_first beside (default: cpu)",
-    )
-
-
-def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse out-of-range flags by name (parser.error exits)."""
-    if any(rows < 1 for rows in args.rows):
-        parser.error(f"--rows must be >= 1, got {args.rows}")
-    if args.vocab_size < 1000:
-        parser.error(f"--vocab-size must be >= 1000, got {args.vocab_size}")
-    if args.steps < 1 or args.repeats < 0:
-        parser.error("--steps must be >= 1 and --repeats >= 0")

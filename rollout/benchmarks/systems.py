@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollout.benchmarks.choices import SYSTEM_NAMES
 from rollout.benchmarks.progress import stage
 from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
 from rollout.config import PREVIOUS_PATHS, ContinuousBatchingConfig, SamplingParams
@@ -234,17 +235,8 @@ def run_rollout_previous(model, prompts, max_new, workload: Workload, warmup: bo
 # systems are not cut: past their time limit they are a timeout).
 STOP_AT_DEADLINE = ("transformers_generate_batch", "transformers_generate")
 
-SYSTEMS = {
-    "rollout": run_rollout,
-    "rollout_sequential": run_rollout_sequential,
-    "rollout_previous": run_rollout_previous,
-    "rollout_json": run_rollout_json,
-    "rollout_json_resolve_first": run_rollout_json_resolve_first,
-    "rollout_lora1": run_rollout_lora1,
-    "rollout_lora4": run_rollout_lora4,
-    "transformers_generate_batch": run_transformers_generate_batch,
-    "transformers_generate": run_transformers_generate,
-}
+# By name (choices.SYSTEM_NAMES, which the parser offers without loading this module): each is `run_<name>` above.
+SYSTEMS = {name: globals()[f"run_{name}"] for name in SYSTEM_NAMES}
 
 
 def warm_up(system: str, model: torch.nn.Module, prompts: list[list[int]], max_new: list[int], workload: Workload):

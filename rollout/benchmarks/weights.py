@@ -15,10 +15,9 @@ import sys
 
 import torch
 
+from rollout.benchmarks.choices import WEIGHT_TRANSPORTS as TRANSPORTS
 from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
 from rollout.service.presets import MODEL_DTYPES, sized_model
-
-TRANSPORTS = ("frames", "shm", "torch.distributed")
 
 
 def run(

@@ -1,17 +1,23 @@
 """The throughput workloads (docs/concepts/architecture.md, Benchmark workloads): the model shape, the prompts, each request's
-own output length, and the KV cache every system gets, as one budget in bytes."""
+own output length, and the KV cache every system gets, as one budget in bytes.
+
+The table is plain data, free of torch (dtypes by name), so that `rollout-bench`'s parser offers its names without
+loading torch; torch, transformers and the engine load in the methods that build or measure something."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import PretrainedConfig, Qwen3Config
+from rollout.service.preset_catalog import TINY_MODEL_CONFIG
 
-from rollout.engine.kv_cache import KVCacheShape
-from rollout.service.presets import TINY_MODEL_CONFIG
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from rollout.engine.kv_cache import KVCacheShape
 
 GIB = 1 << 30
 
@@ -35,7 +41,7 @@ class Workload:
 
     name: str
     device: str
-    dtype: torch.dtype
+    dtype_name: str  # the parameters' and the KV cache's torch dtype, by name: `dtype` is the torch.dtype
     num_prompts: int
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]
@@ -48,8 +54,19 @@ class Workload:
     default_systems: tuple[str, ...] = ("rollout", "transformers_generate_batch", "transformers_generate")
     system_timeout_s: float = 600.0  # each system's own limit, warm-up and every repeat included
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' and the KV cache's dtype."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
     def cache_shape(self) -> KVCacheShape:
         """Layers, KV heads and head dim of the workload's model."""
+        from transformers import Qwen3Config
+
+        from rollout.engine.kv_cache import KVCacheShape
+
         return KVCacheShape.from_model_config(Qwen3Config(**self.model_config))
 
     def num_blocks(self) -> int:
@@ -69,7 +86,7 @@ class Workload:
 CPU_SMALL = Workload(
     name="cpu-small",
     device="cpu",
-    dtype=torch.float32,
+    dtype_name="float32",
     num_prompts=64,
     prompt_len=(16, 256),
     output_len=(16, 256),
@@ -83,12 +100,12 @@ WORKLOADS = {
     # The cpu-small model in bf16: bf16 logprob fidelity against the trainer's floor, measured on a CPU (--details).
     # The same 2304 blocks (32 KiB each in bf16).
     "cpu-bf16": dataclasses.replace(
-        CPU_SMALL, name="cpu-bf16", dtype=torch.bfloat16, kv_budget_gib=0.0703125, default_systems=("rollout",)
+        CPU_SMALL, name="cpu-bf16", dtype_name="bfloat16", kv_budget_gib=0.0703125, default_systems=("rollout",)
     ),
     "nano": Workload(
         name="nano",
         device="cuda",
-        dtype=torch.bfloat16,
+        dtype_name="bfloat16",
         num_prompts=256,
         prompt_len=(100, 1024),
         output_len=(100, 1024),
@@ -115,6 +132,7 @@ def build_model(config: PretrainedConfig, device: str | torch.device, dtype: tor
         device: where the model lives.
         dtype: its parameters' dtype.
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
@@ -128,6 +146,9 @@ def make_workload(workload: Workload, seed: int = 0) -> tuple[torch.nn.Module, l
         workload: what to build.
         seed: model and prompt seed.
     """
+    import torch
+    from transformers import Qwen3Config
+
     torch.manual_seed(seed)
     model = build_model(Qwen3Config(**workload.model_config), workload.device, workload.dtype).eval()
     rng = random.Random(seed)

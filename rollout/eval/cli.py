@@ -17,17 +17,16 @@ import argparse
 import math
 import sys
 
+from rollout.cli_parser import CliParser
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
 from rollout.eval.output import check_output, write_rows, write_summary
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CliParser:
     """rollout-eval's flags."""
-    parser = argparse.ArgumentParser(
-        prog="rollout-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = CliParser(prog="rollout-eval", description=__doc__)
     add = parser.add_argument
     add("--model", required=True, help="a local Hugging Face model directory or hub id; tiny for the built-in model")
     add(
@@ -42,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the split to read, with datasets slicing such as test[:100] (default: train for a file or directory, "
         "test for a hub dataset)",
     )
-    add("--prompt-field", default="prompt", help="the field holding each prompt (default: prompt)")
+    add("--prompt-field", default="prompt", help="the field holding each prompt")
     add("--answer-field", default=None, help="the field holding each reference answer (default: none, no accuracy)")
     add(
         "--chat",
@@ -60,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"refused at once, naming its line or row (default: {DEFAULT_MAX_LINE_CHARS})",
     )
     add("--n", type=int, default=1, help="samples per prompt (default: 1; pass@k is reported when n > 1)")
-    add("--max-new-tokens", type=int, default=256, help="most tokens per sample (default: 256)")
-    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0, off)")
+    add("--max-new-tokens", type=int, default=256, help="most tokens per sample")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 is off")
     add("--seed", type=int, default=None, help="seed of the run's sampling, so a run repeats (default: fresh)")
     add(
         "--metric",
@@ -70,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --answer-field: exact_match (default), numeric (the final number, GSM8K's '#### 42' answers) or "
         "module:function, a function (completion, answer) -> bool",
     )
-    add("--output", default=None, help="write one JSONL row per sample here (and the summary to OUTPUT.summary.json)")
+    add(
+        "--output",
+        default=None,
+        help="write one JSONL row per sample here (and the summary to OUTPUT.summary.json; default: none, the summary "
+        "is printed only)",
+    )
     add(
         "--compare-with-generate",
         type=int,
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="also run transformers' generate (greedy) on the first K prompts and report token agreement",
     )
-    add("--dtype", choices=MODEL_DTYPE_NAMES, default="auto", help="parameter dtype (default: the checkpoint's)")
+    add("--dtype", choices=MODEL_DTYPE_NAMES, default="auto", help="parameter dtype (default: auto, the checkpoint's)")
     add("--device", default=None, help="torch device, e.g. cuda, cuda:1, cpu (default: cuda when visible, else cpu)")
     add(
         "--batch-config",
@@ -86,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="extend",
         default=[],
         metavar="KEY=VALUE",
-        help="ContinuousBatchingConfig fields, e.g. num_blocks=4096 max_batch_tokens=8192",
+        help="ContinuousBatchingConfig fields, e.g. num_blocks=4096 max_batch_tokens=8192 (default: none, the "
+        "engine's defaults)",
     )
     return parser
 

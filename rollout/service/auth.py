@@ -13,7 +13,6 @@ Without keys a worker trusts everyone who can reach it, so it refuses to bind a 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from rollout.cli_parser import CliParser
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,9 @@ def secure_client_socket(
     socket.curve_serverkey = load_public_key(server_public_key)
 
 
-def build_keygen_parser() -> argparse.ArgumentParser:
+def build_keygen_parser() -> CliParser:
     """`rollout-keygen`'s flags."""
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="rollout-keygen",
         description="Write a CurveZMQ key pair for a rollout worker, client or trainer: DIR/NAME.key (the public "
         "key: copy it into a worker's --authorized-keys or --trainer-keys directory, or give a worker's to clients "

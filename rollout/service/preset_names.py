@@ -6,14 +6,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from rollout.service.agent_preset import agent_tokenizer, scripted_agent
+from rollout.service.preset_catalog import PRESETS, is_preset
 from rollout.service.presets import sized_model, tiny_model, tiny_moe_model, tiny_tokenizer
 
-PRESETS = ("tiny", "tiny-moe", "tiny-agent", "sized:<MB>")
-
-
-def is_preset(name: str) -> bool:
-    """Whether `name` is one of the built-in models (`PRESETS`)."""
-    return name in ("tiny", "tiny-moe", "tiny-agent") or name.startswith("sized:")
+__all__ = ["PRESETS", "is_preset", "model_from_preset", "tokenizer_for"]  # the first two from preset_catalog
 
 
 def model_from_preset(

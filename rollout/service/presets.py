@@ -12,21 +12,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 from rollout.config import MODEL_DTYPE_NAMES
+from rollout.service.preset_catalog import TINY_MODEL_CONFIG  # re-exported: its callers import it from here
 
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
 # checkpoint's own, fp32 for presets).
 MODEL_DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in MODEL_DTYPE_NAMES}
-# The "tiny" preset's shape, which is also the cpu-small benchmark model (docs/concepts/architecture.md, Benchmark workloads).
-TINY_MODEL_CONFIG = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=2048,
-)
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 

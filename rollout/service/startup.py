@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import zmq
 
+from rollout.cli_parser import CliParser
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.lora_weights import load_peft_dir
@@ -32,10 +33,9 @@ from rollout.service.presets import MODEL_DTYPES
 from rollout.service.sockets import is_loopback
 from rollout.service.tracing import configure_tracing
 from rollout.service.worker import RolloutWorker
+from rollout.service.worker_flags import check_settings
 
 logger = logging.getLogger("rollout.worker")
-
-AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RunningWorker:
         return 0
 
 
-def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunningWorker:
+def start_worker(parser: CliParser, args: argparse.Namespace) -> RunningWorker:
     """Check the flags, load the model and tokenizer, warm the engine up and bind the sockets (serving starts with
     `RunningWorker.serve`).
 
@@ -93,8 +93,8 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
         parser.error(f"--tokenizer {args.tokenizer}: {error}")
     try:
         manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
-    except ValueError as error:  # e.g. a kernel backend this machine cannot run
-        parser.error(str(error))
+    except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
+        parser.error(parser.flag_message(error))
     serve_start_adapters(parser, args.lora, manager.engine, args.model)
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     auth = None
@@ -145,7 +145,7 @@ def start_worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> R
 
 
 def check_flags(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
+    parser: CliParser, args: argparse.Namespace
 ) -> tuple[torch.device, tuple[str, int] | None, WorkerLimits, ContinuousBatchingConfig]:
     """Every check of the flags that needs no model: ordinary mistakes are one-line usage errors (`parser.error`,
     exit status 2), found before the model loads. Binds nothing (ports are probed and released).
@@ -161,24 +161,19 @@ def check_flags(
     _check_security(parser, args)
     check_metrics_address(parser, args)
     http_address = check_http_address(parser, args)
-    try:
-        limits = _limits(args)
-    except ValueError as error:
-        parser.error(str(error))
-    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
-        parser.error(f"--model {args.model}: no such model directory")
-    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
-        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    limits, config = check_settings(parser, args)
     if args.lora:
         try:  # PEFT loads the adapter directories after the model: its absence is found now
             require_extra("lora", f"--lora {args.lora[0]}")
         except MissingExtra as error:
             parser.error(str(error))
         lora_specs(parser, args.lora, args.model)
-    try:
-        config = _engine_config(args)
-    except ValueError as error:
-        parser.error(str(error))
+    if args.max_memory_percent is not None and args.max_memory_percent <= 1:
+        logger.warning(
+            "--max-memory-percent %g gives the KV cache %g%% of free memory (it takes a percent: 90 means 90%%)",
+            args.max_memory_percent,
+            args.max_memory_percent,
+        )
     return device, http_address, limits, config
 
 
@@ -209,22 +204,6 @@ def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"{flag} {path}: no such directory")
     if not os.path.isfile(args.curve_secret_key):
         parser.error(f"--curve-secret-key {args.curve_secret_key}: no such file (make one with rollout-keygen)")
-
-
-def _limits(args: argparse.Namespace) -> WorkerLimits:
-    """The per-client limits the flags give (a FieldError names a bad one)."""
-    return WorkerLimits(
-        max_message_bytes=args.max_message_bytes,
-        max_prompt_len=args.max_prompt_len,
-        max_n=args.max_n,
-        max_groups_per_client=args.max_groups_per_client,
-        max_pending_bytes=args.max_pending_bytes,
-        max_update_phase_s=args.max_update_phase_s,
-        client_timeout_s=args.client_timeout,
-        max_compile_s=args.max_compile_s,
-        max_compile_bytes=args.max_compile_bytes,
-        max_compiles_per_client=args.max_compiles_per_client,
-    )
 
 
 def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
@@ -266,23 +245,3 @@ def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engi
         except ValueError as error:
             parser.error(f"--lora {name}={path}: {error}")
         logger.info("serving LoRA adapter %s from %s", name, path)
-
-
-def _engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
-    """The engine settings the flags give (a FieldError names a bad one)."""
-    return ContinuousBatchingConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_memory_percent=args.max_memory_percent,
-        max_batch_tokens=args.max_batch_tokens,
-        max_num_seqs=args.max_num_seqs,
-        scheduler_type=args.scheduler,
-        max_queue_size=args.max_queue_size,
-        cpu_offload_space=args.cpu_offload_space,
-        attention_backend=args.attention_backend,
-        fp32_logits=args.fp32_logits,
-        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
-        overlap_scheduling=AUTO_ON_OFF[args.overlap],
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-    )

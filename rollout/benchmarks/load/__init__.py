@@ -31,7 +31,6 @@ a worker died by itself, a fuzzed worker stopped serving, or `--kill-one` found 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from rollout.benchmarks.load.arguments import add_arguments, check_arguments
@@ -39,6 +38,7 @@ from rollout.benchmarks.load.clients import PROMPT_TOKENS, rng_seed
 from rollout.benchmarks.load.rss import RssSampler, rss_bytes
 from rollout.benchmarks.load.runner import run
 from rollout.benchmarks.load.workers import WorkerProcess, blocks_used, free_port, worker_stats
+from rollout.cli_parser import CliParser
 
 __all__ = [
     "PROMPT_TOKENS",
@@ -58,7 +58,7 @@ __all__ = [
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry point (`python -m rollout.benchmarks.load`); `rollout-bench load` is the usual one."""
-    parser = argparse.ArgumentParser(prog="rollout-bench load", description=__doc__)
+    parser = CliParser(prog="rollout-bench load", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     check_arguments(parser, args)

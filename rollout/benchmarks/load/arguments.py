@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra rollout-worker argument, repeatable (e.g. --worker-arg=--max-num-seqs --worker-arg=64)",
+        help="extra rollout-worker argument, repeatable (e.g. --worker-arg=--max-num-seqs --worker-arg=64; default: none)",
     )
 
 

@@ -1,0 +1,83 @@
+"""The flags of `rollout-bench long-tail` (what it measures: long_tail.py's docstring, its `--help` text), the
+workload shapes they default to, and the usage errors for impossible settings. Free of torch: the parser imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from rollout.config import SCHEDULER_TYPES
+
+TIME_BUDGET_S = 1200.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How many samples, how long."""
+
+    num_prompts: int
+    n: int
+    median_tokens: int
+    max_tokens: int
+    prompt_tokens: tuple[int, int]
+    sigma: float = 1.0
+
+
+SHAPES = {"stub": Shape(128, 8, 2048, 16384, (100, 1000)), "tiny": Shape(16, 4, 150, 1200, (20, 200))}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `rollout-bench long-tail` (shape flags default to --model's shape).
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    add = parser.add_argument
+    add("--model", choices=sorted(SHAPES), default="stub", help="stub (forward stubbed) or tiny (computed for real)")
+    add("--num-prompts", type=int, default=None, help=f"prompts ({_by_model('num_prompts')})")
+    add("--n", type=int, default=None, help=f"samples per prompt, each with its own length ({_by_model('n')})")
+    add("--median-tokens", type=int, default=None, help=f"median output length ({_by_model('median_tokens')})")
+    add("--max-tokens", type=int, default=None, help=f"output length cap ({_by_model('max_tokens')})")
+    add("--sigma", type=float, default=Shape.sigma, help="sigma of the lognormal output lengths")
+    add(
+        "--prompt-tokens",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("MIN", "MAX"),
+        help=f"prompt lengths, uniform ({_by_model('prompt_tokens')})",
+    )
+    add("--cache-fraction", type=float, default=0.27, help="KV blocks as a fraction of peak demand")
+    add("--cpu-offload-space", type=float, default=0.0, metavar="GIB", help="swap space, GiB; 0: recompute")
+    add("--max-num-seqs", type=int, default=256, help="max_num_seqs: most sequences per step")
+    add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduler_type")
+    add("--seed", type=int, default=0, help="lengths, prompts and sampling seed")
+    add("--time-budget", type=float, default=TIME_BUDGET_S, metavar="SECONDS", help="stop the run after this long")
+
+
+def _by_model(field: str) -> str:
+    """A shape flag's default for each --model, e.g. "default: stub 128, tiny 16"."""
+    values = {model: getattr(shape, field) for model, shape in SHAPES.items()}
+    shown = {model: " ".join(map(str, v)) if isinstance(v, tuple) else v for model, v in values.items()}
+    return "default: " + ", ".join(f"{model} {value}" for model, value in shown.items())
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for impossible settings."""
+    shape = shape_from(args)
+    low, high = shape.prompt_tokens
+    if min(shape.num_prompts, shape.n, shape.median_tokens, shape.max_tokens, low) < 1 or high < low:
+        parser.error("--num-prompts, --n, --median-tokens, --max-tokens and --prompt-tokens must be >= 1, MIN <= MAX")
+    if args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be >= 1")
+    if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
+        parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
+
+
+def shape_from(args: argparse.Namespace) -> Shape:
+    """The workload's shape: --model's, with the flags given."""
+    base = SHAPES[args.model]
+    given = {name: getattr(args, name) for name in ("num_prompts", "n", "median_tokens", "max_tokens", "prompt_tokens")}
+    given = {name: tuple(v) if name == "prompt_tokens" else v for name, v in given.items() if v is not None}
+    return Shape(**{**base.__dict__, **given, "sigma": args.sigma})

@@ -1,0 +1,176 @@
+"""`CliParser`: the argparse parser of every console script (rollout-worker, rollout-bench, rollout-eval,
+rollout-keygen), so that each answers a mistake alike: one error line (a typo'd flag or choice with the closest one
+suggested, a bad setting with the flag that gave it) and a hint to `--help`, never the whole usage first; and each
+`--help` shows every flag's default.
+
+Free of torch and of every rollout module but `validation` (a parser must build, and `--help` answer, at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+from typing import Any, NoReturn
+
+from rollout.validation import FieldError
+
+__all__ = ["CliParser", "DefaultsHelpFormatter", "default_text", "shows_default"]
+
+# A config field's name inside an error's text: lower-case words joined by underscores (max_memory_percent).
+_FIELD_NAME = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (they hold examples and lists); each flag's help ends with "(default: X)".
+
+    Left out where it would be noise or wrong: a help that already speaks of its default (it says more than the
+    value: "default: 16 MiB", "default: the model's context"), flags that take no value (--insecure is off unless
+    given), and a default of None or [] (unset: its help must say what unset means; `tests/test_cli_startup.py`
+    checks that every such flag does).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not shows_default(action):
+            return text
+        # The help is %-formatted afterwards: a % in a default must stay literal.
+        return f"{text} (default: {default_text(action.default).replace('%', '%%')})"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` appends `action`'s default to its help (see `DefaultsHelpFormatter`).
+
+    Args:
+        action: a parser's action.
+    """
+    if action.help in (None, argparse.SUPPRESS) or "default" in action.help or action.nargs == 0:
+        return False
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return False  # a required positional argument has no default
+    return action.default not in (None, argparse.SUPPRESS, [])
+
+
+def default_text(value: Any) -> str:
+    """A default as a user would type it: a list space-separated (nargs="+"), a float without trailing zeros.
+
+    Args:
+        value: a flag's default.
+    """
+    if isinstance(value, (list, tuple)):
+        return " ".join(default_text(item) for item in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose errors are one line and a hint, with suggestions, naming flags.
+
+    Its subcommands' parsers (`add_subparsers().add_parser`) are CliParsers too, with the same help formatter.
+    """
+
+    def __init__(self, *args: Any, field_flags: dict[str, str] | None = None, **kwargs: Any):
+        """Args:
+        *args: as `argparse.ArgumentParser`.
+        field_flags: the flag that sets each config field whose name does not turn into it by dashes (e.g.
+            {"scheduler_type": "--scheduler"}), so that `flag_message` names it.
+        **kwargs: as `argparse.ArgumentParser`; `formatter_class` defaults to `DefaultsHelpFormatter`.
+        """
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.field_flags = dict(field_flags or {})
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
+        chosen subcommand's parser reports it: its flags are the likely ones, its `--help` the one to read)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen(parsed)._report_unrecognized(extras)
+        return parsed
+
+    def error(self, message: str) -> NoReturn:
+        """Print "PROG: error: MESSAGE" and a line pointing at --help to stderr, exit with status 2 (as argparse
+        does, without its usage summary: thirty lines of flags would bury the one that matters)."""
+        self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for every flag and its default.\n")
+
+    def defaults_from_environment(self, prefix: str) -> None:
+        """Let an environment variable PREFIX<DEST> (upper case, e.g. ROLLOUT_MAX_BATCH_TOKENS) set each flag's
+        default; a flag given on the command line still wins, and `--help` shows the default the variable set. A
+        value the flag cannot take is a usage error naming the variable; a flag that takes no value reads
+        1/true/yes or 0/false/no (or empty).
+
+        Args:
+            prefix: the variables' common start, e.g. "ROLLOUT_".
+        """
+        for action in self._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            variable = prefix + action.dest.upper()
+            value = os.environ.get(variable)
+            if value is None:
+                continue
+            try:
+                if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001 - argparse has no public name
+                    if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                        raise ValueError(value)
+                    action.default = value.lower() in ("1", "true", "yes")
+                    continue
+                action.default = action.type(value) if action.type else value
+            except (ValueError, argparse.ArgumentTypeError):
+                self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
+
+    def flag_message(self, error: ValueError) -> str:
+        """The text of a usage error for `error`: a `FieldError` names the flag of its field (and any other field
+        its reason mentions) where this parser has one, so the user reads what they typed; others as they are.
+
+        Args:
+            error: raised while building a config from the parsed flags.
+        """
+        if not isinstance(error, FieldError):
+            return str(error)
+        flag = self.flag_for(error.field)
+        reason = _FIELD_NAME.sub(lambda match: self.flag_for(match.group()) or match.group(), error.reason)
+        return f"{flag or error.field}: {reason}"
+
+    def flag_for(self, field: str) -> str | None:
+        """The flag that sets the config field `field` (its name with dashes, or `field_flags`'), None if none does.
+
+        Args:
+            field: a config field's name, e.g. "max_memory_percent".
+        """
+        flag = self.field_flags.get(field, "--" + field.replace("_", "-"))
+        return flag if flag in self._option_string_actions else None
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """As argparse's, with the closest choice suggested (a subcommand's name too)."""
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            names = [str(choice) for choice in action.choices or ()]
+            close = difflib.get_close_matches(str(value), names, n=1)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{error.message}; did you mean {close[0]}?") from None
+
+    def _chosen(self, parsed: argparse.Namespace) -> CliParser:
+        """The parser of the subcommand `parsed` chose (itself when it has none, or none was chosen)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - argparse has no public name for it
+                chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+                if isinstance(chosen, CliParser):
+                    return chosen._chosen(parsed)
+        return self
+
+    def _report_unrecognized(self, extras: list[str]) -> NoReturn:
+        """A usage error for arguments nobody took: the unknown flags, each with the closest known flag if any."""
+        flags = [arg for arg in extras if arg.startswith("-") and arg != "-"]
+        shown = flags or extras  # the values after an unknown flag are left over too: the flag is the news
+        message = f"unrecognized argument{'s' if len(shown) > 1 else ''} {' '.join(shown)}"
+        guesses = []
+        for flag in flags:
+            close = difflib.get_close_matches(flag.split("=", 1)[0], list(self._option_string_actions), n=1)
+            if close:
+                guesses.append(close[0] if len(flags) == 1 else f"{close[0]} (for {flag})")
+        self.error(message + (f"; did you mean {', '.join(guesses)}?" if guesses else ""))

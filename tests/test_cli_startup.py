@@ -1,0 +1,192 @@
+"""Every console script is fast and friendly (issue 49): its parser builds without torch or transformers (a proxy for
+`--help` in well under a second that cannot flake: the timings themselves are measured by hand, not here), `--help`
+shows every default, a typo'd flag or choice gets the closest one suggested in one error line and a hint (no usage
+dump), and a bad setting names the flag that gave it, not the config field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout.cli_parser import CliParser, shows_default
+from rollout.validation import FieldError
+
+ROOT = Path(__file__).resolve().parents[1]
+# Console script -> (its module, the function building its parser, how `python -m` runs it).
+SCRIPTS = {
+    "rollout-worker": ("rollout.service.cli", "build_parser", "rollout.service.cli"),
+    "rollout-bench": ("rollout.benchmarks.cli", "build_parser", "rollout.benchmarks.cli"),
+    "rollout-eval": ("rollout.eval.cli", "build_parser", "rollout.eval"),
+    "rollout-keygen": ("rollout.service.auth", "build_keygen_parser", "rollout.service.auth"),
+}
+HEAVY = ("torch", "transformers")
+
+
+def run_python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+
+
+def parser_of(script: str) -> CliParser:
+    module, builder, _ = SCRIPTS[script]
+    return getattr(importlib.import_module(module), builder)()
+
+
+def every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and its subcommands' parsers."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                found += every_parser(subparser)
+    return found
+
+
+def test_every_console_script_is_listed_here():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == set(SCRIPTS)
+    for script, entry in scripts.items():
+        assert entry.partition(":")[0] == SCRIPTS[script][0], script
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_the_parser_builds_without_torch_or_transformers(script):
+    """The entry point's module and its parser load nothing heavy: --help and flag errors answer at once."""
+    module, builder, _ = SCRIPTS[script]
+    code = f"import sys; from {module} import {builder}; {builder}(); print([m for m in {HEAVY!r} if m in sys.modules])"
+    child = run_python("-c", code)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "[]", f"{script}'s parser loaded {child.stdout.strip()}"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_exits_0_and_shows_defaults(script):
+    subcommand = ["throughput"] if script == "rollout-bench" else []  # its own --help lists the subcommands
+    child = run_python("-m", SCRIPTS[script][2], *subcommand, "--help")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith(f"usage: {' '.join([script, *subcommand])} ")
+    if script != "rollout-keygen":  # two positional arguments, no defaults
+        assert "(default: " in child.stdout
+
+
+def test_every_flag_says_its_default():
+    """Each flag taking a value shows its default, or its help says what it is (what unset means, for None)."""
+    for script in SCRIPTS:
+        for parser in every_parser(parser_of(script)):
+            for action in parser._actions:
+                if not action.option_strings or action.nargs == 0 or action.required:
+                    continue
+                said = shows_default(action) or "default" in (action.help or "")
+                assert said, f"{parser.prog} {action.option_strings[0]}: no default shown (default {action.default!r})"
+
+
+def test_defaults_are_shown_as_typed_and_only_once():
+    helped = parser_of("rollout-worker").format_help()
+    assert "(default: 16)" in " ".join(helped.split())  # --block-size, from the engine's own default
+    assert "(default: None)" not in helped and "(default: False)" not in helped
+    structured = [p for p in every_parser(parser_of("rollout-bench")) if p.prog.endswith(" structured")][0]
+    assert "(default: 64 256)" in " ".join(structured.format_help().split())  # a list as it is typed
+
+
+def test_an_environment_variable_default_is_the_one_shown(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_BLOCK_SIZE", "32")
+    parser = parser_of("rollout-worker")
+    assert parser.parse_args([]).block_size == 32
+    assert "tokens per KV block (default: 32)" in " ".join(parser.format_help().split())
+
+
+def test_a_typod_flag_suggests_the_closest_without_a_usage_dump():
+    child = run_python("-m", "rollout.service.cli", "--num-blcoks", "3")
+    assert child.returncode == 2
+    lines = child.stderr.splitlines()
+    assert lines == [
+        "rollout-worker: error: unrecognized argument --num-blcoks; did you mean --num-blocks?",
+        "Try 'rollout-worker --help' for every flag and its default.",
+    ]
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        (
+            "rollout-bench",
+            ["throughput", "--workloda", "x"],
+            "unrecognized argument --workloda; did you mean --workload?",
+        ),
+        ("rollout-bench", ["throughtput"], "did you mean throughput?"),
+        ("rollout-bench", ["throughput", "--workload", "cpu-smal"], "did you mean cpu-small?"),
+        (
+            "rollout-eval",
+            ["--model", "tiny", "--dataset", "d.jsonl", "--temprature", "1"],
+            "did you mean --temperature?",
+        ),
+        ("rollout-eval", [], "the following arguments are required: --model, --dataset"),
+        ("rollout-keygen", ["dir"], "the following arguments are required: name"),
+        ("rollout-worker", ["--dtype", "flaot32"], "did you mean float32?"),
+        ("rollout-worker", ["--bnd", "x", "--mdoel", "m"], "--bind (for --bnd), --model (for --mdoel)?"),
+    ],
+)
+def test_flag_errors_are_one_line_and_a_hint(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parser_of(script).parse_args(argv)
+    assert stop.value.code == 2
+    error, hint = capsys.readouterr().err.splitlines()
+    prog = error.partition(": error: ")[0]
+    assert error.startswith(f"{script}") and message in error
+    assert hint == f"Try '{prog} --help' for every flag and its default."
+
+
+@pytest.mark.parametrize("value, fraction", [("90", 0.9), ("100", 1.0), ("2.5", 0.025)])
+def test_max_memory_percent_takes_a_percent(value, fraction):
+    from rollout.service.worker_flags import engine_config
+
+    args = parser_of("rollout-worker").parse_args(["--max-memory-percent", value])
+    assert engine_config(args).max_memory_percent == pytest.approx(fraction)
+    assert engine_config(parser_of("rollout-worker").parse_args([])).max_memory_percent is None  # the engine's
+
+
+@pytest.mark.parametrize("value", ["0", "150", "-5", "nan", "ninety"])
+def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
+    from rollout.service import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--max-memory-percent", value])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("rollout-worker: error: argument --max-memory-percent: ")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-blocks", "0"], "rollout-worker: error: --num-blocks: 0 is invalid: must be an integer >= 1"),
+        (["--client-timeout", "-1"], "rollout-worker: error: --client-timeout: must be positive, got -1.0"),
+        (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
+        (["--model", "./no/such/dir"], "rollout-worker: error: --model ./no/such/dir: no such model directory"),
+    ],
+)
+def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):
+    """The settings are checked in cli.main before startup (torch, the engine) is imported."""
+    code = (
+        "import sys\nfrom rollout.service import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+        f"    print(stop.code, [m for m in {HEAVY!r} if m in sys.modules])"
+    )
+    child = run_python("-c", code, *argv)
+    assert child.stdout.strip() == "2 []", child.stderr
+    assert child.stderr.splitlines()[0].startswith(message)
+
+
+def test_a_field_error_names_flags_in_its_reason_too():
+    parser = parser_of("rollout-worker")
+    error = FieldError("max_memory_percent", "holds no KV block; raise max_memory_percent or set num_blocks")
+    assert parser.flag_message(error) == (
+        "--max-memory-percent: holds no KV block; raise --max-memory-percent or set --num-blocks"
+    )
+    assert parser.flag_message(FieldError("scheduler_type", "x")) == "--scheduler: x"  # the explicit map
+    assert parser.flag_message(FieldError("no_such_field", "x")) == "no_such_field: x"  # no flag: the field
+    assert parser.flag_message(ValueError("plain")) == "plain"
