@@ -205,18 +205,21 @@ def test_compiled_decode_matches_generate():
 
 @needs_triton_interpreter
 def test_graph_decode_serves_adapters_side_by_side():
-    """The base, a LoRA adapter on every Linear and one that also trains the input embeddings whole
-    (modules_to_save) decode in the same graph steps; each equals peft's generate. Replacing an adapter in place
-    keeps the graphs; a slot's first saved module (new hooks) makes them captured again."""
+    """The base, a LoRA adapter on every Linear and one that also trains the input embeddings and the output head
+    whole (modules_to_save) decode in the same graph steps; each equals peft's generate. Replacing an adapter in
+    place keeps the graphs; a slot's first saved modules (new hooks) make them captured again."""
     from peft import LoraConfig, get_peft_model
 
     from rollout.engine.lora_weights import SavedModule, from_peft_model
 
     base = tiny_model("qwen3").to(DEVICE)
     torch.manual_seed(2)
-    saving = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], modules_to_save=["embed_tokens"])
-    peft = get_peft_model(reference_copy(base), saving, adapter_name="saving")
-    peft.add_adapter("plain", LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    saving = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"], modules_to_save=["embed_tokens", "lm_head"]
+    )
+    # "plain" first: added after the head is wrapped, all-linear would also take the head's frozen original.
+    peft = get_peft_model(reference_copy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"), "plain")
+    peft.add_adapter("saving", saving)
     with torch.no_grad():
         for name, parameter in peft.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
@@ -243,7 +246,7 @@ def test_graph_decode_serves_adapters_side_by_side():
     count = len(released)
     engine.load_adapter("plain", plain)  # in place: the same hooks and slots
     assert len(released) == count
-    engine.load_adapter("saving", saving_modules)  # the embeddings' hook and copy are new
+    engine.load_adapter("saving", saving_modules)  # the embeddings' and the head's hooks and copies are new
     outputs = decode_all("x", 5)
     assert len(released) == count + 1 and replays
     for index, (prompt, adapter) in enumerate(zip(prompts, adapters)):

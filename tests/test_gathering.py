@@ -242,12 +242,35 @@ def test_peft_sends_persistent_buffers():
     assert sorted(collect(model)) == sorted(expected)
 
 
-def test_peft_dora_is_refused_clearly():
-    model = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=LORA_TARGETS, use_dora=True))
-    with pytest.raises(NotImplementedError, match=r"q_proj.*DoRA.*merge_and_unload"):
-        weight_specs(model)
-    with pytest.raises(NotImplementedError, match="DoRA"):
-        next(iter_weights(model))
+def test_peft_dora_and_lora_biases_merge_as_peft_merges_them():
+    """What workers cannot serve unmerged is pushed merged (adapter_mode's fallback): DoRA and a trained LoRA bias
+    merged equal peft's merge_and_unload, the model untouched; a LoRA bias on a layer without a bias and an adapter
+    other than LoRA are refused clearly."""
+    torch.manual_seed(3)
+    biased = AutoModelForCausalLM.from_config(Qwen3Config(**TINY_MODEL_CONFIG, attention_bias=True)).eval()
+    for config in (dict(use_dora=True), dict(lora_bias=True)):
+        model = get_peft_model(copy.deepcopy(biased), LoraConfig(r=4, target_modules=LORA_TARGETS, **config))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:  # B (and its bias) away from zero, DoRA's magnitude away from the weight's norm
+                    param.add_(torch.randn_like(param) * 0.1)
+        before = snapshot(model)
+        expected = copy.deepcopy(model).merge_and_unload().state_dict()
+        got = collect(model)
+        assert_same_tensors(got, expected, atol=1e-6)
+        q_proj = "model.layers.0.self_attn.q_proj"
+        part = "bias" if "lora_bias" in config else "weight"
+        assert (got[f"{q_proj}.{part}"] - biased.state_dict()[f"{q_proj}.{part}"]).abs().max() > 1e-3, config
+        assert_same_tensors(snapshot(model), before)
+        assert not any(module._caches for module in model.modules() if isinstance(module, LoraLayer))
+    unbiased = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=LORA_TARGETS, lora_bias=True))
+    with pytest.raises(NotImplementedError, match=r"q_proj: a LoRA bias on a layer without a bias"):
+        weight_specs(unbiased)
+    ia3 = get_peft_model(
+        tiny_model(0), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+    )
+    with pytest.raises(NotImplementedError, match=r"k_proj: only LoRA adapters can be merged.*merge_and_unload"):
+        next(iter_weights(ia3))
 
 
 # ---- 4. accelerate and wrappers -----------------------------------------------------------------------------------

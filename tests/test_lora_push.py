@@ -118,8 +118,8 @@ def test_bad_adapters_are_refused_whole(client):
         push_weights(client, lora_model(5, r=16))
     assert "max_lora_rank" in str(error.value)
     dora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
-    with pytest.raises(ValueError, match="DoRA"):
-        push_weights(client, dora)
+    with pytest.raises(ValueError, match="DoRA"):  # adapter-only insisted on ("auto" would push it merged)
+        push_weights(client, dora, adapters="adapter")
     push_weights(client, lora_model(6), adapter_name="second")
     with pytest.raises(RolloutError) as error:
         push_weights(client, lora_model(7), adapter_name="third")

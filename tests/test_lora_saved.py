@@ -93,9 +93,11 @@ def test_a_saved_directory_is_served_and_bad_saved_modules_are_refused(tmp_path,
     assert run_to_completion(engine)["x"].generated_tokens == peft_greedy(model, "saving", prompt)
     good = from_peft_model(model, "saving")
     weight = good["model.embed_tokens"].params["weight"]
-    head = SavedModule({"weight": weight})
     cases = {
-        "output head": ({"lm_head": head}, "lm_head.modules_to_save.weight"),
+        "output head, wrong shape": (
+            {"lm_head": SavedModule({"weight": weight[:, :5]})},
+            "lm_head.modules_to_save.weight",
+        ),
         "wrong shape": (
             {"model.embed_tokens": SavedModule({"weight": weight[:5]})},
             "model.embed_tokens.modules_to_save.weight",
@@ -135,7 +137,7 @@ def test_a_load_that_fails_to_allocate_changes_nothing_served(saved_pair, monkey
     engine.add_request("before", prompt, greedy, max_new_tokens=MAX_NEW, adapter="saving")
     before = run_to_completion(engine)["before"].generated_tokens
 
-    def out_of_memory(module):
+    def out_of_memory(module, dtype=None):
         raise torch.OutOfMemoryError("no room for the copy")
 
     monkeypatch.setattr(saved_modules, "_shadow", out_of_memory)
@@ -149,7 +151,8 @@ def test_a_load_that_fails_to_allocate_changes_nothing_served(saved_pair, monkey
 
 def test_pushes_of_models_with_saved_modules():
     """A merged (whole) push of a model whose active adapter saves nothing still sends the frozen original of a
-    module another adapter saves; an adapter-only push of an adapter saving the output head is refused up front."""
+    module another adapter saves; an adapter-only push of an adapter saving the output head sends the head's copy,
+    one saving a module workers cannot serve unmerged (a norm) is refused up front."""
     from rollout.config import FieldError
     from trainer_bridge.gathering import peft_entries
     from trainer_bridge.lora_push import adapter_push
@@ -162,6 +165,11 @@ def test_pushes_of_models_with_saved_modules():
     entries = {entry.name: entry for entry in peft_entries(model, merged=True)}
     assert torch.equal(entries["model.embed_tokens.weight"].fetch(), base.model.embed_tokens.weight)
     head = get_peft_model(reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    sent = {entry.name: entry for entry in adapter_push(head).entries}
+    assert torch.equal(sent["lm_head.modules_to_save.weight"].fetch(), base.lm_head.weight)
+    norm = get_peft_model(
+        reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["model.norm"])
+    )
     with pytest.raises(FieldError) as error:
-        adapter_push(head)
-    assert error.value.field == "lm_head"
+        adapter_push(norm)
+    assert error.value.field == "model.norm" and "Qwen3RMSNorm" in error.value.reason

@@ -93,24 +93,41 @@ def _buffer_entries(model: torch.nn.Module, rename: Callable[[str], str | None] 
     return entries
 
 
-def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
-    """Merged weights of a PEFT LoRA model under the base model's names: W + sum of the active adapters' deltas,
-    computed per layer (the model is not modified), with no LoRA tensors; with merged=False the base weights alone
-    (an adapter-only push's base)."""
+def merge_refusal(model: torch.nn.Module) -> str | None:
+    """Why a PEFT model's weights cannot be merged on the fly (None: they can): an adapter other than LoRA, or a
+    trained LoRA bias on a layer without a bias."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLayer):
+            return (
+                f"{name}: only LoRA adapters can be merged on the fly; merge_and_unload() the model into a plain one "
+                "to sync it"
+            )
+        if isinstance(module, LoraLayer) and any(module.lora_bias.get(a) for a in module.active_adapters):
+            if getattr(module.get_base_layer(), "bias", None) is None:
+                return f"{name}: a LoRA bias on a layer without a bias cannot be merged into the base model"
+    return None
+
+
+def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
+    """Merged weights of a PEFT LoRA model under the base model's names: each layer's weight merged as peft merges
+    it (W + the active adapters' deltas; DoRA through peft's own merge), LoRA biases added to the base bias, computed
+    per layer (the model is not modified), with no LoRA tensors; with merged=False the base weights alone (an
+    adapter-only push's base).
+
+    Raises:
+        NotImplementedError: `merge_refusal`'s reason.
+    """
+    from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     prefix = getattr(model, "prefix", None) or getattr(model.base_model, "prefix", "lora_")
     modules = dict(base.named_modules())
-    for name, module in modules.items():
-        if isinstance(module, BaseTunerLayer) and (
-            not isinstance(module, LoraLayer) or any(getattr(module, "use_dora", {}).values())
-        ):
-            raise NotImplementedError(
-                f"{name}: only LoRA adapters (without DoRA) can be merged on the fly; merge_and_unload() the model "
-                "into a plain one to sync it"
-            )
+    refusal = merge_refusal(model)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
 
     def base_name(name: str) -> str | None:
         """The base model's name of a PEFT model's tensor; None for adapter tensors and frozen originals."""
@@ -141,6 +158,8 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
         layer = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
         if merged and isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
+        elif merged and isinstance(layer, LoraLayer) and name.endswith(".base_layer.bias"):
+            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=layer, b=param: _merged_bias(lr, b)))
         else:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda param=param: full_copy(param)))
     return entries + _buffer_entries(base, base_name)
@@ -155,15 +174,36 @@ def _active_copy(wrapper: Any) -> str | None:
     return active if active in wrapper.modules_to_save else None
 
 
+def _unmerged_adapters(layer: Any) -> list[str]:
+    """The active adapters of a LoRA layer that are not merged into its base weight yet."""
+    known = {*getattr(layer, "lora_A", {}), *getattr(layer, "lora_embedding_A", {})}
+    return [adapter for adapter in layer.active_adapters if adapter in known and adapter not in layer.merged_adapters]
+
+
 def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
-    """Base weight + the LoRA deltas of the active, not yet merged adapters of one layer."""
+    """Base weight + the LoRA deltas of the active, not yet merged adapters of one layer; a LoRA variant (DoRA)
+    merged by peft's own `merge_safe`, on a copy."""
     with gathered(list(layer.parameters())), torch.no_grad():
         merged = weight.detach().clone()
-        for adapter in layer.active_adapters:
-            known = adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {})
-            if known and adapter not in layer.merged_adapters:
+        for adapter in _unmerged_adapters(layer):
+            variant = getattr(layer, "lora_variant", {}).get(adapter)
+            if variant is None:
                 merged += layer.get_delta_weight(adapter).to(merged.dtype)
+            else:
+                merged = variant.merge_safe(layer, adapter, merged)
+                # DoRA's merge keeps the weight norm for an unmerge that never comes: the model is left as it was.
+                getattr(layer, "_caches", {}).pop(f"{adapter}-weight_norm", None)
         return merged.full_tensor() if is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
+
+
+def _merged_bias(layer: Any, bias: torch.Tensor) -> torch.Tensor:
+    """Base bias + scaling x lora_B's bias of the active, not yet merged adapters that train one (peft's merge)."""
+    with gathered(list(layer.parameters())), torch.no_grad():
+        merged = bias.detach().clone()
+        for adapter in _unmerged_adapters(layer):
+            if layer.lora_bias.get(adapter):
+                merged += (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
+        return merged.full_tensor() if is_dtensor(merged) else merged
 
 
 def entries_of(source: Any, accelerator: Any) -> list[Entry]:

@@ -1,9 +1,10 @@
 """Adapter-only pushes of a PEFT LoRA model: what travels is the active adapter's lora_A / lora_B tensors (wire names
 "<module>.lora_A" / "<module>.lora_B", in the adapter's own dtype) and their scalings, and the trained copies of its
-modules_to_save ("<module>.modules_to_save.<parameter>"); the workers serve them
-unmerged over the base they hold. The frozen base travels once: in the same transaction as the adapter, to every
-worker of the push, whenever a worker does not hold this trainer's base yet (its first push, or a worker that
-restarted). The base is named by a `base_id` made once per base model in this process."""
+modules_to_save ("<module>.modules_to_save.<parameter>", the output head's included); the workers serve them
+unmerged over the base they hold (`adapter_mode.py` says which adapters they can serve so). The frozen base travels
+once: in the same transaction as the adapter, to every worker of the push, whenever a worker does not hold this
+trainer's base yet (its first push, or a worker that restarted). The base is named by a `base_id` made once per base
+model in this process."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Any
 
 import torch
 
-from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, check_peft_config, module_name, saved_modules
+from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, module_name, saved_modules
+from trainer_bridge.adapter_mode import check_servable, push_mode
 from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 
-ADAPTER_MODES = ("auto", "merged")
 _BASE_IDS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
@@ -71,36 +72,24 @@ def adapter_push(
         accelerator: the `accelerate.Accelerator` of a multi-process trainer (every rank calls this).
     Raises:
         ValueError: (FieldError) an adapter that cannot be served unmerged (DoRA, a LoRA bias, a non-Linear
-            target, ...), named; push such a model with adapters="merged".
+            target, ...: `adapter_mode.check_servable`), named; such a model is pushed merged.
     """
     from peft.tuners.lora import LoraLayer
 
-    from rollout.config import FieldError
-
     name = adapter_name or active_adapter_name(model)
-    if name not in model.peft_config:
-        raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(model.peft_config)})")
-    check_peft_config(model.peft_config[name])
+    check_servable(model, name)
     entries, scalings = [], {}
     for key, layer in model.named_modules():
         if not isinstance(layer, LoraLayer) or name not in layer.lora_A:
             continue
         target = module_name(key)
-        if layer.use_dora.get(name) or not isinstance(layer.get_base_layer(), torch.nn.Linear):
-            raise FieldError(target, "only LoRA on torch.nn.Linear layers (without DoRA) is served unmerged")
         for part in ("lora_A", "lora_B"):
             weight = getattr(layer, part)[name].weight
             entries.append(Entry(f"{target}.{part}", weight.dtype, shape_of(weight), lambda w=weight: full_copy(w)))
         scalings[target] = float(layer.scaling[name])
-    if not entries:
-        raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
-    head, modules = model.get_output_embeddings(), dict(model.named_modules())
-    for key, copy in saved_modules(model, name):  # modules_to_save: the adapter's trained copies, whole
-        if head is not None and modules[key] is head:
-            raise FieldError(
-                module_name(key),
-                "modules_to_save on the output head is not served unmerged; push with adapters='merged'",
-            )
+    # modules_to_save: the adapter's trained copies, whole (a copy tied to another, peft's ensure_weight_tying,
+    # travels under each module's name: the workers serve each module's copy).
+    for key, copy in saved_modules(model, name):
         for part, param in copy.named_parameters():
             wire = f"{module_name(key)}{SAVED_MARKER}{part}"
             entries.append(Entry(wire, param.dtype, shape_of(param), lambda p=param: full_copy(p)))
@@ -108,13 +97,14 @@ def adapter_push(
     return AdapterPush(served_name or name, entries, scalings, base_id_of(model), base, accelerator)
 
 
-def served_adapter_name(source: Any, accelerator: Any = None, adapters: str = "auto", adapter_name: str | None = None):
+def served_adapter_name(
+    source: Any, accelerator: Any = None, adapters: str = "auto", adapter_name: str | None = None
+) -> str | None:
     """The adapter name `push_weights(client, source, adapters=..., adapter_name=...)` serves (None when it pushes
-    whole weights): what every rank's client samples with (`RolloutClient.adapter`), the main process's included."""
-    from rollout.peft_adapters import is_peft_model
+    whole or merged weights): what every rank's client samples with (`RolloutClient.adapter`), the main process's
+    included."""
     from trainer_bridge.gathering import unwrapped
 
-    if adapters != "auto" or not isinstance(source, torch.nn.Module):
+    if push_mode(source, adapters, accelerator, warn=False) != "adapter":
         return None
-    model = unwrapped(source, accelerator)
-    return (adapter_name or active_adapter_name(model)) if is_peft_model(model) else None
+    return adapter_name or active_adapter_name(unwrapped(source, accelerator))

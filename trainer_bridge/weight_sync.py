@@ -7,11 +7,15 @@ With accelerate (or any multi-process trainer) call it on every rank: only the m
 takes part in gathering sharded parameters (ZeRO-3: one parameter at a time; FSDP2 DTensors: one at a time), so no
 rank ever holds the whole model twice.
 
-A PEFT LoRA model sends only its active adapter (lora_A / lora_B and scalings; `adapters="auto"`), which the workers
-serve unmerged under the adapter's name; the frozen base travels once, in the same transaction, to workers that do
-not hold it yet (in a multi-process trainer the main process's decision reaches every rank, which gather the same
-tensors). The client then samples with that adapter by default (`RolloutClient.adapter`). `adapters="merged"` sends
-merged weights (base + LoRA delta) under the base model's names instead. The model is left unmodified either way.
+A PEFT LoRA model sends only its active adapter (lora_A / lora_B, scalings and its modules_to_save copies), which
+the workers serve unmerged under the adapter's name; the frozen base travels once, in the same transaction, to
+workers that do not hold it yet (in a multi-process trainer the main process's decision reaches every rank, which
+gather the same tensors). The client then samples with that adapter by default (`RolloutClient.adapter`).
+`adapters="merged"` sends merged weights (base + LoRA delta) under the base model's names instead, and the client
+then samples with the base. The default, `adapters="auto"`, pushes adapter-only where the workers can serve the
+adapter unmerged, else merged with one warning naming why (DoRA, a trained bias, LoRA on a non-Linear layer, ...:
+`adapter_mode.py`); `adapters="adapter"` insists on adapter-only, refusing such an adapter by name. The model is left
+unmodified either way.
 
 How a push runs, per worker: `weights_spec` (the worker's names, dtypes, shapes; floating tensors are cast to the
 worker's dtype), `weights_begin`, buckets of at most `bucket_bytes` (two in flight per worker), `weights_commit`.
@@ -35,12 +39,12 @@ from typing import Any
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES
-from rollout.peft_adapters import is_peft_model
 from rollout.service import protocol as p
+from trainer_bridge.adapter_mode import ADAPTER_MODES, push_mode
 from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient
 from trainer_bridge.gathering import entries_of, iter_weights, unwrapped, weight_specs
-from trainer_bridge.lora_push import ADAPTER_MODES, adapter_push
+from trainer_bridge.lora_push import adapter_push
 from trainer_bridge.push import WeightPush
 
 logger = logging.getLogger(__name__)
@@ -85,8 +89,9 @@ def push_weights(
         dist_backend: torch.distributed backend: "gloo" or "nccl" (default: nccl when CUDA is available).
         preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
             a restart), which is rejected; without it such a worker answers "update_in_progress".
-        adapters: for a PEFT LoRA model: "auto" (adapter-only) or "merged" (base + LoRA delta under the base names,
-            as a plain model).
+        adapters: for a PEFT LoRA model: "auto" (adapter-only where the workers can serve the adapter unmerged, else
+            merged with one warning per model), "adapter" (adapter-only, or a FieldError naming what cannot be
+            served unmerged) or "merged" (base + LoRA delta under the base names, as a plain model).
         adapter_name: the name the workers serve the adapter under (default: its PEFT name); groups then sample
             with it unless they name another (`PromptGroup.adapter`).
     Returns:
@@ -107,10 +112,10 @@ def push_weights(
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
     adapter = None
-    if adapters == "auto":
+    how = push_mode(model_or_named_tensors, adapters, accelerator)
+    if how == "adapter":
         model = unwrapped(model_or_named_tensors, accelerator)
-        if is_peft_model(model):
-            adapter = adapter_push(model, None, adapter_name, accelerator)
+        adapter = adapter_push(model, None, adapter_name, accelerator)
     entries = [] if adapter is not None else entries_of(model_or_named_tensors, accelerator)
     is_main = client is not None and (accelerator is None or accelerator.is_main_process)
     if not is_main:
@@ -147,4 +152,6 @@ def push_weights(
         push.close()
     if adapter is not None:
         client.adapter = adapter.name
+    elif how == "merged":  # the PEFT model's policy is the served base now, not an adapter pushed before
+        client.adapter = None
     return result

@@ -9,7 +9,8 @@ rows zero), per-slot scalings, and a forward hook. A step gives every token the 
 shared by all layers), and adds `(that @ B.T) * scaling[slot]`: one gathered product per layer, the same shapes
 every step, so decode CUDA graphs capture it.
 
-Modules an adapter trains whole (peft's modules_to_save) are served beside them (`saved_modules.py`).
+Modules an adapter trains whole (peft's modules_to_save, the output head included) are served beside them
+(`saved_modules.py`, `saved_head.py`).
 
 Invariants:
 - The hooks act only inside an engine step that needs them (`stepping`): a trainer's own forward of a shared model
@@ -46,13 +47,16 @@ from rollout.engine.transfer import to_device
 class AdapterTable:
     """The adapters one engine serves, by name, and their stacked weights."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int, head_fp32: bool = False):
         """
         Args:
-            model: the served model (its Linear layers are what adapters may target; the output head is not).
+            model: the served model (its Linear layers are what adapters may target, with LoRA or whole; the output
+                head only whole).
             max_loras: adapters served at once.
             max_rank: the highest rank accepted.
             max_tokens: the most tokens of one forward (the slot buffer grows past it if ever needed).
+            head_fp32: the engine computes the output head in fp32 (`fp32_logits` on a bf16/fp16 model): so are
+                adapters' copies of it.
         Raises:
             FieldError: ("max_lora_rank") above the rank any of the model's Linear layers can take.
         """
@@ -76,7 +80,7 @@ class AdapterTable:
         check_rank_limit(list(self._linears.values()), max_rank)  # before anything is allocated
         self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
         self._layers: dict[str, LoraLayer] = {}
-        self.saved = SavedModules(model, self._head_names, self.state)
+        self.saved = SavedModules(model, head, self._head_names, self.state, head_fp32)
         self.refs: dict[str, AdapterRef] = {}
         self._ranks: dict[str, dict[str, int]] = {}  # each adapter's modules and their ranks
         self.layout_version = 0
@@ -267,9 +271,13 @@ class AdapterTable:
         finally:
             self.state.active = False
 
-    def new_forward(self) -> None:
-        """A forward begins (the model call, also inside a graph capture): the hooks build their mask anew."""
-        self.state.new_forward()
+    def new_forward(self, head_rows: torch.Tensor | None = None) -> None:
+        """A forward begins (the model call, also inside a graph capture): the hooks build their mask anew.
+
+        Args:
+            head_rows: the packed token of each row the output head computes (None: every token).
+        """
+        self.state.new_forward(head_rows)
 
     def stats(self) -> dict[str, Any]:
         """Served adapters and their versions, for the worker's status."""

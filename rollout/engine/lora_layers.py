@@ -1,6 +1,6 @@
 """The hooks of LoRA layers served unmerged (see `lora.AdapterTable` for the layout): what the hooks of one table
-share in a step (`LoraStepState`: whether they act, each token's slot, the slot mask) and one LoRA Linear's stacked
-weights and hook (`LoraLayer`)."""
+share in a step (`LoraStepState`: whether they act, each token's slot, the slot mask, which tokens the output head's
+rows are) and one LoRA Linear's stacked weights and hook (`LoraLayer`)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,19 @@ class LoraStepState:
         self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
         self._mask: torch.Tensor | None = None
         self._num_tokens: int | None = None  # rows of the forward's hooked modules (the first one sets it)
+        # The packed token of each row the output head computes (None: its rows are the step's tokens): the forward
+        # keeps only the rows it samples (`logits_to_keep`), and prompt scoring sends slices of rows through it.
+        self.head_rows: torch.Tensor | None = None
 
-    def new_forward(self) -> None:
-        """Forget the previous forward's mask and row count (the first hook of a forward sets them)."""
+    def new_forward(self, head_rows: torch.Tensor | None = None) -> None:
+        """Forget the previous forward's mask and row count (the first hook of a forward sets them).
+
+        Args:
+            head_rows: the packed token of each row the forward's output head computes (None: every token).
+        """
         self._mask = None
         self._num_tokens = None
+        self.head_rows = head_rows
 
     def slots_for(self, num_tokens: int, module: str) -> torch.Tensor:
         """Each token's slot (T,) for a hooked module whose input or output has T rows, the step's tokens.
@@ -51,6 +59,19 @@ class LoraStepState:
                 "that sees part of the tokens, e.g. an MoE expert, cannot be served unmerged)"
             )
         return self.token_slots[:num_tokens]
+
+    def head_slots(self, num_rows: int) -> torch.Tensor:
+        """Each row's slot (R,) for the output head's R rows (`head_rows`, set by whoever calls the head).
+
+        Raises:
+            RuntimeError: R differs from the rows the head was said to compute.
+        """
+        rows = self.head_rows
+        if rows is None:
+            return self.slots_for(num_rows, "the output head")
+        if rows.numel() != num_rows:
+            raise RuntimeError(f"the output head computes {num_rows} rows, its caller announced {rows.numel()}")
+        return self.token_slots.index_select(0, rows)
 
     def mask_for(self, x: torch.Tensor, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(boolean mask (T, slots * rank), token slots (T,)) for a LoRA layer's input of T tokens: True where a

@@ -1,8 +1,8 @@
 """One LoRA adapter's weights as the engine takes them, per base module (by its name in the served model):
 - a `LoraModule` for a `torch.nn.Linear` it adapts: `lora_A` (r, in_features), `lora_B` (out_features, r) and the
   scaling peft applies (lora_alpha / r, or / sqrt(r) with rsLoRA, per module with rank_pattern / alpha_pattern);
-- a `SavedModule` for a module it trains whole (peft's `modules_to_save`, a Linear or an Embedding): the adapter's
-  own parameters, which its tokens use instead of the base module's.
+- a `SavedModule` for a module it trains whole (peft's `modules_to_save`, a Linear or an Embedding, the output head
+  included): the adapter's own parameters, which its tokens use instead of the base module's.
 
 On the wire (adapter pushes) a LoRA module's tensors are named "<module>.lora_A" and "<module>.lora_B", with the
 scalings beside them; a saved module's are "<module>.modules_to_save.<parameter>" ("weight", "bias"). A PEFT adapter
@@ -157,6 +157,9 @@ def load_peft_dir(path: str) -> AdapterModules:
     check_peft_config(config)
     tensors: dict[str, torch.Tensor] = {}
     saved = tuple(config.modules_to_save or ())
+    # With ensure_weight_tying peft saves the copy of a module tied to a saved one (the output head tied to the
+    # input embeddings) under the tied module's name, which modules_to_save does not list.
+    tied = bool(getattr(config, "ensure_weight_tying", False))
     for key, tensor in state.items():
         for part in ("lora_A", "lora_B"):
             marker = f".{part}.weight"
@@ -165,7 +168,7 @@ def load_peft_dir(path: str) -> AdapterModules:
                 break
         else:
             module, _, parameter = module_name(key).rpartition(".")
-            if not any(module == target or module.endswith(f".{target}") for target in saved):
+            if not tied and not any(module == target or module.endswith(f".{target}") for target in saved):
                 raise FieldError("lora", f"{key}: neither a LoRA A/B weight nor one of modules_to_save {list(saved)}")
             tensors[f"{module}{SAVED_MARKER}{parameter}"] = tensor
     scalings = {}

@@ -83,10 +83,13 @@ class ModelRunner:
         # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
         # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
         # only a garbage collection frees.
-        # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives.
-        self.adapters = AdapterTable(
-            model, config.max_loras, config.max_lora_rank, max(config.max_batch_tokens, config.max_num_seqs)
-        )
+        # With fp32_logits the output projection runs in fp32 in this runner's forwards (its hook is added last).
+        head = model.get_output_embeddings() if config.fp32_logits else None
+        head_fp32 = head is not None and head.weight.dtype != torch.float32
+        # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives; an adapter's copy of the
+        # head is computed as the base head is (fp32 or not).
+        max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
+        self.adapters = AdapterTable(model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32)
         self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
         self._forward: DecodeForward = ModelForward(model, self.device, self.adapters)
         self._decode_forward: DecodeForward = self._forward
@@ -104,14 +107,13 @@ class ModelRunner:
                     "triton installed and a power-of-two block_size >= 16)",
                 )
         # Last, once nothing above can fail: a runner that was not built leaves the model as it found it.
-        # With fp32_logits the output projection runs in fp32 in this runner's forwards: the hook stays put for the
-        # runner's life (one added per call would invalidate compiled code) and acts only inside a step.
-        head = model.get_output_embeddings() if config.fp32_logits else None
-        if head is not None and head.weight.dtype != torch.float32:
+        # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
+        # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
+        if head_fp32:
             self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
         self._sync_free_experts = "moe_experts" not in config.previous_paths
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
-        self.prompt_scorer = PromptScorer(model, text_config(model))
+        self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state)
         self.prompt_results: PendingPromptLogprobs | None = None
         # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
         self.routes = RouteRecorder(
@@ -342,8 +344,8 @@ class ModelForward:
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
     ) -> torch.Tensor:
         kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
-        if self.adapters is not None:
-            self.adapters.new_forward()
+        if self.adapters is not None:  # the head computes the rows kept, or every token's
+            self.adapters.new_forward(keep if self.logits_to_keep else None)
         logits = self.model(
             input_ids=input_ids,
             position_ids=positions,

@@ -35,6 +35,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.batch import ScheduledBatch
+from rollout.engine.lora_layers import LoraStepState
 from rollout.engine.request import Request
 from rollout.engine.transfer import HostCopy, to_device
 
@@ -137,13 +138,16 @@ class PromptScorer:
     """Scores prompt positions for one model runner: a hook on the model's decoder keeps the step's last hidden
     state while (and only while) a scoring step runs, and the rows to score go through the output head in slices."""
 
-    def __init__(self, model: torch.nn.Module, text_config: Any):
+    def __init__(self, model: torch.nn.Module, text_config: Any, adapters: LoraStepState | None = None):
         """
         Args:
             model: the transformers causal LM (its decoder gets a forward hook, removed by `close`).
             text_config: its text config (vocabulary size and the transforms after the head).
+            adapters: the runner's LoRA step state: told which token each row sent through the head is (an
+                adapter's copy of the head scores its own tokens' rows).
         """
         self.model = model
+        self.adapters = adapters
         self.vocab_size = text_config.vocab_size
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.logit_scale = getattr(text_config, "logit_scale", None)
@@ -202,12 +206,19 @@ class PromptScorer:
         hidden = hidden.reshape(-1, hidden.shape[-1])  # (packed tokens, hidden size)
         keep = args[-1]
         if self.verified is None and keep.numel():
-            self._verify(hidden.index_select(0, keep), logits)
+            self._verify(hidden.index_select(0, keep), keep, logits)
         return logits, self._score(hidden, plan)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of some rows of the decoder's last hidden state, as the causal LM makes them."""
-        logits = self.model.get_output_embeddings()(hidden)  # the fp32 head's hook applies inside a step
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of some rows of the decoder's last hidden state, as the causal LM makes them.
+
+        Args:
+            hidden: the rows (R, hidden size).
+            rows: the packed token of each (R,).
+        """
+        if self.adapters is not None:
+            self.adapters.head_rows = rows  # until the next forward sets its own
+        logits = self.model.get_output_embeddings()(hidden)  # the fp32 head's and saved heads' hooks apply in a step
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.logit_scale is not None:
@@ -216,10 +227,10 @@ class PromptScorer:
             logits = logits / self.logits_scaling
         return logits.float()
 
-    def _verify(self, hidden: torch.Tensor, model_logits: torch.Tensor) -> None:
-        """Check (once) that `logits` reproduces the model's own logits of the same rows, up to its dtype's
-        rounding; waits for the device."""
-        ours = self.logits(hidden)
+    def _verify(self, hidden: torch.Tensor, rows: torch.Tensor, model_logits: torch.Tensor) -> None:
+        """Check (once) that `logits` reproduces the model's own logits of the same rows (packed tokens `rows`), up
+        to its dtype's rounding; waits for the device."""
+        ours = self.logits(hidden, rows)
         self.verified = False
         if ours.shape == model_logits.shape:
             theirs = model_logits.float()
@@ -241,7 +252,7 @@ class PromptScorer:
         top_values: list[torch.Tensor] = []
         top_ids: list[torch.Tensor] = []
         for begin in range(0, len(plan.rows), step):
-            logits = self.logits(hidden.index_select(0, rows[begin : begin + step]))
+            logits = self.logits(hidden.index_select(0, rows[begin : begin + step]), rows[begin : begin + step])
             normalizer = torch.logsumexp(logits, -1, keepdim=True)
             target_logits = logits.gather(1, targets[begin : begin + step])
             chosen.append((target_logits - normalizer).flatten())

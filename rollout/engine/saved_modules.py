@@ -9,7 +9,8 @@ shadow's forward (on every token: the same shapes every step, so decode graphs c
 that slot's tokens. A load first reserves everything it allocates, then writes (`reserve`, `install`): a load that
 fails changes nothing served.
 
-The output head is not served this way (the engine computes it in fp32 itself): push such adapters merged.
+The output head is saved the same way, with a hook of its own (`saved_head.py`): its rows are the rows the step
+samples or scores, not its tokens, and it follows the engine's fp32 head.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import copy
 import torch
 
 from rollout.config import FieldError
+from rollout.engine.lora_layers import LoraStepState
 from rollout.engine.lora_weights import SavedModule
+from rollout.engine.saved_head import SavedHead
 
 SAVED_DTYPES = {"float32", "bfloat16", "float16"}
 SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
@@ -28,9 +31,12 @@ SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
 class _SavedLayer:
     """One saved module's hook and, per slot that saves it, a shadow of the module holding the slot's copy."""
 
-    def __init__(self, name: str, module: torch.nn.Module, state: object):
+    dtype = None  # the shadows keep the module's dtype
+
+    def __init__(self, name: str, module: torch.nn.Module, state: LoraStepState):
         self.name = name
-        self.state = state  # lora.LoraStepState: whether hooks act, each token's slot
+        self.source = module  # what the shadows copy
+        self.state = state  # whether hooks act, each token's slot
         self.shadows: dict[int, torch.nn.Module] = {}
         self.handle = module.register_forward_hook(self)
 
@@ -45,11 +51,12 @@ class _SavedLayer:
         return output
 
 
-def _shadow(module: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy of `module` (sharing its buffers and settings) with parameters of its own, uninitialized."""
+def _shadow(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A shallow copy of `module` (sharing its buffers and settings) with parameters of its own, uninitialized, in
+    `dtype` (None: the module's)."""
     shadow = copy.copy(module)
     shadow._parameters = {  # noqa: SLF001 - a private dict of torch's, replaced so the original keeps its own
-        name: None if tensor is None else torch.nn.Parameter(torch.empty_like(tensor), requires_grad=False)
+        name: None if tensor is None else torch.nn.Parameter(torch.empty_like(tensor, dtype=dtype), requires_grad=False)
         for name, tensor in module._parameters.items()  # noqa: SLF001 - None entries too (a Linear without bias)
     }
     return shadow
@@ -58,40 +65,61 @@ def _shadow(module: torch.nn.Module) -> torch.nn.Module:
 class SavedModules:
     """The saved modules of one adapter table."""
 
-    def __init__(self, model: torch.nn.Module, head_names: set[str], state: object):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        head: torch.nn.Module | None,
+        head_names: set[str],
+        state: LoraStepState,
+        head_fp32: bool = False,
+    ):
         """
         Args:
             model: the served model.
-            head_names: its output head's module names (refused).
+            head: its output embeddings (None: it has none).
+            head_names: the head's module names.
             state: the table's `LoraStepState`.
+            head_fp32: the engine computes the head in fp32 (`fp32_logits` on a bf16/fp16 model).
         """
-        # By the base model's module names; in a peft-wrapped model the frozen module is `original_module`.
+
+        def in_head(name: str) -> bool:
+            return any(name == head_name or name.startswith(f"{head_name}.") for head_name in head_names)
+
+        # By the base model's module names; in a peft-wrapped model the frozen module is `original_module`. The
+        # head (and what a peft wrapper of it holds) is served by its own hook.
         self._modules = {
             name.removesuffix(".original_module"): module
             for name, module in model.named_modules()
-            if isinstance(module, SAVED_KINDS) and name not in head_names
+            if isinstance(module, SAVED_KINDS) and not in_head(name)
         }
+        self._head = head
+        # The head's Linear: the head itself, or the frozen original a peft wrapper holds (None: not a Linear).
+        linear = getattr(head, "original_module", head)
+        self._head_linear = linear if isinstance(linear, torch.nn.Linear) else None
         self._head_names = head_names
+        self._head_fp32 = head_fp32
         self._state = state
-        self._layers: dict[str, _SavedLayer] = {}
+        self._layers: dict[str, _SavedLayer | SavedHead] = {}
+
+    def _module(self, name: str) -> torch.nn.Module | None:
+        """The module a saved copy named `name` replaces (the head's Linear for the head), None if none."""
+        return self._head_linear if name in self._head_names else self._modules.get(name)
 
     def check_specs(self, specs: dict[str, tuple[str, str, tuple[int, ...]]]) -> None:
         """Check saved parameters before any byte arrives: wire name -> (module, parameter, dtype, shape).
 
         Raises:
-            FieldError: naming the tensor: no such Linear or Embedding (or the output head), no such parameter, a
-                dtype or shape other than the base module's.
+            FieldError: naming the tensor: no such Linear or Embedding (or an output head that is not a Linear), no
+                such parameter, a dtype or shape other than the base module's.
         """
         brought: dict[str, set[str]] = {}
         for wire_name, (module_name, parameter, dtype, shape) in specs.items():
             brought.setdefault(module_name, set()).add(parameter)
-            module = self._modules.get(module_name)
+            module = self._module(module_name)
             if module is None:
                 if module_name in self._head_names:
-                    raise FieldError(
-                        wire_name,
-                        "modules_to_save on the output head is not served unmerged; push with adapters='merged'",
-                    )
+                    kind = type(self._head).__name__
+                    raise FieldError(wire_name, f"the output head is a {kind}, not a torch.nn.Linear: push merged")
                 raise FieldError(wire_name, f"the model has no Linear or Embedding named {module_name!r}")
             base = dict(module.named_parameters(recurse=False)).get(parameter)
             if base is None:
@@ -101,7 +129,7 @@ class SavedModules:
             if tuple(shape) != tuple(base.shape):
                 raise FieldError(wire_name, f"shape {list(shape)}: the module's {parameter} is {list(base.shape)}")
         for module_name, parameters in brought.items():
-            for parameter in dict(self._modules[module_name].named_parameters(recurse=False)):
+            for parameter in dict(self._module(module_name).named_parameters(recurse=False)):
                 if parameter not in parameters:
                     raise FieldError(
                         f"{module_name}.modules_to_save.{parameter}",
@@ -114,10 +142,16 @@ class SavedModules:
         shadows = {}
         for name in modules:
             if name not in self._layers:  # a hook with no shadow changes nothing
-                self._layers[name] = _SavedLayer(name, self._modules[name], self._state)
-            shadow = self._layers[name].shadows.get(slot)
-            shadows[name] = shadow if shadow is not None else _shadow(self._modules[name])
+                self._layers[name] = self._new_layer(name)
+            layer = self._layers[name]
+            shadow = layer.shadows.get(slot)
+            shadows[name] = shadow if shadow is not None else _shadow(layer.source, layer.dtype)
         return shadows
+
+    def _new_layer(self, name: str) -> _SavedLayer | SavedHead:
+        if name in self._head_names:
+            return SavedHead(name, self._head, self._head_linear, self._state, self._head_fp32)
+        return _SavedLayer(name, self._modules[name], self._state)
 
     def install(self, slot: int, modules: dict[str, SavedModule], shadows: dict[str, torch.nn.Module]) -> bool:
         """Write `modules` into their reserved shadows and serve them in `slot` (dropping the slot's others).

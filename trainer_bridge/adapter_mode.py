@@ -1,0 +1,112 @@
+"""How `push_weights` sends a PEFT LoRA model (`adapters=`): "adapter" (adapter-only: the workers serve the active
+adapter unmerged, `lora_push.py`), "merged" (base + LoRA delta under the base names, as a plain model), or "auto"
+(the default: adapter-only when the workers can serve the adapter unmerged, else merged, with one warning per model
+naming why).
+
+What workers serve unmerged: LoRA on `torch.nn.Linear` layers other than the output head (no DoRA, no LoRA bias, no
+fan_in_fan_out), `modules_to_save` copies of Linear or Embedding modules (the output head included), and none of the
+PEFT settings `rollout.peft_adapters.check_peft_config` refuses (trained biases, trainable tokens, ...). Every rank
+of a multi-process trainer decides alike (the decision reads only the model's adapter configuration)."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from rollout.config import FieldError
+from rollout.peft_adapters import active_adapter_name, check_peft_config, is_peft_model, module_name, saved_modules
+from trainer_bridge.gathering import merge_refusal, unwrapped
+
+ADAPTER_MODES = ("auto", "adapter", "merged")
+SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
+# The PEFT models "auto" already warned about (once each: a trainer pushes at every step).
+_WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def check_servable(model: Any, name: str) -> None:
+    """Refuse, by name, an adapter of a PEFT model that workers cannot serve unmerged (nothing is gathered).
+
+    Args:
+        model: an unwrapped `peft.PeftModel`.
+        name: the adapter.
+    Raises:
+        FieldError: an unknown adapter, a PEFT setting, LoRA layer or saved module that cannot be served unmerged
+            (named), or an adapter without any LoRA layer.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    if name not in model.peft_config:
+        raise FieldError("adapter_name", f"the model has no adapter {name!r} (it has {sorted(model.peft_config)})")
+    check_peft_config(model.peft_config[name])
+    head = model.get_output_embeddings()
+    heads = tuple(key for key, module in model.named_modules() if module is head and head is not None)
+    layers = 0
+    for key, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer) or name not in layer.lora_A:
+            continue
+        target, base = module_name(key), layer.get_base_layer()
+        if any(key == head_key or key.startswith(f"{head_key}.") for head_key in heads):  # or a wrapper's original
+            raise FieldError(target, "LoRA on the output head is not served unmerged (modules_to_save is)")
+        if layer.use_dora.get(name):
+            raise FieldError(target, "DoRA is not served unmerged")
+        if not isinstance(base, torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False):
+            raise FieldError(target, f"LoRA on a {type(base).__name__} is not served unmerged (only torch.nn.Linear)")
+        if getattr(layer, "lora_bias", {}).get(name):
+            raise FieldError(target, "a trained LoRA bias is not served unmerged")
+        layers += 1
+    if not layers:
+        raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    for key, copy in saved_modules(model, name):
+        if not isinstance(copy, SAVED_KINDS):
+            kind = type(copy).__name__
+            raise FieldError(
+                module_name(key), f"modules_to_save of a {kind} is not served unmerged (Linear, Embedding)"
+            )
+
+
+def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn: bool = True) -> str:
+    """How `push_weights(source, adapters=...)` sends `source`: "adapter", "merged" (a PEFT model) or "whole" (any
+    other model or tensors).
+
+    Args:
+        source: what push_weights was given (a module, possibly wrapped, or tensors).
+        adapters: "auto", "adapter" or "merged".
+        accelerator: the `accelerate.Accelerator` of a multi-process trainer (its main process warns).
+        warn: warn (once per model) when "auto" falls back to merged weights.
+    Raises:
+        ValueError: an unknown mode; (FieldError) with "adapter", an adapter workers cannot serve unmerged, named;
+            with "auto", one that can neither be served unmerged nor merged on the fly.
+    """
+    if adapters not in ADAPTER_MODES:
+        raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+    if not isinstance(source, torch.nn.Module):
+        return "whole"
+    model = unwrapped(source, accelerator)
+    if not is_peft_model(model):
+        return "whole"
+    if adapters == "merged":
+        return "merged"
+    name = active_adapter_name(model)
+    if adapters == "adapter":
+        check_servable(model, name)
+        return "adapter"
+    try:
+        check_servable(model, name)
+        return "adapter"
+    except FieldError as refusal:
+        unmergeable = merge_refusal(model)
+        if unmergeable is not None:
+            raise FieldError(refusal.field, f"{refusal.reason}, and {unmergeable}") from None
+        if warn and model not in _WARNED and (accelerator is None or accelerator.is_main_process):
+            _WARNED.add(model)
+            reason = refusal.reason.split("; push with")[0]  # what follows is what this does
+            warnings.warn(
+                f"push_weights: adapter {name!r} cannot be served adapter-only ({refusal.field}: {reason}); "
+                "pushing merged weights (base + LoRA delta, the whole model at every push) instead. "
+                "adapters='merged' says so without this warning; adapters='adapter' makes it an error.",
+                stacklevel=3,
+            )
+        return "merged"
