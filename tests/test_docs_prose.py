@@ -23,7 +23,6 @@ PENDING = {
     "docs/guides/moe.md",
     "docs/guides/trl.md",
     "docs/guides/weight-updates.md",
-    "docs/limits.md",
 }
 
 FENCE = re.compile(r"```.*?```", re.S)
