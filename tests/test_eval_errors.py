@@ -169,7 +169,8 @@ def test_numpy_bools_are_verdicts(capsys, metric_folder):
     ("flags", "expected"),
     [
         (["--temperature", "0.7", "--compare-with-generate", "2"], "--compare-with-generate compares greedy decoding"),
-        (["--n", "4"], "--n 4 with greedy decoding (--temperature 0) gives 4 identical samples"),
+        (["--n", "4", "--temperature", "0"], "--n 4 with greedy decoding (--temperature 0) gives 4 identical samples"),
+        (["--n", "2", "--compare-with-generate", "2"], "sampling at temperature 1.0 cannot match: use --n 1"),
         (["--top-p", "0.9"], "--top-p 0.9 has no effect with greedy decoding"),
         (["--metric", "numeric"], "--metric numeric scores against reference answers: pass --answer-field too"),
         (["--num-samples", "0"], "--num-samples 0: must be at least 1"),
@@ -261,3 +262,16 @@ def test_a_model_directory_without_tokenizer_files(capsys, tmp_path):
     tiny_model().save_pretrained(tmp_path)
     message = error_of(capsys, [*BASE[2:], "--model", tmp_path])
     assert message.startswith(f"--model {tmp_path}: no tokenizer files were found with it")
+
+
+@pytest.mark.parametrize(
+    ("flags", "temperature"), [([], 0.0), (["--n", "2"], 1.0), (["--n", "2", "--temperature", "0.5"], 0.5)]
+)
+def test_n_above_one_samples_unless_a_temperature_is_given(flags, temperature):
+    """Without --temperature, one sample per prompt is greedy and several are sampled at 1.0 (identical samples
+    would make pass@k meaningless); a given temperature is kept."""
+    from rollout.eval.cli import build_parser, check_flags
+
+    args = build_parser().parse_args(["--model", "tiny", "--dataset", str(REPO_DATASET), *flags])
+    check_flags(args)
+    assert args.temperature == temperature

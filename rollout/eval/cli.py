@@ -23,6 +23,8 @@ from rollout.eval.errors import EvalError
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
 from rollout.eval.output import check_output, write_rows, write_summary
 
+SAMPLED_TEMPERATURE = 1.0  # --n above 1 without --temperature: samples that differ (pass@k needs them to)
+
 
 def build_parser() -> CliParser:
     """rollout-eval's flags."""
@@ -60,7 +62,13 @@ def build_parser() -> CliParser:
     )
     add("--n", type=int, default=1, help="samples per prompt (default: 1; pass@k is reported when n > 1)")
     add("--max-new-tokens", type=int, default=256, help="most tokens per sample")
-    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    add(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"sampling temperature; 0 is greedy (default: 0 with --n 1, {SAMPLED_TEMPERATURE} with --n above 1, "
+        "whose samples must differ)",
+    )
     add("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 is off")
     add("--seed", type=int, default=None, help="seed of the run's sampling, so a run repeats (default: fresh)")
     add(
@@ -110,6 +118,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise EvalError(f"--{name.replace('_', '-')} {value}: must be at least 1")
     if args.compare_with_generate < 0:
         raise EvalError(f"--compare-with-generate {args.compare_with_generate}: must be 0 (off) or more")
+    if args.temperature is None:  # n samples of one prompt are only worth drawing if they can differ
+        args.temperature = 0.0 if args.n == 1 else SAMPLED_TEMPERATURE
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
         raise EvalError(f"--temperature {args.temperature}: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
     if not 0 < args.top_p <= 1:
@@ -118,14 +128,14 @@ def check_flags(args: argparse.Namespace) -> None:
     if greedy and args.n > 1:
         raise EvalError(
             f"--n {args.n} with greedy decoding (--temperature 0) gives {args.n} identical samples: pass "
-            "--temperature above 0 to sample"
+            f"--temperature above 0 to sample (without --temperature, --n above 1 samples at {SAMPLED_TEMPERATURE})"
         )
     if greedy and args.top_p < 1:
         raise EvalError(f"--top-p {args.top_p} has no effect with greedy decoding: pass --temperature above 0")
     if args.compare_with_generate and not greedy:
         raise EvalError(
-            f"--compare-with-generate compares greedy decoding token by token, which sampling at --temperature "
-            f"{args.temperature} cannot match: drop --temperature (greedy) or drop --compare-with-generate"
+            f"--compare-with-generate compares greedy decoding token by token, which sampling at temperature "
+            f"{args.temperature} cannot match: use --n 1 and --temperature 0 (greedy), or drop --compare-with-generate"
         )
     if args.metric is not None and args.answer_field is None:
         raise EvalError(f"--metric {args.metric} scores against reference answers: pass --answer-field too")
