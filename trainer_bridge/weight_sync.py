@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PushResult", "iter_weights", "push_weights", "weight_specs"]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-TRANSPORTS = ("auto", "frames", "shm", "torch.distributed")
+TRANSPORTS = ("auto", *p.WEIGHT_TRANSPORTS)  # auto: shm on the worker's host, else frames
 
 
 def push_weights(

@@ -18,7 +18,5 @@ SYSTEM_NAMES = (
 )
 # `service --path`: ZeroMQ, the HTTP API beside ZeroMQ, or both (service.py).
 SERVICE_PATHS = ("zmq", "http", "all")
-# `weights --transports`: how a push's bucket bytes travel (the wire protocol's `WeightsBegin.transport`).
-WEIGHT_TRANSPORTS = ("frames", "shm", "torch.distributed")
 # `grpo --num-prompts`: groups per run (grpo.py).
 GRPO_NUM_PROMPTS = 32

@@ -10,13 +10,14 @@ import threading
 # Only modules free of torch here: the parser builds, and --help and flag errors answer, at once. The benchmarks
 # themselves load in commands.py, imported once the flags parse.
 from rollout.benchmarks import gpu_report, grpo_step, load, plots
-from rollout.benchmarks.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES, WEIGHT_TRANSPORTS
+from rollout.benchmarks.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES
 from rollout.benchmarks.long_tail_flags import add_arguments as add_long_tail_arguments
 from rollout.benchmarks.structured_flags import add_arguments as add_structured_arguments
 from rollout.benchmarks.workloads import WORKLOADS
 from rollout.cli_parser import CliParser
 from rollout.config import MODEL_DTYPE_NAMES
 from rollout.process_groups import interrupt_on_signals
+from rollout.service.messages import WEIGHT_TRANSPORTS
 
 
 def build_parser() -> CliParser:

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from rollout.benchmarks.choices import WEIGHT_TRANSPORTS as TRANSPORTS
 from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
+from rollout.service.messages import WEIGHT_TRANSPORTS
 from rollout.service.presets import MODEL_DTYPES, sized_model
 
 
@@ -40,7 +40,7 @@ def run(
     """
     from trainer_bridge import RolloutClient, push_weights
 
-    transports = list(transports or TRANSPORTS)
+    transports = list(transports or WEIGHT_TRANSPORTS)
     place = torch.device(device)
     if place.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {device}: no CUDA device is available")

@@ -20,6 +20,8 @@ MAX_HEADER_STR = 1 << 20
 MAX_HEADER_CONTAINERS = 1 << 17
 # Largest header frame (a prompt of a million tokens is ~5 MB, an update announcing 65,536 tensors ~15 MB).
 MAX_HEADER_BYTES = 32 << 20
+# How a weight update's bucket bytes travel (`WeightsBegin.transport`).
+WEIGHT_TRANSPORTS = ("frames", "shm", "torch.distributed")
 
 
 class ProtocolError(ValueError):
@@ -136,7 +138,7 @@ class WeightsBegin(ClientMessage):
     tensors: list[TensorSpec]
     version: int | None = None  # the new policy version (above the current one); nil: current + 1
     mode: str = "keep"  # in-flight samples at commit: "keep", "recompute", "abort" or "wait"
-    transport: str = "frames"  # how bucket bytes travel: "frames", "shm" or "torch.distributed"
+    transport: str = "frames"  # how bucket bytes travel: one of WEIGHT_TRANSPORTS
     partial: bool = False  # allow leaving parameters out
     timeout_s: float = 60.0  # deadline of every phase (and of the drain for mode "wait")
     # torch.distributed only: {"host", "port", "world_size", "rank", "backend", "group"} of the process group.

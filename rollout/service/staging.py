@@ -20,7 +20,6 @@ import xxhash
 
 from rollout.service import protocol as p
 
-TRANSPORTS = ("frames", "shm", "torch.distributed")
 ALIGN = 64
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

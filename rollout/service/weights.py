@@ -23,7 +23,6 @@ from rollout.service.dist import check_dist_fields
 from rollout.service.jobs import SerialJobs
 from rollout.service.staging import (
     DTYPES,
-    TRANSPORTS,
     StagingPool,
     bucket_checksum,
     release_segment,
@@ -117,8 +116,8 @@ class StagedUpdate:
     def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
         if begin.mode not in WEIGHT_UPDATE_MODES:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
-        if begin.transport not in TRANSPORTS:
-            raise UpdateRejected("bad_update", "transport", f"must be one of {list(TRANSPORTS)}")
+        if begin.transport not in p.WEIGHT_TRANSPORTS:
+            raise UpdateRejected("bad_update", "transport", f"must be one of {list(p.WEIGHT_TRANSPORTS)}")
         if begin.transport == "torch.distributed":
             culprit = check_dist_fields(begin.dist)
             if culprit is not None:
