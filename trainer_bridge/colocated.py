@@ -29,7 +29,8 @@ class ColocatedEngine:
     """The continuous-batching engine inside the trainer's process, on the trainer's own model.
 
     ```python
-    engine = ColocatedEngine(model, continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=2048))
+    config = ContinuousBatchingConfig(max_batch_tokens=2048)
+    engine = ColocatedEngine(model, continuous_batching_config=config)
     for step in range(num_steps):
         results = engine.generate(groups, policy_version=step)  # sampled with the weights as they are now
         engine.sleep()  # the KV cache's memory is the optimizer's during the training step

@@ -91,8 +91,10 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
     """`trl.GRPOTrainer` whose generation goes through rollout: a one-line switch from `trl vllm-serve`.
 
     ```python
-    trainer = RolloutGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
-                                 rollout_workers="tcp://127.0.0.1:5555")  # was: GRPOTrainer(..., use_vllm=True)
+    # was: GRPOTrainer(..., use_vllm=True)
+    trainer = RolloutGRPOTrainer(
+        model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=..., rollout_workers="tcp://127.0.0.1:5555"
+    )
     ```
 
     "server" mode (the default) samples on rollout workers and pushes the trained weights to them once per
