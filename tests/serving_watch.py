@@ -5,9 +5,11 @@ against thresholds."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -122,3 +124,21 @@ class ServingWatch:
         assert max(seen["gaps"]) < most_pause_s, f"the trainer's stream paused {max(seen['gaps']):.2f} s"
         growth = self.peak_mb - self.before_mb
         assert growth < most_growth_mb, f"the worker's RSS grew {growth:.0f} MB"
+
+
+@contextlib.contextmanager
+def watches(worker: Any) -> Iterator[Callable[[], ServingWatch]]:
+    """Yields a function that starts watching `worker`'s other clients (a `ServingWatch`); every watch started is
+    stopped at exit, even after a failed test (a watch left running would keep its trainer's group in flight for the
+    tests after). `worker`: a `service_helpers.Worker` serving HTTP (its `url`)."""
+    started: list[ServingWatch] = []
+
+    def start() -> ServingWatch:
+        started.append(ServingWatch(worker.url, worker.address, worker.process.pid))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for each in started:
+            each.stop()

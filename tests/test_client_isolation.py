@@ -23,7 +23,7 @@ from rollout.service.http.prompts import MAX_TOOLS
 from rollout.service.http.settings import MAX_BODY_CONTAINERS, MAX_BODY_ELEMENTS, MAX_BODY_STRINGS, HttpSettings
 from rollout.service.http.template_inputs import MAX_TEMPLATE_VARIABLES
 from service_helpers import Worker, free_port
-from serving_watch import ServingWatch
+from serving_watch import watches
 
 KEY = "isolation-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -59,16 +59,9 @@ def worker():
 
 @pytest.fixture
 def watch(worker):
-    """Starts watching the other clients (`ServingWatch`); stopped at the end of the test, even a failed one."""
-    started: list[ServingWatch] = []
-
-    def start() -> ServingWatch:
-        started.append(ServingWatch(worker.url, worker.address, worker.process.pid))
-        return started[-1]
-
-    yield start
-    for each in started:
-        each.stop()
+    """Starts watching the other clients (`serving_watch.watches`)."""
+    with watches(worker) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from rollout.service.http.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
 from rollout.service.http.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from rollout.service.presets import tiny_tokenizer
 from service_helpers import Worker, free_port
-from serving_watch import ServingWatch
+from serving_watch import watches
 
 KEY = "attack-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -57,17 +57,9 @@ def worker():
 
 @pytest.fixture
 def serving_watch(worker):
-    """Starts watching the other clients (`ServingWatch`); stopped at the end of the test, even a failed one (a
-    watch left running would keep its trainer's group in flight for the tests after)."""
-    started: list[ServingWatch] = []
-
-    def start() -> ServingWatch:
-        started.append(ServingWatch(worker.url, worker.address, worker.process.pid))
-        return started[-1]
-
-    yield start
-    for each in started:
-        each.stop()
+    """Starts watching the other clients (`serving_watch.watches`)."""
+    with watches(worker) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")

@@ -25,4 +25,4 @@ def is_preset(name: str) -> bool:
     Args:
         name: a `--model` value.
     """
-    return name in ("tiny", "tiny-moe", "tiny-agent") or name.startswith("sized:")
+    return name in PRESETS or name.startswith("sized:")
