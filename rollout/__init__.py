@@ -21,7 +21,7 @@ _EXPORTS = {
     "Engine": "rollout.engine.engine",
     "GenerationOutput": "rollout.engine.outputs",
     "ContinuousBatchingManager": "rollout.engine.manager",
-    "QueueFullError": "rollout.engine.manager",
+    "QueueFullError": "rollout.engine.manager_requests",
     "generate_batch": "rollout.engine.generate",
     "init_continuous_batching": "rollout.engine.manager",
 }
