@@ -33,7 +33,6 @@ from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
 from trainer_bridge.trl_generation import RolloutGeneration
 
-STALE_POLICIES = ("regenerate", "is_correct")
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
 _END = object()
 RoundKey = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round

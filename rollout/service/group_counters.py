@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+from rollout.engine.request import FINISH_REASONS
 
 
 class GroupCounters:

@@ -15,7 +15,7 @@ from rollout.service.http.errors import APIError, bad_field, from_field_error
 from rollout.service.http.structured_fields import client_param, refuse_legacy_fields, structured_request
 
 # Sampling fields both endpoints take, by their OpenAI / vLLM names -> SamplingParams fields.
-SAMPLING_FIELDS = {
+OPENAI_SAMPLING_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
@@ -53,7 +53,7 @@ COMMON_FIELDS = (
         "response_format",  # OpenAI's structured outputs (structured_fields)
         "structured_outputs",  # vLLM's
     }
-    | set(SAMPLING_FIELDS)
+    | set(OPENAI_SAMPLING_FIELDS)
     | NO_EFFECT_FIELDS
 )
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs", "best_of", "suffix"}
@@ -140,7 +140,7 @@ def sampling_from(
         prompt_logprobs: top log-probs per prompt position to compute (None: the prompt is not scored).
     """
     fields: dict[str, Any] = {
-        target: body[name] for name, target in SAMPLING_FIELDS.items() if body.get(name) is not None
+        target: body[name] for name, target in OPENAI_SAMPLING_FIELDS.items() if body.get(name) is not None
     }
     if fields.get("top_k") == -1:  # vLLM's "disabled"
         fields["top_k"] = 0
@@ -163,7 +163,7 @@ def sampling_from(
     try:
         return SamplingParams(**fields)
     except FieldError as error:
-        reverse = {target: name for name, target in SAMPLING_FIELDS.items()}
+        reverse = {target: name for name, target in OPENAI_SAMPLING_FIELDS.items()}
         name = client_param(structured, error.field) or reverse.get(error.field, error.field)
         raise from_field_error(FieldError(name, error.reason), prompt_field) from None
 
