@@ -147,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     worker = None if args.worker or args.colocate else start_worker(address)
     # colocated: the engine in this process (its cache sized like the worker's, 512 blocks of 16 tokens, and freed
-    # for every training step); else the worker's address
-    colocated = dict(rollout_engine_config=ContinuousBatchingConfig(num_blocks=512), sleep_between_rounds=True)
+    # for every training step; its samples seeded, as torch and random are above, so that a run repeats); else the
+    # worker's address
+    engine_config = ContinuousBatchingConfig(num_blocks=512, seed=0)
+    colocated = dict(rollout_engine_config=engine_config, sleep_between_rounds=True)
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     if args.max_staleness:
         rollout["max_staleness"] = args.max_staleness
