@@ -4,7 +4,7 @@ A page asks for a table with a marker on a line of its own:
 
     <!-- generated: options rollout-worker -->        every flag of a command, from its argparse parser
     <!-- generated: fields SamplingParams -->          every field of a dataclass: type, default, the comment above it
-    <!-- generated: docstring rollout.service.protocol -->   a module's docstring, verbatim (a specification)
+    <!-- generated: docstring rollout.protocol -->   a module's docstring, verbatim (a specification)
 
 An unknown marker fails the build (`mkdocs build --strict` is part of the test suite).
 """
@@ -26,10 +26,10 @@ PARSERS = {
     "rollout-worker": ("rollout.service.cli", "build_parser"),
     "rollout-eval": ("rollout.eval.cli", "build_parser"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser"),
-    "rollout-keygen": ("rollout.service.auth", "build_keygen_parser"),
+    "rollout-keygen": ("rollout.protocol.auth", "build_keygen_parser"),
 }
 # Modules whose docstring is a specification a page shows verbatim.
-SPECIFICATIONS = {"rollout.service.protocol"}
+SPECIFICATIONS = {"rollout.protocol"}
 # Dataclass -> its module.
 DATACLASSES = {
     "SamplingParams": "rollout.sampling_params",

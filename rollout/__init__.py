@@ -5,7 +5,7 @@ The in-process API mirrors transformers' continuous batching:
     from rollout import generate_batch, SamplingParams
     outputs = generate_batch(model, [[1, 2, 3]], sampling=SamplingParams(temperature=0.8, seed=0), max_new_tokens=32)
 
-Names are imported lazily, so `import rollout.service.protocol` (all a trainer-side client needs) does not pull in
+Names are imported lazily, so `import rollout.protocol` (all a trainer-side client needs) does not pull in
 torch, transformers or the engine.
 """
 
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from rollout import moved_modules
+
+moved_modules.install()  # old import paths of moved modules keep working, with a DeprecationWarning
 
 _EXPORTS = {
     "ContinuousBatchingConfig": "rollout.config",

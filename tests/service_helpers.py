@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 TIMEOUT_S = 30.0
 
@@ -113,7 +113,7 @@ class Client:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         if secure is not None:
-            from rollout.service.auth import secure_client_socket
+            from rollout.protocol.auth import secure_client_socket
 
             secure_client_socket(self.socket, *secure)
         self.socket.connect(address)

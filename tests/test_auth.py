@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from rollout.protocol.auth import keygen_main
 from rollout.service import cli, startup
-from rollout.service.auth import keygen_main
 from rollout.service.presets import tiny_model
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights

@@ -23,7 +23,7 @@ SCRIPTS = {
     "rollout-worker": ("rollout.service.cli", "build_parser", "rollout.service.cli"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser", "rollout.benchmarks.cli"),
     "rollout-eval": ("rollout.eval.cli", "build_parser", "rollout.eval"),
-    "rollout-keygen": ("rollout.service.auth", "build_keygen_parser", "rollout.service.auth"),
+    "rollout-keygen": ("rollout.protocol.auth", "build_keygen_parser", "rollout.protocol.auth"),
 }
 HEAVY = ("torch", "transformers")
 

@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import zmq
 
+from rollout import protocol as p
 from rollout.benchmarks import fuzz
 from rollout.benchmarks.load import WorkerProcess
-from rollout.service import protocol as p
 from rollout.service.presets import tiny_model
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import time
 import msgpack
 import pytest
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 from service_helpers import Client, Worker, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,7 +168,7 @@ def test_a_killed_non_streaming_client_stops_costing_compute(worker):
     monitor + a send that fails) and its groups are cancelled, instead of running for the client timeout."""
     code = (
         "import sys, time, zmq\n"
-        "from rollout.service import protocol as p\n"
+        "from rollout import protocol as p\n"
         f"s = zmq.Context().socket(zmq.DEALER); s.connect({worker.address!r})\n"
         f"for i in range(4): s.send_multipart(p.encode(p.Generate(f'k{{i}}', [i, 5], n=4, sampling={LONG!r})))\n"
         "print('sent', flush=True); time.sleep(600)\n"
@@ -239,7 +239,7 @@ def test_a_corrupted_bucket_is_refused_whole(client, worker, transport):
     "checksum"), nothing is applied, and the slot is free again."""
     import torch
 
-    from rollout.service.staging import attach_shared_memory, bucket_checksum
+    from rollout.protocol.staging import attach_shared_memory, bucket_checksum
 
     before = client.ask(p.Generate("before", [3, 4, 5], sampling=GREEDY))
     sent = torch.full((256,), 2.0).view(torch.uint8)
@@ -270,7 +270,7 @@ def test_a_staged_nan_is_refused_at_commit(client):
     """With --check-finite, an update whose bytes arrived intact but hold a NaN is refused naming the tensor."""
     import torch
 
-    from rollout.service.staging import bucket_checksum
+    from rollout.protocol.staging import bucket_checksum
 
     values = torch.ones(256)
     values[17] = float("nan")
@@ -331,7 +331,7 @@ def test_a_vanished_trainer_frees_the_update_slot_and_push_weights_can_preempt(w
 
     code = (
         "import time, zmq\n"
-        "from rollout.service import protocol as p\n"
+        "from rollout import protocol as p\n"
         f"s = zmq.Context().socket(zmq.DEALER); s.connect({worker.address!r})\n"
         "spec = [p.TensorSpec('model.norm.weight', 'float32', [256])]\n"
         "s.send_multipart(p.encode(p.WeightsBegin('doomed', spec, partial=True, timeout_s=30)))\n"
@@ -369,7 +369,7 @@ def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
 
     import torch
 
-    from rollout.service.staging import bucket_span, staging_layout
+    from rollout.protocol.staging import bucket_span, staging_layout
     from rollout.service.weights import StagedUpdate, UpdateRejected
 
     specs = [p.TensorSpec(f"t{i}", "float32", [n]) for i, n in enumerate([5, 0, 33, 7])]

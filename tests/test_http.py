@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from rollout import SamplingParams
-from rollout.service import protocol as p
+from rollout import protocol as p
 from rollout.service.presets import tiny_tokenizer
 from service_helpers import Client
 from trainer_bridge import PromptGroup, RolloutClient

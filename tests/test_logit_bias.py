@@ -15,11 +15,11 @@ from test_sampling import processed_scores, reference_generate, reference_logits
 from transformers.generation.logits_process import SequenceBiasLogitsProcessor
 
 from conftest import VOCAB, make_engine, make_prompts, make_request, reference_copy, run_to_completion, tiny_model
+from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.engine.sampling_slots import SamplingSlots
 from rollout.sampling_params import MAX_LOGIT_BIAS_TOKENS
-from rollout.service import protocol as p
 from trainer_bridge.calls import PromptGroup, checked_group
 
 PATHS = {"default": (), "previous": ("sampler_state", "logprobs")}

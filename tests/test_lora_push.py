@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 from rollout.service.presets import tiny_model, tiny_tokenizer
 from service_helpers import Client, Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights

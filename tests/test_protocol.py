@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 EXAMPLES = [
     p.Hello(),

@@ -293,8 +293,8 @@ def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused()
     """A leader that recomputes its prompt after forking rewrites its own copy (its forks keep the routes of the KV
     they used); a swapped-out request offers no block; a worker's routes that do not fit the message are refused."""
     from rollout.engine.route_rows import RouteCache, RouteRows
-    from rollout.service import messages as p
-    from rollout.service.route_frames import pack, unpack_message
+    from rollout.protocol import messages as p
+    from rollout.protocol.route_frames import pack, unpack_message
 
     leader = type("Request", (), {})()
     leader.routes = RouteRows(4, leader)

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from rollout import protocol as p
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
-from rollout.service import dist as dist_module
-from rollout.service import protocol as p
+from rollout.protocol import dist as dist_module
+from rollout.protocol.staging import bucket_checksum
 from rollout.service import weights as weights_module
-from rollout.service.staging import bucket_checksum
 from rollout.service.updates import UpdateSlot
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-from rollout.service import protocol as p
+from rollout import protocol as p
 from rollout.service.presets import tiny_model
 from service_helpers import Client, Worker
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, push_weights
@@ -722,7 +722,7 @@ def test_staging_pool_keeps_and_releases_areas():
     everything (the shared segment unlinked) when not keeping or on close."""
     from multiprocessing import shared_memory
 
-    from rollout.service.staging import StagingPool
+    from rollout.protocol.staging import StagingPool
 
     pool = StagingPool(keep=True)
     host = pool.host(1000)
@@ -801,7 +801,7 @@ def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
     import os as os_module
     from multiprocessing import shared_memory
 
-    from rollout.service import staging
+    from rollout.protocol import staging
 
     created = []
     real = shared_memory.SharedMemory

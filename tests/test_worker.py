@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-from rollout.service import protocol as p
+from rollout import protocol as p
 from rollout.service.presets import tiny_model
 from service_helpers import TIMEOUT_S, Client, Worker
 

@@ -15,7 +15,7 @@ import msgpack
 
 from rollout.config import FieldError, SamplingParams
 from rollout.peft_adapters import BASE_NAME
-from rollout.service.protocol import Completion, Delta
+from rollout.protocol import Completion, Delta
 
 
 @dataclass

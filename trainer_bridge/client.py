@@ -27,8 +27,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from rollout.service.protocol import Completion, Delta
-from rollout.service.sockets import check_address
+from rollout.protocol import Completion, Delta
+from rollout.protocol.sockets import check_address
 from trainer_bridge.affinity import PrefixAffinity
 from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, checked_group
 from trainer_bridge.commands import (

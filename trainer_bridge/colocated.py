@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.request import Request
+from rollout.protocol.group_folding import GroupInFlight
+from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS
-from rollout.service.groups import GroupInFlight
-from rollout.service.route_frames import unpack_message
 from trainer_bridge.calls import GroupResult, PromptGroup
 from trainer_bridge.gathering import gathered
 

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 from trainer_bridge.calls import Call
 
 

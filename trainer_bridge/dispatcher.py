@@ -20,11 +20,11 @@ from typing import Any
 
 import zmq
 
+from rollout import protocol as p
 from rollout.mailbox import drain
-from rollout.service import protocol as p
-from rollout.service.protocol import Delta
-from rollout.service.route_frames import unpack_message
-from rollout.service.sockets import Waker
+from rollout.protocol import Delta
+from rollout.protocol.route_frames import unpack_message
+from rollout.protocol.sockets import Waker
 from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
 from trainer_bridge.commands import (
     AddWorker,

@@ -9,7 +9,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout.service.auth import secure_client_socket
+from rollout.protocol.auth import secure_client_socket
 
 # Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
 # one): reported at once instead of waiting out the connect deadline.

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from rollout import protocol as p
 from rollout.config import dtype_name
-from rollout.service import protocol as p
-from rollout.service.dist import broadcast, host_towards, make_process_group, make_store, shutdown_group
-from rollout.service.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
+from rollout.protocol.dist import broadcast, host_towards, make_process_group, make_store, shutdown_group
+from rollout.protocol.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.gathering import Entry, as_wire_bytes

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 from trainer_bridge.affinity import PrefixAffinity
 from trainer_bridge.calls import Call, RolloutError
 

@@ -7,7 +7,7 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 from trainer_bridge.calls import RolloutError
 from trainer_bridge.commands import CloseChannel, SendRaw
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
+from rollout import protocol as p
 from rollout.config import WEIGHT_UPDATE_MODES
-from rollout.service import protocol as p
 from trainer_bridge.adapter_mode import ADAPTER_MODES, push_mode
 from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient

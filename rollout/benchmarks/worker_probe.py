@@ -27,7 +27,7 @@ def wait_answering(address: str, timeout_s: float, exited: Callable[[], str | No
     """
     import zmq
 
-    from rollout.service import protocol as p
+    from rollout import protocol as p
 
     context = zmq.Context()
     probe = context.socket(zmq.DEALER)

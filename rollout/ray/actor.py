@@ -95,7 +95,7 @@ class RolloutWorkerActor:
             api_key: the HTTP API key.
         """
 
-        from rollout.service.auth import load_key_pair, load_public_key
+        from rollout.protocol.auth import load_key_pair, load_public_key
 
         self.started_at = time.time()
         # The certificates exist on disk only while the worker loads them (it keeps them in memory).

@@ -10,7 +10,7 @@ import math
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.lora_weights import is_adapter_tensor
-from rollout.service import messages as p
+from rollout.protocol import messages as p
 
 
 class BaseMismatch(FieldError):

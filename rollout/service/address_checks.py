@@ -8,7 +8,7 @@ import errno
 import logging
 import socket
 
-from rollout.service.sockets import check_address, is_loopback
+from rollout.protocol.sockets import check_address, is_loopback
 
 logger = logging.getLogger("rollout.worker")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 logger = logging.getLogger(__name__)
 

@@ -13,17 +13,17 @@ import queue
 import threading
 from collections.abc import Callable
 
+from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
 from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
 from rollout.engine.outputs import GenerationOutput
 from rollout.mailbox import drain
+from rollout.protocol.group_folding import GroupInFlight, engine_id
 from rollout.sampling_params import SAMPLING_FIELDS
-from rollout.service import protocol as p
 from rollout.service.compile_jobs import CompileAbandoned, CompileJob, CompilesClosed, CompilesUnavailable
 from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
-from rollout.service.groups import GroupInFlight, engine_id
 from rollout.service.limits import WorkerLimits, generate_refusal
 from rollout.service.tracing import Tracer
 

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rollout.config import FieldError
-from rollout.service import messages as p
+from rollout.protocol import messages as p
 from rollout.service.compile_jobs import CompileBudget
 
 

@@ -11,8 +11,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from rollout.protocol.sockets import is_loopback
 from rollout.service.loopback_hosts import is_loopback_host
-from rollout.service.sockets import is_loopback
 
 # Seconds a scrape connection may stay silent (a client that never finishes its request is closed), and scrapes
 # served at once (each takes a thread; more are closed at once: a flood must not take the worker's threads).

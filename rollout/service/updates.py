@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
+from rollout import protocol as p
 from rollout.config import FieldError
 from rollout.engine.commands import AdapterUpdate
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.engine.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
-from rollout.service import protocol as p
-from rollout.service.dist import DistReceiver
-from rollout.service.staging import StagingPool
+from rollout.protocol.dist import DistReceiver
+from rollout.protocol.staging import StagingPool
 from rollout.service.tracing import Tracer
 from rollout.service.weights import StagedUpdate, UpdateRejected
 

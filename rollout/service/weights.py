@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
+from rollout import protocol as p
 from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
-from rollout.service import protocol as p
-from rollout.service.adapter_updates import BaseMismatch, check_adapter_fields
-from rollout.service.dist import check_dist_fields
-from rollout.service.jobs import SerialJobs
-from rollout.service.staging import (
+from rollout.protocol.dist import check_dist_fields
+from rollout.protocol.staging import (
     DTYPES,
     StagingPool,
     bucket_checksum,
@@ -29,6 +27,8 @@ from rollout.service.staging import (
     staging_layout,
     tensor_nbytes,
 )
+from rollout.service.adapter_updates import BaseMismatch, check_adapter_fields
+from rollout.service.jobs import SerialJobs
 
 logger = logging.getLogger(__name__)
 

@@ -24,15 +24,15 @@ import weakref
 
 import zmq
 
+from rollout import protocol as p
 from rollout.engine.manager import ContinuousBatchingManager
-from rollout.service import protocol as p
-from rollout.service.auth import WorkerAuth
+from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.clients import ClientLinks
 from rollout.service.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.group_desk import GroupDesk
 from rollout.service.limits import WorkerLimits
-from rollout.service.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.tracing import Tracer
 from rollout.service.updates import WEIGHT_MESSAGES, UpdateSlot
 

@@ -4,7 +4,7 @@ from raw ZeroMQ DEALER sockets and counts what was answered.
 `fuzz_cases(count, seed)` yields `FuzzCase`s (`fuzz_messages` only their frames: a msgpack header frame, sometimes
 followed by raw frames). Case i of a seed is the same whatever `count` is, so `(seed, index)` names a case exactly
 (`fuzz_case(seed, index)` rebuilds it). The cases cycle through every message type of
-`rollout.service.protocol.MESSAGE_TYPES` (requests mostly, but also the worker's own reply types sent to it) and
+`rollout.protocol.MESSAGE_TYPES` (requests mostly, but also the worker's own reply types sent to it) and
 every field of each (nested TensorSpec / TensorPiece / Completion fields, every `sampling` key of a generate, every
 `dist` key of a weights_begin), putting there:
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgpack
 
+from rollout import protocol as p
 from rollout.benchmarks.fuzz.values import OVERSIZED_ITEMS
-from rollout.service import protocol as p
 
 
 @dataclass

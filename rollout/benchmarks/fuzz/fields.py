@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Union
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 UNKNOWN_TENSOR = "fuzz.no_such_tensor"
 EXTRA_FIELD = "x"  # the field values go into for message types that have none

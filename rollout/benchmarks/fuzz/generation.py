@@ -9,6 +9,7 @@ from typing import Any
 
 import msgpack
 
+from rollout import protocol as p
 from rollout.benchmarks.fuzz.cases import FuzzCase, _classify
 from rollout.benchmarks.fuzz.fields import (
     EXTRA_FIELD,
@@ -38,7 +39,6 @@ from rollout.benchmarks.fuzz.values import (
     _short,
     _Splice,
 )
-from rollout.service import protocol as p
 
 
 def fuzz_cases(count: int, seed: int = 0, max_items: int = OVERSIZED_ITEMS[-1]) -> Iterator[FuzzCase]:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
+from rollout import protocol as p
 from rollout.benchmarks.fuzz.cases import FuzzCase
 from rollout.benchmarks.fuzz.generation import fuzz_cases
 from rollout.benchmarks.fuzz.report import FuzzReport
@@ -23,7 +24,6 @@ from rollout.benchmarks.fuzz.tracking import (
     _Tracked,
 )
 from rollout.benchmarks.fuzz.values import OVERSIZED_ITEMS, SENTINEL_BASE
-from rollout.service import protocol as p
 
 
 def send_fuzz(

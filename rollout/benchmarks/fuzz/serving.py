@@ -9,7 +9,7 @@ from typing import Any
 
 import zmq
 
-from rollout.service import protocol as p
+from rollout import protocol as p
 
 GREEDY_PROMPT = [7, 8, 9, 10, 11]
 GREEDY_SAMPLING = {"do_sample": False, "max_new_tokens": 8, "stop_token_ids": []}

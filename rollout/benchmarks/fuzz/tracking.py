@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from rollout import protocol as p
 from rollout.benchmarks.fuzz.cases import FuzzCase
 from rollout.benchmarks.fuzz.report import FuzzReport
 from rollout.constraints import CONSTRAINT_FIELDS
-from rollout.service import protocol as p
 
 
 @dataclass

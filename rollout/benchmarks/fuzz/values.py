@@ -12,8 +12,8 @@ from typing import Any, Union
 
 import msgpack
 
+from rollout import protocol as p
 from rollout.benchmarks.fuzz.fields import UNKNOWN_TENSOR, _annotation_at, _sample
-from rollout.service import protocol as p
 
 # What a client may send (requests), and the worker's own answers (sent to it, they must be refused by type).
 REQUEST_TYPES = tuple(kind for kind in p.MESSAGE_TYPES if kind in p.REQUEST_TYPES)

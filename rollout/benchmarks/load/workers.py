@@ -83,7 +83,7 @@ def worker_stats(address: str, timeout_s: float = 5.0) -> dict[str, Any] | None:
     """The worker's `stats` counters over a raw socket (None when it does not answer)."""
     import zmq
 
-    from rollout.service import protocol as p
+    from rollout import protocol as p
 
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)

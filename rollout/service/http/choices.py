@@ -12,7 +12,7 @@ import numpy as np
 
 from rollout.detokenizer import OutputText
 from rollout.engine.outputs import GenerationOutput
-from rollout.service.groups import extend_version_runs
+from rollout.protocol.group_folding import extend_version_runs
 
 
 @dataclass

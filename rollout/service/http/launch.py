@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.extras import MissingExtra, require_extra
+from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind
 from rollout.service.http.settings import HttpSettings
 from rollout.service.limits import WorkerLimits
-from rollout.service.sockets import is_loopback
 
 if TYPE_CHECKING:
     from rollout.service.http.server import HttpServer

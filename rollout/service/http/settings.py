@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from rollout.config import FieldError
-from rollout.service.sockets import is_loopback
+from rollout.protocol.sockets import is_loopback
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 # Most JSON arrays and objects in one body (an upper bound: brackets inside strings count too, so a long prompt of

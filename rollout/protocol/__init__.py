@@ -1,0 +1,182 @@
+"""The wire protocol between trainers and rollout workers: every message is a dataclass, one codec turns it into
+bytes. `trainer_bridge` imports this module and `rollout.protocol.sockets` (nothing else from `rollout`).
+
+Transport: ZeroMQ multipart messages. A worker binds a ROUTER socket; clients connect DEALER sockets (the ROUTER
+adds and strips the client's identity frame). Frame 0 of every message is a msgpack map, the header:
+
+    {"protocol": 2, "type": "<message type>", <the message's fields>}
+
+Frames after the header carry raw tensor bytes (weight updates only), described by the header, never pickled.
+Decoding checks the protocol version, the type, and every field's presence and type; anything wrong raises
+`ProtocolError`, whose `field` names the culprit ("header" for undecodable bytes), and the worker answers with an
+`Error` message carrying that field.
+
+Messages (client -> worker, then what the worker answers):
+
+| type           | fields                                                               | answer                          |
+|----------------|----------------------------------------------------------------------|---------------------------------|
+| hello          | -                                                                    | hello_reply                     |
+| generate       | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = | delta* (stream only), then      |
+|                | {}, stream: bool = false                                             | group_result; or error          |
+| cancel         | group_id: str                                                        | group_result (abort) or error   |
+| ping           | nonce: int = 0                                                       | pong                            |
+| stats          | -                                                                    | stats_reply                     |
+| weights_spec   | update_id: str                                                       | weights_spec_reply              |
+| weights_begin  | update_id: str, tensors: [TensorSpec], version: int or nil, mode:    | weights_ready, or error         |
+|                | str = "keep", transport: str = "frames", partial: bool = false,      |                                 |
+|                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false |                                 |
+| weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil; + one   | weights_ack, or error (the      |
+|                | raw frame per piece (transport "frames")                             | update is then dropped)         |
+| weights_commit | update_id: str                                                       | weights_committed, or error     |
+| weights_abort  | update_id: str                                                       | weights_ack (state "aborted")   |
+
+Worker -> client:
+
+| type               | fields                                                                                     |
+|--------------------|--------------------------------------------------------------------------------------------|
+| hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any},  |
+|                    | tokenizer: str or nil (where the worker's tokenizer came from; nil: none, no stop strings) |
+| delta              | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int |
+| group_result       | group_id: str, prompt_ids: [int], completions: [Completion as a map]                       |
+| pong               | nonce: int, policy_version: int                                                            |
+| stats_reply        | stats: {str: any} (policy_version, weight_updates, last_weight_update_at, queue, KV, ...)  |
+| weights_spec_reply | update_id: str, tensors: [TensorSpec], policy_version: int                                 |
+| weights_ready      | update_id: str, staging_bytes: int, shm_name: str or nil                                   |
+| weights_ack        | update_id: str, received_bytes: int, state: "staging" or "aborted"                         |
+| weights_committed  | update_id: str, version: int, pause_ms: float, copy_ms: float, drain_ms: float,            |
+|                    | aborted: int, recomputed: int                                                              |
+| error              | code: str, message: str, field: str or nil, group_id: str or nil, update_id: str or nil    |
+
+Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
+`--client-timeout` (30 s by default), so a client waiting on long groups should send `ping` every few seconds. A
+client whose connection closed, or that leaves more than `--max-pending-bytes` of replies unread, is dropped at
+once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
+unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did not ask for.
+
+Limits (`rollout-worker --max-...`, answered by name): header lists and maps hold at most 2**20 items and strings
+2**20 bytes (longer ones are refused before they are built); a prompt is at most `--max-prompt-len` tokens (checked
+from its length first); `n` at most `--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it);
+frames at most `--max-message-bytes` (a larger one drops the connection).
+
+Security: with `--curve-secret-key` every connection is CurveZMQ-encrypted and only listed keys connect; weight
+updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, others get "unauthorized".
+
+A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
+"abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
+(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished),
+adapter / adapter_version, cached_prompt_tokens: int (prompt tokens whose KV came from the prefix cache), and
+with sampling.return_routes (MoE models) routes / prompt_routes: RouteArray maps
+(frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); a
+delta carries its tokens' routes (and the prompt's on a sample's first delta) the same way.
+`sampling` takes the field names of `rollout.SamplingParams`.
+
+Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec
+map: name, dtype such as "bfloat16", shape) and is checked against the model at once (unknown or missing names,
+wrong dtypes or shapes, a version not above the current one are refused, `field` naming the tensor or setting);
+buckets carry TensorPiece maps (index: announced tensor, offset and nbytes: a byte range of it; each tensor's pieces
+in order, without gaps); weights_commit checks that every announced byte arrived, then the engine copies the update
+into the model in place between two steps. The staging area lays the tensors out in order, each at an offset
+aligned to 64 bytes (`rollout.protocol.staging.staging_layout`); transport "shm" makes it a shared-memory segment
+(named in weights_ready) that the client writes into; "torch.distributed" broadcasts each piece of a bucket, in
+order, over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
+worker, >= 1; backend "gloo" or "nccl"; group: a key, reused while it does not change). Every phase must follow the
+previous one within `timeout_s`; a client that misses a deadline or disappears gets its update dropped, and the old
+weights keep serving. `mode` says what happens to in-flight samples at commit: "keep" (continue on their KV),
+"recompute" (re-prefill prompt + tokens so far), "abort" (end with finish_reason "abort"), "wait" (admission pauses
+until in-flight samples finish, at most `timeout_s`).
+
+A generate whose sampling has a structured-output constraint (regex, json, choice, grammar, json_object) is compiled
+off the serving loop first: its refusal (a bad spec: "bad_request" naming `sampling.<field>`) or its outputs may come
+after the replies to messages sent after it; every such reply carries its group_id.
+
+Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
+"duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
+"update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update", "base_mismatch"
+(a LoRA adapter meant for another base); "unauthorized"
+(the client's key may not do this: weight updates need a trainer key).
+"""
+
+from rollout.protocol.codec import decode, encode
+from rollout.protocol.messages import (
+    MAX_FRAME_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_HEADER_CONTAINERS,
+    MAX_HEADER_ITEMS,
+    MAX_HEADER_STR,
+    MESSAGE_TYPES,
+    PROBE_NONCE,
+    PROTOCOL_VERSION,
+    REQUEST_TYPES,
+    WEIGHT_TRANSPORTS,
+    Cancel,
+    ClientMessage,
+    Completion,
+    Delta,
+    Error,
+    Generate,
+    GroupResult,
+    Hello,
+    HelloReply,
+    Message,
+    Ping,
+    Pong,
+    ProtocolError,
+    RouteArray,
+    Stats,
+    StatsReply,
+    TensorPiece,
+    TensorSpec,
+    WeightsAbort,
+    WeightsAck,
+    WeightsBegin,
+    WeightsBucket,
+    WeightsCommit,
+    WeightsCommitted,
+    WeightsReady,
+    WeightsSpec,
+    WeightsSpecReply,
+    WorkerMessage,
+)
+
+__all__ = [
+    "decode",
+    "encode",
+    "Cancel",
+    "ClientMessage",
+    "Completion",
+    "RouteArray",
+    "Delta",
+    "Error",
+    "Generate",
+    "GroupResult",
+    "Hello",
+    "HelloReply",
+    "MAX_FRAME_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_HEADER_CONTAINERS",
+    "MAX_HEADER_ITEMS",
+    "MAX_HEADER_STR",
+    "MESSAGE_TYPES",
+    "Message",
+    "PROBE_NONCE",
+    "PROTOCOL_VERSION",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "REQUEST_TYPES",
+    "WEIGHT_TRANSPORTS",
+    "Stats",
+    "StatsReply",
+    "TensorPiece",
+    "TensorSpec",
+    "WeightsAbort",
+    "WeightsAck",
+    "WeightsBegin",
+    "WeightsBucket",
+    "WeightsCommit",
+    "WeightsCommitted",
+    "WeightsReady",
+    "WeightsSpec",
+    "WeightsSpecReply",
+    "WorkerMessage",
+]

@@ -1,0 +1,162 @@
+"""Who may talk to a worker, and what they may do: CurveZMQ (ZeroMQ's built-in encryption and authentication,
+through `zmq.auth`) with two roles.
+
+Keys are `zmq.auth` certificate files: `NAME.key` holds a public key, `NAME.key_secret` the pair. `rollout-keygen DIR
+NAME` writes both. A worker started with `--curve-secret-key worker.key_secret` only accepts clients whose public
+key file lies in `--authorized-keys DIR` (generate, stream, cancel, ping, stats, hello, weights_spec) or in
+`--trainer-keys DIR` (all of that, and weight updates). Every connection is encrypted. Clients give
+`RolloutClient(..., curve_secret_key="client.key_secret", server_public_key="worker.key")`.
+
+Without keys a worker trusts everyone who can reach it, so it refuses to bind a non-loopback address unless
+`--insecure` is given (and then warns at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from rollout.cli_parser import CliParser
+
+logger = logging.getLogger(__name__)
+
+# Message types only a trainer key may send (when authentication is on).
+TRAINER_ONLY = frozenset({"weights_begin", "weights_bucket", "weights_commit", "weights_abort"})
+
+
+def load_key_pair(source: str | os.PathLike | bytes) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a `.key_secret` certificate file, or from a 40-character z85 secret key.
+
+    Raises:
+        ValueError: the file holds no secret key, or the value is no key.
+    """
+    if isinstance(source, bytes) and len(source) == 40:
+        return zmq.curve_public(source), source
+    path = Path(os.fsdecode(source))
+    if not path.is_file():
+        raise ValueError(f"{path}: no such key file (make one with rollout-keygen)")
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path}: holds no secret key (give the .key_secret file)")
+    return public, secret
+
+
+def load_public_key(source: str | os.PathLike | bytes) -> bytes:
+    """A z85 public key from a `.key` or `.key_secret` certificate file, or a 40-character z85 key itself.
+
+    Raises:
+        ValueError: no such file, or no key.
+    """
+    if isinstance(source, bytes) and len(source) == 40:
+        return source
+    path = Path(os.fsdecode(source))
+    if not path.is_file():
+        raise ValueError(f"{path}: no such key file")
+    return zmq.auth.load_certificate(path)[0]
+
+
+def load_key_directory(directory: str | os.PathLike) -> set[bytes]:
+    """The public keys of every `*.key` certificate file in a directory.
+
+    Raises:
+        ValueError: not a directory.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory of public keys")
+    return set(zmq.auth.load_certificates(path))
+
+
+class WorkerAuth:
+    """A worker's CurveZMQ server side: the ZAP handler thread, its accepted keys, and the trainer role."""
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        secret_key: str | os.PathLike | bytes,
+        authorized_keys: str | os.PathLike | None = None,
+        trainer_keys: str | os.PathLike | None = None,
+    ):
+        """
+        Args:
+            context: the worker's ZeroMQ context (the handler serves its sockets).
+            secret_key: the worker's `.key_secret` file (or z85 secret key).
+            authorized_keys: directory of client public keys that may generate.
+            trainer_keys: directory of trainer public keys that may also push weights.
+        Raises:
+            ValueError: a missing file or directory, or no key at all to accept.
+        """
+        self.public_key, self._secret_key = load_key_pair(secret_key)
+        clients = load_key_directory(authorized_keys) if authorized_keys is not None else set()
+        self.trainers = load_key_directory(trainer_keys) if trainer_keys is not None else set()
+        if not clients | self.trainers:
+            raise ValueError("no client key to accept: give --authorized-keys and/or --trainer-keys with *.key files")
+        self.context = context
+        self._authenticator = ThreadAuthenticator(context)
+        self._authenticator.start()
+        self._authenticator.allow_any = False
+        self._authenticator.certs["*"] = {key: True for key in clients | self.trainers}
+
+    def secure(self, socket: zmq.Socket) -> None:
+        """Make `socket` (before it binds) a CURVE server with the worker's key."""
+        socket.curve_secretkey = self._secret_key
+        socket.curve_publickey = self.public_key
+        socket.curve_server = True
+
+    def may(self, user_id: str | None, message_type: str) -> bool:
+        """Whether the client whose User-Id (its z85 public key) is `user_id` may send `message_type`."""
+        if message_type not in TRAINER_ONLY:
+            return True
+        return user_id is not None and user_id.encode() in self.trainers
+
+    def stop(self) -> None:
+        """Stop the handler thread."""
+        self._authenticator.stop()
+
+
+def secure_client_socket(
+    socket: zmq.Socket, secret_key: str | os.PathLike | bytes, server_public_key: str | os.PathLike | bytes
+) -> None:
+    """Make a client socket (before it connects) a CURVE client of the server whose public key is given."""
+    public, secret = load_key_pair(secret_key)
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_serverkey = load_public_key(server_public_key)
+
+
+def build_keygen_parser() -> CliParser:
+    """`rollout-keygen`'s flags."""
+    parser = CliParser(
+        prog="rollout-keygen",
+        description="Write a CurveZMQ key pair for a rollout worker, client or trainer: DIR/NAME.key (the public "
+        "key: copy it into a worker's --authorized-keys or --trainer-keys directory, or give a worker's to clients "
+        "as server_public_key) and DIR/NAME.key_secret (keep it private).",
+    )
+    parser.add_argument("directory", help="where to write the two files (created if missing)")
+    parser.add_argument("name", help="file name stem, e.g. worker, trainer or client1")
+    return parser
+
+
+def keygen_main(argv: list[str] | None = None) -> int:
+    """Entry point of `rollout-keygen DIR NAME`: write DIR/NAME.key (public) and DIR/NAME.key_secret."""
+    parser = build_keygen_parser()
+    args = parser.parse_args(argv)
+    directory = Path(args.directory)
+    secret_path = directory / f"{args.name}.key_secret"
+    if secret_path.exists():
+        parser.error(f"{secret_path} exists; refusing to overwrite a key")
+    directory.mkdir(parents=True, exist_ok=True)
+    public_path, secret_path = zmq.auth.create_certificates(directory, args.name)
+    os.chmod(secret_path, 0o600)
+    print(f"public key: {public_path}\nsecret key: {secret_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(keygen_main())

@@ -1,0 +1,159 @@
+"""Socket plumbing shared by the worker and the client: address checks, the poll waker, bounded message reads."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_address(address: Any) -> str | None:
+    """Why `address` is no ZeroMQ endpoint a worker can bind or a client connect to (None when it looks right)."""
+    if not isinstance(address, str) or not address.startswith(ADDRESS_SCHEMES):
+        return f"{address!r} is not a ZeroMQ address: expected e.g. tcp://127.0.0.1:5555 (tcp://, ipc:// or inproc://)"
+    if address.startswith("tcp://"):
+        host, colon, port = address.removeprefix("tcp://").rpartition(":")
+        if not colon:
+            return f"{address!r} has no port: expected e.g. tcp://127.0.0.1:5555"
+        if not host:
+            return f"{address!r} has no host: expected e.g. tcp://127.0.0.1:5555"
+        if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+            return f"{address!r} has no valid port: expected e.g. tcp://127.0.0.1:5555 (or :* for any free one)"
+    elif address in ("ipc://", "inproc://"):
+        return f"{address!r} names no endpoint"
+    return None
+
+
+def is_loopback(address: str) -> bool:
+    """True when a bind address only accepts connections from this machine (ipc://, inproc://, tcp to 127.0.0.0/8,
+    ::1 or localhost); "*", 0.0.0.0 and every other interface are not."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name: reachable from elsewhere
+        return False
+
+
+class Waker:
+    """Wakes a thread blocked in `zmq.Poller.poll` from any other thread (register `reader` for POLLIN).
+
+    Both the worker's serving thread and the client's I/O thread own their ZeroMQ sockets alone; other threads leave
+    work in a queue and call `wake()` instead of touching a socket.
+    """
+
+    def __init__(self):
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    def wake(self) -> None:
+        """Make the next (or current) poll return. Safe from any thread; extra wake-ups are harmless."""
+        try:
+            self._writer.send(b"x")
+        except OSError:  # buffer full (a wake-up is pending anyway) or closed
+            pass
+
+    def drain(self) -> None:
+        """Consume pending wake-ups (call from the polling thread)."""
+        try:
+            while self.reader.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
+
+
+@dataclass
+class Inbound:
+    """One message a ROUTER socket received."""
+
+    identity: bytes
+    frames: list  # zmq.Frame: the header, then data frames (only the header when the message was cut)
+    refused: str | None = None  # why the message was cut: more frames or bytes than a message may have
+
+
+class MessageReader:
+    """Reads a ROUTER socket's messages part by part and keeps at most `max_frames` frames and `max_bytes` bytes of
+    each. ZeroMQ bounds every frame (MAXMSGSIZE) but not how many frames one message has: the rest of an oversized
+    message is read and dropped at once (never held), at most `drain_per_read` frames per call, so the caller's
+    loop keeps serving while a huge one drains.
+
+    ZeroMQ itself delivers a message only once all of it arrived, so the sender's connection holds a whole message
+    in the receiver's memory before this sees its first frame; CurveZMQ authentication (auth.py) limits who can.
+    """
+
+    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, drain_per_read: int = 4096):
+        """
+        Args:
+            socket: a ROUTER socket (the first part of each message is its sender's identity).
+            max_frames: the most frames a message may have after the identity.
+            max_bytes: the most bytes those frames may hold together.
+            drain_per_read: frames of an oversized message dropped per `read`.
+        """
+        self._socket = socket
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self.drain_per_read = drain_per_read
+        self._draining: Inbound | None = None  # a cut message whose remaining frames are still being dropped
+
+    def read(self) -> Inbound | None:
+        """The next message, or None when none is waiting (or a cut one is still being drained: call again)."""
+        if self._draining is not None:
+            return self._drain()
+        try:
+            first = self._socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        message = Inbound(first.bytes, [])
+        more, total = first.more, 0
+        while more:
+            frame = self._socket.recv(copy=False)  # the rest of a message is there once its first part is
+            more = frame.more
+            message.frames.append(frame)
+            total += len(frame)
+            if len(message.frames) > self.max_frames or total > self.max_bytes:
+                count = f"more than {self.max_frames} frames" if len(message.frames) > self.max_frames else ""
+                size = f"more than {self.max_bytes} bytes" if total > self.max_bytes else ""
+                message.refused = f"the message has {count or size} (the worker's limit; see --max-message-bytes)"
+                del message.frames[1:]  # keep the header: its ids name what was refused
+                if not more:
+                    return message
+                self._draining = message
+                return self._drain()
+        return message
+
+    def _drain(self) -> Inbound | None:
+        for _ in range(self.drain_per_read):
+            if not self._socket.recv(copy=False).more:
+                message, self._draining = self._draining, None
+                return message
+        return None
+
+
+def frame_property(frame: object, name: str) -> str | None:
+    """A ZeroMQ message property: "Peer-Address" (the sender's IP, TCP only) or "User-Id" (its CURVE public key,
+    z85); None when the transport or security mechanism has none."""
+    try:
+        return frame.get(name) or None  # type: ignore[attr-defined]
+    except (AttributeError, zmq.ZMQError):
+        return None
+
+
+def frame_fd(frame: object) -> int | None:
+    """The file descriptor a message came over (ZeroMQ's SRCFD), to match the socket monitor's disconnect events."""
+    try:
+        return frame.get(zmq.SRCFD)  # type: ignore[attr-defined]
+    except (AttributeError, zmq.ZMQError):
+        return None
