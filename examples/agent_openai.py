@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai  # noqa: E402
 from grpo_toy import free_port  # noqa: E402
 
-from rollout.service.presets import tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_tokenizer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 END_OF_TURN = TOKENIZER.convert_tokens_to_ids("<|im_end|>")

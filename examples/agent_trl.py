@@ -32,8 +32,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 
-from rollout.service.agent_preset import scripted_agent  # noqa: E402
-from rollout.service.presets import toy_grpo_config  # noqa: E402
+from rollout.presets import scripted_agent, toy_grpo_config  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 
 TINY_NOTE = (
     "tiny model: random weights, so the text below is gibberish (mostly letter pairs and triples, the tokens most of "

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="grpo_gpu_output", help="trainer output directory")
     args = parser.parse_args(argv)
     if args.model == "tiny":
-        from rollout.service.presets import tiny_model, tiny_tokenizer
+        from rollout.presets import tiny_model, tiny_tokenizer
 
         model, tokenizer = tiny_model(0), tiny_tokenizer()
     else:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from datasets import Dataset  # noqa: E402
 from grpo_toy import TOKENIZER, free_port, start_worker  # noqa: E402
 
-from rollout.service.presets import letter_reward, tiny_model, toy_grpo_config  # noqa: E402
+from rollout.presets import letter_reward, tiny_model, toy_grpo_config  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 TURN_TOKENS = 8

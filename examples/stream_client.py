@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollout.service.presets import tiny_tokenizer
+from rollout.presets import tiny_tokenizer
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient
 
 

@@ -27,6 +27,11 @@ MOVED_MODULES: dict[str, str] = {
     "rollout.service.staging": "rollout.protocol.staging",
     "rollout.service.dist": "rollout.protocol.dist",
     "rollout.service.groups": "rollout.protocol.group_folding",
+    # the built-in presets' public home
+    "rollout.service.presets": "rollout.presets",
+    "rollout.service.preset_catalog": "rollout.presets.catalog",
+    "rollout.service.preset_names": "rollout.presets.names",
+    "rollout.service.agent_preset": "rollout.presets.agent",
 }
 
 

@@ -12,7 +12,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import pytest  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
-from rollout.service.agent_preset import scripted_agent  # noqa: E402
+from rollout.presets import scripted_agent  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 from trl_helpers import grpo_config  # noqa: E402
 

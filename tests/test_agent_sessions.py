@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import Worker
 from trainer_bridge import GroupResult, PromptGroup, RolloutClient
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import Worker
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.async_rollouts import AsyncRollouts

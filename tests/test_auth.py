@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
+from rollout.presets import tiny_model
 from rollout.protocol.auth import keygen_main
 from rollout.service import cli, startup
-from rollout.service.presets import tiny_model
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 

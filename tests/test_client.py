@@ -12,7 +12,7 @@ import time
 import pytest
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import Worker, free_port
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import run_ranks
 from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient
 
@@ -240,7 +240,7 @@ FSDP2_CHILD = textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from rollout import ContinuousBatchingConfig, SamplingParams
-    from rollout.service.presets import tiny_model
+    from rollout.presets import tiny_model
     from trainer_bridge import ColocatedEngine, PromptGroup
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

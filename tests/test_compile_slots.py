@@ -20,6 +20,7 @@ pytest.importorskip("xgrammar")
 from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
 from rollout.engine.manager import QueueFullError, init_continuous_batching  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from rollout.service.compile_jobs import (  # noqa: E402
     CompileAbandoned,
     CompileBudget,
@@ -27,7 +28,6 @@ from rollout.service.compile_jobs import (  # noqa: E402
     CompilesUnavailable,
 )
 from rollout.service.constraint_compiles import ConstraintCompiles  # noqa: E402
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
 
 BUDGET_S = 2.0
 SLOW = "root ::= " + " ".join("[a-z]? [0-9]?" for _ in range(200))  # ~20 s to compile on the tiny vocabulary

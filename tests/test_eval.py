@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.eval.cli import main
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 
 REPO_DATASET = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic.jsonl"
 MAX_NEW_TOKENS = 12

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rollout.eval.cli import main
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 
 REPO_DATASET = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic.jsonl"
 BASE = ["--model", "tiny", "--dataset", str(REPO_DATASET), "--prompt-field", "question", "--max-new-tokens", "2"]

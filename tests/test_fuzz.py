@@ -14,7 +14,7 @@ import zmq
 from rollout import protocol as p
 from rollout.benchmarks import fuzz
 from rollout.benchmarks.load import WorkerProcess
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

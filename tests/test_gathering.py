@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Trainer, TrainerCallback, TrainingArguments
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-from rollout.service.presets import TINY_MODEL_CONFIG, tiny_model
+from rollout.presets import TINY_MODEL_CONFIG, tiny_model
 from service_helpers import Worker, run_ranks
 from trainer_bridge import PromptGroup, RolloutClient
 from trainer_bridge.sync_callback import WeightSyncCallback
@@ -319,7 +319,7 @@ CHILD = textwrap.dedent(
     import datetime, sys, traceback
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from rollout.service.presets import tiny_model
+    from rollout.presets import tiny_model
     from trainer_bridge.weight_sync import iter_weights, push_weights, weight_specs
 
     out = sys.argv[1]

@@ -326,7 +326,7 @@ def test_a_vanished_trainer_frees_the_update_slot_and_push_weights_can_preempt(w
     """Review finding: a trainer SIGKILLed with an update open held the slot until its deadline (only clients with
     groups were watched). Its closed connection now frees the slot at once; and push_weights(preempt=True) takes
     a slot held by a live client over."""
-    from rollout.service.presets import tiny_model
+    from rollout.presets import tiny_model
     from trainer_bridge import RolloutClient, push_weights
 
     code = (

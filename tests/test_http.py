@@ -13,7 +13,7 @@ import pytest
 
 from rollout import SamplingParams
 from rollout import protocol as p
-from rollout.service.presets import tiny_tokenizer
+from rollout.presets import tiny_tokenizer
 from service_helpers import Client
 from trainer_bridge import PromptGroup, RolloutClient
 
@@ -382,7 +382,7 @@ def test_agent_example_rows_match_a_teacher_forced_forward(worker):
 
     import torch
 
-    from rollout.service.presets import tiny_model
+    from rollout.presets import tiny_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import agent_openai
@@ -419,7 +419,7 @@ def teacher_forced_logprobs(prompt_ids: list[int]):
     """(len(prompt) - 1, vocab) fp32 log-probs of positions 1.. from one forward of the worker's model."""
     import torch
 
-    from rollout.service.presets import tiny_model
+    from rollout.presets import tiny_model
 
     with torch.no_grad():
         logits = tiny_model()(torch.tensor([prompt_ids])).logits[0, :-1].float()

@@ -10,9 +10,9 @@ import pytest
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
+from rollout.presets import tiny_model, tiny_tokenizer
 from rollout.service.http.server import HttpServer
 from rollout.service.http.settings import HttpSettings
-from rollout.service.presets import tiny_model, tiny_tokenizer
 
 KEY = "secret-key"
 

@@ -18,7 +18,7 @@ import pytest
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from rollout.service.presets import tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_tokenizer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 MESSAGES = [{"role": "user", "content": "describe a ball in JSON"}]

@@ -197,10 +197,10 @@ def test_an_errored_sample_is_an_http_error_and_the_base_still_answers(base):
     """Over HTTP, the broken adapter's completion is a 500 naming it (not a 200 of token 0); the base's is a 200."""
     from rollout.config import ContinuousBatchingConfig
     from rollout.engine.manager import init_continuous_batching
+    from rollout.presets import tiny_model as tiny_preset
+    from rollout.presets import tiny_tokenizer
     from rollout.service.http.server import HttpServer
     from rollout.service.http.settings import HttpSettings
-    from rollout.service.presets import tiny_model as tiny_preset
-    from rollout.service.presets import tiny_tokenizer
 
     model = tiny_preset(seed=3)
     config = ContinuousBatchingConfig(num_blocks=32, block_size=16)

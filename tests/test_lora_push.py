@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from rollout import protocol as p
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 from service_helpers import Client, Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 
@@ -215,7 +215,7 @@ import json, sys
 import torch
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from trainer_bridge import PromptGroup, RolloutClient, push_weights
 from trainer_bridge.lora_push import served_adapter_name
 

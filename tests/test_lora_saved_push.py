@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_lora_push import GREEDY, PROMPT, lora_model, peft_greedy
 
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 from service_helpers import Worker
 from trainer_bridge import PromptGroup, RolloutClient, push_weights
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, push_weights
 

@@ -127,11 +127,11 @@ def test_the_grpo_gpu_example_with_a_hub_model_and_no_network(capsys, monkeypatc
 
 def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
     from rollout import ContinuousBatchingConfig, init_continuous_batching
+    from rollout.presets import tiny_model, tiny_tokenizer
     from rollout.service.cli import build_parser
     from rollout.service.group_counters import GroupCounters
     from rollout.service.http.launch import start_http
     from rollout.service.limits import WorkerLimits
-    from rollout.service.presets import tiny_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None

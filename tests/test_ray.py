@@ -16,8 +16,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from rollout.presets import tiny_model  # noqa: E402
 from rollout.ray import RolloutFleet  # noqa: E402
-from rollout.service.presets import tiny_model  # noqa: E402
 from trainer_bridge import PromptGroup, RolloutClient, push_weights  # noqa: E402
 
 CPU_WORKER = ["--device", "cpu", "--num-blocks", "128", "--log-level", "WARNING"]
@@ -243,7 +243,7 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
     """A LoRA run (`peft_config`): every sync pushes the adapter alone to both workers (the base once)."""
     from peft import LoraConfig
 
-    from rollout.service.presets import tiny_tokenizer
+    from rollout.presets import tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
     from trl_helpers import dataset, grpo_config, id_reward
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.service.presets import tiny_moe_model
+from rollout.presets import tiny_moe_model
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient
 from trainer_bridge.route_replay import routes_for
@@ -102,7 +102,7 @@ def test_trl_grpo_replays_the_rollouts_routes(tmp_path, worker, monkeypatch, mod
     gradient checkpointing in backward and, with steps_per_generation 2, the old policy's) route by the rollout's
     routes, covering every prompt and completion token; TRL's importance ratio stays 1 (fp32); the hooks are gone
     after train(); a dense model is refused by name."""
-    from rollout.service.presets import tiny_model, tiny_tokenizer
+    from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.route_replay import RouteReplay
     from trainer_bridge.trl import RolloutGRPOTrainer
     from trl_helpers import dataset, grpo_config, id_reward

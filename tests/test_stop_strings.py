@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from rollout import SamplingParams, generate_batch
 from rollout.config import FieldError
 from rollout.detokenizer import OutputText
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
 VOCAB = TOKENIZER.vocab_size + len(TOKENIZER.get_added_vocab()) - 4  # 1024: the tiny model's

@@ -253,7 +253,7 @@ def test_pause_nests_and_refuses_what_would_wait_on_itself():
 
 def test_generate_batch_takes_what_a_tokenizer_returns():
     """A padded BatchEncoding (tokenizer(texts, padding=True)) gives the same completions as the unpadded id lists."""
-    from rollout.service.presets import tiny_tokenizer
+    from rollout.presets import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     model = tiny_model("qwen3")

@@ -26,7 +26,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollout.config import SamplingParams  # noqa: E402
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker, run_ranks  # noqa: E402
 from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError, grpo_sampling  # noqa: E402
 from trainer_bridge.trl import SUPPORTED_TRL, RolloutGeneration, RolloutGRPOTrainer, check_trl_internals  # noqa: E402
@@ -550,7 +550,7 @@ CHILD = textwrap.dedent(
     from trl_helpers import dataset, grpo_config, id_reward
 
     import trainer_bridge.trl_generation as bridge
-    from rollout.service.presets import tiny_model, tiny_tokenizer
+    from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 
     address, out = sys.argv[1], sys.argv[2]

@@ -23,7 +23,7 @@ from agentic_helpers import (  # noqa: E402
     train,
 )
 
-from rollout.service.presets import tiny_moe_model  # noqa: E402
+from rollout.presets import tiny_moe_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest  # noqa: E402
 
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker  # noqa: E402
 from trainer_bridge import PromptGroup, RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGeneration, RolloutGRPOTrainer  # noqa: E402

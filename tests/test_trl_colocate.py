@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 import trainer_bridge.trl_generation as bridge
 from rollout.config import SamplingParams
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import run_ranks
 from test_trl import GREEDY_PROMPTS, IS_METRICS, REPO, TOKENIZER, hf_greedy, train_logs
 from trainer_bridge import PromptGroup
@@ -130,7 +130,7 @@ CHILD = textwrap.dedent(
     from trl_helpers import dataset, grpo_config, id_reward
 
     import trainer_bridge.trl_generation as bridge
-    from rollout.service.presets import tiny_model, tiny_tokenizer
+    from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 
     out = sys.argv[1]

@@ -22,7 +22,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout import protocol as p
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import Client, Worker
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, push_weights
 

@@ -13,7 +13,7 @@ import torch
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout import protocol as p
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from service_helpers import TIMEOUT_S, Client, Worker
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rollout.service.presets import sized_model, tiny_model
+from rollout.presets.models import sized_model, tiny_model
 
 
 def _trainer_model(model: str, seed: int, device: str) -> torch.nn.Module:

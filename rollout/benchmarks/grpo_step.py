@@ -61,7 +61,7 @@ SYSTEM_TIMEOUT_S = 540.0
 
 def _config(output_dir: str, steps: int, device: str, **overrides: Any) -> Any:
     """The main job's GRPOConfig, quiet."""
-    from rollout.service.presets import toy_grpo_config
+    from rollout.presets.toy_grpo import toy_grpo_config
 
     return toy_grpo_config(output_dir, steps, use_cpu=device == "cpu", disable_tqdm=True, **overrides)
 
@@ -116,7 +116,7 @@ def _model(shape: str, device: str) -> Any:
     from transformers import Qwen3Config
 
     from rollout.benchmarks.workloads import QWEN3_0_6B, build_model
-    from rollout.service.presets import tiny_model
+    from rollout.presets.models import tiny_model
 
     if shape not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {shape!r}; one of {list(MODEL_SHAPES)}")
@@ -162,7 +162,8 @@ def run_one(
     from trl import GRPOTrainer
 
     from rollout.config import ContinuousBatchingConfig
-    from rollout.service.presets import letter_reward, tiny_tokenizer, toy_prompts
+    from rollout.presets.models import tiny_tokenizer
+    from rollout.presets.toy_grpo import letter_reward, toy_prompts
 
     if system == "rollout_server" and model_shape != "tiny":
         raise ValueError("rollout_server runs its worker on the tiny preset only; use --model tiny for it")

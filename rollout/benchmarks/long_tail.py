@@ -45,8 +45,8 @@ from rollout.benchmarks.progress import stage
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.block_manager import cdiv
 from rollout.engine.engine import Engine
+from rollout.presets.models import TINY_MODEL_CONFIG
 from rollout.sampling_params import MAX_LOGIT_BIAS
-from rollout.service.presets import TINY_MODEL_CONFIG
 
 BLOCK_SIZE = 16
 
@@ -99,7 +99,7 @@ def measure(
     if model == "stub":
         net = stub_model(max_len)
     else:
-        from rollout.service.presets import tiny_model
+        from rollout.presets.models import tiny_model
 
         net = tiny_model(seed)
         context = net.config.max_position_embeddings

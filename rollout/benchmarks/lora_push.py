@@ -18,7 +18,7 @@ import sys
 import torch
 
 from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
-from rollout.service.presets import MODEL_DTYPES, sized_model
+from rollout.presets.models import MODEL_DTYPES, sized_model
 
 
 def _summary(runs: list) -> dict:

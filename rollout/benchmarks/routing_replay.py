@@ -33,7 +33,7 @@ def moe_policy(family: str, seed: int = 0) -> torch.nn.Module:
     from transformers import MixtralConfig, Qwen3MoeConfig
 
     from rollout.benchmarks.fidelity import scale_to_entropy
-    from rollout.service.presets import random_model, tiny_tokenizer
+    from rollout.presets.models import random_model, tiny_tokenizer
 
     shape = dict(
         vocab_size=1024,
@@ -59,7 +59,7 @@ def moe_policy(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _prompts() -> list[str]:
-    from rollout.service.presets import toy_prompts
+    from rollout.presets.toy_grpo import toy_prompts
 
     return toy_prompts(64)
 
@@ -69,7 +69,8 @@ def measure(family: str) -> list[dict[str, Any]]:
     the same rows, before any optimizer step. The measurements above, without and with replay."""
     from datasets import Dataset
 
-    from rollout.service.presets import letter_reward, tiny_tokenizer, toy_grpo_config
+    from rollout.presets.models import tiny_tokenizer
+    from rollout.presets.toy_grpo import letter_reward, toy_grpo_config
     from trainer_bridge.route_replay import routes_for
     from trainer_bridge.trl import RolloutGRPOTrainer
 

@@ -16,7 +16,7 @@ from rollout.benchmarks.worker_probe import free_port, wait_answering
 from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
-from rollout.service.presets import tiny_model
+from rollout.presets.models import tiny_model
 
 
 def run(seed: int = 0, path: str = "zmq") -> dict:

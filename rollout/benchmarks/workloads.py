@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rollout.service.preset_catalog import TINY_MODEL_CONFIG
+from rollout.presets.catalog import TINY_MODEL_CONFIG
 
 if TYPE_CHECKING:
     import torch

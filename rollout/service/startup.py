@@ -22,6 +22,7 @@ from rollout.engine.lora_weights import load_peft_dir
 from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
 from rollout.extras import MissingExtra, require_extra
 from rollout.hub import HubUnreachable
+from rollout.presets.models import MODEL_DTYPES
 from rollout.protocol.auth import WorkerAuth
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind, check_metrics_address
@@ -30,7 +31,6 @@ from rollout.service.http.launch import check_http_address, start_http
 from rollout.service.limits import WorkerLimits
 from rollout.service.loading import load_model, load_tokenizer, torch_device
 from rollout.service.metrics import WorkerMetrics
-from rollout.service.presets import MODEL_DTYPES
 from rollout.service.tracing import configure_tracing
 from rollout.service.worker import RolloutWorker
 from rollout.service.worker_flags import check_settings

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from rollout.service.presets import TINY_MODEL_CONFIG, tiny_tokenizer
+from rollout.presets.models import TINY_MODEL_CONFIG, tiny_tokenizer
 
 # ChatML turns with hermes tool calls (the shape of Qwen's template, short): tools in a system turn, a tool result
 # as a user turn wrapped in <tool_response>. Prefix-preserving: a conversation renders as the rendering of its
@@ -113,7 +113,9 @@ def scripted_agent(
     so one worker serving `--model tiny-agent` serves another script once a trainer pushes its weights.
 
     Args:
-        calls, answer, refusal: as `agent_tokenizer`.
+        calls: the tool calls the model makes (as `agent_tokenizer` takes them).
+        answer: what it says once a tool result is in the conversation.
+        refusal: what it says instead of calling a tool.
         noise: standard deviation of random weights under the script (0: exact zeros). With noise every weight
             takes part in the forward and log-probs are not round numbers, so a train/inference mismatch shows; the
             script still decides every choice (its logits lead by ~30).

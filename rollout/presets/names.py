@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from rollout.service.agent_preset import agent_tokenizer, scripted_agent
-from rollout.service.preset_catalog import PRESETS, is_preset
-from rollout.service.presets import sized_model, tiny_model, tiny_moe_model, tiny_tokenizer
+from rollout.presets.agent import agent_tokenizer, scripted_agent
+from rollout.presets.catalog import PRESETS, is_preset
+from rollout.presets.models import sized_model, tiny_model, tiny_moe_model, tiny_tokenizer
 
 __all__ = ["PRESETS", "is_preset", "model_from_preset", "tokenizer_for"]  # the first two from preset_catalog
 
