@@ -23,7 +23,7 @@ from typing import Any
 MARKER = re.compile(r"^<!-- generated: (\w+) ([\w.-]+) -->$", re.M)
 # Command -> (module, function building its parser).
 PARSERS = {
-    "rollout-worker": ("rollout.service.cli", "build_parser"),
+    "rollout-worker": ("rollout.service.launch.cli", "build_parser"),
     "rollout-eval": ("rollout.eval.cli", "build_parser"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser"),
     "rollout-keygen": ("rollout.protocol.auth", "build_keygen_parser"),

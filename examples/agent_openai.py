@@ -175,7 +175,7 @@ def call_tool(name: str, arguments: str) -> str:
 
 def start_worker(port: int) -> subprocess.Popen:
     """A tiny-preset rollout-worker serving HTTP on `port`; returns once /health answers."""
-    command = [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", "cpu"]
+    command = [sys.executable, "-m", "rollout.service.launch.cli", "--model", "tiny", "--device", "cpu"]
     command += ["--bind", f"tcp://127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}", "--log-level", "WARNING"]
     worker = subprocess.Popen([*command, "--num-blocks", "512"])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=2)

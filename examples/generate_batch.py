@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = tiny_model(), tiny_tokenizer()
         print(TINY_NOTE)
     else:
-        from rollout.service.loading import load_model, load_tokenizer
+        from rollout.service.launch.loading import load_model, load_tokenizer
 
         try:  # a hub id on a machine without network is one line at once, not a minute of retries
             model = load_model(args.model, None, torch.device("cpu"))

@@ -58,7 +58,8 @@ def free_port() -> int:
 
 def start_worker(address: str, model: str = "tiny") -> subprocess.Popen:
     """A rollout-worker on a preset model (the tiny one by default); returns once it answers."""
-    command = [sys.executable, "-m", "rollout.service.cli", "--model", model, "--device", "cpu", "--bind", address]
+    command = [sys.executable, "-m", "rollout.service.launch.cli", "--model", model, "--device", "cpu"]
+    command += ["--bind", address]
     # One compute thread for the tiny worker: on a 2-core machine the trainer needs the other core.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("ROLLOUT_WORKER_THREADS", "1")}
     worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"], env=env)

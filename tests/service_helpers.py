@@ -32,7 +32,7 @@ class Worker:
         command = [
             sys.executable,
             "-m",
-            "rollout.service.cli",
+            "rollout.service.launch.cli",
             "--device",
             "cpu",
             "--bind",

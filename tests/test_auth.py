@@ -11,7 +11,7 @@ import torch
 
 from rollout.presets import tiny_model
 from rollout.protocol.auth import keygen_main
-from rollout.service import cli, startup
+from rollout.service.launch import cli, startup
 from service_helpers import Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 

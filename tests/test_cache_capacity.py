@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout.service.cache_capacity import cache_capacity
+from rollout.service.launch.cache_capacity import cache_capacity
 
 
 def test_the_sentence_counts_whole_sequences_in_whole_blocks():

@@ -20,7 +20,7 @@ from rollout.validation import FieldError
 ROOT = Path(__file__).resolve().parents[1]
 # Console script -> (its module, the function building its parser, how `python -m` runs it).
 SCRIPTS = {
-    "rollout-worker": ("rollout.service.cli", "build_parser", "rollout.service.cli"),
+    "rollout-worker": ("rollout.service.launch.cli", "build_parser", "rollout.service.launch.cli"),
     "rollout-bench": ("rollout.benchmarks.cli", "build_parser", "rollout.benchmarks.cli"),
     "rollout-eval": ("rollout.eval.cli", "build_parser", "rollout.eval"),
     "rollout-keygen": ("rollout.protocol.auth", "build_keygen_parser", "rollout.protocol.auth"),
@@ -102,7 +102,7 @@ def test_an_environment_variable_default_is_the_one_shown(monkeypatch):
 
 
 def test_a_typod_flag_suggests_the_closest_without_a_usage_dump():
-    child = run_python("-m", "rollout.service.cli", "--num-blcoks", "3")
+    child = run_python("-m", "rollout.service.launch.cli", "--num-blcoks", "3")
     assert child.returncode == 2
     lines = child.stderr.splitlines()
     assert lines == [
@@ -144,7 +144,7 @@ def test_flag_errors_are_one_line_and_a_hint(script, argv, message, capsys):
 
 @pytest.mark.parametrize("value, fraction", [("90", 0.9), ("100", 1.0), ("2.5", 0.025)])
 def test_max_memory_percent_takes_a_percent(value, fraction):
-    from rollout.service.worker_flags import engine_config
+    from rollout.service.launch.flags import engine_config
 
     args = parser_of("rollout-worker").parse_args(["--max-memory-percent", value])
     assert engine_config(args).max_memory_percent == pytest.approx(fraction)
@@ -153,7 +153,7 @@ def test_max_memory_percent_takes_a_percent(value, fraction):
 
 @pytest.mark.parametrize("value", ["0", "150", "-5", "nan", "ninety"])
 def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
-    from rollout.service import cli
+    from rollout.service.launch import cli
 
     with pytest.raises(SystemExit) as stop:
         cli.main(["--max-memory-percent", value])
@@ -173,7 +173,7 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
 def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):
     """The settings are checked in cli.main before startup (torch, the engine) is imported."""
     code = (
-        "import sys\nfrom rollout.service import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+        "import sys\nfrom rollout.service.launch import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n"
         f"    print(stop.code, [m for m in {HEAVY!r} if m in sys.modules])"
     )
     child = run_python("-c", code, *argv)

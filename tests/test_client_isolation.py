@@ -15,13 +15,13 @@ import httpx2 as httpx  # the HTTP library the openai client is built on
 import pytest
 
 from rollout.config import SamplingParams
-from rollout.service.http.answer_size import MAX_ANSWER_TOKENS, check_answer_size
-from rollout.service.http.bodies import ReceiveBudget
-from rollout.service.http.errors import APIError
-from rollout.service.http.openai_fields import GenerationRequest
-from rollout.service.http.prompts import MAX_TOOLS
-from rollout.service.http.settings import MAX_BODY_CONTAINERS, MAX_BODY_ELEMENTS, MAX_BODY_STRINGS, HttpSettings
-from rollout.service.http.template_inputs import MAX_TEMPLATE_VARIABLES
+from rollout.service.http.api.answer_size import MAX_ANSWER_TOKENS, check_answer_size
+from rollout.service.http.api.openai_fields import GenerationRequest
+from rollout.service.http.api.prompts import MAX_TOOLS
+from rollout.service.http.api.template_inputs import MAX_TEMPLATE_VARIABLES
+from rollout.service.http.serving.bodies import ReceiveBudget
+from rollout.service.http.serving.errors import APIError
+from rollout.service.http.serving.settings import MAX_BODY_CONTAINERS, MAX_BODY_ELEMENTS, MAX_BODY_STRINGS, HttpSettings
 from service_helpers import Worker, free_port
 from serving_watch import watches
 

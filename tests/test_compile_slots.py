@@ -1,4 +1,4 @@
-"""The worker's compile slots (rollout/service/constraint_compiles.py) on the tiny tokenizer, with real xgrammar
+"""The worker's compile slots (rollout/service/compile/constraint_compiles.py) on the tiny tokenizer, with real xgrammar
 compiles: a grammar that takes ~20 s to compile here (a long run of optional items: xgrammar's compile grows with the
 cube of its length) is refused by name at the budget while another client's spec is served at once; a cancelled
 compile's process is killed and its slot serves the next client; a client's queue is bounded; the compile server and
@@ -21,13 +21,13 @@ from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
 from rollout.engine.manager import QueueFullError, init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from rollout.service.compile_jobs import (  # noqa: E402
+from rollout.service.compile.constraint_compiles import ConstraintCompiles  # noqa: E402
+from rollout.service.compile.jobs import (  # noqa: E402
     CompileAbandoned,
     CompileBudget,
     CompilesClosed,
     CompilesUnavailable,
 )
-from rollout.service.constraint_compiles import ConstraintCompiles  # noqa: E402
 
 BUDGET_S = 2.0
 SLOW = "root ::= " + " ".join("[a-z]? [0-9]?" for _ in range(200))  # ~20 s to compile on the tiny vocabulary

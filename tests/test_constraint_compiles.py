@@ -22,8 +22,8 @@ from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout import protocol as p  # noqa: E402
 from rollout.engine.manager import init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from rollout.service.limits import WorkerLimits  # noqa: E402
-from rollout.service.worker import RolloutWorker  # noqa: E402
+from rollout.service.zmq.limits import WorkerLimits  # noqa: E402
+from rollout.service.zmq.worker import RolloutWorker  # noqa: E402
 from service_helpers import Client, Worker  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()

@@ -196,7 +196,7 @@ def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
     reading its socket altogether after 10 s.)"""
     import zmq
 
-    from rollout.service.clients import ClientLinks
+    from rollout.service.zmq.clients import ClientLinks
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -291,7 +291,7 @@ def test_a_vanished_client_is_lost_once_not_once_per_reply(caplog):
 
     import zmq
 
-    from rollout.service.clients import ClientLinks
+    from rollout.service.zmq.clients import ClientLinks
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -299,7 +299,7 @@ def test_a_vanished_client_is_lost_once_not_once_per_reply(caplog):
     links = ClientLinks(router, max_pending_bytes=1 << 20, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
     router.bind("tcp://127.0.0.1:*")
     try:
-        with caplog.at_level(logging.WARNING, logger="rollout.service.clients"):
+        with caplog.at_level(logging.WARNING, logger="rollout.service.zmq.clients"):
             for index in range(64):
                 links.send(b"\x00gone", p.GroupResult(f"g{index}", [1], []))
         assert lost == [b"\x00gone"]
@@ -370,7 +370,7 @@ def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
     import torch
 
     from rollout.protocol.staging import bucket_span, staging_layout
-    from rollout.service.weights import StagedUpdate, UpdateRejected
+    from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 
     specs = [p.TensorSpec(f"t{i}", "float32", [n]) for i, n in enumerate([5, 0, 33, 7])]
     offsets, total = staging_layout(specs)

@@ -18,8 +18,8 @@ import httpx2 as httpx  # the HTTP library the openai client is built on
 import pytest
 
 from rollout.presets import tiny_tokenizer
-from rollout.service.http.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
-from rollout.service.http.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from rollout.service.http.api.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS
+from rollout.service.http.api.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from service_helpers import Worker, free_port
 from serving_watch import watches
 

@@ -18,10 +18,10 @@ from test_compile_slots import SLOW, _children  # noqa: E402
 from rollout.config import ContinuousBatchingConfig  # noqa: E402
 from rollout.engine.manager import init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from rollout.service.compile_jobs import CompileBudget  # noqa: E402
-from rollout.service.constraint_compiles import ConstraintCompiles  # noqa: E402
-from rollout.service.http.server import HttpServer  # noqa: E402
-from rollout.service.http.settings import HttpSettings  # noqa: E402
+from rollout.service.compile.constraint_compiles import ConstraintCompiles  # noqa: E402
+from rollout.service.compile.jobs import CompileBudget  # noqa: E402
+from rollout.service.http.serving.server import HttpServer  # noqa: E402
+from rollout.service.http.serving.settings import HttpSettings  # noqa: E402
 
 BUDGET_S = 2.0
 

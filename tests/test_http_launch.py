@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from rollout.service.address_checks import check_metrics_address
-from rollout.service.cli import build_parser
-from rollout.service.http.launch import check_http_address
+from rollout.service.http.serving.launch import check_http_address
+from rollout.service.launch.address_checks import check_metrics_address
+from rollout.service.launch.cli import build_parser
 
 
 def parsed(*flags: str):

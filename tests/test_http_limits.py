@@ -11,8 +11,8 @@ import pytest
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.presets import tiny_model, tiny_tokenizer
-from rollout.service.http.server import HttpServer
-from rollout.service.http.settings import HttpSettings
+from rollout.service.http.serving.server import HttpServer
+from rollout.service.http.serving.settings import HttpSettings
 
 KEY = "secret-key"
 

@@ -19,9 +19,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.presets import TINY_MODEL_CONFIG, tiny_tokenizer
-from rollout.service.http.server import HttpServer
-from rollout.service.http.settings import TOOL_CALL_PARSER_NAMES, HttpSettings
-from rollout.service.http.tool_calls import TOOL_CALL_PARSERS
+from rollout.service.http.serving.server import HttpServer
+from rollout.service.http.serving.settings import TOOL_CALL_PARSER_NAMES, HttpSettings
+from rollout.service.http.tools.tool_calls import TOOL_CALL_PARSERS
 
 CALL = {"name": "count_letters", "arguments": {"text": "abc"}}  # examples/agent_openai.py's tool
 TOOLS = [{"type": "function", "function": {"name": "count_letters", "parameters": {"type": "object"}}}]

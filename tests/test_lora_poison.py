@@ -199,8 +199,8 @@ def test_an_errored_sample_is_an_http_error_and_the_base_still_answers(base):
     from rollout.engine.manager import init_continuous_batching
     from rollout.presets import tiny_model as tiny_preset
     from rollout.presets import tiny_tokenizer
-    from rollout.service.http.server import HttpServer
-    from rollout.service.http.settings import HttpSettings
+    from rollout.service.http.serving.server import HttpServer
+    from rollout.service.http.serving.settings import HttpSettings
 
     model = tiny_preset(seed=3)
     config = ContinuousBatchingConfig(num_blocks=32, block_size=16)
@@ -265,7 +265,7 @@ def test_an_adapter_whose_layers_do_not_fit_free_memory_is_refused(engine, monke
     ],
 )
 def test_lora_flags_are_one_line_usage_errors(flags, message, capsys):
-    from rollout.service import cli
+    from rollout.service.launch import cli
 
     with pytest.raises(SystemExit) as stop:
         cli.main([*flags, "--bind", "tcp://127.0.0.1:*"])

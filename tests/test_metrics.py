@@ -68,8 +68,8 @@ def test_a_group_and_a_weight_update_each_make_one_span():
 
     from rollout import ContinuousBatchingConfig
     from rollout.engine.manager import init_continuous_batching
-    from rollout.service.tracing import Tracer
-    from rollout.service.worker import RolloutWorker
+    from rollout.service.observability.tracing import Tracer
+    from rollout.service.zmq.worker import RolloutWorker
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -55,7 +55,7 @@ def unreachable_hub(monkeypatch, tmp_path):
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """rollout-worker's usage errors must come before the model loads."""
-    from rollout.service import startup
+    from rollout.service.launch import startup
 
     monkeypatch.setattr(startup, "load_model", lambda *a: pytest.fail("the model was loaded before the check"))
 
@@ -72,7 +72,7 @@ def error_line(capsys) -> str:
 
 def worker_error(capsys, flags: list[str]) -> str:
     """rollout-worker's error line for `flags`, checked to exit with status 2."""
-    from rollout.service import cli
+    from rollout.service.launch import cli
 
     with pytest.raises(SystemExit) as stop:
         cli.main(flags)
@@ -128,10 +128,10 @@ def test_the_grpo_gpu_example_with_a_hub_model_and_no_network(capsys, monkeypatc
 def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
     from rollout import ContinuousBatchingConfig, init_continuous_batching
     from rollout.presets import tiny_model, tiny_tokenizer
-    from rollout.service.cli import build_parser
     from rollout.service.group_counters import GroupCounters
-    from rollout.service.http.launch import start_http
-    from rollout.service.limits import WorkerLimits
+    from rollout.service.http.serving.launch import start_http
+    from rollout.service.launch.cli import build_parser
+    from rollout.service.zmq.limits import WorkerLimits
 
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = None
@@ -276,7 +276,7 @@ def test_an_ipv6_loopback_http_address_is_probed_as_ipv6():
     """`--http [::1]:PORT` reaches the port check as `::1`, which an IPv4 probe could not bind."""
     import argparse
 
-    from rollout.service.address_checks import check_bind
+    from rollout.service.launch.address_checks import check_bind
 
     if not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")

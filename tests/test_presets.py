@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.service.presets import tiny_model, tiny_tokenizer
+from rollout.presets import tiny_model, tiny_tokenizer
 
 
 def test_tokenizer_round_trips_text_within_the_models_vocabulary():
@@ -55,8 +55,8 @@ def test_the_tiny_agent_preset_calls_a_tool_then_answers():
     """`--model tiny-agent`: transformers' own sampling and response parser see a tool call in the chat template's
     format (or a refusal) in a fresh turn, each a third, and the answer once a tool result is in the conversation;
     the preset's model and tokenizer come by name, and the noisy variant keeps the script."""
-    from rollout.service.agent_preset import DEFAULT_CALLS, scripted_agent
-    from rollout.service.preset_names import model_from_preset, tokenizer_for
+    from rollout.presets import model_from_preset, scripted_agent, tokenizer_for
+    from rollout.presets.agent import DEFAULT_CALLS
 
     model, tokenizer = model_from_preset("tiny-agent"), tokenizer_for("tiny-agent")
     tool = {"type": "function", "function": {"name": "multiply", "parameters": {"type": "object"}}}

@@ -17,8 +17,8 @@ from conftest import needs_triton_interpreter, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
 from rollout.engine.engine import Engine
 from rollout.engine.kv_cache import PagedKVCache
-from rollout.service.cli import build_parser
-from rollout.service.startup import start_worker
+from rollout.service.launch.cli import build_parser
+from rollout.service.launch.startup import start_worker
 from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient
 
 SAMPLING = SamplingParams(max_new_tokens=4, stop_token_ids=())

@@ -23,7 +23,7 @@ EVERY_PROCESSOR = SamplingParams(
     frequency_penalty=0.2, no_repeat_ngram_size=2, bad_words_ids=((5,), (9, 11), (20, 21, 22)), suppress_tokens=(7,),
     begin_suppress_tokens=(8,), min_new_tokens=4, stop_token_ids=STOPS, top_logprobs=3, seed=1,
 )  # fmt: skip
-# "top_k": every sampling request sets top_k (the default path draws from candidates); "mixed": some do not (whole
+# "top_k": every sampling request sets top_k (the sampler draws from candidates); "mixed": some do not (whole
 # rows, with a blocked CDF walk), with every logprob_mode.
 WORKLOADS = {
     "top_k": {

@@ -19,7 +19,7 @@ from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402
 
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 MODEL = tiny_model(0)
@@ -252,7 +252,7 @@ def test_constraints_over_zeromq(agent_worker):
 
 
 def agent_worker_tokenizer():
-    from rollout.service.preset_names import tokenizer_for
+    from rollout.presets import tokenizer_for
 
     return tokenizer_for("tiny-agent")
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from rollout.service.http.tool_calls import (
+from rollout.service.http.tools.tool_calls import (
     TOOL_CALL_PARSERS,
     ParsedToolCalls,
     ToolsError,

@@ -17,8 +17,8 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager import init_continuous_batching
 from rollout.protocol import dist as dist_module
 from rollout.protocol.staging import bucket_checksum
-from rollout.service import weights as weights_module
-from rollout.service.updates import UpdateSlot
+from rollout.service.weights import staged_update as weights_module
+from rollout.service.weights.update_slot import UpdateSlot
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -294,7 +294,7 @@ def test_a_version_beyond_int64_is_refused_at_begin(client, version):
 def test_ordinary_mistakes_are_one_line_usage_errors(flags, message, capsys):
     """rollout-worker answers a malformed address, a bad setting, a missing model directory or a CUDA flag on a
     CPU-only torch with a usage error (exit 2), before loading any model."""
-    from rollout.service import cli
+    from rollout.service.launch import cli
 
     bind = [] if "--bind" in flags else ["--bind", "tcp://127.0.0.1:*"]  # the default port may be taken here
     with pytest.raises(SystemExit) as stop:
@@ -308,7 +308,7 @@ def test_a_hub_model_on_a_machine_without_network_is_one_line_at_once(capsys, mo
     """A hub id neither reachable nor cached: one usage line saying what to do, not a minute of retries."""
     from huggingface_hub import constants
 
-    from rollout.service import cli
+    from rollout.service.launch import cli
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
@@ -322,7 +322,7 @@ def test_a_hub_model_on_a_machine_without_network_is_one_line_at_once(capsys, mo
 
 
 def test_a_port_in_use_is_a_usage_error_before_the_model_loads(worker, capsys, monkeypatch):
-    from rollout.service import cli, startup
+    from rollout.service.launch import cli, startup
 
     monkeypatch.setattr(startup, "load_model", lambda *a: pytest.fail("the model was loaded before the bind check"))
     with pytest.raises(SystemExit) as stop:

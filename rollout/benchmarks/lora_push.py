@@ -54,7 +54,7 @@ def run(megabytes: float, rank: int, repeats: int, device: str = "cpu", dtype: s
     where = ["--gpu", str(place.index or 0)] if place.type == "cuda" else ["--device", device]
     flags = ["--bind", address, *where, "--dtype", dtype, "--model", f"sized:{megabytes:g}", "--num-blocks", "64"]
     flags += ["--max-lora-rank", str(rank), "--max-loras", "1", "--log-level", "WARNING"]
-    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags])
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.launch.cli", *flags])
     try:
         wait_answering(address, 180, lambda: None if worker.poll() is None else f"status {worker.returncode}")
         with RolloutClient(address, timeout=600) as client:

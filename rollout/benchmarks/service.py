@@ -66,7 +66,7 @@ def run(seed: int = 0, path: str = "zmq") -> dict:
         "--max-num-seqs",
         str(engine["max_num_seqs"]),
     ]
-    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags])
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.launch.cli", *flags])
     try:
         wait_answering(address, 120, lambda: None if worker.poll() is None else f"status {worker.returncode}")
         with RolloutClient(address, timeout=600) as client:

@@ -50,7 +50,7 @@ def run(
     # Two sets of weights, alternated, so every push really changes the model (built first: a failure here must not
     # leave a worker behind).
     models = [sized_model(megabytes, seed=seed, dtype=MODEL_DTYPES[dtype], device=place) for seed in (1, 2)]
-    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.cli", *flags, "--log-level", "WARNING"])
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.service.launch.cli", *flags, "--log-level", "WARNING"])
     results: dict[str, dict] = {}
     try:
         wait_answering(address, 120, lambda: None if worker.poll() is None else f"status {worker.returncode}")

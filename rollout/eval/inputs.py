@@ -19,9 +19,9 @@ from rollout.eval.errors import EvalError
 from rollout.eval.metrics import Metric, MetricError, load_metric
 from rollout.eval.run import PromptError, tokenize_prompts
 from rollout.hub import first_line
-from rollout.service.loading import load_model, load_tokenizer, torch_device
-from rollout.service.preset_names import is_preset
-from rollout.service.presets import MODEL_DTYPES
+from rollout.presets.models import MODEL_DTYPES
+from rollout.presets.names import is_preset
+from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
 
 
 @dataclass

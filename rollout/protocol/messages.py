@@ -161,7 +161,7 @@ class WeightsBucket(ClientMessage):
     TYPE: ClassVar[str] = "weights_bucket"
     update_id: str
     pieces: list[TensorPiece]
-    checksum: int | None = None  # xxh3_64 of the pieces' bytes in order (rollout.service.weights.bucket_checksum)
+    checksum: int | None = None  # xxh3_64 of the pieces' bytes in order (rollout.protocol.staging.bucket_checksum)
 
 
 @dataclass

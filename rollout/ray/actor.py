@@ -1,4 +1,4 @@
-"""One rollout worker inside a Ray actor: the same worker `rollout-worker` builds (`rollout.service.startup`), bound to
+"""One rollout worker inside a Ray actor: the same worker `rollout-worker` builds (`rollout.service.launch.startup`), bound to
 its node's address with the fleet's keys, served on a thread of the actor's process. The worker lives and dies with
 the actor: when it stops by itself (its engine failed), the actor exits so that Ray restarts it; killing the actor
 leaves nothing behind.
@@ -52,7 +52,7 @@ class _UsageError(ValueError):
 
 def worker_parser() -> argparse.ArgumentParser:
     """`rollout-worker`'s parser, raising `ValueError` on a usage error instead of exiting."""
-    from rollout.service.cli import build_parser
+    from rollout.service.launch.cli import build_parser
 
     parser = build_parser()
     parser.allow_abbrev = False  # "--mod" must not pass for --model, a flag the fleet sets
@@ -115,7 +115,7 @@ class RolloutWorkerActor:
     def _start(argv: list[str], files: Any, http: bool, api_key: str | None) -> Any:
         import ray
 
-        from rollout.service.startup import start_worker
+        from rollout.service.launch.startup import start_worker
 
         parser = worker_parser()
         args = parser.parse_args(worker_argv(argv, ray.util.get_node_ip_address(), files, http, api_key))

@@ -75,7 +75,7 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
     """Run one copy from `worker` (this process's, serving `model`) to the single worker of `client`.
 
     Args:
-        worker: the peer's `rollout.service.worker.Worker`.
+        worker: the peer's `rollout.service.zmq.worker.Worker`.
         model: the model it serves (its base weights).
         client: a `RolloutClient` connected to the target only.
         timeout: seconds each transaction's phases may take.

@@ -1,13 +1,12 @@
-"""The rollout worker: the engine served over ZeroMQ + msgpack.
+"""The rollout worker: the engine served to trainers over ZeroMQ + msgpack (the wire contract is `rollout.protocol`)
+and to OpenAI clients over HTTP. Its subsystems, in the order a worker runs them:
 
-- `protocol.py` documents the wire protocol; `messages.py` holds its dataclasses and `codec.py` the bounded codec
-  (both shared with `trainer_bridge`); `sockets.py` checks addresses and reads messages within bounds;
-- `cli.py` is `rollout-worker` (`presets.py`: built-in models; `limits.py`: operator limits; `auth.py`: CurveZMQ
-  keys and roles);
-- `worker.py` is the serving loop: it routes generate/cancel/stats to the engine manager (`groups.py` turns outputs
-  into messages, `clients.py` keeps each client's link) and weight-update messages to `updates.py`;
-- weight updates: `updates.py` (the single update slot), `weights.py` (one staged update), `staging.py` (the wire
-  contract and staging areas), `jobs.py` (the update's job thread), `dist.py` (the torch.distributed transport);
+- `launch/`: `rollout-worker`'s flags, the model loaded, the engine, sockets and servers built;
+- `zmq/`: the serving loop on the ZeroMQ socket (generate, cancel, stats; weight updates go to `weights/`);
 - `http/`: the OpenAI-compatible HTTP front end (`rollout-worker --http`), on the same engine manager;
-- observability: `metrics.py` (Prometheus), `tracing.py` (OpenTelemetry).
+- `compile/`: structured-output constraints compiled off the serving loop, within a budget;
+- `weights/`: weight updates as transactions (staged, checked, committed);
+- `observability/`: Prometheus metrics and OpenTelemetry traces;
+- `group_counters.py` (groups received, refused, finished: both front ends count into it) and `loopback_hosts.py`
+  (the Host headers a loopback-only server answers).
 """

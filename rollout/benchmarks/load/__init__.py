@@ -1,5 +1,5 @@
 """`rollout-bench load`: many trainer processes against one or two `rollout-worker`s over loopback, counting every
-group. Starts the workers (`python -m rollout.service.cli --model tiny ...`, each on a free port) and `--clients`
+group. Starts the workers (`python -m rollout.service.launch.cli --model tiny ...`, each on a free port) and `--clients`
 client processes (each a `RolloutClient` given every worker's address), each generating `--groups` groups of `--n`
 samples (random prompts of `--prompt-len` tokens, `--max-new-tokens` sampled tokens and no stop token, so every
 sample has exactly that many tokens). Reports groups/s, tokens/s, p50/p99 group latency (submit to result),

@@ -24,7 +24,7 @@ class WorkerProcess:
         command = [
             sys.executable,
             "-m",
-            "rollout.service.cli",
+            "rollout.service.launch.cli",
             "--model",
             "tiny",
             "--device",

@@ -1,0 +1,178 @@
+"""An HTTP request's groups on the engine: one group per prompt (n samples each), added to the same manager that
+serves ZeroMQ clients, their streamed outputs handed to the request's coroutine on its event loop. A request that
+ends early (its client went away, or a later prompt of its batch was refused) cancels its groups, which frees their
+KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rollout.config import FieldError, SamplingParams
+from rollout.detokenizer import OutputText
+from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
+from rollout.engine.outputs import GenerationOutput
+from rollout.service.group_counters import GroupCounters
+from rollout.service.http.api.choices import Choice, ChoiceDelta
+from rollout.service.http.serving.errors import APIError, busy, from_field_error
+
+# How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
+# Engine outputs a request may leave unread per sample (a stream whose client stops reading); past it the request
+# is cancelled, so that an unread stream cannot hold the rest of its generation in memory. Per sample: a stream of
+# n=1024 gets 1024 outputs a step, more than an event loop may send in a step's time, and must not be cut.
+MAX_UNREAD_OUTPUTS_PER_SAMPLE = 64
+
+
+class Submission:
+    """The groups of one request and the choices they fill."""
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        n: int,
+        tokenizer: Any,
+        counters: GroupCounters,
+        named_stops: frozenset[int] = frozenset(),
+        adapter: str | None = None,
+    ):
+        """
+        Args:
+            manager: the worker's engine manager.
+            prompts: token ids of each prompt.
+            sampling: how every sample is drawn.
+            n: samples per prompt.
+            tokenizer: decodes the choices' text.
+            counters: the worker's group counters (groups received and finished, samples by finish reason).
+            named_stops: the stop tokens the request named (what a choice's stop_reason may be).
+            adapter: the served LoRA adapter the request's `model` names (None: the base model).
+        """
+        self._adapter = adapter
+        self._manager = manager
+        self._prompts = prompts
+        self._sampling = sampling
+        self._n = n
+        self._counters = counters
+        self._unfinished_per_group = [n] * len(prompts)
+        self.choices = [
+            Choice(
+                index * n + sample,
+                prompt,
+                OutputText(
+                    tokenizer,
+                    prompt,
+                    sampling.skip_special_tokens,
+                    sampling.stop,
+                    sampling.include_stop_str_in_output,
+                    sampling.min_new_tokens,
+                ),
+                frozenset() if sampling.include_stop_str_in_output else frozenset(sampling.stop_token_ids or ()),
+                named_stops,
+            )
+            for index, prompt in enumerate(prompts)
+            for sample in range(n)
+        ]
+        self._queue: asyncio.Queue[tuple[int, GenerationOutput]] = asyncio.Queue()
+        self._group_ids: list[str] = []
+        self._unfinished = len(self.choices)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.overflowed = False  # cancelled because its client left too many outputs unread
+
+    def start(self, prompt_field: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Add every prompt's group, all or none (on a worker thread: checking a batch of long prompts takes a
+        while); their outputs are handed to `loop`, the request's event loop.
+
+        Raises:
+            APIError: a prompt the engine refuses (400 naming the field and the prompt's index), a full queue (503
+                busy), or a stopped engine (503); nothing of the request is then queued.
+        """
+        self._loop = loop
+        try:
+            group_ids = [f"http-{uuid.uuid4().hex}" for _ in self._prompts]
+            settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter)
+            self._manager.add_groups(group_ids, self._prompts, **settings)  # all or none
+            for index, group_id in enumerate(group_ids):
+                self._group_ids.append(group_id)
+                self._counters.group_received()
+                self._manager.register_result_handler(group_id, self._handler(index * self._n))
+        except FieldError as error:
+            self.cancel()
+            raise from_field_error(error, prompt_field) from None
+        except QueueFullError as error:
+            self.cancel()
+            raise busy(str(error)) from None
+        except RuntimeError as error:  # the manager stopped (the worker is shutting down, or its engine failed)
+            self.cancel()
+            raise APIError(503, f"the engine is not serving: {error}", None, "service_unavailable_error") from None
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice has its final output."""
+        return self._unfinished == 0
+
+    async def deltas(self, disconnected: Callable[[], Any] | None = None) -> AsyncIterator[tuple[Choice, ChoiceDelta]]:
+        """Yield (choice, what it gained) per engine output until every choice finished.
+
+        Args:
+            disconnected: an async callable that says whether the client went away (polled while waiting); the
+                groups are then cancelled and `ClientGone` raised.
+        """
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while not self.finished:
+            try:
+                base, output = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                output = None
+            # Checked on a clock, not only when idle: a busy request's outputs never leave the queue empty.
+            if disconnected is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await disconnected():
+                    self.cancel()
+                    raise ClientGone
+            if output is None:
+                continue
+            choice = self.choices[base + output.sample_index]
+            delta = choice.absorb(output)
+            if delta.finished:
+                self._unfinished -= 1
+            yield choice, delta
+
+    def cancel(self) -> None:
+        """Cancel the groups not finished yet (their KV blocks are freed; unknown or finished ones are ignored)."""
+        if self.finished:
+            return
+        for group_id in self._group_ids:
+            self._manager.cancel_request(group_id)
+
+    def _arrive(self, item: tuple[int, GenerationOutput]) -> None:
+        """An output reaches the request's loop; too many unread cancel the request (its client is not reading)."""
+        self._queue.put_nowait(item)
+        if self._queue.qsize() > MAX_UNREAD_OUTPUTS_PER_SAMPLE * len(self.choices) and not self.overflowed:
+            self.overflowed = True
+            self.cancel()
+
+    def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
+        counters, unfinished, loop, arrive = self._counters, self._unfinished_per_group, self._loop, self._arrive
+        group = base // self._n
+
+        def handle(output: GenerationOutput) -> None:  # on the engine thread: quick, and hands over to the loop
+            if output.is_finished:
+                counters.sample_finished(output.finish_reason)
+                unfinished[group] -= 1
+                if not unfinished[group]:
+                    counters.group_finished()
+            try:
+                loop.call_soon_threadsafe(arrive, (base, output))
+            except RuntimeError:  # the loop closed (the server stopped): nobody reads this answer any more
+                pass
+
+        return handle
+
+
+class ClientGone(Exception):
+    """The client of a request disconnected before its answer was ready."""

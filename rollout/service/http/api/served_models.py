@@ -1,0 +1,40 @@
+"""The models an HTTP worker serves, as the OpenAI API names them: the worker's model and each LoRA adapter it
+serves (listed by /v1/models with the model as their parent, and chosen by a request's `model`, as vLLM does)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rollout.engine.adapter_ref import AdapterRef
+from rollout.service.http.serving.errors import APIError
+
+
+def requested_adapter(model: Any, model_name: str, adapters: Mapping[str, AdapterRef]) -> str | None:
+    """The adapter a request's `model` field names: None for the worker's model (or no `model`).
+
+    Raises:
+        APIError: 404 model_not_found for anything else, listing what is served.
+    """
+    if model is None or model == model_name:
+        return None
+    if isinstance(model, str) and model in adapters:
+        return model
+    served = ", ".join(f"`{name}`" for name in [model_name, *sorted(adapters)])
+    raise APIError(
+        404,
+        f"the model `{model}` does not exist: this worker serves {served}",
+        "model",
+        "not_found_error",
+        "model_not_found",
+    )
+
+
+def model_list(model_name: str, max_model_len: int, policy_version: int, adapters: Mapping[str, AdapterRef]) -> dict:
+    """/v1/models: the worker's model, then its adapters (each with its parent and policy version)."""
+    listed = {"object": "model", "created": int(time.time()), "owned_by": "rollout", "max_model_len": max_model_len}
+    data = [{**listed, "id": model_name, "root": model_name, "parent": None, "policy_version": policy_version}]
+    for name, ref in sorted(adapters.items()):
+        data.append({**listed, "id": name, "root": name, "parent": model_name, "policy_version": ref.version})
+    return {"object": "list", "data": data}

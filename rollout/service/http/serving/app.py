@@ -1,0 +1,164 @@
+"""The FastAPI application of `rollout-worker --http`: OpenAI's /v1/completions, /v1/chat/completions and
+/v1/models, vLLM's /tokenize and /detokenize, and /health, over the worker's engine manager.
+
+Errors are OpenAI-format bodies (errors.py): 400 naming the field, 401 without the worker's --api-key, 404 for
+another model name or path, 408/413/415 for a body too slow, too big or not JSON, 503 `busy` when the queue is full.
+Parsing, chat templates, tokenization and detokenization run on worker threads, off the event loop that streams
+every answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.service.compile.constraint_compiles import ConstraintCompiles
+from rollout.service.group_counters import GroupCounters
+from rollout.service.http.api.bridge import ClientGone
+from rollout.service.http.api.endpoints import Answer, OpenAIEndpoints
+from rollout.service.http.api.served_models import model_list
+from rollout.service.http.api.tokenize import TokenizeEndpoints
+from rollout.service.http.serving.bodies import BodyIntake, ReceiveBudget
+from rollout.service.http.serving.errors import APIError, SafeJSONResponse
+from rollout.service.http.serving.guard import RequestGuard
+from rollout.service.http.serving.settings import HttpSettings
+
+# The paths the API serves (what the HTTP metrics name; any other path is reported as "other").
+ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+
+
+def build_app(
+    manager: ContinuousBatchingManager,
+    tokenizer: Any,
+    settings: HttpSettings,
+    counters: GroupCounters | None = None,
+    compiles: ConstraintCompiles | None = None,
+) -> FastAPI:
+    """The application.
+
+    Args:
+        manager: the worker's engine manager (started by the worker; shared with its ZeroMQ socket).
+        tokenizer: the worker's tokenizer (None: text endpoints answer 400).
+        settings: the served model's name, limits, API key and trust (`HttpSettings`).
+        counters: the worker's group counters (HTTP groups count as ZeroMQ ones do); None: a fresh set.
+        compiles: the worker's structured-output compile slots (its ZeroMQ clients take turns with HTTP ones);
+            None: the app's own.
+    """
+    counters = GroupCounters() if counters is None else counters
+    app = FastAPI(
+        title="rollout", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=SafeJSONResponse
+    )
+    model_name = settings.model_name
+    budget = ReceiveBudget(settings.max_receiving_bytes, settings.max_receiving_bytes_per_client)
+    bodies = BodyIntake(settings.max_body_bytes, budget)
+    endpoints = OpenAIEndpoints(
+        manager,
+        model_name,
+        tokenizer,
+        settings.max_n,
+        settings.max_prompt_len,
+        settings.trust_request_chat_template,
+        counters,
+        settings.tool_call_parser,
+        settings.max_answer_logprobs,
+        compiles,
+    )
+
+    def close() -> None:  # what the server calls once it stopped: the compile and parse threads
+        endpoints.close()
+        bodies.close()
+
+    app.state.close = close
+    engine = manager.engine
+    tokens = TokenizeEndpoints(
+        tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits, engine.runner.adapters.refs
+    )
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> SafeJSONResponse:
+        return SafeJSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> SafeJSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return SafeJSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
+
+    app.add_middleware(RequestGuard, api_key=settings.api_key, loopback_only=settings.loopback_only)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> SafeJSONResponse:
+        if not manager.is_running():
+            return SafeJSONResponse({"status": "stopped"}, status_code=503)
+        return SafeJSONResponse({"status": "ok", "policy_version": manager.engine.policy_version})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = manager.engine
+        return model_list(model_name, engine.max_model_len, engine.policy_version, engine.runner.adapters.refs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool) -> Any:
+        loop = asyncio.get_running_loop()
+        try:  # parsing, tokenizing and checking are slow work (worker threads); a constraint compiles on its own
+            async with bodies.body(request) as body:
+                answer = await asyncio.to_thread(endpoints.prepare, body, chat)
+                del body  # the parsed body leaves the budget: nothing may hold it after (the answer keeps its own)
+            await endpoints.compile(answer, request)
+        except APIError:
+            counters.group_refused()
+            raise
+
+        def start() -> Answer:  # a worker thread: adding a batch of groups checks every prompt
+            answer.start(loop)
+            return answer
+
+        starting = asyncio.ensure_future(asyncio.to_thread(start))
+        try:
+            await asyncio.shield(starting)
+        except APIError:
+            counters.group_refused()
+            raise
+        except asyncio.CancelledError:  # the client left while its groups were being added: cancel them once added
+            starting.add_done_callback(_cancel_started)
+            raise
+        if answer.request.stream:
+            return StreamingResponse(endpoints.stream(answer), media_type="text/event-stream")
+        try:
+            return Response(await endpoints.complete(answer, request.is_disconnected), media_type="application/json")
+        finally:
+            answer.submission.cancel()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        async with bodies.body(request) as body:
+            ids = await asyncio.to_thread(tokens.tokenize, body)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        async with bodies.body(request) as body:
+            return {"prompt": await asyncio.to_thread(tokens.detokenize, body)}
+
+    return app
+
+
+def _cancel_started(starting: asyncio.Future) -> None:
+    """Cancel the groups of a request whose client left before they were all added."""
+    if not starting.cancelled() and starting.exception() is None:
+        starting.result().submission.cancel()

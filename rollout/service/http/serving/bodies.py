@@ -1,0 +1,209 @@
+"""Request bodies in, bounded: what a client may make the worker receive, hold and parse.
+
+Parsing JSON (`json.loads`) is one C call that holds the interpreter lock from its first byte to its last, and so do
+freeing what it built and the garbage collections its containers trigger: while it runs, the event loop that answers
+every client and the engine's serving loop both wait. A 15 MB body of five million empty lists holds the lock for
+seconds. So a body's shape is counted while it arrives (at C speed, chunk by chunk) and a body over the limits is
+refused before it is parsed, or even fully received; big bodies are parsed one at a time (two would take turns
+holding the lock, stalling the loop twice as long); and the bytes being received are capped per client address and
+in all, so many slow uploads cannot hold the worker's memory.
+
+The counts are upper bounds: every JSON array and object has an opening bracket, and every value after a
+container's first is preceded by a comma. Brackets and commas inside strings count too, which only a prompt far
+longer than any context could reach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from rollout.service.http.api.bridge import ClientGone
+from rollout.service.http.serving.errors import APIError
+from rollout.service.http.serving.settings import (
+    MAX_BODY_CONTAINERS,
+    MAX_BODY_ELEMENTS,
+    MAX_BODY_STRINGS,
+    PARSED_BYTES_PER_STRING,
+    PARSED_BYTES_PER_VALUE,
+)
+
+# Most seconds a client may take to send its request body.
+BODY_TIMEOUT_S = 30.0
+# Bodies over this size are parsed one at a time on their own thread (smaller ones parse in well under 0.1 s).
+BIG_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class BodyShape:
+    """The containers, values and strings of a body, counted chunk by chunk as it arrives."""
+
+    containers: int = 0
+    elements: int = 0
+    quotes: int = 0
+
+    def feed(self, chunk: bytes) -> int:
+        """Count one chunk; returns what its values may take once parsed, in bytes (`PARSED_BYTES_PER_VALUE` per
+        container and comma, `PARSED_BYTES_PER_STRING` per pair of double quotes).
+
+        Raises:
+            APIError: 413 once the body holds more containers, values or strings than a body may.
+        """
+        containers, elements, quotes = chunk.count(b"[") + chunk.count(b"{"), chunk.count(b","), chunk.count(b'"')
+        self.containers += containers
+        self.elements += elements
+        self.quotes += quotes
+        if self.containers > MAX_BODY_CONTAINERS:
+            reason = f"the request body holds over {MAX_BODY_CONTAINERS} JSON arrays and objects, the most one may"
+            raise APIError(413, reason)
+        if self.elements > MAX_BODY_ELEMENTS:
+            raise APIError(413, f"the request body holds over {MAX_BODY_ELEMENTS} JSON values, the most one may")
+        if self.quotes > 2 * MAX_BODY_STRINGS:
+            raise APIError(413, f"the request body holds over {MAX_BODY_STRINGS} JSON strings, the most one may")
+        return (containers + elements) * PARSED_BYTES_PER_VALUE + (quotes // 2 + 1) * PARSED_BYTES_PER_STRING
+
+
+@dataclass
+class ReceiveBudget:
+    """Bytes of request bodies being received and parsed (a body's bytes plus what its parsed values may take,
+    `BodyShape.feed`), capped per client address and in all (event-loop thread only: no lock).
+
+    Attributes:
+        total_bytes: most bytes held at once for all clients; past it a request is answered 503 (retry later).
+        per_client_bytes: most bytes held at once for one client address; past it its request is answered 429.
+    """
+
+    total_bytes: int
+    per_client_bytes: int
+    held: int = 0
+    by_client: Counter = field(default_factory=Counter)
+
+    def reserve(self, client: str, size: int) -> None:
+        """Hold `size` more bytes for `client`.
+
+        Raises:
+            APIError: 429 past the client's share, 503 past the worker's total (nothing is held then).
+        """
+        if self.by_client[client] + size > self.per_client_bytes:
+            reason = (
+                f"this client is already sending {self.by_client[client]} bytes of request bodies; the worker "
+                f"holds at most {self.per_client_bytes} per client address: wait for its other requests"
+            )
+            raise APIError(429, reason, None, "rate_limit_error", "too_many_body_bytes")
+        if self.held + size > self.total_bytes:
+            reason = f"the worker is receiving {self.held} bytes of request bodies, the most it holds; retry later"
+            raise APIError(503, reason, None, "service_unavailable_error", "busy")
+        self.held += size
+        self.by_client[client] += size
+
+    def release(self, client: str, size: int) -> None:
+        """Give back `size` bytes held for `client`."""
+        self.held -= size
+        left = self.by_client[client] - size
+        if left > 0:
+            self.by_client[client] = left
+        else:
+            del self.by_client[client]
+
+
+def parse_json(raw: bytes | bytearray) -> Any:
+    """A JSON body (400 when it is not JSON, or nested too deeply to parse).
+
+    orjson parses it: on every kind of value at most about 0.15 microseconds each, where `json.loads` takes up to
+    1.4 and msgspec up to 12 (on `1e300`), all while holding the interpreter lock. What orjson refuses in a small body
+    is parsed again by `json.loads`, which decides as it always did (it takes NaN, lone surrogate escapes and
+    integers past 64 bits, which orjson refuses; fields then name them); a big body orjson refuses is refused.
+    """
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        if len(raw) >= BIG_BODY_BYTES:
+            raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
+
+
+class BodyIntake:
+    """Reads and parses the JSON bodies of one server: within a size and a time limit, counted as they arrive,
+    within the worker's receive budget, parsed off the event loop (big ones one at a time)."""
+
+    def __init__(self, max_body_bytes: int, budget: ReceiveBudget):
+        """
+        Args:
+            max_body_bytes: largest body (larger ones are answered 413).
+            budget: the bytes all clients, and each client address, may have in flight.
+        """
+        self.max_body_bytes = max_body_bytes
+        self.budget = budget
+        self._big = ThreadPoolExecutor(1, thread_name_prefix="rollout-http-parse")
+
+    @asynccontextmanager
+    async def body(self, request: Request) -> AsyncIterator[Any]:
+        """The request's JSON body, parsed; its bytes count against the budget until the block ends.
+
+        Raises:
+            APIError: not declared as JSON (415), over the size or shape limits (413), too slow (408), over the
+                client's share of the budget (429) or the worker's (503), not JSON (400).
+            ClientGone: the client left while sending it.
+        """
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            reason = f"the request body must be JSON (Content-Type: application/json), got {kind or 'none'!r}"
+            raise APIError(415, reason)
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {limit}")
+        client = request.client.host if request.client is not None else ""
+        held = [0]  # bytes reserved for this body so far
+
+        def hold(size: int) -> None:
+            self.budget.reserve(client, size)
+            held[0] += size
+
+        try:
+            raw = await self._read(request, hold)
+            parsed = await self._parse(raw)
+            del raw  # (the parsed body is what the handler holds, and must drop at the end of the block)
+            yield parsed
+        finally:
+            self.budget.release(client, held[0])
+
+    async def _read(self, request: Request, hold: Callable[[int], None]) -> bytearray:
+        body, shape, limit = bytearray(), BodyShape(), self.max_body_bytes
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise APIError(413, f"the request body is over {limit} bytes, the most this worker takes")
+                hold(len(chunk) + shape.feed(chunk))
+                body.extend(chunk)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        except ClientDisconnect:
+            raise ClientGone from None
+        return body  # (json.loads takes a bytearray: no copy)
+
+    async def _parse(self, raw: bytearray) -> Any:
+        if len(raw) < BIG_BODY_BYTES:
+            return await asyncio.to_thread(parse_json, raw)
+        return await asyncio.get_running_loop().run_in_executor(self._big, parse_json, raw)
+
+    def close(self) -> None:
+        """Stop the parse thread (a parse in progress finishes first)."""
+        self._big.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,130 @@
+"""`rollout-worker --http HOST:PORT [--api-key KEY]`: the flags checked before the model loads, and the HTTP
+front end started beside the ZeroMQ socket. Imports FastAPI and uvicorn only when the front end starts."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.extras import MissingExtra, require_extra
+from rollout.protocol.sockets import is_loopback
+from rollout.service.http.serving.settings import HttpSettings
+from rollout.service.launch.address_checks import check_bind
+from rollout.service.zmq.limits import WorkerLimits
+
+if TYPE_CHECKING:
+    from rollout.service.http.serving.server import HttpServer
+    from rollout.service.zmq.worker import RolloutWorker
+
+logger = logging.getLogger("rollout.worker")
+# The environment variable the HTTP API key is read from when --api-key is not given.
+API_KEY_VARIABLE = "ROLLOUT_API_KEY"
+
+
+def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
+    """(host, port) of --http, checked before the model loads (None without it). The key may come from the
+    ROLLOUT_API_KEY environment variable (as every flag may from its ROLLOUT_* variable), which keeps it out of `ps`."""
+    if args.http is None:
+        if args.api_key is not None:
+            parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
+        return None
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    host = host.strip("[]")
+    try:  # FastAPI and uvicorn load only once the model has; their absence is found now
+        require_extra("http", f"--http {args.http}")
+    except MissingExtra as error:
+        parser.error(str(error))
+    if args.http_max_body_bytes < 1024:
+        parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
+    if args.api_key == "":
+        parser.error(f"--api-key (or {API_KEY_VARIABLE}): must not be empty")
+    for flag, value in (
+        ("--http-head-timeout", args.http_head_timeout),
+        ("--http-keep-alive-timeout", args.http_keep_alive_timeout),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} {value}: must be a number of seconds > 0")
+    for flag, value in (
+        ("--http-max-receiving-bytes-per-client", args.http_max_receiving_bytes_per_client),
+        ("--http-max-receiving-bytes", args.http_max_receiving_bytes),
+    ):
+        if value is not None and value < args.http_max_body_bytes:
+            parser.error(f"{flag} {value}: must be at least --http-max-body-bytes ({args.http_max_body_bytes})")
+    total, per_client = args.http_max_receiving_bytes, args.http_max_receiving_bytes_per_client
+    if total is not None and per_client is not None and total < per_client:
+        parser.error(f"--http-max-receiving-bytes {total}: must be at least --http-max-receiving-bytes-per-client")
+    if args.http_max_answer_logprobs < 1:
+        parser.error(f"--http-max-answer-logprobs {args.http_max_answer_logprobs}: must be at least 1")
+    if args.http_max_waiting_connections < 1:
+        parser.error(f"--http-max-waiting-connections {args.http_max_waiting_connections}: must be at least 1")
+    if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None:
+        if not args.insecure:
+            parser.error(
+                f"--http {args.http}: a non-loopback address needs --api-key or {API_KEY_VARIABLE} (or --insecure "
+                "to accept anyone)"
+            )
+        logger.warning("--insecure: the HTTP API at %s answers anyone who can reach it, without a key", args.http)
+    if int(port):
+        check_bind(parser, f"tcp://{host}:{port}", flag="--http", shown=args.http)
+    return host, int(port)
+
+
+def start_http(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    address: tuple[str, int],
+    manager: ContinuousBatchingManager,
+    worker: RolloutWorker,
+    tokenizer: Any,
+    limits: WorkerLimits,
+    observe: Callable[[str, int, float], None] | None = None,
+) -> HttpServer:
+    """Start the HTTP front end on the worker's manager (a usage error when FastAPI/uvicorn are missing or it
+    cannot listen).
+
+    Args:
+        parser, args: rollout-worker's parser and arguments (--model names the served model).
+        address: (host, port) from `check_http_address`.
+        manager, worker, tokenizer, limits: what the worker serves, and its limits.
+        observe: records each HTTP request in the worker's metrics (None: no --metrics-port).
+    """
+    from rollout.service.http.serving.server import HttpServer
+
+    try:
+        settings = HttpSettings(
+            host=address[0],
+            port=address[1],
+            model_name=args.model,
+            max_n=limits.max_n,
+            max_prompt_len=worker.max_prompt_len,
+            max_body_bytes=args.http_max_body_bytes,
+            max_receiving_bytes=args.http_max_receiving_bytes,
+            max_receiving_bytes_per_client=args.http_max_receiving_bytes_per_client,
+            max_answer_logprobs=args.http_max_answer_logprobs,
+            api_key=args.api_key,
+            trust_request_chat_template=args.trust_request_chat_template,
+            head_timeout_s=args.http_head_timeout,
+            keep_alive_timeout_s=args.http_keep_alive_timeout,
+            max_waiting_connections=args.http_max_waiting_connections,
+            tool_call_parser=args.tool_call_parser,
+        )
+        http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles)
+        http.start()
+    except (ImportError, RuntimeError, ValueError) as error:
+        parser.error(f"--http {args.http}: {error}")
+    # The attribute prompts.py reads (not imported from there: it loads starlette, and this module loads without it).
+    no_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is None
+    if no_template and not args.trust_request_chat_template:
+        logger.warning(
+            "--http: the tokenizer of %s has no chat template, so /v1/chat/completions answers 400: pass --tokenizer "
+            "naming one that has (the instruct model's), or send rendered prompts to /v1/completions",
+            args.tokenizer or args.model,
+        )
+    logger.info("OpenAI-compatible API at %s/v1", http.url)
+    return http

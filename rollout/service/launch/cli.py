@@ -1,0 +1,317 @@
+"""`rollout-worker`: serve a model over ZeroMQ for trainers.
+
+Every option can also come from an environment variable ROLLOUT_<OPTION> (upper case, dashes as underscores, e.g.
+ROLLOUT_BIND, ROLLOUT_MAX_BATCH_TOKENS); a flag given on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+# Only light modules here: the parser builds, and --help and flag errors answer, before torch, transformers and the
+# engine load (startup.py loads them, once the flags parse and the settings check).
+from rollout.cli_parser import CliParser
+from rollout.config import ATTENTION_BACKENDS, MODEL_DTYPE_NAMES, SCHEDULER_TYPES, ContinuousBatchingConfig
+from rollout.presets.catalog import PRESETS
+from rollout.service.http.serving.settings import (
+    DEFAULT_MAX_ANSWER_LOGPROBS,
+    HEAD_TIMEOUT_S,
+    KEEP_ALIVE_TIMEOUT_S,
+    MAX_WAITING_CONNECTIONS,
+    TOOL_CALL_PARSER_NAMES,
+)
+from rollout.service.launch.flags import AUTO_ON_OFF, check_settings, percent
+from rollout.service.zmq.limits import WorkerLimits
+
+__all__ = ["FIELD_FLAGS", "build_parser", "main"]
+
+logger = logging.getLogger("rollout.worker")
+
+# The flag of each config field (ContinuousBatchingConfig, WorkerLimits) whose name is not the flag's with
+# underscores: a FieldError naming the field is reported naming the flag.
+FIELD_FLAGS = {
+    "scheduler_type": "--scheduler",
+    "use_cuda_graph": "--cuda-graphs",
+    "overlap_scheduling": "--overlap",
+    "client_timeout_s": "--client-timeout",
+}
+
+
+def build_parser() -> CliParser:
+    """The command-line interface (defaults may come from ROLLOUT_* environment variables)."""
+    parser = CliParser(prog="rollout-worker", description=__doc__, field_flags=FIELD_FLAGS)
+    add = parser.add_argument
+    add(
+        "--model",
+        default="tiny",
+        help="a local Hugging Face model directory, a hub id, or a preset: "
+        f"{', '.join(PRESETS)} (default: tiny, a random Qwen3-style model built in code; tiny-moe its MoE version; "
+        "tiny-agent a scripted tool caller, for agentic rollouts; sized:512 is a random model with about 512 MB of weights, for weight-transfer benchmarks)",
+    )
+    add(
+        "--tokenizer",
+        default=None,
+        help="a local tokenizer directory or hub id, for stop strings and (with --http) text prompts and chat; "
+        "'none' serves without one (default: the preset's built-in tokenizer, else the model directory's, if any)",
+    )
+    place = parser.add_mutually_exclusive_group()
+    place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on (default: none, --device)")
+    place.add_argument("--device", default=None, help="torch device, e.g. cpu (default: cpu unless --gpu)")
+    add(
+        "--dtype",
+        choices=MODEL_DTYPE_NAMES,
+        default="auto",
+        help="parameter dtype (auto: the checkpoint's, fp32 presets)",
+    )
+    add("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
+    add(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+        "/tokenize, /detokenize, /health) on this address, over the same engine (needs pip install 'rollout[http]'; "
+        "port 0 picks a free one; default: off)",
+    )
+    add(
+        "--http-max-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="largest HTTP request body; larger ones are answered 413 (default: 16 MiB)",
+    )
+    add(
+        "--http-max-receiving-bytes",
+        type=int,
+        default=None,
+        help="most bytes of HTTP request bodies held at once (being received or parsed: a body's bytes plus 40 per "
+        "JSON value and 32 more per string, what they take once parsed) for all clients; past it a request is "
+        "answered 503 (default: twice the per-client share)",
+    )
+    add(
+        "--http-max-receiving-bytes-per-client",
+        type=int,
+        default=None,
+        help="the same for one client address; past it, 429 (default: what the largest body may take, about 180 "
+        "MB; behind a proxy every client has the proxy's address: raise it)",
+    )
+    add(
+        "--http-max-answer-logprobs",
+        type=int,
+        default=DEFAULT_MAX_ANSWER_LOGPROBS,
+        help="most log-prob entries a whole (not streamed) answer may hold; a request that could exceed it is "
+        "answered 400 before it starts",
+    )
+    add(
+        "--http-head-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds an HTTP connection may take to send a complete request head; slower ones are closed",
+    )
+    add(
+        "--http-keep-alive-timeout",
+        type=float,
+        default=KEEP_ALIVE_TIMEOUT_S,
+        help="seconds an idle HTTP keep-alive connection stays open",
+    )
+    add(
+        "--http-max-waiting-connections",
+        type=int,
+        default=MAX_WAITING_CONNECTIONS,
+        help="most new HTTP connections that have not sent their first request head; past it the one that waited "
+        "longest is closed (connections with a request in progress, or kept alive between requests, never count)",
+    )
+    add(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSER_NAMES,
+        default=None,
+        help="read tool calls out of chat answers in this format (hermes: Qwen/Hermes <tool_call>{json}</tool_call>; "
+        "llama3_json: Llama 3.1/3.2 JSON) into message.tool_calls; without it, chat requests that ask for tool "
+        "calls are refused (default: none)",
+    )
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let HTTP requests bring their own chat template (chat_template_kwargs.chat_template): a template is "
+        "code the worker runs, so only when every client is trusted",
+    )
+    add(
+        "--api-key",
+        default=None,
+        help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
+        "needs it or --insecure (default: the ROLLOUT_API_KEY environment variable, which keeps the key out of ps)",
+    )
+    engine = ContinuousBatchingConfig()  # the engine's defaults are the flags' (one source of truth)
+    add("--block-size", type=int, default=engine.block_size, help="tokens per KV block")
+    add("--num-blocks", type=int, default=None, help="KV blocks (default: sized by --max-memory-percent)")
+    add(
+        "--max-memory-percent",
+        type=percent,
+        default=None,
+        metavar="PERCENT",
+        help="percent of the free device memory (once the model is loaded) the KV cache takes unless --num-blocks "
+        "is given: 90 means 90%% (default: 90 on a GPU, 5 of the available RAM on a CPU)",
+    )
+    add("--max-batch-tokens", type=int, default=engine.max_batch_tokens, help="token budget per engine step")
+    add("--max-num-seqs", type=int, default=engine.max_num_seqs, help="most sequences per engine step")
+    add("--scheduler", choices=SCHEDULER_TYPES, default=engine.scheduler_type, help="scheduling policy")
+    add(
+        "--max-queue-size",
+        type=int,
+        default=engine.max_queue_size,
+        help="most waiting requests before 'busy'; 0: unbounded",
+    )
+    add(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a PEFT LoRA adapter directory unmerged under NAME (repeatable); requests choose it by name "
+        "(needs pip install 'rollout[lora]'); trainers may add or replace adapters while serving (default: none)",
+    )
+    add("--max-loras", type=int, default=engine.max_loras, help="most LoRA adapters served at once")
+    add("--max-lora-rank", type=int, default=engine.max_lora_rank, help="highest LoRA rank accepted")
+    add(
+        "--cpu-offload-space",
+        type=float,
+        default=engine.cpu_offload_space,
+        help="GiB of CPU swap for preempted requests; 0: they are recomputed",
+    )
+    limits = WorkerLimits()
+    add(
+        "--client-timeout",
+        type=float,
+        default=limits.client_timeout_s,
+        help="seconds a client with groups in flight may stay silent before they are cancelled (RolloutClient "
+        "pings every second)",
+    )
+    add(
+        "--max-message-bytes",
+        type=int,
+        default=limits.max_message_bytes,
+        help="largest frame accepted (larger ones drop the connection) and most data bytes per message (larger "
+        "messages are refused; keep it >= the trainers' bucket_bytes)",
+    )
+    add("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the model's context)")
+    add("--max-n", type=int, default=limits.max_n, help="most samples per group")
+    add(
+        "--max-groups-per-client",
+        type=int,
+        default=limits.max_groups_per_client,
+        help="most groups one client may have in flight; more are answered 'busy'; 0: no limit",
+    )
+    add(
+        "--max-pending-bytes",
+        type=int,
+        default=limits.max_pending_bytes,
+        help="most bytes of replies kept for a client that does not read them; past it the client is dropped and "
+        "its groups cancelled",
+    )
+    add(
+        "--max-update-phase-s",
+        type=float,
+        default=limits.max_update_phase_s,
+        help="longest phase deadline (timeout_s) a weight update may ask for",
+    )
+    add(
+        "--max-compile-s",
+        type=float,
+        default=limits.max_compile_s,
+        help="seconds a structured-output constraint may take to compile (in a compile process of its own, killed "
+        "past it); slower ones are refused by name",
+    )
+    add(
+        "--max-compile-bytes",
+        type=int,
+        default=limits.max_compile_bytes,
+        help="bytes of memory a structured-output constraint's compile may allocate; more is refused by name",
+    )
+    add(
+        "--max-compiles-per-client",
+        type=int,
+        default=limits.max_compiles_per_client,
+        help="structured-output constraints one client may have compiling or waiting to compile (clients take turns "
+        "at the compile processes); more are answered 'busy'",
+    )
+    add(
+        "--curve-secret-key",
+        default=None,
+        help="this worker's CurveZMQ key pair (a .key_secret file from rollout-keygen): encrypt every connection "
+        "and accept only the keys of --authorized-keys and --trainer-keys (default: none, unencrypted: a "
+        "non-loopback --bind then needs --insecure)",
+    )
+    add(
+        "--authorized-keys",
+        default=None,
+        help="directory of public keys (*.key) of clients that may generate (default: none)",
+    )
+    add(
+        "--trainer-keys",
+        default=None,
+        help="directory of public keys (*.key) of trainers that may also push weights (default: none)",
+    )
+    add(
+        "--insecure",
+        action="store_true",
+        help="allow binding a non-loopback address without --curve-secret-key (anyone who can reach it may push "
+        "weights)",
+    )
+    add(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=engine.attention_backend,
+        help="paged attention kernels: auto (Triton on CUDA), torch, triton",
+    )
+    add(
+        "--cuda-graphs",
+        choices=sorted(AUTO_ON_OFF),
+        default="auto",
+        help="replay CUDA graphs for decode steps: auto (on CUDA with the Triton kernels), on, off",
+    )
+    add(
+        "--overlap",
+        choices=sorted(AUTO_ON_OFF),
+        default="auto",
+        help="schedule the next step while the device runs this one: auto (on CUDA), on, off",
+    )
+    add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
+    add(
+        "--release-staging",
+        action="store_true",
+        help="free a weight update's host staging area after it (default: keep it for the next, faster update)",
+    )
+    add(
+        "--check-finite",
+        action="store_true",
+        help="refuse a weight update holding NaN or Inf (one pass over the update at commit; the old weights serve on)",
+    )
+    add(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)",
+    )
+    add("--metrics-host", default="127.0.0.1", help="address the metrics server listens on")
+    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    parser.defaults_from_environment("ROLLOUT_")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `rollout-worker`: load, bind, serve until SIGTERM/SIGINT, then abort in-flight groups."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_settings(parser, args)  # a bad setting is a usage error now, not after the imports below
+    from rollout.service.launch.startup import (
+        start_worker,  # torch, transformers, the engine: only once the flags parse
+    )
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    running = start_worker(parser, args)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: running.worker.shutdown())
+    return running.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

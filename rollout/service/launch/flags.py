@@ -1,0 +1,109 @@
+"""What `rollout-worker`'s flags mean before anything heavy loads: the values read one way and used another (each
+converted here, once), the engine's and the limits' settings built from them, and the checks that need neither torch
+nor a model. The parser (`cli.py`) and `startup.py` both use it; it imports neither torch nor ZeroMQ, so a bad
+setting is a usage error at once, not after seconds of imports."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from rollout.cli_parser import CliParser
+from rollout.config import ContinuousBatchingConfig
+from rollout.service.zmq.limits import WorkerLimits
+
+# --cuda-graphs and --overlap -> the config's use_cuda_graph / overlap_scheduling (None: the device decides).
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
+def percent(text: str) -> float:
+    """The value of a flag that takes a percent (argparse `type`): a number in (0, 100].
+
+    Args:
+        text: the flag's value as given, e.g. "90".
+    Raises:
+        ValueError: not a number (argparse says "invalid percent value").
+        argparse.ArgumentTypeError: out of range (argparse prefixes the flag's name).
+    """
+    value = float(text)
+    if not (math.isfinite(value) and 0 < value <= 100):
+        raise argparse.ArgumentTypeError(f"{text} is not a percent in (0, 100] (90 means 90% of free memory)")
+    return value
+
+
+def memory_fraction(percent_of_free: float | None) -> float | None:
+    """`--max-memory-percent` (a percent, 90 for 90%) as `ContinuousBatchingConfig.max_memory_percent`, which is a
+    fraction in (0, 1] (transformers' name for it, kept so its users carry their settings over).
+
+    Args:
+        percent_of_free: the flag's value; None (unset) stays None, the engine's own default.
+    """
+    return None if percent_of_free is None else percent_of_free / 100
+
+
+def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerLimits, ContinuousBatchingConfig]:
+    """The per-client limits and the engine settings the flags give, and the model and tokenizer directories they
+    name checked; a bad one is a usage error naming its flag (`parser.error`, exit status 2).
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+    """
+    try:
+        limits = worker_limits(args)
+    except ValueError as error:  # a FieldError: reported naming the flag, not the field
+        parser.error(parser.flag_message(error))
+    if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+        parser.error(f"--model {args.model}: no such model directory")
+    if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
+        parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    try:
+        config = engine_config(args)
+    except ValueError as error:
+        parser.error(parser.flag_message(error))
+    return limits, config
+
+
+def worker_limits(args: argparse.Namespace) -> WorkerLimits:
+    """The per-client limits the flags give (a FieldError names a bad one).
+
+    Args:
+        args: rollout-worker's parsed flags.
+    """
+    return WorkerLimits(
+        max_message_bytes=args.max_message_bytes,
+        max_prompt_len=args.max_prompt_len,
+        max_n=args.max_n,
+        max_groups_per_client=args.max_groups_per_client,
+        max_pending_bytes=args.max_pending_bytes,
+        max_update_phase_s=args.max_update_phase_s,
+        client_timeout_s=args.client_timeout,
+        max_compile_s=args.max_compile_s,
+        max_compile_bytes=args.max_compile_bytes,
+        max_compiles_per_client=args.max_compiles_per_client,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine settings the flags give (a FieldError names a bad one).
+
+    Args:
+        args: rollout-worker's parsed flags.
+    """
+    return ContinuousBatchingConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_memory_percent=memory_fraction(args.max_memory_percent),
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        scheduler_type=args.scheduler,
+        max_queue_size=args.max_queue_size,
+        cpu_offload_space=args.cpu_offload_space,
+        attention_backend=args.attention_backend,
+        fp32_logits=args.fp32_logits,
+        use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
+        overlap_scheduling=AUTO_ON_OFF[args.overlap],
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+    )

@@ -1,0 +1,247 @@
+"""Building a rollout worker from `rollout-worker`'s parsed flags: every ordinary mistake a one-line usage error
+found before the model loads, then the model, engine, sockets and optional HTTP / metrics servers. `cli.main` serves
+what `start_worker` builds until a signal; `rollout.ray` serves it inside a Ray actor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from rollout.cli_parser import CliParser
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.engine import Engine
+from rollout.engine.lora_weights import load_peft_dir
+from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.extras import MissingExtra, require_extra
+from rollout.hub import HubUnreachable
+from rollout.presets.models import MODEL_DTYPES
+from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.sockets import is_loopback
+from rollout.service.http.serving.launch import check_http_address, start_http
+from rollout.service.launch.address_checks import check_bind, check_metrics_address
+from rollout.service.launch.cache_capacity import cache_capacity
+from rollout.service.launch.flags import check_settings
+from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
+from rollout.service.observability.metrics import WorkerMetrics
+from rollout.service.observability.tracing import configure_tracing
+from rollout.service.zmq.limits import WorkerLimits
+from rollout.service.zmq.worker import RolloutWorker
+
+logger = logging.getLogger("rollout.worker")
+
+
+@dataclass
+class RunningWorker:
+    """A built worker: its ZeroMQ server, engine manager, model and optional HTTP / metrics servers."""
+
+    worker: RolloutWorker
+    manager: ContinuousBatchingManager
+    model: torch.nn.Module
+    http: Any = None  # rollout.service.http.serving.server.HttpServer, with --http
+    metrics: WorkerMetrics | None = None
+
+    def serve(self) -> int:
+        """Serve until `worker.shutdown()` (a signal, or the engine failing); then stop the other servers. Returns the
+        exit status: 1 when the engine failed (a supervisor should restart the worker), else 0."""
+        # A full garbage collection holds the interpreter lock while it walks every tracked object: the ~400,000 that
+        # torch, transformers and the model leave at start took 0.5 s, a stall of every client whenever a request's
+        # allocations set one off. Frozen while serving, they are never walked (as vLLM does after its start);
+        # unfrozen after, so that the process's exit frees them (native libraries report what was never freed).
+        gc.collect()
+        gc.freeze()
+        try:
+            self.worker.serve()
+        finally:
+            gc.unfreeze()
+            if self.http is not None:
+                self.http.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.manager.error is not None:
+            logger.error("rollout-worker stopped: the engine failed (%r)", self.manager.error)
+            return 1
+        logger.info("rollout-worker stopped")
+        return 0
+
+
+def start_worker(parser: CliParser, args: argparse.Namespace) -> RunningWorker:
+    """Check the flags, load the model and tokenizer, warm the engine up and bind the sockets (serving starts with
+    `RunningWorker.serve`).
+
+    Args:
+        parser: rollout-worker's parser (`cli.build_parser`); its `error` reports every usage error.
+        args: the parsed flags.
+    """
+    device, http_address, limits, config = check_flags(parser, args)
+    try:
+        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+    except HubUnreachable as error:  # names --model itself, and says what to do
+        parser.error(str(error))
+    except (ValueError, OSError) as error:
+        parser.error(f"--model {args.model}: {error}")
+    try:
+        tokenizer, tokenizer_name = load_tokenizer(args.model, args.tokenizer)
+    except (ValueError, OSError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: {error}")
+    try:
+        manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
+    except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
+        parser.error(parser.flag_message(error))
+    serve_start_adapters(parser, args.lora, manager.engine, args.model)
+    manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
+    auth = None
+    if args.curve_secret_key is not None:
+        try:
+            auth = WorkerAuth(zmq.Context(), args.curve_secret_key, args.authorized_keys, args.trainer_keys)
+        except ValueError as error:
+            parser.error(f"--curve-secret-key: {error}")
+    elif args.insecure and not is_loopback(args.bind):
+        logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
+    worker = RolloutWorker(
+        manager,
+        args.bind,
+        args.model,
+        limits=limits,
+        keep_staging=not args.release_staging,
+        auth=auth,
+        check_finite=args.check_finite,
+        tokenizer_name=tokenizer_name,
+    )
+    worker.compiles.start()  # the compile processes start now, not with the first structured-output request
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = WorkerMetrics(worker.stats)
+        manager.step_observer = metrics.observe_step
+        try:
+            port = metrics.serve(args.metrics_port, args.metrics_host)
+        except OSError as error:
+            parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
+        logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+    http = None
+    if http_address is not None:
+        observe = metrics.observe_http if metrics is not None else None
+        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
+    if configure_tracing():
+        logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
+    logger.info(
+        "rollout-worker ready on %s: model %s on %s (%s), %d KV blocks of %d tokens",
+        worker.address,
+        args.model,
+        device,
+        next(model.parameters()).dtype,
+        manager.engine.num_blocks,
+        config.block_size,
+    )
+    logger.info(cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len))
+    return RunningWorker(worker, manager, model, http, metrics)
+
+
+def check_flags(
+    parser: CliParser, args: argparse.Namespace
+) -> tuple[torch.device, tuple[str, int] | None, WorkerLimits, ContinuousBatchingConfig]:
+    """Every check of the flags that needs no model: ordinary mistakes are one-line usage errors (`parser.error`,
+    exit status 2), found before the model loads. Binds nothing (ports are probed and released).
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+    Returns:
+        The serving device, the HTTP address (None without --http), the per-client limits and the engine settings.
+    """
+    device = _device(parser, args)
+    check_bind(parser, args.bind)
+    _check_security(parser, args)
+    check_metrics_address(parser, args)
+    http_address = check_http_address(parser, args)
+    limits, config = check_settings(parser, args)
+    if args.lora:
+        try:  # PEFT loads the adapter directories after the model: its absence is found now
+            require_extra("lora", f"--lora {args.lora[0]}")
+        except MissingExtra as error:
+            parser.error(str(error))
+        lora_specs(parser, args.lora, args.model)
+    if args.max_memory_percent is not None and args.max_memory_percent <= 1:
+        logger.warning(
+            "--max-memory-percent %g gives the KV cache %g%% of free memory (it takes a percent: 90 means 90%%)",
+            args.max_memory_percent,
+            args.max_memory_percent,
+        )
+    return device, http_address, limits, config
+
+
+def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
+    flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
+    try:
+        return torch_device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"), flag)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Keys must come together, and a non-loopback address needs them (or --insecure)."""
+    if args.curve_secret_key is None:
+        if args.authorized_keys or args.trainer_keys:
+            parser.error("--authorized-keys/--trainer-keys need --curve-secret-key (the worker's own key pair)")
+        if not args.insecure and not is_loopback(args.bind):
+            parser.error(
+                f"--bind {args.bind}: a non-loopback address needs authentication (--curve-secret-key with "
+                "--authorized-keys/--trainer-keys; make keys with rollout-keygen), or --insecure to accept anyone"
+            )
+        return
+    if not args.authorized_keys and not args.trainer_keys:
+        parser.error("--curve-secret-key needs --authorized-keys and/or --trainer-keys (whom to accept)")
+    for flag, path in (("--authorized-keys", args.authorized_keys), ("--trainer-keys", args.trainer_keys)):
+        if path is not None and not os.path.isdir(path):
+            parser.error(f"{flag} {path}: no such directory")
+    if not os.path.isfile(args.curve_secret_key):
+        parser.error(f"--curve-secret-key {args.curve_secret_key}: no such file (make one with rollout-keygen)")
+
+
+def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
+    """The `--lora NAME=PATH` flags as (name, path) pairs; a usage error names a malformed one, a name given twice
+    or one that is the served model's (`--model`, which requests name to mean the base model).
+
+    Args:
+        parser: rollout-worker's parser.
+        specs: the --lora values.
+        model_name: the served model's name (--model).
+    """
+    pairs: dict[str, str] = {}
+    for spec in specs:
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            parser.error(f"--lora {spec}: expected NAME=PATH")
+        if name in pairs:
+            parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
+        if name == model_name:
+            parser.error(f"--lora {spec}: {name!r} is the served model's name (--model): give the adapter another one")
+        pairs[name] = path
+    return list(pairs.items())
+
+
+def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine, model_name: str) -> None:
+    """Serve the `--lora NAME=PATH` adapters from the start (a usage error names a bad one); from then on no adapter
+    may take the served model's name (`AdapterTable.reserved_names`), pushed or loaded.
+
+    Args:
+        parser: rollout-worker's parser.
+        specs: the --lora values.
+        engine: the worker's engine.
+        model_name: the served model's name (--model).
+    """
+    engine.runner.adapters.reserved_names.add(model_name)
+    for name, path in lora_specs(parser, specs, model_name):
+        try:
+            engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path)))
+        except ValueError as error:
+            parser.error(f"--lora {name}={path}: {error}")
+        logger.info("serving LoRA adapter %s from %s", name, path)

@@ -1,0 +1,92 @@
+"""The /metrics HTTP server: prometheus_client's exposition app on a thread of its own, answering only loopback
+Host headers when it listens on loopback (a web page cannot read it through DNS rebinding)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from rollout.protocol.sockets import is_loopback
+from rollout.service.loopback_hosts import is_loopback_host
+
+# Seconds a scrape connection may stay silent (a client that never finishes its request is closed), and scrapes
+# served at once (each takes a thread; more are closed at once: a flood must not take the worker's threads).
+SCRAPE_TIMEOUT_S = 10.0
+MAX_CONCURRENT_SCRAPES = 16
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # socketserver applies it to the connection's socket
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """Scrapes are not logged."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per scrape, at most MAX_CONCURRENT_SCRAPES at once."""
+
+    request_queue_size = 64  # socketserver's default backlog of 5 makes a burst of connections wait seconds
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_SCRAPES)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, the scraper retries at its next interval
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _host_checked(app: Any) -> Any:
+    """`app`, answering 421 to a Host header that is not a loopback name."""
+
+    def checked(environ: dict, start_response: Any) -> Any:
+        if not is_loopback_host(environ.get("HTTP_HOST", "")):
+            start_response("421 Misdirected Request", [("Content-Type", "text/plain")])
+            return [b"this metrics server answers only to loopback host names\n"]
+        return app(environ, start_response)
+
+    return checked
+
+
+class MetricsServer:
+    """Serves one registry at http://HOST:PORT/metrics until `close`."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
+        """Start serving (port 0 picks a free one; `port` then says which).
+
+        Args:
+            registry: what /metrics exposes.
+            port: TCP port.
+            host: address to listen on (a loopback address answers only loopback Host headers).
+
+        Raises:
+            OSError: it cannot listen there.
+        """
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsWSGIServer", (_BoundedServer,), {"address_family": family})
+        app = make_wsgi_app(registry)
+        if is_loopback(f"tcp://{host}:{port}"):
+            app = _host_checked(app)
+        self._server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        self.port: int = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="rollout-metrics", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving, close the socket and wait for the thread."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)

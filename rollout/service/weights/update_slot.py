@@ -1,0 +1,394 @@
+"""The worker's weight-update slot: one `StagedUpdate` (staged_update.py) open at a time, driven by the serving thread.
+
+Buckets are staged as they come and the update is rejected at the first bad byte, missed phase deadline or
+disappearance of its client; on commit the engine thread applies it between two steps and the answer comes back
+through `conclude()`. torch.distributed buckets are received by their own thread (`dist.DistReceiver`), so pings are
+answered during a long broadcast.
+
+The slot cannot be held hostage: a phase deadline is at most `max_phase_s`; only the update's own messages renew
+it; a new `weights_begin` from the same client replaces its open update, and one with `preempt` from another
+(trainer) client takes the slot over (the old update is rejected with "update_preempted"). torch.distributed makes
+the worker connect out only to the host the `weights_begin` came from (or this machine, when it came over loopback).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import queue
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollout import protocol as p
+from rollout.config import FieldError
+from rollout.engine.commands import AdapterUpdate
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.weight_table import WeightUpdateResult
+from rollout.mailbox import drain
+from rollout.protocol.dist import DistReceiver
+from rollout.protocol.staging import StagingPool
+from rollout.service.observability.tracing import Tracer
+from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_WAIT_S = 5.0  # for the last update's jobs (its staging goes back) when the worker stops
+MAX_QUEUED_BUCKETS = 4  # per update; a trainer keeps two in flight per worker (push.py)
+WEIGHT_MESSAGES = (p.WeightsSpec, p.WeightsBegin, p.WeightsBucket, p.WeightsCommit, p.WeightsAbort)
+
+
+class UpdateSlot:
+    """The one open weight update of a worker. Serving thread only, except the callbacks noted."""
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        send: Callable[[bytes, p.Message], None],
+        wake: Callable[[], None],
+        max_phase_s: float,
+        keep_staging: bool = True,
+        check_finite: bool = False,
+        tracer: Tracer | None = None,
+    ):
+        """
+        Args:
+            manager: the engine manager the updates go into.
+            send: how a reply reaches a client (identity, message).
+            wake: wakes the serving thread after another thread finished a step.
+            max_phase_s: the longest phase deadline (`timeout_s`) an update may ask for.
+            keep_staging: keep the host staging area for the next update.
+            check_finite: refuse an update holding NaN or Inf in a floating tensor (checked at commit).
+            tracer: where the update's span goes (tracing.py).
+        """
+        self.manager = manager
+        self._send = send
+        self._wake = wake
+        self.max_phase_s = max_phase_s
+        self.check_finite = check_finite
+        self.update: StagedUpdate | None = None
+        self._last: StagedUpdate | None = None  # the newest update, whose staging may still be on its way back
+        # Finished steps, from the engine or receiver thread: (update, reply) for the serving thread to conclude.
+        self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
+        self._dist: DistReceiver | None = None
+        self._device = next(manager.engine.model.parameters()).device
+        self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
+        self.num_rejected = 0
+        # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
+        # update that named none): adapter updates for another base are refused.
+        self.base_id: str | None = None
+        self.bytes_committed = 0
+        self.pause_ms_total = 0.0
+        self._tracer = tracer or Tracer()
+        self._span: Any = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.manager.engine.policy_version
+
+    def handle(self, identity: bytes, message: p.Message, data_frames: list, peer: str | None) -> None:
+        """Serve one weight-update message.
+
+        Args:
+            identity: the sender.
+            message: one of WEIGHT_MESSAGES.
+            data_frames: raw frames after the header (a frames bucket's bytes).
+            peer: the sender's IP address, when ZeroMQ knows it (TCP).
+        """
+        update_id = message.update_id
+        if isinstance(message, p.WeightsSpec):
+            engine = self.manager.engine
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weights.specs().items()]
+            adapters = {name: ref.version for name, ref in list(engine.runner.adapters.refs.items())}
+            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters))
+            return
+        update = self.update
+        if isinstance(message, p.WeightsBegin):
+            if update is not None and not self._vacate(identity, message):
+                return
+            self._begin(identity, message, peer)
+            return
+        if update is None or update.update_id != update_id or update.identity != identity:
+            self._send(identity, p.Error("unknown_update", "no such open update", "update_id", None, update_id))
+            return
+        update.touch()
+        if update.committing:
+            reason = "the update is being committed" + ("; it cannot be aborted now" if "Abort" in message.TYPE else "")
+            self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
+            return
+        if isinstance(message, p.WeightsAbort):
+            received = update.received_bytes
+            self._tracer.update_ended(self._span, "aborted")
+            self._span = None
+            self._end_uncleanly()
+            self._send(identity, p.WeightsAck(update_id, received, "aborted"))
+            return
+        try:
+            if isinstance(message, p.WeightsBucket):
+                self._receive_bucket(update, message, data_frames)
+            elif isinstance(message, p.WeightsCommit):
+                self._commit(update)
+        except UpdateRejected as error:
+            self.reject(p.Error(error.code, str(error), error.field, None, update_id))
+
+    def _vacate(self, identity: bytes, message: p.WeightsBegin) -> bool:
+        """Make room for a new begin while an update is open: True when the slot is now free."""
+        update = self.update
+        assert update is not None
+        if update.committing:
+            reason = f"update {update.update_id!r} is being committed; begin again once it is"
+            self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
+            return False
+        if update.identity == identity:  # the same client begins again: it abandoned its open update
+            self.reject(p.Error("update_preempted", "replaced by a newer weights_begin of this client", None))
+            return True
+        if message.preempt:
+            self.reject(p.Error("update_preempted", "another trainer took the update slot over (preempt)", None))
+            return True
+        reason = (
+            f"update {update.update_id!r} of another client is still open (one at a time; weights_begin with "
+            "preempt=true takes the slot over)"
+        )
+        self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
+        return False
+
+    def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None) -> None:
+        try:
+            if message.transport == "torch.distributed":
+                _check_dist_host(message.dist.get("host"), peer)
+            update = StagedUpdate(message, self.manager.engine, identity, self._staging, self.max_phase_s, self.base_id)
+        except UpdateRejected as error:
+            self.num_rejected += 1
+            self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
+            return
+        self.update = self._last = update
+        self._span = self._tracer.update_started(
+            update.update_id, len(update.specs), update.staging_bytes, message.transport, message.mode
+        )
+        logger.info(
+            "weight update %s: %d tensors, %.1f MB over %s, mode %s",
+            update.update_id,
+            len(update.specs),
+            update.staging_bytes / 1e6,
+            message.transport,
+            message.mode,
+        )
+        ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
+        if message.transport != "torch.distributed":
+            self._send(identity, ready)
+            return
+        if self._dist is None:
+            self._dist = DistReceiver()
+
+        def joined(error: BaseException | None) -> None:  # on the rendezvous thread
+            reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
+            self._report(update, reply)
+
+        self._dist.join(message.dist, message.timeout_s, joined, cancelled=lambda: update.ended)
+
+    def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
+        """Check the bucket's structure here; its bytes are hashed, staged or received on the update's job thread,
+        which acks it (so the serving thread's work per bucket does not grow with its size)."""
+        if update.jobs.pending >= MAX_QUEUED_BUCKETS:
+            raise UpdateRejected(
+                "bad_update", "pieces", f"more than {MAX_QUEUED_BUCKETS} buckets wait for their acks (wait for them)"
+            )
+        transport = update.begin.transport
+        pieces = message.pieces
+        if transport == "frames":
+            update.check_frames(pieces, data_frames)
+        else:
+            update.announce(pieces)
+        span = update.staging_span(pieces) if transport == "torch.distributed" and pieces else None
+        dist_receiver = self._dist
+        device = self._device if transport == "torch.distributed" and update.begin.dist["backend"] == "nccl" else None
+
+        def take_bytes() -> None:
+            if transport == "frames":
+                update.stage_frames(pieces, data_frames, message.checksum)
+                return
+            if transport == "torch.distributed":  # one broadcast per bucket, straight into its place in staging
+                assert dist_receiver is not None
+                try:
+                    dist_receiver.receive([] if span is None else [span], device or torch.device("cpu"))
+                except Exception as error:  # noqa: BLE001 - reported to the update, which is rejected
+                    raise UpdateRejected("bad_update", "dist", f"broadcast failed: {error}") from None
+            update.check_written(pieces, message.checksum)
+
+        def job() -> None:
+            if update.ended:
+                return  # rejected meanwhile: the bytes are not wanted
+            try:
+                take_bytes()
+            except UpdateRejected as rejected:
+                self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+            else:
+                self._report(update, p.WeightsAck(update.update_id, update.received_bytes))
+
+        update.jobs.submit(job)
+
+    def _commit(self, update: StagedUpdate) -> None:
+        """Hand the staged tensors to the engine once every bucket before the commit was taken (and, with
+        `check_finite`, checked for NaN and Inf): both on the update's job thread."""
+        update.committing = True
+        begin = update.begin
+
+        def applied(outcome: WeightUpdateResult | BaseException) -> None:  # on the engine thread
+            if isinstance(outcome, WeightUpdateResult):
+                reply: p.Message = p.WeightsCommitted(
+                    update.update_id,
+                    outcome.version,
+                    outcome.pause_ms,
+                    outcome.copy_ms,
+                    outcome.drain_ms,
+                    outcome.aborted,
+                    outcome.recomputed,
+                )
+            elif isinstance(outcome, FieldError):
+                reply = p.Error("bad_update", str(outcome), outcome.field, None, update.update_id)
+            elif isinstance(outcome, TimeoutError):
+                reply = p.Error("update_timeout", str(outcome), "mode", None, update.update_id)
+            else:
+                reply = p.Error("internal", f"{type(outcome).__name__}: {outcome}", None, None, update.update_id)
+            self._report(update, reply)
+
+        def job() -> None:
+            if update.ended:
+                return
+            try:
+                tensors = update.tensors(self.check_finite)  # names an incomplete or NaN tensor
+            except UpdateRejected as rejected:
+                self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+                return
+            adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
+            self.manager.submit_weight_update(
+                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
+            )
+
+        update.jobs.submit(job)
+
+    def _report(self, update: StagedUpdate, reply: p.Message) -> None:
+        """From another thread: `reply` concludes a step of `update`; the serving thread sends it (`conclude`)."""
+        self._events.put((update, reply))
+        self._wake()
+
+    def conclude(self) -> None:
+        """Send what the engine or receiver thread finished; close the update when it ended."""
+        for update, reply in drain(self._events):
+            if update is not self.update:
+                continue  # rejected or aborted meanwhile
+            if isinstance(reply, p.Error):
+                self.reject(reply)
+                continue
+            update.touch()
+            if isinstance(reply, p.WeightsCommitted):
+                self.update = None
+                update.end(clean=True)
+                if update.begin.adapter is None or update.begin.base_id != self.base_id:  # new base weights
+                    self.base_id = update.begin.base_id
+                self.bytes_committed += update.staging_bytes
+                self.pause_ms_total += reply.pause_ms
+                self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)
+                self._span = None
+                logger.info(
+                    "weight update %s committed: version %d, pause %.1f ms (copy %.1f ms)",
+                    update.update_id,
+                    reply.version,
+                    reply.pause_ms,
+                    reply.copy_ms,
+                )
+            self._send(update.identity, reply)
+
+    def on_malformed(self, identity: bytes, update_id: str | None, reply: p.Error) -> bool:
+        """A malformed message naming the open update drops it (True: handled, the client was told)."""
+        update = self.update
+        if update is None or update.update_id != update_id or update.identity != identity or update.committing:
+            return False
+        self.reject(reply)
+        return True
+
+    def reject(self, error: p.Error) -> None:
+        """End the open update unapplied and tell its client why."""
+        update = self.update
+        if update is None:
+            return
+        self.num_rejected += 1
+        self._tracer.update_ended(self._span, error.code)
+        self._span = None
+        logger.warning("weight update %s rejected: %s", update.update_id, error.message)
+        self._end_uncleanly()
+        error.update_id = update.update_id
+        self._send(update.identity, error)
+
+    def client_lost(self, identity: bytes) -> None:
+        """Drop the open update of a client that is gone (unless the engine is already applying it)."""
+        if self.update is not None and self.update.identity == identity and not self.update.committing:
+            self.reject(p.Error("update_timeout", "the client is gone", None))
+
+    def expire(self, now: float) -> None:
+        """Reject the open update when its client missed a phase deadline."""
+        update = self.update
+        if update is not None and update.expired(now):
+            reason = f"no message of the update within its phase deadline of {update.begin.timeout_s:g} s"
+            self.reject(p.Error("update_timeout", reason, None))
+
+    def _end_uncleanly(self) -> None:
+        """Close an update that was rejected or aborted: its staging is not reused (a client that has not heard
+        yet may still write into a shared segment, a broadcast into a dist one), and a dist group is dropped (the
+        trainer may be stuck mid-broadcast)."""
+        update, self.update = self.update, None
+        if update is None:
+            return
+        update.end(clean=False)
+        if update.begin.transport == "torch.distributed" and self._dist is not None:
+            self._dist.forget()
+
+    def close(self) -> None:
+        """At shutdown: conclude finished steps, reject what is open, stop the receiver, free staging."""
+        self.conclude()
+        last = self.update or self._last
+        if self.update is not None:
+            self.reject(p.Error("internal", "the worker is shutting down", None))
+        if last is not None and not last.jobs.join(SHUTDOWN_WAIT_S):
+            logger.warning("weight update %s: its jobs did not end within %g s", last.update_id, SHUTDOWN_WAIT_S)
+        if self._dist is not None:
+            self._dist.close()
+        self._staging.close()
+
+
+def _check_dist_host(host: object, peer: str | None) -> None:
+    """torch.distributed makes the worker connect to `host`: only to the host the announcement came from (or to
+    this machine, when it came from this machine), so a message cannot aim the worker at a third party. The host
+    must be an IP address (no name lookup on the serving thread)."""
+    if not isinstance(host, str):
+        return  # the field check names a missing or mistyped host
+    try:
+        wanted = ipaddress.ip_address(host)
+    except ValueError:
+        raise UpdateRejected("bad_update", "dist.host", f"{host[:80]!r} is not an IP address") from None
+    if peer is not None and str(wanted) == peer.removeprefix("::ffff:"):
+        return
+    local_peer = peer is None or ipaddress.ip_address(peer.split("%")[0]).is_loopback  # ipc/inproc: this machine
+    if local_peer and _is_this_machine(str(wanted)):
+        return
+    raise UpdateRejected(
+        "bad_update",
+        "dist.host",
+        f"{host!r} is not the host this weights_begin came from ({peer or 'this machine'}); the worker only connects "
+        "back to it",
+    )
+
+
+def _is_this_machine(address: str) -> bool:
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return True
+    probe = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    try:
+        probe.bind((address, 0))  # only an address of one of this machine's interfaces can be bound
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

@@ -1,0 +1,225 @@
+"""The worker's links to its clients: every reply goes out through `ClientLinks.send`, which keeps a bounded backlog
+per client and notices clients that are gone.
+
+A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connection closed), when it lets more than
+`max_pending_bytes` of replies pile up unread, or (its groups only) when it has groups in flight and has been silent
+for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
+descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
+clients ignore) for a second; a send to a closed connection fails at once. ZeroMQ heartbeats close connections to peers that vanished without closing them (a network
+partition, a powered-off host) or stopped reading their socket altogether. Each loss is handled once: its groups are cancelled once and it is logged once;
+replies still due to it are dropped quietly until it speaks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from rollout import protocol as p
+
+logger = logging.getLogger(__name__)
+
+# Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
+SEND_HWM = 256
+# ZeroMQ (ZMTP) heartbeats: a connection whose peer does not answer them for HEARTBEAT_TIMEOUT_MS is closed (a
+# vanished host; or a raw client that stopped reading its socket, whose ZeroMQ then stops reading too).
+# RolloutClient's sockets have no receive high-water mark, so they always answer.
+HEARTBEAT_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 10_000
+PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
+PROBE_EVERY_S = 0.2
+FORGET_GONE_AFTER_S = 300.0
+
+
+class ClientLinks:
+    """Sends replies to clients, and tracks which are alive. Serving thread only."""
+
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        max_pending_bytes: int,
+        client_timeout_s: float,
+        on_lost: Callable[[bytes, str], None],
+    ):
+        """
+        Args:
+            socket: the worker's bound ROUTER socket (configured here: mandatory routing, send HWM, heartbeats).
+            max_pending_bytes: most bytes of replies kept for a client that does not read; past it, it is dropped.
+            client_timeout_s: silence after which a busy client's groups are cancelled.
+            on_lost: called once per loss with (identity, reason): cancel its groups, drop its update.
+        """
+        self._socket = socket
+        self.max_pending_bytes = max_pending_bytes
+        self.client_timeout_s = client_timeout_s
+        self._on_lost = on_lost
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)  # past it: EAGAIN, and the reply waits in our backlog
+        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        # Only DISCONNECTED: it is queued before the descriptor is released, so no new client can hold that descriptor
+        # yet (CLOSED comes after the close, when a new connection may already reuse it).
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._last_seen: dict[bytes, float] = {}
+        self._backlog: dict[bytes, deque[list[bytes]]] = {}
+        self._backlog_bytes: dict[bytes, int] = {}
+        self._gone: dict[bytes, float] = {}  # identity -> when it was lost
+        self._fds: dict[bytes, int] = {}  # identity -> the descriptor its last message came over
+        self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
+        self._last_probe = 0.0
+        self._pending_total = 0
+        self.peak_pending_bytes = 0
+        self.dropped_slow = 0
+        self.num_lost = 0
+
+    @property
+    def num_clients(self) -> int:
+        """Clients heard from that are not gone."""
+        return len(self._last_seen)
+
+    def pending_bytes(self) -> int:
+        """Bytes of replies waiting in backlogs (safe to read from any thread)."""
+        return self._pending_total
+
+    def seen(self, identity: bytes, fd: int | None = None) -> None:
+        """A message came from `identity` (over descriptor `fd`, when known): it is alive (again)."""
+        self._last_seen[identity] = time.monotonic()
+        self._gone.pop(identity, None)
+        if fd is not None:
+            self._fds[identity] = fd
+
+    def send(self, identity: bytes, message: p.Message) -> None:
+        """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full. Never blocks and
+        never raises: an unencodable reply becomes an "internal" error reply, an unreachable client is lost."""
+        if identity in self._gone:
+            return
+        try:
+            frames = p.encode(message)
+        except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
+            logger.exception("cannot encode a %s reply", message.TYPE)
+            ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
+            frames = p.encode(
+                p.Error("internal", f"the {message.TYPE} reply could not be encoded: {error}", None, *ids)
+            )
+        frames = [identity, *frames]
+        if identity in self._backlog:  # keep the order: nothing overtakes what already waits
+            self._queue(identity, frames)
+        else:
+            self._try_send(identity, frames)
+
+    def _try_send(self, identity: bytes, frames: list[bytes]) -> bool:
+        try:
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # ZeroMQ's queue to this client is full: it reads slowly, or not at all
+            self._queue(identity, frames)
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                self.lose(identity, "its connection is closed", unreachable=True)
+            else:
+                logger.error("cannot send to client %s: %s", identity.hex(), error)
+        return False
+
+    def _queue(self, identity: bytes, frames: list[bytes]) -> None:
+        self._backlog.setdefault(identity, deque()).append(frames)
+        nbytes = sum(len(frame) for frame in frames)
+        size = self._backlog_bytes.get(identity, 0) + nbytes
+        self._backlog_bytes[identity] = size
+        self._pending_total += nbytes
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_total)
+        if size > self.max_pending_bytes:
+            self.dropped_slow += 1
+            self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
+
+    def flush(self) -> None:
+        """Send what waits in backlogs, oldest first, while ZeroMQ takes it."""
+        for identity in list(self._backlog):
+            backlog = self._backlog[identity]
+            while backlog:
+                frames = backlog[0]
+                try:
+                    self._socket.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    self.lose(identity, "its connection is closed", unreachable=True)
+                    break
+                backlog.popleft()
+                nbytes = sum(len(frame) for frame in frames)
+                self._backlog_bytes[identity] -= nbytes
+                self._pending_total -= nbytes
+            if not backlog and identity in self._backlog:
+                del self._backlog[identity]
+                del self._backlog_bytes[identity]
+
+    def lose(self, identity: bytes, reason: str, unreachable: bool) -> None:
+        """Handle a lost client once: log, forget its backlog, and let the worker cancel its groups.
+
+        Args:
+            identity: the client.
+            reason: why, for the log.
+            unreachable: replies to it are dropped from now on (until it speaks again); a merely silent client
+                still gets the results of its cancelled groups.
+        """
+        if identity in self._gone:
+            return
+        logger.warning("client %s is gone (%s); cancelling its groups", identity.hex(), reason)
+        self._last_seen.pop(identity, None)
+        self._fds.pop(identity, None)
+        self._suspects.pop(identity, None)
+        self._backlog.pop(identity, None)
+        self._pending_total -= self._backlog_bytes.pop(identity, 0)
+        self.num_lost += 1
+        if unreachable:
+            self._gone[identity] = time.monotonic()
+        self._on_lost(identity, reason)
+
+    def on_monitor_events(self) -> None:
+        """Read the socket monitor: the clients of a closed connection are probed for a while."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = int(event["value"])
+            until = time.monotonic() + PROBE_WINDOW_S
+            for identity in [i for i, known in self._fds.items() if known == fd]:
+                self._suspects[identity] = until
+
+    def watch(self, busy: Iterable[bytes], probe: p.Message) -> None:
+        """Once per loop: expire silent busy clients, probe busy ones after a closed connection, forget old losses.
+
+        Args:
+            busy: identities of the clients with groups in flight (the only ones watched).
+            probe: the message to probe them with (an unsolicited pong, which clients ignore).
+        """
+        now = time.monotonic()
+        busy = set(busy)
+        for identity in [i for i in self._last_seen if i not in busy and i not in self._backlog]:
+            del self._last_seen[identity]
+            self._fds.pop(identity, None)
+        for identity in busy:
+            seen = self._last_seen.setdefault(identity, now)
+            if now - seen > self.client_timeout_s:
+                self.lose(identity, f"silent for {self.client_timeout_s:g} s", unreachable=False)
+        if self._suspects and now - self._last_probe >= PROBE_EVERY_S:
+            self._last_probe = now
+            for identity, until in list(self._suspects.items()):
+                if now > until or identity not in busy:
+                    del self._suspects[identity]
+                elif identity not in self._backlog:
+                    self.send(identity, probe)
+        for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
+            del self._gone[identity]
+
+    def close(self) -> None:
+        """Stop the socket monitor (before the socket closes)."""
+        try:
+            self._socket.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)

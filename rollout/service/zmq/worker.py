@@ -1,0 +1,296 @@
+"""The rollout worker: a ZeroMQ ROUTER socket in front of a `ContinuousBatchingManager`.
+
+Threads: the serving thread alone owns the socket (receives, answers, sends); the manager's engine thread turns
+outputs into messages and leaves them in an outbox that the serving thread drains. Neither waits on the other: the
+engine never blocks on I/O, and a slow engine never stalls `ping` or `stats`.
+
+Group ids are per client: the engine sees "<client identity>/<group id>", so two trainers may both send group "0".
+A client that is gone (clients.py: its connection closed, it stopped reading, or it has groups in flight and went
+silent) has its groups cancelled, which frees their KV blocks. Groups are admitted and answered by the group desk
+(group_desk.py; a structured-output constraint is compiled off this loop); weight updates go through one slot
+(updates.py).
+
+Per-message work on the serving thread is bounded: headers are decoded under the limits of `WorkerLimits` (list
+lengths checked before elements), and everything a message raises becomes an error reply to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+
+import zmq
+
+from rollout import protocol as p
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
+from rollout.service.compile.constraint_compiles import ConstraintCompiles
+from rollout.service.group_counters import GroupCounters
+from rollout.service.observability.tracing import Tracer
+from rollout.service.weights.update_slot import WEIGHT_MESSAGES, UpdateSlot
+from rollout.service.zmq.clients import ClientLinks
+from rollout.service.zmq.group_desk import GroupDesk
+from rollout.service.zmq.limits import WorkerLimits
+
+logger = logging.getLogger(__name__)
+
+# Engine-side field names -> the protocol's.
+MAX_PIECES = 1 << 16  # pieces in one weight bucket
+MAX_TENSORS = 1 << 16  # tensors in one weight update
+
+
+class RolloutWorker:
+    """Serves one manager on one ROUTER socket."""
+
+    def __init__(
+        self,
+        manager: ContinuousBatchingManager,
+        bind: str,
+        model_name: str,
+        limits: WorkerLimits | None = None,
+        keep_staging: bool = True,
+        auth: WorkerAuth | None = None,
+        check_finite: bool = False,
+        tracer: Tracer | None = None,
+        tokenizer_name: str | None = None,
+    ):
+        """
+        Args:
+            manager: the engine manager (started by `serve`).
+            bind: ZeroMQ address to bind, e.g. "tcp://127.0.0.1:5555".
+            model_name: what `hello` reports.
+            limits: what one client may ask (message size, prompt length, n, groups, unread bytes, update
+                deadlines, silence); the defaults of `WorkerLimits` when None.
+            keep_staging: keep a weight update's host staging area (and shared segment) for the next update instead
+                of freeing it: faster updates for one update-sized host buffer held between them.
+            auth: CurveZMQ keys and roles (auth.py; built on this worker's context, see `context`); None: no
+                authentication, everyone who can reach the address is a trainer.
+            check_finite: refuse a weight update holding NaN or Inf (a full pass over the staged bytes at commit).
+            tracer: where group and weight-update spans go (default: OpenTelemetry's global tracer provider).
+            tokenizer_name: where the engine's tokenizer came from, as `hello` and `stats` report it (None: none).
+        """
+        self.tokenizer_name = tokenizer_name
+        self.manager = manager
+        self.model_name = model_name
+        self.limits = limits or WorkerLimits()
+        engine = manager.engine
+        self.max_prompt_len = min(self.limits.max_prompt_len or engine.max_model_len, engine.max_model_len)
+        # Long lists are refused from their length, before their items are looked at.
+        self._max_lengths = {"prompt_ids": self.max_prompt_len, "pieces": MAX_PIECES, "tensors": MAX_TENSORS}
+        self._context = auth.context if auth is not None else zmq.Context()
+        self._auth = auth
+        self._socket = self._context.socket(zmq.ROUTER)
+        if auth is not None:
+            auth.secure(self._socket)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)  # per frame; larger drops the link
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Helpers call back through a weak proxy: a bound method would put the worker (manager, model, staging) in
+        # a reference cycle that only a garbage collection frees.
+        owner, limits = weakref.proxy(self), self.limits
+        lost = lambda identity, reason: owner._client_lost(identity, reason)  # noqa: E731 - one callback, named
+        self._links = ClientLinks(self._socket, limits.max_pending_bytes, limits.client_timeout_s, lost)
+        self._socket.bind(bind)
+        # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
+        self._reader = MessageReader(self._socket, 1 + MAX_PIECES, p.MAX_HEADER_BYTES + self.limits.max_message_bytes)
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        # The engine thread writes a byte here after filling the groups' outbox, waking the serving thread's poll
+        # (no busy polling, which would steal the GIL from the engine).
+        self._waker = Waker()
+        self._stop = threading.Event()
+        self._tracer = tracer or Tracer()
+        # Counters (stats(), /metrics), shared with the HTTP front end.
+        self.counters = GroupCounters()
+        # Structured-output compiles: in turn between clients, within the compile budget; shared with the HTTP
+        # front end (`compiles`), whose clients take turns with these.
+        self.compiles = ConstraintCompiles(engine.intake, self.limits.compile_budget())
+        self._desk = GroupDesk(manager, self.limits, self.counters, self._tracer, self._waker.wake, self.compiles)
+        self._updates = UpdateSlot(
+            manager,
+            lambda identity, message: owner._send(identity, message),
+            self._waker.wake,
+            self.limits.max_update_phase_s,
+            tracer=self._tracer,
+            keep_staging=keep_staging,
+            check_finite=check_finite,
+        )
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights being served."""
+        return self.manager.engine.policy_version
+
+    @property
+    def base_id(self) -> str | None:
+        """The base weights served, as the last whole update named them (None: unnamed, e.g. as loaded at start)."""
+        return self._updates.base_id
+
+    # ---- serving loop -----------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Start the engine and serve until `shutdown()`; then abort what is in flight and tell its clients."""
+        self.manager.start()
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._waker.reader, zmq.POLLIN)
+        poller.register(self._links.monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set() and self.manager.is_running():
+                ready = dict(poller.poll(100))
+                # Closed connections first: their descriptors may already serve new clients whose messages wait
+                # on the socket (a closed connection's event is queued before its descriptor is released).
+                if self._links.monitor in ready:
+                    self._links.on_monitor_events()
+                if self._socket in ready:
+                    self._receive_all()
+                if ready:
+                    self._waker.drain()
+                self._desk.admit_compiled(self._send)  # after the drain: a compile finished since wakes the next poll
+                self._updates.conclude()
+                self._desk.flush(self._send)
+                self._links.flush()
+                self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
+                self._updates.expire(time.monotonic())
+        finally:
+            self.compiles.close()  # every compile ends (their processes with them) before the groups are answered
+            self._desk.close(self._send)
+            self.manager.stop(block=True, timeout=30)
+            self._updates.close()
+            self._desk.flush(self._send)
+            self._links.flush()
+            self._links.close()
+            self._socket.close(linger=2000)  # let the final abort results reach their clients
+            if self._auth is not None:
+                self._auth.stop()
+            self._context.term()
+            self._waker.close()
+
+    def shutdown(self) -> None:
+        """Ask `serve` to return (safe from signal handlers and other threads)."""
+        self._stop.set()
+        self._waker.wake()
+
+    def _receive_all(self) -> None:
+        for _ in range(1000):  # then let the loop flush replies and watch clients before reading on
+            # Weight buckets are large: their frames are taken without a copy.
+            inbound = self._reader.read()
+            if inbound is None:
+                return
+            identity, frames = inbound.identity, inbound.frames
+            self._links.seen(identity, frame_fd(frames[0]) if frames else None)
+            try:
+                if inbound.refused is not None:
+                    self._refuse_cut(identity, frames, inbound.refused)
+                else:
+                    self._receive(identity, frames)
+            except Exception as error:  # noqa: BLE001 - nothing one message does may end the serving loop
+                logger.exception("a message from client %s failed", identity.hex())
+                self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
+
+    def _refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
+        """Answer a message that had more frames or bytes than any may have (its header names its ids)."""
+        group_id = update_id = None
+        try:
+            message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
+            group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+        except p.ProtocolError as error:
+            group_id, update_id = error.group_id, error.update_id
+        reply = p.Error("bad_request", reason, "frames", group_id, update_id)
+        if not self._updates.on_malformed(identity, update_id, reply):
+            self._send(identity, reply)
+
+    def _receive(self, identity: bytes, frames: list) -> None:
+        try:
+            message = p.decode(frames, max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
+            if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
+                raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
+        except p.ProtocolError as error:
+            reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
+            if not self._updates.on_malformed(identity, error.update_id, reply):  # a malformed update message drops it
+                self._send(identity, reply)
+            return
+        if self._auth is not None and not self._auth.may(frame_property(frames[0], "User-Id"), message.TYPE):
+            reason = f"{message.TYPE} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
+            ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
+            self._send(identity, p.Error("unauthorized", reason, "type", *ids))
+            return
+        try:
+            if isinstance(message, WEIGHT_MESSAGES):
+                self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
+            else:
+                self._handle(identity, message)
+        except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
+            logger.exception("request %s failed", message.TYPE)
+            group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+            reply = p.Error("internal", f"{type(error).__name__}: {error}", None, group_id, update_id)
+            if not self._updates.on_malformed(identity, update_id, reply):
+                self._send(identity, reply)
+
+    def _handle(self, identity: bytes, message: p.Message) -> None:
+        if isinstance(message, p.Generate):
+            self._desk.generate(identity, message, self._send)
+        elif isinstance(message, p.Cancel):
+            self._desk.cancel(identity, message.group_id, self._send)
+        elif isinstance(message, p.Ping):
+            self._send(identity, p.Pong(message.nonce, self.policy_version))
+        elif isinstance(message, p.Hello):
+            engine = self.manager.engine
+            config = dataclasses.asdict(self.manager.config)
+            self._send(
+                identity,
+                p.HelloReply(
+                    self.model_name,
+                    engine.vocab_size,
+                    engine.max_model_len,
+                    self.policy_version,
+                    config,
+                    self.tokenizer_name,
+                ),
+            )
+        elif isinstance(message, p.Stats):
+            self._send(identity, p.StatsReply(self.stats()))
+        else:
+            self._send(identity, p.Error("bad_request", f"{message.TYPE!r} is not a request", "type"))
+
+    def _watched(self) -> list[bytes]:
+        """Clients whose disappearance matters: those with groups in flight, and the owner of the open update (a
+        vanished trainer must not hold the update slot until its deadline)."""
+        watched = self._desk.identities()
+        if self._updates.update is not None:
+            watched.append(self._updates.update.identity)
+        return watched
+
+    def _send(self, identity: bytes, message: p.Message) -> None:
+        self._links.send(identity, message)
+
+    def _client_lost(self, identity: bytes, reason: str) -> None:
+        """A client is gone (ClientLinks tells once per loss): cancel its groups and drop its open update."""
+        self._desk.client_lost(identity)
+        self._updates.client_lost(identity)
+
+    def stats(self) -> dict:
+        """The manager's counters plus this worker's: policy version, groups received / refused / in flight /
+        finished, samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for
+        slow clients, weight updates rejected, their bytes and pauses, and tokens/s since start. Safe from any
+        thread (the /metrics scrape reads it)."""
+        stats = self.manager.stats()
+        uptime = max(stats["uptime_s"], 1e-9)
+        stats.update(
+            policy_version=self.policy_version,
+            clients=self._links.num_clients,
+            clients_lost=self._links.num_lost,
+            pending_reply_bytes=self._links.pending_bytes(),
+            peak_pending_reply_bytes=self._links.peak_pending_bytes,
+            clients_dropped_unread=self._links.dropped_slow,
+            **self.counters.snapshot(),
+            weight_updates_rejected=self._updates.num_rejected,
+            weight_update_bytes=self._updates.bytes_committed,
+            weight_update_pause_ms=self._updates.pause_ms_total,
+            tokens_per_s=stats["generated_tokens"] / uptime,
+            tokenizer=self.tokenizer_name,
+            adapters=self.manager.engine.runner.adapters.stats(),
+            base_id=self.base_id,
+        )
+        return stats
