@@ -80,6 +80,21 @@ MOVED_MODULES: dict[str, str] = {
     "rollout.service.http.chat_tools": "rollout.service.http.tools.chat_tools",
     "rollout.service.http.tool_calls": "rollout.service.http.tools.tool_calls",
     "rollout.service.http.tool_call_stream": "rollout.service.http.tools.tool_call_stream",
+    # the trainer side's subsystems
+    "trainer_bridge.trl_async": "trainer_bridge.trl.async_mode",
+    "trainer_bridge.trl_colocated": "trainer_bridge.trl.colocated_mode",
+    "trainer_bridge.trl_generation": "trainer_bridge.trl.generation",
+    "trainer_bridge.trl_partial": "trainer_bridge.trl.partial",
+    "trainer_bridge.trl_routes": "trainer_bridge.trl.routes",
+    "trainer_bridge.trl_settings": "trainer_bridge.trl.settings",
+    "trainer_bridge.push": "trainer_bridge.weights.push",
+    "trainer_bridge.push_links": "trainer_bridge.weights.push_links",
+    "trainer_bridge.weight_sync": "trainer_bridge.weights.weight_sync",
+    "trainer_bridge.gathering": "trainer_bridge.weights.gathering",
+    "trainer_bridge.lora_push": "trainer_bridge.weights.lora_push",
+    "trainer_bridge.adapter_mode": "trainer_bridge.weights.adapter_mode",
+    "trainer_bridge.update_channel": "trainer_bridge.weights.update_channel",
+    "trainer_bridge.sync_callback": "trainer_bridge.weights.sync_callback",
 }
 
 

@@ -11,7 +11,7 @@ from rollout.presets import tiny_model
 from service_helpers import Worker
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.async_rollouts import AsyncRollouts
-from trainer_bridge.weight_sync import push_weights
+from trainer_bridge.weights.weight_sync import push_weights
 
 GROUPS_PER_STEP = 3
 

@@ -222,7 +222,7 @@ def test_weight_sync_does_not_import_the_engine_or_transformers_models():
     import sys
 
     code = (
-        "import sys, trainer_bridge.weight_sync; "
+        "import sys, trainer_bridge.weights.weight_sync; "
         "print([m for m in ('rollout.engine', 'transformers.models') if any(k.startswith(m) for k in sys.modules)])"
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,4 +1,4 @@
-"""trainer_bridge.weight_sync gathering: what `iter_weights` / `weight_specs` / `push_weights` see of plain, tied,
+"""trainer_bridge.weights.weight_sync gathering: what `iter_weights` / `weight_specs` / `push_weights` see of plain, tied,
 accelerate-prepared, DDP-wrapped, (fake) DeepSpeed ZeRO-3, FSDP2 (CPU/gloo, 2 processes) and PEFT LoRA models, and
 `WeightSyncCallback` driving a real rollout-worker from a transformers Trainer.
 
@@ -18,8 +18,8 @@ from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 from rollout.presets import TINY_MODEL_CONFIG, tiny_model
 from service_helpers import Worker, run_ranks
 from trainer_bridge import PromptGroup, RolloutClient
-from trainer_bridge.sync_callback import WeightSyncCallback
-from trainer_bridge.weight_sync import iter_weights, push_weights, weight_specs
+from trainer_bridge.weights.sync_callback import WeightSyncCallback
+from trainer_bridge.weights.weight_sync import iter_weights, push_weights, weight_specs
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
@@ -320,7 +320,7 @@ CHILD = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from rollout.presets import tiny_model
-    from trainer_bridge.weight_sync import iter_weights, push_weights, weight_specs
+    from trainer_bridge.weights.weight_sync import iter_weights, push_weights, weight_specs
 
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

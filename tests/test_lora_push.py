@@ -217,7 +217,7 @@ from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 from rollout.presets import tiny_model
 from trainer_bridge import PromptGroup, RolloutClient, push_weights
-from trainer_bridge.lora_push import served_adapter_name
+from trainer_bridge.weights.lora_push import served_adapter_name
 
 address, out, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 accelerator = Accelerator(cpu=True)

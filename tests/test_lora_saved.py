@@ -154,8 +154,8 @@ def test_pushes_of_models_with_saved_modules():
     module another adapter saves; an adapter-only push of an adapter saving the output head sends the head's copy,
     one saving a module workers cannot serve unmerged (a norm) is refused up front."""
     from rollout.config import FieldError
-    from trainer_bridge.gathering import peft_entries
-    from trainer_bridge.lora_push import adapter_push
+    from trainer_bridge.weights.gathering import peft_entries
+    from trainer_bridge.weights.lora_push import adapter_push
 
     base = tiny_model("qwen3", seed=5)
     config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["embed_tokens"])

@@ -549,7 +549,7 @@ CHILD = textwrap.dedent(
     import torch
     from trl_helpers import dataset, grpo_config, id_reward
 
-    import trainer_bridge.trl_generation as bridge
+    import trainer_bridge.trl.generation as bridge
     from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 

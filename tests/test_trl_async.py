@@ -15,7 +15,7 @@ from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker  # noqa: E402
 from trainer_bridge import PromptGroup, RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGeneration, RolloutGRPOTrainer  # noqa: E402
-from trainer_bridge.trl_async import AsyncRolloutGeneration  # noqa: E402
+from trainer_bridge.trl.async_mode import AsyncRolloutGeneration  # noqa: E402
 from trl_helpers import dataset, grpo_config, id_reward  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
@@ -233,7 +233,7 @@ def test_partial_rollouts_train_whole_first_complete_groups(tmp_path, client):
     against 2). Every round TRL's loss sees whole groups of 4 rows, each prompt once, with every token's version
     within one step; stragglers are carried into the next round; with the weights unchanged (learning rate 0, push
     mode "keep"), a carried group's tokens are exactly those of the same group generated at once."""
-    from trainer_bridge.trl_partial import PartialRolloutGeneration
+    from trainer_bridge.trl.partial import PartialRolloutGeneration
 
     trainer = RolloutGRPOTrainer(
         model=tiny_model(0),

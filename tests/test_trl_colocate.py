@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-import trainer_bridge.trl_generation as bridge
+import trainer_bridge.trl.generation as bridge
 from rollout.config import SamplingParams
 from rollout.presets import tiny_model
 from service_helpers import run_ranks
 from test_trl import GREEDY_PROMPTS, IS_METRICS, REPO, TOKENIZER, hf_greedy, train_logs
 from trainer_bridge import PromptGroup
 from trainer_bridge.trl import RolloutGRPOTrainer
-from trainer_bridge.trl_colocated import ColocatedGeneration
+from trainer_bridge.trl.colocated_mode import ColocatedGeneration
 from trl_helpers import dataset, grpo_config, id_reward
 
 
@@ -129,7 +129,7 @@ CHILD = textwrap.dedent(
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl_helpers import dataset, grpo_config, id_reward
 
-    import trainer_bridge.trl_generation as bridge
+    import trainer_bridge.trl.generation as bridge
     from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 

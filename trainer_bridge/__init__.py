@@ -19,7 +19,7 @@ __all__ += [*_WEIGHT_SYNC, "ColocatedEngine", *_ROUTE_REPLAY]
 
 def __getattr__(name: str) -> Any:
     if name == "WeightSyncCallback":  # loads transformers' Trainer
-        from trainer_bridge import sync_callback
+        from trainer_bridge.weights import sync_callback
 
         return sync_callback.WeightSyncCallback
     if name == "ColocatedEngine":  # loads torch and the engine
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return colocated.ColocatedEngine
     if name in _WEIGHT_SYNC:
-        from trainer_bridge import weight_sync
+        from trainer_bridge.weights import weight_sync
 
         return getattr(weight_sync, name)
     if name in _ROUTE_REPLAY:  # loads torch and the engine's router taps

@@ -15,7 +15,7 @@ import msgpack
 
 from rollout.config import FieldError, SamplingParams
 from rollout.peft_adapters import BASE_NAME
-from rollout.protocol import Completion, Delta
+from rollout.protocol import Completion, Delta, GroupResult  # (GroupResult: re-exported, one class for both sides)
 
 
 @dataclass
@@ -42,21 +42,6 @@ class PromptGroup:
     group_id: str | None = None
     adapter: str | None = None
     session_id: str | None = None
-
-
-@dataclass
-class GroupResult:
-    """All completions of a group, in sample order.
-
-    Attributes:
-        group_id: the group's id (`PromptGroup.group_id`, or the one the client made).
-        prompt_ids: the prompt's token ids.
-        completions: one `Completion` per sample, in sample order.
-    """
-
-    group_id: str
-    prompt_ids: list[int]
-    completions: list[Completion]
 
 
 def sample_oldest_version(completion: Completion) -> int:

@@ -40,7 +40,7 @@ from trainer_bridge.commands import (
     Submit,
 )
 from trainer_bridge.dispatcher import Dispatcher
-from trainer_bridge.update_channel import UpdateChannel
+from trainer_bridge.weights.update_channel import UpdateChannel
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class RolloutClient:
             for group_id in pending:
                 self.cancel(group_id)
 
-    # ---- weight updates (used by trainer_bridge.weight_sync) ---------------------------------------------------
+    # ---- weight updates (used by trainer_bridge.weights.weight_sync) ---------------------------------------------------
     @property
     def worker_addresses(self) -> list[str]:
         """The address of every worker this client uses (removed ones left out), in the order they were given."""

@@ -266,7 +266,14 @@ class Completion:
 
 @dataclass
 class GroupResult(WorkerMessage):
-    """Every sample of a group, once all finished."""
+    """Every sample of a group, once all finished: the worker's `group_result` message, and what `RolloutClient`
+    returns (one class on both sides of the wire).
+
+    Attributes:
+        group_id: the group's id (`PromptGroup.group_id`, or the one the client made).
+        prompt_ids: the prompt's token ids.
+        completions: one `Completion` per sample, in sample order.
+    """
 
     TYPE: ClassVar[str] = "group_result"
     group_id: str

@@ -85,9 +85,9 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
         ValueError: no plan exists (`plan_copy`). RolloutError: a transaction failed.
     """
     from rollout.engine.lora_weights import to_named_tensors
-    from trainer_bridge.gathering import Entry, entries_of
-    from trainer_bridge.lora_push import AdapterPush
-    from trainer_bridge.weight_sync import push_weights
+    from trainer_bridge.weights.gathering import Entry, entries_of
+    from trainer_bridge.weights.lora_push import AdapterPush
+    from trainer_bridge.weights.weight_sync import push_weights
 
     table = worker.manager.engine.runner.adapters
     for _ in range(3):  # one consistent reading: no update committed between the version and the adapters
@@ -114,8 +114,8 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
 
 def _send_adapter(client: Any, adapter: Any, version: int, timeout: float) -> None:
     """One adapter transaction (mode "keep": the target serves no group during a copy)."""
-    from trainer_bridge.push import WeightPush
-    from trainer_bridge.weight_sync import DEFAULT_BUCKET_BYTES
+    from trainer_bridge.weights.push import WeightPush
+    from trainer_bridge.weights.weight_sync import DEFAULT_BUCKET_BYTES
 
     push = WeightPush(
         client, [], version, "keep", DEFAULT_BUCKET_BYTES, "auto", timeout, False, None, "gloo", False, adapter

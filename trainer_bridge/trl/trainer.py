@@ -43,9 +43,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
-from trainer_bridge.trl_generation import RolloutGeneration, RolloutRows
-from trainer_bridge.trl_routes import RoutingReplayMixin, check_routing_replay
-from trainer_bridge.trl_settings import check_mode, check_staleness, check_tool_loop
+from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
+from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
+from trainer_bridge.trl.settings import check_mode, check_staleness, check_tool_loop
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -146,17 +146,17 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 has its memory; the next round allocates it again. None: `GRPOConfig.vllm_enable_sleep_mode`.
             max_staleness: "server": generate the next k rounds' rows (read ahead from this trainer's dataloader)
                 while training on this one; a sample trained at step s comes from weights of step s - k or newer
-                (`trainer_bridge.trl_async`). 0 (default): synchronous, as without it.
+                (`trainer_bridge.trl.async_mode`). 0 (default): synchronous, as without it.
             stale_policy: with max_staleness: "regenerate" a too stale group, or keep it ("is_correct": TRL's
                 importance-sampling correction weighs it with the behaviour policy's logprobs).
             partial_rollouts: "server": a generation round trains the first complete groups; unfinished ones keep
-                generating and join a later round (`trainer_bridge.trl_partial`). Needs max_staleness to cover
+                generating and join a later round (`trainer_bridge.trl.partial`). Needs max_staleness to cover
                 max_partial_rounds - 1 rounds.
             max_partial_rounds: with partial_rollouts, most generation rounds one group may span (default 2).
             partial_overprovision: with partial_rollouts, extra groups in flight as a fraction of a round's, in
                 (0, 1] (default 0.5).
             routing_replay: an MoE policy: the rollout records every token's experts and TRL's log-prob forwards
-                (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl_routes`).
+                (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl.routes`).
             **kwargs: GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset, processing_class,
                 rollout_func, tools, environment_factory, ...). `args.use_vllm` must be False: rollout replaces vLLM.
         Raises:
@@ -193,7 +193,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
         if rollout_mode == "colocate":
-            from trainer_bridge.trl_colocated import colocated_generation
+            from trainer_bridge.trl.colocated_mode import colocated_generation
 
             self.rollout: RolloutGeneration = colocated_generation(self, rollout_engine_config, sleep_between_rounds)
         else:
@@ -232,7 +232,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         loader = super().get_train_dataloader()
         if not self.max_staleness:
             return loader
-        from trainer_bridge.trl_async import LookaheadLoader
+        from trainer_bridge.trl.async_mode import LookaheadLoader
 
         return LookaheadLoader(loader, self.rollout.start_epoch)
 
@@ -260,7 +260,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
         if self.partial_rollouts:
-            from trainer_bridge.trl_partial import PartialRolloutGeneration
+            from trainer_bridge.trl.partial import PartialRolloutGeneration
 
             rounds, overprovision = self._partial_settings
             return PartialRolloutGeneration(
@@ -274,7 +274,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 **(push_kwargs or {}),
             )
         if self.max_staleness:
-            from trainer_bridge.trl_async import AsyncRolloutGeneration
+            from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
 
             return AsyncRolloutGeneration(
                 self,

@@ -1,7 +1,7 @@
 """Partial rollouts for `RolloutGRPOTrainer(..., partial_rollouts=True)` ("server" mode): a generation round trains
 the first complete groups instead of waiting for its slowest sample (APRIL, slime; `trainer_bridge.partial_rounds`).
 
-The rows come from the trainer's own dataloader, read ahead as in `trainer_bridge.trl_async` (same sampler, same
+The rows come from the trainer's own dataloader, read ahead as in `trainer_bridge.trl.async_mode` (same sampler, same
 order, same per-rank split). Each round keeps `groups + ceil(partial_overprovision * groups)` GRPO groups in flight:
 the round's own rows, then the next rounds' rows in stream order. It takes the oldest complete groups (and waits for
 any that already spanned `max_partial_rounds` rounds), and hands TRL those rows, with their dataset columns, in
@@ -13,7 +13,7 @@ once, in the round its group completes; rows still in flight when `train()` ends
 
 Weights are pushed at the start of each round (TRL's own rule: when the global step changed), before the round's new
 groups are sent. Logged per round: `rollout/partial_carried_over` (groups sent in an earlier round) and
-`rollout/wait_s`, with the policy-lag metrics of `trainer_bridge.trl_async`. Evaluation rounds generate their own
+`rollout/wait_s`, with the policy-lag metrics of `trainer_bridge.trl.async_mode`. Evaluation rounds generate their own
 rows, as without partial rollouts.
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import PromptGroup, RolloutError
 from trainer_bridge.partial_rounds import PartialRounds
-from trainer_bridge.trl_async import AsyncRolloutGeneration
-from trainer_bridge.trl_generation import RolloutRows
+from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
+from trainer_bridge.trl.generation import RolloutRows
 
 GroupKey = tuple[int, int, int]  # (epoch, index of its batch in the epoch's stream, index of the group in the batch)
 

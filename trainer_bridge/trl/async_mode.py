@@ -31,7 +31,7 @@ from typing import Any
 
 from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
-from trainer_bridge.trl_generation import RolloutGeneration
+from trainer_bridge.trl.generation import RolloutGeneration
 
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
 _END = object()

@@ -8,7 +8,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trainer_bridge.client import RolloutClient
-from trainer_bridge.weight_sync import PushResult, push_weights
+from trainer_bridge.weights.weight_sync import PushResult, push_weights
 
 __all__ = ["WeightSyncCallback"]
 

@@ -13,7 +13,7 @@ from trl.models import unwrap_model_for_generation
 from rollout.config import ContinuousBatchingConfig
 from trainer_bridge.client import GroupResult, PromptGroup
 from trainer_bridge.colocated import ColocatedEngine
-from trainer_bridge.trl_generation import RolloutGeneration
+from trainer_bridge.trl.generation import RolloutGeneration
 
 __all__ = ["ColocatedGeneration", "colocated_generation"]
 

@@ -13,8 +13,8 @@ from trl import GRPOTrainer
 
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
-from trainer_bridge.lora_push import served_adapter_name
-from trainer_bridge.weight_sync import push_weights
+from trainer_bridge.weights.lora_push import served_adapter_name
+from trainer_bridge.weights.weight_sync import push_weights
 
 __all__ = ["RolloutGeneration", "RolloutRows"]
 

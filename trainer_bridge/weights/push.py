@@ -20,11 +20,11 @@ from rollout.protocol.dist import broadcast, host_towards, make_process_group, m
 from rollout.protocol.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
-from trainer_bridge.gathering import Entry, as_wire_bytes
-from trainer_bridge.lora_push import AdapterPush
-from trainer_bridge.push_links import NoReply, PushLink, WorkerFailed
+from trainer_bridge.weights.gathering import Entry, as_wire_bytes
+from trainer_bridge.weights.lora_push import AdapterPush
+from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed
 
-logger = logging.getLogger("trainer_bridge.weight_sync")
+logger = logging.getLogger("trainer_bridge.weights.weight_sync")
 
 # Buckets in flight per worker: the next one travels while the previous is staged. "auto" sends an update that fits
 # in one bucket (an adapter, a small partial update) as frames: mapping the worker's segment and touching its pages
