@@ -17,7 +17,7 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
     """A `ContinuousBatchingConfig` from "KEY=VALUE" strings over `defaults`.
 
     Values are read by the field's annotation: "none" is None where the field allows it; booleans take
-    true/false/on/off/yes/no/1/0; tuples are comma-separated; numbers as written.
+    true/false/on/off/yes/no/1/0; numbers as written.
 
     Args:
         pairs: the strings, e.g. ["num_blocks=512", "scheduler_type=prefill_first"].
@@ -51,8 +51,6 @@ def _read(key: str, text: str, annotation: str) -> Any:
         if text.lower() not in _BOOLEANS:
             raise FieldError(key, f"expected true or false, got {text!r}")
         return _BOOLEANS[text.lower()]
-    if annotation.startswith("tuple"):
-        return tuple(part.strip() for part in text.split(",") if part.strip())
     for kind in (int, float):
         if annotation.startswith(kind.__name__):
             try:

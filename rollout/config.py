@@ -24,7 +24,6 @@ __all__ = [
     "MAX_POLICY_VERSION",
     "MIN_TEMPERATURE",
     "MODEL_DTYPE_NAMES",
-    "PREVIOUS_PATHS",
     "SCHEDULER_TYPES",
     "WEIGHT_UPDATE_MODES",
     "ContinuousBatchingConfig",
@@ -47,26 +46,6 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# GPU-path changes that `ContinuousBatchingConfig.previous_paths` can switch back to how they were, each named by
-# what the previous path did.
-PREVIOUS_PATHS = {
-    "fp32_head": "with fp32_logits, the output projection's weight converted to fp32 at every step (now: an fp32 "
-    "copy kept and refreshed when weights change)",
-    "sampler_state": "penalty, ban and token-history state per request, stacked and updated row by row at every step "
-    "(now: per-slot device tables updated with one scatter per step)",
-    "logprobs": "log-probs from a full log_softmax and top-p/top-k over a full-vocabulary sort and fp64 cumsum (now: "
-    "a gather minus a logsumexp, and one sort of the kept candidates)",
-    "decode_tiling": "the decode kernel reading one KV block per iteration, planning 256 programs (now: several "
-    "blocks per iteration and at least 4 programs per SM)",
-    "colocated_graphs": "ColocatedEngine releasing its CUDA graphs at every sleep() (now: kept while the parameters "
-    "and the cache stay where they were)",
-    "grammar_resolve_first": "with overlap scheduling, a step with grammar-constrained samples resolved (its tokens "
-    "on the host, its grammars advanced) before the next step was scheduled (now: the next step's forward is queued "
-    "first, then the tokens fetched and the next masks filled while it runs)",
-    "moe_experts": "an MoE model keeping its own experts implementation, whose eager loop reads the routing back to "
-    "the host, so decode steps cannot be captured (now: transformers' grouped_mm or batched_mm while the engine holds "
-    "the model, the model's own given back)",
-}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).
 COMPILE_MODES_WITHOUT_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
@@ -120,9 +99,6 @@ class ContinuousBatchingConfig:
     max_model_len: int | None = None
     # Seed of the seeds given to requests that bring none (None: fresh randomness), so a whole run can repeat.
     seed: int | None = None
-    # GPU-path changes to switch back to how they were before (names of PREVIOUS_PATHS), so that one GPU run can
-    # measure both; () takes every current path.
-    previous_paths: tuple[str, ...] = ()
     # LoRA adapters served side by side (unmerged, `Engine.load_adapter`): at most this many at once, each of rank
     # at most max_lora_rank. Their stacked weights are allocated when the first adapter arrives; the base model
     # alone costs nothing.
@@ -244,11 +220,3 @@ class ContinuousBatchingConfig:
             )
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer or None", self.seed)
-        _check(
-            isinstance(self.previous_paths, (tuple, list))
-            and all(isinstance(name, str) and name in PREVIOUS_PATHS for name in self.previous_paths),
-            "previous_paths",
-            f"must be a tuple of names among {sorted(PREVIOUS_PATHS)}",
-            self.previous_paths,
-        )
-        self.previous_paths = tuple(self.previous_paths)

@@ -1,6 +1,5 @@
 """A colocated engine keeps its decode graphs across sleep() while the cache and the parameters come back where the
-graphs read them, and drops them (to capture again) exactly when either moved; `previous_paths=("colocated_graphs",)`
-drops them at every sleep, as before. On CPU the graphs run their padded buffers eagerly (capture=False), so what is
+graphs read them, and drops them (to capture again) exactly when either moved. On CPU the graphs run their padded buffers eagerly (capture=False), so what is
 checked is which releases happen, and that tokens equal transformers' greedy `generate` throughout."""
 
 from __future__ import annotations
@@ -9,16 +8,16 @@ import torch
 
 from conftest import make_prompts, needs_triton_interpreter, reference_copy
 from rollout import ContinuousBatchingConfig, SamplingParams
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 from trainer_bridge import ColocatedEngine, PromptGroup
 
 GREEDY = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
 PROMPTS = make_prompts(2, 5, 9, seed=4, vocab=1024)
 
 
-def _engine(previous: tuple[str, ...] = ()) -> tuple[ColocatedEngine, list[int]]:
+def _engine() -> tuple[ColocatedEngine, list[int]]:
     """A colocated engine on the Triton path (interpreted) with decode graphs, and a log of graph releases."""
-    config = ContinuousBatchingConfig(num_blocks=32, attention_backend="triton", previous_paths=previous)
+    config = ContinuousBatchingConfig(num_blocks=32, attention_backend="triton")
     engine = ColocatedEngine(tiny_model(0), config)
     graphs = engine.engine.runner.enable_decode_graphs(4, 64, capture=False)
     releases: list[int] = []
@@ -58,12 +57,4 @@ def test_graphs_are_kept_while_the_cache_comes_back_in_place_and_dropped_when_it
     engine.wake()
     assert engine.engine.kv_cache.kv.data_ptr() != held.data_ptr() and releases == [1]
     assert _round(engine) == expected
-    engine.close()
-
-
-def test_previous_path_drops_the_graphs_at_every_sleep():
-    engine, releases = _engine(("colocated_graphs",))
-    _round(engine)
-    engine.sleep()
-    assert releases  # at sleep itself, wherever the cache comes back
     engine.close()

@@ -20,7 +20,7 @@ from rollout.eval.stats import mean_interval, pass_at_k, percentile, wilson_inte
 def test_batch_config_pairs_read_as_their_fields_types():
     config = batch_config_from_pairs(
         ["num_blocks=64", "max_memory_percent=none", "scheduler_type=prefill_first", "overlap_scheduling=off"]
-        + ["previous_paths=fp32_head,logprobs", "max-batch-tokens=512", "fp32_logits=true"],
+        + ["attention_backend=torch", "max-batch-tokens=512", "fp32_logits=true"],
         seed=3,
     )
     assert config == ContinuousBatchingConfig(
@@ -28,7 +28,7 @@ def test_batch_config_pairs_read_as_their_fields_types():
         max_memory_percent=None,
         scheduler_type="prefill_first",
         overlap_scheduling=False,
-        previous_paths=("fp32_head", "logprobs"),
+        attention_backend="torch",
         max_batch_tokens=512,
         fp32_logits=True,
         seed=3,
@@ -37,6 +37,11 @@ def test_batch_config_pairs_read_as_their_fields_types():
         batch_config_from_pairs(["scheduler_type=lifo"])
     with pytest.raises(FieldError, match="decode_compile_config: is not a ContinuousBatchingConfig field settable"):
         batch_config_from_pairs(["decode_compile_config=x"])
+    # A retired field is refused by name, on the command line and in code.
+    with pytest.raises(FieldError, match="previous_paths: is not a ContinuousBatchingConfig field"):
+        batch_config_from_pairs(["previous_paths=fp32_head"])
+    with pytest.raises(TypeError, match="previous_paths"):
+        ContinuousBatchingConfig(previous_paths=("fp32_head",))
 
 
 def test_wilson_interval_matches_newcombes_published_values():

@@ -1,6 +1,6 @@
-"""`fp32_logits` keeps an fp32 copy of the output head, refreshed in place whenever the weights may have changed; the
-previous path (`previous_paths=("fp32_head",)`) converts the weight at every step. Both must give a trainer's
-fp32-head logprobs (TRL's cast_lm_head_to_fp32) for whatever weights the model holds at that step."""
+"""`fp32_logits` keeps an fp32 copy of the output head, refreshed in place whenever the weights may have changed: it
+must give a trainer's fp32-head logprobs (TRL's cast_lm_head_to_fp32) for whatever weights the model holds at that
+step."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from conftest import make_prompts, run_to_completion
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
 from rollout.benchmarks.fidelity import teacher_forced_logprobs
 from rollout.engine.engine import Engine
-from rollout.service.presets import tiny_model
+from rollout.presets import tiny_model
 
 STALE = 0.02  # mean |delta| beyond which the logprobs came from other weights (measured: 0.1 and more here)
 GREEDY = SamplingParams(do_sample=False, max_new_tokens=12, stop_token_ids=())
 PROMPT = make_prompts(1, 24, 24, seed=3)[0]
 
 
-def _config(previous: tuple[str, ...] = ()) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(num_blocks=64, fp32_logits=True, previous_paths=previous)
+def _config() -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(num_blocks=64, fp32_logits=True)
 
 
 def _delta(model: torch.nn.Module, tokens: list[int], logprobs: list[float]) -> float:
@@ -36,18 +36,14 @@ def _generate(engine: Engine) -> tuple[list[int], list[float]]:
     return output.generated_tokens, output.logprobs
 
 
-def test_both_paths_give_the_trainers_fp32_head_logprobs():
+def test_the_fp32_copy_gives_the_trainers_fp32_head_logprobs():
     model = tiny_model(0, dtype=torch.bfloat16)
-    results = {}
-    for previous in ((), ("fp32_head",)):
-        engine = Engine(copy.deepcopy(model), _config(previous))
-        assert engine.runner.fp32_head.cached == (previous == ())
-        results[previous] = _generate(engine)
-        engine.close()
-        assert engine.runner.fp32_head.weight is None  # the copy goes with the engine
-    (tokens, cached), (same_tokens, converted) = results[()], results[("fp32_head",)]
-    assert tokens == same_tokens and cached == converted  # the same fp32 product either way
-    assert _delta(model, tokens, cached) < 2e-3
+    engine = Engine(copy.deepcopy(model), _config())
+    assert engine.runner.fp32_head.weight.dtype == torch.float32
+    tokens, logprobs = _generate(engine)
+    engine.close()
+    assert engine.runner.fp32_head.weight is None  # the copy goes with the engine
+    assert _delta(model, tokens, logprobs) < 2e-3
     assert model.lm_head.weight.dtype == torch.bfloat16  # the model's own weights are left as they are
 
 

@@ -2,7 +2,7 @@
 (single-token sequences): greedy tokens equal `generate(..., sequence_bias=...)`, "processed" log-probs equal
 log_softmax of transformers' processors applied after the bias to a teacher-forced forward, "raw" and
 "temperature_scaled" leave the bias out; +/-100 force / ban a token; rows with different biases (and none) share a
-batch on both sampler paths; bad biases are refused naming logit_bias; the field crosses the ZeroMQ protocol."""
+batch; bad biases are refused naming logit_bias; the field crosses the ZeroMQ protocol."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from rollout.engine.sampling_slots import SamplingSlots
 from rollout.sampling_params import MAX_LOGIT_BIAS_TOKENS
 from trainer_bridge.calls import PromptGroup, checked_group
 
-PATHS = {"default": (), "previous": ("sampler_state", "logprobs")}
 MAX_NEW = 6
 TOL = 1e-5
 
@@ -69,8 +68,7 @@ def check_logprobs(reference, prompt: list[int], out, params: SamplingParams, wh
             assert abs(value - row[top_token].item()) <= TOL, (where, t, top_token)
 
 
-@pytest.mark.parametrize("paths", list(PATHS))
-def test_greedy_with_bias_matches_generate_with_sequence_bias(models, paths):
+def test_greedy_with_bias_matches_generate_with_sequence_bias(models):
     """Greedy rows with biases (one with a repetition penalty, which sees the biased logits) and one without share
     a batch; each gives `generate(..., sequence_bias=...)`'s tokens, and the biases change what is generated."""
     model, reference = models
@@ -84,7 +82,7 @@ def test_greedy_with_bias_matches_generate_with_sequence_bias(models, paths):
         ),
         "none": SamplingParams(temperature=0),
     }
-    engine = make_engine(model, previous_paths=PATHS[paths])
+    engine = make_engine(model)
     for (name, params), prompt in zip(requests.items(), prompts):
         engine.add_request(name, prompt, params.merged(stop_token_ids=()), max_new_tokens=MAX_NEW)
     outputs = run_to_completion(engine)
@@ -100,8 +98,7 @@ def test_greedy_with_bias_matches_generate_with_sequence_bias(models, paths):
     assert engine.sampler.slots.bias.tokens is None, "the bias tables outlive their samples"
 
 
-@pytest.mark.parametrize("paths", list(PATHS))
-def test_mixed_batch_each_row_gets_its_own_bias_and_logprobs(models, paths):
+def test_mixed_batch_each_row_gets_its_own_bias_and_logprobs(models):
     """Sampled rows with different biases, and rows without, mixed with top_k, top_p, min_p and penalties, in
     groups of two, in every logprob_mode: each row's log-probs are its own reference's ("processed": transformers'
     processors after SequenceBiasLogitsProcessor; "raw" and "temperature_scaled": without the bias)."""
@@ -116,7 +113,7 @@ def test_mixed_batch_each_row_gets_its_own_bias_and_logprobs(models, paths):
         "scaled": SamplingParams(temperature=0.7, logit_bias={likes[2]: -4.0}, logprob_mode="temperature_scaled"),
         "greedy": SamplingParams(temperature=0, frequency_penalty=0.4, logit_bias={11: 3.0}),
     }
-    engine = make_engine(model, previous_paths=PATHS[paths], return_logprobs=True)
+    engine = make_engine(model, return_logprobs=True)
     for (name, params), prompt in zip(requests.items(), prompts):
         params = params.merged(stop_token_ids=(), top_logprobs=3, seed=len(name))
         engine.add_request(name, prompt, params, n=2, max_new_tokens=MAX_NEW)

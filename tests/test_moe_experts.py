@@ -22,9 +22,9 @@ def _eager_moe() -> torch.nn.Module:
     return model
 
 
-def _run(model: torch.nn.Module, previous: tuple[str, ...]) -> tuple[dict, list[str], dict]:
+def _run(model: torch.nn.Module) -> tuple[dict, list[str], dict]:
     """Greedy outputs, the host reads made while queueing steps, and the experts implementation during the run."""
-    engine = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4, previous_paths=previous))
+    engine = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4))
     during = model.get_experts_implementation()
     spy = HostReads()
     launch = engine._launch
@@ -48,15 +48,9 @@ def _run(model: torch.nn.Module, previous: tuple[str, ...]) -> tuple[dict, list[
 def test_moe_decodes_without_host_reads_and_gives_its_experts_back():
     model = _eager_moe()
     reference = reference_copy(model)  # keeps the eager experts: generate runs the model's own
-    outputs, reads, during = _run(model, ())
+    outputs, reads, during = _run(model)
     assert during == {"": "grouped_mm"} and reads == []
     assert model.get_experts_implementation() == {"": "eager"}  # given back as found
     for index, prompt in enumerate(PROMPTS):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
         assert outputs[f"p{index}"].generated_tokens == expected.tolist()
-
-
-def test_previous_path_keeps_the_models_own_experts_and_its_host_reads():
-    model = _eager_moe()
-    _, reads, during = _run(model, ("moe_experts",))
-    assert during == {"": "eager"} and {"nonzero", "item"} <= set(reads)

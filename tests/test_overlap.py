@@ -128,19 +128,17 @@ def sampled_workload(engine, shared_prefix: list[int]) -> None:
         engine.add_request(f"s{index}", prompt, greedy if index % 2 else raw, max_new_tokens=MAX_NEW - 3 * index)
 
 
-@pytest.mark.parametrize(
-    ("swap", "previous_paths"), [(0.0, ()), (0.01, ()), (0.0, ("sampler_state", "logprobs"))], ids=str
-)
-def test_overlap_gives_the_same_outputs_as_sequential_steps(swap, previous_paths):
+@pytest.mark.parametrize("swap", [0.0, 0.01], ids=str)
+def test_overlap_gives_the_same_outputs_as_sequential_steps(swap):
     """The same sampled workload, overlap off then on, under a cache that preempts (recompute, or swap to CPU):
     every sample has the same tokens, log-probs, top log-probs, finish reason and versions, and streamed deltas add
-    up to the same completions (on the sampler's default path and on its previous one)."""
+    up to the same completions."""
     shared_prefix = make_prompts(1, 24, 24, seed=30)[0]
     runs = []
     for overlap in (False, True):
         model = tiny_model("qwen3")
         config = {"num_blocks": 36, "block_size": 4, "max_batch_tokens": 40, "cpu_offload_space": swap}
-        engine = make_engine(model, overlap_scheduling=overlap, previous_paths=previous_paths, **config)
+        engine = make_engine(model, overlap_scheduling=overlap, **config)
         sampled_workload(engine, shared_prefix)
         outputs: dict[str, list] = {}
         collect(engine, outputs)
@@ -276,7 +274,7 @@ class HostReads(TorchDispatchMode):
 
 def every_processor_workload(engine, shared_prefix: list[int]) -> None:
     """Every sample uses every penalty and ban processor, min_new_tokens, top_k, top_p, min_p and top log-probs
-    (the sampler's default path then draws from each row's top candidates); groups, shared prefixes."""
+    (the sampler then draws from each row's top candidates); groups, shared prefixes."""
     every = SamplingParams(
         do_sample=True, temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
         presence_penalty=0.3, frequency_penalty=0.2, no_repeat_ngram_size=2, bad_words_ids=((5,), (9, 11), (20, 21, 22)),

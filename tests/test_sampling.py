@@ -31,10 +31,6 @@ from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 
 KINDS = ["qwen3", "mistral_sliding"]
-# ContinuousBatchingConfig.previous_paths: the default sampler path, and the one it replaced (test_sampler_paths.py
-# compares the two directly); the previous one is checked against the same references on one model kind.
-PATHS = {"default": (), "previous": ("sampler_state", "logprobs")}
-KINDS_AND_PATHS = [(kind, "default") for kind in KINDS] + [("qwen3", "previous")]
 MAX_NEW = 12
 TOL = 1e-5
 # Every 4th token id: stops are frequent enough that min_new_tokens has something to mask.
@@ -181,8 +177,8 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], n
 
 # ---- 1. log-probs -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(LOGPROB_CASES))
-@pytest.mark.parametrize("kind, paths", KINDS_AND_PATHS)
-def test_processed_logprobs_match_transformers_processors(kind, paths, case):
+@pytest.mark.parametrize("kind", KINDS)
+def test_processed_logprobs_match_transformers_processors(kind, case):
     """The "processed" log-prob of every sampled token equals log_softmax of transformers' processors applied to a
     teacher-forced forward of an untouched copy; the sampled token survived the filters; top_logprobs are the
     sorted top-k of that same distribution and agree with the sampled token's own log-prob."""
@@ -190,7 +186,7 @@ def test_processed_logprobs_match_transformers_processors(kind, paths, case):
     reference = reference_copy(model)
     params = LOGPROB_CASES[case].merged(seed=11, top_logprobs=5)
     prompts = make_prompts(4, 4, 24, seed=1)
-    outputs = run(make_engine(model, previous_paths=PATHS[paths]), {str(i): (p, params) for i, p in enumerate(prompts)})
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
         out = outputs[str(i)]
         tokens = out.generated_tokens
@@ -294,8 +290,7 @@ def test_temperature_scaled_logprobs_are_what_a_trainer_recomputes(kind):
     )
 
 
-@pytest.mark.parametrize("paths", list(PATHS))
-def test_mixed_batch_applies_each_requests_own_settings(paths):
+def test_mixed_batch_applies_each_requests_own_settings():
     """One batch mixing every LOGPROB_CASES setting and a penalized group of n=3 (whose samples share their
     leader's logits row for the first token): each sample's log-probs match transformers' processors with its own
     parameters and its own previous tokens (no setting or penalty state leaks across rows or samples)."""
@@ -303,7 +298,7 @@ def test_mixed_batch_applies_each_requests_own_settings(paths):
     reference = reference_copy(model)
     prompts = make_prompts(len(LOGPROB_CASES) + 1, 4, 24, seed=3)
     requests = {case: (p, params.merged(seed=21)) for (case, params), p in zip(LOGPROB_CASES.items(), prompts)}
-    engine = make_engine(model, previous_paths=PATHS[paths])
+    engine = make_engine(model)
     for case, (prompt, params) in requests.items():
         engine.add_request(case, prompt, params, max_new_tokens=MAX_NEW)
     group = SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.4, frequency_penalty=-0.8, seed=5)
@@ -337,15 +332,15 @@ GREEDY_CASES = {
 
 
 @pytest.mark.parametrize("case", list(GREEDY_CASES))
-@pytest.mark.parametrize("kind, paths", [("qwen3", "default"), ("gemma2", "default"), ("qwen3", "previous")])
-def test_greedy_matches_generate(kind, paths, case):
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_greedy_matches_generate(kind, case):
     """temperature=0 / do_sample=False give transformers' greedy `generate` token for token (with its repetition
     penalty, min_new_tokens and eos handling), and finish_reason says whether a stop token ended it."""
     params, generate_kwargs = GREEDY_CASES[case]
     model = tiny_model(kind)
     reference = reference_copy(model)
     prompts = make_prompts(4, 4, 24, seed=4)
-    outputs = run(make_engine(model, previous_paths=PATHS[paths]), {str(i): (p, params) for i, p in enumerate(prompts)})
+    outputs = run(make_engine(model), {str(i): (p, params) for i, p in enumerate(prompts)})
     for i, prompt in enumerate(prompts):
         expected = reference_generate(reference, prompt, MAX_NEW, params.stop_token_ids, **generate_kwargs)
         out = outputs[str(i)]
@@ -367,8 +362,8 @@ COMPANIONS = {
 }
 
 
-@pytest.mark.parametrize("kind, paths", KINDS_AND_PATHS)
-def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind, paths):
+@pytest.mark.parametrize("kind", KINDS)
+def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind):
     """A seeded request samples the same tokens (and log-probs) run alone, inside a batch of different requests
     (other prompts, lengths, settings, a group), and in a tiny cache that forces chunked prefill and preemption
     (recompute, and swap to CPU)."""
@@ -378,16 +373,14 @@ def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind, paths):
     companions = {name: (prompt, params) for (name, params), prompt in zip(COMPANIONS.items(), prompts[3:])}
     alone = {}
     for name, request in targets.items():
-        alone.update(run(make_engine(model, previous_paths=PATHS[paths]), {name: request}))
-    mixed_engine = make_engine(model, previous_paths=PATHS[paths])
+        alone.update(run(make_engine(model), {name: request}))
+    mixed_engine = make_engine(model)
     group = SamplingParams(seed=7, stop_token_ids=())
     mixed_engine.add_request("group", prompts[0], group, n=3, max_new_tokens=MAX_NEW)
     mixed = run(mixed_engine, {**companions, **targets})
     runs = {"mixed": mixed}
     for mode, offload in (("recompute", 0.0), ("swap", 0.01)):
-        tight = make_engine(
-            model, num_blocks=14, max_batch_tokens=16, cpu_offload_space=offload, previous_paths=PATHS[paths]
-        )
+        tight = make_engine(model, num_blocks=14, max_batch_tokens=16, cpu_offload_space=offload)
         tight.add_request("group", prompts[1], SamplingParams(seed=3, stop_token_ids=()), n=2, max_new_tokens=MAX_NEW)
         runs[mode] = run(tight, {**companions, **targets})
         assert tight.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
@@ -410,8 +403,8 @@ def test_different_seeds_give_different_completions():
     assert len(completions) == len(seeds)
 
 
-@pytest.mark.parametrize("kind, paths", KINDS_AND_PATHS)
-def test_group_samples_differ_and_are_reproducible(kind, paths):
+@pytest.mark.parametrize("kind", KINDS)
+def test_group_samples_differ_and_are_reproducible(kind):
     """A group of n=4 with seed s: its samples differ from each other; the same group in a fresh engine and in a
     different batch (other groups, a tight cache) gives the same four samples; sample 0 equals a lone (n=1)
     request with seed s, since sample i uses (seed, i) and a lone request is sample 0."""
@@ -420,15 +413,15 @@ def test_group_samples_differ_and_are_reproducible(kind, paths):
     params = SamplingParams(temperature=1.0, top_k=50, seed=42, stop_token_ids=())
     ids = [f"g#{i}" for i in range(4)]
 
-    first = run(make_engine(model, previous_paths=PATHS[paths]), {"g": (prompt, params)}, n=4)
+    first = run(make_engine(model), {"g": (prompt, params)}, n=4)
     samples = [tuple(first[i].generated_tokens) for i in ids]
     assert len(set(samples)) == 4, "the samples of a group must differ"
     assert [first[i].sample_index for i in ids] == [0, 1, 2, 3]
 
-    again = run(make_engine(model, previous_paths=PATHS[paths]), {"g": (prompt, params)}, n=4)
+    again = run(make_engine(model), {"g": (prompt, params)}, n=4)
     assert [tuple(again[i].generated_tokens) for i in ids] == samples
 
-    busy = make_engine(model, num_blocks=20, max_batch_tokens=16, previous_paths=PATHS[paths])
+    busy = make_engine(model, num_blocks=20, max_batch_tokens=16)
     other_params = SamplingParams(temperature=0.7, seed=1, stop_token_ids=())
     busy.add_request("h", other, other_params, n=4, max_new_tokens=MAX_NEW)
     busy.add_request("lone", prompt, params, max_new_tokens=MAX_NEW)
@@ -564,7 +557,7 @@ def test_fp32_logits_computes_the_projection_in_fp32():
     fp32_logits=True they match an fp32 projection of the same hidden states instead (and the bf16 weights are
     left as they are)."""
     from rollout import Engine
-    from rollout.service.presets import tiny_model as preset_model
+    from rollout.presets import tiny_model as preset_model
 
     model = preset_model(0, dtype=torch.bfloat16)
     prompt = make_prompts(1, 40, 40, seed=9)[0]

@@ -18,7 +18,7 @@ from conftest import run_to_completion  # noqa: E402
 from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.engine.engine import Engine  # noqa: E402
 from rollout.engine.manager import init_continuous_batching  # noqa: E402
-from rollout.service.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_bridge import PromptGroup  # noqa: E402
 from trainer_bridge.colocated import ColocatedEngine  # noqa: E402
 
@@ -71,14 +71,10 @@ def test_preemption_by_swap_and_recompute_changes_no_constrained_token():
     assert roomy.sampler.grammar_masks._buffer is None and not roomy.intake.grammars._compilers
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [dict(overlap_scheduling=True), dict(overlap_scheduling=True, previous_paths=("grammar_resolve_first",))],
-)
-def test_overlap_scheduling_changes_no_constrained_token(settings):
+def test_overlap_scheduling_changes_no_constrained_token():
     """Overlapped, a constrained step's tokens are fetched while the next forward runs and the next masks filled
-    from them (a sample whose grammar ended has one more row, dropped); or (previous path) resolved before the next
-    step: either way the tokens are the sequential engine's, with unconstrained samples and preemption beside."""
+    from them (a sample whose grammar ended has one more row, dropped): the tokens are the sequential engine's, with
+    unconstrained samples and preemption beside."""
 
     def run(**config) -> dict:
         target = engine(num_blocks=24, **config)
@@ -89,7 +85,7 @@ def test_overlap_scheduling_changes_no_constrained_token(settings):
         return {rid: (o.generated_tokens, o.finish_reason) for rid, o in outputs.items()}
 
     expected = run(overlap_scheduling=False)
-    assert run(**settings) == expected
+    assert run(overlap_scheduling=True) == expected
     constrained = [
         TOKENIZER.decode(tokens, skip_special_tokens=True) for rid, (tokens, _) in expected.items() if rid[0] == "g"
     ]

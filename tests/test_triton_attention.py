@@ -59,8 +59,9 @@ def make_case(contexts, query_lens, heads, kv_heads, head_dim, block_size, dtype
     return query, key_cache, value_cache, block_table, tables
 
 
-# The default tiling (several blocks per loop iteration, four programs per SM) and the previous one (one block).
-TILINGS = {"multi_block": Tiling(), "previous": Tiling.for_device(torch.device("cpu"), previous=True)}
+# The default tiling (several 16-token blocks per loop iteration, four programs per SM), and its one-block loop (what
+# it takes for blocks of 64 tokens or more), here at 16-token blocks.
+TILINGS = {"multi_block": Tiling(), "one_block": Tiling(keys_per_iteration=16)}
 
 CASES = {
     # name: (contexts, query lengths, heads, kv heads, head dim)
@@ -77,7 +78,7 @@ KERNEL_CASES = [
     for name in sorted(CASES)
     for window, softcap in [(None, None), (24, None), (None, 30.0), (9, 5.0)]
     for tiling in sorted(TILINGS)
-    if tiling == "multi_block" or (window, softcap) in [(None, None), (9, 5.0)]  # the previous tiling: a subset
+    if tiling == "multi_block" or (window, softcap) in [(None, None), (9, 5.0)]  # the one-block loop: a subset
 ]
 
 
@@ -91,7 +92,7 @@ def test_kernel_matches_reference(name, window, softcap, tiling):
     scale = head_dim**-0.5
     hpk = heads // kv_heads
     attention_plan = plan(query_lens, contexts, block_table, hpk, kv_heads, 16, DEVICE, 1, TILINGS[tiling])
-    assert attention_plan.blocks_per_iter == (1 if tiling == "previous" else 4)
+    assert attention_plan.blocks_per_iter == (1 if tiling == "one_block" else 4)
     got = paged_attention(query, key_cache, value_cache, attention_plan, scale, window, softcap)
     expected = reference(query, key_cache, value_cache, tables, contexts, query_lens, scale, window, softcap)
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
@@ -204,11 +205,9 @@ def test_split_counts_are_few_powers_of_two_with_long_enough_slices():
 
 def test_default_tiling_plans_four_programs_per_sm_for_mid_size_decodes():
     """On an H100 (132 SMs) a decode of 8-64 sequences of 4k tokens over 8 KV heads plans at least 4 programs per
-    SM (split-K fills what the tiles do not); the previous tiling stopped at 256 programs."""
+    SM (split-K fills what the tiles do not), reading four 16-token blocks per loop iteration."""
     current = Tiling.for_device(torch.device("cpu"))
-    previous = Tiling.for_device(torch.device("cpu"), previous=True)
     for batch in (8, 16, 32, 64):
         splits = plan_splits(batch, 8, 256, current.target_programs)
         assert batch * 8 * splits >= 4 * 132, (batch, splits)
-        assert batch * 8 * plan_splits(batch, 8, 256, previous.target_programs) < 4 * 132
-    assert current.blocks_per_iter(16) == 4 and current.blocks_per_iter(64) == 1 and previous.blocks_per_iter(16) == 1
+    assert current.blocks_per_iter(16) == 4 and current.blocks_per_iter(64) == 1 and current.blocks_per_iter(128) == 1

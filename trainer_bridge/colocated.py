@@ -20,7 +20,7 @@ from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS
 from trainer_bridge.calls import GroupResult, PromptGroup
-from trainer_bridge.gathering import gathered
+from trainer_bridge.weights.gathering import gathered
 
 __all__ = ["ColocatedEngine"]
 
@@ -135,15 +135,12 @@ class ColocatedEngine:
     def sleep(self) -> None:
         """Free the KV cache until the next round (its memory goes back to torch's allocator, for the training step
         to use). The decode CUDA graphs are kept (they read the cache and the parameters where they were: if either
-        moved by the next round, they are captured again then); `previous_paths=("colocated_graphs",)` frees them
-        too, as before. Idempotent."""
+        moved by the next round, they are captured again then). Idempotent."""
         self._check_open()
         self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
         if not self.engine.kv_cache.is_released:
             self._cache_address = self.engine.kv_cache.kv.data_ptr()
         self.engine.kv_cache.release()
-        if "colocated_graphs" in self.engine.config.previous_paths:
-            self._release_graphs()
 
     def wake(self) -> None:
         """Allocate the KV cache again (zeroed); when it lands elsewhere than before, the graphs are captured again

@@ -8,9 +8,7 @@ from __future__ import annotations
 SYSTEM_NAMES = (
     "rollout",
     "rollout_sequential",
-    "rollout_previous",
     "rollout_json",
-    "rollout_json_resolve_first",
     "rollout_lora1",
     "rollout_lora4",
     "transformers_generate_batch",

@@ -14,9 +14,9 @@ the headline first:
   weights                  a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over ZeroMQ frames and
                            shared memory: GB/s, commit pause, pause beyond the copy
   gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
-  grpo, grpo-step, overlap, throughput-previous, structured
+  grpo, grpo-step, overlap, structured
                            GRPO groups; the main job's steps against TRL's paths; overlapped scheduling off;
-                           previous GPU paths; structured outputs on the GPU
+                           structured outputs on the GPU
 
 Writes DIR/gpu_report.md, DIR/gpu_report.json (after every section; a section cut short or interrupted keeps what
 it had printed) and each section's output as DIR/<section>.log. Under `--budget-s`, each section gets what is left

@@ -102,13 +102,6 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
         measure(
             "overlap", f"{workload} workload: rollout with overlapped scheduling off", ("rollout_sequential",), 150, 60
         ),
-        measure(
-            "throughput-previous",
-            f"{workload} workload: current vs previous GPU paths",
-            ("rollout", "rollout_previous"),
-            200,
-            60,
-        ),
         Section(
             "structured",
             "structured outputs: host time at 64/256 constrained rows, compile, nano throughput constrained vs not",

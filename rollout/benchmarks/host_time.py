@@ -121,7 +121,6 @@ def host_time_per_step(
     device: str = "cpu",
     steps: int = STEPS,
     processors: str = "grpo",
-    previous_paths: tuple[str, ...] = (),
     constraint: dict[str, Any] | None = None,
     tokenizer: Any = None,
 ) -> dict[str, float]:
@@ -139,7 +138,6 @@ def host_time_per_step(
         steps: decode steps timed.
         processors: "grpo" (temperature, top-p, top-k and a seed) or "all" (those, and every penalty and ban
             processor, min_new_tokens, min_p and top log-probs as well).
-        previous_paths: names of `rollout.config.PREVIOUS_PATHS` the engine switches back to.
         constraint: a structured-output constraint every sequence samples under (SamplingParams fields, e.g.
             {"json": schema}; it must not end within the steps), with `tokenizer`. The figures then add "grammar":
             the host time of the grammars (masks filled and applied, tokens accepted), a part of "host".
@@ -165,7 +163,6 @@ def host_time_per_step(
             max_batch_tokens=max(running * 16, 2048),
             use_cuda_graph=False,
             overlap_scheduling=True,  # as on a GPU: step N+1 is scheduled before step N's tokens are on the host
-            previous_paths=previous_paths,
         ),
         tokenizer=tokenizer,
     )
@@ -259,7 +256,6 @@ def run_host_time(
     device: str = "cpu",
     sizes: tuple[int, ...] = (64, 256),
     processors: str = "grpo",
-    previous_paths: tuple[str, ...] = (),
 ) -> dict[str, dict[str, float]]:
     """`host_time_per_step` at each number of running sequences (keys: the numbers, as strings).
 
@@ -267,9 +263,5 @@ def run_host_time(
         device: where the engine runs ("cpu" or "cuda").
         sizes: the numbers of running sequences measured.
         processors: the sampling processors every sequence uses ("grpo" or "all", see `host_time_per_step`).
-        previous_paths: names of `rollout.config.PREVIOUS_PATHS` the engine switches back to.
     """
-    return {
-        str(size): host_time_per_step(size, device, processors=processors, previous_paths=previous_paths)
-        for size in sizes
-    }
+    return {str(size): host_time_per_step(size, device, processors=processors) for size in sizes}

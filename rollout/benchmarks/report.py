@@ -96,20 +96,6 @@ def tests_rows(result: SectionResult) -> list[Row]:
     return [Row(result.name, result.title, counts["failed"] + counts["errors"], text, Goal("<=", 0, " failures"))]
 
 
-def previous_rows(result: SectionResult) -> list[Row]:
-    """throughput-previous: rollout on its current vs previous GPU paths."""
-    data, name = result.data, result.name
-    return [
-        number_row(name, "rollout tokens/s", get_path(data, "results", "rollout", "tokens_per_s"), ",.0f"),
-        number_row(
-            name, "rollout_previous tokens/s", get_path(data, "results", "rollout_previous", "tokens_per_s"), ",.0f"
-        ),
-        number_row(
-            name, "current vs previous GPU paths", get_path(data, "speedup_vs_rollout_previous"), ".2f", unit="x"
-        ),
-    ]
-
-
 def grpo_rows(result: SectionResult) -> list[Row]:
     """grpo: groups' tokens/s against transformers' generate_batch, and the prompt compute sharing saves."""
     data, name = result.data, result.name
@@ -222,7 +208,6 @@ def structured_rows(result: SectionResult) -> list[Row]:
     goal = Goal("<=", 1.0, " ms") if most == "256" else None  # the goal is for 256 rows
     rows = [
         number_row(name, f"grammar: exposed host time, {most} rows", exposed.get("json"), ".2f", goal, " ms"),
-        number_row(name, "grammar: exposed, resolved first", exposed.get("json_resolve_first"), ".2f", unit=" ms"),
         number_row(
             name, f"grammar: mask fill, {most} rows", get_path(widest, "json", "grammar_fill"), ".2f", unit=" ms"
         ),
@@ -233,7 +218,7 @@ def structured_rows(result: SectionResult) -> list[Row]:
             name, "JSON schema compile, cached", get_path(data, "compile", "json_schema_cached_ms"), ".3f", unit=" ms"
         ),
     ]
-    for system in ("rollout", "rollout_json", "rollout_json_resolve_first"):
+    for system in ("rollout", "rollout_json"):
         tokens = get_path(data, "throughput", "results", system, "tokens_per_s")
         rows.append(number_row(name, f"{system} tokens/s", tokens, ",.0f"))
     return rows

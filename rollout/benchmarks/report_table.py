@@ -12,7 +12,6 @@ from rollout.benchmarks.report import (
     grpo_rows,
     grpo_step_nano_rows,
     grpo_step_rows,
-    previous_rows,
     structured_rows,
     tests_rows,
     weights_rows,
@@ -38,7 +37,6 @@ ROWS: dict[str, Callable[[SectionResult, dict[str, SectionResult]], list[Row]]] 
     "grpo": _alone(grpo_rows),
     "grpo-step": _alone(grpo_step_rows),
     "grpo-step-nano": _alone(grpo_step_nano_rows),
-    "throughput-previous": _alone(previous_rows),
     "weights": _alone(weights_rows),
     "structured": _alone(structured_rows),
 }

@@ -73,27 +73,18 @@ def compile_times(tokenizer: Any) -> dict[str, float]:
 
 
 def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int, device: str = "cpu") -> dict[str, dict[str, Any]]:
-    """`host_time_per_step` per number of rows: unconstrained ("none"), under `ENDLESS_JSON` ("json": the next
-    step's forward queued before the tokens are fetched and the masks filled), and the same on the previous path
-    ("json_resolve_first": a constrained step resolved before the next is scheduled). With each, the host time a
-    GPU would wait through ("exposed_ms"): overlapped, the scheduling and inputs of a step (the fetch, the grammars
-    and the resolve run under the forward); resolved first, the resolve ("update") too."""
-    json_constraint = {"json": ENDLESS_JSON}
-    modes = {
-        "none": {},
-        "json": {"constraint": json_constraint},
-        "json_resolve_first": {"constraint": json_constraint, "previous_paths": ("grammar_resolve_first",)},
-    }
+    """`host_time_per_step` per number of rows: unconstrained ("none") and under `ENDLESS_JSON` ("json": the next
+    step's forward queued before the tokens are fetched and the masks filled). With the JSON grammar, the host time a
+    GPU would wait through ("exposed_ms"): the scheduling and inputs of a step (the fetch, the grammars and the
+    resolve run under the forward)."""
+    modes = {"none": {}, "json": {"constraint": {"json": ENDLESS_JSON}}}
     figures: dict[str, dict[str, Any]] = {}
     for size in sizes:
         row: dict[str, Any] = {}
         for mode, settings in modes.items():
             row[mode] = host_time_per_step(size, device, steps=steps, tokenizer=tokenizer, **settings)
         row["added_host_ms"] = round(row["json"]["host"] - row["none"]["host"], 3)
-        row["exposed_ms"] = {
-            "json": round(row["json"]["schedule"] + row["json"]["inputs"], 3),
-            "json_resolve_first": round(sum(row["json_resolve_first"][k] for k in ("schedule", "inputs", "update")), 3),
-        }
+        row["exposed_ms"] = {"json": round(row["json"]["schedule"] + row["json"]["inputs"], 3)}
         figures[str(size)] = row
     return figures
 
@@ -114,8 +105,7 @@ def run(
         steps: decode steps timed per host-time measurement.
         throughput_repeats: runs per system of the throughput part (0: skip it).
         num_prompts: requests of the throughput part (None: the workload's).
-        device: "cpu" (throughput on cpu-small) or "cuda" (host time on the GPU, throughput on nano, the previous
-            path "grammar_resolve_first" beside).
+        device: "cpu" (throughput on cpu-small) or "cuda" (host time on the GPU, throughput on nano).
     """
     from rollout.benchmarks import throughput
     from rollout.benchmarks.progress import stage
@@ -134,9 +124,8 @@ def run(
         }
         stage(f"xgrammar vs llguidance: {summary['engines']}")
     if throughput_repeats:
-        workload, systems = "cpu-small", ["rollout", "rollout_json"]
-        if device == "cuda":
-            workload, systems = "nano", [*systems, "rollout_json_resolve_first"]
+        workload = "nano" if device == "cuda" else "cpu-small"
+        systems = ["rollout", "rollout_json"]
         summary["throughput"] = throughput.run(workload, systems, 0, throughput_repeats, False, num_prompts=num_prompts)
     # The goal: at 256 rows the grammar adds at most 1 ms to what the host does while the device waits (the fill,
     # the fetch and the accepts run under the next forward).

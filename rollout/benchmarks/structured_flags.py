@@ -32,8 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: throughput on cpu-small; cuda: host time on the GPU, throughput on nano with the previous path "
-        "grammar_resolve_first beside (default: cpu)",
+        help="cpu: throughput on cpu-small; cuda: host time on the GPU, throughput on nano (default: cpu)",
     )
 
 

@@ -1,5 +1,5 @@
 """The systems `rollout-bench throughput` compares, each measured in a process of its own (`isolated.py`): this
-engine (with and without overlapped scheduling, on its previous GPU paths, and serving one or four LoRA adapters
+engine (with and without overlapped scheduling, under a JSON grammar, and serving one or four LoRA adapters
 unmerged), transformers' `generate_batch` (continuous batching) and `generate` (one left-padded static batch).
 
 Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
@@ -20,9 +20,9 @@ import torch
 from rollout.benchmarks.choices import SYSTEM_NAMES
 from rollout.benchmarks.progress import stage
 from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
-from rollout.config import PREVIOUS_PATHS, ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
-from rollout.service.presets import tiny_tokenizer
+from rollout.presets.models import tiny_tokenizer
 
 # PeftModels made by `with_adapters`, by base model (a benchmark process builds one).
 _PEFT_MODELS: dict[torch.nn.Module, torch.nn.Module] = {}
@@ -211,24 +211,6 @@ def run_rollout_json(model, prompts, max_new, workload: Workload, warmup: bool =
     """This engine with every request under a JSON-schema grammar (structured outputs): what the grammar costs is
     the difference from `rollout` (the tokens differ: the grammar picks them)."""
     return run_rollout(model, prompts, max_new, workload, warmup, constraint={"json": ENDLESS_JSON})
-
-
-def run_rollout_json_resolve_first(model, prompts, max_new, workload: Workload, warmup: bool = False):
-    """`rollout_json` on the previous path "grammar_resolve_first" (what queueing the next forward first gains)."""
-    return run_rollout(
-        model,
-        prompts,
-        max_new,
-        workload,
-        warmup,
-        constraint={"json": ENDLESS_JSON},
-        previous_paths=("grammar_resolve_first",),
-    )
-
-
-def run_rollout_previous(model, prompts, max_new, workload: Workload, warmup: bool = False):
-    """This engine on every previous GPU path (`PREVIOUS_PATHS`): what the current paths gain is the difference."""
-    return run_rollout(model, prompts, max_new, workload, warmup, previous_paths=tuple(PREVIOUS_PATHS))
 
 
 # Systems that stop at a deadline and return what they finished (a baseline cut short reports that; rollout's own

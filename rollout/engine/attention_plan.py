@@ -1,11 +1,9 @@
 """The launch plan of the Triton paged-attention kernel (`triton_attention.py`): query tiles, key slices
 (split-K) and how many cache blocks each loop iteration reads. Host-side arithmetic only: no Triton here.
 
-Tiling: a decode program used to walk its keys one 16-token block per iteration, each behind a dependent load of
-the block table, and a step planned 256 programs whatever the GPU (132 SMs on an H100: under two per SM). By default
-a program now reads `keys_per_iteration` keys (64: four 16-token blocks, their table entries loaded together) per
-iteration, and a step plans at least four programs per SM (split-K where the tiles alone are too few).
-`previous_paths=("decode_tiling",)` keeps the earlier tiling, so one GPU run can compare both.
+Tiling: a program reads `keys_per_iteration` keys (64: four 16-token blocks, their table entries loaded together)
+per iteration rather than one block behind a dependent load of the block table each, and a step plans at least four
+programs per SM (split-K where the tiles alone are too few), whatever the GPU's SM count.
 """
 
 from __future__ import annotations
@@ -36,16 +34,12 @@ class Tiling:
         return max(1, self.keys_per_iteration // block_size)
 
     @classmethod
-    def for_device(cls, device: torch.device, previous: bool = False) -> Tiling:
-        """The tiling for `device`: four programs per SM and 64 keys per iteration, or (`previous`) the earlier
-        one-block iterations and 256 programs.
+    def for_device(cls, device: torch.device) -> Tiling:
+        """The tiling for `device`: four programs per SM and 64 keys per iteration.
 
         Args:
             device: where the kernel runs (its SM count; an H100's off CUDA).
-            previous: the earlier tiling (previous_paths "decode_tiling").
         """
-        if previous:
-            return cls(keys_per_iteration=0, target_programs=256)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else H100_SMS
         return cls(target_programs=4 * sms)
 

@@ -3,9 +3,9 @@ seed, sample index, position), mixed on the device, then the first column whose 
 (inverse CDF, in token id order). A completion never depends on the rest of the batch, on preemption, or on any RNG
 state, and drawing needs no host round trip.
 
-`sample_from` walks a whole row at once (an fp64 cumsum over the vocabulary; over a row's candidates on the default
-path); `sample_blocked` walks the same CDF in blocks (fp64 block sums, then a cumsum over one block), so whole rows
-need no vocabulary-wide fp64 cumsum. Both draw the same column from the same probabilities, up to fp64 rounding.
+`sample_from` walks a whole row at once (an fp64 cumsum over all its columns: the sampler gives it a row's top
+candidates); `sample_blocked` walks the same CDF in blocks (fp64 block sums, then a cumsum over one block), so whole
+rows need no vocabulary-wide fp64 cumsum. Both draw the same column from the same probabilities, up to fp64 rounding.
 """
 
 from __future__ import annotations

@@ -83,10 +83,9 @@ class Engine(EngineWeights):
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
         self.block_manager.zero_new_blocks = self.runner.heads_per_kv is None  # PyTorch attention reads whole blocks
         self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
-        self.sampler = Sampler(self.vocab_size, parameter.device, previous_paths=self.config.previous_paths)
+        self.sampler = Sampler(self.vocab_size, parameter.device)
         overlap = self.config.overlap_scheduling
         self.overlap_scheduling = parameter.device.type == "cuda" if overlap is None else overlap
-        self.grammar_resolve_first = "grammar_resolve_first" in self.config.previous_paths
         self._in_flight: InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
         self._undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self._open_groups: dict[str, int] = {}  # group id -> samples not finished yet
@@ -259,9 +258,7 @@ class Engine(EngineWeights):
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
-        # (previous path "grammar_resolve_first": a constrained step resolved before the next one is scheduled)
-        resolve_first = self.grammar_resolve_first and launched is not None and launched.constrained
-        if launched is not None and (not self.overlap_scheduling or resolve_first):
+        if launched is not None and not self.overlap_scheduling:
             self._advance(launched)
             return outputs + self._resolve(launched)
         self._in_flight = launched

@@ -1,13 +1,12 @@
 """`fp32_logits`: the output projection computed in fp32 inside the engine's steps, for a bf16/fp16 model (what TRL's
 `cast_lm_head_to_fp32` does in the trainer), through a forward hook on the model's output head.
 
-By default the head's weight is converted to fp32 once and kept: converting it at every step writes the whole fp32
+The head's weight is converted to fp32 once and kept: converting it at every step writes the whole fp32
 weight each time (622 MB for Qwen3-0.6B's head), more than a decode step's own reads. The copy is refreshed in place
 (so CUDA graphs captured against it stay valid) at every point where the engine knows the weights may have changed:
 a weight update, a colocated round, a kept engine's next call, the end of a manager's pause, `Engine.weights_changed()`,
 and a change that torch's version counter or the weight's storage shows. Writes neither shows (a fused optimizer's
 step, `param.data.copy_`) on a model an `Engine` is serving directly need `engine.weights_changed()`.
-`previous_paths=("fp32_head",)` converts at every step instead (the earlier path).
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import torch
 
 def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook on the output projection: the same product in fp32, converting the weight now (what follows,
-    e.g. Gemma 2's final logit soft-capping, then runs in fp32 too)."""
+    e.g. Gemma 2's final logit soft-capping, then runs in fp32 too): the trainer's side, as references compute it
+    (`rollout.benchmarks.fidelity`)."""
     bias = None if module.bias is None else module.bias.float()
     return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
 
@@ -26,26 +26,21 @@ class Fp32Head:
     """The fp32 projection hook of one engine: active only inside the engine's own forwards (other users of the
     model, a trainer's forward say, are left alone)."""
 
-    def __init__(self, head: torch.nn.Module, cached: bool):
+    def __init__(self, head: torch.nn.Module):
         """
         Args:
             head: the model's output embeddings (a Linear-like module with `weight` and `bias`).
-            cached: keep an fp32 copy of the weight (refreshed when it changes); False converts at every step.
         """
-        self.cached = cached
         self.active = False
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self._seen: tuple[int, int] | None = None  # (storage address, version) of the weight last copied
-        if cached:
-            self.refresh(head)
+        self.refresh(head)
         # The hook holds this object, not the engine's runner: no cycle through the runner, the cache or the graphs.
         self._hook = head.register_forward_hook(self._project)
 
     def refresh(self, head: torch.nn.Module) -> None:
         """Copy the head's current weight (and bias) into the fp32 copy, in place when the shape still fits."""
-        if not self.cached:
-            return
         # Inference mode both times: a copy made under it (an engine built inside a trainer's inference_mode) is an
         # inference tensor, which only inference mode may update in place; the hook reads it inside a step.
         with torch.inference_mode():
@@ -64,14 +59,12 @@ class Fp32Head:
     def refresh_if_changed(self, head: torch.nn.Module) -> None:
         """Refresh when the weight's storage or torch's version counter moved since the last copy (host-only
         checks: nothing waits for the device)."""
-        if self.cached and self._seen != (head.weight.data_ptr(), head.weight._version):
+        if self._seen != (head.weight.data_ptr(), head.weight._version):
             self.refresh(head)
 
     def _project(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not self.active:
             return None
-        if not self.cached:
-            return fp32_projection(module, inputs, output)
         return torch.nn.functional.linear(inputs[0].float(), self.weight, self.bias)
 
     def close(self) -> None:

@@ -76,16 +76,15 @@ class LaunchShape:
     num_splits: int
     softcap: bool
     window: bool
-    previous_tiling: bool = False  # one block per loop iteration (previous_paths "decode_tiling")
 
 
 def all_launch_shapes() -> list[LaunchShape]:
     """The full product of the supported inputs: one shape per distinct tile, split count and flag."""
     return [
-        LaunchShape(dtype, dim, hpk, size, query_len, splits, softcap, window, previous)
+        LaunchShape(dtype, dim, hpk, size, query_len, splits, softcap, window)
         for dtype, dim, hpk, size in itertools.product(DTYPES, HEAD_DIMS, HEADS_PER_KV, BLOCK_SIZES)
         for query_len in tile_shapes(hpk).values()
-        for splits, softcap, window, previous in itertools.product(split_counts(), *[(False, True)] * 3)
+        for splits, softcap, window in itertools.product(split_counts(), *[(False, True)] * 2)
     ]
 
 
@@ -119,9 +118,9 @@ def pairwise(sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
 def covering_launch_shapes() -> list[LaunchShape]:
     """Every pair of input values at least once (`pairwise` over dtype, head dim, heads per KV head, block size,
-    tile, split count and both flags; the previous tiling's one-block loop is the current tiling's with 64-token
-    blocks, so it is covered without an axis of its own), plus each dtype's largest-resource shape (the most shared memory: the
-    largest head dim, block size and tile): a fast stand-in for `all_launch_shapes`."""
+    tile, split count and both flags; the one-block loop is the tiling's at 64-token blocks), plus each dtype's
+    largest-resource shape (the most shared memory: the largest head dim, block size and tile): a fast stand-in for
+    `all_launch_shapes`."""
     splits = split_counts()
     tiles = [sorted(tile_shapes(hpk).values()) for hpk in HEADS_PER_KV]
     axes: list[Sequence[Any]] = [DTYPES, HEAD_DIMS, range(len(HEADS_PER_KV)), BLOCK_SIZES, range(max(map(len, tiles)))]
@@ -189,7 +188,7 @@ def record_launches(shape: LaunchShape) -> list[Launch]:
     cache = torch.zeros(blocks, shape.block_size, 1, shape.head_dim, dtype=shape.dtype)
     table = torch.arange(blocks).view(1, blocks)
     cpu = torch.device("cpu")
-    tiling = Tiling.for_device(cpu, previous=shape.previous_tiling)
+    tiling = Tiling.for_device(cpu)
     attention_plan = plan(
         [shape.query_len], [0], table, shape.heads_per_kv, 1, shape.block_size, cpu, shape.num_splits, tiling
     )

@@ -4,7 +4,7 @@ any engine holds it, and everything given back exactly as found when the last on
 MoE models: transformers' "eager" experts loop over the experts the router picked, reading which ones back to the
 host (`nonzero`, `item`), which stalls every step on a GPU and makes decode steps impossible to capture in CUDA
 graphs. While lent, such a model runs transformers' own "grouped_mm" experts (one grouped matrix product, no host
-read), or "batched_mm" where grouped_mm cannot dispatch; `previous_paths=("moe_experts",)` keeps the model's own.
+read), or "batched_mm" where grouped_mm cannot dispatch.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ class _Holder:
 _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
 
 
-def acquire(model: torch.nn.Module, sync_free_experts: bool = True) -> None:
-    """Take the model for one more engine (the first one switches it; later ones share the switch).
+def acquire(model: torch.nn.Module) -> None:
+    """Take the model for one more engine (the first one switches it, an MoE model whose experts read the host to a
+    sync-free implementation included; later ones share the switch).
 
     Args:
         model: a transformers causal LM.
-        sync_free_experts: switch an MoE model whose experts read the host to a sync-free implementation.
     """
     holder = _HOLDERS.get(model)
     if holder is None:
@@ -51,8 +51,7 @@ def acquire(model: torch.nn.Module, sync_free_experts: bool = True) -> None:
         holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, flags)
         model.set_attn_implementation(register_paged_attention())
         model.eval()
-        if sync_free_experts:
-            holder.experts_implementation = _switch_experts(model)
+        holder.experts_implementation = _switch_experts(model)
     holder.engines += 1
 
 

@@ -75,7 +75,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_tables = BlockTables()
         self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
-        self.tiling = Tiling.for_device(kv_cache.kv.device, previous="decode_tiling" in config.previous_paths)
+        self.tiling = Tiling.for_device(kv_cache.kv.device)
         self.device = next(model.parameters()).device
         self._closed = False
         self.fp32_head: Fp32Head | None = None  # with fp32_logits on a bf16/fp16 model (fp32_head.py)
@@ -110,8 +110,7 @@ class ModelRunner:
         # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
         # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
         if head_fp32:
-            self.fp32_head = Fp32Head(head, cached="fp32_head" not in config.previous_paths)
-        self._sync_free_experts = "moe_experts" not in config.previous_paths
+            self.fp32_head = Fp32Head(head)
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
         self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state)
         self.prompt_results: PendingPromptLogprobs | None = None
@@ -120,7 +119,7 @@ class ModelRunner:
             model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
         )
         self.route_results: PendingRoutes | None = None
-        acquire(model, self._sync_free_experts)
+        acquire(model)
 
     def routes_refusal(self) -> str | None:
         """Why this runner cannot record MoE routes (None: it can)."""
@@ -217,7 +216,7 @@ class ModelRunner:
         """Take the model again after `suspend()` (paged attention, eval mode)."""
         if self._suspended:
             self._suspended = False
-            acquire(self.model, self._sync_free_experts)
+            acquire(self.model)
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:

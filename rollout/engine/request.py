@@ -85,8 +85,6 @@ class Request:
     score_only: bool = False
     finish_reason: str | None = None
     error: str | None = None
-    # Opaque per-request tensors owned by the sampler (penalty counts, token history); dropped when it finishes.
-    sampler_state: Any = None
     # Row of the model runner's persistent block tables that holds this request's block ids (-1: none yet, and once
     # it finished).
     block_table_row: int = -1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +10,6 @@ from rollout.engine.draw import sample_blocked, sample_from
 from rollout.engine.grammar import GrammarMasks
 from rollout.engine.pending_samples import PendingSamples, row_faults
 from rollout.engine.request import Request
-from rollout.engine.request_state import (
-    apply_penalties,
-    apply_request_bans,
-    mask_early_stops,
-    record_draws,
-    request_state,
-)
 from rollout.engine.sampling_slots import SamplingSlots
 from rollout.engine.slot_bans import mask_bans
 from rollout.engine.slot_columns import SlotColumns
@@ -54,11 +46,7 @@ class Sampler:
     `rollout.engine.slot_bans`): a fixed number of kernels per step for all rows, and one scatter per table to
     record the drawn tokens. When every sampling row sets top_k, steps 4-11 run on each row's top candidates
     (`warpers.warp_candidates`, in token id order: the same CDF as the whole row's), else on whole rows with a
-    blocked CDF walk; log-probs are a gathered score minus its row's logsumexp. `previous_paths` ("sampler_state",
-    "logprobs") takes the paths these replaced: per-request state updated row by row (`rollout.engine.
-    request_state`, `rollout.engine.token_bans`), and whole-row warping, an fp64 cumsum over the vocabulary and a
-    full log_softmax. Both draw the same tokens (up to float rounding) and give the same log-probs (to fp32
-    rounding); step 0 reads per-slot tables on both.
+    blocked CDF walk; log-probs are a gathered score minus its row's logsumexp (no log_softmax of whole rows).
 
     Log-probs are fp32, in the request's `logprob_mode`:
 
@@ -77,27 +65,19 @@ class Sampler:
     `top_logprobs` > 0 also returns that many top entries of the same distribution.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", previous_paths: Sequence[str] = ()):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         """
         Args:
             vocab_size: width of the logits rows.
             device: where the logits are (and the per-slot sampling tables live).
-            previous_paths: names of `rollout.config.PREVIOUS_PATHS` to take as before: "sampler_state" keeps
-                penalty, ban and history state per request (`rollout.engine.request_state`) instead of in per-slot
-                tables; "logprobs" warps whole rows, draws with a vocabulary-wide fp64 cumsum and takes log-probs
-                from a full log_softmax instead of warping a row's top candidates (when every sampling row sets
-                top_k) and subtracting a logsumexp.
         """
         self.vocab_size = vocab_size
-        self.per_request_state = "sampler_state" in previous_paths
-        self.full_rows = "logprobs" in previous_paths
-        self.slots = SamplingSlots(vocab_size, torch.device(device), state=not self.per_request_state)
+        self.slots = SamplingSlots(vocab_size, torch.device(device))
         self.grammar_masks = GrammarMasks()  # structured outputs' constrained rows
 
     def release(self, request: Request) -> None:
         """Drop a finished request's sampling state and give back its slot."""
         self.slots.release(request)
-        request.sampler_state = None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> PendingSamples:
@@ -131,19 +111,10 @@ class Sampler:
             scores = slots.bias.apply(raw, columns)
         else:
             scores = raw.clone() if banned or slots.any("penalties") else raw
-        states = None
-        if self.per_request_state:
-            if slots.any("penalties") or slots.any("bans"):
-                states = [request_state(request, self.vocab_size, device) for request in requests]
-                apply_penalties(scores, columns, states)
-                apply_request_bans(scores, requests, states)
-            if slots.any("min_new_tokens"):
-                mask_early_stops(scores, requests)
-        else:
-            if slots.any("penalties"):
-                scores = slots.state.penalize(scores, columns)
-            if banned:
-                mask_bans(scores, slots.state, columns)
+        if slots.any("penalties"):
+            scores = slots.state.penalize(scores, columns)
+        if banned:
+            mask_bans(scores, slots.state, columns)
         if constrained:  # step 3b: each constrained row's grammar masks what it does not allow next
             self.grammar_masks(scores, grammars)
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
@@ -154,23 +125,15 @@ class Sampler:
             top_counts = [request.sampling.top_logprobs for request in requests]
             top_counts = top_counts if max(top_counts) else None
         candidates = None
-        if self.full_rows:
-            token_ids, scores = self._draw_whole_rows(scores, columns, sample_from)
-        elif self._candidates(top_counts):
+        if self._candidates(top_counts):
             token_ids, candidates = self._draw_candidates(scores, columns, max(top_counts) if top_counts else 0)
         else:
-            token_ids, scores = self._draw_whole_rows(scores, columns, sample_blocked)
-        if states is not None:
-            record_draws(requests, states, token_ids)
-        elif slots.state is not None:
-            slots.state.record(columns, token_ids)
+            token_ids, scores = self._draw_whole_rows(scores, columns)
+        slots.state.record(columns, token_ids)
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None, faults)
-        if self.full_rows:
-            chosen, top = self._full_log_softmax(raw, scores, columns, token_ids, top_counts)
-        else:
-            chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_counts)
+        chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_counts)
         if top is None:
             return PendingSamples(token_ids, [token_ids, chosen], None, faults)
         values, indices = top
@@ -184,17 +147,16 @@ class Sampler:
             return False
         return candidate_width(slots, max(top_counts) if top_counts else 0) < self.vocab_size
 
-    def _draw_whole_rows(
-        self, scores: torch.Tensor, columns: SlotColumns, draw: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 4-11 on whole rows: (token ids, the scores each row's "processed" log-probs come from)."""
+    def _draw_whole_rows(self, scores: torch.Tensor, columns: SlotColumns) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 4-11 on whole rows, drawn by a blocked CDF walk: (token ids, the scores each row's "processed"
+        log-probs come from)."""
         slots = self.slots
         token_ids = scores.argmax(dim=-1) if slots.any("greedy") or not slots.any("sampled") else None
         if not slots.any("sampled"):
             return token_ids, scores
         # Greedy rows keep their unwarped scores and their argmax (transformers warps only when sampling).
         warped = warp(scores, columns, slots)
-        drawn = draw(warped.softmax(dim=-1), columns.seeds())
+        drawn = sample_blocked(warped.softmax(dim=-1), columns.seeds())
         if not slots.any("greedy"):
             return drawn, warped
         greedy = columns.int("greedy").bool()
@@ -253,19 +215,6 @@ class Sampler:
             pick = from_candidates.unsqueeze(1)
             top = torch.where(pick, top[0], full_top[0]), torch.where(pick, top[1], full_top[1])
         return chosen, top
-
-    def _full_log_softmax(
-        self,
-        raw: torch.Tensor,
-        scores: torch.Tensor,
-        columns: SlotColumns,
-        token_ids: torch.Tensor,
-        top_counts: list[int] | None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The "logprobs" previous path: log-probs from a full log_softmax of each row, then gathered."""
-        logprobs = torch.log_softmax(self._logprob_source(raw, scores, columns), dim=-1)
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        return chosen, (logprobs.topk(max(top_counts), dim=-1) if top_counts else None)
 
     def _logprob_source(self, raw: torch.Tensor, scores: torch.Tensor, columns: SlotColumns) -> torch.Tensor:
         """The logits each row's log-probs are the log_softmax of, by its logprob_mode (see the class docstring)."""

@@ -8,10 +8,9 @@ objects. A host-side count of the live slots that use each processor lets a step
 for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p 1, ...)
 so running a processor over it leaves it as it was.
 
-Unless `previous_paths` holds "sampler_state", the token-dependent state (penalty counts, token history, ban
-lists) lives in per-slot tables too (`rollout.engine.slot_state`), filled at a sample's first draw and kept through
-preemption and recompute with its slot. Logit biases have per-slot tables of their own on both paths
-(`rollout.engine.slot_bias`).
+The token-dependent state (penalty counts, token history, ban lists) lives in per-slot tables too
+(`rollout.engine.slot_state`), filled at a sample's first draw and kept through preemption and recompute with its
+slot. Logit biases have per-slot tables of their own (`rollout.engine.slot_bias`).
 """
 
 from __future__ import annotations
@@ -73,14 +72,12 @@ def features(params: SamplingParams) -> list[str]:
 class SamplingSlots:
     """Slot tables of the running samples' sampling parameters (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64, state: bool = True):
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64):
         """
         Args:
             vocab_size: the logits' width (top_k is capped at it).
             device: where the tables live.
             capacity: slots allocated at first; the tables double when a sample finds none free.
-            state: keep the token-dependent state in per-slot tables too (`self.state`); False leaves it to the
-                caller (the "sampler_state" previous path).
         """
         self.vocab_size = vocab_size
         self.device = device
@@ -91,8 +88,8 @@ class SamplingSlots:
         self.uses: Counter[str] = Counter()  # feature -> live slots that use it
         self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
         self._assigned: list[Request] = []  # requests given a slot by the gather under way
-        self.state = SlotState(vocab_size, device, capacity) if state else None
-        self.bias = SlotBias(vocab_size, device, capacity)  # logit_bias, on both paths
+        self.state = SlotState(vocab_size, device, capacity)  # penalty counts, token history, ban lists
+        self.bias = SlotBias(vocab_size, device, capacity)  # logit_bias
 
     @property
     def num_live(self) -> int:
@@ -110,9 +107,8 @@ class SamplingSlots:
         # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
         positions = [len(r.token_ids) for r in requests]
         self._write_pending()
-        if assigned and self.state is not None:
-            self.state.assign(assigned)
         if assigned:
+            self.state.assign(assigned)
             self.bias.assign(assigned)
         index = to_device([slots, positions], torch.long, self.device)
         floats = self._floats.index_select(0, index[0])
@@ -145,8 +141,7 @@ class SamplingSlots:
         self._pending = [entry for entry in self._pending if entry[0] != slot]
         params = request.sampling
         self.uses.subtract(features(params))
-        if self.state is not None:
-            self.state.release(slot)
+        self.state.release(slot)
         self.bias.release(slot)
         if params.top_k:
             self._top_ks[params.top_k] -= 1
@@ -195,8 +190,7 @@ class SamplingSlots:
         old = self._floats.shape[0]
         self._floats = torch.cat([self._floats, torch.zeros_like(self._floats)])
         self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
-        if self.state is not None:
-            self.state.grow(2 * old)
+        self.state.grow(2 * old)
         self.bias.grow(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
 

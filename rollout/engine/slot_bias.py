@@ -10,8 +10,7 @@ Each running sample's biases live in two per-slot device tables written at its f
 A step gathers its rows, scatters them into one (rows, vocab + 1) table and adds it to the scores: a fixed number of
 kernels whatever the number of rows or biased tokens, and no host read. The tables exist only while some live
 sample sets a bias (the sampler skips the step otherwise); while they exist a new sample's rows are written whether
-it sets one or not (padding), so a slot's previous owner leaves nothing behind. The bias is a sampling parameter,
-not token-dependent state, so both sampler paths ("sampler_state" in `previous_paths` or not) read these tables.
+it sets one or not (padding), so a slot's previous owner leaves nothing behind.
 """
 
 from __future__ import annotations

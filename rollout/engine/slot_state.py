@@ -1,5 +1,4 @@
-"""The running samples' token-dependent sampling state in per-slot device tables (the default path; with
-"sampler_state" in `previous_paths` it is kept per request instead, `rollout.engine.request_state`).
+"""The running samples' token-dependent sampling state in per-slot device tables.
 
 A slot's rows, written at its sample's first draw (when all its tokens are on the host) in one copy for all of a
 step's new samples, and kept through preemption and recompute with the slot:

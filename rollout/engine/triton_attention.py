@@ -175,7 +175,7 @@ def _paged_attention_kernel(
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if BLOCKS_PER_ITER == 1:  # one block per iteration (previous_paths "decode_tiling")
+    if BLOCKS_PER_ITER == 1:  # one block per iteration (blocks of 64 tokens or more)
         slots = tl.arange(0, BLOCK_N)
         for block in range(block_lo, block_hi):
             physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)

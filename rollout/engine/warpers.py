@@ -2,9 +2,9 @@
 epsilon_cutoff, eta_cutoff, in transformers' order and with its warpers' semantics (one token always survives).
 Each step runs only when some running sample asks for it, and a row that does not ask is left as it was.
 
-`warp` works on whole rows of the vocabulary. `warp_candidates` (the default path, when every sampling row sets
-top_k) works on each row's top candidates only: `topk` first, then every later warper on those few columns, kept in
-vocabulary order so that drawing from them walks the same CDF as a whole row would. Both give the same kept tokens
+`warp` works on whole rows of the vocabulary. `warp_candidates` (when every sampling row sets top_k) works on each
+row's top candidates only: `topk` first, then every later warper on those few columns, kept in vocabulary order so
+that drawing from them walks the same CDF as a whole row would. Both give the same kept tokens
 and probabilities (up to float rounding), except where more than `TIE_SLACK` tokens tie exactly with a row's k-th
 score (see `candidate_width`)."""
 
