@@ -45,7 +45,17 @@ def run(turns: int = 10, episodes: int = 16, workers: int = 2, system: int = 256
     blocks = 4 * episodes * (system + 2 * new * turns) // 16 + 64  # every conversation's KV fits twice over
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", "cpu", "--bind", address]
+            [
+                sys.executable,
+                "-m",
+                "rollout.service.launch.cli",
+                "--model",
+                "tiny",
+                "--device",
+                "cpu",
+                "--bind",
+                address,
+            ]
             + ["--num-blocks", str(blocks), "--block-size", "16", "--log-level", "WARNING"]
         )
         for address in addresses

@@ -269,7 +269,17 @@ def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
     from rollout.benchmarks.worker_probe import free_port, wait_answering
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "rollout.service.cli", "--model", "tiny", "--device", device, "--bind", address]
+    command = [
+        sys.executable,
+        "-m",
+        "rollout.service.launch.cli",
+        "--model",
+        "tiny",
+        "--device",
+        device,
+        "--bind",
+        address,
+    ]
     command += ["--num-blocks", str(KV_BLOCKS), "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if device == "cpu" else None  # the trainer needs the other core
     worker = subprocess.Popen(command, env=env)

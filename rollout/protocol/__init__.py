@@ -96,7 +96,6 @@ Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry 
 (the client's key may not do this: weight updates need a trainer key).
 """
 
-from rollout.protocol.codec import decode, encode
 from rollout.protocol.messages import (
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
@@ -180,3 +179,13 @@ __all__ = [
     "WeightsSpecReply",
     "WorkerMessage",
 ]
+
+
+def __getattr__(name: str):
+    """`encode` and `decode` load the codec (and msgpack) on first use: `rollout.protocol.messages` alone needs
+    neither (`rollout-bench` reads the transports' names before the service dependencies are installed)."""
+    if name in ("encode", "decode"):
+        from rollout.protocol import codec
+
+        return getattr(codec, name)
+    raise AttributeError(f"module 'rollout.protocol' has no attribute {name!r}")
