@@ -23,11 +23,11 @@ _EXPORTS = {
     "FieldError": "rollout.config",
     "SamplingParams": "rollout.config",
     "Engine": "rollout.engine.engine",
-    "GenerationOutput": "rollout.engine.outputs",
-    "ContinuousBatchingManager": "rollout.engine.manager",
-    "QueueFullError": "rollout.engine.manager_requests",
+    "GenerationOutput": "rollout.engine.requests.outputs",
+    "ContinuousBatchingManager": "rollout.engine.manager.continuous_batching",
+    "QueueFullError": "rollout.engine.manager.request_api",
     "generate_batch": "rollout.engine.generate",
-    "init_continuous_batching": "rollout.engine.manager",
+    "init_continuous_batching": "rollout.engine.manager.continuous_batching",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Structured-output constraints of a request (`SamplingParams.regex`, `json`, `choice`, `grammar`, `json_object`,
 named as vLLM's `StructuredOutputsParams`): their validation, free of torch and of the grammar engine. The engine
-compiles them (`rollout.engine.grammar`)."""
+compiles them (`rollout.engine.grammar.constraints`)."""
 
 from __future__ import annotations
 

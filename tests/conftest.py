@@ -34,10 +34,10 @@ from transformers import (  # noqa: E402
 
 from fakes import FakeZero3  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, SamplingParams  # noqa: E402
-from rollout.engine.block_manager import BlockManager
 from rollout.engine.engine import Engine
-from rollout.engine.request import Request
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.scheduler import Scheduler
 
 
 def _triton_interpreter_problem() -> str | None:

@@ -24,7 +24,7 @@ TIMEOUT_S = 280.0
 
 
 class CompileJob:
-    """`python -m rollout.engine.kernel_compile --matrix suite` in the background, niced, with a fresh Triton cache
+    """`python -m rollout.benchmarks.kernels.compile --matrix suite` in the background, niced, with a fresh Triton cache
     (so every variant really compiles) and TRITON_INTERPRET unset (the interpreter's kernels cannot be compiled)."""
 
     def __init__(self) -> None:
@@ -33,7 +33,15 @@ class CompileJob:
         env.update(TRITON_CACHE_DIR=str(self.directory / "cache"), TRITON_DEFAULT_FP_FUSION="1")  # 1: 3.9's default
         self.out = self.directory / "results.json"
         workers = str(len(os.sched_getaffinity(0)))
-        command = [sys.executable, "-m", "rollout.engine.kernel_compile", "--matrix", "suite", "--workers", workers]
+        command = [
+            sys.executable,
+            "-m",
+            "rollout.benchmarks.kernels.compile",
+            "--matrix",
+            "suite",
+            "--workers",
+            workers,
+        ]
         self.log = open(self.directory / "log.txt", "w+")  # noqa: SIM115 - closed by close()
         self.started = time.monotonic()
         self.process = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""Admission and preemption under memory pressure (`rollout.engine.admission`): the growth reserve, the victim that
+"""Admission and preemption under memory pressure (`rollout.engine.scheduling.admission`): the growth reserve, the victim that
 loses the fewest tokens, and requests with the same prompt waiting for one of them to compute it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from test_scheduler import TOKEN, prompt, sim
 
 from conftest import make_request
-from rollout.engine.admission import GrowthReserve, cheapest_victim
-from rollout.engine.block_manager import BlockManager
+from rollout.engine.scheduling.admission import GrowthReserve, cheapest_victim
+from rollout.engine.scheduling.block_manager import BlockManager
 
 
 def test_growth_ratio_decays_with_turnover_and_rises_on_preemption():

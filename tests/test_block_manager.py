@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_request
-from rollout.engine.block_manager import BlockManager
-from rollout.engine.request import Request
+from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.block_manager import BlockManager
 
 BS = 4  # tokens per block in every test
 

@@ -19,7 +19,7 @@ pytest.importorskip("xgrammar")
 
 from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
-from rollout.engine.manager import QueueFullError, init_continuous_batching  # noqa: E402
+from rollout.engine.manager.continuous_batching import QueueFullError, init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from rollout.service.compile.constraint_compiles import ConstraintCompiles  # noqa: E402
 from rollout.service.compile.jobs import (  # noqa: E402

@@ -20,7 +20,7 @@ from test_compile_slots import SLOW, _alive, _children  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout import protocol as p  # noqa: E402
-from rollout.engine.manager import init_continuous_batching  # noqa: E402
+from rollout.engine.manager.continuous_batching import init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from rollout.service.zmq.limits import WorkerLimits  # noqa: E402
 from rollout.service.zmq.worker import RolloutWorker  # noqa: E402

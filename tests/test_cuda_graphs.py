@@ -16,8 +16,8 @@ from test_parity import GREEDY, reference_greedy  # noqa: E402
 
 from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, FieldError  # noqa: E402
-from rollout.engine.attention_plan import plan_splits  # noqa: E402
-from rollout.engine.cuda_graphs import decode_buckets  # noqa: E402
+from rollout.engine.attention.kernel_plan import plan_splits  # noqa: E402
+from rollout.engine.runner.cuda_graphs import decode_buckets  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -90,8 +90,8 @@ def test_graph_decode_matches_generate(kind, overlap):
 def test_padding_rows_point_at_the_scratch_block():
     """After a batch of 7 (bucket 8) then one of 3 (bucket 4), row 3 is padding again: token 0 at position 0,
     writing the scratch slot, with the scratch block first in its block table; the plan covers the bucket."""
-    from rollout.engine.cuda_graphs import DecodeGraphs
-    from rollout.engine.kv_cache import KVCacheShape, PagedKVCache
+    from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
+    from rollout.engine.runner.cuda_graphs import DecodeGraphs
 
     cache = PagedKVCache(KVCacheShape(1, 2, 16), num_blocks=20, block_size=16, dtype=torch.float32, device=DEVICE)
     seen = []
@@ -210,7 +210,7 @@ def test_graph_decode_serves_adapters_side_by_side():
     place keeps the graphs; a slot's first saved modules (new hooks) make them captured again."""
     from peft import LoraConfig, get_peft_model
 
-    from rollout.engine.lora_weights import SavedModule, from_peft_model
+    from rollout.engine.lora.adapter_weights import SavedModule, from_peft_model
 
     base = tiny_model("qwen3").to(DEVICE)
     torch.manual_seed(2)

@@ -7,8 +7,8 @@ import torch
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import ContinuousBatchingConfig, SamplingParams
-from rollout.engine import kv_cache
 from rollout.engine.engine import Engine
+from rollout.engine.kv import kv_cache
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 

@@ -16,7 +16,7 @@ pytest.importorskip("xgrammar")
 from test_compile_slots import SLOW, _children  # noqa: E402
 
 from rollout.config import ContinuousBatchingConfig  # noqa: E402
-from rollout.engine.manager import init_continuous_batching  # noqa: E402
+from rollout.engine.manager.continuous_batching import init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from rollout.service.compile.constraint_compiles import ConstraintCompiles  # noqa: E402
 from rollout.service.compile.jobs import CompileBudget  # noqa: E402

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.manager import init_continuous_batching
+from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets import tiny_model, tiny_tokenizer
 from rollout.service.http.serving.server import HttpServer
 from rollout.service.http.serving.settings import HttpSettings

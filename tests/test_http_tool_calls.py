@@ -17,7 +17,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.manager import init_continuous_batching
+from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets import TINY_MODEL_CONFIG, tiny_tokenizer
 from rollout.service.http.serving.server import HttpServer
 from rollout.service.http.serving.settings import TOOL_CALL_PARSER_NAMES, HttpSettings

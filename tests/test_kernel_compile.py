@@ -1,10 +1,10 @@
 """The Triton kernels compile for NVIDIA Hopper (sm_90) and Ampere (sm_80) within their shared memory, proved on
 the CPU: `triton.compile` for a GPU target needs no GPU, only the ptxas inside the triton wheel.
 
-The variants are those `paged_attention` launches (rollout.engine.kernel_variants), over the pairwise-covering
+The variants are those `paged_attention` launches (rollout.benchmarks.kernels.variants), over the pairwise-covering
 matrix plus each dtype's largest-resource shape: the full product of the supported inputs is tens of thousands of
-variants, hours of compiling on a small machine (`python -m rollout.engine.kernel_compile --matrix full` runs it).
-Compiling (rollout.engine.kernel_compile) runs in a subprocess, with TRITON_INTERPRET unset (conftest sets it on
+variants, hours of compiling on a small machine (`python -m rollout.benchmarks.kernels.compile --matrix full` runs it).
+Compiling (rollout.benchmarks.kernels.compile) runs in a subprocess, with TRITON_INTERPRET unset (conftest sets it on
 CPU machines, and the interpreter's kernels cannot be compiled) and a fresh TRITON_CACHE_DIR (so that every
 variant really compiles), started in the background at the lowest priority once the tests are collected
 (tests/kernel_compile_job.py).
@@ -21,8 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout.engine.attention_plan import plan_splits, tile_shape  # noqa: E402
-from rollout.engine.kernel_variants import (  # noqa: E402
+from rollout.benchmarks.kernels.variants import (  # noqa: E402
     BLOCK_SIZES,
     DTYPES,
     HEAD_DIMS,
@@ -38,6 +37,7 @@ from rollout.engine.kernel_variants import (  # noqa: E402
     split_counts,
     tile_shapes,
 )
+from rollout.engine.attention.kernel_plan import plan_splits, tile_shape  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ compile again mid-rollout, and on CUDA recapture).
 The schedule is the nano benchmark workload's (256 prompts, prompt and output lengths random in 100-1024, its
 engine settings) through the engine's Triton path, on a one-layer model with nano's attention geometry (16 query
 heads over 8 KV heads) and a small head dim. The kernels' launches are recorded, each keyed with Triton's own
-binder and cache key (`rollout.engine.kernel_variants.specialize`), and not executed: Triton's interpreter takes
+binder and cache key (`rollout.benchmarks.kernels.variants.specialize`), and not executed: Triton's interpreter takes
 tens of milliseconds per program, hours for this schedule; a launch's arguments (hence its variant) do not depend
 on the attention's values, and with greedy decoding, no stop tokens and fixed output lengths neither does the
 schedule. The kernels' results are tested in tests/test_triton_attention.py and tests/test_cuda_graphs.py.
@@ -25,10 +25,10 @@ from test_parity import GREEDY  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from conftest import make_engine  # noqa: E402
+from rollout.benchmarks.kernels.variants import KERNELS, Launch, as_jit_function, specialize  # noqa: E402
 from rollout.benchmarks.workloads import WORKLOADS  # noqa: E402
-from rollout.engine import triton_attention  # noqa: E402
-from rollout.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from rollout.engine.kernel_variants import KERNELS, Launch, as_jit_function, specialize  # noqa: E402
+from rollout.engine.attention import triton_kernel as triton_attention  # noqa: E402
+from rollout.engine.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NANO = WORKLOADS["nano"]

@@ -20,7 +20,7 @@ PACKAGES = ("rollout", "trainer_bridge")
 MOST_MODULES_PER_FOLDER = 16  # "about 15"
 MOST_LINES = 400
 # Folders not split yet (issue "the house in wings"): each must leave this set once split, and no other may join it.
-CROWDED_PENDING = {"rollout/engine", "rollout/benchmarks"}
+CROWDED_PENDING = {"rollout/benchmarks"}
 
 
 def modules() -> dict[str, Path]:
@@ -138,12 +138,14 @@ def test_nothing_imports_across_its_layer(layer, forbidden):
     assert not {name: targets for name, targets in crossing.items() if targets}
 
 
-def test_the_scheduler_is_free_of_torch():
-    scheduler = next(p for n, p in modules().items() if n.endswith(".scheduler"))
-    tree = ast.parse(scheduler.read_text())
-    names = [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names]
-    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert not [n for n in names if n == "torch" or n.startswith("torch.")]
+@pytest.mark.parametrize("name", sorted(n for n in modules() if n.startswith("rollout.engine.scheduling.")))
+def test_scheduling_is_free_of_torch(name):
+    """Importing any scheduling module (and all it imports) loads no torch: the scheduler's decisions are plain
+    Python, testable and cheap."""
+    import subprocess
+
+    probe = f"import sys, {name}; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT).returncode == 0, f"{name} loads torch"
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_MODULES))

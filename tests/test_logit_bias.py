@@ -18,7 +18,7 @@ from conftest import VOCAB, make_engine, make_prompts, make_request, reference_c
 from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.generate import generate_batch
-from rollout.engine.sampling_slots import SamplingSlots
+from rollout.engine.sampling.slots import SamplingSlots
 from rollout.sampling_params import MAX_LOGIT_BIAS_TOKENS
 from trainer_bridge.calls import PromptGroup, checked_group
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from conftest import make_request, make_scheduler
-from rollout.engine.block_manager import cdiv
-from rollout.engine.request import Request
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.block_manager import cdiv
+from rollout.engine.scheduling.scheduler import Scheduler
 
 BLOCK = 16
 TOKEN, STOP = 7, 2

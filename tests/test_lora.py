@@ -13,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.adapter_ref import BASE_NAME
 from rollout.engine.generate import generate_batch
-from rollout.engine.lora_weights import LoraModule, from_peft_model, load_peft_dir
+from rollout.engine.lora.adapter_weights import LoraModule, from_peft_model, load_peft_dir
+from rollout.engine.requests.adapter_ref import BASE_NAME
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=7)

@@ -17,8 +17,8 @@ from peft import LoraConfig, get_peft_model
 
 from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.lora_bounds import check_magnitudes
-from rollout.engine.lora_weights import LoraModule, load_peft_dir
+from rollout.engine.lora.adapter_weights import LoraModule, load_peft_dir
+from rollout.engine.lora.bounds import check_magnitudes
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 MODULE = "model.layers.0.self_attn.q_proj"
@@ -196,7 +196,7 @@ def test_nan_left_in_free_blocks_never_reaches_a_new_owner(base, backend):
 def test_an_errored_sample_is_an_http_error_and_the_base_still_answers(base):
     """Over HTTP, the broken adapter's completion is a 500 naming it (not a 200 of token 0); the base's is a 200."""
     from rollout.config import ContinuousBatchingConfig
-    from rollout.engine.manager import init_continuous_batching
+    from rollout.engine.manager.continuous_batching import init_continuous_batching
     from rollout.presets import tiny_model as tiny_preset
     from rollout.presets import tiny_tokenizer
     from rollout.service.http.serving.server import HttpServer
@@ -247,7 +247,7 @@ def test_a_max_lora_rank_past_the_model_is_refused_by_name(base):
 
 
 def test_an_adapter_whose_layers_do_not_fit_free_memory_is_refused(engine, monkeypatch):
-    from rollout.engine import lora_bounds
+    from rollout.engine.lora import bounds as lora_bounds
 
     monkeypatch.setattr(lora_bounds, "free_memory_bytes", lambda device: 1024)
     module = "model.layers.1.mlp.down_proj"

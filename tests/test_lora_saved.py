@@ -16,7 +16,7 @@ from test_lora import MAX_NEW, peft_greedy
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.lora_weights import SavedModule, from_peft_model, load_peft_dir
+from rollout.engine.lora.adapter_weights import SavedModule, from_peft_model, load_peft_dir
 
 SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=3)
 
@@ -125,7 +125,7 @@ def test_a_saved_directory_is_served_and_bad_saved_modules_are_refused(tmp_path,
 def test_a_load_that_fails_to_allocate_changes_nothing_served(saved_pair, monkeypatch):
     """Out of memory while a replacement's new saved copies are allocated: the adapter served before keeps serving,
     its LoRA rows and saved copies untouched."""
-    import rollout.engine.saved_modules as saved_modules
+    import rollout.engine.lora.saved_modules as saved_modules
 
     base, model = saved_pair
     engine = make_engine(copy.deepcopy(base))

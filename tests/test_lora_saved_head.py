@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from conftest import _COMMON, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.benchmarks.fidelity import scale_to_entropy
 from rollout.config import SamplingParams
-from rollout.engine import prompt_logprobs
-from rollout.engine.lora_weights import SavedModule, from_peft_model, load_peft_dir
+from rollout.engine.lora.adapter_weights import SavedModule, from_peft_model, load_peft_dir
+from rollout.engine.sampling import prompt_logprobs
 
 GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 SCORED = dataclasses.replace(SAMPLED, prompt_logprobs=0)

@@ -67,7 +67,7 @@ def test_a_group_and_a_weight_update_each_make_one_span():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from rollout import ContinuousBatchingConfig
-    from rollout.engine.manager import init_continuous_batching
+    from rollout.engine.manager.continuous_batching import init_continuous_batching
     from rollout.service.observability.tracing import Tracer
     from rollout.service.zmq.worker import RolloutWorker
 

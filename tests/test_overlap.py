@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
-from rollout.engine.model_runner import UnresolvedTokens
-from rollout.engine.request import PLACEHOLDER_TOKEN
+from rollout.engine.requests.request import PLACEHOLDER_TOKEN
+from rollout.engine.runner.model_runner import UnresolvedTokens
 
 MAX_NEW = 24
 

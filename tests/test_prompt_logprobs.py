@@ -20,8 +20,9 @@ from conftest import (
 )
 from rollout.benchmarks.fidelity import fidelity_against_floor, mean_entropy, scale_to_entropy
 from rollout.config import FieldError, SamplingParams
-from rollout.engine import model_runner, prompt_logprobs
-from rollout.engine.fp32_head import fp32_projection
+from rollout.engine.runner import model_runner
+from rollout.engine.sampling import prompt_logprobs
+from rollout.engine.sampling.fp32_head import fp32_projection
 
 FP32_TOLERANCE = 1e-5
 # bf16: a position may be off by about one spacing of its bf16 logits (1/16 between 8 and 16, 1/8 up to 32).

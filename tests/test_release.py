@@ -16,7 +16,7 @@ import torch
 from conftest import needs_triton_interpreter, tiny_model
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
 from rollout.engine.engine import Engine
-from rollout.engine.kv_cache import PagedKVCache
+from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.service.launch.cli import build_parser
 from rollout.service.launch.startup import start_worker
 from trainer_bridge import ColocatedEngine, PromptGroup, RolloutClient

@@ -292,7 +292,7 @@ def test_a_replay_that_raises_inside_a_recorded_router_leaves_no_mode_behind(moe
 def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused():
     """A leader that recomputes its prompt after forking rewrites its own copy (its forks keep the routes of the KV
     they used); a swapped-out request offers no block; a worker's routes that do not fit the message are refused."""
-    from rollout.engine.route_rows import RouteCache, RouteRows
+    from rollout.engine.requests.route_rows import RouteCache, RouteRows
     from rollout.protocol import messages as p
     from rollout.protocol.route_frames import pack, unpack_message
 

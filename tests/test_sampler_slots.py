@@ -13,8 +13,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
-from rollout.engine.draw import sample_blocked, sample_from
-from rollout.engine.sampler import Sampler
+from rollout.engine.sampling.draw import sample_blocked, sample_from
+from rollout.engine.sampling.sampler import Sampler
 
 STOPS = (3, 17, 29, 41)
 MAX_NEW = 16

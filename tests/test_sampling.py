@@ -522,7 +522,7 @@ def test_min_new_tokens_masks_stop_tokens():
 def test_uniforms_are_uniform_deterministic_and_decorrelated():
     """The sampler's counter-based uniforms: a pure function of the seed, uniform on (0, 1) (moments and
     Kolmogorov-Smirnov distance), and consecutive seeds uncorrelated."""
-    from rollout.engine.draw import uniform_from_seeds
+    from rollout.engine.sampling.draw import uniform_from_seeds
 
     seeds = torch.arange(200_000, dtype=torch.int64) * 7919 + (1 << 40)
     u = uniform_from_seeds(seeds)
@@ -538,7 +538,7 @@ def test_uniforms_are_uniform_deterministic_and_decorrelated():
 
 def test_inverse_cdf_samples_the_distribution_and_never_zero_probability():
     """sample_from draws column i with probability p_i (chi-square over 20000 draws) and never a zero column."""
-    from rollout.engine.draw import sample_from
+    from rollout.engine.sampling.draw import sample_from
 
     probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.15, 0.1, 0.05, 0.0])
     draws = 20_000
@@ -606,7 +606,7 @@ def test_a_step_that_fails_while_writing_slot_rows_leaves_nothing_for_the_slots_
     """The table write of a new sample's row fails (as a CUDA OOM would): its group ends with an error, its slot
     comes back with no row left pending for it, and the next request on that slot samples with its own settings
     (greedy, as transformers' `generate`)."""
-    import rollout.engine.sampling_slots as sampling_slots
+    import rollout.engine.sampling.slots as sampling_slots
 
     model = tiny_model("qwen3")
     reference = reference_copy(model)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conftest import make_request, make_scheduler
-from rollout.engine.batch import ScheduledBatch
-from rollout.engine.request import Request, RequestStatus
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.requests.request import Request, RequestStatus
+from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.engine.scheduling.scheduler import Scheduler
 
 TOKEN = 7  # the fake sampler's token: never a stop token in these tests
 STOP = 2

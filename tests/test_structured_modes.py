@@ -17,7 +17,7 @@ xgrammar = pytest.importorskip("xgrammar")
 from conftest import run_to_completion  # noqa: E402
 from rollout import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.engine.engine import Engine  # noqa: E402
-from rollout.engine.manager import init_continuous_batching  # noqa: E402
+from rollout.engine.manager.continuous_batching import init_continuous_batching  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_bridge import PromptGroup  # noqa: E402
 from trainer_bridge.colocated import ColocatedEngine  # noqa: E402

@@ -228,7 +228,7 @@ def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
         {"allOf": [{"type": "integer"}]},
     ):
         SamplingParams(json=schema)
-    from rollout.engine.grammar import Grammars
+    from rollout.engine.grammar.constraints import Grammars
 
     matcher = xgrammar.GrammarMatcher(Grammars().compile(TOKENIZER, 1024, "choice", ("\U0001f600ok", "b")))
     assert matcher.accept_string("\U0001f600ok")

@@ -61,7 +61,7 @@ from transformers.utils import is_torch_xpu_available
 import rollout
 from conftest import make_prompts, tiny_model
 from rollout import FieldError, SamplingParams
-from rollout.engine.attention import ATTENTION_NAME
+from rollout.engine.attention.paged import ATTENTION_NAME
 from rollout.transformers_configs import page_size_field
 
 # adapted: no tokenizer / chat template offline: the three user messages become random prompts of chat-like length.
@@ -837,7 +837,7 @@ def test_continuous_batching_log_probs(use_cuda_graph, use_async_batching):
 @pytest.fixture
 def held_back(monkeypatch) -> list[bool]:
     """Per scheduling step of every engine: whether requests waited while others ran (the cache held them back)."""
-    from rollout.engine.scheduler import Scheduler
+    from rollout.engine.scheduling.scheduler import Scheduler
 
     steps: list[bool] = []
     schedule = Scheduler.schedule

@@ -9,8 +9,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from conftest import needs_triton_interpreter  # noqa: E402
-from rollout.engine.attention_plan import Tiling, plan, plan_splits  # noqa: E402
-from rollout.engine.triton_attention import paged_attention  # noqa: E402
+from rollout.engine.attention.kernel_plan import Tiling, plan, plan_splits  # noqa: E402
+from rollout.engine.attention.triton_kernel import paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 from rollout import protocol as p
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.manager import init_continuous_batching
+from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.protocol import dist as dist_module
 from rollout.protocol.staging import bucket_checksum
 from rollout.service.weights import staged_update as weights_module

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import _COMMON, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import ContinuousBatchingConfig, FieldError, SamplingParams
-from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, init_continuous_batching
 
 pytestmark = pytest.mark.timeout(60)
 

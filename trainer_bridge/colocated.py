@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
-from rollout.engine.request import Request
+from rollout.engine.requests.request import Request
 from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS

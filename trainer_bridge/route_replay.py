@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.engine.router_taps import Tap, attach, detach, num_experts
-from rollout.engine.routes import DENSE_MODEL, find_routers
+from rollout.engine.moe.router_taps import Tap, attach, detach, num_experts
+from rollout.engine.moe.routes import DENSE_MODEL, find_routers
 
 __all__ = ["RouteReplay", "routes_for", "routing_replay"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout.engine.fp32_head import fp32_projection
+from rollout.engine.sampling.fp32_head import fp32_projection
 
 TARGET_ENTROPY_NATS = 1.5
 

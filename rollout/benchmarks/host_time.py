@@ -103,7 +103,7 @@ def _time_grammars(seconds: dict[str, float]) -> Callable[[], None]:
     """Add the time grammars take to `seconds`: "grammar_fill" (xgrammar's matchers filling the rows' token
     bitmasks: host work on any device), "grammar_apply" (the bitmask applied to the scores: a kernel on a GPU) and
     "grammar_accept" (matchers following the drawn tokens). Returns what undoes it."""
-    from rollout.engine.grammar import Constrained, GrammarMasks
+    from rollout.engine.grammar.constraints import Constrained, GrammarMasks
 
     originals = (GrammarMasks.fill, GrammarMasks.apply, Constrained.advance)
     GrammarMasks.fill = _timed(seconds, "grammar_fill", originals[0])

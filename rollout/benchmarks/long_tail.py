@@ -43,8 +43,8 @@ from rollout.benchmarks.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
 from rollout.benchmarks.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.progress import stage
 from rollout.config import ContinuousBatchingConfig, SamplingParams
-from rollout.engine.block_manager import cdiv
 from rollout.engine.engine import Engine
+from rollout.engine.scheduling.block_manager import cdiv
 from rollout.presets.models import TINY_MODEL_CONFIG
 from rollout.sampling_params import MAX_LOGIT_BIAS
 

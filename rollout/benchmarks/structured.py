@@ -55,7 +55,7 @@ def compile_times(tokenizer: Any) -> dict[str, float]:
     Args:
         tokenizer: the Hugging Face tokenizer compiled against.
     """
-    from rollout.engine.grammar import Grammars
+    from rollout.engine.grammar.constraints import Grammars
 
     grammars = Grammars()
     start = time.perf_counter()

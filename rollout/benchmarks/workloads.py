@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from rollout.engine.kv_cache import KVCacheShape
+    from rollout.engine.kv.kv_cache import KVCacheShape
 
 GIB = 1 << 30
 
@@ -65,7 +65,7 @@ class Workload:
         """Layers, KV heads and head dim of the workload's model."""
         from transformers import Qwen3Config
 
-        from rollout.engine.kv_cache import KVCacheShape
+        from rollout.engine.kv.kv_cache import KVCacheShape
 
         return KVCacheShape.from_model_config(Qwen3Config(**self.model_config))
 

@@ -1,16 +1,15 @@
-"""The continuous-batching engine, in process. One request crosses these files in this order:
+"""The continuous-batching engine, in process. One request crosses these folders in this order:
 
-- `intake.py`: a prompt and its settings checked and resolved into a group's leader `Request` (`request.py`);
-- `manager.py`: `ContinuousBatchingManager`, the caller side; `engine_loop.py` its engine thread, fed through a
-  mailbox of typed commands (`commands.py`; `pause.py`, `results.py`, `weight_queue.py`);
-- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update, and the outputs (`outputs.py`); `warmup.py`
-  and `counters.py` act on a whole engine from outside its loop;
-- `scheduler.py` and `block_manager.py`: which requests compute how many tokens (a `ScheduledBatch`, `batch.py`),
-  and their KV blocks (no torch);
-- `model_runner.py`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv_cache.py`,
-  `block_tables.py`, `attention.py`, `triton_attention.py`, `cuda_graphs.py`, `transfer.py`);
-- `sampler.py`: per-request penalties and bans (`token_bans.py`), warpers (`warpers.py`), seeded draws, logprobs,
-  over each sample's parameters held in persistent per-slot device tables (`sampling_slots.py`);
-- `weight_table.py`: what a weight update may write, checked and copied in place;
-- `generate.py`: `generate_batch`, the one-call API over a cached engine.
+- `requests/`: a prompt and its settings checked and resolved into a group's leader `Request` (`intake.py`,
+  `request.py`), and what each sample produced (`outputs.py`, `GenerationOutput`);
+- `manager/`: `ContinuousBatchingManager`, the caller side, and its engine thread, fed through a mailbox of typed
+  commands (pause, results, weight updates on their way in);
+- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update; `warmup.py` and `counters.py` act on a whole
+  engine from outside its loop; `generate.py`: `generate_batch`, the one-call API over a cached engine;
+- `scheduling/`: which requests compute how many tokens (a `ScheduledBatch`) and their KV blocks (no torch);
+- `runner/`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv/`) and paged attention
+  (`attention/`), with LoRA adapters (`lora/`) and MoE route recording (`moe/`) hooked into its layers;
+- `sampling/`: per-sample logit bias, penalties, bans, warpers, seeded draws and log-probs, with structured outputs'
+  token masks (`grammar/`);
+- `weights/`: what a weight update may write, checked, copied in place and committed.
 """

@@ -16,23 +16,23 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.batch import ScheduledBatch
-from rollout.engine.block_manager import BlockManager
-from rollout.engine.broken_samples import end_broken
 from rollout.engine.counters import engine_stats, log_leaks
-from rollout.engine.engine_weights import EngineWeights
-from rollout.engine.intake import RequestIntake
-from rollout.engine.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
-from rollout.engine.model_checks import servable_text_config
-from rollout.engine.model_runner import ModelRunner, UnresolvedTokens
-from rollout.engine.outputs import GenerationOutput, progress_output
-from rollout.engine.pending_samples import InFlightStep
-from rollout.engine.prompt_logprobs import deliver as deliver_prompt_logprobs
-from rollout.engine.request import Request, RequestStatus, sample_id
-from rollout.engine.sampler import Sampler
-from rollout.engine.scheduler import Scheduler
+from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
+from rollout.engine.requests.intake import RequestIntake
+from rollout.engine.requests.outputs import GenerationOutput, progress_output
+from rollout.engine.requests.request import Request, RequestStatus, sample_id
+from rollout.engine.runner.model_checks import servable_text_config
+from rollout.engine.runner.model_runner import ModelRunner, UnresolvedTokens
+from rollout.engine.sampling.broken_samples import end_broken
+from rollout.engine.sampling.pending_samples import InFlightStep
+from rollout.engine.sampling.prompt_logprobs import deliver as deliver_prompt_logprobs
+from rollout.engine.sampling.sampler import Sampler
+from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.scheduler import Scheduler
 from rollout.engine.warmup import warm_up
-from rollout.engine.weight_table import WeightTable
+from rollout.engine.weights.engine_weights import EngineWeights
+from rollout.engine.weights.weight_table import WeightTable
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.transformers_configs import engine_config
 

@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
-from rollout.engine.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.lora_weights import from_peft_model
-from rollout.engine.model_checks import refuse_model_name
-from rollout.engine.outputs import GenerationOutput
+from rollout.engine.lora.adapter_weights import from_peft_model
+from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
+from rollout.engine.requests.outputs import GenerationOutput
+from rollout.engine.runner.model_checks import refuse_model_name
 from rollout.peft_adapters import is_peft_model
 
 # Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that

@@ -13,7 +13,7 @@ from rollout import protocol as p
 from rollout.protocol import route_frames
 
 if TYPE_CHECKING:  # (the protocol imports nothing from the engine: outputs are read by their fields)
-    from rollout.engine.outputs import GenerationOutput
+    from rollout.engine.requests.outputs import GenerationOutput
 
 
 @dataclass

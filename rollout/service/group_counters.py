@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from rollout.engine.request import FINISH_REASONS
+from rollout.engine.requests.request import FINISH_REASONS
 
 
 class GroupCounters:

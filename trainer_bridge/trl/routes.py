@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.routes import find_routers
+from rollout.engine.moe.routes import find_routers
 from trainer_bridge.route_replay import RouteReplay, routes_for
 
 ROUTES_KEY = "rollout_routes"

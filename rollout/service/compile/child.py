@@ -33,7 +33,7 @@ def serve_jobs(job_fd: int, answer_fd: int, info: Any, max_bytes: int) -> None:
     """
     import xgrammar
 
-    from rollout.engine.grammar import compile_spec
+    from rollout.engine.grammar.constraints import compile_spec
 
     # One thread: a compile takes one core, and no thread's stack or malloc arena counts against its budget.
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -11,7 +11,7 @@ seen before goes through a compile slot (`CompileBudget.slots` threads):
    remembered: sent again, it is refused at once);
 3. the worker reads the grammar the child compiled (xgrammar's JSON, when it comes within as long as its compile
    took) or else compiles it itself (about as long as the child took: the budget bounds it) into the engine's
-   grammar cache, with its admission checks (rollout/engine/grammar_checks.py), so the engine's own compile of it
+   grammar cache, with its admission checks (rollout/engine/grammar/checks.py), so the engine's own compile of it
    (`RequestIntake.constraint`) is a cache hit.
 
 A spec in the cache skips all three: its checks run at once on a small thread pool of their own. The HTTP front end
@@ -33,7 +33,7 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
-from rollout.engine.manager import QueueFullError
+from rollout.engine.manager.continuous_batching import QueueFullError
 from rollout.service.compile.jobs import CompileAbandoned, CompileBudget, CompileJob, CompilesClosed
 from rollout.service.compile.link import ANSWER_GRACE_S, CompileLink
 from rollout.service.zmq.fair_queue import FairQueue, QueueBusy
@@ -251,7 +251,7 @@ class ConstraintCompiles:
         return self.intake.grammars.is_cached(self.intake.tokenizer, self.intake.vocab_size, job.field, job.spec)
 
     def _compiles_here(self) -> bool:
-        from rollout.engine import grammar
+        from rollout.engine.grammar import constraints as grammar
 
         return grammar.xgrammar is not None and self.intake.tokenizer is not None
 

@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # what libraries print goes to stderr, never into the protocol
     import xgrammar
 
-    import rollout.engine.grammar  # noqa: F401 - imported once here, so that every child finds it loaded
+    import rollout.engine.grammar.constraints  # noqa: F401 - imported once here, so that every child finds it loaded
 
     inbox = bytearray()
     settings = read_frame(0, inbox)

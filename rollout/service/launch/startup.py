@@ -18,8 +18,8 @@ import zmq
 from rollout.cli_parser import CliParser
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
-from rollout.engine.lora_weights import load_peft_dir
-from rollout.engine.manager import ContinuousBatchingManager, init_continuous_batching
+from rollout.engine.lora.adapter_weights import load_peft_dir
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, init_continuous_batching
 from rollout.extras import MissingExtra, require_extra
 from rollout.hub import HubUnreachable
 from rollout.presets.models import MODEL_DTYPES

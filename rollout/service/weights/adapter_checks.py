@@ -9,7 +9,7 @@ import math
 
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
-from rollout.engine.lora_weights import is_adapter_tensor
+from rollout.engine.lora.adapter_weights import is_adapter_tensor
 from rollout.protocol import messages as p
 
 

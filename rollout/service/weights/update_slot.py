@@ -24,9 +24,9 @@ import torch
 
 from rollout import protocol as p
 from rollout.config import FieldError
-from rollout.engine.commands import AdapterUpdate
-from rollout.engine.manager import ContinuousBatchingManager
-from rollout.engine.weight_table import WeightUpdateResult
+from rollout.engine.manager.commands import AdapterUpdate
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.engine.weights.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
 from rollout.protocol.dist import DistReceiver
 from rollout.protocol.staging import StagingPool

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
-from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
-from rollout.engine.outputs import GenerationOutput
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, QueueFullError
+from rollout.engine.requests.outputs import GenerationOutput
 from rollout.mailbox import drain
 from rollout.protocol.group_folding import GroupInFlight, engine_id
 from rollout.sampling_params import SAMPLING_FIELDS

@@ -25,7 +25,7 @@ import weakref
 import zmq
 
 from rollout import protocol as p
-from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import WorkerAuth
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.compile.constraint_compiles import ConstraintCompiles

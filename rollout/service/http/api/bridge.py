@@ -13,8 +13,8 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.detokenizer import OutputText
-from rollout.engine.manager import ContinuousBatchingManager, QueueFullError
-from rollout.engine.outputs import GenerationOutput
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, QueueFullError
+from rollout.engine.requests.outputs import GenerationOutput
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.choices import Choice, ChoiceDelta
 from rollout.service.http.serving.errors import APIError, busy, from_field_error

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from rollout.detokenizer import OutputText
-from rollout.engine.outputs import GenerationOutput
+from rollout.engine.requests.outputs import GenerationOutput
 from rollout.protocol.group_folding import extend_version_runs
 
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rollout.config import FieldError
-from rollout.engine.manager import QueueFullError
+from rollout.engine.manager.continuous_batching import QueueFullError
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.compile.jobs import CompileAbandoned, CompileJob, CompilesClosed, CompilesUnavailable
 from rollout.service.http.api.bridge import DISCONNECT_POLL_S, ClientGone

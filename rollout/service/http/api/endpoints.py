@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api import openai_fields as fields

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rollout.engine.adapter_ref import AdapterRef
+from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.service.http.serving.errors import APIError
 
 

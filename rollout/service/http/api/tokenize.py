@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rollout.engine.adapter_ref import AdapterRef
+from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.service.http.api.prompts import PromptLimits, chat_prompt, needs_tokenizer
 from rollout.service.http.api.served_models import requested_adapter
 from rollout.service.http.serving.errors import APIError, bad_field

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.bridge import ClientGone

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.extras import MissingExtra, require_extra
 from rollout.protocol.sockets import is_loopback
 from rollout.service.http.serving.settings import HttpSettings

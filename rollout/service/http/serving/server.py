@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rollout.engine.manager import ContinuousBatchingManager
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.serving.settings import HttpSettings
 

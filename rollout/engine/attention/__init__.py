@@ -1,0 +1,9 @@
+"""Paged attention, in the order a forward reaches it:
+
+- `paged.py`: the "rollout_paged" attention registered in transformers' `AttentionInterface`;
+- `kernel_plan.py`: the launch plan of the Triton kernel (query tiles, key slices);
+- `triton_kernel.py`: one Triton kernel for decode, prefill and mixed batches over the paged cache.
+
+Compiling the kernel's variants for sm_90 / sm_80 without a GPU lives beside the benchmarks
+(`rollout.benchmarks.kernels`).
+"""

@@ -1,0 +1,6 @@
+"""Structured outputs on xgrammar:
+
+- `checks.py`: constraints that compile but can never be followed, refused before a request is admitted;
+- `cache.py`: a tokenizer's compiled grammars, least recently used evicted past a byte budget;
+- `constraints.py`: a request's matcher, and the token masks the sampler applies each step.
+"""

@@ -1,0 +1,17 @@
+"""`ContinuousBatchingManager`: the engine on a background thread, as transformers' continuous batching has it.
+
+- `continuous_batching.py`: the manager and `init_continuous_batching`;
+- `request_api.py` / `weight_api.py`: requests and weight updates, checked on the caller's thread;
+- `commands.py`: what other threads put in the engine thread's mailbox; `weight_queue.py`: weight updates on their
+  way there; `pause.py`: the manager's pause;
+- `engine_thread.py`: the engine thread, applying commands and stepping the engine;
+- `results.py`: where outputs go (a queue callers read, or handlers).
+"""
+
+from rollout.engine.manager.continuous_batching import (
+    ContinuousBatchingManager,
+    QueueFullError,
+    init_continuous_batching,
+)
+
+__all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]

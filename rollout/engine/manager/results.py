@@ -1,0 +1,234 @@
+"""Where a manager's outputs go: a queue callers read (`get_result`, `request_id_iter`, iteration), or a handler
+registered for the request. A handler registered from a coroutine runs on that coroutine's event loop (through
+`call_soon_threadsafe`, as transformers' manager does); one registered from plain code runs on the engine thread.
+
+All state here is guarded by the manager's condition variable, which the router shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from rollout.engine.requests.outputs import GenerationOutput
+from rollout.engine.requests.request import sample_id
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[GenerationOutput], None]
+
+
+@dataclass
+class _Handler:
+    callback: Handler
+    loop: asyncio.AbstractEventLoop | None  # the registering coroutine's loop; None: call on the engine thread
+
+
+@dataclass
+class _Group:
+    """State of one added request (a group of n samples) until its last output was read."""
+
+    sample_ids: list[str]
+    unfinished: int  # samples the engine has not finished
+    unread: int  # finished samples whose final output nobody has taken yet
+    handler: _Handler | None = None
+
+
+class ResultRouter:
+    """Routes outputs to waiting readers or registered handlers; forgets a request once all its outputs are read."""
+
+    def __init__(self, state: threading.Condition):
+        """
+        Args:
+            state: the manager's condition variable (re-entrant: handlers may call back in); it guards this object.
+        """
+        self.state = state
+        self._results: deque[GenerationOutput] = deque()
+        self._groups: dict[str, _Group] = {}
+        self._sample_groups: dict[str, str] = {}  # sample id "<group>#<i>" -> group id, for groups of n > 1
+        self._early_handlers: dict[str, _Handler] = {}  # registered before add_request
+
+    # ---- requests (callers hold `state`) ------------------------------------------------------------------------
+    def is_open(self, group_id: str) -> bool:
+        """True while a request of this id has outputs not yet finished or read."""
+        return group_id in self._groups
+
+    def open(self, group_id: str, size: int) -> None:
+        """Start routing a new request of `size` samples."""
+        sample_ids = [group_id] if size == 1 else [sample_id(group_id, i) for i in range(size)]
+        self._groups[group_id] = _Group(sample_ids, size, size, self._early_handlers.pop(group_id, None))
+        self._sample_groups.update((sid, group_id) for sid in sample_ids if sid != group_id)
+
+    def group_of(self, request_id: str | None) -> str | None:
+        """The request (group) id of a request or sample id, None when unknown or done."""
+        with self.state:
+            if request_id in self._groups:
+                return request_id
+            return self._sample_groups.get(request_id)
+
+    def unread_samples(self, request_id: str) -> int:
+        """How many samples of the request have a final output nobody read yet (1 for a single sample's id)."""
+        with self.state:
+            group = self._groups.get(request_id)
+            return group.unread if group is not None else int(self.group_of(request_id) is not None)
+
+    # ---- handlers -----------------------------------------------------------------------------------------------
+    def register_handler(self, request_id: str, callback: Handler) -> None:
+        """See `ContinuousBatchingManager.register_result_handler`."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # plain code: the engine thread calls it
+            loop = None
+        handler = _Handler(callback, loop)
+        with self.state:
+            group_id = self.group_of(request_id)
+            if group_id is None:  # not added yet: add_request picks it up
+                self._early_handlers[request_id] = handler
+                return
+            waiting = [output for output in self._results if output.group_id == group_id]
+            for output in waiting:
+                self._results.remove(output)
+            self._groups[group_id].handler = handler
+            for output in waiting:
+                self._call(handler, output)
+                if output.is_finished:
+                    self._mark_read(group_id)
+
+    def _call(self, handler: _Handler, output: GenerationOutput) -> None:
+        if handler.loop is None:
+            _run_callback(handler.callback, output)
+            return
+        try:
+            handler.loop.call_soon_threadsafe(_run_callback, handler.callback, output)
+        except RuntimeError:  # the loop was closed: nobody is listening any more
+            logger.warning("result handler of %s dropped an output: its event loop is closed", output.group_id)
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def get(
+        self, request_id: str | None, timeout: float | None, running: Callable[[], bool]
+    ) -> GenerationOutput | None:
+        """See `ContinuousBatchingManager.get_result`; `running` says whether more outputs may still come."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.state:
+            while True:
+                for output in self._results:
+                    if request_id is None or request_id in (output.group_id, output.request_id):
+                        self._results.remove(output)
+                        if output.is_finished:
+                            self._mark_read(output.group_id)
+                        return output
+                if not running():
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self.state.wait(0.1 if remaining is None else min(remaining, 0.1))
+
+    def iter_request(
+        self, request_id: str, timeout: float | None, running: Callable[[], bool]
+    ) -> Iterator[GenerationOutput]:
+        """See `ContinuousBatchingManager.request_id_iter`."""
+        samples_left = self.unread_samples(request_id)
+        while samples_left:
+            output = self.get(request_id, timeout, running)
+            if output is None:
+                raise TimeoutError(f"request {request_id!r}: no output within {timeout} s (or the manager stopped)")
+            samples_left -= output.is_finished
+            yield output
+
+    # ---- delivery (engine thread) -------------------------------------------------------------------------------
+    def deliver(self, outputs: list[GenerationOutput]) -> None:
+        """Hand outputs to their request's handler, or queue them for readers."""
+        if not outputs:
+            return
+        with self.state:
+            for output in outputs:
+                group = self._groups.get(output.group_id)
+                if group is not None and group.handler is not None:
+                    self._call(group.handler, output)
+                    if output.is_finished:
+                        self._mark_read(output.group_id)
+                else:
+                    self._results.append(output)
+                if output.is_finished and group is not None:
+                    group.unfinished -= 1
+                    self._forget_if_done(output.group_id)
+            self.state.notify_all()
+
+    def _mark_read(self, group_id: str) -> None:
+        group = self._groups.get(group_id)
+        if group is not None:
+            group.unread -= 1
+            self._forget_if_done(group_id)
+
+    def _forget_if_done(self, group_id: str) -> None:
+        group = self._groups[group_id]
+        if group.unfinished <= 0 and group.unread <= 0:
+            del self._groups[group_id]
+            for sid in group.sample_ids:
+                self._sample_groups.pop(sid, None)
+
+
+def _run_callback(callback: Handler, output: GenerationOutput) -> None:
+    try:
+        callback(output)
+    except Exception:  # noqa: BLE001 - a user callback must not kill the engine thread or the caller's loop
+        logger.exception("result handler for %s raised", output.group_id)
+
+
+class ResultReading:
+    """How callers read a manager's outputs (`ContinuousBatchingManager` inherits it): through its `_router`, while
+    `is_running()` says whether more can come."""
+
+    _router: ResultRouter
+
+    def is_running(self) -> bool:  # the manager's
+        raise NotImplementedError
+
+    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
+        """Call `callback(output)` for every output of a request instead of queueing it: first for outputs already
+        waiting, then as they come. Registered from a coroutine, the callback runs on its event loop (through
+        `call_soon_threadsafe`, as in transformers); from plain code, on the engine thread. Keep it quick;
+        exceptions it raises are logged. The handler is dropped once the request's last output was delivered.
+
+        Args:
+            request_id: a request (group) id or one of its sample ids; an id not added yet is remembered until
+                `add_request` uses it (registering first guarantees no output is missed).
+            callback: receives each `GenerationOutput`.
+        """
+        self._router.register_handler(request_id, callback)
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """Next output (of `request_id`'s group if given). Returns None on timeout, or at once when the manager is
+        not running and nothing matching is waiting, so it never blocks forever.
+
+        Args:
+            request_id: a group id or a sample id; None takes any request's output.
+            timeout: most seconds to wait (None: until an output arrives or the manager stops).
+        """
+        return self._router.get(request_id, timeout, self.is_running)
+
+    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
+        """Yield the outputs of a request (deltas when streaming) until every one of its samples finished.
+
+        Args:
+            request_id: the id given to / returned by `add_request` (or one sample's id).
+            timeout: most seconds to wait for each output.
+        Raises:
+            TimeoutError: no output came within `timeout`, or the manager stopped with the request unfinished.
+        """
+        return self._router.iter_request(request_id, timeout, self.is_running)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Every output, of any request, as it comes, while the manager runs (as transformers' manager)."""
+        while True:
+            output = self.get_result(timeout=0.1)
+            if output is not None:
+                yield output
+            elif not self.is_running():
+                return

@@ -1,0 +1,176 @@
+"""Weight updates on their way to the engine thread: queued by any thread, applied by the engine thread between
+two steps, at once or, for mode "wait", once in-flight samples drained (admission paused meanwhile). An update is
+either applied and reported, or never applied: a waiter that gives up cancels it under the manager's lock."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from rollout.config import WEIGHT_UPDATE_MODES, FieldError
+from rollout.engine.engine import Engine
+from rollout.engine.lora.adapter_weights import from_named_tensors, split_adapter_tensors
+from rollout.engine.manager.commands import AdapterUpdate, ApplyWeights, Command, PendingUpdate
+from rollout.engine.requests.outputs import GenerationOutput
+from rollout.engine.weights.weight_table import WeightUpdateResult
+
+
+class WeightUpdateQueue:
+    """The manager's pending weight update and what the newest applied one did."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        lock: threading.Condition,
+        post: Callable[[Command], None],
+        deliver: Callable[[list[GenerationOutput]], None],
+        is_running: Callable[[], bool],
+        is_closed: Callable[[], bool],
+    ):
+        """
+        Args:
+            engine: the engine the updates go into.
+            lock: the manager's lock (an update's state changes under it).
+            post: puts a command in the engine thread's mailbox.
+            deliver: hands outputs (of aborted samples) to their readers.
+            is_running: whether the engine thread runs (else updates apply in the caller's thread).
+            is_closed: whether the manager stopped taking work.
+        """
+        self.engine = engine
+        self._lock = lock
+        self._post = post
+        self._deliver = deliver
+        self._is_running = is_running
+        self._is_closed = is_closed
+        self.pending: PendingUpdate | None = None  # engine thread only
+        self.last_result: WeightUpdateResult | None = None
+        self.last_at: float | None = None  # unix time
+
+    def submit(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        mode: str,
+        partial: bool,
+        drain_timeout: float | None,
+        callback: Callable[[WeightUpdateResult | BaseException], None],
+        adapter: AdapterUpdate | None = None,
+    ) -> PendingUpdate | None:
+        """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
+        (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`; with
+        `adapter`, `tensors` are a LoRA adapter's, wire-named (`Engine.load_adapter`).
+
+        Returns:
+            The queued update (its `state` says whether it was applied), or None when it was refused at once.
+        """
+        if mode not in WEIGHT_UPDATE_MODES:
+            callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
+            return None
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        update = PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic(), adapter)
+        with self._lock:
+            if self._is_closed():
+                callback(RuntimeError("the manager is stopped"))
+                return None
+            if not self._is_running():  # nothing else touches the engine: apply here
+                self.pending = update
+                self.try_apply()
+                return update
+            self._post(ApplyWeights(update))
+        return update
+
+    def try_apply(self) -> None:
+        """Engine thread: apply the pending update once nothing it must wait for is in flight."""
+        update = self.pending
+        if update is None:
+            return
+        with self._lock:
+            if update.state == "cancelled":  # its waiter gave up: never apply it
+                self.pending = None
+                self.engine.resume_admission()
+                return
+        waits = update.mode == "wait"
+        if waits and self.engine.num_in_flight():
+            if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
+                self.pending = None
+                self.engine.resume_admission()
+                count = self.engine.num_in_flight()
+                update.callback(TimeoutError(f"'wait' update dropped: {count} samples still in flight at its deadline"))
+            else:
+                self.engine.pause_admission()
+            return
+        with self._lock:
+            if update.state == "cancelled":
+                self.pending = None
+                self.engine.resume_admission()
+                return
+            update.state = "applying"
+        self.pending = None
+        drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
+        try:
+            result = self._apply(update)
+        except Exception as error:  # noqa: BLE001 - a refused update goes back to its sender
+            outcome: WeightUpdateResult | BaseException = error
+        else:
+            result.drain_ms = drain_ms
+            outcome = result
+            self.last_result, self.last_at = result, time.time()
+            self._deliver(result.outputs)
+        finally:
+            self.engine.resume_admission()
+        update.callback(outcome)
+
+    def _apply(self, update: PendingUpdate) -> WeightUpdateResult:
+        if update.adapter is None:
+            return self.engine.update_weights(update.tensors, update.version, update.mode, update.partial)
+        adapter, base = split_adapter_tensors(update.tensors, update.adapter.scalings)
+        modules = from_named_tensors(adapter, update.adapter.scalings)
+        return self.engine.load_adapter(update.adapter.name, modules, update.version, update.mode, base=base)
+
+    def apply(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        mode: str,
+        partial: bool,
+        timeout: float | None,
+        adapter: AdapterUpdate | None = None,
+    ) -> WeightUpdateResult:
+        """Submit an update and wait for its outcome (arguments as for `ContinuousBatchingManager.update_weights`).
+        A waiter that gives up first cancels it under the lock, so it is never applied late.
+
+        Raises:
+            The update's error; TimeoutError when it was not applied in time.
+        """
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        update = self.submit(tensors, version, mode, partial, timeout, done.put, adapter)
+        try:
+            outcome = done.get(timeout=None if timeout is None else timeout + 5.0)
+        except queue.Empty:
+            with self._lock:
+                if update is not None and update.state == "pending":
+                    update.state = "cancelled"  # the engine thread will skip it: nothing changes
+                    raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
+            outcome = done.get()  # being applied right now: a copy, so this returns promptly
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def take(self, update: PendingUpdate) -> None:
+        """Engine thread: an `ApplyWeights` command arrived."""
+        if update.state == "cancelled":
+            return
+        if self.pending is not None:
+            update.callback(RuntimeError("another weight update is still waiting for in-flight samples"))
+        else:
+            self.pending = update
+
+    def refuse_pending(self, reason: str) -> None:
+        """Engine thread, at shutdown: the pending update is never applied."""
+        if self.pending is not None:
+            self.pending.callback(RuntimeError(reason))
+            self.pending = None

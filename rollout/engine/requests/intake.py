@@ -1,0 +1,276 @@
+"""Request intake: a prompt and its settings checked against the model and resolved into a group's leader
+`Request` (defaults from the generation config, a seed when none was given), without touching the engine's
+mutable state, so any thread may prepare a request; the engine thread queues it (`Engine.submit`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rollout.config import DEFAULT_MAX_NEW_TOKENS, ContinuousBatchingConfig, FieldError, SamplingParams, _is_int
+from rollout.constraints import constraint_of
+from rollout.detokenizer import OutputText
+from rollout.engine.grammar.constraints import Constrained, Grammars
+from rollout.engine.requests.adapter_ref import AdapterRef
+from rollout.engine.requests.request import Request, sample_id
+from rollout.engine.requests.route_rows import RouteRows
+from rollout.generation_config import GenerationDefaults
+from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.validation import all_plain_ints, in_range
+
+# Most samples in one group: bounds what one request can make the engine allocate up front.
+MAX_GROUP_SIZE = 4096
+# The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
+# and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
+TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
+
+
+def _is_token(value: object, vocab_size: int) -> bool:
+    return type(value) is int and 0 <= value < vocab_size
+
+
+def as_prompt(prompt_ids: Any) -> list[int]:
+    """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
+
+    Raises:
+        ValueError: anything else, naming prompt_ids.
+    """
+    if isinstance(prompt_ids, torch.Tensor) or type(prompt_ids).__module__ == "numpy":
+        array = torch.as_tensor(prompt_ids)
+        if array.dim() == 2 and array.shape[0] == 1:
+            array = array[0]
+        if array.dim() != 1 or array.is_floating_point():
+            raise FieldError(
+                "prompt_ids",
+                f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
+            )
+        return array.tolist()
+    if not isinstance(prompt_ids, (list, tuple)):
+        raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}")
+    if all_plain_ints(prompt_ids):  # the common case, at C speed
+        return list(prompt_ids)
+    # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
+
+
+class RequestIntake:
+    """Checks and resolves requests for one model: its vocabulary, context length and generation defaults."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_model_len: int,
+        config: ContinuousBatchingConfig,
+        defaults: GenerationDefaults,
+        tokenizer: Any = None,
+        adapter_ref: Callable[[str], AdapterRef] | None = None,
+        routes_refusal: str | None = None,
+    ):
+        """
+        Args:
+            vocab_size: token ids must be below it.
+            max_model_len: prompt + max_new_tokens must fit in it.
+            config: the engine's settings (seed, return_logprobs).
+            defaults: the resolved generation config (sampling defaults, num_return_sequences, max_length).
+            tokenizer: decodes outputs for stop strings (`SamplingParams.stop`); None: stop strings are refused.
+            adapter_ref: the served LoRA adapter of a name (raising FieldError for an unknown one); None: the engine
+                serves no adapter.
+            routes_refusal: why `return_routes` cannot be honoured (None: it can; a dense model, say).
+        """
+        self.tokenizer = tokenizer
+        self.grammars = Grammars()  # structured outputs' compiled grammars, per tokenizer
+        self.adapter_ref = adapter_ref
+        self.routes_refusal = routes_refusal
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.config = config
+        self.default_sampling = defaults.sampling
+        self.default_n = defaults.n  # num_return_sequences
+        self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
+        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
+        self._seed_source = random.SystemRandom() if config.seed is None else random.Random(config.seed)
+
+    def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
+        """Raise FieldError naming the field when a request can never be served by this model."""
+        if not prompt_ids:
+            raise FieldError("prompt_ids", "the prompt must be a non-empty list of token ids")
+        fine = all_plain_ints(prompt_ids) and in_range(prompt_ids, 0, self.vocab_size)  # C speed
+        for position, token in enumerate([] if fine else prompt_ids):
+            if not _is_token(token, self.vocab_size):
+                reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
+                raise FieldError("prompt_ids", reason)
+        if len(prompt_ids) + max_new_tokens > self.max_model_len:
+            raise FieldError(
+                "max_new_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context "
+                f"of {self.max_model_len} tokens",
+            )
+        token_fields = {
+            "stop_token_ids": sampling.stop_token_ids or (),
+            "suppress_tokens": sampling.suppress_tokens,
+            "begin_suppress_tokens": sampling.begin_suppress_tokens,
+            "bad_words_ids": [t for word in sampling.bad_words_ids for t in word],
+            "logit_bias": [t for t, _ in sampling.logit_bias],
+        }
+        for name, tokens in token_fields.items():
+            outside = sorted({t for t in tokens if t >= self.vocab_size})
+            if outside:
+                raise FieldError(name, f"{outside} outside the vocabulary [0, {self.vocab_size})")
+        if sampling.top_logprobs and not self.config.return_logprobs:
+            raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
+        if sampling.top_k > self.vocab_size:
+            raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
+        if sampling.return_routes and self.routes_refusal is not None:
+            raise FieldError("return_routes", self.routes_refusal)
+        if (sampling.prompt_logprobs or 0) > self.vocab_size:
+            raise FieldError("prompt_logprobs", f"{sampling.prompt_logprobs} exceeds the vocabulary size")
+        if sampling.stop and self.tokenizer is None:
+            reason = (
+                "stop strings need a tokenizer: pass tokenizer= to generate_batch / init_continuous_batching, or "
+                "serve a model with one (rollout-worker --tokenizer)"
+            )
+            raise FieldError("stop", reason)
+
+    def prepare(
+        self,
+        group_id: str,
+        prompt_ids: Any,
+        sampling: SamplingParams | None = None,
+        n: int | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        adapter: str | None = None,
+    ) -> Request:
+        """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
+        thread may call it). `submit` queues the result.
+
+        Args: as for `add_request`.
+        Returns:
+            The group's leader `Request` (it forks the other n - 1 samples once its prompt is computed).
+        Raises:
+            ValueError: bad input, naming the field.
+        """
+        if not isinstance(group_id, str) or not group_id or "#" in group_id:
+            reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
+            raise FieldError("group_id", reason)
+        prompt = as_prompt(prompt_ids)
+        sampling = self.resolve_sampling(sampling)
+        n = self.default_n if n is None else n
+        if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
+            raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
+        max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        if max_new is None and self.default_max_length is not None:  # a GenerationConfig's max_length, as generate
+            max_new = self.default_max_length - len(prompt)
+            if max_new < 1:
+                reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
+                raise FieldError("max_length", reason)
+        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        scoring = sampling.prompt_logprobs is not None
+        if not _is_int(max_new) or max_new < (0 if scoring else 1):  # 0: score the prompt only (prompt_logprobs)
+            raise FieldError("max_new_tokens", f"must be an integer >= 1 (0 with prompt_logprobs), got {max_new!r}")
+        self.validate(prompt, sampling, max_new)
+        ref = None
+        if adapter is not None:
+            if self.adapter_ref is None:
+                raise FieldError("adapter", "this engine serves no LoRA adapter")
+            ref = self.adapter_ref(adapter)
+        request = Request(
+            request_id=group_id if n == 1 else sample_id(group_id, 0),
+            group_id=group_id,
+            sample_index=0,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            sampling=sampling,
+            max_new_tokens=max(max_new, 1),
+            stop_token_ids=frozenset(sampling.stop_token_ids or ()),
+            seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
+            arrival=0,
+            num_forks=n - 1,
+            streaming=streaming,
+            created_time=time.perf_counter(),
+            token_times=[] if record_timestamps else None,
+            stop_text=self._stop_text(prompt, sampling),
+            prompt_logprobs=[None] if scoring else None,
+            prompt_top_logprobs=[None] if scoring else None,
+            prompt_logprob_ranks=[None] if scoring else None,
+            score_only=max_new == 0,
+            adapter=ref,
+        )
+        if sampling.return_routes:
+            request.routes = RouteRows(len(prompt), request)
+        request.constraint = self.constraint(sampling)
+        return request
+
+    def constraint(self, sampling: SamplingParams) -> Constrained | None:
+        """A fresh grammar state for `sampling`'s structured-output constraint (None: it has none), compiled with this
+        model's tokenizer (compiled grammars are cached, so a spec compiles once).
+
+        Raises:
+            FieldError: naming the constraint field: no tokenizer, no xgrammar, a spec that does not compile, or one
+                no sample can follow (no token at the first step; every output ends before min_new_tokens).
+        """
+        constraint = constraint_of(sampling)
+        if constraint is None:
+            return None
+        field, spec = constraint
+        stops = frozenset(sampling.stop_token_ids or ())
+        compiled = self.grammars.compile(self.tokenizer, self.vocab_size, field, spec, sampling.min_new_tokens, stops)
+        return Constrained(field, compiled)
+
+    def _stop_text(self, prompt: list[int], sampling: SamplingParams) -> OutputText | None:
+        """What finds the request's stop strings in its output (None when it has none)."""
+        if not sampling.stop:
+            return None
+        return OutputText(
+            self.tokenizer,
+            prompt,
+            sampling.skip_special_tokens,
+            sampling.stop,
+            sampling.include_stop_str_in_output,
+            sampling.min_new_tokens,
+        )
+
+    def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+        """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
+        tokens and max_new_tokens taken from the generation config where it leaves them None."""
+        if sampling is None:
+            return dataclasses.replace(self.default_sampling)
+        if not isinstance(sampling, SamplingParams):
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        fill: dict[str, Any] = {}
+        if sampling.stop_token_ids is None:
+            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
+        if sampling.max_new_tokens is None:
+            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
+        return dataclasses.replace(sampling, **fill)
+
+    def with_fields(
+        self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
+    ) -> SamplingParams | None:
+        """`sampling` (or the generation config's defaults) with per-request keyword fields applied (the manager's
+        `add_request(..., temperature=0.7, eos_token_id=...)`).
+
+        Args:
+            sampling: the request's SamplingParams, or None.
+            eos_token_id: the request's stop token(s), or None.
+            fields: SamplingParams fields by name.
+        Raises:
+            FieldError: `sampling` is no SamplingParams, or a keyword is no SamplingParams field.
+        """
+        if eos_token_id is None and not fields:
+            return sampling
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        unknown = sorted(set(fields) - SAMPLING_FIELDS)
+        if unknown:
+            raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
+        if eos_token_id is not None:
+            fields["stop_token_ids"] = eos_token_id
+        return (sampling if sampling is not None else self.default_sampling).merged(**fields)

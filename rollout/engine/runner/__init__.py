@@ -1,0 +1,7 @@
+"""The model runner: a `ScheduledBatch` as tensors through the model, out as the logits of the sampled positions.
+
+- `model_checks.py`: which models a runner accepts, and how it runs attention;
+- `model_lease.py`: the model lent to the engines that use it (paged attention, eval mode) and given back;
+- `model_runner.py`: one step's tensors, the forward and its logits;
+- `cuda_graphs.py`: decode steps captured once per bucketed batch size and replayed.
+"""

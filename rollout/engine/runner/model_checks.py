@@ -1,0 +1,86 @@
+"""What a model runner accepts and how it runs attention: the text config of a servable model (refusing models the
+paged cache cannot serve) and the attention backend for a cache ("torch" or the Triton kernels)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rollout.config import FieldError
+from rollout.engine.kv.kv_cache import PagedKVCache
+
+
+def text_config(model: torch.nn.Module) -> Any:
+    """The model's text config (its own config for a text-only model)."""
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+# Layer types (config.layer_types) whose attention the paged cache serves; recurrent or chunked layers would need
+# state the engine does not keep, so such models are refused instead of generating wrong tokens.
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def refuse_model_name(model: Any) -> None:
+    """Refuse a model given by name (a hub id or a directory, as `from_pretrained` takes it) where a loaded model is
+    needed: the message says how to load it.
+
+    Raises:
+        FieldError: ("model") `model` is a str or path.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        raise FieldError(
+            "model",
+            f"{name!r} is a model name, not a model: load it first, e.g. model = "
+            f"AutoModelForCausalLM.from_pretrained({name!r}) (from transformers), and pass the model",
+        )
+
+
+def servable_text_config(model: torch.nn.Module) -> Any:
+    """The text config of a model the engine can serve: a transformers causal LM (a module with a `config` and
+    parameters) whose layers are all attention layers the paged cache serves.
+
+    Raises:
+        FieldError: ("model") anything else, saying what.
+    """
+    refuse_model_name(model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or next(model.parameters(), None) is None:
+        kind = type(model).__name__
+        raise FieldError(
+            "model", f"expected a transformers causal LM (a module with a config and parameters), got {kind}"
+        )
+    config = text_config(model)
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
+    if unsupported:
+        raise FieldError("model", f"layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
+    return config
+
+
+def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:
+    """Query heads per KV head when the Triton kernel serves attention, None for the PyTorch path.
+
+    "auto" picks Triton on CUDA when it is installed and the block size is a power of two >= 16.
+    """
+    heads_per_kv = text_config(model).num_attention_heads // kv_cache.shape.num_kv_heads
+    block_size = kv_cache.block_size
+    block_ok = block_size >= 16 and block_size & (block_size - 1) == 0
+    if backend == "torch":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        triton_available = False
+    else:
+        triton_available = True
+    if backend == "auto":
+        on_cuda = kv_cache.kv.device.type == "cuda"
+        return heads_per_kv if on_cuda and triton_available and block_ok else None
+    if not triton_available:
+        raise FieldError("attention_backend", "'triton' needs the triton package")
+    if not block_ok:
+        raise FieldError("attention_backend", f"'triton' needs a power-of-two block_size >= 16, got {block_size}")
+    if kv_cache.kv.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise FieldError("attention_backend", "'triton' runs on CUDA (on CPU only inside TRITON_INTERPRET=1)")
+    return heads_per_kv

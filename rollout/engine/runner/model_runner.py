@@ -1,0 +1,356 @@
+"""ScheduledBatch -> tensors -> model forward -> logits of the sampled positions. Owns every tensor of a step."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.config import ContinuousBatchingConfig, FieldError
+from rollout.engine.attention.kernel_plan import Tiling
+from rollout.engine.attention.paged import ATTENTION_NAME, PagedAttentionMetadata
+from rollout.engine.kv.block_tables import BlockTables
+from rollout.engine.kv.kv_cache import PagedKVCache
+from rollout.engine.kv.transfer import to_device
+from rollout.engine.lora.adapter_table import AdapterTable
+from rollout.engine.moe.router_taps import engine_step
+from rollout.engine.moe.routes import PendingRoutes, RouteRecorder, plan_route_rows
+from rollout.engine.requests.request import PLACEHOLDER_TOKEN, Request
+from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
+from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
+from rollout.engine.runner.model_lease import acquire, release
+from rollout.engine.sampling.fp32_head import Fp32Head
+from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
+from rollout.engine.scheduling.batch import ScheduledBatch
+
+
+@dataclass
+class UnresolvedTokens:
+    """The previous step's sampled tokens while they are only on the device (overlapped scheduling)."""
+
+    token_ids: torch.Tensor  # (samples,) int64, in the previous batch's `samples` order
+    rows: dict[Request, int]  # request -> its row in token_ids
+
+
+@dataclass
+class _StepInputs:
+    """A step's packed input ids and its sequences' requests and start positions."""
+
+    token_ids: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    one_token_each: bool = True  # every sequence computes a single token
+    # (packed indices, token ids on the device) of inputs sampled by the previous step and not on the host yet.
+    device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class ModelRunner:
+    """Runs an unmodified transformers causal LM over packed ragged batches with the paged cache."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        config: ContinuousBatchingConfig | None = None,
+        max_model_len: int = 1 << 16,
+    ):
+        """
+        Args:
+            model: a transformers causal LM; its attention implementation is switched to "rollout_paged", which
+                still serves ordinary (unpaged) forwards through SDPA/eager.
+            kv_cache: the paged cache the attention layers read and write.
+            config: the engine settings this runner reads: attention_backend, fp32_logits, use_cuda_graph,
+                decode_compile_config and max_num_seqs (defaults if None).
+            max_model_len: the longest sequence the engine accepts (sizes the decode graphs' block table).
+        Raises:
+            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve), or
+                CUDA graphs asked for without the Triton kernels.
+        """
+        config = config or ContinuousBatchingConfig()
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_tables = BlockTables()
+        self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
+        self.tiling = Tiling.for_device(kv_cache.kv.device)
+        self.device = next(model.parameters()).device
+        self._closed = False
+        self.fp32_head: Fp32Head | None = None  # with fp32_logits on a bf16/fp16 model (fp32_head.py)
+        self._suspended = False  # the model was given back by suspend()
+        # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
+        # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
+        # only a garbage collection frees.
+        # With fp32_logits the output projection runs in fp32 in this runner's forwards (its hook is added last).
+        head = model.get_output_embeddings() if config.fp32_logits else None
+        head_fp32 = head is not None and head.weight.dtype != torch.float32
+        # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives; an adapter's copy of the
+        # head is computed as the base head is (fp32 or not).
+        max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
+        self.adapters = AdapterTable(model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32)
+        self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
+        self._forward: DecodeForward = ModelForward(model, self.device, self.adapters)
+        self._decode_forward: DecodeForward = self._forward
+        if config.decode_compile_config is not None:
+            self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
+        self.decode_graphs: DecodeGraphs | None = None
+        # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
+        if self.device.type == "cuda" and config.use_cuda_graph is not False:
+            if self.heads_per_kv is not None:
+                self.enable_decode_graphs(min(config.max_num_seqs, config.max_batch_tokens), max_model_len)
+            elif config.use_cuda_graph:
+                raise FieldError(
+                    "use_cuda_graph",
+                    "CUDA graphs need the Triton attention kernels (attention_backend 'triton', or 'auto' with "
+                    "triton installed and a power-of-two block_size >= 16)",
+                )
+        # Last, once nothing above can fail: a runner that was not built leaves the model as it found it.
+        # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
+        # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
+        if head_fp32:
+            self.fp32_head = Fp32Head(head)
+        # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
+        self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state)
+        self.prompt_results: PendingPromptLogprobs | None = None
+        # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
+        self.routes = RouteRecorder(
+            model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
+        )
+        self.route_results: PendingRoutes | None = None
+        acquire(model)
+
+    def routes_refusal(self) -> str | None:
+        """Why this runner cannot record MoE routes (None: it can)."""
+        reason = self.routes.refusal()
+        if reason is not None:
+            return reason
+        if self._decode_forward is not self._forward:
+            return "not recorded through a torch.compile'd decode forward: leave decode_compile_config unset"
+        return None
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
+        when `use_cuda_graph` allows; graphs are captured lazily per bucket, or all at once by `capture_graphs`).
+
+        Args:
+            max_batch: the largest decode batch.
+            max_model_len: the longest sequence (sizes the persistent block table).
+            capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
+        """
+        if self.heads_per_kv is None:
+            raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
+        max_blocks = -(-max_model_len // self.kv_cache.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture, self.tiling
+        )
+        return self.decode_graphs
+
+    def capture_graphs(self) -> None:
+        """Capture every decode bucket now (no-op without graphs)."""
+        if self.decode_graphs is not None:
+            with torch.inference_mode(), self._stepping():
+                self.decode_graphs.capture()
+
+    @contextlib.contextmanager
+    def _stepping(self, batch: ScheduledBatch | None = None) -> Iterator[None]:
+        """Inside: the fp32 head (if any) projects, from an up-to-date copy of the head's weight, and the LoRA hooks
+        (if any adapter is served) act for `batch`'s sequences (None: a graph capture, every token on the base)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(engine_step())  # a trainer's routing replay leaves the engine's forwards alone
+            if self.adapters.loaded:  # the one check a step makes when no adapter is served
+                sequences = batch.sequences if batch is not None else []
+                adapters = [seq.request.adapter for seq in sequences]
+                lengths = [seq.num_tokens for seq in sequences]
+                stack.enter_context(self.adapters.stepping(adapters, lengths, self.decode_graphs is not None))
+            if self.routes.installed:
+                sequences = batch.sequences if batch is not None else []
+                wanted = any(seq.request.routes is not None for seq in sequences)
+                tokens = sum(seq.num_tokens for seq in sequences)
+                stack.enter_context(self.routes.recording(tokens, wanted, self.decode_graphs is not None))
+            if self.fp32_head is not None:
+                self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
+                self.fp32_head.active = True
+                stack.callback(setattr, self.fp32_head, "active", False)
+            yield
+
+    def weights_changed(self) -> None:
+        """The model's weights may have changed in place (a weight update, a trainer's step, a paused manager's
+        user): refresh what the runner derives from them (the fp32 head's copy, in place: graphs stay valid)."""
+        if self.fp32_head is not None:
+            self.fp32_head.refresh(self.model.get_output_embeddings())
+
+    def close(self) -> None:
+        """Release the model (the last runner to close gives it back its attention implementation and training
+        mode), the decode graphs and their memory pool, and the compiled forward. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            if self.fp32_head is not None:
+                self.fp32_head.close()
+            self.prompt_scorer.close()
+            self.adapters.close()
+            self.routes.close()
+            self.decode_graphs = None  # frees the graphs and their memory pool
+            self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
+            if not self._suspended:
+                release(self.model)
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran."""
+        return self._closed
+
+    def release(self, request: Request) -> None:
+        """Forget a finished request (its block-table row goes back)."""
+        self.block_tables.release(request)
+
+    def suspend(self) -> None:
+        """Give the model back between uses (attention implementation, training mode) while keeping the KV cache
+        and CUDA graphs; `resume()` takes it again. Idempotent."""
+        if not self._closed and not self._suspended:
+            self._suspended = True
+            release(self.model)
+
+    def resume(self) -> None:
+        """Take the model again after `suspend()` (paged attention, eval mode)."""
+        if self._suspended:
+            self._suspended = False
+            acquire(self.model)
+            self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
+
+    def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
+        """Queue the step's block moves, then the forward, without waiting for the device.
+
+        Args:
+            batch: the step.
+            unresolved: the previous step's sampled tokens, when they are not on the host yet (overlapped
+                scheduling): a sequence whose input ends with a placeholder reads its token from there.
+        Returns:
+            fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
+            A step that scores prompt positions (`SamplingParams.prompt_logprobs`) leaves them in `prompt_results`.
+        Raises:
+            RuntimeError: an input token is a placeholder that `unresolved` does not cover.
+        """
+        self.prompt_results = self.route_results = None
+        with torch.inference_mode(), self._stepping(batch):
+            logits = self._run(batch, unresolved)
+            if self.routes.installed:
+                self.route_results = self.routes.collect(plan_route_rows(batch), batch.num_tokens)
+            return logits
+
+    def _run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> torch.Tensor:
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(
+                f"the model's attention implementation was changed to {self.model.config._attn_implementation!r} "
+                "while an engine is using it"
+            )
+        # 1. Block moves, in an order that never reads a block after it was overwritten.
+        self.move_blocks(batch)
+        # 2. One pass over the step's requests: input ids (placeholders read on the device), block tables.
+        inputs = self._inputs(batch, unresolved)
+        block_table = self.block_tables.gather(inputs.requests)
+        # 3. A pure decode step (every sequence computes one token and samples it) of a captured size replays its
+        # CUDA graph.
+        num_sequences = len(inputs.requests)
+        decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
+        if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
+            layout = (self.adapters.layout_version, self.routes.layout_version)
+            if self._graphs_layout != layout:  # LoRA or route hooks came: capture again
+                self.decode_graphs.release()
+                self._graphs_layout = layout
+            return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
+        # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
+        lengths = [seq.num_tokens for seq in batch.sequences]
+        metadata, positions = PagedAttentionMetadata.build(
+            self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv, self.tiling
+        )
+        ends = list(itertools.accumulate(lengths))
+        keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
+        # 5. Forward; logits only at the positions that get sampled.
+        forward = self._decode_forward if decode else self._forward
+        input_tensor = to_device(inputs.token_ids, torch.long, self.device)
+        if inputs.device_tokens is not None:
+            input_tensor.index_copy_(0, *inputs.device_tokens)
+        args = (input_tensor.unsqueeze(0), positions.unsqueeze(0), metadata, keep)
+        plan = None if decode else plan_prompt_rows(batch)  # a decode step never scores prompt positions
+        if plan is None:
+            return forward(*args).float()
+        logits, self.prompt_results = self.prompt_scorer.run(forward, args, plan)
+        return logits.float()
+
+    def move_blocks(self, batch: ScheduledBatch) -> None:
+        """Queue the step's swap-outs, zeroing of stale blocks, swap-ins and copy-on-write copies, in that order
+        (`run` does it first; a step that computes nothing needs it alone)."""
+        self.kv_cache.swap_out(batch.swap_out)
+        self.kv_cache.zero_blocks(batch.zero_blocks)
+        self.kv_cache.swap_in(batch.swap_in)
+        self.kv_cache.copy_blocks(batch.block_copies)
+
+    def _inputs(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> _StepInputs:
+        """The step's packed input ids (0 where a token is still on the device, with the (packed indices, device
+        token ids) to put there), its requests and their start positions, in one pass. Only a request's last token
+        can be unresolved, so only a chunk's last one is."""
+        inputs = _StepInputs()
+        input_ids, requests, starts = inputs.token_ids, inputs.requests, inputs.starts
+        targets: list[int] = []
+        sources: list[int] = []
+        for seq in batch.sequences:  # runs for every sequence at every step
+            request, start = seq.request, seq.start
+            requests.append(request)
+            starts.append(start)
+            if seq.num_tokens == 1:
+                token = request.token_ids[start]
+                input_ids.append(token)
+            else:
+                inputs.one_token_each = False
+                input_ids.extend(request.token_ids[start : start + seq.num_tokens])
+                token = input_ids[-1]
+            if token == PLACEHOLDER_TOKEN:
+                row = None if unresolved is None else unresolved.rows.get(request)
+                if row is None:
+                    raise RuntimeError(
+                        f"the input token of {request.request_id} is neither on the host nor among the previous "
+                        "step's samples"
+                    )
+                input_ids[-1] = 0
+                targets.append(len(input_ids) - 1)
+                sources.append(row)
+        if targets:
+            index = to_device([targets, sources], torch.long, self.device)
+            inputs.device_tokens = (index[0], unresolved.token_ids.index_select(0, index[1]))
+        return inputs
+
+
+class ModelForward:
+    """The model call of a step: packed input ids and positions, the paged metadata, the rows to keep -> logits
+    (in the model's dtype) at the packed positions `keep`."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, adapters: AdapterTable | None = None):
+        """
+        Args:
+            model: the transformers causal LM, already switched to paged attention by its runner.
+            device: where its parameters live.
+            adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
+        """
+        self.model = model
+        self.adapters = adapters
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
+        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
+        if self.adapters is not None:  # the head computes the rows kept, or every token's
+            self.adapters.new_forward(keep if self.logits_to_keep else None)
+        logits = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=self.no_mask,
+            use_cache=False,
+            rollout_metadata=metadata,
+            **kwargs,
+        ).logits[0]
+        return logits if self.logits_to_keep else logits[keep]

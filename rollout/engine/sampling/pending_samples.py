@@ -1,0 +1,120 @@
+"""A step's sampled tokens on their way to the host: queued with the sampling, fetched (one copy) when the engine
+resolves the step, as Python values; and the step they belong to while it is in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.engine.kv.transfer import HostCopy
+from rollout.engine.moe.routes import PendingRoutes
+from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs
+from rollout.engine.scheduling.batch import ScheduledBatch
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per sampled row, in `batch.samples` order (plain Python values)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    # Rows whose bans left no token to draw (their token is meaningless; the engine ends those samples).
+    dead_rows: list[int] = field(default_factory=list)
+    # Rows whose model logits were not finite (their token is meaningless; the engine ends those samples and keeps
+    # their KV out of the prefix cache).
+    broken_rows: list[int] = field(default_factory=list)
+
+
+# Each row's fault code, brought to the host with its token: what `SamplerOutput` sorts rows by.
+NO_FAULT, NOTHING_DRAWABLE, NOT_FINITE = 0.0, 1.0, 2.0
+
+
+def row_faults(broken: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+    """(rows,) fault codes: NOT_FINITE where the model's logits were not finite (it outranks the rest), else
+    NOTHING_DRAWABLE where nothing was left to draw (`dead`, None: not checked), else NO_FAULT.
+
+    Args:
+        broken: (rows,) bool, logits not finite.
+        dead: (rows,) bool, no drawable token, or None.
+    """
+    codes = broken.double() * NOT_FINITE
+    return codes if dead is None else torch.where(broken, codes, dead.double() * NOTHING_DRAWABLE)
+
+
+class PendingSamples:
+    """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the host after
+    `fetch()`. Everything the host needs comes down in one copy, queued when the sampling was."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        parts: list[torch.Tensor],
+        top_counts: list[int] | None,
+        faults: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            token_ids: (rows,) int64 sampled tokens on the device.
+            parts: 1-D device tensors brought to the host together: token ids, then (with logprobs) the chosen
+                log-probs, then (with top log-probs) the flattened top values and top indices.
+            top_counts: per row, how many top log-probs it asked for (None: top log-probs not computed).
+            faults: (rows,) `row_faults` codes (None: not checked); copied with the rest, last.
+        """
+        self.token_ids = token_ids
+        self._rows = token_ids.shape[0]
+        self._has_logprobs = len(parts) > 1
+        self._top_counts = top_counts
+        self._checked = faults is not None
+        parts = parts if faults is None else [*parts, faults]
+        # float64 holds token ids exactly.
+        self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
+        self._fetched: SamplerOutput | None = None
+
+    def fetch(self) -> SamplerOutput:
+        """The sampled tokens and log-probs as Python values (waits for the copy to land; later calls return the
+        same values: a constrained next step fetches them early, the step's resolve again)."""
+        if self._fetched is None:
+            self._fetched = self._fetch()
+        return self._fetched
+
+    def _fetch(self) -> SamplerOutput:
+        if self._host is None:
+            return SamplerOutput([], [] if self._has_logprobs else None, None)
+        host = self._host.tensor()
+        rows = self._rows
+        tokens = host[:rows].long().tolist()
+        dead_rows: list[int] = []
+        broken_rows: list[int] = []
+        if self._checked:
+            codes = host[-rows:]
+            dead_rows = (codes == NOTHING_DRAWABLE).nonzero().flatten().tolist()
+            broken_rows = (codes == NOT_FINITE).nonzero().flatten().tolist()
+        if not self._has_logprobs:
+            return SamplerOutput(tokens, None, None, dead_rows, broken_rows)
+        chosen = host[rows : 2 * rows].tolist()
+        top = None
+        if self._top_counts is not None:
+            width = max(self._top_counts)
+            values = host[2 * rows : 2 * rows + rows * width].tolist()
+            indices = host[2 * rows + rows * width : 2 * rows + 2 * rows * width].long().tolist()
+            # One C-level zip for every row, then a slice per row (this runs for every row of every step).
+            pairs = list(zip(indices, values))
+            top = [
+                pairs[start : start + count] for start, count in zip(range(0, rows * width, width), self._top_counts)
+            ]
+        return SamplerOutput(tokens, chosen, top, dead_rows, broken_rows)
+
+
+@dataclass
+class InFlightStep:
+    """A step queued on the device whose sampled tokens the host has not seen yet (overlapped scheduling)."""
+
+    batch: ScheduledBatch
+    samples: PendingSamples
+    policy_version: int  # the weights that ran it (a weight update drains the step first)
+    advanced: bool = False  # the scheduler counted its tokens (placeholders appended)
+    prompt_logprobs: PendingPromptLogprobs | None = None  # what it scored of prompts (prompt_logprobs.py)
+    routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)
+    constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)

@@ -1,0 +1,238 @@
+"""Per-request logits processing, sampling and log-probs for one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.grammar.constraints import GrammarMasks
+from rollout.engine.kv.transfer import to_device
+from rollout.engine.requests.request import Request
+from rollout.engine.sampling.ban_masks import mask_bans
+from rollout.engine.sampling.draw import sample_blocked, sample_from
+from rollout.engine.sampling.pending_samples import PendingSamples, row_faults
+from rollout.engine.sampling.slot_columns import SlotColumns
+from rollout.engine.sampling.slots import SamplingSlots
+from rollout.engine.sampling.warpers import candidate_width, warp, warp_candidates
+
+__all__ = ["Sampler"]
+
+
+class Sampler:
+    """Applies each request's own processors to its logits row, then samples.
+
+    Each sample's parameters live in the per-slot device tables of `rollout.engine.sampling.slots`, written at its
+    first draw; a step gathers its rows' columns there. Pipeline order (each step runs only while some running
+    sample asks for it; rows that do not ask hold neutral values and come out as they went in):
+      0. logit_bias added to the model's logits (`rollout.engine.sampling.logit_bias`), before anything else, as vLLM (and
+         transformers' sequence_bias) apply it: the penalties below see the biased logits;
+      1. penalties on the request's own tokens: repetition_penalty (prompt + output, transformers' semantics),
+         presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
+      2. bans: no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens;
+      3. min_new_tokens: stop tokens masked while fewer than min_new_tokens tokens were generated;
+         3b. structured outputs: a constrained row's grammar masks every token it does not allow next
+         (`rollout.engine.grammar.constraints`; a row it leaves nothing is ended with an error naming the constraint);
+         a row whose model logits are not finite (NaN or +Inf: an adapter or the model overflowed) is flagged before
+         any of these and its sample ended with an error naming the adapter (or the base model);
+      4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
+         (`rollout.engine.sampling.warpers`, transformers' warper semantics);
+      11. sample (`rollout.engine.sampling.draw`): greedy rows take the argmax; others draw by inverse CDF with one uniform
+         number per row, a counter-based hash of (request seed, sample index, position) mixed on the device: a
+         completion never depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs
+         no host round trip.
+
+    Steps 1-3 read each sample's tokens from per-slot device tables (`rollout.engine.sampling.slot_state`, masks in
+    `rollout.engine.sampling.ban_masks`): a fixed number of kernels per step for all rows, and one scatter per table to
+    record the drawn tokens. When every sampling row sets top_k, steps 4-11 run on each row's top candidates
+    (`warpers.warp_candidates`, in token id order: the same CDF as the whole row's), else on whole rows with a
+    blocked CDF walk; log-probs are a gathered score minus its row's logsumexp (no log_softmax of whole rows).
+
+    Log-probs are fp32, in the request's `logprob_mode`:
+
+      processed           log_softmax after step 10: the distribution actually sampled from (logit_bias and a
+                          grammar's mask included).
+                          For greedy rows (temperature 0 or do_sample=False), after step 3: like transformers'
+                          `generate`, which runs its warpers only when sampling (a greedy row's sampled
+                          distribution is a point mass, whose log-prob would always be 0).
+      raw                 log_softmax of the model's logits, before any step (logit_bias not included, as vLLM's
+                          raw_logprobs).
+      temperature_scaled  log_softmax(logits / temperature) of the model's logits, without logit_bias, penalties,
+                          masks or truncation (temperature 0 counts as 1): what a trainer recomputes when it divides
+                          its own logits by the sampling temperature (TRL's GRPOTrainer, verl's actors), so their
+                          importance ratio measures only numerical train/inference differences.
+
+    `top_logprobs` > 0 also returns that many top entries of the same distribution.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        """
+        Args:
+            vocab_size: width of the logits rows.
+            device: where the logits are (and the per-slot sampling tables live).
+        """
+        self.vocab_size = vocab_size
+        self.slots = SamplingSlots(vocab_size, torch.device(device))
+        self.grammar_masks = GrammarMasks()  # structured outputs' constrained rows
+
+    def release(self, request: Request) -> None:
+        """Drop a finished request's sampling state and give back its slot."""
+        self.slots.release(request)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> PendingSamples:
+        """Sample one token for each (request, logits row) pair, without waiting for the device: the work is queued
+        and the results come to the host in one copy (`PendingSamples.fetch()`).
+
+        Args:
+            logits: (rows, vocab) logits of the positions that get sampled.
+            samples: (request, row) pairs; several requests may share a row (a group's first token).
+            return_logprobs: compute log-probs (and top log-probs where asked).
+        """
+        device = logits.device
+        if not samples:
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return PendingSamples(empty, [empty] * (2 if return_logprobs else 1), None)
+        slots = self.slots
+        requests = [request for request, _ in samples]
+        columns = slots.gather(requests)
+        if len(samples) == logits.shape[0]:
+            raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
+        else:  # a group's samples share their leader's row for their first token
+            raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
+        # A row whose model logits hold NaN or +Inf, or nothing above -Inf, is flagged (one reduction per row, brought
+        # to the host with the tokens): its sample ends with an error, never a meaningless token (amax propagates NaN).
+        broken = ~torch.isfinite(raw.amax(dim=-1))
+        # Penalties, bans, min_new_tokens and grammars write into the scores in place; `raw` stays the model's logits.
+        grammars = [request.constraint for request in requests]
+        constrained = any(state is not None for state in grammars)
+        banned = slots.any("bans") or slots.any("min_new_tokens") or constrained
+        if slots.any("logit_bias"):  # step 0: a new tensor
+            scores = slots.bias.apply(raw, columns)
+        else:
+            scores = raw.clone() if banned or slots.any("penalties") else raw
+        if slots.any("penalties"):
+            scores = slots.state.penalize(scores, columns)
+        if banned:
+            mask_bans(scores, slots.state, columns)
+        if constrained:  # step 3b: each constrained row's grammar masks what it does not allow next
+            self.grammar_masks(scores, grammars)
+        # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
+        dead = ~torch.isfinite(scores).any(dim=-1) if banned else None
+        faults = row_faults(broken, dead)
+        top_counts = None
+        if return_logprobs and slots.any("top_logprobs"):
+            top_counts = [request.sampling.top_logprobs for request in requests]
+            top_counts = top_counts if max(top_counts) else None
+        candidates = None
+        if self._candidates(top_counts):
+            token_ids, candidates = self._draw_candidates(scores, columns, max(top_counts) if top_counts else 0)
+        else:
+            token_ids, scores = self._draw_whole_rows(scores, columns)
+        slots.state.record(columns, token_ids)
+
+        if not return_logprobs:
+            return PendingSamples(token_ids, [token_ids], None, faults)
+        chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_counts)
+        if top is None:
+            return PendingSamples(token_ids, [token_ids, chosen], None, faults)
+        values, indices = top
+        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, faults)
+
+    def _candidates(self, top_counts: list[int] | None) -> bool:
+        """Whether the step draws from candidates: every live sampling slot sets top_k, and the candidates are
+        fewer than the vocabulary (else a whole row costs less)."""
+        slots = self.slots
+        if not slots.any("sampled") or slots.uses["sampled_top_k"] != slots.uses["sampled"]:
+            return False
+        return candidate_width(slots, max(top_counts) if top_counts else 0) < self.vocab_size
+
+    def _draw_whole_rows(self, scores: torch.Tensor, columns: SlotColumns) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 4-11 on whole rows, drawn by a blocked CDF walk: (token ids, the scores each row's "processed"
+        log-probs come from)."""
+        slots = self.slots
+        token_ids = scores.argmax(dim=-1) if slots.any("greedy") or not slots.any("sampled") else None
+        if not slots.any("sampled"):
+            return token_ids, scores
+        # Greedy rows keep their unwarped scores and their argmax (transformers warps only when sampling).
+        warped = warp(scores, columns, slots)
+        drawn = sample_blocked(warped.softmax(dim=-1), columns.seeds())
+        if not slots.any("greedy"):
+            return drawn, warped
+        greedy = columns.int("greedy").bool()
+        return torch.where(greedy, token_ids, drawn), torch.where(greedy.unsqueeze(1), scores, warped)
+
+    def _draw_candidates(
+        self, scores: torch.Tensor, columns: SlotColumns, top_logprobs: int
+    ) -> tuple[torch.Tensor, _Candidates]:
+        """Steps 4-11 on each row's top candidates (every sampling row sets top_k): the token ids, and the
+        candidates their "processed" log-probs come from (greedy rows keep their argmax of `scores`)."""
+        width = candidate_width(self.slots, top_logprobs)
+        values, ids = warp_candidates(scores, columns, self.slots, width)
+        # Candidates in token id order: the same CDF as the whole row's, without its zero-probability columns.
+        position = sample_from(values.softmax(dim=-1), columns.seeds())
+        token_ids = ids.gather(1, position.unsqueeze(1)).squeeze(1)
+        if self.slots.any("greedy"):
+            token_ids = torch.where(columns.int("greedy").bool(), scores.argmax(dim=-1), token_ids)
+        return token_ids, _Candidates(values, ids, position)
+
+    def _logprobs(
+        self,
+        raw: torch.Tensor,
+        scores: torch.Tensor,
+        columns: SlotColumns,
+        token_ids: torch.Tensor,
+        candidates: _Candidates | None,
+        top_counts: list[int] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(chosen log-probs, top (values, token ids) or None): a row's chosen log-prob is its token's score minus
+        the logsumexp of its row (no log_softmax of whole rows); top entries are the top scores minus it. Sampled
+        "processed" rows take them from their candidates when the step drew from candidates."""
+        width = max(top_counts) if top_counts else 0
+        slots = self.slots
+        from_candidates = None
+        if candidates is not None:
+            lse = candidates.values.logsumexp(dim=-1, keepdim=True)
+            chosen = (candidates.values.gather(1, candidates.position.unsqueeze(1)) - lse).squeeze(1)
+            top = None
+            if width:
+                values, where = candidates.values.topk(width, dim=-1)
+                top = values - lse, candidates.ids.gather(1, where)
+            if slots.all_use("sampled") and slots.all_use("logprob_mode:processed"):
+                return chosen, top
+            from_candidates = (columns.int("use_processed") * (1 - columns.int("greedy"))).bool()
+        source = self._logprob_source(raw, scores, columns)
+        lse = source.logsumexp(dim=-1, keepdim=True)
+        full_chosen = (source.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
+        full_top = None
+        if width:
+            values, indices = source.topk(width, dim=-1)
+            full_top = values - lse, indices
+        if from_candidates is None:
+            return full_chosen, full_top
+        chosen = torch.where(from_candidates, chosen, full_chosen)
+        if width:
+            pick = from_candidates.unsqueeze(1)
+            top = torch.where(pick, top[0], full_top[0]), torch.where(pick, top[1], full_top[1])
+        return chosen, top
+
+    def _logprob_source(self, raw: torch.Tensor, scores: torch.Tensor, columns: SlotColumns) -> torch.Tensor:
+        """The logits each row's log-probs are the log_softmax of, by its logprob_mode (see the class docstring)."""
+        slots = self.slots
+        if not slots.any("logprob_mode:raw") and not slots.any("logprob_mode:temperature_scaled"):
+            return scores
+        unprocessed = raw
+        if slots.any("logprob_mode:temperature_scaled"):
+            unprocessed = raw / columns.float("logprob_divisor")
+        if not slots.any("logprob_mode:processed"):
+            return unprocessed
+        return torch.where(columns.int("use_processed").bool().unsqueeze(1), scores, unprocessed)
+
+
+@dataclass
+class _Candidates:
+    """Each row's top candidates after the warpers (`warpers.warp_candidates`) and the one it drew."""
+
+    values: torch.Tensor  # (rows, width) warped scores, in token id order (-inf: removed)
+    ids: torch.Tensor  # (rows, width) their token ids, increasing
+    position: torch.Tensor  # (rows,) the drawn candidate's column

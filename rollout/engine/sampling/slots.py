@@ -1,0 +1,213 @@
+"""Each running sample's sampling parameters, kept on the device in persistent per-slot buffers.
+
+A sample takes a slot at its first draw and keeps it until it finishes (through preemption and recompute): its
+temperature, top-k/p, min-p, typical-p, epsilon/eta cutoffs, penalties, greediness, log-prob mode and seed are
+written into one row of two device tables once, and every step gathers its rows by slot index (one host-to-device
+copy of the step's slot indices and positions, then two `index_select`s) instead of rebuilding columns from Python
+objects. A host-side count of the live slots that use each processor lets a step skip the processors nobody asks
+for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p 1, ...)
+so running a processor over it leaves it as it was.
+
+The token-dependent state (penalty counts, token history, ban lists) lives in per-slot tables too
+(`rollout.engine.sampling.slot_state`), filled at a sample's first draw and kept through preemption and recompute with its
+slot. Logit biases have per-slot tables of their own (`rollout.engine.sampling.logit_bias`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import torch
+
+from rollout.config import SamplingParams
+from rollout.engine.kv.transfer import to_device
+from rollout.engine.requests.request import Request
+from rollout.engine.sampling.ban_lists import has_bans
+from rollout.engine.sampling.logit_bias import SlotBias
+from rollout.engine.sampling.slot_columns import FLOAT_COLUMNS, INT_COLUMNS, SlotColumns
+from rollout.engine.sampling.slot_state import SlotState
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def stream_seed(seed: int, sample_index: int) -> int:
+    """A sample's 63-bit random stream id: a keyed digest of (seed, sample index). Python's `hash` would not do:
+    hash(-1) == hash(-2), and integers' hashes wrap modulo 2**61 - 1, so distinct seeds would draw alike."""
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+def features(params: SamplingParams) -> list[str]:
+    """The processors a request's parameters switch on (what `SamplingSlots.uses` counts)."""
+    used = ["greedy" if params.greedy else "sampled"]
+    if params.logit_bias:
+        used.append("logit_bias")
+    if params.top_k:
+        used.append("top_k")
+        if not params.greedy:
+            used.append("sampled_top_k")
+    if params.top_p < 1:
+        used.append("top_p")
+    if params.min_p > 0:
+        used.append("min_p")
+    if params.typical_p < 1:
+        used.append("typical_p")
+    if params.epsilon_cutoff > 0:
+        used.append("epsilon_cutoff")
+    if params.eta_cutoff > 0:
+        used.append("eta_cutoff")
+    if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty:
+        used.append("penalties")
+    if has_bans(params):
+        used.append("bans")
+    if params.min_new_tokens:
+        used.append("min_new_tokens")
+    if params.top_logprobs:
+        used.append("top_logprobs")
+    used.append(f"logprob_mode:{params.logprob_mode}")
+    return used
+
+
+class SamplingSlots:
+    """Slot tables of the running samples' sampling parameters (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64):
+        """
+        Args:
+            vocab_size: the logits' width (top_k is capped at it).
+            device: where the tables live.
+            capacity: slots allocated at first; the tables double when a sample finds none free.
+        """
+        self.vocab_size = vocab_size
+        self.device = device
+        self._floats = torch.zeros(capacity, len(FLOAT_COLUMNS), dtype=torch.float32, device=device)
+        self._ints = torch.zeros(capacity, len(INT_COLUMNS), dtype=torch.long, device=device)
+        self._free = list(range(capacity - 1, -1, -1))
+        self._pending: list[tuple[int, list[float], list[int]]] = []  # rows written at the next gather
+        self.uses: Counter[str] = Counter()  # feature -> live slots that use it
+        self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
+        self._assigned: list[Request] = []  # requests given a slot by the gather under way
+        self.state = SlotState(vocab_size, device, capacity)  # penalty counts, token history, ban lists
+        self.bias = SlotBias(vocab_size, device, capacity)  # logit_bias
+
+    @property
+    def num_live(self) -> int:
+        """Slots held by samples that have not finished."""
+        return self._floats.shape[0] - len(self._free)
+
+    def gather(self, requests: list[Request]) -> SlotColumns:
+        """The step's columns, one row per request (taking a slot for each request's first draw).
+
+        Args:
+            requests: the sampled requests, in row order; each's last token is the one being sampled.
+        """
+        slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
+        assigned, self._assigned = self._assigned, []
+        # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
+        positions = [len(r.token_ids) for r in requests]
+        self._write_pending()
+        if assigned:
+            self.state.assign(assigned)
+            self.bias.assign(assigned)
+        index = to_device([slots, positions], torch.long, self.device)
+        floats = self._floats.index_select(0, index[0])
+        ints = self._ints.index_select(0, index[0])
+        return SlotColumns(floats, ints, index[0], index[1], max(positions))
+
+    def any(self, feature: str) -> bool:
+        """Whether some live slot uses `feature` (see `features`)."""
+        return self.uses[feature] > 0
+
+    def all_use(self, feature: str) -> bool:
+        """Whether every live slot uses `feature` (a step's rows then need no per-row check of it)."""
+        return self.uses[feature] == self.num_live
+
+    def one_top_k(self) -> bool:
+        """Whether every live slot sets top_k, all to the same value."""
+        return len(self._top_ks) == 1 and self.all_use("top_k")
+
+    def max_top_k(self) -> int:
+        """The largest top_k that a live slot sets, capped at the vocabulary size (0 when none sets one)."""
+        return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0
+
+    def release(self, request: Request) -> None:
+        """Give back a finished request's slot (no-op when it never drew)."""
+        slot = request.sampling_slot
+        if slot < 0:
+            return
+        request.sampling_slot = -1
+        # A row still waiting to be written (its step failed before the write) must not land on the slot's next owner.
+        self._pending = [entry for entry in self._pending if entry[0] != slot]
+        params = request.sampling
+        self.uses.subtract(features(params))
+        self.state.release(slot)
+        self.bias.release(slot)
+        if params.top_k:
+            self._top_ks[params.top_k] -= 1
+            if not self._top_ks[params.top_k]:
+                del self._top_ks[params.top_k]
+        self._free.append(slot)
+
+    def _assign(self, request: Request) -> int:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        request.sampling_slot = slot
+        params = request.sampling
+        self.uses.update(features(params))
+        if params.top_k:
+            self._top_ks[params.top_k] += 1
+        self._pending.append((slot, _float_row(params), self._int_row(request)))
+        self._assigned.append(request)
+        return slot
+
+    def _int_row(self, request: Request) -> list[int]:
+        params = request.sampling
+        seed_base = stream_seed(request.seed, request.sample_index)
+        top_k = min(params.top_k or self.vocab_size, self.vocab_size)
+        min_new_tokens = params.min_new_tokens if request.stop_token_ids else 0
+        return [
+            top_k,
+            int(params.greedy),
+            int(params.logprob_mode == "processed"),
+            seed_base,
+            request.num_prompt_tokens,
+            min_new_tokens,
+            params.no_repeat_ngram_size,
+        ]
+
+    def _write_pending(self) -> None:
+        if not self._pending:
+            return
+        slots = to_device([slot for slot, _, _ in self._pending], torch.long, self.device)
+        self._floats.index_copy_(0, slots, to_device([row for _, row, _ in self._pending], torch.float32, self.device))
+        self._ints.index_copy_(0, slots, to_device([row for _, _, row in self._pending], torch.long, self.device))
+        self._pending.clear()
+
+    def _grow(self) -> None:
+        """Double the tables (stream-ordered copies: steps already queued read the old ones)."""
+        old = self._floats.shape[0]
+        self._floats = torch.cat([self._floats, torch.zeros_like(self._floats)])
+        self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
+        self.state.grow(2 * old)
+        self.bias.grow(2 * old)
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _float_row(params: SamplingParams) -> list[float]:
+    greedy = params.greedy
+    divisor = params.temperature if params.logprob_mode == "temperature_scaled" and params.temperature > 0 else 1.0
+    values = {
+        "temperature": 1.0 if greedy else params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "typical_p": params.typical_p,
+        "epsilon_cutoff": params.epsilon_cutoff,
+        "eta_cutoff": params.eta_cutoff,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "logprob_divisor": divisor,
+    }
+    return [float(values[name]) for name in FLOAT_COLUMNS]

@@ -1,0 +1,6 @@
+"""Scheduling, free of torch: which requests compute how many tokens each step, and their KV blocks.
+
+- `scheduler.py`: the token-budget scheduler, returning a `ScheduledBatch` (`batch.py`);
+- `admission.py`: which requests to admit, and which to preempt, under memory pressure;
+- `block_manager.py`: ref-counted KV blocks with chained prefix hashes and copy-on-write.
+"""
