@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.benchmarks import cli, grpo_step, isolated, long_tail, plots, systems, throughput
+from rollout.benchmarks import cli, isolated, plots
+from rollout.benchmarks.grpo import grpo_step, long_tail
+from rollout.benchmarks.throughput import systems, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_PNG_BYTES = 80 * 1024

@@ -6,8 +6,8 @@ import json
 import time
 
 from rollout.benchmarks import cli
-from rollout.benchmarks.report import SectionResult
-from rollout.benchmarks.report_table import rows
+from rollout.benchmarks.gpu_report.figures import SectionResult
+from rollout.benchmarks.gpu_report.table import rows
 
 
 def _report_rows(name: str, summary: dict) -> dict:
@@ -61,7 +61,7 @@ def test_a_baseline_cut_short_reports_what_it_finished():
     gpu-report gives the ratio against it no verdict. `generate_batch` past its deadline stops and returns its
     finished requests only."""
 
-    from rollout.benchmarks.systems import measure_system, run_transformers_generate
+    from rollout.benchmarks.throughput.systems import measure_system, run_transformers_generate
     from rollout.benchmarks.workloads import WORKLOADS, make_workload
 
     workload = WORKLOADS["cpu-small"]
@@ -186,7 +186,7 @@ def test_structured_benchmark_reports_grammar_host_time_and_compile(capsys):
 def test_a_time_budget_puts_the_headline_first(monkeypatch):
     """Under --time-budget, rollout's own run gets two thirds of the budget (the details count as half a system and
     then get all that is left), and a baseline is told to stop 15 s before its process would be killed."""
-    from rollout.benchmarks import throughput
+    from rollout.benchmarks.throughput import throughput
 
     asked = []
 

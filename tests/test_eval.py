@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.eval.cli import main
 from rollout.presets import tiny_model, tiny_tokenizer
 

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_prompts, run_to_completion
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch, init_continuous_batching
-from rollout.benchmarks.fidelity import teacher_forced_logprobs
+from rollout.benchmarks.throughput.fidelity import teacher_forced_logprobs
 from rollout.engine.engine import Engine
 from rollout.presets import tiny_model
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.benchmarks import cli, gpu_report
+from rollout.benchmarks import cli
+from rollout.benchmarks.gpu_report import report as gpu_report
 
 TESTS_DIR = Path(__file__).parent
 
@@ -54,7 +55,7 @@ def test_the_plan_fits_the_window_by_its_own_json(capsys):
     """`--plan --json`: one headline call of at most 490 s and one optional follow-up, both with their machine starts
     inside the 900 s window; each command at most 2,000 characters, a valid gpu-report command whose sections run
     in the order the issue gives (the report runs them in `sections()` order, so that order must agree)."""
-    from rollout.benchmarks.gpu_plan import WHEELS
+    from rollout.benchmarks.gpu_report.plan import WHEELS
 
     with pytest.raises(SystemExit) as stop:
         cli.main(["gpu-report", "--plan", "--json"])

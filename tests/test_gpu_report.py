@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.benchmarks import cli, gpu_report
+from rollout.benchmarks import cli
+from rollout.benchmarks.gpu_report import report as gpu_report
 
 TESTS_DIR = Path(__file__).parent
 

@@ -15,7 +15,7 @@ import time
 import pytest
 from test_gpu_report import MACHINE, _gone, _grandchild_code, _section
 
-from rollout.benchmarks import gpu_report
+from rollout.benchmarks.gpu_report import report as gpu_report
 from rollout.process_groups import interrupt_on_signals
 
 

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from rollout.benchmarks import cli
-from rollout.benchmarks.long_tail import Shape, make_workload, measure
-from rollout.benchmarks.long_tail_probe import STUB_VOCAB
+from rollout.benchmarks.grpo.long_tail import Shape, make_workload, measure
+from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB
 
 SMALL = Shape(num_prompts=8, n=4, median_tokens=64, max_tokens=256, prompt_tokens=(16, 64))
 SMALL_FLAGS = ["--num-prompts", "8", "--n", "4", "--median-tokens", "64", "--max-tokens", "256"]

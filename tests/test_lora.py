@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.engine.lora.adapter_weights import LoraModule, from_peft_model, load_peft_dir

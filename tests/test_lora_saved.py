@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from test_lora import MAX_NEW, peft_greedy
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.lora.adapter_weights import SavedModule, from_peft_model, load_peft_dir
 

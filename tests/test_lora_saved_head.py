@@ -18,7 +18,7 @@ from test_lora_saved import SAMPLED, peft_row_logprobs
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from conftest import _COMMON, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import SamplingParams
 from rollout.engine.lora.adapter_weights import SavedModule, from_peft_model, load_peft_dir
 from rollout.engine.sampling import prompt_logprobs

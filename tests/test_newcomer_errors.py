@@ -221,7 +221,8 @@ def test_rollout_ray_without_ray(monkeypatch):
 
 
 def test_the_fleet_benchmark_without_ray(monkeypatch, capsys):
-    from rollout.benchmarks import cli, fleet
+    from rollout.benchmarks import cli
+    from rollout.benchmarks.service import fleet
 
     monkeypatch.setitem(sys.modules, "ray", None)
     monkeypatch.setattr(fleet, "run", lambda args: pytest.fail("the benchmark ran without Ray"))

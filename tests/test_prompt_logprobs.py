@@ -18,7 +18,7 @@ from conftest import (
     run_to_completion,
     tiny_model,
 )
-from rollout.benchmarks.fidelity import fidelity_against_floor, mean_entropy, scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import fidelity_against_floor, mean_entropy, scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.runner import model_runner
 from rollout.engine.sampling import prompt_logprobs

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.benchmarks.fidelity import scale_to_entropy
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import FieldError, SamplingParams
 from trainer_bridge.route_replay import routes_for, routing_replay
 
@@ -164,7 +164,7 @@ def test_bf16_replay_turns_differing_routes_into_none():
     some (token, layer) decisions; replayed, the experts the trainer's forward runs (what transformers' experts
     module receives) are the rollout's everywhere. The policy: the routing benchmark's Qwen3-MoE (64 experts, 8 per
     token: near-ties between the 8th and 9th expert are common, as in real MoE policies; head at 1.5 nats; bf16)."""
-    from rollout.benchmarks.routing_replay import moe_policy
+    from rollout.benchmarks.grpo.routing_replay import moe_policy
 
     model = moe_policy("qwen3_moe", seed=3)
     engine = make_engine(copy.deepcopy(model), max_batch_tokens=64)

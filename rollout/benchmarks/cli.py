@@ -9,10 +9,12 @@ import threading
 
 # Only modules free of torch here: the parser builds, and --help and flag errors answer, at once. The benchmarks
 # themselves load in commands.py, imported once the flags parse.
-from rollout.benchmarks import gpu_report, grpo_step, load, plots
+from rollout.benchmarks import load, plots
 from rollout.benchmarks.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES
-from rollout.benchmarks.long_tail_flags import add_arguments as add_long_tail_arguments
-from rollout.benchmarks.structured_flags import add_arguments as add_structured_arguments
+from rollout.benchmarks.gpu_report import report as gpu_report
+from rollout.benchmarks.grpo import grpo_step
+from rollout.benchmarks.grpo.long_tail_flags import add_arguments as add_long_tail_arguments
+from rollout.benchmarks.structured.structured_flags import add_arguments as add_structured_arguments
 from rollout.benchmarks.workloads import WORKLOADS
 from rollout.cli_parser import CliParser
 from rollout.config import MODEL_DTYPE_NAMES
@@ -27,7 +29,7 @@ def build_parser() -> CliParser:
     tp = commands.add_parser(
         "throughput",
         help="generated tokens/s vs transformers' generate_batch and generate",
-        description=_docstring("rollout.benchmarks.throughput"),
+        description=_docstring("rollout.benchmarks.throughput.throughput"),
     )
     tp.add_argument(
         "--workload",
@@ -81,7 +83,7 @@ def build_parser() -> CliParser:
     sv = commands.add_parser(
         "service",
         help="tokens/s through a rollout-worker (ZeroMQ, HTTP) vs in-process (cpu-small)",
-        description=_docstring("rollout.benchmarks.service"),
+        description=_docstring("rollout.benchmarks.service.service"),
     )
     sv.add_argument("--seed", type=int, default=0, help="prompt seed")
     sv.add_argument(
@@ -103,7 +105,7 @@ def build_parser() -> CliParser:
     wt = commands.add_parser(
         "weights",
         help="push_weights GB/s per transport over loopback, and the commit pause",
-        description=_docstring("rollout.benchmarks.weights"),
+        description=_docstring("rollout.benchmarks.service.weights"),
     )
     wt.add_argument("--size-mb", type=float, default=512, help="state dict size in MB")
     wt.add_argument(
@@ -128,7 +130,7 @@ def build_parser() -> CliParser:
     gr = commands.add_parser(
         "grpo",
         help=f"GRPO groups ({GRPO_NUM_PROMPTS} prompts x n=8): tokens/s and prompt tokens computed",
-        description=_docstring("rollout.benchmarks.grpo"),
+        description=_docstring("rollout.benchmarks.grpo.grpo"),
     )
     gr.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gr.add_argument("--seed", type=int, default=0, help="model and prompt seed")
@@ -192,7 +194,7 @@ def build_parser() -> CliParser:
     fl = commands.add_parser(
         "fleet",
         help="RolloutFleet on Ray: launch to first group, a killed worker serving again, gloo fan-out GB/s",
-        description=_docstring("rollout.benchmarks.fleet"),
+        description=_docstring("rollout.benchmarks.service.fleet"),
     )
     fl.add_argument("--model", default="tiny", help="tiny or sized:<MB>")
     fl.add_argument("--workers", type=int, default=2, help="workers in the fleet")
@@ -202,7 +204,7 @@ def build_parser() -> CliParser:
         "long-tail",
         help="GRPO samples of lognormal lengths (median 2048, cap 16384) in a KV cache 0.27 of peak demand: "
         "recompute ratio, swap, steps, batch size, last/median finish",
-        description=_docstring("rollout.benchmarks.long_tail"),
+        description=_docstring("rollout.benchmarks.grpo.long_tail"),
     )
     add_long_tail_arguments(lt)
     plots.add_plot_argument(
@@ -215,7 +217,7 @@ def build_parser() -> CliParser:
             "structured",
             help="what structured outputs cost: host time at 64/256 constrained rows, compile time cold/cached, "
             "throughput constrained vs not (cpu-small)",
-            description=_docstring("rollout.benchmarks.structured"),
+            description=_docstring("rollout.benchmarks.structured.structured"),
         )
     )
     gpu_report.add_arguments(

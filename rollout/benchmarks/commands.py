@@ -8,23 +8,14 @@ import json
 import math
 import sys
 
-from rollout.benchmarks import (
-    agentic,
-    fleet,
-    gpu_report,
-    grpo,
-    grpo_step,
-    load,
-    long_tail,
-    lora_push,
-    plots,
-    service,
-    structured,
-    throughput,
-    weights,
-)
-from rollout.benchmarks.long_tail_flags import check_arguments as check_long_tail
-from rollout.benchmarks.structured_flags import check_arguments as check_structured
+from rollout.benchmarks import load, plots
+from rollout.benchmarks.gpu_report import report as gpu_report
+from rollout.benchmarks.grpo import grpo, grpo_step, long_tail
+from rollout.benchmarks.grpo.long_tail_flags import check_arguments as check_long_tail
+from rollout.benchmarks.service import agentic, fleet, lora_push, service, weights
+from rollout.benchmarks.structured import structured
+from rollout.benchmarks.structured.structured_flags import check_arguments as check_structured
+from rollout.benchmarks.throughput import throughput
 from rollout.extras import require_extra
 from rollout.process_groups import process_age_s
 
@@ -82,7 +73,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if args.routing_replay:
             if bounds is not None or args.systems or args.partial_rollouts or args.model != "tiny" or args.device:
                 parser.error("--routing-replay runs its own MoE models on the CPU: leave out the other options")
-            from rollout.benchmarks import routing_replay
+            from rollout.benchmarks.grpo import routing_replay
 
             summary = routing_replay.run()
         else:

@@ -17,15 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.sections import Section, run_section
+from rollout.benchmarks.gpu_report.section_run import Section, run_section
 
 # Benchmark -> "module:function" measuring one system in this process: function(system, **options) -> dict. Named by
 # string so that this module imports none of the benchmarks (they import it).
 MEASURES = {
-    "throughput": "rollout.benchmarks.systems:measure_system",
-    "details": "rollout.benchmarks.details:measure_details",
-    "grpo": "rollout.benchmarks.grpo:measure_system",
-    "grpo-step": "rollout.benchmarks.grpo_step:measure_system",
+    "throughput": "rollout.benchmarks.throughput.systems:measure_system",
+    "details": "rollout.benchmarks.throughput.details:measure_details",
+    "grpo": "rollout.benchmarks.grpo.grpo:measure_system",
+    "grpo-step": "rollout.benchmarks.grpo.grpo_step:measure_system",
 }
 
 ERROR_CHARS = 2000  # the end of a failed system's output kept in its result

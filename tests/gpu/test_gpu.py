@@ -104,7 +104,7 @@ def test_bf16_logprobs_close_to_teacher_forced():
     that forward on the same tokens (the bf16 floor: about 0.04 on this sharp random model; the nano workload's
     report figure has its own goal). The floor is above what the fp32 projection itself changes (about 0.01 here),
     so the projection is pinned apart, exactly, by test_sampling.py::test_fp32_logits_computes_the_projection_in_fp32."""
-    from rollout.benchmarks.fidelity import teacher_forced_logprobs
+    from rollout.benchmarks.throughput.fidelity import teacher_forced_logprobs
     from rollout.config import ContinuousBatchingConfig, SamplingParams
     from rollout.engine.engine import Engine
 
@@ -196,7 +196,7 @@ def test_graph_and_eager_decode_agree_in_bf16():
     the default forward on the same tokens, and by at most 0.05 (measured on an H100: 0.037 between the two paths,
     floor about 0.04)."""
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
-    from rollout.benchmarks.fidelity import teacher_forced_logprobs
+    from rollout.benchmarks.throughput.fidelity import teacher_forced_logprobs
 
     model = small_qwen3(torch.bfloat16)
     generator = torch.Generator().manual_seed(5)

@@ -17,7 +17,7 @@ import torch
 def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook on the output projection: the same product in fp32, converting the weight now (what follows,
     e.g. Gemma 2's final logit soft-capping, then runs in fp32 too): the trainer's side, as references compute it
-    (`rollout.benchmarks.fidelity`)."""
+    (`rollout.benchmarks.throughput.fidelity`)."""
     bias = None if module.bias is None else module.bias.float()
     return torch.nn.functional.linear(inputs[0].float(), module.weight.float(), bias)
 

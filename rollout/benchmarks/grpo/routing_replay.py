@@ -32,7 +32,7 @@ def moe_policy(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny bf16 MoE policy of `family` on the tiny tokenizer's vocabulary, its head scaled to 1.5 nats."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
-    from rollout.benchmarks.fidelity import scale_to_entropy
+    from rollout.benchmarks.throughput.fidelity import scale_to_entropy
     from rollout.presets.models import random_model, tiny_tokenizer
 
     shape = dict(

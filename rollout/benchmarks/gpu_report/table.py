@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollout.benchmarks.report import (
+from rollout.benchmarks.gpu_report.figures import (
     Row,
     SectionResult,
     grpo_rows,
@@ -16,7 +16,7 @@ from rollout.benchmarks.report import (
     tests_rows,
     weights_rows,
 )
-from rollout.benchmarks.report_throughput import baseline_rows, throughput_rows
+from rollout.benchmarks.gpu_report.throughput_rows import baseline_rows, throughput_rows
 
 FENCE = "```"  # markdown code fence around a failed section's output
 

@@ -21,7 +21,7 @@ max_staleness=k)`: the next k rounds generate on the worker while the trainer tr
 trainer's wait for rollouts per step, completion tokens trained per second, and the policy lag (mean and max over
 the timed steps' tokens).
 
-With `--partial-rollouts`, rollout_server runs on the long-tail shape (`rollout.benchmarks.grpo_long_tail`: each
+With `--partial-rollouts`, rollout_server runs on the long-tail shape (`rollout.benchmarks.grpo.grpo_long_tail`: each
 group's length lognormal, median 32, capped at 256, forced by banning EOS until then; 4 groups of 8 per step) three times: synchronous
 (`max_staleness=0`), asynchronous (`max_staleness=1`), and with partial rollouts (`max_staleness=1,
 partial_rollouts=True`: a round trains the first complete groups, stragglers join the next round). Same columns, and
@@ -170,7 +170,7 @@ def run_one(
     model = _model(model_shape, device)
     shape = MODEL_SHAPES[model_shape]
     if long_tail:
-        from rollout.benchmarks.grpo_long_tail import CAP_TOKENS
+        from rollout.benchmarks.grpo.grpo_long_tail import CAP_TOKENS
 
         shape = {**shape, "max_completion_length": CAP_TOKENS, "per_device_train_batch_size": 32}
     common = dict(reward_funcs=letter_reward, train_dataset=Dataset.from_dict({"prompt": toy_prompts(256, 0)}))
@@ -198,7 +198,7 @@ def run_one(
     else:
         raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS + EXTRA_SYSTEMS)}")
     if long_tail:
-        from rollout.benchmarks.grpo_long_tail import force_lengths
+        from rollout.benchmarks.grpo.grpo_long_tail import force_lengths
 
         force_lengths(trainer.rollout_client)
     clock = _StepClock()

@@ -16,7 +16,7 @@ import torch
 
 from rollout.benchmarks.isolated import run_system
 from rollout.benchmarks.progress import stage
-from rollout.benchmarks.systems import STOP_AT_DEADLINE
+from rollout.benchmarks.throughput.systems import STOP_AT_DEADLINE
 from rollout.benchmarks.workloads import WORKLOADS
 
 # Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
@@ -45,7 +45,7 @@ def run(
         systems: which systems to run (default: the workload's `default_systems`).
         seed: model and prompt seed.
         repeats: timed runs per system; the median time is reported.
-        details: add `rollout.benchmarks.details` figures (decode roofline fraction, peak memory, logprob fidelity
+        details: add `rollout.benchmarks.throughput.details` figures (decode roofline fraction, peak memory, logprob fidelity
             against the trainer's own floor, host time per step), measured in one more process.
         warmup: warm each system up before its timer starts (graphs captured, kernels compiled).
         num_prompts: run this many of the workload's requests (the first ones; default: all).

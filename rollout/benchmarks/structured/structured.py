@@ -21,9 +21,9 @@ import json
 import time
 from typing import Any
 
-from rollout.benchmarks import grammar_engines
-from rollout.benchmarks.bench_tokenizer import DEFAULT_VOCAB, bench_tokenizer
-from rollout.benchmarks.host_time import host_time_per_step
+from rollout.benchmarks.structured import grammar_engines
+from rollout.benchmarks.structured.bench_tokenizer import DEFAULT_VOCAB, bench_tokenizer
+from rollout.benchmarks.throughput.host_time import host_time_per_step
 
 # A tool call's arguments, as agents emit them: an enum, nested object, integer range, optional fields.
 TOOL_CALL_SCHEMA = {
@@ -107,8 +107,8 @@ def run(
         num_prompts: requests of the throughput part (None: the workload's).
         device: "cpu" (throughput on cpu-small) or "cuda" (host time on the GPU, throughput on nano).
     """
-    from rollout.benchmarks import throughput
     from rollout.benchmarks.progress import stage
+    from rollout.benchmarks.throughput import throughput
 
     tokenizer = bench_tokenizer(vocab_size)
     summary: dict[str, Any] = {"benchmark": "structured", "device": device, "vocab_size": vocab_size}

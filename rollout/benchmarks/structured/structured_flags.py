@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollout.benchmarks.bench_tokenizer import DEFAULT_VOCAB
+from rollout.benchmarks.structured.bench_tokenizer import DEFAULT_VOCAB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -40,10 +40,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.gpu_sections import SECTION_NAMES, sections
-from rollout.benchmarks.report import SectionResult
-from rollout.benchmarks.report_table import goals, render_markdown
-from rollout.benchmarks.sections import Section, run_section
+from rollout.benchmarks.gpu_report.figures import SectionResult
+from rollout.benchmarks.gpu_report.section_run import Section, run_section
+from rollout.benchmarks.gpu_report.sections import SECTION_NAMES, sections
+from rollout.benchmarks.gpu_report.table import goals, render_markdown
 from rollout.process_groups import process_age_s
 
 
@@ -129,7 +129,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ]
         if ignored:
             parser.error(f"gpu-report: --plan prints the calls' own commands; leave out {', '.join(ignored)}")
-        from rollout.benchmarks.gpu_plan import render_plan
+        from rollout.benchmarks.gpu_report.plan import render_plan
 
         print(render_plan(as_json=args.json))
         return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.report import SectionResult
+from rollout.benchmarks.gpu_report.figures import SectionResult
 from rollout.process_groups import die_with_parent, kill_group
 
 TAIL_LINES = 40  # lines of a failed section's output kept in the report

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.benchmarks.report import Goal, Row, SectionResult, as_mapping, get_path, number_row, positive
+from rollout.benchmarks.gpu_report.figures import Goal, Row, SectionResult, as_mapping, get_path, number_row, positive
 
 # Goals on an H200, nano workload (side by side in one run): rollout's tokens/s, and its ratio to each baseline.
 ROLLOUT_TOKENS_PER_S_GOAL = Goal(">=", 15000)

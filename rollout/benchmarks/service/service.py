@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from rollout.benchmarks import service_http
+from rollout.benchmarks.service import service_http
 from rollout.benchmarks.worker_probe import free_port, wait_answering
 from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
