@@ -363,14 +363,15 @@ def test_a_vanished_trainer_frees_the_update_slot_and_push_weights_can_preempt(w
 
 def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
     """What the trainer broadcasts for a bucket (`bucket_span`) lands, as one span of the worker's staging area
-    (`StagedUpdate.staging_span`), with every piece where `staging_layout` puts it; pieces that do not follow one
+    (`bucket_staging_span`, the torch.distributed receiver's), with every piece where `staging_layout` puts it; pieces that do not follow one
     another are refused by name (they would make the span cover other tensors' bytes)."""
     from types import SimpleNamespace
 
     import torch
 
     from rollout.protocol.staging import bucket_span, staging_layout
-    from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
+    from rollout.protocol.transports.base import UpdateRejected
+    from rollout.protocol.transports.torch_distributed import bucket_staging_span
 
     specs = [p.TensorSpec(f"t{i}", "float32", [n]) for i, n in enumerate([5, 0, 33, 7])]
     offsets, total = staging_layout(specs)
@@ -380,7 +381,7 @@ def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
     bucket = [(0, 8, data[0][8:]), (1, 0, data[1]), (2, 0, data[2]), (3, 0, data[3][:12])]
     pieces = [p.TensorPiece(index, offset, piece.numel()) for index, offset, piece in bucket]
     update = SimpleNamespace(sizes=sizes, offsets=offsets, staging=torch.zeros(total, dtype=torch.uint8))
-    span = StagedUpdate.staging_span(update, pieces)
+    span = bucket_staging_span(update, pieces)
     span.copy_(bucket_span(bucket, offsets))  # what one broadcast does
     for index, offset, piece in bucket:
         start = offsets[index] + offset
@@ -389,4 +390,4 @@ def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
     unfinished = [p.TensorPiece(0, 0, 8), pieces[1]]  # t0 not finished
     for bad in (skipping, unfinished, [pieces[2], pieces[0]]):
         with pytest.raises(UpdateRejected, match="consecutive pieces"):
-            StagedUpdate.staging_span(update, bad)
+            bucket_staging_span(update, bad)

@@ -19,7 +19,7 @@ from rollout.benchmarks.workloads import WORKLOADS
 from rollout.cli_parser import CliParser
 from rollout.config import MODEL_DTYPE_NAMES
 from rollout.process_groups import interrupt_on_signals
-from rollout.protocol.messages import WEIGHT_TRANSPORTS
+from rollout.protocol.transports import WEIGHT_TRANSPORTS
 
 
 def build_parser() -> CliParser:

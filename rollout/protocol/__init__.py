@@ -106,7 +106,6 @@ from rollout.protocol.messages import (
     PROBE_NONCE,
     PROTOCOL_VERSION,
     REQUEST_TYPES,
-    WEIGHT_TRANSPORTS,
     Cancel,
     ClientMessage,
     Completion,
@@ -136,6 +135,7 @@ from rollout.protocol.messages import (
     WeightsSpecReply,
     WorkerMessage,
 )
+from rollout.protocol.transports import WEIGHT_TRANSPORTS
 
 __all__ = [
     "decode",

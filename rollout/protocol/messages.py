@@ -20,8 +20,6 @@ MAX_HEADER_STR = 1 << 20
 MAX_HEADER_CONTAINERS = 1 << 17
 # Largest header frame (a prompt of a million tokens is ~5 MB, an update announcing 65,536 tensors ~15 MB).
 MAX_HEADER_BYTES = 32 << 20
-# How a weight update's bucket bytes travel (`WeightsBegin.transport`).
-WEIGHT_TRANSPORTS = ("frames", "shm", "torch.distributed")
 
 
 class ProtocolError(ValueError):

@@ -70,7 +70,7 @@ def staging_layout(specs: list[p.TensorSpec]) -> tuple[list[int], int]:
 
 def bucket_span(bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> torch.Tensor:
     """A bucket's bytes laid out as in the workers' staging area, from its first piece to its last (alignment gaps
-    zeroed): what one broadcast sends (`StagedUpdate.staging_span` receives it)."""
+    zeroed): what one broadcast sends (the torch.distributed receiver, `bucket_staging_span`, receives it)."""
     if len(bucket) == 1:
         return bucket[0][2]
     starts = [offsets[index] + offset for index, offset, _ in bucket]

@@ -17,7 +17,7 @@ import torch
 
 from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
 from rollout.presets.models import MODEL_DTYPES, sized_model
-from rollout.protocol.messages import WEIGHT_TRANSPORTS
+from rollout.protocol.transports import WEIGHT_TRANSPORTS
 
 
 def run(

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from multiprocessing import shared_memory
-from typing import Any
 
 import torch
 
 from rollout import protocol as p
 from rollout.config import MAX_POLICY_VERSION, WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
-from rollout.protocol.dist import check_dist_fields
 from rollout.protocol.staging import (
     DTYPES,
     StagingPool,
@@ -27,24 +26,12 @@ from rollout.protocol.staging import (
     staging_layout,
     tensor_nbytes,
 )
+from rollout.protocol.transports import WEIGHT_TRANSPORTS
+from rollout.protocol.transports.base import Receiver, UpdateRejected
 from rollout.service.weights.adapter_checks import BaseMismatch, check_adapter_fields
 from rollout.service.weights.jobs import SerialJobs
 
 logger = logging.getLogger(__name__)
-
-
-class UpdateRejected(Exception):
-    """A weight update that cannot go on; the worker answers with an Error carrying `code` and `field`."""
-
-    def __init__(self, code: str, field: str | None, reason: str):
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.code = code
-        self.field = field
-
-
-def _payload(frame: Any) -> memoryview:
-    """The bytes of a received frame (a zmq.Frame taken without a copy, or bytes)."""
-    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
 class StagedUpdate:
@@ -56,6 +43,8 @@ class StagedUpdate:
         engine: Engine,
         identity: bytes,
         pool: StagingPool,
+        receivers: Callable[[str], Receiver],
+        peer: str | None = None,
         max_phase_s: float = 600.0,
         base_id: str | None = None,
     ):
@@ -66,6 +55,8 @@ class StagedUpdate:
             engine: the engine whose model the update targets (read-only here).
             identity: the client's ZeroMQ identity (only it may continue the update).
             pool: where staging areas come from and go back to.
+            receivers: the worker's receiver of each transport, by name (`rollout.protocol.transports`).
+            peer: the address the weights_begin came from (None: ipc or inproc, this machine).
             max_phase_s: the longest phase deadline (`timeout_s`) allowed.
             base_id: the base weights the worker serves (an adapter update must be for them).
         Raises:
@@ -78,6 +69,8 @@ class StagedUpdate:
         self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work
         self.closed = False  # its staging area went back (`close`)
         self._check_fields(begin, engine, max_phase_s)
+        self.receiver = receivers(begin.transport)
+        self.receiver.check_begin(begin, peer)
         if begin.adapter is not None:
             try:
                 check_adapter_fields(begin, engine, base_id)
@@ -91,21 +84,11 @@ class StagedUpdate:
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
         self.pool = pool
-        self.shm: shared_memory.SharedMemory | None = None
-        self._shared: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
-        self._host: torch.Tensor | None = None
-        if begin.transport == "shm":
-            try:
-                self._shared = pool.shared(self.staging_bytes)
-            except OSError as error:
-                raise UpdateRejected(
-                    "bad_update", "transport", f"cannot create a shared-memory segment: {error}"
-                ) from None
-            self.shm = self._shared[0]
-            self.staging = self._shared[1][: self.staging_bytes]
-        else:
-            self._host = pool.host(self.staging_bytes)
-            self.staging = self._host[: self.staging_bytes]
+        self._host, self._shared = self.receiver.staging(pool, self.staging_bytes)
+        self.shm: shared_memory.SharedMemory | None = self._shared[0] if self._shared else None
+        area = self._shared[1] if self._shared else self._host
+        assert area is not None
+        self.staging = area[: self.staging_bytes]
         self.deadline = 0.0
         self.touch()
         # Work that grows with the update's size (hashing, staging, receiving, the commit's checks) runs here, in
@@ -116,12 +99,8 @@ class StagedUpdate:
     def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
         if begin.mode not in WEIGHT_UPDATE_MODES:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
-        if begin.transport not in p.WEIGHT_TRANSPORTS:
-            raise UpdateRejected("bad_update", "transport", f"must be one of {list(p.WEIGHT_TRANSPORTS)}")
-        if begin.transport == "torch.distributed":
-            culprit = check_dist_fields(begin.dist)
-            if culprit is not None:
-                raise UpdateRejected("bad_update", culprit, "missing or wrong (host, port, world_size, rank, ...)")
+        if begin.transport not in WEIGHT_TRANSPORTS:
+            raise UpdateRejected("bad_update", "transport", f"must be one of {list(WEIGHT_TRANSPORTS)}")
         if not 0 < begin.timeout_s <= max_phase_s:
             raise UpdateRejected(
                 "bad_update", "timeout_s", f"must be in (0, {max_phase_s:g}] seconds (the worker's limit)"
@@ -188,37 +167,6 @@ class StagedUpdate:
             expected[piece.index] += piece.nbytes
         self.announced = expected
 
-    def check_frames(self, pieces: list[p.TensorPiece], frames: list) -> None:
-        """Check a frames bucket's structure (one whole frame per piece, pieces in order) and count its pieces as
-        promised; `stage_frames` then checks the bytes and stages them (off the serving thread).
-
-        Raises:
-            UpdateRejected: a missing or truncated frame, or a bad piece.
-        """
-        if len(frames) != len(pieces):
-            raise UpdateRejected("bad_update", "pieces", f"{len(pieces)} pieces but {len(frames)} data frames")
-        for piece, frame in zip(pieces, frames):
-            nbytes = _payload(frame).nbytes
-            if nbytes != piece.nbytes:
-                name = self.specs[piece.index].name if 0 <= piece.index < len(self.specs) else f"piece {piece.index}"
-                raise UpdateRejected(
-                    "bad_update", name, f"truncated: frame has {nbytes} bytes, piece says {piece.nbytes}"
-                )
-        self.announce(pieces)
-
-    def stage_frames(self, pieces: list[p.TensorPiece], frames: list, checksum: int | None = None) -> None:
-        """Check a frames bucket's bytes against its checksum, then copy them into the staging area (transport
-        "frames"; `check_frames` passed).
-
-        Raises:
-            UpdateRejected: bytes that do not match `checksum`; nothing of the bucket is staged then.
-        """
-        payloads = [_payload(frame) for frame in frames]
-        self.verify(pieces, payloads, checksum)
-        for piece, payload in zip(pieces, payloads):
-            if piece.nbytes:
-                self._stage(piece, torch.frombuffer(payload, dtype=torch.uint8))
-
     def staging_views(self, pieces: list[p.TensorPiece]) -> list[torch.Tensor]:
         """Where each piece's bytes go in the staging area (transport "torch.distributed" receives into them;
         `announce` was called when the bucket header came)."""
@@ -228,45 +176,10 @@ class StagedUpdate:
             views.append(self.staging[start : start + piece.nbytes])
         return views
 
-    def staging_span(self, pieces: list[p.TensorPiece]) -> torch.Tensor:
-        """The staging bytes from the first piece's start to the last piece's end, alignment gaps included: transport
-        "torch.distributed" receives a whole bucket in one broadcast. Its pieces must follow one another: each but
-        the last ends its tensor, and the next starts the next tensor (`announce` checked each piece).
-
-        Raises:
-            UpdateRejected: pieces that leave a tensor unfinished, skip one, or go back.
-        """
-        for before, after in zip(pieces, pieces[1:]):
-            if (
-                before.offset + before.nbytes != self.sizes[before.index]
-                or after.index != before.index + 1
-                or after.offset != 0
-            ):
-                raise UpdateRejected(
-                    "bad_update",
-                    "pieces",
-                    "a torch.distributed bucket holds consecutive pieces (each but the last ends its tensor, the next "
-                    f"starts the following tensor): piece of tensor {after.index} at byte {after.offset} follows "
-                    f"tensor {before.index} up to byte {before.offset + before.nbytes}",
-                )
-        first, last = pieces[0], pieces[-1]
-        start = self.offsets[first.index] + first.offset
-        return self.staging[start : self.offsets[last.index] + last.offset + last.nbytes]
-
     def mark_received(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces whose bytes landed in the staging area."""
         for piece in pieces:
             self.received[piece.index] += piece.nbytes
-
-    def check_written(self, pieces: list[p.TensorPiece], checksum: int | None = None) -> None:
-        """Check the pieces the client wrote straight into the shared staging segment (transport "shm") against
-        the bucket's checksum and count them (`announce` was called when the bucket header came).
-
-        Raises:
-            UpdateRejected: staged bytes that do not match `checksum`.
-        """
-        self.verify(pieces, self.staging_views(pieces), checksum)
-        self.mark_received(pieces)
 
     def verify(self, pieces: list[p.TensorPiece], chunks: list, checksum: int | None) -> None:
         """Check a bucket's bytes against the checksum its header carried (None: the sender sent none).
@@ -285,7 +198,8 @@ class StagedUpdate:
             f"bucket {self.num_buckets} ({shown}) does not match its checksum: its bytes were corrupted on the way",
         )
 
-    def _stage(self, piece: p.TensorPiece, data: torch.Tensor) -> None:
+    def stage(self, piece: p.TensorPiece, data: torch.Tensor) -> None:
+        """Copy one piece's bytes into its place and count them."""
         start = self.offsets[piece.index] + piece.offset
         self.staging[start : start + piece.nbytes].copy_(data)
         self.received[piece.index] += piece.nbytes
@@ -334,15 +248,16 @@ class StagedUpdate:
         """Give the staging area back to the pool (idempotent). No job of the update may run meanwhile (`end`).
 
         Args:
-            clean: the update was committed. Otherwise only a frames update's host buffer goes back (only its
-                jobs wrote it); a shared segment (its client may not know yet) and a dist update's buffer (a
-                broadcast of an abandoned group may still be writing) are dropped.
+            clean: the update was committed. Otherwise the staging goes back only where its transport says no one
+                else may still write into it (`Receiver.staging_reusable_after_abort`: a frames update's host
+                buffer; not a shared segment, whose client may not know yet, nor a buffer an abandoned broadcast
+                may still be writing).
         """
         if self.closed:
             return
         self.closed = self.ended = True
         self.staging = torch.empty(0, dtype=torch.uint8)
-        if clean or self.begin.transport == "frames":
+        if clean or self.receiver.staging_reusable_after_abort:
             self.pool.give_back(self._host, self._shared if clean else None)
         if not clean and self._shared is not None:
             release_segment(*self._shared)

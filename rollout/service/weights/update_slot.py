@@ -13,14 +13,10 @@ the worker connect out only to the host the `weights_begin` came from (or this m
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
-import socket
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from rollout import protocol as p
 from rollout.config import FieldError
@@ -28,8 +24,9 @@ from rollout.engine.manager.commands import AdapterUpdate
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.engine.weights.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
-from rollout.protocol.dist import DistReceiver
 from rollout.protocol.staging import StagingPool
+from rollout.protocol.transports import transport_named
+from rollout.protocol.transports.base import Receiver
 from rollout.service.observability.tracing import Tracer
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 
@@ -72,7 +69,7 @@ class UpdateSlot:
         self._last: StagedUpdate | None = None  # the newest update, whose staging may still be on its way back
         # Finished steps, from the engine or receiver thread: (update, reply) for the serving thread to conclude.
         self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
-        self._dist: DistReceiver | None = None
+        self._receivers: dict[str, Receiver] = {}  # each transport's receiver, made at its first update
         self._device = next(manager.engine.model.parameters()).device
         self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
         self.num_rejected = 0
@@ -156,9 +153,16 @@ class UpdateSlot:
 
     def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None) -> None:
         try:
-            if message.transport == "torch.distributed":
-                _check_dist_host(message.dist.get("host"), peer)
-            update = StagedUpdate(message, self.manager.engine, identity, self._staging, self.max_phase_s, self.base_id)
+            update = StagedUpdate(
+                message,
+                self.manager.engine,
+                identity,
+                self._staging,
+                self._receiver,
+                peer,
+                self.max_phase_s,
+                self.base_id,
+            )
         except UpdateRejected as error:
             self.num_rejected += 1
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
@@ -176,17 +180,19 @@ class UpdateSlot:
             message.mode,
         )
         ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
-        if message.transport != "torch.distributed":
-            self._send(identity, ready)
-            return
-        if self._dist is None:
-            self._dist = DistReceiver()
 
-        def joined(error: BaseException | None) -> None:  # on the rendezvous thread
+        def joined(error: BaseException | None) -> None:  # on the transport's thread (a group's rendezvous)
             reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
             self._report(update, reply)
 
-        self._dist.join(message.dist, message.timeout_s, joined, cancelled=lambda: update.ended)
+        if update.receiver.when_ready(message, joined, cancelled=lambda: update.ended):
+            self._send(identity, ready)
+
+    def _receiver(self, transport: str) -> Receiver:
+        """This worker's receiver of `transport` (a known name), made at its first update and kept."""
+        if transport not in self._receivers:
+            self._receivers[transport] = transport_named(transport).receiver(self._device)
+        return self._receivers[transport]
 
     def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
         """Check the bucket's structure here; its bytes are hashed, staged or received on the update's job thread,
@@ -195,27 +201,11 @@ class UpdateSlot:
             raise UpdateRejected(
                 "bad_update", "pieces", f"more than {MAX_QUEUED_BUCKETS} buckets wait for their acks (wait for them)"
             )
-        transport = update.begin.transport
-        pieces = message.pieces
-        if transport == "frames":
-            update.check_frames(pieces, data_frames)
-        else:
-            update.announce(pieces)
-        span = update.staging_span(pieces) if transport == "torch.distributed" and pieces else None
-        dist_receiver = self._dist
-        device = self._device if transport == "torch.distributed" and update.begin.dist["backend"] == "nccl" else None
+        pieces, receiver = message.pieces, update.receiver
+        receiver.accept_bucket(update, pieces, data_frames)
 
         def take_bytes() -> None:
-            if transport == "frames":
-                update.stage_frames(pieces, data_frames, message.checksum)
-                return
-            if transport == "torch.distributed":  # one broadcast per bucket, straight into its place in staging
-                assert dist_receiver is not None
-                try:
-                    dist_receiver.receive([] if span is None else [span], device or torch.device("cpu"))
-                except Exception as error:  # noqa: BLE001 - reported to the update, which is rejected
-                    raise UpdateRejected("bad_update", "dist", f"broadcast failed: {error}") from None
-            update.check_written(pieces, message.checksum)
+            receiver.take_bytes(update, update.begin, pieces, data_frames, message.checksum)
 
         def job() -> None:
             if update.ended:
@@ -342,8 +332,7 @@ class UpdateSlot:
         if update is None:
             return
         update.end(clean=False)
-        if update.begin.transport == "torch.distributed" and self._dist is not None:
-            self._dist.forget()
+        update.receiver.ended(update.begin, clean=False)
 
     def close(self) -> None:
         """At shutdown: conclude finished steps, reject what is open, stop the receiver, free staging."""
@@ -353,42 +342,6 @@ class UpdateSlot:
             self.reject(p.Error("internal", "the worker is shutting down", None))
         if last is not None and not last.jobs.join(SHUTDOWN_WAIT_S):
             logger.warning("weight update %s: its jobs did not end within %g s", last.update_id, SHUTDOWN_WAIT_S)
-        if self._dist is not None:
-            self._dist.close()
+        for receiver in self._receivers.values():
+            receiver.close()
         self._staging.close()
-
-
-def _check_dist_host(host: object, peer: str | None) -> None:
-    """torch.distributed makes the worker connect to `host`: only to the host the announcement came from (or to
-    this machine, when it came from this machine), so a message cannot aim the worker at a third party. The host
-    must be an IP address (no name lookup on the serving thread)."""
-    if not isinstance(host, str):
-        return  # the field check names a missing or mistyped host
-    try:
-        wanted = ipaddress.ip_address(host)
-    except ValueError:
-        raise UpdateRejected("bad_update", "dist.host", f"{host[:80]!r} is not an IP address") from None
-    if peer is not None and str(wanted) == peer.removeprefix("::ffff:"):
-        return
-    local_peer = peer is None or ipaddress.ip_address(peer.split("%")[0]).is_loopback  # ipc/inproc: this machine
-    if local_peer and _is_this_machine(str(wanted)):
-        return
-    raise UpdateRejected(
-        "bad_update",
-        "dist.host",
-        f"{host!r} is not the host this weights_begin came from ({peer or 'this machine'}); the worker only connects "
-        "back to it",
-    )
-
-
-def _is_this_machine(address: str) -> bool:
-    if ipaddress.ip_address(address.split("%")[0]).is_loopback:
-        return True
-    probe = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
-    try:
-        probe.bind((address, 0))  # only an address of one of this machine's interfaces can be bound
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()

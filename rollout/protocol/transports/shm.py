@@ -1,0 +1,71 @@
+"""Transport "shm": the worker's staging area is a shared-memory segment (named in weights_ready) that the trainer
+writes each bucket into, then sends the bucket's header; one copy, same host only. A trainer that cannot open the
+segment (another host) fails the push, or with transport "auto" falls back to frames."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from rollout.protocol.messages import TensorPiece, TensorSpec, WeightsBegin, WeightsBucket, WeightsReady
+from rollout.protocol.staging import attach_shared_memory, staging_layout
+from rollout.protocol.transports.base import Receiver, Sender, StagingArea, UpdateRejected, WeightTransport
+
+
+class ShmSender(Sender):
+    def __init__(self, push: Any):
+        super().__init__(push)
+        self._segments: dict[int, tuple[Any, torch.Tensor]] = {}  # per worker index: the segment and a view of it
+
+    def attach(self, link: Any, ready: WeightsReady, specs: list[TensorSpec]) -> None:
+        expected = staging_layout(specs)[1]
+        segment = attach_shared_memory(ready.shm_name or "")
+        if segment.size < expected:
+            segment.close()
+            raise OSError(f"segment of {segment.size} bytes, expected {expected}")
+        self._segments[link.index] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8))
+
+    def send_bucket(
+        self, link: Any, header: WeightsBucket, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]
+    ) -> Any:
+        staging = self._segments[link.index][1]
+        for index, offset, data in bucket:
+            start = offsets[index] + offset
+            staging[start : start + data.numel()].copy_(data)
+        self.push.channel.send(link.index, header)
+        return None
+
+    def close(self) -> None:
+        for index in list(self._segments):
+            self._release(index)
+
+    def _release(self, index: int) -> None:
+        kept = self._segments.pop(index, None)
+        if kept is not None:
+            segment, view = kept
+            del view, kept  # the segment's buffer stays exported while a view of it lives
+            with contextlib.suppress(BufferError):
+                segment.close()
+
+
+class ShmReceiver(Receiver):
+    # The client may still write into the segment when the worker rejects its update: the segment is dropped.
+    staging_reusable_after_abort = False
+
+    def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor | None, tuple[Any, torch.Tensor] | None]:
+        try:
+            return None, pool.shared(nbytes)
+        except OSError as error:
+            raise UpdateRejected("bad_update", "transport", f"cannot create a shared-memory segment: {error}") from None
+
+    def take_bytes(
+        self, area: StagingArea, begin: WeightsBegin, pieces: list[TensorPiece], frames: list, checksum: int | None
+    ) -> None:
+        """The trainer wrote the pieces in place: check them against the checksum and count them."""
+        area.verify(pieces, area.staging_views(pieces), checksum)
+        area.mark_received(pieces)
+
+
+TRANSPORT = WeightTransport("shm", ShmSender, ShmReceiver)
