@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request
 from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
@@ -242,7 +243,7 @@ class ColocatedEngine:
                     raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
                 if sampling.prompt_logprobs is not None:  # a Completion has no field for them: refused, not dropped
                     raise FieldError("prompt_logprobs", "are not carried in a GroupResult yet")
-                requests.append(self.engine.intake.prepare(group_id, group.prompt_ids, sampling, group.n))
+                requests.append(self.engine.intake.prepare(GroupSpec(group_id, group.prompt_ids, sampling, group.n)))
             except FieldError as error:
                 # The worker's names: a sampling setting is "sampling.<field>".
                 field = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field

@@ -18,6 +18,7 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.counters import engine_stats, log_leaks
 from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import RequestIntake
 from rollout.engine.requests.outputs import GenerationOutput, progress_output
 from rollout.engine.requests.request import Request, RequestStatus, sample_id
@@ -150,9 +151,8 @@ class Engine(EngineWeights):
         Raises:
             ValueError: bad input (names the field).
         """
-        request = self.intake.prepare(
-            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
-        )
+        spec = GroupSpec(group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter)
+        request = self.intake.prepare(spec)
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.manager.commands import AddGroup, CancelGroup, Command
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 
 if TYPE_CHECKING:
@@ -147,7 +148,9 @@ class ManagerRequests:
             try:
                 requests.append(
                     self.engine.intake.prepare(
-                        group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
+                        GroupSpec(
+                            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter
+                        )
                     )
                 )
             except FieldError as error:

@@ -18,6 +18,7 @@ from rollout.constraints import constraint_of
 from rollout.detokenizer import OutputText
 from rollout.engine.grammar.constraints import Constrained, Grammars
 from rollout.engine.requests.adapter_ref import AdapterRef
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
@@ -137,30 +138,28 @@ class RequestIntake:
             )
             raise FieldError("stop", reason)
 
-    def prepare(
-        self,
-        group_id: str,
-        prompt_ids: Any,
-        sampling: SamplingParams | None = None,
-        n: int | None = None,
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        record_timestamps: bool = False,
-        adapter: str | None = None,
-    ) -> Request:
-        """Validate a request and resolve its defaults without queueing it (reads no mutable engine state, so any
+    def prepare(self, spec: GroupSpec) -> Request:
+        """Validate a group and resolve its defaults without queueing it (reads no mutable engine state, so any
         thread may call it). `submit` queues the result.
 
-        Args: as for `add_request`.
+        Args:
+            spec: the group as asked for.
         Returns:
             The group's leader `Request` (it forks the other n - 1 samples once its prompt is computed).
         Raises:
             ValueError: bad input, naming the field.
         """
+        group_id, sampling, n, max_new_tokens, adapter = (
+            spec.group_id,
+            spec.sampling,
+            spec.n,
+            spec.max_new_tokens,
+            spec.adapter,
+        )
         if not isinstance(group_id, str) or not group_id or "#" in group_id:
             reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
             raise FieldError("group_id", reason)
-        prompt = as_prompt(prompt_ids)
+        prompt = as_prompt(spec.prompt_ids)
         sampling = self.resolve_sampling(sampling)
         n = self.default_n if n is None else n
         if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
@@ -193,9 +192,9 @@ class RequestIntake:
             seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
             arrival=0,
             num_forks=n - 1,
-            streaming=streaming,
+            streaming=spec.streaming,
             created_time=time.perf_counter(),
-            token_times=[] if record_timestamps else None,
+            token_times=[] if spec.record_timestamps else None,
             stop_text=self._stop_text(prompt, sampling),
             prompt_logprobs=[None] if scoring else None,
             prompt_top_logprobs=[None] if scoring else None,
