@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -16,8 +15,9 @@ import torch
 
 from rollout import protocol as p
 from rollout.config import dtype_name
-from rollout.protocol.dist import broadcast, host_towards, make_process_group, make_store, shutdown_group
-from rollout.protocol.staging import DTYPES, attach_shared_memory, bucket_checksum, bucket_span, staging_layout
+from rollout.protocol.staging import DTYPES, bucket_checksum, staging_layout
+from rollout.protocol.transports import transport_named
+from rollout.protocol.transports.base import Sender, UpdateRejected
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.weights.gathering import Entry, as_wire_bytes
@@ -68,8 +68,7 @@ class WeightPush:
         self.links = [PushLink(index, client.worker_address(index)) for index in client.wait_connected()]
         self.lost: list[PushLink] = []  # links of workers lost during the push (their segments are closed at the end)
         self.fetched = 0  # entries gathered so far (the rest are gathered by close() on failure)
-        self.group: Any = None  # torch.distributed group for this push
-        self.store: Any = None  # its rendezvous store, hosted here
+        self.senders: dict[str, Sender] = {}  # the transports this push uses, by name (`sender`)
 
     # ---- the phases -------------------------------------------------------------------------------------------
     def run(self) -> PushResult:
@@ -87,6 +86,8 @@ class WeightPush:
             raise RolloutError(
                 error.code, f"worker {failure.link.address} rejected the weight update: {error.message}", error.field
             ) from None
+        except UpdateRejected as refused:  # this side's half of the transport could not go on
+            raise RolloutError(refused.code, refused.reason, refused.field) from None
         total_bytes = staging_layout(specs)[1]
         versions = {result["version"] for result in results}
         if len(versions) != 1:
@@ -137,16 +138,12 @@ class WeightPush:
         return specs
 
     def _begin(self, specs: list[p.TensorSpec]) -> None:
-        dist_fields: dict[str, Any] = {}
-        if self.transport == "torch.distributed":
-            dist_fields = self._dist_fields()
         small = staging_layout(specs)[1] <= self.bucket_bytes
-        for link in self.links:
+        for rank, link in enumerate(self.links, start=1):
             link.transport = ("frames" if small else "shm") if self.transport == "auto" else self.transport
-            fields = dict(dist_fields, rank=1 + self.links.index(link)) if dist_fields else {}
-            self._send_begin(link, specs, fields)
-        if self.transport == "torch.distributed":
-            self._join_group(dist_fields)
+            self._send_begin(link, specs, self.sender(link.transport).begin_fields(rank))
+        for sender in list(self.senders.values()):
+            sender.joined()
         deadline = time.monotonic() + self.timeout
         while not all(link.ready is not None for link in self.links):
             try:
@@ -159,12 +156,24 @@ class WeightPush:
                 self._send_begin(link, specs, {})
                 continue
             for link in self.links:
-                if link.ready is not None and link.transport == "shm" and link.segment is None:
+                if link.ready is not None and not link.attached:
                     self._attach(link, specs)
+
+    def sender(self, transport: str) -> Sender:
+        """This push's sender of `transport` (a known name), made at its first use."""
+        if transport not in self.senders:
+            self.senders[transport] = transport_named(transport).sender(self)
+        return self.senders[transport]
+
+    def watch_replies(self, seconds: float) -> None:
+        """Read the workers' replies for up to `seconds` (a refusal raises `WorkerFailed`)."""
+        with contextlib.suppress(NoReply):
+            self._receive(seconds, "weights_ready", quiet=True)
 
     def _send_begin(self, link: PushLink, specs: list[p.TensorSpec], dist_fields: dict[str, Any]) -> None:
         link.open = True
         link.ready = None
+        link.attached = False
         begin = p.WeightsBegin(
             self.update_id,
             specs,
@@ -185,15 +194,13 @@ class WeightPush:
         self.channel.send(link.index, begin)
 
     def _attach(self, link: PushLink, specs: list[p.TensorSpec]) -> None:
-        """Open the worker's staging segment; where that fails (another host), fall back to frames."""
-        expected = staging_layout(specs)[1]
+        """Reach the worker's staging (shm: open its segment); where that fails (another host), fall back to
+        frames with transport "auto"."""
+        assert link.ready is not None
         try:
-            segment = attach_shared_memory(link.ready.shm_name)
-            if segment.size < expected:
-                segment.close()
-                raise OSError(f"segment of {segment.size} bytes, expected {expected}")
+            self.sender(link.transport).attach(link, link.ready, specs)
         except OSError as error:
-            if self.transport == "shm":
+            if self.transport != "auto":
                 raise RolloutError(
                     "bad_update", f"cannot open {link.address}'s shared memory: {error}", "transport"
                 ) from None
@@ -202,64 +209,17 @@ class WeightPush:
             link.transport = "frames"
             self._send_begin(link, specs, {})
             return
-        link.segment = segment
-        link.staging = torch.frombuffer(segment.buf, dtype=torch.uint8)
-
-    def _join_group(self, fields: dict[str, Any]) -> None:
-        """Join the push's process group as rank 0. The workers join on receiving their begin; a worker that
-        refuses the begin never joins, so its refusal is watched for meanwhile and raised at once."""
-        outcome: list[BaseException | Any] = []
-
-        def join() -> None:
-            try:
-                outcome.append(
-                    make_process_group(
-                        self.store, fields["group"], 0, fields["world_size"], self.dist_backend, self.timeout
-                    )
-                )
-            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-                outcome.append(error)
-
-        # Not a daemon: a join abandoned by a refused push runs until its own deadline (`timeout`), and an interpreter
-        # that exits meanwhile waits for it; a daemon thread inside torch's rendezvous at exit aborts the process.
-        thread = threading.Thread(target=join, name="rollout-weights-join", daemon=False)
-        thread.start()
-        deadline = time.monotonic() + self.timeout
-        while thread.is_alive() and time.monotonic() < deadline:
-            with contextlib.suppress(NoReply):
-                self._receive(0.05, "weights_ready", quiet=True)
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if not outcome or isinstance(outcome[0], BaseException):
-            reason = outcome[0] if outcome else f"no rendezvous within {self.timeout:g} s"
-            raise RolloutError("dist", f"the workers did not join the torch.distributed group: {reason}")
-        self.group = outcome[0]
-
-    def _dist_fields(self) -> dict[str, Any]:
-        """A new rendezvous store and group key for this push (a group is never reused: a worker that restarted,
-        or another trainer's push in between, would leave a kept one dangling)."""
-        try:
-            host = self.dist_host or host_towards([link.address for link in self.links])
-        except ValueError as error:
-            raise RolloutError("bad_update", str(error), "dist_host") from None
-        self.store = make_store(host, 0, 1 + len(self.links), True, self.timeout)
-        world_size, group = 1 + len(self.links), uuid.uuid4().hex
-        return {
-            "host": host,
-            "port": self.store.port,
-            "world_size": world_size,
-            "rank": 1,
-            "backend": self.dist_backend,
-            "group": group,
-        }
+        link.attached = True
 
     def _send_buckets(self, specs: list[p.TensorSpec]) -> None:
         offsets, _ = staging_layout(specs)
+        on_device = all(self.sender(link.transport).bytes_on_device for link in self.links)
         bucket: list[tuple[int, int, torch.Tensor]] = []  # (tensor index, byte offset in the tensor, bytes)
         used = 0
         for index, (entry, spec) in enumerate(zip(self.entries, specs)):
             tensor = entry.fetch()
             self.fetched += 1
-            data = as_wire_bytes(tensor, DTYPES[spec.dtype], self.transport == "torch.distributed")
+            data = as_wire_bytes(tensor, DTYPES[spec.dtype], on_device)
             start = 0
             while start < data.numel() or (data.numel() == 0 and start == 0):
                 take = min(self.bucket_bytes - used, data.numel() - start)
@@ -285,24 +245,9 @@ class WeightPush:
             self._wait(lambda link=link: link not in self.links or len(link.pending) < _WINDOW, self.timeout, "ack")
             if link not in self.links:
                 continue
-            if link.transport == "frames":
-                cpu = [data.cpu() for _, _, data in bucket]
-                self.channel.send(link.index, header, [memoryview(d.numpy()) for d in cpu])
-                link.pending.append(cpu)
-            elif link.transport == "shm":
-                for index, offset, data in bucket:
-                    start = offsets[index] + offset
-                    link.staging[start : start + data.numel()].copy_(data)
-                self.channel.send(link.index, header)
-                link.pending.append(None)
-            else:
-                self.channel.send(link.index, header)
-                link.pending.append(None)
-        if self.transport == "torch.distributed":
-            try:  # one broadcast per bucket, straight into its place in the workers' staging areas
-                broadcast(self.group, bucket_span(bucket, offsets))
-            except Exception as error:  # noqa: BLE001 - e.g. a worker died mid-broadcast
-                raise RolloutError("dist", f"broadcast to the workers failed: {error}") from None
+            link.pending.append(self.sender(link.transport).send_bucket(link, header, bucket, offsets))
+        for sender in list(self.senders.values()):
+            sender.bucket_sent(bucket, offsets)
 
     def _commit(self) -> list[dict[str, Any]]:
         for link in self.links:
@@ -354,7 +299,8 @@ class WeightPush:
         if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
             if not any(link.index == index for link in self.links):
                 return  # not one of this push's workers (or already dropped)
-            if self.transport == "torch.distributed":  # its process group counts on every worker: it cannot
+            lost = next(link for link in self.links if link.index == index)
+            if not self.sender(lost.transport).survives_a_lost_worker:  # e.g. a process group needs every worker
                 raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update")
             self.lost += [link for link in self.links if link.index == index]
             self.links = [link for link in self.links if link.index != index]
@@ -386,15 +332,11 @@ class WeightPush:
             if link.open:
                 self.channel.send(link.index, p.WeightsAbort(self.update_id))
             link.pending.clear()
-            link.staging = None
-            if link.segment is not None:
-                with contextlib.suppress(BufferError):
-                    link.segment.close()
         if self.adapter is not None and self.adapter.base_included is None:  # failed before choosing: no base
             self.entries = self.adapter.choose(False)
         for entry in self.entries[self.fetched :]:
             entry.fetch()
         self.fetched = len(self.entries)
-        shutdown_group(self.group)  # now, not at a collection: its sockets would hold the process a minute at exit
-        self.group = self.store = None
+        for sender in self.senders.values():  # now, not at a collection (a group's sockets, a mapped segment)
+            sender.close()
         self.channel.close()

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from rollout import protocol as p
 
@@ -24,8 +21,7 @@ class PushLink:
     ready: p.WeightsReady | None = None
     committed: p.WeightsCommitted | None = None
     open: bool = False  # begun, neither committed nor rejected
-    segment: Any = None  # shm transport: the attached SharedMemory
-    staging: torch.Tensor | None = None  # shm transport: a uint8 view of the segment
+    attached: bool = False  # its transport reached the worker's staging (`Sender.attach`) since its last begin
     pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
 
 

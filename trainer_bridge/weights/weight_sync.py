@@ -40,6 +40,7 @@ import torch
 
 from rollout import protocol as p
 from rollout.config import WEIGHT_UPDATE_MODES
+from rollout.protocol.transports import TRANSPORTS
 from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient
 from trainer_bridge.weights.adapter_mode import ADAPTER_MODES, push_mode
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["PushResult", "iter_weights", "push_weights", "weight_specs"]
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-TRANSPORTS = ("auto", *p.WEIGHT_TRANSPORTS)  # auto: shm on the worker's host, else frames
 
 
 def push_weights(
@@ -103,8 +103,9 @@ def push_weights(
     """
     if mode not in WEIGHT_UPDATE_MODES:
         raise ValueError(f"mode must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {transport!r}")
+    transports = ["auto", *TRANSPORTS]  # auto: shm on the worker's host (frames for an update of one bucket)
+    if transport not in transports:
+        raise ValueError(f"transport must be one of {transports}, got {transport!r}")
     if not isinstance(bucket_bytes, int) or not 1 <= bucket_bytes <= p.MAX_FRAME_BYTES:
         raise ValueError(f"bucket_bytes must be in [1, {p.MAX_FRAME_BYTES}], got {bucket_bytes!r}")
     if not timeout > 0:

@@ -21,7 +21,9 @@ class ShmSender(Sender):
 
     def attach(self, link: Any, ready: WeightsReady, specs: list[TensorSpec]) -> None:
         expected = staging_layout(specs)[1]
-        segment = attach_shared_memory(ready.shm_name or "")
+        if not ready.shm_name:
+            raise OSError("the worker named no shared-memory segment")
+        segment = attach_shared_memory(ready.shm_name)
         if segment.size < expected:
             segment.close()
             raise OSError(f"segment of {segment.size} bytes, expected {expected}")
