@@ -155,3 +155,25 @@ def test_partial_rollouts_settings_are_refused_by_name(client):
         AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True, max_partial_rounds=1)
     with pytest.raises(ValueError, match="partial_overprovision must be"):
         AsyncRollouts(client, [], GROUPS_PER_STEP, max_staleness=1, partial_rollouts=True, partial_overprovision=2)
+
+
+def test_one_staleness_rule_for_every_mode():
+    """The gate every mode shares (AsyncRollouts, its partial rollouts, TRL's async and partial modes): a group older
+    than allowed is generated again once under "regenerate", kept under "is_correct", and a group still too old after
+    being generated again is an error naming the versions, never another round."""
+    from rollout.protocol import Completion, GroupResult
+    from trainer_bridge.staleness import StalenessGate
+
+    def result(version: int) -> GroupResult:
+        completion = Completion(
+            0, [5, 6], [-0.1, -0.2], "length", policy_versions=[[version, 0]], kv_version_min=version
+        )
+        return GroupResult("g", [1, 2], [completion])
+
+    gate = StalenessGate(oldest_allowed=3, stale_policy="regenerate", hint=" (hint)")
+    assert not gate.must_regenerate("fresh", result(3))
+    assert gate.must_regenerate("old", result(2)) and gate.regenerated == {"old"}
+    with pytest.raises(RolloutError, match=r"older than version 3 \(the workers serve version 2\).*\(hint\)"):
+        gate.must_regenerate("old", result(2))
+    kept = StalenessGate(oldest_allowed=3, stale_policy="is_correct")
+    assert not kept.must_regenerate("old", result(0)) and not kept.regenerated

@@ -8,10 +8,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError, oldest_version, sample_oldest_version
+from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
-
-STALE_POLICIES = ("regenerate", "is_correct")
+from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
 
 
 @dataclass
@@ -154,24 +153,15 @@ class AsyncRollouts:
             if wanted.stop > self._num_taken:
                 self.close()
                 raise StopIteration
-            regenerated: set[int] = set()
-            oldest_allowed = self.base_version + self.step - self.max_staleness
+            gate = self._staleness_gate()
             while True:
                 self._collect_until(wanted)
-                stale = [i for i in wanted if oldest_version(self._results[i]) < oldest_allowed]
-                if not stale or self.stale_policy == "is_correct":
+                stale = [i for i in wanted if gate.must_regenerate(i, self._results[i])]
+                if not stale:
                     break
-                if regenerated & set(stale):  # sent after the newest push and still too old: it would never end
-                    version = oldest_version(self._results[stale[0]])
-                    raise RolloutError(
-                        "stale",
-                        f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers still serve "
-                        f"version {version}: push weights with version=version_after(step) after each optimizer step",
-                    )
                 for index in stale:  # generated again under newer weights, in the same slot (same prompt and seed)
                     del self._results[index]
                     self._send(index)
-                regenerated.update(stale)
         except BaseException:
             self.close()
             raise
@@ -180,9 +170,14 @@ class AsyncRollouts:
             del self._slot_of[self._slots.pop(index).group_id]
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
-        batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started)
+        batch = RolloutBatch(self.step, groups, lags, len(gate.regenerated), time.perf_counter() - started)
         self.step += 1
         return batch
+
+    def _staleness_gate(self) -> StalenessGate:
+        """This step's check of its groups' age."""
+        hint = f" (step {self.step}): push weights with version=version_after(step) after each optimizer step"
+        return StalenessGate(self.base_version + self.step - self.max_staleness, self.stale_policy, hint)
 
     def version_after(self, step: int) -> int:
         """The policy version to push after training on step `step`'s batch."""
@@ -214,19 +209,10 @@ class AsyncRollouts:
             if len(pool) < self.groups_per_step:
                 self.close()
                 raise StopIteration
-            oldest_allowed = self.base_version + self.step - self.max_staleness
-            regenerated: set[int] = set()
+            gate = self._staleness_gate()
             while True:
                 for index, result in pool.completed():
-                    if self.stale_policy == "regenerate" and oldest_version(result) < oldest_allowed:
-                        if index in regenerated:
-                            raise RolloutError(
-                                "stale",
-                                f"step {self.step} needs weights of version >= {oldest_allowed}, but the workers "
-                                f"still serve version {oldest_version(result)}: push weights with "
-                                "version=version_after(step) after each optimizer step",
-                            )
-                        regenerated.add(index)
+                    if gate.must_regenerate(index, result):
                         self._send(index)
                         pool.resent(index, self.step)
                 taken = pool.take(self.step)
@@ -242,7 +228,7 @@ class AsyncRollouts:
         groups = [result for _, result, _ in taken]
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
-        batch = RolloutBatch(self.step, groups, lags, len(regenerated), time.perf_counter() - started, carried)
+        batch = RolloutBatch(self.step, groups, lags, len(gate.regenerated), time.perf_counter() - started, carried)
         self.step += 1
         return batch
 

@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
+from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.generation import RolloutGeneration
 
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
@@ -139,22 +139,16 @@ class AsyncRolloutGeneration(RolloutGeneration):
             sent = [self._send(group) for group in groups]
         if self.trainer.model.training:
             self._send_ahead()  # the next rounds run while this one is waited for and trained on
-        oldest_allowed = self.base_version + self.trainer.state.global_step - self.max_staleness
-        regenerated: set[int] = set()
+        gate = StalenessGate(self.base_version + self.trainer.state.global_step - self.max_staleness, self.stale_policy)
         while True:
             results = self._wait([g.group_id for g in sent])
-            stale = [i for i, r in enumerate(results) if oldest_version(r) < oldest_allowed]
-            if not stale or self.stale_policy == "is_correct":
+            stale = [i for i, result in enumerate(results) if gate.must_regenerate(i, result)]
+            if not stale:
                 break
-            if regenerated & set(stale):
-                raise RolloutError(
-                    "stale", f"a group regenerated now is still older than version {oldest_allowed}: the workers lag"
-                )
             for i in stale:
                 sent[i] = self._send(sent[i])
-            regenerated.update(stale)
         waited = time.perf_counter() - started
-        self._log({"rollout/stale_regenerated": float(len(regenerated)), "rollout/wait_s": waited})
+        self._log({"rollout/stale_regenerated": float(len(gate.regenerated)), "rollout/wait_s": waited})
         self._log_worker_idle()
         return [dataclasses.replace(result, group_id=group.group_id) for result, group in zip(results, groups)]
 

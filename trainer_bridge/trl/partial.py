@@ -24,9 +24,9 @@ import queue
 import time
 from typing import Any
 
-from trainer_bridge.calls import oldest_version
 from trainer_bridge.client import PromptGroup, RolloutError
 from trainer_bridge.partial_rounds import PartialRounds
+from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
 from trainer_bridge.trl.generation import RolloutRows
 
@@ -75,9 +75,8 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         if self.pool is None:
             self.pool = PartialRounds(len(rows) // n, self.max_partial_rounds, self.partial_overprovision)
         self._top_up(n)
-        oldest_allowed = self.base_version + trainer.state.global_step - self.max_staleness
-        regenerated: set[GroupKey] = set()
-        while (taken := self._take(oldest_allowed, regenerated)) is None:
+        gate = StalenessGate(self.base_version + trainer.state.global_step - self.max_staleness, self.stale_policy)
+        while (taken := self._take(gate)) is None:
             self._collect_one()
         carried = sum(1 for _, _, sent in taken if sent < self._rounds)
         self._rounds += 1
@@ -91,7 +90,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         self._log(
             {
                 "rollout/partial_carried_over": float(carried),
-                "rollout/stale_regenerated": float(len(regenerated)),
+                "rollout/stale_regenerated": float(len(gate.regenerated)),
                 "rollout/wait_s": time.perf_counter() - started,
             }
         )
@@ -168,19 +167,13 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         self._sent[key] = call.group
         self._key_of[call.group.group_id] = key
 
-    def _take(self, oldest_allowed: int, regenerated: set[GroupKey]) -> list | None:
+    def _take(self, gate: StalenessGate) -> list | None:
         """The round's groups if they can be taken now; stale complete groups are sent again first."""
         pool = self.pool
         assert pool is not None
-        if self.stale_policy == "regenerate":
-            for key, result in pool.completed():
-                if oldest_version(result) < oldest_allowed:
-                    if key in regenerated:
-                        raise RolloutError(
-                            "stale", f"a group regenerated now is still older than version {oldest_allowed}"
-                        )
-                    regenerated.add(key)
-                    self._resend(key)
+        for key, result in pool.completed():
+            if gate.must_regenerate(key, result):
+                self._resend(key)
         return pool.take(self._rounds)
 
     def _resend(self, key: GroupKey) -> None:

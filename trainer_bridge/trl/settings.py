@@ -6,6 +6,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from trainer_bridge.staleness import STALE_POLICIES
+
 ROLLOUT_MODES = ("server", "colocate")
 
 
@@ -15,8 +17,8 @@ def check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_fu
         raise ValueError("max_staleness > 0 needs push mode 'keep' or 'recompute' (rounds sent ahead are in flight)")
     if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
         raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
-    if stale_policy not in ("regenerate", "is_correct"):
-        raise ValueError(f"stale_policy must be 'regenerate' or 'is_correct', got {stale_policy!r}")
+    if stale_policy not in STALE_POLICIES:
+        raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
     if max_staleness and mode != "server":
         raise ValueError("max_staleness > 0 needs rollout_mode='server' (colocated generation shares the GPU)")
     if max_staleness and rollout_func is not None:
