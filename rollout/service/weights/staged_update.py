@@ -26,7 +26,7 @@ from rollout.protocol.staging import (
     staging_layout,
     tensor_nbytes,
 )
-from rollout.protocol.transports import WEIGHT_TRANSPORTS
+from rollout.protocol.transports import TRANSPORTS
 from rollout.protocol.transports.base import Receiver, UpdateRejected
 from rollout.service.weights.adapter_checks import BaseMismatch, check_adapter_fields
 from rollout.service.weights.jobs import SerialJobs
@@ -99,8 +99,8 @@ class StagedUpdate:
     def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
         if begin.mode not in WEIGHT_UPDATE_MODES:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
-        if begin.transport not in WEIGHT_TRANSPORTS:
-            raise UpdateRejected("bad_update", "transport", f"must be one of {list(WEIGHT_TRANSPORTS)}")
+        if begin.transport not in TRANSPORTS:
+            raise UpdateRejected("bad_update", "transport", f"must be one of {list(TRANSPORTS)}")
         if not 0 < begin.timeout_s <= max_phase_s:
             raise UpdateRejected(
                 "bad_update", "timeout_s", f"must be in (0, {max_phase_s:g}] seconds (the worker's limit)"
