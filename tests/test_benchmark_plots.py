@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.benchmarks import cli, isolated, plots
+from rollout.benchmarks import cli, plots
 from rollout.benchmarks.grpo import grpo_step, long_tail
+from rollout.benchmarks.harness import isolated
 from rollout.benchmarks.throughput import systems, throughput
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

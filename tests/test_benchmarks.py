@@ -6,8 +6,8 @@ import json
 import time
 
 from rollout.benchmarks import cli
-from rollout.benchmarks.gpu_report.figures import SectionResult
 from rollout.benchmarks.gpu_report.table import rows
+from rollout.benchmarks.harness.section_run import SectionResult
 
 
 def _report_rows(name: str, summary: dict) -> dict:
@@ -61,8 +61,8 @@ def test_a_baseline_cut_short_reports_what_it_finished():
     gpu-report gives the ratio against it no verdict. `generate_batch` past its deadline stops and returns its
     finished requests only."""
 
+    from rollout.benchmarks.harness.workloads import WORKLOADS, make_workload
     from rollout.benchmarks.throughput.systems import measure_system, run_transformers_generate
-    from rollout.benchmarks.workloads import WORKLOADS, make_workload
 
     workload = WORKLOADS["cpu-small"]
     model, prompts, max_new = make_workload(workload)

@@ -19,8 +19,8 @@ from rollout.service.http.api.answer_size import MAX_ANSWER_TOKENS, check_answer
 from rollout.service.http.api.openai_fields import GenerationRequest
 from rollout.service.http.api.prompts import MAX_TOOLS
 from rollout.service.http.api.template_inputs import MAX_TEMPLATE_VARIABLES
+from rollout.service.http.errors import APIError
 from rollout.service.http.serving.bodies import ReceiveBudget
-from rollout.service.http.serving.errors import APIError
 from rollout.service.http.serving.settings import MAX_BODY_CONTAINERS, MAX_BODY_ELEMENTS, MAX_BODY_STRINGS, HttpSettings
 from service_helpers import Worker, free_port
 from serving_watch import watches

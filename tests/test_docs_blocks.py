@@ -36,7 +36,7 @@ from rollout.benchmarks.cli import build_parser as bench_parser
 from rollout.eval.cli import build_parser as eval_parser
 from rollout.eval.cli import main as eval_main
 from rollout.protocol.auth import build_keygen_parser, keygen_main
-from rollout.service.launch import address_checks
+from rollout.service import address_checks
 from rollout.service.launch.cli import build_parser as worker_parser
 from rollout.service.launch.startup import check_flags
 from service_helpers import Worker

@@ -1,11 +1,11 @@
-"""The compile slots' fair queue (rollout/service/zmq/fair_queue.py): clients take turns, each holds at most its share
+"""The compile slots' fair queue (rollout/service/compile/fair_queue.py): clients take turns, each holds at most its share
 of slots, and each client's queue and the whole queue are bounded."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout.service.zmq.fair_queue import FairQueue, QueueBusy
+from rollout.service.compile.fair_queue import FairQueue, QueueBusy
 
 
 def drain_order(queue: FairQueue) -> list[str]:

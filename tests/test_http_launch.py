@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
+from rollout.service.address_checks import check_metrics_address
 from rollout.service.http.serving.launch import check_http_address
-from rollout.service.launch.address_checks import check_metrics_address
 from rollout.service.launch.cli import build_parser
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.benchmarks.isolated import run_system
+from rollout.benchmarks.harness.isolated import run_system
 
 SYSTEMS = textwrap.dedent(
     """
@@ -98,7 +98,7 @@ def test_a_system_ends_with_the_process_that_runs_it(fake_benchmark, tmp_path):
     `finally` runs: SIGKILL, a device's time limit), the runner still takes the system down with it."""
     pid_file = tmp_path / "system.pid"
     code = (
-        "from rollout.benchmarks.isolated import run_system\n"
+        "from rollout.benchmarks.harness.isolated import run_system\n"
         f"run_system({fake_benchmark!r}, 'hang', {{'seconds': 600, 'pid_file': {str(pid_file)!r}}}, 600)"
     )
     runner = subprocess.Popen([sys.executable, "-c", code])

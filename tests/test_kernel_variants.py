@@ -25,8 +25,8 @@ from test_parity import GREEDY  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from conftest import make_engine  # noqa: E402
+from rollout.benchmarks.harness.workloads import WORKLOADS  # noqa: E402
 from rollout.benchmarks.kernels.variants import KERNELS, Launch, as_jit_function, specialize  # noqa: E402
-from rollout.benchmarks.workloads import WORKLOADS  # noqa: E402
 from rollout.engine.attention import triton_kernel as triton_attention  # noqa: E402
 from rollout.engine.runner.cuda_graphs import DecodeGraphs  # noqa: E402
 

@@ -116,6 +116,33 @@ def test_no_import_circle_between_modules():
     assert not circles, circles[:5]
 
 
+def test_no_import_circle_between_folders():
+    """Each folder is a subsystem: its modules may use a folder above or beside it, but no two folders use each
+    other, directly or around a circle (a package's own files are the base its subfolders build on)."""
+    folder_of = {name: str(path.parent.relative_to(ROOT)) for name, path in modules().items()}
+    edges: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        if modules()[name].name == "__init__.py":
+            continue
+        for target in targets:
+            if modules()[target].name != "__init__.py" and folder_of[target] != folder_of[name]:
+                edges.setdefault(folder_of[name], set()).add(folder_of[target])
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            folder = todo.pop()
+            if folder == goal:
+                return True
+            if folder not in seen:
+                seen.add(folder)
+                todo.extend(edges.get(folder, ()))
+        return False
+
+    circles = sorted((a, b) for a, targets in edges.items() for b in targets if reaches(b, a))
+    assert not circles, circles
+
+
 @pytest.mark.parametrize(
     ("layer", "forbidden"),
     [

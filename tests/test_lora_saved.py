@@ -154,7 +154,7 @@ def test_pushes_of_models_with_saved_modules():
     module another adapter saves; an adapter-only push of an adapter saving the output head sends the head's copy,
     one saving a module workers cannot serve unmerged (a norm) is refused up front."""
     from rollout.config import FieldError
-    from trainer_bridge.weights.gathering import peft_entries
+    from trainer_bridge.gathering import peft_entries
     from trainer_bridge.weights.lora_push import adapter_push
 
     base = tiny_model("qwen3", seed=5)

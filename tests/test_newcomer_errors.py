@@ -277,7 +277,7 @@ def test_an_ipv6_loopback_http_address_is_probed_as_ipv6():
     """`--http [::1]:PORT` reaches the port check as `::1`, which an IPv4 probe could not bind."""
     import argparse
 
-    from rollout.service.launch.address_checks import check_bind
+    from rollout.service.address_checks import check_bind
 
     if not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")

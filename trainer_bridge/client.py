@@ -40,7 +40,7 @@ from trainer_bridge.commands import (
     Submit,
 )
 from trainer_bridge.dispatcher import Dispatcher
-from trainer_bridge.weights.update_channel import UpdateChannel
+from trainer_bridge.update_channel import UpdateChannel
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS
 from trainer_bridge.calls import GroupResult, PromptGroup
-from trainer_bridge.weights.gathering import gathered
+from trainer_bridge.gathering import gathered
 
 __all__ = ["ColocatedEngine"]
 

@@ -1,10 +1,8 @@
 """`rollout-bench`: benchmark workloads, each printing a table and, last, one line of JSON.
 
-- `cli.py`: the subcommands and their flags (free of torch; names from `choices.py`); `commands.py` runs the parsed
-  one;
-- `workloads.py`: the throughput workloads' shapes and prompts; `isolated.py`: a benchmarked system in a process of
-  its own; `worker_probe.py`: a benchmark's `rollout-worker` subprocess; `stub_model.py`: a model with its forward
-  stubbed; `progress.py`: progress lines; `plots.py`: `--plot`;
+- `cli.py`: the subcommands and their flags (free of torch); `commands.py` runs the parsed one; `plots.py`: `--plot`;
+- `harness/`: what every benchmark runs on (workloads, a system in a process of its own, a worker subprocess,
+  progress lines, the parser's names);
 - `throughput/`: tokens/s against transformers and vLLM, host time per step, logprob fidelity;
 - `grpo/`: whole GRPO steps, the long tail, MoE routing replay;
 - `service/`: the socket's cost, weight pushes, agents on a fleet, Ray fleets;

@@ -10,12 +10,12 @@ import threading
 # Only modules free of torch here: the parser builds, and --help and flag errors answer, at once. The benchmarks
 # themselves load in commands.py, imported once the flags parse.
 from rollout.benchmarks import load, plots
-from rollout.benchmarks.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES
 from rollout.benchmarks.gpu_report import report as gpu_report
 from rollout.benchmarks.grpo import grpo_step
 from rollout.benchmarks.grpo.long_tail_flags import add_arguments as add_long_tail_arguments
+from rollout.benchmarks.harness.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES
+from rollout.benchmarks.harness.workloads import WORKLOADS
 from rollout.benchmarks.structured.structured_flags import add_arguments as add_structured_arguments
-from rollout.benchmarks.workloads import WORKLOADS
 from rollout.cli_parser import CliParser
 from rollout.config import MODEL_DTYPE_NAMES
 from rollout.process_groups import interrupt_on_signals

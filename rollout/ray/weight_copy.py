@@ -85,7 +85,7 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
         ValueError: no plan exists (`plan_copy`). RolloutError: a transaction failed.
     """
     from rollout.engine.lora.adapter_weights import to_named_tensors
-    from trainer_bridge.weights.gathering import Entry, entries_of
+    from trainer_bridge.gathering import Entry, entries_of
     from trainer_bridge.weights.lora_push import AdapterPush
     from trainer_bridge.weights.weight_sync import push_weights
 

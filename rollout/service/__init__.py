@@ -7,6 +7,7 @@ and to OpenAI clients over HTTP. Its subsystems, in the order a worker runs them
 - `compile/`: structured-output constraints compiled off the serving loop, within a budget;
 - `weights/`: weight updates as transactions (staged, checked, committed);
 - `observability/`: Prometheus metrics and OpenTelemetry traces;
-- `group_counters.py` (groups received, refused, finished: both front ends count into it) and `loopback_hosts.py`
-  (the Host headers a loopback-only server answers).
+- what several of them share: `address_checks.py` (the addresses a worker will listen on, checked before anything
+  loads), `group_counters.py` (groups received, refused, finished: both front ends count into it) and
+  `loopback_hosts.py` (the Host headers a loopback-only server answers).
 """

@@ -18,7 +18,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.peft_adapters import active_adapter_name, check_peft_config, is_peft_model, module_name, saved_modules
-from trainer_bridge.weights.gathering import merge_refusal, unwrapped
+from trainer_bridge.gathering import merge_refusal, unwrapped
 
 ADAPTER_MODES = ("auto", "adapter", "merged")
 SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)

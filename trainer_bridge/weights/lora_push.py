@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, module_name, saved_modules
+from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 from trainer_bridge.weights.adapter_mode import check_servable, push_mode
-from trainer_bridge.weights.gathering import Entry, full_copy, peft_entries, shape_of
 
 _BASE_IDS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
@@ -103,7 +103,7 @@ def served_adapter_name(
     """The adapter name `push_weights(client, source, adapters=..., adapter_name=...)` serves (None when it pushes
     whole or merged weights): what every rank's client samples with (`RolloutClient.adapter`), the main process's
     included."""
-    from trainer_bridge.weights.gathering import unwrapped
+    from trainer_bridge.gathering import unwrapped
 
     if push_mode(source, adapters, accelerator, warn=False) != "adapter":
         return None

@@ -20,7 +20,7 @@ from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Sender, UpdateRejected
 from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
-from trainer_bridge.weights.gathering import Entry, as_wire_bytes
+from trainer_bridge.gathering import Entry, as_wire_bytes
 from trainer_bridge.weights.lora_push import AdapterPush
 from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed
 
@@ -300,7 +300,8 @@ class WeightPush:
             if not any(link.index == index for link in self.links):
                 return  # not one of this push's workers (or already dropped)
             lost = next(link for link in self.links if link.index == index)
-            if not self.sender(lost.transport).survives_a_lost_worker:  # e.g. a process group needs every worker
+            transport = lost.transport if self.transport == "auto" else self.transport  # (before begin, too)
+            if not transport_named(transport).sender.survives_a_lost_worker:  # e.g. a process group needs every worker
                 raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update")
             self.lost += [link for link in self.links if link.index == index]
             self.links = [link for link in self.links if link.index != index]
@@ -332,11 +333,16 @@ class WeightPush:
             if link.open:
                 self.channel.send(link.index, p.WeightsAbort(self.update_id))
             link.pending.clear()
-        if self.adapter is not None and self.adapter.base_included is None:  # failed before choosing: no base
-            self.entries = self.adapter.choose(False)
-        for entry in self.entries[self.fetched :]:
-            entry.fetch()
-        self.fetched = len(self.entries)
-        for sender in self.senders.values():  # now, not at a collection (a group's sockets, a mapped segment)
-            sender.close()
-        self.channel.close()
+        try:
+            if self.adapter is not None and self.adapter.base_included is None:  # failed before choosing: no base
+                self.entries = self.adapter.choose(False)
+            for entry in self.entries[self.fetched :]:
+                entry.fetch()
+            self.fetched = len(self.entries)
+        finally:  # now, not at a collection (a group's sockets, a mapped segment), whatever a gather raised
+            for name, sender in self.senders.items():
+                try:
+                    sender.close()
+                except Exception:  # noqa: BLE001 - the others are still released
+                    logger.warning("closing the %s transport of update %s failed", name, self.update_id, exc_info=True)
+            self.channel.close()

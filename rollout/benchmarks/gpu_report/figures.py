@@ -5,8 +5,10 @@ sections' results, so the table is tested on CPU with real benchmark summaries."
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from rollout.benchmarks.harness.section_run import SectionResult
 
 
 @dataclass(frozen=True)
@@ -23,26 +25,6 @@ class Goal:
 
     def __str__(self) -> str:
         return f"{self.comparison} {self.target:g}{self.unit}"
-
-
-@dataclass
-class SectionResult:
-    """What one section of the report produced."""
-
-    name: str
-    title: str
-    status: str  # "ok", "failed", "timeout", "interrupted" or "skipped" (too little of the budget left to start it)
-    seconds: float
-    data: dict[str, Any] = field(default_factory=dict)  # a benchmark's JSON summary, or a test section's counts
-    error: str | None = None  # why it failed: exit status, failing tests, the end of its output
-    # The machine it ran on (environment()): set on every section, so a report merged from several calls (several
-    # fresh machines) says which machine each figure comes from.
-    machine: dict[str, Any] | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Whether the section ran to the end and nothing in it failed."""
-        return self.status == "ok"
 
 
 @dataclass(frozen=True)

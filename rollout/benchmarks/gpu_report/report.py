@@ -40,10 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.gpu_report.figures import SectionResult
-from rollout.benchmarks.gpu_report.section_run import Section, run_section
 from rollout.benchmarks.gpu_report.sections import SECTION_NAMES, sections
 from rollout.benchmarks.gpu_report.table import goals, render_markdown
+from rollout.benchmarks.harness.section_run import Section, SectionResult, run_section
 from rollout.process_groups import process_age_s
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rollout.benchmarks.gpu_report.section_run import Section
+from rollout.benchmarks.harness.section_run import Section
 
 
 def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:

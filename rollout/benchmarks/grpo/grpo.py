@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.choices import GRPO_NUM_PROMPTS as NUM_PROMPTS
-from rollout.benchmarks.isolated import run_system
-from rollout.benchmarks.progress import stage
+from rollout.benchmarks.harness.choices import GRPO_NUM_PROMPTS as NUM_PROMPTS
+from rollout.benchmarks.harness.isolated import run_system
+from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.harness.workloads import WORKLOADS, Workload, make_workload
 from rollout.benchmarks.throughput.systems import WARMUP_PROMPTS, WARMUP_TOKENS, run_transformers_generate_batch, sync
-from rollout.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 

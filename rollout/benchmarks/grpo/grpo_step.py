@@ -115,7 +115,7 @@ def _model(shape: str, device: str) -> Any:
     import torch
     from transformers import Qwen3Config
 
-    from rollout.benchmarks.workloads import QWEN3_0_6B, build_model
+    from rollout.benchmarks.harness.workloads import QWEN3_0_6B, build_model
     from rollout.presets.models import tiny_model
 
     if shape not in MODEL_SHAPES:
@@ -266,7 +266,7 @@ def _measured_sleep(sleep: Any, freed: list[int]) -> Any:
 
 def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
     """A rollout-worker on the tiny preset on `device`, answering; (process, address)."""
-    from rollout.benchmarks.worker_probe import free_port, wait_answering
+    from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
 
     address = f"tcp://127.0.0.1:{free_port()}"
     command = [
@@ -325,8 +325,8 @@ def run(
     """
     import torch
 
-    from rollout.benchmarks.isolated import run_system
-    from rollout.benchmarks.progress import stage
+    from rollout.benchmarks.harness.isolated import run_system
+    from rollout.benchmarks.harness.progress import stage
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     results: dict[str, Any] = {}

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
-from rollout.benchmarks.progress import stage
+from rollout.benchmarks.harness.progress import stage
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.scheduling.block_manager import cdiv

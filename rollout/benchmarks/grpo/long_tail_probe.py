@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.stub_model import VOCAB as STUB_VOCAB
-from rollout.benchmarks.stub_model import stub_model
+from rollout.benchmarks.harness.stub_model import VOCAB as STUB_VOCAB
+from rollout.benchmarks.harness.stub_model import stub_model
 from rollout.engine.engine import Engine
 
 __all__ = ["STUB_VOCAB", "Probe", "stub_forward", "stub_model"]

@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any
 
-from rollout.benchmarks.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
 
 
 class WorkerProcess:

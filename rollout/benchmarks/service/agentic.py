@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from rollout.benchmarks.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
 
 GOAL = 1.2
 VOCAB = range(4, 1000)  # token ids of the tiny preset, its special tokens left out

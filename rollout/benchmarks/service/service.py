@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
+from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.workloads import WORKLOADS, make_workload
 from rollout.benchmarks.service import service_http
-from rollout.benchmarks.worker_probe import free_port, wait_answering
-from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.presets.models import tiny_model

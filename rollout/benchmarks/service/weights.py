@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from rollout.benchmarks.worker_probe import free_port, stop_worker, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, stop_worker, wait_answering
 from rollout.presets.models import MODEL_DTYPES, sized_model
 from rollout.protocol.transports import WEIGHT_TRANSPORTS
 

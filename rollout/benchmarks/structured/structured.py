@@ -107,7 +107,7 @@ def run(
         num_prompts: requests of the throughput part (None: the workload's).
         device: "cpu" (throughput on cpu-small) or "cuda" (host time on the GPU, throughput on nano).
     """
-    from rollout.benchmarks.progress import stage
+    from rollout.benchmarks.harness.progress import stage
     from rollout.benchmarks.throughput import throughput
 
     tokenizer = bench_tokenizer(vocab_size)

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.progress import stage
+from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.harness.workloads import WORKLOADS, make_workload
 from rollout.benchmarks.throughput.fidelity import fidelity_against_floor, scale_to_entropy
 from rollout.benchmarks.throughput.host_time import run_host_time
-from rollout.benchmarks.workloads import WORKLOADS, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rollout.benchmarks.stub_model import VOCAB, stub_model
+from rollout.benchmarks.harness.stub_model import VOCAB, stub_model
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 

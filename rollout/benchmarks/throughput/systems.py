@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.choices import SYSTEM_NAMES
-from rollout.benchmarks.progress import stage
-from rollout.benchmarks.workloads import GIB, WORKLOADS, Workload, make_workload
+from rollout.benchmarks.harness.choices import SYSTEM_NAMES
+from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.harness.workloads import GIB, WORKLOADS, Workload, make_workload
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
 from rollout.presets.models import tiny_tokenizer

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from rollout.benchmarks.isolated import run_system
-from rollout.benchmarks.progress import stage
+from rollout.benchmarks.harness.isolated import run_system
+from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.harness.workloads import WORKLOADS
 from rollout.benchmarks.throughput.systems import STOP_AT_DEADLINE
-from rollout.benchmarks.workloads import WORKLOADS
 
 # Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
 STOP_MARGIN_S = 15.0

@@ -121,9 +121,10 @@ class Receiver:
         """
         self.device = device
 
-    # An update that ended unclean (rejected, aborted) may give its staging back for reuse: only its own jobs wrote
-    # it. False where someone else may still write into it (a client into a shared segment, an abandoned broadcast).
-    staging_reusable_after_abort = True
+    # An update that ended unclean (rejected, aborted) may give its staging back for reuse only where its own jobs
+    # alone wrote it (True for frames). False (the safe default) where someone else may still write into it: a
+    # client into a shared segment, an abandoned broadcast.
+    staging_reusable_after_abort = False
 
     def check_begin(self, begin: WeightsBegin, peer: str | None) -> None:
         """Check the transport's own fields of a weights_begin.

@@ -26,6 +26,8 @@ class FramesSender(Sender):
 
 
 class FramesReceiver(Receiver):
+    staging_reusable_after_abort = True  # only the update's own jobs copy frames into its staging
+
     def accept_bucket(self, area: StagingArea, pieces: list[TensorPiece], frames: list) -> None:
         """One whole frame per piece, pieces in order; the bytes are checked and staged by `take_bytes`."""
         if len(frames) != len(pieces):

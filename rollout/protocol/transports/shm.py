@@ -53,9 +53,6 @@ class ShmSender(Sender):
 
 
 class ShmReceiver(Receiver):
-    # The client may still write into the segment when the worker rejects its update: the segment is dropped.
-    staging_reusable_after_abort = False
-
     def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor | None, tuple[Any, torch.Tensor] | None]:
         try:
             return None, pool.shared(nbytes)

@@ -111,9 +111,6 @@ class DistSender(Sender):
 
 
 class DistTransportReceiver(Receiver):
-    # A broadcast of an abandoned group may still be writing into an update's staging: it is dropped, not reused.
-    staging_reusable_after_abort = False
-
     def __init__(self, device: torch.device):
         super().__init__(device)
         self._dist: DistReceiver | None = None  # made at the first torch.distributed update

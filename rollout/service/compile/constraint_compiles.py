@@ -34,9 +34,9 @@ from typing import Any
 from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
 from rollout.engine.manager.continuous_batching import QueueFullError
+from rollout.service.compile.fair_queue import FairQueue, QueueBusy
 from rollout.service.compile.jobs import CompileAbandoned, CompileBudget, CompileJob, CompilesClosed
 from rollout.service.compile.link import ANSWER_GRACE_S, CompileLink
-from rollout.service.zmq.fair_queue import FairQueue, QueueBusy
 
 logger = logging.getLogger(__name__)
 

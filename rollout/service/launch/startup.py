@@ -25,8 +25,8 @@ from rollout.hub import HubUnreachable
 from rollout.presets.models import MODEL_DTYPES
 from rollout.protocol.auth import WorkerAuth
 from rollout.protocol.sockets import is_loopback
+from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.http.serving.launch import check_http_address, start_http
-from rollout.service.launch.address_checks import check_bind, check_metrics_address
 from rollout.service.launch.cache_capacity import cache_capacity
 from rollout.service.launch.flags import check_settings
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device

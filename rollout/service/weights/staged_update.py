@@ -68,9 +68,7 @@ class StagedUpdate:
         self.committing = False
         self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work
         self.closed = False  # its staging area went back (`close`)
-        self._check_fields(begin, engine, max_phase_s)
-        self.receiver = receivers(begin.transport)
-        self.receiver.check_begin(begin, peer)
+        self.receiver = self._check_fields(begin, engine, max_phase_s, receivers, peer)
         if begin.adapter is not None:
             try:
                 check_adapter_fields(begin, engine, base_id)
@@ -96,11 +94,20 @@ class StagedUpdate:
         self.jobs = SerialJobs(f"rollout-weights-{self.update_id[:32]}")
 
     @staticmethod
-    def _check_fields(begin: p.WeightsBegin, engine: Engine, max_phase_s: float) -> None:
+    def _check_fields(
+        begin: p.WeightsBegin,
+        engine: Engine,
+        max_phase_s: float,
+        receivers: Callable[[str], Receiver],
+        peer: str | None,
+    ) -> Receiver:
+        """Check the announcement's fields, the transport's own right after its name; returns its receiver."""
         if begin.mode not in WEIGHT_UPDATE_MODES:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
         if begin.transport not in TRANSPORTS:
             raise UpdateRejected("bad_update", "transport", f"must be one of {list(TRANSPORTS)}")
+        receiver = receivers(begin.transport)
+        receiver.check_begin(begin, peer)
         if not 0 < begin.timeout_s <= max_phase_s:
             raise UpdateRejected(
                 "bad_update", "timeout_s", f"must be in (0, {max_phase_s:g}] seconds (the worker's limit)"
@@ -126,11 +133,12 @@ class StagedUpdate:
             if any(size < 0 for size in spec.shape):
                 raise UpdateRejected("bad_update", f"tensors[{index}].shape", "sizes must be >= 0")
         if begin.adapter is not None:
-            return  # the adapter's tensors are checked against the adapter table (check_adapter_fields)
+            return receiver  # the adapter's tensors are checked against the adapter table (check_adapter_fields)
         try:
             engine.weights.check_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
         except FieldError as error:
             raise UpdateRejected("bad_update", error.field, error.reason) from None
+        return receiver
 
     def touch(self) -> None:
         """Restart the phase deadline (called on every message of the update)."""

@@ -276,6 +276,7 @@ class UpdateSlot:
             if isinstance(reply, p.WeightsCommitted):
                 self.update = None
                 update.end(clean=True)
+                update.receiver.ended(update.begin, clean=True)
                 if update.begin.adapter is None or update.begin.base_id != self.base_id:  # new base weights
                     self.base_id = update.begin.base_id
                 self.bytes_committed += update.staging_bytes

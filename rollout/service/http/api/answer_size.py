@@ -12,7 +12,7 @@ made and never held whole: it is not limited.
 from __future__ import annotations
 
 from rollout.service.http.api.openai_fields import GenerationRequest
-from rollout.service.http.serving.errors import APIError
+from rollout.service.http.errors import APIError
 
 # Tokens a whole answer may hold: its choices' completions at max_tokens, and the prompts it repeats in every choice
 # (echo, return_token_ids). About 40 bytes each while built: 2^22 bound an answer to about 170 MB.

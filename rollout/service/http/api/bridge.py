@@ -17,7 +17,7 @@ from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.choices import Choice, ChoiceDelta
-from rollout.service.http.serving.errors import APIError, busy, from_field_error
+from rollout.service.http.errors import APIError, busy, from_field_error
 
 # How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25

@@ -14,7 +14,7 @@ from rollout.engine.manager.continuous_batching import QueueFullError
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.compile.jobs import CompileAbandoned, CompileJob, CompilesClosed, CompilesUnavailable
 from rollout.service.http.api.bridge import DISCONNECT_POLL_S, ClientGone
-from rollout.service.http.serving.errors import APIError, bad_field, busy
+from rollout.service.http.errors import APIError, bad_field, busy
 
 
 def client_address(request: Any) -> str:

@@ -24,8 +24,7 @@ from rollout.service.http.api.prompt_scoring import PromptScoring, echoed_logpro
 from rollout.service.http.api.prompts import PromptLimits, chat_prompt, completion_prompts, needs_tokenizer, tool_spec
 from rollout.service.http.api.served_models import requested_adapter
 from rollout.service.http.api.structured_fields import structured_request
-from rollout.service.http.serving.errors import APIError, bad_field, json_bytes
-from rollout.service.http.serving.settings import DEFAULT_MAX_ANSWER_LOGPROBS
+from rollout.service.http.errors import APIError, bad_field, json_bytes
 from rollout.service.http.tools.chat_tools import ToolCalling, tool_calling
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
@@ -64,10 +63,10 @@ class OpenAIEndpoints:
         tokenizer: Any,
         max_n: int,
         max_prompt_len: int,
+        max_answer_logprobs: int,
         trust_request_chat_template: bool = False,
         counters: GroupCounters | None = None,
         tool_call_parser: str | None = None,
-        max_answer_logprobs: int = DEFAULT_MAX_ANSWER_LOGPROBS,
         compiles: ConstraintCompiles | None = None,
     ):
         """

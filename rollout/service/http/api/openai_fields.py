@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.service.http.api.structured_fields import client_param, refuse_legacy_fields, structured_request
-from rollout.service.http.serving.errors import APIError, bad_field, from_field_error
+from rollout.service.http.errors import APIError, bad_field, from_field_error
 
 # Sampling fields both endpoints take, by their OpenAI / vLLM names -> SamplingParams fields.
 OPENAI_SAMPLING_FIELDS = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout.service.http.api.template_inputs import check_rendered_size, template_variables
-from rollout.service.http.serving.errors import APIError, bad_field
+from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.tools.tool_calls import ToolsError, ToolSpec, check_tools
 from rollout.validation import all_plain_ints
 

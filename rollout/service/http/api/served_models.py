@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rollout.engine.requests.adapter_ref import AdapterRef
-from rollout.service.http.serving.errors import APIError
+from rollout.service.http.errors import APIError
 
 
 def requested_adapter(model: Any, model_name: str, adapters: Mapping[str, AdapterRef]) -> str | None:

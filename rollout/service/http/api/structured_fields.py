@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.constraints import CONSTRAINT_FIELDS, is_set
-from rollout.service.http.serving.errors import bad_field
+from rollout.service.http.errors import bad_field
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = {"name", "schema", "description", "strict"}

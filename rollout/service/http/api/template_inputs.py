@@ -14,7 +14,7 @@ import inspect
 import json
 from typing import Any
 
-from rollout.service.http.serving.errors import APIError, bad_field
+from rollout.service.http.errors import APIError, bad_field
 
 # Template variables one request may set: chat templates read a handful (enable_thinking, ...); 200,000 of them
 # hold the interpreter lock for seconds while they are copied and measured.

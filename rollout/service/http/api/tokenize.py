@@ -11,7 +11,7 @@ from typing import Any
 from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.service.http.api.prompts import PromptLimits, chat_prompt, needs_tokenizer
 from rollout.service.http.api.served_models import requested_adapter
-from rollout.service.http.serving.errors import APIError, bad_field
+from rollout.service.http.errors import APIError, bad_field
 
 TOKENIZE_FIELDS = {
     "model",

@@ -1,4 +1,5 @@
 """The HTTP server, in the order a request meets it: `launch.py` (the `--http` flags), `settings.py`
 (`HttpSettings`), `server.py` (uvicorn on a thread), `connections.py` (heads timed and capped), `guard.py` (API key,
 Host header), `request_metrics.py` (every answer observed), `bodies.py` (bodies received and parsed within budgets),
-`app.py` (the routes), `errors.py` (OpenAI's error bodies)."""
+`app.py` (the routes). OpenAI's error bodies, which every part of the front end answers with, are
+`rollout.service.http.errors`."""

@@ -23,8 +23,8 @@ from rollout.service.http.api.bridge import ClientGone
 from rollout.service.http.api.endpoints import Answer, OpenAIEndpoints
 from rollout.service.http.api.served_models import model_list
 from rollout.service.http.api.tokenize import TokenizeEndpoints
+from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.http.serving.bodies import BodyIntake, ReceiveBudget
-from rollout.service.http.serving.errors import APIError, SafeJSONResponse
 from rollout.service.http.serving.guard import RequestGuard
 from rollout.service.http.serving.settings import HttpSettings
 
@@ -62,10 +62,10 @@ def build_app(
         tokenizer,
         settings.max_n,
         settings.max_prompt_len,
+        settings.max_answer_logprobs,
         settings.trust_request_chat_template,
         counters,
         settings.tool_call_parser,
-        settings.max_answer_logprobs,
         compiles,
     )
 

@@ -29,7 +29,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from rollout.service.http.api.bridge import ClientGone
-from rollout.service.http.serving.errors import APIError
+from rollout.service.http.errors import APIError
 from rollout.service.http.serving.settings import (
     MAX_BODY_CONTAINERS,
     MAX_BODY_ELEMENTS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from rollout.service.http.serving.errors import APIError, SafeJSONResponse
+from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.loopback_hosts import is_loopback_host
 
 # Paths anyone may call without the API key (load balancers probe them).

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.extras import MissingExtra, require_extra
 from rollout.protocol.sockets import is_loopback
+from rollout.service.address_checks import check_bind
 from rollout.service.http.serving.settings import HttpSettings
-from rollout.service.launch.address_checks import check_bind
 from rollout.service.zmq.limits import WorkerLimits
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.service.http.serving.errors import APIError
+from rollout.service.http.errors import APIError
 from rollout.service.http.tools.tool_call_stream import ToolCallStream
 from rollout.service.http.tools.tool_calls import TOOL_CALL_PARSERS, ToolCallParser, ToolSpec
 

@@ -2,7 +2,7 @@
 CUDA graphs, a warm allocator, a crashed thread) reaches the next, each has its own time limit, and each system's
 result is printed as one JSON line, flushed, as soon as it finishes, so a run stopped later keeps what it measured.
 
-Parent side: `run_system(benchmark, system, options, timeout_s)`. Child side (`python -m rollout.benchmarks.isolated
+Parent side: `run_system(benchmark, system, options, timeout_s)`. Child side (`python -m rollout.benchmarks.harness.isolated
 BENCHMARK SYSTEM OPTIONS_JSON`): calls the benchmark's measure function, registered in `MEASURES`, and prints its
 result as the last line of its output.
 """
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.gpu_report.section_run import Section, run_section
+from rollout.benchmarks.harness.section_run import Section, run_section
 
 # Benchmark -> "module:function" measuring one system in this process: function(system, **options) -> dict. Named by
 # string so that this module imports none of the benchmarks (they import it).
@@ -54,7 +54,7 @@ def run_system(
         "timeout" | "interrupted", "seconds", "error": the end of its output} when it did not finish; either with
         "measured": `benchmark`.
     """
-    argv = (sys.executable, "-m", "rollout.benchmarks.isolated", benchmark, system, json.dumps(options))
+    argv = (sys.executable, "-m", "rollout.benchmarks.harness.isolated", benchmark, system, json.dumps(options))
     section = Section(re.sub(r"[^A-Za-z0-9._-]", "_", f"{benchmark}-{system}"), system, argv, timeout_s)
     with tempfile.TemporaryDirectory() as scratch:
         folder = log_dir or Path(scratch)

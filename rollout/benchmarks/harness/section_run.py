@@ -17,17 +17,36 @@ import threading
 import time
 import xml.etree.ElementTree as ElementTree
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from rollout.benchmarks.gpu_report.figures import SectionResult
 from rollout.process_groups import die_with_parent, kill_group
 
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
 SEARCHED_LINES = 200  # last lines searched for the JSON summary (warnings may follow it)
 READER_GRACE_S = 30.0  # how long the output is still read after the section's processes were killed
 SUMMARY_MARGIN_S = 20.0  # of a section's timeout, left to a budgeted command to print its summary
+
+
+@dataclass
+class SectionResult:
+    """What one section of the report produced."""
+
+    name: str
+    title: str
+    status: str  # "ok", "failed", "timeout", "interrupted" or "skipped" (too little of the budget left to start it)
+    seconds: float
+    data: dict[str, Any] = field(default_factory=dict)  # a benchmark's JSON summary, or a test section's counts
+    error: str | None = None  # why it failed: exit status, failing tests, the end of its output
+    # The machine it ran on (environment()): set on every section, so a report merged from several calls (several
+    # fresh machines) says which machine each figure comes from.
+    machine: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the section ran to the end and nothing in it failed."""
+        return self.status == "ok"
 
 
 @dataclass(frozen=True)
