@@ -32,8 +32,8 @@ DEFAULT_MAX_NEW_TOKENS = 256
 class SamplingParams:
     """How one request is sampled. Applied per request, so one batch mixes any settings.
 
-    The processors run in the order documented on `rollout.engine.sampling.sampler.Sampler`. `None` means "take it from the
-    GenerationConfig given to the manager, else the default noted on the field".
+    The processors run in the order documented on `rollout.engine.sampling.sampler.Sampler`. `None` means "take it from
+    the GenerationConfig given to the manager, else the default noted on the field".
     """
 
     # Softmax temperature; 0 means greedy.

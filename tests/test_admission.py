@@ -1,5 +1,5 @@
-"""Admission and preemption under memory pressure (`rollout.engine.scheduling.admission`): the growth reserve, the victim that
-loses the fewest tokens, and requests with the same prompt waiting for one of them to compute it."""
+"""Admission and preemption under memory pressure (`rollout.engine.scheduling.admission`): the growth reserve, the
+victim that loses the fewest tokens, and requests with the same prompt waiting for one of them to compute it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The compile slots' fair queue (rollout/service/compile/fair_queue.py): clients take turns, each holds at most its share
-of slots, and each client's queue and the whole queue are bounded."""
+"""The compile slots' fair queue (rollout/service/compile/fair_queue.py): clients take turns, each holds at most its
+share of slots, and each client's queue and the whole queue are bounded."""
 
 from __future__ import annotations
 

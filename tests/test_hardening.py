@@ -363,8 +363,8 @@ def test_a_vanished_trainer_frees_the_update_slot_and_push_weights_can_preempt(w
 
 def test_a_torch_distributed_bucket_is_one_span_of_the_staging_area():
     """What the trainer broadcasts for a bucket (`bucket_span`) lands, as one span of the worker's staging area
-    (`bucket_staging_span`, the torch.distributed receiver's), with every piece where `staging_layout` puts it; pieces that do not follow one
-    another are refused by name (they would make the span cover other tensors' bytes)."""
+    (`bucket_staging_span`, the torch.distributed receiver's), with every piece where `staging_layout` puts it; pieces
+    that do not follow one another are refused by name (they would make the span cover other tensors' bytes)."""
     from types import SimpleNamespace
 
     import torch

@@ -2,9 +2,9 @@
 CUDA graphs, a warm allocator, a crashed thread) reaches the next, each has its own time limit, and each system's
 result is printed as one JSON line, flushed, as soon as it finishes, so a run stopped later keeps what it measured.
 
-Parent side: `run_system(benchmark, system, options, timeout_s)`. Child side (`python -m rollout.benchmarks.harness.isolated
-BENCHMARK SYSTEM OPTIONS_JSON`): calls the benchmark's measure function, registered in `MEASURES`, and prints its
-result as the last line of its output.
+Parent side: `run_system(benchmark, system, options, timeout_s)`. Child side (`python -m
+rollout.benchmarks.harness.isolated BENCHMARK SYSTEM OPTIONS_JSON`): calls the benchmark's measure function, registered
+in `MEASURES`, and prints its result as the last line of its output.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ def run(
         systems: which systems to run (default: the workload's `default_systems`).
         seed: model and prompt seed.
         repeats: timed runs per system; the median time is reported.
-        details: add `rollout.benchmarks.throughput.details` figures (decode roofline fraction, peak memory, logprob fidelity
-            against the trainer's own floor, host time per step), measured in one more process.
+        details: add `rollout.benchmarks.throughput.details` figures (decode roofline fraction, peak memory, logprob
+            fidelity against the trainer's own floor, host time per step), measured in one more process.
         warmup: warm each system up before its timer starts (graphs captured, kernels compiled).
         num_prompts: run this many of the workload's requests (the first ones; default: all).
         system_timeout_s: each system's own time limit (default: the workload's).

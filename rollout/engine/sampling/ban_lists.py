@@ -1,7 +1,7 @@
 """What each sample bans, in the sampling pipeline (`Sampler`): tokens it may not generate next (transformers' semantics
 of `no_repeat_ngram_size`, `bad_words_ids`, `suppress_tokens` and `begin_suppress_tokens`), as the lists the per-slot
-tables are built from (`rollout.engine.sampling.slot_state`; the masks: `rollout.engine.sampling.ban_masks`). `SamplingParams` bounds
-every list, so no request can make steps slow.
+tables are built from (`rollout.engine.sampling.slot_state`; the masks: `rollout.engine.sampling.ban_masks`).
+`SamplingParams` bounds every list, so no request can make steps slow.
 """
 
 from __future__ import annotations

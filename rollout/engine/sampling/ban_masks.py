@@ -1,6 +1,6 @@
 """The bans of the sampling pipeline (`Sampler`) for all of a step's rows at once, from the per-slot tables of
-`rollout.engine.sampling.slot_state`: bans (no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens, in
-transformers' semantics) and min_new_tokens.
+`rollout.engine.sampling.slot_state`: bans (no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens,
+in transformers' semantics) and min_new_tokens.
 
 Every banned token of every row becomes one column index (the vocabulary size where a row bans nothing there: a
 column past the logits), all of them are scattered into one (rows, vocab + 1) mask, and the mask sets the scores to

@@ -1,5 +1,5 @@
-"""The logit bias, first in the sampling pipeline (`Sampler`), for all of a step's rows at once: `SamplingParams.logit_bias` (OpenAI / vLLM
-semantics), added to the model's logits before any other processing.
+"""The logit bias, first in the sampling pipeline (`Sampler`), for all of a step's rows at once:
+`SamplingParams.logit_bias` (OpenAI / vLLM semantics), added to the model's logits before any other processing.
 
 Each running sample's biases live in two per-slot device tables written at its first draw, like the ban lists of
 `rollout.engine.sampling.slot_state`:

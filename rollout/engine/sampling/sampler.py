@@ -25,8 +25,8 @@ class Sampler:
     Each sample's parameters live in the per-slot device tables of `rollout.engine.sampling.slots`, written at its
     first draw; a step gathers its rows' columns there. Pipeline order (each step runs only while some running
     sample asks for it; rows that do not ask hold neutral values and come out as they went in):
-      0. logit_bias added to the model's logits (`rollout.engine.sampling.logit_bias`), before anything else, as vLLM (and
-         transformers' sequence_bias) apply it: the penalties below see the biased logits;
+      0. logit_bias added to the model's logits (`rollout.engine.sampling.logit_bias`), before anything else, as vLLM
+         (and transformers' sequence_bias) apply it: the penalties below see the biased logits;
       1. penalties on the request's own tokens: repetition_penalty (prompt + output, transformers' semantics),
          presence_penalty and frequency_penalty (output tokens, OpenAI semantics);
       2. bans: no_repeat_ngram_size, bad_words_ids, suppress_tokens, begin_suppress_tokens;
@@ -37,10 +37,10 @@ class Sampler:
          any of these and its sample ended with an error naming the adapter (or the base model);
       4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
          (`rollout.engine.sampling.warpers`, transformers' warper semantics);
-      11. sample (`rollout.engine.sampling.draw`): greedy rows take the argmax; others draw by inverse CDF with one uniform
-         number per row, a counter-based hash of (request seed, sample index, position) mixed on the device: a
-         completion never depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs
-         no host round trip.
+      11. sample (`rollout.engine.sampling.draw`): greedy rows take the argmax; others draw by inverse CDF with one
+         uniform number per row, a counter-based hash of (request seed, sample index, position) mixed on the device: a
+         completion never depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no
+         host round trip.
 
     Steps 1-3 read each sample's tokens from per-slot device tables (`rollout.engine.sampling.slot_state`, masks in
     `rollout.engine.sampling.ban_masks`): a fixed number of kernels per step for all rows, and one scatter per table to

@@ -17,8 +17,8 @@ After each draw one scatter per table records the drawn tokens for every row, so
 the host (with overlapped scheduling the next step is queued before they do). A row whose sample keeps no such state
 writes into its own unused row, which its slot's next owner overwrites. A table exists only while some live sample
 uses it; a new sample's list rows are written whenever the table exists (padding for a sample that uses none), so a
-slot's previous owner leaves nothing behind. The ban masks (`rollout.engine.sampling.ban_masks`) read these tables for all
-of a step's rows in a handful of kernels, whatever the number of rows.
+slot's previous owner leaves nothing behind. The ban masks (`rollout.engine.sampling.ban_masks`) read these tables for
+all of a step's rows in a handful of kernels, whatever the number of rows.
 """
 
 from __future__ import annotations

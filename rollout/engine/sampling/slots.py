@@ -9,8 +9,8 @@ for; a row that does not ask holds its processor's neutral value (temperature 1,
 so running a processor over it leaves it as it was.
 
 The token-dependent state (penalty counts, token history, ban lists) lives in per-slot tables too
-(`rollout.engine.sampling.slot_state`), filled at a sample's first draw and kept through preemption and recompute with its
-slot. Logit biases have per-slot tables of their own (`rollout.engine.sampling.logit_bias`).
+(`rollout.engine.sampling.slot_state`), filled at a sample's first draw and kept through preemption and recompute with
+its slot. Logit biases have per-slot tables of their own (`rollout.engine.sampling.logit_bias`).
 """
 
 from __future__ import annotations

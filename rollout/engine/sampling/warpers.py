@@ -1,6 +1,6 @@
-"""The warpers of the sampling pipeline (`Sampler`) on the rows that sample: temperature, top_k, top_p, min_p, typical_p,
-epsilon_cutoff, eta_cutoff, in transformers' order and with its warpers' semantics (one token always survives).
-Each step runs only when some running sample asks for it, and a row that does not ask is left as it was.
+"""The warpers of the sampling pipeline (`Sampler`) on the rows that sample: temperature, top_k, top_p, min_p,
+typical_p, epsilon_cutoff, eta_cutoff, in transformers' order and with its warpers' semantics (one token always
+survives). Each step runs only when some running sample asks for it, and a row that does not ask is left as it was.
 
 `warp` works on whole rows of the vocabulary. `warp_candidates` (when every sampling row sets top_k) works on each
 row's top candidates only: `topk` first, then every later warper on those few columns, kept in vocabulary order so

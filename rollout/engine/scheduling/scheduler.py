@@ -11,8 +11,8 @@ Policies:
 
 When blocks run out, the running request with the fewest generated tokens not yet in this step is preempted: swapped
 to CPU blocks when there are enough, else freed and recomputed later. A request (new, preempted or swapped out) is
-admitted only while the free blocks also cover the expected growth of the running ones (`rollout.engine.scheduling.admission`).
-A request that cannot fit even in an empty cache ends with an error.
+admitted only while the free blocks also cover the expected growth of the running ones
+(`rollout.engine.scheduling.admission`). A request that cannot fit even in an empty cache ends with an error.
 
 Weight updates: `pause_admission()` admits only requests that sampled already, so the in-flight set drains;
 `rollout.engine.weights.commit_modes` carries out the "recompute" and "abort" commit modes.
