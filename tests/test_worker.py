@@ -178,10 +178,12 @@ def test_busy_and_sigterm():
     client = Client(server.address)
     try:
         for index in range(4):
-            client.send(p.Generate(f"q{index}", [1, 2, 3], sampling={**GREEDY, "max_new_tokens": 1500}))
+            client.send(p.Generate(f"q{index}", [1, 2, 3], sampling={**GREEDY, "max_new_tokens": 2000}))
+        # The worker answers a connection's messages in order: every refusal comes before the stats reply, and the
+        # accepted groups stay silent until they end (no fixed wait that a loaded machine could outrun).
+        client.send(p.Stats())
         busy = []
-        while client.socket.poll(1000):  # refusals come at once; accepted groups stay silent until they end
-            reply = client.receive()
+        while not isinstance(reply := client.receive(), p.StatsReply):
             assert isinstance(reply, p.Error) and reply.code == "busy", reply
             busy.append(reply.group_id)
         accepted = sorted({f"q{i}" for i in range(4)} - set(busy))
