@@ -25,7 +25,8 @@ _EXPORTS = {
     "Engine": "rollout.engine.engine",
     "GenerationOutput": "rollout.engine.requests.outputs",
     "ContinuousBatchingManager": "rollout.engine.manager.continuous_batching",
-    "QueueFullError": "rollout.engine.manager.request_api",
+    "QueueFullError": "rollout.engine.manager.request_desk",
+    "GroupSpec": "rollout.engine.requests.group_spec",
     "generate_batch": "rollout.engine.generate",
     "init_continuous_batching": "rollout.engine.manager.continuous_batching",
 }

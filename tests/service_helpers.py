@@ -109,9 +109,11 @@ class Client:
 
     context = zmq.Context.instance()
 
-    def __init__(self, address: str, secure: tuple | None = None):
+    def __init__(self, address: str, secure: tuple | None = None, receive_hwm: int | None = None):
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if receive_hwm is not None:  # before connecting: ZeroMQ applies it to connections made afterwards
+            self.socket.setsockopt(zmq.RCVHWM, receive_hwm)
         if secure is not None:
             from rollout.protocol.auth import secure_client_socket
 

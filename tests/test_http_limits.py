@@ -8,6 +8,7 @@ import httpx2 as httpx  # the HTTP library the openai client is built on
 import openai
 import pytest
 
+from rollout import GroupSpec
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets import tiny_model, tiny_tokenizer
@@ -21,7 +22,7 @@ KEY = "secret-key"
 def manager():
     config = ContinuousBatchingConfig(num_blocks=64, block_size=16, max_queue_size=1)
     manager = init_continuous_batching(tiny_model(), continuous_batching_config=config, tokenizer=tiny_tokenizer())
-    manager.add_group("fills-the-queue", [5, 6, 7])  # never taken: the engine thread is not started
+    manager.add_groups([GroupSpec("fills-the-queue", [5, 6, 7])])  # never taken: the engine thread is not started
     yield manager
     manager.stop()
 

@@ -126,10 +126,10 @@ def test_an_adapter_never_reuses_another_ones_prefix(fp32_pair):
     prompt = make_prompts(1, 40, 40, seed=8)[0]
     engine.add_request("base", prompt, GREEDY, max_new_tokens=4)
     run_to_completion(engine)
-    computed = engine.num_computed_tokens
+    computed = engine.counters.computed_tokens
     engine.add_request("policy", prompt, GREEDY, max_new_tokens=MAX_NEW, adapter="policy")
     outputs = run_to_completion(engine)
-    assert engine.num_computed_tokens - computed == len(prompt) + MAX_NEW - 1
+    assert engine.counters.computed_tokens - computed == len(prompt) + MAX_NEW - 1
     assert outputs["policy"].generated_tokens == peft_greedy(model, "policy", prompt)
 
 

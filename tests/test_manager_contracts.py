@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout import (
     ContinuousBatchingConfig,
+    GroupSpec,
     QueueFullError,
     SamplingParams,
     generate_batch,
@@ -28,6 +29,10 @@ GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
 def manager_for(model=None, generation_config=None, **config):
     config = ContinuousBatchingConfig(**{"num_blocks": 256, "block_size": 4, **config})
     return init_continuous_batching(model if model is not None else tiny_model(), generation_config, config)
+
+
+def specs(group_ids, prompts, max_new_tokens):
+    return [GroupSpec(i, prompt, GREEDY, max_new_tokens=max_new_tokens) for i, prompt in zip(group_ids, prompts)]
 
 
 def greedy_reference(model, prompt, length):
@@ -103,12 +108,12 @@ def test_a_batch_of_groups_is_added_all_or_none():
     with manager_for(model, max_queue_size=3) as manager:
         for bad, reason in (([vocab], f"prompt 2 of the batch: {vocab} at position 0"), ([1, True], "True at")):
             with pytest.raises(ValueError, match=reason) as raised:
-                manager.add_groups(["a", "b", "c"], [[1, 2], [3, 4], bad], sampling=GREEDY, max_new_tokens=2)
+                manager.add_groups(specs(["a", "b", "c"], [[1, 2], [3, 4], bad], max_new_tokens=2))
             assert raised.value.field == "prompt_ids"
         with pytest.raises(QueueFullError):
-            manager.add_groups(list("abcd"), [[1, 2]] * 4, sampling=GREEDY, max_new_tokens=2)
+            manager.add_groups(specs(list("abcd"), [[1, 2]] * 4, max_new_tokens=2))
         assert manager.stats()["queued"] == 0 and manager.stats()["prefill_tokens"] == 0
-        manager.add_groups(["a", "b", "c"], [[1, 2], [3, 4], [5, 6]], sampling=GREEDY, max_new_tokens=3)
+        manager.add_groups(specs(["a", "b", "c"], [[1, 2], [3, 4], [5, 6]], max_new_tokens=3))
         for group_id, prompt in zip("abc", ([1, 2], [3, 4], [5, 6])):
             generated = manager.get_result(group_id, timeout=TIMEOUT).generated_tokens
             assert generated == greedy_reference(reference, prompt, 3)

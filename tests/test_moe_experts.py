@@ -27,7 +27,7 @@ def _run(model: torch.nn.Module) -> tuple[dict, list[str], dict]:
     engine = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4))
     during = model.get_experts_implementation()
     spy = HostReads()
-    launch = engine._launch
+    launch = engine.loop._launch
 
     def watched_launch(batch, prior):
         spy.active = True
@@ -37,7 +37,7 @@ def _run(model: torch.nn.Module) -> tuple[dict, list[str], dict]:
         finally:
             spy.active = False
 
-    engine._launch = watched_launch
+    engine.loop._launch = watched_launch
     for index, prompt in enumerate(PROMPTS):
         engine.add_request(f"p{index}", prompt, GREEDY)
     outputs = run_to_completion(engine)

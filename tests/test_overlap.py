@@ -90,7 +90,7 @@ def test_overlap_computes_one_extra_row_per_stop_and_none_past_the_budget():
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), prompt, sampling, n=2, max_new_tokens=MAX_NEW)
         outputs = run_to_completion(engine)
-        computed.append(engine.num_computed_tokens)
+        computed.append(engine.counters.computed_tokens)
         reasons = [o.finish_reason for o in outputs.values()]
         assert "length" in reasons
         stopped.append(
@@ -300,7 +300,7 @@ def test_launching_a_step_never_reads_the_device(monkeypatch, swap, workload, sa
         tiny_model("qwen3"), overlap_scheduling=True, num_blocks=36, max_batch_tokens=24, cpu_offload_space=swap
     )
     workload(engine, make_prompts(1, 8, 8, seed=60)[0])
-    launch = engine._launch
+    launch = engine.loop._launch
     spy = HostReads()
     python_reads: list[str] = []
     for name in ("tolist", "numpy"):  # no ATen op behind these
@@ -328,10 +328,10 @@ def test_launching_a_step_never_reads_the_device(monkeypatch, swap, workload, sa
         finally:
             spy.active = active
 
-    engine._launch = watched_launch
+    engine.loop._launch = watched_launch
     engine.kv_cache.swap_out = unwatched_swap_out
     outputs = _collected(engine)
-    assert len(outputs) == samples and engine.num_steps > 10  # every sample of the workload
+    assert len(outputs) == samples and engine.counters.steps > 10  # every sample of the workload
     if swap:
         assert engine.scheduler.num_swaps > 0
     assert spy.calls == [] and python_reads == []

@@ -64,13 +64,13 @@ def test_prefix_sharing_and_policies_keep_parity(policy):
     engine = make_engine(model, num_blocks=128, block_size=4, max_batch_tokens=48, scheduler_type=policy)
     engine.add_request("first", prompts[0], GREEDY, max_new_tokens=4)
     run_to_completion(engine)  # its prefix blocks stay cached after it finishes
-    computed_before = engine.num_computed_tokens
+    computed_before = engine.counters.computed_tokens
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), prompt, GREEDY, max_new_tokens=MAX_NEW)
     outputs = run_to_completion(engine)
     # Without sharing: every prompt token plus every generated token but the last is computed.
     unshared = sum(len(p) + MAX_NEW - 1 for p in prompts)
-    assert engine.num_computed_tokens - computed_before <= unshared - len(prompts) * (len(prefix) // 4 - 1) * 4
+    assert engine.counters.computed_tokens - computed_before <= unshared - len(prompts) * (len(prefix) // 4 - 1) * 4
     for index, prompt in enumerate(prompts):
         assert outputs[str(index)].generated_tokens == reference_greedy(reference, prompt, MAX_NEW), index
     assert engine.block_manager.cached_blocks, "full prompt blocks should be offered for reuse"

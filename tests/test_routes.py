@@ -225,11 +225,11 @@ def test_prefix_cached_blocks_keep_the_routes_they_were_computed_with(moe):
     engine = make_engine(copy.deepcopy(moe), block_size=4)
     engine.add_request("first", shared + [1, 2, 3], ROUTED, max_new_tokens=4)
     first = run_to_completion(engine)["first"]
-    computed = engine.num_computed_tokens
+    computed = engine.counters.computed_tokens
     engine.add_request("second", shared + [4, 5], ROUTED, max_new_tokens=4)
     second = run_to_completion(engine)["second"]
     assert engine.block_manager.num_prefix_tokens_hit == 24  # six cached blocks taken
-    assert engine.num_computed_tokens - computed < len(shared)
+    assert engine.counters.computed_tokens - computed < len(shared)
     reference = reference_copy(moe)
     for output in (first, second):
         check_against_reference(reference, output)

@@ -109,7 +109,7 @@ def test_result_handler_runs_on_the_registering_event_loop():
             request_id, lambda out: (threads.append(threading.current_thread()), finished.set())
         )
         assert finished.wait(30)
-        assert threads[0] is manager._thread
+        assert threads[0].name == "rollout-engine" and threads[0] is not threading.main_thread()
 
 
 def test_add_requests_iteration_destroy():
@@ -145,9 +145,9 @@ def test_pause_holds_the_loop_and_keeps_requests_in_flight():
         request_id = manager.add_request(prompt, max_new_tokens=40, sampling=GREEDY, streaming=True)
         first = manager.get_result(request_id, timeout=30)  # running now
         with manager.pause(timeout=30):
-            steps = manager.engine.num_steps
+            steps = manager.engine.counters.steps
             time.sleep(0.3)
-            assert manager.engine.num_steps == steps
+            assert manager.engine.counters.steps == steps
         rest = list(manager.request_id_iter(request_id, timeout=30))
     tokens = first.generated_tokens + [t for delta in rest for t in delta.generated_tokens]
     expected = reference.generate(
@@ -239,10 +239,10 @@ def test_pause_nests_and_refuses_what_would_wait_on_itself():
     manager = init_continuous_batching(model, continuous_batching_config=CACHE).start()
     with manager.pause(timeout=30):
         with manager.pause(timeout=1):
-            steps = manager.engine.num_steps
+            steps = manager.engine.counters.steps
         with pytest.raises(RuntimeError, match="inside this thread's pause"):
             manager.update_weights({}, timeout=1)
-        assert manager.engine.num_steps == steps
+        assert manager.engine.counters.steps == steps
     request_id = manager.add_request([1, 2, 3], max_new_tokens=2, sampling=GREEDY)
     manager.register_result_handler(request_id, lambda output: manager.stop())
     manager.join(timeout=30)

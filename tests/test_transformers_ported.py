@@ -957,14 +957,14 @@ def _test_block_sharing(kind: str, hybrid: bool, input_ids: list[int]) -> None:
         assert 33 <= len(input_ids) < 64
         # adapted: the source spies on PagedAttentionCache.search_prefix_match; rollout's engine counts the tokens
         # it runs through the model (a prefix hit skips its tokens)
-        computed = manager.engine.num_computed_tokens
+        computed = manager.engine.counters.computed_tokens
         request_id = manager.add_request(input_ids, max_new_tokens=32)
         chunk_no_reuse = next(manager.request_id_iter(request_id))
-        first_cost = manager.engine.num_computed_tokens - computed
+        first_cost = manager.engine.counters.computed_tokens - computed
 
         request_id = manager.add_request(input_ids, max_new_tokens=32)
         chunk_with_reuse = next(manager.request_id_iter(request_id))
-        second_cost = manager.engine.num_computed_tokens - computed - first_cost
+        second_cost = manager.engine.counters.computed_tokens - computed - first_cost
 
     if not hybrid:
         # The prompt has less than 64 tokens, so only its first block can be matched (32 tokens)

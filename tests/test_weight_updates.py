@@ -1,5 +1,5 @@
 """Weight updates: `Engine.update_weights` (stepped by hand, so the update lands exactly between two chosen steps)
-and `ContinuousBatchingManager.update_weights` / `submit_weight_update` (background thread).
+and `ContinuousBatchingManager.update_weights` / `weight_updates.submit` (background thread).
 
 References are transformers' own: greedy `model.generate` on copies of the models taken before any engine touched
 them, and, for "keep" mode (new weights continuing on KV computed by the old ones), a hand-built
@@ -103,7 +103,7 @@ def test_keep_continues_on_old_kv_with_new_weights(k):
 
     result = engine.update_weights(state_b, mode="keep")
     assert (result.version, result.mode, result.aborted, result.recomputed, result.outputs) == (1, "keep", 0, 0, [])
-    assert engine.policy_version == 1 and engine.num_weight_updates == 1
+    assert engine.policy_version == 1 and engine.counters.weight_updates == 1
     assert 0 <= result.copy_ms <= result.pause_ms
     outputs = run_to_completion(engine)
 
@@ -135,12 +135,12 @@ def test_recompute_reprefills_prompt_and_tokens_under_new_weights():
     sampled = {rid: request.output_ids for rid, request in running(engine).items()}
     assert all(len(tokens) == k for tokens in sampled.values()) and len(sampled) == 3
 
-    computed_before = engine.num_computed_tokens
+    computed_before = engine.counters.computed_tokens
     result = engine.update_weights(state_b, mode="recompute")
     assert (result.version, result.mode, result.recomputed, result.aborted) == (1, "recompute", 3, 0)
     outputs = run_to_completion(engine)
     # Every context token is computed again (prompt + k), then one per further sampled token but the last.
-    assert engine.num_computed_tokens - computed_before == sum(len(p) + max_new - 1 for p in prompts)
+    assert engine.counters.computed_tokens - computed_before == sum(len(p) + max_new - 1 for p in prompts)
 
     for index, prompt in enumerate(prompts):
         output = outputs[f"r{index}"]
@@ -259,11 +259,11 @@ def test_manager_wait_drains_in_flight_under_old_weights_then_applies(managers):
     manager, gate = started_manager(managers, model, prompts[:2], pause_at=4, max_new=max_new)
     results: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        manager.submit_weight_update(state_b, None, "wait", False, None, results.put)
+        manager.weight_updates.submit(state_b, None, "wait", False, None, results.put)
         manager.add_request(prompts[2], request_id="r2", max_new_tokens=max_new, sampling=GREEDY)
         # A second update while the first still drains is refused (the first one is unaffected).
         second: queue.SimpleQueue = queue.SimpleQueue()
-        manager.submit_weight_update(state_b, 7, "keep", False, None, second.put)
+        manager.weight_updates.submit(state_b, 7, "keep", False, None, second.put)
     finally:
         gate.close()
     refused = second.get(timeout=TIMEOUT)
@@ -281,7 +281,7 @@ def test_manager_wait_drains_in_flight_under_old_weights_then_applies(managers):
     assert greedy(reference_b, prompts[2], max_new) != greedy(reference_a, prompts[2], max_new)
     assert late.generated_tokens == greedy(reference_b, prompts[2], max_new)
     assert late.policy_versions == [[1, 0]] and late.kv_version_min == 1
-    assert manager.engine.policy_version == 1 and manager.last_weight_update is result
+    assert manager.engine.policy_version == 1 and manager.weight_updates.last_result is result
     assert manager.stats()["weight_updates"] == 1
 
 
@@ -309,7 +309,7 @@ def test_manager_wait_past_its_timeout_raises_and_changes_nothing(managers):
     output = manager.get_result("r2", timeout=TIMEOUT)
     assert output is not None and output.generated_tokens == greedy(reference_a, prompts[2], max_new)
     assert output.policy_versions == [[0, 0]]
-    assert manager.engine.policy_version == 0 and manager.last_weight_update is None
+    assert manager.engine.policy_version == 0 and manager.weight_updates.last_result is None
     assert manager.stats()["weight_updates"] == 0
     assert_state_equal(model, snapshot)
 
@@ -322,7 +322,7 @@ def test_manager_abort_delivers_partial_outputs(managers):
     manager, gate = started_manager(managers, model, prompts[:1], pause_at=4, max_new=max_new)
     results: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        manager.submit_weight_update(state_b, None, "abort", False, None, results.put)
+        manager.weight_updates.submit(state_b, None, "abort", False, None, results.put)
     finally:
         gate.close()
     result = results.get(timeout=TIMEOUT)
@@ -393,10 +393,10 @@ def test_prefix_cache_is_not_reused_across_an_update(update):
     assert engine.block_manager.cached_blocks
     if update:
         engine.update_weights(state_b)
-    computed_before = engine.num_computed_tokens
+    computed_before = engine.counters.computed_tokens
     engine.add_request("again", prompt, GREEDY, max_new_tokens=max_new)
     output = run_to_completion(engine)["again"]
-    computed = engine.num_computed_tokens - computed_before
+    computed = engine.counters.computed_tokens - computed_before
     full = len(prompt) + max_new - 1
     if update:
         assert computed == full
@@ -418,11 +418,11 @@ def test_prefix_block_straddling_a_keep_update_is_not_reused():
     assert running(engine)["first"].num_computed_tokens == 5
     engine.update_weights(state_b, mode="keep")
     run_to_completion(engine)
-    computed_before = engine.num_computed_tokens
+    computed_before = engine.counters.computed_tokens
     engine.add_request("again", prompt, GREEDY, max_new_tokens=max_new)
     output = run_to_completion(engine)["again"]
     assert output.generated_tokens == greedy(reference_b, prompt, max_new)
-    assert engine.num_computed_tokens - computed_before == len(prompt) + max_new - 1
+    assert engine.counters.computed_tokens - computed_before == len(prompt) + max_new - 1
 
 
 # ---- 7. validation --------------------------------------------------------------------------------------------
@@ -475,7 +475,7 @@ def test_bad_update_is_refused_naming_the_culprit_and_changes_nothing(case):
     with pytest.raises(FieldError) as error:
         engine.update_weights(make_tensors(state_b), **{"mode": "recompute", **kwargs})
     assert error.value.field == field
-    assert engine.policy_version == 0 and engine.num_weight_updates == 0
+    assert engine.policy_version == 0 and engine.counters.weight_updates == 0
     assert_state_equal(model, snapshot)
     output = run_to_completion(engine)["r"]
     assert output.generated_tokens == greedy(reference_a, prompt, max_new)

@@ -1,12 +1,35 @@
-"""An engine's counters as one snapshot (what `ContinuousBatchingManager.stats()`, the worker's `stats` reply and its
-Prometheus metrics report), and what it still holds when it closes."""
+"""An engine's step counters; its counters as one snapshot (what `ContinuousBatchingManager.stats()`, the worker's
+`stats` reply and its Prometheus metrics report); and what it still holds when it closes."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 logger = logging.getLogger("rollout.engine.engine")
+
+
+@dataclass
+class StepCounters:
+    """What an engine's steps and weight updates did since it started (its warm-up excluded)."""
+
+    generated_tokens: int = 0  # tokens sampled and kept
+    computed_tokens: int = 0  # tokens run through the model (prefix hits and forks skip theirs)
+    prefill_tokens: int = 0  # of which in chunks of more than one token (prompts, recomputes)
+    steps: int = 0
+    weight_updates: int = 0
+
+    def count_step(self, chunks: list[int]) -> None:
+        """Count a launched step of these chunk sizes (a chunk of one token is a decode, longer ones prefill)."""
+        self.computed_tokens += sum(chunks)
+        self.prefill_tokens += sum(chunks) - chunks.count(1)
+        self.steps += 1
+
+    def restore(self, saved: StepCounters) -> None:
+        """Set every counter back to `saved`'s value (work that was not served, such as a warm-up)."""
+        for field in fields(self):
+            setattr(self, field.name, getattr(saved, field.name))
 
 
 class CountedEngine(Protocol):
@@ -17,28 +40,25 @@ class CountedEngine(Protocol):
     sampler: Any
     runner: Any
     policy_version: int
-    num_weight_updates: int
-    num_generated_tokens: int
-    num_prefill_tokens: int
-    num_steps: int
+    counters: StepCounters
 
 
 def engine_stats(engine: CountedEngine) -> dict[str, Any]:
     """The engine's counters (a snapshot): policy version, weight updates, queued and running samples, KV blocks,
     generated and prefilled tokens, prefix-cache hits, steps, preemptions."""
-    blocks, scheduler = engine.block_manager, engine.scheduler
+    blocks, scheduler, counters = engine.block_manager, engine.scheduler, engine.counters
     return {
         "policy_version": engine.policy_version,
-        "weight_updates": engine.num_weight_updates,
+        "weight_updates": counters.weight_updates,
         "queued": scheduler.num_waiting,
         "running": len(scheduler.running),
         "kv_blocks_used": blocks.num_used_blocks,
         "kv_blocks_free": blocks.num_free_blocks,
-        "generated_tokens": engine.num_generated_tokens,
-        "prefill_tokens": engine.num_prefill_tokens,
+        "generated_tokens": counters.generated_tokens,
+        "prefill_tokens": counters.prefill_tokens,
         "prefix_cache_hit_tokens": blocks.num_prefix_tokens_hit,
         "prefix_cache_query_tokens": blocks.num_prefix_tokens_queried,
-        "steps": engine.num_steps,
+        "steps": counters.steps,
         "preemptions": scheduler.num_preemptions,
         "preemptions_swapped": scheduler.num_swaps,
     }

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 from rollout.config import SamplingParams
+from rollout.engine.counters import StepCounters
 
 
 class WarmableEngine(Protocol):
@@ -13,10 +15,7 @@ class WarmableEngine(Protocol):
     runner: Any
     block_manager: Any
     max_model_len: int
-    num_generated_tokens: int
-    num_computed_tokens: int
-    num_prefill_tokens: int
-    num_steps: int
+    counters: StepCounters
     warmed_up: bool
 
     def has_unfinished(self) -> bool: ...
@@ -39,7 +38,7 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     if engine.runner.closed:
         raise RuntimeError("warmup() of a closed engine: build a new one")
     engine.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
-    counters = (engine.num_generated_tokens, engine.num_computed_tokens, engine.num_prefill_tokens, engine.num_steps)
+    counters = replace(engine.counters)
     sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
     num_tokens = min(num_tokens, engine.max_model_len - 2)  # a short context must not refuse its own warm-up
     if num_tokens > 0:
@@ -48,6 +47,6 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
         engine.step()
     engine.block_manager.reset_prefix_cache()
     # The warm-up is not served work: statistics start from where they were.
-    engine.num_generated_tokens, engine.num_computed_tokens, engine.num_prefill_tokens, engine.num_steps = counters
+    engine.counters.restore(counters)
     engine.block_manager.num_prefix_tokens_hit = engine.block_manager.num_prefix_tokens_queried = 0
     engine.warmed_up = True

@@ -293,7 +293,7 @@ def test_overlapped_steps_never_wait_for_the_device():
         )
         assert engine.overlap_scheduling is overlap
         engine.warmup()
-        launch = engine._launch
+        launch = engine.loop._launch
         launches = []
 
         def watched(*args, _launch=launch, _launches=launches):
@@ -305,7 +305,7 @@ def test_overlapped_steps_never_wait_for_the_device():
                 _launches.append(1)
 
         if overlap:
-            engine._launch = watched
+            engine.loop._launch = watched
         for index, (prompt, sampling) in enumerate(zip(prompts, samplings)):
             engine.add_request(str(index), prompt, sampling, n=2, max_new_tokens=16)
         outputs = {}

@@ -81,11 +81,11 @@ def measure_system(system: str, device: str, seed: int = 0, num_prompts: int = N
         engine.warmup()
         _run_groups(engine, prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts)), seed, device)
         engine.block_manager.reset_prefix_cache()  # the timed groups prefill their prompts themselves
-        computed_before, generated_before = engine.num_computed_tokens, engine.num_generated_tokens
+        computed_before, generated_before = engine.counters.computed_tokens, engine.counters.generated_tokens
         stage(f"rollout: {num_prompts} groups of {GROUP_SIZE}")
         seconds = _run_groups(engine, prompts, max_new, seed, device)
-        computed = engine.num_computed_tokens - computed_before
-        if engine.num_generated_tokens - generated_before != generated:
+        computed = engine.counters.computed_tokens - computed_before
+        if engine.counters.generated_tokens - generated_before != generated:
             raise RuntimeError("rollout did not generate the requested lengths")
     finally:
         engine.close()

@@ -17,7 +17,7 @@ median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for rea
 
 Figures:
 - recomputed_tokens = computed - (first_admission_prompt_tokens + generated - samples_with_output), where computed is
-  the engine's `num_computed_tokens` (every token run through the model: prefill chunks and decodes),
+  the engine's `counters.computed_tokens` (every token run through the model: prefill chunks and decodes),
   first_admission_prompt_tokens the sum over samples of prompt - prefix-cache hit at its first admission, and
   generated - samples_with_output the decodes a sample needs (each generated token but the last is fed back once):
   the tokens computed beyond a run without preemption. Its ratio to generated tokens is `recompute_ratio`.
@@ -147,7 +147,7 @@ def measure(
                         finished[output.request_id] = (output.lifespan[1] - start, reason, tokens)
                         bar.update(1)
                         bar.set_postfix(
-                            tokens=engine.num_generated_tokens,
+                            tokens=engine.counters.generated_tokens,
                             preempted=engine.scheduler.num_preemptions,
                             refresh=False,
                         )
@@ -155,7 +155,7 @@ def measure(
         queues = engine.scheduler.running + list(engine.scheduler.swapped) + list(engine.scheduler.waiting)
         with_output = sum(1 for r in queues if r.num_output_tokens > 0)
         with_output += sum(1 for _, _, tokens in finished.values() if tokens)
-        stats, computed = engine.stats(), engine.num_computed_tokens
+        stats, computed = engine.stats(), engine.counters.computed_tokens
         block_bytes = engine.kv_cache.shape.bytes_per_block(BLOCK_SIZE, engine.kv_cache.kv.dtype)
         swap_blocks = engine.kv_cache.num_swap_blocks
     finally:

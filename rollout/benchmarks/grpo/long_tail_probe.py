@@ -35,7 +35,7 @@ class Probe:
     """Per-step and per-admission figures the engine does not count.
 
     Attributes:
-        steps: schedules that computed something (equals the engine's `num_steps`).
+        steps: schedules that computed something (equals the engine's `counters.steps`).
         decoding: sum over those steps of the sequences that computed exactly one token (decodes).
         sequences: sum over those steps of all sequences computed (decodes and prefill chunks).
         running: sum over those steps of the scheduler's running requests after scheduling.

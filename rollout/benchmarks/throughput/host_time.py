@@ -208,11 +208,11 @@ def host_time_per_step(
     grammar = dict.fromkeys(("grammar_fill", "grammar_apply", "grammar_accept"), 0.0) if constraint else {}
     restore = _time_grammars(grammar) if constraint else None
     sample, schedule, run = engine.sampler.sample, engine.scheduler.schedule, engine.runner.run
-    advance, resolve = engine._advance, engine._resolve  # noqa: SLF001 - timed through instance attributes
+    advance, resolve = engine.loop._advance, engine.loop._resolve  # noqa: SLF001 - timed through instance attributes
     engine.scheduler.schedule = _timed(phases, "schedule", schedule)
     engine.runner.run = _timed(phases, "inputs", run)
-    engine._advance = _timed(phases, "update", advance)  # noqa: SLF001
-    engine._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
+    engine.loop._advance = _timed(phases, "update", advance)  # noqa: SLF001
+    engine.loop._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
     plain_sample, kernel_sample = _timed(phases, "sampling", sample), _kernel_timed(kernel_seconds := [], sample)
     # The kernel steps are spread among the plain ones, so that both sample the machine in the same state (a
     # shared CPU's speed drifts by tens of percent within seconds).

@@ -1,15 +1,15 @@
-"""ContinuousBatchingManager: the engine on a background thread (engine_loop.py), with queues, streaming and result
-handlers; and `init_continuous_batching`, mirroring transformers' continuous batching API.
+"""ContinuousBatchingManager: the engine on a background thread, with queues, streaming and result handlers; and
+`init_continuous_batching`, mirroring transformers' continuous batching API.
 
-Threads: callers validate their request (`manager_requests.py`: `RequestIntake.prepare` reads no mutable engine
-state), then put a command in the engine thread's mailbox; only the engine thread queues requests into the engine and
+The manager is the public face of the objects it holds: its `RequestDesk` (requests checked on the caller's thread,
+then posted to the engine thread's mailbox), `WeightUpdateQueue`, `PauseGate`, `ResultRouter` (outputs to readers
+and handlers) and `EngineLoop` (the engine thread's body). Only the engine thread queues requests into the engine and
 steps it. All bookkeeping shared by the two sides lives under one condition variable. Every blocking call takes a
 timeout, and a stopped manager answers at once.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -20,22 +20,23 @@ from typing import Any
 
 import torch
 
+from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
-from rollout.engine.manager.commands import Command, PauseLoop, Wake
+from rollout.engine.manager.commands import Command, PauseLoop
 from rollout.engine.manager.engine_thread import EngineLoop
 from rollout.engine.manager.pause import PauseGate
-from rollout.engine.manager.request_api import ManagerRequests, QueueFullError
+from rollout.engine.manager.request_desk import QueueFullError, RequestDesk
 from rollout.engine.manager.results import ResultRouter
-from rollout.engine.manager.weight_api import ManagerWeights
 from rollout.engine.manager.weight_queue import WeightUpdateQueue
+from rollout.engine.requests.group_spec import GroupSpec
+from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.requests.outputs import GenerationOutput
+from rollout.engine.weights.weight_table import WeightUpdateResult
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
 
-logger = logging.getLogger(__name__)
 
-
-class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
+class ContinuousBatchingManager:
     """Runs an `Engine` on a background thread. Use `init_continuous_batching` to build one.
 
     Lifecycle: `start()`, `stop()`, `join()`, `is_running()`, `warmup()`, or `with manager:`. Requests:
@@ -62,29 +63,31 @@ class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
         self.config = self.engine.config
         self.generation_config = generation_config  # as given (transformers' manager has it too)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._state = threading.Condition()  # guards everything below; re-entrant (handlers may call back in)
+        self._state = threading.Condition()  # guards the shared bookkeeping; re-entrant (handlers may call back in)
         self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
+        engine, commands = self.engine, self._commands
+        requests = RequestDesk(
+            engine.intake, lambda: engine.num_waiting, self.config.max_queue_size, self._state, self._router, commands
+        )
+        self._requests = requests
         # The helpers call back into the manager through a weak proxy, never a bound method or a closure over self:
         # a reference back would put the manager, its engine and the KV cache in a cycle that only a garbage
         # collection frees. While the engine thread runs, the thread itself keeps the manager alive.
         owner = weakref.proxy(self)
-        commands = self._commands
         self._pauses = PauseGate(
             lambda request: commands.put(PauseLoop(request)), lambda: owner.is_running(), lambda: owner.error
         )
-        self._num_queued = 0  # groups added but not yet handed to the engine
-        self._closed = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._next_id = 0
-        self._loop = EngineLoop(owner)
-        self._updates = WeightUpdateQueue(
-            self.engine,
+        self.weight_updates = WeightUpdateQueue(
+            engine,
             self._state,
             commands.put,
-            lambda outputs: owner._deliver(outputs),
+            self._router.deliver,
             lambda: owner.is_running(),
-            lambda: owner._closed,
+            lambda: requests.closed,
+            self._pauses.held_here,
+        )
+        self._loop = EngineLoop(
+            owner, engine, requests, self.weight_updates, commands, self._state, self._router.deliver
         )
         self.started_at: float | None = None
         self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
@@ -95,19 +98,14 @@ class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> ContinuousBatchingManager:
         """Start the engine thread (no-op when already running)."""
-        if self.is_running():
-            return self
-        if self._stop.is_set():
-            raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching")
-        # The thread holds the manager (its args) until its loop returns: a running manager is never collected.
-        self._thread = threading.Thread(target=_run_loop, args=(self,), name="rollout-engine", daemon=True)
-        self.started_at = time.time()
-        self._thread.start()
+        if not self.is_running():
+            self._loop.start(keep_alive=self)  # the thread holds the manager: a running manager is never collected
+            self.started_at = time.time()
         return self
 
     def is_running(self) -> bool:
         """True while the engine thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.is_running()
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
         """Stop the engine thread; unfinished requests end with finish_reason "abort". New requests are refused.
@@ -121,17 +119,11 @@ class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
                 "cannot stop the manager from inside its pause: the loop waits for the pause to end, so this would "
                 "wait forever; leave the `with manager.pause():` block first"
             )
-        self._stop.set()
-        self._commands.put(Wake())
-        if self._thread is None:
-            self._loop.shutdown()
-        elif block and threading.current_thread() is not self._thread:  # from a handler: the loop ends after it
-            self.join(timeout)
+        self._loop.stop(block, timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine thread to end (after `stop`)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._loop.join(timeout)
 
     def __enter__(self) -> ContinuousBatchingManager:
         return self.start()
@@ -168,25 +160,162 @@ class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
                 this is the engine thread (a result handler). A thread already inside a pause may nest another.
             TimeoutError: the loop did not pause in time (it then does not pause at all).
         """
-        if threading.current_thread() is self._thread:
+        if self._loop.on_thread():
             raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
         if not self.is_running():
             raise RuntimeError("cannot pause: the manager is not running") from self.error
         with self._pauses.hold(timeout):
             yield
 
-    def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        self._router.deliver(outputs)
+    # ---- requests: checked here, queued through the manager's `RequestDesk` --------------------------------------
+    def add_request(
+        self,
+        input_ids: Any,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        adapter: str | None = None,
+        **sampling_fields: Any,
+    ) -> str:
+        """Queue a prompt for `n` samples; they share the prompt's KV.
+
+        Args:
+            input_ids: prompt token ids (a list, or a 1-D / (1, L) tensor).
+            request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id "<id>#<i>".
+            max_new_tokens: overrides the sampling / generation config value.
+            streaming: deliver a delta (new tokens only) after every token instead of one final output.
+            n: number of samples (a GRPO group; None: the GenerationConfig's num_return_sequences, else 1); sample
+                i is seeded from (seed, i).
+            sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
+            record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+            eos_token_id: this request's stop token(s), as in transformers' `add_request`.
+            adapter: the LoRA adapter to sample with (`load_adapter`); None: the base model.
+            **sampling_fields: SamplingParams fields for this request (`temperature=0.7, top_k=10`, ...), applied
+                over `sampling` (or the generation config's defaults), as transformers' per-request processor
+                arguments.
+        Returns:
+            The request (group) id.
+        Raises:
+            ValueError: bad input, naming the field (also a keyword that is no SamplingParams field).
+            QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
+        """
+        sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
+        request_id = self._requests.new_id() if request_id is None else request_id
+        spec = GroupSpec(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter)
+        try:
+            self._requests.add([spec])
+        except FieldError as error:
+            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
+        return request_id
+
+    def add_requests(
+        self,
+        inputs: list[Any],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        **request_fields: Any,
+    ) -> list[str]:
+        """`add_request` for each prompt, with generated ids, in order (as transformers' `add_requests`).
+
+        Args: as for `add_request` (`n`, `sampling`, `eos_token_id` and SamplingParams fields as keywords).
+        Returns: the request ids. Raises: as `add_request`; requests added before the one that failed stay added.
+        """
+        if "request_id" in request_fields:
+            raise TypeError("add_requests() generates one id per request; use add_request to give your own")
+        common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
+        return [self.add_request(prompt, **common, **request_fields) for prompt in inputs]
+
+    def add_groups(self, groups: list[GroupSpec]) -> None:
+        """Queue groups in the engine's own terms (the worker's path), all or none: every group is checked before any
+        is queued, so a batch refused at its last group gave the engine no work.
+
+        Args:
+            groups: one `GroupSpec` per group (distinct ids).
+        Raises:
+            FieldError: bad input, naming the field (`group_id`, `prompt_ids`, ...; with several groups, which one).
+            QueueFullError: the queue cannot take them all. RuntimeError: the manager was stopped.
+        """
+        self._requests.add(groups)
+
+    @property
+    def num_return_sequences(self) -> int:
+        """Samples per request when `add_request` is given no `n` (transformers' manager attribute; settable)."""
+        return self.engine.intake.default_n
+
+    @num_return_sequences.setter
+    def num_return_sequences(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FieldError("num_return_sequences", f"must be an integer >= 1, got {value!r}")
+        self.engine.intake.default_n = value
+
+    def cancel_request(self, request_id: str) -> None:
+        """Abort a request (every sample of its group); each delivers its partial output with finish_reason "abort".
+        Unknown or finished ids are ignored.
+
+        Args:
+            request_id: the id returned by `add_request`, or one sample's id ("<id>#<i>").
+        """
+        self._requests.cancel(request_id)
+
+    # ---- weights: applied between two steps through the manager's `WeightUpdateQueue` ---------------------------
+    def update_weights(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: int | None = None,
+        mode: str = "keep",
+        partial: bool = False,
+        timeout: float | None = None,
+    ) -> WeightUpdateResult:
+        """Apply new weights between two engine steps and wait for it.
+
+        Args:
+            tensors, version, partial: as for `Engine.update_weights` (validated before anything changes).
+            mode: "keep", "recompute", "abort" or "wait" (pause admission, let in-flight samples finish, apply).
+            timeout: most seconds to wait; with mode "wait" also the most the drain may take, after which the
+                update is dropped unapplied.
+        Returns:
+            The `WeightUpdateResult` (version, pause and copy times, aborted / recomputed counts).
+        Raises:
+            ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
+            time (the old weights keep serving). RuntimeError: the manager is stopped, or this thread holds its pause.
+        """
+        return self.weight_updates.apply(tensors, version, mode, partial, timeout)
+
+    def load_adapter(
+        self, name: str, adapter: Any, version: int | None = None, mode: str = "keep", timeout: float | None = None
+    ) -> WeightUpdateResult:
+        """Serve a LoRA adapter unmerged under `name` (replacing the one of that name) between two engine steps, and
+        wait for it (see `Engine.load_adapter`); requests choose it with `add_request(..., adapter=name)`.
+
+        Args:
+            name: the adapter's name.
+            adapter: a PEFT adapter directory (`save_pretrained`'s), a `peft.PeftModel` (its active adapter; its
+                tensors are copied), or base module name -> `LoraModule` / `SavedModule`.
+            version: the new policy version (above the current one); None adds one.
+            mode: "keep", "recompute", "abort" (the latter two act on this adapter's samples) or "wait".
+            timeout: as for `update_weights`.
+        Returns:
+            The `WeightUpdateResult`.
+        Raises:
+            FieldError: a bad adapter (named: a tensor, `max_loras`, `max_lora_rank`, a PEFT setting that cannot be
+            served unmerged), nothing changed. TimeoutError, RuntimeError: as for `update_weights`.
+        """
+        return self.weight_updates.apply_adapter(name, adapter, version, mode, timeout)
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Queue depth, running samples, KV blocks used/free, generated tokens, uptime, and the policy version with
         the number, time (unix) and pause of weight updates (a snapshot)."""
-        last = self.last_weight_update
+        last = self.weight_updates.last_result
         stats = self.engine.stats()
-        stats["queued"] += self._num_queued
+        stats["queued"] += self._requests.num_queued
         stats.update(
-            last_weight_update_at=self.last_weight_update_at,
+            last_weight_update_at=self.weight_updates.last_at,
             last_weight_update_pause_ms=None if last is None else last.pause_ms,
             uptime_s=0.0 if self.started_at is None else time.time() - self.started_at,
             idle_s=self.idle_s,
@@ -236,11 +365,6 @@ class ContinuousBatchingManager(ManagerRequests, ManagerWeights):
                 yield output
             elif not self.is_running():
                 return
-
-
-def _run_loop(manager: ContinuousBatchingManager) -> None:
-    """The engine thread's body (a function of the manager, so that the thread keeps it alive while it runs)."""
-    manager._loop.run()
 
 
 def init_continuous_batching(

@@ -5,15 +5,20 @@ refuses what is still queued, ends what runs and gives the model back."""
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from rollout.config import FieldError
-from rollout.engine.manager.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop
+from rollout.engine.engine import Engine
+from rollout.engine.manager.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, Wake
 from rollout.engine.manager.pause import PauseGate
+from rollout.engine.manager.request_desk import RequestDesk
+from rollout.engine.manager.weight_queue import WeightUpdateQueue
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.requests.outputs import never_started
+from rollout.engine.requests.outputs import GenerationOutput, never_started
 from rollout.engine.requests.request import Request
 from rollout.mailbox import drain
 
@@ -21,56 +26,104 @@ logger = logging.getLogger("rollout.engine.manager.continuous_batching")
 
 
 class LoopOwner(Protocol):
-    """What the loop uses of its `ContinuousBatchingManager` (structural: this module does not import the manager)."""
+    """The manager's public state the loop writes and reads (structural: this module does not import the manager)."""
 
-    engine: Any
     error: BaseException | None
     idle_s: float
     step_observer: Callable[[float], None] | None
-    _stop: Any  # threading.Event
-    _state: Any  # threading.Condition
-    _closed: bool
-    _commands: Any  # the engine thread's mailbox
-    _num_queued: int
-    _updates: Any  # WeightUpdateQueue
-
-    def _deliver(self, outputs: list[Any]) -> None: ...
 
 
 class EngineLoop:
-    """The engine side of a `ContinuousBatchingManager` (it shares the manager's lock, mailbox and state)."""
+    """The engine side of a `ContinuousBatchingManager`: its engine thread's body and shutdown."""
 
-    def __init__(self, manager: LoopOwner):
-        self.manager = manager
+    def __init__(
+        self,
+        owner: LoopOwner,
+        engine: Engine,
+        requests: RequestDesk,
+        updates: WeightUpdateQueue,
+        commands: queue.SimpleQueue[Command],
+        lock: threading.Condition,
+        deliver: Callable[[list[GenerationOutput]], None],
+    ):
+        """
+        Args:
+            owner: the manager (a weak proxy): the loop records its error, idle time and step times there.
+            engine: the engine the loop steps (only this thread touches it while the loop runs).
+            requests: the manager's request desk (groups on their way, counted until the engine takes them).
+            updates: the manager's weight updates, applied between two steps.
+            commands: the loop's mailbox.
+            lock: the manager's lock (waiters are woken under it when the loop ends).
+            deliver: hands outputs to their readers and handlers.
+        """
+        self.owner = owner
+        self.engine = engine
+        self.requests = requests
+        self.updates = updates
+        self.commands = commands
+        self.lock = lock
+        self.deliver = deliver
+        self.stopping = threading.Event()  # set when the manager stops: the loop ends after its current step
+        self._thread: threading.Thread | None = None
+
+    # ---- the thread, as the manager starts and stops it ---------------------------------------------------------
+    def start(self, keep_alive: object) -> None:
+        """Start the thread; it holds `keep_alive` (the manager) until the loop returns.
+
+        Raises:
+            RuntimeError: the loop was stopped (a manager does not restart).
+        """
+        if self.stopping.is_set():
+            raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching")
+        self._thread = threading.Thread(target=_run, args=(self, keep_alive), name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        """True while the thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def on_thread(self) -> bool:
+        """True when called on the engine thread (from a result handler)."""
+        return threading.current_thread() is self._thread
+
+    def stop(self, block: bool, timeout: float | None) -> None:
+        """Make the loop end (at once when it never started), and wait for it unless on the engine thread."""
+        self.stopping.set()
+        self.commands.put(Wake())
+        if self._thread is None:
+            self.shutdown()
+        elif block and not self.on_thread():  # from a handler: the loop ends after it
+            self.join(timeout)
+
+    def join(self, timeout: float | None) -> None:
+        """Wait for the thread to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def run(self) -> None:
         """The thread's body: until the manager stops (or something fails), apply commands and step."""
+        owner, engine = self.owner, self.engine
         try:
-            while not self.manager._stop.is_set():
-                self._drain_commands(
-                    block=not self.manager.engine.has_unfinished() and self.manager._updates.pending is None
-                )
-                self.manager._updates.try_apply()
-                if self.manager.engine.has_unfinished():
+            while not self.stopping.is_set():
+                self._drain_commands(block=not engine.has_unfinished() and self.updates.pending is None)
+                self.updates.try_apply()
+                if engine.has_unfinished():
                     started = time.perf_counter()
-                    outputs = self.manager.engine.step()
-                    if self.manager.step_observer is not None:
-                        self.manager.step_observer(time.perf_counter() - started)
-                    self.manager._deliver(outputs)
+                    outputs = engine.step()
+                    if owner.step_observer is not None:
+                        owner.step_observer(time.perf_counter() - started)
+                    self.deliver(outputs)
         except BaseException as error:  # noqa: BLE001 - report to every waiter instead of dying silently
             logger.exception("engine thread failed")
-            self.manager.error = error
+            owner.error = error
         finally:
-            self.shutdown(
-                reason=None if self.manager.error is None else f"engine thread failed: {self.manager.error!r}"
-            )
+            self.shutdown(reason=None if owner.error is None else f"engine thread failed: {owner.error!r}")
 
     def shutdown(self, reason: str | None = None) -> None:
         """Refuse new requests, end everything still queued or running, release the model."""
-        with self.manager._state:
-            self.manager._closed = True
-        self.manager._updates.refuse_pending("the manager stopped before the weight update was applied")
-        for command in drain(self.manager._commands):
+        self.requests.close()
+        self.updates.refuse_pending("the manager stopped before the weight update was applied")
+        for command in drain(self.commands):
             if isinstance(command, AddGroup):
                 self._end_unstarted(command.request, "abort" if reason is None else "error", reason)
             elif isinstance(command, ApplyWeights):
@@ -78,45 +131,47 @@ class EngineLoop:
             elif isinstance(command, PauseLoop):
                 PauseGate.refuse(command.request, "the manager stopped before the loop paused")
         try:
-            self.manager._deliver(self.manager.engine.flush())  # the step still on the device ends first
+            self.deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
             logger.exception("could not finish the last engine step")
-        for group_id in self.manager.engine.open_group_ids():
-            outputs = self.manager.engine.cancel(group_id)
+        for group_id in self.engine.open_group_ids():
+            outputs = self.engine.cancel(group_id)
             if reason is not None:
                 for output in outputs:
                     output.finish_reason, output.error = "error", reason
-            self.manager._deliver(outputs)
-        self.manager.engine.close()
-        with self.manager._state:
-            self.manager._state.notify_all()
+            self.deliver(outputs)
+        self.engine.close()
+        with self.lock:
+            self.lock.notify_all()
 
     def _drain_commands(self, block: bool) -> None:
         started = time.perf_counter()
-        commands = drain(self.manager._commands, wait_s=0.5 if block else None)
+        commands = drain(self.commands, wait_s=0.5 if block else None)
         if block:  # nothing to run: the engine was idle while it waited
-            self.manager.idle_s += time.perf_counter() - started
+            self.owner.idle_s += time.perf_counter() - started
         for command in commands:
             self._apply(command)
 
     def _apply(self, command: Command) -> None:
         if isinstance(command, AddGroup):
-            with self.manager._state:
-                self.manager._num_queued -= 1
+            self.requests.taken()
             try:
-                self.manager.engine.submit(command.request)
+                self.engine.submit(command.request)
             except FieldError as error:  # e.g. its id is still running in the engine: the caller still hears back
                 self._end_unstarted(command.request, "error", str(error.renamed(TRANSFORMERS_FIELD_NAMES)))
         elif isinstance(command, CancelGroup):
-            self.manager._deliver(self.manager.engine.cancel(command.group_id))
+            self.deliver(self.engine.cancel(command.group_id))
         elif isinstance(command, PauseLoop):
-            PauseGate.serve(
-                command.request, self.manager._stop.is_set(), lambda: self.manager._deliver(self.manager.engine.flush())
-            )
-            self.manager.engine.weights_changed()  # the pause's holder may have changed the model in place
+            PauseGate.serve(command.request, self.stopping.is_set(), lambda: self.deliver(self.engine.flush()))
+            self.engine.weights_changed()  # the pause's holder may have changed the model in place
         elif isinstance(command, ApplyWeights):
-            self.manager._updates.take(command.update)
+            self.updates.take(command.update)
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
-        self.manager._deliver(never_started(request, reason, error))
+        self.deliver(never_started(request, reason, error))
+
+
+def _run(loop: EngineLoop, keep_alive: object) -> None:
+    """The engine thread's target: the loop's body, with the manager held (`keep_alive`) while it runs."""
+    loop.run()

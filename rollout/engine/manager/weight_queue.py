@@ -8,13 +8,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
-from rollout.engine.lora.adapter_weights import from_named_tensors, split_adapter_tensors
+from rollout.engine.lora.adapter_weights import (
+    from_named_tensors,
+    from_peft_model,
+    load_peft_dir,
+    split_adapter_tensors,
+    to_named_tensors,
+)
 from rollout.engine.manager.commands import AdapterUpdate, ApplyWeights, Command, PendingUpdate
+from rollout.engine.requests.adapter_ref import check_adapter_name
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.weights.weight_table import WeightUpdateResult
 
@@ -30,6 +38,7 @@ class WeightUpdateQueue:
         deliver: Callable[[list[GenerationOutput]], None],
         is_running: Callable[[], bool],
         is_closed: Callable[[], bool],
+        paused_here: Callable[[], bool],
     ):
         """
         Args:
@@ -39,6 +48,8 @@ class WeightUpdateQueue:
             deliver: hands outputs (of aborted samples) to their readers.
             is_running: whether the engine thread runs (else updates apply in the caller's thread).
             is_closed: whether the manager stopped taking work.
+            paused_here: whether the calling thread holds the manager's pause (then waiting for an update would
+                wait forever: the loop applies it only after the pause).
         """
         self.engine = engine
         self._lock = lock
@@ -46,6 +57,7 @@ class WeightUpdateQueue:
         self._deliver = deliver
         self._is_running = is_running
         self._is_closed = is_closed
+        self._paused_here = paused_here
         self.pending: PendingUpdate | None = None  # engine thread only
         self.last_result: WeightUpdateResult | None = None
         self.last_at: float | None = None  # unix time
@@ -144,8 +156,10 @@ class WeightUpdateQueue:
         A waiter that gives up first cancels it under the lock, so it is never applied late.
 
         Raises:
-            The update's error; TimeoutError when it was not applied in time.
+            The update's error; TimeoutError when it was not applied in time; RuntimeError inside this thread's
+            pause, or once the manager stopped.
         """
+        self._refuse_inside_pause("a weight update" if adapter is None else "an adapter")
         done: queue.SimpleQueue = queue.SimpleQueue()
         update = self.submit(tensors, version, mode, partial, timeout, done.put, adapter)
         try:
@@ -159,6 +173,22 @@ class WeightUpdateQueue:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+    def apply_adapter(
+        self, name: str, adapter: Any, version: int | None, mode: str, timeout: float | None
+    ) -> WeightUpdateResult:
+        """Load an adapter (`adapter_update`'s forms) and wait for it, as `apply` (arguments as for
+        `ContinuousBatchingManager.load_adapter`)."""
+        self._refuse_inside_pause("an adapter")
+        tensors, update = adapter_update(name, adapter)
+        return self.apply(tensors, version, mode, False, timeout, update)
+
+    def _refuse_inside_pause(self, what: str) -> None:
+        if self._paused_here():
+            raise RuntimeError(
+                f"cannot wait for {what} inside this thread's pause: the loop applies it only after the pause "
+                "(copy the tensors into the model directly while paused, or update after the `with` block)"
+            )
 
     def take(self, update: PendingUpdate) -> None:
         """Engine thread: an `ApplyWeights` command arrived."""
@@ -174,3 +204,27 @@ class WeightUpdateQueue:
         if self.pending is not None:
             self.pending.callback(RuntimeError(reason))
             self.pending = None
+
+
+def adapter_update(name: str, adapter: Any) -> tuple[dict[str, torch.Tensor], AdapterUpdate]:
+    """An adapter as `ContinuousBatchingManager.load_adapter` takes it, as wire-named tensors and the update's
+    name and scalings.
+
+    Args:
+        name: the adapter's name (checked).
+        adapter: a PEFT adapter directory, a `peft.PeftModel` (its active adapter; its tensors are copied now), or
+            base module name -> `LoraModule` / `SavedModule`.
+    Raises:
+        FieldError: a bad name or adapter (named).
+    """
+    check_adapter_name(name, "name")
+    if isinstance(adapter, str):
+        modules = load_peft_dir(adapter)
+    elif isinstance(adapter, dict):
+        modules = adapter
+    else:
+        modules = from_peft_model(adapter)
+    tensors, scalings = to_named_tensors(modules)
+    if not isinstance(adapter, (str, dict)):  # a live model's own tensors: copies, taken now
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    return tensors, AdapterUpdate(name, scalings)

@@ -33,7 +33,7 @@ def check_adapter_fields(begin: p.WeightsBegin, engine: Engine, base_id: str | N
     names = {spec.name for spec in begin.tensors if is_adapter_tensor(spec.name, begin.scalings)}
     base = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in begin.tensors if spec.name not in names}
     if base:  # the whole base travels with the adapter, in the same transaction
-        engine.weights.check_specs(base, partial=False)
+        engine.weight_table.check_specs(base, partial=False)
     elif begin.base_id != base_id:
         raise BaseMismatch(
             "base_id",

@@ -135,7 +135,7 @@ class StagedUpdate:
         if begin.adapter is not None:
             return receiver  # the adapter's tensors are checked against the adapter table (check_adapter_fields)
         try:
-            engine.weights.check_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
+            engine.weight_table.check_specs({s.name: (s.dtype, tuple(s.shape)) for s in begin.tensors}, begin.partial)
         except FieldError as error:
             raise UpdateRejected("bad_update", error.field, error.reason) from None
         return receiver

@@ -97,7 +97,7 @@ class UpdateSlot:
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
             engine = self.manager.engine
-            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weights.specs().items()]
+            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weight_table.specs().items()]
             adapters = {name: ref.version for name, ref in list(engine.runner.adapters.refs.items())}
             self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters))
             return
@@ -253,7 +253,7 @@ class UpdateSlot:
                 self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
                 return
             adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
-            self.manager.submit_weight_update(
+            self.manager.weight_updates.submit(
                 tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
             )
 

@@ -17,6 +17,7 @@ from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.constraints import constraint_of
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, QueueFullError
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.mailbox import drain
 from rollout.protocol.group_folding import GroupInFlight, engine_id
@@ -139,7 +140,7 @@ class GroupDesk:
             if error is not None:
                 raise error
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
-            self.manager.add_group(group.engine_id, message.prompt_ids, **fields)
+            self.manager.add_groups([GroupSpec(group.engine_id, message.prompt_ids, **fields)])
         except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)
             self.counters.group_refused()

@@ -14,6 +14,7 @@ from typing import Any
 from rollout.config import FieldError, SamplingParams
 from rollout.detokenizer import OutputText
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, QueueFullError
+from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.choices import Choice, ChoiceDelta
@@ -95,7 +96,9 @@ class Submission:
         try:
             group_ids = [f"http-{uuid.uuid4().hex}" for _ in self._prompts]
             settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter)
-            self._manager.add_groups(group_ids, self._prompts, **settings)  # all or none
+            self._manager.add_groups(  # all or none
+                [GroupSpec(group_id, prompt, **settings) for group_id, prompt in zip(group_ids, self._prompts)]
+            )
             for index, group_id in enumerate(group_ids):
                 self._group_ids.append(group_id)
                 self._counters.group_received()

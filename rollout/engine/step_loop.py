@@ -1,0 +1,238 @@
+"""The engine's step loop, held by `Engine`: `step()` reads as schedule -> run -> sample -> update.
+
+With `overlap_scheduling` (the CUDA default) the update is split around the next step: a step's forward and sampling
+are queued on the device, the scheduler `advance`s (computed tokens, one placeholder per sampled token), the next
+step is scheduled and queued (its decode inputs read the placeholders' tokens on the device), and only then are the
+first step's tokens copied to the host and `resolve`d (stop tokens, log-probs, outputs). A sample that stopped has
+one wasted row in the step already queued. Anything that changes requests or weights from outside the loop
+(`cancel`, a weight update, `close`) first `drain`s the step in flight, so it always sees resolved tokens.
+
+Invariant: a group is in `open_groups` from `add` until its last sample's output; the outputs of a drained step wait
+in `undelivered` until the next `step()` or `flush()`, so none is lost or overtaken.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rollout.config import FieldError
+from rollout.engine.counters import StepCounters
+from rollout.engine.requests.outputs import GenerationOutput, progress_output
+from rollout.engine.requests.request import Request, RequestStatus
+from rollout.engine.runner.model_runner import ModelRunner, UnresolvedTokens
+from rollout.engine.sampling.broken_samples import end_broken
+from rollout.engine.sampling.pending_samples import InFlightStep
+from rollout.engine.sampling.prompt_logprobs import deliver as deliver_prompt_logprobs
+from rollout.engine.sampling.sampler import Sampler
+from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.scheduler import Scheduler
+
+logger = logging.getLogger("rollout.engine.engine")
+
+NOTHING_TO_DRAW = (
+    "no token can be drawn at this position: every token is banned (bad_words_ids, suppress_tokens, "
+    "begin_suppress_tokens, no_repeat_ngram_size and min_new_tokens together leave none)"
+)
+
+
+class StepLoop:
+    """Steps an engine's requests: the step in flight, the outputs not handed out yet, and the open groups."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        overlap_scheduling: bool,
+        return_logprobs: bool,
+    ):
+        """
+        Args:
+            scheduler: the engine's scheduler (its block manager holds the policy version the steps are tagged with).
+            runner: runs a scheduled batch through the model.
+            sampler: draws each row's token from the logits.
+            overlap_scheduling: schedule step N+1 before step N's tokens reach the host.
+            return_logprobs: compute each sampled token's log-prob.
+        """
+        self.scheduler = scheduler
+        self.block_manager: BlockManager = scheduler.block_manager
+        self.runner = runner
+        self.sampler = sampler
+        self.overlap_scheduling = overlap_scheduling
+        self.return_logprobs = return_logprobs
+        self.counters = StepCounters()
+        self.in_flight: InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
+        self.undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
+        self.open_groups: dict[str, int] = {}  # group id -> samples not finished yet
+
+    # ---- requests in and out ----------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a prepared request (a group: itself and its forks).
+
+        Raises:
+            FieldError: ("group_id") its group is still running.
+        """
+        if request.group_id in self.open_groups:
+            raise FieldError("group_id", f"{request.group_id!r} is already running")
+        self.scheduler.add(request)
+        self.open_groups[request.group_id] = request.num_forks + 1
+
+    def cancel(self, group_id: str) -> list[GenerationOutput]:
+        """Abort every unfinished sample of a group: its outputs of the step in flight, then its aborted ones."""
+        self.drain()
+        drained = [output for output in self.undelivered if output.group_id == group_id]
+        self.undelivered = [output for output in self.undelivered if output.group_id != group_id]
+        if group_id not in self.open_groups:
+            return drained
+        return drained + self.outputs(self.scheduler.abort(group_id))
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running, or outputs wait to be returned by `step()`."""
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.undelivered)
+
+    def num_in_flight(self) -> int:
+        """Samples that hold KV or sampled tokens, or whose step is still on the device."""
+        return len(self.scheduler.in_flight()) or int(self.in_flight is not None)
+
+    def end_all(self) -> None:
+        """Abort every open group and drop the outputs not handed out yet (the engine is closing)."""
+        self.drain()
+        self.undelivered = []
+        for group_id in list(self.open_groups):
+            self.cancel(group_id)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def step(self) -> list[GenerationOutput]:
+        """One step (see `Engine.step`). Never raises: a failing forward ends the step's requests with an error."""
+        outputs, self.undelivered = self.undelivered, []
+        previous = self.in_flight  # stays reachable (for drain) until it is resolved, whatever raises meanwhile
+        if previous is not None:
+            self._advance(previous)
+        batch = self.scheduler.schedule()
+        outputs += self.outputs(batch.finished)
+        launched, failure = None, None
+        if not batch.is_empty:
+            try:
+                launched = self._launch(batch, previous)
+            except Exception as error:  # noqa: BLE001 - the loop must survive any model failure
+                logger.exception("engine step failed; ending its requests with an error")
+                failure = error
+        elif batch.swap_out or batch.zero_blocks:  # nothing computed: preempted KV still goes to the swap space
+            self.runner.move_blocks(batch)
+        if previous is not None:
+            self.in_flight = None
+            outputs += self._resolve(previous)
+        if failure is not None:
+            outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
+        if launched is not None and not self.overlap_scheduling:
+            self._advance(launched)
+            return outputs + self._resolve(launched)
+        self.in_flight = launched
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, previous: InFlightStep | None) -> InFlightStep:
+        """Queue a step's forward and sampling on the device; nothing here waits for the device."""
+        unresolved = None
+        if previous is not None:
+            rows = {request: row for row, (request, _) in enumerate(previous.batch.samples)}
+            unresolved = UnresolvedTokens(previous.samples.token_ids, rows)
+        logits = self.runner.run(batch, unresolved)
+        constrained = any(request.constraint is not None for request, _ in batch.samples)  # one check per step
+        if constrained and previous is not None and previous.constrained:
+            _accept_ahead(previous)  # while the device runs this step's forward
+        samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
+        self.counters.count_step([seq.num_tokens for seq in batch.sequences])
+        return InFlightStep(
+            batch,
+            samples,
+            self.block_manager.policy_version,
+            prompt_logprobs=self.runner.prompt_results,
+            routes=self.runner.route_results,
+            constrained=constrained,
+        )
+
+    def _advance(self, step: InFlightStep) -> None:
+        """Let the scheduler count what a queued step computes (once)."""
+        if not step.advanced:
+            self.scheduler.advance(step.batch, step.policy_version)
+            step.advanced = True
+
+    def _resolve(self, step: InFlightStep) -> list[GenerationOutput]:
+        """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
+        try:
+            sampled = step.samples.fetch()
+            deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
+            if step.routes is not None:
+                step.routes.deliver(self.block_manager.cached_blocks)
+        except Exception as error:  # noqa: BLE001 - a device failure surfaces here when the copy is waited for
+            logger.exception("engine step failed; ending its requests with an error")
+            for request, _ in step.batch.samples:
+                request.drop_placeholder()
+            return self._end_with_error({request.group_id for request, _ in step.batch.samples}, error)
+        failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
+        for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
+            request = step.batch.samples[index][0]
+            if not request.is_finished:
+                request.drop_placeholder()
+                reason = NOTHING_TO_DRAW
+                if request.constraint is not None:
+                    reason = f"{request.constraint.field}: the grammar allows no token at this position"
+                failed += self.scheduler.fail(request, reason)
+        if sampled.top_logprobs is not None:
+            for index, (request, _) in enumerate(step.batch.samples):
+                if request.status != RequestStatus.FINISHED and request.sampling.top_logprobs:
+                    request.top_logprobs.append(sampled.top_logprobs[index])
+        resolved = self.scheduler.resolve(step.batch, sampled.token_ids, sampled.logprobs)
+        self.counters.generated_tokens += len(resolved)
+        done = RequestStatus.FINISHED
+        finished = [r for r in resolved if r.status == done]
+        streaming = [r for r in resolved if r.streaming and r.status != done]
+        return self.outputs(failed + finished + streaming)
+
+    def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
+        """End every sample of these groups with finish_reason "error"."""
+        ended: list[Request] = []
+        for group_id in group_ids:
+            ended += self.scheduler.abort(group_id)
+        for request in ended:
+            request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
+        return self.outputs(ended)
+
+    def drain(self) -> None:
+        """Finish the step in flight (its outputs wait for the next `step()` or `flush()`), so that the engine's
+        state is final: done before anything changes requests or weights from outside the loop."""
+        step, self.in_flight = self.in_flight, None
+        if step is not None:
+            self._advance(step)
+            self.undelivered += self._resolve(step)
+
+    def flush(self) -> list[GenerationOutput]:
+        """Finish the step in flight, if any, and return every output not handed out yet."""
+        self.drain()
+        outputs, self.undelivered = self.undelivered, []
+        return outputs
+
+    def outputs(self, requests: list[Request]) -> list[GenerationOutput]:
+        """Outputs for requests that progressed (`outputs.progress_output`); a finished sample gives back its
+        sampling slot, and a group is forgotten when its last sample finishes."""
+        outputs = [progress_output(request) for request in requests]
+        for request in requests:
+            if request.is_finished:
+                self.sampler.release(request)
+                self.runner.release(request)
+                self.open_groups[request.group_id] -= 1
+                if self.open_groups[request.group_id] == 0:
+                    del self.open_groups[request.group_id]
+        return outputs
+
+
+def _accept_ahead(previous: InFlightStep) -> None:
+    """Bring the step before's tokens to the host early (the forward just queued keeps the device busy) and advance
+    its open grammars past them, so this step's masks can be filled; the step is resolved as usual afterwards (its
+    `accept` skips what was advanced here)."""
+    sampled = previous.samples.fetch()
+    dead = {*sampled.dead_rows, *sampled.broken_rows}
+    for index, (request, _) in enumerate(previous.batch.samples):
+        if request.constraint is not None and index not in dead and not request.is_finished:
+            request.constraint.accept_ahead(sampled.token_ids[index])

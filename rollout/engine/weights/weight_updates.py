@@ -1,0 +1,133 @@
+"""The engine's weight updates (`Engine.weight_updates`): whole-model weights and LoRA adapters, each committed
+between two steps as one transaction with a policy version, the same way (`commit`): finish the step in flight, copy,
+bump the policy version, forget cached prefixes, then apply the commit mode to the requests the new weights serve.
+`Engine.update_weights`, `Engine.load_adapter` and `Engine.serve_adapter_from_start` document the arguments."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.config import FieldError
+from rollout.engine.lora.adapter_weights import AdapterModules
+from rollout.engine.requests.request import Request
+from rollout.engine.weights.commit_modes import abort_in_flight, recompute_in_flight
+from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
+
+if TYPE_CHECKING:  # the engine builds both and hands them over (the step loop is the engine's, above this folder)
+    from rollout.engine.runner.model_runner import ModelRunner
+    from rollout.engine.step_loop import StepLoop
+
+
+class WeightUpdates:
+    """Checks and commits weight updates and adapters for one engine (its step loop, runner and weight table)."""
+
+    def __init__(self, loop: StepLoop, runner: ModelRunner, table: WeightTable):
+        """
+        Args:
+            loop: the engine's step loop (drained before a commit; its block manager holds the policy version).
+            runner: the engine's model runner (its adapters, and what it derives from the weights).
+            table: every name an update may target.
+        """
+        self.loop = loop
+        self.runner = runner
+        self.table = table
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights now served."""
+        return self.loop.block_manager.policy_version
+
+    def update_weights(
+        self, tensors: dict[str, torch.Tensor], version: int | None, mode: str, partial: bool
+    ) -> WeightUpdateResult:
+        """Check, then commit, new whole-model weights (see `Engine.update_weights`)."""
+        started = time.perf_counter()
+        new_version = self.table.check_update(tensors, version, mode, partial, self.policy_version)
+        return self.commit(lambda: self.table.copy_in(tensors), new_version, mode, started)
+
+    def load_adapter(
+        self,
+        name: str,
+        modules: AdapterModules,
+        version: int | None,
+        mode: str,
+        check_finite: bool,
+        base: dict[str, torch.Tensor] | None,
+    ) -> WeightUpdateResult:
+        """Check, then commit, a LoRA adapter, with new base weights when given (see `Engine.load_adapter`)."""
+        started = time.perf_counter()
+        new_version = self.table.check_version(version, mode, self.policy_version)
+        self.runner.adapters.check(name, modules, check_finite)
+        if base is not None:
+            self.table.check_update(base, new_version, mode, False, self.policy_version)
+
+        def copy() -> None:
+            if base is not None:
+                self.table.copy_in(base)
+            self.runner.adapters.load(name, modules, new_version)
+
+        def affects(request: Request) -> bool:
+            return request.adapter is not None and request.adapter.name == name
+
+        return self.commit(copy, new_version, mode, started, None if base is not None else affects)
+
+    def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
+        """Serve an adapter at the current policy version, outside any update (see `Engine.serve_adapter_from_start`).
+
+        Raises:
+            FieldError: as `load_adapter`. RuntimeError: the engine already has requests.
+        """
+        if self.loop.has_unfinished():
+            raise RuntimeError("adapters are served from the start only while the engine is idle: use load_adapter")
+        self.runner.adapters.check(name, modules, check_finite=True)
+        self.runner.adapters.load(name, modules, self.policy_version)
+
+    def commit(
+        self,
+        copy: Callable[[], None],
+        new_version: int,
+        mode: str,
+        started: float,
+        affects: Callable[[Request], bool] | None = None,
+    ) -> WeightUpdateResult:
+        """Apply checked weights. Nothing here refuses an update except mode "wait" with samples in flight (before
+        anything changed).
+
+        Args:
+            copy: copies the checked tensors into place.
+            new_version: the policy version they set.
+            mode: "keep", "recompute", "abort" or "wait" (see `Engine.update_weights`).
+            started: `time.perf_counter()` when the update's checks began (its pause counts from there).
+            affects: which in-flight requests "recompute" and "abort" act on (None: all of them).
+        Returns:
+            The `WeightUpdateResult`, with the drained step's outputs and the aborted samples' final ones.
+        Raises:
+            FieldError: ("mode") "wait" while samples are in flight.
+        """
+        loop = self.loop
+        loop.drain()  # the step in flight ran on the old weights: its tokens are tagged with the old version
+        if mode == "wait" and loop.num_in_flight():
+            raise FieldError("mode", f"'wait' needs a drained engine; {loop.num_in_flight()} samples are in flight")
+        copy_started = time.perf_counter()
+        copy()
+        self.runner.weights_changed()
+        copy_ms = (time.perf_counter() - copy_started) * 1000
+        loop.block_manager.policy_version = new_version
+        # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
+        loop.block_manager.reset_prefix_cache()
+        result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
+        result.outputs, loop.undelivered = loop.undelivered, []
+        if mode == "recompute":
+            result.recomputed = recompute_in_flight(loop.scheduler, affects)
+        elif mode == "abort":
+            ended, result.recomputed = abort_in_flight(loop.scheduler, affects)
+            aborted = loop.outputs(ended)
+            result.outputs += aborted
+            result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")
+        loop.counters.weight_updates += 1
+        result.pause_ms = (time.perf_counter() - started) * 1000
+        return result
