@@ -94,6 +94,7 @@ def test_a_slow_grammar_is_refused_by_name_while_another_client_is_served(worker
 def test_a_group_cancelled_or_left_while_compiling_ends_at_once_and_frees_its_slot(worker):
     holder, leaving, waiting, canceller = (Client(worker.address) for _ in range(4))
     holder.send(generate("held", grammar=SLOW + " "))  # holds one slot until the budget
+    held_until = time.monotonic() + BUDGET_S
     leaving.send(generate("left", grammar=SLOW + "  "))  # holds the other
     time.sleep(0.3)
     waiting.send(generate("waits", json=schema("second"), seed=4))
@@ -111,9 +112,13 @@ def test_a_group_cancelled_or_left_while_compiling_ends_at_once_and_frees_its_sl
     assert [c.finish_reason for c in result.completions] == ["abort", "abort"] and time.monotonic() - cancelled_at < 1
     fresh = Client(worker.address)
     assert isinstance(fresh.ask(generate("fresh", json=schema("third"))), p.GroupResult)
-    assert time.monotonic() - cancelled_at < 1.5 and not holder.socket.poll(0)  # served while "held" compiles
-    assert worker.compiles.num_active == 1  # the held one: nothing left of the cancelled or abandoned ones
-    assert isinstance(holder.receive(), p.Error)  # past the budget
+    assert time.monotonic() - cancelled_at < 1.5
+    if time.monotonic() < held_until - 0.2:  # (a loaded machine may reach the held one's budget before this line)
+        assert not holder.socket.poll(0)  # served while "held" compiles
+        assert worker.compiles.num_active == 1  # the held one: nothing left of the cancelled or abandoned ones
+    refused = holder.receive()
+    assert isinstance(refused, p.Error) and refused.field == "sampling.grammar"  # past the budget
+    assert worker.compiles.num_active == 0
 
 
 def test_a_stopping_worker_answers_busy_and_leaves_no_compile_process(worker):
