@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollout.benchmarks import cli, plots
-from rollout.benchmarks.grpo import grpo_step, long_tail
+from rollout.benchmarks.grpo import grpo_step, long_tail, step_system
 from rollout.benchmarks.harness import isolated
 from rollout.benchmarks.throughput import systems, throughput
 
@@ -22,7 +22,7 @@ MAX_PNG_BYTES = 80 * 1024
 # The long-tail CLI at a shape that runs in well under a second (the stub model), tight enough to preempt.
 LONG_TAIL_FLAGS = ["--num-prompts", "4", "--n", "2", "--median-tokens", "16", "--max-tokens", "64"]
 LONG_TAIL_FLAGS += ["--prompt-tokens", "8", "16", "--cache-fraction", "0.3"]
-# One timed GRPO step as grpo_step.run_one returns it (its keys are checked against run_one's source below).
+# One timed GRPO step as step_system.run_one returns it (its keys are checked against run_one's source below).
 GRPO_STEP_ROW = dict(step_s=0.26, generation_s=0.11, weight_sync_s=0.0, training_s=0.15, peak_memory_gib=0.64)
 GRPO_STEP_ROW.update(steps=5, tokens_per_s=900.0)
 
@@ -86,7 +86,7 @@ def test_the_keys_plotted_are_those_the_benchmarks_produce(throughput_summary, g
     )
     assert set(grpo_step_summary["results"]) == set(grpo_step.SYSTEMS)
     assert "error" in grpo_step_summary["results"]["trl_generate_batch"]
-    source = inspect.getsource(grpo_step.run_one)  # the real row has every key of the fake one
+    source = inspect.getsource(step_system.run_one)  # the real row has every key of the fake one
     assert all(f'"{key}"' in source for key in GRPO_STEP_ROW)
     assert {key for key, _, _ in plots.STEP_PARTS} | {"step_s"} <= set(GRPO_STEP_ROW)
 

@@ -14,9 +14,9 @@ from conftest import tiny_model
 from rollout import ContinuousBatchingConfig
 from rollout.protocol import WEIGHT_TRANSPORTS
 from rollout.protocol import transports as registry
-from rollout.protocol.messages import TensorPiece, WeightsBegin, WeightsBucket
 from rollout.protocol.transports.base import Receiver, Sender, StagingArea, UpdateRejected, WeightTransport
 from rollout.protocol.transports.frames import _payload
+from rollout.protocol.weight_messages import TensorPiece, WeightsBegin, WeightsBucket
 from trainer_bridge import RolloutClient, push_weights
 
 

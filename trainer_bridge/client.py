@@ -104,7 +104,7 @@ class RolloutClient:
         if affinity_slack is not None and not affinity_slack >= 0:
             raise ValueError(f"affinity_slack: must be >= 0 or None, got {affinity_slack!r}")
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
-        self._io.affinity = None if affinity_slack is None else PrefixAffinity(affinity_slack)
+        self._io.router.affinity = None if affinity_slack is None else PrefixAffinity(affinity_slack)
         self._started = time.monotonic()
         self._closed = self._io.closed
         self._open_updates: set[str] = set()  # weight updates whose channel is open
@@ -366,11 +366,11 @@ class RolloutClient:
     def min_policy_version(self) -> int:
         """The newest policy version pushed through this client (`push_weights` sets it): groups go to workers
         that serve at least this one whenever one is alive."""
-        return self._io.min_policy_version
+        return self._io.router.min_policy_version
 
     @min_policy_version.setter
     def min_policy_version(self, version: int) -> None:
-        self._io.min_policy_version = version
+        self._io.router.min_policy_version = version
 
     def _next_event(self, call: Call, timeout: float | None) -> Delta | GroupResult:
         try:

@@ -38,14 +38,15 @@ from trainer_bridge.commands import (
     Submit,
 )
 from trainer_bridge.links import WorkerLink
-from trainer_bridge.routing import Routing
+from trainer_bridge.routing import CallRouter
 
 logger = logging.getLogger("trainer_bridge.client")
 
 
-class Dispatcher(Routing):
-    """The I/O thread's state and loop (see the module docstring). Only `command`, `workers` (read-only) and
-    `closed` are for other threads."""
+class Dispatcher:
+    """The I/O thread's state and loop (see the module docstring); where groups go is its `CallRouter`'s. Only
+    `command`, `workers` (read-only), `router.min_policy_version`, `router.affinity` and `closed` are for other
+    threads."""
 
     def __init__(
         self,
@@ -68,7 +69,6 @@ class Dispatcher(Routing):
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
         self.connect_timeout = connect_timeout
-        self._first_answer_at: float | None = None  # when the first worker answered
         self._context = zmq.Context()
         self._keys = keys
         try:
@@ -79,15 +79,9 @@ class Dispatcher(Routing):
         self._poller = zmq.Poller()
         self._sockets: dict[Any, int] = {}  # a worker's socket -> its index
         self._monitors: dict[Any, int] = {}  # a worker's monitor socket -> its index
-        self._calls: dict[str, Call] = {}  # group id -> call
-        self._by_wire: dict[str, Call] = {}  # wire id -> call
-        self._parked: list[Call] = []  # calls waiting for any worker to be alive
-        self._stale_since: float | None = None
+        self.router = CallRouter(self.workers, connect_timeout, heartbeat_s)
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self.workers]
         self._channels: dict[str, queue.SimpleQueue] = {}  # weight update id -> its replies
-        # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
-        # serve at least this one whenever one is alive.
-        self.min_policy_version = 0
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._waker = Waker()
         self.closed = threading.Event()
@@ -113,7 +107,7 @@ class Dispatcher(Routing):
             self._watch(index)
         try:
             while not self.closed.is_set():
-                for sock, _ in self._poller.poll(self._poll_ms()):
+                for sock, _ in self._poller.poll(self.router.poll_ms()):
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
                     elif sock in self._monitors:
@@ -127,7 +121,7 @@ class Dispatcher(Routing):
             raise
         finally:
             self.closed.set()  # later calls fail at once instead of waiting for a dead thread
-            for call in self._calls.values():
+            for call in self.router.calls.values():
                 call.events.put(RolloutError("closed", "the client was closed"))
             for worker in self.workers:
                 if not worker.retired:
@@ -159,27 +153,27 @@ class Dispatcher(Routing):
                     self._send(index, p.Stats())
 
     def _submit(self, call: Call) -> None:
-        unreachable = self._unreachable()
+        unreachable = self.router.unreachable()
         if unreachable is not None:
             call.events.put(RolloutError("no_workers", unreachable))
-        elif call.group.group_id in self._calls:
+        elif call.group.group_id in self.router.calls:
             message = "a group with this id is still in flight on this client"
             call.events.put(RolloutError("duplicate_group", message, "group_id"))
         else:
-            self._calls[call.group.group_id] = call
-            self._dispatch(call)
+            self.router.add(call)
 
     def _cancel(self, group_id: str) -> None:
-        call = self._calls.get(group_id)
+        router = self.router
+        call = router.calls.get(group_id)
         if call is None:
             return
         call.cancelled = True
         if call.worker is not None:
             self._send(call.worker, p.Cancel(call.wire_id))
         else:  # parked: nobody has it, so it ends here
-            self._calls.pop(group_id)
-            self._by_wire.pop(call.wire_id, None)
-            self._parked = [c for c in self._parked if c is not call]
+            router.calls.pop(group_id)
+            router.by_wire.pop(call.wire_id, None)
+            router.parked = [c for c in router.parked if c is not call]
 
     def _watch(self, index: int) -> None:
         worker = self.workers[index]
@@ -269,7 +263,7 @@ class Dispatcher(Routing):
             if self._stats_sinks[index]:
                 self._stats_sinks[index].popleft().put({"address": self.workers[index].address, **message.stats})
             return
-        call = self._by_wire.get(getattr(message, "group_id", None))
+        call = self.router.by_wire.get(getattr(message, "group_id", None))
         if call is None or call.worker != index:
             return  # a pong, or a late answer from a worker the group was taken away from
         group_id = call.group.group_id
@@ -293,12 +287,12 @@ class Dispatcher(Routing):
                     )
                 )
         elif isinstance(message, p.GroupResult):
-            self._finish(call)
+            self.router.finish(call)
             call.events.put(GroupResult(group_id, message.prompt_ids, message.completions))
         elif isinstance(message, p.Error):
             if message.code == "unknown_group":  # answers a cancel that crossed the result: not this call's fate
                 return
-            self._finish(call)
+            self.router.finish(call)
             kind = WorkerBusy if message.code == "busy" else RolloutError
             call.events.put(kind(message.code, message.message, message.field))
 
@@ -321,15 +315,15 @@ class Dispatcher(Routing):
                 if worker.refused != reason:
                     logger.error("rollout worker %s %s", worker.address, reason)
                 worker.refused = reason
-        self._fail_parked()
+        self.router.fail_parked()
 
     def _heartbeat(self) -> None:
         """Ping every worker (dead ones too, so they can come back); one whose ping stays unanswered for
         dead_after_s is declared dead and its groups move to the others. Fail parked calls once no worker can
         be reached."""
         now = time.monotonic()
-        self._fail_parked()
-        self._release_parked()
+        self.router.fail_parked()
+        self.router.release_parked()
         for index, worker in enumerate(self.workers):
             if worker.retired:
                 continue
@@ -359,15 +353,15 @@ class Dispatcher(Routing):
         worker = self.workers[index]
         for replies in self._channels.values():
             replies.put((index, WorkerLost(worker.address)))
-        for call in [c for c in self._calls.values() if c.worker == index]:
+        for call in [c for c in self.router.calls.values() if c.worker == index]:
             worker.outstanding -= call.cost
             worker.taken_away.add(call.wire_id)
             call.worker = None
             call.received = {}
             if call.cancelled:  # its caller gave up: nobody waits for a resubmission
-                self._finish(call)
+                self.router.finish(call)
                 continue
-            self._dispatch(call)
+            self.router.dispatch(call)
         while self._stats_sinks[index]:  # stats asked of it will not come: its callers count it as none (a later
             self._stats_sinks[index].popleft().put(None)  # reply from the same address must not go to them)
 
@@ -384,6 +378,6 @@ class Dispatcher(Routing):
         for group_id in worker.taken_away:
             self._send(index, p.Cancel(group_id))
         worker.taken_away.clear()
-        if self._first_answer_at is None:
-            self._first_answer_at = time.monotonic()
-        self._release_parked()
+        if self.router.first_answer_at is None:
+            self.router.first_answer_at = time.monotonic()
+        self.router.release_parked()

@@ -1,5 +1,5 @@
-"""Which worker a group goes to, and the calls that wait for one (parked): the routing half of the client's I/O
-thread (`Dispatcher` mixes it in; only that thread calls it).
+"""Which worker a group goes to, and the calls that wait for one (parked): the `CallRouter` the client's I/O thread
+(`Dispatcher`) holds; only that thread calls it.
 
 A group goes to the live worker with the least outstanding work among those that serve the newest weights pushed
 through the client (`min_policy_version`): a worker that restarted, joined or missed a push serves older weights and
@@ -27,28 +27,42 @@ if TYPE_CHECKING:
 FIRST_CONTACT_GRACE_S = 2.0
 
 
-class Routing:
-    """Routing and parking, for the Dispatcher (which owns the attributes below)."""
+class CallRouter:
+    """The calls in flight (by group id and by wire id), the parked ones, and where each goes."""
 
-    workers: list[WorkerLink]
-    min_policy_version: int
-    connect_timeout: float
-    heartbeat_s: float
-    _first_answer_at: float | None
-    _calls: dict[str, Call]
-    _by_wire: dict[str, Call]
-    _parked: list[Call]
-    _stale_since: float | None  # since when every live worker serves weights older than min_policy_version
-    affinity: PrefixAffinity | None = None  # prefix-affine routing (None: by load alone)
+    def __init__(self, workers: list[WorkerLink], connect_timeout: float, heartbeat_s: float):
+        """
+        Args:
+            workers: the client's worker links (the dispatcher's own list: workers it adds later are seen here).
+            connect_timeout: how long calls wait for a first answer, or for a stale worker to be brought up to date.
+            heartbeat_s: seconds between pings (the loop sleeps at most half of it).
+        """
+        self.workers = workers
+        self.connect_timeout = connect_timeout
+        self.heartbeat_s = heartbeat_s
+        # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
+        # serve at least this one whenever one is alive.
+        self.min_policy_version = 0
+        self.affinity: PrefixAffinity | None = None  # prefix-affine routing (None: by load alone)
+        self.first_answer_at: float | None = None  # when the first worker answered
+        self.calls: dict[str, Call] = {}  # group id -> call
+        self.by_wire: dict[str, Call] = {}  # wire id -> call
+        self.parked: list[Call] = []  # calls waiting for any worker to be alive
+        self._stale_since: float | None = None  # since when every live worker serves weights older than the newest
 
-    def _dispatch(self, call: Call) -> None:
+    def add(self, call: Call) -> None:
+        """Track a new call and send it to a worker (or park it)."""
+        self.calls[call.group.group_id] = call
+        self.dispatch(call)
+
+    def dispatch(self, call: Call) -> None:
         current = [
             index
             for index, worker in enumerate(self.workers)
             if worker.alive and worker.policy_version >= self.min_policy_version
         ]
         if not current:  # wait for a worker to come (back) or be brought up to date; a deadline bounds the wait
-            self._parked.append(call)
+            self.parked.append(call)
             return
         if self.affinity is None:
             index = min(current, key=lambda i: self.workers[i].outstanding)
@@ -59,15 +73,15 @@ class Routing:
         call.worker = index
         self.workers[index].outstanding += call.cost
         group = call.group
-        self._by_wire.pop(call.wire_id, None)
+        self.by_wire.pop(call.wire_id, None)
         call.attempts += 1
         call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
-        self._by_wire[call.wire_id] = call
+        self.by_wire[call.wire_id] = call
         try:
             message = p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream, group.adapter)
             frames = p.encode(message)
         except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
-            self._finish(call)
+            self.finish(call)
             call.events.put(RolloutError("bad_request", f"the group cannot be encoded: {error}"))
             return
         try:
@@ -75,16 +89,16 @@ class Routing:
         except zmq.ZMQError:
             pass  # the heartbeat will declare the worker dead and resubmit its groups
 
-    def _finish(self, call: Call) -> None:
-        self._calls.pop(call.group.group_id, None)
-        self._by_wire.pop(call.wire_id, None)
+    def finish(self, call: Call) -> None:
+        self.calls.pop(call.group.group_id, None)
+        self.by_wire.pop(call.wire_id, None)
         if call.worker is not None:
             self.workers[call.worker].outstanding -= call.cost
 
-    def _unreachable(self) -> str | None:
+    def unreachable(self) -> str | None:
         """Why no call can be served: every worker refused this client or none answered within connect_timeout
         (None while one answered, or the deadline has not passed)."""
-        if self._first_answer_at is not None:  # a worker answered once: calls wait for one to be back (their timeout)
+        if self.first_answer_at is not None:  # a worker answered once: calls wait for one to be back (their timeout)
             return None
         workers = [worker for worker in self.workers if not worker.retired]
         now = time.monotonic()
@@ -106,7 +120,7 @@ class Routing:
         """Why no call can be served although workers are alive: all of them served weights older than the newest
         pushed for longer than connect_timeout (None otherwise)."""
         live = [worker for worker in self.workers if worker.alive]
-        if not self._parked or not live or any(w.policy_version >= self.min_policy_version for w in live):
+        if not self.parked or not live or any(w.policy_version >= self.min_policy_version for w in live):
             self._stale_since = None  # (counted only while calls wait: a new call gets the whole connect_timeout)
             return None
         now = time.monotonic()
@@ -121,36 +135,36 @@ class Routing:
             "(push_weights) so they serve the trainer's policy."
         )
 
-    def _fail_parked(self) -> None:
-        unreachable = self._unreachable()
+    def fail_parked(self) -> None:
+        unreachable = self.unreachable()
         reason, code = (unreachable, "no_workers") if unreachable is not None else (self._stale(), "stale_workers")
-        if reason is None or not self._parked:
+        if reason is None or not self.parked:
             return
         self._stale_since = None
-        parked, self._parked = self._parked, []
+        parked, self.parked = self.parked, []
         for call in parked:
-            if self._calls.get(call.group.group_id) is call:
-                self._finish(call)
+            if self.calls.get(call.group.group_id) is call:
+                self.finish(call)
                 call.events.put(RolloutError(code, reason))
 
-    def _poll_ms(self) -> int:
+    def poll_ms(self) -> int:
         """How long the loop may sleep: half a heartbeat, or until parked calls' first-contact grace ends."""
         wait_s = self.heartbeat_s / 2
-        if self._parked and self._first_answer_at is not None:
-            wait_s = min(wait_s, max(0.0, self._first_answer_at + FIRST_CONTACT_GRACE_S - time.monotonic()))
+        if self.parked and self.first_answer_at is not None:
+            wait_s = min(wait_s, max(0.0, self.first_answer_at + FIRST_CONTACT_GRACE_S - time.monotonic()))
         return int(wait_s * 1000) + 1
 
-    def _release_parked(self) -> None:
+    def release_parked(self) -> None:
         """Dispatch the calls waiting for a worker. At first contact, wait up to FIRST_CONTACT_GRACE_S for the
         other workers to answer too, so that groups submitted before any answered are spread over all of them."""
-        if not self._parked or self._first_answer_at is None:
+        if not self.parked or self.first_answer_at is None:
             return
         if not any(worker.alive and worker.policy_version >= self.min_policy_version for worker in self.workers):
             return  # nobody to take them yet
         starting = [w for w in self.workers if not w.answered and not w.refused and not w.retired]
-        if starting and time.monotonic() - self._first_answer_at < FIRST_CONTACT_GRACE_S:
+        if starting and time.monotonic() - self.first_answer_at < FIRST_CONTACT_GRACE_S:
             return
-        parked, self._parked = self._parked, []
+        parked, self.parked = self.parked, []
         for call in parked:
-            if self._calls.get(call.group.group_id) is call:
-                self._dispatch(call)
+            if self.calls.get(call.group.group_id) is call:
+                self.dispatch(call)

@@ -96,18 +96,23 @@ Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry 
 (the client's key may not do this: weight updates need a trainer key).
 """
 
-from rollout.protocol.messages import (
+from rollout.protocol.message_base import (
     MAX_FRAME_BYTES,
     MAX_HEADER_BYTES,
     MAX_HEADER_CONTAINERS,
     MAX_HEADER_ITEMS,
     MAX_HEADER_STR,
-    MESSAGE_TYPES,
     PROBE_NONCE,
     PROTOCOL_VERSION,
+    ClientMessage,
+    Message,
+    ProtocolError,
+    WorkerMessage,
+)
+from rollout.protocol.messages import (
+    MESSAGE_TYPES,
     REQUEST_TYPES,
     Cancel,
-    ClientMessage,
     Completion,
     Delta,
     Error,
@@ -115,13 +120,14 @@ from rollout.protocol.messages import (
     GroupResult,
     Hello,
     HelloReply,
-    Message,
     Ping,
     Pong,
-    ProtocolError,
     RouteArray,
     Stats,
     StatsReply,
+)
+from rollout.protocol.transports import WEIGHT_TRANSPORTS
+from rollout.protocol.weight_messages import (
     TensorPiece,
     TensorSpec,
     WeightsAbort,
@@ -133,9 +139,7 @@ from rollout.protocol.messages import (
     WeightsReady,
     WeightsSpec,
     WeightsSpecReply,
-    WorkerMessage,
 )
-from rollout.protocol.transports import WEIGHT_TRANSPORTS
 
 __all__ = [
     "decode",

@@ -14,16 +14,16 @@ from typing import Any, Union
 
 import msgpack
 
-from rollout.protocol.messages import (
+from rollout.protocol.message_base import (
     MAX_HEADER_BYTES,
     MAX_HEADER_CONTAINERS,
     MAX_HEADER_ITEMS,
     MAX_HEADER_STR,
-    MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
 )
+from rollout.protocol.messages import MESSAGE_TYPES
 
 
 def encode(message: Message) -> list[bytes]:

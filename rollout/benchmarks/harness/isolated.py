@@ -25,7 +25,7 @@ MEASURES = {
     "throughput": "rollout.benchmarks.throughput.systems:measure_system",
     "details": "rollout.benchmarks.throughput.details:measure_details",
     "grpo": "rollout.benchmarks.grpo.grpo:measure_system",
-    "grpo-step": "rollout.benchmarks.grpo.grpo_step:measure_system",
+    "grpo-step": "rollout.benchmarks.grpo.step_system:measure_system",
 }
 
 ERROR_CHARS = 2000  # the end of a failed system's output kept in its result

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rollout.protocol.messages import TensorPiece, TensorSpec, WeightsBegin, WeightsBucket, WeightsReady
+from rollout.protocol.weight_messages import TensorPiece, TensorSpec, WeightsBegin, WeightsBucket, WeightsReady
 
 
 class UpdateRejected(Exception):

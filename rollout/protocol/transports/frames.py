@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from rollout.protocol.messages import TensorPiece, WeightsBegin, WeightsBucket
 from rollout.protocol.transports.base import Receiver, Sender, StagingArea, UpdateRejected, WeightTransport
+from rollout.protocol.weight_messages import TensorPiece, WeightsBegin, WeightsBucket
 
 
 def _payload(frame: Any) -> memoryview:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from rollout.protocol.messages import TensorPiece, TensorSpec, WeightsBegin, WeightsBucket, WeightsReady
 from rollout.protocol.staging import attach_shared_memory, staging_layout
 from rollout.protocol.transports.base import Receiver, Sender, StagingArea, UpdateRejected, WeightTransport
+from rollout.protocol.weight_messages import TensorPiece, TensorSpec, WeightsBegin, WeightsBucket, WeightsReady
 
 
 class ShmSender(Sender):

@@ -26,9 +26,9 @@ from rollout.protocol.dist import (
     make_store,
     shutdown_group,
 )
-from rollout.protocol.messages import TensorPiece, WeightsBegin, WeightsBucket
 from rollout.protocol.staging import bucket_span
 from rollout.protocol.transports.base import Receiver, Sender, StagingArea, UpdateRejected, WeightTransport
+from rollout.protocol.weight_messages import TensorPiece, WeightsBegin, WeightsBucket
 
 
 class DistSender(Sender):
