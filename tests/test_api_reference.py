@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 import rollout
+import rollout.presets
 import trainer_bridge
+import trainer_bridge.trl
 
 griffe = pytest.importorskip("griffe")
 
@@ -29,6 +31,13 @@ FIELD_TABLES = {
 }
 EXPORTS = [("rollout", name) for name in sorted(rollout._EXPORTS)] + [
     ("trainer_bridge", name) for name in trainer_bridge.__all__
+]
+# The subpackages users import from too: their classes and functions (constants such as PRESETS have no arguments).
+SUBPACKAGE_EXPORTS = [
+    (package.__name__, name)
+    for package in (rollout.presets, trainer_bridge.trl)
+    for name in package.__all__
+    if not name.isupper()
 ]
 
 
@@ -122,7 +131,7 @@ def test_every_entry_documents_its_arguments(entry):
     assert undocumented(obj) == [], f"{entry}: arguments without an Args entry"
 
 
-@pytest.mark.parametrize(("package", "name"), EXPORTS)
+@pytest.mark.parametrize(("package", "name"), EXPORTS + SUBPACKAGE_EXPORTS)
 def test_every_public_name_has_a_reference_entry(package, name):
     value = getattr(importlib.import_module(package), name)
     entries = [entry for entry in ENTRIES if entry.rsplit(".", 1)[1] == name and resolve(entry) is value]

@@ -43,8 +43,12 @@ def model_from_preset(
 
 
 def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
-    """The tokenizer of preset `name` (`tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>", which share its
-    vocabulary; `agent_tokenizer()` for "tiny-agent"), or None when `name` is not a preset."""
+    """The tokenizer of a preset: `tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>" (which share its
+    vocabulary), `agent_tokenizer()` for "tiny-agent".
+
+    Args:
+        name: a preset name (`PRESETS`), or anything else (then None).
+    """
     if name == "tiny-agent":
         return agent_tokenizer()
     return tiny_tokenizer() if name in ("tiny", "tiny-moe") or name.startswith("sized:") else None

@@ -39,8 +39,10 @@ __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batch
 class ContinuousBatchingManager:
     """Runs an `Engine` on a background thread. Use `init_continuous_batching` to build one.
 
-    Lifecycle: `start()`, `stop()`, `join()`, `is_running()`, `warmup()`, or `with manager:`. Requests:
-    `add_request`, `cancel_request`. Results: `get_result`, `request_id_iter`, `register_result_handler`.
+    Lifecycle: `start()`, `stop()`, `join()`, `is_running()`, `warmup()`, `pause()`, or `with manager:`. Requests:
+    `add_request`, `add_groups`, `cancel_request`. Results: `get_result`, `request_id_iter`,
+    `register_result_handler`. Weights: `update_weights`, `load_adapter`, and `weight_updates` (a
+    `WeightUpdateQueue`: `submit` queues an update without waiting, `last_result` is what the newest one did).
     """
 
     def __init__(
