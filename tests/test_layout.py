@@ -6,6 +6,7 @@ path still importable with a DeprecationWarning."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import sys
 import warnings
@@ -21,8 +22,9 @@ MOST_MODULES_PER_FOLDER = 16  # "about 15"
 MOST_LINES = 400
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
-    """Every module of the packages, by its dotted name."""
+    """Every module of the packages, by its dotted name (read once: callers do not change it)."""
     found = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
