@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import re
+import sys
 from typing import Any, NoReturn
 
 from rollout.validation import FieldError
@@ -90,10 +91,27 @@ class CliParser(argparse.ArgumentParser):
             self._chosen(parsed)._report_unrecognized(extras)
         return parsed
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        """As argparse's; the arguments are kept, so that a missing required flag's error can name a typo'd one."""
+        self._given = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         """Print "PROG: error: MESSAGE" and a line pointing at --help to stderr, exit with status 2 (as argparse
-        does, without its usage summary: thirty lines of flags would bury the one that matters)."""
+        does, without its usage summary: thirty lines of flags would bury the one that matters). When required
+        flags are missing because one was mistyped (`--modle`), the closest known flag is suggested too."""
+        if message.startswith("the following arguments are required"):
+            message += self._typo_hint(getattr(self, "_given", []))
         self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for every flag and its default.\n")
+
+    def _typo_hint(self, given: list[str]) -> str:
+        """ "; did you mean X (for Y)?" for the given flags this parser does not know, where a known one is close."""
+        guesses = []
+        for flag in (arg.split("=", 1)[0] for arg in given if arg.startswith("--")):
+            if flag not in self._option_string_actions:
+                close = difflib.get_close_matches(flag, list(self._option_string_actions), n=1)
+                guesses += [f"{close[0]} (for {flag})"] if close else []
+        return f"; did you mean {', '.join(guesses)}?" if guesses else ""
 
     def defaults_from_environment(self, prefix: str) -> None:
         """Let an environment variable PREFIX<DEST> (upper case, e.g. ROLLOUT_MAX_BATCH_TOKENS) set each flag's

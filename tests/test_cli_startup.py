@@ -127,6 +127,11 @@ def test_a_typod_flag_suggests_the_closest_without_a_usage_dump():
             "did you mean --temperature?",
         ),
         ("rollout-eval", [], "the following arguments are required: --model, --dataset"),
+        (  # a mistyped required flag: reported missing, and the typo's closest flag suggested
+            "rollout-eval",
+            ["--modle", "tiny", "--dataset", "d.jsonl"],
+            "the following arguments are required: --model; did you mean --model (for --modle)?",
+        ),
         ("rollout-keygen", ["dir"], "the following arguments are required: name"),
         ("rollout-worker", ["--dtype", "flaot32"], "did you mean float32?"),
         ("rollout-worker", ["--bnd", "x", "--mdoel", "m"], "--bind (for --bnd), --model (for --mdoel)?"),
