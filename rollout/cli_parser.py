@@ -88,7 +88,7 @@ class CliParser(argparse.ArgumentParser):
         chosen subcommand's parser reports it: its flags are the likely ones, its `--help` the one to read)."""
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            self._chosen(parsed)._report_unrecognized(extras)
+            self.subcommand_parser(parsed)._report_unrecognized(extras)
         return parsed
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
@@ -172,13 +172,18 @@ class CliParser(argparse.ArgumentParser):
                 raise
             raise argparse.ArgumentError(action, f"{error.message}; did you mean {close[0]}?") from None
 
-    def _chosen(self, parsed: argparse.Namespace) -> CliParser:
-        """The parser of the subcommand `parsed` chose (itself when it has none, or none was chosen)."""
+    def subcommand_parser(self, parsed: argparse.Namespace) -> CliParser:
+        """The parser of the subcommand `parsed` chose (itself when it has none, or none was chosen): the one whose
+        `error` names the subcommand's `--help`.
+
+        Args:
+            parsed: what `parse_args` returned.
+        """
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 - argparse has no public name for it
                 chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
                 if isinstance(chosen, CliParser):
-                    return chosen._chosen(parsed)
+                    return chosen.subcommand_parser(parsed)
         return self
 
     def _report_unrecognized(self, extras: list[str]) -> NoReturn:

@@ -195,3 +195,16 @@ def test_a_field_error_names_flags_in_its_reason_too():
     assert parser.flag_message(FieldError("scheduler_type", "x")) == "--scheduler: x"  # the explicit map
     assert parser.flag_message(FieldError("no_such_field", "x")) == "no_such_field: x"  # no flag: the field
     assert parser.flag_message(ValueError("plain")) == "plain"
+
+
+def test_a_subcommands_bad_combination_points_at_its_own_help(capsys):
+    """A flag value refused after parsing (`rollout-bench throughput --time-budget -1`) is the subcommand's usage
+    error: one line, and the subcommand's `--help` to read."""
+    from rollout.benchmarks import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["throughput", "--time-budget", "-1"])
+    assert stop.value.code == 2
+    error, hint = capsys.readouterr().err.splitlines()[-2:]
+    assert error == "rollout-bench throughput: error: --time-budget must be a number > 0, got -1.0"
+    assert hint == "Try 'rollout-bench throughput --help' for every flag and its default."

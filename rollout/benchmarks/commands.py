@@ -16,6 +16,7 @@ from rollout.benchmarks.service import agentic, fleet, lora_push, service, weigh
 from rollout.benchmarks.structured import structured
 from rollout.benchmarks.structured.structured_flags import check_arguments as check_structured
 from rollout.benchmarks.throughput import throughput
+from rollout.cli_parser import CliParser
 from rollout.extras import require_extra
 from rollout.process_groups import process_age_s
 
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """
     if args.command == "gpu-report":
         raise SystemExit(gpu_report.main(args, parser))
+    if isinstance(parser, CliParser):  # the subcommand's errors point at its own --help
+        parser = parser.subcommand_parser(args)
     for flag in ("system_timeout", "time_budget"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
