@@ -65,27 +65,36 @@ def test_a_pushed_head_and_embeddings_serve_a_mixed_batch_like_peft(client):
         assert torch.allclose(torch.tensor(completion.logprobs), reference, atol=1e-4, rtol=0)
 
 
-def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_asked(client):
-    """DoRA: "auto" pushes the merged weights (peft's own merge) with one warning over two pushes, and the client then
-    samples the base, equal to peft's DoRA generate; adapters="adapter" refuses it, naming DoRA."""
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        (dict(use_dora=True), "use_dora: DoRA"),
+        (dict(modules_to_save=["norm"]), "_norm: modules_to_save of a Qwen3RMSNorm is not served unmerged"),
+    ],
+    ids=["dora", "saved-norm"],
+)
+def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_asked(client, settings, why):
+    """DoRA, or saved modules that are neither Linear nor Embedding (the norms): "auto" pushes the merged
+    weights (peft's own merge, the saved copy in the module's place) with one warning over two pushes naming why, and
+    the client then samples the base, equal to peft's generate; adapters="adapter" refuses it by the same name."""
     torch.manual_seed(12)
-    dora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True))
+    model = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **settings))
     with torch.no_grad():
-        for name, parameter in dora.named_parameters():
-            if "lora_" in name:
+        for name, parameter in model.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
-    dora.eval()
-    with pytest.raises(ValueError, match="DoRA"):
-        push_weights(client, dora, adapters="adapter")
+    model.eval()
+    with pytest.raises(ValueError, match=why):
+        push_weights(client, model, adapters="adapter")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
-            result = push_weights(client, dora)
+            result = push_weights(client, model)
     (fallback,) = [str(w.message) for w in caught if FALLBACK in str(w.message)]
-    assert "use_dora: DoRA" in fallback
+    assert why in fallback
     assert not result.base_included and client.adapter is None
     completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
-    assert completion.adapter is None and completion.token_ids == peft_greedy(dora, PROMPT)
+    assert completion.adapter is None and completion.token_ids == peft_greedy(model, PROMPT)
 
 
 def trl_trainer(tmp_path, client, peft_config: LoraConfig):
