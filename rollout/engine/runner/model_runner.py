@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from rollout.engine.moe.routes import PendingRoutes, RouteRecorder, plan_route_r
 from rollout.engine.requests.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
+from rollout.engine.runner.model_forward import ModelForward
 from rollout.engine.runner.model_lease import acquire, release
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
@@ -320,37 +320,3 @@ class ModelRunner:
             index = to_device([targets, sources], torch.long, self.device)
             inputs.device_tokens = (index[0], unresolved.token_ids.index_select(0, index[1]))
         return inputs
-
-
-class ModelForward:
-    """The model call of a step: packed input ids and positions, the paged metadata, the rows to keep -> logits
-    (in the model's dtype) at the packed positions `keep`."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, adapters: AdapterTable | None = None):
-        """
-        Args:
-            model: the transformers causal LM, already switched to paged attention by its runner.
-            device: where its parameters live.
-            adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
-        """
-        self.model = model
-        self.adapters = adapters
-        self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
-        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
-
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedAttentionMetadata, keep: torch.Tensor
-    ) -> torch.Tensor:
-        kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
-        if self.adapters is not None:  # the head computes the rows kept, or every token's
-            self.adapters.new_forward(keep if self.logits_to_keep else None)
-        logits = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=self.no_mask,
-            use_cache=False,
-            rollout_metadata=metadata,
-            **kwargs,
-        ).logits[0]
-        return logits if self.logits_to_keep else logits[keep]
