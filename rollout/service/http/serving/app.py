@@ -19,8 +19,9 @@ from starlette.exceptions import HTTPException
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
+from rollout.service.http.api.answers import Answer
 from rollout.service.http.api.bridge import ClientGone
-from rollout.service.http.api.endpoints import Answer, OpenAIEndpoints
+from rollout.service.http.api.endpoints import OpenAIEndpoints
 from rollout.service.http.api.served_models import model_list
 from rollout.service.http.api.tokenize import TokenizeEndpoints
 from rollout.service.http.errors import APIError, SafeJSONResponse
@@ -138,9 +139,11 @@ def build_app(
             starting.add_done_callback(_cancel_started)
             raise
         if answer.request.stream:
-            return StreamingResponse(endpoints.stream(answer), media_type="text/event-stream")
+            return StreamingResponse(endpoints.answers.stream(answer), media_type="text/event-stream")
         try:
-            return Response(await endpoints.complete(answer, request.is_disconnected), media_type="application/json")
+            return Response(
+                await endpoints.answers.complete(answer, request.is_disconnected), media_type="application/json"
+            )
         finally:
             answer.submission.cancel()
 
