@@ -8,7 +8,9 @@ rows of its tile, so every key and value block is loaded once per KV head (decod
 Keys past a tile's last query (slots of its last block that the sequence has not written, which may hold a previous
 owner's NaN) are never loaded: a masked score is selected away, but 0 * NaN in the value product would not be.
 Scores and the softmax are fp32 (online softmax); sliding windows (a key is visible when q - window < k <= q) and
-logit soft-capping (`softcap * tanh(s / softcap)`, Gemma 2) are applied per score.
+logit soft-capping (`softcap * tanh(s / softcap)`, Gemma 2) are applied per score. A tile's rows and the softmax
+update over a run of keys are device functions both kernels share (`kernel_tiles.py`); the kernels stay here, where
+`paged_attention` looks them up at each launch (`rollout.benchmarks.kernels` swaps them for recorders).
 
 With split-K, each program covers a slice of the key blocks and writes its partial (max, sum, accumulator); a second
 kernel merges the slices. `plan_splits` chooses the number of slices from the batch shape.
@@ -23,81 +25,10 @@ import triton
 import triton.language as tl
 
 from rollout.engine.attention.kernel_plan import TritonAttentionPlan
+from rollout.engine.attention.kernel_tiles import attend_keys, tile_rows
 
 # Triton's CPU interpreter computes tl.dot wrongly on bf16/fp16 operands: there, products are taken in fp32.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _tile_rows(
-    tile,
-    kv_head,
-    tile_seq_ptr,
-    tile_start_ptr,
-    query_start_ptr,
-    HEADS_PER_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-):
-    """A tile's sequence and its rows: row r holds query token first_query + r // HEADS_PER_KV of that sequence,
-    for query head kv_head * HEADS_PER_KV + r % HEADS_PER_KV."""
-    seq = tl.load(tile_seq_ptr + tile)
-    first_query = tl.load(tile_start_ptr + tile)  # offset of the tile's first query token within its sequence
-    query_begin = tl.load(query_start_ptr + seq)
-    query_len = tl.load(query_start_ptr + seq + 1) - query_begin
-    rows = tl.arange(0, BLOCK_M)
-    token = first_query + rows // HEADS_PER_KV
-    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
-    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (token < query_len)
-    return seq, first_query, query_begin, query_len, rows, token, head, row_valid
-
-
-@triton.jit
-def _attend_keys(
-    q,
-    k_rows,
-    v_rows,
-    key_pos,
-    key_valid,
-    dims,
-    dim_valid,
-    query_pos,
-    row_valid,
-    running_max,
-    running_sum,
-    acc,
-    scale,
-    softcap,
-    window,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One online-softmax update over a run of keys: `k_rows` / `v_rows` (keys,) point at each key's and value's
-    first element for this KV head, `key_pos` are their positions, `key_valid` which of them exist. Returns the new
-    (running_max, running_sum, acc)."""
-    mask = key_valid[:, None] & dim_valid[None, :]
-    k = tl.load(k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * scale
-    if USE_SOFTCAP:
-        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
-    allowed = (key_pos[None, :] <= query_pos[:, None]) & row_valid[:, None] & key_valid[None, :]
-    if USE_WINDOW:
-        allowed = allowed & (key_pos[None, :] > query_pos[:, None] - window)
-    scores = tl.where(allowed, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, 1))
-    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet
-    probs = tl.exp(scores - safe_max[:, None])
-    rescale = tl.exp(running_max - safe_max)
-    running_sum = running_sum * rescale + tl.sum(probs, 1)
-    v = tl.load(v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
-    return new_max, running_sum, acc
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -145,7 +76,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
-    seq, first_query, query_begin, query_len, rows, token, head, row_valid = _tile_rows(
+    seq, first_query, query_begin, query_len, rows, token, head, row_valid = tile_rows(
         tile, kv_head, tile_seq_ptr, tile_start_ptr, query_start_ptr, HEADS_PER_KV, BLOCK_M, BLOCK_Q
     )
     context = tl.load(context_ptr + seq)  # tokens cached before this step
@@ -179,7 +110,7 @@ def _paged_attention_kernel(
         slots = tl.arange(0, BLOCK_N)
         for block in range(block_lo, block_hi):
             physical = tl.load(block_table_ptr + seq * stride_bt + block).to(tl.int64)
-            running_max, running_sum, acc = _attend_keys(
+            running_max, running_sum, acc = attend_keys(
                 q, k_cache_ptr + physical * stride_kb + slots * stride_ks + kv_head * stride_kh,
                 v_cache_ptr + physical * stride_vb + slots * stride_vs + kv_head * stride_vh,
                 block * BLOCK_N + slots, block * BLOCK_N + slots < hi, dims, dim_valid, query_pos, row_valid,
@@ -192,7 +123,7 @@ def _paged_attention_kernel(
             block = first + keys // BLOCK_N
             valid = (block < block_hi) & (block * BLOCK_N + slot < hi)  # no slot past the tile's last query
             physical = tl.load(block_table_ptr + seq * stride_bt + block, mask=valid, other=0).to(tl.int64)
-            running_max, running_sum, acc = _attend_keys(
+            running_max, running_sum, acc = attend_keys(
                 q, k_cache_ptr + physical * stride_kb + slot * stride_ks + kv_head * stride_kh,
                 v_cache_ptr + physical * stride_vb + slot * stride_vs + kv_head * stride_vh,
                 block * BLOCK_N + slot, valid, dims, dim_valid, query_pos, row_valid,
@@ -234,7 +165,7 @@ def _merge_splits_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
-    _, _, query_begin, _, rows, token, head, row_valid = _tile_rows(
+    _, _, query_begin, _, rows, token, head, row_valid = tile_rows(
         tile, kv_head, tile_seq_ptr, tile_start_ptr, query_start_ptr, HEADS_PER_KV, BLOCK_M, BLOCK_Q
     )
     dims = tl.arange(0, BLOCK_D)
