@@ -231,21 +231,10 @@ def _measured_sleep(sleep: Any, freed: list[int]) -> Any:
 
 def _start_worker(device: str) -> tuple[subprocess.Popen, str]:
     """A rollout-worker on the tiny preset on `device`, answering; (process, address)."""
-    from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
+    from rollout.benchmarks.harness.worker_probe import free_port, wait_answering, worker_command
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    command = [
-        sys.executable,
-        "-m",
-        "rollout.service.launch.cli",
-        "--model",
-        "tiny",
-        "--device",
-        device,
-        "--bind",
-        address,
-    ]
-    command += ["--num-blocks", str(KV_BLOCKS), "--log-level", "WARNING"]
+    command = worker_command(address, ["--num-blocks", str(KV_BLOCKS)], device)
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if device == "cpu" else None  # the trainer needs the other core
     worker = subprocess.Popen(command, env=env)
     wait_answering(address, 120, lambda: None if worker.poll() is None else f"exit code {worker.returncode}")

@@ -1,11 +1,13 @@
-"""Finding a free loopback port for a benchmark's `rollout-worker` subprocess, and waiting until it answers."""
+"""A benchmark's `rollout-worker` subprocess: its command line on a free loopback port, waiting until it answers,
+and stopping it."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def free_port() -> int:
@@ -13,6 +15,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def worker_command(address: str, flags: Sequence[str] = (), device: str = "cpu") -> list[str]:
+    """The command line of a `rollout-worker` serving the tiny preset at `address`, logging warnings only.
+
+    Args:
+        address: the ZeroMQ address it binds ("tcp://127.0.0.1:PORT", see `free_port`).
+        flags: more `rollout-worker` flags (e.g. ["--num-blocks", "512"]).
+        device: the torch device it runs on.
+    """
+    command = [sys.executable, "-m", "rollout.service.launch.cli", "--model", "tiny", "--device", device]
+    return command + ["--bind", address, "--log-level", "WARNING", *flags]
 
 
 def wait_answering(address: str, timeout_s: float, exited: Callable[[], str | None] = lambda: None) -> None:

@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any
 
-from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, wait_answering, worker_command
 
 
 class WorkerProcess:
@@ -21,20 +21,7 @@ class WorkerProcess:
     def __init__(self, flags: list[str] = (), log_dir: str | None = None, name: str = "worker"):
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"{name}-{os.getpid()}-{time.time_ns()}.log")
-        command = [
-            sys.executable,
-            "-m",
-            "rollout.service.launch.cli",
-            "--model",
-            "tiny",
-            "--device",
-            "cpu",
-            "--bind",
-            self.address,
-            "--log-level",
-            "WARNING",
-            *flags,
-        ]
+        command = worker_command(self.address, flags)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed by stop()
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         self.killed = False

@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, wait_answering, worker_command
 
 GOAL = 1.2
 VOCAB = range(4, 1000)  # token ids of the tiny preset, its special tokens left out
@@ -43,21 +43,9 @@ def run(turns: int = 10, episodes: int = 16, workers: int = 2, system: int = 256
         raise ValueError("--turns must be >= 2; --episodes, --workers, system and new tokens >= 1")
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(workers)]
     blocks = 4 * episodes * (system + 2 * new * turns) // 16 + 64  # every conversation's KV fits twice over
+    flags = ["--num-blocks", str(blocks), "--block-size", "16"]
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rollout.service.launch.cli",
-                "--model",
-                "tiny",
-                "--device",
-                "cpu",
-                "--bind",
-                address,
-            ]
-            + ["--num-blocks", str(blocks), "--block-size", "16", "--log-level", "WARNING"]
-        )
+        subprocess.Popen(worker_command(address, flags))
         for address in addresses
     ]
     summary: dict[str, Any] = {"turns": turns, "episodes": episodes, "workers": workers, "goal": GOAL}
