@@ -1,6 +1,7 @@
 """Scheduling, free of torch: which requests compute how many tokens each step, and their KV blocks.
 
-- `scheduler.py`: the token-budget scheduler, returning a `ScheduledBatch` (`batch.py`);
+- `scheduler.py`: the token-budget scheduler: its queues, and a step's results;
+- `step_builder.py`: one step's `ScheduledBatch` (`batch.py`), filled from the queues phase by phase;
 - `admission.py`: which requests to admit, and which to preempt, under memory pressure;
 - `block_manager.py`: ref-counted KV blocks with chained prefix hashes and copy-on-write.
 """

@@ -9,10 +9,12 @@ Policies:
 - "prefill_first": new requests first (with blocks reserved for the running ones' next step), then running ones.
   Maximises admission, at some cost in decode latency.
 
-When blocks run out, the running request with the fewest generated tokens not yet in this step is preempted: swapped
-to CPU blocks when there are enough, else freed and recomputed later. A request (new, preempted or swapped out) is
-admitted only while the free blocks also cover the expected growth of the running ones
-(`rollout.engine.scheduling.admission`). A request that cannot fit even in an empty cache ends with an error.
+The scheduler owns the queues (waiting, swapped, running) and the moves between them: a step's phases, in the
+policy's order, fill its batch (`step_builder.py`: admission, and which request to preempt). When blocks run out,
+the running request with the fewest generated tokens not yet in this step is preempted: swapped to CPU blocks when
+there are enough, else freed and recomputed later. A request (new, preempted or swapped out) is admitted only while
+the free blocks also cover the expected growth of the running ones (`rollout.engine.scheduling.admission`). A
+request that cannot fit even in an empty cache ends with an error.
 
 Weight updates: `pause_admission()` admits only requests that sampled already, so the in-flight set drains;
 `rollout.engine.weights.commit_modes` carries out the "recompute" and "abort" commit modes.
@@ -20,14 +22,13 @@ Weight updates: `pause_admission()` admits only requests that sampled already, s
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections import deque
 
 from rollout.engine.requests.request import Request, RequestStatus, sample_id
-from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
-from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
-from rollout.engine.scheduling.block_manager import BlockManager, cdiv
+from rollout.engine.scheduling.admission import AdmissionGate
+from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.step_builder import StepBuilder
 
 
 class Scheduler:
@@ -136,161 +137,28 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
-        batch = ScheduledBatch()
-        budget = [self.max_batch_tokens]
+        step = StepBuilder(self)
         self.admission.new_step()
         if self.policy == "prefill_first":
             reserve = sum(self.block_manager.blocks_needed(r, 1) for r in self.running if not r.reached_max_tokens)
-            self._schedule_swapped(batch, budget, reserve)
-            self._schedule_waiting(batch, budget, reserve)
-            self._schedule_running(batch, budget)
+            step.add_swapped(reserve)
+            step.add_waiting(reserve)
+            step.add_running()
         else:
-            self._schedule_running(batch, budget)
-            self._schedule_swapped(batch, budget, 0)
-            self._schedule_waiting(batch, budget, 0)
-        batch.zero_blocks = self.block_manager.take_stale()  # freed up to now, this step's preemptions included
-        return batch
+            step.add_running()
+            step.add_swapped(0)
+            step.add_waiting(0)
+        step.batch.zero_blocks = self.block_manager.take_stale()  # freed up to now, this step's preemptions included
+        return step.batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: list[int]) -> None:
-        # Requests an earlier phase of this step scheduled ("prefill_first") are not scheduled again.
-        scheduled_before = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
-        # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
-        # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
-        finishing = False
-        decodes: list[Request] = []
-        prefills: list[Request] = []
-        for r in self.running:  # one pass, properties inlined: it runs for every running request at every step
-            num_tokens = len(r.token_ids)
-            if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
-                finishing = True
-            elif num_tokens - r.num_computed_tokens == 1:
-                decodes.append(r)
-            elif num_tokens - r.num_computed_tokens > 1:
-                prefills.append(r)
-        block_size, ref_counts = self.block_manager.block_size, self.block_manager.ref_counts
-        sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
-        for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
-            if budget[0] == 0 or len(sequences) >= self.max_num_seqs:
-                return
-            if request.status is not RequestStatus.RUNNING or (scheduled_before and id(request) in scheduled_before):
-                continue  # preempted by an older request in this loop, or scheduled already
-            computed = request.num_computed_tokens
-            remaining = len(request.token_ids) - computed
-            if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
-                # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the request
-                # holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: hot path).
-                block_ids, index = request.block_ids, computed // block_size
-                if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
-                    samples.append((request, len(logits_sequences)))
-                    logits_sequences.append(len(sequences))
-                    sequences.append(ScheduledSequence(request, computed, 1))
-                    budget[0] -= 1
-                    continue
-            num_new = min(remaining, budget[0])
-            needed = self.block_manager.blocks_needed(request, num_new)
-            while not self.block_manager.can_allocate(needed):
-                if finishing:
-                    break  # their blocks come back when this step's previous one is resolved: wait, do not preempt
-                scheduled = {id(seq.request) for seq in batch.sequences} | {id(r) for r, _ in batch.samples}
-                victim = cheapest_victim(self.running, scheduled, ref_counts, block_size)
-                if victim is None:
-                    break
-                self._preempt(victim, batch)
-                if victim is request:
-                    break
-                needed = self.block_manager.blocks_needed(request, num_new)  # a freed sharer may spare a copy
-            if request.status != RequestStatus.RUNNING or not self.block_manager.can_allocate(needed):
-                continue
-            self._add_to_batch(batch, request, num_new)
-            budget[0] -= num_new
+    def preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Take a running request out for this step (`StepBuilder.add_running`, when blocks run out): swapped to CPU
+        blocks when there are enough, else freed to be recomputed later.
 
-    def _schedule_swapped(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
-        while not batch.num_preempted and self.swapped and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
-            request = self.swapped[0]
-            _check_resolved(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
-            needed = len(request.swap_block_ids) + max(
-                0,
-                cdiv(request.num_computed_tokens + num_new, self.block_manager.block_size)
-                - len(request.swap_block_ids),
-            )
-            if not self.admission.admits(request, needed + reserve, self.running):
-                return
-            self.swapped.popleft()
-            batch.swap_in += self.block_manager.swap_in(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self._add_to_batch(batch, request, num_new)
-            budget[0] -= num_new
-
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: list[int], reserve: int) -> None:
-        manager = self.block_manager
-        deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
-        while not batch.num_preempted and budget[0] > 0 and len(batch.sequences) < self.max_num_seqs:
-            request = self._next_admissible(deferred)
-            if request is None:
-                return
-            _check_resolved(request)
-            # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
-            blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
-            if blocks_for_life > manager.num_blocks:
-                self.waiting.remove(request)
-                batch.finished += self.finish(
-                    request,
-                    "error",
-                    f"request needs {blocks_for_life} KV blocks (prompt + max_new_tokens - 1 tokens) but the cache "
-                    f"has {manager.num_blocks}; raise num_blocks or lower max_new_tokens",
-                )
-                continue
-            prefix_blocks, prefix_hashes = manager.match_prefix(request)
-            if self.admission.waits_for_shared_prefill(request, len(prefix_blocks), self.running):
-                deferred += 1
-                continue
-            num_computed = len(prefix_blocks) * manager.block_size
-            num_new = min(request.num_tokens - num_computed, budget[0])
-            needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
-            needed += manager.num_free_in(prefix_blocks)
-            if not self.admission.admits(request, needed + reserve, self.running):
-                return
-            self.admission.admitted(request)
-            self.waiting.remove(request)
-            request.kv_version_min = None  # its KV is computed anew: under the current weights
-            manager.take_prefix(request, prefix_blocks, prefix_hashes)
-            request.status = RequestStatus.RUNNING
-            if request.started_time < 0:
-                request.started_time = time.perf_counter()
-            self.running.append(request)
-            self._add_to_batch(batch, request, num_new)
-            budget[0] -= num_new
-
-    def _next_admissible(self, skip: int) -> Request | None:
-        """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
-        the first `skip` of them."""
-        if self.admitting:
-            return self.waiting[skip] if skip < len(self.waiting) else None
-        return next(itertools.islice((r for r in self.waiting if r.num_output_tokens > 0), skip, None), None)
-
-    def _add_to_batch(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
-        batch.block_copies += self.block_manager.allocate(request, num_new)
-        if request.kv_version_min is None:
-            request.kv_version_min = self.block_manager.policy_version
-        start = request.num_computed_tokens
-        batch.sequences.append(ScheduledSequence(request, start, num_new))
-        if start + num_new < request.num_tokens:
-            return  # a prefill chunk that does not reach the last token: no logits
-        row = len(batch.logits_sequences)
-        batch.logits_sequences.append(len(batch.sequences) - 1)
-        batch.samples.append((request, row))
-        # A group leader that just computed its prompt forks its other samples, sharing every block.
-        for index in range(1, request.num_forks + 1):
-            child = request.fork(index, sample_id(request.group_id, index), self.next_arrival())
-            child.num_computed_tokens = start + num_new
-            self.block_manager.fork(request, child)
-            self.running.append(child)
-            batch.samples.append((child, row))
-        request.num_forks = 0
-
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        Args:
+            request: the victim, running.
+            batch: the step being built (it counts the preemption and carries the swap-out).
+        """
         self.running.remove(request)
         self.num_preemptions += 1
         self.admission.growth.preempted()
@@ -371,10 +239,3 @@ class Scheduler:
             self.swapped.remove(request)
         else:
             self.waiting.remove(request)
-
-
-def _check_resolved(request: Request) -> None:
-    """A preempted request comes back only once its last token is known (a step that preempts admits nothing, and
-    the step before is resolved before the next one is scheduled): prefix hashes and prefill inputs read it."""
-    if request.has_placeholder:
-        raise RuntimeError(f"request {request.request_id} was readmitted before its last token was resolved")

@@ -1,0 +1,203 @@
+"""One step's batch, built from the scheduler's queues within the step's token budget and sequence cap; the
+scheduler (`scheduler.py`) runs the phases in its policy's order and owns the queues they move requests between.
+
+- Running requests: decodes first, then unfinished prefill chunks, oldest first. When blocks run out, the running
+  request that loses the fewest tokens (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
+- Swapped-out requests: swapped back in, oldest preemption first.
+- Waiting requests (new or preempted), in arrival order, each through the admission gate
+  (`rollout.engine.scheduling.admission`); one that cannot fit even in an empty cache ends with an error.
+
+A step that preempted admits nothing more (no ping-pong). A request whose chunk reaches its last token gets a logits
+row; a group leader that just computed its prompt forks its other samples then, sharing every block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+from rollout.engine.requests.request import Request, RequestStatus, sample_id
+from rollout.engine.scheduling.admission import cheapest_victim
+from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
+from rollout.engine.scheduling.block_manager import cdiv
+
+if TYPE_CHECKING:
+    from rollout.engine.scheduling.scheduler import Scheduler
+
+
+class StepBuilder:
+    """One step's batch as its phases fill it, and the token budget left (made by `Scheduler.schedule`, once per
+    step)."""
+
+    def __init__(self, scheduler: Scheduler):
+        """
+        Args:
+            scheduler: whose queues, blocks and admission gate the step reads and moves requests between.
+        """
+        self.scheduler = scheduler
+        self.batch = ScheduledBatch()
+        self.budget = scheduler.max_batch_tokens  # tokens this step may still compute
+
+    def add_running(self) -> None:
+        """Add the running requests' next tokens, preempting when blocks run out."""
+        scheduler, batch = self.scheduler, self.batch
+        # Requests an earlier phase of this step scheduled ("prefill_first") are not scheduled again.
+        scheduled_before = {id(seq.request) for seq in batch.sequences} | {id(request) for request, _ in batch.samples}
+        # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
+        # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
+        finishing = False
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in scheduler.running:  # one pass, properties inlined: it runs for every running request at every step
+            num_tokens = len(r.token_ids)
+            if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
+                finishing = True
+            elif num_tokens - r.num_computed_tokens == 1:
+                decodes.append(r)
+            elif num_tokens - r.num_computed_tokens > 1:
+                prefills.append(r)
+        manager = scheduler.block_manager
+        block_size, ref_counts = manager.block_size, manager.ref_counts
+        sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
+        for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
+            if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
+                return
+            if request.status is not RequestStatus.RUNNING or (scheduled_before and id(request) in scheduled_before):
+                continue  # preempted by an older request in this loop, or scheduled already
+            computed = request.num_computed_tokens
+            remaining = len(request.token_ids) - computed
+            if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
+                # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the request
+                # holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: hot path).
+                block_ids, index = request.block_ids, computed // block_size
+                if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
+                    samples.append((request, len(logits_sequences)))
+                    logits_sequences.append(len(sequences))
+                    sequences.append(ScheduledSequence(request, computed, 1))
+                    self.budget -= 1
+                    continue
+            num_new = min(remaining, self.budget)
+            needed = manager.blocks_needed(request, num_new)
+            while not manager.can_allocate(needed):
+                if finishing:
+                    break  # their blocks come back when this step's previous one is resolved: wait, do not preempt
+                scheduled = {id(seq.request) for seq in batch.sequences} | {id(r) for r, _ in batch.samples}
+                victim = cheapest_victim(scheduler.running, scheduled, ref_counts, block_size)
+                if victim is None:
+                    break
+                scheduler.preempt(victim, batch)
+                if victim is request:
+                    break
+                needed = manager.blocks_needed(request, num_new)  # a freed sharer may spare a copy
+            if request.status != RequestStatus.RUNNING or not manager.can_allocate(needed):
+                continue
+            self._add(request, num_new)
+            self.budget -= num_new
+
+    def add_swapped(self, reserve: int) -> None:
+        """Swap swapped-out requests back in, oldest preemption first, while the admission gate lets them.
+
+        Args:
+            reserve: blocks kept free for the running requests' next step ("prefill_first").
+        """
+        scheduler, batch = self.scheduler, self.batch
+        swapped, manager = scheduler.swapped, scheduler.block_manager
+        while not batch.num_preempted and swapped and self.budget > 0 and len(batch.sequences) < scheduler.max_num_seqs:
+            request = swapped[0]
+            _check_resolved(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, self.budget)
+            needed = len(request.swap_block_ids) + max(
+                0, cdiv(request.num_computed_tokens + num_new, manager.block_size) - len(request.swap_block_ids)
+            )
+            if not scheduler.admission.admits(request, needed + reserve, scheduler.running):
+                return
+            swapped.popleft()
+            batch.swap_in += manager.swap_in(request)
+            request.status = RequestStatus.RUNNING
+            scheduler.running.append(request)
+            self._add(request, num_new)
+            self.budget -= num_new
+
+    def add_waiting(self, reserve: int) -> None:
+        """Admit waiting requests (new or preempted) in arrival order, while the admission gate lets them.
+
+        Args:
+            reserve: blocks kept free for the running requests' next step ("prefill_first").
+        """
+        scheduler, batch = self.scheduler, self.batch
+        manager, admission = scheduler.block_manager, scheduler.admission
+        deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
+        while not batch.num_preempted and self.budget > 0 and len(batch.sequences) < scheduler.max_num_seqs:
+            request = self._next_admissible(deferred)
+            if request is None:
+                return
+            _check_resolved(request)
+            # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
+            blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
+            if blocks_for_life > manager.num_blocks:
+                scheduler.waiting.remove(request)
+                batch.finished += scheduler.finish(
+                    request,
+                    "error",
+                    f"request needs {blocks_for_life} KV blocks (prompt + max_new_tokens - 1 tokens) but the cache "
+                    f"has {manager.num_blocks}; raise num_blocks or lower max_new_tokens",
+                )
+                continue
+            prefix_blocks, prefix_hashes = manager.match_prefix(request)
+            if admission.waits_for_shared_prefill(request, len(prefix_blocks), scheduler.running):
+                deferred += 1
+                continue
+            num_computed = len(prefix_blocks) * manager.block_size
+            num_new = min(request.num_tokens - num_computed, self.budget)
+            needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
+            needed += manager.num_free_in(prefix_blocks)
+            if not admission.admits(request, needed + reserve, scheduler.running):
+                return
+            admission.admitted(request)
+            scheduler.waiting.remove(request)
+            request.kv_version_min = None  # its KV is computed anew: under the current weights
+            manager.take_prefix(request, prefix_blocks, prefix_hashes)
+            request.status = RequestStatus.RUNNING
+            if request.started_time < 0:
+                request.started_time = time.perf_counter()
+            scheduler.running.append(request)
+            self._add(request, num_new)
+            self.budget -= num_new
+
+    def _next_admissible(self, skip: int) -> Request | None:
+        """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
+        the first `skip` of them."""
+        waiting = self.scheduler.waiting
+        if self.scheduler.admitting:
+            return waiting[skip] if skip < len(waiting) else None
+        return next(itertools.islice((r for r in waiting if r.num_output_tokens > 0), skip, None), None)
+
+    def _add(self, request: Request, num_new: int) -> None:
+        scheduler, batch = self.scheduler, self.batch
+        manager = scheduler.block_manager
+        batch.block_copies += manager.allocate(request, num_new)
+        if request.kv_version_min is None:
+            request.kv_version_min = manager.policy_version
+        start = request.num_computed_tokens
+        batch.sequences.append(ScheduledSequence(request, start, num_new))
+        if start + num_new < request.num_tokens:
+            return  # a prefill chunk that does not reach the last token: no logits
+        row = len(batch.logits_sequences)
+        batch.logits_sequences.append(len(batch.sequences) - 1)
+        batch.samples.append((request, row))
+        # A group leader that just computed its prompt forks its other samples, sharing every block.
+        for index in range(1, request.num_forks + 1):
+            child = request.fork(index, sample_id(request.group_id, index), scheduler.next_arrival())
+            child.num_computed_tokens = start + num_new
+            manager.fork(request, child)
+            scheduler.running.append(child)
+            batch.samples.append((child, row))
+        request.num_forks = 0
+
+
+def _check_resolved(request: Request) -> None:
+    """A preempted request comes back only once its last token is known (a step that preempts admits nothing, and
+    the step before is resolved before the next one is scheduled): prefix hashes and prefill inputs read it."""
+    if request.has_placeholder:
+        raise RuntimeError(f"request {request.request_id} was readmitted before its last token was resolved")
