@@ -1,6 +1,7 @@
 """`ContinuousBatchingManager`: the engine on a background thread, as transformers' continuous batching has it.
 
 - `continuous_batching.py`: the manager (the public face of what it holds) and `init_continuous_batching`;
+- `parts.py`: what it holds, built around one mailbox and one lock (weak references back to the manager);
 - `request_desk.py`: groups checked on the caller's thread and posted to the engine thread, all or none;
 - `commands.py`: what other threads put in the engine thread's mailbox; `weight_queue.py`: weight updates on their
   way there; `pause.py`: the manager's pause;

@@ -1,19 +1,16 @@
 """ContinuousBatchingManager: the engine on a background thread, with queues, streaming and result handlers; and
 `init_continuous_batching`, mirroring transformers' continuous batching API.
 
-The manager is the public face of the objects it holds: its `RequestDesk` (requests checked on the caller's thread,
-then posted to the engine thread's mailbox), `WeightUpdateQueue`, `PauseGate`, `ResultRouter` (outputs to readers
-and handlers) and `EngineLoop` (the engine thread's body). Only the engine thread queues requests into the engine and
-steps it. All bookkeeping shared by the two sides lives under one condition variable. Every blocking call takes a
+The manager is the public face of the objects it holds (`parts.py`, built around one mailbox and one condition
+variable): its `RequestDesk` (requests checked on the caller's thread, then posted to the engine thread's mailbox),
+`WeightUpdateQueue`, `PauseGate`, `ResultRouter` (outputs to readers and handlers) and `EngineLoop` (the engine
+thread's body). Only the engine thread queues requests into the engine and steps it. Every blocking call takes a
 timeout, and a stopped manager answers at once.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,12 +19,8 @@ import torch
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
-from rollout.engine.manager.commands import Command, PauseLoop
-from rollout.engine.manager.engine_thread import EngineLoop
-from rollout.engine.manager.pause import PauseGate
-from rollout.engine.manager.request_desk import QueueFullError, RequestDesk
-from rollout.engine.manager.results import ResultRouter
-from rollout.engine.manager.weight_queue import WeightUpdateQueue
+from rollout.engine.manager.parts import ManagerParts
+from rollout.engine.manager.request_desk import QueueFullError
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.requests.outputs import GenerationOutput
@@ -64,33 +57,9 @@ class ContinuousBatchingManager:
         self.engine = Engine(model, continuous_batching_config, generation_config, tokenizer)
         self.config = self.engine.config
         self.generation_config = generation_config  # as given (transformers' manager has it too)
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._state = threading.Condition()  # guards the shared bookkeeping; re-entrant (handlers may call back in)
-        self._router = ResultRouter(self._state)  # outputs to readers and handlers (guarded by the same lock)
-        engine, commands = self.engine, self._commands
-        requests = RequestDesk(
-            engine.intake, lambda: engine.num_waiting, self.config.max_queue_size, self._state, self._router, commands
-        )
-        self._requests = requests
-        # The helpers call back into the manager through a weak proxy, never a bound method or a closure over self:
-        # a reference back would put the manager, its engine and the KV cache in a cycle that only a garbage
-        # collection frees. While the engine thread runs, the thread itself keeps the manager alive.
-        owner = weakref.proxy(self)
-        self._pauses = PauseGate(
-            lambda request: commands.put(PauseLoop(request)), lambda: owner.is_running(), lambda: owner.error
-        )
-        self.weight_updates = WeightUpdateQueue(
-            engine,
-            self._state,
-            commands.put,
-            self._router.deliver,
-            lambda: owner.is_running(),
-            lambda: requests.closed,
-            self._pauses.held_here,
-        )
-        self._loop = EngineLoop(
-            owner, engine, requests, self.weight_updates, commands, self._state, self._router.deliver
-        )
+        parts = ManagerParts.build(self, self.engine)
+        self._router, self._requests, self._pauses, self._loop = parts.router, parts.requests, parts.pauses, parts.loop
+        self.weight_updates = parts.weight_updates
         self.started_at: float | None = None
         self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
         # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).

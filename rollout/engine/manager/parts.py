@@ -1,0 +1,70 @@
+"""The parts a `ContinuousBatchingManager` is the public face of, built around what they share: one mailbox (the
+engine thread's commands) and one condition variable (the bookkeeping of both sides: requests on their way, result
+readers and handlers, weight updates).
+
+The parts call back into the manager through a weak proxy, never a bound method or a closure over it: a reference
+back would put the manager, its engine and the KV cache in a cycle that only a garbage collection frees. While the
+engine thread runs, the thread itself keeps the manager alive.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rollout.engine.engine import Engine
+from rollout.engine.manager.commands import Command, PauseLoop
+from rollout.engine.manager.engine_thread import EngineLoop
+from rollout.engine.manager.pause import PauseGate
+from rollout.engine.manager.request_desk import RequestDesk
+from rollout.engine.manager.results import ResultRouter
+from rollout.engine.manager.weight_queue import WeightUpdateQueue
+
+if TYPE_CHECKING:
+    from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+
+
+@dataclass(frozen=True)
+class ManagerParts:
+    """A manager's parts, wired to each other (see the module docstring)."""
+
+    commands: queue.SimpleQueue[Command]  # the engine thread's mailbox
+    state: threading.Condition  # guards the shared bookkeeping; re-entrant (handlers may call back in)
+    router: ResultRouter  # outputs to readers and handlers (guarded by the same lock)
+    requests: RequestDesk  # groups checked on the caller's thread, posted to the mailbox
+    pauses: PauseGate
+    weight_updates: WeightUpdateQueue
+    loop: EngineLoop  # the engine thread's body
+
+    @classmethod
+    def build(cls, manager: ContinuousBatchingManager, engine: Engine) -> ManagerParts:
+        """Make the parts of `manager`, which holds `engine`.
+
+        Args:
+            manager: the manager they serve (held through a weak proxy only).
+            engine: the manager's engine (the engine thread alone steps it).
+        """
+        commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        state = threading.Condition()
+        router = ResultRouter(state)
+        requests = RequestDesk(
+            engine.intake, lambda: engine.num_waiting, engine.config.max_queue_size, state, router, commands
+        )
+        owner = weakref.proxy(manager)
+        pauses = PauseGate(
+            lambda request: commands.put(PauseLoop(request)), lambda: owner.is_running(), lambda: owner.error
+        )
+        weight_updates = WeightUpdateQueue(
+            engine,
+            state,
+            commands.put,
+            router.deliver,
+            lambda: owner.is_running(),
+            lambda: requests.closed,
+            pauses.held_here,
+        )
+        loop = EngineLoop(owner, engine, requests, weight_updates, commands, state, router.deliver)
+        return cls(commands, state, router, requests, pauses, weight_updates, loop)
