@@ -1,7 +1,7 @@
 """The RolloutClient's I/O thread: it alone owns the ZeroMQ sockets (one DEALER per worker). Callers hand it commands
 through a queue and a waker; it sends groups to workers (routing.py), routes every reply to its call, pings every
-worker, fails groups over from dead workers, gives them back to workers that return, and adds or removes workers
-while running (a `RolloutFleet` follows its workers this way).
+worker, fails groups over from dead workers and gives them back to workers that return (liveness.py), and adds or
+removes workers while running (a `RolloutFleet` follows its workers this way).
 
 A worker gets groups only once it answered (nothing queued for a worker not up yet can reach it twice); calls made
 before any answered wait (parked), spread over the workers that answer within FIRST_CONTACT_GRACE_S of the first;
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from typing import Any
 
@@ -38,6 +37,7 @@ from trainer_bridge.commands import (
     Submit,
 )
 from trainer_bridge.links import WorkerLink
+from trainer_bridge.liveness import Liveness
 from trainer_bridge.routing import CallRouter
 
 logger = logging.getLogger("trainer_bridge.client")
@@ -66,9 +66,6 @@ class Dispatcher:
         Raises:
             ValueError: a key that cannot be loaded.
         """
-        self.heartbeat_s = heartbeat_s
-        self.dead_after_s = dead_after_s
-        self.connect_timeout = connect_timeout
         self._context = zmq.Context()
         self._keys = keys
         try:
@@ -82,6 +79,16 @@ class Dispatcher:
         self.router = CallRouter(self.workers, connect_timeout, heartbeat_s)
         self._stats_sinks: list[deque[queue.SimpleQueue]] = [deque() for _ in self.workers]
         self._channels: dict[str, queue.SimpleQueue] = {}  # weight update id -> its replies
+        self.liveness = Liveness(  # pings, failover and revival (only this thread calls it)
+            self.workers,
+            self.router,
+            self._channels,
+            self._stats_sinks,
+            self._send,
+            heartbeat_s,
+            dead_after_s,
+            connect_timeout,
+        )
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._waker = Waker()
         self.closed = threading.Event()
@@ -111,11 +118,11 @@ class Dispatcher:
                     if sock is self._waker.reader or sock == self._waker.reader.fileno():
                         self._waker.drain()
                     elif sock in self._monitors:
-                        self._on_monitor(self._monitors[sock])
+                        self.liveness.on_monitor(self._monitors[sock])
                     elif sock in self._sockets:  # (not a worker removed earlier in this same poll)
                         self._receive(self._sockets[sock])
                 self._run_commands()
-                self._heartbeat()
+                self.liveness.heartbeat()
         except BaseException:
             logger.exception("rollout client I/O thread failed")
             raise
@@ -204,7 +211,7 @@ class Dispatcher:
             if worker.address != command.address or worker.retired:
                 continue
             worker.alive = False
-            self._failover(index)
+            self.liveness.failover(index)
             for wire_id in worker.taken_away:
                 self._send(index, p.Cancel(wire_id))
             worker.retired = True
@@ -238,7 +245,7 @@ class Dispatcher:
                 return
             worker.unanswered_since = None
             if not worker.alive:
-                self._revive(index)
+                self.liveness.revive(index)
             try:
                 message = p.decode(frames)
             except p.ProtocolError:
@@ -295,89 +302,3 @@ class Dispatcher:
             self.router.finish(call)
             kind = WorkerBusy if message.code == "busy" else RolloutError
             call.events.put(kind(message.code, message.message, message.field))
-
-    def _on_monitor(self, index: int) -> None:
-        """Socket monitor events: the connection closed (the worker died, restarted, or dropped this client: its
-        groups are gone there, so they fail over at once), or the worker refused this client's handshake."""
-        worker = self.workers[index]
-        for kind, reason in worker.monitor_events():
-            if kind == "connected":  # (re)connected: ask at once whether it serves
-                worker.connected, worker.silent = True, False
-                worker.last_ping = time.monotonic()
-                self._send(index, p.Ping())
-            elif kind == "disconnected":
-                worker.connected = False
-                if worker.alive:
-                    logger.warning("connection to rollout worker %s closed; resubmitting its groups", worker.address)
-                    worker.alive = False
-                    self._failover(index)
-            else:
-                if worker.refused != reason:
-                    logger.error("rollout worker %s %s", worker.address, reason)
-                worker.refused = reason
-        self.router.fail_parked()
-
-    def _heartbeat(self) -> None:
-        """Ping every worker (dead ones too, so they can come back); one whose ping stays unanswered for
-        dead_after_s is declared dead and its groups move to the others. Fail parked calls once no worker can
-        be reached."""
-        now = time.monotonic()
-        self.router.fail_parked()
-        self.router.release_parked()
-        for index, worker in enumerate(self.workers):
-            if worker.retired:
-                continue
-            if not worker.answered and not worker.warned and now - worker.added_at > self.connect_timeout:
-                worker.warned = True
-                logger.warning(
-                    "rollout worker %s never answered within %.0f s (not running, or a wrong address or port?)",
-                    worker.address,
-                    self.connect_timeout,
-                )
-            if (
-                worker.alive
-                and worker.unanswered_since is not None
-                and now - worker.unanswered_since > self.dead_after_s
-            ):
-                logger.warning("rollout worker %s stopped answering; resubmitting its groups", worker.address)
-                worker.alive, worker.silent = False, True
-                self._failover(index)
-            if now - worker.last_ping >= self.heartbeat_s:
-                worker.last_ping = now
-                if worker.unanswered_since is None:
-                    worker.unanswered_since = now
-                self._send(index, p.Ping())
-
-    def _failover(self, index: int) -> None:
-        """Resubmit a dead worker's groups to the live ones (streams skip what they delivered); updates go on."""
-        worker = self.workers[index]
-        for replies in self._channels.values():
-            replies.put((index, WorkerLost(worker.address)))
-        for call in [c for c in self.router.calls.values() if c.worker == index]:
-            worker.outstanding -= call.cost
-            worker.taken_away.add(call.wire_id)
-            call.worker = None
-            call.received = {}
-            if call.cancelled:  # its caller gave up: nobody waits for a resubmission
-                self.router.finish(call)
-                continue
-            self.router.dispatch(call)
-        while self._stats_sinks[index]:  # stats asked of it will not come: its callers count it as none (a later
-            self._stats_sinks[index].popleft().put(None)  # reply from the same address must not go to them)
-
-    def _revive(self, index: int) -> None:
-        """A worker answered for the first time, or again after it was declared dead: cancel what it no longer
-        owns, and give it the parked calls."""
-        worker = self.workers[index]
-        if worker.answered:
-            logger.warning("rollout worker %s is answering again", worker.address)
-        else:
-            logger.info("connected to rollout worker %s", worker.address)
-        worker.alive = worker.answered = True
-        worker.refused, worker.silent = None, False
-        for group_id in worker.taken_away:
-            self._send(index, p.Cancel(group_id))
-        worker.taken_away.clear()
-        if self.router.first_answer_at is None:
-            self.router.first_answer_at = time.monotonic()
-        self.router.release_parked()
