@@ -119,8 +119,14 @@ class Engine:
         """Queue a group of `n` samples of one prompt; the prompt is prefilled once and shared.
 
         Args:
-            group_id, prompt_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter: the group, as
-                `GroupSpec` documents its fields (`sampling` is copied; `adapter` names one `load_adapter` loaded).
+            group_id: unique id of the group (must not be running already).
+            prompt_ids: prompt token ids (a list, or a 1-D / (1, L) tensor or array).
+            sampling: sampling parameters (copied; None fields come from the generation config).
+            n: samples in the group (None: the GenerationConfig's num_return_sequences, else 1).
+            max_new_tokens: overrides `sampling.max_new_tokens`.
+            streaming: emit a delta after every token (else one output per sample when it finishes).
+            record_timestamps: outputs carry the time each token reached the host.
+            adapter: a LoRA adapter `load_adapter` loaded; None: the base model.
         Returns:
             The request ids of the n samples.
         Raises:

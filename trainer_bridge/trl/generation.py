@@ -126,7 +126,8 @@ class RolloutGeneration:
         return self.client.generate_many(groups)
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
-        """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs [token][1], None) for the rows."""
+        """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs, None) for the rows, each token's
+        logprob in a list of one."""
         if images is not None and any(image is not None for image in images):
             raise NotImplementedError("rollout workers serve text-only models; images are not supported")
         if profiler is None:

@@ -245,7 +245,9 @@ class ContinuousBatchingManager:
         """Apply new weights between two engine steps and wait for it.
 
         Args:
-            tensors, version, partial: as for `Engine.update_weights` (validated before anything changes).
+            tensors: the new weights, as for `Engine.update_weights` (validated before anything changes).
+            version: the new policy version (must exceed the current one); None adds one.
+            partial: allow updating a subset of the parameters.
             mode: "keep", "recompute", "abort" or "wait" (pause admission, let in-flight samples finish, apply).
             timeout: most seconds to wait; with mode "wait" also the most the drain may take, after which the
                 update is dropped unapplied.
