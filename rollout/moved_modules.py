@@ -91,6 +91,14 @@ MOVED_MODULES: dict[str, str] = {
     "trainer_bridge.lora_push": "trainer_bridge.weights.lora_push",
     "trainer_bridge.adapter_mode": "trainer_bridge.weights.adapter_mode",
     "trainer_bridge.sync_callback": "trainer_bridge.weights.sync_callback",
+    "trainer_bridge.calls": "trainer_bridge.client.calls",
+    "trainer_bridge.commands": "trainer_bridge.client.commands",
+    "trainer_bridge.dispatcher": "trainer_bridge.client.dispatcher",
+    "trainer_bridge.liveness": "trainer_bridge.client.liveness",
+    "trainer_bridge.routing": "trainer_bridge.client.routing",
+    "trainer_bridge.affinity": "trainer_bridge.client.affinity",
+    "trainer_bridge.links": "trainer_bridge.client.links",
+    "trainer_bridge.update_channel": "trainer_bridge.client.update_channel",
     # the engine's subsystems (the old modules rollout.engine.attention, .grammar, .lora and .manager are now the
     # packages of those names: rollout.engine.manager still exports the manager)
     "rollout.engine.request": "rollout.engine.requests.request",

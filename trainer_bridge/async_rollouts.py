@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_bridge.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version
+from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
 from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
 

@@ -20,7 +20,7 @@ from rollout.engine.requests.request import Request
 from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS
-from trainer_bridge.calls import GroupResult, PromptGroup
+from trainer_bridge.client.calls import GroupResult, PromptGroup
 from trainer_bridge.gathering import gathered
 
 __all__ = ["ColocatedEngine"]

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from trainer_bridge.calls import GroupResult, oldest_version
-from trainer_bridge.client import RolloutError
+from trainer_bridge.client.calls import GroupResult, RolloutError, oldest_version
 
 STALE_POLICIES = ("regenerate", "is_correct")
 

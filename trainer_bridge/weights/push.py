@@ -18,8 +18,8 @@ from rollout.config import dtype_name
 from rollout.protocol.staging import DTYPES, bucket_checksum, staging_layout
 from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Sender, UpdateRejected
-from trainer_bridge.calls import PushResult, WorkerLost
 from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.client.calls import PushResult, WorkerLost
 from trainer_bridge.gathering import Entry, as_wire_bytes
 from trainer_bridge.weights.lora_push import AdapterPush
 from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed

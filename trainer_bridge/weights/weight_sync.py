@@ -41,8 +41,8 @@ import torch
 from rollout import protocol as p
 from rollout.config import WEIGHT_UPDATE_MODES
 from rollout.protocol.transports import TRANSPORTS
-from trainer_bridge.calls import PushResult
 from trainer_bridge.client import RolloutClient
+from trainer_bridge.client.calls import PushResult
 from trainer_bridge.gathering import entries_of, iter_weights, unwrapped, weight_specs
 from trainer_bridge.weights.adapter_mode import ADAPTER_MODES, push_mode
 from trainer_bridge.weights.lora_push import adapter_push

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout import protocol as p
-from trainer_bridge.calls import Call
+from trainer_bridge.client.calls import Call
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout import protocol as p
-from trainer_bridge.calls import RolloutError
-from trainer_bridge.commands import CloseChannel, SendRaw
+from trainer_bridge.client.calls import RolloutError
+from trainer_bridge.client.commands import CloseChannel, SendRaw
 
 
 class UpdateChannel:

@@ -24,8 +24,8 @@ from rollout.mailbox import drain
 from rollout.protocol import Delta
 from rollout.protocol.route_frames import unpack_message
 from rollout.protocol.sockets import Waker
-from trainer_bridge.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
-from trainer_bridge.commands import (
+from trainer_bridge.client.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
+from trainer_bridge.client.commands import (
     AddWorker,
     AskStats,
     CancelCall,
@@ -36,9 +36,9 @@ from trainer_bridge.commands import (
     SendRaw,
     Submit,
 )
-from trainer_bridge.links import WorkerLink
-from trainer_bridge.liveness import Liveness
-from trainer_bridge.routing import CallRouter
+from trainer_bridge.client.links import WorkerLink
+from trainer_bridge.client.liveness import Liveness
+from trainer_bridge.client.routing import CallRouter
 
 logger = logging.getLogger("trainer_bridge.client")
 

@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import Callable
 
 from rollout import protocol as p
-from trainer_bridge.calls import WorkerLost
-from trainer_bridge.links import WorkerLink
-from trainer_bridge.routing import CallRouter
+from trainer_bridge.client.calls import WorkerLost
+from trainer_bridge.client.links import WorkerLink
+from trainer_bridge.client.routing import CallRouter
 
 logger = logging.getLogger("trainer_bridge.client")  # the client's one logger, as the dispatcher's
 

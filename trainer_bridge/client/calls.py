@@ -33,7 +33,7 @@ class PromptGroup:
             of a PEFT model), else the base model; "__base__": the base model in any case.
         session_id: groups of one session (an agent's conversation) go to the worker that served the session's
             last group, when it is not much busier than the others; None: the prompt's own prefix decides
-            (`trainer_bridge.affinity`).
+            (`trainer_bridge.client.affinity`).
     """
 
     prompt_ids: list[int]

@@ -29,9 +29,17 @@ from typing import Any
 
 from rollout.protocol import Completion, Delta
 from rollout.protocol.sockets import check_address
-from trainer_bridge.affinity import PrefixAffinity
-from trainer_bridge.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, checked_group
-from trainer_bridge.commands import (
+from trainer_bridge.client.affinity import PrefixAffinity
+from trainer_bridge.client.calls import (
+    AsyncSink,
+    Call,
+    GroupResult,
+    PromptGroup,
+    RolloutError,
+    WorkerBusy,
+    checked_group,
+)
+from trainer_bridge.client.commands import (
     AddWorker,
     AskStats,
     CancelCall,
@@ -39,8 +47,8 @@ from trainer_bridge.commands import (
     RemoveWorker,
     Submit,
 )
-from trainer_bridge.dispatcher import Dispatcher
-from trainer_bridge.update_channel import UpdateChannel
+from trainer_bridge.client.dispatcher import Dispatcher
+from trainer_bridge.client.update_channel import UpdateChannel
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +91,7 @@ class RolloutClient:
             server_public_key: the workers' public key (their `.key` file, or z85); with `curve_secret_key`.
             affinity_slack: a group whose prompt extends a recent one (or of the same `session_id`) goes to that
                 one's worker while it is at most this many times the group's cost (n x max_new_tokens) busier than the
-                least-loaded worker (`trainer_bridge.affinity`); None: by load alone.
+                least-loaded worker (`trainer_bridge.client.affinity`); None: by load alone.
         """
         if (curve_secret_key is None) != (server_public_key is None):
             raise ValueError("curve_secret_key and server_public_key: give both (an authenticated worker) or neither")

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rollout import protocol as p
-from trainer_bridge.affinity import PrefixAffinity
-from trainer_bridge.calls import Call, RolloutError
+from trainer_bridge.client.affinity import PrefixAffinity
+from trainer_bridge.client.calls import Call, RolloutError
 
 if TYPE_CHECKING:
-    from trainer_bridge.links import WorkerLink
+    from trainer_bridge.client.links import WorkerLink
 
 # Once the first worker answered, calls submitted before wait this long for the others to answer too.
 FIRST_CONTACT_GRACE_S = 2.0
