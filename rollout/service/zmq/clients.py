@@ -34,6 +34,9 @@ HEARTBEAT_TIMEOUT_MS = 10_000
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
 FORGET_GONE_AFTER_S = 300.0
+# A client lost again this soon after its last loss (replies to the messages it queued before leaving) is the same
+# departure: logged and counted once.
+SAME_LOSS_S = 10.0
 
 
 class ClientLinks:
@@ -68,6 +71,9 @@ class ClientLinks:
         self._backlog: dict[bytes, deque[list[bytes]]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
         self._gone: dict[bytes, float] = {}  # identity -> when it was lost
+        # identity -> when its loss was logged and counted: the messages a client queued before it left each
+        # revive it (`seen`) and lose it again; that is one loss, logged once, not one line per message.
+        self._lost_at: dict[bytes, float] = {}
         self._fds: dict[bytes, int] = {}  # identity -> the descriptor its last message came over
         self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
         self._last_probe = 0.0
@@ -167,13 +173,16 @@ class ClientLinks:
         """
         if identity in self._gone:
             return
-        logger.warning("client %s is gone (%s); cancelling its groups", identity.hex(), reason)
+        now = time.monotonic()
+        if now - self._lost_at.get(identity, -SAME_LOSS_S) >= SAME_LOSS_S:
+            logger.warning("client %s is gone (%s); cancelling its groups", identity.hex(), reason)
+            self.num_lost += 1
+        self._lost_at[identity] = now
         self._last_seen.pop(identity, None)
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
         self._backlog.pop(identity, None)
         self._pending_total -= self._backlog_bytes.pop(identity, 0)
-        self.num_lost += 1
         if unreachable:
             self._gone[identity] = time.monotonic()
         self._on_lost(identity, reason)
@@ -215,6 +224,8 @@ class ClientLinks:
                     self.send(identity, probe)
         for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
             del self._gone[identity]
+        for identity in [i for i, when in self._lost_at.items() if now - when > SAME_LOSS_S]:
+            del self._lost_at[identity]
 
     def close(self) -> None:
         """Stop the socket monitor (before the socket closes)."""
