@@ -1,11 +1,12 @@
 """RolloutClient: what a trainer process uses to get completions from one or many rollout workers.
 
-One background I/O thread (dispatcher.py) owns every ZeroMQ socket (sockets are not thread-safe); public calls, from
-any thread, check their input, hand the I/O thread a command and wait on their own results with a timeout. Groups go to the
-live worker with the least outstanding work (tokens still to generate), a whole group to one worker so its prompt
-is shared. Every worker is pinged every `heartbeat_s`; one whose ping stays unanswered for `dead_after_s` is
-declared dead and its unfinished groups are resubmitted to the others (with none alive, calls wait for one until
-their timeout). A dead worker that answers again is used again, and the groups taken from it are cancelled there.
+One background I/O thread (dispatcher.py) owns every ZeroMQ socket (sockets are not thread-safe); public calls, from any
+thread, check their input, hand the I/O thread a command and wait on their own results with a timeout (the generation
+calls through the client's `Caller`, caller.py). Groups go to the live worker with the least outstanding work (tokens
+still to generate), a whole group to one worker so its prompt is shared. Every worker is pinged every `heartbeat_s`; one
+whose ping stays unanswered for `dead_after_s` is declared dead and its unfinished groups are resubmitted to the others
+(with none alive, calls wait for one until their timeout). A dead worker that answers again is used again, and the
+groups taken from it are cancelled there.
 
 Every group carries a seed (the client draws one if the caller did not), so a resubmitted group reproduces the same
 tokens and a stream skips what it already delivered: no group is lost and none is returned twice. That splice is
@@ -15,43 +16,22 @@ failover point may come from a different sample.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
+import contextlib
 import os
 import queue
-import random
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from rollout.protocol import Completion, Delta
 from rollout.protocol.sockets import check_address
 from trainer_bridge.client.affinity import PrefixAffinity
-from trainer_bridge.client.calls import (
-    AsyncSink,
-    Call,
-    GroupResult,
-    PromptGroup,
-    RolloutError,
-    WorkerBusy,
-    checked_group,
-)
-from trainer_bridge.client.commands import (
-    AddWorker,
-    AskStats,
-    CancelCall,
-    OpenChannel,
-    RemoveWorker,
-    Submit,
-)
+from trainer_bridge.client.caller import Caller
+from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
+from trainer_bridge.client.commands import AddWorker, AskStats, OpenChannel, RemoveWorker
 from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.update_channel import UpdateChannel
-
-logger = logging.getLogger(__name__)
-
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
@@ -118,9 +98,7 @@ class RolloutClient:
         self._open_updates: set[str] = set()  # weight updates whose channel is open
         self._updates_lock = threading.Lock()
         self.fleet: Any = None  # the rollout.ray.RolloutFleet this client follows (kept alive with the client)
-        self._seed_source = random.SystemRandom()
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
+        self._caller = Caller(self, self._io.command, self._closed)  # (holds this client by a weak proxy)
         # The LoRA adapter groups sample with when they name none: the one this client last pushed (push_weights of
         # a PEFT model), else None (the base model).
         self.adapter: str | None = None
@@ -136,12 +114,7 @@ class RolloutClient:
             RolloutError: refused (names the field), busy (`WorkerBusy`), or no answer within the timeout.
         A wait that ends without the result (timeout, Ctrl-C, any exception) cancels the group on its worker.
         """
-        call = self._submit(group, stream=False)
-        try:
-            return self._wait_result(call, timeout)
-        except BaseException:
-            self.cancel(call.group.group_id)  # do not leave the group computing for nobody
-            raise
+        return self._caller.result(group, timeout)
 
     def stream(self, group: PromptGroup, timeout: float | None = None) -> Iterator[Delta | GroupResult]:
         """Yield `Delta`s (new tokens of one sample) as they come, then the `GroupResult`.
@@ -150,16 +123,7 @@ class RolloutClient:
             group: the prompt, n and sampling settings.
             timeout: most seconds to wait for each next event.
         """
-        call = self._submit(group, stream=True)
-        finished = False
-        try:
-            while not finished:
-                event = self._next_event(call, timeout)
-                finished = isinstance(event, GroupResult)
-                yield event
-        finally:
-            if not finished:  # the caller stopped early (or failed): do not leave the group running
-                self.cancel(call.group.group_id)
+        yield from self._caller.events(group, timeout)  # (closing this generator closes that one: it cancels)
 
     def generate_many(self, groups: Iterable[PromptGroup], timeout: float | None = None) -> Iterator[GroupResult]:
         """Submit every group at once and yield each result as it finishes (not in submission order).
@@ -168,27 +132,11 @@ class RolloutClient:
             groups: the groups.
             timeout: most seconds to wait for the next result.
         """
-        finished: queue.SimpleQueue = queue.SimpleQueue()
-        pending: set[str] = set()
-        try:
-            for group in groups:  # a bad group raises here: those submitted before it are cancelled below
-                pending.add(self._submit(group, stream=False, sink=finished).group.group_id)
-            while pending:
-                try:
-                    event = finished.get(timeout=self.timeout if timeout is None else timeout)
-                except queue.Empty:
-                    raise RolloutError("timeout", "no group finished in time") from None
-                if isinstance(event, RolloutError):
-                    raise event
-                pending.discard(event.group_id)
-                yield event
-        finally:
-            for group_id in pending:  # an error, a timeout or an abandoned iterator: cancel what is left
-                self.cancel(group_id)
+        yield from self._caller.results(groups, timeout)
 
     def cancel(self, group_id: str) -> None:
         """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort"."""
-        self._io.command(CancelCall(group_id))
+        self._caller.cancel(group_id)
 
     def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
         """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
@@ -221,44 +169,22 @@ class RolloutClient:
     async def agenerate(self, group: PromptGroup, timeout: float | None = None) -> GroupResult:
         """asyncio version of `generate`: events come straight from the I/O thread into the event loop (no thread
         per call, so thousands of groups can be awaited at once); cancelling the task cancels the group."""
-        sink = AsyncSink(asyncio.get_running_loop())
-        call = self._submit(group, stream=False, sink=sink)
-        try:
-            return await sink.next(self.timeout if timeout is None else timeout, call.group.group_id)
-        except BaseException:  # timeout, error reply or task cancelled: make sure nothing keeps running
-            self.cancel(call.group.group_id)
-            raise
+        return await self._caller.aresult(group, timeout)
 
     async def astream(self, group: PromptGroup, timeout: float | None = None) -> AsyncIterator[Delta | GroupResult]:
         """asyncio version of `stream`."""
-        sink = AsyncSink(asyncio.get_running_loop())
-        call = self._submit(group, stream=True, sink=sink)
-        finished = False
-        try:
-            while not finished:
-                event = await sink.next(self.timeout if timeout is None else timeout, call.group.group_id)
-                finished = isinstance(event, GroupResult)
+        # Closed with this generator (not later by the event loop's finalizer): it cancels a group not finished.
+        async with contextlib.aclosing(self._caller.aevents(group, timeout)) as events:
+            async for event in events:
                 yield event
-        finally:
-            if not finished:
-                self.cancel(call.group.group_id)
 
     async def agenerate_many(
         self, groups: Iterable[PromptGroup], timeout: float | None = None
     ) -> AsyncIterator[GroupResult]:
         """asyncio version of `generate_many`: each result as it finishes."""
-        sink = AsyncSink(asyncio.get_running_loop())
-        pending: set[str] = set()
-        try:
-            for group in groups:
-                pending.add(self._submit(group, stream=False, sink=sink).group.group_id)
-            while pending:
-                result = await sink.next(self.timeout if timeout is None else timeout, "any")
-                pending.discard(result.group_id)
+        async with contextlib.aclosing(self._caller.aresults(groups, timeout)) as results:
+            async for result in results:
                 yield result
-        finally:
-            for group_id in pending:
-                self.cancel(group_id)
 
     # ---- weight updates (used by trainer_bridge.weights.weight_sync) ---------------------------------------------------
     @property
@@ -354,21 +280,9 @@ class RolloutClient:
 
     # ---- caller side ------------------------------------------------------------------------------------------
     def _submit(self, group: PromptGroup, stream: bool, sink: Any = None) -> Call:
-        if self._closed.is_set():
-            raise RolloutError("closed", "the client is closed")
-        if not isinstance(group, PromptGroup):
-            raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
-        group = checked_group(group, lambda: self._seed_source.getrandbits(62), self._new_group_id, self.adapter)
-        max_new = group.sampling.get("max_new_tokens")
-        cost = group.n * (max_new if isinstance(max_new, int) and max_new > 0 else 256)
-        call = Call(group, cost, stream=stream)
-        if sink is not None:
-            call.events = sink
-        self._io.command(Submit(call))
-        return call
-
-    def _new_group_id(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
+        # The one door every group goes through: this client's own calls (its Caller submits here), AsyncRollouts
+        # and the TRL modes; a wrapper set on the instance (rollout.benchmarks.grpo.grpo_long_tail's) sees them all.
+        return self._caller.submit(group, stream, sink)
 
     @property
     def min_policy_version(self) -> int:
@@ -379,20 +293,3 @@ class RolloutClient:
     @min_policy_version.setter
     def min_policy_version(self, version: int) -> None:
         self._io.router.min_policy_version = version
-
-    def _next_event(self, call: Call, timeout: float | None) -> Delta | GroupResult:
-        try:
-            event = call.events.get(timeout=self.timeout if timeout is None else timeout)
-        except queue.Empty:
-            self.cancel(call.group.group_id)
-            raise RolloutError("timeout", f"group {call.group.group_id!r}: no answer in time") from None
-        if isinstance(event, RolloutError):
-            raise event
-        return event
-
-    def _wait_result(self, call: Call, timeout: float | None) -> GroupResult:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while True:
-            event = self._next_event(call, max(0.0, deadline - time.monotonic()))
-            if isinstance(event, GroupResult):
-                return event

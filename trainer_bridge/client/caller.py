@@ -1,0 +1,182 @@
+"""The calling side of a RolloutClient's generation calls, in the caller's thread or event loop: a group checked,
+seeded and named, submitted to the I/O thread, its events waited for with a timeout, and the group cancelled on its
+worker whenever the caller stops waiting before its result (a timeout, an error reply, Ctrl-C, an abandoned
+iterator, a cancelled task), so that no worker computes for nobody."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+from rollout.protocol import Delta
+from trainer_bridge.client.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, checked_group
+from trainer_bridge.client.commands import CancelCall, Submit
+
+
+class Caller:
+    """What the client's `generate`, `stream` and `generate_many` calls share, sync and asyncio.
+
+    The client holds this object, so this one holds the client by a weak proxy: a strong reference back would be a
+    cycle that keeps a dropped client (its sockets, its I/O thread) alive until the garbage collector runs. Through
+    it, it reads the client's `timeout` and `adapter` when a call starts (the user may change them), and submits
+    every group through the client's `_submit`, the one door that AsyncRollouts and the TRL modes use too (so a
+    wrapper set on a client instance, as the long-tail benchmark sets, sees every group).
+    """
+
+    def __init__(self, client: Any, command: Callable[[Any], None], closed: threading.Event):
+        """
+        Args:
+            client: the RolloutClient this is the calling side of.
+            command: hands a command to the client's I/O thread.
+            closed: set once the client is closed.
+        """
+        self._client = weakref.proxy(client)
+        self._command = command
+        self._closed = closed
+        self._seed_source = random.SystemRandom()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]  # group ids unique across clients
+
+    def submit(self, group: PromptGroup, stream: bool, sink: Any = None) -> Call:
+        """Hand the I/O thread a checked copy of `group`, with a seed and an id when it has none.
+
+        Args:
+            group: the caller's group (left as given).
+            stream: whether the call's events include the `Delta`s.
+            sink: where its events go (a queue.SimpleQueue or an AsyncSink, maybe shared); None: a queue of its own.
+        Raises:
+            RolloutError: the client is closed, or a bad value (naming the field).
+            TypeError: `group` is not a PromptGroup.
+        """
+        if self._closed.is_set():
+            raise RolloutError("closed", "the client is closed")
+        if not isinstance(group, PromptGroup):
+            raise TypeError(f"expected a PromptGroup, got {type(group).__name__}")
+        group = checked_group(group, self._new_seed, self._new_group_id, self._client.adapter)
+        max_new = group.sampling.get("max_new_tokens")
+        call = Call(group, group.n * (max_new if isinstance(max_new, int) and max_new > 0 else 256), stream=stream)
+        if sink is not None:
+            call.events = sink
+        self._command(Submit(call))
+        return call
+
+    def _new_seed(self) -> int:
+        return self._seed_source.getrandbits(62)
+
+    def _new_group_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    def cancel(self, group_id: str) -> None:
+        """Abort a group in flight (its waiter gets the partial completions with finish_reason "abort").
+
+        Args:
+            group_id: the group's id.
+        """
+        self._command(CancelCall(group_id))
+
+    # ---- from a thread ------------------------------------------------------------------------------------------
+    def result(self, group: PromptGroup, timeout: float | None) -> GroupResult:
+        """`RolloutClient.generate`: `timeout` bounds the whole wait."""
+        call = self._client._submit(group, stream=False)
+        try:
+            deadline = time.monotonic() + self._seconds(timeout)
+            while True:
+                event = self._next(call, max(0.0, deadline - time.monotonic()))
+                if isinstance(event, GroupResult):
+                    return event
+        except BaseException:
+            self.cancel(call.group.group_id)
+            raise
+
+    def events(self, group: PromptGroup, timeout: float | None) -> Iterator[Delta | GroupResult]:
+        """`RolloutClient.stream`: `timeout` bounds each wait."""
+        call = self._client._submit(group, stream=True)
+        finished = False
+        try:
+            while not finished:
+                event = self._next(call, self._seconds(timeout))
+                finished = isinstance(event, GroupResult)
+                yield event
+        finally:
+            if not finished:  # the caller stopped early (or failed)
+                self.cancel(call.group.group_id)
+
+    def results(self, groups: Iterable[PromptGroup], timeout: float | None) -> Iterator[GroupResult]:
+        """`RolloutClient.generate_many`: `timeout` bounds each wait."""
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        pending: set[str] = set()
+        try:
+            for group in groups:  # a bad group raises here: those submitted before it are cancelled below
+                pending.add(self._client._submit(group, stream=False, sink=finished).group.group_id)
+            while pending:
+                try:
+                    event = finished.get(timeout=self._seconds(timeout))
+                except queue.Empty:
+                    raise RolloutError("timeout", "no group finished in time") from None
+                if isinstance(event, RolloutError):
+                    raise event
+                pending.discard(event.group_id)
+                yield event
+        finally:
+            for group_id in pending:  # an error, a timeout or an abandoned iterator
+                self.cancel(group_id)
+
+    def _next(self, call: Call, timeout: float) -> Delta | GroupResult:
+        try:
+            event = call.events.get(timeout=timeout)
+        except queue.Empty:
+            raise RolloutError("timeout", f"group {call.group.group_id!r}: no answer in time") from None
+        if isinstance(event, RolloutError):
+            raise event
+        return event
+
+    # ---- from asyncio: events come straight from the I/O thread into the event loop (no thread per call) ----------
+    async def aresult(self, group: PromptGroup, timeout: float | None) -> GroupResult:
+        """`RolloutClient.agenerate`."""
+        sink = AsyncSink(asyncio.get_running_loop())
+        call = self._client._submit(group, stream=False, sink=sink)
+        try:
+            return await sink.next(self._seconds(timeout), call.group.group_id)
+        except BaseException:  # a timeout, an error reply or the task cancelled
+            self.cancel(call.group.group_id)
+            raise
+
+    async def aevents(self, group: PromptGroup, timeout: float | None) -> AsyncIterator[Delta | GroupResult]:
+        """`RolloutClient.astream`."""
+        sink = AsyncSink(asyncio.get_running_loop())
+        call = self._client._submit(group, stream=True, sink=sink)
+        finished = False
+        try:
+            while not finished:
+                event = await sink.next(self._seconds(timeout), call.group.group_id)
+                finished = isinstance(event, GroupResult)
+                yield event
+        finally:
+            if not finished:
+                self.cancel(call.group.group_id)
+
+    async def aresults(self, groups: Iterable[PromptGroup], timeout: float | None) -> AsyncIterator[GroupResult]:
+        """`RolloutClient.agenerate_many`."""
+        sink = AsyncSink(asyncio.get_running_loop())
+        pending: set[str] = set()
+        try:
+            for group in groups:
+                pending.add(self._client._submit(group, stream=False, sink=sink).group.group_id)
+            while pending:
+                result = await sink.next(self._seconds(timeout), "any")
+                pending.discard(result.group_id)
+                yield result
+        finally:
+            for group_id in pending:
+                self.cancel(group_id)
+
+    def _seconds(self, timeout: float | None) -> float:
+        return self._client.timeout if timeout is None else timeout
