@@ -2,7 +2,7 @@
 compile budget (--max-compile-s): a grammar that takes ~20 s to compile on the tiny vocabulary (a long run of
 optional items) is refused by name at the budget while another client's group is served; a group cancelled, or whose
 client leaves, while its constraint compiles ends at once and frees its compile slot; a stopping worker answers
-"busy" and leaves no compile process behind."""
+"busy" and leaves no compile process behind; a worker starts its compile processes with the first new spec."""
 
 from __future__ import annotations
 
@@ -134,11 +134,18 @@ def test_a_stopping_worker_answers_busy_and_leaves_no_compile_process(worker):
     assert not any(_alive(pid) for pid in processes)
 
 
-def test_the_compile_processes_die_with_a_killed_worker():
-    """rollout-worker starts its compile server at once; SIGKILL the worker (no cleanup runs) and the server and
-    its children go with it (PR_SET_PDEATHSIG, parent to child to grandchild)."""
+def test_the_compile_processes_start_with_the_first_new_spec_and_die_with_a_killed_worker():
+    """rollout-worker starts no compile process until a spec it has not cached arrives (--preload-compiles starts
+    them with it); SIGKILL the worker (no cleanup runs) and the server and its children go with it
+    (PR_SET_PDEATHSIG, parent to child to grandchild)."""
     server = Worker()
+    client = Client(server.address)
     try:
+        time.sleep(1.0)  # answering pings: a compile server started with the worker would be forking by now
+        assert descendants(server.process.pid) == set()
+        served = client.ask(generate("first", regex=REGEX, seed=5))
+        assert isinstance(served, p.GroupResult), served
+        assert all(TOKENIZER.decode(c.token_ids).startswith("ok") for c in served.completions)
         deadline = time.monotonic() + 120
         while len(descendants(server.process.pid)) < 2:  # the compile server and its idle children
             assert time.monotonic() < deadline, "no compile server started"
@@ -151,6 +158,7 @@ def test_the_compile_processes_die_with_a_killed_worker():
             assert time.monotonic() < deadline, "compile processes outlived their worker"
             time.sleep(0.05)
     finally:
+        client.close()
         server.close()
 
 

@@ -72,11 +72,17 @@ class ConstraintCompiles:
         self._active: set[CompileJob] = set()  # jobs whose `done` was not called yet
         self._closed = False
 
-    def start(self) -> None:
-        """Start the compile server now, in the background (else the first spec to compile starts it), and compile
-        `json_object` (the one spec every client may send) into the cache meanwhile."""
+    def start(self, server: bool = True) -> None:
+        """Compile `json_object` (the one spec every client may send) into the cache, in the background, so that it
+        never waits for a compile slot; and start the compile server now, in the background.
+
+        Args:
+            server: start the compile server now; False: the first spec that needs it starts it (a worker that
+                serves no new spec never runs it: it imports xgrammar and torch, seconds of a core).
+        """
         if self._compiles_here():
-            self.link.start()
+            if server:
+                self.link.start()
             self._checks.submit(self._warm)
 
     def submit(

@@ -234,6 +234,13 @@ def build_parser() -> CliParser:
         "at the compile processes); more are answered 'busy'",
     )
     add(
+        "--preload-compiles",
+        action="store_true",
+        help="start the structured-output compile processes when the worker starts, so the first new constraint does "
+        "not wait for them (seconds: they import xgrammar and torch); default: the first new constraint starts "
+        "them, and a worker that serves none never runs them (json_object is compiled at start either way)",
+    )
+    add(
         "--curve-secret-key",
         default=None,
         help="this worker's CurveZMQ key pair (a .key_secret file from rollout-keygen): encrypt every connection "

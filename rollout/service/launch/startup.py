@@ -115,7 +115,7 @@ def start_worker(parser: CliParser, args: argparse.Namespace) -> RunningWorker:
         check_finite=args.check_finite,
         tokenizer_name=tokenizer_name,
     )
-    worker.compiles.start()  # the compile processes start now, not with the first structured-output request
+    worker.compiles.start(server=args.preload_compiles)  # else the first new spec starts the compile processes
     metrics = None
     if args.metrics_port is not None:
         metrics = WorkerMetrics(worker.stats)
