@@ -240,6 +240,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     kernel_compile_job.close()
+    gc.unfreeze()  # collectable again before the interpreter ends (nanobind reports what it finds still alive)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -13,18 +13,21 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rollout.engine.engine import Engine
 from rollout.engine.manager.commands import Command, PauseLoop
-from rollout.engine.manager.engine_thread import EngineLoop
+from rollout.engine.manager.engine_thread import EngineLoop, LoopOwner
 from rollout.engine.manager.pause import PauseGate
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.manager.results import ResultRouter
 from rollout.engine.manager.weight_queue import WeightUpdateQueue
 
-if TYPE_CHECKING:
-    from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+
+class PartsOwner(LoopOwner, Protocol):
+    """What the parts read of the manager (structural: this module does not import the manager)."""
+
+    def is_running(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class ManagerParts:
     loop: EngineLoop  # the engine thread's body
 
     @classmethod
-    def build(cls, manager: ContinuousBatchingManager, engine: Engine) -> ManagerParts:
+    def build(cls, manager: PartsOwner, engine: Engine) -> ManagerParts:
         """Make the parts of `manager`, which holds `engine`.
 
         Args:

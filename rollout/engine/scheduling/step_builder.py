@@ -15,22 +15,40 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import Protocol
 
 from rollout.engine.requests.request import Request, RequestStatus, sample_id
-from rollout.engine.scheduling.admission import cheapest_victim
+from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
-from rollout.engine.scheduling.block_manager import cdiv
+from rollout.engine.scheduling.block_manager import BlockManager, cdiv
 
-if TYPE_CHECKING:
-    from rollout.engine.scheduling.scheduler import Scheduler
+
+class SchedulerQueues(Protocol):
+    """What a step reads of the scheduler and the moves it asks of it (structural: this module does not import the
+    scheduler, which makes a `StepBuilder` per step)."""
+
+    waiting: deque[Request]
+    swapped: deque[Request]
+    running: list[Request]
+    block_manager: BlockManager
+    admission: AdmissionGate
+    max_batch_tokens: int
+    max_num_seqs: int
+    admitting: bool
+
+    def next_arrival(self) -> int: ...
+
+    def preempt(self, request: Request, batch: ScheduledBatch) -> None: ...
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]: ...
 
 
 class StepBuilder:
     """One step's batch as its phases fill it, and the token budget left (made by `Scheduler.schedule`, once per
     step)."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: SchedulerQueues):
         """
         Args:
             scheduler: whose queues, blocks and admission gate the step reads and moves requests between.
