@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernel_compile_job  # noqa: E402
+import worker_zygote  # noqa: E402
 from packaging.version import Version  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -240,6 +241,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     kernel_compile_job.close()
+    worker_zygote.close()
     gc.unfreeze()  # collectable again before the interpreter ends (nanobind reports what it finds still alive)
 
 
