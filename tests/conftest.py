@@ -12,6 +12,7 @@ import os
 import random
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,12 @@ import torch
 # imports triton (transformers does, through the engine), so it is set here, first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (`-n 2`), each test process and what it starts computes on one thread: two processes of two
+# threads each would oversubscribe two cores, and OpenMP's waiting threads spin.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 import kernel_compile_job  # noqa: E402
 import worker_zygote  # noqa: E402
@@ -226,9 +233,13 @@ _call_on_a_roomy_stack.__code__ = _call_on_a_roomy_stack.__code__.replace(co_sta
 
 def pytest_collection_finish(session):
     """Start the Triton compile proof in the background, niced, once it is known to be among the tests to run: it
-    then compiles on the cores the other tests leave idle (tests/kernel_compile_job.py)."""
+    then compiles on the cores the other tests leave idle (tests/kernel_compile_job.py). Under pytest-xdist, the
+    controlling process started it, and its test processes read its results."""
+    shared = getattr(session.config, "workerinput", {}).get("kernel_compile_dir")
     wanted = any(item.path.name == "test_kernel_compile.py" and "compiles" in item.name for item in session.items)
-    if wanted and importlib.util.find_spec("triton") is not None:
+    if shared is not None:
+        kernel_compile_job.attach(Path(shared))
+    elif wanted and importlib.util.find_spec("triton") is not None:
         kernel_compile_job.start()
     # The garbage collector's full passes scan every object the process holds: torch's, transformers', each
     # module's fixtures. In the whole suite they cost about 1 s each, 100 s in all. What exists now is kept out of
@@ -237,6 +248,17 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
     gc.set_threshold(*gc.get_threshold()[:2], 50)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, once per test process it starts: the processes share one compile proof (above),
+    started here when the run's paths include its tests."""
+    compile_tests = Path(__file__).with_name("test_kernel_compile.py").resolve()
+    paths = [Path(str(arg).split("::")[0]).resolve() for arg in node.config.args] or [compile_tests.parent]
+    covered = any(path == compile_tests or path in compile_tests.parents for path in paths)
+    if covered and importlib.util.find_spec("triton") is not None:
+        node.workerinput["kernel_compile_dir"] = str(kernel_compile_job.start())
 
 
 def pytest_sessionfinish(session, exitstatus):

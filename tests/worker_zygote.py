@@ -38,10 +38,14 @@ PRELOAD = (
     "uvicorn",
     "rollout.service.http.serving.launch",
 )
-# Variables pytest changes between tests; the child gets the test's values. Any other difference from the
-# environment the zygote imported under could have changed an import (OMP_*, TRITON_*, ...): such a worker is
-# started as a plain subprocess instead.
-PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+# Variables a worker's environment may set differently from the zygote's: the child gets the test's values. pytest
+# sets PYTEST_CURRENT_TEST per test; ROLLOUT_* are read when the flags parse (defaults, the API key); torch read
+# OMP_NUM_THREADS when it loaded, so a child whose value differs sets its thread count from it. Any other difference
+# could have changed an import (TRITON_*, ...): such a worker is started as a plain subprocess instead.
+def _per_worker(variable: str) -> bool:
+    return variable in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS") or variable.startswith("ROLLOUT_")
 
 
 # ---- the zygote process -------------------------------------------------------------------------------------------
@@ -75,6 +79,11 @@ def _become_worker(request: dict, wakeup_fds: tuple[int, int]) -> None:
     os.dup2(log, 2)
     os.close(log)
     os.chdir(request["cwd"])
+    threads = request["env"].get("OMP_NUM_THREADS")
+    if threads != os.environ.get("OMP_NUM_THREADS") and threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["argv0"], *request["argv"]]
@@ -176,8 +185,8 @@ class Zygote:
 
     def can_fork(self) -> bool:
         """Whether a worker started now would see what the zygote imported under (environment and directory)."""
-        now = {key: value for key, value in os.environ.items() if key not in PER_TEST_VARIABLES}
-        then = {key: value for key, value in self.environment.items() if key not in PER_TEST_VARIABLES}
+        now = {key: value for key, value in os.environ.items() if not _per_worker(key)}
+        then = {key: value for key, value in self.environment.items() if not _per_worker(key)}
         return now == then and os.getcwd() == self.cwd and self.process.poll() is None
 
     def spawn(self, argv: list[str], log_path: str) -> ForkedProcess:
