@@ -258,7 +258,9 @@ def pytest_configure_node(node):
     paths = [Path(str(arg).split("::")[0]).resolve() for arg in node.config.args] or [compile_tests.parent]
     covered = any(path == compile_tests or path in compile_tests.parents for path in paths)
     if covered and importlib.util.find_spec("triton") is not None:
-        node.workerinput["kernel_compile_dir"] = str(kernel_compile_job.start())
+        # Two test processes leave no idle core: the compile gets about two fifths of the machine (its group's
+        # niceness 2 against the tests' 0) and ends before its test waits, instead of running on after them.
+        node.workerinput["kernel_compile_dir"] = str(kernel_compile_job.start(group_nice=2))
 
 
 def pytest_sessionfinish(session, exitstatus):

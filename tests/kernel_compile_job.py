@@ -35,7 +35,8 @@ class CompileJob:
 
     Its folder holds the log, the results (`results.json`) and, once it ended, its exit status (`returncode`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group_nice: int = 19) -> None:
+        """`group_nice`: its niceness and its scheduling group's (below; 19: only the cycles no one else wants)."""
         self.directory = Path(tempfile.mkdtemp(prefix="triton_compile_"))
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         env.update(TRITON_CACHE_DIR=str(self.directory / "cache"), TRITON_DEFAULT_FP_FUSION="1")  # 1: 3.9's default
@@ -51,7 +52,7 @@ class CompileJob:
         ]
         self.log = open(self.directory / "log.txt", "w+")  # noqa: SIM115 - closed by close()
         self.process = subprocess.Popen(
-            ["nice", "-n", "19", *command, "--json", str(self.directory / "results.json")],
+            ["nice", "-n", str(group_nice), *command, "--json", str(self.directory / "results.json")],
             cwd=ROOT,
             env=env,
             stdout=self.log,
@@ -59,7 +60,7 @@ class CompileJob:
             start_new_session=True,  # its own scheduling group, lowered next
             preexec_fn=functools.partial(die_with_parent, os.getpid()),  # even if pytest is killed outright
         )
-        _lower_group_priority(self.process.pid)
+        _lower_group_priority(self.process.pid, group_nice)
         self._exit_recorder = threading.Thread(target=self._record_exit, name="kernel-compile-exit", daemon=True)
         self._exit_recorder.start()
 
@@ -103,13 +104,13 @@ def results_in(directory: Path) -> dict:
     return json.loads((directory / "results.json").read_text())
 
 
-def _lower_group_priority(pid: int) -> None:
+def _lower_group_priority(pid: int, nice: int) -> None:
     """With the kernel's autogroups (one per session), CPU time is shared between sessions before niceness counts
     inside one: a niced compile in its own session would still take half the machine from a test's subprocess in
     another. Its session's group is niced too, so it gets only what no other group wants."""
     try:
         with open(f"/proc/{pid}/autogroup", "w") as group:
-            group.write("19")
+            group.write(str(nice))
     except OSError:  # no autogroups (or not Linux): niceness alone applies
         pass
 
@@ -118,11 +119,16 @@ _job: CompileJob | None = None
 _attached: Path | None = None  # the folder of a job another process started (pytest-xdist's controller)
 
 
-def start() -> Path:
-    """Start the compile (once per session); returns its folder."""
+def start(group_nice: int = 19) -> Path:
+    """Start the compile (once per session); returns its folder.
+
+    Args:
+        group_nice: 19 when the tests leave cycles idle (one test process); lower where they leave none (pytest-xdist
+            keeps both cores busy, and a compile left only idle cycles would still run when its test waits for it).
+    """
     global _job
     if _job is None:
-        _job = CompileJob()
+        _job = CompileJob(group_nice)
     return _job.directory
 
 

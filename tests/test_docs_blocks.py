@@ -53,7 +53,7 @@ SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
     "pip install torch==2.13.0": ("the set-up", ".ci/run", None),
     "pip install -e .[dev]": ("the set-up", ".ci/run", None),
     "pip install -e .[http]": ("an install; the dev extra holds the http one", None, None),
-    "python -m pytest -q": ("the suite itself", ".ci/run", None),
+    "python -m pytest -q -n 2 --dist loadfile": ("the suite itself", ".ci/run", None),
     "mkdocs build --strict": ("the site's strict build", ".ci/run", None),
     "python examples/grpo_toy.py": ("the main job, 45 s", "tests/test_trl.py", "grpo_toy.py"),
     "python examples/agent_trl.py": (
