@@ -138,6 +138,16 @@ def test_two_workers_serve_groups_like_transformers_generate(fleet, client):
     print(f"launch to serving: {fleet.launch_s:.1f} s")
 
 
+def test_workers_serve_at_normal_priority_not_rays(fleet):
+    """Ray starts actors at niceness 15; every thread of a worker (the serving loop, torch's, the HTTP server's)
+    runs at 0, so a busy neighbour cannot stall it. Reference: the kernel's own record of each thread."""
+    for worker in fleet.workers:
+        pid = ray.get(worker.info.remote())["pid"]
+        threads = os.listdir(f"/proc/{pid}/task")
+        niceness = {int(tid): os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in threads}
+        assert len(niceness) > 2 and set(niceness.values()) == {0}, niceness
+
+
 def test_http_on_every_worker_with_the_fleets_api_key(fleet):
     """http=True: each worker serves the OpenAI API on its node's address; the official client with the fleet's key
     gets the greedy tokens the ZeroMQ path gives, a wrong key gets 401."""

@@ -11,6 +11,7 @@ staging, checks and commit as a trainer's push).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -22,6 +23,10 @@ from typing import Any
 from rollout.ray.keys import FleetKeys
 
 logger = logging.getLogger("rollout.ray")
+
+# Ray starts actors at niceness 15 (its RAY_worker_niceness), where any busy process at the usual 0 (a trainer, a
+# data loader) takes nearly all of a core from them: a worker's serving loop must not wait on its neighbours.
+SERVING_NICENESS = 0
 
 # Flags the fleet sets itself: worker_args may not give them.
 FLEET_FLAGS = ("--bind", "--curve-secret-key", "--authorized-keys", "--trainer-keys", "--insecure", "--model", "--http")
@@ -44,6 +49,27 @@ def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str
     if http:
         argv += ["--http", f"{bracketed}:0", f"--api-key={api_key or ''}"]
     return argv
+
+
+def serve_at_normal_priority() -> None:
+    """Give every thread of this process niceness `SERVING_NICENESS` (threads started later inherit it from the
+    thread that starts them). Linux keeps a niceness per thread, so the process's own is not enough. Lowering it
+    needs CAP_SYS_NICE (root in most containers); without it the worker keeps Ray's and says so once."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's niceness is its threads'
+        threads = [0]
+    try:
+        for thread in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, thread, SERVING_NICENESS)
+    except PermissionError:
+        logger.warning(
+            "this rollout worker runs at Ray's niceness %d: busy processes on its node can stall its serving loop; "
+            "start Ray with RAY_worker_niceness=%d (or give the worker CAP_SYS_NICE)",
+            os.getpriority(os.PRIO_PROCESS, 0),
+            SERVING_NICENESS,
+        )
 
 
 class _UsageError(ValueError):
@@ -98,6 +124,7 @@ class RolloutWorkerActor:
         from rollout.protocol.auth import load_key_pair, load_public_key
 
         self.started_at = time.time()
+        serve_at_normal_priority()
         # The certificates exist on disk only while the worker loads them (it keeps them in memory).
         key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
         try:
