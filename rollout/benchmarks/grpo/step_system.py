@@ -9,7 +9,6 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from typing import Any
 

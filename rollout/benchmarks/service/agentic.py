@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -44,10 +43,7 @@ def run(turns: int = 10, episodes: int = 16, workers: int = 2, system: int = 256
     addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(workers)]
     blocks = 4 * episodes * (system + 2 * new * turns) // 16 + 64  # every conversation's KV fits twice over
     flags = ["--num-blocks", str(blocks), "--block-size", "16"]
-    processes = [
-        subprocess.Popen(worker_command(address, flags))
-        for address in addresses
-    ]
+    processes = [subprocess.Popen(worker_command(address, flags)) for address in addresses]
     summary: dict[str, Any] = {"turns": turns, "episodes": episodes, "workers": workers, "goal": GOAL}
     try:
         for process, address in zip(processes, addresses):
