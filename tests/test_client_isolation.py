@@ -30,6 +30,9 @@ HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 MESSAGES = [{"role": "user", "content": "hi"}]
 BODY_LIMIT = 16 << 20
 COMPILE_BUDGET_S = 2.0
+# Tokens a step may take: the longest pause of a stream beside a big prefill is one step (about 0.4 s for 512 tokens
+# of the tiny model on this CPU, 1-2 s for the default 2048), whatever the size of the batch that is prefilled.
+STEP_TOKENS = 512
 # A grammar that takes about 20 s to compile on the tiny vocabulary (2.8 KB).
 SLOW_GRAMMAR = "root ::= " + " ".join("[a-z]? [0-9]?" for _ in range(200))
 
@@ -48,6 +51,8 @@ def worker():
             str(metrics_port),
             "--max-compile-s",
             str(COMPILE_BUDGET_S),
+            "--max-batch-tokens",
+            str(STEP_TOKENS),
         )
     finally:
         del os.environ["ROLLOUT_API_KEY"]
@@ -209,6 +214,22 @@ def test_an_answer_that_would_copy_prompt_logprobs_into_every_choice_is_refused(
 def test_n_past_the_workers_limit_is_refused_by_name(http):
     message = error_of(http.post("/v1/completions", json={"prompt": "hi", "n": 1025}), 400, "n")
     assert "1024" in message
+
+
+def test_a_batch_of_two_million_prompt_tokens_pauses_other_streams_one_step_and_ends_with_its_client(worker, watch):
+    """1,024 valid prompts of 2,000 tokens (a 12-minute prefill here) are admitted; the trainer streaming beside them
+    pauses no longer than one step of the token budget (the 1 s threshold). The client gives up after 2 s: the batch
+    is cancelled with its connection, so a request sent after it is answered at once, not after the batch."""
+    watching = watch()
+    prompts = [[7 + index % 50] * 2000 for index in range(1024)]
+    with httpx.Client(base_url=worker.url, headers=HEADERS, timeout=2.0) as impatient:
+        with pytest.raises(httpx.TimeoutException):
+            impatient.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1})
+    started = time.monotonic()
+    with httpx.Client(base_url=worker.url, headers=HEADERS, timeout=60) as client:
+        answer = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 200 and time.monotonic() - started < 10, answer.text[:300]
+    watching.check()
 
 
 def test_every_attack_leaves_ordinary_requests_served(http):
