@@ -218,9 +218,10 @@ class StreamWatch:
                     last, self.events = now, self.events + 1
 
     def started(self) -> StreamWatch:
-        """Wait for the stream's first events."""
+        """Wait for the stream's first events and the first /health answer (a loaded machine may take longer to
+        answer the probe's first connection than to send five events)."""
         deadline = time.monotonic() + 60
-        while self.events < 5 and time.monotonic() < deadline:
+        while (self.events < 5 or not self.probes) and time.monotonic() < deadline:
             time.sleep(0.01)
         return self
 
