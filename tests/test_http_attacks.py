@@ -223,6 +223,7 @@ class StreamWatch:
         deadline = time.monotonic() + 60
         while (self.events < 5 or not self.probes) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert self.events >= 5 and self.probes, f"{self.events} stream events and {len(self.probes)} probes in 60 s"
         return self
 
     def stop(self) -> float:

@@ -11,7 +11,6 @@ staging, checks and commit as a trainer's push).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import shutil
@@ -24,8 +23,9 @@ from rollout.ray.keys import FleetKeys
 
 logger = logging.getLogger("rollout.ray")
 
-# Ray starts actors at niceness 15 (its RAY_worker_niceness), where any busy process at the usual 0 (a trainer, a
-# data loader) takes nearly all of a core from them: a worker's serving loop must not wait on its neighbours.
+# The niceness a worker serves at. The fleet starts its actors with RAY_worker_niceness at this value (Ray's default,
+# 15, lets any busy process at the usual 0 beside them take nearly all of a core); an actor that still finds itself
+# above it (a Ray that renices its workers another way) lowers its threads to it where it may.
 SERVING_NICENESS = 0
 
 # Flags the fleet sets itself: worker_args may not give them.
@@ -52,24 +52,28 @@ def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str
 
 
 def serve_at_normal_priority() -> None:
-    """Give every thread of this process niceness `SERVING_NICENESS` (threads started later inherit it from the
-    thread that starts them). Linux keeps a niceness per thread, so the process's own is not enough. Lowering it
-    needs CAP_SYS_NICE (root in most containers); without it the worker keeps Ray's and says so once."""
+    """Lower every thread of this process that runs above niceness `SERVING_NICENESS` to it (threads started later
+    inherit it from the thread that starts them; Linux keeps a niceness per thread, so the process's own is not
+    enough). A thread at or below it is left alone. Lowering needs CAP_SYS_NICE; without it the worker keeps its
+    niceness and says so once."""
     try:
         threads = [int(tid) for tid in os.listdir("/proc/self/task")]
     except OSError:  # not Linux: the process's niceness is its threads'
         threads = [0]
-    try:
-        for thread in threads:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+    for thread in threads:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, thread) > SERVING_NICENESS:
                 os.setpriority(os.PRIO_PROCESS, thread, SERVING_NICENESS)
-    except PermissionError:
-        logger.warning(
-            "this rollout worker runs at Ray's niceness %d: busy processes on its node can stall its serving loop; "
-            "start Ray with RAY_worker_niceness=%d (or give the worker CAP_SYS_NICE)",
-            os.getpriority(os.PRIO_PROCESS, 0),
-            SERVING_NICENESS,
-        )
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except PermissionError:
+            logger.warning(
+                "this rollout worker runs at niceness %d: busy processes on its node can stall its serving loop; "
+                "start Ray with RAY_worker_niceness=%d (or give the worker CAP_SYS_NICE)",
+                os.getpriority(os.PRIO_PROCESS, thread),
+                SERVING_NICENESS,
+            )
+            return
 
 
 class _UsageError(ValueError):
