@@ -23,11 +23,6 @@ from rollout.ray.keys import FleetKeys
 
 logger = logging.getLogger("rollout.ray")
 
-# The niceness a worker serves at. The fleet starts its actors with RAY_worker_niceness at this value (Ray's default,
-# 15, lets any busy process at the usual 0 beside them take nearly all of a core); an actor that still finds itself
-# above it (a Ray that renices its workers another way) lowers its threads to it where it may.
-SERVING_NICENESS = 0
-
 # Flags the fleet sets itself: worker_args may not give them.
 FLEET_FLAGS = ("--bind", "--curve-secret-key", "--authorized-keys", "--trainer-keys", "--insecure", "--model", "--http")
 
@@ -49,31 +44,6 @@ def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str
     if http:
         argv += ["--http", f"{bracketed}:0", f"--api-key={api_key or ''}"]
     return argv
-
-
-def serve_at_normal_priority() -> None:
-    """Lower every thread of this process that runs above niceness `SERVING_NICENESS` to it (threads started later
-    inherit it from the thread that starts them; Linux keeps a niceness per thread, so the process's own is not
-    enough). A thread at or below it is left alone. Lowering needs CAP_SYS_NICE; without it the worker keeps its
-    niceness and says so once."""
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the process's niceness is its threads'
-        threads = [0]
-    for thread in threads:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, thread) > SERVING_NICENESS:
-                os.setpriority(os.PRIO_PROCESS, thread, SERVING_NICENESS)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            continue
-        except PermissionError:
-            logger.warning(
-                "this rollout worker runs at niceness %d: busy processes on its node can stall its serving loop; "
-                "start Ray with RAY_worker_niceness=%d (or give the worker CAP_SYS_NICE)",
-                os.getpriority(os.PRIO_PROCESS, thread),
-                SERVING_NICENESS,
-            )
-            return
 
 
 class _UsageError(ValueError):
@@ -128,7 +98,6 @@ class RolloutWorkerActor:
         from rollout.protocol.auth import load_key_pair, load_public_key
 
         self.started_at = time.time()
-        serve_at_normal_priority()
         # The certificates exist on disk only while the worker loads them (it keeps them in memory).
         key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
         try:

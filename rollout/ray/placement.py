@@ -11,7 +11,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout.ray.actor import SERVING_NICENESS, RolloutWorkerActor
+from rollout.ray.actor import RolloutWorkerActor
 from rollout.ray.keys import FleetKeys
 from rollout.ray.membership import Slot, remove_group
 
@@ -45,7 +45,7 @@ def start_workers(
             "max_concurrency": 4,  # info() answers while a peer weight copy runs
             # Ray's workers renice themselves to RAY_worker_niceness (15 by default) as they start, where any busy
             # process beside them takes nearly all of a core: a serving loop must not wait on its neighbours.
-            "runtime_env": {"env_vars": {"RAY_worker_niceness": str(SERVING_NICENESS)}},
+            "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}},
         }
         if "memory" in resources:  # Ray takes an actor's memory as its own option, not as a resource
             actor_options["memory"] = resources["memory"]
