@@ -66,7 +66,7 @@ def render(kind: str, name: str) -> str:
 
 def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> str:
     """A table of a parser's flags (and, for subcommands, one table per subcommand under its own heading)."""
-    # argparse's plain formatter: the parsers' own (`rollout.cli_parser`) end each help with its default, which the
+    # argparse's plain formatter: the parsers' own (`rollout.cli.parser`) end each help with its default, which the
     # table has a column for.
     formatter = argparse.HelpFormatter(parser.prog)
     rows, sections = [], []

@@ -42,7 +42,7 @@ from datasets import Dataset  # noqa: E402
 from transformers.trainer_callback import ProgressCallback  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
-from rollout.extras import MissingExtra, require_extra  # noqa: E402
+from rollout.cli.extras import MissingExtra, require_extra  # noqa: E402
 from rollout.presets import letter_reward, tiny_model, tiny_tokenizer, toy_grpo_config, toy_prompts  # noqa: E402
 from trainer_bridge import RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402

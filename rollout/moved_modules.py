@@ -155,6 +155,11 @@ MOVED_MODULES: dict[str, str] = {
     "rollout.engine.weight_queue": "rollout.engine.manager.weight_queue",
     "rollout.engine.kernel_variants": "rollout.benchmarks.kernels.variants",
     "rollout.engine.kernel_compile": "rollout.benchmarks.kernels.compile",
+    # what every console script shares
+    "rollout.cli_parser": "rollout.cli.parser",
+    "rollout.batch_config_flags": "rollout.cli.batch_config_flags",
+    "rollout.extras": "rollout.cli.extras",
+    "rollout.hub": "rollout.cli.hub",
 }
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.cli_parser import CliParser, shows_default
+from rollout.cli.parser import CliParser, shows_default
 from rollout.validation import FieldError
 
 ROOT = Path(__file__).resolve().parents[1]

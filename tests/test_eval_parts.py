@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.batch_config_flags import batch_config_from_pairs
+from rollout.cli.batch_config_flags import batch_config_from_pairs
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.eval.compare import _agreement
 from rollout.eval.metrics import numeric

@@ -18,7 +18,7 @@ from rollout.moved_modules import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rollout", "trainer_bridge")
-MOST_MODULES_PER_FOLDER = 16  # "about 15"
+MOST_MODULES_PER_FOLDER = 15
 MOST_LINES = 400
 
 

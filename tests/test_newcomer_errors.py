@@ -15,7 +15,7 @@ loads, so the module costs a few seconds.
 (d) a port in use: here --bind, --http and --metrics-port, word for word, before the model loads (tests/test_worker.py::
     test_a_port_in_use_is_a_usage_error_before_the_model_loads checks --bind against a running worker).
 (e) a missing extra, naming the pip command: here `rollout-worker --http` without FastAPI/uvicorn, `import rollout.ray`
-    without Ray, examples/grpo_toy.py without matplotlib (its plot), and `rollout.extras` against pyproject.toml.
+    without Ray, examples/grpo_toy.py without matplotlib (its plot), and `rollout.cli.extras` against pyproject.toml.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_the_http_api_without_fastapi_and_uvicorn(capsys, monkeypatch, no_model_
 
 
 def test_rollout_ray_without_ray(monkeypatch):
-    from rollout.extras import MissingExtra
+    from rollout.cli.extras import MissingExtra
 
     monkeypatch.setitem(sys.modules, "ray", None)
     monkeypatch.delitem(sys.modules, "rollout.ray", raising=False)
@@ -253,7 +253,7 @@ def test_the_grpo_toy_example_without_matplotlib_stops_before_training(capsys, m
 
 def test_every_extra_named_installs_the_modules_it_is_checked_by():
     """The pip command each message names installs what was missing (pyproject's extras hold those packages)."""
-    from rollout.extras import EXTRA_MODULES
+    from rollout.cli.extras import EXTRA_MODULES
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -264,7 +264,7 @@ def test_every_extra_named_installs_the_modules_it_is_checked_by():
 
 def test_a_leftover_folder_is_not_an_installed_extra(monkeypatch, tmp_path):
     """A bare folder of the module's name (what an uninstall can leave) would import as an empty namespace package."""
-    from rollout import extras
+    from rollout.cli import extras
 
     (tmp_path / "rollout_leftover_module").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -16,7 +16,7 @@ from rollout.benchmarks.grpo.long_tail_flags import add_arguments as add_long_ta
 from rollout.benchmarks.harness.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, SYSTEM_NAMES
 from rollout.benchmarks.harness.workloads import WORKLOADS
 from rollout.benchmarks.structured.structured_flags import add_arguments as add_structured_arguments
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 from rollout.config import MODEL_DTYPE_NAMES
 from rollout.process_groups import interrupt_on_signals
 from rollout.protocol.transports import WEIGHT_TRANSPORTS

@@ -16,8 +16,8 @@ from rollout.benchmarks.service import agentic, fleet, lora_push, service, weigh
 from rollout.benchmarks.structured import structured
 from rollout.benchmarks.structured.structured_flags import check_arguments as check_structured
 from rollout.benchmarks.throughput import throughput
-from rollout.cli_parser import CliParser
-from rollout.extras import require_extra
+from rollout.cli.extras import require_extra
+from rollout.cli.parser import CliParser
 from rollout.process_groups import process_age_s
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rollout.extras import MissingExtra, require_extra
+from rollout.cli.extras import MissingExtra, require_extra
 
 FIGURE_SIZE_IN = (7.0, 4.0)
 DPI = 100  # 700 x 400 pixels: a few tens of KB

@@ -17,7 +17,7 @@ import argparse
 import math
 import sys
 
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS

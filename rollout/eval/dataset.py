@@ -14,9 +14,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from rollout.cli.hub import check_hub_source, first_line, is_local_path
 from rollout.eval.file_rows import DatasetError, read_file_rows
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS, FileRefused, check_regular
-from rollout.hub import check_hub_source, first_line, is_local_path
 
 __all__ = ["DatasetError", "check_fields", "load_rows"]
 

@@ -15,8 +15,8 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from rollout.cli.hub import first_line
 from rollout.eval.files import FileRefused, open_for_reading, read_lines
-from rollout.hub import first_line
 
 # The flag that raises the limit on a line's length, named in its error.
 LIMIT_FLAG = "--max-line-chars"

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from rollout.batch_config_flags import batch_config_from_pairs
+from rollout.cli.batch_config_flags import batch_config_from_pairs
+from rollout.cli.hub import first_line
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.eval.dataset import DatasetError, check_fields, load_rows
 from rollout.eval.errors import EvalError
 from rollout.eval.metrics import Metric, MetricError, load_metric
 from rollout.eval.run import PromptError, tokenize_prompts
-from rollout.hub import first_line
 from rollout.presets.models import MODEL_DTYPES
 from rollout.presets.names import is_preset
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device

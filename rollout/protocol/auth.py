@@ -22,7 +22,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 
 logger = logging.getLogger(__name__)
 

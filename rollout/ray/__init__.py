@@ -3,7 +3,7 @@ Ray."""
 
 from __future__ import annotations
 
-from rollout.extras import require_extra
+from rollout.cli.extras import require_extra
 
 # Without Ray, `import rollout.ray` is one line naming the pip command (MissingExtra, an ImportError).
 require_extra("ray", "rollout.ray")

@@ -38,7 +38,7 @@ from rollout.benchmarks.load.clients import PROMPT_TOKENS, rng_seed
 from rollout.benchmarks.load.rss import RssSampler, rss_bytes
 from rollout.benchmarks.load.runner import run
 from rollout.benchmarks.load.workers import WorkerProcess, blocks_used, free_port, worker_stats
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 
 __all__ = [
     "PROMPT_TOKENS",

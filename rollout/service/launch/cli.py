@@ -12,7 +12,7 @@ import sys
 
 # Only light modules here: the parser builds, and --help and flag errors answer, before torch, transformers and the
 # engine load (startup.py loads them, once the flags parse and the settings check).
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 from rollout.config import ATTENTION_BACKENDS, MODEL_DTYPE_NAMES, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.presets.catalog import PRESETS
 from rollout.service.http.serving.settings import (

@@ -9,7 +9,7 @@ import argparse
 import math
 import os
 
-from rollout.cli_parser import CliParser
+from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
 from rollout.service.zmq.limits import WorkerLimits
 

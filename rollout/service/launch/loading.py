@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from rollout.hub import check_hub_source, is_local_path, missing_local_path
+from rollout.cli.hub import check_hub_source, is_local_path, missing_local_path
 from rollout.presets.names import model_from_preset, tokenizer_for
 
 logger = logging.getLogger("rollout.worker")

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import zmq
 
-from rollout.cli_parser import CliParser
+from rollout.cli.extras import MissingExtra, require_extra
+from rollout.cli.hub import HubUnreachable
+from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import load_peft_dir
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, init_continuous_batching
-from rollout.extras import MissingExtra, require_extra
-from rollout.hub import HubUnreachable
 from rollout.presets.models import MODEL_DTYPES
 from rollout.protocol.auth import WorkerAuth
 from rollout.protocol.sockets import is_loopback

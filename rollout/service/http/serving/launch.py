@@ -9,8 +9,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rollout.cli.extras import MissingExtra, require_extra
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
-from rollout.extras import MissingExtra, require_extra
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind
 from rollout.service.http.serving.settings import HttpSettings
