@@ -1,8 +1,9 @@
 """The trainer side of rollout: `RolloutClient` to get completions from rollout workers, and `push_weights` /
 `WeightSyncCallback` to send them new weights; `AsyncRollouts` to generate the next steps' groups while training,
 within a staleness bound; `ColocatedEngine` to generate inside the trainer's process on its own model instead;
-`routing_replay` and `routes_for` to route an MoE policy's training forward as the rollout did. `import
-trainer_bridge` loads no torch: the weight-sync, colocated and routing-replay names import it on first use."""
+`routing_replay` and `routes_for` to route an MoE policy's training forward as the rollout did; `batch_invariant` to
+run the trainer's forward so that a padded batch gives each row the bits it gets alone. `import trainer_bridge` loads
+no torch: the weight-sync, colocated, routing-replay and batch-invariant names import it on first use."""
 
 from typing import Any
 
@@ -14,7 +15,7 @@ _ROUTE_REPLAY = ("routes_for", "routing_replay")
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 __all__ += ["AsyncRollouts", "RolloutBatch"]
-__all__ += [*_WEIGHT_SYNC, "ColocatedEngine", *_ROUTE_REPLAY]
+__all__ += [*_WEIGHT_SYNC, "ColocatedEngine", *_ROUTE_REPLAY, "batch_invariant"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,10 @@ def __getattr__(name: str) -> Any:
         from trainer_bridge.weights import weight_sync
 
         return getattr(weight_sync, name)
+    if name == "batch_invariant":  # loads torch and transformers
+        from rollout.invariant import mode
+
+        return mode.batch_invariant
     if name in _ROUTE_REPLAY:  # loads torch and the engine's router taps
         from trainer_bridge import route_replay
 

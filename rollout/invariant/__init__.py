@@ -1,0 +1,11 @@
+"""Batch-invariant computation: a token's logits computed bit for bit the same whatever else is in the batch, however
+its sequence is padded, and whatever the process's thread count. Used by the trainer (`trainer_bridge.batch_invariant`)
+so that its forward over a padded batch equals its forward over each sequence alone. In the order a forward passes
+through it:
+
+- `positions.py`: position ids numbered from each row's first unmasked token (left padding shifts nothing);
+- `matmul.py`: `invariant_linear`, every projection issued as matmuls of one fixed row-tile shape;
+- `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked
+  token, the softmax's sums taken block by block in order;
+- `mode.py`: `batch_invariant(model)`, the context manager that turns the three on for one model.
+"""

@@ -1,0 +1,133 @@
+""" "rollout_invariant" attention: each query's attention computed the same way whatever the padding and the batch.
+
+What makes ordinary attention depend on the layout: the softmax's sums and the weighted sum of values run over the
+whole key axis, whose length (and the library's split of it) changes with padding, and left padding moves where a
+row's keys start. Here:
+
+- each row's keys are moved to start at its first unmasked key, then cut into blocks of `KEY_BLOCK`, so a key's
+  block and its place in it depend on the row alone; padding only adds whole blocks of masked keys at the end;
+- queries are cut into tiles of `QUERY_TILE` rows; every score and every block's weighted sum of values is a matmul of
+  one fixed shape ((QUERY_TILE, head_dim) x (head_dim, KEY_BLOCK) and (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim));
+- the softmax is taken in two passes: the maximum over all keys (exact in any order), then each block's sum of
+  exp and weighted values, added block after block in order. A masked key's weight is exactly 0, and a block of
+  masked keys adds exactly 0.
+
+Everything runs in fp32 and the output is cast to the query's dtype. Masks come from transformers' `sdpa_mask`
+(booleans, never skipped for pure causal), so sliding windows and any mask function transformers builds are honoured.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "rollout_invariant"
+QUERY_TILE = 16
+KEY_BLOCK = 64
+
+
+def allowed_keys(attention_mask: torch.Tensor | None, queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Which keys each query may see: (batch or 1, 1, queries, keys) booleans (no mask: causal, the queries being
+    the last `queries` of the `keys` positions)."""
+    if attention_mask is None:
+        query_positions = torch.arange(keys - queries, keys, device=device)[:, None]
+        return (torch.arange(keys, device=device)[None, :] <= query_positions)[None, None]
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"batch-invariant attention takes boolean masks (transformers' sdpa_mask), got {attention_mask.dtype}"
+        )
+    return attention_mask[:, :1, :, :keys]
+
+
+def invariant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The "rollout_invariant" attention function (transformers' AttentionInterface signature).
+
+    Args:
+        module: the attention layer (its `training` flag is read for dropout).
+        query: (batch, heads, queries, head_dim).
+        key, value: (batch, kv_heads, keys, head_dim).
+        attention_mask: boolean (batch, 1, queries, keys), True where a key is visible, or None for causal.
+        dropout: attention dropout; refused while training (it draws random numbers per layout).
+        scaling: the scores' scale (default head_dim ** -0.5).
+        softcap: logit soft-capping (Gemma 2), or None.
+    Returns:
+        (attention output (batch, queries, heads, head_dim), None).
+    """
+    if dropout and module.training:
+        raise ValueError(f"batch-invariant attention cannot apply attention dropout ({dropout}) while training")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("batch-invariant attention does not support attention sinks (s_aux)")
+    dtype = query.dtype
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[-2]
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    allowed = allowed_keys(attention_mask, queries, keys, query.device).expand(batch, 1, queries, keys)
+
+    # Each row's keys from its first visible one, in whole blocks (the end padded with masked keys).
+    start = allowed.any(dim=2)[:, 0].long().argmax(dim=-1)  # (batch,), 0 for a row that sees nothing
+    aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
+    index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
+    inside = index < keys
+    index = index.clamp(max=keys - 1)
+    gather = index[:, None, :, None].expand(batch, key.shape[1], aligned, head_dim)
+    key = key.float().gather(2, gather).repeat_interleave(heads // key.shape[1], dim=1)
+    value = value.float().gather(2, gather).repeat_interleave(heads // value.shape[1], dim=1)
+    allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned)) & inside[:, None, None, :]
+
+    # Queries in whole tiles: (batch, heads, tiles, 1, QUERY_TILE, head_dim) against (.., 1, blocks, KEY_BLOCK, ..).
+    padded = -(-queries // QUERY_TILE) * QUERY_TILE
+    tiles, blocks = padded // QUERY_TILE, aligned // KEY_BLOCK
+    query = torch.nn.functional.pad(query.float(), (0, 0, 0, padded - queries))
+    allowed = torch.nn.functional.pad(allowed, (0, 0, 0, padded - queries))
+    query = query.view(batch, heads, tiles, 1, QUERY_TILE, head_dim)
+    key = key.view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
+    value = value.view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
+    allowed = allowed.view(batch, 1, tiles, QUERY_TILE, blocks, KEY_BLOCK).transpose(3, 4)
+
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (batch, heads, tiles, blocks, tile, block)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    peak = scores.amax(dim=(3, 5), keepdim=True)  # a maximum is exact in any order
+    weights = torch.exp(scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
+    block_totals = weights.sum(dim=-1)  # (batch, heads, tiles, blocks, tile)
+    block_values = torch.matmul(weights, value)  # (batch, heads, tiles, blocks, tile, head_dim)
+    total, out = block_totals[:, :, :, 0], block_values[:, :, :, 0]
+    for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
+        total = total + block_totals[:, :, :, block]
+        out = out + block_values[:, :, :, block]
+    out = torch.where(total[..., None] > 0, out / total[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    out = out.reshape(batch, heads, padded, head_dim)[:, :, :queries]
+    return out.transpose(1, 2).to(dtype).contiguous(), None
+
+
+def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' `sdpa_mask`, never skipped for a purely causal batch: the attention always gets booleans."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+@functools.cache
+def register_invariant_attention() -> str:
+    """Register "rollout_invariant" (its attention and its boolean, never-skipped masks). Idempotent.
+
+    Returns:
+        The implementation name to pass to `model.set_attn_implementation`.
+    """
+    AttentionInterface.register(ATTENTION_NAME, invariant_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, invariant_mask)
+    return ATTENTION_NAME

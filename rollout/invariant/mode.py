@@ -1,0 +1,68 @@
+"""`batch_invariant(model)`: the model's forward, inside the block, computed bit for bit the same for a row whatever
+else is in its batch and however the row is padded (prompts left-padded, completions right-padded, as TRL lays them
+out), and whatever the thread count.
+
+Inside the block:
+- the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
+- a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
+- every `torch.nn.functional.linear` called on this thread (every `nn.Linear`, the output head included) runs as
+  `invariant_linear` (matmul.py), through a `TorchFunctionMode`.
+
+The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Leaving the block
+restores the model's attention implementation and removes the hook and the mode, also on an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rollout.invariant.attention import register_invariant_attention
+from rollout.invariant.matmul import invariant_linear
+from rollout.invariant.positions import add_positions_from_mask
+
+
+class InvariantLinearMode(TorchFunctionMode):
+    """Runs `torch.nn.functional.linear` as `invariant_linear`; every other function as it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.nn.functional.linear:
+            return invariant_linear(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that takes `attention_mask` and `position_ids` (a causal LM's decoder; a PeftModel's too)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+@contextlib.contextmanager
+def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run `model`'s forwards inside the block batch-invariantly (module docstring).
+
+    Args:
+        model: a transformers causal LM whose attention goes through transformers' AttentionInterface (a PeftModel
+            of one too).
+    Yields:
+        `model`, unchanged but for its attention implementation while the block runs.
+    Raises:
+        ValueError: the model has no `config` with an attention implementation to switch.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
+    previous = config._attn_implementation
+    model.set_attn_implementation(register_invariant_attention())
+    hook = _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
+    try:
+        with InvariantLinearMode():
+            yield model
+    finally:
+        hook.remove()
+        model.set_attn_implementation(previous)

@@ -1,0 +1,35 @@
+"""Position ids numbered from each row's first unmasked token.
+
+A transformers forward given `attention_mask` and no `position_ids` numbers every row 0, 1, 2, ... from its first
+column, so a left-padded row's tokens sit at shifted positions: rotary embeddings are relative, so the scores agree in
+exact arithmetic, but not in floating point. Numbering from the first unmasked token gives a row the positions it has
+alone, whatever padding precedes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted from its row's first unmasked token (0 there; padding before it gets 0).
+
+    Args:
+        attention_mask: (batch, sequence) of 0/1 (or bool), 1 where a token is real.
+    Returns:
+        (batch, sequence) int64 position ids.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def add_positions_from_mask(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A forward pre-hook (`with_kwargs=True`): a call with a 2-D `attention_mask`, no `position_ids` and no cache
+    already filled gets `positions_from_mask(attention_mask)`."""
+    mask = kwargs.get("attention_mask")
+    past = kwargs.get("past_key_values")
+    filled = past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0
+    if kwargs.get("position_ids") is None and mask is not None and mask.dim() == 2 and not filled:
+        kwargs["position_ids"] = positions_from_mask(mask)
+    return args, kwargs

@@ -1,0 +1,129 @@
+"""`trainer_bridge.batch_invariant(model)`: the trainer's own forward (the transformers model class, a padded batch as
+TRL lays it out: prompts left-padded, completions right-padded, `input_ids` and `attention_mask` only) gives each row
+bit for bit the logits it gets alone, whatever else is in the batch and whatever the thread count, in fp32 and bf16,
+on a model whose head is scaled to realistic entropy. Without the mode the same comparison differs (so the checks can
+fail); gradients under the mode are those of the ordinary forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB, tiny_model
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
+from rollout.invariant.attention import invariant_attention_forward
+from trainer_bridge import batch_invariant
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (prompt, completion) pairs of different lengths, so that each batch pads every row on both sides differently.
+PAIRS = [
+    ([(7 * i + j) % VOCAB for j in range(p)], [(11 * i + 3 * j + 1) % VOCAB for j in range(c)])
+    for i, (p, c) in enumerate([(7, 20), (19, 5), (3, 33), (40, 12), (11, 1), (26, 70)])
+]
+
+
+def realistic(kind: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A tiny model of `kind` whose mean next-token entropy is about 1.5 nats (random weights hide mismatch)."""
+    model = tiny_model(kind, seed=1)
+    scale_to_entropy(model, [prompt + completion for prompt, completion in PAIRS[:3]])
+    return model.to(dtype)
+
+
+def trl_batch_logprobs(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Each completion's token log-probs from one forward over the batch in TRL's layout (fp32 log_softmax)."""
+    prompt_width = max(len(p) for p, _ in pairs)
+    completion_width = max(len(c) for _, c in pairs)
+    rows, masks = [], []
+    for prompt, completion in pairs:
+        left, right = prompt_width - len(prompt), completion_width - len(completion)
+        rows.append([0] * left + prompt + completion + [0] * right)
+        masks.append([0] * left + [1] * (len(prompt) + len(completion)) + [0] * right)
+    logits = model(input_ids=torch.tensor(rows), attention_mask=torch.tensor(masks)).logits.float()
+    out = []
+    for row, (_, completion) in enumerate(pairs):
+        positions = logits[row, prompt_width - 1 : prompt_width - 1 + len(completion)]
+        out.append(torch.log_softmax(positions, -1).gather(1, torch.tensor(completion)[:, None])[:, 0])
+    return out
+
+
+def largest_gap(model: torch.nn.Module, batches: list[list[int]]) -> float:
+    """The largest |delta| of any completion token's log-prob between a batch and that sequence alone."""
+    alone = {i: trl_batch_logprobs(model, [PAIRS[i]])[0] for batch in batches for i in batch}
+    gap = 0.0
+    for batch in batches:
+        for i, logprobs in zip(batch, trl_batch_logprobs(model, [PAIRS[i] for i in batch])):
+            gap = max(gap, float((logprobs - alone[i]).abs().max()))
+    return gap
+
+
+BATCHES = [[0, 1, 2, 3, 4, 5], [5, 3, 1], [2, 0], [4, 5, 0, 1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma2", "mistral_sliding", "qwen3_moe"])
+@torch.no_grad()
+def test_a_padded_batch_gives_each_row_the_logprobs_it_has_alone(kind, dtype):
+    model = realistic(kind, dtype)
+    with batch_invariant(model):
+        assert largest_gap(model, BATCHES) == 0.0
+    # The ordinary forward differs (so the check can fail): about 1e-5 in fp32, 0.05-0.15 nats in bf16.
+    assert largest_gap(model, BATCHES) > (1e-3 if dtype == torch.bfloat16 else 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@torch.no_grad()
+def test_the_thread_count_changes_no_bit(dtype):
+    model = realistic("qwen3", dtype)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            with batch_invariant(model):
+                results.append(trl_batch_logprobs(model, [PAIRS[i] for i in BATCHES[0]]))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_gradients_are_the_ordinary_forwards():
+    """The loss's gradients under the mode match the ordinary forward's (fp32, to rounding)."""
+    model = realistic("qwen3", torch.float32)
+    pairs = [PAIRS[i] for i in BATCHES[1]]
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        torch.cat(trl_batch_logprobs(model, pairs)).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    with batch_invariant(model):
+        invariant = gradients()
+    assert plain.keys() == invariant.keys() and len(plain) > 10
+    for name in plain:
+        torch.testing.assert_close(invariant[name], plain[name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+@torch.no_grad()
+def test_leaving_the_block_restores_the_model_also_after_an_error():
+    model = realistic("qwen3", torch.bfloat16)
+    before = trl_batch_logprobs(model, [PAIRS[i] for i in BATCHES[0]])
+    with pytest.raises(RuntimeError, match="inside"), batch_invariant(model):
+        assert model.config._attn_implementation == "rollout_invariant"
+        raise RuntimeError("inside")
+    assert model.config._attn_implementation == "sdpa"
+    after = trl_batch_logprobs(model, [PAIRS[i] for i in BATCHES[0]])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_what_the_attention_cannot_honour_is_refused_by_name():
+    layer = torch.nn.Module().train()
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="attention dropout"):
+        invariant_attention_forward(layer, q, q, q, None, dropout=0.1)
+    with pytest.raises(ValueError, match="boolean masks"):
+        invariant_attention_forward(layer.eval(), q, q, q, torch.zeros(1, 1, 3, 3))
+    with pytest.raises(ValueError, match="transformers model"):
+        with batch_invariant(torch.nn.Linear(2, 2)):
+            pass
