@@ -95,6 +95,10 @@ class ContinuousBatchingConfig:
     # Compute the final projection (lm_head) and the softmax in fp32 even for a bf16/fp16 model: logprobs closer to
     # a trainer that does the same (TRL's cast_lm_head_to_fp32), for one fp32 copy of the lm_head weight per step.
     fp32_logits: bool = False
+    # Compute each token's logits bit for bit as `trainer_bridge.batch_invariant` makes the trainer's forward compute
+    # them, whatever else is in the step and however the prompt was chunked or cached (rollout.invariant). PyTorch
+    # attention only: no Triton kernels, CUDA graphs or compiled decode.
+    batch_invariant: bool = False
     # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
     max_model_len: int | None = None
     # Seed of the seeds given to requests that bring none (None: fresh randomness), so a whole run can repeat.
@@ -205,6 +209,26 @@ class ContinuousBatchingConfig:
                 self.decode_compile_config.mode,
             )
         _check(isinstance(self.fp32_logits, bool), "fp32_logits", "must be a bool", self.fp32_logits)
+        _check(isinstance(self.batch_invariant, bool), "batch_invariant", "must be a bool", self.batch_invariant)
+        if self.batch_invariant:
+            _check(
+                self.attention_backend != "triton",
+                "attention_backend",
+                "must not be 'triton' with batch_invariant=True (the invariant attention is PyTorch's)",
+                self.attention_backend,
+            )
+            _check(
+                self.decode_compile_config is None,
+                "decode_compile_config",
+                "must be None with batch_invariant=True",
+                self.decode_compile_config,
+            )
+            _check(
+                self.use_cuda_graph is not True,
+                "use_cuda_graph",
+                "must not be True with batch_invariant=True (graphs need the Triton kernels)",
+                self.use_cuda_graph,
+            )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

@@ -71,14 +71,42 @@ def invariant_attention_forward(
         raise ValueError(f"batch-invariant attention cannot apply attention dropout ({dropout}) while training")
     if kwargs.get("s_aux") is not None:
         raise ValueError("batch-invariant attention does not support attention sinks (s_aux)")
+    allowed = allowed_keys(attention_mask, query.shape[2], key.shape[2], query.device)
+    allowed = allowed.expand(query.shape[0], 1, query.shape[2], key.shape[2])
+    # A row's keys start at the first key any of its queries sees: its first unmasked token.
+    start = allowed.any(dim=2)[:, 0].long().argmax(dim=-1)  # 0 for a row that sees nothing
+    out = attend_invariant(query, key, value, allowed, start, scaling, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attend_invariant(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    start: torch.Tensor,
+    scaling: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Batch-invariant attention (module docstring); the engine's paged attention calls it too, with its keys
+    gathered from the cache.
+
+    Args:
+        query: (batch, heads, queries, head_dim).
+        key, value: (batch, kv_heads, keys, head_dim).
+        allowed: boolean (batch, 1, queries, keys), True where a query sees a key.
+        start: (batch,) each row's first key (its first token): key blocks are counted from there.
+        scaling: the scores' scale (default head_dim ** -0.5).
+        softcap: logit soft-capping, or None.
+    Returns:
+        (batch, heads, queries, head_dim) in `query`'s dtype.
+    """
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[-2]
     scaling = head_dim**-0.5 if scaling is None else scaling
-    allowed = allowed_keys(attention_mask, queries, keys, query.device).expand(batch, 1, queries, keys)
 
-    # Each row's keys from its first visible one, in whole blocks (the end padded with masked keys).
-    start = allowed.any(dim=2)[:, 0].long().argmax(dim=-1)  # (batch,), 0 for a row that sees nothing
+    # Each row's keys from its first one, in whole blocks (the end padded with masked keys).
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
     index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
     inside = index < keys
@@ -111,8 +139,7 @@ def invariant_attention_forward(
         total = total + block_totals[:, :, :, block]
         out = out + block_values[:, :, :, block]
     out = torch.where(total[..., None] > 0, out / total[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    out = out.reshape(batch, heads, padded, head_dim)[:, :, :queries]
-    return out.transpose(1, 2).to(dtype).contiguous(), None
+    return out.reshape(batch, heads, padded, head_dim)[:, :, :queries].to(dtype)
 
 
 def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

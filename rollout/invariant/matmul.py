@@ -22,6 +22,8 @@ K_CHUNK = 256
 def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`rows @ weight.t()` for 2-D `rows`, tile by tile (module docstring)."""
     count, features = rows.shape
+    if count == 0:  # a step that keeps no row's logits
+        return rows.new_empty(0, weight.shape[0])
     padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % ROW_TILE))
     transposed = weight.t()
     chunked = rows.dtype == torch.float32 and features > K_CHUNK

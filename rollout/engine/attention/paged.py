@@ -29,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rollout.engine.attention.kernel_plan import Tiling, plan
 from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
+from rollout.invariant.attention import attend_invariant
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -67,6 +68,8 @@ class PagedAttentionMetadata:
     groups: list[SequenceGroup]
     # Launch data of the Triton kernel, when it serves this step (then `groups` is empty).
     triton_plan: Any = None
+    # Attend as `rollout.invariant` does (fixed key blocks from each sequence's first token), not through SDPA.
+    batch_invariant: bool = False
 
     @classmethod
     def build(
@@ -262,7 +265,14 @@ def _paged_attention(
         group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
         group_value = _gather_blocks(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
-        result = attend(group_query, group_key, group_value, mask, scaling, softcap).transpose(1, 2)  # (B, Q, H, D)
+        if metadata.batch_invariant:  # every sequence's keys start at its first token: block 0 starts there
+            start = torch.zeros(batch, dtype=torch.long, device=mask.device)
+            result = attend_invariant(
+                group_query, group_key, group_value, mask.expand(batch, -1, -1, -1), start, scaling, softcap
+            )
+        else:
+            result = attend(group_query, group_key, group_value, mask, scaling, softcap)
+        result = result.transpose(1, 2)  # (B, Q, H, D)
         targets, result = group.query_index.flatten(), result.flatten(0, 1)
         if group.valid_rows is not None:
             targets, result = targets.index_select(0, group.valid_rows), result.index_select(0, group.valid_rows)

@@ -3,26 +3,37 @@ logits of the kept rows out. The model runner calls it eagerly, and the decode g
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from rollout.engine.attention.paged import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
+from rollout.invariant.mode import InvariantLinearMode
 
 
 class ModelForward:
     """The model call of a step: packed input ids and positions, the paged metadata, the rows to keep -> logits
     (in the model's dtype) at the packed positions `keep`."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, adapters: AdapterTable | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        adapters: AdapterTable | None = None,
+        batch_invariant: bool = False,
+    ):
         """
         Args:
             model: the transformers causal LM, already switched to paged attention by its runner.
             device: where its parameters live.
             adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
+            batch_invariant: run every `nn.Linear` as `rollout.invariant`'s fixed-tile matmuls (the attention's half
+                is the metadata's `batch_invariant`).
         """
         self.model = model
+        self.linear_mode = InvariantLinearMode if batch_invariant else contextlib.nullcontext
         self.adapters = adapters
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
@@ -34,12 +45,13 @@ class ModelForward:
         kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
         if self.adapters is not None:  # the head computes the rows kept, or every token's
             self.adapters.new_forward(keep if self.logits_to_keep else None)
-        logits = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=self.no_mask,
-            use_cache=False,
-            rollout_metadata=metadata,
-            **kwargs,
-        ).logits[0]
+        with self.linear_mode():
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=self.no_mask,
+                use_cache=False,
+                rollout_metadata=metadata,
+                **kwargs,
+            ).logits[0]
         return logits if self.logits_to_keep else logits[keep]

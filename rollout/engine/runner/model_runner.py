@@ -74,7 +74,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_tables = BlockTables()
-        self.heads_per_kv = resolve_attention_backend(model, kv_cache, config.attention_backend)
+        backend = "torch" if config.batch_invariant else config.attention_backend
+        self.heads_per_kv = resolve_attention_backend(model, kv_cache, backend)
+        self.batch_invariant = config.batch_invariant
         self.tiling = Tiling.for_device(kv_cache.kv.device)
         self.device = next(model.parameters()).device
         self._closed = False
@@ -91,7 +93,7 @@ class ModelRunner:
         max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
         self.adapters = AdapterTable(model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32)
         self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
-        self._forward: DecodeForward = ModelForward(model, self.device, self.adapters)
+        self._forward: DecodeForward = ModelForward(model, self.device, self.adapters, config.batch_invariant)
         self._decode_forward: DecodeForward = self._forward
         if config.decode_compile_config is not None:
             self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
@@ -265,6 +267,7 @@ class ModelRunner:
         metadata, positions = PagedAttentionMetadata.build(
             self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv, self.tiling
         )
+        metadata.batch_invariant = self.batch_invariant
         ends = list(itertools.accumulate(lengths))
         keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
         # 5. Forward; logits only at the positions that get sampled.

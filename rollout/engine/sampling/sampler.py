@@ -65,13 +65,17 @@ class Sampler:
     `top_logprobs` > 0 also returns that many top entries of the same distribution.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", batch_invariant: bool = False):
         """
         Args:
             vocab_size: width of the logits rows.
             device: where the logits are (and the per-slot sampling tables live).
+            batch_invariant: whole-row log-probs as a trainer computes them, `torch.log_softmax` of the row then
+                gathered (bit for bit the trainer's), not a gathered score minus the row's logsumexp (which rounds
+                differently).
         """
         self.vocab_size = vocab_size
+        self.batch_invariant = batch_invariant
         self.slots = SamplingSlots(vocab_size, torch.device(device))
         self.grammar_masks = GrammarMasks()  # structured outputs' constrained rows
 
@@ -202,7 +206,10 @@ class Sampler:
                 return chosen, top
             from_candidates = (columns.int("use_processed") * (1 - columns.int("greedy"))).bool()
         source = self._logprob_source(raw, scores, columns)
-        lse = source.logsumexp(dim=-1, keepdim=True)
+        if self.batch_invariant:
+            source, lse = torch.log_softmax(source, dim=-1), 0.0
+        else:
+            lse = source.logsumexp(dim=-1, keepdim=True)
         full_chosen = (source.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         full_top = None
         if width:

@@ -283,6 +283,12 @@ def build_parser() -> CliParser:
     )
     add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
     add(
+        "--batch-invariant",
+        action="store_true",
+        help="compute each token's logits bit for bit as trainer_bridge.batch_invariant makes the trainer's forward "
+        "compute them, whatever the batch (PyTorch attention; no CUDA graphs; base model only)",
+    )
+    add(
         "--release-staging",
         action="store_true",
         help="free a weight update's host staging area after it (default: keep it for the next, faster update)",

@@ -102,6 +102,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         cpu_offload_space=args.cpu_offload_space,
         attention_backend=args.attention_backend,
         fp32_logits=args.fp32_logits,
+        batch_invariant=args.batch_invariant,
         use_cuda_graph=AUTO_ON_OFF[args.cuda_graphs],
         overlap_scheduling=AUTO_ON_OFF[args.overlap],
         max_loras=args.max_loras,

@@ -1,0 +1,108 @@
+"""`ContinuousBatchingConfig(batch_invariant=True)`: rollout's log-probs equal the trainer's own forward under
+`trainer_bridge.batch_invariant` (the transformers model class, TRL's padded layout) bit for bit, in fp32 and bf16, on
+models scaled to realistic entropy, through chunked prefill, prompt blocks shared within groups and across requests
+(prefix-cache hits), and preemption with recompute; the same seed gives the same tokens whatever the batch. The
+ordinary engine differs from the same trainer forward (so the comparison can fail)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_batch_invariant import realistic, trl_batch_logprobs
+from transformers import CompileConfig
+
+from conftest import make_engine, make_prompts, run_to_completion
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
+from trainer_bridge import batch_invariant
+
+# A small cache (preemption), a small token budget (chunked prefill, prefills beside decodes), 4-token blocks.
+SMALL = {"num_blocks": 40, "block_size": 4, "max_batch_tokens": 12}
+
+
+def sample_groups(
+    engine, prompts: list[list[int]], prefix: str, n: int = 3
+) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Sample a group of `n` per prompt (temperature 1, seeded by the prompt); (prompt, completion, log-probs) of
+    every sample."""
+    for index, prompt in enumerate(prompts):
+        engine.add_request(
+            f"{prefix}{index}", prompt, SamplingParams(temperature=1.0, seed=sum(prompt)), n=n, max_new_tokens=20
+        )
+    outputs = run_to_completion(engine)
+    return [(list(o.prompt_ids), list(o.generated_tokens), torch.tensor(o.logprobs)) for o in outputs.values()]
+
+
+def largest_gap_to_trainer(trainer: torch.nn.Module, samples) -> float:
+    """The largest |delta| between rollout's log-probs and the trainer's invariant forward, over batches of 5
+    samples in TRL's layout."""
+    gap = 0.0
+    with torch.no_grad(), batch_invariant(trainer):
+        for first in range(0, len(samples), 5):
+            chunk = samples[first : first + 5]
+            for (_, _, ours), theirs in zip(chunk, trl_batch_logprobs(trainer, [(p, c) for p, c, _ in chunk])):
+                assert ours.shape == theirs.shape
+                gap = max(gap, float((ours - theirs).abs().max()))
+    return gap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2"])
+def test_rollout_logprobs_equal_the_trainers_forward_bit_for_bit(kind, dtype):
+    model = realistic(kind, dtype)
+    trainer = copy.deepcopy(model)
+    engine = make_engine(model, batch_invariant=True, **SMALL)
+    shared = make_prompts(1, 13, 13, seed=5)[0]  # a prefix the second round finds cached
+    first = sample_groups(engine, [shared + tail for tail in make_prompts(3, 2, 20, seed=1)], "a")
+    hits = engine.block_manager.num_prefix_tokens_hit
+    second = sample_groups(engine, [shared + tail for tail in make_prompts(3, 2, 20, seed=2)], "b")
+    assert engine.scheduler.num_preemptions > 0, "the cache should be small enough to force preemption"
+    assert engine.block_manager.num_prefix_tokens_hit - hits >= 12, "the second round should find the prefix cached"
+    engine.close()
+    assert largest_gap_to_trainer(trainer, first + second) == 0.0
+    if dtype == torch.bfloat16:
+        ordinary = make_engine(copy.deepcopy(trainer), **SMALL)
+        assert largest_gap_to_trainer(trainer, sample_groups(ordinary, [shared], "c")) > 1e-3
+        ordinary.close()
+
+
+def test_the_same_seed_gives_the_same_tokens_whatever_the_batch():
+    model = realistic("qwen3", torch.bfloat16)
+    prompt = make_prompts(1, 9, 9, seed=7)[0]
+    alone = make_engine(model, batch_invariant=True)
+    (expected,) = sample_groups(alone, [prompt], "x", n=1)
+    alone.close()
+    crowded = make_engine(model, batch_invariant=True, max_batch_tokens=16)
+    results = sample_groups(crowded, make_prompts(5, 3, 30, seed=8) + [prompt], "y", n=1)
+    crowded.close()
+    (same,) = [r for r in results if r[0] == prompt]
+    assert same[1] == expected[1] and torch.equal(same[2], expected[2])
+
+
+@pytest.mark.parametrize(
+    "setting, name",
+    [
+        ({"attention_backend": "triton"}, "attention_backend"),
+        ({"decode_compile_config": CompileConfig()}, "decode_compile_config"),
+        ({"use_cuda_graph": True}, "use_cuda_graph"),
+        ({"batch_invariant": 1}, "batch_invariant"),
+    ],
+)
+def test_settings_the_invariant_mode_cannot_run_with_are_refused_by_name(setting, name):
+    with pytest.raises(FieldError, match=name):
+        ContinuousBatchingConfig(**{"batch_invariant": True, **setting})
+
+
+def test_the_worker_flag_turns_it_on_and_adapters_are_refused_by_name():
+    from rollout.service.launch.cli import build_parser
+    from rollout.service.launch.flags import engine_config
+
+    assert engine_config(build_parser().parse_args(["--batch-invariant"])).batch_invariant is True
+    assert engine_config(build_parser().parse_args([])).batch_invariant is False
+    engine = make_engine(realistic("qwen3", torch.float32), batch_invariant=True)
+    with pytest.raises(FieldError, match="batch_invariant.*LoRA adapters"):
+        engine.load_adapter("a", {})
+    with pytest.raises(FieldError, match="batch_invariant.*LoRA adapters"):
+        engine.serve_adapter_from_start("a", {})
+    engine.close()
