@@ -46,6 +46,11 @@ def build_parser() -> CliParser:
         "and transformers_generate for cpu-small; rollout, rollout_sequential and transformers_generate_batch for "
         "nano)",
     )
+    tp.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="also run rollout_invariant (batch_invariant=True) right after rollout: the mode's price, side by side",
+    )
     tp.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     tp.add_argument(
         "--num-prompts", type=int, default=None, help="requests to run (default: the workload's; fewer: a quick run)"

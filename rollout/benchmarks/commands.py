@@ -95,6 +95,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             system_timeout_s=args.system_timeout,
             # The budget counts from this process's start: its imports took some of it.
             time_budget_s=None if args.time_budget is None else max(1.0, args.time_budget - process_age_s()),
+            batch_invariant=args.batch_invariant,
         )
     elif args.command == "load":
         load.check_arguments(parser, args)

@@ -11,6 +11,7 @@ SYSTEM_NAMES = (
     "rollout_json",
     "rollout_lora1",
     "rollout_lora4",
+    "rollout_invariant",
     "transformers_generate_batch",
     "transformers_generate",
 )

@@ -1,6 +1,6 @@
 """The systems `rollout-bench throughput` compares, each measured in a process of its own (`isolated.py`): this
-engine (with and without overlapped scheduling, under a JSON grammar, and serving one or four LoRA adapters
-unmerged), transformers' `generate_batch` (continuous batching) and `generate` (one left-padded static batch).
+engine (with and without overlapped scheduling, under a JSON grammar, serving one or four LoRA adapters
+unmerged, and batch-invariant), transformers' `generate_batch` (continuous batching) and `generate` (one left-padded static batch).
 
 Every system decodes greedily with EOS ignored and must produce each request's own `max_new_tokens`; tokens/s counts
 exactly those tokens (a static batch computes up to the longest, but only the requested tokens count). Each is warmed
@@ -115,6 +115,13 @@ def run_rollout_lora1(model, prompts, max_new, workload: Workload, warmup: bool 
 def run_rollout_lora4(model, prompts, max_new, workload: Workload, warmup: bool = False):
     """This engine serving four LoRA adapters unmerged, the prompts taking them in turn in one batch."""
     return run_rollout(model, prompts, max_new, workload, warmup, adapters=4)
+
+
+def run_rollout_invariant(model, prompts, max_new, workload: Workload, warmup: bool = False):
+    """This engine with `batch_invariant=True` (every token computed bit for bit as the trainer's invariant forward
+    computes it): PyTorch attention, no CUDA graphs; the price of the mode is its ratio to `rollout`."""
+    invariant = {"batch_invariant": True, "attention_backend": "torch", "use_cuda_graph": False}
+    return run_rollout(model, prompts, max_new, workload, warmup, decode_compile_config=None, **invariant)
 
 
 def run_transformers_generate_batch(

@@ -36,6 +36,7 @@ def run(
     num_prompts: int | None = None,
     system_timeout_s: float | None = None,
     time_budget_s: float | None = None,
+    batch_invariant: bool = False,
 ) -> dict:
     """Run the workload on each system, each in its own process, and return the JSON-able summary (also printed as a
     table).
@@ -53,6 +54,7 @@ def run(
         time_budget_s: the most seconds the whole run may take: each system gets at most an equal share of what is
             left when it starts (the details count as half a system, and get all that is left), so time a fast
             system leaves over goes to the later ones.
+        batch_invariant: also run `rollout_invariant` right after `rollout` (added first if `rollout` is not run).
     """
     workload = WORKLOADS[workload_name]
     if workload.device == "cuda" and not torch.cuda.is_available():
@@ -64,6 +66,8 @@ def run(
     results: dict[str, dict[str, Any]] = {}
     reference = None
     names = list(systems or workload.default_systems)
+    if batch_invariant and "rollout_invariant" not in names:
+        names.insert(names.index("rollout") + 1 if "rollout" in names else 0, "rollout_invariant")
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
 
     def share(runs_left: float) -> float:
