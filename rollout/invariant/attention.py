@@ -84,7 +84,7 @@ def attend_invariant(
     key: torch.Tensor,
     value: torch.Tensor,
     allowed: torch.Tensor,
-    start: torch.Tensor,
+    start: torch.Tensor | None,
     scaling: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -95,7 +95,8 @@ def attend_invariant(
         query: (batch, heads, queries, head_dim).
         key, value: (batch, kv_heads, keys, head_dim).
         allowed: boolean (batch, 1, queries, keys), True where a query sees a key.
-        start: (batch,) each row's first key (its first token): key blocks are counted from there.
+        start: (batch,) each row's first key (its first token): key blocks are counted from there; None: 0 for
+            every row (the engine's gathered keys).
         scaling: the scores' scale (default head_dim ** -0.5).
         softcap: logit soft-capping, or None.
     Returns:
@@ -105,41 +106,49 @@ def attend_invariant(
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[-2]
     scaling = head_dim**-0.5 if scaling is None else scaling
-
-    # Each row's keys from its first one, in whole blocks (the end padded with masked keys).
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
-    index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
-    inside = index < keys
-    index = index.clamp(max=keys - 1)
-    gather = index[:, None, :, None].expand(batch, key.shape[1], aligned, head_dim)
-    key = key.float().gather(2, gather).repeat_interleave(heads // key.shape[1], dim=1)
-    value = value.float().gather(2, gather).repeat_interleave(heads // value.shape[1], dim=1)
-    allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned)) & inside[:, None, None, :]
-
-    # Queries in whole tiles: (batch, heads, tiles, 1, QUERY_TILE, head_dim) against (.., 1, blocks, KEY_BLOCK, ..).
     padded = -(-queries // QUERY_TILE) * QUERY_TILE
     tiles, blocks = padded // QUERY_TILE, aligned // KEY_BLOCK
-    query = torch.nn.functional.pad(query.float(), (0, 0, 0, padded - queries))
-    allowed = torch.nn.functional.pad(allowed, (0, 0, 0, padded - queries))
-    query = query.view(batch, heads, tiles, 1, QUERY_TILE, head_dim)
-    key = key.view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
-    value = value.view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
-    allowed = allowed.view(batch, 1, tiles, QUERY_TILE, blocks, KEY_BLOCK).transpose(3, 4)
 
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling  # (batch, heads, tiles, blocks, tile, block)
+    # Each row's keys from its first one, in whole blocks (the end padded with masked keys).
+    key, value = key.float(), value.float()
+    if start is None:  # every row's keys start at 0
+        key, value = (torch.nn.functional.pad(t, (0, 0, 0, aligned - keys)) for t in (key, value))
+        allowed = torch.nn.functional.pad(allowed, (0, aligned - keys))
+    else:
+        index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
+        inside = index < keys
+        index = index.clamp(max=keys - 1)
+        gather = index[:, None, :, None].expand(batch, key.shape[1], aligned, head_dim)
+        key, value = key.gather(2, gather), value.gather(2, gather)
+        allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
+        allowed = allowed & inside[:, None, None, :]
+    key = key.repeat_interleave(heads // key.shape[1], dim=1).view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
+    value = value.repeat_interleave(heads // value.shape[1], dim=1).view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
+
+    # Scores: (QUERY_TILE, head_dim) x (head_dim, KEY_BLOCK) matmuls, then the real query rows only.
+    query = torch.nn.functional.pad(query.float(), (0, 0, 0, padded - queries))
+    query = query.view(batch, heads, tiles, 1, QUERY_TILE, head_dim)
+    scores = torch.matmul(query, key.transpose(-1, -2))  # (batch, heads, tiles, blocks, tile, block)
+    scores = scores.transpose(3, 4).reshape(batch, heads, padded, blocks, KEY_BLOCK)[:, :, :queries] * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    peak = scores.amax(dim=(3, 5), keepdim=True)  # a maximum is exact in any order
+    scores = scores.masked_fill(~allowed.view(batch, 1, queries, blocks, KEY_BLOCK), float("-inf"))
+    peak = scores.amax(dim=(3, 4), keepdim=True)  # a maximum is exact in any order
     weights = torch.exp(scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
-    block_totals = weights.sum(dim=-1)  # (batch, heads, tiles, blocks, tile)
+    block_totals = weights.sum(dim=-1)  # (batch, heads, queries, blocks)
+
+    # Weighted values: (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim) matmuls, then added block after block.
+    weights = torch.nn.functional.pad(weights, (0, 0, 0, 0, 0, padded - queries))
+    weights = weights.view(batch, heads, tiles, QUERY_TILE, blocks, KEY_BLOCK).transpose(3, 4)
     block_values = torch.matmul(weights, value)  # (batch, heads, tiles, blocks, tile, head_dim)
-    total, out = block_totals[:, :, :, 0], block_values[:, :, :, 0]
+    block_values = block_values.transpose(3, 4).reshape(batch, heads, padded, blocks, head_dim)[:, :, :queries]
+    total, out = block_totals[..., 0], block_values[:, :, :, 0]
     for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
-        total = total + block_totals[:, :, :, block]
+        total = total + block_totals[..., block]
         out = out + block_values[:, :, :, block]
     out = torch.where(total[..., None] > 0, out / total[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return out.reshape(batch, heads, padded, head_dim)[:, :, :queries].to(dtype)
+    return out.to(dtype)
 
 
 def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -266,9 +266,8 @@ def _paged_attention(
         group_value = _gather_blocks(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
         if metadata.batch_invariant:  # every sequence's keys start at its first token: block 0 starts there
-            start = torch.zeros(batch, dtype=torch.long, device=mask.device)
             result = attend_invariant(
-                group_query, group_key, group_value, mask.expand(batch, -1, -1, -1), start, scaling, softcap
+                group_query, group_key, group_value, mask.expand(batch, -1, -1, -1), None, scaling, softcap
             )
         else:
             result = attend(group_query, group_key, group_value, mask, scaling, softcap)
