@@ -8,13 +8,17 @@ Inside the block:
 - every `torch.nn.functional.linear` called on this thread (every `nn.Linear`, the output head included) runs as
   `invariant_linear` (matmul.py), through a `TorchFunctionMode`.
 
-The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Leaving the block
-restores the model's attention implementation and removes the hook and the mode, also on an error.
+The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Gradient
+checkpointing's recompute runs in the backward, where the mode is not active: each checkpointed layer's recompute
+gets the mode through `torch.utils.checkpoint`'s `context_fn` (non-reentrant checkpointing; the reentrant kind is
+refused by name). Leaving the block restores the model's attention implementation, its checkpointing functions, and
+removes the hook and the mode, also on an error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +39,29 @@ class InvariantLinearMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _invariant_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`torch.utils.checkpoint`'s context_fn: nothing around the forward, the linear mode around the recompute."""
+    return contextlib.nullcontext(), InvariantLinearMode()
+
+
+def _checkpointing_with_the_mode(model: torch.nn.Module) -> dict[torch.nn.Module, Any]:
+    """Give every checkpointed layer's checkpoint function the mode in its recompute; return the functions it had."""
+    replaced = {}
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is None or not getattr(module, "gradient_checkpointing", False):  # not checkpointing now
+            continue
+        keywords = getattr(function, "keywords", {}) or {}
+        if keywords.get("use_reentrant", True) is not False:
+            raise ValueError(
+                "batch_invariant needs non-reentrant gradient checkpointing: enable it with "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}"
+            )
+        replaced[module] = function
+        module._gradient_checkpointing_func = functools.partial(function, context_fn=_invariant_recompute)
+    return replaced
+
+
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The module that takes `attention_mask` and `position_ids` (a causal LM's decoder; a PeftModel's too)."""
     get_decoder = getattr(model, "get_decoder", None)
@@ -52,17 +79,23 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Yields:
         `model`, unchanged but for its attention implementation while the block runs.
     Raises:
-        ValueError: the model has no `config` with an attention implementation to switch.
+        ValueError: the model has no `config` with an attention implementation to switch, or checkpoints its layers
+            with reentrant gradient checkpointing.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
+    checkpointing = _checkpointing_with_the_mode(model)
     previous = config._attn_implementation
-    model.set_attn_implementation(register_invariant_attention())
-    hook = _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
     try:
-        with InvariantLinearMode():
-            yield model
+        model.set_attn_implementation(register_invariant_attention())
+        hook = _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
+        try:
+            with InvariantLinearMode():
+                yield model
+        finally:
+            hook.remove()
+            model.set_attn_implementation(previous)
     finally:
-        hook.remove()
-        model.set_attn_implementation(previous)
+        for module, function in checkpointing.items():
+            module._gradient_checkpointing_func = function

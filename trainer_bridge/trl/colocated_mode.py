@@ -4,6 +4,7 @@ engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,7 +49,9 @@ class ColocatedGeneration(RolloutGeneration):
                 self.engine.sleep()
 
 
-def colocated_generation(trainer: GRPOTrainer, engine_config: Any, sleep: bool | None) -> ColocatedGeneration:
+def colocated_generation(
+    trainer: GRPOTrainer, engine_config: Any, sleep: bool | None, batch_invariant: bool = False
+) -> ColocatedGeneration:
     """The backend of "colocate" mode: an engine on this rank's model; each round runs inside TRL's own
     `unwrap_model_for_generation` (ZeRO-3 gathered once, DeepSpeed's hooks lifted, as TRL generates)."""
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
@@ -58,6 +61,12 @@ def colocated_generation(trainer: GRPOTrainer, engine_config: Any, sleep: bool |
     args = trainer.args
     if engine_config is None and next(model.parameters()).device.type == "cuda":
         engine_config = ContinuousBatchingConfig(max_memory_percent=args.vllm_gpu_memory_utilization)
+    if batch_invariant:
+        if engine_config is not None and not isinstance(engine_config, ContinuousBatchingConfig):
+            raise ValueError(
+                "batch_invariant=True needs rollout_engine_config to be rollout's ContinuousBatchingConfig"
+            )
+        engine_config = dataclasses.replace(engine_config or ContinuousBatchingConfig(), batch_invariant=True)
 
     def round_context() -> Any:
         return unwrap_model_for_generation(

@@ -41,11 +41,13 @@ from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
+from rollout.invariant.mode import batch_invariant as batch_invariant_forward
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
+from trainer_bridge.trl.invariant_logps import invariant_logps_and_entropies
 from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
-from trainer_bridge.trl.settings import check_mode, check_staleness, check_tool_loop
+from trainer_bridge.trl.settings import check_batch_invariant, check_mode, check_staleness, check_tool_loop
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -128,6 +130,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         max_partial_rounds: int | None = None,
         partial_overprovision: float | None = None,
         routing_replay: bool = False,
+        batch_invariant: bool = False,
         **kwargs: Any,
     ):
         """
@@ -157,12 +160,18 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 (0, 1] (default 0.5).
             routing_replay: an MoE policy: the rollout records every token's experts and TRL's log-prob forwards
                 (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl.routes`).
+            batch_invariant: "colocate": the engine runs `batch_invariant=True` and TRL's log-probs come from the same
+                invariant forward (`trainer_bridge.trl.invariant_logps`), so rollout's and the trainer's log-probs
+                agree bit for bit (TRL's importance ratio exactly 1 at the weights that sampled); training steps
+                run under `trainer_bridge.batch_invariant`. Text models only.
             **kwargs: GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset, processing_class,
                 rollout_func, tools, environment_factory, ...). `args.use_vllm` must be False: rollout replaces vLLM.
         Raises:
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
         check_trl_internals()
+        check_batch_invariant(batch_invariant, rollout_mode, routing_replay)
+        self.batch_invariant = batch_invariant
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
@@ -195,7 +204,9 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         if rollout_mode == "colocate":
             from trainer_bridge.trl.colocated_mode import colocated_generation
 
-            self.rollout: RolloutGeneration = colocated_generation(self, rollout_engine_config, sleep_between_rounds)
+            self.rollout: RolloutGeneration = colocated_generation(
+                self, rollout_engine_config, sleep_between_rounds, batch_invariant
+            )
         else:
             self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
@@ -220,6 +231,20 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             self.close_routing_replay()
             if hasattr(self.rollout, "close"):
                 self.rollout.close()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's training step; with batch_invariant, under `trainer_bridge.batch_invariant`, so that gradient
+        checkpointing's recompute in the backward runs the forward the loss saw."""
+        if not self.batch_invariant:
+            return super().training_step(*args, **kwargs)
+        with batch_invariant_forward(self.accelerator.unwrap_model(self.model)):
+            return super().training_step(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's; with batch_invariant, the engine's expression on an invariant forward (`invariant_logps`)."""
+        if self.batch_invariant:
+            return invariant_logps_and_entropies(self, *args, **kwargs)
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         """TRL's, on the rows the partial rollout round hands it when partial_rollouts is on (training only)."""
