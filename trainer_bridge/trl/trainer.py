@@ -160,8 +160,9 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 (0, 1] (default 0.5).
             routing_replay: an MoE policy: the rollout records every token's experts and TRL's log-prob forwards
                 (old policy, reference, loss) route each token as the rollout did (`trainer_bridge.trl.routes`).
-            batch_invariant: "colocate": the engine runs `batch_invariant=True` and TRL's log-probs come from the same
-                invariant forward (`trainer_bridge.trl.invariant_logps`), so rollout's and the trainer's log-probs
+            batch_invariant: the engine ("colocate") or every worker ("server", refused unless each was started with
+                `--batch-invariant`) runs `batch_invariant=True`, and TRL's log-probs come from the same invariant
+                forward (`trainer_bridge.trl.invariant_logps`), so rollout's and the trainer's log-probs
                 agree bit for bit (TRL's importance ratio exactly 1 at the weights that sampled); training steps
                 run under `trainer_bridge.batch_invariant`. Text models only.
             **kwargs: GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset, processing_class,
@@ -170,7 +171,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
         check_trl_internals()
-        check_batch_invariant(batch_invariant, rollout_mode, routing_replay)
+        check_batch_invariant(batch_invariant, routing_replay)
         self.batch_invariant = batch_invariant
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
@@ -274,16 +275,25 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         self.rollout_client = client
         # The workers may have served other weights before: version base + step is this run's weights at `step`.
         # (A collective here, at construction, never inside generate.)
-        current: list[Any] = [0]
+        current: list[Any] = [0, None]  # [version or error, a refusal of batch_invariant]
         if self.accelerator.is_main_process:
             try:
-                current = [max((s["policy_version"] for s in client.stats()), default=0)]
+                stats = client.stats()
+                current = [max((s["policy_version"] for s in stats), default=0), None]
+                plain = sum(1 for s in stats if not s.get("batch_invariant", False))
+                if self.batch_invariant and plain:
+                    current[1] = (
+                        f"batch_invariant=True: {plain} of {len(stats)} workers do not run batch-invariant; start them "
+                        "with rollout-worker --batch-invariant"
+                    )
             except Exception as error:  # noqa: BLE001 - handed to every rank
-                current = [f"cannot read the workers' policy version: {error}"]
+                current = [f"cannot read the workers' policy version: {error}", None]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(current, from_process=0)
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
+        if current[1] is not None:
+            raise ValueError(current[1])
         if self.partial_rollouts:
             from trainer_bridge.trl.partial import PartialRolloutGeneration
 

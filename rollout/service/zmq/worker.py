@@ -273,8 +273,8 @@ class RolloutWorker:
     def stats(self) -> dict:
         """The manager's counters plus this worker's: policy version, groups received / refused / in flight /
         finished, samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for
-        slow clients, weight updates rejected, their bytes and pauses, and tokens/s since start. Safe from any
-        thread (the /metrics scrape reads it)."""
+        slow clients, weight updates rejected, their bytes and pauses, tokens/s since start, and whether the engine
+        runs batch-invariant. Safe from any thread (the /metrics scrape reads it)."""
         stats = self.manager.stats()
         uptime = max(stats["uptime_s"], 1e-9)
         stats.update(
@@ -292,5 +292,6 @@ class RolloutWorker:
             tokenizer=self.tokenizer_name,
             adapters=self.manager.engine.runner.adapters.stats(),
             base_id=self.base_id,
+            batch_invariant=self.manager.engine.config.batch_invariant,
         )
         return stats
