@@ -4,7 +4,8 @@ so that its forward over a padded batch equals its forward over each sequence al
 through it:
 
 - `positions.py`: position ids numbered from each row's first unmasked token (left padding shifts nothing);
-- `matmul.py`: `invariant_linear`, every projection issued as matmuls of one fixed row-tile shape;
+- `matmul.py`: `invariant_linear`, every projection issued as matmuls of one fixed row-tile shape (on a GPU:
+  `triton_matmul.py`, one Triton kernel of fixed tiles);
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked
   token, the softmax's sums taken block by block in order;
 - `mode.py`: `batch_invariant(model)`, the context manager that turns the three on for one model.

@@ -6,7 +6,8 @@ the rows are cut into tiles of `ROW_TILE` (the last one padded with zeros) and e
 shape; a row's result depends on its own values only, not on its place in the tile (a GEMM computes each output
 element from its row and column alone). In fp32 the reduction is also cut into chunks of `K_CHUNK` summed in order,
 since a long fp32 reduction is split across threads (measured at K >= 1024 between 1 and 2 threads); lower precisions
-reduce in one call per tile, accumulating in fp32 inside the kernel, as a plain `F.linear` does.
+reduce in one call per tile, accumulating in fp32 inside the kernel, as a plain `F.linear` does. On a GPU the same
+promise is kept by one Triton kernel of fixed tiles (`triton_matmul.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     count, features = rows.shape
     if count == 0:  # a step that keeps no row's logits
         return rows.new_empty(0, weight.shape[0])
+    if rows.is_cuda:  # one fixed-tile Triton kernel (triton_matmul.py): cuBLAS picks kernels by shape
+        from rollout.invariant.triton_matmul import invariant_matmul
+
+        return invariant_matmul(rows, weight)
     padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % ROW_TILE))
     transposed = weight.t()
     chunked = rows.dtype == torch.float32 and features > K_CHUNK

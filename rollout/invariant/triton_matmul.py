@@ -1,0 +1,107 @@
+"""`invariant_matmul` on a GPU: a Triton kernel whose every output row is computed the same way whatever the others.
+
+Each program computes one (BLOCK_M, BLOCK_N) tile of `x @ w.T`, walking the reduction in BLOCK_K steps in order and
+accumulating in fp32; the tile sizes are constants (never chosen by the matrix's shape, never autotuned) and the
+reduction is never split across programs. So a row's result depends on its own values and the weights only: not on
+the number of rows, their order, or the GPU's occupancy. (cuBLAS picks its kernel, and sometimes a split of the
+reduction, by shape: its rows are not invariant.) Runs in Triton's interpreter on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+NUM_WARPS = 4
+# Triton's interpreter multiplies bf16 tiles wrongly: there (tests only) the tiles are upcast to fp32 first.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def invariant_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    cols,
+    depth,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """out[rows, cols] = x[rows, depth] @ w[cols, depth].T, one fixed tile per program, fp32 accumulation."""
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offsets = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, depth, BLOCK_K):
+        k = start + offsets
+        x = tl.load(
+            x_ptr + row[:, None] * stride_xm + k[None, :] * stride_xk,
+            mask=(row[:, None] < rows) & (k[None, :] < depth),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + col[None, :] * stride_wn + k[:, None] * stride_wk,
+            mask=(col[None, :] < cols) & (k[:, None] < depth),
+            other=0.0,
+        )
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    tl.store(
+        out_ptr + row[:, None] * stride_om + col[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(row[:, None] < rows) & (col[None, :] < cols),
+    )
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for 2-D `x` (rows, in_features) and `weight` (out_features, in_features), in `x`'s dtype,
+    batch-invariant (module docstring).
+
+    Args:
+        x: the rows, on the GPU (or on the CPU inside Triton's interpreter).
+        weight: the weight matrix, on the same device and of the same dtype.
+    Returns:
+        (rows, out_features).
+    """
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(cols, BLOCK_N))
+    invariant_matmul_kernel[grid](
+        x,
+        weight,
+        out,
+        rows,
+        cols,
+        depth,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
+        UPCAST=_INTERPRETED and x.dtype != torch.float32,
+        num_warps=NUM_WARPS,
+    )
+    return out
