@@ -127,3 +127,65 @@ def test_what_the_attention_cannot_honour_is_refused_by_name():
     with pytest.raises(ValueError, match="transformers model"):
         with batch_invariant(torch.nn.Linear(2, 2)):
             pass
+
+
+@torch.no_grad()
+def test_a_cached_decode_inside_the_block_numbers_positions_from_the_mask():
+    """A left-padded row decoded step by step with a cache (mask over cached and new tokens, as `generate` passes
+    it) gets the bits of its forward alone."""
+    model = realistic("qwen3", torch.bfloat16)
+    ids, mask = torch.tensor([[0, 0, 0, 0, 0, 20, 21, 22, 4, 5]]), torch.tensor([[0] * 5 + [1] * 5])
+    with batch_invariant(model):
+        alone = model(input_ids=ids[:, 5:]).logits[0]
+        cache = model(input_ids=ids[:, :8], attention_mask=mask[:, :8], use_cache=True).past_key_values
+        step = model(input_ids=ids[:, 8:9], attention_mask=mask[:, :9], past_key_values=cache, use_cache=True)
+    assert torch.equal(step.logits[0, -1], alone[3])
+
+
+def test_mixed_precision_trains_under_the_block():
+    """fp32 weights under bf16 autocast (TRL's bf16=True): the forward computes in bf16 as F.linear would, and the
+    backward runs (its gradients close to the ordinary forward's)."""
+    model = realistic("qwen3", torch.float32)
+    pairs = [PAIRS[i] for i in BATCHES[2]]
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.cat(trl_batch_logprobs(model, pairs)).sum()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    with batch_invariant(model):
+        invariant = gradients()
+    norm = lambda grads: float(sum(g.float().norm() ** 2 for g in grads.values()) ** 0.5)  # noqa: E731
+    assert plain.keys() == invariant.keys() and abs(norm(invariant) / norm(plain) - 1) < 0.05
+
+
+@torch.no_grad()
+def test_moe_experts_run_eager_inside_the_block():
+    """transformers' default `grouped_mm` experts give a token bits that depend on its expert's load: inside the
+    block the experts run "eager" (one F.linear each, tiled), and a row in a batch equals the row alone."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        moe_intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    before = model.get_experts_implementation()
+    assert before[""] != "eager"
+    with batch_invariant(model):
+        assert model.config._experts_implementation == "eager"
+        assert largest_gap(model, BATCHES) == 0.0
+    assert model.get_experts_implementation() == before

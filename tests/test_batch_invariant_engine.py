@@ -106,3 +106,22 @@ def test_the_worker_flag_turns_it_on_and_adapters_are_refused_by_name():
     with pytest.raises(FieldError, match="batch_invariant.*LoRA adapters"):
         engine.serve_adapter_from_start("a", {})
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prompt_logprobs_equal_the_trainers_forward(dtype):
+    """Prompt log-probs (`SamplingParams.prompt_logprobs`), chunked beside other requests, are the trainer's too."""
+    model = realistic("qwen3", dtype)
+    trainer = copy.deepcopy(model)
+    prompt = make_prompts(1, 23, 23, seed=9)[0]
+    engine = make_engine(model, batch_invariant=True, max_batch_tokens=8)
+    for index, other in enumerate(make_prompts(3, 5, 20, seed=10)):
+        engine.add_request(f"o{index}", other, SamplingParams(temperature=1.0, seed=index), max_new_tokens=6)
+    engine.add_request("p", prompt, SamplingParams(temperature=1.0, seed=1, prompt_logprobs=0), max_new_tokens=1)
+    output = run_to_completion(engine)["p"]
+    engine.close()
+    ours = torch.tensor(output.prompt_logprobs[1:])
+    with torch.no_grad(), batch_invariant(trainer):
+        logits = trainer(torch.tensor([prompt])).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.equal(ours, theirs)

@@ -95,3 +95,22 @@ def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
             processing_class=TOKENIZER,
             **settings,
         )
+
+
+def test_a_head_in_another_dtype_and_merged_adapters_are_refused_by_name(tmp_path):
+    from rollout import ContinuousBatchingConfig, FieldError
+    from trainer_bridge.colocated import ColocatedEngine
+
+    with pytest.raises(ValueError, match="fp32_logits .True. must equal GRPOConfig.cast_lm_head_to_fp32 .False."):
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_mode="colocate",
+            rollout_engine_config=ContinuousBatchingConfig(fp32_logits=True),
+            batch_invariant=True,
+        )
+    with pytest.raises(FieldError, match="peft_merge"):
+        ColocatedEngine(tiny_model(0), ContinuousBatchingConfig(batch_invariant=True, num_blocks=16), peft_merge=True)

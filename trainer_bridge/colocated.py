@@ -82,11 +82,16 @@ class ColocatedEngine:
             tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         Raises:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
-                does not fit memory too), before any training step.
+                does not fit memory too), or peft_merge with batch_invariant, before any training step.
         """
         self.model = model
         self._round_context = round_context
         self._peft_merge = peft_merge
+        if peft_merge and getattr(continuous_batching_config, "batch_invariant", False):
+            raise FieldError(
+                "peft_merge",
+                "cannot be True with batch_invariant: merged weights compute other bits than the trainer's",
+            )
         self.engine = Engine(model, continuous_batching_config, generation_config, tokenizer)
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False

@@ -50,7 +50,7 @@ class InvariantLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows, weight)
+        ctx.save_for_backward(rows, weight)  # in the dtype the forward computed in (autocast's, cast before)
         return tiled_matmul(rows, weight)
 
     @staticmethod
@@ -61,16 +61,23 @@ class InvariantLinear(torch.autograd.Function):
         return grad_rows, grad_weight
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, batch-invariant in the forward (differentiable; the backward is ordinary).
+def invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # noqa: A002 - F.linear's own keyword
+    """`F.linear(input, weight, bias)`, batch-invariant in the forward (differentiable; the backward is ordinary).
+    Under autocast, computed in autocast's dtype, as `F.linear` is.
 
     Args:
-        x: (..., in_features).
+        input: (..., in_features).
         weight: (out_features, in_features).
         bias: (out_features,) or None.
     Returns:
-        (..., out_features), in `x`'s dtype.
+        (..., out_features), in the computing dtype.
     """
+    x = input
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast here, so the backward sees the dtypes the forward multiplied
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
         out = InvariantLinear.apply(rows, weight)

@@ -6,12 +6,15 @@ Inside the block:
 - the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
 - a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
 - every `torch.nn.functional.linear` called on this thread (every `nn.Linear`, the output head included) runs as
-  `invariant_linear` (matmul.py), through a `TorchFunctionMode`.
+  `invariant_linear` (matmul.py), through a `TorchFunctionMode`;
+- an MoE model's experts run transformers' "eager" implementation (one `F.linear` per expert, which the mode
+  tiles) instead of `grouped_mm`, whose result for a token depends on how many tokens its expert got.
 
 The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Gradient
 checkpointing's recompute runs in the backward, where the mode is not active: each checkpointed layer's recompute
 gets the mode through `torch.utils.checkpoint`'s `context_fn` (non-reentrant checkpointing; the reentrant kind is
-refused by name). Leaving the block restores the model's attention implementation, its checkpointing functions, and
+refused by name). Run the backward inside the block: after it, the recompute would run the ordinary forward.
+Leaving the block restores the model's attention implementation, its checkpointing functions, and
 removes the hook and the mode, also on an error.
 """
 
@@ -62,6 +65,19 @@ def _checkpointing_with_the_mode(model: torch.nn.Module) -> dict[torch.nn.Module
     return replaced
 
 
+def eager_experts(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Switch an MoE model's experts to transformers' "eager" implementation (one `F.linear` per expert, which the
+    mode tiles); return the implementations it had (for `set_experts_implementation`), or None if nothing changed."""
+    get = getattr(model, "get_experts_implementation", None)
+    if not callable(get):
+        return None
+    previous = get()
+    if all(value in (None, "eager") for value in previous.values()):
+        return None
+    model.set_experts_implementation("eager")
+    return previous
+
+
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The module that takes `attention_mask` and `position_ids` (a causal LM's decoder; a PeftModel's too)."""
     get_decoder = getattr(model, "get_decoder", None)
@@ -87,7 +103,9 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
     checkpointing = _checkpointing_with_the_mode(model)
     previous = config._attn_implementation
+    experts = None
     try:
+        experts = eager_experts(model)
         model.set_attn_implementation(register_invariant_attention())
         hook = _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
         try:
@@ -97,5 +115,7 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             hook.remove()
             model.set_attn_implementation(previous)
     finally:
+        if experts is not None:
+            model.set_experts_implementation(experts)
         for module, function in checkpointing.items():
             module._gradient_checkpointing_func = function

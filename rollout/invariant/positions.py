@@ -25,11 +25,12 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def add_positions_from_mask(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-    """A forward pre-hook (`with_kwargs=True`): a call with a 2-D `attention_mask`, no `position_ids` and no cache
-    already filled gets `positions_from_mask(attention_mask)`."""
+    """A forward pre-hook (`with_kwargs=True`): a call with a 2-D `attention_mask` and no `position_ids` gets
+    `positions_from_mask(attention_mask)` for its own tokens, the mask's last columns (with a filled cache, the mask
+    covers the cached tokens too, as transformers' `generate` passes it)."""
     mask = kwargs.get("attention_mask")
-    past = kwargs.get("past_key_values")
-    filled = past is not None and hasattr(past, "get_seq_length") and past.get_seq_length() > 0
-    if kwargs.get("position_ids") is None and mask is not None and mask.dim() == 2 and not filled:
-        kwargs["position_ids"] = positions_from_mask(mask)
+    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+    if kwargs.get("position_ids") is None and mask is not None and mask.dim() == 2 and tokens is not None:
+        kwargs["position_ids"] = positions_from_mask(mask)[:, -tokens.shape[1] :]
     return args, kwargs

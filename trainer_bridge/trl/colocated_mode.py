@@ -49,6 +49,16 @@ class ColocatedGeneration(RolloutGeneration):
                 self.engine.sleep()
 
 
+def check_same_head(fp32_logits: bool, args: Any) -> None:
+    """With batch_invariant, the rollout's head computes in fp32 exactly when the trainer's does (TRL's
+    `cast_lm_head_to_fp32`): a head in another dtype gives other bits."""
+    if bool(fp32_logits) != bool(getattr(args, "cast_lm_head_to_fp32", False)):
+        raise ValueError(
+            f"batch_invariant=True: the rollout's fp32_logits ({bool(fp32_logits)}) must equal GRPOConfig."
+            f"cast_lm_head_to_fp32 ({bool(getattr(args, 'cast_lm_head_to_fp32', False))})"
+        )
+
+
 def colocated_generation(
     trainer: GRPOTrainer, engine_config: Any, sleep: bool | None, batch_invariant: bool = False
 ) -> ColocatedGeneration:
@@ -67,6 +77,7 @@ def colocated_generation(
                 "batch_invariant=True needs rollout_engine_config to be rollout's ContinuousBatchingConfig"
             )
         engine_config = dataclasses.replace(engine_config or ContinuousBatchingConfig(), batch_invariant=True)
+        check_same_head(engine_config.fp32_logits, args)
 
     def round_context() -> Any:
         return unwrap_model_for_generation(

@@ -62,7 +62,9 @@ def invariant_logps_and_entropies(
         refused = given + (["compute_aux_loss (router_aux_loss_coef)"] if compute_aux_loss else [])
         raise ValueError(f"batch_invariant=True scores text models only; refused: {', '.join(refused)}")
     batch_size = batch_size or input_ids.size(0)
-    temperature = float(trainer.temperature)
+    # A tensor, as the engine's sampler divides by one: on CUDA, dividing by a Python number multiplies by its
+    # reciprocal, which rounds differently.
+    temperature = torch.tensor(float(trainer.temperature), dtype=torch.float32, device=input_ids.device)
     logps, entropies = [], []
     with batch_invariant(trainer.accelerator.unwrap_model(model)):
         for start in range(0, input_ids.size(0), batch_size):

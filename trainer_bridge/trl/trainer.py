@@ -281,10 +281,18 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                 stats = client.stats()
                 current = [max((s["policy_version"] for s in stats), default=0), None]
                 plain = sum(1 for s in stats if not s.get("batch_invariant", False))
+                fp32_head = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+                other_head = sum(1 for s in stats if bool(s.get("fp32_logits", False)) != fp32_head)
                 if self.batch_invariant and plain:
                     current[1] = (
                         f"batch_invariant=True: {plain} of {len(stats)} workers do not run batch-invariant; start them "
                         "with rollout-worker --batch-invariant"
+                    )
+                elif self.batch_invariant and other_head:
+                    current[1] = (
+                        f"batch_invariant=True: {other_head} of {len(stats)} workers compute their head "
+                        f"{'without' if fp32_head else 'with'} --fp32-logits, the trainer's GRPOConfig."
+                        f"cast_lm_head_to_fp32 is {fp32_head}"
                     )
             except Exception as error:  # noqa: BLE001 - handed to every rank
                 current = [f"cannot read the workers' policy version: {error}", None]

@@ -26,6 +26,7 @@ from rollout.engine.runner.model_lease import acquire, release
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.invariant.mode import eager_experts
 
 
 @dataclass
@@ -114,13 +115,15 @@ class ModelRunner:
         if head_fp32:
             self.fp32_head = Fp32Head(head)
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
-        self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state)
+        self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state, config.batch_invariant)
         self.prompt_results: PendingPromptLogprobs | None = None
         # MoE routes (routes.py): no hook until the first request that asks; the last step's, for the engine.
         self.routes = RouteRecorder(
             model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
         )
         self.route_results: PendingRoutes | None = None
+        # An MoE model's experts as one F.linear each, which the invariant mode tiles (given back at close).
+        self._experts = eager_experts(model) if config.batch_invariant else None
         acquire(model)
 
     def routes_refusal(self) -> str | None:
@@ -192,6 +195,8 @@ class ModelRunner:
                 self.fp32_head.close()
             self.prompt_scorer.close()
             self.adapters.close()
+            if self._experts is not None:
+                self.model.set_experts_implementation(self._experts)
             self.routes.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards

@@ -26,6 +26,7 @@ later requests with prompt log-probs are refused when submitted).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from rollout.engine.kv.transfer import HostCopy, to_device
 from rollout.engine.lora.layers import LoraStepState
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.invariant.mode import InvariantLinearMode
 
 logger = logging.getLogger(__name__)
 
@@ -138,15 +140,24 @@ class PromptScorer:
     """Scores prompt positions for one model runner: a hook on the model's decoder keeps the step's last hidden
     state while (and only while) a scoring step runs, and the rows to score go through the output head in slices."""
 
-    def __init__(self, model: torch.nn.Module, text_config: Any, adapters: LoraStepState | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        text_config: Any,
+        adapters: LoraStepState | None = None,
+        batch_invariant: bool = False,
+    ):
         """
         Args:
             model: the transformers causal LM (its decoder gets a forward hook, removed by `close`).
             text_config: its text config (vocabulary size and the transforms after the head).
             adapters: the runner's LoRA step state: told which token each row sent through the head is (an
                 adapter's copy of the head scores its own tokens' rows).
+            batch_invariant: the head in `rollout.invariant`'s tiles and log-probs as `log_softmax` then gathered,
+                the trainer's expression (not a score minus the row's logsumexp, which rounds differently).
         """
         self.model = model
+        self.batch_invariant = batch_invariant
         self.adapters = adapters
         self.vocab_size = text_config.vocab_size
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
@@ -252,8 +263,12 @@ class PromptScorer:
         top_values: list[torch.Tensor] = []
         top_ids: list[torch.Tensor] = []
         for begin in range(0, len(plan.rows), step):
-            logits = self.logits(hidden.index_select(0, rows[begin : begin + step]), rows[begin : begin + step])
-            normalizer = torch.logsumexp(logits, -1, keepdim=True)
+            with InvariantLinearMode() if self.batch_invariant else contextlib.nullcontext():
+                logits = self.logits(hidden.index_select(0, rows[begin : begin + step]), rows[begin : begin + step])
+            if self.batch_invariant:
+                logits, normalizer = torch.log_softmax(logits, -1), torch.zeros((), device=device)
+            else:
+                normalizer = torch.logsumexp(logits, -1, keepdim=True)
             target_logits = logits.gather(1, targets[begin : begin + step])
             chosen.append((target_logits - normalizer).flatten())
             ranks.append((logits > target_logits).sum(-1) + 1)  # vLLM's rank: 1 + tokens strictly more likely
