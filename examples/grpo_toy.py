@@ -56,10 +56,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_worker(address: str, model: str = "tiny") -> subprocess.Popen:
-    """A rollout-worker on a preset model (the tiny one by default); returns once it answers."""
+def start_worker(address: str, model: str = "tiny", flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """A rollout-worker on a preset model (the tiny one by default), with extra `flags`; returns once it answers."""
     command = [sys.executable, "-m", "rollout.service.launch.cli", "--model", model, "--device", "cpu"]
-    command += ["--bind", address]
+    command += ["--bind", address, *flags]
     # One compute thread for the tiny worker: on a 2-core machine the trainer needs the other core.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("ROLLOUT_WORKER_THREADS", "1")}
     worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"], env=env)
@@ -127,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rounds train the first complete groups, stragglers join the next round (needs --max-staleness 1+)",
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train and sample in bf16 (the model built in bf16, as the worker builds it)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="rollout's log-probs equal the trainer's bit for bit (TRL's importance ratio exactly 1); slower",
+    )
     args = parser.parse_args(argv)
     if args.colocate and args.worker:
         parser.error("--colocate runs no worker: it cannot be combined with --worker")
@@ -146,23 +156,27 @@ def main(argv: list[str] | None = None) -> int:
 
     address = args.worker or f"tcp://127.0.0.1:{free_port()}"
     started = time.perf_counter()
-    worker = None if args.worker or args.colocate else start_worker(address)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    flags = (*(("--dtype", "bfloat16") if args.bf16 else ()), *(("--batch-invariant",) if args.batch_invariant else ()))
+    worker = None if args.worker or args.colocate else start_worker(address, flags=flags)
     # colocated: the engine in this process (its cache sized like the worker's, 512 blocks of 16 tokens, and freed
     # for every training step; its samples seeded, as torch and random are above, so that a run repeats); else the
     # worker's address
-    engine_config = ContinuousBatchingConfig(num_blocks=512, seed=0)
+    engine_config = ContinuousBatchingConfig(num_blocks=512, seed=0, batch_invariant=args.batch_invariant)
     colocated = dict(rollout_engine_config=engine_config, sleep_between_rounds=True)
     rollout = dict(rollout_mode="colocate", **colocated) if args.colocate else dict(rollout_workers=address)
     if args.max_staleness:
         rollout["max_staleness"] = args.max_staleness
     if args.partial_rollouts:
         rollout["partial_rollouts"] = True
+    if args.batch_invariant:
+        rollout["batch_invariant"] = True
     try:
         prompts = toy_prompts(256, seed=0)
-        config = toy_grpo_config(str(output), args.steps)  # fp32 on both sides: logprobs match (sampling/*)
+        config = toy_grpo_config(str(output), args.steps)  # the same dtype on both sides: logprobs match (sampling/*)
         log = RewardLog()
         trainer = RolloutGRPOTrainer(
-            model=tiny_model(0),
+            model=tiny_model(0, dtype=dtype),
             reward_funcs=letter_reward,
             args=config,
             train_dataset=Dataset.from_dict({"prompt": prompts}),
@@ -194,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         setup = "worker start included"
     print(f"\nmean reward, first 5 steps: {first:.3f}; last 5 steps: {last:.3f} ({elapsed:.0f} s, {setup})")
+    steps = [entry for entry in trainer.state.log_history if "sampling/sampling_logp_difference/max" in entry]
+    if steps:  # TRL's own comparison of rollout's log-probs with its teacher-forced ones
+        largest = max(entry["sampling/sampling_logp_difference/max"] for entry in steps)
+        low = min(entry["sampling/importance_sampling_ratio/min"] for entry in steps)
+        high = max(entry["sampling/importance_sampling_ratio/max"] for entry in steps)
+        print(
+            f"TRL's largest |sampling - trainer| log-prob difference: {largest:.3g}; importance ratio {low:.6g}..{high:.6g}"
+        )
     print(f"plot: {output / 'reward.png'}")
     return 0 if last > first else 1
 

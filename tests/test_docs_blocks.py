@@ -56,6 +56,11 @@ SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
     "python -m pytest -q -n 2 --dist loadfile": ("the suite itself", ".ci/run", None),
     "mkdocs build --strict": ("the site's strict build", ".ci/run", None),
     "python examples/grpo_toy.py": ("the main job, 45 s", "tests/test_trl.py", "grpo_toy.py"),
+    "python examples/grpo_toy.py --bf16 --batch-invariant --steps 3": (
+        "the main job in bf16, bit for bit; its colocated run is tested",
+        "tests/test_trl_batch_invariant.py",
+        "--batch-invariant",
+    ),
     "python examples/agent_trl.py": (
         "12 GRPO steps with tools, 25 s",
         "tests/test_trl_agentic_modes.py",

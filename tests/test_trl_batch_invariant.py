@@ -114,3 +114,19 @@ def test_a_head_in_another_dtype_and_merged_adapters_are_refused_by_name(tmp_pat
         )
     with pytest.raises(FieldError, match="peft_merge"):
         ColocatedEngine(tiny_model(0), ContinuousBatchingConfig(batch_invariant=True, num_blocks=16), peft_merge=True)
+
+
+def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys):
+    """`python examples/grpo_toy.py --colocate --bf16 --batch-invariant`: TRL's own figures, as the example prints
+    them, say the rollout's log-probs are the trainer's."""
+    import importlib.util
+    import re
+
+    from test_trl import REPO
+
+    spec = importlib.util.spec_from_file_location("grpo_toy_invariant", REPO / "examples" / "grpo_toy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--steps", "2", "--output-dir", str(tmp_path), "--colocate", "--bf16", "--batch-invariant"])
+    line = re.search(r"log-prob difference: (\S+); importance ratio (\S+)\.\.(\S+)", capsys.readouterr().out)
+    assert line is not None and [float(value) for value in line.groups()] == [0.0, 1.0, 1.0], line
