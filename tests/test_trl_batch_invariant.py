@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollout import ContinuousBatchingConfig, FieldError
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.presets import tiny_model
 from service_helpers import Worker
@@ -82,6 +83,10 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
     [
         ({"rollout_mode": "colocate", "routing_replay": True}, "routing_replay"),
         ({"rollout_mode": "colocate", "batch_invariant": 1}, "must be a bool"),
+        (
+            {"rollout_mode": "colocate", "rollout_engine_config": ContinuousBatchingConfig(fp32_logits=True)},
+            "fp32_logits .True. must equal GRPOConfig.cast_lm_head_to_fp32 .False.",
+        ),
     ],
 )
 def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
@@ -97,21 +102,9 @@ def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
         )
 
 
-def test_a_head_in_another_dtype_and_merged_adapters_are_refused_by_name(tmp_path):
-    from rollout import ContinuousBatchingConfig, FieldError
+def test_merged_adapters_are_refused_by_name():
     from trainer_bridge.colocated import ColocatedEngine
 
-    with pytest.raises(ValueError, match="fp32_logits .True. must equal GRPOConfig.cast_lm_head_to_fp32 .False."):
-        RolloutGRPOTrainer(
-            model=tiny_model(0),
-            reward_funcs=id_reward,
-            args=grpo_config(tmp_path),
-            train_dataset=dataset(),
-            processing_class=TOKENIZER,
-            rollout_mode="colocate",
-            rollout_engine_config=ContinuousBatchingConfig(fp32_logits=True),
-            batch_invariant=True,
-        )
     with pytest.raises(FieldError, match="peft_merge"):
         ColocatedEngine(tiny_model(0), ContinuousBatchingConfig(batch_invariant=True, num_blocks=16), peft_merge=True)
 
