@@ -89,7 +89,8 @@ def attend_invariant(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Batch-invariant attention (module docstring); the engine's paged attention calls it too, with its keys
-    gathered from the cache.
+    gathered from the cache. On a GPU one Triton kernel computes it (`triton_attention.py`; its backward is this
+    module's PyTorch arithmetic's), on the CPU PyTorch does.
 
     Args:
         query: (batch, heads, queries, head_dim).
@@ -102,10 +103,54 @@ def attend_invariant(
     Returns:
         (batch, heads, queries, head_dim) in `query`'s dtype.
     """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if not query.is_cuda:
+        return attend_in_torch(query, key, value, allowed, start, scaling, softcap)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _KernelAttention.apply(query, key, value, allowed, start, scaling, softcap)
+    return _attend_in_triton(query, key, value, allowed, start, scaling, softcap)
+
+
+def _attend_in_triton(query, key, value, allowed, start, scaling, softcap) -> torch.Tensor:  # noqa: ANN001
+    from rollout.invariant.triton_attention import attend_invariant_triton  # Triton only where there is a GPU
+
+    return attend_invariant_triton(query, key, value, allowed, start, scaling, softcap, QUERY_TILE, KEY_BLOCK)
+
+
+class _KernelAttention(torch.autograd.Function):
+    """The Triton kernel's forward; the backward of the same arithmetic in PyTorch (recomputed: the gradient need
+    not be invariant, as for `invariant_linear`)."""
+
+    @staticmethod
+    def forward(ctx: Any, query, key, value, allowed, start, scaling, softcap) -> torch.Tensor:  # noqa: ANN001
+        ctx.save_for_backward(query, key, value, allowed, start)
+        ctx.scaling, ctx.softcap = scaling, softcap
+        return _attend_in_triton(query, key, value, allowed, start, scaling, softcap)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, allowed, start = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip((query, key, value), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            out = attend_in_torch(*inputs, allowed, start, ctx.scaling, ctx.softcap)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
+
+
+def attend_in_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    start: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`attend_invariant`'s arithmetic in PyTorch (the same arguments; `scaling` given)."""
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[-2]
-    scaling = head_dim**-0.5 if scaling is None else scaling
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
     padded = -(-queries // QUERY_TILE) * QUERY_TILE
     tiles, blocks = padded // QUERY_TILE, aligned // KEY_BLOCK

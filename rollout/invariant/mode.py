@@ -6,7 +6,8 @@ Inside the block:
 - the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
 - a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
 - every `torch.nn.functional.linear` called on this thread (every `nn.Linear`, the output head included) runs as
-  `invariant_linear` (matmul.py), through a `TorchFunctionMode`;
+  `invariant_linear` (matmul.py), through a `TorchFunctionMode`; on a GPU the same mode runs every last-axis mean
+  (an RMSNorm's) and log_softmax as `invariant_mean` / `invariant_log_softmax` (reductions.py);
 - an MoE model's experts run transformers' "eager" implementation (one `F.linear` per expert, which the mode
   tiles) instead of `grouped_mm`, whose result for a token depends on how many tokens its expert got.
 
@@ -31,15 +32,19 @@ from torch.overrides import TorchFunctionMode
 from rollout.invariant.attention import register_invariant_attention
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.positions import add_positions_from_mask
+from rollout.invariant.reductions import invariant_reduction
 
 
 class InvariantLinearMode(TorchFunctionMode):
-    """Runs `torch.nn.functional.linear` as `invariant_linear`; every other function as it is."""
+    """Runs `torch.nn.functional.linear` as `invariant_linear`, and a last-axis mean or log_softmax of a CUDA tensor
+    as `invariant_mean` / `invariant_log_softmax` (reductions.py); every other function as it is."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
-            return invariant_linear(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            return invariant_linear(*args, **kwargs)
+        reduced = invariant_reduction(func, args, kwargs)
+        return func(*args, **kwargs) if reduced is None else reduced
 
 
 def _invariant_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

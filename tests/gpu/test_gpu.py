@@ -322,8 +322,9 @@ def test_overlapped_steps_never_wait_for_the_device():
 
 def test_colocated_sleep_returns_the_cache_and_graphs_come_back():
     """ColocatedEngine on CUDA: sleep() lowers torch.cuda.memory_allocated by at least the KV cache's bytes; the
-    next round wakes the cache, captures its decode graphs again (they read the cache where it was) and generates the
-    same greedy tokens as before the sleep, on the trainer's own fp32 model, which comes back in training mode."""
+    next round wakes the cache, keeps its decode graphs when the cache came back where it was and captures them again
+    when it moved (they read the cache's address), and generates the same greedy tokens as before the sleep, on the
+    trainer's own fp32 model, which comes back in training mode."""
     from rollout import ContinuousBatchingConfig, SamplingParams
     from trainer_bridge import ColocatedEngine, PromptGroup
 
@@ -334,13 +335,14 @@ def test_colocated_sleep_returns_the_cache_and_graphs_come_back():
         first = [[c.token_ids for c in r.completions] for r in engine.generate(groups)]
         graphs = engine.engine.runner.decode_graphs
         assert graphs is not None and graphs.captured  # decode ran through captured graphs
-        cache_bytes = engine.kv_cache_bytes
+        cache_bytes, address = engine.kv_cache_bytes, engine.engine.kv_cache.kv.data_ptr()
         torch.cuda.synchronize()
         awake = torch.cuda.memory_allocated()
         engine.sleep()
         torch.cuda.synchronize()
         assert awake - torch.cuda.memory_allocated() >= cache_bytes
-        assert not graphs.captured
         again = [[c.token_ids for c in r.completions] for r in engine.generate(groups)]
         assert again == first and graphs.captured
+        moved = engine.engine.kv_cache.kv.data_ptr() != address
+        assert engine.graph_releases == int(moved)
         assert model.training

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rollout.invariant.mode import batch_invariant
+from rollout.invariant.reductions import invariant_log_softmax
 
 # TRL's keyword arguments that carry images (refused by name: the invariant forward is for text models).
 IMAGE_ARGUMENTS = (
@@ -70,7 +71,7 @@ def invariant_logps_and_entropies(
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             logits = model(input_ids=ids, attention_mask=mask).logits[:, -logits_to_keep - 1 : -1]
-            log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+            log_probs = invariant_log_softmax(logits.float() / temperature)
             completion = ids[:, -logits_to_keep:]
             logps.append(log_probs.gather(-1, completion.unsqueeze(-1)).squeeze(-1))
             if compute_entropy:

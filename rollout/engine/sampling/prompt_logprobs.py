@@ -40,6 +40,7 @@ from rollout.engine.lora.layers import LoraStepState
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.invariant.mode import InvariantLinearMode
+from rollout.invariant.reductions import invariant_log_softmax
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class PromptScorer:
             with InvariantLinearMode() if self.batch_invariant else contextlib.nullcontext():
                 logits = self.logits(hidden.index_select(0, rows[begin : begin + step]), rows[begin : begin + step])
             if self.batch_invariant:
-                logits, normalizer = torch.log_softmax(logits, -1), torch.zeros((), device=device)
+                logits, normalizer = invariant_log_softmax(logits), torch.zeros((), device=device)
             else:
                 normalizer = torch.logsumexp(logits, -1, keepdim=True)
             target_logits = logits.gather(1, targets[begin : begin + step])

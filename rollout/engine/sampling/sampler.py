@@ -15,6 +15,7 @@ from rollout.engine.sampling.pending_samples import PendingSamples, row_faults
 from rollout.engine.sampling.slot_columns import SlotColumns
 from rollout.engine.sampling.slots import SamplingSlots
 from rollout.engine.sampling.warpers import candidate_width, warp, warp_candidates
+from rollout.invariant.reductions import invariant_log_softmax
 
 __all__ = ["Sampler"]
 
@@ -207,7 +208,7 @@ class Sampler:
             from_candidates = (columns.int("use_processed") * (1 - columns.int("greedy"))).bool()
         source = self._logprob_source(raw, scores, columns)
         if self.batch_invariant:
-            source, lse = torch.log_softmax(source, dim=-1), 0.0
+            source, lse = invariant_log_softmax(source), 0.0
         else:
             lse = source.logsumexp(dim=-1, keepdim=True)
         full_chosen = (source.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)

@@ -1,0 +1,160 @@
+"""`attend_invariant` on a GPU: one Triton kernel computing attention.py's arithmetic with fixed tiles.
+
+Each program takes one tile of `QUERY_TILE` queries of one head of one row and walks that row's keys in blocks of
+`KEY_BLOCK` counted from the row's first key, in order, twice: first for the scores' maximum (exact in any order),
+then for each block's sum of exp and its weighted values ((QUERY_TILE, head_dim) x (head_dim, KEY_BLOCK) and
+(QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim) products in fp32), added block after block. A query's result depends
+on its own row's keys only: not on the batch, the padding, the other queries of its tile or the GPU's occupancy
+(cuBLAS's batched matmuls, which the PyTorch version of the same arithmetic uses, pick kernels by the batch's shape).
+Runs in Triton's interpreter on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NUM_WARPS = 4
+
+
+@triton.jit
+def _block_scores(
+    q,
+    k_ptr,
+    allowed_ptr,
+    keys,
+    first,
+    block,
+    query,
+    dims,
+    head_dim,
+    scaling,
+    softcap,
+    stride_kn,
+    stride_kd,
+    stride_am,
+    stride_an,
+    queries,
+    KEY_BLOCK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """One key block's scores for the query tile (masked keys at -inf), and the block's key indices."""
+    key = first + block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
+    inside = key < keys
+    k = tl.load(
+        k_ptr + key[None, :] * stride_kn + dims[:, None] * stride_kd,
+        mask=inside[None, :] & (dims[:, None] < head_dim),
+        other=0.0,
+    ).to(tl.float32)
+    scores = tl.dot(q, k, input_precision="ieee") * scaling
+    if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1)
+        scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
+    seen = tl.load(
+        allowed_ptr + query[:, None] * stride_am + key[None, :] * stride_an,
+        mask=(query[:, None] < queries) & inside[None, :],
+        other=0,
+    )
+    return tl.where(seen != 0, scores, float("-inf")), key, inside
+
+
+@triton.jit
+def invariant_attention_kernel(
+    q_ptr, k_ptr, v_ptr, allowed_ptr, start_ptr, out_ptr,
+    queries, keys, heads_per_kv, head_dim, scaling, softcap,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ab, stride_am, stride_an,
+    stride_ob, stride_oh, stride_om, stride_od,
+    QUERY_TILE: tl.constexpr, KEY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_START: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout."""
+    tile, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    kv_head = head // heads_per_kv
+    query = tile * QUERY_TILE + tl.arange(0, QUERY_TILE)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + row * stride_qb + head * stride_qh + query[:, None] * stride_qm + dims[None, :] * stride_qd,
+        mask=(query[:, None] < queries) & (dims[None, :] < head_dim),
+        other=0.0,
+    ).to(tl.float32)
+    first = tl.load(start_ptr + row) if HAS_START else 0
+    blocks = tl.cdiv(keys - first, KEY_BLOCK)
+    k_row = k_ptr + row * stride_kb + kv_head * stride_kh
+    v_row = v_ptr + row * stride_vb + kv_head * stride_vh
+    allowed_row = allowed_ptr + row * stride_ab
+    peak = tl.full((QUERY_TILE,), float("-inf"), dtype=tl.float32)
+    for block in range(0, blocks):
+        scores, _, _ = _block_scores(q, k_row, allowed_row, keys, first, block, query, dims, head_dim, scaling,
+                                     softcap, stride_kn, stride_kd, stride_am, stride_an, queries, KEY_BLOCK,
+                                     HAS_SOFTCAP)  # fmt: skip
+        peak = tl.maximum(peak, tl.max(scores, axis=1))
+    shift = tl.where(peak > float("-inf"), peak, 0.0)
+    total = tl.zeros((QUERY_TILE,), dtype=tl.float32)
+    out = tl.zeros((QUERY_TILE, HEAD_DIM), dtype=tl.float32)
+    for block in range(0, blocks):  # in order: the same additions whatever comes after the row's keys
+        scores, key, inside = _block_scores(q, k_row, allowed_row, keys, first, block, query, dims, head_dim,
+                                            scaling, softcap, stride_kn, stride_kd, stride_am, stride_an, queries,
+                                            KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
+        weights = tl.exp(scores - shift[:, None])  # a masked key's weight is exactly 0
+        v = tl.load(
+            v_row + key[:, None] * stride_vn + dims[None, :] * stride_vd,
+            mask=inside[:, None] & (dims[None, :] < head_dim),
+            other=0.0,
+        ).to(tl.float32)
+        total += tl.sum(weights, axis=1)
+        out += tl.dot(weights, v, input_precision="ieee")
+    safe = tl.where(total > 0, total, 1.0)
+    out = tl.where(total[:, None] > 0, out / safe[:, None], 0.0)
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + query[:, None] * stride_om + dims[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=(query[:, None] < queries) & (dims[None, :] < head_dim),
+    )
+
+
+def attend_invariant_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    start: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    query_tile: int,
+    key_block: int,
+) -> torch.Tensor:
+    """attention.py's `attend_invariant` arithmetic in one kernel (module docstring); the same arguments.
+
+    Args:
+        query: (batch, heads, queries, head_dim).
+        key, value: (batch, kv_heads, keys, head_dim).
+        allowed: boolean (batch, 1, queries, keys) (broadcast over a size-1 batch).
+        start: (batch,) each row's first key, or None (0 for every row).
+        scaling: the scores' scale.
+        softcap: logit soft-capping, or None.
+        query_tile, key_block: the tile sizes (attention.py's QUERY_TILE and KEY_BLOCK).
+    Returns:
+        (batch, heads, queries, head_dim) in `query`'s dtype.
+    """
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
+    out = torch.empty_like(query)
+    if out.numel() == 0 or keys == 0:
+        return out.zero_()
+    allowed = allowed.expand(batch, 1, queries, keys).view(torch.uint8)
+    starts = start if start is not None else torch.zeros(1, dtype=torch.long, device=query.device)
+    grid = (triton.cdiv(queries, query_tile), heads, batch)
+    invariant_attention_kernel[grid](
+        query, key, value, allowed, starts, out,
+        queries, keys, heads // key.shape[1], head_dim, float(scaling), float(softcap or 1.0),
+        *query.stride(), *key.stride(), *value.stride(),
+        allowed.stride(0), allowed.stride(2), allowed.stride(3),
+        *out.stride(),
+        QUERY_TILE=query_tile, KEY_BLOCK=key_block, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        HAS_START=start is not None, HAS_SOFTCAP=softcap is not None,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

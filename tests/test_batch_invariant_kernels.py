@@ -1,0 +1,147 @@
+"""The GPU halves of `rollout.invariant`'s attention and row reductions (`triton_attention.py`, `triton_rows.py`), run
+in Triton's interpreter on the CPU: each row's result is the same bits whatever else is in the call (other rows, left
+padding with its start, the engine's unpadded layout), close to PyTorch's own arithmetic; the batch-invariant mode
+routes a CUDA tensor's last-axis mean and log_softmax to them; and the kernels compile for sm_90 and sm_80."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import needs_triton_interpreter
+from rollout.invariant import reductions
+from rollout.invariant.attention import KEY_BLOCK, QUERY_TILE, attend_in_torch
+from rollout.invariant.triton_attention import attend_invariant_triton
+from rollout.invariant.triton_rows import row_log_softmax, row_mean
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_reductions_give_a_row_the_same_bits_whatever_the_others(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(70, 2500) * 4).to(dtype)  # rows longer than one 1024-column block
+    for count in (2, 33, 70):
+        assert torch.equal(row_mean(x[:count])[:1], row_mean(x[:1]))
+        assert torch.equal(row_log_softmax(torch.cat([x[1:count], x[:1]]))[-1:], row_log_softmax(x[:1]))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(row_mean(x).float(), x.float().mean(-1), atol=tolerance, rtol=tolerance)
+    expected = torch.log_softmax(x.float(), -1)
+    torch.testing.assert_close(row_log_softmax(x).float(), expected, atol=tolerance * 4, rtol=tolerance)
+    assert row_log_softmax(x).dtype == dtype and row_mean(x[:0]).shape == (0,)
+
+
+def _causal(queries: int, keys: int) -> torch.Tensor:
+    return torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
+
+
+@needs_triton_interpreter
+@pytest.mark.parametrize("head_dim", [32, 40], ids=["dim32", "dim40"])
+def test_attention_kernel_gives_a_sequence_the_same_bits_padded_or_alone(head_dim):
+    """A 70-token sequence attended alone (the engine's layout: keys from 0, start None) and left-padded by 9 in a
+    batch with a longer sequence (TRL's layout, start 9): the same bits, close to the PyTorch version; GQA 4 -> 2."""
+    torch.manual_seed(1)
+    heads, kv_heads, length, pad = 4, 2, 70, 9
+    q, k, v = (torch.randn(1, n, length, head_dim) for n in (heads, kv_heads, kv_heads))
+    alone_allowed = _causal(length, length)[None, None]
+    alone = attend_invariant_triton(q, k, v, alone_allowed, None, head_dim**-0.5, None, QUERY_TILE, KEY_BLOCK)
+
+    other_q, other_k, other_v = (torch.randn(1, n, length + pad, head_dim) for n in (heads, kv_heads, kv_heads))
+    batch_q, batch_k, batch_v = (
+        torch.cat([torch.nn.functional.pad(t, (0, 0, pad, 0)), o])
+        for t, o in ((q, other_q), (k, other_k), (v, other_v))
+    )
+    allowed = _causal(length + pad, length + pad)[None, None].repeat(2, 1, 1, 1)
+    allowed[0, :, :, :pad] = False  # the left padding is seen by nobody
+    start = torch.tensor([pad, 0])
+    batch = attend_invariant_triton(
+        batch_q, batch_k, batch_v, allowed, start, head_dim**-0.5, None, QUERY_TILE, KEY_BLOCK
+    )
+    assert torch.equal(batch[:1, :, pad:], alone)
+    reference = attend_in_torch(q, k, v, alone_allowed, None, head_dim**-0.5)
+    torch.testing.assert_close(alone, reference, atol=1e-5, rtol=1e-5)
+    # Decoding the last token alone against the same keys: its row again.
+    last = attend_invariant_triton(
+        q[:, :, -1:], k, v, alone_allowed[:, :, -1:], None, head_dim**-0.5, None, QUERY_TILE, KEY_BLOCK
+    )
+    assert torch.equal(last, alone[:, :, -1:])
+
+
+@needs_triton_interpreter
+def test_the_mode_routes_a_cuda_tensors_last_axis_reductions_to_the_kernels(monkeypatch):
+    """`invariant_reduction` (what the batch-invariant mode calls) with CPU tensors standing in for CUDA ones: a
+    last-axis mean / log_softmax, however spelled, takes the kernels; another axis or a dtype argument does not."""
+    monkeypatch.setattr(reductions, "on_kernel_device", lambda x: True)
+    x = torch.randn(5, 3, 1100, requires_grad=True)
+    cases = [
+        (torch.mean, (x, -1), {"keepdim": True}, row_mean(x.detach()).unsqueeze(-1)),
+        (torch.Tensor.mean, (x, [2]), {}, row_mean(x.detach())),
+        (torch.nn.functional.log_softmax, (x,), {"dim": -1}, row_log_softmax(x.detach())),
+        (torch.log_softmax, (x, 2), {}, row_log_softmax(x.detach())),
+    ]
+    for func, args, kwargs, expected in cases:
+        got = reductions.invariant_reduction(func, args, kwargs)
+        assert torch.equal(got.detach(), expected), func
+    for func, args, kwargs in [
+        (torch.mean, (x, 0), {}),
+        (torch.Tensor.mean, (x,), {}),
+        (torch.log_softmax, (x, -1, torch.float64), {}),
+        (torch.nn.functional.log_softmax, (x, -1, 3, torch.float64), {}),
+        (torch.sum, (x, -1), {}),
+    ]:
+        assert reductions.invariant_reduction(func, args, kwargs) is None, (func, args)
+    # The backward is the ordinary one.
+    reductions.invariant_log_softmax(x).logsumexp(-1).sum().backward()
+    expected_grad = torch.autograd.grad(torch.log_softmax(x, -1).logsumexp(-1).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
+COMPILE = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rollout.invariant import triton_attention as ta, triton_rows as tr
+results = []
+for dtype in ("bf16", "fp32"):
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "allowed_ptr": "u8", "start_ptr": "i64",
+                "out_ptr": dtype}
+    signature = {name: "*" + kind for name, kind in pointers.items()}
+    signature.update({name: "i32" for name in ("queries", "keys", "heads_per_kv", "head_dim")})
+    signature.update({"scaling": "fp32", "softcap": "fp32"})
+    strides = [f"stride_{t}{a}" for t in "qkv" for a in ("b", "h", "m" if t == "q" else "n", "d")]
+    strides += ["stride_ab", "stride_am", "stride_an", "stride_ob", "stride_oh", "stride_om", "stride_od"]
+    signature.update({name: "i32" for name in strides})
+    constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_START": True, "HAS_SOFTCAP": True}
+    signature.update({name: "constexpr" for name in constants})
+    rows = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "columns": "i32", "stride_row": "i32",
+            "BLOCK": "constexpr"}
+    softmax = dict(rows, stride_out="i32")
+    for arch in (90, 80):
+        for name, kernel, sig, const, warps in (
+            ("attention", ta.invariant_attention_kernel, signature, constants, ta.NUM_WARPS),
+            ("mean", tr.row_mean_kernel, rows, {"BLOCK": tr.BLOCK}, tr.NUM_WARPS),
+            ("log_softmax", tr.row_log_softmax_kernel, softmax, {"BLOCK": tr.BLOCK}, tr.NUM_WARPS),
+        ):
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": warps})
+            results.append([name, dtype, arch, compiled.metadata.shared, "cubin" in compiled.asm])
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's ptxas ships for Linux")
+def test_the_kernels_compile_for_hopper_and_ampere(tmp_path):
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=environment, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 12
+    for name, dtype, arch, shared, has_cubin in results:
+        assert has_cubin and shared <= 232448, (name, dtype, arch, shared)
