@@ -25,6 +25,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout.invariant.reductions import on_kernel_device
+
 ATTENTION_NAME = "rollout_invariant"
 QUERY_TILE = 16
 KEY_BLOCK = 64
@@ -104,7 +106,7 @@ def attend_invariant(
         (batch, heads, queries, head_dim) in `query`'s dtype.
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if not query.is_cuda:
+    if not on_kernel_device(query):
         return attend_in_torch(query, key, value, allowed, start, scaling, softcap)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _KernelAttention.apply(query, key, value, allowed, start, scaling, softcap)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rollout.invariant.reductions import on_kernel_device
+
 ROW_TILE = 16
 K_CHUNK = 256
 
@@ -25,7 +27,7 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     count, features = rows.shape
     if count == 0:  # a step that keeps no row's logits
         return rows.new_empty(0, weight.shape[0])
-    if rows.is_cuda:  # one fixed-tile Triton kernel (triton_matmul.py): cuBLAS picks kernels by shape
+    if on_kernel_device(rows):  # one fixed-tile Triton kernel (triton_matmul.py): cuBLAS picks kernels by shape
         from rollout.invariant.triton_matmul import invariant_matmul
 
         return invariant_matmul(rows, weight)

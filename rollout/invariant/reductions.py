@@ -8,14 +8,18 @@ backward is the ordinary one (correct, not itself invariant), as for `invariant_
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+# Tests only: with Triton's interpreter on, CPU tensors take the GPU kernels too (the GPU's arithmetic, on a CPU).
+KERNELS_ON_CPU = os.environ.get("ROLLOUT_INVARIANT_KERNELS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def on_kernel_device(x: torch.Tensor) -> bool:
-    """Whether `x` takes the Triton kernels: a floating CUDA tensor."""
-    return x.is_cuda and x.is_floating_point()
+    """Whether `x` takes the Triton kernels: a floating CUDA tensor (or a CPU one, with `KERNELS_ON_CPU`)."""
+    return (x.is_cuda or (KERNELS_ON_CPU and x.device.type == "cpu")) and x.is_floating_point()
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
