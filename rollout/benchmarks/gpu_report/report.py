@@ -10,10 +10,10 @@ the headline first:
   baseline-generate-batch  transformers' generate_batch on the same workload, stopping at its own time limit
   baseline-generate        transformers' generate (one static batch), with what is left (stopping likewise)
   grpo-step-nano           colocated GRPO steps on the Qwen3-0.6B architecture, peak memory, what sleep() frees
-  kernel-tests             tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured
   weights                  a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over ZeroMQ frames and
                            shared memory: GB/s, commit pause, pause beyond the copy
   gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
+  kernel-tests             tests/test_triton_attention.py and tests/test_cuda_graphs.py, compiled and captured
   grpo, grpo-step, overlap, structured
                            GRPO groups; the main job's steps against TRL's paths; overlapped scheduling off;
                            structured outputs on the GPU
