@@ -6,7 +6,9 @@ through it:
 - `positions.py`: position ids numbered from each row's first unmasked token (left padding shifts nothing);
 - `matmul.py`: `invariant_linear`, every projection issued as matmuls of one fixed row-tile shape (on a GPU:
   `triton_matmul.py`, one Triton kernel of fixed tiles);
+- `reductions.py`: the RMSNorm's last-axis mean and the log-probs' log_softmax, each row reduced alone (on a GPU:
+  `triton_rows.py`);
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked
-  token, the softmax's sums taken block by block in order;
-- `mode.py`: `batch_invariant(model)`, the context manager that turns the three on for one model.
+  token, the softmax's sums taken block by block in order (on a GPU: `triton_attention.py`);
+- `mode.py`: `batch_invariant(model)`, the context manager that turns them on for one model.
 """
