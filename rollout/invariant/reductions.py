@@ -17,9 +17,13 @@ import torch
 KERNELS_ON_CPU = os.environ.get("ROLLOUT_INVARIANT_KERNELS_ON_CPU") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The kernels accumulate in fp32: a float64 tensor keeps torch's own (float64) reductions.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def on_kernel_device(x: torch.Tensor) -> bool:
-    """Whether `x` takes the Triton kernels: a floating CUDA tensor (or a CPU one, with `KERNELS_ON_CPU`)."""
-    return (x.is_cuda or (KERNELS_ON_CPU and x.device.type == "cpu")) and x.is_floating_point()
+    """Whether `x` takes the Triton kernels: an fp32/bf16/fp16 CUDA tensor (or a CPU one, with `KERNELS_ON_CPU`)."""
+    return (x.is_cuda or (KERNELS_ON_CPU and x.device.type == "cpu")) and x.dtype in KERNEL_DTYPES
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
