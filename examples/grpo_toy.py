@@ -213,8 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         largest = max(entry["sampling/sampling_logp_difference/max"] for entry in steps)
         low = min(entry["sampling/importance_sampling_ratio/min"] for entry in steps)
         high = max(entry["sampling/importance_sampling_ratio/max"] for entry in steps)
+        # With batch_invariant the trainer skips TRL's old-policy forward at lag 0 (the rollout's log-probs are its
+        # values, bit for bit): then TRL compares the rollout's log-probs with themselves, and says nothing more.
+        skipped = sum(entry.get("rollout/old_logps_forward_skipped", 0.0) for entry in steps)
+        note = f" (old-policy forward skipped at {skipped:.0f} of {len(steps)} steps)" if skipped else ""
         print(
-            f"TRL's largest |sampling - trainer| log-prob difference: {largest:.3g}; importance ratio {low:.6g}..{high:.6g}"
+            f"TRL's largest |sampling - trainer| log-prob difference: {largest:.3g}; importance ratio "
+            f"{low:.6g}..{high:.6g}{note}"
         )
     print(f"plot: {output / 'reward.png'}")
     return 0 if last > first else 1

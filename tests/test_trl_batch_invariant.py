@@ -14,7 +14,8 @@ from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.presets import tiny_model
 from service_helpers import Worker
 from test_trl import IS_METRICS, TOKENIZER, train_logs
-from trainer_bridge.trl import RolloutGRPOTrainer
+from trainer_bridge.trl import RolloutGRPOTrainer, invariant_logps, old_logps
+from trainer_bridge.trl import trainer as trainer_module
 from trl_helpers import dataset, grpo_config, id_reward
 
 DIFFERENCE = "sampling/sampling_logp_difference/max"
@@ -55,9 +56,40 @@ def assert_bit_for_bit(logs: list[dict]) -> None:
     assert logs[0]["grad_norm"] > 0
 
 
-@pytest.mark.timeout(240)
-def test_trls_importance_ratio_is_exactly_one_in_bf16(tmp_path):
-    assert_bit_for_bit(run(tmp_path / "invariant", batch_invariant=True))
+SKIPPED = "rollout/old_logps_forward_skipped"
+
+
+@pytest.mark.timeout(300)
+def test_trls_importance_ratio_is_exactly_one_in_bf16(tmp_path, monkeypatch):
+    """With TRL's old-policy forward run (the skip made unverifiable), TRL's own metrics say bit for bit. Skipped
+    (the default): one invariant forward fewer per step, and what replaces it equals that forward, bit for bit."""
+    forwards, replaced = [], []
+    forward = invariant_logps.invariant_logps_and_entropies
+    recorded = old_logps.recorded_old_logps
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return forward(*args, **kwargs)
+
+    def checked(trainer, *args, **kwargs):  # the recorded values against the forward they replace
+        found = recorded(trainer, *args, **kwargs)
+        if found is not None:
+            replaced.append(torch.equal(found, forward(trainer, *args, **kwargs)[0]))
+        return found
+
+    monkeypatch.setattr(trainer_module, "invariant_logps_and_entropies", counted)
+    monkeypatch.setattr(trainer_module, "recorded_old_logps", checked)
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ())
+    with_forward = run(tmp_path / "forward", batch_invariant=True)
+    assert_bit_for_bit(with_forward)
+    assert all(entry[SKIPPED] == 0.0 for entry in with_forward) and not replaced
+    forwards_with, forwards[:] = len(forwards), []
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ("cpu",))
+    skipped = run(tmp_path / "skipped", batch_invariant=True)
+    assert_bit_for_bit(skipped)
+    assert all(entry[SKIPPED] == 1.0 for entry in skipped)
+    assert replaced == [True, True]  # one old-policy forward per step, two steps
+    assert len(forwards) == forwards_with - 2
     ordinary = run(tmp_path / "ordinary", batch_invariant=False)
     # The ordinary engine and TRL's fused head: 0.095 with 2 threads, 1.9e-6 with 1 (as under pytest -n 2).
     assert ordinary[0][DIFFERENCE] > 0.0
@@ -109,9 +141,11 @@ def test_merged_adapters_are_refused_by_name():
         ColocatedEngine(tiny_model(0), ContinuousBatchingConfig(batch_invariant=True, num_blocks=16), peft_merge=True)
 
 
-def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys):
+def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, monkeypatch):
     """`python examples/grpo_toy.py --colocate --bf16 --batch-invariant`: TRL's own figures, as the example prints
-    them, say the rollout's log-probs are the trainer's."""
+    them, say the rollout's log-probs are the trainer's (with TRL's old-policy forward run: skipped, it would compare
+    the rollout's log-probs with themselves)."""
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ())
     import importlib.util
     import re
 

@@ -152,7 +152,8 @@ def build_parser() -> CliParser:
         choices=grpo_step.SYSTEMS + grpo_step.EXTRA_SYSTEMS,
         default=None,
         help="systems to run (default: the first four; rollout_colocate_no_is: colocated without TRL's "
-        "importance-sampling forward)",
+        "importance-sampling forward; rollout_colocate_invariant: colocated with batch_invariant=True, that forward "
+        "skipped)",
     )
     gs.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     gs.add_argument(

@@ -228,16 +228,13 @@ class AsyncRolloutGeneration(RolloutGeneration):
         for name, value in values.items():
             self.trainer._metrics[mode][name].append(value)  # noqa: SLF001 - TRL's metric store
 
-    def _log_lag(self, completions: list) -> None:
-        super()._log_lag(completions)
-        step, counts, total = self.trainer.state.global_step, [0] * (self.max_staleness + 1), 0
-        for completion in completions:
-            runs = completion.policy_versions + [[None, len(completion.token_ids)]]
-            for (version, first), (_, end) in zip(runs, runs[1:]):
-                lag = step - (version - self.base_version)
-                if 0 <= lag <= self.max_staleness:
-                    counts[lag] += end - first
-                total += end - first
+    def _log_lag(self, row_lags: list[list[int]]) -> None:
+        super()._log_lag(row_lags)
+        counts, total = [0] * (self.max_staleness + 1), 0
+        for lag in (lag for row in row_lags for lag in row):
+            if 0 <= lag <= self.max_staleness:
+                counts[lag] += 1
+            total += 1
         if total:
             self._log({f"rollout/policy_lag_{lag}": count / total for lag, count in enumerate(counts)})
 

@@ -13,6 +13,7 @@ from trl import GRPOTrainer
 
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
+from trainer_bridge.trl.old_logps import SampledRound
 from trainer_bridge.weights.lora_push import served_adapter_name
 from trainer_bridge.weights.weight_sync import push_weights
 
@@ -56,6 +57,8 @@ class RolloutGeneration:
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
         # The last round's completions in row order when they carry MoE routes (routing replay), else None.
         self.last_routed: list[Any] | None = None
+        # The last round's lag-0 rows and their log-probs (batch_invariant skips TRL's old-policy forward with them).
+        self.last_round: SampledRound | None = None
 
     def _next_version(self) -> int:
         """The version of the weights a sync makes current: base + global step, and after the first sync always
@@ -113,8 +116,10 @@ class RolloutGeneration:
         for completion in ordered:
             if completion.finish_reason not in ("stop", "length"):
                 raise RolloutError(completion.finish_reason, completion.error or "a completion did not finish")
-        self._log_lag(ordered)
+        lags = [self.token_lags(completion) for completion in ordered]
+        self._log_lag(lags)
         self.last_routed = ordered if settings.get("return_routes") else None
+        self.last_round = SampledRound.of(prompt_ids, ordered, lags)
         return RolloutRows(
             [c.token_ids for c in ordered],
             [c.logprobs for c in ordered],
@@ -137,14 +142,18 @@ class RolloutGeneration:
                 rows = self.generate_rows(prompts)
         return prompts, rows.completion_ids, [[[lp] for lp in logprobs] for logprobs in rows.logprobs], None
 
-    def _log_lag(self, completions: list) -> None:
-        """Policy lag per token: trainer step now - the step whose weights sampled the token (this rank's rows)."""
+    def token_lags(self, completion: Any) -> list[int]:
+        """Each token's policy lag: the trainer's step now - the step whose weights sampled the token."""
         step = self.trainer.state.global_step
+        runs = completion.policy_versions + [[None, len(completion.token_ids)]]
         lags: list[int] = []
-        for completion in completions:
-            runs = completion.policy_versions + [[None, len(completion.token_ids)]]
-            for (version, first), (_, end) in zip(runs, runs[1:]):
-                lags += [step - (version - self.base_version)] * (end - first)
+        for (version, first), (_, end) in zip(runs, runs[1:]):
+            lags += [step - (version - self.base_version)] * (end - first)
+        return lags
+
+    def _log_lag(self, row_lags: list[list[int]]) -> None:
+        """The rows' policy lag per token, mean and max (this rank's rows)."""
+        lags = [lag for row in row_lags for lag in row]
         if lags:
             mode = "train" if self.trainer.model.training else "eval"
             self.trainer._metrics[mode]["rollout/policy_lag_mean"].append(sum(lags) / len(lags))

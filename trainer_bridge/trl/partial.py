@@ -29,6 +29,7 @@ from trainer_bridge.partial_rounds import PartialRounds
 from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
 from trainer_bridge.trl.generation import RolloutRows
+from trainer_bridge.trl.old_logps import SampledRound
 
 GroupKey = tuple[int, int, int]  # (epoch, index of its batch in the epoch's stream, index of the group in the batch)
 
@@ -105,8 +106,10 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         self._stash = None
         if [list(p) for p in prompt_ids] != prompts or sampling:
             raise RuntimeError("TRL generated other rows than the partial rollout round handed it")
-        self._log_lag(completions)
+        lags = [self.token_lags(completion) for completion in completions]
+        self._log_lag(lags)
         self.last_routed = completions if self.sampling.get("return_routes") else None
+        self.last_round = SampledRound.of(prompts, completions, lags)
         return RolloutRows(
             [c.token_ids for c in completions],
             [c.logprobs for c in completions],

@@ -46,6 +46,7 @@ from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
 from trainer_bridge.trl.invariant_logps import invariant_logps_and_entropies
+from trainer_bridge.trl.old_logps import recorded_old_logps
 from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
 from trainer_bridge.trl.settings import check_batch_invariant, check_mode, check_staleness, check_tool_loop
 
@@ -242,8 +243,12 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             return super().training_step(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's; with batch_invariant, the engine's expression on an invariant forward (`invariant_logps`)."""
+        """TRL's; with batch_invariant, the engine's expression on an invariant forward (`invariant_logps`), and
+        TRL's old-policy forward skipped where the sampled round's log-probs are its values (`old_logps`)."""
         if self.batch_invariant:
+            recorded = recorded_old_logps(self, *args, **kwargs)
+            if recorded is not None:
+                return recorded, None, None
             return invariant_logps_and_entropies(self, *args, **kwargs)
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 

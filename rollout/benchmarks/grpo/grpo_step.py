@@ -39,8 +39,9 @@ from typing import Any
 SYSTEMS = ("rollout_colocate", "rollout_server", "trl_generate", "trl_generate_batch")
 # Also measurable (not run by default): rollout_colocate without TRL's importance-sampling correction, whose extra
 # no-grad forward over every completion (old_per_token_logps, which TRL's vLLM path always computes) is most of
-# what a colocated step's training part costs beyond TRL's plain `generate` path.
-EXTRA_SYSTEMS = ("rollout_colocate_no_is",)
+# what a colocated step's training part costs beyond TRL's plain `generate` path; and rollout_colocate with
+# `batch_invariant=True`, which keeps the correction and skips that forward (its values are the rollout's, bit for bit).
+EXTRA_SYSTEMS = ("rollout_colocate_no_is", "rollout_colocate_invariant")
 STEPS, WARMUP_STEPS = 5, 2
 KV_BLOCKS = 512  # the main job's worker cache (512 blocks of 16 tokens), for both rollout systems
 # Policy shapes: the main job's tiny model, or the Qwen3-0.6B architecture in bf16 mixed precision with 256 new

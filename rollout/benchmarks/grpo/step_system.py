@@ -149,6 +149,7 @@ def run_one(
             rollout = dict(rollout_mode="colocate", sleep_between_rounds=True)
             if system == "rollout_colocate_no_is":
                 shape = {**shape, "vllm_importance_sampling_correction": False}
+            rollout["batch_invariant"] = system == "rollout_colocate_invariant"
             rollout["rollout_engine_config"] = ContinuousBatchingConfig(num_blocks=COLOCATED_KV_BLOCKS[model_shape])
         else:
             worker, address = _start_worker(device)

@@ -1,0 +1,110 @@
+"""`RolloutGRPOTrainer(batch_invariant=True)` skips TRL's old-policy forward.
+
+TRL computes the old policy's log-probs with an extra no-grad forward of the whole batch for its importance-sampling
+correction. Under `batch_invariant=True`, a token sampled with the weights the trainer holds now (policy lag 0) has
+a rollout log-prob that *is* that forward's value, bit for bit: the trainer takes it from the round it just sampled
+and skips the forward. A row it cannot vouch for (sampled by older weights, changed after sampling by a tool's
+tokens, not in the round) keeps the forward for the whole batch. Where bit-for-bit equality is not verified (CUDA:
+docs/concepts/logprobs.md), the forward is kept too. Each decision is logged as `rollout/old_logps_forward_skipped`
+(1 or 0), and the first skip and the first refusal are said in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Devices on which the engine's log-probs under batch_invariant=True are verified equal to the trainer's invariant
+# forward bit for bit. Not CUDA yet: on one H200 (2026-11-30) they differed by up to 0.16.
+BITWISE_DEVICES = ("cpu",)
+
+
+@dataclass
+class SampledRound:
+    """The last round's sampling log-probs of rows sampled with the current weights, keyed by (prompt, completion)
+    token ids (equal rows of a group share one entry: equal tokens give equal log-probs)."""
+
+    logprobs: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], completions: list[Any], lags: list[list[int]]) -> SampledRound:
+        """The rows whose every token has lag 0.
+
+        Args:
+            prompts: each row's prompt token ids.
+            completions: each row's completion (`token_ids`, `logprobs`).
+            lags: each row's per-token policy lag.
+        """
+        rows = {}
+        for prompt, completion, row_lags in zip(prompts, completions, lags):
+            if not any(row_lags):
+                rows[(tuple(prompt), tuple(completion.token_ids))] = list(completion.logprobs)
+        return cls(rows)
+
+
+def recorded_old_logps(
+    trainer: Any,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool = False,
+    **_: Any,
+) -> torch.Tensor | None:
+    """The old policy's log-probs from the last sampled round, when this call is TRL's old-policy forward (no grad,
+    the policy model, no entropy) and every row is vouched for; None to run the forward.
+
+    Args:
+        trainer: the RolloutGRPOTrainer (its `rollout.last_round`, `model`, metrics).
+        model, input_ids, attention_mask, logits_to_keep, compute_entropy: GRPOTrainer's
+            `_get_per_token_logps_and_entropies` arguments (prompts left-padded, completions right-padded).
+    Returns:
+        (rows, logits_to_keep) float32 log-probs (0 past each completion's end), or None.
+    """
+    if torch.is_grad_enabled() or compute_entropy or model is not trainer.model:
+        return None  # the loss's forward, an entropy, or the reference model: computed
+    found = _from_round(getattr(trainer.rollout, "last_round", None), input_ids, attention_mask, logits_to_keep)
+    device = input_ids.device.type
+    reason = None
+    if device not in BITWISE_DEVICES:
+        reason, found = f"bit-for-bit equality is not verified on {device} yet", None
+    elif found is None:
+        reason = "some rows were not sampled with the current weights as they are now"
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode]["rollout/old_logps_forward_skipped"].append(0.0 if found is None else 1.0)
+    said = trainer.__dict__.setdefault("_old_logps_said", set())
+    key = "kept" if found is None else "skipped"
+    if key not in said:
+        said.add(key)
+        if found is None:
+            logger.info("batch_invariant: TRL's old-policy forward is run: %s", reason)
+        else:
+            logger.info(
+                "batch_invariant: TRL's old-policy forward is skipped: the rollout's log-probs are its values bit for "
+                "bit (policy lag 0)"
+            )
+    return found
+
+
+def _from_round(
+    round_: SampledRound | None, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
+) -> torch.Tensor | None:
+    """Each row's recorded log-probs laid out as TRL's completions are, or None when a row is not recorded."""
+    if round_ is None or not round_.logprobs:
+        return None
+    ids, mask = input_ids.tolist(), attention_mask.bool().tolist()
+    out = torch.zeros(len(ids), logits_to_keep, dtype=torch.float32)
+    split = len(ids[0]) - logits_to_keep
+    for row, (tokens, visible) in enumerate(zip(ids, mask)):
+        prompt = tuple(t for t, seen in zip(tokens[:split], visible[:split]) if seen)
+        completion = tuple(t for t, seen in zip(tokens[split:], visible[split:]) if seen)
+        logprobs = round_.logprobs.get((prompt, completion))
+        if logprobs is None:
+            return None
+        out[row, : len(logprobs)] = torch.tensor(logprobs, dtype=torch.float32)
+    return out.to(input_ids.device)
