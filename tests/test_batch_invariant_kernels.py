@@ -1,7 +1,8 @@
 """The GPU halves of `rollout.invariant`'s attention and row reductions (`triton_attention.py`, `triton_rows.py`), run
 in Triton's interpreter on the CPU: each row's result is the same bits whatever else is in the call (other rows, left
 padding with its start, the engine's unpadded layout), close to PyTorch's own arithmetic; the batch-invariant mode
-routes a CUDA tensor's last-axis mean and log_softmax to them; and the kernels compile for sm_90 and sm_80."""
+routes a CUDA tensor's last-axis mean and log_softmax to them; the engine and the trainer through all of them agree
+bit for bit; and the kernels compile for sm_90 and sm_80."""
 
 from __future__ import annotations
 
@@ -145,3 +146,55 @@ def test_the_kernels_compile_for_hopper_and_ampere(tmp_path):
     assert len(results) == 12
     for name, dtype, arch, shared, has_cubin in results:
         assert has_cubin and shared <= 232448, (name, dtype, arch, shared)
+
+
+@needs_triton_interpreter
+@pytest.mark.timeout(300)
+def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(monkeypatch):
+    """The GPU's arithmetic on a CPU: with `KERNELS_ON_CPU` every invariant matmul, reduction and attention runs as
+    its Triton kernel (in the interpreter); a bf16 engine's sampled log-probs (chunked prefill, shared prompts, two
+    key blocks) still equal the trainer's invariant forward over TRL's padded layout, bit for bit."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from conftest import run_to_completion
+    from rollout import ContinuousBatchingConfig, SamplingParams
+    from rollout.benchmarks.throughput.fidelity import padded_batch_logprobs, scale_to_entropy
+    from rollout.engine.engine import Engine
+    from rollout.invariant import triton_attention, triton_matmul, triton_rows
+    from trainer_bridge import batch_invariant
+
+    monkeypatch.setattr(reductions, "KERNELS_ON_CPU", True)
+    launched = []
+    for module, name in [
+        (triton_attention, "attend_invariant_triton"),
+        (triton_matmul, "invariant_matmul"),
+        (triton_rows, "row_mean"),
+        (triton_rows, "row_log_softmax"),
+    ]:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _kernel=kernel, _name=name, **k: launched.append(_name) or _kernel(*a, **k)
+        )
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    scale_to_entropy(model, [list(range(3, 40))])
+    trainer = copy.deepcopy(model)
+    engine = Engine(model, ContinuousBatchingConfig(batch_invariant=True, num_blocks=64, max_batch_tokens=32))
+    for index, length in enumerate((30, 66)):
+        prompt = [(7 * j + index) % 128 for j in range(length)]
+        engine.add_request(f"r{index}", prompt, SamplingParams(temperature=1.0, seed=index), n=2, max_new_tokens=4)
+    outputs = run_to_completion(engine)
+    engine.close()
+    samples = [(list(o.prompt_ids), list(o.generated_tokens), torch.tensor(o.logprobs)) for o in outputs.values()]
+    assert len(samples) == 4 and max(len(p) + len(c) for p, c, _ in samples) > KEY_BLOCK
+    with batch_invariant(trainer):
+        reference = padded_batch_logprobs(trainer, [p for p, _, _ in samples], [c for _, c, _ in samples], batch_size=4)
+        for (_, _, ours), theirs in zip(samples, reference):
+            assert torch.equal(ours, theirs)
+    assert set(launched) == {"attend_invariant_triton", "invariant_matmul", "row_mean", "row_log_softmax"}
