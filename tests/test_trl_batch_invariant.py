@@ -157,3 +157,39 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
     module.main(["--steps", "2", "--output-dir", str(tmp_path), "--colocate", "--bf16", "--batch-invariant"])
     line = re.search(r"log-prob difference: (\S+); importance ratio (\S+)\.\.(\S+)", capsys.readouterr().out)
     assert line is not None and [float(value) for value in line.groups()] == [0.0, 1.0, 1.0], line
+
+
+def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
+    """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
+    sampled with older weights, a row not in the round, a rollout on CUDA, the loss's forward (with grad) or the
+    reference model each keep the forward (None), and every decision on the policy is counted in TRL's metrics."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trainer_bridge.trl.old_logps import SampledRound, recorded_old_logps
+
+    policy, reference = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    prompts, completions = [[5, 6], [7]], [[1, 2, 3], [4]]
+    rows = [SimpleNamespace(token_ids=c, logprobs=[-0.5 * (i + 1)] * len(c)) for i, c in enumerate(completions)]
+    # TRL's layout: prompts left-padded to 2, completions right-padded to 3 (pad id 0).
+    ids = torch.tensor([[5, 6, 1, 2, 3], [0, 7, 4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
+
+    def trainer(lags, devices=("cpu",)):
+        rollout = SimpleNamespace(last_round=SampledRound.of(prompts, rows, lags), devices=set(devices))
+        return SimpleNamespace(rollout=rollout, model=policy, _metrics={"train": defaultdict(list)})
+
+    fresh = trainer([[0, 0, 0], [0]])
+    with torch.no_grad():
+        found = recorded_old_logps(fresh, policy, ids, mask, 3)
+        assert torch.equal(found, torch.tensor([[-0.5, -0.5, -0.5], [-1.0, 0.0, 0.0]]))
+        assert recorded_old_logps(fresh, reference, ids, mask, 3) is None
+        assert recorded_old_logps(fresh, policy, ids, mask, 3, compute_entropy=True) is None
+        stale, on_cuda = trainer([[0, 1, 1], [0]]), trainer([[0, 0, 0], [0]], devices=("cuda",))
+        assert recorded_old_logps(stale, policy, ids, mask, 3) is None
+        assert recorded_old_logps(on_cuda, policy, ids, mask, 3) is None
+        assert recorded_old_logps(fresh, policy, torch.tensor([[5, 6, 1, 2, 9], [0, 7, 4, 0, 0]]), mask, 3) is None
+    assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
+    assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
+    assert stale._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
+    assert on_cuda._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]

@@ -34,6 +34,7 @@ class ColocatedGeneration(RolloutGeneration):
         """
         super().__init__(trainer, None, 0)
         self.engine = engine
+        self.devices = {engine.engine.kv_cache.kv.device.type}
         self.sleep_between_rounds = sleep_between_rounds
 
     def sync_weights(self) -> None:

@@ -59,6 +59,8 @@ class RolloutGeneration:
         self.last_routed: list[Any] | None = None
         # The last round's lag-0 rows and their log-probs (batch_invariant skips TRL's old-policy forward with them).
         self.last_round: SampledRound | None = None
+        # Device types the rollout's log-probs are computed on (server mode: the workers'; colocated: the model's).
+        self.devices: set[str] = set()
 
     def _next_version(self) -> int:
         """The version of the weights a sync makes current: base + global step, and after the first sync always

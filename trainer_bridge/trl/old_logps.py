@@ -69,10 +69,11 @@ def recorded_old_logps(
     if torch.is_grad_enabled() or compute_entropy or model is not trainer.model:
         return None  # the loss's forward, an entropy, or the reference model: computed
     found = _from_round(getattr(trainer.rollout, "last_round", None), input_ids, attention_mask, logits_to_keep)
-    device = input_ids.device.type
+    devices = set(getattr(trainer.rollout, "devices", ())) | {input_ids.device.type}  # the rollout's and ours
+    unverified = sorted(devices - set(BITWISE_DEVICES))
     reason = None
-    if device not in BITWISE_DEVICES:
-        reason, found = f"bit-for-bit equality is not verified on {device} yet", None
+    if unverified:
+        reason, found = f"bit-for-bit equality is not verified on {', '.join(unverified)} yet", None
     elif found is None:
         reason = "some rows were not sampled with the current weights as they are now"
     mode = "train" if trainer.model.training else "eval"
