@@ -8,8 +8,10 @@ import gc
 import importlib.metadata
 import importlib.util
 import inspect
+import json
 import os
 import random
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -72,6 +74,19 @@ TRITON_INTERPRETER_PROBLEM = _triton_interpreter_problem()
 needs_triton_interpreter = pytest.mark.skipif(
     TRITON_INTERPRETER_PROBLEM is not None, reason=TRITON_INTERPRETER_PROBLEM or ""
 )
+
+
+def compile_for_gpus(script: str, cache: Path) -> list:
+    """Run `script` (Python that compiles kernels with `triton.compile` for GPU targets and prints a JSON list as
+    its last line) in a subprocess without Triton's interpreter, with `cache` as its Triton cache; that list."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_CACHE_DIR"] = str(cache)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 
 VOCAB = 256
 _COMMON = dict(

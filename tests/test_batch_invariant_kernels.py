@@ -6,15 +6,12 @@ bit for bit; and the kernels compile for sm_90 and sm_80."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import needs_triton_interpreter
+from conftest import compile_for_gpus, needs_triton_interpreter
 from rollout.invariant import reductions
 from rollout.invariant.attention import KEY_BLOCK, QUERY_TILE, attend_in_torch
 from rollout.invariant.triton_attention import attend_invariant_triton
@@ -136,13 +133,7 @@ print(json.dumps(results))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's ptxas ships for Linux")
 def test_the_kernels_compile_for_hopper_and_ampere(tmp_path):
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    environment["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE], env=environment, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = compile_for_gpus(COMPILE, tmp_path)
     assert len(results) == 12
     for name, dtype, arch, shared, has_cubin in results:
         assert has_cubin and shared <= 232448, (name, dtype, arch, shared)

@@ -5,15 +5,12 @@ without a GPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import needs_triton_interpreter
+from conftest import compile_for_gpus, needs_triton_interpreter
 from rollout.invariant.triton_matmul import invariant_matmul
 
 
@@ -56,13 +53,7 @@ print(json.dumps(results))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's ptxas ships for Linux")
 def test_the_kernel_compiles_for_hopper_and_ampere(tmp_path):
-    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    environment["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE], env=environment, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = compile_for_gpus(COMPILE, tmp_path)
     assert sorted((dtype, arch) for dtype, arch, _, _ in results) == sorted(
         (dtype, arch) for dtype in ("bf16", "fp16", "fp32") for arch in (80, 90)
     )
