@@ -161,11 +161,13 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
 
 def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
     """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
-    sampled with older weights, a row not in the round, a rollout on CUDA, the loss's forward (with grad) or the
+    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a trainer under
+    autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward (with grad) or the
     reference model each keep the forward (None), and every decision on the policy is counted in TRL's metrics."""
     from collections import defaultdict
     from types import SimpleNamespace
 
+    from trainer_bridge.trl.generation import RolloutGeneration
     from trainer_bridge.trl.old_logps import SampledRound, recorded_old_logps
 
     policy, reference = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
@@ -175,9 +177,15 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
     ids = torch.tensor([[5, 6, 1, 2, 3], [0, 7, 4, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
 
-    def trainer(lags, devices=("cpu",)):
-        rollout = SimpleNamespace(last_round=SampledRound.of(prompts, rows, lags), devices=set(devices))
-        return SimpleNamespace(rollout=rollout, model=policy, _metrics={"train": defaultdict(list)})
+    def trainer(lags, devices=("cpu",), dtypes=("float32",), beta=0.0, mixed_precision="no"):
+        rollout = SimpleNamespace(
+            last_round=SampledRound.of(prompts, rows, lags), devices=set(devices), dtypes=set(dtypes)
+        )
+        accelerator = SimpleNamespace(num_processes=1, mixed_precision=mixed_precision)
+        metrics = {"train": defaultdict(list)}
+        return SimpleNamespace(
+            rollout=rollout, model=policy, ref_model=None, beta=beta, accelerator=accelerator, _metrics=metrics
+        )
 
     fresh = trainer([[0, 0, 0], [0]])
     with torch.no_grad():
@@ -188,8 +196,17 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         stale, on_cuda = trainer([[0, 1, 1], [0]]), trainer([[0, 0, 0], [0]], devices=("cuda",))
         assert recorded_old_logps(stale, policy, ids, mask, 3) is None
         assert recorded_old_logps(on_cuda, policy, ids, mask, 3) is None
+        for other in ({"dtypes": ("bfloat16",)}, {"mixed_precision": "bf16"}, {"beta": 0.1}):  # PEFT's reference
+            assert recorded_old_logps(trainer([[0, 0, 0], [0]], **other), policy, ids, mask, 3) is None, other
         assert recorded_old_logps(fresh, policy, torch.tensor([[5, 6, 1, 2, 9], [0, 7, 4, 0, 0]]), mask, 3) is None
     assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
     assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
+    # A round sampled with generation_kwargs that change the log-probs (another mode or temperature) is not recorded.
+    generation = SimpleNamespace(trainer=SimpleNamespace(temperature=0.7))
+    assert RolloutGeneration.records_old_logps(generation, {"logprob_mode": "temperature_scaled", "temperature": 0.7})
+    assert not RolloutGeneration.records_old_logps(generation, {"logprob_mode": "processed", "temperature": 0.7})
+    assert not RolloutGeneration.records_old_logps(
+        generation, {"logprob_mode": "temperature_scaled", "temperature": 1.3}
+    )
     assert stale._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
     assert on_cuda._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]

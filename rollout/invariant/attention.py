@@ -106,6 +106,7 @@ def attend_invariant(
         (batch, heads, queries, head_dim) in `query`'s dtype.
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    allowed = allowed.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # a batch-1 mask serves every row
     if not on_kernel_device(query):
         return attend_in_torch(query, key, value, allowed, start, scaling, softcap)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):

@@ -129,7 +129,9 @@ def invariant_reduction(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | 
     if names is None:
         return None
     x = args[0] if args else kwargs.get("input")
-    if not isinstance(x, torch.Tensor) or not on_kernel_device(x):
+    if not isinstance(x, torch.Tensor) or not on_kernel_device(x) or x.ndim == 0 or x.shape[-1] == 0:
+        return None
+    if kwargs.get("out") is not None:  # torch writes into `out`: left to it
         return None
     given = {**dict(zip(names, args[1:])), **kwargs}
     if given.get("dtype") is not None or not _last_axis(given.get("dim"), x.ndim):

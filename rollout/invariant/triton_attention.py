@@ -73,7 +73,7 @@ def invariant_attention_kernel(
     """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout."""
     tile, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     kv_head = head // heads_per_kv
-    query = tile * QUERY_TILE + tl.arange(0, QUERY_TILE)
+    query = tile.to(tl.int64) * QUERY_TILE + tl.arange(0, QUERY_TILE)  # int64: queries x keys may pass 2**31
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
         q_ptr + row * stride_qb + head * stride_qh + query[:, None] * stride_qm + dims[None, :] * stride_qd,
@@ -155,6 +155,6 @@ def attend_invariant_triton(
         *out.stride(),
         QUERY_TILE=query_tile, KEY_BLOCK=key_block, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
         HAS_START=start is not None, HAS_SOFTCAP=softcap is not None,
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,  # every specialization rounds alike (triton_rows.py)
     )  # fmt: skip
     return out

@@ -103,5 +103,6 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
         UPCAST=_INTERPRETED and x.dtype != torch.float32,
         num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
     )
     return out

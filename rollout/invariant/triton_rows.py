@@ -16,6 +16,9 @@ import triton.language as tl
 
 BLOCK = 1024
 NUM_WARPS = 4
+# No multiply-add contraction: Triton compiles a kernel per argument specialization (alignment, sizes of 1), and each
+# must round every operation alike (the same in triton_matmul.py and triton_attention.py).
+LAUNCH = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -71,7 +74,7 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS)
+        row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=BLOCK, **LAUNCH)
     return out.view(x.shape[:-1])
 
 
@@ -87,6 +90,6 @@ def row_log_softmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(rows)
     if rows.numel():
         row_log_softmax_kernel[(rows.shape[0],)](
-            rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=NUM_WARPS
+            rows, out, rows.shape[1], rows.stride(0), out.stride(0), BLOCK=BLOCK, **LAUNCH
         )
     return out.view(x.shape)

@@ -35,6 +35,7 @@ class ColocatedGeneration(RolloutGeneration):
         super().__init__(trainer, None, 0)
         self.engine = engine
         self.devices = {engine.engine.kv_cache.kv.device.type}
+        self.dtypes = {str(engine.engine.kv_cache.kv.dtype).removeprefix("torch.")}
         self.sleep_between_rounds = sleep_between_rounds
 
     def sync_weights(self) -> None:

@@ -59,8 +59,10 @@ class RolloutGeneration:
         self.last_routed: list[Any] | None = None
         # The last round's lag-0 rows and their log-probs (batch_invariant skips TRL's old-policy forward with them).
         self.last_round: SampledRound | None = None
-        # Device types the rollout's log-probs are computed on (server mode: the workers'; colocated: the model's).
+        # Device types and dtypes the rollout's log-probs are computed in (server mode: the workers'; colocated: the
+        # model's).
         self.devices: set[str] = set()
+        self.dtypes: set[str] = set()
 
     def _next_version(self) -> int:
         """The version of the weights a sync makes current: base + global step, and after the first sync always
@@ -121,7 +123,7 @@ class RolloutGeneration:
         lags = [self.token_lags(completion) for completion in ordered]
         self._log_lag(lags)
         self.last_routed = ordered if settings.get("return_routes") else None
-        self.last_round = SampledRound.of(prompt_ids, ordered, lags)
+        self.last_round = SampledRound.of(prompt_ids, ordered, lags) if self.records_old_logps(settings) else None
         return RolloutRows(
             [c.token_ids for c in ordered],
             [c.logprobs for c in ordered],
@@ -143,6 +145,12 @@ class RolloutGeneration:
             with profiler:
                 rows = self.generate_rows(prompts)
         return prompts, rows.completion_ids, [[[lp] for lp in logprobs] for logprobs in rows.logprobs], None
+
+    def records_old_logps(self, settings: dict[str, Any]) -> bool:
+        """Whether rows sampled with `settings` have the log-probs TRL's old-policy forward computes: the
+        temperature-scaled mode at the trainer's own temperature (generation_kwargs may change either)."""
+        mode, temperature = settings.get("logprob_mode"), settings.get("temperature")
+        return mode == "temperature_scaled" and temperature == self.trainer.temperature
 
     def token_lags(self, completion: Any) -> list[int]:
         """Each token's policy lag: the trainer's step now - the step whose weights sampled the token."""

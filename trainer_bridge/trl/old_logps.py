@@ -4,9 +4,11 @@ TRL computes the old policy's log-probs with an extra no-grad forward of the who
 correction. Under `batch_invariant=True`, a token sampled with the weights the trainer holds now (policy lag 0) has
 a rollout log-prob that *is* that forward's value, bit for bit: the trainer takes it from the round it just sampled
 and skips the forward. A row it cannot vouch for (sampled by older weights, changed after sampling by a tool's
-tokens, not in the round) keeps the forward for the whole batch. Where bit-for-bit equality is not verified (CUDA:
-docs/concepts/logprobs.md), the forward is kept too. Each decision is logged as `rollout/old_logps_forward_skipped`
-(1 or 0), and the first skip and the first refusal are said in the log.
+tokens, not in the round) keeps the forward for the whole batch, on every rank. So does a setup whose bits differ
+or cannot be told apart: a device where the equality is not verified (CUDA: docs/concepts/logprobs.md), a rollout in
+another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0).
+Each decision is logged as `rollout/old_logps_forward_skipped` (1 or 0), and the first skip and the first refusal
+are said in the log.
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ def recorded_old_logps(
     if torch.is_grad_enabled() or compute_entropy or model is not trainer.model:
         return None  # the loss's forward, an entropy, or the reference model: computed
     found = _from_round(getattr(trainer.rollout, "last_round", None), input_ids, attention_mask, logits_to_keep)
-    devices = set(getattr(trainer.rollout, "devices", ())) | {input_ids.device.type}  # the rollout's and ours
-    unverified = sorted(devices - set(BITWISE_DEVICES))
-    reason = None
-    if unverified:
-        reason, found = f"bit-for-bit equality is not verified on {', '.join(unverified)} yet", None
-    elif found is None:
+    reason = _unverified(trainer, input_ids.device.type)
+    if reason is None and found is None:
         reason = "some rows were not sampled with the current weights as they are now"
+    if reason is not None:
+        found = None
+    accelerator = trainer.accelerator
+    if getattr(accelerator, "num_processes", 1) > 1:  # every rank runs the forward, or none (its collectives)
+        everyone = accelerator.gather(torch.tensor([float(found is not None)], device=accelerator.device))
+        if found is not None and float(everyone.min()) == 0.0:
+            reason, found = "another rank runs it", None
     mode = "train" if trainer.model.training else "eval"
     trainer._metrics[mode]["rollout/old_logps_forward_skipped"].append(0.0 if found is None else 1.0)
     said = trainer.__dict__.setdefault("_old_logps_said", set())
@@ -90,6 +95,24 @@ def recorded_old_logps(
                 "bit (policy lag 0)"
             )
     return found
+
+
+def _unverified(trainer: Any, device: str) -> str | None:
+    """Why this trainer's old-policy forward cannot be vouched for by the rollout's log-probs (None: it can)."""
+    if trainer.beta != 0.0 and trainer.ref_model is None:
+        # A PEFT policy's reference is the same model with its adapter off: a call this function cannot tell apart.
+        return "the reference log-probs come from the policy model (PEFT with beta != 0)"
+    if getattr(trainer.accelerator, "mixed_precision", "no") != "no":
+        return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast, the rollout does not"
+    rollout = trainer.rollout
+    unverified = sorted((set(getattr(rollout, "devices", ())) | {device}) - set(BITWISE_DEVICES))
+    if unverified:
+        return f"bit-for-bit equality is not verified on {', '.join(unverified)} yet"
+    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    others = sorted(set(getattr(rollout, "dtypes", ())) - {dtype})
+    if others:
+        return f"the rollout computes in {', '.join(others)}, the trainer in {dtype}"
+    return None
 
 
 def _from_round(

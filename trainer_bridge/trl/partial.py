@@ -109,7 +109,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         lags = [self.token_lags(completion) for completion in completions]
         self._log_lag(lags)
         self.last_routed = completions if self.sampling.get("return_routes") else None
-        self.last_round = SampledRound.of(prompts, completions, lags)
+        self.last_round = SampledRound.of(prompts, completions, lags) if self.records_old_logps(self.sampling) else None
         return RolloutRows(
             [c.token_ids for c in completions],
             [c.logprobs for c in completions],

@@ -211,7 +211,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             )
         else:
             self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
-            self.rollout.devices = set(self._worker_devices)
+            self.rollout.devices, self.rollout.dtypes = (set(values) for values in self._worker_placement)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
         # with rollout as the backend.
         self.use_vllm = True
@@ -281,12 +281,14 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
         self.rollout_client = client
         # The workers may have served other weights before: version base + step is this run's weights at `step`.
         # (A collective here, at construction, never inside generate.)
-        current: list[Any] = [0, None, []]  # [version or error, a refusal of batch_invariant, the workers' devices]
+        # [version or error, a refusal of batch_invariant, the workers' devices, their dtypes]
+        current: list[Any] = [0, None, [], []]
         if self.accelerator.is_main_process:
             try:
                 stats = client.stats()
                 devices = sorted({str(s.get("device", "unknown")) for s in stats})
-                current = [max((s["policy_version"] for s in stats), default=0), None, devices]
+                dtypes = sorted({str(s.get("dtype", "unknown")) for s in stats})
+                current = [max((s["policy_version"] for s in stats), default=0), None, devices, dtypes]
                 plain = sum(1 for s in stats if not s.get("batch_invariant", False))
                 fp32_head = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
                 other_head = sum(1 for s in stats if bool(s.get("fp32_logits", False)) != fp32_head)
@@ -302,14 +304,14 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
                         f"cast_lm_head_to_fp32 is {fp32_head}"
                     )
             except Exception as error:  # noqa: BLE001 - handed to every rank
-                current = [f"cannot read the workers' policy version: {error}", None, []]
+                current = [f"cannot read the workers' policy version: {error}", None, [], []]
         if self.accelerator.num_processes > 1:
             broadcast_object_list(current, from_process=0)
         if isinstance(current[0], str):
             raise RolloutError("unreachable", current[0])
         if current[1] is not None:
             raise ValueError(current[1])
-        self._worker_devices = current[2]  # where the workers compute their log-probs (old_logps.py)
+        self._worker_placement = current[2:]  # where and in which dtype the workers compute log-probs (old_logps.py)
         if self.partial_rollouts:
             from trainer_bridge.trl.partial import PartialRolloutGeneration
 

@@ -274,7 +274,7 @@ class RolloutWorker:
         """The manager's counters plus this worker's: policy version, groups received / refused / in flight /
         finished, samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for
         slow clients, weight updates rejected, their bytes and pauses, tokens/s since start, and whether the engine
-        runs batch-invariant and with fp32 logits, and on which device ("cpu", "cuda"). Safe from any thread (the /metrics scrape reads it)."""
+        runs batch-invariant and with fp32 logits, on which device ("cpu", "cuda") and in which dtype ("bfloat16", ...). Safe from any thread (the /metrics scrape reads it)."""
         stats = self.manager.stats()
         uptime = max(stats["uptime_s"], 1e-9)
         stats.update(
@@ -295,5 +295,6 @@ class RolloutWorker:
             batch_invariant=self.manager.engine.config.batch_invariant,
             fp32_logits=self.manager.engine.config.fp32_logits,
             device=self.manager.engine.kv_cache.kv.device.type,
+            dtype=str(self.manager.engine.kv_cache.kv.dtype).removeprefix("torch."),
         )
         return stats
