@@ -112,3 +112,39 @@ def saved_modules(model: Any, adapter_name: str) -> Any:
         for name, module in model.named_modules()
         if isinstance(module, ModulesToSaveWrapper) and adapter_name in module.modules_to_save
     )
+
+
+def hidden_width(model: Any) -> int | None:
+    """The width of a model's hidden states, read from its input embeddings (through a peft wrapper of them); None
+    for a model without any."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embeddings = getter() if callable(getter) else None
+    embeddings = getattr(embeddings, "original_module", embeddings)
+    weight = getattr(embeddings, "weight", None)
+    return None if weight is None or weight.dim() != 2 else int(weight.shape[-1])
+
+
+def saved_module_refusal(module: Any, hidden: int | None) -> str | None:
+    """Why a module trained whole (`modules_to_save`) cannot be served unmerged; None when it can.
+
+    Served: a Linear, an Embedding, or a leaf module whose parameters are all vectors of the hidden width (the norms
+    over the hidden states: RMSNorm, LayerNorm). Their output has the step's tokens as rows, which is how a saved
+    copy's rows are picked per adapter. A norm inside the attention heads (q_norm, of the head width) sees
+    tokens x heads rows, and is not served.
+
+    Args:
+        module: the base module (or the adapter's copy of it).
+        hidden: the model's hidden width (`hidden_width`).
+    """
+    import torch
+
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return None
+    parameters = list(module.parameters())
+    widths = {tuple(p.shape) for p in parameters}
+    if parameters and hidden is not None and widths == {(hidden,)} and not list(module.children()):
+        return None
+    return (
+        f"modules_to_save of a {type(module).__name__} is not served unmerged (a Linear, an Embedding, or a norm "
+        "over the hidden states)"
+    )

@@ -81,6 +81,49 @@ def test_a_mixed_batch_with_saved_modules_matches_peft(saved_pair):
     engine.close()
 
 
+def test_saved_norms_are_served_like_peft_and_head_norms_are_refused(saved_pair):
+    """Norms over the hidden states trained whole (every input_layernorm and the final norm) are served unmerged
+    beside the base in one batch, each row equal to peft's forward; q_norm (per attention head: its rows are tokens x
+    heads) is refused by name, and the adapter served before keeps serving."""
+    base, _ = saved_pair
+    torch.manual_seed(7)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["input_layernorm", "model.norm"])
+    model = get_peft_model(reference_copy(base), config, adapter_name="norms")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "modules_to_save.norms" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.eval()
+    modules = from_peft_model(model, "norms")
+    saved = sorted(name for name, weights in modules.items() if isinstance(weights, SavedModule))
+    assert saved == ["model.layers.0.input_layernorm", "model.layers.1.input_layernorm", "model.norm"]
+    engine = make_engine(copy.deepcopy(base))
+    engine.load_adapter("norms", modules)
+    prompt = make_prompts(1, 16, 16, seed=4)[0]
+    for adapter in (None, "norms"):
+        engine.add_request(str(adapter), prompt, SAMPLED, max_new_tokens=MAX_NEW, adapter=adapter)
+    outputs = run_to_completion(engine)
+    for adapter in (None, "norms"):
+        reference = peft_row_logprobs(model, adapter, prompt, outputs[str(adapter)].generated_tokens)
+        got = torch.tensor(outputs[str(adapter)].logprobs)
+        assert torch.allclose(got, reference, atol=1e-5, rtol=0), (adapter, (got - reference).abs().max())
+    lora_only = {name: weights for name, weights in modules.items() if not isinstance(weights, SavedModule)}
+    heads = get_peft_model(reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["q_norm"]))
+    with pytest.raises(FieldError) as error:
+        engine.load_adapter("norms", {**lora_only, **from_peft_model(heads, "default")})
+    assert error.value.field == "model.layers.0.self_attn.q_norm.modules_to_save.weight"
+    assert "Qwen3RMSNorm is not served unmerged" in error.value.reason
+    engine.add_request("still", prompt, SAMPLED, max_new_tokens=MAX_NEW, adapter="norms")
+    still = run_to_completion(engine)["still"]
+    assert still.generated_tokens == outputs["norms"].generated_tokens
+    assert torch.allclose(torch.tensor(still.logprobs), torch.tensor(outputs["norms"].logprobs), atol=1e-5, rtol=0)
+    engine.load_adapter("norms", lora_only)  # without the norms' copies it samples otherwise
+    engine.add_request("lora-only", prompt, SAMPLED, max_new_tokens=MAX_NEW, adapter="norms")
+    again = torch.tensor(run_to_completion(engine)["lora-only"].logprobs)
+    assert again.sub(torch.tensor(outputs["norms"].logprobs)).abs().max() > 1e-3
+    engine.close()
+
+
 def test_a_saved_directory_is_served_and_bad_saved_modules_are_refused(tmp_path, saved_pair):
     base, model = saved_pair
     model.save_pretrained(tmp_path, selected_adapters=["saving"])
@@ -152,7 +195,8 @@ def test_a_load_that_fails_to_allocate_changes_nothing_served(saved_pair, monkey
 def test_pushes_of_models_with_saved_modules():
     """A merged (whole) push of a model whose active adapter saves nothing still sends the frozen original of a
     module another adapter saves; an adapter-only push of an adapter saving the output head sends the head's copy,
-    one saving a module workers cannot serve unmerged (a norm) is refused up front."""
+    one saving a norm over the hidden states sends its copy, one saving a module workers cannot serve unmerged (a norm
+    per attention head) is refused up front."""
     from rollout.config import FieldError
     from trainer_bridge.gathering import peft_entries
     from trainer_bridge.weights.lora_push import adapter_push
@@ -170,6 +214,9 @@ def test_pushes_of_models_with_saved_modules():
     norm = get_peft_model(
         reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["model.norm"])
     )
+    sent = {entry.name: entry for entry in adapter_push(norm).entries}
+    assert torch.equal(sent["model.norm.modules_to_save.weight"].fetch(), base.model.norm.weight)
+    heads = get_peft_model(reference_copy(base), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["k_norm"]))
     with pytest.raises(FieldError) as error:
-        adapter_push(norm)
-    assert error.value.field == "model.norm" and "Qwen3RMSNorm" in error.value.reason
+        adapter_push(heads)
+    assert error.value.field == "model.layers.0.self_attn.k_norm" and "Qwen3RMSNorm" in error.value.reason

@@ -41,14 +41,14 @@ def peft_logprobs(model, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
 
 
-def test_a_pushed_head_and_embeddings_serve_a_mixed_batch_like_peft(client):
-    """Only the adapter travels (LoRA + the embeddings' and the head's copies); the base's and the adapter's groups,
-    sent together, each equal peft's generate and log-probs."""
-    model = lora_model(11, target_modules=["q_proj", "v_proj"], modules_to_save=SAVED)
+def test_a_pushed_head_norm_and_embeddings_serve_a_mixed_batch_like_peft(client):
+    """Only the adapter travels (LoRA + the embeddings', the final norm's and the head's copies); the base's and the
+    adapter's groups, sent together, each equal peft's generate and log-probs."""
+    model = lora_model(11, target_modules=["q_proj", "v_proj"], modules_to_save=[*SAVED, "model.norm"])
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "modules_to_save.default" in name:
-                parameter.add_(torch.randn_like(parameter) * parameter.std() * 0.5)
+            if "modules_to_save.default" in name:  # a norm's weight starts all ones: std 0
+                parameter.add_(torch.randn_like(parameter) * (parameter.std() if parameter.dim() > 1 else 1) * 0.5)
     push_weights(client, model)
     result = push_weights(client, model)
     assert not result.base_included
@@ -69,12 +69,12 @@ def test_a_pushed_head_and_embeddings_serve_a_mixed_batch_like_peft(client):
     ("settings", "why"),
     [
         (dict(use_dora=True), "use_dora: DoRA"),
-        (dict(modules_to_save=["norm"]), "_norm: modules_to_save of a Qwen3RMSNorm is not served unmerged"),
+        (dict(modules_to_save=["q_norm"]), "q_norm: modules_to_save of a Qwen3RMSNorm is not served unmerged"),
     ],
-    ids=["dora", "saved-norm"],
+    ids=["dora", "saved-q-norm"],
 )
 def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_asked(client, settings, why):
-    """DoRA, or saved modules that are neither Linear nor Embedding (the norms): "auto" pushes the merged
+    """DoRA, or a saved module workers cannot serve unmerged (a norm per attention head): "auto" pushes the merged
     weights (peft's own merge, the saved copy in the module's place) with one warning over two pushes naming why, and
     the client then samples the base, equal to peft's generate; adapters="adapter" refuses it by the same name."""
     torch.manual_seed(12)

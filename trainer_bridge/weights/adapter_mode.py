@@ -4,9 +4,10 @@ adapter unmerged, `lora_push.py`), "merged" (base + LoRA delta under the base na
 naming why).
 
 What workers serve unmerged: LoRA on `torch.nn.Linear` layers other than the output head (no DoRA, no LoRA bias, no
-fan_in_fan_out), `modules_to_save` copies of Linear or Embedding modules (the output head included), and none of the
-PEFT settings `rollout.peft_adapters.check_peft_config` refuses (trained biases, trainable tokens, ...). Every rank
-of a multi-process trainer decides alike (the decision reads only the model's adapter configuration)."""
+fan_in_fan_out), `modules_to_save` copies of Linear and Embedding modules and of norms over the hidden states (the
+output head included), and none of the PEFT settings `rollout.peft_adapters.check_peft_config` refuses (trained
+biases, trainable tokens, ...). Every rank of a multi-process trainer decides alike (the decision reads only the
+model's adapter configuration)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,18 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
-from rollout.peft_adapters import active_adapter_name, check_peft_config, is_peft_model, module_name, saved_modules
+from rollout.peft_adapters import (
+    active_adapter_name,
+    check_peft_config,
+    hidden_width,
+    is_peft_model,
+    module_name,
+    saved_module_refusal,
+    saved_modules,
+)
 from trainer_bridge.gathering import merge_refusal, unwrapped
 
 ADAPTER_MODES = ("auto", "adapter", "merged")
-SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
 # The PEFT models "auto" already warned about (once each: a trainer pushes at every step).
 _WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
@@ -59,12 +67,11 @@ def check_servable(model: Any, name: str) -> None:
         layers += 1
     if not layers:
         raise FieldError("adapter_name", f"adapter {name!r} has no LoRA layer")
+    hidden = hidden_width(model)
     for key, copy in saved_modules(model, name):
-        if not isinstance(copy, SAVED_KINDS):
-            kind = type(copy).__name__
-            raise FieldError(
-                module_name(key), f"modules_to_save of a {kind} is not served unmerged (Linear, Embedding)"
-            )
+        refusal = saved_module_refusal(copy, hidden)
+        if refusal is not None:
+            raise FieldError(module_name(key), refusal)
 
 
 def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn: bool = True) -> str:

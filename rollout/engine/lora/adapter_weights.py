@@ -1,8 +1,9 @@
 """One LoRA adapter's weights as the engine takes them, per base module (by its name in the served model):
 - a `LoraModule` for a `torch.nn.Linear` it adapts: `lora_A` (r, in_features), `lora_B` (out_features, r) and the
   scaling peft applies (lora_alpha / r, or / sqrt(r) with rsLoRA, per module with rank_pattern / alpha_pattern);
-- a `SavedModule` for a module it trains whole (peft's `modules_to_save`, a Linear or an Embedding, the output head
-  included): the adapter's own parameters, which its tokens use instead of the base module's.
+- a `SavedModule` for a module it trains whole (peft's `modules_to_save`: a Linear, an Embedding or a norm over the
+  hidden states, the output head included): the adapter's own parameters, which its tokens use instead of the base
+  module's.
 
 On the wire (adapter pushes) a LoRA module's tensors are named "<module>.lora_A" and "<module>.lora_B", with the
 scalings beside them; a saved module's are "<module>.modules_to_save.<parameter>" ("weight", "bias"). A PEFT adapter

@@ -1,5 +1,5 @@
-"""Modules an adapter trains whole (peft's `modules_to_save`: a Linear or an Embedding, e.g. the input embeddings
-after adding tokens), served beside the LoRA layers of `lora.AdapterTable`: the base module keeps its weights, and
+"""Modules an adapter trains whole (peft's `modules_to_save`: a Linear, an Embedding, e.g. the input embeddings
+after adding tokens, or a norm over the hidden states), served beside the LoRA layers of `lora.AdapterTable`: the base module keeps its weights, and
 the tokens of an adapter that saves it get the output of the module's own forward run with the adapter's copy of
 its parameters, as peft's `ModulesToSaveWrapper` computes it (its mixed-batch forward included).
 
@@ -23,9 +23,9 @@ from rollout.config import FieldError
 from rollout.engine.lora.adapter_weights import SavedModule
 from rollout.engine.lora.layers import LoraStepState
 from rollout.engine.lora.saved_head import SavedHead
+from rollout.peft_adapters import hidden_width, saved_module_refusal
 
 SAVED_DTYPES = {"float32", "bfloat16", "float16"}
-SAVED_KINDS = (torch.nn.Linear, torch.nn.Embedding)
 
 
 class _SavedLayer:
@@ -87,10 +87,9 @@ class SavedModules:
 
         # By the base model's module names; in a peft-wrapped model the frozen module is `original_module`. The
         # head (and what a peft wrapper of it holds) is served by its own hook.
+        self._hidden = hidden_width(model)
         self._modules = {
-            name.removesuffix(".original_module"): module
-            for name, module in model.named_modules()
-            if isinstance(module, SAVED_KINDS) and not in_head(name)
+            name.removesuffix(".original_module"): module for name, module in model.named_modules() if not in_head(name)
         }
         self._head = head
         # The head's Linear: the head itself, or the frozen original a peft wrapper holds (None: not a Linear).
@@ -109,8 +108,8 @@ class SavedModules:
         """Check saved parameters before any byte arrives: wire name -> (module, parameter, dtype, shape).
 
         Raises:
-            FieldError: naming the tensor: no such Linear or Embedding (or an output head that is not a Linear), no
-                such parameter, a dtype or shape other than the base module's.
+            FieldError: naming the tensor: no such module, one not served unmerged (`saved_module_refusal`; an
+                output head that is not a Linear), no such parameter, a dtype or shape other than the base module's.
         """
         brought: dict[str, set[str]] = {}
         for wire_name, (module_name, parameter, dtype, shape) in specs.items():
@@ -120,7 +119,10 @@ class SavedModules:
                 if module_name in self._head_names:
                     kind = type(self._head).__name__
                     raise FieldError(wire_name, f"the output head is a {kind}, not a torch.nn.Linear: push merged")
-                raise FieldError(wire_name, f"the model has no Linear or Embedding named {module_name!r}")
+                raise FieldError(wire_name, f"the model has no module named {module_name!r}")
+            refusal = None if module_name in self._head_names else saved_module_refusal(module, self._hidden)
+            if refusal is not None:
+                raise FieldError(wire_name, refusal)
             base = dict(module.named_parameters(recurse=False)).get(parameter)
             if base is None:
                 raise FieldError(wire_name, f"{type(module).__name__} {module_name!r} has no parameter {parameter!r}")
