@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import VOCAB, tiny_model
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
@@ -22,9 +23,27 @@ PAIRS = [
 ]
 
 
+# Wider than conftest's models, one layer each: linears reduce over 512 and 768 (in fp32, slices of 256 added in
+# order), head_dim 128 with one query head per key head (a decode's single query row padded to the matmuls' 16), and
+# head_dim 320 (scores reduced in slices too).
+WIDE = {
+    "llama_wide_mha": dict(hidden_size=512, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4),
+    "llama_head320": dict(hidden_size=640, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1),
+}
+
+
+def wide_model(kind: str) -> torch.nn.Module:
+    """One of the `WIDE` Llama models, seeded."""
+    head_dim = 128 if kind == "llama_wide_mha" else 320
+    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=1, head_dim=head_dim, **WIDE[kind])
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 def realistic(kind: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A tiny model of `kind` whose mean next-token entropy is about 1.5 nats (random weights hide mismatch)."""
-    model = tiny_model(kind, seed=1)
+    """A tiny model of `kind` (conftest's, or `WIDE`) whose mean next-token entropy is about 1.5 nats (random
+    weights hide mismatch)."""
+    model = wide_model(kind) if kind in WIDE else tiny_model(kind, seed=1)
     scale_to_entropy(model, [prompt + completion for prompt, completion in PAIRS[:3]])
     return model.to(dtype)
 
@@ -60,7 +79,7 @@ BATCHES = [[0, 1, 2, 3, 4, 5], [5, 3, 1], [2, 0], [4, 5, 0, 1]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma2", "mistral_sliding", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma2", "mistral_sliding", "qwen3_moe", *WIDE])
 @torch.no_grad()
 def test_a_padded_batch_gives_each_row_the_logprobs_it_has_alone(kind, dtype):
     model = realistic(kind, dtype)

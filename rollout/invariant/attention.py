@@ -25,11 +25,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout.invariant.matmul import K_CHUNK, MIN_ROWS
 from rollout.invariant.reductions import on_kernel_device
 
 ATTENTION_NAME = "rollout_invariant"
-QUERY_TILE = 16
+QUERY_TILE = 16  # the Triton kernel's query tile (rows per program)
 KEY_BLOCK = 64
+EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
 
 
 def allowed_keys(attention_mask: torch.Tensor | None, queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +79,8 @@ def invariant_attention_forward(
     allowed = allowed.expand(query.shape[0], 1, query.shape[2], key.shape[2])
     # A row's keys start at the first key any of its queries sees: its first unmasked token.
     start = allowed.any(dim=2)[:, 0].long().argmax(dim=-1)  # 0 for a row that sees nothing
-    out = attend_invariant(query, key, value, allowed, start, scaling, softcap)
+    with torch._C.DisableTorchFunction():  # no linear or reduction the invariant mode routes: skip its per-op cost
+        out = attend_invariant(query, key, value, allowed, start, scaling, softcap)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -150,51 +153,75 @@ def attend_in_torch(
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """`attend_invariant`'s arithmetic in PyTorch (the same arguments; `scaling` given)."""
+    """`attend_invariant`'s arithmetic in PyTorch (the same arguments; `scaling` given).
+
+    On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that
+    depends on the reduction's length only, whatever the numbers of rows (`MIN_ROWS` or more) and of columns (two or
+    more), for reductions of up to `K_CHUNK` (`matmul.py`). So the matmuls put the keys (or head_dim) on the rows and
+    the queries of the heads sharing a key head on the columns: the scores are one keys x head_dim by head_dim x
+    queries product per key head (a head_dim over `K_CHUNK` in slices added in order), each key block's weighted
+    values one head_dim x `KEY_BLOCK` by `KEY_BLOCK` x queries product. Nothing is padded to a tile of queries.
+    """
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
-    keys = key.shape[-2]
+    kv_heads, keys = key.shape[1], key.shape[2]
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
-    padded = -(-queries // QUERY_TILE) * QUERY_TILE
-    tiles, blocks = padded // QUERY_TILE, aligned // KEY_BLOCK
+    blocks = aligned // KEY_BLOCK
+    rows = heads // kv_heads * queries  # per key head: its query heads' queries, head after head
+    columns = max(rows, 2)  # one column takes a matrix-vector kernel, which sums in another order
 
-    # Each row's keys from its first one, in whole blocks (the end padded with masked keys).
     key, value = key.float(), value.float()
-    if start is None:  # every row's keys start at 0
-        key, value = (torch.nn.functional.pad(t, (0, 0, 0, aligned - keys)) for t in (key, value))
+    if start is None:  # every row's keys start at 0; only the values' last block is padded (below)
         allowed = torch.nn.functional.pad(allowed, (0, aligned - keys))
-    else:
+        if keys < MIN_ROWS:  # too few rows for the scores' matmul
+            key = torch.nn.functional.pad(key, (0, 0, 0, MIN_ROWS - keys))
+    else:  # each row's keys from its first one, in whole blocks (the end padded with masked keys)
         index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
         inside = index < keys
         index = index.clamp(max=keys - 1)
-        gather = index[:, None, :, None].expand(batch, key.shape[1], aligned, head_dim)
+        gather = index[:, None, :, None].expand(batch, kv_heads, aligned, head_dim)
         key, value = key.gather(2, gather), value.gather(2, gather)
         allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
         allowed = allowed & inside[:, None, None, :]
-    key = key.repeat_interleave(heads // key.shape[1], dim=1).view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
-    value = value.repeat_interleave(heads // value.shape[1], dim=1).view(batch, heads, 1, blocks, KEY_BLOCK, head_dim)
 
-    # Scores: (QUERY_TILE, head_dim) x (head_dim, KEY_BLOCK) matmuls, then the real query rows only.
-    query = torch.nn.functional.pad(query.float(), (0, 0, 0, padded - queries))
-    query = query.view(batch, heads, tiles, 1, QUERY_TILE, head_dim)
-    scores = torch.matmul(query, key.transpose(-1, -2))  # (batch, heads, tiles, blocks, tile, block)
-    scores = scores.transpose(3, 4).reshape(batch, heads, padded, blocks, KEY_BLOCK)[:, :, :queries] * scaling
+    # Scores, keys on the rows: (keys, head_dim) x (head_dim, queries) per key head.
+    query = query.float().reshape(batch, kv_heads, rows, head_dim)
+    if columns > rows:
+        query = torch.nn.functional.pad(query, (0, 0, 0, columns - rows))
+    query_t = query.transpose(-1, -2)
+    scores = torch.matmul(key[..., :K_CHUNK], query_t[..., :K_CHUNK, :])
+    for first in range(K_CHUNK, head_dim, K_CHUNK):
+        scores = scores + torch.matmul(key[..., first : first + K_CHUNK], query_t[..., first : first + K_CHUNK, :])
+    scores = scores[:, :, :aligned, :rows].transpose(-1, -2) * scaling  # (batch, kv_heads, rows, keys)
+    if scores.shape[-1] < aligned:
+        scores = torch.nn.functional.pad(scores, (0, aligned - scores.shape[-1]))
+    scores = scores.reshape(batch, heads, queries, blocks, KEY_BLOCK)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed.view(batch, 1, queries, blocks, KEY_BLOCK), float("-inf"))
     peak = scores.amax(dim=(3, 4), keepdim=True)  # a maximum is exact in any order
-    weights = torch.exp(scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)))
+    shifted = scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: 0 instead (off by < 2e-38,
+    # against a row total of at least 1).
+    weights = torch.exp(shifted.clamp(min=EXP_FLOOR)).masked_fill(shifted < EXP_FLOOR, 0.0)
     block_totals = weights.sum(dim=-1)  # (batch, heads, queries, blocks)
 
-    # Weighted values: (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim) matmuls, then added block after block.
-    weights = torch.nn.functional.pad(weights, (0, 0, 0, 0, 0, padded - queries))
-    weights = weights.view(batch, heads, tiles, QUERY_TILE, blocks, KEY_BLOCK).transpose(3, 4)
-    block_values = torch.matmul(weights, value)  # (batch, heads, tiles, blocks, tile, head_dim)
-    block_values = block_values.transpose(3, 4).reshape(batch, heads, padded, blocks, head_dim)[:, :, :queries]
-    total, out = block_totals[..., 0], block_values[:, :, :, 0]
+    # Weighted values, head_dim on the rows: (head_dim, KEY_BLOCK) x (KEY_BLOCK, queries) per block, added in order.
+    weights = weights.view(batch, kv_heads, rows, aligned)
+    if columns > rows:
+        weights = torch.nn.functional.pad(weights, (0, 0, 0, columns - rows))
+    out = None
+    for block in range(blocks):
+        first = block * KEY_BLOCK
+        block_value = value[:, :, first : first + KEY_BLOCK]
+        if block_value.shape[2] < KEY_BLOCK:  # the last, partial block: zeros after the keys
+            block_value = torch.nn.functional.pad(block_value, (0, 0, 0, KEY_BLOCK - block_value.shape[2]))
+        part = torch.matmul(block_value.transpose(-1, -2), weights[..., first : first + KEY_BLOCK].transpose(-1, -2))
+        out = part if out is None else out + part  # (batch, kv_heads, head_dim, columns)
+    total = block_totals[..., 0]
     for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
         total = total + block_totals[..., block]
-        out = out + block_values[:, :, :, block]
+    out = out[..., :rows].transpose(-1, -2).reshape(batch, heads, queries, head_dim)
     out = torch.where(total[..., None] > 0, out / total[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return out.to(dtype)
 

@@ -1,13 +1,14 @@
 """`invariant_linear`: `F.linear` whose every output row is computed the same way whatever the other rows are.
 
 torch's CPU matmul picks its kernel and its split of the reduction by the matrix's shape and the thread count, so a
-row's result depends on how many rows share the call (measured: up to 2e-6 in fp32 between 1 and 300 rows). Here
-the rows are cut into tiles of `ROW_TILE` (the last one padded with zeros) and each tile is one matmul of the same
-shape; a row's result depends on its own values only, not on its place in the tile (a GEMM computes each output
-element from its row and column alone). In fp32 the reduction is also cut into chunks of `K_CHUNK` summed in order,
-since a long fp32 reduction is split across threads (measured at K >= 1024 between 1 and 2 threads); lower precisions
-reduce in one call per tile, accumulating in fp32 inside the kernel, as a plain `F.linear` does. On a GPU the same
-promise is kept by one Triton kernel of fixed tiles (`triton_matmul.py`).
+row's result can depend on how many rows share the call (measured: up to 2e-6 in fp32 between 1 and 300 rows, and
+0.25 in bf16). What was measured to hold (this machine's MKL / oneDNN, 1 and 2 threads, 2 to 4096 rows): in fp32, a
+reduction of at most `K_CHUNK` is summed in one order whatever the numbers of rows and columns, as long as there
+are `MIN_ROWS` rows or more (fewer, up to 10, take other kernels: matrix-vector, small-matrix). So in fp32 every row takes part in one matmul per
+`K_CHUNK`-wide slice of the reduction, and the slices' products are added in order. Lower precisions are reduced in
+one call per tile of `ROW_TILE` rows (the last one padded with zeros), each tile a matmul of the same shape, which
+accumulates in fp32 inside the kernel as a plain `F.linear` does. On a GPU the same promise is kept by one Triton
+kernel of fixed tiles (`triton_matmul.py`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from rollout.invariant.reductions import on_kernel_device
 
 ROW_TILE = 16
 K_CHUNK = 256
+MIN_ROWS = 16  # fewer rows take other kernels (matrix-vector, small-matrix), which sum in other orders
 
 
 def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`rows @ weight.t()` for 2-D `rows`, tile by tile (module docstring)."""
+    """`rows @ weight.t()` for 2-D `rows`, row-invariant (module docstring)."""
     count, features = rows.shape
     if count == 0:  # a step that keeps no row's logits
         return rows.new_empty(0, weight.shape[0])
@@ -31,19 +33,15 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from rollout.invariant.triton_matmul import invariant_matmul
 
         return invariant_matmul(rows, weight)
-    padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % ROW_TILE))
     transposed = weight.t()
-    chunked = rows.dtype == torch.float32 and features > K_CHUNK
-    tiles = []
-    for first in range(0, padded.shape[0], ROW_TILE):
-        tile = padded[first : first + ROW_TILE]
-        if chunked:
-            out = torch.mm(tile[:, :K_CHUNK], transposed[:K_CHUNK])
-            for start in range(K_CHUNK, features, K_CHUNK):
-                out = out + torch.mm(tile[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK])
-        else:
-            out = torch.mm(tile, transposed)
-        tiles.append(out)
+    if rows.dtype == torch.float32:
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, MIN_ROWS - count)) if count < MIN_ROWS else rows
+        out = torch.mm(padded[:, :K_CHUNK], transposed[:K_CHUNK])
+        for start in range(K_CHUNK, features, K_CHUNK):
+            out = out + torch.mm(padded[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK])
+        return out[:count]
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % ROW_TILE))
+    tiles = [torch.mm(padded[first : first + ROW_TILE], transposed) for first in range(0, padded.shape[0], ROW_TILE)]
     return torch.cat(tiles)[:count]
 
 

@@ -230,6 +230,9 @@ def paged_attention_forward(
     layer_idx = getattr(module, "layer_idx", None)
     if layer_idx is None:
         raise TypeError(f"{type(module).__name__} has no layer_idx; paged attention needs it to find its cache layer")
+    if metadata.batch_invariant:  # no linear or reduction the invariant mode routes in here: skip its per-op cost
+        with torch._C.DisableTorchFunction():
+            return _paged_attention(metadata, layer_idx, query, key, value, scaling, sliding_window, softcap)
     return _paged_attention(metadata, layer_idx, query, key, value, scaling, sliding_window, softcap)
 
 
