@@ -161,12 +161,13 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
 
 def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
     """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
-    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a trainer under
-    autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward (with grad) or the
+    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, an MoE model, a
+    trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward (with grad) or the
     reference model each keep the forward (None), and every decision on the policy is counted in TRL's metrics."""
     from collections import defaultdict
     from types import SimpleNamespace
 
+    from conftest import tiny_model as family_model
     from trainer_bridge.trl.generation import RolloutGeneration
     from trainer_bridge.trl.old_logps import SampledRound, recorded_old_logps
 
@@ -199,6 +200,10 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         for other in ({"dtypes": ("bfloat16",)}, {"mixed_precision": "bf16"}, {"beta": 0.1}):  # PEFT's reference
             assert recorded_old_logps(trainer([[0, 0, 0], [0]], **other), policy, ids, mask, 3) is None, other
         assert recorded_old_logps(fresh, policy, torch.tensor([[5, 6, 1, 2, 9], [0, 7, 4, 0, 0]]), mask, 3) is None
+        moe = family_model("qwen3_moe").train()  # TRL counts the metric under the mode it trains in
+        routed = SimpleNamespace(**{**vars(fresh), "model": moe, "_metrics": {"train": defaultdict(list)}})
+        assert recorded_old_logps(routed, moe, ids, mask, 3) is None
+        assert routed._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
     assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
     assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
     # A round sampled with generation_kwargs that change the log-probs (another mode or temperature) is not recorded.

@@ -32,6 +32,7 @@ ATTENTION_NAME = "rollout_invariant"
 QUERY_TILE = 16  # the Triton kernel's query tile (rows per program)
 KEY_BLOCK = 64
 EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
+HIDDEN_SCORE = 3e38  # subtracted from a hidden key's score (finite: a row that sees nothing gets weights 0 x finite)
 
 
 def allowed_keys(attention_mask: torch.Tensor | None, queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -157,25 +158,26 @@ def attend_in_torch(
 
     On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that
     depends on the reduction's length only, whatever the numbers of rows (`MIN_ROWS` or more) and of columns (two or
-    more), for reductions of up to `K_CHUNK` (`matmul.py`). So the matmuls put the keys (or head_dim) on the rows and
-    the queries of the heads sharing a key head on the columns: the scores are one keys x head_dim by head_dim x
-    queries product per key head (a head_dim over `K_CHUNK` in slices added in order), each key block's weighted
-    values one head_dim x `KEY_BLOCK` by `KEY_BLOCK` x queries product. Nothing is padded to a tile of queries.
+    more), for reductions of up to `K_CHUNK` (`matmul.py`). So everything is laid out keys by queries, the queries
+    of the heads sharing a key head side by side as the columns: the scores are one (keys, head_dim) x (head_dim,
+    queries) product per key head (a head_dim over `K_CHUNK` in slices added in order), and each key block's
+    weighted values one (head_dim, `KEY_BLOCK`) x (`KEY_BLOCK`, queries) product. Nothing is padded to a tile of
+    queries, and no key is copied per head. The softmax runs queries by keys, each block's sum over its contiguous
+    `KEY_BLOCK` weights.
     """
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
     blocks = aligned // KEY_BLOCK
-    rows = heads // kv_heads * queries  # per key head: its query heads' queries, head after head
-    columns = max(rows, 2)  # one column takes a matrix-vector kernel, which sums in another order
 
     key, value = key.float(), value.float()
-    if start is None:  # every row's keys start at 0; only the values' last block is padded (below)
+    if start is None:  # every row's keys start at 0
         allowed = torch.nn.functional.pad(allowed, (0, aligned - keys))
         if keys < MIN_ROWS:  # too few rows for the scores' matmul
             key = torch.nn.functional.pad(key, (0, 0, 0, MIN_ROWS - keys))
-    else:  # each row's keys from its first one, in whole blocks (the end padded with masked keys)
+    else:  # each row's keys from its first one, in whole blocks (the end masked)
         index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
         inside = index < keys
         index = index.clamp(max=keys - 1)
@@ -184,46 +186,47 @@ def attend_in_torch(
         allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
         allowed = allowed & inside[:, None, None, :]
 
-    # Scores, keys on the rows: (keys, head_dim) x (head_dim, queries) per key head.
-    query = query.float().reshape(batch, kv_heads, rows, head_dim)
-    if columns > rows:
-        query = torch.nn.functional.pad(query, (0, 0, 0, columns - rows))
+    # Scores, keys by queries: (keys, head_dim) x (head_dim, group * queries) per key head.
+    query = query.float().reshape(batch, kv_heads, group * queries, head_dim)
+    if group * queries == 1:  # one column takes a matrix-vector kernel: the query twice, as two heads
+        query, group = query.expand(batch, kv_heads, 2, head_dim), 2
+    columns = group * queries
     query_t = query.transpose(-1, -2)
     scores = torch.matmul(key[..., :K_CHUNK], query_t[..., :K_CHUNK, :])
     for first in range(K_CHUNK, head_dim, K_CHUNK):
         scores = scores + torch.matmul(key[..., first : first + K_CHUNK], query_t[..., first : first + K_CHUNK, :])
-    scores = scores[:, :, :aligned, :rows].transpose(-1, -2) * scaling  # (batch, kv_heads, rows, keys)
-    if scores.shape[-1] < aligned:
+    # The softmax runs queries by keys, in memory too: an elementwise result keeps its input's layout, and a sum
+    # over a strided last axis adds in an order that depends on the other axes' sizes.
+    scores = scores[:, :, :aligned].transpose(-1, -2)
+    if scores.shape[-1] < aligned:  # keys past the last are masked below
         scores = torch.nn.functional.pad(scores, (0, aligned - scores.shape[-1]))
-    scores = scores.reshape(batch, heads, queries, blocks, KEY_BLOCK)
+    scores = scores.contiguous().view(batch, kv_heads, group, queries, blocks, KEY_BLOCK) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~allowed.view(batch, 1, queries, blocks, KEY_BLOCK), float("-inf"))
-    peak = scores.amax(dim=(3, 4), keepdim=True)  # a maximum is exact in any order
-    shifted = scores - torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: 0 instead (off by < 2e-38,
-    # against a row total of at least 1).
-    weights = torch.exp(shifted.clamp(min=EXP_FLOOR)).masked_fill(shifted < EXP_FLOOR, 0.0)
-    block_totals = weights.sum(dim=-1)  # (batch, heads, queries, blocks)
+    # Masks as float arithmetic (boolean masked_fill / where run 20-30x slower than an add on the CPU): a hidden
+    # key's score sinks below every seen one (x + 0 is x exactly), and its weight is multiplied by exactly 0.
+    seen = allowed.to(torch.float32).view(batch, 1, 1, queries, blocks, KEY_BLOCK)
+    scores = scores + (seen - 1.0) * HIDDEN_SCORE
+    peak = scores.amax(dim=(4, 5), keepdim=True)  # a maximum is exact in any order
+    # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: exp(EXP_FLOOR) instead (off
+    # by < 2e-38, against a row total of at least 1).
+    weights = torch.exp((scores - peak).clamp(min=EXP_FLOOR)) * seen
+    totals = weights.sum(dim=-1)  # (batch, kv_heads, group, queries, blocks)
 
-    # Weighted values, head_dim on the rows: (head_dim, KEY_BLOCK) x (KEY_BLOCK, queries) per block, added in order.
-    weights = weights.view(batch, kv_heads, rows, aligned)
-    if columns > rows:
-        weights = torch.nn.functional.pad(weights, (0, 0, 0, columns - rows))
-    out = None
-    for block in range(blocks):
-        first = block * KEY_BLOCK
-        block_value = value[:, :, first : first + KEY_BLOCK]
-        if block_value.shape[2] < KEY_BLOCK:  # the last, partial block: zeros after the keys
-            block_value = torch.nn.functional.pad(block_value, (0, 0, 0, KEY_BLOCK - block_value.shape[2]))
-        part = torch.matmul(block_value.transpose(-1, -2), weights[..., first : first + KEY_BLOCK].transpose(-1, -2))
-        out = part if out is None else out + part  # (batch, kv_heads, head_dim, columns)
-    total = block_totals[..., 0]
+    # Per key block, (head_dim, KEY_BLOCK) x (KEY_BLOCK, columns), then the blocks added in order.
+    if value.shape[2] < aligned:
+        value = torch.nn.functional.pad(value, (0, 0, 0, aligned - value.shape[2]))
+    value_t = value.view(batch, kv_heads, blocks, KEY_BLOCK, head_dim).transpose(-1, -2)
+    weights = weights.view(batch, kv_heads, columns, blocks, KEY_BLOCK).permute(0, 1, 3, 4, 2).contiguous()
+    parts = torch.matmul(value_t, weights)  # (batch, kv_heads, blocks, head_dim, columns)
+    out, total = parts[:, :, 0], totals[..., 0]
     for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
-        total = total + block_totals[..., block]
-    out = out[..., :rows].transpose(-1, -2).reshape(batch, heads, queries, head_dim)
-    out = torch.where(total[..., None] > 0, out / total[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return out.to(dtype)
+        out = out + parts[:, :, block]
+        total = total + totals[..., block]
+    total = total.reshape(batch, kv_heads, 1, columns)
+    out = torch.where(total > 0, out / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    out = out.view(batch, kv_heads, head_dim, group, queries)[:, :, :, : heads // kv_heads]
+    return out.permute(0, 1, 3, 4, 2).reshape(batch, heads, queries, head_dim).to(dtype)
 
 
 def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -39,9 +39,14 @@ class InvariantLinearMode(TorchFunctionMode):
     """Runs `torch.nn.functional.linear` as `invariant_linear`, and a last-axis mean or log_softmax of a CUDA tensor
     as `invariant_mean` / `invariant_log_softmax` (reductions.py); every other function as it is."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_calls = 0  # the F.linear calls it routed (linear_swap.ModeNeed reads it)
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
+            self.linear_calls += 1
             return invariant_linear(*args, **kwargs)
         reduced = invariant_reduction(func, args, kwargs)
         return func(*args, **kwargs) if reduced is None else reduced

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 
 from rollout.engine.attention.paged import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
+from rollout.invariant.linear_swap import ModeNeed, swapped_linears
 from rollout.invariant.mode import InvariantLinearMode
 
 
@@ -29,11 +31,13 @@ class ModelForward:
             model: the transformers causal LM, already switched to paged attention by its runner.
             device: where its parameters live.
             adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
-            batch_invariant: run every `nn.Linear` as `rollout.invariant`'s fixed-tile matmuls (the attention's half
-                is the metadata's `batch_invariant`).
+            batch_invariant: run every linear as `rollout.invariant`'s row-invariant matmuls (the attention's half
+                is the metadata's `batch_invariant`): `nn.Linear` modules swapped, and the `InvariantLinearMode`
+                for what a swap cannot see, while the first forward shows it is needed (`linear_swap.py`).
         """
         self.model = model
-        self.linear_mode = InvariantLinearMode if batch_invariant else contextlib.nullcontext
+        self.batch_invariant = batch_invariant
+        self.mode_need = ModeNeed()
         self.adapters = adapters
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
@@ -45,7 +49,7 @@ class ModelForward:
         kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
         if self.adapters is not None:  # the head computes the rows kept, or every token's
             self.adapters.new_forward(keep if self.logits_to_keep else None)
-        with self.linear_mode():
+        with self._invariance():
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
@@ -55,3 +59,17 @@ class ModelForward:
                 **kwargs,
             ).logits[0]
         return logits if self.logits_to_keep else logits[keep]
+
+    @contextlib.contextmanager
+    def _invariance(self) -> Iterator[None]:
+        """The batch-invariant linears around one forward (nothing when the mode is off)."""
+        if not self.batch_invariant:
+            yield
+            return
+        with swapped_linears(self.model):
+            if self.mode_need.needed is False:
+                yield
+                return
+            with InvariantLinearMode() as mode:
+                yield
+            self.mode_need.learn(mode, self.no_mask)

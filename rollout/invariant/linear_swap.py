@@ -1,0 +1,110 @@
+"""The cheap half of the batch-invariant mode: a model's `nn.Linear` modules computing as `invariant_linear` on the
+threads that ask for it, without a `TorchFunctionMode`.
+
+`InvariantLinearMode` (mode.py) sees every torch call of a forward, at about 4 us each on a CPU: on a tiny model that
+was a third of an invariant engine's time. A swapped `forward` costs one thread-local read per linear instead. What a
+swap cannot see still needs the mode: an `F.linear` called outside an `nn.Linear` (an MoE model's eager experts, a
+custom layer) and, on a GPU, the last-axis means and log_softmax that the mode sends to Triton kernels.
+`ModeNeed` finds out which a model needs from its first forward, run under the mode, which counts the `F.linear` calls
+it routes: with every `nn.Linear` swapped, any it sees came from elsewhere.
+
+A swap is an entry `forward` in each plain `nn.Linear`'s instance dictionary (one whose class's forward is torch's
+own and that has no instance `forward` of someone else's, such as accelerate's hooks), put there while at least one
+forward on any thread runs with `swapped_linears`, and removed when the last one ends: nothing is left on the model.
+A thread that did not ask gets `nn.Linear`'s own forward from the swap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from rollout.invariant.matmul import invariant_linear
+from rollout.invariant.reductions import on_kernel_device
+
+_THREAD = threading.local()  # `active`: this thread's linears run invariantly
+
+
+def _swapped_forward(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    if getattr(_THREAD, "active", False):
+        return invariant_linear(input, module.weight, module.bias)
+    return torch.nn.Linear.forward(module, input)
+
+
+class _Swap:
+    """One model's swappable linears and how many forwards hold the swap."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.forwards: dict[torch.nn.Module, functools.partial] = {}
+
+    def hold(self, model: torch.nn.Module) -> None:
+        with self.lock:
+            if self.holders == 0:  # the model's modules as they are now (a module may have been replaced since)
+                self.forwards = {
+                    module: functools.partial(_swapped_forward, module)
+                    for module in model.modules()
+                    if type(module).forward is torch.nn.Linear.forward and "forward" not in module.__dict__
+                }
+                for module, forward in self.forwards.items():
+                    module.__dict__["forward"] = forward
+            self.holders += 1
+
+    def let_go(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                for module, forward in self.forwards.items():
+                    if module.__dict__.get("forward") is forward:
+                        del module.__dict__["forward"]
+                self.forwards = {}
+
+
+_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, _Swap] = weakref.WeakKeyDictionary()
+_SWAPS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def swapped_linears(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model`'s plain `nn.Linear` modules as `invariant_linear` on this thread inside the block (module
+    docstring). Reentrant, and safe beside other threads using the model (they see the ordinary forward).
+
+    Args:
+        model: the model whose linears to swap.
+    """
+    with _SWAPS_LOCK:
+        swap = _SWAPS.get(model)
+        if swap is None:
+            swap = _SWAPS[model] = _Swap()
+    previous = getattr(_THREAD, "active", False)
+    swap.hold(model)
+    _THREAD.active = True
+    try:
+        yield
+    finally:
+        _THREAD.active = previous
+        swap.let_go()
+
+
+class ModeNeed:
+    """Whether a model's forwards still need `InvariantLinearMode` beside `swapped_linears`: unknown until a forward
+    ran under the mode; then yes on a kernel device (its reductions) or when the mode routed any `F.linear`."""
+
+    def __init__(self) -> None:
+        self.needed: bool | None = None
+
+    def learn(self, mode: torch.overrides.TorchFunctionMode, sample: torch.Tensor) -> None:
+        """Record what one forward under `mode` (an `InvariantLinearMode`) showed.
+
+        Args:
+            mode: the mode the forward ran under (its `linear_calls` counted).
+            sample: a tensor on the model's device.
+        """
+        if self.needed is None:
+            self.needed = on_kernel_device(sample) or mode.linear_calls > 0
