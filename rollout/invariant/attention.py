@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rollout.invariant.matmul import K_CHUNK, MIN_ROWS
+from rollout.invariant.matmul import K_CHUNK
 from rollout.invariant.reductions import on_kernel_device
 
 ATTENTION_NAME = "rollout_invariant"
@@ -157,8 +157,8 @@ def attend_in_torch(
     """`attend_invariant`'s arithmetic in PyTorch (the same arguments; `scaling` given).
 
     On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that
-    depends on the reduction's length only, whatever the numbers of rows (`MIN_ROWS` or more) and of columns (two or
-    more), for reductions of up to `K_CHUNK` (`matmul.py`). So everything is laid out keys by queries, the queries
+    depends on the reduction's length only, whatever the numbers of rows (`matmul.MIN_ROWS` or more: here whole
+    blocks of keys) and of columns (two or more), for reductions of up to `K_CHUNK` (`matmul.py`). So everything is laid out keys by queries, the queries
     of the heads sharing a key head side by side as the columns: the scores are one (keys, head_dim) x (head_dim,
     queries) product per key head (a head_dim over `K_CHUNK` in slices added in order), and each key block's
     weighted values one (head_dim, `KEY_BLOCK`) x (`KEY_BLOCK`, queries) product. Nothing is padded to a tile of
@@ -172,17 +172,15 @@ def attend_in_torch(
     aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
     blocks = aligned // KEY_BLOCK
 
-    key, value = key.float(), value.float()
-    if start is None:  # every row's keys start at 0
+    if start is None:  # every row's keys start at 0: copied once, in fp32, whole blocks (zeros after the keys)
         allowed = torch.nn.functional.pad(allowed, (0, aligned - keys))
-        if keys < MIN_ROWS:  # too few rows for the scores' matmul
-            key = torch.nn.functional.pad(key, (0, 0, 0, MIN_ROWS - keys))
+        key, value = _in_blocks(key, aligned), _in_blocks(value, aligned)
     else:  # each row's keys from its first one, in whole blocks (the end masked)
         index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
         inside = index < keys
         index = index.clamp(max=keys - 1)
         gather = index[:, None, :, None].expand(batch, kv_heads, aligned, head_dim)
-        key, value = key.gather(2, gather), value.gather(2, gather)
+        key, value = key.float().gather(2, gather), value.float().gather(2, gather)
         allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
         allowed = allowed & inside[:, None, None, :]
 
@@ -197,25 +195,31 @@ def attend_in_torch(
         scores = scores + torch.matmul(key[..., first : first + K_CHUNK], query_t[..., first : first + K_CHUNK, :])
     # The softmax runs queries by keys, in memory too: an elementwise result keeps its input's layout, and a sum
     # over a strided last axis adds in an order that depends on the other axes' sizes.
-    scores = scores[:, :, :aligned].transpose(-1, -2)
-    if scores.shape[-1] < aligned:  # keys past the last are masked below
-        scores = torch.nn.functional.pad(scores, (0, aligned - scores.shape[-1]))
-    scores = scores.contiguous().view(batch, kv_heads, group, queries, blocks, KEY_BLOCK) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = (
+        scores.transpose(-1, -2).contiguous().view(batch, kv_heads, group, queries, blocks, KEY_BLOCK)
+    )  # a new tensor
     # Masks as float arithmetic (boolean masked_fill / where run 20-30x slower than an add on the CPU): a hidden
     # key's score sinks below every seen one (x + 0 is x exactly), and its weight is multiplied by exactly 0.
     seen = allowed.to(torch.float32).view(batch, 1, 1, queries, blocks, KEY_BLOCK)
-    scores = scores + (seen - 1.0) * HIDDEN_SCORE
-    peak = scores.amax(dim=(4, 5), keepdim=True)  # a maximum is exact in any order
-    # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: exp(EXP_FLOOR) instead (off
-    # by < 2e-38, against a row total of at least 1).
-    weights = torch.exp((scores - peak).clamp(min=EXP_FLOOR)) * seen
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        scores = scores * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores + (seen - 1.0) * HIDDEN_SCORE
+        peak = scores.amax(dim=(4, 5), keepdim=True)  # a maximum is exact in any order
+        # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: exp(EXP_FLOOR) instead
+        # (off by < 2e-38, against a row total of at least 1).
+        weights = torch.exp((scores - peak).clamp(min=EXP_FLOOR)) * seen
+    else:  # the same operations in place: each new tensor of this size costs its page faults
+        scores.mul_(scaling)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        scores.add_((seen - 1.0) * HIDDEN_SCORE)
+        peak = scores.amax(dim=(4, 5), keepdim=True)
+        weights = scores.sub_(peak).clamp_(min=EXP_FLOOR).exp_().mul_(seen)
     totals = weights.sum(dim=-1)  # (batch, kv_heads, group, queries, blocks)
 
     # Per key block, (head_dim, KEY_BLOCK) x (KEY_BLOCK, columns), then the blocks added in order.
-    if value.shape[2] < aligned:
-        value = torch.nn.functional.pad(value, (0, 0, 0, aligned - value.shape[2]))
     value_t = value.view(batch, kv_heads, blocks, KEY_BLOCK, head_dim).transpose(-1, -2)
     weights = weights.view(batch, kv_heads, columns, blocks, KEY_BLOCK).permute(0, 1, 3, 4, 2).contiguous()
     parts = torch.matmul(value_t, weights)  # (batch, kv_heads, blocks, head_dim, columns)
@@ -227,6 +231,15 @@ def attend_in_torch(
     out = torch.where(total > 0, out / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     out = out.view(batch, kv_heads, head_dim, group, queries)[:, :, :, : heads // kv_heads]
     return out.permute(0, 1, 3, 4, 2).reshape(batch, heads, queries, head_dim).to(dtype)
+
+
+def _in_blocks(keys: torch.Tensor, aligned: int) -> torch.Tensor:
+    """(batch, kv_heads, n, head_dim) keys or values of any layout and dtype as one contiguous fp32 tensor of
+    `aligned` rows per head, zeros after the n: the matmuls then take it without a copy of their own."""
+    out = keys.new_empty((*keys.shape[:2], aligned, keys.shape[3]), dtype=torch.float32)
+    out[:, :, : keys.shape[2]].copy_(keys)
+    out[:, :, keys.shape[2] :].zero_()
+    return out
 
 
 def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
