@@ -108,3 +108,12 @@ class ModeNeed:
         """
         if self.needed is None:
             self.needed = on_kernel_device(sample) or mode.linear_calls > 0
+
+
+_NEEDS: weakref.WeakKeyDictionary[torch.nn.Module, ModeNeed] = weakref.WeakKeyDictionary()
+
+
+def mode_need_of(model: torch.nn.Module) -> ModeNeed:
+    """The `ModeNeed` of `model`'s forwards, shared by every batch-invariant block over it."""
+    with _SWAPS_LOCK:
+        return _NEEDS.setdefault(model, ModeNeed())

@@ -5,24 +5,27 @@ out), and whatever the thread count.
 Inside the block:
 - the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
 - a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
-- every `torch.nn.functional.linear` called on this thread (every `nn.Linear`, the output head included) runs as
-  `invariant_linear` (matmul.py), through a `TorchFunctionMode`; on a GPU the same mode runs every last-axis mean
-  (an RMSNorm's) and log_softmax as `invariant_mean` / `invariant_log_softmax` (reductions.py);
+- every `nn.Linear` of the model (the output head included) computes as `invariant_linear` (matmul.py) on this
+  thread, its forward swapped (linear_swap.py); around each forward of the model, a `TorchFunctionMode` sends any
+  other `torch.nn.functional.linear` there too, and on a GPU every last-axis mean (an RMSNorm's) and log_softmax to
+  `invariant_mean` / `invariant_log_softmax` (reductions.py). The mode costs about 4 us per torch call on a CPU: it
+  stays only while the model's first forward shows it is needed (`linear_swap.ModeNeed`);
 - an MoE model's experts run transformers' "eager" implementation (one `F.linear` per expert, which the mode
   tiles) instead of `grouped_mm`, whose result for a token depends on how many tokens its expert got.
 
 The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Gradient
-checkpointing's recompute runs in the backward, where the mode is not active: each checkpointed layer's recompute
-gets the mode through `torch.utils.checkpoint`'s `context_fn` (non-reentrant checkpointing; the reentrant kind is
-refused by name). Run the backward inside the block: after it, the recompute would run the ordinary forward.
-Leaving the block restores the model's attention implementation, its checkpointing functions, and
-removes the hook and the mode, also on an error.
+checkpointing's recompute runs in the backward, maybe after the block and on autograd's own thread: each
+checkpointed layer's recompute gets the swapped linears (and the mode while needed) through `torch.utils.checkpoint`'s
+`context_fn` (non-reentrant checkpointing; the reentrant kind is refused by name). Leaving the block restores the
+model's attention implementation, its checkpointing functions and its linears, and removes the hooks, also on an
+error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rollout.invariant.attention import register_invariant_attention
+from rollout.invariant.linear_swap import ModeNeed, mode_need_of, swapped_linears
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction
@@ -52,12 +56,49 @@ class InvariantLinearMode(TorchFunctionMode):
         return func(*args, **kwargs) if reduced is None else reduced
 
 
-def _invariant_recompute() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """`torch.utils.checkpoint`'s context_fn: nothing around the forward, the linear mode around the recompute."""
-    return contextlib.nullcontext(), InvariantLinearMode()
+class _ModeAroundForwards:
+    """Hooks around each forward of a model: `InvariantLinearMode` around it while its `ModeNeed` says the swapped
+    linears alone may not do (not known yet, a linear outside an `nn.Linear`, a kernel device), learnt from the
+    first forward. Reentrant and per thread."""
+
+    def __init__(self, need: ModeNeed):
+        self.need = need
+        self.open = threading.local()  # `modes`: this thread's modes, one per forward running (None: not entered)
+
+    def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        mode = None if self.need.needed is False else InvariantLinearMode()
+        if mode is not None:
+            mode.__enter__()
+        self.open.__dict__.setdefault("modes", []).append(mode)
+
+    def leave(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        mode = self.open.modes.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            self.need.learn(mode, next(module.parameters()))
 
 
-def _checkpointing_with_the_mode(model: torch.nn.Module) -> dict[torch.nn.Module, Any]:
+@contextlib.contextmanager
+def _invariant_recomputation(model: torch.nn.Module, need: ModeNeed) -> Iterator[None]:
+    """Around a checkpointed layer's recompute (in the backward, maybe after the block, maybe on autograd's thread):
+    the swapped linears, and the mode unless the model is known not to need it."""
+    with swapped_linears(model):
+        if need.needed is False:
+            yield
+        else:
+            with InvariantLinearMode():
+                yield
+
+
+def _invariant_recompute(
+    model: torch.nn.Module, need: ModeNeed
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`torch.utils.checkpoint`'s context_fn: nothing around the forward, the invariant linears around the
+    recompute."""
+    return contextlib.nullcontext(), _invariant_recomputation(model, need)
+
+
+def _checkpointing_with_the_mode(model: torch.nn.Module, need: ModeNeed) -> dict[torch.nn.Module, Any]:
     """Give every checkpointed layer's checkpoint function the mode in its recompute; return the functions it had."""
     replaced = {}
     for module in model.modules():
@@ -71,7 +112,8 @@ def _checkpointing_with_the_mode(model: torch.nn.Module) -> dict[torch.nn.Module
                 "gradient_checkpointing_kwargs={'use_reentrant': False}"
             )
         replaced[module] = function
-        module._gradient_checkpointing_func = functools.partial(function, context_fn=_invariant_recompute)
+        recompute = functools.partial(_invariant_recompute, model, need)
+        module._gradient_checkpointing_func = functools.partial(function, context_fn=recompute)
     return replaced
 
 
@@ -111,18 +153,25 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
-    checkpointing = _checkpointing_with_the_mode(model)
+    need = mode_need_of(model)
+    checkpointing = _checkpointing_with_the_mode(model, need)
     previous = config._attn_implementation
     experts = None
     try:
         experts = eager_experts(model)
         model.set_attn_implementation(register_invariant_attention())
-        hook = _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
+        around = _ModeAroundForwards(need)
+        hooks = [
+            _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True),
+            model.register_forward_pre_hook(around.enter, with_kwargs=True),
+            model.register_forward_hook(around.leave, with_kwargs=True, always_call=True),
+        ]
         try:
-            with InvariantLinearMode():
+            with swapped_linears(model):
                 yield model
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             model.set_attn_implementation(previous)
     finally:
         if experts is not None:

@@ -11,7 +11,7 @@ import torch
 
 from rollout.engine.attention.paged import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
-from rollout.invariant.linear_swap import ModeNeed, swapped_linears
+from rollout.invariant.linear_swap import mode_need_of, swapped_linears
 from rollout.invariant.mode import InvariantLinearMode
 
 
@@ -37,7 +37,7 @@ class ModelForward:
         """
         self.model = model
         self.batch_invariant = batch_invariant
-        self.mode_need = ModeNeed()
+        self.mode_need = mode_need_of(model)
         self.adapters = adapters
         self.logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A ready-made 4D mask makes transformers' mask builders return at once: the paged path builds its own.
