@@ -73,7 +73,8 @@ def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> s
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command, subparser in action.choices.items():
-                sections.append(f"{heading} `{parser.prog} {command}`\n\n{_cell(subparser.description or '')}\n\n")
+                # The description's own lines: its paragraphs and lists stay paragraphs and lists.
+                sections.append(f"{heading} `{parser.prog} {command}`\n\n{_prose(subparser.description or '')}\n\n")
                 sections.append(options_markdown(subparser, heading + "#"))
             continue
         if isinstance(action, argparse._HelpAction):
@@ -118,12 +119,19 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
+def _prose(text: str) -> str:
+    """Help or description text as markdown: `<`, `>` and `&` outside backtick spans as HTML entities (Markdown
+    would take `<MB>` for a tag and drop it); inside code spans they show as written."""
+    parts = text.split("`")
+    return "`".join(html.escape(part, quote=False) if index % 2 == 0 else part for index, part in enumerate(parts))
+
+
 def _cell(text: str) -> str:
-    """Text fit for one table cell (no line breaks, no bare pipes)."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """Text fit for one table cell (no line breaks, no bare pipes, `_prose`'s escapes)."""
+    return _prose(" ".join(text.split())).replace("|", "\\|")
 
 
 def _code(text: str) -> str:
     """Inline code for a table cell: a `|` inside backticks would still split the cell, so it is an HTML entity in an
     HTML code element."""
-    return f"<code>{html.escape(_cell(text).replace(chr(92) + '|', '|')).replace('|', '&#124;')}</code>"
+    return f"<code>{html.escape(' '.join(text.split())).replace('|', '&#124;')}</code>"

@@ -136,3 +136,62 @@ def test_every_public_name_has_a_reference_entry(package, name):
     value = getattr(importlib.import_module(package), name)
     entries = [entry for entry in ENTRIES if entry.rsplit(".", 1)[1] == name and resolve(entry) is value]
     assert entries or name in FIELD_TABLES, f"{package}.{name} has no entry in docs/reference/api.md"
+
+
+def markup_outside_code(docstring: str | None) -> list[str]:
+    """What Markdown would take for an HTML tag (`<id>`) or bold (`__base__`) outside backtick spans: the site drops
+    the one and bolds the other."""
+    parts = (docstring or "").split("`")
+    return [match for part in parts[::2] for match in re.findall(r"<[A-Za-z/#][^>\n]*>|__\w+__", part)]
+
+
+def test_the_check_finds_markup_outside_code():
+    assert markup_outside_code('ids "req_<i>" and "__base__", but `"<id>#<i>"`') == ["<i>", "__base__"]
+
+
+def rendered_docstrings(entry: str) -> list[tuple[str, str | None]]:
+    """(name, docstring) of an entry and, for a class, of the public methods and properties the site shows."""
+    obj = resolve(entry)
+    members = [obj]
+    if inspect.isclass(obj):
+        members += [value for key, value in vars(obj).items() if not key.startswith("_") or key == "__init__"]
+    return [
+        (getattr(member, "__qualname__", entry), member.__doc__)
+        for member in members
+        if callable(member) or isinstance(member, property) or member is obj
+    ]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_no_entry_loses_text_to_markup(entry):
+    found = [(name, text) for name, doc in rendered_docstrings(entry) for text in markup_outside_code(doc)]
+    assert not found, found
+
+
+def malformed_items(docstring: str | None) -> list[str]:
+    """Raises entries whose exception is not a name (an inline second exception, a wrapped line read as an entry),
+    and Returns sections split into several entries by a wrapped line, parsed as the site does."""
+    if not docstring:
+        return []
+    text = "\n" + SECTIONS.separated(inspect.cleandoc(docstring))
+    found = []
+    for section in griffe.Docstring(text).parse("google", warnings=False):
+        if section.kind.value == "raises":
+            found += [
+                str(item.annotation) for item in section.value if not re.fullmatch(r"[\w.]+", str(item.annotation))
+            ]
+        if section.kind.value == "returns" and len(section.value) > 1:
+            found.append(f"Returns in {len(section.value)} entries: indent its wrapped lines")
+    return found
+
+
+def test_the_check_finds_malformed_raises_and_returns():
+    raises = "Do.\n\nRaises:\n    ValueError: bad. TimeoutError: not applied in\n    time. RuntimeError: stopped.\n"
+    assert malformed_items(raises) == ["time. RuntimeError"]
+    assert malformed_items("Do.\n\nReturns:\n    The outputs of the step, then\n    the rest.\n")
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_raises_and_returns_render_as_written(entry):
+    found = [(name, text) for name, doc in rendered_docstrings(entry) for text in malformed_items(doc)]
+    assert not found, found

@@ -44,6 +44,9 @@ def test_generated_tables_hold_every_field_and_flag():
             assert flag == "-h" or flag == "--help" or f"`{flag}`" in options, flag
     bench = module.render("options", "rollout-bench")
     assert "### `rollout-bench throughput`" in bench and "### `rollout-bench gpu-report`" in bench
+    # Angle brackets outside code would be taken for HTML tags and vanish; a description's list stays a list.
+    assert "sized:&lt;MB&gt;" in module.render("options", "rollout-worker")
+    assert "GRPOTrainer:\n\n- `rollout_colocate`:" in bench
     with pytest.raises(ValueError, match="unknown generated marker: fields Nothing"):
         module.render("fields", "Nothing")
 

@@ -198,8 +198,8 @@ class ColocatedEngine:
             progress_bar: show a tqdm bar of finished samples.
         Returns:
             One `GroupResult` per group, in order; completions in sample order, each with its logprobs and
-            run-length encoded policy versions. A completion the engine ended with an error says so in its
-            `finish_reason` and `error`, as from a worker.
+                run-length encoded policy versions. A completion the engine ended with an error says so in its
+                `finish_reason` and `error`, as from a worker.
         Raises:
             FieldError: a bad group (named, with its position); nothing was generated.
         """

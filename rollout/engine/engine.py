@@ -142,7 +142,7 @@ class Engine:
 
         Returns:
             The group's outputs of the step in flight (finished first), then the final outputs of its aborted
-            samples (finish_reason "abort"). Other groups' outputs of that step come with the next `step()`.
+                samples (finish_reason "abort"). Other groups' outputs of that step come with the next `step()`.
         """
         return self.loop.cancel(group_id)
 

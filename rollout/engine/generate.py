@@ -62,7 +62,7 @@ def generate_batch(
             name of its LoRA adapter to sample with, or one name per prompt, None for the base model; the adapters
             are served unmerged, side by side in one batch, and the model is left as it was).
     Returns:
-        Outputs keyed by sample request id ("req_<i>", or "req_<i>#<j>" when n > 1), in input order.
+        Outputs keyed by sample request id (`"req_<i>"`, or `"req_<i>#<j>"` when n > 1), in input order.
     Raises:
         ValueError: bad input, naming the field (nothing is generated then); a model given by name says how to
             load it.

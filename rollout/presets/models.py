@@ -29,7 +29,7 @@ CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A tokenizer built in code that covers the tiny model's whole vocabulary of 1024: <pad>, <bos>, <eos>, <unk>
+    """A tokenizer built in code that covers the tiny model's whole vocabulary of 1024: `<pad>`, `<bos>`, `<eos>`, `<unk>`
     (ids 0-3), printable ASCII and newline, one character each (4-99: what encoding text produces), the chat turn
     markers <|im_start|> and <|im_end|> (100-101, special), then lowercase letter pairs and triples (102-1023), so
     every id a model samples decodes to text. Its chat template renders ChatML turns (`TINY_CHAT_TEMPLATE`)."""

@@ -19,10 +19,10 @@ def model_from_preset(
 
     Args:
         name: "tiny", "tiny-moe", "tiny-agent" (the scripted tool caller; its weights do not depend on `seed`) or
-            "sized:<MB>".
+            `"sized:<MB>"`.
         seed: weight initialisation seed of the random presets.
         dtype: parameter dtype.
-        device: where "sized:<MB>" is built (a large random model: on a GPU in well under a second); the small
+        device: where `"sized:<MB>"` is built (a large random model: on a GPU in well under a second); the small
             presets are built on the CPU, so that they are the same weights in every process, and moved.
     Raises:
         ValueError: a malformed "sized:" size.
@@ -43,7 +43,7 @@ def model_from_preset(
 
 
 def tokenizer_for(name: str) -> PreTrainedTokenizerFast | None:
-    """The tokenizer of a preset: `tiny_tokenizer()` for "tiny", "tiny-moe" and "sized:<MB>" (which share its
+    """The tokenizer of a preset: `tiny_tokenizer()` for "tiny", "tiny-moe" and `"sized:<MB>"` (which share its
     vocabulary), `agent_tokenizer()` for "tiny-agent".
 
     Args:

@@ -30,7 +30,7 @@ class PromptGroup:
             tokens.
         group_id: the group's id in results and `cancel`; None: the client makes one.
         adapter: the served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights`
-            of a PEFT model), else the base model; "__base__": the base model in any case.
+            of a PEFT model), else the base model; `"__base__"`: the base model in any case.
         session_id: groups of one session (an agent's conversation) go to the worker that served the session's
             last group, when it is not much busier than the others; None: the prompt's own prefix decides
             (`trainer_bridge.client.affinity`).

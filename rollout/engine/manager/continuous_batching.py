@@ -156,7 +156,7 @@ class ContinuousBatchingManager:
 
         Args:
             input_ids: prompt token ids (a list, or a 1-D / (1, L) tensor).
-            request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id "<id>#<i>".
+            request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id `"<id>#<i>"`.
             max_new_tokens: overrides the sampling / generation config value.
             streaming: deliver a delta (new tokens only) after every token instead of one final output.
             n: number of samples (a GRPO group; None: the GenerationConfig's num_return_sequences, else 1); sample
@@ -229,7 +229,7 @@ class ContinuousBatchingManager:
         Unknown or finished ids are ignored.
 
         Args:
-            request_id: the id returned by `add_request`, or one sample's id ("<id>#<i>").
+            request_id: the id returned by `add_request`, or one sample's id (`"<id>#<i>"`).
         """
         self._requests.cancel(request_id)
 
@@ -254,8 +254,9 @@ class ContinuousBatchingManager:
         Returns:
             The `WeightUpdateResult` (version, pause and copy times, aborted / recomputed counts).
         Raises:
-            ValueError: a bad update, naming the field or tensor (nothing changed). TimeoutError: not applied in
-            time (the old weights keep serving). RuntimeError: the manager is stopped, or this thread holds its pause.
+            ValueError: a bad update, naming the field or tensor (nothing changed).
+            TimeoutError: not applied in time (the old weights keep serving).
+            RuntimeError: the manager is stopped, or this thread holds its pause.
         """
         return self.weight_updates.apply(tensors, version, mode, partial, timeout)
 
@@ -276,7 +277,9 @@ class ContinuousBatchingManager:
             The `WeightUpdateResult`.
         Raises:
             FieldError: a bad adapter (named: a tensor, `max_loras`, `max_lora_rank`, a PEFT setting that cannot be
-            served unmerged), nothing changed. TimeoutError, RuntimeError: as for `update_weights`.
+                served unmerged), nothing changed.
+            TimeoutError: as for `update_weights`.
+            RuntimeError: as for `update_weights`.
         """
         return self.weight_updates.apply_adapter(name, adapter, version, mode, timeout)
 

@@ -49,7 +49,7 @@ class GenerationOutput:
     sets the fields after those.
 
     Attributes:
-        request_id: the sample's id: the id given to `add_request` when n == 1, else "<id>#<sample_index>".
+        request_id: the sample's id: the id given to `add_request` when n == 1, else `"<id>#<sample_index>"`.
         prompt_ids: the prompt.
         generated_tokens: generated token ids (only the new ones in a streaming delta).
         logprobs: one fp32 log-prob per generated token (empty when logprobs are off).
