@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plan",
         action="store_true",
         help="print the device calls that produce the report inside a 15-minute GPU window (the headline in one call "
-        "of at most 490 s, then an optional follow-up), the wheels to fetch first and the CPU rehearsal, and exit",
+        "of at most 430 s, then an optional follow-up), the wheels to fetch first and the CPU rehearsal, and exit",
     )
     parser.add_argument("--json", action="store_true", help="with --plan: print the plan as one JSON object")
     parser.add_argument(

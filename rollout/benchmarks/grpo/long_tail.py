@@ -1,4 +1,4 @@
-"""`rollout-bench long-tail`: reasoning-GRPO lengths with a KV cache far smaller than the work (issue 31).
+"""`rollout-bench long-tail`: reasoning-GRPO lengths with a KV cache far smaller than the work.
 
 Every prompt (100-1000 tokens, uniform) is sampled n times; each sample gets its own length, lognormal with the given
 median and sigma, capped at --max-tokens, and generates exactly that many tokens: every sample is its own request (n=1,
