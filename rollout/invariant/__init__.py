@@ -4,8 +4,9 @@ so that its forward over a padded batch equals its forward over each sequence al
 through it:
 
 - `positions.py`: position ids numbered from each row's first unmasked token (left padding shifts nothing);
-- `matmul.py`: `invariant_linear`, every projection issued as matmuls of one fixed row-tile shape (on a GPU:
-  `triton_matmul.py`, one Triton kernel of fixed tiles);
+- `matmul.py`: `invariant_linear`, every projection computed row by row the same way whatever the other rows (on a
+  GPU: `triton_matmul.py`, one Triton kernel of fixed tiles); `linear_swap.py` runs a model's `nn.Linear` modules
+  through it;
 - `reductions.py`: the RMSNorm's last-axis mean and the log-probs' log_softmax, each row reduced alone (on a GPU:
   `triton_rows.py`);
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked

@@ -6,8 +6,9 @@ row's keys start. Here:
 
 - each row's keys are moved to start at its first unmasked key, then cut into blocks of `KEY_BLOCK`, so a key's
   block and its place in it depend on the row alone; padding only adds whole blocks of masked keys at the end;
-- queries are cut into tiles of `QUERY_TILE` rows; every score and every block's weighted sum of values is a matmul of
-  one fixed shape ((QUERY_TILE, head_dim) x (head_dim, KEY_BLOCK) and (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim));
+- every score and every block's weighted sum of values is computed the same way whatever the number of queries and
+  keys: on a GPU as matmuls of one fixed shape in a Triton kernel (tiles of `QUERY_TILE` queries); on the CPU as
+  matmuls whose element arithmetic does not depend on their shape (`attend_in_torch`);
 - the softmax is taken in two passes: the maximum over all keys (exact in any order), then each block's sum of
   exp and weighted values, added block after block in order. A masked key's weight is exactly 0, and a block of
   masked keys adds exactly 0.
