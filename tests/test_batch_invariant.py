@@ -24,18 +24,20 @@ PAIRS = [
 
 
 # Wider than conftest's models, one layer each: linears reduce over 512 and 768 (in fp32, slices of 256 added in
-# order), head_dim 128 with one query head per key head (a decode's single query row padded to the matmuls' 16), and
-# head_dim 320 (scores reduced in slices too).
+# order), head_dim 128 with one query head per key head (a decode's single query row padded to the matmuls' 16),
+# head_dim 320 (scores reduced in slices too), and an MLP 300 wide (torch's SiLU rounds a row's last elements
+# otherwise than the rest, depending on the tensor's size).
 WIDE = {
     "llama_wide_mha": dict(hidden_size=512, intermediate_size=768, num_attention_heads=4, num_key_value_heads=4),
     "llama_head320": dict(hidden_size=640, intermediate_size=512, num_attention_heads=2, num_key_value_heads=1),
+    "llama_mlp300": dict(hidden_size=128, intermediate_size=300, num_attention_heads=4, num_key_value_heads=2),
 }
+WIDE_HEAD_DIMS = {"llama_wide_mha": 128, "llama_head320": 320, "llama_mlp300": 32}
 
 
 def wide_model(kind: str) -> torch.nn.Module:
     """One of the `WIDE` Llama models, seeded."""
-    head_dim = 128 if kind == "llama_wide_mha" else 320
-    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=1, head_dim=head_dim, **WIDE[kind])
+    config = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=1, head_dim=WIDE_HEAD_DIMS[kind], **WIDE[kind])
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config).eval()
 

@@ -5,8 +5,8 @@ through it:
 
 - `positions.py`: position ids numbered from each row's first unmasked token (left padding shifts nothing);
 - `matmul.py`: `invariant_linear`, every projection computed row by row the same way whatever the other rows (on a
-  GPU: `triton_matmul.py`, one Triton kernel of fixed tiles); `linear_swap.py` runs a model's `nn.Linear` modules
-  through it;
+  GPU: `triton_matmul.py`, one Triton kernel of fixed tiles); `swaps.py` runs a model's `nn.Linear` modules
+  through it, and its activations through `activations.py`'s position-invariant SiLU and tanh-GELU;
 - `reductions.py`: the RMSNorm's last-axis mean and the log-probs' log_softmax, each row reduced alone (on a GPU:
   `triton_rows.py`);
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked

@@ -6,19 +6,21 @@ Inside the block:
 - the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
 - a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
 - every `nn.Linear` of the model (the output head included) computes as `invariant_linear` (matmul.py) on this
-  thread, its forward swapped (linear_swap.py); around each forward of the model, a `TorchFunctionMode` sends any
+  thread, its forward swapped (swaps.py); around each forward of the model, a `TorchFunctionMode` sends any
   other `torch.nn.functional.linear` there too, and on a GPU every last-axis mean (an RMSNorm's) and log_softmax to
   `invariant_mean` / `invariant_log_softmax` (reductions.py). The mode costs about 4 us per torch call on a CPU: it
-  stays only while the model's first forward shows it is needed (`linear_swap.ModeNeed`);
+  stays only while the model's first forward shows it is needed (`swaps.ModeNeed`);
 - an MoE model's experts run transformers' "eager" implementation (one `F.linear` per expert, which the mode
   tiles) instead of `grouped_mm`, whose result for a token depends on how many tokens its expert got.
 
 The backward is an ordinary autograd backward of those operations (correct, not itself invariant). Gradient
-checkpointing's recompute runs in the backward, maybe after the block and on autograd's own thread: each
-checkpointed layer's recompute gets the swapped linears (and the mode while needed) through `torch.utils.checkpoint`'s
-`context_fn` (non-reentrant checkpointing; the reentrant kind is refused by name). Leaving the block restores the
-model's attention implementation, its checkpointing functions and its linears, and removes the hooks, also on an
-error.
+checkpointing's recompute runs in the backward, maybe on autograd's own thread: each checkpointed layer's recompute
+gets the swapped linears (and the mode while needed) through `torch.utils.checkpoint`'s `context_fn`
+(non-reentrant checkpointing; the reentrant kind is refused by name). Run the backward inside the block: after it,
+the recompute would attend with the model's own attention, which torch's checkpoint refuses. Leaving the block
+restores the model's attention implementation, its checkpointing functions and its linears, and removes the hooks,
+also on an error. The attention implementation and the hooks belong to the model, not to a thread: another thread's
+forward of the same model during the block is computed invariantly too.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rollout.invariant.attention import register_invariant_attention
-from rollout.invariant.linear_swap import ModeNeed, mode_need_of, swapped_linears
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction
+from rollout.invariant.swaps import ModeNeed, mode_need_of, swapped_forwards
 
 
 class InvariantLinearMode(TorchFunctionMode):
@@ -45,7 +47,7 @@ class InvariantLinearMode(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear_calls = 0  # the F.linear calls it routed (linear_swap.ModeNeed reads it)
+        self.linear_calls = 0  # the F.linear calls it routed (swaps.ModeNeed reads it)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -66,24 +68,32 @@ class _ModeAroundForwards:
         self.open = threading.local()  # `modes`: this thread's modes, one per forward running (None: not entered)
 
     def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        mode = None if self.need.needed is False else InvariantLinearMode()
+        mode = None if self.need.needed(next(module.parameters())) is False else InvariantLinearMode()
         if mode is not None:
             mode.__enter__()
         self.open.__dict__.setdefault("modes", []).append(mode)
 
+    def completed(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The forward returned (not called when it raised): what its mode saw can be learnt from."""
+        mode = self.open.modes[-1]
+        if mode is not None:
+            mode.completed = True
+
     def leave(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After the forward, also one that raised: its mode exits; learnt from only if it completed."""
         mode = self.open.modes.pop()
         if mode is not None:
             mode.__exit__(None, None, None)
-            self.need.learn(mode, next(module.parameters()))
+            if getattr(mode, "completed", False):
+                self.need.learn(mode, next(module.parameters()))
 
 
 @contextlib.contextmanager
 def _invariant_recomputation(model: torch.nn.Module, need: ModeNeed) -> Iterator[None]:
     """Around a checkpointed layer's recompute (in the backward, maybe after the block, maybe on autograd's thread):
     the swapped linears, and the mode unless the model is known not to need it."""
-    with swapped_linears(model):
-        if need.needed is False:
+    with swapped_forwards(model):
+        if need.needed(next(model.parameters())) is False:
             yield
         else:
             with InvariantLinearMode():
@@ -164,10 +174,11 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         hooks = [
             _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True),
             model.register_forward_pre_hook(around.enter, with_kwargs=True),
+            model.register_forward_hook(around.completed, with_kwargs=True),
             model.register_forward_hook(around.leave, with_kwargs=True, always_call=True),
         ]
         try:
-            with swapped_linears(model):
+            with swapped_forwards(model):
                 yield model
         finally:
             for hook in hooks:

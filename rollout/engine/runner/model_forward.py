@@ -11,8 +11,8 @@ import torch
 
 from rollout.engine.attention.paged import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
-from rollout.invariant.linear_swap import mode_need_of, swapped_linears
 from rollout.invariant.mode import InvariantLinearMode
+from rollout.invariant.swaps import mode_need_of, swapped_forwards
 
 
 class ModelForward:
@@ -33,7 +33,7 @@ class ModelForward:
             adapters: the runner's LoRA adapters (told when a forward begins, also inside a graph capture).
             batch_invariant: run every linear as `rollout.invariant`'s row-invariant matmuls (the attention's half
                 is the metadata's `batch_invariant`): `nn.Linear` modules swapped, and the `InvariantLinearMode`
-                for what a swap cannot see, while the first forward shows it is needed (`linear_swap.py`).
+                for what a swap cannot see, while the first forward shows it is needed (`swaps.py`).
         """
         self.model = model
         self.batch_invariant = batch_invariant
@@ -66,10 +66,11 @@ class ModelForward:
         if not self.batch_invariant:
             yield
             return
-        with swapped_linears(self.model):
-            if self.mode_need.needed is False:
+        sample = next(self.model.parameters())
+        with swapped_forwards(self.model):
+            if self.mode_need.needed(sample) is False:
                 yield
                 return
             with InvariantLinearMode() as mode:
                 yield
-            self.mode_need.learn(mode, self.no_mask)
+            self.mode_need.learn(mode, sample)  # not reached by a forward that raised

@@ -1,0 +1,144 @@
+"""The cheap half of the batch-invariant mode: a model's `nn.Linear` modules computing as `invariant_linear`, and
+its activation modules as the position-invariant functions of activations.py, on the threads that ask for it,
+without a `TorchFunctionMode`.
+
+`InvariantLinearMode` (mode.py) sees every torch call of a forward, at about 4 us each on a CPU: on a tiny model that
+was a third of an invariant engine's time. A swapped `forward` costs one thread-local read per module instead. What
+a swap cannot see still needs the mode: an `F.linear` called outside an `nn.Linear` (an MoE model's eager experts, a
+custom layer) and, on a GPU, the last-axis means and log_softmax that the mode sends to Triton kernels.
+`ModeNeed` finds out which a model needs from its first forward, run under the mode, which counts the `F.linear` calls
+it routes: with every `nn.Linear` swapped, any it sees came from elsewhere.
+
+A swap is an entry `forward` in the instance dictionary of each plain `nn.Linear` (one whose class's forward is
+torch's own) and each activation module activations.py knows, never over an instance `forward` of someone else's
+(such as accelerate's hooks), put there while at least one forward on any thread runs with `swapped_forwards`, and
+removed when the last one ends: nothing is left on the model. A thread that did not ask gets the module's own
+forward from the swap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+from rollout.invariant.activations import invariant_activation
+from rollout.invariant.matmul import invariant_linear
+from rollout.invariant.reductions import on_kernel_device
+
+_THREAD = threading.local()  # `active`: this thread's swapped modules run invariantly
+
+
+def _swapped_linear(module: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    if getattr(_THREAD, "active", False):
+        return invariant_linear(input, module.weight, module.bias)
+    return torch.nn.Linear.forward(module, input)
+
+
+def _swapped_activation(
+    module: torch.nn.Module,
+    function: Callable[[torch.Tensor], torch.Tensor],
+    input: torch.Tensor,  # noqa: A002 - the activations' own name
+) -> torch.Tensor:
+    if getattr(_THREAD, "active", False):
+        return function(input)
+    return type(module).forward(module, input)
+
+
+def _swapped(module: torch.nn.Module) -> functools.partial | None:
+    """The forward to swap in for `module` (None: it keeps its own)."""
+    if "forward" in module.__dict__:  # someone else's
+        return None
+    if type(module).forward is torch.nn.Linear.forward:
+        return functools.partial(_swapped_linear, module)
+    function = invariant_activation(module)
+    return None if function is None else functools.partial(_swapped_activation, module, function)
+
+
+class _Swap:
+    """One model's swapped modules and how many forwards hold the swap."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.holders = 0
+        self.forwards: dict[torch.nn.Module, functools.partial] = {}
+
+    def hold(self, model: torch.nn.Module) -> None:
+        with self.lock:
+            if self.holders == 0:  # the model's modules as they are now (a module may have been replaced since)
+                swaps = {module: _swapped(module) for module in model.modules()}
+                self.forwards = {module: forward for module, forward in swaps.items() if forward is not None}
+                for module, forward in self.forwards.items():
+                    module.__dict__["forward"] = forward
+            self.holders += 1
+
+    def let_go(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            if self.holders == 0:
+                for module, forward in self.forwards.items():
+                    if module.__dict__.get("forward") is forward:
+                        del module.__dict__["forward"]
+                self.forwards = {}
+
+
+_SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, _Swap] = weakref.WeakKeyDictionary()
+_SWAPS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def swapped_forwards(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model`'s plain `nn.Linear` modules as `invariant_linear`, and its known activation modules as
+    activations.py's functions, on this thread inside the block (module docstring). Reentrant, and safe beside
+    other threads using the model (they see the modules' own forwards).
+
+    Args:
+        model: the model whose modules to swap.
+    """
+    with _SWAPS_LOCK:
+        swap = _SWAPS.get(model)
+        if swap is None:
+            swap = _SWAPS[model] = _Swap()
+    previous = getattr(_THREAD, "active", False)
+    swap.hold(model)
+    _THREAD.active = True
+    try:
+        yield
+    finally:
+        _THREAD.active = previous
+        swap.let_go()
+
+
+class ModeNeed:
+    """Whether a model's forwards still need `InvariantLinearMode` beside `swapped_forwards`, per device type and dtype
+    of its parameters: unknown until a forward there completed under the mode; then yes on a kernel device (its
+    reductions) or when the mode routed any `F.linear`."""
+
+    def __init__(self) -> None:
+        self._learnt: dict[tuple[str, torch.dtype], bool] = {}
+
+    def needed(self, sample: torch.Tensor) -> bool | None:
+        """Whether the mode is needed where `sample` (one of the model's parameters) lives (None: not known yet)."""
+        return self._learnt.get((sample.device.type, sample.dtype))
+
+    def learn(self, mode: torch.overrides.TorchFunctionMode, sample: torch.Tensor) -> None:
+        """Record what one completed forward under `mode` (an `InvariantLinearMode`) showed.
+
+        Args:
+            mode: the mode the forward ran under (its `linear_calls` counted).
+            sample: one of the model's parameters.
+        """
+        self._learnt.setdefault((sample.device.type, sample.dtype), on_kernel_device(sample) or mode.linear_calls > 0)
+
+
+_NEEDS: weakref.WeakKeyDictionary[torch.nn.Module, ModeNeed] = weakref.WeakKeyDictionary()
+
+
+def mode_need_of(model: torch.nn.Module) -> ModeNeed:
+    """The `ModeNeed` of `model`'s forwards, shared by every batch-invariant block over it."""
+    with _SWAPS_LOCK:
+        return _NEEDS.setdefault(model, ModeNeed())
