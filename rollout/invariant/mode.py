@@ -7,9 +7,10 @@ Inside the block:
 - a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
 - every `nn.Linear` of the model (the output head included) computes as `invariant_linear` (matmul.py) on this
   thread, its forward swapped (swaps.py); around each forward of the model, a `TorchFunctionMode` sends any
-  other `torch.nn.functional.linear` there too, and on a GPU every last-axis mean (an RMSNorm's) and log_softmax to
-  `invariant_mean` / `invariant_log_softmax` (reductions.py). The mode costs about 4 us per torch call on a CPU: it
-  stays only while the model's first forward shows it is needed (`swaps.ModeNeed`);
+  other `torch.nn.functional.linear` there too. The mode costs about 4 us per torch call on a CPU: it stays only
+  while the model's first forward shows it is needed (`swaps.ModeNeed`). On a GPU it covers the whole block, and
+  also runs every last-axis mean (an RMSNorm's) and log_softmax, the caller's on the logits included, as
+  `invariant_mean` / `invariant_log_softmax` (reductions.py);
 - an MoE model's experts run transformers' "eager" implementation (one `F.linear` per expert, which the mode
   tiles) instead of `grouped_mm`, whose result for a token depends on how many tokens its expert got.
 
@@ -37,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from rollout.invariant.attention import register_invariant_attention
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.positions import add_positions_from_mask
-from rollout.invariant.reductions import invariant_reduction
+from rollout.invariant.reductions import invariant_reduction, on_kernel_device
 from rollout.invariant.swaps import ModeNeed, mode_need_of, swapped_forwards
 
 
@@ -170,15 +171,19 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     try:
         experts = eager_experts(model)
         model.set_attn_implementation(register_invariant_attention())
-        around = _ModeAroundForwards(need)
-        hooks = [
-            _decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True),
-            model.register_forward_pre_hook(around.enter, with_kwargs=True),
-            model.register_forward_hook(around.completed, with_kwargs=True),
-            model.register_forward_hook(around.leave, with_kwargs=True, always_call=True),
-        ]
+        hooks = [_decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)]
+        # On a kernel device the mode covers the whole block, as the reductions the caller runs on the logits (a
+        # log_softmax) must take the kernels too; elsewhere it surrounds the model's forwards while they need it.
+        whole_block = on_kernel_device(next(model.parameters()))
+        if not whole_block:
+            around = _ModeAroundForwards(need)
+            hooks += [
+                model.register_forward_pre_hook(around.enter, with_kwargs=True),
+                model.register_forward_hook(around.completed, with_kwargs=True),
+                model.register_forward_hook(around.leave, with_kwargs=True, always_call=True),
+            ]
         try:
-            with swapped_forwards(model):
+            with swapped_forwards(model), InvariantLinearMode() if whole_block else contextlib.nullcontext():
                 yield model
         finally:
             for hook in hooks:
