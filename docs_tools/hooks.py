@@ -104,18 +104,26 @@ def fields_markdown(cls: type) -> str:
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Each field's comment: the `#` lines right above its annotation in the class body."""
+    """Each field's comment: the `#` lines right above its annotation in the class body. Fields right under another
+    field (no comment, no blank line between) share its comment, pointing at the field that carries it."""
     comments: dict[str, str] = {}
     pending: list[str] = []
+    previous: str | None = None  # the field on the line above, if that line was a field
     for line in inspect.getsource(cls).splitlines()[1:]:
         stripped = line.strip()
         if stripped.startswith("#"):
             pending.append(stripped.lstrip("#").strip())
+            previous = None
             continue
         match = re.match(r"(\w+)\s*:", stripped)
-        if match and line.startswith("    ") and not line.startswith("     ") and pending:
-            comments[match.group(1)] = " ".join(pending)
+        field = match.group(1) if match and line.startswith("    ") and not line.startswith("     ") else None
+        if field and pending:
+            comments[field] = " ".join(pending)
+        elif field and previous in comments:
+            owner = comments[previous] if comments[previous].startswith("As for `") else f"As for `{previous}`."
+            comments[field] = owner
         pending = []
+        previous = field
     return comments
 
 
