@@ -34,7 +34,9 @@ def test_generated_tables_hold_every_field_and_flag():
         for field in dataclasses.fields(cls):
             (row,) = [line for line in table.splitlines() if line.startswith(f"| `{field.name}` |")]
             assert not row.endswith("|  |"), f"{field.name} has no meaning"
-    assert "| `json` | <code>Any</code> | <code>None</code> | As for `regex`. |" in module.render("fields", "SamplingParams")
+    assert "| `json` | <code>Any</code> | <code>None</code> | As for `regex`. |" in module.render(
+        "fields", "SamplingParams"
+    )
     table = module.render("fields", "SamplingParams")
     assert (
         "| `top_p` | <code>float</code> | <code>1.0</code> | Keep the smallest set of tokens whose probability" in table

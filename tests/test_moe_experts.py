@@ -54,3 +54,23 @@ def test_moe_decodes_without_host_reads_and_gives_its_experts_back():
     for index, prompt in enumerate(PROMPTS):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
         assert outputs[f"p{index}"].generated_tokens == expected.tolist()
+
+
+def test_a_batch_invariant_engine_runs_the_trainers_eager_experts_and_agrees_with_its_neighbours():
+    """`batch_invariant=True` runs the eager loop the trainer's block runs (one F.linear per expert), also after the
+    engine suspends and resumes (colocated training); an ordinary engine on the same model meanwhile is refused by
+    name (one of them would run the other's experts); the model's own setting comes back at close."""
+    import pytest
+
+    model = tiny_model("qwen3_moe")
+    own = model.get_experts_implementation()
+    engine = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4, batch_invariant=True))
+    assert model.get_experts_implementation() == {"": "eager"}
+    with pytest.raises(ValueError, match="batch_invariant"):
+        Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4))
+    engine.runner.suspend()
+    assert model.get_experts_implementation() == own
+    engine.runner.resume()
+    assert model.get_experts_implementation() == {"": "eager"}
+    engine.close()
+    assert model.get_experts_implementation() == own

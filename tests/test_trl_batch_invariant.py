@@ -21,18 +21,18 @@ from trl_helpers import dataset, grpo_config, id_reward
 DIFFERENCE = "sampling/sampling_logp_difference/max"
 
 
-def bf16_policy() -> torch.nn.Module:
+def bf16_policy(preset=tiny_model) -> torch.nn.Module:
     """The tiny preset in bf16, as `rollout-worker --dtype bfloat16` builds it (built in bf16, its rotary
     frequencies kept in fp32: `.to(torch.bfloat16)` would round them), scaled to about 1.5 nats of entropy."""
-    model = tiny_model(0, dtype=torch.bfloat16)
+    model = preset(0, dtype=torch.bfloat16)
     scale_to_entropy(model, [list(range(1, 11)), list(range(20, 80, 10))])
     return model
 
 
-def run(tmp_path, batch_invariant: bool, **mode) -> list[dict]:
+def run(tmp_path, batch_invariant: bool, preset=tiny_model, **mode) -> list[dict]:
     """Two GRPO steps (colocated unless `mode` names workers); TRL's logged steps."""
     trainer = RolloutGRPOTrainer(
-        model=bf16_policy(),
+        model=bf16_policy(preset),
         reward_funcs=id_reward,
         args=grpo_config(tmp_path, temperature=0.7, learning_rate=1e-4),
         train_dataset=dataset(),
@@ -77,7 +77,7 @@ def test_trls_importance_ratio_is_exactly_one_in_bf16(tmp_path, monkeypatch):
             replaced.append(torch.equal(found, forward(trainer, *args, **kwargs)[0]))
         return found
 
-    monkeypatch.setattr(trainer_module, "invariant_logps_and_entropies", counted)
+    monkeypatch.setattr(invariant_logps, "invariant_logps_and_entropies", counted)
     monkeypatch.setattr(trainer_module, "recorded_old_logps", checked)
     monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ())
     with_forward = run(tmp_path / "forward", batch_invariant=True)
@@ -93,6 +93,27 @@ def test_trls_importance_ratio_is_exactly_one_in_bf16(tmp_path, monkeypatch):
     ordinary = run(tmp_path / "ordinary", batch_invariant=False)
     # The ordinary engine and TRL's fused head: 0.095 with 2 threads, 1.9e-6 with 1 (as under pytest -n 2).
     assert ordinary[0][DIFFERENCE] > 0.0
+
+
+@pytest.mark.timeout(300)
+def test_an_moe_policy_is_bit_for_bit_with_and_without_routing_replay(tmp_path, monkeypatch):
+    """An MoE policy (experts run one F.linear each on both sides): with TRL's old-policy forward run and routed by
+    the rollout's routes (routing_replay), TRL's metrics say bit for bit; without the replay, that forward is skipped
+    for MoE models too, and TRL's load-balancing loss comes from the invariant forward."""
+    from rollout.presets import tiny_moe_model
+    from trainer_bridge.route_replay import RouteReplay
+
+    replayed = []
+    check = RouteReplay.check
+    monkeypatch.setattr(RouteReplay, "check", lambda self, routes: replayed.append(1) or check(self, routes))
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ())
+    assert_bit_for_bit(run(tmp_path / "replayed", True, tiny_moe_model, rollout_mode="colocate", routing_replay=True))
+    assert replayed, "the trainer's forwards should have been routed by the rollout's routes"
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ("cpu",))
+    skipped = run(tmp_path / "own", batch_invariant=True, preset=tiny_moe_model)
+    assert_bit_for_bit(skipped)
+    assert all(entry[SKIPPED] == 1.0 for entry in skipped)
+    assert all(entry["aux_loss"] > 0 for entry in skipped)  # TRL's load-balancing loss, from the invariant forward
 
 
 @pytest.mark.timeout(240)
@@ -113,7 +134,6 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"rollout_mode": "colocate", "routing_replay": True}, "routing_replay"),
         ({"rollout_mode": "colocate", "batch_invariant": 1}, "must be a bool"),
         (
             {"rollout_mode": "colocate", "rollout_engine_config": ContinuousBatchingConfig(fp32_logits=True)},
@@ -161,13 +181,12 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
 
 def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
     """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
-    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, an MoE model, a
+    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a
     trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward (with grad) or the
     reference model each keep the forward (None), and every decision on the policy is counted in TRL's metrics."""
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from conftest import tiny_model as family_model
     from trainer_bridge.trl.generation import RolloutGeneration
     from trainer_bridge.trl.old_logps import SampledRound, recorded_old_logps
 
@@ -200,10 +219,6 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         for other in ({"dtypes": ("bfloat16",)}, {"mixed_precision": "bf16"}, {"beta": 0.1}):  # PEFT's reference
             assert recorded_old_logps(trainer([[0, 0, 0], [0]], **other), policy, ids, mask, 3) is None, other
         assert recorded_old_logps(fresh, policy, torch.tensor([[5, 6, 1, 2, 9], [0, 7, 4, 0, 0]]), mask, 3) is None
-        moe = family_model("qwen3_moe").train()  # TRL counts the metric under the mode it trains in
-        routed = SimpleNamespace(**{**vars(fresh), "model": moe, "_metrics": {"train": defaultdict(list)}})
-        assert recorded_old_logps(routed, moe, ids, mask, 3) is None
-        assert routed._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
     assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
     assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
     # A round sampled with generation_kwargs that change the log-probs (another mode or temperature) is not recorded.

@@ -5,8 +5,8 @@ correction. Under `batch_invariant=True`, a token sampled with the weights the t
 a rollout log-prob that *is* that forward's value, bit for bit: the trainer takes it from the round it just sampled
 and skips the forward. A row it cannot vouch for (sampled by older weights, changed after sampling by a tool's
 tokens, not in the round) keeps the forward for the whole batch, on every rank. So does a setup whose bits differ
-or cannot be told apart: a device where the equality is not verified (CUDA: docs/concepts/logprobs.md), an MoE model
-(its rollout log-probs differ from the trainer's by about 3e-6 in fp32), a rollout in another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0).
+or cannot be told apart: a device where the equality is not verified (CUDA: docs/concepts/logprobs.md), a rollout in
+another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0).
 Each decision is logged as `rollout/old_logps_forward_skipped` (1 or 0), and the first skip and the first refusal
 are said in the log.
 """
@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from rollout.engine.moe.routes import find_routers
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +104,6 @@ def _unverified(trainer: Any, device: str) -> str | None:
         return "the reference log-probs come from the policy model (PEFT with beta != 0)"
     if getattr(trainer.accelerator, "mixed_precision", "no") != "no":
         return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast, the rollout does not"
-    if find_routers(trainer.model):
-        return "an MoE model's rollout log-probs are not verified equal to the trainer's bit for bit yet"
     rollout = trainer.rollout
     unverified = sorted((set(getattr(rollout, "devices", ())) | {device}) - set(BITWISE_DEVICES))
     if unverified:

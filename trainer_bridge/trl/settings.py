@@ -74,10 +74,8 @@ def check_tool_loop(trainer: Any, partial_rollouts: bool, max_staleness: int) ->
         )
 
 
-def check_batch_invariant(batch_invariant: Any, routing_replay: Any) -> None:
-    """`batch_invariant` is a bool, and not combined with routing_replay (its forwards replay routes through TRL's own
-    scoring). Whether server-mode workers run invariant is checked when the trainer connects to them."""
+def check_batch_invariant(batch_invariant: Any) -> None:
+    """`batch_invariant` is a bool. Whether server-mode workers run invariant is checked when the trainer connects to
+    them."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
-    if batch_invariant and routing_replay:
-        raise ValueError("batch_invariant=True does not combine with routing_replay=True yet")

@@ -45,7 +45,7 @@ from rollout.invariant.mode import batch_invariant as batch_invariant_forward
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
-from trainer_bridge.trl.invariant_logps import invariant_logps_and_entropies
+from trainer_bridge.trl.invariant_logps import InvariantScoringMixin
 from trainer_bridge.trl.old_logps import recorded_old_logps
 from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
 from trainer_bridge.trl.settings import check_batch_invariant, check_mode, check_staleness, check_tool_loop
@@ -90,7 +90,7 @@ def check_trl_internals() -> None:
             )
 
 
-class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
+class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer):
     """`trl.GRPOTrainer` whose generation goes through rollout: a one-line switch from `trl vllm-serve`.
 
     ```python
@@ -172,7 +172,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
         check_trl_internals()
-        check_batch_invariant(batch_invariant, routing_replay)
+        check_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
@@ -244,13 +244,13 @@ class RolloutGRPOTrainer(RoutingReplayMixin, GRPOTrainer):
             return super().training_step(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's; with batch_invariant, the engine's expression on an invariant forward (`invariant_logps`), and
-        TRL's old-policy forward skipped where the sampled round's log-probs are its values (`old_logps`)."""
+        """TRL's; with batch_invariant, TRL's old-policy forward skipped where the sampled round's log-probs are its
+        values (`old_logps`), and otherwise the engine's expression on an invariant forward (`invariant_logps`),
+        routed as the rollout routed with routing_replay (`routes`)."""
         if self.batch_invariant:
             recorded = recorded_old_logps(self, *args, **kwargs)
             if recorded is not None:
                 return recorded, None, None
-            return invariant_logps_and_entropies(self, *args, **kwargs)
         return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: Any) -> Any:

@@ -4,7 +4,9 @@ any engine holds it, and everything given back exactly as found when the last on
 MoE models: transformers' "eager" experts loop over the experts the router picked, reading which ones back to the
 host (`nonzero`, `item`), which stalls every step on a GPU and makes decode steps impossible to capture in CUDA
 graphs. While lent, such a model runs transformers' own "grouped_mm" experts (one grouped matrix product, no host
-read), or "batched_mm" where grouped_mm cannot dispatch.
+read), or "batched_mm" where grouped_mm cannot dispatch. An engine with `batch_invariant` asks for "eager" instead:
+one `F.linear` per expert, which the invariant mode tiles, as the trainer's `batch_invariant` block runs them (a
+grouped product's bits for a token depend on how many tokens its expert got, and differ from the trainer's).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # Experts implementations that read nothing back to the host, in order of preference.
 SYNC_FREE_EXPERTS = ("grouped_mm", "batched_mm")
+# What a batch-invariant engine runs: the trainer's `batch_invariant` block runs the same.
+INVARIANT_EXPERTS = ("eager",)
 
 
 @dataclass
@@ -33,26 +37,50 @@ class _Holder:
     # model.train(True) would switch on again.
     training_flags: list[tuple[torch.nn.Module, bool]]
     experts_implementation: dict | None = None  # the model's own, when the lease switched it
+    experts_choices: tuple[str, ...] = SYNC_FREE_EXPERTS  # what the engines holding it asked for
 
 
 _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
 
 
-def acquire(model: torch.nn.Module) -> None:
-    """Take the model for one more engine (the first one switches it, an MoE model whose experts read the host to a
-    sync-free implementation included; later ones share the switch).
+def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS) -> None:
+    """Take the model for one more engine (the first one switches it, an MoE model's experts to the first of
+    `experts` that dispatches included; later ones share the switch).
 
     Args:
         model: a transformers causal LM.
+        experts: the experts implementations an MoE model may run while lent, in order of preference
+            (`SYNC_FREE_EXPERTS`, or `INVARIANT_EXPERTS` for a batch-invariant engine).
+    Raises:
+        ValueError: another engine holds the model with other experts (a batch-invariant engine beside an ordinary
+            one on one MoE model).
     """
     holder = _HOLDERS.get(model)
     if holder is None:
         flags = [(module, module.training) for module in model.modules()]
-        holder = _HOLDERS[model] = _Holder(0, model.config._attn_implementation, flags)
+        holder = _Holder(0, model.config._attn_implementation, flags, experts_choices=experts)
+        holder.experts_implementation = _switch_experts(model, experts)
         model.set_attn_implementation(register_paged_attention())
         model.eval()
-        holder.experts_implementation = _switch_experts(model)
+        _HOLDERS[model] = holder
+    else:
+        check_lease(model, experts)
     holder.engines += 1
+
+
+def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
+    """Refuse an engine whose experts choice differs from the engines that hold `model` now (before it builds
+    anything).
+
+    Raises:
+        ValueError: a batch-invariant engine beside an ordinary one on one MoE model (named).
+    """
+    holder = _HOLDERS.get(model)
+    if holder is not None and holder.experts_choices != experts and _has_experts(model):
+        raise ValueError(
+            "batch_invariant: another engine holds this MoE model with batch_invariant="
+            f"{holder.experts_choices == INVARIANT_EXPERTS}; engines sharing one MoE model must agree on it"
+        )
 
 
 def release(model: torch.nn.Module) -> None:
@@ -68,21 +96,29 @@ def release(model: torch.nn.Module) -> None:
             module.training = training
 
 
-def _switch_experts(model: torch.nn.Module) -> dict | None:
-    """Set a sync-free experts implementation where the model's own reads the host; the model's own setting when it
-    was switched, else None."""
+def _has_experts(model: torch.nn.Module) -> bool:
+    """Whether the model has experts whose implementation can be switched."""
+    get = getattr(model, "get_experts_implementation", None)
+    return get is not None and any(value is not None for value in get().values())
+
+
+def _switch_experts(model: torch.nn.Module, choices: tuple[str, ...]) -> dict | None:
+    """Set the first of `choices` that dispatches, unless the model's experts run one of them already; the model's
+    own setting when it was switched, else None."""
     get = getattr(model, "get_experts_implementation", None)
     if get is None:
         return None
     own = get()
-    if all(value is None or value in SYNC_FREE_EXPERTS for value in own.values()):
-        return None  # no experts, or already sync-free
-    for choice in SYNC_FREE_EXPERTS:
+    if all(value is None or value in choices for value in own.values()):
+        return None  # no experts, or already one of the choices
+    for choice in choices:
         try:
             model.set_experts_implementation({key: choice if value is not None else None for key, value in own.items()})
         except (ValueError, ImportError, RuntimeError) as error:  # transformers refuses what cannot dispatch here
             logger.debug("experts implementation %r not available: %s", choice, error)
             continue
         return own
+    if choices == INVARIANT_EXPERTS:
+        raise ValueError(f"batch_invariant: this MoE model's experts cannot run transformers' 'eager' loop ({own})")
     logger.warning("no sync-free experts implementation available (%s): MoE decode steps read the host", own)
     return None

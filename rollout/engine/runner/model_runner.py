@@ -22,11 +22,10 @@ from rollout.engine.requests.request import PLACEHOLDER_TOKEN, Request
 from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
 from rollout.engine.runner.model_forward import ModelForward
-from rollout.engine.runner.model_lease import acquire, release
+from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
-from rollout.invariant.mode import eager_experts
 
 
 @dataclass
@@ -68,10 +67,14 @@ class ModelRunner:
                 decode_compile_config and max_num_seqs (defaults if None).
             max_model_len: the longest sequence the engine accepts (sizes the decode graphs' block table).
         Raises:
-            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve), or
-                CUDA graphs asked for without the Triton kernels.
+            ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve),
+                CUDA graphs asked for without the Triton kernels, or an MoE model held by an engine whose
+                batch_invariant differs.
         """
         config = config or ContinuousBatchingConfig()
+        # An MoE model's experts: sync-free while lent, or one F.linear each, which the invariant mode tiles.
+        self._experts = INVARIANT_EXPERTS if config.batch_invariant else SYNC_FREE_EXPERTS
+        check_lease(model, self._experts)
         self.model = model
         self.kv_cache = kv_cache
         self.block_tables = BlockTables()
@@ -122,9 +125,7 @@ class ModelRunner:
             model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
         )
         self.route_results: PendingRoutes | None = None
-        # An MoE model's experts as one F.linear each, which the invariant mode tiles (given back at close).
-        self._experts = eager_experts(model) if config.batch_invariant else None
-        acquire(model)
+        acquire(model, self._experts)
 
     def routes_refusal(self) -> str | None:
         """Why this runner cannot record MoE routes (None: it can)."""
@@ -195,8 +196,6 @@ class ModelRunner:
                 self.fp32_head.close()
             self.prompt_scorer.close()
             self.adapters.close()
-            if self._experts is not None:
-                self.model.set_experts_implementation(self._experts)
             self.routes.close()
             self.decode_graphs = None  # frees the graphs and their memory pool
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
@@ -223,7 +222,7 @@ class ModelRunner:
         """Take the model again after `suspend()` (paged attention, eval mode)."""
         if self._suspended:
             self._suspended = False
-            acquire(self.model)
+            acquire(self.model, self._experts)
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
