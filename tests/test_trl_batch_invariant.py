@@ -118,9 +118,19 @@ def test_an_moe_policy_is_bit_for_bit_with_and_without_routing_replay(tmp_path, 
 
 @pytest.mark.timeout(240)
 def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path):
+    from peft import LoraConfig
+
     worker = Worker("--batch-invariant", "--dtype", "bfloat16")
     try:
         assert_bit_for_bit(run(tmp_path, batch_invariant=True, rollout_workers=worker.address))
+        # A PEFT policy, its adapter pushed adapter-only (served unmerged) and random from the start (peft's own
+        # init leaves B zero, an adapter that changes nothing at the first step).
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+        push = {"adapters": "adapter"}
+        peft_logs = run(
+            tmp_path / "peft", True, rollout_workers=worker.address, peft_config=lora, rollout_push_kwargs=push
+        )
+        assert_bit_for_bit(peft_logs)
     finally:
         worker.close()
     plain = Worker("--dtype", "bfloat16")
@@ -135,6 +145,14 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
     "settings, message",
     [
         ({"rollout_mode": "colocate", "batch_invariant": 1}, "must be a bool"),
+        (  # checked before connecting: the address is never dialled
+            {
+                "rollout_workers": "tcp://127.0.0.1:9",
+                "peft_config": "lora",
+                "rollout_push_kwargs": {"adapters": "merged"},
+            },
+            "pushed merged .rollout_push_kwargs adapters='merged'.",
+        ),
         (
             {"rollout_mode": "colocate", "rollout_engine_config": ContinuousBatchingConfig(fp32_logits=True)},
             "fp32_logits .True. must equal GRPOConfig.cast_lm_head_to_fp32 .False.",
@@ -143,6 +161,10 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
 )
 def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
     settings = {"batch_invariant": True, **settings}
+    if settings.get("peft_config") == "lora":
+        from peft import LoraConfig
+
+        settings["peft_config"] = LoraConfig(r=4, target_modules="all-linear")
     with pytest.raises(ValueError, match=message):
         RolloutGRPOTrainer(
             model=tiny_model(0),

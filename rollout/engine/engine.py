@@ -284,10 +284,8 @@ class Engine:
             A `WeightUpdateResult`.
         Raises:
             FieldError: a bad name, tensor (unknown module, shape, rank above max_lora_rank), mode or version, or
-                max_loras adapters served already (named), or the engine runs with batch_invariant (its adapters'
-                matmuls are not invariant yet); nothing was changed.
+                max_loras adapters served already (named); nothing was changed.
         """
-        self._refuse_adapters_if_invariant()
         return self.weight_updates.load_adapter(name, modules, version, mode, check_finite, base)
 
     def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
@@ -297,14 +295,7 @@ class Engine:
         Raises:
             FieldError: as `load_adapter`. RuntimeError: the engine already has requests.
         """
-        self._refuse_adapters_if_invariant()
         self.weight_updates.serve_adapter_from_start(name, modules)
-
-    def _refuse_adapters_if_invariant(self) -> None:
-        if self.config.batch_invariant:
-            raise FieldError(
-                "batch_invariant", "serves the base model only: LoRA adapters are not computed invariantly yet"
-            )
 
     def weights_changed(self) -> None:
         """Say that the model's weights were changed in place from outside the engine (while a manager was paused,

@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 from trainer_bridge.staleness import STALE_POLICIES
+from trainer_bridge.weights.adapter_mode import push_mode
 
 ROLLOUT_MODES = ("server", "colocate")
 
@@ -79,3 +80,24 @@ def check_batch_invariant(batch_invariant: Any) -> None:
     them."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+
+
+def check_invariant_push(model: Any, push_kwargs: dict[str, Any] | None, accelerator: Any) -> None:
+    """With batch_invariant in server mode, a PEFT policy's adapter must reach the workers adapter-only: merged
+    weights (base + LoRA delta) compute other bits than the trainer's unmerged forward.
+
+    Raises:
+        ValueError: the push would send merged weights (`adapters="merged"`, or "auto" for an adapter the workers
+            cannot serve unmerged), naming why.
+    """
+    adapters = (push_kwargs or {}).get("adapters", "auto")
+    try:
+        merged = push_mode(model, adapters, accelerator, warn=False) == "merged"
+    except ValueError as refusal:  # "auto" that can neither serve it unmerged nor merge it: the push says so too
+        raise ValueError(f"batch_invariant=True: {refusal}") from None
+    if merged:
+        raise ValueError(
+            f"batch_invariant=True: the PEFT policy would be pushed merged (rollout_push_kwargs adapters={adapters!r}),"
+            " whose weights compute other bits than the trainer's unmerged forward; push it adapter-only "
+            "(adapters='adapter' names what the workers cannot serve unmerged)"
+        )

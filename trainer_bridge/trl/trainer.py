@@ -48,7 +48,13 @@ from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
 from trainer_bridge.trl.invariant_logps import InvariantScoringMixin
 from trainer_bridge.trl.old_logps import recorded_old_logps
 from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
-from trainer_bridge.trl.settings import check_batch_invariant, check_mode, check_staleness, check_tool_loop
+from trainer_bridge.trl.settings import (
+    check_batch_invariant,
+    check_invariant_push,
+    check_mode,
+    check_staleness,
+    check_tool_loop,
+)
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -210,6 +216,8 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
                 self, rollout_engine_config, sleep_between_rounds, batch_invariant
             )
         else:
+            if batch_invariant:
+                check_invariant_push(self.model, rollout_push_kwargs, self.accelerator)
             self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
             self.rollout.devices, self.rollout.dtypes = (set(values) for values in self._worker_placement)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),

@@ -47,7 +47,15 @@ from rollout.engine.requests.adapter_ref import AdapterRef, check_adapter_name
 class AdapterTable:
     """The adapters one engine serves, by name, and their stacked weights."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int, head_fp32: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_rank: int,
+        max_tokens: int,
+        head_fp32: bool = False,
+        batch_invariant: bool = False,
+    ):
         """
         Args:
             model: the served model (its Linear layers are what adapters may target, with LoRA or whole; the output
@@ -57,6 +65,8 @@ class AdapterTable:
             max_tokens: the most tokens of one forward (the slot buffer grows past it if ever needed).
             head_fp32: the engine computes the output head in fp32 (`fp32_logits` on a bf16/fp16 model): so are
                 adapters' copies of it.
+            batch_invariant: compute each adapter's tokens as the trainer's `batch_invariant` forward does
+                (`layers.py`), bit for bit.
         Raises:
             FieldError: ("max_lora_rank") above the rank any of the model's Linear layers can take.
         """
@@ -78,7 +88,7 @@ class AdapterTable:
         # Names an adapter may not take besides the base's reserved one (the worker adds the served model's name).
         self.reserved_names: set[str] = set()
         check_rank_limit(list(self._linears.values()), max_rank)  # before anything is allocated
-        self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device)
+        self.state = LoraStepState(max_loras, max_rank, max_tokens, self._device, batch_invariant)
         self._layers: dict[str, LoraLayer] = {}
         self.saved = SavedModules(model, head, self._head_names, self.state, head_fp32)
         self.refs: dict[str, AdapterRef] = {}

@@ -1,6 +1,11 @@
 """The hooks of LoRA layers served unmerged (see `lora.AdapterTable` for the layout): what the hooks of one table
 share in a step (`LoraStepState`: whether they act, each token's slot, the slot mask, which tokens the output head's
-rows are) and one LoRA Linear's stacked weights and hook (`LoraLayer`)."""
+rows are) and one LoRA Linear's stacked weights and hook (`LoraLayer`).
+
+With `batch_invariant` the hook computes each served slot's tokens apart, as peft computes an adapter's rows under
+`trainer_bridge.batch_invariant`: `A` and `B` of the adapter's own rank (a stacked product over every slot's columns
+would add other slots' zeros into the sum, in another order), each product in `rollout.invariant`'s row-invariant
+matmuls, then scaled and added to the base output in fp32 and rounded once, bit for bit the trainer's."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.engine.lora.adapter_weights import LoraModule
+from rollout.invariant.matmul import invariant_linear
 
 # LoRA runs in fp32 whatever the model's dtype, as peft runs it by default (`autocast_adapter_dtype=True` keeps
 # adapter weights in fp32 under a bf16 base); bf16 / fp16 adapters are widened losslessly.
@@ -23,8 +29,14 @@ def layer_bytes(linear: torch.nn.Linear, num_slots: int, max_rank: int) -> int:
 class LoraStepState:
     """What the hooks of one table share during a step: whether they act, and each token's slot."""
 
-    def __init__(self, num_slots: int, max_rank: int, max_tokens: int, device: torch.device):
+    def __init__(
+        self, num_slots: int, max_rank: int, max_tokens: int, device: torch.device, batch_invariant: bool = False
+    ):
         self.active = False
+        self.num_slots = num_slots  # also the base model's slot
+        self.batch_invariant = batch_invariant  # each slot's tokens computed apart, as the trainer (module docstring)
+        self.linear = invariant_linear if batch_invariant else F.linear  # what saved Linear copies compute with
+        self._rows: dict[int, torch.Tensor] | None = None  # batch_invariant: each served slot's token rows
         self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
         # Column c of the stacked A belongs to slot c // max_rank.
         self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
@@ -41,6 +53,7 @@ class LoraStepState:
             head_rows: the packed token of each row the forward's output head computes (None: every token).
         """
         self._mask = None
+        self._rows = None
         self._num_tokens = None
         self.head_rows = head_rows
 
@@ -86,6 +99,20 @@ class LoraStepState:
         return self._mask, slots
 
 
+    def rows_by_slot(self, num_tokens: int, module: str) -> dict[int, torch.Tensor]:
+        """The token rows (indices) of each adapter slot that has tokens in the forward, base tokens left out (read
+        from the device once per forward: the batch-invariant path only, which captures no graphs).
+
+        Raises:
+            RuntimeError: as `slots_for`.
+        """
+        slots = self.slots_for(num_tokens, module)
+        if self._rows is None:
+            adapter_slots = [slot for slot in slots.unique().tolist() if slot != self.num_slots]  # not the base's
+            self._rows = {slot: (slots == slot).nonzero().squeeze(1) for slot in adapter_slots}
+        return self._rows
+
+
 class LoraLayer:
     """The stacked LoRA weights of one base Linear and its forward hook."""
 
@@ -97,6 +124,7 @@ class LoraLayer:
         self.lora_A = torch.zeros(columns, module.in_features, dtype=LORA_DTYPE, device=device)
         self.lora_B = torch.zeros(module.out_features, columns, dtype=LORA_DTYPE, device=device)
         self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)  # the last: base
+        self.ranks = [0] * num_slots  # each slot's adapter's rank here (0: it does not target this layer)
         self.state = state
         self.handle = module.register_forward_hook(self)
 
@@ -105,6 +133,8 @@ class LoraLayer:
         if not state.active:
             return None
         x = args[0].to(LORA_DTYPE)
+        if state.batch_invariant:
+            return self._each_slot_apart(x, output)
         mask, slots = state.mask_for(x, self.name)
         # Other slots' columns are left out by selection, not multiplied by 0: an Inf or NaN one adapter's A makes of
         # an input never reaches another slot's tokens (0 * Inf = NaN); every served B is finite (lora_bounds.py).
@@ -113,6 +143,24 @@ class LoraLayer:
         # rounded once to the model's dtype.
         return (output + delta * self.scalings.index_select(0, slots).unsqueeze(-1)).to(output.dtype)
 
+    def _each_slot_apart(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant forward (module docstring): each slot's rows as peft's
+        `result + lora_B(lora_A(x)) * scaling`, rounded once to the output's dtype."""
+        rows_of = self.state.rows_by_slot(x.shape[-2], self.name)
+        if not rows_of:
+            return output
+        x = x.reshape(-1, x.shape[-1])
+        flat = output.reshape(-1, output.shape[-1]).clone()
+        for slot, rows in rows_of.items():
+            rank = self.ranks[slot]
+            if rank == 0:  # the adapter does not target this layer
+                continue
+            columns = slice(slot * self.max_rank, slot * self.max_rank + rank)
+            a = invariant_linear(x.index_select(0, rows), self.lora_A[columns])
+            delta = invariant_linear(a, self.lora_B[:, columns].contiguous())
+            flat[rows] = (flat[rows] + delta * self.scalings[slot]).to(flat.dtype)
+        return flat.view(output.shape)
+
     def write(self, slot: int, pair: LoraModule | None) -> None:
         """Put an adapter's pair (None: nothing) into `slot`, zeroing what it leaves."""
         rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
@@ -120,8 +168,9 @@ class LoraLayer:
         self.lora_B[:, rows].zero_()
         if pair is None:
             self.scalings[slot] = 0.0
+            self.ranks[slot] = 0
             return
-        rank = pair.rank
+        rank = self.ranks[slot] = pair.rank
         self.lora_A[rows][:rank].copy_(pair.lora_A)
         self.lora_B[:, rows][:, :rank].copy_(pair.lora_B)
         self.scalings[slot] = pair.scaling

@@ -54,9 +54,8 @@ class SavedHead:
         for slot, shadow in self.shadows.items():
             # Every row, the same shapes at every step (decode graphs capture it); rows of other slots are left out
             # by selection, so a copy's Inf or NaN never reaches them.
-            if self.fp32:
-                theirs = torch.nn.functional.linear(x.float(), shadow.weight, shadow.bias)
-            else:
-                theirs = shadow.forward(x)  # the Linear's own forward over the copy, in the model's dtype (peft's)
+            # The Linear's computation over the copy (row-invariant with batch_invariant), in fp32 or the model's
+            # dtype (peft's).
+            theirs = self.state.linear(x.float() if self.fp32 else x, shadow.weight, shadow.bias)
             output = torch.where(slots == slot, theirs.to(output.dtype), output)
         return output

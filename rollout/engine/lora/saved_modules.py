@@ -46,8 +46,13 @@ class _SavedLayer:
         slots = self.state.slots_for(output.shape[-2], self.name).unsqueeze(-1)  # tokens are the output's rows
         for slot, shadow in self.shadows.items():
             # The shadow's own forward (the module's code, e.g. an embedding's padding_idx or scale) over the copy;
-            # the served module is never touched, so other threads reading its parameters see the base.
-            output = torch.where(slots == slot, shadow.forward(*args), output)
+            # the served module is never touched, so other threads reading its parameters see the base. A Linear's
+            # is the table's linear (row-invariant with batch_invariant, as the trainer's copy computes).
+            if type(shadow) is torch.nn.Linear:
+                theirs = self.state.linear(args[0], shadow.weight, shadow.bias)
+            else:
+                theirs = shadow.forward(*args)
+            output = torch.where(slots == slot, theirs, output)
         return output
 
 

@@ -95,7 +95,9 @@ class ModelRunner:
         # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives; an adapter's copy of the
         # head is computed as the base head is (fp32 or not).
         max_tokens = max(config.max_batch_tokens, config.max_num_seqs)
-        self.adapters = AdapterTable(model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32)
+        self.adapters = AdapterTable(
+            model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32, config.batch_invariant
+        )
         self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
         self._forward: DecodeForward = ModelForward(model, self.device, self.adapters, config.batch_invariant)
         self._decode_forward: DecodeForward = self._forward
