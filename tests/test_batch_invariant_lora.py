@@ -28,7 +28,10 @@ def peft_pair(dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     base = realistic("llama_wide_mha", dtype)
     torch.manual_seed(6)
     saving = LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "o_proj", "model.norm", "lm_head"]
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        modules_to_save=["embed_tokens", "o_proj", "model.norm", "lm_head"],
     )
     model = get_peft_model(copy.deepcopy(base), saving, adapter_name="saving")
     plain = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]  # not o_proj: "saving" trains it

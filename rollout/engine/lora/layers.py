@@ -98,7 +98,6 @@ class LoraStepState:
             self._mask = self.columns.unsqueeze(0) == slots.unsqueeze(1)
         return self._mask, slots
 
-
     def rows_by_slot(self, num_tokens: int, module: str) -> dict[int, torch.Tensor]:
         """The token rows (indices) of each adapter slot that has tokens in the forward, base tokens left out (read
         from the device once per forward: the batch-invariant path only, which captures no graphs).
