@@ -119,3 +119,15 @@ def test_prompt_logprobs_equal_the_trainers_forward(dtype):
         logits = trainer(torch.tensor([prompt])).logits[0, :-1].float()
     theirs = torch.log_softmax(logits, -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_block_size_that_does_not_divide_the_key_block_is_bit_for_bit_too(dtype):
+    """Blocks of 12 tokens: the gathered keys are not a whole number of the attention's 64-key blocks, and are
+    copied into them (with 4-token blocks the table is padded and the keys read where they were gathered)."""
+    model = realistic("qwen3", dtype)
+    trainer = copy.deepcopy(model)
+    engine = make_engine(model, batch_invariant=True, num_blocks=60, block_size=12, max_batch_tokens=10)
+    samples = sample_groups(engine, make_prompts(3, 2, 30, seed=1), "a")
+    engine.close()
+    assert largest_gap_to_trainer(trainer, samples) == 0.0

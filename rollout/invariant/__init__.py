@@ -10,6 +10,7 @@ through it:
 - `reductions.py`: the RMSNorm's last-axis mean and the log-probs' log_softmax, each row reduced alone (on a GPU:
   `triton_rows.py`);
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked
-  token, the softmax's sums taken block by block in order (on a GPU: `triton_attention.py`);
+  token, the softmax's sums taken block by block in order (on the CPU: `cpu_attention.py`; on a GPU:
+  `triton_attention.py`);
 - `mode.py`: `batch_invariant(model)`, the context manager that turns them on for one model.
 """

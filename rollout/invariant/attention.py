@@ -8,7 +8,7 @@ row's keys start. Here:
   block and its place in it depend on the row alone; padding only adds whole blocks of masked keys at the end;
 - every score and every block's weighted sum of values is computed the same way whatever the number of queries and
   keys: on a GPU as matmuls of one fixed shape in a Triton kernel (tiles of `QUERY_TILE` queries); on the CPU as
-  matmuls whose element arithmetic does not depend on their shape (`attend_in_torch`);
+  matmuls whose element arithmetic does not depend on their shape (`cpu_attention.py`);
 - the softmax is taken in two passes: the maximum over all keys (exact in any order), then each block's sum of
   exp and weighted values, added block after block in order. A masked key's weight is exactly 0, and a block of
   masked keys adds exactly 0.
@@ -26,14 +26,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rollout.invariant.matmul import K_CHUNK
+from rollout.invariant.cpu_attention import KEY_BLOCK, attend_in_torch
 from rollout.invariant.reductions import on_kernel_device
 
 ATTENTION_NAME = "rollout_invariant"
 QUERY_TILE = 16  # the Triton kernel's query tile (rows per program)
-KEY_BLOCK = 64
-EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
-HIDDEN_SCORE = 3e38  # subtracted from a hidden key's score (finite: a row that sees nothing gets weights 0 x finite)
 
 
 def allowed_keys(attention_mask: torch.Tensor | None, queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -144,103 +141,6 @@ class _KernelAttention(torch.autograd.Function):
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad))
         return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
-
-
-def attend_in_torch(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    allowed: torch.Tensor,
-    start: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """`attend_invariant`'s arithmetic in PyTorch (the same arguments; `scaling` given).
-
-    On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that
-    depends on the reduction's length only, whatever the numbers of rows (`matmul.MIN_ROWS` or more: here whole
-    blocks of keys) and of columns (two or more), for reductions of up to `K_CHUNK` (`matmul.py`). So everything is laid out keys by queries, the queries
-    of the heads sharing a key head side by side as the columns: the scores are one (keys, head_dim) x (head_dim,
-    queries) product per key head (a head_dim over `K_CHUNK` in slices added in order), and each key block's
-    weighted values one (head_dim, `KEY_BLOCK`) x (`KEY_BLOCK`, queries) product. Nothing is padded to a tile of
-    queries, and no key is copied per head. The softmax runs queries by keys, each block's sum over its contiguous
-    `KEY_BLOCK` weights.
-    """
-    dtype = query.dtype
-    batch, heads, queries, head_dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    group = heads // kv_heads
-    aligned = -(-keys // KEY_BLOCK) * KEY_BLOCK
-    blocks = aligned // KEY_BLOCK
-
-    if start is None:  # every row's keys start at 0: copied once, in fp32, whole blocks (zeros after the keys)
-        allowed = torch.nn.functional.pad(allowed, (0, aligned - keys))
-        key, value = _in_blocks(key, aligned), _in_blocks(value, aligned)
-    else:  # each row's keys from its first one, in whole blocks (the end masked)
-        index = start[:, None] + torch.arange(aligned, device=query.device)[None, :]
-        inside = index < keys
-        index = index.clamp(max=keys - 1)
-        gather = index[:, None, :, None].expand(batch, kv_heads, aligned, head_dim)
-        key, value = key.float().gather(2, gather), value.float().gather(2, gather)
-        allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
-        allowed = allowed & inside[:, None, None, :]
-
-    # Scores, keys by queries: (keys, head_dim) x (head_dim, group * queries) per key head.
-    query = query.float().reshape(batch, kv_heads, group * queries, head_dim)
-    if group * queries == 1:  # one column takes a matrix-vector kernel: the query twice, as two heads
-        query, group = query.expand(batch, kv_heads, 2, head_dim), 2
-    columns = group * queries
-    query_t = query.transpose(-1, -2)
-    scores = torch.matmul(key[..., :K_CHUNK], query_t[..., :K_CHUNK, :])
-    for first in range(K_CHUNK, head_dim, K_CHUNK):
-        scores = scores + torch.matmul(key[..., first : first + K_CHUNK], query_t[..., first : first + K_CHUNK, :])
-    # The softmax runs queries by keys, in memory too: an elementwise result keeps its input's layout, and a sum
-    # over a strided last axis adds in an order that depends on the other axes' sizes.
-    scores = (
-        scores.transpose(-1, -2).contiguous().view(batch, kv_heads, group, queries, blocks, KEY_BLOCK)
-    )  # a new tensor
-    # Masks as float arithmetic (boolean masked_fill / where run 20-30x slower than an add on the CPU): a hidden
-    # key's score sinks below every seen one (x + 0 is x exactly), and its weight is multiplied by exactly 0.
-    seen = allowed.to(torch.float32).view(batch, 1, 1, queries, blocks, KEY_BLOCK)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        scores = scores * scaling
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores + (seen - 1.0) * HIDDEN_SCORE
-        peak = scores.amax(dim=(4, 5), keepdim=True)  # a maximum is exact in any order
-        # Below EXP_FLOOR exp gives denormals, which the CPU computes dozens of times slower: exp(EXP_FLOOR) instead
-        # (off by < 2e-38, against a row total of at least 1).
-        weights = torch.exp((scores - peak).clamp(min=EXP_FLOOR)) * seen
-    else:  # the same operations in place: each new tensor of this size costs its page faults
-        scores.mul_(scaling)
-        if softcap is not None:
-            scores.div_(softcap).tanh_().mul_(softcap)
-        scores.add_((seen - 1.0) * HIDDEN_SCORE)
-        peak = scores.amax(dim=(4, 5), keepdim=True)
-        weights = scores.sub_(peak).clamp_(min=EXP_FLOOR).exp_().mul_(seen)
-    totals = weights.sum(dim=-1)  # (batch, kv_heads, group, queries, blocks)
-
-    # Per key block, (head_dim, KEY_BLOCK) x (KEY_BLOCK, columns), then the blocks added in order.
-    value_t = value.view(batch, kv_heads, blocks, KEY_BLOCK, head_dim).transpose(-1, -2)
-    weights = weights.view(batch, kv_heads, columns, blocks, KEY_BLOCK).permute(0, 1, 3, 4, 2).contiguous()
-    parts = torch.matmul(value_t, weights)  # (batch, kv_heads, blocks, head_dim, columns)
-    out, total = parts[:, :, 0], totals[..., 0]
-    for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
-        out = out + parts[:, :, block]
-        total = total + totals[..., block]
-    total = total.reshape(batch, kv_heads, 1, columns)
-    out = torch.where(total > 0, out / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    out = out.view(batch, kv_heads, head_dim, group, queries)[:, :, :, : heads // kv_heads]
-    return out.permute(0, 1, 3, 4, 2).reshape(batch, heads, queries, head_dim).to(dtype)
-
-
-def _in_blocks(keys: torch.Tensor, aligned: int) -> torch.Tensor:
-    """(batch, kv_heads, n, head_dim) keys or values of any layout and dtype as one contiguous fp32 tensor of
-    `aligned` rows per head, zeros after the n: the matmuls then take it without a copy of their own."""
-    out = keys.new_empty((*keys.shape[:2], aligned, keys.shape[3]), dtype=torch.float32)
-    out[:, :, : keys.shape[2]].copy_(keys)
-    out[:, :, keys.shape[2] :].zero_()
-    return out
 
 
 def invariant_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

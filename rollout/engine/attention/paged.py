@@ -30,6 +30,8 @@ from rollout.engine.attention.kernel_plan import Tiling, plan
 from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
 from rollout.invariant.attention import attend_invariant
+from rollout.invariant.cpu_attention import KEY_BLOCK
+from rollout.invariant.reductions import on_kernel_device
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -81,6 +83,7 @@ class PagedAttentionMetadata:
         device: torch.device,
         heads_per_kv: int | None = None,
         tiling: Tiling | None = None,
+        batch_invariant: bool = False,
     ) -> tuple[PagedAttentionMetadata, torch.Tensor]:
         """Turn per-sequence (start, length, blocks) into attention metadata and position ids.
 
@@ -92,6 +95,8 @@ class PagedAttentionMetadata:
             device: where the tensors go.
             heads_per_kv: query heads per KV head when the Triton kernel serves the step; None for PyTorch.
             tiling: the Triton kernel's tiling (None: the default `Tiling()`).
+            batch_invariant: attend as `rollout.invariant` does; each group's block table is then padded with the
+                scratch block (zeros, masked) to whole key blocks, so that the keys are read where they are gathered.
         Returns:
             (metadata, position_ids of shape (T,)).
         """
@@ -133,8 +138,11 @@ class PagedAttentionMetadata:
                 live = (group_starts + group_lengths + block_size - 1) // block_size
                 padding = torch.arange(max_blocks, device=device) >= live.unsqueeze(1)
                 table = table.masked_fill(padding, kv_cache.scratch_block)
+            if batch_invariant and KEY_BLOCK % block_size == 0:
+                whole = (-max_blocks) % (KEY_BLOCK // block_size)
+                table = torch.nn.functional.pad(table, (0, whole), value=kv_cache.scratch_block)
             groups.append(SequenceGroup(query_index, query_pos, table, valid_rows))
-        return cls(kv_cache, slots, groups), positions
+        return cls(kv_cache, slots, groups, batch_invariant=batch_invariant), positions
 
 
 # A decode group is split when a sequence needs less than this fraction of the group's longest context, and the
@@ -265,8 +273,10 @@ def _paged_attention(
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
         group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
-        group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
-        group_value = _gather_blocks(value_cache, group.block_table)
+        # (B, Hkv, L, D); the CPU's invariant attention reads each head's keys as one contiguous batch.
+        gather = _gather_heads if metadata.batch_invariant and not on_kernel_device(key_cache) else _gather_blocks
+        group_key = gather(key_cache, group.block_table)
+        group_value = gather(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
         if metadata.batch_invariant:  # every sequence's keys start at its first token: block 0 starts there
             result = attend_invariant(
@@ -288,6 +298,18 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     num_blocks, block_size, heads, dim = cache.shape
     rows = cache.view(num_blocks, -1).index_select(0, block_table.flatten())
     return rows.view(block_table.shape[0], -1, heads, dim).transpose(1, 2)
+
+
+def _gather_heads(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, block_size, Hkv, D) cache + (B, n) block table -> (B, Hkv, n * block_size, D) view of a copy
+    laid out head by head: each head's (B, n * block_size, D) keys contiguous, gathered in one pass from the cache's
+    rows of that head (a gather of whole blocks, then a transposing copy, moves every byte twice)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    flat = block_table.flatten()
+    out = cache.new_empty((heads, flat.numel(), block_size, dim))
+    for head in range(heads):
+        torch.index_select(cache[:, :, head], 0, flat, out=out[head])
+    return out.view(heads, block_table.shape[0], -1, dim).transpose(0, 1)
 
 
 def _unpaged_attention(

@@ -271,9 +271,15 @@ class ModelRunner:
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
         metadata, positions = PagedAttentionMetadata.build(
-            self.kv_cache, inputs.starts, lengths, block_table, self.device, self.heads_per_kv, self.tiling
+            self.kv_cache,
+            inputs.starts,
+            lengths,
+            block_table,
+            self.device,
+            self.heads_per_kv,
+            self.tiling,
+            self.batch_invariant,
         )
-        metadata.batch_invariant = self.batch_invariant
         ends = list(itertools.accumulate(lengths))
         keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
         # 5. Forward; logits only at the positions that get sampled.
