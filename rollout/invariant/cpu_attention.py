@@ -12,7 +12,8 @@ its many side as the rows:
   a trainer's sequence: then the scores come out queries by keys, as the softmax wants them, with no transposing
   copy). A head_dim over `K_CHUNK` is reduced in slices added in order;
 - each key block's weighted values: (head_dim, `KEY_BLOCK`) x (`KEY_BLOCK`, queries) with few queries, (queries,
-  `KEY_BLOCK`) x (`KEY_BLOCK`, head_dim) with many, the blocks added in order.
+  `KEY_BLOCK`) x (`KEY_BLOCK`, head_dim) with many. The blocks' results (and their weights' totals) are added one
+  after the other in float64, rounded once, as torch's CPU `cumsum` adds them: one call instead of a loop.
 
 Everything is laid out key head first, (kv_heads, batch, ...): the engine gathers its keys so from the cache
 (`paged._gather_heads`, one pass), and every product is then one batched matmul over contiguous matrices. The
@@ -89,12 +90,10 @@ def attend_in_torch(
         scores.add_((seen - 1.0) * HIDDEN_SCORE)
         peak = scores.amax(dim=(4, 5), keepdim=True)
         weights = scores.sub_(peak).clamp_(min=EXP_FLOOR).exp_().mul_(seen)
+    # Each block's total, then the blocks' totals added in order (`cumsum`: one after the other, in float64).
     totals = weights.sum(dim=-1)  # (kv_heads, batch, group, queries, blocks)
     out = _weighted_values(weights.view(kv_heads, batch, columns, aligned), value, wide)
-    total = totals[..., 0]
-    for block in range(1, blocks):  # in order: the same additions whatever the padding after the row's keys
-        total = total + totals[..., block]
-    total = total.reshape(kv_heads, batch, columns, 1)
+    total = totals.cumsum(-1)[..., -1].reshape(kv_heads, batch, columns, 1)
     out = torch.where(total > 0, out / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     out = out.view(kv_heads, batch, group, queries, head_dim)[:, :, : heads // kv_heads].transpose(0, 1)
     return out.reshape(batch, heads, queries, head_dim).to(dtype)
@@ -128,20 +127,17 @@ def _weighted_values(weights: torch.Tensor, value: torch.Tensor, wide: bool) -> 
     """
     kv_heads, batch, columns, aligned = weights.shape
     head_dim, blocks = value.shape[-1], aligned // KEY_BLOCK
-    if wide:  # per block (queries, KEY_BLOCK) x (KEY_BLOCK, head_dim), both read in place
+    if wide:  # per block (queries, KEY_BLOCK) x (KEY_BLOCK, head_dim), both read in place; added as cumsum adds
         out = None
         for first in range(0, aligned, KEY_BLOCK):
             part = torch.matmul(weights[..., first : first + KEY_BLOCK], value[..., first : first + KEY_BLOCK, :])
-            out = part if out is None else out + part
-        return out
+            out = part.double() if out is None else out.add_(part)
+        return out.float()
     # Per block (head_dim, KEY_BLOCK) x (KEY_BLOCK, columns): the few columns' weights copied keys first (small).
     w = weights.view(kv_heads, batch, columns, blocks, KEY_BLOCK).permute(0, 1, 3, 4, 2).contiguous()
     value_t = value.view(kv_heads, batch, blocks, KEY_BLOCK, head_dim).transpose(-1, -2)
     parts = torch.matmul(value_t, w)  # (kv_heads, batch, blocks, head_dim, columns)
-    out = parts[:, :, 0]
-    for block in range(1, blocks):
-        out = out + parts[:, :, block]
-    return out.transpose(-1, -2)
+    return parts.cumsum(2)[:, :, -1].transpose(-1, -2)
 
 
 def _in_blocks(keys: torch.Tensor, aligned: int) -> torch.Tensor:

@@ -47,6 +47,17 @@ class SequenceGroup:
     # (which would read the mask's true count back to the host).
     valid_rows: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _head_rows: torch.Tensor | None = None
+
+    def head_rows(self, block_size: int, kv_heads: int) -> torch.Tensor:
+        """The cache rows (one per token and KV head, in a layer's (num_blocks * block_size * kv_heads, head_dim)
+        view) of every key of the group laid out head by head, (kv_heads, B, L) flattened; built once per step."""
+        if self._head_rows is None:
+            tokens = torch.arange(block_size, device=self.block_table.device)
+            slots = (self.block_table[:, :, None] * block_size + tokens).flatten(1)  # (B, L)
+            heads = torch.arange(kv_heads, device=slots.device)[:, None, None]
+            self._head_rows = (slots[None] * kv_heads + heads).flatten()
+        return self._head_rows
 
     def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:
         """Boolean (B, 1, Q, L) mask, True where attention is allowed; built once per step per window size."""
@@ -273,10 +284,12 @@ def _paged_attention(
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
         group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
-        # (B, Hkv, L, D); the CPU's invariant attention reads each head's keys as one contiguous batch.
-        gather = _gather_heads if metadata.batch_invariant and not on_kernel_device(key_cache) else _gather_blocks
-        group_key = gather(key_cache, group.block_table)
-        group_value = gather(value_cache, group.block_table)
+        if metadata.batch_invariant and not on_kernel_device(key_cache):  # each head's keys as one contiguous batch
+            rows = group.head_rows(cache.block_size, key_cache.shape[2])
+            group_key, group_value = (_gather_heads(c, rows, batch) for c in (key_cache, value_cache))
+        else:
+            group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
+            group_value = _gather_blocks(value_cache, group.block_table)
         mask = group.mask(sliding_window, cache.block_size)
         if metadata.batch_invariant:  # every sequence's keys start at its first token: block 0 starts there
             result = attend_invariant(
@@ -300,16 +313,12 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
     return rows.view(block_table.shape[0], -1, heads, dim).transpose(1, 2)
 
 
-def _gather_heads(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """(num_blocks, block_size, Hkv, D) cache + (B, n) block table -> (B, Hkv, n * block_size, D) view of a copy
-    laid out head by head: each head's (B, n * block_size, D) keys contiguous, gathered in one pass from the cache's
-    rows of that head (a gather of whole blocks, then a transposing copy, moves every byte twice)."""
-    num_blocks, block_size, heads, dim = cache.shape
-    flat = block_table.flatten()
-    out = cache.new_empty((heads, flat.numel(), block_size, dim))
-    for head in range(heads):
-        torch.index_select(cache[:, :, head], 0, flat, out=out[head])
-    return out.view(heads, block_table.shape[0], -1, dim).transpose(0, 1)
+def _gather_heads(cache: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """(num_blocks, block_size, Hkv, D) cache + `SequenceGroup.head_rows` -> (B, Hkv, L, D) view of a copy laid out
+    head by head, each head's (B, L, D) keys contiguous: one gather of (head_dim)-long rows (a gather of whole blocks
+    then a transposing copy moves every byte twice)."""
+    heads, dim = cache.shape[2], cache.shape[3]
+    return cache.reshape(-1, dim).index_select(0, rows).view(heads, batch, -1, dim).transpose(0, 1)
 
 
 def _unpaged_attention(
