@@ -65,7 +65,8 @@ def attend_in_torch(
         allowed = allowed.gather(3, index[:, None, None, :].expand(batch, 1, queries, aligned))
         allowed = allowed & inside[:, None, None, :]
 
-    query = query.float().reshape(batch, kv_heads, group * queries, head_dim).transpose(0, 1)
+    query = query.float().unflatten(1, (kv_heads, group)).transpose(0, 1)  # one copy below, key head first
+    query = query.reshape(kv_heads, batch, group * queries, head_dim)
     if group * queries == 1:  # one column takes a matrix-vector kernel: the query twice, as two heads
         query, group = query.expand(kv_heads, batch, 2, head_dim), 2
     columns = group * queries
@@ -94,7 +95,8 @@ def attend_in_torch(
     totals = weights.sum(dim=-1)  # (kv_heads, batch, group, queries, blocks)
     out = _weighted_values(weights.view(kv_heads, batch, columns, aligned), value, wide)
     total = totals.cumsum(-1)[..., -1].reshape(kv_heads, batch, columns, 1)
-    out = torch.where(total > 0, out / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    # A query that sees no key has weights 0, so an output of exactly 0: 0 / tiny keeps it 0 (and no 0 / 0).
+    out = out / total.clamp(min=torch.finfo(torch.float32).tiny)
     out = out.view(kv_heads, batch, group, queries, head_dim)[:, :, : heads // kv_heads].transpose(0, 1)
     return out.reshape(batch, heads, queries, head_dim).to(dtype)
 
