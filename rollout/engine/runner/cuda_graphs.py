@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention.kernel_plan import Tiling, TritonAttentionPlan, plan_splits, tile_shape
-from rollout.engine.attention.paged import PagedAttentionMetadata
+from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout.engine.attention.paged import PagedAttentionMetadata
+from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.swaps import mode_need_of, swapped_forwards

@@ -11,7 +11,8 @@ import torch
 
 from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.attention.kernel_plan import Tiling
-from rollout.engine.attention.paged import ATTENTION_NAME, PagedAttentionMetadata
+from rollout.engine.attention.paged import ATTENTION_NAME
+from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.engine.kv.block_tables import BlockTables
 from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
