@@ -62,7 +62,7 @@ def check_peft_config(config: Any) -> None:
         raise FieldError("bias", "trained biases are not served unmerged; push with adapters='merged'")
     for name, what in UNSERVED_SETTINGS.items():
         value = getattr(config, name, None)
-        if value not in (None, False, {}, [], ()):
+        if value not in (None, False) and not (isinstance(value, (set, frozenset, dict, list, tuple)) and not value):
             raise FieldError(name, f"{what} is not served unmerged; push with adapters='merged'")
 
 

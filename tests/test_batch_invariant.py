@@ -210,3 +210,14 @@ def test_moe_experts_run_eager_inside_the_block():
         assert model.config._experts_implementation == "eager"
         assert largest_gap(model, BATCHES) == 0.0
     assert model.get_experts_implementation() == before
+
+
+def test_a_left_padded_row_that_sees_no_key_gets_no_gradient_blowup():
+    """A loss that also reaches the left padding (its queries see no key), scaled as a GradScaler scales it: every
+    gradient stays finite under the mode, as under the ordinary forward."""
+    model = realistic("qwen3", torch.float32)
+    ids, mask = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6]]), torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    with batch_invariant(model):
+        (model(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).sum() * 100).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) > 10 and all(torch.isfinite(g).all() for g in grads)

@@ -74,3 +74,39 @@ def test_a_batch_invariant_engine_runs_the_trainers_eager_experts_and_agrees_wit
     assert model.get_experts_implementation() == {"": "eager"}
     engine.close()
     assert model.get_experts_implementation() == own
+
+
+def test_a_refused_resume_leaves_the_engine_suspended_and_its_neighbour_serving():
+    """A suspended batch-invariant engine (colocated training) whose model an ordinary engine took meanwhile: its
+    resume is refused by name, it stays suspended holding nothing, and closing it leaves the other engine serving."""
+    import pytest
+
+    model = tiny_model("qwen3_moe")
+    own = model.get_experts_implementation(), model.config._attn_implementation
+    invariant = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4, batch_invariant=True))
+    invariant.runner.suspend()
+    ordinary = Engine(model, ContinuousBatchingConfig(num_blocks=64, block_size=4))
+    with pytest.raises(ValueError, match="batch_invariant"):
+        invariant.runner.resume()
+    invariant.close()
+    ordinary.add_request("p", PROMPTS[0], GREEDY)
+    assert len(run_to_completion(ordinary)["p"].generated_tokens) == 8
+    ordinary.close()
+    assert (model.get_experts_implementation(), model.config._attn_implementation) == own  # given back as found
+
+
+def test_a_peft_adapter_of_an_moe_models_attention_is_served_unmerged():
+    """peft records `target_parameters=set()` for an MoE model's adapter that targets no bare parameter: that is no
+    LoRA on the experts, and the adapter is served unmerged; LoRA on the experts' parameters is refused by name."""
+    import pytest
+    from peft import LoraConfig, get_peft_model
+
+    from rollout.config import FieldError
+    from rollout.engine.lora.adapter_weights import from_peft_model
+    from rollout.peft_adapters import check_peft_config
+
+    peft_model = get_peft_model(tiny_model("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert not peft_model.peft_config["default"].target_parameters  # an empty collection, as peft stores it
+    assert any(name.endswith("q_proj") for name in from_peft_model(peft_model, "default"))
+    with pytest.raises(FieldError, match="target_parameters"):
+        check_peft_config(LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))

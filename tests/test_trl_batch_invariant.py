@@ -203,9 +203,10 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
 
 def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
     """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
-    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a
-    trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward (with grad) or the
-    reference model each keep the forward (None), and every decision on the policy is counted in TRL's metrics."""
+    sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a policy training with a
+    dropout, a trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward
+    (with grad) or the reference model each keep the forward (None), and every decision on the policy is counted in
+    TRL's metrics."""
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -241,6 +242,11 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         for other in ({"dtypes": ("bfloat16",)}, {"mixed_precision": "bf16"}, {"beta": 0.1}):  # PEFT's reference
             assert recorded_old_logps(trainer([[0, 0, 0], [0]], **other), policy, ids, mask, 3) is None, other
         assert recorded_old_logps(fresh, policy, torch.tensor([[5, 6, 1, 2, 9], [0, 7, 4, 0, 0]]), mask, 3) is None
+        dropping = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Dropout(0.05)).train()  # lora_dropout's kind
+        metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        with_dropout = SimpleNamespace(**{**vars(fresh), "model": dropping, "_metrics": metrics})
+        assert recorded_old_logps(with_dropout, dropping, ids, mask, 3) is None
+        assert recorded_old_logps(with_dropout, dropping.eval(), ids, mask, 3) is not None  # no mask drawn in eval
     assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
     assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
     # A round sampled with generation_kwargs that change the log-probs (another mode or temperature) is not recorded.

@@ -95,8 +95,11 @@ def attend_in_torch(
     totals = weights.sum(dim=-1)  # (kv_heads, batch, group, queries, blocks)
     out = _weighted_values(weights.view(kv_heads, batch, columns, aligned), value, wide)
     total = totals.cumsum(-1)[..., -1].reshape(kv_heads, batch, columns, 1)
-    # A query that sees no key has weights 0, so an output of exactly 0: 0 / tiny keeps it 0 (and no 0 / 0).
+    # A query that sees no key has weights 0, so an output of exactly 0: 0 / tiny keeps it 0 (and no 0 / 0). With a
+    # gradient, its row is cut off explicitly: 1 / tiny would overflow a scaled loss's gradient to Inf.
     out = out / total.clamp(min=torch.finfo(torch.float32).tiny)
+    if out.requires_grad:
+        out = torch.where(total > 0, out, 0.0)
     out = out.view(kv_heads, batch, group, queries, head_dim)[:, :, : heads // kv_heads].transpose(0, 1)
     return out.reshape(batch, heads, queries, head_dim).to(dtype)
 

@@ -6,7 +6,8 @@ a rollout log-prob that *is* that forward's value, bit for bit: the trainer take
 and skips the forward. A row it cannot vouch for (sampled by older weights, changed after sampling by a tool's
 tokens, not in the round) keeps the forward for the whole batch, on every rank. So does a setup whose bits differ
 or cannot be told apart: a device where the equality is not verified (CUDA: docs/concepts/logprobs.md), a rollout in
-another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0).
+another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0), a
+policy training with a dropout (`lora_dropout`).
 Each decision is logged as `rollout/old_logps_forward_skipped` (1 or 0), and the first skip and the first refusal
 are said in the log.
 """
@@ -102,6 +103,10 @@ def _unverified(trainer: Any, device: str) -> str | None:
     if trainer.beta != 0.0 and trainer.ref_model is None:
         # A PEFT policy's reference is the same model with its adapter off: a call this function cannot tell apart.
         return "the reference log-probs come from the policy model (PEFT with beta != 0)"
+    if trainer.model.training and any(
+        isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 for module in trainer.model.modules()
+    ):
+        return "a dropout (lora_dropout, say) draws random masks in the trainer's forwards, not in the rollout's"
     if getattr(trainer.accelerator, "mixed_precision", "no") != "no":
         return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast, the rollout does not"
     rollout = trainer.rollout

@@ -222,10 +222,15 @@ class ModelRunner:
             release(self.model)
 
     def resume(self) -> None:
-        """Take the model again after `suspend()` (paged attention, eval mode)."""
+        """Take the model again after `suspend()` (paged attention, eval mode).
+
+        Raises:
+            ValueError: another engine holds the MoE model meanwhile with another `batch_invariant` (the runner stays
+                suspended, holding nothing).
+        """
         if self._suspended:
+            acquire(self.model, self._experts)  # first: a refusal leaves the runner suspended
             self._suspended = False
-            acquire(self.model, self._experts)
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
     def run(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None = None) -> torch.Tensor:
