@@ -67,6 +67,19 @@ def test_rollout_logprobs_equal_the_trainers_forward_bit_for_bit(kind, dtype):
         ordinary.close()
 
 
+def test_preemption_by_swapping_out_keeps_every_bit():
+    """Preempted sequences swapped to the CPU and back (the cache's heads-first blocks moved whole) still give the
+    trainer's bits."""
+    model = realistic("qwen3", torch.bfloat16)
+    trainer = copy.deepcopy(model)
+    engine = make_engine(model, batch_invariant=True, cpu_offload_space=0.01, **SMALL)
+    assert engine.kv_cache.heads_first
+    samples = sample_groups(engine, make_prompts(3, 2, 20, seed=3), "s")
+    assert engine.scheduler.num_swaps > 0, "the cache should be small enough to force swapping"
+    engine.close()
+    assert largest_gap_to_trainer(trainer, samples) == 0.0
+
+
 def test_the_same_seed_gives_the_same_tokens_whatever_the_batch():
     model = realistic("qwen3", torch.bfloat16)
     prompt = make_prompts(1, 9, 9, seed=7)[0]

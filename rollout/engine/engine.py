@@ -30,6 +30,7 @@ from rollout.engine.warmup import warm_up
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
 from rollout.engine.weights.weight_updates import WeightUpdates
 from rollout.generation_config import resolve as resolve_generation_config
+from rollout.invariant.reductions import on_kernel_device
 from rollout.transformers_configs import engine_config
 
 
@@ -60,8 +61,16 @@ class Engine:
         parameter = next(model.parameters())
         shape = KVCacheShape.from_model_config(model.config)
         num_blocks = resolve_num_blocks(self.config, shape, parameter.dtype, parameter.device, self.max_model_len)
+        # The invariant CPU attention reads one KV head's keys at a time (the Triton kernels read blocks as stored).
+        heads_first = self.config.batch_invariant and not on_kernel_device(parameter)
         self.kv_cache = PagedKVCache(
-            shape, num_blocks, self.config.block_size, parameter.dtype, parameter.device, self.config.cpu_offload_space
+            shape,
+            num_blocks,
+            self.config.block_size,
+            parameter.dtype,
+            parameter.device,
+            self.config.cpu_offload_space,
+            heads_first,
         )
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.config.allow_block_sharing, self.kv_cache.num_swap_blocks

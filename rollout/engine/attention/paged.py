@@ -25,7 +25,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.invariant.attention import attend_invariant
-from rollout.invariant.reductions import on_kernel_device
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -134,8 +133,8 @@ def _paged_attention(
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
         group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
-        if metadata.batch_invariant and not on_kernel_device(key_cache):  # each head's keys as one contiguous batch
-            rows = group.head_rows(cache.block_size, key_cache.shape[2])
+        if cache.heads_first:  # the invariant CPU attention: each head's keys as one contiguous batch
+            rows = group.head_rows(key_cache.shape[1])
             group_key, group_value = (_gather_heads(c, rows, batch) for c in (key_cache, value_cache))
         else:
             group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
@@ -164,11 +163,11 @@ def _gather_blocks(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tens
 
 
 def _gather_heads(cache: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """(num_blocks, block_size, Hkv, D) cache + `SequenceGroup.head_rows` -> (B, Hkv, L, D) view of a copy laid out
-    head by head, each head's (B, L, D) keys contiguous: one gather of (head_dim)-long rows (a gather of whole blocks
-    then a transposing copy moves every byte twice)."""
-    heads, dim = cache.shape[2], cache.shape[3]
-    return cache.reshape(-1, dim).index_select(0, rows).view(heads, batch, -1, dim).transpose(0, 1)
+    """(num_blocks, Hkv, block_size, D) heads-first cache + `SequenceGroup.head_rows` -> (B, Hkv, L, D) view of a
+    copy laid out head by head, each head's (B, L, D) keys contiguous: one gather of whole (block_size * D) rows (a
+    gather of blocks as (block_size, Hkv, D) then a transposing copy moves every byte twice)."""
+    heads, dim = cache.shape[1], cache.shape[3]
+    return cache.view(-1, cache.shape[2] * dim).index_select(0, rows).view(heads, batch, -1, dim).transpose(0, 1)
 
 
 def _unpaged_attention(

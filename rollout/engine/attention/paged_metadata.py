@@ -30,14 +30,12 @@ class SequenceGroup:
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _head_rows: torch.Tensor | None = None
 
-    def head_rows(self, block_size: int, kv_heads: int) -> torch.Tensor:
-        """The cache rows (one per token and KV head, in a layer's (num_blocks * block_size * kv_heads, head_dim)
-        view) of every key of the group laid out head by head, (kv_heads, B, L) flattened; built once per step."""
+    def head_rows(self, kv_heads: int) -> torch.Tensor:
+        """The rows of a layer's heads-first cache, viewed as (num_blocks * kv_heads, block_size * head_dim), that
+        hold the group's keys laid out head by head: (kv_heads, B, blocks) flattened; built once per step."""
         if self._head_rows is None:
-            tokens = torch.arange(block_size, device=self.block_table.device)
-            slots = (self.block_table[:, :, None] * block_size + tokens).flatten(1)  # (B, L)
-            heads = torch.arange(kv_heads, device=slots.device)[:, None, None]
-            self._head_rows = (slots[None] * kv_heads + heads).flatten()
+            heads = torch.arange(kv_heads, device=self.block_table.device)[:, None, None]
+            self._head_rows = (self.block_table[None] * kv_heads + heads).flatten()
         return self._head_rows
 
     def mask(self, sliding_window: int | None, block_size: int) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """The paged K/V tensors of every layer, sized from `num_blocks` or from free memory, plus the CPU swap space.
 
 Layout: one tensor of shape (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim), so a block copy or
-a swap moves a block of every layer in one indexing op. The extra block is scratch space that no request owns.
+a swap moves a block of every layer in one indexing op. A batch-invariant engine on the CPU keeps each block head by
+head instead, (..., num_blocks + 1, num_kv_heads, block_size, head_dim) (`heads_first`): its attention reads one KV
+head's keys at a time, and a gather of whole (block_size * head_dim) rows is about twice as fast as one of head_dim
+rows. The extra block is scratch space that no request owns.
 Zero-initialised, and blocks that held a failed sample's non-finite KV are zeroed before reuse (`zero_blocks`);
 attention leaves out slots a sequence has not written by selection anyway (`attention.py`), so what a block's
 previous owner left there never reaches its new one.
@@ -107,6 +110,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         swap_space_gib: float = 0.0,
+        heads_first: bool = False,
     ):
         """
         Args:
@@ -115,16 +119,20 @@ class PagedKVCache:
             block_size: tokens per block.
             dtype, device: of the K/V tensors (the model's).
             swap_space_gib: CPU memory for swapped-out blocks (0: none).
+            heads_first: lay each block out (num_kv_heads, block_size, head_dim) instead of (block_size,
+                num_kv_heads, head_dim); blocks are copied, swapped and zeroed alike either way.
         """
         self.shape = shape
+        self.heads_first = heads_first
         self.num_blocks = num_blocks
         self.block_size = block_size
         # One block past the last is the scratch block: padded rows of a CUDA-graph decode write and read only there.
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
-        self._dims = (shape.num_layers, 2, num_blocks + 1, block_size, shape.num_kv_heads, shape.head_dim)
+        block = (shape.num_kv_heads, block_size) if heads_first else (block_size, shape.num_kv_heads)
+        self._dims = (shape.num_layers, 2, num_blocks + 1, *block, shape.head_dim)
         self.num_swap_blocks = int(swap_space_gib * GIB) // shape.bytes_per_block(block_size, dtype)
-        self._swap_dims = (shape.num_layers, 2, self.num_swap_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        self._swap_dims = (shape.num_layers, 2, self.num_swap_blocks, *block, shape.head_dim)
         self.kv = torch.empty(0, dtype=dtype, device=device)
         self.swap: torch.Tensor | None = None
         self.restore()
@@ -161,12 +169,18 @@ class PagedKVCache:
             self.swap = torch.zeros(self._swap_dims, dtype=self.kv.dtype, pin_memory=pinned)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, value) of one layer, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+        """(key, value) of one layer, each (num_blocks, block_size, num_kv_heads, head_dim), or (num_blocks,
+        num_kv_heads, block_size, head_dim) when `heads_first`."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def write(self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the keys/values of new tokens ((tokens, kv_heads, head_dim) each) at flat slot indices, in the
         cache's dtype (under autocast, e.g. a trainer's bf16 mixed precision, they come in the autocast dtype)."""
+        if self.heads_first:  # (block, :, offset) of each token: an index_put over a (blocks, slots, ...) view
+            blocks, offsets = slots // self.block_size, slots % self.block_size
+            for half, new in enumerate((key, value)):
+                self.kv[layer_idx, half].transpose(1, 2).index_put_((blocks, offsets), new.to(self.kv.dtype))
+            return
         flat = (-1, self.shape.num_kv_heads, self.shape.head_dim)
         self.kv[layer_idx, 0].view(flat).index_copy_(0, slots, key.to(self.kv.dtype))
         self.kv[layer_idx, 1].view(flat).index_copy_(0, slots, value.to(self.kv.dtype))
