@@ -47,6 +47,7 @@ def dtype_name(dtype: Any) -> str:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SPECULATIVE_METHODS = (None, "suffix")
 # torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).
 COMPILE_MODES_WITHOUT_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
 
@@ -108,6 +109,17 @@ class ContinuousBatchingConfig:
     # alone costs nothing.
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Speculative decoding: "suffix" drafts each sample's next tokens from its prompt's other samples (its group's,
+    # and earlier rounds') and verifies them in one forward, drawing every token as plain decoding would (the same
+    # tokens for the same seed); None: off. Drafts are made only while a step decodes at most
+    # speculative_disable_by_batch_size samples (the long tail), at most num_speculative_tokens per sample and step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_disable_by_batch_size: int = 8
+    # Tokens of finished samples kept to draft from, over all prompts (the least recently used prompts go first).
+    speculative_index_tokens: int = 1 << 22
+    # Forget every draft at a weight update (drafts are only proposals: by default they outlive it).
+    speculative_clear_on_weight_update: bool = False
 
     def __post_init__(self) -> None:
         _check(
@@ -244,3 +256,18 @@ class ContinuousBatchingConfig:
             )
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer or None", self.seed)
+        _check(
+            self.speculative in SPECULATIVE_METHODS,
+            "speculative",
+            f"must be one of {SPECULATIVE_METHODS}",
+            self.speculative,
+        )
+        for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_index_tokens"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, "must be an integer >= 1", value)
+        _check(
+            isinstance(self.speculative_clear_on_weight_update, bool),
+            "speculative_clear_on_weight_update",
+            "must be a bool",
+            self.speculative_clear_on_weight_update,
+        )

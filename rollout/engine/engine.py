@@ -25,6 +25,7 @@ from rollout.engine.runner.model_runner import ModelRunner
 from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
+from rollout.engine.speculative.drafter import SuffixDrafter
 from rollout.engine.step_loop import StepLoop
 from rollout.engine.warmup import warm_up
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
@@ -85,6 +86,13 @@ class Engine:
         overlap = self.config.overlap_scheduling
         overlap = parameter.device.type == "cuda" if overlap is None else overlap
         self.loop = StepLoop(self.scheduler, self.runner, self.sampler, overlap, self.config.return_logprobs)
+        if self.config.speculative == "suffix":
+            self.scheduler.drafter = SuffixDrafter(
+                self.config.num_speculative_tokens,
+                self.config.speculative_disable_by_batch_size,
+                self.config.speculative_index_tokens,
+            )
+            self.loop.clear_drafts_on_update = self.config.speculative_clear_on_weight_update
         self.counters: StepCounters = self.loop.counters
         self.warmed_up = False  # warmup() ran
         self.intake = RequestIntake(

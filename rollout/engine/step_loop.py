@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from rollout.config import FieldError
 from rollout.engine.counters import StepCounters
 from rollout.engine.requests.outputs import GenerationOutput, progress_output
@@ -27,6 +29,7 @@ from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
+from rollout.engine.speculative.verify import DrawRound, accept_drafts
 
 logger = logging.getLogger("rollout.engine.engine")
 
@@ -65,6 +68,7 @@ class StepLoop:
         self.in_flight: InFlightStep | None = None  # queued on the device, not resolved yet (overlap)
         self.undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self.open_groups: dict[str, int] = {}  # group id -> samples not finished yet
+        self.clear_drafts_on_update = False  # speculative_clear_on_weight_update
 
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -109,6 +113,10 @@ class StepLoop:
         previous = self.in_flight  # stays reachable (for drain) until it is resolved, whatever raises meanwhile
         if previous is not None:
             self._advance(previous)
+            if self._may_draft():  # drafts follow a sample's last token: it must be on the host
+                self.in_flight = None
+                outputs += self._resolve(previous)
+                previous = None
         batch = self.scheduler.schedule()
         outputs += self.outputs(batch.finished)
         launched, failure = None, None
@@ -125,8 +133,8 @@ class StepLoop:
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
-        if launched is not None and not self.overlap_scheduling:
-            self._advance(launched)
+        if launched is not None and (not self.overlap_scheduling or launched.logits is not None):
+            self._advance(launched)  # a drafted step is verified at once: its samples' next drafts need its tokens
             return outputs + self._resolve(launched)
         self.in_flight = launched
         return outputs
@@ -150,7 +158,13 @@ class StepLoop:
             prompt_logprobs=self.runner.prompt_results,
             routes=self.runner.route_results,
             constrained=constrained,
+            logits=logits if batch.num_draft_tokens else None,
         )
+
+    def _may_draft(self) -> bool:
+        """Whether the next step may draft (speculative decoding on, and few enough samples running)."""
+        drafter = self.scheduler.drafter
+        return drafter is not None and len(self.scheduler.running) <= drafter.disable_by_batch_size
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""
@@ -159,7 +173,29 @@ class StepLoop:
             step.advanced = True
 
     def _resolve(self, step: InFlightStep) -> list[GenerationOutput]:
-        """Bring an advanced step's tokens to the host, put them in place and return its outputs."""
+        """Bring an advanced step's tokens to the host, put them in place (a drafted step: verify its drafts) and
+        return its outputs."""
+        progressed = self._resolve_tokens(step)
+        if step.logits is not None:
+            progressed += accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter)
+            progressed = list(dict.fromkeys(progressed))  # one output per sample and step
+        return self.outputs(progressed)
+
+    def _draw_round(self, step: InFlightStep) -> DrawRound:
+        """Draws one round of a drafted step's verification (`verify.DrawRound`), as a plain decode step would."""
+
+        def draw(batch: ScheduledBatch, logits: torch.Tensor) -> list[Request]:
+            samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
+            constrained = any(request.constraint is not None for request, _ in batch.samples)
+            round_step = InFlightStep(batch, samples, step.policy_version, constrained=constrained)
+            self._advance(round_step)
+            return self._resolve_tokens(round_step)
+
+        return draw
+
+    def _resolve_tokens(self, step: InFlightStep) -> list[Request]:
+        """Bring an advanced step's tokens to the host and put them in place; returns the requests that have an
+        output to give (ended, failed, or streaming)."""
         try:
             sampled = step.samples.fetch()
             deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
@@ -169,7 +205,7 @@ class StepLoop:
             logger.exception("engine step failed; ending its requests with an error")
             for request, _ in step.batch.samples:
                 request.drop_placeholder()
-            return self._end_with_error({request.group_id for request, _ in step.batch.samples}, error)
+            return self._ended_with_error({request.group_id for request, _ in step.batch.samples}, error)
         failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
         for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
             request = step.batch.samples[index][0]
@@ -188,16 +224,20 @@ class StepLoop:
         done = RequestStatus.FINISHED
         finished = [r for r in resolved if r.status == done]
         streaming = [r for r in resolved if r.streaming and r.status != done]
-        return self.outputs(failed + finished + streaming)
+        return failed + finished + streaming
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
-        """End every sample of these groups with finish_reason "error"."""
+        """End every sample of these groups with finish_reason "error"; their outputs."""
+        return self.outputs(self._ended_with_error(group_ids, error))
+
+    def _ended_with_error(self, group_ids: set[str], error: BaseException) -> list[Request]:
+        """End every sample of these groups with finish_reason "error"; the samples."""
         ended: list[Request] = []
         for group_id in group_ids:
             ended += self.scheduler.abort(group_id)
         for request in ended:
             request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
-        return self.outputs(ended)
+        return ended
 
     def drain(self) -> None:
         """Finish the step in flight (its outputs wait for the next `step()` or `flush()`), so that the engine's
@@ -217,10 +257,13 @@ class StepLoop:
         """Outputs for requests that progressed (`outputs.progress_output`); a finished sample gives back its
         sampling slot, and a group is forgotten when its last sample finishes."""
         outputs = [progress_output(request) for request in requests]
+        drafter = self.scheduler.drafter
         for request in requests:
             if request.is_finished:
                 self.sampler.release(request)
                 self.runner.release(request)
+                if drafter is not None:  # its tokens stay as drafts for its prompt
+                    drafter.finished(request)
                 self.open_groups[request.group_id] -= 1
                 if self.open_groups[request.group_id] == 0:
                     del self.open_groups[request.group_id]

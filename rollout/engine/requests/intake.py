@@ -159,6 +159,8 @@ class RequestIntake:
         if not isinstance(group_id, str) or not group_id or "#" in group_id:
             reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
             raise FieldError("group_id", reason)
+        if not isinstance(spec.draft_scope, str):
+            raise FieldError("draft_scope", f"must be a string, got {type(spec.draft_scope).__name__}")
         prompt = as_prompt(spec.prompt_ids)
         sampling = self.resolve_sampling(sampling)
         n = self.default_n if n is None else n
@@ -201,6 +203,7 @@ class RequestIntake:
             prompt_logprob_ranks=[None] if scoring else None,
             score_only=max_new == 0,
             adapter=ref,
+            draft_scope=spec.draft_scope,
         )
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)

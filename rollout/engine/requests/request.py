@@ -112,6 +112,10 @@ class Request:
     cached_prompt_tokens: int | None = None
     # With sampling.return_routes: the MoE routes of every position computed (route_rows.py); else None.
     routes: RouteRows | None = None
+    # Speculative decoding: samples share drafts only within one scope (the worker gives each client its own) and
+    # one adapter; the drafter's state of this sample (`rollout.engine.speculative.drafter`), None until it drafts.
+    draft_scope: str = ""
+    draft_row: Any = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -250,6 +254,7 @@ class Request:
             score_only=self.score_only,
             adapter=self.adapter,
             cached_prompt_tokens=self.cached_prompt_tokens,
+            draft_scope=self.draft_scope,
         )
         if self.routes is not None:  # the prompt's routes are shared, as its KV is
             forked.routes = self.routes.forked(forked)

@@ -241,7 +241,8 @@ class ModelRunner:
             unresolved: the previous step's sampled tokens, when they are not on the host yet (overlapped
                 scheduling): a sequence whose input ends with a placeholder reads its token from there.
         Returns:
-            fp32 logits of shape (len(batch.logits_sequences), vocab), one row per sequence that reached its end.
+            fp32 logits of shape (batch.next_row, vocab), one row per sequence that reached its end (a drafted
+            sequence: 1 + len(draft) rows, its last token's and each draft token's).
             A step that scores prompt positions (`SamplingParams.prompt_logprobs`) leaves them in `prompt_results`.
         Raises:
             RuntimeError: an input token is a placeholder that `unresolved` does not cover.
@@ -287,7 +288,16 @@ class ModelRunner:
             self.batch_invariant,
         )
         ends = list(itertools.accumulate(lengths))
-        keep = to_device([ends[index] - 1 for index in batch.logits_sequences], torch.long, self.device)
+        if batch.num_draft_tokens:  # a drafted sequence's last token and each draft token get a row
+            sequences = batch.sequences
+            rows = [
+                row
+                for index in batch.logits_sequences
+                for row in range(ends[index] - 1 - len(sequences[index].draft), ends[index])
+            ]
+        else:
+            rows = [ends[index] - 1 for index in batch.logits_sequences]
+        keep = to_device(rows, torch.long, self.device)
         # 5. Forward; logits only at the positions that get sampled.
         forward = self._decode_forward if decode else self._forward
         input_tensor = to_device(inputs.token_ids, torch.long, self.device)
@@ -323,6 +333,11 @@ class ModelRunner:
             if seq.num_tokens == 1:
                 token = request.token_ids[start]
                 input_ids.append(token)
+            elif seq.draft:  # its last token (on the host: a drafted request has no placeholder), then the drafts
+                inputs.one_token_each = False
+                input_ids.append(request.token_ids[start])
+                input_ids.extend(seq.draft)
+                continue
             else:
                 inputs.one_token_each = False
                 input_ids.extend(request.token_ids[start : start + seq.num_tokens])

@@ -118,3 +118,4 @@ class InFlightStep:
     prompt_logprobs: PendingPromptLogprobs | None = None  # what it scored of prompts (prompt_logprobs.py)
     routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)
     constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)
+    logits: torch.Tensor | None = None  # a drafted step's logits, every row, kept for its verification

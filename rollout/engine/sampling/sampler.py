@@ -73,7 +73,8 @@ class Sampler:
             device: where the logits are (and the per-slot sampling tables live).
             batch_invariant: whole-row log-probs as a trainer computes them, `torch.log_softmax` of the row then
                 gathered (bit for bit the trainer's), not a gathered score minus the row's logsumexp (which rounds
-                differently).
+                differently); and whole rows drawn from, never top-k candidates (which serve or not depending on the
+                other live samples).
         """
         self.vocab_size = vocab_size
         self.batch_invariant = batch_invariant
@@ -148,7 +149,9 @@ class Sampler:
         """Whether the step draws from candidates: every live sampling slot sets top_k, and the candidates are
         fewer than the vocabulary (else a whole row costs less)."""
         slots = self.slots
-        if not slots.any("sampled") or slots.uses["sampled_top_k"] != slots.uses["sampled"]:
+        # Batch-invariant: whole rows always. Whether candidates serve depends on which samples are live, and their
+        # log-probs round differently from a whole row's.
+        if self.batch_invariant or not slots.any("sampled") or slots.uses["sampled_top_k"] != slots.uses["sampled"]:
             return False
         return candidate_width(slots, max(top_counts) if top_counts else 0) < self.vocab_size
 

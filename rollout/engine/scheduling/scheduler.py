@@ -28,7 +28,7 @@ from rollout.engine.requests.request import Request, RequestStatus, sample_id
 from rollout.engine.scheduling.admission import AdmissionGate
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
-from rollout.engine.scheduling.step_builder import StepBuilder
+from rollout.engine.scheduling.step_builder import Drafter, StepBuilder
 
 
 class Scheduler:
@@ -61,6 +61,8 @@ class Scheduler:
         self.admission = AdmissionGate(block_manager, max_num_seqs)
         # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
         self.admitting = True
+        # Proposes draft tokens for thin decoding batches (speculative decoding); None: never.
+        self.drafter: Drafter | None = None
 
     # ---- queue management -------------------------------------------------------------------------------------
     def next_arrival(self) -> int:
@@ -192,7 +194,8 @@ class Scheduler:
         for seq in batch.sequences:  # runs for every sequence at every step
             request = seq.request
             if request.status != finished:
-                request.num_computed_tokens = computed = seq.start + seq.num_tokens
+                # A drafted sequence's drafts count once the verification accepts them, one by one.
+                request.num_computed_tokens = computed = seq.start + seq.num_tokens - len(seq.draft)
                 if computed >= (len(request.block_hashes) + 1) * block_size:  # a block became full
                     manager.commit_hashes(request)
                 if computed == len(request.token_ids):  # its chunk reached its last token: it was sampled

@@ -36,12 +36,25 @@ class SchedulerQueues(Protocol):
     max_batch_tokens: int
     max_num_seqs: int
     admitting: bool
+    drafter: Drafter | None
 
     def next_arrival(self) -> int: ...
 
     def preempt(self, request: Request, batch: ScheduledBatch) -> None: ...
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]: ...
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for decodes (`rollout.engine.speculative.SuffixDrafter`)."""
+
+    def speculates(self, num_decodes: int) -> bool:
+        """Whether a step with this many decodes drafts at all (the long tail)."""
+        ...
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Up to `limit` draft tokens to follow the request's last token (none: decode it plainly)."""
+        ...
 
 
 class StepBuilder:
@@ -78,6 +91,9 @@ class StepBuilder:
         manager = scheduler.block_manager
         block_size, ref_counts = manager.block_size, manager.ref_counts
         sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
+        drafter = scheduler.drafter
+        if drafter is not None and not drafter.speculates(len(decodes)):
+            drafter = None  # the decoding batch is too wide for speculation to pay
         for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
             if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
                 return
@@ -85,12 +101,14 @@ class StepBuilder:
                 continue  # preempted by an older request in this loop, or scheduled already
             computed = request.num_computed_tokens
             remaining = len(request.token_ids) - computed
+            if drafter is not None and remaining == 1 and self._add_drafted(drafter, request):
+                continue
             if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
                 # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the request
                 # holds alone: nothing to allocate or fork (blocks_needed(request, 1) == 0, inlined: hot path).
                 block_ids, index = request.block_ids, computed // block_size
                 if index < len(block_ids) and ref_counts[block_ids[index]] <= 1:
-                    samples.append((request, len(logits_sequences)))
+                    samples.append((request, batch.next_row))
                     logits_sequences.append(len(sequences))
                     sequences.append(ScheduledSequence(request, computed, 1))
                     self.budget -= 1
@@ -191,19 +209,34 @@ class StepBuilder:
             return waiting[skip] if skip < len(waiting) else None
         return next(itertools.islice((r for r in waiting if r.num_output_tokens > 0), skip, None), None)
 
-    def _add(self, request: Request, num_new: int) -> None:
+    def _add_drafted(self, drafter: Drafter, request: Request) -> bool:
+        """Schedule a decode with the draft tokens the drafter proposes for it, when it proposes some and their
+        blocks are free (a draft never preempts anything); False: schedule it as a plain decode."""
+        if request.num_forks or request.kv_version_min is None or request.has_placeholder:
+            return False
+        limit = min(self.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
+        draft = drafter.propose(request, limit) if limit > 0 else ()
+        manager = self.scheduler.block_manager
+        if not draft or not manager.can_allocate(manager.blocks_needed(request, 1 + len(draft))):
+            return False
+        self._add(request, 1 + len(draft), draft)
+        self.budget -= 1 + len(draft)
+        return True
+
+    def _add(self, request: Request, num_new: int, draft: tuple[int, ...] = ()) -> None:
         scheduler, batch = self.scheduler, self.batch
         manager = scheduler.block_manager
         batch.block_copies += manager.allocate(request, num_new)
         if request.kv_version_min is None:
             request.kv_version_min = manager.policy_version
         start = request.num_computed_tokens
-        batch.sequences.append(ScheduledSequence(request, start, num_new))
-        if start + num_new < request.num_tokens:
+        batch.sequences.append(ScheduledSequence(request, start, num_new, draft))
+        if start + num_new - len(draft) < request.num_tokens:
             return  # a prefill chunk that does not reach the last token: no logits
-        row = len(batch.logits_sequences)
+        row = batch.next_row
         batch.logits_sequences.append(len(batch.sequences) - 1)
         batch.samples.append((request, row))
+        batch.num_draft_tokens += len(draft)
         # A group leader that just computed its prompt forks its other samples, sharing every block.
         for index in range(1, request.num_forks + 1):
             child = request.fork(index, sample_id(request.group_id, index), scheduler.next_arrival())

@@ -119,6 +119,8 @@ class WeightUpdates:
         loop.block_manager.policy_version = new_version
         # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
         loop.block_manager.reset_prefix_cache()
+        if loop.clear_drafts_on_update and loop.scheduler.drafter is not None:
+            loop.scheduler.drafter.clear()
         result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
         result.outputs, loop.undelivered = loop.undelivered, []
         if mode == "recompute":

@@ -1,0 +1,174 @@
+"""`SuffixDrafter`: draft tokens for speculative decoding (`ContinuousBatchingConfig(speculative="suffix")`), with no
+draft model: each sample's drafts come from the pool of its prompt (`suffix_pool.DraftPool`): its group's samples,
+running or finished, and earlier rounds' samples of the same prompt, from the same client (`Request.draft_scope`) and
+the same adapter.
+
+Only where it pays:
+- a step drafts only while its decodes are at most `speculative_disable_by_batch_size` (the long tail, where a thin
+  batch leaves the device idle);
+- a row whose recent drafts were mostly rejected stops drafting for a while (4 steps, doubling to 64 while it keeps
+  failing), so a high-entropy sample costs no verification work;
+- drafts are cut before the first token the sample's bans (suppress_tokens, one-token bad words, stop tokens before
+  min_new_tokens) or its grammar refuses: the verification would reject it anyway.
+
+Memory: the finished samples' tokens the pools keep are bounded by `speculative_index_tokens`; the pools used least
+recently are dropped first. A weight update clears them only with `speculative_clear_on_weight_update` (drafts are
+only proposals: the verification draws every token from the current weights).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from rollout.engine.requests.request import Request
+from rollout.engine.sampling.ban_lists import always_banned
+from rollout.engine.speculative.suffix_pool import DraftPool
+
+MIN_ACCEPTANCE = 0.3  # a row drafting below this recent acceptance rate pauses
+FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps a failing row pauses for, doubling while it keeps failing
+SMOOTHING = 0.5  # weight of the latest verification in a row's acceptance rate
+
+
+@dataclass(eq=False)
+class _Row:
+    """A sample's place in its pool and its recent acceptance."""
+
+    key: tuple
+    pool: DraftPool
+    sequence: int
+    banned: frozenset[int]
+    acceptance: float = 1.0
+    pause: int = 0  # the last pause's length (0: never paused since it last succeeded)
+    resume_step: int = 0
+
+
+@dataclass(eq=False)
+class _PoolEntry:
+    pool: DraftPool
+    finished_tokens: int = 0  # tokens of finished samples the pool keeps
+
+
+class SuffixDrafter:
+    """Proposes draft tokens for thin decoding batches (the scheduler asks; `verify.accept_drafts` reports back)."""
+
+    def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int, index_tokens: int):
+        """
+        Args:
+            num_speculative_tokens: the most draft tokens per sample and step.
+            disable_by_batch_size: steps with more decodes than this draft nothing.
+            index_tokens: the most tokens of finished samples kept for drafting, over all prompts.
+        """
+        self.num_speculative_tokens = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.index_tokens = index_tokens
+        self._pools: OrderedDict[tuple, _PoolEntry] = OrderedDict()  # least recently used first
+        self._finished_tokens = 0
+        self._step = 0
+        self.proposed_tokens = 0  # drafts proposed (counters)
+        self.accepted_tokens = 0  # drafts accepted
+
+    def speculates(self, num_decodes: int) -> bool:
+        """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler)."""
+        self._step += 1
+        return num_decodes <= self.disable_by_batch_size
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Up to `limit` (and `num_speculative_tokens`) draft tokens to follow the request's last token.
+
+        Args:
+            request: a decode whose tokens are all on the host.
+            limit: the most draft tokens this step can take for it (token budget, max_new_tokens).
+        """
+        if request.num_output_tokens < 1 or request.routes is not None:  # routes are recorded per computed token
+            return ()
+        row = self._row(request)
+        if self._step < row.resume_step:
+            return ()
+        self._pools.move_to_end(row.key)
+        draft = row.pool.propose(row.sequence, min(limit, self.num_speculative_tokens))
+        return self._cut(request, row, draft) if draft else ()
+
+    def verified(self, request: Request, proposed: int, accepted: int) -> None:
+        """Record how many of a request's drafts the verification accepted (a row that keeps failing pauses)."""
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+        row = request.draft_row
+        if row is None or not proposed:
+            return
+        row.acceptance = (1 - SMOOTHING) * row.acceptance + SMOOTHING * accepted / proposed
+        if row.acceptance >= MIN_ACCEPTANCE:
+            row.pause = 0
+            return
+        row.pause = min(2 * row.pause, LONGEST_PAUSE) if row.pause else FIRST_PAUSE
+        row.resume_step = self._step + row.pause
+        row.acceptance = 2 * MIN_ACCEPTANCE  # after the pause one failure pauses it again, one success keeps it
+
+    def finished(self, request: Request) -> None:
+        """Keep a finished sample's tokens for its prompt's later drafts (within the memory bound)."""
+        row = self._row(request)
+        entry = self._pools.get(row.key)
+        request.draft_row = None
+        if entry is None:
+            return
+        self._pools.move_to_end(row.key)
+        entry.finished_tokens += len(request.token_ids)
+        self._finished_tokens += len(request.token_ids)
+        while self._finished_tokens > self.index_tokens and self._pools:
+            _, dropped = self._pools.popitem(last=False)
+            self._finished_tokens -= dropped.finished_tokens
+
+    def clear(self) -> None:
+        """Forget every pool (running samples join fresh ones at their next proposal)."""
+        self._pools.clear()
+        self._finished_tokens = 0
+
+    @property
+    def num_pools(self) -> int:
+        """Prompts with a pool."""
+        return len(self._pools)
+
+    def _row(self, request: Request) -> _Row:
+        """The request's row in its prompt's pool, joining it (again, after the pool was dropped) if need be."""
+        row = request.draft_row
+        if row is not None:
+            entry = self._pools.get(row.key)
+            if entry is not None and entry.pool is row.pool:
+                return row
+        adapter = None if request.adapter is None else request.adapter.name
+        key = (request.draft_scope, adapter, tuple(request.prompt_ids))
+        entry = self._pools.get(key)
+        if entry is None:
+            entry = self._pools[key] = _PoolEntry(DraftPool(request.num_prompt_tokens))
+        banned = frozenset(always_banned(request))
+        row = _Row(key, entry.pool, entry.pool.add(request.token_ids), banned)
+        request.draft_row = row
+        return row
+
+    def _cut(self, request: Request, row: _Row, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """The draft up to the first token the request's bans or grammar refuse at its position."""
+        min_new, stops = request.sampling.min_new_tokens, request.stop_token_ids
+        first = request.num_output_tokens  # the output index of the draft's first token
+        kept = len(draft)
+        for offset, token in enumerate(draft):
+            if token in row.banned or (token in stops and first + offset < min_new):
+                kept = offset
+                break
+        constraint = request.constraint
+        if constraint is not None and kept:
+            kept = _grammar_allows(constraint, draft[:kept])
+        return draft[:kept]
+
+
+def _grammar_allows(constraint, draft: tuple[int, ...]) -> int:  # noqa: ANN001 - a grammar.constraints.Constrained
+    """How many of the draft's first tokens the sample's grammar accepts in a row (its matcher is left as found)."""
+    if not constraint.is_open or constraint.ahead:
+        return 0
+    matcher, accepted = constraint.matcher, 0
+    for token in draft:
+        if not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return accepted

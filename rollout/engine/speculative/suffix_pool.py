@@ -1,0 +1,97 @@
+"""One prompt's draft pool: the token sequences sampled from one prompt (its group's samples, running or finished, and
+earlier rounds' samples of the same prompt), indexed by their windows of `KEY` tokens, from which a sample's likely
+continuation is proposed: the tokens that followed the longest earlier match of the sample's own last tokens.
+
+The index is lazy: a sequence is indexed up to its current end only when a proposal is asked for (in the long tail),
+so a full batch pays nothing per token. Each sequence is a reference to a sample's own token list, which grows as the
+sample's tokens resolve; a placeholder at its end (a token still on the device) is never indexed or proposed.
+Torch-free, as the scheduler that asks for proposals.
+"""
+
+from __future__ import annotations
+
+from rollout.engine.requests.request import PLACEHOLDER_TOKEN
+
+KEY = 2  # tokens in an index key: the shortest match a proposal follows
+MAX_MATCH = 64  # a match is measured up to this many tokens
+CANDIDATES = 16  # the latest occurrences of a key examined per proposal
+
+
+def resolved_length(tokens: list[int]) -> int:
+    """The number of tokens on the host (a trailing placeholder excluded)."""
+    return len(tokens) - 1 if tokens and tokens[-1] == PLACEHOLDER_TOKEN else len(tokens)
+
+
+class DraftPool:
+    """The sequences of one prompt (within one client and one adapter) and the index of their `KEY`-token windows."""
+
+    def __init__(self, prompt_length: int):
+        """
+        Args:
+            prompt_length: the prompt's tokens, at the start of every sequence (indexed once, in the first).
+        """
+        self.prompt_length = prompt_length
+        self.sequences: list[list[int]] = []
+        self._indexed: list[int] = []  # per sequence: its windows ending before this position are indexed
+        # (window of KEY tokens) -> (sequence, position of the window's last token), in indexing order
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pool's sequences hold (what the drafter's memory bound counts)."""
+        return sum(len(tokens) for tokens in self.sequences)
+
+    def add(self, tokens: list[int]) -> int:
+        """Take in a sample's token list (prompt first; not copied: it keeps growing); returns its number."""
+        # The prompt's windows are indexed once, from the first sequence; the others from their first output token
+        # (the window that ends there still reaches back into the prompt).
+        first = KEY - 1 if not self.sequences else max(KEY - 1, self.prompt_length)
+        self.sequences.append(tokens)
+        self._indexed.append(first)
+        return len(self.sequences) - 1
+
+    def propose(self, sequence: int, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens to follow `sequence`'s resolved tokens: what followed the longest match of its last
+        tokens (at least `KEY`) elsewhere in the pool, or earlier in itself; the latest such match on ties.
+
+        Args:
+            sequence: the asking sample's number (`add`).
+            limit: the most tokens to propose.
+        """
+        self._catch_up()
+        query = self.sequences[sequence]
+        end = resolved_length(query)
+        if end < KEY or limit < 1:
+            return ()
+        occurrences = self._index.get(tuple(query[end - KEY : end]), ())
+        best_match, best = 0, None
+        for other, position in reversed(occurrences[-CANDIDATES:]):
+            tokens = self.sequences[other]
+            available = resolved_length(tokens) - position - 1
+            if available < 1 or (other == sequence and position == end - 1):
+                continue
+            match = KEY
+            while (
+                match < min(MAX_MATCH, end) and match <= position and tokens[position - match] == query[end - 1 - match]
+            ):
+                match += 1
+            if match > best_match:
+                best_match, best = match, (tokens, position, available)
+        if best is None:
+            return ()
+        tokens, position, available = best
+        return tuple(tokens[position + 1 : position + 1 + min(limit, available)])
+
+    def _catch_up(self) -> None:
+        """Index every sequence's windows up to its resolved end."""
+        index, key = self._index, KEY
+        for number, tokens in enumerate(self.sequences):
+            end = resolved_length(tokens)
+            for position in range(self._indexed[number], end):
+                window = tuple(tokens[position - key + 1 : position + 1])
+                found = index.get(window)
+                if found is None:
+                    index[window] = [(number, position)]
+                else:
+                    found.append((number, position))
+            self._indexed[number] = max(self._indexed[number], end)

@@ -1,0 +1,198 @@
+"""Speculative decoding (`ContinuousBatchingConfig(speculative="suffix")`): drafts from the prompt's own samples,
+verified by drawing every token as plain decoding draws it. With the same seeds, the tokens (and, under
+`batch_invariant=True`, their log-probs, bit for bit) equal those of the same engine without speculation, for sampled
+groups with penalties, bans, min_new_tokens, logit_bias and a grammar, over preemption and a weight update; the
+log-probs equal a teacher-forced forward of transformers' model; drafts actually get accepted (so the comparison can
+fail), and rejected drafts' KV never reaches the prefix cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_prompts, run_to_completion
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
+from rollout.engine.engine import Engine
+from rollout.engine.speculative.suffix_pool import DraftPool
+from rollout.presets import tiny_model, tiny_tokenizer
+
+TOKENIZER = tiny_tokenizer()
+EOS = TOKENIZER.eos_token_id
+
+
+def low_entropy_model(entropy: float = 0.3) -> torch.nn.Module:
+    """The tiny preset scaled to a low mean next-token entropy: siblings agree, and the model repeats itself."""
+    model = tiny_model(0)
+    scale_to_entropy(model, make_prompts(6, 20, 40, seed=3), entropy)
+    return model
+
+
+MODEL = low_entropy_model()
+
+
+def samplings() -> list[SamplingParams]:
+    """One group per setting the verification must replay exactly."""
+    common = dict(temperature=1.0, stop_token_ids=[EOS])
+    return [
+        SamplingParams(**common, seed=1, repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1),
+        SamplingParams(**common, seed=2, min_new_tokens=12, suppress_tokens=[5, 6], bad_words_ids=[[40, 41]]),
+        SamplingParams(**common, seed=3, logit_bias={7: 2.0, 300: -1.0}, top_k=50, top_p=0.9),
+        SamplingParams(**common, seed=4, regex=r"(ab|abc|c| )+"),
+        SamplingParams(temperature=0.0, stop_token_ids=[EOS], seed=5),
+    ]
+
+
+def run_rounds(model: torch.nn.Module, speculative: str | None, **config) -> tuple[list[dict], Engine]:
+    """Two rounds of the same prompts (n=4 each), a weight update between them; each sample's tokens, log-probs and
+    versions per round (keyed by group and sample)."""
+    settings = dict(num_blocks=48, block_size=4, max_batch_tokens=48, speculative_disable_by_batch_size=32)
+    engine = Engine(model, ContinuousBatchingConfig(**settings, **config, speculative=speculative), tokenizer=TOKENIZER)
+    prompts = make_prompts(len(samplings()), 4, 10, seed=11)
+    results = []
+    for round_index in range(2):
+        for index, (prompt, sampling) in enumerate(zip(prompts, samplings())):
+            engine.add_request(f"r{round_index}g{index}", prompt, sampling, n=4, max_new_tokens=48)
+        outputs = run_to_completion(engine)
+        results.append(
+            {
+                key: (list(out.generated_tokens), list(out.logprobs), out.policy_versions, out.finish_reason)
+                for key, out in outputs.items()
+            }
+        )
+        if round_index == 0:
+            weight = engine.model.get_output_embeddings().weight
+            engine.update_weights({"lm_head.weight": weight * 1.05}, mode="keep", partial=True)
+    return results, engine
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap):
+    plain, plain_engine = run_rounds(copy.deepcopy(MODEL), None, batch_invariant=True, overlap_scheduling=overlap)
+    drafted, engine = run_rounds(copy.deepcopy(MODEL), "suffix", batch_invariant=True, overlap_scheduling=overlap)
+    drafter = engine.scheduler.drafter
+    assert drafter.accepted_tokens >= 50, "drafts should be accepted, or nothing was compared"
+    assert drafter.accepted_tokens < drafter.proposed_tokens, "some drafts should be rejected too"
+    assert engine.scheduler.num_preemptions > 0, "the cache should be small enough to preempt"
+    assert engine.loop.counters.steps < plain_engine.loop.counters.steps
+    for round_index in range(2):
+        assert drafted[round_index].keys() == plain[round_index].keys()
+        for key, expected in plain[round_index].items():
+            assert drafted[round_index][key] == expected, key
+    plain_engine.close()
+    engine.close()
+
+
+def test_logprobs_match_a_teacher_forced_forward():
+    """Without batch_invariant the verification's multi-token forward rounds differently from a one-token decode:
+    its log-probs stay as close to the teacher-forced forward as plain decoding's."""
+    model = copy.deepcopy(MODEL)
+    results, engine = run_rounds(model, "suffix")
+    assert engine.scheduler.drafter.accepted_tokens > 0
+    engine.close()
+    prompts = make_prompts(len(samplings()), 4, 10, seed=11)
+    worst = 0.0
+    with torch.no_grad():
+        for key, (tokens, logprobs, _, _) in results[1].items():
+            prompt = prompts[int(key.split("#")[0][3:])]
+            if not tokens:
+                continue
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+            sampling = samplings()[int(key.split("#")[0][3:])]
+            scale = sampling.temperature if sampling.temperature else 1.0
+            if sampling.logprob_mode != "temperature_scaled" or sampling.logit_bias or sampling.regex:
+                continue  # processed modes include masks and penalties the forward does not know about
+            reference = torch.log_softmax(logits / scale, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+            worst = max(worst, float((torch.tensor(logprobs) - reference).abs().max()))
+    assert worst < 1e-4
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache():
+    """A prompt that is an earlier sample's prompt and completion finds its blocks cached, and what it samples on them
+    has the log-probs of a teacher-forced forward: no cached block held a rejected draft's KV."""
+    model = copy.deepcopy(MODEL)
+    engine = Engine(
+        model,
+        ContinuousBatchingConfig(num_blocks=200, block_size=4, max_batch_tokens=64, speculative="suffix"),
+    )
+    prompt = make_prompts(1, 9, 9, seed=4)[0]
+    sampling = SamplingParams(temperature=1.0, seed=3, stop_token_ids=[])
+    engine.add_request("a", prompt, sampling, n=4, max_new_tokens=40)
+    outputs = run_to_completion(engine)
+    assert engine.scheduler.drafter.proposed_tokens > engine.scheduler.drafter.accepted_tokens > 0
+    worst = 0.0
+    for index in range(4):
+        full = prompt + list(outputs[f"a#{index}"].generated_tokens)
+        hits = engine.block_manager.num_prefix_tokens_hit
+        engine.add_request(
+            f"b{index}", full, SamplingParams(temperature=1.0, seed=5, stop_token_ids=[]), max_new_tokens=3
+        )
+        (continued,) = run_to_completion(engine).values()
+        assert engine.block_manager.num_prefix_tokens_hit - hits >= 44  # every full block of the 49 tokens
+        tokens = list(continued.generated_tokens)
+        with torch.no_grad():
+            logits = model(torch.tensor([full + tokens])).logits[0, len(full) - 1 : -1].float()
+        reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(continued.logprobs) - reference).abs().max()))
+    engine.close()
+    assert worst < 1e-4
+
+
+def test_streamed_deltas_add_up_to_the_whole_output():
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=200, block_size=4, speculative="suffix"))
+    prompt = make_prompts(1, 6, 6, seed=2)[0]
+    engine.add_request(
+        "s", prompt, SamplingParams(temperature=1.0, seed=9, stop_token_ids=[]), n=3, max_new_tokens=40, streaming=True
+    )
+    pieces: dict[str, list[int]] = {}
+    final = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            pieces.setdefault(output.request_id, []).extend(output.generated_tokens)
+            if output.is_finished:
+                final[output.request_id] = output
+    assert engine.scheduler.drafter.accepted_tokens > 0
+    engine.close()
+    assert all(len(tokens) == 40 for tokens in pieces.values()) and len(pieces) == 3
+
+
+def test_drafts_only_in_a_thin_batch():
+    engine = Engine(
+        copy.deepcopy(MODEL),
+        ContinuousBatchingConfig(
+            num_blocks=400, block_size=4, speculative="suffix", speculative_disable_by_batch_size=2
+        ),
+    )
+    engine.add_request(
+        "wide", make_prompts(1, 6, 6, seed=2)[0], SamplingParams(seed=1, stop_token_ids=[]), n=8, max_new_tokens=30
+    )
+    run_to_completion(engine)
+    assert engine.scheduler.drafter.proposed_tokens == 0
+    engine.close()
+
+
+def test_pools_are_per_scope_and_adapter_and_bounded():
+    pool = DraftPool(prompt_length=3)
+    first = pool.add([1, 2, 3, 4, 5, 6, 7, 8])
+    second = pool.add([1, 2, 3, 4, 5])
+    assert pool.propose(second, 2) == (6, 7)  # the longest match's continuation
+    assert pool.propose(first, 3) == ()  # nothing follows its own end elsewhere
+    third = pool.add([1, 2, 3, 9, 5, 6, -1])  # a placeholder at the end is not a token
+    assert pool.propose(third, 4) == (7, 8)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("speculative", "eagle"),
+        ("num_speculative_tokens", 0),
+        ("speculative_disable_by_batch_size", -1),
+        ("speculative_index_tokens", 1.5),
+        ("speculative_clear_on_weight_update", "yes"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(field, value):
+    with pytest.raises(FieldError, match=field):
+        ContinuousBatchingConfig(**{field: value})
