@@ -45,7 +45,7 @@ class CountedEngine(Protocol):
 
 def engine_stats(engine: CountedEngine) -> dict[str, Any]:
     """The engine's counters (a snapshot): policy version, weight updates, queued and running samples, KV blocks,
-    generated and prefilled tokens, prefix-cache hits, steps, preemptions."""
+    generated and prefilled tokens, prefix-cache hits, steps, preemptions, draft tokens (speculative decoding)."""
     blocks, scheduler, counters = engine.block_manager, engine.scheduler, engine.counters
     return {
         "policy_version": engine.policy_version,
@@ -61,6 +61,9 @@ def engine_stats(engine: CountedEngine) -> dict[str, Any]:
         "steps": counters.steps,
         "preemptions": scheduler.num_preemptions,
         "preemptions_swapped": scheduler.num_swaps,
+        # Speculative decoding: draft tokens computed, and those the verification accepted (0 without it).
+        "draft_tokens": getattr(scheduler.drafter, "proposed_tokens", 0),
+        "accepted_draft_tokens": getattr(scheduler.drafter, "accepted_tokens", 0),
     }
 
 

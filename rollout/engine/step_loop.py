@@ -163,8 +163,10 @@ class StepLoop:
 
     def _may_draft(self) -> bool:
         """Whether the next step may draft (speculative decoding on, and few enough samples running)."""
-        drafter = self.scheduler.drafter
-        return drafter is not None and len(self.scheduler.running) <= drafter.disable_by_batch_size
+        drafter, scheduler = self.scheduler.drafter, self.scheduler
+        if drafter is None or scheduler.waiting or scheduler.swapped:
+            return False
+        return len(scheduler.running) <= drafter.disable_by_batch_size
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""

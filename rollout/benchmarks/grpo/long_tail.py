@@ -42,6 +42,7 @@ from tqdm import tqdm
 from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.scheduling.block_manager import cdiv
@@ -74,6 +75,10 @@ def measure(
     seed: int = 0,
     time_budget_s: float = TIME_BUDGET_S,
     progress: bool = True,
+    speculative: str | None = None,
+    entropy: float | None = None,
+    num_speculative_tokens: int = 4,
+    known_lengths: bool = False,
 ) -> dict[str, Any]:
     """Run every sample to its length on an engine with `cache_fraction` of the peak demand; return the figures.
 
@@ -88,6 +93,11 @@ def measure(
         seed: sampling seed.
         time_budget_s: the run stops after this long (figures then say what did not finish).
         progress: show a progress bar on stderr.
+        speculative: the engine's `speculative` setting (None: off).
+        num_speculative_tokens: the most draft tokens per sample and step.
+        known_lengths: each sample's max_new_tokens is its length (the scheduler sees it), instead of a stop token
+            pushed up by logit_bias at its length (which cannot outweigh a low-entropy head's logits).
+        entropy: the tiny model's head scaled to this mean next-token entropy, in nats (None: as built).
     """
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
     max_tokens = max_tokens or max(map(max, lengths))
@@ -105,6 +115,8 @@ def measure(
         context = net.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"prompt + length reach {max_len} tokens; the tiny model's context is {context}")
+        if entropy is not None:
+            scale_to_entropy(net, prompts[:8], entropy)
     config = ContinuousBatchingConfig(
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
@@ -113,24 +125,14 @@ def measure(
         cpu_offload_space=cpu_offload_space,
         use_cuda_graph=False,
         seed=seed,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
     )
     engine = Engine(net, config)
     if model == "stub":
         stub_forward(engine, config.max_num_seqs)
     probe = Probe(engine)
-    expected: dict[str, int] = {}
-    for g, (prompt, group) in enumerate(zip(prompts, lengths)):
-        for j, length in enumerate(group):
-            sampling = SamplingParams(
-                do_sample=True,
-                temperature=1.0,
-                min_new_tokens=length - 1,
-                stop_token_ids=(stop_token,),
-                logit_bias={stop_token: MAX_LOGIT_BIAS},
-                seed=seed * 100_003 + len(expected),
-            )
-            expected[f"p{g}s{j}"] = length
-            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=max_tokens)
+    expected = _submit(engine, prompts, lengths, max_tokens, stop_token, seed, known_lengths)
     stage(
         f"long-tail {model}: {len(prompts)} prompts x n={len(lengths[0])}, {sum(expected.values())} tokens to "
         f"generate, {num_blocks} KV blocks = {num_blocks / sum(own):.3f} of the peak demand ({sum(own)} blocks)"
@@ -152,6 +154,7 @@ def measure(
                             refresh=False,
                         )
         wall = time.perf_counter() - start
+        probe.close_step()
         queues = engine.scheduler.running + list(engine.scheduler.swapped) + list(engine.scheduler.waiting)
         with_output = sum(1 for r in queues if r.num_output_tokens > 0)
         with_output += sum(1 for _, _, tokens in finished.values() if tokens)
@@ -162,7 +165,9 @@ def measure(
         engine.close()
     stage(f"long-tail {model}: {len(finished)} of {len(expected)} samples finished in {wall:.1f} s")
     generated = stats["generated_tokens"]
-    recomputed = computed - (probe.first_admission_tokens + generated - with_output)
+    accepted = stats.get("accepted_draft_tokens", 0)
+    # Drafts the verification rejected were computed for nothing, but not recomputed: they are left out.
+    recomputed = computed - (probe.draft_tokens - accepted) - (probe.first_admission_tokens + generated - with_output)
     times = sorted(seconds for seconds, _, _ in finished.values())
     complete = len(finished) == len(expected)
     return {
@@ -205,6 +210,14 @@ def measure(
         "swap_space_blocks": swap_blocks,
         "kv_block_bytes": block_bytes,
         "steps": stats["steps"],
+        "speculative": speculative,
+        "entropy": entropy,
+        "draft_tokens": probe.draft_tokens,
+        "accepted_draft_tokens": accepted,
+        "tail_steps": probe.tail_steps,
+        "tail_tokens": probe.tail_tokens,
+        "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),
+        "tokens_per_s": round(generated / max(wall, 1e-9), 1),
         "mean_decoding_per_step": round(probe.decoding / max(probe.steps, 1), 1),
         "mean_sequences_per_step": round(probe.sequences / max(probe.steps, 1), 1),
         "mean_running_per_step": round(probe.running / max(probe.steps, 1), 1),
@@ -220,6 +233,36 @@ def measure(
         "wall_s": round(wall, 2),
         "time_budget_s": time_budget_s,
     }
+
+
+def _submit(
+    engine: Engine,
+    prompts: list[list[int]],
+    lengths: list[list[int]],
+    max_tokens: int,
+    stop_token: int,
+    seed: int,
+    known_lengths: bool,
+) -> dict[str, int]:
+    """Add every sample as its own request; returns each request id's length."""
+    expected: dict[str, int] = {}
+    for g, (prompt, group) in enumerate(zip(prompts, lengths)):
+        for j, length in enumerate(group):
+            seed_j = seed * 100_003 + len(expected)
+            if known_lengths:
+                sampling = SamplingParams(do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed_j)
+            else:
+                sampling = SamplingParams(
+                    do_sample=True,
+                    temperature=1.0,
+                    min_new_tokens=length - 1,
+                    stop_token_ids=(stop_token,),
+                    logit_bias={stop_token: MAX_LOGIT_BIAS},
+                    seed=seed_j,
+                )
+            expected[f"p{g}s{j}"] = length
+            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=length if known_lengths else max_tokens)
+    return expected
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -52,10 +52,19 @@ class Probe:
             the prefix cache at its first admission): an independent count of the recomputed tokens, from the
             batches rather than the engine's counters.
         max_admissions: the most times one request was admitted.
+        tail_steps, tail_rows, tail_tokens: the steps that decoded at most `tail_width` samples and computed
+            nothing else (the long tail), the samples they decoded, and the tokens they generated: `tail_rows /
+            tail_tokens` is the model forward passes per generated token a sample sees in the tail (1 without
+            speculative decoding, less when drafts are accepted).
+        draft_tokens: draft tokens computed (speculative decoding), accepted or not.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, tail_width: int = 8):
         self.engine = engine
+        self.tail_width = tail_width
+        self.tail_steps = self.tail_rows = self.tail_tokens = self.draft_tokens = 0
+        self._tail_step_open = False  # the last step scheduled is a tail step whose tokens are not counted yet
+        self._generated_before = 0
         self.steps = self.decoding = self.sequences = self.running = 0
         self.queued_steps = self.queued_decoding = 0
         self.swap_out_blocks = self.swap_in_blocks = 0
@@ -67,6 +76,7 @@ class Probe:
         schedule, take_prefix = engine.scheduler.schedule, engine.block_manager.take_prefix
 
         def probed_schedule() -> Any:
+            self.close_step()
             batch = schedule()
             self._count_batch(batch)
             return batch
@@ -81,6 +91,14 @@ class Probe:
     @property
     def max_admissions(self) -> int:
         return max(self._admissions.values(), default=0)
+
+    def close_step(self) -> None:
+        """Count the tokens the last step scheduled generated (called before each schedule, and once at the end:
+        the engine resolves a step before it schedules the next one when it does not overlap them)."""
+        generated = self.engine.counters.generated_tokens
+        if self._tail_step_open:
+            self.tail_tokens += generated - self._generated_before
+        self._generated_before, self._tail_step_open = generated, False
 
     def _count_admission(self, request: Any) -> None:
         rid, hit = request.request_id, request.num_computed_tokens
@@ -104,8 +122,11 @@ class Probe:
         self.running += len(self.engine.scheduler.running)
         covered, decoding, recomputed = self._covered, 0, 0
         for seq in batch.sequences:
-            rid, start, end = seq.request.request_id, seq.start, seq.start + seq.num_tokens
-            if seq.num_tokens == 1:
+            # A drafted decode computes its drafts too; only those accepted become the sample's (not recomputed).
+            computed = seq.num_tokens - len(seq.draft)
+            rid, start, end = seq.request.request_id, seq.start, seq.start + computed
+            self.draft_tokens += len(seq.draft)
+            if computed == 1:
                 decoding += 1
             high = covered.get(rid, 0)
             if start < high:
@@ -113,6 +134,10 @@ class Probe:
             if end > high:
                 covered[rid] = end
         self.decoding += decoding
+        if decoding == len(batch.sequences) <= self.tail_width:
+            self.tail_steps += 1
+            self.tail_rows += decoding
+            self._tail_step_open = True
         if self.engine.scheduler.num_waiting:
             self.queued_steps += 1
             self.queued_decoding += decoding

@@ -140,13 +140,17 @@ class PagedAttentionMetadata:
 # memory traffic in every layer, each extra group costs a few kernel launches.
 _SPLIT_FRACTION = 0.75
 _MIN_GROUP = 6
+# Sequences computing at most this many tokens (decodes, drafted decodes of speculative decoding, short chunks) are
+# grouped with the decodes by context length: padding their few queries costs less than padding their context.
+_SHORT = 8
 
 
 def _partition(starts: list[int], lengths: list[int], block_size: int) -> list[list[int]]:
-    """Group sequences for padded attention calls: prefill chunks together, decodes by similar context length."""
-    prefills = [i for i, length in enumerate(lengths) if length > 1]
+    """Group sequences for padded attention calls: prefill chunks together, decodes (and other short sequences) by
+    similar context length."""
+    prefills = [i for i, length in enumerate(lengths) if length > _SHORT]
     # Longest context first; ties keep their order (sorted is stable, with reverse=True too).
-    decodes = sorted((i for i, length in enumerate(lengths) if length == 1), key=starts.__getitem__, reverse=True)
+    decodes = sorted((i for i, length in enumerate(lengths) if length <= _SHORT), key=starts.__getitem__, reverse=True)
     groups = [prefills] if prefills else []
     current: list[int] = []
     for i in decodes:

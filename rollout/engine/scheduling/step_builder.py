@@ -92,8 +92,10 @@ class StepBuilder:
         block_size, ref_counts = manager.block_size, manager.ref_counts
         sequences, samples, logits_sequences = batch.sequences, batch.samples, batch.logits_sequences
         drafter = scheduler.drafter
-        if drafter is not None and not drafter.speculates(len(decodes)):
-            drafter = None  # the decoding batch is too wide for speculation to pay
+        # Drafts only in the long tail: a thin decoding batch with nothing queued (a queued request wants the blocks
+        # and the token budget, and admitting it pays more).
+        if drafter is not None and (scheduler.waiting or scheduler.swapped or not drafter.speculates(len(decodes))):
+            drafter = None
         for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
             if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
                 return

@@ -6,6 +6,10 @@ the same adapter.
 Only where it pays:
 - a step drafts only while its decodes are at most `speculative_disable_by_batch_size` (the long tail, where a thin
   batch leaves the device idle);
+- a draft follows a match of the sample's last tokens; how often drafts were accepted is kept per match length
+  (2 to 8 and longer tokens), and a match length whose drafts are mostly rejected proposes nothing (but one time in
+  `EXPLORE`, to keep its rate current): short matches are coincidences at high entropy and good guesses at low
+  entropy, and the rates tell which case the engine is in;
 - a row whose recent drafts were mostly rejected stops drafting for a while (4 steps, doubling to 64 while it keeps
   failing), so a high-entropy sample costs no verification work;
 - drafts are cut before the first token the sample's bans (suppress_tokens, one-token bad words, stop tokens before
@@ -25,7 +29,10 @@ from rollout.engine.requests.request import Request
 from rollout.engine.sampling.ban_lists import always_banned
 from rollout.engine.speculative.suffix_pool import DraftPool
 
-MIN_ACCEPTANCE = 0.3  # a row drafting below this recent acceptance rate pauses
+MIN_ACCEPTANCE = 0.3  # a row, or a match length, drafting below this acceptance rate pauses
+LONG_MATCH = 8  # matches of this many tokens or more share one acceptance rate
+EXPLORE = 16  # a paused match length still proposes once in this many times
+RATE_MEMORY = 0.98  # each verification's weight in a match length's rate is 2% (about the last 50 count)
 FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps a failing row pauses for, doubling while it keeps failing
 SMOOTHING = 0.5  # weight of the latest verification in a row's acceptance rate
 
@@ -39,6 +46,7 @@ class _Row:
     sequence: int
     banned: frozenset[int]
     acceptance: float = 1.0
+    match: int = LONG_MATCH  # the match length its last draft followed
     pause: int = 0  # the last pause's length (0: never paused since it last succeeded)
     resume_step: int = 0
 
@@ -67,6 +75,11 @@ class SuffixDrafter:
         self._step = 0
         self.proposed_tokens = 0  # drafts proposed (counters)
         self.accepted_tokens = 0  # drafts accepted
+        # Per match length (2 .. LONG_MATCH): decayed (accepted, proposed) draft tokens. They start below
+        # MIN_ACCEPTANCE, as if one draft token in four had been accepted, so a match length proposes only once an
+        # exploration's drafts were accepted (one whole draft accepted is enough).
+        self._rates = {length: [0.25, 1.0] for length in range(2, LONG_MATCH + 1)}
+        self._skipped = dict.fromkeys(self._rates, 0)
 
     def speculates(self, num_decodes: int) -> bool:
         """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler)."""
@@ -86,8 +99,13 @@ class SuffixDrafter:
         if self._step < row.resume_step:
             return ()
         self._pools.move_to_end(row.key)
-        draft = row.pool.propose(row.sequence, min(limit, self.num_speculative_tokens))
-        return self._cut(request, row, draft) if draft else ()
+        draft, match = row.pool.propose(row.sequence, min(limit, self.num_speculative_tokens))
+        if not draft or not self._pays(min(match, LONG_MATCH)):
+            return ()
+        draft = self._cut(request, row, draft)
+        if draft:
+            row.match = min(match, LONG_MATCH)
+        return draft
 
     def verified(self, request: Request, proposed: int, accepted: int) -> None:
         """Record how many of a request's drafts the verification accepted (a row that keeps failing pauses)."""
@@ -96,6 +114,9 @@ class SuffixDrafter:
         row = request.draft_row
         if row is None or not proposed:
             return
+        rate = self._rates[row.match]
+        rate[0] = RATE_MEMORY * rate[0] + (1 - RATE_MEMORY) * accepted
+        rate[1] = RATE_MEMORY * rate[1] + (1 - RATE_MEMORY) * proposed
         row.acceptance = (1 - SMOOTHING) * row.acceptance + SMOOTHING * accepted / proposed
         if row.acceptance >= MIN_ACCEPTANCE:
             row.pause = 0
@@ -103,6 +124,17 @@ class SuffixDrafter:
         row.pause = min(2 * row.pause, LONGEST_PAUSE) if row.pause else FIRST_PAUSE
         row.resume_step = self._step + row.pause
         row.acceptance = 2 * MIN_ACCEPTANCE  # after the pause one failure pauses it again, one success keeps it
+
+    def _pays(self, match: int) -> bool:
+        """Whether drafts following a match of this length are accepted often enough (or it is time to explore)."""
+        accepted, proposed = self._rates[match]
+        if accepted >= MIN_ACCEPTANCE * proposed:
+            return True
+        self._skipped[match] += 1
+        if self._skipped[match] < EXPLORE:
+            return False
+        self._skipped[match] = 0
+        return True
 
     def finished(self, request: Request) -> None:
         """Keep a finished sample's tokens for its prompt's later drafts (within the memory bound)."""

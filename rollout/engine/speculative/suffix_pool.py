@@ -50,37 +50,39 @@ class DraftPool:
         self._indexed.append(first)
         return len(self.sequences) - 1
 
-    def propose(self, sequence: int, limit: int) -> tuple[int, ...]:
-        """Up to `limit` tokens to follow `sequence`'s resolved tokens: what followed the longest match of its last
-        tokens (at least `KEY`) elsewhere in the pool, or earlier in itself; the latest such match on ties.
+    def propose(self, sequence: int, limit: int) -> tuple[tuple[int, ...], int]:
+        """Up to `limit` tokens to follow `sequence`'s resolved tokens: the continuation of the longest earlier
+        matches of its last tokens (at least `KEY`) elsewhere in the pool or earlier in itself. Where several
+        matches are that long, each next token is the one most of them continue with, and the draft stops where
+        fewer than half of them agree.
 
         Args:
             sequence: the asking sample's number (`add`).
             limit: the most tokens to propose.
+        Returns:
+            (the draft, the length of the match it follows; 0 with no draft).
         """
         self._catch_up()
         query = self.sequences[sequence]
         end = resolved_length(query)
         if end < KEY or limit < 1:
-            return ()
+            return (), 0
         occurrences = self._index.get(tuple(query[end - KEY : end]), ())
-        best_match, best = 0, None
+        longest = min(MAX_MATCH, end)
+        best_match, followed = 0, []  # the longest match, and where each match of that length continues
         for other, position in reversed(occurrences[-CANDIDATES:]):
             tokens = self.sequences[other]
-            available = resolved_length(tokens) - position - 1
-            if available < 1 or (other == sequence and position == end - 1):
+            if resolved_length(tokens) - position - 1 < 1 or (other == sequence and position == end - 1):
                 continue
             match = KEY
-            while (
-                match < min(MAX_MATCH, end) and match <= position and tokens[position - match] == query[end - 1 - match]
-            ):
+            while match < longest and match <= position and tokens[position - match] == query[end - 1 - match]:
                 match += 1
             if match > best_match:
-                best_match, best = match, (tokens, position, available)
-        if best is None:
-            return ()
-        tokens, position, available = best
-        return tuple(tokens[position + 1 : position + 1 + min(limit, available)])
+                best_match, followed = match, []
+            if match == best_match:
+                followed.append((tokens, position + 1))
+        draft = _agreed_continuation(followed, limit)
+        return draft, best_match if draft else 0
 
     def _catch_up(self) -> None:
         """Index every sequence's windows up to its resolved end."""
@@ -95,3 +97,23 @@ class DraftPool:
                 else:
                     found.append((number, position))
             self._indexed[number] = max(self._indexed[number], end)
+
+
+def _agreed_continuation(followed: list[tuple[list[int], int]], limit: int) -> tuple[int, ...]:
+    """Token by token, what most of the continuations (token list, next position) agree on, while at least half of
+    those still followed agree; the others are dropped at their first disagreement."""
+    draft: list[int] = []
+    while followed and len(draft) < limit:
+        votes: dict[int, int] = {}
+        for tokens, position in followed:
+            if position < resolved_length(tokens):
+                votes[tokens[position]] = votes.get(tokens[position], 0) + 1
+        if not votes:
+            break
+        token, count = max(votes.items(), key=lambda item: item[1])
+        if 2 * count < len(followed):
+            break
+        draft.append(token)
+        followed = [(tokens, position + 1) for tokens, position in followed
+                    if position < resolved_length(tokens) and tokens[position] == token]  # fmt: skip
+    return tuple(draft)

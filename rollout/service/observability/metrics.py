@@ -14,6 +14,7 @@ as tokens per second come from Prometheus: `rate(rollout_generated_tokens_total[
 | rollout_prefill_tokens_total                | counter   | prefill_tokens (prompt and recompute chunks)          |
 | rollout_prefix_cache_hit_ratio              | gauge     | prefix_cache_hit_tokens / prefix_cache_query_tokens   |
 | rollout_preemptions_total{kind}             | counter   | preemptions, preemptions_swapped (kind swap/recompute)|
+| rollout_draft_tokens_total{outcome}         | counter   | accepted_draft_tokens, draft_tokens (accepted/rejected)|
 | rollout_queue_depth                         | gauge     | queued                                                |
 | rollout_running_samples                     | gauge     | running                                               |
 | rollout_groups_in_flight                    | gauge     | groups_in_flight                                      |
@@ -80,6 +81,10 @@ class _StatsCollector:
         preemptions.add_metric(["swap"], stats["preemptions_swapped"])
         preemptions.add_metric(["recompute"], stats["preemptions"] - stats["preemptions_swapped"])
         yield preemptions
+        drafts = CounterMetricFamily("rollout_draft_tokens", "Draft tokens verified, by outcome", labels=["outcome"])
+        drafts.add_metric(["accepted"], stats["accepted_draft_tokens"])
+        drafts.add_metric(["rejected"], stats["draft_tokens"] - stats["accepted_draft_tokens"])
+        yield drafts
         yield gauge("queue_depth", "Requests waiting for admission", stats["queued"])
         yield gauge("running_samples", "Samples running in the engine", stats["running"])
         yield gauge("groups_in_flight", "Groups accepted and not finished", stats["groups_in_flight"])
