@@ -15,14 +15,15 @@ class StepCounters:
     """What an engine's steps and weight updates did since it started (its warm-up excluded)."""
 
     generated_tokens: int = 0  # tokens sampled and kept
-    computed_tokens: int = 0  # tokens run through the model (prefix hits and forks skip theirs)
+    computed_tokens: int = 0  # tokens run through the model (prefix hits and forks skip theirs; drafts included)
     prefill_tokens: int = 0  # of which in chunks of more than one token (prompts, recomputes)
     steps: int = 0
     weight_updates: int = 0
 
-    def count_step(self, chunks: list[int]) -> None:
-        """Count a launched step of these chunk sizes (a chunk of one token is a decode, longer ones prefill)."""
-        self.computed_tokens += sum(chunks)
+    def count_step(self, chunks: list[int], draft_tokens: int = 0) -> None:
+        """Count a launched step of these chunk sizes (a chunk of one token is a decode, longer ones prefill), and
+        the draft tokens its drafted decodes computed beside (speculative decoding; not in `chunks`)."""
+        self.computed_tokens += sum(chunks) + draft_tokens
         self.prefill_tokens += sum(chunks) - chunks.count(1)
         self.steps += 1
 

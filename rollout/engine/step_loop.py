@@ -150,7 +150,7 @@ class StepLoop:
         if constrained and previous is not None and previous.constrained:
             _accept_ahead(previous)  # while the device runs this step's forward
         samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
-        self.counters.count_step([seq.num_tokens for seq in batch.sequences])
+        self.counters.count_step([seq.num_tokens - len(seq.draft) for seq in batch.sequences], batch.num_draft_tokens)
         return InFlightStep(
             batch,
             samples,

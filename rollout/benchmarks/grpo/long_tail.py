@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
+from rollout.benchmarks.grpo.long_tail_speculative import compare, print_comparison
 from rollout.benchmarks.harness.progress import stage
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import ContinuousBatchingConfig, SamplingParams
@@ -266,28 +267,43 @@ def _submit(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the workload from the flags, measure it, print the table; returns the JSON-able summary."""
+    """Build the workload from the flags, measure it (with --speculative: without and with, side by side), print the
+    table; returns the JSON-able summary."""
     shape = shape_from(args)
     vocab = (
         STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]
     ) - 1  # the last token is the stop token
     prompts, lengths = make_workload(shape, args.seed, vocab)
-    summary = measure(
-        prompts,
-        lengths,
-        model=args.model,
-        max_tokens=shape.max_tokens,
-        cache_fraction=args.cache_fraction,
-        cpu_offload_space=args.cpu_offload_space,
-        scheduler=args.scheduler,
-        max_num_seqs=args.max_num_seqs,
-        seed=args.seed,
-        time_budget_s=args.time_budget,
-    )
-    summary.update(median_tokens=shape.median_tokens, max_tokens=shape.max_tokens, sigma=shape.sigma)
-    summary["prompt_tokens_range"] = list(shape.prompt_tokens)
-    _print_table(summary)
-    return summary
+
+    def measure_one(speculative: str | None) -> dict[str, Any]:
+        summary = measure(
+            prompts,
+            lengths,
+            model=args.model,
+            max_tokens=shape.max_tokens,
+            cache_fraction=args.cache_fraction,
+            cpu_offload_space=args.cpu_offload_space,
+            scheduler=args.scheduler,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+            time_budget_s=args.time_budget,
+            speculative=speculative,
+            entropy=args.entropy,
+            num_speculative_tokens=args.num_speculative_tokens,
+            known_lengths=args.known_lengths,
+        )
+        summary.update(median_tokens=shape.median_tokens, max_tokens=shape.max_tokens, sigma=shape.sigma)
+        summary["prompt_tokens_range"] = list(shape.prompt_tokens)
+        return summary
+
+    if args.speculative is None:
+        summary = measure_one(None)
+        _print_table(summary)
+        return summary
+    summary = compare(measure_one, args.speculative, args.repeats)
+    _print_table(summary["with"])
+    print_comparison(summary)
+    return {"benchmark": "long-tail", "speculative": args.speculative, **summary}
 
 
 def _print_table(s: dict[str, Any]) -> None:

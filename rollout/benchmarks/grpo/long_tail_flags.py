@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rollout.config import SCHEDULER_TYPES
+from rollout.config import SCHEDULER_TYPES, SPECULATIVE_METHODS
 
 TIME_BUDGET_S = 1200.0
 
@@ -54,6 +54,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduler_type")
     add("--seed", type=int, default=0, help="lengths, prompts and sampling seed")
     add("--time-budget", type=float, default=TIME_BUDGET_S, metavar="SECONDS", help="stop the run after this long")
+    add(
+        "--speculative",
+        choices=[method for method in SPECULATIVE_METHODS if method],
+        default=None,
+        help="run the workload without and with this speculative decoding, side by side (--repeats times each)",
+    )
+    add("--num-speculative-tokens", type=int, default=4, help="with --speculative: draft tokens per sample and step")
+    add("--repeats", type=int, default=1, help="with --speculative: runs of each, alternated (medians reported)")
+    add(
+        "--entropy",
+        type=float,
+        default=None,
+        metavar="NATS",
+        help="--model tiny: scale its head to this mean next-token entropy (0.1: siblings agree; 1.5: realistic)",
+    )
+    add(
+        "--known-lengths",
+        action="store_true",
+        help="each sample's max_new_tokens is its length (else a stop token is pushed up at its length, which a "
+        "low-entropy head outweighs)",
+    )
 
 
 def _by_model(field: str) -> str:
@@ -73,6 +94,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--max-num-seqs must be >= 1")
     if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
         parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
+    if args.num_speculative_tokens < 1 or args.repeats < 1:
+        parser.error("--num-speculative-tokens and --repeats must be >= 1")
+    if args.speculative and getattr(args, "plot", None):
+        parser.error("--plot draws one run; --speculative makes several: leave one of them out")
+    if args.entropy is not None and (args.model != "tiny" or args.entropy <= 0):
+        parser.error("--entropy needs --model tiny and a value > 0")
 
 
 def shape_from(args: argparse.Namespace) -> Shape:

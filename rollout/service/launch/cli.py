@@ -23,6 +23,7 @@ from rollout.service.http.serving.settings import (
     TOOL_CALL_PARSER_NAMES,
 )
 from rollout.service.launch.flags import AUTO_ON_OFF, check_settings, percent
+from rollout.service.launch.speculative_flags import add_speculative_arguments
 from rollout.service.zmq.limits import WorkerLimits
 
 __all__ = ["FIELD_FLAGS", "build_parser", "main"]
@@ -282,6 +283,7 @@ def build_parser() -> CliParser:
         help="schedule the next step while the device runs this one: auto (on CUDA), on, off",
     )
     add("--fp32-logits", action="store_true", help="compute the output projection and softmax in fp32 (bf16 models)")
+    add_speculative_arguments(add)
     add(
         "--batch-invariant",
         action="store_true",

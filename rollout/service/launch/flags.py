@@ -11,6 +11,7 @@ import os
 
 from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
+from rollout.service.launch.speculative_flags import speculative_settings
 from rollout.service.zmq.limits import WorkerLimits
 
 # --cuda-graphs and --overlap -> the config's use_cuda_graph / overlap_scheduling (None: the device decides).
@@ -107,4 +108,5 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         overlap_scheduling=AUTO_ON_OFF[args.overlap],
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        **speculative_settings(args),
     )
