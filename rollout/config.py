@@ -111,10 +111,11 @@ class ContinuousBatchingConfig:
     max_lora_rank: int = 16
     # Speculative decoding: "suffix" drafts each sample's next tokens from its prompt's other samples (its group's,
     # and earlier rounds') and verifies them in one forward, drawing every token as plain decoding would (the same
-    # tokens for the same seed); None: off. Drafts are made only while a step decodes at most
-    # speculative_disable_by_batch_size samples (the long tail), at most num_speculative_tokens per sample and step.
+    # tokens for the same seed); None: off.
     speculative: str | None = None
+    # Most draft tokens per sample and step.
     num_speculative_tokens: int = 4
+    # Draft only while a step decodes at most this many samples and nothing waits for admission (the long tail).
     speculative_disable_by_batch_size: int = 8
     # Tokens of finished samples kept to draft from, over all prompts (the least recently used prompts go first).
     speculative_index_tokens: int = 1 << 22

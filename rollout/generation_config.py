@@ -108,10 +108,10 @@ REFUSAL_REASONS = {
     "dola_layers": "DoLa decoding is not supported",
     "min_length": "counts the prompt; use min_new_tokens",
     "watermarking_config": "watermarking is not supported",
-    "prompt_lookup_num_tokens": "prompt-lookup decoding is not supported",
-    "max_matching_ngram_size": "prompt-lookup decoding is not supported",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding is not supported; drafts from a prompt's samples: speculative='suffix'",
+    "max_matching_ngram_size": "prompt-lookup decoding is not supported; drafts from a prompt's samples: speculative='suffix'",
     "assistant_early_exit": "assisted decoding is not supported",
-    "speculation_type": "speculative decoding is not supported",
+    "speculation_type": "transformers' speculation is not supported; rollout's: ContinuousBatchingConfig(speculative='suffix')",
     "max_time": "a wall-clock limit is not supported; use max_new_tokens",
 }
 

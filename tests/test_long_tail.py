@@ -125,3 +125,21 @@ def test_tiny_model_smoke():
     assert summary["finished"] and summary["samples_off_length"] == 0 and summary["samples_errored"] == 0
     assert summary["generated_tokens"] == sum(map(sum, lengths))
     assert summary["recomputed_tokens"] == summary["recomputed_tokens_by_position"] >= 0
+
+
+def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
+    """--speculative suffix runs the workload without and with it: the same tokens generated, fewer forwards per
+    token in the tail, and the recompute figures still agree with the batches' count (rejected drafts are not
+    recomputed tokens)."""
+    flags = ["--model", "tiny", "--num-prompts", "2", "--n", "4", "--median-tokens", "40", "--max-tokens", "120"]
+    flags += ["--prompt-tokens", "8", "24", "--cache-fraction", "0.6", "--known-lengths", "--entropy", "0.1"]
+    cli.main(["long-tail", *flags, "--speculative", "suffix"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    without, drafted = summary["without"], summary["with"]
+    assert any(line.startswith("tail forwards / token") for line in lines)
+    assert drafted["generated_tokens"] == without["generated_tokens"] == drafted["tokens_to_generate"]
+    assert without["tail_forwards_per_token"] == 1.0 > drafted["tail_forwards_per_token"]
+    assert drafted["accepted_draft_tokens"] > 0 and drafted["draft_tokens"] >= drafted["accepted_draft_tokens"]
+    for run in (without, drafted):
+        assert run["recomputed_tokens"] == run["recomputed_tokens_by_position"] >= 0

@@ -12,11 +12,12 @@ import copy
 import pytest
 import torch
 
-from conftest import make_prompts, run_to_completion
+from conftest import make_prompts, make_request, run_to_completion
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.engine.engine import Engine
 from rollout.engine.speculative import drafter as drafter_module
+from rollout.engine.speculative.drafter import SuffixDrafter
 from rollout.engine.speculative.suffix_pool import DraftPool
 from rollout.presets import tiny_model, tiny_tokenizer
 
@@ -93,6 +94,34 @@ def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap, e
     engine.close()
 
 
+def test_lora_adapters_give_the_same_tokens_and_logprobs_with_drafts(every_draft):
+    """Samples of two adapters and of the base model side by side (unmerged adapters, batch_invariant): drafted and
+    verified, they equal the plain engine's bit for bit."""
+    from test_lora import peft_model
+
+    from rollout.engine.lora.adapter_weights import from_peft_model
+
+    base, model = peft_model()
+    prompts = make_prompts(3, 5, 9, seed=21)
+
+    def run(speculative):
+        engine = Engine(copy.deepcopy(base), ContinuousBatchingConfig(num_blocks=256, block_size=4,
+                        batch_invariant=True, speculative=speculative))  # fmt: skip
+        for name in ("policy", "other"):
+            engine.load_adapter(name, from_peft_model(model, name))
+        for index, (prompt, adapter) in enumerate(zip(prompts, ("policy", "other", None))):
+            sampling = SamplingParams(temperature=0.0, stop_token_ids=[])
+            engine.add_request(f"g{index}", prompt, sampling, n=2, max_new_tokens=40, adapter=adapter)
+        outputs = run_to_completion(engine)
+        accepted = engine.scheduler.drafter.accepted_tokens if speculative else 0
+        engine.close()
+        return {key: (list(out.generated_tokens), list(out.logprobs)) for key, out in outputs.items()}, accepted
+
+    (plain, _), (drafted, accepted) = run(None), run("suffix")
+    assert accepted > 0
+    assert drafted == plain
+
+
 def test_logprobs_match_a_teacher_forced_forward(every_draft):
     """Without batch_invariant the verification's multi-token forward rounds differently from a one-token decode:
     its log-probs stay as close to the teacher-forced forward as plain decoding's."""
@@ -166,6 +195,26 @@ def test_streamed_deltas_add_up_to_the_whole_output(every_draft):
     assert all(len(tokens) == 40 for tokens in pieces.values()) and len(pieces) == 3
 
 
+def test_a_failing_verification_ends_its_groups_and_the_engine_serves_on(every_draft, monkeypatch):
+    from rollout.engine import step_loop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(step_loop, "accept_drafts", broken)
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=200, block_size=4, speculative="suffix"))
+    prompt = make_prompts(1, 6, 6, seed=2)[0]
+    engine.add_request("doomed", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), n=2, max_new_tokens=40)
+    outputs = run_to_completion(engine)
+    assert {output.finish_reason for output in outputs.values()} == {"error"}
+    assert all("the device fell over" in output.error for output in outputs.values())
+    monkeypatch.undo()
+    engine.add_request("after", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), max_new_tokens=8)
+    (after,) = run_to_completion(engine).values()
+    assert after.finish_reason == "length" and len(after.generated_tokens) == 8
+    engine.close()
+
+
 def test_drafts_only_in_a_thin_batch():
     engine = Engine(
         copy.deepcopy(MODEL),
@@ -189,6 +238,62 @@ def test_pools_are_per_scope_and_adapter_and_bounded():
     assert pool.propose(first, 3) == ((), 0)  # nothing follows its own end elsewhere
     third = pool.add([1, 2, 3, 9, 5, 6, -1])  # a placeholder at the end is not a token
     assert pool.propose(third, 4) == ((7, 8), 2)
+
+
+def drafting(request_tokens: list[int], **sampling) -> tuple[SuffixDrafter, object]:
+    """A drafter that knows one finished sample ([1..8] after prompt [1, 2, 3]) and a running sample of the same
+    prompt at `request_tokens`, whose drafts it is asked for."""
+    drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
+    drafter._rates = {length: [1.0, 1.0] for length in drafter._rates}  # every match length pays already
+    earlier = make_request("earlier", [1, 2, 3])
+    earlier.token_ids += [4, 5, 6, 7, 8]
+    drafter.finished(earlier)
+    running = make_request("running", [1, 2, 3], max_new_tokens=20, **sampling)
+    running.token_ids += request_tokens
+    drafter.speculates(1)
+    return drafter, running
+
+
+def test_drafts_continue_an_earlier_sample_and_stop_before_a_ban():
+    drafter, running = drafting([4, 5])
+    assert drafter.propose(running, 4) == (6, 7, 8)
+    drafter, running = drafting([4, 5], suppress_tokens=[7])
+    assert drafter.propose(running, 4) == (6,)
+    drafter, running = drafting([4, 5], stop_token_ids=(7,), min_new_tokens=10)  # a stop token before min_new_tokens
+    assert drafter.propose(running, 4) == (6,)
+    drafter, running = drafting([4, 5], stop_token_ids=(7,), min_new_tokens=3)  # 7 would be the 4th: allowed
+    assert drafter.propose(running, 4) == (6, 7, 8)
+
+
+def test_drafts_stop_before_a_token_the_grammar_refuses():
+    a, b, c = TOKENIZER.convert_tokens_to_ids(["a", "b", "c"])
+    engine = Engine(tiny_model(0), ContinuousBatchingConfig(num_blocks=64), tokenizer=TOKENIZER)
+    drafter, running = drafting([a, b], regex="(ab)+")
+    earlier = make_request("earlier ab", [1, 2, 3])
+    earlier.token_ids += [a, b, a, b, c]
+    drafter.finished(earlier)
+    running.constraint = engine.intake.constraint(running.sampling)
+    for token in (a, b):
+        running.constraint.accept(token)
+    assert drafter.propose(running, 4) == (a, b)  # "c" breaks (ab)+
+    assert running.constraint.matcher.accept_token(a)  # the matcher was left where it was (after "ab")
+    engine.close()
+
+
+def test_drafts_are_shared_within_one_scope_and_adapter_only():
+    drafter, running = drafting([4, 5])
+    running.draft_scope = "another client"
+    assert drafter.propose(running, 4) == ()
+    assert drafter.num_pools == 2
+
+
+def test_the_kept_samples_stay_within_the_memory_bound():
+    drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=25)
+    for index in range(5):
+        sample = make_request(f"s{index}", [index, 1, 2])
+        sample.token_ids += [3, 4, 5, 6, 7]
+        drafter.finished(sample)  # 8 tokens each: three prompts fit in 25
+    assert drafter.num_pools == 3
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,12 @@ def build_parser() -> CliParser:
     gr.add_argument("--seed", type=int, default=0, help="model and prompt seed")
     gr.add_argument("--no-transformers", action="store_true", help="skip transformers' generate_batch")
     gr.add_argument("--num-prompts", type=int, default=GRPO_NUM_PROMPTS, help="groups to run")
+    gr.add_argument(
+        "--speculative",
+        choices=["suffix"],
+        default=None,
+        help="also run rollout with this speculative decoding, in a process of its own (default: not)",
+    )
     gs = commands.add_parser(
         "grpo-step",
         help="whole GRPO steps of the main job: rollout colocated and server vs TRL's generate and generate_batch",

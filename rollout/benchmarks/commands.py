@@ -82,7 +82,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         else:
             summary = grpo_step.run(args.systems, args.device, args.steps, bounds, args.model, args.partial_rollouts)
     elif args.command == "grpo":
-        summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts)
+        summary = grpo.run(args.device, args.seed, not args.no_transformers, args.num_prompts, args.speculative)
     elif args.command == "throughput":
         summary = throughput.run(
             args.workload,

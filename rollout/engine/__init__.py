@@ -11,5 +11,7 @@
   (`attention/`), with LoRA adapters (`lora/`) and MoE route recording (`moe/`) hooked into its layers;
 - `sampling/`: per-sample logit bias, penalties, bans, warpers, seeded draws and log-probs, with structured outputs'
   token masks (`grammar/`);
+- `speculative/`: draft tokens for the long tail's thin batches (the scheduler asks for them) and their verification
+  (the step loop draws each position through the sampler);
 - `weights/`: what a weight update may write, checked, copied in place and committed.
 """

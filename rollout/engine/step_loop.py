@@ -179,7 +179,14 @@ class StepLoop:
         return its outputs."""
         progressed = self._resolve_tokens(step)
         if step.logits is not None:
-            progressed += accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter)
+            try:
+                progressed += accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter)
+            except Exception as error:  # noqa: BLE001 - the loop must survive any failure, its drafts' ones too
+                logger.exception("verifying a drafted step failed; ending its drafted samples' groups with an error")
+                drafted = [seq.request for seq in step.batch.sequences if seq.draft]
+                for request in drafted:
+                    request.drop_placeholder()
+                progressed += self._ended_with_error({request.group_id for request in drafted}, error)
             progressed = list(dict.fromkeys(progressed))  # one output per sample and step
         return self.outputs(progressed)
 

@@ -4,7 +4,8 @@ tokens/s, and prompt tokens actually computed against what computing every sampl
 group prefills its prompt once and forks).
 
 Compared with transformers' continuous batching given the same 256 requests (8 copies of each prompt) with our cache,
-page size, token budget and batch width. On CPU (`--device cpu`, the default without CUDA) the model is the cpu-small
+page size, token budget and batch width. With `--speculative suffix`, rollout also runs the round with speculative
+decoding (in a process of its own): the same tokens, and the round's time to its last sample side by side. On CPU (`--device cpu`, the default without CUDA) the model is the cpu-small
 shape; on CUDA it is the nano model (the Qwen3-0.6B architecture, bf16).
 """
 
@@ -26,7 +27,7 @@ from rollout.engine.engine import Engine
 
 GROUP_SIZE = 8
 PROMPT_LEN, OUTPUT_LEN = (128, 512), (32, 256)
-SYSTEMS = ("rollout", "transformers_generate_batch")
+SYSTEMS = ("rollout", "rollout_speculative", "transformers_generate_batch")
 SYSTEM_TIMEOUT_S = 300.0
 
 
@@ -73,33 +74,46 @@ def measure_system(system: str, device: str, seed: int = 0, num_prompts: int = N
             model, rows, [m for m in max_new for _ in range(GROUP_SIZE)], workload
         )
         return {"seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1)}
-    if system != "rollout":
+    if system not in ("rollout", "rollout_speculative"):
         raise ValueError(f"unknown system {system!r}; one of {list(SYSTEMS)}")
-    engine = Engine(model, ContinuousBatchingConfig(**workload.cache_config()))
+    speculative = "suffix" if system == "rollout_speculative" else None
+    engine = Engine(model, ContinuousBatchingConfig(**workload.cache_config(), speculative=speculative))
     try:
         stage("rollout: warm-up")
         engine.warmup()
         _run_groups(engine, prompts[:WARMUP_PROMPTS], [WARMUP_TOKENS] * min(WARMUP_PROMPTS, len(prompts)), seed, device)
         engine.block_manager.reset_prefix_cache()  # the timed groups prefill their prompts themselves
-        computed_before, generated_before = engine.counters.computed_tokens, engine.counters.generated_tokens
+        before = engine.stats()
+        computed_before = engine.counters.computed_tokens
         stage(f"rollout: {num_prompts} groups of {GROUP_SIZE}")
         seconds = _run_groups(engine, prompts, max_new, seed, device)
         computed = engine.counters.computed_tokens - computed_before
-        if engine.counters.generated_tokens - generated_before != generated:
+        stats = {key: value - before[key] for key, value in engine.stats().items() if key.endswith("_tokens")}
+        if stats["generated_tokens"] != generated:
             raise RuntimeError("rollout did not generate the requested lengths")
     finally:
         engine.close()
+    rejected = stats["draft_tokens"] - stats["accepted_draft_tokens"]
     return {
         "seconds": round(seconds, 3),
         "tokens_per_s": round(generated / seconds, 1),
         "generated_tokens": generated,
-        # Every sample feeds back all its tokens but the last; the rest of what was computed is prompt.
-        "prompt_tokens_computed": computed - GROUP_SIZE * sum(m - 1 for m in max_new),
+        "draft_tokens": stats["draft_tokens"],
+        "accepted_draft_tokens": stats["accepted_draft_tokens"],
+        # Every sample feeds back all its tokens but the last (an accepted draft is one of them); the rest of what
+        # was computed, rejected drafts aside, is prompt.
+        "prompt_tokens_computed": computed - rejected - GROUP_SIZE * sum(m - 1 for m in max_new),
         "prompt_tokens_without_sharing": GROUP_SIZE * sum(len(p) for p in prompts),
     }
 
 
-def run(device: str | None = None, seed: int = 0, transformers: bool = True, num_prompts: int = NUM_PROMPTS) -> dict:
+def run(
+    device: str | None = None,
+    seed: int = 0,
+    transformers: bool = True,
+    num_prompts: int = NUM_PROMPTS,
+    speculative: str | None = None,
+) -> dict:
     """Run the workload, each system in its own process, and return the JSON-able summary (also printed).
 
     Args:
@@ -107,6 +121,7 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True, num
         seed: model and prompt seed.
         transformers: also run transformers' generate_batch on the same requests.
         num_prompts: groups to run (fewer than the workload's 32: a quick run).
+        speculative: also run rollout with this speculative decoding ("suffix"; None: not).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     workload = WORKLOADS["nano" if device == "cuda" else "cpu-small"]
@@ -126,6 +141,16 @@ def run(device: str | None = None, seed: int = 0, transformers: bool = True, num
     }
     print(f"grpo workload on {device} ({workload.name} model): {num_prompts} prompts x n={GROUP_SIZE}")
     print(f"rollout: {_figure(rollout)}")
+    if speculative is not None:
+        drafted = summary["rollout_speculative"] = run_system("grpo", "rollout_speculative", options, SYSTEM_TIMEOUT_S)
+        print(f"rollout, speculative={speculative}: {_figure(drafted)}")
+        if rollout["status"] == drafted["status"] == "ok":
+            summary["speculative_last_sample_ratio"] = round(drafted["seconds"] / rollout["seconds"], 3)
+            print(
+                f"the round's last sample: {drafted['seconds']:.2f} s against {rollout['seconds']:.2f} s "
+                f"({summary['speculative_last_sample_ratio']:.3f}x); {drafted['accepted_draft_tokens']} of "
+                f"{drafted['draft_tokens']} draft tokens accepted"
+            )
     if transformers:
         theirs = summary["transformers_generate_batch"] = run_system(
             "grpo", "transformers_generate_batch", options, SYSTEM_TIMEOUT_S

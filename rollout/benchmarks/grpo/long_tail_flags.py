@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=[method for method in SPECULATIVE_METHODS if method],
         default=None,
-        help="run the workload without and with this speculative decoding, side by side (--repeats times each)",
+        help="run the workload without and with this speculative decoding, side by side (--repeats times each; "
+        "default: without only)",
     )
     add("--num-speculative-tokens", type=int, default=4, help="with --speculative: draft tokens per sample and step")
     add("--repeats", type=int, default=1, help="with --speculative: runs of each, alternated (medians reported)")
@@ -67,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="NATS",
-        help="--model tiny: scale its head to this mean next-token entropy (0.1: siblings agree; 1.5: realistic)",
+        help="--model tiny: scale its head to this mean next-token entropy (0.1: siblings agree; 1.5: realistic; "
+        "default: the model as built)",
     )
     add(
         "--known-lengths",
