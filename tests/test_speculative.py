@@ -234,9 +234,11 @@ def test_pools_are_per_scope_and_adapter_and_bounded():
     pool = DraftPool(prompt_length=3)
     first = pool.add([1, 2, 3, 4, 5, 6, 7, 8])
     second = pool.add([1, 2, 3, 4, 5])
+    pool.catch_up()
     assert pool.propose(second, 2) == ((6, 7), 5)  # the longest match's continuation
     assert pool.propose(first, 3) == ((), 0)  # nothing follows its own end elsewhere
     third = pool.add([1, 2, 3, 9, 5, 6, -1])  # a placeholder at the end is not a token
+    pool.catch_up()
     assert pool.propose(third, 4) == ((7, 8), 2)
 
 

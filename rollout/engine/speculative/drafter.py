@@ -55,6 +55,7 @@ class _Row:
 class _PoolEntry:
     pool: DraftPool
     finished_tokens: int = 0  # tokens of finished samples the pool keeps
+    indexed_step: int = -1  # the step its index was last caught up in
 
 
 class SuffixDrafter:
@@ -98,7 +99,11 @@ class SuffixDrafter:
         row = self._row(request)
         if self._step < row.resume_step:
             return ()
+        entry = self._pools[row.key]
         self._pools.move_to_end(row.key)
+        if entry.indexed_step != self._step:  # its samples' tokens of the last step, indexed once for all of them
+            entry.pool.catch_up()
+            entry.indexed_step = self._step
         draft, match = row.pool.propose(row.sequence, min(limit, self.num_speculative_tokens))
         if not draft or not self._pays(min(match, LONG_MATCH)):
             return ()

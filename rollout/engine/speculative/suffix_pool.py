@@ -3,7 +3,7 @@ earlier rounds' samples of the same prompt), indexed by their windows of `KEY` t
 continuation is proposed: the tokens that followed the longest earlier match of the sample's own last tokens.
 
 The index is lazy: a sequence is indexed up to its current end only when a proposal is asked for (in the long tail),
-so a full batch pays nothing per token. Each sequence is a reference to a sample's own token list, which grows as the
+once per step, so a full batch pays nothing per token. Each sequence is a reference to a sample's own token list, which grows as the
 sample's tokens resolve; a placeholder at its end (a token still on the device) is never indexed or proposed.
 Torch-free, as the scheduler that asks for proposals.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from rollout.engine.requests.request import PLACEHOLDER_TOKEN
 
-KEY = 2  # tokens in an index key: the shortest match a proposal follows
+KEY = 2  # tokens in an index key (a token and the one before it): the shortest match a proposal follows
 MAX_MATCH = 64  # a match is measured up to this many tokens
 CANDIDATES = 16  # the latest occurrences of a key examined per proposal
 
@@ -60,9 +60,9 @@ class DraftPool:
             sequence: the asking sample's number (`add`).
             limit: the most tokens to propose.
         Returns:
-            (the draft, the length of the match it follows; 0 with no draft).
+            (the draft, the length of the match it follows; 0 with no draft). The index is as of the last
+            `catch_up()`.
         """
-        self._catch_up()
         query = self.sequences[sequence]
         end = resolved_length(query)
         if end < KEY or limit < 1:
@@ -84,19 +84,22 @@ class DraftPool:
         draft = _agreed_continuation(followed, limit)
         return draft, best_match if draft else 0
 
-    def _catch_up(self) -> None:
-        """Index every sequence's windows up to its resolved end."""
-        index, key = self._index, KEY
+    def catch_up(self) -> None:
+        """Index every sequence's windows up to its resolved end (the drafter does it once per step and pool)."""
+        index = self._index
         for number, tokens in enumerate(self.sequences):
-            end = resolved_length(tokens)
-            for position in range(self._indexed[number], end):
-                window = tuple(tokens[position - key + 1 : position + 1])
+            first, end = self._indexed[number], resolved_length(tokens)
+            if first >= end:
+                continue
+            # The windows ending at first .. end - 1, made by zip in C (KEY == 2: a token and the one before it).
+            windows = zip(tokens[first - 1 : end - 1], tokens[first:end])
+            for position, window in enumerate(windows, first):
                 found = index.get(window)
                 if found is None:
                     index[window] = [(number, position)]
                 else:
                     found.append((number, position))
-            self._indexed[number] = max(self._indexed[number], end)
+            self._indexed[number] = end
 
 
 def _agreed_continuation(followed: list[tuple[list[int], int]], limit: int) -> tuple[int, ...]:
