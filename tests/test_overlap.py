@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import make_engine, make_prompts, needs_triton_interpreter, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
 from rollout.engine.requests.request import PLACEHOLDER_TOKEN
-from rollout.engine.runner.model_runner import UnresolvedTokens
+from rollout.engine.runner.step_inputs import UnresolvedTokens
 
 MAX_NEW = 24
 

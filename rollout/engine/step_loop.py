@@ -21,7 +21,8 @@ from rollout.config import FieldError
 from rollout.engine.counters import StepCounters
 from rollout.engine.requests.outputs import GenerationOutput, progress_output
 from rollout.engine.requests.request import Request, RequestStatus
-from rollout.engine.runner.model_runner import ModelRunner, UnresolvedTokens
+from rollout.engine.runner.model_runner import ModelRunner
+from rollout.engine.runner.step_inputs import UnresolvedTokens
 from rollout.engine.sampling.broken_samples import end_broken
 from rollout.engine.sampling.pending_samples import InFlightStep
 from rollout.engine.sampling.prompt_logprobs import deliver as deliver_prompt_logprobs

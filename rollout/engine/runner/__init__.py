@@ -3,6 +3,7 @@
 - `model_checks.py`: which models a runner accepts, and how it runs attention;
 - `model_lease.py`: the model lent to the engines that use it (paged attention, eval mode) and given back;
 - `model_runner.py`: one step's tensors, the forward and its logits;
+- `step_inputs.py`: the step's packed input ids and the rows whose logits it keeps;
 - `model_forward.py`: the model call itself (packed ids, positions, paged metadata -> the kept rows' logits);
 - `cuda_graphs.py`: decode steps captured once per bucketed batch size and replayed.
 """

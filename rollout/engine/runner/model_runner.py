@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
@@ -19,34 +17,15 @@ from rollout.engine.kv.transfer import to_device
 from rollout.engine.lora.adapter_table import AdapterTable
 from rollout.engine.moe.router_taps import engine_step
 from rollout.engine.moe.routes import PendingRoutes, RouteRecorder, plan_route_rows
-from rollout.engine.requests.request import PLACEHOLDER_TOKEN, Request
+from rollout.engine.requests.request import Request
 from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
 from rollout.engine.runner.model_forward import ModelForward
 from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
+from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, step_inputs
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
-
-
-@dataclass
-class UnresolvedTokens:
-    """The previous step's sampled tokens while they are only on the device (overlapped scheduling)."""
-
-    token_ids: torch.Tensor  # (samples,) int64, in the previous batch's `samples` order
-    rows: dict[Request, int]  # request -> its row in token_ids
-
-
-@dataclass
-class _StepInputs:
-    """A step's packed input ids and its sequences' requests and start positions."""
-
-    token_ids: list[int] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    one_token_each: bool = True  # every sequence computes a single token
-    # (packed indices, token ids on the device) of inputs sampled by the previous step and not on the host yet.
-    device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -263,7 +242,7 @@ class ModelRunner:
         # 1. Block moves, in an order that never reads a block after it was overwritten.
         self.move_blocks(batch)
         # 2. One pass over the step's requests: input ids (placeholders read on the device), block tables.
-        inputs = self._inputs(batch, unresolved)
+        inputs = step_inputs(batch, unresolved, self.device)
         block_table = self.block_tables.gather(inputs.requests)
         # 3. A pure decode step (every sequence computes one token and samples it) of a captured size replays its
         # CUDA graph.
@@ -287,17 +266,7 @@ class ModelRunner:
             self.tiling,
             self.batch_invariant,
         )
-        ends = list(itertools.accumulate(lengths))
-        if batch.num_draft_tokens:  # a drafted sequence's last token and each draft token get a row
-            sequences = batch.sequences
-            rows = [
-                row
-                for index in batch.logits_sequences
-                for row in range(ends[index] - 1 - len(sequences[index].draft), ends[index])
-            ]
-        else:
-            rows = [ends[index] - 1 for index in batch.logits_sequences]
-        keep = to_device(rows, torch.long, self.device)
+        keep = to_device(logits_rows(batch, lengths), torch.long, self.device)
         # 5. Forward; logits only at the positions that get sampled.
         forward = self._decode_forward if decode else self._forward
         input_tensor = to_device(inputs.token_ids, torch.long, self.device)
@@ -317,42 +286,3 @@ class ModelRunner:
         self.kv_cache.zero_blocks(batch.zero_blocks)
         self.kv_cache.swap_in(batch.swap_in)
         self.kv_cache.copy_blocks(batch.block_copies)
-
-    def _inputs(self, batch: ScheduledBatch, unresolved: UnresolvedTokens | None) -> _StepInputs:
-        """The step's packed input ids (0 where a token is still on the device, with the (packed indices, device
-        token ids) to put there), its requests and their start positions, in one pass. Only a request's last token
-        can be unresolved, so only a chunk's last one is."""
-        inputs = _StepInputs()
-        input_ids, requests, starts = inputs.token_ids, inputs.requests, inputs.starts
-        targets: list[int] = []
-        sources: list[int] = []
-        for seq in batch.sequences:  # runs for every sequence at every step
-            request, start = seq.request, seq.start
-            requests.append(request)
-            starts.append(start)
-            if seq.num_tokens == 1:
-                token = request.token_ids[start]
-                input_ids.append(token)
-            elif seq.draft:  # its last token (on the host: a drafted request has no placeholder), then the drafts
-                inputs.one_token_each = False
-                input_ids.append(request.token_ids[start])
-                input_ids.extend(seq.draft)
-                continue
-            else:
-                inputs.one_token_each = False
-                input_ids.extend(request.token_ids[start : start + seq.num_tokens])
-                token = input_ids[-1]
-            if token == PLACEHOLDER_TOKEN:
-                row = None if unresolved is None else unresolved.rows.get(request)
-                if row is None:
-                    raise RuntimeError(
-                        f"the input token of {request.request_id} is neither on the host nor among the previous "
-                        "step's samples"
-                    )
-                input_ids[-1] = 0
-                targets.append(len(input_ids) - 1)
-                sources.append(row)
-        if targets:
-            index = to_device([targets, sources], torch.long, self.device)
-            inputs.device_tokens = (index[0], unresolved.token_ids.index_select(0, index[1]))
-        return inputs
