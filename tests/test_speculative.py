@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from conftest import make_prompts, make_request, run_to_completion
+from conftest import make_prompts, make_request, needs_triton_interpreter, run_to_completion
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.engine.engine import Engine
@@ -120,6 +120,31 @@ def test_lora_adapters_give_the_same_tokens_and_logprobs_with_drafts(every_draft
     (plain, _), (drafted, accepted) = run(None), run("suffix")
     assert accepted > 0
     assert drafted == plain
+
+
+@needs_triton_interpreter
+def test_drafted_steps_on_the_triton_kernels_give_the_same_tokens(every_draft):
+    """On the Triton attention kernels (a GPU's path; on CPU in Triton's interpreter) drafted decodes are chunks of
+    several queries: greedy tokens equal the plain engine's on the same kernels, log-probs within rounding."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    prompts = make_prompts(2, 6, 10, seed=13)
+
+    def run(speculative):
+        config = dict(num_blocks=64, block_size=16, attention_backend="triton", speculative=speculative)
+        engine = Engine(copy.deepcopy(MODEL).to(device), ContinuousBatchingConfig(**config))
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"t{index}", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), n=2,
+                               max_new_tokens=16)  # fmt: skip
+        outputs = run_to_completion(engine)
+        accepted = engine.scheduler.drafter.accepted_tokens if speculative else 0
+        engine.close()
+        return {key: (list(out.generated_tokens), out.logprobs) for key, out in outputs.items()}, accepted
+
+    (plain, _), (drafted, accepted) = run(None), run("suffix")
+    assert accepted > 0
+    for key, (tokens, logprobs) in plain.items():
+        assert drafted[key][0] == tokens, key
+        assert max(abs(a - b) for a, b in zip(drafted[key][1], logprobs)) < 1e-4
 
 
 def test_logprobs_match_a_teacher_forced_forward(every_draft):
