@@ -240,6 +240,13 @@ def test_a_failing_verification_ends_its_groups_and_the_engine_serves_on(every_d
     engine.close()
 
 
+def test_the_warm_up_leaves_no_drafts():
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=64, speculative="suffix"))
+    engine.warmup()
+    assert engine.scheduler.drafter.num_pools == 0
+    engine.close()
+
+
 def test_drafts_only_in_a_thin_batch():
     engine = Engine(
         copy.deepcopy(MODEL),

@@ -14,6 +14,7 @@ class WarmableEngine(Protocol):
 
     runner: Any
     block_manager: Any
+    scheduler: Any
     max_model_len: int
     counters: StepCounters
     warmed_up: bool
@@ -46,6 +47,8 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     while engine.has_unfinished():
         engine.step()
     engine.block_manager.reset_prefix_cache()
+    if engine.scheduler.drafter is not None:  # its tokens are no one's drafts
+        engine.scheduler.drafter.forget([0] * num_tokens)
     # The warm-up is not served work: statistics start from where they were.
     engine.counters.restore(counters)
     engine.block_manager.num_prefix_tokens_hit = engine.block_manager.num_prefix_tokens_queried = 0

@@ -155,6 +155,12 @@ class SuffixDrafter:
             _, dropped = self._pools.popitem(last=False)
             self._finished_tokens -= dropped.finished_tokens
 
+    def forget(self, prompt_ids: list[int], scope: str = "", adapter: str | None = None) -> None:
+        """Drop one prompt's pool (the engine's warm-up request leaves no drafts behind)."""
+        entry = self._pools.pop((scope, adapter, tuple(prompt_ids)), None)
+        if entry is not None:
+            self._finished_tokens -= entry.finished_tokens
+
     def clear(self) -> None:
         """Forget every pool (running samples join fresh ones at their next proposal)."""
         self._pools.clear()
