@@ -221,23 +221,76 @@ def test_streamed_deltas_add_up_to_the_whole_output(every_draft):
 
 
 def test_a_failing_verification_ends_its_groups_and_the_engine_serves_on(every_draft, monkeypatch):
+    """A verification round that raises (a device error) after an earlier round ended a sample: that sample keeps
+    its output, the other drafted samples end with the error, every group completes, nothing stays held, and the
+    engine serves the next request."""
     from rollout.engine import step_loop
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("the device fell over")
+    accept, fired = step_loop.accept_drafts, []
 
-    monkeypatch.setattr(step_loop, "accept_drafts", broken)
-    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=200, block_size=4, speculative="suffix"))
+    def failing_later(batch, logits, draw, drafter, progressed):
+        def draw_or_fail(round_batch, rows):
+            if not fired and any(seq.draft and seq.request.is_finished for seq in batch.sequences):
+                fired.append(True)
+                raise RuntimeError("the device fell over")
+            return draw(round_batch, rows)
+
+        accept(batch, logits, draw_or_fail, drafter, progressed)
+
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=256, block_size=4, speculative="suffix"))
     prompt = make_prompts(1, 6, 6, seed=2)[0]
-    engine.add_request("doomed", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), n=2, max_new_tokens=40)
+    greedy = SamplingParams(temperature=0.0, stop_token_ids=[])
+    engine.add_request("earlier", prompt, greedy, n=2, max_new_tokens=40)  # drafts for the groups below
+    run_to_completion(engine)
+    monkeypatch.setattr(step_loop, "accept_drafts", failing_later)
+    for index in range(4):
+        engine.add_request(f"g{index}", prompt, greedy, max_new_tokens=10 + index)
     outputs = run_to_completion(engine)
-    assert {output.finish_reason for output in outputs.values()} == {"error"}
-    assert all("the device fell over" in output.error for output in outputs.values())
-    monkeypatch.undo()
-    engine.add_request("after", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), max_new_tokens=8)
+    assert fired and sorted(outputs) == ["g0", "g1", "g2", "g3"]
+    reasons = sorted(output.finish_reason for output in outputs.values())
+    assert "length" in reasons and "error" in reasons
+    assert all("the device fell over" in output.error for output in outputs.values() if output.finish_reason == "error")
+    assert not engine.loop.open_groups and engine.sampler.slots.num_live == 0
+    monkeypatch.setattr(step_loop, "accept_drafts", accept)
+    engine.add_request("after", prompt, greedy, max_new_tokens=8)
     (after,) = run_to_completion(engine).values()
     assert after.finish_reason == "length" and len(after.generated_tokens) == 8
     engine.close()
+
+
+def test_a_draft_that_poisons_its_step_is_withdrawn_not_an_error(every_draft):
+    """A draft token whose KV is non-finite (its embedding NaN: an overflow on one input) turns the drafted step's
+    other positions NaN through masked attention. Plain decoding never feeds that token to the sample, so the sample
+    is recomputed without drafts instead of ended: the same tokens as plain decoding, and the engine holds nothing
+    afterwards."""
+    prompt = make_prompts(1, 6, 6, seed=2)[0]
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=256, block_size=16))
+    engine.add_request("ref", prompt, SamplingParams(temperature=0.0, stop_token_ids=[]), max_new_tokens=40)
+    reference = list(run_to_completion(engine)["ref"].generated_tokens)
+    engine.close()
+    poison, before = reference[14], reference[13]
+
+    def run(speculative):
+        model = copy.deepcopy(MODEL)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[poison] = float("nan")
+        config = ContinuousBatchingConfig(num_blocks=256, block_size=16, batch_invariant=True, speculative=speculative)
+        engine = Engine(model, config)
+        # S stops at the poison token (sampled, never fed); T is biased away from the token before it: T never
+        # samples the poison token, but its drafts (from S) hold it.
+        engine.add_request("S", prompt, SamplingParams(temperature=0.0, stop_token_ids=[poison]), max_new_tokens=40)
+        run_to_completion(engine)
+        biased = SamplingParams(temperature=0.0, stop_token_ids=[], logit_bias={before: -100.0})
+        engine.add_request("T", prompt, biased, max_new_tokens=40)
+        output = run_to_completion(engine)["T"]
+        drafts = engine.scheduler.drafter.proposed_tokens if speculative else 0
+        engine.close()
+        return output, drafts
+
+    (plain, _), (drafted, drafts) = run(None), run("suffix")
+    assert drafts > 0 and plain.finish_reason == drafted.finish_reason == "length"
+    assert list(drafted.generated_tokens) == list(plain.generated_tokens)
+    assert drafted.logprobs == plain.logprobs
 
 
 def test_the_warm_up_leaves_no_drafts():

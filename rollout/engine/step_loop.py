@@ -30,7 +30,7 @@ from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
-from rollout.engine.speculative.verify import DrawRound, accept_drafts
+from rollout.engine.speculative.verify import DrawRound, accept_drafts, rejected_slots, withdraw_poisoned
 
 logger = logging.getLogger("rollout.engine.engine")
 
@@ -163,11 +163,12 @@ class StepLoop:
         )
 
     def _may_draft(self) -> bool:
-        """Whether the next step may draft (speculative decoding on, and few enough samples running)."""
+        """Whether the next step may draft (speculative decoding on, few enough samples running, and the drafter
+        has a use for their tokens: `SuffixDrafter.wants_tokens`)."""
         drafter, scheduler = self.scheduler.drafter, self.scheduler
         if drafter is None or scheduler.waiting or scheduler.swapped:
             return False
-        return len(scheduler.running) <= drafter.disable_by_batch_size
+        return len(scheduler.running) <= drafter.disable_by_batch_size and drafter.wants_tokens()
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""
@@ -181,13 +182,15 @@ class StepLoop:
         progressed = self._resolve_tokens(step)
         if step.logits is not None:
             try:
-                progressed += accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter)
+                accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter, progressed)
             except Exception as error:  # noqa: BLE001 - the loop must survive any failure, its drafts' ones too
                 logger.exception("verifying a drafted step failed; ending its drafted samples' groups with an error")
                 drafted = [seq.request for seq in step.batch.sequences if seq.draft]
                 for request in drafted:
                     request.drop_placeholder()
                 progressed += self._ended_with_error({request.group_id for request in drafted}, error)
+            if self.block_manager.zero_new_blocks:  # the PyTorch attention reads whole blocks: no stale KV in them
+                self.runner.kv_cache.zero_slots(rejected_slots(step.batch, self.block_manager.block_size))
             progressed = list(dict.fromkeys(progressed))  # one output per sample and step
         return self.outputs(progressed)
 
@@ -197,11 +200,20 @@ class StepLoop:
         def draw(batch: ScheduledBatch, logits: torch.Tensor) -> list[Request]:
             samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
             constrained = any(request.constraint is not None for request, _ in batch.samples)
-            round_step = InFlightStep(batch, samples, step.policy_version, constrained=constrained)
+            round_step = InFlightStep(batch, samples, step.policy_version, constrained=constrained, verifying=True)
             self._advance(round_step)
             return self._resolve_tokens(round_step)
 
         return draw
+
+    def _recompute_without_drafts(self, request: Request) -> None:
+        """Send a drafted sample whose step turned non-finite back to be recomputed from its resolved tokens, its KV
+        quarantined, its sampling state rebuilt from its tokens at its next draw, and drafting off for it."""
+        request.drop_placeholder()
+        self.block_manager.quarantine(request)
+        self.scheduler.recompute(request)
+        self.sampler.release(request)
+        self.scheduler.drafter.poisoned(request)
 
     def _resolve_tokens(self, step: InFlightStep) -> list[Request]:
         """Bring an advanced step's tokens to the host and put them in place; returns the requests that have an
@@ -216,6 +228,11 @@ class StepLoop:
             for request, _ in step.batch.samples:
                 request.drop_placeholder()
             return self._ended_with_error({request.group_id for request, _ in step.batch.samples}, error)
+        if sampled.broken_rows and (step.logits is not None or step.verifying):
+            drafted = {id(seq.request) for seq in step.batch.sequences if seq.draft or step.verifying}
+            poisoned = [row for row in sampled.broken_rows if id(step.batch.samples[row][0]) in drafted]
+            if poisoned:
+                sampled = withdraw_poisoned(step.batch, sampled, poisoned, self._recompute_without_drafts)
         failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
         for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
             request = step.batch.samples[index][0]

@@ -195,6 +195,17 @@ class PagedKVCache:
             index = to_device(list(zip(*pairs)), torch.long, self.kv.device)
             self.kv[:, :, index[1]] = self.kv[:, :, index[0]]
 
+    def zero_slots(self, slots: list[int]) -> None:
+        """Zero single token slots in every layer (the KV of draft tokens the verification rejected, which the
+        PyTorch attention would otherwise read, masked, in a block it reads whole: masked NaN still poisons)."""
+        if slots and not self.is_released:
+            index = to_device(slots, torch.long, self.kv.device)
+            blocks, offsets = index // self.block_size, index % self.block_size
+            if self.heads_first:
+                self.kv[:, :, blocks, :, offsets] = 0
+            else:
+                self.kv[:, :, blocks, offsets] = 0
+
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero device blocks in every layer (blocks that held a failed sample's non-finite KV, before reuse)."""
         if blocks and not self.is_released:

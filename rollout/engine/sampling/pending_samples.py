@@ -119,3 +119,4 @@ class InFlightStep:
     routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)
     constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)
     logits: torch.Tensor | None = None  # a drafted step's logits, every row, kept for its verification
+    verifying: bool = False  # a round of a drafted step's verification (every sample of it drafted)

@@ -108,6 +108,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def recompute(self, request: Request) -> None:
+        """Take a running request back to be recomputed from its tokens (its KV freed), ahead of the queue."""
+        self.running.remove(request)
+        self.reset_for_recompute(request)
+
     def abort(self, group_id: str) -> list[Request]:
         """End every sample of `group_id` with finish_reason "abort"; returns them (unforked samples included)."""
         ended: list[Request] = []

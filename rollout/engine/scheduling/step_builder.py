@@ -96,14 +96,16 @@ class StepBuilder:
         # and the token budget, and admitting it pays more).
         if drafter is not None and (scheduler.waiting or scheduler.swapped or not drafter.speculates(len(decodes))):
             drafter = None
+        later_decodes = len(decodes)  # decodes after the current one: drafts take only the budget they leave
         for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
+            later_decodes -= 1
             if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
                 return
             if request.status is not RequestStatus.RUNNING or (scheduled_before and id(request) in scheduled_before):
                 continue  # preempted by an older request in this loop, or scheduled already
             computed = request.num_computed_tokens
             remaining = len(request.token_ids) - computed
-            if drafter is not None and remaining == 1 and self._add_drafted(drafter, request):
+            if drafter is not None and remaining == 1 and self._add_drafted(drafter, request, max(later_decodes, 0)):
                 continue
             if remaining == 1 and not request.num_forks and request.kv_version_min is not None:
                 # Most decodes (a last token, not a one-token chunk of a longer prefill) write into a block the request
@@ -211,12 +213,13 @@ class StepBuilder:
             return waiting[skip] if skip < len(waiting) else None
         return next(itertools.islice((r for r in waiting if r.num_output_tokens > 0), skip, None), None)
 
-    def _add_drafted(self, drafter: Drafter, request: Request) -> bool:
+    def _add_drafted(self, drafter: Drafter, request: Request, reserved: int) -> bool:
         """Schedule a decode with the draft tokens the drafter proposes for it, when it proposes some and their
-        blocks are free (a draft never preempts anything); False: schedule it as a plain decode."""
+        blocks are free (a draft never preempts anything, nor takes the budget of the `reserved` decodes still to
+        schedule); False: schedule it as a plain decode."""
         if request.num_forks or request.kv_version_min is None or request.has_placeholder:
             return False
-        limit = min(self.budget - 1, request.max_new_tokens - request.num_output_tokens - 1)
+        limit = min(self.budget - 1 - reserved, request.max_new_tokens - request.num_output_tokens - 1)
         draft = drafter.propose(request, limit) if limit > 0 else ()
         manager = self.scheduler.block_manager
         if not draft or not manager.can_allocate(manager.blocks_needed(request, 1 + len(draft))):

@@ -7,9 +7,11 @@ Only where it pays:
 - a step drafts only while its decodes are at most `speculative_disable_by_batch_size` (the long tail, where a thin
   batch leaves the device idle);
 - a draft follows a match of the sample's last tokens; how often drafts were accepted is kept per match length
-  (2 to 8 and longer tokens), and a match length whose drafts are mostly rejected proposes nothing (but one time in
-  `EXPLORE`, to keep its rate current): short matches are coincidences at high entropy and good guesses at low
-  entropy, and the rates tell which case the engine is in;
+  (2 to 8 and longer tokens), and a match length whose drafts are mostly rejected proposes nothing, except in one
+  thin step of every `EXPLORE` (where every match length proposes, to keep the rates current): short matches are
+  coincidences at high entropy and good guesses at low entropy, and the rates tell which case the engine is in;
+- with overlapped scheduling, a thin step waits for the step before to reach the host (drafts follow a sample's last
+  token) only when it may draft: while some match length pays, or when it explores;
 - a row whose recent drafts were mostly rejected stops drafting for a while (4 steps, doubling to 64 while it keeps
   failing), so a high-entropy sample costs no verification work;
 - drafts are cut before the first token the sample's bans (suppress_tokens, one-token bad words, stop tokens before
@@ -31,7 +33,7 @@ from rollout.engine.speculative.suffix_pool import DraftPool
 
 MIN_ACCEPTANCE = 0.3  # a row, or a match length, drafting below this acceptance rate pauses
 LONG_MATCH = 8  # matches of this many tokens or more share one acceptance rate
-EXPLORE = 16  # a paused match length still proposes once in this many times
+EXPLORE = 16  # one thin step in this many lets every match length propose
 RATE_MEMORY = 0.98  # each verification's weight in a match length's rate is 2% (about the last 50 count)
 FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps a failing row pauses for, doubling while it keeps failing
 SMOOTHING = 0.5  # weight of the latest verification in a row's acceptance rate
@@ -80,12 +82,25 @@ class SuffixDrafter:
         # MIN_ACCEPTANCE, as if one draft token in four had been accepted, so a match length proposes only once an
         # exploration's drafts were accepted (one whole draft accepted is enough).
         self._rates = {length: [0.25, 1.0] for length in range(2, LONG_MATCH + 1)}
-        self._skipped = dict.fromkeys(self._rates, 0)
+        self._thin_steps = 0  # steps that could draft (thin, nothing queued)
+        self._exploring = False  # this step lets every match length propose
 
     def speculates(self, num_decodes: int) -> bool:
         """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler)."""
         self._step += 1
-        return num_decodes <= self.disable_by_batch_size
+        if num_decodes > self.disable_by_batch_size:
+            return False
+        self._thin_steps += 1
+        self._exploring = self._thin_steps % EXPLORE == 0
+        return True
+
+    def wants_tokens(self) -> bool:
+        """Whether the next thin step may draft: some match length pays, or it explores. With overlapped scheduling
+        the step loop then brings the step before's tokens to the host first (a draft follows a sample's last
+        token); otherwise the steps stay overlapped."""
+        if (self._thin_steps + 1) % EXPLORE == 0:
+            return True
+        return any(accepted >= MIN_ACCEPTANCE * proposed for accepted, proposed in self._rates.values())
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         """Up to `limit` (and `num_speculative_tokens`) draft tokens to follow the request's last token.
@@ -130,16 +145,14 @@ class SuffixDrafter:
         row.resume_step = self._step + row.pause
         row.acceptance = 2 * MIN_ACCEPTANCE  # after the pause one failure pauses it again, one success keeps it
 
+    def poisoned(self, request: Request) -> None:
+        """A drafted step of this sample turned non-finite: it never drafts again (plain decoding decides)."""
+        self._row(request).resume_step = 1 << 62
+
     def _pays(self, match: int) -> bool:
-        """Whether drafts following a match of this length are accepted often enough (or it is time to explore)."""
+        """Whether drafts following a match of this length are accepted often enough (or the step explores)."""
         accepted, proposed = self._rates[match]
-        if accepted >= MIN_ACCEPTANCE * proposed:
-            return True
-        self._skipped[match] += 1
-        if self._skipped[match] < EXPLORE:
-            return False
-        self._skipped[match] = 0
-        return True
+        return self._exploring or accepted >= MIN_ACCEPTANCE * proposed
 
     def finished(self, request: Request) -> None:
         """Keep a finished sample's tokens for its prompt's later drafts (within the memory bound)."""
@@ -149,6 +162,7 @@ class SuffixDrafter:
         if entry is None:
             return
         self._pools.move_to_end(row.key)
+        row.pool.finish(row.sequence)
         entry.finished_tokens += len(request.token_ids)
         self._finished_tokens += len(request.token_ids)
         while self._finished_tokens > self.index_tokens and self._pools:

@@ -33,6 +33,7 @@ class DraftPool:
         self.prompt_length = prompt_length
         self.sequences: list[list[int]] = []
         self._indexed: list[int] = []  # per sequence: its windows ending before this position are indexed
+        self._growing: dict[int, None] = {}  # the sequences of samples still running (in order), caught up each step
         # (window of KEY tokens) -> (sequence, position of the window's last token), in indexing order
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
@@ -48,7 +49,14 @@ class DraftPool:
         first = KEY - 1 if not self.sequences else max(KEY - 1, self.prompt_length)
         self.sequences.append(tokens)
         self._indexed.append(first)
+        self._growing[len(self.sequences) - 1] = None
         return len(self.sequences) - 1
+
+    def finish(self, sequence: int) -> None:
+        """A sequence's sample finished: index the rest of it now; `catch_up` passes it by from then on."""
+        if sequence in self._growing:
+            self._index_tail(sequence)
+            del self._growing[sequence]
 
     def propose(self, sequence: int, limit: int) -> tuple[tuple[int, ...], int]:
         """Up to `limit` tokens to follow `sequence`'s resolved tokens: the continuation of the longest earlier
@@ -85,21 +93,26 @@ class DraftPool:
         return draft, best_match if draft else 0
 
     def catch_up(self) -> None:
-        """Index every sequence's windows up to its resolved end (the drafter does it once per step and pool)."""
-        index = self._index
-        for number, tokens in enumerate(self.sequences):
-            first, end = self._indexed[number], resolved_length(tokens)
-            if first >= end:
-                continue
-            # The windows ending at first .. end - 1, made by zip in C (KEY == 2: a token and the one before it).
-            windows = zip(tokens[first - 1 : end - 1], tokens[first:end])
-            for position, window in enumerate(windows, first):
-                found = index.get(window)
-                if found is None:
-                    index[window] = [(number, position)]
-                else:
-                    found.append((number, position))
-            self._indexed[number] = end
+        """Index the running samples' sequences up to their resolved ends (the drafter does it once per step and
+        pool; a finished sample's sequence was indexed whole when it finished)."""
+        for number in self._growing:
+            self._index_tail(number)
+
+    def _index_tail(self, number: int) -> None:
+        """Index one sequence's windows from where its indexing stopped to its resolved end."""
+        tokens, index = self.sequences[number], self._index
+        first, end = self._indexed[number], resolved_length(tokens)
+        if first >= end:
+            return
+        # The windows ending at first .. end - 1, made by zip in C (KEY == 2: a token and the one before it).
+        windows = zip(tokens[first - 1 : end - 1], tokens[first:end])
+        for position, window in enumerate(windows, first):
+            found = index.get(window)
+            if found is None:
+                index[window] = [(number, position)]
+            else:
+                found.append((number, position))
+        self._indexed[number] = end
 
 
 def _agreed_continuation(followed: list[tuple[list[int], int]], limit: int) -> tuple[int, ...]:

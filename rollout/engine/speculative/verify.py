@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.kv.transfer import to_device
-from rollout.engine.requests.request import Request
+from rollout.engine.requests.request import Request, RequestStatus
+from rollout.engine.sampling.pending_samples import SamplerOutput
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.speculative.drafter import SuffixDrafter
 
@@ -28,8 +29,12 @@ DrawRound = Callable[[ScheduledBatch, torch.Tensor], list[Request]]
 
 
 def accept_drafts(
-    batch: ScheduledBatch, logits: torch.Tensor, draw: DrawRound, drafter: SuffixDrafter
-) -> list[Request]:
+    batch: ScheduledBatch,
+    logits: torch.Tensor,
+    draw: DrawRound,
+    drafter: SuffixDrafter,
+    progressed: list[Request],
+) -> None:
     """Draw the drafted samples' tokens past the first (already drawn and resolved from their first row), position
     by position, while each draw equals the draft token it follows; tell the drafter what was accepted.
 
@@ -38,13 +43,16 @@ def accept_drafts(
         logits: the step's logits, all its rows (`ModelRunner.run`).
         draw: draws and resolves one round (`DrawRound`).
         drafter: told how many of each sample's drafts were accepted.
-    Returns:
-        The requests that progressed in the rounds, in order (a request once per round it drew in).
+        progressed: the requests that progressed in each round are appended here as the round resolves (a round
+            that raises leaves the earlier rounds' there, for their outputs).
     """
-    first_row = {id(request): row for request, row in batch.samples}
-    drafted = [(seq.request, first_row[id(seq.request)], seq.draft) for seq in batch.sequences if seq.draft]
+    first_row = {id(request): row for request, row in batch.samples}  # a withdrawn sample has none (`withdraw`)
+    drafted = [
+        (seq.request, first_row[id(seq.request)], seq.draft)
+        for seq in batch.sequences
+        if seq.draft and id(seq.request) in first_row
+    ]
     accepted = dict.fromkeys((id(request) for request, _, _ in drafted), 0)
-    progressed: list[Request] = []
     live, position = drafted, 0
     while live:
         # Position `position`'s token was drawn and resolved last: its draft token stands if it equals the draw.
@@ -67,4 +75,53 @@ def accept_drafts(
         progressed += draw(round_batch, logits.index_select(0, rows))
     for request, _, draft in drafted:
         drafter.verified(request, len(draft), accepted[id(request)])
-    return progressed
+
+
+def rejected_slots(batch: ScheduledBatch, block_size: int) -> list[int]:
+    """The cache slots of a verified step's drafts that were not accepted, in the running samples' own blocks (the
+    finished ones' blocks are freed and zeroed before reuse): what the step wrote past each one's computed tokens."""
+    slots = []
+    for seq in batch.sequences:
+        request = seq.request
+        if seq.draft and request.status == RequestStatus.RUNNING:
+            blocks = request.block_ids
+            for position in range(request.num_computed_tokens, seq.start + seq.num_tokens):
+                slots.append(blocks[position // block_size] * block_size + position % block_size)
+    return slots
+
+
+def withdraw_poisoned(
+    batch: ScheduledBatch, sampled: SamplerOutput, rows: list[int], recompute: Callable[[Request], None]
+) -> SamplerOutput:
+    """Take drafted samples whose logits turned non-finite out of their verification, to recompute them plainly.
+
+    A draft token may poison a drafted step where plain decoding never goes: its non-finite KV reaches the other
+    positions of the step through masked attention (0 x NaN is NaN). So the sample is not ended with an error, as a
+    plain decode's non-finite logits end it: its tokens resolved so far stand (drawn from finite logits), and it goes
+    back to be recomputed from them without drafts (`recompute`: its KV quarantined, its sampling state rebuilt).
+
+    Args:
+        batch: the step (or verification round) the rows belong to; the withdrawn samples leave `batch.samples`.
+        sampled: its sampled tokens.
+        rows: the indices into `batch.samples` to withdraw.
+        recompute: sends one sample back to be recomputed.
+    Returns:
+        `sampled` without the withdrawn rows (the other rows' indices renumbered).
+    """
+    withdrawn = set(rows)
+    for index in rows:
+        recompute(batch.samples[index][0])
+    keep = [index for index in range(len(batch.samples)) if index not in withdrawn]
+    renumbered = {old: new for new, old in enumerate(keep)}
+    batch.samples[:] = [batch.samples[index] for index in keep]
+
+    def kept(values: list | None) -> list | None:
+        return None if values is None else [values[index] for index in keep]
+
+    return SamplerOutput(
+        kept(sampled.token_ids),
+        kept(sampled.logprobs),
+        kept(sampled.top_logprobs),
+        [renumbered[index] for index in sampled.dead_rows if index in renumbered],
+        [renumbered[index] for index in sampled.broken_rows if index in renumbered],
+    )
