@@ -33,7 +33,9 @@ class DraftPool:
         self.prompt_length = prompt_length
         self.sequences: list[list[int]] = []
         self._indexed: list[int] = []  # per sequence: its windows ending before this position are indexed
-        self._growing: dict[int, None] = {}  # the sequences of samples still running (in order), caught up each step
+        # The sequences `catch_up` visits (in order): running samples', and finished ones' not indexed to their end yet
+        # (True).
+        self._growing: dict[int, bool] = {}
         # (window of KEY tokens) -> (sequence, position of the window's last token), in indexing order
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
@@ -49,14 +51,14 @@ class DraftPool:
         first = KEY - 1 if not self.sequences else max(KEY - 1, self.prompt_length)
         self.sequences.append(tokens)
         self._indexed.append(first)
-        self._growing[len(self.sequences) - 1] = None
+        self._growing[len(self.sequences) - 1] = False
         return len(self.sequences) - 1
 
     def finish(self, sequence: int) -> None:
-        """A sequence's sample finished: index the rest of it now; `catch_up` passes it by from then on."""
+        """A sequence's sample finished: the next `catch_up` indexes the rest of it, and passes it by from then on
+        (nothing is indexed here: a pool no one drafts from is never indexed)."""
         if sequence in self._growing:
-            self._index_tail(sequence)
-            del self._growing[sequence]
+            self._growing[sequence] = True
 
     def propose(self, sequence: int, limit: int) -> tuple[tuple[int, ...], int]:
         """Up to `limit` tokens to follow `sequence`'s resolved tokens: the continuation of the longest earlier
@@ -95,8 +97,13 @@ class DraftPool:
     def catch_up(self) -> None:
         """Index the running samples' sequences up to their resolved ends (the drafter does it once per step and
         pool; a finished sample's sequence was indexed whole when it finished)."""
-        for number in self._growing:
+        done = []
+        for number, finished in self._growing.items():
             self._index_tail(number)
+            if finished:
+                done.append(number)
+        for number in done:
+            del self._growing[number]
 
     def _index_tail(self, number: int) -> None:
         """Index one sequence's windows from where its indexing stopped to its resolved end."""
