@@ -151,7 +151,9 @@ class StepLoop:
         if constrained and previous is not None and previous.constrained:
             _accept_ahead(previous)  # while the device runs this step's forward
         samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
-        self.counters.count_step([seq.num_tokens - len(seq.draft) for seq in batch.sequences], batch.num_draft_tokens)
+        drafts = batch.num_draft_tokens
+        chunks = [seq.num_tokens - len(seq.draft) if drafts else seq.num_tokens for seq in batch.sequences]
+        self.counters.count_step(chunks, drafts)
         return InFlightStep(
             batch,
             samples,

@@ -196,11 +196,14 @@ class Scheduler:
         manager = self.block_manager
         block_size = manager.block_size
         finished = RequestStatus.FINISHED
+        drafted = batch.num_draft_tokens > 0
         for seq in batch.sequences:  # runs for every sequence at every step
             request = seq.request
             if request.status != finished:
-                # A drafted sequence's drafts count once the verification accepts them, one by one.
-                request.num_computed_tokens = computed = seq.start + seq.num_tokens - len(seq.draft)
+                computed = seq.start + seq.num_tokens
+                if drafted:  # a drafted sequence's drafts count once the verification accepts them, one by one
+                    computed -= len(seq.draft)
+                request.num_computed_tokens = computed
                 if computed >= (len(request.block_hashes) + 1) * block_size:  # a block became full
                     manager.commit_hashes(request)
                 if computed == len(request.token_ids):  # its chunk reached its last token: it was sampled
