@@ -305,6 +305,22 @@ class Engine:
         """
         return self.weight_updates.load_adapter(name, modules, version, mode, check_finite, base)
 
+    def unload_adapter(self, name: str) -> list[GenerationOutput]:
+        """Stop serving LoRA adapter `name`, between two steps: its groups, queued or running, end first (finish_reason
+        "abort"), then its slot is zeroed and freed. The policy version does not change (no served weights did).
+
+        Returns:
+            The outputs to deliver: the step in flight's, then the ended samples' final ones.
+        Raises:
+            FieldError: ("adapter") no adapter of that name is served (nothing ended).
+        """
+        return self.weight_updates.unload_adapter(name)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): later prompts are computed anew; blocks in use
+        keep their contents and their requests go on."""
+        self.block_manager.reset_prefix_cache()
+
     def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
         """Serve an adapter from the engine's start, at the current policy version and outside any weight update
         (`rollout-worker --lora`): call it before the first request.

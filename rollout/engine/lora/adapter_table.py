@@ -236,6 +236,21 @@ class AdapterTable:
         self._ranks[name] = {module: pair.rank for module, pair in pairs.items()}
         return ref
 
+    def unload(self, name: str) -> None:
+        """Stop serving adapter `name`: its slot's weights are zeroed and the slot is free again; the caller ended
+        its requests first (`Engine.unload_adapter`, between two steps).
+
+        Raises:
+            FieldError: ("adapter") an unknown name.
+        """
+        slot = self.ref(name).slot
+        with torch.no_grad():
+            for layer in self._layers.values():
+                layer.write(slot, None)
+        if self.saved.install(slot, {}, {}):
+            self.layout_version += 1
+        del self.refs[name], self._ranks[name]
+
     def modules_of(self, name: str) -> AdapterModules:
         """A copy of a served adapter's weights (as served: LoRA in fp32, saved modules in the model's dtype), e.g. to
         copy it to another worker.

@@ -4,7 +4,8 @@
 - `parts.py`: what it holds, built around one mailbox and one lock (weak references back to the manager);
 - `request_desk.py`: groups checked on the caller's thread and posted to the engine thread, all or none;
 - `commands.py`: what other threads put in the engine thread's mailbox; `weight_queue.py`: weight updates on their
-  way there; `pause.py`: the manager's pause;
+  way there; `pause.py`: the manager's pause; `generation_pause.py`: vLLM's pause of generation, across calls;
+  `serving_control.py`: the control calls (that pause, prefix cache resets, adapter unloads);
 - `engine_thread.py`: the engine thread, applying commands and stepping the engine;
 - `results.py`: where outputs go (a queue callers read, or handlers).
 """

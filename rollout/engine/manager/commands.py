@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from rollout.engine.manager.generation_pause import GenerationPauseCommand
 from rollout.engine.manager.pause import PauseRequest
 from rollout.engine.requests.request import Request
 from rollout.engine.weights.weight_table import WeightUpdateResult
@@ -68,8 +71,17 @@ class ApplyWeights:
 
 
 @dataclass
+class EngineCall:
+    """Run `function(engine)` on the engine thread between two steps (the step in flight finished first); its
+    result, or the exception it raised, goes to `reply`."""
+
+    function: Callable[[Any], Any]
+    reply: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
+@dataclass
 class Wake:
     """Nothing to do: makes a waiting loop look at its stop flag."""
 
 
-Command = AddGroup | CancelGroup | PauseLoop | ApplyWeights | Wake
+Command = AddGroup | CancelGroup | PauseLoop | ApplyWeights | GenerationPauseCommand | EngineCall | Wake

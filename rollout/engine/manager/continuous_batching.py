@@ -36,6 +36,8 @@ class ContinuousBatchingManager:
     `add_request`, `add_groups`, `cancel_request`. Results: `get_result`, `request_id_iter`,
     `register_result_handler`. Weights: `update_weights`, `load_adapter`, and `weight_updates` (a
     `WeightUpdateQueue`: `submit` queues an update without waiting, `last_result` is what the newest one did).
+    Control: `control` (a `ServingControl`: vLLM's `pause_generation` / `resume_generation` / `is_paused`,
+    `reset_prefix_cache`, `unload_adapter`).
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class ContinuousBatchingManager:
         parts = ManagerParts.build(self, self.engine)
         self._router, self._requests, self._pauses, self._loop = parts.router, parts.requests, parts.pauses, parts.loop
         self.weight_updates = parts.weight_updates
+        self.control = parts.control
         self.started_at: float | None = None
         self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
         # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).

@@ -13,7 +13,17 @@ from typing import Protocol
 
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
-from rollout.engine.manager.commands import AddGroup, ApplyWeights, CancelGroup, Command, PauseLoop, Wake
+from rollout.engine.manager.commands import (
+    AddGroup,
+    ApplyWeights,
+    CancelGroup,
+    Command,
+    EngineCall,
+    GenerationPauseCommand,
+    PauseLoop,
+    Wake,
+)
+from rollout.engine.manager.generation_pause import GenerationPause
 from rollout.engine.manager.pause import PauseGate
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.manager.weight_queue import WeightUpdateQueue
@@ -64,6 +74,7 @@ class EngineLoop:
         self.lock = lock
         self.deliver = deliver
         self.stopping = threading.Event()  # set when the manager stops: the loop ends after its current step
+        self.generation = GenerationPause(engine, deliver)  # vLLM's pause_generation: no steps while it holds
         self._thread: threading.Thread | None = None
 
     # ---- the thread, as the manager starts and stops it ---------------------------------------------------------
@@ -105,9 +116,11 @@ class EngineLoop:
         owner, engine = self.owner, self.engine
         try:
             while not self.stopping.is_set():
-                self._drain_commands(block=not engine.has_unfinished() and self.updates.pending is None)
+                idle = self.generation.holds or not engine.has_unfinished()
+                self._drain_commands(block=idle and self.updates.pending is None)
                 self.updates.try_apply()
-                if engine.has_unfinished():
+                self.generation.advance()
+                if not self.generation.holds and engine.has_unfinished():
                     started = time.perf_counter()
                     outputs = engine.step()
                     if owner.step_observer is not None:
@@ -123,6 +136,7 @@ class EngineLoop:
         """Refuse new requests, end everything still queued or running, release the model."""
         self.requests.close()
         self.updates.refuse_pending("the manager stopped before the weight update was applied")
+        self.generation.refuse_waiting("the manager stopped before the in-flight samples finished")
         for command in drain(self.commands):
             if isinstance(command, AddGroup):
                 self._end_unstarted(command.request, "abort" if reason is None else "error", reason)
@@ -130,6 +144,8 @@ class EngineLoop:
                 command.update.callback(RuntimeError("the manager stopped before the weight update was applied"))
             elif isinstance(command, PauseLoop):
                 PauseGate.refuse(command.request, "the manager stopped before the loop paused")
+            elif isinstance(command, (GenerationPauseCommand, EngineCall)):
+                command.reply.put(RuntimeError("the manager stopped"))
         try:
             self.deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
@@ -166,6 +182,14 @@ class EngineLoop:
             self.engine.weights_changed()  # the pause's holder may have changed the model in place
         elif isinstance(command, ApplyWeights):
             self.updates.take(command.update)
+        elif isinstance(command, GenerationPauseCommand):
+            self.generation.apply(command)
+        elif isinstance(command, EngineCall):
+            try:
+                self.deliver(self.engine.flush())
+                command.reply.put(command.function(self.engine))
+            except Exception as error:  # noqa: BLE001 - the caller hears of it; the loop goes on
+                command.reply.put(error)
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""

@@ -21,6 +21,7 @@ from rollout.engine.manager.engine_thread import EngineLoop, LoopOwner
 from rollout.engine.manager.pause import PauseGate
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.manager.results import ResultRouter
+from rollout.engine.manager.serving_control import ServingControl
 from rollout.engine.manager.weight_queue import WeightUpdateQueue
 
 
@@ -41,6 +42,7 @@ class ManagerParts:
     pauses: PauseGate
     weight_updates: WeightUpdateQueue
     loop: EngineLoop  # the engine thread's body
+    control: ServingControl  # the generation pause, prefix cache resets, adapter unloads
 
     @classmethod
     def build(cls, manager: PartsOwner, engine: Engine) -> ManagerParts:
@@ -68,6 +70,10 @@ class ManagerParts:
             lambda: owner.is_running(),
             lambda: requests.closed,
             pauses.held_here,
+            lambda: loop.generation.holds,
         )
         loop = EngineLoop(owner, engine, requests, weight_updates, commands, state, router.deliver)
-        return cls(commands, state, router, requests, pauses, weight_updates, loop)
+        control = ServingControl(
+            engine, loop.generation, commands.put, router.deliver, lambda: owner.is_running(), lambda: owner.error
+        )
+        return cls(commands, state, router, requests, pauses, weight_updates, loop, control)

@@ -39,6 +39,7 @@ class WeightUpdateQueue:
         is_running: Callable[[], bool],
         is_closed: Callable[[], bool],
         paused_here: Callable[[], bool],
+        generation_held: Callable[[], bool] = lambda: False,
     ):
         """
         Args:
@@ -50,6 +51,8 @@ class WeightUpdateQueue:
             is_closed: whether the manager stopped taking work.
             paused_here: whether the calling thread holds the manager's pause (then waiting for an update would
                 wait forever: the loop applies it only after the pause).
+            generation_held: whether a generation pause holds the loop (then a "wait" update, which needs the
+                samples in flight to finish, is refused instead of waiting for a resume).
         """
         self.engine = engine
         self._lock = lock
@@ -58,6 +61,7 @@ class WeightUpdateQueue:
         self._is_running = is_running
         self._is_closed = is_closed
         self._paused_here = paused_here
+        self._generation_held = generation_held
         self.pending: PendingUpdate | None = None  # engine thread only
         self.last_result: WeightUpdateResult | None = None
         self.last_at: float | None = None  # unix time
@@ -107,7 +111,12 @@ class WeightUpdateQueue:
                 return
         waits = update.mode == "wait"
         if waits and self.engine.num_in_flight():
-            if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
+            if self._generation_held():
+                self.pending = None
+                count = self.engine.num_in_flight()
+                reason = f"'wait' cannot drain while generation is paused ({count} samples held): resume first"
+                update.callback(FieldError("mode", reason + ", or commit with keep, recompute or abort"))
+            elif update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
                 self.pending = None
                 self.engine.resume_admission()
                 count = self.engine.num_in_flight()

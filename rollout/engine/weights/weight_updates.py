@@ -13,6 +13,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.lora.adapter_weights import AdapterModules
+from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import Request
 from rollout.engine.weights.commit_modes import abort_in_flight, recompute_in_flight
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
@@ -74,6 +75,21 @@ class WeightUpdates:
             return request.adapter is not None and request.adapter.name == name
 
         return self.commit(copy, new_version, mode, started, None if base is not None else affects)
+
+    def unload_adapter(self, name: str) -> list[GenerationOutput]:
+        """End every group sampling with adapter `name` (queued or running; finish_reason "abort"), then stop serving
+        it (see `Engine.unload_adapter`). Returns their outputs (the drained step's first)."""
+        loop = self.loop
+        self.runner.adapters.ref(name)  # an unknown name is refused before anything ends
+        loop.drain()
+        scheduler = loop.scheduler
+        requests = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
+        groups = {r.group_id for r in requests if r.adapter is not None and r.adapter.name == name}
+        outputs, loop.undelivered = loop.undelivered, []
+        for group_id in sorted(groups):
+            outputs += loop.cancel(group_id)
+        self.runner.adapters.unload(name)
+        return outputs
 
     def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
         """Serve an adapter at the current policy version, outside any update (see `Engine.serve_adapter_from_start`).

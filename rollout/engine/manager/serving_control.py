@@ -1,0 +1,142 @@
+"""`ServingControl` (`manager.control`): what an operator or orchestrator does to a running manager besides adding
+requests and weights, each carried out by the engine thread between two steps: the generation pause
+(`generation_pause.py`), forgetting cached prefixes, and unloading a LoRA adapter. vLLM's engine client has the
+same calls (`pause_generation`, `resume_generation`, `is_paused`, `reset_prefix_cache`); its HTTP control routes
+are built on them (`rollout.service.http.control`)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollout.engine.engine import Engine
+from rollout.engine.manager.commands import Command, EngineCall
+from rollout.engine.manager.generation_pause import GenerationPause, GenerationPauseCommand, PauseOutcome
+from rollout.engine.requests.outputs import GenerationOutput
+
+# How often a caller waiting for the engine thread's answer checks that the thread still runs.
+POLL_S = 0.1
+
+
+class ServingControl:
+    """Control calls on one manager's engine (thread-safe; each waits for the engine thread's answer)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        generation: GenerationPause,
+        post: Callable[[Command], None],
+        deliver: Callable[[list[GenerationOutput]], None],
+        is_running: Callable[[], bool],
+        error: Callable[[], Any],
+    ):
+        """
+        Args:
+            engine: the manager's engine (touched here only while its thread does not run).
+            generation: the engine loop's generation pause (its state is read here, changed by the engine thread).
+            post: puts a command in the engine thread's mailbox.
+            deliver: hands outputs (of ended samples) to their readers, when the call runs here.
+            is_running: whether the engine thread runs (else calls run in the caller's thread).
+            error: the engine thread's error, if it died of one.
+        """
+        self._engine = engine
+        self._generation = generation
+        self._post = post
+        self._deliver = deliver
+        self._is_running = is_running
+        self._error = error
+
+    # ---- the generation pause -------------------------------------------------------------------------------
+    def pause_generation(
+        self, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None
+    ) -> PauseOutcome:
+        """Stop generating until `resume_generation()` (vLLM's `pause_generation`). Requests added meanwhile, from
+        any client, wait in the queue; cancels, weight updates and adapters still go in (a "wait" update with
+        samples held is refused: it could never drain). A pause while paused applies its mode again.
+
+        Args:
+            mode: what happens to the samples in flight: "keep" (held, KV kept, go on once resumed), "wait" (run to
+                their end first; returns once none is left), "abort" (every queued and running group ends now,
+                finish_reason "abort"). vLLM's default is "abort".
+            clear_cache: forget cached prefixes once paused (modes "abort" and "wait"; "keep" keeps them).
+            timeout: most seconds to wait for the pause to hold (None: as long as a "wait" drain takes). On timeout
+                the pause still holds later: call `resume_generation()` to undo it.
+        Returns:
+            A `PauseOutcome` (whether it changed anything, samples aborted or held).
+        Raises:
+            FieldError: ("mode") an unknown mode. TimeoutError: not paused in time. RuntimeError: the manager
+                stopped, or it was resumed before a "wait" drain ended.
+        """
+        return self._ask(GenerationPauseCommand(mode, bool(clear_cache)), self._generation.apply, timeout)
+
+    def resume_generation(self) -> bool:
+        """Generate again after `pause_generation` (held samples go on, queued requests are admitted). Resuming
+        when not paused changes nothing. Returns whether generation was paused."""
+        return self._ask(GenerationPauseCommand(None), self._generation.apply, None).changed
+
+    @property
+    def is_paused(self) -> bool:
+        """True from `pause_generation` until `resume_generation` (also while a "wait" pause drains)."""
+        return self._generation.paused
+
+    # ---- the engine's caches and adapters -------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (blocks in use keep their contents and their samples go on). Returns True: the
+        reset never fails (vLLM's may, while requests run)."""
+        self.call(lambda engine: engine.reset_prefix_cache())
+        return True
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> None:
+        """Stop serving LoRA adapter `name`: its groups, queued or running, end with finish_reason "abort", then
+        its slot is freed (see `Engine.unload_adapter`).
+
+        Args:
+            name: a served adapter's name.
+            timeout: most seconds to wait for the engine thread.
+        Raises:
+            FieldError: ("adapter") no adapter of that name is served. TimeoutError, RuntimeError: as `call`.
+        """
+
+        def unload(engine: Engine) -> None:
+            self._deliver(engine.unload_adapter(name))
+
+        self.call(unload, timeout)
+
+    def call(self, function: Callable[[Engine], Any], timeout: float | None = None) -> Any:
+        """Run `function(engine)` between two steps (the step in flight finished first) and return its result.
+
+        Raises:
+            What `function` raised; TimeoutError when the engine thread did not run it in time (it may still run
+            it later); RuntimeError when the manager stopped first.
+        """
+        command = EngineCall(function)
+
+        def run_here(call: EngineCall) -> None:
+            self._deliver(self._engine.flush())
+            call.reply.put(call.function(self._engine))
+
+        return self._ask(command, run_here, timeout)
+
+    def _ask(self, command: GenerationPauseCommand | EngineCall, run_here: Callable, timeout: float | None) -> Any:
+        """Hand `command` to the engine thread (or carry it out here when the thread does not run) and wait for its
+        answer; an exception answered is raised."""
+        if not self._is_running():
+            run_here(command)  # nothing else touches the engine
+        else:
+            self._post(command)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"the engine thread did not answer within {timeout} s")
+            try:
+                answer = command.reply.get(timeout=POLL_S if remaining is None else min(POLL_S, remaining))
+                break
+            except queue.Empty:
+                if not self._is_running() and command.reply.empty():
+                    raise RuntimeError("the manager stopped before it answered") from self._error()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
