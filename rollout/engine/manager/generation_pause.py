@@ -91,11 +91,7 @@ class GenerationPause:
         was_paused = self.paused
         self.deliver(self.engine.flush())  # the step in flight finishes on its own: its outputs go out
         if command.mode == "abort":
-            aborted = 0
-            for group_id in self.engine.open_group_ids():
-                outputs = self.engine.cancel(group_id)
-                aborted += sum(1 for output in outputs if output.finish_reason == "abort")
-                self.deliver(outputs)
+            aborted = abort_open_groups(self.engine, self.deliver)
             self._hold(command, PauseOutcome(changed=not was_paused, aborted=aborted))
         elif command.mode == "wait":
             self.state = "draining"
@@ -129,3 +125,14 @@ class GenerationPause:
         for command in self._draining:
             command.reply.put(RuntimeError(reason))
         self._draining.clear()
+
+
+def abort_open_groups(engine: Engine, deliver: Callable[[list[GenerationOutput]], None]) -> int:
+    """Engine thread: end every group queued or running, of every client (finish_reason "abort"), delivering their
+    outputs; returns how many samples were ended."""
+    aborted = 0
+    for group_id in engine.open_group_ids():
+        outputs = engine.cancel(group_id)
+        aborted += sum(1 for output in outputs if output.finish_reason == "abort")
+        deliver(outputs)
+    return aborted

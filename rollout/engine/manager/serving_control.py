@@ -13,7 +13,12 @@ from typing import Any
 
 from rollout.engine.engine import Engine
 from rollout.engine.manager.commands import Command, EngineCall
-from rollout.engine.manager.generation_pause import GenerationPause, GenerationPauseCommand, PauseOutcome
+from rollout.engine.manager.generation_pause import (
+    GenerationPause,
+    GenerationPauseCommand,
+    PauseOutcome,
+    abort_open_groups,
+)
 from rollout.engine.requests.outputs import GenerationOutput
 
 # How often a caller waiting for the engine thread's answer checks that the thread still runs.
@@ -80,6 +85,11 @@ class ServingControl:
     def is_paused(self) -> bool:
         """True from `pause_generation` until `resume_generation` (also while a "wait" pause drains)."""
         return self._generation.paused
+
+    def abort_all(self, timeout: float | None = None) -> int:
+        """End every group queued or running, of every client (finish_reason "abort"; vLLM's /abort_requests without
+        ids). Returns how many samples were ended."""
+        return self.call(lambda engine: abort_open_groups(engine, self._deliver), timeout)
 
     # ---- the engine's caches and adapters -------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -22,6 +22,7 @@ from rollout.service.http.serving.settings import (
     MAX_WAITING_CONNECTIONS,
     TOOL_CALL_PARSER_NAMES,
 )
+from rollout.service.launch.control_flags import add_control_arguments
 from rollout.service.launch.flags import AUTO_ON_OFF, check_settings, percent
 from rollout.service.launch.speculative_flags import add_speculative_arguments
 from rollout.service.zmq.limits import WorkerLimits
@@ -142,6 +143,7 @@ def build_parser() -> CliParser:
         help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
         "needs it or --insecure (default: the ROLLOUT_API_KEY environment variable, which keeps the key out of ps)",
     )
+    add_control_arguments(add)
     engine = ContinuousBatchingConfig()  # the engine's defaults are the flags' (one source of truth)
     add("--block-size", type=int, default=engine.block_size, help="tokens per KV block")
     add("--num-blocks", type=int, default=None, help="KV blocks (default: sized by --max-memory-percent)")

@@ -129,6 +129,11 @@ class RolloutWorker:
         return self._updates.base_id
 
     # ---- serving loop -----------------------------------------------------------------------------------------
+    def base_changed(self, base_id: str) -> None:
+        """The base weights were replaced outside a ZeroMQ update (the HTTP API's /update_weights from a directory):
+        from now on adapter pushes made for the weights before are refused (`BaseMismatch`)."""
+        self._updates.base_id = base_id
+
     def serve(self) -> None:
         """Start the engine and serve until `shutdown()`; then abort what is in flight and tell its clients."""
         self.manager.start()

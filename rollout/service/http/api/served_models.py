@@ -31,10 +31,18 @@ def requested_adapter(model: Any, model_name: str, adapters: Mapping[str, Adapte
     )
 
 
-def model_list(model_name: str, max_model_len: int, policy_version: int, adapters: Mapping[str, AdapterRef]) -> dict:
-    """/v1/models: the worker's model, then its adapters (each with its parent and policy version)."""
+def model_list(
+    model_name: str,
+    max_model_len: int,
+    policy_version: int,
+    adapters: Mapping[str, AdapterRef],
+    roots: Mapping[str, str] | None = None,
+) -> dict:
+    """/v1/models: the worker's model, then its adapters (each with its parent and policy version; its `root` the
+    directory it was loaded from by /v1/load_lora_adapter, in `roots`, else its name)."""
     listed = {"object": "model", "created": int(time.time()), "owned_by": "rollout", "max_model_len": max_model_len}
     data = [{**listed, "id": model_name, "root": model_name, "parent": None, "policy_version": policy_version}]
     for name, ref in sorted(adapters.items()):
-        data.append({**listed, "id": name, "root": name, "parent": model_name, "policy_version": ref.version})
+        root = (roots or {}).get(name, name)
+        data.append({**listed, "id": name, "root": root, "parent": model_name, "policy_version": ref.version})
     return {"object": "list", "data": data}

@@ -1,5 +1,6 @@
 """The FastAPI application of `rollout-worker --http`: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models, vLLM's /tokenize and /detokenize, and /health, over the worker's engine manager.
+/v1/models, vLLM's /tokenize and /detokenize (and /tokenizer_info with --enable-tokenizer-info-endpoint), and /health,
+over the worker's engine manager; vLLM's control routes with --enable-control-routes (`rollout.service.http.control`).
 
 Errors are OpenAI-format bodies (errors.py): 400 naming the field, 401 without the worker's --api-key, 404 for
 another model name or path, 408/413/415 for a body too slow, too big or not JSON, 503 `busy` when the queue is full.
@@ -10,6 +11,7 @@ every answer.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,15 +24,23 @@ from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.answers import Answer
 from rollout.service.http.api.bridge import ClientGone
 from rollout.service.http.api.endpoints import OpenAIEndpoints
+from rollout.service.http.api.live_answers import LiveAnswers
 from rollout.service.http.api.served_models import model_list
 from rollout.service.http.api.tokenize import TokenizeEndpoints
+from rollout.service.http.api.tokenizer_info import tokenizer_info
+from rollout.service.http.control.adapter_routes import AdapterRoutes
+from rollout.service.http.control.allowed_dirs import AllowedDirs
+from rollout.service.http.control.routes import CONTROL_PATHS, add_control_routes
 from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.http.serving.bodies import BodyIntake, ReceiveBudget
 from rollout.service.http.serving.guard import RequestGuard
 from rollout.service.http.serving.settings import HttpSettings
 
 # The paths the API serves (what the HTTP metrics name; any other path is reported as "other").
-ENDPOINTS = frozenset({"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+ENDPOINTS = frozenset(
+    {"/health", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/tokenizer_info"}
+    | CONTROL_PATHS
+)
 
 
 def build_app(
@@ -39,6 +49,7 @@ def build_app(
     settings: HttpSettings,
     counters: GroupCounters | None = None,
     compiles: ConstraintCompiles | None = None,
+    new_base: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The application.
 
@@ -49,6 +60,7 @@ def build_app(
         counters: the worker's group counters (HTTP groups count as ZeroMQ ones do); None: a fresh set.
         compiles: the worker's structured-output compile slots (its ZeroMQ clients take turns with HTTP ones);
             None: the app's own.
+        new_base: told a checkpoint directory's path once /update_weights serves its weights (None: nobody).
     """
     counters = GroupCounters() if counters is None else counters
     app = FastAPI(
@@ -89,7 +101,17 @@ def build_app(
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return SafeJSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
 
-    app.add_middleware(RequestGuard, api_key=settings.api_key, loopback_only=settings.loopback_only)
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        loopback_only=settings.loopback_only,
+        control_api_key=settings.control_api_key,
+        control_paths=CONTROL_PATHS,
+    )
+    live = LiveAnswers()
+    adapters = AdapterRoutes(manager, AllowedDirs(settings.control_allowed_dirs))
+    if settings.enable_control_routes:
+        add_control_routes(app, manager, model_name, bodies, live, adapters.allowed, adapters, new_base)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:
@@ -104,7 +126,8 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         engine = manager.engine
-        return model_list(model_name, engine.max_model_len, engine.policy_version, engine.runner.adapters.refs)
+        refs = engine.runner.adapters.refs
+        return model_list(model_name, engine.max_model_len, engine.policy_version, refs, adapters.roots)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -138,20 +161,35 @@ def build_app(
         except asyncio.CancelledError:  # the client left while its groups were being added: cancel them once added
             starting.add_done_callback(_cancel_started)
             raise
+        live.add(answer)
         if answer.request.stream:
-            return StreamingResponse(endpoints.answers.stream(answer), media_type="text/event-stream")
+            return StreamingResponse(_streamed(answer), media_type="text/event-stream")
         try:
             return Response(
                 await endpoints.answers.complete(answer, request.is_disconnected), media_type="application/json"
             )
         finally:
+            live.remove(answer)
             answer.submission.cancel()
+
+    async def _streamed(answer: Answer) -> AsyncIterator[str]:
+        try:
+            async for event in endpoints.answers.stream(answer):
+                yield event
+        finally:
+            live.remove(answer)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         async with bodies.body(request) as body:
             ids = await asyncio.to_thread(tokens.tokenize, body)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    if settings.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(tokenizer)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:

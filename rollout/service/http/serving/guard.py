@@ -19,17 +19,30 @@ OPEN_PATHS = ("/health",)
 
 class RequestGuard:
     """ASGI middleware: 401 without `Authorization: Bearer <api_key>` (when one is set; /health is open), 421 for a
-    Host header a loopback-only server does not answer to."""
+    Host header a loopback-only server does not answer to. With a control key, the control paths need it and no
+    other key (a tenant holding the generation key cannot pause or abort the others); it opens every other path
+    too."""
 
-    def __init__(self, app: Any, api_key: str | None, loopback_only: bool):
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        loopback_only: bool,
+        control_api_key: str | None = None,
+        control_paths: frozenset[str] = frozenset(),
+    ):
         """
         Args:
             app: the application it guards.
             api_key: the bearer token every path but /health needs (None: none).
             loopback_only: the server listens on loopback: only loopback host names are answered.
+            control_api_key: the bearer token the control paths need (None: they need `api_key`, as every path).
+            control_paths: the control routes' paths.
         """
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.control = None if control_api_key is None else f"Bearer {control_api_key}".encode()
+        self.control_paths = control_paths
         self.loopback_only = loopback_only
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -38,12 +51,26 @@ class RequestGuard:
             error = None
             if self.loopback_only and not is_loopback_host(headers.get(b"host", b"")):
                 error = APIError(421, "this server answers only to loopback host names", None)
-            elif self.expected is not None and scope["path"] not in OPEN_PATHS:
-                # Compared in constant time: the time taken must not tell how much of a guessed key was right.
-                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                    message = "a valid API key is required (Authorization: Bearer ...)"
-                    error = APIError(401, message, None, "authentication_error")
+            elif scope["path"] not in OPEN_PATHS:
+                error = self._key_error(scope["path"], headers.get(b"authorization", b""))
             if error is not None:
                 await SafeJSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _key_error(self, path: str, given: bytes) -> APIError | None:
+        """The 401 for a request whose key does not open `path` (None: it does). Keys are compared in constant time:
+        the time taken must not tell how much of a guessed key was right."""
+        control = self.control is not None and hmac.compare_digest(given, self.control)
+        if path in self.control_paths and self.control is not None:
+            if control:
+                return None
+            return APIError(
+                401,
+                "this control route needs the worker's control key (--control-api-key)",
+                None,
+                "authentication_error",
+            )
+        if self.expected is None or control or hmac.compare_digest(given, self.expected):
+            return None
+        return APIError(401, "a valid API key is required (Authorization: Bearer ...)", None, "authentication_error")

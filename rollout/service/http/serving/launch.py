@@ -14,6 +14,7 @@ from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind
 from rollout.service.http.serving.settings import HttpSettings
+from rollout.service.launch.control_flags import check_control_flags
 from rollout.service.zmq.limits import WorkerLimits
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ API_KEY_VARIABLE = "ROLLOUT_API_KEY"
 def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
     """(host, port) of --http, checked before the model loads (None without it). The key may come from the
     ROLLOUT_API_KEY environment variable (as every flag may from its ROLLOUT_* variable), which keeps it out of `ps`."""
+    check_control_flags(parser, args)
     if args.http is None:
         if args.api_key is not None:
             parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
@@ -113,8 +115,12 @@ def start_http(
             keep_alive_timeout_s=args.http_keep_alive_timeout,
             max_waiting_connections=args.http_max_waiting_connections,
             tool_call_parser=args.tool_call_parser,
+            enable_control_routes=args.enable_control_routes,
+            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            control_api_key=args.control_api_key,
+            control_allowed_dirs=tuple(args.control_allowed_dirs),
         )
-        http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles)
+        http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles, worker.base_changed)
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")
@@ -127,4 +133,6 @@ def start_http(
             args.tokenizer or args.model,
         )
     logger.info("OpenAI-compatible API at %s/v1", http.url)
+    if settings.enable_control_routes:
+        logger.info("vLLM's control routes at %s (/pause, /resume, /update_weights, ...)", http.url)
     return http

@@ -67,6 +67,7 @@ class HttpServer:
         counters: GroupCounters | None = None,
         observe: Callable[[str, int, float], None] | None = None,
         compiles: Any = None,
+        new_base: Callable[[str], None] | None = None,
     ):
         """
         Args:
@@ -78,6 +79,7 @@ class HttpServer:
             observe: called with (endpoint, status, seconds) for every request answered (`WorkerMetrics.
                 observe_http`); None: not observed.
             compiles: the worker's structured-output compile slots (ConstraintCompiles; None: the app's own).
+            new_base: told a checkpoint directory's path once /update_weights serves its weights.
         """
         try:
             import uvicorn
@@ -89,7 +91,7 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        app = build_app(manager, tokenizer, settings, counters, compiles)
+        app = build_app(manager, tokenizer, settings, counters, compiles, new_base)
         self._close_app = app.state.close
         if observe is not None:
             app = RequestMetrics(app, observe, ENDPOINTS)

@@ -64,6 +64,12 @@ class HttpSettings:
             are never counted.
         tool_call_parser: how chat answers' tool calls are read ("hermes" or "llama3_json"; None: chat requests
             that ask for tool calls are refused).
+        enable_control_routes: serve vLLM's control routes (pause, resume, abort, prefix cache reset, server facts,
+            weight updates from a directory, LoRA adapters by path).
+        enable_tokenizer_info_endpoint: serve vLLM's GET /tokenizer_info (the tokenizer's settings and template).
+        control_api_key: the key the control routes need (None: they need `api_key`, as every route).
+        control_allowed_dirs: the directories /update_weights and /v1/load_lora_adapter may read (none: neither
+            reads anything).
     """
 
     host: str = "127.0.0.1"
@@ -81,6 +87,10 @@ class HttpSettings:
     keep_alive_timeout_s: float = KEEP_ALIVE_TIMEOUT_S
     max_waiting_connections: int = MAX_WAITING_CONNECTIONS
     tool_call_parser: str | None = None
+    enable_control_routes: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    control_api_key: str | None = None
+    control_allowed_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -116,8 +126,16 @@ class HttpSettings:
             raise FieldError(
                 "tool_call_parser", f"must be one of {TOOL_CALL_PARSER_NAMES}, got {self.tool_call_parser!r}"
             )
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise FieldError("api_key", "must be a non-empty string")
+        for name in ("api_key", "control_api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise FieldError(name, "must be a non-empty string")
+        for name in ("enable_control_routes", "enable_tokenizer_info_endpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError(name, f"must be a bool, got {getattr(self, name)!r}")
+        dirs = self.control_allowed_dirs
+        if not isinstance(dirs, tuple) or not all(isinstance(d, str) and d for d in dirs):
+            raise FieldError("control_allowed_dirs", f"must be a tuple of directory paths, got {dirs!r}")
 
     @property
     def largest_body_bytes(self) -> int:

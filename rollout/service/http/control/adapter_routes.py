@@ -1,0 +1,96 @@
+"""vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`: a PEFT adapter directory, named by path
+(inside `--control-allowed-dirs`), served under a name as a weight update of its own (a new policy version; the
+base weights untouched), or no longer served. Success bodies are vLLM's plain text."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi.responses import PlainTextResponse
+
+from rollout.config import FieldError
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.service.http.control.allowed_dirs import AllowedDirs
+from rollout.service.http.errors import APIError, bad_field
+
+LOAD_FIELDS = {"lora_name", "lora_path", "load_inplace"}
+UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
+
+
+class AdapterRoutes:
+    """Loads and unloads adapters by name for the HTTP control routes; remembers where each came from (the `root`
+    /v1/models lists, as vLLM does)."""
+
+    def __init__(self, manager: ContinuousBatchingManager, allowed: AllowedDirs):
+        """
+        Args:
+            manager: the worker's engine manager.
+            allowed: the directories adapters may be read from.
+        """
+        self.manager = manager
+        self.allowed = allowed
+        self.roots: dict[str, str] = {}  # adapter name -> the path it was loaded from
+        self._lock = asyncio.Lock()  # one load or unload at a time: "already loaded" is decided against the last
+
+    async def load(self, body: Any) -> PlainTextResponse:
+        """Serve the adapter at `lora_path` as `lora_name` (`load_inplace`: replace one of that name).
+
+        Raises:
+            APIError: 400 a missing or bad field, a name served already without load_inplace, an adapter the engine
+                refuses (named); 403 a path outside the allowed directories; 404 no such directory.
+        """
+        fields = _fields(body, LOAD_FIELDS)
+        name, path = fields.get("lora_name"), fields.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+        in_place = fields.get("load_inplace", False)
+        if not isinstance(in_place, bool):
+            raise bad_field("load_inplace", f"must be true or false, got {in_place!r}")
+        directory = self.allowed.directory(path, "lora_path")
+        async with self._lock:
+            if name in self.manager.engine.runner.adapters.refs and not in_place:
+                message = (
+                    f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+                    "set 'load_inplace' to True."
+                )
+                raise APIError(400, message, "lora_name")
+            try:
+                await asyncio.to_thread(self.manager.load_adapter, name, str(directory))
+            except FieldError as error:
+                field = "lora_path" if error.field == "lora" else error.field
+                raise APIError(400, f"{field}: {error.reason}", field) from None
+            self.roots[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, body: Any) -> PlainTextResponse:
+        """Stop serving `lora_name` (its requests in flight end with finish_reason "abort").
+
+        Raises:
+            APIError: 400 no name; 404 no adapter of that name is served.
+        """
+        fields = _fields(body, UNLOAD_FIELDS)
+        if fields.get("lora_int_id") is not None:  # vLLM takes it and does nothing with it: refused, not ignored
+            raise bad_field("lora_int_id", "adapters are unloaded by name here: send lora_name alone")
+        name = fields.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+        async with self._lock:
+            if name not in self.manager.engine.runner.adapters.refs:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found_error")
+            try:
+                await asyncio.to_thread(self.manager.control.unload_adapter, name)
+            except FieldError as error:  # unloaded meanwhile by another way in
+                raise APIError(404, f"lora_name: {error.reason}", "lora_name", "not_found_error") from None
+            self.roots.pop(name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _fields(body: Any, known: set[str]) -> dict[str, Any]:
+    """The body's fields, every one known (an unknown one is refused by name, never ignored)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", None)
+    for field in body:
+        if field not in known:
+            raise bad_field(field, f"unknown field (this route takes {sorted(known)})")
+    return body

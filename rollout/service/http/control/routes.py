@@ -1,0 +1,232 @@
+"""vLLM's control routes on the worker's HTTP API (`--enable-control-routes`), with vLLM's paths, parameters, bodies
+and statuses, over the worker's engine manager (`manager.control`, `manager.update_weights`):
+
+- `POST /pause?mode=abort|wait|keep&clear_cache=true`, `POST /resume`, `GET /is_paused`: the generation pause;
+- `POST /abort_requests` (`{"request_ids": [...]}`; none: every request, of every client);
+- `POST /reset_prefix_cache`; `GET /server_info?config_format=text|json`; `GET /get_world_size`;
+- `POST /update_weights` with `{"weight_dir": PATH}`: a checkpoint directory committed as one weight update;
+  vLLM's NCCL weight transfer (`update_info`, `/init_weight_transfer_engine`, `/start_weight_update`,
+  `/finish_weight_update`) answers 501 naming what is supported;
+- `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (adapter_routes.py).
+
+Pause, resume and is_paused answer vLLM's flat bodies (`{"status": "paused"}`, `{"error": "..."}`); a bad parameter
+is a 400 in OpenAI's error format naming it (`query.mode`), as vLLM's validation errors are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from rollout.config import WEIGHT_UPDATE_MODES, FieldError
+from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.engine.manager.generation_pause import GENERATION_PAUSE_MODES
+from rollout.service.http.api.live_answers import LiveAnswers
+from rollout.service.http.control.adapter_routes import AdapterRoutes
+from rollout.service.http.control.allowed_dirs import AllowedDirs
+from rollout.service.http.control.checkpoint_dir import read_checkpoint, refused_update
+from rollout.service.http.control.server_info import server_info
+from rollout.service.http.errors import APIError, SafeJSONResponse, bad_field
+from rollout.service.http.serving.bodies import BodyIntake
+
+# vLLM's NCCL weight-transfer routes, answered 501: a trainer calling them fails at once instead of hanging.
+NCCL_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update")
+NOT_SUPPORTED = (
+    "vLLM's NCCL weight transfer is not supported by rollout-worker: send POST /update_weights with "
+    '{"weight_dir": PATH} (a safetensors checkpoint directory the worker can read), or push weights over ZeroMQ '
+    "(trainer_bridge.push_weights, which also broadcasts over NCCL)"
+)
+# The paths these routes serve: they need --control-api-key when one is set (serving/guard.py), and the HTTP metrics
+# name them.
+CONTROL_PATHS = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/abort_requests",
+        "/reset_prefix_cache",
+        "/server_info",
+        "/get_world_size",
+        "/update_weights",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        *NCCL_ROUTES,
+    }
+)
+UPDATE_FIELDS = {"weight_dir", "version", "mode"}
+
+
+def add_control_routes(
+    app: FastAPI,
+    manager: ContinuousBatchingManager,
+    model_name: str,
+    bodies: BodyIntake,
+    answers: LiveAnswers,
+    allowed: AllowedDirs,
+    adapters: AdapterRoutes,
+    new_base: Callable[[str], None] | None = None,
+) -> None:
+    """Add the control routes to `app`.
+
+    Args:
+        app: the worker's FastAPI application.
+        manager: the worker's engine manager.
+        model_name: the served model's name.
+        bodies: reads request bodies within the worker's limits.
+        answers: the HTTP requests in progress, by their answers' ids (/abort_requests).
+        allowed: the directories checkpoints and adapters may be read from.
+        adapters: the LoRA routes' state.
+        new_base: told the checkpoint directory's path once its weights are served (the worker's ZeroMQ side then
+            refuses adapter pushes made for the weights before).
+    """
+    control = manager.control
+
+    @app.post("/pause")
+    async def pause(request: Request) -> SafeJSONResponse:
+        mode = _query_choice(request, "mode", "abort", GENERATION_PAUSE_MODES)
+        if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
+            mode = "wait"
+        clear_cache = _query_bool(request, "clear_cache", True)
+        try:
+            await asyncio.to_thread(control.pause_generation, mode, clear_cache)
+        except (RuntimeError, TimeoutError) as error:
+            return SafeJSONResponse({"error": f"Failed to pause generation: {error}"}, status_code=500)
+        return SafeJSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume() -> SafeJSONResponse:
+        try:
+            await asyncio.to_thread(control.resume_generation)
+        except RuntimeError as error:
+            return SafeJSONResponse({"error": f"Failed to resume generation: {error}"}, status_code=500)
+        return SafeJSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> SafeJSONResponse:
+        return SafeJSONResponse({"is_paused": control.is_paused})
+
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request) -> SafeJSONResponse:
+        body = await _optional_body(bodies, request)
+        for field in body:
+            if field != "request_ids":
+                raise bad_field(field, "unknown field (this route takes request_ids)")
+        ids = body.get("request_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
+            raise bad_field("request_ids", "must be a list of request ids (strings)")
+        if ids:
+            found = answers.cancel(ids)
+            missing = [request_id for request_id in ids if request_id not in found]
+            return SafeJSONResponse({"status": "aborted", "aborted": len(found), "not_found": missing})
+        count = await asyncio.to_thread(control.abort_all)
+        return SafeJSONResponse({"status": "aborted", "aborted": count, "not_found": []})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> SafeJSONResponse:
+        _query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
+        if _query_bool(request, "reset_external", False):
+            raise bad_field("query.reset_external", "this worker has no external KV cache connector")
+        return SafeJSONResponse({"success": await asyncio.to_thread(control.reset_prefix_cache)})
+
+    @app.get("/server_info")
+    async def get_server_info(request: Request) -> SafeJSONResponse:
+        config_format = _query_choice(request, "config_format", "text", ("text", "json"))
+        return SafeJSONResponse(server_info(manager, model_name, config_format))
+
+    @app.get("/get_world_size")
+    async def get_world_size(request: Request) -> SafeJSONResponse:
+        _query_bool(request, "include_dp", True)  # one process, no data parallelism: 1 either way
+        return SafeJSONResponse({"world_size": 1})
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> SafeJSONResponse:
+        async with bodies.body(request) as body:
+            fields = dict(body) if isinstance(body, dict) else None
+        if fields is None:
+            raise APIError(400, "the body must be a JSON object", None)
+        if "update_info" in fields:
+            raise APIError(501, f"update_info: {NOT_SUPPORTED}", "update_info", "not_implemented_error")
+        for field in fields:
+            if field not in UPDATE_FIELDS:
+                raise bad_field(field, f"unknown field (this route takes {sorted(UPDATE_FIELDS)})")
+        directory = allowed.directory(fields.get("weight_dir"), "weight_dir")
+        mode = fields.get("mode", "keep")
+        if mode not in WEIGHT_UPDATE_MODES:
+            raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
+        result = await asyncio.to_thread(_update_from, manager, directory, fields.get("version"), mode)
+        if new_base is not None:
+            new_base(str(directory))
+        return SafeJSONResponse(
+            {
+                "message": "Weights updated",
+                "policy_version": result.version,
+                "pause_ms": result.pause_ms,
+                "aborted": result.aborted,
+                "recomputed": result.recomputed,
+            }
+        )
+
+    for path in NCCL_ROUTES:
+        app.add_api_route(path, _not_supported, methods=["POST"])
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        async with bodies.body(request) as body:
+            fields = body
+        return await adapters.load(fields)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        async with bodies.body(request) as body:
+            fields = body
+        return await adapters.unload(fields)
+
+
+async def _not_supported() -> SafeJSONResponse:
+    raise APIError(501, NOT_SUPPORTED, None, "not_implemented_error")
+
+
+def _update_from(manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str) -> Any:
+    """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while)."""
+    tensors = read_checkpoint(directory, manager.engine.weight_table.specs())
+    try:
+        return manager.update_weights(tensors, version=version, mode=mode)
+    except FieldError as error:
+        if error.field in ("version", "mode"):
+            raise bad_field(error.field, error.reason) from None
+        raise refused_update(error, directory) from None
+    except TimeoutError as error:
+        raise APIError(503, f"the weight update was not applied: {error}", None, "service_unavailable_error") from None
+
+
+def _query_choice(request: Request, name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = request.query_params.get(name, default)
+    if value not in choices:
+        raise bad_field(f"query.{name}", f"must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _query_bool(request: Request, name: str, default: bool) -> bool:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
+    if value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if value.lower() in ("false", "0", "no", "off"):
+        return False
+    raise bad_field(f"query.{name}", f"must be true or false, got {value!r}")
+
+
+async def _optional_body(bodies: BodyIntake, request: Request) -> dict[str, Any]:
+    """A JSON object body, or {} when the request has none."""
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return {}
+    async with bodies.body(request) as body:
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", None)
+        return dict(body)
