@@ -71,6 +71,11 @@ SHOWN_NOT_RUN: dict[str, tuple[str, str | None, str | None]] = {
         "tests/test_ray.py",
         "RolloutFleet.launch(",
     ),
+    'with httpx.Client(base_url="http://127.0.0.1:8000", headers=OPERATOR, timeout=600) as http:': (
+        "needs a worker with --enable-control-routes and a checkpoint directory",
+        "tests/test_http_orchestration.py",
+        "/update_weights",
+    ),
     "ray start --head --port 6379": ("a Ray cluster of several nodes", None, None),
     "ray start --address HEAD_IP:6379": ("a Ray cluster of several nodes", None, None),
     "python train.py": ("the user's own training script on a Ray cluster", None, None),

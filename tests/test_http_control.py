@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -374,3 +373,10 @@ def test_abort_requests_by_id_and_all(server_url):
     assert inflight.errors
     bad = httpx.post(f"{server_url}/abort_requests", json={"ids": []}, headers=CONTROL)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
+
+
+def test_every_control_route_is_counted_by_name_in_the_http_metrics():
+    from rollout.service.http.control.routes import CONTROL_PATHS
+    from rollout.service.http.serving.app import ENDPOINTS
+
+    assert CONTROL_PATHS | {"/tokenizer_info"} <= ENDPOINTS

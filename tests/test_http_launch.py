@@ -66,3 +66,39 @@ def test_bad_connection_settings_are_usage_errors(monkeypatch, capsys, flags, me
     with pytest.raises(SystemExit):
         check_http_address(parser, args)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--enable-control-routes",), "--enable-control-routes is for the HTTP API: give --http"),
+        (("--enable-tokenizer-info-endpoint",), "--enable-tokenizer-info-endpoint is for the HTTP API"),
+        (("--http", "127.0.0.1:0", "--control-api-key", "k"), "add --enable-control-routes"),
+        (("--http", "127.0.0.1:0", "--enable-control-routes", "--control-api-key", ""), "must not be empty"),
+        (
+            ("--http", "127.0.0.1:0", "--enable-control-routes", "--control-allowed-dirs", "/no/such/dir"),
+            "--control-allowed-dirs /no/such/dir: no such directory",
+        ),
+    ],
+)
+def test_control_flags_that_cannot_work_are_usage_errors(monkeypatch, capsys, flags, message):
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    monkeypatch.delenv("ROLLOUT_CONTROL_API_KEY", raising=False)
+    parser, args = parsed(*flags)
+    with pytest.raises(SystemExit):
+        check_http_address(parser, args)
+    assert message in capsys.readouterr().err
+
+
+def test_control_routes_open_to_the_generation_key_are_warned_about(monkeypatch, caplog, tmp_path):
+    monkeypatch.delenv("ROLLOUT_CONTROL_API_KEY", raising=False)
+    caplog.set_level(logging.WARNING, logger="rollout.worker")
+    flags = ("--http", "127.0.0.1:0", "--api-key", "k", "--enable-control-routes", "--control-allowed-dirs")
+    parser, args = parsed(*flags, str(tmp_path))
+    check_http_address(parser, args)
+    assert any("without --control-api-key" in record.getMessage() for record in caplog.records)
+    monkeypatch.setenv("ROLLOUT_CONTROL_API_KEY", "operator")  # read as the flag's default, kept out of ps
+    caplog.clear()
+    parser, args = parsed(*flags, str(tmp_path))
+    check_http_address(parser, args)
+    assert args.control_api_key == "operator" and not caplog.records

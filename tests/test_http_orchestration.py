@@ -1,0 +1,144 @@
+"""Clients written for vLLM's HTTP API, unchanged, against `rollout-worker --http --enable-control-routes`:
+
+- an RL orchestration loop written only with `httpx` and vLLM's documented routes (pause -> update the weights from
+  a checkpoint directory -> resume -> generate), checked against transformers' `generate` on the new weights and
+  against the `policy_versions` of every token, a held sample's included;
+- a bad checkpoint refused by name, the old weights still serving;
+- lm-evaluation-harness with `tokenizer_backend="remote"` (its RemoteTokenizer reads /tokenizer_info, /tokenize and
+  /detokenize), its log-likelihoods checked against a teacher-forced forward.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout.presets import tiny_model, tiny_tokenizer
+from service_helpers import Worker, free_port
+
+CONTROL = {"Authorization": "Bearer operator"}
+TOKENIZER = tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def url(shared):
+    port = free_port()
+    flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
+    server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared))
+    yield f"http://127.0.0.1:{port}"
+    server.close()
+
+
+def greedy(prompt_ids: list[int], model: torch.nn.Module, count: int) -> list[int]:
+    """transformers' own greedy continuation."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False, min_new_tokens=count)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def stream_versions(url: str, prompt: str, started: threading.Event, into: list) -> None:
+    """Stream a long completion; collect each chunk's (token ids, policy_versions)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 128, "temperature": 0, "ignore_eos": True}
+    body.update(stream=True, return_token_ids=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                into.append((choice.get("token_ids") or [], choice.get("policy_versions") or []))
+                started.set()
+
+
+def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resume(url, shared):
+    new_model = tiny_model(seed=7)
+    new_model.save_pretrained(shared / "step-1")
+    prompt = "the quick brown fox"
+    prompt_ids = TOKENIZER(prompt)["input_ids"]
+    with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        before = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert before["token_ids"] == greedy(prompt_ids, tiny_model(), 6) and before["policy_versions"] == [[0, 0]]
+
+        chunks: list = []
+        started = threading.Event()
+        held = threading.Thread(target=stream_versions, args=(url, prompt, started, chunks))
+        held.start()
+        assert started.wait(30)
+        assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        update = http.post("/update_weights", json={"weight_dir": str(shared / "step-1")})
+        assert update.status_code == 200, update.text
+        assert update.json()["message"] == "Weights updated" and update.json()["policy_version"] == 1
+        assert http.post("/resume").json() == {"status": "resumed"}
+        after = http.post("/v1/completions", json=body).json()["choices"][0]
+        held.join(60)
+
+    assert after["token_ids"] == greedy(prompt_ids, new_model, 6)
+    assert after["policy_versions"] == [[1, 0]]
+    # The sample held across the update: its first tokens from version 0, the rest from version 1, each tagged.
+    versions = [version for _, runs in chunks for version, _ in runs]
+    assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
+    assert sum(len(ids) for ids, _ in chunks) == 128
+
+
+def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, shared):
+    with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+        version = http.get("/server_info", params={"config_format": "json"}).json()["policy_version"]
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+        served = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+
+        broken = shared / "broken"
+        broken.mkdir()
+        (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+        answer = http.post("/update_weights", json={"weight_dir": str(broken)})
+        assert answer.status_code == 400 and "model.safetensors" in answer.json()["error"]["message"]
+
+        wrong = shared / "wrong-shape"
+        wrong.mkdir()
+        tensors = {name: t.clone() for name, t in tiny_model(seed=3).state_dict().items()}
+        tensors["model.norm.weight"] = torch.ones(3)
+        save_file(tensors, str(wrong / "model.safetensors"))
+        answer = http.post("/update_weights", json={"weight_dir": str(wrong)})
+        assert answer.status_code == 400 and "model.norm.weight" in answer.json()["error"]["message"]
+
+        assert http.post("/update_weights", json={"weight_dir": "/etc"}).status_code == 403
+        assert http.post("/update_weights", json={"weight_dir": str(shared / "none")}).status_code == 404
+        assert http.post("/update_weights", json={"weight_dir": str(shared), "when": 1}).status_code == 400
+
+        assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == served
+
+
+def test_lm_eval_remote_tokenizer_loglikelihoods_match_a_teacher_forced_forward(url, shared):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    # The worker serves whatever weights the other tests left: read them back as they are served.
+    served = tiny_model()
+    with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+        if http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] > 0:
+            served = tiny_model(seed=7)
+    lm = LocalCompletionsAPI(
+        base_url=f"{url}/v1/completions", model="tiny", tokenizer_backend="remote", max_length=256, max_retries=1
+    )
+    pairs = [("the capital of france is", " paris"), ("two plus two is", " four")]
+    requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)]
+    results = lm.loglikelihood(requests, disable_tqdm=True)
+    for (context, continuation), (logprob, is_greedy) in zip(pairs, results):
+        context_ids = TOKENIZER(context, add_special_tokens=False)["input_ids"]
+        ids = context_ids + TOKENIZER(continuation, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            expected = torch.log_softmax(served(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        targets = torch.tensor(ids[len(context_ids) :])
+        chosen = expected[len(context_ids) - 1 :].gather(1, targets[:, None])[:, 0]
+        assert logprob == pytest.approx(float(chosen.sum()), abs=1e-4)
+        assert is_greedy == bool((expected[len(context_ids) - 1 :].argmax(-1) == targets).all())
