@@ -312,7 +312,11 @@ def test_lora_errors(server_url, shared, tmp_path):
     # Added: nothing outside --control-allowed-dirs is read, symbolic links included.
     outside = saved_adapter(tmp_path / "outside", seed=2)
     (shared / "link").symlink_to(outside)
-    for path in (outside, str(shared / "link"), str(shared / ".." / "outside")):
+    linked = shared / "linked"  # a directory inside whose adapter file is a link to one outside
+    linked.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (linked / name).symlink_to(tmp_path / "outside" / name)
+    for path in (outside, str(shared / "link"), str(shared / ".." / "outside"), str(linked)):
         assert load(server_url, {"lora_name": "evil", "lora_path": path}).status_code == 403
     missing = httpx.post(f"{server_url}/v1/unload_lora_adapter", json={"lora_name": "nonexistent"}, headers=CONTROL)
     assert missing.status_code == 404

@@ -45,4 +45,8 @@ class AllowedDirs:
             )
         if not real.is_dir():
             raise APIError(404, f"{field}: no such directory: {path!r}", field, "not_found_error")
+        for entry in real.iterdir():  # a file linked from elsewhere would be read through the directory
+            if entry.is_symlink() and Path(os.path.realpath(entry)).parent != real:
+                reason = f"{entry.name} in {path!r} is a link to a file outside it"
+                raise APIError(403, f"{field}: {reason}", field, "permission_error")
         return real
