@@ -15,6 +15,7 @@ import sys
 from rollout.cli.parser import CliParser
 from rollout.config import ATTENTION_BACKENDS, MODEL_DTYPE_NAMES, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.presets.catalog import PRESETS
+from rollout.service.http.control.flags import add_control_arguments
 from rollout.service.http.serving.settings import (
     DEFAULT_MAX_ANSWER_LOGPROBS,
     HEAD_TIMEOUT_S,
@@ -22,7 +23,6 @@ from rollout.service.http.serving.settings import (
     MAX_WAITING_CONNECTIONS,
     TOOL_CALL_PARSER_NAMES,
 )
-from rollout.service.launch.control_flags import add_control_arguments
 from rollout.service.launch.flags import AUTO_ON_OFF, check_settings, percent
 from rollout.service.launch.speculative_flags import add_speculative_arguments
 from rollout.service.zmq.limits import WorkerLimits

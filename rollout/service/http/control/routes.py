@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -32,7 +32,9 @@ from rollout.service.http.control.allowed_dirs import AllowedDirs
 from rollout.service.http.control.checkpoint_dir import read_checkpoint, refused_update
 from rollout.service.http.control.server_info import server_info
 from rollout.service.http.errors import APIError, SafeJSONResponse, bad_field
-from rollout.service.http.serving.bodies import BodyIntake
+
+if TYPE_CHECKING:  # the server (serving/) builds the intake and adds these routes: no import back
+    from rollout.service.http.serving.bodies import BodyIntake
 
 # vLLM's NCCL weight-transfer routes, answered 501: a trainer calling them fails at once instead of hanging.
 NCCL_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/finish_weight_update")

@@ -13,8 +13,8 @@ from rollout.cli.extras import MissingExtra, require_extra
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind
+from rollout.service.http.control.flags import check_control_flags
 from rollout.service.http.serving.settings import HttpSettings
-from rollout.service.launch.control_flags import check_control_flags
 from rollout.service.zmq.limits import WorkerLimits
 
 if TYPE_CHECKING:
