@@ -59,8 +59,8 @@ class AnswerWriter:
         async for _ in answer.submission.deltas(disconnected):
             pass
         for choice in answer.submission.choices:
-            if choice.finish_reason in ("error", "abort"):
-                raise _ended_early(choice)
+            if _ended_by_error(choice, answer.submission.overflowed):
+                raise _ended_early(choice, answer.submission.overflowed)
         return await asyncio.to_thread(lambda: json_bytes(self._whole(answer)))
 
     def _whole(self, answer: Answer) -> dict[str, Any]:
@@ -94,7 +94,7 @@ class AnswerWriter:
                         entry["token_ids"] = []
                     yield _event({**base, "choices": [{**entry, "finish_reason": None}]})
             async for choice, delta in submission.deltas():
-                if choice.finish_reason in ("error", "abort"):
+                if _ended_by_error(choice, submission.overflowed):
                     error = _ended_early(choice, submission.overflowed)
                     yield _event(error.body())  # not a finish_reason an OpenAI client knows
                     submission.cancel()
@@ -179,18 +179,19 @@ class AnswerWriter:
         return scoring.prompt_text(choice.index // answer.request.n, choice.prompt_ids, self.tokenizer)
 
 
+def _ended_by_error(choice: Choice, unread: bool) -> bool:
+    """The choice ended in an error rather than an answer: generation failed, or the request was cancelled because
+    its client left its stream unread. An aborted sample (a pause or weight update with mode "abort",
+    /abort_requests, the worker stopping) is an answer, as vLLM's: finish_reason "abort", with what it sampled."""
+    return choice.finish_reason == "error" or (choice.finish_reason == "abort" and unread)
+
+
 def _ended_early(choice: Choice, unread: bool = False) -> APIError:
-    """The error for a choice the engine ended without finishing it: a failure (500), or an abort (503: the worker
-    is shutting down, or a weight update in mode "abort" ended it; retry), or a stream its client did not read."""
+    """The error for a choice `_ended_by_error`: a failure (500), or a stream its client did not read (408)."""
     if choice.finish_reason == "error":
         return APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
-    if unread:
-        reason = (
-            f"the stream was cancelled: its client left over {MAX_UNREAD_OUTPUTS_PER_SAMPLE} outputs per sample unread"
-        )
-        return APIError(408, reason, None, "invalid_request_error", "stream_not_read")
-    reason = "generation was aborted (the worker is stopping, or a weight update aborted in-flight requests); retry"
-    return APIError(503, reason, None, "service_unavailable_error", "aborted")
+    reason = f"the stream was cancelled: its client left over {MAX_UNREAD_OUTPUTS_PER_SAMPLE} outputs per sample unread"
+    return APIError(408, reason, None, "invalid_request_error", "stream_not_read")
 
 
 def _usage(answer: Answer) -> dict[str, Any]:
