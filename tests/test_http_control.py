@@ -31,10 +31,14 @@ def shared(tmp_path_factory):
     return tmp_path_factory.mktemp("shared")
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server_url(shared):
     port = free_port()
     flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
+    flags += ["--metrics-port", str(METRICS_PORT)]
     flags += ["--api-key", "generation-key", "--control-api-key", "control-key", "--control-allowed-dirs", str(shared)]
     server = Worker(*flags)
     yield f"http://127.0.0.1:{port}"
@@ -391,8 +395,20 @@ def test_abort_requests_by_id_and_all(server_url):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
 
 
-def test_every_control_route_is_counted_by_name_in_the_http_metrics():
+def metric(line_start: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def test_every_control_route_is_counted_by_name_in_the_http_metrics(server_url):
     from rollout.service.http.control.routes import CONTROL_PATHS
     from rollout.service.http.serving.app import ENDPOINTS
 
     assert CONTROL_PATHS | {"/tokenizer_info"} <= ENDPOINTS
+    counted = metric('rollout_http_requests_total{endpoint="/pause",status="200"}')
+    refused = metric('rollout_http_requests_total{endpoint="/pause",status="401"}')
+    assert pause(server_url, mode="keep") == 200 and metric("rollout_generation_paused ") == 1
+    assert httpx.post(f"{server_url}/pause", headers=GENERATE).status_code == 401
+    assert resume(server_url) == 200 and metric("rollout_generation_paused ") == 0
+    assert metric('rollout_http_requests_total{endpoint="/pause",status="200"}') == counted + 1
+    assert metric('rollout_http_requests_total{endpoint="/pause",status="401"}') == refused + 1

@@ -288,8 +288,9 @@ class ContinuousBatchingManager:
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Queue depth, running samples, KV blocks used/free, generated tokens, uptime, and the policy version with
-        the number, time (unix) and pause of weight updates (a snapshot)."""
+        """Queue depth, running samples, KV blocks used/free, generated tokens, uptime, whether generation is paused
+        (`control.pause_generation`), and the policy version with the number, time (unix) and pause of weight updates
+        (a snapshot)."""
         last = self.weight_updates.last_result
         stats = self.engine.stats()
         stats["queued"] += self._requests.num_queued
@@ -298,6 +299,7 @@ class ContinuousBatchingManager:
             last_weight_update_pause_ms=None if last is None else last.pause_ms,
             uptime_s=0.0 if self.started_at is None else time.time() - self.started_at,
             idle_s=self.idle_s,
+            generation_paused=self.control.is_paused,
         )
         return stats
 

@@ -96,6 +96,9 @@ class _StatsCollector:
         yield counter("clients_lost", "Clients found gone (closed, not reading or silent)", stats["clients_lost"])
         yield gauge("pending_reply_bytes", "Reply bytes waiting for slow clients", stats["pending_reply_bytes"])
         yield gauge("policy_version", "Version of the weights being served", stats["policy_version"])
+        yield gauge(
+            "generation_paused", "1 while generation is paused (POST /pause until /resume)", stats["generation_paused"]
+        )
         yield counter("weight_updates", "Weight updates committed", stats["weight_updates"])
         yield counter("weight_updates_rejected", "Weight updates refused or dropped", stats["weight_updates_rejected"])
         yield counter("weight_update_bytes", "Bytes of committed weight updates", stats["weight_update_bytes"])
