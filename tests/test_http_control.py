@@ -319,6 +319,9 @@ def test_lora_errors(server_url, shared, tmp_path):
         (linked / name).symlink_to(tmp_path / "outside" / name)
     for path in (outside, str(shared / "link"), str(shared / ".." / "outside"), str(linked)):
         assert load(server_url, {"lora_name": "evil", "lora_path": path}).status_code == 403
+    for path in (str(shared) + "\x00x", str(shared / ("a" * 300))):  # a NUL byte, a name too long: 400, not 500
+        response = load(server_url, {"lora_name": "odd", "lora_path": path})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path"
     missing = httpx.post(f"{server_url}/v1/unload_lora_adapter", json={"lora_name": "nonexistent"}, headers=CONTROL)
     assert missing.status_code == 404
 
@@ -391,6 +394,8 @@ def test_abort_requests_by_id_and_all(server_url):
     choice = answers[0].json()["choices"][0]
     assert answers[0].status_code == 200 and choice["finish_reason"] == "abort"
     assert 0 < len(choice["token_ids"]) < 400 and choice["policy_versions"][0][1] == 0
+    nothing = httpx.post(f"{server_url}/abort_requests", json={"request_ids": []}, headers=CONTROL)
+    assert nothing.json() == {"status": "aborted", "aborted": 0, "not_found": []}  # an empty list aborts nothing
     bad = httpx.post(f"{server_url}/abort_requests", json={"ids": []}, headers=CONTROL)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
 
@@ -412,3 +417,23 @@ def test_every_control_route_is_counted_by_name_in_the_http_metrics(server_url):
     assert resume(server_url) == 200 and metric("rollout_generation_paused ") == 0
     assert metric('rollout_http_requests_total{endpoint="/pause",status="200"}') == counted + 1
     assert metric('rollout_http_requests_total{endpoint="/pause",status="401"}') == refused + 1
+
+
+def test_waiting_pauses_hold_no_thread_the_other_routes_need(server_url):
+    """Pauses that wait for a long sample hold no worker thread: /resume and completions still answer at once."""
+    inflight = Stream(server_url, 400)
+    waiting = [
+        threading.Thread(target=lambda: httpx.post(f"{server_url}/pause?mode=wait", headers=CONTROL, timeout=60))
+        for _ in range(12)  # more than the default thread pool of a 2-core machine (6)
+    ]
+    for thread in waiting:
+        thread.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    tokenized = httpx.post(f"{server_url}/tokenize", json={"prompt": "hi"}, headers=GENERATE, timeout=10)
+    assert tokenized.status_code == 200 and time.monotonic() - started < 5  # parsed on a worker thread
+    assert resume(server_url) == 200 and time.monotonic() - started < 5
+    for thread in waiting:
+        thread.join(30)
+    inflight.thread.join(60)
+    assert inflight.finish_reason == "length"

@@ -102,7 +102,10 @@ class GenerationPause:
             self._hold(command, PauseOutcome(changed=not was_paused, held=self.engine.num_in_flight()))
 
     def advance(self) -> None:
-        """Engine thread, between two steps: a draining pause takes hold once no sample is in flight."""
+        """Engine thread, between two steps: a draining pause takes hold once no sample is in flight; until then
+        nothing new is admitted (again each time: a weight update committed meanwhile resumes admission)."""
+        if self.state == "draining":
+            self.engine.pause_admission()
         if self.state == "draining" and not self.engine.num_in_flight():
             self.deliver(self.engine.flush())
             self._hold(self._draining[0], PauseOutcome(changed=True))

@@ -74,6 +74,13 @@ class ManagerParts:
         )
         loop = EngineLoop(owner, engine, requests, weight_updates, commands, state, router.deliver)
         control = ServingControl(
-            engine, loop.generation, commands.put, router.deliver, lambda: owner.is_running(), lambda: owner.error
+            engine,
+            loop.generation,
+            commands.put,
+            router.deliver,
+            lambda: owner.is_running(),
+            lambda: owner.error,
+            loop.on_thread,
+            lambda: requests.closed,
         )
         return cls(commands, state, router, requests, pauses, weight_updates, loop, control)

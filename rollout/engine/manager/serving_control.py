@@ -6,6 +6,7 @@ are built on them (`rollout.service.http.control`)."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from rollout.engine.requests.outputs import GenerationOutput
 
 # How often a caller waiting for the engine thread's answer checks that the thread still runs.
 POLL_S = 0.1
+# How often a coroutine waiting for it looks (it holds no thread meanwhile).
+ASYNC_POLL_S = 0.02
 
 
 class ServingControl:
@@ -36,6 +39,8 @@ class ServingControl:
         deliver: Callable[[list[GenerationOutput]], None],
         is_running: Callable[[], bool],
         error: Callable[[], Any],
+        on_engine_thread: Callable[[], bool] = lambda: False,
+        is_closed: Callable[[], bool] = lambda: False,
     ):
         """
         Args:
@@ -45,6 +50,8 @@ class ServingControl:
             deliver: hands outputs (of ended samples) to their readers, when the call runs here.
             is_running: whether the engine thread runs (else calls run in the caller's thread).
             error: the engine thread's error, if it died of one.
+            on_engine_thread: whether the caller is the engine thread (a result handler): it would wait on itself.
+            is_closed: whether the manager stopped for good (then every call is refused).
         """
         self._engine = engine
         self._generation = generation
@@ -52,6 +59,8 @@ class ServingControl:
         self._deliver = deliver
         self._is_running = is_running
         self._error = error
+        self._on_engine_thread = on_engine_thread
+        self._is_closed = is_closed
 
     # ---- the generation pause -------------------------------------------------------------------------------
     def pause_generation(
@@ -75,6 +84,17 @@ class ServingControl:
                 stopped, or it was resumed before a "wait" drain ended.
         """
         return self._ask(GenerationPauseCommand(mode, bool(clear_cache)), self._generation.apply, timeout)
+
+    async def pause_generation_async(self, mode: str = "abort", clear_cache: bool = True) -> PauseOutcome:
+        """`pause_generation` for a coroutine: it waits on its event loop, holding no thread while a "wait" pause
+        drains (the HTTP route). A caller that gives up does not undo the pause (as vLLM's)."""
+        command = GenerationPauseCommand(mode, bool(clear_cache))
+        self._send(command, self._generation.apply)
+        while command.reply.empty():
+            if not self._is_running():
+                raise RuntimeError("the manager stopped before it answered") from self._error()
+            await asyncio.sleep(ASYNC_POLL_S)
+        return self._answered(command.reply.get())
 
     def resume_generation(self) -> bool:
         """Generate again after `pause_generation` (held samples go on, queued requests are admitted). Resuming
@@ -129,13 +149,30 @@ class ServingControl:
 
         return self._ask(command, run_here, timeout)
 
-    def _ask(self, command: GenerationPauseCommand | EngineCall, run_here: Callable, timeout: float | None) -> Any:
-        """Hand `command` to the engine thread (or carry it out here when the thread does not run) and wait for its
-        answer; an exception answered is raised."""
+    def _send(self, command: GenerationPauseCommand | EngineCall, run_here: Callable) -> None:
+        """Hand `command` to the engine thread, or carry it out here when the thread has not started.
+
+        Raises:
+            RuntimeError: the caller is the engine thread (it would wait on itself), or the manager stopped.
+        """
+        if self._on_engine_thread():
+            raise RuntimeError("cannot wait for the engine thread from itself (inside a result handler)")
+        if self._is_closed():
+            raise RuntimeError("the manager is stopped") from self._error()
         if not self._is_running():
-            run_here(command)  # nothing else touches the engine
+            run_here(command)  # not started yet: nothing else touches the engine
         else:
             self._post(command)
+
+    @staticmethod
+    def _answered(answer: Any) -> Any:
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _ask(self, command: GenerationPauseCommand | EngineCall, run_here: Callable, timeout: float | None) -> Any:
+        """Hand `command` to the engine thread (`_send`) and wait for its answer; an exception answered is raised."""
+        self._send(command, run_here)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -147,6 +184,4 @@ class ServingControl:
             except queue.Empty:
                 if not self._is_running() and command.reply.empty():
                     raise RuntimeError("the manager stopped before it answered") from self._error()
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
+        return self._answered(answer)

@@ -37,16 +37,21 @@ class AllowedDirs:
                 f"{field}: this worker reads no directory for control routes: start it with --control-allowed-dirs"
             )
             raise APIError(403, message, field, "permission_error")
-        real = Path(os.path.realpath(os.path.expanduser(path)))
+        try:
+            real = Path(os.path.realpath(os.path.expanduser(path)))
+        except (ValueError, OSError) as error:  # a NUL byte
+            raise APIError(400, f"{field}: not a usable path ({error})", field) from None
         if not any(real == root or root in real.parents for root in self.roots):
             allowed = ", ".join(str(root) for root in self.roots)
-            raise APIError(
-                403, f"{field}: {path!r} is outside the allowed directories ({allowed})", field, "permission_error"
-            )
-        if not real.is_dir():
-            raise APIError(404, f"{field}: no such directory: {path!r}", field, "not_found_error")
-        for entry in real.iterdir():  # a file linked from elsewhere would be read through the directory
-            if entry.is_symlink() and Path(os.path.realpath(entry)).parent != real:
-                reason = f"{entry.name} in {path!r} is a link to a file outside it"
-                raise APIError(403, f"{field}: {reason}", field, "permission_error")
+            reason = f"{path!r} is outside the allowed directories ({allowed})"
+            raise APIError(403, f"{field}: {reason}", field, "permission_error")
+        try:
+            if not real.is_dir():
+                raise APIError(404, f"{field}: no such directory: {path!r}", field, "not_found_error")
+            for entry in real.iterdir():  # a file linked from elsewhere would be read through the directory
+                if entry.is_symlink() and Path(os.path.realpath(entry)).parent != real:
+                    reason = f"{entry.name} in {path!r} is a link to a file outside it"
+                    raise APIError(403, f"{field}: {reason}", field, "permission_error")
+        except OSError as error:  # unreadable (permissions), a name too long
+            raise APIError(400, f"{field}: cannot read {path!r} ({error.strerror or error})", field) from None
         return real

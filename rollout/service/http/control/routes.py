@@ -95,7 +95,7 @@ def add_control_routes(
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
         try:
-            await asyncio.to_thread(control.pause_generation, mode, clear_cache)
+            await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
         except (RuntimeError, TimeoutError) as error:
             return SafeJSONResponse({"error": f"Failed to pause generation: {error}"}, status_code=500)
         return SafeJSONResponse({"status": "paused"})
@@ -121,7 +121,7 @@ def add_control_routes(
         ids = body.get("request_ids")
         if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
             raise bad_field("request_ids", "must be a list of request ids (strings)")
-        if ids:
+        if ids is not None:  # an empty list aborts nothing (only no list at all means every request)
             found = answers.cancel(ids)
             missing = [request_id for request_id in ids if request_id not in found]
             return SafeJSONResponse({"status": "aborted", "aborted": len(found), "not_found": missing})
