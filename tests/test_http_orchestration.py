@@ -31,12 +31,18 @@ def shared(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def url(shared):
+def server(shared):
     port = free_port()
     flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
     server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared))
-    yield f"http://127.0.0.1:{port}"
+    server.url = f"http://127.0.0.1:{port}"
+    yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.url
 
 
 def greedy(prompt_ids: list[int], model: torch.nn.Module, count: int) -> list[int]:
@@ -142,3 +148,26 @@ def test_lm_eval_remote_tokenizer_loglikelihoods_match_a_teacher_forced_forward(
         chosen = expected[len(context_ids) - 1 :].gather(1, targets[:, None])[:, 0]
         assert logprob == pytest.approx(float(chosen.sum()), abs=1e-4)
         assert is_greedy == bool((expected[len(context_ids) - 1 :].argmax(-1) == targets).all())
+
+
+def test_a_zeromq_trainers_group_waits_out_an_http_pause_and_completes(server):
+    """A pause over HTTP holds the ZeroMQ clients' groups too (one engine); they complete once resumed."""
+    from rollout import SamplingParams
+    from trainer_bridge import PromptGroup, RolloutClient
+
+    with (
+        RolloutClient(server.address, timeout=60) as client,
+        httpx.Client(base_url=server.url, headers=CONTROL) as http,
+    ):
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        results: list = []
+        sampling = SamplingParams(max_new_tokens=5, temperature=0)
+        waiting = threading.Thread(
+            target=lambda: results.append(client.generate(PromptGroup([3, 4, 5], n=2, sampling=sampling)))
+        )
+        waiting.start()
+        waiting.join(3)
+        assert waiting.is_alive() and not results  # held while paused: not run, not refused
+        assert http.post("/resume").status_code == 200
+        waiting.join(60)
+    assert [len(c.token_ids) for c in results[0].completions] == [5, 5]
