@@ -18,6 +18,7 @@ from typing import Protocol
 from rollout.engine.engine import Engine
 from rollout.engine.manager.commands import Command, PauseLoop
 from rollout.engine.manager.engine_thread import EngineLoop, LoopOwner
+from rollout.engine.manager.generation_pause import GenerationPause
 from rollout.engine.manager.pause import PauseGate
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.manager.results import ResultRouter
@@ -62,6 +63,8 @@ class ManagerParts:
         pauses = PauseGate(
             lambda request: commands.put(PauseLoop(request)), lambda: owner.is_running(), lambda: owner.error
         )
+        # Built here, not by the loop: the weight queue reads it, and a closure over the loop would make a cycle.
+        generation = GenerationPause(engine, router.deliver)
         weight_updates = WeightUpdateQueue(
             engine,
             state,
@@ -70,12 +73,12 @@ class ManagerParts:
             lambda: owner.is_running(),
             lambda: requests.closed,
             pauses.held_here,
-            lambda: loop.generation.holds,
+            lambda: generation.holds,
         )
-        loop = EngineLoop(owner, engine, requests, weight_updates, commands, state, router.deliver)
+        loop = EngineLoop(owner, engine, requests, weight_updates, commands, state, router.deliver, generation)
         control = ServingControl(
             engine,
-            loop.generation,
+            generation,
             commands.put,
             router.deliver,
             lambda: owner.is_running(),
