@@ -55,7 +55,7 @@ class EngineLoop:
         commands: queue.SimpleQueue[Command],
         lock: threading.Condition,
         deliver: Callable[[list[GenerationOutput]], None],
-        generation: GenerationPause | None = None,
+        generation: GenerationPause,
     ):
         """
         Args:
@@ -66,7 +66,7 @@ class EngineLoop:
             commands: the loop's mailbox.
             lock: the manager's lock (waiters are woken under it when the loop ends).
             deliver: hands outputs to their readers and handlers.
-            generation: the generation pause (vLLM's pause_generation; None: one of the loop's own).
+            generation: the generation pause (vLLM's pause_generation): no steps while it holds.
         """
         self.owner = owner
         self.engine = engine
@@ -76,8 +76,7 @@ class EngineLoop:
         self.lock = lock
         self.deliver = deliver
         self.stopping = threading.Event()  # set when the manager stops: the loop ends after its current step
-        # vLLM's pause_generation: no steps while it holds.
-        self.generation = GenerationPause(engine, deliver) if generation is None else generation
+        self.generation = generation
         self._thread: threading.Thread | None = None
 
     # ---- the thread, as the manager starts and stops it ---------------------------------------------------------
