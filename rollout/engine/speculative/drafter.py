@@ -109,7 +109,7 @@ class SuffixDrafter:
             request: a decode whose tokens are all on the host.
             limit: the most draft tokens this step can take for it (token budget, max_new_tokens).
         """
-        if request.num_output_tokens < 1 or request.routes is not None:  # routes are recorded per computed token
+        if request.num_output_tokens < 1:
             return ()
         row = self._row(request)
         if self._step < row.resume_step:
