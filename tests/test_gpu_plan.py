@@ -66,7 +66,7 @@ def test_the_plan_fits_the_window_by_its_own_json(capsys):
     assert sum(call["timeout_s"] + plan["start_s"] for call in calls) <= plan["device_budget_s"]
     assert calls[0]["timeout_s"] <= 430 and not calls[0]["optional"] and calls[1]["optional"]
     assert calls[0]["sections"] == ["throughput", "baseline-generate-batch", "baseline-generate", "grpo-step-nano"]
-    assert calls[1]["sections"] == ["weights", "gpu-tests", "kernel-tests"]
+    assert calls[1]["sections"] == ["gpu-tests", "kernel-tests", "speculative"]
     order = list(gpu_report.SECTION_NAMES)
     parser = cli.build_parser()
     for number, call in enumerate(calls):

@@ -7,10 +7,13 @@ import json
 import math
 
 import pytest
+import torch
 
 from rollout.benchmarks import cli
+from rollout.benchmarks.gpu_report.table import rows
 from rollout.benchmarks.grpo.long_tail import Shape, make_workload, measure
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB
+from rollout.benchmarks.harness.section_run import SectionResult
 
 SMALL = Shape(num_prompts=8, n=4, median_tokens=64, max_tokens=256, prompt_tokens=(16, 64))
 SMALL_FLAGS = ["--num-prompts", "8", "--n", "4", "--median-tokens", "64", "--max-tokens", "256"]
@@ -143,6 +146,32 @@ def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
     assert drafted["accepted_draft_tokens"] > 0 and drafted["draft_tokens"] >= drafted["accepted_draft_tokens"]
     for run in (without, drafted):
         assert run["recomputed_tokens"] == run["recomputed_tokens_by_position"] >= 0
+        assert run["device"] == "cpu"
+    # gpu-report's speculative section reads this summary: the last sample's speed-up is the medians' ratio
+    report = {row.figure: row for row in rows([SectionResult("speculative", "speculative", "ok", 1.0, data=summary)])}
+    medians = summary["medians"]["last_finish_s"]
+    assert report["the round's last sample, sooner by"].value == medians["without"] / medians["with"]
+    assert report["tail forwards per generated token, with drafts"].value == drafted["tail_forwards_per_token"]
+    assert report[f"draft tokens accepted (of {drafted['draft_tokens']})"].value == drafted["accepted_draft_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "cuda"], "--device cuda needs --model tiny"),
+        (["--model", "tiny", "--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
+def test_device_flags_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["long-tail", *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_device_cuda_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit, match="--device cuda, but torch sees no CUDA GPU"):
+        cli.main(["long-tail", "--model", "tiny", "--device", "cuda"])
 
 
 def test_known_lengths_recompute_at_most_a_tenth_on_average_at_30_percent_of_the_demand():

@@ -206,5 +206,25 @@ def structured_rows(result: SectionResult) -> list[Row]:
     return rows
 
 
+def speculative_rows(result: SectionResult) -> list[Row]:
+    """speculative: the long tail without and with drafts (medians over the repeats), the last sample's speed-up."""
+    data, name = result.data, result.name
+    medians = as_mapping(get_path(data, "medians"))
+    rows = []
+    for figure, label, spec, unit in (
+        ("tail_forwards_per_token", "tail forwards per generated token", ".3f", ""),
+        ("tokens_per_s", "tokens/s", ",.0f", ""),
+        ("last_finish_s", "the round's last sample", ".2f", " s"),
+    ):
+        for side in ("without", "with"):
+            rows.append(number_row(name, f"{label}, {side} drafts", get_path(medians, figure, side), spec, unit=unit))
+    before, after = get_path(medians, "last_finish_s", "without"), get_path(medians, "last_finish_s", "with")
+    sooner = before / after if positive(before, after) else None
+    rows.append(number_row(name, "the round's last sample, sooner by", sooner, ".2f", Goal(">=", 1.5, "x"), "x"))
+    proposed, accepted = get_path(medians, "draft_tokens", "with"), get_path(medians, "accepted_draft_tokens", "with")
+    rows.append(number_row(name, f"draft tokens accepted (of {proposed})", accepted, ",.0f"))
+    return rows
+
+
 def _push_seconds(size: Any, gb_per_s: Any) -> float | None:
     return size / 1e9 / gb_per_s if positive(size, gb_per_s) else None

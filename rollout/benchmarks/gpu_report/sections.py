@@ -90,6 +90,25 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             tests=True,
             reserve_s=60,
         ),
+        Section(
+            "speculative",
+            "speculative decoding in the long tail: the tiny model at low entropy (0.1 nats), without and with drafts",
+            (*bench, "long-tail", "--model", "tiny", "--device", device, "--speculative", "suffix")
+            + (
+                "--entropy",
+                "0.1",
+                "--known-lengths",
+                "--cache-fraction",
+                "2",
+                "--repeats",
+                "3",
+                "--max-num-seqs",
+                "64",
+            ),
+            150,
+            benchmark="long-tail",
+            reserve_s=45,
+        ),
         Section("grpo", "GRPO workload", (*bench, "grpo", "--device", device), 200, benchmark="grpo", reserve_s=60),
         Section(
             "grpo-step",

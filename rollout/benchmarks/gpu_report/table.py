@@ -12,6 +12,7 @@ from rollout.benchmarks.gpu_report.figures import (
     grpo_rows,
     grpo_step_nano_rows,
     grpo_step_rows,
+    speculative_rows,
     structured_rows,
     tests_rows,
     weights_rows,
@@ -39,6 +40,7 @@ ROWS: dict[str, Callable[[SectionResult, dict[str, SectionResult]], list[Row]]] 
     "grpo-step-nano": _alone(grpo_step_nano_rows),
     "weights": _alone(weights_rows),
     "structured": _alone(structured_rows),
+    "speculative": _alone(speculative_rows),
 }
 
 

@@ -13,7 +13,8 @@ swap with --cpu-offload-space) is the normal state.
 
 --model stub (default: 128 prompts x n=8, median 2048, cap 16384): the model's forward is replaced by ready logits
 over a 64-token vocabulary, as in `host_time`, so a run costs the engine's own host work only. --model tiny (16 x 4,
-median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for real.
+median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for real, on the CPU or (`--device cuda`)
+a GPU, where plain decode steps replay CUDA graphs.
 
 Figures:
 - recomputed_tokens = computed - (first_admission_prompt_tokens + generated - samples_with_output), where computed is
@@ -37,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
@@ -80,6 +82,7 @@ def measure(
     entropy: float | None = None,
     num_speculative_tokens: int = 4,
     known_lengths: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every sample to its length on an engine with `cache_fraction` of the peak demand; return the figures.
 
@@ -99,6 +102,7 @@ def measure(
         known_lengths: each sample's max_new_tokens is its length (the scheduler sees it), instead of a stop token
             pushed up by logit_bias at its length (which cannot outweigh a low-entropy head's logits).
         entropy: the tiny model's head scaled to this mean next-token entropy, in nats (None: as built).
+        device: where the tiny model runs ("cpu" or "cuda"; on cuda plain decode steps replay CUDA graphs).
     """
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
     max_tokens = max_tokens or max(map(max, lengths))
@@ -112,7 +116,7 @@ def measure(
     else:
         from rollout.presets.models import tiny_model
 
-        net = tiny_model(seed)
+        net = tiny_model(seed).to(device)
         context = net.config.max_position_embeddings
         if max_len > context:
             raise ValueError(f"prompt + length reach {max_len} tokens; the tiny model's context is {context}")
@@ -124,7 +128,7 @@ def measure(
         scheduler_type=scheduler,
         max_num_seqs=max_num_seqs,
         cpu_offload_space=cpu_offload_space,
-        use_cuda_graph=False,
+        use_cuda_graph=device == "cuda",
         seed=seed,
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
@@ -174,6 +178,7 @@ def measure(
     return {
         "benchmark": "long-tail",
         "model": model,
+        "device": device,
         "prompts": len(prompts),
         "n": len(lengths[0]),
         "samples": len(expected),
@@ -270,6 +275,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the workload from the flags, measure it (with --speculative: without and with, side by side), print the
     table; returns the JSON-able summary."""
     shape = shape_from(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("rollout-bench long-tail: --device cuda, but torch sees no CUDA GPU here")
     vocab = (
         STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]
     ) - 1  # the last token is the stop token
@@ -291,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entropy=args.entropy,
             num_speculative_tokens=args.num_speculative_tokens,
             known_lengths=args.known_lengths,
+            device=args.device,
         )
         summary.update(median_tokens=shape.median_tokens, max_tokens=shape.max_tokens, sigma=shape.sigma)
         summary["prompt_tokens_range"] = list(shape.prompt_tokens)
@@ -309,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _print_table(s: dict[str, Any]) -> None:
     generated = s["generated_tokens"]
     rows = [
-        ("workload", f"{s['prompts']} prompts x n={s['n']} ({s['model']}), lengths lognormal median "
+        ("workload", f"{s['prompts']} prompts x n={s['n']} ({s['model']} on {s['device']}), lengths lognormal median "
          f"{s['median_tokens']} sigma {s['sigma']} cap {s['max_tokens']}, prompts {s['prompt_tokens_range']}"),
         ("KV cache", f"{s['num_blocks']} blocks = {s['cache_fraction']} x peak demand {s['peak_demand_blocks']} "
          f"(sum of each sample's own blocks); holds ~{s['cache_holds_samples']} samples at full length"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from rollout.config import SCHEDULER_TYPES, SPECULATIVE_METHODS
 
 TIME_BUDGET_S = 1200.0
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     add = parser.add_argument
     add("--model", choices=sorted(SHAPES), default="stub", help="stub (forward stubbed) or tiny (computed for real)")
+    add(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where --model tiny runs (default: cpu); on cuda the plain decode steps replay CUDA graphs, as an engine "
+        "on a GPU does by default",
+    )
     add("--num-prompts", type=int, default=None, help=f"prompts ({_by_model('num_prompts')})")
     add("--n", type=int, default=None, help=f"samples per prompt, each with its own length ({_by_model('n')})")
     add("--median-tokens", type=int, default=None, help=f"median output length ({_by_model('median_tokens')})")
@@ -102,6 +110,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
     if args.entropy is not None and (args.model != "tiny" or args.entropy <= 0):
         parser.error("--entropy needs --model tiny and a value > 0")
+    if args.device != "cpu" and args.model != "tiny":
+        parser.error("--device cuda needs --model tiny (the stub model's forward is host work only)")
 
 
 def shape_from(args: argparse.Namespace) -> Shape:
