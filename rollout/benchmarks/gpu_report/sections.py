@@ -9,6 +9,9 @@ from pathlib import Path
 
 from rollout.benchmarks.harness.section_run import Section
 
+# The kernel-tests section's files: the Triton kernels, the decode graphs and the verify graphs of drafted steps.
+KERNEL_TESTS = ("test_triton_attention.py", "test_cuda_graphs.py", "test_verify_graphs.py")
+
 
 def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:
     """The report's sections, in the order they run: the headline first (`gpu_plan.FIRST_CALL`). Timeouts are
@@ -85,7 +88,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
         Section(
             "kernel-tests",
             "Triton kernels and CUDA graphs, compiled",
-            (*pytest, str(tests_dir / "test_triton_attention.py"), str(tests_dir / "test_cuda_graphs.py")),
+            (*pytest, *(str(tests_dir / name) for name in KERNEL_TESTS)),
             150,  # test_compiled_decode_matches_generate traces with dynamo: over 30 s on an H200
             tests=True,
             reserve_s=60,

@@ -2,12 +2,17 @@
 
 A decode step (every sequence computes one token) has the same tensor shapes for every batch of the same size, so
 its forward, hundreds of kernel launches, is captured once per bucket and replayed with one launch. The batch is
-padded up to its bucket.
+padded up to its bucket. Speculative decoding's drafted steps (each sequence computes its last token and up to
+`width - 1` draft tokens) get graphs of their own (`width` > 1): every sequence takes `width` query rows, the rows
+past its drafts being padding tokens, whose keys and values go to the scratch slot.
 
 Invariants:
 - A graph reads only the persistent buffers below; `run` copies the step's inputs into them before each replay.
 - Every padding row is a one-token sequence at position 0 whose only block is the cache's scratch block: it writes
   its key/value there and attends only to it, so padding never touches a real sequence's cache and stays finite.
+  A padding token of a drafted sequence (`width` > 1) writes to the scratch slot too (its row's `valid` is False);
+  it reads its own sequence's blocks up to a position past the real ones (the table has room for it), and only its
+  own row, never kept, sees what it read.
 - The attention plan is fixed per bucket (tiles, split count); the kernel reads each row's context length from a
   buffer, so one graph serves every context up to `max_blocks_per_seq` blocks.
 - Weights are updated in place (`Engine.update_weights` copies into the same storage), so graphs stay valid.
@@ -53,6 +58,7 @@ class DecodeGraphs:
         heads_per_kv: int,
         capture: bool = True,
         tiling: Tiling | None = None,
+        width: int = 1,
     ):
         """
         Args:
@@ -64,6 +70,7 @@ class DecodeGraphs:
             capture: False replays by running the forward eagerly on the same buffers (CPU tests of the padding and
                 buffer logic; CUDA graphs need a CUDA device).
             tiling: the attention kernel's tiling (None: the default `Tiling()`).
+            width: query rows per sequence: 1 for decode steps, 1 + the most draft tokens for drafted steps.
         """
         self.tiling = tiling or Tiling()
         self.forward = forward
@@ -71,18 +78,24 @@ class DecodeGraphs:
         self.buckets = decode_buckets(max_batch)
         self.capture_enabled = capture
         self.disabled_reason: str | None = None  # set when a capture failed: decode then runs eagerly
+        self.width = width
         device = kv_cache.kv.device
         size = self.buckets[-1]
-        # Rows: 0 input ids, 1 positions (= tokens cached before the step); the new tokens' cache slots follow.
-        self._rows = torch.zeros((2, size), dtype=torch.long, device=device)
-        self._slots = torch.zeros(size, dtype=torch.long, device=device)
+        # A padding token's kernel position runs up to width - 1 past its sequence's last real one: room in the table.
+        max_blocks_per_seq += -(-(width - 1) // kv_cache.block_size)
+        # Rows: 0 input ids, 1 positions (the first = tokens cached before the step); the cache slots follow.
+        self._rows = torch.zeros((2, size * width), dtype=torch.long, device=device)
+        self._valid = torch.ones(size * width, dtype=torch.bool, device=device)  # False: a padding token's row
+        self._slots = torch.zeros(size * width, dtype=torch.long, device=device)
         self._context = torch.zeros(size, dtype=torch.int32, device=device)
         self._block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self._keep = torch.arange(size, device=device)
-        self._tile_seq = torch.arange(size, dtype=torch.int32, device=device)
-        self._tile_start = torch.zeros(size, dtype=torch.int32, device=device)
-        self._query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self._block_m, self._block_q = tile_shape(heads_per_kv, 1)
+        self._keep = torch.arange(size * width, device=device)
+        self._block_m, self._block_q = tile_shape(heads_per_kv, width)
+        tiles = -(-width // self._block_q)  # per sequence
+        self._tile_seq = torch.arange(size, dtype=torch.int32, device=device).repeat_interleave(tiles)
+        self._tile_start = (torch.arange(size * tiles, device=device) % tiles * self._block_q).to(torch.int32)
+        self._tiles_per_seq = tiles
+        self._query_start = torch.arange(0, size * width + 1, width, dtype=torch.int32, device=device)
         self._max_blocks = max_blocks_per_seq
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -154,29 +167,36 @@ class DecodeGraphs:
         positions: list[int],
         block_tables: torch.Tensor,
         device_tokens: tuple[torch.Tensor, torch.Tensor] | None = None,
+        valid: list[bool] | None = None,
     ) -> torch.Tensor:
-        """One decode step of `len(token_ids)` sequences (at most `max_batch`). Queues copies and the replay; never
-        waits for the device.
+        """One step of `len(token_ids) // width` sequences (at most `max_batch`), `width` rows each. Queues copies
+        and the replay; never waits for the device.
 
         Args:
-            token_ids: each sequence's input token.
-            positions: each token's position (= tokens already cached).
+            token_ids: each row's input token, `width` rows per sequence.
+            positions: each row's position (a sequence's first = tokens already cached; then one more each).
             block_tables: (B, n) int block ids on the host, n covering every position (entries past a sequence's
                 blocks may hold anything: only blocks before the position are read).
             device_tokens: (row indices, token ids) on the device that replace those rows' `token_ids` (tokens the
                 previous step sampled and the host has not seen yet).
+            valid: each row's token is real (None: every one); a padding token's key and value go to the scratch
+                slot and its logits row is not to be read.
         Returns:
-            (B, vocab) logits in the model's dtype; a view of the graph's output, valid until the next `run`.
+            (B * width, vocab) logits in the model's dtype; a view of the graph's output, valid until the next `run`.
         """
-        batch = len(token_ids)
+        rows_given = len(token_ids)
+        batch = rows_given // self.width
         size = self.bucket(batch)
         if size not in self._graphs:
             self.capture([size])  # a bucket not captured by warmup(): now, before the inputs are loaded
         pinned = self._rows.is_cuda  # pinned host memory: the copies below do not wait for the device
-        rows = to_device(token_ids + positions, torch.long, "cpu").view(2, batch)
-        self._rows[:, :batch].copy_(rows.pin_memory() if pinned else rows, non_blocking=True)
+        rows = to_device(token_ids + positions, torch.long, "cpu").view(2, rows_given)
+        self._rows[:, :rows_given].copy_(rows.pin_memory() if pinned else rows, non_blocking=True)
         if device_tokens is not None:
             self._rows[0].index_copy_(0, *device_tokens)
+        if self.width > 1:
+            flags = torch.tensor(valid if valid is not None else [True] * rows_given, dtype=torch.bool)
+            self._valid[:rows_given].copy_(flags.pin_memory() if pinned else flags, non_blocking=True)
         tables = block_tables.pin_memory() if pinned else block_tables
         self._block_table[:batch, : block_tables.shape[1]].copy_(tables, non_blocking=True)
         if batch < size:
@@ -186,31 +206,38 @@ class DecodeGraphs:
             graph.replay()
         else:
             logits = self._step(size)
-        return logits[:batch]
+        return logits[:rows_given]
 
     def _pad(self, start: int, end: int) -> None:
-        """Make rows [start, end) padding rows (their slot, computed in `_step`, is then the scratch slot)."""
-        self._rows[:, start:end] = 0
+        """Make sequences [start, end) padding sequences (their slots, computed in `_step`, are the scratch slot)."""
+        self._rows[:, start * self.width : end * self.width] = 0
+        self._valid[start * self.width : end * self.width] = False
         self._block_table[start:end, 0] = self.kv_cache.scratch_block
 
     def _step(self, size: int) -> torch.Tensor:
         """The captured work: the int32 context lengths and the new tokens' cache slots from the positions, then the
-        forward over `size` rows."""
-        positions = self._rows[1, :size]
-        self._context[:size].copy_(positions)
+        forward over `size` sequences of `width` rows."""
+        width, rows = self.width, size * self.width
+        positions = self._rows[1, :rows].view(size, width)
+        self._context[:size].copy_(positions[:, 0])
         block_size = self.kv_cache.block_size
-        blocks = self._block_table[:size].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        torch.add(positions % block_size, blocks, alpha=block_size, out=self._slots[:size])
+        blocks = self._block_table[:size].gather(1, positions // block_size)
+        slots = self._slots[:rows].view(size, width)
+        torch.add(positions % block_size, blocks, alpha=block_size, out=slots)
+        if width > 1:  # padding tokens' keys and values go to the scratch slot
+            scratch = self.kv_cache.scratch_block * block_size
+            self._slots[:rows].masked_fill_(~self._valid[:rows], scratch)
+        tiles = size * self._tiles_per_seq
         attention_plan = TritonAttentionPlan(
-            self._tile_seq[:size],
-            self._tile_start[:size],
+            self._tile_seq[:tiles],
+            self._tile_start[:tiles],
             self._query_start[: size + 1],
             self._context[:size],
             self._block_table[:size],
             self._block_m,
             self._block_q,
-            plan_splits(size, self.kv_cache.shape.num_kv_heads, self._max_blocks, self.tiling.target_programs),
+            plan_splits(tiles, self.kv_cache.shape.num_kv_heads, self._max_blocks, self.tiling.target_programs),
             self.tiling.blocks_per_iter(block_size),
         )
-        metadata = PagedAttentionMetadata(self.kv_cache, self._slots[:size], [], attention_plan)
-        return self.forward(self._rows[0:1, :size], self._rows[1:2, :size], metadata, self._keep[:size])
+        metadata = PagedAttentionMetadata(self.kv_cache, self._slots[:rows], [], attention_plan)
+        return self.forward(self._rows[0:1, :rows], self._rows[1:2, :rows], metadata, self._keep[:rows])

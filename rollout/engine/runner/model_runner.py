@@ -23,6 +23,7 @@ from rollout.engine.runner.model_checks import resolve_attention_backend, text_c
 from rollout.engine.runner.model_forward import ModelForward
 from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
 from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, step_inputs
+from rollout.engine.runner.verify_layout import verify_layout
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
@@ -84,6 +85,10 @@ class ModelRunner:
         if config.decode_compile_config is not None:
             self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
         self.decode_graphs: DecodeGraphs | None = None
+        # Speculative decoding's drafted steps get graphs of their own, 1 + num_speculative_tokens rows a sequence.
+        self.verify_graphs: DecodeGraphs | None = None
+        self._verify_width = 1 + config.num_speculative_tokens if config.speculative else 1
+        self._verify_batch = min(config.speculative_disable_by_batch_size, config.max_num_seqs)
         # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
             if self.heads_per_kv is not None:
@@ -133,13 +138,26 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture, self.tiling
         )
+        if self._verify_width > 1:  # drafted steps: the eager forward (a compiled one is for one token each)
+            self.verify_graphs = DecodeGraphs(
+                self._forward,
+                self.kv_cache,
+                min(self._verify_batch, max_batch),
+                max_blocks,
+                self.heads_per_kv,
+                capture,
+                self.tiling,
+                self._verify_width,
+            )
         return self.decode_graphs
 
     def capture_graphs(self) -> None:
-        """Capture every decode bucket now (no-op without graphs)."""
-        if self.decode_graphs is not None:
-            with torch.inference_mode(), self._stepping():
-                self.decode_graphs.capture()
+        """Capture every decode bucket, and every verify bucket with speculative decoding, now (no-op without
+        graphs)."""
+        for graphs in (self.decode_graphs, self.verify_graphs):
+            if graphs is not None:
+                with torch.inference_mode(), self._stepping():
+                    graphs.capture()
 
     @contextlib.contextmanager
     def _stepping(self, batch: ScheduledBatch | None = None) -> Iterator[None]:
@@ -179,7 +197,7 @@ class ModelRunner:
             self.prompt_scorer.close()
             self.adapters.close()
             self.routes.close()
-            self.decode_graphs = None  # frees the graphs and their memory pool
+            self.decode_graphs = self.verify_graphs = None  # frees the graphs and their memory pools
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
                 release(self.model)
@@ -248,12 +266,24 @@ class ModelRunner:
         # CUDA graph.
         num_sequences = len(inputs.requests)
         decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
-        if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
+        if self.decode_graphs is not None:
             layout = (self.adapters.layout_version, self.routes.layout_version)
             if self._graphs_layout != layout:  # LoRA or route hooks came: capture again
-                self.decode_graphs.release()
+                for graphs in (self.decode_graphs, self.verify_graphs):
+                    if graphs is not None:
+                        graphs.release()
                 self._graphs_layout = layout
+        if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
             return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
+        # 3b. A drafted step replays a verify graph, unless adapters or route taps act in it (they count its rows
+        # packed, not laid out `width` a sequence).
+        verify = self.verify_graphs
+        if verify is not None and batch.num_draft_tokens and num_sequences <= verify.max_batch:
+            if not (self.adapters.loaded or self.routes.installed):
+                rows = verify_layout(batch, inputs, verify.width)
+                if rows is not None:
+                    logits = verify.run(rows.token_ids, rows.positions, block_table, valid=rows.valid)
+                    return logits[to_device(rows.kept, torch.long, self.device)].float()
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
         metadata, positions = PagedAttentionMetadata.build(
