@@ -26,9 +26,10 @@ ENGINE = dict(num_blocks=96, block_size=16, max_batch_tokens=64, attention_backe
 SAMPLED = SamplingParams(do_sample=True, temperature=1.0, seed=7, stop_token_ids=())
 
 
-def run(speculative: str | None) -> tuple[dict, list[tuple[int, int]]]:
-    """Three sampled n=2 groups; each output's tokens and log-probs, and what each verify-graph step served
-    (sequences, draft tokens)."""
+def run(speculative: str | None, poison: bool = False) -> tuple[dict, list[tuple[int, int]]]:
+    """Three sampled n=2 groups; each output's tokens, log-probs and finish reason, and what each verify-graph step
+    served (sequences, draft tokens). `poison`: before each drafted step, NaN in the value slots just past each
+    sequence's last position (a previous owner's leftovers, which no step reads before writing them)."""
     model = copy.deepcopy(MODEL).to(DEVICE)
     config = dict(ENGINE, speculative=speculative, num_speculative_tokens=3, speculative_disable_by_batch_size=8)
     if speculative is None:
@@ -46,11 +47,30 @@ def run(speculative: str | None) -> tuple[dict, list[tuple[int, int]]]:
             return replay(token_ids, positions, block_tables, device_tokens, valid)
 
         graphs.run = counted
+    if poison:
+        poison_past_the_end(engine, config["num_speculative_tokens"])
     for index, prompt in enumerate(make_prompts(3, 6, 12, seed=17)):
         engine.add_request(f"g{index}", prompt, SAMPLED.merged(seed=index), n=2, max_new_tokens=12)
     outputs = run_to_completion(engine)
     engine.close()
-    return {key: (list(out.generated_tokens), out.logprobs) for key, out in outputs.items()}, served
+    return {key: (list(out.generated_tokens), out.logprobs, out.finish_reason) for key, out in outputs.items()}, served
+
+
+def poison_past_the_end(engine, num_speculative_tokens: int) -> None:
+    """NaN in the value slots of positions start + num_tokens .. start + num_speculative_tokens of each sequence of
+    a drafted step (in its own blocks), before the step runs."""
+    kv, block_size, step = engine.runner.kv_cache, engine.runner.kv_cache.block_size, engine.runner.run
+
+    def poisoned(batch, unresolved=None):
+        if batch.num_draft_tokens:
+            for seq in batch.sequences:
+                blocks = seq.request.block_ids
+                for position in range(seq.start + seq.num_tokens, seq.start + 1 + num_speculative_tokens):
+                    if position // block_size < len(blocks):
+                        kv.kv[:, 1, blocks[position // block_size], position % block_size] = float("nan")
+        return step(batch, unresolved)
+
+    engine.runner.run = poisoned
 
 
 @needs_triton_interpreter
@@ -61,13 +81,24 @@ def test_drafted_steps_through_the_verify_graphs_give_the_plain_tokens():
     assert any(drafts > 0 for _, drafts in served)
     assert any(sequences not in (1, 2, 4, 8) for sequences, _ in served), "no step padded up to its bucket"
     assert plain.keys() == drafted.keys()
-    for key, (tokens, logprobs) in plain.items():
-        assert drafted[key][0] == tokens, key
+    for key, (tokens, logprobs, reason) in plain.items():
+        assert drafted[key][0] == tokens and drafted[key][2] == reason == "length", key
         assert max(abs(a - b) for a, b in zip(drafted[key][1], logprobs)) < 1e-4, key
 
 
+@needs_triton_interpreter
+@pytest.mark.usefixtures("every_draft")
+def test_no_row_reads_a_slot_past_its_sequences_end():
+    """Slots past a sequence's last position may hold a previous owner's NaN: the verify graphs' rows never read
+    them (a masked key's weight 0 times NaN is NaN), as the packed path's do not."""
+    outputs, served = run("suffix", poison=True)
+    assert served and any(drafts > 0 for _, drafts in served)
+    assert sorted(reason for _, _, reason in outputs.values()) == ["length"] * 6
+
+
 def test_the_layout_pads_each_sequence_to_the_width_and_keeps_the_real_rows():
-    """Unit: a drafted sequence (2 drafts), a plain decode and a full one (3 drafts) at width 4."""
+    """Unit: a drafted sequence (2 drafts), a plain decode and a full one (3 drafts) at width 4: padding tokens
+    before each sequence's real ones, at the cached positions just before them."""
     from rollout.engine.runner.step_inputs import StepInputs
     from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 
@@ -80,10 +111,12 @@ def test_the_layout_pads_each_sequence_to_the_width_and_keeps_the_real_rows():
     batch = ScheduledBatch(sequences=sequences, logits_sequences=[0, 1, 2], num_draft_tokens=5)
     inputs = StepInputs(token_ids=[6, 7, 8, 4, 9, 1, 2, 3], one_token_each=False)
     layout = verify_layout(batch, inputs, 4)
-    assert layout.token_ids == [6, 7, 8, 0, 4, 0, 0, 0, 9, 1, 2, 3]
-    assert layout.positions == [10, 11, 12, 12, 5, 5, 5, 5, 20, 21, 22, 23]
-    assert layout.valid == [True] * 3 + [False] + [True] + [False] * 3 + [True] * 4
-    assert layout.kept == [0, 1, 2, 4, 8, 9, 10, 11]
+    assert layout.token_ids == [0, 6, 7, 8, 0, 0, 0, 4, 9, 1, 2, 3]  # padding first
+    assert layout.positions == [9, 10, 11, 12, 2, 3, 4, 5, 20, 21, 22, 23]
+    assert layout.valid == [False] + [True] * 3 + [False] * 3 + [True] + [True] * 4
+    assert layout.kept == [1, 2, 3, 7, 8, 9, 10, 11]
     assert verify_layout(batch, inputs, 3) is None  # a draft longer than the graphs' width
+    sequences[1].start = 2  # three padding tokens, two cached positions to put them on
+    assert verify_layout(batch, inputs, 4) is None
     chunk = ScheduledBatch(sequences=[ScheduledSequence(request, start=0, num_tokens=5)], logits_sequences=[0])
     assert verify_layout(chunk, StepInputs(token_ids=[1, 2, 3, 4, 5]), 8) is None  # a prefill chunk

@@ -3,16 +3,15 @@
 A decode step (every sequence computes one token) has the same tensor shapes for every batch of the same size, so
 its forward, hundreds of kernel launches, is captured once per bucket and replayed with one launch. The batch is
 padded up to its bucket. Speculative decoding's drafted steps (each sequence computes its last token and up to
-`width - 1` draft tokens) get graphs of their own (`width` > 1): every sequence takes `width` query rows, the rows
-past its drafts being padding tokens, whose keys and values go to the scratch slot.
+`width - 1` draft tokens) get graphs of their own (`width` > 1): every sequence takes `width` query rows, padding
+tokens first (`verify_layout.py` says why), whose keys and values go to the scratch slot.
 
 Invariants:
 - A graph reads only the persistent buffers below; `run` copies the step's inputs into them before each replay.
 - Every padding row is a one-token sequence at position 0 whose only block is the cache's scratch block: it writes
   its key/value there and attends only to it, so padding never touches a real sequence's cache and stays finite.
   A padding token of a drafted sequence (`width` > 1) writes to the scratch slot too (its row's `valid` is False);
-  it reads its own sequence's blocks up to a position past the real ones (the table has room for it), and only its
-  own row, never kept, sees what it read.
+  it sits before the sequence's real rows, at positions already cached, so no row reads a key past the real ones.
 - The attention plan is fixed per bucket (tiles, split count); the kernel reads each row's context length from a
   buffer, so one graph serves every context up to `max_blocks_per_seq` blocks.
 - Weights are updated in place (`Engine.update_weights` copies into the same storage), so graphs stay valid.
@@ -81,9 +80,7 @@ class DecodeGraphs:
         self.width = width
         device = kv_cache.kv.device
         size = self.buckets[-1]
-        # A padding token's kernel position runs up to width - 1 past its sequence's last real one: room in the table.
-        max_blocks_per_seq += -(-(width - 1) // kv_cache.block_size)
-        # Rows: 0 input ids, 1 positions (the first = tokens cached before the step); the cache slots follow.
+        # Rows: 0 input ids, 1 positions (a sequence's first row: where the kernel starts numbering its queries).
         self._rows = torch.zeros((2, size * width), dtype=torch.long, device=device)
         self._valid = torch.ones(size * width, dtype=torch.bool, device=device)  # False: a padding token's row
         self._slots = torch.zeros(size * width, dtype=torch.long, device=device)
@@ -174,7 +171,7 @@ class DecodeGraphs:
 
         Args:
             token_ids: each row's input token, `width` rows per sequence.
-            positions: each row's position (a sequence's first = tokens already cached; then one more each).
+            positions: each row's position (a sequence's rows consecutive; a decode's = tokens already cached).
             block_tables: (B, n) int block ids on the host, n covering every position (entries past a sequence's
                 blocks may hold anything: only blocks before the position are read).
             device_tokens: (row indices, token ids) on the device that replace those rows' `token_ids` (tokens the
