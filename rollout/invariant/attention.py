@@ -105,7 +105,8 @@ def attend_invariant(
         scaling: the scores' scale (default head_dim ** -0.5).
         softcap: logit soft-capping, or None.
     Returns:
-        (batch, heads, queries, head_dim) in `query`'s dtype.
+        (batch, heads, queries, head_dim) in `query`'s dtype (on the CPU a view of a (batch, queries, heads,
+        head_dim) tensor: transposed back, it is contiguous).
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     allowed = allowed.expand(query.shape[0], 1, query.shape[2], key.shape[2])  # a batch-1 mask serves every row
