@@ -14,7 +14,7 @@ swap with --cpu-offload-space) is the normal state.
 --model stub (default: 128 prompts x n=8, median 2048, cap 16384): the model's forward is replaced by ready logits
 over a 64-token vocabulary, as in `host_time`, so a run costs the engine's own host work only. --model tiny (16 x 4,
 median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for real, on the CPU or (`--device cuda`)
-a GPU, where plain decode steps replay CUDA graphs.
+a GPU, where decode steps and drafted steps replay CUDA graphs.
 
 Figures:
 - recomputed_tokens = computed - (first_admission_prompt_tokens + generated - samples_with_output), where computed is
@@ -102,7 +102,7 @@ def measure(
         known_lengths: each sample's max_new_tokens is its length (the scheduler sees it), instead of a stop token
             pushed up by logit_bias at its length (which cannot outweigh a low-entropy head's logits).
         entropy: the tiny model's head scaled to this mean next-token entropy, in nats (None: as built).
-        device: where the tiny model runs ("cpu" or "cuda"; on cuda plain decode steps replay CUDA graphs).
+        device: where the tiny model runs ("cpu" or "cuda"; on cuda decode and drafted steps replay CUDA graphs).
     """
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
     max_tokens = max_tokens or max(map(max, lengths))

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         choices=DEVICES,
         default="cpu",
-        help="where --model tiny runs (default: cpu); on cuda the plain decode steps replay CUDA graphs, as an engine "
-        "on a GPU does by default",
+        help="where --model tiny runs (default: cpu); on cuda decode steps and drafted steps replay CUDA graphs, as "
+        "an engine on a GPU does by default",
     )
     add("--num-prompts", type=int, default=None, help=f"prompts ({_by_model('num_prompts')})")
     add("--n", type=int, default=None, help=f"samples per prompt, each with its own length ({_by_model('n')})")
