@@ -432,7 +432,9 @@ def test_http_traffic_is_counted_in_the_metrics(worker, http):
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
     before = scrape()
-    answer = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3})
+    # ignore_eos: every sample runs to max_tokens (a sampled EOS would finish one with "stop")
+    body = {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3, "ignore_eos": True}
+    answer = http.post("/v1/completions", json=body)
     assert answer.status_code == 200
     assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "n": 0}), 400, "n")
     after = scrape()
