@@ -110,17 +110,13 @@ results = []
 for dtype in ("bf16", "fp32"):
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "allowed_ptr": "u8", "start_ptr": "i64",
                 "out_ptr": dtype}
-    signature = {name: "*" + kind for name, kind in pointers.items()}
-    signature.update({name: "i32" for name in ("queries", "keys", "heads_per_kv", "head_dim")})
-    signature.update({"scaling": "fp32", "softcap": "fp32"})
-    strides = [f"stride_{t}{a}" for t in "qkv" for a in ("b", "h", "m" if t == "q" else "n", "d")]
-    strides += ["stride_ab", "stride_am", "stride_an", "stride_ob", "stride_oh", "stride_om", "stride_od"]
-    signature.update({name: "i32" for name in strides})
-    constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_START": True, "HAS_SOFTCAP": True}
-    signature.update({name: "constexpr" for name in constants})
-    rows = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "columns": "i32", "stride_row": "i32",
+    constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_SOFTCAP": True}
+    kinds = {**{name: "*" + kind for name, kind in pointers.items()}, "scaling": "fp32", "softcap": "fp32",
+             **{name: "constexpr" for name in constants}}
+    signature = {name: kinds.get(name, "i64") for name in ta.invariant_attention_kernel.arg_names}
+    rows = {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype, "columns": "i64", "stride_row": "i64",
             "BLOCK": "constexpr"}
-    softmax = dict(rows, stride_out="i32")
+    softmax = dict(rows, stride_out="i64")
     for arch in (90, 80):
         for name, kernel, sig, const, warps in (
             ("attention", ta.invariant_attention_kernel, signature, constants, ta.NUM_WARPS),
@@ -142,12 +138,44 @@ def test_the_kernels_compile_for_hopper_and_ampere(tmp_path):
         assert has_cubin and shared <= 232448, (name, dtype, arch, shared)
 
 
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: `kernel[grid](...)` records the arguments under the current phase, then runs
+    the kernel."""
+
+    def __init__(self, kernel, phase: list[str]):
+        self.kernel, self.phase, self.launches = kernel, phase, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.phase[0], args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _cuda_specialization(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton's launcher would compile this call as on an sm_90 GPU (its own binder: argument types, which
+    integers are constants or divisible by 16, which pointers aligned): two calls with one specialization run one
+    compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    options = {name: kernel.kwargs.get(name) for name in ("do_not_specialize", "do_not_specialize_on_alignment")}
+    compiled = JITFunction(kernel.fn, **options)
+    binder = create_function_from_signature(compiled.signature, compiled.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    return tuple(map(tuple, binder(*args, **kwargs)[1]))
+
+
 @needs_triton_interpreter
 @pytest.mark.timeout(300)
 def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(monkeypatch):
     """The GPU's arithmetic on a CPU: with `KERNELS_ON_CPU` every invariant matmul, reduction and attention runs as
     its Triton kernel (in the interpreter); a bf16 engine's sampled log-probs (chunked prefill, shared prompts, two
-    key blocks) still equal the trainer's invariant forward over TRL's padded layout, bit for bit."""
+    key blocks) still equal the trainer's invariant forward over TRL's padded layout, bit for bit. And on a GPU they
+    would run the same compiled kernels: Triton's launcher specializes the engine's launches (decode steps of one
+    query, keys gathered from the cache) as it does the trainer's (a padded batch), which the interpreter's
+    arithmetic cannot show (a decode's kernel once summed a key block's weights in another order on an H200)."""
     import copy
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -160,17 +188,16 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     from trainer_bridge import batch_invariant
 
     monkeypatch.setattr(reductions, "KERNELS_ON_CPU", True)
-    launched = []
+    phase = ["engine"]
+    recorders = {}
     for module, name in [
-        (triton_attention, "attend_invariant_triton"),
-        (triton_matmul, "invariant_matmul"),
-        (triton_rows, "row_mean"),
-        (triton_rows, "row_log_softmax"),
+        (triton_attention, "invariant_attention_kernel"),
+        (triton_matmul, "invariant_matmul_kernel"),
+        (triton_rows, "row_mean_kernel"),
+        (triton_rows, "row_log_softmax_kernel"),
     ]:
-        kernel = getattr(module, name)
-        monkeypatch.setattr(
-            module, name, lambda *a, _kernel=kernel, _name=name, **k: launched.append(_name) or _kernel(*a, **k)
-        )
+        recorders[name] = _LaunchRecorder(getattr(module, name), phase)
+        monkeypatch.setattr(module, name, recorders[name])
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -187,8 +214,15 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     engine.close()
     samples = [(list(o.prompt_ids), list(o.generated_tokens), torch.tensor(o.logprobs)) for o in outputs.values()]
     assert len(samples) == 4 and max(len(p) + len(c) for p, c, _ in samples) > KEY_BLOCK
+    phase[0] = "trainer"
     with batch_invariant(trainer):
         reference = padded_batch_logprobs(trainer, [p for p, _, _ in samples], [c for _, c, _ in samples], batch_size=4)
         for (_, _, ours), theirs in zip(samples, reference):
             assert torch.equal(ours, theirs)
-    assert set(launched) == {"attend_invariant_triton", "invariant_matmul", "row_mean", "row_log_softmax"}
+    for name, recorder in recorders.items():
+        compiled = {"engine": set(), "trainer": set()}
+        for who, args, kwargs in recorder.launches:
+            compiled[who].add(_cuda_specialization(recorder.kernel, args, kwargs))
+        assert compiled["engine"] and compiled["engine"] == compiled["trainer"], (name, compiled)
+        if name != "invariant_matmul_kernel":  # one kernel per dtype (the matmul: one per layer shape)
+            assert len(compiled["engine"]) == 1, (name, compiled)

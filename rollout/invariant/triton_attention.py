@@ -6,7 +6,15 @@ then for each block's sum of exp and its weighted values ((QUERY_TILE, head_dim)
 (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim) products in fp32), added block after block. A query's result depends
 on its own row's keys only: not on the batch, the padding, the other queries of its tile or the GPU's occupancy
 (cuBLAS's batched matmuls, which the PyTorch version of the same arithmetic uses, pick kernels by the batch's shape).
-Runs in Triton's interpreter on CPU tensors for the tests.
+
+Every call runs one compiled kernel (per dtype, head_dim and softcap). Triton compiles a kernel per specialization of
+its arguments (an integer equal to 1 becomes a constant, integers divisible by 16 and 16-byte-aligned pointers are
+assumed so), and the compiler lays the block's exp weights out over the threads by what it may assume: a decode's
+single query, or keys counted from a known 0, gave the sum of a block's weights another tree of additions than a
+trainer's padded batch (compiled for sm_90: the engine's and the trainer's forwards then differed in bf16 on an
+H200). So no argument is specialized: integers are 64-bit and never constants, pointers are not assumed aligned, and
+every call passes each row's first key (zeros for the engine's gathered keys). Runs in Triton's interpreter on CPU
+tensors for the tests.
 """
 
 from __future__ import annotations
@@ -58,17 +66,26 @@ def _block_scores(
     return tl.where(seen != 0, scores, float("-inf")), key, inside
 
 
-@triton.jit
+# Never specialized (module docstring): every call compiles to one kernel.
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "allowed_ptr", "start_ptr", "out_ptr")
+INTEGERS = (
+    "queries", "keys", "heads_per_kv", "head_dim",
+    "stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
+    "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ab", "stride_am", "stride_an",
+    "stride_ob", "stride_oh", "stride_om", "stride_od",
+)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=INTEGERS, do_not_specialize_on_alignment=POINTERS)
 def invariant_attention_kernel(
     q_ptr, k_ptr, v_ptr, allowed_ptr, start_ptr, out_ptr,
-    queries, keys, heads_per_kv, head_dim, scaling, softcap,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ab, stride_am, stride_an,
-    stride_ob, stride_oh, stride_om, stride_od,
-    QUERY_TILE: tl.constexpr, KEY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_START: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    queries: tl.int64, keys: tl.int64, heads_per_kv: tl.int64, head_dim: tl.int64, scaling, softcap,
+    stride_qb: tl.int64, stride_qh: tl.int64, stride_qm: tl.int64, stride_qd: tl.int64,
+    stride_kb: tl.int64, stride_kh: tl.int64, stride_kn: tl.int64, stride_kd: tl.int64,
+    stride_vb: tl.int64, stride_vh: tl.int64, stride_vn: tl.int64, stride_vd: tl.int64,
+    stride_ab: tl.int64, stride_am: tl.int64, stride_an: tl.int64,
+    stride_ob: tl.int64, stride_oh: tl.int64, stride_om: tl.int64, stride_od: tl.int64,
+    QUERY_TILE: tl.constexpr, KEY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout."""
     tile, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -80,7 +97,7 @@ def invariant_attention_kernel(
         mask=(query[:, None] < queries) & (dims[None, :] < head_dim),
         other=0.0,
     ).to(tl.float32)
-    first = tl.load(start_ptr + row) if HAS_START else 0
+    first = tl.load(start_ptr + row)
     blocks = tl.cdiv(keys - first, KEY_BLOCK)
     k_row = k_ptr + row * stride_kb + kv_head * stride_kh
     v_row = v_ptr + row * stride_vb + kv_head * stride_vh
@@ -145,7 +162,8 @@ def attend_invariant_triton(
     if out.numel() == 0 or keys == 0:
         return out.zero_()
     allowed = allowed.expand(batch, 1, queries, keys).view(torch.uint8)
-    starts = start if start is not None else torch.zeros(1, dtype=torch.long, device=query.device)
+    # Always each row's first key: a constant 0 would compile another kernel (module docstring).
+    starts = start.long() if start is not None else torch.zeros(batch, dtype=torch.long, device=query.device)
     grid = (triton.cdiv(queries, query_tile), heads, batch)
     invariant_attention_kernel[grid](
         query, key, value, allowed, starts, out,
@@ -154,7 +172,7 @@ def attend_invariant_triton(
         allowed.stride(0), allowed.stride(2), allowed.stride(3),
         *out.stride(),
         QUERY_TILE=query_tile, KEY_BLOCK=key_block, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
-        HAS_START=start is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SOFTCAP=softcap is not None,
         num_warps=NUM_WARPS, enable_fp_fusion=False,  # every specialization rounds alike (triton_rows.py)
     )  # fmt: skip
     return out

@@ -4,7 +4,10 @@ Each program computes one (BLOCK_M, BLOCK_N) tile of `x @ w.T`, walking the redu
 accumulating in fp32; the tile sizes are constants (never chosen by the matrix's shape, never autotuned) and the
 reduction is never split across programs. So a row's result depends on its own values and the weights only: not on
 the number of rows, their order, or the GPU's occupancy. (cuBLAS picks its kernel, and sometimes a split of the
-reduction, by shape: its rows are not invariant.) Runs in Triton's interpreter on CPU tensors for the tests.
+reduction, by shape: its rows are not invariant.) The number of rows is never specialized (one row would compile
+another kernel for a decode step than for a prefill); the other arguments are the layer's shape, the same in every
+process, and the tensor cores' product does not follow the loads' layouts (compiled for sm_90: one wgmma
+16x64x16 for one row, 17 rows or unaligned rows). Runs in Triton's interpreter on CPU tensors for the tests.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ NUM_WARPS = 4
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("rows",))
 def invariant_matmul_kernel(
     x_ptr,
     w_ptr,

@@ -5,7 +5,10 @@ torch's CUDA reductions choose how many threads and blocks share one row's sum f
 get a row split across many threads, many rows one warp each), and its softmax picks a variant by the pointer's
 alignment: a row's result then depends on what else is in the call. Here one program reduces one row, walking it in
 `BLOCK` columns at a time into a `BLOCK`-wide fp32 accumulator and summing that in one fixed tree at the end: the
-order depends on the row's length alone. Runs in Triton's interpreter on CPU tensors for the tests.
+order depends on the row's length alone. Every call runs one compiled kernel (per dtype): the tree `tl.sum` adds in
+follows the layout the compiler picks for the accumulator, which follows what it may assume of the arguments (a
+16-byte-aligned row gave 4 columns per thread, an unaligned one 1, compiled for sm_90), so no argument is specialized
+(as in triton_attention.py). Runs in Triton's interpreter on CPU tensors for the tests.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import triton.language as tl
 
 BLOCK = 1024
 NUM_WARPS = 4
+# Never specialized (module docstring): one kernel per dtype whatever the row's alignment and length.
+POINTERS = ("x_ptr", "out_ptr")
 # No multiply-add contraction: Triton compiles a kernel per argument specialization (alignment, sizes of 1), and each
 # must round every operation alike (the same in triton_matmul.py and triton_attention.py).
 LAUNCH = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
-@triton.jit
-def row_mean_kernel(x_ptr, out_ptr, columns, stride_row, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=("columns", "stride_row"), do_not_specialize_on_alignment=POINTERS)
+def row_mean_kernel(x_ptr, out_ptr, columns: tl.int64, stride_row: tl.int64, BLOCK: tl.constexpr):
     """out[row] = mean(x[row, :columns]), accumulated in fp32."""
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
@@ -34,8 +39,10 @@ def row_mean_kernel(x_ptr, out_ptr, columns, stride_row, BLOCK: tl.constexpr):
     tl.store(out_ptr + row, (total / columns).to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def row_log_softmax_kernel(x_ptr, out_ptr, columns, stride_row, stride_out, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=("columns", "stride_row", "stride_out"), do_not_specialize_on_alignment=POINTERS)
+def row_log_softmax_kernel(
+    x_ptr, out_ptr, columns: tl.int64, stride_row: tl.int64, stride_out: tl.int64, BLOCK: tl.constexpr
+):
     """out[row] = x[row] - logsumexp(x[row]), in fp32 (stored in out's dtype); three passes over the row."""
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
