@@ -32,6 +32,7 @@ def test_every_section_is_a_valid_command_of_the_issue(workload):
         assert (bench[name].workload, bench[name].systems, bench[name].repeats) == (workload, systems, 1)
         assert chosen[name].budget_flag == "--time-budget"  # each stops itself inside its share of the call
     assert bench["throughput"].details and not bench["baseline-generate"].details
+    assert bench["throughput"].batch_invariant  # rollout_invariant beside rollout: its price on the GPU
     assert bench["grpo"].device == device and not bench["grpo"].no_transformers
     assert bench["grpo-step"].device == device and bench["grpo-step"].systems is None  # all four
     colocated = bench["grpo-step-nano"]

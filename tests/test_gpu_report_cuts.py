@@ -125,9 +125,11 @@ def test_a_section_cut_short_keeps_the_systems_it_finished_and_ratios_cross_sect
     system finished keeps that system's line (what `isolated.run_system` printed), and each baseline's ratio is
     taken against it; a baseline cut short at its own deadline gets its rate and no verdict on the ratio."""
     rollout = {"system": "rollout", "workload": "nano", "tokens_per_s": 20000.0, "status": "ok"}
+    invariant = {**rollout, "system": "rollout_invariant", "tokens_per_s": 12500.0}
     details = {"system": "rollout", "status": "ok", "decode_roofline_fraction": 0.6}
     hang = (
         f"import json, time; print(json.dumps({{**{rollout!r}, 'measured': 'throughput'}}), flush=True); "
+        f"print(json.dumps({{**{invariant!r}, 'measured': 'throughput'}}), flush=True); "
         f"print(json.dumps({{**{details!r}, 'measured': 'details'}}), flush=True); time.sleep(600)"
     )
 
@@ -154,6 +156,8 @@ def test_a_section_cut_short_keeps_the_systems_it_finished_and_ratios_cross_sect
     assert goals["rollout tokens/s"]["met"] is True and goals["decode roofline fraction"]["met"] is True
     assert goals["rollout vs transformers_generate_batch"]["value"] == 8.0
     assert goals["rollout vs transformers_generate_batch"]["met"] is True
+    price = goals["batch_invariant price (rollout / rollout_invariant tokens/s)"]  # against its 1.25x goal
+    assert (price["value"], price["met"]) == (1.6, False)
     markdown = (out / "gpu_report.md").read_text()
     assert "| baseline-generate | transformers_generate tokens/s | 444 (CUT SHORT after 90.0 s: 100 of 256" in markdown
     assert "| baseline-generate | rollout vs transformers_generate | 45.00x over what the baseline finished" in markdown

@@ -3,13 +3,14 @@
 machine that starts bare (nothing installed, nothing kept from a call before).
 
 The first call alone gives the headline, printed and written as each section finishes, in this order: rollout's nano
-throughput (tokens/s, the decode roofline fraction, bf16 logprob fidelity against the trainer's floor); transformers'
-`generate_batch` on the same workload under a budget of its own, then its `generate` with what is left (a baseline
-cut short says so, with what it finished); a colocated GRPO step at nano shape. The optional follow-up merges the
-first call's gpu_report.json and measures what the CPU cannot: the GPU tests (graph capture and replay, bitwise
-log-probs), the kernel tests (compiled; the first H200 run, 2026-11-30, needed more than the 76 s the first call had
-left them), and speculative decoding's long tail on the GPU. Both together, machine starts included, fit
-`DEVICE_BUDGET_S`. Weight pushes into a GPU worker (`weights`, measured on that first run) are left to `--only`.
+throughput (tokens/s, `batch_invariant`'s price beside it, the decode roofline fraction, bf16 logprob fidelity against
+the trainer's floor); transformers' `generate_batch` on the same workload under a budget of its own, then its `generate`
+with what is left (a baseline cut short says so, with what it finished); a colocated GRPO step at nano shape. The
+optional follow-up merges the first call's gpu_report.json and measures what the CPU cannot: the GPU tests (graph
+capture and replay, bitwise log-probs), the kernel tests (compiled; the first H200 run, 2026-11-30, needed more than the
+76 s the first call had left them), and speculative decoding's long tail on the GPU. Both together, machine starts
+included, fit `DEVICE_BUDGET_S`. Weight pushes into a GPU worker (`weights`, measured on that first run) are left to
+`--only`.
 
 The GPU image has Python 3.12, torch 2.11, transformers 5.17 and Triton 3.6, and lacks the wheels in `WHEELS`. The
 rehearsal (`rehearsal_commands`) runs the first call's command on the cpu-small workload in a Python 3.12 virtualenv

@@ -41,10 +41,10 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
     return [
         measure(
             "throughput",
-            f"{workload} workload: rollout, decode roofline, bf16 logprob fidelity",
-            ("rollout", "--details"),
-            240,
-            90,
+            f"{workload} workload: rollout, its batch_invariant price, decode roofline, bf16 logprob fidelity",
+            ("rollout", "--batch-invariant", "--details"),  # rollout_invariant right after rollout: the price
+            300,
+            120,
         ),
         measure(
             "baseline-generate-batch",
