@@ -70,6 +70,44 @@ def test_attention_kernel_gives_a_sequence_the_same_bits_padded_or_alone(head_di
 
 
 @needs_triton_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_paged_call_reads_a_cache_in_place_with_the_dense_calls_bits(dtype):
+    """The engine's call (`attend_invariant_paged_triton`: each sequence's blocks read where they lie in a paged
+    cache, in shuffled order, GQA 4 -> 2) gives the bits of the trainer's call over the same keys gathered into a
+    dense batch; NaN planted in every slot no query sees (past each sequence's end, a previous owner's, and the
+    padding blocks) changes nothing."""
+    from rollout.invariant.triton_attention import attend_invariant_paged_triton
+
+    torch.manual_seed(2)
+    block_size, heads, kv_heads, head_dim, queries = 16, 4, 2, 32, 5
+    lengths = [70, 23]
+    key_cache, value_cache = (torch.randn(12, block_size, kv_heads, head_dim).to(dtype) for _ in range(2))
+    order = torch.randperm(11)
+    table = torch.full((2, 5), 11)  # block 11 pads a short sequence's table
+    table[0], table[1, :2] = order[:5], order[5:7]
+    allowed = torch.zeros(2, 1, queries, 5 * block_size, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        for query in range(queries):
+            allowed[row, 0, query, : length - queries + query + 1] = True
+        for cache in (key_cache, value_cache):  # what no query sees: NaN
+            cache.view(-1, kv_heads, head_dim)[(table[row, :, None] * block_size + torch.arange(block_size)).flatten()[
+                length:
+            ]] = float("nan")  # fmt: skip
+    query = torch.randn(2, heads, queries, head_dim).to(dtype)
+    scaling = head_dim**-0.5
+    paged = attend_invariant_paged_triton(
+        query, key_cache, value_cache, table, allowed, scaling, None, QUERY_TILE, KEY_BLOCK
+    )
+    dense_key, dense_value = (
+        c[table].nan_to_num(0.0).flatten(1, 2).transpose(1, 2) for c in (key_cache, value_cache)
+    )  # (2, kv_heads, 80, head_dim)
+    dense = attend_invariant_triton(query, dense_key, dense_value, allowed, None, scaling, None, QUERY_TILE, KEY_BLOCK)
+    assert not paged.isnan().any() and torch.equal(paged, dense)
+    reference = attend_in_torch(query.float(), dense_key.float(), dense_value.float(), allowed, None, scaling)
+    torch.testing.assert_close(paged.float(), reference, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+
+
+@needs_triton_interpreter
 def test_the_mode_routes_a_cuda_tensors_last_axis_reductions_to_the_kernels(monkeypatch):
     """`invariant_reduction` (what the batch-invariant mode calls) with CPU tensors standing in for CUDA ones: a
     last-axis mean / log_softmax, however spelled, takes the kernels; another axis or a dtype argument does not."""
@@ -108,8 +146,8 @@ from triton.compiler import ASTSource
 from rollout.invariant import triton_attention as ta, triton_rows as tr
 results = []
 for dtype in ("bf16", "fp32"):
-    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "allowed_ptr": "u8", "start_ptr": "i64",
-                "out_ptr": dtype}
+    pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "table_ptr": "i64", "allowed_ptr": "u8",
+                "start_ptr": "i64", "out_ptr": dtype}
     constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_SOFTCAP": True}
     kinds = {**{name: "*" + kind for name, kind in pointers.items()}, "scaling": "fp32", "softcap": "fp32",
              **{name: "constexpr" for name in constants}}
@@ -226,3 +264,6 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
         assert compiled["engine"] and compiled["engine"] == compiled["trainer"], (name, compiled)
         if name != "invariant_matmul_kernel":  # one kernel per dtype (the matmul: one per layer shape)
             assert len(compiled["engine"]) == 1, (name, compiled)
+    attention = recorders["invariant_attention_kernel"]
+    calls = [dict(zip(attention.kernel.arg_names, args)) for who, args, _ in attention.launches if who == "engine"]
+    assert all(call["block_size"] < call["keys"] for call in calls)  # the engine read its paged cache in place

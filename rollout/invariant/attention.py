@@ -92,9 +92,9 @@ def attend_invariant(
     scaling: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Batch-invariant attention (module docstring); the engine's paged attention calls it too, with its keys
-    gathered from the cache. On a GPU one Triton kernel computes it (`triton_attention.py`; its backward is this
-    module's PyTorch arithmetic's), on the CPU PyTorch does.
+    """Batch-invariant attention (module docstring); the engine's paged attention on the CPU calls it too, with its
+    keys gathered from the cache (on a GPU it calls `attend_invariant_paged`). On a GPU one Triton kernel computes it
+    (`triton_attention.py`; its backward is this module's PyTorch arithmetic's), on the CPU PyTorch does.
 
     Args:
         query: (batch, heads, queries, head_dim).
@@ -121,6 +121,36 @@ def _attend_in_triton(query, key, value, allowed, start, scaling, softcap) -> to
     from rollout.invariant.triton_attention import attend_invariant_triton  # Triton only where there is a GPU
 
     return attend_invariant_triton(query, key, value, allowed, start, scaling, softcap, QUERY_TILE, KEY_BLOCK)
+
+
+def attend_invariant_paged(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The engine's batch-invariant attention over its paged cache on a GPU: the Triton kernel of `attend_invariant`
+    reading each sequence's blocks where they are (one compiled kernel for both: the same bits as over the keys
+    gathered, without gathering them).
+
+    Args:
+        query: (batch, heads, queries, head_dim).
+        key_cache, value_cache: (num_blocks, block_size, kv_heads, head_dim), on the GPU.
+        block_table: (batch, blocks) each sequence's blocks from its first token.
+        allowed: boolean (batch or 1, 1, queries, blocks * block_size).
+        scaling: the scores' scale.
+        softcap: logit soft-capping, or None.
+    Returns:
+        (batch, heads, queries, head_dim) in `query`'s dtype.
+    """
+    from rollout.invariant.triton_attention import attend_invariant_paged_triton  # Triton only where there is a GPU
+
+    return attend_invariant_paged_triton(
+        query, key_cache, value_cache, block_table, allowed, scaling, softcap, QUERY_TILE, KEY_BLOCK
+    )
 
 
 class _KernelAttention(torch.autograd.Function):

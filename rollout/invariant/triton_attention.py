@@ -6,6 +6,9 @@ then for each block's sum of exp and its weighted values ((QUERY_TILE, head_dim)
 (QUERY_TILE, KEY_BLOCK) x (KEY_BLOCK, head_dim) products in fp32), added block after block. A query's result depends
 on its own row's keys only: not on the batch, the padding, the other queries of its tile or the GPU's occupancy
 (cuBLAS's batched matmuls, which the PyTorch version of the same arithmetic uses, pick kernels by the batch's shape).
+A row's keys are read through a table of storage blocks: the engine's paged cache in place
+(`attend_invariant_paged_triton`), or a dense batch whose rows are one block each (`attend_invariant_triton`, the
+trainer's), so both run the very same kernel.
 
 Every call runs one compiled kernel (per dtype, head_dim and softcap). Triton compiles a kernel per specialization of
 its arguments (an integer equal to 1 becomes a constant, integers divisible by 16 and 16-byte-aligned pointers are
@@ -19,6 +22,8 @@ tensors for the tests.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,9 +34,11 @@ NUM_WARPS = 4
 @triton.jit
 def _block_scores(
     q,
-    k_ptr,
-    allowed_ptr,
+    k_head,
+    table_row,
+    allowed_row,
     keys,
+    block_size,
     first,
     block,
     query,
@@ -39,19 +46,24 @@ def _block_scores(
     head_dim,
     scaling,
     softcap,
+    stride_kb,
     stride_kn,
     stride_kd,
+    stride_tn,
     stride_am,
     stride_an,
     queries,
     KEY_BLOCK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
-    """One key block's scores for the query tile (masked keys at -inf), and the block's key indices."""
+    """One key block's scores for the query tile (masked keys at -inf), and where its keys are: (scores, each key's
+    storage block, its slot in that block, whether it is inside the row, whether a query of the tile sees it)."""
     key = first + block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
     inside = key < keys
+    stored = tl.load(table_row + (key // block_size) * stride_tn, mask=inside, other=0)
+    slot = key % block_size
     k = tl.load(
-        k_ptr + key[None, :] * stride_kn + dims[:, None] * stride_kd,
+        k_head + stored[None, :] * stride_kb + slot[None, :] * stride_kn + dims[:, None] * stride_kd,
         mask=inside[None, :] & (dims[:, None] < head_dim),
         other=0.0,
     ).to(tl.float32)
@@ -59,35 +71,39 @@ def _block_scores(
     if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1)
         scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
     seen = tl.load(
-        allowed_ptr + query[:, None] * stride_am + key[None, :] * stride_an,
+        allowed_row + query[:, None] * stride_am + key[None, :] * stride_an,
         mask=(query[:, None] < queries) & inside[None, :],
         other=0,
     )
-    return tl.where(seen != 0, scores, float("-inf")), key, inside
+    return tl.where(seen != 0, scores, float("-inf")), stored, slot, inside, tl.max(seen, axis=0) != 0
 
 
 # Never specialized (module docstring): every call compiles to one kernel.
-POINTERS = ("q_ptr", "k_ptr", "v_ptr", "allowed_ptr", "start_ptr", "out_ptr")
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "allowed_ptr", "start_ptr", "out_ptr")
 INTEGERS = (
-    "queries", "keys", "heads_per_kv", "head_dim",
+    "queries", "keys", "block_size", "heads_per_kv", "head_dim",
     "stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
-    "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_ab", "stride_am", "stride_an",
-    "stride_ob", "stride_oh", "stride_om", "stride_od",
+    "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_tb", "stride_tn", "stride_ab", "stride_am",
+    "stride_an", "stride_ob", "stride_oh", "stride_om", "stride_od",
 )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=INTEGERS, do_not_specialize_on_alignment=POINTERS)
 def invariant_attention_kernel(
-    q_ptr, k_ptr, v_ptr, allowed_ptr, start_ptr, out_ptr,
-    queries: tl.int64, keys: tl.int64, heads_per_kv: tl.int64, head_dim: tl.int64, scaling, softcap,
+    q_ptr, k_ptr, v_ptr, table_ptr, allowed_ptr, start_ptr, out_ptr,
+    queries: tl.int64, keys: tl.int64, block_size: tl.int64, heads_per_kv: tl.int64, head_dim: tl.int64,
+    scaling, softcap,
     stride_qb: tl.int64, stride_qh: tl.int64, stride_qm: tl.int64, stride_qd: tl.int64,
     stride_kb: tl.int64, stride_kh: tl.int64, stride_kn: tl.int64, stride_kd: tl.int64,
     stride_vb: tl.int64, stride_vh: tl.int64, stride_vn: tl.int64, stride_vd: tl.int64,
+    stride_tb: tl.int64, stride_tn: tl.int64,
     stride_ab: tl.int64, stride_am: tl.int64, stride_an: tl.int64,
     stride_ob: tl.int64, stride_oh: tl.int64, stride_om: tl.int64, stride_od: tl.int64,
     QUERY_TILE: tl.constexpr, KEY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout."""
+    """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout. A row's key
+    `i` is slot `i % block_size` of storage block `table[row, i // block_size]` (k and v: (blocks, kv_heads, slots,
+    head_dim) by their strides): a paged cache's blocks, or a dense batch whose rows are one block each."""
     tile, head, row = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     kv_head = head // heads_per_kv
     query = tile.to(tl.int64) * QUERY_TILE + tl.arange(0, QUERY_TILE)  # int64: queries x keys may pass 2**31
@@ -99,28 +115,33 @@ def invariant_attention_kernel(
     ).to(tl.float32)
     first = tl.load(start_ptr + row)
     blocks = tl.cdiv(keys - first, KEY_BLOCK)
-    k_row = k_ptr + row * stride_kb + kv_head * stride_kh
-    v_row = v_ptr + row * stride_vb + kv_head * stride_vh
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table_row = table_ptr + row * stride_tb
     allowed_row = allowed_ptr + row * stride_ab
     peak = tl.full((QUERY_TILE,), float("-inf"), dtype=tl.float32)
     for block in range(0, blocks):
-        scores, _, _ = _block_scores(q, k_row, allowed_row, keys, first, block, query, dims, head_dim, scaling,
-                                     softcap, stride_kn, stride_kd, stride_am, stride_an, queries, KEY_BLOCK,
-                                     HAS_SOFTCAP)  # fmt: skip
+        scores, _, _, _, _ = _block_scores(q, k_head, table_row, allowed_row, keys, block_size, first, block, query,
+                                        dims, head_dim, scaling, softcap, stride_kb, stride_kn, stride_kd,
+                                        stride_tn, stride_am, stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
         peak = tl.maximum(peak, tl.max(scores, axis=1))
     shift = tl.where(peak > float("-inf"), peak, 0.0)
     total = tl.zeros((QUERY_TILE,), dtype=tl.float32)
     out = tl.zeros((QUERY_TILE, HEAD_DIM), dtype=tl.float32)
     for block in range(0, blocks):  # in order: the same additions whatever comes after the row's keys
-        scores, key, inside = _block_scores(q, k_row, allowed_row, keys, first, block, query, dims, head_dim,
-                                            scaling, softcap, stride_kn, stride_kd, stride_am, stride_an, queries,
-                                            KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
+        scores, stored, slot, inside, seen = _block_scores(q, k_head, table_row, allowed_row, keys, block_size,
+                                                           first, block, query, dims, head_dim, scaling, softcap,
+                                                           stride_kb, stride_kn, stride_kd, stride_tn, stride_am,
+                                                           stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
         weights = tl.exp(scores - shift[:, None])  # a masked key's weight is exactly 0
         v = tl.load(
-            v_row + key[:, None] * stride_vn + dims[None, :] * stride_vd,
+            v_head + stored[:, None] * stride_vb + slot[:, None] * stride_vn + dims[None, :] * stride_vd,
             mask=inside[:, None] & (dims[None, :] < head_dim),
             other=0.0,
         ).to(tl.float32)
+        # A key no query sees weighs exactly 0, but 0 x NaN is NaN: a paged cache's slots past a sequence's end may
+        # hold a previous owner's values, NaN included. They count as 0 (0 x a finite value adds 0 all the same).
+        v = tl.where(seen[:, None], v, 0.0)
         total += tl.sum(weights, axis=1)
         out += tl.dot(weights, v, input_precision="ieee")
     safe = tl.where(total > 0, total, 1.0)
@@ -156,8 +177,67 @@ def attend_invariant_triton(
     Returns:
         (batch, heads, queries, head_dim) in `query`'s dtype.
     """
+    rows = torch.arange(query.shape[0], device=query.device).unsqueeze(1)  # each row one block of all its keys
+    layout = _Storage(key, value, key.stride(), value.stride(), key.shape[1], rows, key.shape[2])
+    return _launch(query, layout, allowed, start, scaling, softcap, query_tile, key_block)
+
+
+def attend_invariant_paged_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    query_tile: int,
+    key_block: int,
+) -> torch.Tensor:
+    """The same kernel reading a paged cache's blocks where they are (the engine's attention): the same bits as
+    `attend_invariant_triton` over those keys gathered, as it is the same compiled kernel.
+
+    Args:
+        query: (batch, heads, queries, head_dim).
+        key_cache, value_cache: (num_blocks, block_size, kv_heads, head_dim).
+        block_table: (batch, blocks) each row's blocks, in order, from its first token.
+        allowed: boolean (batch, 1, queries, blocks * block_size) (broadcast over a size-1 batch).
+        scaling, softcap, query_tile, key_block: as `attend_invariant_triton`'s.
+    Returns:
+        (batch, heads, queries, head_dim) in `query`'s dtype.
+    """
+    # The cache's strides in the kernel's (blocks, kv_heads, slots, head_dim) order.
+    key_strides, value_strides = (tuple(c.stride(i) for i in (0, 2, 1, 3)) for c in (key_cache, value_cache))
+    layout = _Storage(
+        key_cache, value_cache, key_strides, value_strides, key_cache.shape[2], block_table.long(), key_cache.shape[1]
+    )
+    return _launch(query, layout, allowed, None, scaling, softcap, query_tile, key_block)
+
+
+class _Storage(NamedTuple):
+    """Where the kernel reads keys and values: (blocks, kv_heads, slots, head_dim) strides, and each row's blocks."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_strides: tuple[int, ...]
+    value_strides: tuple[int, ...]
+    kv_heads: int
+    table: torch.Tensor  # (batch, blocks) int64
+    block_size: int
+
+
+def _launch(
+    query: torch.Tensor,
+    storage: _Storage,
+    allowed: torch.Tensor,
+    start: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    query_tile: int,
+    key_block: int,
+) -> torch.Tensor:
+    """Launch the kernel over `storage`: each row's keys `table.shape[1] * block_size` long."""
     batch, heads, queries, head_dim = query.shape
-    keys = key.shape[2]
+    keys = storage.table.shape[1] * storage.block_size
     out = torch.empty_like(query)
     if out.numel() == 0 or keys == 0:
         return out.zero_()
@@ -166,13 +246,13 @@ def attend_invariant_triton(
     starts = start.long() if start is not None else torch.zeros(batch, dtype=torch.long, device=query.device)
     grid = (triton.cdiv(queries, query_tile), heads, batch)
     invariant_attention_kernel[grid](
-        query, key, value, allowed, starts, out,
-        queries, keys, heads // key.shape[1], head_dim, float(scaling), float(softcap or 1.0),
-        *query.stride(), *key.stride(), *value.stride(),
+        query, storage.key, storage.value, storage.table, allowed, starts, out,
+        queries, keys, storage.block_size, heads // storage.kv_heads, head_dim, float(scaling), float(softcap or 1.0),
+        *query.stride(), *storage.key_strides, *storage.value_strides, *storage.table.stride(),
         allowed.stride(0), allowed.stride(2), allowed.stride(3),
         *out.stride(),
         QUERY_TILE=query_tile, KEY_BLOCK=key_block, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
         HAS_SOFTCAP=softcap is not None,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,  # every specialization rounds alike (triton_rows.py)
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out

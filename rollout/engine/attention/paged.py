@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
-from rollout.invariant.attention import attend_invariant
+from rollout.invariant.attention import attend_invariant, attend_invariant_paged
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -133,18 +133,21 @@ def _paged_attention(
     for group in metadata.groups:
         batch, num_queries = group.query_index.shape
         group_query = tokens[group.query_index].transpose(1, 2)  # (B, H, Q, D)
-        if cache.heads_first:  # the invariant CPU attention: each head's keys as one contiguous batch
+        mask = group.mask(sliding_window, cache.block_size)
+        # Batch-invariant: every sequence's keys start at its first token, so key block 0 starts there.
+        if metadata.batch_invariant and not cache.heads_first:  # on a GPU: the kernel reads the blocks in place
+            result = attend_invariant_paged(
+                group_query, key_cache, value_cache, group.block_table, mask, scaling, softcap
+            )
+        elif metadata.batch_invariant:  # the invariant CPU attention: each head's keys as one contiguous batch
             rows = group.head_rows(key_cache.shape[1])
             group_key, group_value = (_gather_heads(c, rows, batch) for c in (key_cache, value_cache))
-        else:
-            group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
-            group_value = _gather_blocks(value_cache, group.block_table)
-        mask = group.mask(sliding_window, cache.block_size)
-        if metadata.batch_invariant:  # every sequence's keys start at its first token: block 0 starts there
             result = attend_invariant(
                 group_query, group_key, group_value, mask.expand(batch, -1, -1, -1), None, scaling, softcap
             )
         else:
+            group_key = _gather_blocks(key_cache, group.block_table)  # (B, Hkv, L, D)
+            group_value = _gather_blocks(value_cache, group.block_table)
             result = attend(group_query, group_key, group_value, mask, scaling, softcap)
         result = result.transpose(1, 2)  # (B, Q, H, D)
         targets, result = group.query_index.flatten(), result.flatten(0, 1)
