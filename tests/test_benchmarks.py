@@ -206,3 +206,27 @@ def test_a_time_budget_puts_the_headline_first(monkeypatch):
     throughput.run("cpu-small", ["transformers_generate_batch"], time_budget_s=90)
     stop_in, limit = asked[0][2:]
     assert abs(stop_in - (limit - 15)) < 1 and abs(limit - 90) < 1
+
+
+def test_a_profile_names_where_the_time_went():
+    """`device_profile` over torch's own profiler (on a CPU: operators by their own time): twenty 384x384 matmuls
+    beside five small additions come first, with their call count; the printed lines name it."""
+    import torch
+
+    from rollout.benchmarks.throughput.device_profile import device_profile, format_profile
+
+    a, b = torch.randn(384, 384), torch.randn(8)
+
+    def run() -> None:
+        for _ in range(20):
+            torch.mm(a, a)
+        for _ in range(5):
+            torch.add(b, b)
+
+    summary = device_profile(run, "cpu", top=3)
+    first = summary["top"][0]
+    assert (first["name"], first["calls"]) == ("aten::mm", 20) and first["share"] > 0.5
+    assert {"aten::add"} <= {entry["name"] for entry in summary["top"]} and len(summary["top"]) <= 3
+    assert 0 < summary["busy_ms"] <= summary["wall_ms"] and summary["busy_fraction"] <= 1
+    lines = format_profile("rollout", summary)
+    assert lines[0].startswith("rollout profile:") and "aten::mm" in lines[1]

@@ -50,7 +50,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             "baseline-generate-batch",
             f"{workload} workload: transformers' generate_batch",
             ("transformers_generate_batch",),
-            100,  # about 10x slower than rollout on an H200: it is cut short, and its rate is what it finished
+            80,  # about 10x slower than rollout on an H200: it is cut short, and its rate is what it finished
             60,
         ),
         measure(

@@ -21,6 +21,7 @@ import torch
 from rollout.benchmarks.harness.choices import SYSTEM_NAMES
 from rollout.benchmarks.harness.progress import stage
 from rollout.benchmarks.harness.workloads import GIB, WORKLOADS, Workload, make_workload
+from rollout.benchmarks.throughput.device_profile import device_profile
 from rollout.config import ContinuousBatchingConfig, SamplingParams
 from rollout.engine.generate import generate_batch, release_cached_engine
 from rollout.presets.models import tiny_tokenizer
@@ -32,6 +33,8 @@ WARMUP_PROMPTS, WARMUP_TOKENS = 8, 16
 # rollout's warm-up also runs the requests with the longest outputs to their end: the long-context decode steps of
 # few sequences are where attention splits its key blocks (kernel variants the full batch never asks for).
 WARMUP_TAIL_REQUESTS = 8
+# Profiled after their timed runs on a GPU (`device_profile.py`): every prompt, this many tokens each.
+PROFILED, PROFILED_TOKENS = ("rollout", "rollout_invariant"), 16
 
 
 def sync(device: str) -> None:
@@ -277,7 +280,8 @@ def measure_system(
             None: no limit.
     Returns:
         tokens_per_s, seconds (median), runs_s, warmup_s, kv_budget_bytes, peak_memory_gib (CUDA), a digest of each
-        completion, and for a run cut short `cut_short`: the requests it finished of those it was given, and the
+        completion, `profile` (rollout's systems on a GPU: `device_profile` of a shorter run, else None), and for a
+        run cut short `cut_short`: the requests it finished of those it was given, and the
         tokens counted of those requested (up to each request's max_new_tokens: `generate` returns every row's tokens
         so far, `generate_batch` its finished requests only, so its rate is then a lower bound).
     """
@@ -313,6 +317,14 @@ def measure_system(
             break
         stage(f"{system}: {elapsed:.2f} s")
         times.append(elapsed)
+    profiled = None
+    if chosen.device == "cuda" and system in PROFILED and cut_short is None:  # where a GPU figure's time went
+        stage(f"{system}: profiling {PROFILED_TOKENS} tokens of every prompt")
+        shorter = [min(m, PROFILED_TOKENS) for m in max_new]
+        try:  # the timed figures stand without it
+            profiled = device_profile(lambda: SYSTEMS[system](model, prompts, shorter, chosen), "cuda")
+        except Exception as error:  # noqa: BLE001 - reported in the profile's place
+            profiled = {"error": repr(error)[-500:]}
     release_cached_engine(model)
     seconds = statistics.median(times)
     counted = cut_short["tokens"] if cut_short else sum(max_new)
@@ -328,4 +340,5 @@ def measure_system(
         "peak_memory_gib": None if peak is None else round(peak, 2),
         "cut_short": cut_short,
         "token_digests": [token_digest(t) for t in tokens],
+        "profile": profiled,
     }

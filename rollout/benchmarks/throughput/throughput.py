@@ -17,6 +17,7 @@ import torch
 from rollout.benchmarks.harness.isolated import run_system
 from rollout.benchmarks.harness.progress import stage
 from rollout.benchmarks.harness.workloads import WORKLOADS
+from rollout.benchmarks.throughput.device_profile import format_profile
 from rollout.benchmarks.throughput.systems import STOP_AT_DEADLINE
 
 # Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
@@ -131,6 +132,9 @@ def _print_table(summary: dict) -> None:
                 f"  {name} was CUT SHORT at its time limit: {cut['finished_requests']} of {cut['requests']} requests "
                 f"finished, {cut['tokens']} of {cut['requested_tokens']} tokens counted in {result['seconds']:.1f} s"
             )
+    for name, result in summary["results"].items():
+        if result.get("profile"):
+            print("\n".join(format_profile(name, result["profile"])))
     details = summary.get("details")
     if details and details["status"] != "ok":
         print(f"details: {details['status'].upper()} after {details['seconds']:.0f} s (see its output above)")
