@@ -95,8 +95,9 @@ def test_the_paged_call_reads_a_cache_in_place_with_the_dense_calls_bits(dtype):
             ]] = float("nan")  # fmt: skip
     query = torch.randn(2, heads, queries, head_dim).to(dtype)
     scaling = head_dim**-0.5
+    ends = torch.tensor(lengths)  # each row walks its own keys only (the blocks after add exactly 0)
     paged = attend_invariant_paged_triton(
-        query, key_cache, value_cache, table, allowed, scaling, None, QUERY_TILE, KEY_BLOCK
+        query, key_cache, value_cache, table, allowed, ends, scaling, None, QUERY_TILE, KEY_BLOCK
     )
     dense_key, dense_value = (
         c[table].nan_to_num(0.0).flatten(1, 2).transpose(1, 2) for c in (key_cache, value_cache)
@@ -147,7 +148,7 @@ from rollout.invariant import triton_attention as ta, triton_rows as tr
 results = []
 for dtype in ("bf16", "fp32"):
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "table_ptr": "i64", "allowed_ptr": "u8",
-                "start_ptr": "i64", "out_ptr": dtype}
+                "start_ptr": "i64", "end_ptr": "i64", "out_ptr": dtype}
     constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_SOFTCAP": True}
     kinds = {**{name: "*" + kind for name, kind in pointers.items()}, "scaling": "fp32", "softcap": "fp32",
              **{name: "constexpr" for name in constants}}
@@ -266,4 +267,4 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
             assert len(compiled["engine"]) == 1, (name, compiled)
     attention = recorders["invariant_attention_kernel"]
     calls = [dict(zip(attention.kernel.arg_names, args)) for who, args, _ in attention.launches if who == "engine"]
-    assert all(call["block_size"] < call["keys"] for call in calls)  # the engine read its paged cache in place
+    assert calls and all(call["block_size"] < KEY_BLOCK for call in calls)  # the engine read its cache in place

@@ -129,6 +129,7 @@ def attend_invariant_paged(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     allowed: torch.Tensor,
+    ends: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -141,6 +142,8 @@ def attend_invariant_paged(
         key_cache, value_cache: (num_blocks, block_size, kv_heads, head_dim), on the GPU.
         block_table: (batch, blocks) each sequence's blocks from its first token.
         allowed: boolean (batch or 1, 1, queries, blocks * block_size).
+        ends: (batch,) each sequence's keys its queries see (its last query's position + 1): the kernel walks
+            no further.
         scaling: the scores' scale.
         softcap: logit soft-capping, or None.
     Returns:
@@ -149,7 +152,7 @@ def attend_invariant_paged(
     from rollout.invariant.triton_attention import attend_invariant_paged_triton  # Triton only where there is a GPU
 
     return attend_invariant_paged_triton(
-        query, key_cache, value_cache, block_table, allowed, scaling, softcap, QUERY_TILE, KEY_BLOCK
+        query, key_cache, value_cache, block_table, allowed, ends, scaling, softcap, QUERY_TILE, KEY_BLOCK
     )
 
 

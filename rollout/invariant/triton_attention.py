@@ -37,7 +37,7 @@ def _block_scores(
     k_head,
     table_row,
     allowed_row,
-    keys,
+    end,
     block_size,
     first,
     block,
@@ -59,7 +59,7 @@ def _block_scores(
     """One key block's scores for the query tile (masked keys at -inf), and where its keys are: (scores, each key's
     storage block, its slot in that block, whether it is inside the row, whether a query of the tile sees it)."""
     key = first + block * KEY_BLOCK + tl.arange(0, KEY_BLOCK)
-    inside = key < keys
+    inside = key < end
     stored = tl.load(table_row + (key // block_size) * stride_tn, mask=inside, other=0)
     slot = key % block_size
     k = tl.load(
@@ -79,9 +79,9 @@ def _block_scores(
 
 
 # Never specialized (module docstring): every call compiles to one kernel.
-POINTERS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "allowed_ptr", "start_ptr", "out_ptr")
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "table_ptr", "allowed_ptr", "start_ptr", "end_ptr", "out_ptr")
 INTEGERS = (
-    "queries", "keys", "block_size", "heads_per_kv", "head_dim",
+    "queries", "block_size", "heads_per_kv", "head_dim",
     "stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kn", "stride_kd",
     "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_tb", "stride_tn", "stride_ab", "stride_am",
     "stride_an", "stride_ob", "stride_oh", "stride_om", "stride_od",
@@ -90,8 +90,8 @@ INTEGERS = (
 
 @triton.jit(do_not_specialize=INTEGERS, do_not_specialize_on_alignment=POINTERS)
 def invariant_attention_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, allowed_ptr, start_ptr, out_ptr,
-    queries: tl.int64, keys: tl.int64, block_size: tl.int64, heads_per_kv: tl.int64, head_dim: tl.int64,
+    q_ptr, k_ptr, v_ptr, table_ptr, allowed_ptr, start_ptr, end_ptr, out_ptr,
+    queries: tl.int64, block_size: tl.int64, heads_per_kv: tl.int64, head_dim: tl.int64,
     scaling, softcap,
     stride_qb: tl.int64, stride_qh: tl.int64, stride_qm: tl.int64, stride_qd: tl.int64,
     stride_kb: tl.int64, stride_kh: tl.int64, stride_kn: tl.int64, stride_kd: tl.int64,
@@ -113,15 +113,15 @@ def invariant_attention_kernel(
         mask=(query[:, None] < queries) & (dims[None, :] < head_dim),
         other=0.0,
     ).to(tl.float32)
-    first = tl.load(start_ptr + row)
-    blocks = tl.cdiv(keys - first, KEY_BLOCK)
+    first, end = tl.load(start_ptr + row), tl.load(end_ptr + row)  # the row's keys: [first, end)
+    blocks = tl.cdiv(end - first, KEY_BLOCK)  # the blocks past `end` would add exactly 0: not walked
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
     table_row = table_ptr + row * stride_tb
     allowed_row = allowed_ptr + row * stride_ab
     peak = tl.full((QUERY_TILE,), float("-inf"), dtype=tl.float32)
     for block in range(0, blocks):
-        scores, _, _, _, _ = _block_scores(q, k_head, table_row, allowed_row, keys, block_size, first, block, query,
+        scores, _, _, _, _ = _block_scores(q, k_head, table_row, allowed_row, end, block_size, first, block, query,
                                         dims, head_dim, scaling, softcap, stride_kb, stride_kn, stride_kd,
                                         stride_tn, stride_am, stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
         peak = tl.maximum(peak, tl.max(scores, axis=1))
@@ -129,7 +129,7 @@ def invariant_attention_kernel(
     total = tl.zeros((QUERY_TILE,), dtype=tl.float32)
     out = tl.zeros((QUERY_TILE, HEAD_DIM), dtype=tl.float32)
     for block in range(0, blocks):  # in order: the same additions whatever comes after the row's keys
-        scores, stored, slot, inside, seen = _block_scores(q, k_head, table_row, allowed_row, keys, block_size,
+        scores, stored, slot, inside, seen = _block_scores(q, k_head, table_row, allowed_row, end, block_size,
                                                            first, block, query, dims, head_dim, scaling, softcap,
                                                            stride_kb, stride_kn, stride_kd, stride_tn, stride_am,
                                                            stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
@@ -179,7 +179,7 @@ def attend_invariant_triton(
     """
     rows = torch.arange(query.shape[0], device=query.device).unsqueeze(1)  # each row one block of all its keys
     layout = _Storage(key, value, key.stride(), value.stride(), key.shape[1], rows, key.shape[2])
-    return _launch(query, layout, allowed, start, scaling, softcap, query_tile, key_block)
+    return _launch(query, layout, allowed, start, None, scaling, softcap, query_tile, key_block)
 
 
 def attend_invariant_paged_triton(
@@ -188,19 +188,22 @@ def attend_invariant_paged_triton(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     allowed: torch.Tensor,
+    ends: torch.Tensor,
     scaling: float,
     softcap: float | None,
     query_tile: int,
     key_block: int,
 ) -> torch.Tensor:
     """The same kernel reading a paged cache's blocks where they are (the engine's attention): the same bits as
-    `attend_invariant_triton` over those keys gathered, as it is the same compiled kernel.
+    `attend_invariant_triton` over those keys gathered, as it is the same compiled kernel. Each row walks its keys
+    up to `ends` only: the key blocks after it hold no key the row's queries see, and would add exactly 0.
 
     Args:
         query: (batch, heads, queries, head_dim).
         key_cache, value_cache: (num_blocks, block_size, kv_heads, head_dim).
         block_table: (batch, blocks) each row's blocks, in order, from its first token.
         allowed: boolean (batch, 1, queries, blocks * block_size) (broadcast over a size-1 batch).
+        ends: (batch,) int64, each row's keys seen by its queries: its last query's position + 1.
         scaling, softcap, query_tile, key_block: as `attend_invariant_triton`'s.
     Returns:
         (batch, heads, queries, head_dim) in `query`'s dtype.
@@ -210,7 +213,7 @@ def attend_invariant_paged_triton(
     layout = _Storage(
         key_cache, value_cache, key_strides, value_strides, key_cache.shape[2], block_table.long(), key_cache.shape[1]
     )
-    return _launch(query, layout, allowed, None, scaling, softcap, query_tile, key_block)
+    return _launch(query, layout, allowed, None, ends, scaling, softcap, query_tile, key_block)
 
 
 class _Storage(NamedTuple):
@@ -230,12 +233,14 @@ def _launch(
     storage: _Storage,
     allowed: torch.Tensor,
     start: torch.Tensor | None,
+    ends: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
     query_tile: int,
     key_block: int,
 ) -> torch.Tensor:
-    """Launch the kernel over `storage`: each row's keys `table.shape[1] * block_size` long."""
+    """Launch the kernel over `storage`: each row's keys `table.shape[1] * block_size` long, walked from `start`
+    (None: 0) to `ends` (None: that length)."""
     batch, heads, queries, head_dim = query.shape
     keys = storage.table.shape[1] * storage.block_size
     out = torch.empty_like(query)
@@ -244,10 +249,11 @@ def _launch(
     allowed = allowed.expand(batch, 1, queries, keys).view(torch.uint8)
     # Always each row's first key: a constant 0 would compile another kernel (module docstring).
     starts = start.long() if start is not None else torch.zeros(batch, dtype=torch.long, device=query.device)
+    ends = ends.long() if ends is not None else torch.full((batch,), keys, dtype=torch.long, device=query.device)
     grid = (triton.cdiv(queries, query_tile), heads, batch)
     invariant_attention_kernel[grid](
-        query, storage.key, storage.value, storage.table, allowed, starts, out,
-        queries, keys, storage.block_size, heads // storage.kv_heads, head_dim, float(scaling), float(softcap or 1.0),
+        query, storage.key, storage.value, storage.table, allowed, starts, ends, out,
+        queries, storage.block_size, heads // storage.kv_heads, head_dim, float(scaling), float(softcap or 1.0),
         *query.stride(), *storage.key_strides, *storage.value_strides, *storage.table.stride(),
         allowed.stride(0), allowed.stride(2), allowed.stride(3),
         *out.stride(),

@@ -137,7 +137,7 @@ def _paged_attention(
         # Batch-invariant: every sequence's keys start at its first token, so key block 0 starts there.
         if metadata.batch_invariant and not cache.heads_first:  # on a GPU: the kernel reads the blocks in place
             result = attend_invariant_paged(
-                group_query, key_cache, value_cache, group.block_table, mask, scaling, softcap
+                group_query, key_cache, value_cache, group.block_table, mask, group.key_ends(), scaling, softcap
             )
         elif metadata.batch_invariant:  # the invariant CPU attention: each head's keys as one contiguous batch
             rows = group.head_rows(key_cache.shape[1])

@@ -29,6 +29,14 @@ class SequenceGroup:
     valid_rows: torch.Tensor | None
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _head_rows: torch.Tensor | None = None
+    _key_ends: torch.Tensor | None = None
+
+    def key_ends(self) -> torch.Tensor:
+        """(B,) int64 keys each sequence's queries see at most: its last query's position + 1 (a padding
+        sequence's 1); built once per step."""
+        if self._key_ends is None:
+            self._key_ends = self.query_pos.amax(dim=1) + 1
+        return self._key_ends
 
     def head_rows(self, kv_heads: int) -> torch.Tensor:
         """The rows of a layer's heads-first cache, viewed as (num_blocks * kv_heads, block_size * head_dim), that
