@@ -79,8 +79,8 @@ class ContinuousBatchingConfig:
     # Most requests waiting to be scheduled (queued, not yet running); 0 means unbounded. A full queue is an error.
     max_queue_size: int = 0
     # Replay CUDA graphs for decode steps (one capture per bucketed batch size; `warmup()` captures them all ahead
-    # of time). None: on CUDA whenever the Triton attention kernels serve it; True: insist (an error without the
-    # kernels); False: eager. Never used on CPU.
+    # of time). None: on CUDA whenever the Triton attention kernels serve it (with batch_invariant: its Triton
+    # kernels, in fp32, bf16 or fp16); True: insist (an error without the kernels); False: eager. Never used on CPU.
     use_cuda_graph: bool | None = None
     # Schedule step N+1 while step N runs on the device: the host's scheduling and input building hide behind the
     # GPU's forward, and step N's tokens reach the host once, after N+1 was queued. A sample that stops at step N
@@ -235,12 +235,6 @@ class ContinuousBatchingConfig:
                 "decode_compile_config",
                 "must be None with batch_invariant=True",
                 self.decode_compile_config,
-            )
-            _check(
-                self.use_cuda_graph is not True,
-                "use_cuda_graph",
-                "must not be True with batch_invariant=True (graphs need the Triton kernels)",
-                self.use_cuda_graph,
             )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,

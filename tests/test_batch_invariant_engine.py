@@ -98,7 +98,6 @@ def test_the_same_seed_gives_the_same_tokens_whatever_the_batch():
     [
         ({"attention_backend": "triton"}, "attention_backend"),
         ({"decode_compile_config": CompileConfig()}, "decode_compile_config"),
-        ({"use_cuda_graph": True}, "use_cuda_graph"),
         ({"batch_invariant": 1}, "batch_invariant"),
     ],
 )

@@ -208,13 +208,16 @@ def _cuda_specialization(kernel, args: tuple, kwargs: dict) -> tuple:
 
 @needs_triton_interpreter
 @pytest.mark.timeout(300)
-def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(monkeypatch, graphs):
     """The GPU's arithmetic on a CPU: with `KERNELS_ON_CPU` every invariant matmul, reduction and attention runs as
     its Triton kernel (in the interpreter); a bf16 engine's sampled log-probs (chunked prefill, shared prompts, two
-    key blocks) still equal the trainer's invariant forward over TRL's padded layout, bit for bit. And on a GPU they
-    would run the same compiled kernels: Triton's launcher specializes the engine's launches (decode steps of one
-    query, keys gathered from the cache) as it does the trainer's (a padded batch), which the interpreter's
-    arithmetic cannot show (a decode's kernel once summed a key block's weights in another order on an H200)."""
+    key blocks) still equal the trainer's invariant forward over TRL's padded layout, bit for bit, with its decode
+    steps eager or through the decode graphs' persistent, padded buffers (run eagerly here: capture needs CUDA).
+    And on a GPU they would run the same compiled kernels: Triton's launcher specializes the engine's launches
+    (decode steps of one query, its paged cache read in place) as it does the trainer's (a padded batch), which the
+    interpreter's arithmetic cannot show (a decode's kernel once summed a key block's weights in another order on
+    an H200)."""
     import copy
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -246,13 +249,20 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     scale_to_entropy(model, [list(range(3, 40))])
     trainer = copy.deepcopy(model)
     engine = Engine(model, ContinuousBatchingConfig(batch_invariant=True, num_blocks=64, max_batch_tokens=32))
+    replays = []
+    if graphs:
+        decode_graphs = engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=False)
+        run = decode_graphs.run
+        monkeypatch.setattr(decode_graphs, "run", lambda *a, **k: replays.append(len(a[0])) or run(*a, **k))
     for index, length in enumerate((30, 66)):
         prompt = [(7 * j + index) % 128 for j in range(length)]
-        engine.add_request(f"r{index}", prompt, SamplingParams(temperature=1.0, seed=index), n=2, max_new_tokens=4)
+        engine.add_request(f"r{index}", prompt, SamplingParams(temperature=1.0, seed=index), n=3, max_new_tokens=4)
     outputs = run_to_completion(engine)
     engine.close()
     samples = [(list(o.prompt_ids), list(o.generated_tokens), torch.tensor(o.logprobs)) for o in outputs.values()]
-    assert len(samples) == 4 and max(len(p) + len(c) for p, c, _ in samples) > KEY_BLOCK
+    assert len(samples) == 6 and max(len(p) + len(c) for p, c, _ in samples) > KEY_BLOCK
+    # Through the graphs: decode steps of 3 sequences, each padded to the bucket of 4 with a padding sequence.
+    assert replays == ([3, 3, 3] if graphs else [])
     phase[0] = "trainer"
     with batch_invariant(trainer):
         reference = padded_batch_logprobs(trainer, [p for p, _, _ in samples], [c for _, c, _ in samples], batch_size=4)

@@ -22,16 +22,25 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
-@pytest.mark.parametrize("budget", [48, 1024], ids=["chunked", "whole"])
-def test_bf16_engine_logprobs_equal_the_trainers_invariant_forward(budget, overlap):
+@pytest.mark.parametrize(
+    "budget, overlap, graphs",
+    [(48, False, False), (48, True, True), (1024, False, True), (1024, True, False)],
+    ids=["chunked-serial-eager", "chunked-overlapped-graphs", "whole-serial-graphs", "whole-overlapped-eager"],
+)
+def test_bf16_engine_logprobs_equal_the_trainers_invariant_forward(budget, overlap, graphs):
+    """Decode steps eager or replayed from CUDA graphs captured over the invariant kernels."""
     model = small_qwen3(torch.bfloat16)  # built in bf16: its rotary frequencies stay fp32, as a worker's
     scale_to_entropy(model, [list(range(3, 40)), list(range(100, 160))])
     trainer = copy.deepcopy(model)
     config = ContinuousBatchingConfig(
-        batch_invariant=True, num_blocks=512, max_batch_tokens=budget, overlap_scheduling=overlap
+        batch_invariant=True,
+        num_blocks=512,
+        max_batch_tokens=budget,
+        overlap_scheduling=overlap,
+        use_cuda_graph=graphs,
     )
     engine = Engine(model, config)
+    assert (engine.runner.decode_graphs is not None) == graphs
     for index, prompt in enumerate([[(7 * i + j) % 4096 for j in range(5 + 9 * i)] for i in range(6)]):
         engine.add_request(f"g{index}", prompt, SamplingParams(temperature=1.0, seed=index), n=3, max_new_tokens=40)
     samples = []
@@ -76,7 +85,11 @@ def test_the_engines_forward_equals_the_trainers_module_by_module():
     scale_to_entropy(model, [list(range(3, 40)), list(range(100, 160))])
     trainer = copy.deepcopy(model)
     prompt = [(11 * j + 3) % 4096 for j in range(70)]
-    engine = Engine(model, ContinuousBatchingConfig(batch_invariant=True, num_blocks=64, overlap_scheduling=False))
+    # Eager: a replayed graph runs no forward hook.
+    config = ContinuousBatchingConfig(
+        batch_invariant=True, num_blocks=64, overlap_scheduling=False, use_cuda_graph=False
+    )
+    engine = Engine(model, config)
     engine.add_request("one", prompt, SamplingParams(temperature=1.0, seed=3), max_new_tokens=12)
     steps, store = [], []
     hooks = _record_outputs(model, store)

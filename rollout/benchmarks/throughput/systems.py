@@ -123,8 +123,9 @@ def run_rollout_lora4(model, prompts, max_new, workload: Workload, warmup: bool 
 
 def run_rollout_invariant(model, prompts, max_new, workload: Workload, warmup: bool = False):
     """This engine with `batch_invariant=True` (every token computed bit for bit as the trainer's invariant forward
-    computes it): PyTorch attention, no CUDA graphs; the price of the mode is its ratio to `rollout`."""
-    invariant = {"batch_invariant": True, "attention_backend": "torch", "use_cuda_graph": False}
+    computes it: on a GPU its Triton kernels, decode steps replayed from CUDA graphs); the price of the mode is its
+    ratio to `rollout`."""
+    invariant = {"batch_invariant": True, "attention_backend": "torch"}
     return run_rollout(model, prompts, max_new, workload, warmup, decode_compile_config=None, **invariant)
 
 

@@ -13,7 +13,9 @@ Invariants:
   A padding token of a drafted sequence (`width` > 1) writes to the scratch slot too (its row's `valid` is False);
   it sits before the sequence's real rows, at positions already cached, so no row reads a key past the real ones.
 - The attention plan is fixed per bucket (tiles, split count); the kernel reads each row's context length from a
-  buffer, so one graph serves every context up to `max_blocks_per_seq` blocks.
+  buffer, so one graph serves every context up to `max_blocks_per_seq` blocks. A batch-invariant engine's graphs
+  attend through `rollout.invariant`'s kernel instead, each sequence's keys walked up to its position (computed in
+  the graph from the positions buffer), over the same block table.
 - Weights are updated in place (`Engine.update_weights` copies into the same storage), so graphs stay valid.
 - All graphs share one memory pool, captured largest first so smaller ones reuse its memory; a replay's logits are
   read (copied by the sampler) before the next replay overwrites them.
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.engine.attention.kernel_plan import Tiling, TritonAttentionPlan, plan_splits, tile_shape
-from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
+from rollout.engine.attention.paged_metadata import PagedAttentionMetadata, SequenceGroup
 from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
 
@@ -58,6 +60,7 @@ class DecodeGraphs:
         capture: bool = True,
         tiling: Tiling | None = None,
         width: int = 1,
+        batch_invariant: bool = False,
     ):
         """
         Args:
@@ -70,7 +73,12 @@ class DecodeGraphs:
                 buffer logic; CUDA graphs need a CUDA device).
             tiling: the attention kernel's tiling (None: the default `Tiling()`).
             width: query rows per sequence: 1 for decode steps, 1 + the most draft tokens for drafted steps.
+            batch_invariant: attend as `rollout.invariant` does (its Triton kernel reading the cache in place, one
+                sequence a row) instead of through the Triton plan; decode steps only (`width` 1).
         """
+        if batch_invariant and width != 1:
+            raise ValueError("batch-invariant graphs serve decode steps only (width 1)")
+        self.batch_invariant = batch_invariant
         self.tiling = tiling or Tiling()
         self.forward = forward
         self.kv_cache = kv_cache
@@ -85,7 +93,9 @@ class DecodeGraphs:
         self._valid = torch.ones(size * width, dtype=torch.bool, device=device)  # False: a padding token's row
         self._slots = torch.zeros(size * width, dtype=torch.long, device=device)
         self._context = torch.zeros(size, dtype=torch.int32, device=device)
-        self._block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
+        # int64 for the invariant kernel, which reads it as its table of storage blocks
+        table_dtype = torch.long if batch_invariant else torch.int32
+        self._block_table = torch.zeros((size, max_blocks_per_seq), dtype=table_dtype, device=device)
         self._keep = torch.arange(size * width, device=device)
         self._block_m, self._block_q = tile_shape(heads_per_kv, width)
         tiles = -(-width // self._block_q)  # per sequence
@@ -194,7 +204,8 @@ class DecodeGraphs:
         if self.width > 1:
             flags = torch.tensor(valid if valid is not None else [True] * rows_given, dtype=torch.bool)
             self._valid[:rows_given].copy_(flags.pin_memory() if pinned else flags, non_blocking=True)
-        tables = block_tables.pin_memory() if pinned else block_tables
+        tables = block_tables.to(self._block_table.dtype)  # on the host: the copy below stays asynchronous
+        tables = tables.pin_memory() if pinned else tables
         self._block_table[:batch, : block_tables.shape[1]].copy_(tables, non_blocking=True)
         if batch < size:
             self._pad(batch, size)
@@ -224,6 +235,10 @@ class DecodeGraphs:
         if width > 1:  # padding tokens' keys and values go to the scratch slot
             scratch = self.kv_cache.scratch_block * block_size
             self._slots[:rows].masked_fill_(~self._valid[:rows], scratch)
+        if self.batch_invariant:  # one group: every sequence one query, its cache blocks read in place
+            group = SequenceGroup(self._keep[:size].view(size, 1), positions, self._block_table[:size], None)
+            metadata = PagedAttentionMetadata(self.kv_cache, self._slots[:rows], [group], batch_invariant=True)
+            return self.forward(self._rows[0:1, :rows], self._rows[1:2, :rows], metadata, self._keep[:rows])
         tiles = size * self._tiles_per_seq
         attention_plan = TritonAttentionPlan(
             self._tile_seq[:tiles],

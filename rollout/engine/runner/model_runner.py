@@ -91,7 +91,7 @@ class ModelRunner:
         self._verify_batch = min(config.speculative_disable_by_batch_size, config.max_num_seqs)
         # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
-            if self.heads_per_kv is not None:
+            if self._graphs_possible():
                 self.enable_decode_graphs(min(config.max_num_seqs, config.max_batch_tokens), max_model_len)
             elif config.use_cuda_graph:
                 raise FieldError(
@@ -132,13 +132,22 @@ class ModelRunner:
             max_model_len: the longest sequence (sizes the persistent block table).
             capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
         """
-        if self.heads_per_kv is None:
+        if not self._graphs_possible():
             raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
         max_blocks = -(-max_model_len // self.kv_cache.block_size)
         self.decode_graphs = DecodeGraphs(
-            self._decode_forward, self.kv_cache, max_batch, max_blocks, self.heads_per_kv, capture, self.tiling
+            self._decode_forward,
+            self.kv_cache,
+            max_batch,
+            max_blocks,
+            self.heads_per_kv or 1,  # the plan's tiling (a batch-invariant engine's graphs have no plan)
+            capture,
+            self.tiling,
+            batch_invariant=self.batch_invariant,
         )
-        if self._verify_width > 1:  # drafted steps: the eager forward (a compiled one is for one token each)
+        # Drafted steps: the eager forward (a compiled one is for one token each); a batch-invariant engine's run
+        # eagerly.
+        if self._verify_width > 1 and not self.batch_invariant:
             self.verify_graphs = DecodeGraphs(
                 self._forward,
                 self.kv_cache,
@@ -150,6 +159,11 @@ class ModelRunner:
                 self._verify_width,
             )
         return self.decode_graphs
+
+    def _graphs_possible(self) -> bool:
+        """Whether decode graphs can serve this runner: the Triton attention plan, or a batch-invariant engine's
+        Triton kernels (its cache laid out for them: not the CPU's heads-first layout)."""
+        return self.heads_per_kv is not None or (self.batch_invariant and not self.kv_cache.heads_first)
 
     def capture_graphs(self) -> None:
         """Capture every decode bucket, and every verify bucket with speculative decoding, now (no-op without
@@ -273,7 +287,9 @@ class ModelRunner:
                     if graphs is not None:
                         graphs.release()
                 self._graphs_layout = layout
-        if self.decode_graphs is not None and decode and num_sequences <= self.decode_graphs.max_batch:
+        # A batch-invariant engine's graphs hold neither LoRA adapters nor route taps: those steps run eagerly.
+        plain = not (self.batch_invariant and (self.adapters.loaded or self.routes.installed))
+        if self.decode_graphs is not None and decode and plain and num_sequences <= self.decode_graphs.max_batch:
             return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
         # 3b. A drafted step replays a verify graph, unless adapters or route taps act in it (they count its rows
         # packed, not laid out `width` a sequence).
