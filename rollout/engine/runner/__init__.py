@@ -4,6 +4,7 @@
 - `model_lease.py`: the model lent to the engines that use it (paged attention, eval mode) and given back;
 - `model_runner.py`: one step's tensors, the forward and its logits;
 - `step_inputs.py`: the step's packed input ids and the rows whose logits it keeps;
+- `step_graphs.py`: which CUDA graphs the runner keeps, and which one replays a step that fits it;
 - `verify_layout.py`: a drafted step laid out a fixed number of rows per sequence, for the verify graphs;
 - `model_forward.py`: the model call itself (packed ids, positions, paged metadata -> the kept rows' logits);
 - `cuda_graphs.py`: decode steps (and drafted steps) captured once per bucketed batch size and replayed.

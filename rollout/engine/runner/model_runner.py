@@ -22,8 +22,8 @@ from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
 from rollout.engine.runner.model_forward import ModelForward
 from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
+from rollout.engine.runner.step_graphs import StepGraphs
 from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, step_inputs
-from rollout.engine.runner.verify_layout import verify_layout
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
@@ -79,19 +79,25 @@ class ModelRunner:
         self.adapters = AdapterTable(
             model, config.max_loras, config.max_lora_rank, max_tokens, head_fp32, config.batch_invariant
         )
-        self._graphs_layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
         self._forward: DecodeForward = ModelForward(model, self.device, self.adapters, config.batch_invariant)
         self._decode_forward: DecodeForward = self._forward
         if config.decode_compile_config is not None:
             self._decode_forward = torch.compile(self._forward, **config.decode_compile_config.to_dict())
-        self.decode_graphs: DecodeGraphs | None = None
-        # Speculative decoding's drafted steps get graphs of their own, 1 + num_speculative_tokens rows a sequence.
-        self.verify_graphs: DecodeGraphs | None = None
-        self._verify_width = 1 + config.num_speculative_tokens if config.speculative else 1
-        self._verify_batch = min(config.speculative_disable_by_batch_size, config.max_num_seqs)
+        # Decode graphs; speculative decoding's drafted steps get graphs of their own, 1 + num_speculative_tokens rows
+        # a sequence.
+        self.graphs = StepGraphs(
+            self._decode_forward,
+            self._forward,
+            kv_cache,
+            self.tiling,
+            self.heads_per_kv,
+            config.batch_invariant,
+            1 + config.num_speculative_tokens if config.speculative else 1,
+            min(config.speculative_disable_by_batch_size, config.max_num_seqs),
+        )
         # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
-            if self._graphs_possible():
+            if self.graphs.possible():
                 self.enable_decode_graphs(min(config.max_num_seqs, config.max_batch_tokens), max_model_len)
             elif config.use_cuda_graph:
                 raise FieldError(
@@ -123,6 +129,16 @@ class ModelRunner:
             return "not recorded through a torch.compile'd decode forward: leave decode_compile_config unset"
         return None
 
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The decode graphs (None: decode steps run eagerly)."""
+        return self.graphs.decode
+
+    @property
+    def verify_graphs(self) -> DecodeGraphs | None:
+        """Speculative decoding's verify graphs (None: drafted steps run eagerly)."""
+        return self.graphs.verify
+
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
         """Serve decode steps of up to `max_batch` sequences through `DecodeGraphs` (the engine does this on CUDA
         when `use_cuda_graph` allows; graphs are captured lazily per bucket, or all at once by `capture_graphs`).
@@ -131,47 +147,19 @@ class ModelRunner:
             max_batch: the largest decode batch.
             max_model_len: the longest sequence (sizes the persistent block table).
             capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
+        Raises:
+            FieldError: no graph can serve this runner (named `use_cuda_graph`).
         """
-        if not self._graphs_possible():
+        if not self.graphs.possible():
             raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
-        max_blocks = -(-max_model_len // self.kv_cache.block_size)
-        self.decode_graphs = DecodeGraphs(
-            self._decode_forward,
-            self.kv_cache,
-            max_batch,
-            max_blocks,
-            self.heads_per_kv or 1,  # the plan's tiling (a batch-invariant engine's graphs have no plan)
-            capture,
-            self.tiling,
-            batch_invariant=self.batch_invariant,
-        )
-        # Drafted steps: the eager forward (a compiled one is for one token each); a batch-invariant engine's run
-        # eagerly.
-        if self._verify_width > 1 and not self.batch_invariant:
-            self.verify_graphs = DecodeGraphs(
-                self._forward,
-                self.kv_cache,
-                min(self._verify_batch, max_batch),
-                max_blocks,
-                self.heads_per_kv,
-                capture,
-                self.tiling,
-                self._verify_width,
-            )
-        return self.decode_graphs
-
-    def _graphs_possible(self) -> bool:
-        """Whether decode graphs can serve this runner: the Triton attention plan, or a batch-invariant engine's
-        Triton kernels (its cache laid out for them: not the CPU's heads-first layout)."""
-        return self.heads_per_kv is not None or (self.batch_invariant and not self.kv_cache.heads_first)
+        return self.graphs.enable(max_batch, max_model_len, capture)
 
     def capture_graphs(self) -> None:
         """Capture every decode bucket, and every verify bucket with speculative decoding, now (no-op without
         graphs)."""
-        for graphs in (self.decode_graphs, self.verify_graphs):
-            if graphs is not None:
-                with torch.inference_mode(), self._stepping():
-                    graphs.capture()
+        for graphs in self.graphs.every():
+            with torch.inference_mode(), self._stepping():
+                graphs.capture()
 
     @contextlib.contextmanager
     def _stepping(self, batch: ScheduledBatch | None = None) -> Iterator[None]:
@@ -211,7 +199,7 @@ class ModelRunner:
             self.prompt_scorer.close()
             self.adapters.close()
             self.routes.close()
-            self.decode_graphs = self.verify_graphs = None  # frees the graphs and their memory pools
+            self.graphs.close()  # frees the graphs and their memory pools
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
                 release(self.model)
@@ -277,29 +265,14 @@ class ModelRunner:
         inputs = step_inputs(batch, unresolved, self.device)
         block_table = self.block_tables.gather(inputs.requests)
         # 3. A pure decode step (every sequence computes one token and samples it) of a captured size replays its
-        # CUDA graph.
-        num_sequences = len(inputs.requests)
-        decode = inputs.one_token_each and len(batch.logits_sequences) == num_sequences
-        if self.decode_graphs is not None:
-            layout = (self.adapters.layout_version, self.routes.layout_version)
-            if self._graphs_layout != layout:  # LoRA or route hooks came: capture again
-                for graphs in (self.decode_graphs, self.verify_graphs):
-                    if graphs is not None:
-                        graphs.release()
-                self._graphs_layout = layout
-        # A batch-invariant engine's graphs hold neither LoRA adapters nor route taps: those steps run eagerly.
-        plain = not (self.batch_invariant and (self.adapters.loaded or self.routes.installed))
-        if self.decode_graphs is not None and decode and plain and num_sequences <= self.decode_graphs.max_batch:
-            return self.decode_graphs.run(inputs.token_ids, inputs.starts, block_table, inputs.device_tokens).float()
-        # 3b. A drafted step replays a verify graph, unless adapters or route taps act in it (they count its rows
-        # packed, not laid out `width` a sequence).
-        verify = self.verify_graphs
-        if verify is not None and batch.num_draft_tokens and num_sequences <= verify.max_batch:
-            if not (self.adapters.loaded or self.routes.installed):
-                rows = verify_layout(batch, inputs, verify.width)
-                if rows is not None:
-                    logits = verify.run(rows.token_ids, rows.positions, block_table, valid=rows.valid)
-                    return logits[to_device(rows.kept, torch.long, self.device)].float()
+        # CUDA graph; a drafted step a verify graph.
+        decode = inputs.one_token_each and len(batch.logits_sequences) == len(inputs.requests)
+        if self.graphs.decode is not None:
+            self.graphs.follow((self.adapters.layout_version, self.routes.layout_version))
+            hooks = self.adapters.loaded or self.routes.installed
+            logits = self.graphs.replay(batch, inputs, block_table, decode, hooks)
+            if logits is not None:
+                return logits
         # 4. Packed inputs: O(new tokens + blocks) host work, nothing per cached token.
         lengths = [seq.num_tokens for seq in batch.sequences]
         metadata, positions = PagedAttentionMetadata.build(
