@@ -278,3 +278,44 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     attention = recorders["invariant_attention_kernel"]
     calls = [dict(zip(attention.kernel.arg_names, args)) for who, args, _ in attention.launches if who == "engine"]
     assert calls and all(call["block_size"] < KEY_BLOCK for call in calls)  # the engine read its cache in place
+
+
+@needs_triton_interpreter
+def test_an_invariant_engines_graphs_leave_adapters_and_moe_models_to_eager_steps(monkeypatch):
+    """A batch-invariant engine's decode graphs hold no LoRA hook (its adapters' steps run eagerly): with an adapter
+    loaded, a base-only request's steps never switch the hooks on (their per-step routing reads slots back to the
+    host), and its tokens and log-probs are the adapter-free engine's. An MoE model's eager experts read their
+    routing back to the host, which no graph can hold: asking graphs of an invariant MoE engine is refused by name."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import make_engine, run_to_completion, tiny_model
+    from rollout import SamplingParams
+    from rollout.config import FieldError
+    from rollout.engine.lora import layers
+    from rollout.engine.lora.adapter_weights import from_peft_model
+
+    monkeypatch.setattr(reductions, "KERNELS_ON_CPU", True)  # the cache laid out as on a GPU: graphs can serve
+    base = tiny_model("llama")
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj"]), adapter_name="a")
+    acted = []
+    rows_by_slot = layers.LoraStepState.rows_by_slot
+    monkeypatch.setattr(layers.LoraStepState, "rows_by_slot", lambda *a: acted.append(1) or rows_by_slot(*a))
+    results = []
+    for with_adapter in (True, False):
+        engine = make_engine(copy.deepcopy(base), batch_invariant=True, block_size=16)
+        engine.runner.enable_decode_graphs(2, engine.max_model_len, capture=False)
+        if with_adapter:
+            engine.load_adapter("a", from_peft_model(peft, "a"))
+        engine.add_request("base", [1, 2, 3, 4, 5], SamplingParams(temperature=1.0, seed=1), max_new_tokens=6)
+        (output,) = run_to_completion(engine).values()
+        engine.close()
+        results.append((list(output.generated_tokens), torch.tensor(output.logprobs)))
+    assert acted == []
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+
+    moe = make_engine(tiny_model("qwen3_moe"), batch_invariant=True, block_size=16)
+    with pytest.raises(FieldError, match="use_cuda_graph.*MoE"):
+        moe.runner.enable_decode_graphs(2, moe.max_model_len, capture=False)
+    moe.close()

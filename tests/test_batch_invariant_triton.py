@@ -47,7 +47,10 @@ for dtype, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
         source = ASTSource(tm.invariant_matmul_kernel, signature, constants)
         options = {"num_warps": tm.NUM_WARPS, "enable_fp_fusion": False}
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-        results.append([dtype, arch, compiled.metadata.shared, "cubin" in compiled.asm])
+        # Every address offset in 64 bits: rows x columns (a head's logits) and columns x depth may pass 2**31.
+        offsets = [line.split(":")[-1] for line in compiled.asm["ttir"].splitlines() if "tt.addptr" in line]
+        wide = bool(offsets) and all("xi64>" in kind.split(",")[-1] for kind in offsets)
+        results.append([dtype, arch, compiled.metadata.shared, "cubin" in compiled.asm, wide])
 print(json.dumps(results))
 """
 
@@ -55,8 +58,8 @@ print(json.dumps(results))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's ptxas ships for Linux")
 def test_the_kernel_compiles_for_hopper_and_ampere(tmp_path):
     results = compile_for_gpus(COMPILE, tmp_path)
-    assert sorted((dtype, arch) for dtype, arch, _, _ in results) == sorted(
+    assert sorted((dtype, arch) for dtype, arch, *_ in results) == sorted(
         (dtype, arch) for dtype in ("bf16", "fp16", "fp32") for arch in (80, 90)
     )
-    for dtype, arch, shared, has_cubin in results:
-        assert has_cubin and 0 < shared <= 166912, (dtype, arch, shared)
+    for dtype, arch, shared, has_cubin, wide_offsets in results:
+        assert has_cubin and 0 < shared <= 166912 and wide_offsets, (dtype, arch, shared, wide_offsets)

@@ -167,3 +167,17 @@ def test_a_colocated_engine_that_fails_to_build_leaves_nothing_on_the_model():
     with pytest.raises(ValueError, match="policy_version"):
         ColocatedEngine(model, ContinuousBatchingConfig(**CONFIG, fp32_logits=True), policy_version=-1)
     assert not head._forward_hooks and model.config._attn_implementation != "rollout_paged"
+
+
+def test_close_lets_the_compiled_decode_forward_go():
+    """A torch.compile'd decode forward (its guards, its compiled graphs) is held by nothing of the engine after
+    close, while the engine itself is still held."""
+    from transformers import CompileConfig
+
+    config = ContinuousBatchingConfig(**CONFIG, decode_compile_config=CompileConfig(mode="default"))
+    engine = Engine(tiny_model(), config)
+    compiled = weakref.ref(engine.runner._decode_forward)
+    assert compiled() is not engine.runner._forward
+    engine.close()
+    gc.collect()  # torch.compile's wrapper holds cycles of its own
+    assert compiled() is None

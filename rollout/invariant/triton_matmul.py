@@ -45,12 +45,13 @@ def invariant_matmul_kernel(
     UPCAST: tl.constexpr,
 ):
     """out[rows, cols] = x[rows, depth] @ w[cols, depth].T, one fixed tile per program, fp32 accumulation."""
-    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64: rows x columns (a head's logits: 14k rows of a 152k vocabulary) and columns x depth may pass 2**31
+    row = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    col = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offsets = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, depth, BLOCK_K):
-        k = start + offsets
+        k = (start + offsets).to(tl.int64)
         x = tl.load(
             x_ptr + row[:, None] * stride_xm + k[None, :] * stride_xk,
             mask=(row[:, None] < rows) & (k[None, :] < depth),

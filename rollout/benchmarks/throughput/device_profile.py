@@ -1,7 +1,8 @@
 """Where a run's time went: a short profile of it, the kernels a GPU spent its time in (on a CPU, the operators),
 and how busy the device was over the run's wall time. `rollout-bench throughput` adds one to rollout's systems on a
 GPU (`rollout` and `rollout_invariant`), so a figure that misses its goal comes with its profile, within the same
-device call.
+device call. Kernels replayed from CUDA graphs are traced one by one (CUPTI); their times have been reported less
+reliable than eager kernels' on some CUDA versions (pytorch/kineto#1165): a guide to where time goes, not a timing.
 """
 
 from __future__ import annotations

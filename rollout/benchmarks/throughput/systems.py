@@ -318,6 +318,7 @@ def measure_system(
             break
         stage(f"{system}: {elapsed:.2f} s")
         times.append(elapsed)
+    peak = torch.cuda.max_memory_allocated() / GIB if chosen.device == "cuda" else None  # of the timed runs
     profiled = None
     if chosen.device == "cuda" and system in PROFILED and cut_short is None:  # where a GPU figure's time went
         stage(f"{system}: profiling {PROFILED_TOKENS} tokens of every prompt")
@@ -329,7 +330,6 @@ def measure_system(
     release_cached_engine(model)
     seconds = statistics.median(times)
     counted = cut_short["tokens"] if cut_short else sum(max_new)
-    peak = torch.cuda.max_memory_allocated() / GIB if chosen.device == "cuda" else None
     return {
         "workload": workload,
         "generated_tokens": sum(max_new),

@@ -16,7 +16,7 @@ from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.kv.transfer import to_device
 from rollout.engine.lora.adapter_table import AdapterTable
 from rollout.engine.moe.router_taps import engine_step
-from rollout.engine.moe.routes import PendingRoutes, RouteRecorder, plan_route_rows
+from rollout.engine.moe.routes import PendingRoutes, RouteRecorder, find_routers, plan_route_rows
 from rollout.engine.requests.request import Request
 from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
@@ -86,25 +86,20 @@ class ModelRunner:
         # Decode graphs; speculative decoding's drafted steps get graphs of their own, 1 + num_speculative_tokens rows
         # a sequence.
         self.graphs = StepGraphs(
-            self._decode_forward,
-            self._forward,
             kv_cache,
             self.tiling,
-            self.heads_per_kv,
             config.batch_invariant,
+            bool(find_routers(model)),
             1 + config.num_speculative_tokens if config.speculative else 1,
             min(config.speculative_disable_by_batch_size, config.max_num_seqs),
         )
-        # use_cuda_graph None (auto): on CUDA whenever the Triton kernels serve attention; True insists on it.
+        # use_cuda_graph None (auto): on CUDA wherever graphs can serve; True insists on it.
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
-            if self.graphs.possible():
+            refusal = self.graphs.refusal(self.heads_per_kv)
+            if refusal is None:
                 self.enable_decode_graphs(min(config.max_num_seqs, config.max_batch_tokens), max_model_len)
             elif config.use_cuda_graph:
-                raise FieldError(
-                    "use_cuda_graph",
-                    "CUDA graphs need the Triton attention kernels (attention_backend 'triton', or 'auto' with "
-                    "triton installed and a power-of-two block_size >= 16)",
-                )
+                raise FieldError("use_cuda_graph", refusal)
         # Last, once nothing above can fail: a runner that was not built leaves the model as it found it.
         # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
         # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
@@ -150,9 +145,12 @@ class ModelRunner:
         Raises:
             FieldError: no graph can serve this runner (named `use_cuda_graph`).
         """
-        if not self.graphs.possible():
-            raise FieldError("use_cuda_graph", "CUDA graphs need the Triton attention kernels")
-        return self.graphs.enable(max_batch, max_model_len, capture)
+        refusal = self.graphs.refusal(self.heads_per_kv)
+        if refusal is not None:
+            raise FieldError("use_cuda_graph", refusal)
+        return self.graphs.enable(
+            self._decode_forward, self._forward, self.heads_per_kv, max_batch, max_model_len, capture
+        )
 
     def capture_graphs(self) -> None:
         """Capture every decode bucket, and every verify bucket with speculative decoding, now (no-op without
@@ -171,12 +169,12 @@ class ModelRunner:
                 sequences = batch.sequences if batch is not None else []
                 adapters = [seq.request.adapter for seq in sequences]
                 lengths = [seq.num_tokens for seq in sequences]
-                stack.enter_context(self.adapters.stepping(adapters, lengths, self.decode_graphs is not None))
+                stack.enter_context(self.adapters.stepping(adapters, lengths, self.graphs.hold_hooks))
             if self.routes.installed:
                 sequences = batch.sequences if batch is not None else []
                 wanted = any(seq.request.routes is not None for seq in sequences)
                 tokens = sum(seq.num_tokens for seq in sequences)
-                stack.enter_context(self.routes.recording(tokens, wanted, self.decode_graphs is not None))
+                stack.enter_context(self.routes.recording(tokens, wanted, self.graphs.hold_hooks))
             if self.fp32_head is not None:
                 self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
                 self.fp32_head.active = True

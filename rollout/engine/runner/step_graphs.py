@@ -21,46 +21,68 @@ class StepGraphs:
 
     def __init__(
         self,
-        decode_forward: DecodeForward,
-        forward: DecodeForward,
         kv_cache: PagedKVCache,
         tiling: Tiling,
-        heads_per_kv: int | None,
         batch_invariant: bool,
+        moe: bool,
         verify_width: int,
         verify_batch: int,
     ):
         """
         Args:
-            decode_forward: the model call the decode graphs capture (maybe a torch.compile'd one).
-            forward: the eager model call (the verify graphs capture it: a compiled one is for one token each).
             kv_cache: the paged cache.
             tiling: the Triton attention kernel's tiling.
-            heads_per_kv: query heads per KV head when the Triton attention plan serves the runner, else None.
             batch_invariant: the engine's mode: its graphs attend through `rollout.invariant`'s kernels.
+            moe: the model routes tokens to experts (a batch-invariant engine runs them eagerly: not capturable).
             verify_width: 1 + the most draft tokens of a drafted step (1: no speculative decoding).
             verify_batch: the largest drafted step the verify graphs serve.
         """
-        self._decode_forward, self._forward = decode_forward, forward
         self.kv_cache = kv_cache
         self.tiling = tiling
-        self.heads_per_kv = heads_per_kv
         self.batch_invariant = batch_invariant
+        self.moe = moe
         self._verify_width, self._verify_batch = verify_width, verify_batch
         self.decode: DecodeGraphs | None = None
         self.verify: DecodeGraphs | None = None
         self._layout = (0, 0)  # the LoRA and route hooks' layouts the captured graphs saw
 
-    def possible(self) -> bool:
-        """Whether graphs can serve the runner: the Triton attention plan, or a batch-invariant engine's Triton
-        kernels (its cache laid out for them: not the CPU's heads-first layout)."""
-        return self.heads_per_kv is not None or (self.batch_invariant and not self.kv_cache.heads_first)
+    def refusal(self, heads_per_kv: int | None) -> str | None:
+        """Why no graph can serve the runner (None: they can): graphs need the Triton attention plan
+        (`heads_per_kv`), or a batch-invariant engine's Triton kernels (its cache laid out for them, not the CPU's
+        heads-first layout) on a dense model.
 
-    def enable(self, max_batch: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        Args:
+            heads_per_kv: query heads per KV head when the Triton attention plan serves the runner, else None.
+        """
+        if heads_per_kv is not None:
+            return None
+        if not self.batch_invariant:
+            return (
+                "CUDA graphs need the Triton attention kernels (attention_backend 'triton', or 'auto' with triton "
+                "installed and a power-of-two block_size >= 16)"
+            )
+        if self.kv_cache.heads_first:
+            return "CUDA graphs need batch_invariant's Triton kernels: an fp32, bf16 or fp16 model on CUDA"
+        if self.moe:
+            return "a batch-invariant MoE model's experts read their routing back to the host: no CUDA graph holds it"
+        return None
+
+    def enable(
+        self,
+        decode_forward: DecodeForward,
+        forward: DecodeForward,
+        heads_per_kv: int | None,
+        max_batch: int,
+        max_model_len: int,
+        capture: bool = True,
+    ) -> DecodeGraphs:
         """Make the decode graphs (and the verify graphs with speculative decoding, but for a batch-invariant
         engine, whose drafted steps run eagerly). Nothing is captured yet.
 
         Args:
+            decode_forward: the model call the decode graphs capture (maybe a torch.compile'd one).
+            forward: the eager model call (the verify graphs capture it: a compiled one is for one token each).
+            heads_per_kv: as `refusal`'s.
             max_batch: the largest decode batch.
             max_model_len: the longest sequence (sizes the persistent block table).
             capture: False keeps the persistent, padded buffers but runs the forward eagerly (CPU tests).
@@ -68,9 +90,9 @@ class StepGraphs:
             The decode graphs.
         """
         max_blocks = -(-max_model_len // self.kv_cache.block_size)
-        heads_per_kv = self.heads_per_kv or 1  # the plan's tiling (a batch-invariant engine's graphs have no plan)
+        heads_per_kv = heads_per_kv or 1  # the plan's tiling (a batch-invariant engine's graphs have no plan)
         self.decode = DecodeGraphs(
-            self._decode_forward,
+            decode_forward,
             self.kv_cache,
             max_batch,
             max_blocks,
@@ -82,16 +104,15 @@ class StepGraphs:
         if self._verify_width > 1 and not self.batch_invariant:
             verify_batch = min(self._verify_batch, max_batch)
             self.verify = DecodeGraphs(
-                self._forward,
-                self.kv_cache,
-                verify_batch,
-                max_blocks,
-                heads_per_kv,
-                capture,
-                self.tiling,
-                self._verify_width,
+                forward, self.kv_cache, verify_batch, max_blocks, heads_per_kv, capture, self.tiling, self._verify_width
             )
         return self.decode
+
+    @property
+    def hold_hooks(self) -> bool:
+        """Whether the graphs capture the LoRA and route hooks (a batch-invariant engine's never replay with them:
+        those steps run eagerly)."""
+        return self.decode is not None and not self.batch_invariant
 
     def every(self) -> list[DecodeGraphs]:
         """The graphs made so far."""
