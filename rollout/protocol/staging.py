@@ -3,11 +3,12 @@
 Staging layout: the announced tensors one after the other, each at an offset aligned to `ALIGN` bytes, so a slice
 of the staging area viewed as the tensor's dtype is a valid tensor; both ends compute it with `staging_layout`. A
 bucket's checksum is `bucket_checksum` of its pieces' bytes. The area is a host buffer (pinned on GPU hosts) or a
-shared-memory segment the trainer writes into, kept from one update to the next (`StagingPool`). This module
-imports neither the engine nor transformers: `trainer_bridge` uses it."""
+shared-memory segment the trainer writes into (page-locked on GPU hosts, `pin_segment`), kept from one update to the
+next (`StagingPool`). This module imports neither the engine nor transformers: `trainer_bridge` uses it."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -20,7 +21,10 @@ import xxhash
 
 from rollout import protocol as p
 
+logger = logging.getLogger("rollout.protocol.staging")
+
 ALIGN = 64
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own stager asks
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -91,6 +95,44 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
         return segment
 
 
+_pinned: set[int] = set()  # addresses of the segments `pin_segment` registered, until `release_segment`
+_pinned_lock = threading.Lock()
+
+
+def pin_segment(view: torch.Tensor) -> bool:
+    """Page-lock a shared-memory segment for the GPU's copies (`cudaHostRegister`, as torch's checkpoint stager does
+    with shared memory): copies between it and the GPU then go at the bus's speed, without the driver's bounce
+    buffer (the first H200 run: a 1.2 GB commit took 177 ms from an unpinned segment, 26 ms from a pinned buffer).
+    Returns whether it was pinned; where it cannot be, the copies still work, slower, and a warning says why.
+    `release_segment` unpins it.
+
+    Args:
+        view: a uint8 view of the whole segment.
+    """
+    if view.numel() == 0 or not torch.cuda.is_available():
+        return False
+    code = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        logger.warning(
+            "could not page-lock a %d-byte staging segment (cudaError %d): copies go unpinned", view.numel(), code
+        )
+        return False
+    with _pinned_lock:
+        _pinned.add(view.data_ptr())
+    return True
+
+
+def _unpin_segment(address: int) -> None:
+    """Undo `pin_segment` for the segment at `address` (no-op unless it pinned it): before the segment is unmapped."""
+    with _pinned_lock:
+        if address not in _pinned:
+            return
+        _pinned.discard(address)
+    code = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if code != 0:
+        logger.warning("could not unpin a staging segment (cudaError %d)", code)
+
+
 class StagingPool:
     """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
     on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
@@ -99,7 +141,7 @@ class StagingPool:
         """
         Args:
             keep: keep the last host buffer and shared segment for the next update.
-            pin: allocate page-locked host memory (the model is on a GPU: faster, non-blocking copies).
+            pin: page-lock host buffers and shared segments (the model is on a GPU: faster, non-blocking copies).
         """
         self.keep = keep
         self.pin = pin
@@ -139,7 +181,10 @@ class StagingPool:
             segment.close()
             segment.unlink()
             raise
-        return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
+        view = torch.frombuffer(segment.buf, dtype=torch.uint8)
+        if self.pin:
+            pin_segment(view)
+        return segment, view
 
     def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
         """Keep an update's area for the next one (or free it when not keeping)."""
@@ -161,7 +206,9 @@ class StagingPool:
 
 
 def release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:
-    """Unlink a segment at once; its memory goes when the last view of it does."""
+    """Unlink a segment at once (unpinned first, if `pin_segment` pinned it); its memory goes when the last view of it
+    does."""
+    _unpin_segment(view.data_ptr())
     del view
     try:
         segment.unlink()

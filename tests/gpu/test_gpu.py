@@ -346,3 +346,25 @@ def test_colocated_sleep_returns_the_cache_and_graphs_come_back():
         moved = engine.engine.kv_cache.kv.data_ptr() != address
         assert engine.graph_releases == int(moved)
         assert model.training
+
+
+def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_release():
+    """The shm transport's segment on a GPU worker is registered with CUDA (`is_pinned`: copies to the model go at
+    the bus's speed), bytes from a CUDA tensor land in it and go back unchanged, and freeing it (unregistered
+    first) raises nothing; a second pool's segment is pinned in turn."""
+    from rollout.protocol.staging import StagingPool
+
+    pool = StagingPool(keep=False, pin=True)
+    segment, view = pool.shared(1 << 24)
+    assert view.is_pinned()
+    source = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
+    view.copy_(source)  # what a trainer on this GPU does (`ShmSender.stage`)
+    back = torch.empty_like(source).copy_(view, non_blocking=True)  # what the commit does
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)
+    pool.give_back(None, (segment, view))
+    del segment, view
+    again = StagingPool(keep=False, pin=True)
+    segment, view = again.shared(1 << 20)
+    assert view.is_pinned()
+    again.give_back(None, (segment, view))

@@ -237,9 +237,12 @@ class WeightPush:
 
     def _flush(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> None:
         pieces = [p.TensorPiece(index, offset, data.numel()) for index, offset, data in bucket]
+        staged = None  # the bucket's bytes in the workers' segments (shm), hashed where they are
+        for sender in list(self.senders.values()):
+            staged = sender.stage(bucket, offsets) or staged
         # The worker checks what it staged against this. Buckets broadcast from GPU memory (NCCL) are hashed from a
         # host copy: one device-to-host copy of the update, the price of catching a corrupted transfer.
-        checksum = bucket_checksum(data.cpu() for _, _, data in bucket)
+        checksum = bucket_checksum(staged if staged is not None else (data.cpu() for _, _, data in bucket))
         header = p.WeightsBucket(self.update_id, pieces, checksum)
         for link in list(self.links):
             self._wait(lambda link=link: link not in self.links or len(link.pending) < _WINDOW, self.timeout, "ack")

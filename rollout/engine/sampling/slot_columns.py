@@ -30,8 +30,6 @@ INT_COLUMNS = (
 )
 _F = {name: i for i, name in enumerate(FLOAT_COLUMNS)}
 _I = {name: i for i, name in enumerate(INT_COLUMNS)}
-_F = {name: i for i, name in enumerate(FLOAT_COLUMNS)}
-_I = {name: i for i, name in enumerate(INT_COLUMNS)}
 # Odd 64-bit constant (2^64 / golden ratio) that spreads consecutive positions over the seed space.
 _POSITION_STRIDE = 0x9E3779B97F4A7C15 - (1 << 64)
 

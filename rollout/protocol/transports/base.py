@@ -7,7 +7,8 @@ The phases both halves go through, in order (the wire messages are in `rollout.p
     begin_fields(rank) -> weights_begin's `dist`    check_begin(begin, peer); staging(pool, nbytes)
     joined() once every begin went out              when_ready(begin, reply, cancelled) -> weights_ready
     attach(link, ready, specs) per ready worker
-    per bucket: send_bucket(link, header, bucket)   accept_bucket(area, pieces, frames)   (serving thread)
+    per bucket: stage(bucket) once, then
+                send_bucket(link, header, bucket)   accept_bucket(area, pieces, frames)   (serving thread)
                 then bucket_sent(bucket)            take_bytes(area, begin, pieces, frames, checksum) (job thread)
     close()                                         ended(begin, clean); close()
 
@@ -90,6 +91,17 @@ class Sender:
         Raises:
             OSError: the worker's staging cannot be reached from here (the push may fall back to frames).
         """
+
+    def stage(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> list[torch.Tensor] | None:
+        """Called once per bucket, before its header goes to any worker: put its bytes where this transport's workers
+        read them by themselves (shm: their segments). Returns host views of the bytes so placed, in the bucket's
+        order (its checksum is computed from them, sparing another copy), or None (the default: nothing placed).
+
+        Args:
+            bucket: (tensor index, byte offset in the tensor, bytes) per piece.
+            offsets: each tensor's byte offset in the staging layout.
+        """
+        return None
 
     def send_bucket(
         self, link: Any, header: WeightsBucket, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]

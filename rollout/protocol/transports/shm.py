@@ -1,5 +1,6 @@
-"""Transport "shm": the worker's staging area is a shared-memory segment (named in weights_ready) that the trainer
-writes each bucket into, then sends the bucket's header; one copy, same host only. A trainer that cannot open the
+"""Transport "shm": the worker's staging area is a shared-memory segment (named in weights_ready, page-locked on a GPU
+worker) that the trainer writes each bucket into, then sends the bucket's header; one copy (from a GPU, straight
+into the segment), same host only. A trainer that cannot open the
 segment (another host) fails the push, or with transport "auto" falls back to frames."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from rollout.protocol.weight_messages import TensorPiece, TensorSpec, WeightsBeg
 
 
 class ShmSender(Sender):
+    bytes_on_device = True  # a GPU's bytes are copied straight into the segments (`stage`)
+
     def __init__(self, push: Any):
         super().__init__(push)
         self._segments: dict[int, tuple[Any, torch.Tensor]] = {}  # per worker index: the segment and a view of it
@@ -29,14 +32,23 @@ class ShmSender(Sender):
             raise OSError(f"segment of {segment.size} bytes, expected {expected}")
         self._segments[link.index] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8))
 
+    def stage(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> list[torch.Tensor] | None:
+        """Copy the bucket into every attached worker's segment (from a GPU straight in: no host copy between);
+        returns the first segment's views of it. Each bucket has its own place in the segments, so a bucket staged
+        while earlier ones are still being checked by the worker overwrites nothing it reads."""
+        placed: list[torch.Tensor] | None = None
+        for _, staging in self._segments.values():
+            views = [staging[offsets[index] + offset :][: data.numel()] for index, offset, data in bucket]
+            sources = placed or [data for _, _, data in bucket]  # further segments: from the first's host bytes
+            for view, source in zip(views, sources):
+                view.copy_(source)
+            placed = placed or views
+        return placed
+
     def send_bucket(
         self, link: Any, header: WeightsBucket, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]
     ) -> Any:
-        staging = self._segments[link.index][1]
-        for index, offset, data in bucket:
-            start = offsets[index] + offset
-            staging[start : start + data.numel()].copy_(data)
-        self.push.channel.send(link.index, header)
+        self.push.channel.send(link.index, header)  # its bytes are in the worker's segment (`stage`)
         return None
 
     def close(self) -> None:
