@@ -17,14 +17,17 @@ Messages (client -> worker, then what the worker answers):
 |----------------|----------------------------------------------------------------------|---------------------------------|
 | hello          | -                                                                    | hello_reply                     |
 | generate       | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = | delta* (stream only), then      |
-|                | {}, stream: bool = false                                             | group_result; or error          |
+|                | {}, stream: bool = false, adapter: str or nil (a served LoRA adapter | group_result; or error          |
+|                | to sample with; nil: the base model)                                 |                                 |
 | cancel         | group_id: str                                                        | group_result (abort) or error   |
 | ping           | nonce: int = 0                                                       | pong                            |
 | stats          | -                                                                    | stats_reply                     |
 | weights_spec   | update_id: str                                                       | weights_spec_reply              |
 | weights_begin  | update_id: str, tensors: [TensorSpec], version: int or nil, mode:    | weights_ready, or error         |
 |                | str = "keep", transport: str = "frames", partial: bool = false,      |                                 |
-|                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false |                                 |
+|                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false, |                                 |
+|                | adapter: str or nil (a LoRA adapter's update), scalings: {str:       |                                 |
+|                | float} = {}, base_id: str or nil (the base weights it is for)        |                                 |
 | weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil; + one   | weights_ack, or error (the      |
 |                | raw frame per piece (transport "frames")                             | update is then dropped)         |
 | weights_commit | update_id: str                                                       | weights_committed, or error     |
@@ -37,10 +40,12 @@ Worker -> client:
 | hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any},  |
 |                    | tokenizer: str or nil (where the worker's tokenizer came from; nil: none, no stop strings) |
 | delta              | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int |
+|                    | and routes / prompt_routes: RouteArray or nil (MoE routes, below)                          |
 | group_result       | group_id: str, prompt_ids: [int], completions: [Completion as a map]                       |
 | pong               | nonce: int, policy_version: int                                                            |
 | stats_reply        | stats: {str: any} (policy_version, weight_updates, last_weight_update_at, queue, KV, ...)  |
-| weights_spec_reply | update_id: str, tensors: [TensorSpec], policy_version: int                                 |
+| weights_spec_reply | update_id: str, tensors: [TensorSpec], policy_version: int, base_id: str or nil,           |
+|                    | adapters: {str: int} (served LoRA adapters and their versions)                             |
 | weights_ready      | update_id: str, staging_bytes: int, shm_name: str or nil                                   |
 | weights_ack        | update_id: str, received_bytes: int, state: "staging" or "aborted"                         |
 | weights_committed  | update_id: str, version: int, pause_ms: float, copy_ms: float, drain_ms: float,            |

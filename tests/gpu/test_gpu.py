@@ -368,3 +368,30 @@ def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_rel
     segment, view = again.shared(1 << 20)
     assert view.is_pinned()
     again.give_back(None, (segment, view))
+
+
+def test_the_shm_sender_stages_a_gpus_bytes_through_its_pinned_buffer():
+    """A trainer's bucket of CUDA bytes lands in the worker's segment at the staging layout's offsets (through the
+    sender's page-locked bounce buffer), and the views it returns for the checksum are those bytes."""
+    from types import SimpleNamespace
+
+    from rollout.protocol.staging import StagingPool, staging_layout
+    from rollout.protocol.transports.shm import ShmSender
+    from rollout.protocol.weight_messages import TensorSpec, WeightsReady
+
+    specs = [TensorSpec("a", "uint8", [1000]), TensorSpec("b", "uint8", [3000])]
+    offsets, total = staging_layout(specs)
+    pool = StagingPool(keep=False, pin=True)
+    segment, view = pool.shared(total)
+    sender = ShmSender(SimpleNamespace())
+    sender.attach(SimpleNamespace(index=0), WeightsReady("u", total, segment.name), specs)
+    a = torch.randint(0, 256, (1000,), dtype=torch.uint8, device="cuda")
+    b = torch.randint(0, 256, (3000,), dtype=torch.uint8, device="cuda")
+    placed = sender.stage([(0, 0, a), (1, 0, b[:1200]), (1, 1200, b[1200:])], offsets)
+    assert [piece.numel() for piece in placed] == [1000, 1200, 1800]
+    assert torch.equal(view[offsets[0] : offsets[0] + 1000], a.cpu())
+    assert torch.equal(view[offsets[1] : offsets[1] + 3000], b.cpu())
+    assert torch.equal(torch.cat(placed), torch.cat([a, b]).cpu())
+    del placed
+    sender.close()
+    pool.give_back(None, (segment, view))

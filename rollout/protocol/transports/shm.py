@@ -1,7 +1,7 @@
 """Transport "shm": the worker's staging area is a shared-memory segment (named in weights_ready, page-locked on a GPU
-worker) that the trainer writes each bucket into, then sends the bucket's header; one copy (from a GPU, straight
-into the segment), same host only. A trainer that cannot open the
-segment (another host) fails the push, or with transport "auto" falls back to frames."""
+worker) that the trainer writes each bucket into (from a GPU through one page-locked buffer), then sends the
+bucket's header; same host only. A trainer that cannot open the segment (another host) fails the push, or with
+transport "auto" falls back to frames."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from rollout.protocol.weight_messages import TensorPiece, TensorSpec, WeightsBeg
 
 
 class ShmSender(Sender):
-    bytes_on_device = True  # a GPU's bytes are copied straight into the segments (`stage`)
+    bytes_on_device = True  # a GPU's bytes are gathered into a page-locked buffer here, no further (`stage`)
 
     def __init__(self, push: Any):
         super().__init__(push)
         self._segments: dict[int, tuple[Any, torch.Tensor]] = {}  # per worker index: the segment and a view of it
+        self._bounce: torch.Tensor | None = None  # page-locked: a GPU's bytes on their way into the segments
 
     def attach(self, link: Any, ready: WeightsReady, specs: list[TensorSpec]) -> None:
         expected = staging_layout(specs)[1]
@@ -33,17 +34,36 @@ class ShmSender(Sender):
         self._segments[link.index] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8))
 
     def stage(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> list[torch.Tensor] | None:
-        """Copy the bucket into every attached worker's segment (from a GPU straight in: no host copy between);
-        returns the first segment's views of it. Each bucket has its own place in the segments, so a bucket staged
-        while earlier ones are still being checked by the worker overwrites nothing it reads."""
+        """Copy the bucket into every attached worker's segment; returns the first segment's views of it. Each bucket
+        has its own place in the segments, so a bucket staged while earlier ones are still being checked by the
+        worker overwrites nothing it reads."""
+        if not self._segments:
+            return None
+        sources = self._on_host([data for _, _, data in bucket])
         placed: list[torch.Tensor] | None = None
         for _, staging in self._segments.values():
             views = [staging[offsets[index] + offset :][: data.numel()] for index, offset, data in bucket]
-            sources = placed or [data for _, _, data in bucket]  # further segments: from the first's host bytes
-            for view, source in zip(views, sources):
+            for view, source in zip(views, placed or sources):  # further segments: from the first's bytes
                 view.copy_(source)
             placed = placed or views
         return placed
+
+    def _on_host(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pieces on the host: a GPU's through one page-locked bounce buffer, kept for the push (a copy into
+        the unlocked segment would crawl through the driver's own small bounce buffer, several times slower)."""
+        if not any(piece.is_cuda for piece in pieces):
+            return pieces
+        total = sum(piece.numel() for piece in pieces)
+        if self._bounce is None or self._bounce.numel() < total:
+            self._bounce = None
+            self._bounce = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        hosted, start = [], 0
+        for piece in pieces:
+            hosted.append(self._bounce[start : start + piece.numel()].copy_(piece, non_blocking=True))
+            start += piece.numel()
+        for device in {piece.device for piece in pieces if piece.is_cuda}:
+            torch.cuda.synchronize(device)
+        return hosted
 
     def send_bucket(
         self, link: Any, header: WeightsBucket, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]
@@ -52,6 +72,7 @@ class ShmSender(Sender):
         return None
 
     def close(self) -> None:
+        self._bounce = None  # back to torch's pinned-memory cache (the next push reuses it)
         for index in list(self._segments):
             self._release(index)
 
