@@ -174,3 +174,20 @@ def test_candidates_keep_every_token_tied_with_the_kth():
             assert kept.keys() == {150, 3, 77, 120, 9, 60}, position
             assert all(abs(v - expected[i].item()) < 1e-6 for i, v in kept.items()), position
     assert set(tokens) == {150, 3, 77, 120, 9, 60}
+
+
+@pytest.mark.parametrize("top_k", [0, 3], ids=["whole-rows", "candidates"])
+def test_top_p_drops_what_transformers_drops_at_its_threshold(top_k):
+    """top_p=0.95 on a row whose cumulative probability after its two smallest tokens, 0.0500000082 in fp32, lies
+    between fp32(1 - 0.95), the threshold transformers' TopPLogitsWarper compares with, and 1 - fp32(0.95): token 0
+    is kept, as transformers keeps it (a threshold computed in fp32 dropped it), whole rows or candidates."""
+    from conftest import make_request
+
+    row = torch.tensor([[0.0, 2.9444448947906494, -11.991397857666016]])
+    cumulative = row.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)[0, 1]
+    assert torch.tensor(1 - 0.95, dtype=torch.float32) < cumulative <= torch.tensor(1.0) - torch.tensor(0.95)
+    expected = torch.log_softmax(TopPLogitsWarper(0.95)(None, row.clone()), dim=-1)[0]
+    assert expected[0] > float("-inf") and expected[2] == float("-inf")
+    request = make_request("r", [1, 2], top_p=0.95, top_k=top_k, top_logprobs=3, seed=0)
+    top = dict(Sampler(3, "cpu").sample(row, [(request, 0)], True).fetch().top_logprobs[0])
+    assert [top[token] for token in range(3)] == pytest.approx(expected.tolist(), abs=1e-6)

@@ -8,7 +8,7 @@ import torch
 # Columns of the float table (fp32), in this order.
 FLOAT_COLUMNS = (
     "temperature",  # 1 for greedy rows (they are never divided)
-    "top_p",
+    "top_p_cut",  # 1 - top_p, computed in double as transformers' TopPLogitsWarper compares with it (0: off)
     "min_p",
     "typical_p",
     "epsilon_cutoff",

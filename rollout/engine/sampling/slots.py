@@ -5,7 +5,7 @@ temperature, top-k/p, min-p, typical-p, epsilon/eta cutoffs, penalties, greedine
 written into one row of two device tables once, and every step gathers its rows by slot index (one host-to-device
 copy of the step's slot indices and positions, then two `index_select`s) instead of rebuilding columns from Python
 objects. A host-side count of the live slots that use each processor lets a step skip the processors nobody asks
-for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p 1, ...)
+for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p's cut 0, ...)
 so running a processor over it leaves it as it was.
 
 The token-dependent state (penalty counts, token history, ban lists) lives in per-slot tables too
@@ -200,7 +200,7 @@ def _float_row(params: SamplingParams) -> list[float]:
     divisor = params.temperature if params.logprob_mode == "temperature_scaled" and params.temperature > 0 else 1.0
     values = {
         "temperature": 1.0 if greedy else params.temperature,
-        "top_p": params.top_p,
+        "top_p_cut": 1.0 - params.top_p,  # in double, then fp32: the threshold transformers' warper uses
         "min_p": params.min_p,
         "typical_p": params.typical_p,
         "epsilon_cutoff": params.epsilon_cutoff,

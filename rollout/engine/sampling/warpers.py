@@ -99,11 +99,13 @@ def _after_top_k(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlot
         stable: sort stably (candidates, in token id order: ties in token id order).
     """
     if slots.any("top_p"):
-        top_p = columns.float("top_p")
+        # fp32(1 - top_p computed in double), as transformers compares with it: 1 - fp32(top_p) can differ by an
+        # ulp, and a cumulative probability between the two drops a token transformers keeps.
+        cut = columns.float("top_p_cut")
         sorted_scores, sorted_index = scores.sort(dim=-1, descending=False, stable=stable)
-        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= cut
         if not slots.all_use("top_p"):
-            remove &= top_p < 1
+            remove &= cut > 0
         remove[:, -1] = False
         scores = scores.masked_fill(remove.scatter(1, sorted_index, remove), _NEG_INF)
     if slots.any("min_p"):
