@@ -191,3 +191,42 @@ def test_top_p_drops_what_transformers_drops_at_its_threshold(top_k):
     request = make_request("r", [1, 2], top_p=0.95, top_k=top_k, top_logprobs=3, seed=0)
     top = dict(Sampler(3, "cpu").sample(row, [(request, 0)], True).fetch().top_logprobs[0])
     assert [top[token] for token in range(3)] == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def _kept(row: torch.Tensor, params: dict, beside: dict | None = None) -> list[int]:
+    """The tokens a fresh Sampler keeps for `row` (the processed distribution's finite top log-probs); with `beside`,
+    a second live sample of those parameters is in the step (one without top_k makes the step draw whole rows)."""
+    from conftest import make_request
+
+    vocab = row.shape[1]
+    samples = [(make_request("r", [1, 2], top_logprobs=vocab, seed=0, **params), 0)]
+    if beside is not None:
+        samples.append((make_request("b", [1, 2], seed=1, **beside), 1))
+    output = Sampler(vocab, "cpu").sample(row.expand(len(samples), vocab), samples, True).fetch()
+    return sorted(token for token, value in output.top_logprobs[0] if value > float("-inf"))
+
+
+def test_eta_cutoff_cuts_where_transformers_cuts():
+    """eta_cutoff set to a token's own probability: transformers' EtaLogitsWarper keeps it (its cut compares
+    softmax(scores), with Categorical's entropy); so does the sampler, whole rows or candidates (a cut computed on
+    exp(log_softmax) dropped it)."""
+    from transformers.generation.logits_process import EtaLogitsWarper
+
+    row = torch.tensor([[0.0, -2.08, -6.48]])
+    eta = row.softmax(-1)[0, 1].item()
+    warped = EtaLogitsWarper(eta)(None, row.clone())
+    expected = [token for token in range(3) if warped[0, token] > float("-inf")]
+    assert expected == [0, 1]
+    assert _kept(row, {"eta_cutoff": eta}) == expected
+    assert _kept(row, {"eta_cutoff": eta, "top_k": 3}) == expected
+
+
+def test_tokens_tied_at_the_top_p_boundary_are_kept_alike_whatever_the_batch():
+    """Two tokens tie above a flat tail, top_k=2 keeps both, top_p=0.5 keeps one: the same one (the higher id, sorts
+    being stable) whether the step draws from candidates (every live sample sets top_k) or whole rows (another live
+    sample sets none); a completion does not depend on the other samples."""
+    row = torch.zeros(1, 80)
+    row[0, 0] = row[0, 2] = 1.0
+    params = {"top_k": 2, "top_p": 0.5}
+    alone = _kept(row, params)
+    assert alone == _kept(row, params, beside={"top_p": 0.9}) == [2]

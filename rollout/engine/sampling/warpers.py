@@ -6,7 +6,13 @@ survives). Each step runs only when some running sample asks for it, and a row t
 row's top candidates only: `topk` first, then every later warper on those few columns, kept in vocabulary order so
 that drawing from them walks the same CDF as a whole row would. Both give the same kept tokens
 and probabilities (up to float rounding), except where more than `TIE_SLACK` tokens tie exactly with a row's k-th
-score (see `candidate_width`)."""
+score (see `candidate_width`), or a token's probability lies within float rounding of a min_p, epsilon or eta cut (a
+softmax over the candidates rounds its sum otherwise than one over the whole row).
+
+Sorts are stable on both paths, so tokens whose probabilities tie exactly at a top_p or typical_p boundary are taken
+in token id order whatever the path (which depends on the other live samples) and the device. transformers' warpers
+sort unstably: on a CPU its order among exact ties is the sort's own, so there it may keep another of the tied
+tokens."""
 
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ def warp(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots) -> to
         kth = scores.topk(width, dim=-1).values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
         # Rows without top_k hold the vocabulary size: more than `width`, so they are left alone.
         scores = scores.masked_fill((scores < kth) & (k <= width).unsqueeze(1), _NEG_INF)
-    return _after_top_k(scores, columns, slots, stable=False)
+    return _after_top_k(scores, columns, slots)
 
 
 def candidate_width(slots: SamplingSlots, top_logprobs: int) -> int:
@@ -81,14 +87,14 @@ def warp_candidates(
     else:  # greedy rows may hold the vocabulary size (or another top_k): clamped, their result is not used
         kth = values.gather(1, (columns.int("top_k").clamp(max=top_k) - 1).unsqueeze(1))
     values = values.masked_fill(values < kth, _NEG_INF)
-    # Token id order: the CDF walks the candidates as a whole row would, and the stable sorts below break ties as a
-    # whole row's stable sort does (by token id).
+    # Token id order: the CDF walks the candidates as a whole row would, and the stable sorts of `_after_top_k` break
+    # ties by token id, as they do on whole rows.
     token_ids, order = token_ids.sort(dim=-1)
     values = values.gather(1, order)
-    return _after_top_k(values, columns, slots, stable=True), token_ids
+    return _after_top_k(values, columns, slots), token_ids
 
 
-def _after_top_k(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots, stable: bool) -> torch.Tensor:
+def _after_top_k(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlots) -> torch.Tensor:
     """Steps 6-10 (top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff) on whole rows or on candidates: a removed
     token holds -inf, so every warper sees the same distribution either way.
 
@@ -96,13 +102,12 @@ def _after_top_k(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlot
         scores: (rows, columns) scores after top_k.
         columns: each row's sampling parameters.
         slots: the slot tables (which warpers some live sample asks for).
-        stable: sort stably (candidates, in token id order: ties in token id order).
     """
     if slots.any("top_p"):
         # fp32(1 - top_p computed in double), as transformers compares with it: 1 - fp32(top_p) can differ by an
         # ulp, and a cumulative probability between the two drops a token transformers keeps.
         cut = columns.float("top_p_cut")
-        sorted_scores, sorted_index = scores.sort(dim=-1, descending=False, stable=stable)
+        sorted_scores, sorted_index = scores.sort(dim=-1, descending=False, stable=True)
         remove = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= cut
         if not slots.all_use("top_p"):
             remove &= cut > 0
@@ -113,27 +118,30 @@ def _after_top_k(scores: torch.Tensor, columns: SlotColumns, slots: SamplingSlot
         scores = scores.masked_fill(probs < columns.float("min_p") * probs.amax(dim=-1, keepdim=True), _NEG_INF)
     if slots.any("typical_p"):
         typical_p = columns.float("typical_p")
-        scores = torch.where(typical_p < 1, _typical(scores, typical_p, stable), scores)
+        scores = torch.where(typical_p < 1, _typical(scores, typical_p), scores)
     if slots.any("epsilon_cutoff"):
         scores = _cut_below(scores, scores.softmax(dim=-1), columns.float("epsilon_cutoff"))
     if slots.any("eta_cutoff"):
         eta = columns.float("eta_cutoff")
-        log_probs = scores.log_softmax(dim=-1)
-        probs = log_probs.exp()
-        # Entropy as torch.distributions.Categorical computes it (-inf clamped, so 0 * -inf is 0, not nan).
-        entropy = -(log_probs.clamp(min=torch.finfo(scores.dtype).min) * probs).sum(dim=-1, keepdim=True)
-        scores = _cut_below(scores, probs, torch.minimum(eta, eta.sqrt() * torch.exp(-entropy)))
+        # As transformers' EtaLogitsWarper: the entropy of torch.distributions.Categorical(logits=scores) (its logits
+        # normalised by their logsumexp, -inf clamped so 0 * -inf is 0, its probs their softmax), and the cut on
+        # softmax(scores). log_softmax and its exp round differently and moved tokens across the cut.
+        normalized = scores - scores.logsumexp(dim=-1, keepdim=True)
+        entropy = -(normalized.clamp(min=torch.finfo(scores.dtype).min) * normalized.softmax(dim=-1)).sum(
+            -1, keepdim=True
+        )
+        scores = _cut_below(scores, scores.softmax(dim=-1), torch.minimum(eta, eta.sqrt() * torch.exp(-entropy)))
     return scores
 
 
-def _typical(scores: torch.Tensor, mass: torch.Tensor, stable: bool) -> torch.Tensor:
+def _typical(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """transformers' TypicalLogitsWarper with a per-row mass: keep the tokens whose surprise is closest to the
     entropy until their probability reaches `mass`."""
     normalized = scores.log_softmax(dim=-1)
     probs = normalized.exp()
     entropy = -(normalized * probs).nansum(dim=-1, keepdim=True)
     shifted = (-normalized - entropy).abs()
-    sorted_shifted, sorted_index = shifted.sort(dim=-1, descending=False, stable=stable)
+    sorted_shifted, sorted_index = shifted.sort(dim=-1, descending=False, stable=True)
     cumulative = scores.gather(-1, sorted_index).softmax(dim=-1).cumsum(dim=-1)
     last = (cumulative < mass).sum(dim=1).clamp_(max=scores.shape[-1] - 1)
     remove = sorted_shifted > sorted_shifted.gather(1, last.unsqueeze(1))
