@@ -9,7 +9,8 @@ Only where it pays:
 - a draft follows a match of the sample's last tokens; how often drafts were accepted is kept per match length
   (2 to 8 and longer tokens), and a match length whose drafts are mostly rejected proposes nothing, except in one
   thin step of every `EXPLORE` (where every match length proposes, to keep the rates current): short matches are
-  coincidences at high entropy and good guesses at low entropy, and the rates tell which case the engine is in;
+  coincidences at high entropy and good guesses at low entropy, and the rates tell which case the engine is in; a
+  thin step where no match length pays, and that does not explore, looks for no draft at all;
 - with overlapped scheduling, a thin step waits for the step before to reach the host (drafts follow a sample's last
   token) only when it may draft: while some match length pays, or when it explores;
 - a row whose recent drafts were mostly rejected stops drafting for a while (4 steps, doubling to 64 while it keeps
@@ -86,20 +87,24 @@ class SuffixDrafter:
         self._exploring = False  # this step lets every match length propose
 
     def speculates(self, num_decodes: int) -> bool:
-        """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler)."""
+        """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler): a thin step, while
+        some match length pays or when it explores. Otherwise every draft would be dropped (`_pays`), so none is
+        looked for and no pool is indexed: samples join their pools at a step that drafts, or when they finish, and
+        a pool indexes its sequences whole then (lazily)."""
         self._step += 1
         if num_decodes > self.disable_by_batch_size:
             return False
         self._thin_steps += 1
         self._exploring = self._thin_steps % EXPLORE == 0
-        return True
+        return self._exploring or self._some_length_pays()
 
     def wants_tokens(self) -> bool:
         """Whether the next thin step may draft: some match length pays, or it explores. With overlapped scheduling
         the step loop then brings the step before's tokens to the host first (a draft follows a sample's last
         token); otherwise the steps stay overlapped."""
-        if (self._thin_steps + 1) % EXPLORE == 0:
-            return True
+        return (self._thin_steps + 1) % EXPLORE == 0 or self._some_length_pays()
+
+    def _some_length_pays(self) -> bool:
         return any(accepted >= MIN_ACCEPTANCE * proposed for accepted, proposed in self._rates.values())
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
