@@ -95,11 +95,12 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
         return segment
 
 
-_pinned: set[int] = set()  # addresses of the segments `pin_segment` registered, until `release_segment`
+# Address of each segment `pin_segment` registered -> the GPU it was registered on, until `release_segment`.
+_pinned: dict[int, torch.device] = {}
 _pinned_lock = threading.Lock()
 
 
-def pin_segment(view: torch.Tensor) -> bool:
+def pin_segment(view: torch.Tensor, device: torch.device) -> bool:
     """Page-lock a shared-memory segment for the GPU's copies (`cudaHostRegister`, as torch's checkpoint stager does
     with shared memory): copies between it and the GPU then go at the bus's speed, without the driver's bounce
     buffer (the first H200 run: a 1.2 GB commit took 177 ms from an unpinned segment, 26 ms from a pinned buffer).
@@ -108,27 +109,35 @@ def pin_segment(view: torch.Tensor) -> bool:
 
     Args:
         view: a uint8 view of the whole segment.
+        device: the GPU whose copies read it. Registered with that device current: the thread's own current device
+            (0 unless set) would get a CUDA context of this process on another worker's GPU.
     """
     if view.numel() == 0 or not torch.cuda.is_available():
         return False
-    code = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), _HOST_REGISTER_PORTABLE))
+    try:
+        with torch.cuda.device(device):
+            code = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), _HOST_REGISTER_PORTABLE))
+    except Exception as error:  # noqa: BLE001 - no usable CUDA runtime: the segment serves unlocked
+        logger.warning("could not page-lock a %d-byte staging segment (%s): copies go unpinned", view.numel(), error)
+        return False
     if code != 0:
         logger.warning(
             "could not page-lock a %d-byte staging segment (cudaError %d): copies go unpinned", view.numel(), code
         )
         return False
     with _pinned_lock:
-        _pinned.add(view.data_ptr())
+        _pinned[view.data_ptr()] = device
     return True
 
 
 def _unpin_segment(address: int) -> None:
     """Undo `pin_segment` for the segment at `address` (no-op unless it pinned it): before the segment is unmapped."""
     with _pinned_lock:
-        if address not in _pinned:
-            return
-        _pinned.discard(address)
-    code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        device = _pinned.pop(address, None)
+    if device is None:
+        return
+    with torch.cuda.device(device):
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
     if code != 0:
         logger.warning("could not unpin a staging segment (cudaError %d)", code)
 
@@ -137,14 +146,15 @@ class StagingPool:
     """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
     on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
 
-    def __init__(self, keep: bool = True, pin: bool = False):
+    def __init__(self, keep: bool = True, pin_device: torch.device | None = None):
         """
         Args:
             keep: keep the last host buffer and shared segment for the next update.
-            pin: page-lock host buffers and shared segments (the model is on a GPU: faster, non-blocking copies).
+            pin_device: the GPU the model is on: host buffers and shared segments are page-locked for its copies
+                (faster, non-blocking); None: not locked.
         """
         self.keep = keep
-        self.pin = pin
+        self.pin_device = pin_device
         self._lock = threading.Lock()  # areas are taken on the serving thread and come back on an update's job thread
         self._closed = False  # areas given back after `close` are freed
         self._host: torch.Tensor | None = None
@@ -156,7 +166,7 @@ class StagingPool:
             buffer, self._host = self._host, None
         if buffer is None or buffer.numel() < nbytes:
             buffer = None  # free the small one first
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_device is not None)
         return buffer
 
     def shared(self, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
@@ -182,8 +192,8 @@ class StagingPool:
             segment.unlink()
             raise
         view = torch.frombuffer(segment.buf, dtype=torch.uint8)
-        if self.pin:
-            pin_segment(view)
+        if self.pin_device is not None:
+            pin_segment(view, self.pin_device)
         return segment, view
 
     def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:

@@ -354,7 +354,7 @@ def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_rel
     first) raises nothing; a second pool's segment is pinned in turn."""
     from rollout.protocol.staging import StagingPool
 
-    pool = StagingPool(keep=False, pin=True)
+    pool = StagingPool(keep=False, pin_device=torch.device("cuda", torch.cuda.current_device()))
     segment, view = pool.shared(1 << 24)
     assert view.is_pinned()
     source = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
@@ -364,7 +364,7 @@ def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_rel
     assert torch.equal(back, source)
     pool.give_back(None, (segment, view))
     del segment, view
-    again = StagingPool(keep=False, pin=True)
+    again = StagingPool(keep=False, pin_device=torch.device("cuda", torch.cuda.current_device()))
     segment, view = again.shared(1 << 20)
     assert view.is_pinned()
     again.give_back(None, (segment, view))
@@ -372,7 +372,7 @@ def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_rel
 
 def test_the_shm_sender_stages_a_gpus_bytes_through_its_pinned_buffer():
     """A trainer's bucket of CUDA bytes lands in the worker's segment at the staging layout's offsets (through the
-    sender's page-locked bounce buffer), and the views it returns for the checksum are those bytes."""
+    sender's page-locked bounce buffer), and the host bytes it returns for the checksum are those bytes."""
     from types import SimpleNamespace
 
     from rollout.protocol.staging import StagingPool, staging_layout
@@ -381,10 +381,11 @@ def test_the_shm_sender_stages_a_gpus_bytes_through_its_pinned_buffer():
 
     specs = [TensorSpec("a", "uint8", [1000]), TensorSpec("b", "uint8", [3000])]
     offsets, total = staging_layout(specs)
-    pool = StagingPool(keep=False, pin=True)
+    pool = StagingPool(keep=False, pin_device=torch.device("cuda", torch.cuda.current_device()))
     segment, view = pool.shared(total)
-    sender = ShmSender(SimpleNamespace())
-    sender.attach(SimpleNamespace(index=0), WeightsReady("u", total, segment.name), specs)
+    link = SimpleNamespace(index=0, transport="shm")
+    sender = ShmSender(SimpleNamespace(links=[link]))
+    sender.attach(link, WeightsReady("u", total, segment.name), specs)
     a = torch.randint(0, 256, (1000,), dtype=torch.uint8, device="cuda")
     b = torch.randint(0, 256, (3000,), dtype=torch.uint8, device="cuda")
     placed = sender.stage([(0, 0, a), (1, 0, b[:1200]), (1, 1200, b[1200:])], offsets)

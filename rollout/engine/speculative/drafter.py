@@ -10,7 +10,8 @@ Only where it pays:
   (2 to 8 and longer tokens), and a match length whose drafts are mostly rejected proposes nothing, except in one
   thin step of every `EXPLORE` (where every match length proposes, to keep the rates current): short matches are
   coincidences at high entropy and good guesses at low entropy, and the rates tell which case the engine is in; a
-  thin step where no match length pays, and that does not explore, looks for no draft at all;
+  thin step where no match length pays, and that does not explore, looks for no match at all (its samples still
+  join their pools, and the pools are indexed, as in any thin step: the drafts of later steps are the same);
 - with overlapped scheduling, a thin step waits for the step before to reach the host (drafts follow a sample's last
   token) only when it may draft: while some match length pays, or when it explores;
 - a row whose recent drafts were mostly rejected stops drafting for a while (4 steps, doubling to 64 while it keeps
@@ -85,18 +86,18 @@ class SuffixDrafter:
         self._rates = {length: [0.25, 1.0] for length in range(2, LONG_MATCH + 1)}
         self._thin_steps = 0  # steps that could draft (thin, nothing queued)
         self._exploring = False  # this step lets every match length propose
+        self._looking = False  # this step looks for drafts: it explores, or some match length pays
 
     def speculates(self, num_decodes: int) -> bool:
-        """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler): a thin step, while
-        some match length pays or when it explores. Otherwise every draft would be dropped (`_pays`), so none is
-        looked for and no pool is indexed: samples join their pools at a step that drafts, or when they finish, and
-        a pool indexes its sequences whole then (lazily)."""
+        """Whether a step with `num_decodes` decodes drafts (once per step, from the scheduler)."""
         self._step += 1
         if num_decodes > self.disable_by_batch_size:
             return False
         self._thin_steps += 1
         self._exploring = self._thin_steps % EXPLORE == 0
-        return self._exploring or self._some_length_pays()
+        # Rates change only when a verification reports (`verified`, as a step resolves), never while one is built.
+        self._looking = self._exploring or self._some_length_pays()
+        return True
 
     def wants_tokens(self) -> bool:
         """Whether the next thin step may draft: some match length pays, or it explores. With overlapped scheduling
@@ -124,6 +125,8 @@ class SuffixDrafter:
         if entry.indexed_step != self._step:  # its samples' tokens of the last step, indexed once for all of them
             entry.pool.catch_up()
             entry.indexed_step = self._step
+        if not self._looking:  # every draft would be dropped (`_pays`): the pool and its index kept as ever
+            return ()
         draft, match = row.pool.propose(row.sequence, min(limit, self.num_speculative_tokens))
         if not draft or not self._pays(min(match, LONG_MATCH)):
             return ()

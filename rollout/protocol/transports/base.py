@@ -94,8 +94,9 @@ class Sender:
 
     def stage(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> list[torch.Tensor] | None:
         """Called once per bucket, before its header goes to any worker: put its bytes where this transport's workers
-        read them by themselves (shm: their segments). Returns host views of the bytes so placed, in the bucket's
-        order (its checksum is computed from them, sparing another copy), or None (the default: nothing placed).
+        read them by themselves (shm: their segments). Returns the bytes on the host as they were placed from, in the
+        bucket's order (its checksum is computed from them, sparing another device-to-host copy), or None (the
+        default: nothing placed).
 
         Args:
             bucket: (tensor index, byte offset in the tensor, bytes) per piece.

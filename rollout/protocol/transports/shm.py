@@ -34,19 +34,22 @@ class ShmSender(Sender):
         self._segments[link.index] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8))
 
     def stage(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> list[torch.Tensor] | None:
-        """Copy the bucket into every attached worker's segment; returns the first segment's views of it. Each bucket
-        has its own place in the segments, so a bucket staged while earlier ones are still being checked by the
-        worker overwrites nothing it reads."""
-        if not self._segments:
+        """Copy the bucket into the segment of every worker still in the push over shm; returns its bytes on the host
+        as they were copied from (the checksum is computed from them, so the worker's check still covers the copy
+        into its segment). Each bucket has its own place in the segments, so a bucket staged while earlier ones are
+        still being checked by the worker overwrites nothing it reads."""
+        live = [  # not a lost worker's, nor one that went over to frames after its segment was attached
+            self._segments[link.index][1]
+            for link in self.push.links
+            if link.transport == "shm" and link.index in self._segments
+        ]
+        if not live:
             return None
         sources = self._on_host([data for _, _, data in bucket])
-        placed: list[torch.Tensor] | None = None
-        for _, staging in self._segments.values():
-            views = [staging[offsets[index] + offset :][: data.numel()] for index, offset, data in bucket]
-            for view, source in zip(views, placed or sources):  # further segments: from the first's bytes
-                view.copy_(source)
-            placed = placed or views
-        return placed
+        for staging in live:
+            for (index, offset, _), source in zip(bucket, sources):
+                staging[offsets[index] + offset :][: source.numel()].copy_(source)
+        return sources
 
     def _on_host(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pieces on the host: a GPU's through one page-locked bounce buffer, kept for the push (a copy into

@@ -71,7 +71,7 @@ class UpdateSlot:
         self._events: queue.SimpleQueue[tuple[StagedUpdate, p.Message]] = queue.SimpleQueue()
         self._receivers: dict[str, Receiver] = {}  # each transport's receiver, made at its first update
         self._device = next(manager.engine.model.parameters()).device
-        self._staging = StagingPool(keep=keep_staging, pin=self._device.type == "cuda")
+        self._staging = StagingPool(keep=keep_staging, pin_device=self._device if self._device.type == "cuda" else None)
         self.num_rejected = 0
         # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
         # update that named none): adapter updates for another base are refused.
