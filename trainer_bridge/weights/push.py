@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from rollout import protocol as p
-from rollout.config import dtype_name
 from rollout.protocol.staging import DTYPES, bucket_checksum, staging_layout
 from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Sender, UpdateRejected
@@ -23,6 +22,7 @@ from trainer_bridge.client.calls import PushResult, WorkerLost
 from trainer_bridge.gathering import Entry, as_wire_bytes
 from trainer_bridge.weights.lora_push import AdapterPush
 from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed
+from trainer_bridge.weights.wire_specs import wire_specs
 
 logger = logging.getLogger("trainer_bridge.weights.weight_sync")
 
@@ -114,28 +114,12 @@ class WeightPush:
                     f"workers {self.links[0].address} and {link.address} serve models "
                     "with different tensors; push to each separately",
                 )
-        adapter_names = set()
+        adapter_names: set[str] = set()
         if self.adapter is not None:  # the base travels along where a worker does not hold it
             self.entries = self.adapter.choose(any(link.base_id != self.adapter.base_id for link in self.links))
             self.base_included = bool(self.adapter.base_included)
             adapter_names = {entry.name for entry in self.adapter.entries}
-        specs = []
-        for entry in self.entries:
-            if entry.name in adapter_names:  # checked by the workers' adapter table; sent in its own dtype
-                specs.append(p.TensorSpec(entry.name, dtype_name(entry.dtype), list(entry.shape)))
-                continue
-            target = reference.get(entry.name)
-            if target is None:
-                raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
-            dtype_wire, shape = target
-            if tuple(shape) != tuple(entry.shape):
-                raise RolloutError(
-                    "bad_update", f"shape {list(entry.shape)} does not match the workers' {list(shape)}", entry.name
-                )
-            if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
-                dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
-            specs.append(p.TensorSpec(entry.name, dtype_wire, list(entry.shape)))
-        return specs
+        return wire_specs(self.entries, reference, adapter_names)
 
     def _begin(self, specs: list[p.TensorSpec]) -> None:
         small = staging_layout(specs)[1] <= self.bucket_bytes
