@@ -74,7 +74,7 @@ def test_hashing_and_the_nan_check_run_off_the_serving_thread_in_order(slot, mon
     data = values.view(torch.uint8)
     begin = p.WeightsBegin("u", [p.TensorSpec("model.norm.weight", "float32", [64])], version=7, partial=True)
     slot.handle(b"trainer", begin, [], None)
-    assert isinstance(slot.sent[-1], p.WeightsReady)
+    assert isinstance(_replies(slot, 1)[-1], p.WeightsReady)
     bucket = p.WeightsBucket("u", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
     assert _timed(lambda: slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)) < SLOW_S / 4
     assert _timed(lambda: slot.handle(b"trainer", p.WeightsCommit("u"), [], None)) < SLOW_S / 4
@@ -83,6 +83,48 @@ def test_hashing_and_the_nan_check_run_off_the_serving_thread_in_order(slot, mon
     assert isinstance(committed, p.WeightsCommitted) and committed.version == 7, committed
     assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
     assert slot.update is None
+
+
+def test_the_staging_area_is_made_off_the_serving_thread_and_a_bucket_sent_early_still_lands(slot, monkeypatch):
+    """Making the staging area takes SLOW_S (a multi-GB shared segment's pages reserved and page-locked): the
+    weights_begin returns at once and weights_ready comes once the area exists; a bucket and the commit sent before
+    it (frames) wait behind it and commit."""
+    real_host = slot._staging.host
+
+    def slow_host(nbytes):
+        time.sleep(SLOW_S)
+        return real_host(nbytes)
+
+    monkeypatch.setattr(slot._staging, "host", slow_host)
+    values = torch.full((64,), 4.0)
+    data = values.view(torch.uint8)
+    begin = p.WeightsBegin("early", [p.TensorSpec("model.norm.weight", "float32", [64])], version=3, partial=True)
+    assert _timed(lambda: slot.handle(b"trainer", begin, [], None)) < SLOW_S / 4
+    bucket = p.WeightsBucket("early", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
+    slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
+    slot.handle(b"trainer", p.WeightsCommit("early"), [], None)
+    assert not slot.sent  # nothing is ready yet
+    ready, ack, committed = _replies(slot, 3)
+    assert isinstance(ready, p.WeightsReady) and ready.staging_bytes == 256, ready
+    assert isinstance(ack, p.WeightsAck) and isinstance(committed, p.WeightsCommitted) and committed.version == 3
+    assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
+
+
+def test_a_staging_area_that_cannot_be_made_rejects_the_begin_by_transport(slot, monkeypatch):
+    """/dev/shm too small for the segment: the begin is answered with an error naming the transport (the push
+    falls back to frames on it), and the slot is free for the next update."""
+
+    def no_room(nbytes):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(slot._staging, "shared", no_room)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"trainer", p.WeightsBegin("shm", spec, partial=True, transport="shm"), [], None)
+    error = _replies(slot, 1)[0]
+    assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "transport"), error
+    assert "No space left" in error.message and slot.update is None
+    slot.handle(b"trainer", p.WeightsBegin("frames", spec, partial=True), [], None)
+    assert isinstance(_replies(slot, 2)[-1], p.WeightsReady)
 
 
 def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(slot):
@@ -98,7 +140,7 @@ def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(
     assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "checksum"), error
     assert slot.update is None and torch.equal(slot.manager.engine.model.model.norm.weight.detach(), before)
     slot.handle(b"trainer", p.WeightsBegin("next", begin.tensors, partial=True), [], None)
-    assert isinstance(slot.sent[-1], p.WeightsReady)
+    assert isinstance(_replies(slot, 3)[-1], p.WeightsReady)
 
 
 def test_more_buckets_than_may_wait_for_their_acks_reject_the_update(slot, monkeypatch):

@@ -48,7 +48,7 @@ class StagedUpdate:
         max_phase_s: float = 600.0,
         base_id: str | None = None,
     ):
-        """Validate the announcement and take a staging area from the pool.
+        """Validate the announcement (its staging area is taken later: `take_staging`).
 
         Args:
             begin: the client's weights_begin.
@@ -82,11 +82,11 @@ class StagedUpdate:
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
         self.pool = pool
-        self._host, self._shared = self.receiver.staging(pool, self.staging_bytes)
-        self.shm: shared_memory.SharedMemory | None = self._shared[0] if self._shared else None
-        area = self._shared[1] if self._shared else self._host
-        assert area is not None
-        self.staging = area[: self.staging_bytes]
+        # The staging area comes in `take_staging`, the update's first job (never on the serving thread).
+        self._host: torch.Tensor | None = None
+        self._shared: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
+        self.shm: shared_memory.SharedMemory | None = None
+        self.staging = torch.empty(0, dtype=torch.uint8)
         self.deadline = 0.0
         self.touch()
         # Work that grows with the update's size (hashing, staging, receiving, the commit's checks) runs here, in
@@ -147,6 +147,21 @@ class StagedUpdate:
     def expired(self, now: float) -> bool:
         """True when the client let a phase run past its deadline (a committing update waits on the engine)."""
         return not self.committing and now > self.deadline
+
+    def take_staging(self) -> None:
+        """Take the update's staging area from the pool, on its job thread (the first job, so every bucket's job
+        finds it): making an update-sized area can take seconds (reserving a shared segment's pages takes about
+        150 ms per GB, page-locking it for a GPU more), which the serving thread must not spend.
+
+        Raises:
+            UpdateRejected: none can be made (e.g. /dev/shm too small for a shared segment), naming the transport.
+        """
+        host, shared = self.receiver.staging(self.pool, self.staging_bytes)
+        area = shared[1] if shared is not None else host
+        assert area is not None
+        self._host, self._shared = host, shared
+        self.shm = shared[0] if shared is not None else None
+        self.staging = area[: self.staging_bytes]
 
     # ---- bytes in ---------------------------------------------------------------------------------------------
     def announce(self, pieces: list[p.TensorPiece]) -> None:

@@ -179,14 +179,27 @@ class UpdateSlot:
             message.transport,
             message.mode,
         )
+        update.jobs.submit(lambda: self._prepare(update))
+
+    def _prepare(self, update: StagedUpdate) -> None:
+        """The update's first job: take its staging area, then answer weights_ready once its transport is ready too
+        (a torch.distributed group joined), or the error that prevented it. Later jobs (buckets, commit) queue
+        behind it, so a bucket sent before weights_ready still lands."""
+        if update.ended:
+            return  # rejected or aborted before its staging was taken
+        try:
+            update.take_staging()
+        except UpdateRejected as rejected:
+            self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+            return
         ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
 
         def joined(error: BaseException | None) -> None:  # on the transport's thread (a group's rendezvous)
             reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
             self._report(update, reply)
 
-        if update.receiver.when_ready(message, joined, cancelled=lambda: update.ended):
-            self._send(identity, ready)
+        if update.receiver.when_ready(update.begin, joined, cancelled=lambda: update.ended):
+            self._report(update, ready)
 
     def _receiver(self, transport: str) -> Receiver:
         """This worker's receiver of `transport` (a known name), made at its first update and kept."""
