@@ -39,6 +39,20 @@ def test_every_message_round_trips(message):
     assert p.decode(p.encode(message)) == message
 
 
+def test_a_field_given_in_plain_form_is_sent_as_given():
+    """A reply whose maker keeps a large field's codec form (`plain_fields`: weights_spec's tensors) encodes to the
+    very bytes of the same reply converted field by field, and decodes back to it."""
+    from rollout.protocol.codec import to_plain
+
+    specs = [p.TensorSpec(f"model.layers.{i}.mlp.experts.{i % 7}.weight", "bfloat16", [768, i]) for i in range(300)]
+    reply = p.WeightsSpecReply("u1", specs, 3, "base", {"math": 2})
+    given = p.WeightsSpecReply("u1", specs, 3, "base", {"math": 2})
+    given.plain_fields = {"tensors": to_plain(specs)}
+    assert p.encode(given) == p.encode(reply) and p.decode(p.encode(given)) == reply
+    given.plain_fields = {"tensors": to_plain(specs[:1])}  # sent as given, not converted again from the field
+    assert p.decode(p.encode(given)).tensors == specs[:1]
+
+
 def test_every_message_type_has_an_example():
     assert {m.TYPE for m in EXAMPLES} == set(p.MESSAGE_TYPES)
 

@@ -10,48 +10,20 @@ import time
 
 import pytest
 import torch
+from slot_helpers import SLOW_S, open_slot, replies, timed
 
-from conftest import tiny_model
 from rollout import protocol as p
-from rollout.config import ContinuousBatchingConfig
-from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.protocol import dist as dist_module
 from rollout.protocol.staging import bucket_checksum
 from rollout.service.weights import staged_update as weights_module
-from rollout.service.weights.update_slot import UpdateSlot
 
 pytestmark = pytest.mark.timeout(60)
-
-SLOW_S = 1.0  # what the patched hash or NaN check costs: far above what the serving thread may spend per message
 
 
 @pytest.fixture
 def slot():
-    manager = init_continuous_batching(
-        tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=32, block_size=16)
-    )
-    sent: list[p.Message] = []
-    woken = threading.Event()
-    update_slot = UpdateSlot(manager, lambda identity, message: sent.append(message), woken.set, 600.0)
-    update_slot.sent = sent
-    yield update_slot
-    update_slot.close()
-
-
-def _replies(slot: UpdateSlot, count: int, timeout_s: float = 20.0) -> list[p.Message]:
-    """Conclude finished steps (as the serving loop does) until `count` replies were sent."""
-    deadline = time.monotonic() + timeout_s
-    while len(slot.sent) < count:
-        assert time.monotonic() < deadline, f"only {slot.sent}"
-        slot.conclude()
-        time.sleep(0.01)
-    return slot.sent
-
-
-def _timed(call) -> float:
-    started = time.monotonic()
-    call()
-    return time.monotonic() - started
+    with open_slot() as update_slot:
+        yield update_slot
 
 
 def test_hashing_and_the_nan_check_run_off_the_serving_thread_in_order(slot, monkeypatch):
@@ -74,57 +46,15 @@ def test_hashing_and_the_nan_check_run_off_the_serving_thread_in_order(slot, mon
     data = values.view(torch.uint8)
     begin = p.WeightsBegin("u", [p.TensorSpec("model.norm.weight", "float32", [64])], version=7, partial=True)
     slot.handle(b"trainer", begin, [], None)
-    assert isinstance(_replies(slot, 1)[-1], p.WeightsReady)
+    assert isinstance(replies(slot, 1)[-1], p.WeightsReady)
     bucket = p.WeightsBucket("u", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
-    assert _timed(lambda: slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)) < SLOW_S / 4
-    assert _timed(lambda: slot.handle(b"trainer", p.WeightsCommit("u"), [], None)) < SLOW_S / 4
-    ack, committed = _replies(slot, 3)[1:]
+    assert timed(lambda: slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)) < SLOW_S / 4
+    assert timed(lambda: slot.handle(b"trainer", p.WeightsCommit("u"), [], None)) < SLOW_S / 4
+    ack, committed = replies(slot, 3)[1:]
     assert isinstance(ack, p.WeightsAck) and ack.received_bytes == 256, ack
     assert isinstance(committed, p.WeightsCommitted) and committed.version == 7, committed
     assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
     assert slot.update is None
-
-
-def test_the_staging_area_is_made_off_the_serving_thread_and_a_bucket_sent_early_still_lands(slot, monkeypatch):
-    """Making the staging area takes SLOW_S (a multi-GB shared segment's pages reserved and page-locked): the
-    weights_begin returns at once and weights_ready comes once the area exists; a bucket and the commit sent before
-    it (frames) wait behind it and commit."""
-    real_host = slot._staging.host
-
-    def slow_host(nbytes):
-        time.sleep(SLOW_S)
-        return real_host(nbytes)
-
-    monkeypatch.setattr(slot._staging, "host", slow_host)
-    values = torch.full((64,), 4.0)
-    data = values.view(torch.uint8)
-    begin = p.WeightsBegin("early", [p.TensorSpec("model.norm.weight", "float32", [64])], version=3, partial=True)
-    assert _timed(lambda: slot.handle(b"trainer", begin, [], None)) < SLOW_S / 4
-    bucket = p.WeightsBucket("early", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
-    slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
-    slot.handle(b"trainer", p.WeightsCommit("early"), [], None)
-    assert not slot.sent  # nothing is ready yet
-    ready, ack, committed = _replies(slot, 3)
-    assert isinstance(ready, p.WeightsReady) and ready.staging_bytes == 256, ready
-    assert isinstance(ack, p.WeightsAck) and isinstance(committed, p.WeightsCommitted) and committed.version == 3
-    assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
-
-
-def test_a_staging_area_that_cannot_be_made_rejects_the_begin_by_transport(slot, monkeypatch):
-    """/dev/shm too small for the segment: the begin is answered with an error naming the transport (the push
-    falls back to frames on it), and the slot is free for the next update."""
-
-    def no_room(nbytes):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(slot._staging, "shared", no_room)
-    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
-    slot.handle(b"trainer", p.WeightsBegin("shm", spec, partial=True, transport="shm"), [], None)
-    error = _replies(slot, 1)[0]
-    assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "transport"), error
-    assert "No space left" in error.message and slot.update is None
-    slot.handle(b"trainer", p.WeightsBegin("frames", spec, partial=True), [], None)
-    assert isinstance(_replies(slot, 2)[-1], p.WeightsReady)
 
 
 def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(slot):
@@ -136,11 +66,11 @@ def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(
     slot.handle(b"trainer", begin, [], None)
     bucket = p.WeightsBucket("bad", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]) ^ 1)
     slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
-    error = _replies(slot, 2)[1]
+    error = replies(slot, 2)[1]
     assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "checksum"), error
     assert slot.update is None and torch.equal(slot.manager.engine.model.model.norm.weight.detach(), before)
     slot.handle(b"trainer", p.WeightsBegin("next", begin.tensors, partial=True), [], None)
-    assert isinstance(_replies(slot, 3)[-1], p.WeightsReady)
+    assert isinstance(replies(slot, 3)[-1], p.WeightsReady)
 
 
 def test_more_buckets_than_may_wait_for_their_acks_reject_the_update(slot, monkeypatch):

@@ -30,8 +30,11 @@ def encode(message: Message) -> list[bytes]:
     """Turn a message into ZeroMQ frames: the header, then the message's `data_frames` if it has any (a request's
     raw tensor frames are appended by its sender)."""
     header = {"protocol": PROTOCOL_VERSION, "type": message.TYPE}
-    for item in dataclasses.fields(message):
-        header[item.name] = _plain(getattr(message, item.name))
+    # Fields a reply carries already in their plain form (a large one its maker keeps: the weights_spec reply's
+    # tensors), set on the message by its maker as {field name: plain value}; they are not converted again.
+    given = getattr(message, "plain_fields", None) or {}
+    for name in _field_names(type(message)):
+        header[name] = given[name] if name in given else to_plain(getattr(message, name))
     # Raw frames a reply carries after its header (MoE routes: route_frames.py), set on the message by its maker.
     return [msgpack.packb(header, use_bin_type=True), *getattr(message, "data_frames", ())]
 
@@ -141,11 +144,25 @@ def _bytes(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {item.name: _plain(getattr(value, item.name)) for item in dataclasses.fields(value)}
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, in order (`dataclasses.fields` is slow: once per class)."""
+    return tuple(item.name for item in dataclasses.fields(cls))
+
+
+def to_plain(value: Any) -> Any:
+    """`value` as the codec sends it (msgpack's types): dataclasses as maps, tuples as lists, inside lists and
+    dataclasses; a reply's `plain_fields` hold such values (`encode`)."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [to_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: to_plain(getattr(value, name)) for name in _field_names(kind)}
     return value
 
 

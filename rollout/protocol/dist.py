@@ -200,6 +200,8 @@ class DistReceiver:
         """
         key = fields["group"]
         with self._lock:
+            if cancelled():
+                return  # its update ended (a newer one may have asked for its own group already: leave it wanted)
             self._wanted_key = key
             if self._group_key == key and self._group is not None:
                 done(None)

@@ -87,6 +87,7 @@ class StagedUpdate:
         self._shared: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
         self.shm: shared_memory.SharedMemory | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
+        self.prepared = False  # its staging area exists: jobs may use it, and its phase deadline runs
         self.deadline = 0.0
         self.touch()
         # Work that grows with the update's size (hashing, staging, receiving, the commit's checks) runs here, in
@@ -145,8 +146,9 @@ class StagedUpdate:
         self.deadline = time.monotonic() + self.begin.timeout_s
 
     def expired(self, now: float) -> bool:
-        """True when the client let a phase run past its deadline (a committing update waits on the engine)."""
-        return not self.committing and now > self.deadline
+        """True when the client let a phase run past its deadline (a committing update waits on the engine; one
+        still without its staging area waits on the worker)."""
+        return self.prepared and not self.committing and now > self.deadline
 
     def take_staging(self) -> None:
         """Take the update's staging area from the pool, on its job thread (the first job, so every bucket's job
@@ -162,6 +164,8 @@ class StagedUpdate:
         self._host, self._shared = host, shared
         self.shm = shared[0] if shared is not None else None
         self.staging = area[: self.staging_bytes]
+        self.touch()  # the worker's own time making it is not the client's
+        self.prepared = True
 
     # ---- bytes in ---------------------------------------------------------------------------------------------
     def announce(self, pieces: list[p.TensorPiece]) -> None:

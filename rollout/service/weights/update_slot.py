@@ -24,10 +24,12 @@ from rollout.engine.manager.commands import AdapterUpdate
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.engine.weights.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
+from rollout.protocol.codec import to_plain
 from rollout.protocol.staging import StagingPool
 from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Receiver
 from rollout.service.observability.tracing import Tracer
+from rollout.service.weights.preparing import StagingPreparer
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class UpdateSlot:
         self._receivers: dict[str, Receiver] = {}  # each transport's receiver, made at its first update
         self._device = next(manager.engine.model.parameters()).device
         self._staging = StagingPool(keep=keep_staging, pin_device=self._device if self._device.type == "cuda" else None)
+        # weights_spec's answer: the model's tensors and their codec form (any client may ask, often).
+        self._spec_table: tuple[list[p.TensorSpec], list[dict[str, Any]]] | None = None
+        self._preparer = StagingPreparer(self._report)  # staging areas: on job threads, one at a time
         self.num_rejected = 0
         # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
         # update that named none): adapter updates for another base are refused.
@@ -97,9 +102,14 @@ class UpdateSlot:
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
             engine = self.manager.engine
-            specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weight_table.specs().items()]
+            if self._spec_table is None:  # names, dtypes and shapes never change: built once, sent as built
+                specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weight_table.specs().items()]
+                self._spec_table = specs, to_plain(specs)
+            specs, plain_specs = self._spec_table
             adapters = {name: ref.version for name, ref in list(engine.runner.adapters.refs.items())}
-            self._send(identity, p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters))
+            reply = p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters)
+            reply.plain_fields = {"tensors": plain_specs}  # a 20k-tensor MoE model's specs: 40 ms to convert each time
+            self._send(identity, reply)
             return
         update = self.update
         if isinstance(message, p.WeightsBegin):
@@ -179,27 +189,7 @@ class UpdateSlot:
             message.transport,
             message.mode,
         )
-        update.jobs.submit(lambda: self._prepare(update))
-
-    def _prepare(self, update: StagedUpdate) -> None:
-        """The update's first job: take its staging area, then answer weights_ready once its transport is ready too
-        (a torch.distributed group joined), or the error that prevented it. Later jobs (buckets, commit) queue
-        behind it, so a bucket sent before weights_ready still lands."""
-        if update.ended:
-            return  # rejected or aborted before its staging was taken
-        try:
-            update.take_staging()
-        except UpdateRejected as rejected:
-            self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
-            return
-        ready = p.WeightsReady(update.update_id, update.staging_bytes, update.shm.name if update.shm else None)
-
-        def joined(error: BaseException | None) -> None:  # on the transport's thread (a group's rendezvous)
-            reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
-            self._report(update, reply)
-
-        if update.receiver.when_ready(update.begin, joined, cancelled=lambda: update.ended):
-            self._report(update, ready)
+        update.jobs.submit(lambda: self._preparer.prepare(update))  # its staging area, then weights_ready
 
     def _receiver(self, transport: str) -> Receiver:
         """This worker's receiver of `transport` (a known name), made at its first update and kept."""
@@ -221,8 +211,8 @@ class UpdateSlot:
             receiver.take_bytes(update, update.begin, pieces, data_frames, message.checksum)
 
         def job() -> None:
-            if update.ended:
-                return  # rejected meanwhile: the bytes are not wanted
+            if update.ended or not update.prepared:
+                return  # rejected meanwhile, or it has no staging area: the bytes are not wanted
             try:
                 take_bytes()
             except UpdateRejected as rejected:
@@ -258,8 +248,8 @@ class UpdateSlot:
             self._report(update, reply)
 
         def job() -> None:
-            if update.ended:
-                return
+            if update.ended or not update.prepared:
+                return  # rejected meanwhile, or it has no staging area (the error that says why is on its way)
             try:
                 tensors = update.tensors(self.check_finite)  # names an incomplete or NaN tensor
             except UpdateRejected as rejected:
