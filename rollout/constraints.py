@@ -54,8 +54,33 @@ def normalized_constraint(fields: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _text_fits(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value's text may be at most `limit` characters: each node counts at least one, each
+    string and key its length. Stops at the first count past `limit`, so its work is bounded by `limit` whatever
+    the value's size (a map of a million keys is refused unread)."""
+    left, stack = limit, [value]
+    while stack and left >= 0:
+        node = stack.pop()
+        left -= 1
+        if isinstance(node, dict):
+            if len(node) > left:
+                return False
+            for key, item in node.items():
+                left -= len(key) if isinstance(key, str) else 1
+                stack.append(item)
+        elif isinstance(node, list):
+            if len(node) > left:
+                return False
+            stack.extend(node)
+        elif isinstance(node, str):
+            left -= len(node)
+    return left >= 0
+
+
 def _schema_text(schema: Any) -> str:
     """A JSON schema (a dict or its text) as canonical text, checked: JSON, an object, enforceable."""
+    if isinstance(schema, dict) and not _text_fits(schema, MAX_SPEC_CHARS):  # refused before it is written out
+        raise FieldError("json", f"the schema's JSON text is longer than {MAX_SPEC_CHARS} characters")
     try:
         if isinstance(schema, dict):
             schema = json.dumps(schema, sort_keys=True, allow_nan=False)

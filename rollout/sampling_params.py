@@ -18,6 +18,7 @@ MAX_NO_REPEAT_NGRAM_SIZE = 64
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
 MAX_SUPPRESSED_TOKENS = 8192
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
+MAX_STOP_TOKEN_IDS = 1024
 # Most top-k log-probs per prompt position (vLLM's default max_logprobs).
 MAX_PROMPT_LOGPROBS = 20
 # logit_bias: at most this many tokens (OpenAI's limit), each biased by a number in [-MAX, MAX] (OpenAI's bound).
@@ -148,9 +149,10 @@ class SamplingParams:
                 self.stop_token_ids = (self.stop_token_ids,)
             _check(
                 isinstance(self.stop_token_ids, (list, tuple))
+                and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS  # checked before its items
                 and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "stop_token_ids",
-                "must be a list of non-negative token ids",
+                f"must be a list of at most {MAX_STOP_TOKEN_IDS} non-negative token ids",
                 self.stop_token_ids,
             )
             self.stop_token_ids = tuple(self.stop_token_ids)

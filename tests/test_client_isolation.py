@@ -304,3 +304,21 @@ def test_slow_grammars_from_two_clients_starve_no_one(worker, watch):
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_turn_of_the_serving_loop_ends_after_its_time_budget():
+    """Fifty queued messages that each cost 4 ms: one turn of the serving loop reads only those that fit its
+    RECEIVE_TURN_S (10 ms) and leaves the rest for the next turn, after replies went out and clients were watched
+    (before, a turn read up to 1000 messages: one client's costly burst held back every other client's replies)."""
+    from types import SimpleNamespace
+
+    from rollout.service.zmq.worker import RECEIVE_TURN_S, RolloutWorker
+
+    worker = object.__new__(RolloutWorker)  # only the turn's own parts: reader, links, dispatch
+    queued = [SimpleNamespace(identity=b"flood", frames=[b"x"], refused=None) for _ in range(50)]
+    worker._reader = SimpleNamespace(read=lambda: queued.pop(0) if queued else None)
+    worker._links = SimpleNamespace(seen=lambda identity, fd: None)
+    handled = []
+    worker._receive = lambda identity, frames: time.sleep(0.004) or handled.append(identity)
+    worker._receive_all()
+    assert 1 <= len(handled) <= RECEIVE_TURN_S / 0.004 + 1 and len(queued) == 50 - len(handled)

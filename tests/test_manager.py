@@ -412,6 +412,7 @@ INVALID_SAMPLING = [
     ("min_new_tokens", dict(min_new_tokens=-1)),
     ("max_new_tokens", dict(max_new_tokens=0)),
     ("stop_token_ids", dict(stop_token_ids=[-1])),
+    ("stop_token_ids", dict(stop_token_ids=list(range(1025)))),  # refused from its length, before its items
     ("do_sample", dict(do_sample="yes")),
     ("seed", dict(seed="0")),
     ("logprob_mode", dict(logprob_mode="log")),

@@ -11,6 +11,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -173,9 +175,27 @@ def test_bad_constraints_are_refused_by_name():
         ({"json": {"description": b"bytes"}}, "json: is not valid JSON"),
         ({"json": True}, "json: must be a JSON schema"),
         ({"json": nested(40)}, "json: schema is nested deeper than 32 levels"),
+        ({"json": {f"k{i}": i for i in range(200_000)}}, "json: the schema's JSON text is longer than 65536"),
+        ({"json": {"enum": ["x" * 1000] * 70}}, "json: the schema's JSON text is longer than 65536"),
     ):
         with pytest.raises(FieldError, match=re.escape(message)):
             SamplingParams(**fields)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+        max_leaves=30,
+    )
+)
+def test_a_schema_map_is_refused_for_its_length_only_when_its_text_is_longer(value):
+    """The bound checked before a schema map is written out never refuses one whose JSON text fits the limit."""
+    from rollout.constraints import _text_fits
+
+    text = json.dumps(value, sort_keys=True)
+    assert _text_fits(value, len(text))
 
 
 def nested(depth: int) -> dict:

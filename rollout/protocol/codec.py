@@ -159,7 +159,7 @@ def to_plain(value: Any) -> Any:
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if kind is list and all(type(item) in _SCALARS for item in value):
+    if kind is list and set(map(type, value)) <= _SCALARS:
         return value  # token ids, log-probs: msgpack reads it as it is
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]

@@ -223,8 +223,13 @@ class SlotState:
             self.history.index_put_((rows_t, positions_t.clamp(max=dump)), tokens_t)
 
     def _write_words(self, requests: list[Request], index: torch.Tensor) -> None:
-        """Write new samples' multi-token bad words (padding for samples without any), widening the tables."""
-        words = [multi_token_words(request.sampling) for request in requests]
+        """Write new samples' multi-token bad words (padding for samples without any), widening the tables. Rows
+        are built once per distinct sampling settings (a group's samples share theirs), then repeated on the device:
+        n = 1024 samples of 1024 words would otherwise build a 32M-item nested list, holding the GIL for seconds."""
+        distinct: dict[int, int] = {}  # id(sampling) -> its row among the distinct ones
+        samplings = [distinct.setdefault(id(request.sampling), len(distinct)) for request in requests]
+        owners = {row: request.sampling for request, row in zip(requests, samplings)}
+        words = [multi_token_words(owners[row]) for row in range(len(distinct))]
         count = max([len(w) for w in words] + [1])
         length = max([len(word) - 1 for w in words for word in w] + [1])
         if self.word_prefixes is None:
@@ -244,8 +249,9 @@ class SlotState:
             for w in words
         ]
         lasts = [[word[-1] for word in w] + [self.vocab_size] * (count - len(w)) for w in words]
-        self.word_prefixes.index_copy_(0, index, to_device(prefixes, torch.long, self.device))
-        self.word_lasts.index_copy_(0, index, to_device(lasts, torch.long, self.device))
+        repeat = to_device(samplings, torch.long, self.device)  # each sample's row among the distinct ones
+        self.word_prefixes.index_copy_(0, index, to_device(prefixes, torch.long, self.device)[repeat])
+        self.word_lasts.index_copy_(0, index, to_device(lasts, torch.long, self.device)[repeat])
 
 
 def _widened(

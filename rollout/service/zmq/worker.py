@@ -38,8 +38,9 @@ from rollout.service.zmq.limits import WorkerLimits
 
 logger = logging.getLogger(__name__)
 
-# Engine-side field names -> the protocol's.
 MAX_PIECES = 1 << 16  # pieces in one weight bucket
+RECEIVE_TURN = 1000  # messages read in one turn of the serving loop at most ...
+RECEIVE_TURN_S = 0.010  # ... and for at most this long (then replies go out, and clients are watched)
 MAX_TENSORS = 1 << 16  # tensors in one weight update
 
 
@@ -178,7 +179,13 @@ class RolloutWorker:
         self._waker.wake()
 
     def _receive_all(self) -> None:
-        for _ in range(1000):  # then let the loop flush replies and watch clients before reading on
+        # A turn ends after RECEIVE_TURN messages or RECEIVE_TURN_S, whichever first: then the loop flushes replies
+        # and watches clients before reading on, so a client whose messages are costly delays the others' replies
+        # by about one turn.
+        ends = time.monotonic() + RECEIVE_TURN_S
+        for _ in range(RECEIVE_TURN):
+            if time.monotonic() > ends:
+                return
             # Weight buckets are large: their frames are taken without a copy.
             inbound = self._reader.read()
             if inbound is None:
