@@ -167,6 +167,22 @@ def test_a_header_of_millions_of_small_containers_is_refused_while_decoding():
         )
 
 
+def test_a_map_of_more_keys_than_any_message_has_is_refused_unread():
+    """An audit finding: a sampling map of a million keys fit the header's bytes and took over half a second to
+    decode on the serving thread. One map holds at most MAX_HEADER_MAP_ITEMS entries, refused from its length;
+    lists keep their larger bound (a prompt's tokens)."""
+    from rollout.protocol.message_base import MAX_HEADER_MAP_ITEMS
+
+    wide = {f"k{i}": 1 for i in range(MAX_HEADER_MAP_ITEMS + 1)}
+    for header in ({"sampling": wide}, {"sampling": {"logit_bias": wide}}):
+        frames = [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "generate", "group_id": "g", **header})]
+        with pytest.raises(p.ProtocolError, match="over the limit") as error:
+            p.decode(frames)
+        assert error.value.field == "header"
+    long_prompt = p.Generate("g", list(range(MAX_HEADER_MAP_ITEMS * 2)))
+    assert p.decode(p.encode(long_prompt)) == long_prompt
+
+
 def test_a_refused_message_still_names_its_ids():
     """The ids of a malformed message travel on the ProtocolError, so the worker routes its error reply without
     decoding the header a second time."""

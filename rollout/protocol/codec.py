@@ -18,6 +18,7 @@ from rollout.protocol.message_base import (
     MAX_HEADER_BYTES,
     MAX_HEADER_CONTAINERS,
     MAX_HEADER_ITEMS,
+    MAX_HEADER_MAP_ITEMS,
     MAX_HEADER_STR,
     PROTOCOL_VERSION,
     Message,
@@ -52,7 +53,8 @@ def decode(
     Args:
         frames: the message's frames (bytes or zmq.Frame).
         max_items: most items of any list or map in the header (enforced while msgpack decodes, so an oversized
-            list is refused before it is built), and of all lists together (checked before their elements).
+            list is refused before it is built; a map also holds at most MAX_HEADER_MAP_ITEMS entries), and of all
+            lists together (checked before their elements).
         max_str: longest string or bytes value in the header.
         max_lengths: tighter bounds on named top-level list fields (e.g. {"prompt_ids": 32768}), checked from the
             list's length before its elements.
@@ -82,7 +84,7 @@ def decode(
             object_hook=count,
             list_hook=count,
             max_array_len=max_items,
-            max_map_len=max_items,
+            max_map_len=min(max_items, MAX_HEADER_MAP_ITEMS),
             max_str_len=max_str,
             max_bin_len=max_str,
             max_ext_len=max_str,

@@ -18,6 +18,9 @@ MAX_HEADER_STR = 1 << 20
 # Most maps and lists in a header together (each costs an object to build: a header of a million tiny maps took a
 # second to decode); a weight update's pieces and tensors are bounded below it.
 MAX_HEADER_CONTAINERS = 1 << 17
+# Most entries of one map in a header (a message's maps are small: sampling fields, logit_bias, a schema's objects, a
+# tensor's spec): a map of a million keys fits the header's bytes, and took over half a second to decode.
+MAX_HEADER_MAP_ITEMS = 1 << 16
 # Largest header frame (a prompt of a million tokens is ~5 MB, an update announcing 65,536 tensors ~15 MB).
 MAX_HEADER_BYTES = 32 << 20
 
