@@ -91,8 +91,9 @@ def test_trls_importance_ratio_is_exactly_one_in_bf16(tmp_path, monkeypatch):
     assert replaced == [True, True]  # one old-policy forward per step, two steps
     assert len(forwards) == forwards_with - 2
     ordinary = run(tmp_path / "ordinary", batch_invariant=False)
-    # The ordinary engine and TRL's fused head: 0.095 with 2 threads, 1.9e-6 with 1 (as under pytest -n 2).
-    assert ordinary[0][DIFFERENCE] > 0.0
+    # The ordinary engine and TRL's fused head differ, but which step shows it varies with the threads and the
+    # process's history: [1.9e-6, 0.148] and [0.0019, 0.0] with one and two threads here, [0.0, 1.9e-6] once in CI.
+    assert max(entry[DIFFERENCE] for entry in ordinary) > 0.0, ordinary
 
 
 @pytest.mark.timeout(300)

@@ -19,28 +19,29 @@ from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 class StagingPreparer:
     """Makes updates' staging areas one at a time and answers each one's weights_ready (or why not)."""
 
-    def __init__(self, report: Callable[[StagedUpdate, p.Message], None]):
-        """
-        Args:
-            report: from any thread, a reply that concludes a step of an update (the serving thread sends it).
-        """
-        self._report = report
+    def __init__(self) -> None:
         self._lock = threading.Lock()
 
-    def prepare(self, update: StagedUpdate) -> None:
+    def prepare(self, update: StagedUpdate, report: Callable[[StagedUpdate, p.Message], None]) -> None:
         """Make `update`'s staging area and answer it: the update's first job, on its job thread (its buckets' and
-        commit's jobs queue behind it, so a bucket sent before weights_ready still lands)."""
+        commit's jobs queue behind it, so a bucket sent before weights_ready still lands).
+
+        Args:
+            update: the update, open or ended meanwhile.
+            report: from any thread, a reply that concludes a step of the update (the serving thread sends it).
+                Passed per call, not kept: the slot that owns this preparer is freed without a garbage collection.
+        """
         with self._lock:
             if update.ended:
                 return  # rejected or aborted before its turn
             try:
                 update.take_staging()
             except UpdateRejected as rejected:
-                self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+                report(update, p.Error(rejected.code, str(rejected), rejected.field))
                 return
             except Exception as error:  # noqa: BLE001 - e.g. a failed page-locked allocation: answered, never lost
                 reason = f"cannot make the staging area: {type(error).__name__}: {error}"
-                self._report(update, p.Error("internal", reason, "transport"))
+                report(update, p.Error("internal", reason, "transport"))
                 return
             if update.ended:
                 update.close(clean=False)
@@ -49,8 +50,8 @@ class StagingPreparer:
 
             def joined(error: BaseException | None) -> None:  # on the transport's thread (a group's rendezvous)
                 reply = ready if error is None else p.Error("bad_update", f"cannot join the group: {error}", "dist")
-                self._report(update, reply)
+                report(update, reply)
 
             # Under the lock: a dead update's join, had it come after the live one's, would ask for its own group.
             if update.receiver.when_ready(update.begin, joined, cancelled=lambda: update.ended):
-                self._report(update, ready)
+                report(update, ready)

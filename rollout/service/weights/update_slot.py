@@ -76,7 +76,7 @@ class UpdateSlot:
         self._staging = StagingPool(keep=keep_staging, pin_device=self._device if self._device.type == "cuda" else None)
         # weights_spec's answer: the model's tensors and their codec form (any client may ask, often).
         self._spec_table: tuple[list[p.TensorSpec], list[dict[str, Any]]] | None = None
-        self._preparer = StagingPreparer(self._report)  # staging areas: on job threads, one at a time
+        self._preparer = StagingPreparer()  # staging areas: on job threads, one at a time
         self.num_rejected = 0
         # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
         # update that named none): adapter updates for another base are refused.
@@ -189,7 +189,7 @@ class UpdateSlot:
             message.transport,
             message.mode,
         )
-        update.jobs.submit(lambda: self._preparer.prepare(update))  # its staging area, then weights_ready
+        update.jobs.submit(lambda: self._preparer.prepare(update, self._report))  # its staging area, then weights_ready
 
     def _receiver(self, transport: str) -> Receiver:
         """This worker's receiver of `transport` (a known name), made at its first update and kept."""
