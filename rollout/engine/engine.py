@@ -154,14 +154,17 @@ class Engine:
         self.submit(request)
         return [request.request_id] + [sample_id(group_id, i) for i in range(1, request.num_forks + 1)]
 
-    def cancel(self, group_id: str) -> list[GenerationOutput]:
-        """Abort every unfinished sample of a group.
+    def cancel(self, *group_ids: str) -> list[GenerationOutput]:
+        """Abort every unfinished sample of these groups (unknown or finished ids are ignored). Many groups at once
+        cost one pass over the queues, not one per group.
 
+        Args:
+            group_ids: the groups to end.
         Returns:
-            The group's outputs of the step in flight (finished first), then the final outputs of its aborted
-                samples (finish_reason "abort"). Other groups' outputs of that step come with the next `step()`.
+            Their outputs of the step in flight (finished first), then the final outputs of their aborted samples
+                (finish_reason "abort"). Other groups' outputs of that step come with the next `step()`.
         """
-        return self.loop.cancel(group_id)
+        return self.loop.cancel(*group_ids)
 
     @property
     def num_blocks(self) -> int:

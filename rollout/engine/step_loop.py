@@ -83,14 +83,18 @@ class StepLoop:
         self.scheduler.add(request)
         self.open_groups[request.group_id] = request.num_forks + 1
 
-    def cancel(self, group_id: str) -> list[GenerationOutput]:
-        """Abort every unfinished sample of a group: its outputs of the step in flight, then its aborted ones."""
+    def cancel(self, *group_ids: str) -> list[GenerationOutput]:
+        """Abort every unfinished sample of these groups: their outputs of the step in flight, then their aborted
+        ones (one pass over the queues for all of them)."""
         self.drain()
-        drained = [output for output in self.undelivered if output.group_id == group_id]
-        self.undelivered = [output for output in self.undelivered if output.group_id != group_id]
-        if group_id not in self.open_groups:
+        wanted = set(group_ids)
+        drained = [output for output in self.undelivered if output.group_id in wanted]
+        if drained:
+            self.undelivered = [output for output in self.undelivered if output.group_id not in wanted]
+        open_ids = [group_id for group_id in group_ids if group_id in self.open_groups]
+        if not open_ids:
             return drained
-        return drained + self.outputs(self.scheduler.abort(group_id))
+        return drained + self.outputs(self.scheduler.abort(*open_ids))
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running, or outputs wait to be returned by `step()`."""
@@ -104,8 +108,7 @@ class StepLoop:
         """Abort every open group and drop the outputs not handed out yet (the engine is closing)."""
         self.drain()
         self.undelivered = []
-        for group_id in list(self.open_groups):
-            self.cancel(group_id)
+        self.cancel(*self.open_groups)
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def step(self) -> list[GenerationOutput]:
@@ -261,9 +264,7 @@ class StepLoop:
 
     def _ended_with_error(self, group_ids: set[str], error: BaseException) -> list[Request]:
         """End every sample of these groups with finish_reason "error"; the samples."""
-        ended: list[Request] = []
-        for group_id in group_ids:
-            ended += self.scheduler.abort(group_id)
+        ended = self.scheduler.abort(*group_ids)
         for request in ended:
             request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
         return ended

@@ -152,12 +152,11 @@ class EngineLoop:
             self.deliver(self.engine.flush())  # the step still on the device ends first
         except Exception:  # noqa: BLE001 - shutting down: what is left is ended below either way
             logger.exception("could not finish the last engine step")
-        for group_id in self.engine.open_group_ids():
-            outputs = self.engine.cancel(group_id)
-            if reason is not None:
-                for output in outputs:
-                    output.finish_reason, output.error = "error", reason
-            self.deliver(outputs)
+        outputs = self.engine.cancel(*self.engine.open_group_ids())
+        if reason is not None:
+            for output in outputs:
+                output.finish_reason, output.error = "error", reason
+        self.deliver(outputs)
         self.engine.close()
         with self.lock:
             self.lock.notify_all()
@@ -167,8 +166,17 @@ class EngineLoop:
         commands = drain(self.commands, wait_s=0.5 if block else None)
         if block:  # nothing to run: the engine was idle while it waited
             self.owner.idle_s += time.perf_counter() - started
+        cancels: list[str] = []  # consecutive cancels end together: one pass over the queues, not one per group
         for command in commands:
+            if isinstance(command, CancelGroup):
+                cancels.append(command.group_id)
+                continue
+            if cancels:
+                self.deliver(self.engine.cancel(*cancels))
+                cancels = []
             self._apply(command)
+        if cancels:
+            self.deliver(self.engine.cancel(*cancels))
 
     def _apply(self, command: Command) -> None:
         if isinstance(command, AddGroup):
@@ -177,8 +185,6 @@ class EngineLoop:
                 self.engine.submit(command.request)
             except FieldError as error:  # e.g. its id is still running in the engine: the caller still hears back
                 self._end_unstarted(command.request, "error", str(error.renamed(TRANSFORMERS_FIELD_NAMES)))
-        elif isinstance(command, CancelGroup):
-            self.deliver(self.engine.cancel(command.group_id))
         elif isinstance(command, PauseLoop):
             PauseGate.serve(command.request, self.stopping.is_set(), lambda: self.deliver(self.engine.flush()))
             self.engine.weights_changed()  # the pause's holder may have changed the model in place

@@ -133,9 +133,6 @@ class GenerationPause:
 def abort_open_groups(engine: Engine, deliver: Callable[[list[GenerationOutput]], None]) -> int:
     """Engine thread: end every group queued or running, of every client (finish_reason "abort"), delivering their
     outputs; returns how many samples were ended."""
-    aborted = 0
-    for group_id in engine.open_group_ids():
-        outputs = engine.cancel(group_id)
-        aborted += sum(1 for output in outputs if output.finish_reason == "abort")
-        deliver(outputs)
-    return aborted
+    outputs = engine.cancel(*engine.open_group_ids())
+    deliver(outputs)
+    return sum(1 for output in outputs if output.finish_reason == "abort")

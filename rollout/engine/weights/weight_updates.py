@@ -86,8 +86,7 @@ class WeightUpdates:
         requests = [*scheduler.waiting, *scheduler.running, *scheduler.swapped]
         groups = {r.group_id for r in requests if r.adapter is not None and r.adapter.name == name}
         outputs, loop.undelivered = loop.undelivered, []
-        for group_id in sorted(groups):
-            outputs += loop.cancel(group_id)
+        outputs += loop.cancel(*sorted(groups))
         self.runner.adapters.unload(name)
         return outputs
 
