@@ -149,6 +149,7 @@ from rollout.protocol.weight_messages import (
 __all__ = [
     "decode",
     "encode",
+    "encode_steps",
     "Cancel",
     "ClientMessage",
     "Completion",
@@ -191,9 +192,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """`encode` and `decode` load the codec (and msgpack) on first use: `rollout.protocol.messages` alone needs
+    """`encode`, `encode_steps` and `decode` load the codec (and msgpack) on first use: `rollout.protocol.messages` alone needs
     neither (`rollout-bench` reads the transports' names before the service dependencies are installed)."""
-    if name in ("encode", "decode"):
+    if name in ("encode", "encode_steps", "decode"):
         from rollout.protocol import codec
 
         return getattr(codec, name)

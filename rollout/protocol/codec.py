@@ -9,7 +9,7 @@ import functools
 import reprlib
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Collection, Generator
 from typing import Any, Union
 
 import msgpack
@@ -38,6 +38,29 @@ def encode(message: Message) -> list[bytes]:
         header[name] = given[name] if name in given else to_plain(getattr(message, name))
     # Raw frames a reply carries after its header (MoE routes: route_frames.py), set on the message by its maker.
     return [msgpack.packb(header, use_bin_type=True), *getattr(message, "data_frames", ())]
+
+
+def encode_steps(message: Message) -> Generator[None, None, list[bytes]]:
+    """`encode`, in steps: yields after each item of a list of maps (a group result's completions), so that its
+    caller can serve others between two; returns the frames, byte for byte those of `encode`. A group result of
+    1,024 completions of 2,047 tokens takes about 190 ms to encode: in one call, no other client is served
+    meanwhile."""
+    packer = msgpack.Packer(use_bin_type=True)
+    given = getattr(message, "plain_fields", None) or {}
+    names = _field_names(type(message))
+    parts = [packer.pack_map_header(2 + len(names)), packer.pack("protocol"), packer.pack(PROTOCOL_VERSION)]
+    parts += [packer.pack("type"), packer.pack(message.TYPE)]
+    for name in names:
+        parts.append(packer.pack(name))
+        value = given[name] if name in given else getattr(message, name)
+        if name in given or not (isinstance(value, list) and value and dataclasses.is_dataclass(value[0])):
+            parts.append(packer.pack(value if name in given else to_plain(value)))
+            continue
+        parts.append(packer.pack_array_header(len(value)))
+        for item in value:
+            parts.append(packer.pack(to_plain(item)))
+            yield
+    return [b"".join(parts), *getattr(message, "data_frames", ())]
 
 
 def decode(

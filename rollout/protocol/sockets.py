@@ -86,56 +86,75 @@ class Inbound:
 
 class MessageReader:
     """Reads a ROUTER socket's messages part by part and keeps at most `max_frames` frames and `max_bytes` bytes of
-    each. ZeroMQ bounds every frame (MAXMSGSIZE) but not how many frames one message has: the rest of an oversized
-    message is read and dropped at once (never held), at most `drain_per_read` frames per call, so the caller's
-    loop keeps serving while a huge one drains.
+    each. ZeroMQ bounds every frame (MAXMSGSIZE) but not how many frames one message has. A call reads at most
+    `frames_per_read` frames: a message of many frames (a weight bucket of 65,536 pieces) is taken over several
+    calls, and the rest of an oversized one is dropped the same way (never held), so the caller's loop keeps
+    serving others meanwhile (`busy` says a message is part read).
 
     ZeroMQ itself delivers a message only once all of it arrived, so the sender's connection holds a whole message
     in the receiver's memory before this sees its first frame; CurveZMQ authentication (auth.py) limits who can.
     """
 
-    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, drain_per_read: int = 4096):
+    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, frames_per_read: int = 4096):
         """
         Args:
             socket: a ROUTER socket (the first part of each message is its sender's identity).
             max_frames: the most frames a message may have after the identity.
             max_bytes: the most bytes those frames may hold together.
-            drain_per_read: frames of an oversized message dropped per `read`.
+            frames_per_read: frames read (kept or dropped) per `read` at most.
         """
         self._socket = socket
         self.max_frames = max_frames
         self.max_bytes = max_bytes
-        self.drain_per_read = drain_per_read
+        self.frames_per_read = frames_per_read
+        self._reading: Inbound | None = None  # a message whose frames are still being read ...
+        self._bytes = 0  # ... and the bytes of its frames so far
         self._draining: Inbound | None = None  # a cut message whose remaining frames are still being dropped
 
+    @property
+    def busy(self) -> bool:
+        """A message is part read (its next frames are waiting): call `read` again, without polling first."""
+        return self._reading is not None or self._draining is not None
+
     def read(self) -> Inbound | None:
-        """The next message, or None when none is waiting (or a cut one is still being drained: call again)."""
+        """The next message, or None when none is waiting or one is still part read (then `busy`: call again)."""
         if self._draining is not None:
             return self._drain()
-        try:
-            first = self._socket.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        message = Inbound(first.bytes, [])
-        more, total = first.more, 0
-        while more:
+        message = self._reading
+        if message is None:
+            try:
+                first = self._socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            message = Inbound(first.bytes, [])
+            if not first.more:
+                return message
+            self._reading, self._bytes = message, 0
+        for _ in range(self.frames_per_read):
             frame = self._socket.recv(copy=False)  # the rest of a message is there once its first part is
-            more = frame.more
             message.frames.append(frame)
-            total += len(frame)
-            if len(message.frames) > self.max_frames or total > self.max_bytes:
-                count = f"more than {self.max_frames} frames" if len(message.frames) > self.max_frames else ""
-                size = f"more than {self.max_bytes} bytes" if total > self.max_bytes else ""
-                message.refused = f"the message has {count or size} (the worker's limit; see --max-message-bytes)"
-                del message.frames[1:]  # keep the header: its ids name what was refused
-                if not more:
-                    return message
-                self._draining = message
-                return self._drain()
-        return message
+            self._bytes += len(frame)
+            if len(message.frames) > self.max_frames or self._bytes > self.max_bytes:
+                self._reading = None
+                return self._cut(message, more=frame.more)
+            if not frame.more:
+                self._reading = None
+                return message
+        return None
+
+    def _cut(self, message: Inbound, more: bool) -> Inbound | None:
+        """Refuse a message past the limits: keep its header (its ids name what was refused), drop the rest."""
+        count = f"more than {self.max_frames} frames" if len(message.frames) > self.max_frames else ""
+        size = f"more than {self.max_bytes} bytes" if self._bytes > self.max_bytes else ""
+        message.refused = f"the message has {count or size} (the worker's limit; see --max-message-bytes)"
+        del message.frames[1:]
+        if not more:
+            return message
+        self._draining = message
+        return self._drain()
 
     def _drain(self) -> Inbound | None:
-        for _ in range(self.drain_per_read):
+        for _ in range(self.frames_per_read):
             if not self._socket.recv(copy=False).more:
                 message, self._draining = self._draining, None
                 return message

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 # Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
 SEND_HWM = 256
+# A group result of more tokens than this is encoded in steps, at most ENCODE_TURN_S of them per loop turn, so that
+# one client's huge result (1,024 samples of 2,047 tokens: about 190 ms to encode) does not hold back the others'.
+STEPWISE_TOKENS = 16_384
+ENCODE_TURN_S = 0.005
 # ZeroMQ (ZMTP) heartbeats: a connection whose peer does not answer them for HEARTBEAT_TIMEOUT_MS is closed (a
 # vanished host; or a raw client that stopped reading its socket, whose ZeroMQ then stops reading too).
 # RolloutClient's sockets have no receive high-water mark, so they always answer.
@@ -37,6 +42,14 @@ FORGET_GONE_AFTER_S = 300.0
 # A client lost again this soon after its last loss (replies to the messages it queued before leaving) is the same
 # departure: logged and counted once.
 SAME_LOSS_S = 10.0
+
+
+@dataclass
+class Encoding:
+    """A large reply being encoded over several loop turns; it holds its client's place in the backlog."""
+
+    message: p.Message
+    steps: Generator[None, None, list[bytes]]
 
 
 class ClientLinks:
@@ -68,7 +81,9 @@ class ClientLinks:
         # yet (CLOSED comes after the close, when a new connection may already reuse it).
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._last_seen: dict[bytes, float] = {}
-        self._backlog: dict[bytes, deque[list[bytes]]] = {}
+        # Replies ZeroMQ did not take yet, in order; an `Encoding` stands for one still being encoded.
+        self._backlog: dict[bytes, deque[list[bytes] | Encoding]] = {}
+        self._encodings = 0  # Encoding entries in the backlogs
         self._backlog_bytes: dict[bytes, int] = {}
         self._gone: dict[bytes, float] = {}  # identity -> when it was lost
         # identity -> when its loss was logged and counted: the messages a client queued before it left each
@@ -98,19 +113,26 @@ class ClientLinks:
         if fd is not None:
             self._fds[identity] = fd
 
+    @property
+    def encoding(self) -> bool:
+        """A large reply is being encoded: `flush` has work at once, whether or not a message comes."""
+        return self._encodings > 0
+
     def send(self, identity: bytes, message: p.Message) -> None:
-        """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full. Never blocks and
-        never raises: an unencodable reply becomes an "internal" error reply, an unreachable client is lost."""
+        """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full (a large group result
+        is encoded there, a few milliseconds per `flush`). Never blocks and never raises: an unencodable reply
+        becomes an "internal" error reply, an unreachable client is lost."""
         if identity in self._gone:
+            return
+        if isinstance(message, p.GroupResult) and sum(len(c.token_ids) for c in message.completions) > STEPWISE_TOKENS:
+            self._backlog.setdefault(identity, deque()).append(Encoding(message, p.encode_steps(message)))
+            self._backlog_bytes.setdefault(identity, 0)
+            self._encodings += 1
             return
         try:
             frames = p.encode(message)
         except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
-            logger.exception("cannot encode a %s reply", message.TYPE)
-            ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
-            frames = p.encode(
-                p.Error("internal", f"the {message.TYPE} reply could not be encoded: {error}", None, *ids)
-            )
+            frames = _unencodable(message, error)
         frames = [identity, *frames]
         if identity in self._backlog:  # keep the order: nothing overtakes what already waits
             self._queue(identity, frames)
@@ -132,6 +154,10 @@ class ClientLinks:
 
     def _queue(self, identity: bytes, frames: list[bytes]) -> None:
         self._backlog.setdefault(identity, deque()).append(frames)
+        self._count(identity, frames)
+
+    def _count(self, identity: bytes, frames: list[bytes]) -> None:
+        """Add frames now in `identity`'s backlog to its byte count: past `max_pending_bytes`, the client is lost."""
         nbytes = sum(len(frame) for frame in frames)
         size = self._backlog_bytes.get(identity, 0) + nbytes
         self._backlog_bytes[identity] = size
@@ -141,11 +167,20 @@ class ClientLinks:
             self.dropped_slow += 1
             self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
 
-    def flush(self) -> None:
-        """Send what waits in backlogs, oldest first, while ZeroMQ takes it."""
+    def flush(self, encode_s: float | None = ENCODE_TURN_S) -> None:
+        """Send what waits in backlogs, oldest first, while ZeroMQ takes it; go on encoding large replies.
+
+        Args:
+            encode_s: most seconds spent encoding in this call (None: finish every encoding, as when closing).
+        """
+        ends = None if encode_s is None else time.monotonic() + encode_s
         for identity in list(self._backlog):
-            backlog = self._backlog[identity]
+            backlog = self._backlog.get(identity)
             while backlog:
+                if isinstance(backlog[0], Encoding) and not self._encode(identity, backlog, ends):
+                    break
+                if identity not in self._backlog:  # lost: its encoded reply was past its byte limit
+                    break
                 frames = backlog[0]
                 try:
                     self._socket.send_multipart(frames, zmq.NOBLOCK)
@@ -161,6 +196,24 @@ class ClientLinks:
             if not backlog and identity in self._backlog:
                 del self._backlog[identity]
                 del self._backlog_bytes[identity]
+
+    def _encode(self, identity: bytes, backlog: deque, ends: float | None) -> bool:
+        """Encode the reply at the head of `backlog` until done (True: its frames replace it) or until `ends` (one
+        step at least: each turn gets it further)."""
+        entry = backlog[0]
+        try:
+            next(entry.steps)
+            while ends is None or time.monotonic() < ends:
+                next(entry.steps)
+            return False
+        except StopIteration as done:
+            frames = done.value
+        except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
+            frames = _unencodable(entry.message, error)
+        self._encodings -= 1
+        backlog[0] = [identity, *frames]
+        self._count(identity, backlog[0])
+        return True
 
     def lose(self, identity: bytes, reason: str, unreachable: bool) -> None:
         """Handle a lost client once: log, forget its backlog, and let the worker cancel its groups.
@@ -181,7 +234,8 @@ class ClientLinks:
         self._last_seen.pop(identity, None)
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
-        self._backlog.pop(identity, None)
+        dropped = self._backlog.pop(identity, ())
+        self._encodings -= sum(1 for entry in dropped if isinstance(entry, Encoding))
         self._pending_total -= self._backlog_bytes.pop(identity, 0)
         if unreachable:
             self._gone[identity] = time.monotonic()
@@ -234,3 +288,10 @@ class ClientLinks:
         except zmq.ZMQError:
             pass
         self.monitor.close(linger=0)
+
+
+def _unencodable(message: p.Message, error: Exception) -> list[bytes]:
+    """The frames of the "internal" error reply sent in place of a reply that could not be encoded."""
+    logger.error("cannot encode a %s reply", message.TYPE, exc_info=error)
+    ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
+    return p.encode(p.Error("internal", f"the {message.TYPE} reply could not be encoded: {error}", None, *ids))

@@ -144,12 +144,13 @@ class RolloutWorker:
         poller.register(self._links.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set() and self.manager.is_running():
-                ready = dict(poller.poll(100))
+                # No wait while a message is part read or a large reply is part encoded: both go on at once.
+                ready = dict(poller.poll(0 if self._reader.busy or self._links.encoding else 100))
                 # Closed connections first: their descriptors may already serve new clients whose messages wait
                 # on the socket (a closed connection's event is queued before its descriptor is released).
                 if self._links.monitor in ready:
                     self._links.on_monitor_events()
-                if self._socket in ready:
+                if self._socket in ready or self._reader.busy:
                     self._receive_all()
                 if ready:
                     self._waker.drain()
@@ -165,7 +166,7 @@ class RolloutWorker:
             self.manager.stop(block=True, timeout=30)
             self._updates.close()
             self._desk.flush(self._send)
-            self._links.flush()
+            self._links.flush(encode_s=None)  # the last results are encoded whole: nothing is served after them
             self._links.close()
             self._socket.close(linger=2000)  # let the final abort results reach their clients
             if self._auth is not None:
@@ -189,6 +190,8 @@ class RolloutWorker:
             # Weight buckets are large: their frames are taken without a copy.
             inbound = self._reader.read()
             if inbound is None:
+                if self._reader.busy:  # a message of many frames, part read: read on while the turn lasts
+                    continue
                 return
             identity, frames = inbound.identity, inbound.frames
             self._links.seen(identity, frame_fd(frames[0]) if frames else None)

@@ -1,0 +1,125 @@
+"""A large group result is encoded in steps, a few milliseconds per turn of the serving loop, in its client's place
+in the backlog: other clients' replies go out meanwhile, the same client's later replies wait behind it, and the
+frames are byte for byte those of `encode` (a result of 1,024 samples of 2,047 tokens took about 190 ms to encode in
+one call, a stall for every other client)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import zmq
+
+from rollout.protocol import messages as p
+from rollout.protocol.codec import decode, encode, encode_steps
+from rollout.service.zmq.clients import STEPWISE_TOKENS, ClientLinks
+
+
+def big_result(group_id: str = "big", samples: int = 16) -> p.GroupResult:
+    rng = random.Random(0)
+    tokens = STEPWISE_TOKENS // samples + 1
+    completions = [
+        p.Completion(
+            i,
+            [rng.randrange(150_000) for _ in range(tokens)],
+            [-rng.random() * 5 for _ in range(tokens)],
+            "length",
+            error=None if i % 2 else "x",
+            policy_versions=[[0, 0], [1, 7]],
+        )
+        for i in range(samples)
+    ]
+    return p.GroupResult(group_id, [1, 2, 3], completions)
+
+
+def run_steps(steps):
+    count = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, count
+        count += 1
+
+
+@pytest.mark.parametrize(
+    "message",
+    [big_result(), p.GroupResult("g", [1], []), p.Pong(3, 4), p.Error("busy", "x", None, "g"), p.HelloReply("m", 9, 64, 2, {"block_size": 16})],
+    ids=lambda message: message.TYPE,
+)
+def test_encoding_in_steps_gives_the_frames_of_encode(message):
+    frames, steps = run_steps(encode_steps(message))
+    assert frames == encode(message)
+    assert steps == (len(message.completions) if isinstance(message, p.GroupResult) else 0)
+    assert decode(frames) == message
+
+
+@pytest.fixture
+def links():
+    """ClientLinks over a worker's ROUTER socket, with two DEALER clients that said hello."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    lost: list[bytes] = []
+    links = ClientLinks(router, max_pending_bytes=1 << 30, client_timeout_s=30, on_lost=lambda i, _: lost.append(i))
+    clients = {}
+    for name in (b"slow", b"other"):
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.ROUTING_ID, name)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hello")
+        assert router.poll(5000) and router.recv_multipart()[0] == name
+        clients[name] = dealer
+    yield links, clients, lost
+    links.close()
+    for dealer in clients.values():
+        dealer.close(linger=0)
+    router.close(linger=0)
+    context.term()
+
+
+def received(dealer: zmq.Socket) -> list:
+    """The messages that reached `dealer` so far."""
+    messages = []
+    while dealer.poll(200):
+        messages.append(decode(dealer.recv_multipart()))
+    return messages
+
+
+def test_a_large_result_waits_in_its_clients_place_while_others_are_served(links):
+    links, clients, lost = links
+    result = big_result()
+    links.send(b"slow", result)
+    links.send(b"slow", p.Pong(1, 0))  # after the result: must not overtake it
+    links.send(b"other", p.Pong(2, 0))  # another client: not held back
+    assert links.encoding
+    links.flush(encode_s=0.0)  # a turn whose encoding budget is spent: one step at most
+    assert links.encoding and received(clients[b"other"]) == [p.Pong(2, 0)] and received(clients[b"slow"]) == []
+    turns = 1
+    while links.encoding:
+        links.flush(encode_s=0.0)
+        turns += 1
+    links.flush()
+    assert turns > 1 and received(clients[b"slow"]) == [result, p.Pong(1, 0)]
+    assert links.pending_bytes() == 0 and not lost
+
+
+def test_a_result_that_cannot_be_encoded_is_answered_with_an_internal_error(links):
+    links, clients, _ = links
+    result = big_result("broken")
+    result.completions[3].error = object()  # not a wire value
+    links.send(b"slow", result)
+    links.flush(encode_s=None)
+    [reply] = received(clients[b"slow"])
+    assert isinstance(reply, p.Error) and reply.code == "internal" and reply.group_id == "broken"
+    assert not links.encoding
+
+
+def test_a_client_lost_while_its_result_encodes_leaves_nothing_behind(links):
+    links, clients, lost = links
+    links.send(b"slow", big_result())
+    links.flush(encode_s=0.0)
+    links.lose(b"slow", "test", unreachable=True)
+    assert lost == [b"slow"] and not links.encoding and links.pending_bytes() == 0
+    links.flush(encode_s=None)
+    assert received(clients[b"slow"]) == []
