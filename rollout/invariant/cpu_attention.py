@@ -3,14 +3,16 @@ GPU kernel's (`attention.py` says what is invariant and why).
 
 On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that depends
 on the reduction's length only, whatever the numbers of rows and columns, as long as there are `MIN_QUERY_ROWS` rows
-or more (one or two rows take other kernels) and the reduction is at most 64 long (measured on this machine's MKL,
-1 to 4 threads: scores over head_dim slices of 64 against 2 to 40 query rows and 64 to 4096 keys, weighted values
-over a `KEY_BLOCK` of keys against head dims of 16 to 256, either operand transposed or strided). So every product
-is laid out the same way, queries on the rows, whatever their number:
+or more and the reduction is at most 64 long (measured on two machines' MKL, 1 to 4 threads: scores over head_dim
+slices of 64 against 2 to 40 query rows and 64 to 4096 keys, weighted values over a `KEY_BLOCK` of keys against
+head dims of 16 to 256, either operand transposed or strided). Fewer rows take other kernels, and which ones depends
+on the processor and the thread count: on an Intel machine 1 and 2 rows did; on an AMD EPYC (AVX-512) 1 to 3 rows
+with one thread, and 1 to 11 rows but 4 and 8 with two. So every product is laid out the same way, queries on the
+rows, at least `MIN_QUERY_ROWS` of them (the same bound as the linears'):
 
 - the scores: (queries, `SCORE_SLICE`) x (`SCORE_SLICE`, keys) per slice of head_dim, the slices added in order. A
   decode step (one query per head) takes the queries of the heads sharing a key head as its rows, repeated up to
-  `MIN_QUERY_ROWS` (the copies' results are dropped);
+  `MIN_QUERY_ROWS` (the copies' results are dropped), and so does any product of fewer rows;
 - each key block's weighted values: (queries, `KEY_BLOCK`) x (`KEY_BLOCK`, head_dim). The blocks' results (and
   their weights' totals) are added one after the other in float64, rounded once, as torch's CPU `cumsum` adds them.
 
@@ -27,7 +29,8 @@ from rollout.invariant.matmul import MIN_ROWS
 
 KEY_BLOCK = 64
 SCORE_SLICE = 64  # head_dim reduced in slices of this length
-MIN_QUERY_ROWS = 3  # fewer rows take other kernels (matrix-vector, small-matrix), which sum in other orders
+MIN_QUERY_ROWS = MIN_ROWS  # fewer rows may take other kernels (matrix-vector, small-matrix): other orders of sums
+FEW_ROWS = 64  # up to this many rows, a step's weighted values are one product over every key block (faster)
 EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
 HIDDEN_SCORE = 3e38  # subtracted from a hidden key's score (finite: a row that sees nothing gets weights 0 x finite)
 
@@ -116,7 +119,7 @@ def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     (kv_heads, batch, rows, head_dim)."""
     kv_heads, batch, rows, aligned = weights.shape
     blocks = aligned // KEY_BLOCK
-    if rows < MIN_ROWS:  # few rows: one product over every block, the blocks added as cumsum adds them
+    if rows <= FEW_ROWS:  # one product over every block (the same products), the blocks added as cumsum adds them
         w = weights.view(kv_heads, batch, rows, blocks, KEY_BLOCK).transpose(2, 3)
         parts = torch.matmul(w, value.view(kv_heads, batch, blocks, KEY_BLOCK, -1))
         return parts.cumsum(2)[:, :, -1]
