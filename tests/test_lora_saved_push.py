@@ -86,6 +86,8 @@ def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_aske
     model.eval()
     with pytest.raises(ValueError, match=why):
         push_weights(client, model, adapters="adapter")
+    with pytest.raises(ValueError, match=why):  # a named adapter is adapter-only: never merged into the base
+        push_weights(client, model, adapter_name="named")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -95,6 +97,17 @@ def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_aske
     assert not result.base_included and client.adapter is None
     completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
     assert completion.adapter is None and completion.token_ids == peft_greedy(model, PROMPT)
+
+
+def test_an_adapter_name_with_weights_that_are_no_adapter_is_refused_before_anything_is_sent(client):
+    """`adapter_name` with a plain model, or with adapters="merged", would have replaced the base model for every
+    group (the name silently dropped): refused naming adapter_name, and the worker serves what it served."""
+    before = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].token_ids
+    lora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for source, adapters in ((tiny_model(seed=5), "auto"), (lora, "merged")):
+        with pytest.raises(ValueError, match="adapter_name.*would replace the base model"):
+            push_weights(client, source, adapters=adapters, adapter_name="named")
+    assert client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].token_ids == before
 
 
 def trl_trainer(tmp_path, client, peft_config: LoraConfig):

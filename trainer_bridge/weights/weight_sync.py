@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from rollout import protocol as p
-from rollout.config import WEIGHT_UPDATE_MODES
+from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.protocol.transports import TRANSPORTS
 from trainer_bridge.client import RolloutClient
 from trainer_bridge.client.calls import PushResult
@@ -93,7 +93,8 @@ def push_weights(
             merged with one warning per model), "adapter" (adapter-only, or a FieldError naming what cannot be
             served unmerged) or "merged" (base + LoRA delta under the base names, as a plain model).
         adapter_name: the name the workers serve the adapter under (default: its PEFT name); groups then sample
-            with it unless they name another (`PromptGroup.adapter`).
+            with it unless they name another (`PromptGroup.adapter`). Given, the push is adapter-only or refused
+            (a FieldError naming "adapter_name", or what cannot be served unmerged): never new base weights.
     Returns:
         A `PushResult` on the main process, None elsewhere.
     Raises:
@@ -112,8 +113,17 @@ def push_weights(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+    if adapter_name is not None and adapters == "auto":
+        adapters = "adapter"  # a named adapter is served adapter-only, or refused saying why: never merged silently
     adapter = None
     how = push_mode(model_or_named_tensors, adapters, accelerator)
+    if adapter_name is not None and how != "adapter":  # never a silent push of new base weights for every group
+        what = "merged weights of the PEFT model" if how == "merged" else "whole weights (not a PEFT LoRA model)"
+        raise FieldError(
+            "adapter_name",
+            f"{adapter_name!r} names an adapter, but this push sends {what}, which would replace the base model for "
+            "every group; push a PEFT LoRA model with adapters='adapter' to serve it by name, or drop adapter_name",
+        )
     if how == "adapter":
         model = unwrapped(model_or_named_tensors, accelerator)
         adapter = adapter_push(model, None, adapter_name, accelerator)
