@@ -101,6 +101,38 @@ def test_an_environment_variable_default_is_the_one_shown(monkeypatch):
     assert "tokens per KV block (default: 32)" in " ".join(parser.format_help().split())
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("ROLLOUT_LOG_LEVEL", "verbose", "--log-level (choose from DEBUG, INFO, WARNING, ERROR)"),
+        ("ROLLOUT_DTYPE", "fp16", "--dtype (choose from auto, float32, bfloat16, float16)"),
+        ("ROLLOUT_CUDA_GRAPHS", "maybe", "--cuda-graphs (choose from auto, off, on)"),
+        ("ROLLOUT_OVERLAP", "of", "--overlap (choose from auto, off, on); did you mean off?"),
+    ],
+)
+def test_an_environment_value_outside_a_flags_choices_is_a_usage_error_naming_the_variable(
+    monkeypatch, capsys, variable, value, message
+):
+    """A value the flag's choices do not hold was taken as the default and failed later with a traceback
+    (a KeyError at start): now a usage error naming the variable, its flag and the choices."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        parser_of("rollout-worker")
+    assert exited.value.code == 2
+    assert f"{variable}={value!r} is not a valid value for {message}" in capsys.readouterr().err
+
+
+def test_a_log_level_in_any_case_and_a_near_miss_variable_are_understood(monkeypatch, capsys):
+    monkeypatch.setenv("ROLLOUT_LOG_LEVEL", "info")
+    monkeypatch.setenv("ROLLOUT_NUM_BLOCK", "64")
+    parser = parser_of("rollout-worker")
+    assert (
+        parser.parse_args([]).log_level == "INFO" and parser.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+    )
+    warned = capsys.readouterr().err
+    assert "ROLLOUT_NUM_BLOCK is set but no flag reads it; did you mean ROLLOUT_NUM_BLOCKS?" in warned
+
+
 def test_a_typod_flag_suggests_the_closest_without_a_usage_dump():
     child = run_python("-m", "rollout.service.launch.cli", "--num-blcoks", "3")
     assert child.returncode == 2

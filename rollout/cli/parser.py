@@ -122,6 +122,14 @@ class CliParser(argparse.ArgumentParser):
         Args:
             prefix: the variables' common start, e.g. "ROLLOUT_".
         """
+        read = {prefix + action.dest.upper() for action in self._actions if action.option_strings}
+        for variable in sorted(name for name in os.environ if name.startswith(prefix) and name not in read):
+            close = difflib.get_close_matches(variable, sorted(read), n=1, cutoff=0.85)
+            if close:  # a near miss (ROLLOUT_NUM_BLOCK): said, not ignored; others may be another program's
+                print(
+                    f"{self.prog}: warning: {variable} is set but no flag reads it; did you mean {close[0]}?",
+                    file=sys.stderr,
+                )
         for action in self._actions:
             if not action.option_strings or action.dest == "help":
                 continue
@@ -135,9 +143,20 @@ class CliParser(argparse.ArgumentParser):
                         raise ValueError(value)
                     action.default = value.lower() in ("1", "true", "yes")
                     continue
-                action.default = action.type(value) if action.type else value
+                default = action.type(value) if action.type else value
             except (ValueError, argparse.ArgumentTypeError):
                 self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
+            if action.choices is not None and default not in action.choices:
+                names = [str(choice) for choice in action.choices]
+                close = difflib.get_close_matches(str(default), names, n=1) or [
+                    name for name in names if name.lower() == str(default).lower()
+                ]
+                hint = f"; did you mean {close[0]}?" if close else ""
+                self.error(
+                    f"{variable}={value!r} is not a valid value for {action.option_strings[0]} "
+                    f"(choose from {', '.join(names)}){hint}"
+                )
+            action.default = default
 
     def flag_message(self, error: ValueError) -> str:
         """The text of a usage error for `error`: a `FieldError` names the flag of its field (and any other field
@@ -168,6 +187,7 @@ class CliParser(argparse.ArgumentParser):
         except argparse.ArgumentError as error:
             names = [str(choice) for choice in action.choices or ()]
             close = difflib.get_close_matches(str(value), names, n=1)
+            close = close or [name for name in names if name.lower() == str(value).lower()]  # "info" for INFO
             if not close:
                 raise
             raise argparse.ArgumentError(action, f"{error.message}; did you mean {close[0]}?") from None

@@ -309,7 +309,13 @@ def build_parser() -> CliParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)",
     )
     add("--metrics-host", default="127.0.0.1", help="address the metrics server listens on")
-    add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    add(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (any case)",
+    )
     parser.defaults_from_environment("ROLLOUT_")
     return parser
 
