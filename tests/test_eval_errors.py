@@ -275,3 +275,16 @@ def test_n_above_one_samples_unless_a_temperature_is_given(flags, temperature):
     args = build_parser().parse_args(["--model", "tiny", "--dataset", str(REPO_DATASET), *flags])
     check_flags(args)
     assert args.temperature == temperature
+
+
+def test_ctrl_c_says_it_was_interrupted(capsys, monkeypatch):
+    """Ctrl-C while generating: status 130 and "interrupted" (the empty text of a bare KeyboardInterrupt was
+    printed: "rollout-eval: " and nothing more)."""
+    import rollout.eval.session as session
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "evaluate", interrupted)
+    assert main([str(flag) for flag in BASE]) == 130
+    assert capsys.readouterr().err.strip() == "rollout-eval: interrupted"

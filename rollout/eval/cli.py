@@ -163,6 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout-eval: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:
-        print(f"rollout-eval: {interrupt or 'interrupted'}", file=sys.stderr)
+        print(f"rollout-eval: {str(interrupt) or 'interrupted'}", file=sys.stderr)
         return 130
     return 0
