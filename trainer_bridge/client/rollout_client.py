@@ -149,7 +149,11 @@ class RolloutClient:
             answers = [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
             return [answer for answer in answers if answer is not None]  # None: a worker lost or removed meanwhile
         except queue.Empty:
-            raise RolloutError("timeout", "a worker did not answer stats in time (or the client is closed)") from None
+            if self._closed.is_set():
+                raise RolloutError("closed", "the client is closed") from None
+            silent = [worker.address for worker in self._io.workers if not worker.retired and not worker.alive]
+            where = f": no answer from {', '.join(silent)}. Is rollout-worker running at that address and port?"
+            raise RolloutError("timeout", f"a worker did not answer stats in time{where if silent else ''}") from None
 
     @property
     def closed(self) -> bool:
