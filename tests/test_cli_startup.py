@@ -167,6 +167,12 @@ def test_a_typod_flag_suggests_the_closest_without_a_usage_dump():
         ("rollout-keygen", ["dir"], "the following arguments are required: name"),
         ("rollout-worker", ["--dtype", "flaot32"], "did you mean float32?"),
         ("rollout-worker", ["--bnd", "x", "--mdoel", "m"], "--bind (for --bnd), --model (for --mdoel)?"),
+        (  # vLLM's and SGLang's flags: what to use instead, not the closest spelling (--lora)
+            "rollout-worker",
+            ["--port", "5555"],
+            "--port; did you mean --bind tcp://127.0.0.1:PORT (ZeroMQ clients) or --http 127.0.0.1:PORT",
+        ),
+        ("rollout-worker", ["--gpu-memory-utilization", "0.9"], "did you mean --max-memory-percent"),
     ],
 )
 def test_flag_errors_are_one_line_and_a_hint(script, argv, message, capsys):
@@ -240,3 +246,25 @@ def test_a_subcommands_bad_combination_points_at_its_own_help(capsys):
     error, hint = capsys.readouterr().err.splitlines()[-2:]
     assert error == "rollout-bench throughput: error: --time-budget must be a number > 0, got -1.0"
     assert hint == "Try 'rollout-bench throughput --help' for every flag and its default."
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora", "a=/no/such/adapter"], "--lora a=/no/such/adapter: no such directory"),  # before any cache
+        (["--model", "sized:abc"], "--model sized:abc: expected sized:<megabytes>, e.g. sized:512"),  # said once
+    ],
+)
+def test_worker_settings_that_cannot_work_are_one_line_naming_the_flag_once(argv, message):
+    child = run_python("-m", "rollout.service.launch.cli", "--device", "cpu", *argv)
+    assert child.returncode == 2
+    assert child.stderr.splitlines()[0] == f"rollout-worker: error: {message}" + (
+        " (a PEFT adapter's, as save_pretrained writes it)" if "--lora" in argv else ""
+    )
+
+
+def test_a_batch_config_pair_without_a_value_names_the_pair():
+    from rollout.cli.batch_config_flags import batch_config_from_pairs
+
+    with pytest.raises(FieldError, match="^num_blocks: expected KEY=VALUE, e.g. num_blocks=512$"):
+        batch_config_from_pairs(["num_blocks"])

@@ -303,3 +303,13 @@ def test_stats_from_a_worker_that_is_not_running_names_its_address():
         client.stats(timeout=0.5)
     assert refused.value.code == "timeout"
     assert f"no answer from {address}. Is rollout-worker running at that address and port?" in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["4001", 2.0, True, -1])
+def test_a_push_version_that_is_no_integer_is_refused_by_name(version):
+    """`push_weights(..., version="4001")` failed deep inside with a bare TypeError comparing versions."""
+    from rollout.presets import tiny_model
+    from trainer_bridge import push_weights
+
+    with pytest.raises(FieldError, match="^version: must be a non-negative integer"):
+        push_weights(None, tiny_model(), version=version)

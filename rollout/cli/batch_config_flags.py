@@ -32,7 +32,7 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
         key, equals, text = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not equals or not key:
-            raise FieldError("batch_config", f"expected KEY=VALUE, got {pair!r}")
+            raise FieldError(pair, "expected KEY=VALUE, e.g. num_blocks=512")
         if key not in fields or key in NOT_FROM_COMMAND_LINE:
             known = ", ".join(name for name in fields if name not in NOT_FROM_COMMAND_LINE)
             raise FieldError(key, f"is not a ContinuousBatchingConfig field settable here; those are: {known}")

@@ -72,16 +72,25 @@ class CliParser(argparse.ArgumentParser):
     Its subcommands' parsers (`add_subparsers().add_parser`) are CliParsers too, with the same help formatter.
     """
 
-    def __init__(self, *args: Any, field_flags: dict[str, str] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        field_flags: dict[str, str] | None = None,
+        other_tools_flags: dict[str, str] | None = None,
+        **kwargs: Any,
+    ):
         """Args:
         *args: as `argparse.ArgumentParser`.
         field_flags: the flag that sets each config field whose name does not turn into it by dashes (e.g.
             {"scheduler_type": "--scheduler"}), so that `flag_message` names it.
+        other_tools_flags: flags of other tools a user may type here, each with what to use instead (e.g.
+            {"--port": "--bind tcp://127.0.0.1:PORT"}): said in place of the closest spelling.
         **kwargs: as `argparse.ArgumentParser`; `formatter_class` defaults to `DefaultsHelpFormatter`.
         """
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
         self.field_flags = dict(field_flags or {})
+        self.other_tools_flags = dict(other_tools_flags or {})
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
@@ -213,7 +222,9 @@ class CliParser(argparse.ArgumentParser):
         message = f"unrecognized argument{'s' if len(shown) > 1 else ''} {' '.join(shown)}"
         guesses = []
         for flag in flags:
-            close = difflib.get_close_matches(flag.split("=", 1)[0], list(self._option_string_actions), n=1)
+            name = flag.split("=", 1)[0]
+            close = [self.other_tools_flags[name]] if name in self.other_tools_flags else []
+            close = close or difflib.get_close_matches(name, list(self._option_string_actions), n=1)
             if close:
                 guesses.append(close[0] if len(flags) == 1 else f"{close[0]} (for {flag})")
         self.error(message + (f"; did you mean {', '.join(guesses)}?" if guesses else ""))

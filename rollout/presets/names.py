@@ -37,7 +37,7 @@ def model_from_preset(
         try:
             megabytes = float(name.removeprefix("sized:"))
         except ValueError:
-            raise ValueError(f"--model {name}: expected sized:<megabytes>, e.g. sized:512") from None
+            raise ValueError("expected sized:<megabytes>, e.g. sized:512") from None
         return sized_model(megabytes, seed, dtype, device)
     return None
 

@@ -113,6 +113,8 @@ def push_weights(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise FieldError("version", f"must be a non-negative integer (e.g. the trainer's global step), got {version!r}")
     if adapter_name is not None and adapters == "auto":
         adapters = "adapter"  # a named adapter is served adapter-only, or refused saying why: never merged silently
     adapter = None

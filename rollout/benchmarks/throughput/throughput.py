@@ -114,16 +114,17 @@ def _print_table(summary: dict) -> None:
         f"tokens, median of {summary['repeats']} run(s), KV budget {summary['kv_budget_bytes'] / 2**30:.2f} GiB "
         f"per system, {summary['torch_threads']} torch threads"
     )
-    print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'vs rollout':>12}{'same tokens':>13}{'warm-up s':>11}")
+    # rollout's tokens/s over the system's: 1.78x means rollout was 1.78 times as fast (below 1x: slower)
+    print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'rollout is':>14}{'same tokens':>13}{'warm-up s':>11}")
     rollout = summary["results"].get("rollout", {}).get("tokens_per_s")
     for name, result in summary["results"].items():
         if result["status"] != "ok":
             print(f"{name:<30}{result['status'].upper()} after {result['seconds']:.0f} s (see its output above)")
             continue
-        ratio = f"{rollout / result['tokens_per_s']:.2f}x" if rollout and result["tokens_per_s"] else ""
+        ratio = f"{rollout / result['tokens_per_s']:.2f}x as fast" if rollout and result["tokens_per_s"] else ""
         same = f"{result.get('identical_to_first', 0)}/{summary['num_prompts']}"
         print(
-            f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>12}{same:>13}"
+            f"{name:<30}{result['seconds']:>10.2f}{result['tokens_per_s']:>12.1f}{ratio:>14}{same:>13}"
             f"{result['warmup_s']:>11.1f}"
         )
         cut = result.get("cut_short")

@@ -40,10 +40,22 @@ FIELD_FLAGS = {
     "client_timeout_s": "--client-timeout",
 }
 
+# Flags of vLLM's and SGLang's servers a user may type here, and what to use instead.
+_SERVE_ADDRESS = "--bind tcp://127.0.0.1:PORT (ZeroMQ clients) or --http 127.0.0.1:PORT (the OpenAI API)"
+OTHER_TOOLS_FLAGS = {
+    "--port": _SERVE_ADDRESS,
+    "--host": _SERVE_ADDRESS,
+    "--model-path": "--model",
+    "--gpu-memory-utilization": "--max-memory-percent (a percent of free memory for the KV cache)",
+    "--mem-fraction-static": "--max-memory-percent (a percent of free memory for the KV cache)",
+}
+
 
 def build_parser() -> CliParser:
     """The command-line interface (defaults may come from ROLLOUT_* environment variables)."""
-    parser = CliParser(prog="rollout-worker", description=__doc__, field_flags=FIELD_FLAGS)
+    parser = CliParser(
+        prog="rollout-worker", description=__doc__, field_flags=FIELD_FLAGS, other_tools_flags=OTHER_TOOLS_FLAGS
+    )
     add = parser.add_argument
     add(
         "--model",
@@ -55,8 +67,9 @@ def build_parser() -> CliParser:
     add(
         "--tokenizer",
         default=None,
-        help="a local tokenizer directory or hub id, for stop strings and (with --http) text prompts and chat; "
-        "'none' serves without one (default: the preset's built-in tokenizer, else the model directory's, if any)",
+        help="a local tokenizer directory or hub id, for stop strings and (with --http) the OpenAI endpoints, which "
+        "answer in text whatever the prompt; 'none' serves without one: ZeroMQ token ids only, the text endpoints "
+        "answer 400 (default: the preset's built-in tokenizer, else the model directory's, if any)",
     )
     place = parser.add_mutually_exclusive_group()
     place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on (default: none, --device)")
