@@ -44,7 +44,13 @@ def run_steps(steps):
 
 @pytest.mark.parametrize(
     "message",
-    [big_result(), p.GroupResult("g", [1], []), p.Pong(3, 4), p.Error("busy", "x", None, "g"), p.HelloReply("m", 9, 64, 2, {"block_size": 16})],
+    [
+        big_result(),
+        p.GroupResult("g", [1], []),
+        p.Pong(3, 4),
+        p.Error("busy", "x", None, "g"),
+        p.HelloReply("m", 9, 64, 2, {"block_size": 16}),
+    ],
     ids=lambda message: message.TYPE,
 )
 def test_encoding_in_steps_gives_the_frames_of_encode(message):
