@@ -11,8 +11,8 @@ with one thread, and 1 to 11 rows but 4 and 8 with two. So every product is laid
 rows, at least `MIN_QUERY_ROWS` of them (the same bound as the linears'):
 
 - the scores: (queries, `SCORE_SLICE`) x (`SCORE_SLICE`, keys) per slice of head_dim, the slices added in order. A
-  decode step (one query per head) takes the queries of the heads sharing a key head as its rows, repeated up to
-  `MIN_QUERY_ROWS` (the copies' results are dropped), and so does any product of fewer rows;
+  decode step (one query per head) takes the queries of the heads sharing a key head as its rows, with zero rows
+  added up to `MIN_QUERY_ROWS` (their results dropped before the softmax), and so does any product of fewer rows;
 - each key block's weighted values: (queries, `KEY_BLOCK`) x (`KEY_BLOCK`, head_dim). The blocks' results (and
   their weights' totals) are added one after the other in float64, rounded once, as torch's CPU `cumsum` adds them.
 
@@ -70,12 +70,9 @@ def attend_in_torch(
         allowed = allowed & inside[:, None, None, :]
 
     query = query.float().unflatten(1, (kv_heads, group)).transpose(0, 1)  # (kv_heads, batch, group, queries, D)
-    if group * queries < MIN_QUERY_ROWS:  # fewer rows take other kernels: heads repeated (their copies dropped)
-        heads_needed = -(-MIN_QUERY_ROWS // queries)
-        query = query[:, :, torch.arange(heads_needed, device=query.device) % group]
-    rows = query.shape[2] * queries
+    rows = group * queries
     scores = _scores(query.reshape(kv_heads, batch, rows, head_dim), key)
-    scores = scores.view(kv_heads, batch, rows // queries, queries, blocks, KEY_BLOCK)
+    scores = scores.view(kv_heads, batch, group, queries, blocks, KEY_BLOCK)
     seen = allowed.to(torch.float32).view(1, batch, 1, queries, blocks, KEY_BLOCK)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         scores = scores * scaling
@@ -98,13 +95,17 @@ def attend_in_torch(
     if out.requires_grad:
         out = torch.where(total > 0, out, 0.0)
     # Laid out (batch, queries, heads, head_dim) underneath, as both callers want it: one copy.
-    out = out.view(kv_heads, batch, rows // queries, queries, head_dim)[:, :, :group].permute(1, 3, 0, 2, 4)
+    out = out.view(kv_heads, batch, group, queries, head_dim).permute(1, 3, 0, 2, 4)
     return out.reshape(batch, queries, heads, head_dim).to(dtype).transpose(1, 2)
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Every query's score with every key: (kv_heads, batch, rows, aligned); one product per `SCORE_SLICE` of
-    head_dim, added in order."""
+    head_dim, added in order, of at least `MIN_QUERY_ROWS` rows (zero rows added, their scores dropped: the softmax
+    then runs over the real rows only)."""
+    rows = query.shape[2]
+    if rows < MIN_QUERY_ROWS:
+        return _scores(torch.nn.functional.pad(query, (0, 0, 0, MIN_QUERY_ROWS - rows)), key)[:, :, :rows]
     scores = None
     for first in range(0, query.shape[-1], SCORE_SLICE):
         product = torch.matmul(
@@ -116,14 +117,17 @@ def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Each query's weighted sum of values, key block by key block, the blocks added in order in float64:
-    (kv_heads, batch, rows, head_dim)."""
+    (kv_heads, batch, rows, head_dim); products of at least `MIN_QUERY_ROWS` rows (zero rows added, dropped)."""
     kv_heads, batch, rows, aligned = weights.shape
     blocks = aligned // KEY_BLOCK
     if rows <= FEW_ROWS:  # one product over every block (the same products), the blocks added as cumsum adds them
-        w = weights.view(kv_heads, batch, rows, blocks, KEY_BLOCK).transpose(2, 3)
-        parts = torch.matmul(w, value.view(kv_heads, batch, blocks, KEY_BLOCK, -1))
+        padded = (
+            torch.nn.functional.pad(weights, (0, 0, 0, MIN_QUERY_ROWS - rows)) if rows < MIN_QUERY_ROWS else weights
+        )
+        w = padded.view(kv_heads, batch, padded.shape[2], blocks, KEY_BLOCK).transpose(2, 3)
+        parts = torch.matmul(w, value.view(kv_heads, batch, blocks, KEY_BLOCK, -1))[:, :, :, :rows]
         return parts.cumsum(2)[:, :, -1]
-    out = None
+    out = None  # (FEW_ROWS > MIN_QUERY_ROWS: these products have rows enough)
     for first in range(0, aligned, KEY_BLOCK):
         part = torch.matmul(weights[..., first : first + KEY_BLOCK], value[..., first : first + KEY_BLOCK, :])
         out = part.double() if out is None else out.add_(part)
