@@ -182,8 +182,8 @@ def test_one_large_message_does_not_stall_serving(worker, name):
 
 def test_a_message_of_more_frames_than_any_may_have_is_cut_and_drained(worker):
     """ZeroMQ bounds each frame, not how many one message has: a generate followed by 200,000 frames is refused
-    (field "frames", its group named) with only its header kept while the rest is dropped a few thousand frames per
-    loop turn, so a ping from another client is answered meanwhile and the worker serves on."""
+    (field "frames", its group named) with only its header kept while the rest is dropped 1,024 frames per
+    read, within each loop turn's time, so a ping from another client is answered meanwhile and the worker serves on."""
     header = p.encode(p.Generate("many-frames", [1, 2, 3], sampling={"max_new_tokens": 2}))
     waited, reply = _ping_while(worker.address, [*header, *([b"x"] * 200_000)])
     assert isinstance(reply, p.Error) and (reply.code, reply.field, reply.group_id) == (

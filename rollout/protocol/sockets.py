@@ -95,13 +95,13 @@ class MessageReader:
     in the receiver's memory before this sees its first frame; CurveZMQ authentication (auth.py) limits who can.
     """
 
-    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, frames_per_read: int = 4096):
+    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, frames_per_read: int = 1024):
         """
         Args:
             socket: a ROUTER socket (the first part of each message is its sender's identity).
             max_frames: the most frames a message may have after the identity.
             max_bytes: the most bytes those frames may hold together.
-            frames_per_read: frames read (kept or dropped) per `read` at most.
+            frames_per_read: frames read (kept or dropped) per `read` at most (1,024: a few milliseconds).
         """
         self._socket = socket
         self.max_frames = max_frames
