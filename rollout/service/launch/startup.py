@@ -224,9 +224,10 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
             parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
         if name == model_name:
             parser.error(f"--lora {spec}: {name!r} is the served model's name (--model): give the adapter another one")
-        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            parser.error(f"--lora {spec}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
         pairs[name] = path
+    for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
+        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
     return list(pairs.items())
 
 
