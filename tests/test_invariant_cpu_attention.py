@@ -1,8 +1,10 @@
-"""The CPU's batch-invariant attention (`attend_in_torch`): the last few queries of a sequence attended alone (a
-decode step, a verify step, a chunk of a prefill) get the bits of the same queries inside the whole prefill (the
-trainer's forward), whatever the group of heads sharing a key head and the thread count. On an AMD EPYC, MKL took
-other kernels for products of 1 to 3 rows (one thread) or of up to 11 rows but 4 and 8 (two threads): a decode step
-padded to 3 rows was off the trainer by up to 1e-5 in fp32 until every product had 16 rows or more."""
+"""The CPU's batch-invariant products (`attend_in_torch`, `tiled_matmul`): the last few queries of a sequence attended
+alone (a decode step, a verify step, a chunk of a prefill) get the bits of the same queries inside the whole prefill
+(the trainer's forward), and a linear's rows the bits they have among any other rows, whatever the group of heads
+sharing a key head and the thread count. On an AMD EPYC, MKL took other kernels for some rows of products of 1 to 3
+rows (one thread), of up to 11 rows but 4 and 8 (two threads), and of 17-19 and 25-27 rows (sixteen threads): a
+decode step padded to 3 rows was off the trainer by up to 1e-5 in fp32, until every product had a multiple of 16
+rows."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import pytest
 import torch
 
 from rollout.invariant.cpu_attention import attend_in_torch
+from rollout.invariant.matmul import tiled_matmul
+
+THREADS = [1, 2, 16]  # 16 on a 2-core machine too: MKL splits a product by the thread count it is told
+LAST = (1, 2, 3, 5, 6, 7, 9, 11, 17, 18, 19, 25, 27)
 
 
 @pytest.fixture
@@ -20,16 +26,28 @@ def threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_threads", THREADS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_the_last_queries_alone_get_their_bits_in_the_whole_prefill(threads, num_threads, group):
-    torch.set_num_threads(num_threads)
     generator = torch.Generator().manual_seed(group)
     kv_heads, length, head_dim = 2, 150, 64
     query = torch.randn(1, kv_heads * group, length, head_dim, generator=generator)
     key, value = (torch.randn(1, kv_heads, length, head_dim, generator=generator) for _ in range(2))
     causal = (torch.arange(length)[None, :] <= torch.arange(length)[:, None])[None, None]
+    torch.set_num_threads(1)
     whole = attend_in_torch(query, key, value, causal, None, head_dim**-0.5)
-    for last in (1, 2, 3, 5, 6, 7, 9, 11, 17):
+    torch.set_num_threads(num_threads)
+    for last in LAST:
         alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, head_dim**-0.5)
         assert torch.equal(alone, whole[:, :, -last:]), f"the last {last} queries alone differ"
+
+
+@pytest.mark.parametrize("num_threads", THREADS)
+def test_a_linears_rows_get_the_same_bits_among_any_other_rows(threads, num_threads):
+    generator = torch.Generator().manual_seed(0)
+    rows, weight = torch.randn(300, 512, generator=generator), torch.randn(384, 512, generator=generator)
+    torch.set_num_threads(1)
+    whole = tiled_matmul(rows, weight)
+    torch.set_num_threads(num_threads)
+    for count in LAST + (48, 100):
+        assert torch.equal(tiled_matmul(rows[:count], weight), whole[:count]), f"{count} rows differ"

@@ -2,17 +2,18 @@
 GPU kernel's (`attention.py` says what is invariant and why).
 
 On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that depends
-on the reduction's length only, whatever the numbers of rows and columns, as long as there are `MIN_QUERY_ROWS` rows
-or more and the reduction is at most 64 long (measured on two machines' MKL, 1 to 4 threads: scores over head_dim
-slices of 64 against 2 to 40 query rows and 64 to 4096 keys, weighted values over a `KEY_BLOCK` of keys against
-head dims of 16 to 256, either operand transposed or strided). Fewer rows take other kernels, and which ones depends
-on the processor and the thread count: on an Intel machine 1 and 2 rows did; on an AMD EPYC (AVX-512) 1 to 3 rows
-with one thread, and 1 to 11 rows but 4 and 8 with two. So every product is laid out the same way, queries on the
-rows, at least `MIN_QUERY_ROWS` of them (the same bound as the linears'):
+on the reduction's length only, whatever the numbers of rows and columns and threads, as long as the rows are a
+multiple of `MIN_QUERY_ROWS` and the reduction is at most 64 long (measured on two machines' MKL: scores over
+head_dim slices of 64 against query rows and 64 to 4096 keys, weighted values over a `KEY_BLOCK` of keys against
+head dims of 16 to 256, either operand transposed or strided; on an AMD EPYC (AVX-512), multiples of 16 rows up to
+1,024 with 1 to 32 threads gave the bits of one thread). Other row counts may take other kernels, and which ones
+depends on the processor and the thread count: on an Intel machine 1 and 2 rows did; on the AMD EPYC 1 to 3 rows
+with one thread, 1 to 11 rows but 4 and 8 with two, and also 17-19 and 25-27 with sixteen. So every product is laid
+out the same way, queries on the rows, zero rows added up to a multiple of `MIN_QUERY_ROWS` (the linears' rule):
 
 - the scores: (queries, `SCORE_SLICE`) x (`SCORE_SLICE`, keys) per slice of head_dim, the slices added in order. A
-  decode step (one query per head) takes the queries of the heads sharing a key head as its rows, with zero rows
-  added up to `MIN_QUERY_ROWS` (their results dropped before the softmax), and so does any product of fewer rows;
+  decode step (one query per head) takes the queries of the heads sharing a key head as its rows (the zero rows'
+  results dropped before the softmax);
 - each key block's weighted values: (queries, `KEY_BLOCK`) x (`KEY_BLOCK`, head_dim). The blocks' results (and
   their weights' totals) are added one after the other in float64, rounded once, as torch's CPU `cumsum` adds them.
 
@@ -29,7 +30,7 @@ from rollout.invariant.matmul import MIN_ROWS
 
 KEY_BLOCK = 64
 SCORE_SLICE = 64  # head_dim reduced in slices of this length
-MIN_QUERY_ROWS = MIN_ROWS  # fewer rows may take other kernels (matrix-vector, small-matrix): other orders of sums
+MIN_QUERY_ROWS = MIN_ROWS  # every product has a multiple of this many rows (matmul.MIN_ROWS says why)
 FEW_ROWS = 64  # up to this many rows, a step's weighted values are one product over every key block (faster)
 EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
 HIDDEN_SCORE = 3e38  # subtracted from a hidden key's score (finite: a row that sees nothing gets weights 0 x finite)
@@ -101,11 +102,11 @@ def attend_in_torch(
 
 def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Every query's score with every key: (kv_heads, batch, rows, aligned); one product per `SCORE_SLICE` of
-    head_dim, added in order, of at least `MIN_QUERY_ROWS` rows (zero rows added, their scores dropped: the softmax
-    then runs over the real rows only)."""
+    head_dim, added in order, of a multiple of `MIN_QUERY_ROWS` rows (zero rows added, their scores dropped: the
+    softmax then runs over the real rows only)."""
     rows = query.shape[2]
-    if rows < MIN_QUERY_ROWS:
-        return _scores(torch.nn.functional.pad(query, (0, 0, 0, MIN_QUERY_ROWS - rows)), key)[:, :, :rows]
+    if rows % MIN_QUERY_ROWS:
+        return _scores(torch.nn.functional.pad(query, (0, 0, 0, (-rows) % MIN_QUERY_ROWS)), key)[:, :, :rows]
     scores = None
     for first in range(0, query.shape[-1], SCORE_SLICE):
         product = torch.matmul(
@@ -117,21 +118,19 @@ def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Each query's weighted sum of values, key block by key block, the blocks added in order in float64:
-    (kv_heads, batch, rows, head_dim); products of at least `MIN_QUERY_ROWS` rows (zero rows added, dropped)."""
+    (kv_heads, batch, rows, head_dim); products of a multiple of `MIN_QUERY_ROWS` rows (zero rows added, dropped)."""
     kv_heads, batch, rows, aligned = weights.shape
     blocks = aligned // KEY_BLOCK
+    padded = torch.nn.functional.pad(weights, (0, 0, 0, (-rows) % MIN_QUERY_ROWS)) if rows % MIN_QUERY_ROWS else weights
     if rows <= FEW_ROWS:  # one product over every block (the same products), the blocks added as cumsum adds them
-        padded = (
-            torch.nn.functional.pad(weights, (0, 0, 0, MIN_QUERY_ROWS - rows)) if rows < MIN_QUERY_ROWS else weights
-        )
         w = padded.view(kv_heads, batch, padded.shape[2], blocks, KEY_BLOCK).transpose(2, 3)
         parts = torch.matmul(w, value.view(kv_heads, batch, blocks, KEY_BLOCK, -1))[:, :, :, :rows]
         return parts.cumsum(2)[:, :, -1]
-    out = None  # (FEW_ROWS > MIN_QUERY_ROWS: these products have rows enough)
+    out = None
     for first in range(0, aligned, KEY_BLOCK):
-        part = torch.matmul(weights[..., first : first + KEY_BLOCK], value[..., first : first + KEY_BLOCK, :])
+        part = torch.matmul(padded[..., first : first + KEY_BLOCK], value[..., first : first + KEY_BLOCK, :])
         out = part.double() if out is None else out.add_(part)
-    return out.float()
+    return out[:, :, :rows].float()
 
 
 def _in_blocks(keys: torch.Tensor, aligned: int) -> torch.Tensor:

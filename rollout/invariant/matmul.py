@@ -2,10 +2,11 @@
 
 torch's CPU matmul picks its kernel and its split of the reduction by the matrix's shape and the thread count, so a
 row's result can depend on how many rows share the call (measured: up to 2e-6 in fp32 between 1 and 300 rows, and
-0.25 in bf16). What was measured to hold (this machine's MKL / oneDNN, 1 and 2 threads, 2 to 4096 rows): in fp32, a
-reduction of at most `K_CHUNK` is summed in one order whatever the numbers of rows and columns, as long as there
-are `MIN_ROWS` rows or more (fewer, up to 10, take other kernels: matrix-vector, small-matrix). So in fp32 every row takes part in one matmul per
-`K_CHUNK`-wide slice of the reduction, and the slices' products are added in order. Lower precisions are reduced in
+0.25 in bf16). What was measured to hold (MKL / oneDNN on two machines, 1 to 32 threads, 16 to 4096 rows): in fp32,
+a reduction of at most `K_CHUNK` is summed in one order whatever the numbers of columns and threads, as long as the
+rows are a multiple of `MIN_ROWS` (other counts may take other kernels for some rows: matrix-vector, small-matrix,
+or a thread's remainder). So in fp32 every row takes part in one matmul per `K_CHUNK`-wide slice of the reduction,
+zero rows added up to a multiple of `MIN_ROWS`, and the slices' products are added in order. Lower precisions are reduced in
 one call per tile of `ROW_TILE` rows (the last one padded with zeros), each tile a matmul of the same shape, which
 accumulates in fp32 inside the kernel as a plain `F.linear` does. On a GPU the same promise is kept by one Triton
 kernel of fixed tiles (`triton_matmul.py`).
@@ -21,7 +22,10 @@ from rollout.invariant.reductions import on_kernel_device
 
 ROW_TILE = 16
 K_CHUNK = 256
-MIN_ROWS = 16  # fewer rows take other kernels (matrix-vector, small-matrix), which sum in other orders
+# fp32 products have a multiple of this many rows (zero rows added): fewer take other kernels (matrix-vector,
+# small-matrix), and other counts are split among threads with a remainder that does (on an AMD EPYC with 16
+# threads, 17-19 and 25-27 rows summed otherwise; multiples of 16 up to 1,024 rows matched with 1 to 32 threads).
+MIN_ROWS = 16
 
 
 def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -35,7 +39,7 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return invariant_matmul(rows, weight)
     transposed = weight.t()
     if rows.dtype == torch.float32:
-        padded = torch.nn.functional.pad(rows, (0, 0, 0, MIN_ROWS - count)) if count < MIN_ROWS else rows
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % MIN_ROWS))  # a whole number of MIN_ROWS
         out = torch.mm(padded[:, :K_CHUNK], transposed[:K_CHUNK])
         for start in range(K_CHUNK, features, K_CHUNK):
             out = out + torch.mm(padded[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK])
