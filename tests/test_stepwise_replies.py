@@ -12,7 +12,8 @@ import zmq
 
 from rollout.protocol import messages as p
 from rollout.protocol.codec import decode, encode, encode_steps
-from rollout.service.zmq.clients import STEPWISE_TOKENS, ClientLinks
+from rollout.service.zmq.clients import ClientLinks
+from rollout.service.zmq.large_replies import STEPWISE_TOKENS
 
 
 def big_result(group_id: str = "big", samples: int = 16) -> p.GroupResult:
@@ -61,17 +62,23 @@ def test_encoding_in_steps_gives_the_frames_of_encode(message):
 
 
 @pytest.fixture
-def links():
-    """ClientLinks over a worker's ROUTER socket, with two DEALER clients that said hello."""
+def links(request):
+    """ClientLinks over a worker's ROUTER socket (its byte limit the test's indirect parameter, else 1 GiB), with two
+    DEALER clients that said hello; "slow" takes little before ZeroMQ refuses more (small queues and buffers)."""
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     lost: list[bytes] = []
-    links = ClientLinks(router, max_pending_bytes=1 << 30, client_timeout_s=30, on_lost=lambda i, _: lost.append(i))
+    limit = getattr(request, "param", 1 << 30)
+    links = ClientLinks(router, max_pending_bytes=limit, client_timeout_s=30, on_lost=lambda i, _: lost.append(i))
+    router.setsockopt(zmq.SNDHWM, 4)
     clients = {}
     for name in (b"slow", b"other"):
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.ROUTING_ID, name)
+        if name == b"slow":
+            dealer.setsockopt(zmq.RCVHWM, 4)
+            dealer.setsockopt(zmq.RCVBUF, 4096)
         dealer.connect(f"tcp://127.0.0.1:{port}")
         dealer.send(b"hello")
         assert router.poll(5000) and router.recv_multipart()[0] == name
@@ -129,3 +136,72 @@ def test_a_client_lost_while_its_result_encodes_leaves_nothing_behind(links):
     assert lost == [b"slow"] and not links.encoding and links.pending_bytes() == 0
     links.flush(encode_s=None)
     assert received(clients[b"slow"]) == []
+
+
+PAD = p.Error("busy", "x" * 60_000, None, "g")
+
+
+def refused_once(links) -> int:
+    """Send "slow" replies it does not read until ZeroMQ refuses one (it waits in the backlog); how many were sent."""
+    for sent in range(1, 5_000):
+        links.send(b"slow", PAD)
+        if links._backlog.get(b"slow"):
+            return sent
+    raise AssertionError("ZeroMQ took every reply")
+
+
+def test_a_result_behind_a_refused_reply_waits_without_spinning_and_follows_it(links):
+    """Nothing can be sent to a client that does not read, so nothing is encoded for it meanwhile and the loop may
+    wait for messages (`encoding` False: `serve` polled without waiting, taking the GIL from the engine); once it
+    reads, the refused replies and then the result arrive, in order."""
+    links, clients, lost = links
+    sent = refused_once(links)
+    result = big_result()
+    links.send(b"slow", result)
+    for _ in range(50):
+        links.flush()
+    assert not links.encoding and not lost
+    arrived = []
+    while len(arrived) < sent + 1:
+        assert clients[b"slow"].poll(5000), f"{len(arrived)} of {sent + 1} replies arrived"
+        arrived.append(decode(clients[b"slow"].recv_multipart()))
+        links.flush(encode_s=None)
+    assert arrived == [PAD] * sent + [result] and links.pending_bytes() == 0
+
+
+@pytest.mark.parametrize("links", [150_000], indirect=True)
+def test_a_result_larger_than_the_byte_limit_reaches_a_client_that_reads(links):
+    """The limit is on bytes a client leaves unread: a result ZeroMQ takes at once never counts against it (it was
+    counted while encoded, and the client dropped)."""
+    links, clients, lost = links
+    result = big_result("other")
+    assert sum(map(len, encode(result))) > 150_000
+    links.send(b"other", result)
+    while links.encoding:
+        links.flush()
+    assert received(clients[b"other"]) == [result] and not lost and links.pending_bytes() == 0
+
+
+@pytest.mark.parametrize("links", [1_000_000], indirect=True)
+def test_results_queued_behind_unread_replies_count_against_the_limit(links):
+    """Results behind replies a client has not read count (an estimate until encoded): past the limit the client
+    is lost, its backlog dropped (they did not count: memory grew without bound)."""
+    links, _, lost = links
+    refused_once(links)
+    for _ in range(10):
+        links.send(b"slow", big_result())
+        links.flush()
+    assert lost == [b"slow"] and links.pending_bytes() == 0 and not links.encoding
+
+
+def test_a_silent_clients_result_still_encoding_is_sent(links):
+    """A client silent past its timeout is lost (its groups cancelled) but still reachable: the results made before
+    go out as they would have had they been encoded at once."""
+    links, clients, lost = links
+    result = big_result("other")
+    links.send(b"other", result)
+    links.flush(encode_s=0.0)
+    links.lose(b"other", "silent", unreachable=False)
+    while links.encoding:
+        links.flush()
+    assert lost == [b"other"] and received(clients[b"other"]) == [result] and links.pending_bytes() == 0

@@ -15,22 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout import protocol as p
+from rollout.service.zmq.large_replies import ENCODE_TURN_S, Encoding, is_large, unencodable_reply
 
 logger = logging.getLogger(__name__)
 
 # Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
 SEND_HWM = 256
-# A group result of more tokens than this is encoded in steps, at most ENCODE_TURN_S of them per loop turn, so that
-# one client's huge result (1,024 samples of 2,047 tokens: about 190 ms to encode) does not hold back the others'.
-STEPWISE_TOKENS = 16_384
-ENCODE_TURN_S = 0.005
 # ZeroMQ (ZMTP) heartbeats: a connection whose peer does not answer them for HEARTBEAT_TIMEOUT_MS is closed (a
 # vanished host; or a raw client that stopped reading its socket, whose ZeroMQ then stops reading too).
 # RolloutClient's sockets have no receive high-water mark, so they always answer.
@@ -42,14 +38,6 @@ FORGET_GONE_AFTER_S = 300.0
 # A client lost again this soon after its last loss (replies to the messages it queued before leaving) is the same
 # departure: logged and counted once.
 SAME_LOSS_S = 10.0
-
-
-@dataclass
-class Encoding:
-    """A large reply being encoded over several loop turns; it holds its client's place in the backlog."""
-
-    message: p.Message
-    steps: Generator[None, None, list[bytes]]
 
 
 class ClientLinks:
@@ -83,7 +71,6 @@ class ClientLinks:
         self._last_seen: dict[bytes, float] = {}
         # Replies ZeroMQ did not take yet, in order; an `Encoding` stands for one still being encoded.
         self._backlog: dict[bytes, deque[list[bytes] | Encoding]] = {}
-        self._encodings = 0  # Encoding entries in the backlogs
         self._backlog_bytes: dict[bytes, int] = {}
         self._gone: dict[bytes, float] = {}  # identity -> when it was lost
         # identity -> when its loss was logged and counted: the messages a client queued before it left each
@@ -115,8 +102,9 @@ class ClientLinks:
 
     @property
     def encoding(self) -> bool:
-        """A large reply is being encoded: `flush` has work at once, whether or not a message comes."""
-        return self._encodings > 0
+        """A large reply is being encoded at the head of a backlog: `flush` has work at once, whether or not a
+        message comes (one behind replies ZeroMQ refused waits for them: no work until the client reads)."""
+        return any(backlog and isinstance(backlog[0], Encoding) for backlog in self._backlog.values())
 
     def send(self, identity: bytes, message: p.Message) -> None:
         """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full (a large group result
@@ -124,15 +112,19 @@ class ClientLinks:
         becomes an "internal" error reply, an unreachable client is lost."""
         if identity in self._gone:
             return
-        if isinstance(message, p.GroupResult) and sum(len(c.token_ids) for c in message.completions) > STEPWISE_TOKENS:
-            self._backlog.setdefault(identity, deque()).append(Encoding(message, p.encode_steps(message)))
+        if is_large(message):
+            entry = Encoding(message, p.encode_steps(message))
+            backlog = self._backlog.setdefault(identity, deque())
             self._backlog_bytes.setdefault(identity, 0)
-            self._encodings += 1
+            backlog.append(entry)
+            if len(backlog) > 1:  # behind replies the client has not read: counted now, as they are
+                entry.counted = entry.estimated_bytes()
+                self._count(identity, entry.counted)
             return
         try:
             frames = p.encode(message)
         except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
-            frames = _unencodable(message, error)
+            frames = unencodable_reply(message, error)
         frames = [identity, *frames]
         if identity in self._backlog:  # keep the order: nothing overtakes what already waits
             self._queue(identity, frames)
@@ -154,11 +146,11 @@ class ClientLinks:
 
     def _queue(self, identity: bytes, frames: list[bytes]) -> None:
         self._backlog.setdefault(identity, deque()).append(frames)
-        self._count(identity, frames)
+        self._count(identity, sum(len(frame) for frame in frames))
 
-    def _count(self, identity: bytes, frames: list[bytes]) -> None:
-        """Add frames now in `identity`'s backlog to its byte count: past `max_pending_bytes`, the client is lost."""
-        nbytes = sum(len(frame) for frame in frames)
+    def _count(self, identity: bytes, nbytes: int) -> None:
+        """Add bytes now waiting in `identity`'s backlog to its count: past `max_pending_bytes`, the client is lost
+        (negative: bytes that left it)."""
         size = self._backlog_bytes.get(identity, 0) + nbytes
         self._backlog_bytes[identity] = size
         self._pending_total += nbytes
@@ -176,44 +168,37 @@ class ClientLinks:
         ends = None if encode_s is None else time.monotonic() + encode_s
         for identity in list(self._backlog):
             backlog = self._backlog.get(identity)
-            while backlog:
-                if isinstance(backlog[0], Encoding) and not self._encode(identity, backlog, ends):
-                    break
-                if identity not in self._backlog:  # lost: its encoded reply was past its byte limit
-                    break
-                frames = backlog[0]
-                try:
-                    self._socket.send_multipart(frames, zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    self.lose(identity, "its connection is closed", unreachable=True)
+            while backlog and identity in self._backlog:
+                head = backlog[0]
+                if isinstance(head, Encoding):
+                    encoded = head.encoded(ends)
+                    if encoded is None:  # this turn's encoding time is spent
+                        break
+                    self._count(identity, -head.counted)
+                    head = backlog[0] = [identity, *encoded]
+                    if not self._sent(identity, head):  # refused: it waits like any reply, counted
+                        self._count(identity, sum(len(frame) for frame in head))
+                        break
+                    backlog.popleft()
+                    continue
+                if not self._sent(identity, head):
                     break
                 backlog.popleft()
-                nbytes = sum(len(frame) for frame in frames)
-                self._backlog_bytes[identity] -= nbytes
-                self._pending_total -= nbytes
+                self._count(identity, -sum(len(frame) for frame in head))
             if not backlog and identity in self._backlog:
                 del self._backlog[identity]
                 del self._backlog_bytes[identity]
 
-    def _encode(self, identity: bytes, backlog: deque, ends: float | None) -> bool:
-        """Encode the reply at the head of `backlog` until done (True: its frames replace it) or until `ends` (one
-        step at least: each turn gets it further)."""
-        entry = backlog[0]
+    def _sent(self, identity: bytes, frames: list[bytes]) -> bool:
+        """Whether ZeroMQ took `frames` now (a closed connection loses the client)."""
         try:
-            next(entry.steps)
-            while ends is None or time.monotonic() < ends:
-                next(entry.steps)
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
             return False
-        except StopIteration as done:
-            frames = done.value
-        except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
-            frames = _unencodable(entry.message, error)
-        self._encodings -= 1
-        backlog[0] = [identity, *frames]
-        self._count(identity, backlog[0])
-        return True
+        except zmq.ZMQError:
+            self.lose(identity, "its connection is closed", unreachable=True)
+            return False
 
     def lose(self, identity: bytes, reason: str, unreachable: bool) -> None:
         """Handle a lost client once: log, forget its backlog, and let the worker cancel its groups.
@@ -235,8 +220,12 @@ class ClientLinks:
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
         dropped = self._backlog.pop(identity, ())
-        self._encodings -= sum(1 for entry in dropped if isinstance(entry, Encoding))
         self._pending_total -= self._backlog_bytes.pop(identity, 0)
+        encoding = deque(entry for entry in dropped if isinstance(entry, Encoding))
+        if encoding and not unreachable:  # results made before it fell silent: they go out as they would have
+            for entry in encoding:
+                entry.counted = 0
+            self._backlog[identity], self._backlog_bytes[identity] = encoding, 0
         if unreachable:
             self._gone[identity] = time.monotonic()
         self._on_lost(identity, reason)
@@ -288,10 +277,3 @@ class ClientLinks:
         except zmq.ZMQError:
             pass
         self.monitor.close(linger=0)
-
-
-def _unencodable(message: p.Message, error: Exception) -> list[bytes]:
-    """The frames of the "internal" error reply sent in place of a reply that could not be encoded."""
-    logger.error("cannot encode a %s reply", message.TYPE, exc_info=error)
-    ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
-    return p.encode(p.Error("internal", f"the {message.TYPE} reply could not be encoded: {error}", None, *ids))
