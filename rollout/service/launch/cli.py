@@ -23,32 +23,13 @@ from rollout.service.http.serving.settings import (
     MAX_WAITING_CONNECTIONS,
     TOOL_CALL_PARSER_NAMES,
 )
-from rollout.service.launch.flags import AUTO_ON_OFF, check_settings, percent
+from rollout.service.launch.flags import AUTO_ON_OFF, FIELD_FLAGS, OTHER_TOOLS_FLAGS, check_settings, percent
 from rollout.service.launch.speculative_flags import add_speculative_arguments
 from rollout.service.zmq.limits import WorkerLimits
 
 __all__ = ["FIELD_FLAGS", "build_parser", "main"]
 
 logger = logging.getLogger("rollout.worker")
-
-# The flag of each config field (ContinuousBatchingConfig, WorkerLimits) whose name is not the flag's with
-# underscores: a FieldError naming the field is reported naming the flag.
-FIELD_FLAGS = {
-    "scheduler_type": "--scheduler",
-    "use_cuda_graph": "--cuda-graphs",
-    "overlap_scheduling": "--overlap",
-    "client_timeout_s": "--client-timeout",
-}
-
-# Flags of vLLM's and SGLang's servers a user may type here, and what to use instead.
-_SERVE_ADDRESS = "--bind tcp://127.0.0.1:PORT (ZeroMQ clients) or --http 127.0.0.1:PORT (the OpenAI API)"
-OTHER_TOOLS_FLAGS = {
-    "--port": _SERVE_ADDRESS,
-    "--host": _SERVE_ADDRESS,
-    "--model-path": "--model",
-    "--gpu-memory-utilization": "--max-memory-percent (a percent of free memory for the KV cache)",
-    "--mem-fraction-static": "--max-memory-percent (a percent of free memory for the KV cache)",
-}
 
 
 def build_parser() -> CliParser:

@@ -14,6 +14,25 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.service.launch.speculative_flags import speculative_settings
 from rollout.service.zmq.limits import WorkerLimits
 
+# The flag of each config field (ContinuousBatchingConfig, WorkerLimits) whose name is not the flag's with
+# underscores: a FieldError naming the field is reported naming the flag.
+FIELD_FLAGS = {
+    "scheduler_type": "--scheduler",
+    "use_cuda_graph": "--cuda-graphs",
+    "overlap_scheduling": "--overlap",
+    "client_timeout_s": "--client-timeout",
+}
+
+# Flags of vLLM's and SGLang's servers a user may type here, and what to use instead.
+_SERVE_ADDRESS = "--bind tcp://127.0.0.1:PORT (ZeroMQ clients) or --http 127.0.0.1:PORT (the OpenAI API)"
+OTHER_TOOLS_FLAGS = {
+    "--port": _SERVE_ADDRESS,
+    "--host": _SERVE_ADDRESS,
+    "--model-path": "--model",
+    "--gpu-memory-utilization": "--max-memory-percent (a percent of free memory for the KV cache)",
+    "--mem-fraction-static": "--max-memory-percent (a percent of free memory for the KV cache)",
+}
+
 # --cuda-graphs and --overlap -> the config's use_cuda_graph / overlap_scheduling (None: the device decides).
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
