@@ -89,6 +89,9 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
         with pytest.raises(RolloutError) as error:
             push_weights(client, changed)
         assert error.value.code == "unauthorized" and "trainer key" in str(error.value)
+        with pytest.raises(RolloutError) as error:  # a version the workers would refuse too: the key comes first
+            push_weights(client, changed, version=0)
+        assert error.value.code == "unauthorized"
         assert client.generate(prompt).completions[0].token_ids == before
         assert client.stats()[0]["policy_version"] == 0
     with _client(worker, keys, "trainer", "trainers") as trainer:

@@ -16,7 +16,6 @@ class PushLink:
     address: str
     transport: str = "frames"
     specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
-    version: int = 0  # the worker's policy version before the push
     base_id: str | None = None  # the base weights it serves, as named by the last whole push (None: unnamed)
     ready: p.WeightsReady | None = None
     committed: p.WeightsCommitted | None = None
