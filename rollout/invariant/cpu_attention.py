@@ -5,10 +5,10 @@ On the CPU an fp32 matmul computes each output element from its row and its colu
 on the reduction's length only, whatever the numbers of rows and columns and threads, as long as the rows are a
 multiple of `MIN_QUERY_ROWS` and the reduction is at most 64 long (measured on two machines' MKL: scores over
 head_dim slices of 64 against query rows and 64 to 4096 keys, weighted values over a `KEY_BLOCK` of keys against
-head dims of 16 to 256, either operand transposed or strided; on an AMD EPYC (AVX-512), multiples of 16 rows up to
+head dims of 16 to 256, either operand transposed or strided; on an AMD EPYC (AVX-512), multiples of 4 rows up to
 1,024 with 1 to 32 threads gave the bits of one thread). Other row counts may take other kernels, and which ones
 depends on the processor and the thread count: on an Intel machine 1 and 2 rows did; on the AMD EPYC 1 to 3 rows
-with one thread, 1 to 11 rows but 4 and 8 with two, and also 17-19 and 25-27 with sixteen. So every product is laid
+with any thread count, also 5-7 and 9-11 with two threads and 17-19 and 25-27 with sixteen. So every product is laid
 out the same way, queries on the rows, zero rows added up to a multiple of `MIN_QUERY_ROWS` (the linears' rule):
 
 - the scores: (queries, `SCORE_SLICE`) x (`SCORE_SLICE`, keys) per slice of head_dim, the slices added in order. A

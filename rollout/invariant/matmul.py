@@ -2,7 +2,7 @@
 
 torch's CPU matmul picks its kernel and its split of the reduction by the matrix's shape and the thread count, so a
 row's result can depend on how many rows share the call (measured: up to 2e-6 in fp32 between 1 and 300 rows, and
-0.25 in bf16). What was measured to hold (MKL / oneDNN on two machines, 1 to 32 threads, 16 to 4096 rows): in fp32,
+0.25 in bf16). What was measured to hold (MKL / oneDNN on two machines, 1 to 32 threads, 4 to 4096 rows): in fp32,
 a reduction of at most `K_CHUNK` is summed in one order whatever the numbers of columns and threads, as long as the
 rows are a multiple of `MIN_ROWS` (other counts may take other kernels for some rows: matrix-vector, small-matrix,
 or a thread's remainder). So in fp32 every row takes part in one matmul per `K_CHUNK`-wide slice of the reduction,
@@ -23,9 +23,11 @@ from rollout.invariant.reductions import on_kernel_device
 ROW_TILE = 16
 K_CHUNK = 256
 # fp32 products have a multiple of this many rows (zero rows added): fewer take other kernels (matrix-vector,
-# small-matrix), and other counts are split among threads with a remainder that does (on an AMD EPYC with 16
-# threads, 17-19 and 25-27 rows summed otherwise; multiples of 16 up to 1,024 rows matched with 1 to 32 threads).
-MIN_ROWS = 16
+# small-matrix), and other counts are split among threads with a remainder that does (on an AMD EPYC, 1-3 rows with
+# one thread, 5-7 and 9-11 with two, 17-19 and 25-27 with sixteen summed otherwise). Multiples of 4 from 4 to 1,024
+# rows gave one thread's bits with 1 to 32 threads there, for the linears' products and the attention's; 16 rows, the
+# bound before, cost a decode step's attention (2 real rows of a key head's 2 query heads) 4 times the work.
+MIN_ROWS = 4
 
 
 def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -39,10 +41,10 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return invariant_matmul(rows, weight)
     transposed = weight.t()
     if rows.dtype == torch.float32:
-        padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % MIN_ROWS))  # a whole number of MIN_ROWS
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % MIN_ROWS)) if count % MIN_ROWS else rows
         out = torch.mm(padded[:, :K_CHUNK], transposed[:K_CHUNK])
         for start in range(K_CHUNK, features, K_CHUNK):
-            out = out + torch.mm(padded[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK])
+            out.add_(torch.mm(padded[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK]))
         return out[:count]
     padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % ROW_TILE))
     tiles = [torch.mm(padded[first : first + ROW_TILE], transposed) for first in range(0, padded.shape[0], ROW_TILE)]
