@@ -31,6 +31,7 @@ from rollout.engine.warmup import warm_up
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
 from rollout.engine.weights.weight_updates import WeightUpdates
 from rollout.generation_config import resolve as resolve_generation_config
+from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.reductions import on_kernel_device
 from rollout.transformers_configs import engine_config
 
@@ -50,8 +51,9 @@ class Engine:
                 unset come from `model.generation_config`, then from transformers' global defaults, as in `generate`.
             tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         Raises:
-            FieldError: a model the engine cannot serve or a setting it cannot honour (named), or a KV cache that
-                does not fit the device's free memory ("num_blocks").
+            FieldError: a model the engine cannot serve or a setting it cannot honour (named; "batch_invariant" on a
+                CPU whose matmuls are not row-invariant for the model's shapes), or a KV cache that does not fit
+                the device's free memory ("num_blocks").
         """
         defaults = resolve_generation_config(generation_config, getattr(model, "generation_config", None))
         self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
@@ -60,6 +62,8 @@ class Engine:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
         parameter = next(model.parameters())
+        if self.config.batch_invariant and not on_kernel_device(parameter):  # before anything is allocated
+            check_cpu_products(model)
         shape = KVCacheShape.from_model_config(model.config)
         num_blocks = resolve_num_blocks(self.config, shape, parameter.dtype, parameter.device, self.max_model_len)
         # The invariant CPU attention reads one KV head's keys at a time (the Triton kernels read blocks as stored).

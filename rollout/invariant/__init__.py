@@ -12,5 +12,7 @@ through it:
 - `attention.py`: "rollout_invariant" attention, keys split into fixed blocks counted from each row's first unmasked
   token, the softmax's sums taken block by block in order (on the CPU: `cpu_attention.py`; on a GPU:
   `triton_attention.py`);
+- `cpu_check.py`: on the CPU, the products above run on this machine with the model's shapes and the process's
+  thread count before anything relies on them (a mismatch is refused by name);
 - `mode.py`: `batch_invariant(model)`, the context manager that turns them on for one model.
 """

@@ -36,6 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rollout.invariant.attention import register_invariant_attention
+from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction, on_kernel_device
@@ -160,10 +161,14 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Raises:
         ValueError: the model has no `config` with an attention implementation to switch, or checkpoints its layers
             with reentrant gradient checkpointing.
+        RowInvarianceError: (a ValueError) on a CPU whose matmuls are not row-invariant for the model's shapes with
+            this process's thread count (`cpu_check.py`).
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
+    if not on_kernel_device(next(model.parameters())):  # once per shape and thread count: a mismatch is refused here
+        check_cpu_products(model)
     need = mode_need_of(model)
     checkpointing = _checkpointing_with_the_mode(model, need)
     previous = config._attn_implementation

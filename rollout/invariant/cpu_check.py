@@ -1,0 +1,133 @@
+"""`check_cpu_products(model)`: what the CPU's batch-invariance rests on, checked on this machine before it is relied
+upon.
+
+On the CPU the invariant linears and attention issue torch matmuls laid out so that MKL computes a row's bits the
+same way whatever the number of rows and threads (`matmul.py`, `cpu_attention.py`). That is a property of the
+library's kernels on a given processor, measured, not promised: one machine's MKL took other kernels for 1 to 3
+rows, another's also for 17-19 rows with sixteen threads. So, once per process for each shape and thread count,
+the model's own shapes are run here: a linear's first rows alone against the same rows among `REFERENCE_ROWS`
+computed with one thread, and the last queries of a prefill attended alone against the whole prefill, for the row
+counts a step issues. A mismatch raises `RowInvarianceError` naming the product, the rows and the thread count,
+instead of log-probs that silently differ from the trainer's by a few ulps.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from rollout.invariant.cpu_attention import attend_in_torch
+from rollout.invariant.matmul import tiled_matmul
+from rollout.validation import FieldError
+
+REFERENCE_ROWS = 96
+# Row counts checked against the reference, padded to 4, 8, 12, 20, 28, 36 and 60 rows: few rows, and counts a split
+# among threads leaves remainders of (the measured failures of the 3-row and 16-row bounds were of these kinds).
+CHECKED_ROWS = (1, 5, 12, 17, 27, 36, 60)
+PREFILL_QUERIES = 80  # the attention's reference prefill; its last 1 to CHECKED_QUERIES queries are attended alone
+CHECKED_QUERIES = 9
+_THREADS_LOCK = threading.Lock()  # the reference products flip the process's thread count to one
+
+
+class RowInvarianceError(FieldError):
+    """This machine's matmuls are not row-invariant for a product the batch-invariant mode issues: the setting
+    `batch_invariant` cannot be honoured here."""
+
+    def __init__(self, reason: str):
+        super().__init__("batch_invariant", reason)
+
+
+def check_cpu_products(model: torch.nn.Module) -> None:
+    """Check, with this process's thread count, that the batch-invariant CPU products of `model`'s shapes give each
+    row the bits it gets among other rows with one thread (module docstring). Each shape is checked once per
+    process and thread count.
+
+    Args:
+        model: the model a batch-invariant forward will run (its linears' shapes and dtypes, its attention's heads).
+    Raises:
+        RowInvarianceError: a product whose rows differ, named with the rows and the thread count.
+    """
+    threads = torch.get_num_threads()
+    shapes = {(m.out_features, m.in_features, m.weight.dtype) for m in model.modules() if _plain_linear(m)}
+    for out_features, in_features, dtype in sorted(shapes, key=str):
+        _raise(_linear_mismatch(out_features, in_features, dtype, threads))
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    if heads:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _raise(_attention_mismatch(heads, kv_heads, head_dim, threads))
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
+
+
+def _raise(mismatch: str | None) -> None:
+    if mismatch is not None:
+        raise RowInvarianceError(
+            f"on this CPU {mismatch}, so log-probs would not equal the trainer's bit for bit; "
+            "another torch.set_num_threads count may hold (or run the mode on a GPU)"
+        )
+
+
+def _rows(count: int, one: str = "row", many: str = "rows") -> str:
+    return f"{count} {one if count == 1 else many}"
+
+
+def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
+    """`compute()` with one intra-op thread (the thread count restored after)."""
+    with _THREADS_LOCK:
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return compute()
+        finally:
+            torch.set_num_threads(before)
+
+
+@functools.cache
+def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> str | None:
+    """How a linear's rows alone differ from the same rows among REFERENCE_ROWS with one thread (None: they don't)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    rows = torch.randn(REFERENCE_ROWS, in_features, generator=generator).to(dtype)
+    with torch.no_grad():
+        whole = _one_thread(lambda: tiled_matmul(rows, weight))
+        for count in CHECKED_ROWS:
+            alone = tiled_matmul(rows[:count], weight)
+            if not torch.equal(alone, whole[:count]):
+                difference = (alone.float() - whole[:count].float()).abs().max().item()
+                return (
+                    f"a {dtype} linear of {in_features} -> {out_features} features computed {_rows(count)} alone "
+                    f"with {threads} threads otherwise than among {REFERENCE_ROWS} rows with one (max |difference| "
+                    f"{difference:.3g})"
+                )
+    return None
+
+
+@functools.cache
+def _attention_mismatch(heads: int, kv_heads: int, head_dim: int, threads: int) -> str | None:
+    """How a prefill's last queries attended alone differ from the whole prefill with one thread (None: they
+    don't)."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, heads, PREFILL_QUERIES, head_dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, PREFILL_QUERIES, head_dim, generator=generator) for _ in range(2))
+    positions = torch.arange(PREFILL_QUERIES)
+    causal = (positions[None, :] <= positions[:, None])[None, None]
+    scaling = head_dim**-0.5
+    with torch.no_grad():
+        whole = _one_thread(lambda: attend_in_torch(query, key, value, causal, None, scaling))
+        for last in range(1, CHECKED_QUERIES + 1):
+            alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, scaling)
+            if not torch.equal(alone, whole[:, :, -last:]):
+                difference = (alone - whole[:, :, -last:]).abs().max().item()
+                return (
+                    f"the attention ({heads} heads, {kv_heads} key heads of {head_dim}) computed the last "
+                    f"{_rows(last, 'query', 'queries')} of a prefill alone with {threads} threads otherwise than the "
+                    f"whole prefill with one (max |difference| {difference:.3g})"
+                )
+    return None

@@ -1,0 +1,57 @@
+"""`check_cpu_products`: before a batch-invariant engine or trainer forward relies on this machine's matmuls being
+row-invariant, the model's own shapes are run here against one thread's bits; a BLAS that computes some rows
+otherwise is refused by name ("batch_invariant"), and nothing is left held. The failing BLAS is the real one told to
+issue products of any row count (`MIN_ROWS` 1): MKL takes a matrix-vector kernel for a single row, which sums in
+another order (measured on an Intel and an AMD machine: 1e-5 off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_engine, tiny_model
+from rollout import FieldError
+from rollout.invariant import cpu_check, matmul
+from rollout.invariant.cpu_check import RowInvarianceError, check_cpu_products
+from trainer_bridge import batch_invariant
+
+
+@pytest.fixture
+def fresh_checks():
+    """Every shape checked anew, the thread count and the row bound restored after."""
+    threads = torch.get_num_threads()
+    cpu_check._linear_mismatch.cache_clear()
+    cpu_check._attention_mismatch.cache_clear()
+    yield
+    torch.set_num_threads(threads)
+    cpu_check._linear_mismatch.cache_clear()
+    cpu_check._attention_mismatch.cache_clear()
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 16])
+def test_the_tiny_models_products_are_row_invariant_here(fresh_checks, num_threads):
+    torch.set_num_threads(num_threads)
+    check_cpu_products(tiny_model())
+    assert torch.get_num_threads() == num_threads  # the one-thread reference gave the count back
+
+
+def test_a_product_of_single_rows_is_refused_naming_the_linear_and_the_threads(fresh_checks, monkeypatch):
+    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    torch.set_num_threads(2)
+    with pytest.raises(RowInvarianceError, match=r"linear of \d+ -> \d+ features computed 1 row alone with 2 threads"):
+        check_cpu_products(tiny_model())
+
+
+def test_an_engine_and_a_trainer_forward_refuse_the_mode_where_it_cannot_hold(fresh_checks, monkeypatch):
+    model = tiny_model()
+    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    with pytest.raises(FieldError) as refused:
+        make_engine(model, batch_invariant=True)
+    assert refused.value.field == "batch_invariant" and "bit for bit" in refused.value.reason
+    with pytest.raises(RowInvarianceError), batch_invariant(model):
+        pass
+    assert model.config._attn_implementation != "rollout_invariant"  # the block never took the model
+    monkeypatch.setattr(matmul, "MIN_ROWS", 4)
+    cpu_check._linear_mismatch.cache_clear()
+    engine = make_engine(model, batch_invariant=True)  # the same model, served once the products hold
+    engine.close()
