@@ -11,8 +11,8 @@ import torch
 
 from conftest import make_engine, tiny_model
 from rollout import FieldError
-from rollout.invariant import cpu_check, matmul
-from rollout.invariant.cpu_check import RowInvarianceError, check_cpu_products
+from rollout.invariant import matmul
+from rollout.invariant.cpu_check import RowInvarianceError, check_cpu_products, clear_checks
 from trainer_bridge import batch_invariant
 
 
@@ -20,12 +20,10 @@ from trainer_bridge import batch_invariant
 def fresh_checks():
     """Every shape checked anew, the thread count and the row bound restored after."""
     threads = torch.get_num_threads()
-    cpu_check._linear_mismatch.cache_clear()
-    cpu_check._attention_mismatch.cache_clear()
+    clear_checks()
     yield
     torch.set_num_threads(threads)
-    cpu_check._linear_mismatch.cache_clear()
-    cpu_check._attention_mismatch.cache_clear()
+    clear_checks()
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 16])
@@ -52,6 +50,6 @@ def test_an_engine_and_a_trainer_forward_refuse_the_mode_where_it_cannot_hold(fr
         pass
     assert model.config._attn_implementation != "rollout_invariant"  # the block never took the model
     monkeypatch.setattr(matmul, "MIN_ROWS", 4)
-    cpu_check._linear_mismatch.cache_clear()
+    clear_checks()
     engine = make_engine(model, batch_invariant=True)  # the same model, served once the products hold
     engine.close()
