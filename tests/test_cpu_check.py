@@ -53,3 +53,19 @@ def test_an_engine_and_a_trainer_forward_refuse_the_mode_where_it_cannot_hold(fr
     clear_checks()
     engine = make_engine(model, batch_invariant=True)  # the same model, served once the products hold
     engine.close()
+
+
+def test_the_check_is_the_same_under_autocast_and_on_zero_weights(fresh_checks, monkeypatch):
+    """What is checked is what runs (fp32 products, autocast off), on random weights of each shape: a model whose
+    weights are zeros (a fresh LoRA B sums alike in any order) or a first check inside autocast decides nothing."""
+    model = tiny_model()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        check_cpu_products(model)  # passes inside autocast
+    check_cpu_products(model)  # and outside, from the same cache
+    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    clear_checks()
+    with pytest.raises(RowInvarianceError, match="1 row alone"), torch.autocast("cpu", dtype=torch.bfloat16):
+        check_cpu_products(model)

@@ -49,6 +49,9 @@ def attend_in_torch(
     with `scaling` given). Keys and values laid out key head first underneath ((B, Hkv, L, D) views of (Hkv, B, L, D)
     tensors, as `paged._gather_heads` gives them) are read where they are when `start` is None and L a whole number
     of key blocks."""
+    if torch.is_autocast_enabled(query.device.type):  # every product in fp32, as the engine computes them
+        with torch.autocast(query.device.type, enabled=False):
+            return attend_in_torch(query, key, value, allowed, start, scaling, softcap)
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]

@@ -5,9 +5,9 @@ On the CPU the invariant linears and attention issue torch matmuls laid out so t
 same way whatever the number of rows and threads (`matmul.py`, `cpu_attention.py`). That is a property of the
 library's kernels on a given processor, measured, not promised: one machine's MKL took other kernels for 1 to 3
 rows, another's also for 17-19 rows with sixteen threads. So, once per process for each shape and thread count,
-the model's own shapes are run here: a linear's first rows alone against the same rows among `REFERENCE_ROWS`
-computed with one thread, and the last queries of a prefill attended alone against the whole prefill, for the row
-counts a step issues. A mismatch raises `RowInvarianceError` naming the product, the rows and the thread count,
+the model's shapes are run here: a linear's first rows alone (`CHECKED_ROWS`) against the same rows among
+`REFERENCE_ROWS` computed with one thread, and the last 1 to `CHECKED_QUERIES` queries of a prefill attended alone
+against the whole prefill. A mismatch raises `RowInvarianceError` naming the product, the rows and the thread count,
 instead of log-probs that silently differ from the trainer's by a few ulps.
 """
 
@@ -27,8 +27,8 @@ REFERENCE_ROWS = 96
 CHECKED_ROWS = (1, 5, 12, 17, 27, 36, 60)
 PREFILL_QUERIES = 80  # the attention's reference prefill; its last 1 to CHECKED_QUERIES queries are attended alone
 CHECKED_QUERIES = 9
-# A vocabulary-wide head is checked on its first rows only (its products' columns are split among threads alike):
-# 16,384 of 151,936 take 0.2 s here instead of 4.
+# A vocabulary-wide head is checked on this many output features (its products' columns are split among threads
+# alike): 16,384 of 151,936 take 0.2 s here instead of 4.
 MAX_CHECKED_FEATURES = 16384
 _THREADS_LOCK = threading.Lock()  # the reference products flip the process's thread count to one
 _CHECKED: dict[tuple, str | None] = {}  # (shape..., threads) -> the mismatch found, None for none
@@ -44,32 +44,38 @@ class RowInvarianceError(FieldError):
 
 def check_cpu_products(model: torch.nn.Module) -> None:
     """Check, with this process's thread count, that the batch-invariant CPU products of `model`'s shapes give each
-    row the bits it gets among other rows with one thread (module docstring). Each shape is checked once per
-    process and thread count, with the model's own weights (at most `MAX_CHECKED_FEATURES` output features of one).
+    row the bits it gets among other rows with one thread (module docstring): each `nn.Linear`'s in its dtype (the
+    output head also in fp32, as `fp32_logits` computes it), on seeded random weights of its shape (at most
+    `MAX_CHECKED_FEATURES` output features), and the attention's. Once per process, shape and thread count; autocast
+    off, as the products it checks run.
 
     Args:
-        model: the model a batch-invariant forward will run (its linears' weights, its attention's heads).
+        model: the model a batch-invariant forward will run (its linears' shapes and dtypes, its attention's heads).
     Raises:
         RowInvarianceError: a product whose rows differ, named with the rows and the thread count.
     """
     threads = torch.get_num_threads()
-    for module in model.modules():
-        if _plain_linear(module):
-            weight = module.weight.detach()[:MAX_CHECKED_FEATURES]
-            key = (module.out_features, module.in_features, weight.dtype, threads)
-            if key not in _CHECKED:
-                _CHECKED[key] = _linear_mismatch(weight, module.out_features, threads)
-            _raise(_CHECKED[key])
+    shapes = {(m.out_features, m.in_features, m.weight.dtype) for m in model.modules() if _plain_linear(m)}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if _plain_linear(head):
+        shapes.add((head.out_features, head.in_features, torch.float32))
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
-    if heads:
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        key = ("attention", heads, kv_heads, head_dim, threads)
-        if key not in _CHECKED:
-            _CHECKED[key] = _attention_mismatch(heads, kv_heads, head_dim, threads)
-        _raise(_CHECKED[key])
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        for out_features, in_features, dtype in sorted(shapes, key=str):
+            key = (out_features, in_features, dtype, threads)
+            if key not in _CHECKED:
+                _CHECKED[key] = _linear_mismatch(out_features, in_features, dtype, threads)
+            _raise(_CHECKED[key])
+        if heads:
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            key = ("attention", heads, kv_heads, head_dim, threads)
+            if key not in _CHECKED:
+                _CHECKED[key] = _attention_mismatch(heads, kv_heads, head_dim, threads)
+            _raise(_CHECKED[key])
 
 
 def clear_checks() -> None:
@@ -95,7 +101,8 @@ def _rows(count: int, one: str = "row", many: str = "rows") -> str:
 
 
 def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
-    """`compute()` with one intra-op thread (the thread count restored after)."""
+    """`compute()` with one intra-op thread (the thread count restored after). The count is the process's: a thread
+    that first runs a torch operation meanwhile starts with one thread (slower, never other bits)."""
     with _THREADS_LOCK:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -105,22 +112,22 @@ def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
             torch.set_num_threads(before)
 
 
-def _linear_mismatch(weight: torch.Tensor, out_features: int, threads: int) -> str | None:
-    """How rows alone times `weight` differ from the same rows among REFERENCE_ROWS with one thread (None: they
-    don't)."""
-    in_features, dtype = weight.shape[1], weight.dtype
-    rows = torch.randn(REFERENCE_ROWS, in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
-    with torch.no_grad():
-        whole = _one_thread(lambda: tiled_matmul(rows, weight))
-        for count in CHECKED_ROWS:
-            alone = tiled_matmul(rows[:count], weight)
-            if not torch.equal(alone.nan_to_num(), whole[:count].nan_to_num()):  # the model's own weights
-                difference = (alone.float() - whole[:count].float()).abs().max().item()
-                return (
-                    f"a {dtype} linear of {in_features} -> {out_features} features computed {_rows(count)} alone "
-                    f"with {threads} threads otherwise than among {REFERENCE_ROWS} rows with one (max |difference| "
-                    f"{difference:.3g})"
-                )
+def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> str | None:
+    """How a linear's rows alone differ from the same rows among REFERENCE_ROWS with one thread (None: they don't).
+    Seeded random weights: a model's own may be zeros (a fresh LoRA B), which any order sums alike."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(min(out_features, MAX_CHECKED_FEATURES), in_features, generator=generator).to(dtype)
+    rows = torch.randn(REFERENCE_ROWS, in_features, generator=generator).to(dtype)
+    whole = _one_thread(lambda: tiled_matmul(rows, weight))
+    for count in CHECKED_ROWS:
+        alone = tiled_matmul(rows[:count], weight)
+        if not torch.equal(alone, whole[:count]):
+            difference = (alone.float() - whole[:count].float()).abs().max().item()
+            return (
+                f"a {dtype} linear of {in_features} -> {out_features} features computed {_rows(count)} alone with "
+                f"{threads} threads otherwise than among {REFERENCE_ROWS} rows with one (max |difference| "
+                f"{difference:.3g})"
+            )
     return None
 
 
@@ -133,15 +140,14 @@ def _attention_mismatch(heads: int, kv_heads: int, head_dim: int, threads: int) 
     positions = torch.arange(PREFILL_QUERIES)
     causal = (positions[None, :] <= positions[:, None])[None, None]
     scaling = head_dim**-0.5
-    with torch.no_grad():
-        whole = _one_thread(lambda: attend_in_torch(query, key, value, causal, None, scaling))
-        for last in range(1, CHECKED_QUERIES + 1):
-            alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, scaling)
-            if not torch.equal(alone, whole[:, :, -last:]):
-                difference = (alone - whole[:, :, -last:]).abs().max().item()
-                return (
-                    f"the attention ({heads} heads, {kv_heads} key heads of {head_dim}) computed the last "
-                    f"{_rows(last, 'query', 'queries')} of a prefill alone with {threads} threads otherwise than the "
-                    f"whole prefill with one (max |difference| {difference:.3g})"
-                )
+    whole = _one_thread(lambda: attend_in_torch(query, key, value, causal, None, scaling))
+    for last in range(1, CHECKED_QUERIES + 1):
+        alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, scaling)
+        if not torch.equal(alone, whole[:, :, -last:]):
+            difference = (alone - whole[:, :, -last:]).abs().max().item()
+            return (
+                f"the attention ({heads} heads, {kv_heads} key heads of {head_dim}) computed the last "
+                f"{_rows(last, 'query', 'queries')} of a prefill alone with {threads} threads otherwise than the "
+                f"whole prefill with one (max |difference| {difference:.3g})"
+            )
     return None
