@@ -62,7 +62,7 @@ class Engine:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
         parameter = next(model.parameters())
-        if self.config.batch_invariant and parameter.device.type == "cpu" and not on_kernel_device(parameter):
+        if self.config.batch_invariant:  # on the CPU, before anything is allocated
             check_cpu_products(model)
         shape = KVCacheShape.from_model_config(model.config)
         num_blocks = resolve_num_blocks(self.config, shape, parameter.dtype, parameter.device, self.max_model_len)

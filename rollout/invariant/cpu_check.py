@@ -19,6 +19,7 @@ import torch
 
 from rollout.invariant.cpu_attention import attend_in_torch
 from rollout.invariant.matmul import tiled_matmul
+from rollout.invariant.reductions import on_kernel_device
 from rollout.validation import FieldError
 
 REFERENCE_ROWS = 96
@@ -47,13 +48,16 @@ def check_cpu_products(model: torch.nn.Module) -> None:
     row the bits it gets among other rows with one thread (module docstring): each `nn.Linear`'s in its dtype (the
     output head also in fp32, as `fp32_logits` computes it), on seeded random weights of its shape (at most
     `MAX_CHECKED_FEATURES` output features), and the attention's. Once per process, shape and thread count; autocast
-    off, as the products it checks run.
+    off, as the products it checks run. Nothing to check for a model off the CPU (or on the Triton kernels).
 
     Args:
         model: the model a batch-invariant forward will run (its linears' shapes and dtypes, its attention's heads).
     Raises:
         RowInvarianceError: a product whose rows differ, named with the rows and the thread count.
     """
+    sample = next(model.parameters(), None)
+    if sample is None or sample.device.type != "cpu" or on_kernel_device(sample):  # the Triton kernels' own promise
+        return
     threads = torch.get_num_threads()
     shapes = {(m.out_features, m.in_features, m.weight.dtype) for m in model.modules() if _plain_linear(m)}
     get_head = getattr(model, "get_output_embeddings", None)

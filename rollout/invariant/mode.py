@@ -167,9 +167,7 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
-    sample = next(model.parameters())
-    if sample.device.type == "cpu" and not on_kernel_device(sample):  # once per shape and thread count
-        check_cpu_products(model)
+    check_cpu_products(model)  # on the CPU, once per shape and thread count
     need = mode_need_of(model)
     checkpointing = _checkpointing_with_the_mode(model, need)
     previous = config._attn_implementation
