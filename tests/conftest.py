@@ -47,6 +47,7 @@ from fakes import FakeZero3  # noqa: E402
 from rollout.config import ContinuousBatchingConfig, SamplingParams  # noqa: E402
 from rollout.engine.engine import Engine
 from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.admission import GrowthReserve
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
 
@@ -220,6 +221,14 @@ def no_leaked_blocks(monkeypatch):
     yield engines
     for engine in engines:
         engine.block_manager.check_all_free()
+
+
+@pytest.fixture
+def unknown_lengths(monkeypatch):
+    """Admission as with lengths the scheduler cannot see (a real model's EOS): the growth ratio's estimate, which
+    admits more than a small cache holds, and preempts. For tests that need preemption: their requests all end at
+    max_new_tokens, and the scheduler would otherwise take it as their length and admit nothing it must preempt."""
+    monkeypatch.setattr(GrowthReserve, "lengths_known", property(lambda self: False))
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@ victim that loses the fewest tokens, and requests with the same prompt waiting f
 
 from __future__ import annotations
 
+import pytest
 from test_scheduler import TOKEN, prompt, sim
 
 from conftest import make_request
-from rollout.engine.scheduling.admission import GrowthReserve, cheapest_victim
+from rollout.engine.scheduling.admission import GrowthReserve, cheapest_victim, lifetime, peak_growth
 from rollout.engine.scheduling.block_manager import BlockManager
 
 
@@ -18,7 +19,7 @@ def test_growth_ratio_decays_with_turnover_and_rises_on_preemption():
     for _ in range(200):
         growth.step()
     assert 0.05 < growth.ratio < 0.5  # before any request finished, it decays over clip_tokens steps
-    growth.finished(40)
+    growth.finished(40, 1000)
     for _ in range(40):
         growth.step()
     assert growth.ratio == 0.05  # then over the mean finished length
@@ -27,6 +28,71 @@ def test_growth_ratio_decays_with_turnover_and_rises_on_preemption():
     growth.preempted()
     growth.preempted()
     assert growth.ratio == 1.0
+
+
+def test_lengths_count_as_known_while_half_the_recently_finished_requests_used_all_of_max_new_tokens():
+    growth = GrowthReserve(block_size=4)
+    assert not growth.lengths_known  # nothing finished yet
+    growth.finished(30, 100)  # a stop token
+    assert not growth.lengths_known
+    growth.finished(100, 100)
+    assert growth.lengths_known
+    growth.finished(12, 100)
+    assert not growth.lengths_known
+    for _ in range(growth.recent_window // 2):  # the last 64 decide: the first two fall out of the window
+        growth.finished(100, 100)
+        growth.finished(7, 100)
+    assert growth.lengths_known
+    growth.finished(7, 100)
+    assert not growth.lengths_known
+
+
+@pytest.mark.parametrize("max_batch_tokens", [512, 40])
+def test_peak_growth_bounds_the_blocks_the_block_manager_hands_out(max_batch_tokens):
+    """Requests of known lengths (a group of 3 forked from one leader shares its prompt's blocks) run to their
+    max_new_tokens on the real block manager, admitting no more: the most blocks they take beyond those held at the
+    snapshot is at most `peak_growth`, and no more than one block per sequence above it (its rounding). With a
+    40-token budget, some prompts are still being computed in chunks at the snapshot."""
+    lengths = [3, 40, 17, 64, 9, 33, 25, 50]
+    requests = [make_request(f"r{i}", prompt(6 + 5 * i, 100 * i), max_new_tokens=n) for i, n in enumerate(lengths)]
+    requests.append(make_request("g", prompt(13, 900), max_new_tokens=30, n=3))
+    s = sim(*requests, num_blocks=512, block_size=4, max_batch_tokens=max_batch_tokens, max_num_seqs=64)
+    manager = s.scheduler.block_manager
+    s.step()
+    s.scheduler.pause_admission()  # only the running requests from here on
+    running = list(s.scheduler.running)
+    lifetimes = [lifetime(r, manager.ref_counts, manager.block_size) for r in running]
+    if max_batch_tokens == 512:  # every prompt computed, the group forked
+        assert len(running) == len(requests) + 2 and not any(life[3] for life in lifetimes)
+    else:
+        assert 0 < len(running) < len(requests) and any(life[3] for life in lifetimes)
+    peak = peak_growth(lifetimes, manager.block_size)
+    free_at_snapshot, least_free = manager.num_free_blocks, manager.num_free_blocks
+    while any(not r.is_finished for r in running):
+        s.step()
+        least_free = min(least_free, manager.num_free_blocks)
+    taken = free_at_snapshot - least_free
+    assert 0 < taken <= peak <= taken + sum(life[1] for life in lifetimes)
+
+
+def test_known_lengths_run_without_a_preemption_where_the_growth_ratio_preempts(request):
+    """Every request ends at its max_new_tokens, in a cache a third the size of their sum: once the first ones end
+    so, the reserve is the exact future peak, and none is preempted; the ratio estimate alone (patched in) admits
+    more than fits and preempts."""
+
+    def run() -> tuple[int, dict]:
+        lengths = [5, 90, 12, 60, 8, 120, 30, 75, 10, 45, 100, 20, 66, 15, 80, 40]
+        requests = [make_request(f"r{i}", prompt(6, 20 * i), max_new_tokens=n) for i, n in enumerate(lengths)]
+        s = sim(*requests, num_blocks=70, block_size=4, max_batch_tokens=64, max_num_seqs=16)
+        outputs = s.drain(max_steps=5000)
+        assert all(outputs[r.request_id].num_output_tokens == r.max_new_tokens for r in requests)
+        return s.scheduler.num_preemptions, outputs
+
+    preemptions, _ = run()
+    assert preemptions == 0
+    request.getfixturevalue("unknown_lengths")
+    ratio_preemptions, _ = run()
+    assert ratio_preemptions > 0
 
 
 def test_victim_is_the_request_that_loses_fewest_tokens():

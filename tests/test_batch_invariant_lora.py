@@ -70,7 +70,7 @@ def largest_gap(trainer: torch.nn.Module, samples) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_adapters_in_a_mixed_batch_equal_peft_under_the_trainers_mode_bit_for_bit(dtype):
+def test_adapters_in_a_mixed_batch_equal_peft_under_the_trainers_mode_bit_for_bit(dtype, unknown_lengths):
     base, model = peft_pair(dtype)
     engine = make_engine(copy.deepcopy(base), batch_invariant=True, num_blocks=40, block_size=4, max_batch_tokens=12)
     # A base request first: the engine learns that the base model's forwards need no torch-function mode, so the

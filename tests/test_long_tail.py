@@ -174,15 +174,13 @@ def test_device_cuda_without_a_gpu_says_so(capsys):
         cli.main(["long-tail", "--model", "tiny", "--device", "cuda"])
 
 
-def test_known_lengths_recompute_at_most_a_tenth_on_average_at_30_percent_of_the_demand():
+def test_known_lengths_recompute_at_most_a_tenth_at_30_percent_of_the_demand():
     """Each sample's max_new_tokens is its length (the scheduler sees it): 16 groups x 4, lognormal lengths with
-    median 150, the cache at 30% of peak demand. Recomputed tokens, over seeds 0-3: at most 10% of those generated
-    on average (the stubbed forward's samples: 2.2%, 11.6%, 4.2% and 3.4%)."""
+    median 150, the cache at 30% of peak demand, so requests queue. Recomputed tokens are at most 10% of those
+    generated for every seed 0-7 (with the growth ratio alone: 2.2%, 11.6%, 4.2%, 3.4%, 9.5%, 0, 0, 4.7%)."""
     shape = Shape(num_prompts=16, n=4, median_tokens=150, max_tokens=1200, prompt_tokens=(20, 200))
-    ratios = []
-    for seed in range(4):
+    for seed in range(8):
         prompts, lengths = make_workload(shape, seed=seed, vocab=STUB_VOCAB - 1)
         summary = measure(prompts, lengths, cache_fraction=0.3, known_lengths=True, seed=seed, progress=False)
-        assert summary["finished"] and summary["samples_off_length"] == 0 and summary["preemptions"] > 0
-        ratios.append(summary["recompute_ratio"])
-    assert sum(ratios) / len(ratios) <= 0.10
+        assert summary["finished"] and summary["samples_off_length"] == 0 and summary["queued_steps"] > 0
+        assert summary["recompute_ratio"] <= 0.10, (seed, summary["recompute_ratio"])

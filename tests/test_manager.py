@@ -7,6 +7,7 @@ block leaked."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -323,12 +324,16 @@ def test_is_running_and_join():
 
 
 def test_warmup_before_start_leaves_cache_free():
-    """warmup() runs before start, frees every block and leaves results unaffected; after start it is refused."""
+    """warmup() runs before start, frees every block, leaves admission's statistics and results unaffected; after
+    start it is refused."""
     model = tiny_model()
     reference = reference_copy(model)
     manager = new_manager(model)
+    before = copy.deepcopy(vars(manager.engine.scheduler.admission.growth))
     manager.warmup()
     manager.engine.block_manager.check_all_free()
+    # admission learned nothing from it (a request ending at its max_new_tokens would say lengths are known)
+    assert vars(manager.engine.scheduler.admission.growth) == before
     assert manager.get_result(timeout=0.05) is None  # the warm-up output is not delivered
     with manager:
         with pytest.raises(RuntimeError):

@@ -232,7 +232,7 @@ def test_validation_names_the_field():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_groups_and_preemption_score_each_prompt_once(qwen3, monkeypatch, overlap):
+def test_groups_and_preemption_score_each_prompt_once(qwen3, monkeypatch, overlap, unknown_lengths):
     """Groups of n = 2 in a cache too small for them all, with a small token budget: samples are preempted and
     recomputed, some in the middle of their prompt. Each prompt is scored once (its leader's forward, shared by its
     forked sample), no position is lost or repeated, and every sample's values equal the teacher-forced ones."""

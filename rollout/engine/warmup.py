@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -29,7 +30,7 @@ class WarmableEngine(Protocol):
 def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
     (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
-    forgotten and the token and step counters are restored. Call it while the engine is idle.
+    forgotten, and the token and step counters and what admission learned from finished requests are restored. Call it while the engine is idle.
 
     Args:
         num_tokens: length of the warm-up prompt.
@@ -40,6 +41,7 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
         raise RuntimeError("warmup() of a closed engine: build a new one")
     engine.runner.capture_graphs()  # largest bucket first, so the smaller ones reuse its memory
     counters = replace(engine.counters)
+    growth = copy.deepcopy(engine.scheduler.admission.growth)  # what admission learns from finished requests
     sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
     num_tokens = min(num_tokens, engine.max_model_len - 2)  # a short context must not refuse its own warm-up
     if num_tokens > 0:
@@ -51,5 +53,6 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
         engine.scheduler.drafter.forget([0] * num_tokens)
     # The warm-up is not served work: statistics start from where they were.
     engine.counters.restore(counters)
+    engine.scheduler.admission.growth = growth  # a 2-token request at its max_new_tokens would say lengths are known
     engine.block_manager.num_prefix_tokens_hit = engine.block_manager.num_prefix_tokens_queried = 0
     engine.warmed_up = True
