@@ -227,7 +227,7 @@ def no_leaked_blocks(monkeypatch):
 def unknown_lengths(monkeypatch):
     """Admission as with lengths the scheduler cannot see (a real model's EOS): the growth ratio's estimate, which
     admits more than a small cache holds, and preempts. For tests that need preemption: their requests all end at
-    max_new_tokens, and the scheduler would otherwise take it as their length and admit nothing it must preempt."""
+    max_new_tokens, and the scheduler would otherwise take it as their length and admit only what fits."""
     monkeypatch.setattr(GrowthReserve, "lengths_known", property(lambda self: False))
 
 

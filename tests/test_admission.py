@@ -4,11 +4,13 @@ victim that loses the fewest tokens, and requests with the same prompt waiting f
 from __future__ import annotations
 
 import pytest
-from test_scheduler import TOKEN, prompt, sim
+from test_scheduler import TOKEN, Sim, prompt, sim
 
-from conftest import make_request
-from rollout.engine.scheduling.admission import GrowthReserve, cheapest_victim, lifetime, peak_growth
+from conftest import make_request, make_scheduler
+from rollout.engine.scheduling.admission import GrowthReserve, cheapest_victim
+from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.future_peak import lifetime, peak_growth
 
 
 def test_growth_ratio_decays_with_turnover_and_rises_on_preemption():
@@ -45,6 +47,20 @@ def test_lengths_count_as_known_while_half_the_recently_finished_requests_used_a
     assert growth.lengths_known
     growth.finished(7, 100)
     assert not growth.lengths_known
+    for _ in range(growth.recent_window):  # a probe (one token) says nothing
+        growth.finished(1, 1)
+    assert not growth.lengths_known
+
+
+def test_the_ratio_starts_again_when_lengths_stop_being_known():
+    growth = GrowthReserve(block_size=4, initial_ratio=0.5, floor_ratio=0.05)
+    growth.finished(100, 100)
+    for _ in range(1000):
+        growth.step()
+    assert growth.lengths_known and growth.ratio == 0.05  # the ratio decayed, unused
+    growth.finished(10, 100)
+    growth.finished(10, 100)
+    assert not growth.lengths_known and growth.ratio == 0.5
 
 
 @pytest.mark.parametrize("max_batch_tokens", [512, 40])
@@ -63,16 +79,73 @@ def test_peak_growth_bounds_the_blocks_the_block_manager_hands_out(max_batch_tok
     running = list(s.scheduler.running)
     lifetimes = [lifetime(r, manager.ref_counts, manager.block_size) for r in running]
     if max_batch_tokens == 512:  # every prompt computed, the group forked
-        assert len(running) == len(requests) + 2 and not any(life[3] for life in lifetimes)
+        assert len(running) == len(requests) + 2 and all(life.growing for life in lifetimes)
     else:
-        assert 0 < len(running) < len(requests) and any(life[3] for life in lifetimes)
+        assert 0 < len(running) < len(requests) and not all(life.growing for life in lifetimes)
     peak = peak_growth(lifetimes, manager.block_size)
     free_at_snapshot, least_free = manager.num_free_blocks, manager.num_free_blocks
     while any(not r.is_finished for r in running):
         s.step()
         least_free = min(least_free, manager.num_free_blocks)
     taken = free_at_snapshot - least_free
-    assert 0 < taken <= peak <= taken + sum(life[1] for life in lifetimes)
+    assert 0 < taken <= peak <= taken + 2 * len(running)
+
+
+def known_lengths(s) -> None:
+    """Admission as after 64 requests that each ended at its max_new_tokens."""
+    for _ in range(s.scheduler.admission.growth.recent_window):
+        s.scheduler.admission.growth.finished(100, 100)
+
+
+def test_known_lengths_admit_nothing_they_would_preempt_for():
+    """Cases a future peak that ignored them got wrong (each preempted): a request reusing through the prefix cache
+    blocks that a running request would free when it ends; a long prompt computed in chunks after its admission; a
+    group's forked samples that have yet to copy the partial block they share; a running prompt computed a few tokens
+    a step (prefill_first) while others decode."""
+
+    def prefix_reuse():
+        s = sim(
+            make_request("a", prompt(24, 100), max_new_tokens=2),
+            make_request("b", prompt(3, 500), max_new_tokens=20),
+            num_blocks=16,
+            block_size=4,
+            max_batch_tokens=512,
+        )
+        known_lengths(s)
+        s.step()
+        s.scheduler.add(make_request("c", prompt(24, 100) + [999], max_new_tokens=20))  # a's prompt, one more token
+        return s
+
+    def chunked_prompt():
+        requests = [make_request(f"d{i}", prompt(100, 1000 * i), max_new_tokens=300) for i in range(8)]
+        s = sim(*requests, num_blocks=500, block_size=16, max_batch_tokens=2048, max_num_seqs=256)
+        known_lengths(s)
+        for _ in range(100):
+            s.step()
+        s.scheduler.add(make_request("long", prompt(6000, 50_000), max_new_tokens=200))
+        return s
+
+    def forked_group():
+        group = make_request("g", prompt(2, 100), max_new_tokens=16, n=8)
+        s = sim(group, make_request("r", prompt(25, 900), max_new_tokens=45), num_blocks=48, block_size=4)
+        known_lengths(s)
+        return s
+
+    def prompt_in_small_chunks():
+        d = make_request("d", prompt(3, 100), max_new_tokens=54)
+        q = make_request("q", prompt(55, 5000), max_new_tokens=6)
+        s = sim(d, q, num_blocks=40, block_size=4, max_batch_tokens=3, policy="prefill_first")
+        known_lengths(s)
+        s.step()
+        s.step()
+        s.scheduler.add(make_request("c", prompt(2, 7000), max_new_tokens=56))
+        return s
+
+    for case in (prefix_reuse, chunked_prompt, forked_group, prompt_in_small_chunks):
+        s = case()
+        outputs = s.drain(max_steps=5000)
+        assert all(r.num_output_tokens == r.max_new_tokens for r in outputs.values()), case.__name__
+        assert s.scheduler.num_preemptions == 0, case.__name__
 
 
 def test_known_lengths_run_without_a_preemption_where_the_growth_ratio_preempts(request):
@@ -93,6 +166,53 @@ def test_known_lengths_run_without_a_preemption_where_the_growth_ratio_preempts(
     request.getfixturevalue("unknown_lengths")
     ratio_preemptions, _ = run()
     assert ratio_preemptions > 0
+
+
+class RightDrafter:
+    """Proposes 4 tokens for request "j" in thin steps; the fake sampler draws them all (every draft accepted)."""
+
+    def speculates(self, num_decodes: int) -> bool:
+        return num_decodes <= 8
+
+    def propose(self, request, limit: int) -> tuple[int, ...]:
+        return (TOKEN,) * min(4, limit) if request.request_id == "j" else ()
+
+
+def run_with_drafts(scheduler) -> int:
+    """Steps the scheduler to the end as the engine does with a drafter (no model: every token is TOKEN, so every
+    draft stands, verified one position at a time as `verify.accept_drafts` does); returns the steps taken."""
+    steps = 0
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        steps += 1
+        scheduler.advance(batch, 0)
+        scheduler.resolve(batch, [TOKEN] * len(batch.samples))
+        live, position = [(seq.request, seq.draft) for seq in batch.sequences if seq.draft], 0
+        while live := [(r, d) for r, d in live if position < len(d) and not r.is_finished]:
+            position += 1
+            check = ScheduledBatch()
+            for row, (request, _) in enumerate(live):
+                check.sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
+                check.logits_sequences.append(row)
+                check.samples.append((request, row))
+            scheduler.advance(check, 0)
+            scheduler.resolve(check, [TOKEN] * len(live))
+        assert steps < 1000
+    return steps
+
+
+def test_drafts_take_no_block_the_running_requests_are_known_to_grow_into():
+    """A sample whose drafts are all accepted grows up to 5 tokens a step, faster than the future peak's one: its
+    drafts may not take the blocks another request's growth was counted on, so nothing is preempted, and it still
+    drafts where blocks are spare (fewer steps than one token a step)."""
+    s = make_scheduler(num_blocks=40, block_size=4, max_batch_tokens=64)
+    known_lengths(Sim(s))
+    s.drafter = RightDrafter()
+    s.add(make_request("i", prompt(60, 100), max_new_tokens=20))
+    s.add(make_request("j", prompt(3, 500), max_new_tokens=100))
+    steps = run_with_drafts(s)
+    assert s.num_preemptions == 0 and steps < 100
+    s.block_manager.check_all_free()
 
 
 def test_victim_is_the_request_that_loses_fewest_tokens():

@@ -423,11 +423,9 @@ def test_swap_in_and_swap_out_in_one_step_use_distinct_cpu_blocks():
 
 def test_readmitted_request_is_not_the_next_victim():
     """r1 is preempted once (r2 is already in that step) and re-admitted behind r2; at the next shortage, caused by
-    r2's decode, r2 is the victim (it loses fewer tokens than r1 and arrived later), not r1 again. (r0 ends on a
-    stop token: a request ending at its max_new_tokens would make the scheduler take lengths as known, and it then
-    admits nothing it would have to preempt.)"""
+    r2's decode, r2 is the victim (it loses fewer tokens than r1 and arrived later), not r1 again."""
     requests = [
-        make_request("r0", prompt(7), max_new_tokens=2, stop_token_ids=(TOKEN,)),
+        make_request("r0", prompt(7), max_new_tokens=1),
         make_request("r1", prompt(8, 50), max_new_tokens=3),
         make_request("r2", prompt(1, 80), max_new_tokens=5),
     ]

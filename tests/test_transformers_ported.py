@@ -395,7 +395,7 @@ def test_streaming_output_after_soft_reset_does_not_shorten_generation():
     model = cb(load_model("qwen3"))
     reference = load_model("qwen3")
     # short prompts: all four start together and outgrow the cache before any ends (once requests end at their
-    # max_new_tokens, the scheduler takes it as their length and admits nothing it would have to preempt)
+    # max_new_tokens, the scheduler takes it as their length and admits only what fits)
     prompts = make_prompts(4, 3, 4, seed=3)
     config = ContinuousBatchingConfig(num_blocks=12, **{PAGE_SIZE: 4}, allow_block_sharing=False)
     with model.continuous_batching_context_manager(

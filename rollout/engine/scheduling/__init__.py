@@ -3,5 +3,6 @@
 - `scheduler.py`: the token-budget scheduler: its queues, and a step's results;
 - `step_builder.py`: one step's `ScheduledBatch` (`batch.py`), filled from the queues phase by phase;
 - `admission.py`: which requests to admit, and which to preempt, under memory pressure;
+- `future_peak.py`: with known lengths, the most blocks the running requests will hold at once;
 - `block_manager.py`: ref-counted KV blocks with chained prefix hashes and copy-on-write.
 """

@@ -13,11 +13,13 @@ same samples recomputed many times). These rules stop that:
   a preemption raises it back to at least `initial_ratio` (doubling it, up to 1), so admission turns careful exactly
   when the cache ran short and bold again as requests turn over.
 - Known lengths: while at least half of the last 64 requests to finish used all of their max_new_tokens (the trainer
-  sends each sample's length, or truncation is the rule), max_new_tokens is taken as each request's length and the
-  reserve is the exact future peak instead (`peak_growth`): the most blocks the requests will hold at once, each
-  growing to its max_new_tokens and freeing its own blocks when it ends, evaluated just before each one ends. That
-  admits as many as run without a preemption: the peak credits the blocks earlier finishers free, where a sum of
-  every request's remaining growth assumes they all end together (and keeps the running batch small).
+  sends each sample's length, or truncation is the rule; requests allowed a single token do not count),
+  max_new_tokens is taken as each request's length and the reserve is the future peak instead (`future_peak`): the
+  most blocks the requests will hold at once, each growing to its max_new_tokens and freeing its own blocks when it
+  ends. A request is then admitted only where no running request would have to be preempted for it; the peak
+  credits the blocks earlier finishers free, where a sum of every request's remaining growth assumes they all end
+  together (and keeps the running batch small). A worker whose requests change from capped to stopping early
+  under-admits until half of the last 64 stopped early.
 - Victim: the running request with the fewest generated tokens (the newest among ties) is preempted, not simply the
   newest arrival: what it loses (its tokens not held by the prefix cache) is the least, and a readmitted request,
   which keeps its output, is not taken again before fresher ones.
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
+from rollout.engine.scheduling.future_peak import FuturePeak, leading_shared_blocks
 
 
 @dataclass
@@ -69,15 +72,23 @@ class GrowthReserve:
         return max(self.block_size, self.finished_tokens // self.num_finished)
 
     def finished(self, num_generated: int, max_new_tokens: int) -> None:
-        """A request ended with `num_generated` tokens (a stop, or all of its `max_new_tokens`)."""
+        """A request ended with `num_generated` tokens (a stop, or all of its `max_new_tokens`). One allowed a single
+        token (a probe, a scoring request) grows no KV and says nothing about lengths: it does not count for
+        `lengths_known`. When lengths stop being known, the ratio (not used meanwhile)
+        starts again from at least `initial_ratio`."""
         self.num_finished += 1
         self.finished_tokens += num_generated
+        if max_new_tokens <= 1:
+            return
+        known = self.lengths_known
         self.recent_at_length.append(num_generated >= max_new_tokens)
+        if known and not self.lengths_known:
+            self.ratio = max(self.ratio, self.initial_ratio)
 
     @property
     def lengths_known(self) -> bool:
-        """True while at least half of the last `recent_window` requests to finish used all of their max_new_tokens:
-        it is then taken as each request's length (`peak_growth`)."""
+        """True while at least half of the last `recent_window` requests to finish (those allowed more than one
+        token) used all of their max_new_tokens: it is then taken as each request's length (`future_peak`)."""
         recent = self.recent_at_length
         return bool(recent) and 2 * sum(recent) >= len(recent)
 
@@ -101,65 +112,6 @@ class GrowthReserve:
         return sum(self.blocks(request) for request in requests)
 
 
-def leading_shared_blocks(request: Request, ref_counts: list[int]) -> int:
-    """How many of a request's blocks another request holds too: blocks are shared (a cached prefix, a group's
-    prompt, a fork's leader) only from its first block on, so the count stops at the first block it holds alone.
-
-    Args:
-        request: a running request.
-        ref_counts: the block manager's ref count per device block.
-    """
-    shared = 0
-    for block in request.block_ids:
-        if ref_counts[block] <= 1:
-            break
-        shared += 1
-    return shared
-
-
-Lifetime = tuple[int, int, int, int]  # `lifetime`: (tokens left, sequences, blocks held alone, blocks pending)
-
-
-def lifetime(request: Request, ref_counts: list[int], block_size: int) -> Lifetime:
-    """What `peak_growth` needs of a running request: the tokens it may still generate, its sequences (a group
-    leader that has not forked yet counts once per sample), the blocks it holds alone now, which it frees when it
-    ends (its leading blocks shared with its group stay; the last of the group holds them alone), and the blocks its
-    prompt's uncomputed chunks will take.
-
-    Args:
-        request: a running request.
-        ref_counts: the block manager's ref count per device block.
-        block_size: tokens per block.
-    """
-    num_tokens = len(request.token_ids)
-    own = len(request.block_ids) - leading_shared_blocks(request, ref_counts)
-    pending = max(0, cdiv(num_tokens - 1, block_size) - len(request.block_ids))  # 0 once it decodes
-    left = max(0, request.max_new_tokens - (num_tokens - request.num_prompt_tokens))
-    return left, 1 + request.num_forks, own, pending
-
-
-def peak_growth(lifetimes: list[Lifetime], block_size: int) -> int:
-    """Most blocks, beyond those they hold now, that requests will hold at once if each generates until its
-    max_new_tokens and then frees its own blocks: the demand is highest just before one of them ends, so it is
-    evaluated at each one's end, longest first, in O(n log n). t tokens from now, each running request has taken
-    its pending blocks and each of its sequences at most cdiv(t, block_size) more (a fork one more: it copies its
-    leader's partial last block), and each ended one has given back the blocks it held alone.
-
-    Args:
-        lifetimes: a `lifetime` per request.
-        block_size: tokens per block.
-    """
-    ordered = sorted(lifetimes, reverse=True)
-    freed_by_ended = sum(life[2] for life in ordered)
-    peak = active_sequences = active_extra = 0
-    for left, sequences, own, pending in ordered:  # at `left` tokens from now, requests with fewer to go have ended
-        active_sequences += sequences
-        active_extra += sequences - 1 + pending
-        freed_by_ended -= own
-        peak = max(peak, active_sequences * cdiv(left, block_size) + active_extra - freed_by_ended)
-    return peak
-
-
 class AdmissionGate:
     """The scheduler's admission rules, with what they sum over the running requests kept for one step."""
 
@@ -176,14 +128,16 @@ class AdmissionGate:
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
         self._step_sequences: int | None = None  # sequences of the running requests, their unforked samples included
-        self._step_lifetimes: list[Lifetime] | None = None  # the running requests' `lifetime`s (known lengths)
+        self._future_peak: FuturePeak | None = None  # the running requests' lifetimes (known lengths)
 
     def new_step(self) -> None:
         """Forget the per-step sums (the running set changed) and let the growth ratio decay."""
         self.growth.step()
-        self._step_growth = self._prefilling = self._step_sequences = self._step_lifetimes = None
+        self._step_growth = self._prefilling = self._step_sequences = self._future_peak = None
 
-    def admits(self, request: Request, blocks: int, running: list[Request]) -> bool:
+    def admits(
+        self, request: Request, blocks: int, running: list[Request], chunk_end: int, prefix_blocks: list[int]
+    ) -> bool:
         """True when `request` may take `blocks` blocks now and still leave its own and the running requests'
         expected growth free (at least 1% of the cache; nothing while none runs, so an empty cache always admits),
         and the running requests with their samples (a leader still computing its prompt counts once per sample it
@@ -196,6 +150,8 @@ class AdmissionGate:
             request: the candidate (new, preempted or swapped out).
             blocks: the blocks its admission takes now.
             running: the running requests.
+            chunk_end: where its computed tokens end after this step (its later chunks come after).
+            prefix_blocks: the blocks it takes from the prefix cache.
         """
         manager = self.block_manager
         if not manager.can_allocate(blocks):
@@ -209,15 +165,10 @@ class AdmissionGate:
             return False
         least = max(1, manager.num_blocks // 100)
         if self.growth.lengths_known:
-            if self._step_lifetimes is None:
-                self._step_lifetimes = [lifetime(r, manager.ref_counts, manager.block_size) for r in running]
-            # it holds none yet (it takes `blocks` now); its prompt's later chunks count once it runs
-            own_life = (*lifetime(request, manager.ref_counts, manager.block_size)[:2], 0, 0)
-            if not manager.can_allocate(
-                blocks + max(least, peak_growth([*self._step_lifetimes, own_life], manager.block_size))
-            ):
+            if self._future_peak is None:
+                self._future_peak = FuturePeak(manager, running)
+            if not self._future_peak.admits(request, blocks, chunk_end, prefix_blocks, least):
                 return False
-            self._step_lifetimes.append(own_life)
         else:
             if self._step_growth is None:
                 self._step_growth = self.growth.total(running)
@@ -227,6 +178,20 @@ class AdmissionGate:
             self._step_growth += own
         self._step_sequences += sequences
         return True
+
+    def known_growth(self, running: list[Request]) -> int:
+        """The blocks the running requests are known to grow into (with known lengths; 0 otherwise): a draft may
+        take blocks ahead of its need only beyond them, since a sample whose drafts are accepted grows faster than
+        the future peak's one token a step.
+
+        Args:
+            running: the running requests.
+        """
+        if not self.growth.lengths_known:
+            return 0
+        if self._future_peak is None:
+            self._future_peak = FuturePeak(self.block_manager, running)
+        return self._future_peak.reserve()
 
     def waits_for_shared_prefill(self, request: Request, num_cached_blocks: int, running: list[Request]) -> bool:
         """True when a running request is computing, and has not yet offered to the prefix cache, the first block

@@ -150,7 +150,8 @@ class StepBuilder:
             needed = len(request.swap_block_ids) + max(
                 0, cdiv(request.num_computed_tokens + num_new, manager.block_size) - len(request.swap_block_ids)
             )
-            if not scheduler.admission.admits(request, needed + reserve, scheduler.running):
+            chunk_end = request.num_computed_tokens + num_new
+            if not scheduler.admission.admits(request, needed + reserve, scheduler.running, chunk_end, []):
                 return
             swapped.popleft()
             batch.swap_in += manager.swap_in(request)
@@ -192,7 +193,8 @@ class StepBuilder:
             num_new = min(request.num_tokens - num_computed, self.budget)
             needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
             needed += manager.num_free_in(prefix_blocks)
-            if not admission.admits(request, needed + reserve, scheduler.running):
+            chunk_end = num_computed + num_new
+            if not admission.admits(request, needed + reserve, scheduler.running, chunk_end, prefix_blocks):
                 return
             admission.admitted(request)
             scheduler.waiting.remove(request)
@@ -215,14 +217,18 @@ class StepBuilder:
 
     def _add_drafted(self, drafter: Drafter, request: Request, reserved: int) -> bool:
         """Schedule a decode with the draft tokens the drafter proposes for it, when it proposes some and their
-        blocks are free (a draft never preempts anything, nor takes the budget of the `reserved` decodes still to
-        schedule); False: schedule it as a plain decode."""
+        blocks are free (a draft never preempts anything, takes no block the running requests are known to grow into,
+        nor the budget of the `reserved` decodes still to schedule); False: schedule it as a plain decode."""
         if request.num_forks or request.kv_version_min is None or request.has_placeholder:
             return False
         limit = min(self.budget - 1 - reserved, request.max_new_tokens - request.num_output_tokens - 1)
         draft = drafter.propose(request, limit) if limit > 0 else ()
-        manager = self.scheduler.block_manager
-        if not draft or not manager.can_allocate(manager.blocks_needed(request, 1 + len(draft))):
+        if not draft:
+            return False
+        scheduler = self.scheduler
+        manager = scheduler.block_manager
+        needed = manager.blocks_needed(request, 1 + len(draft))
+        if needed and not manager.can_allocate(needed + scheduler.admission.known_growth(scheduler.running)):
             return False
         self._add(request, 1 + len(draft), draft)
         self.budget -= 1 + len(draft)
