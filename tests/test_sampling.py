@@ -363,7 +363,7 @@ COMPANIONS = {
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind):
+def test_seed_reproduces_alone_in_mixed_batch_and_under_preemption(kind, unknown_lengths):
     """A seeded request samples the same tokens (and log-probs) run alone, inside a batch of different requests
     (other prompts, lengths, settings, a group), and in a tiny cache that forces chunked prefill and preemption
     (recompute, and swap to CPU)."""
