@@ -101,7 +101,8 @@ def test_known_lengths_admit_nothing_they_would_preempt_for():
     """Cases a future peak that ignored them got wrong (each preempted): a request reusing through the prefix cache
     blocks that a running request would free when it ends; a long prompt computed in chunks after its admission; a
     group's forked samples that have yet to copy the partial block they share; a running prompt computed a few tokens
-    a step (prefill_first) while others decode."""
+    a step (prefill_first) while others decode; a cached prefix chained through blocks of two requests (blocks held
+    alone that are not the last ones); more sequences than the token budget holds."""
 
     def prefix_reuse():
         s = sim(
@@ -141,7 +142,32 @@ def test_known_lengths_admit_nothing_they_would_preempt_for():
         s.scheduler.add(make_request("c", prompt(2, 7000), max_new_tokens=56))
         return s
 
-    for case in (prefix_reuse, chunked_prompt, forked_group, prompt_in_small_chunks):
+    def prefix_through_two_holders():  # c's cached prefix chains b's copy of a block and blocks of a's output
+        s = sim(num_blocks=43, block_size=4, max_batch_tokens=512)
+        known_lengths(s)
+        x = list(range(100, 112))
+        s.scheduler.add(make_request("a", [*x, 999], max_new_tokens=80))
+        s.step()
+        s.scheduler.add(make_request("b", x[:8], max_new_tokens=20))  # a prompt ending on a block boundary
+        for _ in range(15):
+            s.step()
+        s.scheduler.add(make_request("c", [*x[:8], TOKEN, TOKEN, TOKEN, TOKEN, 555], max_new_tokens=60))
+        s.step()
+        s.scheduler.add(make_request("d", prompt(2, 5000), max_new_tokens=44))
+        return s
+
+    def decodes_fill_the_budget():  # 5 sequences, a 4-token budget: a prompt would wait behind the decodes
+        requests = [
+            make_request("a", [1752], max_new_tokens=11),
+            make_request("b", [1284, 1127, 1188, 1872, 1816, 1716, 1762], max_new_tokens=18),
+            make_request("g", [1947], max_new_tokens=29, n=3),
+        ]
+        s = sim(*requests, num_blocks=28, block_size=4, max_batch_tokens=4, max_num_seqs=5, policy="prefill_first")
+        known_lengths(s)
+        return s
+
+    cases = (prefix_reuse, chunked_prompt, forked_group, prompt_in_small_chunks)
+    for case in (*cases, prefix_through_two_holders, decodes_fill_the_budget):
         s = case()
         outputs = s.drain(max_steps=5000)
         assert all(r.num_output_tokens == r.max_new_tokens for r in outputs.values()), case.__name__

@@ -16,10 +16,12 @@ same samples recomputed many times). These rules stop that:
   sends each sample's length, or truncation is the rule; requests allowed a single token do not count),
   max_new_tokens is taken as each request's length and the reserve is the future peak instead (`future_peak`): the
   most blocks the requests will hold at once, each growing to its max_new_tokens and freeing its own blocks when it
-  ends. A request is then admitted only where no running request would have to be preempted for it; the peak
-  credits the blocks earlier finishers free, where a sum of every request's remaining growth assumes they all end
-  together (and keeps the running batch small). A worker whose requests change from capped to stopping early
-  under-admits until half of the last 64 stopped early.
+  ends. A request is then admitted only where the running ones, each computing a token a step (no more sequences
+  run than the token budget holds), would not have to be preempted for it; the peak credits the blocks earlier
+  finishers free, where a sum of every request's remaining growth assumes they all end together (and keeps the
+  running batch small). The window is the last 64 (all of them before 64 finished: one capped request is enough),
+  so a worker whose requests change from capped to stopping early under-admits until more than half of the last 64
+  stopped early.
 - Victim: the running request with the fewest generated tokens (the newest among ties) is preempted, not simply the
   newest arrival: what it loses (its tokens not held by the prefix cache) is the least, and a readmitted request,
   which keeps its output, is not taken again before fresher ones.
@@ -115,15 +117,18 @@ class GrowthReserve:
 class AdmissionGate:
     """The scheduler's admission rules, with what they sum over the running requests kept for one step."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batch_tokens: int):
         """
         Args:
             block_manager: the KV block pool admissions allocate from.
             max_num_seqs: most sequences a step computes: no more are admitted to run (a running request beyond it
                 would hold KV without computing).
+            max_batch_tokens: the token budget of a step: while lengths are known, no more sequences run than it
+                holds, so that each computes at least a token a step (as the future peak assumes).
         """
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
         self.growth = GrowthReserve(block_manager.block_size)
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
@@ -160,11 +165,13 @@ class AdmissionGate:
             return True
         if self._step_sequences is None:
             self._step_sequences = sum(1 + r.num_forks for r in running)
-        sequences, room = 1 + request.num_forks, self.max_num_seqs - self._step_sequences
-        if room <= 0 or room < sequences <= self.max_num_seqs:
+        known = self.growth.lengths_known
+        most = min(self.max_num_seqs, self.max_batch_tokens) if known else self.max_num_seqs
+        sequences, room = 1 + request.num_forks, most - self._step_sequences
+        if room <= 0 or room < sequences <= most:
             return False
         least = max(1, manager.num_blocks // 100)
-        if self.growth.lengths_known:
+        if known:
             if self._future_peak is None:
                 self._future_peak = FuturePeak(manager, running)
             if not self._future_peak.admits(request, blocks, chunk_end, prefix_blocks, least):

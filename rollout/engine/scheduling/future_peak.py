@@ -11,9 +11,12 @@ sweep over the requests sorted by their ends. t tokens from now:
   later;
 - an ended request has given back the blocks it held alone. A candidate that reuses some of those blocks through the
   prefix cache keeps them held: they stay reserved (`FuturePeak.admits`).
-Blocks shared through the prefix cache or a fork are a request's leading ones (a block's holders also hold every block
-before it), so a request's ref counts never increase along its block table, and the blocks it holds alone are found
-by bisection.
+The blocks a request holds alone are counted one by one: shared blocks are mostly its leading ones, but not always (a
+prefix chained through blocks of two holders, a prompt ending on a block boundary computing its own copy of its last
+block). Its per-step cost is bounded by the blocks the running requests hold (a shared block once per holder).
+
+Each running request is assumed to compute at least one token a step: `AdmissionGate` keeps the running sequences
+within the token budget while lengths are known.
 """
 
 from __future__ import annotations
@@ -35,13 +38,19 @@ class Lifetime(NamedTuple):
 
 
 def leading_shared_blocks(request: Request, ref_counts: list[int]) -> int:
-    """How many of a request's blocks another request holds too (its leading ones: see the module docstring).
+    """How many of a request's blocks, from its first one on, another request holds too (a cached prefix, a
+    group's prompt, a fork's leader).
 
     Args:
         request: a request holding blocks.
         ref_counts: the block manager's ref count per device block.
     """
-    return bisect.bisect_left(request.block_ids, True, key=lambda block: ref_counts[block] <= 1)
+    shared = 0
+    for block in request.block_ids:
+        if ref_counts[block] <= 1:
+            break
+        shared += 1
+    return shared
 
 
 def lifetime(request: Request, ref_counts: list[int], block_size: int) -> Lifetime:
@@ -55,7 +64,7 @@ def lifetime(request: Request, ref_counts: list[int], block_size: int) -> Lifeti
     num_tokens, blocks = len(request.token_ids), request.block_ids
     left = max(0, request.max_new_tokens - (num_tokens - request.num_prompt_tokens))
     sequences = 1 + request.num_forks
-    own = len(blocks) - leading_shared_blocks(request, ref_counts)
+    own = list(map(ref_counts.__getitem__, blocks)).count(1)  # held alone (in C: a few ns a block)
     extra = sequences - 1  # each fork to come copies the partial block it shares
     computed = request.num_computed_tokens
     if (

@@ -58,7 +58,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.num_swaps = 0
-        self.admission = AdmissionGate(block_manager, max_num_seqs)
+        self.admission = AdmissionGate(block_manager, max_num_seqs, max_batch_tokens)
         # While False, only requests that already sampled tokens are (re)admitted (a "wait" weight update drains).
         self.admitting = True
         # Proposes draft tokens for thin decoding batches (speculative decoding); None: never.
