@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
-from rollout.engine.scheduling.future_peak import FuturePeak, leading_shared_blocks
+from rollout.engine.scheduling.future_peak import FuturePeak
 
 
 @dataclass
@@ -234,6 +234,22 @@ class AdmissionGate:
         """Count a request admitted by recompute among this step's prefilling requests."""
         if self._prefilling is not None:
             self._prefilling.append(request)
+
+
+def leading_shared_blocks(request: Request, ref_counts: list[int]) -> int:
+    """How many of a request's blocks, from its first one on, another request holds too (a cached prefix, a
+    group's prompt, a fork's leader).
+
+    Args:
+        request: a request holding blocks.
+        ref_counts: the block manager's ref count per device block.
+    """
+    shared = 0
+    for block in request.block_ids:
+        if ref_counts[block] <= 1:
+            break
+        shared += 1
+    return shared
 
 
 def cheapest_victim(

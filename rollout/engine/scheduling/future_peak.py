@@ -37,22 +37,6 @@ class Lifetime(NamedTuple):
     extra: int  # blocks it takes beyond that growth: copies of shared partial blocks, uncomputed chunks
 
 
-def leading_shared_blocks(request: Request, ref_counts: list[int]) -> int:
-    """How many of a request's blocks, from its first one on, another request holds too (a cached prefix, a
-    group's prompt, a fork's leader).
-
-    Args:
-        request: a request holding blocks.
-        ref_counts: the block manager's ref count per device block.
-    """
-    shared = 0
-    for block in request.block_ids:
-        if ref_counts[block] <= 1:
-            break
-        shared += 1
-    return shared
-
-
 def lifetime(request: Request, ref_counts: list[int], block_size: int) -> Lifetime:
     """A running request's `Lifetime`: its own blocks, and what it grows into until its max_new_tokens.
 
