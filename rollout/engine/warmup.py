@@ -30,7 +30,8 @@ class WarmableEngine(Protocol):
 def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     """Capture the decode CUDA graph of every batch bucket (when graphs are on), then run one short request
     (allocator, prefill kernels), so that no later step pays for them. Leaves no trace: its cached prefix is
-    forgotten, and the token and step counters and what admission learned from finished requests are restored. Call it while the engine is idle.
+    forgotten, and the token and step counters and what admission learned from finished requests are restored.
+    Call it while the engine is idle.
 
     Args:
         num_tokens: length of the warm-up prompt.
