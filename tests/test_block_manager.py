@@ -248,3 +248,67 @@ def test_swap_out_and_swap_in():
     manager.free(request)
     manager.free(second)
     manager.check_all_free()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_own_block_counts_stay_exact_through_random_operations(seed):
+    """`Request.num_own_blocks` (what admission with known lengths reads) equals the blocks with ref count 1 in the
+    request's table after every operation: prefix reuse of another's blocks, forks, copy-on-write of a shared partial
+    block, frees that leave a block to one holder, swapping out and in. Checked against the ref counts themselves."""
+    import random
+
+    rng = random.Random(seed)
+    manager = BlockManager(48, BS, num_swap_blocks=24)
+    live: list[Request] = []
+    swapped: list[Request] = []
+
+    def check() -> None:
+        for request in live:
+            alone = sum(manager.ref_counts[b] == 1 for b in request.block_ids)
+            assert request.num_own_blocks == alone, (request.request_id, request.num_own_blocks, alone)
+        assert all(r.num_own_blocks == 0 for r in swapped)
+
+    for step in range(600):
+        op = rng.random()
+        if op < 0.25 or not live:  # admit: prompts from a small vocabulary, so prefixes repeat
+            request = make_request(f"r{step}", [rng.randrange(2) for _ in range(rng.randint(1, 14))])
+            blocks, hashes = manager.match_prefix(request)
+            if not manager.can_allocate(manager.num_free_in(blocks) + len(request.token_ids) // BS + 1):
+                continue
+            manager.take_prefix(request, blocks, hashes)
+            manager.allocate(request, request.num_tokens - request.num_computed_tokens)
+            request.num_computed_tokens = request.num_tokens
+            manager.commit_hashes(request)
+            live.append(request)
+        elif op < 0.6:  # decode a token (a fork's first write copies the partial block it shares)
+            request = rng.choice(live)
+            request.token_ids.append(rng.randrange(2))
+            if not manager.can_allocate(manager.blocks_needed(request, 1)):
+                request.token_ids.pop()
+                continue
+            manager.allocate(request, 1)
+            request.num_computed_tokens += 1
+            manager.commit_hashes(request)
+        elif op < 0.72:
+            parent = rng.choice(live)
+            child = parent.fork(1, f"{parent.request_id}#{step}", arrival=step)
+            manager.fork(parent, child)
+            live.append(child)
+        elif op < 0.9:
+            request = live.pop(rng.randrange(len(live)))
+            manager.free(request)
+            assert request.num_own_blocks == 0
+        elif op < 0.95 and live:
+            request = rng.choice(live)
+            if manager.can_swap_out(request):
+                manager.swap_out(request)
+                live.remove(request)
+                swapped.append(request)
+        elif swapped and manager.can_allocate(len(swapped[0].swap_block_ids)):
+            request = swapped.pop(0)
+            manager.swap_in(request)
+            live.append(request)
+        check()
+    for request in live + swapped:
+        manager.free(request)
+    manager.check_all_free()

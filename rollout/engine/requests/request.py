@@ -61,6 +61,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Bumped by the block manager whenever block_ids changes, so the model runner can cache its tensor form.
     blocks_version: int = 0
+    # How many of block_ids it holds alone (ref count 1): the blocks its end gives back (kept by the block manager).
+    num_own_blocks: int = 0
     # CPU swap blocks holding this request's KV while SWAPPED.
     swap_block_ids: list[int] = field(default_factory=list)
     # Chained hash of each of this request's full, computed blocks, in order (prefix caching).

@@ -258,7 +258,7 @@ def cheapest_victim(
     """The preemption victim: among running requests this step neither computes nor samples (`scheduled` holds the
     ids of those it does), the one whose preemption loses the fewest computed tokens: its computed tokens beyond its
     leading blocks shared with another request (a GRPO group's prompt, which stays in the cache), then the fewest
-    generated tokens, then the newest arrival. A request whose blocks are all shared frees nothing: it comes last.
+    generated tokens, then the newest arrival. A request that holds no block alone frees nothing: it comes last.
 
     Args:
         running: the running requests.
@@ -272,7 +272,7 @@ def cheapest_victim(
             continue
         shared = leading_shared_blocks(request, ref_counts)
         lost = request.num_computed_tokens - shared * block_size
-        frees_nothing = shared == len(request.block_ids)
+        frees_nothing = not request.num_own_blocks  # every block it holds, another holds too
         key = (frees_nothing, lost, len(request.token_ids) - request.num_prompt_tokens, -request.arrival)
         if best_key is None or key < best_key:
             best, best_key = request, key

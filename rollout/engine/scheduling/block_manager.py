@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.block_holders import BlockHolders
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +50,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
+        self.holders = BlockHolders(num_blocks)  # keeps each request's num_own_blocks (blocks with ref count 1)
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}
@@ -112,12 +114,13 @@ class BlockManager:
         if self._needs_copy_on_write(request, start):
             index = start // self.block_size
             shared = request.block_ids[index]
-            private = self._take_free_block()
+            private = self._take_free_block(request)
             self.ref_counts[shared] -= 1  # > 0: another owner keeps it
+            self.holders.remove(shared, request, self.ref_counts[shared])
             request.block_ids[index] = private
             copies.append((shared, private))
         while len(request.block_ids) * self.block_size < start + num_new_tokens:
-            request.block_ids.append(self._take_free_block())
+            request.block_ids.append(self._take_free_block(request))
             if self.zero_new_blocks:
                 self._stale.append(request.block_ids[-1])
         if copies or len(request.block_ids) != num_blocks:  # the runner rebuilds its block table only then
@@ -130,6 +133,7 @@ class BlockManager:
         child.blocks_version += 1
         for block in child.block_ids:
             self.ref_counts[block] += 1
+            self.holders.add(block, child, self.ref_counts[block])
 
     def free(self, request: Request) -> None:
         """Release the request's device blocks and swap blocks. Tail blocks become reusable before head blocks,
@@ -139,17 +143,23 @@ class BlockManager:
         request.swap_block_ids = []
 
     def _release_device_blocks(self, request: Request) -> None:
+        ref_counts, sole = self.ref_counts, self.holders.sole
         for block in reversed(request.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
+            ref_counts[block] -= 1
+            if ref_counts[block] == 0:  # its own block (the common case, inlined: this loop runs for every block)
+                sole[block] = None
                 self.free_blocks[block] = None
                 if self._tainted and block in self._tainted:
                     self._tainted.discard(block)
                     self._stale.append(block)
+            else:
+                self.holders.remove(block, request, ref_counts[block])
+        request.num_own_blocks = 0  # each block was its own or shared; it holds none now
         request.block_ids = []
         request.blocks_version += 1
 
-    def _take_free_block(self) -> int:
+    def _take_free_block(self, request: Request) -> int:
+        """Hand the oldest free block to `request` (its hash, if cached, is forgotten)."""
         block, _ = self.free_blocks.popitem(last=False)
         old_hash = self.block_hash[block]
         if old_hash is not None:
@@ -157,6 +167,7 @@ class BlockManager:
                 del self.cached_blocks[old_hash]
             self.block_hash[block] = None
         self.ref_counts[block] = 1
+        self.holders.add(block, request, 1)
         return block
 
     # ---- prefix caching ---------------------------------------------------------------------------------------
@@ -210,6 +221,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
+            self.holders.add(block, request, self.ref_counts[block])
         request.block_ids = list(blocks)
         request.blocks_version += 1
         request.block_hashes = list(hashes)
@@ -285,7 +297,7 @@ class BlockManager:
         """Bring a swapped request's KV back into fresh device blocks. Returns (cpu block, device block) copies."""
         if not self.can_allocate(len(request.swap_block_ids)):
             raise RuntimeError(f"out of KV blocks to swap in request {request.request_id}")
-        device_blocks = [self._take_free_block() for _ in request.swap_block_ids]
+        device_blocks = [self._take_free_block(request) for _ in request.swap_block_ids]
         copies = list(zip(request.swap_block_ids, device_blocks))
         self.free_swap_blocks.extend(request.swap_block_ids)
         request.swap_block_ids = []
@@ -298,3 +310,4 @@ class BlockManager:
         leaked = [block for block, count in enumerate(self.ref_counts) if count != 0]
         assert not leaked and len(self.free_blocks) == self.num_blocks, f"leaked KV blocks: {leaked[:16]}"
         assert len(self.free_swap_blocks) == self.num_swap_blocks, "leaked swap blocks"
+        self.holders.check_empty()

@@ -11,9 +11,9 @@ sweep over the requests sorted by their ends. t tokens from now:
   later;
 - an ended request has given back the blocks it held alone. A candidate that reuses some of those blocks through the
   prefix cache keeps them held: they stay reserved (`FuturePeak.admits`).
-The blocks a request holds alone are counted one by one: shared blocks are mostly its leading ones, but not always (a
-prefix chained through blocks of two holders, a prompt ending on a block boundary computing its own copy of its last
-block). Its per-step cost is bounded by the blocks the running requests hold (a shared block once per holder).
+The blocks a request holds alone are not always its trailing ones (a prefix chained through blocks of two holders, a
+prompt ending on a block boundary computing its own copy of its last block): the block manager keeps their count on
+each request (`Request.num_own_blocks`, `block_holders`), so a step's peak costs O(running requests).
 
 Each running request is assumed to compute at least one token a step: `AdmissionGate` keeps the running sequences
 within the token budget while lengths are known.
@@ -48,7 +48,7 @@ def lifetime(request: Request, ref_counts: list[int], block_size: int) -> Lifeti
     num_tokens, blocks = len(request.token_ids), request.block_ids
     left = max(0, request.max_new_tokens - (num_tokens - request.num_prompt_tokens))
     sequences = 1 + request.num_forks
-    own = list(map(ref_counts.__getitem__, blocks)).count(1)  # held alone (in C: a few ns a block)
+    own = request.num_own_blocks  # held alone, kept up to date by the block manager
     extra = sequences - 1  # each fork to come copies the partial block it shares
     computed = request.num_computed_tokens
     if (
