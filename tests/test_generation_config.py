@@ -205,3 +205,31 @@ def test_a_sample_with_every_token_banned_ends_with_an_error_not_a_token(overlap
     assert exhausted.finish_reason == "error" and len(exhausted.generated_tokens) == 256 - len(set(prompts[1]))
     assert len(set(exhausted.generated_tokens)) == len(exhausted.generated_tokens)
     assert untouched.generated_tokens == reference_greedy(reference, prompts[1], max_new_tokens=300)
+
+
+def test_a_requests_private_sampling_copy_is_checked_again_only_when_a_field_was_set_since(monkeypatch):
+    """The intake's private copy (`SamplingParams.with_defaults`) takes the generation config's stop tokens and
+    max_new_tokens where the request leaves them None; a caller's later change reaches neither the copy nor, unchecked,
+    a new request; a copy of settings checked and untouched since is not checked again (a maximal one costs ms)."""
+    defaults = SamplingParams(max_new_tokens=7, stop_token_ids=(3,))
+    mine = SamplingParams(temperature=0.5, bad_words_ids=[[1, 2]], stop=["ab"])
+    checks = []
+    post_init = SamplingParams.__post_init__
+    monkeypatch.setattr(SamplingParams, "__post_init__", lambda self: (checks.append(1), post_init(self)))
+
+    private = mine.with_defaults(defaults)
+    assert checks == [] and private is not mine
+    assert (private.max_new_tokens, private.stop_token_ids, private.bad_words_ids) == (7, (3,), ((1, 2),))
+    assert mine.max_new_tokens is None and mine.stop_token_ids is None  # the caller's object is left as it was
+
+    mine.temperature = -1.0  # changed after its check: the next copy checks it again and names the field
+    with pytest.raises(FieldError, match="temperature"):
+        mine.with_defaults(defaults)
+    assert checks == [1] and private.temperature == 0.5  # the copy made before is not reached
+    mine.temperature = 0.25
+    assert mine.with_defaults(defaults).temperature == 0.25 and checks == [1, 1]
+    assert mine.with_defaults(defaults).temperature == 0.25 and checks == [1, 1, 1]  # still set since its last check
+
+    scoring_defaults = SamplingParams(max_new_tokens=0, prompt_logprobs=1)  # 0 is valid only beside prompt_logprobs
+    with pytest.raises(FieldError, match="max_new_tokens"):
+        SamplingParams().with_defaults(scoring_defaults)

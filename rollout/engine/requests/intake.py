@@ -4,7 +4,6 @@ mutable state, so any thread may prepare a request; the engine thread queues it 
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import random
 import time
@@ -243,15 +242,10 @@ class RequestIntake:
         """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
         tokens and max_new_tokens taken from the generation config where it leaves them None."""
         if sampling is None:
-            return dataclasses.replace(self.default_sampling)
+            sampling = self.default_sampling
         if not isinstance(sampling, SamplingParams):
             raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
-        fill: dict[str, Any] = {}
-        if sampling.stop_token_ids is None:
-            fill["stop_token_ids"] = self.default_sampling.stop_token_ids
-        if sampling.max_new_tokens is None:
-            fill["max_new_tokens"] = self.default_sampling.max_new_tokens
-        return dataclasses.replace(sampling, **fill)
+        return sampling.with_defaults(self.default_sampling)
 
     def with_fields(
         self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
