@@ -191,3 +191,54 @@ def test_a_refused_message_still_names_its_ids():
             [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "generate", "group_id": "g7", "prompt_ids": "x"})]
         )
     assert (error.value.field, error.value.group_id, error.value.update_id) == ("prompt_ids", "g7", None)
+
+
+@pytest.mark.parametrize("message", [m for m in EXAMPLES if isinstance(m, p.ClientMessage)], ids=lambda m: m.TYPE)
+def test_a_glance_finds_the_type_and_ids_that_decoding_finds(message):
+    """What a worker reads of a header before deciding to decode it (a role's refusal, a message cut for its size):
+    the type and ids of every request the codec writes, the same as the full decode's."""
+    from rollout.protocol.header_glance import glance
+
+    seen = glance(p.encode(message)[0])
+    assert seen.get("type") == message.TYPE
+    assert seen.get("group_id") == getattr(message, "group_id", None)
+    assert seen.get("update_id") == getattr(message, "update_id", None)
+
+
+def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of_each_key():
+    """A weights_begin naming 20,000 tensors (7 MB): the glance reads its first chunk only. A header with a second
+    "type" (msgpack maps may repeat keys; decoding keeps the last) shows the glance its first: the worker checks the
+    decoded type's role again. What is no msgpack map, or is cut short, gives what was found before."""
+    from rollout.protocol import header_glance
+
+    tensors = [p.TensorSpec(f"model.layers.{i}.mlp.up_proj.weight", "bfloat16", [4096, 4096]) for i in range(20_000)]
+    header = p.encode(p.WeightsBegin("u9", tensors))[0]
+    assert len(header) > 1_000_000
+    read = []
+    reader = header_glance._Reader
+
+    class CountingReader(reader):
+        def read(self, size: int) -> bytes:
+            chunk = super().read(size)
+            read.append(len(chunk))
+            return chunk
+
+    header_glance._Reader = CountingReader
+    try:
+        assert header_glance.glance(header) == {"type": "weights_begin", "update_id": "u9"}
+    finally:
+        header_glance._Reader = reader
+    assert sum(read) <= 3 * header_glance._GLANCE_LIMIT
+
+    packer = msgpack.Packer()
+    twice = b"".join(
+        [packer.pack_map_header(4), packer.pack("protocol"), packer.pack(p.PROTOCOL_VERSION)]
+        + [packer.pack("type"), packer.pack("ping"), packer.pack("update_id"), packer.pack("u1")]
+        + [packer.pack("type"), packer.pack("weights_commit")]
+    )
+    assert header_glance.glance(twice) == {"type": "ping", "update_id": "u1"}
+    assert p.decode([twice]).TYPE == "weights_commit"
+    assert header_glance.glance(b"\x93\x01\x02\x03") == {} and header_glance.glance(b"") == {}
+    assert header_glance.glance(header[:60]) == {"type": "weights_begin", "update_id": "u9"}
+    assert header_glance.glance(header[:35]) == {"type": "weights_begin"}
+    assert header_glance.glance(header[:12]) == {}

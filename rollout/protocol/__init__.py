@@ -6,6 +6,8 @@ adds and strips the client's identity frame). Frame 0 of every message is a msgp
 
     {"protocol": 2, "type": "<message type>", <the message's fields>}
 
+The codec writes "protocol" and "type" first and each message's id field (group_id or update_id) next: a worker
+reads them alone (`header_glance`) to refuse a message its sender's role may not send before decoding it.
 Frames after the header carry raw tensor bytes (weight updates only), described by the header, never pickled.
 Decoding checks the protocol version, the type, and every field's presence and type; anything wrong raises
 `ProtocolError`, whose `field` names the culprit ("header" for undecodable bytes), and the worker answers with an

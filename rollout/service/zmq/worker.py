@@ -27,6 +27,7 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.header_glance import glance
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
@@ -205,18 +206,20 @@ class RolloutWorker:
                 self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
 
     def _refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
-        """Answer a message that had more frames or bytes than any may have (its header names its ids)."""
-        group_id = update_id = None
-        try:
-            message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
-            group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
-        except p.ProtocolError as error:
-            group_id, update_id = error.group_id, error.update_id
+        """Answer a message that had more frames or bytes than any may have (its header's first entries name its ids:
+        it is not decoded)."""
+        seen = glance(frames[0]) if frames else {}
+        group_id, update_id = seen.get("group_id"), seen.get("update_id")
         reply = p.Error("bad_request", reason, "frames", group_id, update_id)
         if not self._updates.on_malformed(identity, update_id, reply):
             self._send(identity, reply)
 
     def _receive(self, identity: bytes, frames: list) -> None:
+        if self._auth is not None and frames:  # a role's refusal costs no decode (a weights_begin may be 22 MB)
+            seen = glance(frames[0])
+            if "type" in seen and not self._auth.may(frame_property(frames[0], "User-Id"), seen["type"]):
+                self._refuse_role(identity, seen["type"], seen.get("group_id"), seen.get("update_id"))
+                return
         try:
             message = p.decode(frames, max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
             if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
@@ -227,9 +230,8 @@ class RolloutWorker:
                 self._send(identity, reply)
             return
         if self._auth is not None and not self._auth.may(frame_property(frames[0], "User-Id"), message.TYPE):
-            reason = f"{message.TYPE} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
             ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
-            self._send(identity, p.Error("unauthorized", reason, "type", *ids))
+            self._refuse_role(identity, message.TYPE, *ids)  # a header the glance could not read, or a second "type"
             return
         try:
             if isinstance(message, WEIGHT_MESSAGES):
@@ -242,6 +244,10 @@ class RolloutWorker:
             reply = p.Error("internal", f"{type(error).__name__}: {error}", None, group_id, update_id)
             if not self._updates.on_malformed(identity, update_id, reply):
                 self._send(identity, reply)
+
+    def _refuse_role(self, identity: bytes, kind: str, group_id: str | None, update_id: str | None) -> None:
+        reason = f"{kind} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
+        self._send(identity, p.Error("unauthorized", reason, "type", group_id, update_id))
 
     def _handle(self, identity: bytes, message: p.Message) -> None:
         if isinstance(message, p.Generate):
