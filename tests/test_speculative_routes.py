@@ -76,3 +76,52 @@ def test_drafted_samples_return_the_routes_of_the_forward_that_sampled_each_toke
         check_against_reference(reference, got)
     plain_engine.close()
     engine.close()
+
+
+def known_route_blocks(engine, prompt: list[int], generated: list[int]) -> int:
+    """How many leading full blocks of prompt + generated the prefix cache holds with their routes known."""
+    from rollout.engine.requests.request import Request
+
+    manager = engine.block_manager
+    tokens = list(prompt) + list(generated)
+    probe = Request("probe", "probe", 0, tokens, len(prompt), ROUTED, 8, frozenset(), seed=0, arrival=0)
+    known = 0
+    for block_hash in manager._token_block_hashes(probe, (len(probe.token_ids) - 1) // manager.block_size):
+        block = manager.cached_blocks.get(block_hash)
+        if block is None or not manager.routed.knows(block_hash, block):
+            break
+        known += 1
+    return known
+
+
+def test_a_sample_ending_inside_a_verification_leaves_its_blocks_routes_to_the_route_cache(repetitive_moe, every_draft):
+    """Blocks a verification's accepted drafts fill are offered to the route cache before the sample's end frees
+    them, as a plain decode's are: a continuation of the completion (the next turn) then reuses them whole. The second
+    round draws its drafts from the first's completions (the prefix cache is emptied between the rounds, so only the
+    second round's own blocks can be known); with these lengths one sample ends inside a verification."""
+    prompts = make_prompts(4, 9, 14, seed=21)
+    known = {}
+    for speculative in (None, "suffix"):
+        engine = make_engine(
+            copy.deepcopy(repetitive_moe),
+            num_blocks=200,
+            batch_invariant=True,
+            speculative=speculative,
+            speculative_disable_by_batch_size=32,
+        )
+        for round_index in range(2):
+            for index, prompt in enumerate(prompts):
+                sampling = ROUTED.merged(seed=index + 10 * round_index)
+                engine.add_request(f"r{round_index}g{index}", prompt, sampling, max_new_tokens=17)
+            outputs = run_to_completion(engine)
+            if round_index == 0:
+                engine.block_manager.reset_prefix_cache()
+        known[speculative] = {
+            key: known_route_blocks(engine, prompts[int(key[-1])], output.generated_tokens)
+            for key, output in outputs.items()
+        }
+        if speculative:
+            assert engine.scheduler.drafter.accepted_tokens >= 10, "drafts should be accepted"
+        engine.close()
+    assert known["suffix"] == known[None]
+    assert all(count >= 5 for count in known[None].values())

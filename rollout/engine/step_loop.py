@@ -207,6 +207,8 @@ class StepLoop:
             constrained = any(request.constraint is not None for request, _ in batch.samples)
             round_step = InFlightStep(batch, samples, step.policy_version, constrained=constrained, verifying=True)
             self._advance(round_step)
+            if step.routes is not None:  # blocks the round filled (their routes came with the step): offered before
+                step.routes.keep(batch, self.block_manager.cached_blocks)  # a sample's end frees them, as in a decode
             return self._resolve_tokens(round_step)
 
         return draw

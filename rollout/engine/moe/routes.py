@@ -89,6 +89,18 @@ class PendingRoutes:
             request.routes.write(position, host[row : row + count])
             self.cache.keep(request, cached_blocks)
 
+    def keep(self, batch: ScheduledBatch, cached_blocks: dict[int, int]) -> None:
+        """Offer the route cache the blocks of `batch`'s requests that filled since this step was delivered (a
+        drafted step's verification rounds: their routes came with the step, their hashes with each round).
+
+        Args:
+            batch: a round's batch (its requests are among this step's).
+            cached_blocks: the prefix cache's blocks by hash.
+        """
+        for seq in batch.sequences:
+            if seq.request.routes is not None:
+                self.cache.keep(seq.request, cached_blocks)
+
 
 class _RecordTap(Tap):
     """Copies one MoE layer's expert ids into the recorder's buffer."""
