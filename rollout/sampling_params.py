@@ -220,6 +220,12 @@ class SamplingParams:
         object.__setattr__(self, "_checked", False)  # set after the check: `with_defaults` checks it again
         object.__setattr__(self, name, value)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # An unpickled or copied object is checked again on its first use: the mark never travels in bytes.
+        state = dict(self.__dict__)
+        state.pop("_checked", None)
+        return state
+
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0 or do_sample=False)."""
@@ -242,8 +248,8 @@ class SamplingParams:
         checked = self.__dict__.get("_checked") and defaults.__dict__.get("_checked")
         if not checked or fill.get("max_new_tokens") == 0:  # 0 is valid only beside prompt_logprobs: check it
             return dataclasses.replace(self, **fill)
-        private = copy.copy(self)  # no __init__, no __setattr__: it stays checked
-        private.__dict__.update(fill)
+        private = copy.copy(self)  # no __init__, no __setattr__, no check
+        private.__dict__.update(fill, _checked=True)
         return private
 
     def merged(self, **overrides: Any) -> SamplingParams:

@@ -230,6 +230,11 @@ def test_a_requests_private_sampling_copy_is_checked_again_only_when_a_field_was
     assert mine.with_defaults(defaults).temperature == 0.25 and checks == [1, 1]
     assert mine.with_defaults(defaults).temperature == 0.25 and checks == [1, 1, 1]  # still set since its last check
 
+    import pickle
+
+    travelled = pickle.loads(pickle.dumps(SamplingParams(top_k=3)))  # bytes carry no mark: checked on first use
+    checks.clear()
+    assert travelled.with_defaults(defaults).top_k == 3 and checks == [1]
     scoring_defaults = SamplingParams(max_new_tokens=0, prompt_logprobs=1)  # 0 is valid only beside prompt_logprobs
     with pytest.raises(FieldError, match="max_new_tokens"):
         SamplingParams().with_defaults(scoring_defaults)
