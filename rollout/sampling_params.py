@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -198,7 +197,12 @@ class SamplingParams:
         _check(isinstance(self.do_sample, bool), "do_sample", "must be a bool", self.do_sample)
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
-        _check(self.logprob_mode in LOGPROB_MODES, "logprob_mode", f"must be one of {LOGPROB_MODES}", self.logprob_mode)
+        _check(
+            type(self.logprob_mode) is str and self.logprob_mode in LOGPROB_MODES,
+            "logprob_mode",
+            f"must be one of {LOGPROB_MODES}",
+            self.logprob_mode,
+        )
         _check(
             _is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 100,
             "top_logprobs",
@@ -240,16 +244,20 @@ class SamplingParams:
         Args:
             defaults: the settings the generation config gives.
         """
+        # One snapshot of each (a C-level copy under the interpreter lock): the mark and the values read together, so
+        # a field set by another thread meanwhile cannot slip into a copy marked checked.
+        state, given = dict(self.__dict__), dict(defaults.__dict__)
         fill: dict[str, Any] = {}
-        if self.stop_token_ids is None:
-            fill["stop_token_ids"] = defaults.stop_token_ids
-        if self.max_new_tokens is None:
-            fill["max_new_tokens"] = defaults.max_new_tokens
-        checked = self.__dict__.get("_checked") and defaults.__dict__.get("_checked")
+        if state["stop_token_ids"] is None:
+            fill["stop_token_ids"] = given["stop_token_ids"]
+        if state["max_new_tokens"] is None:
+            fill["max_new_tokens"] = given["max_new_tokens"]
+        checked = state.get("_checked") and given.get("_checked")
+        state.pop("_checked", None)
         if not checked or fill.get("max_new_tokens") == 0:  # 0 is valid only beside prompt_logprobs: check it
-            return dataclasses.replace(self, **fill)
-        private = copy.copy(self)  # no __init__, no __setattr__, no check
-        private.__dict__.update(fill, _checked=True)
+            return type(self)(**{**{name: state[name] for name in SAMPLING_FIELDS}, **fill})
+        private = object.__new__(type(self))  # no __init__, no __setattr__, no check
+        private.__dict__.update(state, **fill, _checked=True)
         return private
 
     def merged(self, **overrides: Any) -> SamplingParams:

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
+from rollout import protocol as p
 from rollout.presets import tiny_model
 from rollout.protocol.auth import keygen_main
 from rollout.service.launch import cli, startup
-from service_helpers import Worker, free_port
+from service_helpers import Client, Worker, free_port
 from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,6 +98,20 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
     with _client(worker, keys, "trainer", "trainers") as trainer:
         assert push_weights(trainer, changed).version == 1
         assert trainer.generate(prompt).completions[0].token_ids != before
+
+
+def test_a_refused_weight_message_names_its_update_whatever_its_id(worker, keys):
+    """The role's refusal comes from a glance at the header (no decode of a large one); an id too long for the glance
+    leaves the header to the decode, so the refusal still names the update (a client's reply channel is keyed by
+    it), and a 2-byte character counts as two."""
+    client = Client(worker.address, secure=(keys / "clients" / "client.key_secret", keys / "own" / "worker.key"))
+    try:
+        for update_id in ("u-short", "L" * 20_000, "\u00e9" * 9_000):
+            client.send(p.WeightsBegin(update_id, [p.TensorSpec("w", "float32", [2])]))
+            reply = client.receive()
+            assert (reply.TYPE, reply.code, reply.update_id) == ("error", "unauthorized", update_id)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(

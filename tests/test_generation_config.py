@@ -235,6 +235,10 @@ def test_a_requests_private_sampling_copy_is_checked_again_only_when_a_field_was
     travelled = pickle.loads(pickle.dumps(SamplingParams(top_k=3)))  # bytes carry no mark: checked on first use
     checks.clear()
     assert travelled.with_defaults(defaults).top_k == 3 and checks == [1]
+    import numpy
+
+    with pytest.raises(FieldError, match="logprob_mode"):  # a checked value must not change in place later
+        SamplingParams(logprob_mode=numpy.array("processed"))
     scoring_defaults = SamplingParams(max_new_tokens=0, prompt_logprobs=1)  # 0 is valid only beside prompt_logprobs
     with pytest.raises(FieldError, match="max_new_tokens"):
         SamplingParams().with_defaults(scoring_defaults)

@@ -206,29 +206,32 @@ def test_a_glance_finds_the_type_and_ids_that_decoding_finds(message):
 
 
 def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of_each_key():
-    """A weights_begin naming 20,000 tensors (7 MB): the glance reads its first chunk only. A header with a second
-    "type" (msgpack maps may repeat keys; decoding keeps the last) shows the glance its first: the worker checks the
-    decoded type's role again. What is no msgpack map, or is cut short, gives what was found before."""
-    from rollout.protocol import header_glance
+    """A weights_begin naming 20,000 tensors (1.5 MB), or a header whose first value is a 30 MB string: the glance
+    takes in at most GLANCE_BYTES of it (msgpack would buffer a whole string before its length check). An id longer
+    than the glance reads leaves the header to the decode (`glance_ids` is None), which names it. A header with a
+    second "type" (msgpack maps may repeat keys; decoding keeps the last) shows the glance its first: the worker
+    checks the decoded type's role again. What is no msgpack map, or is cut short, gives what was found before."""
+    import tracemalloc
+
+    from rollout.protocol.header_glance import GLANCE_BYTES, glance, glance_ids
 
     tensors = [p.TensorSpec(f"model.layers.{i}.mlp.up_proj.weight", "bfloat16", [4096, 4096]) for i in range(20_000)]
     header = p.encode(p.WeightsBegin("u9", tensors))[0]
-    assert len(header) > 1_000_000
-    read = []
-    reader = header_glance._Reader
-
-    class CountingReader(reader):
-        def read(self, size: int) -> bytes:
-            chunk = super().read(size)
-            read.append(len(chunk))
-            return chunk
-
-    header_glance._Reader = CountingReader
+    long_first = msgpack.packb({"x": "y" * (30 << 20), "protocol": p.PROTOCOL_VERSION, "type": "weights_begin"})
+    tracemalloc.start()
     try:
-        assert header_glance.glance(header) == {"type": "weights_begin", "update_id": "u9"}
+        assert glance(header) == {"type": "weights_begin", "update_id": "u9"}
+        assert glance(long_first) == {}
+        peak = tracemalloc.get_traced_memory()[1]
     finally:
-        header_glance._Reader = reader
-    assert sum(read) <= 3 * header_glance._GLANCE_LIMIT
+        tracemalloc.stop()
+    assert peak < 8 * GLANCE_BYTES
+
+    long_id = p.encode(p.WeightsBegin("u" * GLANCE_BYTES, tensors[:2]))[0]
+    assert glance(long_id) == {"type": "weights_begin"} and glance_ids(long_id) is None
+    assert p.decode([long_id]).update_id == "u" * GLANCE_BYTES
+    assert glance_ids(header) == {"type": "weights_begin", "update_id": "u9"}
+    assert glance_ids(p.encode(p.Ping(3))[0]) == {"type": "ping"}
 
     packer = msgpack.Packer()
     twice = b"".join(
@@ -236,9 +239,9 @@ def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of
         + [packer.pack("type"), packer.pack("ping"), packer.pack("update_id"), packer.pack("u1")]
         + [packer.pack("type"), packer.pack("weights_commit")]
     )
-    assert header_glance.glance(twice) == {"type": "ping", "update_id": "u1"}
+    assert glance(twice) == {"type": "ping", "update_id": "u1"}
     assert p.decode([twice]).TYPE == "weights_commit"
-    assert header_glance.glance(b"\x93\x01\x02\x03") == {} and header_glance.glance(b"") == {}
-    assert header_glance.glance(header[:60]) == {"type": "weights_begin", "update_id": "u9"}
-    assert header_glance.glance(header[:35]) == {"type": "weights_begin"}
-    assert header_glance.glance(header[:12]) == {}
+    assert glance(b"\x93\x01\x02\x03") == {} and glance(b"") == {}
+    assert glance(header[:60]) == {"type": "weights_begin", "update_id": "u9"}
+    assert glance(header[:35]) == {"type": "weights_begin"} and glance_ids(header[:35]) is None
+    assert glance(header[:12]) == {}

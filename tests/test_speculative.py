@@ -293,6 +293,32 @@ def test_a_draft_that_poisons_its_step_is_withdrawn_not_an_error(every_draft):
     assert drafted.logprobs == plain.logprobs
 
 
+def test_a_sample_withdrawn_by_a_verification_round_draws_no_further_round():
+    """A round whose logits turn non-finite sends its sample back to be recomputed (WAITING, no KV): the rounds after
+    it must not draw for it, even where its next draft token equals its last token (a run of one token)."""
+    from types import SimpleNamespace
+
+    from rollout.engine.requests.request import RequestStatus
+    from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
+    from rollout.engine.speculative.verify import accept_drafts
+
+    request = make_request("r", [5, 6, 7], max_new_tokens=8)
+    request.status, request.num_computed_tokens = RequestStatus.RUNNING, 3
+    draft = (9, 9, 9)
+    batch = ScheduledBatch(sequences=[ScheduledSequence(request, 2, 4, draft)], logits_sequences=[0])
+    batch.samples.append((request, 0))
+    request.token_ids.append(9)  # the step's own draw (its row 0) equalled the first draft token
+    rounds = []
+
+    def draw(round_batch, logits):
+        rounds.append(round_batch.sequences[0].start)
+        request.status, request.num_computed_tokens = RequestStatus.WAITING, 0  # withdrawn: recomputed later
+        return []
+
+    accept_drafts(batch, torch.zeros(4, 2), draw, SimpleNamespace(verified=lambda *args: None), [])
+    assert rounds == [3]
+
+
 def test_the_warm_up_leaves_no_drafts():
     engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=64, speculative="suffix"))
     engine.warmup()

@@ -56,10 +56,12 @@ def accept_drafts(
     live, position = drafted, 0
     while live:
         # Position `position`'s token was drawn and resolved last: its draft token stands if it equals the draw.
-        live = [
+        live = [  # a sample ended, or withdrawn to be recomputed (WAITING), draws no further
             (request, row, draft)
             for request, row, draft in live
-            if position < len(draft) and not request.is_finished and request.token_ids[-1] == draft[position]
+            if position < len(draft)
+            and request.status == RequestStatus.RUNNING
+            and request.token_ids[-1] == draft[position]
         ]
         position += 1
         if not live:

@@ -27,7 +27,7 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import WorkerAuth
-from rollout.protocol.header_glance import glance
+from rollout.protocol.header_glance import glance_ids
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
@@ -206,18 +206,26 @@ class RolloutWorker:
                 self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
 
     def _refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
-        """Answer a message that had more frames or bytes than any may have (its header's first entries name its ids:
-        it is not decoded)."""
-        seen = glance(frames[0]) if frames else {}
-        group_id, update_id = seen.get("group_id"), seen.get("update_id")
+        """Answer a message that had more frames or bytes than any may have (its header names its ids: a glance
+        at its first entries, or else a decode)."""
+        seen = glance_ids(frames[0]) if frames else None
+        if seen is not None:
+            group_id, update_id = seen.get("group_id"), seen.get("update_id")
+        else:
+            group_id = update_id = None
+            try:
+                message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
+                group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+            except p.ProtocolError as error:
+                group_id, update_id = error.group_id, error.update_id
         reply = p.Error("bad_request", reason, "frames", group_id, update_id)
         if not self._updates.on_malformed(identity, update_id, reply):
             self._send(identity, reply)
 
     def _receive(self, identity: bytes, frames: list) -> None:
         if self._auth is not None and frames:  # a role's refusal costs no decode (a weights_begin may be 22 MB)
-            seen = glance(frames[0])
-            if "type" in seen and not self._auth.may(frame_property(frames[0], "User-Id"), seen["type"]):
+            seen = glance_ids(frames[0])
+            if seen is not None and not self._auth.may(frame_property(frames[0], "User-Id"), seen["type"]):
                 self._refuse_role(identity, seen["type"], seen.get("group_id"), seen.get("update_id"))
                 return
         try:
