@@ -97,8 +97,9 @@ class ContinuousBatchingConfig:
     # a trainer that does the same (TRL's cast_lm_head_to_fp32), for one fp32 copy of the lm_head weight per step.
     fp32_logits: bool = False
     # Compute each token's logits bit for bit as `trainer_bridge.batch_invariant` makes the trainer's forward compute
-    # them, whatever else is in the step and however the prompt was chunked or cached (rollout.invariant). PyTorch
-    # attention only: no Triton kernels, CUDA graphs or compiled decode.
+    # them, whatever else is in the step and however the prompt was chunked or cached (rollout.invariant). The mode
+    # brings its own attention and, on a GPU, its own Triton kernels (decode steps still replay CUDA graphs over
+    # them); no compiled decode, and not the engine's Triton paged attention (`attention_backend="triton"`).
     batch_invariant: bool = False
     # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
     max_model_len: int | None = None
@@ -192,6 +193,21 @@ class ContinuousBatchingConfig:
             "must be None (auto) or a bool",
             self.overlap_scheduling,
         )
+        _check(isinstance(self.batch_invariant, bool), "batch_invariant", "must be a bool", self.batch_invariant)
+        if self.batch_invariant:
+            _check(
+                self.attention_backend != "triton",
+                "attention_backend",
+                "must not be 'triton' with batch_invariant=True (the mode brings its own attention, with a fixed split "
+                "of the keys: the engine's paged kernels split them by the batch)",
+                self.attention_backend,
+            )
+            _check(
+                self.decode_compile_config is None,
+                "decode_compile_config",
+                "must be None with batch_invariant=True (a compiled forward fuses and orders sums its own way)",
+                self.decode_compile_config,
+            )
         if self.decode_compile_config is not None:
             from transformers import CompileConfig
 
@@ -222,20 +238,6 @@ class ContinuousBatchingConfig:
                 self.decode_compile_config.mode,
             )
         _check(isinstance(self.fp32_logits, bool), "fp32_logits", "must be a bool", self.fp32_logits)
-        _check(isinstance(self.batch_invariant, bool), "batch_invariant", "must be a bool", self.batch_invariant)
-        if self.batch_invariant:
-            _check(
-                self.attention_backend != "triton",
-                "attention_backend",
-                "must not be 'triton' with batch_invariant=True (the invariant attention is PyTorch's)",
-                self.attention_backend,
-            )
-            _check(
-                self.decode_compile_config is None,
-                "decode_compile_config",
-                "must be None with batch_invariant=True",
-                self.decode_compile_config,
-            )
         _check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

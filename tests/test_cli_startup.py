@@ -211,6 +211,14 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         (["--client-timeout", "-1"], "rollout-worker: error: --client-timeout: must be positive, got -1.0"),
         (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
         (["--model", "./no/such/dir"], "rollout-worker: error: --model ./no/such/dir: no such model directory"),
+        (  # a speculative setting without speculation would be ignored: refused, naming both flags
+            ["--num-speculative-tokens", "3"],
+            "rollout-worker: error: --num-speculative-tokens: has no effect without speculative (--speculative suffix",
+        ),
+        (
+            ["--speculative-clear-on-weight-update"],
+            "rollout-worker: error: --speculative-clear-on-weight-update: has no",
+        ),
     ],
 )
 def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):

@@ -197,7 +197,8 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
     spec = importlib.util.spec_from_file_location("grpo_toy_invariant", REPO / "examples" / "grpo_toy.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--steps", "2", "--output-dir", str(tmp_path), "--colocate", "--bf16", "--batch-invariant"])
+    argv = ["--steps", "2", "--output-dir", str(tmp_path), "--colocate", "--bf16", "--batch-invariant"]
+    assert module.main(argv) == 0  # too few steps to judge the reward's rise: the run itself succeeded
     line = re.search(r"log-prob difference: (\S+); importance ratio (\S+)\.\.(\S+)", capsys.readouterr().out)
     assert line is not None and [float(value) for value in line.groups()] == [0.0, 1.0, 1.0], line
 

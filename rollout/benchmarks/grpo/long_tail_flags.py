@@ -104,8 +104,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--max-num-seqs must be >= 1")
     if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
         parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
-    if args.num_speculative_tokens < 1 or args.repeats < 1:
-        parser.error("--num-speculative-tokens and --repeats must be >= 1")
+    if args.num_speculative_tokens < 1:
+        parser.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.speculative is None and args.num_speculative_tokens != 4:
+        parser.error("--num-speculative-tokens has no effect without --speculative suffix")
     if args.speculative and getattr(args, "plot", None):
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
     if args.entropy is not None and (args.model != "tiny" or args.entropy <= 0):

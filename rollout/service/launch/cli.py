@@ -284,7 +284,7 @@ def build_parser() -> CliParser:
         "--batch-invariant",
         action="store_true",
         help="compute each token's logits bit for bit as trainer_bridge.batch_invariant makes the trainer's forward "
-        "compute them, whatever the batch (PyTorch attention; no CUDA graphs; base model only)",
+        "compute them, whatever the batch and however a prompt was chunked or cached (LoRA adapters and MoE too)",
     )
     add(
         "--release-staging",

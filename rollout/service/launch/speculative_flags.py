@@ -7,7 +7,15 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from rollout.config import SPECULATIVE_METHODS, ContinuousBatchingConfig
+from rollout.config import SPECULATIVE_METHODS, ContinuousBatchingConfig, FieldError
+
+# The settings that take effect only with `speculative` on.
+SETTINGS = (
+    "num_speculative_tokens",
+    "speculative_disable_by_batch_size",
+    "speculative_index_tokens",
+    "speculative_clear_on_weight_update",
+)
 
 
 def add_speculative_arguments(add: Callable[..., Any]) -> None:
@@ -47,7 +55,17 @@ def add_speculative_arguments(add: Callable[..., Any]) -> None:
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The `ContinuousBatchingConfig` fields the flags set."""
+    """The `ContinuousBatchingConfig` fields the flags set.
+
+    Raises:
+        FieldError: a speculative setting changed without `--speculative` (it would have no effect: a user who
+            expected it to turn speculation on is told so, not ignored).
+    """
+    if args.speculative is None:
+        engine = ContinuousBatchingConfig()
+        for name in SETTINGS:
+            if getattr(args, name) != getattr(engine, name):
+                raise FieldError(name, "has no effect without speculative (--speculative suffix turns it on)")
     return {
         "speculative": args.speculative,
         "num_speculative_tokens": args.num_speculative_tokens,
