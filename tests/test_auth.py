@@ -114,6 +114,31 @@ def test_a_refused_weight_message_names_its_update_whatever_its_id(worker, keys)
         client.close()
 
 
+def test_the_key_files_are_read_before_the_model_loads(keys, tmp_path, monkeypatch):
+    """`start_worker(..., keys_read=...)` reads the key files first and says so before the model loads: a Ray
+    fleet's actor deletes its key files then, so one killed while it loads leaves no secret key on disk."""
+    import shutil
+
+    copied = tmp_path / "keys"
+    shutil.copytree(keys, copied)
+
+    class Loading(Exception):
+        pass
+
+    def load_model(*args):
+        assert not copied.exists(), "the model loads while the key files are still on disk"
+        raise Loading
+
+    monkeypatch.setattr(startup, "load_model", load_model)
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["--model", "tiny", "--device", "cpu", "--bind", "tcp://127.0.0.1:*"]
+        + ["--curve-secret-key", str(copied / "own" / "worker.key_secret"), "--trainer-keys", str(copied / "trainers")]
+    )
+    with pytest.raises(Loading):
+        startup.start_worker(parser, args, keys_read=lambda: shutil.rmtree(copied))
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

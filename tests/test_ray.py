@@ -105,7 +105,8 @@ def test_bad_launch_arguments_are_named():
         ({"worker_args": ["--bind", "tcp://0.0.0.0:1"]}, "--bind"),
         ({"worker_args": ["--mod", "other"]}, "--mod"),  # no abbreviation of a flag the fleet sets
         ({"worker_args": ["--num-blocks", "many"]}, "--num-blocks"),
-        ({"worker_args": "--device cpu"}, "worker_args"),
+        ({"worker_args": "--device cpu"}, "worker_args: a list of rollout-worker command-line arguments"),
+        ({"worker_args": ["--api-key", "mine"]}, "--api-key is set by the fleet"),  # fleet.api_key serves
         ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
         ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker"),
         ({"max_restarts": -2}, "max_restarts"),

@@ -824,6 +824,29 @@ def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
         real(name=created[0])
 
 
+def test_a_push_that_times_out_names_the_worker_that_did_not_answer(workers):
+    """Worker B is frozen (SIGSTOP) but not yet declared dead: the push times out, naming B alone (it said only that
+    no weights_spec came), and neither worker changes weights."""
+    import signal
+
+    addresses = [worker.address for worker in workers]
+    frozen = workers[1].process
+    with RolloutClient(addresses, timeout=60, heartbeat_s=0.2, dead_after_s=60.0) as both:
+        # Both answer at once from here (each keeps its weights_spec reply): only the frozen one can be late.
+        push_weights(both, tiny_model(3), version=max(map(version_of, addresses)) + 1, transport="frames")
+        before = [version_of(address) for address in addresses]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RolloutError) as timed_out:
+                push_weights(both, tiny_model(4), version=max(before) + 1, transport="frames", timeout=3.0)
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert timed_out.value.code == "timeout"
+        assert f"no weights_spec from {addresses[1]} within" in str(timed_out.value)
+        assert addresses[0] not in str(timed_out.value)
+        assert [version_of(address) for address in addresses] == before
+
+
 def test_a_worker_that_missed_a_push_gets_no_groups_while_an_up_to_date_one_serves(workers):
     """Worker B is frozen (SIGSTOP) through a push, so only A takes it, at once; B then answers again with older weights. The
     client sends new groups to A only (B's generated-token count stays put) until a push brings B up to date."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -73,35 +74,55 @@ def load_key_directory(directory: str | os.PathLike) -> set[bytes]:
     return set(zmq.auth.load_certificates(path))
 
 
-class WorkerAuth:
-    """A worker's CurveZMQ server side: the ZAP handler thread, its accepted keys, and the trainer role."""
+@dataclass(frozen=True)
+class WorkerKeys:
+    """A worker's key material, read from its files at once (the files may go then: a Ray actor deletes its own)."""
 
-    def __init__(
-        self,
-        context: zmq.Context,
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    clients: frozenset[bytes]  # may generate
+    trainers: frozenset[bytes]  # may also push weights
+
+    @classmethod
+    def read(
+        cls,
         secret_key: str | os.PathLike | bytes,
         authorized_keys: str | os.PathLike | None = None,
         trainer_keys: str | os.PathLike | None = None,
-    ):
-        """
+    ) -> WorkerKeys:
+        """Read the keys.
+
         Args:
-            context: the worker's ZeroMQ context (the handler serves its sockets).
             secret_key: the worker's `.key_secret` file (or z85 secret key).
             authorized_keys: directory of client public keys that may generate.
             trainer_keys: directory of trainer public keys that may also push weights.
         Raises:
             ValueError: a missing file or directory, or no key at all to accept.
         """
-        self.public_key, self._secret_key = load_key_pair(secret_key)
+        public, secret = load_key_pair(secret_key)
         clients = load_key_directory(authorized_keys) if authorized_keys is not None else set()
-        self.trainers = load_key_directory(trainer_keys) if trainer_keys is not None else set()
-        if not clients | self.trainers:
+        trainers = load_key_directory(trainer_keys) if trainer_keys is not None else set()
+        if not clients | trainers:
             raise ValueError("no client key to accept: give --authorized-keys and/or --trainer-keys with *.key files")
+        return cls(public, secret, frozenset(clients), frozenset(trainers))
+
+
+class WorkerAuth:
+    """A worker's CurveZMQ server side: the ZAP handler thread, its accepted keys, and the trainer role."""
+
+    def __init__(self, context: zmq.Context, keys: WorkerKeys):
+        """
+        Args:
+            context: the worker's ZeroMQ context (the handler serves its sockets).
+            keys: the worker's keys (`WorkerKeys.read`).
+        """
+        self.public_key, self._secret_key = keys.public_key, keys.secret_key
+        self.trainers = keys.trainers
         self.context = context
         self._authenticator = ThreadAuthenticator(context)
         self._authenticator.start()
         self._authenticator.allow_any = False
-        self._authenticator.certs["*"] = {key: True for key in clients | self.trainers}
+        self._authenticator.certs["*"] = {key: True for key in keys.clients | keys.trainers}
 
     def secure(self, socket: zmq.Socket) -> None:
         """Make `socket` (before it binds) a CURVE server with the worker's key."""

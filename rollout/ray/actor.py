@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rollout.ray.keys import FleetKeys
@@ -24,7 +25,16 @@ from rollout.ray.keys import FleetKeys
 logger = logging.getLogger("rollout.ray")
 
 # Flags the fleet sets itself: worker_args may not give them.
-FLEET_FLAGS = ("--bind", "--curve-secret-key", "--authorized-keys", "--trainer-keys", "--insecure", "--model", "--http")
+FLEET_FLAGS = (
+    "--bind",
+    "--curve-secret-key",
+    "--authorized-keys",
+    "--trainer-keys",
+    "--insecure",
+    "--model",
+    "--http",
+    "--api-key",
+)
 
 
 def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str | None) -> list[str]:
@@ -98,13 +108,14 @@ class RolloutWorkerActor:
         from rollout.protocol.auth import load_key_pair, load_public_key
 
         self.started_at = time.time()
-        # The certificates exist on disk only while the worker loads them (it keeps them in memory).
+        # The certificates exist on disk only until the worker has read them, before its model loads (it keeps them
+        # in memory): an actor killed while it loads (a restart, a launch's ready_timeout) leaves none behind.
         key_dir = tempfile.mkdtemp(prefix="rollout-worker-keys-")
         try:
             files = keys.write(key_dir)
             self._trainer_secret = load_key_pair(files.trainer_secret)[1]
             self._worker_public = load_public_key(files.worker_secret)
-            self._running = self._start(argv, files, http, api_key)
+            self._running = self._start(argv, files, http, api_key, lambda: shutil.rmtree(key_dir, ignore_errors=True))
         finally:
             shutil.rmtree(key_dir, ignore_errors=True)
         self._stopping = False
@@ -112,7 +123,7 @@ class RolloutWorkerActor:
         self._thread.start()
 
     @staticmethod
-    def _start(argv: list[str], files: Any, http: bool, api_key: str | None) -> Any:
+    def _start(argv: list[str], files: Any, http: bool, api_key: str | None, keys_read: Callable[[], None]) -> Any:
         import ray
 
         from rollout.service.launch.startup import start_worker
@@ -120,7 +131,7 @@ class RolloutWorkerActor:
         parser = worker_parser()
         args = parser.parse_args(worker_argv(argv, ray.util.get_node_ip_address(), files, http, api_key))
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return start_worker(parser, args)
+        return start_worker(parser, args, keys_read)
 
     def _serve(self) -> None:
         status = 1

@@ -87,7 +87,7 @@ class RolloutFleet:
                 GPU and no --gpu/--device in `worker_args`, each worker serves on the GPU Ray gave its actor.
             placement_strategy: "PACK" (as few nodes as possible), "SPREAD", "STRICT_PACK" or "STRICT_SPREAD".
             worker_args: more `rollout-worker` arguments, e.g. ["--device", "cpu", "--num-blocks", "256"] (the fleet
-                sets --bind, --model, --http and the keys itself).
+                sets --bind, --model, --http, --api-key and the keys itself).
             http: also serve the OpenAI API on each worker (`http_urls`; clients send `api_key`).
             max_restarts: how many times Ray restarts a worker that died (-1: without limit).
             placement_timeout: seconds to wait for Ray to place the workers (too few resources: a clear error).
@@ -100,8 +100,8 @@ class RolloutFleet:
         """
         resources = {"GPU": 1} if resources_per_worker is None else dict(resources_per_worker)
         _check_launch(num_workers, model, resources, placement_strategy, max_restarts)
+        check_worker_args(worker_args)  # before list(): a string would become its characters
         worker_args = list(worker_args)
-        check_worker_args(worker_args)
         if resources.get("GPU", 0) > 0 and not any(arg.split("=")[0] in ("--gpu", "--device") for arg in worker_args):
             worker_args += ["--gpu", "0"]  # the GPU Ray assigned: CUDA_VISIBLE_DEVICES holds only it
         if not ray.is_initialized():
@@ -140,7 +140,8 @@ class RolloutFleet:
 
     @property
     def http_urls(self) -> list[str]:
-        """Each worker's OpenAI API base URL (launched with http=True; clients send `api_key`)."""
+        """Each worker's HTTP address (launched with http=True; clients send `api_key`): the OpenAI API's base URL
+        is it with "/v1" (`openai.OpenAI(base_url=url + "/v1", api_key=fleet.api_key)`)."""
         return [slot.info["http"] if slot.info else "" for slot in self._slots()]
 
     def client(self, **kwargs: Any) -> RolloutClient:

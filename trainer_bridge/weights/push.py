@@ -5,6 +5,7 @@ every worker staged the whole update."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -102,7 +103,7 @@ class WeightPush:
         wire dtype of each tensor (floating tensors travel in the worker's dtype)."""
         for link in self.links:
             self.channel.send(link.index, p.WeightsSpec(self.update_id))
-        self._wait(lambda: all(link.specs is not None for link in self.links), self.timeout, "weights_spec")
+        self._wait(lambda: [link for link in self.links if link.specs is None], self.timeout, "weights_spec")
         # (A version not above the workers' is refused by them at weights_begin, after the key's role is checked: a
         # generate-only key hears "unauthorized", its real problem; nothing is gathered before either answer.)
         reference = self.links[0].specs
@@ -216,7 +217,7 @@ class WeightPush:
                     break
         if bucket:
             self._flush(bucket, offsets)
-        self._wait(lambda: all(not link.pending for link in self.links), self.timeout, "weights_ack")
+        self._wait(lambda: [link for link in self.links if link.pending], self.timeout, "weights_ack")
 
     def _flush(self, bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int]) -> None:
         pieces = [p.TensorPiece(index, offset, data.numel()) for index, offset, data in bucket]
@@ -228,7 +229,7 @@ class WeightPush:
         checksum = bucket_checksum(staged if staged is not None else (data.cpu() for _, _, data in bucket))
         header = p.WeightsBucket(self.update_id, pieces, checksum)
         for link in list(self.links):
-            self._wait(lambda link=link: link not in self.links or len(link.pending) < _WINDOW, self.timeout, "ack")
+            self._wait(functools.partial(self._window_full, link), self.timeout, "ack")
             if link not in self.links:
                 continue
             link.pending.append(self.sender(link.transport).send_bucket(link, header, bucket, offsets))
@@ -270,10 +271,23 @@ class WeightPush:
         return results
 
     # ---- replies ----------------------------------------------------------------------------------------------
-    def _wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+    def _window_full(self, link: Any) -> list:
+        """[link] while its window of buckets in flight is full (it is waited for), else []."""
+        return [link] if link in self.links and len(link.pending) >= _WINDOW else []
+
+    def _wait(self, waiting: Callable[[], list], timeout: float, what: str) -> None:
+        """Receive until no worker's link is `waiting` for `what`; a timeout names the workers still waited for."""
         deadline = time.monotonic() + timeout
-        while not condition():
-            self._receive(deadline - time.monotonic(), what)
+        while pending := waiting():
+            try:
+                self._receive(deadline - time.monotonic(), what)
+            except RolloutError as error:
+                if error.code != "timeout":
+                    raise
+                silent = ", ".join(link.address for link in pending)
+                raise RolloutError(
+                    "timeout", f"weight update: no {what} from {silent} within {self.timeout:g} s"
+                ) from None
 
     def _receive(self, timeout: float, what: str, quiet: bool = False) -> None:
         try:

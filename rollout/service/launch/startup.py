@@ -9,6 +9,7 @@ import argparse
 import gc
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import load_peft_dir
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, init_continuous_batching
 from rollout.presets.models import MODEL_DTYPES
-from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.auth import WorkerAuth, WorkerKeys
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.http.serving.launch import check_http_address, start_http
@@ -72,15 +73,27 @@ class RunningWorker:
         return 0
 
 
-def start_worker(parser: CliParser, args: argparse.Namespace) -> RunningWorker:
-    """Check the flags, load the model and tokenizer, warm the engine up and bind the sockets (serving starts with
-    `RunningWorker.serve`).
+def start_worker(
+    parser: CliParser, args: argparse.Namespace, keys_read: Callable[[], None] | None = None
+) -> RunningWorker:
+    """Check the flags, read the key files, load the model and tokenizer, warm the engine up and bind the sockets
+    (serving starts with `RunningWorker.serve`).
 
     Args:
         parser: rollout-worker's parser (`cli.build_parser`); its `error` reports every usage error.
         args: the parsed flags.
+        keys_read: called once the key files were read, before the model loads (a Ray fleet's actor deletes its key
+            files then: an actor killed while it loads leaves no secret key on disk).
     """
     device, http_address, limits, config = check_flags(parser, args)
+    keys = None
+    if args.curve_secret_key is not None:  # read before the model loads: a bad key fails fast
+        try:
+            keys = WorkerKeys.read(args.curve_secret_key, args.authorized_keys, args.trainer_keys)
+        except ValueError as error:
+            parser.error(f"--curve-secret-key: {error}")
+    if keys_read is not None:
+        keys_read()
     try:
         model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
     except HubUnreachable as error:  # names --model itself, and says what to do
@@ -98,11 +111,8 @@ def start_worker(parser: CliParser, args: argparse.Namespace) -> RunningWorker:
     serve_start_adapters(parser, args.lora, manager.engine, args.model)
     manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     auth = None
-    if args.curve_secret_key is not None:
-        try:
-            auth = WorkerAuth(zmq.Context(), args.curve_secret_key, args.authorized_keys, args.trainer_keys)
-        except ValueError as error:
-            parser.error(f"--curve-secret-key: {error}")
+    if keys is not None:
+        auth = WorkerAuth(zmq.Context(), keys)
     elif args.insecure and not is_loopback(args.bind):
         logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
     worker = RolloutWorker(
