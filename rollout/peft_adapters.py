@@ -89,6 +89,17 @@ def lora_layers(model: Any) -> Any:
     return ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
 
 
+def holds_adapter(layer: Any, name: str) -> bool:
+    """Whether a peft `LoraLayer` holds adapter `name`: as `lora_A` (Linear and convolution layers) or, on an
+    embedding, as `lora_embedding_A` (one not looked for there would be left out of a push silently).
+
+    Args:
+        layer: a `peft.tuners.lora.LoraLayer`.
+        name: the adapter.
+    """
+    return name in layer.lora_A or name in getattr(layer, "lora_embedding_A", {})
+
+
 def active_adapter_name(model: Any) -> str:
     """The adapter a PEFT model trains (its single active adapter).
 

@@ -70,15 +70,17 @@ def test_a_pushed_head_norm_and_embeddings_serve_a_mixed_batch_like_peft(client)
     [
         (dict(use_dora=True), "use_dora: DoRA"),
         (dict(modules_to_save=["q_norm"]), "q_norm: modules_to_save of a Qwen3RMSNorm is not served unmerged"),
+        # peft keeps an embedding's LoRA as lora_embedding_A/B: it was left out of adapter-only pushes, silently
+        (dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens: LoRA on a Embedding is not served unmerged"),
     ],
-    ids=["dora", "saved-q-norm"],
+    ids=["dora", "saved-q-norm", "lora-on-embeddings"],
 )
 def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_asked(client, settings, why):
     """DoRA, or a saved module workers cannot serve unmerged (a norm per attention head): "auto" pushes the merged
     weights (peft's own merge, the saved copy in the module's place) with one warning over two pushes naming why, and
     the client then samples the base, equal to peft's generate; adapters="adapter" refuses it by the same name."""
     torch.manual_seed(12)
-    model = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **settings))
+    model = get_peft_model(tiny_model(0), LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **settings}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name or "modules_to_save" in name:

@@ -22,6 +22,7 @@ from rollout.peft_adapters import (
     active_adapter_name,
     check_peft_config,
     hidden_width,
+    holds_adapter,
     is_peft_model,
     module_name,
     saved_module_refusal,
@@ -53,7 +54,7 @@ def check_servable(model: Any, name: str) -> None:
     heads = tuple(key for key, module in model.named_modules() if module is head and head is not None)
     layers = 0
     for key, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer) or name not in layer.lora_A:
+        if not isinstance(layer, LoraLayer) or not holds_adapter(layer, name):
             continue
         target, base = module_name(key), layer.get_base_layer()
         if any(key == head_key or key.startswith(f"{head_key}.") for head_key in heads):  # or a wrapper's original

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, module_name, saved_modules
+from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, holds_adapter, module_name, saved_modules
 from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 from trainer_bridge.weights.adapter_mode import check_servable, push_mode
 
@@ -80,7 +80,7 @@ def adapter_push(
     check_servable(model, name)
     entries, scalings = [], {}
     for key, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer) or name not in layer.lora_A:
+        if not isinstance(layer, LoraLayer) or not holds_adapter(layer, name):
             continue
         target = module_name(key)
         for part in ("lora_A", "lora_B"):

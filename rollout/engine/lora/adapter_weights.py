@@ -23,6 +23,7 @@ from rollout.peft_adapters import (
     SAVED_MARKER,
     active_adapter_name,
     check_peft_config,
+    holds_adapter,
     lora_layers,
     module_name,
     saved_modules,
@@ -200,7 +201,7 @@ def from_peft_model(model: Any, adapter_name: str | None = None) -> AdapterModul
     for key, copy in saved_modules(model, name):
         modules[module_name(key)] = SavedModule({part: p.detach() for part, p in copy.named_parameters()})
     for key, layer in lora_layers(model):
-        if name not in layer.lora_A:
+        if not holds_adapter(layer, name):
             continue
         target = module_name(key)
         if layer.use_dora.get(name):
