@@ -131,6 +131,18 @@ def test_failover_when_a_worker_is_killed():
             gathered.join(150)
             assert not gathered.is_alive()
             (survivor_stats,) = c.stats()  # only the live worker answers
+            # With every worker gone, a call waits for one to come back up to its timeout; the timeout then names
+            # each worker, and how it was lost (a trainer whose only worker died read "no group finished in time").
+            survivor.process.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while c.live_workers() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(RolloutError) as waited:
+                c.generate(PromptGroup([1, 2, 3], sampling=GREEDY), timeout=1.0)
+            assert waited.value.code == "timeout" and "no rollout worker serves" in str(waited.value)
+            for lost in (victim, survivor):
+                assert f"{lost.address}: lost " in str(waited.value)
+            assert "its connection closed" in str(waited.value)
         assert sorted(r.group_id for r in collected) == sorted(g.group_id for g in groups)  # each exactly once
         assert all(len(comp.token_ids) == long for r in collected for comp in r.completions)
         assert survivor_stats["generated_tokens"] == 8 * 2 * long  # its own 4 groups plus the 4 resubmitted

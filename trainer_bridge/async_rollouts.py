@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version
+from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version, timed_out
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
 from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
 
@@ -242,7 +242,7 @@ class AsyncRollouts:
         try:
             event = self._sink.get(timeout=self.timeout)
         except queue.Empty:
-            raise RolloutError("timeout", f"no group finished within {self.timeout:g} s") from None
+            raise timed_out(f"no group finished within {self.timeout:g} s", self.client.outage()) from None
         if isinstance(event, RolloutError):
             raise event
         self._in_flight.discard(event.group_id)

@@ -17,7 +17,15 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from rollout.protocol import Delta
-from trainer_bridge.client.calls import AsyncSink, Call, GroupResult, PromptGroup, RolloutError, checked_group
+from trainer_bridge.client.calls import (
+    AsyncSink,
+    Call,
+    GroupResult,
+    PromptGroup,
+    RolloutError,
+    checked_group,
+    timed_out,
+)
 from trainer_bridge.client.commands import CancelCall, Submit
 
 
@@ -120,7 +128,7 @@ class Caller:
                 try:
                     event = finished.get(timeout=self._seconds(timeout))
                 except queue.Empty:
-                    raise RolloutError("timeout", "no group finished in time") from None
+                    raise timed_out("no group finished in time", self._client.outage()) from None
                 if isinstance(event, RolloutError):
                     raise event
                 pending.discard(event.group_id)
@@ -133,7 +141,7 @@ class Caller:
         try:
             event = call.events.get(timeout=timeout)
         except queue.Empty:
-            raise RolloutError("timeout", f"group {call.group.group_id!r}: no answer in time") from None
+            raise timed_out(f"group {call.group.group_id!r}: no answer in time", self._client.outage()) from None
         if isinstance(event, RolloutError):
             raise event
         return event

@@ -71,6 +71,16 @@ class RolloutError(RuntimeError):
         self.field = field
 
 
+def timed_out(message: str, outage: str | None) -> RolloutError:
+    """A "timeout" error whose message says, where no worker serves, which ones are lost and since when.
+
+    Args:
+        message: what did not come in time.
+        outage: `RolloutClient.outage()`.
+    """
+    return RolloutError("timeout", message if outage is None else f"{message}: {outage}")
+
+
 class WorkerBusy(RolloutError):
     """The worker's queue is full (code "busy"); retry later or add workers.
 

@@ -52,6 +52,7 @@ class WorkerLink:
         self.warned = False  # "never answered" was logged
         self.connected = False  # a connection is up (handshake done); a worker that answered is alive soon after
         self.silent = False  # declared dead for not answering pings over a connection that is still up (frozen)
+        self.lost: tuple[str, float] | None = None  # (why, when: monotonic) it was declared dead, until it answers
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight

@@ -74,8 +74,8 @@ class Liveness:
             elif kind == "disconnected":
                 worker.connected = False
                 if worker.alive:
-                    logger.warning("connection to rollout worker %s closed; resubmitting its groups", worker.address)
-                    worker.alive = False
+                    worker.alive, worker.lost = False, ("its connection closed", time.monotonic())
+                    logger.warning("connection to rollout worker %s closed; %s", worker.address, self._fate())
                     self.failover(index)
             else:
                 if worker.refused != reason:
@@ -105,14 +105,21 @@ class Liveness:
                 and worker.unanswered_since is not None
                 and now - worker.unanswered_since > self.dead_after_s
             ):
-                logger.warning("rollout worker %s stopped answering; resubmitting its groups", worker.address)
                 worker.alive, worker.silent = False, True
+                worker.lost = (f"it stopped answering pings for {self.dead_after_s:g} s", time.monotonic())
+                logger.warning("rollout worker %s stopped answering; %s", worker.address, self._fate())
                 self.failover(index)
             if now - worker.last_ping >= self.heartbeat_s:
                 worker.last_ping = now
                 if worker.unanswered_since is None:
                     worker.unanswered_since = now
                 self.send(index, p.Ping())
+
+    def _fate(self) -> str:
+        """What becomes of a dead worker's groups (for its warning)."""
+        if any(worker.alive for worker in self.workers):
+            return "resubmitting its groups to the other workers"
+        return "no other worker serves: its groups wait for one to come back, up to their timeout"
 
     def failover(self, index: int) -> None:
         """Resubmit a dead worker's groups to the live ones (streams skip what they delivered); updates go on.
@@ -148,7 +155,7 @@ class Liveness:
         else:
             logger.info("connected to rollout worker %s", worker.address)
         worker.alive = worker.answered = True
-        worker.refused, worker.silent = None, False
+        worker.refused, worker.silent, worker.lost = None, False, None
         for group_id in worker.taken_away:
             self.send(index, p.Cancel(group_id))
         worker.taken_away.clear()

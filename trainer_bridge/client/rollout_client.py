@@ -257,6 +257,22 @@ class RolloutClient:
             time.sleep(0.005)
         return self.live_workers()
 
+    def outage(self) -> str | None:
+        """Why no worker serves this client now, each worker named (None while one does): what a timeout adds to
+        its message, so that a trainer whose only worker died reads which one, and since when."""
+        workers = [worker for worker in self._io.workers if not worker.retired]
+        if any(worker.alive for worker in workers):
+            return None
+        now = time.monotonic()
+        states = []
+        for worker in workers:
+            if worker.lost is not None:
+                why, since = worker.lost
+                states.append(f"{worker.address}: lost {now - since:.0f} s ago ({why})")
+            else:
+                states.append(f"{worker.address}: {worker.refused or 'never answered'}")
+        return "no rollout worker serves (" + "; ".join(states) + ")" if states else "the client has no worker"
+
     def live_workers(self) -> list[int]:
         """Indices of the workers that answered and are not declared dead."""
         return [index for index, worker in enumerate(self._io.workers) if worker.alive]

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
+from trainer_bridge.client.calls import timed_out
 from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.generation import RolloutGeneration
 
@@ -206,7 +207,8 @@ class AsyncRolloutGeneration(RolloutGeneration):
             try:
                 event = self._sink.get(timeout=self.client.timeout)
             except queue.Empty:
-                raise RolloutError("timeout", f"no group finished within {self.client.timeout:g} s") from None
+                message = f"no group finished within {self.client.timeout:g} s"
+                raise timed_out(message, self.client.outage()) from None
             if isinstance(event, RolloutError):
                 raise event
             self._in_flight.discard(event.group_id)

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from trainer_bridge.client import PromptGroup, RolloutError
+from trainer_bridge.client.calls import timed_out
 from trainer_bridge.partial_rounds import PartialRounds
 from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
@@ -189,7 +190,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         try:
             event = self._pool_sink.get(timeout=self.client.timeout)
         except queue.Empty:
-            raise RolloutError("timeout", f"no group finished within {self.client.timeout:g} s") from None
+            raise timed_out(f"no group finished within {self.client.timeout:g} s", self.client.outage()) from None
         if isinstance(event, RolloutError):
             raise event
         key = self._key_of.get(event.group_id)
