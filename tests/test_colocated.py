@@ -124,6 +124,9 @@ def test_weights_changed_in_place_are_sampled_at_the_next_round_with_their_versi
         for bad in (2, None, True, 4.0, "5"):  # lower, or not an integer: refused by its name, nothing changes
             with pytest.raises(FieldError, match="policy_version"):
                 engine.set_policy_version(bad)
+        with pytest.raises(FieldError, match="at least the current 4"):  # the same version is kept: it says so
+            engine.set_policy_version(3)
+        engine.set_policy_version(4)
         assert engine.policy_version == 4
         engine.set_policy_version(np.int64(6))  # an integer of another kind is an integer
         assert engine.policy_version == 6

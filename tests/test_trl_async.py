@@ -142,6 +142,7 @@ def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
     [
         (dict(max_staleness=-1), "max_staleness"),
         (dict(max_staleness=1, stale_policy="drop"), "stale_policy"),
+        (dict(stale_policy="is_correct"), "stale_policy='is_correct' has no effect without max_staleness > 0"),
         (dict(max_staleness=1, rollout_mode="colocate", rollout_workers=None), "rollout_mode='server'"),
         (dict(max_staleness=1, rollout_push_kwargs={"mode": "abort"}), "push mode"),
         (dict(max_staleness=1, args_overrides={"steps_per_generation": 2}), "spans"),

@@ -121,6 +121,16 @@ def test_each_setting_belongs_to_its_mode(tmp_path):
     for settings, message in cases:
         with pytest.raises(ValueError, match=message):
             RolloutGRPOTrainer(**common, **settings)
+    with pytest.raises(ValueError, match="rollout_engine_config: dict is invalid"):  # the trainer's argument, named
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_mode="colocate",
+            rollout_engine_config={"num_blocks": 64},
+        )
 
 
 CHILD = textwrap.dedent(

@@ -122,11 +122,14 @@ class ColocatedEngine:
         if isinstance(version, bool) or not hasattr(version, "__index__"):
             raise FieldError("policy_version", f"must be an integer, got {version!r}")
         version = operator.index(version)  # numpy integers too
-        if version != self.policy_version:
-            try:
-                self.engine.update_weights({}, version=version, mode="keep", partial=True)
-            except FieldError as error:
-                raise FieldError("policy_version", error.reason) from None
+        if version == self.policy_version:
+            return
+        current = self.policy_version
+        try:
+            self.engine.update_weights({}, version=version, mode="keep", partial=True)
+        except FieldError as error:  # the same version is kept: what is refused is one below it
+            reason = error.reason.replace(f"above the current {current}", f"at least the current {current}")
+            raise FieldError("policy_version", reason) from None
 
     @property
     def is_sleeping(self) -> bool:

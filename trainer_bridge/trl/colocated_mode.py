@@ -11,7 +11,8 @@ from typing import Any
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from rollout.config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig, FieldError
+from rollout.transformers_configs import engine_config as to_engine_config
 from trainer_bridge.client import GroupResult, PromptGroup
 from trainer_bridge.colocated import ColocatedEngine
 from trainer_bridge.trl.generation import RolloutGeneration
@@ -71,13 +72,15 @@ def colocated_generation(
         raise ValueError("rollout_mode='colocate' supports FSDP2, not FSDP1 (flat parameters): set fsdp_version 2")
     model = trainer.accelerator.unwrap_model(trainer.model)
     args = trainer.args
+    if engine_config is not None:  # checked here, so that a bad one is named as the trainer's argument
+        try:
+            engine_config = to_engine_config(engine_config)
+        except FieldError as error:
+            field = "rollout_engine_config" if error.field == "continuous_batching_config" else error.field
+            raise FieldError(field, error.reason) from None
     if engine_config is None and next(model.parameters()).device.type == "cuda":
         engine_config = ContinuousBatchingConfig(max_memory_percent=args.vllm_gpu_memory_utilization)
-    if batch_invariant:
-        if engine_config is not None and not isinstance(engine_config, ContinuousBatchingConfig):
-            raise ValueError(
-                "batch_invariant=True needs rollout_engine_config to be rollout's ContinuousBatchingConfig"
-            )
+    if batch_invariant:  # (transformers' config was converted to rollout's above)
         engine_config = dataclasses.replace(engine_config or ContinuousBatchingConfig(), batch_invariant=True)
         check_same_head(engine_config.fp32_logits, args)
 

@@ -20,6 +20,8 @@ def check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_fu
         raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
     if stale_policy not in STALE_POLICIES:
         raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+    if stale_policy != STALE_POLICIES[0] and not max_staleness:
+        raise ValueError(f"stale_policy={stale_policy!r} has no effect without max_staleness > 0 (no round is stale)")
     if max_staleness and mode != "server":
         raise ValueError("max_staleness > 0 needs rollout_mode='server' (colocated generation shares the GPU)")
     if max_staleness and rollout_func is not None:
