@@ -117,10 +117,15 @@ def test_each_setting_belongs_to_its_mode(tmp_path):
         (dict(rollout_workers="tcp://x:1", rollout_engine_config={}), "rollout_engine_config has no effect"),
         (dict(rollout_mode="colocate", rollout_workers="tcp://x:1"), "rollout_workers has no effect"),
         (dict(rollout_mode="colocate", rollout_push_kwargs={}), "rollout_push_kwargs has no effect"),
+        # a typo in rollout_push_kwargs is named when the trainer is built, not at its first push
+        (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"mdoe": "keep"}), "push_weights takes no 'mdoe'"),
+        (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"version": 3}), "'version' is set by the trainer"),
     ]
     for settings, message in cases:
         with pytest.raises(ValueError, match=message):
             RolloutGRPOTrainer(**common, **settings)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rollout_worker'; did you mean 'rollout_workers'"):
+        RolloutGRPOTrainer(**common, rollout_worker="tcp://x:1")
     with pytest.raises(ValueError, match="rollout_engine_config: dict is invalid"):  # the trainer's argument, named
         RolloutGRPOTrainer(
             model=tiny_model(0),

@@ -45,6 +45,61 @@ def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: A
     for name, given in other_mode.items():
         if given:
             raise ValueError(f"{name} has no effect with rollout_mode={mode!r}")
+    if push is not None:
+        check_push_kwargs(push)
+
+
+# push_weights' arguments the trainer gives itself at every push.
+PUSH_SET_BY_THE_TRAINER = ("client", "model_or_named_tensors", "version", "accelerator")
+
+
+def check_push_kwargs(push: Any) -> None:
+    """Refuse, by name, a `rollout_push_kwargs` entry `push_weights` does not take (a typo would fail only at the
+    first push, after the first round) or one the trainer sets itself.
+
+    Args:
+        push: the trainer's `rollout_push_kwargs`.
+    """
+    import inspect
+
+    from trainer_bridge.weights.weight_sync import push_weights
+
+    if not isinstance(push, dict):
+        raise ValueError(f"rollout_push_kwargs must be a dict of push_weights arguments, got {type(push).__name__}")
+    taken = [name for name in inspect.signature(push_weights).parameters if name not in PUSH_SET_BY_THE_TRAINER]
+    for key in push:
+        if key in PUSH_SET_BY_THE_TRAINER:
+            raise ValueError(f"rollout_push_kwargs: {key!r} is set by the trainer at every push")
+        if key not in taken:
+            raise ValueError(f"rollout_push_kwargs: push_weights takes no {key!r} (it takes {taken})")
+
+
+def check_keywords(kwargs: dict[str, Any], own: Any) -> None:
+    """Refuse a keyword argument neither GRPOTrainer nor RolloutGRPOTrainer takes, naming it and the closest one (a
+    typo such as `rollout_worker=` was answered "needs rollout_workers", the stray argument unnamed).
+
+    Args:
+        kwargs: the keyword arguments left for GRPOTrainer.
+        own: RolloutGRPOTrainer's `__init__` (its own arguments).
+    """
+    import difflib
+    import inspect
+
+    from trl import GRPOTrainer
+
+    parameters = [
+        *inspect.signature(GRPOTrainer.__init__).parameters.values(),
+        *inspect.signature(own).parameters.values(),
+    ]
+    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(GRPOTrainer.__init__).parameters.values()):
+        return  # a GRPOTrainer that takes any keyword: it judges them itself
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    known = [p.name for p in parameters if p.kind not in variadic and p.name != "self"]
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"RolloutGRPOTrainer got an unexpected keyword argument {key!r}{hint}")
 
 
 def check_tool_loop(trainer: Any, partial_rollouts: bool, max_staleness: int) -> None:

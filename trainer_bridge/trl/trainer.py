@@ -51,6 +51,7 @@ from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
 from trainer_bridge.trl.settings import (
     check_batch_invariant,
     check_invariant_push,
+    check_keywords,
     check_mode,
     check_staleness,
     check_tool_loop,
@@ -178,6 +179,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
             ValueError: a setting of the other mode, or a mode or `use_vllm` that cannot be honoured, named.
         """
         check_trl_internals()
+        check_keywords(kwargs, RolloutGRPOTrainer.__init__)
         check_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
