@@ -86,12 +86,42 @@ def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap, e
     assert drafter.accepted_tokens < drafter.proposed_tokens, "some drafts should be rejected too"
     assert engine.scheduler.num_preemptions > 0, "the cache should be small enough to preempt"
     assert engine.loop.counters.steps < plain_engine.loop.counters.steps
+    assert engine.loop.counters.verification_draws > 0, "penalties, n-grams and grammars draw round by round"
     for round_index in range(2):
         assert drafted[round_index].keys() == plain[round_index].keys()
         for key, expected in plain[round_index].items():
             assert drafted[round_index][key] == expected, key
     plain_engine.close()
     engine.close()
+
+
+def test_samples_whose_draws_read_no_tokens_verify_without_a_device_round_per_position(every_draft):
+    """GRPO's settings (temperature, top_k, top_p, a seed), with logit_bias, top log-probs and bans by position only
+    (begin_suppress_tokens, suppress_tokens, min_new_tokens): every draft position is drawn with its step
+    (`verify.draw_ahead`), so no verification round draws on the device, and the tokens, log-probs and top log-probs
+    equal plain decoding's bit for bit."""
+    prompts = make_prompts(3, 4, 10, seed=17)
+    common = dict(temperature=1.0, stop_token_ids=[EOS])
+    settings = [
+        SamplingParams(**common, top_k=40, top_p=0.95, seed=7),
+        SamplingParams(**common, seed=8, logit_bias={7: 2.0}, top_logprobs=3),
+        SamplingParams(**common, seed=9, min_new_tokens=20, begin_suppress_tokens=[5], suppress_tokens=[6]),
+    ]
+
+    def run(speculative):
+        config = dict(num_blocks=160, block_size=4, batch_invariant=True, speculative_disable_by_batch_size=32)
+        engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(**config, speculative=speculative))
+        for index, (prompt, sampling) in enumerate(zip(prompts, settings)):
+            engine.add_request(f"g{index}", prompt, sampling, n=4, max_new_tokens=40)
+        outputs = run_to_completion(engine)
+        engine.close()
+        results = {key: (out.generated_tokens, out.logprobs, out.top_logprobs) for key, out in outputs.items()}
+        return results, engine
+
+    (plain, _), (drafted, engine) = run(None), run("suffix")
+    assert engine.scheduler.drafter.accepted_tokens >= 30, "drafts should be accepted, or nothing was compared"
+    assert engine.loop.counters.verification_draws == 0
+    assert drafted == plain
 
 
 def test_lora_adapters_give_the_same_tokens_and_logprobs_with_drafts(every_draft):
@@ -228,14 +258,14 @@ def test_a_failing_verification_ends_its_groups_and_the_engine_serves_on(every_d
 
     accept, fired = step_loop.accept_drafts, []
 
-    def failing_later(batch, logits, draw, drafter, progressed):
+    def failing_later(batch, logits, draw, drafter, progressed, **ahead):
         def draw_or_fail(round_batch, rows):
             if not fired and any(seq.draft and seq.request.is_finished for seq in batch.sequences):
                 fired.append(True)
                 raise RuntimeError("the device fell over")
             return draw(round_batch, rows)
 
-        accept(batch, logits, draw_or_fail, drafter, progressed)
+        accept(batch, logits, draw_or_fail, drafter, progressed, **ahead)
 
     engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=256, block_size=4, speculative="suffix"))
     prompt = make_prompts(1, 6, 6, seed=2)[0]

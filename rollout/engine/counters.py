@@ -18,6 +18,9 @@ class StepCounters:
     computed_tokens: int = 0  # tokens run through the model (prefix hits and forks skip theirs; drafts included)
     prefill_tokens: int = 0  # of which in chunks of more than one token (prompts, recomputes)
     steps: int = 0
+    # Verification rounds of drafted steps that drew on the device, each a round trip to it (speculative decoding;
+    # samples whose draws read none of their tokens draw all positions with their step: `verify.draw_ahead`).
+    verification_draws: int = 0
     weight_updates: int = 0
 
     def count_step(self, chunks: list[int], draft_tokens: int = 0) -> None:

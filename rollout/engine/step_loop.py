@@ -24,13 +24,13 @@ from rollout.engine.requests.request import Request, RequestStatus
 from rollout.engine.runner.model_runner import ModelRunner
 from rollout.engine.runner.step_inputs import UnresolvedTokens
 from rollout.engine.sampling.broken_samples import end_broken
-from rollout.engine.sampling.pending_samples import InFlightStep
+from rollout.engine.sampling.pending_samples import InFlightStep, PendingSamples, SamplerOutput
 from rollout.engine.sampling.prompt_logprobs import deliver as deliver_prompt_logprobs
 from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
-from rollout.engine.speculative.verify import DrawRound, accept_drafts, rejected_slots, withdraw_poisoned
+from rollout.engine.speculative.verify import DrawRound, accept_drafts, draw_ahead, rejected_slots, withdraw_poisoned
 
 logger = logging.getLogger("rollout.engine.engine")
 
@@ -155,6 +155,7 @@ class StepLoop:
             _accept_ahead(previous)  # while the device runs this step's forward
         samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
         drafts = batch.num_draft_tokens
+        ahead, ahead_rows = draw_ahead(self.sampler, logits, batch, self.return_logprobs) if drafts else (None, {})
         chunks = [seq.num_tokens - len(seq.draft) if drafts else seq.num_tokens for seq in batch.sequences]
         self.counters.count_step(chunks, drafts)
         return InFlightStep(
@@ -164,7 +165,9 @@ class StepLoop:
             prompt_logprobs=self.runner.prompt_results,
             routes=self.runner.route_results,
             constrained=constrained,
-            logits=logits if batch.num_draft_tokens else None,
+            logits=logits if drafts else None,
+            ahead=ahead,
+            ahead_rows=ahead_rows,
         )
 
     def _may_draft(self) -> bool:
@@ -187,7 +190,10 @@ class StepLoop:
         progressed = self._resolve_tokens(step)
         if step.logits is not None:
             try:
-                accept_drafts(step.batch, step.logits, self._draw_round(step), self.scheduler.drafter, progressed)
+                accept_drafts(
+                    step.batch, step.logits, self._draw_round(step), self.scheduler.drafter, progressed,
+                    ahead=step.ahead, ahead_rows=step.ahead_rows,
+                )  # fmt: skip
             except Exception as error:  # noqa: BLE001 - the loop must survive any failure, its drafts' ones too
                 logger.exception("verifying a drafted step failed; ending its drafted samples' groups with an error")
                 drafted = [seq.request for seq in step.batch.sequences if seq.draft]
@@ -202,8 +208,12 @@ class StepLoop:
     def _draw_round(self, step: InFlightStep) -> DrawRound:
         """Draws one round of a drafted step's verification (`verify.DrawRound`), as a plain decode step would."""
 
-        def draw(batch: ScheduledBatch, logits: torch.Tensor) -> list[Request]:
-            samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
+        def draw(batch: ScheduledBatch, logits: torch.Tensor | SamplerOutput) -> list[Request]:
+            if isinstance(logits, SamplerOutput):  # drawn ahead, with the step
+                samples = PendingSamples.on_host(logits)
+            else:
+                samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
+                self.counters.verification_draws += 1
             constrained = any(request.constraint is not None for request, _ in batch.samples)
             round_step = InFlightStep(batch, samples, step.policy_version, constrained=constrained, verifying=True)
             self._advance(round_step)

@@ -166,6 +166,7 @@ def measure(
         with_output = sum(1 for r in queues if r.num_output_tokens > 0)
         with_output += sum(1 for _, _, tokens in finished.values() if tokens)
         stats, computed = engine.stats(), engine.counters.computed_tokens
+        verification_draws = engine.counters.verification_draws
         block_bytes = engine.kv_cache.shape.bytes_per_block(BLOCK_SIZE, engine.kv_cache.kv.dtype)
         swap_blocks = engine.kv_cache.num_swap_blocks
     finally:
@@ -222,6 +223,7 @@ def measure(
         "entropy": entropy,
         "draft_tokens": probe.draft_tokens,
         "accepted_draft_tokens": accepted,
+        "verification_draws": verification_draws,
         "tail_steps": probe.tail_steps,
         "tail_tokens": probe.tail_tokens,
         "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),

@@ -18,7 +18,14 @@ from typing import Any
 
 from rollout.benchmarks.harness.progress import stage
 
-FIGURES = ("tail_forwards_per_token", "tokens_per_s", "last_finish_s", "draft_tokens", "accepted_draft_tokens")
+FIGURES = (
+    "tail_forwards_per_token",
+    "tokens_per_s",
+    "last_finish_s",
+    "draft_tokens",
+    "accepted_draft_tokens",
+    "verification_draws",
+)
 
 
 def compare(measure_one: Callable[[str | None], dict[str, Any]], method: str, repeats: int) -> dict[str, Any]:
@@ -56,6 +63,7 @@ def print_comparison(summary: dict[str, Any]) -> None:
         "last_finish_s": "last sample (s)",
         "draft_tokens": "draft tokens",
         "accepted_draft_tokens": "accepted drafts",
+        "verification_draws": "rounds drawn on device",
     }
     print(f"{'median of ' + str(summary['repeats']) + ' runs':<24}{'without':>12}{'with':>12}{'with/without':>14}")
     for figure, name in names.items():

@@ -72,6 +72,34 @@ class PendingSamples:
         self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
         self._fetched: SamplerOutput | None = None
 
+    @classmethod
+    def on_host(cls, output: SamplerOutput) -> PendingSamples:
+        """Samples already fetched (a verification round's share of draws that came with its step): `fetch()`
+        returns `output`, and there is nothing on the device."""
+        pending = cls(torch.empty(0, dtype=torch.long), [], None)
+        pending._fetched = output
+        return pending
+
+    def select(self, rows: list[int]) -> SamplerOutput:
+        """The fetched values of these rows, in this order (their fault rows renumbered to it).
+
+        Args:
+            rows: indices of this step's rows; each at most once.
+        """
+        fetched = self.fetch()
+        where = {row: index for index, row in enumerate(rows)}
+
+        def picked(values: list | None) -> list | None:
+            return None if values is None else [values[row] for row in rows]
+
+        return SamplerOutput(
+            picked(fetched.token_ids),
+            picked(fetched.logprobs),
+            picked(fetched.top_logprobs),
+            sorted(where[row] for row in fetched.dead_rows if row in where),
+            sorted(where[row] for row in fetched.broken_rows if row in where),
+        )
+
     def fetch(self) -> SamplerOutput:
         """The sampled tokens and log-probs as Python values (waits for the copy to land; later calls return the
         same values: a constrained next step fetches them early, the step's resolve again)."""
@@ -119,4 +147,8 @@ class InFlightStep:
     routes: PendingRoutes | None = None  # the MoE routes it recorded (routes.py)
     constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)
     logits: torch.Tensor | None = None  # a drafted step's logits, every row, kept for its verification
+    # A drafted step's draws at its draft positions, queued with it for the samples that keep no token-dependent
+    # state (`verify.draw_ahead`), and (id(request), draft position) -> their row there.
+    ahead: PendingSamples | None = None
+    ahead_rows: dict[tuple[int, int], int] = field(default_factory=dict)
     verifying: bool = False  # a round of a drafted step's verification (every sample of it drafted)

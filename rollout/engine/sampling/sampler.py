@@ -86,7 +86,13 @@ class Sampler:
         self.slots.release(request)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, samples: list[tuple[Request, int]], return_logprobs: bool) -> PendingSamples:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        samples: list[tuple[Request, int]],
+        return_logprobs: bool,
+        ahead: list[int] | None = None,
+    ) -> PendingSamples:
         """Sample one token for each (request, logits row) pair, without waiting for the device: the work is queued
         and the results come to the host in one copy (`PendingSamples.fetch()`).
 
@@ -94,6 +100,11 @@ class Sampler:
             logits: (rows, vocab) logits of the positions that get sampled.
             samples: (request, row) pairs; several requests may share a row (a group's first token).
             return_logprobs: compute log-probs (and top log-probs where asked).
+            ahead: draws ahead of the requests' tokens (speculative decoding's draft positions), one count per pair:
+                pair i draws the token at `ahead[i]` positions past its request's next one, as if the tokens between
+                were its own. Those draws are not recorded in the token-dependent state (penalties, history), so they
+                are exact only for requests that keep none (`verify.draws_ahead`); a request may appear in several
+                pairs. None: every pair draws its request's next token.
         """
         device = logits.device
         if not samples:
@@ -101,8 +112,8 @@ class Sampler:
             return PendingSamples(empty, [empty] * (2 if return_logprobs else 1), None)
         slots = self.slots
         requests = [request for request, _ in samples]
-        columns = slots.gather(requests)
-        if len(samples) == logits.shape[0]:
+        columns = slots.gather(requests, ahead)
+        if ahead is None and len(samples) == logits.shape[0]:
             raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
         else:  # a group's samples share their leader's row for their first token
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
@@ -135,7 +146,8 @@ class Sampler:
             token_ids, candidates = self._draw_candidates(scores, columns, max(top_counts) if top_counts else 0)
         else:
             token_ids, scores = self._draw_whole_rows(scores, columns)
-        slots.state.record(columns, token_ids)
+        if ahead is None:
+            slots.state.record(columns, token_ids)
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None, faults)

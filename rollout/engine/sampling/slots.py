@@ -96,16 +96,19 @@ class SamplingSlots:
         """Slots held by samples that have not finished."""
         return self._floats.shape[0] - len(self._free)
 
-    def gather(self, requests: list[Request]) -> SlotColumns:
+    def gather(self, requests: list[Request], ahead: list[int] | None = None) -> SlotColumns:
         """The step's columns, one row per request (taking a slot for each request's first draw).
 
         Args:
             requests: the sampled requests, in row order; each's last token is the one being sampled.
+            ahead: per row, how many positions past its request's next token the row samples (None: none).
         """
         slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
         assigned, self._assigned = self._assigned, []
         # The sampled token's position: the request's length before it (its placeholder, if any, is not there yet).
         positions = [len(r.token_ids) for r in requests]
+        if ahead is not None:
+            positions = [position + offset for position, offset in zip(positions, ahead, strict=True)]
         self._write_pending()
         if assigned:
             self.state.assign(assigned)

@@ -9,6 +9,13 @@ kept as the sample's next token and the drafts after it are dropped, with their 
 or max_new_tokens among the drawn tokens ends the sample there, as without drafts. So a seeded sample gets the same
 tokens with and without speculation: bit for bit under `batch_invariant=True`, where the step's logits equal a plain
 decode's; otherwise up to the rounding that a multi-token forward changes (a draw at a near-tie may differ).
+
+A sample whose draws read none of its tokens (no penalty, no n-gram or multi-token bad-word ban, no grammar: GRPO's
+usual settings; `draws_ahead`) needs no round trip per position: its draw at draft position j is a pure function of
+the step's logits row j, its seed and its position, so `draw_ahead` queues its draws at every draft position with the
+step's own sampling, they come to the host with the step's tokens, and its rounds only read them (`PendingSamples.
+select`). The rounds still run position by position on the host, so everything a token does (ending the sample,
+streaming) happens as before; only samples whose draws read their tokens draw on the device round by round.
 """
 
 from __future__ import annotations
@@ -19,13 +26,53 @@ import torch
 
 from rollout.engine.kv.transfer import to_device
 from rollout.engine.requests.request import Request, RequestStatus
-from rollout.engine.sampling.pending_samples import SamplerOutput
+from rollout.engine.sampling.ban_lists import has_history
+from rollout.engine.sampling.pending_samples import PendingSamples, SamplerOutput
+from rollout.engine.sampling.sampler import Sampler
+from rollout.engine.sampling.slot_state import penalized
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.speculative.drafter import SuffixDrafter
 
-# Draws one token for each sample of a one-token-per-sample batch from the given logits rows (in samples order),
-# counts the batch as computed and resolves its tokens; returns the requests that progressed (`StepLoop`).
-DrawRound = Callable[[ScheduledBatch, torch.Tensor], list[Request]]
+# Draws one token for each sample of a one-token-per-sample batch from the given logits rows (in samples order), or
+# takes the draws given (drawn ahead, on the host), counts the batch as computed and resolves its tokens; returns the
+# requests that progressed (`StepLoop`).
+DrawRound = Callable[[ScheduledBatch, "torch.Tensor | SamplerOutput"], list[Request]]
+
+
+def draws_ahead(request: Request) -> bool:
+    """Whether a sample's draws read none of its tokens, so those at its draft positions can be made with its step
+    (`draw_ahead`): no penalty, no ban on its recent tokens (no_repeat_ngram_size, multi-token bad words), no grammar.
+    Bans by position (begin_suppress_tokens, min_new_tokens' stop tokens) read only the position."""
+    return request.constraint is None and not penalized(request) and not has_history(request.sampling)
+
+
+def draw_ahead(
+    sampler: Sampler, logits: torch.Tensor, batch: ScheduledBatch, return_logprobs: bool
+) -> tuple[PendingSamples | None, dict[tuple[int, int], int]]:
+    """Queue a drafted step's draws at every draft position of its samples that `draws_ahead`, with the step's own
+    sampling (nothing waits for the device): what their verification rounds read instead of drawing.
+
+    Returns (the draws, or None when no sample qualifies; (id(request), draft position) -> row of the draws).
+
+    Args:
+        sampler: the engine's sampler (its `sample` with `ahead`: each row's position past the request's next).
+        logits: the step's logits, all its rows.
+        batch: the drafted step, its first draws queued (every sample's slot taken).
+        return_logprobs: compute log-probs (and top log-probs where asked).
+    """
+    first_row = {id(request): row for request, row in batch.samples}
+    pairs: list[tuple[Request, int]] = []
+    offsets: list[int] = []
+    for seq in batch.sequences:
+        request = seq.request
+        if seq.draft and id(request) in first_row and draws_ahead(request):
+            for position in range(1, len(seq.draft) + 1):  # logits row first + position: the token past draft[-1]
+                pairs.append((request, first_row[id(request)] + position))
+                offsets.append(position)
+    if not pairs:
+        return None, {}
+    rows = {(id(request), position): index for index, ((request, _), position) in enumerate(zip(pairs, offsets))}
+    return sampler.sample(logits, pairs, return_logprobs, ahead=offsets), rows
 
 
 def accept_drafts(
@@ -34,6 +81,8 @@ def accept_drafts(
     draw: DrawRound,
     drafter: SuffixDrafter,
     progressed: list[Request],
+    ahead: PendingSamples | None = None,
+    ahead_rows: dict[tuple[int, int], int] | None = None,
 ) -> None:
     """Draw the drafted samples' tokens past the first (already drawn and resolved from their first row), position
     by position, while each draw equals the draft token it follows; tell the drafter what was accepted.
@@ -45,6 +94,8 @@ def accept_drafts(
         drafter: told how many of each sample's drafts were accepted.
         progressed: the requests that progressed in each round are appended here as the round resolves (a round
             that raises leaves the earlier rounds' there, for their outputs).
+        ahead: the step's draws made ahead (`draw_ahead`); its samples' rounds read them instead of drawing.
+        ahead_rows: (id(request), draft position) -> row of `ahead`.
     """
     first_row = {id(request): row for request, row in batch.samples}  # a withdrawn sample has none (`withdraw`)
     drafted = [
@@ -53,6 +104,7 @@ def accept_drafts(
         if seq.draft and id(seq.request) in first_row
     ]
     accepted = dict.fromkeys((id(request) for request, _, _ in drafted), 0)
+    ahead_rows = ahead_rows if ahead is not None and ahead_rows else {}
     live, position = drafted, 0
     while live:
         # Position `position`'s token was drawn and resolved last: its draft token stands if it equals the draw.
@@ -68,15 +120,25 @@ def accept_drafts(
             break
         for request, _, _ in live:
             accepted[id(request)] += 1
-        round_batch = ScheduledBatch()
-        for index, (request, _, _) in enumerate(live):
-            round_batch.sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
-            round_batch.logits_sequences.append(index)
-            round_batch.samples.append((request, index))
-        rows = to_device([row + position for _, row, _ in live], torch.long, logits.device)
-        progressed += draw(round_batch, logits.index_select(0, rows))
+        known = [entry for entry in live if (id(entry[0]), position) in ahead_rows]
+        if known:  # drawn with the step: on the host already
+            progressed += draw(_round(known), ahead.select([ahead_rows[id(r), position] for r, _, _ in known]))
+        rest = [entry for entry in live if (id(entry[0]), position) not in ahead_rows] if known else live
+        if rest:
+            rows = to_device([row + position for _, row, _ in rest], torch.long, logits.device)
+            progressed += draw(_round(rest), logits.index_select(0, rows))
     for request, _, draft in drafted:
         drafter.verified(request, len(draft), accepted[id(request)])
+
+
+def _round(live: list[tuple[Request, int, tuple[int, ...]]]) -> ScheduledBatch:
+    """One verification round: each live sample's next position, one token and one draw each."""
+    round_batch = ScheduledBatch()
+    for index, (request, _, _) in enumerate(live):
+        round_batch.sequences.append(ScheduledSequence(request, request.num_computed_tokens, 1))
+        round_batch.logits_sequences.append(index)
+        round_batch.samples.append((request, index))
+    return round_batch
 
 
 def rejected_slots(batch: ScheduledBatch, block_size: int) -> list[int]:
