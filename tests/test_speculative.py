@@ -98,7 +98,7 @@ def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap, e
 def test_samples_whose_draws_read_no_tokens_verify_without_a_device_round_per_position(every_draft):
     """GRPO's settings (temperature, top_k, top_p, a seed), with logit_bias, top log-probs and bans by position only
     (begin_suppress_tokens, suppress_tokens, min_new_tokens): every draft position is drawn with its step
-    (`verify.draw_ahead`), so no verification round draws on the device, and the tokens, log-probs and top log-probs
+    (`verify.sample_drafted`), so no verification round draws on the device, and the tokens, log-probs and top log-probs
     equal plain decoding's bit for bit."""
     prompts = make_prompts(3, 4, 10, seed=17)
     common = dict(temperature=1.0, stop_token_ids=[EOS])
@@ -347,6 +347,23 @@ def test_a_sample_withdrawn_by_a_verification_round_draws_no_further_round():
 
     accept_drafts(batch, torch.zeros(4, 2), draw, SimpleNamespace(verified=lambda *args: None), [])
     assert rounds == [3]
+
+
+def test_one_sampling_pass_splits_into_first_draws_and_draws_ahead_with_their_faults():
+    """A drafted step samples its first draws and its draws ahead in one pass (`verify.sample_drafted`): the first
+    rows read as the step's own samples, the others row by row for the verification rounds, each part with its own
+    rows' faults renumbered (a dead or non-finite row elsewhere is not theirs)."""
+    from rollout.engine.sampling.pending_samples import PendingSamples, row_faults
+
+    tokens = torch.tensor([5, 6, 7, 8])
+    chosen = torch.tensor([-0.5, -0.25, -1.0, -2.0])
+    faults = row_faults(torch.tensor([False, False, True, False]), torch.tensor([False, True, False, False]))
+    both = PendingSamples(tokens, [tokens, chosen], None, faults)
+    head = both.first_rows(2).fetch()
+    assert (head.token_ids, head.logprobs, head.dead_rows, head.broken_rows) == ([5, 6], [-0.5, -0.25], [1], [])
+    assert both.first_rows(2).token_ids.tolist() == [5, 6]
+    ahead = both.select([3, 2])
+    assert (ahead.token_ids, ahead.logprobs, ahead.dead_rows, ahead.broken_rows) == ([8, 7], [-2.0, -1.0], [], [1])
 
 
 def test_the_warm_up_leaves_no_drafts():

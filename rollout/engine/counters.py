@@ -19,7 +19,7 @@ class StepCounters:
     prefill_tokens: int = 0  # of which in chunks of more than one token (prompts, recomputes)
     steps: int = 0
     # Verification rounds of drafted steps that drew on the device, each a round trip to it (speculative decoding;
-    # samples whose draws read none of their tokens draw all positions with their step: `verify.draw_ahead`).
+    # samples whose draws read none of their tokens draw all positions with their step: `verify.sample_drafted`).
     verification_draws: int = 0
     weight_updates: int = 0
 

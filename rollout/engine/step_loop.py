@@ -30,7 +30,13 @@ from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.scheduler import Scheduler
-from rollout.engine.speculative.verify import DrawRound, accept_drafts, draw_ahead, rejected_slots, withdraw_poisoned
+from rollout.engine.speculative.verify import (
+    DrawRound,
+    accept_drafts,
+    rejected_slots,
+    sample_drafted,
+    withdraw_poisoned,
+)
 
 logger = logging.getLogger("rollout.engine.engine")
 
@@ -153,9 +159,11 @@ class StepLoop:
         constrained = any(request.constraint is not None for request, _ in batch.samples)  # one check per step
         if constrained and previous is not None and previous.constrained:
             _accept_ahead(previous)  # while the device runs this step's forward
-        samples = self.sampler.sample(logits, batch.samples, self.return_logprobs)
         drafts = batch.num_draft_tokens
-        ahead, ahead_rows = draw_ahead(self.sampler, logits, batch, self.return_logprobs) if drafts else (None, {})
+        if drafts:  # with the draws its verification can make ahead, in one pass
+            samples, ahead, ahead_rows = sample_drafted(self.sampler, logits, batch, self.return_logprobs)
+        else:
+            samples, ahead, ahead_rows = self.sampler.sample(logits, batch.samples, self.return_logprobs), None, {}
         chunks = [seq.num_tokens - len(seq.draft) if drafts else seq.num_tokens for seq in batch.sequences]
         self.counters.count_step(chunks, drafts)
         return InFlightStep(

@@ -71,6 +71,20 @@ class PendingSamples:
         # float64 holds token ids exactly.
         self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
         self._fetched: SamplerOutput | None = None
+        self._head_of: PendingSamples | None = None  # `first_rows`: these are the first rows of another's
+
+    def first_rows(self, count: int) -> PendingSamples:
+        """The first `count` rows as samples of their own, brought to the host by this one's copy (a drafted step's
+        first draws, sampled in one pass with its draws ahead: `verify.sample_drafted`).
+
+        Args:
+            count: rows, from the first.
+        """
+        if count == self._rows:
+            return self
+        head = PendingSamples(self.token_ids[:0], [], None)  # no copy of its own
+        head.token_ids, head._rows, head._head_of = self.token_ids[:count], count, self
+        return head
 
     @classmethod
     def on_host(cls, output: SamplerOutput) -> PendingSamples:
@@ -104,7 +118,8 @@ class PendingSamples:
         """The sampled tokens and log-probs as Python values (waits for the copy to land; later calls return the
         same values: a constrained next step fetches them early, the step's resolve again)."""
         if self._fetched is None:
-            self._fetched = self._fetch()
+            head_of = self._head_of
+            self._fetched = self._fetch() if head_of is None else head_of.select(list(range(self._rows)))
         return self._fetched
 
     def _fetch(self) -> SamplerOutput:
@@ -148,7 +163,7 @@ class InFlightStep:
     constrained: bool = False  # some sample follows a grammar (its next mask needs this step's token on the host)
     logits: torch.Tensor | None = None  # a drafted step's logits, every row, kept for its verification
     # A drafted step's draws at its draft positions, queued with it for the samples that keep no token-dependent
-    # state (`verify.draw_ahead`), and (id(request), draft position) -> their row there.
+    # state (`verify.sample_drafted`), and (id(request), draft position) -> their row there.
     ahead: PendingSamples | None = None
     ahead_rows: dict[tuple[int, int], int] = field(default_factory=dict)
     verifying: bool = False  # a round of a drafted step's verification (every sample of it drafted)

@@ -101,10 +101,10 @@ class Sampler:
             samples: (request, row) pairs; several requests may share a row (a group's first token).
             return_logprobs: compute log-probs (and top log-probs where asked).
             ahead: draws ahead of the requests' tokens (speculative decoding's draft positions), one count per pair:
-                pair i draws the token at `ahead[i]` positions past its request's next one, as if the tokens between
-                were its own. Those draws are not recorded in the token-dependent state (penalties, history), so they
-                are exact only for requests that keep none (`verify.draws_ahead`); a request may appear in several
-                pairs. None: every pair draws its request's next token.
+                pair i draws the token at `ahead[i]` positions past its request's next one (0: the next one), as if
+                the tokens between were its own; a request may appear in several pairs. Only a request that keeps no
+                token-dependent state may draw ahead (`verify.draws_ahead`): its draws are recorded like any other,
+                in table rows it never reads. None: every pair draws its request's next token.
         """
         device = logits.device
         if not samples:
@@ -146,8 +146,7 @@ class Sampler:
             token_ids, candidates = self._draw_candidates(scores, columns, max(top_counts) if top_counts else 0)
         else:
             token_ids, scores = self._draw_whole_rows(scores, columns)
-        if ahead is None:
-            slots.state.record(columns, token_ids)
+        slots.state.record(columns, token_ids)
 
         if not return_logprobs:
             return PendingSamples(token_ids, [token_ids], None, faults)

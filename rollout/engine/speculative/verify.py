@@ -12,8 +12,8 @@ decode's; otherwise up to the rounding that a multi-token forward changes (a dra
 
 A sample whose draws read none of its tokens (no penalty, no n-gram or multi-token bad-word ban, no grammar: GRPO's
 usual settings; `draws_ahead`) needs no round trip per position: its draw at draft position j is a pure function of
-the step's logits row j, its seed and its position, so `draw_ahead` queues its draws at every draft position with the
-step's own sampling, they come to the host with the step's tokens, and its rounds only read them (`PendingSamples.
+the step's logits row j, its seed and its position, so `sample_drafted` draws every draft position of it in the
+step's own sampling pass, they come to the host with the step's tokens, and its rounds only read them (`PendingSamples.
 select`). The rounds still run position by position on the host, so everything a token does (ending the sample,
 streaming) happens as before; only samples whose draws read their tokens draw on the device round by round.
 """
@@ -41,23 +41,25 @@ DrawRound = Callable[[ScheduledBatch, "torch.Tensor | SamplerOutput"], list[Requ
 
 def draws_ahead(request: Request) -> bool:
     """Whether a sample's draws read none of its tokens, so those at its draft positions can be made with its step
-    (`draw_ahead`): no penalty, no ban on its recent tokens (no_repeat_ngram_size, multi-token bad words), no grammar.
+    (`sample_drafted`): no penalty, no ban on its recent tokens (no_repeat_ngram_size, multi-token bad words), no grammar.
     Bans by position (begin_suppress_tokens, min_new_tokens' stop tokens) read only the position."""
     return request.constraint is None and not penalized(request) and not has_history(request.sampling)
 
 
-def draw_ahead(
+def sample_drafted(
     sampler: Sampler, logits: torch.Tensor, batch: ScheduledBatch, return_logprobs: bool
-) -> tuple[PendingSamples | None, dict[tuple[int, int], int]]:
-    """Queue a drafted step's draws at every draft position of its samples that `draws_ahead`, with the step's own
-    sampling (nothing waits for the device): what their verification rounds read instead of drawing.
+) -> tuple[PendingSamples, PendingSamples | None, dict[tuple[int, int], int]]:
+    """A drafted step's sampling, queued in one pass (nothing waits for the device): every sample's first draw and,
+    for the samples that `draws_ahead`, the draws at each of their draft positions, which their verification rounds
+    read instead of drawing.
 
-    Returns (the draws, or None when no sample qualifies; (id(request), draft position) -> row of the draws).
+    Returns (the first draws, in `batch.samples` order; all the pass's draws, or None when no sample draws ahead;
+    (id(request), draft position) -> row of those).
 
     Args:
         sampler: the engine's sampler (its `sample` with `ahead`: each row's position past the request's next).
         logits: the step's logits, all its rows.
-        batch: the drafted step, its first draws queued (every sample's slot taken).
+        batch: the drafted step.
         return_logprobs: compute log-probs (and top log-probs where asked).
     """
     first_row = {id(request): row for request, row in batch.samples}
@@ -70,9 +72,13 @@ def draw_ahead(
                 pairs.append((request, first_row[id(request)] + position))
                 offsets.append(position)
     if not pairs:
-        return None, {}
-    rows = {(id(request), position): index for index, ((request, _), position) in enumerate(zip(pairs, offsets))}
-    return sampler.sample(logits, pairs, return_logprobs, ahead=offsets), rows
+        return sampler.sample(logits, batch.samples, return_logprobs), None, {}
+    count = len(batch.samples)
+    both = sampler.sample(logits, batch.samples + pairs, return_logprobs, ahead=[0] * count + offsets)
+    rows = {
+        (id(request), position): count + index for index, ((request, _), position) in enumerate(zip(pairs, offsets))
+    }
+    return both.first_rows(count), both, rows
 
 
 def accept_drafts(
@@ -94,7 +100,7 @@ def accept_drafts(
         drafter: told how many of each sample's drafts were accepted.
         progressed: the requests that progressed in each round are appended here as the round resolves (a round
             that raises leaves the earlier rounds' there, for their outputs).
-        ahead: the step's draws made ahead (`draw_ahead`); its samples' rounds read them instead of drawing.
+        ahead: the step's draws made ahead (`sample_drafted`); its samples' rounds read them instead of drawing.
         ahead_rows: (id(request), draft position) -> row of `ahead`.
     """
     first_row = {id(request): row for request, row in batch.samples}  # a withdrawn sample has none (`withdraw`)
