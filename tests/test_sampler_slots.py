@@ -6,6 +6,7 @@ does."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_sampling import expected_logprobs
@@ -13,7 +14,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
 from rollout.config import SamplingParams
-from rollout.engine.sampling.draw import sample_blocked, sample_from
+from rollout.engine.sampling.draw import sample_blocked, sample_from, uniforms
 from rollout.engine.sampling.sampler import Sampler
 
 STOPS = (3, 17, 29, 41)
@@ -136,10 +137,10 @@ def test_blocked_cdf_walk_draws_what_a_whole_row_walk_draws():
     probs[:5, 3] = 0.5
     probs[5:10, :290] = 0.0  # ... and in the ragged last one
     probs[5:10, 295] = 0.5
-    seeds = torch.arange(2000, dtype=torch.long) * 7919 + 11
-    expected = sample_from(probs, seeds)
+    uniform = torch.from_numpy(uniforms(np.full(2000, 11, dtype=np.uint64), np.arange(2000)))
+    expected = sample_from(probs, uniform)
     for block in (1, 7, 64, 299, 300, 1024):
-        drawn = sample_blocked(probs, seeds, block)
+        drawn = sample_blocked(probs, uniform, block)
         assert torch.equal(drawn, expected), block
         assert (probs.gather(1, drawn.unsqueeze(1)) > 0).all(), block
 

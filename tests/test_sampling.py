@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -519,31 +520,44 @@ def test_min_new_tokens_masks_stop_tokens():
 
 
 # ---- counter-based randomness -------------------------------------------------------------------------------------
-def test_uniforms_are_uniform_deterministic_and_decorrelated():
-    """The sampler's counter-based uniforms: a pure function of the seed, uniform on (0, 1) (moments and
-    Kolmogorov-Smirnov distance), and consecutive seeds uncorrelated."""
-    from rollout.engine.sampling.draw import uniform_from_seeds
+def test_uniforms_are_splitmix64_streams():
+    """A row's uniform number is the position-th output of a SplitMix64 stream started at its sample's stream id:
+    the published outputs of the reference generator (Vigna's splitmix64.c) seeded with 0, and those of Rosetta Code's
+    "Pseudo-random numbers/Splitmix64" task, seeded with 1234567."""
+    from rollout.engine.sampling.draw import splitmix64, uniforms
 
-    seeds = torch.arange(200_000, dtype=torch.int64) * 7919 + (1 << 40)
-    u = uniform_from_seeds(seeds)
-    assert torch.equal(u, uniform_from_seeds(seeds))
-    assert u.min().item() > 0 and u.max().item() < 1
-    assert abs(u.mean().item() - 0.5) < 0.003 and abs(u.var().item() - 1 / 12) < 0.002
-    ordered = u.sort().values
-    ks = (ordered - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max().item()
-    assert ks < 1.63 / math.sqrt(len(u))  # Kolmogorov-Smirnov at p = 0.01
-    centred = u - 0.5
-    assert abs((centred[:-1] * centred[1:]).mean().item()) < 0.001
+    published = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F, 0xF88BB8A8724C81EC]
+    assert splitmix64(np.zeros(4, dtype=np.uint64), np.arange(1, 5)).tolist() == published
+    seeded = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431, 16408922859458223821]
+    assert splitmix64(np.full(5, 1234567, dtype=np.uint64), np.arange(1, 6)).tolist() == seeded
+    assert uniforms(np.zeros(1, dtype=np.uint64), np.ones(1)).tolist() == [((published[0] >> 12) + 0.5) * 2.0**-52]
+
+
+def test_uniforms_are_uniform_deterministic_and_decorrelated():
+    """The sampler's counter-based uniforms: a pure function of (stream id, position), uniform on (0, 1) (moments
+    and Kolmogorov-Smirnov distance), and consecutive positions, and streams of consecutive ids, uncorrelated."""
+    from rollout.engine.sampling.draw import uniforms
+
+    positions = np.arange(200_000)
+    for bases in (np.full(200_000, (1 << 40) + 7919, dtype=np.uint64), np.arange(200_000, dtype=np.uint64)):
+        u = torch.from_numpy(uniforms(bases, positions))
+        assert torch.equal(u, torch.from_numpy(uniforms(bases, positions)))
+        assert u.min().item() > 0 and u.max().item() < 1
+        assert abs(u.mean().item() - 0.5) < 0.003 and abs(u.var().item() - 1 / 12) < 0.002
+        ordered = u.sort().values
+        ks = (ordered - torch.arange(1, len(u) + 1, dtype=torch.float64) / len(u)).abs().max().item()
+        assert ks < 1.63 / math.sqrt(len(u))  # Kolmogorov-Smirnov at p = 0.01
+        centred = u - 0.5
+        assert abs((centred[:-1] * centred[1:]).mean().item()) < 0.001
 
 
 def test_inverse_cdf_samples_the_distribution_and_never_zero_probability():
     """sample_from draws column i with probability p_i (chi-square over 20000 draws) and never a zero column."""
-    from rollout.engine.sampling.draw import sample_from
+    from rollout.engine.sampling.draw import sample_from, uniforms
 
     probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.15, 0.1, 0.05, 0.0])
     draws = 20_000
-    seeds = torch.arange(draws, dtype=torch.int64) * 104729 + 12345
-    picks = sample_from(probs.expand(draws, -1), seeds)
+    picks = sample_from(probs.expand(draws, -1), torch.from_numpy(uniforms(np.full(draws, 12345), np.arange(draws))))
     observed = torch.bincount(picks, minlength=len(probs)).double()
     assert observed[probs == 0].sum().item() == 0
     nonzero = probs > 0

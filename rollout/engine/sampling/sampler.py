@@ -39,9 +39,9 @@ class Sampler:
       4. temperature; 5. top_k; 6. top_p; 7. min_p; 8. typical_p; 9. epsilon_cutoff; 10. eta_cutoff
          (`rollout.engine.sampling.warpers`, transformers' warper semantics);
       11. sample (`rollout.engine.sampling.draw`): greedy rows take the argmax; others draw by inverse CDF with one
-         uniform number per row, a counter-based hash of (request seed, sample index, position) mixed on the device: a
-         completion never depends on the rest of the batch, on preemption, or on any RNG state, and drawing needs no
-         host round trip.
+         uniform number per row, a counter-based hash of (request seed, sample index, position) made on the host
+         with the step's slot indices (SplitMix64) and copied with them: a completion never depends on the rest of
+         the batch, on preemption, or on any RNG state, and drawing needs no host round trip.
 
     Steps 1-3 read each sample's tokens from per-slot device tables (`rollout.engine.sampling.slot_state`, masks in
     `rollout.engine.sampling.ban_masks`): a fixed number of kernels per step for all rows, and one scatter per table to
@@ -175,7 +175,7 @@ class Sampler:
             return token_ids, scores
         # Greedy rows keep their unwarped scores and their argmax (transformers warps only when sampling).
         warped = warp(scores, columns, slots)
-        drawn = sample_blocked(warped.softmax(dim=-1), columns.seeds())
+        drawn = sample_blocked(warped.softmax(dim=-1), columns.uniform)
         if not slots.any("greedy"):
             return drawn, warped
         greedy = columns.int("greedy").bool()
@@ -189,7 +189,7 @@ class Sampler:
         width = candidate_width(self.slots, top_logprobs)
         values, ids = warp_candidates(scores, columns, self.slots, width)
         # Candidates in token id order: the same CDF as the whole row's, without its zero-probability columns.
-        position = sample_from(values.softmax(dim=-1), columns.seeds())
+        position = sample_from(values.softmax(dim=-1), columns.uniform)
         token_ids = ids.gather(1, position.unsqueeze(1)).squeeze(1)
         if self.slots.any("greedy"):
             token_ids = torch.where(columns.int("greedy").bool(), scores.argmax(dim=-1), token_ids)

@@ -1,5 +1,5 @@
 """One step's sampling parameters, a row per sampled row, gathered from the slot tables of `sampling_slots.py`: the
-columns of its two tables and how a row's per-token seed is made. Plain views; the tables live in SamplingSlots."""
+columns of its two tables, and each row's uniform number for its draw. Plain views; the tables live in SamplingSlots."""
 
 from __future__ import annotations
 
@@ -23,28 +23,34 @@ INT_COLUMNS = (
     "top_k",  # the vocabulary size when top_k is off
     "greedy",  # 1: argmax; 0: drawn
     "use_processed",  # 1: log-probs of the processed scores; 0: of the raw or temperature-scaled logits
-    "seed_base",  # a 63-bit digest of (seed, sample_index) (sampling_slots.stream_seed); mixed with the position
     "prompt_tokens",  # the prompt's length: a row's output count is its position minus this
     "min_new_tokens",  # 0 when the request has no stop token to mask
     "ngram",  # no_repeat_ngram_size (0: off)
 )
 _F = {name: i for i, name in enumerate(FLOAT_COLUMNS)}
 _I = {name: i for i, name in enumerate(INT_COLUMNS)}
-# Odd 64-bit constant (2^64 / golden ratio) that spreads consecutive positions over the seed space.
-_POSITION_STRIDE = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
 class SlotColumns:
     """One step's parameters, one row per sampled row (views into two gathered tensors)."""
 
     def __init__(
-        self, floats: torch.Tensor, ints: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, max_position: int
+        self,
+        floats: torch.Tensor,
+        ints: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        max_position: int,
+        uniform: torch.Tensor,
     ):
         self._floats = floats
         self._ints = ints
         self.slots = slots  # (rows,) int64: each row's slot
         self.positions = positions  # (rows,) int64: position of the token each row samples
         self.max_position = max_position  # the largest of them (a host count)
+        # (rows,) float64 in (0, 1): each row's number for its draw, a pure function of (seed, sample_index,
+        # position) (`draw.uniforms`)
+        self.uniform = uniform
 
     def float(self, name: str) -> torch.Tensor:
         """(rows, 1) fp32 column `name` of FLOAT_COLUMNS (one slicing op: this runs several times a step)."""
@@ -54,7 +60,3 @@ class SlotColumns:
     def int(self, name: str) -> torch.Tensor:
         """(rows,) int64 column `name` of INT_COLUMNS."""
         return self._ints[:, _I[name]]
-
-    def seeds(self) -> torch.Tensor:
-        """(rows,) int64 per-token seeds: a pure function of (seed, sample_index, position)."""
-        return self.int("seed_base") + self.positions * _POSITION_STRIDE

@@ -1,12 +1,12 @@
 """Each running sample's sampling parameters, kept on the device in persistent per-slot buffers.
 
 A sample takes a slot at its first draw and keeps it until it finishes (through preemption and recompute): its
-temperature, top-k/p, min-p, typical-p, epsilon/eta cutoffs, penalties, greediness, log-prob mode and seed are
-written into one row of two device tables once, and every step gathers its rows by slot index (one host-to-device
-copy of the step's slot indices and positions, then two `index_select`s) instead of rebuilding columns from Python
-objects. A host-side count of the live slots that use each processor lets a step skip the processors nobody asks
-for; a row that does not ask holds its processor's neutral value (temperature 1, top-k = vocabulary, top-p's cut 0, ...)
-so running a processor over it leaves it as it was.
+temperature, top-k/p, min-p, typical-p, epsilon/eta cutoffs, penalties, greediness and log-prob mode are written into
+one row of two device tables once (its seed's stream id into a host array), and every step gathers its rows by slot
+index (one host-to-device copy of the step's slot indices, positions and draws' uniform numbers, then two
+`index_select`s) instead of rebuilding columns from Python objects. A host-side count of the live slots that use each
+processor lets a step skip the processors nobody asks for; a row that does not ask holds its processor's neutral
+value (temperature 1, top-k = vocabulary, top-p's cut 0, ...) so running a processor over it leaves it as it was.
 
 The token-dependent state (penalty counts, token history, ban lists) lives in per-slot tables too
 (`rollout.engine.sampling.slot_state`), filled at a sample's first draw and kept through preemption and recompute with
@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 
+import numpy as np
 import torch
 
 from rollout.config import SamplingParams
 from rollout.engine.kv.transfer import to_device
 from rollout.engine.requests.request import Request
 from rollout.engine.sampling.ban_lists import has_bans
+from rollout.engine.sampling.draw import uniforms
 from rollout.engine.sampling.logit_bias import SlotBias
 from rollout.engine.sampling.slot_columns import FLOAT_COLUMNS, INT_COLUMNS, SlotColumns
 from rollout.engine.sampling.slot_state import SlotState
@@ -84,6 +86,8 @@ class SamplingSlots:
         self._floats = torch.zeros(capacity, len(FLOAT_COLUMNS), dtype=torch.float32, device=device)
         self._ints = torch.zeros(capacity, len(INT_COLUMNS), dtype=torch.long, device=device)
         self._free = list(range(capacity - 1, -1, -1))
+        # Each slot's stream id (`stream_seed`), on the host: the draws' uniform numbers are made there (`gather`).
+        self._seed_bases = np.zeros(capacity, dtype=np.uint64)
         self._pending: list[tuple[int, list[float], list[int]]] = []  # rows written at the next gather
         self.uses: Counter[str] = Counter()  # feature -> live slots that use it
         self._top_ks: Counter[int] = Counter()  # top_k of the live slots that set one
@@ -113,10 +117,17 @@ class SamplingSlots:
         if assigned:
             self.state.assign(assigned)
             self.bias.assign(assigned)
-        index = to_device([slots, positions], torch.long, self.device)
+        host = np.empty((3, len(slots)), dtype=np.int64)
+        host[0], host[1] = slots, positions
+        if self.uses["sampled"]:  # greedy rows never read theirs
+            host[2] = uniforms(self._seed_bases[host[0]], host[1]).view(np.int64)
+        else:
+            host[2] = 0
+        # One copy: slot indices, positions and the uniform numbers' bits (viewed back as float64 on the device).
+        index = to_device(torch.from_numpy(host), torch.long, self.device)
         floats = self._floats.index_select(0, index[0])
         ints = self._ints.index_select(0, index[0])
-        return SlotColumns(floats, ints, index[0], index[1], max(positions))
+        return SlotColumns(floats, ints, index[0], index[1], max(positions), index[2].view(torch.float64))
 
     def any(self, feature: str) -> bool:
         """Whether some live slot uses `feature` (see `features`)."""
@@ -162,19 +173,18 @@ class SamplingSlots:
         if params.top_k:
             self._top_ks[params.top_k] += 1
         self._pending.append((slot, _float_row(params), self._int_row(request)))
+        self._seed_bases[slot] = stream_seed(request.seed, request.sample_index)
         self._assigned.append(request)
         return slot
 
     def _int_row(self, request: Request) -> list[int]:
         params = request.sampling
-        seed_base = stream_seed(request.seed, request.sample_index)
         top_k = min(params.top_k or self.vocab_size, self.vocab_size)
         min_new_tokens = params.min_new_tokens if request.stop_token_ids else 0
         return [
             top_k,
             int(params.greedy),
             int(params.logprob_mode == "processed"),
-            seed_base,
             request.num_prompt_tokens,
             min_new_tokens,
             params.no_repeat_ngram_size,
@@ -193,6 +203,7 @@ class SamplingSlots:
         old = self._floats.shape[0]
         self._floats = torch.cat([self._floats, torch.zeros_like(self._floats)])
         self._ints = torch.cat([self._ints, torch.zeros_like(self._ints)])
+        self._seed_bases = np.concatenate([self._seed_bases, np.zeros(old, dtype=np.uint64)])
         self.state.grow(2 * old)
         self.bias.grow(2 * old)
         self._free.extend(range(2 * old - 1, old - 1, -1))
