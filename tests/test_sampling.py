@@ -519,6 +519,51 @@ def test_min_new_tokens_masks_stop_tokens():
     assert any(len(out.generated_tokens) < 6 for out in unmasked.values()), "the setup should stop early unmasked"
 
 
+def test_top_entries_rank_equal_scores_by_token_id_whatever_the_width():
+    """The top log-probs' ranking is a stable descending sort's (equal scores in token id order) at every width, over
+    bf16-rounded log-probs full of ties and -inf entries (torch.topk orders ties differently for another width)."""
+    from rollout.engine.sampling.top_entries import top_entries
+
+    generator = torch.Generator().manual_seed(0)
+    scores = (torch.randn(64, 300, generator=generator) * 2).bfloat16().float().log_softmax(-1)
+    scores[torch.rand(scores.shape, generator=generator) < 0.5] = float("-inf")
+    scores[:4, 10:] = float("-inf")  # rows with fewer finite entries than the widths asked
+    expected_values, expected_columns = scores.sort(dim=-1, descending=True, stable=True)
+    for width in (1, 3, 10, 17, 300):
+        values, columns = top_entries(scores, width)
+        assert torch.equal(columns, expected_columns[:, :width]), width
+        assert torch.equal(values, expected_values[:, :width]), width
+    values, columns = top_entries(scores.bfloat16(), 17)
+    assert torch.equal(columns, scores.bfloat16().sort(dim=-1, descending=True, stable=True).indices[:, :17])
+
+
+def test_a_requests_top_logprobs_do_not_depend_on_the_widest_request_beside_it():
+    """A request with top_k=2 asking for 4 top log-probs (processed mode: two finite entries, then -inf ones): the
+    -inf entries are the lowest other token ids, and all four are the same, bit for bit, alone as beside a request
+    asking for 20 (they were not: ties were ordered by the widest request's topk)."""
+    model = tiny_model("qwen3")
+    prompts = make_prompts(2, 4, 10, seed=5)
+    narrow = SamplingParams(temperature=1.0, top_k=2, top_logprobs=4, seed=1, stop_token_ids=())
+    wide = SamplingParams(temperature=1.0, top_logprobs=20, seed=2, stop_token_ids=())
+
+    def narrow_output(beside: bool):
+        engine = make_engine(model, batch_invariant=True)
+        engine.add_request("narrow", prompts[0], narrow, max_new_tokens=5)
+        if beside:
+            engine.add_request("wide", prompts[1], wide, max_new_tokens=5)
+        output = run_to_completion(engine)["narrow"]
+        engine.close()
+        return output
+
+    alone, beside = narrow_output(False), narrow_output(True)
+    assert alone.generated_tokens == beside.generated_tokens
+    assert alone.top_logprobs == beside.top_logprobs
+    for top in alone.top_logprobs:
+        finite = [token for token, value in top if value > float("-inf")]
+        assert len(finite) == 2
+        assert [token for token, value in top if value == float("-inf")] == [t for t in range(4) if t not in finite][:2]
+
+
 # ---- counter-based randomness -------------------------------------------------------------------------------------
 def test_uniforms_are_splitmix64_streams():
     """A row's uniform number is the position-th output of a SplitMix64 stream started at its sample's stream id:

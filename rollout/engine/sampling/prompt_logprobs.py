@@ -38,6 +38,7 @@ from rollout.config import FieldError
 from rollout.engine.kv.transfer import HostCopy, to_device
 from rollout.engine.lora.layers import LoraStepState
 from rollout.engine.requests.request import Request
+from rollout.engine.sampling.top_entries import top_entries
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.reductions import invariant_log_softmax
@@ -274,7 +275,7 @@ class PromptScorer:
             chosen.append((target_logits - normalizer).flatten())
             ranks.append((logits > target_logits).sum(-1) + 1)  # vLLM's rank: 1 + tokens strictly more likely
             if width:
-                values, ids = logits.topk(width, -1)
+                values, ids = top_entries(logits, width)
                 top_values.append((values - normalizer).flatten())
                 top_ids.append(ids.flatten())
             del logits, normalizer

@@ -14,6 +14,7 @@ from rollout.engine.sampling.draw import sample_blocked, sample_from
 from rollout.engine.sampling.pending_samples import PendingSamples, row_faults
 from rollout.engine.sampling.slot_columns import SlotColumns
 from rollout.engine.sampling.slots import SamplingSlots
+from rollout.engine.sampling.top_entries import top_entries
 from rollout.engine.sampling.warpers import candidate_width, warp, warp_candidates
 from rollout.invariant.reductions import invariant_log_softmax
 
@@ -215,7 +216,7 @@ class Sampler:
             chosen = (candidates.values.gather(1, candidates.position.unsqueeze(1)) - lse).squeeze(1)
             top = None
             if width:
-                values, where = candidates.values.topk(width, dim=-1)
+                values, where = top_entries(candidates.values, width)  # candidates are in token id order
                 top = values - lse, candidates.ids.gather(1, where)
             if slots.all_use("sampled") and slots.all_use("logprob_mode:processed"):
                 return chosen, top
@@ -228,7 +229,7 @@ class Sampler:
         full_chosen = (source.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
         full_top = None
         if width:
-            values, indices = source.topk(width, dim=-1)
+            values, indices = top_entries(source, width)
             full_top = values - lse, indices
         if from_candidates is None:
             return full_chosen, full_top
