@@ -119,6 +119,12 @@ def _details_rows(name: str, details: dict, nano: bool) -> list[Row]:
             gpu_goal(Goal("<=", 1.0, " ms")),
             " ms",
         ),
+        number_row(
+            name, "of it sampling, 256 running", get_path(details, "host_time_ms", "256", "sampling"), ".3f", unit=" ms"
+        ),  # fmt: skip
+        number_row(
+            name, "sampler operators a step", get_path(details, "host_time_ms", "256", "sampling_operators"), ".0f"
+        ),
         number_row(name, "logprob fidelity model's mean entropy", details.get("entropy_nats"), ".2f"),
     ]
     for mode in ("default", "fp32_logits"):

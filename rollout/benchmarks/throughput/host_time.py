@@ -85,15 +85,17 @@ def _timed(phases: dict[str, float], name: str, function: Callable) -> Callable:
     return timed
 
 
-def _kernel_timed(kernel_seconds: list[float], function: Callable) -> Callable:
+def _kernel_timed(kernel_seconds: list[float], function: Callable, operators: list[int]) -> Callable:
     """`function`, appending the seconds its torch operators work at each call to `kernel_seconds` (their time
-    beyond what a trivial operator costs)."""
+    beyond what a trivial operator costs), and how many operators it called to `operators` (on a GPU, the launches
+    and views each step costs the host)."""
     floor = _operator_floor_seconds()
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         with _KernelClock() as clock:
             result = function(*args, **kwargs)
         kernel_seconds.append(max(0.0, clock.seconds - clock.calls * floor))
+        operators.append(clock.calls)
         return result
 
     return timed
@@ -129,7 +131,8 @@ def host_time_per_step(
     Returns a dict of medians over `steps` decode steps: "step" (the whole step), "sampling_kernels" (the work of
     the sampler's torch operators beyond a trivial operator's cost: on CPU they run on the host, on a GPU they are
     queued and cost only their launch, so it is 0 there), "host" (step - sampling_kernels: the figure the goal is
-    about), and the step's phases: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
+    about), "sampling_operators" (torch operators the sampler calls a step, views included: on a GPU what its
+    "sampling" time is made of), and the step's phases: "schedule" (scheduler), "inputs" (the model runner's batch preparation, the forward being a
     stub), "sampling" (the sampler, kernels included) and "update" (advance, fetch, resolve and outputs).
 
     Args:
@@ -213,7 +216,11 @@ def host_time_per_step(
     engine.runner.run = _timed(phases, "inputs", run)
     engine.loop._advance = _timed(phases, "update", advance)  # noqa: SLF001
     engine.loop._resolve = _timed(phases, "update", resolve)  # noqa: SLF001
-    plain_sample, kernel_sample = _timed(phases, "sampling", sample), _kernel_timed(kernel_seconds := [], sample)
+    operators: list[int] = []
+    plain_sample, kernel_sample = (
+        _timed(phases, "sampling", sample),
+        _kernel_timed(kernel_seconds := [], sample, operators),
+    )
     # The kernel steps are spread among the plain ones, so that both sample the machine in the same state (a
     # shared CPU's speed drifts by tens of percent within seconds).
     kernel_every = steps // kernel_steps if kernel_steps else 0  # on a GPU the sampler's kernels are queued
@@ -235,6 +242,9 @@ def host_time_per_step(
                 engine.step()
                 phases.update(dict.fromkeys(PHASES, 0.0))
                 grammar.update(dict.fromkeys(grammar, 0.0))
+        if not kernel_steps:  # on a GPU: one step counted apart (the kernels' times mean nothing there)
+            engine.sampler.sample = kernel_sample
+            engine.step()
     finally:
         if restore is not None:
             restore()
@@ -249,7 +259,9 @@ def host_time_per_step(
     kernels_ms = statistics.median(kernel_seconds) * 1000 if kernel_seconds else 0.0
     figures = {"step": step_ms, "sampling_kernels": kernels_ms, "host": step_ms - kernels_ms}
     figures.update({name: statistics.median(times) * 1000 for name, times in phase_times.items()})
-    return {name: round(value, 3) for name, value in figures.items()}
+    figures = {name: round(value, 3) for name, value in figures.items()}
+    figures["sampling_operators"] = statistics.median(operators)
+    return figures
 
 
 def run_host_time(
