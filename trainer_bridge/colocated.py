@@ -142,14 +142,15 @@ class ColocatedEngine:
         return self.engine.kv_cache.nbytes
 
     def sleep(self) -> None:
-        """Free the KV cache until the next round (its memory goes back to torch's allocator, for the training step
-        to use). The decode CUDA graphs are kept (they read the cache and the parameters where they were: if either
-        moved by the next round, they are captured again then). Idempotent."""
+        """Free the KV cache and the sampler's graphs until the next round (their memory goes back to torch's
+        allocator, for the training step to use). The decode CUDA graphs are kept (they read the cache and the
+        parameters where they were: if either moved by the next round, they are captured again then). Idempotent."""
         self._check_open()
         self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
         if not self.engine.kv_cache.is_released:
             self._cache_address = self.engine.kv_cache.kv.data_ptr()
         self.engine.kv_cache.release()
+        self.engine.sampler.release_graphs()  # captured again when sampling resumes: cheap, and memory for training
 
     def wake(self) -> None:
         """Allocate the KV cache again (zeroed); when it lands elsewhere than before, the graphs are captured again

@@ -87,6 +87,8 @@ class Engine:
         self.block_manager.zero_new_blocks = self.runner.heads_per_kv is None  # PyTorch attention reads whole blocks
         self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
         self.sampler = Sampler(self.vocab_size, parameter.device, self.config.batch_invariant)
+        if self.runner.decode_graphs is not None:  # where decode steps replay graphs, sampling passes do too
+            self.sampler.enable_graphs(self.runner.decode_graphs.buckets)
         overlap = self.config.overlap_scheduling
         overlap = parameter.device.type == "cuda" if overlap is None else overlap
         self.loop = StepLoop(self.scheduler, self.runner, self.sampler, overlap, self.config.return_logprobs)
@@ -217,6 +219,7 @@ class Engine:
         self.loop.end_all()
         log_leaks(self)  # every request ended: a block, slot or row still held is a leak
         self.runner.close()
+        self.sampler.release_graphs()
         self.sampler.grammar_masks.release()  # structured outputs' bitmask buffer and compiled grammars
         self.intake.grammars.clear()
         self.kv_cache.release()

@@ -3,10 +3,11 @@ sampling kernels (scheduling, batch preparation, sampling-state preparation, out
 must hide behind the device's decode step; for a small model that step takes a few milliseconds.
 
 Measured with `running` sequences all decoding, sampled as GRPO samples them (temperature, top-p, top-k, a seed
-each), or with every penalty and ban processor on as well (`processors="all"`): the model's forward is replaced by a stub that returns ready logits, and the vocabulary is small (64
-tokens). Decode steps go through the decode graphs' persistent buffers, as on a GPU (without capturing: on a GPU a
-replay is one launch). On CPU the sampling kernels still run on the host (on a GPU they are queued): their time is measured
-apart, inside the sampler's torch operators, and taken out of the "host" figure.
+each), or with every penalty and ban processor on as well (`processors="all"`): the model's forward is replaced by a
+stub that returns ready logits, and the vocabulary is small (64 tokens). Decode steps go through the decode graphs'
+persistent buffers, as on a GPU (without capturing: on a GPU a replay is one launch); on a GPU the sampler replays
+its captured passes, as an engine there does. On CPU the sampling kernels still run on the host (on a GPU they are
+queued): their time is measured apart, inside the sampler's torch operators, and taken out of the "host" figure.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ def host_time_per_step(
     engine.runner.heads_per_kv = HEADS_PER_KV
     graphs = engine.runner.enable_decode_graphs(running, engine.max_model_len, capture=False)
     graphs._step = functools.cache(graphs._step)  # noqa: SLF001 - the replay of a captured step
+    if device == "cuda":  # sampling replays captured passes, as in an engine whose decode steps replay graphs
+        engine.sampler.enable_graphs(graphs.buckets)
     for index in range(running):
         sampling = SamplingParams(
             do_sample=True,

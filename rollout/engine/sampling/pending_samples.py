@@ -31,6 +31,19 @@ class SamplerOutput:
 NO_FAULT, NOTHING_DRAWABLE, NOT_FINITE = 0.0, 1.0, 2.0
 
 
+def pack(parts: list[torch.Tensor], faults: torch.Tensor | None) -> torch.Tensor:
+    """The parts and fault codes of a step's rows as one float64 vector, brought to the host in one copy (float64
+    holds token ids exactly).
+
+    Args:
+        parts: 1-D tensors: token ids, then (with log-probs) the chosen log-probs, then (with top log-probs) the
+            flattened top values and top indices.
+        faults: (rows,) `row_faults` codes, last (None: not checked).
+    """
+    parts = parts if faults is None else [*parts, faults]
+    return torch.cat([part.double() for part in parts])
+
+
 def row_faults(broken: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
     """(rows,) fault codes: NOT_FINITE where the model's logits were not finite (it outranks the rest), else
     NOTHING_DRAWABLE where nothing was left to draw (`dead`, None: not checked), else NO_FAULT.
@@ -67,11 +80,27 @@ class PendingSamples:
         self._has_logprobs = len(parts) > 1
         self._top_counts = top_counts
         self._checked = faults is not None
-        parts = parts if faults is None else [*parts, faults]
-        # float64 holds token ids exactly.
-        self._host = HostCopy(torch.cat([part.double() for part in parts])) if self._rows else None
+        self._host = HostCopy(pack(parts, faults)) if self._rows else None
         self._fetched: SamplerOutput | None = None
         self._head_of: PendingSamples | None = None  # `first_rows`: these are the first rows of another's
+
+    @classmethod
+    def packed(
+        cls, token_ids: torch.Tensor, packed: torch.Tensor, has_logprobs: bool, top_counts: list[int] | None
+    ) -> PendingSamples:
+        """Samples whose parts and fault codes were packed on the device already (`pack`, in a sampler graph).
+
+        Args:
+            token_ids: (rows,) int64 sampled tokens on the device.
+            packed: `pack(parts, faults)` of those rows, faults included.
+            has_logprobs: the parts hold log-probs.
+            top_counts: per row, how many top log-probs it asked for (None: not computed).
+        """
+        pending = cls(token_ids[:0], [], None)  # nothing to copy yet
+        pending.token_ids, pending._rows = token_ids, token_ids.shape[0]
+        pending._has_logprobs, pending._top_counts, pending._checked = has_logprobs, top_counts, True
+        pending._host = HostCopy(packed)
+        return pending
 
     def first_rows(self, count: int) -> PendingSamples:
         """The first `count` rows as samples of their own, brought to the host by this one's copy (a drafted step's

@@ -11,7 +11,8 @@ from rollout.engine.kv.transfer import to_device
 from rollout.engine.requests.request import Request
 from rollout.engine.sampling.ban_masks import mask_bans
 from rollout.engine.sampling.draw import sample_blocked, sample_from
-from rollout.engine.sampling.pending_samples import PendingSamples, row_faults
+from rollout.engine.sampling.pending_samples import PendingSamples, pack, row_faults
+from rollout.engine.sampling.sampler_graphs import SamplerGraphs
 from rollout.engine.sampling.slot_columns import SlotColumns
 from rollout.engine.sampling.slots import SamplingSlots
 from rollout.engine.sampling.top_entries import top_entries
@@ -81,6 +82,7 @@ class Sampler:
         self.batch_invariant = batch_invariant
         self.slots = SamplingSlots(vocab_size, torch.device(device))
         self.grammar_masks = GrammarMasks()  # structured outputs' constrained rows
+        self.graphs: SamplerGraphs | None = None  # captured passes (`enable_graphs`)
 
     def release(self, request: Request) -> None:
         """Drop a finished request's sampling state and give back its slot."""
@@ -113,17 +115,53 @@ class Sampler:
             return PendingSamples(empty, [empty] * (2 if return_logprobs else 1), None)
         slots = self.slots
         requests = [request for request, _ in samples]
-        columns = slots.gather(requests, ahead)
-        if ahead is None and len(samples) == logits.shape[0]:
+        host_index, max_position = slots.host_index(requests, ahead)  # slots taken: every decision below sees them
+        grammars = [request.constraint for request in requests]
+        constrained = any(state is not None for state in grammars)
+        top_counts = None
+        if return_logprobs and slots.any("top_logprobs"):
+            top_counts = [request.sampling.top_logprobs for request in requests]
+            top_counts = top_counts if max(top_counts) else None
+        one_per_row = ahead is None and len(samples) == logits.shape[0]
+        if one_per_row and not constrained and self.graphs is not None and self._graphable():
+            pending = self.graphs.sample(self._graph_pass, logits, host_index, top_counts, return_logprobs)
+            if pending is not None:
+                return pending
+        columns = slots.columns(to_device(torch.from_numpy(host_index), torch.long, device), max_position)
+        if one_per_row:
             raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
         else:  # a group's samples share their leader's row for their first token
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
+        top_width = max(top_counts) if top_counts else 0
+        token_ids, parts, faults = self._pass(
+            raw, columns, grammars if constrained else None, top_width, return_logprobs
+        )
+        return PendingSamples(token_ids, parts, top_counts, faults)
+
+    def _pass(
+        self,
+        raw: torch.Tensor,
+        columns: SlotColumns,
+        grammars: list | None,
+        top_width: int,
+        return_logprobs: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """The sampling pass on the device, every row at once: (token ids, the parts the host reads (`PendingSamples`),
+        each row's fault code). Its host decisions are asked of the live slots (`SamplingSlots.recording`).
+
+        Args:
+            raw: (rows, vocab) fp32 model logits, one row per sample.
+            columns: the rows' sampling parameters.
+            grammars: each row's grammar state (None: no row is constrained).
+            top_width: the most top log-probs a row asks for (0: none).
+            return_logprobs: compute log-probs.
+        """
+        slots = self.slots
         # A row whose model logits hold NaN or +Inf, or nothing above -Inf, is flagged (one reduction per row, brought
         # to the host with the tokens): its sample ends with an error, never a meaningless token (amax propagates NaN).
         broken = ~torch.isfinite(raw.amax(dim=-1))
         # Penalties, bans, min_new_tokens and grammars write into the scores in place; `raw` stays the model's logits.
-        grammars = [request.constraint for request in requests]
-        constrained = any(state is not None for state in grammars)
+        constrained = grammars is not None
         banned = slots.any("bans") or slots.any("min_new_tokens") or constrained
         if slots.any("logit_bias"):  # step 0: a new tensor
             scores = slots.bias.apply(raw, columns)
@@ -138,26 +176,54 @@ class Sampler:
         # Bans (with min_new_tokens) may leave a row nothing to draw: such rows are flagged, never silently drawn.
         dead = ~torch.isfinite(scores).any(dim=-1) if banned else None
         faults = row_faults(broken, dead)
-        top_counts = None
-        if return_logprobs and slots.any("top_logprobs"):
-            top_counts = [request.sampling.top_logprobs for request in requests]
-            top_counts = top_counts if max(top_counts) else None
         candidates = None
-        if self._candidates(top_counts):
-            token_ids, candidates = self._draw_candidates(scores, columns, max(top_counts) if top_counts else 0)
+        if self._candidates(top_width):
+            token_ids, candidates = self._draw_candidates(scores, columns, top_width)
         else:
             token_ids, scores = self._draw_whole_rows(scores, columns)
         slots.state.record(columns, token_ids)
 
         if not return_logprobs:
-            return PendingSamples(token_ids, [token_ids], None, faults)
-        chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_counts)
+            return token_ids, [token_ids], faults
+        chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_width)
         if top is None:
-            return PendingSamples(token_ids, [token_ids, chosen], None, faults)
+            return token_ids, [token_ids, chosen], faults
         values, indices = top
-        return PendingSamples(token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], top_counts, faults)
+        return token_ids, [token_ids, chosen, values.flatten(), indices.flatten()], faults
 
-    def _candidates(self, top_counts: list[int] | None) -> bool:
+    def _graphable(self) -> bool:
+        """Whether a captured pass may serve: it reads no table but the parameter tables (no logit_bias, penalty,
+        ban or min_new_tokens among the live samples, whose tables come and go)."""
+        uses, state = self.slots.uses, self.slots.state
+        if uses["logit_bias"] or uses["penalties"] or uses["bans"] or uses["min_new_tokens"]:
+            return False
+        return state.seen is None and state.history is None
+
+    def _graph_pass(
+        self, logits: torch.Tensor, index: torch.Tensor, top_width: int, return_logprobs: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pass a sampler graph captures (`SamplerGraphs`): (token ids, everything the host reads, packed)."""
+        columns = self.slots.columns(index, 0)  # no ban reads a position's history in a graphed pass
+        token_ids, parts, faults = self._pass(logits.float(), columns, None, top_width, return_logprobs)
+        return token_ids, pack(parts, faults)
+
+    def enable_graphs(self, buckets: list[int], capture: bool = True) -> SamplerGraphs:
+        """Serve the steps that fit through captured sampling passes (`SamplerGraphs`; the engine does this where its
+        decode steps replay CUDA graphs).
+
+        Args:
+            buckets: the row counts that get a graph (a step's rows are padded up to one).
+            capture: False runs each pass again on the graphs' buffers instead of replaying it (CPU tests).
+        """
+        self.graphs = SamplerGraphs(self.slots, buckets, capture)
+        return self.graphs
+
+    def release_graphs(self) -> None:
+        """Free the captured passes and their memory (captured again when next used)."""
+        if self.graphs is not None:
+            self.graphs.release()
+
+    def _candidates(self, top_width: int) -> bool:
         """Whether the step draws from candidates: every live sampling slot sets top_k, and the candidates are
         fewer than the vocabulary (else a whole row costs less)."""
         slots = self.slots
@@ -165,7 +231,7 @@ class Sampler:
         # log-probs round differently from a whole row's.
         if self.batch_invariant or not slots.any("sampled") or slots.uses["sampled_top_k"] != slots.uses["sampled"]:
             return False
-        return candidate_width(slots, max(top_counts) if top_counts else 0) < self.vocab_size
+        return candidate_width(slots, top_width) < self.vocab_size
 
     def _draw_whole_rows(self, scores: torch.Tensor, columns: SlotColumns) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 4-11 on whole rows, drawn by a blocked CDF walk: (token ids, the scores each row's "processed"
@@ -203,12 +269,12 @@ class Sampler:
         columns: SlotColumns,
         token_ids: torch.Tensor,
         candidates: _Candidates | None,
-        top_counts: list[int] | None,
+        top_width: int,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """(chosen log-probs, top (values, token ids) or None): a row's chosen log-prob is its token's score minus
         the logsumexp of its row (no log_softmax of whole rows); top entries are the top scores minus it. Sampled
         "processed" rows take them from their candidates when the step drew from candidates."""
-        width = max(top_counts) if top_counts else 0
+        width = top_width
         slots = self.slots
         from_candidates = None
         if candidates is not None:

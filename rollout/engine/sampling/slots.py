@@ -15,8 +15,10 @@ its slot. Logit biases have per-slot tables of their own (`rollout.engine.sampli
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -94,6 +96,9 @@ class SamplingSlots:
         self._assigned: list[Request] = []  # requests given a slot by the gather under way
         self.state = SlotState(vocab_size, device, capacity)  # penalty counts, token history, ban lists
         self.bias = SlotBias(vocab_size, device, capacity)  # logit_bias
+        self._decisions: list[tuple[tuple[str, str], bool | int]] | None = None  # while `recording`
+        self._replaying: Iterator[tuple[tuple[str, str], bool | int]] | None = None  # while `as_captured`
+        self._frozen_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # while `as_captured`
 
     @property
     def num_live(self) -> int:
@@ -106,6 +111,18 @@ class SamplingSlots:
         Args:
             requests: the sampled requests, in row order; each's last token is the one being sampled.
             ahead: per row, how many positions past its request's next token the row samples (None: none).
+        """
+        host, max_position = self.host_index(requests, ahead)
+        return self.columns(to_device(torch.from_numpy(host), torch.long, self.device), max_position)
+
+    def host_index(self, requests: list[Request], ahead: list[int] | None = None) -> tuple[np.ndarray, int]:
+        """The rows' index on the host, (3, rows) int64: each row's slot, its position, and its uniform number's
+        float64 bits (one copy brings all three to the device); and the largest position. Takes a slot for each
+        request's first draw and writes new slots' rows (as `gather`).
+
+        Args:
+            requests: the sampled requests, in row order.
+            ahead: per row, positions past its request's next token (None: none).
         """
         slots = [r.sampling_slot if r.sampling_slot >= 0 else self._assign(r) for r in requests]
         assigned, self._assigned = self._assigned, []
@@ -123,27 +140,87 @@ class SamplingSlots:
             host[2] = uniforms(self._seed_bases[host[0]], host[1]).view(np.int64)
         else:
             host[2] = 0
-        # One copy: slot indices, positions and the uniform numbers' bits (viewed back as float64 on the device).
-        index = to_device(torch.from_numpy(host), torch.long, self.device)
-        floats = self._floats.index_select(0, index[0])
-        ints = self._ints.index_select(0, index[0])
-        return SlotColumns(floats, ints, index[0], index[1], max(positions), index[2].view(torch.float64))
+        return host, max(positions)
+
+    def columns(self, index: torch.Tensor, max_position: int) -> SlotColumns:
+        """The columns of the rows `index` names (`host_index`'s, on the device).
+
+        Args:
+            index: (3, rows) int64: slots, positions, the uniform numbers' bits.
+            max_position: the largest position.
+        """
+        float_table, int_table = self._frozen_tables or (self._floats, self._ints)
+        floats = float_table.index_select(0, index[0])
+        ints = int_table.index_select(0, index[0])
+        return SlotColumns(floats, ints, index[0], index[1], max_position, index[2].view(torch.float64))
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parameter tables (they move when they grow)."""
+        return self._floats, self._ints
 
     def any(self, feature: str) -> bool:
         """Whether some live slot uses `feature` (see `features`)."""
-        return self.uses[feature] > 0
+        return self._decide(("any", feature))
 
     def all_use(self, feature: str) -> bool:
         """Whether every live slot uses `feature` (a step's rows then need no per-row check of it)."""
-        return self.uses[feature] == self.num_live
+        return self._decide(("all_use", feature))
 
     def one_top_k(self) -> bool:
         """Whether every live slot sets top_k, all to the same value."""
-        return len(self._top_ks) == 1 and self.all_use("top_k")
+        return self._decide(("one_top_k", ""))
 
     def max_top_k(self) -> int:
         """The largest top_k that a live slot sets, capped at the vocabulary size (0 when none sets one)."""
-        return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0
+        return self._decide(("max_top_k", ""))
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[tuple[tuple[str, str], bool | int]]]:
+        """Inside, every decision asked of the live slots (`any`, `all_use`, `one_top_k`, `max_top_k`) is appended,
+        with its answer, to the list this yields: what a captured sampling pass depends on (`SamplerGraphs`)."""
+        self._decisions = decisions = []
+        try:
+            yield decisions
+        finally:
+            self._decisions = None
+
+    def still(self, decisions: list[tuple[tuple[str, str], bool | int]]) -> bool:
+        """Whether each of these recorded decisions gets the same answer from the live slots now."""
+        return all(self._answer(query) == answer for query, answer in decisions)
+
+    @contextlib.contextmanager
+    def as_captured(
+        self, decisions: list[tuple[tuple[str, str], bool | int]], tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> Iterator[None]:
+        """Inside, decisions get their recorded answers (asked in the recorded order) and columns read these
+        tables: what a replay of the capture that recorded them computes, whatever the live slots hold now (the
+        pass run again where graphs are not captured: CPU tests)."""
+        self._replaying, self._frozen_tables = iter(decisions), tables
+        try:
+            yield
+        finally:
+            self._replaying = self._frozen_tables = None
+
+    def _decide(self, query: tuple[str, str]) -> bool | int:
+        if self._replaying is not None:
+            recorded, answer = next(self._replaying)
+            if recorded != query:
+                raise RuntimeError(f"a captured sampling pass asked {recorded}, its replay {query}")
+            return answer
+        answer = self._answer(query)
+        if self._decisions is not None:
+            self._decisions.append((query, answer))
+        return answer
+
+    def _answer(self, query: tuple[str, str]) -> bool | int:
+        kind, feature = query
+        if kind == "any":
+            return self.uses[feature] > 0
+        if kind == "all_use":
+            return self.uses[feature] == self.num_live
+        if kind == "one_top_k":
+            return len(self._top_ks) == 1 and self.uses["top_k"] == self.num_live
+        return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0  # max_top_k
 
     def release(self, request: Request) -> None:
         """Give back a finished request's slot (no-op when it never drew)."""
