@@ -295,12 +295,15 @@ def test_an_ipv6_loopback_http_address_is_probed_as_ipv6():
 def test_stats_from_a_worker_that_is_not_running_names_its_address():
     """`RolloutGRPOTrainer` reads the workers' stats first: with no worker at the address, the error names it and
     asks whether rollout-worker runs there (it said only that "a worker did not answer stats in time")."""
-    from service_helpers import free_port
+    import socket
+
     from trainer_bridge import RolloutClient, RolloutError
 
-    address = f"tcp://127.0.0.1:{free_port()}"
-    with RolloutClient(address) as client, pytest.raises(RolloutError) as refused:
-        client.stats(timeout=0.5)
+    with socket.socket() as reserved:  # bound, never listening: no other test's worker can take the port meanwhile
+        reserved.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{reserved.getsockname()[1]}"
+        with RolloutClient(address) as client, pytest.raises(RolloutError) as refused:
+            client.stats(timeout=0.5)
     assert refused.value.code == "timeout"
     assert f"no answer from {address}. Is rollout-worker running at that address and port?" in str(refused.value)
 
