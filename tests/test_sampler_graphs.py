@@ -78,6 +78,35 @@ def test_a_pass_is_captured_again_when_a_decision_changes():
     assert {k: v.generated_tokens for k, v in outputs.items()} == {k: v.generated_tokens for k, v in expected.items()}
 
 
+def test_a_sample_without_top_k_joining_top_k_ones_does_not_replay_their_candidates_pass():
+    """With a top_k sample and a greedy one live, the pass draws from top_k candidates; a sampled request without
+    top_k then joins: that decision (whether every sampled slot sets top_k) is recorded, so the captured candidates
+    pass does not serve it (it would draw the newcomer from top_k candidates too), and the tokens are the eager
+    sampler's."""
+    prompts = make_prompts(3, 5, 9, seed=4)
+    top_k = SamplingParams(temperature=1.0, top_k=5, seed=1, stop_token_ids=())
+    greedy = SamplingParams(do_sample=False, stop_token_ids=())
+    newcomer = SamplingParams(temperature=1.0, seed=2, stop_token_ids=())
+
+    def tokens(graphs: bool) -> tuple[dict, int]:
+        engine = make_engine(MODEL)
+        # One bucket: the steps before the newcomer and with it use the same one (a key of its own would hide it).
+        sampler_graphs = engine.sampler.enable_graphs([4], capture=False) if graphs else None
+        engine.add_request("top_k", prompts[0], top_k, max_new_tokens=20)
+        engine.add_request("greedy", prompts[1], greedy, max_new_tokens=20)
+        for _ in range(6):
+            engine.step()
+        captured = sampler_graphs.captures if graphs else 0
+        engine.add_request("newcomer", prompts[2], newcomer, max_new_tokens=10)
+        outputs = run_to_completion(engine)
+        engine.close()
+        return {key: out.generated_tokens for key, out in outputs.items()}, captured
+
+    (graphed, captured), (eager, _) = tokens(True), tokens(False)
+    assert captured > 0, "the candidates pass should be captured before the newcomer joins"
+    assert graphed == eager
+
+
 def test_penalties_and_bans_never_replay_a_pass_and_moved_tables_are_captured_again():
     """Penalties and bans read tables that come and go: their steps sample eagerly. When the parameter tables move
     (they grow when more samples arrive than they hold), a pass captured before does not serve after."""

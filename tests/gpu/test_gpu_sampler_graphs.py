@@ -22,7 +22,7 @@ def _samplings() -> list:
         SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1, stop_token_ids=()),
         SamplingParams(temperature=1.0, min_p=0.05, logprob_mode="raw", seed=2, stop_token_ids=()),
         SamplingParams(temperature=0.7, top_p=0.95, logprob_mode="temperature_scaled", seed=3, stop_token_ids=()),
-        SamplingParams(temperature=1.0, typical_p=0.9, seed=4, stop_token_ids=(), top_logprobs=2),
+        SamplingParams(temperature=1.0, top_k=20, seed=4, stop_token_ids=(), top_logprobs=2),
     ]
 
 
@@ -40,7 +40,7 @@ def test_sampler_graphs_draw_what_the_eager_sampler_draws(batch_invariant):
     """The same model and requests with the sampler's graphs and without (the decode graphs on in both, so the
     logits are the same): the same tokens and top log-prob tokens, and the same log-probs (bit for bit under
     batch_invariant; otherwise a bucket's padded reductions may round differently), most steps served by a replay.
-    A second round of the same requests replays what the first captured, and queues no host synchronisation."""
+    A third round of the same requests replays what the first two captured, and queues no host synchronisation."""
     from rollout.config import ContinuousBatchingConfig
     from rollout.engine.engine import Engine
 
@@ -58,7 +58,10 @@ def test_sampler_graphs_draw_what_the_eager_sampler_draws(batch_invariant):
         if graphs:
             sampler_graphs = engine.sampler.graphs
             assert sampler_graphs.disabled_reason is None, sampler_graphs.disabled_reason
-            assert sampler_graphs.replays >= engine.counters.steps // 2, "most steps should replay a pass"
+            assert sampler_graphs.replays >= engine.counters.steps // 3, "most steps should replay a pass"
+            # A pass is captured at its second sighting: a second round captures those the first needed once.
+            engine.block_manager.reset_prefix_cache()  # the same schedule again: the same buckets and decisions
+            _run(engine, prompts, "a")
             captures, replays = sampler_graphs.captures, sampler_graphs.replays
             launch = engine.loop._launch
 
@@ -73,7 +76,7 @@ def test_sampler_graphs_draw_what_the_eager_sampler_draws(batch_invariant):
             engine.block_manager.reset_prefix_cache()  # the same schedule again: the same buckets and decisions
             again = _run(engine, prompts, "a")
             assert sampler_graphs.disabled_reason is None, sampler_graphs.disabled_reason
-            assert sampler_graphs.captures == captures, "the second round should find every pass captured"
+            assert sampler_graphs.captures == captures, "the third round should find every pass captured"
             assert sampler_graphs.replays > replays
             if batch_invariant:
                 assert again == results[0], "a replay of the same requests draws the same tokens"

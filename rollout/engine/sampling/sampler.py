@@ -229,7 +229,7 @@ class Sampler:
         slots = self.slots
         # Batch-invariant: whole rows always. Whether candidates serve depends on which samples are live, and their
         # log-probs round differently from a whole row's.
-        if self.batch_invariant or not slots.any("sampled") or slots.uses["sampled_top_k"] != slots.uses["sampled"]:
+        if self.batch_invariant or not slots.any("sampled") or not slots.every_sampled_sets_top_k():
             return False
         return candidate_width(slots, top_width) < self.vocab_size
 

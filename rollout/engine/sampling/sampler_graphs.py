@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 # (logits (bucket, vocab), index (3, bucket), widest top log-probs, log-probs or not) -> (tokens (bucket,), packed)
 SamplePass = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 MAX_GRAPHS = 64  # captured passes kept; past it every one is dropped and captured again as used
+CAPTURE_AT_SIGHTING = 2  # a (key, decisions) is captured the second time a step needs it
+MAX_SIGHTINGS = 4096  # (key, decisions) counted at most; past it the counts start again
 
 
 @dataclass
@@ -44,8 +46,8 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None: capture off, the pass runs again on the buffers, as captured
     decisions: list  # (query, answer) its capture asked of the live slots
     tables: tuple[torch.Tensor, torch.Tensor]  # the parameter tables it read
-    token_ids: torch.Tensor  # its outputs (overwritten by each replay)
-    packed: torch.Tensor
+    token_ids: torch.Tensor | None  # its outputs (overwritten by each replay; None with capture off)
+    packed: torch.Tensor | None
 
 
 class SamplerGraphs:
@@ -66,6 +68,7 @@ class SamplerGraphs:
         self._index = torch.zeros((3, buckets[-1]), dtype=torch.long, device=slots.device)
         self._logits: dict[torch.dtype, torch.Tensor] = {}
         self._captured: dict[tuple[int, int, bool, torch.dtype], list[_Captured]] = {}
+        self._sightings: dict[tuple, int] = {}  # (key, decisions) -> steps that needed it uncaptured
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # passes captured (or, capture off, recorded) so far
         self.replays = 0  # steps a captured pass served
@@ -92,12 +95,14 @@ class SamplerGraphs:
         top_counts: list[int] | None,
         return_logprobs: bool,
     ) -> PendingSamples | None:
-        """A step's samples from a captured pass (captured now if none fits), or None when no graph serves it (more
-        rows than the largest bucket, or capture failed): the sampler then runs the pass eagerly.
+        """A step's samples through the graphs' buffers: from a captured pass, or, where none fits, from the pass run
+        eagerly there (captured at its second sighting); None when the graphs cannot serve (more rows than the
+        largest bucket, or a capture failed): the sampler then runs the pass eagerly itself.
 
         Args:
-            sample_pass: the sampler's pass over the buffers (`Sampler._graph_pass`), run eagerly before a capture
-                (and, capture off, at every step). Passed at each call, never kept: the sampler holds these graphs.
+            sample_pass: the sampler's pass over the buffers (`Sampler._graph_pass`), run eagerly where no captured
+                pass fits (and, capture off, as a replay). Passed at each call, never kept: the sampler holds these
+                graphs.
             logits: (rows, vocab) logits, one sample per row.
             host_index: (3, rows) the rows' slots, positions and uniform numbers' bits (`SamplingSlots.host_index`).
             top_counts: per row, how many top log-probs it asks for (None: none).
@@ -116,55 +121,64 @@ class SamplerGraphs:
         buffer[:rows].copy_(logits)
         index = torch.from_numpy(host_index)
         self._index[:, :rows].copy_(index.pin_memory() if self._index.is_cuda else index, non_blocking=True)
-        captured = self._find(key) or self._capture(sample_pass, key, buffer[:bucket])
-        if captured is None:
-            return None
+        logits, index = buffer[:bucket], self._index[:, :bucket]
+        captured = self._find(key)
+        counts = None if top_counts is None else top_counts + [0] * (bucket - rows)
+        if captured is None:  # eagerly on the buffers, its decisions recorded; captured at its second sighting
+            with self._slots.recording() as decisions:
+                token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
+            if self._sighted(key, decisions):
+                self._capture(sample_pass, key, decisions)
+            return PendingSamples.packed(token_ids, packed, return_logprobs, counts).first_rows(rows)
         if captured.graph is not None:
             captured.graph.replay()
             token_ids, packed = captured.token_ids.clone(), captured.packed
         else:  # what a replay computes: the captured decisions and tables, whatever the live slots say now
             with self._slots.as_captured(captured.decisions, captured.tables):
-                token_ids, packed = sample_pass(buffer[:bucket], self._index[:, :bucket], top_width, return_logprobs)
+                token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
         self.replays += 1
-        counts = None if top_counts is None else top_counts + [0] * (bucket - rows)
         return PendingSamples.packed(token_ids, packed, return_logprobs, counts).first_rows(rows)
 
     def _find(self, key: tuple[int, int, bool, torch.dtype]) -> _Captured | None:
-        """The captured pass of `key` whose decisions all answer the same now, its tables unmoved."""
+        """The captured pass of `key` whose decisions all answer the same now; passes over tables that moved since
+        are dropped (they can never serve again)."""
         floats, ints = self._slots.tables()
-        for captured in self._captured.get(key, ()):
-            same_tables = captured.tables[0] is floats and captured.tables[1] is ints
-            if same_tables and self._slots.still(captured.decisions):
-                return captured
-        return None
+        entries = self._captured.get(key, [])
+        entries[:] = [entry for entry in entries if entry.tables[0] is floats and entry.tables[1] is ints]
+        return next((entry for entry in entries if self._slots.still(entry.decisions)), None)
 
-    def _capture(
-        self, sample_pass: SamplePass, key: tuple[int, int, bool, torch.dtype], logits: torch.Tensor
-    ) -> _Captured | None:
-        """Run the pass of `key` eagerly (recording its decisions; compiling and allocating outside the graph), then
-        capture it; None (and graphs off, with a warning) when the capture fails."""
+    def _sighted(self, key: tuple[int, int, bool, torch.dtype], decisions: list) -> bool:
+        """Count a sighting of (key, decisions) that no captured pass served; True from its second on: a pass worth
+        capturing (a capture costs a device synchronisation and a few milliseconds: a combination seen once is not)."""
+        if len(self._sightings) >= MAX_SIGHTINGS:
+            self._sightings.clear()
+        signature = (key, tuple(decisions))
+        self._sightings[signature] = seen = self._sightings.get(signature, 0) + 1
+        return seen >= CAPTURE_AT_SIGHTING and self.disabled_reason is None  # again after its pass was dropped
+
+    def _capture(self, sample_pass: SamplePass, key: tuple[int, int, bool, torch.dtype], decisions: list) -> None:
+        """Capture the pass of `key`, which just ran eagerly on the buffers with these decisions (Triton compiled,
+        lazy allocations made outside the graph); a failed capture turns graphs off with a warning."""
         if self.num_captured >= MAX_GRAPHS:
             self._drop_captured()
-        bucket, top_width, return_logprobs, _ = key
-        index = self._index[:, :bucket]
-        with self._slots.recording() as decisions:
-            token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
-        graph = None
+        bucket, top_width, return_logprobs, dtype = key
+        logits, index = self._logits[dtype][:bucket], self._index[:, :bucket]
+        graph = token_ids = packed = None
         if self.capture_enabled:
             graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.current_stream(index.device)
-            try:
-                torch.cuda.synchronize(index.device)
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
-            except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager sampling
-                self.disabled_reason = f"{type(error).__name__}: {error}"
-                self._drop_captured()
-                logger.warning("sampler graph capture failed (%s); sampling runs eagerly", self.disabled_reason)
-                return None
-            finally:
-                torch.cuda.set_stream(stream)  # torch.cuda.graph does not switch back when capture_end raises
+            with torch.cuda.device(index.device):  # the capture stream and the pool: this engine's device
+                stream = torch.cuda.current_stream()
+                try:
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                        token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
+                except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager sampling
+                    self.disabled_reason = f"{type(error).__name__}: {error}"
+                    self._drop_captured()
+                    logger.warning("sampler graph capture failed (%s); sampling runs eagerly", self.disabled_reason)
+                    return
+                finally:
+                    torch.cuda.set_stream(stream)  # torch.cuda.graph does not switch back when capture_end raises
         captured = _Captured(graph, decisions, self._slots.tables(), token_ids, packed)
         self._captured.setdefault(key, []).append(captured)
         self.captures += 1
-        return captured

@@ -174,9 +174,14 @@ class SamplingSlots:
         """The largest top_k that a live slot sets, capped at the vocabulary size (0 when none sets one)."""
         return self._decide(("max_top_k", ""))
 
+    def every_sampled_sets_top_k(self) -> bool:
+        """Whether every live slot that samples (not greedy) sets top_k."""
+        return self._decide(("every_sampled_sets_top_k", ""))
+
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[tuple[tuple[str, str], bool | int]]]:
-        """Inside, every decision asked of the live slots (`any`, `all_use`, `one_top_k`, `max_top_k`) is appended,
+        """Inside, every decision asked of the live slots (`any`, `all_use`, `one_top_k`, `max_top_k`,
+        `every_sampled_sets_top_k`; a pass must ask them nothing else, nor read their counts) is appended,
         with its answer, to the list this yields: what a captured sampling pass depends on (`SamplerGraphs`)."""
         self._decisions = decisions = []
         try:
@@ -220,6 +225,8 @@ class SamplingSlots:
             return self.uses[feature] == self.num_live
         if kind == "one_top_k":
             return len(self._top_ks) == 1 and self.uses["top_k"] == self.num_live
+        if kind == "every_sampled_sets_top_k":
+            return self.uses["sampled_top_k"] == self.uses["sampled"]
         return min(max(self._top_ks), self.vocab_size) if self._top_ks else 0  # max_top_k
 
     def release(self, request: Request) -> None:
