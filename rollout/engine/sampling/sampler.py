@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rollout.engine.grammar.constraints import GrammarMasks
@@ -12,12 +10,11 @@ from rollout.engine.requests.request import Request
 from rollout.engine.sampling.ban_masks import mask_bans
 from rollout.engine.sampling.draw import sample_blocked, sample_from
 from rollout.engine.sampling.pending_samples import PendingSamples, pack, row_faults
+from rollout.engine.sampling.sampled_logprobs import Candidates, sampled_logprobs
 from rollout.engine.sampling.sampler_graphs import SamplerGraphs
 from rollout.engine.sampling.slot_columns import SlotColumns
 from rollout.engine.sampling.slots import SamplingSlots
-from rollout.engine.sampling.top_entries import top_entries
 from rollout.engine.sampling.warpers import candidate_width, warp, warp_candidates
-from rollout.invariant.reductions import invariant_log_softmax
 
 __all__ = ["Sampler"]
 
@@ -185,7 +182,9 @@ class Sampler:
 
         if not return_logprobs:
             return token_ids, [token_ids], faults
-        chosen, top = self._logprobs(raw, scores, columns, token_ids, candidates, top_width)
+        chosen, top = sampled_logprobs(
+            slots, raw, scores, columns, token_ids, candidates, top_width, self.batch_invariant
+        )
         if top is None:
             return token_ids, [token_ids, chosen], faults
         values, indices = top
@@ -250,7 +249,7 @@ class Sampler:
 
     def _draw_candidates(
         self, scores: torch.Tensor, columns: SlotColumns, top_logprobs: int
-    ) -> tuple[torch.Tensor, _Candidates]:
+    ) -> tuple[torch.Tensor, Candidates]:
         """Steps 4-11 on each row's top candidates (every sampling row sets top_k): the token ids, and the
         candidates their "processed" log-probs come from (greedy rows keep their argmax of `scores`)."""
         width = candidate_width(self.slots, top_logprobs)
@@ -260,68 +259,4 @@ class Sampler:
         token_ids = ids.gather(1, position.unsqueeze(1)).squeeze(1)
         if self.slots.any("greedy"):
             token_ids = torch.where(columns.int("greedy").bool(), scores.argmax(dim=-1), token_ids)
-        return token_ids, _Candidates(values, ids, position)
-
-    def _logprobs(
-        self,
-        raw: torch.Tensor,
-        scores: torch.Tensor,
-        columns: SlotColumns,
-        token_ids: torch.Tensor,
-        candidates: _Candidates | None,
-        top_width: int,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """(chosen log-probs, top (values, token ids) or None): a row's chosen log-prob is its token's score minus
-        the logsumexp of its row (no log_softmax of whole rows); top entries are the top scores minus it. Sampled
-        "processed" rows take them from their candidates when the step drew from candidates."""
-        width = top_width
-        slots = self.slots
-        from_candidates = None
-        if candidates is not None:
-            lse = candidates.values.logsumexp(dim=-1, keepdim=True)
-            chosen = (candidates.values.gather(1, candidates.position.unsqueeze(1)) - lse).squeeze(1)
-            top = None
-            if width:
-                values, where = top_entries(candidates.values, width)  # candidates are in token id order
-                top = values - lse, candidates.ids.gather(1, where)
-            if slots.all_use("sampled") and slots.all_use("logprob_mode:processed"):
-                return chosen, top
-            from_candidates = (columns.int("use_processed") * (1 - columns.int("greedy"))).bool()
-        source = self._logprob_source(raw, scores, columns)
-        if self.batch_invariant:
-            source, lse = invariant_log_softmax(source), 0.0
-        else:
-            lse = source.logsumexp(dim=-1, keepdim=True)
-        full_chosen = (source.gather(1, token_ids.unsqueeze(1)) - lse).squeeze(1)
-        full_top = None
-        if width:
-            values, indices = top_entries(source, width)
-            full_top = values - lse, indices
-        if from_candidates is None:
-            return full_chosen, full_top
-        chosen = torch.where(from_candidates, chosen, full_chosen)
-        if width:
-            pick = from_candidates.unsqueeze(1)
-            top = torch.where(pick, top[0], full_top[0]), torch.where(pick, top[1], full_top[1])
-        return chosen, top
-
-    def _logprob_source(self, raw: torch.Tensor, scores: torch.Tensor, columns: SlotColumns) -> torch.Tensor:
-        """The logits each row's log-probs are the log_softmax of, by its logprob_mode (see the class docstring)."""
-        slots = self.slots
-        if not slots.any("logprob_mode:raw") and not slots.any("logprob_mode:temperature_scaled"):
-            return scores
-        unprocessed = raw
-        if slots.any("logprob_mode:temperature_scaled"):
-            unprocessed = raw / columns.float("logprob_divisor")
-        if not slots.any("logprob_mode:processed"):
-            return unprocessed
-        return torch.where(columns.int("use_processed").bool().unsqueeze(1), scores, unprocessed)
-
-
-@dataclass
-class _Candidates:
-    """Each row's top candidates after the warpers (`warpers.warp_candidates`) and the one it drew."""
-
-    values: torch.Tensor  # (rows, width) warped scores, in token id order (-inf: removed)
-    ids: torch.Tensor  # (rows, width) their token ids, increasing
-    position: torch.Tensor  # (rows,) the drawn candidate's column
+        return token_ids, Candidates(values, ids, position)
