@@ -179,11 +179,11 @@ class Membership:
         logger.info("rollout fleet: %s serves (version %d)", address, slot.info["version"])
 
     def _copy_from_peer(self, slot: Slot, newest: int) -> int:
-        peers = [
-            peer
-            for peer in self.slots
-            if peer is not slot and peer.joined is not None and peer.info is not None and peer.info["version"] >= newest
-        ]
+        joined = [peer for peer in self.slots if peer is not slot and peer.joined is not None and peer.info is not None]
+        for peer in joined:  # a peer's last poll may predate a push it took since (a poll it answered late)
+            if peer.info["version"] < newest:
+                self._confirmed_info(peer)
+        peers = [peer for peer in joined if peer.info["version"] >= newest]
         for peer in sorted(peers, key=lambda s: -s.info["version"]):
             started = time.monotonic()
             try:
@@ -234,7 +234,8 @@ class Membership:
                 slot.behind_since = now
             elif now - slot.behind_since >= CATCH_UP_S and not any(client.updating for client in clients):
                 peers_ahead = any(peer.joined and peer.info and peer.info["version"] >= newest for peer in self.slots)
-                if peers_ahead and self._still_the_same_process(slot):
+                # Its version as of now: one from a poll it answered late (frozen meanwhile) may be stale.
+                if peers_ahead and self._confirmed_info(slot) and slot.info["version"] < newest:
                     logger.info(
                         "rollout fleet: %s serves version %d, behind %d: copying from a peer",
                         slot.joined,
@@ -245,18 +246,19 @@ class Membership:
                     self.join(slot)
                 slot.behind_since = None
 
-    def _still_the_same_process(self, slot: Slot) -> bool:
-        """Whether the slot's actor still runs the process its info describes: a worker killed since the last poll
-        must not be copied to at its old address (the copy would wait out its whole timeout); the next poll sees it
-        restart and joins the new process instead."""
+    def _confirmed_info(self, slot: Slot) -> bool:
+        """Ask the slot's actor for its info now; True when it still runs the process its info describes, whose
+        version is then brought up to date. A worker killed since the last poll must not be copied to (or from) at
+        its old address (the copy would wait out its whole timeout); the next poll sees it restart and joins the new
+        process instead."""
         try:
             info = ray.get(slot.actor.info.remote(), timeout=CONFIRM_S)
         except Exception:  # noqa: BLE001 - dead, restarting or slow: not now
             return False
-        return slot.info is not None and (info["pid"], info["started_at"]) == (
-            slot.info["pid"],
-            slot.info["started_at"],
-        )
+        if slot.info is None or (info["pid"], info["started_at"]) != (slot.info["pid"], slot.info["started_at"]):
+            return False
+        slot.info["version"] = info["version"]
+        return True
 
     def _spread_version(self) -> None:
         newest = self.newest()
