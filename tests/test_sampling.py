@@ -564,6 +564,31 @@ def test_a_requests_top_logprobs_do_not_depend_on_the_widest_request_beside_it()
         assert [token for token, value in top if value == float("-inf")] == [t for t in range(4) if t not in finite][:2]
 
 
+def test_a_top_k_rows_top_logprobs_are_the_same_from_candidates_as_from_whole_rows():
+    """A top_k=3 sample asking for 6 top log-probs: alone its step draws from top_k candidates, beside a sample
+    without top_k from whole rows. Its three -inf entries name the same tokens either way (the lowest ids outside its
+    finite ones: they named its lowest removed candidates), its finite ones the same tokens up to rounding."""
+    prompts = make_prompts(2, 5, 8, seed=1)
+    narrow = SamplingParams(temperature=1.0, top_k=3, seed=1, top_logprobs=6, stop_token_ids=())
+    whole = SamplingParams(temperature=1.0, seed=2, stop_token_ids=())
+
+    def narrow_output(beside: bool):
+        engine = make_engine(tiny_model("qwen3"))
+        engine.add_request("narrow", prompts[0], narrow, max_new_tokens=4)
+        if beside:
+            engine.add_request("whole", prompts[1], whole, max_new_tokens=4)
+        output = run_to_completion(engine)["narrow"]
+        engine.close()
+        return output
+
+    candidates, rows = narrow_output(False), narrow_output(True)
+    assert candidates.generated_tokens == rows.generated_tokens
+    for from_candidates, from_rows in zip(candidates.top_logprobs, rows.top_logprobs):
+        assert [token for token, _ in from_candidates] == [token for token, _ in from_rows]
+        assert [value for _, value in from_candidates][3:] == [float("-inf")] * 3
+        assert all(close(a, b) for (_, a), (_, b) in zip(from_candidates, from_rows))
+
+
 # ---- counter-based randomness -------------------------------------------------------------------------------------
 def test_uniforms_are_splitmix64_streams():
     """A row's uniform number is the position-th output of a SplitMix64 stream started at its sample's stream id:

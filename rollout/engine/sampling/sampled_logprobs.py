@@ -55,7 +55,7 @@ def sampled_logprobs(
         top = None
         if width:
             values, where = top_entries(candidates.values, width)  # candidates are in token id order
-            top = values - lse, candidates.ids.gather(1, where)
+            top = values - lse, _removed_as_in_whole_rows(values, candidates.ids.gather(1, where), candidates)
         if slots.all_use("sampled") and slots.all_use("logprob_mode:processed"):
             return chosen, top
         from_candidates = (columns.int("use_processed") * (1 - columns.int("greedy"))).bool()
@@ -76,6 +76,28 @@ def sampled_logprobs(
         pick = from_candidates.unsqueeze(1)
         top = torch.where(pick, top[0], full_top[0]), torch.where(pick, top[1], full_top[1])
     return chosen, top
+
+
+def _removed_as_in_whole_rows(values: torch.Tensor, ids: torch.Tensor, candidates: Candidates) -> torch.Tensor:
+    """Top entries' token ids where the row has fewer finite candidates than entries asked: its -inf entries name the
+    lowest token ids outside its finite candidates, as a whole row's do (every token outside them is -inf there,
+    equal scores in token id order), not the lowest removed candidates: a row's entries then do not depend on
+    whether its step drew from candidates.
+
+    Args:
+        values: (rows, width) the top entries' scores, from the largest (-inf last).
+        ids: (rows, width) their token ids.
+        candidates: the candidates they were taken from.
+    """
+    width, span = ids.shape[1], candidates.ids.shape[1] + ids.shape[1]
+    finite = torch.where(torch.isfinite(candidates.values), candidates.ids, -1)  # (rows, m)
+    # The `width` lowest ids outside at most m finite ones lie below m + width.
+    low = torch.arange(span, device=ids.device)
+    inside = (low.view(1, span, 1) == finite.unsqueeze(1)).any(dim=-1)  # (rows, span)
+    outside = (inside.long() * span + low).topk(width, dim=-1, largest=False).values  # inside ones rank last
+    kept = torch.isfinite(values).sum(dim=-1, keepdim=True)  # finite entries first
+    nth_outside = (torch.arange(width, device=ids.device) - kept).clamp(min=0)
+    return torch.where(torch.isfinite(values), ids, outside.gather(1, nth_outside))
 
 
 def _logprob_source(
