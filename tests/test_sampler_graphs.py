@@ -2,7 +2,8 @@
 and decisions as on a GPU, the pass run again on the buffers where a GPU replays it. Tokens, log-probs and top
 log-probs equal the eager sampler's bit for bit over greedy and sampled groups, top log-probs, every logprob_mode,
 preemption and overlapped steps; a pass is captured again when a decision it made changes (a new processor among the
-live samples, the parameter tables moved), and never serves a step that reads other tables (penalties, bans)."""
+live samples, the parameter tables moved), and never serves a step that reads other tables (penalties, bans). Drafted
+steps (speculative decoding: a sample's draws ahead on its draft rows) replay passes too."""
 
 from __future__ import annotations
 
@@ -132,3 +133,35 @@ def test_penalties_and_bans_never_replay_a_pass_and_moved_tables_are_captured_ag
     expected = run_to_completion(reference)
     reference.close()
     assert {k: v.generated_tokens for k, v in outputs.items()} == {k: v.generated_tokens for k, v in expected.items()}
+
+
+def test_drafted_steps_replay_passes_and_keep_their_tokens(monkeypatch):
+    """Speculative decoding on a low-entropy model: drafted steps pick each sample's rows (its first and its draft
+    positions) into the buffers and replay a pass; tokens and log-probs equal the eager sampler's, bit for bit."""
+    from test_speculative import low_entropy_model
+
+    from rollout.engine.speculative import drafter
+
+    monkeypatch.setattr(drafter, "MIN_ACCEPTANCE", 0.0)  # draft whatever matches: these runs are short
+    model = low_entropy_model()
+    settings = {
+        "grpo": SamplingParams(temperature=1.0, top_p=0.95, seed=1, stop_token_ids=()),
+        "greedy": SamplingParams(do_sample=False, stop_token_ids=(), top_logprobs=2),
+    }
+    results = []
+    for graphs in (True, False):
+        engine = make_engine(model, speculative="suffix", batch_invariant=True, num_blocks=160)
+        if graphs:
+            sampler_graphs = engine.sampler.enable_graphs([4, 8, 16, 32], capture=False)
+        outputs = {}
+        for round_index in range(2):  # the second round drafts from the first
+            for (name, params), prompt in zip(settings.items(), make_prompts(2, 4, 10, seed=3)):
+                engine.add_request(f"{name}{round_index}", prompt, params, n=4, max_new_tokens=24)
+            outputs.update(run_to_completion(engine))
+        if graphs:
+            assert engine.scheduler.drafter.accepted_tokens > 0, "drafts should be accepted"
+            replays = sampler_graphs.replays
+        engine.close()
+        results.append({key: (out.generated_tokens, out.logprobs, out.top_logprobs) for key, out in outputs.items()})
+    assert results[0] == results[1]
+    assert replays > 0

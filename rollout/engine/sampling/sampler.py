@@ -119,15 +119,20 @@ class Sampler:
         if return_logprobs and slots.any("top_logprobs"):
             top_counts = [request.sampling.top_logprobs for request in requests]
             top_counts = top_counts if max(top_counts) else None
+        # One sample per row: rows are handed out in order, so sample i reads row i. Otherwise each sample's row is
+        # picked (a group's samples share their leader's row for their first token; draws ahead read draft rows).
         one_per_row = ahead is None and len(samples) == logits.shape[0]
-        if one_per_row and not constrained and self.graphs is not None and self._graphable():
-            pending = self.graphs.sample(self._graph_pass, logits, host_index, top_counts, return_logprobs)
+        picked = logits if one_per_row else None
+        if not constrained and self.graphs is not None and self._graphable():
+            if picked is None:
+                picked = logits.index_select(0, to_device([row for _, row in samples], torch.long, device))
+            pending = self.graphs.sample(self._graph_pass, picked, host_index, top_counts, return_logprobs)
             if pending is not None:
                 return pending
         columns = slots.columns(to_device(torch.from_numpy(host_index), torch.long, device), max_position)
-        if one_per_row:
-            raw = logits.float()  # one sample per row: rows are handed out in order, so sample i reads row i
-        else:  # a group's samples share their leader's row for their first token
+        if picked is not None:
+            raw = picked.float()
+        else:
             raw = logits.float().index_select(0, to_device([row for _, row in samples], torch.long, device))
         top_width = max(top_counts) if top_counts else 0
         token_ids, parts, faults = self._pass(

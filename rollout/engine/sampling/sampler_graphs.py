@@ -6,7 +6,8 @@ A pass is captured per (rows bucket, widest top log-probs, log-probs or not, log
 its capture asked of the live slots (`SamplingSlots.recording`: which processors some or every live sample uses,
 the largest top_k, ...): a graph serves a step only while each of those decisions answers the same and the
 parameter tables are where they were. The sampler sends only passes that read no other table (no logit_bias,
-penalty, ban, min_new_tokens or grammar among the live samples), one sample per logits row, nothing drawn ahead.
+penalty, ban, min_new_tokens or grammar among the live samples), each sample's logits row picked first where rows
+are shared or drawn ahead (a group's first token, speculative decoding's drafted steps).
 
 Invariants:
 - Before each replay the step's logits and its rows' index (slots, positions, uniform numbers: `host_index`) are
@@ -103,7 +104,7 @@ class SamplerGraphs:
             sample_pass: the sampler's pass over the buffers (`Sampler._graph_pass`), run eagerly where no captured
                 pass fits (and, capture off, as a replay). Passed at each call, never kept: the sampler holds these
                 graphs.
-            logits: (rows, vocab) logits, one sample per row.
+            logits: (rows, vocab) logits, one row per sample.
             host_index: (3, rows) the rows' slots, positions and uniform numbers' bits (`SamplingSlots.host_index`).
             top_counts: per row, how many top log-probs it asks for (None: none).
             return_logprobs: compute log-probs.
