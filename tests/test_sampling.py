@@ -537,25 +537,29 @@ def test_top_entries_rank_equal_scores_by_token_id_whatever_the_width():
     assert torch.equal(columns, scores.bfloat16().sort(dim=-1, descending=True, stable=True).indices[:, :17])
 
 
-def test_a_requests_top_logprobs_do_not_depend_on_the_widest_request_beside_it():
-    """A request with top_k=2 asking for 4 top log-probs (processed mode: two finite entries, then -inf ones): the
-    -inf entries are the lowest other token ids, and all four are the same, bit for bit, alone as beside a request
-    asking for 20 (they were not: ties were ordered by the widest request's topk)."""
-    model = tiny_model("qwen3")
-    prompts = make_prompts(2, 4, 10, seed=5)
-    narrow = SamplingParams(temperature=1.0, top_k=2, top_logprobs=4, seed=1, stop_token_ids=())
-    wide = SamplingParams(temperature=1.0, top_logprobs=20, seed=2, stop_token_ids=())
+def alone_and_beside(narrow: SamplingParams, other: SamplingParams, seed: int, **config) -> tuple:
+    """The output of a request sampled with `narrow`, alone, then beside one sampled with `other`."""
+    prompts = make_prompts(2, 4, 10, seed=seed)
 
     def narrow_output(beside: bool):
-        engine = make_engine(model, batch_invariant=True)
+        engine = make_engine(tiny_model("qwen3"), **config)
         engine.add_request("narrow", prompts[0], narrow, max_new_tokens=5)
         if beside:
-            engine.add_request("wide", prompts[1], wide, max_new_tokens=5)
+            engine.add_request("other", prompts[1], other, max_new_tokens=5)
         output = run_to_completion(engine)["narrow"]
         engine.close()
         return output
 
-    alone, beside = narrow_output(False), narrow_output(True)
+    return narrow_output(False), narrow_output(True)
+
+
+def test_a_requests_top_logprobs_do_not_depend_on_the_widest_request_beside_it():
+    """A request with top_k=2 asking for 4 top log-probs (processed mode: two finite entries, then -inf ones): the
+    -inf entries are the lowest other token ids, and all four are the same, bit for bit, alone as beside a request
+    asking for 20 (they were not: ties were ordered by the widest request's topk)."""
+    narrow = SamplingParams(temperature=1.0, top_k=2, top_logprobs=4, seed=1, stop_token_ids=())
+    wide = SamplingParams(temperature=1.0, top_logprobs=20, seed=2, stop_token_ids=())
+    alone, beside = alone_and_beside(narrow, wide, 5, batch_invariant=True)
     assert alone.generated_tokens == beside.generated_tokens
     assert alone.top_logprobs == beside.top_logprobs
     for top in alone.top_logprobs:
@@ -568,20 +572,9 @@ def test_a_top_k_rows_top_logprobs_are_the_same_from_candidates_as_from_whole_ro
     """A top_k=3 sample asking for 6 top log-probs: alone its step draws from top_k candidates, beside a sample
     without top_k from whole rows. Its three -inf entries name the same tokens either way (the lowest ids outside its
     finite ones: they named its lowest removed candidates), its finite ones the same tokens up to rounding."""
-    prompts = make_prompts(2, 5, 8, seed=1)
     narrow = SamplingParams(temperature=1.0, top_k=3, seed=1, top_logprobs=6, stop_token_ids=())
     whole = SamplingParams(temperature=1.0, seed=2, stop_token_ids=())
-
-    def narrow_output(beside: bool):
-        engine = make_engine(tiny_model("qwen3"))
-        engine.add_request("narrow", prompts[0], narrow, max_new_tokens=4)
-        if beside:
-            engine.add_request("whole", prompts[1], whole, max_new_tokens=4)
-        output = run_to_completion(engine)["narrow"]
-        engine.close()
-        return output
-
-    candidates, rows = narrow_output(False), narrow_output(True)
+    candidates, rows = alone_and_beside(narrow, whole, 1)
     assert candidates.generated_tokens == rows.generated_tokens
     for from_candidates, from_rows in zip(candidates.top_logprobs, rows.top_logprobs):
         assert [token for token, _ in from_candidates] == [token for token, _ in from_rows]

@@ -26,6 +26,25 @@ class SamplerOutput:
     # their KV out of the prefix cache).
     broken_rows: list[int] = field(default_factory=list)
 
+    def select(self, rows: list[int]) -> SamplerOutput:
+        """These rows' entries, in this order (their fault rows renumbered to it).
+
+        Args:
+            rows: row indices, each at most once.
+        """
+        where = {row: index for index, row in enumerate(rows)}
+
+        def picked(values: list | None) -> list | None:
+            return None if values is None else [values[row] for row in rows]
+
+        return SamplerOutput(
+            picked(self.token_ids),
+            picked(self.logprobs),
+            picked(self.top_logprobs),
+            sorted(where[row] for row in self.dead_rows if row in where),
+            sorted(where[row] for row in self.broken_rows if row in where),
+        )
+
 
 # Each row's fault code, brought to the host with its token: what `SamplerOutput` sorts rows by.
 NO_FAULT, NOTHING_DRAWABLE, NOT_FINITE = 0.0, 1.0, 2.0
@@ -129,19 +148,7 @@ class PendingSamples:
         Args:
             rows: indices of this step's rows; each at most once.
         """
-        fetched = self.fetch()
-        where = {row: index for index, row in enumerate(rows)}
-
-        def picked(values: list | None) -> list | None:
-            return None if values is None else [values[row] for row in rows]
-
-        return SamplerOutput(
-            picked(fetched.token_ids),
-            picked(fetched.logprobs),
-            picked(fetched.top_logprobs),
-            sorted(where[row] for row in fetched.dead_rows if row in where),
-            sorted(where[row] for row in fetched.broken_rows if row in where),
-        )
+        return self.fetch().select(rows)
 
     def fetch(self) -> SamplerOutput:
         """The sampled tokens and log-probs as Python values (waits for the copy to land; later calls return the

@@ -182,16 +182,5 @@ def withdraw_poisoned(
     for index in rows:
         recompute(batch.samples[index][0])
     keep = [index for index in range(len(batch.samples)) if index not in withdrawn]
-    renumbered = {old: new for new, old in enumerate(keep)}
     batch.samples[:] = [batch.samples[index] for index in keep]
-
-    def kept(values: list | None) -> list | None:
-        return None if values is None else [values[index] for index in keep]
-
-    return SamplerOutput(
-        kept(sampled.token_ids),
-        kept(sampled.logprobs),
-        kept(sampled.top_logprobs),
-        [renumbered[index] for index in sampled.dead_rows if index in renumbered],
-        [renumbered[index] for index in sampled.broken_rows if index in renumbered],
-    )
+    return sampled.select(keep)
