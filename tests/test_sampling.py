@@ -522,7 +522,7 @@ def test_min_new_tokens_masks_stop_tokens():
 def test_top_entries_rank_equal_scores_by_token_id_whatever_the_width():
     """The top log-probs' ranking is a stable descending sort's (equal scores in token id order) at every width, over
     bf16-rounded log-probs full of ties and -inf entries (torch.topk orders ties differently for another width)."""
-    from rollout.engine.sampling.top_entries import top_entries
+    from rollout.engine.sampling.sampled_logprobs import top_entries
 
     generator = torch.Generator().manual_seed(0)
     scores = (torch.randn(64, 300, generator=generator) * 2).bfloat16().float().log_softmax(-1)

@@ -115,10 +115,11 @@ class AsyncRollouts:
         self.timeout = client.timeout if timeout is None else timeout
         self.step = 0  # the step the next batch is for
         if base_version is None:
-            served = [stats["policy_version"] for stats in client.stats()]
-            if not served:
-                raise RolloutError("no_workers", "no live rollout worker to read base_version from; give base_version")
-            base_version = max(served)
+            try:
+                base_version = max(stats["policy_version"] for stats in client.stats())
+            except RolloutError as error:
+                message = f"no live rollout worker to read base_version from ({error}); give base_version"
+                raise RolloutError("no_workers", message) from error
         self.base_version = base_version
         self._source: Iterator[PromptGroup] = iter(groups)
         self._exhausted = False

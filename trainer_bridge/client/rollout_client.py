@@ -147,13 +147,16 @@ class RolloutClient:
         try:
             count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
             answers = [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
-            return [answer for answer in answers if answer is not None]  # None: a worker lost or removed meanwhile
         except queue.Empty:
-            if self._closed.is_set():
-                raise RolloutError("closed", "the client is closed") from None
-            silent = [worker.address for worker in self._io.workers if not worker.retired and not worker.alive]
-            where = f": no answer from {', '.join(silent)}. Is rollout-worker running at that address and port?"
-            raise RolloutError("timeout", f"a worker did not answer stats in time{where if silent else ''}") from None
+            count = 0
+        if count:
+            return [answer for answer in answers if answer is not None]  # None: a worker lost or removed meanwhile
+        # No answer in time, or no live worker to ask (none connected within the deadline): never an empty list.
+        if self._closed.is_set():
+            raise RolloutError("closed", "the client is closed")
+        silent = [worker.address for worker in self._io.workers if not worker.retired and not worker.alive]
+        where = f": no answer from {', '.join(silent)}. Is rollout-worker running at that address and port?"
+        raise RolloutError("timeout", f"a worker did not answer stats in time{where if silent else ''}")
 
     @property
     def closed(self) -> bool:

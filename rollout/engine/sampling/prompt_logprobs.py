@@ -38,7 +38,7 @@ from rollout.config import FieldError
 from rollout.engine.kv.transfer import HostCopy, to_device
 from rollout.engine.lora.layers import LoraStepState
 from rollout.engine.requests.request import Request
-from rollout.engine.sampling.top_entries import top_entries
+from rollout.engine.sampling.sampled_logprobs import top_entries
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.reductions import invariant_log_softmax
