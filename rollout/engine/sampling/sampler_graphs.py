@@ -167,19 +167,28 @@ class SamplerGraphs:
         graph = token_ids = packed = None
         if self.capture_enabled:
             graph = torch.cuda.CUDAGraph()
+            # Captured on a side stream ordered after the work queued so far, without `torch.cuda.graph`'s device
+            # synchronisation and emptied allocator caches (device and pinned host memory): a pass is captured while
+            # serving, and the steps after it would allocate their pinned copies afresh.
             with torch.cuda.device(index.device):  # the capture stream and the pool: this engine's device
                 stream = torch.cuda.current_stream()
+                side = torch.cuda.Stream()
+                side.wait_stream(stream)
                 try:
-                    torch.cuda.synchronize()
-                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                        token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
+                    with torch.cuda.stream(side):
+                        graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                        try:
+                            token_ids, packed = sample_pass(logits, index, top_width, return_logprobs)
+                        finally:
+                            graph.capture_end()
                 except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager sampling
                     self.disabled_reason = f"{type(error).__name__}: {error}"
                     self._drop_captured()
                     logger.warning("sampler graph capture failed (%s); sampling runs eagerly", self.disabled_reason)
                     return
                 finally:
-                    torch.cuda.set_stream(stream)  # torch.cuda.graph does not switch back when capture_end raises
+                    torch.cuda.set_stream(stream)
+                stream.wait_stream(side)
         captured = _Captured(graph, decisions, self._slots.tables(), token_ids, packed)
         self._captured.setdefault(key, []).append(captured)
         self.captures += 1
