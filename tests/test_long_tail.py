@@ -11,8 +11,10 @@ import torch
 
 from rollout.benchmarks import cli
 from rollout.benchmarks.gpu_report.table import rows
-from rollout.benchmarks.grpo.long_tail import Shape, make_workload, measure
+from rollout.benchmarks.grpo.long_tail import measure
+from rollout.benchmarks.grpo.long_tail_flags import Shape
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB
+from rollout.benchmarks.grpo.long_tail_workload import make_workload
 from rollout.benchmarks.harness.section_run import SectionResult
 
 SMALL = Shape(num_prompts=8, n=4, median_tokens=64, max_tokens=256, prompt_tokens=(16, 64))
@@ -147,6 +149,8 @@ def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
     for run in (without, drafted):
         assert run["recomputed_tokens"] == run["recomputed_tokens_by_position"] >= 0
         assert run["device"] == "cpu"
+        assert 0 < run["host_s"] < run["wall_s"] / 2  # the tiny model's forward is most of a CPU's step
+    assert any(line.startswith("engine host time (s)") for line in lines)
     # gpu-report's speculative section reads this summary: the last sample's speed-up is the medians' ratio
     report = {row.figure: row for row in rows([SectionResult("speculative", "speculative", "ok", 1.0, data=summary)])}
     medians = summary["medians"]["last_finish_s"]
@@ -155,10 +159,25 @@ def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
     assert report[f"draft tokens accepted (of {drafted['draft_tokens']})"].value == drafted["accepted_draft_tokens"]
 
 
+def test_drafts_only_in_steps_decoding_at_most_the_threshold():
+    """--speculative-disable-by-batch-size reaches the engine: at 1, only steps that decode one sample draft."""
+    shape = Shape(num_prompts=2, n=4, median_tokens=40, max_tokens=120, prompt_tokens=(8, 24))
+    prompts, lengths = make_workload(shape, seed=0, vocab=1023)
+    runs = {
+        size: measure(prompts, lengths, model="tiny", cache_fraction=0.6, progress=False, speculative="suffix",
+                      entropy=0.1, known_lengths=True, speculative_disable_by_batch_size=size)
+        for size in (1, 8)
+    }  # fmt: skip
+    assert runs[1]["generated_tokens"] == runs[8]["generated_tokens"] == runs[8]["tokens_to_generate"]
+    assert 0 < runs[1]["draft_tokens"] < runs[8]["draft_tokens"]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--device", "cuda"], "--device cuda needs --model tiny"),
+        (["--speculative-disable-by-batch-size", "16"], "has no effect without --speculative suffix"),
+        (["--speculative", "suffix", "--speculative-disable-by-batch-size", "0"], "must be >= 1, got 0"),
         (["--model", "tiny", "--device", "tpu"], "invalid choice: 'tpu'"),
     ],
 )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import statistics
 import sys
 import time
@@ -41,29 +40,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, Shape, shape_from
+from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, shape_from
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
 from rollout.benchmarks.grpo.long_tail_speculative import compare, print_comparison
+from rollout.benchmarks.grpo.long_tail_workload import make_workload, submit
 from rollout.benchmarks.harness.progress import stage
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
-from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.scheduling.block_manager import cdiv
 from rollout.presets.models import TINY_MODEL_CONFIG
-from rollout.sampling_params import MAX_LOGIT_BIAS
 
 BLOCK_SIZE = 16
-
-
-def make_workload(shape: Shape, seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Random prompts and each sample's length: (prompts, lengths[prompt][sample])."""
-    rng = random.Random(seed)
-    prompts, lengths = [], []
-    for _ in range(shape.num_prompts):
-        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_tokens))])
-        draws = (rng.lognormvariate(math.log(shape.median_tokens), shape.sigma) for _ in range(shape.n))
-        lengths.append([min(shape.max_tokens, max(1, round(draw))) for draw in draws])
-    return prompts, lengths
 
 
 def measure(
@@ -81,6 +69,7 @@ def measure(
     speculative: str | None = None,
     entropy: float | None = None,
     num_speculative_tokens: int = 4,
+    speculative_disable_by_batch_size: int = ContinuousBatchingConfig.speculative_disable_by_batch_size,
     known_lengths: bool = False,
     device: str = "cpu",
 ) -> dict[str, Any]:
@@ -99,6 +88,7 @@ def measure(
         progress: show a progress bar on stderr.
         speculative: the engine's `speculative` setting (None: off).
         num_speculative_tokens: the most draft tokens per sample and step.
+        speculative_disable_by_batch_size: drafts only in steps decoding at most this many samples.
         known_lengths: each sample's max_new_tokens is its length (the scheduler sees it), instead of a stop token
             pushed up by logit_bias at its length (which cannot outweigh a low-entropy head's logits).
         entropy: the tiny model's head scaled to this mean next-token entropy, in nats (None: as built).
@@ -132,6 +122,7 @@ def measure(
         seed=seed,
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
+        speculative_disable_by_batch_size=speculative_disable_by_batch_size,
     )
     engine = Engine(net, config)
     if model == "stub":
@@ -139,7 +130,7 @@ def measure(
     elif device == "cuda":  # graphs captured and kernels compiled before the clock starts
         engine.warmup()
     probe = Probe(engine)
-    expected = _submit(engine, prompts, lengths, max_tokens, stop_token, seed, known_lengths)
+    expected = submit(engine, prompts, lengths, max_tokens, stop_token, seed, known_lengths)
     stage(
         f"long-tail {model}: {len(prompts)} prompts x n={len(lengths[0])}, {sum(expected.values())} tokens to "
         f"generate, {num_blocks} KV blocks = {num_blocks / sum(own):.3f} of the peak demand ({sum(own)} blocks)"
@@ -228,6 +219,7 @@ def measure(
         "tail_tokens": probe.tail_tokens,
         "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),
         "tokens_per_s": round(generated / max(wall, 1e-9), 1),
+        "host_s": round(probe.step_s - probe.forward_s, 3) if device == "cpu" else None,
         "mean_decoding_per_step": round(probe.decoding / max(probe.steps, 1), 1),
         "mean_sequences_per_step": round(probe.sequences / max(probe.steps, 1), 1),
         "mean_running_per_step": round(probe.running / max(probe.steps, 1), 1),
@@ -243,36 +235,6 @@ def measure(
         "wall_s": round(wall, 2),
         "time_budget_s": time_budget_s,
     }
-
-
-def _submit(
-    engine: Engine,
-    prompts: list[list[int]],
-    lengths: list[list[int]],
-    max_tokens: int,
-    stop_token: int,
-    seed: int,
-    known_lengths: bool,
-) -> dict[str, int]:
-    """Add every sample as its own request; returns each request id's length."""
-    expected: dict[str, int] = {}
-    for g, (prompt, group) in enumerate(zip(prompts, lengths)):
-        for j, length in enumerate(group):
-            seed_j = seed * 100_003 + len(expected)
-            if known_lengths:
-                sampling = SamplingParams(do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed_j)
-            else:
-                sampling = SamplingParams(
-                    do_sample=True,
-                    temperature=1.0,
-                    min_new_tokens=length - 1,
-                    stop_token_ids=(stop_token,),
-                    logit_bias={stop_token: MAX_LOGIT_BIAS},
-                    seed=seed_j,
-                )
-            expected[f"p{g}s{j}"] = length
-            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=length if known_lengths else max_tokens)
-    return expected
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -301,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             speculative=speculative,
             entropy=args.entropy,
             num_speculative_tokens=args.num_speculative_tokens,
+            speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
             known_lengths=args.known_lengths,
             device=args.device,
         )

@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rollout.config import SCHEDULER_TYPES, SPECULATIVE_METHODS
+from rollout.config import SCHEDULER_TYPES, SPECULATIVE_METHODS, ContinuousBatchingConfig
 
 TIME_BUDGET_S = 1200.0
+DISABLE_BY_BATCH_SIZE = ContinuousBatchingConfig.speculative_disable_by_batch_size
 DEVICES = ("cpu", "cuda")
 
 
@@ -70,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default: without only)",
     )
     add("--num-speculative-tokens", type=int, default=4, help="with --speculative: draft tokens per sample and step")
+    add(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=DISABLE_BY_BATCH_SIZE,
+        metavar="SAMPLES",
+        help="with --speculative: drafts only in steps decoding at most this many samples (the engine's "
+        "speculative_disable_by_batch_size)",
+    )
     add("--repeats", type=int, default=1, help="with --speculative: runs of each, alternated (medians reported)")
     add(
         "--entropy",
@@ -108,8 +117,12 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.speculative_disable_by_batch_size < 1:
+        parser.error(f"--speculative-disable-by-batch-size must be >= 1, got {args.speculative_disable_by_batch_size}")
     if args.speculative is None and args.num_speculative_tokens != 4:
         parser.error("--num-speculative-tokens has no effect without --speculative suffix")
+    if args.speculative is None and args.speculative_disable_by_batch_size != DISABLE_BY_BATCH_SIZE:
+        parser.error("--speculative-disable-by-batch-size has no effect without --speculative suffix")
     if args.speculative and getattr(args, "plot", None):
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
     if args.entropy is not None and (args.model != "tiny" or args.entropy <= 0):

@@ -1,13 +1,16 @@
 """What `rollout-bench long-tail` reads of a running engine beyond its counters, and the stubbed model it runs on.
 
-`Probe` wraps two of the engine's instance attributes (it changes nothing the engine does): the scheduler's
-`schedule` (each step's batch: sequences that decode, blocks swapped out and in, running requests) and the block
+`Probe` wraps some of the engine's instance attributes (it changes nothing the engine does): the scheduler's
+`schedule` (each step's batch: sequences that decode, blocks swapped out and in, running requests), the block
 manager's `take_prefix` (every admission: how many of the request's tokens the prefix cache already held, and whether
-the request was admitted before, i.e. is readmitted after a preemption by recompute).
+the request was admitted before, i.e. is readmitted after a preemption by recompute), and the clocks of `step` and
+of the model runner's forward (the engine's own host work is the difference, on a CPU).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,6 +60,9 @@ class Probe:
             tail_tokens` is the model forward passes per generated token a sample sees in the tail (1 without
             speculative decoding, less when drafts are accepted).
         draft_tokens: draft tokens computed (speculative decoding), accepted or not.
+        step_s, forward_s: seconds spent in the engine's `step` calls, and in its model runner's forward calls
+            within them (on a CPU the forward's compute; on a GPU only what queuing it costs, and a replayed CUDA
+            graph does not call it): `step_s - forward_s` is the engine's own host work, on a CPU.
     """
 
     def __init__(self, engine: Engine, tail_width: int = 8):
@@ -71,6 +77,7 @@ class Probe:
         self.first_admission_tokens = self.first_admission_hits = 0
         self.readmissions = self.readmission_tokens = self.readmission_hits = 0
         self.recomputed_by_position = 0
+        self.step_s = self.forward_s = 0.0
         self._covered: dict[str, int] = {}  # request id -> positions computed or prefix-hit so far (high-water mark)
         self._admissions: dict[str, int] = {}
         schedule, take_prefix = engine.scheduler.schedule, engine.block_manager.take_prefix
@@ -87,6 +94,25 @@ class Probe:
 
         engine.scheduler.schedule = probed_schedule  # instance attributes: the engine's code is unchanged
         engine.block_manager.take_prefix = probed_take_prefix
+        engine.step = self._clocked(engine.step, "step_s")
+        runner = engine.runner
+        forward = self._clocked(runner._forward, "forward_s")  # noqa: SLF001 - timed, not changed
+        # One wrapper where they are one function (the runner tells a compiled decode forward by that).
+        decode = runner._decode_forward  # noqa: SLF001
+        decode = forward if decode is runner._forward else self._clocked(decode, "forward_s")  # noqa: SLF001
+        runner._forward, runner._decode_forward = forward, decode  # noqa: SLF001
+
+    def _clocked(self, function: Callable, seconds: str) -> Callable:
+        """`function`, adding the seconds each call takes to this probe's attribute `seconds`."""
+
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                setattr(self, seconds, getattr(self, seconds) + time.perf_counter() - start)
+
+        return clocked
 
     @property
     def max_admissions(self) -> int:

@@ -6,6 +6,8 @@ Figures, each the median over the repeats, and the ratio of the two:
   decode at most 8 samples and compute nothing else): 1 without speculation, less when drafts are accepted;
 - tokens per second over the whole run;
 - the last sample's finish, from the round's start;
+- on a CPU, the engine's host time: its steps' seconds outside the model's forward (what a GPU, whose forward of a
+  small model costs little, would still pay per step);
 - draft tokens computed and accepted.
 The same seeds give the same lengths and prompts to both; with `--known-lengths` every sample runs to its length.
 """
@@ -22,6 +24,7 @@ FIGURES = (
     "tail_forwards_per_token",
     "tokens_per_s",
     "last_finish_s",
+    "host_s",
     "draft_tokens",
     "accepted_draft_tokens",
     "verification_draws",
@@ -61,6 +64,7 @@ def print_comparison(summary: dict[str, Any]) -> None:
         "tail_forwards_per_token": "tail forwards / token",
         "tokens_per_s": "tokens / s",
         "last_finish_s": "last sample (s)",
+        "host_s": "engine host time (s)",
         "draft_tokens": "draft tokens",
         "accepted_draft_tokens": "accepted drafts",
         "verification_draws": "rounds drawn on device",

@@ -79,18 +79,17 @@ class DraftPool:
             return (), 0
         occurrences = self._index.get(tuple(query[end - KEY : end]), ())
         longest = min(MAX_MATCH, end)
-        best_match, followed = 0, []  # the longest match, and where each match of that length continues
+        best_match, followed = 0, []  # the longest match, and the continuations of each match of that length
         for other, position in reversed(occurrences[-CANDIDATES:]):
             tokens = self.sequences[other]
-            if resolved_length(tokens) - position - 1 < 1 or (other == sequence and position == end - 1):
+            available = resolved_length(tokens)
+            if available - position - 1 < 1 or (other == sequence and position == end - 1):
                 continue
-            match = KEY
-            while match < longest and match <= position and tokens[position - match] == query[end - 1 - match]:
-                match += 1
+            match = _match_length(tokens, position + 1, query, end, min(longest, position + 1))
             if match > best_match:
                 best_match, followed = match, []
             if match == best_match:
-                followed.append((tokens, position + 1))
+                followed.append(tokens[position + 1 : min(available, position + 1 + limit)])
         draft = _agreed_continuation(followed, limit)
         return draft, best_match if draft else 0
 
@@ -122,21 +121,39 @@ class DraftPool:
         self._indexed[number] = end
 
 
-def _agreed_continuation(followed: list[tuple[list[int], int]], limit: int) -> tuple[int, ...]:
-    """Token by token, what most of the continuations (token list, next position) agree on, while at least half of
-    those still followed agree; the others are dropped at their first disagreement."""
+def _match_length(tokens: list[int], stop: int, query: list[int], end: int, most: int) -> int:
+    """How many tokens before `stop` in `tokens` equal those before `end` in `query`, counted back from there (at
+    least `KEY`: the index key matched; at most `most`). Compared as slices, in C: a match is often the whole
+    `MAX_MATCH` (siblings of one prompt agree for long stretches), then one comparison says so."""
+    if tokens[stop - most : stop] == query[end - most : end]:
+        return most
+    low, high = KEY, most - 1  # tokens of the match: low are known equal, most are not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if tokens[stop - middle : stop] == query[end - middle : end]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _agreed_continuation(followed: list[list[int]], limit: int) -> tuple[int, ...]:
+    """Token by token, what most of the continuations agree on, while at least half of those still followed agree;
+    the others are dropped at their first disagreement (or when they end)."""
     draft: list[int] = []
-    while followed and len(draft) < limit:
+    for index in range(limit):
+        if not followed:
+            break
         votes: dict[int, int] = {}
-        for tokens, position in followed:
-            if position < resolved_length(tokens):
-                votes[tokens[position]] = votes.get(tokens[position], 0) + 1
+        for continuation in followed:
+            if index < len(continuation):
+                votes[continuation[index]] = votes.get(continuation[index], 0) + 1
         if not votes:
             break
         token, count = max(votes.items(), key=lambda item: item[1])
         if 2 * count < len(followed):
             break
         draft.append(token)
-        followed = [(tokens, position + 1) for tokens, position in followed
-                    if position < resolved_length(tokens) and tokens[position] == token]  # fmt: skip
+        followed = [continuation for continuation in followed
+                    if index < len(continuation) and continuation[index] == token]  # fmt: skip
     return tuple(draft)

@@ -1,0 +1,54 @@
+"""The long-tail workload of `rollout-bench long-tail` (long_tail.py): each prompt's samples and their own lengths
+(`make_workload`), and how they reach the engine (`submit`): every sample its own request, its length either told
+to the scheduler (`max_new_tokens`) or made by a stop token pushed up at its length."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from rollout.benchmarks.grpo.long_tail_flags import Shape
+from rollout.config import SamplingParams
+from rollout.engine.engine import Engine
+from rollout.sampling_params import MAX_LOGIT_BIAS
+
+
+def make_workload(shape: Shape, seed: int, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Random prompts and each sample's length: (prompts, lengths[prompt][sample])."""
+    rng = random.Random(seed)
+    prompts, lengths = [], []
+    for _ in range(shape.num_prompts):
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randint(*shape.prompt_tokens))])
+        draws = (rng.lognormvariate(math.log(shape.median_tokens), shape.sigma) for _ in range(shape.n))
+        lengths.append([min(shape.max_tokens, max(1, round(draw))) for draw in draws])
+    return prompts, lengths
+
+
+def submit(
+    engine: Engine,
+    prompts: list[list[int]],
+    lengths: list[list[int]],
+    max_tokens: int,
+    stop_token: int,
+    seed: int,
+    known_lengths: bool,
+) -> dict[str, int]:
+    """Add every sample as its own request; returns each request id's length."""
+    expected: dict[str, int] = {}
+    for g, (prompt, group) in enumerate(zip(prompts, lengths)):
+        for j, length in enumerate(group):
+            seed_j = seed * 100_003 + len(expected)
+            if known_lengths:
+                sampling = SamplingParams(do_sample=True, temperature=1.0, stop_token_ids=(), seed=seed_j)
+            else:
+                sampling = SamplingParams(
+                    do_sample=True,
+                    temperature=1.0,
+                    min_new_tokens=length - 1,
+                    stop_token_ids=(stop_token,),
+                    logit_bias={stop_token: MAX_LOGIT_BIAS},
+                    seed=seed_j,
+                )
+            expected[f"p{g}s{j}"] = length
+            engine.add_request(f"p{g}s{j}", prompt, sampling, max_new_tokens=length if known_lengths else max_tokens)
+    return expected
