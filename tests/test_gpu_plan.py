@@ -50,6 +50,10 @@ def test_every_section_is_a_valid_command_of_the_issue(workload):
         assert paths and all(p.exists() for p in paths)
     gpu_tests = chosen["gpu-tests"].argv
     assert ("-m", "gpu") in zip(gpu_tests, gpu_tests[1:])  # overrides the default `-m 'not gpu'`
+    speculative = bench["speculative"]  # on a GPU the Qwen3-0.6B architecture; the rehearsal's CPU the tiny model
+    model = "nano" if workload == "nano" else "tiny"
+    assert (speculative.model, speculative.device, speculative.speculative) == (model, device, "suffix")
+    assert (speculative.entropy, speculative.known_lengths, speculative.max_num_seqs) == (0.1, True, 64)
 
 
 def test_the_plan_fits_the_window_by_its_own_json(capsys):
@@ -67,7 +71,7 @@ def test_the_plan_fits_the_window_by_its_own_json(capsys):
     assert sum(call["timeout_s"] + plan["start_s"] for call in calls) <= plan["device_budget_s"]
     assert calls[0]["timeout_s"] <= 430 and not calls[0]["optional"] and calls[1]["optional"]
     assert calls[0]["sections"] == ["throughput", "baseline-generate-batch", "baseline-generate", "grpo-step-nano"]
-    assert calls[1]["sections"] == ["gpu-tests", "kernel-tests", "speculative"]
+    assert calls[1]["sections"] == ["gpu-tests", "speculative", "kernel-tests"]
     order = list(gpu_report.SECTION_NAMES)
     parser = cli.build_parser()
     for number, call in enumerate(calls):

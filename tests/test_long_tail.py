@@ -11,6 +11,7 @@ import torch
 
 from rollout.benchmarks import cli
 from rollout.benchmarks.gpu_report.table import rows
+from rollout.benchmarks.grpo import long_tail
 from rollout.benchmarks.grpo.long_tail import measure
 from rollout.benchmarks.grpo.long_tail_flags import Shape
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB
@@ -172,10 +173,32 @@ def test_drafts_only_in_steps_decoding_at_most_the_threshold():
     assert 0 < runs[1]["draft_tokens"] < runs[8]["draft_tokens"]
 
 
+def test_the_nano_model_runs_in_bf16_with_its_own_vocabulary(monkeypatch):
+    """--model nano (a GPU's Qwen3-0.6B architecture) on a CPU, its architecture swapped for a small one: built in
+    bf16 from the config, its prompts and stop token from its own vocabulary, and drafts accepted at low entropy."""
+    from rollout.benchmarks.grpo import long_tail_workload
+
+    small = {**long_tail_workload.NANO_CONFIG, "vocab_size": 500, "hidden_size": 64, "intermediate_size": 128}
+    small.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setattr(long_tail_workload, "NANO_CONFIG", small)
+    built = []
+    build = long_tail_workload.build_model
+    monkeypatch.setattr(long_tail, "build_model", lambda *args: built.append(build(*args)) or built[-1])
+    shape = Shape(num_prompts=2, n=4, median_tokens=40, max_tokens=120, prompt_tokens=(8, 24))
+    prompts, lengths = make_workload(shape, seed=0, vocab=long_tail_workload.vocab_size("nano") - 1)
+    summary = measure(prompts, lengths, model="nano", cache_fraction=0.6, progress=False, speculative="suffix",
+                      entropy=0.1, known_lengths=True)  # fmt: skip
+    (model,) = built
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config.vocab_size == 500
+    assert summary["finished"] and summary["generated_tokens"] == summary["tokens_to_generate"]
+    assert summary["accepted_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--device", "cuda"], "--device cuda needs --model tiny"),
+        (["--device", "cuda"], "--device cuda needs --model tiny or nano"),
+        (["--model", "nano"], "--model nano needs --device cuda"),
         (["--speculative-disable-by-batch-size", "16"], "has no effect without --speculative suffix"),
         (["--speculative", "suffix", "--speculative-disable-by-batch-size", "0"], "must be >= 1, got 0"),
         (["--model", "tiny", "--device", "tpu"], "invalid choice: 'tpu'"),

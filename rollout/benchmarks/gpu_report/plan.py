@@ -7,9 +7,9 @@ throughput (tokens/s, `batch_invariant`'s price beside it, the decode roofline f
 the trainer's floor); transformers' `generate_batch` on the same workload under a budget of its own, then its `generate`
 with what is left (a baseline cut short says so, with what it finished); a colocated GRPO step at nano shape. The
 optional follow-up merges the first call's gpu_report.json and measures what the CPU cannot: the GPU tests (graph
-capture and replay, bitwise log-probs), the kernel tests (compiled; the first H200 run, 2026-11-30, needed more than the
-76 s the first call had left them), and speculative decoding's long tail on the GPU. Both together, machine starts
-included, fit `DEVICE_BUDGET_S`. Weight pushes into a GPU worker (`weights`, measured on that first run) are left to
+capture and replay, bitwise log-probs), speculative decoding's long tail on the GPU (the Qwen3-0.6B architecture),
+and the kernel tests (compiled; the first H200 run, 2026-11-30, needed more than the 76 s the first call had left
+them). Both together, machine starts included, fit `DEVICE_BUDGET_S`. Weight pushes into a GPU worker (`weights`, measured on that first run) are left to
 `--only`.
 
 The GPU image has Python 3.12, torch 2.11, transformers 5.17 and Triton 3.6, and lacks the wheels in `WHEELS`. The
@@ -99,8 +99,8 @@ FIRST_CALL = DeviceCall(
 )
 SLACK_S = 30  # of the window, for what else counts: transfers, the idle wait before a machine goes back
 FOLLOW_UP = DeviceCall(
-    "the GPU tests (graph capture and replay, bitwise log-probs), the kernel tests and speculative decoding",
-    ("gpu-tests", "kernel-tests", "speculative"),
+    "the GPU tests (graph capture and replay, bitwise log-probs), speculative decoding and the kernel tests",
+    ("gpu-tests", "speculative", "kernel-tests"),
     DEVICE_BUDGET_S - 2 * START_S - FIRST_CALL.timeout_s - SLACK_S,
     optional=True,
 )

@@ -13,10 +13,11 @@ the headline first:
   weights                  a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over ZeroMQ frames and
                            shared memory: GB/s, commit pause, pause beyond the copy
   gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
+  speculative              the long tail without and with speculative decoding, the Qwen3-0.6B architecture at low
+                           entropy on the GPU: forwards per token in the tail, tokens/s, the round's last sample
+                           (goal 1.5x sooner)
   kernel-tests             tests/test_triton_attention.py, test_cuda_graphs.py and test_verify_graphs.py, compiled
                            and captured
-  speculative              the long tail without and with speculative decoding, the tiny model at low entropy on the
-                           GPU: forwards per token in the tail, tokens/s, the round's last sample (goal 1.5x sooner)
   grpo, grpo-step, overlap, structured
                            GRPO groups; the main job's steps against TRL's paths; overlapped scheduling off;
                            structured outputs on the GPU

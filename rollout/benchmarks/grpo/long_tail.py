@@ -41,15 +41,14 @@ import torch
 from tqdm import tqdm
 
 from rollout.benchmarks.grpo.long_tail_flags import TIME_BUDGET_S, shape_from
-from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB, Probe, stub_forward, stub_model
+from rollout.benchmarks.grpo.long_tail_probe import Probe, stub_forward
 from rollout.benchmarks.grpo.long_tail_speculative import compare, print_comparison
-from rollout.benchmarks.grpo.long_tail_workload import make_workload, submit
+from rollout.benchmarks.grpo.long_tail_workload import build_model, make_workload, submit, vocab_size
 from rollout.benchmarks.harness.progress import stage
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.engine import Engine
 from rollout.engine.scheduling.block_manager import cdiv
-from rollout.presets.models import TINY_MODEL_CONFIG
 
 BLOCK_SIZE = 16
 
@@ -77,7 +76,7 @@ def measure(
 
     Args:
         prompts, lengths: from `make_workload`.
-        model: "stub" (forward stubbed) or "tiny" (the real tiny model).
+        model: "stub" (forward stubbed), "tiny" (the built-in tiny model) or "nano" (the Qwen3-0.6B architecture).
         max_tokens: every sample's max_new_tokens, the cap (None: the longest length).
         cache_fraction: KV blocks as a fraction of the peak demand.
         cpu_offload_space: swap space in GiB (0: preempted samples are recomputed).
@@ -91,8 +90,8 @@ def measure(
         speculative_disable_by_batch_size: drafts only in steps decoding at most this many samples.
         known_lengths: each sample's max_new_tokens is its length (the scheduler sees it), instead of a stop token
             pushed up by logit_bias at its length (which cannot outweigh a low-entropy head's logits).
-        entropy: the tiny model's head scaled to this mean next-token entropy, in nats (None: as built).
-        device: where the tiny model runs ("cpu" or "cuda"; on cuda decode and drafted steps replay CUDA graphs).
+        entropy: the model's head scaled to this mean next-token entropy, in nats (None: as built; not the stub's).
+        device: where the model runs ("cpu" or "cuda"; on cuda decode and drafted steps replay CUDA graphs).
     """
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
     max_tokens = max_tokens or max(map(max, lengths))
@@ -100,18 +99,10 @@ def measure(
     longest = cdiv(max(map(len, prompts)) + max_tokens - 1, BLOCK_SIZE)
     num_blocks = max(math.ceil(cache_fraction * sum(own)), longest)
     max_len = max(map(len, prompts)) + max_tokens
-    stop_token = (STUB_VOCAB if model == "stub" else TINY_MODEL_CONFIG["vocab_size"]) - 1
-    if model == "stub":
-        net = stub_model(max_len)
-    else:
-        from rollout.presets.models import tiny_model
-
-        net = tiny_model(seed).to(device)
-        context = net.config.max_position_embeddings
-        if max_len > context:
-            raise ValueError(f"prompt + length reach {max_len} tokens; the tiny model's context is {context}")
-        if entropy is not None:
-            scale_to_entropy(net, prompts[:8], entropy)
+    stop_token = vocab_size(model) - 1
+    net = build_model(model, seed, device, max_len)
+    if entropy is not None:
+        scale_to_entropy(net, prompts[:8], entropy)
     config = ContinuousBatchingConfig(
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
@@ -243,9 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = shape_from(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("rollout-bench long-tail: --device cuda, but torch sees no CUDA GPU here")
-    vocab = (
-        STUB_VOCAB if args.model == "stub" else TINY_MODEL_CONFIG["vocab_size"]
-    ) - 1  # the last token is the stop token
+    vocab = vocab_size(args.model) - 1  # the last token is the stop token
     prompts, lengths = make_workload(shape, args.seed, vocab)
 
     def measure_one(speculative: str | None) -> dict[str, Any]:

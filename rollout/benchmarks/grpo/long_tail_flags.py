@@ -26,7 +26,12 @@ class Shape:
     sigma: float = 1.0
 
 
-SHAPES = {"stub": Shape(128, 8, 2048, 16384, (100, 1000)), "tiny": Shape(16, 4, 150, 1200, (20, 200))}
+SHAPES = {
+    "stub": Shape(128, 8, 2048, 16384, (100, 1000)),
+    "tiny": Shape(16, 4, 150, 1200, (20, 200)),
+    "nano": Shape(16, 4, 150, 1200, (20, 200)),  # tiny's shape on the Qwen3-0.6B architecture (a GPU's model)
+}
+COMPUTED = ("tiny", "nano")  # the models computed for real (the stub's forward is ready logits)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,13 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser: the subcommand's parser.
     """
     add = parser.add_argument
-    add("--model", choices=sorted(SHAPES), default="stub", help="stub (forward stubbed) or tiny (computed for real)")
+    add(
+        "--model",
+        choices=sorted(SHAPES),
+        default="stub",
+        help="stub (forward stubbed), tiny (the built-in tiny model) or nano (the Qwen3-0.6B architecture, bf16, "
+        "random weights: --device cuda only), the last two computed for real",
+    )
     add(
         "--device",
         choices=DEVICES,
         default="cpu",
-        help="where --model tiny runs (default: cpu); on cuda decode steps and drafted steps replay CUDA graphs, as "
-        "an engine on a GPU does by default",
+        help="where --model tiny or nano runs (default: cpu); on cuda decode steps and drafted steps replay CUDA "
+        "graphs, as an engine on a GPU does by default",
     )
     add("--num-prompts", type=int, default=None, help=f"prompts ({_by_model('num_prompts')})")
     add("--n", type=int, default=None, help=f"samples per prompt, each with its own length ({_by_model('n')})")
@@ -85,8 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="NATS",
-        help="--model tiny: scale its head to this mean next-token entropy (0.1: siblings agree; 1.5: realistic; "
-        "default: the model as built)",
+        help="--model tiny or nano: scale its head to this mean next-token entropy (0.1: siblings agree; 1.5: "
+        "realistic; default: the model as built)",
     )
     add(
         "--known-lengths",
@@ -125,10 +136,14 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--speculative-disable-by-batch-size has no effect without --speculative suffix")
     if args.speculative and getattr(args, "plot", None):
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
-    if args.entropy is not None and (args.model != "tiny" or args.entropy <= 0):
-        parser.error("--entropy needs --model tiny and a value > 0")
-    if args.device != "cpu" and args.model != "tiny":
-        parser.error("--device cuda needs --model tiny (the stub model's forward is host work only)")
+    if args.entropy is not None and (args.model not in COMPUTED or args.entropy <= 0):
+        parser.error("--entropy needs --model tiny or nano and a value > 0")
+    if args.device != "cpu" and args.model not in COMPUTED:
+        parser.error("--device cuda needs --model tiny or nano (the stub model's forward is host work only)")
+    if args.model == "nano" and args.device != "cuda":
+        parser.error(
+            "--model nano needs --device cuda (the Qwen3-0.6B architecture: a run would take an hour on a CPU)"
+        )
 
 
 def shape_from(args: argparse.Namespace) -> Shape:

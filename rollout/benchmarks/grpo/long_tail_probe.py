@@ -1,4 +1,4 @@
-"""What `rollout-bench long-tail` reads of a running engine beyond its counters, and the stubbed model it runs on.
+"""What `rollout-bench long-tail` reads of a running engine beyond its counters, and the stubbed model's forward.
 
 `Probe` wraps some of the engine's instance attributes (it changes nothing the engine does): the scheduler's
 `schedule` (each step's batch: sequences that decode, blocks swapped out and in, running requests), the block
@@ -16,10 +16,9 @@ from typing import Any
 import torch
 
 from rollout.benchmarks.harness.stub_model import VOCAB as STUB_VOCAB
-from rollout.benchmarks.harness.stub_model import stub_model
 from rollout.engine.engine import Engine
 
-__all__ = ["STUB_VOCAB", "Probe", "stub_forward", "stub_model"]
+__all__ = ["STUB_VOCAB", "Probe", "stub_forward"]
 
 
 def stub_forward(engine: Engine, max_rows: int) -> None:
