@@ -2,10 +2,11 @@
 ignore is refused by name, never compiled into a grammar that lets a violating output finish with "stop".
 
 Checked against xgrammar 0.2.8 (each refusal was seen to accept a violating instance): `uniqueItems`, `not`,
-`maxContains`, `$dynamicRef` / `$recursiveRef`, references other than JSON pointers (`#/...`), `allOf` with more
-than one schema, `required` naming a property the schema does not declare, and `oneOf` whose branches are not told
-apart by their types or by a discriminator (a property whose `const` / `enum` values differ: xgrammar then enforces
-`anyOf`). `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
+`contains` (and with it `minContains` / `maxContains`), `dependentRequired`, `dependentSchemas`, `if` with `then` or
+`else`, `multipleOf` but on an integer by an integer, `$dynamicRef` / `$recursiveRef`, references other than JSON
+pointers (`#/...`), `allOf` with more than one schema, `required` naming a property the schema does not declare, and
+`oneOf` whose branches are not told apart by their types or by a discriminator (a property whose `const` / `enum`
+values differ: xgrammar then enforces `anyOf`). `then` and `else` without `if` mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
 Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply with depth).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 MAX_SCHEMA_DEPTH = 32
 # Keywords whose value is a map of names to subschemas / a subschema / a list of subschemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = (
     "items",
     "additionalProperties",
@@ -23,15 +24,15 @@ _SCHEMA_VALUES = (
     "unevaluatedItems",
     "additionalItems",
     "propertyNames",
-    "contains",
-    "if",
-    "then",
-    "else",
 )
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _IGNORED = {
     "not": "is not enforced by the grammar engine",
-    "maxContains": "is not enforced by the grammar engine",
+    "maxContains": "is not enforced by the grammar engine",  # named before the contains it goes with
+    "minContains": "is not enforced by the grammar engine",
+    "contains": "is not enforced by the grammar engine",
+    "dependentRequired": "is not enforced by the grammar engine",
+    "dependentSchemas": "is not enforced by the grammar engine",
     "$dynamicRef": "is not supported (use $ref to #/$defs/...)",
     "$recursiveRef": "is not supported (use $ref to #/$defs/...)",
 }
@@ -68,6 +69,11 @@ def _check(schema: Any, where: str) -> tuple[str, str] | None:
             return f"{where}.{keyword}", why
     if schema.get("uniqueItems") is True:
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
+    if "if" in schema and ("then" in schema or "else" in schema):
+        return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
+    multiple = schema.get("multipleOf")
+    if "multipleOf" in schema and not (schema.get("type") == "integer" and type(multiple) is int):
+        return f"{where}.multipleOf", 'is enforced by the grammar engine only on "type": "integer", by an integer'
     reference = schema.get("$ref")
     if reference is not None and not (isinstance(reference, str) and (reference == "#" or reference.startswith("#/"))):
         return f"{where}.$ref", f"only JSON-pointer references (#/...) are supported, got {reference!r}"

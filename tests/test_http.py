@@ -231,6 +231,11 @@ def test_a_client_that_disconnects_has_its_request_cancelled(worker, stream):
 def test_models_health_tokenize_detokenize(worker, api):
     (model,) = api.models.list().data
     assert (model.id, model.model_extra["max_model_len"]) == ("tiny", 2048)
+    retrieved = api.models.retrieve("tiny").model_dump()
+    assert retrieved.pop("created") >= model.created and retrieved == model.model_dump(exclude={"created"})
+    with pytest.raises(openai.NotFoundError) as missing:
+        api.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found" and "serves `tiny`" in missing.value.message
     assert httpx.get(f"{worker.url}/health").json()["status"] == "ok"
     tokens = httpx.post(f"{worker.url}/tokenize", json={"prompt": "hi there"}).json()
     assert tokens["tokens"] == TOKENIZER("hi there")["input_ids"] and tokens["count"] == len(tokens["tokens"])
@@ -338,6 +343,13 @@ def test_fields_without_generation_semantics_are_accepted(api):
             "chat_template_kwargs",
         ),
         ("/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, 400, "modalities"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "functions": [{"name": "f"}]}, 400, "functions"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),  # no content
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": None}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "foo": 1}]}, 400, "messages"),
+        ("/v1/completions", {"prompt": "x", "prompt_cache_key": 5}, 400, "prompt_cache_key"),
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
         ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ("/tokenize", {"messages": MESSAGES, "prompt": "x"}, 400, "prompt"),
@@ -354,6 +366,31 @@ def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, sta
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"], error
+
+
+def test_what_the_openai_client_sends_as_null_or_echoes_back_is_accepted(api):
+    """A null carries no meaning: OpenAI fields rollout does not serve are refused by name with a value, accepted as
+    null (clients send them so); an answer's message sent back as the next turn's history keeps its null and empty
+    fields (`refusal`, `annotations`, ...); a cache hint and an end-user id have no effect on the tokens."""
+    first = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, seed=1)
+    echoed = first.choices[0].message.model_dump() | {"annotations": []}  # as the openai client returns it
+    assert echoed["refusal"] is None and "function_call" in echoed
+    history = [*MESSAGES, echoed, {"role": "user", "content": "another"}]
+    nulls = dict(reasoning_effort=None, verbosity=None, audio=None, prediction=None, web_search_options=None)
+    answer = api.chat.completions.create(
+        model="tiny",
+        messages=history,
+        max_tokens=3,
+        seed=1,
+        modalities=["text"],
+        prompt_cache_key="conversation-1",
+        safety_identifier="user-1",
+        extra_body=nulls | {"functions": None, "function_call": None},
+    )
+    plain = api.chat.completions.create(model="tiny", messages=history, max_tokens=3, seed=1)
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="0 scores the prompt only, which needs echo or prompt_logprobs"):
+        api.completions.create(model="tiny", prompt="x", max_tokens=0)
 
 
 def test_bodies_that_are_not_json_or_not_for_this_host_are_refused(worker, api):

@@ -165,6 +165,8 @@ def test_bad_constraints_are_refused_by_name():
         SamplingParams(json="{nope")
     with pytest.raises(FieldError, match="regex: does not compile"):
         run([SamplingParams(regex="(unclosed")], PROMPTS[:1])
+    with pytest.raises(FieldError, match='json: does not compile: Unsupported type "banana"'):  # no C++ log prefix
+        run([SamplingParams(json={"type": "banana"})], PROMPTS[:1])
     with pytest.raises(FieldError, match="regex: structured outputs need the model's tokenizer"):
         generate_batch(MODEL, PROMPTS[:1], sampling=SamplingParams(regex=REGEX), progress_bar=False)
     for fields, message in (
@@ -219,6 +221,33 @@ UNENFORCED = {
         "[5,5]",
     ),
     "$dynamicRef": ({"$dynamicRef": "#x"}, "1"),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[9]"),
+    "dependentRequired": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+    ),
+    "dependentSchemas": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentSchemas": {"a": {"required": ["b"]}},
+        },
+        '{"a": 1}',
+    ),
+    "if": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"properties": {"a": {"const": 1}}},
+            "then": {"properties": {"b": {"const": 0}}},
+        },
+        '{"a": 1, "b": 5}',
+    ),
+    "multipleOf": ({"type": "number", "multipleOf": 0.5}, "1.3"),
 }
 
 
@@ -246,6 +275,8 @@ def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
         discriminated,
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"allOf": [{"type": "integer"}]},
+        {"type": "integer", "multipleOf": 3},  # enforced: xgrammar refuses 4
+        {"type": "integer", "then": {"minimum": 5}},  # then without if means nothing (JSON Schema)
     ):
         SamplingParams(json=schema)
     from rollout.engine.grammar.constraints import Grammars

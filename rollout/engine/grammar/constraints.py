@@ -8,6 +8,7 @@ by name."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any
 
@@ -48,6 +49,20 @@ def compile_spec(compiler: Any, field: str, spec: Any) -> Any:
     if field == "grammar":
         return compiler.compile_grammar(spec)
     return compiler.compile_json_schema(ANY_OBJECT)  # OpenAI's json_object: a JSON object
+
+
+# xgrammar's C++ errors start with its log prefix: "[11:23:52] /project/cpp/json_schema_converter.cc:5082: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def compile_error_message(error: BaseException) -> str:
+    """What a spec that does not compile is answered with: xgrammar's message without its log prefix (the time, its
+    source file and line), at most 500 characters.
+
+    Args:
+        error: what `compile_spec` raised.
+    """
+    return _LOG_PREFIX.sub("", str(error).strip())[:500]
 
 
 class _TokenizerGrammars:
@@ -109,7 +124,7 @@ class Grammars:
             try:
                 compiled = compile_spec(grammars.compiler, field, spec)
             except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for a bad spec
-                raise FieldError(field, f"does not compile: {str(error).strip()[:500]}") from None
+                raise FieldError(field, f"does not compile: {compile_error_message(error)}") from None
             entry = grammars.cache.put((field, spec), CheckedGrammar(compiled, first_step_refusal(compiled)))
         if entry.first_step is not None:
             raise FieldError(field, entry.first_step)

@@ -33,7 +33,7 @@ def serve_jobs(job_fd: int, answer_fd: int, info: Any, max_bytes: int) -> None:
     """
     import xgrammar
 
-    from rollout.engine.grammar.constraints import compile_spec
+    from rollout.engine.grammar.constraints import compile_error_message, compile_spec
 
     # One thread: a compile takes one core, and no thread's stack or malloc arena counts against its budget.
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -53,8 +53,8 @@ def serve_jobs(job_fd: int, answer_fd: int, info: Any, max_bytes: int) -> None:
         except MemoryError:
             answer = {"status": "memory"}
         except Exception as error:  # noqa: BLE001 - xgrammar's own errors name what is wrong with the spec
-            message = str(error).strip()
-            answer = {"status": "memory"} if "bad_alloc" in message else {"status": "error", "message": message[:500]}
+            message = compile_error_message(error)
+            answer = {"status": "memory"} if "bad_alloc" in message else {"status": "error", "message": message}
         finally:
             resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
         answer["seconds"] = round(time.monotonic() - start, 4)

@@ -34,9 +34,11 @@ OPENAI_SAMPLING_FIELDS = {
 # OpenAI request fields that carry no generation semantics: accepted, with no effect (docs/guides/openai.md).
 NO_EFFECT_FIELDS = {
     "user",  # an end-user id for the caller's own records
+    "safety_identifier",  # the same, by OpenAI's newer name
     "metadata",  # tags for the caller's stored completions
     "store",  # whether OpenAI stores the completion (rollout stores nothing)
     "service_tier",  # OpenAI's processing tier
+    "prompt_cache_key",  # a hint for OpenAI's prompt cache (rollout's prefix cache needs none)
 }
 # Fields both endpoints take that are handled outside SamplingParams.
 COMMON_FIELDS = (
@@ -69,10 +71,20 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "add_generation_prompt",
     "continue_final_message",
 }
-# Fields refused unless absent, null or one of their harmless values, and why.
+# Fields refused unless absent, null or one of their harmless values, and why (clients such as the openai package's
+# may send them as null).
 REFUSED = {
     "suffix": (("",), "insertion (suffix) is not supported"),
+    "reasoning_effort": ((), "is not supported (a chat template's own settings go in chat_template_kwargs)"),
+    "verbosity": ((), "is not supported"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "audio": ((), "audio output is not supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "functions": ((), "the legacy function calling is not supported: send tools"),
+    "function_call": ((), "the legacy function calling is not supported: send tool_choice"),
 }
+CHAT_FIELDS |= set(REFUSED) - {"suffix"}  # known to chat, so that a null is accepted and a value refused by name
 MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
 
 
@@ -115,7 +127,13 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
             raise bad_field(name, why)
     for name in ("parallel_tool_calls", "store"):  # no constraint to apply, or nothing to store
         flag(body, name)
-    for name, kind in (("user", str), ("service_tier", str), ("metadata", dict)):
+    for name, kind in (
+        ("user", str),
+        ("safety_identifier", str),
+        ("prompt_cache_key", str),
+        ("service_tier", str),
+        ("metadata", dict),
+    ):
         if body.get(name) is not None and not isinstance(body[name], kind):
             raise bad_field(name, f"must be a {'string' if kind is str else 'JSON object'}")
     return body

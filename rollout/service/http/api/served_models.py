@@ -21,8 +21,13 @@ def requested_adapter(model: Any, model_name: str, adapters: Mapping[str, Adapte
         return None
     if isinstance(model, str) and model in adapters:
         return model
+    raise _not_found(model, model_name, adapters)
+
+
+def _not_found(model: Any, model_name: str, adapters: Mapping[str, Any]) -> APIError:
+    """404 model_not_found, listing what is served."""
     served = ", ".join(f"`{name}`" for name in [model_name, *sorted(adapters)])
-    raise APIError(
+    return APIError(
         404,
         f"the model `{model}` does not exist: this worker serves {served}",
         "model",
@@ -46,3 +51,19 @@ def model_list(
         root = (roots or {}).get(name, name)
         data.append({**listed, "id": name, "root": root, "parent": model_name, "policy_version": ref.version})
     return {"object": "list", "data": data}
+
+
+def model_entry(model_id: str, listed: dict) -> dict:
+    """/v1/models/{model_id} (OpenAI's retrieve): the entry of `model_list`'s answer with that id.
+
+    Args:
+        model_id: the model (or adapter) asked for.
+        listed: `model_list`'s answer.
+    Raises:
+        APIError: 404 model_not_found, listing what is served.
+    """
+    for entry in listed["data"]:
+        if entry["id"] == model_id:
+            return entry
+    names = [entry["id"] for entry in listed["data"]]
+    raise _not_found(model_id, names[0], dict.fromkeys(names[1:]))

@@ -1,5 +1,5 @@
 """The FastAPI application of `rollout-worker --http`: OpenAI's /v1/completions, /v1/chat/completions and
-/v1/models, vLLM's /tokenize and /detokenize (and /tokenizer_info with --enable-tokenizer-info-endpoint), and /health,
+/v1/models (and /v1/models/{id}), vLLM's /tokenize and /detokenize (and /tokenizer_info with --enable-tokenizer-info-endpoint), and /health,
 over the worker's engine manager; vLLM's control routes with --enable-control-routes (`rollout.service.http.control`).
 
 Errors are OpenAI-format bodies (errors.py): 400 naming the field, 401 without the worker's --api-key, 404 for
@@ -25,7 +25,7 @@ from rollout.service.http.api.answers import Answer
 from rollout.service.http.api.bridge import ClientGone
 from rollout.service.http.api.endpoints import OpenAIEndpoints
 from rollout.service.http.api.live_answers import LiveAnswers
-from rollout.service.http.api.served_models import model_list
+from rollout.service.http.api.served_models import model_entry, model_list
 from rollout.service.http.api.tokenize import TokenizeEndpoints
 from rollout.service.http.api.tokenizer_info import tokenizer_info
 from rollout.service.http.control.adapter_routes import AdapterRoutes
@@ -128,6 +128,10 @@ def build_app(
         engine = manager.engine
         refs = engine.runner.adapters.refs
         return model_list(model_name, engine.max_model_len, engine.policy_version, refs, adapters.roots)
+
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (an id may hold slashes: "Qwen/Qwen3-0.6B")
+    async def model(model_id: str) -> dict[str, Any]:
+        return model_entry(model_id, await models())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
