@@ -80,7 +80,7 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     # Replay CUDA graphs for decode steps (one capture per bucketed batch size; `warmup()` captures them all ahead
     # of time). None: on CUDA whenever the Triton attention kernels serve it (with batch_invariant: its Triton
-    # kernels, in fp32, bf16 or fp16); True: insist (an error without the kernels); False: eager. Never used on CPU.
+    # kernels, in fp32, bf16 or fp16); True: insist (an error without the kernels, or off CUDA); False: eager.
     use_cuda_graph: bool | None = None
     # Schedule step N+1 while step N runs on the device: the host's scheduling and input building hide behind the
     # GPU's forward, and step N's tokens reach the host once, after N+1 was queued. A sample that stops at step N

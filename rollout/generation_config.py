@@ -136,6 +136,12 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
         FieldError: a field set to a value rollout cannot honour, named "generation_config.<field>" or
             "model.generation_config.<field>" after the config it came from.
     """
+    from transformers import GenerationConfig
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        kind = type(generation_config).__name__
+        reason = f"expected a transformers GenerationConfig (GenerationConfig(**fields)), got {kind}"
+        raise FieldError("generation_config", reason)
     values: dict[str, tuple[str, Any]] = {}  # field -> (which config set it, value)
     for label, config in (
         ("generation_config", generation_config),

@@ -53,8 +53,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Stop tokens are masked until this many tokens were generated.
     min_new_tokens: int = 0
-    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS); 0 (only with
-    # prompt_logprobs) scores the prompt and generates nothing.
+    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS or what the
+    # model's context leaves after the prompt, if less); 0 (only with prompt_logprobs) scores the prompt only.
     max_new_tokens: int | None = None
     # Any of these ends generation (None: the GenerationConfig's eos_token_id; () never stops early).
     stop_token_ids: tuple[int, ...] | None = None

@@ -128,6 +128,14 @@ def test_request_that_fits_exactly_runs():
     engine.block_manager.check_all_free()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal off CUDA")
+def test_cuda_graphs_insisted_on_off_cuda_are_refused_by_name():
+    """use_cuda_graph=True insists: on a CPU it is refused by name, never run eagerly in silence (None runs eagerly)."""
+    with pytest.raises(ValueError, match="use_cuda_graph: True needs a CUDA device"):
+        Engine(tiny_model("qwen3"), ContinuousBatchingConfig(num_blocks=16, use_cuda_graph=True))
+    Engine(tiny_model("qwen3"), ContinuousBatchingConfig(num_blocks=16)).close()
+
+
 def test_top_logprobs_without_logprobs_is_refused():
     """Asking for top_logprobs from an engine that computes no logprobs is an error naming the field, not a silent
     empty list."""

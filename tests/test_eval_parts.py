@@ -49,6 +49,7 @@ def test_wilson_interval_matches_newcombes_published_values():
     assert wilson_interval(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
     assert wilson_interval(15, 148) == pytest.approx((0.0624, 0.1605), abs=1e-4)
     assert wilson_interval(0, 20) == pytest.approx((0.0, 0.1611), abs=1e-4)
+    assert wilson_interval(0, 20)[0] == 0.0 and wilson_interval(20, 20)[1] == 1.0  # exactly, not 2.8e-17 off
 
 
 def test_percentile_matches_numpy():

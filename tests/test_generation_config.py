@@ -93,6 +93,25 @@ def test_max_length_bounds_prompt_plus_completion_as_generate():
     assert raised.value.field == "max_length"
 
 
+def test_a_generation_config_that_is_no_generation_config_is_refused_by_name():
+    model, config = tiny_model("qwen3"), {"max_new_tokens": 2}  # a dict: a TypeError naming nothing, before
+    with pytest.raises(FieldError, match="generation_config: expected a transformers GenerationConfig.*got dict"):
+        generate_batch(model, [[1, 2]], generation_config=config, progress_bar=False)
+    with pytest.raises(FieldError, match="generation_config: expected a transformers GenerationConfig.*got dict"):
+        init_continuous_batching(model, generation_config=config)
+
+
+def test_with_no_length_asked_for_a_request_ends_where_the_context_does():
+    """No max_new_tokens or max_length anywhere: rollout's default (256 tokens), within what the model's context
+    leaves after the prompt (it was refused as too long for a 40-token context)."""
+    model = tiny_model("qwen3")
+    model.config.max_position_embeddings = 40
+    prompt = make_prompts(1, 10, 10, seed=2)[0]
+    sampling = SamplingParams(do_sample=False, stop_token_ids=())
+    (out,) = generate_batch(model, [prompt], sampling=sampling, progress_bar=False).values()
+    assert (len(out.generated_tokens), out.finish_reason) == (30, "length")
+
+
 @pytest.mark.parametrize(
     "fields, field",
     [

@@ -160,6 +160,27 @@ def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
     assert report[f"draft tokens accepted (of {drafted['draft_tokens']})"].value == drafted["accepted_draft_tokens"]
 
 
+def test_the_side_by_side_runs_stay_inside_their_time_budget():
+    """--time-budget with --speculative covers every run: each is told what is left, and a pair starts only while
+    the time left is at least what the pair before took; a figure no run has (a GPU's host time) stays None."""
+    import time
+
+    from rollout.benchmarks.grpo.long_tail_speculative import FIGURES, compare
+
+    told = []
+
+    def measure_one(speculative, time_budget_s):
+        told.append(time_budget_s)
+        time.sleep(0.2)
+        return dict.fromkeys(FIGURES, 2.0 if speculative else 4.0) | {"host_s": None}
+
+    summary = compare(measure_one, "suffix", repeats=5, time_budget_s=0.7)
+    assert (summary["repeats"], summary["repeats_asked"], len(told)) == (1, 5, 2)
+    assert 0.45 < told[1] < told[0] <= 0.7
+    assert summary["ratios"]["last_finish_s"] == 0.5 and summary["medians"]["host_s"] == {"without": None, "with": None}
+    assert summary["ratios"]["host_s"] is None
+
+
 def test_drafts_only_in_steps_decoding_at_most_the_threshold():
     """--speculative-disable-by-batch-size reaches the engine: at 1, only steps that decode one sample draft."""
     shape = Shape(num_prompts=2, n=4, median_tokens=40, max_tokens=120, prompt_tokens=(8, 24))

@@ -358,6 +358,8 @@ BAD_REQUESTS = {
         dict(input_ids=[1], max_new_tokens=2, sampling=SamplingParams(stop_token_ids=(VOCAB,))),
     ),
     "empty request_id": ("request_id", dict(input_ids=[1], request_id="")),
+    "streaming not a bool": ("streaming", dict(input_ids=[1], streaming="yes")),
+    "record_timestamps not a bool": ("record_timestamps", dict(input_ids=[1], record_timestamps=1)),
 }
 
 

@@ -72,7 +72,8 @@ def test_stopped_manager_refuses_requests_and_never_blocks():
     with pytest.raises(RuntimeError, match="stopped"):
         manager.add_request([1, 2, 3], request_id="late", sampling=GREEDY)
     assert manager.get_result(timeout=None) is None
-    assert list(manager.request_id_iter("late")) == []
+    with pytest.raises(ValueError, match="request_id: 'late' has no output left to read: it was never added"):
+        list(manager.request_id_iter("late"))  # the add was refused: a typo'd id is named, not an empty iteration
 
 
 def test_handler_registered_after_outputs_queued_receives_them():
@@ -174,6 +175,14 @@ def test_request_id_iter_timeout_raises():
         with pytest.raises(TimeoutError):
             list(manager.request_id_iter("slow", timeout=0.01))
         manager.cancel_request("slow")
+
+
+def test_request_id_iter_before_start_says_the_manager_is_not_running():
+    manager = manager_for()  # not started: the request waits, and nothing can come
+    manager.add_request([1, 2, 3], request_id="early", max_new_tokens=2, sampling=GREEDY)
+    with pytest.raises(TimeoutError, match="'early': the manager is not running \\(start\\(\\) it first"):
+        list(manager.request_id_iter("early", timeout=3))
+    manager.stop()
 
 
 def test_request_ids_cannot_look_like_sample_ids():

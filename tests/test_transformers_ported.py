@@ -1228,6 +1228,19 @@ def test_per_request_logits_processors_transformers_kwargs():
         assert result is not None and result.status == RequestStatus.FINISHED
 
 
+def test_per_request_sampling_kwargs_under_a_greedy_config_are_refused_unless_do_sample():
+    """rollout's own: transformers warns that temperature does nothing under do_sample=False; a per-request keyword
+    asked for here would be silently greedy, so it is refused by name, and taken with do_sample=True."""
+    model = cb(load_model("llama"))
+    config = GenerationConfig(do_sample=False, max_new_tokens=4)
+    with model.continuous_batching_context_manager(generation_config=config) as manager:
+        with pytest.raises(ValueError, match="temperature: has no effect while do_sample is False"):
+            manager.add_request(_DEFAULT_PROMPTS[0], temperature=0.7, top_k=10, seed=1)
+        request_id = manager.add_request(_DEFAULT_PROMPTS[0], do_sample=True, temperature=0.7, top_k=10, seed=1)
+        result = manager.get_result(request_id, timeout=30)
+        assert result is not None and result.status == RequestStatus.FINISHED
+
+
 def _offloading_config(use_async_batching: bool, cpu_offload_space: float) -> ContinuousBatchingConfig:
     # adapted: use_cuda_graph=True dropped (CUDA only); cpu_offload_space 1.0 GiB becomes 0.001 GiB (64 tiny blocks)
     return ContinuousBatchingConfig(

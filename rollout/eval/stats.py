@@ -21,7 +21,9 @@ def wilson_interval(successes: float, trials: int, z: float = Z95) -> tuple[floa
     denominator = 1 + z * z / trials
     centre = (p + z * z / (2 * trials)) / denominator
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 (or all) successes the bound is exactly 0 (or 1); computed, it is off by a rounding (2.8e-17).
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)
+    return low, 1.0 if successes >= trials else min(1.0, centre + half)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -14,7 +14,8 @@ swap with --cpu-offload-space) is the normal state.
 --model stub (default: 128 prompts x n=8, median 2048, cap 16384): the model's forward is replaced by ready logits
 over a 64-token vocabulary, as in `host_time`, so a run costs the engine's own host work only. --model tiny (16 x 4,
 median 150, cap 1200, prompts 20-200): the built-in tiny model, computed for real, on the CPU or (`--device cuda`)
-a GPU, where decode steps and drafted steps replay CUDA graphs.
+a GPU, where decode steps and drafted steps replay CUDA graphs. --model nano (tiny's shape, `--device cuda` only): the
+Qwen3-0.6B architecture in bf16, random weights.
 
 Figures:
 - recomputed_tokens = computed - (first_admission_prompt_tokens + generated - samples_with_output), where computed is
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = vocab_size(args.model) - 1  # the last token is the stop token
     prompts, lengths = make_workload(shape, args.seed, vocab)
 
-    def measure_one(speculative: str | None) -> dict[str, Any]:
+    def measure_one(speculative: str | None, time_budget_s: float) -> dict[str, Any]:
         summary = measure(
             prompts,
             lengths,
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scheduler=args.scheduler,
             max_num_seqs=args.max_num_seqs,
             seed=args.seed,
-            time_budget_s=args.time_budget,
+            time_budget_s=time_budget_s,
             speculative=speculative,
             entropy=args.entropy,
             num_speculative_tokens=args.num_speculative_tokens,
@@ -261,10 +262,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return summary
 
     if args.speculative is None:
-        summary = measure_one(None)
+        summary = measure_one(None, args.time_budget)
         _print_table(summary)
         return summary
-    summary = compare(measure_one, args.speculative, args.repeats)
+    summary = compare(measure_one, args.speculative, args.repeats, args.time_budget)
     _print_table(summary["with"])
     print_comparison(summary)
     return {"benchmark": "long-tail", "speculative": args.speculative, **summary}

@@ -73,7 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-num-seqs", type=int, default=256, help="max_num_seqs: most sequences per step")
     add("--scheduler", choices=SCHEDULER_TYPES, default="fifo", help="scheduler_type")
     add("--seed", type=int, default=0, help="lengths, prompts and sampling seed")
-    add("--time-budget", type=float, default=TIME_BUDGET_S, metavar="SECONDS", help="stop the run after this long")
+    add(
+        "--time-budget",
+        type=float,
+        default=TIME_BUDGET_S,
+        metavar="SECONDS",
+        help="stop the run after this long (with --speculative: every run together; a pair of runs starts only "
+        "while the time left is at least what the pair before took)",
+    )
     add(
         "--speculative",
         choices=[method for method in SPECULATIVE_METHODS if method],

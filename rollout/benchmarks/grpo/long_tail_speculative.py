@@ -6,8 +6,8 @@ Figures, each the median over the repeats, and the ratio of the two:
   decode at most 8 samples and compute nothing else): 1 without speculation, less when drafts are accepted;
 - tokens per second over the whole run;
 - the last sample's finish, from the round's start;
-- on a CPU, the engine's host time: its steps' seconds outside the model's forward (what a GPU, whose forward of a
-  small model costs little, would still pay per step);
+- on a CPU, the engine's host time: its steps' seconds outside the model's forward (the sampler's arithmetic
+  included, which a GPU queues as kernels);
 - draft tokens computed and accepted.
 The same seeds give the same lengths and prompts to both; with `--known-lengths` every sample runs to its length.
 """
@@ -15,7 +15,8 @@ The same seeds give the same lengths and prompts to both; with `--known-lengths`
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rollout.benchmarks.harness.progress import stage
@@ -31,31 +32,53 @@ FIGURES = (
 )
 
 
-def compare(measure_one: Callable[[str | None], dict[str, Any]], method: str, repeats: int) -> dict[str, Any]:
-    """Measure without and with speculative decoding, alternately, `repeats` times each.
+def compare(
+    measure_one: Callable[[str | None, float], dict[str, Any]],
+    method: str,
+    repeats: int,
+    time_budget_s: float = float("inf"),
+) -> dict[str, Any]:
+    """Measure without and with speculative decoding, alternately, `repeats` times each, within `time_budget_s`.
 
     Args:
-        measure_one: runs the workload once with the given `speculative` setting and returns its summary.
+        measure_one: runs the workload once with the given `speculative` setting, stopping after the given seconds,
+            and returns its summary.
         method: the speculative method ("suffix").
         repeats: runs of each.
+        time_budget_s: for all the runs: each is given what is left, and a pair after the first starts only while
+            the time left is at least what the pair before took.
     Returns:
-        {"without": last plain summary, "with": last speculative summary, "medians": {figure: {"without", "with"}},
-        "ratios": {figure: with / without of the medians}, "repeats": repeats}.
+        {"without": last plain summary, "with": last speculative summary, "medians": {figure: {"without", "with"}}
+        (None where no run has the figure), "ratios": {figure: with / without of the medians}, "repeats": the pairs
+        run, "repeats_asked": repeats}.
     """
     runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
+    deadline = time.monotonic() + time_budget_s
+    last_pair_s = 0.0
     for repeat in range(repeats):
+        started = time.monotonic()
+        if repeat and deadline - started < last_pair_s:
+            stage(f"long-tail: {repeat} of {repeats} pairs of runs fit the time budget")
+            break
         for side, setting in (("without", None), ("with", method)):
             stage(f"long-tail {side} speculative decoding, run {repeat + 1} of {repeats}")
-            runs[side].append(measure_one(setting))
-    medians = {
-        figure: {side: statistics.median(run[figure] or 0 for run in runs[side]) for side in runs} for figure in FIGURES
-    }
+            runs[side].append(measure_one(setting, max(deadline - time.monotonic(), 0.0)))
+        last_pair_s = time.monotonic() - started
+    medians = {figure: {side: _median(run[figure] for run in runs[side]) for side in runs} for figure in FIGURES}
     ratios = {
-        figure: round(values["with"] / values["without"], 4) if values["without"] else None
+        figure: round(values["with"] / values["without"], 4)
+        if values["with"] is not None and values["without"]
+        else None
         for figure, values in medians.items()
     }
     return {"without": runs["without"][-1], "with": runs["with"][-1], "medians": medians, "ratios": ratios,
-            "repeats": repeats}  # fmt: skip
+            "repeats": len(runs["with"]), "repeats_asked": repeats}  # fmt: skip
+
+
+def _median(values: Iterable[Any]) -> Any:
+    """The median of the values a run has (a run cut short has no last sample; a GPU run no host time), else None."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 def print_comparison(summary: dict[str, Any]) -> None:
@@ -73,4 +96,5 @@ def print_comparison(summary: dict[str, Any]) -> None:
     for figure, name in names.items():
         values, ratio = summary["medians"][figure], summary["ratios"][figure]
         shown = "" if ratio is None else f"{ratio:.3f}"
-        print(f"{name:<24}{values['without']:>12.4g}{values['with']:>12.4g}{shown:>14}", flush=True)
+        cells = "".join(f"{'-' if values[side] is None else format(values[side], '.4g'):>12}" for side in values)
+        print(f"{name:<24}{cells}{shown:>14}", flush=True)

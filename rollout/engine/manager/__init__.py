@@ -7,7 +7,8 @@
   way there; `pause.py`: the manager's pause; `generation_pause.py`: vLLM's pause of generation, across calls;
   `serving_control.py`: the control calls (that pause, prefix cache resets, adapter unloads);
 - `engine_thread.py`: the engine thread, applying commands and stepping the engine;
-- `results.py`: where outputs go (a queue callers read, or handlers).
+- `results.py`: where outputs go (a queue callers read, or handlers); `result_reading.py`: the manager's methods that
+  read them.
 """
 
 from rollout.engine.manager.continuous_batching import (

@@ -21,15 +21,15 @@ from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.manager.parts import ManagerParts
 from rollout.engine.manager.request_desk import QueueFullError
+from rollout.engine.manager.result_reading import ResultReading
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
-from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.weights.weight_table import WeightUpdateResult
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(ResultReading):
     """Runs an `Engine` on a background thread. Use `init_continuous_batching` to build one.
 
     Lifecycle: `start()`, `stop()`, `join()`, `is_running()`, `warmup()`, `pause()`, or `with manager:`. Requests:
@@ -177,14 +177,10 @@ class ContinuousBatchingManager:
             ValueError: bad input, naming the field (also a keyword that is no SamplingParams field).
             QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
         """
-        sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
-        request_id = self._requests.new_id() if request_id is None else request_id
-        spec = GroupSpec(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter)
-        try:
-            self._requests.add([spec])
-        except FieldError as error:
-            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
-        return request_id
+        fields = (max_new_tokens, streaming, n, sampling, record_timestamps, eos_token_id, adapter)
+        spec = self._spec(input_ids, request_id, *fields, **sampling_fields)
+        self._add([spec])
+        return spec.group_id
 
     def add_requests(
         self,
@@ -197,12 +193,39 @@ class ContinuousBatchingManager:
         """`add_request` for each prompt, with generated ids, in order (as transformers' `add_requests`).
 
         Args: as for `add_request` (`n`, `sampling`, `eos_token_id` and SamplingParams fields as keywords).
-        Returns: the request ids. Raises: as `add_request`; requests added before the one that failed stay added.
+        Returns: the request ids. Raises: as `add_request`, naming the prompt at fault; then none was added.
         """
         if "request_id" in request_fields:
             raise TypeError("add_requests() generates one id per request; use add_request to give your own")
         common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
-        return [self.add_request(prompt, **common, **request_fields) for prompt in inputs]
+        specs = [self._spec(prompt, **common, **request_fields) for prompt in inputs]
+        self._add(specs)  # all or none: the caller gets the ids of every request added, or none was
+        return [spec.group_id for spec in specs]
+
+    def _spec(
+        self,
+        input_ids: Any,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        adapter: str | None = None,
+        **sampling_fields: Any,
+    ) -> GroupSpec:
+        """One request as the engine takes it (`add_request`'s arguments)."""
+        sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
+        request_id = self._requests.new_id() if request_id is None else request_id
+        return GroupSpec(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter)
+
+    def _add(self, specs: list[GroupSpec]) -> None:
+        """Queue requests, all or none; errors in transformers' names (`input_ids`, `request_id`)."""
+        try:
+            self._requests.add(specs)
+        except FieldError as error:
+            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
 
     def add_groups(self, groups: list[GroupSpec]) -> None:
         """Queue groups in the engine's own terms (the worker's path), all or none: every group is checked before any
@@ -302,50 +325,6 @@ class ContinuousBatchingManager:
             generation_paused=self.control.is_paused,
         )
         return stats
-
-    # ---- results: read through the manager's router (`results.py`) -------------------------------------------
-    def register_result_handler(self, request_id: str, callback: Callable[[GenerationOutput], None]) -> None:
-        """Call `callback(output)` for every output of a request instead of queueing it: first for outputs already
-        waiting, then as they come. Registered from a coroutine, the callback runs on its event loop (through
-        `call_soon_threadsafe`, as in transformers); from plain code, on the engine thread. Keep it quick;
-        exceptions it raises are logged. The handler is dropped once the request's last output was delivered.
-
-        Args:
-            request_id: a request (group) id or one of its sample ids; an id not added yet is remembered until
-                `add_request` uses it (registering first guarantees no output is missed).
-            callback: receives each `GenerationOutput`.
-        """
-        self._router.register_handler(request_id, callback)
-
-    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
-        """Next output (of `request_id`'s group if given). Returns None on timeout, or at once when the manager is
-        not running and nothing matching is waiting, so it never blocks forever.
-
-        Args:
-            request_id: a group id or a sample id; None takes any request's output.
-            timeout: most seconds to wait (None: until an output arrives or the manager stops).
-        """
-        return self._router.get(request_id, timeout, self.is_running)
-
-    def request_id_iter(self, request_id: str, timeout: float | None = None) -> Iterator[GenerationOutput]:
-        """Yield the outputs of a request (deltas when streaming) until every one of its samples finished.
-
-        Args:
-            request_id: the id given to / returned by `add_request` (or one sample's id).
-            timeout: most seconds to wait for each output.
-        Raises:
-            TimeoutError: no output came within `timeout`, or the manager stopped with the request unfinished.
-        """
-        return self._router.iter_request(request_id, timeout, self.is_running)
-
-    def __iter__(self) -> Iterator[GenerationOutput]:
-        """Every output, of any request, as it comes, while the manager runs (as transformers' manager)."""
-        while True:
-            output = self.get_result(timeout=0.1)
-            if output is not None:
-                yield output
-            elif not self.is_running():
-                return
 
 
 def init_continuous_batching(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import sample_id
+from rollout.validation import FieldError
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +135,16 @@ class ResultRouter:
     ) -> Iterator[GenerationOutput]:
         """See `ContinuousBatchingManager.request_id_iter`."""
         samples_left = self.unread_samples(request_id)
+        if not samples_left:  # a typo'd id would otherwise look like a request that finished with no output
+            reason = f"{request_id!r} has no output left to read: it was never added, or every output was read"
+            raise FieldError("request_id", reason)
         while samples_left:
             output = self.get(request_id, timeout, running)
             if output is None:
-                raise TimeoutError(f"request {request_id!r}: no output within {timeout} s (or the manager stopped)")
+                if not running():
+                    reason = "the manager is not running (start() it first, or it was stopped)"
+                    raise TimeoutError(f"request {request_id!r}: {reason}, and none of its outputs is waiting")
+                raise TimeoutError(f"request {request_id!r}: no output within {timeout} s")
             samples_left -= output.is_finished
             yield output
 

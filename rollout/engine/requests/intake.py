@@ -29,6 +29,8 @@ MAX_GROUP_SIZE = 4096
 # The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
 # and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
 TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
+# SamplingParams fields that shape the distribution sampled from: nothing where do_sample is False.
+WARPING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
 
 
 def _is_token(value: object, vocab_size: int) -> bool:
@@ -160,6 +162,9 @@ class RequestIntake:
             raise FieldError("group_id", reason)
         if not isinstance(spec.draft_scope, str):
             raise FieldError("draft_scope", f"must be a string, got {type(spec.draft_scope).__name__}")
+        for name in ("streaming", "record_timestamps"):
+            if not isinstance(getattr(spec, name), bool):
+                raise FieldError(name, f"must be True or False, got {getattr(spec, name)!r}")
         prompt = as_prompt(spec.prompt_ids)
         sampling = self.resolve_sampling(sampling)
         n = self.default_n if n is None else n
@@ -171,7 +176,8 @@ class RequestIntake:
             if max_new < 1:
                 reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
                 raise FieldError("max_length", reason)
-        max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        if max_new is None:  # asked for nowhere: rollout's default, within what the context leaves (at least 1)
+            max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, self.max_model_len - len(prompt)))
         scoring = sampling.prompt_logprobs is not None
         if not _is_int(max_new) or max_new < (0 if scoring else 1):  # 0: score the prompt only (prompt_logprobs)
             raise FieldError("max_new_tokens", f"must be an integer >= 1 (0 with prompt_logprobs), got {max_new!r}")
@@ -258,7 +264,8 @@ class RequestIntake:
             eos_token_id: the request's stop token(s), or None.
             fields: SamplingParams fields by name.
         Raises:
-            FieldError: `sampling` is no SamplingParams, or a keyword is no SamplingParams field.
+            FieldError: `sampling` is no SamplingParams, a keyword is no SamplingParams field, or one that shapes the
+                sampled distribution (temperature, top_k, top_p, min_p) is given where do_sample is False.
         """
         if eos_token_id is None and not fields:
             return sampling
@@ -269,4 +276,9 @@ class RequestIntake:
             raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
         if eos_token_id is not None:
             fields["stop_token_ids"] = eos_token_id
-        return (sampling if sampling is not None else self.default_sampling).merged(**fields)
+        merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
+        warping = sorted(set(fields) & WARPING_FIELDS)
+        if warping and not merged.do_sample:  # transformers only warns; a keyword asked for here would do nothing
+            origin = "sampling's" if sampling is not None else "the generation config's"
+            raise FieldError(warping[0], f"has no effect while do_sample is False ({origin}): pass do_sample=True too")
+        return merged

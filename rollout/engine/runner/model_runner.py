@@ -94,6 +94,8 @@ class ModelRunner:
             min(config.speculative_disable_by_batch_size, config.max_num_seqs),
         )
         # use_cuda_graph None (auto): on CUDA wherever graphs can serve; True insists on it.
+        if config.use_cuda_graph and self.device.type != "cuda":
+            raise FieldError("use_cuda_graph", f"True needs a CUDA device (the model is on {self.device.type})")
         if self.device.type == "cuda" and config.use_cuda_graph is not False:
             refusal = self.graphs.refusal(self.heads_per_kv)
             if refusal is None:
