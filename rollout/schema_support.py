@@ -2,8 +2,8 @@
 ignore is refused by name, never compiled into a grammar that lets a violating output finish with "stop".
 
 Checked against xgrammar 0.2.8 (each refusal was seen to accept a violating instance): `uniqueItems`, `not`,
-`contains` (and with it `minContains` / `maxContains`), `dependentRequired`, `dependentSchemas`, `if` with `then` or
-`else`, `multipleOf` but on an integer by an integer, `$dynamicRef` / `$recursiveRef`, references other than JSON
+`contains` (and with it `minContains` / `maxContains`), `dependentRequired`, `dependentSchemas` (draft 7's
+`dependencies`), `if` with `then` or `else`, `multipleOf` but on integers by a whole number up to 1024, `$dynamicRef` / `$recursiveRef`, references other than JSON
 pointers (`#/...`), `allOf` with more than one schema, `required` naming a property the schema does not declare, and
 `oneOf` whose branches are not told apart by their types or by a discriminator (a property whose `const` / `enum`
 values differ: xgrammar then enforces `anyOf`). `then` and `else` without `if` mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
@@ -33,6 +33,7 @@ _IGNORED = {
     "contains": "is not enforced by the grammar engine",
     "dependentRequired": "is not enforced by the grammar engine",
     "dependentSchemas": "is not enforced by the grammar engine",
+    "dependencies": "is not enforced by the grammar engine",  # draft 7's dependentRequired / dependentSchemas
     "$dynamicRef": "is not supported (use $ref to #/$defs/...)",
     "$recursiveRef": "is not supported (use $ref to #/$defs/...)",
 }
@@ -71,9 +72,9 @@ def _check(schema: Any, where: str) -> tuple[str, str] | None:
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
     if "if" in schema and ("then" in schema or "else" in schema):
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
-    multiple = schema.get("multipleOf")
-    if "multipleOf" in schema and not (schema.get("type") == "integer" and type(multiple) is int):
-        return f"{where}.multipleOf", 'is enforced by the grammar engine only on "type": "integer", by an integer'
+    if "multipleOf" in schema and not _enforced_multiple(schema):
+        reason = "is enforced by the grammar engine only on integers, by a whole number from 1 to 1024"
+        return f"{where}.multipleOf", reason
     reference = schema.get("$ref")
     if reference is not None and not (isinstance(reference, str) and (reference == "#" or reference.startswith("#/"))):
         return f"{where}.$ref", f"only JSON-pointer references (#/...) are supported, got {reference!r}"
@@ -116,6 +117,16 @@ def _check_children(schema: dict, where: str) -> tuple[str, str] | None:
                 if found:
                     return found
     return None
+
+
+def _enforced_multiple(schema: dict) -> bool:
+    """Whether xgrammar enforces the schema's `multipleOf`: on a type of integers (null allowed beside), by a whole
+    number in [1, 1024] (beyond, and on numbers, it logs that it ignores it)."""
+    kinds = schema.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    multiple = schema["multipleOf"]
+    whole = isinstance(multiple, (int, float)) and not isinstance(multiple, bool) and float(multiple).is_integer()
+    return "integer" in kinds and kinds <= {"integer", "null"} and whole and 1 <= multiple <= 1024
 
 
 def _disjoint(branches: list) -> bool:

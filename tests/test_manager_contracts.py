@@ -177,6 +177,25 @@ def test_request_id_iter_timeout_raises():
         manager.cancel_request("slow")
 
 
+def test_request_id_iter_names_a_sample_read_already_and_a_request_a_handler_takes():
+    """Both would wait forever (the default timeout is None): a sample whose outputs were all read while its sibling
+    still has some, and a request whose outputs go to a registered handler."""
+    with manager_for() as manager:
+        group = manager.add_request([1, 2, 3], n=2, max_new_tokens=3, sampling=GREEDY)
+        first = list(manager.request_id_iter(f"{group}#0", timeout=TIMEOUT))
+        assert first and first[-1].is_finished
+        with pytest.raises(ValueError, match=f"request_id: '{group}#0' has no output left to read"):
+            list(manager.request_id_iter(f"{group}#0"))
+        assert [o.request_id for o in manager.request_id_iter(f"{group}#1", timeout=TIMEOUT)][-1] == f"{group}#1"
+        handled = threading.Event()
+        manager.register_result_handler("taken", lambda output: output.is_finished and handled.set())
+        manager.add_request([1, 2, 3], request_id="taken", max_new_tokens=900, sampling=GREEDY)  # still running
+        with pytest.raises(ValueError, match="'taken': its outputs go to the handler registered for it"):
+            list(manager.request_id_iter("taken"))
+        manager.cancel_request("taken")
+        assert handled.wait(TIMEOUT)
+
+
 def test_request_id_iter_before_start_says_the_manager_is_not_running():
     manager = manager_for()  # not started: the request waits, and nothing can come
     manager.add_request([1, 2, 3], request_id="early", max_new_tokens=2, sampling=GREEDY)

@@ -248,7 +248,17 @@ UNENFORCED = {
         '{"a": 1, "b": 5}',
     ),
     "multipleOf": ({"type": "number", "multipleOf": 0.5}, "1.3"),
+    "dependencies": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependencies": {"a": ["b"]},
+        },
+        '{"a": 1}',
+    ),
 }
+# multipleOf on integers: xgrammar ignores a multiple above 1024 (it logs so); one case each side of it.
+UNENFORCED_MULTIPLE = ({"type": "integer", "multipleOf": 1025}, "7")
 
 
 @pytest.mark.parametrize("keyword", sorted(UNENFORCED))
@@ -259,6 +269,17 @@ def test_schema_keywords_xgrammar_does_not_enforce_are_refused_by_name(keyword):
     assert matcher.is_terminated()  # xgrammar lets the violating instance finish
     with pytest.raises(FieldError, match=f"json: schema.{re.escape(keyword)}"):
         SamplingParams(json=schema)
+
+
+def test_a_multiple_above_what_xgrammar_enforces_is_refused_by_name():
+    schema, violating = UNENFORCED_MULTIPLE
+    matcher = xgrammar.GrammarMatcher(compiled("json", schema))
+    assert matcher.accept_string(violating) and matcher.accept_token(TOKENIZER.eos_token_id)
+    with pytest.raises(FieldError, match="json: schema.multipleOf"):
+        SamplingParams(json=schema)
+    for enforced in ({"type": "integer", "multipleOf": 1024}, {"type": ["integer", "null"], "multipleOf": 1024.0}):
+        matcher = xgrammar.GrammarMatcher(compiled("json", enforced))
+        assert not (matcher.accept_string("7") and matcher.accept_token(TOKENIZER.eos_token_id))
 
 
 def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
@@ -276,6 +297,7 @@ def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"allOf": [{"type": "integer"}]},
         {"type": "integer", "multipleOf": 3},  # enforced: xgrammar refuses 4
+        {"type": ["integer", "null"], "multipleOf": 1024.0},  # and 7 here
         {"type": "integer", "then": {"minimum": 5}},  # then without if means nothing (JSON Schema)
     ):
         SamplingParams(json=schema)

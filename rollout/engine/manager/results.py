@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import sample_id
@@ -38,6 +38,7 @@ class _Group:
     unfinished: int  # samples the engine has not finished
     unread: int  # finished samples whose final output nobody has taken yet
     handler: _Handler | None = None
+    read: set[str] = field(default_factory=set)  # samples whose final output was taken (or handed to the handler)
 
 
 class ResultRouter:
@@ -73,10 +74,13 @@ class ResultRouter:
             return self._sample_groups.get(request_id)
 
     def unread_samples(self, request_id: str) -> int:
-        """How many samples of the request have a final output nobody read yet (1 for a single sample's id)."""
+        """How many samples of the request have a final output nobody read yet (for one sample's id: 1 or 0)."""
         with self.state:
             group = self._groups.get(request_id)
-            return group.unread if group is not None else int(self.group_of(request_id) is not None)
+            if group is not None:
+                return group.unread
+            group_id = self._sample_groups.get(request_id)
+            return int(group_id is not None and request_id not in self._groups[group_id].read)
 
     # ---- handlers -----------------------------------------------------------------------------------------------
     def register_handler(self, request_id: str, callback: Handler) -> None:
@@ -98,7 +102,7 @@ class ResultRouter:
             for output in waiting:
                 self._call(handler, output)
                 if output.is_finished:
-                    self._mark_read(group_id)
+                    self._mark_read(output)
 
     def _call(self, handler: _Handler, output: GenerationOutput) -> None:
         if handler.loop is None:
@@ -121,7 +125,7 @@ class ResultRouter:
                     if request_id is None or request_id in (output.group_id, output.request_id):
                         self._results.remove(output)
                         if output.is_finished:
-                            self._mark_read(output.group_id)
+                            self._mark_read(output)
                         return output
                 if not running():
                     return None
@@ -138,6 +142,11 @@ class ResultRouter:
         if not samples_left:  # a typo'd id would otherwise look like a request that finished with no output
             reason = f"{request_id!r} has no output left to read: it was never added, or every output was read"
             raise FieldError("request_id", reason)
+        with self.state:
+            group = self._groups.get(self.group_of(request_id) or "")
+            if group is not None and group.handler is not None:  # nothing would ever come here
+                reason = f"{request_id!r}: its outputs go to the handler registered for it (register_result_handler)"
+                raise FieldError("request_id", reason)
         while samples_left:
             output = self.get(request_id, timeout, running)
             if output is None:
@@ -159,7 +168,7 @@ class ResultRouter:
                 if group is not None and group.handler is not None:
                     self._call(group.handler, output)
                     if output.is_finished:
-                        self._mark_read(output.group_id)
+                        self._mark_read(output)
                 else:
                     self._results.append(output)
                 if output.is_finished and group is not None:
@@ -167,11 +176,12 @@ class ResultRouter:
                     self._forget_if_done(output.group_id)
             self.state.notify_all()
 
-    def _mark_read(self, group_id: str) -> None:
-        group = self._groups.get(group_id)
+    def _mark_read(self, output: GenerationOutput) -> None:
+        group = self._groups.get(output.group_id)
         if group is not None:
             group.unread -= 1
-            self._forget_if_done(group_id)
+            group.read.add(output.request_id)
+            self._forget_if_done(output.group_id)
 
     def _forget_if_done(self, group_id: str) -> None:
         group = self._groups[group_id]

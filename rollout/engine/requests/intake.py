@@ -29,8 +29,9 @@ MAX_GROUP_SIZE = 4096
 # The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
 # and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
 TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
-# SamplingParams fields that shape the distribution sampled from: nothing where do_sample is False.
-WARPING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p"})
+# SamplingParams fields that shape the distribution sampled from (nothing where do_sample is False), and the values
+# with which they leave it as it is (temperature 0 is greedy anyway).
+NEUTRAL_WARPING = {"temperature": (0, 1), "top_k": (None, 0), "top_p": (None, 1), "min_p": (None, 0)}
 
 
 def _is_token(value: object, vocab_size: int) -> bool:
@@ -277,8 +278,13 @@ class RequestIntake:
         if eos_token_id is not None:
             fields["stop_token_ids"] = eos_token_id
         merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
-        warping = sorted(set(fields) & WARPING_FIELDS)
-        if warping and not merged.do_sample:  # transformers only warns; a keyword asked for here would do nothing
-            origin = "sampling's" if sampling is not None else "the generation config's"
+        # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
+        warping = sorted(
+            name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name]
+        )
+        if warping and not merged.do_sample:
+            origin = (
+                "asked for here" if "do_sample" in fields else "sampling's" if sampling else "the generation config's"
+            )
             raise FieldError(warping[0], f"has no effect while do_sample is False ({origin}): pass do_sample=True too")
         return merged

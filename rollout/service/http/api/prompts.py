@@ -14,9 +14,8 @@ from rollout.validation import all_plain_ints
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's own limit)
-# A chat message's fields (OpenAI's, and vLLM's reasoning ones a template may render), and the roles that must have
-# content (an assistant's may be its tool calls alone; any other role a template knows is passed through, as vLLM).
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"})
+# The roles whose messages must have content (an assistant's may be its tool calls alone; any other role a template
+# knows, e.g. "ipython", is passed through, as vLLM does).
 CONTENT_ROLES = frozenset({"system", "developer", "user", "tool"})
 # Text longer than this many characters per token of the longest prompt is refused before it is tokenized (no
 # tokenizer makes tokens that long on ordinary text), so that a huge text cannot tie the worker up tokenizing it.
@@ -131,15 +130,12 @@ def needs_tokenizer(tokenizer: Any, what: str) -> None:
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:
-    """A message for the template: text content parts joined into one string (OpenAI's list form); a field it does
-    not know is refused unless empty (a client echoing an answer's message sends `refusal: null` and the like), and
-    a message of a role that speaks needs content (a template would render a missing one as "None" or nothing)."""
+    """A message for the template: text content parts joined into one string (OpenAI's list form). Its other fields
+    go to the template as they are, as vLLM passes them (a template may read its own: gpt-oss's `thinking`; a client
+    echoing an answer's message sends `refusal`, `parsed`, ...). A message of a role that speaks needs content (a
+    template would render a missing one as "None" or nothing)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_field("messages", f"message {index} must be an object with a string role")
-    unknown = sorted(name for name, value in message.items() if name not in MESSAGE_FIELDS and not _empty(value))
-    if unknown:
-        raise bad_field("messages", f"message {index}: unknown field {unknown[0]!r} (known: {sorted(MESSAGE_FIELDS)})")
-    message = {name: value for name, value in message.items() if name in MESSAGE_FIELDS}
     content = message.get("content")
     if content is None and message["role"] in CONTENT_ROLES:
         raise bad_field("messages", f"message {index}: a {message['role']} message needs content")
@@ -150,10 +146,6 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     elif content is not None and not isinstance(content, str):
         raise bad_field("messages", f"message {index}: content must be a string or a list of text parts")
     return message
-
-
-def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, (list, dict)) and not value)
 
 
 def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
