@@ -83,6 +83,14 @@ def test_stale_groups_are_regenerated_and_a_stalled_version_is_named(client, mod
         run(client, model, 1, steps=4, push=lambda step: None)  # never pushed: would regenerate forever
 
 
+def test_a_push_past_the_steps_version_is_refused_by_name(client, model):
+    """A version pushed past version_after(step) would make every lag negative and the bound wrong: the next step
+    says so, naming the version to push."""
+    with pytest.raises(RolloutError, match="version .* was pushed, past step 1's weights") as refused:
+        run(client, model, 1, steps=3, push=lambda step: 6)  # version_after(0) is base + 1
+    assert (refused.value.code, refused.value.field) == ("version_mismatch", "version")
+
+
 def test_closing_cancels_what_is_in_flight(client, worker):
     aborted_before = worker.stats()["samples_finished"].get("abort", 0)
     # The first step's groups are short, the prefetched ones long: those are still generating when the first

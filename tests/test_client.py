@@ -286,6 +286,7 @@ def test_generate_cancels_its_group_when_the_wait_ends_early(client):
         (PromptGroup([2**64]), "prompt_ids"),
         (PromptGroup([1], n=2**64), "n"),
         (PromptGroup([1], group_id="\udc80"), "group_id"),
+        (PromptGroup([1], group_id="g" * (2**20 + 1)), "group_id"),  # the worker could not read it to answer
     ],
 )
 def test_values_msgpack_cannot_carry_are_refused_and_the_client_lives_on(client, group, field):

@@ -646,6 +646,21 @@ def test_wait_mode_drain_past_its_timeout_is_dropped(workers, client):
 
 
 # ---- 4. torch.distributed (gloo on CPU) to two workers --------------------------------------------------------------
+def test_a_push_without_a_version_gives_workers_apart_one_version_above_all(workers, client):
+    """Worker A ahead of B (a restarted worker starts at 0): a push with no version commits one number on both,
+    above either's and above what this client pushed, so B is routed to again (each adding one to its own version
+    committed different numbers, then raised version_mismatch with the new weights serving)."""
+    addresses = [worker.address for worker in workers]
+    ahead = push_weights(client, tiny_model(1), version=max(map(version_of, addresses)) + 3, transport="frames")
+    assert version_of(addresses[0]) == ahead.version > version_of(addresses[1])
+    with RolloutClient(addresses, timeout=60) as both:
+        both.min_policy_version = ahead.version + 2  # a version this client pushed to a worker since lost
+        result = push_weights(both, tiny_model(2), transport="frames")
+        assert result.version == ahead.version + 3 and both.min_policy_version == result.version
+        for address in addresses:
+            assert_serves(address, 2, result.version)
+
+
 def test_torch_distributed_to_two_workers(workers):
     """Buckets broadcast over a gloo group of the trainer and both workers: both serve exactly the pushed model,
     push after push (nothing stale from the previous push); a refused push names the culprit, changes neither

@@ -176,8 +176,13 @@ class AsyncRollouts:
         return batch
 
     def _staleness_gate(self) -> StalenessGate:
-        """This step's check of its groups' age."""
+        """This step's check of its groups' age (refused when this client pushed a version past the step's: every
+        lag and the staleness bound would be off by the difference)."""
         hint = f" (step {self.step}): push weights with version=version_after(step) after each optimizer step"
+        pushed, now = self.client.min_policy_version, self.base_version + self.step
+        if pushed > now:
+            reason = f"version {pushed} was pushed, past step {self.step}'s weights (version {now}){hint}"
+            raise RolloutError("version_mismatch", reason, "version")
         return StalenessGate(self.base_version + self.step - self.max_staleness, self.stale_policy, hint)
 
     def version_after(self, step: int) -> int:

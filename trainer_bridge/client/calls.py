@@ -16,6 +16,7 @@ import msgpack
 from rollout.config import FieldError, SamplingParams
 from rollout.peft_adapters import BASE_NAME
 from rollout.protocol import Completion, Delta, GroupResult  # (GroupResult: re-exported, one class for both sides)
+from rollout.protocol.message_base import MAX_HEADER_STR
 
 
 @dataclass
@@ -205,9 +206,12 @@ def checked_group(
     if group.group_id is not None and not isinstance(group.group_id, str):
         raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
     try:
-        (group.group_id or "").encode("utf-8")
+        encoded = (group.group_id or "").encode("utf-8")
     except UnicodeEncodeError:
         raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
+    if len(encoded) > MAX_HEADER_STR:  # the worker could not read it back to answer: refused here, by name
+        reason = f"group_id is {len(encoded):,} bytes; a worker reads strings of at most {MAX_HEADER_STR:,}"
+        raise RolloutError("bad_request", reason, "group_id")
     if isinstance(group.sampling, SamplingParams):
         sampling = group.sampling.changed_fields()
     elif isinstance(group.sampling, dict):

@@ -106,6 +106,11 @@ class WeightPush:
         self._wait(lambda: [link for link in self.links if link.specs is None], self.timeout, "weights_spec")
         # (A version not above the workers' is refused by them at weights_begin, after the key's role is checked: a
         # generate-only key hears "unauthorized", its real problem; nothing is gathered before either answer.)
+        if self.version is None:
+            # One number for every worker, above what any serves and what this client pushed: each adding one to its
+            # own would tag the same weights differently on a restarted worker (and leave it below the client's
+            # newest version, never routed to again).
+            self.version = max(self.client.min_policy_version, *(link.policy_version for link in self.links)) + 1
         reference = self.links[0].specs
         for link in self.links[1:]:
             if link.specs != reference:
@@ -316,7 +321,7 @@ class WeightPush:
             raise WorkerFailed(link, message)
         if isinstance(message, p.WeightsSpecReply):
             link.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
-            link.base_id = message.base_id
+            link.base_id, link.policy_version = message.base_id, message.policy_version
         elif isinstance(message, p.WeightsReady):
             link.ready = message
         elif isinstance(message, p.WeightsAck):

@@ -17,6 +17,7 @@ class PushLink:
     transport: str = "frames"
     specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
     base_id: str | None = None  # the base weights it serves, as named by the last whole push (None: unnamed)
+    policy_version: int = 0  # the version it serves (its weights_spec_reply's)
     ready: p.WeightsReady | None = None
     committed: p.WeightsCommitted | None = None
     open: bool = False  # begun, neither committed nor rejected

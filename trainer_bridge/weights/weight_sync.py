@@ -77,7 +77,8 @@ def push_weights(
         client: the RolloutClient (None on ranks other than the main one: they only take part in gathering).
         model_or_named_tensors: an nn.Module (plain, accelerate-prepared, DeepSpeed ZeRO-3, FSDP2 or PEFT LoRA), or
             a dict / iterable of (name, tensor) under the worker model's state_dict names.
-        version: the new policy version (e.g. the trainer's global step; must grow); None: each worker adds one.
+        version: the new policy version (e.g. the trainer's global step; must grow); None: one above the newest
+            version a worker serves or this client pushed, the same for every worker.
         mode: in-flight samples at commit: "keep", "recompute", "abort" or "wait" (see `Engine.update_weights`).
         bucket_bytes: most bytes per bucket (the sender holds at most two buckets per worker in flight).
         transport: "auto", "frames", "shm" or "torch.distributed".
