@@ -314,22 +314,8 @@ class WeightPush:
                 raise RolloutError("no_workers", f"every worker was lost during the weight update ({message.address})")
             return
         link = next((link for link in self.links if link.index == index), None)
-        if link is None:
-            return
-        if isinstance(message, p.Error):
-            link.open = False
-            raise WorkerFailed(link, message)
-        if isinstance(message, p.WeightsSpecReply):
-            link.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
-            link.base_id, link.policy_version = message.base_id, message.policy_version
-        elif isinstance(message, p.WeightsReady):
-            link.ready = message
-        elif isinstance(message, p.WeightsAck):
-            if message.state == "staging" and link.pending:
-                link.pending.popleft()
-        elif isinstance(message, p.WeightsCommitted):
-            link.committed = message
-            link.open = False
+        if link is not None:
+            link.take(message)
 
     def close(self) -> None:
         """Abort what is still open on the workers, finish every gather (other ranks are in them too), release

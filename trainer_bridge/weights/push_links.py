@@ -1,4 +1,5 @@
-"""What one weight push keeps per worker (`PushLink`) and the two ways a wait for replies ends early."""
+"""What one weight push keeps per worker (`PushLink`: its state, as its worker's replies move it) and the two ways a
+wait for replies ends early."""
 
 from __future__ import annotations
 
@@ -23,6 +24,29 @@ class PushLink:
     open: bool = False  # begun, neither committed nor rejected
     attached: bool = False  # its transport reached the worker's staging (`Sender.attach`) since its last begin
     pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
+
+    def take(self, message: p.WorkerMessage) -> None:
+        """Record its worker's reply to the push.
+
+        Args:
+            message: the worker's reply (an error, the spec, ready, an acknowledgement or committed).
+        Raises:
+            WorkerFailed: the worker answered with an error.
+        """
+        if isinstance(message, p.Error):
+            self.open = False
+            raise WorkerFailed(self, message)
+        if isinstance(message, p.WeightsSpecReply):
+            self.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
+            self.base_id, self.policy_version = message.base_id, message.policy_version
+        elif isinstance(message, p.WeightsReady):
+            self.ready = message
+        elif isinstance(message, p.WeightsAck):
+            if message.state == "staging" and self.pending:
+                self.pending.popleft()
+        elif isinstance(message, p.WeightsCommitted):
+            self.committed = message
+            self.open = False
 
 
 class NoReply(Exception):
