@@ -6,13 +6,15 @@ Checked against xgrammar 0.2.8 (each refusal was seen to accept a violating inst
 `dependencies`), `if` with `then` or `else`, `multipleOf` but on integers by a whole number up to 1024, `$dynamicRef` / `$recursiveRef`, references other than JSON
 pointers (`#/...`), `allOf` with more than one schema, `required` naming a property the schema does not declare, and
 `oneOf` whose branches are not told apart by their types or by a discriminator (a property whose `const` / `enum`
-values differ: xgrammar then enforces `anyOf`). `then` and `else` without `if` mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
+values differ: xgrammar then enforces `anyOf`); a branch that is a reference (pydantic's discriminated unions) is
+told apart by the schema it points to. `then` and `else` without `if` mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
 Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply with depth).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 MAX_SCHEMA_DEPTH = 32
 # Keywords whose value is a map of names to subschemas / a subschema / a list of subschemas.
@@ -26,6 +28,18 @@ _SCHEMA_VALUES = (
     "propertyNames",
 )
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+# Keywords beside a `$ref` that change nothing an instance may be (a branch with only these is its target).
+_REFERENCE_KEYS = {
+    "$ref",
+    "title",
+    "description",
+    "$comment",
+    "default",
+    "examples",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+}
 _IGNORED = {
     "not": "is not enforced by the grammar engine",
     "maxContains": "is not enforced by the grammar engine",  # named before the contains it goes with
@@ -47,7 +61,7 @@ def unsupported_schema_part(schema: Any) -> tuple[str, str] | None:
     """
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         return "", f"is nested deeper than {MAX_SCHEMA_DEPTH} levels"
-    return _check(schema, "")
+    return _check(schema, "", schema)
 
 
 def _depth(value: Any) -> int:
@@ -62,7 +76,7 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _check(schema: Any, where: str) -> tuple[str, str] | None:
+def _check(schema: Any, where: str, root: Any) -> tuple[str, str] | None:
     if not isinstance(schema, dict):
         return None
     for keyword, why in _IGNORED.items():
@@ -91,29 +105,33 @@ def _check(schema: Any, where: str) -> tuple[str, str] | None:
                 f"names {missing[0]!r}, which is not in properties (the engine cannot require it)",
             )
     one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and len(one_of) > 1 and not _disjoint(one_of):
+    if (
+        isinstance(one_of, list)
+        and len(one_of) > 1
+        and not _disjoint([_resolved(branch, root) for branch in one_of], root)
+    ):
         reason = "branches must differ by type or by a discriminator property's const (else it is enforced as anyOf)"
         return f"{where}.oneOf", reason
-    return _check_children(schema, where)
+    return _check_children(schema, where, root)
 
 
-def _check_children(schema: dict, where: str) -> tuple[str, str] | None:
+def _check_children(schema: dict, where: str, root: Any) -> tuple[str, str] | None:
     for keyword in _SCHEMA_MAPS:
         children = schema.get(keyword)
         if isinstance(children, dict):
             for name, child in children.items():
-                found = _check(child, f"{where}.{keyword}.{name}")
+                found = _check(child, f"{where}.{keyword}.{name}", root)
                 if found:
                     return found
     for keyword in _SCHEMA_VALUES:
-        found = _check(schema.get(keyword), f"{where}.{keyword}")
+        found = _check(schema.get(keyword), f"{where}.{keyword}", root)
         if found:
             return found
     for keyword in (*_SCHEMA_LISTS, "items"):
         children = schema.get(keyword)
         if isinstance(children, list):
             for index, child in enumerate(children):
-                found = _check(child, f"{where}.{keyword}[{index}]")
+                found = _check(child, f"{where}.{keyword}[{index}]", root)
                 if found:
                     return found
     return None
@@ -129,8 +147,9 @@ def _enforced_multiple(schema: dict) -> bool:
     return "integer" in kinds and kinds <= {"integer", "null"} and whole and 1 <= multiple <= 1024
 
 
-def _disjoint(branches: list) -> bool:
-    """Whether no instance can match two branches: each has its own types, or a shared property's constants differ."""
+def _disjoint(branches: list, root: Any) -> bool:
+    """Whether no instance can match two branches: each has its own types, or a shared property's constants differ
+    (`branches` with their references followed; a property's schema may be one too)."""
     types = [_types(branch) for branch in branches]
     if all(types) and sum(len(t) for t in types) == len(set().union(*types)):
         return True
@@ -138,11 +157,43 @@ def _disjoint(branches: list) -> bool:
         return False
     shared = set.intersection(*(set(branch["properties"]) for branch in branches))
     for name in shared:
-        values = [_constants(branch["properties"][name]) for branch in branches]
+        values = [_constants(_resolved(branch["properties"][name], root)) for branch in branches]
         required = all(name in (branch.get("required") or ()) for branch in branches)
         if required and all(values) and sum(len(v) for v in values) == len(set().union(*values)):
             return True
     return False
+
+
+def _resolved(schema: Any, root: Any) -> Any:
+    """The schema a subschema that is only a reference (`{"$ref": "#/..."}`, annotations beside) points to, after
+    every such hop; anything else as it is (a reference beside other keywords, or one that points nowhere, which the
+    grammar engine's compiler reports)."""
+    for _ in range(MAX_SCHEMA_DEPTH):  # a reference chain longer than this, or a cycle, is left as it is
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)) or set(schema) - _REFERENCE_KEYS:
+            return schema
+        target = _pointed(root, schema["$ref"])
+        if target is None:
+            return schema
+        schema = target
+    return schema
+
+
+def _pointed(root: Any, reference: str) -> Any:
+    """The value a JSON-pointer reference (`#`, `#/$defs/Name`, RFC 6901 escapes) points to in `root`, or None."""
+    if reference == "#":
+        return root
+    if not reference.startswith("#/"):
+        return None
+    value = root
+    for part in reference[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
 
 
 def _types(branch: Any) -> set[str]:

@@ -307,6 +307,56 @@ def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
     assert matcher.accept_string("\U0001f600ok")
 
 
+def test_a_discriminated_union_of_references_is_enforced_as_one_of():
+    """pydantic's discriminated union (oneOf of $refs, each target's discriminator a const or an enum) is accepted,
+    and xgrammar's matcher refuses what matches no branch; references to branches no property tells apart are
+    still refused."""
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        meows: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        barks: bool
+
+    class Lizard(BaseModel):
+        pet_type: Literal["reptile", "lizard"]
+        scales: bool
+
+    class Owner(BaseModel):
+        pet: Annotated[Union[Cat, Dog, Lizard], Field(discriminator="pet_type")]
+
+    schema = Owner.model_json_schema()
+    assert [branch["$ref"] for branch in schema["properties"]["pet"]["oneOf"]] == [
+        "#/$defs/Cat",
+        "#/$defs/Dog",
+        "#/$defs/Lizard",
+    ]
+    SamplingParams(json=schema)
+    grammar = compiled("json", schema)
+    for instance, valid in (
+        ('{"pet": {"pet_type": "dog", "barks": true}}', True),
+        ('{"pet": {"pet_type": "lizard", "scales": false}}', True),
+        ('{"pet": {"pet_type": "cat", "barks": true}}', False),
+        ('{"pet": {"pet_type": "fish", "meows": 1}}', False),
+    ):
+        matcher = xgrammar.GrammarMatcher(grammar)
+        assert (matcher.accept_string(instance) and matcher.accept_token(TOKENIZER.eos_token_id)) is valid, instance
+    overlapping = {
+        "$defs": {"A": {"type": "object", "properties": {"k": {"type": "string"}}}, "B": {"type": "object"}},
+        "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}],
+    }
+    with pytest.raises(FieldError, match="json: schema.oneOf"):
+        SamplingParams(json=overlapping)
+    cycle = {"$defs": {"A": {"$ref": "#/$defs/A"}}, "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}]}
+    with pytest.raises(FieldError, match="json: schema.oneOf"):
+        SamplingParams(json=cycle)
+
+
 def test_constraints_over_zeromq(agent_worker):
     """A group's sampling map carries the constraint to a worker, which compiles it with its own tokenizer: every
     sample matches; a spec that does not compile is refused naming the field, and the worker goes on serving."""
