@@ -1,22 +1,33 @@
 """What of a JSON schema the grammar engine (xgrammar) can enforce: a schema using a keyword it would silently
 ignore is refused by name, never compiled into a grammar that lets a violating output finish with "stop".
 
-Checked against xgrammar 0.2.8 (each refusal was seen to accept a violating instance): `uniqueItems`, `not`,
-`contains` (and with it `minContains` / `maxContains`), `dependentRequired`, `dependentSchemas` (draft 7's
-`dependencies`), `if` with `then` or `else`, `multipleOf` but on integers by a whole number up to 1024, `$dynamicRef` / `$recursiveRef`, references other than JSON
-pointers (`#/...`), `allOf` with more than one schema, `required` naming a property the schema does not declare, and
-`oneOf` whose branches are not told apart by their types or by a discriminator (a property whose `const` / `enum`
-values differ: xgrammar then enforces `anyOf`); a branch that is a reference (pydantic's discriminated unions) is
-told apart by the schema it points to. `then` and `else` without `if` mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema specification makes them by default.
-Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply with depth).
+Checked against xgrammar 0.2.8 and 0.2.9 (each refusal was seen to accept a violating instance):
+- keywords it ignores: `uniqueItems`, `not`, `contains` (and with it `minContains` / `maxContains`),
+  `dependentRequired`, `dependentSchemas` (draft 7's `dependencies`), `if` with `then` or `else`, `$dynamicRef` /
+  `$recursiveRef`, references other than JSON pointers (`#/...`), `allOf` with more than one schema, `required`
+  naming a property the schema does not declare;
+- `multipleOf` but on integers, by a whole number up to 1024, with no bound or with both bounds at most 9,999 apart;
+- one keyword decides: of `$ref`, `const`, `enum`, `anyOf`, `oneOf` and `allOf` it enforces the first a schema has and
+  nothing beside it, so a second of them, or any other assertion beside one (`type`, `properties`, `required`,
+  `maxLength`, ...), is refused; annotations may stand beside (`title`, `description`, `default`, pydantic's
+  `discriminator`, ...), and a `type` beside `const` / `enum` that every value has;
+- `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `schema_branches.overlap`.
+Every part is checked, those that references point to included, wherever they are. `then` and `else` without `if`
+mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema
+specification makes them by default. Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply
+with depth).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
-from urllib.parse import unquote
+
+from rollout.schema_branches import ANNOTATIONS, constant_values, overlap, pointed
 
 MAX_SCHEMA_DEPTH = 32
+MAX_MULTIPLE = 1024  # xgrammar ignores a larger multipleOf (it logs so)
+MAX_MULTIPLE_SPAN = 9999  # nor one whose integer bounds are further apart
 # Keywords whose value is a map of names to subschemas / a subschema / a list of subschemas.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = (
@@ -28,18 +39,6 @@ _SCHEMA_VALUES = (
     "propertyNames",
 )
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-# Keywords beside a `$ref` that change nothing an instance may be (a branch with only these is its target).
-_REFERENCE_KEYS = {
-    "$ref",
-    "title",
-    "description",
-    "$comment",
-    "default",
-    "examples",
-    "deprecated",
-    "readOnly",
-    "writeOnly",
-}
 _IGNORED = {
     "not": "is not enforced by the grammar engine",
     "maxContains": "is not enforced by the grammar engine",  # named before the contains it goes with
@@ -51,6 +50,46 @@ _IGNORED = {
     "$dynamicRef": "is not supported (use $ref to #/$defs/...)",
     "$recursiveRef": "is not supported (use $ref to #/$defs/...)",
 }
+# Of these a schema's grammar follows the first it has, and nothing beside it but annotations.
+_DECIDING = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_ASSERTIONS = frozenset(
+    {
+        *_DECIDING,
+        *_SCHEMA_MAPS[:2],
+        *_SCHEMA_VALUES,
+        "prefixItems",
+        "type",
+        "required",
+        "minProperties",
+        "maxProperties",
+        "minItems",
+        "maxItems",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+    }
+)
+_IS_TYPE = {  # a JSON value (as json.loads gives it) has the type; a bool is an int to Python, never to JSON
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: _is_number(value) and (isinstance(value, int) or value.is_integer()),
+    "number": lambda value: _is_number(value),
+    "boolean": lambda value: isinstance(value, bool),
+    "null": lambda value: value is None,
+    "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict),
+}
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def unsupported_schema_part(schema: Any) -> tuple[str, str] | None:
@@ -61,7 +100,19 @@ def unsupported_schema_part(schema: Any) -> tuple[str, str] | None:
     """
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         return "", f"is nested deeper than {MAX_SCHEMA_DEPTH} levels"
-    return _check(schema, "", schema)
+    pending, references, seen = [("", schema)], [], set()
+    while pending:  # the schema, then each part a reference points to (wherever it is), once
+        where, part = pending.pop()
+        found = _check(part, where, schema, references)
+        if found:
+            return found
+        for reference in references:
+            target = pointed(schema, reference) if reference not in seen else None
+            seen.add(reference)
+            if target is not None and reference != "#":
+                pending.append(("." + ".".join(reference[2:].split("/")), target))
+        references.clear()
+    return None
 
 
 def _depth(value: Any) -> int:
@@ -76,7 +127,8 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _check(schema: Any, where: str, root: Any) -> tuple[str, str] | None:
+def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[str, str] | None:
+    """The first unenforceable part of `schema` and its subschemas; the references met are appended."""
     if not isinstance(schema, dict):
         return None
     for keyword, why in _IGNORED.items():
@@ -86,128 +138,122 @@ def _check(schema: Any, where: str, root: Any) -> tuple[str, str] | None:
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
     if "if" in schema and ("then" in schema or "else" in schema):
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
-    if "multipleOf" in schema and not _enforced_multiple(schema):
-        reason = "is enforced by the grammar engine only on integers, by a whole number from 1 to 1024"
-        return f"{where}.multipleOf", reason
+    found = _beside_deciding(schema, where)
+    if found:
+        return found
+    if "multipleOf" in schema:
+        why = _unenforced_multiple(schema)
+        if why:
+            return f"{where}.multipleOf", why
     reference = schema.get("$ref")
-    if reference is not None and not (isinstance(reference, str) and (reference == "#" or reference.startswith("#/"))):
-        return f"{where}.$ref", f"only JSON-pointer references (#/...) are supported, got {reference!r}"
+    if reference is not None:
+        if not (isinstance(reference, str) and (reference == "#" or reference.startswith("#/"))):
+            return f"{where}.$ref", f"only JSON-pointer references (#/...) are supported, got {reference!r}"
+        references.append(reference)
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"{where}.allOf", "with more than one schema is not enforced by the grammar engine (merge them)"
     required, declared = schema.get("required"), schema.get("properties")
     if isinstance(required, list):
         names = declared if isinstance(declared, dict) else {}
-        missing = [name for name in required if name not in names]
+        missing = [name for name in required if not isinstance(name, str) or name not in names]
         if missing:
             return (
                 f"{where}.required",
                 f"names {missing[0]!r}, which is not in properties (the engine cannot require it)",
             )
     one_of = schema.get("oneOf")
-    if (
-        isinstance(one_of, list)
-        and len(one_of) > 1
-        and not _disjoint([_resolved(branch, root) for branch in one_of], root)
-    ):
-        reason = "branches must differ by type or by a discriminator property's const (else it is enforced as anyOf)"
-        return f"{where}.oneOf", reason
-    return _check_children(schema, where, root)
+    if isinstance(one_of, list) and len(one_of) > 1:
+        why = overlap(one_of, root)
+        if why:
+            return f"{where}.oneOf", why
+    return _check_children(schema, where, root, references)
 
 
-def _check_children(schema: dict, where: str, root: Any) -> tuple[str, str] | None:
+def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:
+    """A second deciding keyword, or an assertion, beside the one xgrammar follows (a `type` every constant has may
+    stand beside `const` / `enum`)."""
+    deciding = [keyword for keyword in _DECIDING if keyword in schema]
+    if not deciding:
+        return None
+    first = deciding[0]
+    for keyword in schema:
+        if keyword == first or keyword in ANNOTATIONS or keyword not in _ASSERTIONS:
+            continue
+        if keyword == "type" and first in ("const", "enum") and _every_value_has_type(schema):
+            continue
+        return f"{where}.{keyword}", f"beside {first} is not enforced by the grammar engine (it follows {first} alone)"
+    return None
+
+
+def _every_value_has_type(schema: dict) -> bool:
+    kind = schema["type"]
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    checks = [_IS_TYPE[name] for name in kinds if isinstance(name, str) and name in _IS_TYPE]
+    return bool(checks) and all(any(check(value) for check in checks) for value in constant_values(schema))
+
+
+def _check_children(schema: dict, where: str, root: Any, references: list[str]) -> tuple[str, str] | None:
     for keyword in _SCHEMA_MAPS:
         children = schema.get(keyword)
         if isinstance(children, dict):
             for name, child in children.items():
-                found = _check(child, f"{where}.{keyword}.{name}", root)
+                found = _check(child, f"{where}.{keyword}.{name}", root, references)
                 if found:
                     return found
     for keyword in _SCHEMA_VALUES:
-        found = _check(schema.get(keyword), f"{where}.{keyword}", root)
+        found = _check(schema.get(keyword), f"{where}.{keyword}", root, references)
         if found:
             return found
     for keyword in (*_SCHEMA_LISTS, "items"):
         children = schema.get(keyword)
         if isinstance(children, list):
             for index, child in enumerate(children):
-                found = _check(child, f"{where}.{keyword}[{index}]", root)
+                found = _check(child, f"{where}.{keyword}[{index}]", root, references)
                 if found:
                     return found
     return None
 
 
-def _enforced_multiple(schema: dict) -> bool:
-    """Whether xgrammar enforces the schema's `multipleOf`: on a type of integers (null allowed beside), by a whole
-    number in [1, 1024] (beyond, and on numbers, it logs that it ignores it)."""
-    kinds = schema.get("type")
-    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+def _unenforced_multiple(schema: dict) -> str | None:
+    """Why xgrammar would not enforce the schema's `multipleOf`, or None: it does on a type of integers (null allowed
+    beside), by a whole number in [1, 1024], with no bound or with integer bounds at most 9,999 apart (with one
+    bound, or further apart, it drops it)."""
+    kind = schema.get("type")
+    kinds = (
+        {kind}
+        if isinstance(kind, str)
+        else {k for k in kind if isinstance(k, str)}
+        if isinstance(kind, list)
+        else set()
+    )
     multiple = schema["multipleOf"]
-    whole = isinstance(multiple, (int, float)) and not isinstance(multiple, bool) and float(multiple).is_integer()
-    return "integer" in kinds and kinds <= {"integer", "null"} and whole and 1 <= multiple <= 1024
-
-
-def _disjoint(branches: list, root: Any) -> bool:
-    """Whether no instance can match two branches: each has its own types, or a shared property's constants differ
-    (`branches` with their references followed; a property's schema may be one too)."""
-    types = [_types(branch) for branch in branches]
-    if all(types) and sum(len(t) for t in types) == len(set().union(*types)):
-        return True
-    if not all(isinstance(branch, dict) and isinstance(branch.get("properties"), dict) for branch in branches):
-        return False
-    shared = set.intersection(*(set(branch["properties"]) for branch in branches))
-    for name in shared:
-        values = [_constants(_resolved(branch["properties"][name], root)) for branch in branches]
-        required = all(name in (branch.get("required") or ()) for branch in branches)
-        if required and all(values) and sum(len(v) for v in values) == len(set().union(*values)):
-            return True
-    return False
-
-
-def _resolved(schema: Any, root: Any) -> Any:
-    """The schema a subschema that is only a reference (`{"$ref": "#/..."}`, annotations beside) points to, after
-    every such hop; anything else as it is (a reference beside other keywords, or one that points nowhere, which the
-    grammar engine's compiler reports)."""
-    for _ in range(MAX_SCHEMA_DEPTH):  # a reference chain longer than this, or a cycle, is left as it is
-        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)) or set(schema) - _REFERENCE_KEYS:
-            return schema
-        target = _pointed(root, schema["$ref"])
-        if target is None:
-            return schema
-        schema = target
-    return schema
-
-
-def _pointed(root: Any, reference: str) -> Any:
-    """The value a JSON-pointer reference (`#`, `#/$defs/Name`, RFC 6901 escapes) points to in `root`, or None."""
-    if reference == "#":
-        return root
-    if not reference.startswith("#/"):
+    whole = isinstance(multiple, int) or (isinstance(multiple, float) and multiple.is_integer())
+    if not ("integer" in kinds and kinds <= {"integer", "null"} and whole and not isinstance(multiple, bool)):
+        return f"is enforced by the grammar engine only on integers, by a whole number from 1 to {MAX_MULTIPLE}"
+    if not 1 <= multiple <= MAX_MULTIPLE:
+        return f"is enforced by the grammar engine only on integers, by a whole number from 1 to {MAX_MULTIPLE}"
+    low, high = _bound(schema, "minimum", "exclusiveMinimum", 1), _bound(schema, "maximum", "exclusiveMaximum", -1)
+    if low is None and high is None:
         return None
-    value = root
-    for part in reference[2:].split("/"):
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(value, dict) and part in value:
-            value = value[part]
-        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
-            value = value[int(part)]
-        else:
-            return None
-    return value
+    if low is None or high is None or high - low > MAX_MULTIPLE_SPAN:
+        return (
+            "is enforced by the grammar engine with no bound, or with a lower and an upper bound at most "
+            f"{MAX_MULTIPLE_SPAN:,} apart"
+        )
+    return None
 
 
-def _types(branch: Any) -> set[str]:
-    kind = branch.get("type") if isinstance(branch, dict) else None
-    if isinstance(kind, str):
-        return {"number" if kind == "integer" else kind}  # an integer is also a number
-    return set()
-
-
-def _constants(schema: Any) -> set[str]:
-    if not isinstance(schema, dict):
-        return set()
-    if "const" in schema:
-        return {repr(schema["const"])}
-    if isinstance(schema.get("enum"), list):
-        return {repr(value) for value in schema["enum"]}
-    return set()
+def _bound(schema: dict, inclusive: str, exclusive: str, upward: int) -> int | None:
+    """The tightest integer bound one side's inclusive and exclusive keywords give (`upward` 1: the lowest integer
+    allowed, -1: the highest), or None where neither is a finite number."""
+    bounds = []
+    value = schema.get(inclusive)
+    if _is_number(value):
+        bounds.append(math.ceil(value) if upward > 0 else math.floor(value))
+    value = schema.get(exclusive)
+    if _is_number(value):
+        bounds.append(math.floor(value) + 1 if upward > 0 else math.ceil(value) - 1)
+    if not bounds:
+        return None
+    return max(bounds) if upward > 0 else min(bounds)

@@ -282,6 +282,156 @@ def test_a_multiple_above_what_xgrammar_enforces_is_refused_by_name():
         assert not (matcher.accept_string("7") and matcher.accept_token(TOKENIZER.eos_token_id))
 
 
+_CAT_OR_DOG = {
+    "Cat": {
+        "type": "object",
+        "properties": {"kind": {"const": "cat"}, "meows": {"type": "boolean"}},
+        "required": ["kind"],
+    },
+    "Dog": {
+        "type": "object",
+        "properties": {"kind": {"const": "dog"}, "barks": {"type": "boolean"}},
+        "required": ["kind"],
+    },
+}
+# Where xgrammar 0.2.8/0.2.9 enforces one keyword of a schema and drops what stands beside it, or drops a multipleOf
+# with its bounds, or meets a part only a reference reaches: (schema, an instance violating it that xgrammar lets
+# finish, where the refusal points).
+UNENFORCED_PLACES = {
+    "multipleOf with one bound": ({"type": "integer", "minimum": 0, "multipleOf": 5}, "7", ".multipleOf"),
+    "multipleOf over 10,000 integers": (
+        {"type": "integer", "minimum": 0, "maximum": 10000, "multipleOf": 5},
+        "7",
+        ".multipleOf",
+    ),
+    "maxLength beside $ref": (
+        {"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S", "maxLength": 3},
+        '"abcdef"',
+        ".maxLength",
+    ),
+    "required beside oneOf": (
+        {
+            "$defs": _CAT_OR_DOG,
+            "properties": {"id": {"type": "boolean"}, "kind": {"type": "string"}},
+            "required": ["id", "kind"],
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        },
+        '{"kind": "cat", "meows": false}',
+        ".properties",
+    ),
+    "minimum beside anyOf": ({"minimum": 5, "anyOf": [{"type": "integer"}]}, "1", ".minimum"),
+    "minimum beside enum": ({"enum": [1, 2, 10], "minimum": 5}, "1", ".minimum"),
+    "a type beside enum one value lacks": ({"enum": [1, "a"], "type": "integer"}, '"a"', ".type"),
+    "a part only a reference reaches": (
+        {
+            "type": "object",
+            "properties": {"b": {"$ref": "#/x/U"}},
+            "required": ["b"],
+            "x": {"U": {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}},
+        },
+        '{"b": 7}',
+        ".x.U.if",
+    ),
+    "oneOf told apart only by 1 and 1.0": (
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": 1.0}, "x": {"type": "integer"}}, "required": ["k"]},
+            ]
+        },
+        '{"k": 1, "x": 1}',
+        ".oneOf",
+    ),
+    "oneOf by a discriminator not required": (
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}}},
+                {"type": "object", "properties": {"k": {"const": "b"}, "x": {"type": "integer"}}},
+            ]
+        },
+        '{"x": 1}',
+        ".oneOf",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNENFORCED_PLACES))
+def test_what_xgrammar_drops_beside_a_keyword_or_behind_a_reference_is_refused_by_name(case):
+    schema, violating, where = UNENFORCED_PLACES[case]
+    matcher = xgrammar.GrammarMatcher(compiled("json", schema))
+    assert matcher.accept_string(violating) and matcher.accept_token(TOKENIZER.eos_token_id)
+    with pytest.raises(FieldError, match=f"json: schema{re.escape(where)} "):
+        SamplingParams(json=schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "multipleOf": 10**400},
+        {"type": [{"a": 1}], "multipleOf": 2},
+        {"$defs": {"L": [{"type": "string"}]}, "oneOf": [{"$ref": "#/$defs/L/\u00b2"}, {"type": "string"}]},
+        {"oneOf": [{"type": "object", "required": 5}, {"type": "object", "required": True}]},
+        {"oneOf": [{"$ref": "#/$defs/A"}, {"type": "string"}], "$defs": {"A": {"$ref": "#/$defs/A"}}},
+    ],
+)
+def test_a_malformed_schema_is_refused_naming_json(schema):
+    with pytest.raises(FieldError, match="^json: "):
+        SamplingParams(json=schema)
+
+
+def test_bounds_keywords_and_branches_xgrammar_enforces_pass():
+    """multipleOf with both bounds under 10,000 integers apart, a type every constant has, annotations beside a
+    combinator, constants as branches and pydantic's nested discriminated unions compile, and xgrammar refuses what
+    violates them."""
+    for schema, violating in (
+        ({"type": "integer", "minimum": 0, "maximum": 9999, "multipleOf": 5}, "7"),
+        ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10001, "multipleOf": 5}, "7"),
+        ({"enum": ["a", "b"], "type": "string", "title": "Kind"}, '"c"'),
+        ({"const": 3.0, "type": "integer"}, "4"),
+        ({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "N"}, '"x"'),
+        ({"oneOf": [{"const": "a"}, {"const": "b"}, {"type": "integer"}]}, '"c"'),
+    ):
+        SamplingParams(json=schema)
+        matcher = xgrammar.GrammarMatcher(compiled("json", schema))
+        assert not (matcher.accept_string(violating) and matcher.accept_token(TOKENIZER.eos_token_id)), schema
+
+
+def test_nested_discriminated_unions_pass():
+    """pydantic's own example of a discriminated union inside one (its documentation's BlackCat / WhiteCat / Dog)."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class BlackCat(BaseModel):
+        pet_type: Literal["cat"]
+        color: Literal["black"]
+        black_name: str
+
+    class WhiteCat(BaseModel):
+        pet_type: Literal["cat"]
+        color: Literal["white"]
+        white_name: str
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+        name: str
+
+    Cat = Annotated[BlackCat | WhiteCat, Field(discriminator="color")]
+
+    class Model(BaseModel):
+        pet: Annotated[Cat | Dog, Field(discriminator="pet_type")]
+
+    schema = Model.model_json_schema()
+    SamplingParams(json=schema)
+    grammar = compiled("json", schema)
+    for instance, valid in (
+        ('{"pet": {"pet_type": "cat", "color": "white", "white_name": "a"}}', True),
+        ('{"pet": {"pet_type": "cat", "color": "white", "black_name": "a"}}', False),
+    ):
+        matcher = xgrammar.GrammarMatcher(grammar)
+        assert (matcher.accept_string(instance) and matcher.accept_token(TOKENIZER.eos_token_id)) is valid, instance
+
+
 def test_what_the_engine_enforces_passes_and_choices_keep_astral_characters():
     """Disjoint oneOf branches (by type, by a discriminator), declared required properties and a single allOf
     compile; a choice above U+FFFF is matched as itself (not as two surrogate halves)."""
@@ -311,7 +461,7 @@ def test_a_discriminated_union_of_references_is_enforced_as_one_of():
     """pydantic's discriminated union (oneOf of $refs, each target's discriminator a const or an enum) is accepted,
     and xgrammar's matcher refuses what matches no branch; references to branches no property tells apart are
     still refused."""
-    from typing import Annotated, Literal, Union
+    from typing import Annotated, Literal
 
     from pydantic import BaseModel, Field
 
@@ -328,7 +478,7 @@ def test_a_discriminated_union_of_references_is_enforced_as_one_of():
         scales: bool
 
     class Owner(BaseModel):
-        pet: Annotated[Union[Cat, Dog, Lizard], Field(discriminator="pet_type")]
+        pet: Annotated[Cat | Dog | Lizard, Field(discriminator="pet_type")]
 
     schema = Owner.model_json_schema()
     assert [branch["$ref"] for branch in schema["properties"]["pet"]["oneOf"]] == [
