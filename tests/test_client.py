@@ -402,3 +402,35 @@ def test_a_later_turn_goes_to_the_worker_that_holds_its_prefix(workers, affinity
         }
         cached = results["t2"].completions[0].cached_prompt_tokens
     assert cached == (32 if affinity else 0), cached
+
+
+def test_a_restarted_worker_gets_no_group_before_it_says_which_weights_it_serves():
+    """A worker restarts after a push (back on its start weights) while a call waits for it: the call is not sent
+    there on the old version the client knew (the worker's first pong says 0), and fails naming the stale worker."""
+    from trainer_bridge import push_weights
+
+    worker = Worker()
+    try:
+        with RolloutClient(worker.address, timeout=30, connect_timeout=1.5) as client:
+            assert push_weights(client, tiny_model(seed=1)).version == 1
+            worker.close()
+            deadline = time.monotonic() + 20
+            while client.live_workers():
+                assert time.monotonic() < deadline, "the client never saw the worker go"
+                time.sleep(0.05)
+            outcome: list = []
+
+            def call() -> None:
+                try:
+                    outcome.append(client.generate(PromptGroup([1, 2, 3], sampling=GREEDY)))
+                except RolloutError as error:
+                    outcome.append(error)
+
+            waiting = threading.Thread(target=call)
+            waiting.start()  # parked: no worker answers
+            worker = Worker(address=worker.address)
+            waiting.join(30)
+            assert isinstance(outcome[0], RolloutError) and outcome[0].code == "stale_workers", outcome
+            assert worker.stats()["generated_tokens"] == 0
+    finally:
+        worker.close()

@@ -244,11 +244,15 @@ class Dispatcher:
             except zmq.Again:
                 return
             worker.unanswered_since = None
-            if not worker.alive:
-                self.liveness.revive(index)
             try:
                 message = p.decode(frames)
             except p.ProtocolError:
+                message = None
+            if isinstance(message, (p.Pong, p.WeightsCommitted)):  # before a revival routes calls by it
+                worker.policy_version = message.policy_version if isinstance(message, p.Pong) else message.version
+            if not worker.alive:
+                self.liveness.revive(index)
+            if message is None:
                 logger.warning("undecodable message from %s", worker.address)
                 continue
             try:
@@ -259,9 +263,6 @@ class Dispatcher:
             self._handle(index, message)
 
     def _handle(self, index: int, message: p.Message) -> None:
-        if isinstance(message, (p.Pong, p.WeightsCommitted)):
-            version = message.policy_version if isinstance(message, p.Pong) else message.version
-            self.workers[index].policy_version = version
         channel = self._channels.get(getattr(message, "update_id", None))
         if channel is not None:
             channel.put((index, message))

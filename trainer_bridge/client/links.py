@@ -13,6 +13,7 @@ from rollout.protocol.auth import secure_client_socket
 
 # Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
 # one): reported at once instead of waiting out the connect deadline.
+UNKNOWN_VERSION = -1  # a reconnecting worker's policy version until its first pong: below every pushed version
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 # A closed connection: the worker died or restarted, or dropped this client (its groups are gone there).
 _MONITORED = _HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -56,7 +57,7 @@ class WorkerLink:
         self.last_ping = 0.0
         self.unanswered_since: float | None = None  # first ping sent since the worker was last heard from
         self.outstanding = 0  # tokens still to generate for groups in flight
-        self.policy_version = 0  # as of the worker's last pong or weight commit
+        self.policy_version = 0  # as of the worker's last pong or weight commit (UNKNOWN_VERSION: reconnecting)
         self.taken_away: set[str] = set()  # groups resubmitted elsewhere while this worker was dead
         self.retired = False  # removed from the client (RolloutClient.remove_worker): its socket is closed
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from rollout import protocol as p
 from trainer_bridge.client.calls import WorkerLost
-from trainer_bridge.client.links import WorkerLink
+from trainer_bridge.client.links import UNKNOWN_VERSION, WorkerLink
 from trainer_bridge.client.routing import CallRouter
 
 logger = logging.getLogger("trainer_bridge.client")  # the client's one logger, as the dispatcher's
@@ -73,6 +73,9 @@ class Liveness:
                 self.send(index, p.Ping())
             elif kind == "disconnected":
                 worker.connected = False
+                # A worker that comes back may have restarted on other weights: no call goes to it before its
+                # first pong says which it serves.
+                worker.policy_version = UNKNOWN_VERSION
                 if worker.alive:
                     worker.alive, worker.lost = False, ("its connection closed", time.monotonic())
                     logger.warning("connection to rollout worker %s closed; %s", worker.address, self._fate())

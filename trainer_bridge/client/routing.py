@@ -12,16 +12,13 @@ this client's key, or live workers stayed behind the newest version for `connect
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import zmq
 
 from rollout import protocol as p
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.calls import Call, RolloutError
-
-if TYPE_CHECKING:
-    from trainer_bridge.client.links import WorkerLink
+from trainer_bridge.client.links import UNKNOWN_VERSION, WorkerLink
 
 # Once the first worker answered, calls submitted before wait this long for the others to answer too.
 FIRST_CONTACT_GRACE_S = 2.0
@@ -128,7 +125,7 @@ class CallRouter:
             self._stale_since = now
         if now - self._stale_since <= self.connect_timeout:
             return None
-        served = ", ".join(f"{worker.address} (version {worker.policy_version})" for worker in live)
+        served = ", ".join(f"{worker.address} (version {_version(worker.policy_version)})" for worker in live)
         return (
             f"every live rollout worker serves weights older than version {self.min_policy_version}, the newest pushed "
             f"through this client: {served}. They restarted or missed a push since; push the weights again "
@@ -168,3 +165,7 @@ class CallRouter:
         for call in parked:
             if self.calls.get(call.group.group_id) is call:
                 self.dispatch(call)
+
+
+def _version(version: int) -> str:
+    return "not known yet" if version == UNKNOWN_VERSION else str(version)
