@@ -486,3 +486,22 @@ def test_request_that_never_fits_the_cache_ends_with_error(prompt_len, max_new):
     assert failed.finish_reason == "error" and failed.is_finished and failed.error
     assert small.finish_reason == "length"
     assert small.generated_tokens == reference_greedy(reference, [1, 2, 3, 4], 4)
+
+
+def test_a_warm_up_whose_request_fails_says_why():
+    """A model whose forward fails (every request would end with an error) fails its warm-up with the error, before
+    a worker says it is ready; the engine still closes."""
+    from conftest import make_engine
+
+    model = tiny_model()
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("this forward is not served")
+
+    model.model.forward = broken
+    engine = make_engine(model)
+    try:
+        with pytest.raises(RuntimeError, match="warm-up request failed: .*this forward is not served"):
+            engine.warmup()
+    finally:
+        engine.close()

@@ -151,6 +151,7 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
         (torch.arange(TOP_K).expand(1, 5, 2, TOP_K), "tokens"),
         (torch.arange(TOP_K).expand(2, 2, 2, TOP_K), r"\(2, 2\) tokens"),  # as many tokens, another batch shape
         (torch.zeros(1, 4, 2, TOP_K), "integer"),
+        (torch.ones(1, 4, 2, TOP_K, dtype=torch.bool), "integer"),  # experts 0/1 as True/False: not ids
     ):
         with pytest.raises(ValueError, match=message), routing_replay(trainer, routes), torch.no_grad():
             trainer(input_ids=ids)
@@ -331,3 +332,88 @@ def test_samples_recomputed_onto_cached_blocks_report_those_blocks_routes(moe):
     for request_id in ("g#0", "g#1"):
         check_against_reference(reference, outputs[request_id])
     engine.close()
+
+
+def test_routes_of_a_router_that_does_not_choose_by_topk_are_refused_by_name():
+    """PhiMoE's router picks experts with its sparsemixer, never torch.topk: its routes were all zeros and replay
+    changed nothing. Both are refused, naming the router."""
+    from transformers import AutoModelForCausalLM, PhimoeConfig
+
+    from rollout import generate_batch
+
+    config = PhimoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=TOP_K,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(FieldError, match="return_routes: PhimoeTopKRouter chooses its experts without torch.topk"):
+        generate_batch(model, [[5, 6, 7]], sampling=ROUTED, max_new_tokens=2)
+    with pytest.raises(ValueError, match="PhimoeTopKRouter chooses its experts without torch.topk"):
+        with routing_replay(model, torch.zeros(1, 3, 2, TOP_K, dtype=torch.long)):
+            pass
+
+
+def test_replay_under_torch_compile_routes_every_forward_by_its_own_routes(moe):
+    """A compiled model (dynamo; the eager backend keeps it quick) replays the routes given to each forward: a
+    first forward's routes are not baked into the next ones (they were: later routes and no routes alike)."""
+    model = reference_copy(moe)
+    ids = torch.tensor([[5, 9, 17, 33, 65, 129]])
+    generator = torch.Generator().manual_seed(0)
+    first, second = (
+        torch.stack([torch.randperm(4, generator=generator)[:TOP_K] for _ in range(6 * 2)]).reshape(1, 6, 2, TOP_K)
+        for _ in range(2)
+    )
+    with torch.no_grad():
+        natural = model(input_ids=ids).logits
+        eager = []
+        for routes in (first, second):
+            with routing_replay(model, routes):
+                eager.append(model(input_ids=ids).logits)
+        compiled = torch.compile(model, backend="eager")
+        with routing_replay(model, first):
+            assert torch.equal(compiled(input_ids=ids).logits, eager[0])
+        assert torch.equal(compiled(input_ids=ids).logits, natural)
+        with routing_replay(model, second):
+            assert torch.equal(compiled(input_ids=ids).logits, eager[1])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_families_the_paged_cache_cannot_serve_are_refused_when_the_engine_is_made(family):
+    """DeepSeek-V3's latent attention and GPT-OSS's attention sinks: refused by name (every step failed)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig
+
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if family == "deepseek_v3":
+        config = DeepseekV3Config(
+            **shape, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=TOP_K,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            first_k_dense_replace=0, n_group=1, topk_group=1,
+        )  # fmt: skip
+    else:
+        config = GptOssConfig(
+            **shape, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=TOP_K, head_dim=8
+        )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(FieldError, match="model: .*(latent attention|attention sinks)"):
+        make_engine(model)
+
+
+def test_routes_for_in_trl_layout_pads_completions_to_the_longest():
+    """Prompts left-padded to prompt_pad_to, completions right-padded to the longest completion (TRL's input_ids:
+    4 + 5 columns here), each route where its token's forward ran; bad padding arguments are named."""
+    from types import SimpleNamespace
+
+    def completion(prompt_len: int, tokens: int, expert: int) -> SimpleNamespace:
+        rows = lambda count: np.full((count, 2, TOP_K), expert, dtype=np.int16)  # noqa: E731
+        return SimpleNamespace(prompt_routes=rows(prompt_len - 1), routes=rows(tokens))
+
+    batch = [completion(4, 2, 1), completion(2, 5, 2)]
+    routes = routes_for(batch, prompt_pad_to=4)
+    assert routes.shape == (2, 9, 2, TOP_K) and torch.equal(routes, routes_for(batch, pad_to=5, prompt_pad_to=4))
+    assert (routes[0, :5, 0, 0] == 1).all() and (routes[0, 5:, 0, 0] == -1).all()  # 3 prompt + 2 sampling forwards
+    assert (routes[1, :2, 0, 0] == -1).all() and (routes[1, 2:8, 0, 0] == 2).all() and routes[1, 8, 0, 0] == -1
+    for kwargs, message in (({"pad_to": -1}, "pad_to"), ({"prompt_pad_to": 2.5}, "prompt_pad_to")):
+        with pytest.raises(ValueError, match=message):
+            routes_for(batch, **kwargs)
+    with pytest.raises(ValueError, match=r"completions\[0\]: routes are \(tokens, layers, top_k\)"):
+        routes_for([SimpleNamespace(prompt_routes=np.zeros((3, 2)), routes=np.zeros((2, 2)))])

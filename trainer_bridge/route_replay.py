@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rollout.engine.moe.router_taps import Tap, attach, detach, num_experts
-from rollout.engine.moe.routes import DENSE_MODEL, find_routers
+from rollout.engine.moe.routes import find_routers, routers_refusal
 
 __all__ = ["RouteReplay", "routes_for", "routing_replay"]
 
@@ -88,10 +88,9 @@ class RouteReplay:
             ValueError: a dense model, or routers with different top_k.
         """
         self.routers = find_routers(model)
-        if not self.routers:
-            raise ValueError(f"routing_replay: {DENSE_MODEL}")
-        if len({router.top_k for router in self.routers}) > 1:
-            raise ValueError("routing_replay: the model's routers choose different numbers of experts (top_k)")
+        refusal = routers_refusal(self.routers)
+        if refusal is not None:
+            raise ValueError(f"routing_replay: {refusal}")
         self.top_k = self.routers[0].top_k
         self.experts = min(num_experts(router) for router in self.routers)
         self.current = current
@@ -112,7 +111,8 @@ class RouteReplay:
             ValueError: not an integer tensor (batch, sequence, layers, top_k), another layer count or top_k, or an
                 expert id out of range.
         """
-        if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.dtype.is_floating_point:
+        integer = isinstance(routes, torch.Tensor) and not routes.dtype.is_floating_point and routes.dtype != torch.bool
+        if not integer or routes.dim() != 4 or routes.dtype.is_complex:
             raise ValueError("routing_replay: routes must be an integer tensor (batch, sequence, MoE layers, top_k)")
         if routes.shape[2] != len(self.routers) or routes.shape[3] != self.top_k:
             raise ValueError(
@@ -166,19 +166,24 @@ def routes_for(
     """
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    for name, value in (("pad_to", pad_to), ("prompt_pad_to", prompt_pad_to)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
     parts = []
     for index, completion in enumerate(completions):
         prompt, generated = getattr(completion, "prompt_routes", None), getattr(completion, "routes", None)
         if prompt is None or generated is None:
             raise ValueError(f"completions[{index}] carries no routes: sample it with return_routes=True")
         prompt, generated = np.asarray(prompt), np.asarray(generated)
+        if prompt.ndim != 3 or generated.ndim != 3:
+            raise ValueError(f"completions[{index}]: routes are (tokens, layers, top_k) arrays")
         parts.append((prompt, generated))
     shapes = {rows.shape[1:] for pair in parts for rows in pair if len(rows)}
     if len(shapes) > 1:
         raise ValueError(f"completions' routes have different shapes {sorted(shapes)}")
     layers, top_k = shapes.pop() if shapes else (0, 0)
     if prompt_pad_to is not None:
-        longest = max((len(g) + 1 for _, g in parts), default=0)
+        longest = max((len(g) for _, g in parts), default=0)  # the completion part: the sampled tokens
         width = pad_to if pad_to is not None else longest
         total = prompt_pad_to + width
     else:

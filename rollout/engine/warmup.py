@@ -35,6 +35,8 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
 
     Args:
         num_tokens: length of the warm-up prompt.
+    Raises:
+        RuntimeError: the warm-up request ended with an error (the model's forward fails: every request would).
     """
     if engine.has_unfinished():
         raise RuntimeError("warmup() needs an idle engine")
@@ -47,8 +49,9 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     num_tokens = min(num_tokens, engine.max_model_len - 2)  # a short context must not refuse its own warm-up
     if num_tokens > 0:
         engine.add_request("__warmup__", [0] * num_tokens, sampling)
+    failures = []
     while engine.has_unfinished():
-        engine.step()
+        failures += [output.error for output in engine.step() if output.finish_reason == "error"]
     engine.block_manager.reset_prefix_cache()
     if engine.scheduler.drafter is not None:  # its tokens are no one's drafts
         engine.scheduler.drafter.forget([0] * num_tokens)
@@ -56,4 +59,6 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     engine.counters.restore(counters)
     engine.scheduler.admission.growth = growth  # a 2-token request at its max_new_tokens would say lengths are known
     engine.block_manager.num_prefix_tokens_hit = engine.block_manager.num_prefix_tokens_queried = 0
+    if failures:  # every request would end so: refused here, not after the worker said it is ready
+        raise RuntimeError(f"the engine's warm-up request failed: {failures[0]}")
     engine.warmed_up = True

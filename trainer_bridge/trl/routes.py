@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.moe.routes import find_routers
+from rollout.engine.moe.routes import find_routers, routers_refusal
 from trainer_bridge.route_replay import RouteReplay, routes_for
 
 ROUTES_KEY = "rollout_routes"
@@ -33,8 +33,9 @@ def check_routing_replay(trainer: Any, enabled: Any) -> bool:
     if not enabled:
         return False
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if not find_routers(model):
-        raise ValueError("routing_replay=True needs an MoE model (its routers are *TopKRouter modules); this is dense")
+    refusal = routers_refusal(find_routers(model))
+    if refusal is not None:
+        raise ValueError(f"routing_replay=True: {refusal}")
     environments = getattr(trainer, "environment_factories", None) is not None
     if trainer.rollout_func is not None or getattr(trainer, "tools", None) or environments:
         raise ValueError(

@@ -60,6 +60,32 @@ class RouterTopK(TorchFunctionMode):
         return result
 
 
+_PICKS_WITH_TOPK: dict[type, bool] = {}  # router class -> whether its forward chooses by torch.topk (probed once)
+
+
+def picks_with_topk(router: torch.nn.Module) -> bool | None:
+    """Whether the router's forward chooses its experts with `torch.topk` (k == top_k over its experts), as taps
+    need: its forward run once per class on two tokens of zeros. None where that probe cannot run it (no 2-D
+    `weight`, or a forward taking other arguments).
+
+    Args:
+        router: a module `find_routers` returned.
+    """
+    kind = type(router)
+    if kind not in _PICKS_WITH_TOPK:
+        weight = getattr(router, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return None
+        seen: list[bool] = []
+        try:  # the forward itself, not the module's call: no hook, so no tap, sees the probe
+            with torch.no_grad(), RouterTopK(router.top_k, num_experts(router), lambda ids: seen.append(True)):
+                router.forward(torch.zeros(2, weight.shape[1], dtype=weight.dtype, device=weight.device))
+        except Exception:  # noqa: BLE001 - another signature: the probe cannot tell
+            return None
+        _PICKS_WITH_TOPK[kind] = bool(seen)
+    return _PICKS_WITH_TOPK[kind]
+
+
 _LOCAL = threading.local()  # per thread: `open` (router id -> the mode its forward opened), `engine_step`
 
 
@@ -142,6 +168,7 @@ def detach(router: torch.nn.Module, tap: Tap) -> None:
             handle.remove()
 
 
+@torch.compiler.disable  # under torch.compile too: traced, it would decide once what every later forward replays
 def _enter(router: torch.nn.Module, args: tuple) -> None:
     taps = [tap for tap in _TAPS.get(router, ()) if tap.active]
     opened = _open_modes()
@@ -161,6 +188,7 @@ def _enter(router: torch.nn.Module, args: tuple) -> None:
     opened[id(router)] = mode
 
 
+@torch.compiler.disable
 def _leave(router: torch.nn.Module, args: tuple, output: Any) -> None:
     mode = _open_modes().pop(id(router), None)
     if mode is not None:

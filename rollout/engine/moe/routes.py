@@ -2,7 +2,8 @@
 layer, the top-k expert ids the layer's router chose, read from transformers' own router modules.
 
 Routers are the modules named `*TopKRouter` (any case) with a `top_k` (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral,
-GPT-OSS, DeepSeek-V3, GLM-4-MoE, Jamba, ...). Each picks its experts with `torch.topk` over its expert scores; a tap
+GraniteMoE, GLM-4-MoE, Jamba, ...); one whose forward does not choose by `torch.topk` (PhiMoE) is refused
+(`routers_refusal`). Each picks its experts with `torch.topk` over its expert scores; a tap
 on each router (`router_taps.py`) sees that call (the one with k == top_k over the experts' dimension: DeepSeek's
 group pre-selection is another) and copies the ids it returns into a persistent buffer (layers, tokens, top_k).
 Nothing else in the model changes: the router computes exactly what it computes anyway.
@@ -25,7 +26,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.kv.transfer import HostCopy
-from rollout.engine.moe.router_taps import Tap, attach, detach
+from rollout.engine.moe.router_taps import Tap, attach, detach, picks_with_topk
 from rollout.engine.requests.request import Request
 from rollout.engine.requests.route_rows import RouteCache
 from rollout.engine.scheduling.batch import ScheduledBatch
@@ -41,6 +42,22 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
         for module in model.modules()
         if ROUTER_CLASS.search(type(module).__name__) and isinstance(getattr(module, "top_k", None), int)
     ]
+
+
+def routers_refusal(routers: list[torch.nn.Module]) -> str | None:
+    """Why a model's routes cannot be read or replayed through these routers (None: they can): none (a dense model),
+    several top_k, or a router that does not choose by `torch.topk` (PhiMoE's sparsemixer)."""
+    if not routers:
+        return DENSE_MODEL
+    if len({router.top_k for router in routers}) > 1:
+        return "the model's routers choose different numbers of experts (top_k): routes need one top_k"
+    for router in routers:
+        if picks_with_topk(router) is False:
+            return (
+                f"{type(router).__name__} chooses its experts without torch.topk over them, so rollout can neither "
+                "read nor replay its routes"
+            )
+    return None
 
 
 @dataclass
@@ -146,11 +163,7 @@ class RouteRecorder:
 
     def refusal(self) -> str | None:
         """Why routes cannot be recorded for this model (None: they can)."""
-        if not self.routers:
-            return DENSE_MODEL
-        if len({router.top_k for router in self.routers}) > 1:
-            return "the model's routers choose different numbers of experts (top_k): routes need one top_k"
-        return None
+        return routers_refusal(self.routers)
 
     def admit(self, request: Request) -> None:
         """Install the taps for the first request that wants routes.

@@ -55,6 +55,12 @@ def servable_text_config(model: torch.nn.Module) -> Any:
     unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)
     if unsupported:
         raise FieldError("model", f"layer types {unsupported} are not supported (only {sorted(SUPPORTED_LAYER_TYPES)})")
+    if getattr(config, "kv_lora_rank", None):  # its K and V are not heads of head_dim: the cache would not fit them
+        raise FieldError(
+            "model", "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3's MLA) is not served by the paged cache"
+        )
+    if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
+        raise FieldError("model", "attention sinks (GPT-OSS's sinks) are not served by rollout's paged attention")
     return config
 
 

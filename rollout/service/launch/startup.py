@@ -109,7 +109,11 @@ def start_worker(
     except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
         parser.error(parser.flag_message(error))
     serve_start_adapters(parser, args.lora, manager.engine, args.model)
-    manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
+    try:
+        manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
+    except RuntimeError as error:  # the model's forward fails: no request could be served
+        manager.destroy()
+        parser.error(f"--model {args.model}: {error}")
     auth = None
     if keys is not None:
         auth = WorkerAuth(zmq.Context(), keys)

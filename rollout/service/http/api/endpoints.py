@@ -113,7 +113,9 @@ class OpenAIEndpoints:
             scoring = PromptScoring.of(body)
             least = 0 if scoring.scores_prompts else 1  # echo / prompt_logprobs may score the prompt only
             if least and body.get("max_tokens") == 0 and type(body["max_tokens"]) is int:
-                reason = f"0 scores the prompt only, which needs echo or prompt_logprobs; else it must be in [1, {room}]"
+                reason = (
+                    f"0 scores the prompt only, which needs echo or prompt_logprobs; else it must be in [1, {room}]"
+                )
                 raise bad_field("max_tokens", reason)
             max_tokens = fields.integer(body, "max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room), least, room)
             logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
