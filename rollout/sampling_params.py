@@ -285,9 +285,35 @@ class SamplingParams:
         if unknown:
             raise FieldError(f"sampling.{unknown[0]}", f"unknown sampling field {unknown[0]!r}")
         try:
-            return cls(**fields)
+            sampling = cls(**fields)
         except FieldError as error:
             raise FieldError(f"sampling.{error.field}", error.reason) from None
+        warping = warping_fields(fields) if fields.get("do_sample") is False else []
+        if warping:  # one map that asks for greedy picks and a shaped distribution: the second would do nothing
+            raise FieldError(f"sampling.{warping[0]}", "has no effect while do_sample is False (in the same map)")
+        return sampling
+
+
+# Fields that shape the distribution sampled from (nothing where do_sample is False), and the values with which they
+# leave it as it is (temperature 0 is greedy anyway).
+NEUTRAL_WARPING = {
+    "temperature": (0, 1),
+    "top_k": (None, 0),
+    "top_p": (None, 1),
+    "min_p": (None, 0),
+    "typical_p": (None, 1),
+    "epsilon_cutoff": (None, 0),
+    "eta_cutoff": (None, 0),
+}
+
+
+def warping_fields(fields: dict[str, Any]) -> list[str]:
+    """The fields of `fields` that would shape the sampled distribution (sorted): what a greedy pick ignores.
+
+    Args:
+        fields: SamplingParams fields by name.
+    """
+    return sorted(name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name])
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -209,6 +209,12 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
     [
         (["--num-blocks", "0"], "rollout-worker: error: --num-blocks: 0 is invalid: must be an integer >= 1"),
         (["--client-timeout", "-1"], "rollout-worker: error: --client-timeout: must be positive, got -1.0"),
+        (
+            ["--max-update-phase-s", "nan"],
+            "rollout-worker: error: --max-update-phase-s: must be a finite number, got nan",
+        ),
+        (["--client-timeout", "inf"], "rollout-worker: error: --client-timeout: must be a finite number, got inf"),
+        (["--max-groups-per-client", "-1"], "rollout-worker: error: --max-groups-per-client: must be 0 (no limit) or"),
         (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
         (["--model", "./no/such/dir"], "rollout-worker: error: --model ./no/such/dir: no such model directory"),
         (  # a speculative setting without speculation would be ignored: refused, naming both flags

@@ -28,7 +28,7 @@ from transformers.generation.logits_process import (
 )
 
 from conftest import VOCAB, make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
-from rollout.config import ContinuousBatchingConfig, SamplingParams
+from rollout.config import ContinuousBatchingConfig, FieldError, SamplingParams
 from rollout.engine.engine import Engine
 
 KINDS = ["qwen3", "mistral_sliding"]
@@ -705,3 +705,13 @@ def test_a_step_that_fails_while_writing_slot_rows_leaves_nothing_for_the_slots_
     prompt = make_prompts(1, 8, 8, seed=12)[0]
     out = run(engine, {"b": (prompt, SamplingParams(do_sample=False, stop_token_ids=()))})["b"]
     assert out.generated_tokens == reference_generate(reference, prompt, MAX_NEW)
+
+
+def test_a_sampling_map_asking_greedy_picks_and_a_shaped_distribution_is_refused_by_name():
+    """The wire's sampling map with do_sample False and, in the same map, a field a greedy pick ignores: refused
+    naming the field (it was silently greedy); neutral values and do_sample True pass."""
+    for field, value in (("temperature", 5.0), ("top_k", 3), ("typical_p", 0.2), ("eta_cutoff", 0.3)):
+        with pytest.raises(FieldError, match=f"sampling.{field}: has no effect while do_sample is False"):
+            SamplingParams.from_fields({"do_sample": False, field: value})
+    assert not SamplingParams.from_fields({"do_sample": False, "temperature": 0.0, "top_p": 1.0}).do_sample
+    assert SamplingParams.from_fields({"do_sample": True, "temperature": 5.0}).temperature == 5.0

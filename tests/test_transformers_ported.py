@@ -1238,6 +1238,9 @@ def test_per_request_sampling_kwargs_under_a_greedy_config_are_refused_unless_do
             manager.add_request(_DEFAULT_PROMPTS[0], temperature=0.7, top_k=10, seed=1)
         with pytest.raises(ValueError, match=r"top_k: has no effect while do_sample is False \(asked for here\)"):
             manager.add_request(_DEFAULT_PROMPTS[0], do_sample=False, top_k=5)
+        for name, value in (("typical_p", 0.2), ("epsilon_cutoff", 0.3), ("eta_cutoff", 0.3)):
+            with pytest.raises(ValueError, match=f"{name}: has no effect while do_sample is False"):
+                manager.add_request(_DEFAULT_PROMPTS[0], **{name: value})
         for neutral in (dict(temperature=0.0), dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)):  # greedy anyway
             manager.get_result(manager.add_request(_DEFAULT_PROMPTS[0], **neutral), timeout=30)
         request_id = manager.add_request(_DEFAULT_PROMPTS[0], do_sample=True, temperature=0.7, top_k=10, seed=1)

@@ -21,7 +21,7 @@ from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_params import SAMPLING_FIELDS, warping_fields
 from rollout.validation import all_plain_ints, in_range
 
 # Most samples in one group: bounds what one request can make the engine allocate up front.
@@ -29,9 +29,6 @@ MAX_GROUP_SIZE = 4096
 # The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
 # and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
 TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
-# SamplingParams fields that shape the distribution sampled from (nothing where do_sample is False), and the values
-# with which they leave it as it is (temperature 0 is greedy anyway).
-NEUTRAL_WARPING = {"temperature": (0, 1), "top_k": (None, 0), "top_p": (None, 1), "min_p": (None, 0)}
 
 
 def _is_token(value: object, vocab_size: int) -> bool:
@@ -266,7 +263,8 @@ class RequestIntake:
             fields: SamplingParams fields by name.
         Raises:
             FieldError: `sampling` is no SamplingParams, a keyword is no SamplingParams field, or one that shapes the
-                sampled distribution (temperature, top_k, top_p, min_p) is given where do_sample is False.
+                sampled distribution (temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff) is given
+                where do_sample is False.
         """
         if eos_token_id is None and not fields:
             return sampling
@@ -279,9 +277,7 @@ class RequestIntake:
             fields["stop_token_ids"] = eos_token_id
         merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
         # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
-        warping = sorted(
-            name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name]
-        )
+        warping = warping_fields(fields)
         if warping and not merged.do_sample:
             origin = (
                 "asked for here" if "do_sample" in fields else "sampling's" if sampling else "the generation config's"

@@ -5,6 +5,7 @@ stall or the worker's memory grow without bound. Each is enforced with an error 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from rollout.config import FieldError
@@ -54,7 +55,11 @@ class WorkerLimits:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise FieldError(item.name, f"must be a number, got {value!r}")
-            if value < 0 or (value == 0 and item.name != "max_groups_per_client"):
+            if not math.isfinite(value):  # NaN passes every comparison, inf never expires
+                raise FieldError(item.name, f"must be a finite number, got {value!r}")
+            if item.name == "max_groups_per_client" and value < 0:
+                raise FieldError(item.name, f"must be 0 (no limit) or more, got {value!r}")
+            if value <= 0 and item.name != "max_groups_per_client":
                 raise FieldError(item.name, f"must be positive, got {value!r}")
         if self.max_message_bytes < 1 << 10:
             raise FieldError("max_message_bytes", f"must be at least 1024, got {self.max_message_bytes}")
