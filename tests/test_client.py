@@ -434,3 +434,23 @@ def test_a_restarted_worker_gets_no_group_before_it_says_which_weights_it_serves
             assert worker.stats()["generated_tokens"] == 0
     finally:
         worker.close()
+
+
+def test_a_group_id_with_a_hash_is_refused_by_the_client_and_a_long_one_is_not_echoed_whole():
+    """The client refuses '#' in a group id (the worker would: its reply echoed a long id whole, past what the client
+    reads, and the call waited out its timeout); the engine's refusal shows at most 64 characters of it."""
+    from conftest import make_engine
+    from conftest import tiny_model as tiny_causal_lm
+    from rollout.config import FieldError, SamplingParams
+    from trainer_bridge.client.calls import checked_group
+
+    with pytest.raises(RolloutError, match="group_id must not contain '#'") as refused:
+        checked_group(PromptGroup([1, 2], group_id="#" + "x" * 1000), lambda: 1, lambda: "g")
+    assert refused.value.field == "group_id"
+    engine = make_engine(tiny_causal_lm())
+    try:
+        with pytest.raises(FieldError) as named:
+            engine.add_request("#" + "x" * (1 << 20), [1, 2], SamplingParams(max_new_tokens=1))
+        assert named.value.field == "group_id" and len(str(named.value)) < 200
+    finally:
+        engine.close()

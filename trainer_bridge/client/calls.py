@@ -212,6 +212,8 @@ def checked_group(
     if len(encoded) > MAX_HEADER_STR:  # the worker could not read it back to answer: refused here, by name
         reason = f"group_id is {len(encoded):,} bytes; a worker reads strings of at most {MAX_HEADER_STR:,}"
         raise RolloutError("bad_request", reason, "group_id")
+    if "#" in (group.group_id or ""):  # the worker's sample ids are group_id#index
+        raise RolloutError("bad_request", "group_id must not contain '#' (sample ids use it)", "group_id")
     if isinstance(group.sampling, SamplingParams):
         sampling = group.sampling.changed_fields()
     elif isinstance(group.sampling, dict):

@@ -156,7 +156,8 @@ class RequestIntake:
             spec.adapter,
         )
         if not isinstance(group_id, str) or not group_id or "#" in group_id:
-            reason = f"must be a non-empty string without '#' (sample ids use it), got {group_id!r}"
+            shown = repr(group_id[:64] + "...") if isinstance(group_id, str) and len(group_id) > 64 else repr(group_id)
+            reason = f"must be a non-empty string without '#' (sample ids use it), got {shown}"  # a reply stays small
             raise FieldError("group_id", reason)
         if not isinstance(spec.draft_scope, str):
             raise FieldError("draft_scope", f"must be a string, got {type(spec.draft_scope).__name__}")
