@@ -172,13 +172,19 @@ def test_the_side_by_side_runs_stay_inside_their_time_budget():
     def measure_one(speculative, time_budget_s):
         told.append(time_budget_s)
         time.sleep(0.2)
-        return dict.fromkeys(FIGURES, 2.0 if speculative else 4.0) | {"host_s": None}
+        return dict.fromkeys(FIGURES, 2.0 if speculative else 4.0) | {"host_s": None, "finished": True}
 
     summary = compare(measure_one, "suffix", repeats=5, time_budget_s=0.7)
     assert (summary["repeats"], summary["repeats_asked"], len(told)) == (1, 5, 2)
-    assert 0.45 < told[1] < told[0] <= 0.7
+    assert 0.3 < told[0] <= 0.35 and 0.4 < told[1] <= 0.5  # the plain run half of it, the drafted one the rest
     assert summary["ratios"]["last_finish_s"] == 0.5 and summary["medians"]["host_s"] == {"without": None, "with": None}
     assert summary["ratios"]["host_s"] is None
+
+    def cut_short(speculative, time_budget_s):  # the drafted run did not finish: nothing compares
+        return dict.fromkeys(FIGURES, 2.0) | {"finished": not speculative}
+
+    summary = compare(cut_short, "suffix", repeats=1)
+    assert summary["repeats_finished"] == 0 and set(summary["ratios"].values()) == {None}
 
 
 def test_drafts_only_in_steps_decoding_at_most_the_threshold():

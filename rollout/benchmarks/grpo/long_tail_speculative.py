@@ -49,8 +49,9 @@ def compare(
             the time left is at least what the pair before took.
     Returns:
         {"without": last plain summary, "with": last speculative summary, "medians": {figure: {"without", "with"}}
-        (None where no run has the figure), "ratios": {figure: with / without of the medians}, "repeats": the pairs
-        run, "repeats_asked": repeats}.
+        over the pairs whose runs both finished (all runs when none did; None where no run has the figure),
+        "ratios": {figure: with / without of the medians, None when no pair finished}, "repeats": the pairs run,
+        "repeats_finished", "repeats_asked": repeats}. The plain run of a pair gets half the time left.
     """
     runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
     deadline = time.monotonic() + time_budget_s
@@ -60,19 +61,22 @@ def compare(
         if repeat and deadline - started < last_pair_s:
             stage(f"long-tail: {repeat} of {repeats} pairs of runs fit the time budget")
             break
-        for side, setting in (("without", None), ("with", method)):
+        for side, setting, share in (("without", None, 0.5), ("with", method, 1.0)):  # each side half the time
             stage(f"long-tail {side} speculative decoding, run {repeat + 1} of {repeats}")
-            runs[side].append(measure_one(setting, max(deadline - time.monotonic(), 0.0)))
+            runs[side].append(measure_one(setting, max(share * (deadline - time.monotonic()), 0.0)))
         last_pair_s = time.monotonic() - started
-    medians = {figure: {side: _median(run[figure] for run in runs[side]) for side in runs} for figure in FIGURES}
+    # Only pairs whose runs both finished compare: a run cut short has done less of the workload, not the same.
+    finished = [pair for pair in zip(runs["without"], runs["with"]) if all(run.get("finished") for run in pair)]
+    chosen = {"without": [w for w, _ in finished], "with": [v for _, v in finished]} if finished else runs
+    medians = {figure: {side: _median(run[figure] for run in chosen[side]) for side in chosen} for figure in FIGURES}
     ratios = {
         figure: round(values["with"] / values["without"], 4)
-        if values["with"] is not None and values["without"]
+        if finished and values["with"] is not None and values["without"]
         else None
         for figure, values in medians.items()
     }
     return {"without": runs["without"][-1], "with": runs["with"][-1], "medians": medians, "ratios": ratios,
-            "repeats": len(runs["with"]), "repeats_asked": repeats}  # fmt: skip
+            "repeats": len(runs["with"]), "repeats_finished": len(finished), "repeats_asked": repeats}  # fmt: skip
 
 
 def _median(values: Iterable[Any]) -> Any:
@@ -92,6 +96,10 @@ def print_comparison(summary: dict[str, Any]) -> None:
         "accepted_draft_tokens": "accepted drafts",
         "verification_draws": "rounds drawn on device",
     }
+    if summary.get("repeats_finished", summary["repeats"]) == 0:
+        print("no pair of runs finished within the time budget: no ratio (the medians are of runs cut short)")
+    elif summary.get("repeats_finished", summary["repeats"]) < summary["repeats"]:
+        print(f"{summary['repeats_finished']} of {summary['repeats']} pairs finished: the medians are theirs")
     print(f"{'median of ' + str(summary['repeats']) + ' runs':<24}{'without':>12}{'with':>12}{'with/without':>14}")
     for figure, name in names.items():
         values, ratio = summary["medians"][figure], summary["ratios"][figure]
