@@ -505,3 +505,34 @@ def test_a_warm_up_whose_request_fails_says_why():
             engine.warmup()
     finally:
         engine.close()
+
+
+def test_request_id_iter_ends_when_another_reader_took_the_last_outputs():
+    """An iterator over a streaming request whose remaining outputs get_result read ends (it waited forever)."""
+    with new_manager() as manager:
+        request = manager.add_request([1, 2, 3], max_new_tokens=6, streaming=True, sampling=GREEDY)
+        iterator = manager.request_id_iter(request, timeout=3 * TIMEOUT)
+        assert not next(iterator).is_finished
+        while not manager.get_result(request, timeout=TIMEOUT).is_finished:
+            pass
+        started = time.monotonic()
+        assert list(iterator) == []
+        assert time.monotonic() - started < TIMEOUT
+
+
+def test_a_handler_registered_early_on_a_sample_id_gets_its_request_outputs():
+    """register_result_handler("h#0") before add_request(request_id="h", n=2): the handler serves the request, as
+    one registered on a sample id after add_request does (its outputs were queued instead)."""
+    received, done = [], threading.Event()
+
+    def handler(output):
+        received.append(output)
+        if sum(o.is_finished for o in received) == 2:
+            done.set()
+
+    with new_manager() as manager:
+        manager.register_result_handler("h#0", handler)
+        manager.add_request([9, 8, 7], request_id="h", n=2, max_new_tokens=3, sampling=GREEDY)
+        assert done.wait(TIMEOUT)
+        assert manager.get_result("h", timeout=0.05) is None
+    assert sorted(o.request_id for o in received) == ["h#0", "h#1"]

@@ -92,8 +92,8 @@ class ResultRouter:
         handler = _Handler(callback, loop)
         with self.state:
             group_id = self.group_of(request_id)
-            if group_id is None:  # not added yet: add_request picks it up
-                self._early_handlers[request_id] = handler
+            if group_id is None:  # not added yet: add_request picks it up (a sample's id names its request's)
+                self._early_handlers[request_id.split("#", 1)[0]] = handler
                 return
             waiting = [output for output in self._results if output.group_id == group_id]
             for output in waiting:
@@ -115,9 +115,10 @@ class ResultRouter:
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def get(
-        self, request_id: str | None, timeout: float | None, running: Callable[[], bool]
+        self, request_id: str | None, timeout: float | None, running: Callable[[], bool], until_read: bool = False
     ) -> GenerationOutput | None:
-        """See `ContinuousBatchingManager.get_result`; `running` says whether more outputs may still come."""
+        """See `ContinuousBatchingManager.get_result`; `running` says whether more outputs may still come;
+        `until_read`: also None once every final output of `request_id` was read (by another reader)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.state:
             while True:
@@ -127,7 +128,7 @@ class ResultRouter:
                         if output.is_finished:
                             self._mark_read(output)
                         return output
-                if not running():
+                if not running() or (until_read and not self.unread_samples(request_id)):
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -148,8 +149,10 @@ class ResultRouter:
                 reason = f"{request_id!r}: its outputs go to the handler registered for it (register_result_handler)"
                 raise FieldError("request_id", reason)
         while samples_left:
-            output = self.get(request_id, timeout, running)
+            output = self.get(request_id, timeout, running, until_read=True)
             if output is None:
+                if not self.unread_samples(request_id):  # another reader took its last outputs: nothing comes
+                    return
                 if not running():
                     reason = "the manager is not running (start() it first, or it was stopped)"
                     raise TimeoutError(f"request {request_id!r}: {reason}, and none of its outputs is waiting")
