@@ -32,6 +32,7 @@ class WorkerLink:
         # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
         # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.IPV6, 1)  # a worker at an IPv6 address (tcp://[::1]:5555); IPv4 as before
         try:
             if keys is not None:
                 secure_client_socket(self.socket, *keys)

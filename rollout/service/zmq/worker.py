@@ -90,6 +90,7 @@ class RolloutWorker:
             auth.secure(self._socket)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)  # per frame; larger drops the link
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 --bind (tcp://[::1]:5555); IPv4 addresses bind as before
         # Helpers call back through a weak proxy: a bound method would put the worker (manager, model, staging) in
         # a reference cycle that only a garbage collection frees.
         owner, limits = weakref.proxy(self), self.limits
