@@ -454,3 +454,21 @@ def test_a_group_id_with_a_hash_is_refused_by_the_client_and_a_long_one_is_not_e
         assert named.value.field == "group_id" and len(str(named.value)) < 200
     finally:
         engine.close()
+
+
+def test_a_worker_bound_to_an_ipv6_address_serves_the_client():
+    """rollout-worker --bind tcp://[::1]:PORT (it loaded the model, then failed on the bind) and a client of it."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    worker = Worker(address=f"tcp://[::1]:{port}", wait=False)
+    try:
+        with RolloutClient(worker.address, timeout=60) as client:
+            assert len(client.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].token_ids) > 0
+    finally:
+        worker.close()
