@@ -48,6 +48,7 @@ class RunningWorker:
     model: torch.nn.Module
     http: Any = None  # rollout.service.http.serving.server.HttpServer, with --http
     metrics: WorkerMetrics | None = None
+    ready: tuple[str, ...] = ()  # logged once the engine runs: /health answers "ok" from then on
 
     def serve(self) -> int:
         """Serve until `worker.shutdown()` (a signal, or the engine failing); then stop the other servers. Returns the
@@ -59,6 +60,9 @@ class RunningWorker:
         gc.collect()
         gc.freeze()
         try:
+            self.manager.start()  # before "ready": a client that reads it finds the engine running
+            for line in self.ready:
+                logger.info(line)
             self.worker.serve()
         finally:
             gc.unfreeze()
@@ -145,17 +149,12 @@ def start_worker(
         http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
     if configure_tracing():
         logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
-    logger.info(
-        "rollout-worker ready on %s: model %s on %s (%s), %d KV blocks of %d tokens",
-        worker.address,
-        args.model,
-        device,
-        next(model.parameters()).dtype,
-        manager.engine.num_blocks,
-        config.block_size,
+    ready = (
+        f"rollout-worker ready on {worker.address}: model {args.model} on {device} ({next(model.parameters()).dtype}), "
+        f"{manager.engine.num_blocks} KV blocks of {config.block_size} tokens",
+        cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len),
     )
-    logger.info(cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len))
-    return RunningWorker(worker, manager, model, http, metrics)
+    return RunningWorker(worker, manager, model, http, metrics, ready)
 
 
 def check_flags(
