@@ -68,3 +68,21 @@ def test_a_message_past_the_limits_is_cut_to_its_header_and_drained_over_several
     assert calls == 951 // FRAMES_PER_READ + 1 and all(busy_after)
     message, _, _ = read_all(reader, router)  # nothing of the cut message is left behind
     assert [frame.bytes for frame in message.frames] == [b"after"] and message.refused is None
+
+
+def test_a_header_is_bounded_apart_from_the_data_after_it(pair):
+    """With max_header_bytes, max_bytes bounds the data frames alone (the worker's --max-message-bytes: a 1 MiB
+    limit let 11.5 MB of weight frames through beside the header's own 32 MiB allowance)."""
+    router, dealer = pair
+    reader = MessageReader(
+        router, max_frames=1000, max_bytes=2_000, frames_per_read=FRAMES_PER_READ, max_header_bytes=50
+    )
+    dealer.send_multipart([b"h" * 40] + [b"0123456789"] * 200)  # data: exactly the limit
+    message, _, _ = read_all(reader, router)
+    assert message.refused is None and len(message.frames) == 201
+    dealer.send_multipart([b"h" * 40] + [b"0123456789"] * 201)  # data: one frame past it
+    message, _, _ = read_all(reader, router)
+    assert "more than 2000 bytes of data" in message.refused and len(message.frames) == 1
+    dealer.send_multipart([b"h" * 51, b"x"])
+    message, _, _ = read_all(reader, router)
+    assert "a header of more than 50 bytes" in message.refused

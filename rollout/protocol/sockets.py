@@ -95,20 +95,32 @@ class MessageReader:
     in the receiver's memory before this sees its first frame; CurveZMQ authentication (auth.py) limits who can.
     """
 
-    def __init__(self, socket: zmq.Socket, max_frames: int, max_bytes: int, frames_per_read: int = 1024):
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        max_frames: int,
+        max_bytes: int,
+        frames_per_read: int = 1024,
+        max_header_bytes: int | None = None,
+    ):
         """
         Args:
             socket: a ROUTER socket (the first part of each message is its sender's identity).
             max_frames: the most frames a message may have after the identity.
-            max_bytes: the most bytes those frames may hold together.
+            max_bytes: the most bytes those frames may hold together (with `max_header_bytes`: the frames after the
+                header, its data).
             frames_per_read: frames read (kept or dropped) per `read` at most (1,024: a few milliseconds).
+            max_header_bytes: the most bytes of a message's first frame, its header, bounded apart from its data
+                (None: it counts with the others).
         """
         self._socket = socket
         self.max_frames = max_frames
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
         self.frames_per_read = frames_per_read
         self._reading: Inbound | None = None  # a message whose frames are still being read ...
-        self._bytes = 0  # ... and the bytes of its frames so far
+        self._bytes = 0  # ... and the bytes of its frames so far (those after the header, with max_header_bytes)
+        self._header_bytes = 0
         self._draining: Inbound | None = None  # a cut message whose remaining frames are still being dropped
 
     @property
@@ -129,12 +141,15 @@ class MessageReader:
             message = Inbound(first.bytes, [])
             if not first.more:
                 return message
-            self._reading, self._bytes = message, 0
+            self._reading, self._bytes, self._header_bytes = message, 0, 0
         for _ in range(self.frames_per_read):
             frame = self._socket.recv(copy=False)  # the rest of a message is there once its first part is
             message.frames.append(frame)
-            self._bytes += len(frame)
-            if len(message.frames) > self.max_frames or self._bytes > self.max_bytes:
+            if self.max_header_bytes is not None and len(message.frames) == 1:
+                self._header_bytes = len(frame)
+            else:
+                self._bytes += len(frame)
+            if len(message.frames) > self.max_frames or self._bytes > self.max_bytes or self._header_too_long:
                 self._reading = None
                 return self._cut(message, more=frame.more)
             if not frame.more:
@@ -146,12 +161,19 @@ class MessageReader:
         """Refuse a message past the limits: keep its header (its ids name what was refused), drop the rest."""
         count = f"more than {self.max_frames} frames" if len(message.frames) > self.max_frames else ""
         size = f"more than {self.max_bytes} bytes" if self._bytes > self.max_bytes else ""
-        message.refused = f"the message has {count or size} (the worker's limit; see --max-message-bytes)"
+        if self.max_header_bytes is not None and size:
+            size += " of data"
+        header = f"a header of more than {self.max_header_bytes} bytes" if self._header_too_long else ""
+        message.refused = f"the message has {count or size or header} (the worker's limit; see --max-message-bytes)"
         del message.frames[1:]
         if not more:
             return message
         self._draining = message
         return self._drain()
+
+    @property
+    def _header_too_long(self) -> bool:
+        return self.max_header_bytes is not None and self._header_bytes > self.max_header_bytes
 
     def _drain(self) -> Inbound | None:
         for _ in range(self.frames_per_read):

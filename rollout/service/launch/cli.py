@@ -186,8 +186,8 @@ def build_parser() -> CliParser:
         "--max-message-bytes",
         type=int,
         default=limits.max_message_bytes,
-        help="largest frame accepted (larger ones drop the connection) and most data bytes per message (larger "
-        "messages are refused; keep it >= the trainers' bucket_bytes)",
+        help="largest frame accepted (larger ones drop the connection) and most data bytes per message after its "
+        "header (larger messages are refused; keep it >= the trainers' bucket_bytes)",
     )
     add("--max-prompt-len", type=int, default=None, help="longest prompt in tokens (default: the model's context)")
     add("--max-n", type=int, default=limits.max_n, help="most samples per group")

@@ -98,7 +98,9 @@ class RolloutWorker:
         self._links = ClientLinks(self._socket, limits.max_pending_bytes, limits.client_timeout_s, lost)
         self._socket.bind(bind)
         # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
-        self._reader = MessageReader(self._socket, 1 + MAX_PIECES, p.MAX_HEADER_BYTES + self.limits.max_message_bytes)
+        self._reader = MessageReader(
+            self._socket, 1 + MAX_PIECES, self.limits.max_message_bytes, max_header_bytes=p.MAX_HEADER_BYTES
+        )
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         # The engine thread writes a byte here after filling the groups' outbox, waking the serving thread's poll
         # (no busy polling, which would steal the GIL from the engine).
