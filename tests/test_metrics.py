@@ -97,3 +97,33 @@ def test_a_group_and_a_weight_update_each_make_one_span():
     assert [event.name for event in group.events] == ["first_token"]
     update = dict(spans["rollout.weight_update"].attributes)
     assert update["rollout.outcome"] == "committed" and update["rollout.version"] == 1 and update["rollout.bytes"] > 0
+
+
+def test_scrapes_that_trickle_free_their_slot_at_the_deadline_and_end_quietly(monkeypatch, capfd):
+    """Connections that send a byte now and then (each read within the per-read timeout) held every scrape slot for
+    ever, and a silent one printed a traceback: each now ends at SCRAPE_TIMEOUT_S, quietly, and a scrape gets in."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from rollout.service.observability import metrics_server
+
+    monkeypatch.setattr(metrics_server, "SCRAPE_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(metrics_server._QuietHandler, "timeout", 0.4)
+    server = metrics_server.MetricsServer(CollectorRegistry(), 0)
+    slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(metrics_server.MAX_CONCURRENT_SCRAPES)]
+    try:
+        for _ in range(6):  # 1.2 s of a byte every 0.2 s: within the per-read timeout, past the whole deadline
+            for connection in slow:
+                try:
+                    connection.sendall(b"G")
+                except OSError:  # shut down at the deadline
+                    pass
+            time.sleep(0.2)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).status == 200
+    finally:
+        for connection in slow:
+            connection.close()
+        server.close()
+    assert "Traceback" not in capfd.readouterr().err

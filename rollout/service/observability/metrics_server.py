@@ -14,7 +14,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from rollout.protocol.sockets import is_loopback
 from rollout.service.loopback_hosts import is_loopback_host
 
-# Seconds a scrape connection may stay silent (a client that never finishes its request is closed), and scrapes
+# Seconds a scrape connection may take in all (a client that never finishes its request is closed), and scrapes
 # served at once (each takes a thread; more are closed at once: a flood must not take the worker's threads).
 SCRAPE_TIMEOUT_S = 10.0
 MAX_CONCURRENT_SCRAPES = 16
@@ -43,10 +43,26 @@ class _BoundedServer(ThreadingWSGIServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # A whole scrape within SCRAPE_TIMEOUT_S (the handler's timeout is per read: a byte every few seconds would
+        # hold a slot for ever): past it, the connection is shut down and its thread ends.
+        deadline = threading.Timer(SCRAPE_TIMEOUT_S, _shut, (request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A scrape that timed out or hung up ends quietly (socketserver printed a traceback to stderr)."""
+
+
+def _shut(connection: socket.socket) -> None:
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed meanwhile
+        pass
 
 
 def _host_checked(app: Any) -> Any:
