@@ -472,3 +472,13 @@ def test_a_worker_bound_to_an_ipv6_address_serves_the_client():
             assert len(client.generate(PromptGroup([1, 2, 3], sampling=GREEDY)).completions[0].token_ids) > 0
     finally:
         worker.close()
+
+
+def test_cancel_without_a_group_id_is_refused_by_name():
+    """cancel(None) returned at once, cancelling nothing (a group streamed without an id keeps None in the caller's
+    PromptGroup): refused, saying where the id is."""
+    with RolloutClient("tcp://127.0.0.1:1", timeout=1) as client:
+        for bad in (None, "", 7):
+            with pytest.raises(RolloutError, match="cancel needs a group's id") as refused:
+                client.cancel(bad)
+            assert refused.value.field == "group_id"

@@ -135,7 +135,21 @@ class RolloutClient:
         yield from self._caller.results(groups, timeout)
 
     def cancel(self, group_id: str) -> None:
-        """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort"."""
+        """Abort a group in flight; its waiter gets the partial completions with finish_reason "abort". A group that
+        already finished (or an id this client never sent) is left as it is.
+
+        Args:
+            group_id: the group's id: its `PromptGroup.group_id`, or, for a group sent without one, the id its
+                `Delta`s and `GroupResult` carry.
+        Raises:
+            RolloutError: ("bad_request") `group_id` is not a non-empty string.
+        """
+        if not isinstance(group_id, str) or not group_id:
+            reason = (
+                f"cancel needs a group's id (a non-empty string), got {group_id!r}: a group sent without one carries "
+                "the id it was given in each Delta and GroupResult (group_id)"
+            )
+            raise RolloutError("bad_request", reason, "group_id")
         self._caller.cancel(group_id)
 
     def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
