@@ -113,6 +113,10 @@ def start_worker(
     except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
         parser.error(parser.flag_message(error))
     serve_start_adapters(parser, args.lora, manager.engine, args.model)
+    context = manager.engine.max_model_len
+    if args.max_prompt_len is not None and args.max_prompt_len > context:  # it would be capped there, silently
+        manager.destroy()
+        parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
     try:
         manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     except RuntimeError as error:  # the model's forward fails: no request could be served
