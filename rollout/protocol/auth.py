@@ -97,11 +97,20 @@ class WorkerKeys:
             authorized_keys: directory of client public keys that may generate.
             trainer_keys: directory of trainer public keys that may also push weights.
         Raises:
-            ValueError: a missing file or directory, or no key at all to accept.
+            ValueError: a missing or unreadable file or directory (the message starts with its rollout-worker flag),
+                or no key at all to accept.
         """
-        public, secret = load_key_pair(secret_key)
-        clients = load_key_directory(authorized_keys) if authorized_keys is not None else set()
-        trainers = load_key_directory(trainer_keys) if trainer_keys is not None else set()
+        try:
+            public, secret = load_key_pair(secret_key)
+        except ValueError as error:
+            raise ValueError(f"--curve-secret-key: {error}") from None
+        keys = {}
+        for flag, directory in (("--authorized-keys", authorized_keys), ("--trainer-keys", trainer_keys)):
+            try:
+                keys[flag] = load_key_directory(directory) if directory is not None else set()
+            except ValueError as error:
+                raise ValueError(f"{flag} {os.fspath(directory)}: {error}") from None
+        clients, trainers = keys["--authorized-keys"], keys["--trainer-keys"]
         if not clients | trainers:
             raise ValueError("no client key to accept: give --authorized-keys and/or --trainer-keys with *.key files")
         return cls(public, secret, frozenset(clients), frozenset(trainers))

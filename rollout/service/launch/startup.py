@@ -94,8 +94,8 @@ def start_worker(
     if args.curve_secret_key is not None:  # read before the model loads: a bad key fails fast
         try:
             keys = WorkerKeys.read(args.curve_secret_key, args.authorized_keys, args.trainer_keys)
-        except ValueError as error:
-            parser.error(f"--curve-secret-key: {error}")
+        except ValueError as error:  # the message names the flag whose file it is
+            parser.error(str(error) if str(error).startswith("--") else f"--curve-secret-key: {error}")
     if keys_read is not None:
         keys_read()
     try:
