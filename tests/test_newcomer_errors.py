@@ -316,3 +316,20 @@ def test_a_push_version_that_is_no_integer_is_refused_by_name(version):
 
     with pytest.raises(FieldError, match="^version: must be a non-negative integer"):
         push_weights(None, tiny_model(), version=version)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--metrics-port", "99999"], "--metrics-port 99999: a TCP port is 0 to 65535 (0 picks a free one)"),
+        (
+            ["--metrics-host", "0.0.0.0"],
+            "--metrics-host 0.0.0.0: has no effect without --metrics-port (metrics are off)",
+        ),
+        (["--metrics-port", "0", "--metrics-host", "a/b"], "--metrics-host 'a/b': not a host name or IP address"),
+    ],
+)
+def test_metrics_flags_that_cannot_work_name_themselves(capsys, no_model_loads, flags, message):
+    """A port out of range was reported as a ZeroMQ address (suggesting :*), a host under --metrics-port, and
+    --metrics-host alone was ignored."""
+    assert worker_error(capsys, [*flags, *BIND]) == message

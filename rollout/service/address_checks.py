@@ -52,8 +52,15 @@ def check_metrics_address(parser: argparse.ArgumentParser, args: argparse.Namesp
     """--metrics-port's address is free (a usage error if not); a warning when it is not loopback (the metrics
     server has no key: anyone who can reach it reads them)."""
     if args.metrics_port is None:
+        if args.metrics_host != parser.get_default("metrics_host"):  # it would serve nothing, silently
+            parser.error(f"--metrics-host {args.metrics_host}: has no effect without --metrics-port (metrics are off)")
         return
-    address = f"tcp://{args.metrics_host}:{args.metrics_port}"
+    if not 0 <= args.metrics_port <= 65535:
+        parser.error(f"--metrics-port {args.metrics_port}: a TCP port is 0 to 65535 (0 picks a free one)")
+    if not args.metrics_host or any(c in args.metrics_host for c in "/ "):
+        parser.error(f"--metrics-host {args.metrics_host!r}: not a host name or IP address")
+    host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host
+    address = f"tcp://{host}:{args.metrics_port}"
     if args.metrics_port:
         check_bind(parser, address, flag="--metrics-port", shown=str(args.metrics_port))
     if not is_loopback(address):

@@ -146,7 +146,8 @@ def start_worker(
             port = metrics.serve(args.metrics_port, args.metrics_host)
         except OSError as error:
             parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
-        logger.info("metrics at http://%s:%d/metrics", args.metrics_host, port)
+        host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # an IPv6 address
+        logger.info("metrics at http://%s:%d/metrics", host, port)
     http = None
     if http_address is not None:
         observe = metrics.observe_http if metrics is not None else None
