@@ -60,10 +60,12 @@ client whose connection closed, or that leaves more than `--max-pending-bytes` o
 once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
 unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did not ask for.
 
-Limits (`rollout-worker --max-...`, answered by name): header lists and maps hold at most 2**20 items and strings
-2**20 bytes (longer ones are refused before they are built); a prompt is at most `--max-prompt-len` tokens (checked
-from its length first); `n` at most `--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it);
-frames at most `--max-message-bytes` (a larger one drops the connection).
+Limits (`rollout-worker --max-...`, answered by name): header lists hold at most 2**20 items, maps 2**16 entries,
+strings 2**20 bytes (longer ones are refused before they are built), and a header at most 2**17 lists and maps in
+all and 32 MiB; a prompt is at most `--max-prompt-len` tokens (checked from its length first); `n` at most
+`--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it); frames at most
+`--max-message-bytes` (a larger one drops the connection), and a message's frames after its header as much
+together.
 
 Security: with `--curve-secret-key` every connection is CurveZMQ-encrypted and only listed keys connect; weight
 updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, others get "unauthorized".
