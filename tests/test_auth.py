@@ -70,6 +70,7 @@ def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
         assert stranger.live_workers() == []
     assert error.value.code == "no_workers" and "refused this client's key" in str(error.value)
     assert time.monotonic() - started < 15
+    assert "refused a connection: DENIED" in worker.output()  # the worker's log says so too (pyzmq: at debug)
 
 
 def test_a_client_without_keys_cannot_connect(worker):
@@ -95,6 +96,8 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
         assert error.value.code == "unauthorized"
         assert client.generate(prompt).completions[0].token_ids == before
         assert client.stats()[0]["policy_version"] == 0
+        assert client.stats()[0]["weight_updates_rejected"] == 2  # counted as the slot's refusals are
+    assert "refused weight update" in worker.output()
     with _client(worker, keys, "trainer", "trainers") as trainer:
         assert push_weights(trainer, changed).version == 1
         assert trainer.generate(prompt).completions[0].token_ids != before

@@ -16,8 +16,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -128,7 +131,7 @@ class WorkerAuth:
         self.public_key, self._secret_key = keys.public_key, keys.secret_key
         self.trainers = keys.trainers
         self.context = context
-        self._authenticator = ThreadAuthenticator(context)
+        self._authenticator = ThreadAuthenticator(context, log=_DenialsWarned(logger))
         self._authenticator.start()
         self._authenticator.allow_any = False
         self._authenticator.certs["*"] = {key: True for key in keys.clients | keys.trainers}
@@ -148,6 +151,44 @@ class WorkerAuth:
     def stop(self) -> None:
         """Stop the handler thread."""
         self._authenticator.stop()
+
+
+class SecurityLog:
+    """Warnings of refused clients, at most one per `every_s` seconds (a refused peer retrying cannot flood the log);
+    each says how many were left out since the last one."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 10.0):
+        self.log, self.every_s = log, every_s
+        self._last, self._left_out = -every_s, 0
+        self._lock = threading.Lock()  # pyzmq's authenticator thread and the serving loop both warn
+
+    def warn(self, message: str, *args: Any) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.every_s:
+                self._left_out += 1
+                return
+            left_out, self._last, self._left_out = self._left_out, now, 0
+        more = f" ({left_out} more since the last such warning)" if left_out else ""
+        self.log.warning(message + more, *args)
+
+
+class _DenialsWarned(logging.LoggerAdapter):
+    """pyzmq's authenticator log, its refusals ("DENIED ...", at debug there) raised to warnings, rate-limited."""
+
+    def __init__(self, log: logging.Logger):
+        super().__init__(log, {})
+        self.denials = SecurityLog(log)
+
+    def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            text = str(msg) % args if args else str(msg)
+        except (TypeError, ValueError):
+            text = str(msg)
+        if text.startswith("DENIED"):
+            self.denials.warn("refused a connection: %s", text)
+        else:
+            super().debug(msg, *args, **kwargs)
 
 
 def secure_client_socket(

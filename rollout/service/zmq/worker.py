@@ -26,7 +26,7 @@ import zmq
 
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
-from rollout.protocol.auth import WorkerAuth
+from rollout.protocol.auth import SecurityLog, WorkerAuth
 from rollout.protocol.header_glance import glance_ids
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
@@ -85,6 +85,7 @@ class RolloutWorker:
         self._max_lengths = {"prompt_ids": self.max_prompt_len, "pieces": MAX_PIECES, "tensors": MAX_TENSORS}
         self._context = auth.context if auth is not None else zmq.Context()
         self._auth = auth
+        self._security_log = SecurityLog(logger)
         self._socket = self._context.socket(zmq.ROUTER)
         if auth is not None:
             auth.secure(self._socket)
@@ -258,6 +259,9 @@ class RolloutWorker:
 
     def _refuse_role(self, identity: bytes, kind: str, group_id: str | None, update_id: str | None) -> None:
         reason = f"{kind} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
+        if kind == p.WeightsBegin.TYPE:  # an update refused: counted and logged as the slot's refusals are
+            self._updates.num_rejected += 1
+            self._security_log.warn("refused weight update %s: the client's key is not in --trainer-keys", update_id)
         self._send(identity, p.Error("unauthorized", reason, "type", group_id, update_id))
 
     def _handle(self, identity: bytes, message: p.Message) -> None:
