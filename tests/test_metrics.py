@@ -99,6 +99,44 @@ def test_a_group_and_a_weight_update_each_make_one_span():
     assert update["rollout.outcome"] == "committed" and update["rollout.version"] == 1 and update["rollout.bytes"] > 0
 
 
+def test_an_http_request_makes_one_group_span_per_prompt(monkeypatch):
+    """/v1/completions groups get the rollout.group span ZeroMQ groups get (they had none), with their totals."""
+    import httpx2 as httpx
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rollout import ContinuousBatchingConfig
+    from rollout.engine.manager.continuous_batching import init_continuous_batching
+    from rollout.presets import tiny_tokenizer
+    from rollout.service.http.api import endpoints
+    from rollout.service.http.serving.server import HttpServer
+    from rollout.service.http.serving.settings import HttpSettings
+    from rollout.service.observability.tracing import Tracer
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(endpoints, "Tracer", lambda: Tracer(provider))
+    config = ContinuousBatchingConfig(num_blocks=64)
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=config, tokenizer=tiny_tokenizer())
+    manager.start()
+    http = HttpServer(manager, tiny_tokenizer(), HttpSettings(max_n=8, max_prompt_len=1024)).start()
+    try:
+        body = {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"{http.url}/v1/completions", json=body, timeout=60).json()
+        assert len(answer["choices"]) == 4
+    finally:
+        http.stop()
+        manager.stop()
+    groups = [dict(span.attributes) for span in exporter.get_finished_spans() if span.name == "rollout.group"]
+    assert sorted(group["rollout.prompt_tokens"] for group in groups) == [2, 3]
+    for group in groups:
+        assert group["rollout.client"] == "http" and group["rollout.n"] == 2
+        assert group["rollout.completion_tokens"] == 8 and list(group["rollout.finish_reasons"]) == ["length"] * 2
+        assert list(group["rollout.policy_versions"]) == [0]
+
+
 def test_scrapes_that_trickle_free_their_slot_at_the_deadline_and_end_quietly(monkeypatch, capfd):
     """Connections that send a byte now and then (each read within the per-read timeout) held every scrape slot for
     ever, and a silent one printed a traceback: each now ends at SCRAPE_TIMEOUT_S, quietly, and a scrape gets in."""

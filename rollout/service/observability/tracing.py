@@ -86,13 +86,27 @@ class Tracer:
     @staticmethod
     def group_finished(span: Any, completions: Sequence[Any]) -> None:
         """End a group's span with what its samples produced (protocol Completions)."""
+        versions = {version for c in completions for version, _ in c.policy_versions}
+        Tracer.group_ended(
+            span,
+            sum(len(c.token_ids) for c in completions),
+            [c.finish_reason for c in completions],
+            versions,
+            min((c.kv_version_min for c in completions), default=0),
+        )
+
+    @staticmethod
+    def group_ended(
+        span: Any, completion_tokens: int, finish_reasons: list[str], versions: set[int], kv_version_min: int
+    ) -> None:
+        """End a group's span with its totals (what `group_finished` reads from Completions; HTTP adds them up from
+        its streamed outputs)."""
         if span is None:
             return
-        versions = sorted({version for c in completions for version, _ in c.policy_versions})
-        span.set_attribute("rollout.completion_tokens", sum(len(c.token_ids) for c in completions))
-        span.set_attribute("rollout.finish_reasons", [c.finish_reason for c in completions])
-        span.set_attribute("rollout.policy_versions", versions)
-        span.set_attribute("rollout.kv_version_min", min((c.kv_version_min for c in completions), default=0))
+        span.set_attribute("rollout.completion_tokens", completion_tokens)
+        span.set_attribute("rollout.finish_reasons", finish_reasons)
+        span.set_attribute("rollout.policy_versions", sorted(versions))
+        span.set_attribute("rollout.kv_version_min", kv_version_min)
         span.end()
 
     def update_started(self, update_id: str, tensors: int, nbytes: int, transport: str, mode: str) -> Any:

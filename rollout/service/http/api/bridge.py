@@ -19,6 +19,7 @@ from rollout.engine.requests.outputs import GenerationOutput
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.choices import Choice, ChoiceDelta
 from rollout.service.http.errors import APIError, busy, from_field_error
+from rollout.service.observability.tracing import Tracer
 
 # How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
@@ -41,6 +42,7 @@ class Submission:
         counters: GroupCounters,
         named_stops: frozenset[int] = frozenset(),
         adapter: str | None = None,
+        tracer: Tracer | None = None,
     ):
         """
         Args:
@@ -52,8 +54,11 @@ class Submission:
             counters: the worker's group counters (groups received and finished, samples by finish reason).
             named_stops: the stop tokens the request named (what a choice's stop_reason may be).
             adapter: the served LoRA adapter the request's `model` names (None: the base model).
+            tracer: a `rollout.group` span per prompt's group, as for ZeroMQ groups (None: none).
         """
         self._adapter = adapter
+        self._tracer = tracer
+        self._spans: list[Any] = []  # per group: its span, and what its outputs added up to (`_GroupTotals`)
         self._manager = manager
         self._prompts = prompts
         self._sampling = sampling
@@ -105,6 +110,9 @@ class Submission:
             for index, group_id in enumerate(group_ids):
                 self._group_ids.append(group_id)
                 self._counters.group_received()
+                prompt_tokens = len(self._prompts[index])
+                span = self._tracer and self._tracer.group_started(group_id, "http", self._n, prompt_tokens)
+                self._spans.append(_GroupTotals(span))
                 self._manager.register_result_handler(group_id, self._handler(index * self._n))
         except FieldError as error:
             self.cancel()
@@ -165,19 +173,46 @@ class Submission:
     def _handler(self, base: int) -> Callable[[GenerationOutput], None]:
         counters, unfinished, loop, arrive = self._counters, self._unfinished_per_group, self._loop, self._arrive
         group = base // self._n
+        totals = self._spans[group]
 
         def handle(output: GenerationOutput) -> None:  # on the engine thread: quick, and hands over to the loop
+            totals.add(output)
             if output.is_finished:
                 counters.sample_finished(output.finish_reason)
                 unfinished[group] -= 1
                 if not unfinished[group]:
                     counters.group_finished()
+                    totals.end()
             try:
                 loop.call_soon_threadsafe(arrive, (base, output))
             except RuntimeError:  # the loop closed (the server stopped): nobody reads this answer any more
                 pass
 
         return handle
+
+
+class _GroupTotals:
+    """A group's span and what its streamed outputs add up to (engine thread only)."""
+
+    def __init__(self, span: Any):
+        self.span = span
+        self.tokens, self.reasons, self.versions, self.kv_version_min = 0, [], set(), None
+
+    def add(self, output: GenerationOutput) -> None:
+        if self.span is None:
+            return
+        if output.generated_tokens and not self.tokens:
+            Tracer.first_token(self.span)
+        self.tokens += len(output.generated_tokens)
+        self.versions.update(version for version, _ in output.policy_versions)
+        if output.kv_version_min is not None:
+            known = self.kv_version_min
+            self.kv_version_min = output.kv_version_min if known is None else min(known, output.kv_version_min)
+        if output.is_finished:
+            self.reasons.append(output.finish_reason)
+
+    def end(self) -> None:
+        Tracer.group_ended(self.span, self.tokens, self.reasons, self.versions, self.kv_version_min or 0)
 
 
 class ClientGone(Exception):

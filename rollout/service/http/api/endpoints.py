@@ -23,6 +23,7 @@ from rollout.service.http.api.served_models import requested_adapter
 from rollout.service.http.api.structured_fields import structured_request
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.tools.chat_tools import tool_calling
+from rollout.service.observability.tracing import Tracer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest of the context)
 
@@ -68,6 +69,7 @@ class OpenAIEndpoints:
         self.format = LogprobFormat(tokenizer) if tokenizer is not None else None
         self.answers = AnswerWriter(self.format, tokenizer)  # the answers' bodies and event streams
         self.counters = GroupCounters() if counters is None else counters
+        self.tracer = Tracer()  # a rollout.group span per group, as ZeroMQ groups get (no-op without OpenTelemetry)
         self.tool_call_parser = tool_call_parser
         self.max_answer_logprobs = max_answer_logprobs
         self._own_compiles = compiles is None
@@ -134,7 +136,9 @@ class OpenAIEndpoints:
         )
         check_answer_size(request, chat, self.max_answer_logprobs)
         named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
-        submission = Submission(self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter)
+        submission = Submission(
+            self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter, self.tracer
+        )
         prefix = "chatcmpl" if chat else "cmpl"
         answer_id = f"{prefix}-{uuid.uuid4().hex}"
         answer = Answer(chat, request, submission, answer_id, int(time.time()), tools, adapter or self.model_name)
