@@ -86,6 +86,10 @@ def test_the_http_api_returns_routed_experts(worker):
         with pytest.raises(openai.BadRequestError) as error:
             api.completions.create(**{**settings, "extra_body": {"return_routed_experts": 1}})
         assert error.value.body["param"] == "return_routed_experts"
+        scored = api.completions.create(  # the prompt scored only: no token, routes of the model's shape still
+            **{**settings, "max_tokens": 0, "extra_body": {**settings["extra_body"], "echo": True}}
+        ).choices[0]
+        assert decoded(scored.model_extra["routed_experts"]).shape == (0, *expected.shape[1:])
 
 
 @pytest.mark.parametrize(

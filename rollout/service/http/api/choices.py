@@ -125,8 +125,9 @@ class Choice:
             return None
         if pieces and end == len(self.token_ids) and end - start == len(pieces[-1]):
             return pieces[-1]
-        if not pieces:
-            return np.zeros((0, 0, 0), dtype=np.int16)
+        if not pieces:  # no token yet: an empty array of the prompt's (layers, top_k), as tokens would have
+            known = self.prompt_routes is not None and self.prompt_routes.ndim == 3
+            return np.zeros((0, *(self.prompt_routes.shape[1:] if known else (0, 0))), dtype=np.int16)
         return np.concatenate(pieces)[start:end]
 
 
