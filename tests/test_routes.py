@@ -417,3 +417,17 @@ def test_routes_for_in_trl_layout_pads_completions_to_the_longest():
             routes_for(batch, **kwargs)
     with pytest.raises(ValueError, match=r"completions\[0\]: routes are \(tokens, layers, top_k\)"):
         routes_for([SimpleNamespace(prompt_routes=np.zeros((3, 2)), routes=np.zeros((2, 2)))])
+
+
+def test_a_router_rollout_does_not_read_is_named_not_called_dense():
+    """Llama4's router is no *TopKRouter: the refusal names it (it said the model was dense)."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1, head_dim=8,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="routes experts with Llama4Router, which rollout does not read"):
+        with routing_replay(model, torch.zeros(1, 3, 2, 1, dtype=torch.long)):
+            pass

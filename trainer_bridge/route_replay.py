@@ -88,7 +88,7 @@ class RouteReplay:
             ValueError: a dense model, or routers with different top_k.
         """
         self.routers = find_routers(model)
-        refusal = routers_refusal(self.routers)
+        refusal = routers_refusal(self.routers, model)
         if refusal is not None:
             raise ValueError(f"routing_replay: {refusal}")
         self.top_k = self.routers[0].top_k

@@ -33,7 +33,7 @@ def check_routing_replay(trainer: Any, enabled: Any) -> bool:
     if not enabled:
         return False
     model = trainer.accelerator.unwrap_model(trainer.model)
-    refusal = routers_refusal(find_routers(model))
+    refusal = routers_refusal(find_routers(model), model)
     if refusal is not None:
         raise ValueError(f"routing_replay=True: {refusal}")
     environments = getattr(trainer, "environment_factories", None) is not None

@@ -32,6 +32,7 @@ from rollout.engine.requests.route_rows import RouteCache
 from rollout.engine.scheduling.batch import ScheduledBatch
 
 ROUTER_CLASS = re.compile(r"top_?k_?router$", re.IGNORECASE)
+OTHER_ROUTER = re.compile(r"(router|gate)$", re.IGNORECASE)  # MoE routers of other names (Llama4Router, DbrxRouter)
 DENSE_MODEL = "the model has no MoE router (a *TopKRouter module with top_k): routes exist only for MoE models"
 
 
@@ -44,10 +45,23 @@ def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def routers_refusal(routers: list[torch.nn.Module]) -> str | None:
-    """Why a model's routes cannot be read or replayed through these routers (None: they can): none (a dense model),
-    several top_k, or a router that does not choose by `torch.topk` (PhiMoE's sparsemixer)."""
+def routers_refusal(routers: list[torch.nn.Module], model: torch.nn.Module | None = None) -> str | None:
+    """Why a model's routes cannot be read or replayed through these routers (None: they can): none (a dense model,
+    or one whose routers are other modules: named when `model` is given), several top_k, or a router that does not
+    choose by `torch.topk` (PhiMoE's sparsemixer)."""
     if not routers:
+        others = sorted(
+            {
+                type(m).__name__
+                for m in (model.modules() if model is not None else ())
+                if OTHER_ROUTER.search(type(m).__name__)
+            }
+        )
+        if others:
+            return (
+                f"the model routes experts with {', '.join(others)}, which rollout does not read: routes are read "
+                "from transformers' *TopKRouter modules (with a top_k)"
+            )
         return DENSE_MODEL
     if len({router.top_k for router in routers}) > 1:
         return "the model's routers choose different numbers of experts (top_k): routes need one top_k"
@@ -147,6 +161,7 @@ class RouteRecorder:
             num_blocks: its blocks (the route cache keeps a few more blocks' routes than the prefix cache can hold).
         """
         self.routers = find_routers(model)
+        self._model = model  # (the runner's own) named in a refusal
         self.top_k = max((router.top_k for router in self.routers), default=0)
         # Routes of full blocks by prefix hash: the block manager lets a request that wants routes take a cached
         # block only when its routes are here.
@@ -163,7 +178,7 @@ class RouteRecorder:
 
     def refusal(self) -> str | None:
         """Why routes cannot be recorded for this model (None: they can)."""
-        return routers_refusal(self.routers)
+        return routers_refusal(self.routers, self._model)
 
     def admit(self, request: Request) -> None:
         """Install the taps for the first request that wants routes.
