@@ -333,3 +333,24 @@ def test_metrics_flags_that_cannot_work_name_themselves(capsys, no_model_loads, 
     """A port out of range was reported as a ZeroMQ address (suggesting :*), a host under --metrics-port, and
     --metrics-host alone was ignored."""
     assert worker_error(capsys, [*flags, *BIND]) == message
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--cuda-graphs", "on"],
+            "--cuda-graphs on: CUDA graphs need a CUDA device (--gpu N); this worker serves on cpu",
+        ),
+        (["--attention-backend", "triton"], "--attention-backend triton: the kernels run on CUDA (--gpu N); this"),
+        (["--gpu", "-1"], "--gpu -1: a CUDA device index is 0 or more (nvidia-smi lists them)"),
+    ],
+)
+def test_gpu_only_flags_on_a_cpu_worker_are_refused_before_the_model_loads(
+    capsys, monkeypatch, no_model_loads, flags, message
+):
+    """They were refused after the model loaded and the cache was allocated, one as '--cuda-graphs: True needs...'
+    (the Triton kernels run on a CPU only in Triton's interpreter, which the tests turn on)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = flags if "--gpu" in flags else [*flags, "--device", "cpu"]
+    assert worker_error(capsys, [*argv, *BIND]).startswith(message)

@@ -175,6 +175,13 @@ def check_flags(
         The serving device, the HTTP address (None without --http), the per-client limits and the engine settings.
     """
     device = _device(parser, args)
+    if device.type != "cuda":  # found before the model loads, in the flags' own words
+        if args.cuda_graphs == "on":
+            parser.error(f"--cuda-graphs on: CUDA graphs need a CUDA device (--gpu N); this worker serves on {device}")
+        if args.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error(
+                f"--attention-backend triton: the kernels run on CUDA (--gpu N); this worker serves on {device}"
+            )
     check_bind(parser, args.bind)
     _check_security(parser, args)
     check_metrics_address(parser, args)
@@ -198,6 +205,8 @@ def check_flags(
 def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
     """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
     flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
+    if args.gpu is not None and args.gpu < 0:
+        parser.error(f"--gpu {args.gpu}: a CUDA device index is 0 or more (nvidia-smi lists them)")
     try:
         return torch_device(f"cuda:{args.gpu}" if args.gpu is not None else (args.device or "cpu"), flag)
     except ValueError as error:
