@@ -14,7 +14,8 @@ same rows: without replay (the routers deciding) and with it. Measured on each:
 - `is_ratio_mean`: exp(trainer log-prob - rollout log-prob) over completion tokens (TRL's importance ratio, before
   its truncation); beside the replayed one, TRL's own logged `sampling/importance_sampling_ratio/mean`.
 
-Without replay `routes_differ` must be above 0 (the mismatch is reproduced); with replay it must be 0.
+Without replay `routes_differ` is above 0 where bf16 rounding moves a decision (the mismatch replay fixes; a run
+where it is 0 says so: nothing was there to fix). With replay it must be 0: otherwise the run fails (exit 1).
 """
 
 from __future__ import annotations
@@ -152,4 +153,9 @@ def run(families: tuple[str, ...] = FAMILIES) -> dict[str, Any]:
                 flush=True,
             )
             results.append(result)
+            if not result["replay"] and result["routes_differ"] == 0:
+                print(f"{family:10s} no decision differed without replay: nothing for replay to fix here", flush=True)
+    failed = [result["family"] for result in results if result["replay"] and result["routes_differ"] != 0]
+    if failed:
+        raise SystemExit(f"rollout-bench grpo-step --routing-replay: replayed routes still differ for {failed}")
     return {"benchmark": "grpo-step", "routing_replay": results}
