@@ -482,3 +482,15 @@ def test_cancel_without_a_group_id_is_refused_by_name():
             with pytest.raises(RolloutError, match="cancel needs a group's id") as refused:
                 client.cancel(bad)
             assert refused.value.field == "group_id"
+
+
+def test_a_push_below_the_newest_version_pushed_through_the_client_is_refused():
+    """Workers restarted at 0 would take version 1 after 5 was pushed, and no call would go to them again (the
+    client waits for workers at its newest version): refused before anything is sent, saying what to push."""
+    from rollout.config import FieldError
+    from trainer_bridge import push_weights
+
+    with RolloutClient("tcp://127.0.0.1:1", timeout=1) as client:
+        client.min_policy_version = 5
+        with pytest.raises(FieldError, match="version: 1 is below 5, the newest version pushed through this client"):
+            push_weights(client, tiny_model(), version=1)

@@ -116,6 +116,13 @@ def push_weights(
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
         raise FieldError("version", f"must be a non-negative integer (e.g. the trainer's global step), got {version!r}")
+    newest = getattr(client, "min_policy_version", None)
+    if version is not None and isinstance(newest, int) and version < newest:  # restarted workers would take it, and
+        raise FieldError(  # then no call would go to them: the client waits for workers at its newest version
+            "version",
+            f"{version} is below {newest}, the newest version pushed through this client (its calls go only to "
+            f"workers at {newest} or above): push {newest} or more, or leave version out",
+        )
     if adapter_name is not None and adapters == "auto":
         adapters = "adapter"  # a named adapter is served adapter-only, or refused saying why: never merged silently
     adapter = None
