@@ -46,7 +46,9 @@ def warm_up(engine: WarmableEngine, num_tokens: int = 8) -> None:
     counters = replace(engine.counters)
     growth = copy.deepcopy(engine.scheduler.admission.growth)  # what admission learns from finished requests
     sampling = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=2, seed=0)  # draws no seed
-    num_tokens = min(num_tokens, engine.max_model_len - 2)  # a short context must not refuse its own warm-up
+    # A short context, or a cache of a few tokens, must not refuse its own warm-up (prompt + 2 new tokens - 1 fit).
+    cache_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+    num_tokens = min(num_tokens, engine.max_model_len - 2, cache_tokens - 1)
     if num_tokens > 0:
         engine.add_request("__warmup__", [0] * num_tokens, sampling)
     failures = []
