@@ -11,6 +11,7 @@ from urllib.parse import unquote
 
 MAX_HOPS = 32  # references followed in a row (a longer chain, or a cycle, is left as it is)
 MAX_PAIRWISE = 64  # branches compared pair by pair (beyond, only a property telling all of them apart counts)
+MAX_VISITS = 4096  # branches looked at while nested ones are flattened
 # Keywords that change nothing an instance may be: beside a reference or a combinator they are no assertion.
 ANNOTATIONS = frozenset(
     {
@@ -49,7 +50,9 @@ def pointed(root: Any, reference: str) -> Any:
         part = unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(value, dict) and part in value:
             value = value[part]
-        elif isinstance(value, list) and part.isascii() and part.isdigit() and int(part) < len(value):
+        elif (
+            isinstance(value, list) and part.isascii() and part.isdigit() and len(part) < 10 and int(part) < len(value)
+        ):
             value = value[int(part)]
         else:
             return None
@@ -79,9 +82,9 @@ def overlap(branches: list, root: Any) -> str | None:
         branches: the `oneOf` list.
         root: the whole schema (where references point).
     """
-    leaves = _leaves(branches, root, MAX_HOPS)
+    leaves = _leaves(branches, root, MAX_HOPS, [MAX_VISITS])
     if leaves is None:
-        return "branches nest too deeply to be told apart"
+        return f"branches nest too deeply, or are too many (over {MAX_VISITS} with the nested ones), to be told apart"
     if _by_one_property(leaves, root):
         return None
     if len(leaves) > MAX_PAIRWISE:
@@ -95,22 +98,26 @@ def overlap(branches: list, root: Any) -> str | None:
                 if name is None:
                     return "branches must differ by type or by a discriminator property's const (else it is enforced as anyOf)"
     if unrequired is not None:
-        return f"branches differ by {unrequired!r}, which each of them must require (an instance without it matches several)"
+        return f"branches differ by {unrequired!r}, which one of each two must require (an instance without it matches both)"
     return None
 
 
-def _leaves(branches: list, root: Any, depth: int) -> list | None:
-    """The branches with references followed and nested `oneOf` / `anyOf` branches flattened (None: too deep)."""
+def _leaves(branches: list, root: Any, depth: int, budget: list[int]) -> list | None:
+    """The branches with references followed and nested `oneOf` / `anyOf` branches flattened (None: too deep, or
+    past the budget of branches visited: references can make a short schema's tree exponentially large)."""
     if depth == 0:
         return None
     leaves = []
     for branch in branches:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
         branch = resolved(branch, root)
         nested = _only_combinator(branch)
         if nested is None:
             leaves.append(branch)
             continue
-        inner = _leaves(nested, root, depth - 1)
+        inner = _leaves(nested, root, depth - 1, budget)
         if inner is None:
             return None
         leaves.extend(inner)
@@ -129,11 +136,14 @@ def _only_combinator(schema: Any) -> list | None:
 
 
 def _by_one_property(leaves: list, root: Any) -> bool:
-    """Whether all branches differ by type, or one property each requires has a different constant in each."""
+    """Whether all branches differ by type, or, all of them objects only, one property each requires has a
+    different constant in each."""
     kinds = [_kinds(leaf) for leaf in leaves]
     if all(kinds) and sum(map(len, kinds)) == len(set().union(*kinds)):
         return True
     if not all(isinstance(leaf, dict) and isinstance(leaf.get("properties"), dict) for leaf in leaves):
+        return False
+    if any(_object_kinds(leaf) != {"object"} for leaf in leaves):
         return False
     for name in set.intersection(*(set(leaf["properties"]) for leaf in leaves)):
         values = [constants(resolved(leaf["properties"][name], root)) for leaf in leaves]
@@ -155,14 +165,23 @@ def _apart(first: Any, second: Any, root: Any) -> tuple[bool, str | None]:
     properties = [leaf.get("properties") if isinstance(leaf, dict) else None for leaf in (first, second)]
     if not all(isinstance(value, dict) for value in properties):
         return False, None
+    # Properties tell objects apart only: a kind beside "object" one branch allows and the other too (null) overlaps.
+    one, other = _object_kinds(first), _object_kinds(second)
+    if (one - {"object"}) & other or (other - {"object"}) & one:
+        return False, None
     unrequired = None
     for name in set(properties[0]) & set(properties[1]):
         values = constants(resolved(properties[0][name], root)), constants(resolved(properties[1][name], root))
         if all(values) and not values[0] & values[1]:
-            if name in _required(first) and name in _required(second):
+            if name in _required(first) or name in _required(second):  # without it, it matches that one no more
                 return True, None
             unrequired = name
     return False, unrequired
+
+
+def _object_kinds(schema: dict) -> set[str]:
+    """A branch's kinds, where one without a `type` but with `properties` counts as an object (as xgrammar reads it)."""
+    return _kinds(schema) or {"object"}
 
 
 def _required(schema: dict) -> set:

@@ -28,6 +28,13 @@ from rollout.schema_branches import ANNOTATIONS, constant_values, overlap, point
 MAX_SCHEMA_DEPTH = 32
 MAX_MULTIPLE = 1024  # xgrammar ignores a larger multipleOf (it logs so)
 MAX_MULTIPLE_SPAN = 9999  # nor one whose integer bounds are further apart
+# String formats xgrammar enforces (others are annotations); beside one it drops minLength, maxLength and pattern.
+KNOWN_FORMATS = frozenset(
+    {
+        "email", "uuid", "date", "date-time", "time", "duration", "uri", "uri-reference", "uri-template", "ipv4",
+        "ipv6", "hostname", "json-pointer", "relative-json-pointer",
+    }
+)  # fmt: skip
 # Keywords whose value is a map of names to subschemas / a subschema / a list of subschemas.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = (
@@ -100,16 +107,16 @@ def unsupported_schema_part(schema: Any) -> tuple[str, str] | None:
     """
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         return "", f"is nested deeper than {MAX_SCHEMA_DEPTH} levels"
-    pending, references, seen = [("", schema)], [], set()
-    while pending:  # the schema, then each part a reference points to (wherever it is), once
+    pending, references, seen = [("", schema)], [], {id(schema)}
+    while pending:  # the schema, then each part a reference points to (wherever it is), once however it is spelled
         where, part = pending.pop()
         found = _check(part, where, schema, references)
         if found:
             return found
         for reference in references:
-            target = pointed(schema, reference) if reference not in seen else None
-            seen.add(reference)
-            if target is not None and reference != "#":
+            target = pointed(schema, reference)
+            if target is not None and id(target) not in seen:
+                seen.add(id(target))
                 pending.append(("." + ".".join(reference[2:].split("/")), target))
         references.clear()
     return None
@@ -138,7 +145,7 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
     if "if" in schema and ("then" in schema or "else" in schema):
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
-    found = _beside_deciding(schema, where)
+    found = _beside_deciding(schema, where) or _beside_string_shape(schema, where)
     if found:
         return found
     if "multipleOf" in schema:
@@ -180,17 +187,57 @@ def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:
     for keyword in schema:
         if keyword == first or keyword in ANNOTATIONS or keyword not in _ASSERTIONS:
             continue
-        if keyword == "type" and first in ("const", "enum") and _every_value_has_type(schema):
+        if first in ("const", "enum") and _every_value_meets(schema, keyword):
             continue
         return f"{where}.{keyword}", f"beside {first} is not enforced by the grammar engine (it follows {first} alone)"
     return None
 
 
-def _every_value_has_type(schema: dict) -> bool:
-    kind = schema["type"]
-    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
-    checks = [_IS_TYPE[name] for name in kinds if isinstance(name, str) and name in _IS_TYPE]
-    return bool(checks) and all(any(check(value) for check in checks) for value in constant_values(schema))
+def _beside_string_shape(schema: dict, where: str) -> tuple[str, str] | None:
+    """A string's length bound beside its `pattern` or a `format` xgrammar knows, or a `pattern` beside such a
+    format: xgrammar follows the pattern, or the format, alone."""
+    known_format = isinstance(schema.get("format"), str) and schema["format"] in KNOWN_FORMATS
+    shape = "format" if known_format else "pattern" if "pattern" in schema else None
+    if shape is None:
+        return None
+    for keyword in ("minLength", "maxLength", "pattern"):
+        if keyword in schema and keyword != shape:
+            return (
+                f"{where}.{keyword}",
+                f"beside {shape} is not enforced by the grammar engine (it follows {shape} alone)",
+            )
+    return None
+
+
+def _every_value_meets(schema: dict, keyword: str) -> bool:
+    """Whether every `const` / `enum` value meets `keyword` beside it (what xgrammar enforces is then the same); a
+    `format` there is an annotation of the values (OpenAPI's int32)."""
+    if keyword == "format":
+        return True
+    values, bound = constant_values(schema), schema[keyword]
+    if keyword == "type":
+        kinds = [bound] if isinstance(bound, str) else bound if isinstance(bound, list) else []
+        checks = [_IS_TYPE[name] for name in kinds if isinstance(name, str) and name in _IS_TYPE]
+        return bool(checks) and all(any(check(value) for check in checks) for value in values)
+    meets = _VALUE_CHECKS.get(keyword)
+    if meets is None or not _is_number(bound):  # a pattern is not run here: a regex can take exponential time
+        return False
+    try:
+        return all(meets(value, bound) for value in values)
+    except (OverflowError, ValueError):
+        return False
+
+
+# keyword -> whether a value meets it (a value of another type does: JSON Schema's keywords apply to their own)
+_VALUE_CHECKS = {
+    "minLength": lambda value, bound: not isinstance(value, str) or len(value) >= bound,
+    "maxLength": lambda value, bound: not isinstance(value, str) or len(value) <= bound,
+    "minimum": lambda value, bound: not _is_number(value) or value >= bound,
+    "maximum": lambda value, bound: not _is_number(value) or value <= bound,
+    "exclusiveMinimum": lambda value, bound: not _is_number(value) or value > bound,
+    "exclusiveMaximum": lambda value, bound: not _is_number(value) or value < bound,
+    "multipleOf": lambda value, bound: not _is_number(value) or bound > 0 and (value / bound).is_integer(),
+}
 
 
 def _check_children(schema: dict, where: str, root: Any, references: list[str]) -> tuple[str, str] | None:

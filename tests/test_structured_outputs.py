@@ -342,6 +342,27 @@ UNENFORCED_PLACES = {
         '{"k": 1, "x": 1}',
         ".oneOf",
     ),
+    "minLength beside pattern": ({"type": "string", "pattern": "^a+$", "minLength": 3}, '"a"', ".minLength"),
+    "maxLength beside a known format": (
+        {"type": "string", "format": "email", "maxLength": 5},
+        '"a@b.coooo"',
+        ".maxLength",
+    ),
+    "pattern beside a known format": (
+        {"type": "string", "format": "date", "pattern": "^1999"},
+        '"2020-01-01"',
+        ".pattern",
+    ),
+    "oneOf told apart by properties, null in both": (
+        {
+            "oneOf": [
+                {"type": ["object", "null"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": ["object", "null"], "properties": {"k": {"const": "b"}}, "required": ["k"]},
+            ]
+        },
+        "null",
+        ".oneOf",
+    ),
     "oneOf by a discriminator not required": (
         {
             "oneOf": [
@@ -372,6 +393,7 @@ def test_what_xgrammar_drops_beside_a_keyword_or_behind_a_reference_is_refused_b
         {"$defs": {"L": [{"type": "string"}]}, "oneOf": [{"$ref": "#/$defs/L/\u00b2"}, {"type": "string"}]},
         {"oneOf": [{"type": "object", "required": 5}, {"type": "object", "required": True}]},
         {"oneOf": [{"$ref": "#/$defs/A"}, {"type": "string"}], "$defs": {"A": {"$ref": "#/$defs/A"}}},
+        {"oneOf": [{"$ref": "#/x/" + "1" * 5000}, {"type": "string"}], "x": []},  # past int()'s digit limit
     ],
 )
 def test_a_malformed_schema_is_refused_naming_json(schema):
@@ -394,6 +416,50 @@ def test_bounds_keywords_and_branches_xgrammar_enforces_pass():
         SamplingParams(json=schema)
         matcher = xgrammar.GrammarMatcher(compiled("json", schema))
         assert not (matcher.accept_string(violating) and matcher.accept_token(TOKENIZER.eos_token_id)), schema
+
+
+def test_schemas_whose_reference_tree_is_huge_are_checked_in_bounded_time():
+    """A few hundred bytes of references can describe 2**30 oneOf branches, and a thousand spellings of one
+    reference (%54 for T) its target a thousand times: refused, or checked once, in well under a second."""
+    import time
+
+    doubling = {f"L{i}": {"anyOf": [{"$ref": f"#/$defs/L{i + 1}"}, {"$ref": f"#/$defs/L{i + 1}"}]} for i in range(30)}
+    doubling["L30"] = {"type": "object"}
+    started = time.monotonic()
+    with pytest.raises(FieldError, match="json: schema.oneOf branches nest too deeply, or are too many"):
+        SamplingParams(json={"$defs": doubling, "oneOf": [{"$ref": "#/$defs/L0"}, {"type": "integer"}]})
+    spelled = ["#/$defs/" + "".join("%54" if (i >> bit) & 1 else "T" for bit in range(10)) for i in range(1024)]
+    target = {"type": "object", "properties": {f"p{i}": {"$ref": ref} for i, ref in enumerate(spelled)}}
+    SamplingParams(json={"$defs": {"T" * 10: target}, "$ref": "#/$defs/" + "T" * 10})
+    assert time.monotonic() - started < 2
+
+
+def test_what_every_constant_meets_beside_it_and_a_tag_one_branch_requires_pass():
+    """An enum's own bounds (OpenAPI's int32 format, a maxLength every value meets) change nothing xgrammar
+    enforces; pydantic's discriminated union whose last branch has a default tag is told apart by the others."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        meows: int
+
+    class Bird(BaseModel):
+        kind: Literal["bird"] = "bird"
+        wings: int
+
+    class Owner(BaseModel):
+        pet: Cat | Bird
+
+    for schema in (
+        {"type": "integer", "format": "int32", "enum": [0, 1, 2]},
+        {"type": "string", "maxLength": 20, "enum": ["ACTIVE", "INACTIVE"]},
+        {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Bird"}], "$defs": Owner.model_json_schema()["$defs"]},
+    ):
+        SamplingParams(json=schema)
+    with pytest.raises(FieldError, match="json: schema.maxLength beside enum"):
+        SamplingParams(json={"type": "string", "maxLength": 3, "enum": ["ACTIVE", "NO"]})
 
 
 def test_nested_discriminated_unions_pass():
