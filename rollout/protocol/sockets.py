@@ -29,6 +29,13 @@ def check_address(address: Any) -> str | None:
     return None
 
 
+def is_ipv6_literal(address: str) -> bool:
+    """Whether a tcp:// address names its host by an IPv6 address in brackets (tcp://[::1]:5555): the socket then
+    needs ZeroMQ's IPV6 option, which is left off otherwise (with it, a name such as localhost may resolve to ::1
+    alone)."""
+    return isinstance(address, str) and address.startswith("tcp://[")
+
+
 def is_loopback(address: str) -> bool:
     """True when a bind address only accepts connections from this machine (ipc://, inproc://, tcp to 127.0.0.0/8,
     ::1 or localhost); "*", 0.0.0.0 and every other interface are not."""

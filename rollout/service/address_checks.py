@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import logging
 import socket
 
@@ -48,20 +49,39 @@ def check_bind(parser: argparse.ArgumentParser, address: str, flag: str = "--bin
         probe.close()
 
 
+METRICS_HOST = "127.0.0.1"  # --metrics-host's default: loopback
+
+
 def check_metrics_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--metrics-port's address is free (a usage error if not); a warning when it is not loopback (the metrics
     server has no key: anyone who can reach it reads them)."""
     if args.metrics_port is None:
-        if args.metrics_host != parser.get_default("metrics_host"):  # it would serve nothing, silently
+        if args.metrics_host is not None:  # it would serve nothing, silently
             parser.error(f"--metrics-host {args.metrics_host}: has no effect without --metrics-port (metrics are off)")
         return
+    if args.metrics_host is None:
+        args.metrics_host = METRICS_HOST
     if not 0 <= args.metrics_port <= 65535:
         parser.error(f"--metrics-port {args.metrics_port}: a TCP port is 0 to 65535 (0 picks a free one)")
-    if not args.metrics_host or any(c in args.metrics_host for c in "/ "):
-        parser.error(f"--metrics-host {args.metrics_host!r}: not a host name or IP address")
+    if not _host_name_or_address(args.metrics_host):
+        parser.error(
+            f"--metrics-host {args.metrics_host!r}: not a host name or IP address (an IPv6 address goes without "
+            "brackets, the port in --metrics-port)"
+        )
     host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host
     address = f"tcp://{host}:{args.metrics_port}"
     if args.metrics_port:
         check_bind(parser, address, flag="--metrics-port", shown=str(args.metrics_port))
     if not is_loopback(address):
         logger.warning("--metrics-host %s: the metrics are readable by anyone who can reach it", args.metrics_host)
+
+
+def _host_name_or_address(host: str) -> bool:
+    """Whether `host` is a host name or an IP address (no port, no brackets, no path)."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    return bool(host) and not any(character in host for character in "/ []@")

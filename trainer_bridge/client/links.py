@@ -10,6 +10,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout.protocol.auth import secure_client_socket
+from rollout.protocol.sockets import is_ipv6_literal
 
 # Socket monitor events that mean a worker refused this client (a key it does not accept, or no key where it wants
 # one): reported at once instead of waiting out the connect deadline.
@@ -32,7 +33,8 @@ class WorkerLink:
         # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
         # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.setsockopt(zmq.IPV6, 1)  # a worker at an IPv6 address (tcp://[::1]:5555); IPv4 as before
+        if is_ipv6_literal(address):  # tcp://[::1]:5555; only then (localhost would try ::1 alone where hosts say so)
+            self.socket.setsockopt(zmq.IPV6, 1)
         try:
             if keys is not None:
                 secure_client_socket(self.socket, *keys)

@@ -302,7 +302,7 @@ def build_parser() -> CliParser:
         default=None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port; default: off)",
     )
-    add("--metrics-host", default="127.0.0.1", help="address the metrics server listens on")
+    add("--metrics-host", default=None, help="address the metrics server listens on (default: 127.0.0.1)")
     add(
         "--log-level",
         default="INFO",

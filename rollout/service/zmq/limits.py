@@ -55,7 +55,7 @@ class WorkerLimits:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise FieldError(item.name, f"must be a number, got {value!r}")
-            if not math.isfinite(value):  # NaN passes every comparison, inf never expires
+            if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison, inf never ends
                 raise FieldError(item.name, f"must be a finite number, got {value!r}")
             if item.name == "max_groups_per_client" and value < 0:
                 raise FieldError(item.name, f"must be 0 (no limit) or more, got {value!r}")

@@ -28,7 +28,7 @@ from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import SecurityLog, WorkerAuth
 from rollout.protocol.header_glance import glance_ids
-from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property
+from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property, is_ipv6_literal
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.observability.tracing import Tracer
@@ -91,7 +91,8 @@ class RolloutWorker:
             auth.secure(self._socket)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)  # per frame; larger drops the link
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IPV6, 1)  # an IPv6 --bind (tcp://[::1]:5555); IPv4 addresses bind as before
+        if is_ipv6_literal(bind):  # tcp://[::1]:5555; only then (localhost would bind ::1 alone where hosts say so)
+            self._socket.setsockopt(zmq.IPV6, 1)
         # Helpers call back through a weak proxy: a bound method would put the worker (manager, model, staging) in
         # a reference cycle that only a garbage collection frees.
         owner, limits = weakref.proxy(self), self.limits
