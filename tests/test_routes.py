@@ -375,6 +375,12 @@ def test_replay_under_torch_compile_routes_every_forward_by_its_own_routes(moe):
         assert torch.equal(compiled(input_ids=ids).logits, natural)
         with routing_replay(model, second):
             assert torch.equal(compiled(input_ids=ids).logits, eager[1])
+        # Compiled before any hook existed (dynamo does not guard on module hooks): replay still routes.
+        other = reference_copy(moe)
+        compiled = torch.compile(other, backend="eager")
+        assert torch.equal(compiled(input_ids=ids).logits, natural)
+        with routing_replay(other, second):
+            assert torch.equal(compiled(input_ids=ids).logits, eager[1])
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -60,6 +61,7 @@ class RouterTopK(TorchFunctionMode):
         return result
 
 
+logger = logging.getLogger(__name__)
 _PICKS_WITH_TOPK: dict[type, bool] = {}  # router class -> whether its forward chooses by torch.topk (probed once)
 
 
@@ -152,8 +154,25 @@ def attach(router: torch.nn.Module, tap: Tap) -> None:
             router.register_forward_pre_hook(_enter),
             router.register_forward_hook(_leave, always_call=True),
         )
+        _recompile_without_stale_hooks()
     taps.append(tap)
     taps.sort(key=lambda each: not each.replaces)  # replacing taps first: watchers see the experts used
+
+
+def _recompile_without_stale_hooks() -> None:
+    """Code torch.compile made before a router had hooks never calls them (dynamo does not guard on module hooks by
+    default): routes would be neither read nor replayed there, silently. So compiled code is dropped once hooks
+    arrive, and compiles again (with them) at its next call."""
+    from torch._dynamo.utils import counters
+
+    compiled = counters["frames"]["ok"]
+    if compiled > _COMPILED_AT_RESET[0]:  # frames compiled since the last reset (a model's routers: one reset)
+        logger.warning("MoE router hooks added after torch.compile ran: its compiled code is reset to call them")
+        torch._dynamo.reset()
+        _COMPILED_AT_RESET[0] = compiled
+
+
+_COMPILED_AT_RESET = [0]  # dynamo's count of compiled frames when `_recompile_without_stale_hooks` last reset
 
 
 def detach(router: torch.nn.Module, tap: Tap) -> None:
