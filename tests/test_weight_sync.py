@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+from rollout import ContinuousBatchingConfig, FieldError, SamplingParams, generate_batch
 from rollout import protocol as p
 from rollout.presets import tiny_model
 from service_helpers import Client, Worker
@@ -299,8 +299,16 @@ def test_bad_push_is_refused_naming_the_culprit(workers, client, raw, baseline, 
     if "version" in kwargs:
         kwargs = {"version": baseline.version + kwargs["version"]}
     updates = raw.ask(p.Stats()).stats["weight_updates"]
-    with pytest.raises(RolloutError) as refused:
-        push_weights(client, spoil(dict(weights(BAD_SEED))), transport="frames", **kwargs)
+    newest = client.min_policy_version
+    if case == "older version":  # refused by the client itself (below its newest push), then, as if that were
+        with pytest.raises(FieldError, match="version: .* is below"):  # forgotten, by the workers
+            push_weights(client, spoil(dict(weights(BAD_SEED))), transport="frames", **kwargs)
+        client.min_policy_version = 0
+    try:
+        with pytest.raises(RolloutError) as refused:
+            push_weights(client, spoil(dict(weights(BAD_SEED))), transport="frames", **kwargs)
+    finally:
+        client.min_policy_version = newest
     assert (refused.value.code, refused.value.field) == ("bad_update", field), refused.value
     assert_unchanged(workers[0].address, raw, baseline, updates)
 

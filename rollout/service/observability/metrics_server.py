@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -34,7 +35,14 @@ class _BoundedServer(ThreadingWSGIServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_SCRAPES)
+        # A whole scrape within SCRAPE_TIMEOUT_S (the handler's timeout is per read: a byte every few seconds would
+        # hold a slot for ever): one watchdog thread shuts down the connections past their deadline.
+        self._deadlines: dict[Any, float] = {}
+        self._deadlines_lock = threading.Lock()
+        self._closing = threading.Event()
         super().__init__(*args, **kwargs)
+        self._watchdog = threading.Thread(target=self._watch, name="rollout-metrics-deadlines", daemon=True)
+        self._watchdog.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -43,16 +51,27 @@ class _BoundedServer(ThreadingWSGIServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        # A whole scrape within SCRAPE_TIMEOUT_S (the handler's timeout is per read: a byte every few seconds would
-        # hold a slot for ever): past it, the connection is shut down and its thread ends.
-        deadline = threading.Timer(SCRAPE_TIMEOUT_S, _shut, (request,))
-        deadline.daemon = True
-        deadline.start()
+        with self._deadlines_lock:
+            self._deadlines[request] = time.monotonic() + SCRAPE_TIMEOUT_S
         try:
             super().process_request_thread(request, client_address)
         finally:
-            deadline.cancel()
+            with self._deadlines_lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(min(1.0, SCRAPE_TIMEOUT_S / 4)):
+            now = time.monotonic()
+            with self._deadlines_lock:
+                late = [request for request, deadline in self._deadlines.items() if deadline < now]
+            for request in late:
+                _shut(request)
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
+        self._watchdog.join(5)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A scrape that timed out or hung up ends quietly (socketserver printed a traceback to stderr)."""
