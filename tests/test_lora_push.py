@@ -271,6 +271,47 @@ def test_two_ranks_push_adapters_only_and_both_sample_with_them(tmp_path, worker
     assert main[0]["tokens"] != main[1]["tokens"]  # the second push served the moved adapter
 
 
+def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
+    """A base parameter unfrozen beside the adapter (an adapter push sends the base once: the workers kept its first
+    values) goes merged under "auto" and is refused under "adapter"; a trained module whose weight is tied to another
+    (LoRA on a tied embed_tokens: the trainer changes its input embedding, a worker's tied model would change its
+    head too) is refused in every mode, and by the colocated engine's in-place merge."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.config import FieldError
+    from trainer_bridge.colocated import peft_merged
+    from trainer_bridge.weights.adapter_mode import push_mode
+
+    unfrozen = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert push_mode(unfrozen, "adapter") == "adapter"
+    unfrozen.base_model.model.lm_head.weight.requires_grad_(True)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert push_mode(unfrozen, "auto") == "merged"
+    assert any("lm_head.weight" in str(warning.message) for warning in warned)
+    with pytest.raises(FieldError, match="lm_head.weight: is a base parameter trained beside the adapter"):
+        push_mode(unfrozen, "adapter")
+    config = Qwen3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    tied_safe = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert push_mode(tied_safe, "auto") == "adapter"
+    for lora in (
+        LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]),
+        LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    ):
+        tied = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
+        for mode in ("auto", "adapter", "merged"):
+            with pytest.raises(FieldError, match="model: .* is trained .* but its weight is tied to"):
+                push_mode(tied, mode)
+        with pytest.raises(ValueError, match="peft_merge: .* tied"):
+            with peft_merged(tied):
+                pass
+
+
 def test_a_restarted_worker_gets_the_base_once_again_and_no_adapter_group_before(client, worker):
     """The worker restarts mid-run (the module's last test: it replaces the module's worker). A group for the
     adapter, sent meanwhile, waits: the new process serves its start weights, not the trainer's base. The next push

@@ -22,6 +22,7 @@ from rollout.protocol.route_frames import unpack_message
 from rollout.sampling_params import SAMPLING_FIELDS
 from trainer_bridge.client.calls import GroupResult, PromptGroup
 from trainer_bridge.gathering import gathered
+from trainer_bridge.trained_base import tied_to_a_trained_module
 
 __all__ = ["ColocatedEngine"]
 
@@ -324,6 +325,9 @@ def _reshards_after_forward(module: Any) -> bool:
 def peft_merged(model: torch.nn.Module) -> Iterator[None]:
     """A PEFT model's active adapters merged into its base weights for the duration; afterwards the adapters are
     unmerged and every adapted base weight is copied back from a copy taken first, so the model is bit-identical."""
+    tied = tied_to_a_trained_module(model) if hasattr(model, "get_base_model") else None
+    if tied is not None:  # merged in place, the shared tensor would change the tied head too: not the trainer's model
+        raise ValueError(f"peft_merge: {tied}")
     layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "get_base_layer") and not m.merged]
     saved = [(layer.get_base_layer().weight, layer.get_base_layer().weight.detach().clone()) for layer in layers]
     with torch.no_grad():

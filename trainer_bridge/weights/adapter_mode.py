@@ -29,6 +29,7 @@ from rollout.peft_adapters import (
     saved_modules,
 )
 from trainer_bridge.gathering import merge_refusal, unwrapped
+from trainer_bridge.trained_base import tied_to_a_trained_module, unfrozen_base_parameters
 
 ADAPTER_MODES = ("auto", "adapter", "merged")
 # The PEFT models "auto" already warned about (once each: a trainer pushes at every step).
@@ -95,16 +96,23 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     model = unwrapped(source, accelerator)
     if not is_peft_model(model):
         return "whole"
+    tied = tied_to_a_trained_module(model)
+    if tied is not None:
+        raise FieldError("model", tied)
     if adapters == "merged":
         return "merged"
     name = active_adapter_name(model)
-    if adapters == "adapter":
-        check_servable(model, name)
-        return "adapter"
+    unfrozen = unfrozen_base_parameters(model)
     try:
         check_servable(model, name)
+        if unfrozen:  # an adapter push sends the base once: these would stay at their first values on the workers
+            raise FieldError(
+                unfrozen[0], "is a base parameter trained beside the adapter; only a merged push carries it"
+            )
         return "adapter"
     except FieldError as refusal:
+        if adapters == "adapter":
+            raise
         unmergeable = merge_refusal(model)
         if unmergeable is not None:
             raise FieldError(refusal.field, f"{refusal.reason}, and {unmergeable}") from None

@@ -1,0 +1,49 @@
+"""What of a PEFT model's base is trained beside its adapters, which an adapter push would not carry or a worker's
+tied model could not hold: base parameters a user unfroze, and a trained module (LoRA-wrapped or a
+`modules_to_save` copy) whose base weight another module shares (tied input and output embeddings).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+
+def unfrozen_base_parameters(model: Any) -> list[str]:
+    """The base model's parameters that train (`requires_grad`) beside the adapters: neither adapter tensors nor
+    `modules_to_save` copies (an adapter-only push sends the base once, never these again).
+
+    Args:
+        model: a peft.PeftModel.
+    """
+    prefix = getattr(model, "prefix", None) or getattr(model.base_model, "prefix", "lora_")
+    names = []
+    for name, param in model.get_base_model().named_parameters():
+        parts = name.split(".")
+        if not param.requires_grad or "modules_to_save" in parts or any(part.startswith(prefix) for part in parts):
+            continue
+        names.append(name)
+    return names
+
+
+def tied_to_a_trained_module(model: Any) -> str | None:
+    """Why the model's weights cannot be served where a trained module's base weight is tied to another module's
+    (None: none is): the trainer changes one side only, and a worker's tied model holds one tensor for both.
+
+    Args:
+        model: a peft.PeftModel.
+    """
+    shared: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.get_base_model().named_parameters(remove_duplicate=False):
+        shared[id(param)].append(name)
+    for names in shared.values():
+        trained = [name for name in names if ".base_layer." in name or ".original_module." in name]
+        if len(names) > 1 and trained:
+            others = [name for name in names if name not in trained]
+            return (
+                f"{trained[0]} is trained (LoRA or modules_to_save) but its weight is tied to {others[0] if others else names[0]}: "
+                "the trainer changes one of the two, a worker's tied model would change both. Untie the embeddings "
+                "(tie_word_embeddings=False) before training, or leave the tied modules out of target_modules and "
+                "modules_to_save"
+            )
+    return None
