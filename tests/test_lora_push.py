@@ -352,3 +352,12 @@ def test_a_restarted_worker_gets_the_base_once_again_and_no_adapter_group_before
         assert not push_weights(client, model, version=version + 2).base_included
     finally:
         restarted.close()
+
+
+def test_batch_invariant_with_an_adapter_that_goes_merged_says_why():
+    """batch_invariant=True with a DoRA adapter: the refusal names DoRA (it blamed rollout_push_kwargs, unset)."""
+    from trainer_bridge.trl.settings import check_invariant_push
+
+    dora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="batch_invariant=True: .*DoRA is not served unmerged"):
+        check_invariant_push(dora, None, None)

@@ -62,7 +62,7 @@ def check_push_kwargs(push: Any) -> None:
     """
     import inspect
 
-    from trainer_bridge.weights.weight_sync import push_weights
+    from trainer_bridge.weights.weight_sync import check_push_settings, push_weights
 
     if not isinstance(push, dict):
         raise ValueError(f"rollout_push_kwargs must be a dict of push_weights arguments, got {type(push).__name__}")
@@ -72,6 +72,10 @@ def check_push_kwargs(push: Any) -> None:
             raise ValueError(f"rollout_push_kwargs: {key!r} is set by the trainer at every push")
         if key not in taken:
             raise ValueError(f"rollout_push_kwargs: push_weights takes no {key!r} (it takes {taken})")
+    try:  # its values too: a bad one would fail only at the first push, after the first round
+        check_push_settings(**push)
+    except ValueError as error:
+        raise ValueError(f"rollout_push_kwargs: {error}") from None
 
 
 def check_keywords(kwargs: dict[str, Any], own: Any) -> None:
@@ -153,8 +157,13 @@ def check_invariant_push(model: Any, push_kwargs: dict[str, Any] | None, acceler
     except ValueError as refusal:  # "auto" that can neither serve it unmerged nor merge it: the push says so too
         raise ValueError(f"batch_invariant=True: {refusal}") from None
     if merged:
+        why = ""
+        if adapters == "auto":  # what keeps it from going adapter-only, in the user's terms
+            try:
+                push_mode(model, "adapter", accelerator, warn=False)
+            except ValueError as refusal:
+                why = f" ({refusal})"
         raise ValueError(
-            f"batch_invariant=True: the PEFT policy would be pushed merged (rollout_push_kwargs adapters={adapters!r}),"
-            " whose weights compute other bits than the trainer's unmerged forward; push it adapter-only "
-            "(adapters='adapter' names what the workers cannot serve unmerged)"
+            f"batch_invariant=True: the PEFT policy would be pushed merged (rollout_push_kwargs adapters={adapters!r})"
+            f"{why}, whose weights compute other bits than the trainer's unmerged forward; push it adapter-only"
         )

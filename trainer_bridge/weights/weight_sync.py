@@ -55,6 +55,33 @@ __all__ = ["PushResult", "iter_weights", "push_weights", "weight_specs"]
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
+def check_push_settings(
+    mode: str = "keep",
+    transport: str = "auto",
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float = 60.0,
+    adapters: str = "auto",
+    **_: Any,
+) -> None:
+    """Refuse, by name, a `push_weights` setting it cannot take (also what a trainer checks of its push settings
+    when it is built). Other arguments are ignored here.
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    if mode not in WEIGHT_UPDATE_MODES:
+        raise ValueError(f"mode must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
+    transports = ["auto", *TRANSPORTS]  # auto: shm on the worker's host (frames for an update of one bucket)
+    if transport not in transports:
+        raise ValueError(f"transport must be one of {transports}, got {transport!r}")
+    if not isinstance(bucket_bytes, int) or not 1 <= bucket_bytes <= p.MAX_FRAME_BYTES:
+        raise ValueError(f"bucket_bytes must be in [1, {p.MAX_FRAME_BYTES}], got {bucket_bytes!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if adapters not in ADAPTER_MODES:
+        raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+
+
 def push_weights(
     client: RolloutClient | None,
     model_or_named_tensors: Any,
@@ -103,17 +130,7 @@ def push_weights(
             timed out; no worker changed its weights unless the error says a commit failed.
         ValueError: a bad argument.
     """
-    if mode not in WEIGHT_UPDATE_MODES:
-        raise ValueError(f"mode must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-    transports = ["auto", *TRANSPORTS]  # auto: shm on the worker's host (frames for an update of one bucket)
-    if transport not in transports:
-        raise ValueError(f"transport must be one of {transports}, got {transport!r}")
-    if not isinstance(bucket_bytes, int) or not 1 <= bucket_bytes <= p.MAX_FRAME_BYTES:
-        raise ValueError(f"bucket_bytes must be in [1, {p.MAX_FRAME_BYTES}], got {bucket_bytes!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if adapters not in ADAPTER_MODES:
-        raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
+    check_push_settings(mode=mode, transport=transport, bucket_bytes=bucket_bytes, timeout=timeout, adapters=adapters)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
         raise FieldError("version", f"must be a non-negative integer (e.g. the trainer's global step), got {version!r}")
     newest = getattr(client, "min_policy_version", None)
