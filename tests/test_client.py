@@ -494,3 +494,5 @@ def test_a_push_below_the_newest_version_pushed_through_the_client_is_refused():
         client.min_policy_version = 5
         with pytest.raises(FieldError, match="version: 1 is below 5, the newest version pushed through this client"):
             push_weights(client, tiny_model(), version=1)
+        with pytest.raises(FieldError, match="adapter_name: must be a non-empty string"):  # "" became "default"
+            push_weights(client, tiny_model(), adapter_name="")

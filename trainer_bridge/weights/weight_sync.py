@@ -140,6 +140,8 @@ def push_weights(
             f"{version} is below {newest}, the newest version pushed through this client (its calls go only to "
             f"workers at {newest} or above): push {newest} or more, or leave version out",
         )
+    if adapter_name is not None and (not isinstance(adapter_name, str) or not adapter_name):  # "" read as "default"
+        raise FieldError("adapter_name", f"must be a non-empty string or None, got {adapter_name!r}")
     if adapter_name is not None and adapters == "auto":
         adapters = "adapter"  # a named adapter is served adapter-only, or refused saying why: never merged silently
     adapter = None
