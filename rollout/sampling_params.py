@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rollout.constraints import CONSTRAINT_FIELDS, normalized_constraint
+from rollout.sampling_warping import warping_fields
 from rollout.validation import FieldError, _check, _is_int, _is_number, _listed, _token_ids
 
 # Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
@@ -292,28 +293,6 @@ class SamplingParams:
         if warping:  # one map that asks for greedy picks and a shaped distribution: the second would do nothing
             raise FieldError(f"sampling.{warping[0]}", "has no effect while do_sample is False (in the same map)")
         return sampling
-
-
-# Fields that shape the distribution sampled from (nothing where do_sample is False), and the values with which they
-# leave it as it is (temperature 0 is greedy anyway).
-NEUTRAL_WARPING = {
-    "temperature": (0, 1),
-    "top_k": (None, 0),
-    "top_p": (None, 1),
-    "min_p": (None, 0),
-    "typical_p": (None, 1),
-    "epsilon_cutoff": (None, 0),
-    "eta_cutoff": (None, 0),
-}
-
-
-def warping_fields(fields: dict[str, Any]) -> list[str]:
-    """The fields of `fields` that would shape the sampled distribution (sorted): what a greedy pick ignores.
-
-    Args:
-        fields: SamplingParams fields by name.
-    """
-    return sorted(name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name])
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

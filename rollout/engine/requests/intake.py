@@ -21,7 +21,8 @@ from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
-from rollout.sampling_params import SAMPLING_FIELDS, warping_fields
+from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_warping import warping_fields
 from rollout.validation import all_plain_ints, in_range
 
 # Most samples in one group: bounds what one request can make the engine allocate up front.
