@@ -213,10 +213,13 @@ def speculative_rows(result: SectionResult) -> list[Row]:
     rows = []
     for figure, label, spec, unit in (
         ("tail_forwards_per_token", "tail forwards per generated token", ".3f", ""),
+        ("tail_ms_per_token", "tail time per generated token", ".3f", " ms"),
+        ("tail_plain_step_ms", "tail plain step", ".3f", " ms"),
+        ("tail_drafted_step_ms", "tail drafted step", ".3f", " ms"),
         ("tokens_per_s", "tokens/s", ",.0f", ""),
         ("last_finish_s", "the round's last sample", ".2f", " s"),
     ):
-        for side in ("without", "with"):
+        for side in ("with",) if figure == "tail_drafted_step_ms" else ("without", "with"):  # none without drafts
             rows.append(number_row(name, f"{label}, {side} drafts", get_path(medians, figure, side), spec, unit=unit))
     before, after = get_path(medians, "last_finish_s", "without"), get_path(medians, "last_finish_s", "with")
     sooner = before / after if positive(before, after) else None

@@ -210,6 +210,11 @@ def measure(
         "tail_steps": probe.tail_steps,
         "tail_tokens": probe.tail_tokens,
         "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),
+        "tail_ms_per_token": _ms(probe.tail_plain_s + probe.tail_drafted_s, probe.tail_tokens),
+        "tail_plain_steps": probe.tail_plain_steps,
+        "tail_plain_step_ms": _ms(probe.tail_plain_s, probe.tail_plain_steps),
+        "tail_drafted_steps": probe.tail_drafted_steps,
+        "tail_drafted_step_ms": _ms(probe.tail_drafted_s, probe.tail_drafted_steps),
         "tokens_per_s": round(generated / max(wall, 1e-9), 1),
         "host_s": round(probe.step_s - probe.forward_s, 3) if device == "cpu" else None,
         "mean_decoding_per_step": round(probe.decoding / max(probe.steps, 1), 1),
@@ -227,6 +232,11 @@ def measure(
         "wall_s": round(wall, 2),
         "time_budget_s": time_budget_s,
     }
+
+
+def _ms(seconds: float, count: int) -> float | None:
+    """Milliseconds per one of `count` (None when there are none)."""
+    return round(1000 * seconds / count, 4) if count else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -293,6 +303,9 @@ def _print_table(s: dict[str, Any]) -> None:
         ("running batch", f"{s['mean_decoding_per_step']} decoding per step ({s['mean_sequences_per_step']} "
          f"sequences, {s['mean_running_per_step']} running); {s['mean_decoding_while_queued']} over the "
          f"{s['queued_steps']} steps with requests queued; max_num_seqs {s['max_num_seqs']}"),
+        ("long tail", f"{s['tail_ms_per_token']} ms per token: {s['tail_plain_steps']} plain steps of "
+         f"{s['tail_plain_step_ms']} ms, {s['tail_drafted_steps']} drafted of {s['tail_drafted_step_ms']} ms, "
+         f"{s['tail_forwards_per_token']} forwards per token"),
         ("last / median finish", f"{s['last_over_median_finish']} ({s['last_finish_s']} s / {s['median_finish_s']} s)"),
         ("finished", f"{s['finished']}: {s['samples_finished']} of {s['samples']} samples, {s['samples_errored']} "
          f"errors, {s['samples_off_length']} off their length"),

@@ -59,6 +59,11 @@ class Probe:
             tail_tokens` is the model forward passes per generated token a sample sees in the tail (1 without
             speculative decoding, less when drafts are accepted).
         draft_tokens: draft tokens computed (speculative decoding), accepted or not.
+        tail_plain_s, tail_plain_steps, tail_drafted_s, tail_drafted_steps: the tail steps without and with draft
+            tokens, and the seconds from each one's schedule to the next step's (the loop's period while it ran: with
+            overlapped scheduling the host's work hides under the device's, so a step's period is the larger of the
+            two; a drafted step is verified at once, so its period is their sum). On a GPU these tell whether the
+            tail's time per token went to the device or to the host.
         step_s, forward_s: seconds spent in the engine's `step` calls, and in its model runner's forward calls
             within them (on a CPU the forward's compute; on a GPU only what queuing it costs, and a replayed CUDA
             graph does not call it): `step_s - forward_s` is the engine's own host work, on a CPU.
@@ -68,6 +73,9 @@ class Probe:
         self.engine = engine
         self.tail_width = tail_width
         self.tail_steps = self.tail_rows = self.tail_tokens = self.draft_tokens = 0
+        self.tail_plain_steps = self.tail_drafted_steps = 0
+        self.tail_plain_s = self.tail_drafted_s = 0.0
+        self._period: tuple[str, float] | None = None  # the kind of the last step scheduled, and when it was
         self._tail_step_open = False  # the last step scheduled is a tail step whose tokens are not counted yet
         self._generated_before = 0
         self.steps = self.decoding = self.sequences = self.running = 0
@@ -83,8 +91,9 @@ class Probe:
 
         def probed_schedule() -> Any:
             self.close_step()
+            started = time.perf_counter()
             batch = schedule()
-            self._count_batch(batch)
+            self._count_batch(batch, started)
             return batch
 
         def probed_take_prefix(request: Any, blocks: list[int], hashes: list[int]) -> None:
@@ -121,6 +130,10 @@ class Probe:
         """Count the tokens the last step scheduled generated (called before each schedule, and once at the end:
         the engine resolves a step before it schedules the next one when it does not overlap them)."""
         generated = self.engine.counters.generated_tokens
+        if self._period is not None:
+            kind, started = self._period
+            setattr(self, kind, getattr(self, kind) + time.perf_counter() - started)
+            self._period = None
         if self._tail_step_open:
             self.tail_tokens += generated - self._generated_before
         self._generated_before, self._tail_step_open = generated, False
@@ -137,7 +150,7 @@ class Probe:
             self.readmission_tokens += request.num_tokens
             self.readmission_hits += hit
 
-    def _count_batch(self, batch: Any) -> None:
+    def _count_batch(self, batch: Any, started: float) -> None:
         self.swap_out_blocks += len(batch.swap_out)
         self.swap_in_blocks += len(batch.swap_in)
         if not batch.sequences:
@@ -163,6 +176,12 @@ class Probe:
             self.tail_steps += 1
             self.tail_rows += decoding
             self._tail_step_open = True
+            drafted = any(seq.draft for seq in batch.sequences)
+            self._period = ("tail_drafted_s" if drafted else "tail_plain_s", started)
+            if drafted:
+                self.tail_drafted_steps += 1
+            else:
+                self.tail_plain_steps += 1
         if self.engine.scheduler.num_waiting:
             self.queued_steps += 1
             self.queued_decoding += decoding
