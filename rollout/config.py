@@ -8,6 +8,7 @@ settings over. Every field is checked in `__post_init__`; a bad value raises `Fi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,14 @@ def dtype_name(dtype: Any) -> str:
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_METHODS = (None, "suffix")
+# The settings that take effect only with `speculative` on.
+SPECULATIVE_SETTINGS = (
+    "num_speculative_tokens",
+    "speculative_disable_by_batch_size",
+    "speculative_index_tokens",
+    "speculative_clear_on_weight_update",
+)
+logger = logging.getLogger("rollout.config")
 # torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).
 COMPILE_MODES_WITHOUT_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
 
@@ -268,3 +277,7 @@ class ContinuousBatchingConfig:
             "must be a bool",
             self.speculative_clear_on_weight_update,
         )
+        if self.speculative is None:  # kept, not refused: one config toggled by `speculative` alone is common
+            for name in SPECULATIVE_SETTINGS:
+                if getattr(self, name) != getattr(ContinuousBatchingConfig, name):
+                    logger.warning("ContinuousBatchingConfig: %s has no effect while speculative is None", name)

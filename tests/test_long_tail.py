@@ -236,6 +236,7 @@ def test_the_nano_model_runs_in_bf16_with_its_own_vocabulary(monkeypatch):
         (["--device", "cuda"], "--device cuda needs --model tiny or nano"),
         (["--model", "nano"], "--model nano needs --device cuda"),
         (["--speculative-disable-by-batch-size", "16"], "has no effect without --speculative suffix"),
+        (["--repeats", "3"], "--repeats has no effect without --speculative suffix"),
         (["--speculative", "suffix", "--speculative-disable-by-batch-size", "0"], "must be >= 1, got 0"),
         (["--model", "tiny", "--device", "tpu"], "invalid choice: 'tpu'"),
     ],

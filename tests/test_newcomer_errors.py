@@ -357,3 +357,62 @@ def test_gpu_only_flags_on_a_cpu_worker_are_refused_before_the_model_loads(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     argv = flags if "--gpu" in flags else [*flags, "--device", "cpu"]
     assert worker_error(capsys, [*argv, *BIND]).startswith(message)
+
+
+def test_a_multimodal_model_serves_text_and_refuses_its_media_placeholder_by_name():
+    """limits.md: multimodal models serve text only. A text prompt gets transformers' greedy tokens; a prompt holding
+    the image placeholder (no pixels can come with it) is refused by name instead of being read as a plain token."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
+
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=32, patch_size=8)  # fmt: skip
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_id=255))
+    model.eval()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=())
+    config = ContinuousBatchingConfig(num_blocks=64)
+    out = generate_batch(model, [[1, 2, 3, 4]], sampling=greedy, continuous_batching_config=config, progress_bar=False)
+    expected = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert out["req_0"].generated_tokens == expected[0, 4:].tolist()
+    with pytest.raises(FieldError, match=r"input_ids: token 255 at position 1 .*\(image_token_id\).*text only"):
+        generate_batch(model, [[1, 255, 3]], sampling=greedy, continuous_batching_config=config, progress_bar=False)
+
+
+def test_speculative_settings_without_speculative_are_named():
+    """A speculative setting without `speculative`: refused where it was typed (--batch-config, as rollout-worker's
+    flags are), a warning naming it from Python (one config toggled by `speculative` alone is common)."""
+    from rollout.cli.batch_config_flags import batch_config_from_pairs
+    from rollout.config import ContinuousBatchingConfig
+
+    with pytest.raises(FieldError, match="num_speculative_tokens: has no effect without speculative"):
+        batch_config_from_pairs(["num_speculative_tokens=8"])
+    assert batch_config_from_pairs(["num_speculative_tokens=8", "speculative=suffix"]).num_speculative_tokens == 8
+    logger = logging.getLogger("rollout.config")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        ContinuousBatchingConfig(speculative_disable_by_batch_size=2)
+        ContinuousBatchingConfig(speculative="suffix", speculative_disable_by_batch_size=2)
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == [
+        "ContinuousBatchingConfig: speculative_disable_by_batch_size has no effect while speculative is None"
+    ]
+
+
+def test_a_vllm_spelling_in_generation_kwargs_is_named_as_typed():
+    """GRPOConfig(generation_kwargs={"max_tokens": "7"}): the error names max_tokens, the key the user typed."""
+    from types import SimpleNamespace
+
+    from trainer_bridge.grpo_sampling import grpo_sampling
+
+    args = SimpleNamespace(generation_kwargs={"max_tokens": "7"}, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                           repetition_penalty=1.0, max_completion_length=16)  # fmt: skip
+    with pytest.raises(FieldError, match=r"generation_kwargs\['max_tokens'\] \(max_new_tokens\): '7' is invalid"):
+        grpo_sampling(args, [2])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.config import SamplingParams
+from rollout.config import FieldError, SamplingParams
 from rollout.sampling_params import SAMPLING_FIELDS
 
 # GRPOConfig fields the workers' sampling follows.
@@ -70,11 +70,13 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         if getattr(args, name, harmless) != harmless:
             raise ValueError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported: {why}")
     extra = dict(args.generation_kwargs or {})
+    spelled = {}  # rollout's field -> the vLLM spelling the user gave it (what an error names)
     for vllm_name, name in VLLM_SPELLINGS.items():
         if vllm_name in extra:
             if name in extra:
                 raise ValueError(f"generation_kwargs gives both {vllm_name!r} and {name!r} (the same setting)")
             extra[name] = extra.pop(vllm_name)
+            spelled[name] = f"generation_kwargs[{vllm_name!r}] ({name})"
     for name in NO_EFFECT_KWARGS:
         extra.pop(name, None)
     ignore_eos = extra.pop("ignore_eos", False)
@@ -106,5 +108,8 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
     regex = getattr(args, "vllm_structured_outputs_regex", None)
     if regex is not None:  # TRL's structured outputs: the completions match it (needs the workers' tokenizer)
         sampling["regex"] = regex
-    SamplingParams(**sampling)  # fail at construction, naming the field
+    try:
+        SamplingParams(**sampling)  # fail at construction, naming the field as the user spelled it
+    except FieldError as error:
+        raise error.renamed(spelled) from None
     return sampling

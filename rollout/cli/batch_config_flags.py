@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from rollout.config import ContinuousBatchingConfig, FieldError
+from rollout.config import SPECULATIVE_SETTINGS, ContinuousBatchingConfig, FieldError
 
 # Fields no command line can express (a transformers CompileConfig object).
 NOT_FROM_COMMAND_LINE = ("decode_compile_config",)
@@ -24,7 +24,7 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
         **defaults: field values used unless a pair sets them.
     Raises:
         FieldError: a malformed pair, an unknown key (the message lists the known ones), a value that does not read
-            as its field's type, or one the config refuses.
+            as its field's type, one the config refuses, or a speculative setting without `speculative`.
     """
     fields = {field.name: str(field.type) for field in dataclasses.fields(ContinuousBatchingConfig)}
     values, given = dict(defaults), set()
@@ -40,7 +40,11 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
             raise FieldError(key, "is given twice; give each field once")
         given.add(key)
         values[key] = _read(key, text.strip(), fields[key])
-    return ContinuousBatchingConfig(**values)
+    config = ContinuousBatchingConfig(**values)
+    for key in SPECULATIVE_SETTINGS:
+        if key in given and config.speculative is None:  # typed to take effect: told it would not
+            raise FieldError(key, "has no effect without speculative (speculative=suffix turns it on)")
+    return config
 
 
 def _read(key: str, text: str, annotation: str) -> Any:

@@ -20,7 +20,7 @@ from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import RequestIntake
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import Request, sample_id
-from rollout.engine.runner.model_checks import servable_text_config
+from rollout.engine.runner.model_checks import media_placeholder_tokens, servable_text_config
 from rollout.engine.runner.model_runner import ModelRunner
 from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.block_manager import BlockManager
@@ -109,6 +109,7 @@ class Engine:
             tokenizer,
             self.runner.adapters.ref,
             routes_refusal=self.runner.routes_refusal(),
+            media_tokens=media_placeholder_tokens(model),
         )
         self.weight_table = WeightTable(model)
         self.weight_updates = WeightUpdates(self.loop, self.runner, self.weight_table)

@@ -113,9 +113,9 @@ def measure(
         use_cuda_graph=device == "cuda",
         seed=seed,
         speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        speculative_disable_by_batch_size=speculative_disable_by_batch_size,
-    )
+        **(dict(num_speculative_tokens=num_speculative_tokens,
+                speculative_disable_by_batch_size=speculative_disable_by_batch_size) if speculative else {}),
+    )  # fmt: skip
     engine = Engine(net, config)
     if model == "stub":
         stub_forward(engine, config.max_num_seqs)

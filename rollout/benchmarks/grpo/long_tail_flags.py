@@ -141,6 +141,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--num-speculative-tokens has no effect without --speculative suffix")
     if args.speculative is None and args.speculative_disable_by_batch_size != DISABLE_BY_BATCH_SIZE:
         parser.error("--speculative-disable-by-batch-size has no effect without --speculative suffix")
+    if args.speculative is None and args.repeats != 1:
+        parser.error("--repeats has no effect without --speculative suffix (one run is made)")
     if args.speculative and getattr(args, "plot", None):
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
     if args.entropy is not None and (args.model not in COMPUTED or args.entropy <= 0):

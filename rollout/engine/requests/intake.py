@@ -72,6 +72,7 @@ class RequestIntake:
         tokenizer: Any = None,
         adapter_ref: Callable[[str], AdapterRef] | None = None,
         routes_refusal: str | None = None,
+        media_tokens: dict[int, str] | None = None,
     ):
         """
         Args:
@@ -83,11 +84,14 @@ class RequestIntake:
             adapter_ref: the served LoRA adapter of a name (raising FieldError for an unknown one); None: the engine
                 serves no adapter.
             routes_refusal: why `return_routes` cannot be honoured (None: it can; a dense model, say).
+            media_tokens: a multimodal model's placeholder token ids -> the config field naming each: refused in
+                prompts (the engine serves text only).
         """
         self.tokenizer = tokenizer
         self.grammars = Grammars()  # structured outputs' compiled grammars, per tokenizer
         self.adapter_ref = adapter_ref
         self.routes_refusal = routes_refusal
+        self.media_tokens = media_tokens or {}
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.config = config
@@ -106,6 +110,13 @@ class RequestIntake:
             if not _is_token(token, self.vocab_size):
                 reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
                 raise FieldError("prompt_ids", reason)
+        if self.media_tokens and not self.media_tokens.keys().isdisjoint(prompt_ids):
+            position, token = next((i, t) for i, t in enumerate(prompt_ids) if t in self.media_tokens)
+            raise FieldError(
+                "prompt_ids",
+                f"token {token} at position {position} is the model's media placeholder "
+                f"({self.media_tokens[token]}): rollout serves text only, no images, video or audio",
+            )
         if len(prompt_ids) + max_new_tokens > self.max_model_len:
             raise FieldError(
                 "max_new_tokens",

@@ -64,6 +64,29 @@ def servable_text_config(model: torch.nn.Module) -> Any:
     return config
 
 
+# Config fields naming a multimodal model's placeholder tokens (where its images, video or audio would go).
+MEDIA_TOKEN_FIELDS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "video_token_index",
+    "audio_token_id",
+    "audio_token_index",
+)
+
+
+def media_placeholder_tokens(model: torch.nn.Module) -> dict[int, str]:
+    """A multimodal model's placeholder token ids, each with the config field that names it (empty for a text-only
+    model): the engine serves text only, so a prompt holding one would be read as a plain token, not as media."""
+    config = getattr(model, "config", None)
+    found = {}
+    for name in MEDIA_TOKEN_FIELDS:
+        token = getattr(config, name, None)
+        if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+            found.setdefault(token, name)
+    return found
+
+
 def resolve_attention_backend(model: torch.nn.Module, kv_cache: PagedKVCache, backend: str) -> int | None:
     """Query heads per KV head when the Triton kernel serves attention, None for the PyTorch path.
 

@@ -7,15 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from rollout.config import SPECULATIVE_METHODS, ContinuousBatchingConfig, FieldError
-
-# The settings that take effect only with `speculative` on.
-SETTINGS = (
-    "num_speculative_tokens",
-    "speculative_disable_by_batch_size",
-    "speculative_index_tokens",
-    "speculative_clear_on_weight_update",
-)
+from rollout.config import SPECULATIVE_METHODS, SPECULATIVE_SETTINGS, ContinuousBatchingConfig, FieldError
 
 
 def add_speculative_arguments(add: Callable[..., Any]) -> None:
@@ -63,7 +55,7 @@ def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
     """
     if args.speculative is None:
         engine = ContinuousBatchingConfig()
-        for name in SETTINGS:
+        for name in SPECULATIVE_SETTINGS:
             if getattr(args, name) != getattr(engine, name):
                 raise FieldError(name, "has no effect without speculative (--speculative suffix turns it on)")
     return {
