@@ -49,6 +49,7 @@ def dtype_name(dtype: Any) -> str:
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_METHODS = (None, "suffix")
+MAX_SPECULATIVE_TOKENS = 64  # draft tokens per sample and step, at most
 # The settings that take effect only with `speculative` on.
 SPECULATIVE_SETTINGS = (
     "num_speculative_tokens",
@@ -123,7 +124,7 @@ class ContinuousBatchingConfig:
     # and earlier rounds') and verifies them in one forward, drawing every token as plain decoding would (the same
     # tokens for the same seed); None: off.
     speculative: str | None = None
-    # Most draft tokens per sample and step.
+    # Most draft tokens per sample and step (at most 64).
     num_speculative_tokens: int = 4
     # Draft only while a step decodes at most this many samples and nothing waits for admission (the long tail).
     speculative_disable_by_batch_size: int = 8
@@ -271,6 +272,12 @@ class ContinuousBatchingConfig:
         for name in ("num_speculative_tokens", "speculative_disable_by_batch_size", "speculative_index_tokens"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, name, "must be an integer >= 1", value)
+        _check(  # the verify graphs hold 1 + this many rows per sequence
+            self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"must be at most {MAX_SPECULATIVE_TOKENS}",
+            self.num_speculative_tokens,
+        )
         _check(
             isinstance(self.speculative_clear_on_weight_update, bool),
             "speculative_clear_on_weight_update",

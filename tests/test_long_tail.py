@@ -150,9 +150,10 @@ def test_speculative_side_by_side_on_the_low_entropy_tiny_model(capsys):
     # The tail's steps by kind: none drafted without speculation; their periods add up to less than the run
     assert without["tail_drafted_steps"] == 0 and without["tail_drafted_step_ms"] is None
     assert without["tail_plain_steps"] == without["tail_steps"]
-    assert drafted["tail_drafted_steps"] > 0 and drafted["tail_plain_steps"] + drafted["tail_drafted_steps"] == drafted[
-        "tail_steps"
-    ]
+    assert (
+        drafted["tail_drafted_steps"] > 0
+        and drafted["tail_plain_steps"] + drafted["tail_drafted_steps"] == drafted["tail_steps"]
+    )
     for run in (without, drafted):
         tail_s = run["tail_ms_per_token"] * run["tail_tokens"] / 1000
         assert 0 < tail_s < run["wall_s"]

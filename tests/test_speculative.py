@@ -461,6 +461,7 @@ def test_the_kept_samples_stay_within_the_memory_bound():
     [
         ("speculative", "eagle"),
         ("num_speculative_tokens", 0),
+        ("num_speculative_tokens", 65),
         ("speculative_disable_by_batch_size", -1),
         ("speculative_index_tokens", 1.5),
         ("speculative_clear_on_weight_update", "yes"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from rollout.config import SCHEDULER_TYPES, SPECULATIVE_METHODS, ContinuousBatchingConfig
+from rollout.config import MAX_SPECULATIVE_TOKENS, SCHEDULER_TYPES, SPECULATIVE_METHODS, ContinuousBatchingConfig
 
 TIME_BUDGET_S = 1200.0
 DISABLE_BY_BATCH_SIZE = ContinuousBatchingConfig.speculative_disable_by_batch_size
@@ -131,8 +131,10 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--max-num-seqs must be >= 1")
     if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
         parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
-    if args.num_speculative_tokens < 1:
-        parser.error(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
+    if not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        parser.error(
+            f"--num-speculative-tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, got {args.num_speculative_tokens}"
+        )
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.speculative_disable_by_batch_size < 1:
