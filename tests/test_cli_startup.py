@@ -270,7 +270,8 @@ def test_a_subcommands_bad_combination_points_at_its_own_help(capsys):
     ],
 )
 def test_worker_settings_that_cannot_work_are_one_line_naming_the_flag_once(argv, message):
-    child = run_python("-m", "rollout.service.launch.cli", "--device", "cpu", *argv)
+    # Any free port: the default 5555 may be held by the docs' examples running beside this file (its check comes first)
+    child = run_python("-m", "rollout.service.launch.cli", "--device", "cpu", "--bind", "tcp://127.0.0.1:*", *argv)
     assert child.returncode == 2
     assert child.stderr.splitlines()[0] == f"rollout-worker: error: {message}" + (
         " (a PEFT adapter's, as save_pretrained writes it)" if "--lora" in argv else ""
