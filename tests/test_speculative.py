@@ -59,6 +59,16 @@ def run_rounds(model: torch.nn.Module, speculative: str | None, **config) -> tup
     versions per round (keyed by group and sample)."""
     settings = dict(num_blocks=160, block_size=4, max_batch_tokens=48, speculative_disable_by_batch_size=32)
     engine = Engine(model, ContinuousBatchingConfig(**settings, **config, speculative=speculative), tokenizer=TOKENIZER)
+    if speculative is not None:  # drafts accepted per setting (group index), so each one's path is known to have run
+        engine.accepted_by_setting = accepted = {}
+        verified = engine.scheduler.drafter.verified
+
+        def counted(request, proposed: int, taken: int) -> None:
+            setting = int(request.group_id.rsplit("g", 1)[1])
+            accepted[setting] = accepted.get(setting, 0) + taken
+            verified(request, proposed, taken)
+
+        engine.scheduler.drafter.verified = counted
     prompts = make_prompts(len(samplings()), 4, 10, seed=11)
     results = []
     for round_index in range(2):
@@ -87,6 +97,9 @@ def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap, e
     assert engine.scheduler.num_preemptions > 0, "the cache should be small enough to preempt"
     assert engine.loop.counters.steps < plain_engine.loop.counters.steps
     assert engine.loop.counters.verification_draws > 0, "penalties, n-grams and grammars draw round by round"
+    assert sorted(setting for setting, taken in engine.accepted_by_setting.items() if taken) == list(
+        range(len(samplings()))
+    ), "every setting (penalties, bans, logit_bias, a grammar, greedy) should have drafts accepted"
     for round_index in range(2):
         assert drafted[round_index].keys() == plain[round_index].keys()
         for key, expected in plain[round_index].items():
