@@ -427,6 +427,41 @@ def drafting(request_tokens: list[int], **sampling) -> tuple[SuffixDrafter, obje
     return drafter, running
 
 
+def test_a_sample_whose_drafts_keep_failing_pauses_twice_as_long_each_time_until_one_is_accepted():
+    """4 steps, doubling to 64 while every verification accepts nothing; one accepted draft token ends the pauses."""
+    drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
+    request = make_request("r", [1, 2, 3], max_new_tokens=200)
+    request.token_ids += [4, 5]
+    drafter._row(request)  # joins its pool
+    row, pauses = request.draft_row, []
+    for _ in range(400):
+        drafter.speculates(1)
+        if drafter._step >= row.resume_step:  # not paused: its draft is verified, all of it rejected
+            drafter.verified(request, proposed=4, accepted=0)
+            pauses.append(row.resume_step - drafter._step)
+    assert [pause for pause in pauses if pause > 0][:8] == [4, 8, 16, 32, 64, 64, 64, 64]
+    drafter.speculates(1)
+    drafter._step = row.resume_step
+    drafter.verified(request, proposed=4, accepted=1)  # back from a pause, one token accepted: it keeps drafting
+    assert row.pause == 0 and row.resume_step <= drafter._step
+    drafter.verified(request, proposed=4, accepted=0)  # its pauses start over from the shortest
+    assert row.pause == 4 and row.resume_step == drafter._step + 4
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+def test_one_whole_draft_accepted_while_exploring_makes_its_match_length_propose(length):
+    """A match length proposes once an exploring step's draft following it was accepted whole, whatever its length
+    (not after one rejected whole)."""
+    for accepted, pays in ((length, True), (0, False)):
+        drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
+        assert not drafter._pays(2)
+        request = make_request("r", [1, 2, 3], max_new_tokens=20)
+        request.token_ids += [4, 5]
+        drafter._row(request).match = 2  # its draft followed a match of 2 tokens
+        drafter.verified(request, proposed=length, accepted=accepted)
+        assert drafter._pays(2) is pays and not drafter._pays(3)
+
+
 def test_drafts_continue_an_earlier_sample_and_stop_before_a_ban():
     drafter, running = drafting([4, 5])
     assert drafter.propose(running, 4) == (6, 7, 8)

@@ -39,6 +39,7 @@ EXPLORE = 16  # one thin step in this many lets every match length propose
 RATE_MEMORY = 0.98  # each verification's weight in a match length's rate is 2% (about the last 50 count)
 FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps a failing row pauses for, doubling while it keeps failing
 SMOOTHING = 0.5  # weight of the latest verification in a row's acceptance rate
+INITIAL_RATE = MIN_ACCEPTANCE - 0.01  # a match length's acceptance before any verification: just short of paying
 
 
 @dataclass(eq=False)
@@ -53,6 +54,7 @@ class _Row:
     match: int = LONG_MATCH  # the match length its last draft followed
     pause: int = 0  # the last pause's length (0: never paused since it last succeeded)
     resume_step: int = 0
+    probation: bool = False  # back from a pause: a verification accepting nothing pauses it again, twice as long
 
 
 @dataclass(eq=False)
@@ -80,10 +82,10 @@ class SuffixDrafter:
         self._step = 0
         self.proposed_tokens = 0  # drafts proposed (counters)
         self.accepted_tokens = 0  # drafts accepted
-        # Per match length (2 .. LONG_MATCH): decayed (accepted, proposed) draft tokens. They start below
-        # MIN_ACCEPTANCE, as if one draft token in four had been accepted, so a match length proposes only once an
-        # exploration's drafts were accepted (one whole draft accepted is enough).
-        self._rates = {length: [0.25, 1.0] for length in range(2, LONG_MATCH + 1)}
+        # Per match length (2 .. LONG_MATCH): decayed (accepted, proposed) draft tokens. They start just below
+        # MIN_ACCEPTANCE, so a match length proposes only once an exploration's drafts were accepted: one whole
+        # draft is enough, of any length (half of a draft of 4 tokens or more is too).
+        self._rates = {length: [INITIAL_RATE, 1.0] for length in range(2, LONG_MATCH + 1)}
         self._thin_steps = 0  # steps that could draft (thin, nothing queued)
         self._exploring = False  # this step lets every match length propose
         self._looking = False  # this step looks for drafts: it explores, or some match length pays
@@ -146,12 +148,15 @@ class SuffixDrafter:
         rate[0] = RATE_MEMORY * rate[0] + (1 - RATE_MEMORY) * accepted
         rate[1] = RATE_MEMORY * rate[1] + (1 - RATE_MEMORY) * proposed
         row.acceptance = (1 - SMOOTHING) * row.acceptance + SMOOTHING * accepted / proposed
-        if row.acceptance >= MIN_ACCEPTANCE:
+        failed_probation, row.probation = row.probation and not accepted, False
+        if row.acceptance >= MIN_ACCEPTANCE and not failed_probation:
             row.pause = 0
             return
         row.pause = min(2 * row.pause, LONGEST_PAUSE) if row.pause else FIRST_PAUSE
         row.resume_step = self._step + row.pause
-        row.acceptance = 2 * MIN_ACCEPTANCE  # after the pause one failure pauses it again, one success keeps it
+        # After the pause one verification accepting nothing pauses it again (the pause doubles); one accepting
+        # anything keeps it drafting, its rate starting over from there.
+        row.acceptance, row.probation = 2 * MIN_ACCEPTANCE, True
 
     def poisoned(self, request: Request) -> None:
         """A drafted step of this sample turned non-finite: it never drafts again (plain decoding decides)."""
