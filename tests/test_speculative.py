@@ -427,39 +427,41 @@ def drafting(request_tokens: list[int], **sampling) -> tuple[SuffixDrafter, obje
     return drafter, running
 
 
-def test_a_sample_whose_drafts_keep_failing_pauses_twice_as_long_each_time_until_one_is_accepted():
-    """4 steps, doubling to 64 while every verification accepts nothing; one accepted draft token ends the pauses."""
+def test_a_sample_whose_drafts_keep_failing_pauses_four_steps_after_two_rejected_in_a_row():
+    """Two drafts rejected whole in a row pause a sample 4 steps, however often it failed before; a draft accepted
+    whole between two rejected ones keeps it drafting."""
     drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
     request = make_request("r", [1, 2, 3], max_new_tokens=200)
     request.token_ids += [4, 5]
     drafter._row(request)  # joins its pool
-    row, pauses = request.draft_row, []
-    for _ in range(400):
+    row, verified_at, pauses = request.draft_row, [], []
+    for _ in range(100):
         drafter.speculates(1)
         if drafter._step >= row.resume_step:  # not paused: its draft is verified, all of it rejected
+            verified_at.append(drafter._step)
             drafter.verified(request, proposed=4, accepted=0)
-            pauses.append(row.resume_step - drafter._step)
-    assert [pause for pause in pauses if pause > 0][:8] == [4, 8, 16, 32, 64, 64, 64, 64]
-    drafter.speculates(1)
+            if row.resume_step > drafter._step:
+                pauses.append(row.resume_step - drafter._step)
+    assert set(pauses) == {4} and len(pauses) == len(verified_at) // 2
+    assert verified_at[:6] == [1, 2, 6, 7, 11, 12]  # two tries, a pause of 4 steps, two tries, ...
     drafter._step = row.resume_step
-    drafter.verified(request, proposed=4, accepted=1)  # back from a pause, one token accepted: it keeps drafting
-    assert row.pause == 0 and row.resume_step <= drafter._step
-    drafter.verified(request, proposed=4, accepted=0)  # its pauses start over from the shortest
-    assert row.pause == 4 and row.resume_step == drafter._step + 4
+    drafter.verified(request, proposed=4, accepted=0)  # back from a pause: one rejected ...
+    drafter.verified(request, proposed=4, accepted=4)  # ... one accepted whole ...
+    drafter.verified(request, proposed=4, accepted=0)  # ... and one rejected: still drafting
+    assert row.resume_step <= drafter._step
 
 
-@pytest.mark.parametrize("length", [1, 2, 3, 4])
-def test_one_whole_draft_accepted_while_exploring_makes_its_match_length_propose(length):
-    """A match length proposes once an exploring step's draft following it was accepted whole, whatever its length
-    (not after one rejected whole)."""
-    for accepted, pays in ((length, True), (0, False)):
-        drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
-        assert not drafter._pays(2)
-        request = make_request("r", [1, 2, 3], max_new_tokens=20)
-        request.token_ids += [4, 5]
-        drafter._row(request).match = 2  # its draft followed a match of 2 tokens
-        drafter.verified(request, proposed=length, accepted=accepted)
-        assert drafter._pays(2) is pays and not drafter._pays(3)
+@pytest.mark.parametrize(("length", "accepted", "pays"), [(4, 4, True), (8, 8, True), (1, 1, False), (4, 0, False)])
+def test_a_match_length_proposes_once_an_explorations_draft_of_four_was_accepted(length, accepted, pays):
+    """A match length starts just short of paying: one draft of 4 tokens or more accepted whole makes it propose;
+    a shorter one weighs too little alone, and a rejected one never does."""
+    drafter = SuffixDrafter(num_speculative_tokens=8, disable_by_batch_size=8, index_tokens=1000)
+    assert not drafter._pays(2)
+    request = make_request("r", [1, 2, 3], max_new_tokens=20)
+    request.token_ids += [4, 5]
+    drafter._row(request).match = 2  # its draft followed a match of 2 tokens
+    drafter.verified(request, proposed=length, accepted=accepted)
+    assert drafter._pays(2) is pays and not drafter._pays(3)
 
 
 def test_drafts_continue_an_earlier_sample_and_stop_before_a_ban():
