@@ -58,6 +58,7 @@ SPECULATIVE_SETTINGS = (
     "speculative_clear_on_weight_update",
 )
 logger = logging.getLogger("rollout.config")
+_WARNED: set[str] = set()  # the speculative settings warned of, without speculative, in this process
 # torch.compile modes that capture no CUDA graphs of their own ("reduce-overhead" and "max-autotune" do).
 COMPILE_MODES_WITHOUT_GRAPHS = (None, "default", "max-autotune-no-cudagraphs")
 
@@ -286,5 +287,6 @@ class ContinuousBatchingConfig:
         )
         if self.speculative is None:  # kept, not refused: one config toggled by `speculative` alone is common
             for name in SPECULATIVE_SETTINGS:
-                if getattr(self, name) != getattr(ContinuousBatchingConfig, name):
+                if getattr(self, name) != getattr(ContinuousBatchingConfig, name) and name not in _WARNED:
+                    _WARNED.add(name)  # once a process: configs are copied (dataclasses.replace) and rebuilt
                     logger.warning("ContinuousBatchingConfig: %s has no effect while speculative is None", name)

@@ -264,3 +264,23 @@ def test_known_lengths_recompute_at_most_a_tenth_at_30_percent_of_the_demand():
         summary = measure(prompts, lengths, cache_fraction=0.3, known_lengths=True, seed=seed, progress=False)
         assert summary["finished"] and summary["samples_off_length"] == 0 and summary["queued_steps"] > 0
         assert summary["recompute_ratio"] <= 0.10, (seed, summary["recompute_ratio"])
+
+
+def test_tail_tokens_are_counted_per_step_with_overlapped_scheduling_too(monkeypatch):
+    """With overlapped scheduling (a GPU's default) a step resolves after the next one is scheduled: its tokens still
+    count for its own tail step, so a plain run sees exactly one forward per tail token, as without overlap."""
+    import functools
+
+    from rollout.benchmarks.grpo import long_tail
+    from rollout.config import ContinuousBatchingConfig
+
+    shape = Shape(num_prompts=4, n=4, median_tokens=40, max_tokens=120, prompt_tokens=(16, 64))
+    prompts, lengths = make_workload(shape, seed=0, vocab=1023)
+    runs = {}
+    for overlap in (False, True):
+        made = functools.partial(ContinuousBatchingConfig, overlap_scheduling=overlap)
+        monkeypatch.setattr(long_tail, "ContinuousBatchingConfig", made)
+        runs[overlap] = measure(prompts, lengths, model="tiny", cache_fraction=2.0, progress=False, known_lengths=True)
+    assert runs[True]["tail_steps"] == runs[False]["tail_steps"] > 0
+    assert runs[True]["tail_tokens"] == runs[False]["tail_tokens"]
+    assert runs[True]["tail_forwards_per_token"] == runs[False]["tail_forwards_per_token"] == 1.0

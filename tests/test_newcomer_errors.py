@@ -362,7 +362,7 @@ def test_gpu_only_flags_on_a_cpu_worker_are_refused_before_the_model_loads(
 def test_a_multimodal_model_serves_text_and_refuses_its_media_placeholder_by_name():
     """limits.md: multimodal models serve text only. A text prompt gets transformers' greedy tokens; a prompt holding
     the image placeholder (no pixels can come with it) is refused by name instead of being read as a plain token."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import CLIPVisionConfig, LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration
 
     from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch
 
@@ -380,24 +380,37 @@ def test_a_multimodal_model_serves_text_and_refuses_its_media_placeholder_by_nam
     assert out["req_0"].generated_tokens == expected[0, 4:].tolist()
     with pytest.raises(FieldError, match=r"input_ids: token 255 at position 1 .*\(image_token_id\).*text only"):
         generate_batch(model, [[1, 255, 3]], sampling=greedy, continuous_batching_config=config, progress_bar=False)
+    # A text model whose config kept such a field (a text-only conversion) names no media: its token is text
+    language_model = LlamaForCausalLM(text).eval()
+    language_model.config.image_token_id = 255
+    out = generate_batch(language_model, [[1, 255, 3]], sampling=greedy, continuous_batching_config=config,
+                         progress_bar=False)  # fmt: skip
+    assert len(out["req_0"].generated_tokens) == 6
 
 
-def test_speculative_settings_without_speculative_are_named():
+def test_speculative_settings_without_speculative_are_named(monkeypatch):
     """A speculative setting without `speculative`: refused where it was typed (--batch-config, as rollout-worker's
-    flags are), a warning naming it from Python (one config toggled by `speculative` alone is common)."""
+    flags are; no warning first), a warning naming it from Python, once a process (one config toggled by
+    `speculative` alone is common, and configs are copied)."""
+    import dataclasses
+
+    from rollout import config as config_module
     from rollout.cli.batch_config_flags import batch_config_from_pairs
     from rollout.config import ContinuousBatchingConfig
 
-    with pytest.raises(FieldError, match="num_speculative_tokens: has no effect without speculative"):
-        batch_config_from_pairs(["num_speculative_tokens=8"])
-    assert batch_config_from_pairs(["num_speculative_tokens=8", "speculative=suffix"]).num_speculative_tokens == 8
+    monkeypatch.setattr(config_module, "_WARNED", set())  # other tests in this process may have been warned
     logger = logging.getLogger("rollout.config")
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
     try:
-        ContinuousBatchingConfig(speculative_disable_by_batch_size=2)
+        with pytest.raises(FieldError, match="num_speculative_tokens: has no effect without speculative"):
+            batch_config_from_pairs(["num_speculative_tokens=8"])
+        assert batch_config_from_pairs(["num_speculative_tokens=8", "speculative=suffix"]).num_speculative_tokens == 8
+        assert not records
+        config = ContinuousBatchingConfig(speculative_disable_by_batch_size=2)
+        dataclasses.replace(config, num_blocks=64)
         ContinuousBatchingConfig(speculative="suffix", speculative_disable_by_batch_size=2)
     finally:
         logger.removeHandler(handler)

@@ -40,11 +40,10 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
             raise FieldError(key, "is given twice; give each field once")
         given.add(key)
         values[key] = _read(key, text.strip(), fields[key])
-    config = ContinuousBatchingConfig(**values)
-    for key in SPECULATIVE_SETTINGS:
-        if key in given and config.speculative is None:  # typed to take effect: told it would not
+    for key in SPECULATIVE_SETTINGS:  # typed to take effect: told it would not (before the config warns of it)
+        if key in given and values.get("speculative") is None:
             raise FieldError(key, "has no effect without speculative (speculative=suffix turns it on)")
-    return config
+    return ContinuousBatchingConfig(**values)
 
 
 def _read(key: str, text: str, annotation: str) -> Any:

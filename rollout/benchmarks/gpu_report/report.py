@@ -14,8 +14,8 @@ the headline first:
                            shared memory: GB/s, commit pause, pause beyond the copy
   gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
   speculative              the long tail without and with speculative decoding, the Qwen3-0.6B architecture at low
-                           entropy on the GPU: forwards per token in the tail, tokens/s, the round's last sample
-                           (goal 1.5x sooner)
+                           entropy on the GPU: forwards and milliseconds per token in the tail, its plain and
+                           drafted steps' periods, tokens/s, the round's last sample (goal 1.5x sooner)
   kernel-tests             tests/test_triton_attention.py, test_cuda_graphs.py and test_verify_graphs.py, compiled
                            and captured
   grpo, grpo-step, overlap, structured

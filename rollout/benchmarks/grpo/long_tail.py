@@ -234,6 +234,19 @@ def measure(
     }
 
 
+def _tail_line(s: dict[str, Any]) -> str:
+    """The tail's time per token and its steps by kind, for the table ("-" where a figure has no step)."""
+
+    def shown(value: Any) -> str:
+        return "-" if value is None else f"{value} ms"
+
+    line = f"{shown(s['tail_ms_per_token'])} per token: {s['tail_plain_steps']} plain steps"
+    line += f" of {shown(s['tail_plain_step_ms'])}" if s["tail_plain_steps"] else ""
+    if s["tail_drafted_steps"]:
+        line += f", {s['tail_drafted_steps']} drafted of {shown(s['tail_drafted_step_ms'])}"
+    return f"{line}; {s['tail_forwards_per_token']} forwards per token"
+
+
 def _ms(seconds: float, count: int) -> float | None:
     """Milliseconds per one of `count` (None when there are none)."""
     return round(1000 * seconds / count, 4) if count else None
@@ -303,9 +316,7 @@ def _print_table(s: dict[str, Any]) -> None:
         ("running batch", f"{s['mean_decoding_per_step']} decoding per step ({s['mean_sequences_per_step']} "
          f"sequences, {s['mean_running_per_step']} running); {s['mean_decoding_while_queued']} over the "
          f"{s['queued_steps']} steps with requests queued; max_num_seqs {s['max_num_seqs']}"),
-        ("long tail", f"{s['tail_ms_per_token']} ms per token: {s['tail_plain_steps']} plain steps of "
-         f"{s['tail_plain_step_ms']} ms, {s['tail_drafted_steps']} drafted of {s['tail_drafted_step_ms']} ms, "
-         f"{s['tail_forwards_per_token']} forwards per token"),
+        ("long tail", _tail_line(s)),
         ("last / median finish", f"{s['last_over_median_finish']} ({s['last_finish_s']} s / {s['median_finish_s']} s)"),
         ("finished", f"{s['finished']}: {s['samples_finished']} of {s['samples']} samples, {s['samples_errored']} "
          f"errors, {s['samples_off_length']} off their length"),

@@ -60,10 +60,11 @@ class Probe:
             speculative decoding, less when drafts are accepted).
         draft_tokens: draft tokens computed (speculative decoding), accepted or not.
         tail_plain_s, tail_plain_steps, tail_drafted_s, tail_drafted_steps: the tail steps without and with draft
-            tokens, and the seconds from each one's schedule to the next step's (the loop's period while it ran: with
-            overlapped scheduling the host's work hides under the device's, so a step's period is the larger of the
-            two; a drafted step is verified at once, so its period is their sum). On a GPU these tell whether the
-            tail's time per token went to the device or to the host.
+            tokens, and the seconds from each one's schedule to the next step's (the loop's period while it ran). With
+            overlapped scheduling a plain step's host work hides under the device's, so its period is the larger of
+            the two, except where the drafter wanted the step before's tokens first (then a plain step waits too);
+            a drafted step is verified at once, so its period is their sum. On a GPU, the plain steps of a run
+            without drafts against the drafted steps of a run with them tell what a drafted step costs.
         step_s, forward_s: seconds spent in the engine's `step` calls, and in its model runner's forward calls
             within them (on a CPU the forward's compute; on a GPU only what queuing it costs, and a replayed CUDA
             graph does not call it): `step_s - forward_s` is the engine's own host work, on a CPU.
@@ -76,8 +77,10 @@ class Probe:
         self.tail_plain_steps = self.tail_drafted_steps = 0
         self.tail_plain_s = self.tail_drafted_s = 0.0
         self._period: tuple[str, float] | None = None  # the kind of the last step scheduled, and when it was
-        self._tail_step_open = False  # the last step scheduled is a tail step whose tokens are not counted yet
-        self._generated_before = 0
+        # Tail steps scheduled and not resolved yet, by id (held, so no id is reused meanwhile): the tokens each
+        # generates are counted when the step loop resolves it, which with overlapped scheduling comes after the next
+        # schedule, and before it when drafts need the tokens.
+        self._open_tail: dict[int, Any] = {}
         self.steps = self.decoding = self.sequences = self.running = 0
         self.queued_steps = self.queued_decoding = 0
         self.swap_out_blocks = self.swap_in_blocks = 0
@@ -100,7 +103,18 @@ class Probe:
             take_prefix(request, blocks, hashes)
             self._count_admission(request)
 
+        resolve = engine.loop._resolve  # noqa: SLF001 - counted, not changed
+
+        def probed_resolve(step: Any) -> Any:
+            before = engine.counters.generated_tokens
+            try:
+                return resolve(step)
+            finally:
+                if self._open_tail.pop(id(step.batch), None) is not None:
+                    self.tail_tokens += engine.counters.generated_tokens - before
+
         engine.scheduler.schedule = probed_schedule  # instance attributes: the engine's code is unchanged
+        engine.loop._resolve = probed_resolve  # noqa: SLF001
         engine.block_manager.take_prefix = probed_take_prefix
         engine.step = self._clocked(engine.step, "step_s")
         runner = engine.runner
@@ -127,16 +141,11 @@ class Probe:
         return max(self._admissions.values(), default=0)
 
     def close_step(self) -> None:
-        """Count the tokens the last step scheduled generated (called before each schedule, and once at the end:
-        the engine resolves a step before it schedules the next one when it does not overlap them)."""
-        generated = self.engine.counters.generated_tokens
+        """End the last scheduled tail step's period (called before each schedule, and once at the end)."""
         if self._period is not None:
             kind, started = self._period
             setattr(self, kind, getattr(self, kind) + time.perf_counter() - started)
             self._period = None
-        if self._tail_step_open:
-            self.tail_tokens += generated - self._generated_before
-        self._generated_before, self._tail_step_open = generated, False
 
     def _count_admission(self, request: Any) -> None:
         rid, hit = request.request_id, request.num_computed_tokens
@@ -175,7 +184,7 @@ class Probe:
         if decoding == len(batch.sequences) <= self.tail_width:
             self.tail_steps += 1
             self.tail_rows += decoding
-            self._tail_step_open = True
+            self._open_tail[id(batch)] = batch
             drafted = any(seq.draft for seq in batch.sequences)
             self._period = ("tail_drafted_s" if drafted else "tail_plain_s", started)
             if drafted:

@@ -75,15 +75,25 @@ MEDIA_TOKEN_FIELDS = (
 )
 
 
+# The sub-configs that make a model multimodal (and may hold its placeholder ids), and Omni models' part that holds them.
+MEDIA_CONFIGS = ("vision_config", "audio_config")
+
+
 def media_placeholder_tokens(model: torch.nn.Module) -> dict[int, str]:
     """A multimodal model's placeholder token ids, each with the config field that names it (empty for a text-only
-    model): the engine serves text only, so a prompt holding one would be read as a plain token, not as media."""
+    model, even one whose config kept such a field from a conversion): the engine serves text only, so a prompt
+    holding one would be read as a plain token, not as media."""
     config = getattr(model, "config", None)
+    configs = [c for c in (config, getattr(config, "thinker_config", None)) if c is not None]
+    parts = [getattr(c, name) for c in configs for name in MEDIA_CONFIGS if getattr(c, name, None) is not None]
+    if not parts:
+        return {}
     found = {}
-    for name in MEDIA_TOKEN_FIELDS:
-        token = getattr(config, name, None)
-        if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
-            found.setdefault(token, name)
+    for part in configs + parts:
+        for name in MEDIA_TOKEN_FIELDS:
+            token = getattr(part, name, None)
+            if isinstance(token, int) and not isinstance(token, bool) and token >= 0:
+                found.setdefault(token, name)
     return found
 
 

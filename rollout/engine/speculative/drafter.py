@@ -14,8 +14,8 @@ Only where it pays:
   join their pools, and the pools are indexed, as in any thin step: the drafts of later steps are the same);
 - with overlapped scheduling, a thin step waits for the step before to reach the host (drafts follow a sample's last
   token) only when it may draft: while some match length pays, or when it explores;
-- a row whose recent drafts were mostly rejected (two rejected whole in a row) stops drafting for 4 steps, so a
-  high-entropy sample costs little verification work;
+- a row whose recent drafts were mostly rejected (its rate, each verification weighing half, below 30%: two drafts
+  rejected whole in a row do it) stops drafting for 4 steps, so a high-entropy sample costs little verification work;
 - drafts are cut before the first token the sample's bans (suppress_tokens, one-token bad words, stop tokens before
   min_new_tokens) or its grammar refuses: the verification would reject it anyway.
 
@@ -150,10 +150,11 @@ class SuffixDrafter:
         row.acceptance = (1 - SMOOTHING) * row.acceptance + SMOOTHING * accepted / proposed
         if row.acceptance >= MIN_ACCEPTANCE:
             return
-        # Two drafts rejected whole in a row pause it (from a rate of 1 at its start, and of 2 * MIN_ACCEPTANCE
-        # after each pause); the pause does not grow while it keeps failing: measured, pauses doubling up to 64 steps
-        # kept rows from drafts that would have been accepted (tail forwards per token 0.461 -> 0.481 on `long-tail
-        # --model tiny --entropy 0.1`) and saved a few rejected drafts at entropy 1.5 (298 -> 282), within noise.
+        # Below the threshold it pauses: two drafts rejected whole in a row do it (from a rate of 1 at its start, and
+        # of 2 * MIN_ACCEPTANCE after each pause), and so do several accepted in small part. The pause does not grow
+        # while it keeps failing: measured, pauses doubling up to 64 steps kept rows from drafts that would have been
+        # accepted (tail forwards per token 0.461 -> 0.481 on `long-tail --model tiny --entropy 0.1`) and saved a few
+        # rejected drafts at entropy 1.5 (298 -> 282), within noise.
         row.resume_step = self._step + PAUSE
         row.acceptance = 2 * MIN_ACCEPTANCE
 
