@@ -225,6 +225,10 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
             ["--speculative-clear-on-weight-update"],
             "rollout-worker: error: --speculative-clear-on-weight-update: has no",
         ),
+        (  # typed at the engine's own value: still no effect without speculation, still refused
+            ["--num-speculative-tokens", "4"],
+            "rollout-worker: error: --num-speculative-tokens: has no effect without speculative",
+        ),
     ],
 )
 def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):

@@ -238,6 +238,8 @@ def test_the_nano_model_runs_in_bf16_with_its_own_vocabulary(monkeypatch):
         (["--model", "nano"], "--model nano needs --device cuda"),
         (["--speculative-disable-by-batch-size", "16"], "has no effect without --speculative suffix"),
         (["--repeats", "3"], "--repeats has no effect without --speculative suffix"),
+        (["--num-speculative-tokens", "4"], "no effect without --speculative suffix"),  # typed at its default
+        (["--repeats", "1"], "--repeats has no effect without --speculative suffix"),
         (["--speculative", "suffix", "--speculative-disable-by-batch-size", "0"], "must be >= 1, got 0"),
         (["--model", "tiny", "--device", "tpu"], "invalid choice: 'tpu'"),
     ],

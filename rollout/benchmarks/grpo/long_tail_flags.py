@@ -11,6 +11,7 @@ from rollout.config import MAX_SPECULATIVE_TOKENS, SCHEDULER_TYPES, SPECULATIVE_
 
 TIME_BUDGET_S = 1200.0
 DISABLE_BY_BATCH_SIZE = ContinuousBatchingConfig.speculative_disable_by_batch_size
+NUM_SPECULATIVE_TOKENS = ContinuousBatchingConfig.num_speculative_tokens
 DEVICES = ("cpu", "cuda")
 
 
@@ -88,16 +89,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the workload without and with this speculative decoding, side by side (--repeats times each; "
         "default: without only)",
     )
-    add("--num-speculative-tokens", type=int, default=4, help="with --speculative: draft tokens per sample and step")
+    # Unset (None) rather than their values, so that one typed without --speculative is refused even at its default.
+    add(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"with --speculative: draft tokens per sample and step (default: {NUM_SPECULATIVE_TOKENS})",
+    )
     add(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=DISABLE_BY_BATCH_SIZE,
+        default=None,
         metavar="SAMPLES",
         help="with --speculative: drafts only in steps decoding at most this many samples (the engine's "
-        "speculative_disable_by_batch_size)",
+        f"speculative_disable_by_batch_size; default: {DISABLE_BY_BATCH_SIZE})",
     )
-    add("--repeats", type=int, default=1, help="with --speculative: runs of each, alternated (medians reported)")
+    add(
+        "--repeats",
+        type=int,
+        default=None,
+        help="with --speculative: runs of each, alternated, medians reported (default: 1)",
+    )
     add(
         "--entropy",
         type=float,
@@ -122,7 +134,8 @@ def _by_model(field: str) -> str:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Usage errors for impossible settings."""
+    """Usage errors for impossible settings; the speculative flags left unset (refused when given without
+    --speculative, even at their defaults) get their defaults."""
     shape = shape_from(args)
     low, high = shape.prompt_tokens
     if min(shape.num_prompts, shape.n, shape.median_tokens, shape.max_tokens, low) < 1 or high < low:
@@ -131,6 +144,21 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--max-num-seqs must be >= 1")
     if not (0 < args.cache_fraction and args.sigma >= 0 and args.cpu_offload_space >= 0):
         parser.error("--cache-fraction must be > 0, --sigma and --cpu-offload-space >= 0")
+    if args.speculative is None:
+        for flag, value, why in (
+            ("--num-speculative-tokens", args.num_speculative_tokens, ""),
+            ("--speculative-disable-by-batch-size", args.speculative_disable_by_batch_size, ""),
+            ("--repeats", args.repeats, " (one run is made)"),
+        ):
+            if value is not None:
+                parser.error(f"{flag} has no effect without --speculative suffix{why}")
+    for name, default in (
+        ("num_speculative_tokens", NUM_SPECULATIVE_TOKENS),
+        ("speculative_disable_by_batch_size", DISABLE_BY_BATCH_SIZE),
+        ("repeats", 1),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if not 1 <= args.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         parser.error(
             f"--num-speculative-tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, got {args.num_speculative_tokens}"
@@ -139,12 +167,6 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.speculative_disable_by_batch_size < 1:
         parser.error(f"--speculative-disable-by-batch-size must be >= 1, got {args.speculative_disable_by_batch_size}")
-    if args.speculative is None and args.num_speculative_tokens != 4:
-        parser.error("--num-speculative-tokens has no effect without --speculative suffix")
-    if args.speculative is None and args.speculative_disable_by_batch_size != DISABLE_BY_BATCH_SIZE:
-        parser.error("--speculative-disable-by-batch-size has no effect without --speculative suffix")
-    if args.speculative is None and args.repeats != 1:
-        parser.error("--repeats has no effect without --speculative suffix (one run is made)")
     if args.speculative and getattr(args, "plot", None):
         parser.error("--plot draws one run; --speculative makes several: leave one of them out")
     if args.entropy is not None and (args.model not in COMPUTED or args.entropy <= 0):

@@ -24,20 +24,21 @@ def add_speculative_arguments(add: Callable[..., Any]) -> None:
     add(
         "--num-speculative-tokens",
         type=int,
-        default=engine.num_speculative_tokens,
-        help="most draft tokens per sample and step",
+        default=None,  # unset, not the engine's value: typed without --speculative it is refused, not ignored
+        help=f"most draft tokens per sample and step (default: {engine.num_speculative_tokens})",
     )
     add(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=engine.speculative_disable_by_batch_size,
-        help="draft only while a step decodes at most this many samples (the long tail)",
+        default=None,
+        help="draft only while a step decodes at most this many samples, the long tail "
+        f"(default: {engine.speculative_disable_by_batch_size})",
     )
     add(
         "--speculative-index-tokens",
         type=int,
-        default=engine.speculative_index_tokens,
-        help="most tokens of finished samples kept to draft from",
+        default=None,
+        help=f"most tokens of finished samples kept to draft from (default: {engine.speculative_index_tokens})",
     )
     add(
         "--speculative-clear-on-weight-update",
@@ -47,21 +48,20 @@ def add_speculative_arguments(add: Callable[..., Any]) -> None:
 
 
 def speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The `ContinuousBatchingConfig` fields the flags set.
+    """The `ContinuousBatchingConfig` fields the flags set (the engine's values where a flag is unset).
 
     Raises:
-        FieldError: a speculative setting changed without `--speculative` (it would have no effect: a user who
-            expected it to turn speculation on is told so, not ignored).
+        FieldError: a speculative setting given (on the command line, or by its ROLLOUT_* variable) without
+            `--speculative`, even at the engine's own value: it would have no effect, and a user who expected it to
+            turn speculation on is told so, not ignored.
     """
+    engine = ContinuousBatchingConfig()
     if args.speculative is None:
-        engine = ContinuousBatchingConfig()
         for name in SPECULATIVE_SETTINGS:
-            if getattr(args, name) != getattr(engine, name):
+            if getattr(args, name) not in (None, False):
                 raise FieldError(name, "has no effect without speculative (--speculative suffix turns it on)")
-    return {
-        "speculative": args.speculative,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
-        "speculative_index_tokens": args.speculative_index_tokens,
-        "speculative_clear_on_weight_update": args.speculative_clear_on_weight_update,
-    }
+    settings: dict[str, Any] = {"speculative": args.speculative}
+    for name in SPECULATIVE_SETTINGS:
+        value = getattr(args, name)
+        settings[name] = getattr(engine, name) if value is None else value
+    return settings
