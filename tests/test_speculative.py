@@ -97,6 +97,9 @@ def test_the_same_seeds_give_the_same_tokens_and_logprobs_bit_for_bit(overlap, e
     assert engine.scheduler.num_preemptions > 0, "the cache should be small enough to preempt"
     assert engine.loop.counters.steps < plain_engine.loop.counters.steps
     assert engine.loop.counters.verification_draws > 0, "penalties, n-grams and grammars draw round by round"
+    # Overlapped, the steps that drafted (or may) waited for the step before; a plain run never does.
+    assert plain_engine.loop.counters.overlap_lost_steps == 0
+    assert (engine.loop.counters.overlap_lost_steps > 0) is overlap
     assert sorted(setting for setting, taken in engine.accepted_by_setting.items() if taken) == list(
         range(len(samplings()))
     ), "every setting (penalties, bans, logit_bias, a grammar, greedy) should have drafts accepted"
@@ -449,6 +452,29 @@ def test_a_sample_whose_drafts_keep_failing_pauses_four_steps_after_two_rejected
     drafter.verified(request, proposed=4, accepted=4)  # ... one accepted whole ...
     drafter.verified(request, proposed=4, accepted=0)  # ... and one rejected: still drafting
     assert row.resume_step <= drafter._step
+
+
+def test_a_tail_whose_every_sample_pauses_keeps_its_steps_overlapped():
+    """With overlapped scheduling, the step loop waits for a step's tokens before the next thin step only when that
+    step may draft: not while every running sample pauses, nor when no match length pays."""
+    drafter = SuffixDrafter(num_speculative_tokens=4, disable_by_batch_size=8, index_tokens=1000)
+    drafter._rates = {length: [1.0, 1.0] for length in drafter._rates}  # every match length pays
+    first, second = (make_request(name, [1, 2, 3], max_new_tokens=200) for name in ("a", "b"))
+    for request in (first, second):
+        request.token_ids += [4, 5]
+        drafter._row(request)
+    assert drafter.wants_tokens([first, second])
+    drafter.speculates(2)
+    for _ in range(2):  # two drafts rejected whole in a row: the first sample pauses 4 steps
+        drafter.verified(first, proposed=4, accepted=0)
+    assert drafter.wants_tokens([first, second]) and not drafter.wants_tokens([first])
+    for _ in range(2):
+        drafter.speculates(1)
+    assert not drafter.wants_tokens([first])  # the next step is its pause's last
+    drafter.speculates(1)
+    assert drafter.wants_tokens([first])  # it may draft at the next one
+    drafter._rates = {length: [0.0, 1.0] for length in drafter._rates}  # no match length pays (and no exploring)
+    assert not drafter.wants_tokens([first, second])
 
 
 @pytest.mark.parametrize(("length", "accepted", "pays"), [(4, 4, True), (8, 8, True), (1, 1, False), (4, 0, False)])

@@ -21,6 +21,10 @@ class StepCounters:
     # Verification rounds of drafted steps that drew on the device, each a round trip to it (speculative decoding;
     # samples whose draws read none of their tokens draw all positions with their step: `verify.sample_drafted`).
     verification_draws: int = 0
+    # With overlapped scheduling, steps whose tokens were brought to the host before the next step was scheduled
+    # (a drafted step, verified at once; a thin step before one that may draft): each one's host work adds to the
+    # device's time instead of hiding under it.
+    overlap_lost_steps: int = 0
     weight_updates: int = 0
 
     def count_step(self, chunks: list[int], draft_tokens: int = 0) -> None:

@@ -124,6 +124,7 @@ class StepLoop:
         if previous is not None:
             self._advance(previous)
             if self._may_draft():  # drafts follow a sample's last token: it must be on the host
+                self.counters.overlap_lost_steps += 1
                 self.in_flight = None
                 outputs += self._resolve(previous)
                 previous = None
@@ -144,6 +145,7 @@ class StepLoop:
         if failure is not None:
             outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
         if launched is not None and (not self.overlap_scheduling or launched.logits is not None):
+            self.counters.overlap_lost_steps += self.overlap_scheduling
             self._advance(launched)  # a drafted step is verified at once: its samples' next drafts need its tokens
             return outputs + self._resolve(launched)
         self.in_flight = launched
@@ -184,7 +186,7 @@ class StepLoop:
         drafter, scheduler = self.scheduler.drafter, self.scheduler
         if drafter is None or scheduler.waiting or scheduler.swapped:
             return False
-        return len(scheduler.running) <= drafter.disable_by_batch_size and drafter.wants_tokens()
+        return len(scheduler.running) <= drafter.disable_by_batch_size and drafter.wants_tokens(scheduler.running)
 
     def _advance(self, step: InFlightStep) -> None:
         """Let the scheduler count what a queued step computes (once)."""

@@ -226,6 +226,8 @@ def speculative_rows(result: SectionResult) -> list[Row]:
     rows.append(number_row(name, "the round's last sample, sooner by", sooner, ".2f", Goal(">=", 1.5, "x"), "x"))
     proposed, accepted = get_path(medians, "draft_tokens", "with"), get_path(medians, "accepted_draft_tokens", "with")
     rows.append(number_row(name, f"draft tokens accepted (of {proposed})", accepted, ",.0f"))
+    lost = get_path(medians, "overlap_lost_steps", "with")
+    rows.append(number_row(name, "steps not overlapped (host work after the step before), with drafts", lost, ",.0f"))
     return rows
 
 

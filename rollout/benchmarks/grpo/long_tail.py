@@ -150,6 +150,7 @@ def measure(
         with_output += sum(1 for _, _, tokens in finished.values() if tokens)
         stats, computed = engine.stats(), engine.counters.computed_tokens
         verification_draws = engine.counters.verification_draws
+        overlap_lost_steps = engine.counters.overlap_lost_steps
         block_bytes = engine.kv_cache.shape.bytes_per_block(BLOCK_SIZE, engine.kv_cache.kv.dtype)
         swap_blocks = engine.kv_cache.num_swap_blocks
     finally:
@@ -207,6 +208,7 @@ def measure(
         "draft_tokens": probe.draft_tokens,
         "accepted_draft_tokens": accepted,
         "verification_draws": verification_draws,
+        "overlap_lost_steps": overlap_lost_steps,
         "tail_steps": probe.tail_steps,
         "tail_tokens": probe.tail_tokens,
         "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),

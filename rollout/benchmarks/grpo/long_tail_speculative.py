@@ -10,7 +10,9 @@ Figures, each the median over the repeats, and the ratio of the two:
 - the last sample's finish, from the round's start;
 - on a CPU, the engine's host time: its steps' seconds outside the model's forward (the sampler's arithmetic
   included, which a GPU queues as kernels);
-- draft tokens computed and accepted.
+- draft tokens computed and accepted;
+- with overlapped scheduling (a GPU's), the steps whose tokens came to the host before the next step was scheduled
+  (drafted steps, and thin steps before one that may draft): their host work did not hide under the device's.
 The same seeds give the same lengths and prompts to both; with `--known-lengths` every sample runs to its length.
 """
 
@@ -34,6 +36,7 @@ FIGURES = (
     "draft_tokens",
     "accepted_draft_tokens",
     "verification_draws",
+    "overlap_lost_steps",
 )
 
 
@@ -103,6 +106,7 @@ def print_comparison(summary: dict[str, Any]) -> None:
         "draft_tokens": "draft tokens",
         "accepted_draft_tokens": "accepted drafts",
         "verification_draws": "rounds drawn on device",
+        "overlap_lost_steps": "steps not overlapped",
     }
     if summary.get("repeats_finished", summary["repeats"]) == 0:
         print("no pair of runs finished within the time budget: no ratio (the medians are of runs cut short)")

@@ -13,7 +13,7 @@ Only where it pays:
   thin step where no match length pays, and that does not explore, looks for no match at all (its samples still
   join their pools, and the pools are indexed, as in any thin step: the drafts of later steps are the same);
 - with overlapped scheduling, a thin step waits for the step before to reach the host (drafts follow a sample's last
-  token) only when it may draft: while some match length pays, or when it explores;
+  token) only when it may draft: while some match length pays, or when it explores, and some sample is not pausing;
 - a row whose recent drafts were mostly rejected (its rate, each verification weighing half, below 30%: two drafts
   rejected whole in a row do it) stops drafting for 4 steps, so a high-entropy sample costs little verification work;
 - drafts are cut before the first token the sample's bans (suppress_tokens, one-token bad words, stop tokens before
@@ -101,11 +101,27 @@ class SuffixDrafter:
         self._looking = self._exploring or self._some_length_pays()
         return True
 
-    def wants_tokens(self) -> bool:
-        """Whether the next thin step may draft: some match length pays, or it explores. With overlapped scheduling
-        the step loop then brings the step before's tokens to the host first (a draft follows a sample's last
-        token); otherwise the steps stay overlapped."""
-        return (self._thin_steps + 1) % EXPLORE == 0 or self._some_length_pays()
+    def wants_tokens(self, running: list[Request]) -> bool:
+        """Whether the next thin step may draft: some match length pays, or it explores, and some running sample
+        is not pausing then. With overlapped scheduling the step loop then brings the step before's tokens to the
+        host first (a draft follows a sample's last token); otherwise the steps stay overlapped: a tail whose every
+        sample pauses (high entropy) keeps its host work under the device's.
+
+        Args:
+            running: the samples the next step may decode.
+        """
+        if not ((self._thin_steps + 1) % EXPLORE == 0 or self._some_length_pays()):
+            return False
+        return not all(self._pausing(request, self._step + 1) for request in running)
+
+    def _pausing(self, request: Request, step: int) -> bool:
+        """Whether the request's row proposes nothing at `step` for its pause (a row whose pool was dropped joins
+        a fresh one, unpaused, at its next proposal)."""
+        row = request.draft_row
+        if row is None or step >= row.resume_step:
+            return False
+        entry = self._pools.get(row.key)
+        return entry is not None and entry.pool is row.pool
 
     def _some_length_pays(self) -> bool:
         return any(accepted >= MIN_ACCEPTANCE * proposed for accepted, proposed in self._rates.values())
