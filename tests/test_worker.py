@@ -221,9 +221,9 @@ def test_slow_reader_loses_nothing(worker):
     """A client that reads nothing until its streaming groups are done (thousands of deltas queued) still gets every
     delta and every result. (At this size the kernel's socket buffers absorb the backlog, so this does not by itself
     reproduce a full ZeroMQ send queue; the worker disables the send high-water mark so none can drop results.)"""
-    # As RolloutClient's sockets: no receive high-water mark, so the reader's ZeroMQ keeps reading (and answering
-    # heartbeats) however far its application falls behind. A raw socket left at the default stops reading at 1,000
-    # messages, and the worker then rightly takes it for gone once its heartbeats time out (10 s), as on a slow CPU.
+    # As RolloutClient's sockets: no receive high-water mark, so the reader's ZeroMQ keeps reading however far its
+    # application falls behind. A raw socket left at the default stops reading at 1,000 messages, and the worker then
+    # rightly drops it once its unread replies pass the byte cap (max_pending_bytes).
     reader = Client(worker.address, receive_hwm=0)
     observer = Client(worker.address)
     try:

@@ -30,8 +30,8 @@ class WorkerLink:
         # No send high-water mark: messages for a worker not up yet wait in this client instead of being refused
         # (a refused send would lose the group); the client's own calls bound what waits.
         self.socket.setsockopt(zmq.SNDHWM, 0)
-        # No receive high-water mark either: ZeroMQ's I/O thread always reads, so the worker's heartbeats are
-        # answered even while this process is slow to take replies (a worker drops a peer that stops answering).
+        # No receive high-water mark either: ZeroMQ's I/O thread always reads, so replies never wait in the worker
+        # while this process is slow to take them (a worker drops a peer whose unread replies pass its byte cap).
         self.socket.setsockopt(zmq.RCVHWM, 0)
         if is_ipv6_literal(address):  # tcp://[::1]:5555; only then (localhost would try ::1 alone where hosts say so)
             self.socket.setsockopt(zmq.IPV6, 1)

@@ -5,9 +5,15 @@ A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connect
 `max_pending_bytes` of replies pile up unread, or (its groups only) when it has groups in flight and has been silent
 for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
-clients ignore) for a second; a send to a closed connection fails at once. ZeroMQ heartbeats close connections to peers that vanished without closing them (a network
-partition, a powered-off host) or stopped reading their socket altogether. Each loss is handled once: its groups are cancelled once and it is logged once;
+clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive closes connections to peers
+that vanished without closing them (a network partition, a powered-off host); a peer that stops reading is dropped
+by the byte cap on its replies. Each loss is handled once: its groups are cancelled once and it is logged once;
 replies still due to it are dropped quietly until it speaks again.
+
+No ZeroMQ (ZMTP) heartbeats: with them, libzmq 4.3.5 (pyzmq's, the latest release) aborts the whole process on an
+assertion (`!_io_error`, stream_engine_base.cpp) when a heartbeat falls due on a connection that failed while its
+inbound queue was full, which one client flooding requests it never reads the replies of brings about in seconds
+(zeromq/libzmq issues 3937, 4364).
 """
 
 from __future__ import annotations
@@ -27,11 +33,11 @@ logger = logging.getLogger(__name__)
 
 # Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
 SEND_HWM = 256
-# ZeroMQ (ZMTP) heartbeats: a connection whose peer does not answer them for HEARTBEAT_TIMEOUT_MS is closed (a
-# vanished host; or a raw client that stopped reading its socket, whose ZeroMQ then stops reading too).
-# RolloutClient's sockets have no receive high-water mark, so they always answer.
-HEARTBEAT_MS = 2000
-HEARTBEAT_TIMEOUT_MS = 10_000
+# TCP keepalive (module docstring: not ZeroMQ heartbeats): a connection idle this many seconds is probed every
+# KEEPALIVE_INTERVAL_S, and closed after KEEPALIVE_PROBES unanswered probes (a vanished host: about 20 s).
+KEEPALIVE_IDLE_S = 10
+KEEPALIVE_INTERVAL_S = 2
+KEEPALIVE_PROBES = 5
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
 FORGET_GONE_AFTER_S = 300.0
@@ -52,7 +58,7 @@ class ClientLinks:
     ):
         """
         Args:
-            socket: the worker's bound ROUTER socket (configured here: mandatory routing, send HWM, heartbeats).
+            socket: the worker's bound ROUTER socket (configured here: mandatory routing, send HWM, TCP keepalive).
             max_pending_bytes: most bytes of replies kept for a client that does not read; past it, it is dropped.
             client_timeout_s: silence after which a busy client's groups are cancelled.
             on_lost: called once per loss with (identity, reason): cancel its groups, drop its update.
@@ -63,8 +69,10 @@ class ClientLinks:
         self._on_lost = on_lost
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)  # past it: EAGAIN, and the reply waits in our backlog
-        socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+        socket.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+        socket.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
         # Only DISCONNECTED: it is queued before the descriptor is released, so no new client can hold that descriptor
         # yet (CLOSED comes after the close, when a new connection may already reuse it).
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
