@@ -145,6 +145,12 @@ class SamplingParams:
                 "must be an integer >= 1 (0 only with prompt_logprobs)",
                 self.max_new_tokens,
             )
+            _check(  # the stop tokens would stay banned to the end: min_new_tokens could never be honoured
+                self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens",
+                f"must be at most max_new_tokens ({self.max_new_tokens})",
+                self.min_new_tokens,
+            )
         if self.stop_token_ids is not None:
             if _is_int(self.stop_token_ids):
                 self.stop_token_ids = (self.stop_token_ids,)
@@ -289,9 +295,16 @@ class SamplingParams:
             sampling = cls(**fields)
         except FieldError as error:
             raise FieldError(f"sampling.{error.field}", error.reason) from None
-        warping = warping_fields(fields) if fields.get("do_sample") is False else []
+        greedy = "do_sample is False" if fields.get("do_sample") is False else ""
+        greedy = greedy or ("temperature is 0" if fields.get("temperature") == 0 else "")
+        warping = warping_fields(fields) if greedy else []
         if warping:  # one map that asks for greedy picks and a shaped distribution: the second would do nothing
-            raise FieldError(f"sampling.{warping[0]}", "has no effect while do_sample is False (in the same map)")
+            raise FieldError(f"sampling.{warping[0]}", f"has no effect while {greedy} (in the same map)")
+        if fields.get("include_stop_str_in_output"):  # the wire carries token ids, which a stop string ends alike
+            raise FieldError(
+                "sampling.include_stop_str_in_output",
+                "has no effect over ZeroMQ: the worker returns token ids, not text (the HTTP API returns text)",
+            )
         return sampling
 
 

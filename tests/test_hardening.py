@@ -305,6 +305,58 @@ def test_a_staged_nan_is_refused_at_commit(client):
     assert "NaN" in reply.message and client.ask(p.Hello()).policy_version == 0
 
 
+def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(client):
+    """A `ping` that names the open update (an unknown field) is refused alone: the update still takes its bucket
+    and ends only when its client aborts it. A malformed weight message naming it still drops it."""
+    import torch
+
+    from rollout.protocol.staging import bucket_checksum
+
+    ready = _norm_update(client, "kept")
+    client.socket.send_multipart([msgpack.packb({"protocol": 2, "type": "ping", "update_id": "kept"})])
+    refused = client.receive()
+    assert isinstance(refused, p.Error) and (refused.code, refused.field) == ("bad_request", "update_id"), refused
+    data = torch.ones(256).view(torch.uint8)
+    header = p.WeightsBucket(ready.update_id, [p.TensorPiece(0, 0, 1024)], bucket_checksum([data]))
+    client.socket.send_multipart([*p.encode(header), data.numpy().tobytes()])
+    assert isinstance(client.receive(), p.WeightsAck)
+    aborted = client.ask(p.WeightsAbort("kept"))
+    assert isinstance(aborted, p.WeightsAck) and aborted.state == "aborted", aborted
+    _norm_update(client, "dropped")
+    client.socket.send_multipart(
+        [msgpack.packb({"protocol": 2, "type": "weights_commit", "update_id": "dropped", "x": 1})]
+    )
+    assert isinstance(client.receive(), p.Error)
+    gone = client.ask(p.WeightsAbort("dropped"))
+    assert isinstance(gone, p.Error) and gone.code == "unknown_update", gone
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [({"dist": {"host": "127.0.0.1"}}, "dist"), ({"scalings": {"model.norm": 1.0}}, "scalings")],
+)
+def test_a_weights_begin_field_without_effect_is_refused_by_name(client, fields, field):
+    """`dist` belongs to transport torch.distributed, `scalings` to an adapter update: elsewhere each would do
+    nothing, so the update is refused naming it, not opened with it ignored."""
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
+    reply = client.ask(p.WeightsBegin(f"no-{field}", spec, partial=True, timeout_s=20, **fields))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_update", field), reply
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"temperature": 0, "top_p": 0.5}, "sampling.top_p"),  # greedy: top_p would do nothing
+        ({"temperature": 0, "min_p": 0.1}, "sampling.min_p"),
+        ({"include_stop_str_in_output": True}, "sampling.include_stop_str_in_output"),  # no text on the wire
+        ({"min_new_tokens": 100, "max_new_tokens": 2}, "sampling.min_new_tokens"),
+    ],
+)
+def test_a_sampling_field_without_effect_is_refused_by_name(client, sampling, field):
+    reply = client.ask(p.Generate(f"no-effect-{field}", [3, 4, 5], sampling={**GREEDY, "do_sample": True, **sampling}))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", field), reply
+
+
 def test_a_vanished_client_is_lost_once_not_once_per_reply(caplog):
     """64 groups' replies to a client whose connection is gone: it is lost (groups cancelled, a warning logged)
     once, and the other 63 replies are dropped quietly, instead of a cancel pass and a warning per reply. The

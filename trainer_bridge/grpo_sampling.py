@@ -3,10 +3,10 @@
 Every GRPOConfig field that TRL hands its vLLM generation backend is honoured, has no effect here (the settings of
 the vLLM engine the workers replace), or is refused at construction with an error naming it. `generation_kwargs`
 takes rollout `SamplingParams` fields and the vLLM spellings users copy from TRL recipes: `max_tokens`,
-`min_tokens`, `ignore_eos` and `stop_token_ids` (stops in addition to the EOS tokens, as in vLLM); `stop` strings,
-`include_stop_str_in_output` and `skip_special_tokens` are SamplingParams fields (stop strings need a worker with a
-tokenizer); the other detokenization options have no effect (workers return token ids); anything else is refused by
-name.
+`min_tokens`, `ignore_eos` and `stop_token_ids` (stops in addition to the EOS tokens, as in vLLM); `stop` strings
+and `skip_special_tokens` are SamplingParams fields (stop strings need a worker with a tokenizer); the other
+detokenization options, `include_stop_str_in_output` among them, have no effect (workers return token ids, which a
+stop string ends alike either way); anything else is refused by name.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ REFUSED = {
 # vLLM SamplingParams spellings in generation_kwargs -> rollout's.
 VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # vLLM options about detokenization: the workers return token ids, so they change nothing.
-NO_EFFECT_KWARGS = ("spaces_between_special_tokens", "detokenize")
+NO_EFFECT_KWARGS = ("spaces_between_special_tokens", "detokenize", "include_stop_str_in_output")
 
 
 def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:

@@ -33,7 +33,9 @@ Messages (client -> worker, then what the worker answers):
 | weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil; + one   | weights_ack, or error (the      |
 |                | raw frame per piece (transport "frames")                             | update is then dropped)         |
 | weights_commit | update_id: str                                                       | weights_committed, or error     |
-| weights_abort  | update_id: str                                                       | weights_ack (state "aborted")   |
+| weights_abort  | update_id: str                                                       | weights_ack (state "aborted"),  |
+|                |                                                                      | or error (unknown_update,       |
+|                |                                                                      | update_committing)              |
 
 Worker -> client:
 
@@ -83,14 +85,16 @@ Weight updates are transactions, one open at a time per worker: weights_begin an
 map: name, dtype such as "bfloat16", shape) and is checked against the model at once (unknown or missing names,
 wrong dtypes or shapes, a version not above the current one are refused, `field` naming the tensor or setting);
 buckets carry TensorPiece maps (index: announced tensor, offset and nbytes: a byte range of it; each tensor's pieces
-in order, without gaps); weights_commit checks that every announced byte arrived, then the engine copies the update
+in order, without gaps), at most 4 of them waiting for their weights_ack at a time (a fifth drops the update: its
+one error answers for the buckets still waiting too); weights_commit checks that every announced byte arrived, then the engine copies the update
 into the model in place between two steps. The staging area lays the tensors out in order, each at an offset
 aligned to 64 bytes (`rollout.protocol.staging.staging_layout`); transport "shm" makes it a shared-memory segment
 (named in weights_ready) that the client writes into; "torch.distributed" broadcasts each piece of a bucket, in
 order, over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
 worker, >= 1; backend "gloo" or "nccl"; group: a key, reused while it does not change). Every phase must follow the
 previous one within `timeout_s`; a client that misses a deadline or disappears gets its update dropped, and the old
-weights keep serving. `mode` says what happens to in-flight samples at commit: "keep" (continue on their KV),
+weights keep serving. A malformed weight message naming the open update drops it (one error says why); a message
+of another type that names it (a ping with an update_id) is refused alone. `mode` says what happens to in-flight samples at commit: "keep" (continue on their KV),
 "recompute" (re-prefill prompt + tokens so far), "abort" (end with finish_reason "abort"), "wait" (admission pauses
 until in-flight samples finish, at most `timeout_s`).
 

@@ -126,6 +126,7 @@ def decode(
         group_id, update_id = header.get("group_id"), header.get("update_id")
         error.group_id = group_id if isinstance(group_id, str) else None
         error.update_id = update_id if isinstance(update_id, str) else None
+        error.kind = header["type"] if isinstance(header.get("type"), str) else None
         raise
 
 

@@ -33,6 +33,8 @@ class ProtocolError(ValueError):
         reason: what is wrong with it.
         group_id, update_id: the message's ids when its header still had string ones (so the answer can be routed
             to the waiting call), else None.
+        kind: the header's "type" when it was a string, else None (a malformed weight message drops its update; a
+            malformed message of another type naming the update does not).
     """
 
     def __init__(self, field: str, reason: str):
@@ -41,6 +43,7 @@ class ProtocolError(ValueError):
         self.reason = reason
         self.group_id: str | None = None
         self.update_id: str | None = None
+        self.kind: str | None = None
 
 
 @dataclass

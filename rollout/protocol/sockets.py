@@ -171,7 +171,10 @@ class MessageReader:
         if self.max_header_bytes is not None and size:
             size += " of data"
         header = f"a header of more than {self.max_header_bytes} bytes" if self._header_too_long else ""
-        message.refused = f"the message has {count or size or header} (the worker's limit; see --max-message-bytes)"
+        # Only the data bytes follow --max-message-bytes; the frame count and the header's size are fixed limits.
+        shown = count or size or header
+        flag = " (the worker's limit; see --max-message-bytes)" if shown == size else " (a fixed limit of the protocol)"
+        message.refused = f"the message has {shown}{flag}"
         del message.frames[1:]
         if not more:
             return message

@@ -55,8 +55,9 @@ class WeightsBegin(ClientMessage):
     # A LoRA adapter update: its name (the tensors are "<module>.lora_A" / "<module>.lora_B"), served unmerged.
     adapter: str | None = None
     scalings: dict[str, float] = field(default_factory=dict)  # the adapter's scaling per module
-    # The base weights this update is for. A whole update with a base_id makes it the worker's; an adapter update
-    # with one is refused ("base_mismatch") unless the worker serves that base.
+    # The base weights this update is for. An update of base weights (whole or partial) makes its base_id the
+    # worker's (nil when it names none: the weights changed, unnamed); an adapter update with one is refused
+    # ("base_mismatch") unless the worker serves that base or brings it along.
     base_id: str | None = None
 
 

@@ -107,6 +107,10 @@ class StagedUpdate:
             raise UpdateRejected("bad_update", "mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}")
         if begin.transport not in TRANSPORTS:
             raise UpdateRejected("bad_update", "transport", f"must be one of {list(TRANSPORTS)}")
+        if begin.dist and begin.transport != "torch.distributed":
+            raise UpdateRejected("bad_update", "dist", f"has no effect with transport {begin.transport!r}")
+        if begin.scalings and begin.adapter is None:
+            raise UpdateRejected("bad_update", "scalings", "has no effect without adapter (a LoRA adapter's scalings)")
         receiver = receivers(begin.transport)
         receiver.check_begin(begin, peer)
         if not 0 < begin.timeout_s <= max_phase_s:

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 5.0  # for the last update's jobs (its staging goes back) when the worker stops
 MAX_QUEUED_BUCKETS = 4  # per update; a trainer keeps two in flight per worker (push.py)
 WEIGHT_MESSAGES = (p.WeightsSpec, p.WeightsBegin, p.WeightsBucket, p.WeightsCommit, p.WeightsAbort)
+WEIGHT_TYPES = frozenset(message.TYPE for message in WEIGHT_MESSAGES)
 
 
 class UpdateSlot:
@@ -122,7 +123,8 @@ class UpdateSlot:
             return
         update.touch()
         if update.committing:
-            reason = "the update is being committed" + ("; it cannot be aborted now" if "Abort" in message.TYPE else "")
+            aborting = isinstance(message, p.WeightsAbort)
+            reason = "the update is being committed" + ("; it cannot be aborted now" if aborting else "")
             self._send(identity, p.Error("update_committing", reason, "update_id", None, update_id))
             return
         if isinstance(message, p.WeightsAbort):
@@ -295,10 +297,20 @@ class UpdateSlot:
                 )
             self._send(update.identity, reply)
 
-    def on_malformed(self, identity: bytes, update_id: str | None, reply: p.Error) -> bool:
-        """A malformed message naming the open update drops it (True: handled, the client was told)."""
+    def on_malformed(self, identity: bytes, update_id: str | None, reply: p.Error, kind: str | None) -> bool:
+        """A malformed weight message naming the open update drops it (True: handled, the client was told); a
+        message of another type that names it (a `ping` with an `update_id`) costs the update nothing.
+
+        Args:
+            identity: the sender.
+            update_id: the id the message named, if any.
+            reply: the refusal, sent to the update's client when the update is dropped.
+            kind: the message's type, when its header had one.
+        """
         update = self.update
-        if update is None or update.update_id != update_id or update.identity != identity or update.committing:
+        if kind not in WEIGHT_TYPES or update is None or update.update_id != update_id:
+            return False
+        if update.identity != identity or update.committing:
             return False
         self.reject(reply)
         return True

@@ -215,16 +215,17 @@ class RolloutWorker:
         at its first entries, or else a decode)."""
         seen = glance_ids(frames[0]) if frames else None
         if seen is not None:
-            group_id, update_id = seen.get("group_id"), seen.get("update_id")
+            group_id, update_id, kind = seen.get("group_id"), seen.get("update_id"), seen.get("type")
         else:
-            group_id = update_id = None
+            group_id = update_id = kind = None
             try:
                 message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
                 group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
+                kind = message.TYPE
             except p.ProtocolError as error:
-                group_id, update_id = error.group_id, error.update_id
+                group_id, update_id, kind = error.group_id, error.update_id, error.kind
         reply = p.Error("bad_request", reason, "frames", group_id, update_id)
-        if not self._updates.on_malformed(identity, update_id, reply):
+        if not self._updates.on_malformed(identity, update_id, reply, kind):
             self._send(identity, reply)
 
     def _receive(self, identity: bytes, frames: list) -> None:
@@ -239,7 +240,8 @@ class RolloutWorker:
                 raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
         except p.ProtocolError as error:
             reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
-            if not self._updates.on_malformed(identity, error.update_id, reply):  # a malformed update message drops it
+            # a malformed weight message drops its update (`UpdateSlot.on_malformed`)
+            if not self._updates.on_malformed(identity, error.update_id, reply, error.kind):
                 self._send(identity, reply)
             return
         if self._auth is not None and not self._auth.may(frame_property(frames[0], "User-Id"), message.TYPE):
@@ -255,7 +257,7 @@ class RolloutWorker:
             logger.exception("request %s failed", message.TYPE)
             group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
             reply = p.Error("internal", f"{type(error).__name__}: {error}", None, group_id, update_id)
-            if not self._updates.on_malformed(identity, update_id, reply):
+            if not self._updates.on_malformed(identity, update_id, reply, message.TYPE):
                 self._send(identity, reply)
 
     def _refuse_role(self, identity: bytes, kind: str, group_id: str | None, update_id: str | None) -> None:
