@@ -247,6 +247,49 @@ def test_the_worker_socket_has_no_zeromq_heartbeats_but_tcp_keepalive():
         context.term()
 
 
+def test_replies_kept_for_many_non_readers_are_bounded_together():
+    """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
+    PENDING_TOTAL_FACTOR times that bound, the peer holding the most is dropped, so opening many sockets cannot
+    exhaust the worker's memory; the others keep their backlogs."""
+    import zmq
+
+    from rollout.service.zmq.clients import PENDING_TOTAL_FACTOR, ClientLinks
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDBUF, 4096)
+    router.setsockopt(zmq.SNDHWM, 1)
+    lost = []
+    links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
+    router.setsockopt(zmq.SNDHWM, 1)  # ZeroMQ queues one reply per peer: the rest wait in the backlogs
+    router.bind("tcp://127.0.0.1:*")
+    peers, identities = [], []
+    try:
+        for _ in range(8):
+            peer = context.socket(zmq.DEALER)
+            peer.setsockopt(zmq.RCVHWM, 1)
+            peer.setsockopt(zmq.RCVBUF, 4096)
+            peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+            peer.send_multipart(p.encode(p.Ping(1)))
+            identities.append(router.recv_multipart()[0])
+            links.seen(identities[-1])
+            peers.append(peer)
+        delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
+        size = len(p.encode(delta)[0]) + len(identities[0])
+        for _ in range(45_000 // size):  # about 45 kB each, under the per-client bound: 360 kB together
+            for identity in identities:
+                links.send(identity, delta)
+            links.flush()
+        assert lost and lost[0] == identities[0] and len(lost) < len(identities), lost
+        assert links.pending_bytes() <= PENDING_TOTAL_FACTOR * 50_000 and links.dropped_slow == len(lost)
+    finally:
+        links.close()
+        for peer in peers:
+            peer.close(linger=0)
+        router.close(linger=0)
+        context.term()
+
+
 def _norm_update(client, update_id: str, transport: str = "frames") -> p.WeightsReady:
     spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
     ready = client.ask(p.WeightsBegin(update_id, spec, partial=True, transport=transport, timeout_s=20))

@@ -58,8 +58,8 @@ Worker -> client:
 
 Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
 `--client-timeout` (30 s by default), so a client waiting on long groups should send `ping` every few seconds. A
-client whose connection closed, or that leaves more than `--max-pending-bytes` of replies unread, is dropped at
-once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
+client whose connection closed, or that leaves more than `--max-pending-bytes` of replies unread (or the most of
+them, when all clients' unread replies pass 4 times that), is dropped at once (groups cancelled). To find out whether a connection that closed was a client's, the worker may send it an
 unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did not ask for.
 
 Limits (`rollout-worker --max-...`, answered by name): header lists hold at most 2**20 items, maps 2**16 entries,

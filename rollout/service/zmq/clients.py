@@ -2,7 +2,8 @@
 per client and notices clients that are gone.
 
 A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connection closed), when it lets more than
-`max_pending_bytes` of replies pile up unread, or (its groups only) when it has groups in flight and has been silent
+`max_pending_bytes` of replies pile up unread (or holds the most when all clients' unread replies pass
+`PENDING_TOTAL_FACTOR` times that), or (its groups only) when it has groups in flight and has been silent
 for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
 clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive closes connections to peers
@@ -38,6 +39,9 @@ SEND_HWM = 256
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 5
+# Unread replies all clients together may leave in the worker, as a multiple of the per-client cap: many sockets
+# each under the cap must not exhaust the worker's memory. Past it, the client with the largest backlog is dropped.
+PENDING_TOTAL_FACTOR = 4
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
 FORGET_GONE_AFTER_S = 300.0
@@ -166,6 +170,14 @@ class ClientLinks:
         if size > self.max_pending_bytes:
             self.dropped_slow += 1
             self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
+        cap = PENDING_TOTAL_FACTOR * self.max_pending_bytes
+        while self._pending_total > cap and self._backlog_bytes:
+            largest = max(self._backlog_bytes, key=self._backlog_bytes.__getitem__)
+            self.dropped_slow += 1
+            reason = f"clients left more than {cap} bytes of replies unread together, the most of them its"
+            self.lose(largest, reason, unreachable=True)
+            if largest in self._backlog_bytes:  # not forgotten (it cannot be: a loss drops its backlog): stop here
+                break
 
     def flush(self, encode_s: float | None = ENCODE_TURN_S) -> None:
         """Send what waits in backlogs, oldest first, while ZeroMQ takes it; go on encoding large replies.
