@@ -126,7 +126,7 @@ def test_malformed_pairs_raise_type_error():
 
 
 # ---- 2. fake DeepSpeed ZeRO-3 (the `zero3` fixture: fakes.py, via conftest) ---------------------------------------
-def test_zero3_gathers_one_parameter_at_a_time(zero3):
+def test_zero3_gathers_one_parameter_at_a_time(zero3, monkeypatch):
     model = tiny_model(0)
     reference = snapshot(model)
     zero3.partition(model)
@@ -145,7 +145,9 @@ def test_zero3_gathers_one_parameter_at_a_time(zero3):
     assert set(zero3.gather_counts) == {id(param) for param in model.parameters()}
     assert all(param.numel() == 0 for param in model.parameters())  # left partitioned
 
-    # A non-main rank: push_weights(None, ...) takes part in every gather and sends nothing.
+    # A non-main rank of a 2-process job: push_weights(None, ...) takes part in every gather and sends nothing.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     before = zero3.enters
     assert push_weights(None, model) is None
     assert zero3.enters - before == len(reference) and zero3.peak == 1

@@ -90,6 +90,12 @@ class Caller:
         """
         self._command(CancelCall(group_id))
 
+    def _abandon(self, call: Call) -> None:
+        """Cancel `call`'s group because its caller stopped waiting: only while the group in flight under its id is
+        this call's. A call refused (a duplicate id, no worker) holds nothing: cancelling by id alone would abort
+        the group of the call that does hold the id."""
+        self._command(CancelCall(call.group.group_id, call))
+
     # ---- from a thread ------------------------------------------------------------------------------------------
     def result(self, group: PromptGroup, timeout: float | None) -> GroupResult:
         """`RolloutClient.generate`: `timeout` bounds the whole wait."""
@@ -101,7 +107,7 @@ class Caller:
                 if isinstance(event, GroupResult):
                     return event
         except BaseException:
-            self.cancel(call.group.group_id)
+            self._abandon(call)
             raise
 
     def events(self, group: PromptGroup, timeout: float | None) -> Iterator[Delta | GroupResult]:
@@ -115,15 +121,15 @@ class Caller:
                 yield event
         finally:
             if not finished:  # the caller stopped early (or failed)
-                self.cancel(call.group.group_id)
+                self._abandon(call)
 
     def results(self, groups: Iterable[PromptGroup], timeout: float | None) -> Iterator[GroupResult]:
         """`RolloutClient.generate_many`: `timeout` bounds each wait."""
         finished: queue.SimpleQueue = queue.SimpleQueue()
-        pending: set[str] = set()
+        pending: dict[str, Call] = {}  # group id -> this call's own submission of it
         try:
             for group in groups:  # a bad group raises here: those submitted before it are cancelled below
-                pending.add(self._client._submit(group, stream=False, sink=finished).group.group_id)
+                _own(pending, self._client._submit(group, stream=False, sink=finished))
             while pending:
                 try:
                     event = finished.get(timeout=self._seconds(timeout))
@@ -131,11 +137,11 @@ class Caller:
                     raise timed_out("no group finished in time", self._client.outage()) from None
                 if isinstance(event, RolloutError):
                     raise event
-                pending.discard(event.group_id)
+                pending.pop(event.group_id, None)
                 yield event
         finally:
-            for group_id in pending:  # an error, a timeout or an abandoned iterator
-                self.cancel(group_id)
+            for call in pending.values():  # an error, a timeout or an abandoned iterator
+                self._abandon(call)
 
     def _next(self, call: Call, timeout: float) -> Delta | GroupResult:
         try:
@@ -154,7 +160,7 @@ class Caller:
         try:
             return await sink.next(self._seconds(timeout), call.group.group_id)
         except BaseException:  # a timeout, an error reply or the task cancelled
-            self.cancel(call.group.group_id)
+            self._abandon(call)
             raise
 
     async def aevents(self, group: PromptGroup, timeout: float | None) -> AsyncIterator[Delta | GroupResult]:
@@ -169,22 +175,28 @@ class Caller:
                 yield event
         finally:
             if not finished:
-                self.cancel(call.group.group_id)
+                self._abandon(call)
 
     async def aresults(self, groups: Iterable[PromptGroup], timeout: float | None) -> AsyncIterator[GroupResult]:
         """`RolloutClient.agenerate_many`."""
         sink = AsyncSink(asyncio.get_running_loop())
-        pending: set[str] = set()
+        pending: dict[str, Call] = {}
         try:
             for group in groups:
-                pending.add(self._client._submit(group, stream=False, sink=sink).group.group_id)
+                _own(pending, self._client._submit(group, stream=False, sink=sink))
             while pending:
                 result = await sink.next(self._seconds(timeout), "any")
-                pending.discard(result.group_id)
+                pending.pop(result.group_id, None)
                 yield result
         finally:
-            for group_id in pending:
-                self.cancel(group_id)
+            for call in pending.values():
+                self._abandon(call)
 
     def _seconds(self, timeout: float | None) -> float:
         return self._client.timeout if timeout is None else timeout
+
+
+def _own(pending: dict[str, Call], call: Call) -> None:
+    """Count `call` among a generate_many's pending calls. A second group of the same id is refused (its error ends
+    the call) and holds nothing: the first one submitted stays the one cancelled when the call ends early."""
+    pending.setdefault(call.group.group_id, call)

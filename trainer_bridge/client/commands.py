@@ -21,9 +21,11 @@ class Submit:
 
 @dataclass
 class CancelCall:
-    """Cancel a group: on its worker, or at once while it is parked."""
+    """Cancel a group: on its worker, or at once while it is parked. With `call`, only while the group in flight
+    under this id is that call: a call refused as a duplicate id must not cancel the group that holds the id."""
 
     group_id: str
+    call: Call | None = None
 
 
 @dataclass

@@ -141,7 +141,7 @@ class Dispatcher:
             if isinstance(command, Submit):
                 self._submit(command.call)
             elif isinstance(command, CancelCall):
-                self._cancel(command.group_id)
+                self._cancel(command.group_id, command.call)
             elif isinstance(command, OpenChannel):
                 self._channels[command.update_id] = command.replies
             elif isinstance(command, CloseChannel):
@@ -169,10 +169,10 @@ class Dispatcher:
         else:
             self.router.add(call)
 
-    def _cancel(self, group_id: str) -> None:
+    def _cancel(self, group_id: str, owner: Call | None) -> None:
         router = self.router
         call = router.calls.get(group_id)
-        if call is None:
+        if call is None or (owner is not None and call is not owner):  # (another call's group: not the owner's)
             return
         call.cancelled = True
         if call.worker is not None:

@@ -153,7 +153,15 @@ class RolloutClient:
         self._caller.cancel(group_id)
 
     def stats(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime)."""
+        """Each live worker's counters (queue depth, running samples, KV blocks, tokens/s, version, uptime).
+
+        Args:
+            timeout: most seconds to wait for the answers (default: the client's timeout, at most 10).
+        Raises:
+            RolloutError: "closed" at once on a closed client; "timeout" when no worker answered in time.
+        """
+        if self._closed.is_set():  # nobody would ever answer: fail now, as generate does, not after the timeout
+            raise RolloutError("closed", "the client is closed")
         deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
         self.wait_connected(max(0.0, deadline - time.monotonic()))  # a new client: let its workers answer first
         replies: queue.SimpleQueue = queue.SimpleQueue()

@@ -47,6 +47,7 @@ from trainer_bridge.gathering import entries_of, iter_weights, unwrapped, weight
 from trainer_bridge.weights.adapter_mode import ADAPTER_MODES, push_mode
 from trainer_bridge.weights.lora_push import adapter_push
 from trainer_bridge.weights.push import WeightPush
+from trainer_bridge.weights.wire_specs import check_sendable
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ def push_weights(
     Raises:
         RolloutError: a worker rejected the update (its `field` names the culprit tensor or setting), or a phase
             timed out; no worker changed its weights unless the error says a commit failed.
-        ValueError: a bad argument.
+        ValueError: a bad argument; a `FieldError` names it: a tensor of a dtype no transport carries, or a None
+            `client` in a process that is not one of several (it would push nothing).
     """
     check_push_settings(mode=mode, transport=transport, bucket_bytes=bucket_bytes, timeout=timeout, adapters=adapters)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
@@ -142,6 +144,7 @@ def push_weights(
         )
     if adapter_name is not None and (not isinstance(adapter_name, str) or not adapter_name):  # "" read as "default"
         raise FieldError("adapter_name", f"must be a non-empty string or None, got {adapter_name!r}")
+    _check_client(client, accelerator)
     if adapter_name is not None and adapters == "auto":
         adapters = "adapter"  # a named adapter is served adapter-only, or refused saying why: never merged silently
     adapter = None
@@ -156,7 +159,11 @@ def push_weights(
     if how == "adapter":
         model = unwrapped(model_or_named_tensors, accelerator)
         adapter = adapter_push(model, None, adapter_name, accelerator)
+    if adapter is not None:  # (every rank refuses the same tensor, before any gather)
+        check_sendable(adapter.entries, own_dtype=True)
+        check_sendable(adapter.base_entries)
     entries = [] if adapter is not None else entries_of(model_or_named_tensors, accelerator)
+    check_sendable(entries)
     is_main = client is not None and (accelerator is None or accelerator.is_main_process)
     if not is_main:
         if adapter is not None:  # the main process says whether the base travels
@@ -195,3 +202,32 @@ def push_weights(
     elif how == "merged":  # the PEFT model's policy is the served base now, not an adapter pushed before
         client.adapter = None
     return result
+
+
+def _check_client(client: RolloutClient | None, accelerator: Any) -> None:
+    """Refuse a None `client` outside a multi-process job: None marks the ranks that only take part in gathering,
+    and a process alone has no main rank that would push (the call would silently push nothing).
+
+    Args:
+        client: `push_weights`' client.
+        accelerator: `push_weights`' accelerator (its process count, where it has one).
+    Raises:
+        FieldError: ("client") None, with a single process.
+    """
+    if client is not None or _num_processes(accelerator) > 1:
+        return
+    raise FieldError(
+        "client",
+        "None is for the ranks other than the main one of a multi-process job, which only take part in gathering; "
+        "this process is alone (torch.distributed is not initialized, or its world size is 1), so nothing would be "
+        "pushed: give the RolloutClient",
+    )
+
+
+def _num_processes(accelerator: Any) -> int:
+    """The processes of this job: the accelerator's count, else torch.distributed's world size (1 without it)."""
+    count = getattr(accelerator, "num_processes", None)
+    if isinstance(count, int):
+        return count
+    distributed = torch.distributed
+    return distributed.get_world_size() if distributed.is_available() and distributed.is_initialized() else 1

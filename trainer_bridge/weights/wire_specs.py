@@ -4,10 +4,30 @@ the dtype it travels in. Checked here, before anything is gathered or sent."""
 from __future__ import annotations
 
 from rollout import protocol as p
-from rollout.config import dtype_name
+from rollout.config import FieldError, dtype_name
 from rollout.protocol.staging import DTYPES
 from trainer_bridge.client import RolloutError
 from trainer_bridge.gathering import Entry
+
+
+def check_sendable(entries: list[Entry], own_dtype: bool = False) -> None:
+    """Refuse, naming the tensor, one whose dtype no transport carries, before anything is gathered or sent.
+
+    Args:
+        entries: the trainer's tensors to push.
+        own_dtype: they travel in their own dtype (an adapter's); else a floating-point one travels in the workers'
+            floating dtype (cast), so only a dtype that is neither carried nor floating can never travel.
+    Raises:
+        FieldError: naming the tensor, its dtype and the dtypes carried.
+    """
+    for entry in entries:
+        name = dtype_name(entry.dtype)
+        if name not in DTYPES and (own_dtype or not entry.dtype.is_floating_point):
+            raise FieldError(entry.name, _unsendable(name))
+
+
+def _unsendable(dtype: str) -> str:
+    return f"dtype {dtype} cannot be pushed: tensors travel as one of {', '.join(DTYPES)}"
 
 
 def wire_specs(
@@ -21,22 +41,30 @@ def wire_specs(
         reference: the workers' tensors, name -> (wire dtype name, shape).
         adapter_names: the entries of a LoRA adapter (the workers' adapter table checks them).
     Raises:
-        RolloutError: ("bad_update", naming the tensor) a name the workers' model lacks, or another shape.
+        RolloutError: ("bad_update", naming the tensor) a name the workers' model lacks, another shape, or a dtype
+            no transport carries.
     """
     specs = []
     for entry in entries:
-        if entry.name in adapter_names:
-            specs.append(p.TensorSpec(entry.name, dtype_name(entry.dtype), list(entry.shape)))
-            continue
-        target = reference.get(entry.name)
-        if target is None:
-            raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
-        dtype_wire, shape = target
-        if tuple(shape) != tuple(entry.shape):
-            raise RolloutError(
-                "bad_update", f"shape {list(entry.shape)} does not match the workers' {list(shape)}", entry.name
-            )
-        if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
-            dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
-        specs.append(p.TensorSpec(entry.name, dtype_wire, list(entry.shape)))
+        spec = _wire_spec(entry, reference, entry.name in adapter_names)
+        if spec.dtype not in DTYPES:  # one check_sendable let through: a floating dtype the workers hold as no float
+            raise RolloutError("bad_update", _unsendable(spec.dtype), entry.name)
+        specs.append(spec)
     return specs
+
+
+def _wire_spec(entry: Entry, reference: dict[str, tuple[str, tuple[int, ...]]], adapter: bool) -> p.TensorSpec:
+    """`entry`'s spec: an adapter's tensor in its own dtype; another checked against the workers' `reference`."""
+    if adapter:
+        return p.TensorSpec(entry.name, dtype_name(entry.dtype), list(entry.shape))
+    target = reference.get(entry.name)
+    if target is None:
+        raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
+    dtype_wire, shape = target
+    if tuple(shape) != tuple(entry.shape):
+        raise RolloutError(
+            "bad_update", f"shape {list(entry.shape)} does not match the workers' {list(shape)}", entry.name
+        )
+    if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
+        dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
+    return p.TensorSpec(entry.name, dtype_wire, list(entry.shape))

@@ -1,0 +1,150 @@
+"""Refusals on the trainer side (`trainer_bridge`) that must leave everything else as it was, and come at once:
+
+- a call refused as a duplicate `group_id` (generate, stream, generate_many, agenerate) does not cancel the group
+  that holds the id: that one still runs to its length;
+- `stats()` on a closed client fails with "closed" at once, as `generate` does;
+- `push_weights` refuses, before opening any update, a tensor whose dtype no transport carries (naming the tensor,
+  its dtype and the dtypes carried), and a None client in a process that is not one rank of several;
+- `WeightSyncCallback` refuses a bad mode or transport, `version` and unknown keywords when it is built, not at the
+  first push after a training step.
+
+One rollout-worker subprocess (tiny CPU model) serves the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rollout import FieldError
+from service_helpers import Worker
+from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, push_weights
+
+pytestmark = pytest.mark.timeout(120)
+LONG = 300  # tokens of the group that holds the id: still running when the duplicate is refused
+TENSOR = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(worker):
+    with RolloutClient(worker.address, timeout=60) as connection:
+        yield connection
+
+
+def _generate_many(client: RolloutClient, group: PromptGroup) -> None:
+    list(client.generate_many([group], timeout=10))
+
+
+def _agenerate(client: RolloutClient, group: PromptGroup) -> None:
+    asyncio.run(client.agenerate(group, timeout=10))
+
+
+DUPLICATE_CALLS = {
+    "generate": lambda client, group: client.generate(group, timeout=10),
+    "stream": lambda client, group: list(client.stream(group, timeout=10)),
+    "generate_many": _generate_many,
+    "agenerate": _agenerate,
+}
+
+
+@pytest.mark.parametrize("call", DUPLICATE_CALLS)
+def test_a_refused_duplicate_id_leaves_the_group_holding_it_running(client, call):
+    """The refused call used to cancel by id on its way out, aborting the first group (finish_reason "abort")."""
+    group_id = f"held-{call}"
+    first = client.stream(
+        PromptGroup([1, 2, 3], sampling={"max_new_tokens": LONG, "min_new_tokens": LONG}, group_id=group_id)
+    )
+    assert isinstance(next(first), Delta)  # in flight on the worker
+    with pytest.raises(RolloutError) as refused:
+        DUPLICATE_CALLS[call](client, PromptGroup([1, 2, 3], sampling={"max_new_tokens": 4}, group_id=group_id))
+    assert refused.value.code == "duplicate_group" and refused.value.field == "group_id"
+    *_, result = first
+    assert isinstance(result, GroupResult) and result.group_id == group_id
+    assert [c.finish_reason for c in result.completions] == ["length"]
+    assert len(result.completions[0].token_ids) == LONG
+
+
+def test_stats_on_a_closed_client_fails_at_once(worker):
+    """It waited for its workers first (10 s) and only then said "closed"."""
+    connection = RolloutClient(worker.address)
+    connection.close()
+    started = time.monotonic()
+    with pytest.raises(RolloutError) as refused:
+        connection.stats()
+    assert refused.value.code == "closed"
+    assert time.monotonic() - started < 1.0
+
+
+def _no_update_opened(client: RolloutClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The update ids `client` opens a channel for from now on (a push's first step, before it sends anything)."""
+    opened: list[str] = []
+    original = client.open_update_channel
+    monkeypatch.setattr(
+        client, "open_update_channel", lambda update_id: opened.append(update_id) or original(update_id)
+    )
+    return opened
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint32])
+def test_a_tensor_of_a_dtype_no_transport_carries_is_refused_by_name(client, monkeypatch, dtype):
+    """It failed with a bare KeyError: 'complex64' after asking the workers for their tensors."""
+    from rollout.presets import tiny_model
+
+    shape = tiny_model().state_dict()[TENSOR].shape  # the worker's own: only the dtype is wrong
+    opened = _no_update_opened(client, monkeypatch)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(FieldError) as refused:
+        push_weights(client, {TENSOR: torch.zeros(shape, dtype=dtype)}, partial=True)
+    assert refused.value.field == TENSOR
+    assert f"dtype {name} cannot be pushed" in refused.value.reason
+    assert "float32" in refused.value.reason and "bfloat16" in refused.value.reason  # the dtypes carried
+    assert opened == [] and client.min_policy_version == 0
+
+
+def test_a_none_client_in_a_single_process_is_refused_by_name(monkeypatch):
+    """push_weights(None, ...) returned None, pushing nothing: None is for the other ranks of a distributed job."""
+    weights = {TENSOR: torch.zeros(4, 4)}
+    with pytest.raises(FieldError) as refused:
+        push_weights(None, weights)
+    assert refused.value.field == "client" and "this process is alone" in refused.value.reason
+    with pytest.raises(FieldError, match="^client: "):  # an accelerator of one process
+        push_weights(None, weights, accelerator=SimpleNamespace(num_processes=1, is_main_process=True))
+
+    # A rank other than the main one of several: gathers, sends nothing, returns None.
+    assert push_weights(None, weights, accelerator=SimpleNamespace(num_processes=2, is_main_process=False)) is None
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
+    assert push_weights(None, weights) is None
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 1)
+    with pytest.raises(FieldError, match="^client: "):
+        push_weights(None, weights)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"mode": "bogus"}, ValueError, "mode must be one of .* got 'bogus'"),
+        ({"transport": "x"}, ValueError, "transport must be one of .* got 'x'"),
+        ({"version": 5}, TypeError, "^version: WeightSyncCallback sets it"),
+        ({"bogus_kw": 1}, TypeError, "^bogus_kw: not a push_weights setting"),
+    ],
+)
+def test_weight_sync_callback_refuses_bad_settings_when_built(kwargs, error, message):
+    """They were accepted, and failed at the first on_step_end, after a whole training step."""
+    from trainer_bridge.weights.sync_callback import WeightSyncCallback
+
+    with pytest.raises(error, match=message):
+        WeightSyncCallback(None, **kwargs)
+    good = WeightSyncCallback(None, every=2, mode="wait", transport="frames", bucket_bytes=1 << 20, timeout=5.0)
+    assert good.push_kwargs == {"mode": "wait", "transport": "frames", "bucket_bytes": 1 << 20, "timeout": 5.0}
