@@ -438,3 +438,44 @@ def test_readmitted_request_is_not_the_next_victim():
             victims.append([r.request_id for r in running if r.status == RequestStatus.WAITING])
     assert victims == [["r1"], ["r2"]]
     s.drain()
+
+
+# ---- clients take turns ----------------------------------------------------------------------------------------
+
+
+def _from(client: str, request: Request) -> Request:
+    request.client = client
+    return request
+
+
+def _admission_order(runner: Sim) -> list[str]:
+    """Drain the scheduler, noting each request when it first computes."""
+    order: list[str] = []
+    while runner.scheduler.has_unfinished():
+        batch, _ = runner.step()
+        order += [seq.request.request_id for seq in batch.sequences if seq.request.request_id not in order]
+    return order
+
+
+def test_a_client_queued_behind_another_s_long_queue_gets_the_next_turn():
+    """Client "a" queues 10 requests, then "b" one: with one sequence at a time, b's runs second, not eleventh. With
+    one client the queue is in arrival order."""
+    flood = [_from("a", make_request(f"a{i}", prompt(4, 10 + i), max_new_tokens=2)) for i in range(10)]
+    runner = sim(*flood, _from("b", make_request("b0", prompt(4, 40), max_new_tokens=2)), max_num_seqs=1)
+    order = _admission_order(runner)
+    assert order.index("b0") == 1 and [rid for rid in order if rid != "b0"] == [f"a{i}" for i in range(10)]
+    alone = sim(*(make_request(f"r{i}", prompt(4, 10 + i), max_new_tokens=2) for i in range(6)), max_num_seqs=1)
+    assert _admission_order(alone) == [f"r{i}" for i in range(6)]
+
+
+def test_a_client_that_cancelled_its_queue_is_not_put_behind_it():
+    """Client "a" queued 8 requests and cancelled them; its next request takes its turn among "b"'s, not after the 8
+    turns it gave up."""
+    runner = sim(*(_from("a", make_request(f"a{i}", prompt(4, 10 + i), max_new_tokens=2)) for i in range(8)))
+    runner.scheduler.abort(*(f"a{i}" for i in range(8)))
+    assert "a" not in runner.scheduler.turns.newest
+    for i in range(4):
+        runner.scheduler.add(_from("b", make_request(f"b{i}", prompt(4, 30 + i), max_new_tokens=2)))
+    runner.scheduler.add(_from("a", make_request("a-again", prompt(4, 50), max_new_tokens=2)))
+    runner.scheduler.max_num_seqs = 1
+    assert _admission_order(runner)[:2] == ["b0", "a-again"]

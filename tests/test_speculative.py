@@ -518,7 +518,7 @@ def test_drafts_stop_before_a_token_the_grammar_refuses():
 
 def test_drafts_are_shared_within_one_scope_and_adapter_only():
     drafter, running = drafting([4, 5])
-    running.draft_scope = "another client"
+    running.client = "another client"
     assert drafter.propose(running, 4) == ()
     assert drafter.num_pools == 2
 

@@ -24,8 +24,9 @@ class GroupSpec:
         streaming: emit a delta after every token (else one output per sample when it finishes).
         record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
         adapter: the LoRA adapter to sample with; None: the base model.
-        draft_scope: speculative decoding proposes drafts from the samples of groups with the same prompt, the same
-            adapter and the same scope only (the worker gives each client its own; "" for in-process callers).
+        client: who sent the group (the worker names each connection; "" for in-process callers): admission takes
+            turns between clients, and speculative decoding proposes drafts only from the samples of groups of the
+            same client, prompt and adapter.
     """
 
     group_id: str
@@ -36,4 +37,4 @@ class GroupSpec:
     streaming: bool = False
     record_timestamps: bool = False
     adapter: str | None = None
-    draft_scope: str = ""
+    client: str = ""

@@ -171,8 +171,8 @@ class RequestIntake:
             shown = repr(group_id[:64] + "...") if isinstance(group_id, str) and len(group_id) > 64 else repr(group_id)
             reason = f"must be a non-empty string without '#' (sample ids use it), got {shown}"  # a reply stays small
             raise FieldError("group_id", reason)
-        if not isinstance(spec.draft_scope, str):
-            raise FieldError("draft_scope", f"must be a string, got {type(spec.draft_scope).__name__}")
+        if not isinstance(spec.client, str):
+            raise FieldError("client", f"must be a string, got {type(spec.client).__name__}")
         for name in ("streaming", "record_timestamps"):
             if not isinstance(getattr(spec, name), bool):
                 raise FieldError(name, f"must be True or False, got {getattr(spec, name)!r}")
@@ -219,7 +219,7 @@ class RequestIntake:
             prompt_logprob_ranks=[None] if scoring else None,
             score_only=max_new == 0,
             adapter=ref,
-            draft_scope=spec.draft_scope,
+            client=spec.client,
         )
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)

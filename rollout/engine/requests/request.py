@@ -56,6 +56,8 @@ class Request:
     arrival: int
     # Samples still to fork from this request once its prompt is computed (n - 1 for a group leader, else 0).
     num_forks: int = 0
+    # Its place among the waiting requests of all clients (`rollout.engine.scheduling.client_turns`).
+    turn: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -114,9 +116,10 @@ class Request:
     cached_prompt_tokens: int | None = None
     # With sampling.return_routes: the MoE routes of every position computed (route_rows.py); else None.
     routes: RouteRows | None = None
-    # Speculative decoding: samples share drafts only within one scope (the worker gives each client its own) and
-    # one adapter; the drafter's state of this sample (`rollout.engine.speculative.drafter`), None until it drafts.
-    draft_scope: str = ""
+    # Who sent it (`GroupSpec.client`): admission takes turns between clients, and samples share drafts only within
+    # one client and one adapter.
+    client: str = ""
+    # The drafter's state of this sample (`rollout.engine.speculative.drafter`), None until it drafts.
     draft_row: Any = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)
 
@@ -256,7 +259,8 @@ class Request:
             score_only=self.score_only,
             adapter=self.adapter,
             cached_prompt_tokens=self.cached_prompt_tokens,
-            draft_scope=self.draft_scope,
+            client=self.client,
+            turn=self.turn,
         )
         if self.routes is not None:  # the prompt's routes are shared, as its KV is
             forked.routes = self.routes.forked(forked)

@@ -1,6 +1,7 @@
 """Scheduling, free of torch: which requests compute how many tokens each step, and their KV blocks.
 
 - `scheduler.py`: the token-budget scheduler: its queues, and a step's results;
+- `client_turns.py`: the waiting queue's order when several clients share the engine (they take turns);
 - `step_builder.py`: one step's `ScheduledBatch` (`batch.py`), filled from the queues phase by phase;
 - `admission.py`: which requests to admit, and which to preempt, under memory pressure;
 - `future_peak.py`: with known lengths, the most blocks the running requests will hold at once;

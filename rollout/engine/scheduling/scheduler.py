@@ -28,6 +28,7 @@ from rollout.engine.requests.request import Request, RequestStatus, sample_id
 from rollout.engine.scheduling.admission import AdmissionGate
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
+from rollout.engine.scheduling.client_turns import ClientTurns
 from rollout.engine.scheduling.step_builder import Drafter, StepBuilder
 
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self._arrivals = 0
+        self.turns = ClientTurns()  # clients take turns in the waiting queue
         self.num_preemptions = 0
         self.num_swaps = 0
         self.admission = AdmissionGate(block_manager, max_num_seqs, max_batch_tokens)
@@ -73,7 +75,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a new request (a group leader brings its samples with it through `num_forks`)."""
         request.arrival = self.next_arrival()
-        self.waiting.append(request)
+        self.turns.queue(self.waiting, request)
 
     @property
     def num_waiting(self) -> int:
@@ -126,6 +128,8 @@ class Scheduler:
                 queue.extend(kept)
                 for request in aborted:
                     ended += self.finish(request, "abort")
+                if queue is self.waiting:
+                    self.turns.forget(queue, {request.client for request in aborted})
         aborted = [r for r in self.running if r.group_id in wanted]
         if aborted:
             self.running[:] = [r for r in self.running if r.group_id not in wanted]

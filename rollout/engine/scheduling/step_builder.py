@@ -22,6 +22,7 @@ from rollout.engine.requests.request import Request, RequestStatus, sample_id
 from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
+from rollout.engine.scheduling.client_turns import ClientTurns
 
 
 class SchedulerQueues(Protocol):
@@ -37,6 +38,7 @@ class SchedulerQueues(Protocol):
     max_num_seqs: int
     admitting: bool
     drafter: Drafter | None
+    turns: ClientTurns
 
     def next_arrival(self) -> int: ...
 
@@ -178,6 +180,7 @@ class StepBuilder:
             blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
             if blocks_for_life > manager.num_blocks:
                 scheduler.waiting.remove(request)
+                scheduler.turns.forget(scheduler.waiting, {request.client})
                 batch.finished += scheduler.finish(
                     request,
                     "error",
@@ -198,6 +201,7 @@ class StepBuilder:
                 return
             admission.admitted(request)
             scheduler.waiting.remove(request)
+            scheduler.turns.took(request)
             request.kv_version_min = None  # its KV is computed anew: under the current weights
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING

@@ -1,6 +1,6 @@
 """`SuffixDrafter`: draft tokens for speculative decoding (`ContinuousBatchingConfig(speculative="suffix")`), with no
 draft model: each sample's drafts come from the pool of its prompt (`suffix_pool.DraftPool`): its group's samples,
-running or finished, and earlier rounds' samples of the same prompt, from the same client (`Request.draft_scope`) and
+running or finished, and earlier rounds' samples of the same prompt, from the same client (`Request.client`) and
 the same adapter.
 
 Only where it pays:
@@ -222,7 +222,7 @@ class SuffixDrafter:
             if entry is not None and entry.pool is row.pool:
                 return row
         adapter = None if request.adapter is None else request.adapter.name
-        key = (request.draft_scope, adapter, tuple(request.prompt_ids))
+        key = (request.client, adapter, tuple(request.prompt_ids))
         entry = self._pools.get(key)
         if entry is None:
             entry = self._pools[key] = _PoolEntry(DraftPool(request.num_prompt_tokens))

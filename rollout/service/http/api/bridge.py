@@ -100,10 +100,8 @@ class Submission:
         self._loop = loop
         try:
             group_ids = [f"http-{uuid.uuid4().hex}" for _ in self._prompts]
-            # One client as far as speculative drafts go: every HTTP caller holds the worker's one API key.
-            settings = dict(
-                sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter, draft_scope="http"
-            )
+            # One client as far as speculative drafts and admission turns go: every HTTP caller holds the worker's one API key.
+            settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter, client="http")
             self._manager.add_groups(  # all or none
                 [GroupSpec(group_id, prompt, **settings) for group_id, prompt in zip(group_ids, self._prompts)]
             )

@@ -1,0 +1,64 @@
+"""`ClientTurns`: the order of the waiting queue when several clients share an engine (`Request.client`: the worker
+names each connection; in-process callers are all "").
+
+Each new request gets a turn: one past its client's newest queued request, and at least one past the newest turn
+admitted so far. The queue keeps new requests in turn order (arrival order among equal turns), behind the preempted
+ones (at its head: their turns are never later than one admitted). So clients take turns: a client that queued a
+thousand groups holds turns 1 to 1000, and another client's group, queued after them, gets turn 2 and waits for one
+of them instead of a thousand. With one client every turn is one past the last: the queue is in arrival order, as
+before clients took turns.
+
+Invariant: `newest` holds only clients with requests waiting (admission and aborts forget the others), so a client
+that cancelled a long queue starts again from the turn admitted, not behind its own cancelled requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from rollout.engine.requests.request import Request
+
+
+class ClientTurns:
+    """Turns of the waiting requests per client (the scheduler's; torch-free)."""
+
+    def __init__(self) -> None:
+        self.newest: dict[str, int] = {}  # client -> the turn of its newest waiting request
+        self.admitted = 0  # the newest turn admitted so far
+
+    def queue(self, waiting: deque[Request], request: Request) -> None:
+        """Give a new request its turn and put it in `waiting` at that turn's place.
+
+        Args:
+            waiting: the scheduler's waiting queue (preempted requests at its head, then new ones by turn).
+            request: the new request (`request.client` says whose).
+        """
+        turn = max(self.newest.get(request.client, 0), self.admitted) + 1
+        self.newest[request.client] = request.turn = turn
+        place = len(waiting)
+        while place and waiting[place - 1].turn > turn:  # from the tail: with one client, no step at all
+            place -= 1
+        if place == len(waiting):
+            waiting.append(request)
+        else:
+            waiting.insert(place, request)
+
+    def took(self, request: Request) -> None:
+        """A waiting request was admitted (or readmitted: its turn is an old one)."""
+        self.admitted = max(self.admitted, request.turn)
+        if self.newest.get(request.client, 0) <= request.turn:  # its client has nothing newer waiting
+            self.newest.pop(request.client, None)
+
+    def forget(self, waiting: Iterable[Request], clients: set[str]) -> None:
+        """After requests of `clients` left the waiting queue unadmitted (aborted): each keeps the turn of its
+        newest request still waiting, or none."""
+        newest: dict[str, int] = {}
+        for request in waiting:
+            if request.client in clients:
+                newest[request.client] = max(newest.get(request.client, 0), request.turn)
+        for client in clients:
+            if client in newest:
+                self.newest[client] = newest[client]
+            else:
+                self.newest.pop(client, None)
