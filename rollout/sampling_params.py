@@ -203,7 +203,12 @@ class SamplingParams:
             _check(_is_number(value) and 0 <= value < 1, name, "must be in [0, 1) (0 disables)", value)
         _check(isinstance(self.do_sample, bool), "do_sample", "must be a bool", self.do_sample)
         if self.seed is not None:
-            _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
+            _check(  # torch.manual_seed's range, and what msgpack carries over the wire
+                _is_int(self.seed) and -(2**63) <= self.seed < 2**64,
+                "seed",
+                "must be an integer in [-2**63, 2**64)",
+                self.seed,
+            )
         _check(
             type(self.logprob_mode) is str and self.logprob_mode in LOGPROB_MODES,
             "logprob_mode",

@@ -18,3 +18,10 @@ def test_the_sentence_counts_whole_sequences_in_whole_blocks():
 def test_every_planning_length_below_the_context_is_spelled_out():
     text = cache_capacity(100_000, 16, 40_960)
     assert "1562 sequences of 1024 tokens, 390 of 4096, 97 of 16384, 39 of 40960 (the context)" in text
+
+
+def test_one_sequence_is_said_in_the_singular_and_a_cache_shorter_than_the_context_is_said():
+    assert cache_capacity(96, 16, 2048) == (
+        "the KV cache holds 1536 tokens: at once 1 sequence of 1024 tokens, 0 of 2048 (the context); not one "
+        "sequence of the whole context fits: a request that needs one ends with an error"
+    )

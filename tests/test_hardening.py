@@ -374,6 +374,18 @@ def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(
     assert isinstance(gone, p.Error) and gone.code == "unknown_update", gone
 
 
+def test_a_header_refused_before_it_is_built_still_names_its_group(client):
+    """A regex over the 1 MiB string limit is refused by msgpack before the header is built; the refusal still
+    carries the group's id (read from the header's first entries), so a client can tell which request failed."""
+    sampling = {**GREEDY, "regex": "a" * (2 << 20)}
+    reply = client.ask(p.Generate("long-regex", [3, 4, 5], sampling=sampling))
+    assert isinstance(reply, p.Error) and (reply.code, reply.field, reply.group_id) == (
+        "bad_request",
+        "header",
+        "long-regex",
+    ), reply
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [({"dist": {"host": "127.0.0.1"}}, "dist"), ({"scalings": {"model.norm": 1.0}}, "scalings")],

@@ -429,3 +429,20 @@ def test_a_vllm_spelling_in_generation_kwargs_is_named_as_typed():
                            repetition_penalty=1.0, max_completion_length=16)  # fmt: skip
     with pytest.raises(FieldError, match=r"generation_kwargs\['max_tokens'\] \(max_new_tokens\): '7' is invalid"):
         grpo_sampling(args, [2])
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "reason"),
+    [
+        ({"seed": 2**64}, "seed", "in [-2**63, 2**64)"),  # torch.manual_seed's range, and msgpack's
+        ({"seed": -(2**63) - 1}, "seed", "in [-2**63, 2**64)"),
+        ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens", "at most max_new_tokens (2)"),
+    ],
+)
+def test_sampling_values_no_run_could_honour_are_refused_by_name(fields, field, reason):
+    from rollout import SamplingParams
+
+    with pytest.raises(FieldError, match=re.escape(reason)) as refused:
+        SamplingParams(**fields)
+    assert refused.value.field == field
+    SamplingParams(seed=2**64 - 1, min_new_tokens=2, max_new_tokens=2)  # the edges are fine

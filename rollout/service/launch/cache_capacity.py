@@ -18,7 +18,9 @@ def cache_capacity(num_blocks: int, block_size: int, max_model_len: int) -> str:
     """
     tokens = num_blocks * block_size
     lengths = sorted({length for length in PLANNING_LENGTHS if length < max_model_len} | {max_model_len})
-    fits = [f"{num_blocks // -(-length // block_size)} of {length}" for length in lengths]
-    fits[0] = fits[0].replace(" of ", " sequences of ", 1)
+    counts = [num_blocks // -(-length // block_size) for length in lengths]
+    fits = [f"{count} of {length}" for count, length in zip(counts, lengths)]
+    fits[0] = fits[0].replace(" of ", " sequence of " if counts[0] == 1 else " sequences of ", 1)
     rest = "".join(f", {fit}" for fit in fits[1:])
-    return f"the KV cache holds {tokens} tokens: at once {fits[0]} tokens{rest} (the context)"
+    short = "; not one sequence of the whole context fits: a request that needs one ends with an error"
+    return f"the KV cache holds {tokens} tokens: at once {fits[0]} tokens{rest} (the context){short * (not counts[-1])}"

@@ -27,7 +27,7 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import SecurityLog, WorkerAuth
-from rollout.protocol.header_glance import glance_ids
+from rollout.protocol.header_glance import glance, glance_ids
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property, is_ipv6_literal
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
@@ -239,6 +239,10 @@ class RolloutWorker:
             if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
                 raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
         except p.ProtocolError as error:
+            if error.group_id is None and error.update_id is None and frames:  # refused before its ids were built
+                seen = glance(frames[0])  # (a string over the limit): the first entries may still name them
+                error.group_id, error.update_id = seen.get("group_id"), seen.get("update_id")
+                error.kind = error.kind or seen.get("type")
             reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
             # a malformed weight message drops its update (`UpdateSlot.on_malformed`)
             if not self._updates.on_malformed(identity, error.update_id, reply, error.kind):
