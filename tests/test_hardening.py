@@ -374,6 +374,17 @@ def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(
     assert isinstance(gone, p.Error) and gone.code == "unknown_update", gone
 
 
+def test_a_small_message_type_with_a_huge_header_is_refused_unread(client):
+    """A ping carrying a list of a million items: refused from its size and type (a glance), not decoded whole on
+    the serving loop before its unknown field is refused."""
+    header = msgpack.packb({"protocol": 2, "type": "ping", "nonce": 1, "pad": [0] * 1_000_000})
+    client.socket.send_multipart([header])
+    reply = client.receive()
+    assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", "header"), reply
+    assert "more than any ping needs" in reply.message
+    assert isinstance(client.ask(p.Ping(3)), p.Pong)
+
+
 def test_a_header_refused_before_it_is_built_still_names_its_group(client):
     """A regex over the 1 MiB string limit is refused by msgpack before the header is built; the refusal still
     carries the group's id (read from the header's first entries), so a client can tell which request failed."""

@@ -60,3 +60,26 @@ def glance_ids(frame: Any) -> dict[str, str] | None:
         return None
     carried = [item.name for item in dataclasses.fields(kind) if item.name in IDS]
     return seen if all(name in seen for name in carried) else None
+
+
+# Message types whose every legal header is small (ids, a nonce): one far larger carries junk, refused unread.
+SMALL_TYPES = frozenset({"ping", "stats", "hello", "cancel", "weights_spec", "weights_commit", "weights_abort"})
+SMALL_HEADER_BYTES = 64 << 10
+
+
+def oversized(frame: Any) -> str | None:
+    """Why a header is refused before it is decoded (None: decode it): a type in `SMALL_TYPES` with a header over
+    `SMALL_HEADER_BYTES` (a ping holding a list of a million items would otherwise be decoded whole, on the serving
+    loop, before its unknown field is refused).
+
+    Args:
+        frame: the header frame.
+    """
+    payload = frame.buffer if hasattr(frame, "buffer") else frame
+    size = memoryview(payload).nbytes
+    if size <= SMALL_HEADER_BYTES:
+        return None
+    kind = glance(frame).get("type")
+    if kind not in SMALL_TYPES:
+        return None
+    return f"a {kind} header of {size} bytes, more than any {kind} needs ({SMALL_HEADER_BYTES})"

@@ -27,7 +27,7 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import SecurityLog, WorkerAuth
-from rollout.protocol.header_glance import glance, glance_ids
+from rollout.protocol.header_glance import glance, glance_ids, oversized
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property, is_ipv6_literal
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
@@ -235,6 +235,9 @@ class RolloutWorker:
                 self._refuse_role(identity, seen["type"], seen.get("group_id"), seen.get("update_id"))
                 return
         try:
+            junk = oversized(frames[0]) if frames else None
+            if junk is not None:
+                raise p.ProtocolError("header", junk)
             message = p.decode(frames, max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
             if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
                 raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
