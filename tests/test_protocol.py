@@ -245,3 +245,17 @@ def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of
     assert glance(header[:60]) == {"type": "weights_begin", "update_id": "u9"}
     assert glance(header[:35]) == {"type": "weights_begin"} and glance_ids(header[:35]) is None
     assert glance(header[:12]) == {}
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (msgpack.packb({1: 2}), "int is not allowed for map key"),
+        (b"\x81\xa1\xff\x01", "a string is not valid UTF-8"),
+        (b"\x81\xa1a" + b"\x91" * 5000 + b"\xc0", "lists and maps nested too deep"),
+    ],
+)
+def test_an_undecodable_header_says_what_is_wrong_with_it(payload, reason):
+    with pytest.raises(p.ProtocolError, match=reason) as refused:
+        p.decode([payload])
+    assert refused.value.field == "header"

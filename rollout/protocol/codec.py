@@ -115,9 +115,9 @@ def decode(
     except ValueError as error:
         if "exceeds max_" in str(error):  # msgpack's bound check: the whole header is refused unread
             raise ProtocolError("header", f"a list, map or string is over the limit ({error})") from None
-        raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
+        raise ProtocolError("header", _undecodable(error)) from None
     except Exception as error:  # noqa: BLE001 - any undecodable input is the sender's fault
-        raise ProtocolError("header", f"not a msgpack map ({type(error).__name__})") from None
+        raise ProtocolError("header", _undecodable(error)) from None
     if not isinstance(header, dict):
         raise ProtocolError("header", f"expected a map, got {type(header).__name__}")
     try:
@@ -128,6 +128,16 @@ def decode(
         error.update_id = update_id if isinstance(update_id, str) else None
         error.kind = header["type"] if isinstance(header.get("type"), str) else None
         raise
+
+
+def _undecodable(error: Exception) -> str:
+    """Why msgpack could not decode a header, as a sender can act on it (its own words, cut short)."""
+    if isinstance(error, UnicodeDecodeError):
+        return "a string is not valid UTF-8"
+    if type(error).__name__ == "StackError":  # msgpack's, for nesting past its depth limit
+        return "lists and maps nested too deep"
+    words = str(error)[:200]
+    return f"not a msgpack map of string keys ({type(error).__name__}: {words})"
 
 
 def _checked_message(
