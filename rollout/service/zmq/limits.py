@@ -79,7 +79,8 @@ def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, c
         client_groups: groups this client has in flight.
     """
     if running:
-        return p.Error("duplicate_group", "a group with this id is still running", "group_id", message.group_id)
+        reason = "a group of this client with this id is still in flight (running, or cancelled and not ended yet)"
+        return p.Error("duplicate_group", reason, "group_id", message.group_id)
     if not 1 <= message.n <= limits.max_n:
         reason = f"must be in [1, {limits.max_n}] (the worker's --max-n), got {message.n}"
         return p.Error("bad_request", f"n: {reason}", "n", message.group_id)
