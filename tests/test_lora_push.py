@@ -114,8 +114,8 @@ def test_bad_adapters_are_refused_whole(client):
         return [(c.token_ids, c.logprobs) for c in (client.generate(g).completions[0] for g in groups)]
 
     before = answers()
-    with pytest.raises(RolloutError) as error:
-        push_weights(client, lora_model(5, r=16))
+    with pytest.raises(RolloutError) as error:  # adapter-only insisted on ("auto" would push it merged)
+        push_weights(client, lora_model(5, r=16), adapters="adapter")
     assert "max_lora_rank" in str(error.value)
     dora = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ValueError, match="DoRA"):  # adapter-only insisted on ("auto" would push it merged)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Iterable, Iterator
@@ -11,6 +12,8 @@ from typing import Any
 from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version, timed_out
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
 from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,7 +58,8 @@ class AsyncRollouts:
     (the default) a stale group is generated again (same prompt, same seed) until it is fresh; with `"is_correct"` it is
     kept as it is (its logprobs are the behaviour policy's, so an importance-sampling correction stays exact). Groups
     are taken from `groups` in order and step `s` always trains on groups `s * groups_per_step` to
-    `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in which prompts each step sees.
+    `(s + 1) * groups_per_step - 1`, however they finish, so a run is reproducible in which prompts each step sees;
+    groups left over at the end that do not fill a step are not trained on (a logged warning says how many).
     `max_staleness=0` is synchronous: the next step's groups are sent only when it asks.
 
     With `partial_rollouts=True` (`trainer_bridge.partial_rounds`), a step trains the first complete groups instead:
@@ -139,7 +143,8 @@ class AsyncRollouts:
         """The next step's batch: waits for its groups (regenerating stale ones) while later steps' groups run.
 
         Raises:
-            StopIteration: the groups ran out before a whole batch.
+            StopIteration: the groups ran out before a whole batch (groups left over that do not fill one are not
+                trained on: a warning names how many).
             RolloutError: a group failed or timed out (naming why); the rollouts are closed then.
         """
         if self._closed:
@@ -152,8 +157,7 @@ class AsyncRollouts:
             first = self.step * self.groups_per_step
             wanted = range(first, first + self.groups_per_step)
             if wanted.stop > self._num_taken:
-                self.close()
-                raise StopIteration
+                self._end_short(self._num_taken - first)
             gate = self._staleness_gate()
             while True:
                 self._collect_until(wanted)
@@ -213,8 +217,7 @@ class AsyncRollouts:
             while pool.room and (index := self._send_next()) is not None:  # new groups, sent in this step
                 pool.add(index, self.step)
             if len(pool) < self.groups_per_step:
-                self.close()
-                raise StopIteration
+                self._end_short(len(pool))
             gate = self._staleness_gate()
             while True:
                 for index, result in pool.completed():
@@ -237,6 +240,26 @@ class AsyncRollouts:
         batch = RolloutBatch(self.step, groups, lags, len(gate.regenerated), time.perf_counter() - started, carried)
         self.step += 1
         return batch
+
+    def _end_short(self, left: int) -> None:
+        """End the iteration: the groups ran out before a whole step. Its `left` groups are not trained on (every step
+        has groups_per_step groups, as trainers expect): said in a warning, never dropped silently.
+
+        Args:
+            left: groups taken for the unfinished step (sent, maybe finished: cancelled now).
+        Raises:
+            StopIteration: always.
+        """
+        if left:
+            logger.warning(
+                "AsyncRollouts: the last %d prompt group(s) do not fill a step of groups_per_step=%d and are dropped "
+                "untrained (after %d steps); give a multiple of groups_per_step to train on every prompt",
+                left,
+                self.groups_per_step,
+                self.step,
+            )
+        self.close()
+        raise StopIteration
 
     def _next_result(self) -> tuple[int, GroupResult] | None:
         """Wait for one result of a group in flight: (its slot, the result), or None when it was aborted (a weight

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -13,14 +12,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from rollout.config import FieldError, SamplingParams
+from rollout.config import FieldError
 from rollout.engine.engine import Engine
-from rollout.engine.requests.group_spec import GroupSpec
-from rollout.engine.requests.request import Request
 from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.route_frames import unpack_message
-from rollout.sampling_params import SAMPLING_FIELDS
-from trainer_bridge.client.calls import GroupResult, PromptGroup
+from trainer_bridge.client.calls import GroupResult, PromptGroup, as_integer
+from trainer_bridge.colocated_groups import prepare_requests
 from trainer_bridge.gathering import gathered
 from trainer_bridge.trained_base import tied_to_a_trained_module
 
@@ -120,9 +117,9 @@ class ColocatedEngine:
             FieldError: ("policy_version") not an integer, or below the current version (versions never go back),
                 or past int64.
         """
-        if isinstance(version, bool) or not hasattr(version, "__index__"):
+        if as_integer(version) is None:  # numpy / torch integers too; never a bool
             raise FieldError("policy_version", f"must be an integer, got {version!r}")
-        version = operator.index(version)  # numpy integers too
+        version = as_integer(version)
         if version == self.policy_version:
             return
         current = self.policy_version
@@ -206,13 +203,15 @@ class ColocatedEngine:
                 run-length encoded policy versions. A completion the engine ended with an error says so in its
                 `finish_reason` and `error`, as from a worker.
         Raises:
-            FieldError: a bad group (named, with its position); nothing was generated.
+            FieldError: a bad group (named, with its position); nothing was generated. What a worker refuses is
+                refused here by the worker's field names: `top_logprobs` / `prompt_logprobs`
+                ("groups[i].sampling.top_logprobs"), an `adapter` this engine does not serve ("groups[i].adapter").
         """
         self._check_open()
         if isinstance(groups, PromptGroup):
             raise FieldError("groups", "expected a list of PromptGroup, got one PromptGroup (wrap it in a list)")
         groups = list(groups)
-        requests = self._prepare(groups)
+        requests = prepare_requests(self.engine, self.model, groups, self._group_ids)  # nothing queued yet
         if policy_version is not None:
             self.set_policy_version(policy_version)
         if self.is_sleeping:
@@ -232,33 +231,6 @@ class ColocatedEngine:
                         results[result.group_id] = GroupResult(result.group_id, result.prompt_ids, result.completions)
         self.num_rounds += 1
         return [results[request.group_id] for request in requests]
-
-    def _prepare(self, groups: list[PromptGroup]) -> list[Request]:
-        """Each group checked and resolved into its leader request (nothing queued yet: a bad group loses nothing)."""
-        requests: list[Request] = []
-        seen: set[str] = set()
-        for index, group in enumerate(groups):
-            if not isinstance(group, PromptGroup):
-                raise FieldError(f"groups[{index}]", f"expected a PromptGroup, got {type(group).__name__}")
-            group_id = group.group_id if group.group_id is not None else f"colocated-{next(self._group_ids)}"
-            if group_id in seen:
-                raise FieldError(f"groups[{index}].group_id", f"{group_id!r} appears twice")
-            seen.add(group_id)
-            sampling = group.sampling
-            try:
-                if isinstance(sampling, dict):
-                    sampling = SamplingParams.from_fields(sampling)
-                elif not isinstance(sampling, SamplingParams):
-                    kind = type(sampling).__name__
-                    raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
-                if sampling.prompt_logprobs is not None:  # a Completion has no field for them: refused, not dropped
-                    raise FieldError("prompt_logprobs", "are not carried in a GroupResult yet")
-                requests.append(self.engine.intake.prepare(GroupSpec(group_id, group.prompt_ids, sampling, group.n)))
-            except FieldError as error:
-                # The worker's names: a sampling setting is "sampling.<field>".
-                field = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
-                raise FieldError(f"groups[{index}].{field}", error.reason) from None
-        return requests
 
     @contextlib.contextmanager
     def _round(self) -> Iterator[None]:

@@ -158,7 +158,7 @@ class Caller:
         sink = AsyncSink(asyncio.get_running_loop())
         call = self._client._submit(group, stream=False, sink=sink)
         try:
-            return await sink.next(self._seconds(timeout), call.group.group_id)
+            return await sink.next(self._seconds(timeout), call.group.group_id, self._client.outage)
         except BaseException:  # a timeout, an error reply or the task cancelled
             self._abandon(call)
             raise
@@ -170,7 +170,7 @@ class Caller:
         finished = False
         try:
             while not finished:
-                event = await sink.next(self._seconds(timeout), call.group.group_id)
+                event = await sink.next(self._seconds(timeout), call.group.group_id, self._client.outage)
                 finished = isinstance(event, GroupResult)
                 yield event
         finally:
@@ -185,7 +185,7 @@ class Caller:
             for group in groups:
                 _own(pending, self._client._submit(group, stream=False, sink=sink))
             while pending:
-                result = await sink.next(self._seconds(timeout), "any")
+                result = await sink.next(self._seconds(timeout), "any", self._client.outage)
                 pending.pop(result.group_id, None)
                 yield result
         finally:

@@ -29,7 +29,7 @@ class PromptGroup:
         sampling: a `rollout.SamplingParams`, or a dict of its field names (temperature, top_p, max_new_tokens,
             seed, ...). A group without a seed gets one, so a group resubmitted after a failover reproduces its
             tokens.
-        group_id: the group's id in results and `cancel`; None: the client makes one.
+        group_id: the group's id in results and `cancel` (non-empty, without '#'); None: the client makes one.
         adapter: the served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights`
             of a PEFT model), else the base model; `"__base__"`: the base model in any case.
         session_id: groups of one session (an agent's conversation) go to the worker that served the session's
@@ -157,17 +157,43 @@ class AsyncSink:
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    async def next(self, timeout: float, group_id: str) -> Delta | GroupResult:
+    async def next(
+        self, timeout: float, group_id: str, outage: Callable[[], str | None] | None = None
+    ) -> Delta | GroupResult:
+        """The call's next event, waited for at most `timeout` seconds.
+
+        Args:
+            timeout: seconds to wait.
+            group_id: the group waited for (what a timeout names).
+            outage: `RolloutClient.outage`, for a timeout to say why no worker serves (None: it says nothing).
+        Raises:
+            RolloutError: the event was an error, or none came in time.
+        """
         try:
             event = await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
-            raise RolloutError("timeout", f"group {group_id!r}: no answer in time") from None
+            raise timed_out(f"group {group_id!r}: no answer in time", outage and outage()) from None
         if isinstance(event, RolloutError):
             raise event
         return event
 
 
 _INT64 = 1 << 63  # ids and counts travel as msgpack integers
+
+
+def as_integer(value: Any) -> int | None:
+    """`value` as a Python int when it is an integer: an int, or a numpy / torch integer scalar (converted with
+    `operator.index`); None for anything else, bools included (True is no count or version).
+
+    Args:
+        value: what the caller gave.
+    """
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool"):
+        return None  # (numpy bools refuse operator.index; a torch bool tensor would give 0 or 1)
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _plain(value: Any) -> Any:
@@ -201,10 +227,13 @@ def checked_group(
         raise RolloutError("bad_request", "token ids must be integers", "prompt_ids") from None
     if not all(0 <= token < _INT64 for token in prompt_ids):
         raise RolloutError("bad_request", "token ids must be in [0, 2**63)", "prompt_ids")
-    if not isinstance(group.n, int) or isinstance(group.n, bool) or not 0 < group.n < _INT64:
+    n = as_integer(group.n)  # numpy / torch integers too, as for prompt_ids
+    if n is None or not 0 < n < _INT64:
         raise RolloutError("bad_request", f"n must be a positive integer, got {group.n!r}", "n")
     if group.group_id is not None and not isinstance(group.group_id, str):
         raise RolloutError("bad_request", f"group_id must be a string, got {group.group_id!r}", "group_id")
+    if group.group_id == "":  # only None means "make one": an empty id is a mistake, not a request for a new one
+        raise RolloutError("bad_request", "group_id must be a non-empty string, or None for one made here", "group_id")
     try:
         encoded = (group.group_id or "").encode("utf-8")
     except UnicodeEncodeError:
@@ -240,4 +269,4 @@ def checked_group(
     if group.session_id is not None and not isinstance(group.session_id, str):
         raise RolloutError("bad_request", f"session_id must be a string, got {group.session_id!r}", "session_id")
     adapter = None if chosen == BASE_NAME else chosen
-    return PromptGroup(prompt_ids, group.n, sampling, group_id, adapter, session_id=group.session_id)
+    return PromptGroup(prompt_ids, n, sampling, group_id, adapter, session_id=group.session_id)

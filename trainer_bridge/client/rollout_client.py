@@ -31,6 +31,7 @@ from trainer_bridge.client.caller import Caller
 from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
 from trainer_bridge.client.commands import AddWorker, AskStats, OpenChannel, RemoveWorker
 from trainer_bridge.client.dispatcher import Dispatcher
+from trainer_bridge.client.routing import stale_workers
 from trainer_bridge.client.update_channel import UpdateChannel
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
@@ -284,10 +285,11 @@ class RolloutClient:
 
     def outage(self) -> str | None:
         """Why no worker serves this client now, each worker named (None while one does): what a timeout adds to
-        its message, so that a trainer whose only worker died reads which one, and since when."""
+        its message, so that a trainer whose only worker died reads which one, and since when, and one whose live
+        workers all serve weights older than its last push reads which, at which versions (`stale_workers`)."""
         workers = [worker for worker in self._io.workers if not worker.retired]
-        if any(worker.alive for worker in workers):
-            return None
+        if any(worker.alive for worker in workers):  # (read from the caller's thread: a snapshot, as below)
+            return stale_workers(workers, self.min_policy_version)
         now = time.monotonic()
         states = []
         for worker in workers:

@@ -116,21 +116,14 @@ class CallRouter:
     def _stale(self) -> str | None:
         """Why no call can be served although workers are alive: all of them served weights older than the newest
         pushed for longer than connect_timeout (None otherwise)."""
-        live = [worker for worker in self.workers if worker.alive]
-        if not self.parked or not live or any(w.policy_version >= self.min_policy_version for w in live):
+        reason = stale_workers(self.workers, self.min_policy_version)
+        if not self.parked or reason is None:
             self._stale_since = None  # (counted only while calls wait: a new call gets the whole connect_timeout)
             return None
         now = time.monotonic()
         if self._stale_since is None:
             self._stale_since = now
-        if now - self._stale_since <= self.connect_timeout:
-            return None
-        served = ", ".join(f"{worker.address} (version {_version(worker.policy_version)})" for worker in live)
-        return (
-            f"every live rollout worker serves weights older than version {self.min_policy_version}, the newest pushed "
-            f"through this client: {served}. They restarted or missed a push since; push the weights again "
-            "(push_weights) so they serve the trainer's policy."
-        )
+        return None if now - self._stale_since <= self.connect_timeout else reason
 
     def fail_parked(self) -> None:
         unreachable = self.unreachable()
@@ -165,6 +158,26 @@ class CallRouter:
         for call in parked:
             if self.calls.get(call.group.group_id) is call:
                 self.dispatch(call)
+
+
+def stale_workers(workers: list[WorkerLink], min_version: int) -> str | None:
+    """Why no live worker may take a group: every one serves weights older than `min_version`, each named with its
+    version (None when one serves it, or none is alive). What a call fails with (code "stale_workers") after
+    `connect_timeout`, and what a call's timeout says when it comes first (`RolloutClient.outage`).
+
+    Args:
+        workers: the client's worker links.
+        min_version: the newest version pushed through the client.
+    """
+    live = [worker for worker in workers if worker.alive]
+    if not live or any(worker.policy_version >= min_version for worker in live):
+        return None
+    served = ", ".join(f"{worker.address} (version {_version(worker.policy_version)})" for worker in live)
+    return (
+        f"every live rollout worker serves weights older than version {min_version}, the newest pushed through "
+        f"this client: {served}. They restarted or missed a push since; push the weights again (push_weights) so "
+        "they serve the trainer's policy."
+    )
 
 
 def _version(version: int) -> str:

@@ -7,7 +7,8 @@ What workers serve unmerged: LoRA on `torch.nn.Linear` layers other than the out
 fan_in_fan_out), `modules_to_save` copies of Linear and Embedding modules and of norms over the hidden states (the
 output head included), and none of the PEFT settings `rollout.peft_adapters.check_peft_config` refuses (trained
 biases, trainable tokens, ...). Every rank of a multi-process trainer decides alike (the decision reads only the
-model's adapter configuration)."""
+model's adapter configuration). A rank above the workers' `--max-lora-rank` shows only when a push asks them: "auto"
+then pushes that model merged, at once and from then on (`rank_refused`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ from trainer_bridge.trained_base import tied_to_a_trained_module, unfrozen_base_
 ADAPTER_MODES = ("auto", "adapter", "merged")
 # The PEFT models "auto" already warned about (once each: a trainer pushes at every step).
 _WARNED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# The PEFT models whose adapter the workers refused for its rank (above their --max-lora-rank): "auto" pushes them
+# merged from then on, without asking the workers again at every push.
+_RANK_REFUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def check_servable(model: Any, name: str) -> None:
@@ -99,7 +103,7 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     tied = tied_to_a_trained_module(model)
     if tied is not None:
         raise FieldError("model", tied)
-    if adapters == "merged":
+    if adapters == "merged" or (adapters == "auto" and model in _RANK_REFUSED):
         return "merged"
     name = active_adapter_name(model)
     unfrozen = unfrozen_base_parameters(model)
@@ -116,13 +120,36 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
         unmergeable = merge_refusal(model)
         if unmergeable is not None:
             raise FieldError(refusal.field, f"{refusal.reason}, and {unmergeable}") from None
-        if warn and model not in _WARNED and (accelerator is None or accelerator.is_main_process):
-            _WARNED.add(model)
-            reason = refusal.reason.split("; push with")[0]  # what follows is what this does
-            warnings.warn(
-                f"push_weights: adapter {name!r} cannot be served adapter-only ({refusal.field}: {reason}); "
-                "pushing merged weights (base + LoRA delta, the whole model at every push) instead. "
-                "adapters='merged' says so without this warning; adapters='adapter' makes it an error.",
-                stacklevel=3,
-            )
+        if warn:
+            _warn_merged(model, f"{refusal.field}: {refusal.reason}", accelerator)
         return "merged"
+
+
+def rank_refused(source: Any, field: str | None, reason: str, accelerator: Any = None) -> None:
+    """Remember that the workers refused `source`'s adapter for its rank (above their `max_lora_rank`): "auto"
+    pushes it merged from then on (`push_mode`), with one warning per model naming why. Every rank of a
+    multi-process trainer calls this alike, so that each decides the same afterwards.
+
+    Args:
+        source: what push_weights was given (a PEFT model, possibly wrapped).
+        field: the tensor the workers named.
+        reason: their words.
+        accelerator: the `accelerate.Accelerator` of a multi-process trainer (its main process warns).
+    """
+    model = unwrapped(source, accelerator)
+    _RANK_REFUSED.add(model)
+    _warn_merged(model, f"{field}: {reason}", accelerator)
+
+
+def _warn_merged(model: Any, why: str, accelerator: Any, stacklevel: int = 4) -> None:
+    """Warn, once per model and on the main process only, that "auto" pushes `model` merged, and why."""
+    if model in _WARNED or (accelerator is not None and not accelerator.is_main_process):
+        return
+    _WARNED.add(model)
+    why = why.split("; push with")[0]  # what follows is what this does
+    warnings.warn(
+        f"push_weights: adapter {active_adapter_name(model)!r} cannot be served adapter-only ({why}); "
+        "pushing merged weights (base + LoRA delta, the whole model at every push) instead. "
+        "adapters='merged' says so without this warning; adapters='adapter' makes it an error.",
+        stacklevel=stacklevel,
+    )

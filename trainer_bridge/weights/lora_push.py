@@ -46,6 +46,17 @@ class AdapterPush:
         self.base_included = include_base or self.always_base
         return (self.base_entries if self.base_included else []) + self.entries
 
+    def refused_for_rank(self, error: Exception) -> bool:
+        """Whether `error` is the workers refusing one of this adapter's tensors for its rank (above their
+        `max_lora_rank`, which they name): the one refusal "auto" answers by pushing merged weights instead.
+
+        Args:
+            error: what the push raised.
+        """
+        names = {entry.name for entry in self.entries}
+        field = getattr(error, "field", None)
+        return getattr(error, "code", None) == "bad_update" and field in names and "max_lora_rank" in str(error)
+
     @property
     def num_bytes(self) -> int:
         """Bytes of the adapter's tensors."""

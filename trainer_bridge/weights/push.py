@@ -23,7 +23,7 @@ from trainer_bridge.client.calls import PushResult, WorkerLost
 from trainer_bridge.gathering import Entry, as_wire_bytes
 from trainer_bridge.weights.lora_push import AdapterPush
 from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed
-from trainer_bridge.weights.wire_specs import wire_specs
+from trainer_bridge.weights.wire_specs import cast_for_wire, wire_specs
 
 logger = logging.getLogger("trainer_bridge.weights.weight_sync")
 
@@ -208,6 +208,7 @@ class WeightPush:
         for index, (entry, spec) in enumerate(zip(self.entries, specs)):
             tensor = entry.fetch()
             self.fetched += 1
+            tensor = cast_for_wire(entry.name, tensor, DTYPES[spec.dtype])  # refused if it overflows the dtype
             data = as_wire_bytes(tensor, DTYPES[spec.dtype], on_device)
             start = 0
             while start < data.numel() or (data.numel() == 0 and start == 0):

@@ -13,9 +13,9 @@ workers that do not hold it yet (in a multi-process trainer the main process's d
 gather the same tensors). The client then samples with that adapter by default (`RolloutClient.adapter`).
 `adapters="merged"` sends merged weights (base + LoRA delta) under the base model's names instead, and the client
 then samples with the base. The default, `adapters="auto"`, pushes adapter-only where the workers can serve the
-adapter unmerged, else merged with one warning naming why (DoRA, a trained bias, LoRA on a non-Linear layer, ...:
-`adapter_mode.py`); `adapters="adapter"` insists on adapter-only, refusing such an adapter by name. The model is left
-unmodified either way.
+adapter unmerged, else merged with one warning naming why (DoRA, a trained bias, LoRA on a non-Linear layer, a rank
+above the workers' max_lora_rank, ...: `adapter_mode.py`); `adapters="adapter"` insists on adapter-only, refusing
+such an adapter by name. The model is left unmodified either way.
 
 How a push runs, per worker: `weights_spec` (the worker's names, dtypes, shapes; floating tensors are cast to the
 worker's dtype), `weights_begin`, buckets of at most `bucket_bytes` (two in flight per worker), `weights_commit`.
@@ -41,11 +41,11 @@ import torch
 from rollout import protocol as p
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.protocol.transports import TRANSPORTS
-from trainer_bridge.client import RolloutClient
-from trainer_bridge.client.calls import PushResult
+from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.client.calls import PushResult, as_integer
 from trainer_bridge.gathering import entries_of, iter_weights, unwrapped, weight_specs
-from trainer_bridge.weights.adapter_mode import ADAPTER_MODES, push_mode
-from trainer_bridge.weights.lora_push import adapter_push
+from trainer_bridge.weights.adapter_mode import ADAPTER_MODES, push_mode, rank_refused
+from trainer_bridge.weights.lora_push import AdapterPush, adapter_push
 from trainer_bridge.weights.push import WeightPush
 from trainer_bridge.weights.wire_specs import check_sendable
 
@@ -105,8 +105,9 @@ def push_weights(
         client: the RolloutClient (None on ranks other than the main one: they only take part in gathering).
         model_or_named_tensors: an nn.Module (plain, accelerate-prepared, DeepSpeed ZeRO-3, FSDP2 or PEFT LoRA), or
             a dict / iterable of (name, tensor) under the worker model's state_dict names.
-        version: the new policy version (e.g. the trainer's global step; must grow); None: one above the newest
-            version a worker serves or this client pushed, the same for every worker.
+        version: the new policy version (e.g. the trainer's global step; must grow; an int or a numpy / torch
+            integer); None: one above the newest version a worker serves or this client pushed, the same for every
+            worker.
         mode: in-flight samples at commit: "keep", "recompute", "abort" or "wait" (see `Engine.update_weights`).
         bucket_bytes: most bytes per bucket (the sender holds at most two buckets per worker in flight).
         transport: "auto", "frames", "shm" or "torch.distributed".
@@ -119,8 +120,9 @@ def push_weights(
         preempt: take the workers' update slot over from another client's open update (e.g. this trainer before
             a restart), which is rejected; without it such a worker answers "update_in_progress".
         adapters: for a PEFT LoRA model: "auto" (adapter-only where the workers can serve the adapter unmerged, else
-            merged with one warning per model), "adapter" (adapter-only, or a FieldError naming what cannot be
-            served unmerged) or "merged" (base + LoRA delta under the base names, as a plain model).
+            merged with one warning per model; a rank above the workers' max_lora_rank, which they refuse, is pushed
+            merged at once and from then on), "adapter" (adapter-only, or a FieldError naming what cannot be served
+            unmerged) or "merged" (base + LoRA delta under the base names, as a plain model).
         adapter_name: the name the workers serve the adapter under (default: its PEFT name); groups then sample
             with it unless they name another (`PromptGroup.adapter`). Given, the push is adapter-only or refused
             (a FieldError naming "adapter_name", or what cannot be served unmerged): never new base weights.
@@ -133,8 +135,11 @@ def push_weights(
             `client` in a process that is not one of several (it would push nothing).
     """
     check_push_settings(mode=mode, transport=transport, bucket_bytes=bucket_bytes, timeout=timeout, adapters=adapters)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise FieldError("version", f"must be a non-negative integer (e.g. the trainer's global step), got {version!r}")
+    if version is not None:  # numpy / torch integers too, as ColocatedEngine and PromptGroup take them
+        given, version = version, as_integer(version)
+        if version is None or version < 0:
+            reason = f"must be a non-negative integer (e.g. the trainer's global step), got {given!r}"
+            raise FieldError("version", reason)
     newest = getattr(client, "min_policy_version", None)
     if version is not None and isinstance(newest, int) and version < newest:  # restarted workers would take it, and
         raise FieldError(  # then no call would go to them: the client waits for workers at its newest version
@@ -165,28 +170,55 @@ def push_weights(
     entries = [] if adapter is not None else entries_of(model_or_named_tensors, accelerator)
     check_sendable(entries)
     is_main = client is not None and (accelerator is None or accelerator.is_main_process)
+    # The workers' max_lora_rank is theirs to know: "auto" whose adapter they refuse for its rank (at weights_begin,
+    # before any byte) pushes merged at once instead, every rank taking part (the main process tells them).
+    fallback = how == "adapter" and adapters == "auto"
+    again = dict(version=version, mode=mode, bucket_bytes=bucket_bytes, transport=transport, timeout=timeout)
+    again |= dict(accelerator=accelerator, partial=partial, dist_host=dist_host, dist_backend=dist_backend)
     if not is_main:
         if adapter is not None:  # the main process says whether the base travels
             entries = adapter.choose(False)
         for entry in entries:  # take part in every gather the main process runs
             entry.fetch()
-        return None
+        if not (fallback and _main_says(False, accelerator)):
+            return None
+        rank_refused(model_or_named_tensors, None, "its rank, refused by the workers", accelerator)
+        return push_weights(None, model_or_named_tensors, preempt=preempt, **again)
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    refusal: RolloutError | None = None
     try:
-        push = WeightPush(
-            client,
-            entries,
-            version,
-            mode,
-            bucket_bytes,
-            transport,
-            timeout,
-            partial,
-            dist_host,
-            backend,
-            preempt,
-            adapter,
-        )
+        settings = (version, mode, bucket_bytes, transport, timeout, partial, dist_host, backend, preempt)
+        result = _run_push(client, entries, adapter, settings)
+    except RolloutError as error:
+        if not (fallback and adapter is not None and adapter.refused_for_rank(error)):
+            raise
+        refusal = error
+    finally:
+        if fallback:  # (on every path: the other ranks wait for the word)
+            _main_says(refusal is not None, accelerator)
+    if refusal is not None:
+        reason = str(refusal).removeprefix(f"{refusal.code}: ").removesuffix(f" (field {refusal.field})")
+        rank_refused(model_or_named_tensors, refusal.field, reason, accelerator)
+        return push_weights(client, model_or_named_tensors, preempt=preempt, **again)
+    if adapter is not None:
+        client.adapter = adapter.name
+    elif how == "merged":  # the PEFT model's policy is the served base now, not an adapter pushed before
+        client.adapter = None
+    return result
+
+
+def _run_push(client: RolloutClient, entries: list, adapter: AdapterPush | None, settings: tuple) -> PushResult:
+    """One push from the main process (`WeightPush`), every gather finished whatever fails (the other ranks of a
+    multi-process trainer are in them too).
+
+    Args:
+        client: the RolloutClient.
+        entries: the tensors to send (empty for an adapter push: it chooses its own).
+        adapter: an adapter-only push, or None.
+        settings: `WeightPush`'s arguments from `version` to `preempt`, in its order.
+    """
+    try:
+        push = WeightPush(client, entries, *settings, adapter)
     except BaseException:
         if adapter is not None:
             entries = adapter.choose(False)
@@ -194,14 +226,18 @@ def push_weights(
             entry.fetch()
         raise
     try:
-        result = push.run()
+        return push.run()
     finally:
         push.close()
-    if adapter is not None:
-        client.adapter = adapter.name
-    elif how == "merged":  # the PEFT model's policy is the served base now, not an adapter pushed before
-        client.adapter = None
-    return result
+
+
+def _main_says(flag: bool, accelerator: Any) -> bool:
+    """The main process's `flag`, on every rank of a multi-process trainer (a collective: every rank calls it)."""
+    if accelerator is None or getattr(accelerator, "num_processes", 1) <= 1:
+        return flag
+    from accelerate.utils import broadcast_object_list
+
+    return bool(broadcast_object_list([flag], from_process=0)[0])
 
 
 def _check_client(client: RolloutClient | None, accelerator: Any) -> None:

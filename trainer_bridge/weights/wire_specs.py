@@ -3,6 +3,8 @@ the dtype it travels in. Checked here, before anything is gathered or sent."""
 
 from __future__ import annotations
 
+import torch
+
 from rollout import protocol as p
 from rollout.config import FieldError, dtype_name
 from rollout.protocol.staging import DTYPES
@@ -68,3 +70,34 @@ def _wire_spec(entry: Entry, reference: dict[str, tuple[str, tuple[int, ...]]], 
     if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
         dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
     return p.TensorSpec(entry.name, dtype_wire, list(entry.shape))
+
+
+def cast_for_wire(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in its wire dtype, refused when the cast turns finite values into Inf (e.g. 1e6 in float16): the
+    worker would serve them silently and its samples would end in errors. Only a cast to a float dtype of a smaller
+    range is checked (one pass over the cast tensor; a second only when it holds a non-finite value).
+
+    Args:
+        name: the tensor's name (what a refusal names).
+        tensor: the trainer's tensor, whole.
+        dtype: its wire dtype (`wire_specs`).
+    Raises:
+        RolloutError: ("bad_update", field: the tensor) finite values beyond the wire dtype's range.
+    """
+    tensor = tensor.detach()
+    if tensor.dtype == dtype or not (tensor.dtype.is_floating_point and dtype.is_floating_point):
+        return tensor
+    cast = tensor.to(dtype)
+    if torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max or bool(torch.isfinite(cast).all()):
+        return cast
+    finite = torch.isfinite(tensor)
+    lost = int(finite.sum()) - int(torch.isfinite(cast).sum())  # values non-finite already are --check-finite's
+    if lost > 0:
+        largest = float(tensor[finite].abs().max())
+        raise RolloutError(
+            "bad_update",
+            f"{lost} finite value(s) (largest magnitude {largest:.4g}) exceed the workers' dtype "
+            f"{dtype_name(dtype)} (largest finite {torch.finfo(dtype).max:.4g}) and would be served as Inf",
+            name,
+        )
+    return cast
