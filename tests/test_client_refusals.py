@@ -137,7 +137,7 @@ def test_a_none_client_in_a_single_process_is_refused_by_name(monkeypatch):
         ({"mode": "bogus"}, ValueError, "mode must be one of .* got 'bogus'"),
         ({"transport": "x"}, ValueError, "transport must be one of .* got 'x'"),
         ({"version": 5}, TypeError, "^version: WeightSyncCallback sets it"),
-        ({"bogus_kw": 1}, TypeError, "^bogus_kw: not a push_weights setting"),
+        ({"bogus_kw": 1}, TypeError, "^bogus_kw: push_weights takes no 'bogus_kw'"),
     ],
 )
 def test_weight_sync_callback_refuses_bad_settings_when_built(kwargs, error, message):

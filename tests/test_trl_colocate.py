@@ -119,7 +119,7 @@ def test_each_setting_belongs_to_its_mode(tmp_path):
         (dict(rollout_mode="colocate", rollout_push_kwargs={}), "rollout_push_kwargs has no effect"),
         # a typo in rollout_push_kwargs is named when the trainer is built, not at its first push
         (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"mdoe": "keep"}), "push_weights takes no 'mdoe'"),
-        (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"version": 3}), "'version' is set by the trainer"),
+        (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"version": 3}), "version: the trainer sets it"),
         # and a value push_weights cannot take
         (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"adapters": "bogus"}), "adapters must be one of"),
         (dict(rollout_workers="tcp://x:1", rollout_push_kwargs={"transport": "pigeon"}), "transport must be one of"),

@@ -49,32 +49,31 @@ def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: A
         check_push_kwargs(push)
 
 
-# push_weights' arguments the trainer gives itself at every push.
-PUSH_SET_BY_THE_TRAINER = ("client", "model_or_named_tensors", "version", "accelerator")
+# push_weights' arguments the trainer gives itself at every push, and what it gives.
+PUSH_SET_BY_THE_TRAINER = {
+    "client": "its workers' client",
+    "model_or_named_tensors": "its model",
+    "version": "its global step",
+    "accelerator": "its accelerator",
+}
 
 
 def check_push_kwargs(push: Any) -> None:
     """Refuse, by name, a `rollout_push_kwargs` entry `push_weights` does not take (a typo would fail only at the
-    first push, after the first round) or one the trainer sets itself.
+    first push, after the first round), one the trainer sets itself, or a bad value.
 
     Args:
         push: the trainer's `rollout_push_kwargs`.
+    Raises:
+        ValueError: "rollout_push_kwargs: ..." naming the entry.
     """
-    import inspect
-
-    from trainer_bridge.weights.weight_sync import check_push_settings, push_weights
+    from trainer_bridge.weights import weight_sync
 
     if not isinstance(push, dict):
         raise ValueError(f"rollout_push_kwargs must be a dict of push_weights arguments, got {type(push).__name__}")
-    taken = [name for name in inspect.signature(push_weights).parameters if name not in PUSH_SET_BY_THE_TRAINER]
-    for key in push:
-        if key in PUSH_SET_BY_THE_TRAINER:
-            raise ValueError(f"rollout_push_kwargs: {key!r} is set by the trainer at every push")
-        if key not in taken:
-            raise ValueError(f"rollout_push_kwargs: push_weights takes no {key!r} (it takes {taken})")
     try:  # its values too: a bad one would fail only at the first push, after the first round
-        check_push_settings(**push)
-    except ValueError as error:
+        weight_sync.check_push_kwargs(push, PUSH_SET_BY_THE_TRAINER, "the trainer")
+    except (TypeError, ValueError) as error:
         raise ValueError(f"rollout_push_kwargs: {error}") from None
 
 

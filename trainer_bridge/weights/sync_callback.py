@@ -3,13 +3,12 @@ transformers' trainer, which `weight_sync` itself does not need)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from transformers import TrainerCallback
 
 from trainer_bridge.client import RolloutClient
-from trainer_bridge.weights.weight_sync import PushResult, check_push_settings, push_weights
+from trainer_bridge.weights.weight_sync import PushResult, check_push_kwargs, push_weights
 
 __all__ = ["WeightSyncCallback"]
 
@@ -33,7 +32,7 @@ class WeightSyncCallback(TrainerCallback):
         """
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
-        _check_push_kwargs(push_kwargs)
+        check_push_kwargs(push_kwargs, _SET_BY_CALLBACK, "WeightSyncCallback")
         self.client = client
         self.every = every
         self.push_kwargs = push_kwargs
@@ -55,21 +54,3 @@ _SET_BY_CALLBACK = {
     "model_or_named_tensors": "the trainer's model",
     "version": "the trainer's global step",
 }
-
-
-def _check_push_kwargs(push_kwargs: dict[str, Any]) -> None:
-    """Refuse, by name, what the first push would fail on, after a whole training step.
-
-    Args:
-        push_kwargs: the callback's keywords for `push_weights`.
-    Raises:
-        TypeError: a keyword the callback sets, or one `push_weights` does not take.
-        ValueError: a bad mode, transport, bucket_bytes, timeout or adapters (`check_push_settings`).
-    """
-    taken = [name for name in inspect.signature(push_weights).parameters if name not in _SET_BY_CALLBACK]
-    for name in push_kwargs:
-        if name in _SET_BY_CALLBACK:
-            raise TypeError(f"{name}: WeightSyncCallback sets it ({_SET_BY_CALLBACK[name]}); leave it out")
-        if name not in taken:
-            raise TypeError(f"{name}: not a push_weights setting; WeightSyncCallback takes {', '.join(taken)}")
-    check_push_settings(**push_kwargs)

@@ -33,6 +33,7 @@ Plain loops, the two-line hook after `optimizer.step()`:
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -238,6 +239,28 @@ def _main_says(flag: bool, accelerator: Any) -> bool:
     from accelerate.utils import broadcast_object_list
 
     return bool(broadcast_object_list([flag], from_process=0)[0])
+
+
+def check_push_kwargs(push_kwargs: dict[str, Any], set_by_caller: dict[str, str], caller: str) -> None:
+    """Refuse, by name, a keyword meant for `push_weights` that the caller sets itself or that `push_weights` does
+    not take, then a bad value (`check_push_settings`): what a trainer or callback checks when it is built, not at
+    its first push, after a whole step.
+
+    Args:
+        push_kwargs: the keywords it will pass `push_weights`.
+        set_by_caller: the `push_weights` arguments the caller gives itself, and what it gives.
+        caller: its name, for the errors.
+    Raises:
+        TypeError: naming a keyword the caller sets, or one `push_weights` does not take.
+        ValueError: naming a bad setting.
+    """
+    taken = [name for name in inspect.signature(push_weights).parameters if name not in set_by_caller]
+    for name in push_kwargs:
+        if name in set_by_caller:
+            raise TypeError(f"{name}: {caller} sets it ({set_by_caller[name]}); leave it out")
+        if name not in taken:
+            raise TypeError(f"{name}: push_weights takes no {name!r} (it takes {', '.join(taken)})")
+    check_push_settings(**push_kwargs)
 
 
 def _check_client(client: RolloutClient | None, accelerator: Any) -> None:
