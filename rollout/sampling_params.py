@@ -10,7 +10,15 @@ from typing import Any, Literal
 
 from rollout.constraints import CONSTRAINT_FIELDS, normalized_constraint
 from rollout.sampling_warping import warping_fields
-from rollout.validation import FieldError, _check, _is_int, _is_number, _listed, _token_ids
+from rollout.validation import (
+    FieldError,
+    _check,
+    _is_int,
+    _is_number,
+    _listed,
+    _token_ids,
+    logit_bias_pairs,
+)
 
 # Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
 LOGPROB_MODES = ("processed", "raw", "temperature_scaled")
@@ -23,7 +31,6 @@ MAX_STOP_TOKEN_IDS = 1024
 # Most top-k log-probs per prompt position (vLLM's default max_logprobs).
 MAX_PROMPT_LOGPROBS = 20
 # logit_bias: at most this many tokens (OpenAI's limit), each biased by a number in [-MAX, MAX] (OpenAI's bound).
-MAX_LOGIT_BIAS_TOKENS, MAX_LOGIT_BIAS = 300, 100.0
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
@@ -196,19 +203,14 @@ class SamplingParams:
             tokens = _listed(name, getattr(self, name))
             _check(len(tokens) <= MAX_SUPPRESSED_TOKENS, name, f"at most {MAX_SUPPRESSED_TOKENS} tokens", tokens)
             setattr(self, name, tuple(dict.fromkeys(_token_ids(name, tokens))))
-        self.logit_bias = _logit_bias(self.logit_bias)
+        self.logit_bias = logit_bias_pairs(self.logit_bias)
         _check(_is_number(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "must be in (0, 1]", self.typical_p)
         for name in ("epsilon_cutoff", "eta_cutoff"):
             value = getattr(self, name)
             _check(_is_number(value) and 0 <= value < 1, name, "must be in [0, 1) (0 disables)", value)
         _check(isinstance(self.do_sample, bool), "do_sample", "must be a bool", self.do_sample)
         if self.seed is not None:
-            _check(  # torch.manual_seed's range, and what msgpack carries over the wire
-                _is_int(self.seed) and -(2**63) <= self.seed < 2**64,
-                "seed",
-                "must be an integer in [-2**63, 2**64)",
-                self.seed,
-            )
+            _check(_is_int(self.seed), "seed", "must be an integer", self.seed)
         _check(
             type(self.logprob_mode) is str and self.logprob_mode in LOGPROB_MODES,
             "logprob_mode",
@@ -264,6 +266,12 @@ class SamplingParams:
             fill["stop_token_ids"] = given["stop_token_ids"]
         if state["max_new_tokens"] is None:
             fill["max_new_tokens"] = given["max_new_tokens"]
+        most = fill.get("max_new_tokens")
+        if most is not None and state["min_new_tokens"] > most:  # the checked copy below would skip this pair
+            raise FieldError(
+                "min_new_tokens",
+                f"must be at most max_new_tokens ({most}, the generation config's), got {state['min_new_tokens']}",
+            )
         checked = state.get("_checked") and given.get("_checked")
         state.pop("_checked", None)
         if not checked or fill.get("max_new_tokens") == 0:  # 0 is valid only beside prompt_logprobs: check it
@@ -305,50 +313,15 @@ class SamplingParams:
         warping = warping_fields(fields) if greedy else []
         if warping:  # one map that asks for greedy picks and a shaped distribution: the second would do nothing
             raise FieldError(f"sampling.{warping[0]}", f"has no effect while {greedy} (in the same map)")
-        if fields.get("include_stop_str_in_output"):  # the wire carries token ids, which a stop string ends alike
+        if fields.get("include_stop_str_in_output"):  # completions carry token ids, which a stop string ends alike
             raise FieldError(
                 "sampling.include_stop_str_in_output",
-                "has no effect over ZeroMQ: the worker returns token ids, not text (the HTTP API returns text)",
+                "has no effect here: completions carry token ids, not text (the HTTP API returns text)",
             )
+        seed = fields.get("seed")
+        if _is_int(seed) and not -(2**63) <= seed < 2**64:  # what msgpack carries (in-process, any integer seeds)
+            raise FieldError("sampling.seed", f"must be an integer in [-2**63, 2**64) on the wire, got {seed}")
         return sampling
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """`value` (None, a map of token id -> bias, or (token id, bias) pairs) as sorted (token id, bias) pairs, or a
-    FieldError naming logit_bias. Sizes are checked before any entry is looked at."""
-    if value is None:
-        return ()
-    _check(
-        isinstance(value, (dict, list, tuple)),
-        "logit_bias",
-        "must be a map of token id -> bias, or a list of (token id, bias) pairs",
-        value,
-    )
-    _check(
-        len(value) <= MAX_LOGIT_BIAS_TOKENS,
-        "logit_bias",
-        f"at most {MAX_LOGIT_BIAS_TOKENS} tokens (got {len(value)})",
-        value,
-    )
-    pairs = value.items() if isinstance(value, dict) else value
-    biases: dict[int, float] = {}
-    for pair in pairs:
-        _check(
-            isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "must hold (token id, bias) pairs", pair
-        )
-        token, bias = pair
-        if isinstance(token, str) and 0 < len(token) <= 19 and token.isascii() and token.isdecimal():
-            token = int(token)  # a JSON map's key
-        _check(_is_int(token) and token >= 0, "logit_bias", "token ids must be integers >= 0", token)
-        _check(
-            _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,  # False for nan and inf
-            "logit_bias",
-            f"the bias of token {token} must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-            bias,
-        )
-        _check(token not in biases, "logit_bias", "each token may be biased once", token)
-        biases[token] = float(bias)
-    return tuple(sorted(biases.items()))
 
 
 def _as_plain(value: Any) -> Any:

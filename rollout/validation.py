@@ -71,3 +71,45 @@ def _token_ids(name: str, value: Any, whole: Any = None) -> tuple[int, ...]:
         value if whole is None else whole,
     )
     return tuple(value)
+
+
+# logit_bias: at most this many tokens, each biased by a finite number in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_LOGIT_BIAS_TOKENS, MAX_LOGIT_BIAS = 300, 100.0
+
+
+def logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """`value` (None, a map of token id -> bias, or (token id, bias) pairs) as sorted (token id, bias) pairs, or a
+    FieldError naming logit_bias. Sizes are checked before any entry is looked at."""
+    if value is None:
+        return ()
+    _check(
+        isinstance(value, (dict, list, tuple)),
+        "logit_bias",
+        "must be a map of token id -> bias, or a list of (token id, bias) pairs",
+        value,
+    )
+    _check(
+        len(value) <= MAX_LOGIT_BIAS_TOKENS,
+        "logit_bias",
+        f"at most {MAX_LOGIT_BIAS_TOKENS} tokens (got {len(value)})",
+        value,
+    )
+    pairs = value.items() if isinstance(value, dict) else value
+    biases: dict[int, float] = {}
+    for pair in pairs:
+        _check(
+            isinstance(pair, (list, tuple)) and len(pair) == 2, "logit_bias", "must hold (token id, bias) pairs", pair
+        )
+        token, bias = pair
+        if isinstance(token, str) and 0 < len(token) <= 19 and token.isascii() and token.isdecimal():
+            token = int(token)  # a JSON map's key
+        _check(_is_int(token) and token >= 0, "logit_bias", "token ids must be integers >= 0", token)
+        _check(
+            _is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,  # False for nan and inf
+            "logit_bias",
+            f"the bias of token {token} must be a finite number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            bias,
+        )
+        _check(token not in biases, "logit_bias", "each token may be biased once", token)
+        biases[token] = float(bias)
+    return tuple(sorted(biases.items()))

@@ -19,7 +19,7 @@ from rollout import protocol as p
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.generate import generate_batch
 from rollout.engine.sampling.slots import SamplingSlots
-from rollout.sampling_params import MAX_LOGIT_BIAS_TOKENS
+from rollout.validation import MAX_LOGIT_BIAS_TOKENS
 from trainer_bridge.client.calls import PromptGroup, checked_group
 
 MAX_NEW = 6

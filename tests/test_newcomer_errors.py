@@ -434,15 +434,18 @@ def test_a_vllm_spelling_in_generation_kwargs_is_named_as_typed():
 @pytest.mark.parametrize(
     ("fields", "field", "reason"),
     [
-        ({"seed": 2**64}, "seed", "in [-2**63, 2**64)"),  # torch.manual_seed's range, and msgpack's
-        ({"seed": -(2**63) - 1}, "seed", "in [-2**63, 2**64)"),
-        ({"min_new_tokens": 5, "max_new_tokens": 2}, "min_new_tokens", "at most max_new_tokens (2)"),
+        ({"seed": 2**64}, "sampling.seed", "in [-2**63, 2**64) on the wire"),  # what msgpack carries
+        ({"seed": -(2**63) - 1}, "sampling.seed", "in [-2**63, 2**64) on the wire"),
+        ({"min_new_tokens": 5, "max_new_tokens": 2}, "sampling.min_new_tokens", "at most max_new_tokens (2)"),
     ],
 )
 def test_sampling_values_no_run_could_honour_are_refused_by_name(fields, field, reason):
     from rollout import SamplingParams
 
     with pytest.raises(FieldError, match=re.escape(reason)) as refused:
-        SamplingParams(**fields)
+        SamplingParams.from_fields(fields)
     assert refused.value.field == field
-    SamplingParams(seed=2**64 - 1, min_new_tokens=2, max_new_tokens=2)  # the edges are fine
+    SamplingParams.from_fields({"seed": 2**64 - 1, "min_new_tokens": 2, "max_new_tokens": 2})  # the edges are fine
+    assert SamplingParams(seed=2**70).seed == 2**70  # in-process, any integer seeds (the engine hashes it)
+    with pytest.raises(FieldError, match=re.escape("at most max_new_tokens (16, the generation config's)")):
+        SamplingParams(min_new_tokens=100).with_defaults(SamplingParams(max_new_tokens=16))

@@ -3,6 +3,8 @@ the dtype it travels in. Checked here, before anything is gathered or sent."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rollout import protocol as p
@@ -72,10 +74,15 @@ def _wire_spec(entry: Entry, reference: dict[str, tuple[str, tuple[int, ...]]], 
     return p.TensorSpec(entry.name, dtype_wire, list(entry.shape))
 
 
+# Float dtypes whose casts saturate at their largest finite value instead of overflowing (nothing to refuse).
+SATURATING = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, name))
+
+
 def cast_for_wire(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` in its wire dtype, refused when the cast turns finite values into Inf (e.g. 1e6 in float16): the
-    worker would serve them silently and its samples would end in errors. Only a cast to a float dtype of a smaller
-    range is checked (one pass over the cast tensor; a second only when it holds a non-finite value).
+    """`tensor` in its wire dtype, refused when the cast turns finite values into Inf or NaN (e.g. 1e6 in float16):
+    the worker would serve them silently and its samples would end in errors. Only a cast to a float dtype of a
+    smaller range that overflows is checked (fp8 e4m3fn saturates instead), from the source's largest magnitude: one
+    reduction, not a pass over the cast tensor.
 
     Args:
         name: the tensor's name (what a refusal names).
@@ -88,8 +95,21 @@ def cast_for_wire(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.
     if tensor.dtype == dtype or not (tensor.dtype.is_floating_point and dtype.is_floating_point):
         return tensor
     cast = tensor.to(dtype)
-    if torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max or bool(torch.isfinite(cast).all()):
+    if dtype in SATURATING or torch.finfo(dtype).max >= torch.finfo(tensor.dtype).max or not tensor.numel():
         return cast
+    largest = float(tensor.abs().amax())
+    if not math.isfinite(largest):  # NaN or Inf in the source: --check-finite's to refuse; its finite values here
+        finite = tensor[torch.isfinite(tensor)]
+        largest = float(finite.abs().amax()) if finite.numel() else 0.0
+    if largest <= torch.finfo(dtype).max:
+        return cast
+    lost = int((tensor.abs() > torch.finfo(dtype).max).sum()) - int(torch.isinf(tensor).sum())
+    raise RolloutError(
+        "bad_update",
+        f"{lost} finite value(s) (largest magnitude {largest:.4g}) exceed the workers' dtype {dtype_name(dtype)} "
+        f"(largest finite {torch.finfo(dtype).max:.4g}) and would be served as Inf or NaN",
+        name,
+    )
     finite = torch.isfinite(tensor)
     lost = int(finite.sum()) - int(torch.isfinite(cast).sum())  # values non-finite already are --check-finite's
     if lost > 0:

@@ -17,7 +17,7 @@ from rollout.benchmarks.harness.stub_model import stub_model
 from rollout.config import SamplingParams
 from rollout.engine.engine import Engine
 from rollout.presets.models import TINY_MODEL_CONFIG, tiny_model
-from rollout.sampling_params import MAX_LOGIT_BIAS
+from rollout.validation import MAX_LOGIT_BIAS
 
 NANO_CONFIG = workloads.QWEN3_0_6B  # the nano model's architecture (a CPU test swaps in a smaller one)
 

@@ -36,13 +36,15 @@ class ClientTurns:
         """
         turn = max(self.newest.get(request.client, 0), self.admitted) + 1
         self.newest[request.client] = request.turn = turn
-        place = len(waiting)
-        while place and waiting[place - 1].turn > turn:  # from the tail: with one client, no step at all
-            place -= 1
-        if place == len(waiting):
-            waiting.append(request)
+        later = 0  # waiting requests with a later turn, all at the tail: with one client, none
+        for queued in reversed(waiting):  # an iterator: indexing a deque's middle would make this quadratic
+            if queued.turn <= turn:
+                break
+            later += 1
+        if later:
+            waiting.insert(len(waiting) - later, request)
         else:
-            waiting.insert(place, request)
+            waiting.append(request)
 
     def took(self, request: Request) -> None:
         """A waiting request was admitted (or readmitted: its turn is an old one)."""

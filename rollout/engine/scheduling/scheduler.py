@@ -128,8 +128,8 @@ class Scheduler:
                 queue.extend(kept)
                 for request in aborted:
                     ended += self.finish(request, "abort")
-                if queue is self.waiting:
-                    self.turns.forget(queue, {request.client for request in aborted})
+                if queue is self.waiting:  # from the list kept: one walk of the queue for every group aborted
+                    self.turns.forget(kept, {request.client for request in aborted})
         aborted = [r for r in self.running if r.group_id in wanted]
         if aborted:
             self.running[:] = [r for r in self.running if r.group_id not in wanted]

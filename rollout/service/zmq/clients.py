@@ -6,9 +6,9 @@ A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connect
 `PENDING_TOTAL_FACTOR` times that), or (its groups only) when it has groups in flight and has been silent
 for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
-clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive closes connections to peers
-that vanished without closing them (a network partition, a powered-off host); a peer that stops reading is dropped
-by the byte cap on its replies. Each loss is handled once: its groups are cancelled once and it is logged once;
+clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive, and a limit on how long
+sent data may go unacknowledged, close connections to peers that vanished without closing them (a network
+partition, a powered-off host); a peer that stops reading is dropped by the byte cap on its replies. Each loss is handled once: its groups are cancelled once and it is logged once;
 replies still due to it are dropped quietly until it speaks again.
 
 No ZeroMQ (ZMTP) heartbeats: with them, libzmq 4.3.5 (pyzmq's, the latest release) aborts the whole process on an
@@ -35,10 +35,13 @@ logger = logging.getLogger(__name__)
 # Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
 SEND_HWM = 256
 # TCP keepalive (module docstring: not ZeroMQ heartbeats): a connection idle this many seconds is probed every
-# KEEPALIVE_INTERVAL_S, and closed after KEEPALIVE_PROBES unanswered probes (a vanished host: about 20 s).
+# KEEPALIVE_INTERVAL_S, and closed after KEEPALIVE_PROBES unanswered probes (a vanished host: about 20 s). Keepalive
+# waits while sent data is unacknowledged (a busy client's host died mid-reply): TCP_MAXRT (TCP_USER_TIMEOUT) closes
+# such a connection once its data has gone unacknowledged that long, instead of after minutes of retransmissions.
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 5
+UNACKNOWLEDGED_MS = 20_000
 # Unread replies all clients together may leave in the worker, as a multiple of the per-client cap: many sockets
 # each under the cap must not exhaust the worker's memory. Past it, the client with the largest backlog is dropped.
 PENDING_TOTAL_FACTOR = 4
@@ -77,6 +80,7 @@ class ClientLinks:
         socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
         socket.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
         socket.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+        socket.setsockopt(zmq.TCP_MAXRT, UNACKNOWLEDGED_MS)
         # Only DISCONNECTED: it is queued before the descriptor is released, so no new client can hold that descriptor
         # yet (CLOSED comes after the close, when a new connection may already reuse it).
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -162,7 +166,9 @@ class ClientLinks:
 
     def _count(self, identity: bytes, nbytes: int) -> None:
         """Add bytes now waiting in `identity`'s backlog to its count: past `max_pending_bytes`, the client is lost
-        (negative: bytes that left it)."""
+        (negative: bytes that left it). A client without a backlog (lost meanwhile) counts nothing."""
+        if identity not in self._backlog:
+            return
         size = self._backlog_bytes.get(identity, 0) + nbytes
         self._backlog_bytes[identity] = size
         self._pending_total += nbytes
@@ -173,11 +179,11 @@ class ClientLinks:
         cap = PENDING_TOTAL_FACTOR * self.max_pending_bytes
         while self._pending_total > cap and self._backlog_bytes:
             largest = max(self._backlog_bytes, key=self._backlog_bytes.__getitem__)
-            self.dropped_slow += 1
-            reason = f"clients left more than {cap} bytes of replies unread together, the most of them its"
+            reason = f"all clients together left more than {cap} bytes of replies unread, this one the most"
             self.lose(largest, reason, unreachable=True)
-            if largest in self._backlog_bytes:  # not forgotten (it cannot be: a loss drops its backlog): stop here
+            if largest in self._backlog_bytes:  # not dropped (lost already): the count is not this loop's to fix
                 break
+            self.dropped_slow += 1
 
     def flush(self, encode_s: float | None = ENCODE_TURN_S) -> None:
         """Send what waits in backlogs, oldest first, while ZeroMQ takes it; go on encoding large replies.
@@ -197,7 +203,8 @@ class ClientLinks:
                     self._count(identity, -head.counted)
                     head = backlog[0] = [identity, *encoded]
                     if not self._sent(identity, head):  # refused: it waits like any reply, counted
-                        self._count(identity, sum(len(frame) for frame in head))
+                        if identity in self._backlog:  # (not when the send lost the client: its backlog is gone)
+                            self._count(identity, sum(len(frame) for frame in head))
                         break
                     backlog.popleft()
                     continue
