@@ -208,7 +208,7 @@ def test_a_glance_finds_the_type_and_ids_that_decoding_finds(message):
 def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of_each_key():
     """A weights_begin naming 20,000 tensors (1.5 MB), or a header whose first value is a 30 MB string: the glance
     takes in at most GLANCE_BYTES of it (msgpack would buffer a whole string before its length check). An id longer
-    than the glance reads leaves the header to the decode (`glance_ids` is None), which names it. A header with a
+    than the glance reads leaves the header to the decode (`glance_ids` is None), which refuses it naming it. A header with a
     second "type" (msgpack maps may repeat keys; decoding keeps the last) shows the glance its first: the worker
     checks the decoded type's role again. What is no msgpack map, or is cut short, gives what was found before."""
     import tracemalloc
@@ -229,7 +229,9 @@ def test_a_glance_reads_a_few_kilobytes_of_a_large_header_and_takes_the_first_of
 
     long_id = p.encode(p.WeightsBegin("u" * GLANCE_BYTES, tensors[:2]))[0]
     assert glance(long_id) == {"type": "weights_begin"} and glance_ids(long_id) is None
-    assert p.decode([long_id]).update_id == "u" * GLANCE_BYTES
+    with pytest.raises(p.ProtocolError, match="more than the limit of 1024") as refused:  # and the decode names it
+        p.decode([long_id])
+    assert refused.value.update_id == "u" * GLANCE_BYTES
     assert glance_ids(header) == {"type": "weights_begin", "update_id": "u9"}
     assert glance_ids(p.encode(p.Ping(3))[0]) == {"type": "ping"}
 
@@ -259,3 +261,12 @@ def test_an_undecodable_header_says_what_is_wrong_with_it(payload, reason):
     with pytest.raises(p.ProtocolError, match=reason) as refused:
         p.decode([payload])
     assert refused.value.field == "header"
+
+
+def test_an_id_too_long_for_the_small_messages_that_name_it_is_refused():
+    """A group_id or update_id over 1024 characters is refused where it is first sent: a cancel or weights_commit
+    naming it again must fit the 64 KiB such small messages may hold."""
+    with pytest.raises(p.ProtocolError, match="more than the limit of 1024") as refused:
+        p.decode(p.encode(p.Generate("g" * 1025, [1, 2])))
+    assert refused.value.field == "group_id"
+    assert p.decode(p.encode(p.Generate("g" * 1024, [1, 2]))).group_id == "g" * 1024

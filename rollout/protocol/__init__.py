@@ -64,7 +64,8 @@ unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did 
 
 Limits (`rollout-worker --max-...`, answered by name): header lists hold at most 2**20 items, maps 2**16 entries,
 strings 2**20 bytes (longer ones are refused before they are built), and a header at most 2**17 lists and maps in
-all and 32 MiB (64 KiB for ping, stats, hello, cancel, weights_spec, weights_commit and weights_abort); a prompt is at most `--max-prompt-len` tokens (checked from its length first); `n` at most
+all and 32 MiB (64 KiB for ping, stats, hello, cancel, weights_spec, weights_commit and weights_abort); a
+group_id or update_id at most 1024 characters; a prompt is at most `--max-prompt-len` tokens (checked from its length first); `n` at most
 `--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it); frames at most
 `--max-message-bytes` (a larger one drops the connection), and a message's frames after its header as much
 together.

@@ -20,6 +20,7 @@ from rollout.protocol.message_base import (
     MAX_HEADER_ITEMS,
     MAX_HEADER_MAP_ITEMS,
     MAX_HEADER_STR,
+    MAX_ID_LENGTH,
     PROTOCOL_VERSION,
     Message,
     ProtocolError,
@@ -157,6 +158,10 @@ def _checked_message(
         value = header.get(name)
         if isinstance(value, list) and len(value) > limit:
             raise ProtocolError(name, f"{len(value)} items, more than the limit of {limit}")
+    for name in ("group_id", "update_id"):  # ids must fit the small messages that name them again (cancel, commit)
+        value = header.get(name)
+        if isinstance(value, str) and len(value) > MAX_ID_LENGTH:
+            raise ProtocolError(name, f"{len(value)} characters, more than the limit of {MAX_ID_LENGTH}")
     try:
         budget = [max_items]  # items of every list in the header together, checked before each list's elements
         return _build(cls, {k: v for k, v in header.items() if k not in ("protocol", "type")}, "", budget)

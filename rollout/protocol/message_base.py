@@ -15,6 +15,9 @@ MAX_FRAME_BYTES = 256 << 20
 # frames of their own): checked while msgpack decodes, so an oversized list is refused before it is built.
 MAX_HEADER_ITEMS = 1 << 20
 MAX_HEADER_STR = 1 << 20
+# The longest group_id or update_id, in characters (a uuid is 36): a cancel or a weights_commit naming one stays a
+# small header (`header_glance.SMALL_HEADER_BYTES`).
+MAX_ID_LENGTH = 1024
 # Most maps and lists in a header together (each costs an object to build: a header of a million tiny maps took a
 # second to decode); a weight update's pieces and tensors are bounded below it.
 MAX_HEADER_CONTAINERS = 1 << 17

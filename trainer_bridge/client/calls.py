@@ -16,7 +16,7 @@ import msgpack
 from rollout.config import FieldError, SamplingParams
 from rollout.peft_adapters import BASE_NAME
 from rollout.protocol import Completion, Delta, GroupResult  # (GroupResult: re-exported, one class for both sides)
-from rollout.protocol.message_base import MAX_HEADER_STR
+from rollout.protocol.message_base import MAX_HEADER_STR, MAX_ID_LENGTH
 
 
 @dataclass
@@ -240,6 +240,9 @@ def checked_group(
         raise RolloutError("bad_request", "group_id must be valid Unicode text", "group_id") from None
     if len(encoded) > MAX_HEADER_STR:  # the worker could not read it back to answer: refused here, by name
         reason = f"group_id is {len(encoded):,} bytes; a worker reads strings of at most {MAX_HEADER_STR:,}"
+        raise RolloutError("bad_request", reason, "group_id")
+    if len(group.group_id or "") > MAX_ID_LENGTH:  # a worker refuses it: a cancel naming it must stay small
+        reason = f"group_id is {len(group.group_id):,} characters; a worker takes ids of at most {MAX_ID_LENGTH:,}"
         raise RolloutError("bad_request", reason, "group_id")
     if "#" in (group.group_id or ""):  # the worker's sample ids are group_id#index
         raise RolloutError("bad_request", "group_id must not contain '#' (sample ids use it)", "group_id")
