@@ -105,14 +105,18 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
 
 def test_a_refused_weight_message_names_its_update_whatever_its_id(worker, keys):
     """The role's refusal comes from a glance at the header (no decode of a large one); an id too long for the glance
-    leaves the header to the decode, so the refusal still names the update (a client's reply channel is keyed by
-    it), and a 2-byte character counts as two."""
+    leaves the header to the decode, which refuses an id over 1024 characters, so the refusal still names the update
+    (a client's reply channel is keyed by it), and a 2-byte character counts as two."""
     client = Client(worker.address, secure=(keys / "clients" / "client.key_secret", keys / "own" / "worker.key"))
     try:
-        for update_id in ("u-short", "L" * 20_000, "\u00e9" * 9_000):
+        for update_id, code in (
+            ("u-short", "unauthorized"),
+            ("L" * 20_000, "bad_request"),
+            ("\u00e9" * 9_000, "bad_request"),
+        ):
             client.send(p.WeightsBegin(update_id, [p.TensorSpec("w", "float32", [2])]))
             reply = client.receive()
-            assert (reply.TYPE, reply.code, reply.update_id) == ("error", "unauthorized", update_id)
+            assert (reply.TYPE, reply.code, reply.update_id) == ("error", code, update_id)
     finally:
         client.close()
 

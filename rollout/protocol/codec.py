@@ -22,6 +22,7 @@ from rollout.protocol.message_base import (
     MAX_HEADER_STR,
     MAX_ID_LENGTH,
     PROTOCOL_VERSION,
+    ClientMessage,
     Message,
     ProtocolError,
 )
@@ -158,8 +159,8 @@ def _checked_message(
         value = header.get(name)
         if isinstance(value, list) and len(value) > limit:
             raise ProtocolError(name, f"{len(value)} items, more than the limit of {limit}")
-    for name in ("group_id", "update_id"):  # ids must fit the small messages that name them again (cancel, commit)
-        value = header.get(name)
+    for name in ("group_id", "update_id") if issubclass(cls, ClientMessage) else ():  # a reply echoes what it got
+        value = header.get(name)  # a request's ids must fit the small messages that name them again (cancel, commit)
         if isinstance(value, str) and len(value) > MAX_ID_LENGTH:
             raise ProtocolError(name, f"{len(value)} characters, more than the limit of {MAX_ID_LENGTH}")
     try:
