@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout import protocol as p
-from rollout.config import FieldError
 from rollout.engine.manager.commands import AdapterUpdate
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.engine.weights.weight_table import WeightUpdateResult
@@ -29,6 +28,7 @@ from rollout.protocol.staging import StagingPool
 from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Receiver
 from rollout.service.observability.tracing import Tracer
+from rollout.service.weights.commit_reply import commit_reply
 from rollout.service.weights.preparing import StagingPreparer
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 
@@ -231,23 +231,7 @@ class UpdateSlot:
         begin = update.begin
 
         def applied(outcome: WeightUpdateResult | BaseException) -> None:  # on the engine thread
-            if isinstance(outcome, WeightUpdateResult):
-                reply: p.Message = p.WeightsCommitted(
-                    update.update_id,
-                    outcome.version,
-                    outcome.pause_ms,
-                    outcome.copy_ms,
-                    outcome.drain_ms,
-                    outcome.aborted,
-                    outcome.recomputed,
-                )
-            elif isinstance(outcome, FieldError):
-                reply = p.Error("bad_update", str(outcome), outcome.field, None, update.update_id)
-            elif isinstance(outcome, TimeoutError):
-                reply = p.Error("update_timeout", str(outcome), "mode", None, update.update_id)
-            else:
-                reply = p.Error("internal", f"{type(outcome).__name__}: {outcome}", None, None, update.update_id)
-            self._report(update, reply)
+            self._report(update, commit_reply(update.update_id, outcome))
 
         def job() -> None:
             if update.ended or not update.prepared:
