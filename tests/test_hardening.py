@@ -291,6 +291,59 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
         context.term()
 
 
+def test_the_worker_wide_reply_bound_drops_a_non_reader_before_a_slow_reader():
+    """A peer that reads, slowly, while its unread replies grow larger than anyone's, outlives the peers that read
+    nothing when the bound on all unread replies together is passed: the dropped one is the peer whose replies have
+    gone longest without one read, not the one holding the most."""
+    import zmq
+
+    from rollout.service.zmq.clients import ClientLinks
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDBUF, 4096)
+    lost = []
+    links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
+    router.setsockopt(zmq.SNDHWM, 1)
+    router.bind("tcp://127.0.0.1:*")
+    peers, identities = [], []
+    try:
+        for _ in range(15):  # the first reads, slowly; fourteen never read
+            peer = context.socket(zmq.DEALER)
+            peer.setsockopt(zmq.RCVHWM, 1)
+            peer.setsockopt(zmq.RCVBUF, 4096)
+            peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+            peer.send_multipart(p.encode(p.Ping(1)))
+            identities.append(router.recv_multipart()[0])
+            links.seen(identities[-1])
+            peers.append(peer)
+        reader, sent, read = identities[0], dict.fromkeys(identities, 0), 0
+        delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
+        for round_ in range(400):
+            for identity in identities:
+                for _ in range(2 if identity == reader else 1):  # the reader is sent twice as much
+                    links.send(identity, delta)
+                    sent[identity] += 1
+            links.flush()
+            if round_ % 2 and peers[0].poll(100):  # and reads one reply every other round
+                peers[0].recv_multipart()
+                read += 1
+            time.sleep(0.005)  # (ZeroMQ's I/O thread makes room in the reader's queue)
+            links.flush()
+            if lost:
+                break
+        assert lost, "the bound on all unread replies was never passed"
+        assert sent[reader] - read > max(sent[i] for i in identities[1:]), "the reader did not hold the most"
+        assert reader not in lost, "the slow reader was dropped before the peers that read nothing"
+        assert lost[0] == identities[1], lost  # the non-reader whose replies began waiting first
+    finally:
+        links.close()
+        for peer in peers:
+            peer.close(linger=0)
+        router.close(linger=0)
+        context.term()
+
+
 def _norm_update(client, update_id: str, transport: str = "frames") -> p.WeightsReady:
     spec = [p.TensorSpec("model.norm.weight", "float32", [256])]
     ready = client.ask(p.WeightsBegin(update_id, spec, partial=True, transport=transport, timeout_s=20))

@@ -2,8 +2,9 @@
 per client and notices clients that are gone.
 
 A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connection closed), when it lets more than
-`max_pending_bytes` of replies pile up unread (or holds the most when all clients' unread replies pass
-`PENDING_TOTAL_FACTOR` times that), or (its groups only) when it has groups in flight and has been silent
+`max_pending_bytes` of replies pile up unread (or, when all clients' unread replies pass `PENDING_TOTAL_FACTOR` times
+that, is the one whose backlog has gone longest without a reply taken from it: a client that reads, however slowly,
+keeps its place ahead of one that does not read at all), or (its groups only) when it has groups in flight and has been silent
 for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
 clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive, and a limit on how long
@@ -43,7 +44,8 @@ KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 5
 UNACKNOWLEDGED_MS = 20_000
 # Unread replies all clients together may leave in the worker, as a multiple of the per-client cap: many sockets
-# each under the cap must not exhaust the worker's memory. Past it, the client with the largest backlog is dropped.
+# each under the cap must not exhaust the worker's memory. Past it, the client whose backlog has gone longest without
+# a reply taken from it is dropped (by progress, not size: a large backlog read slowly outlives a small unread one).
 PENDING_TOTAL_FACTOR = 4
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
@@ -88,6 +90,7 @@ class ClientLinks:
         # Replies ZeroMQ did not take yet, in order; an `Encoding` stands for one still being encoded.
         self._backlog: dict[bytes, deque[list[bytes] | Encoding]] = {}
         self._backlog_bytes: dict[bytes, int] = {}
+        self._progress_at: dict[bytes, float] = {}  # identity -> when its backlog began, or last had a reply taken
         self._gone: dict[bytes, float] = {}  # identity -> when it was lost
         # identity -> when its loss was logged and counted: the messages a client queued before it left each
         # revive it (`seen`) and lose it again; that is one loss, logged once, not one line per message.
@@ -130,8 +133,7 @@ class ClientLinks:
             return
         if is_large(message):
             entry = Encoding(message, p.encode_steps(message))
-            backlog = self._backlog.setdefault(identity, deque())
-            self._backlog_bytes.setdefault(identity, 0)
+            backlog = self._open_backlog(identity)
             backlog.append(entry)
             if len(backlog) > 1:  # behind replies the client has not read: counted now, as they are
                 entry.counted = entry.estimated_bytes()
@@ -161,8 +163,17 @@ class ClientLinks:
         return False
 
     def _queue(self, identity: bytes, frames: list[bytes]) -> None:
-        self._backlog.setdefault(identity, deque()).append(frames)
+        self._open_backlog(identity).append(frames)
         self._count(identity, sum(len(frame) for frame in frames))
+
+    def _open_backlog(self, identity: bytes) -> deque[list[bytes] | Encoding]:
+        """The client's backlog, begun now (with its progress clock) if it has none."""
+        backlog = self._backlog.get(identity)
+        if backlog is None:
+            backlog = self._backlog[identity] = deque()
+            self._backlog_bytes[identity] = 0
+            self._progress_at[identity] = time.monotonic()
+        return backlog
 
     def _count(self, identity: bytes, nbytes: int) -> None:
         """Add bytes now waiting in `identity`'s backlog to its count: past `max_pending_bytes`, the client is lost
@@ -178,12 +189,21 @@ class ClientLinks:
             self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
         cap = PENDING_TOTAL_FACTOR * self.max_pending_bytes
         while self._pending_total > cap and self._backlog_bytes:
-            largest = max(self._backlog_bytes, key=self._backlog_bytes.__getitem__)
-            reason = f"all clients together left more than {cap} bytes of replies unread, this one the most"
-            self.lose(largest, reason, unreachable=True)
-            if largest in self._backlog_bytes:  # not dropped (lost already): the count is not this loop's to fix
+            stalest = self._stalest()
+            reason = (
+                f"all clients together left more than {cap} bytes of replies unread, and this one's have gone "
+                "longest without a reply read"
+            )
+            self.lose(stalest, reason, unreachable=True)
+            if stalest in self._backlog_bytes:  # not dropped (lost already): the count is not this loop's to fix
                 break
             self.dropped_slow += 1
+
+    def _stalest(self) -> bytes:
+        """The client holding unread replies whose backlog has gone longest without a reply taken from it (the
+        largest backlog among equals)."""
+        holding = [identity for identity, size in self._backlog_bytes.items() if size > 0] or list(self._backlog_bytes)
+        return min(holding, key=lambda identity: (self._progress_at[identity], -self._backlog_bytes[identity]))
 
     def flush(self, encode_s: float | None = ENCODE_TURN_S) -> None:
         """Send what waits in backlogs, oldest first, while ZeroMQ takes it; go on encoding large replies.
@@ -207,14 +227,17 @@ class ClientLinks:
                             self._count(identity, sum(len(frame) for frame in head))
                         break
                     backlog.popleft()
+                    self._progress_at[identity] = time.monotonic()
                     continue
                 if not self._sent(identity, head):
                     break
                 backlog.popleft()
+                self._progress_at[identity] = time.monotonic()
                 self._count(identity, -sum(len(frame) for frame in head))
             if not backlog and identity in self._backlog:
                 del self._backlog[identity]
                 del self._backlog_bytes[identity]
+                del self._progress_at[identity]
 
     def _sent(self, identity: bytes, frames: list[bytes]) -> bool:
         """Whether ZeroMQ took `frames` now (a closed connection loses the client)."""
@@ -248,11 +271,13 @@ class ClientLinks:
         self._suspects.pop(identity, None)
         dropped = self._backlog.pop(identity, ())
         self._pending_total -= self._backlog_bytes.pop(identity, 0)
+        self._progress_at.pop(identity, None)
         encoding = deque(entry for entry in dropped if isinstance(entry, Encoding))
         if encoding and not unreachable:  # results made before it fell silent: they go out as they would have
             for entry in encoding:
                 entry.counted = 0
             self._backlog[identity], self._backlog_bytes[identity] = encoding, 0
+            self._progress_at[identity] = time.monotonic()
         if unreachable:
             self._gone[identity] = time.monotonic()
         self._on_lost(identity, reason)
