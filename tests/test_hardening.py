@@ -250,7 +250,7 @@ def test_the_worker_socket_has_no_zeromq_heartbeats_but_tcp_keepalive():
 
 def test_replies_kept_for_many_non_readers_are_bounded_together():
     """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
-    PENDING_TOTAL_FACTOR times that bound, the peer holding the most is dropped, so opening many sockets cannot
+    PENDING_TOTAL_FACTOR times that bound, the peer whose replies began waiting first (none was read) is dropped, so opening many sockets cannot
     exhaust the worker's memory; the others keep their backlogs."""
     import zmq
 
