@@ -84,10 +84,13 @@ def _schema_text(schema: Any) -> str:
     try:
         if isinstance(schema, dict):
             schema = json.dumps(schema, sort_keys=True, allow_nan=False)
-        parsed = json.loads(schema) if isinstance(schema, str) and 0 < len(schema) <= MAX_SPEC_CHARS else None
+        too_long = isinstance(schema, str) and len(schema) > MAX_SPEC_CHARS  # (a dict's count above is a lower bound)
+        parsed = json.loads(schema) if isinstance(schema, str) and schema and not too_long else None
     except (ValueError, TypeError, RecursionError) as error:  # bytes or NaN in a dict, bad text, deep nesting
         reason = "is too deeply nested" if isinstance(error, RecursionError) else f"is not valid JSON: {error}"
         raise FieldError("json", reason) from None
+    if too_long:
+        raise FieldError("json", f"the schema's JSON text is longer than {MAX_SPEC_CHARS} characters")
     if parsed is None:
         raise FieldError("json", f"must be a JSON schema (an object, or its JSON text up to {MAX_SPEC_CHARS})")
     if not isinstance(parsed, dict):

@@ -4,8 +4,9 @@ end with an error at their first impossible step, a 500 over HTTP):
 - `first_step_refusal`: the grammar allows no token at the first step, and is not complete (a regex `[^\\s\\S]`, a
   character no token of the vocabulary spells);
 - `too_short_refusal`: with `min_new_tokens`, the request's stop tokens are masked until that many tokens came;
-  a grammar whose every path ends (only stop tokens allowed) before that leaves a sample nothing to draw (a choice
-  `["a"]` with `min_tokens: 3`).
+  a grammar whose every path ends before that (only its end tokens allowed) leaves a sample nothing to draw (a choice
+  `["a"]` with `min_tokens: 3`), or, where its end token is not one of the request's stop tokens (`stop_token_ids`
+  empty or other tokens), ends the sample there, short of min_new_tokens: refused alike.
 
 Both walk xgrammar's own matcher over the vocabulary, so they say exactly what the engine's masks would. The second
 is a depth-first search over tokens, shortest first (the longest paths first), bounded in mask fills: it refuses only
@@ -56,51 +57,47 @@ def first_step_refusal(compiled: Any) -> str | None:
 
 def too_short_refusal(compiled: Any, min_tokens: int, banned: frozenset[int], order: np.ndarray) -> str | None:
     """Why a grammar cannot give `min_tokens` tokens while `banned` (the request's stop tokens) are masked: every
-    path it allows ends before (None: a path reaches it, ends on a token not banned, or the search ran out).
+    path it allows ends before, on its end token (which ends the sample even when it is not banned) or where only
+    banned tokens are left (None: a path reaches it, or the search ran out).
 
     Args:
         compiled: an xgrammar CompiledGrammar.
         min_tokens: the request's min_new_tokens.
-        banned: the tokens masked until min_tokens tokens came (its stop tokens).
+        banned: the tokens masked until min_tokens tokens came (its stop tokens; may be empty).
         order: every token id, shortest decoded first (tried in this order: shorter tokens make longer paths).
     """
-    if min_tokens <= 0 or not banned:
+    if min_tokens <= 0:
         return None
     longest = _longest_path(compiled, min_tokens, banned, order)
     if longest is None or longest >= min_tokens:
         return None
     return (
         f"cannot give min_tokens={min_tokens} tokens: every output it accepts ends after at most {longest} "
-        "(stop tokens are masked until min_tokens)"
+        "(its end, or only stop tokens, comes first; stop tokens are masked until min_tokens)"
     )
 
 
 def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.ndarray) -> int | None:
-    """The longest path of tokens not banned the grammar allows, once it is below `needed`; `needed` as soon as one
-    reaches it or may end on a stop token not banned; None when the search ran out of mask fills first."""
+    """The longest path of tokens not banned the grammar allows before it ends, once it is below `needed`; `needed`
+    as soon as one reaches it; None when the search ran out of mask fills first. The grammar's end tokens (xgrammar's
+    stop tokens) end a path whether banned or not: the engine ends a sample whose grammar completed."""
     info = compiled.tokenizer_info
     matcher = xgrammar.GrammarMatcher(compiled)  # (rollbacks are unlimited in xgrammar >= 0.2)
     bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
-    banned_ids = np.fromiter(banned, dtype=np.int64)
-    free_stops = np.setdiff1d(np.asarray(info.stop_token_ids, dtype=np.int64), banned_ids)
-    order = order[~np.isin(order, banned_ids)]
+    ends = np.fromiter(set(banned) | set(info.stop_token_ids), dtype=np.int64)
+    order = order[~np.isin(order, ends)]
     bits = np.empty(info.vocab_size, dtype=bool)
     fills = 0
 
-    def candidates() -> Iterator[int] | None:
-        """The tokens to try next, shortest first (None: a stop token not banned may end the grammar here)."""
+    def candidates() -> Iterator[int]:
+        """The tokens to try next, shortest first (the ends left out: a path stops there)."""
         nonlocal fills
         fills += 1
         bits[:] = False
         bits[allowed_tokens(matcher, bitmask, info.vocab_size)] = True
-        if bits[free_stops].any():
-            return None
         return iter(order[bits[order]].tolist())
 
-    top = candidates()
-    if top is None:
-        return needed
-    stack, longest = [top], 0
+    stack, longest = [candidates()], 0
     while stack:
         token = next(stack[-1], None)
         if token is None:  # every token from here tried: back up one
@@ -116,8 +113,5 @@ def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.
             return needed
         if fills >= MAX_CHECK_FILLS:
             return None
-        top = candidates()
-        if top is None:
-            return needed
-        stack.append(top)
+        stack.append(candidates())
     return longest

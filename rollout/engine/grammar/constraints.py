@@ -128,7 +128,7 @@ class Grammars:
             entry = grammars.cache.put((field, spec), CheckedGrammar(compiled, first_step_refusal(compiled)))
         if entry.first_step is not None:
             raise FieldError(field, entry.first_step)
-        if min_tokens > 0 and stop_token_ids:
+        if min_tokens > 0:
             key = (min_tokens, frozenset(stop_token_ids))
             if key not in entry.verdicts:
                 entry.remember(key, too_short_refusal(entry.compiled, min_tokens, key[1], grammars.order))

@@ -224,6 +224,11 @@ class RequestIntake:
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)
         request.constraint = self.constraint(sampling)
+        if request.constraint is not None and sampling.min_new_tokens:
+            # The grammar's end tokens end a sample as a stop token does (`Request.add_token`): masked alike until
+            # min_new_tokens tokens came, so a sample is never cut short of them by its grammar completing.
+            ends = request.constraint.compiled.tokenizer_info.stop_token_ids
+            request.stop_token_ids = request.stop_token_ids | frozenset(ends)
         return request
 
     def constraint(self, sampling: SamplingParams) -> Constrained | None:

@@ -1,0 +1,106 @@
+"""The min_new_tokens admission check of a constraint (`rollout/engine/grammar/checks.py`) whatever the request's
+stop tokens: the engine ends a sample whose grammar completed (it accepted the grammar's end token) even when that
+token is not one of the request's stop tokens, so a grammar whose every output ends before min_new_tokens is refused
+by name with `stop_token_ids` empty or other tokens too, never answered with outputs shorter than min_new_tokens.
+
+Reference: xgrammar's own matcher, walked over every path of the small grammars here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+xgrammar = pytest.importorskip("xgrammar")
+
+from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
+from rollout.config import FieldError  # noqa: E402
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
+
+TOKENIZER = tiny_tokenizer()
+MODEL = tiny_model(0)
+PROMPT = TOKENIZER("pick: ")["input_ids"]
+OTHER_STOP = TOKENIZER("z", add_special_tokens=False)["input_ids"][-1]  # a stop token that is not the grammar's end
+
+
+def run(**sampling) -> list:
+    outputs = generate_batch(
+        MODEL,
+        [PROMPT],
+        sampling=SamplingParams(seed=1, max_new_tokens=12, **sampling),
+        tokenizer=TOKENIZER,
+        n=4,
+        progress_bar=False,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=16),
+    )
+    return list(outputs.values())
+
+
+def longest_output(choices: list[str]) -> int:
+    """The most tokens (the end token included) any output of the choice grammar has, by xgrammar's matcher."""
+    info = xgrammar.TokenizerInfo.from_huggingface(TOKENIZER, vocab_size=MODEL.config.vocab_size)
+    grammar = xgrammar.GrammarCompiler(info).compile_grammar("root ::= " + " | ".join(f'"{c}"' for c in choices))
+    matcher = xgrammar.GrammarMatcher(grammar)
+    bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+
+    def deepest() -> int:
+        if matcher.is_terminated():
+            return 0
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = [t for t in range(info.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1]
+        best = 0
+        for token in allowed:
+            assert matcher.accept_token(token)
+            best = max(best, 1 + deepest())
+            matcher.rollback(1)
+        return best
+
+    return deepest()
+
+
+@pytest.mark.parametrize("stops", [None, (), (OTHER_STOP,)], ids=["default", "none", "other"])
+def test_a_grammar_whose_every_output_ends_before_min_new_tokens_is_refused_whatever_the_stop_tokens(stops):
+    assert longest_output(["a"]) <= 2  # "a" then the end token: no output reaches 3 tokens
+    extra = {} if stops is None else {"stop_token_ids": stops}
+    with pytest.raises(FieldError) as refused:
+        run(choice=["a"], min_new_tokens=3, **extra)
+    assert refused.value.field == "choice" and "min_tokens=3" in str(refused.value)
+
+
+@pytest.mark.parametrize("stops", [(), (OTHER_STOP,)], ids=["none", "other"])
+def test_a_grammar_with_a_long_enough_output_is_admitted_and_followed(stops):
+    choices = ["a", "abcdefghij"]
+    assert longest_output(choices) >= 4
+    info = xgrammar.TokenizerInfo.from_huggingface(TOKENIZER, vocab_size=MODEL.config.vocab_size)
+    grammar = xgrammar.GrammarCompiler(info).compile_grammar("root ::= " + " | ".join(f'"{c}"' for c in choices))
+    outputs = run(choice=choices, min_new_tokens=3, stop_token_ids=stops)
+    for output in outputs:
+        matcher = xgrammar.GrammarMatcher(grammar)
+        assert all(matcher.accept_token(token) for token in output.generated_tokens)
+        if output.finish_reason == "stop":  # a complete output, min_new_tokens tokens before its end token
+            assert matcher.is_terminated() and len(output.generated_tokens) > 3, output.generated_tokens
+        else:  # one that took the short path cannot end before min_new_tokens: nothing left to draw, said so
+            assert output.finish_reason == "error", (output.finish_reason, output.generated_tokens)
+    assert {output.finish_reason for output in outputs} <= {"stop", "error"}
+
+
+def test_a_schema_dict_whose_text_is_over_the_limit_is_refused_for_its_length():
+    """The dict's size estimate counts no quotes or separators: its written text is measured too."""
+    names = [f"p{i:04d}" for i in range(2000)]
+    schema = {"type": "object", "properties": {name: {"type": "integer"} for name in names}, "required": names}
+    for spec in (schema, json.dumps(schema)):
+        assert len(json.dumps(spec if isinstance(spec, dict) else json.loads(spec))) > 65536
+        with pytest.raises(FieldError, match="json: the schema's JSON text is longer than 65536 characters"):
+            SamplingParams(json=spec)
+
+
+@pytest.mark.parametrize("stops", [(), (OTHER_STOP,)], ids=["none", "other"])
+def test_the_grammars_end_token_waits_for_min_new_tokens_like_a_stop_token(stops):
+    """The end token favoured (logit_bias) right after "a": without its mask every sample would end there, two
+    tokens long, short of min_new_tokens, since the grammar completing ends a sample whatever its stop tokens."""
+    end = TOKENIZER.eos_token_id
+    choices = ["a", "abcdefghij"]
+    for output in run(choice=choices, min_new_tokens=3, stop_token_ids=stops, logit_bias={end: 50.0}):
+        assert output.finish_reason == "stop" and output.generated_tokens[-1] == end, output.generated_tokens
+        assert len(output.generated_tokens) > 3, output.generated_tokens  # three tokens came before its end
+        assert TOKENIZER.decode(output.generated_tokens[:-1]) == "abcdefghij"
