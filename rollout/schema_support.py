@@ -46,6 +46,8 @@ _SCHEMA_VALUES = (
     "propertyNames",
 )
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+# Bounds on a string's length, an array's items and an object's properties: non-negative integers, least first.
+_COUNT_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
 _IGNORED = {
     "not": "is not enforced by the grammar engine",
     "maxContains": "is not enforced by the grammar engine",  # named before the contains it goes with
@@ -145,7 +147,7 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
     if "if" in schema and ("then" in schema or "else" in schema):
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
-    found = _beside_deciding(schema, where) or _beside_string_shape(schema, where)
+    found = _beside_deciding(schema, where) or _beside_string_shape(schema, where) or _bad_count(schema, where)
     if found:
         return found
     if "multipleOf" in schema:
@@ -175,6 +177,19 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         if why:
             return f"{where}.oneOf", why
     return _check_children(schema, where, root, references)
+
+
+def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
+    """A length or count bound that is not a non-negative integer (JSON Schema's meta-schema refuses it; xgrammar would
+    make strings for `maxLength: -1`, which no string meets), or a least bound above its most: no value meets both."""
+    for low, high in _COUNT_BOUNDS:
+        for keyword in (low, high):
+            value = schema.get(keyword)
+            if keyword in schema and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                return f"{where}.{keyword}", f"must be a non-negative integer, got {value!r}"
+        if low in schema and high in schema and schema[low] > schema[high]:
+            return f"{where}.{low}", f"{schema[low]} is above {high} {schema[high]}: no value meets both"
+    return None
 
 
 def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:

@@ -282,6 +282,32 @@ def test_a_multiple_above_what_xgrammar_enforces_is_refused_by_name():
         assert not (matcher.accept_string("7") and matcher.accept_token(TOKENIZER.eos_token_id))
 
 
+# Bounds JSON Schema's meta-schema refuses (negative, fractional, boolean counts), and least bounds above their most.
+BAD_COUNTS = {
+    "maxLength -1": ({"type": "string", "maxLength": -1}, ".maxLength", True),
+    "minItems 1.5": ({"type": "array", "minItems": 1.5}, ".minItems", True),
+    "maxProperties true": ({"type": "object", "maxProperties": True}, ".maxProperties", True),
+    "minLength above maxLength": ({"type": "string", "minLength": 4, "maxLength": 2}, ".minLength", False),
+    "minItems above maxItems": ({"type": "array", "minItems": 3, "maxItems": 1}, ".minItems", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COUNTS))
+def test_a_count_bound_no_value_can_meet_is_refused_by_name(case):
+    """References: jsonschema's meta-schema check refuses the first kind; for the second, no value of a type's
+    short instances validates."""
+    schema, where, meta_refuses = BAD_COUNTS[case]
+    if meta_refuses:
+        with pytest.raises(jsonschema.SchemaError):
+            jsonschema.Draft202012Validator.check_schema(schema)
+    else:
+        jsonschema.Draft202012Validator.check_schema(schema)
+        short = ["x" * size for size in range(6)] if schema["type"] == "string" else [[0] * size for size in range(6)]
+        assert not any(jsonschema.Draft202012Validator(schema).is_valid(value) for value in short)
+    with pytest.raises(FieldError, match=f"json: schema{re.escape(where)}"):
+        SamplingParams(json=schema)
+
+
 _CAT_OR_DOG = {
     "Cat": {
         "type": "object",
