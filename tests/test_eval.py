@@ -102,6 +102,23 @@ def test_rows_and_accuracy_against_generate(model_dir, tmp_path, capsys):
     assert "pass_at_k" not in summary  # n == 1
 
 
+def test_top_k_1_samples_what_generate_picks_greedily(model_dir, tmp_path, capsys):
+    """--top-k reaches the sampler: with k = 1, samples at temperature 1 are transformers' greedy completions."""
+    questions = [json.loads(line)["question"] for line in REPO_DATASET.read_text().splitlines()][:3]
+    reference = reference_completions(model_dir, questions)
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("".join(json.dumps(dict(question=question)) + "\n" for question in questions))
+    output = tmp_path / "rows.jsonl"
+    status, _, err = run(
+        capsys,
+        *("--model", model_dir, "--dataset", dataset, "--prompt-field", "question", "--n", 2, "--temperature", 1.0),
+        *("--top-k", 1, "--seed", 3, "--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
+    )
+    assert status == 0, err
+    written, _ = read_output(output)
+    assert [row["completion"] for row in written] == [text for text in reference for _ in range(2)]
+
+
 def brute_force_pass_at_k(flags: list[bool], k: int) -> float:
     """The fraction of k-subsets of a prompt's samples holding a correct one (pass@k by its definition)."""
     subsets = list(itertools.combinations(flags, k))

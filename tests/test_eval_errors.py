@@ -172,6 +172,8 @@ def test_numpy_bools_are_verdicts(capsys, metric_folder):
         (["--n", "4", "--temperature", "0"], "--n 4 with greedy decoding (--temperature 0) gives 4 identical samples"),
         (["--n", "2", "--compare-with-generate", "2"], "sampling at temperature 1.0 cannot match: use --n 1"),
         (["--top-p", "0.9"], "--top-p 0.9 has no effect with greedy decoding"),
+        (["--top-k", "5"], "--top-k 5 has no effect with greedy decoding"),
+        (["--temperature", "1", "--top-k", "-1"], "--top-k -1: must be 0 (off) or more"),
         (["--metric", "numeric"], "--metric numeric scores against reference answers: pass --answer-field too"),
         (["--num-samples", "0"], "--num-samples 0: must be at least 1"),
         (["--output", "/no/such/folder/rows.jsonl"], "--output /no/such/folder/rows.jsonl: no such directory"),

@@ -24,6 +24,16 @@ from rollout.peft_adapters import is_peft_model
 _CACHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Engine]] = weakref.WeakKeyDictionary()
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `generate_batch` (a KeyboardInterrupt, so code that catches that still does): the engine is
+    closed as on any error, and `outputs` holds the samples that had finished, keyed and ordered as
+    `generate_batch`'s return value (those not finished are left out)."""
+
+    def __init__(self, outputs: dict[str, GenerationOutput]) -> None:
+        super().__init__()  # no message, as a plain Ctrl-C's
+        self.outputs = outputs
+
+
 def generate_batch(
     model: torch.nn.Module,
     inputs: list[list[int]],
@@ -66,6 +76,7 @@ def generate_batch(
     Raises:
         ValueError: bad input, naming the field (nothing is generated then); a model given by name says how to
             load it.
+        GenerationInterrupted: Ctrl-C; its `outputs` are the samples finished by then.
     """
     refuse_model_name(model)
     inputs = _prompts(inputs)
@@ -89,6 +100,7 @@ def generate_batch(
     engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
     engine.intake.tokenizer = tokenizer  # this call's (a kept engine may have served another tokenizer's)
     results: dict[str, GenerationOutput] = {}
+    order: list[str] = []
     peft_off = contextlib.ExitStack()
     try:
         if peft_model is not None:
@@ -97,7 +109,6 @@ def generate_batch(
             engine.load_adapter(name, from_peft_model(peft_model, name))
         if warmup and not warm:
             engine.warmup()
-        order: list[str] = []
         try:
             for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
                 order += engine.add_request(
@@ -110,9 +121,12 @@ def generate_batch(
                 for output in engine.step():
                     results[output.request_id] = output
                     bar.update(1)
-    except BaseException:
+    except BaseException as error:
         if persistent_manager:
             release_cached_engine(model)  # an engine left mid-run is not reused
+        if isinstance(error, KeyboardInterrupt) and not isinstance(error, GenerationInterrupted):
+            finished = {request_id: results[request_id] for request_id in order if request_id in results}
+            raise GenerationInterrupted(finished) from error  # the samples already generated are not lost
         raise
     finally:
         peft_off.close()

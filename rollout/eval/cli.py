@@ -70,6 +70,13 @@ def build_parser() -> CliParser:
         "whose samples must differ)",
     )
     add("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 is off")
+    add(
+        "--top-k",
+        type=int,
+        default=None,
+        help="sample from the k likeliest tokens; 0 is off (default: the model's generation config, else 50, as "
+        "transformers' generate)",
+    )
     add("--seed", type=int, default=None, help="seed of the run's sampling, so a run repeats (default: fresh)")
     add(
         "--metric",
@@ -132,6 +139,10 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if greedy and args.top_p < 1:
         raise EvalError(f"--top-p {args.top_p} has no effect with greedy decoding: pass --temperature above 0")
+    if args.top_k is not None and args.top_k < 0:
+        raise EvalError(f"--top-k {args.top_k}: must be 0 (off) or more")
+    if greedy and args.top_k is not None:
+        raise EvalError(f"--top-k {args.top_k} has no effect with greedy decoding: pass --temperature above 0")
     if args.compare_with_generate and not greedy:
         raise EvalError(
             f"--compare-with-generate compares greedy decoding token by token, which sampling at temperature "

@@ -13,13 +13,14 @@ import contextlib
 import csv
 import json
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from rollout.cli.hub import first_line
-from rollout.eval.files import FileRefused, open_for_reading, read_lines
+from rollout.eval.files import BOM, FileRefused, open_for_reading, read_lines
 
 # The flag that raises the limit on a line's length, named in its error.
 LIMIT_FLAG = "--max-line-chars"
+BOM_BYTES = BOM.encode("utf-8")
 
 
 class DatasetError(ValueError):
@@ -46,9 +47,9 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
                 return _objects(dataset, pyarrow.parquet.read_table(file).to_pylist())
             if ending == ".csv":
                 return _read_csv(dataset, read_lines(file, max_line_chars, LIMIT_FLAG), max_line_chars)
-            if ending == ".json" and file.read(1) == b"[":  # a JSON array of rows: a regular file, held whole
+            if ending == ".json" and _first_byte(file) == b"[":  # a JSON array of rows: a regular file, held whole
                 file.seek(0)
-                rows = json.loads(file.read().decode("utf-8"))
+                rows = json.loads(file.read().decode("utf-8-sig"))
                 for index, row in enumerate(rows):
                     _check_text(dataset, f"row {index}", row)
                 return _objects(dataset, rows)
@@ -65,6 +66,19 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
         raise DatasetError(
             f"--dataset {dataset}: cannot be read ({type(error).__name__}: {first_line(error)})"
         ) from None
+
+
+def _first_byte(file: BinaryIO) -> bytes:
+    """The file's first byte that is not whitespace (nor a UTF-8 byte order mark), b"" if none: b"[" for a JSON array
+    however it is indented, as `json.loads` reads it."""
+    data = file.read(len(BOM_BYTES)).removeprefix(BOM_BYTES)
+    while True:
+        stripped = data.lstrip(b" \t\r\n")
+        if stripped:
+            return stripped[:1]
+        data = file.read(1 << 16)
+        if not data:
+            return b""
 
 
 def _objects(dataset: str, rows: list[Any]) -> list[dict[str, Any]]:
@@ -136,6 +150,12 @@ def _read_csv(dataset: str, lines: Iterable[tuple[int, str]], max_chars: int) ->
             header = next(reader, None)
             if header is None:
                 return []
+            twice = next((name for index, name in enumerate(header) if name in header[:index]), None)
+            if twice is not None:  # a dict of the row would keep only the last column of that name
+                raise DatasetError(
+                    f"--dataset {dataset}: line {reader.line_num}: the header names the field {twice!r} twice; "
+                    "give each column its own name"
+                )
             rows = []
             for fields in reader:
                 if not fields:

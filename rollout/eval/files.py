@@ -14,6 +14,8 @@ from typing import BinaryIO, TextIO
 
 # The longest dataset line (and prompt) read by default, in characters: a 1M-token prompt is about 4M characters.
 DEFAULT_MAX_LINE_CHARS = 4 << 20
+# The UTF-8 byte order mark some editors write at a text file's start.
+BOM = "\ufeff"
 
 
 class FileRefused(ValueError):
@@ -92,8 +94,9 @@ def _regular_only(descriptor: int) -> int:
 
 
 def read_lines(file: BinaryIO, max_chars: int, limit_flag: str) -> Iterator[tuple[int, str]]:
-    """The file's lines as UTF-8 text, numbered from 1, each with its line ending ("\\n", "\\r\\n" or "\\r", as
-    `open(newline="")` splits them); at most `max_chars` + 2 characters are ever held for a line.
+    """The file's lines as UTF-8 text (a leading byte order mark dropped), numbered from 1, each with its line ending
+    ("\\n", "\\r\\n" or "\\r", as `open(newline="")` splits them); at most `max_chars` + 2 characters are ever held
+    for a line.
 
     Args:
         file: the file, opened as bytes (`open_for_reading`).
@@ -111,6 +114,8 @@ def read_lines(file: BinaryIO, max_chars: int, limit_flag: str) -> Iterator[tupl
         line = text.readline(max_chars + 2)  # room for "\r\n" after a line of exactly max_chars
         if not line:
             return
+        if number == 1:  # a UTF-8 byte order mark (as Excel and Notepad write) is no part of the first field
+            line = line.removeprefix(BOM)
         if len(line.rstrip("\r\n")) > max_chars:
             raise FileRefused(
                 f"line {number} is longer than {max_chars:,} characters (the limit, {limit_flag} {max_chars}); "

@@ -53,6 +53,7 @@ def check_output(output: str, dataset: str) -> None:
 
 def write_rows(output: str | None, rows: list[dict[str, Any]]) -> str | None:
     """The rows as JSONL at `output` (None: not written); non-ASCII text as itself, values JSON lacks (dates) as text.
+    A summary an earlier run left beside them is removed first: this run's, if it gets that far, is written after.
 
     Args:
         output: --output as given (None: no output).
@@ -64,8 +65,23 @@ def write_rows(output: str | None, rows: list[dict[str, Any]]) -> str | None:
     """
     if output is None:
         return None
+    _discard_summary(output)  # an earlier run's summary must not stand beside these rows, which may never get one
     _write(output, (json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows))
     return output
+
+
+def _discard_summary(output: str) -> None:
+    """Remove the summary file beside `output` if one is there (a regular file: nothing else is touched)."""
+    path = summary_path(os.path.expanduser(output))
+    try:
+        if check_regular(path):
+            os.remove(path)
+    except FileRefused:
+        return  # not a file this run wrote: writing the summary, if it comes to that, refuses it by name
+    except OSError as error:
+        raise EvalError(
+            f"--output {output}: its old summary {path} cannot be removed ({error.strerror or error})"
+        ) from None
 
 
 def write_summary(output: str, summary: dict[str, Any]) -> str:

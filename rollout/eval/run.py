@@ -8,12 +8,29 @@ from typing import Any
 
 import torch
 
-from rollout.engine.generate import cached_engine, generate_batch, release_cached_engine
+from rollout.engine.generate import GenerationInterrupted, cached_engine, generate_batch, release_cached_engine
 from rollout.eval.metrics import Metric, score
 
 
 class PromptError(ValueError):
     """A dataset row whose prompt cannot be fed to the model; the message names the row and the flag."""
+
+
+class SamplesFailed(PromptError):
+    """Samples the engine ended with an error; `rows` holds every sample's row (the failed ones with their `error`),
+    so that the finished ones are kept."""
+
+    def __init__(self, message: str, rows: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
+class SamplesInterrupted(KeyboardInterrupt):
+    """Ctrl-C while generating; `rows` holds the rows of the samples finished by then, `total` how many were asked."""
+
+    def __init__(self, rows: list[dict[str, Any]], total: int) -> None:
+        super().__init__("interrupted while generating")
+        self.rows, self.total = rows, total
 
 
 @dataclass
@@ -120,8 +137,10 @@ def generate(
         n: samples per prompt.
         progress_bar: show generate_batch's bar.
     Raises:
-        PromptError: a prompt that does not fit the model's context with max_new_tokens (naming its row), or samples
-            the engine ended with an error (its message: e.g. a KV cache too small for one request).
+        PromptError: a prompt that does not fit the model's context with max_new_tokens (naming its row).
+        SamplesFailed: samples the engine ended with an error (its message: e.g. a KV cache too small for one
+            request), with every sample's row.
+        SamplesInterrupted: Ctrl-C while generating, with the rows of the samples finished by then.
     """
     started = time.perf_counter()
     try:
@@ -131,30 +150,40 @@ def generate(
         generate_batch(model, [prompt_ids[0][:1]], max_new_tokens=1, progress_bar=False, tokenizer=tokenizer, **shared)
         _check_context(cached_engine(model).max_model_len, prompt_ids, generation_config.max_new_tokens)
         timed = time.perf_counter()
-        outputs = generate_batch(model, prompt_ids, n=n, progress_bar=progress_bar, tokenizer=tokenizer, **shared)
+        try:  # (the warm-up's outputs, above, are no rows)
+            outputs = generate_batch(model, prompt_ids, n=n, progress_bar=progress_bar, tokenizer=tokenizer, **shared)
+        except GenerationInterrupted as interrupt:  # the samples finished so far are kept
+            raise SamplesInterrupted(_rows(tokenizer, interrupt.outputs.values()), len(prompt_ids) * n) from None
         done = time.perf_counter()
     finally:
         release_cached_engine(model)  # the KV cache and graphs go now, not at a garbage collection
+    rows = _rows(tokenizer, outputs.values())
     failed = [output for output in outputs.values() if output.finish_reason == "error"]
     if failed:
-        raise PromptError(
+        raise SamplesFailed(
             f"{len(failed)} of {len(outputs)} samples failed in the engine: {failed[0].error} (engine fields are set "
-            "with --batch-config KEY=VALUE)"
-        )
-    rows = []
-    for output in outputs.values():
-        prompt_index = int(output.group_id.removeprefix("req_"))
-        rows.append(
-            dict(
-                prompt_index=prompt_index,
-                sample_index=output.sample_index,
-                completion=tokenizer.decode(output.generated_tokens, skip_special_tokens=True),
-                token_ids=list(output.generated_tokens),
-                logprobs=[float(logprob) for logprob in output.logprobs],
-                finish_reason=output.finish_reason,
-            )
+            "with --batch-config KEY=VALUE)",
+            rows,
         )
     return Generated(rows, prompt_ids, done - timed, timed - started)
+
+
+def _rows(tokenizer: Any, outputs: Any) -> list[dict[str, Any]]:
+    """One row per sample output (a failed one's with its `error`)."""
+    rows = []
+    for output in outputs:
+        row = dict(
+            prompt_index=int(output.group_id.removeprefix("req_")),
+            sample_index=output.sample_index,
+            completion=tokenizer.decode(output.generated_tokens, skip_special_tokens=True),
+            token_ids=list(output.generated_tokens),
+            logprobs=[float(logprob) for logprob in output.logprobs],
+            finish_reason=output.finish_reason,
+        )
+        if output.finish_reason == "error":
+            row["error"] = str(output.error)
+        rows.append(row)
+    return rows
 
 
 def _check_context(context: int, prompt_ids: list[list[int]], max_new_tokens: int) -> None:

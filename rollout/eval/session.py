@@ -11,7 +11,7 @@ from rollout.eval.compare import PromptAgreement, compare_with_generate
 from rollout.eval.errors import EvalError, EvalInterrupted
 from rollout.eval.inputs import load_inputs
 from rollout.eval.metrics import MetricError
-from rollout.eval.run import Generated, PromptError, generate, score_rows
+from rollout.eval.run import Generated, PromptError, SamplesFailed, SamplesInterrupted, generate, score_rows
 from rollout.eval.summary import format_summary, summarize
 
 # The JSONL row's field order: what a reader looks at first.
@@ -23,6 +23,7 @@ ROW_FIELDS = (
     "answer",
     "correct",
     "finish_reason",
+    "error",
     "token_ids",
     "logprobs",
 )
@@ -42,12 +43,22 @@ def evaluate(
     Raises:
         EvalError: anything the user can fix: a dataset, field, answer, model, tokenizer, device, metric, batch
             config or prompt, or samples the engine failed.
-        EvalInterrupted: Ctrl-C during the comparison (the rows are written).
+        EvalInterrupted: Ctrl-C while generating (the finished samples' rows are written) or during the comparison
+            (the rows are written).
     """
     inputs = load_inputs(args)
     config = _generation_config(args)
     try:
         generated = generate(inputs.model, inputs.tokenizer, inputs.prompt_ids, config, inputs.batch_config, args.n)
+    except SamplesFailed as error:  # the samples that did finish are kept, unscored, beside the failed ones
+        where = write_rows(_finished(error.rows, inputs.prompts))
+        raise EvalError(
+            f"{error}{f' (the rows, unscored, failed ones with their error, are in {where})' if where else ''}"
+        ) from None
+    except SamplesInterrupted as interrupt:  # none finished: an earlier run's rows are not replaced by nothing
+        where = write_rows(_finished(interrupt.rows, inputs.prompts)) if interrupt.rows else None
+        kept = f"; the {len(interrupt.rows)} of {interrupt.total} samples finished, unscored, are in {where}"
+        raise EvalInterrupted(f"interrupted while generating{kept if where else ''}") from None
     except (PromptError, ValueError) as error:  # PromptError names the row; the engine's FieldErrors their field
         raise EvalError(str(error)) from None
     for row in generated.rows:
@@ -81,9 +92,10 @@ def _generation_config(args: argparse.Namespace) -> Any:
 
     if args.temperature == 0:
         return GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens)
-    return GenerationConfig(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens
-    )
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    if args.top_k is not None:  # else the model's generation config's, or transformers' default (50)
+        sampling["top_k"] = args.top_k
+    return GenerationConfig(**sampling)
 
 
 def _compare(args: argparse.Namespace, model: Any, generated: Generated, config: Any) -> list[PromptAgreement]:
@@ -91,6 +103,11 @@ def _compare(args: argparse.Namespace, model: Any, generated: Generated, config:
     count = min(args.compare_with_generate, len(generated.prompt_ids))
     ours = {row["prompt_index"]: row["token_ids"] for row in generated.rows if row["sample_index"] == 0}
     return compare_with_generate(model, generated.prompt_ids[:count], [ours[i] for i in range(count)], config)
+
+
+def _finished(rows: list[dict[str, Any]], prompts: list[Any]) -> list[dict[str, Any]]:
+    """The rows of an unfinished run, each with its prompt, their fields in order."""
+    return [_ordered({**row, "prompt": prompts[row["prompt_index"]]}) for row in rows]
 
 
 def _ordered(row: dict[str, Any]) -> dict[str, Any]:
