@@ -164,8 +164,10 @@ class AnswerWriter:
             return None
         if answer.chat:
             return self.format.chat(choice, start, end, top)
-        echo = self._echo(answer, choice)
-        offset = len(echo) + self.format.text_offset(choice, start)
+        # An echoed prompt's tokens come first, offset by their own texts (as vLLM): the completion's follow them,
+        # though the echoed text is the prompt as sent (which its tokens may not spell: `<unk>`, a normalizer).
+        echoed = self.format.prompt_length(choice) if answer.request.scoring.echo else 0
+        offset = echoed + self.format.text_offset(choice, start)
         rest = self.format.completion(choice, start, end, top, offset)
         if answer.request.scoring.echo and start == 0:
             return echoed_logprobs(self.format, choice, rest, top)

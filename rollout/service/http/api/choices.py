@@ -64,6 +64,8 @@ class Choice:
     # (token index, text length of the tokens before it): where the last streamed chunk's text offsets ended, so
     # that a long stream's offsets are not summed from its first token at every chunk.
     offset_mark: tuple[int, int] = (0, 0)
+    # The text length of its prompt's tokens, each on its own (where an echoed completion's text offsets start).
+    prompt_chars: int | None = None
 
     def absorb(self, output: GenerationOutput) -> ChoiceDelta:
         """Fold in one streamed output of this sample (its new tokens only)."""
@@ -181,6 +183,12 @@ class LogprobFormat:
         choice.offset_mark = (start, chars)
         return chars
 
+    def prompt_length(self, choice: Choice) -> int:
+        """The text length of the choice's prompt tokens, each token's own text (as `echoed_prompt` offsets them)."""
+        if choice.prompt_chars is None:
+            choice.prompt_chars = sum(len(self.token(t)) for t in choice.prompt_ids)
+        return choice.prompt_chars
+
     def echoed_prompt(self, choice: Choice, top: int) -> dict[str, Any]:
         """Completions' `logprobs` object for the prompt of an `echo` answer: the first token has no log-prob (None,
         as its top_logprobs), the others their log-probs given the tokens before them (as vLLM and lm-eval read)."""
@@ -231,11 +239,13 @@ class LogprobFormat:
             offsets.append(offset)
             offset += len(text)
         top_maps = None
-        if top:
-            # As vLLM: the sampled (or prompt) token joins the top `top` when it is not among them (k+1 entries).
+        if top is not None:
+            # As vLLM: the sampled (or prompt) token joins the top `top` when it is not among them (k+1 entries; with
+            # `logprobs: 0`, the token alone).
             top_maps = []
-            for token, logprob, row in zip(tokens, logprobs, top_rows):
-                entries = {self.token(t): finite(lp) for t, lp in row[:top]}
+            for index, (token, logprob) in enumerate(zip(tokens, logprobs)):
+                row = top_rows[index][:top] if top and index < len(top_rows) else ()  # k = 0 computes no rows
+                entries = {self.token(t): finite(lp) for t, lp in row}
                 entries.setdefault(token, finite(logprob))
                 top_maps.append(entries)
         token_logprobs = [finite(logprob) for logprob in logprobs]

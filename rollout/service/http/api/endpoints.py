@@ -100,10 +100,15 @@ class OpenAIEndpoints:
         engine = self.manager.engine
         # A sample's tokens (but its last, never fed back) must fit the context and the whole KV cache: more is
         # refused here by name, never left to fail in the engine (a 500).
-        context = min(engine.max_model_len, engine.num_blocks * self.manager.config.block_size + 1)
+        kv_tokens = engine.num_blocks * self.manager.config.block_size
+        context = min(engine.max_model_len, kv_tokens + 1)
+        # A prompt needs one token of room (a scored prompt's every token is written to the KV cache, as is a
+        # sampled one's last prompt token): a longer one is the prompt's fault, never a max_tokens range of [1, -n].
+        longest = min(self.max_prompt_len, context - 1)
         for prompt in prompts:
-            if len(prompt) > self.max_prompt_len:
-                reason = f"is {len(prompt)} tokens; this worker takes at most {self.max_prompt_len}"
+            if len(prompt) > longest:
+                kv_note = f" (its KV cache holds {kv_tokens} tokens)" if longest < self.max_prompt_len else ""
+                reason = f"is {len(prompt)} tokens; this worker takes at most {longest}{kv_note}"
                 raise APIError(400, f"{prompt_field}: {reason}", prompt_field, code="context_length_exceeded")
         room = context - max(len(prompt) for prompt in prompts)  # tokens the longest prompt leaves in the context
         scoring = None

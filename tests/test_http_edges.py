@@ -1,0 +1,106 @@
+"""Edges of the HTTP front end found by review, driven by the official `openai` client against an in-process server
+whose engine runs: prompts at the limit of a KV cache smaller than the context, and the text offsets of an echoed
+prompt whose text its tokens do not spell."""
+
+from __future__ import annotations
+
+import itertools
+
+import openai
+import pytest
+import torch
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager.continuous_batching import init_continuous_batching
+from rollout.presets import tiny_model, tiny_tokenizer
+from rollout.service.http.serving.server import HttpServer
+from rollout.service.http.serving.settings import HttpSettings
+
+BLOCKS, BLOCK_SIZE = 4, 16
+KV_TOKENS = BLOCKS * BLOCK_SIZE  # far below the tiny model's 2048-token context
+TOKENIZER = tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model().eval()
+
+
+@pytest.fixture(scope="module")
+def api(model):
+    config = ContinuousBatchingConfig(num_blocks=BLOCKS, block_size=BLOCK_SIZE)
+    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=TOKENIZER).start()
+    http = HttpServer(manager, TOKENIZER, HttpSettings(max_n=8, max_prompt_len=2048)).start()
+    try:
+        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            yield client
+    finally:
+        http.stop()
+        manager.stop()
+
+
+def refused(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as raised:
+        call()
+    return raised.value.body
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1, 0])
+def test_a_prompt_the_kv_cache_cannot_hold_is_refused_naming_the_prompt(api, max_tokens):
+    # Without max_tokens (or with any value) the fault is the prompt's: never "max_tokens in [1, -6]", never a 500
+    # from the engine for a scored prompt one token past the cache.
+    extra = {"max_tokens": max_tokens, "echo": True, "logprobs": 0} if max_tokens is not None else {}
+    error = refused(lambda: api.completions.create(model="tiny", prompt=[5] * (KV_TOKENS + 1), **extra))
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    assert f"at most {KV_TOKENS}" in error["message"]
+
+
+def test_a_chat_longer_than_the_kv_cache_is_refused_naming_the_messages(api):
+    messages = [{"role": "user", "content": "x" * KV_TOKENS}]
+    error = refused(lambda: api.chat.completions.create(model="tiny", messages=messages))
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
+
+
+def test_a_prompt_that_fills_the_kv_cache_is_scored_as_a_forward_pass_scores_it(api, model):
+    prompt = [4 + (7 * i) % 90 for i in range(KV_TOKENS)]
+    answer = api.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    expected = [expected[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    got = answer.choices[0].logprobs.token_logprobs
+    assert got[0] is None and got[1:] == pytest.approx(expected, abs=1e-4)
+    # One token of room after the longest prompt: sampled prompts fit too.
+    answer = api.completions.create(model="tiny", prompt=prompt[:-1], max_tokens=1, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 1
+
+
+def token_text_offsets(ids: list[int]) -> list[int]:
+    """vLLM's echo offsets: each token's text on its own, summed over the prompt's and then the completion's."""
+    return [0, *itertools.accumulate(len(TOKENIZER.decode([t])) for t in ids[:-1])]
+
+
+def test_echo_offsets_run_on_from_the_prompt_tokens_whatever_text_was_sent(api):
+    prompt = "h\u00e9llo"  # the tiny vocabulary has no "é": it is <unk>, whose own text is 5 characters long
+    fields = dict(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=0, seed=1)
+    answer = api.completions.create(**fields, extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = answer.choices[0]
+    ids = choice.model_extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+    assert TOKENIZER.unk_token_id in ids and choice.text.startswith(prompt)
+    assert choice.logprobs.text_offset == token_text_offsets(ids)
+    streamed = []
+    for chunk in api.completions.create(**fields, stream=True, extra_body={"ignore_eos": True}):
+        streamed += chunk.choices[0].logprobs.text_offset if chunk.choices and chunk.choices[0].logprobs else []
+    assert streamed == choice.logprobs.text_offset
+
+
+def test_logprobs_0_gives_each_position_its_own_token_as_vllm_does(api):
+    # vLLM's top_logprobs hold the top k and the token itself: with k = 0, the token alone (never null), for the
+    # echoed prompt (its first position excepted) and the completion, whole or streamed.
+    fields = dict(model="tiny", prompt="hello", max_tokens=4, echo=True, logprobs=0, seed=2)
+    logprobs = api.completions.create(**fields).choices[0].logprobs
+    assert logprobs.top_logprobs[0] is None and len(logprobs.tokens) == len("hello") + 4
+    assert logprobs.top_logprobs[1:] == [{t: lp} for t, lp in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:])]
+    streamed = []
+    for chunk in api.completions.create(**fields, stream=True):
+        streamed += chunk.choices[0].logprobs.top_logprobs if chunk.choices and chunk.choices[0].logprobs else []
+    assert streamed == logprobs.top_logprobs
