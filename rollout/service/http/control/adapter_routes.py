@@ -58,7 +58,7 @@ class AdapterRoutes:
             try:
                 await asyncio.to_thread(self.manager.load_adapter, name, str(directory))
             except FieldError as error:
-                field = "lora_path" if error.field == "lora" else error.field
+                field = {"lora": "lora_path", "adapter": "lora_name"}.get(error.field, error.field)
                 raise APIError(400, f"{field}: {error.reason}", field) from None
             self.roots[name] = path
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
