@@ -104,3 +104,22 @@ def test_logprobs_0_gives_each_position_its_own_token_as_vllm_does(api):
     for chunk in api.completions.create(**fields, stream=True):
         streamed += chunk.choices[0].logprobs.top_logprobs if chunk.choices and chunk.choices[0].logprobs else []
     assert streamed == logprobs.top_logprobs
+
+
+def test_a_seed_past_64_bits_is_read_as_the_integer_sent(api):
+    """orjson reads an integer past 64 bits as a float: such a body is parsed as `json.loads` reads it, so the seed
+    stays the integer sent, and seeds sampling as any seed does (it was refused as "1.8446744073709552e+19 is
+    invalid")."""
+    import json
+
+    from rollout.service.http.serving.bodies import parse_json
+
+    body = b'{"seed": 18446744073709551616, "temperature": 1.5, "prompt": "12345678901234567890123"}'
+    assert parse_json(body) == json.loads(body)
+    runs = [
+        api.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=1.0, seed=2**64, logprobs=0)
+        for _ in range(2)
+    ]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    tokens = [run.choices[0].logprobs.tokens for run in runs]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -116,19 +117,28 @@ class ReceiveBudget:
             del self.by_client[client]
 
 
+# A run of digits an integer past 64 bits needs (2**64 has 20), which orjson would read as a float.
+_LONG_DIGITS = re.compile(rb"\d{20,}")
+
+
 def parse_json(raw: bytes | bytearray) -> Any:
     """A JSON body (400 when it is not JSON, or nested too deeply to parse).
 
     orjson parses it: on every kind of value at most about 0.15 microseconds each, where `json.loads` takes up to
     1.4 and msgspec up to 12 (on `1e300`), all while holding the interpreter lock. What orjson refuses in a small body
-    is parsed again by `json.loads`, which decides as it always did (it takes NaN, lone surrogate escapes and
-    integers past 64 bits, which orjson refuses; fields then name them); a big body orjson refuses is refused.
+    is parsed again by `json.loads`, which decides as it always did (it takes NaN and lone surrogate escapes, which
+    orjson refuses; fields then name them); a big body orjson refuses is refused. orjson reads an integer past 64
+    bits as a float (`2**64` as 1.8446744073709552e+19), so a body with a run of 20 digits or more is parsed by
+    `json.loads` too, which keeps it an integer (a field then names it as sent).
     """
     try:
-        return orjson.loads(raw)
+        parsed = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
         if len(raw) >= BIG_BODY_BYTES:
             raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
+    else:
+        if _LONG_DIGITS.search(raw) is None:
+            return parsed
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
