@@ -3,7 +3,8 @@
 - an RL orchestration loop written only with `httpx` and vLLM's documented routes (pause -> update the weights from
   a checkpoint directory -> resume -> generate), checked against transformers' `generate` on the new weights and
   against the `policy_versions` of every token, a held sample's included;
-- a bad checkpoint refused by name, the old weights still serving;
+- a bad checkpoint refused by name (unreadable, a wrong shape, NaN under `--check-finite`), the old weights still
+  serving;
 - lm-evaluation-harness with `tokenizer_backend="remote"` (its RemoteTokenizer reads /tokenizer_info, /tokenize and
   /detokenize), its log-likelihoods checked against a teacher-forced forward.
 """
@@ -34,7 +35,7 @@ def shared(tmp_path_factory):
 def server(shared):
     port = free_port()
     flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
-    server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared))
+    server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared), "--check-finite")
     server.url = f"http://127.0.0.1:{port}"
     yield server
     server.close()
@@ -115,6 +116,15 @@ def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, s
         save_file(tensors, str(wrong / "model.safetensors"))
         answer = http.post("/update_weights", json={"weight_dir": str(wrong)})
         assert answer.status_code == 400 and "model.norm.weight" in answer.json()["error"]["message"]
+
+        diverged = shared / "diverged"  # --check-finite: refused as the ZeroMQ path refuses it
+        diverged.mkdir()
+        tensors = {name: t.clone() for name, t in tiny_model(seed=3).state_dict().items()}
+        tensors["model.norm.weight"][5] = float("nan")
+        save_file(tensors, str(diverged / "model.safetensors"))
+        answer = http.post("/update_weights", json={"weight_dir": str(diverged)})
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400 and "model.norm.weight" in message and "NaN or Inf" in message, message
 
         assert http.post("/update_weights", json={"weight_dir": "/etc"}).status_code == 403
         assert http.post("/update_weights", json={"weight_dir": str(shared / "none")}).status_code == 404

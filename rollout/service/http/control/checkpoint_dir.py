@@ -16,16 +16,19 @@ from rollout.service.http.errors import APIError
 MAX_CHECKPOINT_FILES = 4096
 
 
-def read_checkpoint(directory: Path, served: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+def read_checkpoint(
+    directory: Path, served: dict[str, tuple[str, tuple[int, ...]]], check_finite: bool = False
+) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at `directory`, on the CPU, floating ones cast to the served parameter's dtype
     (as a copy into the model would: a float32 checkpoint serves a bfloat16 model).
 
     Args:
         directory: a checked directory (`AllowedDirs.directory`).
         served: the served model's weights, name -> (dtype name, shape) (`WeightTable.specs`).
+        check_finite: refuse a floating tensor holding NaN or Inf (the worker's `--check-finite`), as cast.
     Raises:
-        APIError: 400 naming the file at fault (unreadable, not safetensors, a tensor name found in two files) or
-            a directory that holds no safetensors file.
+        APIError: 400 naming the file at fault (unreadable, not safetensors, a tensor name found in two files, a
+            tensor not finite under check_finite) or a directory that holds no safetensors file.
     """
     from safetensors import safe_open
 
@@ -46,11 +49,21 @@ def read_checkpoint(directory: Path, served: dict[str, tuple[str, tuple[int, ...
                         reason = f"tensor {name!r} is in both {origin[name]} and {path.name}"
                         raise APIError(400, f"weight_dir: {reason}", "weight_dir")
                     tensors[name], origin[name] = _as_served(reader.get_tensor(name), served.get(name)), path.name
+                    if check_finite and not _finite(tensors[name]):
+                        reason = (
+                            f"{path.name}: tensor {name!r} holds NaN or Inf values (the worker checks: --check-finite)"
+                        )
+                        raise APIError(400, f"weight_dir: {reason}", "weight_dir")
         except APIError:
             raise
         except Exception as error:  # noqa: BLE001 - a truncated or foreign file, named
             raise APIError(400, f"weight_dir: cannot read {path.name}: {error}", "weight_dir") from None
     return tensors
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN or Inf (other tensors always do)."""
+    return not tensor.is_floating_point() or not tensor.numel() or bool(torch.isfinite(tensor).all())
 
 
 def _as_served(tensor: torch.Tensor, spec: tuple[str, tuple[int, ...]] | None) -> torch.Tensor:

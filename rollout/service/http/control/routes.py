@@ -72,6 +72,7 @@ def add_control_routes(
     allowed: AllowedDirs,
     adapters: AdapterRoutes,
     new_base: Callable[[str], None] | None = None,
+    check_finite: bool = False,
 ) -> None:
     """Add the control routes to `app`.
 
@@ -85,6 +86,7 @@ def add_control_routes(
         adapters: the LoRA routes' state.
         new_base: told the checkpoint directory's path once its weights are served (the worker's ZeroMQ side then
             refuses adapter pushes made for the weights before).
+        check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
     """
     control = manager.control
 
@@ -163,7 +165,7 @@ def add_control_routes(
         mode = fields.get("mode", "keep")
         if mode not in WEIGHT_UPDATE_MODES:
             raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-        result = await asyncio.to_thread(_update_from, manager, directory, fields.get("version"), mode)
+        result = await asyncio.to_thread(_update_from, manager, directory, fields.get("version"), mode, check_finite)
         if new_base is not None:
             new_base(str(directory))
         return SafeJSONResponse(
@@ -196,9 +198,11 @@ async def _not_supported() -> SafeJSONResponse:
     raise APIError(501, NOT_SUPPORTED, None, "not_implemented_error")
 
 
-def _update_from(manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str) -> Any:
+def _update_from(
+    manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str, check_finite: bool
+) -> Any:
     """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while)."""
-    tensors = read_checkpoint(directory, manager.engine.weight_table.specs())
+    tensors = read_checkpoint(directory, manager.engine.weight_table.specs(), check_finite)
     try:
         return manager.update_weights(tensors, version=version, mode=mode)
     except FieldError as error:

@@ -111,7 +111,9 @@ def build_app(
     live = LiveAnswers()
     adapters = AdapterRoutes(manager, AllowedDirs(settings.control_allowed_dirs))
     if settings.enable_control_routes:
-        add_control_routes(app, manager, model_name, bodies, live, adapters.allowed, adapters, new_base)
+        add_control_routes(
+            app, manager, model_name, bodies, live, adapters.allowed, adapters, new_base, settings.check_finite
+        )
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone) -> Response:

@@ -119,6 +119,7 @@ def start_http(
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             control_api_key=args.control_api_key,
             control_allowed_dirs=tuple(args.control_allowed_dirs),
+            check_finite=args.check_finite,
         )
         http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles, worker.base_changed)
         http.start()

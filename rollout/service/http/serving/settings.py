@@ -70,6 +70,7 @@ class HttpSettings:
         control_api_key: the key the control routes need (None: they need `api_key`, as every route).
         control_allowed_dirs: the directories /update_weights and /v1/load_lora_adapter may read (none: neither
             reads anything).
+        check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
     """
 
     host: str = "127.0.0.1"
@@ -91,6 +92,7 @@ class HttpSettings:
     enable_tokenizer_info_endpoint: bool = False
     control_api_key: str | None = None
     control_allowed_dirs: tuple[str, ...] = ()
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -130,7 +132,7 @@ class HttpSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise FieldError(name, "must be a non-empty string")
-        for name in ("enable_control_routes", "enable_tokenizer_info_endpoint"):
+        for name in ("enable_control_routes", "enable_tokenizer_info_endpoint", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"must be a bool, got {getattr(self, name)!r}")
         dirs = self.control_allowed_dirs
