@@ -123,3 +123,12 @@ def test_a_seed_past_64_bits_is_read_as_the_integer_sent(api):
     assert runs[0].choices[0].text == runs[1].choices[0].text
     tokens = [run.choices[0].logprobs.tokens for run in runs]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+@pytest.mark.parametrize("sent", [-1, "5", None, 1.5])
+def test_a_bad_stop_token_id_is_named_as_sent(api, sent):
+    """The refusal names the value the client sent, not the list it is merged into (the model's EOS first)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"stop_token_ids": [7, sent]})
+    assert refused.value.body["param"] == "stop_token_ids"
+    assert refused.value.body["message"].endswith(f"got {sent!r} in it"), refused.value.body["message"]

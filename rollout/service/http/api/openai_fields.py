@@ -167,6 +167,9 @@ def sampling_from(
     extra_stops = [] if extra_stops is None else extra_stops
     if not isinstance(extra_stops, list):
         raise bad_field("stop_token_ids", "must be a list of token ids")
+    for token in extra_stops:  # named as sent (the list checked later holds the model's EOS tokens too)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise bad_field("stop_token_ids", f"must be a list of token ids (integers >= 0), got {token!r} in it")
     min_tokens = body.get("min_tokens")
     if min_tokens is not None and integer(body, "min_tokens", 0, 0) > max_tokens:
         raise bad_field("min_tokens", f"must be at most max_tokens ({max_tokens})")
