@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, GPTJConfig, GPTNeoXConfig, LlamaConfig
 
 from conftest import VOCAB, tiny_model
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
@@ -33,6 +33,19 @@ WIDE = {
     "llama_mlp300": dict(hidden_size=128, intermediate_size=300, num_attention_heads=4, num_key_value_heads=2),
 }
 WIDE_HEAD_DIMS = {"llama_wide_mha": 128, "llama_head320": 320, "llama_mlp300": 32}
+# Families whose causal LM passes `input_ids` to its decoder by position (Pythia's GPT-NeoX with partial rotary, GPT-J):
+# positions must still be numbered from each row's first unmasked token.
+POSITIONAL = {
+    "gpt_neox": lambda: GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rotary_pct=0.25,
+    ),
+    "gptj": lambda: GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+}
 
 
 def wide_model(kind: str) -> torch.nn.Module:
@@ -45,7 +58,11 @@ def wide_model(kind: str) -> torch.nn.Module:
 def realistic(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     """A tiny model of `kind` (conftest's, or `WIDE`) whose mean next-token entropy is about 1.5 nats (random
     weights hide mismatch)."""
-    model = wide_model(kind) if kind in WIDE else tiny_model(kind, seed=1)
+    if kind in POSITIONAL:
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(POSITIONAL[kind]()).eval()
+    else:
+        model = wide_model(kind) if kind in WIDE else tiny_model(kind, seed=1)
     scale_to_entropy(model, [prompt + completion for prompt, completion in PAIRS[:3]])
     return model.to(dtype)
 
@@ -81,7 +98,7 @@ BATCHES = [[0, 1, 2, 3, 4, 5], [5, 3, 1], [2, 0], [4, 5, 0, 1]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma2", "mistral_sliding", "qwen3_moe", *WIDE])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "gemma2", "mistral_sliding", "qwen3_moe", *WIDE, *POSITIONAL])
 @torch.no_grad()
 def test_a_padded_batch_gives_each_row_the_logprobs_it_has_alone(kind, dtype):
     model = realistic(kind, dtype)

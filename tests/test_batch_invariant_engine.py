@@ -48,7 +48,7 @@ def largest_gap_to_trainer(trainer: torch.nn.Module, samples) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "qwen3_moe", "llama_wide_mha", "llama_mlp300"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma2", "qwen3_moe", "llama_wide_mha", "llama_mlp300", "gpt_neox"])
 def test_rollout_logprobs_equal_the_trainers_forward_bit_for_bit(kind, dtype):
     model = realistic(kind, dtype)
     trainer = copy.deepcopy(model)

@@ -14,5 +14,7 @@ through it:
   `triton_attention.py`);
 - `cpu_check.py`: on the CPU, the products above run on this machine with the model's shapes and the process's
   thread count before anything relies on them (a mismatch is refused by name);
+- `model_support.py`: models the mode cannot make bit for bit (LongRoPE, GPT-2's Conv1D, latent attention), refused
+  by name;
 - `mode.py`: `batch_invariant(model)`, the context manager that turns them on for one model.
 """

@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from rollout.invariant.attention import register_invariant_attention
 from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
+from rollout.invariant.model_support import refuse_variant_model
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction, on_kernel_device
 from rollout.invariant.swaps import ModeNeed, mode_need_of, swapped_forwards
@@ -159,14 +160,16 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Yields:
         `model`, unchanged but for its attention implementation while the block runs.
     Raises:
-        ValueError: the model has no `config` with an attention implementation to switch, or checkpoints its layers
-            with reentrant gradient checkpointing.
+        ValueError: the model has no `config` with an attention implementation to switch, checkpoints its layers
+            with reentrant gradient checkpointing, or is of a kind the mode cannot make bit for bit (a FieldError
+            naming batch_invariant: LongRoPE, GPT-2's Conv1D layers, DeepSeek's latent attention).
         RowInvarianceError: (a ValueError) on a CPU whose matmuls are not row-invariant for the model's shapes with
             this process's thread count (`cpu_check.py`).
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"batch_invariant needs a transformers model with a config, got {type(model).__name__}")
+    refuse_variant_model(model)
     check_cpu_products(model)  # on the CPU, once per shape and thread count
     need = mode_need_of(model)
     checkpointing = _checkpointing_with_the_mode(model, need)

@@ -3,13 +3,18 @@ paged cache cannot serve) and the attention backend for a cache ("torch" or the 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
 from rollout.config import FieldError
+from rollout.engine.attention.paged import register_paged_attention
 from rollout.engine.kv.kv_cache import PagedKVCache
+from rollout.invariant.model_support import rope_types
+
+logger = logging.getLogger(__name__)
 
 
 def text_config(model: torch.nn.Module) -> Any:
@@ -61,7 +66,31 @@ def servable_text_config(model: torch.nn.Module) -> Any:
         )
     if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
         raise FieldError("model", "attention sinks (GPT-OSS's sinks) are not served by rollout's paged attention")
+    _refuse_own_attention(model)
+    if "longrope" in rope_types(config):
+        logger.warning(
+            "%s uses LongRoPE: transformers picks its rotary factors from the longest position of each forward, so "
+            "once a step holds a sequence past original_max_position_embeddings every sequence of that step gets the "
+            "long factors (tokens then depend on their batch; batch_invariant refuses such a model)",
+            type(model).__name__,
+        )
     return config
+
+
+def _refuse_own_attention(model: torch.nn.Module) -> None:
+    """Refuse a model whose attention transformers' AttentionInterface does not serve (GPT-Neo, Bloom: switching
+    its implementation to the paged one leaves it on its own), tried and undone here, before anything is built."""
+    previous = model.config._attn_implementation
+    name = register_paged_attention()
+    model.set_attn_implementation(name)
+    kept = model.config._attn_implementation
+    model.set_attn_implementation(previous)
+    if kept != name:
+        raise FieldError(
+            "model",
+            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface (it kept "
+            f"{kept!r}), so rollout's paged attention cannot serve it",
+        )
 
 
 # Config fields naming a multimodal model's placeholder tokens (where its images, video or audio would go).

@@ -27,6 +27,7 @@ from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, ste
 from rollout.engine.sampling.fp32_head import Fp32Head
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
+from rollout.invariant.model_support import refuse_variant_model
 
 
 class ModelRunner:
@@ -49,12 +50,14 @@ class ModelRunner:
             max_model_len: the longest sequence the engine accepts (sizes the decode graphs' block table).
         Raises:
             ValueError: "triton" asked for where it cannot run (not installed, or a block size it cannot serve),
-                CUDA graphs asked for without the Triton kernels, or an MoE model held by an engine whose
-                batch_invariant differs.
+                CUDA graphs asked for without the Triton kernels, an MoE model held by an engine whose
+                batch_invariant differs, or with batch_invariant a model the mode cannot make bit for bit.
         """
         config = config or ContinuousBatchingConfig()
         # An MoE model's experts: sync-free while lent, or one F.linear each, which the invariant mode tiles.
         self._experts = INVARIANT_EXPERTS if config.batch_invariant else SYNC_FREE_EXPERTS
+        if config.batch_invariant:
+            refuse_variant_model(model)
         check_lease(model, self._experts)
         self.model = model
         self.kv_cache = kv_cache
