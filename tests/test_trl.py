@@ -322,8 +322,8 @@ def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):
         stop_token_ids=[EOS],
         logprob_mode="temperature_scaled",
     )
-    for group in groups:
-        assert group.sampling == expected_sampling
+    assert len({group.sampling.pop("seed") for group in groups}) == 2  # each group seeded (test_trl_runs.py)
+    assert [group.sampling for group in groups] == [expected_sampling] * 2
     SamplingParams(**{k: v for k, v in groups[0].sampling.items() if k != "stop_token_ids"})
 
     # Row order, though the results came back in reverse: rows 0-3 are group 0's samples 0-3, rows 4-7 group 1's.
@@ -341,6 +341,7 @@ def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):
 
     # generate_rows overrides win over the GRPOConfig-derived settings.
     trainer.rollout.generate_rows([a], max_new_tokens=3, temperature=1.0)
+    fake.submitted[-1][0].sampling.pop("seed")
     assert fake.submitted[-1][0].sampling == {**expected_sampling, "max_new_tokens": 3, "temperature": 1.0}
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +56,7 @@ class RolloutGeneration:
         self._last_version: int | None = None  # the version the last sync set
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
+        self._seeds = itertools.count()  # the groups seeded so far (`seeded`)
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
         # The last round's completions in row order when they carry MoE routes (routing replay), else None.
         self.last_routed: list[Any] | None = None
@@ -73,27 +76,65 @@ class RolloutGeneration:
         self._last_version = self.base_version + step
         return self._last_version
 
+    def seeded(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """A group's sampling settings with a seed of its own, drawn from `GRPOConfig.seed`, the rank and the groups
+        seeded before it (a `seed` the settings give, from generation_kwargs, is kept): two runs with the same seed
+        sample the same completions, as TRL's own generation does (without one the client drew a random seed)."""
+        if settings.get("seed") is not None:
+            return dict(settings)
+        key = f"{self.trainer.args.seed}/{self.trainer.accelerator.process_index}/{next(self._seeds)}"
+        return {**settings, "seed": int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 2}
+
+    def _wait_for_a_worker(self, deadline: float) -> None:
+        """Before a push: while no worker is live (one died and is restarting), wait until `deadline` for one to come
+        back, as its groups would; then name each worker and how it was lost."""
+        client = self.client
+        while hasattr(client, "live_workers") and not client.live_workers():
+            if time.monotonic() >= deadline or client.closed:
+                raise RolloutError(
+                    "no_workers",
+                    f"no rollout worker to push the weights of step {self.trainer.state.global_step} to came back "
+                    f"within the client's timeout ({client.timeout:g} s): {client.outage() or 'none is live'}",
+                )
+            time.sleep(0.05)
+
     def sync_weights(self) -> None:
-        """Push the trainer's weights (every rank calls this; only the main process sends)."""
+        """Push the trainer's weights (every rank calls this; only the main process sends). With no worker live, or
+        every one lost during the push, the main process waits for one to come back (a restart) up to the client's
+        timeout and every rank pushes again."""
         trainer = self.trainer
         main = trainer.accelerator.is_main_process
-        failure: BaseException | None = None
-        try:
-            push_weights(
-                self.client if main else None,
-                trainer.model_wrapped,
-                version=self._next_version(),
-                accelerator=trainer.accelerator,
-                **self.push_kwargs,
-            )
-            # Every rank's rows sample with the adapter a PEFT model's push serves (None: whole weights).
-            self.client.adapter = served_adapter_name(
-                trainer.model_wrapped,
-                trainer.accelerator,
-                **{k: v for k, v in self.push_kwargs.items() if k in ("adapters", "adapter_name")},
-            )
-        except BaseException as error:  # noqa: BLE001 - every rank hears of it below, then raises
-            failure = error
+        version = self._next_version()
+        deadline = time.monotonic() + getattr(self.client, "timeout", 0.0)
+        while True:
+            failure: BaseException | None = None
+            pushing = False
+            try:
+                if main:
+                    self._wait_for_a_worker(deadline)
+                pushing = True
+                push_weights(
+                    self.client if main else None,
+                    trainer.model_wrapped,
+                    version=version,
+                    accelerator=trainer.accelerator,
+                    **self.push_kwargs,
+                )
+                # Every rank's rows sample with the adapter a PEFT model's push serves (None: whole weights).
+                self.client.adapter = served_adapter_name(
+                    trainer.model_wrapped,
+                    trainer.accelerator,
+                    **{k: v for k, v in self.push_kwargs.items() if k in ("adapters", "adapter_name")},
+                )
+            except BaseException as error:  # noqa: BLE001 - every rank hears of it below, then raises
+                failure = error
+            # Every worker lost during the push (no worker holds a part of it): all ranks push again (a collective).
+            lost = isinstance(failure, RolloutError) and failure.code == "no_workers"
+            again = [main and pushing and lost and time.monotonic() < deadline]
+            if trainer.accelerator.num_processes > 1:
+                broadcast_object_list(again, from_process=0)
+            if not again[0]:
+                break
         # Every rank calls this at the same point. The broadcast makes the others wait until the workers serve the
         # new weights (else they would sample their rows with the previous step's), and makes them fail with the
         # main process when its push failed, instead of waiting for it forever.
@@ -114,7 +155,7 @@ class RolloutGeneration:
             if groups and groups[-1].prompt_ids == list(row):
                 groups[-1].n += 1
             else:
-                groups.append(PromptGroup(list(row), 1, dict(settings), f"grpo-{next(self._group_ids)}"))
+                groups.append(PromptGroup(list(row), 1, self.seeded(settings), f"grpo-{next(self._group_ids)}"))
         results = {result.group_id: result for result in self._generate_groups(groups)}
         ordered = [completion for group in groups for completion in results[group.group_id].completions]
         for completion in ordered:

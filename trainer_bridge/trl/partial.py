@@ -158,7 +158,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
                 continue
             prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([rows[0]["prompt"]]))  # noqa: SLF001
             self._rows[key] = rows
-            self._send_group(key, PromptGroup(list(prompt_ids[0]), n, self._group_sampling(rows)))
+            self._send_group(key, PromptGroup(list(prompt_ids[0]), n, self.seeded(self._group_sampling(rows))))
             pool.add(key, self._rounds)
         self._cursor = (epoch, index, group)
 

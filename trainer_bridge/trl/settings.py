@@ -3,6 +3,7 @@ and the off-policy ones (max_staleness, partial rollouts) to the modes and push 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -132,6 +133,21 @@ def check_tool_loop(trainer: Any, partial_rollouts: bool, max_staleness: int) ->
             "environments' reset() writes the prompts at that moment; nothing is sent ahead (tools without "
             "environments are)",
             stacklevel=3,
+        )
+
+
+def check_temperature(config: Any) -> None:
+    """`GRPOConfig.temperature` must be a positive number: TRL's loss scores `log_softmax(logits / temperature)`,
+    so 0 failed with a ZeroDivisionError after the first round was generated (TRL's own generate refuses it too).
+
+    Raises:
+        ValueError: naming the field, and what to set for greedy rollouts.
+    """
+    temperature = getattr(config, "temperature", 1.0)
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and 0 < temperature < math.inf):
+        raise ValueError(
+            f"GRPOConfig.temperature must be a finite number > 0, got {temperature!r}: TRL's loss divides the logits "
+            "by it (for greedy rollouts set generation_kwargs={'do_sample': False})"
         )
 
 

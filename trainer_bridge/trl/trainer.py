@@ -54,16 +54,11 @@ from trainer_bridge.trl.settings import (
     check_keywords,
     check_mode,
     check_staleness,
+    check_temperature,
     check_tool_loop,
 )
 
-__all__ = [
-    "SUPPORTED_TRL",
-    "RolloutGRPOTrainer",
-    "RolloutGeneration",
-    "RolloutRows",
-    "check_trl_internals",
-]
+__all__ = ["SUPPORTED_TRL", "RolloutGRPOTrainer", "RolloutGeneration", "RolloutRows", "check_trl_internals"]
 
 SUPPORTED_TRL = (Version("1.16"), Version("1.17"))  # [low, high)
 
@@ -185,6 +180,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
+        check_temperature(config)
         check_mode(
             rollout_mode,
             rollout_workers,

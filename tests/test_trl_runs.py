@@ -1,0 +1,166 @@
+"""trainer_bridge.trl: what a TRL user meets across runs: the seed reproduces the sampling (as TRL's own generation
+does), a temperature TRL's loss cannot divide by is refused by name, and a push waits for a restarted worker.
+
+References: TRL's own GRPOTrainer (use_vllm=False) on the same tiny model and seed, and the worker's own counters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import pytest  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
+from service_helpers import Worker  # noqa: E402
+from trainer_bridge import RolloutClient, RolloutError  # noqa: E402
+from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
+from trl_helpers import dataset, grpo_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One rollout-worker on the tiny preset (tiny_model(0)); its torch gets one thread (2 cores, 2 processes)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        server = Worker()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def client(worker):
+    with RolloutClient(worker.address, timeout=60) as rollout_client:
+        yield rollout_client
+
+
+class Recorder:
+    """A reward function that keeps every completion it scores (the rows TRL trained on, in its order)."""
+
+    __name__ = "recorder"
+
+    def __init__(self) -> None:
+        self.completions: list[list[int]] = []
+
+    def __call__(self, completion_ids: list[list[int]], **_: object) -> list[float]:
+        self.completions += [list(ids) for ids in completion_ids]
+        return [sum(ids) / (1024 * max(len(ids), 1)) for ids in completion_ids]
+
+
+def sampled(trainer_class: type, tmp_path, seed: int, **kwargs) -> list[list[int]]:
+    """The completions of one step of `trainer_class` with GRPOConfig.seed = seed."""
+    reward = Recorder()
+    trainer = trainer_class(
+        model=tiny_model(0),
+        reward_funcs=reward,
+        args=grpo_config(tmp_path / f"seed{seed}", max_steps=1, seed=seed, **kwargs.pop("config", {})),
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+        **kwargs,
+    )
+    trainer.train()
+    assert len(reward.completions) == 8
+    return reward.completions
+
+
+def test_the_seed_reproduces_the_sampling_as_trls_own_generation(tmp_path, client):
+    """TRL's GRPOTrainer samples the same completions twice with one seed, other ones with another; so do the
+    worker and the colocated engine (each rank's groups seeded from GRPOConfig.seed; the client drew random seeds).
+    A seed given in generation_kwargs is kept (vLLM's per-request seed)."""
+    reference = sampled(GRPOTrainer, tmp_path, 0)
+    assert sampled(GRPOTrainer, tmp_path, 0) == reference
+    assert sampled(GRPOTrainer, tmp_path, 1) != reference
+
+    for mode in ({"rollout_workers": client}, {"rollout_mode": "colocate"}):
+        first = sampled(RolloutGRPOTrainer, tmp_path, 0, **mode)
+        assert sampled(RolloutGRPOTrainer, tmp_path, 0, **mode) == first
+        assert sampled(RolloutGRPOTrainer, tmp_path, 1, **mode) != first
+    given = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=Recorder(),
+        args=grpo_config(tmp_path / "given", generation_kwargs={"seed": 7}),
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+        rollout_workers=client,
+    )
+    assert given.rollout.seeded(given.rollout.sampling)["seed"] == 7
+
+
+def test_a_temperature_trls_loss_cannot_divide_by_is_refused_by_name(tmp_path, client):
+    """TRL's own trainer refuses temperature 0 (its generate); RolloutGRPOTrainer generated a round, then TRL's loss
+    raised ZeroDivisionError. It is refused at construction, naming the field."""
+    trl_trainer = GRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=Recorder(),
+        args=grpo_config(tmp_path / "trl", max_steps=1, temperature=0.0),
+        train_dataset=dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    with pytest.raises(ValueError, match="temperature"):
+        trl_trainer.train()
+    for temperature in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"GRPOConfig.temperature must be a finite number > 0"):
+            RolloutGRPOTrainer(
+                model=tiny_model(0),
+                reward_funcs=Recorder(),
+                args=grpo_config(tmp_path / "ours", temperature=temperature),
+                train_dataset=dataset(),
+                processing_class=tiny_tokenizer(),
+                rollout_workers=client,
+            )
+
+
+def test_a_push_waits_for_a_restarted_worker_and_names_one_that_never_comes_back(tmp_path):
+    """The only worker is SIGKILLed after step 1 and restarted at its address: the next push waits for it (as its
+    groups would) and training ends, the restarted worker holding every later step's weights. A worker that does not
+    come back fails the push after the client's timeout, naming it and how it was lost (the push failed at once,
+    "no live rollout worker to push weights to", before)."""
+    worker = Worker()
+    restarted: list[Worker] = []
+
+    class RestartAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                worker.process.send_signal(signal.SIGKILL)
+                worker.process.wait()
+                restarted.append(Worker(address=worker.address, wait=False))  # comes up while the trainer waits
+
+    def trainer(client: RolloutClient, callback: TrainerCallback, steps: int) -> RolloutGRPOTrainer:
+        return RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=Recorder(),
+            args=grpo_config(tmp_path, max_steps=steps),
+            train_dataset=dataset(),
+            processing_class=tiny_tokenizer(),
+            rollout_workers=client,
+            callbacks=[callback],
+        )
+
+    try:
+        with RolloutClient(worker.address, timeout=90, heartbeat_s=0.2, dead_after_s=1.5) as client:
+            run = trainer(client, RestartAfterStep1(), 3)
+            run.train()
+            assert run.state.global_step == 3
+            stats = restarted[0].stats()
+            assert stats["weight_updates"] == 2  # the pushes of steps 1 and 2, into the restarted process
+            assert stats["policy_version"] == run.rollout.base_version + 2
+
+        class KillAfterStep1(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    restarted[0].process.send_signal(signal.SIGKILL)
+
+        with RolloutClient(worker.address, timeout=3, heartbeat_s=0.2, dead_after_s=1.5) as client:
+            started = time.monotonic()
+            with pytest.raises(RolloutError, match=f"within the client's timeout.*{worker.address}: lost") as lost:
+                trainer(client, KillAfterStep1(), 3).train()
+            assert lost.value.code == "no_workers"
+            assert time.monotonic() - started >= 3
+    finally:
+        worker.close()
+        for server in restarted:
+            server.close()
