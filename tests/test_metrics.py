@@ -165,3 +165,57 @@ def test_scrapes_that_trickle_free_their_slot_at_the_deadline_and_end_quietly(mo
             connection.close()
         server.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_port_in_use_is_an_os_error_naming_it_not_an_attribute_error():
+    """A metrics port another socket holds (the worker's own --bind, a race after the probe) raised AttributeError
+    from server_close, which socketserver calls when its bind fails: rollout-worker printed a traceback instead of
+    its usage error. The OSError now reaches the caller, and nothing is left listening."""
+    import errno
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from rollout.service.observability.metrics_server import MetricsServer
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as raised:
+            MetricsServer(CollectorRegistry(), port)
+        assert raised.value.errno == errno.EADDRINUSE
+    finally:
+        holder.close()
+    assert not [t for t in threading.enumerate() if t.name in ("rollout-metrics", "rollout-metrics-deadlines")]
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+@pytest.mark.parametrize("api_installed", [True, False])
+def test_an_otlp_endpoint_without_the_extra_is_warned_about_by_its_name(monkeypatch, caplog, variable, api_installed):
+    """An operator who sets an OTLP endpoint on a worker without rollout[otel] is told that no traces leave: without
+    opentelemetry-api the endpoint was ignored silently, and a traces endpoint was reported as the general one."""
+    import builtins
+    import logging
+
+    from rollout.service.observability import tracing
+
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "http://127.0.0.1:48099")
+    if not api_installed:
+        monkeypatch.setattr(tracing, "_trace", None)
+    real_import = builtins.__import__
+
+    def no_exporter(name, *args, **kwargs):
+        if name.startswith("opentelemetry.exporter"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_exporter)
+    with caplog.at_level(logging.WARNING, logger=tracing.__name__):
+        assert tracing.configure_tracing() is False
+    assert [r.getMessage() for r in caplog.records] == [
+        f'{variable} is set but rollout[otel] is not installed (pip install "rollout[otel]"): no traces'
+    ]

@@ -314,9 +314,13 @@ def test_a_worker_that_missed_a_push_catches_up_from_its_peer(fleet, client):
 def test_too_few_resources_is_a_clear_error_within_the_timeout(cluster):
     groups_before = created_groups()
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="could not place 2 worker"):
+    with pytest.raises(TimeoutError, match="could not place 2 worker") as raised:
         RolloutFleet.launch(2, resources_per_worker={"CPU": 64}, worker_args=CPU_WORKER, placement_timeout=2)
     assert time.monotonic() - started < 15
+    # What the cluster has, as a user asks for it: not the fleet's placement group's bundle resources (two names per
+    # bundle, "CPU_group_0_<id>"), which buried the CPUs in the message.
+    assert "the cluster has {'CPU': 6.0," in str(raised.value)
+    assert "_group_" not in str(raised.value) and "node:" not in str(raised.value)
     with pytest.raises(ValueError, match="resources_per_worker"):
         RolloutFleet.launch(1, resources_per_worker={"CPU": 1, "object_store_memory": 1e9}, worker_args=CPU_WORKER)
     assert created_groups() == groups_before, "a failed launch left its placement group behind"

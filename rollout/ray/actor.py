@@ -66,6 +66,18 @@ def worker_parser() -> argparse.ArgumentParser:
 
     parser = build_parser()
     parser.allow_abbrev = False  # "--mod" must not pass for --model, a flag the fleet sets
+    # The flags the fleet sets take no ROLLOUT_* variable of the driver's or a node's environment (ROLLOUT_API_KEY,
+    # kept for workers started by hand, failed every worker of a fleet without http as an --api-key without --http).
+    parser.set_defaults(
+        model="tiny",
+        bind=None,
+        http=None,
+        api_key=None,
+        curve_secret_key=None,
+        authorized_keys=None,
+        trainer_keys=None,
+        insecure=False,
+    )
 
     def refuse(message: str) -> None:
         raise _UsageError(message)
@@ -74,9 +86,14 @@ def worker_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_worker_args(worker_args: list[str]) -> None:
-    """Refuse, naming it, a `worker_args` entry the fleet sets itself or `rollout-worker` would refuse.
+def check_worker_args(worker_args: list[str], http: bool = False) -> None:
+    """Refuse, naming it, a `worker_args` entry the fleet sets itself or `rollout-worker` would refuse: a flag it
+    does not know, a bad setting (`--max-n 0`), an HTTP API flag without `http` (it would do nothing). Checks that
+    need the worker's node (ports, directories, the device) are left to the worker.
 
+    Args:
+        worker_args: `RolloutFleet.launch`'s.
+        http: whether the fleet serves the OpenAI API.
     Raises:
         ValueError: starting with "worker_args".
     """
@@ -86,9 +103,23 @@ def check_worker_args(worker_args: list[str]) -> None:
         flag = arg.split("=", 1)[0]
         if flag in FLEET_FLAGS:
             raise ValueError(f"worker_args: {flag} is set by the fleet (use RolloutFleet.launch's own arguments)")
+        if flag in ("-h", "--help"):  # argparse would print the whole help here and exit
+            raise ValueError(f"worker_args: {flag} is not a worker setting (rollout-worker --help lists them)")
+    from rollout.service.launch.flags import check_http_only_flags, engine_config, worker_limits
+
+    parser = worker_parser()
     try:
-        worker_parser().parse_args([*worker_args, "--bind", "tcp://127.0.0.1:*"])
-    except (ValueError, SystemExit) as error:  # SystemExit: --help / --version
+        args = parser.parse_args([*worker_args, "--bind", "tcp://127.0.0.1:*", *(["--http", "127.0.0.1:0"] * http)])
+        check_http_only_flags(parser, args)
+        if args.metrics_host is not None and args.metrics_port is None:
+            raise _UsageError(f"--metrics-host {args.metrics_host}: has no effect without --metrics-port")
+        worker_limits(args)
+        engine_config(args)
+    except _UsageError as error:
+        raise ValueError(f"worker_args: {error}") from None
+    except ValueError as error:  # a FieldError of the limits or the engine settings: named by its flag
+        raise ValueError(f"worker_args: {parser.flag_message(error)}") from None
+    except SystemExit as error:  # (argparse's other exits)
         raise ValueError(f"worker_args: {error}") from None
 
 

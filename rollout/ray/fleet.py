@@ -100,7 +100,7 @@ class RolloutFleet:
         """
         resources = {"GPU": 1} if resources_per_worker is None else dict(resources_per_worker)
         _check_launch(num_workers, model, resources, placement_strategy, max_restarts)
-        check_worker_args(worker_args)  # before list(): a string would become its characters
+        check_worker_args(worker_args, bool(http))  # before list(): a string would become its characters
         worker_args = list(worker_args)
         if resources.get("GPU", 0) > 0 and not any(arg.split("=")[0] in ("--gpu", "--device") for arg in worker_args):
             worker_args += ["--gpu", "0"]  # the GPU Ray assigned: CUDA_VISIBLE_DEVICES holds only it

@@ -4,6 +4,7 @@ fails to start, Ctrl-C) what was made is taken down again: no actor and no place
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -14,6 +15,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rollout.ray.actor import RolloutWorkerActor
 from rollout.ray.keys import FleetKeys
 from rollout.ray.membership import Slot, remove_group
+
+# Ray's resource names of a placement group's bundles: "<resource>_group_<id>", "<resource>_group_<index>_<id>".
+_GROUP_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")
 
 
 def start_workers(
@@ -89,13 +93,24 @@ def _place(count: int, options: dict[str, Any]) -> Any:
         remove_group(group)
         raise TimeoutError(
             f"Ray could not place {count} worker(s) of {options['resources']} ({options['strategy']}) within "
-            f"{options['placement_timeout']:g} s: the cluster has {ray.cluster_resources()}, of which "
-            f"{ray.available_resources()} are free. Lower num_workers or resources_per_worker, or add nodes."
+            f"{options['placement_timeout']:g} s: the cluster has {_plain(ray.cluster_resources())}, of which "
+            f"{_plain(ray.available_resources())} are free. Lower num_workers or resources_per_worker, or add nodes."
         ) from None
     except BaseException:
         remove_group(group)
         raise
     return group
+
+
+def _plain(resources: dict[str, float]) -> dict[str, float]:
+    """A resource table as a user asks for resources: without the names Ray makes for each placement group's bundles
+    (CPU_group_0_<id>, bundle_group_<id>: two per bundle, which buried the CPUs and GPUs in the message) and for
+    each node (node:<ip>)."""
+    return {
+        name: value
+        for name, value in sorted(resources.items())
+        if not _GROUP_RESOURCE.search(name) and not name.startswith("node:")
+    }
 
 
 def _reason(error: BaseException) -> str:

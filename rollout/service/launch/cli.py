@@ -319,12 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_settings(parser, args)  # a bad setting is a usage error now, not after the imports below
-    from rollout.service.launch.startup import (
-        start_worker,  # torch, transformers, the engine: only once the flags parse
-    )
+    try:  # Ctrl-C while torch imports or the model loads: one line, not the traceback of wherever it landed
+        from rollout.service.launch.startup import (
+            start_worker,  # torch, transformers, the engine: only once the flags parse
+        )
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    running = start_worker(parser, args)
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        running = start_worker(parser, args)
+    except KeyboardInterrupt:
+        print("rollout-worker: interrupted while starting", file=sys.stderr)
+        return 130  # the shell's status for SIGINT
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: running.worker.shutdown())
     return running.serve()

@@ -33,6 +33,19 @@ OTHER_TOOLS_FLAGS = {
     "--mem-fraction-static": "--max-memory-percent (a percent of free memory for the KV cache)",
 }
 
+# Flags that only the HTTP API reads: given without --http they would do nothing, so they are refused by name.
+HTTP_ONLY_FLAGS = (
+    "--http-max-body-bytes",
+    "--http-max-receiving-bytes",
+    "--http-max-receiving-bytes-per-client",
+    "--http-max-answer-logprobs",
+    "--http-head-timeout",
+    "--http-keep-alive-timeout",
+    "--http-max-waiting-connections",
+    "--tool-call-parser",
+    "--trust-request-chat-template",
+)
+
 # --cuda-graphs and --overlap -> the config's use_cuda_graph / overlap_scheduling (None: the device decides).
 AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
@@ -70,6 +83,7 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
         parser: rollout-worker's parser.
         args: the parsed flags.
     """
+    check_http_only_flags(parser, args)
     try:
         limits = worker_limits(args)
     except ValueError as error:  # a FieldError: reported naming the flag, not the field
@@ -83,6 +97,22 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
     except ValueError as error:
         parser.error(parser.flag_message(error))
     return limits, config
+
+
+def check_http_only_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error naming an HTTP API flag given (a value other than its default) without --http, which would
+    ignore it silently.
+
+    Args:
+        parser: rollout-worker's parser (its defaults, which ROLLOUT_* variables may have set).
+        args: the parsed flags.
+    """
+    if args.http is not None:
+        return
+    for flag in HTTP_ONLY_FLAGS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"{flag}: has no effect without --http HOST:PORT (the OpenAI API is off)")
 
 
 def worker_limits(args: argparse.Namespace) -> WorkerLimits:

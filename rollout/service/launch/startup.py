@@ -96,6 +96,7 @@ def start_worker(
             keys = WorkerKeys.read(args.curve_secret_key, args.authorized_keys, args.trainer_keys)
         except ValueError as error:  # the message names the flag whose file it is
             parser.error(str(error) if str(error).startswith("--") else f"--curve-secret-key: {error}")
+        warn_open_secret(args.curve_secret_key)
     if keys_read is not None:
         keys_read()
     try:
@@ -186,6 +187,7 @@ def check_flags(
     _check_security(parser, args)
     check_metrics_address(parser, args)
     http_address = check_http_address(parser, args)
+    _check_distinct_ports(parser, args, http_address)
     limits, config = check_settings(parser, args)
     if args.lora:
         try:  # PEFT loads the adapter directories after the model: its absence is found now
@@ -213,6 +215,29 @@ def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.
         parser.error(str(error))
 
 
+_ANY_HOST = ("", "*", "0.0.0.0", "::")
+
+
+def _check_distinct_ports(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, http_address: tuple[str, int] | None
+) -> None:
+    """A usage error when two of --bind, --http and --metrics-port ask for one TCP port on one host: each port is
+    free when probed alone, so the second bind would fail only once the model has loaded."""
+    taken: list[tuple[str, str, int]] = []  # (flag and value, host, port)
+    if args.bind.startswith("tcp://"):
+        host, _, port = args.bind.removeprefix("tcp://").rpartition(":")
+        if port.isdigit():
+            taken.append((f"--bind {args.bind}", host.strip("[]"), int(port)))
+    if http_address is not None and http_address[1]:
+        taken.append((f"--http {args.http}", http_address[0], http_address[1]))
+    if args.metrics_port:
+        taken.append((f"--metrics-port {args.metrics_port}", args.metrics_host, args.metrics_port))
+    for index, (flag, host, port) in enumerate(taken):
+        for other, other_host, other_port in taken[:index]:
+            if port == other_port and (host == other_host or host in _ANY_HOST or other_host in _ANY_HOST):
+                parser.error(f"{flag}: port {port} is also {other}'s; give each its own port (0 picks a free one)")
+
+
 def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Keys must come together, and a non-loopback address needs them (or --insecure)."""
     if args.curve_secret_key is None:
@@ -231,6 +256,19 @@ def _check_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"{flag} {path}: no such directory")
     if not os.path.isfile(args.curve_secret_key):
         parser.error(f"--curve-secret-key {args.curve_secret_key}: no such file (make one with rollout-keygen)")
+
+
+def warn_open_secret(path: str) -> None:
+    """Warn when the worker's secret key file is readable or writable by other users (rollout-keygen writes it 0600):
+    whoever reads it can pose as this worker to its clients."""
+    mode = os.stat(path).st_mode & 0o777
+    if mode & 0o077:
+        logger.warning(
+            "--curve-secret-key %s: other users may read or change it (mode %04o): whoever reads it can pose as this "
+            "worker; chmod 600 it",
+            path,
+            mode,
+        )
 
 
 def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:

@@ -23,6 +23,7 @@ as tokens per second come from Prometheus: `rate(rollout_generated_tokens_total[
 | rollout_clients_lost_total                  | counter   | clients_lost                                          |
 | rollout_pending_reply_bytes                 | gauge     | pending_reply_bytes                                   |
 | rollout_policy_version                      | gauge     | policy_version                                        |
+| rollout_generation_paused                   | gauge     | generation_paused (1 from POST /pause until /resume)  |
 | rollout_weight_updates_total                | counter   | weight_updates                                        |
 | rollout_weight_updates_rejected_total       | counter   | weight_updates_rejected                               |
 | rollout_weight_update_bytes_total           | counter   | weight_update_bytes                                   |

@@ -71,7 +71,9 @@ class _BoundedServer(ThreadingWSGIServer):
     def server_close(self) -> None:
         self._closing.set()
         super().server_close()
-        self._watchdog.join(5)
+        watchdog = getattr(self, "_watchdog", None)  # None: socketserver closes a server whose bind failed
+        if watchdog is not None:
+            watchdog.join(5)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A scrape that timed out or hung up ends quietly (socketserver printed a traceback to stderr)."""

@@ -32,17 +32,29 @@ except ImportError:  # pragma: no cover - exercised where the extra is absent
 def configure_tracing(service_name: str = "rollout-worker") -> bool:
     """Install an OTLP span exporter from the OTEL_* environment variables, when an endpoint is set and the extra
     is installed. Returns whether traces are exported."""
-    if _trace is None or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
         return False
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    variable = next(
+        (
+            name
+            for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            if os.environ.get(name)
+        ),
+        None,
+    )
+    if variable is None:
         return False
-    try:
+    try:  # (without opentelemetry-api too: an endpoint set must not be ignored silently)
+        if _trace is None:
+            raise ImportError("opentelemetry")
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
-        logger.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but rollout[otel] is not installed: no traces")
+        logger.warning(
+            '%s is set but rollout[otel] is not installed (pip install "rollout[otel]"): no traces', variable
+        )
         return False
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     provider = TracerProvider(resource=resource)

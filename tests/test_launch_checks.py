@@ -1,0 +1,109 @@
+"""`rollout-worker`'s flags checked together before the model loads. Two of --bind, --http and --metrics-port asking
+for one port each pass the probe of a free port alone, so the second bind failed only after the model had loaded
+(minutes for a large one), with a traceback for the metrics server: each pair is now a usage error naming both flags.
+An HTTP API flag given without --http, which the worker ignored, is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.service.launch.cli import build_parser
+from rollout.service.launch.startup import check_flags
+
+
+def check(argv: list[str]) -> None:
+    parser = build_parser()
+    check_flags(parser, parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--bind", "tcp://127.0.0.1:48090", "--metrics-port", "48090"],
+            "--metrics-port 48090: port 48090 is also --bind",
+        ),
+        (
+            ["--bind", "tcp://0.0.0.0:48090", "--insecure", "--metrics-port", "48090"],
+            "--metrics-port 48090: port 48090 is also --bind tcp://0.0.0.0:48090",
+        ),
+        (["--http", "127.0.0.1:48091", "--metrics-port", "48091"], "--metrics-port 48091: port 48091 is also --http"),
+        (
+            ["--bind", "tcp://127.0.0.1:48092", "--http", "127.0.0.1:48092"],
+            "--http 127.0.0.1:48092: port 48092 is also",
+        ),
+    ],
+)
+def test_one_port_for_two_servers_is_a_usage_error_naming_both(argv, message, capsys):
+    if "--http" in argv:
+        pytest.importorskip("fastapi")
+    with pytest.raises(SystemExit) as exited:
+        check(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") <= 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--bind", "tcp://127.0.0.1:48093", "--metrics-port", "0"],
+        ["--bind", "tcp://127.0.0.1:*", "--metrics-port", "48094"],
+        ["--bind", "tcp://127.0.0.2:48095", "--metrics-port", "48095"],
+    ],
+)
+def test_distinct_or_system_picked_ports_pass(argv):
+    check(argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--http-max-body-bytes", "4096"],
+        ["--http-head-timeout", "3"],
+        ["--tool-call-parser", "hermes"],
+        ["--trust-request-chat-template"],
+    ],
+)
+def test_an_http_api_flag_without_http_is_a_usage_error_not_ignored(argv, capsys):
+    """These flags only the HTTP API reads: given without --http, the worker served on and ignored them."""
+    with pytest.raises(SystemExit) as exited:
+        check(["--bind", "tcp://127.0.0.1:*", *argv])
+    assert exited.value.code == 2
+    assert f"{argv[0]}: has no effect without --http" in capsys.readouterr().err
+
+
+def test_an_http_api_flag_set_by_the_environment_stays_allowed(monkeypatch):
+    """A deployment-wide ROLLOUT_HTTP_* variable sets the default: workers without --http still start."""
+    monkeypatch.setenv("ROLLOUT_HTTP_HEAD_TIMEOUT", "3")
+    check(["--bind", "tcp://127.0.0.1:*"])
+
+
+@pytest.mark.parametrize("mode, warned", [(0o600, False), (0o400, False), (0o640, True), (0o644, True)])
+def test_a_secret_key_others_can_read_is_warned_about(tmp_path, caplog, mode, warned):
+    """rollout-keygen writes the secret 0600; a copy others can read (a chmod, a mounted secret) served silently."""
+    import logging
+    import os
+
+    from rollout.service.launch.startup import warn_open_secret
+
+    secret = tmp_path / "worker.key_secret"
+    secret.write_text("x")
+    os.chmod(secret, mode)
+    with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+        warn_open_secret(str(secret))
+    assert bool(caplog.records) == warned
+    if warned:
+        assert f"(mode {mode:04o})" in caplog.records[0].getMessage()
+
+
+def test_ctrl_c_while_the_worker_starts_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C while torch imported or the model loaded printed the traceback of wherever it landed."""
+    from rollout.service.launch import cli, startup
+
+    def interrupted(parser, args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(startup, "start_worker", interrupted)
+    assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 130
+    assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
