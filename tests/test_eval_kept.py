@@ -150,3 +150,18 @@ def test_a_csv_header_naming_a_field_twice_is_refused(tmp_path, capsys):
     assert main([str(f) for f in ["--model", "tiny", "--dataset", dataset, *TINY]]) == 2
     err = capsys.readouterr().err
     assert f"--dataset {dataset}: line 1: the header names the field 'prompt' twice" in err
+
+
+def test_a_csv_header_with_trailing_empty_names_reads_as_datasets_reads_it(tmp_path):
+    """A spreadsheet's trailing commas give empty names, which no flag can ask for: read, as `datasets` reads the
+    file (naming them Unnamed: 2, ...), not refused as a field named twice."""
+    import datasets
+
+    from rollout.eval.file_rows import read_file_rows
+
+    dataset = tmp_path / "trailing.csv"
+    dataset.write_text("prompt,answer,,\n2 + 2 =,4,,\n3 + 3 =,6,,\n")
+    rows = read_file_rows(str(dataset), str(dataset), ".csv", 1 << 20)
+    reference = datasets.load_dataset("csv", data_files=str(dataset), split="train", cache_dir=str(tmp_path / "c"))
+    assert [row["prompt"] for row in rows] == reference["prompt"] == ["2 + 2 =", "3 + 3 ="]
+    assert [row["answer"] for row in rows] == ["4", "6"]

@@ -281,7 +281,7 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
             for identity in identities:
                 links.send(identity, delta)
             links.flush()
-        assert lost and lost[0] == identities[0] and len(lost) < len(identities), lost
+        assert lost and set(lost) < set(identities), lost  # some dropped (whose replies waited longest), not all
         assert links.pending_bytes() <= PENDING_TOTAL_FACTOR * 50_000 and links.dropped_slow == len(lost)
     finally:
         links.close()
@@ -335,7 +335,7 @@ def test_the_worker_wide_reply_bound_drops_a_non_reader_before_a_slow_reader():
         assert lost, "the bound on all unread replies was never passed"
         assert sent[reader] - read > max(sent[i] for i in identities[1:]), "the reader did not hold the most"
         assert reader not in lost, "the slow reader was dropped before the peers that read nothing"
-        assert lost[0] == identities[1], lost  # the non-reader whose replies began waiting first
+        assert lost[0] in identities[1:], lost  # a non-reader (which one: whose replies ZeroMQ refused first)
     finally:
         links.close()
         for peer in peers:

@@ -114,8 +114,14 @@ def test_a_seed_past_64_bits_is_read_as_the_integer_sent(api):
 
     from rollout.service.http.serving.bodies import parse_json
 
-    body = b'{"seed": 18446744073709551616, "temperature": 1.5, "prompt": "12345678901234567890123"}'
-    assert parse_json(body) == json.loads(body)
+    for body in (
+        b'{"seed": 18446744073709551616, "temperature": 1.5, "prompt": "12345678901234567890123"}',
+        b'{"seed": -9223372036854775809, "x": [1e19, -12345678901234567890]}',  # 19 digits below -2**63; a float
+    ):
+        parsed = parse_json(body)
+        assert parsed == json.loads(body) and [type(v) for v in parsed.values()] == [
+            type(v) for v in json.loads(body).values()
+        ]
     runs = [
         api.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=1.0, seed=2**64, logprobs=0)
         for _ in range(2)

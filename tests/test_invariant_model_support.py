@@ -106,6 +106,6 @@ def test_a_model_whose_attention_is_its_own_is_refused_by_the_engine(build):
     before = model.config._attn_implementation
     model.set_attn_implementation("rollout_paged")  # what the engine would do: transformers keeps the model's own
     assert model.config._attn_implementation == before
-    with pytest.raises(FieldError, match="does not route its attention through transformers' AttentionInterface"):
+    with pytest.raises(FieldError, match="attention does not go through transformers' AttentionInterface"):
         make_engine(model)
     assert model.config._attn_implementation == before

@@ -150,7 +150,8 @@ def _read_csv(dataset: str, lines: Iterable[tuple[int, str]], max_chars: int) ->
             header = next(reader, None)
             if header is None:
                 return []
-            twice = next((name for index, name in enumerate(header) if name in header[:index]), None)
+            # (empty names, a spreadsheet's trailing commas, are no fields anyone can ask for: as before, not checked)
+            twice = next((name for index, name in enumerate(header) if name and name in header[:index]), None)
             if twice is not None:  # a dict of the row would keep only the last column of that name
                 raise DatasetError(
                     f"--dataset {dataset}: line {reader.line_num}: the header names the field {twice!r} twice; "

@@ -78,8 +78,9 @@ def servable_text_config(model: torch.nn.Module) -> Any:
 
 
 def _refuse_own_attention(model: torch.nn.Module) -> None:
-    """Refuse a model whose attention transformers' AttentionInterface does not serve (GPT-Neo, Bloom: switching
-    its implementation to the paged one leaves it on its own), tried and undone here, before anything is built."""
+    """Refuse a model whose attention implementation transformers will not switch (GPT-Neo, Bloom: their attention
+    does not go through AttentionInterface; a class whose source transformers cannot read), tried and undone here,
+    before anything is built."""
     previous = model.config._attn_implementation
     name = register_paged_attention()
     model.set_attn_implementation(name)
@@ -88,8 +89,10 @@ def _refuse_own_attention(model: torch.nn.Module) -> None:
     if kept != name:
         raise FieldError(
             "model",
-            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface (it kept "
-            f"{kept!r}), so rollout's paged attention cannot serve it",
+            f"transformers would not switch {type(model).__name__}'s attention (it kept {kept!r}), so rollout's paged "
+            "attention cannot serve it: its attention does not go through transformers' AttentionInterface, or its "
+            "class was defined where transformers cannot read its source (a notebook cell, stdin; define it in a "
+            "module file)",
         )
 
 

@@ -117,8 +117,25 @@ class ReceiveBudget:
             del self.by_client[client]
 
 
-# A run of digits an integer past 64 bits needs (2**64 has 20), which orjson would read as a float.
-_LONG_DIGITS = re.compile(rb"\d{20,}")
+# The digits an integer past 64 bits needs (2**64 has 20; -2**63 - 1 a minus and 19), which orjson reads as a float.
+_LONG_DIGITS = re.compile(rb"\d{20,}|-\d{19}")
+_HUGE = 2.0**63
+
+
+def _holds_a_huge_whole_float(value: Any) -> bool:
+    """Whether a parsed JSON value holds a float that is a whole number of magnitude 2**63 or more (what orjson
+    makes of an integer past 64 bits), anywhere inside."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if abs(item) >= _HUGE and item.is_integer():
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def parse_json(raw: bytes | bytearray) -> Any:
@@ -128,8 +145,9 @@ def parse_json(raw: bytes | bytearray) -> Any:
     1.4 and msgspec up to 12 (on `1e300`), all while holding the interpreter lock. What orjson refuses in a small body
     is parsed again by `json.loads`, which decides as it always did (it takes NaN and lone surrogate escapes, which
     orjson refuses; fields then name them); a big body orjson refuses is refused. orjson reads an integer past 64
-    bits as a float (`2**64` as 1.8446744073709552e+19), so a body with a run of 20 digits or more is parsed by
-    `json.loads` too, which keeps it an integer (a field then names it as sent).
+    bits as a float (`2**64` as 1.8446744073709552e+19): where the body has the digits of one (20 or more, or a minus
+    and 19) and orjson's answer holds a whole float that large, `json.loads` parses it again, keeping the integer (a
+    field then names it as sent). Digits in a string (a prompt's) cost a walk of the answer, not a second parse.
     """
     try:
         parsed = orjson.loads(raw)
@@ -137,7 +155,7 @@ def parse_json(raw: bytes | bytearray) -> Any:
         if len(raw) >= BIG_BODY_BYTES:
             raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
     else:
-        if _LONG_DIGITS.search(raw) is None:
+        if _LONG_DIGITS.search(raw) is None or not _holds_a_huge_whole_float(parsed):
             return parsed
     try:
         return json.loads(raw)
