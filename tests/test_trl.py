@@ -300,6 +300,28 @@ def fake_trainer(tmp_path):
     return trainer, fake
 
 
+def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp_path):
+    """A run resumed at step 5 seeds its groups as the uninterrupted run did at step 5 (the seed is drawn from
+    GRPOConfig.seed, the rank, the step and the group's place in it), not from how many groups came before."""
+    trainer, _ = fake_trainer
+    rollout = trainer.rollout
+    trainer.state.global_step = 0
+    [rollout.seeded({})["seed"] for _ in range(3)]  # the uninterrupted run's first step
+    trainer.state.global_step = 5
+    uninterrupted = [rollout.seeded({})["seed"] for _ in range(2)]
+    resumed = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path / "resumed", temperature=0.7, max_completion_length=6),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=FakeClient(),
+    )
+    resumed.state.global_step = 5
+    assert [resumed.rollout.seeded({})["seed"] for _ in range(2)] == uninterrupted
+    assert len(set(uninterrupted)) == 2 and rollout.seeded({"seed": 7})["seed"] == 7
+
+
 def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):
     trainer, fake = fake_trainer
     assert trainer.rollout.base_version == fake.version + 1

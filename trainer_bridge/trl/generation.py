@@ -56,7 +56,8 @@ class RolloutGeneration:
         self._last_version: int | None = None  # the version the last sync set
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
-        self._seeds = itertools.count()  # the groups seeded so far (`seeded`)
+        self._seeds = itertools.count()  # the groups seeded so far at `_seed_step` (`seeded`)
+        self._seed_step: int | None = None
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
         # The last round's completions in row order when they carry MoE routes (routing replay), else None.
         self.last_routed: list[Any] | None = None
@@ -77,12 +78,17 @@ class RolloutGeneration:
         return self._last_version
 
     def seeded(self, settings: dict[str, Any]) -> dict[str, Any]:
-        """A group's sampling settings with a seed of its own, drawn from `GRPOConfig.seed`, the rank and the groups
-        seeded before it (a `seed` the settings give, from generation_kwargs, is kept): two runs with the same seed
-        sample the same completions, as TRL's own generation does (without one the client drew a random seed)."""
+        """A group's sampling settings with a seed of its own, drawn from `GRPOConfig.seed`, the rank, the optimizer
+        step and the groups seeded before it at that step (a `seed` the settings give, from generation_kwargs, is
+        kept): two runs with the same seed sample the same completions, as TRL's own generation does, and a run
+        resumed from a checkpoint samples its later steps as the uninterrupted run did (rounds generated ahead,
+        with max_staleness, are seeded by the step at which they are sent)."""
         if settings.get("seed") is not None:
             return dict(settings)
-        key = f"{self.trainer.args.seed}/{self.trainer.accelerator.process_index}/{next(self._seeds)}"
+        step = self.trainer.state.global_step
+        if step != self._seed_step:
+            self._seed_step, self._seeds = step, itertools.count()
+        key = f"{self.trainer.args.seed}/{self.trainer.accelerator.process_index}/{step}/{next(self._seeds)}"
         return {**settings, "seed": int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 2}
 
     def _wait_for_a_worker(self, deadline: float) -> None:
