@@ -322,6 +322,22 @@ def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp
     assert len(set(uninterrupted)) == 2 and rollout.seeded({"seed": 7})["seed"] == 7
 
 
+def test_a_round_on_stale_workers_says_what_a_trl_user_can_do(fake_trainer, monkeypatch):
+    """The client's own advice (push the weights again) is not a TRL user's to follow mid-train(): the error says
+    what is (resume, or max_staleness >= 1), keeping the client's account of the workers' versions."""
+    trainer, fake = fake_trainer
+    reason = "every live rollout worker serves weights older than version 43: fake (version 41). push again."
+
+    def stale(groups, timeout=None):
+        raise RolloutError("stale_workers", reason)
+        yield  # a generator, as the client's
+
+    monkeypatch.setattr(fake, "generate_many", stale)
+    with pytest.raises(RolloutError, match="max_staleness >= 1") as failed:
+        trainer._generate_single_turn([[11, 12, 13]] * 4, None, {}, 4)
+    assert failed.value.code == "stale_workers" and "fake (version 41)" in str(failed.value)
+
+
 def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):
     trainer, fake = fake_trainer
     assert trainer.rollout.base_version == fake.version + 1

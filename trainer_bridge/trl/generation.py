@@ -179,7 +179,19 @@ class RolloutGeneration:
         )
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
-        return self.client.generate_many(groups)
+        try:
+            yield from self.client.generate_many(groups)
+        except RolloutError as error:
+            if error.code != "stale_workers":
+                raise
+            # The client's advice (push again) is not the TRL user's to follow mid-train(): say what is.
+            reason = str(error).removeprefix("stale_workers: ")
+            raise RolloutError(
+                "stale_workers",
+                f"{reason} In RolloutGRPOTrainer: a worker restarted after step {self.trainer.state.global_step}'s "
+                "push serves older weights, which this round may not use (max_staleness=0); resume from the last "
+                "checkpoint, or train with max_staleness >= 1, whose next push brings a restarted worker back",
+            ) from None
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs, None) for the rows, each token's
