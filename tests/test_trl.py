@@ -22,12 +22,13 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
+import trl_worker  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollout.config import SamplingParams  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from service_helpers import Worker, run_ranks  # noqa: E402
+from service_helpers import run_ranks  # noqa: E402
 from trainer_bridge import Completion, GroupResult, PromptGroup, RolloutClient, RolloutError, grpo_sampling  # noqa: E402
 from trainer_bridge.trl import SUPPORTED_TRL, RolloutGeneration, RolloutGRPOTrainer, check_trl_internals  # noqa: E402
 from trl_helpers import PROMPTS, dataset, grpo_config, id_reward  # noqa: E402
@@ -37,6 +38,9 @@ TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id
 GREEDY = dict(do_sample=False, max_new_tokens=8, stop_token_ids=[])
 IS_METRICS = [f"sampling/importance_sampling_ratio/{stat}" for stat in ("min", "mean", "max")]
+
+
+worker, client = trl_worker.worker, trl_worker.client  # the shared worker fixtures
 
 
 def versions(client: RolloutClient) -> tuple[int, int]:
@@ -76,22 +80,6 @@ def worker_greedy(client: RolloutClient, prompts: list[list[int]]) -> list[list[
 GREEDY_PROMPTS = [TOKENIZER(text, add_special_tokens=False)["input_ids"] for text in PROMPTS[:3]] + [
     [5, 900, 17, 333, 64, 1000, 2]
 ]
-
-
-@pytest.fixture(scope="module")
-def worker():
-    """One rollout-worker on the tiny preset (tiny_model(0)); its torch gets one thread (2 cores, 2 processes)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        server = Worker()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def client(worker):
-    with RolloutClient(worker.address, timeout=60) as rollout_client:
-        yield rollout_client
 
 
 def train_logs(trainer: GRPOTrainer) -> list[dict]:

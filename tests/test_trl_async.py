@@ -10,6 +10,7 @@ import time
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest  # noqa: E402
+import trl_worker  # noqa: E402
 
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from service_helpers import Worker  # noqa: E402
@@ -22,19 +23,7 @@ TOKENIZER = tiny_tokenizer()
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def worker():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        server = Worker()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def client(worker):
-    with RolloutClient(worker.address, timeout=60) as rollout_client:
-        yield rollout_client
+worker, client = trl_worker.worker, trl_worker.client  # the shared worker fixtures
 
 
 def train(tmp_path, client, max_staleness: int, reward=id_reward, config=None, **kwargs) -> tuple:

@@ -12,6 +12,7 @@ import time
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import pytest  # noqa: E402
+import trl_worker  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
@@ -21,21 +22,7 @@ from trainer_bridge import RolloutClient, RolloutError  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 from trl_helpers import dataset, grpo_config  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def worker():
-    """One rollout-worker on the tiny preset (tiny_model(0)); its torch gets one thread (2 cores, 2 processes)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        server = Worker()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def client(worker):
-    with RolloutClient(worker.address, timeout=60) as rollout_client:
-        yield rollout_client
+worker, client = trl_worker.worker, trl_worker.client  # the shared worker fixtures
 
 
 class Recorder:
