@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import signal
+import sys
 import threading
 
 # Only modules free of torch here: the parser builds, and --help and flag errors answer, at once. The benchmarks
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     previous = interrupt_on_signals()
     try:
         return run(args, parser)
+    except KeyboardInterrupt:  # what finished was printed as it finished; one line, not a traceback
+        print(f"rollout-bench {args.command}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -132,6 +132,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--{given[0]} needs --agentic")
         summary = service.run(args.seed, args.path or "zmq")
     print(json.dumps(summary))
+    if summary.get("interrupted"):  # what finished is printed above; no plot of a part
+        print(f"rollout-bench {args.command}: interrupted; what finished is reported above", file=sys.stderr)
+        raise SystemExit(130)
     if getattr(args, "plot", None) is not None:
         try:
             written = plots.PLOTTERS[args.command](summary, args.plot)

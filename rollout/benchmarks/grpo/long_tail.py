@@ -129,11 +129,17 @@ def measure(
     )
     finished: dict[str, tuple[float, str, int]] = {}  # request id -> (seconds from start, finish reason, tokens)
     start = time.perf_counter()
+    interrupted = False
     try:
         with tqdm(total=len(expected), desc=f"long-tail {model}", unit="sample", file=sys.stderr, mininterval=5,
                   disable=not progress) as bar:  # fmt: skip
             while engine.has_unfinished() and time.perf_counter() - start < time_budget_s:
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop as at the budget, report what finished
+                    interrupted = True
+                    break
+                for output in outputs:
                     if output.is_finished:
                         reason, tokens = output.finish_reason, len(output.generated_tokens)
                         finished[output.request_id] = (output.lifespan[1] - start, reason, tokens)
@@ -232,7 +238,8 @@ def measure(
         "samples_errored": sum(1 for _, reason, _ in finished.values() if reason == "error"),
         "samples_off_length": sum(1 for rid, (_, _, tokens) in finished.items() if tokens != expected[rid]),
         "wall_s": round(wall, 2),
-        "time_budget_s": time_budget_s,
+        "time_budget_s": round(time_budget_s, 2),
+        **({"interrupted": True} if interrupted else {}),  # `rollout-bench` exits 130 after printing it
     }
 
 
@@ -291,6 +298,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _print_table(summary)
         return summary
     summary = compare(measure_one, args.speculative, args.repeats, args.time_budget)
+    if summary["with"] is None:  # interrupted in the first run without drafts
+        _print_table(summary["without"])
+        return {"benchmark": "long-tail", "speculative": args.speculative, **summary}
     _print_table(summary["with"])
     print_comparison(summary)
     return {"benchmark": "long-tail", "speculative": args.speculative, **summary}

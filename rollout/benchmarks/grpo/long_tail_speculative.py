@@ -72,7 +72,11 @@ def compare(
         for side, setting, share in (("without", None, 0.5), ("with", method, 1.0)):  # each side half the time
             stage(f"long-tail {side} speculative decoding, run {repeat + 1} of {repeats}")
             runs[side].append(measure_one(setting, max(share * (deadline - time.monotonic()), 0.0)))
+            if runs[side][-1].get("interrupted"):
+                break
         last_pair_s = time.monotonic() - started
+        if runs[side][-1].get("interrupted"):  # Ctrl-C: no more runs; what finished is reported
+            break
     # Only pairs whose runs both finished compare: a run cut short has done less of the workload, not the same.
     finished = [pair for pair in zip(runs["without"], runs["with"]) if all(run.get("finished") for run in pair)]
     chosen = {"without": [w for w, _ in finished], "with": [v for _, v in finished]} if finished else runs
@@ -83,8 +87,10 @@ def compare(
         else None
         for figure, values in medians.items()
     }
-    return {"without": runs["without"][-1], "with": runs["with"][-1], "medians": medians, "ratios": ratios,
-            "repeats": len(runs["with"]), "repeats_finished": len(finished), "repeats_asked": repeats}  # fmt: skip
+    stopped = {"interrupted": True} if any(run.get("interrupted") for run in runs["without"] + runs["with"]) else {}
+    return {"without": runs["without"][-1], "with": runs["with"][-1] if runs["with"] else None, "medians": medians,
+            "ratios": ratios, "repeats": len(runs["with"]), "repeats_finished": len(finished), "repeats_asked": repeats,
+            **stopped}  # fmt: skip
 
 
 def _median(values: Iterable[Any]) -> Any:

@@ -16,12 +16,15 @@ import torch
 
 from rollout.benchmarks.harness.isolated import run_system
 from rollout.benchmarks.harness.progress import stage
+from rollout.benchmarks.harness.section_run import SectionInterrupted
 from rollout.benchmarks.harness.workloads import WORKLOADS
 from rollout.benchmarks.throughput.device_profile import format_profile
 from rollout.benchmarks.throughput.systems import STOP_AT_DEADLINE
 
-# Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished.
+# Of a system's time limit, what a baseline leaves itself to stop at its deadline and print what it finished: 15 s,
+# or a quarter of a shorter limit (a margin longer than the limit would stop it before it started).
 STOP_MARGIN_S = 15.0
+STOP_MARGIN_SHARE = 0.25
 # Under a time budget, the details count as half a system when the systems' shares are set: a system's figure is
 # the headline, the details come after it and also get whatever time the systems leave.
 DETAILS_WEIGHT = 0.5
@@ -74,11 +77,18 @@ def run(
     def share(runs_left: float) -> float:
         return timeout if deadline is None else max(1.0, min(timeout, (deadline - time.monotonic()) / runs_left))
 
+    interrupted = False
     for index, name in enumerate(names):
         limit = share(len(names) - index + DETAILS_WEIGHT * details)
         # A baseline stops itself a little before its process is killed, to report what it finished (`cut_short`).
-        stop_at = {"deadline": time.monotonic() + limit - STOP_MARGIN_S} if name in STOP_AT_DEADLINE else {}
-        result = run_system("throughput", name, {**options, **stop_at}, limit)
+        margin = min(STOP_MARGIN_S, STOP_MARGIN_SHARE * limit)
+        stop_at = {"deadline": time.monotonic() + limit - margin} if name in STOP_AT_DEADLINE else {}
+        try:
+            result = run_system("throughput", name, {**options, **stop_at}, limit)
+        except SectionInterrupted as stopped:  # Ctrl-C or SIGTERM: the system was killed; report what finished
+            interrupted = True
+            results[name] = {"system": name, "status": "interrupted", "seconds": round(stopped.result.seconds, 1)}
+            break
         digests = result.pop("token_digests", None)
         if digests is not None:
             reference = reference or digests
@@ -96,23 +106,30 @@ def run(
         "torch_threads": torch.get_num_threads(),
         "results": results,
     }
+    if interrupted:
+        summary["interrupted"] = True  # `rollout-bench` prints it, then exits 130
     rollout = results.get("rollout", {}).get("tokens_per_s")
     for name, result in results.items():
         if name != "rollout" and rollout and result.get("tokens_per_s"):
             summary[f"speedup_vs_{name}"] = round(rollout / result["tokens_per_s"], 2)
-    if details:
+    if details and not interrupted:
         stage("details: instrumented runs")
         options = dict(workload=workload_name, seed=seed, num_prompts=num_prompts)
-        summary["details"] = run_system("details", "rollout", options, share(1))
+        try:
+            summary["details"] = run_system("details", "rollout", options, share(1))
+        except SectionInterrupted as stopped:
+            summary["interrupted"] = True
+            summary["details"] = {"status": "interrupted", "seconds": round(stopped.result.seconds, 1)}
     _print_table(summary)
     return summary
 
 
 def _print_table(summary: dict) -> None:
+    generated = summary["generated_tokens"]
     print(
-        f"workload {summary['workload']}: {summary['num_prompts']} prompts, {summary['generated_tokens']} generated "
-        f"tokens, median of {summary['repeats']} run(s), KV budget {summary['kv_budget_bytes'] / 2**30:.2f} GiB "
-        f"per system, {summary['torch_threads']} torch threads"
+        f"workload {summary['workload']}: {summary['num_prompts']} prompts, "
+        f"{'?' if generated is None else generated} generated tokens, median of {summary['repeats']} run(s), "
+        f"KV budget {summary['kv_budget_bytes'] / 2**30:.2f} GiB per system, {summary['torch_threads']} torch threads"
     )
     # rollout's tokens/s over the system's: 1.78x means rollout was 1.78 times as fast (below 1x: slower)
     print(f"{'system':<30}{'seconds':>10}{'tokens/s':>12}{'rollout is':>14}{'same tokens':>13}{'warm-up s':>11}")
