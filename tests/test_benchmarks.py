@@ -78,6 +78,7 @@ def test_a_baseline_cut_short_reports_what_it_finished():
         cut_short = result["cut_short"]
         assert cut_short["requests"] == 4 and cut_short["requested_tokens"] == sum(max_new)
         assert cut_short["finished_requests"] < 4 and cut_short["tokens"] < sum(max_new)
+        assert result["generated_tokens"] == cut_short["tokens"]  # what it generated, not what it was asked for
         if cut_short["tokens"] == 0:  # stopped before its first token (its seconds may round to 0.000)
             assert result["tokens_per_s"] == 0
         else:

@@ -45,6 +45,7 @@ def test_without_a_gpu_it_stops_at_once_and_runs_nothing(tmp_path, capsys):
         (["--tests-dir", "/nonexistent"], "--tests-dir /nonexistent has no gpu/ folder"),
         (["--json"], "--json goes with --plan"),
         (["--plan", "--only", "throughput", "--budget-s", "9"], "leave out --only, --budget-s"),
+        (["--plan", "--out", "elsewhere"], "leave out --out"),  # the plan's calls name their own folder
         (["--workload", "cpu-bf16"], "invalid choice: 'cpu-bf16'"),
     ],
 )

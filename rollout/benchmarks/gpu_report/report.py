@@ -127,6 +127,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 ("--fresh", args.fresh),
                 ("--commit", args.commit),
                 ("--workload", args.workload != "nano"),
+                ("--out", args.out != Path("gpu-report")),
+                ("--tests-dir", args.tests_dir != Path("tests")),
             )
             if given
         ]

@@ -332,7 +332,7 @@ def measure_system(
     counted = cut_short["tokens"] if cut_short else sum(max_new)
     return {
         "workload": workload,
-        "generated_tokens": sum(max_new),
+        "generated_tokens": counted,  # what a run cut short finished (`cut_short` has what it was asked for)
         "tokens_per_s": round(counted / seconds, 1),
         "seconds": round(seconds, 3),
         "runs_s": [round(t, 3) for t in times],

@@ -98,7 +98,11 @@ def run(
         "benchmark": "throughput",
         "workload": workload_name,
         "device": workload.device,
-        "generated_tokens": next((r["generated_tokens"] for r in results.values() if "generated_tokens" in r), None),
+        # The workload's tokens: a system's that ran it whole (one cut short generated fewer).
+        "generated_tokens": next(
+            (r["generated_tokens"] for r in results.values() if "generated_tokens" in r and not r.get("cut_short")),
+            None,
+        ),
         "num_prompts": count,
         "repeats": repeats,
         "warmup": warmup,
