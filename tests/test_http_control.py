@@ -248,17 +248,6 @@ def test_lora_errors(server_url, shared, tmp_path):
     assert response.status_code == 400 and response.json()["error"]["param"] == "lora_name", response.text
 
 
-def test_clear_cache_is_refused_with_keep(server_url):
-    """Added: held samples keep their KV, so an explicit clear_cache=true beside mode=keep is refused by name (the
-    default true stays quiet) rather than skipped."""
-    response = httpx.post(f"{server_url}/pause", params={"mode": "keep", "clear_cache": "true"}, headers=CONTROL)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "query.clear_cache", response.text
-    assert not is_paused(server_url)
-    for params in ({"mode": "keep"}, {"mode": "keep", "clear_cache": "false"}):
-        assert httpx.post(f"{server_url}/pause", params=params, headers=CONTROL).status_code == 200
-        assert resume(server_url) == 200
-
-
 # ---- ported: dev/rlhf/test_weight_update.py --------------------------------------------------------------------
 def test_get_world_size_positive(server_url):
     response = httpx.get(f"{server_url}/get_world_size", params={"include_dp": True}, headers=CONTROL)

@@ -30,6 +30,10 @@ class GenerationInterrupted(KeyboardInterrupt):
     `generate_batch`'s return value (those not finished are left out)."""
 
     def __init__(self, outputs: dict[str, GenerationOutput]) -> None:
+        """
+        Args:
+            outputs: the finished samples, request id -> output, in `generate_batch`'s order.
+        """
         super().__init__()  # no message, as a plain Ctrl-C's
         self.outputs = outputs
 

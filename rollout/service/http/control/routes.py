@@ -96,9 +96,6 @@ def add_control_routes(
         if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
-        if mode == "keep" and request.query_params.get("clear_cache") is not None and clear_cache:
-            # Held samples keep their KV: the cache is not cleared under keep (its default true stays quiet).
-            raise bad_field("query.clear_cache", "cannot clear the cache with mode=keep (held samples keep their KV)")
         try:
             await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
         except (RuntimeError, TimeoutError) as error:
