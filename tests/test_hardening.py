@@ -248,6 +248,24 @@ def test_the_worker_socket_has_no_zeromq_heartbeats_but_tcp_keepalive():
         context.term()
 
 
+def _add_peers(context, router, links, count: int, peers: list) -> list[bytes]:  # noqa: ANN001 - zmq objects
+    """Connect `count` DEALER peers to `router` (appended to `peers`, for the caller to close), each receiving at
+    most one reply at a time into a small buffer, and introduce each to `links` with a ping; their identities."""
+    import zmq
+
+    identities = []
+    for _ in range(count):
+        peer = context.socket(zmq.DEALER)
+        peers.append(peer)
+        peer.setsockopt(zmq.RCVHWM, 1)
+        peer.setsockopt(zmq.RCVBUF, 4096)
+        peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        peer.send_multipart(p.encode(p.Ping(1)))
+        identities.append(router.recv_multipart()[0])
+        links.seen(identities[-1])
+    return identities
+
+
 def test_replies_kept_for_many_non_readers_are_bounded_together():
     """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
     PENDING_TOTAL_FACTOR times that bound, the peer whose replies began waiting first (none was read) is dropped, so opening many sockets cannot
@@ -264,17 +282,9 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
     links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
     router.setsockopt(zmq.SNDHWM, 1)  # ZeroMQ queues one reply per peer: the rest wait in the backlogs
     router.bind("tcp://127.0.0.1:*")
-    peers, identities = [], []
+    peers: list = []
     try:
-        for _ in range(8):
-            peer = context.socket(zmq.DEALER)
-            peer.setsockopt(zmq.RCVHWM, 1)
-            peer.setsockopt(zmq.RCVBUF, 4096)
-            peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-            peer.send_multipart(p.encode(p.Ping(1)))
-            identities.append(router.recv_multipart()[0])
-            links.seen(identities[-1])
-            peers.append(peer)
+        identities = _add_peers(context, router, links, 8, peers)
         delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
         size = len(p.encode(delta)[0]) + len(identities[0])
         for _ in range(45_000 // size):  # about 45 kB each, under the per-client bound: 360 kB together
@@ -306,17 +316,9 @@ def test_the_worker_wide_reply_bound_drops_a_non_reader_before_a_slow_reader():
     links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
     router.setsockopt(zmq.SNDHWM, 1)
     router.bind("tcp://127.0.0.1:*")
-    peers, identities = [], []
+    peers: list = []
     try:
-        for _ in range(15):  # the first reads, slowly; fourteen never read
-            peer = context.socket(zmq.DEALER)
-            peer.setsockopt(zmq.RCVHWM, 1)
-            peer.setsockopt(zmq.RCVBUF, 4096)
-            peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-            peer.send_multipart(p.encode(p.Ping(1)))
-            identities.append(router.recv_multipart()[0])
-            links.seen(identities[-1])
-            peers.append(peer)
+        identities = _add_peers(context, router, links, 15, peers)  # the first reads, slowly; fourteen never read
         reader, sent, read = identities[0], dict.fromkeys(identities, 0), 0
         delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
         for round_ in range(400):
