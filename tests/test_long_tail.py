@@ -122,6 +122,8 @@ def test_time_budget_cuts_the_run_and_says_so(workload):
     summary = measure(*workload, cache_fraction=0.3, time_budget_s=1e-9, progress=False)
     assert summary["finished"] is False and summary["samples_finished"] < summary["samples"]
     assert summary["last_over_median_finish"] is None and summary["recomputed_tokens"] >= 0
+    line = long_tail._finish_line(summary)  # the table's row says why there is none, not "None (None s / None s)"
+    assert "None" not in line and f"{summary['samples_finished']} of {summary['samples']} samples finished" in line
 
 
 def test_tiny_model_smoke():

@@ -243,6 +243,13 @@ def measure(
     }
 
 
+def _finish_line(s: dict[str, Any]) -> str:
+    """The round's last finish over its median one, or why there is none (a run cut before every sample ended)."""
+    if s["last_over_median_finish"] is None:
+        return f"none: {s['samples_finished']} of {s['samples']} samples finished before the run stopped"
+    return f"{s['last_over_median_finish']} ({s['last_finish_s']} s / {s['median_finish_s']} s)"
+
+
 def _tail_line(s: dict[str, Any]) -> str:
     """The tail's time per token and its steps by kind, for the table ("-" where a figure has no step)."""
 
@@ -329,7 +336,7 @@ def _print_table(s: dict[str, Any]) -> None:
          f"sequences, {s['mean_running_per_step']} running); {s['mean_decoding_while_queued']} over the "
          f"{s['queued_steps']} steps with requests queued; max_num_seqs {s['max_num_seqs']}"),
         ("long tail", _tail_line(s)),
-        ("last / median finish", f"{s['last_over_median_finish']} ({s['last_finish_s']} s / {s['median_finish_s']} s)"),
+        ("last / median finish", _finish_line(s)),
         ("finished", f"{s['finished']}: {s['samples_finished']} of {s['samples']} samples, {s['samples_errored']} "
          f"errors, {s['samples_off_length']} off their length"),
         ("wall time", f"{s['wall_s']} s (budget {s['time_budget_s']} s), {generated / max(s['wall_s'], 1e-9):.0f} "
