@@ -4,11 +4,13 @@ vanished or non-reading client stops costing compute and memory, and the per-cli
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -248,51 +250,35 @@ def test_the_worker_socket_has_no_zeromq_heartbeats_but_tcp_keepalive():
         context.term()
 
 
-def _add_peers(context, router, links, count: int, peers: list) -> list[bytes]:  # noqa: ANN001 - zmq objects
-    """Connect `count` DEALER peers to `router` (appended to `peers`, for the caller to close), each receiving at
-    most one reply at a time into a small buffer, and introduce each to `links` with a ping; their identities."""
+@contextlib.contextmanager
+def _unread_peers(count: int) -> Iterator[tuple]:
+    """A ROUTER socket behind `ClientLinks` (50 kB of unread replies per client) with `count` DEALER peers, each
+    receiving at most one reply at a time into a small buffer (ZeroMQ queues one reply per peer: the rest wait in
+    the backlogs) and introduced with a ping; yields (links, identities, peers, lost: the identities dropped, in
+    order). Everything is closed on the way out."""
     import zmq
 
-    identities = []
-    for _ in range(count):
-        peer = context.socket(zmq.DEALER)
-        peers.append(peer)
-        peer.setsockopt(zmq.RCVHWM, 1)
-        peer.setsockopt(zmq.RCVBUF, 4096)
-        peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
-        peer.send_multipart(p.encode(p.Ping(1)))
-        identities.append(router.recv_multipart()[0])
-        links.seen(identities[-1])
-    return identities
-
-
-def test_replies_kept_for_many_non_readers_are_bounded_together():
-    """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
-    PENDING_TOTAL_FACTOR times that bound, the peer whose replies began waiting first (none was read) is dropped, so opening many sockets cannot
-    exhaust the worker's memory; the others keep their backlogs."""
-    import zmq
-
-    from rollout.service.zmq.clients import PENDING_TOTAL_FACTOR, ClientLinks
+    from rollout.service.zmq.clients import ClientLinks
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.SNDBUF, 4096)
-    router.setsockopt(zmq.SNDHWM, 1)
-    lost = []
+    lost: list[bytes] = []
     links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
-    router.setsockopt(zmq.SNDHWM, 1)  # ZeroMQ queues one reply per peer: the rest wait in the backlogs
+    router.setsockopt(zmq.SNDHWM, 1)  # after ClientLinks, which sets its own
     router.bind("tcp://127.0.0.1:*")
-    peers: list = []
+    peers, identities = [], []
     try:
-        identities = _add_peers(context, router, links, 8, peers)
-        delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
-        size = len(p.encode(delta)[0]) + len(identities[0])
-        for _ in range(45_000 // size):  # about 45 kB each, under the per-client bound: 360 kB together
-            for identity in identities:
-                links.send(identity, delta)
-            links.flush()
-        assert lost and set(lost) < set(identities), lost  # some dropped (whose replies waited longest), not all
-        assert links.pending_bytes() <= PENDING_TOTAL_FACTOR * 50_000 and links.dropped_slow == len(lost)
+        for _ in range(count):
+            peer = context.socket(zmq.DEALER)
+            peers.append(peer)
+            peer.setsockopt(zmq.RCVHWM, 1)
+            peer.setsockopt(zmq.RCVBUF, 4096)
+            peer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+            peer.send_multipart(p.encode(p.Ping(1)))
+            identities.append(router.recv_multipart()[0])
+            links.seen(identities[-1])
+        yield links, identities, peers, lost
     finally:
         links.close()
         for peer in peers:
@@ -301,24 +287,28 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
         context.term()
 
 
+def test_replies_kept_for_many_non_readers_are_bounded_together():
+    """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
+    PENDING_TOTAL_FACTOR times that bound, the peers whose replies waited longest are dropped, so opening many
+    sockets cannot exhaust the worker's memory; the others keep their backlogs."""
+    from rollout.service.zmq.clients import PENDING_TOTAL_FACTOR
+
+    with _unread_peers(8) as (links, identities, _, lost):
+        delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
+        size = len(p.encode(delta)[0]) + len(identities[0])
+        for _ in range(45_000 // size):  # about 45 kB each, under the per-client bound: 360 kB together
+            for identity in identities:
+                links.send(identity, delta)
+            links.flush()
+        assert lost and set(lost) < set(identities), lost  # some dropped (whose replies waited longest), not all
+        assert links.pending_bytes() <= PENDING_TOTAL_FACTOR * 50_000 and links.dropped_slow == len(lost)
+
+
 def test_the_worker_wide_reply_bound_drops_a_non_reader_before_a_slow_reader():
     """A peer that reads, slowly, while its unread replies grow larger than anyone's, outlives the peers that read
     nothing when the bound on all unread replies together is passed: the dropped one is the peer whose replies have
     gone longest without one read, not the one holding the most."""
-    import zmq
-
-    from rollout.service.zmq.clients import ClientLinks
-
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.SNDBUF, 4096)
-    lost = []
-    links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: lost.append(i))
-    router.setsockopt(zmq.SNDHWM, 1)
-    router.bind("tcp://127.0.0.1:*")
-    peers: list = []
-    try:
-        identities = _add_peers(context, router, links, 15, peers)  # the first reads, slowly; fourteen never read
+    with _unread_peers(15) as (links, identities, peers, lost):  # the first reads, slowly; fourteen never read
         reader, sent, read = identities[0], dict.fromkeys(identities, 0), 0
         delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
         for round_ in range(400):
@@ -338,12 +328,6 @@ def test_the_worker_wide_reply_bound_drops_a_non_reader_before_a_slow_reader():
         assert sent[reader] - read > max(sent[i] for i in identities[1:]), "the reader did not hold the most"
         assert reader not in lost, "the slow reader was dropped before the peers that read nothing"
         assert lost[0] in identities[1:], lost  # a non-reader (which one: whose replies ZeroMQ refused first)
-    finally:
-        links.close()
-        for peer in peers:
-            peer.close(linger=0)
-        router.close(linger=0)
-        context.term()
 
 
 def _norm_update(client, update_id: str, transport: str = "frames") -> p.WeightsReady:
