@@ -287,3 +287,23 @@ def test_a_batch_config_pair_without_a_value_names_the_pair():
 
     with pytest.raises(FieldError, match="^num_blocks: expected KEY=VALUE, e.g. num_blocks=512$"):
         batch_config_from_pairs(["num_blocks"])
+
+
+def test_a_flag_of_several_values_reads_them_from_its_variable_as_a_shell_splits_words(monkeypatch, capsys, tmp_path):
+    """ROLLOUT_CONTROL_ALLOWED_DIRS=/some/dir was walked character by character ('--control-allowed-dirs t: no such
+    directory'); a repeatable flag's variable (ROLLOUT_LORA) too. Now words, quoted as in a shell; the command line's
+    values, when given, replace the variable's."""
+    spaced = tmp_path / "a dir"
+    spaced.mkdir()
+    monkeypatch.setenv("ROLLOUT_CONTROL_ALLOWED_DIRS", f"{tmp_path} '{spaced}'")
+    monkeypatch.setenv("ROLLOUT_LORA", "first=/p second=/q")
+    parser = parser_of("rollout-worker")
+    parsed = parser.parse_args([])
+    assert parsed.control_allowed_dirs == [str(tmp_path), str(spaced)]
+    assert parsed.lora == ["first=/p", "second=/q"]
+    assert parser.parse_args(["--lora", "third=/r"]).lora == ["third=/r"]
+    assert parser.parse_args(["--control-allowed-dirs", "/x"]).control_allowed_dirs == ["/x"]
+    monkeypatch.setenv("ROLLOUT_LORA", "unclosed='/p")
+    with pytest.raises(SystemExit):
+        parser_of("rollout-worker")
+    assert "ROLLOUT_LORA=\"unclosed='/p\": No closing quotation" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import re
+import shlex
 import sys
 from typing import Any, NoReturn
 
@@ -38,6 +39,12 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
             return text
         # The help is %-formatted afterwards: a % in a default must stay literal.
         return f"{text} (default: {default_text(action.default).replace('%', '%%')})"
+
+
+def _takes_several(action: argparse.Action) -> bool:
+    """Whether a flag's value is a list: it takes several values, or is repeatable."""
+    several = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1)
+    return several or isinstance(action, argparse._AppendAction)  # noqa: SLF001 - argparse has no public name
 
 
 def shows_default(action: argparse.Action) -> bool:
@@ -91,6 +98,8 @@ class CliParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.field_flags = dict(field_flags or {})
         self.other_tools_flags = dict(other_tools_flags or {})
+        # repeatable flags' values read from the environment: the command line's, when it gives some, replace them
+        self._environment_lists: dict[str, int] = {}
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
@@ -103,7 +112,12 @@ class CliParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         """As argparse's; the arguments are kept, so that a missing required flag's error can name a typo'd one."""
         self._given = [str(arg) for arg in (sys.argv[1:] if args is None else args)]
-        return super().parse_known_args(args, namespace)
+        parsed, extras = super().parse_known_args(args, namespace)
+        for dest, count in self._environment_lists.items():  # argparse appends to a copy of the default
+            values = getattr(parsed, dest, None)
+            if isinstance(values, list) and len(values) > count:
+                setattr(parsed, dest, values[count:])
+        return parsed, extras
 
     def error(self, message: str) -> NoReturn:
         """Print "PROG: error: MESSAGE" and a line pointing at --help to stderr, exit with status 2 (as argparse
@@ -128,6 +142,9 @@ class CliParser(argparse.ArgumentParser):
         value the flag cannot take is a usage error naming the variable; a flag that takes no value reads
         1/true/yes or 0/false/no (or empty).
 
+        A flag that takes several values (`nargs="+"`, or repeatable) reads them as a shell splits words:
+        ROLLOUT_LORA='a=/p b=/q' serves two adapters, and a value with spaces is quoted.
+
         Args:
             prefix: the variables' common start, e.g. "ROLLOUT_".
         """
@@ -146,26 +163,42 @@ class CliParser(argparse.ArgumentParser):
             value = os.environ.get(variable)
             if value is None:
                 continue
-            try:
-                if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001 - argparse has no public name
-                    if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
-                        raise ValueError(value)
-                    action.default = value.lower() in ("1", "true", "yes")
-                    continue
-                default = action.type(value) if action.type else value
-            except (ValueError, argparse.ArgumentTypeError):
-                self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
-            if action.choices is not None and default not in action.choices:
-                names = [str(choice) for choice in action.choices]
-                close = difflib.get_close_matches(str(default), names, n=1) or [
-                    name for name in names if name.lower() == str(default).lower()
-                ]
-                hint = f"; did you mean {close[0]}?" if close else ""
-                self.error(
-                    f"{variable}={value!r} is not a valid value for {action.option_strings[0]} "
-                    f"(choose from {', '.join(names)}){hint}"
-                )
-            action.default = default
+            if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001 - argparse has no public name
+                if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
+                    self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
+                action.default = value.lower() in ("1", "true", "yes")
+                continue
+            if _takes_several(action):  # words as a shell splits them, each a value of the flag
+                try:
+                    words = shlex.split(value)
+                except ValueError as error:
+                    self.error(f"{variable}={value!r}: {error} (its values are split as a shell splits words)")
+                if not words and action.nargs == "+":
+                    self.error(f"{variable} is empty: {action.option_strings[0]} needs at least one value")
+                action.default = [self._environment_value(action, variable, word) for word in words]
+                if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - argparse has no public name
+                    self._environment_lists[action.dest] = len(action.default)
+            else:
+                action.default = self._environment_value(action, variable, value)
+
+    def _environment_value(self, action: argparse.Action, variable: str, value: str) -> Any:
+        """One value of `action` read from the environment variable `variable`: converted by the flag's type and
+        checked against its choices, else a usage error naming the variable."""
+        try:
+            converted = action.type(value) if action.type else value
+        except (ValueError, argparse.ArgumentTypeError):
+            self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
+        if action.choices is not None and converted not in action.choices:
+            names = [str(choice) for choice in action.choices]
+            close = difflib.get_close_matches(str(converted), names, n=1) or [
+                name for name in names if name.lower() == str(converted).lower()
+            ]
+            hint = f"; did you mean {close[0]}?" if close else ""
+            self.error(
+                f"{variable}={value!r} is not a valid value for {action.option_strings[0]} "
+                f"(choose from {', '.join(names)}){hint}"
+            )
+        return converted
 
     def flag_message(self, error: ValueError) -> str:
         """The text of a usage error for `error`: a `FieldError` names the flag of its field (and any other field
