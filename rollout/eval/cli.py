@@ -22,6 +22,7 @@ from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
 from rollout.eval.output import check_output, write_rows, write_summary
+from rollout.presets.catalog import PRESETS
 
 SAMPLED_TEMPERATURE = 1.0  # --n above 1 without --temperature: samples that differ (pass@k needs them to)
 
@@ -30,7 +31,11 @@ def build_parser() -> CliParser:
     """rollout-eval's flags."""
     parser = CliParser(prog="rollout-eval", description=__doc__)
     add = parser.add_argument
-    add("--model", required=True, help="a local Hugging Face model directory or hub id; tiny for the built-in model")
+    add(
+        "--model",
+        required=True,
+        help=f"a local Hugging Face model directory or hub id, or a built-in preset: {', '.join(PRESETS)}",
+    )
     add(
         "--dataset",
         required=True,
