@@ -162,3 +162,62 @@ def test_a_section_cut_short_keeps_the_systems_it_finished_and_ratios_cross_sect
     assert "| baseline-generate | transformers_generate tokens/s | 444 (CUT SHORT after 90.0 s: 100 of 256" in markdown
     assert "| baseline-generate | rollout vs transformers_generate | 45.00x over what the baseline finished" in markdown
     assert "| logprob \\|rollout - teacher-forced\\| mean, default | not measured |" in markdown  # one cell
+
+
+def test_a_section_whose_systems_did_not_finish_fails_and_names_them(tmp_path):
+    """A benchmark prints its summary and exits 0 when one of its systems timed out or failed (throughput's rollout
+    killed at its share, grpo-step's colocated run an error): the section fails, naming each, instead of an "ok"
+    whose figures read "not measured"; a baseline cut short at its own deadline still counts as finished."""
+    timed_out = {"system": "rollout", "status": "timeout", "seconds": 77.0, "error": "killed after 77 s\n[ 6.6 s] x"}
+    cut = {"finished_requests": 0, "requests": 64, "tokens": 0, "requested_tokens": 8093}
+    baseline = {"system": "transformers_generate", "status": "ok", "tokens_per_s": 1.0, "cut_short": cut}
+    throughput = {
+        "benchmark": "throughput",
+        "workload": "cpu-small",
+        "results": {"rollout": timed_out, "transformers_generate": baseline},
+        "details": {"system": "rollout", "status": "failed", "seconds": 3.0, "error": "RuntimeError: boom"},
+    }
+    grpo_step = {"benchmark": "grpo-step", "results": {"rollout_colocate": {"error": "timeout: killed after 150 s"}}}
+    finished = {"benchmark": "throughput", "workload": "cpu-small", "results": {"transformers_generate": baseline}}
+
+    def printing(name: str, benchmark: str, summary: dict) -> gpu_report.Section:
+        return gpu_report.Section(
+            name, name, (sys.executable, "-c", f"print({json.dumps(summary)!r})"), 60, benchmark=benchmark
+        )
+
+    chosen = [
+        printing("throughput", "throughput", throughput),
+        printing("baseline-generate", "throughput", finished),
+        printing("grpo-step-nano", "grpo-step", grpo_step),
+    ]
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report(chosen, out, MACHINE, devnull) == 1
+    report = json.loads((out / "gpu_report.json").read_text())
+    sections = report["sections"]
+    assert report["ok"] is False
+    assert [sections[name]["status"] for name in ("throughput", "baseline-generate", "grpo-step-nano")] == [
+        "failed",
+        "ok",
+        "failed",
+    ]
+    error = sections["throughput"]["error"]
+    assert "rollout: timeout (killed after 77 s)" in error and "details: failed (RuntimeError: boom)" in error
+    assert "rollout_colocate: failed (timeout: killed after 150 s)" in sections["grpo-step-nano"]["error"]
+    assert sections["throughput"]["data"]["results"]["rollout"]["status"] == "timeout"  # the summary is kept
+    markdown = (out / "gpu_report.md").read_text()
+    assert "### throughput (failed)" in markdown and "not every system finished: rollout: timeout" in markdown
+
+
+def test_a_section_that_runs_to_its_limit_leaves_the_next_its_least_time(tmp_path):
+    """Under a budget, a section that hangs until it is killed at its share still leaves the section after it the
+    `reserve_s` it was kept (its kill and the drain of its output come out of its own share), so the later one runs
+    rather than being skipped a fraction of a second short."""
+    hang = dataclasses.replace(_section("speculative", "import time; time.sleep(600)"), reserve_s=1)
+    last = dataclasses.replace(_section("kernel-tests", "print('{}')"), reserve_s=6)
+    out = tmp_path / "report"
+    with open(os.devnull, "w") as devnull:
+        assert gpu_report.run_report([hang, last], out, MACHINE, devnull, budget_s=13) == 1
+    sections = json.loads((out / "gpu_report.json").read_text())["sections"]
+    assert sections["speculative"]["status"] == "timeout"
+    assert sections["kernel-tests"]["status"] == "ok", sections["kernel-tests"]["error"]

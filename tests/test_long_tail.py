@@ -126,6 +126,25 @@ def test_time_budget_cuts_the_run_and_says_so(workload):
     assert "None" not in line and f"{summary['samples_finished']} of {summary['samples']} samples finished" in line
 
 
+def test_the_time_budget_covers_the_set_up(monkeypatch):
+    """A run's budget counts from the call, its model and engine set-up included: a caller sharing out its time
+    (compare's pairs, gpu-report's speculative section before the kernel tests) is not overrun by a set-up it did
+    not count. Here the set-up alone outlasts the budget: not a step runs."""
+    import time
+
+    slow = long_tail.build_model
+
+    def slow_build(*args, **kwargs):
+        time.sleep(1.0)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(long_tail, "build_model", slow_build)
+    shape = Shape(num_prompts=2, n=2, median_tokens=16, max_tokens=48, prompt_tokens=(8, 24))
+    prompts, lengths = make_workload(shape, seed=0, vocab=1024)
+    summary = measure(prompts, lengths, model="tiny", cache_fraction=0.5, progress=False, time_budget_s=0.5)
+    assert summary["finished"] is False and summary["generated_tokens"] == 0 and summary["steps"] == 0
+
+
 def test_tiny_model_smoke():
     shape = Shape(num_prompts=2, n=2, median_tokens=16, max_tokens=48, prompt_tokens=(8, 24))
     prompts, lengths = make_workload(shape, seed=0, vocab=1024)

@@ -49,6 +49,10 @@ from rollout.benchmarks.gpu_report.table import goals, render_markdown
 from rollout.benchmarks.harness.section_run import Section, SectionResult, run_section
 from rollout.process_groups import process_age_s
 
+# Of a section's share under a budget, left for its end: the kill of its process group at its limit, the wait for
+# it and the drain of its output (about a second; more on a loaded machine).
+END_MARGIN_S = 5.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `rollout-bench gpu-report`."""
@@ -226,7 +230,10 @@ def run_report(
             why = f"{max(0.0, left):.0f} s of the budget left, less than the {least:.0f} s it needs to start"
             result = SectionResult(section.name, section.title, "skipped", 0.0, error=f"not run: {why}")
         else:
-            section = section.within(max(least, left - kept))
+            # Less a margin for its end (killed at its limit, its output drained) where sections follow: one that
+            # runs to its limit must still leave them their least time, or the next is skipped a second short.
+            margin = END_MARGIN_S if index < len(chosen) else 0.0
+            section = section.within(max(least, left - kept - margin))
             _say(stream, f"gpu-report [{index}/{len(chosen)}] {section.name}: {' '.join(section.argv)}")
             try:
                 result = run_section(section, out, stream)

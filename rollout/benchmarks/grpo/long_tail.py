@@ -84,7 +84,8 @@ def measure(
         scheduler: scheduler_type.
         max_num_seqs: most sequences per step.
         seed: sampling seed.
-        time_budget_s: the run stops after this long (figures then say what did not finish).
+        time_budget_s: the run stops this long after the call, its model, engine and warm-up included (figures
+            then say what did not finish).
         progress: show a progress bar on stderr.
         speculative: the engine's `speculative` setting (None: off).
         num_speculative_tokens: the most draft tokens per sample and step.
@@ -94,6 +95,9 @@ def measure(
         entropy: the model's head scaled to this mean next-token entropy, in nats (None: as built; not the stub's).
         device: where the model runs ("cpu" or "cuda"; on cuda decode and drafted steps replay CUDA graphs).
     """
+    # The budget covers the set-up too (model, entropy scaling, engine, graph capture: seconds on a GPU): a caller
+    # that shares out its time (`compare`, gpu-report's speculative section) must not be overrun by it.
+    stop_at = time.perf_counter() + time_budget_s
     own = [cdiv(len(prompt) + length, BLOCK_SIZE) for prompt, group in zip(prompts, lengths) for length in group]
     max_tokens = max_tokens or max(map(max, lengths))
     # Every sample asks for max_tokens, so the longest prompt at the cap must fit alone (the engine checks it).
@@ -133,7 +137,7 @@ def measure(
     try:
         with tqdm(total=len(expected), desc=f"long-tail {model}", unit="sample", file=sys.stderr, mininterval=5,
                   disable=not progress) as bar:  # fmt: skip
-            while engine.has_unfinished() and time.perf_counter() - start < time_budget_s:
+            while engine.has_unfinished() and time.perf_counter() < stop_at:
                 try:
                     outputs = engine.step()
                 except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop as at the budget, report what finished

@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=TIME_BUDGET_S,
         metavar="SECONDS",
-        help="stop the run after this long (with --speculative: every run together; a pair of runs starts only "
-        "while the time left is at least what the pair before took)",
+        help="stop the run this long after the command started, model and engine set-up included (with "
+        "--speculative: every run together; a pair of runs starts only while the time left is at least what the "
+        "pair before took)",
     )
     add(
         "--speculative",

@@ -209,10 +209,40 @@ def _bench_result(
         problem = "it printed no JSON summary"
     elif section.benchmark is not None and data.get("benchmark") != section.benchmark:
         problem = f"its JSON summary is not a {section.benchmark!r} benchmark's"
+    elif section.benchmark is not None and unfinished_parts(data):
+        # The benchmark exits 0 and prints its summary when a system in it timed out or failed: the section did not
+        # measure what it is for (its figures read "not measured"), and the report must say why.
+        problem = "not every system finished: " + "; ".join(unfinished_parts(data))
     if problem:
         data = data if data and data.get("benchmark") else _finished(section, systems or {})
         return SectionResult(section.name, section.title, "failed", seconds, data=data, error=f"{problem}\n{tail}")
     return SectionResult(section.name, section.title, "ok", seconds, data=data)
+
+
+def unfinished_parts(data: dict[str, Any]) -> list[str]:
+    """The systems of a benchmark summary that did not finish, as "name: status (first line of its error)": a
+    system's line (`isolated.run_system`) in `results`, at the top level (grpo's) or throughput's `details`, whose
+    status is not "ok"; a `results` row that is only an error (grpo-step's); an interrupted summary. A baseline cut
+    short at its own deadline finished (its status is "ok"); values of other shapes are not systems.
+
+    Args:
+        data: the JSON summary a section printed.
+    """
+    results = data.get("results") if isinstance(data.get("results"), dict) else {}
+    candidates = list(results.items()) + [
+        (name, line)
+        for name, line in data.items()
+        if name == "details" or (isinstance(line, dict) and "system" in line)
+    ]
+    found = ["the run was interrupted"] if data.get("interrupted") is True else []
+    for name, line in candidates:
+        if not isinstance(line, dict) or ("status" not in line and "error" not in line):
+            continue
+        status = line.get("status", "failed")
+        if status != "ok":
+            first = str(line.get("error") or "").strip().splitlines()
+            found.append(f"{name}: {status}" + (f" ({first[0][:200]})" if first else ""))
+    return found
 
 
 def _last_json(lines: list[str]) -> dict[str, Any] | None:
