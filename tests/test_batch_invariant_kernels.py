@@ -149,7 +149,7 @@ results = []
 for dtype in ("bf16", "fp32"):
     pointers = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "table_ptr": "i64", "allowed_ptr": "u8",
                 "start_ptr": "i64", "end_ptr": "i64", "out_ptr": dtype}
-    constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_SOFTCAP": True}
+    constants = {"QUERY_TILE": 16, "KEY_BLOCK": 64, "HEAD_DIM": 128, "HAS_SOFTCAP": True, "IN_ORDER": False}
     kinds = {**{name: "*" + kind for name, kind in pointers.items()}, "scaling": "fp32", "softcap": "fp32",
              **{name: "constexpr" for name in constants}}
     signature = {name: kinds.get(name, "i64") for name in ta.invariant_attention_kernel.arg_names}

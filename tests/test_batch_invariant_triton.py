@@ -41,7 +41,7 @@ for dtype, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
     signature.update({name: "i32" for name in ("rows", "cols", "depth", "stride_xm", "stride_xk", "stride_wn",
                                                "stride_wk", "stride_om", "stride_on")})
     constants = {"BLOCK_M": tm.BLOCK_M, "BLOCK_N": tm.BLOCK_N, "BLOCK_K": tm.BLOCK_K, "DOT_PRECISION": precision,
-                 "UPCAST": False}
+                 "IN_ORDER": False}
     signature.update({name: "constexpr" for name in constants})
     for arch in (90, 80):
         source = ASTSource(tm.invariant_matmul_kernel, signature, constants)

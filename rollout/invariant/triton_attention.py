@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.invariant.triton_matmul import _INTERPRETED
+
 NUM_WARPS = 4
 
 
@@ -55,6 +57,7 @@ def _block_scores(
     queries,
     KEY_BLOCK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    IN_ORDER: tl.constexpr,
 ):
     """One key block's scores for the query tile (masked keys at -inf), and where its keys are: (scores, each key's
     storage block, its slot in that block, whether it is inside the row, whether a query of the tile sees it)."""
@@ -67,7 +70,10 @@ def _block_scores(
         mask=inside[None, :] & (dims[:, None] < head_dim),
         other=0.0,
     ).to(tl.float32)
-    scores = tl.dot(q, k, input_precision="ieee") * scaling
+    if IN_ORDER:  # Triton's interpreter: products summed in order (triton_matmul's _INTERPRETED)
+        scores = tl.sum(q[:, :, None] * k[None, :, :], axis=1) * scaling
+    else:
+        scores = tl.dot(q, k, input_precision="ieee") * scaling
     if HAS_SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1)
         scores = (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0)) * softcap
     seen = tl.load(
@@ -100,6 +106,7 @@ def invariant_attention_kernel(
     stride_ab: tl.int64, stride_am: tl.int64, stride_an: tl.int64,
     stride_ob: tl.int64, stride_oh: tl.int64, stride_om: tl.int64, stride_od: tl.int64,
     QUERY_TILE: tl.constexpr, KEY_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IN_ORDER: tl.constexpr,
 ):  # fmt: skip
     """out[row, head, tile's queries] = softmax(q k^T * scaling) v over the row's keys, fp32 throughout. A row's key
     `i` is slot `i % block_size` of storage block `table[row, i // block_size]` (k and v: (blocks, kv_heads, slots,
@@ -123,7 +130,8 @@ def invariant_attention_kernel(
     for block in range(0, blocks):
         scores, _, _, _, _ = _block_scores(q, k_head, table_row, allowed_row, end, block_size, first, block, query,
                                         dims, head_dim, scaling, softcap, stride_kb, stride_kn, stride_kd,
-                                        stride_tn, stride_am, stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
+                                        stride_tn, stride_am, stride_an, queries, KEY_BLOCK, HAS_SOFTCAP,
+                                        IN_ORDER)  # fmt: skip
         peak = tl.maximum(peak, tl.max(scores, axis=1))
     shift = tl.where(peak > float("-inf"), peak, 0.0)
     total = tl.zeros((QUERY_TILE,), dtype=tl.float32)
@@ -132,7 +140,8 @@ def invariant_attention_kernel(
         scores, stored, slot, inside, seen = _block_scores(q, k_head, table_row, allowed_row, end, block_size,
                                                            first, block, query, dims, head_dim, scaling, softcap,
                                                            stride_kb, stride_kn, stride_kd, stride_tn, stride_am,
-                                                           stride_an, queries, KEY_BLOCK, HAS_SOFTCAP)  # fmt: skip
+                                                           stride_an, queries, KEY_BLOCK, HAS_SOFTCAP,
+                                                           IN_ORDER)  # fmt: skip
         weights = tl.exp(scores - shift[:, None])  # a masked key's weight is exactly 0
         v = tl.load(
             v_head + stored[:, None] * stride_vb + slot[:, None] * stride_vn + dims[None, :] * stride_vd,
@@ -143,7 +152,10 @@ def invariant_attention_kernel(
         # hold a previous owner's values, NaN included. They count as 0 (0 x a finite value adds 0 all the same).
         v = tl.where(seen[:, None], v, 0.0)
         total += tl.sum(weights, axis=1)
-        out += tl.dot(weights, v, input_precision="ieee")
+        if IN_ORDER:
+            out += tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+        else:
+            out += tl.dot(weights, v, input_precision="ieee")
     safe = tl.where(total > 0, total, 1.0)
     out = tl.where(total[:, None] > 0, out / safe[:, None], 0.0)
     tl.store(
@@ -259,6 +271,7 @@ def _launch(
         *out.stride(),
         QUERY_TILE=query_tile, KEY_BLOCK=key_block, HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
         HAS_SOFTCAP=softcap is not None,
+        IN_ORDER=_INTERPRETED,
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out

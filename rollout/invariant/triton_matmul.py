@@ -20,7 +20,10 @@ import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 NUM_WARPS = 4
-# Triton's interpreter multiplies bf16 tiles wrongly: there (tests only) the tiles are upcast to fp32 first.
+# In Triton's interpreter (tests only), tl.dot is numpy's matmul: it multiplies bf16 tiles wrongly, and its BLAS
+# rounds a row by its place in the tile (OpenBLAS 0.3.31: a row alone and the same row 64th of a tile differ in fp32).
+# There the products are summed over k in order, element by element (IN_ORDER): each row's own arithmetic, so the
+# interpreter checks the kernels' tiles, masks and order of blocks. Compiled, the branch is not there.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -42,7 +45,7 @@ def invariant_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    IN_ORDER: tl.constexpr,
 ):
     """out[rows, cols] = x[rows, depth] @ w[cols, depth].T, one fixed tile per program, fp32 accumulation."""
     # int64: rows x columns (a head's logits: 14k rows of a 152k vocabulary) and columns x depth may pass 2**31
@@ -62,9 +65,10 @@ def invariant_matmul_kernel(
             mask=(col[None, :] < cols) & (k[:, None] < depth),
             other=0.0,
         )
-        if UPCAST:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        if IN_ORDER:  # the interpreter's (module constant _INTERPRETED)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     tl.store(
         out_ptr + row[:, None] * stride_om + col[None, :] * stride_on,
         acc.to(out_ptr.dtype.element_ty),
@@ -105,7 +109,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models keep fp32 products
-        UPCAST=_INTERPRETED and x.dtype != torch.float32,
+        IN_ORDER=_INTERPRETED,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
