@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
+from rollout.engine.scheduling.express_lane import ExpressLane, life_blocks
 from rollout.engine.scheduling.future_peak import FuturePeak
 
 
@@ -130,15 +131,18 @@ class AdmissionGate:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.growth = GrowthReserve(block_manager.block_size)
+        self.express = ExpressLane(block_manager.num_blocks, block_manager.block_size)
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
         self._step_sequences: int | None = None  # sequences of the running requests, their unforked samples included
         self._future_peak: FuturePeak | None = None  # the running requests' lifetimes (known lengths)
+        self._express_room: int | None = None  # the express lane's blocks left this step
 
     def new_step(self) -> None:
         """Forget the per-step sums (the running set changed) and let the growth ratio decay."""
         self.growth.step()
         self._step_growth = self._prefilling = self._step_sequences = self._future_peak = None
+        self._express_room = None
 
     def admits(
         self, request: Request, blocks: int, running: list[Request], chunk_end: int, prefix_blocks: list[int]
@@ -163,13 +167,9 @@ class AdmissionGate:
             return False
         if not running:
             return True
-        if self._step_sequences is None:
-            self._step_sequences = sum(1 + r.num_forks for r in running)
-        known = self.growth.lengths_known
-        most = min(self.max_num_seqs, self.max_batch_tokens) if known else self.max_num_seqs
-        sequences, room = 1 + request.num_forks, most - self._step_sequences
-        if room <= 0 or room < sequences <= most:
+        if not self._has_room(request, running):
             return False
+        known = self.growth.lengths_known
         least = max(1, manager.num_blocks // 100)
         if known:
             if self._future_peak is None:
@@ -183,8 +183,61 @@ class AdmissionGate:
             if not manager.can_allocate(blocks + max(least, self._step_growth + own)):
                 return False
             self._step_growth += own
-        self._step_sequences += sequences
+        self._step_sequences += 1 + request.num_forks
         return True
+
+    def finished(self, request: Request) -> None:
+        """A sample ended: its length teaches the growth reserve, unless the express lane admitted its group (a short
+        request's length says nothing of the requests the reserve holds back, and would make it bold at once).
+
+        Args:
+            request: the sample that ended.
+        """
+        if not self.express.holds(request.group_id):
+            self.growth.finished(request.num_output_tokens, request.max_new_tokens)
+
+    def express_room(self, running: list[Request]) -> int:
+        """The blocks the express lane (`express_lane.py`) has room for now (0 while no sequence slot is free, since
+        a request admitted through it still needs one). Summed at most once a step.
+
+        Args:
+            running: the running requests.
+        """
+        if self._express_room is None:
+            self._express_room = self.express.capacity - self.express.used(running)
+        if self._step_sequences is None:
+            self._step_sequences = sum(1 + r.num_forks for r in running)
+        return self._express_room if self._step_sequences < self.max_num_seqs else 0
+
+    def admits_express(self, request: Request, reserve: int, running: list[Request]) -> bool:
+        """True when `request` may be admitted through the express lane: the lane has room for its life's blocks,
+        those blocks (with `reserve`) are free now, and a sequence slot is free. Counts it in the lane and among the
+        step's sequences.
+
+        Args:
+            request: the candidate, which `admits` refused or which waits behind a request it refused.
+            reserve: blocks kept free for the running requests' next step ("prefill_first").
+            running: the running requests.
+        """
+        life = life_blocks(request, self.block_manager.block_size)
+        if life > self.express_room(running) or not self.block_manager.can_allocate(life + reserve):
+            return False
+        if running and not self._has_room(request, running):
+            return False
+        self.express.took(request)
+        self._express_room -= life
+        self._step_sequences += 1 + request.num_forks
+        return True
+
+    def _has_room(self, request: Request, running: list[Request]) -> bool:
+        """Whether the running sequences leave room for `request`'s (module docstring; a group larger than the cap
+        goes in while any room is left)."""
+        if self._step_sequences is None:
+            self._step_sequences = sum(1 + r.num_forks for r in running)
+        known = self.growth.lengths_known
+        most = min(self.max_num_seqs, self.max_batch_tokens) if known else self.max_num_seqs
+        sequences, room = 1 + request.num_forks, most - self._step_sequences
+        return not (room <= 0 or room < sequences <= most)
 
     def known_growth(self, running: list[Request]) -> int:
         """The blocks the running requests are known to grow into (with known lengths; 0 otherwise): a draft may

@@ -244,7 +244,7 @@ class Scheduler:
             request.resolve_token(sampled_tokens[index], None if logprobs is None else logprobs[index])
             resolved.append(request)
             if request.finish_reason is not None:
-                self.admission.growth.finished(request.num_output_tokens, request.max_new_tokens)
+                self.admission.finished(request)
                 self._dequeue(request)
                 self.finish(request, request.finish_reason, request.error)  # it forked already: it ends alone
         return resolved

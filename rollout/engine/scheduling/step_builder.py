@@ -5,7 +5,8 @@ scheduler (`scheduler.py`) runs the phases in its policy's order and owns the qu
   request that loses the fewest tokens (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
 - Swapped-out requests: swapped back in, oldest preemption first.
 - Waiting requests (new or preempted), in arrival order, each through the admission gate
-  (`rollout.engine.scheduling.admission`); one that cannot fit even in an empty cache ends with an error.
+  (`rollout.engine.scheduling.admission`); one that cannot fit even in an empty cache ends with an error. Past one
+  that does not fit, a short request may still be admitted through the express lane (`express_lane.py`).
 
 A step that preempted admits nothing more (no ping-pong). A request whose chunk reaches its last token gets a logits
 row; a group leader that just computed its prompt forks its other samples then, sharing every block.
@@ -23,6 +24,9 @@ from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
 from rollout.engine.scheduling.client_turns import ClientTurns
+from rollout.engine.scheduling.express_lane import life_blocks
+
+EXPRESS_SCAN = 32  # waiting requests a step looks at, past one that did not fit, for one the express lane admits
 
 
 class SchedulerQueues(Protocol):
@@ -171,10 +175,16 @@ class StepBuilder:
         scheduler, batch = self.scheduler, self.batch
         manager, admission = scheduler.block_manager, scheduler.admission
         deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
+        express_only = False  # a request did not fit: only the express lane admits for the rest of this step
         while not batch.num_preempted and self.budget > 0 and len(batch.sequences) < scheduler.max_num_seqs:
             request = self._next_admissible(deferred)
             if request is None:
                 return
+            if express_only and life_blocks(request, manager.block_size) > admission.express_room(scheduler.running):
+                deferred += 1  # too long for the lane's room: it waits for its turn
+                if deferred >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
+                    return
+                continue
             _check_resolved(request)
             # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
             blocks_for_life = cdiv(request.num_prompt_tokens + request.max_new_tokens - 1, manager.block_size)
@@ -197,8 +207,15 @@ class StepBuilder:
             needed = cdiv(num_computed + num_new, manager.block_size) - len(prefix_blocks)
             needed += manager.num_free_in(prefix_blocks)
             chunk_end = num_computed + num_new
-            if not admission.admits(request, needed + reserve, scheduler.running, chunk_end, prefix_blocks):
-                return
+            if express_only or not admission.admits(
+                request, needed + reserve, scheduler.running, chunk_end, prefix_blocks
+            ):
+                if not admission.admits_express(request, reserve, scheduler.running):
+                    if deferred + 1 >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
+                        return
+                    express_only, deferred = True, deferred + 1  # a shorter request behind it may take the lane
+                    continue
+                express_only = True  # its growth is the lane's, which the gate's sums for this step do not hold
             admission.admitted(request)
             scheduler.waiting.remove(request)
             scheduler.turns.took(request)

@@ -1,0 +1,97 @@
+"""The express lane (`rollout.engine.scheduling.express_lane`): a short request is admitted past the growth reserve
+and past a queue head that does not fit, within a small share of the cache."""
+
+from __future__ import annotations
+
+import torch
+from test_scheduler import Sim, prompt, sim
+
+from conftest import make_engine, make_request, reference_copy, tiny_model
+from rollout.engine.requests.group_spec import GroupSpec
+from rollout.engine.requests.request import Request, RequestStatus
+from rollout.engine.scheduling.express_lane import life_blocks
+from rollout.sampling_params import SamplingParams
+
+
+def _from(client: str, request: Request) -> Request:
+    request.client = client
+    return request
+
+
+def _long_client(count: int, max_new_tokens: int = 200) -> list[Request]:
+    """Client "a": long requests; the growth reserve admits three of them into a 100-block cache (two of 300
+    tokens), the rest wait."""
+    return [_from("a", make_request(f"a{i}", prompt(8, 10 + i), max_new_tokens)) for i in range(count)]
+
+
+def _running(runner: Sim, client: str) -> list[Request]:
+    return [r for r in runner.scheduler.running if r.client == client]
+
+
+def test_a_short_request_passes_a_long_queue_that_waits_for_growth(unknown_lengths):
+    """ "a" fills the cache's growth reserve and queues more; "b"'s 4-token request is admitted at once through the
+    lane and ends 4 steps later, while a's queue head still waits. A "b" request one block longer than the lane waits
+    its turn (it would have held the cache's reserve)."""
+    runner = sim(*_long_client(6), num_blocks=100, block_size=4, max_batch_tokens=256)
+    assert runner.scheduler.admission.express.capacity == 2
+    for _ in range(3):
+        runner.step()
+    assert len(_running(runner, "a")) == 3 and len(runner.scheduler.waiting) == 3
+    short = _from("b", make_request("b-short", prompt(3, 60), max_new_tokens=4))
+    too_long = _from("b", make_request("b-long", prompt(3, 70), max_new_tokens=8))
+    assert life_blocks(short, 4) == 2 and life_blocks(too_long, 4) == 3
+    runner.scheduler.add(short)
+    runner.scheduler.add(too_long)
+    for _ in range(4):
+        _, finished = runner.step()
+        assert too_long.status == RequestStatus.WAITING and len(_running(runner, "a")) == 3
+    assert [r.request_id for r in finished] == ["b-short"]  # one token a step: its prompt's step samples the first
+    runner.drain(max_steps=2000)
+    assert runner.finished["b-long"].num_output_tokens == 8
+
+
+def test_the_lane_holds_its_share_at_most(unknown_lengths):
+    """Twenty short requests queued behind ten long ones, eight of which wait for the growth reserve: they pass them
+    through the lane one whole life at a time (its 2% of 100 blocks is two blocks, a short request's life), and all end while the
+    long ones still wait."""
+    shorts = [make_request(f"s{index}", prompt(3, 40 + index), max_new_tokens=4) for index in range(20)]
+    runner = sim(*_long_client(10, 300), *(_from("a", r) for r in shorts), num_blocks=100, block_size=4)
+    capacity = runner.scheduler.admission.express.capacity
+    most = 0
+    for _ in range(160):
+        runner.step()
+        lives = sum(life_blocks(r, 4) for r in runner.scheduler.running if r.max_new_tokens == 4)
+        assert lives <= capacity
+        most = max(most, lives)
+    assert most == capacity and all(r.request_id in runner.finished for r in shorts)
+    assert len(runner.scheduler.waiting) == 8  # the long ones: the reserve still holds them back
+    runner.drain(max_steps=3000)
+
+
+def test_a_lane_request_keeps_the_tokens_transformers_generates(unknown_lengths):
+    """Through the engine: client "b"'s greedy request passes client "a"'s long sampled groups (one runs, two wait
+    for its growth), ends first, and its tokens are transformers' greedy `generate`'s."""
+    model = tiny_model()
+    reference = reference_copy(model)
+    engine = make_engine(model, num_blocks=100, block_size=4, max_batch_tokens=256)
+    try:
+        for index in range(3):
+            sampling = SamplingParams(do_sample=True, seed=index, max_new_tokens=100, stop_token_ids=())
+            group = engine.intake.prepare(GroupSpec(f"a{index}", prompt(10, 5 + index), sampling, 4))
+            group.client = "a"
+            engine.submit(group)
+        engine.step()
+        greedy = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
+        short = engine.intake.prepare(GroupSpec("b", prompt(3, 40), greedy, 1))
+        short.client = "b"
+        engine.submit(short)
+        finished = []
+        while not finished:
+            finished = [o.request_id for o in engine.step() if o.is_finished]
+            assert engine.num_waiting == 2  # a's two other groups: the reserve holds them back throughout
+        assert finished == ["b"]
+    finally:
+        engine.cancel(*engine.open_group_ids())
+        engine.close()
+    expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
+    assert short.token_ids[3:] == expected[0, 3:].tolist()
