@@ -4,6 +4,7 @@ peft until a function needs them."""
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 from rollout.config import FieldError
@@ -38,10 +39,16 @@ def check_adapter_name(name: object, field: str = "adapter") -> str:
         name: the name to check.
         field: the field to name in the error.
     Raises:
-        FieldError: not a non-empty string of at most 128 characters, or the base model's reserved name.
+        FieldError: not a non-empty string of at most 128 characters, one with a control or invisible formatting
+            character, or the base model's reserved name.
     """
     if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
         raise FieldError(field, f"must be a non-empty string of at most {MAX_ADAPTER_NAME} characters, got {name!r}")
+    # Names are listed (/v1/models), echoed in plain-text answers and chosen by clients: no line breaks, NULs or
+    # invisible characters (zero-width, bidirectional overrides) that make one name look like another.
+    odd = next((char for char in name if unicodedata.category(char) in ("Cc", "Cf")), None)
+    if odd is not None:
+        raise FieldError(field, f"holds the control or formatting character {odd!r}: {name!r}")
     if name == BASE_NAME:
         raise FieldError(field, f"{BASE_NAME!r} is the base model: leave the adapter out (None) to use it")
     return name

@@ -6,7 +6,8 @@ naming why).
 What workers serve unmerged: LoRA on `torch.nn.Linear` layers other than the output head (no DoRA, no LoRA bias, no
 fan_in_fan_out), `modules_to_save` copies of Linear and Embedding modules and of norms over the hidden states (the
 output head included), and none of the PEFT settings `rollout.peft_adapters.check_peft_config` refuses (trained
-biases, trainable tokens, ...). Every rank of a multi-process trainer decides alike (the decision reads only the
+biases, trainable tokens, ...), while no adapter is merged into the base weights (peft's `merge_adapter`: the
+base would carry the adapter, and the workers add it again). Every rank of a multi-process trainer decides alike (the decision reads only the
 model's adapter configuration). A rank above the workers' `--max-lora-rank` shows only when a push asks them: "auto"
 then pushes that model merged, at once and from then on (`rank_refused`)."""
 
@@ -48,7 +49,7 @@ def check_servable(model: Any, name: str) -> None:
         name: the adapter.
     Raises:
         FieldError: an unknown adapter, a PEFT setting, LoRA layer or saved module that cannot be served unmerged
-            (named), or an adapter without any LoRA layer.
+            (named), a layer with an adapter merged into its base weights, or an adapter without any LoRA layer.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -59,6 +60,14 @@ def check_servable(model: Any, name: str) -> None:
     heads = tuple(key for key, module in model.named_modules() if module is head and head is not None)
     layers = 0
     for key, layer in model.named_modules():
+        # A merged adapter (peft's merge_adapter) lives in the base weights: an adapter-only push would send that
+        # base and the workers would add the adapter to it a second time. Merged pushes merge only the rest.
+        if isinstance(layer, LoraLayer) and layer.merged:
+            raise FieldError(
+                module_name(key),
+                f"adapter {layer.merged_adapters} is merged into the base weights (merge_adapter()): an adapter-only "
+                "push would serve it twice; unmerge_adapter() first",
+            )
         if not isinstance(layer, LoraLayer) or not holds_adapter(layer, name):
             continue
         target, base = module_name(key), layer.get_base_layer()
@@ -91,7 +100,8 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
         warn: warn (once per model) when "auto" falls back to merged weights.
     Raises:
         ValueError: an unknown mode; (FieldError) with "adapter", an adapter workers cannot serve unmerged, named;
-            with "auto", one that can neither be served unmerged nor merged on the fly.
+            with "auto", one that can neither be served unmerged nor merged on the fly; with "merged", LoRA on bare
+            parameters (`parameter_lora`).
     """
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
@@ -104,6 +114,9 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     if tied is not None:
         raise FieldError("model", tied)
     if adapters == "merged" or (adapters == "auto" and model in _RANK_REFUSED):
+        unmergeable = parameter_lora(model)
+        if unmergeable is not None:
+            raise FieldError(*unmergeable)
         return "merged"
     name = active_adapter_name(model)
     unfrozen = unfrozen_base_parameters(model)
@@ -117,12 +130,36 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     except FieldError as refusal:
         if adapters == "adapter":
             raise
-        unmergeable = merge_refusal(model)
+        unmergeable = merge_refusal(model) or ": ".join(parameter_lora(model) or ()) or None
         if unmergeable is not None:
-            raise FieldError(refusal.field, f"{refusal.reason}, and {unmergeable}") from None
+            reason = refusal.reason.split("; push with")[0]  # it cannot be: what follows says why
+            raise FieldError(refusal.field, f"{reason}, and {unmergeable}") from None
         if warn:
             _warn_merged(model, f"{refusal.field}: {refusal.reason}", accelerator)
         return "merged"
+
+
+def parameter_lora(model: Any) -> tuple[str, str] | None:
+    """(module, why) for LoRA on bare parameters (peft's `target_parameters`, e.g. MoE experts' stacked weights):
+    workers do not serve it unmerged, and merged pushes do not merge it yet (they would send the experts' base weights
+    without the adapter's delta, silently); None when the model has none.
+
+    Args:
+        model: an unwrapped `peft.PeftModel`.
+    """
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # a peft without target_parameters
+        return None
+    for key, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            return (
+                module_name(key),
+                f"LoRA on its bare parameter {module.parameter_name!r} (target_parameters, e.g. MoE experts) is "
+                "neither served unmerged nor merged on the fly: merge_and_unload() the model into a plain one to "
+                "sync it",
+            )
+    return None
 
 
 def rank_refused(source: Any, field: str | None, reason: str, accelerator: Any = None) -> None:

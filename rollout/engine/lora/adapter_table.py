@@ -42,6 +42,7 @@ from rollout.engine.lora.bounds import check_magnitudes, check_rank_limit, check
 from rollout.engine.lora.layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
 from rollout.engine.lora.saved_modules import SavedModules
 from rollout.engine.requests.adapter_ref import AdapterRef, check_adapter_name
+from rollout.peft_adapters import SAVED_MARKER
 
 
 class AdapterTable:
@@ -132,6 +133,13 @@ class AdapterTable:
             if (module_and_parameter := saved_parameter(wire_name)) is not None:
                 saved[wire_name] = (*module_and_parameter, dtype, shape)
                 continue
+            if SAVED_MARKER in wire_name:  # "<module>.modules_to_save.<child>.<p>": a module with submodules
+                module = wire_name.split(SAVED_MARKER)[0]
+                raise FieldError(
+                    wire_name,
+                    f"modules_to_save of {module!r}, a module with submodules, is not served unmerged (a Linear, an "
+                    "Embedding, or a norm over the hidden states)",
+                )
             suffix = next((s for s in WIRE_SUFFIXES if wire_name.endswith(s)), None)
             if suffix is None:
                 raise FieldError(
@@ -179,7 +187,7 @@ class AdapterTable:
     def check(self, name: str, modules: AdapterModules, check_finite: bool = False) -> None:
         """Check a whole adapter before anything changes: names, shapes and ranks (`check_specs`), magnitudes that
         could overflow the model's dtype (`lora_bounds.check_magnitudes`, always: an adapter whose samples turn to
-        NaN would leave it in KV blocks), and room for the layers it adds.
+        NaN would leave it in KV blocks), and room for the layers and saved-module copies it adds.
 
         Args:
             name: the adapter's name.
@@ -188,7 +196,8 @@ class AdapterTable:
                 LoRA pairs and saved modules).
         Raises:
             FieldError: as `check_specs`; an overflowing scaling, lora_A, lora_B or saved parameter (named); a
-                non-finite tensor; ("max_lora_rank") new layers that free memory cannot hold.
+                non-finite tensor; ("max_lora_rank") new layers, or ("modules_to_save") new copies of saved modules,
+                that free memory cannot hold.
         """
         if not modules:
             raise FieldError("tensors", "an adapter brings at least one module's lora_A and lora_B")
@@ -203,8 +212,10 @@ class AdapterTable:
                     raise FieldError(wire, "holds NaN or Inf")
         check_magnitudes(modules, self.dtype)
         new = [self._linears[m] for m, w in modules.items() if isinstance(w, LoraModule) and m not in self._layers]
-        if new:
-            check_room(new, self.max_loras, self.max_rank, self._device, f"the {len(new)} Linear layers {name!r} adds")
+        saved = [m for m, w in modules.items() if isinstance(w, SavedModule)]
+        saved_bytes = self.saved.bytes_needed(self.refs[name].slot if name in self.refs else None, saved)
+        if new or saved_bytes:
+            check_room(new, self.max_loras, self.max_rank, self._device, repr(name), saved_bytes)
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
         """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,

@@ -13,6 +13,7 @@ directory (adapter_config.json + adapter_model.safetensors) is read here too.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,12 +144,13 @@ def load_peft_dir(path: str) -> AdapterModules:
     Args:
         path: the directory.
     Raises:
-        FieldError: ("lora") a directory peft cannot read, or an adapter that cannot be served unmerged (named).
+        FieldError: ("lora") a directory peft cannot read; a malformed adapter_config.json setting (named); a tensor
+            that is neither a LoRA pair's nor a saved module's (LoRA on an embedding, base weights saved beside the
+            adapter), or an adapter that cannot be served unmerged (named).
     """
     try:
         from peft import LoraConfig
         from peft.utils import load_peft_weights
-        from peft.utils.other import get_pattern_key
     except ImportError:
         raise FieldError("lora", "loading adapter directories needs peft: pip install 'rollout[lora]'") from None
     try:
@@ -158,10 +160,12 @@ def load_peft_dir(path: str) -> AdapterModules:
         raise FieldError("lora", f"cannot read the PEFT adapter at {path!r}: {error}") from None
     check_peft_config(config)
     tensors: dict[str, torch.Tensor] = {}
-    saved = tuple(config.modules_to_save or ())
+    saved = config.modules_to_save or ()
+    saved = (saved,) if isinstance(saved, str) else tuple(saved)
     # With ensure_weight_tying peft saves the copy of a module tied to a saved one (the output head tied to the
     # input embeddings) under the tied module's name, which modules_to_save does not list.
     tied = bool(getattr(config, "ensure_weight_tying", False))
+    _refuse_unserved_layers(state)
     for key, tensor in state.items():
         for part in ("lora_A", "lora_B"):
             marker = f".{part}.weight"
@@ -170,15 +174,79 @@ def load_peft_dir(path: str) -> AdapterModules:
                 break
         else:
             module, _, parameter = module_name(key).rpartition(".")
-            if not tied and not any(module == target or module.endswith(f".{target}") for target in saved):
-                raise FieldError("lora", f"{key}: neither a LoRA A/B weight nor one of modules_to_save {list(saved)}")
+            # peft's own match for modules_to_save: the module's name ends with the entry ("layernorm" saves every
+            # input_layernorm and post_attention_layernorm), no dot needed.
+            if not tied and not any(isinstance(target, str) and module.endswith(target) for target in saved):
+                raise FieldError(
+                    "lora",
+                    f"{key}: neither a LoRA A/B weight nor one of modules_to_save {list(saved)} (base weights saved "
+                    "beside the adapter, as save_embedding_layers does for a resized vocabulary, are not served "
+                    "unmerged)",
+                )
             tensors[f"{module}{SAVED_MARKER}{parameter}"] = tensor
     scalings = {}
     for name in {key.rsplit(".", 1)[0] for key in tensors if saved_parameter(key) is None}:
-        rank = tensors[f"{name}.lora_A"].shape[0]
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha)
-        scalings[name] = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+        if f"{name}.lora_A" in tensors:  # else from_named_tensors names the missing half
+            scalings[name] = _dir_scaling(config, name, tensors[f"{name}.lora_A"].shape[0])
     return from_named_tensors(tensors, scalings)
+
+
+def _refuse_unserved_layers(state: dict[str, torch.Tensor]) -> None:
+    """Refuse, naming the module, a directory's LoRA on an embedding (`lora_embedding_A` / `_B`), then the base
+    weights peft saves beside LoRA on an embedding or the output head (`save_embedding_layers`: `<module>.base_layer.*`).
+
+    Raises:
+        FieldError: the module.
+    """
+    names = [module_name(key).rpartition(".")[::2] for key in state]
+    for module, parameter in names:
+        if parameter.startswith("lora_embedding_"):
+            raise FieldError(module, "LoRA on an Embedding is not served unmerged (only torch.nn.Linear layers)")
+    for module, _ in names:
+        if module == "base_layer" or module.endswith(".base_layer"):
+            raise FieldError(
+                module.removesuffix("base_layer").removesuffix("."),
+                "the adapter saves this layer's base weights (peft's save_embedding_layers, for LoRA on an "
+                "embedding or the output head): not served unmerged",
+            )
+
+
+def _dir_setting(config: Any, field: str, pattern_field: str, name: str) -> tuple[str, Any]:
+    """(the setting's name, its value) for module `name` of an adapter config: its `pattern_field` entry whose
+    pattern matches `name` (peft's `get_pattern_key`), else `field`.
+
+    Raises:
+        FieldError: a pattern field that is not an object of regular expressions.
+    """
+    from peft.utils.other import get_pattern_key
+
+    pattern = getattr(config, pattern_field, None) or {}
+    if not isinstance(pattern, dict):
+        raise FieldError(pattern_field, f"must be an object of module patterns, got {pattern!r}")
+    try:
+        key = get_pattern_key(list(pattern), name)
+    except (re.error, TypeError) as error:
+        raise FieldError(pattern_field, f"a key is not a regular expression: {error}") from None
+    return (f"{pattern_field}.{key}", pattern[key]) if key in pattern else (field, getattr(config, field, None))
+
+
+def _dir_scaling(config: Any, name: str, rank: int) -> float:
+    """The scaling peft gives module `name` of an adapter directory: lora_alpha / r (/ sqrt(r) with use_rslora),
+    rank_pattern and alpha_pattern applied as peft applies them.
+
+    Raises:
+        FieldError: a rank or lora_alpha that is not a number (named), or a rank other than the tensors' (peft
+            cannot load such a directory either).
+    """
+    r_field, r = _dir_setting(config, "r", "rank_pattern", name)
+    alpha_field, alpha = _dir_setting(config, "lora_alpha", "alpha_pattern", name)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise FieldError(r_field, f"must be a positive integer, got {r!r}")
+    if r != rank:
+        raise FieldError(f"{name}.lora_A", f"rank {rank}, but adapter_config.json says {r_field}={r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise FieldError(alpha_field, f"must be a finite number, got {alpha!r}")
+    return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
 
 
 def from_peft_model(model: Any, adapter_name: str | None = None) -> AdapterModules:

@@ -115,25 +115,42 @@ def check_rank_limit(linears: list[torch.nn.Linear], max_rank: int) -> None:
         )
 
 
-def check_room(linears: list[torch.nn.Linear], max_loras: int, max_rank: int, device: torch.device, what: str) -> None:
-    """Refuse stacked weights for `linears` that the device's free memory cannot hold (checked before an adapter
-    adds them).
+def check_room(
+    linears: list[torch.nn.Linear],
+    max_loras: int,
+    max_rank: int,
+    device: torch.device,
+    what: str,
+    saved_bytes: int = 0,
+) -> None:
+    """Refuse stacked weights for `linears`, and copies of modules trained whole, that the device's free memory
+    cannot hold (checked before an adapter adds them: an allocation that fails halfway would fail the update late).
 
     Args:
         linears: the Linear layers to be given stacked weights.
         max_loras: adapters served at once.
         max_rank: the highest rank accepted.
         device: where they go.
-        what: the layers, as the error names them.
+        what: the adapter, as the error names it.
+        saved_bytes: the bytes of the adapter's new modules_to_save copies.
     Raises:
-        FieldError: ("max_lora_rank") naming the bytes needed and free.
+        FieldError: ("max_lora_rank") the stacked weights, or ("modules_to_save") the copies with them, naming the
+            bytes needed and free.
     """
     needed = sum(layer_bytes(linear, max_loras, max_rank) for linear in linears)
     free = free_memory_bytes(device)
     if needed > free:
         raise FieldError(
             "max_lora_rank",
-            f"{max_rank} (with max_loras {max_loras}): the stacked LoRA weights of {what} need {needed / GIB:.3g} GiB "
+            f"{max_rank} (with max_loras {max_loras}): the stacked LoRA weights of the {len(linears)} Linear layers "
+            f"{what} adds need {needed / GIB:.3g} GiB "
             f"(max_loras x max_lora_rank x (in + out) fp32 per Linear) but {device} has {free / GIB:.3g} GiB free; "
             "lower max_lora_rank or max_loras",
+        )
+    if needed + saved_bytes > free:
+        raise FieldError(
+            "modules_to_save",
+            f"the copies of the modules {what} trains whole need {saved_bytes / GIB:.3g} GiB (one whole copy per "
+            f"adapter), with {needed / GIB:.3g} GiB of new stacked LoRA weights, but {device} has {free / GIB:.3g} "
+            "GiB free; serve fewer adapters that save whole modules",
         )

@@ -143,6 +143,18 @@ class SavedModules:
                         "missing: a saved module brings every parameter of the module",
                     )
 
+    def bytes_needed(self, slot: int | None, names: list[str]) -> int:
+        """Bytes the copies of modules `names` (checked: `check_specs`) would allocate in `slot` (None: a slot not
+        served yet); a copy the slot holds already is rewritten in place."""
+        total = 0
+        for name in names:
+            layer = self._layers.get(name)
+            if layer is not None and slot is not None and slot in layer.shadows:
+                continue
+            dtype = torch.float32 if name in self._head_names and self._head_fp32 else None
+            total += sum(p.numel() * (dtype or p.dtype).itemsize for p in self._module(name).parameters(recurse=False))
+        return total
+
     def reserve(self, slot: int, modules: dict[str, SavedModule]) -> dict[str, torch.nn.Module]:
         """Allocate what `modules` need in `slot` (hooks, new shadows) without serving any of it yet: a failure here
         (out of memory) changes nothing served. Returns the shadows to `install`."""

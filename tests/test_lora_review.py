@@ -1,0 +1,163 @@
+"""LoRA adapters a user or an attacker brings that the engine must either serve exactly as peft computes them or
+refuse by name: PEFT directories (peft's own modules_to_save matching, malformed adapter_config.json values, LoRA on
+an embedding), saved modules with submodules, adapter names with control characters, saved-module copies that free
+memory cannot hold, and, on the trainer's side, adapters merged into their base (peft's merge_adapter) or on bare
+parameters (MoE experts), which no push may send silently wrong."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from conftest import make_engine, make_prompts, reference_copy, run_to_completion, tiny_model
+from rollout.config import FieldError, SamplingParams
+from rollout.engine.lora import bounds
+from rollout.engine.lora.adapter_weights import from_peft_model, load_peft_dir
+from rollout.engine.lora.layers import layer_bytes
+from trainer_bridge.weights.adapter_mode import push_mode
+
+GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
+SAMPLED = SamplingParams(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(), seed=3)
+NEW = 6
+
+
+def trained(kind: str = "qwen3", **config):
+    """(base model, PeftModel over a copy of it with adapter "default"): every trained tensor moved off its init."""
+    base = tiny_model(kind, seed=0)
+    torch.manual_seed(1)
+    model = get_peft_model(reference_copy(base), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **config))
+    with torch.no_grad():
+        for _, parameter in model.named_parameters():
+            if parameter.requires_grad:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    return base, model.eval()
+
+
+def assert_served_as_peft(base, model, modules) -> None:
+    """Greedy tokens equal peft's generate; sampled tokens' fp32 log-probs equal peft's forward within 1e-5."""
+    engine = make_engine(copy.deepcopy(base))
+    engine.load_adapter("a", modules)
+    prompt = make_prompts(1, 9, 9, seed=4)[0]
+    engine.add_request("greedy", prompt, GREEDY, max_new_tokens=NEW, adapter="a")
+    engine.add_request("sampled", prompt, SAMPLED, max_new_tokens=NEW, adapter="a")
+    outputs = run_to_completion(engine)
+    ids = torch.tensor([prompt])
+    expected = model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(prompt) :]
+    assert outputs["greedy"].generated_tokens == expected.tolist()
+    tokens = outputs["sampled"].generated_tokens
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(outputs["sampled"].logprobs), reference, atol=1e-5, rtol=0)
+
+
+def test_a_directory_saves_modules_as_peft_matches_them(tmp_path):
+    """modules_to_save=["layernorm"]: peft saves every module whose name ends so (input_layernorm and
+    post_attention_layernorm); the directory is served as the live model is, equal to peft's forward."""
+    base, model = trained(target_modules=["q_proj"], modules_to_save=["layernorm"])
+    model.save_pretrained(tmp_path)
+    modules = load_peft_dir(str(tmp_path))
+    assert set(modules) == set(from_peft_model(model))
+    assert any(name.endswith("post_attention_layernorm") for name in modules)
+    assert_served_as_peft(base, model, modules)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"lora_alpha": "16"}, "lora_alpha"),
+        ({"lora_alpha": None}, "lora_alpha"),
+        ({"alpha_pattern": ["q_proj"]}, "alpha_pattern"),
+        ({"alpha_pattern": {"q_proj(": 3}}, "alpha_pattern"),
+        ({"alpha_pattern": {"q_proj": "3"}}, "alpha_pattern.q_proj"),
+        ({"rank_pattern": {"v_proj": 2}}, "model.layers.0.self_attn.v_proj.lora_A"),
+    ],
+)
+def test_a_malformed_adapter_config_is_refused_by_name(tmp_path, change, field):
+    """A value peft's own loading would fail on (or compute with garbage) is a FieldError naming the setting, never
+    a TypeError or re.error (an HTTP 500)."""
+    _, model = trained(target_modules=["q_proj", "v_proj"])
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(FieldError) as error:
+        load_peft_dir(str(tmp_path))
+    assert error.value.field == field, error.value
+
+
+def test_a_directory_with_lora_on_an_embedding_is_refused_naming_it(tmp_path):
+    _, model = trained(target_modules=["embed_tokens", "q_proj"])
+    model.save_pretrained(tmp_path)  # peft saves the embedding's base weights beside its lora_embedding_A / _B
+    with pytest.raises(FieldError, match="LoRA on an Embedding") as error:
+        load_peft_dir(str(tmp_path))
+    assert error.value.field == "model.embed_tokens"
+
+
+def test_a_saved_module_with_submodules_is_refused_naming_it():
+    base, model = trained(target_modules=["q_proj"], modules_to_save=["mlp"])
+    engine = make_engine(copy.deepcopy(base))
+    with pytest.raises(FieldError, match="'model.layers.0.mlp', a module with submodules"):
+        engine.load_adapter("a", from_peft_model(model))
+    assert not engine.runner.adapters.refs
+
+
+@pytest.mark.parametrize("name", ["a\nb", "a\x00b", "policy\u200b", "a\u202eb"])
+def test_adapter_names_with_control_or_invisible_characters_are_refused(name):
+    base, model = trained(target_modules=["q_proj"])
+    engine = make_engine(copy.deepcopy(base))
+    with pytest.raises(FieldError, match="control or formatting character") as error:
+        engine.load_adapter(name, from_peft_model(model))
+    assert error.value.field == "adapter" and not engine.runner.adapters.refs
+    engine.load_adapter("policy", from_peft_model(model))
+    with pytest.raises(FieldError, match="control or formatting character"):
+        engine.add_request("r", [1, 2, 3], GREEDY, max_new_tokens=2, adapter=name)
+
+
+def test_saved_copies_that_free_memory_cannot_hold_are_refused_before_anything_changes(monkeypatch):
+    """The head's copy (modules_to_save) counts against free memory with the stacked LoRA weights: one byte short is
+    refused naming modules_to_save, nothing served; exactly enough is served as peft computes it."""
+    base, model = trained(target_modules=["q_proj"], modules_to_save=["lm_head"])
+    engine = make_engine(copy.deepcopy(base))
+    table = engine.runner.adapters
+    q_projs = [module for name, module in base.named_modules() if name.endswith("q_proj")]
+    lora = sum(layer_bytes(linear, table.max_loras, table.max_rank) for linear in q_projs)
+    head = base.get_output_embeddings().weight
+    needed = lora + head.numel() * head.element_size()
+    monkeypatch.setattr(bounds, "free_memory_bytes", lambda device: needed - 1)
+    with pytest.raises(FieldError, match="GiB free; serve fewer adapters") as error:
+        engine.load_adapter("a", from_peft_model(model))
+    assert error.value.field == "modules_to_save" and not table.refs
+    monkeypatch.setattr(bounds, "free_memory_bytes", lambda device: needed)
+    assert_served_as_peft(base, model, from_peft_model(model))
+
+
+def test_an_adapter_merged_into_its_base_is_never_pushed_adapter_only():
+    """After peft's merge_adapter the base weights carry the adapter: an adapter-only push would have the workers
+    add it a second time. "adapter" refuses naming the layer, "auto" pushes merged; unmerged, adapter-only again."""
+    _, model = trained(target_modules=["q_proj", "v_proj"])
+    assert push_mode(model, "adapter") == "adapter"
+    model.merge_adapter()
+    with pytest.raises(FieldError, match=r"merged into the base weights .*unmerge_adapter\(\) first") as error:
+        push_mode(model, "adapter")
+    assert error.value.field == "model.layers.0.self_attn.q_proj"
+    with pytest.warns(UserWarning, match="merged into the base weights"):
+        assert push_mode(model, "auto") == "merged"
+    model.unmerge_adapter()
+    assert push_mode(model, "auto") == push_mode(model, "adapter") == "adapter"
+
+
+@pytest.mark.parametrize("adapters", ["adapter", "auto", "merged"])
+def test_lora_on_moe_experts_parameters_is_refused_in_every_mode(adapters):
+    """peft's target_parameters (MoE experts' stacked weights): neither served unmerged nor merged by pushes (a
+    merged push would send the experts' base weights without the delta), so refused naming the module."""
+    _, model = trained("qwen3_moe", target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    with pytest.raises(FieldError) as error:
+        push_mode(model, adapters)
+    assert "target_parameters" in f"{error.value.field} {error.value.reason}"
+    if adapters != "adapter":
+        assert error.value.field in ("model.layers.0.mlp.experts", "target_parameters")
+        assert "neither served unmerged nor merged on the fly" in error.value.reason
