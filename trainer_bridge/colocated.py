@@ -139,16 +139,23 @@ class ColocatedEngine:
         """Bytes the KV cache holds on its device now (0 while sleeping)."""
         return self.engine.kv_cache.nbytes
 
-    def sleep(self) -> None:
+    def sleep(self, graphs: bool = False) -> None:
         """Free the KV cache and the sampler's graphs until the next round (their memory goes back to torch's
         allocator, for the training step to use). The decode CUDA graphs are kept (they read the cache and the
-        parameters where they were: if either moved by the next round, they are captured again then). Idempotent."""
+        parameters where they were: if either moved by the next round, they are captured again then). Idempotent.
+
+        Args:
+            graphs: free the decode CUDA graphs and their memory pool too (each is captured again when its batch
+                size next comes): for a long pause, such as the end of a training run.
+        """
         self._check_open()
         self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
         if not self.engine.kv_cache.is_released:
             self._cache_address = self.engine.kv_cache.kv.data_ptr()
         self.engine.kv_cache.release()
         self.engine.sampler.release_graphs()  # captured again when sampling resumes: cheap, and memory for training
+        if graphs:
+            self._release_graphs()
 
     def wake(self) -> None:
         """Allocate the KV cache again (zeroed); when it lands elsewhere than before, the graphs are captured again
@@ -171,6 +178,11 @@ class ColocatedEngine:
         """Seconds spent capturing decode CUDA graphs so far (each round's share is what keeping them saves)."""
         graphs = self.engine.runner.decode_graphs
         return 0.0 if graphs is None else graphs.capture_s
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran."""
+        return self._closed
 
     def close(self) -> None:
         """Free the engine (KV cache, graphs, the fp32 projection hook). The model stays the caller's. Idempotent."""

@@ -8,16 +8,18 @@ their per-token versions say so.
 How far ahead: a round spans `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps, so
 `k` steps allow `k * gradient_accumulation_steps // (steps_per_generation * num_iterations)` rounds ahead (at least
 one, else the trainer is refused at construction); round j after the current one generates from batch `p + j *
-steps_per_generation * num_iterations` of the epoch's stream, `p` being the current round's. When TRL asks for a
-round's completions, the round sent ahead for the same rows is used; a group whose oldest weights (the version of its
-first token, or of its KV if older) are older than `global_step - k` at the step the round is generated for is
-generated again (`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the behaviour policy's, so
-TRL's importance-sampling correction, `vllm_importance_sampling_correction=True`, weighs it; exactly so where TRL's
-ratio is not truncated or capped). The first round of each epoch is generated on demand. Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the
-trainer's wait for the round), `rollout/worker_idle_s` (how long the workers' engines had nothing to run since the
-last round, summed over the workers) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the
-fraction of tokens `i` steps old). `close()` (at the end of `train()`, on errors and KeyboardInterrupt) cancels what
-was sent ahead.
+steps_per_generation * num_iterations` of the epoch's stream, `p` being the current round's; a round that would start
+at or past `max_steps` is not sent. When TRL asks for a training round's completions, the round sent ahead for the
+same rows is used (an evaluation round is generated when asked, with the weights as they are); a group whose oldest
+weights (the version of its first token, or of its KV if older) are older than `global_step - k` at the step the
+round is generated for is generated again (`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the
+behaviour policy's, so TRL's importance-sampling correction, `vllm_importance_sampling_correction=True`, which it
+needs, weighs it; exactly so where TRL's ratio is not truncated or capped). The first round of each epoch is
+generated on demand. Logged per round: `rollout/stale_regenerated`, `rollout/wait_s` (the trainer's wait for the
+round), `rollout/worker_idle_s` (how long the workers' engines had nothing to run since the last round, summed over
+the workers) and the policy lag (`rollout/policy_lag_mean`, `_max`, and `rollout/policy_lag_<i>`: the fraction of
+tokens `i` steps old, for i < `LAG_BUCKETS`, then `rollout/policy_lag_<LAG_BUCKETS>+`). `close()` (at the end of
+`train()`, on errors and KeyboardInterrupt) cancels what was sent ahead.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.generation import RolloutGeneration
 
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
+# `rollout/policy_lag_<i>` is logged for i below this; with a larger max_staleness, tokens at least this many steps
+# old are logged together as `rollout/policy_lag_<LAG_BUCKETS>+` (one metric per possible lag would be thousands).
+LAG_BUCKETS = 8
 _END = object()
 RoundKey = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round
 
@@ -129,16 +134,18 @@ class AsyncRolloutGeneration(RolloutGeneration):
         self._ahead: dict[RoundKey, list[PromptGroup]] = {}  # rounds sent ahead, by their rows
         self._results: dict[str, GroupResult] = {}
         self._in_flight: set[str] = set()
-        self.num_unmatched_rounds = 0  # rounds TRL asked for that were not sent ahead (generated then)
+        self.num_unmatched_rounds = 0  # training rounds TRL asked for that were not sent ahead (generated then)
         self._idle_s: dict[str, float] = {}  # each worker's idle seconds at the last round
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         started = time.perf_counter()
-        sent = self._ahead.pop(_key(groups), None)
+        training = self.trainer.model.training
+        # An evaluation round samples the policy as it is now, never a training round's rows sent ahead.
+        sent = self._ahead.pop(_key(groups), None) if training else None
         if sent is None:
-            self.num_unmatched_rounds += 1
+            self.num_unmatched_rounds += int(training)
             sent = [self._send(group) for group in groups]
-        if self.trainer.model.training:
+        if training:
             self._send_ahead()  # the next rounds run while this one is waited for and trained on
         gate = StalenessGate(self.base_version + self.trainer.state.global_step - self.max_staleness, self.stale_policy)
         while True:
@@ -175,8 +182,11 @@ class AsyncRolloutGeneration(RolloutGeneration):
         trainer's micro-steps since the epoch began), round j after it from batch p + j * every."""
         if self.lookahead is None or self.trainer.environment_factories is not None:
             return  # environments: their reset() at the round writes its prompts (`check_tool_loop` warned)
+        state, accumulation = self.trainer.state, self.trainer.args.gradient_accumulation_steps
         current = self.trainer._step - self._epoch_start_step  # noqa: SLF001
         for ahead in range(1, self.rounds_ahead + 1):
+            if 0 < state.max_steps <= state.global_step + ahead * self.every // accumulation:
+                return  # a round no step of this run trains: nothing would take it
             batch = self.lookahead.at(current + ahead * self.every)
             if batch is None:
                 return
@@ -232,13 +242,18 @@ class AsyncRolloutGeneration(RolloutGeneration):
 
     def _log_lag(self, row_lags: list[list[int]]) -> None:
         super()._log_lag(row_lags)
-        counts, total = [0] * (self.max_staleness + 1), 0
+        names = [f"rollout/policy_lag_{lag}" for lag in range(min(self.max_staleness + 1, LAG_BUCKETS))]
+        if self.max_staleness >= LAG_BUCKETS:
+            names.append(f"rollout/policy_lag_{LAG_BUCKETS}+")
+        counts, total = [0] * len(names), 0
         for lag in (lag for row in row_lags for lag in row):
-            if 0 <= lag <= self.max_staleness:
+            if 0 <= lag < LAG_BUCKETS and lag <= self.max_staleness:
                 counts[lag] += 1
+            elif lag >= LAG_BUCKETS and self.max_staleness >= LAG_BUCKETS:
+                counts[-1] += 1
             total += 1
         if total:
-            self._log({f"rollout/policy_lag_{lag}": count / total for lag, count in enumerate(counts)})
+            self._log({name: count / total for name, count in zip(names, counts)})
 
 
 def _key(groups: list[PromptGroup]) -> RoundKey:

@@ -44,6 +44,14 @@ class ColocatedGeneration(RolloutGeneration):
         global step."""
         self.engine.set_policy_version(self._next_version())
 
+    def close(self) -> None:
+        """The end of a `train()` (returned or raised): free the engine's KV cache and decode graphs, whatever
+        `sleep_between_rounds` says, so that their memory does not stay held until the trainer is garbage
+        collected (the trainer and its backend refer to each other: only the cycle collector frees them). The next
+        round (another `train()`, `evaluate()`) allocates them again; `engine.close()` frees the engine for good."""
+        if not self.engine.closed:
+            self.engine.sleep(graphs=True)
+
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         try:
             return self.engine.generate(groups)

@@ -29,6 +29,31 @@ def check_staleness(max_staleness: Any, stale_policy: Any, mode: str, rollout_fu
         raise ValueError("max_staleness > 0 does not apply to rollout_func (it generates its own rows)")
 
 
+def check_off_policy(max_staleness: int, stale_policy: str, config: Any, steps_per_round: float) -> None:
+    """max_staleness and stale_policy against the GRPOConfig, before the trainer connects to any worker.
+
+    Args:
+        max_staleness: the trainer's max_staleness (checked by `check_staleness`).
+        stale_policy: the trainer's stale_policy.
+        config: the GRPOConfig (None: nothing to check against).
+        steps_per_round: optimizer steps one generation round spans.
+    Raises:
+        ValueError: a max_staleness below one round (no round could be sent ahead), or stale_policy="is_correct"
+            without TRL's importance-sampling correction (the stale groups it keeps would be trained uncorrected).
+    """
+    if max_staleness and max_staleness < steps_per_round:
+        raise ValueError(
+            f"max_staleness={max_staleness} is less than the optimizer steps one generation round spans "
+            f"(steps_per_generation * num_iterations / gradient_accumulation_steps = {steps_per_round:g}): raise it"
+        )
+    if stale_policy == "is_correct" and not getattr(config, "vllm_importance_sampling_correction", True):
+        raise ValueError(
+            "stale_policy='is_correct' keeps stale groups for TRL's importance-sampling correction to weigh, which "
+            "GRPOConfig.vllm_importance_sampling_correction=False turns off: set it True, or use "
+            "stale_policy='regenerate'"
+        )
+
+
 def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: Any, sleep: bool | None) -> None:
     """Each setting belongs to one mode: a setting of the other mode would be silently ignored, so it is refused."""
     if mode not in ROLLOUT_MODES:

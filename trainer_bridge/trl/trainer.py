@@ -53,6 +53,7 @@ from trainer_bridge.trl.settings import (
     check_invariant_push,
     check_keywords,
     check_mode,
+    check_off_policy,
     check_staleness,
     check_temperature,
     check_tool_loop,
@@ -195,6 +196,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         if isinstance(config, GRPOConfig):
             steps_per_round = config.steps_per_generation * config.num_iterations / config.gradient_accumulation_steps
         check_partial(partial_rollouts, max_partial_rounds, partial_overprovision, max_staleness, steps_per_round)
+        check_off_policy(max_staleness, stale_policy, config, steps_per_round)  # (partial's bound covers a round)
         if partial_rollouts and (rollout_mode != "server" or kwargs.get("rollout_func") is not None):
             raise ValueError("partial_rollouts needs rollout_mode='server' and no rollout_func")
         self.partial_rollouts = partial_rollouts
@@ -216,7 +218,12 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         else:
             if batch_invariant:
                 check_invariant_push(self.model, rollout_push_kwargs, self.accelerator)
-            self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
+            try:
+                self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
+            except BaseException:  # a client the trainer made is the trainer's to close (its I/O thread, sockets)
+                if self.rollout_client is not None and self.rollout_client is not rollout_workers:
+                    self.rollout_client.close()
+                raise
             self.rollout.devices, self.rollout.dtypes = (set(values) for values in self._worker_placement)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
         # with rollout as the backend.
@@ -230,16 +237,19 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`GRPOTrainer.train`, syncing at its first generation round even when the step count starts where an
         earlier `train()` left off it (TRL syncs only when the step changed: a second run would sample, or push,
-        nothing new). With max_staleness, what was sent ahead is cancelled when it returns or raises."""
+        nothing new). When it returns or raises, what was sent ahead (max_staleness) is cancelled, and a colocated
+        engine's KV cache and graphs are freed (the next round allocates them again)."""
         if self.max_staleness and (kwargs.get("resume_from_checkpoint") or (args and args[0])):
             raise ValueError("resuming from a checkpoint with max_staleness > 0 is not supported yet")
         self._last_loaded_step = -1
         try:
             return super().train(*args, **kwargs)
         finally:
-            self.close_routing_replay()
-            if hasattr(self.rollout, "close"):
-                self.rollout.close()
+            try:
+                self.close_routing_replay()
+            finally:  # what was sent ahead is cancelled, the colocated engine's memory freed, whatever happened
+                if hasattr(self.rollout, "close"):
+                    self.rollout.close()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's training step; with batch_invariant, under `trainer_bridge.batch_invariant`, so that gradient
