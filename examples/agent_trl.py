@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.remove_callback(PrinterCallback)  # RewardLog prints the step's reward instead of every metric
         trainer.train()
     finally:
-        if trainer is not None and trainer.rollout_client is not None:
-            trainer.rollout_client.close()
+        if trainer is not None:
+            trainer.close()
         if worker is not None:
             worker.terminate()
             worker.wait(30)

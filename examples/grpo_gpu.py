@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         rollout_workers=args.workers,
     )
     trainer.train()
-    trainer.rollout_client.close()
+    trainer.close()
     return 0
 
 

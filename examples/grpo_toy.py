@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.remove_callback(ProgressCallback)  # RewardLog is the progress bar
         trainer.add_callback(log)
         trainer.train()
-        if trainer.rollout_client is not None:
-            trainer.rollout_client.close()
+        trainer.close()  # its client, or its colocated engine
     finally:
         if worker is not None:
             worker.terminate()

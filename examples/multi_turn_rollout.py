@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
         rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
         print(f"reward per step: {[round(r, 3) for r in rewards]}")
-        trainer.rollout_client.close()
+        trainer.close()
     finally:
         worker.terminate()
         worker.wait(30)

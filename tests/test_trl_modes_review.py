@@ -153,3 +153,23 @@ def test_an_evaluation_round_is_not_served_a_training_round_sent_ahead(tmp_path,
     evals = [entry for entry in trainer.state.log_history if "eval_rollout/policy_lag_max" in entry]
     assert len(evals) == 2 and all(entry["eval_rollout/policy_lag_max"] == 0.0 for entry in evals)
     assert trainer.rollout.num_unmatched_rounds == 1  # training round 1 took what step 0 sent ahead for it
+
+
+def test_close_releases_what_the_trainer_made_in_every_mode(tmp_path, worker, client):
+    """trainer.close(): the client it connected is closed (its I/O thread gone), one passed in stays open and
+    serving; a colocated engine is closed for good. Twice is the same as once."""
+    before = client_threads()
+    made = trainer_for(tmp_path, rollout_workers=worker.address)
+    assert client_threads() == before + 1
+    made.close()
+    made.close()
+    assert client_threads() == before
+    passed = trainer_for(tmp_path, rollout_workers=client)
+    passed.close()
+    assert client.stats()  # still the caller's, still connected
+    colocated = trainer_for(
+        tmp_path, rollout_mode="colocate", rollout_engine_config=ContinuousBatchingConfig(num_blocks=64, block_size=16)
+    )
+    colocated.close()
+    colocated.close()
+    assert colocated.rollout.engine.closed

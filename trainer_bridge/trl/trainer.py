@@ -209,6 +209,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         self.routing_replay = check_routing_replay(self, routing_replay)  # before a client connects
         self.rollout_mode = rollout_mode
         self.rollout_client: RolloutClient | None = None
+        self._owns_rollout_client = False  # a client it connected itself (not one passed as rollout_workers)
         if rollout_mode == "colocate":
             from trainer_bridge.trl.colocated_mode import colocated_generation
 
@@ -251,6 +252,18 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
                 if hasattr(self.rollout, "close"):
                     self.rollout.close()
 
+    def close(self) -> None:
+        """Release what the trainer made for generation, in any mode: the `RolloutClient` it connected (its I/O thread
+        and sockets; a client passed in as `rollout_workers` stays its caller's to close), or its colocated engine
+        (KV cache, graphs, for good). Call it when done with the trainer; calling it again does nothing."""
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+        engine = getattr(self.rollout, "engine", None)
+        if engine is not None and not engine.closed:
+            engine.close()
+        if self.rollout_client is not None and self._owns_rollout_client:
+            self.rollout_client.close()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's training step; with batch_invariant, under `trainer_bridge.batch_invariant`, so that gradient
         checkpointing's recompute in the backward runs the forward the loss saw."""
@@ -288,6 +301,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
     ) -> RolloutGeneration:
         """The backend of "server" mode: this rank's client, and the policy version the workers start from."""
+        self._owns_rollout_client = not isinstance(workers, RolloutClient)
         if isinstance(workers, RolloutClient):
             client = workers
         elif callable(getattr(workers, "client", None)):  # a rollout.ray.RolloutFleet: a client that follows it
