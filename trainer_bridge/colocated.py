@@ -47,8 +47,9 @@ class ColocatedEngine:
 
     `generate` takes and returns what `RolloutClient.generate_many` does (`PromptGroup`s in, `GroupResult`s out, every
     completion with its logprobs and per-token policy versions), assembled by the worker's own code, so the same trainer
-    code runs against a worker fleet or colocated. `sleep()` frees the KV cache (and the CUDA graphs, which read it
-    where it was); the next `generate` wakes it (`wake()` does it ahead of time).
+    code runs against a worker fleet or colocated. `sleep()` frees the KV cache (the decode CUDA graphs are kept, and
+    captured again only if the cache or the parameters moved; `sleep(graphs=True)` frees them too); the next
+    `generate` wakes it (`wake()` does it ahead of time).
     """
 
     def __init__(
