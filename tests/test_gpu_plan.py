@@ -101,3 +101,16 @@ def test_plan_needs_no_gpu(capsys):
     assert gpu_report.main(args, parser) == 0
     text = capsys.readouterr().out
     assert "Call 1: the headline" in text and "Call 2 (optional)" in text and "Rehearse here" in text
+
+
+def test_only_a_call_with_a_call_after_it_says_its_json_feeds_the_next(capsys):
+    """Each call's `after` line says what its files hold: the first call's JSON is what the follow-up's `before`
+    copies; the last call has no next call, and its files are the whole report and the tests' outcome logs."""
+    from rollout.benchmarks.gpu_report.plan import plan, render_plan
+
+    calls = plan()["calls"]
+    assert "next call" in calls[0]["after"] and calls[1]["before"] is not None
+    assert "next call" not in calls[-1]["after"] and "whole report" in calls[-1]["after"]
+    assert ".outcomes.jsonl" in calls[-1]["after"]
+    text = render_plan()
+    assert [line.strip() for line in text.splitlines() if "after:" in line] == [f"after: {c['after']}" for c in calls]

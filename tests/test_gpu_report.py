@@ -119,8 +119,10 @@ def test_report_from_real_sections_names_every_failure(tmp_path):
         "failed",
         "timeout",
     ]
-    assert sections["gpu-tests"]["data"] == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
-    assert "test_sample::test_fails" in sections["gpu-tests"]["error"]
+    counts = {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1, "collected": 3}
+    failing = [f"{test_file.name}::test_fails: AssertionError: one is not two"]
+    assert sections["gpu-tests"]["data"] == {**counts, "failing": failing}
+    assert f"failed: {failing[0]}" in sections["gpu-tests"]["error"]
     assert "exit status 3" in sections["grpo"]["error"] and "about to fail" in sections["grpo"]["error"]
     weights = sections["weights"]["data"]
     assert weights["dtype"] == "bfloat16" and 24e6 < weights["bytes"] < 36e6
@@ -143,7 +145,7 @@ def test_report_from_real_sections_names_every_failure(tmp_path):
     assert "| throughput | decode roofline fraction | not measured |" in markdown  # (its workload unknown: no goal)
     assert "### throughput (timeout)" in markdown and "killed after 3 s" in markdown
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["gpu_report.md", "gpu_report.json", *(f"{s.name}.log" for s in chosen)]
+        ["gpu_report.md", "gpu_report.json", "gpu-tests.outcomes.jsonl", *(f"{s.name}.log" for s in chosen)]
     )
     log.seek(0)
     console = log.read()
@@ -184,7 +186,7 @@ def _gone(pid: int) -> bool:
 
 def test_sections_that_misbehave_never_hang_or_lose_the_report(tmp_path, monkeypatch):
     """Undecodable bytes and a large output before the summary, a warning after it, a child left running after a
-    normal exit, unreadable JUnit XML, a summary of the wrong benchmark or of odd shapes: each section ends promptly
+    normal exit, a test section that writes no outcomes (only garbage where they go), a summary of the wrong benchmark or of odd shapes: each section ends promptly
     with a result, the report is written, and nothing a section started is left running."""
     leftover = tmp_path / "leftover.pid"
     summary = json.dumps({"benchmark": "grpo", "rollout": {"tokens_per_s": 5.0}})
@@ -199,8 +201,8 @@ def test_sections_that_misbehave_never_hang_or_lose_the_report(tmp_path, monkeyp
         _section("throughput", _grandchild_code(leftover, 'print(\'{"benchmark": "throughput"}\')'), timeout_s=60),
         gpu_report.Section(
             "gpu-tests",
-            "junit",
-            (sys.executable, "-c", "import sys; open(sys.argv[1][11:], 'w').write('<test')"),
+            "no outcomes",
+            (sys.executable, "-c", "import sys; open(sys.argv[-1].split('=', 1)[1], 'w').write('<test')"),
             60,
             True,
         ),
@@ -217,7 +219,10 @@ def test_sections_that_misbehave_never_hang_or_lose_the_report(tmp_path, monkeyp
     sections = json.loads((out / "gpu_report.json").read_text())["sections"]
     assert sections["grpo"]["status"] == "ok" and sections["grpo"]["data"]["rollout"]["tokens_per_s"] == 5.0
     assert sections["throughput"]["status"] == "ok"
-    assert sections["gpu-tests"]["status"] == "failed" and "JUnit XML is unreadable" in sections["gpu-tests"]["error"]
+    assert (
+        sections["gpu-tests"]["status"] == "failed"
+        and "pytest wrote no results (exit status 0)" in sections["gpu-tests"]["error"]
+    )
     assert sections["kernel-tests"]["status"] == "failed" and "not a 'throughput'" in sections["kernel-tests"]["error"]
     assert sections["weights"]["status"] == "ok"
     markdown = (out / "gpu_report.md").read_text()

@@ -68,14 +68,20 @@ def number_row(section: str, figure: str, value: Any, spec: str, goal: Goal | No
 
 
 def tests_rows(result: SectionResult) -> list[Row]:
-    """A test section's counts, against no failure."""
+    """A test section's counts, against no failure; a run cut short (its time limit, a crash) says where. A run cut
+    short or in which no test passed (all skipped) gets no verdict unless a test failed: it checked nothing else."""
     counts = result.data
     if "tests" not in counts:
         return [Row(result.name, result.title, None, "did not run", None)]
     text = (
         f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
     )
-    return [Row(result.name, result.title, counts["failed"] + counts["errors"], text, Goal("<=", 0, " failures"))]
+    failures = counts["failed"] + counts["errors"]
+    cut = as_mapping(counts.get("cut"))
+    if cut:
+        text += f" (CUT {cut.get('text')})"
+    value = None if (cut or not counts["passed"]) and not failures else failures
+    return [Row(result.name, result.title, value, text, Goal("<=", 0, " failures"))]
 
 
 def grpo_rows(result: SectionResult) -> list[Row]:

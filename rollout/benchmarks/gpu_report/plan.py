@@ -172,6 +172,17 @@ def rehearsal_commands() -> list[str]:
     ]
 
 
+def after_line(last: bool) -> str:
+    """What a call's files (`files_at`) hold: the report so far, whose JSON the next call merges; after the last
+    call, the whole report. A test section's <section>.outcomes.jsonl has its tests' outcomes as they finished."""
+    if last:
+        return (
+            "gpu-report/gpu_report.md is the whole report (the first call's sections merged in), gpu_report.json the "
+            "same as JSON; <section>.outcomes.jsonl: each test's outcome as it finished (a run cut short included)"
+        )
+    return "gpu-report/gpu_report.md is the report so far; its gpu_report.json is what the next call's `before` copies"
+
+
 def plan() -> dict:
     """The plan as one JSON-able object: the window, the preparation here, the rehearsal, and each call."""
     calls = []
@@ -190,6 +201,7 @@ def plan() -> dict:
                 else f"mkdir -p {EARLIER_DIR} && cp FILES_AT/gpu-report/gpu_report.json {EARLIER_DIR}/ (FILES_AT: where "
                 "the first call's files came back)",
                 "command": call_command(call, first),
+                "after": after_line(number == len(CALLS)),
             }
         )
     return {
@@ -229,6 +241,6 @@ def render_plan(as_json: bool = False) -> str:
             f"  carry: {call['carry']}",
             f"  timeout_s: {call['timeout_s']}",
             f"  command: {call['command']}",
-            "  after: gpu-report/gpu_report.md is the report so far, gpu_report.json feeds the next call",
+            f"  after: {call['after']}",
         ]
     return "\n".join(lines)

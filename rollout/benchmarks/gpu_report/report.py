@@ -23,9 +23,10 @@ the headline first:
                            structured outputs on the GPU
 
 Writes DIR/gpu_report.md, DIR/gpu_report.json (after every section; a section cut short or interrupted keeps what
-it had printed) and each section's output as DIR/<section>.log. Under `--budget-s`, each section gets what is left
+it had printed, a test section the tests it finished) and each section's output as DIR/<section>.log; a test
+section's outcomes, one JSON line as each test finishes, as DIR/<section>.outcomes.jsonl. Under `--budget-s`, each section gets what is left
 less the least time of the sections after it (`reserve_s`), and is skipped, said so, when too little is left.
-`--plan` prints the device calls of a 15-minute GPU window (`gpu_plan.py`); `--workload cpu-small` rehearses the same
+`--plan` prints the device calls of a 15-minute GPU window (`plan.py`); `--workload cpu-small` rehearses the same
 sections on a CPU; `--merge` joins earlier calls' reports. Exits 1 when any test failed or any section did not
 finish, 2 without a CUDA GPU (before running anything).
 """

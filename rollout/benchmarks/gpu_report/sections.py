@@ -14,7 +14,7 @@ KERNEL_TESTS = ("test_triton_attention.py", "test_cuda_graphs.py", "test_verify_
 
 
 def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nano") -> list[Section]:
-    """The report's sections, in the order they run: the headline first (`gpu_plan.FIRST_CALL`). Timeouts are
+    """The report's sections, in the order they run: the headline first (`plan.FIRST_CALL`). Timeouts are
     ceilings well above what each should take on an H200, so a hang is reported rather than waited out; `--only`
     splits a run across calls (`--plan` prints them) and `--budget-s` caps a whole call, where each section's
     `reserve_s` is the least it is started with (the sections before it leave it that much).
@@ -22,7 +22,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
     Args:
         tests_dir: the checkout's tests folder (the test sections).
         python: the interpreter every section runs with.
-        workload: "nano" on a GPU; "cpu-small" rehearses the same sections on a CPU (`gpu_plan.rehearsal_commands`).
+        workload: "nano" on a GPU; "cpu-small" rehearses the same sections on a CPU (`plan.rehearsal_commands`).
     """
     bench = (python, "-m", "rollout.benchmarks.cli")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")

@@ -1,5 +1,6 @@
 """One section of `rollout-bench gpu-report`: a command run in its own process group, its output teed to the console
-and to a log, its result read from a JSON summary (benchmarks) or a JUnit XML file (tests).
+and to a log, its result read from a JSON summary (benchmarks) or from its tests' outcomes, written as each test
+finishes (`pytest_outcomes.py`: a test section killed at its limit keeps the counts of the tests it finished).
 
 Whatever the section does (crash, hang, leave processes behind, print undecodable bytes, be interrupted), the
 report gets a `SectionResult` and nothing the section started outlives it.
@@ -12,15 +13,14 @@ import functools
 import json
 import os
 import subprocess
-import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ElementTree
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from rollout.benchmarks.harness import pytest_outcomes
 from rollout.process_groups import die_with_parent, kill_group
 
 TAIL_LINES = 40  # lines of a failed section's output kept in the report
@@ -57,7 +57,9 @@ class Section:
     title: str
     argv: tuple[str, ...]
     timeout_s: float
-    tests: bool = False  # a pytest run: counts come from its JUnit XML; otherwise a JSON summary line
+    # A pytest run: counts come from its tests' outcomes as each finished (<name>.outcomes.jsonl in the output
+    # folder, `pytest_outcomes.py`); otherwise from a JSON summary line.
+    tests: bool = False
     benchmark: str | None = None  # the "benchmark" its JSON summary must name (None: any)
     # A flag that tells the command how many seconds it has (its timeout less a margin to print its summary), so it
     # can share them out itself (e.g. throughput's --time-budget); None: the command is not told.
@@ -84,7 +86,8 @@ class SectionInterrupted(KeyboardInterrupt):
 
 
 def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
-    """Run one section in its own process group; its output goes to out/<name>.log and, best effort, to `stream`.
+    """Run one section in its own process group; its output goes to out/<name>.log and, best effort, to `stream`;
+    a test section's outcomes, as each test finishes, to out/<name>.outcomes.jsonl.
 
     Past its timeout, or when this process is interrupted, the section is killed with everything it started; after
     it exits, whatever it left running is killed too. A section killed keeps what it had printed: its summary, or
@@ -95,57 +98,62 @@ def run_section(section: Section, out: Path, stream: TextIO) -> SectionResult:
     """
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}  # kernels compiled for real
     env["PYTHONUNBUFFERED"] = "1"
-    with tempfile.TemporaryDirectory() as scratch:
-        junit = Path(scratch) / "junit.xml"
-        argv = [*section.argv, f"--junitxml={junit}"] if section.tests else list(section.argv)
-        lines: deque[str] = deque(maxlen=SEARCHED_LINES)
-        systems: dict[str, dict[str, Any]] = {}  # each system's own result line (isolated.run_system), as it came
-        start = time.monotonic()
-        with open(out / f"{section.name}.log", "w", encoding="utf-8") as log:
-            try:
-                process = subprocess.Popen(
-                    argv,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    encoding="utf-8",
-                    errors="replace",  # one undecodable byte must not stop the draining of the pipe
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=functools.partial(die_with_parent, os.getpid()),
-                )
-            except OSError as error:
-                return SectionResult(section.name, section.title, "failed", 0.0, error=f"cannot start: {error}")
-            reader = threading.Thread(
-                target=_tee, args=(process, section.name, log, stream, lines, systems), daemon=True
+    outcomes = out / f"{section.name}.outcomes.jsonl"
+    outcomes.unlink(missing_ok=True)  # an earlier run's into the same folder: never read as this one's
+    argv = list(section.argv)
+    if section.tests:  # each test's outcome written as it finishes: what a kill at the limit leaves is counted
+        argv += ["-p", pytest_outcomes.PLUGIN, f"{pytest_outcomes.OPTION}={outcomes.absolute()}"]
+    lines: deque[str] = deque(maxlen=SEARCHED_LINES)
+    systems: dict[str, dict[str, Any]] = {}  # each system's own result line (isolated.run_system), as it came
+    start = time.monotonic()
+    with open(out / f"{section.name}.log", "w", encoding="utf-8") as log:
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                encoding="utf-8",
+                errors="replace",  # one undecodable byte must not stop the draining of the pipe
+                env=env,
+                start_new_session=True,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
             )
-            reader.start()
-            timed_out = False
-            interrupted = False
-            try:
-                returncode = process.wait(section.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            except KeyboardInterrupt:  # SIGINT or SIGTERM (process_groups.interrupt_on_signals): report, then raise
-                interrupted = True
-            finally:  # also on SystemExit: nothing the section started outlives it
-                kill_group(process)
-                if timed_out or interrupted:
-                    returncode = process.wait()
-            reader.join(READER_GRACE_S)  # the pipe closes once every process of the group is gone
-        seconds = time.monotonic() - start
-        tail = "".join(list(lines)[-TAIL_LINES:])
-        if reader.is_alive():  # a process outside the group (it called setsid) still holds the pipe: stop reading
-            tail += "\n[gpu-report: the section's output stayed open after it ended; stopped reading it]\n"
-        if timed_out or interrupted:  # what it had printed is kept: its summary, else its finished systems
-            status, why = ("timeout", f"killed after {section.timeout_s:.0f} s") if timed_out else ("interrupted", "")
-            data = _summary(section, list(lines)) or _finished(section, systems)
-            result = SectionResult(section.name, section.title, status, seconds, data, f"{why or status}\n{tail}")
-            if interrupted:
-                raise SectionInterrupted(result)
-            return result
+        except OSError as error:
+            return SectionResult(section.name, section.title, "failed", 0.0, error=f"cannot start: {error}")
+        reader = threading.Thread(target=_tee, args=(process, section.name, log, stream, lines, systems), daemon=True)
+        reader.start()
+        timed_out = False
+        interrupted = False
+        try:
+            returncode = process.wait(section.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except KeyboardInterrupt:  # SIGINT or SIGTERM (process_groups.interrupt_on_signals): report, then raise
+            interrupted = True
+        finally:  # also on SystemExit: nothing the section started outlives it
+            kill_group(process)
+            if timed_out or interrupted:
+                returncode = process.wait()
+        reader.join(READER_GRACE_S)  # the pipe closes once every process of the group is gone
+    seconds = time.monotonic() - start
+    tail = "".join(list(lines)[-TAIL_LINES:])
+    if reader.is_alive():  # a process outside the group (it called setsid) still holds the pipe: stop reading
+        tail += "\n[gpu-report: the section's output stayed open after it ended; stopped reading it]\n"
+    if timed_out or interrupted:  # what it had printed is kept: its summary, else its finished systems or tests
+        status, why = ("timeout", f"killed after {section.timeout_s:.0f} s") if timed_out else ("interrupted", "")
         if section.tests:
-            return _tests_result(section, seconds, returncode, junit, tail)  # before the scratch folder goes
-        return _bench_result(section, seconds, returncode, list(lines), tail, systems)
+            by = "at the time limit" if timed_out else "by the interrupt"
+            data, problems = pytest_outcomes.section_outcome(outcomes, None, cut_by=by)
+            why = "\n".join([why or status, *problems])
+        else:
+            data = _summary(section, list(lines)) or _finished(section, systems)
+        result = SectionResult(section.name, section.title, status, seconds, data, f"{why or status}\n{tail}")
+        if interrupted:
+            raise SectionInterrupted(result)
+        return result
+    if section.tests:
+        return _tests_result(section, seconds, returncode, outcomes, tail)
+    return _bench_result(section, seconds, returncode, list(lines), tail, systems)
 
 
 def _tee(
@@ -265,43 +273,7 @@ def _json_object(line: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _tests_result(section: Section, seconds: float, returncode: int, junit: Path, tail: str) -> SectionResult:
-    problems = []
-    try:
-        counts = junit_counts(junit) if junit.exists() else {}
-    except (ElementTree.ParseError, ValueError) as error:
-        counts, problems = {}, [f"pytest's JUnit XML is unreadable: {error}"]
-    failing = counts.pop("failing", [])
-    problems += [f"failed: {name}" for name in failing]
-    if not counts and not problems:
-        problems.append(f"pytest wrote no results (exit status {returncode})")
-    elif counts and counts["passed"] == 0:
-        problems.append(f"no test passed ({counts['skipped']} skipped)")
-    elif returncode != 0 and not failing:
-        problems.append(f"pytest exit status {returncode}")
-    status = "failed" if problems else "ok"
+def _tests_result(section: Section, seconds: float, returncode: int, outcomes: Path, tail: str) -> SectionResult:
+    data, problems = pytest_outcomes.section_outcome(outcomes, returncode)
     error = "\n".join(problems) + f"\n{tail}" if problems else None
-    return SectionResult(section.name, section.title, status, seconds, data=counts, error=error)
-
-
-def junit_counts(path: Path) -> dict[str, Any]:
-    """Counts of tests by their worst outcome (a test that fails and then errors in teardown counts once) and the
-    failing tests' ids, from a pytest JUnit XML file."""
-    outcomes: dict[str, str] = {}
-    failing = []
-    for case in ElementTree.parse(path).getroot().iter("testcase"):
-        test_id = f"{case.get('classname')}::{case.get('name')}"
-        problem = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
-        if problem is not None:
-            outcome = "failed" if problem.tag == "failure" else "errors"
-            message = (problem.get("message") or "").strip().splitlines()
-            failing.append(test_id + (f": {message[0]}" if message else ""))
-        else:
-            outcome = "skipped" if case.find("skipped") is not None else "passed"
-        order = ("passed", "skipped", "errors", "failed")
-        if order.index(outcome) > order.index(outcomes.get(test_id, "passed")) or test_id not in outcomes:
-            outcomes[test_id] = outcome
-    counts = {
-        key: sum(outcome == key for outcome in outcomes.values()) for key in ("passed", "failed", "errors", "skipped")
-    }
-    return {"tests": len(outcomes), **counts, "failing": failing}
+    return SectionResult(section.name, section.title, "failed" if problems else "ok", seconds, data=data, error=error)
