@@ -7,6 +7,7 @@ parameters (MoE experts), which no push may send silently wrong."""
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 
 import pytest
@@ -74,7 +75,7 @@ def test_a_directory_saves_modules_as_peft_matches_them(tmp_path):
         ({"alpha_pattern": ["q_proj"]}, "alpha_pattern"),
         ({"alpha_pattern": {"q_proj(": 3}}, "alpha_pattern"),
         ({"alpha_pattern": {"q_proj": "3"}}, "alpha_pattern.q_proj"),
-        ({"rank_pattern": {"v_proj": 2}}, "model.layers.0.self_attn.v_proj.lora_A"),
+        ({"rank_pattern": {"v_proj": 2}}, "model.layers.*.self_attn.v_proj.lora_A"),  # the first layer read
     ],
 )
 def test_a_malformed_adapter_config_is_refused_by_name(tmp_path, change, field):
@@ -86,7 +87,7 @@ def test_a_malformed_adapter_config_is_refused_by_name(tmp_path, change, field):
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(FieldError) as error:
         load_peft_dir(str(tmp_path))
-    assert error.value.field == field, error.value
+    assert fnmatch.fnmatchcase(error.value.field, field), error.value
 
 
 def test_a_directory_with_lora_on_an_embedding_is_refused_naming_it(tmp_path):
@@ -150,14 +151,10 @@ def test_an_adapter_merged_into_its_base_is_never_pushed_adapter_only():
     assert push_mode(model, "auto") == push_mode(model, "adapter") == "adapter"
 
 
-@pytest.mark.parametrize("adapters", ["adapter", "auto", "merged"])
-def test_lora_on_moe_experts_parameters_is_refused_in_every_mode(adapters):
-    """peft's target_parameters (MoE experts' stacked weights): neither served unmerged nor merged by pushes (a
-    merged push would send the experts' base weights without the delta), so refused naming the module."""
+def test_lora_on_moe_experts_parameters_is_refused_adapter_only():
+    """peft's target_parameters (MoE experts' stacked weights) are not served unmerged: an adapter-only push is refused
+    naming them (merged pushes add peft's own delta: tests/test_lora_followups.py)."""
     _, model = trained("qwen3_moe", target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
     with pytest.raises(FieldError) as error:
-        push_mode(model, adapters)
+        push_mode(model, "adapter")
     assert "target_parameters" in f"{error.value.field} {error.value.reason}"
-    if adapters != "adapter":
-        assert error.value.field in ("model.layers.0.mlp.experts", "target_parameters")
-        assert "neither served unmerged nor merged on the fly" in error.value.reason

@@ -113,18 +113,20 @@ def merge_refusal(model: torch.nn.Module) -> str | None:
 
 def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
     """Merged weights of a PEFT LoRA model under the base model's names: each layer's weight merged as peft merges
-    it (W + the active adapters' deltas; DoRA through peft's own merge), LoRA biases added to the base bias, computed
-    per layer (the model is not modified), with no LoRA tensors; with merged=False the base weights alone (an
-    adapter-only push's base).
+    it (W + the active adapters' deltas; DoRA through peft's own merge), LoRA biases added to the base bias, LoRA on
+    bare parameters (peft's `target_parameters`, e.g. MoE experts' stacked weights, wrapped once per parameter)
+    added to each parameter it adapts, computed per tensor (the model is not modified), with no LoRA tensors; with
+    merged=False the base weights alone (an adapter-only push's base).
 
     Raises:
         NotImplementedError: `merge_refusal`'s reason.
     """
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     base = model.get_base_model()
     prefix = getattr(model, "prefix", None) or getattr(model.base_model, "prefix", "lora_")
     modules = dict(base.named_modules())
+    tuners = {key for key, module in modules.items() if isinstance(module, BaseTunerLayer)}
     refusal = merge_refusal(model)
     if refusal is not None:
         raise NotImplementedError(refusal)
@@ -146,23 +148,51 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
             if parts[at + 1] != _active_copy(modules[".".join(parts[:at])]):
                 return None
             parts = parts[:at] + parts[at + 2 :]
-        if len(parts) >= 2 and parts[-2] == "base_layer":
-            parts = parts[:-2] + parts[-1:]
-        return ".".join(parts)
+        # Every wrapper's `base_layer`: peft wraps a LoRA target as `<module>.base_layer`, and LoRA on bare
+        # parameters wraps once per parameter, the wrapper of one parameter around the other's
+        # (`experts.base_layer.base_layer.down_proj`). A tuner never lies inside a modules_to_save wrapper (peft
+        # refuses that), so the paths looked up here are the original ones.
+        return ".".join(
+            part for at, part in enumerate(parts) if not (part == "base_layer" and ".".join(parts[:at]) in tuners)
+        )
 
     entries = []
     for name, param in base.named_parameters():
         clean = base_name(name)
         if clean is None:
             continue
-        layer = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
-        if merged and isinstance(layer, LoraLayer) and name.endswith(".base_layer.weight"):
-            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=layer, w=param: _merged(lr, w)))
-        elif merged and isinstance(layer, LoraLayer) and name.endswith(".base_layer.bias"):
-            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=layer, b=param: _merged_bias(lr, b)))
+        weight_of, bias_of = _lora_layers_of(name, param, modules, tuners) if merged else ([], [])
+        if weight_of:
+            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=weight_of, w=param: _merged(lr, w)))
+        elif bias_of:
+            entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=bias_of, b=param: _merged_bias(lr, b)))
         else:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda param=param: full_copy(param)))
     return entries + _buffer_entries(base, base_name)
+
+
+def _lora_layers_of(
+    name: str, param: torch.Tensor, modules: dict[str, torch.nn.Module], tuners: set[str]
+) -> tuple[list[Any], list[Any]]:
+    """The LoRA layers that adapt a base parameter, outermost first: (those whose delta its value gains, those whose
+    LoRA bias it gains). A layer's delta goes to its base layer's `weight`, or with LoRA on a bare parameter (a
+    `ParamWrapper`) to that parameter of the innermost base module; the wrappers of one module's other parameters
+    leave this one alone."""
+    from peft.tuners.lora import LoraLayer
+
+    parts = name.split(".")
+    wrappers = [".".join(parts[:at]) for at, part in enumerate(parts) if part == "base_layer"]
+    weight_of, bias_of = [], []
+    for layer in (modules[key] for key in wrappers if key in tuners):
+        if not isinstance(layer, LoraLayer):
+            continue
+        inner = layer.get_base_layer()
+        target = getattr(layer, "parameter_name", None)  # a ParamWrapper's parameter (peft's target_parameters)
+        if (getattr(inner, target, None) if target is not None else getattr(inner, "weight", None)) is param:
+            weight_of.append(layer)
+        elif target is None and getattr(inner, "bias", None) is param:
+            bias_of.append(layer)
+    return weight_of, bias_of
 
 
 def _active_copy(wrapper: Any) -> str | None:
@@ -180,29 +210,32 @@ def _unmerged_adapters(layer: Any) -> list[str]:
     return [adapter for adapter in layer.active_adapters if adapter in known and adapter not in layer.merged_adapters]
 
 
-def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
-    """Base weight + the LoRA deltas of the active, not yet merged adapters of one layer; a LoRA variant (DoRA)
-    merged by peft's own `merge_safe`, on a copy."""
-    with gathered(list(layer.parameters())), torch.no_grad():
+def _merged(layers: list[Any], weight: torch.Tensor) -> torch.Tensor:
+    """Base weight + the LoRA deltas of the active, not yet merged adapters of the layers that adapt it (outermost
+    first; peft's own `get_delta_weight`, also a ParamWrapper's over stacked experts); a LoRA variant (DoRA) merged
+    by peft's own `merge_safe`, on a copy."""
+    with gathered(list(layers[0].parameters())), torch.no_grad():  # the outermost holds the others and the weight
         merged = weight.detach().clone()
-        for adapter in _unmerged_adapters(layer):
-            variant = getattr(layer, "lora_variant", {}).get(adapter)
-            if variant is None:
-                merged += layer.get_delta_weight(adapter).to(merged.dtype)
-            else:
-                merged = variant.merge_safe(layer, adapter, merged)
-                # DoRA's merge keeps the weight norm for an unmerge that never comes: the model is left as it was.
-                getattr(layer, "_caches", {}).pop(f"{adapter}-weight_norm", None)
+        for layer in layers:
+            for adapter in _unmerged_adapters(layer):
+                variant = getattr(layer, "lora_variant", {}).get(adapter)
+                if variant is None:
+                    merged += layer.get_delta_weight(adapter).to(merged.dtype)
+                else:
+                    merged = variant.merge_safe(layer, adapter, merged)
+                    # DoRA's merge keeps the weight norm for an unmerge that never comes: the model is left as it was.
+                    getattr(layer, "_caches", {}).pop(f"{adapter}-weight_norm", None)
         return merged.full_tensor() if is_dtensor(merged) else merged  # FSDP2: the whole tensor, not a shard
 
 
-def _merged_bias(layer: Any, bias: torch.Tensor) -> torch.Tensor:
+def _merged_bias(layers: list[Any], bias: torch.Tensor) -> torch.Tensor:
     """Base bias + scaling x lora_B's bias of the active, not yet merged adapters that train one (peft's merge)."""
-    with gathered(list(layer.parameters())), torch.no_grad():
+    with gathered(list(layers[0].parameters())), torch.no_grad():
         merged = bias.detach().clone()
-        for adapter in _unmerged_adapters(layer):
-            if layer.lora_bias.get(adapter):
-                merged += (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
+        for layer in layers:
+            for adapter in _unmerged_adapters(layer):
+                if layer.lora_bias.get(adapter):
+                    merged += (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(merged.dtype)
         return merged.full_tensor() if is_dtensor(merged) else merged
 
 

@@ -74,7 +74,8 @@ def generate_batch(
         **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
             default: the GenerationConfig's num_return_sequences, else 1), `adapter` (with a `peft.PeftModel`: the
             name of its LoRA adapter to sample with, or one name per prompt, None for the base model; the adapters
-            are served unmerged, side by side in one batch, and the model is left as it was).
+            are served unmerged, side by side in one batch, and the model is left as it was: adapters merged into its
+            base weights, peft's `merge_adapter`, are unmerged for the call and merged again after it).
     Returns:
         Outputs keyed by sample request id (`"req_<i>"`, or `"req_<i>#<j>"` when n > 1), in input order.
     Raises:
@@ -101,11 +102,19 @@ def generate_batch(
         if not is_peft_model(model):
             raise FieldError("adapter", f"names a LoRA adapter of a peft.PeftModel, got a {type(model).__name__}")
         peft_model, model = model, model.get_base_model()  # its LoRA layers pass through; the engine adds them
-    engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
+    peft_off = contextlib.ExitStack()  # closed last: the adapters enabled again, then merged again
+    if peft_model is not None:
+        # The engine serves the base and the adapters unmerged, so a merged adapter (peft's merge_adapter) leaves the
+        # base weights first; peft's disabled forward would unmerge it for good, `_merge_back` restores it.
+        peft_off.callback(_merge_back, _unmerged(peft_model))
+    try:
+        engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
+    except BaseException:
+        peft_off.close()
+        raise
     engine.intake.tokenizer = tokenizer  # this call's (a kept engine may have served another tokenizer's)
     results: dict[str, GenerationOutput] = {}
     order: list[str] = []
-    peft_off = contextlib.ExitStack()
     try:
         if peft_model is not None:
             peft_off.enter_context(peft_model.disable_adapter())
@@ -139,6 +148,25 @@ def generate_batch(
         elif model in _CACHED:
             engine.runner.suspend()  # the model is the caller's again until the next call
     return {request_id: results[request_id] for request_id in order}
+
+
+def _unmerged(peft_model: Any) -> list[tuple[Any, list[str]]]:
+    """Unmerge every LoRA layer of `peft_model` with adapters merged into its base weights (peft's own unmerge);
+    returns (layer, the adapters it had merged, in order) for `_merge_back`."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = []
+    for layer in peft_model.modules():
+        if isinstance(layer, LoraLayer) and layer.merged:
+            merged.append((layer, list(layer.merged_adapters)))
+            layer.unmerge()
+    return merged
+
+
+def _merge_back(merged: list[tuple[Any, list[str]]]) -> None:
+    """Merge again what `_unmerged` unmerged (peft's own merge: the weights equal the merged ones up to rounding)."""
+    for layer, adapters in merged:
+        layer.merge(adapter_names=adapters)
 
 
 def _prompts(inputs: Any) -> Any:

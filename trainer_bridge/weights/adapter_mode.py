@@ -1,7 +1,8 @@
 """How `push_weights` sends a PEFT LoRA model (`adapters=`): "adapter" (adapter-only: the workers serve the active
 adapter unmerged, `lora_push.py`), "merged" (base + LoRA delta under the base names, as a plain model), or "auto"
 (the default: adapter-only when the workers can serve the adapter unmerged, else merged, with one warning per model
-naming why).
+naming why). Merged pushes merge every LoRA the model has, LoRA on bare parameters (peft's `target_parameters`, e.g.
+MoE experts, which `target_modules="all-linear"` adds on an MoE model) included (`gathering.peft_entries`).
 
 What workers serve unmerged: LoRA on `torch.nn.Linear` layers other than the output head (no DoRA, no LoRA bias, no
 fan_in_fan_out), `modules_to_save` copies of Linear and Embedding modules and of norms over the hidden states (the
@@ -99,9 +100,9 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
         accelerator: the `accelerate.Accelerator` of a multi-process trainer (its main process warns).
         warn: warn (once per model) when "auto" falls back to merged weights.
     Raises:
-        ValueError: an unknown mode; (FieldError) with "adapter", an adapter workers cannot serve unmerged, named;
-            with "auto", one that can neither be served unmerged nor merged on the fly; with "merged", LoRA on bare
-            parameters (`parameter_lora`).
+        ValueError: an unknown mode; (FieldError) with "adapter", an adapter workers cannot serve unmerged (LoRA
+            on bare parameters included: `target_parameters`), named; with "auto", one that can neither be served
+            unmerged nor merged on the fly.
     """
     if adapters not in ADAPTER_MODES:
         raise ValueError(f"adapters must be one of {list(ADAPTER_MODES)}, got {adapters!r}")
@@ -114,10 +115,7 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     if tied is not None:
         raise FieldError("model", tied)
     if adapters == "merged" or (adapters == "auto" and model in _RANK_REFUSED):
-        unmergeable = parameter_lora(model)
-        if unmergeable is not None:
-            raise FieldError(*unmergeable)
-        return "merged"
+        return "merged"  # an adapter merge_refusal names is refused by peft_entries, before anything is sent
     name = active_adapter_name(model)
     unfrozen = unfrozen_base_parameters(model)
     try:
@@ -130,36 +128,13 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     except FieldError as refusal:
         if adapters == "adapter":
             raise
-        unmergeable = merge_refusal(model) or ": ".join(parameter_lora(model) or ()) or None
+        unmergeable = merge_refusal(model)
         if unmergeable is not None:
             reason = refusal.reason.split("; push with")[0]  # it cannot be: what follows says why
             raise FieldError(refusal.field, f"{reason}, and {unmergeable}") from None
         if warn:
             _warn_merged(model, f"{refusal.field}: {refusal.reason}", accelerator)
         return "merged"
-
-
-def parameter_lora(model: Any) -> tuple[str, str] | None:
-    """(module, why) for LoRA on bare parameters (peft's `target_parameters`, e.g. MoE experts' stacked weights):
-    workers do not serve it unmerged, and merged pushes do not merge it yet (they would send the experts' base weights
-    without the adapter's delta, silently); None when the model has none.
-
-    Args:
-        model: an unwrapped `peft.PeftModel`.
-    """
-    try:
-        from peft.tuners.lora.layer import ParamWrapper
-    except ImportError:  # a peft without target_parameters
-        return None
-    for key, module in model.named_modules():
-        if isinstance(module, ParamWrapper):
-            return (
-                module_name(key),
-                f"LoRA on its bare parameter {module.parameter_name!r} (target_parameters, e.g. MoE experts) is "
-                "neither served unmerged nor merged on the fly: merge_and_unload() the model into a plain one to "
-                "sync it",
-            )
-    return None
 
 
 def rank_refused(source: Any, field: str | None, reason: str, accelerator: Any = None) -> None:

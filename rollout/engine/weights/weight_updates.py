@@ -67,9 +67,23 @@ class WeightUpdates:
             self.table.check_update(base, new_version, mode, False, self.policy_version)
 
         def copy() -> None:
+            # One transaction: the adapter first, since only it allocates (new stacked layers, saved-module copies;
+            # `AdapterTable.load` allocates before it writes, so a failure there leaves what is served as it was),
+            # then the base, copied in place (nothing allocated). Base before adapter would leave a failed update's
+            # base served under the old version, with prefixes cached from the old one.
+            try:
+                self.runner.adapters.load(name, modules, new_version)
+            except FieldError:
+                raise
+            except Exception as error:  # e.g. out of memory: refused, naming what failed; nothing changed
+                kind = torch.OutOfMemoryError if isinstance(error, torch.OutOfMemoryError) else RuntimeError
+                what = "with new base weights " if base is not None else ""
+                raise kind(
+                    f"adapter {name!r}: loading it {what}failed, nothing changed (the base and the adapters served "
+                    f"before serve on): {type(error).__name__}: {error}"
+                ) from error
             if base is not None:
                 self.table.copy_in(base)
-            self.runner.adapters.load(name, modules, new_version)
 
         def affects(request: Request) -> bool:
             return request.adapter is not None and request.adapter.name == name

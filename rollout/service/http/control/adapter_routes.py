@@ -11,6 +11,7 @@ from fastapi.responses import PlainTextResponse
 
 from rollout.config import FieldError
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.peft_adapters import check_adapter_name
 from rollout.service.http.control.allowed_dirs import AllowedDirs
 from rollout.service.http.errors import APIError, bad_field
 
@@ -37,13 +38,18 @@ class AdapterRoutes:
         """Serve the adapter at `lora_path` as `lora_name` (`load_inplace`: replace one of that name).
 
         Raises:
-            APIError: 400 a missing or bad field, a name served already without load_inplace, an adapter the engine
-                refuses (named); 403 a path outside the allowed directories; 404 no such directory.
+            APIError: 400 a missing or bad field (a name with a control character, the base's `__base__`: named
+                `lora_name`), a name served already without load_inplace, an adapter the engine refuses (named);
+                403 a path outside the allowed directories; 404 no such directory.
         """
         fields = _fields(body, LOAD_FIELDS)
         name, path = fields.get("lora_name"), fields.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+        try:  # named as this route's client sent it (the engine's own checks name the Python API's `name`)
+            check_adapter_name(name, "lora_name")
+        except FieldError as error:
+            raise APIError(400, str(error), "lora_name") from None
         in_place = fields.get("load_inplace", False)
         if not isinstance(in_place, bool):
             raise bad_field("load_inplace", f"must be true or false, got {in_place!r}")
