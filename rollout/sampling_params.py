@@ -33,6 +33,10 @@ MAX_PROMPT_LOGPROBS = 20
 # logit_bias: at most this many tokens (OpenAI's limit), each biased by a number in [-MAX, MAX] (OpenAI's bound).
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
+# Smallest repetition_penalty, for the same reason: seen tokens' positive logits are divided by it in fp32, and a
+# penalty that rounds to 0 there (below ~1e-45) or divides them past fp32's range makes their scores inf and NaN
+# (every sample then draws the last token id, its log-probs -inf and NaN).
+MIN_REPETITION_PENALTY = 1e-5
 # Used when neither the request, its SamplingParams nor the GenerationConfig says how many tokens to generate.
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -131,9 +135,9 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         _check(
-            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+            _is_number(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty < math.inf,
             "repetition_penalty",
-            "must be a finite number > 0",
+            f"must be a finite number >= {MIN_REPETITION_PENALTY} (1.0 disables)",
             self.repetition_penalty,
         )
         for name in ("presence_penalty", "frequency_penalty"):

@@ -192,6 +192,10 @@ class RequestIntake:
         scoring = sampling.prompt_logprobs is not None
         if not _is_int(max_new) or max_new < (0 if scoring else 1):  # 0: score the prompt only (prompt_logprobs)
             raise FieldError("max_new_tokens", f"must be an integer >= 1 (0 with prompt_logprobs), got {max_new!r}")
+        if sampling.min_new_tokens > max_new:  # SamplingParams checks the pair only when both are given; one past
+            # int64 would fail the engine step holding it, every other client's samples in that step with it
+            reason = f"{sampling.min_new_tokens} is more than the {max_new} tokens this request may generate"
+            raise FieldError("min_new_tokens", f"{reason} (max_new_tokens, from the request or its defaults)")
         self.validate(prompt, sampling, max_new)
         ref = None
         if adapter is not None:
