@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from test_scheduler import Sim, prompt, sim
 
-from conftest import make_engine, make_request, reference_copy, tiny_model
+from conftest import make_engine, make_request, make_scheduler, reference_copy, tiny_model
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request, RequestStatus
 from rollout.engine.scheduling.express_lane import life_blocks
@@ -69,15 +69,15 @@ def test_the_lane_holds_its_share_at_most(unknown_lengths):
 
 
 def test_a_lane_request_keeps_the_tokens_transformers_generates(unknown_lengths):
-    """Through the engine: client "b"'s greedy request passes client "a"'s long sampled groups (one runs, two wait
-    for its growth), ends first, and its tokens are transformers' greedy `generate`'s."""
+    """Through the engine: client "b"'s greedy request passes client "a"'s long sampled groups (two run, two wait
+    for their growth), ends first, and its tokens are transformers' greedy `generate`'s."""
     model = tiny_model()
     reference = reference_copy(model)
     engine = make_engine(model, num_blocks=100, block_size=4, max_batch_tokens=256)
     try:
-        for index in range(3):
+        for index in range(4):
             sampling = SamplingParams(do_sample=True, seed=index, max_new_tokens=100, stop_token_ids=())
-            group = engine.intake.prepare(GroupSpec(f"a{index}", prompt(10, 5 + index), sampling, 4))
+            group = engine.intake.prepare(GroupSpec(f"a{index}", prompt(10, 5 + index), sampling, 3))
             group.client = "a"
             engine.submit(group)
         engine.step()
@@ -95,3 +95,57 @@ def test_a_lane_request_keeps_the_tokens_transformers_generates(unknown_lengths)
         engine.close()
     expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
     assert short.token_ids[3:] == expected[0, 3:].tolist()
+
+
+def test_a_group_that_needs_an_empty_cache_is_not_passed_for_ever():
+    """A group of 16 x 1000 tokens may only go in once nothing runs (its life is most of the cache); short requests
+    from another client keep coming. The lane closes behind it: the running ones drain and it goes in, as it did
+    before the lane (step 301 here), where short requests passing it would keep something running for ever."""
+    scheduler = make_scheduler(num_blocks=1000, block_size=4, max_batch_tokens=4096, max_num_seqs=256)
+    runner = Sim(scheduler)
+    for index in range(4):
+        scheduler.add(_from("a", make_request(f"a{index}", prompt(16, 100 * index), max_new_tokens=300)))
+    runner.step()
+    big = _from("a", make_request("big", prompt(16, 9000), max_new_tokens=1000, n=16))
+    scheduler.add(big)
+    assert scheduler.admission.express.closes_behind(big)
+    shorts = 0
+    for _ in range(400):
+        while sum(1 for r in scheduler.waiting if r.client == "b") < 5:
+            scheduler.add(_from("b", make_request(f"b{shorts}", prompt(3, 20000 + shorts), max_new_tokens=4)))
+            shorts += 1
+        runner.step()
+        if big.status != RequestStatus.WAITING:
+            break
+    assert big.status == RequestStatus.RUNNING
+    for request in list(scheduler.waiting):
+        scheduler.abort(request.group_id)
+    runner.drain(max_steps=3000)
+
+
+def test_preempted_lane_samples_keep_the_lane_within_its_share(unknown_lengths):
+    """Client "a"'s long requests overflow the cache and preempt; client "b" keeps short groups of 4 queued, which
+    take the lane. Every running sample admitted through it carries its share (a preempted one leaves the lane and
+    comes back through the queue), so at every step the shares of the running ones stay within the lane's capacity
+    and each covers what its sample holds alone. (Keyed by group, a preempted sample readmitted through the lane
+    replaced its group's life by its own, and the lane let other groups into room the group still held.)"""
+    scheduler = make_scheduler(num_blocks=500, block_size=4, max_batch_tokens=2048, max_num_seqs=256)
+    capacity = scheduler.admission.express.capacity
+    runner = Sim(scheduler)
+    for index in range(20):
+        scheduler.add(_from("a", make_request(f"a{index}", prompt(8, 10 * index), max_new_tokens=600)))
+    groups, used = 0, []
+    for _ in range(700):
+        if sum(1 for r in scheduler.waiting if r.client == "b") < 3:
+            scheduler.add(_from("b", make_request(f"g{groups}", prompt(2, 7000 + 10 * groups), max_new_tokens=5, n=4)))
+            groups += 1
+        runner.step()
+        lane = [r for r in scheduler.running if r.express_blocks]
+        assert all(r.num_own_blocks <= r.express_blocks for r in lane)
+        used.append(sum(r.express_blocks for r in lane))
+        assert used[-1] <= capacity
+    group_life = life_blocks(make_request("g", prompt(2), max_new_tokens=5, n=4), 4)
+    assert max(used) == group_life and group_life + group_life > capacity and scheduler.num_preemptions > 0
+    for request in list(scheduler.waiting) + list(scheduler.running):
+        scheduler.abort(request.group_id)
+    runner.drain(max_steps=10)

@@ -119,6 +119,9 @@ class Request:
     # Who sent it (`GroupSpec.client`): admission takes turns between clients, and samples share drafts only within
     # one client and one adapter.
     client: str = ""
+    # Its share of the express lane's blocks while it runs (`rollout.engine.scheduling.express_lane`); 0: admitted
+    # otherwise.
+    express_blocks: int = 0
     # The drafter's state of this sample (`rollout.engine.speculative.drafter`), None until it drafts.
     draft_row: Any = None
     _prompt_ids: list[int] | None = field(default=None, repr=False)

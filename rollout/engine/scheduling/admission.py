@@ -187,13 +187,13 @@ class AdmissionGate:
         return True
 
     def finished(self, request: Request) -> None:
-        """A sample ended: its length teaches the growth reserve, unless the express lane admitted its group (a short
+        """A sample ended: its length teaches the growth reserve, unless the express lane admitted it (a short
         request's length says nothing of the requests the reserve holds back, and would make it bold at once).
 
         Args:
             request: the sample that ended.
         """
-        if not self.express.holds(request.group_id):
+        if not request.express_blocks:
             self.growth.finished(request.num_output_tokens, request.max_new_tokens)
 
     def express_room(self, running: list[Request]) -> int:
@@ -220,9 +220,9 @@ class AdmissionGate:
             running: the running requests.
         """
         life = life_blocks(request, self.block_manager.block_size)
-        if life > self.express_room(running) or not self.block_manager.can_allocate(life + reserve):
+        if not self.express.eligible(request) or life > self.express_room(running):
             return False
-        if running and not self._has_room(request, running):
+        if not self.block_manager.can_allocate(life + reserve) or (running and not self._has_room(request, running)):
             return False
         self.express.took(request)
         self._express_room -= life

@@ -10,11 +10,13 @@ would hold a few blocks for a few steps.
 So a request whose whole life fits in the lane (its prompt and max_new_tokens, every sample of its group counted:
 `life_blocks`) is admitted when its life's blocks are free now and the lane has room for them, whatever the
 reserve and whatever waits ahead of it; it still needs a free sequence slot. The lane's room is
-`EXPRESS_FRACTION` of the cache (at least one block), minus the lives of the lane's groups still running: however
+`EXPRESS_FRACTION` of the cache (at least one block), minus the shares of the lane's samples still running: however
 many short requests arrive, they take that share at most, and the running requests may have to give back at most
 that share (preemption, as when their growth outruns the reserve). Admitted through the lane or not, a request is
 the same request: its tokens do not depend on how it was admitted. Its length does not teach the growth reserve
-(`AdmissionGate.finished`): the reserve's estimate is of the requests it admits.
+(`AdmissionGate.finished`): the reserve's estimate is of the requests it admits. A preempted sample does not come
+back through the lane (it would be preempted again at once), and the lane closes behind a request that may only be
+admitted once nothing runs (short requests passing it would keep something running for ever).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterable
 from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.block_manager import cdiv
 
-EXPRESS_FRACTION = 0.02  # the share of the cache's blocks the lane's running groups may hold at once
+EXPRESS_FRACTION = 0.02  # the share of the cache's blocks the lane's running samples may hold at once
 
 
 def life_blocks(request: Request, block_size: int) -> int:
@@ -36,12 +38,27 @@ def life_blocks(request: Request, block_size: int) -> int:
         block_size: tokens per block.
     """
     own = request.num_prompt_tokens + request.max_new_tokens - 1
-    per_fork = cdiv(request.max_new_tokens - 1, block_size) + 1  # its copy of the shared partial block, then its own
-    return cdiv(own, block_size) + request.num_forks * per_fork
+    return cdiv(own, block_size) + request.num_forks * fork_share(request, block_size)
+
+
+def fork_share(request: Request, block_size: int) -> int:
+    """The most blocks one forked sample of `request`'s group holds alone: its copy of the prompt's shared partial
+    block, then its own tokens.
+
+    Args:
+        request: the group's leader.
+        block_size: tokens per block.
+    """
+    return cdiv(request.max_new_tokens - 1, block_size) + 1
 
 
 class ExpressLane:
-    """The lane's room, and which running groups hold it (the admission gate's; torch-free)."""
+    """The lane's room: its capacity less the shares of its running samples (the admission gate's; torch-free).
+
+    Each sample admitted through the lane carries its share (`Request.express_blocks`: the leader its life but for
+    its forks', each fork `fork_share`), so the lane's use is a sum over the running samples: a preempted sample
+    leaves it by leaving the running ones, and one readmitted otherwise carries none.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, fraction: float = EXPRESS_FRACTION):
         """
@@ -52,32 +69,43 @@ class ExpressLane:
         """
         self.capacity = max(1, int(num_blocks * fraction))
         self.block_size = block_size
-        self._groups: dict[str, int] = {}  # group id -> its life's blocks, while a sample of it runs
+        self.num_blocks = num_blocks
 
-    def used(self, running: Iterable[Request]) -> int:
-        """The blocks the lane's running groups may hold (their lives'); forgets the groups no sample of runs.
+    @staticmethod
+    def used(running: Iterable[Request]) -> int:
+        """The blocks the lane's running samples may hold (the sum of their shares).
 
         Args:
             running: the running requests.
         """
-        if not self._groups:
-            return 0
-        live = {request.group_id for request in running} & self._groups.keys()
-        self._groups = {group: blocks for group, blocks in self._groups.items() if group in live}
-        return sum(self._groups.values())
+        return sum(request.express_blocks for request in running)
 
-    def holds(self, group_id: str) -> bool:
-        """Whether the lane admitted this group (and it has not left the running requests since).
+    def eligible(self, request: Request) -> bool:
+        """Whether `request` may take the lane at all: its whole life fits in the lane, and it has sampled nothing yet
+        (a preempted sample comes back through the queue: through the lane it would be readmitted at once, into the
+        very shortage that preempted it, and preempted again).
 
         Args:
-            group_id: the group's id.
+            request: a waiting request.
         """
-        return group_id in self._groups
+        return request.num_output_tokens == 0 and life_blocks(request, self.block_size) <= self.capacity
+
+    def closes_behind(self, request: Request) -> bool:
+        """Whether the lane closes behind `request`, refused: one whose life needs more than the cache less the
+        lane's share may only be admitted once nothing runs (an empty cache always admits), and short requests
+        passing it one after another would keep something running for ever.
+
+        Args:
+            request: a waiting request the admission gate refused.
+        """
+        return life_blocks(request, self.block_size) > self.num_blocks - self.capacity
 
     def took(self, request: Request) -> None:
-        """`request` was admitted through the lane: its group holds its life's blocks of the lane while it runs.
+        """`request` was admitted through the lane: it carries its share (its forks get theirs when they fork).
 
         Args:
             request: the admitted request.
         """
-        self._groups[request.group_id] = life_blocks(request, self.block_size)
+        request.express_blocks = life_blocks(request, self.block_size) - request.num_forks * fork_share(
+            request, self.block_size
+        )

@@ -24,7 +24,7 @@ from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.scheduling.block_manager import BlockManager, cdiv
 from rollout.engine.scheduling.client_turns import ClientTurns
-from rollout.engine.scheduling.express_lane import life_blocks
+from rollout.engine.scheduling.express_lane import fork_share, life_blocks
 
 EXPRESS_SCAN = 32  # waiting requests a step looks at, past one that did not fit, for one the express lane admits
 
@@ -180,8 +180,12 @@ class StepBuilder:
             request = self._next_admissible(deferred)
             if request is None:
                 return
-            if express_only and life_blocks(request, manager.block_size) > admission.express_room(scheduler.running):
-                deferred += 1  # too long for the lane's room: it waits for its turn
+            lane = admission.express
+            if express_only and (
+                not lane.eligible(request)
+                or life_blocks(request, manager.block_size) > admission.express_room(scheduler.running)
+            ):
+                deferred += 1  # not for the lane, or too long for its room: it waits for its turn
                 if deferred >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
                     return
                 continue
@@ -213,9 +217,13 @@ class StepBuilder:
                 if not admission.admits_express(request, reserve, scheduler.running):
                     if deferred + 1 >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
                         return
+                    if not express_only and lane.closes_behind(request):
+                        return  # it may only go in once nothing runs: nothing passes it
                     express_only, deferred = True, deferred + 1  # a shorter request behind it may take the lane
                     continue
                 express_only = True  # its growth is the lane's, which the gate's sums for this step do not hold
+            else:
+                request.express_blocks = 0  # admitted by the gate: no share of the lane (a sample readmitted)
             admission.admitted(request)
             scheduler.waiting.remove(request)
             scheduler.turns.took(request)
@@ -274,6 +282,8 @@ class StepBuilder:
             child = request.fork(index, sample_id(request.group_id, index), scheduler.next_arrival())
             child.num_computed_tokens = start + num_new
             manager.fork(request, child)
+            if request.express_blocks:  # a lane group's fork: its own share of the lane
+                child.express_blocks = fork_share(request, manager.block_size)
             scheduler.running.append(child)
             batch.samples.append((child, row))
         request.num_forks = 0
