@@ -17,7 +17,7 @@ from service_helpers import Worker  # noqa: E402
 from trainer_bridge import PromptGroup, RolloutClient  # noqa: E402
 from trainer_bridge.trl import RolloutGeneration, RolloutGRPOTrainer  # noqa: E402
 from trainer_bridge.trl.async_mode import AsyncRolloutGeneration  # noqa: E402
-from trl_helpers import dataset, grpo_config, id_reward  # noqa: E402
+from trl_helpers import dataset, grpo_config, id_reward, reward_failing_on_call  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 STEPS = 4
@@ -113,14 +113,7 @@ def test_rounds_ahead_follow_the_steps_a_round_spans(tmp_path, client, config, m
 
 
 def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
-    calls = []
-
-    def failing_reward(completion_ids, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("reward server down")
-        return id_reward(completion_ids, **kwargs)
-
+    failing_reward = reward_failing_on_call(2)
     with pytest.raises(RuntimeError, match="reward server down"):
         train(tmp_path, client, 2, reward=failing_reward)
     assert wait_no_groups(worker)["groups_in_flight"] == 0

@@ -19,7 +19,7 @@ from datasets import Dataset  # noqa: E402
 from rollout.config import ContinuousBatchingConfig  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
-from trl_helpers import dataset, grpo_config, id_reward  # noqa: E402
+from trl_helpers import dataset, grpo_config, id_reward, reward_failing_on_call  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
 NOWHERE = "tcp://127.0.0.1:9"  # nothing listens: a trainer refused before connecting never notices
@@ -46,14 +46,7 @@ def test_colocated_train_frees_the_kv_cache_when_it_returns_or_raises(tmp_path):
     """sleep_between_rounds=False keeps the cache across rounds, not past train(): when the reward function raises
     at the second round, the cache tensor the rounds used is freed at once (no garbage collection: the trainer and
     its backend refer to each other), and a second train() samples again on a fresh one."""
-    calls = []
-
-    def failing_reward(completion_ids, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("reward server down")
-        return id_reward(completion_ids, **kwargs)
-
+    failing_reward = reward_failing_on_call(2)
     trainer = trainer_for(
         tmp_path,
         reward=failing_reward,

@@ -19,6 +19,19 @@ def id_reward(completion_ids: list[list[int]], **_: object) -> list[float]:
     return [sum(ids) / (1024 * max(len(ids), 1)) for ids in completion_ids]
 
 
+def reward_failing_on_call(number: int):
+    """`id_reward`, raising RuntimeError("reward server down") at its `number`-th call (a failing training step)."""
+    calls = []
+
+    def reward(completion_ids: list[list[int]], **kwargs: object) -> list[float]:
+        calls.append(1)
+        if len(calls) == number:
+            raise RuntimeError("reward server down")
+        return id_reward(completion_ids, **kwargs)
+
+    return reward
+
+
 def grpo_config(tmp_path: Path, **overrides) -> GRPOConfig:
     settings = dict(
         output_dir=str(tmp_path),
