@@ -264,14 +264,16 @@ class SamplingSlots:
     def _int_row(self, request: Request) -> list[int]:
         params = request.sampling
         top_k = min(params.top_k or self.vocab_size, self.vocab_size)
-        min_new_tokens = params.min_new_tokens if request.stop_token_ids else 0
+        # min_new_tokens past max_new_tokens masks the stops throughout either way: capped there, it never overflows
+        # the int64 table (a row that failed to stage would fail the whole step, other clients' samples with it).
+        min_new_tokens = min(params.min_new_tokens, request.max_new_tokens) if request.stop_token_ids else 0
         return [
             top_k,
             int(params.greedy),
             int(params.logprob_mode == "processed"),
             request.num_prompt_tokens,
             min_new_tokens,
-            params.no_repeat_ngram_size,
+            params.no_repeat_ngram_size,  # at most MAX_NO_REPEAT_NGRAM_SIZE (validated)
         ]
 
     def _write_pending(self) -> None:
