@@ -1,0 +1,144 @@
+"""Fault injection against a real rollout-worker (CPU, `--model tiny`): a trainer whose connection drops at each
+phase of an update (begin, mid-buckets, before commit; over frames and shm), a commit sent twice, versions that do
+not grow. After each fault the worker serves exactly the old weights (greedy tokens and policy versions as before),
+its update slot is free (a new push from another client succeeds at once), the dropped update's shared-memory
+segment is unlinked and no update thread is left behind."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import pytest
+import torch
+
+from rollout import protocol as p
+from rollout.presets import tiny_model
+from rollout.protocol.staging import attach_shared_memory, bucket_checksum, staging_layout
+from service_helpers import Client, Worker
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [(37 * i + 5) % 101 for i in range(37)]
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": 12}
+SEEDS = itertools.count(10)  # each push brings weights no push brought before
+
+
+@pytest.fixture(scope="module")
+def worker():
+    server = Worker("--max-update-phase-s", "60")
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with RolloutClient(worker.address, timeout=30) as rollout_client:
+        yield rollout_client
+
+
+def served(client: RolloutClient) -> tuple[list[int], list[list[int]], int]:
+    """(greedy tokens, their policy versions, the worker's version)."""
+    completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY), timeout=30).completions[0]
+    return list(completion.token_ids), completion.policy_versions, client.stats(timeout=10)[0]["policy_version"]
+
+
+def num_threads(worker: Worker) -> int:
+    """The worker process's threads (each update has a job thread of its own while it is open)."""
+    return len(os.listdir(f"/proc/{worker.process.pid}/task"))
+
+
+def eventually(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def open_update(raw: Client, state: dict, transport: str, update_id: str) -> tuple[list[str], p.WeightsReady]:
+    """weights_begin announcing every tensor of `state`; returns the names in order and weights_ready."""
+    names = list(state)
+    specs = [p.TensorSpec(name, "float32", list(state[name].shape)) for name in names]
+    raw.send(p.WeightsBegin(update_id, specs, None, "keep", transport, False, 30.0, {}, False))
+    ready = raw.receive()
+    assert isinstance(ready, p.WeightsReady), ready
+    return names, ready
+
+
+def send_buckets(raw: Client, state: dict, names: list[str], count: int, transport: str, ready, update_id: str):
+    """The first `count` tensors, one bucket each (written into the worker's segment for shm)."""
+    specs = [p.TensorSpec(name, "float32", list(state[name].shape)) for name in names]
+    offsets, _ = staging_layout(specs)
+    segment = attach_shared_memory(ready.shm_name) if transport == "shm" else None
+    try:
+        for index, name in enumerate(names[:count]):
+            data = state[name].contiguous().view(-1).view(torch.uint8)
+            header = p.WeightsBucket(update_id, [p.TensorPiece(index, 0, data.numel())], bucket_checksum([data]))
+            if segment is None:
+                raw.socket.send_multipart(p.encode(header) + [memoryview(data.numpy())])
+            else:
+                view = torch.frombuffer(segment.buf, dtype=torch.uint8)
+                view[offsets[index] : offsets[index] + data.numel()].copy_(data)
+                del view
+                raw.send(header)
+            assert isinstance(raw.receive(), p.WeightsAck)
+    finally:
+        if segment is not None:
+            segment.close()
+
+
+@pytest.mark.parametrize("transport", ["frames", "shm"])
+@pytest.mark.parametrize("phase", ["after_begin", "mid_buckets", "before_commit"])
+def test_a_trainer_that_drops_mid_update_leaves_the_old_weights_and_a_free_slot(worker, client, transport, phase):
+    before = served(client)
+    threads = num_threads(worker)
+    state = tiny_model(seed=3).state_dict()
+    raw = Client(worker.address)
+    names, ready = open_update(raw, state, transport, f"drop-{transport}-{phase}")
+    count = {"after_begin": 0, "mid_buckets": len(names) // 2, "before_commit": len(names)}[phase]
+    send_buckets(raw, state, names, count, transport, ready, f"drop-{transport}-{phase}")
+    raw.close()  # the trainer's process is gone: its connection closes
+    assert eventually(lambda: num_threads(worker) <= threads), (num_threads(worker), threads)
+    if ready.shm_name is not None:  # unlinked with the dropped update (a client that did not hear may write into it)
+        assert eventually(lambda: not os.path.exists(f"/dev/shm/{ready.shm_name}"))
+    assert served(client) == before  # the same tokens, of the same version
+    started = time.monotonic()
+    result = push_weights(client, tiny_model(seed=next(SEEDS)), transport=transport, timeout=10)  # no preempt needed
+    assert time.monotonic() - started < 5
+    tokens, versions, version = served(client)
+    assert version == result.version == before[2] + 1 and versions == [[version, 0]]
+    assert tokens != before[0]
+
+
+def test_a_commit_sent_twice_is_applied_once(worker, client):
+    _, _, version = served(client)
+    state = tiny_model(seed=6).state_dict()
+    raw = Client(worker.address)
+    try:
+        names, ready = open_update(raw, state, "frames", "twice")
+        send_buckets(raw, state, names, len(names), "frames", ready, "twice")
+        raw.send(p.WeightsCommit("twice"))
+        raw.send(p.WeightsCommit("twice"))
+        replies = [raw.receive(), raw.receive()]
+        committed = [reply for reply in replies if isinstance(reply, p.WeightsCommitted)]
+        refused = [reply for reply in replies if isinstance(reply, p.Error)]
+        assert len(committed) == 1 and committed[0].version == version + 1
+        assert [error.code for error in refused] == ["update_committing"]
+        raw.send(p.WeightsCommit("twice"))  # once more, after it committed: no such update any more
+        late = raw.receive()
+        assert isinstance(late, p.Error) and late.code == "unknown_update"
+    finally:
+        raw.close()
+    assert served(client)[2] == version + 1
+
+
+def test_versions_that_do_not_grow_are_refused_and_change_nothing(worker, client):
+    before = served(client)
+    for version in (before[2], before[2] - 1):
+        with RolloutClient(worker.address, timeout=30) as fresh:  # no memory of what was pushed: the worker refuses
+            with pytest.raises(RolloutError) as refused:
+                push_weights(fresh, tiny_model(seed=7), version=version, timeout=10)
+        assert refused.value.field == "version"
+        assert served(client) == before
