@@ -6,6 +6,7 @@ adapters are refused whole, naming the culprit."""
 
 from __future__ import annotations
 
+import copy
 import uuid
 
 import openai
@@ -88,7 +89,15 @@ def test_a_changed_base_is_sent_again_and_stale_adapters_are_refused(client, wor
     update for the trainer's base is refused, and the next push_weights carries the base again."""
     model = lora_model(3)
     push_weights(client, model)
-    push_weights(client, tiny_model(5), adapters="merged")  # a plain model: new, unnamed base weights
+    assert client.adapter == "default"
+    other = tiny_model(5)
+    push_weights(client, other, adapters="merged")  # a plain model: new, unnamed base weights
+    # The client samples the weights pushed, not the adapter on top of them (it kept "default" after a plain push)
+    assert client.adapter is None
+    sampled = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
+    reference = copy.deepcopy(other)
+    reference.generation_config.eos_token_id = None
+    assert sampled.token_ids == peft_greedy(reference, PROMPT) and sampled.adapter is None
     raw = Client(worker.address)
     try:
         specs = [p.TensorSpec("model.layers.0.self_attn.q_proj.lora_A", "float32", [8, 64])]

@@ -12,7 +12,7 @@ the workers serve unmerged under the adapter's name; the frozen base travels onc
 workers that do not hold it yet (in a multi-process trainer the main process's decision reaches every rank, which
 gather the same tensors). The client then samples with that adapter by default (`RolloutClient.adapter`).
 `adapters="merged"` sends merged weights (base + LoRA delta) under the base model's names instead, and the client
-then samples with the base. The default, `adapters="auto"`, pushes adapter-only where the workers can serve the
+then samples with the base, as after any push that is not adapter-only. The default, `adapters="auto"`, pushes adapter-only where the workers can serve the
 adapter unmerged, else merged with one warning naming why (DoRA, a trained bias, LoRA on a non-Linear layer, a rank
 above the workers' max_lora_rank, ...: `adapter_mode.py`); `adapters="adapter"` insists on adapter-only, refusing
 such an adapter by name. The model is left unmodified either way.
@@ -201,10 +201,9 @@ def push_weights(
         reason = str(refusal).removeprefix(f"{refusal.code}: ").removesuffix(f" (field {refusal.field})")
         rank_refused(model_or_named_tensors, refusal.field, reason, accelerator)
         return push_weights(client, model_or_named_tensors, preempt=preempt, **again)
-    if adapter is not None:
-        client.adapter = adapter.name
-    elif how == "merged":  # the PEFT model's policy is the served base now, not an adapter pushed before
-        client.adapter = None
+    # The pushed policy is what the client samples from now: the adapter pushed, else the base it replaced (an
+    # adapter pushed before would be sampled on top of other weights than it was trained with).
+    client.adapter = adapter.name if adapter is not None else None
     return result
 
 
