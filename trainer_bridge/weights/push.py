@@ -301,7 +301,10 @@ class WeightPush:
         except RolloutError:
             if quiet:
                 raise NoReply from None
-            raise RolloutError("timeout", f"weight update: no {what} within {self.timeout:g} s") from None
+            message = f"weight update: no {what} within {self.timeout:g} s"
+            if what == "commit":  # sent: a worker that is only slow applies it when it reads it (an abort comes after)
+                message += "; the commit was sent, so a worker that did not answer may still apply it: check stats()"
+            raise RolloutError("timeout", message) from None
         if isinstance(message, WorkerLost):  # the client declared it dead: the update goes on with the others
             if not any(link.index == index for link in self.links):
                 return  # not one of this push's workers (or already dropped)

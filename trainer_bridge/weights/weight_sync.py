@@ -131,7 +131,8 @@ def push_weights(
         A `PushResult` on the main process, None elsewhere.
     Raises:
         RolloutError: a worker rejected the update (its `field` names the culprit tensor or setting), or a phase
-            timed out; no worker changed its weights unless the error says a commit failed.
+            timed out; no worker changed its weights unless the error says a commit failed or timed out (a worker
+            that did not answer the commit may still apply it).
         ValueError: a bad argument; a `FieldError` names it: a tensor of a dtype no transport carries, or a None
             `client` in a process that is not one of several (it would push nothing).
     """
