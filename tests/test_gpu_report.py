@@ -96,7 +96,11 @@ def test_report_from_real_sections_names_every_failure(tmp_path):
     bench = (sys.executable, "-m", "rollout.benchmarks.cli", "weights", "--device", "cpu", "--dtype", "bfloat16")
     chosen = [
         gpu_report.Section(
-            "gpu-tests", "sample tests", (sys.executable, "-m", "pytest", "-q", str(test_file)), 120, True
+            "gpu-tests",
+            "sample tests",
+            (sys.executable, "-m", "pytest", "-q", f"--rootdir={test_file.parent}", str(test_file)),  # ids: its own
+            120,
+            True,
         ),
         gpu_report.Section(
             "weights", "weights", (*bench, "--size-mb", "30", "--transports", "frames", "shm", "--repeats", "1"), 240

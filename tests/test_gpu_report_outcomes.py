@@ -60,7 +60,10 @@ def _sample(tmp_path: Path, the_end: str) -> Path:
 
 
 def _pytest(path: Path, *extra: str) -> tuple[str, ...]:
-    return (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path), *extra)
+    """pytest on a sample file, its ids relative to the sample's folder: without --rootdir, pytest takes the common
+    ancestor of the file and the working directory (/tmp, for a checkout under /tmp, as CI's)."""
+    rootdir = f"--rootdir={path.parent}"
+    return (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", rootdir, str(path), *extra)
 
 
 def _junit_reference(path: Path, tmp_path: Path) -> dict[str, int]:
