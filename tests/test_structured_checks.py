@@ -74,14 +74,46 @@ def test_a_grammar_with_a_long_enough_output_is_admitted_and_followed(stops):
     info = xgrammar.TokenizerInfo.from_huggingface(TOKENIZER, vocab_size=MODEL.config.vocab_size)
     grammar = xgrammar.GrammarCompiler(info).compile_grammar("root ::= " + " | ".join(f'"{c}"' for c in choices))
     outputs = run(choice=choices, min_new_tokens=3, stop_token_ids=stops)
-    for output in outputs:
+    for output in outputs:  # each a complete output, min_new_tokens tokens before its end token: none took "a"
         matcher = xgrammar.GrammarMatcher(grammar)
         assert all(matcher.accept_token(token) for token in output.generated_tokens)
-        if output.finish_reason == "stop":  # a complete output, min_new_tokens tokens before its end token
-            assert matcher.is_terminated() and len(output.generated_tokens) > 3, output.generated_tokens
-        else:  # one that took the short path cannot end before min_new_tokens: nothing left to draw, said so
-            assert output.finish_reason == "error", (output.finish_reason, output.generated_tokens)
-    assert {output.finish_reason for output in outputs} <= {"stop", "error"}
+        assert output.finish_reason == "stop", (output.finish_reason, output.generated_tokens, output.error)
+        assert matcher.is_terminated() and len(output.generated_tokens) > 3, output.generated_tokens
+
+
+def grammar_of(choices: list[str]):
+    info = xgrammar.TokenizerInfo.from_huggingface(TOKENIZER, vocab_size=MODEL.config.vocab_size)
+    return xgrammar.GrammarCompiler(info).compile_grammar("root ::= " + " | ".join(f'"{c}"' for c in choices))
+
+
+@pytest.mark.parametrize("stops", [None, ()], ids=["default", "none"])
+def test_a_sample_never_takes_a_branch_that_ends_before_min_new_tokens(stops):
+    """ "y" favoured (logit_bias) after "x": without the look-ahead every sample took "xy", then had only the end
+    left, masked until min_new_tokens, and ended with an error. Each output is one xgrammar's matcher accepts whole,
+    with min_new_tokens tokens before its end."""
+    choices = ["xy", "xzzzzzzzzz"]
+    y = TOKENIZER("y", add_special_tokens=False)["input_ids"][-1]
+    matcher = xgrammar.GrammarMatcher(grammar_of(choices))
+    assert matcher.accept_token(TOKENIZER("x", add_special_tokens=False)["input_ids"][-1]) and matcher.accept_token(y)
+    assert not matcher.accept_token(TOKENIZER("z", add_special_tokens=False)["input_ids"][-1])  # "xy" is a dead end
+    extra = {} if stops is None else {"stop_token_ids": stops}
+    for output in run(choice=choices, min_new_tokens=4, logit_bias={y: 50.0}, **extra):
+        assert output.finish_reason == "stop", (output.generated_tokens, output.error)
+        matcher = xgrammar.GrammarMatcher(grammar_of(choices))
+        assert all(matcher.accept_token(token) for token in output.generated_tokens) and matcher.is_terminated()
+        assert TOKENIZER.decode(output.generated_tokens[:-1]) == "xzzzzzzzzz" and len(output.generated_tokens) > 4
+
+
+def test_where_the_look_ahead_does_not_search_a_dead_end_is_an_error_naming_min_tokens(monkeypatch):
+    """A grammar allowing more tokens than the look-ahead searches (here: any) is not pruned: a sample that takes a
+    branch ending sooner ends with an error naming the grammar and min_tokens, never with a short output."""
+    from rollout.engine.grammar import length_goal
+
+    monkeypatch.setattr(length_goal, "MAX_CANDIDATES", 0)
+    y = TOKENIZER("y", add_special_tokens=False)["input_ids"][-1]
+    for output in run(choice=["xy", "xzzzzzzzzz"], min_new_tokens=4, logit_bias={y: 50.0}):
+        assert output.finish_reason == "error", output.generated_tokens
+        assert "choice: the grammar allows no token" in output.error and "min_tokens=4" in output.error
 
 
 def test_a_schema_dict_whose_text_is_over_the_limit_is_refused_for_its_length():

@@ -267,7 +267,7 @@ class StepLoop:
                 request.drop_placeholder()
                 reason = NOTHING_TO_DRAW
                 if request.constraint is not None:
-                    reason = f"{request.constraint.field}: the grammar allows no token at this position"
+                    reason = request.constraint.dead_end_reason()
                 failed += self.scheduler.fail(request, reason)
         if sampled.top_logprobs is not None:
             for index, (request, _) in enumerate(step.batch.samples):

@@ -77,25 +77,43 @@ def too_short_refusal(compiled: Any, min_tokens: int, banned: frozenset[int], or
     )
 
 
-def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.ndarray) -> int | None:
-    """The longest path of tokens not banned the grammar allows before it ends, once it is below `needed`; `needed`
-    as soon as one reaches it; None when the search ran out of mask fills first. The grammar's end tokens (xgrammar's
-    stop tokens) end a path whether banned or not: the engine ends a sample whose grammar completed."""
-    info = compiled.tokenizer_info
-    matcher = xgrammar.GrammarMatcher(compiled)  # (rollbacks are unlimited in xgrammar >= 0.2)
-    bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
-    ends = np.fromiter(set(banned) | set(info.stop_token_ids), dtype=np.int64)
-    order = order[~np.isin(order, ends)]
-    bits = np.empty(info.vocab_size, dtype=bool)
+def path_order(order: np.ndarray, ends: frozenset[int] | set[int]) -> np.ndarray:
+    """The tokens a path search tries, shortest decoded first: `order` without `ends` (a path stops there).
+
+    Args:
+        order: every token id, shortest decoded first.
+        ends: the tokens that end a path (the grammar's end tokens, and stop tokens masked until min_new_tokens).
+    """
+    return order[~np.isin(order, np.fromiter(ends, dtype=np.int64, count=len(ends)))]
+
+
+def longest_path(
+    matcher: Any, vocab_size: int, needed: int, tokens: np.ndarray, max_fills: int
+) -> tuple[int | None, int]:
+    """(the longest path of `tokens` the matcher allows from where it stands, once it is below `needed`; `needed` as
+    soon as one reaches it; None when the search ran out of mask fills first, the mask fills it made). Depth first,
+    trying `tokens` in their order; the matcher is left as found (xgrammar's rollbacks are unlimited since 0.2).
+
+    Args:
+        matcher: an xgrammar GrammarMatcher, not terminated.
+        vocab_size: the grammar's vocabulary size.
+        needed: the path length that is enough.
+        tokens: the tokens a path may take, in the order tried (`path_order`).
+        max_fills: the most token masks the search may fill.
+    """
+    if needed <= 0:
+        return needed, 0
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    bits = np.empty(vocab_size, dtype=bool)
     fills = 0
 
     def candidates() -> Iterator[int]:
-        """The tokens to try next, shortest first (the ends left out: a path stops there)."""
+        """The tokens to try next, in order."""
         nonlocal fills
         fills += 1
         bits[:] = False
-        bits[allowed_tokens(matcher, bitmask, info.vocab_size)] = True
-        return iter(order[bits[order]].tolist())
+        bits[allowed_tokens(matcher, bitmask, vocab_size)] = True
+        return iter(tokens[bits[tokens]].tolist())
 
     stack, longest = [candidates()], 0
     while stack:
@@ -109,9 +127,16 @@ def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.
             continue
         depth = len(stack)  # tokens accepted on this path
         longest = max(longest, depth)
-        if depth >= needed:
-            return needed
-        if fills >= MAX_CHECK_FILLS:
-            return None
+        if depth >= needed or fills >= max_fills:
+            matcher.rollback(depth)
+            return (needed if depth >= needed else None), fills
         stack.append(candidates())
-    return longest
+    return longest, fills
+
+
+def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.ndarray) -> int | None:
+    """`longest_path` from the grammar's start, over tokens not banned. The grammar's end tokens (xgrammar's stop
+    tokens) end a path whether banned or not: the engine ends a sample whose grammar completed."""
+    info = compiled.tokenizer_info
+    tokens = path_order(order, set(banned) | set(info.stop_token_ids))
+    return longest_path(xgrammar.GrammarMatcher(compiled), info.vocab_size, needed, tokens, MAX_CHECK_FILLS)[0]

@@ -17,6 +17,7 @@ import torch
 
 from rollout.engine.grammar.cache import CheckedGrammar, GrammarCache
 from rollout.engine.grammar.checks import first_step_refusal, too_short_refusal
+from rollout.engine.grammar.length_goal import MAX_STEP_FILLS, LengthGoal, prune_short_paths
 from rollout.validation import FieldError
 
 try:
@@ -136,6 +137,16 @@ class Grammars:
                 raise FieldError(field, entry.verdicts[key])
         return entry.compiled
 
+    def length_goal(self, tokenizer: Any, vocab_size: int, min_tokens: int, ends: frozenset[int]) -> LengthGoal:
+        """What a constrained sample of this tokenizer must reach before `ends` may come (`Constrained.goal`).
+
+        Args:
+            tokenizer, vocab_size: as for `compile` (compiled with them first).
+            min_tokens: the request's min_new_tokens.
+            ends: the tokens masked until then (its stop tokens and the grammar's end tokens).
+        """
+        return LengthGoal.of(min_tokens, ends, self._grammars("grammar", tokenizer, vocab_size).order)
+
     def is_cached(self, tokenizer: Any, vocab_size: int, field: str, spec: Any) -> bool:
         """Whether `compile` of this spec finds it compiled (then it costs no compile, at most its checks). Never
         waits for a tokenizer's preparation (seconds on a large vocabulary, under the lock): a serving loop asks."""
@@ -194,12 +205,16 @@ class Constrained:
         self.compiled = compiled
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.rejected: int | None = None  # a token the grammar refused (the sample then ends with an error)
+        self.goal: LengthGoal | None = None  # min_new_tokens to reach before an end token: its masks look ahead
+        self.generated = 0  # tokens the matcher advanced past (the sample's, in order)
         # Tokens advanced past before their step was resolved (`accept_ahead`); their `accept` is then a no-op.
         self.ahead = 0
 
     def restarted(self) -> Constrained:
         """A fresh state on the same grammar (a fork of the group, before its first token)."""
-        return Constrained(self.field, self.compiled)
+        state = Constrained(self.field, self.compiled)
+        state.goal = self.goal
+        return state
 
     def accept(self, token_id: int) -> None:
         """Advance past a drawn token as its step is resolved (unless `accept_ahead` did already); a refused one is
@@ -220,6 +235,18 @@ class Constrained:
         """Feed a token to the matcher; a refused one is kept in `rejected`."""
         if not self.matcher.accept_token(token_id):
             self.rejected = token_id
+        self.generated += 1
+
+    def dead_end_reason(self) -> str:
+        """Why the sample ends with an error when its row allows no token (its grammar's mask and its bans)."""
+        reason = f"{self.field}: the grammar allows no token at this position"
+        goal = self.goal
+        if goal is not None and self.generated < goal.min_tokens:
+            reason += (
+                f": only its end or stop tokens, masked until min_tokens={goal.min_tokens} tokens came (after "
+                f"{self.generated}, on a branch that ends sooner: see min_new_tokens in docs/guides/structured-outputs.md)"
+            )
+        return reason
 
     @property
     def is_open(self) -> bool:
@@ -265,6 +292,13 @@ class GrammarMasks:
             free = [i for i in range(len(states)) if i not in chosen]
             bitmask.index_fill_(0, torch.tensor(free, dtype=torch.long), -1)
         self._batch.batch_fill_next_token_bitmask([states[row].matcher for row in rows], bitmask, rows)
+        budget = MAX_STEP_FILLS
+        for row in rows:  # short of min_new_tokens: no branch that ends sooner (length_goal.py)
+            state = states[row]
+            if state.goal is not None and state.generated < state.goal.min_tokens and budget > 0:
+                words = bitmask[row].numpy().view(np.uint32)
+                vocab = state.compiled.tokenizer_info.vocab_size
+                budget -= prune_short_paths(state.matcher, vocab, state.goal, state.generated, words, budget)
         return bitmask, rows
 
     def release(self) -> None:

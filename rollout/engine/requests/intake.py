@@ -233,6 +233,10 @@ class RequestIntake:
             # min_new_tokens tokens came, so a sample is never cut short of them by its grammar completing.
             ends = request.constraint.compiled.tokenizer_info.stop_token_ids
             request.stop_token_ids = request.stop_token_ids | frozenset(ends)
+            # ... and no sample may take a branch of the grammar that ends before them (grammar/length_goal.py).
+            request.constraint.goal = self.grammars.length_goal(
+                self.tokenizer, self.vocab_size, sampling.min_new_tokens, request.stop_token_ids
+            )
         return request
 
     def constraint(self, sampling: SamplingParams) -> Constrained | None:
