@@ -130,20 +130,22 @@ def test_mode_request_lifecycle(server_url, mode, max_tokens, inflight_finish_re
     assert ok(new_result.get("response"))
 
 
-def test_clear_cache_preserves_output_and_controls_prefix_cache(server_url):
+@pytest.mark.parametrize("mode", ["abort", "keep"])  # CHANGED: "keep" too (vLLM's code honours it there as well)
+def test_clear_cache_preserves_output_and_controls_prefix_cache(server_url, mode):
     prompt = "Paris is the capital of France. Berlin is the capital of Germany. " * 4  # CHANGED: * 4, not * 20
-    assert pause(server_url, clear_cache=True) == 200
+    prompt = f"{mode}: {prompt}"  # CHANGED: a prompt per mode (one shared worker)
+    assert pause(server_url, mode=mode, clear_cache=True) == 200
     assert resume(server_url) == 200
     baseline = gen(server_url, prompt)
     warmed = gen(server_url, prompt)
     assert cached_tokens(baseline) == 0
     assert cached_tokens(warmed) > 0
-    assert pause(server_url, clear_cache=False) == 200
+    assert pause(server_url, mode=mode, clear_cache=False) == 200
     assert resume(server_url) == 200
     preserved = gen(server_url, prompt)
     assert golden_output(preserved) == golden_output(baseline)
     assert cached_tokens(preserved) > 0
-    assert pause(server_url, clear_cache=True) == 200
+    assert pause(server_url, mode=mode, clear_cache=True) == 200
     assert resume(server_url) == 200
     cleared = gen(server_url, prompt)
     assert golden_output(cleared) == golden_output(baseline)

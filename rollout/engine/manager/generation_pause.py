@@ -42,7 +42,9 @@ class GenerationPauseCommand:
     """Pause (`mode`) or resume (`mode` None) generation; the outcome (or an exception) goes to `reply`."""
 
     mode: str | None
-    clear_cache: bool = False  # forget cached prefixes once the pause holds (modes "abort" and "wait" only)
+    # Forget cached prefixes once the pause holds, in every mode: samples a "keep" pause holds keep their own KV (its
+    # blocks stay theirs), but no later prompt finds it (vLLM's code honours clear_cache with "keep" too).
+    clear_cache: bool = False
     reply: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
 
@@ -115,7 +117,7 @@ class GenerationPause:
         their own."""
         self.state = "paused"
         self.engine.resume_admission()  # once resumed, queued requests are admitted as before
-        if command.clear_cache and command.mode != "keep":  # "keep" holds samples whose prefixes stay useful
+        if command.clear_cache:
             self.engine.reset_prefix_cache()
         waiting, self._draining = self._draining, []
         for other in waiting:

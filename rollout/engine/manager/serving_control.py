@@ -74,7 +74,8 @@ class ServingControl:
             mode: what happens to the samples in flight: "keep" (held, KV kept, go on once resumed), "wait" (run to
                 their end first; returns once none is left), "abort" (every queued and running group ends now,
                 finish_reason "abort"). vLLM's default is "abort".
-            clear_cache: forget cached prefixes once paused (modes "abort" and "wait"; "keep" keeps them).
+            clear_cache: forget cached prefixes once paused (with "keep" too: held samples keep their own KV, but no
+                later prompt finds it).
             timeout: most seconds to wait for the pause to hold (None: as long as a "wait" drain takes). On timeout
                 the pause still holds later: call `resume_generation()` to undo it.
         Returns:
