@@ -149,3 +149,80 @@ def test_preempted_lane_samples_keep_the_lane_within_its_share(unknown_lengths):
     for request in list(scheduler.waiting) + list(scheduler.running):
         scheduler.abort(request.group_id)
     runner.drain(max_steps=10)
+
+
+def test_a_short_request_runs_beside_a_group_larger_than_max_num_seqs():
+    """Client "a"'s group of 32 samples holds every one of the 16 sequence slots for its life; client "b"'s 4-token
+    request takes one of the lane's own slots and ends within a few steps (before the lane's slots it waited for the
+    group to end, 300 steps here). No step computes more than max_num_seqs sequences, and the group's samples each
+    get all their tokens (Sim checks every step's KV)."""
+    scheduler = make_scheduler(num_blocks=2000, block_size=4, max_batch_tokens=256, max_num_seqs=16)
+    assert scheduler.admission.express.seats == 1
+    runner = Sim(scheduler)
+    scheduler.add(_from("a", make_request("big", prompt(8, 100), max_new_tokens=300, n=32)))
+    for _ in range(3):
+        runner.step()
+    assert sum(1 for r in scheduler.running if r.client == "a") == 32  # forked: twice the slots
+    short = _from("b", make_request("b-short", prompt(3, 60), max_new_tokens=4))
+    scheduler.add(short)
+    steps = 0
+    while "b-short" not in runner.finished:
+        runner.step()
+        steps += 1
+        assert steps <= 6, "the short request waited behind the group"
+    assert short.num_output_tokens == 4
+    assert sum(1 for r in scheduler.running if r.client == "a") == 32  # none of a's samples preempted or ended
+    finished = runner.drain(max_steps=3000)
+    assert sum(1 for r in finished.values() if r.client == "a" and r.num_output_tokens == 300) == 32
+
+
+def test_the_lane_never_takes_more_than_its_own_slots_past_a_full_running_set():
+    """Many short requests from "b" behind a group that fills every slot: at most the lane's seats of them run at
+    once (the others wait their turn), so the group keeps max_num_seqs - seats slots every step."""
+    scheduler = make_scheduler(num_blocks=4000, block_size=4, max_batch_tokens=256, max_num_seqs=32)
+    seats = scheduler.admission.express.seats
+    assert seats == 2
+    runner = Sim(scheduler)
+    scheduler.add(_from("a", make_request("big", prompt(8, 100), max_new_tokens=200, n=48)))
+    for _ in range(3):
+        runner.step()
+    shorts = [_from("b", make_request(f"b{i}", prompt(3, 60 + i), max_new_tokens=4)) for i in range(10)]
+    for request in shorts:
+        scheduler.add(request)
+    for _ in range(40):
+        batch, _ = runner.step()
+        lane = [seq for seq in batch.sequences if seq.request.client == "b"]
+        assert len(lane) <= seats
+        assert len(batch.sequences) - len(lane) >= 32 - seats
+    assert all(r.request_id in runner.finished for r in shorts)
+    runner.drain(max_steps=3000)
+
+
+def test_a_lane_request_beside_a_group_larger_than_max_num_seqs_keeps_transformers_tokens():
+    """Through the engine: client "a"'s sampled group of 12 holds all 8 sequence slots; client "b"'s greedy request
+    runs in the lane's slot, ends while the group still runs, and its tokens are transformers' greedy `generate`'s."""
+    model = tiny_model()
+    reference = reference_copy(model)
+    engine = make_engine(model, num_blocks=400, block_size=4, max_batch_tokens=256, max_num_seqs=8)
+    try:
+        sampling = SamplingParams(do_sample=True, seed=3, max_new_tokens=200, stop_token_ids=())
+        group = engine.intake.prepare(GroupSpec("a", prompt(10, 5), sampling, 12))
+        group.client = "a"
+        engine.submit(group)
+        for _ in range(2):
+            engine.step()
+        greedy = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
+        short = engine.intake.prepare(GroupSpec("b", prompt(3, 40), greedy, 1))
+        short.client = "b"
+        engine.submit(short)
+        finished, steps = [], 0
+        while not finished:
+            finished = [o.request_id for o in engine.step() if o.is_finished]
+            steps += 1
+            assert steps <= 8, "b waited behind the group"
+        assert finished == ["b"]
+    finally:
+        engine.cancel(*engine.open_group_ids())
+        engine.close()
+    expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
+    assert short.token_ids[3:] == expected[0, 3:].tolist()

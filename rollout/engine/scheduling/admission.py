@@ -131,18 +131,19 @@ class AdmissionGate:
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
         self.growth = GrowthReserve(block_manager.block_size)
-        self.express = ExpressLane(block_manager.num_blocks, block_manager.block_size)
+        self.express = ExpressLane(block_manager.num_blocks, block_manager.block_size, max_num_seqs)
         self._step_growth: int | None = None  # the running requests' expected growth, summed once a step
         self._prefilling: list[Request] | None = None  # running requests with more than a decode left to compute
         self._step_sequences: int | None = None  # sequences of the running requests, their unforked samples included
         self._future_peak: FuturePeak | None = None  # the running requests' lifetimes (known lengths)
         self._express_room: int | None = None  # the express lane's blocks left this step
+        self._express_seats: int | None = None  # the express lane's sequence slots left this step
 
     def new_step(self) -> None:
         """Forget the per-step sums (the running set changed) and let the growth ratio decay."""
         self.growth.step()
         self._step_growth = self._prefilling = self._step_sequences = self._future_peak = None
-        self._express_room = None
+        self._express_room = self._express_seats = None
 
     def admits(
         self, request: Request, blocks: int, running: list[Request], chunk_end: int, prefix_blocks: list[int]
@@ -197,22 +198,25 @@ class AdmissionGate:
             self.growth.finished(request.num_output_tokens, request.max_new_tokens)
 
     def express_room(self, running: list[Request]) -> int:
-        """The blocks the express lane (`express_lane.py`) has room for now (0 while no sequence slot is free, since
-        a request admitted through it still needs one). Summed at most once a step.
+        """The blocks the express lane (`express_lane.py`) has room for now (0 while no sequence slot is free, in
+        the running set or among the lane's own, since a request admitted through it still needs one). Summed at most
+        once a step.
 
         Args:
             running: the running requests.
         """
         if self._express_room is None:
             self._express_room = self.express.capacity - self.express.used(running)
+            self._express_seats = self.express.seats - self.express.sequences(running)
         if self._step_sequences is None:
             self._step_sequences = sum(1 + r.num_forks for r in running)
-        return self._express_room if self._step_sequences < self.max_num_seqs else 0
+        seated = self._step_sequences < self.max_num_seqs or self._express_seats > 0
+        return self._express_room if seated else 0
 
     def admits_express(self, request: Request, reserve: int, running: list[Request]) -> bool:
         """True when `request` may be admitted through the express lane: the lane has room for its life's blocks,
-        those blocks (with `reserve`) are free now, and a sequence slot is free. Counts it in the lane and among the
-        step's sequences.
+        those blocks (with `reserve`) are free now, and a sequence slot is free for each of its samples, in the
+        running set or among the lane's own. Counts it in the lane and among the step's sequences.
 
         Args:
             request: the candidate, which `admits` refused or which waits behind a request it refused.
@@ -222,11 +226,15 @@ class AdmissionGate:
         life = life_blocks(request, self.block_manager.block_size)
         if not self.express.eligible(request) or life > self.express_room(running):
             return False
-        if not self.block_manager.can_allocate(life + reserve) or (running and not self._has_room(request, running)):
+        if not self.block_manager.can_allocate(life + reserve):
+            return False
+        sequences = 1 + request.num_forks
+        if running and not self._has_room(request, running) and sequences > self._express_seats:
             return False
         self.express.took(request)
         self._express_room -= life
-        self._step_sequences += 1 + request.num_forks
+        self._express_seats -= sequences
+        self._step_sequences += sequences
         return True
 
     def _has_room(self, request: Request, running: list[Request]) -> bool:

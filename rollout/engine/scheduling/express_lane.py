@@ -9,10 +9,13 @@ would hold a few blocks for a few steps.
 
 So a request whose whole life fits in the lane (its prompt and max_new_tokens, every sample of its group counted:
 `life_blocks`) is admitted when its life's blocks are free now and the lane has room for them, whatever the
-reserve and whatever waits ahead of it; it still needs a free sequence slot. The lane's room is
-`EXPRESS_FRACTION` of the cache (at least one block), minus the shares of the lane's samples still running: however
-many short requests arrive, they take that share at most, and the running requests may have to give back at most
-that share (preemption, as when their growth outruns the reserve). Admitted through the lane or not, a request is
+reserve and whatever waits ahead of it. The lane's room is `EXPRESS_FRACTION` of the cache (at least one block),
+minus the shares of the lane's samples still running: however many short requests arrive, they take that share at
+most, and the running requests may have to give back at most that share (preemption, as when their growth outruns
+the reserve). The lane has sequence slots of its own too, `EXPRESS_SEQ_FRACTION` of `max_num_seqs` (at least one),
+used when the running set has none left (a group of more samples than `max_num_seqs` fills it for its whole life):
+a step computes the lane's samples first, and the others in the slots left, so the running set may exceed
+`max_num_seqs` by the lane's slots while a step never does. Admitted through the lane or not, a request is
 the same request: its tokens do not depend on how it was admitted. Its length does not teach the growth reserve
 (`AdmissionGate.finished`): the reserve's estimate is of the requests it admits. A preempted sample does not come
 back through the lane (it would be preempted again at once), and the lane closes behind a request that may only be
@@ -27,6 +30,7 @@ from rollout.engine.requests.request import Request
 from rollout.engine.scheduling.block_manager import cdiv
 
 EXPRESS_FRACTION = 0.02  # the share of the cache's blocks the lane's running samples may hold at once
+EXPRESS_SEQ_FRACTION = 1 / 16  # the share of max_num_seqs the lane's samples may take past a full running set
 
 
 def life_blocks(request: Request, block_size: int) -> int:
@@ -60,14 +64,16 @@ class ExpressLane:
     leaves it by leaving the running ones, and one readmitted otherwise carries none.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, fraction: float = EXPRESS_FRACTION):
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, fraction: float = EXPRESS_FRACTION):
         """
         Args:
             num_blocks: the cache's blocks.
             block_size: tokens per block.
+            max_num_seqs: most sequences a step computes.
             fraction: the share of the blocks the lane may hold at once.
         """
         self.capacity = max(1, int(num_blocks * fraction))
+        self.seats = max(1, int(max_num_seqs * EXPRESS_SEQ_FRACTION))  # sequence slots past a full running set
         self.block_size = block_size
         self.num_blocks = num_blocks
 
@@ -79,6 +85,15 @@ class ExpressLane:
             running: the running requests.
         """
         return sum(request.express_blocks for request in running)
+
+    @staticmethod
+    def sequences(running: Iterable[Request]) -> int:
+        """The sequences of the lane's running samples (a leader's unforked samples included).
+
+        Args:
+            running: the running requests.
+        """
+        return sum(1 + request.num_forks for request in running if request.express_blocks)
 
     def eligible(self, request: Request) -> bool:
         """Whether `request` may take the lane at all: its whole life fits in the lane, and it has sampled nothing yet

@@ -1,8 +1,10 @@
 """One step's batch, built from the scheduler's queues within the step's token budget and sequence cap; the
 scheduler (`scheduler.py`) runs the phases in its policy's order and owns the queues they move requests between.
 
-- Running requests: decodes first, then unfinished prefill chunks, oldest first. When blocks run out, the running
-  request that loses the fewest tokens (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
+- Running requests: the express lane's first (the lane's own sequence slots may put the running set past
+  `max_num_seqs`: its samples are computed, the others in the slots left), then decodes, then unfinished prefill
+  chunks, oldest first. When blocks run out, the running request that loses the fewest tokens
+  (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
 - Swapped-out requests: swapped back in, oldest preemption first.
 - Waiting requests (new or preempted), in arrival order, each through the admission gate
   (`rollout.engine.scheduling.admission`); one that cannot fit even in an empty cache ends with an error. Past one
@@ -84,12 +86,15 @@ class StepBuilder:
         # A request whose last (unresolved) token reached max_new_tokens computes nothing more: it only waits for
         # `resolve` to finish it, and is never preempted meanwhile (its output reports the KV it holds).
         finishing = False
+        lane: list[Request] = []  # the express lane's samples, with anything to compute
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in scheduler.running:  # one pass, properties inlined: it runs for every running request at every step
             num_tokens = len(r.token_ids)
             if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
                 finishing = True
+            elif r.express_blocks and num_tokens > r.num_computed_tokens:
+                lane.append(r)
             elif num_tokens - r.num_computed_tokens == 1:
                 decodes.append(r)
             elif num_tokens - r.num_computed_tokens > 1:
@@ -100,10 +105,14 @@ class StepBuilder:
         drafter = scheduler.drafter
         # Drafts only in the long tail: a thin decoding batch with nothing queued (a queued request wants the blocks
         # and the token budget, and admitting it pays more).
-        if drafter is not None and (scheduler.waiting or scheduler.swapped or not drafter.speculates(len(decodes))):
+        if drafter is not None and (
+            scheduler.waiting or scheduler.swapped or not drafter.speculates(len(lane) + len(decodes))
+        ):
             drafter = None
-        later_decodes = len(decodes)  # decodes after the current one: drafts take only the budget they leave
-        for request in decodes + prefills:  # each appears once: only scheduled_before can hold it already
+        later_decodes = len(lane) + len(
+            decodes
+        )  # decodes after the current one: drafts take only the budget they leave
+        for request in lane + decodes + prefills:  # each appears once: only scheduled_before can hold it already
             later_decodes -= 1
             if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
                 return
@@ -176,7 +185,13 @@ class StepBuilder:
         manager, admission = scheduler.block_manager, scheduler.admission
         deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
         express_only = False  # a request did not fit: only the express lane admits for the rest of this step
-        while not batch.num_preempted and self.budget > 0 and len(batch.sequences) < scheduler.max_num_seqs:
+        while not batch.num_preempted and self.budget > 0:
+            # Every sequence slot of the step is taken: the lane may still admit into its own slots, for the next
+            # step to compute (first, as it computes the lane's samples).
+            seated = len(batch.sequences) < scheduler.max_num_seqs
+            if not seated and not admission.express_room(scheduler.running):
+                return
+            express_only = express_only or not seated
             request = self._next_admissible(deferred)
             if request is None:
                 return
@@ -233,8 +248,9 @@ class StepBuilder:
             if request.started_time < 0:
                 request.started_time = time.perf_counter()
             scheduler.running.append(request)
-            self._add(request, num_new)
-            self.budget -= num_new
+            if seated:
+                self._add(request, num_new)
+                self.budget -= num_new
 
     def _next_admissible(self, skip: int) -> Request | None:
         """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
