@@ -70,10 +70,12 @@ class ExpressLane:
             num_blocks: the cache's blocks.
             block_size: tokens per block.
             max_num_seqs: most sequences a step computes.
-            fraction: the share of the blocks the lane may hold at once.
+            fraction: the share of the blocks the lane may hold at once (0: the lane is closed, as before it was
+                built; `rollout-bench fairness` measures against that).
         """
-        self.capacity = max(1, int(num_blocks * fraction))
-        self.seats = max(1, int(max_num_seqs * EXPRESS_SEQ_FRACTION))  # sequence slots past a full running set
+        opened = fraction > 0
+        self.capacity = max(1, int(num_blocks * fraction)) if opened else 0
+        self.seats = max(1, int(max_num_seqs * EXPRESS_SEQ_FRACTION)) if opened else 0  # slots past a full set
         self.block_size = block_size
         self.num_blocks = num_blocks
 
