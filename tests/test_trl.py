@@ -284,7 +284,7 @@ def fake_trainer(tmp_path):
         processing_class=TOKENIZER,
         rollout_workers=fake,
     )
-    trainer.rollout.sync_weights = lambda: None  # no worker to push to
+    trainer.rollout.sync_weights = lambda version=None: None  # no worker to push to
     return trainer, fake
 
 
@@ -311,10 +311,14 @@ def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp
 
 
 def test_a_round_on_stale_workers_says_what_a_trl_user_can_do(fake_trainer, monkeypatch):
-    """The client's own advice (push the weights again) is not a TRL user's to follow mid-train(): the error says
-    what is (resume, or max_staleness >= 1), keeping the client's account of the workers' versions."""
+    """Workers still stale after the step's weights were pushed again (once, at the same version): the client's own
+    advice (push again) is not a TRL user's to follow mid-train(), so the error says what is (resume, or
+    max_staleness >= 1), keeping the client's account of the workers' versions."""
     trainer, fake = fake_trainer
     reason = "every live rollout worker serves weights older than version 43: fake (version 41). push again."
+    pushes = []
+    trainer.rollout._last_version = 43
+    monkeypatch.setattr(trainer.rollout, "sync_weights", lambda version=None: pushes.append(version))
 
     def stale(groups, timeout=None):
         raise RolloutError("stale_workers", reason)
@@ -324,6 +328,8 @@ def test_a_round_on_stale_workers_says_what_a_trl_user_can_do(fake_trainer, monk
     with pytest.raises(RolloutError, match="max_staleness >= 1") as failed:
         trainer._generate_single_turn([[11, 12, 13]] * 4, None, {}, 4)
     assert failed.value.code == "stale_workers" and "fake (version 41)" in str(failed.value)
+    assert pushes[-1] == 43 and pushes.count(43) == 1  # (None: the round's own push, as TRL asks for it)
+    assert "pushed again once, in vain" in str(failed.value)
 
 
 def test_rows_become_groups_with_the_grpo_sampling(fake_trainer):

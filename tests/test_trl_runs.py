@@ -1,5 +1,6 @@
 """trainer_bridge.trl: what a TRL user meets across runs: the seed reproduces the sampling (as TRL's own generation
-does), a temperature TRL's loss cannot divide by is refused by name, and a push waits for a restarted worker.
+does), a temperature TRL's loss cannot divide by is refused by name, a push waits for a restarted worker, and a
+worker restarted between a push and its round gets the step's weights again.
 
 References: TRL's own GRPOTrainer (use_vllm=False) on the same tiny model and seed, and the worker's own counters."""
 
@@ -147,6 +148,43 @@ def test_a_push_waits_for_a_restarted_worker_and_names_one_that_never_comes_back
                 trainer(client, KillAfterStep1(), 3).train()
             assert lost.value.code == "no_workers"
             assert time.monotonic() - started >= 3
+    finally:
+        worker.close()
+        for server in restarted:
+            server.close()
+
+
+def test_a_worker_restarted_between_the_push_and_the_round_gets_the_steps_weights_again(tmp_path):
+    """max_staleness=0: the only worker is SIGKILLed right after step 1's push and restarted at its address, with
+    the base weights; the round may not use them. The trainer pushes step 1's weights again, at the same version,
+    sends the round again and trains on (the round failed with "stale_workers" before)."""
+    worker = Worker()
+    restarted: list[Worker] = []
+    try:
+        with RolloutClient(worker.address, timeout=90, heartbeat_s=0.2, dead_after_s=1.5, connect_timeout=2) as client:
+            run = RolloutGRPOTrainer(
+                model=tiny_model(0),
+                reward_funcs=Recorder(),
+                args=grpo_config(tmp_path, max_steps=3),
+                train_dataset=dataset(),
+                processing_class=tiny_tokenizer(),
+                rollout_workers=client,
+            )
+            push = run.rollout.sync_weights
+
+            def push_then_restart(version=None):
+                push(version)
+                if run.state.global_step == 1 and not restarted:
+                    worker.process.send_signal(signal.SIGKILL)
+                    worker.process.wait()
+                    restarted.append(Worker(address=worker.address))
+
+            run.rollout.sync_weights = push_then_restart
+            run.train()
+            assert run.state.global_step == 3 and restarted
+            stats = restarted[0].stats()
+            assert stats["weight_updates"] == 2  # step 1's weights again, then step 2's
+            assert stats["policy_version"] == run.rollout.base_version + 2
     finally:
         worker.close()
         for server in restarted:

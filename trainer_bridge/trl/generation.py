@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from trainer_bridge.weights.lora_push import served_adapter_name
 from trainer_bridge.weights.weight_sync import push_weights
 
 __all__ = ["RolloutGeneration", "RolloutRows"]
+
+logger = logging.getLogger("trainer_bridge.trl")
 
 
 @dataclass
@@ -104,13 +107,18 @@ class RolloutGeneration:
                 )
             time.sleep(0.05)
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, version: int | None = None) -> None:
         """Push the trainer's weights (every rank calls this; only the main process sends). With no worker live, or
         every one lost during the push, the main process waits for one to come back (a restart) up to the client's
-        timeout and every rank pushes again."""
+        timeout and every rank pushes again.
+
+        Args:
+            version: the policy version to push at (default: the next one, base + global step; a round whose every
+                worker restarted after the push pushes the last one again).
+        """
         trainer = self.trainer
         main = trainer.accelerator.is_main_process
-        version = self._next_version()
+        version = self._next_version() if version is None else version
         deadline = time.monotonic() + getattr(self.client, "timeout", 0.0)
         while True:
             failure: BaseException | None = None
@@ -179,19 +187,42 @@ class RolloutGeneration:
         )
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
-        try:
-            yield from self.client.generate_many(groups)
-        except RolloutError as error:
-            if error.code != "stale_workers":
-                raise
-            # The client's advice (push again) is not the TRL user's to follow mid-train(): say what is.
-            reason = str(error).removeprefix("stale_workers: ")
-            raise RolloutError(
-                "stale_workers",
-                f"{reason} In RolloutGRPOTrainer: a worker restarted after step {self.trainer.state.global_step}'s "
-                "push serves older weights, which this round may not use (max_staleness=0); resume from the last "
-                "checkpoint, or train with max_staleness >= 1, whose next push brings a restarted worker back",
-            ) from None
+        """The groups' results as they finish. Every worker restarted after this step's push (they serve older
+        weights, which a round may not use with max_staleness=0): in a single process, the step's weights are pushed
+        again, at the same version, and the groups not finished yet are sent again (seeded: they sample what they
+        would have). With several processes a push is a collective of every rank, which this rank cannot start
+        alone: the round fails, saying what a TRL user can do."""
+        finished: set[str] = set()
+        pushed_again = False
+        while True:
+            try:
+                for result in self.client.generate_many([g for g in groups if g.group_id not in finished]):
+                    finished.add(result.group_id)
+                    yield result
+                return
+            except RolloutError as error:
+                if error.code != "stale_workers":
+                    raise
+                step = self.trainer.state.global_step
+                if pushed_again or self._last_version is None or self.trainer.accelerator.num_processes > 1:
+                    # The client's advice (push again) is not the TRL user's to follow mid-train(): say what is.
+                    reason = str(error).removeprefix("stale_workers: ")
+                    again = " (pushed again once, in vain)" if pushed_again else ""
+                    raise RolloutError(
+                        "stale_workers",
+                        f"{reason} In RolloutGRPOTrainer: a worker restarted after step {step}'s push serves older "
+                        f"weights{again}, which this round may not use (max_staleness=0); resume from the last "
+                        "checkpoint, or train with max_staleness >= 1, whose next push brings a restarted worker back",
+                    ) from None
+                logger.warning(
+                    "every rollout worker serves weights older than step %d's (%s): a worker restarted after the push; "
+                    "pushing them again at version %d",
+                    step,
+                    str(error).removeprefix("stale_workers: "),
+                    self._last_version,
+                )
+                self.sync_weights(self._last_version)
+                pushed_again = True
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs, None) for the rows, each token's
