@@ -37,17 +37,17 @@ import inspect
 from typing import Any
 
 import trl
-from accelerate.utils import broadcast_object_list
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 from rollout.invariant.mode import batch_invariant as batch_invariant_forward
-from trainer_bridge.client import RolloutClient, RolloutError
+from trainer_bridge.client import RolloutClient
 from trainer_bridge.partial_rounds import DEFAULT_MAX_PARTIAL_ROUNDS, DEFAULT_OVERPROVISION, check_partial
 from trainer_bridge.trl.generation import RolloutGeneration, RolloutRows
 from trainer_bridge.trl.invariant_logps import InvariantScoringMixin
 from trainer_bridge.trl.old_logps import recorded_old_logps
 from trainer_bridge.trl.routes import RoutingReplayMixin, check_routing_replay
+from trainer_bridge.trl.server_mode import server_generation
 from trainer_bridge.trl.settings import (
     check_batch_invariant,
     check_invariant_push,
@@ -220,7 +220,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
             if batch_invariant:
                 check_invariant_push(self.model, rollout_push_kwargs, self.accelerator)
             try:
-                self.rollout = self._server_generation(rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
+                self.rollout = server_generation(self, rollout_workers, rollout_push_kwargs, rollout_client_kwargs)
             except BaseException:  # a client the trainer made is the trainer's to close (its I/O thread, sockets)
                 if self.rollout_client is not None and self.rollout_client is not rollout_workers:
                     self.rollout_client.close()
@@ -296,75 +296,3 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         from trainer_bridge.trl.async_mode import LookaheadLoader
 
         return LookaheadLoader(loader, self.rollout.start_epoch)
-
-    def _server_generation(
-        self, workers: Any, push_kwargs: dict[str, Any] | None, client_kwargs: dict[str, Any] | None
-    ) -> RolloutGeneration:
-        """The backend of "server" mode: this rank's client, and the policy version the workers start from."""
-        self._owns_rollout_client = not isinstance(workers, RolloutClient)
-        if isinstance(workers, RolloutClient):
-            client = workers
-        elif callable(getattr(workers, "client", None)):  # a rollout.ray.RolloutFleet: a client that follows it
-            client = workers.client(**(client_kwargs or {}))
-        else:
-            client = RolloutClient(workers, **(client_kwargs or {}))
-        self.rollout_client = client
-        # The workers may have served other weights before: version base + step is this run's weights at `step`.
-        # (A collective here, at construction, never inside generate.)
-        # [version or error, a refusal of batch_invariant, the workers' devices, their dtypes]
-        current: list[Any] = [0, None, [], []]
-        if self.accelerator.is_main_process:
-            try:
-                stats = client.stats()
-                devices = sorted({str(s.get("device", "unknown")) for s in stats})
-                dtypes = sorted({str(s.get("dtype", "unknown")) for s in stats})
-                current = [max((s["policy_version"] for s in stats), default=0), None, devices, dtypes]
-                plain = sum(1 for s in stats if not s.get("batch_invariant", False))
-                fp32_head = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
-                other_head = sum(1 for s in stats if bool(s.get("fp32_logits", False)) != fp32_head)
-                if self.batch_invariant and plain:
-                    current[1] = (
-                        f"batch_invariant=True: {plain} of {len(stats)} workers do not run batch-invariant; start them "
-                        "with rollout-worker --batch-invariant"
-                    )
-                elif self.batch_invariant and other_head:
-                    current[1] = (
-                        f"batch_invariant=True: {other_head} of {len(stats)} workers compute their head "
-                        f"{'without' if fp32_head else 'with'} --fp32-logits, the trainer's GRPOConfig."
-                        f"cast_lm_head_to_fp32 is {fp32_head}"
-                    )
-            except Exception as error:  # noqa: BLE001 - handed to every rank
-                current = [f"cannot read the workers' policy version: {error}", None, [], []]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(current, from_process=0)
-        if isinstance(current[0], str):
-            raise RolloutError("unreachable", current[0])
-        if current[1] is not None:
-            raise ValueError(current[1])
-        self._worker_placement = current[2:]  # where and in which dtype the workers compute log-probs (old_logps.py)
-        if self.partial_rollouts:
-            from trainer_bridge.trl.partial import PartialRolloutGeneration
-
-            rounds, overprovision = self._partial_settings
-            return PartialRolloutGeneration(
-                self,
-                client,
-                current[0] + 1,
-                max_staleness=self.max_staleness,
-                stale_policy=self.stale_policy,
-                max_partial_rounds=rounds,
-                partial_overprovision=overprovision,
-                **(push_kwargs or {}),
-            )
-        if self.max_staleness:
-            from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
-
-            return AsyncRolloutGeneration(
-                self,
-                client,
-                current[0] + 1,
-                max_staleness=self.max_staleness,
-                stale_policy=self.stale_policy,
-                **(push_kwargs or {}),
-            )
-        return RolloutGeneration(self, client, current[0] + 1, **(push_kwargs or {}))
