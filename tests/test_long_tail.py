@@ -11,7 +11,7 @@ import torch
 
 from rollout.benchmarks import cli
 from rollout.benchmarks.gpu_report.table import rows
-from rollout.benchmarks.grpo import long_tail
+from rollout.benchmarks.grpo import long_tail, long_tail_table
 from rollout.benchmarks.grpo.long_tail import measure
 from rollout.benchmarks.grpo.long_tail_flags import Shape
 from rollout.benchmarks.grpo.long_tail_probe import STUB_VOCAB
@@ -122,7 +122,7 @@ def test_time_budget_cuts_the_run_and_says_so(workload):
     summary = measure(*workload, cache_fraction=0.3, time_budget_s=1e-9, progress=False)
     assert summary["finished"] is False and summary["samples_finished"] < summary["samples"]
     assert summary["last_over_median_finish"] is None and summary["recomputed_tokens"] >= 0
-    line = long_tail._finish_line(summary)  # the table's row says why there is none, not "None (None s / None s)"
+    line = long_tail_table.finish_line(summary)  # the table's row says why there is none, not "None (None s / None s)"
     assert "None" not in line and f"{summary['samples_finished']} of {summary['samples']} samples finished" in line
 
 
