@@ -60,6 +60,50 @@ def test_failing_forward_ends_its_requests_with_error_and_engine_goes_on(monkeyp
     engine.block_manager.check_all_free()
 
 
+def test_a_step_that_fails_for_one_requests_sake_ends_that_request_alone(monkeypatch):
+    """A launch that raises whenever request "bad" is in the step: the first step (every group's prompt) fails; each
+    group is then tried in a step of its own, "bad" ends with the error, and the other groups, sampled and greedy,
+    get the tokens transformers' `generate` gives (greedy) and those of a run without "bad" (seeded sampling). A
+    flaky forward that fails one step with a single group in it still ends that group at once."""
+    model = tiny_model("llama")
+    reference = reference_copy(model)
+    prompts = make_prompts(4, 6, 12, seed=3)
+    sampled = SamplingParams(do_sample=True, seed=5, temperature=0.8, stop_token_ids=())
+
+    def run(with_bad: bool) -> dict:
+        engine = make_engine(reference_copy(model))
+        real_sample = engine.sampler.sample
+        fails = {"n": 0}
+
+        def sample(logits, samples, *args, **kwargs):
+            if any(request.group_id == "bad" for request, _ in samples):
+                fails["n"] += 1
+                raise ValueError("bad's sampling parameters broke the step")
+            return real_sample(logits, samples, *args, **kwargs)
+
+        monkeypatch.setattr(engine.sampler, "sample", sample)
+        engine.add_request("greedy", prompts[0], GREEDY, max_new_tokens=8)
+        engine.add_request("sampled", prompts[1], sampled, max_new_tokens=8, n=3)
+        if with_bad:
+            engine.add_request("bad", prompts[2], GREEDY, max_new_tokens=8)
+        engine.add_request("greedy2", prompts[3], GREEDY, max_new_tokens=8)
+        outputs = run_to_completion(engine)
+        engine.block_manager.check_all_free()
+        assert fails["n"] == (2 if with_bad else 0)  # the shared step, then bad's own
+        return outputs
+
+    outputs, without = run(True), run(False)
+    assert outputs["bad"].finish_reason == "error" and "broke the step" in outputs["bad"].error
+    for name, prompt in (("greedy", prompts[0]), ("greedy2", prompts[3])):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert outputs[name].generated_tokens == expected[0, len(prompt) :].tolist()
+    sampled_ids = [key for key in outputs if key.startswith("sampled")]
+    assert len(sampled_ids) == 3
+    for key in sampled_ids:
+        assert outputs[key].finish_reason == "length"
+        assert outputs[key].generated_tokens == without[key].generated_tokens
+
+
 def test_close_restores_attention_and_aborts_leftovers():
     """close() ends unfinished requests and gives the model its attention implementation back; the model then
     generates as before."""

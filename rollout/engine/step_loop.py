@@ -143,7 +143,9 @@ class StepLoop:
             self.in_flight = None
             outputs += self._resolve(previous)
         if failure is not None:
-            outputs += self._end_with_error({seq.request.group_id for seq in batch.sequences}, failure)
+            outputs += self._after_failed_launch(batch, failure)
+        elif launched is not None and self.scheduler.suspects.groups:
+            self.scheduler.suspects.clear({seq.request.group_id for seq in batch.sequences})
         if launched is not None and (not self.overlap_scheduling or launched.logits is not None):
             self.counters.overlap_lost_steps += self.overlap_scheduling
             self._advance(launched)  # a drafted step is verified at once: its samples' next drafts need its tokens
@@ -279,6 +281,28 @@ class StepLoop:
         finished = [r for r in resolved if r.status == done]
         streaming = [r for r in resolved if r.streaming and r.status != done]
         return failed + finished + streaming
+
+    def _after_failed_launch(self, batch: ScheduledBatch, error: BaseException) -> list[GenerationOutput]:
+        """A step's launch raised. One group in it: that group ends with the error. Several: which one failed is
+        not known, so each of its samples still running goes back to be recomputed (its KV quarantined) and each
+        group is tried in a step of its own (`scheduling/suspects.py`); none ends now."""
+        groups = {seq.request.group_id for seq in batch.sequences} | {r.group_id for r, _ in batch.samples}
+        if len(groups) == 1:
+            self.scheduler.suspects.clear(groups)
+            return self._end_with_error(groups, error)
+        logger.warning(
+            "retrying the %d groups of the failed step one at a time, to end only the one that failed", len(groups)
+        )
+        requests = {id(seq.request): seq.request for seq in batch.sequences}
+        requests.update((id(request), request) for request, _ in batch.samples)
+        for request in requests.values():
+            if request.status == RequestStatus.RUNNING:
+                request.drop_placeholder()
+                self.block_manager.quarantine(request)
+                self.scheduler.recompute(request)
+                self.sampler.release(request)
+        self.scheduler.suspects.add(groups)
+        return []
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
         """End every sample of these groups with finish_reason "error"; their outputs."""

@@ -30,6 +30,7 @@ from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.client_turns import ClientTurns
 from rollout.engine.scheduling.step_builder import Drafter, StepBuilder
+from rollout.engine.scheduling.suspects import Suspects
 
 
 class Scheduler:
@@ -65,6 +66,8 @@ class Scheduler:
         self.admitting = True
         # Proposes draft tokens for thin decoding batches (speculative decoding); None: never.
         self.drafter: Drafter | None = None
+        # The groups of a failed step, each tried in a step of its own (`suspects.py`).
+        self.suspects = Suspects()
 
     # ---- queue management -------------------------------------------------------------------------------------
     def next_arrival(self) -> int:
@@ -156,6 +159,11 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
+        if self.suspects.groups:
+            solo = self.suspects.solo_step(self)
+            if solo is not None:
+                solo.zero_blocks = self.block_manager.take_stale()
+                return solo
         step = StepBuilder(self)
         self.admission.new_step()
         if self.policy == "prefill_first":

@@ -45,12 +45,19 @@ class SchedulerQueues(Protocol):
     admitting: bool
     drafter: Drafter | None
     turns: ClientTurns
+    suspects: Suspected
 
     def next_arrival(self) -> int: ...
 
     def preempt(self, request: Request, batch: ScheduledBatch) -> None: ...
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]: ...
+
+
+class Suspected(Protocol):
+    """The groups of a failed step, not admitted with others (`suspects.Suspects`)."""
+
+    groups: set[str]
 
 
 class Drafter(Protocol):
@@ -109,9 +116,8 @@ class StepBuilder:
             scheduler.waiting or scheduler.swapped or not drafter.speculates(len(lane) + len(decodes))
         ):
             drafter = None
-        later_decodes = len(lane) + len(
-            decodes
-        )  # decodes after the current one: drafts take only the budget they leave
+        # Decodes after the current one: drafts take only the budget they leave.
+        later_decodes = len(lane) + len(decodes)
         for request in lane + decodes + prefills:  # each appears once: only scheduled_before can hold it already
             later_decodes -= 1
             if self.budget == 0 or len(sequences) >= scheduler.max_num_seqs:
@@ -133,6 +139,11 @@ class StepBuilder:
                     self.budget -= 1
                     continue
             num_new = min(remaining, self.budget)
+            if request.express_blocks and remaining > 1:
+                # A lane prefill chunk leaves the decodes behind it a token each, as when decodes came first: a prompt
+                # as long as the lane's share (thousands of tokens) would take whole steps from every decode.
+                seats = scheduler.max_num_seqs - len(sequences) - 1
+                num_new = min(num_new, max(1, self.budget - min(len(decodes), seats)))
             needed = manager.blocks_needed(request, num_new)
             while not manager.can_allocate(needed):
                 if finishing:
@@ -170,6 +181,8 @@ class StepBuilder:
                 return
             swapped.popleft()
             batch.swap_in += manager.swap_in(request)
+            # Back through the gate: no share of the lane (the lane let others into the share it left when swapped).
+            request.express_blocks = 0
             request.status = RequestStatus.RUNNING
             scheduler.running.append(request)
             self._add(request, num_new)
@@ -255,10 +268,13 @@ class StepBuilder:
     def _next_admissible(self, skip: int) -> Request | None:
         """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
         the first `skip` of them."""
-        waiting = self.scheduler.waiting
-        if self.scheduler.admitting:
+        waiting, suspects = self.scheduler.waiting, self.scheduler.suspects.groups
+        if self.scheduler.admitting and not suspects:
             return waiting[skip] if skip < len(waiting) else None
-        return next(itertools.islice((r for r in waiting if r.num_output_tokens > 0), skip, None), None)
+        admissible = (
+            r for r in waiting if (self.scheduler.admitting or r.num_output_tokens > 0) and r.group_id not in suspects
+        )
+        return next(itertools.islice(admissible, skip, None), None)
 
     def _add_drafted(self, drafter: Drafter, request: Request, reserved: int) -> bool:
         """Schedule a decode with the draft tokens the drafter proposes for it, when it proposes some and their
