@@ -226,3 +226,53 @@ def test_a_lane_request_beside_a_group_larger_than_max_num_seqs_keeps_transforme
         engine.close()
     expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
     assert short.token_ids[3:] == expected[0, 3:].tolist()
+
+
+def test_a_lane_prefill_leaves_the_group_its_decodes():
+    """Client "a"'s group of 32 holds every one of the 16 sequence slots; client "b" keeps sending requests whose
+    prompts are as long as the lane's share (150 tokens, the step's budget 64). The lane's samples are computed
+    first, but a lane prefill chunk takes only the budget the group's decodes leave: every step computes 15 of the
+    group's samples (before, a lane prefill took whole steps' budgets, and the group got no token in them), and b's
+    requests still end, a few steps each."""
+    scheduler = make_scheduler(num_blocks=2000, block_size=4, max_batch_tokens=64, max_num_seqs=16)
+    seats = scheduler.admission.express.seats
+    assert life_blocks(make_request("b", prompt(150), max_new_tokens=2), 4) <= scheduler.admission.express.capacity
+    runner = Sim(scheduler)
+    scheduler.add(_from("a", make_request("big", prompt(8, 100), max_new_tokens=300, n=32)))
+    for _ in range(3):
+        runner.step()
+    sent = 0
+    for _ in range(60):
+        while sum(1 for r in scheduler.waiting if r.client == "b") < 2:
+            scheduler.add(_from("b", make_request(f"b{sent}", prompt(150, 10000 + 1000 * sent), max_new_tokens=2)))
+            sent += 1
+        batch, _ = runner.step()
+        assert sum(1 for seq in batch.sequences if seq.request.client == "a") >= 16 - seats
+    assert sum(1 for r in runner.finished.values() if r.client == "b") >= 10
+    for request in list(scheduler.waiting) + list(scheduler.running):
+        scheduler.abort(request.group_id)
+    runner.drain(max_steps=10)
+
+
+def test_a_lane_sample_swapped_out_and_back_in_leaves_the_lane(unknown_lengths):
+    """As `test_preempted_lane_samples_keep_the_lane_within_its_share`, with swap space: a lane sample swapped out
+    leaves the lane's share to others, so once swapped back in (through the gate) it carries no share (it kept its
+    own, and the lane's running shares summed past its capacity)."""
+    scheduler = make_scheduler(
+        num_blocks=500, block_size=4, max_batch_tokens=2048, max_num_seqs=256, num_swap_blocks=1000
+    )
+    capacity = scheduler.admission.express.capacity
+    runner = Sim(scheduler)
+    for index in range(20):
+        scheduler.add(_from("a", make_request(f"a{index}", prompt(8, 10 * index), max_new_tokens=300)))
+    groups = 0
+    for _ in range(700):
+        if sum(1 for r in scheduler.waiting if r.client == "b") < 3:
+            scheduler.add(_from("b", make_request(f"g{groups}", prompt(2, 7000 + 10 * groups), max_new_tokens=5, n=4)))
+            groups += 1
+        runner.step()
+        assert sum(r.express_blocks for r in scheduler.running) <= capacity
+    assert scheduler.num_swaps > 0
+    for request in list(scheduler.waiting) + list(scheduler.swapped) + list(scheduler.running):
+        scheduler.abort(request.group_id)
+    runner.drain(max_steps=10)

@@ -7,9 +7,15 @@ Reference: xgrammar's own matcher, walked over every path of the small grammars 
 
 from __future__ import annotations
 
+import itertools
 import json
+import string
 
+import numpy as np
 import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 xgrammar = pytest.importorskip("xgrammar")
 
@@ -136,3 +142,69 @@ def test_the_grammars_end_token_waits_for_min_new_tokens_like_a_stop_token(stops
         assert output.finish_reason == "stop" and output.generated_tokens[-1] == end, output.generated_tokens
         assert len(output.generated_tokens) > 3, output.generated_tokens  # three tokens came before its end
         assert TOKENIZER.decode(output.generated_tokens[:-1]) == "abcdefghij"
+
+
+def large_tokenizer(vocab_size: int):
+    """A tokenizer of `vocab_size` tokens (Qwen's size below): the tiny one's characters, then every string of 2 to
+    4 of 42 characters (letters, digits, JSON's punctuation): a JSON string allows most of them."""
+    tokens = ["<pad>", "<bos>", "<eos>", "<unk>", *string.printable[:95], "\n"]
+    alphabet = string.ascii_lowercase + ' "{}:,0123456789'
+    words = ("".join(p) for size in (2, 3, 4) for p in itertools.product(alphabet, repeat=size))
+    tokens += list(itertools.islice(words, vocab_size - len(tokens)))
+    backend = Tokenizer(models.WordLevel({token: index for index, token in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def test_the_look_ahead_on_a_large_vocabulary_masks_only_the_dead_end():
+    """152k tokens: 8 rows of the choice ["xy", "xzzzzzzzzz"] after "x" (min_new_tokens 4), 64 rows of a JSON
+    schema at its start and 64 inside one of its strings (min_new_tokens 50): "y" is masked in every choice row,
+    where xgrammar's matcher says only the end follows it, whatever the JSON rows beside them (each row's search has
+    its own bound), and nothing else is (every JSON path can be made long enough): the other bits are xgrammar's
+    own. (What the look-ahead costs a step is measured by `rollout-bench structured`, not here.)"""
+    from rollout.engine.grammar.constraints import Constrained, GrammarMasks, Grammars
+
+    vocab = 151936
+    tokenizer, grammars = large_tokenizer(vocab), Grammars()
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+
+    def rows(field, spec, count, min_tokens, prefix):
+        compiled = grammars.compile(tokenizer, vocab, field, spec, min_tokens, frozenset())
+        ends = frozenset(compiled.tokenizer_info.stop_token_ids)
+        states = []
+        for _ in range(count):
+            state = Constrained(field, compiled)
+            state.goal = grammars.length_goal(tokenizer, vocab, min_tokens, ends)
+            for token in ids(prefix):
+                state.advance(token)
+            states.append(state)
+        return states
+
+    choice = ("xy", "xzzzzzzzzz")
+    states = (
+        rows("choice", choice, 8, 4, "x")
+        + rows("json", schema, 64, 50, "")
+        + rows("json", schema, 64, 50, '{"name": "ab')
+    )
+    bitmask, _ = GrammarMasks().fill(states, vocab, False)
+    reference = xgrammar.allocate_token_bitmask(len(states), vocab)
+    for row, state in enumerate(states):
+        state.matcher.fill_next_token_bitmask(reference, row)
+    y = ids("y")[0]
+    matcher = xgrammar.GrammarMatcher(states[0].compiled)
+    assert matcher.accept_token(ids("x")[0]) and y in allowed_next(matcher, vocab)
+    assert matcher.accept_token(y) and set(allowed_next(matcher, vocab)) <= set(matcher.stop_token_ids)  # the end
+    expected = reference.clone()
+    expected[:8].numpy().view(np.uint32)[:, y // 32] &= ~np.uint32(1 << (y % 32))
+    assert torch.equal(bitmask, expected)
+
+
+def allowed_next(matcher, vocab: int) -> list[int]:
+    """The tokens xgrammar's matcher allows next."""
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    return np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")[:vocab]).tolist()

@@ -25,7 +25,13 @@ try:
 except ImportError:  # without the extra nothing compiles, so nothing is checked
     xgrammar = None
 
-MAX_CHECK_FILLS = 256  # token masks one min_new_tokens check may fill (at most ~1 ms each on a 150k vocabulary)
+MAX_CHECK_FILLS = 256  # token masks one min_new_tokens check may fill (about 0.1 ms each on a 150k vocabulary)
+# A search reads a filled mask lazily, in its order of tokens: a mask of at most SPARSE_WORDS nonzero 32-bit words
+# (a few tokens allowed) is read whole; a denser one (a JSON string allows most of the vocabulary, and the search
+# mostly takes its first token) SCAN_CHUNK tokens of the order at a time. Reading every allowed token into a list at
+# each fill cost ~10 ms on a 150k vocabulary, and a step's search makes up to 256 fills.
+SPARSE_WORDS = 64
+SCAN_CHUNK = 512
 
 
 def allowed_tokens(matcher: Any, bitmask: Any, vocab_size: int) -> np.ndarray:
@@ -77,6 +83,50 @@ def too_short_refusal(compiled: Any, min_tokens: int, banned: frozenset[int], or
     )
 
 
+def token_ranks(tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Each token id's place in `tokens` (-1 for an id not there: an end token).
+
+    Args:
+        tokens: the tokens a path search tries, in order (`path_order`).
+        vocab_size: the grammar's vocabulary size.
+    """
+    ranks = np.full(vocab_size, -1, dtype=np.int64)
+    ranks[tokens] = np.arange(len(tokens))
+    return ranks
+
+
+def mask_ids(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a filled mask allows, ascending, read from its nonzero words only.
+
+    Args:
+        words: the mask row as uint32 words.
+        vocab_size: the grammar's vocabulary size (bits past it are not tokens).
+    """
+    nonzero = np.flatnonzero(words)
+    bits = np.unpackbits(np.ascontiguousarray(words[nonzero]).view(np.uint8), bitorder="little").reshape(-1, 32)
+    rows, columns = np.nonzero(bits)
+    ids = nonzero[rows] * 32 + columns
+    return ids[ids < vocab_size]
+
+
+def allowed_in_order(words: np.ndarray, tokens: np.ndarray, ranks: np.ndarray) -> Iterator[int]:
+    """The tokens of `tokens` a filled mask allows, in their order, read lazily (`SPARSE_WORDS`).
+
+    Args:
+        words: the mask row as uint32 words (a copy the caller does not change while it iterates).
+        tokens: the tokens a path may take, in the order tried.
+        ranks: `token_ranks(tokens, vocab_size)`.
+    """
+    if np.count_nonzero(words) <= SPARSE_WORDS:
+        found = ranks[mask_ids(words, len(ranks))]
+        yield from tokens[np.sort(found[found >= 0])].tolist()
+        return
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        chunk = tokens[start : start + SCAN_CHUNK]
+        hits = (words[chunk >> 5] >> (chunk & 31).astype(np.uint32)) & 1
+        yield from chunk[hits.astype(bool)].tolist()
+
+
 def path_order(order: np.ndarray, ends: frozenset[int] | set[int]) -> np.ndarray:
     """The tokens a path search tries, shortest decoded first: `order` without `ends` (a path stops there).
 
@@ -88,7 +138,7 @@ def path_order(order: np.ndarray, ends: frozenset[int] | set[int]) -> np.ndarray
 
 
 def longest_path(
-    matcher: Any, vocab_size: int, needed: int, tokens: np.ndarray, max_fills: int
+    matcher: Any, vocab_size: int, needed: int, tokens: np.ndarray, max_fills: int, ranks: np.ndarray | None = None
 ) -> tuple[int | None, int]:
     """(the longest path of `tokens` the matcher allows from where it stands, once it is below `needed`; `needed` as
     soon as one reaches it; None when the search ran out of mask fills first, the mask fills it made). Depth first,
@@ -100,20 +150,20 @@ def longest_path(
         needed: the path length that is enough.
         tokens: the tokens a path may take, in the order tried (`path_order`).
         max_fills: the most token masks the search may fill.
+        ranks: `token_ranks(tokens, vocab_size)` (computed here when not given).
     """
     if needed <= 0:
         return needed, 0
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-    bits = np.empty(vocab_size, dtype=bool)
+    ranks = token_ranks(tokens, vocab_size) if ranks is None else ranks
     fills = 0
 
     def candidates() -> Iterator[int]:
-        """The tokens to try next, in order."""
+        """The tokens to try next, in order (read from a copy: deeper levels fill the bitmask again)."""
         nonlocal fills
         fills += 1
-        bits[:] = False
-        bits[allowed_tokens(matcher, bitmask, vocab_size)] = True
-        return iter(tokens[bits[tokens]].tolist())
+        matcher.fill_next_token_bitmask(bitmask)
+        return allowed_in_order(bitmask[0].numpy().view(np.uint32).copy(), tokens, ranks)
 
     stack, longest = [candidates()], 0
     while stack:

@@ -17,7 +17,7 @@ import torch
 
 from rollout.engine.grammar.cache import CheckedGrammar, GrammarCache
 from rollout.engine.grammar.checks import first_step_refusal, too_short_refusal
-from rollout.engine.grammar.length_goal import MAX_STEP_FILLS, LengthGoal, prune_short_paths
+from rollout.engine.grammar.length_goal import MAX_ROW_FILLS, LengthGoal, prune_short_paths
 from rollout.validation import FieldError
 
 try:
@@ -292,13 +292,12 @@ class GrammarMasks:
             free = [i for i in range(len(states)) if i not in chosen]
             bitmask.index_fill_(0, torch.tensor(free, dtype=torch.long), -1)
         self._batch.batch_fill_next_token_bitmask([states[row].matcher for row in rows], bitmask, rows)
-        budget = MAX_STEP_FILLS
         for row in rows:  # short of min_new_tokens: no branch that ends sooner (length_goal.py)
             state = states[row]
-            if state.goal is not None and state.generated < state.goal.min_tokens and budget > 0:
+            if state.goal is not None and state.generated < state.goal.min_tokens:
                 words = bitmask[row].numpy().view(np.uint32)
                 vocab = state.compiled.tokenizer_info.vocab_size
-                budget -= prune_short_paths(state.matcher, vocab, state.goal, state.generated, words, budget)
+                prune_short_paths(state.matcher, vocab, state.goal, state.generated, words, MAX_ROW_FILLS)
         return bitmask, rows
 
     def release(self) -> None:

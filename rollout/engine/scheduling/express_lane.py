@@ -14,12 +14,13 @@ minus the shares of the lane's samples still running: however many short request
 most, and the running requests may have to give back at most that share (preemption, as when their growth outruns
 the reserve). The lane has sequence slots of its own too, `EXPRESS_SEQ_FRACTION` of `max_num_seqs` (at least one),
 used when the running set has none left (a group of more samples than `max_num_seqs` fills it for its whole life):
-a step computes the lane's samples first, and the others in the slots left, so the running set may exceed
-`max_num_seqs` by the lane's slots while a step never does. Admitted through the lane or not, a request is
-the same request: its tokens do not depend on how it was admitted. Its length does not teach the growth reserve
-(`AdmissionGate.finished`): the reserve's estimate is of the requests it admits. A preempted sample does not come
-back through the lane (it would be preempted again at once), and the lane closes behind a request that may only be
-admitted once nothing runs (short requests passing it would keep something running for ever).
+a step computes the lane's samples first (a lane prompt's chunk leaving the decodes behind it a token each), and the
+others in the slots left, so the running set may exceed `max_num_seqs` by the lane's slots while a step never does.
+Admitted through the lane or not, a request is the same request: its tokens do not depend on how it was admitted.
+Its length does not teach the growth reserve (`AdmissionGate.finished`): the reserve's estimate is of the requests
+it admits. A preempted sample does not come back through the lane (it would be preempted again at once; a swapped
+one comes back through the gate, with no share), and the lane closes behind a request that may only be admitted
+once nothing runs (short requests passing it would keep something running for ever).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 scheduler (`scheduler.py`) runs the phases in its policy's order and owns the queues they move requests between.
 
 - Running requests: the express lane's first (the lane's own sequence slots may put the running set past
-  `max_num_seqs`: its samples are computed, the others in the slots left), then decodes, then unfinished prefill
-  chunks, oldest first. When blocks run out, the running request that loses the fewest tokens
-  (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
+  `max_num_seqs`: its samples are computed, the others in the slots left; a lane prompt's chunk leaves the decodes
+  behind it a token each), then decodes, then unfinished prefill chunks, oldest first. When blocks run out, the
+  running request that loses the fewest tokens (`admission.cheapest_victim`) is preempted (`Scheduler.preempt`).
 - Swapped-out requests: swapped back in, oldest preemption first.
 - Waiting requests (new or preempted), in arrival order, each through the admission gate
   (`rollout.engine.scheduling.admission`); one that cannot fit even in an empty cache ends with an error. Past one
