@@ -6,7 +6,9 @@
   "grammar_mask" figure is what xgrammar's matchers take to fill the rows' token bitmasks (and apply them);
   "grammar_accept" what they take to follow the drawn tokens. The goal: at 256 rows the constraint adds at most
   1 ms to a step's host time. The mask is filled after the step's forward is queued, so on a GPU it runs while the
-  forward does.
+  forward does. "json_min_new_tokens" is the same grammar with `min_new_tokens` past the timed steps: each step's
+  masks also keep the rows off branches that end too soon (`grammar/length_goal.py`), a search wherever a row's
+  grammar allows few tokens (between the array's items here), what `added_by_min_new_tokens_ms` measures.
 - **Compile time** of a typical tool-call JSON schema and a regex: the tokenizer's one-off preparation, a cold
   compile, and a cached one (xgrammar's cache, by spec).
 - **xgrammar against llguidance** (when llguidance is installed): preparation, compile and the masks of 64 rows
@@ -77,13 +79,18 @@ def host_times(tokenizer: Any, sizes: tuple[int, ...], steps: int, device: str =
     step's forward queued before the tokens are fetched and the masks filled). With the JSON grammar, the host time a
     GPU would wait through ("exposed_ms"): the scheduling and inputs of a step (the fetch, the grammars and the
     resolve run under the forward)."""
-    modes = {"none": {}, "json": {"constraint": {"json": ENDLESS_JSON}}}
+    modes = {
+        "none": {},
+        "json": {"constraint": {"json": ENDLESS_JSON}},
+        "json_min_new_tokens": {"constraint": {"json": ENDLESS_JSON}, "min_new_tokens_past_steps": True},
+    }
     figures: dict[str, dict[str, Any]] = {}
     for size in sizes:
         row: dict[str, Any] = {}
         for mode, settings in modes.items():
             row[mode] = host_time_per_step(size, device, steps=steps, tokenizer=tokenizer, **settings)
         row["added_host_ms"] = round(row["json"]["host"] - row["none"]["host"], 3)
+        row["added_by_min_new_tokens_ms"] = round(row["json_min_new_tokens"]["host"] - row["json"]["host"], 3)
         row["exposed_ms"] = {"json": round(row["json"]["schedule"] + row["json"]["inputs"], 3)}
         figures[str(size)] = row
     return figures
@@ -116,7 +123,10 @@ def run(
     stage(f"compile: {summary['compile']}")
     summary["host_time_ms"] = host_times(tokenizer, sizes, steps, device)
     for size, figures in summary["host_time_ms"].items():
-        stage(f"host time, {size} rows: none {figures['none']['host']} ms, json {figures['json']['host']} ms")
+        stage(
+            f"host time, {size} rows: none {figures['none']['host']} ms, json {figures['json']['host']} ms, "
+            f"with min_new_tokens {figures['json_min_new_tokens']['host']} ms"
+        )
     if grammar_engines.available():  # llguidance installed: the other grammar engine on the same work
         summary["engines"] = {
             name: grammar_engines.compare(tokenizer, schema, rows=64, steps=20)

@@ -126,6 +126,7 @@ def host_time_per_step(
     processors: str = "grpo",
     constraint: dict[str, Any] | None = None,
     tokenizer: Any = None,
+    min_new_tokens_past_steps: bool = False,
 ) -> dict[str, float]:
     """The engine's host milliseconds per decode step with `running` sequences decoding, and where they go.
 
@@ -146,6 +147,8 @@ def host_time_per_step(
             {"json": schema}; it must not end within the steps), with `tokenizer`. The figures then add "grammar":
             the host time of the grammars (masks filled and applied, tokens accepted), a part of "host".
         tokenizer: the vocabulary the logits cover (None: the stub's 64 tokens).
+        min_new_tokens_past_steps: min_new_tokens past every timed step, stop tokens masked throughout (with a
+            constraint, each step's masks keep the rows off branches that end sooner: `grammar/length_goal.py`).
     """
     if processors not in PROCESSORS:
         raise ValueError(f"processors must be one of {PROCESSORS}, not {processors!r}")
@@ -186,17 +189,17 @@ def host_time_per_step(
     if device == "cuda":  # sampling replays captured passes, as in an engine whose decode steps replay graphs
         engine.sampler.enable_graphs(graphs.buckets)
     for index in range(running):
-        sampling = SamplingParams(
+        fields = dict(
             do_sample=True,
             temperature=0.9,
             top_p=0.95,
             top_k=50,
             seed=index,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens if processors == "all" else 0,
+            min_new_tokens=max_new_tokens if processors == "all" or min_new_tokens_past_steps else 0,
             **extra,
-            **(constraint or {}),
         )
+        sampling = SamplingParams(**{**fields, **(constraint or {})})  # (a constraint may bring min_new_tokens)
         engine.add_request(f"s{index}", [(index + k) % VOCAB for k in range(PROMPT_TOKENS)], sampling)
     while engine.scheduler.waiting or any(r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running):
         engine.step()  # prefill: every prompt in the cache, every sequence decoding from here on
