@@ -231,3 +231,53 @@ def test_a_profile_names_where_the_time_went():
     assert 0 < summary["busy_ms"] <= summary["wall_ms"] and summary["busy_fraction"] <= 1
     lines = format_profile("rollout", summary)
     assert lines[0].startswith("rollout profile:") and "aten::mm" in lines[1]
+
+
+def test_fairness_benchmark_the_express_lane_lets_a_short_request_pass(capsys):
+    """`rollout-bench fairness`: beside a group of twice max_num_seqs samples, client B's 4-token request finishes
+    within a few steps with the express lane open, and only after the whole group with it closed; each run
+    generates every one of A's tokens. Through the CLI with a cap shorter than the group, the closed lane's wait is
+    reported as not finished (no figure), the open lane's is not."""
+    from rollout.benchmarks.service import fairness
+
+    shape = fairness.Scenario(groups=1, n=8, max_new_tokens=24, max_num_seqs=4, cache_share=2.0, b_after=3)
+    summary = fairness.run(("wide-group",), max_steps=200, shapes={"wide-group": shape})
+    figures = summary["scenarios"]["wide-group"]
+    opened, closed = figures["open"], figures["closed"]
+    for line in (opened, closed):
+        assert line["finished"] and line["a_tokens"] == shape.n * shape.max_new_tokens, line
+        assert line["a_samples"] == shape.n and line["steps"] < 200 and line["a_tokens_per_s"] > 0
+    # 8 samples in 4 slots: a step decodes half of them, so the group takes about 2 x 24 steps
+    assert closed["a_samples_done_before_b"] == shape.n and closed["b_wait_steps"] >= 2 * shape.max_new_tokens - 6
+    assert opened["a_samples_done_before_b"] == 0 and 5 * opened["b_wait_steps"] < closed["b_wait_steps"]
+    assert 0 < opened["b_wait_s"] < closed["b_wait_s"]
+    capsys.readouterr()
+
+    cli.main(["fairness", "--scenarios", "wide-group", "--max-steps", "15"])  # the default shape: 200 tokens
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert (
+        summary["benchmark"] == "fairness"
+        and summary["max_steps"] == 15
+        and list(summary["scenarios"]) == ["wide-group"]
+    )
+    opened, closed = summary["scenarios"]["wide-group"]["open"], summary["scenarios"]["wide-group"]["closed"]
+    assert opened["finished"] and opened["b_wait_steps"] < 15 - fairness.SCENARIOS["wide-group"].b_after
+    assert not closed["finished"] and closed["b_wait_steps"] is None and closed["b_wait_s"] is None
+    assert (
+        closed["steps"] == 15
+        and closed["a_tokens"] > 0
+        and closed["b_submitted_step"] == fairness.SCENARIOS["wide-group"].b_after
+    )
+    assert [line.split()[:2] for line in lines[2:4]] == [["wide-group", "open"], ["wide-group", "closed"]]
+    assert "not finished" in lines[3]
+
+
+def test_fairness_benchmark_refuses_a_bad_flag_by_name(capsys):
+    """A cap below one step, or an unknown scenario, is a usage error (exit status 2) naming the flag."""
+    import pytest
+
+    for flags, named in ((["--max-steps", "0"], "--max-steps must be >= 1"), (["--scenarios", "wide"], "--scenarios")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["fairness", *flags])
+        assert exit_info.value.code == 2 and named in capsys.readouterr().err

@@ -108,6 +108,27 @@ def build_parser() -> CliParser:
     sv.add_argument("--turns", type=int, default=None, help="--agentic: turns per episode (default: 10)")
     sv.add_argument("--episodes", type=int, default=None, help="--agentic: conversations side by side (default: 16)")
     sv.add_argument("--workers", type=int, default=None, help="--agentic: rollout-worker processes (default: 2)")
+    fa = commands.add_parser(
+        "fairness",
+        help="a second client's short request behind a first client's work: its wait in steps and seconds, with the "
+        "express lane open and closed (in-process, tiny preset)",
+        description=_docstring("rollout.benchmarks.service.fairness"),
+    )
+    fa.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=("tight-cache", "wide-group"),  # fairness.SCENARIOS' names (that module loads torch)
+        default=None,
+        help="scenarios to run, in order (default: both): tight-cache (many long groups in a cache holding a third "
+        "of them), wide-group (one group of twice max_num_seqs samples)",
+    )
+    fa.add_argument(
+        "--max-steps",
+        type=int,
+        default=1000,
+        help="engine steps per run at most; a request not finished by then is reported as not finished",
+    )
+    fa.add_argument("--seed", type=int, default=0, help="model, prompt and sampling seed")
     wt = commands.add_parser(
         "weights",
         help="push_weights GB/s per transport over loopback, and the commit pause",

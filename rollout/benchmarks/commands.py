@@ -12,7 +12,7 @@ from rollout.benchmarks import load, plots
 from rollout.benchmarks.gpu_report import report as gpu_report
 from rollout.benchmarks.grpo import grpo, grpo_step, long_tail
 from rollout.benchmarks.grpo.long_tail_flags import check_arguments as check_long_tail
-from rollout.benchmarks.service import agentic, fleet, lora_push, service, weights
+from rollout.benchmarks.service import agentic, fairness, fleet, lora_push, service, weights
 from rollout.benchmarks.structured import structured
 from rollout.benchmarks.structured.structured_flags import check_arguments as check_structured
 from rollout.benchmarks.throughput import throughput
@@ -110,6 +110,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         summary = structured.run(
             tuple(args.rows), args.vocab_size, args.steps, args.repeats, args.num_prompts, args.device
         )
+    elif args.command == "fairness":
+        if args.max_steps < 1:
+            parser.error(f"--max-steps must be >= 1, got {args.max_steps}")
+        summary = fairness.run(tuple(args.scenarios or fairness.SCENARIOS), args.max_steps, args.seed)
     elif args.command == "fleet":
         summary = fleet.run(args)
     elif args.command == "weights":
