@@ -312,3 +312,30 @@ def test_own_block_counts_stay_exact_through_random_operations(seed):
     for request in live + swapped:
         manager.free(request)
     manager.check_all_free()
+
+
+def test_a_quarantined_block_a_fork_still_holds_is_never_offered_to_the_prefix_cache_again():
+    """A leader's KV quarantined (its logits went non-finite) while its fork, forked at schedule time, has not hashed
+    their shared prompt block yet: the fork's first decode must not offer that block to the prefix cache again, since
+    once freed it is zeroed, and a later request with the same prompt would read zeros as its prefix."""
+    manager = BlockManager(16, 4)
+    leader = make_request("g", list(range(10, 17)), n=2)  # 7 prompt tokens: block 0 full
+    manager.allocate(leader, 7)
+    leader.num_computed_tokens = 7
+    child = leader.fork(1, "g#1", 1)
+    manager.fork(leader, child)
+    leader.kv_version_min = child.kv_version_min = 0
+    manager.commit_hashes(leader)
+    manager.quarantine(leader)
+    manager.free(leader)
+    child.token_ids.append(99)
+    child.num_computed_tokens = 8
+    manager.allocate(child, 1)
+    manager.commit_hashes(child)
+    shared = child.block_ids[0]
+    assert manager.cached_blocks.get(child.block_hashes[0]) != shared
+    manager.free(child)
+    assert shared in manager.take_stale()  # zeroed before anything reads it
+    blocks, _ = manager.match_prefix(make_request("h", list(range(10, 17)) + [1]))
+    assert blocks == []
+    manager.check_all_free()

@@ -144,8 +144,8 @@ class StepLoop:
             outputs += self._resolve(previous)
         if failure is not None:
             outputs += self._after_failed_launch(batch, failure)
-        elif launched is not None and self.scheduler.suspects.groups:
-            self.scheduler.suspects.clear({seq.request.group_id for seq in batch.sequences})
+        elif launched is not None and self.scheduler.suspects.requests:
+            self.scheduler.suspects.sampled(batch)
         if launched is not None and (not self.overlap_scheduling or launched.logits is not None):
             self.counters.overlap_lost_steps += self.overlap_scheduling
             self._advance(launched)  # a drafted step is verified at once: its samples' next drafts need its tokens
@@ -284,24 +284,28 @@ class StepLoop:
 
     def _after_failed_launch(self, batch: ScheduledBatch, error: BaseException) -> list[GenerationOutput]:
         """A step's launch raised. One group in it: that group ends with the error. Several: which one failed is
-        not known, so each of its samples still running goes back to be recomputed (its KV quarantined) and each
-        group is tried in a step of its own (`scheduling/suspects.py`); none ends now."""
+        not known, so each of its samples still running goes back to be recomputed as a suspect, and each group's
+        are tried in steps of their own (`scheduling/suspects.py`); none ends now.
+
+        Their KV is freed, not quarantined: the step advanced nothing, so whatever it wrote lies past each sample's
+        computed tokens, in blocks no prefix hash names (a full hashed block is never written again), as when a
+        failed step ended its groups. Quarantine would also taint the group's prompt blocks that its other samples
+        still hold, and one of them hashing such a block later offers it to the prefix cache again, zeroed once
+        freed."""
         groups = {seq.request.group_id for seq in batch.sequences} | {r.group_id for r, _ in batch.samples}
         if len(groups) == 1:
-            self.scheduler.suspects.clear(groups)
-            return self._end_with_error(groups, error)
+            return self._end_with_error(groups, error)  # its suspects, ended, are forgotten
         logger.warning(
             "retrying the %d groups of the failed step one at a time, to end only the one that failed", len(groups)
         )
         requests = {id(seq.request): seq.request for seq in batch.sequences}
         requests.update((id(request), request) for request, _ in batch.samples)
-        for request in requests.values():
-            if request.status == RequestStatus.RUNNING:
-                request.drop_placeholder()
-                self.block_manager.quarantine(request)
-                self.scheduler.recompute(request)
-                self.sampler.release(request)
-        self.scheduler.suspects.add(groups)
+        running = [request for request in requests.values() if request.status == RequestStatus.RUNNING]
+        for request in running:
+            request.drop_placeholder()
+            self.scheduler.recompute(request)
+            self.sampler.release(request)
+        self.scheduler.suspects.add(running)
         return []
 
     def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:

@@ -5,7 +5,7 @@
 - `step_builder.py`: one step's `ScheduledBatch` (`batch.py`), filled from the queues phase by phase;
 - `admission.py`: which requests to admit, and which to preempt, under memory pressure;
 - `express_lane.py`: a short request admitted past the growth reserve and past a queue head that does not fit;
-- `suspects.py`: after a failed step, each of its groups tried in a step of its own;
+- `suspects.py`: after a failed step, each of its groups' samples tried in steps of their own;
 - `future_peak.py`: with known lengths, the most blocks the running requests will hold at once;
 - `block_manager.py`: ref-counted KV blocks with chained prefix hashes and copy-on-write;
 - `block_holders.py`: who holds each block, so each request knows how many it holds alone.

@@ -251,7 +251,9 @@ class BlockManager:
             block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size], version)
             request.block_hashes.append(block_hash)
             block = request.block_ids[index]
-            if block_hash not in self.cached_blocks and self.block_hash[block] is None:
+            # (A quarantined block is never offered again: a fork that still holds it would hash it here, and once
+            # freed it is zeroed while a lookup could still match it.)
+            if block_hash not in self.cached_blocks and self.block_hash[block] is None and block not in self._tainted:
                 self.cached_blocks[block_hash] = block
                 self.block_hash[block] = block_hash
 

@@ -66,7 +66,7 @@ class Scheduler:
         self.admitting = True
         # Proposes draft tokens for thin decoding batches (speculative decoding); None: never.
         self.drafter: Drafter | None = None
-        # The groups of a failed step, each tried in a step of its own (`suspects.py`).
+        # The samples of a failed step, each group's tried in steps of its own (`suspects.py`).
         self.suspects = Suspects()
 
     # ---- queue management -------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class Scheduler:
     # ---- scheduling -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work. Never raises on memory: it preempts, or ends requests that can never fit."""
-        if self.suspects.groups:
+        if self.suspects.requests:
             solo = self.suspects.solo_step(self)
             if solo is not None:
                 solo.zero_blocks = self.block_manager.take_stale()
@@ -191,8 +191,9 @@ class Scheduler:
         self.admission.growth.preempted()
         batch.num_preempted += 1
         # Swap only when this step swapped nothing in: a swap-in frees CPU blocks that are read by this step's
-        # copies, and swap-outs are executed first.
-        if not batch.swap_in and self.block_manager.can_swap_out(request):
+        # copies, and swap-outs are executed first. A suspect is recomputed: it is never swapped (`suspects.py`).
+        suspect = id(request) in self.suspects.requests
+        if not batch.swap_in and not suspect and self.block_manager.can_swap_out(request):
             batch.swap_out += self.block_manager.swap_out(request)
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)

@@ -55,9 +55,9 @@ class SchedulerQueues(Protocol):
 
 
 class Suspected(Protocol):
-    """The groups of a failed step, not admitted with others (`suspects.Suspects`)."""
+    """The samples of a failed step, computed only in steps of their own group (`suspects.Suspects`)."""
 
-    groups: set[str]
+    requests: dict[int, Request]
 
 
 class Drafter(Protocol):
@@ -76,12 +76,15 @@ class StepBuilder:
     """One step's batch as its phases fill it, and the token budget left (made by `Scheduler.schedule`, once per
     step)."""
 
-    def __init__(self, scheduler: SchedulerQueues):
+    def __init__(self, scheduler: SchedulerQueues, solo: str | None = None):
         """
         Args:
             scheduler: whose queues, blocks and admission gate the step reads and moves requests between.
+            solo: a suspect group (`suspects.py`): the step computes and admits its suspects alone. None: an ordinary
+                step, which computes no suspect and admits no waiting request behind one.
         """
         self.scheduler = scheduler
+        self.solo = solo
         self.batch = ScheduledBatch()
         self.budget = scheduler.max_batch_tokens  # tokens this step may still compute
 
@@ -96,7 +99,7 @@ class StepBuilder:
         lane: list[Request] = []  # the express lane's samples, with anything to compute
         decodes: list[Request] = []
         prefills: list[Request] = []
-        for r in scheduler.running:  # one pass, properties inlined: it runs for every running request at every step
+        for r in self._running():  # one pass, properties inlined: it runs for every running request at every step
             num_tokens = len(r.token_ids)
             if num_tokens - r.num_prompt_tokens >= r.max_new_tokens:  # r.reached_max_tokens
                 finishing = True
@@ -265,15 +268,32 @@ class StepBuilder:
                 self._add(request, num_new)
                 self.budget -= num_new
 
+    def _running(self) -> list[Request]:
+        """The running requests this step may compute: all of them but suspects (`suspects.py`); a solo step only
+        its group's suspects."""
+        running, suspects = self.scheduler.running, self.scheduler.suspects.requests
+        if not suspects:
+            return running
+        if self.solo is None:
+            return [r for r in running if id(r) not in suspects]
+        return [r for r in running if id(r) in suspects and r.group_id == self.solo]
+
     def _next_admissible(self, skip: int) -> Request | None:
         """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
-        the first `skip` of them."""
-        waiting, suspects = self.scheduler.waiting, self.scheduler.suspects.groups
-        if self.scheduler.admitting and not suspects:
+        the first `skip` of them. While there are suspects, a solo step admits only its group's; an ordinary step
+        only the requests ahead of the first waiting one (it waits as a queue head that does not fit), and none while
+        a suspect group is part way through its own steps (the blocks it needs are not given to others)."""
+        scheduler = self.scheduler
+        waiting, suspects, admitting = scheduler.waiting, scheduler.suspects.requests, scheduler.admitting
+        if admitting and not suspects:
             return waiting[skip] if skip < len(waiting) else None
-        admissible = (
-            r for r in waiting if (self.scheduler.admitting or r.num_output_tokens > 0) and r.group_id not in suspects
-        )
+        admissible = (r for r in waiting if admitting or r.num_output_tokens > 0)
+        if self.solo is not None:
+            admissible = (r for r in admissible if id(r) in suspects and r.group_id == self.solo)
+        elif suspects:
+            if any(r.status == RequestStatus.RUNNING for r in suspects.values()):
+                return None
+            admissible = itertools.takewhile(lambda r: id(r) not in suspects, admissible)
         return next(itertools.islice(admissible, skip, None), None)
 
     def _add_drafted(self, drafter: Drafter, request: Request, reserved: int) -> bool:
