@@ -4,7 +4,8 @@
   `request.py`), and what each sample produced (`outputs.py`, `GenerationOutput`);
 - `manager/`: `ContinuousBatchingManager`, the caller side, and its engine thread, fed through a mailbox of typed
   commands (pause, results, weight updates on their way in);
-- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update; `warmup.py` and `counters.py` act on a whole
+- `engine.py`: `Engine.step()`, schedule -> run -> sample -> update (`step_loop.py`; `step_failures.py`: what a
+  failed step does to its samples); `warmup.py` and `counters.py` act on a whole
   engine from outside its loop; `generate.py`: `generate_batch`, the one-call API over a cached engine;
 - `scheduling/`: which requests compute how many tokens (a `ScheduledBatch`) and their KV blocks (no torch);
 - `runner/`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv/`) and paged attention

@@ -37,6 +37,7 @@ from rollout.engine.speculative.verify import (
     sample_drafted,
     withdraw_poisoned,
 )
+from rollout.engine.step_failures import StepFailures
 
 logger = logging.getLogger("rollout.engine.engine")
 
@@ -76,6 +77,7 @@ class StepLoop:
         self.undelivered: list[GenerationOutput] = []  # outputs of a drained step, for the next step()
         self.open_groups: dict[str, int] = {}  # group id -> samples not finished yet
         self.clear_drafts_on_update = False  # speculative_clear_on_weight_update
+        self.failures = StepFailures(scheduler, sampler)  # what a failed step does to its samples
 
     # ---- requests in and out ----------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -143,7 +145,7 @@ class StepLoop:
             self.in_flight = None
             outputs += self._resolve(previous)
         if failure is not None:
-            outputs += self._after_failed_launch(batch, failure)
+            outputs += self.outputs(self.failures.after_failed_launch(batch, failure))
         elif launched is not None and self.scheduler.suspects.requests:
             self.scheduler.suspects.sampled(batch)
         if launched is not None and (not self.overlap_scheduling or launched.logits is not None):
@@ -211,7 +213,7 @@ class StepLoop:
                 drafted = [seq.request for seq in step.batch.sequences if seq.draft]
                 for request in drafted:
                     request.drop_placeholder()
-                progressed += self._ended_with_error({request.group_id for request in drafted}, error)
+                progressed += self.failures.ended_with_error({request.group_id for request in drafted}, error)
             if self.block_manager.zero_new_blocks:  # the PyTorch attention reads whole blocks: no stale KV in them
                 self.runner.kv_cache.zero_slots(rejected_slots(step.batch, self.block_manager.block_size))
             progressed = list(dict.fromkeys(progressed))  # one output per sample and step
@@ -235,15 +237,6 @@ class StepLoop:
 
         return draw
 
-    def _recompute_without_drafts(self, request: Request) -> None:
-        """Send a drafted sample whose step turned non-finite back to be recomputed from its resolved tokens, its KV
-        quarantined, its sampling state rebuilt from its tokens at its next draw, and drafting off for it."""
-        request.drop_placeholder()
-        self.block_manager.quarantine(request)
-        self.scheduler.recompute(request)
-        self.sampler.release(request)
-        self.scheduler.drafter.poisoned(request)
-
     def _resolve_tokens(self, step: InFlightStep) -> list[Request]:
         """Bring an advanced step's tokens to the host and put them in place; returns the requests that have an
         output to give (ended, failed, or streaming)."""
@@ -256,12 +249,12 @@ class StepLoop:
             logger.exception("engine step failed; ending its requests with an error")
             for request, _ in step.batch.samples:
                 request.drop_placeholder()
-            return self._ended_with_error({request.group_id for request, _ in step.batch.samples}, error)
+            return self.failures.ended_with_error({request.group_id for request, _ in step.batch.samples}, error)
         if sampled.broken_rows and (step.logits is not None or step.verifying):
             drafted = {id(seq.request) for seq in step.batch.sequences if seq.draft or step.verifying}
             poisoned = [row for row in sampled.broken_rows if id(step.batch.samples[row][0]) in drafted]
             if poisoned:
-                sampled = withdraw_poisoned(step.batch, sampled, poisoned, self._recompute_without_drafts)
+                sampled = withdraw_poisoned(step.batch, sampled, poisoned, self.failures.recompute_without_drafts)
         failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
         for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
             request = step.batch.samples[index][0]
@@ -281,43 +274,6 @@ class StepLoop:
         finished = [r for r in resolved if r.status == done]
         streaming = [r for r in resolved if r.streaming and r.status != done]
         return failed + finished + streaming
-
-    def _after_failed_launch(self, batch: ScheduledBatch, error: BaseException) -> list[GenerationOutput]:
-        """A step's launch raised. One group in it: that group ends with the error. Several: which one failed is
-        not known, so each of its samples still running goes back to be recomputed as a suspect, and each group's
-        are tried in steps of their own (`scheduling/suspects.py`); none ends now.
-
-        Their KV is freed, not quarantined: the step advanced nothing, so whatever it wrote lies past each sample's
-        computed tokens, in blocks no prefix hash names (a full hashed block is never written again), as when a
-        failed step ended its groups. Quarantine would also taint the group's prompt blocks that its other samples
-        still hold, and one of them hashing such a block later offers it to the prefix cache again, zeroed once
-        freed."""
-        groups = {seq.request.group_id for seq in batch.sequences} | {r.group_id for r, _ in batch.samples}
-        if len(groups) == 1:
-            return self._end_with_error(groups, error)  # its suspects, ended, are forgotten
-        logger.warning(
-            "retrying the %d groups of the failed step one at a time, to end only the one that failed", len(groups)
-        )
-        requests = {id(seq.request): seq.request for seq in batch.sequences}
-        requests.update((id(request), request) for request, _ in batch.samples)
-        running = [request for request in requests.values() if request.status == RequestStatus.RUNNING]
-        for request in running:
-            request.drop_placeholder()
-            self.scheduler.recompute(request)
-            self.sampler.release(request)
-        self.scheduler.suspects.add(running)
-        return []
-
-    def _end_with_error(self, group_ids: set[str], error: BaseException) -> list[GenerationOutput]:
-        """End every sample of these groups with finish_reason "error"; their outputs."""
-        return self.outputs(self._ended_with_error(group_ids, error))
-
-    def _ended_with_error(self, group_ids: set[str], error: BaseException) -> list[Request]:
-        """End every sample of these groups with finish_reason "error"; the samples."""
-        ended = self.scheduler.abort(*group_ids)
-        for request in ended:
-            request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
-        return ended
 
     def drain(self) -> None:
         """Finish the step in flight (its outputs wait for the next `step()` or `flush()`), so that the engine's
