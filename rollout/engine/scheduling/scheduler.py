@@ -29,7 +29,8 @@ from rollout.engine.scheduling.admission import AdmissionGate
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.engine.scheduling.block_manager import BlockManager
 from rollout.engine.scheduling.client_turns import ClientTurns
-from rollout.engine.scheduling.step_builder import Drafter, StepBuilder
+from rollout.engine.scheduling.step_builder import StepBuilder
+from rollout.engine.scheduling.step_protocols import Drafter
 from rollout.engine.scheduling.suspects import Suspects
 
 

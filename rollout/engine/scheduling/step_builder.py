@@ -18,58 +18,15 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from typing import Protocol
 
 from rollout.engine.requests.request import Request, RequestStatus, sample_id
-from rollout.engine.scheduling.admission import AdmissionGate, cheapest_victim
+from rollout.engine.scheduling.admission import cheapest_victim
 from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
-from rollout.engine.scheduling.block_manager import BlockManager, cdiv
-from rollout.engine.scheduling.client_turns import ClientTurns
+from rollout.engine.scheduling.block_manager import cdiv
 from rollout.engine.scheduling.express_lane import fork_share, life_blocks
+from rollout.engine.scheduling.step_protocols import Drafter, SchedulerQueues
 
 EXPRESS_SCAN = 32  # waiting requests a step looks at, past one that did not fit, for one the express lane admits
-
-
-class SchedulerQueues(Protocol):
-    """What a step reads of the scheduler and the moves it asks of it (structural: this module does not import the
-    scheduler, which makes a `StepBuilder` per step)."""
-
-    waiting: deque[Request]
-    swapped: deque[Request]
-    running: list[Request]
-    block_manager: BlockManager
-    admission: AdmissionGate
-    max_batch_tokens: int
-    max_num_seqs: int
-    admitting: bool
-    drafter: Drafter | None
-    turns: ClientTurns
-    suspects: Suspected
-
-    def next_arrival(self) -> int: ...
-
-    def preempt(self, request: Request, batch: ScheduledBatch) -> None: ...
-
-    def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]: ...
-
-
-class Suspected(Protocol):
-    """The samples of a failed step, computed only in steps of their own group (`suspects.Suspects`)."""
-
-    requests: dict[int, Request]
-
-
-class Drafter(Protocol):
-    """Proposes draft tokens for decodes (`rollout.engine.speculative.SuffixDrafter`)."""
-
-    def speculates(self, num_decodes: int) -> bool:
-        """Whether a step with this many decodes drafts at all (the long tail)."""
-        ...
-
-    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
-        """Up to `limit` draft tokens to follow the request's last token (none: decode it plainly)."""
-        ...
 
 
 class StepBuilder:

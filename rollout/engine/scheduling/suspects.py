@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from rollout.engine.requests.request import Request, RequestStatus
 from rollout.engine.scheduling.batch import ScheduledBatch
-from rollout.engine.scheduling.step_builder import SchedulerQueues, StepBuilder
+from rollout.engine.scheduling.step_builder import StepBuilder
+from rollout.engine.scheduling.step_protocols import SchedulerQueues
 
 
 class Suspects:
