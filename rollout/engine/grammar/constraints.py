@@ -292,12 +292,13 @@ class GrammarMasks:
             free = [i for i in range(len(states)) if i not in chosen]
             bitmask.index_fill_(0, torch.tensor(free, dtype=torch.long), -1)
         self._batch.batch_fill_next_token_bitmask([states[row].matcher for row in rows], bitmask, rows)
+        words = None  # the bitmask as numpy uint32 rows (one view for all: no torch operator per row)
         for row in rows:  # short of min_new_tokens: no branch that ends sooner (length_goal.py)
             state = states[row]
             if state.goal is not None and state.generated < state.goal.min_tokens:
-                words = bitmask[row].numpy().view(np.uint32)
+                words = bitmask.numpy().view(np.uint32) if words is None else words
                 vocab = state.compiled.tokenizer_info.vocab_size
-                prune_short_paths(state.matcher, vocab, state.goal, state.generated, words, MAX_ROW_FILLS)
+                prune_short_paths(state.matcher, vocab, state.goal, state.generated, words[row], MAX_ROW_FILLS)
         return bitmask, rows
 
     def release(self) -> None:
