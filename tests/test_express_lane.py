@@ -81,18 +81,31 @@ def test_a_lane_request_keeps_the_tokens_transformers_generates(unknown_lengths)
             group.client = "a"
             engine.submit(group)
         engine.step()
-        greedy = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
-        short = engine.intake.prepare(GroupSpec("b", prompt(3, 40), greedy, 1))
-        short.client = "b"
-        engine.submit(short)
-        finished = []
-        while not finished:
-            finished = [o.request_id for o in engine.step() if o.is_finished]
-            assert engine.num_waiting == 2  # a's two other groups: the reserve holds them back throughout
-        assert finished == ["b"]
+        short = _greedy_from_b(engine, lambda steps: engine.num_waiting == 2)  # a's other groups: held back
     finally:
         engine.cancel(*engine.open_group_ids())
         engine.close()
+    _assert_generates(reference, short)
+
+
+def _greedy_from_b(engine, each_step, most_steps: int = 100) -> Request:
+    """Submit client "b"'s greedy 4-token request and step until it ends, first of all (`each_step(steps)` checked
+    after every step); returns it."""
+    greedy = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
+    short = engine.intake.prepare(GroupSpec("b", prompt(3, 40), greedy, 1))
+    short.client = "b"
+    engine.submit(short)
+    finished, steps = [], 0
+    while not finished:
+        finished = [o.request_id for o in engine.step() if o.is_finished]
+        steps += 1
+        assert each_step(steps) and steps <= most_steps, f"b waited {steps} steps"
+    assert finished == ["b"]
+    return short
+
+
+def _assert_generates(reference, short: Request) -> None:
+    """b's tokens are transformers' greedy `generate`'s."""
     expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
     assert short.token_ids[3:] == expected[0, 3:].tolist()
 
@@ -211,21 +224,11 @@ def test_a_lane_request_beside_a_group_larger_than_max_num_seqs_keeps_transforme
         engine.submit(group)
         for _ in range(2):
             engine.step()
-        greedy = SamplingParams(do_sample=False, max_new_tokens=4, stop_token_ids=())
-        short = engine.intake.prepare(GroupSpec("b", prompt(3, 40), greedy, 1))
-        short.client = "b"
-        engine.submit(short)
-        finished, steps = [], 0
-        while not finished:
-            finished = [o.request_id for o in engine.step() if o.is_finished]
-            steps += 1
-            assert steps <= 8, "b waited behind the group"
-        assert finished == ["b"]
+        short = _greedy_from_b(engine, lambda steps: True, most_steps=8)  # not behind the group
     finally:
         engine.cancel(*engine.open_group_ids())
         engine.close()
-    expected = reference.generate(torch.tensor([prompt(3, 40)]), max_new_tokens=4, do_sample=False)
-    assert short.token_ids[3:] == expected[0, 3:].tolist()
+    _assert_generates(reference, short)
 
 
 def test_a_lane_prefill_leaves_the_group_its_decodes():

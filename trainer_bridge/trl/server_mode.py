@@ -69,29 +69,17 @@ def server_generation(
     if current[1] is not None:
         raise ValueError(current[1])
     trainer._worker_placement = current[2:]  # where and in which dtype the workers compute log-probs (old_logps.py)
+    base_version = current[0] + 1
+    if not (trainer.partial_rollouts or trainer.max_staleness):
+        return RolloutGeneration(trainer, client, base_version, **(push_kwargs or {}))
+    ahead = dict(max_staleness=trainer.max_staleness, stale_policy=trainer.stale_policy, **(push_kwargs or {}))
     if trainer.partial_rollouts:
         from trainer_bridge.trl.partial import PartialRolloutGeneration
 
         rounds, overprovision = trainer._partial_settings
         return PartialRolloutGeneration(
-            trainer,
-            client,
-            current[0] + 1,
-            max_staleness=trainer.max_staleness,
-            stale_policy=trainer.stale_policy,
-            max_partial_rounds=rounds,
-            partial_overprovision=overprovision,
-            **(push_kwargs or {}),
+            trainer, client, base_version, max_partial_rounds=rounds, partial_overprovision=overprovision, **ahead
         )
-    if trainer.max_staleness:
-        from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
+    from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
 
-        return AsyncRolloutGeneration(
-            trainer,
-            client,
-            current[0] + 1,
-            max_staleness=trainer.max_staleness,
-            stale_policy=trainer.stale_policy,
-            **(push_kwargs or {}),
-        )
-    return RolloutGeneration(trainer, client, current[0] + 1, **(push_kwargs or {}))
+    return AsyncRolloutGeneration(trainer, client, base_version, **ahead)
