@@ -155,6 +155,7 @@ def longest_path(
     if needed <= 0:
         return needed, 0
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    words = bitmask[0].numpy().view(np.uint32)  # one view of its memory: no torch operator per fill
     ranks = token_ranks(tokens, vocab_size) if ranks is None else ranks
     fills = 0
 
@@ -163,7 +164,7 @@ def longest_path(
         nonlocal fills
         fills += 1
         matcher.fill_next_token_bitmask(bitmask)
-        return allowed_in_order(bitmask[0].numpy().view(np.uint32).copy(), tokens, ranks)
+        return allowed_in_order(words.copy(), tokens, ranks)
 
     stack, longest = [candidates()], 0
     while stack:
