@@ -192,8 +192,8 @@ def test_bad_input_fails_by_name_and_loses_nothing():
             engine.generate([groups()[0], groups()[0]])
         with pytest.raises(FieldError, match=r"groups\[1\]\.sampling\.max_new_tokens"):  # the worker's names
             engine.generate([groups()[0], PromptGroup([1, 2], 1, {"max_new_tokens": 10**9})])
-        with pytest.raises(FieldError, match=r"groups\[0\]\.sampling\.prompt_logprobs"):  # no field in a result
-            engine.generate([PromptGroup([1, 2], 1, {"prompt_logprobs": 0})])
+        with pytest.raises(FieldError, match=r"groups\[0\]\.sampling\.prompt_logprobs"):  # past the most
+            engine.generate([PromptGroup([1, 2], 1, {"prompt_logprobs": 21})])
         for sampling in (None, "greedy"):
             with pytest.raises(FieldError, match=r"groups\[0\]\.sampling: expected a SamplingParams"):
                 engine.generate([PromptGroup([1, 2], 1, sampling)])

@@ -295,7 +295,7 @@ def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused()
     they used); a swapped-out request offers no block; a worker's routes that do not fit the message are refused."""
     from rollout.engine.requests.route_rows import RouteCache, RouteRows
     from rollout.protocol import messages as p
-    from rollout.protocol.route_frames import pack, unpack_message
+    from rollout.protocol.reply_frames import pack_routes, unpack_message
 
     leader = type("Request", (), {})()
     leader.routes = RouteRows(4, leader)
@@ -308,7 +308,7 @@ def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused()
     RouteCache(4, 8).keep(leader, {11: 3})  # nothing to offer, no error
     frames: list[bytes] = []
     completion = p.Completion(0, [1, 2, 3], [0.0] * 3, "length")
-    completion.routes = pack(np.zeros((2, 2, 2), dtype=np.int16), frames)  # 2 rows for 3 tokens
+    completion.routes = pack_routes(np.zeros((2, 2, 2), dtype=np.int16), frames)  # 2 rows for 3 tokens
     with pytest.raises(ValueError, match="2 rows for 3 tokens"):
         unpack_message(p.GroupResult("g", [1, 2], [completion]), frames)
 

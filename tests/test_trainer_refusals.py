@@ -1,7 +1,7 @@
 """Trainer-side (`trainer_bridge`) answers that used to be silent or misleading, against real rollout-workers:
 
-- `ColocatedEngine.generate` refuses what a worker refuses (an adapter it does not serve, `top_logprobs`) under the
-  worker's field names, instead of sampling without them;
+- `ColocatedEngine.generate` refuses what a worker refuses (an adapter it does not serve, a bad sampling field) under
+  the worker's field names, instead of sampling without them;
 - `push_weights(adapters="auto")` of a PEFT model whose LoRA rank is above the workers' `--max-lora-rank` pushes
   merged weights (one warning), as for the other adapters workers cannot serve unmerged; "adapter" still refuses it;
 - a call that times out while every live worker is stale names the workers and their versions;
@@ -62,12 +62,13 @@ def served_version(client: RolloutClient) -> int:
     ("settings", "field"),
     [
         ({"adapter": "nope"}, "adapter"),
-        ({"sampling": {"top_logprobs": 3, "max_new_tokens": 4}}, "sampling.top_logprobs"),
+        ({"sampling": {"top_logprobs": 101, "max_new_tokens": 4}}, "sampling.top_logprobs"),
     ],
     ids=["adapter", "top_logprobs"],
 )
 def test_colocated_refuses_what_a_worker_refuses_by_the_same_field(client, settings, field):
-    """Colocated, the adapter was dropped (samples of the base) and top_logprobs too, where a worker refuses both."""
+    """Colocated, the adapter was dropped (samples of the base), where a worker refuses it; both refuse more than 100
+    top log-probs under the same name."""
     group = PromptGroup([1, 2, 3], **{"sampling": {"max_new_tokens": 4}, **settings})
     with pytest.raises(RolloutError) as remote:
         client.generate(group, timeout=30)

@@ -96,7 +96,7 @@ def test_cancel_mid_stream_returns_partial_output(client):
         (p.encode(p.Generate("x", [1], sampling={"top_p": 2.0})), "sampling.top_p"),
         (p.encode(p.Generate("x", [1], sampling={"max_new_tokens": 5000})), "sampling.max_new_tokens"),
         (p.encode(p.Generate("x", [1], sampling={"nope": 1})), "sampling.nope"),
-        (p.encode(p.Generate("x", [1, 2], sampling={"prompt_logprobs": 0})), "sampling.prompt_logprobs"),
+        (p.encode(p.Generate("x", [1, 2], sampling={"prompt_logprobs": -1})), "sampling.prompt_logprobs"),
         (p.encode(p.Generate("x", [1, 2], sampling={"return_routes": True})), "sampling.return_routes"),  # dense
         (p.encode(p.Generate("x", [1, 2], sampling={"return_routes": 1})), "sampling.return_routes"),
         (p.encode(p.Generate("x#1", [1])), "group_id"),

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
 from rollout.protocol.group_folding import GroupInFlight
-from rollout.protocol.route_frames import unpack_message
+from rollout.protocol.reply_frames import unpack_message
 from trainer_bridge.client.calls import GroupResult, PromptGroup, as_integer
 from trainer_bridge.colocated_groups import prepare_requests
 from trainer_bridge.gathering import gathered
@@ -217,8 +217,8 @@ class ColocatedEngine:
                 `finish_reason` and `error`, as from a worker.
         Raises:
             FieldError: a bad group (named, with its position); nothing was generated. What a worker refuses is
-                refused here by the worker's field names: `top_logprobs` / `prompt_logprobs`
-                ("groups[i].sampling.top_logprobs"), an `adapter` this engine does not serve ("groups[i].adapter").
+                refused here by the worker's field names: e.g. "groups[i].sampling.top_p", an `adapter` this engine
+                does not serve ("groups[i].adapter").
         """
         self._check_open()
         if isinstance(groups, PromptGroup):

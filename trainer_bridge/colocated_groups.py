@@ -17,10 +17,6 @@ from rollout.peft_adapters import BASE_NAME, is_peft_model
 from rollout.sampling_params import SAMPLING_FIELDS
 from trainer_bridge.client.calls import PromptGroup, as_integer
 
-# Outputs a Completion has no field for, with their "off" values: refused by name, never silently dropped (a worker
-# refuses them too).
-_NOT_CARRIED = {"top_logprobs": 0, "prompt_logprobs": None}
-
 
 def prepare_requests(
     engine: Engine, model: torch.nn.Module, groups: list[PromptGroup], ids: itertools.count
@@ -51,9 +47,6 @@ def prepare_requests(
             elif not isinstance(sampling, SamplingParams):
                 kind = type(sampling).__name__
                 raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
-            for name, off in _NOT_CARRIED.items():
-                if getattr(sampling, name) not in (off, None):
-                    raise FieldError(name, "are not carried in a GroupResult yet")
             n = as_integer(group.n)  # numpy / torch integers too; anything else is the intake's to name
             adapter = served_adapter(engine, model, group.adapter)
             spec = GroupSpec(group_id, group.prompt_ids, sampling, group.n if n is None else n, adapter=adapter)

@@ -44,7 +44,7 @@ Worker -> client:
 | hello_reply        | model: str, vocab_size: int, max_model_len: int, policy_version: int, config: {str: any},  |
 |                    | tokenizer: str or nil (where the worker's tokenizer came from; nil: none, no stop strings) |
 | delta              | group_id: str, sample_index: int, token_ids: [int], logprobs: [float], policy_version: int |
-|                    | and routes / prompt_routes: RouteArray or nil (MoE routes, below)                          |
+|                    | and routes / prompt_routes, top log-probs and prompt log-probs as a Completion's (below)   |
 | group_result       | group_id: str, prompt_ids: [int], completions: [Completion as a map]                       |
 | pong               | nonce: int, policy_version: int                                                            |
 | stats_reply        | stats: {str: any} (policy_version, weight_updates, last_weight_update_at, queue, KV, ...)  |
@@ -77,9 +77,13 @@ A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
 (run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished),
 adapter / adapter_version, cached_prompt_tokens: int (prompt tokens whose KV came from the prefix cache), and
-with sampling.return_routes (MoE models) routes / prompt_routes: RouteArray maps
-(frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); a
-delta carries its tokens' routes (and the prompt's on a sample's first delta) the same way.
+with sampling.return_routes (MoE models) routes / prompt_routes: FrameArray maps
+(frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); with
+sampling.top_logprobs = k, top_token_ids / top_logprobs: FrameArray maps of shape [tokens, k] ("int32" ids, most
+likely first; "float32" log-probs; id -1 and NaN pad a distribution of fewer than k tokens); with
+sampling.prompt_logprobs = k, prompt_logprobs: [float or nil] (nil at position 0) and prompt_logprob_ranks: [int or
+nil], and for k > 0 prompt_top_token_ids / prompt_top_logprobs of shape [prompt_len - 1, k] (row i: position i + 1).
+A delta carries its tokens' routes and top log-probs (and the prompt's, on a sample's first delta) the same way.
 `sampling` takes the field names of `rollout.SamplingParams`.
 
 Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec
@@ -130,13 +134,13 @@ from rollout.protocol.messages import (
     Completion,
     Delta,
     Error,
+    FrameArray,
     Generate,
     GroupResult,
     Hello,
     HelloReply,
     Ping,
     Pong,
-    RouteArray,
     Stats,
     StatsReply,
 )
@@ -162,7 +166,7 @@ __all__ = [
     "Cancel",
     "ClientMessage",
     "Completion",
-    "RouteArray",
+    "FrameArray",
     "Delta",
     "Error",
     "Generate",

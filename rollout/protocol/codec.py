@@ -38,7 +38,7 @@ def encode(message: Message) -> list[bytes]:
     given = getattr(message, "plain_fields", None) or {}
     for name in _field_names(type(message)):
         header[name] = given[name] if name in given else to_plain(getattr(message, name))
-    # Raw frames a reply carries after its header (MoE routes: route_frames.py), set on the message by its maker.
+    # Raw frames a reply carries after its header (MoE routes, top log-probs: reply_frames.py), set on the message by its maker.
     return [msgpack.packb(header, use_bin_type=True), *getattr(message, "data_frames", ())]
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rollout import protocol as p
-from rollout.protocol import route_frames
+from rollout.protocol import reply_frames
 
 if TYPE_CHECKING:  # (the protocol imports nothing from the engine: outputs are read by their fields)
     from rollout.engine.requests.outputs import GenerationOutput
@@ -33,6 +33,8 @@ class GroupInFlight:
     started_sampling: bool = False
     routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # per sample, with return_routes
     prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)
+    top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)  # with top_logprobs
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # with prompt_logprobs
     cancel_requested: bool = False  # its client cancelled it (or was lost): a group still compiling is never run
 
     @property
@@ -52,25 +54,36 @@ class GroupInFlight:
         index = output.sample_index
         tokens = self.token_ids.setdefault(index, [])
         logprobs = self.logprobs.setdefault(index, [])
+        tops = self.top_logprobs.setdefault(index, [])
         delta = None
         if output.prompt_routes is not None:
             self.prompt_routes[index] = output.prompt_routes
+        prompt_scores = PromptScores.of(output)
+        if prompt_scores is not None:
+            self.prompt_scores[index] = prompt_scores
         if self.stream:
             tokens.extend(output.generated_tokens)
             logprobs.extend(output.logprobs)
+            tops.extend(output.top_logprobs)
             if output.routes is not None:
                 self.routes.setdefault(index, []).append(output.routes)
             if output.generated_tokens:
                 version = output.policy_versions[-1][0] if output.policy_versions else policy_version
                 delta = p.Delta(self.group_id, index, output.generated_tokens, output.logprobs, version)
                 delta.data_frames = []
-                delta.routes = route_frames.pack(output.routes, delta.data_frames)
-                delta.prompt_routes = route_frames.pack(output.prompt_routes, delta.data_frames)
+                delta.routes = reply_frames.pack_routes(output.routes, delta.data_frames)
+                delta.prompt_routes = reply_frames.pack_routes(output.prompt_routes, delta.data_frames)
+                if len(output.top_logprobs) == len(output.generated_tokens):
+                    delta.top_token_ids, delta.top_logprobs = reply_frames.pack_top(
+                        output.top_logprobs, delta.data_frames
+                    )
+                if prompt_scores is not None:
+                    prompt_scores.put(delta, delta.data_frames)
             extend_version_runs(
                 self.versions.setdefault(index, []), output.policy_versions, len(tokens) - len(output.generated_tokens)
             )
         else:
-            tokens[:], logprobs[:] = output.generated_tokens, output.logprobs
+            tokens[:], logprobs[:], tops[:] = output.generated_tokens, output.logprobs, output.top_logprobs
             self.versions[index] = output.policy_versions
             if output.routes is not None:
                 self.routes[index] = [output.routes]
@@ -100,11 +113,39 @@ class GroupInFlight:
             routes = np.concatenate(pieces) if pieces else None
             if routes is not None and len(routes) != len(completion.token_ids):  # a piece was lost: none, not shifted
                 routes = None
-            completion.routes = route_frames.pack(routes, result.data_frames)
-            completion.prompt_routes = route_frames.pack(
+            completion.routes = reply_frames.pack_routes(routes, result.data_frames)
+            completion.prompt_routes = reply_frames.pack_routes(
                 self.prompt_routes.get(completion.sample_index), result.data_frames
             )
+            tops = self.top_logprobs.get(completion.sample_index, [])
+            if len(tops) == len(completion.token_ids):  # a piece was lost (a failed step): none, not shifted
+                completion.top_token_ids, completion.top_logprobs = reply_frames.pack_top(tops, result.data_frames)
+            prompt_scores = self.prompt_scores.get(completion.sample_index)
+            if prompt_scores is not None:
+                prompt_scores.put(completion, result.data_frames)
         return delta, result
+
+
+@dataclass
+class PromptScores:
+    """A sample's prompt log-probs (`SamplingParams.prompt_logprobs`), as its first output brought them."""
+
+    logprobs: list[float | None]
+    ranks: list[int | None] | None
+    top: list[list[tuple[int, float]] | None] | None
+
+    @classmethod
+    def of(cls, output: GenerationOutput) -> PromptScores | None:
+        """The output's prompt log-probs, if it carries them (a sample's first output only)."""
+        if output.prompt_logprobs is None:
+            return None
+        return cls(output.prompt_logprobs, output.prompt_logprob_ranks, output.prompt_top_logprobs)
+
+    def put(self, message: p.Completion | p.Delta, frames: list[bytes]) -> None:
+        """Set them on a completion or delta, the top pairs of positions 1.. as two frames."""
+        message.prompt_logprobs, message.prompt_logprob_ranks = self.logprobs, self.ranks
+        if self.top is not None:
+            message.prompt_top_token_ids, message.prompt_top_logprobs = reply_frames.pack_top(self.top[1:], frames)
 
 
 def engine_id(identity: bytes, group_id: str) -> str:

@@ -70,10 +70,10 @@ class HelloReply(WorkerMessage):
 
 
 @dataclass
-class RouteArray:
-    """MoE routes carried in a raw frame after the message's header (route_frames.py): `frame` indexes the frames
-    that follow the header; (rows, MoE layers, top_k) integers of `dtype` ("uint8" or "int16"), row-major. A client
-    receives them as numpy int16 arrays in the same field."""
+class FrameArray:
+    """An array carried in a raw frame after the message's header (reply_frames.py), never as nested lists: `frame`
+    indexes the frames that follow the header; `shape` and `dtype` ("uint8", "int16", "int32" or "float32") its
+    row-major layout. A client receives the array itself (numpy) in the same field."""
 
     frame: int
     shape: list[int]
@@ -92,6 +92,12 @@ class Delta(WorkerMessage):
         policy_version: the policy version that sampled them.
         routes: with sampling.return_routes: the new tokens' routes (a client gets a numpy int16 array).
         prompt_routes: with sampling.return_routes, on the sample's first delta: its prompt's routes.
+        top_token_ids: with sampling.top_logprobs: per new token, the k most likely tokens (as `Completion`'s).
+        top_logprobs: alongside, their log-probs.
+        prompt_logprobs: with sampling.prompt_logprobs, on the sample's first delta (as `Completion`'s).
+        prompt_logprob_ranks: alongside, on the first delta.
+        prompt_top_token_ids: alongside, on the first delta.
+        prompt_top_logprobs: alongside, on the first delta.
     """
 
     TYPE: ClassVar[str] = "delta"
@@ -100,8 +106,14 @@ class Delta(WorkerMessage):
     token_ids: list[int]
     logprobs: list[float]
     policy_version: int
-    routes: RouteArray | None = None
-    prompt_routes: RouteArray | None = None
+    routes: FrameArray | None = None
+    prompt_routes: FrameArray | None = None
+    top_token_ids: FrameArray | None = None
+    top_logprobs: FrameArray | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_top_token_ids: FrameArray | None = None
+    prompt_top_logprobs: FrameArray | None = None
 
 
 @dataclass
@@ -123,6 +135,17 @@ class Completion:
         prompt_routes: with sampling.return_routes: the prompt's positions before its last (prompt_len - 1, MoE
             layers, top_k).
         cached_prompt_tokens: prompt tokens the prefix cache spared it (their KV computed earlier).
+        top_token_ids: with sampling.top_logprobs = k: (tokens, k), row i the k most likely tokens at token i's
+            position, most likely first (int32; a client gets a numpy array); id -1 pads a distribution of fewer
+            than k tokens.
+        top_logprobs: alongside, their log-probs (float32, in the request's logprob mode; NaN where padded).
+        prompt_logprobs: with sampling.prompt_logprobs: log p(prompt[i] | prompt[:i]) per prompt position, None at 0
+            (fp32 log_softmax of the raw logits).
+        prompt_logprob_ranks: alongside, each prompt token's rank in its distribution (1: the most likely; None at
+            0).
+        prompt_top_token_ids: with sampling.prompt_logprobs = k > 0: (prompt_len - 1, k), row i the k most likely
+            tokens at prompt position i + 1 (int32).
+        prompt_top_logprobs: alongside, their log-probs (float32).
     """
 
     sample_index: int
@@ -134,9 +157,15 @@ class Completion:
     kv_version_min: int = 0
     adapter: str | None = None
     adapter_version: int | None = None
-    routes: RouteArray | None = None
-    prompt_routes: RouteArray | None = None
+    routes: FrameArray | None = None
+    prompt_routes: FrameArray | None = None
     cached_prompt_tokens: int = 0
+    top_token_ids: FrameArray | None = None
+    top_logprobs: FrameArray | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_top_token_ids: FrameArray | None = None
+    prompt_top_logprobs: FrameArray | None = None
 
 
 @dataclass

@@ -21,8 +21,7 @@ import zmq
 
 from rollout import protocol as p
 from rollout.mailbox import drain
-from rollout.protocol import Delta
-from rollout.protocol.route_frames import unpack_message
+from rollout.protocol.reply_frames import FrameError, unpack_message
 from rollout.protocol.sockets import Waker
 from trainer_bridge.client.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
 from trainer_bridge.client.commands import (
@@ -39,6 +38,7 @@ from trainer_bridge.client.commands import (
 from trainer_bridge.client.links import WorkerLink
 from trainer_bridge.client.liveness import Liveness
 from trainer_bridge.client.routing import CallRouter
+from trainer_bridge.client.stream_splice import splice
 
 logger = logging.getLogger("trainer_bridge.client")
 
@@ -257,9 +257,9 @@ class Dispatcher:
                 continue
             try:
                 unpack_message(message, frames[1:])
-            except ValueError as error:  # the call fails, naming why, instead of waiting for its timeout
-                reason = f"the worker's routes could not be read: {error}"
-                message = p.Error("bad_reply", reason, "routes", getattr(message, "group_id", None))
+            except FrameError as error:  # the call fails, naming why, instead of waiting for its timeout
+                reason = f"the worker's reply arrays could not be read: {error}"
+                message = p.Error("bad_reply", reason, error.field, getattr(message, "group_id", None))
             self._handle(index, message)
 
     def _handle(self, index: int, message: p.Message) -> None:
@@ -276,24 +276,9 @@ class Dispatcher:
             return  # a pong, or a late answer from a worker the group was taken away from
         group_id = call.group.group_id
         if isinstance(message, p.Delta):
-            sample = message.sample_index
-            first = call.received.get(sample, 0)  # position of this delta's first token
-            call.received[sample] = first + len(message.token_ids)
-            skip = max(0, call.delivered.get(sample, 0) - first)
-            if skip < len(message.token_ids):
-                call.delivered[sample] = call.received[sample]
-                routes = None if message.routes is None else message.routes[skip:]
-                call.events.put(
-                    Delta(
-                        group_id,
-                        sample,
-                        message.token_ids[skip:],
-                        message.logprobs[skip:],
-                        message.policy_version,
-                        routes,
-                        message.prompt_routes if first == 0 else None,
-                    )
-                )
+            delta = splice(call, message)
+            if delta is not None:
+                call.events.put(delta)
         elif isinstance(message, p.GroupResult):
             self.router.finish(call)
             call.events.put(GroupResult(group_id, message.prompt_ids, message.completions))

@@ -88,9 +88,4 @@ def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, c
     if most and client_groups >= most:
         reason = f"this client already has {most} groups in flight (the worker's --max-groups-per-client)"
         return p.Error("busy", reason, None, message.group_id)
-    # Outputs the protocol has no field for are refused by name, never silently dropped ({name: its "off" value}).
-    for name, off in {"top_logprobs": 0, "prompt_logprobs": None}.items():
-        if message.sampling.get(name, off) != off:
-            reason = f"{name} are not carried over the socket yet"
-            return p.Error("bad_request", reason, f"sampling.{name}", message.group_id)
     return None
