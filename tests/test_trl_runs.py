@@ -1,13 +1,16 @@
 """trainer_bridge.trl: what a TRL user meets across runs: the seed reproduces the sampling (as TRL's own generation
 does), a temperature TRL's loss cannot divide by is refused by name, a push waits for a restarted worker, and a
-worker restarted between a push and its round gets the step's weights again.
+worker restarted between a push and its round gets the step's weights again, in one process and in two.
 
 References: TRL's own GRPOTrainer (use_vllm=False) on the same tiny model and seed, and the worker's own counters."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import textwrap
+import threading
 import time
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -18,7 +21,7 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from service_helpers import Worker  # noqa: E402
+from service_helpers import Worker, run_ranks  # noqa: E402
 from trainer_bridge import RolloutClient, RolloutError  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 from trl_helpers import dataset, grpo_config  # noqa: E402
@@ -185,6 +188,93 @@ def test_a_worker_restarted_between_the_push_and_the_round_gets_the_steps_weight
             stats = restarted[0].stats()
             assert stats["weight_updates"] == 2  # step 1's weights again, then step 2's
             assert stats["policy_version"] == run.rollout.base_version + 2
+    finally:
+        worker.close()
+        for server in restarted:
+            server.close()
+
+
+RESTARTED_BETWEEN_RANKS = textwrap.dedent(
+    """
+    import json, os, sys, time
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl_helpers import dataset, grpo_config, id_reward
+
+    import trainer_bridge.trl.generation as bridge
+    from rollout.presets import tiny_model, tiny_tokenizer
+    from trainer_bridge.trl import RolloutGRPOTrainer
+
+    address, out = sys.argv[1], sys.argv[2]
+    pushes = []
+    original_push = bridge.push_weights
+
+    def push_then_wait_for_a_restart(client, *args, **kwargs):
+        result = original_push(client, *args, **kwargs)
+        pushes.append(kwargs.get("version"))
+        if client is not None and len(pushes) == 2:  # step 1's push, by the main process: the worker restarts now,
+            open(os.path.join(out, "pushed"), "w").close()  # while the other rank waits for this sync to end
+            while not os.path.exists(os.path.join(out, "restarted")):
+                time.sleep(0.05)
+        return result
+
+    bridge.push_weights = push_then_wait_for_a_restart
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0), reward_funcs=id_reward, args=grpo_config(out, max_steps=3), train_dataset=dataset(),
+        processing_class=tiny_tokenizer(), rollout_workers=address,
+        rollout_client_kwargs={"connect_timeout": 2, "heartbeat_s": 0.2, "dead_after_s": 1.5},
+    )
+    rows = []
+    generate_rows = trainer.rollout.generate_rows
+
+    def recording_rows(prompt_ids, **sampling):
+        result = generate_rows(prompt_ids, **sampling)
+        rows.append({"step": trainer.state.global_step, "versions": result.policy_versions})
+        return result
+
+    trainer.rollout.generate_rows = recording_rows
+    trainer.train()
+    with open(os.path.join(out, f"rank{trainer.accelerator.process_index}.json"), "w") as file:
+        json.dump({"rows": rows, "base": trainer.rollout.base_version, "steps": trainer.state.global_step}, file)
+    trainer.rollout_client.close()
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_push_again_after_a_restart_between_the_push_and_the_round(tmp_path):
+    """Two processes (gloo), max_staleness=0: the only worker is SIGKILLed right after step 1's push and restarted
+    with its starting weights. Each rank's round finds no worker at step 1's version, the rank pushes the weights
+    again alone (DDP: every rank holds them whole; one push lands, the other finds it made) and trains on; every
+    token of every rank's rows was sampled with its step's weights (before, the other rank's client did not know
+    step 1's version and sampled with the restarted worker's starting weights)."""
+    worker = Worker()
+    restarted: list[Worker] = []
+    script = tmp_path / "child.py"
+    script.write_text(RESTARTED_BETWEEN_RANKS)
+
+    def restart_once_pushed() -> None:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "pushed").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker.process.send_signal(signal.SIGKILL)
+        worker.process.wait()
+        restarted.append(Worker(address=worker.address))
+        (tmp_path / "restarted").touch()
+
+    restarter = threading.Thread(target=restart_once_pushed, daemon=True)
+    restarter.start()
+    try:
+        run_ranks(script, [worker.address, str(tmp_path)], timeout=240)
+        restarter.join(timeout=60)
+        results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+        base = results[0]["base"]
+        for result in results:
+            assert result["steps"] == 3 and [call["step"] for call in result["rows"]] == [0, 1, 2]
+            for call in result["rows"]:
+                assert all(versions == [[base + call["step"], 0]] for versions in call["versions"]), call
+        stats = restarted[0].stats()
+        assert stats["weight_updates"] == 2  # step 1's weights again (once: the second rank found them), step 2's
+        assert stats["policy_version"] == base + 2
     finally:
         worker.close()
         for server in restarted:

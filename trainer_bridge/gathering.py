@@ -35,6 +35,15 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor) or isinstance(getattr(tensor, "data", None), DTensor)
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether some parameter of `model` is a shard (DeepSpeed ZeRO-3, FSDP2): pushing it needs every rank.
+
+    Args:
+        model: the trainer's model, as prepared.
+    """
+    return any(_is_zero3(param) or is_dtensor(param) for param in model.parameters())
+
+
 @contextlib.contextmanager
 def gathered(params: list[torch.Tensor]) -> Iterator[None]:
     """Make ZeRO-3-partitioned `params` whole for the duration (a collective: every rank enters it)."""

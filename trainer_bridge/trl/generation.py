@@ -17,6 +17,7 @@ from trl import GRPOTrainer
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
 from trainer_bridge.trl.old_logps import SampledRound
+from trainer_bridge.trl.restarted_workers import generate_groups
 from trainer_bridge.weights.lora_push import served_adapter_name
 from trainer_bridge.weights.weight_sync import push_weights
 
@@ -70,6 +71,11 @@ class RolloutGeneration:
         # model's).
         self.devices: set[str] = set()
         self.dtypes: set[str] = set()
+
+    @property
+    def last_version(self) -> int | None:
+        """The version the last sync pushed (None before the first)."""
+        return self._last_version
 
     def _next_version(self) -> int:
         """The version of the weights a sync makes current: base + global step, and after the first sync always
@@ -153,6 +159,10 @@ class RolloutGeneration:
         # new weights (else they would sample their rows with the previous step's), and makes them fail with the
         # main process when its push failed, instead of waiting for it forever.
         _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
+        if not main and hasattr(self.client, "min_policy_version"):
+            # The main process's client raised its floor with the push; this rank's client learns it here, so that
+            # its rounds never go to a worker that restarted since, with older weights ("stale_workers" instead).
+            self.client.min_policy_version = max(self.client.min_policy_version, version)
 
     def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
         """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
@@ -187,42 +197,9 @@ class RolloutGeneration:
         )
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
-        """The groups' results as they finish. Every worker restarted after this step's push (they serve older
-        weights, which a round may not use with max_staleness=0): in a single process, the step's weights are pushed
-        again, at the same version, and the groups not finished yet are sent again (seeded: they sample what they
-        would have). With several processes a push is a collective of every rank, which this rank cannot start
-        alone: the round fails, saying what a TRL user can do."""
-        finished: set[str] = set()
-        pushed_again = False
-        while True:
-            try:
-                for result in self.client.generate_many([g for g in groups if g.group_id not in finished]):
-                    finished.add(result.group_id)
-                    yield result
-                return
-            except RolloutError as error:
-                if error.code != "stale_workers":
-                    raise
-                step = self.trainer.state.global_step
-                if pushed_again or self._last_version is None or self.trainer.accelerator.num_processes > 1:
-                    # The client's advice (push again) is not the TRL user's to follow mid-train(): say what is.
-                    reason = str(error).removeprefix("stale_workers: ")
-                    again = " (pushed again once, in vain)" if pushed_again else ""
-                    raise RolloutError(
-                        "stale_workers",
-                        f"{reason} In RolloutGRPOTrainer: a worker restarted after step {step}'s push serves older "
-                        f"weights{again}, which this round may not use (max_staleness=0); resume from the last "
-                        "checkpoint, or train with max_staleness >= 1, whose next push brings a restarted worker back",
-                    ) from None
-                logger.warning(
-                    "every rollout worker serves weights older than step %d's (%s): a worker restarted after the push; "
-                    "pushing them again at version %d",
-                    step,
-                    str(error).removeprefix("stale_workers: "),
-                    self._last_version,
-                )
-                self.sync_weights(self._last_version)
-                pushed_again = True
+        """The groups' results as they finish, through the workers (`restarted_workers.generate_groups`: the step's
+        weights pushed again where every worker restarted since); the colocated and async modes override it."""
+        return generate_groups(self, groups)
 
     def generate(self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None) -> tuple:
         """What TRL's GRPOTrainer calls: (prompt_ids, completion_ids, logprobs, None) for the rows, each token's
