@@ -28,8 +28,9 @@ MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 1024, 32
 MAX_SUPPRESSED_TOKENS = 8192
 MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 32, 256
 MAX_STOP_TOKEN_IDS = 1024
-# Most top-k log-probs per prompt position (vLLM's default max_logprobs).
-MAX_PROMPT_LOGPROBS = 20
+# Most top-k log-probs per prompt position (vLLM's default max_logprobs), and per token from a worker's sockets
+# (ZeroMQ and HTTP; in process, top_logprobs goes up to 100).
+MAX_PROMPT_LOGPROBS = MAX_SERVED_LOGPROBS = 20
 # logit_bias: at most this many tokens (OpenAI's limit), each biased by a number in [-MAX, MAX] (OpenAI's bound).
 # Smallest sampling temperature: logits divided by less overflow fp32 (0 means greedy).
 MIN_TEMPERATURE = 1e-5
@@ -334,3 +335,15 @@ def _as_plain(value: Any) -> Any:
 
 # Every SamplingParams field name (what a `sampling` map or keyword may name).
 SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+
+
+def served_logprobs_refusal(top_logprobs: Any) -> str | None:
+    """Why a worker's sockets refuse a request's `top_logprobs` (None: they do not; a value that is not an integer
+    is the engine's to name): more than `MAX_SERVED_LOGPROBS`, as vLLM's max_logprobs.
+
+    Args:
+        top_logprobs: the request's `top_logprobs`, as sent.
+    """
+    if isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool) and top_logprobs > MAX_SERVED_LOGPROBS:
+        return f"must be at most {MAX_SERVED_LOGPROBS} from a worker (vLLM's max_logprobs), got {top_logprobs}"
+    return None

@@ -14,7 +14,7 @@ from rollout.engine.engine import Engine
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request
 from rollout.peft_adapters import BASE_NAME, is_peft_model
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_params import SAMPLING_FIELDS, served_logprobs_refusal
 from trainer_bridge.client.calls import PromptGroup, as_integer
 
 
@@ -47,6 +47,9 @@ def prepare_requests(
             elif not isinstance(sampling, SamplingParams):
                 kind = type(sampling).__name__
                 raise FieldError("sampling", f"expected a SamplingParams or a dict of its fields, got {kind}")
+            refusal = served_logprobs_refusal(sampling.top_logprobs)  # as a worker refuses it (in process: 100)
+            if refusal is not None:
+                raise FieldError("top_logprobs", refusal)
             n = as_integer(group.n)  # numpy / torch integers too; anything else is the intake's to name
             adapter = served_adapter(engine, model, group.adapter)
             spec = GroupSpec(group_id, group.prompt_ids, sampling, group.n if n is None else n, adapter=adapter)

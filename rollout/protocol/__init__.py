@@ -81,9 +81,11 @@ with sampling.return_routes (MoE models) routes / prompt_routes: FrameArray maps
 (frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); with
 sampling.top_logprobs = k, top_token_ids / top_logprobs: FrameArray maps of shape [tokens, k] ("int32" ids, most
 likely first; "float32" log-probs; id -1 and NaN pad a distribution of fewer than k tokens); with
-sampling.prompt_logprobs = k, prompt_logprobs: [float or nil] (nil at position 0) and prompt_logprob_ranks: [int or
-nil], and for k > 0 prompt_top_token_ids / prompt_top_logprobs of shape [prompt_len - 1, k] (row i: position i + 1).
-A delta carries its tokens' routes and top log-probs (and the prompt's, on a sample's first delta) the same way.
+sampling.prompt_logprobs = k, FrameArray maps with a row per prompt position after the first (row i: position
+i + 1): prompt_logprobs ("float32", shape [prompt_len - 1]), prompt_logprob_ranks ("int32", 1 the most likely) and
+for k > 0 prompt_top_token_ids / prompt_top_logprobs ([prompt_len - 1, k]); the completions of a group_result name
+the same frames. A delta carries its tokens' routes and top log-probs (and the prompt's, on a sample's first delta)
+the same way.
 `sampling` takes the field names of `rollout.SamplingParams`.
 
 Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec

@@ -33,8 +33,13 @@ class GroupInFlight:
     started_sampling: bool = False
     routes: dict[int, list[np.ndarray]] = field(default_factory=dict)  # per sample, with return_routes
     prompt_routes: dict[int, np.ndarray] = field(default_factory=dict)
-    top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)  # with top_logprobs
-    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # with prompt_logprobs
+    top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)  # running samples' rows
+    # A finished sample's rows as (ids, log-probs) arrays (None: none, or a piece was lost): each made as its sample
+    # ends, so that the last one does not make a whole group's at once on the engine thread.
+    top_arrays: dict[int, tuple[np.ndarray, np.ndarray] | None] = field(default_factory=dict)
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # with prompt_logprobs, per sample
+    # The samples of a group share their prompt's lists (the engine scores the prompt once): one PromptScores each.
+    shared_prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # by id() of its logprobs list
     cancel_requested: bool = False  # its client cancelled it (or was lost): a group still compiling is never run
 
     @property
@@ -58,9 +63,7 @@ class GroupInFlight:
         delta = None
         if output.prompt_routes is not None:
             self.prompt_routes[index] = output.prompt_routes
-        prompt_scores = PromptScores.of(output)
-        if prompt_scores is not None:
-            self.prompt_scores[index] = prompt_scores
+        prompt_scores = self._prompt_scores_of(output)
         if self.stream:
             tokens.extend(output.generated_tokens)
             logprobs.extend(output.logprobs)
@@ -89,6 +92,8 @@ class GroupInFlight:
                 self.routes[index] = [output.routes]
         if not output.is_finished:
             return delta, None
+        tops = self.top_logprobs.pop(index, [])  # a piece was lost (a failed step): none, not shifted
+        self.top_arrays[index] = reply_frames.top_arrays(tops) if len(tops) == len(tokens) else None
         kv_version_min = output.kv_version_min if output.kv_version_min is not None else policy_version
         completion = p.Completion(
             index,
@@ -108,6 +113,7 @@ class GroupInFlight:
         completions = sorted(self.completions, key=lambda c: c.sample_index)
         result = p.GroupResult(self.group_id, self.prompt_ids, completions)
         result.data_frames = []
+        prompt_entries: dict[int, tuple] = {}  # the frames of each prompt's scores, named by every completion
         for completion in completions:
             pieces = self.routes.get(completion.sample_index)
             routes = np.concatenate(pieces) if pieces else None
@@ -117,35 +123,70 @@ class GroupInFlight:
             completion.prompt_routes = reply_frames.pack_routes(
                 self.prompt_routes.get(completion.sample_index), result.data_frames
             )
-            tops = self.top_logprobs.get(completion.sample_index, [])
-            if len(tops) == len(completion.token_ids):  # a piece was lost (a failed step): none, not shifted
-                completion.top_token_ids, completion.top_logprobs = reply_frames.pack_top(tops, result.data_frames)
+            completion.top_token_ids, completion.top_logprobs = reply_frames.pack_top_arrays(
+                self.top_arrays.get(completion.sample_index), result.data_frames
+            )
             prompt_scores = self.prompt_scores.get(completion.sample_index)
             if prompt_scores is not None:
-                prompt_scores.put(completion, result.data_frames)
+                prompt_scores.put(completion, result.data_frames, prompt_entries)
         return delta, result
+
+    def _prompt_scores_of(self, output: GenerationOutput) -> PromptScores | None:
+        """The output's prompt log-probs (a sample's first output only), one PromptScores per distinct prompt lists."""
+        if output.prompt_logprobs is None:
+            return None
+        scores = self.shared_prompt_scores.get(id(output.prompt_logprobs))  # (the list lives on in `scores`)
+        if scores is None or scores.source is not output.prompt_logprobs:
+            scores = PromptScores.of(output)
+            self.shared_prompt_scores[id(output.prompt_logprobs)] = scores
+        self.prompt_scores[output.sample_index] = scores
+        return scores
 
 
 @dataclass
 class PromptScores:
-    """A sample's prompt log-probs (`SamplingParams.prompt_logprobs`), as its first output brought them."""
+    """A prompt's log-probs (`SamplingParams.prompt_logprobs`) as arrays, made once from a sample's first output,
+    however many samples (and their messages) carry them: row i is prompt position i + 1."""
 
-    logprobs: list[float | None]
-    ranks: list[int | None] | None
-    top: list[list[tuple[int, float]] | None] | None
+    source: list[float | None]  # the engine's list they were made from (the samples of a group share it)
+    logprobs: np.ndarray  # (prompt_len - 1,) float32
+    ranks: np.ndarray  # (prompt_len - 1,) int32
+    top: tuple[np.ndarray, np.ndarray] | None  # (ids, log-probs), each (prompt_len - 1, k); None: k = 0
 
     @classmethod
-    def of(cls, output: GenerationOutput) -> PromptScores | None:
-        """The output's prompt log-probs, if it carries them (a sample's first output only)."""
-        if output.prompt_logprobs is None:
-            return None
-        return cls(output.prompt_logprobs, output.prompt_logprob_ranks, output.prompt_top_logprobs)
+    def of(cls, output: GenerationOutput) -> PromptScores:
+        """The arrays of an output that carries prompt log-probs (a sample's first)."""
+        scored = output.prompt_logprobs
+        top = output.prompt_top_logprobs
+        return cls(
+            scored,
+            np.array(scored[1:], dtype=np.float32),
+            np.array(output.prompt_logprob_ranks[1:], dtype=np.int32),
+            None if top is None else reply_frames.top_arrays(top[1:]),
+        )
 
-    def put(self, message: p.Completion | p.Delta, frames: list[bytes]) -> None:
-        """Set them on a completion or delta, the top pairs of positions 1.. as two frames."""
-        message.prompt_logprobs, message.prompt_logprob_ranks = self.logprobs, self.ranks
-        if self.top is not None:
-            message.prompt_top_token_ids, message.prompt_top_logprobs = reply_frames.pack_top(self.top[1:], frames)
+    def put(
+        self, message: p.Completion | p.Delta, frames: list[bytes], entries: dict[int, tuple] | None = None
+    ) -> None:
+        """Set them on a completion or delta as frames.
+
+        Args:
+            message: the completion or delta.
+            frames: its message's data frames (appended to).
+            entries: the frame entries already in `frames`, by id() of their PromptScores (updated): the
+                completions of one group_result name the same frames.
+        """
+        packed = None if entries is None else entries.get(id(self))
+        if packed is None:
+            packed = (
+                reply_frames.pack_array(self.logprobs, "float32", frames),
+                reply_frames.pack_array(self.ranks, "int32", frames),
+                *reply_frames.pack_top_arrays(self.top, frames),
+            )
+            if entries is not None:
+                entries[id(self)] = packed
+        message.prompt_logprobs, message.prompt_logprob_ranks = packed[:2]
+        message.prompt_top_token_ids, message.prompt_top_logprobs = packed[2:]
 
 
 def engine_id(identity: bytes, group_id: str) -> str:

@@ -110,8 +110,8 @@ class Delta(WorkerMessage):
     prompt_routes: FrameArray | None = None
     top_token_ids: FrameArray | None = None
     top_logprobs: FrameArray | None = None
-    prompt_logprobs: list[float | None] | None = None
-    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_logprobs: FrameArray | None = None
+    prompt_logprob_ranks: FrameArray | None = None
     prompt_top_token_ids: FrameArray | None = None
     prompt_top_logprobs: FrameArray | None = None
 
@@ -139,10 +139,10 @@ class Completion:
             position, most likely first (int32; a client gets a numpy array); id -1 pads a distribution of fewer
             than k tokens.
         top_logprobs: alongside, their log-probs (float32, in the request's logprob mode; NaN where padded).
-        prompt_logprobs: with sampling.prompt_logprobs: log p(prompt[i] | prompt[:i]) per prompt position, None at 0
-            (fp32 log_softmax of the raw logits).
-        prompt_logprob_ranks: alongside, each prompt token's rank in its distribution (1: the most likely; None at
-            0).
+        prompt_logprobs: with sampling.prompt_logprobs: (prompt_len - 1,) float32, row i log p(prompt[i + 1] |
+            prompt[:i + 1]) (fp32 log_softmax of the raw logits; a client gets a numpy array).
+        prompt_logprob_ranks: alongside, (prompt_len - 1,) int32, each of those tokens' rank in its distribution (1:
+            the most likely).
         prompt_top_token_ids: with sampling.prompt_logprobs = k > 0: (prompt_len - 1, k), row i the k most likely
             tokens at prompt position i + 1 (int32).
         prompt_top_logprobs: alongside, their log-probs (float32).
@@ -162,8 +162,8 @@ class Completion:
     cached_prompt_tokens: int = 0
     top_token_ids: FrameArray | None = None
     top_logprobs: FrameArray | None = None
-    prompt_logprobs: list[float | None] | None = None
-    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_logprobs: FrameArray | None = None
+    prompt_logprob_ranks: FrameArray | None = None
     prompt_top_token_ids: FrameArray | None = None
     prompt_top_logprobs: FrameArray | None = None
 

@@ -6,10 +6,18 @@ numpy arrays, checked against the message.
 - routes: (rows, MoE layers, top_k), uint8 when every expert id fits, else int16; a client gets int16.
 - top log-probs: two arrays of one shape (rows, k), the token ids (int32, most likely first) and their log-probs
   (float32); a row whose distribution had fewer than k tokens is padded with id -1 and log-prob NaN.
+- prompt log-probs: per prompt position after the first, the prompt token's log-prob (float32) and rank (int32), and
+  its top arrays. The samples of a group share their prompt's: a group_result carries them once, in frames every
+  completion's entries name (a header list per completion would pass the header's item limits for a large group).
+
+A client's arrays are read-only views of the received frames (routes excepted: int16 copies); `.copy()` one to
+write to it. A malformed entry, whatever its numbers, raises `FrameError` naming it, never another exception.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
 
 import numpy as np
@@ -45,6 +53,34 @@ def pack_routes(routes: np.ndarray | None, frames: list[bytes]) -> FrameArray | 
     return pack_array(routes, "uint8" if narrow else "int16", frames)
 
 
+def top_arrays(rows: list[list[tuple[int, float]]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows of (token id, log-prob) pairs as (ids int32, log-probs float32), each (rows, k); None when no row has a
+    pair (k = 0). One pass over the pairs (on a worker's engine thread, as each sample ends: under 100 ns a pair).
+
+    Args:
+        rows: per position, its most likely (token id, log-prob) pairs, most likely first.
+    """
+    width = max(map(len, rows), default=0)
+    if not width:
+        return None
+    if any(len(row) != width for row in rows):  # a vocabulary smaller than k: every row is, so this is rare
+        rows = [list(row) + [(-1, float("nan"))] * (width - len(row)) for row in rows]
+    chain = itertools.chain.from_iterable
+    flat = np.fromiter(chain(chain(rows)), np.float64, 2 * width * len(rows))  # ids are exact in float64
+    pairs = flat.reshape(len(rows), width, 2)
+    return pairs[..., 0].astype(np.int32), pairs[..., 1].astype(np.float32)
+
+
+def pack_top_arrays(
+    arrays: tuple[np.ndarray, np.ndarray] | None, frames: list[bytes]
+) -> tuple[FrameArray | None, FrameArray | None]:
+    """Append `top_arrays`' (ids, log-probs) to `frames` (a message's data frames) and return their header entries
+    ((None, None) for None)."""
+    if arrays is None:
+        return None, None
+    return pack_array(arrays[0], "int32", frames), pack_array(arrays[1], "float32", frames)
+
+
 def pack_top(rows: list[list[tuple[int, float]]], frames: list[bytes]) -> tuple[FrameArray | None, FrameArray | None]:
     """Append rows of (token id, log-prob) pairs as two frames, the ids and the log-probs, and return their header
     entries ((None, None) when no row has a pair: k = 0).
@@ -53,13 +89,7 @@ def pack_top(rows: list[list[tuple[int, float]]], frames: list[bytes]) -> tuple[
         rows: per position, its most likely (token id, log-prob) pairs, most likely first.
         frames: the message's data frames (appended to).
     """
-    width = max(map(len, rows), default=0)
-    if not width:
-        return None, None
-    if any(len(row) != width for row in rows):  # a vocabulary smaller than k: every row is, so this is rare
-        rows = [list(row) + [(-1, float("nan"))] * (width - len(row)) for row in rows]
-    pairs = np.array(rows, dtype=np.float64).reshape(len(rows), width, 2)  # ids are exact in float64
-    return pack_array(pairs[..., 0], "int32", frames), pack_array(pairs[..., 1], "float32", frames)
+    return pack_top_arrays(top_arrays(rows), frames)
 
 
 def unpack_array(entry: FrameArray | None, frames: list[Any], field: str, dtypes: tuple[str, ...], ndim: int):
@@ -76,7 +106,8 @@ def unpack_array(entry: FrameArray | None, frames: list[Any], field: str, dtypes
     payload = frames[entry.frame]
     payload = payload.buffer if hasattr(payload, "buffer") else payload
     dtype = np.dtype(FRAME_DTYPES[entry.dtype])
-    if any(size < 0 for size in entry.shape) or len(payload) != int(np.prod(entry.shape)) * dtype.itemsize:
+    # math.prod: exact, where numpy's int64 product of a hostile shape wraps around (to 0 for [2**32, 2**32])
+    if any(size < 0 for size in entry.shape) or len(payload) != math.prod(entry.shape) * dtype.itemsize:
         raise FrameError(field, f"{len(payload)} bytes do not hold shape {entry.shape} of {entry.dtype}")
     return np.frombuffer(payload, dtype=dtype).reshape(entry.shape)
 
@@ -114,10 +145,29 @@ def _unpack_sample(sample: Completion | Delta, frames: list[Any], prefix: str, r
     sample.top_token_ids, sample.top_logprobs = _top(
         sample.top_token_ids, sample.top_logprobs, frames, f"{prefix}top", rows
     )
-    if sample.prompt_logprobs is not None:
-        prompt_rows = len(sample.prompt_logprobs) - 1
+    _prompt_scores(sample, frames, prefix, prompt_rows)
+
+
+def _prompt_scores(sample: Completion | Delta, frames: list[Any], prefix: str, prompt_rows: int | None) -> None:
+    """A sample's prompt log-probs, ranks and top arrays: all or none of the first two, one row per prompt position
+    after the first (`prompt_rows` of them, where the message says the prompt's length), ranks of at least 1."""
+    logprobs = unpack_array(sample.prompt_logprobs, frames, f"{prefix}prompt_logprobs", ("float32",), 1)
+    ranks = unpack_array(sample.prompt_logprob_ranks, frames, f"{prefix}prompt_logprob_ranks", ("int32",), 1)
+    if logprobs is None:
+        for name in ("prompt_logprob_ranks", "prompt_top_token_ids", "prompt_top_logprobs"):
+            if getattr(sample, name) is not None:
+                raise FrameError(f"{prefix}{name}", "given without prompt_logprobs")
+        return
+    rows = len(logprobs) if prompt_rows is None else prompt_rows
+    if len(logprobs) != rows:
+        raise FrameError(f"{prefix}prompt_logprobs", f"{len(logprobs)} values for {rows} prompt positions")
+    if ranks is None or len(ranks) != rows:
+        raise FrameError(f"{prefix}prompt_logprob_ranks", f"{'no' if ranks is None else len(ranks)} ranks for {rows}")
+    if ranks.size and int(ranks.min()) < 1:
+        raise FrameError(f"{prefix}prompt_logprob_ranks", "a rank below 1")
+    sample.prompt_logprobs, sample.prompt_logprob_ranks = logprobs, ranks
     sample.prompt_top_token_ids, sample.prompt_top_logprobs = _top(
-        sample.prompt_top_token_ids, sample.prompt_top_logprobs, frames, f"{prefix}prompt_top", prompt_rows
+        sample.prompt_top_token_ids, sample.prompt_top_logprobs, frames, f"{prefix}prompt_top", rows
     )
 
 

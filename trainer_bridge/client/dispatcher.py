@@ -246,8 +246,11 @@ class Dispatcher:
             worker.unanswered_since = None
             try:
                 message = p.decode(frames)
-            except p.ProtocolError:
-                message = None
+            except p.ProtocolError as error:  # a reply to a call that cannot be read fails the call, naming why,
+                message = None  # instead of leaving it to wait for its timeout
+                if error.group_id is not None:
+                    reason = f"the worker's reply could not be read: {error}"
+                    message = p.Error("bad_reply", reason, error.field, error.group_id)
             if isinstance(message, (p.Pong, p.WeightsCommitted)):  # before a revival routes calls by it
                 worker.policy_version = message.policy_version if isinstance(message, p.Pong) else message.version
             if not worker.alive:

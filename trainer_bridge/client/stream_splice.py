@@ -1,6 +1,7 @@
 """A stream that survives a failover: a group resubmitted to another worker streams again from its first token (the
 same seed, the same tokens), so each delta is passed on only past what the caller already has (`Call.delivered`),
-with its per-token arrays cut alike and the prompt's fields only on a sample's first delta."""
+with its per-token arrays cut alike and the prompt's fields only on the first delta its caller gets of a sample (not
+again when a resubmitted group's worker sends them with its own first delta)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def splice(call: Call, message: p.Delta) -> p.Delta | None:
         top_token_ids=tail(message.top_token_ids),
         top_logprobs=tail(message.top_logprobs),
     )
-    if first == 0:  # the sample's first delta from this worker: the prompt's fields
+    if first == skip == 0:  # the sample's first delta, its caller's first (a failover's resend has them again)
         delta.prompt_routes, delta.prompt_logprobs = message.prompt_routes, message.prompt_logprobs
         delta.prompt_logprob_ranks = message.prompt_logprob_ranks
         delta.prompt_top_token_ids, delta.prompt_top_logprobs = (

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from rollout.config import FieldError
 from rollout.protocol import messages as p
+from rollout.sampling_params import served_logprobs_refusal
 from rollout.service.compile.jobs import CompileBudget
 
 
@@ -88,4 +89,7 @@ def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, c
     if most and client_groups >= most:
         reason = f"this client already has {most} groups in flight (the worker's --max-groups-per-client)"
         return p.Error("busy", reason, None, message.group_id)
+    reason = served_logprobs_refusal(message.sampling.get("top_logprobs") if isinstance(message.sampling, dict) else 0)
+    if reason is not None:
+        return p.Error("bad_request", f"sampling.top_logprobs: {reason}", "sampling.top_logprobs", message.group_id)
     return None

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.sampling_params import MAX_SERVED_LOGPROBS
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api import openai_fields as fields
@@ -125,7 +126,7 @@ class OpenAIEndpoints:
                 )
                 raise bad_field("max_tokens", reason)
             max_tokens = fields.integer(body, "max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room), least, room)
-            logprobs = fields.integer(body, "logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
+            logprobs = fields.integer(body, "logprobs", None, 0, MAX_SERVED_LOGPROBS)
             if fields.integer(body, "best_of", n, 1) != n:
                 raise bad_field("best_of", "only best_of = n (or unset) is supported")
         if logprobs is not None and not self.manager.config.return_logprobs:
@@ -176,7 +177,7 @@ class OpenAIEndpoints:
     @staticmethod
     def _chat_logprobs(body: dict[str, Any]) -> int | None:
         wanted = fields.flag(body, "logprobs")
-        top = fields.integer(body, "top_logprobs", 0, 0, fields.MAX_COMPLETION_LOGPROBS)
+        top = fields.integer(body, "top_logprobs", 0, 0, MAX_SERVED_LOGPROBS)
         if top and not wanted:
             raise bad_field("top_logprobs", "needs logprobs=true")
         return top if wanted else None

@@ -85,7 +85,6 @@ REFUSED = {
     "function_call": ((), "the legacy function calling is not supported: send tool_choice"),
 }
 CHAT_FIELDS |= set(REFUSED) - {"suffix"}  # known to chat, so that a null is accepted and a value refused by name
-MAX_COMPLETION_LOGPROBS = 20  # completions' `logprobs` and chat's `top_logprobs`, as vLLM's default limit
 
 
 @dataclass

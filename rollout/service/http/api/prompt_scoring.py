@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rollout.sampling_params import MAX_SERVED_LOGPROBS
 from rollout.service.http.api import openai_fields as fields
 from rollout.service.http.api.choices import Choice, LogprobFormat
 
@@ -34,7 +35,7 @@ class PromptScoring:
         prompt = body.get("prompt")
         items = [prompt] if isinstance(prompt, str) or not isinstance(prompt, list) or _is_ids(prompt) else prompt
         texts = tuple(item if isinstance(item, str) else None for item in items)
-        top = fields.integer(body, "prompt_logprobs", None, 0, fields.MAX_COMPLETION_LOGPROBS)
+        top = fields.integer(body, "prompt_logprobs", None, 0, MAX_SERVED_LOGPROBS)
         return cls(fields.flag(body, "echo"), top, texts)
 
     @property
