@@ -25,6 +25,11 @@ class StepCounters:
     # (a drafted step, verified at once; a thin step before one that may draft): each one's host work adds to the
     # device's time instead of hiding under it.
     overlap_lost_steps: int = 0
+    # Drafted steps, and the seconds their verification waited for their tokens to reach the host: on a GPU, what
+    # of a drafted step's period is the device's (its forward and sampling); the rest is host work the device waited
+    # through, since a drafted step is verified before the next one is scheduled (~0 on a CPU, which waits for nothing).
+    drafted_steps: int = 0
+    drafted_wait_s: float = 0.0
     weight_updates: int = 0
 
     def count_step(self, chunks: list[int], draft_tokens: int = 0) -> None:
@@ -33,6 +38,7 @@ class StepCounters:
         self.computed_tokens += sum(chunks) + draft_tokens
         self.prefill_tokens += sum(chunks) - chunks.count(1)
         self.steps += 1
+        self.drafted_steps += bool(draft_tokens)
 
     def restore(self, saved: StepCounters) -> None:
         """Set every counter back to `saved`'s value (work that was not served, such as a warm-up)."""

@@ -14,6 +14,7 @@ in `undelivered` until the next `step()` or `flush()`, so none is lost or overta
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -241,7 +242,10 @@ class StepLoop:
         """Bring an advanced step's tokens to the host and put them in place; returns the requests that have an
         output to give (ended, failed, or streaming)."""
         try:
+            waited = time.perf_counter()
             sampled = step.samples.fetch()
+            if step.logits is not None:  # a drafted step: what of its period the device took (`StepCounters`)
+                self.counters.drafted_wait_s += time.perf_counter() - waited
             deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
             if step.routes is not None:
                 step.routes.deliver(self.block_manager.cached_blocks)

@@ -222,10 +222,12 @@ def speculative_rows(result: SectionResult) -> list[Row]:
         ("tail_ms_per_token", "tail time per generated token", ".3f", " ms"),
         ("tail_plain_step_ms", "tail plain step", ".3f", " ms"),
         ("tail_drafted_step_ms", "tail drafted step", ".3f", " ms"),
+        ("drafted_wait_ms", "drafted step, waiting for the device (the rest: host work not overlapped)", ".3f", " ms"),
         ("tokens_per_s", "tokens/s", ",.0f", ""),
         ("last_finish_s", "the round's last sample", ".2f", " s"),
     ):
-        for side in ("with",) if figure == "tail_drafted_step_ms" else ("without", "with"):  # none without drafts
+        drafted_only = figure in ("tail_drafted_step_ms", "drafted_wait_ms")  # none without drafts
+        for side in ("with",) if drafted_only else ("without", "with"):
             rows.append(number_row(name, f"{label}, {side} drafts", get_path(medians, figure, side), spec, unit=unit))
     before, after = get_path(medians, "last_finish_s", "without"), get_path(medians, "last_finish_s", "with")
     sooner = before / after if positive(before, after) else None

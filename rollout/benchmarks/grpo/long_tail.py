@@ -162,6 +162,7 @@ def measure(
         stats, computed = engine.stats(), engine.counters.computed_tokens
         verification_draws = engine.counters.verification_draws
         overlap_lost_steps = engine.counters.overlap_lost_steps
+        drafted_wait_ms = _ms(engine.counters.drafted_wait_s, engine.counters.drafted_steps)
         block_bytes = engine.kv_cache.shape.bytes_per_block(BLOCK_SIZE, engine.kv_cache.kv.dtype)
         swap_blocks = engine.kv_cache.num_swap_blocks
     finally:
@@ -220,6 +221,7 @@ def measure(
         "accepted_draft_tokens": accepted,
         "verification_draws": verification_draws,
         "overlap_lost_steps": overlap_lost_steps,
+        "drafted_wait_ms": drafted_wait_ms,
         "tail_steps": probe.tail_steps,
         "tail_tokens": probe.tail_tokens,
         "tail_forwards_per_token": round(probe.tail_rows / max(probe.tail_tokens, 1), 4),

@@ -5,7 +5,8 @@ Figures, each the median over the repeats, and the ratio of the two:
 - tail forward passes per generated token: the forwards a sample sees per token it gets in the long tail (steps that
   decode at most 8 samples and compute nothing else): 1 without speculation, less when drafts are accepted;
 - the tail's milliseconds per generated token, and its plain and drafted steps' mean milliseconds (each step's
-  period, schedule to schedule: where a drafted step loses the overlap of host and device, it shows here);
+  period, schedule to schedule: where a drafted step loses the overlap of host and device, it shows here), and of
+  a drafted step the milliseconds it waited for the device (on a GPU its forward and sampling; the rest is host work);
 - tokens per second over the whole run;
 - the last sample's finish, from the round's start;
 - on a CPU, the engine's host time: its steps' seconds outside the model's forward (the sampler's arithmetic
@@ -30,6 +31,7 @@ FIGURES = (
     "tail_ms_per_token",
     "tail_plain_step_ms",
     "tail_drafted_step_ms",
+    "drafted_wait_ms",
     "tokens_per_s",
     "last_finish_s",
     "host_s",
@@ -106,6 +108,7 @@ def print_comparison(summary: dict[str, Any]) -> None:
         "tail_ms_per_token": "tail ms / token",
         "tail_plain_step_ms": "tail plain step (ms)",
         "tail_drafted_step_ms": "tail drafted step (ms)",
+        "drafted_wait_ms": "  waiting for device (ms)",
         "tokens_per_s": "tokens / s",
         "last_finish_s": "last sample (s)",
         "host_s": "engine host time (s)",
