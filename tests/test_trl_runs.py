@@ -1,6 +1,7 @@
 """trainer_bridge.trl: what a TRL user meets across runs: the seed reproduces the sampling (as TRL's own generation
-does), a temperature TRL's loss cannot divide by is refused by name, a push waits for a restarted worker, and a
-worker restarted between a push and its round gets the step's weights again, in one process and in two.
+does), a temperature TRL's loss cannot divide by is refused by name, a push waits for a restarted worker, a worker
+restarted between a push and its round gets the step's weights again (in one process and in two: every rank learns
+the pushed version).
 
 References: TRL's own GRPOTrainer (use_vllm=False) on the same tiny model and seed, and the worker's own counters."""
 
@@ -20,10 +21,12 @@ import trl_worker  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
+from rollout import protocol as p  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
-from service_helpers import Worker, run_ranks  # noqa: E402
-from trainer_bridge import RolloutClient, RolloutError  # noqa: E402
+from service_helpers import Client, Worker, run_ranks  # noqa: E402
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
+from trainer_bridge.trl.restarted_workers import learn_pushed_version  # noqa: E402
 from trl_helpers import dataset, grpo_config  # noqa: E402
 
 worker, client = trl_worker.worker, trl_worker.client  # the shared worker fixtures
@@ -197,33 +200,32 @@ def test_a_worker_restarted_between_the_push_and_the_round_gets_the_steps_weight
 RESTARTED_BETWEEN_RANKS = textwrap.dedent(
     """
     import json, os, sys, time
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl_helpers import dataset, grpo_config, id_reward
-
     import trainer_bridge.trl.generation as bridge
+    import trainer_bridge.trl.restarted_workers as again
     from rollout.presets import tiny_model, tiny_tokenizer
     from trainer_bridge.trl import RolloutGRPOTrainer
 
-    address, out = sys.argv[1], sys.argv[2]
-    pushes = []
-    original_push = bridge.push_weights
+    address, out, rank = sys.argv[1], sys.argv[2], int(os.environ["RANK"])
+    rows, original_push = [], bridge.push_weights
 
-    def push_then_wait_for_a_restart(client, *args, **kwargs):
-        result = original_push(client, *args, **kwargs)
-        pushes.append(kwargs.get("version"))
-        if client is not None and len(pushes) == 2:  # step 1's push, by the main process: the worker restarts now,
-            open(os.path.join(out, "pushed"), "w").close()  # while the other rank waits for this sync to end
-            while not os.path.exists(os.path.join(out, "restarted")):
-                time.sleep(0.05)
-        return result
+    def push(client, *args, **kwargs):  # after step 1's sync, the restart; after a rank's push alone, a file
+        try:
+            return original_push(client, *args, **kwargs)
+        finally:
+            if "accelerator" not in kwargs:  # restarted_workers: this rank pushed alone
+                open(os.path.join(out, f"tried{rank}"), "w").close()
+            elif client is not None and trainer.state.global_step == 1:  # the main process: the worker restarts
+                open(os.path.join(out, "pushed"), "w").close()  # now, while the other rank waits for this sync
+                while not os.path.exists(os.path.join(out, "restarted")):
+                    time.sleep(0.05)
 
-    bridge.push_weights = push_then_wait_for_a_restart
+    bridge.push_weights = again.push_weights = push
     trainer = RolloutGRPOTrainer(
         model=tiny_model(0), reward_funcs=id_reward, args=grpo_config(out, max_steps=3), train_dataset=dataset(),
         processing_class=tiny_tokenizer(), rollout_workers=address,
         rollout_client_kwargs={"connect_timeout": 2, "heartbeat_s": 0.2, "dead_after_s": 1.5},
     )
-    rows = []
     generate_rows = trainer.rollout.generate_rows
 
     def recording_rows(prompt_ids, **sampling):
@@ -233,7 +235,7 @@ RESTARTED_BETWEEN_RANKS = textwrap.dedent(
 
     trainer.rollout.generate_rows = recording_rows
     trainer.train()
-    with open(os.path.join(out, f"rank{trainer.accelerator.process_index}.json"), "w") as file:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump({"rows": rows, "base": trainer.rollout.base_version, "steps": trainer.state.global_step}, file)
     trainer.rollout_client.close()
     """
@@ -243,26 +245,33 @@ RESTARTED_BETWEEN_RANKS = textwrap.dedent(
 @pytest.mark.timeout(300)
 def test_two_ranks_push_again_after_a_restart_between_the_push_and_the_round(tmp_path):
     """Two processes (gloo), max_staleness=0: the only worker is SIGKILLed right after step 1's push and restarted
-    with its starting weights. Each rank's round finds no worker at step 1's version, the rank pushes the weights
-    again alone (DDP: every rank holds them whole; one push lands, the other finds it made) and trains on; every
-    token of every rank's rows was sampled with its step's weights (before, the other rank's client did not know
-    step 1's version and sampled with the restarted worker's starting weights)."""
+    with its starting weights. Each rank's round finds no worker at step 1's version and pushes the weights again
+    alone (DDP: every rank holds them whole), finding another update in the worker's slot (as two ranks' pushes that
+    each hold some workers' slots and fail; the round failed, "in vain", before), which is then aborted: one rank's
+    push lands, the other finds it made. Every token of every rank's rows was sampled with its step's weights (the
+    other rank's client did not know step 1's version and sampled the restarted worker's starting weights before)."""
     worker = Worker()
     restarted: list[Worker] = []
-    script = tmp_path / "child.py"
-    script.write_text(RESTARTED_BETWEEN_RANKS)
+    (script := tmp_path / "child.py").write_text(RESTARTED_BETWEEN_RANKS)
+    deadline = time.monotonic() + 240
+
+    def wait_for(*names: str) -> None:
+        while not all((tmp_path / name).exists() for name in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def restart_once_pushed() -> None:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "pushed").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("pushed")
         worker.process.send_signal(signal.SIGKILL)
         worker.process.wait()
         restarted.append(Worker(address=worker.address))
+        holder, spec = Client(worker.address), [p.TensorSpec("model.norm.weight", "float32", [256])]
+        assert isinstance(holder.ask(p.WeightsBegin("held", spec, partial=True, timeout_s=25)), p.WeightsReady)
         (tmp_path / "restarted").touch()
+        wait_for("tried0", "tried1")
+        holder.ask(p.WeightsAbort("held"))
+        holder.close()
 
-    restarter = threading.Thread(target=restart_once_pushed, daemon=True)
-    restarter.start()
+    (restarter := threading.Thread(target=restart_once_pushed, daemon=True)).start()
     try:
         run_ranks(script, [worker.address, str(tmp_path)], timeout=240)
         restarter.join(timeout=60)
@@ -272,10 +281,19 @@ def test_two_ranks_push_again_after_a_restart_between_the_push_and_the_round(tmp
             assert result["steps"] == 3 and [call["step"] for call in result["rows"]] == [0, 1, 2]
             for call in result["rows"]:
                 assert all(versions == [[base + call["step"], 0]] for versions in call["versions"]), call
-        stats = restarted[0].stats()
-        assert stats["weight_updates"] == 2  # step 1's weights again (once: the second rank found them), step 2's
-        assert stats["policy_version"] == base + 2
+        stats = restarted[0].stats()  # step 1's weights again (once: the other rank found them), then step 2's
+        assert (stats["weight_updates"], stats["policy_version"]) == (2, base + 2)
     finally:
         worker.close()
         for server in restarted:
             server.close()
+
+
+def test_a_rank_learns_the_pushed_version_at_once(worker):
+    """A rank other than the main one learns the version the main process pushed (`learn_pushed_version`): its next
+    round goes to the worker at once, at that version (before, it waited for its client's next heartbeat)."""
+    with RolloutClient(worker.address) as main, RolloutClient(worker.address, heartbeat_s=60) as rank:
+        rank.wait_connected()
+        learn_pushed_version(rank, push_weights(main, tiny_model(0)).version)  # the same weights, a new version
+        result = rank.generate(PromptGroup([1, 2, 3], 1, {"max_new_tokens": 2}), timeout=5)
+        assert result.completions[0].policy_versions == [[rank.min_policy_version, 0]]

@@ -76,4 +76,10 @@ class RemoveWorker:
     done: threading.Event
 
 
-Command = AddWorker | RemoveWorker | Submit | CancelCall | OpenChannel | CloseChannel | SendRaw | AskStats
+@dataclass
+class AskVersions:
+    """Ping every live worker now: the client's floor rose (`RolloutClient.min_policy_version`), and the calls it
+    parks wait for a pong that shows a worker at the new version (else for the next heartbeat)."""
+
+
+Command = AddWorker | RemoveWorker | Submit | CancelCall | OpenChannel | CloseChannel | SendRaw | AskStats | AskVersions

@@ -27,6 +27,7 @@ from trainer_bridge.client.calls import Call, GroupResult, RolloutError, WorkerB
 from trainer_bridge.client.commands import (
     AddWorker,
     AskStats,
+    AskVersions,
     CancelCall,
     CloseChannel,
     Command,
@@ -152,6 +153,8 @@ class Dispatcher:
                 self._add_worker(command)
             elif isinstance(command, RemoveWorker):
                 self._remove_worker(command)
+            elif isinstance(command, AskVersions):
+                self.liveness.ping_live()
             elif isinstance(command, AskStats):
                 live = [index for index, worker in enumerate(self.workers) if worker.alive]
                 command.replies.put(len(live))
@@ -252,7 +255,10 @@ class Dispatcher:
                     reason = f"the worker's reply could not be read: {error}"
                     message = p.Error("bad_reply", reason, error.field, error.group_id)
             if isinstance(message, (p.Pong, p.WeightsCommitted)):  # before a revival routes calls by it
+                before = worker.policy_version
                 worker.policy_version = message.policy_version if isinstance(message, p.Pong) else message.version
+                if worker.alive and worker.policy_version > before:  # calls parked for a newer worker may go now
+                    self.router.release_parked()
             if not worker.alive:
                 self.liveness.revive(index)
             if message is None:

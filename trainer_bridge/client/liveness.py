@@ -118,6 +118,16 @@ class Liveness:
                     worker.unanswered_since = now
                 self.send(index, p.Ping())
 
+    def ping_live(self) -> None:
+        """Ping every live worker now (its pong brings its policy version), counted as a heartbeat's ping."""
+        now = time.monotonic()
+        for index, worker in enumerate(self.workers):
+            if worker.alive and not worker.retired:
+                worker.last_ping = now
+                if worker.unanswered_since is None:
+                    worker.unanswered_since = now
+                self.send(index, p.Ping())
+
     def _fate(self) -> str:
         """What becomes of a dead worker's groups (for its warning)."""
         if any(worker.alive for worker in self.workers):

@@ -29,7 +29,7 @@ from rollout.protocol.sockets import check_address
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.caller import Caller
 from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
-from trainer_bridge.client.commands import AddWorker, AskStats, OpenChannel, RemoveWorker
+from trainer_bridge.client.commands import AddWorker, AskStats, AskVersions, OpenChannel, RemoveWorker
 from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.routing import stale_workers
 from trainer_bridge.client.update_channel import UpdateChannel
@@ -339,4 +339,7 @@ class RolloutClient:
 
     @min_policy_version.setter
     def min_policy_version(self, version: int) -> None:
+        raised = version > self._io.router.min_policy_version
         self._io.router.min_policy_version = version
+        if raised and not self._closed.is_set():  # ask the workers' versions now, not at the next heartbeat: calls
+            self._io.command(AskVersions())  # wait meanwhile for a worker at this version

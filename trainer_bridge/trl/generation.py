@@ -17,7 +17,7 @@ from trl import GRPOTrainer
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutClient, RolloutError
 from trainer_bridge.grpo_sampling import grpo_sampling
 from trainer_bridge.trl.old_logps import SampledRound
-from trainer_bridge.trl.restarted_workers import generate_groups
+from trainer_bridge.trl.restarted_workers import generate_groups, learn_pushed_version
 from trainer_bridge.weights.lora_push import served_adapter_name
 from trainer_bridge.weights.weight_sync import push_weights
 
@@ -159,10 +159,8 @@ class RolloutGeneration:
         # new weights (else they would sample their rows with the previous step's), and makes them fail with the
         # main process when its push failed, instead of waiting for it forever.
         _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
-        if not main and hasattr(self.client, "min_policy_version"):
-            # The main process's client raised its floor with the push; this rank's client learns it here, so that
-            # its rounds never go to a worker that restarted since, with older weights ("stale_workers" instead).
-            self.client.min_policy_version = max(self.client.min_policy_version, version)
+        if not main:  # the main process's client raised its floor with the push: this rank's learns it
+            learn_pushed_version(self.client, version)
 
     def generate_rows(self, prompt_ids: list[list[int]], **sampling: Any) -> RolloutRows:
         """Sample one completion per row (consecutive equal prompts form one group) and log the policy lag.
