@@ -89,8 +89,10 @@ def undocumented(obj: Any) -> list[str]:
         init = vars(obj).get("__init__")
         if inspect.isfunction(init):
             names |= documented(init.__doc__, ("parameters", "other parameters"))
-        if dataclasses.is_dataclass(obj):
-            names |= documented(obj.__doc__, ("attributes",))
+        if dataclasses.is_dataclass(obj):  # its fields, and a dataclass base's where that one declares them (an
+            for cls in obj.__mro__:  # entry of its own, which the class's docstring names)
+                if dataclasses.is_dataclass(cls) and (cls is obj or f"`{cls.__name__}`" in obj.__doc__):
+                    names |= documented(cls.__doc__, ("attributes",))
     return [name for name in parameters if name != "self" and name not in names]
 
 

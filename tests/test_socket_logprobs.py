@@ -157,6 +157,14 @@ def result_with(frames: list[bytes], **fields) -> p.GroupResult:
     return p.GroupResult("g", [4, 5, 6, 7], [completion])
 
 
+def scores(values: list[float], frames: list[bytes]) -> p.FrameArray:
+    return pack_array(np.array(values, np.float32), "float32", frames)
+
+
+def ranks(values: list[int], frames: list[bytes]) -> p.FrameArray:
+    return pack_array(np.array(values, np.int32), "int32", frames)
+
+
 @pytest.mark.parametrize(
     "build, message",
     [
@@ -174,8 +182,25 @@ def result_with(frames: list[bytes], **fields) -> p.GroupResult:
             },
             "prompt_top_token_ids: 2 rows for 3 positions",
         ),
+        (lambda f: {"prompt_logprobs": scores([-1.0], f), "prompt_logprob_ranks": ranks([1], f)}, "1 values for 3"),
+        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f), "prompt_logprob_ranks": ranks([1], f)}, "1 ranks for 3"),
+        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f)}, "no ranks for 3"),
+        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f), "prompt_logprob_ranks": ranks([1, 0, 1], f)}, "below 1"),
+        (lambda f: {"prompt_logprob_ranks": ranks([1, 1, 1], f)}, "prompt_logprob_ranks: given without"),
+        (lambda f: {"prompt_logprobs": ranks([1, 1, 1], f)}, "dtype 'int32'"),
     ],
-    ids=["rows", "ids-alone", "dtype", "prompt-rows"],
+    ids=[
+        "rows",
+        "ids-alone",
+        "dtype",
+        "prompt-rows",
+        "scores",
+        "ranks",
+        "no-ranks",
+        "rank-0",
+        "ranks-alone",
+        "score-dtype",
+    ],
 )
 def test_frames_that_do_not_fit_their_message_are_refused_by_name(build, message):
     frames: list[bytes] = []
@@ -230,34 +255,6 @@ def test_a_stream_resent_after_a_failover_cuts_its_arrays_with_its_tokens():
     assert delta.top_token_ids.tolist() == [[10], [11]] and delta.top_logprobs.tolist() == [[-10.0], [-11.0]]
     assert delta.prompt_logprobs is None  # the caller has them from its first delta
     assert splice(call, received([12])).prompt_logprobs is None and call.delivered[0] == 6
-
-
-def scores(values: list[float], frames: list[bytes]) -> p.FrameArray:
-    return pack_array(np.array(values, np.float32), "float32", frames)
-
-
-def ranks(values: list[int], frames: list[bytes]) -> p.FrameArray:
-    return pack_array(np.array(values, np.int32), "int32", frames)
-
-
-@pytest.mark.parametrize(
-    "build, message",
-    [
-        (lambda f: {"prompt_logprobs": scores([-1.0], f), "prompt_logprob_ranks": ranks([1], f)}, "1 values for 3"),
-        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f), "prompt_logprob_ranks": ranks([1], f)}, "1 ranks for 3"),
-        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f)}, "no ranks for 3"),
-        (lambda f: {"prompt_logprobs": scores([-1.0] * 3, f), "prompt_logprob_ranks": ranks([1, 0, 1], f)}, "below 1"),
-        (lambda f: {"prompt_logprob_ranks": ranks([1, 1, 1], f)}, "prompt_logprob_ranks: given without"),
-        (lambda f: {"prompt_logprobs": ranks([1, 1, 1], f)}, "dtype 'int32'"),
-    ],
-    ids=["scores", "ranks", "no-ranks", "rank-0", "ranks-alone", "dtype"],
-)
-def test_prompt_scores_that_do_not_fit_the_prompt_are_refused_by_name(build, message):
-    frames: list[bytes] = []
-    result = result_with(frames, **build(frames))
-    with pytest.raises(FrameError, match=message) as refused:
-        unpack_message(result, frames)
-    assert refused.value.field.startswith("completions[0].prompt_logprob")
 
 
 def test_replies_a_client_cannot_read_fail_their_call_by_name_and_the_client_goes_on(tmp_path):

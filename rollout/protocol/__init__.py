@@ -143,6 +143,7 @@ from rollout.protocol.messages import (
     HelloReply,
     Ping,
     Pong,
+    SampleArrays,
     Stats,
     StatsReply,
 )
@@ -169,6 +170,7 @@ __all__ = [
     "ClientMessage",
     "Completion",
     "FrameArray",
+    "SampleArrays",
     "Delta",
     "Error",
     "Generate",

@@ -166,7 +166,7 @@ class PromptScores:
         )
 
     def put(
-        self, message: p.Completion | p.Delta, frames: list[bytes], entries: dict[int, tuple] | None = None
+        self, message: p.SampleArrays, frames: list[bytes], entries: dict[int, tuple] | None = None
     ) -> None:
         """Set them on a completion or delta as frames.
 

@@ -80,32 +80,29 @@ class FrameArray:
     dtype: str
 
 
-@dataclass
-class Delta(WorkerMessage):
-    """New tokens of one streaming sample (only the new ones).
+@dataclass(kw_only=True)
+class SampleArrays:
+    """The arrays a sample's message (`Delta`, `Completion`) may carry, each in a raw frame after the header
+    (`FrameArray`; a client gets the numpy array in the same field); keyword-only.
 
     Attributes:
-        group_id: the sample's group.
-        sample_index: the sample's index in its group.
-        token_ids: the new tokens.
-        logprobs: one log-probability per new token.
-        policy_version: the policy version that sampled them.
-        routes: with sampling.return_routes: the new tokens' routes (a client gets a numpy int16 array).
-        prompt_routes: with sampling.return_routes, on the sample's first delta: its prompt's routes.
-        top_token_ids: with sampling.top_logprobs: per new token, the k most likely tokens (as `Completion`'s).
-        top_logprobs: alongside, their log-probs.
-        prompt_logprobs: with sampling.prompt_logprobs, on the sample's first delta (as `Completion`'s).
-        prompt_logprob_ranks: alongside, on the first delta.
-        prompt_top_token_ids: alongside, on the first delta.
-        prompt_top_logprobs: alongside, on the first delta.
+        routes: with sampling.return_routes (an MoE model): row i the experts of the forward that sampled token i
+            (tokens, MoE layers, top_k); a client gets a numpy int16 array.
+        prompt_routes: with sampling.return_routes: the prompt's positions before its last (prompt_len - 1, MoE
+            layers, top_k); on a delta, the sample's first only.
+        top_token_ids: with sampling.top_logprobs = k: (tokens, k), row i the k most likely tokens at token i's
+            position, most likely first (int32); id -1 pads a distribution of fewer than k tokens.
+        top_logprobs: alongside, their log-probs (float32, in the request's logprob mode; NaN where padded).
+        prompt_logprobs: with sampling.prompt_logprobs: (prompt_len - 1,) float32, row i log p(prompt[i + 1] |
+            prompt[:i + 1]) (fp32 log_softmax of the raw logits); on a delta, the sample's first only (as the
+            other prompt fields).
+        prompt_logprob_ranks: alongside, (prompt_len - 1,) int32, each of those tokens' rank in its distribution (1:
+            the most likely).
+        prompt_top_token_ids: with sampling.prompt_logprobs = k > 0: (prompt_len - 1, k), row i the k most likely
+            tokens at prompt position i + 1 (int32).
+        prompt_top_logprobs: alongside, their log-probs (float32).
     """
 
-    TYPE: ClassVar[str] = "delta"
-    group_id: str
-    sample_index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    policy_version: int
     routes: FrameArray | None = None
     prompt_routes: FrameArray | None = None
     top_token_ids: FrameArray | None = None
@@ -117,8 +114,28 @@ class Delta(WorkerMessage):
 
 
 @dataclass
-class Completion:
-    """One finished sample of a group (travels as a map inside GroupResult).
+class Delta(SampleArrays, WorkerMessage):
+    """New tokens of one streaming sample (only the new ones), and their arrays (`SampleArrays`).
+
+    Attributes:
+        group_id: the sample's group.
+        sample_index: the sample's index in its group.
+        token_ids: the new tokens.
+        logprobs: one log-probability per new token.
+        policy_version: the policy version that sampled them.
+    """
+
+    TYPE: ClassVar[str] = "delta"
+    group_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+
+
+@dataclass
+class Completion(SampleArrays):
+    """One finished sample of a group (travels as a map inside GroupResult), and its arrays (`SampleArrays`).
 
     Attributes:
         sample_index: the sample's index in its group.
@@ -130,22 +147,7 @@ class Completion:
         kv_version_min: the oldest policy version behind this sample's KV.
         adapter: the LoRA adapter that sampled it; None: the base model.
         adapter_version: that adapter's version when the sample finished.
-        routes: with sampling.return_routes (an MoE model): row i the experts of the forward that sampled token i
-            (tokens, MoE layers, top_k); a client gets a numpy int16 array.
-        prompt_routes: with sampling.return_routes: the prompt's positions before its last (prompt_len - 1, MoE
-            layers, top_k).
         cached_prompt_tokens: prompt tokens the prefix cache spared it (their KV computed earlier).
-        top_token_ids: with sampling.top_logprobs = k: (tokens, k), row i the k most likely tokens at token i's
-            position, most likely first (int32; a client gets a numpy array); id -1 pads a distribution of fewer
-            than k tokens.
-        top_logprobs: alongside, their log-probs (float32, in the request's logprob mode; NaN where padded).
-        prompt_logprobs: with sampling.prompt_logprobs: (prompt_len - 1,) float32, row i log p(prompt[i + 1] |
-            prompt[:i + 1]) (fp32 log_softmax of the raw logits; a client gets a numpy array).
-        prompt_logprob_ranks: alongside, (prompt_len - 1,) int32, each of those tokens' rank in its distribution (1:
-            the most likely).
-        prompt_top_token_ids: with sampling.prompt_logprobs = k > 0: (prompt_len - 1, k), row i the k most likely
-            tokens at prompt position i + 1 (int32).
-        prompt_top_logprobs: alongside, their log-probs (float32).
     """
 
     sample_index: int
@@ -157,15 +159,7 @@ class Completion:
     kv_version_min: int = 0
     adapter: str | None = None
     adapter_version: int | None = None
-    routes: FrameArray | None = None
-    prompt_routes: FrameArray | None = None
     cached_prompt_tokens: int = 0
-    top_token_ids: FrameArray | None = None
-    top_logprobs: FrameArray | None = None
-    prompt_logprobs: FrameArray | None = None
-    prompt_logprob_ranks: FrameArray | None = None
-    prompt_top_token_ids: FrameArray | None = None
-    prompt_top_logprobs: FrameArray | None = None
 
 
 @dataclass

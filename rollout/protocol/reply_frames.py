@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.protocol.messages import Completion, Delta, FrameArray, GroupResult
+from rollout.protocol.messages import Delta, FrameArray, GroupResult, SampleArrays
 
 
 class FrameError(ValueError):
@@ -128,7 +128,7 @@ def unpack_message(message: Any, frames: list[Any]) -> None:
         _unpack_sample(message, frames, "", len(message.token_ids), None)
 
 
-def _unpack_sample(sample: Completion | Delta, frames: list[Any], prefix: str, rows: int, prompt_rows: int | None):
+def _unpack_sample(sample: SampleArrays, frames: list[Any], prefix: str, rows: int, prompt_rows: int | None):
     """One completion's or delta's arrays (`prompt_rows`: None where the message does not say the prompt's length)."""
     sample.routes = _routes(sample.routes, frames, f"{prefix}routes", rows)
     sample.prompt_routes = _routes(sample.prompt_routes, frames, f"{prefix}prompt_routes", prompt_rows)
@@ -148,7 +148,7 @@ def _unpack_sample(sample: Completion | Delta, frames: list[Any], prefix: str, r
     _prompt_scores(sample, frames, prefix, prompt_rows)
 
 
-def _prompt_scores(sample: Completion | Delta, frames: list[Any], prefix: str, prompt_rows: int | None) -> None:
+def _prompt_scores(sample: SampleArrays, frames: list[Any], prefix: str, prompt_rows: int | None) -> None:
     """A sample's prompt log-probs, ranks and top arrays: all or none of the first two, one row per prompt position
     after the first (`prompt_rows` of them, where the message says the prompt's length), ranks of at least 1."""
     logprobs = unpack_array(sample.prompt_logprobs, frames, f"{prefix}prompt_logprobs", ("float32",), 1)

@@ -35,7 +35,7 @@ def splice(call: Call, message: p.Delta) -> p.Delta | None:
         message.token_ids[skip:],
         message.logprobs[skip:],
         message.policy_version,
-        tail(message.routes),
+        routes=tail(message.routes),
         top_token_ids=tail(message.top_token_ids),
         top_logprobs=tail(message.top_logprobs),
     )
