@@ -210,6 +210,17 @@ def test_frames_that_do_not_fit_their_message_are_refused_by_name(build, message
     assert refused.value.field.startswith("completions[0].")
 
 
+@pytest.mark.parametrize("shape", [[0, 2**63], [2**62, 0], [0, 2**70]])
+def test_an_empty_shape_numpy_cannot_make_is_refused_by_name(shape):
+    """Zero bytes hold any shape with a 0 in it, but numpy makes none past its dimension limits: its plain ValueError
+    ended the client's I/O thread (every later call "closed")."""
+    entries = {"top_token_ids": p.FrameArray(0, shape, "int32"), "top_logprobs": p.FrameArray(1, shape, "float32")}
+    completion = p.Completion(0, [], [], "length", **entries)
+    with pytest.raises(FrameError, match="shape") as refused:
+        unpack_message(p.GroupResult("g", [1], [completion]), [b"", b""])
+    assert refused.value.field == "completions[0].top_token_ids"
+
+
 def test_a_distribution_smaller_than_k_is_padded_not_shifted():
     frames: list[bytes] = []
     ids, logprobs = pack_top([[(3, -0.1), (4, -2.0)], [(5, -0.3)]], frames)

@@ -205,3 +205,20 @@ def test_a_silent_clients_result_still_encoding_is_sent(links):
     while links.encoding:
         links.flush()
     assert lost == [b"other"] and received(clients[b"other"]) == [result] and links.pending_bytes() == 0
+
+
+def test_large_results_with_prompt_log_probs_wait_behind_each_other(links):
+    """Results whose completions name prompt log-prob frames (`SampleArrays`), queued behind one another, are counted
+    by their frames: the estimate took their length as a list's, and the worker's serving loop ended (TypeError)."""
+    links, clients, lost = links
+    results = [big_result(f"scored{index}") for index in range(2)]
+    for result in results:
+        result.data_frames = [bytes(4 * 3), bytes(4 * 3)]
+        for completion in result.completions:  # the group's prompt arrays, named by every completion
+            completion.prompt_logprobs = p.FrameArray(0, [3], "float32")
+            completion.prompt_logprob_ranks = p.FrameArray(1, [3], "int32")
+        links.send(b"slow", result)
+    while links.encoding:
+        links.flush(encode_s=0.0)
+    links.flush()
+    assert [message.group_id for message in received(clients[b"slow"])] == ["scored0", "scored1"] and not lost

@@ -36,7 +36,7 @@ def encode(message: Message) -> list[bytes]:
     # Fields a reply carries already in their plain form (a large one its maker keeps: the weights_spec reply's
     # tensors), set on the message by its maker as {field name: plain value}; they are not converted again.
     given = getattr(message, "plain_fields", None) or {}
-    for name in _field_names(type(message)):
+    for name in _sent_names(message):
         header[name] = given[name] if name in given else to_plain(getattr(message, name))
     # Raw frames a reply carries after its header (MoE routes, top log-probs: reply_frames.py), set on the message by its maker.
     return [msgpack.packb(header, use_bin_type=True), *getattr(message, "data_frames", ())]
@@ -49,7 +49,7 @@ def encode_steps(message: Message) -> Generator[None, None, list[bytes]]:
     meanwhile."""
     packer = msgpack.Packer(use_bin_type=True)
     given = getattr(message, "plain_fields", None) or {}
-    names = _field_names(type(message))
+    names = _sent_names(message)
     parts = [packer.pack_map_header(2 + len(names)), packer.pack("protocol"), packer.pack(PROTOCOL_VERSION)]
     parts += [packer.pack("type"), packer.pack(message.TYPE)]
     for name in names:
@@ -191,8 +191,22 @@ _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 
 @functools.cache
 def _field_names(cls: type) -> tuple[str, ...]:
-    """A dataclass's field names, in order (`dataclasses.fields` is slow: once per class)."""
-    return tuple(item.name for item in dataclasses.fields(cls))
+    """A dataclass's field names as its __init__ takes them: positional ones first, keyword-only ones (a base's, such
+    as `SampleArrays`) last (`dataclasses.fields` is slow: once per class)."""
+    items = dataclasses.fields(cls)
+    return tuple(item.name for item in items if not item.kw_only) + tuple(item.name for item in items if item.kw_only)
+
+
+@functools.cache
+def _optional_names(cls: type) -> frozenset[str]:
+    """A dataclass's keyword-only fields whose default is None: sent only when set (a decoder fills the default)."""
+    return frozenset(item.name for item in dataclasses.fields(cls) if item.kw_only and item.default is None)
+
+
+def _sent_names(value: Any) -> list[str]:
+    """The fields of a dataclass value the codec sends, in order: every one, but unset optional ones."""
+    kind, optional = type(value), _optional_names(type(value))
+    return [name for name in _field_names(kind) if name not in optional or getattr(value, name) is not None]
 
 
 def to_plain(value: Any) -> Any:
@@ -206,7 +220,7 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: to_plain(getattr(value, name)) for name in _field_names(kind)}
+        return {name: to_plain(getattr(value, name)) for name in _sent_names(value)}
     return value
 
 

@@ -109,7 +109,10 @@ def unpack_array(entry: FrameArray | None, frames: list[Any], field: str, dtypes
     # math.prod: exact, where numpy's int64 product of a hostile shape wraps around (to 0 for [2**32, 2**32])
     if any(size < 0 for size in entry.shape) or len(payload) != math.prod(entry.shape) * dtype.itemsize:
         raise FrameError(field, f"{len(payload)} bytes do not hold shape {entry.shape} of {entry.dtype}")
-    return np.frombuffer(payload, dtype=dtype).reshape(entry.shape)
+    try:
+        return np.frombuffer(payload, dtype=dtype).reshape(entry.shape)
+    except (ValueError, OverflowError) as error:  # an empty shape numpy cannot make: [0, 2**63]
+        raise FrameError(field, f"shape {entry.shape}: {error}") from None
 
 
 def unpack_message(message: Any, frames: list[Any]) -> None:

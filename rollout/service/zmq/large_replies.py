@@ -37,12 +37,11 @@ class Encoding:
     counted: int = 0  # bytes counted for it while it waits behind replies ZeroMQ refused (an estimate)
 
     def estimated_bytes(self) -> int:
-        """About what its frames will hold: a token's id and log-prob take at most 14 bytes of msgpack, a prompt
-        position's log-prob and rank as much (with prompt_logprobs); arrays travel in frames of their own."""
+        """About what its frames will hold: a token's id and log-prob take at most 14 bytes of msgpack; arrays
+        (routes, top and prompt log-probs) travel in frames of their own."""
         completions = self.message.completions
         frames = getattr(self.message, "data_frames", ())
-        positions = sum(len(c.token_ids) + len(c.prompt_logprobs or ()) for c in completions)
-        return 14 * positions + 64 * len(completions) + sum(map(len, frames))
+        return 14 * sum(len(c.token_ids) for c in completions) + 64 * len(completions) + sum(map(len, frames))
 
     def encoded(self, ends: float | None) -> list[bytes] | None:
         """Encode on until done (returns the frames) or until `ends` (returns None); one step at least, so that each
