@@ -125,7 +125,8 @@ def test_replies_a_client_cannot_read_fail_their_call_by_name_and_the_client_goe
     """A fake worker's answers: a [2**32, 2**32] int32 array over an empty frame (numpy's product wraps to 0 bytes,
     which the frame holds: the reshape raised a plain ValueError that ended the client's I/O thread, every later
     call "closed"), then a header that does not decode (a completion's token ids a string: the client dropped it and
-    the call waited for its timeout); each call fails naming the field, and the next call is answered."""
+    the call waited for its timeout); each call fails naming the field, the worker is told to cancel its group (it
+    would go on generating what nobody reads), and the next call is answered."""
     import threading
 
     import msgpack
@@ -134,7 +135,7 @@ def test_replies_a_client_cannot_read_fail_their_call_by_name_and_the_client_goe
     from rollout.protocol import codec
     from trainer_bridge import RolloutError
 
-    address, stop = f"ipc://{tmp_path}/worker", threading.Event()
+    address, stop, sent, cancelled = f"ipc://{tmp_path}/worker", threading.Event(), [], []
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.bind(address)
 
@@ -159,7 +160,10 @@ def test_replies_a_client_cannot_read_fail_their_call_by_name_and_the_client_goe
             message = codec.decode(frames)
             if isinstance(message, p.Ping):
                 router.send_multipart([identity, *codec.encode(p.Pong(message.nonce, 0))])
+            elif isinstance(message, p.Cancel):
+                cancelled.append(message.group_id)
             elif isinstance(message, p.Generate):
+                sent.append(message.group_id)
                 router.send_multipart([identity, *answer(message, answered)])
                 answered += 1
 
@@ -177,6 +181,7 @@ def test_replies_a_client_cannot_read_fail_their_call_by_name_and_the_client_goe
             assert failed.value.code == "bad_reply" and failed.value.field == "completions[0].token_ids"
             assert time.monotonic() - started < 5  # answered, not timed out
             assert client.generate(group).completions[0].top_token_ids.tolist() == [[1]]
+            assert cancelled == sent[:2]  # (sent before the next call's generate)
     finally:
         stop.set()
         thread.join()

@@ -295,5 +295,7 @@ class Dispatcher:
             if message.code == "unknown_group":  # answers a cancel that crossed the result: not this call's fate
                 return
             self.router.finish(call)
+            if message.code == "bad_reply":  # made here: the worker would go on generating a group nobody reads
+                self._send(index, p.Cancel(message.group_id))
             kind = WorkerBusy if message.code == "busy" else RolloutError
             call.events.put(kind(message.code, message.message, message.field))
