@@ -242,9 +242,10 @@ class StepLoop:
         """Bring an advanced step's tokens to the host and put them in place; returns the requests that have an
         output to give (ended, failed, or streaming)."""
         try:
-            waited = time.perf_counter()
+            timed = step.logits is not None  # a drafted step: what of its period the device took (`StepCounters`)
+            waited = time.perf_counter() if timed else 0.0
             sampled = step.samples.fetch()
-            if step.logits is not None:  # a drafted step: what of its period the device took (`StepCounters`)
+            if timed:
                 self.counters.drafted_wait_s += time.perf_counter() - waited
             deliver_prompt_logprobs(step.prompt_logprobs)  # before any output: a sample's first one carries them
             if step.routes is not None:
