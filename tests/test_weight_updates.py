@@ -252,7 +252,7 @@ def started_manager(built, model, prompts, pause_at, max_new):
 def test_manager_wait_drains_in_flight_under_old_weights_then_applies(managers):
     """ "wait": samples in flight when the update is submitted finish entirely under A (equal A's generate); a request
     added after submit (before the drain ends) is held back and runs entirely under B; drain_ms > 0. A second update
-    submitted during the drain is refused with RuntimeError."""
+    submitted during the drain waits behind it and applies right after it, before the held request runs."""
     model, reference_a, reference_b, state_b = two_policies()
     prompts = make_prompts(3, 10, 25, seed=15)
     max_new = 16
@@ -261,13 +261,11 @@ def test_manager_wait_drains_in_flight_under_old_weights_then_applies(managers):
     try:
         manager.weight_updates.submit(state_b, None, "wait", False, None, results.put)
         manager.add_request(prompts[2], request_id="r2", max_new_tokens=max_new, sampling=GREEDY)
-        # A second update while the first still drains is refused (the first one is unaffected).
+        # A second update while the first still drains waits for it (the first one is unaffected).
         second: queue.SimpleQueue = queue.SimpleQueue()
         manager.weight_updates.submit(state_b, 7, "keep", False, None, second.put)
     finally:
         gate.close()
-    refused = second.get(timeout=TIMEOUT)
-    assert isinstance(refused, RuntimeError), refused
     result = results.get(timeout=TIMEOUT)
     assert not isinstance(result, BaseException), result
     assert (result.version, result.mode) == (1, "wait") and result.drain_ms > 0
@@ -280,9 +278,11 @@ def test_manager_wait_drains_in_flight_under_old_weights_then_applies(managers):
     late = outputs["r2"]
     assert greedy(reference_b, prompts[2], max_new) != greedy(reference_a, prompts[2], max_new)
     assert late.generated_tokens == greedy(reference_b, prompts[2], max_new)
-    assert late.policy_versions == [[1, 0]] and late.kv_version_min == 1
-    assert manager.engine.policy_version == 1 and manager.weight_updates.last_result is result
-    assert manager.stats()["weight_updates"] == 1
+    assert late.policy_versions == [[7, 0]] and late.kv_version_min == 7
+    after = second.get(timeout=TIMEOUT)
+    assert (after.version, after.mode, after.drain_ms) == (7, "keep", 0.0)
+    assert manager.engine.policy_version == 7 and manager.weight_updates.last_result is after
+    assert manager.stats()["weight_updates"] == 2
 
 
 def test_manager_wait_past_its_timeout_raises_and_changes_nothing(managers):

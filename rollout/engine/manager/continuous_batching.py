@@ -268,7 +268,8 @@ class ContinuousBatchingManager(ResultReading):
         partial: bool = False,
         timeout: float | None = None,
     ) -> WeightUpdateResult:
-        """Apply new weights between two engine steps and wait for it.
+        """Apply new weights between two engine steps and wait for it. Updates sent from several threads apply one
+        after another, in the order they arrived (one behind a "wait" update waits for its drain).
 
         Args:
             tensors: the new weights, as for `Engine.update_weights` (validated before anything changes).

@@ -27,6 +27,7 @@ from rollout.engine.manager.generation_pause import GenerationPause
 from rollout.engine.manager.pause import PauseGate
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.manager.weight_queue import WeightUpdateQueue
+from rollout.engine.requests.adapter_ref import AdapterUnloaded
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.requests.outputs import GenerationOutput, never_started
 from rollout.engine.requests.request import Request
@@ -183,6 +184,8 @@ class EngineLoop:
             self.requests.taken()
             try:
                 self.engine.submit(command.request)
+            except AdapterUnloaded as error:  # unloaded while this group was queued: it ends as the unload's others
+                self._end_unstarted(command.request, "abort", str(error))
             except FieldError as error:  # e.g. its id is still running in the engine: the caller still hears back
                 self._end_unstarted(command.request, "error", str(error.renamed(TRANSFORMERS_FIELD_NAMES)))
         elif isinstance(command, PauseLoop):

@@ -28,6 +28,11 @@ from rollout.engine.requests.outputs import GenerationOutput
 GENERATION_PAUSE_MODES = ("keep", "wait", "abort")
 
 
+class PauseOvertaken(RuntimeError):
+    """A "wait" pause that never took hold: generation was resumed while its samples still ran (a conflict between
+    two callers, not a failure of the worker)."""
+
+
 @dataclass
 class PauseOutcome:
     """What a pause or resume did, handed back to its caller."""
@@ -81,7 +86,7 @@ class GenerationPause:
             self.state = "running"
             self.engine.resume_admission()
             for waiting in self._draining:  # resumed before it drained: the pause never took hold
-                waiting.reply.put(RuntimeError("generation was resumed before the in-flight samples finished"))
+                waiting.reply.put(PauseOvertaken("generation was resumed before the in-flight samples finished"))
             self._draining.clear()
             command.reply.put(PauseOutcome(changed=was_paused))
             return
@@ -114,12 +119,12 @@ class GenerationPause:
 
     def _hold(self, command: GenerationPauseCommand, outcome: PauseOutcome) -> None:
         """The pause takes hold: `command` gets `outcome`, "wait" pauses still draining (overtaken by this one)
-        their own."""
+        their own. The cache is cleared when any of them asked for it (each answered pause did what it asked)."""
         self.state = "paused"
         self.engine.resume_admission()  # once resumed, queued requests are admitted as before
-        if command.clear_cache:
-            self.engine.reset_prefix_cache()
         waiting, self._draining = self._draining, []
+        if command.clear_cache or any(other.clear_cache for other in waiting):
+            self.engine.reset_prefix_cache()
         for other in waiting:
             if other is not command:
                 other.reply.put(PauseOutcome(changed=True))

@@ -1,12 +1,16 @@
 """Weight updates on their way to the engine thread: queued by any thread, applied by the engine thread between
 two steps, at once or, for mode "wait", once in-flight samples drained (admission paused meanwhile). An update is
-either applied and reported, or never applied: a waiter that gives up cancels it under the manager's lock."""
+either applied and reported, or never applied: a waiter that gives up cancels it under the manager's lock.
+
+Updates apply one at a time, in the order they arrived: one that arrives while another waits (for in-flight samples
+to drain, mode "wait") waits behind it, as two pushes from two clients would expect."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +66,7 @@ class WeightUpdateQueue:
         self._is_closed = is_closed
         self._paused_here = paused_here
         self._generation_held = generation_held
-        self.pending: PendingUpdate | None = None  # engine thread only
+        self.queued: deque[PendingUpdate] = deque()  # engine thread only: the first is the one being applied
         self.last_result: WeightUpdateResult | None = None
         self.last_at: float | None = None  # unix time
 
@@ -93,44 +97,53 @@ class WeightUpdateQueue:
                 callback(RuntimeError("the manager is stopped"))
                 return None
             if not self._is_running():  # nothing else touches the engine: apply here
-                self.pending = update
+                self.queued.append(update)
                 self.try_apply()
                 return update
             self._post(ApplyWeights(update))
         return update
 
+    @property
+    def pending(self) -> PendingUpdate | None:
+        """The update that applies next (engine thread), or None."""
+        return self.queued[0] if self.queued else None
+
     def try_apply(self) -> None:
-        """Engine thread: apply the pending update once nothing it must wait for is in flight."""
-        update = self.pending
-        if update is None:
-            return
+        """Engine thread: apply the queued updates in order, each once nothing it must wait for is in flight."""
+        while self.queued and self._try_first():
+            pass
+
+    def _try_first(self) -> bool:
+        """Apply (or drop) the first queued update if it can be now; whether it left the queue."""
+        update = self.queued[0]
         with self._lock:
             if update.state == "cancelled":  # its waiter gave up: never apply it
-                self.pending = None
+                self.queued.popleft()
                 self.engine.resume_admission()
-                return
+                return True
         waits = update.mode == "wait"
         if waits and self.engine.num_in_flight():
             if self._generation_held():
-                self.pending = None
+                self.queued.popleft()
                 count = self.engine.num_in_flight()
                 reason = f"'wait' cannot drain while generation is paused ({count} samples held): resume first"
                 update.callback(FieldError("mode", reason + ", or commit with keep, recompute or abort"))
-            elif update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
-                self.pending = None
+                return True
+            if update.drain_deadline is not None and time.monotonic() > update.drain_deadline:
+                self.queued.popleft()
                 self.engine.resume_admission()
                 count = self.engine.num_in_flight()
                 update.callback(TimeoutError(f"'wait' update dropped: {count} samples still in flight at its deadline"))
-            else:
-                self.engine.pause_admission()
-            return
+                return True
+            self.engine.pause_admission()
+            return False
         with self._lock:
             if update.state == "cancelled":
-                self.pending = None
+                self.queued.popleft()
                 self.engine.resume_admission()
-                return
+                return True
             update.state = "applying"
-        self.pending = None
+        self.queued.popleft()
         drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
         try:
             result = self._apply(update)
@@ -144,6 +157,7 @@ class WeightUpdateQueue:
         finally:
             self.engine.resume_admission()
         update.callback(outcome)
+        return True
 
     def _apply(self, update: PendingUpdate) -> WeightUpdateResult:
         if update.adapter is None:
@@ -200,19 +214,14 @@ class WeightUpdateQueue:
             )
 
     def take(self, update: PendingUpdate) -> None:
-        """Engine thread: an `ApplyWeights` command arrived."""
-        if update.state == "cancelled":
-            return
-        if self.pending is not None:
-            update.callback(RuntimeError("another weight update is still waiting for in-flight samples"))
-        else:
-            self.pending = update
+        """Engine thread: an `ApplyWeights` command arrived; it applies after those queued before it."""
+        if update.state != "cancelled":
+            self.queued.append(update)
 
     def refuse_pending(self, reason: str) -> None:
-        """Engine thread, at shutdown: the pending update is never applied."""
-        if self.pending is not None:
-            self.pending.callback(RuntimeError(reason))
-            self.pending = None
+        """Engine thread, at shutdown: the queued updates are never applied."""
+        while self.queued:
+            self.queued.popleft().callback(RuntimeError(reason))
 
 
 def adapter_update(name: str, adapter: Any) -> tuple[dict[str, torch.Tensor], AdapterUpdate]:

@@ -6,8 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.peft_adapters import BASE_NAME, check_adapter_name
+from rollout.validation import FieldError
 
-__all__ = ["BASE_NAME", "AdapterRef", "check_adapter_name"]
+__all__ = ["BASE_NAME", "AdapterRef", "AdapterUnloaded", "check_adapter_name"]
+
+
+class AdapterUnloaded(FieldError):
+    """("adapter") A request's adapter stopped being served between the request's intake and its submission to the
+    engine (an unload, or an unload and a load of the same name, in between): it never runs, and ends with
+    finish_reason "abort", as the unload's other requests do."""
 
 
 @dataclass(eq=False, slots=True)

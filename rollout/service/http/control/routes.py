@@ -2,15 +2,18 @@
 and statuses, over the worker's engine manager (`manager.control`, `manager.update_weights`):
 
 - `POST /pause?mode=abort|wait|keep&clear_cache=true`, `POST /resume`, `GET /is_paused`: the generation pause;
-- `POST /abort_requests` (`{"request_ids": [...]}`; none: every request, of every client);
+- `POST /abort_requests` (`{"request_ids": [...]}`; `{}`, null or []: every request, of every client);
 - `POST /reset_prefix_cache`; `GET /server_info?config_format=text|json`; `GET /get_world_size`;
 - `POST /update_weights` with `{"weight_dir": PATH}`: a checkpoint directory committed as one weight update;
   vLLM's NCCL weight transfer (`update_info`, `/init_weight_transfer_engine`, `/start_weight_update`,
-  `/finish_weight_update`) answers 501 naming what is supported;
+  `/finish_weight_update`) answers 501 naming what is supported, as do vLLM's sleep-mode routes (`/sleep`,
+  `/wake_up`, `/is_sleeping`);
 - `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (adapter_routes.py).
 
 Pause, resume and is_paused answer vLLM's flat bodies (`{"status": "paused"}`, `{"error": "..."}`); a bad parameter
-is a 400 in OpenAI's error format naming it (`query.mode`), as vLLM's validation errors are.
+is a 400 in OpenAI's error format naming it (`query.mode`), as vLLM's validation errors are. A query parameter a
+route does not take, or a body on a route whose parameters go in the query string, is refused by name: a pause sent
+with `{"mode": "keep"}` as its body must not run vLLM's default, "abort".
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fastapi.responses import Response
 
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
-from rollout.engine.manager.generation_pause import GENERATION_PAUSE_MODES
+from rollout.engine.manager.generation_pause import GENERATION_PAUSE_MODES, PauseOvertaken
 from rollout.service.http.api.live_answers import LiveAnswers
 from rollout.service.http.control.adapter_routes import AdapterRoutes
 from rollout.service.http.control.allowed_dirs import AllowedDirs
@@ -43,6 +46,13 @@ NOT_SUPPORTED = (
     '{"weight_dir": PATH} (a safetensors checkpoint directory the worker can read), or push weights over ZeroMQ '
     "(trainer_bridge.push_weights, which also broadcasts over NCCL)"
 )
+# vLLM's sleep mode (its dev-mode routes), answered 501: a worker keeps its weights and cache on its device.
+SLEEP_ROUTES = {"/sleep": "POST", "/wake_up": "POST", "/is_sleeping": "GET"}
+NO_SLEEP = (
+    "vLLM's sleep mode is not served by rollout-worker: a worker keeps its weights and KV cache on its device. To "
+    'share a GPU with training, run the engine inside the trainer (RolloutGRPOTrainer(..., rollout_mode="colocate", '
+    "sleep_between_rounds=True), or ColocatedEngine.sleep())"
+)
 # The paths these routes serve: they need --control-api-key when one is set (serving/guard.py), and the HTTP metrics
 # name them.
 CONTROL_PATHS = frozenset(
@@ -58,6 +68,7 @@ CONTROL_PATHS = frozenset(
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
         *NCCL_ROUTES,
+        *SLEEP_ROUTES,
     }
 )
 UPDATE_FIELDS = {"weight_dir", "version", "mode"}
@@ -92,18 +103,24 @@ def add_control_routes(
 
     @app.post("/pause")
     async def pause(request: Request) -> SafeJSONResponse:
+        _query_only(request, "mode", "wait_for_inflight_requests", "clear_cache")
         mode = _query_choice(request, "mode", "abort", GENERATION_PAUSE_MODES)
         if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
+        _no_body(request, "mode, clear_cache")
         try:
             await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
+        except PauseOvertaken as error:  # another caller's /resume: a conflict, not a failure
+            return SafeJSONResponse({"error": f"Failed to pause generation: {error}"}, status_code=409)
         except (RuntimeError, TimeoutError) as error:
             return SafeJSONResponse({"error": f"Failed to pause generation: {error}"}, status_code=500)
         return SafeJSONResponse({"status": "paused"})
 
     @app.post("/resume")
-    async def resume() -> SafeJSONResponse:
+    async def resume(request: Request) -> SafeJSONResponse:
+        _query_only(request)
+        _no_body(request, None)
         try:
             await asyncio.to_thread(control.resume_generation)
         except RuntimeError as error:
@@ -111,19 +128,27 @@ def add_control_routes(
         return SafeJSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")
-    async def is_paused() -> SafeJSONResponse:
+    async def is_paused(request: Request) -> SafeJSONResponse:
+        _query_only(request)
         return SafeJSONResponse({"is_paused": control.is_paused})
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> SafeJSONResponse:
-        body = await _optional_body(bodies, request)
-        for field in body:
+        _query_only(request)
+        needed = 'the body must be a JSON object: {"request_ids": [...]}, or {} for every request'
+        if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+            raise APIError(400, needed)  # as vLLM's: no body aborts nothing
+        async with bodies.body(request) as body:
+            fields = dict(body) if isinstance(body, dict) else None
+        if fields is None:
+            raise APIError(400, needed)
+        for field in fields:
             if field != "request_ids":
                 raise bad_field(field, "unknown field (this route takes request_ids)")
-        ids = body.get("request_ids")
+        ids = fields.get("request_ids")
         if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
             raise bad_field("request_ids", "must be a list of request ids (strings)")
-        if ids is not None:  # an empty list aborts nothing (only no list at all means every request)
+        if ids:  # as vLLM's: no ids, null or [] abort every request
             found = answers.cancel(ids)
             missing = [request_id for request_id in ids if request_id not in found]
             return SafeJSONResponse({"status": "aborted", "aborted": len(found), "not_found": missing})
@@ -132,6 +157,8 @@ def add_control_routes(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> SafeJSONResponse:
+        _query_only(request, "reset_running_requests", "reset_external")
+        _no_body(request, "reset_running_requests, reset_external")
         _query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
         if _query_bool(request, "reset_external", False):
             raise bad_field("query.reset_external", "this worker has no external KV cache connector")
@@ -139,16 +166,19 @@ def add_control_routes(
 
     @app.get("/server_info")
     async def get_server_info(request: Request) -> SafeJSONResponse:
+        _query_only(request, "config_format")
         config_format = _query_choice(request, "config_format", "text", ("text", "json"))
         return SafeJSONResponse(server_info(manager, model_name, config_format))
 
     @app.get("/get_world_size")
     async def get_world_size(request: Request) -> SafeJSONResponse:
+        _query_only(request, "include_dp")
         _query_bool(request, "include_dp", True)  # one process, no data parallelism: 1 either way
         return SafeJSONResponse({"world_size": 1})
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> SafeJSONResponse:
+        _query_only(request)
         async with bodies.body(request) as body:
             fields = dict(body) if isinstance(body, dict) else None
         if fields is None:
@@ -177,15 +207,19 @@ def add_control_routes(
 
     for path in NCCL_ROUTES:
         app.add_api_route(path, _not_supported, methods=["POST"])
+    for path, method in SLEEP_ROUTES.items():
+        app.add_api_route(path, _no_sleep, methods=[method])
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
+        _query_only(request)
         async with bodies.body(request) as body:
             fields = body
         return await adapters.load(fields)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
+        _query_only(request)
         async with bodies.body(request) as body:
             fields = body
         return await adapters.unload(fields)
@@ -193,6 +227,10 @@ def add_control_routes(
 
 async def _not_supported() -> SafeJSONResponse:
     raise APIError(501, NOT_SUPPORTED, None, "not_implemented_error")
+
+
+async def _no_sleep() -> SafeJSONResponse:
+    raise APIError(501, NO_SLEEP, None, "not_implemented_error")
 
 
 def _update_from(
@@ -228,11 +266,16 @@ def _query_bool(request: Request, name: str, default: bool) -> bool:
     raise bad_field(f"query.{name}", f"must be true or false, got {value!r}")
 
 
-async def _optional_body(bodies: BodyIntake, request: Request) -> dict[str, Any]:
-    """A JSON object body, or {} when the request has none."""
-    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
-        return {}
-    async with bodies.body(request) as body:
-        if not isinstance(body, dict):
-            raise APIError(400, "the body must be a JSON object", None)
-        return dict(body)
+def _query_only(request: Request, *names: str) -> None:
+    """Refuse a query parameter the route does not take, naming it (a typo must not leave a default in force)."""
+    for name in request.query_params:
+        if name not in names:
+            takes = f"it takes {', '.join(names)}" if names else "it takes none"
+            raise bad_field(f"query.{name}", f"unknown query parameter ({request.url.path}: {takes})")
+
+
+def _no_body(request: Request, parameters: str | None) -> None:
+    """Refuse a body on a route that reads none: its parameters go in the query string."""
+    if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+        where = f"its parameters ({parameters}) go in the query string" if parameters else "it takes no parameters"
+        raise APIError(400, f"{request.url.path} takes no body: {where}", None)

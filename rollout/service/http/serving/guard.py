@@ -1,5 +1,8 @@
-"""What every HTTP request passes before a handler sees it: the API key, and the Host header of a loopback-only
-server (so a web page cannot reach it through DNS rebinding). Bodies are read by bodies.py.
+"""What every HTTP request passes before a handler sees it: the API key, the Host header of a loopback-only
+server (so a web page cannot reach it through DNS rebinding), and where a request that changes something came
+from: a browser sends a web page's cross-site POST with its `Origin` (and `Sec-Fetch-Site`), and a body-less one
+(`/pause`, `/abort_requests` ...) needs no CORS preflight, so a keyless worker would otherwise obey any page its user
+opens. Programs (the `openai` client, httpx, curl) send neither header. Bodies are read by bodies.py.
 
 The key and host checks are a pure ASGI middleware, not Starlette's BaseHTTPMiddleware: that one wraps `receive`,
 and a handler then no longer sees its client leave.
@@ -15,13 +18,15 @@ from rollout.service.loopback_hosts import is_loopback_host
 
 # Paths anyone may call without the API key (load balancers probe them).
 OPEN_PATHS = ("/health",)
+# Methods that change nothing: a cross-site page may read nothing of their answers either (no CORS headers are sent).
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
 class RequestGuard:
     """ASGI middleware: 401 without `Authorization: Bearer <api_key>` (when one is set; /health is open), 421 for a
-    Host header a loopback-only server does not answer to. With a control key, the control paths need it and no
-    other key (a tenant holding the generation key cannot pause or abort the others); it opens every other path
-    too."""
+    Host header a loopback-only server does not answer to, 403 for a browser's cross-site request that is not a
+    GET. With a control key, the control paths need it and no other key (a tenant holding the generation key cannot
+    pause or abort the others); it opens every other path too."""
 
     def __init__(
         self,
@@ -51,6 +56,10 @@ class RequestGuard:
             error = None
             if self.loopback_only and not is_loopback_host(headers.get(b"host", b"")):
                 error = APIError(421, "this server answers only to loopback host names", None)
+            elif scope["method"] not in SAFE_METHODS and _cross_site(headers):
+                error = APIError(
+                    403, "cross-site requests from a web page are refused (its Origin is not this server)", None
+                )
             elif scope["path"] not in OPEN_PATHS:
                 error = self._key_error(scope["path"], headers.get(b"authorization", b""))
             if error is not None:
@@ -74,3 +83,17 @@ class RequestGuard:
         if self.expected is None or control or hmac.compare_digest(given, self.expected):
             return None
         return APIError(401, "a valid API key is required (Authorization: Bearer ...)", None, "authentication_error")
+
+
+def _cross_site(headers: dict[bytes, bytes]) -> bool:
+    """Whether a browser sent this request from another site's page: `Sec-Fetch-Site` says so, or its `Origin`
+    (scheme://host[:port], or "null" from a sandboxed page or a file) names another host than the `Host` it was
+    sent to. A request without either header is not a browser's cross-site one."""
+    fetch_site = headers.get(b"sec-fetch-site")
+    if fetch_site is not None and fetch_site.lower() not in (b"same-origin", b"none"):
+        return True
+    origin = headers.get(b"origin")
+    if origin is None:
+        return False
+    _, _, origin_host = origin.partition(b"://")
+    return not origin_host or origin_host.lower() != headers.get(b"host", b"").lower()
