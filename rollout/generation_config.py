@@ -13,7 +13,7 @@ that are no GenerationConfig field at all (a checkpoint's custom keys such as `c
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import FieldError, SamplingParams
@@ -124,6 +124,9 @@ class GenerationDefaults:
     n: int  # samples per prompt (num_return_sequences)
     max_length: int | None  # prompt + generated tokens, used when no max_new_tokens is set anywhere
     continuous_batching_config: Any  # carried by the GenerationConfig; used when none is passed explicitly
+    # The sampling settings the caller's own GenerationConfig set (SamplingParams field -> value): a request that
+    # brings its own SamplingParams does not use them (only stop tokens and max_new_tokens are merged), and is told.
+    caller_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve(generation_config: Any = None, model_generation_config: Any = None) -> GenerationDefaults:
@@ -178,7 +181,14 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
     max_length = _value(values, "max_length", None)
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2):
         raise named("max_length", f"{max_length!r} is invalid: must be an integer >= 2")
-    return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None))
+    merged = ("eos_token_id", "max_new_tokens")  # what a request's own SamplingParams still takes from the config
+    caller = {
+        target: getattr(params, target)
+        for name, target in HONOURED.items()
+        if name not in merged and values.get(name, ("",))[0] == "generation_config"
+        and values[name][1] != TRANSFORMERS_DEFAULTS.get(name)
+    }  # fmt: skip
+    return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None), caller)
 
 
 @functools.cache

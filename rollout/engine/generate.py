@@ -84,7 +84,9 @@ def generate_batch(
         GenerationInterrupted: Ctrl-C; its `outputs` are the samples finished by then.
     """
     refuse_model_name(model)
-    inputs = _prompts(inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise FieldError("model", f"expected a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
+    inputs = _prompts(inputs, _pad_to_drop(model, generation_config))
     sampling = kwargs.pop("sampling", None)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
     n = kwargs.pop("n", None)
@@ -122,13 +124,17 @@ def generate_batch(
             engine.load_adapter(name, from_peft_model(peft_model, name))
         if warmup and not warm:
             engine.warmup()
-        try:
-            for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
+        for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
+            engine.intake.say_dropped(params)
+            try:
                 order += engine.add_request(
                     f"req_{index}", prompt, params, n, max_new_tokens, False, record_timestamps, adapters[index]
                 )
-        except FieldError as error:
-            raise error.renamed(TRANSFORMERS_FIELD_NAMES) from None
+            except FieldError as error:
+                error = error.renamed(TRANSFORMERS_FIELD_NAMES)
+                if len(inputs) == 1:
+                    raise error from None
+                raise FieldError(error.field, f"prompt {index} of the batch: {error.reason}") from None
         with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
             while engine.has_unfinished():
                 for output in engine.step():
@@ -169,15 +175,37 @@ def _merge_back(merged: list[tuple[Any, list[str]]]) -> None:
         layer.merge(adapter_names=adapters)
 
 
-def _prompts(inputs: Any) -> Any:
+def _pad_to_drop(model: torch.nn.Module, generation_config: Any) -> int | None:
+    """The pad token `generate` masks out of a 2-D `input_ids` given without its `attention_mask`: the generation
+    config's `pad_token_id` (the caller's, else the model's), unless it is also a stop token (then `generate` cannot
+    tell padding from text, and keeps it)."""
+    configs = [c for c in (generation_config, getattr(model, "generation_config", None)) if c is not None]
+    pad = next((config.pad_token_id for config in configs if getattr(config, "pad_token_id", None) is not None), None)
+    eos = next((config.eos_token_id for config in configs if getattr(config, "eos_token_id", None) is not None), None)
+    stops = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+    return None if pad is None or pad in stops else pad
+
+
+def _prompts(inputs: Any, pad: int | None = None) -> Any:
     """Prompts as lists of token ids, also from what a tokenizer returns (a BatchEncoding or dict with `input_ids`;
-    padding dropped where its `attention_mask` is 0) or a 2-D tensor / array; anything else is left for the
-    engine's validation to name."""
+    padding dropped where its `attention_mask` is 0) or a 2-D tensor / array (without a mask: `pad` dropped, as
+    `generate` infers the mask from it); anything else but an iterator is left for the engine's validation to name.
+
+    Raises:
+        FieldError: ("inputs") an iterator or None; ("attention_mask") one whose rows do not match the prompts'.
+    """
     mask = None
     if hasattr(inputs, "keys") and "input_ids" in inputs:
         mask, inputs = inputs.get("attention_mask"), inputs["input_ids"]
+    elif pad is not None and getattr(inputs, "ndim", None) == 2:  # a padded batch without its mask
+        mask = (inputs != pad).tolist()
     if hasattr(inputs, "tolist"):
         inputs = inputs.tolist()
+    if inputs is None or (not isinstance(inputs, (list, tuple)) and hasattr(inputs, "__next__")):
+        kind = type(inputs).__name__
+        raise FieldError(
+            "inputs", f"expected a list of prompts (lists of token ids) or a tokenizer's output, got {kind}"
+        )
     if isinstance(inputs, list) and inputs and isinstance(inputs[0], int):  # one prompt
         inputs = [inputs]
     if mask is not None:
@@ -193,7 +221,12 @@ def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persist
     """(engine, already warmed up): the model's cached engine when kept for these same configs, else a new one."""
     # What the engine was built from: the configs (snapshots: one changed in place must not find this engine), the
     # model's own generation config, and its parameters' storage (graphs and cache read them in place).
-    key = (generation_config, config, model.generation_config, [p.data_ptr() for p in model.parameters()])
+    key = (
+        generation_config,
+        config,
+        getattr(model, "generation_config", None),
+        [p.data_ptr() for p in model.parameters()],
+    )
     cached = _CACHED.get(model)
     if persistent and cached is not None and cached[0] == key:
         engine = cached[1]

@@ -12,10 +12,16 @@ a block by a previous owner never meets a mask (NaN + -inf and 0 * NaN are NaN) 
 
 Masks honour each layer's `sliding_window` (a key is visible when q - window < k <= q, transformers' convention) and
 logit soft-capping (Gemma 2). Without our metadata (a plain training or `generate` forward of the same model) the
-function falls back to SDPA, or to eager attention when soft-capping is on, so the model stays usable.
+function falls back to SDPA, or to eager attention when soft-capping is on, so the model stays usable. Inside the
+engine's own model call (`engine_forward`) a missing metadata is an error instead: the model's attention did not pass
+its keyword arguments through, and an unpaged attention over the packed batch would give wrong tokens silently.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,19 @@ from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.invariant.attention import attend_invariant, attend_invariant_paged
 
 ATTENTION_NAME = "rollout_paged"
+_ENGINE_CALL = threading.local()  # `active` while this thread runs the engine's model call (`engine_forward`)
+
+
+@contextlib.contextmanager
+def engine_forward() -> Iterator[None]:
+    """Mark the engine's model call on this thread: an attention layer called in it without the step's metadata
+    raises instead of falling back to unpaged attention (a trainer's forward of the same model, on its own thread or
+    outside this block, still falls back)."""
+    _ENGINE_CALL.active = True
+    try:
+        yield
+    finally:
+        _ENGINE_CALL.active = False
 
 
 def attend(
@@ -90,6 +109,12 @@ def paged_attention_forward(
     """
     metadata: PagedAttentionMetadata | None = kwargs.get("rollout_metadata")
     if metadata is None:
+        if getattr(_ENGINE_CALL, "active", False):
+            raise TypeError(
+                f"{type(module).__name__} called its attention function without the keyword arguments its forward "
+                "was given (rollout_metadata is missing): pass **kwargs through to the attention function, as "
+                "transformers' own attention classes do, to run this model in rollout's engine"
+            )
         return _unpaged_attention(module, query, key, value, attention_mask, scaling, dropout, softcap, **kwargs)
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("attention sinks (s_aux) are not supported by rollout_paged attention")

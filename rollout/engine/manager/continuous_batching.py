@@ -10,7 +10,10 @@ timeout, and a stopped manager answers at once.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +30,13 @@ from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.weights.weight_table import WeightUpdateResult
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
+
+logger = logging.getLogger("rollout.engine.manager")
+# Managers started in this process and not collected: stopped at interpreter exit if still running (a script that
+# ends, raises or is interrupted without `stop()`), since an engine thread still running torch code while the
+# interpreter finalizes aborts the process ("terminate called without an active exception", exit status 134).
+_STARTED: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
+EXIT_STOP_S = 30.0  # most seconds to wait at exit for a manager's step in flight to end
 
 
 class ContinuousBatchingManager(ResultReading):
@@ -75,6 +85,7 @@ class ContinuousBatchingManager(ResultReading):
         if not self.is_running():
             self._loop.start(keep_alive=self)  # the thread holds the manager: a running manager is never collected
             self.started_at = time.time()
+            _STARTED.add(self)
         return self
 
     def is_running(self) -> bool:
@@ -177,6 +188,7 @@ class ContinuousBatchingManager(ResultReading):
             ValueError: bad input, naming the field (also a keyword that is no SamplingParams field).
             QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
         """
+        self.engine.intake.say_dropped(sampling)
         fields = (max_new_tokens, streaming, n, sampling, record_timestamps, eos_token_id, adapter)
         spec = self._spec(input_ids, request_id, *fields, **sampling_fields)
         self._add([spec])
@@ -198,6 +210,7 @@ class ContinuousBatchingManager(ResultReading):
         if "request_id" in request_fields:
             raise TypeError("add_requests() generates one id per request; use add_request to give your own")
         common = dict(max_new_tokens=max_new_tokens, streaming=streaming, record_timestamps=record_timestamps)
+        self.engine.intake.say_dropped(request_fields.get("sampling"))
         specs = [self._spec(prompt, **common, **request_fields) for prompt in inputs]
         self._add(specs)  # all or none: the caller gets the ids of every request added, or none was
         return [spec.group_id for spec in specs]
@@ -344,3 +357,14 @@ def init_continuous_batching(
         tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
     """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer)
+
+
+@atexit.register
+def _stop_started_managers() -> None:
+    """At interpreter exit: stop every manager still running (see `_STARTED`); its unfinished requests end "abort"."""
+    for manager in list(_STARTED):
+        if manager.is_running():
+            try:
+                manager.stop(block=True, timeout=EXIT_STOP_S)
+            except Exception:  # noqa: BLE001 - exiting: the next manager is still stopped
+                logger.exception("could not stop a running ContinuousBatchingManager at exit")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 import random
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,8 @@ class RequestIntake:
         self.max_model_len = max_model_len
         self.config = config
         self.default_sampling = defaults.sampling
+        self.caller_sampling = defaults.caller_sampling  # said once when a request's own SamplingParams drops them
+        self._said_dropped = False
         self.default_n = defaults.n  # num_return_sequences
         self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
         # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
@@ -276,6 +279,28 @@ class RequestIntake:
         if not isinstance(sampling, SamplingParams):
             raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
         return sampling.with_defaults(self.default_sampling)
+
+    def say_dropped(self, sampling: SamplingParams | None) -> None:
+        """Warn, once per engine, when a caller's request brings its own SamplingParams that leaves out sampling
+        settings the caller's GenerationConfig set: a SamplingParams replaces them (only stop tokens and
+        max_new_tokens are merged), as documented, but the caller gave both (`generate_batch`, the manager).
+
+        Args:
+            sampling: the request's own SamplingParams (None: it takes the generation config's).
+        """
+        if sampling is None or self._said_dropped or not isinstance(sampling, SamplingParams):
+            return
+        dropped = {name: value for name, value in self.caller_sampling.items() if getattr(sampling, name) != value}
+        if dropped:
+            self._said_dropped = True
+            settings = ", ".join(f"{name}={value!r}" for name, value in dropped.items())
+            warnings.warn(
+                f"a request's own SamplingParams replaces the generation_config's sampling settings (only its stop "
+                f"tokens and max_new_tokens are merged): {settings} from the generation_config are not used for it; "
+                "set them in the SamplingParams (said once per engine)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def with_fields(
         self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]

@@ -44,8 +44,9 @@ def refuse_model_name(model: Any) -> None:
 
 
 def servable_text_config(model: torch.nn.Module) -> Any:
-    """The text config of a model the engine can serve: a transformers causal LM (a module with a `config` and
-    parameters) whose layers are all attention layers the paged cache serves.
+    """The text config of a model the engine can serve: a transformers causal LM (a module with a `config`,
+    parameters and a language-model head; not an encoder-decoder) whose layers are all attention layers the paged
+    cache serves.
 
     Raises:
         FieldError: ("model") anything else, saying what.
@@ -55,6 +56,16 @@ def servable_text_config(model: torch.nn.Module) -> Any:
         kind = type(model).__name__
         raise FieldError(
             "model", f"expected a transformers causal LM (a module with a config and parameters), got {kind}"
+        )
+    kind = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise FieldError("model", f"{kind} is an encoder-decoder model (T5, BART ...): rollout serves decoder-only LMs")
+    heads = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    if hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is None and not kind.endswith(heads):
+        raise FieldError(
+            "model",
+            f"{kind} has no language-model head (its forward gives hidden states, not logits): load the model with "
+            "AutoModelForCausalLM, not AutoModel",
         )
     config = text_config(model)
     unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - SUPPORTED_LAYER_TYPES)

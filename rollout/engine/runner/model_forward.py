@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from rollout.engine.attention.paged import engine_forward
 from rollout.engine.attention.paged_metadata import PagedAttentionMetadata
 from rollout.engine.lora.adapter_table import AdapterTable
 from rollout.invariant.mode import InvariantLinearMode
@@ -49,7 +50,7 @@ class ModelForward:
         kwargs = {"logits_to_keep": keep} if self.logits_to_keep else {}
         if self.adapters is not None:  # the head computes the rows kept, or every token's
             self.adapters.new_forward(keep if self.logits_to_keep else None)
-        with self._invariance():
+        with engine_forward(), self._invariance():
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=positions,

@@ -1,0 +1,126 @@
+"""A model developer's first hour with `generate_batch` and the manager, mistakes a review found answered wrongly:
+an attention layer that does not pass its keyword arguments on (it ran unpaged over the packed batch: wrong tokens,
+no error), a padded batch tensor without its mask (the padding became prompt), a base model or an encoder-decoder
+(failed deep inside), inputs that are no list of prompts, a bad prompt of a batch not named by its index, a
+GenerationConfig's sampling settings left out by a request's own SamplingParams without a word, and a script that
+ends while its manager still generates (the process aborted). The references are transformers' own `generate` and
+forward."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaModel, T5Config, T5ForConditionalGeneration
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from conftest import MODEL_CONFIGS, make_prompts, reference_copy, tiny_model
+from rollout import SamplingParams, generate_batch, init_continuous_batching
+from rollout.config import FieldError
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = SamplingParams(do_sample=False, stop_token_ids=())
+
+
+def greedy_generate(model, input_ids: torch.Tensor, new: int, **kwargs) -> list[list[int]]:
+    out = model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+    return out[:, input_ids.shape[1] :].tolist()
+
+
+class KwargsDroppingAttention(LlamaAttention):
+    """A model developer's attention that calls the attention function without the forward's keyword arguments."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        return super().forward(hidden_states, position_embeddings, attention_mask)
+
+
+def test_an_attention_that_drops_its_keyword_arguments_is_named_not_run_unpaged():
+    model = tiny_model("llama")
+    for index, layer in enumerate(model.model.layers):
+        dropping = KwargsDroppingAttention(model.config, index)
+        dropping.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = dropping
+    prompts = make_prompts(2, 5, 9, seed=3)
+    before = model(torch.tensor([prompts[0]])).logits
+    outputs = generate_batch(model, prompts, max_new_tokens=4, sampling=GREEDY, progress_bar=False, warmup=False)
+    for output in outputs.values():
+        assert output.finish_reason == "error" and output.generated_tokens == []
+        assert "KwargsDroppingAttention" in output.error and "**kwargs" in output.error
+    with pytest.raises(RuntimeError, match="KwargsDroppingAttention"):
+        generate_batch(model, prompts, max_new_tokens=4, sampling=GREEDY, progress_bar=False)
+    # Outside the engine (a trainer's forward, generate) the model is as it was.
+    assert torch.equal(model(torch.tensor([prompts[0]])).logits, before)
+
+
+def test_a_padded_batch_tensor_without_its_mask_is_unpadded_as_generate_does():
+    """`generate` infers the mask of a 2-D input_ids from the pad token (when it is no stop token): so does
+    generate_batch, and both equal the unpadded prompts' tokens."""
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    short, long = [7, 8, 9], [11, 12, 13, 14, 15, 16]
+    padded = torch.tensor([[0, 0, 0, *short], long])
+    expected = greedy_generate(reference_copy(model), padded, 5)
+    assert expected[0] == greedy_generate(model, torch.tensor([short]), 5)[0]
+    outputs = generate_batch(model, padded, max_new_tokens=5, sampling=GREEDY, progress_bar=False, warmup=False)
+    assert [outputs[key].prompt_ids for key in ("req_0", "req_1")] == [short, long]
+    assert [outputs[key].generated_tokens for key in ("req_0", "req_1")] == expected
+
+
+def test_what_is_no_causal_lm_or_no_list_of_prompts_is_named():
+    base = LlamaModel(MODEL_CONFIGS["llama"]())
+    with pytest.raises(FieldError, match="AutoModelForCausalLM") as error:
+        init_continuous_batching(base)
+    assert error.value.field == "model"
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    with pytest.raises(FieldError, match="encoder-decoder"):
+        generate_batch(t5, [[1, 2, 3]], progress_bar=False)
+    for model in (None, {"config": None}):
+        with pytest.raises(FieldError, match="expected a transformers causal LM") as error:
+            generate_batch(model, [[1, 2, 3]], progress_bar=False)
+        assert error.value.field == "model"
+    model = tiny_model("llama")
+    for inputs in (None, (prompt for prompt in [[1, 2, 3]])):
+        with pytest.raises(FieldError, match="list of prompts") as error:
+            generate_batch(model, inputs, progress_bar=False)
+        assert error.value.field == "inputs"
+    with pytest.raises(FieldError, match="prompt 2 of the batch") as error:
+        generate_batch(model, [[1, 2], [3, 4], [], [5]], progress_bar=False, warmup=False)
+
+
+def test_sampling_settings_a_requests_own_sampling_params_leaves_out_are_said():
+    """A SamplingParams replaces the GenerationConfig's sampling settings (documented; the tokens are the
+    SamplingParams' own, as `generate` with those settings gives them): a caller who gave both is told, once."""
+    model = tiny_model("llama")
+    config = GenerationConfig(repetition_penalty=1.3, do_sample=False, max_new_tokens=8)
+    prompt = [[11, 12, 11, 12]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the config alone: nothing to say
+        alone = generate_batch(model, prompt, generation_config=config, progress_bar=False, warmup=False)
+    assert alone["req_0"].generated_tokens == greedy_generate(model, torch.tensor(prompt), 8, repetition_penalty=1.3)[0]
+    with pytest.warns(UserWarning, match=r"repetition_penalty=1\.3 from the generation_config are not used"):
+        both = generate_batch(model, prompt, generation_config=config, sampling=GREEDY, progress_bar=False)
+    assert both["req_0"].generated_tokens == greedy_generate(model, torch.tensor(prompt), 8)[0]
+
+
+def test_a_script_that_ends_while_its_manager_generates_exits_cleanly():
+    """Without `stop()`: the engine thread is stopped at exit, before the interpreter finalizes (it aborted with
+    "terminate called without an active exception", status 134)."""
+    script = textwrap.dedent(
+        """
+        import time
+        from rollout import SamplingParams, init_continuous_batching
+        from rollout.presets import tiny_model
+        manager = init_continuous_batching(tiny_model()).start()
+        manager.add_request([5, 6, 7], max_new_tokens=400, sampling=SamplingParams(seed=0, stop_token_ids=()))
+        time.sleep(0.5)
+        print("script end", flush=True)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "script end" in done.stdout and "terminate called" not in done.stderr
