@@ -119,9 +119,15 @@ class Sampler:
         if return_logprobs and slots.any("top_logprobs"):
             top_counts = [request.sampling.top_logprobs for request in requests]
             top_counts = top_counts if max(top_counts) else None
-        # One sample per row: rows are handed out in order, so sample i reads row i. Otherwise each sample's row is
-        # picked (a group's samples share their leader's row for their first token; draws ahead read draft rows).
-        one_per_row = ahead is None and len(samples) == logits.shape[0]
+        # Sample i reads row i (the usual step: one row per sample, in order): the rows are used as they are.
+        # Otherwise each sample's row is picked (a group's samples share their leader's row for their first token;
+        # a drafted step has a row per draft token; draws ahead read draft rows). Equal counts alone do not say
+        # which: a drafted step's rows may number its samples by chance.
+        one_per_row = (
+            ahead is None
+            and len(samples) == logits.shape[0]
+            and all(row == index for index, (_, row) in enumerate(samples))
+        )
         picked = logits if one_per_row else None
         if not constrained and self.graphs is not None and self._graphable():
             if picked is None:
