@@ -11,6 +11,7 @@ this client's key, or live workers stayed behind the newest version for `connect
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import zmq
@@ -37,6 +38,7 @@ class CallRouter:
         self.workers = workers
         self.connect_timeout = connect_timeout
         self.heartbeat_s = heartbeat_s
+        self.session = secrets.token_hex(16)  # `Generate.session`: this client's drafts are its own on every worker
         # The newest policy version pushed through this client (push_weights sets it): groups go to workers that
         # serve at least this one whenever one is alive.
         self.min_policy_version = 0
@@ -75,7 +77,9 @@ class CallRouter:
         call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
         self.by_wire[call.wire_id] = call
         try:
-            message = p.Generate(call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream, group.adapter)
+            message = p.Generate(
+                call.wire_id, group.prompt_ids, group.n, group.sampling, call.stream, group.adapter, self.session
+            )
             frames = p.encode(message)
         except Exception as error:  # noqa: BLE001 - a value msgpack cannot carry fails this call, not the thread
             self.finish(call)

@@ -13,6 +13,8 @@ from rollout.protocol import messages as p
 from rollout.sampling_params import served_logprobs_refusal
 from rollout.service.compile.jobs import CompileBudget
 
+MAX_SESSION_CHARS = 64  # `Generate.session`: a client's secret, 32 hex characters from RolloutClient
+
 
 @dataclass
 class WorkerLimits:
@@ -89,6 +91,9 @@ def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, c
     if most and client_groups >= most:
         reason = f"this client already has {most} groups in flight (the worker's --max-groups-per-client)"
         return p.Error("busy", reason, None, message.group_id)
+    if not isinstance(message.session, str) or len(message.session) > MAX_SESSION_CHARS:
+        reason = f"must be a string of at most {MAX_SESSION_CHARS} characters"
+        return p.Error("bad_request", f"session: {reason}", "session", message.group_id)
     reason = served_logprobs_refusal(message.sampling.get("top_logprobs") if isinstance(message.sampling, dict) else 0)
     if reason is not None:
         return p.Error("bad_request", f"sampling.top_logprobs: {reason}", "sampling.top_logprobs", message.group_id)

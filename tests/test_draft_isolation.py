@@ -1,0 +1,73 @@
+"""Speculative decoding's drafts stay with the client that made them, on a real `rollout-worker --speculative suffix`.
+A review found that a client's drafts outlived its connection, keyed by its routing id alone: ZeroMQ lets a client
+choose its routing id (and libzmq's own are a predictable counter), so a connection that took over a gone client's id
+drew on its completions (an oracle through the stats' accepted drafts, or step times). Drafts are now keyed by the
+connection and the session secret every `RolloutClient` draws (`Generate.session`)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from test_speculative import MODEL, TOKENIZER
+
+from rollout import protocol as p
+from service_helpers import Worker
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = [901, 17, 333, 512, 64, 7, 250, 8]
+SAMPLING = dict(temperature=1.0, seed=123, stop_token_ids=[], max_new_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("low-entropy")
+    MODEL.save_pretrained(directory)
+    TOKENIZER.save_pretrained(directory)
+    server = Worker("--model", str(directory), "--num-blocks", "256", "--block-size", "8", "--speculative", "suffix")
+    yield server
+    server.close()
+
+
+def ask(address: str, identity: bytes, message: p.Message, answer: type) -> p.Message:
+    """Send `message` over a fresh DEALER presenting `identity`; its first reply of type `answer`."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(address)
+    try:
+        sock.send_multipart(p.encode(message))
+        deadline = time.monotonic() + 60
+        while sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            reply = p.decode(sock.recv_multipart())
+            if isinstance(reply, (answer, p.Error)):
+                assert isinstance(reply, answer), reply
+                return reply
+        raise TimeoutError(f"no {answer.__name__} within 60 s")
+    finally:
+        sock.close(0)
+
+
+def drafts_accepted(address: str, identity: bytes, group_id: str, session: str) -> int:
+    """Accepted draft tokens of one group of the prompt, sent over `identity` with `session` (from the worker's
+    counters, read over other connections)."""
+    before = ask(address, b"stats-" + group_id.encode(), p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
+    ask(address, identity, p.Generate(group_id, PROMPT, 1, SAMPLING, session=session), p.GroupResult)
+    after = ask(address, b"stats-after-" + group_id.encode(), p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
+    return after - before
+
+
+def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(worker):
+    taken = b"\x01taken-over-id"  # a gone client's routing id, guessed (libzmq's ids are a counter) or chosen
+    counts = {
+        group: drafts_accepted(worker.address, taken, group, session)
+        for group, session in (("owner", "own"), ("owner-again", "own"), ("intruder", "other"), ("no-session", ""))
+    }
+    # The owner's second group draws on its first (the comparison can fail); another session over the same id draws
+    # only on its own sample's tokens, as the owner's first group did.
+    assert counts["owner-again"] >= 20, counts
+    assert max(counts["intruder"], counts["no-session"]) < counts["owner-again"] / 4, counts
+    refused = ask(worker.address, taken, p.Generate("long", PROMPT, 1, SAMPLING, session="x" * 65), p.Error)
+    assert refused.field == "session" and "64 characters" in refused.message
