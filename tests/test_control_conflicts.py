@@ -188,9 +188,16 @@ def test_cross_site_posts_from_a_web_page_are_refused(keyless_url):
     assert not paused(keyless_url) and not stream.done.is_set()
     stream.thread.join(TIMEOUT)
     assert stream.finish_reason == "length"
-    same_origin = {"origin": keyless_url, "sec-fetch-site": "same-origin"}
-    assert httpx.post(f"{keyless_url}/pause", params={"mode": "keep"}, headers=same_origin).status_code == 200
-    assert httpx.post(f"{keyless_url}/resume").status_code == 200
+    host = keyless_url.removeprefix("http://")
+    for same_origin in (
+        {"origin": keyless_url, "sec-fetch-site": "same-origin"},
+        {"origin": "https://chat.example", "sec-fetch-site": "same-origin"},  # behind a proxy rewriting Host
+        {"origin": "https://chat.example", "x-forwarded-host": "chat.example"},  # an older browser, same proxy
+        {"origin": "http://localhost", "host": "localhost:80"},  # a default port spelt out
+    ):
+        response = httpx.post(f"{keyless_url}/pause", params={"mode": "keep"}, headers=same_origin)
+        assert response.status_code == 200, (same_origin, response.text)
+        assert httpx.post(f"{keyless_url}/resume", headers={"host": host}).status_code == 200
 
 
 def test_what_a_control_route_does_not_read_is_refused_by_name(keyless_url):
@@ -200,7 +207,7 @@ def test_what_a_control_route_does_not_read_is_refused_by_name(keyless_url):
     cases = [
         ("/pause", {"json": {"mode": "keep"}}, None),
         ("/pause", {"params": {"mode": "keep", "bogus": "1"}}, "query.bogus"),
-        ("/resume", {"json": {}}, None),
+        ("/resume", {"json": {"mode": "keep"}}, None),
         ("/reset_prefix_cache", {"params": {"reset_running_request": "true"}}, "query.reset_running_request"),
         ("/abort_requests", {"params": {"request_ids": "cmpl-1"}}, "query.request_ids"),
         ("/abort_requests", {}, None),
@@ -210,6 +217,9 @@ def test_what_a_control_route_does_not_read_is_refused_by_name(keyless_url):
         assert response.status_code == 400, (path, sent)
         assert response.json()["error"]["param"] == param, (path, response.json())
     assert not paused(keyless_url) and not stream.done.is_set()
+    # A body that says nothing passes (some vLLM clients send `{}`), chunked and empty too.
+    assert httpx.post(f"{keyless_url}/reset_prefix_cache", json={}).json() == {"success": True}
+    assert httpx.post(f"{keyless_url}/resume", content=iter([b""])).status_code == 200
     assert httpx.post(f"{keyless_url}/abort_requests", json={}).json()["aborted"] >= 1
     stream.thread.join(TIMEOUT)
     assert stream.finish_reason == "abort"

@@ -71,3 +71,30 @@ def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(
     assert max(counts["intruder"], counts["no-session"]) < counts["owner-again"] / 4, counts
     refused = ask(worker.address, taken, p.Generate("long", PROMPT, 1, SAMPLING, session="x" * 65), p.Error)
     assert refused.field == "session" and "64 characters" in refused.message
+
+
+def test_sessions_of_one_connection_share_its_admission_turns():
+    """The session keys drafts only: a connection sending a new session with each group is still one client when
+    admission takes turns (else a flood of groups, each its own "client", would all go ahead of another client's)."""
+    from rollout.service.group_counters import GroupCounters
+    from rollout.service.observability.tracing import Tracer
+    from rollout.service.zmq.group_desk import GroupDesk
+    from rollout.service.zmq.limits import WorkerLimits
+
+    class Manager:  # records what the desk hands the engine
+        def __init__(self):
+            self.specs = []
+
+        def add_groups(self, specs):
+            self.specs += specs
+
+        def register_result_handler(self, group_id, handler):
+            pass
+
+    manager = Manager()
+    desk = GroupDesk(manager, WorkerLimits(), GroupCounters(), Tracer(), lambda: None, compiles=None)
+    for index in range(3):
+        message = p.Generate(f"g{index}", PROMPT, 1, SAMPLING, session=f"session-{index}")
+        desk.generate(b"\x01one-connection", message, lambda identity, reply: None)
+    assert {spec.client for spec in manager.specs} == {b"\x01one-connection".hex()}
+    assert [spec.session for spec in manager.specs] == ["session-0", "session-1", "session-2"]

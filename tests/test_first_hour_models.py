@@ -66,9 +66,10 @@ def test_a_padded_batch_tensor_without_its_mask_is_unpadded_as_generate_does():
     padded = torch.tensor([[0, 0, 0, *short], long])
     expected = greedy_generate(reference_copy(model), padded, 5)
     assert expected[0] == greedy_generate(model, torch.tensor([short]), 5)[0]
-    outputs = generate_batch(model, padded, max_new_tokens=5, sampling=GREEDY, progress_bar=False, warmup=False)
-    assert [outputs[key].prompt_ids for key in ("req_0", "req_1")] == [short, long]
-    assert [outputs[key].generated_tokens for key in ("req_0", "req_1")] == expected
+    for inputs in (padded, {"input_ids": padded}):  # a tensor, or a tokenizer's output without its mask
+        outputs = generate_batch(model, inputs, max_new_tokens=5, sampling=GREEDY, progress_bar=False, warmup=False)
+        assert [outputs[key].prompt_ids for key in ("req_0", "req_1")] == [short, long]
+        assert [outputs[key].generated_tokens for key in ("req_0", "req_1")] == expected
 
 
 def test_what_is_no_causal_lm_or_no_list_of_prompts_is_named():
@@ -105,6 +106,11 @@ def test_sampling_settings_a_requests_own_sampling_params_leaves_out_are_said():
     with pytest.warns(UserWarning, match=r"repetition_penalty=1\.3 from the generation_config are not used"):
         both = generate_batch(model, prompt, generation_config=config, sampling=GREEDY, progress_bar=False)
     assert both["req_0"].generated_tokens == greedy_generate(model, torch.tensor(prompt), 8)[0]
+    inert = GenerationConfig(do_sample=False, temperature=0.7, top_p=0.9, max_new_tokens=8)  # greedy: warpers idle
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        generate_batch(model, prompt, generation_config=inert, sampling=GREEDY, progress_bar=False, warmup=False)
+    assert not [warning for warning in said if "are not used for it" in str(warning.message)]
 
 
 def test_a_script_that_ends_while_its_manager_generates_exits_cleanly():

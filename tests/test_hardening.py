@@ -396,7 +396,7 @@ def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(
     from rollout.protocol.staging import bucket_checksum
 
     ready = _norm_update(client, "kept")
-    client.socket.send_multipart([msgpack.packb({"protocol": 2, "type": "ping", "update_id": "kept"})])
+    client.socket.send_multipart([msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "ping", "update_id": "kept"})])
     refused = client.receive()
     assert isinstance(refused, p.Error) and (refused.code, refused.field) == ("bad_request", "update_id"), refused
     data = torch.ones(256).view(torch.uint8)
@@ -407,7 +407,7 @@ def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(
     assert isinstance(aborted, p.WeightsAck) and aborted.state == "aborted", aborted
     _norm_update(client, "dropped")
     client.socket.send_multipart(
-        [msgpack.packb({"protocol": 2, "type": "weights_commit", "update_id": "dropped", "x": 1})]
+        [msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "weights_commit", "update_id": "dropped", "x": 1})]
     )
     assert isinstance(client.receive(), p.Error)
     gone = client.ask(p.WeightsAbort("dropped"))
@@ -417,7 +417,7 @@ def test_a_malformed_message_of_another_type_naming_the_update_costs_it_nothing(
 def test_a_small_message_type_with_a_huge_header_is_refused_unread(client):
     """A ping carrying a list of a million items: refused from its size and type (a glance), not decoded whole on
     the serving loop before its unknown field is refused."""
-    header = msgpack.packb({"protocol": 2, "type": "ping", "nonce": 1, "pad": [0] * 1_000_000})
+    header = msgpack.packb({"protocol": p.PROTOCOL_VERSION, "type": "ping", "nonce": 1, "pad": [0] * 1_000_000})
     client.socket.send_multipart([header])
     reply = client.receive()
     assert isinstance(reply, p.Error) and (reply.code, reply.field) == ("bad_request", "header"), reply

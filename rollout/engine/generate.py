@@ -197,7 +197,7 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
     mask = None
     if hasattr(inputs, "keys") and "input_ids" in inputs:
         mask, inputs = inputs.get("attention_mask"), inputs["input_ids"]
-    elif pad is not None and getattr(inputs, "ndim", None) == 2:  # a padded batch without its mask
+    if mask is None and pad is not None and getattr(inputs, "ndim", None) == 2:  # a padded batch without its mask
         mask = (inputs != pad).tolist()
     if hasattr(inputs, "tolist"):
         inputs = inputs.tolist()

@@ -4,7 +4,7 @@ bytes. `trainer_bridge` imports this module and `rollout.protocol.sockets` (noth
 Transport: ZeroMQ multipart messages. A worker binds a ROUTER socket; clients connect DEALER sockets (the ROUTER
 adds and strips the client's identity frame). Frame 0 of every message is a msgpack map, the header:
 
-    {"protocol": 2, "type": "<message type>", <the message's fields>}
+    {"protocol": 3, "type": "<message type>", <the message's fields>}
 
 The codec writes "protocol" and "type" first and each message's id field (group_id or update_id) next: a worker
 reads them alone (`header_glance`) to refuse a message its sender's role may not send before decoding it.
@@ -20,7 +20,9 @@ Messages (client -> worker, then what the worker answers):
 | hello          | -                                                                    | hello_reply                     |
 | generate       | group_id: str, prompt_ids: [int], n: int = 1, sampling: {str: any} = | delta* (stream only), then      |
 |                | {}, stream: bool = false, adapter: str or nil (a served LoRA adapter | group_result; or error          |
-|                | to sample with; nil: the base model)                                 |                                 |
+|                | to sample with; nil: the base model), session: str = "" (a secret    |                                 |
+|                | the client draws once, at most 64 characters: speculative drafts are |                                 |
+|                | shared only among its groups of that session)                        |                                 |
 | cancel         | group_id: str                                                        | group_result (abort) or error   |
 | ping           | nonce: int = 0                                                       | pong                            |
 | stats          | -                                                                    | stats_reply                     |

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-PROTOCOL_VERSION = 2  # 2: torch.distributed buckets travel as one broadcast each (1: one per piece)
+# 2: torch.distributed buckets travel as one broadcast each (1: one per piece); 3: generate carries `session`
+PROTOCOL_VERSION = 3
 # The nonce of the unsolicited pong a worker may send to check that a client's connection is still up.
 PROBE_NONCE = -1
 # Largest frame a worker accepts (a weight bucket's pieces are split below it); larger ones drop the connection.

@@ -36,7 +36,7 @@ logger = logging.getLogger("rollout.engine.manager")
 # ends, raises or is interrupted without `stop()`), since an engine thread still running torch code while the
 # interpreter finalizes aborts the process ("terminate called without an active exception", exit status 134).
 _STARTED: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
-EXIT_STOP_S = 30.0  # most seconds to wait at exit for a manager's step in flight to end
+EXIT_STOP_S = 10.0  # most seconds to wait at exit for a manager's step in flight (or a pause held) to end
 
 
 class ContinuousBatchingManager(ResultReading):
@@ -366,5 +366,7 @@ def _stop_started_managers() -> None:
         if manager.is_running():
             try:
                 manager.stop(block=True, timeout=EXIT_STOP_S)
+            except RuntimeError as error:  # its pause is still held here: nothing to wait for, say so in a line
+                logger.warning("a running ContinuousBatchingManager was not stopped at exit: %s", error)
             except Exception:  # noqa: BLE001 - exiting: the next manager is still stopped
                 logger.exception("could not stop a running ContinuousBatchingManager at exit")

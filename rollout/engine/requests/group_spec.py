@@ -26,7 +26,10 @@ class GroupSpec:
         adapter: the LoRA adapter to sample with; None: the base model.
         client: who sent the group (the worker names each connection; "" for in-process callers): admission takes
             turns between clients, and speculative decoding proposes drafts only from the samples of groups of the
-            same client, prompt and adapter.
+            same client, session, prompt and adapter.
+        session: a secret the client drew (the wire's `Generate.session`; "" for none): drafts are shared only
+            among groups of one client and one session (a connection that took over a gone client's routing id
+            draws on none of its drafts). Admission turns are the client's, whatever its sessions.
     """
 
     group_id: str
@@ -38,3 +41,4 @@ class GroupSpec:
     record_timestamps: bool = False
     adapter: str | None = None
     client: str = ""
+    session: str = ""

@@ -174,8 +174,9 @@ class RequestIntake:
             shown = repr(group_id[:64] + "...") if isinstance(group_id, str) and len(group_id) > 64 else repr(group_id)
             reason = f"must be a non-empty string without '#' (sample ids use it), got {shown}"  # a reply stays small
             raise FieldError("group_id", reason)
-        if not isinstance(spec.client, str):
-            raise FieldError("client", f"must be a string, got {type(spec.client).__name__}")
+        for name in ("client", "session"):
+            if not isinstance(getattr(spec, name), str):
+                raise FieldError(name, f"must be a string, got {type(getattr(spec, name)).__name__}")
         for name in ("streaming", "record_timestamps"):
             if not isinstance(getattr(spec, name), bool):
                 raise FieldError(name, f"must be True or False, got {getattr(spec, name)!r}")
@@ -227,6 +228,7 @@ class RequestIntake:
             score_only=max_new == 0,
             adapter=ref,
             client=spec.client,
+            session=spec.session,
         )
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)
@@ -291,6 +293,9 @@ class RequestIntake:
         if sampling is None or self._said_dropped or not isinstance(sampling, SamplingParams):
             return
         dropped = {name: value for name, value in self.caller_sampling.items() if getattr(sampling, name) != value}
+        if self.default_sampling.greedy:  # the config's own picks are greedy: its warping settings did nothing
+            for name in warping_fields(dropped):
+                del dropped[name]
         if dropped:
             self._said_dropped = True
             settings = ", ".join(f"{name}={value!r}" for name, value in dropped.items())

@@ -117,8 +117,9 @@ class Request:
     # With sampling.return_routes: the MoE routes of every position computed (route_rows.py); else None.
     routes: RouteRows | None = None
     # Who sent it (`GroupSpec.client`): admission takes turns between clients, and samples share drafts only within
-    # one client and one adapter.
+    # one client, one session (`GroupSpec.session`) and one adapter.
     client: str = ""
+    session: str = ""
     # Its share of the express lane's blocks while it runs (`rollout.engine.scheduling.express_lane`); 0: admitted
     # otherwise.
     express_blocks: int = 0
@@ -263,6 +264,7 @@ class Request:
             adapter=self.adapter,
             cached_prompt_tokens=self.cached_prompt_tokens,
             client=self.client,
+            session=self.session,
             turn=self.turn,
         )
         if self.routes is not None:  # the prompt's routes are shared, as its KV is

@@ -1,7 +1,7 @@
 """`SuffixDrafter`: draft tokens for speculative decoding (`ContinuousBatchingConfig(speculative="suffix")`), with no
 draft model: each sample's drafts come from the pool of its prompt (`suffix_pool.DraftPool`): its group's samples,
-running or finished, and earlier rounds' samples of the same prompt, from the same client (`Request.client`) and
-the same adapter.
+running or finished, and earlier rounds' samples of the same prompt, from the same client (`Request.client`), the same
+session (`Request.session`) and the same adapter.
 
 Only where it pays:
 - a step drafts only while its decodes are at most `speculative_disable_by_batch_size` (the long tail, where a thin
@@ -200,7 +200,7 @@ class SuffixDrafter:
 
     def forget(self, prompt_ids: list[int], scope: str = "", adapter: str | None = None) -> None:
         """Drop one prompt's pool (the engine's warm-up request leaves no drafts behind)."""
-        entry = self._pools.pop((scope, adapter, tuple(prompt_ids)), None)
+        entry = self._pools.pop((scope, "", adapter, tuple(prompt_ids)), None)
         if entry is not None:
             self._finished_tokens -= entry.finished_tokens
 
@@ -222,7 +222,7 @@ class SuffixDrafter:
             if entry is not None and entry.pool is row.pool:
                 return row
         adapter = None if request.adapter is None else request.adapter.name
-        key = (request.client, adapter, tuple(request.prompt_ids))
+        key = (request.client, request.session, adapter, tuple(request.prompt_ids))
         entry = self._pools.get(key)
         if entry is None:
             entry = self._pools[key] = _PoolEntry(DraftPool(request.num_prompt_tokens))

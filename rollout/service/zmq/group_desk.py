@@ -140,8 +140,8 @@ class GroupDesk:
             if error is not None:
                 raise error
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
-            # Admission takes turns between clients; drafts stay within one client and its session (`Generate`).
-            fields["client"] = identity.hex() + (f"/{message.session}" if message.session else "")
+            # Admission takes turns between clients; drafts stay within one client and one session (`Generate`).
+            fields.update(client=identity.hex(), session=message.session)
             self.manager.add_groups([GroupSpec(group.engine_id, message.prompt_ids, **fields)])
         except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)

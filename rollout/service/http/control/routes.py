@@ -19,6 +19,7 @@ with `{"mode": "keep"}` as its body must not run vLLM's default, "abort".
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ CONTROL_PATHS = frozenset(
     }
 )
 UPDATE_FIELDS = {"weight_dir", "version", "mode"}
+EMPTY_BODY_BYTES = 64  # a body-less route reads this much of a body at most: `{}` with whitespace fits
 
 
 def add_control_routes(
@@ -108,7 +110,7 @@ def add_control_routes(
         if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
-        _no_body(request, "mode, clear_cache")
+        await _no_body(request, "mode, clear_cache")
         try:
             await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
         except PauseOvertaken as error:  # another caller's /resume: a conflict, not a failure
@@ -120,7 +122,7 @@ def add_control_routes(
     @app.post("/resume")
     async def resume(request: Request) -> SafeJSONResponse:
         _query_only(request)
-        _no_body(request, None)
+        await _no_body(request, None)
         try:
             await asyncio.to_thread(control.resume_generation)
         except RuntimeError as error:
@@ -158,7 +160,7 @@ def add_control_routes(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> SafeJSONResponse:
         _query_only(request, "reset_running_requests", "reset_external")
-        _no_body(request, "reset_running_requests, reset_external")
+        await _no_body(request, "reset_running_requests, reset_external")
         _query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
         if _query_bool(request, "reset_external", False):
             raise bad_field("query.reset_external", "this worker has no external KV cache connector")
@@ -274,8 +276,29 @@ def _query_only(request: Request, *names: str) -> None:
             raise bad_field(f"query.{name}", f"unknown query parameter ({request.url.path}: {takes})")
 
 
-def _no_body(request: Request, parameters: str | None) -> None:
-    """Refuse a body on a route that reads none: its parameters go in the query string."""
-    if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+async def _no_body(request: Request, parameters: str | None) -> None:
+    """Refuse a body that says something on a route that reads none (its parameters go in the query string); an
+    empty one (nothing, `{}`, `null`: what some vLLM clients send) says nothing and passes. Read up to
+    `EMPTY_BODY_BYTES`: anything longer says something."""
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > EMPTY_BODY_BYTES:
+            break
+    if not _says_nothing(raw):
         where = f"its parameters ({parameters}) go in the query string" if parameters else "it takes no parameters"
         raise APIError(400, f"{request.url.path} takes no body: {where}", None)
+
+
+def _says_nothing(raw: bytes) -> bool:
+    """Whether a short body is empty: no bytes, or JSON `{}` or `null`."""
+    if len(raw) > EMPTY_BODY_BYTES:
+        return False
+    if not raw.strip():
+        return True
+    try:
+        return json.loads(raw) in ({}, None)
+    except ValueError:
+        return False

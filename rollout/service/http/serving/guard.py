@@ -86,14 +86,22 @@ class RequestGuard:
 
 
 def _cross_site(headers: dict[bytes, bytes]) -> bool:
-    """Whether a browser sent this request from another site's page: `Sec-Fetch-Site` says so, or its `Origin`
-    (scheme://host[:port], or "null" from a sandboxed page or a file) names another host than the `Host` it was
-    sent to. A request without either header is not a browser's cross-site one."""
+    """Whether a browser sent this request from another site's page. A browser's own word decides when it sends it
+    (`Sec-Fetch-Site`: "same-origin", or "none" for what its user typed, pass; "same-site" and "cross-site" do not,
+    a page on another port of this host included). Else its `Origin` (scheme://host[:port], or "null" from a
+    sandboxed page or a file) must name the host the request was sent to: the `Host` header, or the
+    `X-Forwarded-Host` a reverse proxy that rewrites `Host` sets, default ports (80, 443) left out. A request with
+    neither header is not a browser's cross-site one."""
     fetch_site = headers.get(b"sec-fetch-site")
-    if fetch_site is not None and fetch_site.lower() not in (b"same-origin", b"none"):
-        return True
+    if fetch_site is not None:
+        return fetch_site.strip().lower() not in (b"same-origin", b"none")
     origin = headers.get(b"origin")
     if origin is None:
         return False
-    _, _, origin_host = origin.partition(b"://")
-    return not origin_host or origin_host.lower() != headers.get(b"host", b"").lower()
+    scheme, _, origin_host = origin.strip().lower().partition(b"://")
+    if not origin_host:
+        return True
+    default = {b"http": b":80", b"https": b":443"}.get(scheme, b"")
+    hosts = {headers.get(b"host", b""), *headers.get(b"x-forwarded-host", b"").split(b",")}
+    targets = {host.strip().lower().removesuffix(default) for host in hosts if host.strip()}
+    return origin_host.removesuffix(default) not in targets
