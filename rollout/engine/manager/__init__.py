@@ -8,7 +8,8 @@
   `serving_control.py`: the control calls (that pause, prefix cache resets, adapter unloads);
 - `engine_thread.py`: the engine thread, applying commands and stepping the engine;
 - `results.py`: where outputs go (a queue callers read, or handlers); `result_reading.py`: the manager's methods that
-  read them.
+  read them;
+- `exit_stop.py`: managers still running at interpreter exit are stopped first.
 """
 
 from rollout.engine.manager.continuous_batching import (

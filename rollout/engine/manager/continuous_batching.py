@@ -10,10 +10,7 @@ timeout, and a stopped manager answers at once.
 
 from __future__ import annotations
 
-import atexit
-import logging
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +19,7 @@ import torch
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
+from rollout.engine.manager.exit_stop import stop_at_exit
 from rollout.engine.manager.parts import ManagerParts
 from rollout.engine.manager.request_desk import QueueFullError
 from rollout.engine.manager.result_reading import ResultReading
@@ -30,13 +28,6 @@ from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
 from rollout.engine.weights.weight_table import WeightUpdateResult
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
-
-logger = logging.getLogger("rollout.engine.manager")
-# Managers started in this process and not collected: stopped at interpreter exit if still running (a script that
-# ends, raises or is interrupted without `stop()`), since an engine thread still running torch code while the
-# interpreter finalizes aborts the process ("terminate called without an active exception", exit status 134).
-_STARTED: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
-EXIT_STOP_S = 10.0  # most seconds to wait at exit for a manager's step in flight (or a pause held) to end
 
 
 class ContinuousBatchingManager(ResultReading):
@@ -85,7 +76,7 @@ class ContinuousBatchingManager(ResultReading):
         if not self.is_running():
             self._loop.start(keep_alive=self)  # the thread holds the manager: a running manager is never collected
             self.started_at = time.time()
-            _STARTED.add(self)
+            stop_at_exit(self)  # stopped at interpreter exit if it still runs then
         return self
 
     def is_running(self) -> bool:
@@ -357,16 +348,3 @@ def init_continuous_batching(
         tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
     """
     return ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer)
-
-
-@atexit.register
-def _stop_started_managers() -> None:
-    """At interpreter exit: stop every manager still running (see `_STARTED`); its unfinished requests end "abort"."""
-    for manager in list(_STARTED):
-        if manager.is_running():
-            try:
-                manager.stop(block=True, timeout=EXIT_STOP_S)
-            except RuntimeError as error:  # its pause is still held here: nothing to wait for, say so in a line
-                logger.warning("a running ContinuousBatchingManager was not stopped at exit: %s", error)
-            except Exception:  # noqa: BLE001 - exiting: the next manager is still stopped
-                logger.exception("could not stop a running ContinuousBatchingManager at exit")
