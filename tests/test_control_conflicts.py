@@ -242,3 +242,36 @@ def test_a_draining_pause_overtaken_by_a_resume_answers_409(keyless_url):
     assert answers[0].status_code == 409 and "resumed" in answers[0].json()["error"]
     stream.thread.join(TIMEOUT)
     assert stream.finish_reason == "length"
+
+
+def test_a_body_less_routes_body_is_read_within_the_body_time_limit(monkeypatch):
+    """A body-less route reads at most a few bytes of a body, within the limit a whole body gets (a lying
+    Content-Length held `/pause` open for ever), and a client that leaves mid-body is a client gone (it logged an
+    error traceback per request)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from rollout.service.http.api.bridge import ClientGone
+    from rollout.service.http.errors import APIError
+    from rollout.service.http.serving import bodies as bodies_module
+
+    monkeypatch.setattr(bodies_module, "BODY_TIMEOUT_S", 0.2)
+    intake = bodies_module.BodyIntake(1024, None)
+
+    def request(messages: list[dict]) -> Request:
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(3600)  # the rest of a body that never comes
+
+        return Request({"type": "http", "method": "POST", "path": "/pause", "headers": []}, receive)
+
+    more = {"type": "http.request", "body": b" " * 40, "more_body": True}
+    assert asyncio.run(intake.first_bytes(request([more, more, more]), 64)) == b" " * 80  # stops past 64
+    with pytest.raises(APIError) as error:
+        asyncio.run(intake.first_bytes(request([{"type": "http.request", "body": b"{}", "more_body": True}]), 64))
+    assert error.value.status == 408
+    with pytest.raises(ClientGone):
+        asyncio.run(intake.first_bytes(request([more, {"type": "http.disconnect"}]), 64))
+    intake.close()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 import weakref
 from typing import Any
 
 logger = logging.getLogger("rollout.engine.manager")
 
-# Most seconds to wait at exit for one manager's step in flight (or a pause another thread holds) to end.
+# Most seconds to wait at exit, for all managers together, for their steps in flight (or pauses held) to end.
 EXIT_STOP_S = 10.0
 # The managers started in this process and not collected (a running one is held by its thread).
 _STARTED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -29,11 +30,21 @@ def stop_at_exit(manager: Any) -> None:
 
 @atexit.register
 def _stop_started_managers() -> None:
-    for manager in list(_STARTED):
+    """Tell every running manager to stop, then wait for them together (at most `EXIT_STOP_S` in all)."""
+    stopping = []
+    for manager in [manager for manager in list(_STARTED) if manager.is_running()]:
+        try:
+            manager.stop(block=False)
+            stopping.append(manager)
+        except RuntimeError as error:  # its pause is still held here: nothing to wait for, say so in a line
+            logger.warning("a running ContinuousBatchingManager was not stopped at exit: %s", error)
+        except Exception:  # noqa: BLE001 - exiting: the next manager is still stopped
+            logger.exception("could not stop a running ContinuousBatchingManager at exit")
+    deadline = time.monotonic() + EXIT_STOP_S
+    for manager in stopping:
+        manager.join(max(deadline - time.monotonic(), 0.0))
         if manager.is_running():
-            try:
-                manager.stop(block=True, timeout=EXIT_STOP_S)
-            except RuntimeError as error:  # its pause is still held here: nothing to wait for, say so in a line
-                logger.warning("a running ContinuousBatchingManager was not stopped at exit: %s", error)
-            except Exception:  # noqa: BLE001 - exiting: the next manager is still stopped
-                logger.exception("could not stop a running ContinuousBatchingManager at exit")
+            logger.warning(
+                "a ContinuousBatchingManager still ran %g s after exit began (a pause held by another thread?)",
+                EXIT_STOP_S,
+            )

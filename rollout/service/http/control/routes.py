@@ -110,7 +110,7 @@ def add_control_routes(
         if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
-        await _no_body(request, "mode, clear_cache")
+        await _no_body(request, bodies, "mode, clear_cache")
         try:
             await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
         except PauseOvertaken as error:  # another caller's /resume: a conflict, not a failure
@@ -122,7 +122,7 @@ def add_control_routes(
     @app.post("/resume")
     async def resume(request: Request) -> SafeJSONResponse:
         _query_only(request)
-        await _no_body(request, None)
+        await _no_body(request, bodies, None)
         try:
             await asyncio.to_thread(control.resume_generation)
         except RuntimeError as error:
@@ -160,7 +160,7 @@ def add_control_routes(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> SafeJSONResponse:
         _query_only(request, "reset_running_requests", "reset_external")
-        await _no_body(request, "reset_running_requests, reset_external")
+        await _no_body(request, bodies, "reset_running_requests, reset_external")
         _query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
         if _query_bool(request, "reset_external", False):
             raise bad_field("query.reset_external", "this worker has no external KV cache connector")
@@ -276,18 +276,13 @@ def _query_only(request: Request, *names: str) -> None:
             raise bad_field(f"query.{name}", f"unknown query parameter ({request.url.path}: {takes})")
 
 
-async def _no_body(request: Request, parameters: str | None) -> None:
+async def _no_body(request: Request, bodies: BodyIntake, parameters: str | None) -> None:
     """Refuse a body that says something on a route that reads none (its parameters go in the query string); an
-    empty one (nothing, `{}`, `null`: what some vLLM clients send) says nothing and passes. Read up to
+    empty one (nothing, `{}`, `null`: what some vLLM clients send) says nothing and passes. Reads up to
     `EMPTY_BODY_BYTES`: anything longer says something."""
     if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
         return
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > EMPTY_BODY_BYTES:
-            break
-    if not _says_nothing(raw):
+    if not _says_nothing(await bodies.first_bytes(request, EMPTY_BODY_BYTES)):
         where = f"its parameters ({parameters}) go in the query string" if parameters else "it takes no parameters"
         raise APIError(400, f"{request.url.path} takes no body: {where}", None)
 

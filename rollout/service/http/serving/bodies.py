@@ -209,6 +209,32 @@ class BodyIntake:
         finally:
             self.budget.release(client, held[0])
 
+    async def first_bytes(self, request: Request, most: int) -> bytes:
+        """The body's first bytes, at most `most` and maybe a chunk more (a route that reads no body checks that it
+        says nothing), within the same time limit as a whole body.
+
+        Args:
+            request: the request.
+            most: stop reading past this many bytes.
+        Raises:
+            APIError: (408) they did not arrive in time. ClientGone: the client left while sending them.
+        """
+        head = bytearray()
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                head.extend(chunk)
+                if len(head) > most:
+                    return
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        except ClientDisconnect:
+            raise ClientGone from None
+        return bytes(head)
+
     async def _read(self, request: Request, hold: Callable[[int], None]) -> bytearray:
         body, shape, limit = bytearray(), BodyShape(), self.max_body_bytes
 
