@@ -6,7 +6,9 @@ connection and the session secret every `RolloutClient` draws (`Generate.session
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -31,45 +33,50 @@ def worker(tmp_path_factory):
     server.close()
 
 
-def ask(address: str, identity: bytes, message: p.Message, answer: type) -> p.Message:
-    """Send `message` over a fresh DEALER presenting `identity`; its first reply of type `answer`."""
+@contextlib.contextmanager
+def dealer(address: str, identity: bytes) -> Iterator[zmq.Socket]:
+    """A DEALER presenting `identity` (one connection: a closed one's id may still be taken for a moment)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, identity)
     sock.connect(address)
     try:
-        sock.send_multipart(p.encode(message))
-        deadline = time.monotonic() + 60
-        while sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            reply = p.decode(sock.recv_multipart())
-            if isinstance(reply, (answer, p.Error)):
-                assert isinstance(reply, answer), reply
-                return reply
-        raise TimeoutError(f"no {answer.__name__} within 60 s")
+        yield sock
     finally:
         sock.close(0)
 
 
-def drafts_accepted(address: str, identity: bytes, group_id: str, session: str) -> int:
-    """Accepted draft tokens of one group of the prompt, sent over `identity` with `session` (from the worker's
-    counters, read over other connections)."""
-    before = ask(address, b"stats-" + group_id.encode(), p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
-    ask(address, identity, p.Generate(group_id, PROMPT, 1, SAMPLING, session=session), p.GroupResult)
-    after = ask(address, b"stats-after-" + group_id.encode(), p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
-    return after - before
+def ask(sock: zmq.Socket, message: p.Message, answer: type) -> p.Message:
+    """Send `message`; its first reply of type `answer`."""
+    sock.send_multipart(p.encode(message))
+    deadline = time.monotonic() + 60
+    while sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        reply = p.decode(sock.recv_multipart())
+        if isinstance(reply, (answer, p.Error)):
+            assert isinstance(reply, answer), reply
+            return reply
+    raise TimeoutError(f"no {answer.__name__} within 60 s")
+
+
+def accepted_drafts(address: str, reader: str) -> int:
+    with dealer(address, f"stats-{reader}".encode()) as sock:  # each read over an id of its own
+        return ask(sock, p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
 
 
 def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(worker):
-    taken = b"\x01taken-over-id"  # a gone client's routing id, guessed (libzmq's ids are a counter) or chosen
-    counts = {
-        group: drafts_accepted(worker.address, taken, group, session)
-        for group, session in (("owner", "own"), ("owner-again", "own"), ("intruder", "other"), ("no-session", ""))
-    }
+    """Groups of one routing id, as a client and then an intruder that took its id over would send them (one
+    connection here: to the worker, a reconnection presenting the same id is the same client)."""
+    counts = {}
+    with dealer(worker.address, b"\x01taken-over-id") as taken:  # guessed (libzmq's ids are a counter) or chosen
+        for group, session in (("owner", "own"), ("owner-again", "own"), ("intruder", "other"), ("no-session", "")):
+            before = accepted_drafts(worker.address, f"{group}-before")
+            ask(taken, p.Generate(group, PROMPT, 1, SAMPLING, session=session), p.GroupResult)
+            counts[group] = accepted_drafts(worker.address, f"{group}-after") - before
+        refused = ask(taken, p.Generate("long", PROMPT, 1, SAMPLING, session="x" * 65), p.Error)
     # The owner's second group draws on its first (the comparison can fail); another session over the same id draws
     # only on its own sample's tokens, as the owner's first group did.
     assert counts["owner-again"] >= 20, counts
     assert max(counts["intruder"], counts["no-session"]) < counts["owner-again"] / 4, counts
-    refused = ask(worker.address, taken, p.Generate("long", PROMPT, 1, SAMPLING, session="x" * 65), p.Error)
     assert refused.field == "session" and "64 characters" in refused.message
 
 
