@@ -16,7 +16,6 @@ from rollout.config import FieldError, SamplingParams
 from rollout.engine.counters import StepCounters, engine_stats, log_leaks
 from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
 from rollout.engine.lora.adapter_weights import AdapterModules
-from rollout.engine.requests.adapter_ref import AdapterUnloaded
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import RequestIntake
 from rollout.engine.requests.outputs import GenerationOutput
@@ -127,9 +126,8 @@ class Engine:
             raise RuntimeError("this engine is closed: its KV cache and graphs were freed; build a new one")
         if request.group_id in self.loop.open_groups:  # checked first: the admissions below may install taps
             raise FieldError("group_id", f"{request.group_id!r} is already running")
-        adapter = request.adapter  # looked up at intake, maybe on another thread: it must still be the one served
-        if adapter is not None and self.runner.adapters.refs.get(adapter.name) is not adapter:
-            raise AdapterUnloaded("adapter", f"adapter {adapter.name!r} was unloaded after this request was accepted")
+        if request.adapter is not None:  # looked up at intake, maybe on another thread: still the one served?
+            self.runner.adapters.check_served(request.adapter)
         self.runner.prompt_scorer.admit(request)  # prompt_logprobs on a model known not to give them: refused
         self.runner.routes.admit(request)  # return_routes on a dense model: refused
         self.loop.add(request)

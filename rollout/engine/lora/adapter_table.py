@@ -41,7 +41,7 @@ from rollout.engine.lora.adapter_weights import (
 from rollout.engine.lora.bounds import check_magnitudes, check_rank_limit, check_room
 from rollout.engine.lora.layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
 from rollout.engine.lora.saved_modules import SavedModules
-from rollout.engine.requests.adapter_ref import AdapterRef, check_adapter_name
+from rollout.engine.requests.adapter_ref import AdapterRef, AdapterUnloaded, check_adapter_name
 from rollout.peft_adapters import SAVED_MARKER
 
 
@@ -216,6 +216,17 @@ class AdapterTable:
         saved_bytes = self.saved.bytes_needed(self.refs[name].slot if name in self.refs else None, saved)
         if new or saved_bytes:
             check_room(new, self.max_loras, self.max_rank, self._device, repr(name), saved_bytes)
+
+    def check_served(self, ref: AdapterRef) -> None:
+        """Refuse a reference taken before its adapter was unloaded (and maybe another loaded under its name).
+
+        Args:
+            ref: a request's adapter, looked up at its intake.
+        Raises:
+            AdapterUnloaded: ("adapter") it is no longer the one served under its name.
+        """
+        if self.refs.get(ref.name) is not ref:
+            raise AdapterUnloaded("adapter", f"adapter {ref.name!r} was unloaded after this request was accepted")
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
         """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,

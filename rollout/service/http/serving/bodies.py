@@ -19,7 +19,7 @@ import asyncio
 import json
 import re
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -227,12 +227,7 @@ class BodyIntake:
                 if len(head) > most:
                     return
 
-        try:
-            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
-        except ClientDisconnect:
-            raise ClientGone from None
+        await _in_time(read())
         return bytes(head)
 
     async def _read(self, request: Request, hold: Callable[[int], None]) -> bytearray:
@@ -245,12 +240,7 @@ class BodyIntake:
                 hold(len(chunk) + shape.feed(chunk))
                 body.extend(chunk)
 
-        try:
-            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
-        except ClientDisconnect:
-            raise ClientGone from None
+        await _in_time(read())
         return body  # (json.loads takes a bytearray: no copy)
 
     async def _parse(self, raw: bytearray) -> Any:
@@ -261,3 +251,17 @@ class BodyIntake:
     def close(self) -> None:
         """Stop the parse thread (a parse in progress finishes first)."""
         self._big.shutdown(wait=True, cancel_futures=True)
+
+
+async def _in_time(reading: Coroutine[Any, Any, None]) -> None:
+    """Await a body's reading within `BODY_TIMEOUT_S`.
+
+    Raises:
+        APIError: (408) it did not arrive in time. ClientGone: the client left while sending it.
+    """
+    try:
+        await asyncio.wait_for(reading, BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone from None
