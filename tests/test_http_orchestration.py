@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
 import torch
+from control_helpers import Stream
 from safetensors.torch import save_file
 
 from rollout.presets import tiny_model, tiny_tokenizer
@@ -132,6 +134,33 @@ def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, s
 
         assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
         assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == served
+
+
+def test_queued_weight_updates_hold_no_thread_the_other_routes_need(url, shared):
+    """Updates that wait for a long sample to drain read and hold one checkpoint at a time: the worker's threads
+    stay free, so /tokenize answers while the sample still runs, and every update then commits, in turn."""
+    tiny_model(seed=7).save_pretrained(shared / "queued")  # the weights the later tests expect once updated
+    inflight = Stream(url, 400)
+    answers: list[httpx.Response] = []
+
+    def update() -> None:
+        body = {"weight_dir": str(shared / "queued"), "mode": "wait"}
+        answers.append(httpx.post(f"{url}/update_weights", json=body, headers=CONTROL, timeout=120))
+
+    waiting = [threading.Thread(target=update) for _ in range(12)]  # twice a 2-core machine's thread pool (6)
+    for thread in waiting:
+        thread.start()
+    time.sleep(1)  # the updates reach the worker (each queued, waiting for the sample)
+    tokenized = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=60)  # parsed on a worker thread
+    assert tokenized.status_code == 200 and not inflight.done.is_set(), "/tokenize waited for the updates' drain"
+    inflight.thread.join(60)
+    for thread in waiting:
+        thread.join(120)
+    assert inflight.finish_reason == "length" and len(answers) == 12
+    assert all(answer.status_code == 200 for answer in answers), [answer.text for answer in answers]
+    assert sorted(answer.json()["policy_version"] for answer in answers) == sorted(
+        {answer.json()["policy_version"] for answer in answers}
+    )  # twelve commits, twelve versions
 
 
 def test_lm_eval_remote_tokenizer_loglikelihoods_match_a_teacher_forced_forward(url, shared):

@@ -102,6 +102,9 @@ def add_control_routes(
         check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
     """
     control = manager.control
+    # One checkpoint read and commit at a time: each queued update would hold a worker thread (the completions
+    # routes' threads too) and a whole checkpoint in memory; the next waits here, in the order it came, holding none.
+    one_update = asyncio.Lock()
 
     @app.post("/pause")
     async def pause(request: Request) -> SafeJSONResponse:
@@ -194,7 +197,10 @@ def add_control_routes(
         mode = fields.get("mode", "keep")
         if mode not in WEIGHT_UPDATE_MODES:
             raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-        result = await asyncio.to_thread(_update_from, manager, directory, fields.get("version"), mode, check_finite)
+        async with one_update:
+            result = await asyncio.to_thread(
+                _update_from, manager, directory, fields.get("version"), mode, check_finite
+            )
         if new_base is not None:
             new_base(str(directory))
         return SafeJSONResponse(
