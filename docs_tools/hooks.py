@@ -20,6 +20,8 @@ import os
 import re
 from typing import Any
 
+from rollout.cli.parser import default_text
+
 MARKER = re.compile(r"^<!-- generated: (\w+) ([\w.-]+) -->$", re.M)
 # Command -> (module, function building its parser).
 PARSERS = {
@@ -84,7 +86,7 @@ def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> s
             flags += f" `{action.metavar if isinstance(action.metavar, str) else ' '.join(action.metavar)}`"
         choices = f" One of: {', '.join(f'`{c}`' for c in action.choices)}." if action.choices else ""
         hidden = action.default is None or action.default is False or action.default in (argparse.SUPPRESS, [])
-        default = "" if hidden else _code(str(action.default))
+        default = "" if hidden else _code(default_text(action.default))
         rows.append(
             f"| {flags} | {default} | {_cell(formatter._expand_help(action) if action.help else '')}{choices} |"
         )

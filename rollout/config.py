@@ -181,9 +181,9 @@ class ContinuousBatchingConfig:
         )
         _check(isinstance(self.return_logprobs, bool), "return_logprobs", "must be a bool", self.return_logprobs)
         _check(
-            _is_number(self.cpu_offload_space) and self.cpu_offload_space >= 0,
+            _is_number(self.cpu_offload_space) and 0 <= self.cpu_offload_space < float("inf"),
             "cpu_offload_space",
-            "must be >= 0 (GiB)",
+            "must be a finite number >= 0 (GiB)",
             self.cpu_offload_space,
         )
         _check(

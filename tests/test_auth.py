@@ -62,6 +62,32 @@ def test_keygen_writes_a_pair_and_refuses_to_overwrite(keys, capsys):
     assert "refusing to overwrite" in capsys.readouterr().err
 
 
+def test_keygen_writes_the_secret_owner_only_from_its_creation(tmp_path, monkeypatch):
+    """The secret was written with the umask's mode (0644) and only then chmod-ed: another user could open it first.
+    Its mode is read the moment pyzmq has written it, before keygen goes on."""
+    import os
+
+    import zmq.auth
+
+    created = zmq.auth.create_certificates
+    modes: dict[str, int] = {}
+
+    def recording(directory, name):
+        public, secret = created(directory, name)
+        modes.update(public=os.stat(public).st_mode & 0o777, secret=os.stat(secret).st_mode & 0o777)
+        return public, secret
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", recording)
+    umask = os.umask(0o022)
+    try:
+        assert keygen_main([str(tmp_path), "fresh"]) == 0
+    finally:
+        os.umask(umask)
+    assert modes["secret"] & 0o077 == 0, oct(modes["secret"])
+    assert (tmp_path / "fresh.key").stat().st_mode & 0o777 == 0o644  # the public key stays readable
+    assert (tmp_path / "fresh.key_secret").stat().st_mode & 0o777 == 0o600
+
+
 def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
     started = time.monotonic()
     with _client(worker, keys, "stranger", "strangers") as stranger:

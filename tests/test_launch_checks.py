@@ -73,10 +73,45 @@ def test_an_http_api_flag_without_http_is_a_usage_error_not_ignored(argv, capsys
     assert f"{argv[0]}: has no effect without --http" in capsys.readouterr().err
 
 
-def test_an_http_api_flag_set_by_the_environment_stays_allowed(monkeypatch):
-    """A deployment-wide ROLLOUT_HTTP_* variable sets the default: workers without --http still start."""
+def test_an_http_api_flag_set_by_the_environment_is_allowed_and_said_once(monkeypatch, capsys):
+    """A deployment-wide ROLLOUT_HTTP_* variable sets the default: workers without --http still start, and say that
+    it does nothing there (it was ignored silently). Typed at the variable's own value, the flag is still refused."""
     monkeypatch.setenv("ROLLOUT_HTTP_HEAD_TIMEOUT", "3")
-    check(["--bind", "tcp://127.0.0.1:*"])
+    parser = build_parser()
+    args = parser.parse_args(["--bind", "tcp://127.0.0.1:*"])
+    check_flags(parser, args)
+    check_flags(parser, args)  # the worker checks twice (before and after its imports): said once
+    warned = "rollout-worker: warning: ROLLOUT_HTTP_HEAD_TIMEOUT is set but --http-head-timeout has no effect"
+    assert capsys.readouterr().err.count(warned) == 1
+    with pytest.raises(SystemExit):
+        check(["--bind", "tcp://127.0.0.1:*", "--http-head-timeout", "3"])
+    assert "--http-head-timeout: has no effect without --http" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "variables, argv, device",
+    [
+        ({"ROLLOUT_GPU": "0"}, ["--device", "cpu"], "cpu"),  # served on cuda:0 (or refused on a CPU machine)
+        ({"ROLLOUT_GPU": "0"}, ["--device=cpu"], "cpu"),
+        ({"ROLLOUT_DEVICE": "cuda:0"}, ["--device", "cpu"], "cpu"),
+        ({"ROLLOUT_DEVICE": "cpu"}, [], "cpu"),
+    ],
+)
+def test_a_typed_device_wins_over_the_environments(monkeypatch, variables, argv, device):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    parser = build_parser()
+    served, *_ = check_flags(parser, parser.parse_args(["--bind", "tcp://127.0.0.1:*", *argv]))
+    assert str(served) == device
+
+
+def test_both_device_variables_and_no_flag_is_a_usage_error_naming_them(monkeypatch, capsys):
+    monkeypatch.setenv("ROLLOUT_GPU", "0")
+    monkeypatch.setenv("ROLLOUT_DEVICE", "cpu")
+    with pytest.raises(SystemExit) as exited:
+        check(["--bind", "tcp://127.0.0.1:*"])
+    assert exited.value.code == 2
+    assert "ROLLOUT_GPU and ROLLOUT_DEVICE are both set" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode, warned", [(0o600, False), (0o400, False), (0o640, True), (0o644, True)])

@@ -445,12 +445,16 @@ INVALID_CONFIG = [
     ("scheduler_type", dict(scheduler_type="x")),
     ("allow_block_sharing", dict(allow_block_sharing="yes")),
     ("cpu_offload_space", dict(cpu_offload_space=-1)),
+    ("cpu_offload_space", dict(cpu_offload_space=float("inf"))),  # passed, then overflowed sizing the swap space
+    ("cpu_offload_space", dict(cpu_offload_space=float("nan"))),
     ("max_queue_size", dict(max_queue_size=-1)),
     ("max_model_len", dict(max_model_len=1)),
 ]
 
 
-@pytest.mark.parametrize("field, kwargs", INVALID_CONFIG, ids=[f for f, _ in INVALID_CONFIG])
+@pytest.mark.parametrize(
+    "field, kwargs", INVALID_CONFIG, ids=[f"{f}={v}" for f, k in INVALID_CONFIG for v in k.values()]
+)
 def test_continuous_batching_config_rejects_invalid_fields(field, kwargs):
     """Each invalid ContinuousBatchingConfig value raises ValueError naming its field."""
     with pytest.raises(ValueError, match=field):

@@ -100,6 +100,7 @@ class CliParser(argparse.ArgumentParser):
         self.other_tools_flags = dict(other_tools_flags or {})
         # repeatable flags' values read from the environment: the command line's, when it gives some, replace them
         self._environment_lists: dict[str, int] = {}
+        self._warned: set[str] = set()  # warnings already said (checks may run twice: before and after imports)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
@@ -118,6 +119,25 @@ class CliParser(argparse.ArgumentParser):
             if isinstance(values, list) and len(values) > count:
                 setattr(parsed, dest, values[count:])
         return parsed, extras
+
+    def typed(self, flag: str) -> bool:
+        """Whether the last parsed command line gave `flag` (as `--flag VALUE` or `--flag=VALUE`), as opposed to its
+        value coming from the default or a ROLLOUT_* variable.
+
+        Args:
+            flag: the flag's option string, e.g. "--device".
+        """
+        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_given", []))
+
+    def warn(self, message: str) -> None:
+        """Print "PROG: warning: MESSAGE" to stderr, once per message for this parser.
+
+        Args:
+            message: what to say.
+        """
+        if message not in self._warned:
+            self._warned.add(message)
+            print(f"{self.prog}: warning: {message}", file=sys.stderr)
 
     def error(self, message: str) -> NoReturn:
         """Print "PROG: error: MESSAGE" and a line pointing at --help to stderr, exit with status 2 (as argparse

@@ -223,8 +223,16 @@ def keygen_main(argv: list[str] | None = None) -> int:
     if secret_path.exists():
         parser.error(f"{secret_path} exists; refusing to overwrite a key")
     directory.mkdir(parents=True, exist_ok=True)
-    public_path, secret_path = zmq.auth.create_certificates(directory, args.name)
+    # pyzmq writes both files with the process's umask: tightened around the call, the secret is owner-only from its
+    # creation (a chmod afterwards would leave a moment where another user may open it); the public key is then
+    # made readable again.
+    umask = os.umask(0o077)
+    try:
+        public_path, secret_path = zmq.auth.create_certificates(directory, args.name)
+    finally:
+        os.umask(umask)
     os.chmod(secret_path, 0o600)
+    os.chmod(public_path, 0o644 & ~umask)
     print(f"public key: {public_path}\nsecret key: {secret_path}")
     return 0
 

@@ -99,20 +99,24 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
     return limits, config
 
 
-def check_http_only_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A usage error naming an HTTP API flag given (a value other than its default) without --http, which would
-    ignore it silently.
+def check_http_only_flags(parser: CliParser, args: argparse.Namespace) -> None:
+    """A usage error naming an HTTP API flag typed without --http, which would ignore it silently; one set by its
+    ROLLOUT_* variable is warned about instead, naming the variable (an environment may be shared by workers with
+    and without the HTTP API).
 
     Args:
-        parser: rollout-worker's parser (its defaults, which ROLLOUT_* variables may have set).
+        parser: rollout-worker's parser (it knows which flags the command line gave).
         args: the parsed flags.
     """
     if args.http is not None:
         return
     for flag in HTTP_ONLY_FLAGS:
         dest = flag.removeprefix("--").replace("-", "_")
-        if getattr(args, dest) != parser.get_default(dest):
+        if parser.typed(flag):  # even at its default: it was asked for and would do nothing
             parser.error(f"{flag}: has no effect without --http HOST:PORT (the OpenAI API is off)")
+        variable = f"ROLLOUT_{dest.upper()}"
+        if variable in os.environ:
+            parser.warn(f"{variable} is set but {flag} has no effect without --http HOST:PORT")
 
 
 def worker_limits(args: argparse.Namespace) -> WorkerLimits:

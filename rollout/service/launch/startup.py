@@ -204,8 +204,19 @@ def check_flags(
     return device, http_address, limits, config
 
 
-def _device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
-    """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name)."""
+def _device(parser: CliParser, args: argparse.Namespace) -> torch.device:
+    """The serving device, or a usage error naming the flag (CUDA asked of a torch that has none, a bad name).
+
+    --gpu and --device exclude each other. A ROLLOUT_GPU or ROLLOUT_DEVICE variable only sets its flag's default,
+    so the flag typed on the command line wins over the other's variable; both variables set, and neither flag
+    typed, is a usage error naming them.
+    """
+    if parser.typed("--device"):
+        args.gpu = None
+    elif parser.typed("--gpu"):
+        args.device = None
+    elif args.gpu is not None and args.device is not None:
+        parser.error("ROLLOUT_GPU and ROLLOUT_DEVICE are both set: unset one, or give --gpu or --device")
     flag = f"--gpu {args.gpu}" if args.gpu is not None else f"--device {args.device}"
     if args.gpu is not None and args.gpu < 0:
         parser.error(f"--gpu {args.gpu}: a CUDA device index is 0 or more (nvidia-smi lists them)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,8 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
     check_control_flags(parser, args)
     if args.http is None:
         if args.api_key is not None:
-            parser.error("--api-key protects the HTTP API: give --http HOST:PORT too")
+            given = f"{API_KEY_VARIABLE} (--api-key)" if os.environ.get(API_KEY_VARIABLE) else "--api-key"
+            parser.error(f"{given} protects the HTTP API: give --http HOST:PORT too, or unset it")
         return None
     host, _, port = args.http.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
