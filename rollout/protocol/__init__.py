@@ -77,18 +77,18 @@ updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, othe
 
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
-(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished),
-adapter / adapter_version, cached_prompt_tokens: int (prompt tokens whose KV came from the prefix cache), and
-with sampling.return_routes (MoE models) routes / prompt_routes: FrameArray maps
-(frame: index of a raw frame after the header, shape: [rows, MoE layers, top_k], dtype: "uint8" or "int16"); with
-sampling.top_logprobs = k, top_token_ids / top_logprobs: FrameArray maps of shape [tokens, k] ("int32" ids, most
-likely first; "float32" log-probs; id -1 and NaN pad a distribution of fewer than k tokens); with
-sampling.prompt_logprobs = k, FrameArray maps with a row per prompt position after the first (row i: position
-i + 1): prompt_logprobs ("float32", shape [prompt_len - 1]), prompt_logprob_ranks ("int32", 1 the most likely) and
-for k > 0 prompt_top_token_ids / prompt_top_logprobs ([prompt_len - 1, k]); the completions of a group_result name
-the same frames. A delta carries its tokens' routes and top log-probs (and the prompt's, on a sample's first delta)
-the same way.
-`sampling` takes the field names of `rollout.SamplingParams`.
+(run-length encoded), kv_version_min: int (the oldest weights' version behind the sample's KV when it finished, or
+behind KV it held before that newer weights sampled its tokens over), adapter / adapter_version,
+cached_prompt_tokens: int (prompt tokens whose KV came from the prefix cache), and with sampling.return_routes (MoE
+models) routes / prompt_routes: FrameArray maps (frame: index of a raw frame after the header, shape: [rows, MoE
+layers, top_k], dtype: "uint8" or "int16"); with sampling.top_logprobs = k, top_token_ids / top_logprobs:
+FrameArray maps of shape [tokens, k] ("int32" ids, most likely first; "float32" log-probs; id -1 and NaN pad a
+distribution of fewer than k tokens); with sampling.prompt_logprobs = k, FrameArray maps with a row per prompt
+position after the first (row i: position i + 1): prompt_logprobs ("float32", shape [prompt_len - 1]),
+prompt_logprob_ranks ("int32", 1 the most likely) and for k > 0 prompt_top_token_ids / prompt_top_logprobs
+([prompt_len - 1, k]); the completions of a group_result name the same frames. A delta carries its tokens' routes
+and top log-probs (and the prompt's, on a sample's first delta) the same way. `sampling` takes the field names of
+`rollout.SamplingParams`.
 
 Weight updates are transactions, one open at a time per worker: weights_begin announces every tensor (TensorSpec
 map: name, dtype such as "bfloat16", shape) and is checked against the model at once (unknown or missing names,

@@ -148,7 +148,8 @@ class Completion(SampleArrays):
         finish_reason: why it ended: "stop", "length", "abort" or "error".
         error: what failed, when finish_reason is "error".
         policy_versions: run-length encoded policy versions: [version, index of the first token it sampled] pairs.
-        kv_version_min: the oldest policy version behind this sample's KV.
+        kv_version_min: the oldest policy version behind this sample's KV, or behind KV it held before that newer
+            weights sampled its tokens over.
         adapter: the LoRA adapter that sampled it; None: the base model.
         adapter_version: that adapter's version when the sample finished.
         cached_prompt_tokens: prompt tokens the prefix cache spared it (their KV computed earlier).

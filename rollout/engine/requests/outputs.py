@@ -66,8 +66,9 @@ class GenerationOutput:
         is_finished: true on the last output of a sample; also callable, as transformers' `is_finished()`.
         policy_versions: the weights' version that sampled each token in `generated_tokens`, run-length encoded as
             [version, index of the first token it sampled] pairs (indices into `generated_tokens`).
-        kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made (None
-            when it never computed anything; for a sample preempted and not readmitted yet, the KV it last had).
+        kv_version_min: the oldest weights' version behind the sample's KV cache when this output was made, or behind
+            KV it held before (a preemption, a "recompute" commit) that newer weights sampled tokens over (None when
+            it never computed anything; for a sample preempted and not readmitted yet, the KV it last had).
         prompt_logprobs: with `SamplingParams.prompt_logprobs`, log p(prompt[i] | prompt[:i]) for every prompt
             position (None at position 0), fp32 log_softmax of the model's raw logits; set on a sample's first
             output only (its first streaming delta, or its one final output), else None (also when the sample ended
@@ -149,7 +150,7 @@ def progress_output(request: Request) -> GenerationOutput:
         finish_reason=request.finish_reason if request.is_finished else None,
         is_finished=request.is_finished,
         policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
-        kv_version_min=request.kv_version_min,
+        kv_version_min=request.oldest_kv_version,
         cached_prompt_tokens=request.cached_prompt_tokens,
     )
     if request.adapter is not None:

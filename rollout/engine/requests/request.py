@@ -76,6 +76,10 @@ class Request:
     # Oldest policy version behind the KV the request holds now (None while it holds none). Versions only grow,
     # so it is the version of the step that computed the first token of that KV.
     kv_version_min: int | None = None
+    # Oldest policy version behind KV it no longer holds (freed by a preemption or a "recompute" commit, then
+    # computed anew) that tokens were sampled over by newer weights (after a "keep" commit): None if none. The
+    # outputs report the older of it and kv_version_min (`oldest_kv_version`).
+    earlier_kv_version: int | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # With sampling.prompt_logprobs: log p(prompt[i] | prompt[:i]) per prompt position scored so far (None at 0), and
@@ -226,6 +230,30 @@ class Request:
         elif num_output_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
 
+    @property
+    def oldest_kv_version(self) -> int | None:
+        """What its outputs report as `kv_version_min`: the oldest policy version behind the KV it holds, or behind
+        KV it held that newer weights sampled tokens over (None before any KV). With the first token's version, the
+        oldest weights behind any of its tokens (`sample_oldest_version`)."""
+        versions = [v for v in (self.kv_version_min, self.earlier_kv_version) if v is not None]
+        return min(versions) if versions else None
+
+    def admitted(self, prefix_version: int | None) -> None:
+        """Taken into the running set (again): the KV it held is gone, and the KV it holds now is the cached prefix
+        it takes. If newer weights sampled tokens over the KV it held (its last token is the newest), that KV's
+        version stays on record (`earlier_kv_version`): a token sampled by its KV's own weights needs none, its
+        version says as much.
+
+        Args:
+            prefix_version: the policy version of the cached prefix blocks it takes (a lookup matches only blocks of
+                the version current then), or None when it takes none: its KV is then computed anew, and its first
+                step sets the version.
+        """
+        held = self.kv_version_min
+        if held is not None and self.token_versions and self.token_versions[-1][0] > held:
+            self.earlier_kv_version = self.oldest_kv_version
+        self.kv_version_min = prefix_version
+
     def drop_placeholder(self) -> None:
         """Forget an unresolved token (its step failed): the request is as before `add_placeholder`."""
         if self.has_placeholder:
@@ -257,6 +285,7 @@ class Request:
             block_hashes=list(self.block_hashes),
             token_versions=[list(pair) for pair in self.token_versions],
             kv_version_min=self.kv_version_min,
+            earlier_kv_version=self.earlier_kv_version,
             prompt_logprobs=self.prompt_logprobs,  # shared: the prompt is scored once per group
             prompt_top_logprobs=self.prompt_top_logprobs,
             prompt_logprob_ranks=self.prompt_logprob_ranks,

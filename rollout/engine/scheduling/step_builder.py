@@ -215,7 +215,9 @@ class StepBuilder:
             admission.admitted(request)
             scheduler.waiting.remove(request)
             scheduler.turns.took(request)
-            request.kv_version_min = None  # its KV is computed anew: under the current weights
+            # Its KV is computed anew, but for the cached prefix it takes: those blocks' version is the current one
+            # (lookups match no other), fixed now, since a commit may come before its first step.
+            request.admitted(manager.policy_version if prefix_blocks else None)
             manager.take_prefix(request, prefix_blocks, prefix_hashes)
             request.status = RequestStatus.RUNNING
             if request.started_time < 0:
