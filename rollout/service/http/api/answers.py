@@ -5,13 +5,14 @@ its log-probs, echo, token ids and rollout's `policy_versions` / `kv_version_min
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rollout.service.http.api import openai_fields as fields
-from rollout.service.http.api.bridge import MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
+from rollout.service.http.api.bridge import MAX_LAGGING_OUTPUTS, MAX_UNREAD_OUTPUTS_PER_SAMPLE, Submission
 from rollout.service.http.api.choices import Choice, ChoiceDelta, LogprobFormat
 from rollout.service.http.api.prompt_scoring import echoed_logprobs
 from rollout.service.http.errors import APIError, json_bytes
@@ -82,6 +83,15 @@ class AnswerWriter:
     async def stream(self, answer: Answer) -> AsyncIterator[str]:
         """Server-sent events: a chunk per engine output, a usage chunk if asked, then [DONE]. A client that leaves
         mid-stream cancels the request's groups."""
+        async with contextlib.aclosing(self._events(answer)) as events:  # closed with this one (the client left)
+            async for event in events:
+                # While an event is with the client (sent, or waiting for it to read), what arrives waits on the
+                # client: too much then cancels the stream (Submission._arrive).
+                answer.submission.sending = True
+                yield event
+                answer.submission.sending = False
+
+    async def _events(self, answer: Answer) -> AsyncIterator[str]:
         submission = answer.submission
         base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": answer.model}
         try:
@@ -192,7 +202,10 @@ def _ended_early(choice: Choice, unread: bool = False) -> APIError:
     """The error for a choice `_ended_by_error`: a failure (500), or a stream its client did not read (408)."""
     if choice.finish_reason == "error":
         return APIError(500, f"generation failed: {choice.error}", None, "internal_server_error")
-    reason = f"the stream was cancelled: its client left over {MAX_UNREAD_OUTPUTS_PER_SAMPLE} outputs per sample unread"
+    reason = (
+        f"the stream was cancelled: its client left over {MAX_UNREAD_OUTPUTS_PER_SAMPLE} outputs per sample unread (or "
+        f"over {MAX_LAGGING_OUTPUTS} waited to be sent)"
+    )
     return APIError(408, reason, None, "invalid_request_error", "stream_not_read")
 
 

@@ -23,10 +23,16 @@ from rollout.service.observability.tracing import Tracer
 
 # How often a coroutine waiting for a non-streamed answer checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
-# Engine outputs a request may leave unread per sample (a stream whose client stops reading); past it the request
-# is cancelled, so that an unread stream cannot hold the rest of its generation in memory. Per sample: a stream of
-# n=1024 gets 1024 outputs a step, more than an event loop may send in a step's time, and must not be cut.
+# Engine outputs a stream may leave unread per sample while its client holds up an event (a client that stops
+# reading); past it the request is cancelled, so that an unread stream cannot hold the rest of its generation in
+# memory. Per sample: a stream of n=1024 gets 1024 outputs a step, more than an event loop may send in a step's time,
+# and must not be cut.
 MAX_UNREAD_OUTPUTS_PER_SAMPLE = 64
+# Engine outputs a stream may hold whatever the reason, its client's or the event loop's: outputs pile up while the
+# loop is busy with other work (other clients' events, a parse) and the engine generates on, and go as soon as it is
+# free, so only this much larger backlog cancels a stream whose client is reading. It is what the largest request
+# (n=1024) may leave unread, so a lagging loop never makes a request hold more than an unread stream may.
+MAX_LAGGING_OUTPUTS = 1024 * MAX_UNREAD_OUTPUTS_PER_SAMPLE
 
 
 class Submission:
@@ -43,6 +49,7 @@ class Submission:
         named_stops: frozenset[int] = frozenset(),
         adapter: str | None = None,
         tracer: Tracer | None = None,
+        streamed: bool = False,
     ):
         """
         Args:
@@ -55,6 +62,8 @@ class Submission:
             named_stops: the stop tokens the request named (what a choice's stop_reason may be).
             adapter: the served LoRA adapter the request's `model` names (None: the base model).
             tracer: a `rollout.group` span per prompt's group, as for ZeroMQ groups (None: none).
+            streamed: the answer is streamed: a client that leaves its outputs unread cancels it. A whole answer is
+                never cancelled so: its size is bounded before it starts, and what waits is the event loop's lag.
         """
         self._adapter = adapter
         self._tracer = tracer
@@ -88,6 +97,11 @@ class Submission:
         self._unfinished = len(self.choices)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.overflowed = False  # cancelled because its client left too many outputs unread
+        self._unread_limit = MAX_UNREAD_OUTPUTS_PER_SAMPLE * len(self.choices) if streamed else None
+        # True while the answer's writer has handed an event to the client and waits for it to be taken: outputs
+        # that arrive meanwhile wait on the client (at other times they wait on the event loop, which is not the
+        # client's doing).
+        self.sending = False
 
     def start(self, prompt_field: str, loop: asyncio.AbstractEventLoop) -> None:
         """Add every prompt's group, all or none (on a worker thread: checking a batch of long prompts takes a
@@ -162,9 +176,13 @@ class Submission:
             self._manager.cancel_request(group_id)
 
     def _arrive(self, item: tuple[int, GenerationOutput]) -> None:
-        """An output reaches the request's loop; too many unread cancel the request (its client is not reading)."""
+        """An output reaches the request's loop; a stream whose client holds up an event while too many outputs wait
+        is cancelled (its client is not reading), as is one with a backlog past MAX_LAGGING_OUTPUTS."""
         self._queue.put_nowait(item)
-        if self._queue.qsize() > MAX_UNREAD_OUTPUTS_PER_SAMPLE * len(self.choices) and not self.overflowed:
+        if self._unread_limit is None or self.overflowed:
+            return
+        backlog = self._queue.qsize()
+        if backlog > MAX_LAGGING_OUTPUTS or (self.sending and backlog > self._unread_limit):
             self.overflowed = True
             self.cancel()
 

@@ -143,7 +143,7 @@ class OpenAIEndpoints:
         check_answer_size(request, chat, self.max_answer_logprobs)
         named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
         submission = Submission(
-            self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter, self.tracer
+            self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter, self.tracer, stream
         )
         prefix = "chatcmpl" if chat else "cmpl"
         answer_id = f"{prefix}-{uuid.uuid4().hex}"
