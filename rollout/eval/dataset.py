@@ -98,7 +98,11 @@ def _load_with_datasets(dataset: str, loader: dict[str, Any], split: str | None)
             return []
         raise DatasetError(f"--dataset {dataset} --split {split}: {first_line(error)}") from None
     except Exception as error:  # not found, unreachable, malformed: datasets' own error types
-        raise DatasetError(f"--dataset {dataset}: cannot be read ({first_line(error)})") from None
+        # A file that fails to parse is DatasetGenerationError's cause: its own text, "An error occurred while
+        # generating the dataset", names nothing.
+        cause = error.__cause__ if isinstance(error, datasets.exceptions.DatasetGenerationError) else None
+        reason = first_line(error) if cause is None else f"{type(cause).__name__}: {first_line(cause)}"
+        raise DatasetError(f"--dataset {dataset}: cannot be read ({reason})") from None
 
 
 @contextlib.contextmanager

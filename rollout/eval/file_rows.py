@@ -55,7 +55,9 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
                 return _objects(dataset, rows)
             file.seek(0)
             lines = read_lines(file, max_line_chars, LIMIT_FLAG)
-            return _objects(dataset, [_json_line(dataset, number, line) for number, line in lines if line.strip()])
+            # (a .json file may be one object written over many lines: valid JSON, but not a row per line)
+            hint = "; a .json dataset is a JSON array of rows, or one row object per line" if ending == ".json" else ""
+            return _objects(dataset, [_json_line(dataset, n, line, hint) for n, line in lines if line.strip()])
     except DatasetError:
         raise
     except FileRefused as error:
@@ -89,12 +91,13 @@ def _objects(dataset: str, rows: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _json_line(dataset: str, number: int, line: str) -> Any:
-    """One JSONL line's value, its strings checked to be valid Unicode."""
+def _json_line(dataset: str, number: int, line: str, hint: str = "") -> Any:
+    """One JSONL line's value, its strings checked to be valid Unicode (`hint` ends the message of a line that is
+    not JSON)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
-        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg})") from None
+        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg}){hint}") from None
     except RecursionError:
         raise DatasetError(f"--dataset {dataset}: line {number} is nested too deeply to read") from None
     _check_text(dataset, f"line {number}", row)

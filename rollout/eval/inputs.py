@@ -5,6 +5,7 @@ for a row's fault) and saying what to do. The cheap checks come first, the model
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -89,16 +90,23 @@ def load_inputs(args: argparse.Namespace) -> EvalInputs:
 def _check_answers(answers: list[Any], field: str) -> None:
     """Every row has a reference answer, and one a metric can read as text (a number or a string)."""
     for index, answer in enumerate(answers):
-        if answer is None or answer == "":
+        if answer is None or answer == "" or _is_nan(answer):
+            what = " (NaN, a missing value)" if _is_nan(answer) else ""
             raise EvalError(
-                f"--answer-field {field}: row {index} has no answer; fill it in or leave the row out (a missing "
-                "answer would be scored against an empty string)"
+                f"--answer-field {field}: row {index} has no answer{what}; fill it in or leave the row out (a missing "
+                'answer would be scored against an empty string, or "nan")'
             )
         if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
             raise EvalError(
                 f"--answer-field {field}: row {index} holds a {type(answer).__name__}, not text or a number; a metric "
                 "compares a completion with one answer text (a module:function metric can parse its own format)"
             )
+
+
+def _is_nan(value: Any) -> bool:
+    """Whether a value is a float NaN: how pandas writes a missing number (a JSON `NaN` from `json.dumps` of its rows,
+    a Parquet float column written without nulls)."""
+    return isinstance(value, float) and math.isnan(value)
 
 
 def _tokenizer_files(folder: str) -> list[str]:
@@ -110,20 +118,22 @@ def _tokenizer_files(folder: str) -> list[str]:
 def _load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """The model on its device and its tokenizer, or an EvalError naming the flag."""
     try:
-        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
+        model = load_model(args.model, MODEL_DTYPES[args.dtype], device)  # refuses a checkpoint lacking weights
     except (ValueError, OSError) as error:  # HubUnreachable and a missing path name --model themselves
         message = first_line(error)
         raise EvalError(message if message.startswith("--model") else f"--model {args.model}: {message}") from None
-    try:
-        tokenizer, _ = load_tokenizer(args.model, None)
-    except (ValueError, OSError) as error:
-        raise EvalError(f"--model {args.model}: its tokenizer cannot be loaded ({first_line(error)})") from None
     folder = os.path.expanduser(args.model)
-    if tokenizer is None or (os.path.isdir(folder) and not any(map(os.path.exists, _tokenizer_files(folder)))):
+    if os.path.isdir(folder) and not any(map(os.path.exists, _tokenizer_files(folder))):
         raise EvalError(
             f"--model {args.model}: no tokenizer files were found with it, and rollout-eval reads text prompts; save "
             "the model's tokenizer into its directory (tokenizer.save_pretrained(DIR))"
         )
+    try:  # named explicitly, so that tokenizer files that cannot be read say why (not "no tokenizer files")
+        tokenizer, _ = load_tokenizer(args.model, args.model)
+    except (ValueError, OSError) as error:
+        raise EvalError(f"--model {args.model}: its tokenizer cannot be loaded ({first_line(error)})") from None
+    if tokenizer is None:
+        raise EvalError(f"--model {args.model}: it has no tokenizer, and rollout-eval reads text prompts")
     if is_preset(args.model):
         print(f"rollout-eval: --model {args.model} is a built-in random model: its text is gibberish", file=sys.stderr)
     return model, tokenizer

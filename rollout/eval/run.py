@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,8 +71,8 @@ def tokenize_prompts(
         max_chars: the longest prompt tokenized, in characters (a message list: its contents together); a longer
             one is refused before the tokenizer spends minutes and gigabytes on it (None: no limit).
     Raises:
-        PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list, a prompt
-            over `max_chars`, or a prompt that encodes to no tokens.
+        PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list or one
+            ending with an assistant message, a prompt over `max_chars`, or a prompt that encodes to no tokens.
     """
     encoded = []
     for index, prompt in enumerate(prompts):
@@ -80,8 +81,10 @@ def tokenize_prompts(
                 f"--prompt-field {prompt_field}: row {index} holds a prompt of {_length(prompt):,} characters, over "
                 f"--max-line-chars {max_chars}; shorten or leave out such rows, or raise --max-line-chars"
             )
-        if prompt is None or prompt == "" or prompt == []:
-            raise PromptError(f"--prompt-field {prompt_field}: row {index} has an empty prompt")
+        missing = isinstance(prompt, float) and math.isnan(prompt)  # how pandas writes a missing value: not "nan"
+        if prompt is None or prompt == "" or prompt == [] or missing:
+            what = " (NaN, a missing value)" if missing else ""
+            raise PromptError(f"--prompt-field {prompt_field}: row {index} has an empty prompt{what}")
         if isinstance(prompt, list) and not chat:
             raise PromptError(
                 f"--prompt-field {prompt_field}: row {index} holds a list, not text; pass --chat to render a list of "
@@ -98,6 +101,12 @@ def tokenize_prompts(
                 raise PromptError(
                     f"--prompt-field {prompt_field}: row {index} is a list but not of chat messages "
                     '({"role": ..., "content": ...} each)'
+                )
+            if messages[-1]["role"] == "assistant":  # (an SFT row's reply: often the very answer scored against)
+                raise PromptError(
+                    f"--prompt-field {prompt_field}: row {index} ends with an assistant message, which the chat "
+                    "template would render into the prompt, for the model to read, before opening the turn it "
+                    "answers in; leave the reply out of the prompt's messages"
                 )
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -43,8 +43,8 @@ def evaluate(
     Raises:
         EvalError: anything the user can fix: a dataset, field, answer, model, tokenizer, device, metric, batch
             config or prompt, or samples the engine failed.
-        EvalInterrupted: Ctrl-C while generating (the finished samples' rows are written) or during the comparison
-            (the rows are written).
+        EvalInterrupted: Ctrl-C while generating (the finished samples' rows are written), while scoring (the rows
+            are written, unscored) or during the comparison (the rows are written).
     """
     inputs = load_inputs(args)
     config = _generation_config(args)
@@ -67,10 +67,15 @@ def evaluate(
     if inputs.metric is not None:
         try:
             score_rows(generated.rows, inputs.answers, inputs.metric, metric_spec)
-        except MetricError as error:
-            for row in generated.rows:
+        except (MetricError, KeyboardInterrupt) as error:  # a slow metric (a judge, tests run) may meet Ctrl-C
+            for row in generated.rows:  # every row with its answer, none with a verdict
                 row.pop("correct", None)
+                row["answer"] = inputs.answers[row["prompt_index"]]
             where = write_rows([_ordered(row) for row in generated.rows])
+            if isinstance(error, KeyboardInterrupt):
+                raise EvalInterrupted(
+                    f"interrupted while scoring{f'; the rows, unscored, are in {where}' if where else ''}"
+                ) from None
             raise EvalError(f"{error}{f' (the rows, unscored, are in {where})' if where else ''}") from None
     where = write_rows([_ordered(row) for row in generated.rows])
     agreements = None

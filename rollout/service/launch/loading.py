@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from rollout.cli.hub import check_hub_source, is_local_path, missing_local_path
+from rollout.cli.hub import check_hub_source, first_line, is_local_path, missing_local_path
 from rollout.presets.names import model_from_preset, tokenizer_for
 
 logger = logging.getLogger("rollout.worker")
@@ -43,20 +43,43 @@ def torch_device(spec: str, flag: str) -> torch.device:
 
 
 def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
-    """A preset, or `from_pretrained` of a local directory / hub id.
+    """A preset, or `from_pretrained` of a local directory / hub id as a causal LM, refusing a checkpoint that
+    lacks some of its weights: `from_pretrained` would initialize them at random (a base model saved without its LM
+    head, an encoder, a classifier), and every completion and score would be noise with no error said.
 
+    Args:
+        name: a preset, a local directory or a hub id (as `--model` takes it).
+        dtype: the parameters' dtype (None: the checkpoint's; a preset's float32).
+        device: where the model runs.
     Raises:
         HubUnreachable (a ValueError): a hub id this machine can neither download nor find in its cache.
-        ValueError / OSError: what `from_pretrained` raises.
+        ValueError: a checkpoint that lacks weights (naming them), or one `from_pretrained` cannot read (truncated
+            files, shapes that do not match the config); or what `from_pretrained` raises as ValueError.
+        OSError: what `from_pretrained` raises (no such files).
     """
     preset = model_from_preset(name, dtype=dtype or torch.float32, device=device)
     if preset is not None:
         return preset.to(device)
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     missing_local_path(name, "--model")
     cached_only = False if is_local_path(name) else check_hub_source(name, "--model")
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or "auto", local_files_only=cached_only)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype or "auto", local_files_only=cached_only, output_loading_info=True
+        )
+    except (RuntimeError, SafetensorError) as error:  # a truncated file, a config its weights' shapes do not match
+        raise ValueError(f"its checkpoint cannot be loaded ({type(error).__name__}: {first_line(error)})") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        saved_as = ", ".join(getattr(model.config, "architectures", None) or ()) or "unknown"
+        raise ValueError(
+            f"its checkpoint lacks {len(missing)} weight(s) of {type(model).__name__} ({shown}), which would be "
+            f"random; is it a causal LM (saved as {saved_as})? Save the model with its LM head (an "
+            "AutoModelForCausalLM's save_pretrained) and pass that directory"
+        )
     return model.to(device).eval()
 
 

@@ -1,0 +1,94 @@
+"""`rollout-eval --model DIR` (and `rollout-worker --model DIR`: one loader) on a directory that holds no usable causal LM: a base model or classifier saved without
+its LM head (which `from_pretrained` would fill at random, and the run would score noise with exit status 0), a
+truncated weights file, or tokenizer files that cannot be read. Each is one error line naming --model and what is
+wrong, exit status 2, no traceback. The references: transformers' own loading info (the weights it reports
+missing) and its own errors on the broken files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification, Qwen3Model
+
+from rollout.eval.cli import main
+from rollout.presets import tiny_tokenizer
+from rollout.presets.catalog import TINY_MODEL_CONFIG
+
+REPO_DATASET = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic.jsonl"
+SMALL = {**TINY_MODEL_CONFIG, "num_hidden_layers": 1, "pad_token_id": 0}
+
+
+def error_of(capsys, model: Path) -> str:
+    """rollout-eval's one error line (prefix dropped) for `--model model`, checked: exit status 2, no traceback."""
+    flags = ["--model", model, "--dataset", REPO_DATASET, "--prompt-field", "question", "--max-new-tokens", "2"]
+    assert main([str(flag) for flag in flags]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("rollout-eval: error: ")]
+    assert len(lines) == 1, err
+    return lines[0].removeprefix("rollout-eval: error: ")
+
+
+def save(folder: Path, model) -> Path:
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", [Qwen3Model, Qwen3ForSequenceClassification])
+def test_a_checkpoint_without_its_lm_head_is_refused_naming_what_is_missing(capsys, tmp_path, kind):
+    folder = save(tmp_path, kind(Qwen3Config(**SMALL)))
+    _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert info["missing_keys"] == {"lm_head.weight"}  # transformers would initialize the head at random
+    message = error_of(capsys, folder)
+    assert message.startswith(f"--model {folder}: its checkpoint lacks 1 weight(s) of Qwen3ForCausalLM")
+    assert "(lm_head.weight)" in message and f"saved as {kind.__name__}" in message
+
+
+def test_a_complete_checkpoint_with_tied_embeddings_still_runs(capsys, tmp_path):
+    """The check is on weights transformers reports missing: a tied head, absent from the file, is not one."""
+    from transformers import Qwen3ForCausalLM
+
+    folder = save(tmp_path, Qwen3ForCausalLM(Qwen3Config(**SMALL, tie_word_embeddings=True)))
+    _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"]
+    flags = ["--model", folder, "--dataset", REPO_DATASET, "--prompt-field", "question", "--max-new-tokens", "2"]
+    assert main([str(flag) for flag in flags]) == 0
+
+
+def test_a_truncated_weights_file(capsys, tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    folder = save(tmp_path, Qwen3ForCausalLM(Qwen3Config(**SMALL)))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1 << 16])  # an interrupted copy or download
+    with pytest.raises(Exception) as reference:
+        AutoModelForCausalLM.from_pretrained(folder)
+    message = error_of(capsys, folder)
+    cause = f"{type(reference.value).__name__}: {str(reference.value).splitlines()[0]}"
+    assert message == f"--model {folder}: its checkpoint cannot be loaded ({cause})"
+
+
+def test_tokenizer_files_that_cannot_be_read_say_why(capsys, tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    folder = save(tmp_path, Qwen3ForCausalLM(Qwen3Config(**SMALL)))
+    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0"})[:-3])  # cut short: not JSON
+    with pytest.raises(ValueError) as reference:
+        AutoTokenizer.from_pretrained(folder)
+    message = error_of(capsys, folder)
+    assert message == f"--model {folder}: its tokenizer cannot be loaded ({str(reference.value).splitlines()[0]})"
+
+
+def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_path):
+    """rollout-worker served such a model's random head (it loads models as rollout-eval does)."""
+    from rollout.service.launch import cli
+
+    folder = save(tmp_path, Qwen3Model(Qwen3Config(**SMALL)))
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--model", str(folder), "--device", "cpu", "--bind", "tcp://127.0.0.1:*"])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"rollout-worker: error: --model {folder}: its checkpoint lacks 1 weight(s) of Qwen3ForCausalLM" in error

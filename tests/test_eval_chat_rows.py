@@ -1,0 +1,39 @@
+"""`rollout-eval --chat` on rows in the SFT format, `messages` ending with the assistant's reply: the chat template
+(with the generation prompt, as rollout-eval renders) writes that reply into the prompt before opening a new
+assistant turn, so the model read the reference answer it was scored against, and the run said nothing. Such a row is
+refused by name; a conversation ending with the user's turn is rendered as before. The reference: transformers'
+`apply_chat_template`."""
+
+from __future__ import annotations
+
+import json
+
+from rollout.eval.cli import main
+from rollout.presets import tiny_tokenizer
+
+QUESTION = {"role": "user", "content": "What is 2+2?"}
+REPLY = {"role": "assistant", "content": "The answer is 4"}
+
+
+def run(capsys, tmp_path, messages: list[dict]) -> tuple[int, str]:
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text(json.dumps({"messages": messages, "answer": "4"}) + "\n")
+    flags = ["--model", "tiny", "--dataset", dataset, "--prompt-field", "messages", "--answer-field", "answer"]
+    status = main([*(str(flag) for flag in flags), "--chat", "--max-new-tokens", "2"])
+    return status, capsys.readouterr().err
+
+
+def test_messages_ending_with_the_reply_are_refused(capsys, tmp_path):
+    rendered = tiny_tokenizer().apply_chat_template([QUESTION, REPLY], add_generation_prompt=True, tokenize=False)
+    assert REPLY["content"] in rendered  # the prompt would hand the model its answer
+    status, err = run(capsys, tmp_path, [QUESTION, REPLY])
+    assert status == 2 and "Traceback" not in err
+    assert (
+        "rollout-eval: error: --prompt-field messages: row 0 ends with an assistant message, which the chat template "
+        "would render into the prompt" in err
+    )
+
+
+def test_a_few_shot_conversation_ending_with_the_question_runs(capsys, tmp_path):
+    status, err = run(capsys, tmp_path, [QUESTION, REPLY, {"role": "user", "content": "And 3+3?"}])
+    assert status == 0, err

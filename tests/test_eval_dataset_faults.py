@@ -1,0 +1,103 @@
+"""`rollout-eval` on rows that pandas wrote with missing values, on a dataset directory holding a malformed file, and
+on a .json file holding one object written over several lines.
+
+pandas writes a missing number as NaN: `json.dumps` of `DataFrame.to_dict("records")` rows writes the JSON literal
+`NaN`, and `pyarrow.Table.from_pylist` keeps it as a float NaN in Parquet. rollout-eval read such a prompt as the
+text "nan" and scored completions against the answer "nan", with exit status 0; a missing answer or prompt is
+refused by name (as None and "" already were). The reference for "missing" is pandas' own `isna`.
+
+A dataset directory (`--dataset DIR`) with a file `datasets` cannot parse was refused as "cannot be read (An error
+occurred while generating the dataset)", which names nothing; the message now carries what `datasets` says went
+wrong (its error's cause).
+
+A .json file that is one JSON object over several lines (`json.dump(..., indent=2)` of a dict) was refused as "line 1
+is not JSON", of a file that `json.load` reads; the message now says what a .json dataset must hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rollout.eval.cli import main
+
+FLAGS = ["--model", "tiny", "--prompt-field", "question", "--max-new-tokens", "2"]
+
+
+def error_of(capsys, dataset: Path, *extra: str) -> str:
+    """rollout-eval's one error line (prefix dropped), checked: exit status 2, no traceback."""
+    assert main([*FLAGS, "--dataset", str(dataset), *extra]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("rollout-eval: error: ")]
+    assert len(lines) == 1, err
+    return lines[0].removeprefix("rollout-eval: error: ")
+
+
+def pandas_rows(column: str, values: list) -> list[dict]:
+    """Two rows as pandas gives them, `column` holding `values` (a float column: its missing value is NaN)."""
+    frame = pd.DataFrame({"question": ["What is 2+2?", "What is 3+3?"], "answer": ["4", "6"]})
+    frame[column] = values
+    return frame.to_dict("records")
+
+
+def write(tmp_path: Path, kind: str, rows: list[dict]) -> Path:
+    if kind == "jsonl":
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))  # NaN written as the literal NaN
+    else:
+        path = tmp_path / "rows.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)  # NaN kept as a float NaN, not a null
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_nan_answer_is_a_missing_answer(capsys, tmp_path, kind):
+    rows = pandas_rows("answer", [4.0, None])
+    assert pd.isna(rows[1]["answer"])
+    message = error_of(capsys, write(tmp_path, kind, rows), "--answer-field", "answer")
+    assert message.startswith("--answer-field answer: row 1 has no answer (NaN, a missing value)")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_nan_prompt_is_a_missing_prompt(capsys, tmp_path, kind):
+    rows = pandas_rows("question", [17.0, None])  # a prompt column of numbers (a number is read as its text)
+    assert pd.isna(rows[1]["question"])
+    message = error_of(capsys, write(tmp_path, kind, rows))
+    assert message == "--prompt-field question: row 1 has an empty prompt (NaN, a missing value)"
+
+
+def test_a_malformed_file_in_a_dataset_directory_is_named(capsys, tmp_path, monkeypatch):
+    import logging
+    import sys
+
+    import datasets
+
+    # datasets logs the file's error to a handler made on first use, bound to the sys.stderr of that moment: under
+    # pytest, an earlier test's capture, closed by now (logging would print its own "Logging error" traceback).
+    for handler in logging.getLogger("datasets").handlers:
+        monkeypatch.setattr(handler, "stream", sys.stderr)
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"question": "What is 2+2?"}\n{"question": \n')
+    with pytest.raises(datasets.exceptions.DatasetGenerationError) as reference:
+        datasets.load_dataset(str(folder), split="train")
+    cause = reference.value.__cause__
+    message = error_of(capsys, folder)
+    assert message == f"--dataset {folder}: cannot be read ({type(cause).__name__}: {str(cause).splitlines()[0]})"
+
+
+def test_a_json_object_over_several_lines_says_what_a_json_dataset_holds(capsys, tmp_path):
+    path = tmp_path / "columns.json"
+    path.write_text(json.dumps({"question": ["What is 2+2?"], "answer": ["4"]}, indent=2))
+    json.loads(path.read_text())  # valid JSON, though not rows
+    message = error_of(capsys, path)
+    assert message == (
+        f"--dataset {path}: line 1 is not JSON (Expecting property name enclosed in double quotes); a .json dataset "
+        "is a JSON array of rows, or one row object per line"
+    )
