@@ -121,13 +121,33 @@ class CliParser(argparse.ArgumentParser):
         return parsed, extras
 
     def typed(self, flag: str) -> bool:
-        """Whether the last parsed command line gave `flag` (as `--flag VALUE` or `--flag=VALUE`), as opposed to its
-        value coming from the default or a ROLLOUT_* variable.
+        """Whether the last parsed command line gave `flag` (as `--flag VALUE` or `--flag=VALUE`, or an abbreviation
+        argparse took for it: `--dev cpu` is --device), as opposed to its value coming from the default or a
+        ROLLOUT_* variable.
 
         Args:
             flag: the flag's option string, e.g. "--device".
         """
-        return any(arg == flag or arg.startswith(flag + "=") for arg in getattr(self, "_given", []))
+        action = self._option_string_actions.get(flag)
+        for arg in getattr(self, "_given", []):
+            if arg == "--":
+                return False  # what follows is positional
+            name = arg.split("=", 1)[0]
+            if name == flag:
+                return True
+            # An unambiguous prefix of a long option is that option (argparse's allow_abbrev; an ambiguous one is
+            # a usage error before this runs).
+            if (
+                action is not None
+                and self.allow_abbrev
+                and name.startswith("--")
+                and len(name) > 2
+                and name not in self._option_string_actions
+            ):
+                actions = {self._option_string_actions[o] for o in self._option_string_actions if o.startswith(name)}
+                if actions == {action}:
+                    return True
+        return False
 
     def warn(self, message: str) -> None:
         """Print "PROG: warning: MESSAGE" to stderr, once per message for this parser.

@@ -211,6 +211,9 @@ def _device(parser: CliParser, args: argparse.Namespace) -> torch.device:
     so the flag typed on the command line wins over the other's variable; both variables set, and neither flag
     typed, is a usage error naming them.
     """
+    if parser.typed("--device") and parser.typed("--gpu"):
+        # (argparse's own check misses it when --gpu's value is the one ROLLOUT_GPU set: it sees no change)
+        parser.error("--gpu and --device exclude each other: give one")
     if parser.typed("--device"):
         args.gpu = None
     elif parser.typed("--gpu"):
