@@ -73,6 +73,24 @@ def test_a_bucket_rejected_on_the_job_thread_ends_the_update_and_frees_the_slot(
     assert isinstance(replies(slot, 3)[-1], p.WeightsReady)
 
 
+@pytest.mark.parametrize("pieces", [[], [p.TensorPiece(0, 128, 0)]], ids=["no piece", "a piece of no bytes"])
+def test_buckets_that_add_nothing_cannot_hold_the_slot(slot, pieces):
+    """Every message of an update renews its phase deadline: a trainer sending buckets that add no bytes kept the
+    slot from every other trainer for ever. A bucket must add bytes, or name a zero-size tensor for the first time."""
+    data = torch.full((64,), 5.0).view(torch.uint8)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"trainer", p.WeightsBegin("idle", spec, partial=True), [], None)
+    assert isinstance(replies(slot, 1)[-1], p.WeightsReady)
+    half = data[:128]
+    slot.handle(b"trainer", p.WeightsBucket("idle", [p.TensorPiece(0, 0, 128)], bucket_checksum([half])),
+                [half.numpy().tobytes()], None)  # fmt: skip
+    assert isinstance(replies(slot, 2)[-1], p.WeightsAck)
+    slot.handle(b"trainer", p.WeightsBucket("idle", pieces, bucket_checksum([])), [b""] * len(pieces), None)
+    error = replies(slot, 3)[-1]
+    assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "pieces"), error
+    assert "adds no bytes" in error.message and slot.update is None
+
+
 def test_more_buckets_than_may_wait_for_their_acks_reject_the_update(slot, monkeypatch):
     """A trainer keeps two buckets in flight; one that floods the job thread is refused by name."""
     monkeypatch.setattr(weights_module, "bucket_checksum", lambda chunks: time.sleep(SLOW_S) or 0)

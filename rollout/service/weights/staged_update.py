@@ -80,6 +80,7 @@ class StagedUpdate:
         self.offsets, self.staging_bytes = staging_layout(self.specs)
         self.num_buckets = 0
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
+        self.named_empty: set[int] = set()  # zero-size tensors a bucket header named (each once: it carries no bytes)
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor
         self.pool = pool
         # The staging area comes in `take_staging`, the update's first job (never on the serving thread).
@@ -174,10 +175,12 @@ class StagedUpdate:
     # ---- bytes in ---------------------------------------------------------------------------------------------
     def announce(self, pieces: list[p.TensorPiece]) -> None:
         """Check a bucket header's pieces and count them as promised. Pieces must name announced tensors and continue
-        each exactly where its previous piece stopped (in order, no gap, no overlap, nothing past its end).
+        each exactly where its previous piece stopped (in order, no gap, no overlap, nothing past its end). A bucket
+        must move the update on (bytes, or a zero-size tensor named for the first time): every message of the update
+        renews its phase deadline, so buckets that add nothing would hold the update slot forever.
 
         Raises:
-            UpdateRejected: naming the tensor.
+            UpdateRejected: naming the tensor, or "pieces" for a bucket that adds nothing.
         """
         expected = list(self.announced)
         for piece in pieces:
@@ -196,7 +199,11 @@ class StagedUpdate:
                     f"{self.sizes[piece.index]} bytes",
                 )
             expected[piece.index] += piece.nbytes
+        empty = {piece.index for piece in pieces if self.sizes[piece.index] == 0}
+        if expected == self.announced and empty <= self.named_empty:
+            raise UpdateRejected("bad_update", "pieces", "the bucket adds no bytes (and names no new zero-size tensor)")
         self.announced = expected
+        self.named_empty |= empty
 
     def staging_views(self, pieces: list[p.TensorPiece]) -> list[torch.Tensor]:
         """Where each piece's bytes go in the staging area (transport "torch.distributed" receives into them;
