@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -223,14 +224,25 @@ def keygen_main(argv: list[str] | None = None) -> int:
     if secret_path.exists():
         parser.error(f"{secret_path} exists; refusing to overwrite a key")
     directory.mkdir(parents=True, exist_ok=True)
-    # pyzmq writes both files with the process's umask: tightened around the call, the secret is owner-only from its
-    # creation (a chmod afterwards would leave a moment where another user may open it); the public key is then
-    # made readable again.
+    # pyzmq writes both files with the process's umask, opening them without O_EXCL. So they are written into a
+    # private folder made beside them (0700, on the same file system), with the umask tightened (the secret is
+    # owner-only from its creation), then linked into place: a link never replaces a file, so one another user
+    # planted at the name meanwhile is refused, not written into. The public key is made readable again.
     umask = os.umask(0o077)
     try:
-        public_path, secret_path = zmq.auth.create_certificates(directory, args.name)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".rollout-keygen-") as private:
+            made = zmq.auth.create_certificates(private, args.name)
+            paths = [directory / Path(path).name for path in made]
+            try:
+                for made_path, path in zip(made, paths):
+                    os.link(made_path, path)
+            except FileExistsError as error:
+                for path in paths[: paths.index(Path(error.filename2 or error.filename))]:
+                    path.unlink()  # the pair is written whole or not at all
+                parser.error(f"{error.filename2 or error.filename} exists; refusing to overwrite a key")
     finally:
         os.umask(umask)
+    public_path, secret_path = paths
     os.chmod(secret_path, 0o600)
     os.chmod(public_path, 0o644 & ~umask)
     print(f"public key: {public_path}\nsecret key: {secret_path}")
