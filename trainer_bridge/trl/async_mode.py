@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +36,12 @@ from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
 from trainer_bridge.client.calls import timed_out
 from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.generation import RolloutGeneration
+from trainer_bridge.trl.restarted_workers import push_again, why_not_again
 
+logger = logging.getLogger("trainer_bridge.trl")
+
+# How often a wait for results checks for live workers that all restarted since the step's push (`_next_event`).
+RESTART_POLL_S = 0.25
 KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most its gradient accumulation ahead)
 # `rollout/policy_lag_<i>` is logged for i below this; with a larger max_staleness, tokens at least this many steps
 # old are logged together as `rollout/policy_lag_<LAG_BUCKETS>+` (one metric per possible lag would be thousands).
@@ -214,16 +220,47 @@ class AsyncRolloutGeneration(RolloutGeneration):
 
     def _wait(self, group_ids: list[str]) -> list[GroupResult]:
         while any(group_id not in self._results for group_id in group_ids):
-            try:
-                event = self._sink.get(timeout=self.client.timeout)
-            except queue.Empty:
-                message = f"no group finished within {self.client.timeout:g} s"
-                raise timed_out(message, self.client.outage()) from None
+            event = self._next_event(self._sink)
             if isinstance(event, RolloutError):
                 raise event
             self._in_flight.discard(event.group_id)
             self._results[event.group_id] = event
         return [self._results.pop(group_id) for group_id in group_ids]
+
+    def _next_event(self, sink: queue.SimpleQueue) -> Any:
+        """The next event of `sink` (a result or an error), waited for up to the client's timeout.
+
+        Meanwhile, when every live worker serves weights older than the step's push (the only workers restarted
+        since, with their starting weights), the client gives them none of the round's groups, and the next push,
+        which would bring them up to date, comes only after the round: the step's weights are pushed to them
+        again, at the same version (as `restarted_workers` does for a synchronous round), and the round goes on.
+
+        Raises:
+            RolloutError: ("timeout") nothing came in time, naming why no worker serves.
+        """
+        deadline = time.monotonic() + self.client.timeout
+        while True:
+            try:
+                return sink.get(timeout=max(0.0, min(RESTART_POLL_S, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    message = f"no group finished within {self.client.timeout:g} s"
+                    raise timed_out(message, self.client.outage()) from None
+            self._push_to_restarted_workers()
+
+    def _push_to_restarted_workers(self) -> None:
+        """Push the step's weights again when the client's live workers all serve older ones (see `_next_event`); a
+        sharded model on several ranks cannot be pushed by one: its calls fail with "stale_workers" then."""
+        client = self.client
+        if self.last_version is None or not hasattr(client, "live_workers") or not client.live_workers():
+            return
+        if getattr(client, "updating", False) or client.outage() is None or why_not_again(self, False) is not None:
+            return  # a worker serves the step's weights (or a push is under way, or none can be made here)
+        step = self.trainer.state.global_step
+        logger.warning(
+            "%s: pushing step %d's weights to them again, at version %d", client.outage(), step, self.last_version
+        )
+        push_again(self, self.last_version)
 
     def _log_worker_idle(self) -> None:
         """`rollout/worker_idle_s`: seconds the workers' engines sat idle since the last round (summed over them)."""

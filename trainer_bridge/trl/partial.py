@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 from trainer_bridge.client import PromptGroup, RolloutError
-from trainer_bridge.client.calls import timed_out
 from trainer_bridge.partial_rounds import PartialRounds
 from trainer_bridge.staleness import StalenessGate
 from trainer_bridge.trl.async_mode import AsyncRolloutGeneration
@@ -187,10 +186,7 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
         self.pool.resent(key, self._rounds)
 
     def _collect_one(self) -> None:
-        try:
-            event = self._pool_sink.get(timeout=self.client.timeout)
-        except queue.Empty:
-            raise timed_out(f"no group finished within {self.client.timeout:g} s", self.client.outage()) from None
+        event = self._next_event(self._pool_sink)  # (pushes the step's weights again to restarted workers)
         if isinstance(event, RolloutError):
             raise event
         key = self._key_of.get(event.group_id)

@@ -51,7 +51,7 @@ def generate_groups(rollout: Any, groups: list[PromptGroup]) -> Iterable[GroupRe
             if error.code != "stale_workers":
                 raise
             step, reason = rollout.trainer.state.global_step, str(error).removeprefix("stale_workers: ")
-            why_not = _why_not_again(rollout, pushed_again)
+            why_not = why_not_again(rollout, pushed_again)
             if why_not is not None:  # the client's advice (push again) is not the TRL user's to follow mid-train()
                 raise RolloutError(
                     "stale_workers",
@@ -66,12 +66,17 @@ def generate_groups(rollout: Any, groups: list[PromptGroup]) -> Iterable[GroupRe
                 reason,
                 rollout.last_version,
             )
-            _push_again(rollout, rollout.last_version)
+            push_again(rollout, rollout.last_version)
             pushed_again = True
 
 
-def _why_not_again(rollout: Any, pushed_again: bool) -> str | None:
-    """Why the step's weights cannot be pushed again (words for the error), or None when they can."""
+def why_not_again(rollout: Any, pushed_again: bool) -> str | None:
+    """Why the step's weights cannot be pushed again (words for the error), or None when they can.
+
+    Args:
+        rollout: the trainer's `RolloutGeneration`.
+        pushed_again: they were pushed again once already, for this round.
+    """
     if pushed_again:
         return " (pushed again once, in vain)"
     if rollout.last_version is None:
@@ -82,7 +87,7 @@ def _why_not_again(rollout: Any, pushed_again: bool) -> str | None:
     return None
 
 
-def _push_again(rollout: Any, version: int) -> None:
+def push_again(rollout: Any, version: int) -> None:
     """Push the step's weights again at `version`: every rank in one process; this rank alone among several, until
     its push lands or a worker serves `version` (another rank's push landed).
 
