@@ -91,6 +91,23 @@ def test_a_push_past_the_steps_version_is_refused_by_name(client, model):
     assert (refused.value.code, refused.value.field) == ("version_mismatch", "version")
 
 
+def test_workers_that_lost_the_push_end_the_rollouts_saying_what_to_do_next(worker, model):
+    """The only worker restarted after step 0's push (as if: the client's newest push is one it does not serve).
+    The groups of step 1 wait for a worker that serves it, then fail with "stale_workers", which says to push again:
+    it now also says that these rollouts are closed, and with which base_version to start new ones."""
+    with RolloutClient(worker.address, timeout=60, connect_timeout=1) as client:
+        push_weights(client, model, version=client.stats()[0]["policy_version"] + 1)
+        rollouts = AsyncRollouts(client, groups(4 * GROUPS_PER_STEP), GROUPS_PER_STEP, max_staleness=0)
+        next(rollouts)
+        client.min_policy_version = rollouts.version_after(0)  # pushed; the restarted worker serves the one before
+        with pytest.raises(RolloutError) as ended:
+            next(rollouts)
+        assert ended.value.code == "stale_workers"
+        assert "push the weights again" in str(ended.value)
+        assert f"start new ones with base_version={rollouts.version_after(0)}" in str(ended.value)
+        assert list(rollouts) == []  # closed
+
+
 def test_closing_cancels_what_is_in_flight(client, worker):
     aborted_before = worker.stats()["samples_finished"].get("abort", 0)
     # The first step's groups are short, the prefetched ones long: those are still generating when the first

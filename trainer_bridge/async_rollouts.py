@@ -7,7 +7,7 @@ import queue
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version, timed_out
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
@@ -167,9 +167,8 @@ class AsyncRollouts:
                 for index in stale:  # generated again under newer weights, in the same slot (same prompt and seed)
                     del self._results[index]
                     self._send(index)
-        except BaseException:
-            self.close()
-            raise
+        except BaseException as error:
+            self._close_after(error)
         groups = [self._results.pop(i) for i in wanted]
         for index in wanted:  # done with: forget them (a long run must not keep every prompt)
             del self._slot_of[self._slots.pop(index).group_id]
@@ -192,6 +191,18 @@ class AsyncRollouts:
     def version_after(self, step: int) -> int:
         """The policy version to push after training on step `step`'s batch."""
         return self.base_version + step + 1
+
+    def _close_after(self, error: BaseException) -> NoReturn:
+        """Close (an error ends the rollouts), then raise `error`; one that says to push the weights again says
+        what to do after it too, since these rollouts cannot go on."""
+        self.close()
+        if isinstance(error, RolloutError) and error.code == "stale_workers":
+            message = (
+                f"{str(error).removeprefix('stale_workers: ')} These AsyncRollouts are closed (their groups in flight "
+                f"cancelled): after the push, start new ones with base_version={self.base_version + self.step}."
+            )
+            raise RolloutError(error.code, message, error.field) from error
+        raise error
 
     def close(self) -> None:
         """Cancel every group still in flight (also at the end of a `with` block, and on errors)."""
@@ -228,9 +239,8 @@ class AsyncRollouts:
                 if taken is not None:
                     break
                 self._collect_one()
-        except BaseException:
-            self.close()
-            raise
+        except BaseException as error:
+            self._close_after(error)
         carried = sum(1 for _, _, round_sent in taken if round_sent < self.step)
         for index, _, _ in taken:
             del self._slot_of[self._slots.pop(index).group_id]
