@@ -4,6 +4,7 @@ peft until a function needs them."""
 
 from __future__ import annotations
 
+import dataclasses
 import unicodedata
 from typing import Any
 
@@ -14,6 +15,14 @@ MAX_ADAPTER_NAME = 128
 BASE_NAME = "__base__"
 # Wire names of a saved module's parameters (peft's modules_to_save) in an adapter push: "<module>.modules_to_save.<p>".
 SAVED_MARKER = ".modules_to_save."
+# Unicode categories no adapter name may hold (`check_adapter_name`), and how a refusal names them.
+UNNAMEABLE = {
+    "Cc": "control or formatting character",
+    "Cf": "control or formatting character",
+    "Cs": "lone surrogate",
+    "Zl": "line separator",
+    "Zp": "paragraph separator",
+}
 # PEFT settings that change the forward beyond W0 x + s B(A x) (or train more than the LoRA pair): not served
 # unmerged; push such a model with adapters="merged".
 UNSERVED_SETTINGS = {
@@ -30,6 +39,9 @@ UNSERVED_SETTINGS = {
     "velora_config": "VeLoRA",
     "monteclora_config": "MonteCLoRA",
 }
+# `init_lora_weights` values peft serves through a LoRA variant whose forward is plain W0 x + s B(A x) (MiCA only
+# initializes A and B its own way, and freezes B): served unmerged. Any other such value is refused.
+VANILLA_INIT_VARIANTS = frozenset({"mica"})
 
 
 def check_adapter_name(name: object, field: str = "adapter") -> str:
@@ -40,15 +52,17 @@ def check_adapter_name(name: object, field: str = "adapter") -> str:
         field: the field to name in the error.
     Raises:
         FieldError: not a non-empty string of at most 128 characters, one with a control or invisible formatting
-            character, or the base model's reserved name.
+            character, a lone surrogate or a line or paragraph separator, or the base model's reserved name.
     """
     if not isinstance(name, str) or not name or len(name) > MAX_ADAPTER_NAME:
         raise FieldError(field, f"must be a non-empty string of at most {MAX_ADAPTER_NAME} characters, got {name!r}")
-    # Names are listed (/v1/models), echoed in plain-text answers and chosen by clients: no line breaks, NULs or
-    # invisible characters (zero-width, bidirectional overrides) that make one name look like another.
-    odd = next((char for char in name if unicodedata.category(char) in ("Cc", "Cf")), None)
+    # Names are listed (/v1/models), echoed in plain-text answers and chosen by clients: no line breaks (U+2028 and
+    # U+2029 included), NULs or invisible characters (zero-width, bidirectional overrides) that make one name look
+    # like another; no lone surrogate (JSON's "\ud800"), which UTF-8 cannot carry: the worker's ZeroMQ replies that
+    # list the served adapters (weights_spec_reply, stats) would fail to encode, and with them every weight push.
+    odd = next((char for char in name if unicodedata.category(char) in UNNAMEABLE), None)
     if odd is not None:
-        raise FieldError(field, f"holds the control or formatting character {odd!r}: {name!r}")
+        raise FieldError(field, f"holds the {UNNAMEABLE[unicodedata.category(odd)]} {odd!r}: {name!r}")
     if name == BASE_NAME:
         raise FieldError(field, f"{BASE_NAME!r} is the base model: leave the adapter out (None) to use it")
     return name
@@ -67,10 +81,35 @@ def check_peft_config(config: Any) -> None:
         raise FieldError("peft_type", f"only LoRA adapters are served, got {peft_type}")
     if getattr(config, "bias", "none") != "none":
         raise FieldError("bias", "trained biases are not served unmerged; push with adapters='merged'")
-    for name, what in UNSERVED_SETTINGS.items():
+    for name, what in _unserved_settings(config).items():
         value = getattr(config, name, None)
         if value not in (None, False) and not (isinstance(value, (set, frozenset, dict, list, tuple)) and not value):
             raise FieldError(name, f"{what} is not served unmerged; push with adapters='merged'")
+    init = getattr(config, "init_lora_weights", None)
+    if isinstance(init, str) and init in _init_variants(config) and init not in VANILLA_INIT_VARIANTS:
+        raise FieldError(
+            "init_lora_weights", f"the LoRA variant {init!r} is not served unmerged; push with adapters='merged'"
+        )
+
+
+def _unserved_settings(config: Any) -> dict[str, str]:
+    """`UNSERVED_SETTINGS`, and every other field the installed peft marks as a LoRA variant (`is_lora_variant`
+    metadata: a forward of its own), so that a variant added by a later peft is refused, never served as plain LoRA."""
+    settings = dict(UNSERVED_SETTINGS)
+    if dataclasses.is_dataclass(config):
+        for field in dataclasses.fields(config):
+            if field.metadata.get("is_lora_variant"):
+                settings.setdefault(field.name, f"the LoRA variant {field.name!r}")
+    return settings
+
+
+def _init_variants(config: Any) -> list[str]:
+    """The `init_lora_weights` values the installed peft serves with a LoRA variant of their own."""
+    if not dataclasses.is_dataclass(config):
+        return []
+    fields = {field.name: field for field in dataclasses.fields(config)}
+    init = fields.get("init_lora_weights")
+    return list(init.metadata.get("lora_variants", ())) if init is not None else []
 
 
 def module_name(peft_key: str) -> str:
