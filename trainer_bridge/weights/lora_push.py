@@ -3,8 +3,8 @@
 modules_to_save ("<module>.modules_to_save.<parameter>", the output head's included); the workers serve them
 unmerged over the base they hold (`adapter_mode.py` says which adapters they can serve so). The frozen base travels
 once: in the same transaction as the adapter, to every worker of the push, whenever a worker does not hold this
-trainer's base yet (its first push, or a worker that restarted). The base is named by a `base_id` made once per base
-model in this process."""
+trainer's base yet (its first push, or a worker that restarted). The base is named by a `base_id`: one per base model
+object in this process and per contents (a base changed in place travels again)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 
 from rollout.peft_adapters import SAVED_MARKER, active_adapter_name, holds_adapter, module_name, saved_modules
 from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
@@ -64,11 +65,34 @@ class AdapterPush:
 
 
 def base_id_of(model: Any) -> str:
-    """The id of a PEFT model's base weights in this process (one per base model object)."""
+    """The id of a PEFT model's base weights in this process: one per base model object and per contents, so that
+    a base changed in place is a new base, which travels again (ReLoRA's `merge_and_unload()` then a new adapter
+    over the same model, or any in-place edit of its weights). Were it named by the object alone, the workers would
+    serve the new adapter over the old base, with no error.
+
+    Args:
+        model: an unwrapped `peft.PeftModel`.
+    """
     base = model.get_base_model()
     if base not in _BASE_IDS:
         _BASE_IDS[base] = uuid.uuid4().hex
-    return _BASE_IDS[base]
+    return f"{_BASE_IDS[base]}-{_base_contents(base)}"
+
+
+@torch.no_grad()
+def _base_contents(base: torch.nn.Module) -> str:
+    """A fingerprint of the base weights this process holds (its shard, under ZeRO-3 or FSDP2): each tensor's sum,
+    accumulated in fp32 without a copy, which any merge or scaling moves (one read of the weights: a few ms on a
+    GPU). The adapters' own tensors (lora_*, modules_to_save copies), trained every step, are left out."""
+    sums = []
+    for name, param in base.named_parameters():
+        if "lora_" in name or SAVED_MARKER in name:
+            continue
+        local = param.to_local() if hasattr(param, "to_local") else getattr(param, "ds_tensor", param)
+        if local.numel():
+            sums.append(local.detach().sum(dtype=torch.float32))
+    digest = xxhash.xxh3_64(torch.stack(sums).cpu().numpy().tobytes() if sums else b"")
+    return digest.hexdigest()
 
 
 def adapter_push(

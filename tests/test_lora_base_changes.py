@@ -1,0 +1,65 @@
+"""An adapter-only push over a base changed in place: ReLoRA's restart (the adapter merged into the base with
+`merge_and_unload()`, then a new adapter over the same model object) or any in-place edit of the base weights. The
+base was named by the model object alone, so it did not travel again, and the worker served the new adapter over the
+old base: greedy tokens unlike peft's own `generate`, with no error. The references: peft's forward of each model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from rollout.presets import tiny_model
+from service_helpers import Worker
+from trainer_bridge import PromptGroup, RolloutClient, push_weights
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [(37 * i + 5) % 101 for i in range(37)]
+NEW_TOKENS = 12
+GREEDY = {"do_sample": False, "stop_token_ids": [], "max_new_tokens": NEW_TOKENS}
+LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+
+
+def random_lora(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+@torch.no_grad()
+def peft_greedy(model) -> list[int]:
+    output = model.generate(
+        input_ids=torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    return output[0, len(PROMPT) :].tolist()
+
+
+def test_a_base_changed_in_place_travels_again():
+    worker = Worker("--max-loras", "2", "--max-lora-rank", "8")
+    try:
+        with RolloutClient(worker.address, timeout=60) as client:
+
+            def served() -> list[int]:
+                return list(client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].token_ids)
+
+            model = random_lora(get_peft_model(tiny_model(0), LoraConfig(**LORA)), 1)
+            assert push_weights(client, model).base_included
+            assert served() == peft_greedy(model)
+            random_lora(model, 3)  # a training step: only the adapter changed
+            assert push_weights(client, model).base_included is False
+            assert served() == peft_greedy(model)
+
+            restarted = random_lora(get_peft_model(model.merge_and_unload(), LoraConfig(**LORA)), 2)  # ReLoRA
+            assert push_weights(client, restarted).base_included  # was False: the old base served on
+            assert served() == peft_greedy(restarted)
+
+            with torch.no_grad():
+                restarted.get_base_model().model.embed_tokens.weight.mul_(1.5)
+            assert push_weights(client, restarted).base_included
+            assert served() == peft_greedy(restarted)
+    finally:
+        worker.close()
