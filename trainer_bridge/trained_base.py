@@ -39,9 +39,9 @@ def tied_to_a_trained_module(model: Any) -> str | None:
     for names in shared.values():
         trained = [name for name in names if ".base_layer." in name or ".original_module." in name]
         if len(names) > 1 and trained:
-            others = [name for name in names if name not in trained]
+            others = [name for name in names if name not in trained] or trained[1:]  # (both sides trained)
             return (
-                f"{trained[0]} is trained (LoRA or modules_to_save) but its weight is tied to {others[0] if others else names[0]}: "
+                f"{trained[0]} is trained (LoRA or modules_to_save) but its weight is tied to {others[0]}: "
                 "the trainer changes one of the two, a worker's tied model would change both. Untie the embeddings "
                 "(tie_word_embeddings=False) before training, or leave the tied modules out of target_modules and "
                 "modules_to_save"
