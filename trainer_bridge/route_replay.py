@@ -12,6 +12,7 @@ own code, so gradients reach the router as in the model's training path.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -95,7 +96,9 @@ class RouteReplay:
         self.experts = min(num_experts(router) for router in self.routers)
         self.current = current
         self._checked: torch.Tensor | None = None  # the last routes checked whole (one device read per tensor)
-        self.input_shape: tuple[int, ...] | None = None  # (batch, sequence) of the model's last forward
+        # (batch, sequence) of the model's last forward on each thread: another thread's forward of the same model
+        # (its routers left alone) must not change what this thread's routes are checked against.
+        self._shapes = threading.local()
         self._shape_hook = model.register_forward_pre_hook(self._note_shape, with_kwargs=True)
         self._taps = []
         for layer, router in enumerate(self.routers):
@@ -129,11 +132,16 @@ class RouteReplay:
                 raise ValueError("routing_replay: a token routed to the same expert twice")
             self._checked = routes
 
+    @property
+    def input_shape(self) -> tuple[int, ...] | None:
+        """(batch, sequence) of the model's last forward on this thread (None: none, or not from input ids)."""
+        return getattr(self._shapes, "value", None)
+
     def _note_shape(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        self.input_shape = tuple(ids.shape[:2]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
+        self._shapes.value = tuple(ids.shape[:2]) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else None
 
     def close(self) -> None:
         """Detach the taps. Idempotent."""

@@ -154,25 +154,32 @@ def attach(router: torch.nn.Module, tap: Tap) -> None:
             router.register_forward_pre_hook(_enter),
             router.register_forward_hook(_leave, always_call=True),
         )
-        _recompile_without_stale_hooks()
+        _recompile_without_stale_hooks(router)
     taps.append(tap)
     taps.sort(key=lambda each: not each.replaces)  # replacing taps first: watchers see the experts used
 
 
-def _recompile_without_stale_hooks() -> None:
-    """Code torch.compile made before a router had hooks never calls them (dynamo does not guard on module hooks by
-    default): routes would be neither read nor replayed there, silently. So compiled code is dropped once hooks
-    arrive, and compiles again (with them) at its next call."""
+def _recompile_without_stale_hooks(router: torch.nn.Module) -> None:
+    """Code torch.compile made while a router had no hooks never calls them (dynamo does not guard on module hooks
+    by default): routes would be neither read nor replayed there, silently. So compiled code is dropped when hooks
+    arrive at a router after frames were compiled while it had none, and compiles again (with them) at its next call.
+    Code compiled while it had hooks calls `_enter` / `_leave`, which find the router's taps when they run: it stays
+    (a `with routing_replay(...)` around each step of a compiled model does not recompile every step)."""
     from torch._dynamo.utils import counters
 
     compiled = counters["frames"]["ok"]
-    if compiled > _COMPILED_AT_RESET[0]:  # frames compiled since the last reset (a model's routers: one reset)
+    # Frames compiled since the router last lost its hooks (never hooked: since the last reset), and since the last
+    # reset (a model's routers: one reset).
+    hookless_since = max(_UNHOOKED_AT.get(router, 0), _COMPILED_AT_RESET[0])
+    if compiled > hookless_since:
         logger.warning("MoE router hooks added after torch.compile ran: its compiled code is reset to call them")
         torch._dynamo.reset()
         _COMPILED_AT_RESET[0] = compiled
 
 
 _COMPILED_AT_RESET = [0]  # dynamo's count of compiled frames when `_recompile_without_stale_hooks` last reset
+# Per router whose hooks were removed: dynamo's count of compiled frames then.
+_UNHOOKED_AT: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def detach(router: torch.nn.Module, tap: Tap) -> None:
@@ -185,6 +192,9 @@ def detach(router: torch.nn.Module, tap: Tap) -> None:
         del _TAPS[router]
         for handle in _HOOKS.pop(router, ()):
             handle.remove()
+        from torch._dynamo.utils import counters
+
+        _UNHOOKED_AT[router] = counters["frames"]["ok"]
 
 
 @torch.compiler.disable  # under torch.compile too: traced, it would decide once what every later forward replays

@@ -22,17 +22,19 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rollout.config import FieldError
 from rollout.engine.kv.transfer import HostCopy
-from rollout.engine.moe.router_taps import Tap, attach, detach, picks_with_topk
+from rollout.engine.moe.router_taps import Tap, attach, detach, num_experts, picks_with_topk
 from rollout.engine.requests.request import Request
-from rollout.engine.requests.route_rows import RouteCache
+from rollout.engine.requests.route_rows import ROUTE_DTYPE, RouteCache
 from rollout.engine.scheduling.batch import ScheduledBatch
 
 ROUTER_CLASS = re.compile(r"top_?k_?router$", re.IGNORECASE)
 OTHER_ROUTER = re.compile(r"(router|gate)$", re.IGNORECASE)  # MoE routers of other names (Llama4Router, DbrxRouter)
+MAX_EXPERTS = int(np.iinfo(ROUTE_DTYPE).max) + 1  # expert ids 0 .. MAX_EXPERTS - 1 fit a route row
 DENSE_MODEL = "the model has no MoE router (a *TopKRouter module with top_k): routes exist only for MoE models"
 
 
@@ -177,8 +179,17 @@ class RouteRecorder:
         return bool(self._taps)
 
     def refusal(self) -> str | None:
-        """Why routes cannot be recorded for this model (None: they can)."""
-        return routers_refusal(self.routers, self._model)
+        """Why routes cannot be recorded for this model (None: they can): `routers_refusal`'s reasons, or expert ids
+        that routes' int16 rows cannot hold (they would wrap to negative ids, -1 among them: "the router decides")."""
+        reason = routers_refusal(self.routers, self._model)
+        if reason is None:
+            experts = max(num_experts(router) for router in self.routers)
+            if experts > MAX_EXPERTS:
+                return (
+                    f"the model's routers choose among {experts} experts: routes hold expert ids as int16, so at "
+                    f"most {MAX_EXPERTS} experts"
+                )
+        return reason
 
     def admit(self, request: Request) -> None:
         """Install the taps for the first request that wants routes.
