@@ -109,14 +109,19 @@ class WorkerKeys:
         except ValueError as error:
             raise ValueError(f"--curve-secret-key: {error}") from None
         keys = {}
-        for flag, directory in (("--authorized-keys", authorized_keys), ("--trainer-keys", trainer_keys)):
+        directories = (("--authorized-keys", authorized_keys), ("--trainer-keys", trainer_keys))
+        for flag, directory in directories:
             try:
                 keys[flag] = load_key_directory(directory) if directory is not None else set()
             except ValueError as error:
                 raise ValueError(f"{flag} {os.fspath(directory)}: {error}") from None
         clients, trainers = keys["--authorized-keys"], keys["--trainer-keys"]
-        if not clients | trainers:
-            raise ValueError("no client key to accept: give --authorized-keys and/or --trainer-keys with *.key files")
+        if not clients | trainers:  # (named by its flags: rollout-worker prints a message starting with "--" as is)
+            given = [f"{flag} {os.fspath(directory)}" for flag, directory in directories if directory is not None]
+            raise ValueError(
+                f"{', '.join(given) or '--authorized-keys/--trainer-keys'}: no *.key file, so no client key to "
+                "accept (copy each client's and trainer's public .key file there)"
+            )
         return cls(public, secret, frozenset(clients), frozenset(trainers))
 
 

@@ -16,8 +16,13 @@ from rollout.protocol.sockets import is_ipv6_literal
 # one): reported at once instead of waiting out the connect deadline.
 UNKNOWN_VERSION = -1  # a reconnecting worker's policy version until its first pong: below every pushed version
 _HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# A CURVE worker that cannot decrypt this client's greeting (a server_public_key that is not its key) closes the
+# connection without a word: the client sees only a handshake cut short. A worker dying mid-handshake looks the same,
+# so this is no refusal, only the likely reason given when the worker never answers.
+_HANDSHAKE_CUT = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+UNVERIFIED = "cut the CurveZMQ handshake short: is server_public_key that worker's public .key file?"
 # A closed connection: the worker died or restarted, or dropped this client (its groups are gone there).
-_MONITORED = _HANDSHAKE_FAILURES | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_MONITORED = _HANDSHAKE_FAILURES | _HANDSHAKE_CUT | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 class WorkerLink:
@@ -53,6 +58,10 @@ class WorkerLink:
         self.alive = False
         self.answered = False  # ever
         self.refused: str | None = None  # why the worker refused this client's connection (its key), if it did
+        self.curve = keys is not None
+        # Set when a CURVE handshake was cut short and the worker has not answered since (`UNVERIFIED`): the likely
+        # reason it never answers, named in "never answered" and in the calls' errors.
+        self.unverified: str | None = None
         self.warned = False  # "never answered" was logged
         self.connected = False  # a connection is up (handshake done); a worker that answered is alive soon after
         self.silent = False  # declared dead for not answering pings over a connection that is still up (frozen)
@@ -73,7 +82,8 @@ class WorkerLink:
     def monitor_events(self) -> list[tuple[str, str | None]]:
         """What the socket monitor reported since the last call, oldest first: ("connected", None) after a
         handshake, ("disconnected", None) when the connection closed, ("refused", why) when the worker refused
-        this client's key or security mechanism."""
+        this client's key or security mechanism, ("unverified", why) when a CURVE handshake was cut short (a wrong
+        server key, or the worker died mid-handshake)."""
         events: list[tuple[str, str | None]] = []
         while True:
             try:
@@ -84,6 +94,9 @@ class WorkerLink:
                 events.append(("connected", None))
             elif event == zmq.EVENT_DISCONNECTED:
                 events.append(("disconnected", None))
+            elif event == _HANDSHAKE_CUT:
+                if self.curve:  # (without keys a handshake cut short says nothing of keys)
+                    events.append(("unverified", UNVERIFIED))
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 events.append(("refused", "refused this client's key (not among its --authorized-keys/--trainer-keys)"))
             else:

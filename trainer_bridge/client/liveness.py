@@ -71,6 +71,8 @@ class Liveness:
                 worker.connected, worker.silent = True, False
                 worker.last_ping = time.monotonic()
                 self.send(index, p.Ping())
+            elif kind == "unverified":
+                worker.unverified = reason  # named if it never answers; cleared once it does
             elif kind == "disconnected":
                 worker.connected = False
                 # A worker that comes back may have restarted on other weights: no call goes to it before its
@@ -99,9 +101,10 @@ class Liveness:
             if not worker.answered and not worker.warned and now - worker.added_at > self.connect_timeout:
                 worker.warned = True
                 logger.warning(
-                    "rollout worker %s never answered within %.0f s (not running, or a wrong address or port?)",
+                    "rollout worker %s never answered within %.0f s (%s)",
                     worker.address,
                     self.connect_timeout,
+                    worker.unverified or "not running, or a wrong address or port?",
                 )
             if (
                 worker.alive
@@ -168,7 +171,7 @@ class Liveness:
         else:
             logger.info("connected to rollout worker %s", worker.address)
         worker.alive = worker.answered = True
-        worker.refused, worker.silent, worker.lost = None, False, None
+        worker.refused, worker.unverified, worker.silent, worker.lost = None, None, False, None
         for group_id in worker.taken_away:
             self.send(index, p.Cancel(group_id))
         worker.taken_away.clear()

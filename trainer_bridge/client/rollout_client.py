@@ -297,7 +297,7 @@ class RolloutClient:
                 why, since = worker.lost
                 states.append(f"{worker.address}: lost {now - since:.0f} s ago ({why})")
             else:
-                states.append(f"{worker.address}: {worker.refused or 'never answered'}")
+                states.append(f"{worker.address}: {worker.refused or worker.unverified or 'never answered'}")
         return "no rollout worker serves (" + "; ".join(states) + ")" if states else "the client has no worker"
 
     def live_workers(self) -> list[int]:

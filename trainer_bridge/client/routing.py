@@ -109,7 +109,7 @@ class CallRouter:
         if not workers:
             return "the client has no rollout worker (every one was removed)"
         reasons = [
-            f"{worker.address}: {worker.refused or f'no answer within {self.connect_timeout:g} s'}"
+            f"{worker.address}: {worker.refused or worker.unverified or f'no answer within {self.connect_timeout:g} s'}"
             for worker in workers
         ]
         return (

@@ -1,0 +1,76 @@
+"""What an operator reads when CurveZMQ keys are wrong: a client given a server_public_key that is not the worker's is
+told so (the worker drops its greeting without a word), not sent looking for a wrong address; a worker whose key
+directories hold no key names those directories' flags, not --curve-secret-key."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from rollout.protocol.auth import WorkerKeys, keygen_main
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    for name in ("worker", "other", "client"):
+        assert keygen_main([str(root), name]) == 0
+    return root
+
+
+def test_a_wrong_server_key_is_named_not_a_wrong_address(keys):
+    """A real CURVE server (what a keyed worker binds) with the client encrypting for another server's key: libzmq
+    reports only a handshake cut short; the client used to say 'no answer within 2 s' like for a wrong port."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    public, secret = zmq.auth.load_certificate(keys / "worker.key_secret")
+    server.curve_secretkey, server.curve_publickey, server.curve_server = secret, public, True
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        started = time.monotonic()
+        with RolloutClient(
+            f"tcp://127.0.0.1:{port}",
+            timeout=30,
+            connect_timeout=2,
+            curve_secret_key=keys / "client.key_secret",
+            server_public_key=keys / "other.key",  # not the worker's
+        ) as client:
+            with pytest.raises(RolloutError) as error:
+                client.generate(PromptGroup([1, 2, 3], sampling={"max_new_tokens": 2}))
+        assert error.value.code == "no_workers"
+        assert "server_public_key" in str(error.value) and "handshake" in str(error.value)
+        assert time.monotonic() - started < 10
+    finally:
+        server.close(linger=0)
+        context.term()
+
+
+def test_a_wrong_port_with_keys_says_nothing_of_keys(keys):
+    """Nothing listens: no handshake ever started, so the hint about the server key must not appear."""
+    probe = zmq.Context.instance().socket(zmq.ROUTER)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    with RolloutClient(
+        f"tcp://127.0.0.1:{port}",
+        connect_timeout=1,
+        curve_secret_key=keys / "client.key_secret",
+        server_public_key=keys / "worker.key",
+    ) as client:
+        with pytest.raises(RolloutError) as error:
+            client.generate(PromptGroup([1, 2, 3], sampling={"max_new_tokens": 2}))
+    assert error.value.code == "no_workers" and "server_public_key" not in str(error.value)
+
+
+def test_key_directories_without_keys_are_named(keys, tmp_path):
+    """An empty --authorized-keys directory: the message starts with the flags at fault (rollout-worker prints a
+    message that starts with '--' as is, any other prefixed with --curve-secret-key)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError) as error:
+        WorkerKeys.read(keys / "worker.key_secret", authorized_keys=tmp_path / "empty")
+    message = str(error.value)
+    assert message.startswith("--authorized-keys") and str(tmp_path / "empty") in message
