@@ -220,6 +220,28 @@ def build_keygen_parser() -> CliParser:
     return parser
 
 
+def _place(made: str | os.PathLike, path: Path) -> None:
+    """Put the key file `made` at `path`, never into a file already there (FileExistsError instead): a hard link,
+    or where the file system has none (FAT, some FUSE and network file systems), a copy into a file created
+    exclusively (O_EXCL, not following a link planted at the name), owner-only (the umask is 077 here).
+
+    Args:
+        made: the file pyzmq wrote in keygen's private folder.
+        path: where it goes.
+    """
+    try:
+        os.link(made, path)
+        return
+    except FileExistsError:
+        raise
+    except OSError as error:  # EPERM, EXDEV, ENOTSUP...: no hard links here
+        logger.debug("no hard link at %s (%s): copying the key file", path, error)
+    data = Path(made).read_bytes()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+
+
 def keygen_main(argv: list[str] | None = None) -> int:
     """Entry point of `rollout-keygen DIR NAME`: write DIR/NAME.key (public) and DIR/NAME.key_secret."""
     parser = build_keygen_parser()
@@ -240,7 +262,7 @@ def keygen_main(argv: list[str] | None = None) -> int:
             paths = [directory / Path(path).name for path in made]
             try:
                 for made_path, path in zip(made, paths):
-                    os.link(made_path, path)
+                    _place(made_path, path)
             except FileExistsError as error:
                 for path in paths[: paths.index(Path(error.filename2 or error.filename))]:
                     path.unlink()  # the pair is written whole or not at all

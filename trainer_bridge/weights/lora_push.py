@@ -84,14 +84,16 @@ def _base_contents(base: torch.nn.Module) -> str:
     """A fingerprint of the base weights this process holds (its shard, under ZeRO-3 or FSDP2): each tensor's sum,
     accumulated in fp32 without a copy, which any merge or scaling moves (one read of the weights: a few ms on a
     GPU). The adapters' own tensors (lora_*, modules_to_save copies), trained every step, are left out."""
-    sums = []
+    sums: dict[torch.device, list[torch.Tensor]] = {}  # per device: a model placed on several (a device_map)
     for name, param in base.named_parameters():
         if "lora_" in name or SAVED_MARKER in name:
             continue
         local = param.to_local() if hasattr(param, "to_local") else getattr(param, "ds_tensor", param)
         if local.numel():
-            sums.append(local.detach().sum(dtype=torch.float32))
-    digest = xxhash.xxh3_64(torch.stack(sums).cpu().numpy().tobytes() if sums else b"")
+            sums.setdefault(local.device, []).append(local.detach().sum(dtype=torch.float32))
+    digest = xxhash.xxh3_64()
+    for each in sums.values():  # (one device-to-host copy per device)
+        digest.update(torch.stack(each).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
