@@ -81,11 +81,17 @@ class ColocatedEngine:
             tokenizer: the model's tokenizer, for stop strings (`SamplingParams.stop`); None refuses them.
         Raises:
             FieldError: a model the engine cannot serve or a config it cannot honour, named (the KV cache that
-                does not fit memory too), or peft_merge with batch_invariant, before any training step.
+                does not fit memory too), peft_merge with batch_invariant, a peft_merge that is not a bool or a
+                round_context that is not callable, before any training step.
         """
         self.model = model
         self._round_context = round_context
         self._peft_merge = peft_merge
+        # Checked now: a bad one would otherwise fail (or be taken as truthy) only at the first round, after setup.
+        if round_context is not None and not callable(round_context):
+            raise FieldError("round_context", f"must be None or a callable, got {type(round_context).__name__}")
+        if not isinstance(peft_merge, bool):
+            raise FieldError("peft_merge", f"must be a bool, got {peft_merge!r}")
         if peft_merge and getattr(continuous_batching_config, "batch_invariant", False):
             raise FieldError(
                 "peft_merge",

@@ -50,6 +50,8 @@ def prepare_requests(
             refusal = served_logprobs_refusal(sampling.top_logprobs)  # as a worker refuses it (in process: 100)
             if refusal is not None:
                 raise FieldError("top_logprobs", refusal)
+            if sampling.stop and engine.intake.tokenizer is None:  # the intake's own words name other APIs
+                raise FieldError("stop", "stop strings need a tokenizer: pass ColocatedEngine(..., tokenizer=...)")
             n = as_integer(group.n)  # numpy / torch integers too; anything else is the intake's to name
             adapter = served_adapter(engine, model, group.adapter)
             spec = GroupSpec(group_id, group.prompt_ids, sampling, group.n if n is None else n, adapter=adapter)

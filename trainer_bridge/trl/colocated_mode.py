@@ -75,6 +75,8 @@ def colocated_generation(
 ) -> ColocatedGeneration:
     """The backend of "colocate" mode: an engine on this rank's model; each round runs inside TRL's own
     `unwrap_model_for_generation` (ZeRO-3 gathered once, DeepSpeed's hooks lifted, as TRL generates)."""
+    if sleep is not None and not isinstance(sleep, bool):  # a string such as "false" would be taken as True
+        raise ValueError(f"sleep_between_rounds must be None or a bool, got {sleep!r}")
     fsdp_plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
     if trainer.is_fsdp_enabled and getattr(fsdp_plugin, "fsdp_version", 1) != 2:
         raise ValueError("rollout_mode='colocate' supports FSDP2, not FSDP1 (flat parameters): set fsdp_version 2")

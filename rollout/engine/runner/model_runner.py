@@ -24,7 +24,7 @@ from rollout.engine.runner.model_forward import ModelForward
 from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
 from rollout.engine.runner.step_graphs import StepGraphs
 from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, step_inputs
-from rollout.engine.sampling.fp32_head import Fp32Head
+from rollout.engine.sampling.fp32_head import Fp32Head, projection_of
 from rollout.engine.sampling.prompt_logprobs import PendingPromptLogprobs, PromptScorer, plan_prompt_rows
 from rollout.engine.scheduling.batch import ScheduledBatch
 from rollout.invariant.model_support import refuse_variant_model
@@ -74,7 +74,7 @@ class ModelRunner:
         # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
         # only a garbage collection frees.
         # With fp32_logits the output projection runs in fp32 in this runner's forwards (its hook is added last).
-        head = model.get_output_embeddings() if config.fp32_logits else None
+        head = projection_of(model) if config.fp32_logits else None
         head_fp32 = head is not None and head.weight.dtype != torch.float32
         # LoRA adapters served unmerged (lora.py): no hook until the first adapter arrives; an adapter's copy of the
         # head is computed as the base head is (fp32 or not).
@@ -181,7 +181,7 @@ class ModelRunner:
                 tokens = sum(seq.num_tokens for seq in sequences)
                 stack.enter_context(self.routes.recording(tokens, wanted, self.graphs.hold_hooks))
             if self.fp32_head is not None:
-                self.fp32_head.refresh_if_changed(self.model.get_output_embeddings())
+                self.fp32_head.refresh_if_changed(projection_of(self.model))
                 self.fp32_head.active = True
                 stack.callback(setattr, self.fp32_head, "active", False)
             yield
@@ -190,7 +190,7 @@ class ModelRunner:
         """The model's weights may have changed in place (a weight update, a trainer's step, a paused manager's
         user): refresh what the runner derives from them (the fp32 head's copy, in place: graphs stay valid)."""
         if self.fp32_head is not None:
-            self.fp32_head.refresh(self.model.get_output_embeddings())
+            self.fp32_head.refresh(projection_of(self.model))
 
     def close(self) -> None:
         """Release the model (the last runner to close gives it back its attention implementation and training

@@ -14,6 +14,20 @@ from __future__ import annotations
 import torch
 
 
+def projection_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose product the fp32 head computes: the model's output embeddings, or where peft wraps them (a
+    LoRA on the head, its layer's `get_base_layer()`) the base layer inside, so that peft adds the adapter's delta
+    over the fp32 product as it adds it over the base's. (Hooked on the wrapper, the product would replace the whole
+    output: the adapter would be left out.)
+
+    Args:
+        model: the served model.
+    """
+    head = model.get_output_embeddings()
+    base_layer = getattr(head, "get_base_layer", None)
+    return base_layer() if callable(base_layer) else head
+
+
 def fp32_projection(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook on the output projection: the same product in fp32, converting the weight now (what follows,
     e.g. Gemma 2's final logit soft-capping, then runs in fp32 too): the trainer's side, as references compute it
