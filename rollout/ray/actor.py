@@ -136,6 +136,10 @@ class RolloutWorkerActor:
             api_key: the HTTP API key.
         """
 
+        # The worker's modules (torch, transformers: seconds) are imported before the keys are written, which then
+        # lie on disk only while the flags are parsed and the keys read: an actor killed in its imports left them.
+        import rollout.service.launch.cli  # noqa: F401
+        import rollout.service.launch.startup  # noqa: F401
         from rollout.protocol.auth import load_key_pair, load_public_key
 
         self.started_at = time.time()

@@ -98,8 +98,19 @@ class RolloutFleet:
             TimeoutError: Ray could not place the workers within `placement_timeout` (names what the cluster has).
             RuntimeError: a worker failed to start (its error).
         """
+        if resources_per_worker is not None and not isinstance(resources_per_worker, dict):
+            raise ValueError(f"resources_per_worker: a dict of resource amounts, got {resources_per_worker!r}")
         resources = {"GPU": 1} if resources_per_worker is None else dict(resources_per_worker)
         _check_launch(num_workers, model, resources, placement_strategy, max_restarts)
+        # A timeout of another type once failed deep inside Ray or the fleet (copy_timeout=None: every peer copy,
+        # then shutdown(), which left the workers and their placement group running).
+        for name, value in (
+            ("placement_timeout", placement_timeout),
+            ("ready_timeout", ready_timeout),
+            ("copy_timeout", copy_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+                raise ValueError(f"{name}: a positive number of seconds, got {value!r}")
         check_worker_args(worker_args, bool(http))  # before list(): a string would become its characters
         worker_args = list(worker_args)
         if resources.get("GPU", 0) > 0 and not any(arg.split("=")[0] in ("--gpu", "--device") for arg in worker_args):
