@@ -140,7 +140,7 @@ def test_queued_weight_updates_hold_no_thread_the_other_routes_need(url, shared)
     """Updates that wait for a long sample to drain read and hold one checkpoint at a time: the worker's threads
     stay free, so /tokenize answers while the sample still runs, and every update then commits, in turn."""
     tiny_model(seed=7).save_pretrained(shared / "queued")  # the weights the later tests expect once updated
-    inflight = Stream(url, 400)
+    inflight = Stream(url, 1500)  # long enough to outlast the updates' arrival on a loaded machine
     answers: list[httpx.Response] = []
 
     def update() -> None:
@@ -150,7 +150,7 @@ def test_queued_weight_updates_hold_no_thread_the_other_routes_need(url, shared)
     waiting = [threading.Thread(target=update) for _ in range(12)]  # twice a 2-core machine's thread pool (6)
     for thread in waiting:
         thread.start()
-    time.sleep(1)  # the updates reach the worker (each queued, waiting for the sample)
+    time.sleep(0.5)  # the updates reach the worker (each queued, waiting for the sample)
     tokenized = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=60)  # parsed on a worker thread
     assert tokenized.status_code == 200 and not inflight.done.is_set(), "/tokenize waited for the updates' drain"
     inflight.thread.join(60)

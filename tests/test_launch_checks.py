@@ -9,6 +9,7 @@ import pytest
 
 from rollout.service.launch.cli import build_parser
 from rollout.service.launch.startup import check_flags
+from service_helpers import free_port
 
 
 def check(argv: list[str]) -> None:
@@ -19,24 +20,20 @@ def check(argv: list[str]) -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--bind", "tcp://127.0.0.1:{p}", "--metrics-port", "{p}"], "--metrics-port {p}: port {p} is also --bind"),
         (
-            ["--bind", "tcp://127.0.0.1:48090", "--metrics-port", "48090"],
-            "--metrics-port 48090: port 48090 is also --bind",
+            ["--bind", "tcp://0.0.0.0:{p}", "--insecure", "--metrics-port", "{p}"],
+            "--metrics-port {p}: port {p} is also --bind tcp://0.0.0.0:{p}",
         ),
-        (
-            ["--bind", "tcp://0.0.0.0:48090", "--insecure", "--metrics-port", "48090"],
-            "--metrics-port 48090: port 48090 is also --bind tcp://0.0.0.0:48090",
-        ),
-        (["--http", "127.0.0.1:48091", "--metrics-port", "48091"], "--metrics-port 48091: port 48091 is also --http"),
-        (
-            ["--bind", "tcp://127.0.0.1:48092", "--http", "127.0.0.1:48092"],
-            "--http 127.0.0.1:48092: port 48092 is also",
-        ),
+        (["--http", "127.0.0.1:{p}", "--metrics-port", "{p}"], "--metrics-port {p}: port {p} is also --http"),
+        (["--bind", "tcp://127.0.0.1:{p}", "--http", "127.0.0.1:{p}"], "--http 127.0.0.1:{p}: port {p} is also"),
     ],
 )
 def test_one_port_for_two_servers_is_a_usage_error_naming_both(argv, message, capsys):
     if "--http" in argv:
         pytest.importorskip("fastapi")
+    port = free_port()  # free now (a fixed one may be another test's worker's, the other process's)
+    argv, message = [arg.format(p=port) for arg in argv], message.format(p=port)
     with pytest.raises(SystemExit) as exited:
         check(argv)
     assert exited.value.code == 2
@@ -47,13 +44,14 @@ def test_one_port_for_two_servers_is_a_usage_error_naming_both(argv, message, ca
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--bind", "tcp://127.0.0.1:48093", "--metrics-port", "0"],
-        ["--bind", "tcp://127.0.0.1:*", "--metrics-port", "48094"],
-        ["--bind", "tcp://127.0.0.2:48095", "--metrics-port", "48095"],
+        ["--bind", "tcp://127.0.0.1:{p}", "--metrics-port", "0"],
+        ["--bind", "tcp://127.0.0.1:*", "--metrics-port", "{p}"],
+        ["--bind", "tcp://127.0.0.2:{p}", "--metrics-port", "{p}"],
     ],
 )
 def test_distinct_or_system_picked_ports_pass(argv):
-    check(argv)
+    port = free_port()
+    check([arg.format(p=port) for arg in argv])
 
 
 @pytest.mark.parametrize(
