@@ -88,26 +88,6 @@ def test_keygen_writes_the_secret_owner_only_from_its_creation(tmp_path, monkeyp
     assert (tmp_path / "fresh.key_secret").stat().st_mode & 0o777 == 0o600
 
 
-def test_keygen_never_writes_into_a_file_planted_at_its_name(tmp_path, monkeypatch, capsys):
-    """pyzmq opens the key files without O_EXCL: a file another user created at the secret's name after keygen's
-    check would have received the secret. The pair is now linked into place, which never replaces a file."""
-    import zmq.auth
-
-    created = zmq.auth.create_certificates
-    planted = tmp_path / "fresh.key_secret"
-
-    def racing(directory, name):
-        planted.write_text("planted")  # between keygen's check and its writing
-        return created(directory, name)
-
-    monkeypatch.setattr(zmq.auth, "create_certificates", racing)
-    with pytest.raises(SystemExit) as exited:
-        keygen_main([str(tmp_path), "fresh"])
-    assert exited.value.code == 2 and "refusing to overwrite a key" in capsys.readouterr().err
-    assert planted.read_text() == "planted"
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["fresh.key_secret"]  # no half pair, no temp folder
-
-
 def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
     started = time.monotonic()
     with _client(worker, keys, "stranger", "strangers") as stranger:

@@ -1,4 +1,8 @@
-"""rollout-keygen on a file system without hard links (FAT, some FUSE and network mounts: os.link fails with EPERM,
+"""rollout-keygen never writes into a file planted at its name (pyzmq opens the key files without O_EXCL: a file
+another user created at the secret's name after keygen's check would have received the secret), with hard links or
+without.
+
+rollout-keygen on a file system without hard links (FAT, some FUSE and network mounts: os.link fails with EPERM,
 EXDEV or ENOTSUP there). keygen writes the pair in a private folder and links it into place; where no link can be
 made it failed with a traceback and wrote no key. The pair must still be written there, loadable by pyzmq, the secret
 owner-only, and a file planted at the secret's name still never written into."""
@@ -14,12 +18,13 @@ import zmq.auth
 from rollout.protocol.auth import keygen_main
 
 
+def _refuse(source, destination, *args, **kwargs):
+    raise OSError(errno.EPERM, "Operation not permitted", os.fspath(source), None, os.fspath(destination))
+
+
 @pytest.fixture
 def no_hard_links(monkeypatch):
-    def refuse(source, destination, *args, **kwargs):
-        raise OSError(errno.EPERM, "Operation not permitted", os.fspath(source), None, os.fspath(destination))
-
-    monkeypatch.setattr(os, "link", refuse)
+    monkeypatch.setattr(os, "link", _refuse)
 
 
 @pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
@@ -35,7 +40,10 @@ def test_keygen_writes_the_pair_without_hard_links(tmp_path, monkeypatch, no_har
     assert (folder / "fresh.key").stat().st_mode & 0o777 == 0o644
 
 
-def test_keygen_without_hard_links_never_writes_into_a_planted_file(tmp_path, monkeypatch, no_hard_links, capsys):
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_keygen_never_writes_into_a_file_planted_at_its_name(tmp_path, monkeypatch, capsys, links):
+    if not links:
+        monkeypatch.setattr(os, "link", _refuse)
     created = zmq.auth.create_certificates
     planted = tmp_path / "fresh.key_secret"
 
