@@ -117,14 +117,16 @@ def test_grpo_benchmark_shares_each_groups_prompt(capsys):
 
 
 def test_grpo_step_benchmark_splits_each_step(capsys):
-    """rollout-bench grpo-step on CPU, one timed step each of the two rollout systems: each step splits into
-    generation + weight sync + training; colocated has nothing to push, server mode pushes every step."""
-    cli.main(["grpo-step", "--device", "cpu", "--steps", "1", "--systems", "rollout_colocate", "rollout_server"])
+    """rollout-bench grpo-step on CPU, one timed step each of the rollout systems: each step splits into
+    generation + weight sync + training; colocated has nothing to push, server mode pushes every step; gpu-report's
+    grpo-step-nano rows read the plain and batch-invariant colocated steps and the invariant one's price."""
+    systems = ["rollout_colocate", "rollout_server", "rollout_colocate_invariant"]
+    cli.main(["grpo-step", "--device", "cpu", "--steps", "1", "--systems", *systems])
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["benchmark"] == "grpo-step" and summary["device"] == "cpu"
     results = summary["results"]
-    assert set(results) == {"rollout_colocate", "rollout_server"}, results
+    assert set(results) == set(systems), results
     for system, row in results.items():
         assert "error" not in row, (system, row)
         parts = row["generation_s"] + row["weight_sync_s"] + row["training_s"]
@@ -138,6 +140,12 @@ def test_grpo_step_benchmark_splits_each_step(capsys):
     assert report["rollout_colocate: step s"].value == results["rollout_colocate"]["step_s"]
     assert report["rollout_server: weight sync s"].value == results["rollout_server"]["weight_sync_s"]
     assert report["generation: trl_generate / colocated"].value is None  # not run here
+    nano = _report_rows("grpo-step-nano", summary)
+    invariant = results["rollout_colocate_invariant"]["step_s"]
+    assert nano["rollout_colocate_invariant: step s"].value == invariant
+    price = nano["batch_invariant step price (invariant / plain step s)"]
+    assert price.value == invariant / results["rollout_colocate"]["step_s"]
+    assert price.goal is None  # the 1.25x goal is a GPU's
 
 
 def test_agentic_service_benchmark_measures_both_routings(capsys):

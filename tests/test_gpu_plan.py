@@ -39,7 +39,7 @@ def test_every_section_is_a_valid_command_of_the_issue(workload):
     shape = ("nano", 3) if workload == "nano" else ("tiny", 1)
     assert (colocated.device, colocated.systems, (colocated.model, colocated.steps)) == (
         device,
-        ["rollout_colocate"],
+        ["rollout_colocate", "rollout_colocate_invariant"],  # the plain step first: a cut keeps its figures
         shape,
     )
     weights = bench["weights"]

@@ -110,6 +110,10 @@ def grpo_rows(result: SectionResult) -> list[Row]:
     ]
 
 
+# `batch_invariant=True`'s price in a colocated GRPO step on a GPU (issue 51's goal: at most 25% slower).
+INVARIANT_STEP_PRICE_GOAL = Goal("<=", 1.25, "x")
+
+
 def grpo_step_rows(result: SectionResult) -> list[Row]:
     """grpo-step: each system's step split, and TRL's paths against colocated rollout."""
     data, name = result.data, result.name
@@ -131,18 +135,25 @@ def grpo_step_rows(result: SectionResult) -> list[Row]:
 
 
 def grpo_step_nano_rows(result: SectionResult) -> list[Row]:
-    """grpo-step-nano: colocated steps at the Qwen3-0.6B shape, peak memory, what sleep() frees."""
+    """grpo-step-nano: colocated steps at the Qwen3-0.6B shape, peak memory, what sleep() frees; then the same steps
+    with `batch_invariant=True` and their price (its step's seconds over the plain one's; the goal on a GPU)."""
     data, name = result.data, result.name
     rows = [
         number_row(
             name,
-            f"rollout_colocate: {part.replace('_', ' ')} s",
-            get_path(data, "results", "rollout_colocate", f"{part}_s"),
+            f"{system}: {part.replace('_', ' ')} s",
+            get_path(data, "results", system, f"{part}_s"),
             ".3f",
             unit=" s",
         )
+        for system in ("rollout_colocate", "rollout_colocate_invariant")
         for part in ("step", "generation", "training")
     ]
+    plain = get_path(data, "results", "rollout_colocate", "step_s")
+    invariant = get_path(data, "results", "rollout_colocate_invariant", "step_s")
+    price = invariant / plain if positive(plain, invariant) else None
+    goal = INVARIANT_STEP_PRICE_GOAL if get_path(data, "device") == "cuda" else None
+    rows.append(number_row(name, "batch_invariant step price (invariant / plain step s)", price, ".2f", goal, "x"))
     rows += [
         number_row(
             name,

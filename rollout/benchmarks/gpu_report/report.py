@@ -9,7 +9,8 @@ the headline first:
                            time per step
   baseline-generate-batch  transformers' generate_batch on the same workload, stopping at its own time limit
   baseline-generate        transformers' generate (one static batch), with what is left (stopping likewise)
-  grpo-step-nano           colocated GRPO steps on the Qwen3-0.6B architecture, peak memory, what sleep() frees
+  grpo-step-nano           colocated GRPO steps on the Qwen3-0.6B architecture, peak memory, what sleep() frees;
+                           then the same steps with batch_invariant=True (their price, goal 1.25x)
   weights                  a Qwen3-0.6B-sized bf16 state dict (1.2 GB) into a GPU worker over ZeroMQ frames and
                            shared memory: GB/s, commit pause, pause beyond the copy
   gpu-tests                pytest -m gpu tests/gpu (graph capture and replay, sync-free steps, ...)
