@@ -46,9 +46,18 @@ class ClientTurns:
         else:
             waiting.append(request)
 
-    def took(self, request: Request) -> None:
-        """A waiting request was admitted (or readmitted: its turn is an old one)."""
-        self.admitted = max(self.admitted, request.turn)
+    def took(self, request: Request, in_turn: bool = True) -> None:
+        """A waiting request was admitted (or readmitted: its turn is an old one).
+
+        Args:
+            request: the admitted request.
+            in_turn: admitted in its turn (the admission gate's order). The express lane admits past a queue head
+                that does not fit: its admission must not advance the turns new requests start from, or each short
+                request of a client that sends them one after another gets a turn one place further back, until one
+                lies past the waiting requests the lane looks at (`EXPRESS_SCAN`) and waits for a long group.
+        """
+        if in_turn:
+            self.admitted = max(self.admitted, request.turn)
         if self.newest.get(request.client, 0) <= request.turn:  # its client has nothing newer waiting
             self.newest.pop(request.client, None)
 

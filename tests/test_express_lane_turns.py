@@ -1,0 +1,47 @@
+"""Cases found by attacking a live `rollout-worker` with one honest client beside each attacker (isolation review,
+2026-12-02). Each states what a client did, what it cost another client, and what is promised instead.
+
+Express-lane turn drift: a client that floods the queue with long groups, beside a client that sends short requests
+one after another (an agent's calls, an eval), makes every 33rd short request wait for a long group's whole life
+(224 steps against 4: about 6 s on the tiny preset, on CPU), then again every 33rd. Each short request admitted
+through the express lane advances `ClientTurns.admitted` to its own turn, past the long client's queue head that the
+lane passed; the next short request's turn is one past it, so each lands one place further back in the queue, and
+the 33rd lands past the `EXPRESS_SCAN` (32) waiting requests a step looks at for the lane. The promise
+(docs/guides/production.md: "A short request does not wait for long ones to end") holds for the first 32 only.
+Cause: `add_waiting` (step_builder.py) let a lane admission advance `ClientTurns.admitted` (client_turns.py),
+as a gate admission does; a lane admission now leaves it where it was.
+"""
+
+from __future__ import annotations
+
+from test_scheduler import prompt, sim
+
+from conftest import make_request
+from rollout.engine.scheduling.step_builder import EXPRESS_SCAN
+
+
+def _from(client: str, request):
+    request.client = client
+    return request
+
+
+def test_short_requests_one_after_another_all_pass_a_flooded_queue_through_the_lane():
+    """Client "a" queues long groups (the growth reserve runs what fits, the rest wait: its queue head does not fit for
+    the whole test); client "b" sends short requests one at a time, each when the last ended. Every one of them is
+    admitted through the lane and ends 4 steps after it was sent (one token a step), not only the first
+    EXPRESS_SCAN of them."""
+    long_groups = [_from("a", make_request(f"a{i}", prompt(8, 10 + i), max_new_tokens=300)) for i in range(40)]
+    runner = sim(*long_groups, num_blocks=100, block_size=4, max_batch_tokens=256)
+    runner.step()
+    head = runner.scheduler.waiting[0]
+    waits = []
+    for index in range(EXPRESS_SCAN + 8):
+        short = _from("b", make_request(f"b{index}", prompt(3, 60), max_new_tokens=4))
+        runner.scheduler.add(short)
+        steps = 0
+        while short.request_id not in runner.finished and steps < 100:
+            runner.step()
+            steps += 1
+        waits.append(steps)
+    assert waits == [4] * len(waits), f"steps each short request waited: {waits}"
+    assert head in runner.scheduler.waiting  # a's queue head never fitted: nothing but the lane admitted b's requests
