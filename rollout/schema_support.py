@@ -11,7 +11,9 @@ Checked against xgrammar 0.2.8 and 0.2.9 (each refusal was seen to accept a viol
   nothing beside it, so a second of them, or any other assertion beside one (`type`, `properties`, `required`,
   `maxLength`, ...), is refused; annotations may stand beside (`title`, `description`, `default`, pydantic's
   `discriminator`, ...), and a `type` beside `const` / `enum` that every value has;
-- `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `schema_branches.overlap`.
+- `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `schema_branches.overlap`;
+- a lookahead (`(?=...)`, `(?!...)`) in a `pattern` or a `patternProperties` name: xgrammar drops it there (its
+  `regex` constraint refuses one), so `"pattern": "^(?!foo).*$"` would let "foobar" through.
 Every part is checked, those that references point to included, wherever they are. `then` and `else` without `if`
 mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema
 specification makes them by default. Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply
@@ -147,7 +149,12 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         return f"{where}.uniqueItems", "is not enforced by the grammar engine"
     if "if" in schema and ("then" in schema or "else" in schema):
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
-    found = _beside_deciding(schema, where) or _beside_string_shape(schema, where) or _bad_count(schema, where)
+    found = (
+        _beside_deciding(schema, where)
+        or _beside_string_shape(schema, where)
+        or _bad_count(schema, where)
+        or _lookahead(schema, where)
+    )
     if found:
         return found
     if "multipleOf" in schema:
@@ -190,6 +197,39 @@ def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
         if low in schema and high in schema and schema[low] > schema[high]:
             return f"{where}.{low}", f"{schema[low]} is above {high} {schema[high]}: no value meets both"
     return None
+
+
+def _lookahead(schema: dict, where: str) -> tuple[str, str] | None:
+    """A lookahead in the schema's `pattern` or in a `patternProperties` name (xgrammar drops it: what it guards is
+    let through)."""
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _has_lookahead(pattern):
+        return f"{where}.pattern", "has a lookahead ((?=...) or (?!...)), which the grammar engine does not enforce"
+    names = schema.get("patternProperties")
+    for name in names if isinstance(names, dict) else ():
+        if isinstance(name, str) and _has_lookahead(name):
+            return (
+                f"{where}.patternProperties.{name}",
+                "has a lookahead ((?=...) or (?!...)), which the grammar engine does not enforce",
+            )
+    return None
+
+
+def _has_lookahead(pattern: str) -> bool:
+    """Whether a regex has a `(?=` or `(?!` group: not escaped, not inside a character class."""
+    escaped = in_class = False
+    for index, char in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(" and pattern[index + 1 : index + 3] in ("?=", "?!"):
+            return True
+    return False
 
 
 def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:

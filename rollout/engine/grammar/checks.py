@@ -9,12 +9,14 @@ end with an error at their first impossible step, a 500 over HTTP):
   empty or other tokens), ends the sample there, short of min_new_tokens: refused alike.
 
 Both walk xgrammar's own matcher over the vocabulary, so they say exactly what the engine's masks would. The second
-is a depth-first search over tokens, shortest first (the longest paths first), bounded in mask fills: it refuses only
-when it has seen every path; past its budget it admits the request (the engine then ends a stuck sample by name).
+is a depth-first search over tokens, shortest first (the longest paths first), bounded in mask fills and CPU time: it
+refuses only when it has seen every path; past its budget it admits the request (the engine then ends a stuck sample
+by name).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,10 @@ except ImportError:  # without the extra nothing compiles, so nothing is checked
     xgrammar = None
 
 MAX_CHECK_FILLS = 256  # token masks one min_new_tokens check may fill (about 0.1 ms each on a 150k vocabulary)
+# CPU seconds one min_new_tokens check may take. A fill's cost is not bounded by the vocabulary alone: under a nested
+# repetition (`root ::= ((((("a")+)+)+)+)+`) the matcher's state grows with the path, and 256 fills down one path took
+# 44 s of a core on a 1,024-token vocabulary. A check cut by either bound admits the request.
+MAX_CHECK_S = 0.5
 # A search reads a filled mask lazily, in its order of tokens: a mask of at most SPARSE_WORDS nonzero 32-bit words
 # (a few tokens allowed) is read whole; a denser one (a JSON string allows most of the vocabulary, and the search
 # mostly takes its first token) SCAN_CHUNK tokens of the order at a time. Reading every allowed token into a list at
@@ -138,11 +144,18 @@ def path_order(order: np.ndarray, ends: frozenset[int] | set[int]) -> np.ndarray
 
 
 def longest_path(
-    matcher: Any, vocab_size: int, needed: int, tokens: np.ndarray, max_fills: int, ranks: np.ndarray | None = None
+    matcher: Any,
+    vocab_size: int,
+    needed: int,
+    tokens: np.ndarray,
+    max_fills: int,
+    ranks: np.ndarray | None = None,
+    max_seconds: float | None = None,
 ) -> tuple[int | None, int]:
     """(the longest path of `tokens` the matcher allows from where it stands, once it is below `needed`; `needed` as
-    soon as one reaches it; None when the search ran out of mask fills first, the mask fills it made). Depth first,
-    trying `tokens` in their order; the matcher is left as found (xgrammar's rollbacks are unlimited since 0.2).
+    soon as one reaches it; None when the search ran out of mask fills or CPU time first, the mask fills it made).
+    Depth first, trying `tokens` in their order; the matcher is left as found (xgrammar's rollbacks are unlimited
+    since 0.2).
 
     Args:
         matcher: an xgrammar GrammarMatcher, not terminated.
@@ -151,9 +164,12 @@ def longest_path(
         tokens: the tokens a path may take, in the order tried (`path_order`).
         max_fills: the most token masks the search may fill.
         ranks: `token_ranks(tokens, vocab_size)` (computed here when not given).
+        max_seconds: the most CPU time (this thread's) the search may take, checked before each fill (None: no
+            bound but the fills).
     """
     if needed <= 0:
         return needed, 0
+    deadline = None if max_seconds is None else time.thread_time() + max_seconds
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
     words = bitmask[0].numpy().view(np.uint32)  # one view of its memory: no torch operator per fill
     ranks = token_ranks(tokens, vocab_size) if ranks is None else ranks
@@ -178,7 +194,7 @@ def longest_path(
             continue
         depth = len(stack)  # tokens accepted on this path
         longest = max(longest, depth)
-        if depth >= needed or fills >= max_fills:
+        if depth >= needed or fills >= max_fills or (deadline is not None and time.thread_time() > deadline):
             matcher.rollback(depth)
             return (needed if depth >= needed else None), fills
         stack.append(candidates())
@@ -190,4 +206,5 @@ def _longest_path(compiled: Any, needed: int, banned: frozenset[int], order: np.
     tokens) end a path whether banned or not: the engine ends a sample whose grammar completed."""
     info = compiled.tokenizer_info
     tokens = path_order(order, set(banned) | set(info.stop_token_ids))
-    return longest_path(xgrammar.GrammarMatcher(compiled), info.vocab_size, needed, tokens, MAX_CHECK_FILLS)[0]
+    matcher = xgrammar.GrammarMatcher(compiled)
+    return longest_path(matcher, info.vocab_size, needed, tokens, MAX_CHECK_FILLS, max_seconds=MAX_CHECK_S)[0]

@@ -18,6 +18,7 @@ naming its grammar and min_new_tokens, as before.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,13 @@ class LengthGoal:
 
 
 def prune_short_paths(
-    matcher: Any, vocab_size: int, goal: LengthGoal, generated: int, words: np.ndarray, budget: int
+    matcher: Any,
+    vocab_size: int,
+    goal: LengthGoal,
+    generated: int,
+    words: np.ndarray,
+    budget: int,
+    max_seconds: float | None = None,
 ) -> int:
     """Clear, in a row of the step's bitmask, every token after which the grammar allows no path long enough to reach
     `goal.min_tokens`; returns the mask fills spent (at most `budget`).
@@ -66,6 +73,7 @@ def prune_short_paths(
         generated: the tokens the sample has (this step draws the next one); below `goal.min_tokens`.
         words: the sample's bitmask row, filled by its grammar, as uint32 words (changed in place).
         budget: the most mask fills to spend.
+        max_seconds: the most CPU time to spend (None: no bound but the fills); a token whose search it cut is kept.
     """
     # Each nonzero word allows a token at least, of which at most len(goal.ends) are ends: a mask allowing many tokens
     # (a JSON string: most of the vocabulary) is passed over without reading it (that read cost ~2 ms a row).
@@ -77,12 +85,14 @@ def prune_short_paths(
         return 0
     needed = goal.min_tokens - generated - 1  # tokens still to come after this step's, before an end may
     spent = 0
+    deadline = None if max_seconds is None else time.thread_time() + max_seconds
     for token in candidates.tolist():
-        if spent >= budget:
+        left = None if deadline is None else deadline - time.thread_time()
+        if spent >= budget or (left is not None and left <= 0):
             break
         if not matcher.accept_token(token):
             continue
-        longest, fills = longest_path(matcher, vocab_size, needed, goal.tokens, budget - spent, goal.ranks)
+        longest, fills = longest_path(matcher, vocab_size, needed, goal.tokens, budget - spent, goal.ranks, left)
         matcher.rollback(1)
         spent += fills
         if longest is not None and longest < needed:  # every path after it ends too soon
