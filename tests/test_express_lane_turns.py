@@ -45,3 +45,21 @@ def test_short_requests_one_after_another_all_pass_a_flooded_queue_through_the_l
         waits.append(steps)
     assert waits == [4] * len(waits), f"steps each short request waited: {waits}"
     assert head in runner.scheduler.waiting  # a's queue head never fitted: nothing but the lane admitted b's requests
+
+
+def test_one_client_queue_stays_in_arrival_order_when_the_lane_admits_past_its_head():
+    """One client (in-process callers are all ""): the lane admits a short request past two long ones that wait;
+    a request sent after it still queues behind both, as every request of one client does (arrival order)."""
+    from collections import deque
+
+    from rollout.engine.scheduling.client_turns import ClientTurns
+
+    turns, waiting = ClientTurns(), deque()
+    head, second, short = (make_request(name, prompt(8), max_new_tokens=4) for name in ("head", "second", "short"))
+    for request in (head, second, short):
+        turns.queue(waiting, request)
+    waiting.remove(short)
+    turns.passed(waiting, short)  # what add_waiting does when the lane admits it
+    later = make_request("later", prompt(8), max_new_tokens=4)
+    turns.queue(waiting, later)
+    assert [request.request_id for request in waiting] == ["head", "second", "later"]

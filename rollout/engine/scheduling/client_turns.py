@@ -46,20 +46,24 @@ class ClientTurns:
         else:
             waiting.append(request)
 
-    def took(self, request: Request, in_turn: bool = True) -> None:
-        """A waiting request was admitted (or readmitted: its turn is an old one).
-
-        Args:
-            request: the admitted request.
-            in_turn: admitted in its turn (the admission gate's order). The express lane admits past a queue head
-                that does not fit: its admission must not advance the turns new requests start from, or each short
-                request of a client that sends them one after another gets a turn one place further back, until one
-                lies past the waiting requests the lane looks at (`EXPRESS_SCAN`) and waits for a long group.
-        """
-        if in_turn:
-            self.admitted = max(self.admitted, request.turn)
+    def took(self, request: Request) -> None:
+        """A waiting request was admitted (or readmitted: its turn is an old one)."""
+        self.admitted = max(self.admitted, request.turn)
         if self.newest.get(request.client, 0) <= request.turn:  # its client has nothing newer waiting
             self.newest.pop(request.client, None)
+
+    def passed(self, waiting: Iterable[Request], request: Request) -> None:
+        """The express lane admitted a waiting request past others of the queue (`waiting`, without it now). The turn
+        new requests start from stays where it was: advanced to this request's, each short request of a client that
+        sends them one after another would get a turn one place further back, until one lay past the waiting
+        requests the lane looks at (`EXPRESS_SCAN`) and waited for a long group. Its client keeps the turn of its
+        newest request still waiting, so that one client's queue stays in arrival order.
+
+        Args:
+            waiting: the scheduler's waiting queue, the admitted request out of it.
+            request: the request the lane admitted.
+        """
+        self.forget(waiting, {request.client})
 
     def forget(self, waiting: Iterable[Request], clients: set[str]) -> None:
         """After requests of `clients` left the waiting queue unadmitted (aborted): each keeps the turn of its

@@ -214,7 +214,10 @@ class StepBuilder:
                 request.express_blocks = 0  # admitted by the gate: no share of the lane (a sample readmitted)
             admission.admitted(request)
             scheduler.waiting.remove(request)
-            scheduler.turns.took(request, in_turn=not express_only)  # (express_only here: the lane admitted it)
+            if express_only:  # the lane admitted it, maybe past others
+                scheduler.turns.passed(scheduler.waiting, request)
+            else:
+                scheduler.turns.took(request)
             # Its KV is computed anew, but for the cached prefix it takes: those blocks' version is the current one
             # (lookups match no other), fixed now, since a commit may come before its first step.
             request.admitted(manager.policy_version if prefix_blocks else None)
