@@ -35,13 +35,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rollout.invariant.attention import register_invariant_attention
+from rollout.invariant.attention import ATTENTION_NAME, register_invariant_attention
 from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
-from rollout.invariant.model_support import refuse_variant_model
+from rollout.invariant.model_support import refuse_long_dynamic_rope, refuse_variant_model
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction, on_kernel_device
 from rollout.invariant.swaps import ModeNeed, mode_need_of, swapped_forwards
+from rollout.validation import FieldError
 
 
 class InvariantLinearMode(TorchFunctionMode):
@@ -162,7 +163,9 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     Raises:
         ValueError: the model has no `config` with an attention implementation to switch, checkpoints its layers
             with reentrant gradient checkpointing, or is of a kind the mode cannot make bit for bit (a FieldError
-            naming batch_invariant: LongRoPE, GPT-2's Conv1D layers, DeepSeek's latent attention).
+            naming batch_invariant: LongRoPE, GPT-2's Conv1D layers, DeepSeek's latent attention, an attention
+            transformers will not switch (Falcon, MPT, Bloom, GPT-Neo), a forward past a dynamic NTK RoPE's
+            length).
         RowInvarianceError: (a ValueError) on a CPU whose matmuls are not row-invariant for the model's shapes with
             this process's thread count (`cpu_check.py`).
     """
@@ -178,7 +181,16 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     try:
         experts = eager_experts(model)
         model.set_attn_implementation(register_invariant_attention())
+        if config._attn_implementation != ATTENTION_NAME:  # transformers kept the model's own (it only warns)
+            kept = config._attn_implementation
+            model.set_attn_implementation(previous)
+            raise FieldError(
+                "batch_invariant",
+                f"transformers would not switch {type(model).__name__}'s attention (it kept {kept!r}): its attention "
+                "does not go through transformers' AttentionInterface, so the invariant attention cannot replace it",
+            )
         hooks = [_decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)]
+        hooks += refuse_long_dynamic_rope(model)
         # On a kernel device the mode covers the whole block, as the reductions the caller runs on the logits (a
         # log_softmax) must take the kernels too; elsewhere it surrounds the model's forwards while they need it.
         whole_block = on_kernel_device(next(model.parameters()))

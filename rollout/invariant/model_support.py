@@ -7,9 +7,14 @@
 - transformers' `Conv1D` layers (GPT-2, its descendants): they compute with `torch.addmm`, outside the invariant
   products, whose split of the reduction depends on the number of rows;
 - multi-head latent attention (`kv_lora_rank`: DeepSeek-V2/V3): keys and values of different head sizes, which the
-  invariant attention does not take (the engine's paged cache refuses such models in any mode).
+  invariant attention does not take (the engine's paged cache refuses such models in any mode);
+- dynamic NTK RoPE (`rope_type: "dynamic"`) past the length it was trained for: transformers recomputes its rotary
+  frequencies from the largest position of a forward once it passes the rotary's `original_max_seq_len` (the
+  config's max_position_embeddings), and keeps them, so a token's logits depend on the rest of the call. Within
+  that length its frequencies never change: the engine refuses it only with a `max_model_len` beyond it, the
+  trainer's block only a forward that reaches past it (`dynamic_rope_length`, `refuse_long_dynamic_rope`).
 
-`rope_types` also serves the engine's warning for LongRoPE outside the mode (model_checks.py).
+`rope_types` also serves the engine's warnings for LongRoPE and dynamic NTK RoPE outside the mode (model_checks.py).
 """
 
 from __future__ import annotations
@@ -68,12 +73,68 @@ def invariance_refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
-def refuse_variant_model(model: torch.nn.Module) -> None:
+def refuse_variant_model(model: torch.nn.Module, max_length: int | None = None) -> None:
     """Refuse a model the batch-invariant mode cannot make bit for bit.
 
+    Args:
+        model: a transformers causal LM (a PeftModel of one too).
+        max_length: the longest sequence it will run (the engine's max_model_len); None: not known (the trainer's
+            block, which checks each forward's positions instead: `refuse_long_dynamic_rope`).
     Raises:
-        FieldError: ("batch_invariant") naming what stands in the way (`invariance_refusal`).
+        FieldError: ("batch_invariant") naming what stands in the way (`invariance_refusal`, or a dynamic NTK RoPE
+            shorter than max_length).
     """
     reason = invariance_refusal(model)
     if reason is not None:
         raise FieldError("batch_invariant", reason)
+    length = dynamic_rope_length(model)
+    if max_length is not None and length is not None and max_length > length:
+        raise FieldError(
+            "batch_invariant",
+            f"dynamic NTK RoPE (rope_type 'dynamic') recomputes its rotary frequencies from the longest position of "
+            f"each forward past {length} tokens, so a token's logits would depend on the rest of the batch: not "
+            f"batch-invariant with max_model_len {max_length}; set max_model_len to at most {length}",
+        )
+
+
+def _is_dynamic_rotary(module: torch.nn.Module) -> bool:
+    """Whether `module` is a transformers rotary embedding whose frequencies follow the forward (dynamic NTK)."""
+    kind = getattr(module, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else [kind]  # one per layer type in some models
+    return hasattr(module, "original_max_seq_len") and any(isinstance(k, str) and "dynamic" in k for k in kinds)
+
+
+def dynamic_rope_length(model: torch.nn.Module) -> int | None:
+    """The longest sequence a dynamic NTK rotary embedding of `model` keeps its frequencies for (transformers'
+    `original_max_seq_len`: a forward with a position past it rescales them); None when it has none.
+
+    Args:
+        model: a transformers causal LM (a PeftModel of one too).
+    """
+    lengths = [int(module.original_max_seq_len) for module in model.modules() if _is_dynamic_rotary(module)]
+    return min(lengths) if lengths else None
+
+
+def refuse_long_dynamic_rope(model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Forward pre-hooks on `model`'s dynamic NTK rotary embeddings that refuse a forward reaching past the length
+    they keep their frequencies for (the trainer's block: it does not know its sequences' lengths beforehand).
+
+    Returns:
+        The hooks' handles (for the caller to remove).
+    """
+
+    def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        if positions is not None and positions.numel() and int(positions.max()) + 1 > module.original_max_seq_len:
+            raise FieldError(
+                "batch_invariant",
+                f"dynamic NTK RoPE (rope_type 'dynamic') recomputes its rotary frequencies from the longest position "
+                f"of each forward past {module.original_max_seq_len} tokens, and this forward reaches position "
+                f"{int(positions.max())}: a token's logits would depend on the rest of the batch",
+            )
+
+    return [
+        module.register_forward_pre_hook(check, with_kwargs=True)
+        for module in model.modules()
+        if _is_dynamic_rotary(module)
+    ]

@@ -85,6 +85,13 @@ def servable_text_config(model: torch.nn.Module) -> Any:
             "long factors (tokens then depend on their batch; batch_invariant refuses such a model)",
             type(model).__name__,
         )
+    if "dynamic" in rope_types(config):
+        logger.warning(
+            "%s uses dynamic NTK RoPE: transformers recomputes its rotary frequencies from the longest position of "
+            "each forward once it passes max_position_embeddings, so past that length tokens depend on their batch "
+            "(batch_invariant refuses a max_model_len beyond it)",
+            type(model).__name__,
+        )
     return config
 
 

@@ -57,7 +57,7 @@ class ModelRunner:
         # An MoE model's experts: sync-free while lent, or one F.linear each, which the invariant mode tiles.
         self._experts = INVARIANT_EXPERTS if config.batch_invariant else SYNC_FREE_EXPERTS
         if config.batch_invariant:
-            refuse_variant_model(model)
+            refuse_variant_model(model, max_model_len)
         check_lease(model, self._experts)
         self.model = model
         self.kv_cache = kv_cache
