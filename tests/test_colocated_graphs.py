@@ -58,3 +58,36 @@ def test_graphs_are_kept_while_the_cache_comes_back_in_place_and_dropped_when_it
     assert engine.engine.kv_cache.kv.data_ptr() != held.data_ptr() and releases == [1]
     assert _round(engine) == expected
     engine.close()
+
+
+def test_speculative_decodings_verify_graphs_are_dropped_with_the_decode_graphs():
+    """The verify graphs of drafted steps read the cache and the parameters as the decode graphs do: when the cache
+    moves (or `sleep(graphs=True)`), both are dropped, never the decode graphs alone (a verify graph replayed over a
+    freed cache on a GPU reads memory the training step now owns)."""
+    config = ContinuousBatchingConfig(
+        num_blocks=32, attention_backend="triton", speculative="suffix", num_speculative_tokens=3
+    )
+    engine = ColocatedEngine(tiny_model(0), config)
+    engine.engine.runner.enable_decode_graphs(4, 64, capture=False)
+    runner_graphs = engine.engine.runner.graphs
+    assert runner_graphs.verify is not None
+    releases: dict[str, int] = {"decode": 0, "verify": 0}
+
+    def counted(name: str, release):  # noqa: ANN001, ANN202
+        def each() -> None:
+            releases[name] += 1
+            release()
+
+        return each
+
+    for name in releases:
+        graphs = getattr(runner_graphs, name)
+        graphs.release = counted(name, graphs.release)
+    held = engine.engine.kv_cache.kv  # the old cache cannot be freed: the new one must land elsewhere
+    engine.sleep()
+    engine.wake()
+    assert engine.engine.kv_cache.kv.data_ptr() != held.data_ptr()
+    assert releases == {"decode": 1, "verify": 1}
+    engine.sleep(graphs=True)
+    assert releases == {"decode": 2, "verify": 2}
+    engine.close()

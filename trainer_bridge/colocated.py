@@ -152,8 +152,9 @@ class ColocatedEngine:
         parameters where they were: if either moved by the next round, they are captured again then). Idempotent.
 
         Args:
-            graphs: free the decode CUDA graphs and their memory pool too (each is captured again when its batch
-                size next comes): for a long pause, such as the end of a training run.
+            graphs: free the decode CUDA graphs (and speculative decoding's verify graphs) and their memory pools
+                too (each is captured again when its batch size next comes): for a long pause, such as the end of a
+                training run.
         """
         self._check_open()
         self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
@@ -174,11 +175,12 @@ class ColocatedEngine:
                 self._release_graphs()
 
     def _release_graphs(self) -> None:
-        graphs = self.engine.runner.decode_graphs
-        if graphs is not None and graphs.captured:
+        # Every graph of the runner: speculative decoding's verify graphs read the cache and the parameters too.
+        graphs = self.engine.runner.graphs.every()
+        if any(each.captured for each in graphs):
             self.graph_releases += 1
-        if graphs is not None:
-            graphs.release()
+        for each in graphs:
+            each.release()
 
     @property
     def graph_capture_s(self) -> float:

@@ -218,13 +218,16 @@ def run_one(
 
 
 def _measured_sleep(sleep: Any, freed: list[int]) -> Any:
-    """`ColocatedEngine.sleep`, recording the CUDA memory it frees (allocated bytes before minus after)."""
+    """`ColocatedEngine.sleep`, recording the CUDA memory a round's sleep frees (allocated bytes before minus after).
+    Its arguments pass through: the end of `train()` calls `sleep(graphs=True)` (not recorded: it frees the graphs
+    too, after the last round's sleep freed the cache)."""
     import torch
 
-    def measured() -> None:
+    def measured(*args: Any, **kwargs: Any) -> None:
         before = torch.cuda.memory_allocated()
-        sleep()
-        freed.append(before - torch.cuda.memory_allocated())
+        sleep(*args, **kwargs)
+        if not args and not kwargs:
+            freed.append(before - torch.cuda.memory_allocated())
 
     return measured
 
