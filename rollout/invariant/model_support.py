@@ -115,6 +115,11 @@ def dynamic_rope_length(model: torch.nn.Module) -> int | None:
     return min(lengths) if lengths else None
 
 
+def positions_unreadable() -> bool:
+    """Whether a CUDA graph is being captured on this thread's stream (reading a tensor on the host would break it)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def refuse_long_dynamic_rope(model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
     """Forward pre-hooks on `model`'s dynamic NTK rotary embeddings that refuse a forward reaching past the length
     they keep their frequencies for (the trainer's block: it does not know its sequences' lengths beforehand).
@@ -124,6 +129,8 @@ def refuse_long_dynamic_rope(model: torch.nn.Module) -> list[torch.utils.hooks.R
     """
 
     def check(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if positions_unreadable():  # an engine's graph capture (its max_model_len was checked instead): no host read
+            return
         positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if positions is not None and positions.numel() and int(positions.max()) + 1 > module.original_max_seq_len:
             raise FieldError(
