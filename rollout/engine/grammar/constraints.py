@@ -18,6 +18,7 @@ import torch
 
 from rollout.engine.grammar.cache import CheckedGrammar, GrammarCache
 from rollout.engine.grammar.checks import first_step_refusal, too_short_refusal
+from rollout.engine.grammar.cpu_bounds import MAX_LOOK_AHEAD_S, CpuWatch
 from rollout.engine.grammar.length_goal import MAX_ROW_FILLS, LengthGoal, prune_short_paths
 from rollout.validation import FieldError
 
@@ -31,20 +32,6 @@ ANY_OBJECT = json.dumps({"type": "object"})
 # Compiled grammars kept per tokenizer (the least recently used evicted beyond it): a client sending endless
 # distinct specs cannot grow the worker's memory without bound. vLLM's default (VLLM_XGRAMMAR_CACHE_MB).
 CACHE_LIMIT_BYTES = 512 << 20
-# The most CPU time one token's `accept_token` may take before its sample is ended with an error. xgrammar's matcher
-# state can grow with the output: under a nested repetition (`root ::= ((("a")+)+)+`, 25 characters, compiled in a
-# millisecond) each token's accept and mask cost grow with the cube of the tokens so far (0.2 s a token after 300 on
-# a 1,024-token vocabulary), and the step of every other sample waits for them. A JSON schema's or a regex's accept
-# takes microseconds (at most 0.6 ms seen, 1,000 levels deep; 3 ms in an enum of 20,000 strings); the mask fill of
-# such a row costs about twice its accept. The bound leaves a slower host 6 times that enum's cost, and ends the
-# nested repetition after about 115 tokens, its fills and accepts having cost about 2 s of a core (at 50 ms: 160
-# tokens and 7 s, for each sample of its group). Thread CPU time, so a loaded machine does not end a sample whose
-# grammar is cheap.
-MAX_ACCEPT_S = 0.02
-# The most CPU time one row's min_new_tokens look-ahead (`prune_short_paths`: at most MAX_ROW_FILLS mask fills, each
-# on a narrow mask, so about 0.1 ms on a large vocabulary) may take at one step: cut there, and its sample ended at
-# the next step, as past MAX_ACCEPT_S.
-MAX_LOOK_AHEAD_S = 0.1
 
 
 def compile_spec(compiler: Any, field: str, spec: Any) -> Any:
@@ -224,10 +211,9 @@ class Constrained:
         self.generated = 0  # tokens the matcher advanced past (the sample's, in order)
         # Tokens advanced past before their step was resolved (`accept_ahead`); their `accept` is then a no-op.
         self.ahead = 0
-        # CPU seconds of the accept past MAX_ACCEPT_S, or look-ahead past MAX_LOOK_AHEAD_S (None: none was). Such a
-        # state stays open, but its mask allows nothing (`GrammarMasks.fill`): its sample ends at its next step with
-        # `dead_end_reason`.
-        self.too_slow: float | None = None
+        # Whether following it got too slow (`cpu_bounds.py`): such a state stays open, but its mask allows nothing
+        # (`GrammarMasks.fill`), so its sample ends at its next step with `dead_end_reason`.
+        self.watch = CpuWatch()
 
     def restarted(self) -> Constrained:
         """A fresh state on the same grammar (a fork of the group, before its first token)."""
@@ -251,25 +237,17 @@ class Constrained:
             self.ahead += 1
 
     def advance(self, token_id: int) -> None:
-        """Feed a token to the matcher; a refused one is kept in `rejected`, an accept past MAX_ACCEPT_S of CPU time
-        in `too_slow`."""
+        """Feed a token to the matcher; a refused one is kept in `rejected`, its CPU time in `watch`."""
         start = time.thread_time()
         if not self.matcher.accept_token(token_id):
             self.rejected = token_id
-        spent = time.thread_time() - start
-        if spent > MAX_ACCEPT_S and self.too_slow is None:
-            self.too_slow = spent
+        self.watch.accepted(time.thread_time() - start, self.generated)
         self.generated += 1
 
     def dead_end_reason(self) -> str:
         """Why the sample ends with an error when its row allows no token (its grammar's mask and its bans)."""
-        if self.too_slow is not None:
-            return (
-                f"{self.field}: following the grammar took {self.too_slow * 1000:.1f} ms of CPU at one step (the "
-                f"bound is {MAX_ACCEPT_S * 1000:g} ms a token, {MAX_LOOK_AHEAD_S * 1000:g} ms for the min_new_tokens "
-                "look-ahead): its matcher's state grows with the output, as under a nested repetition like ((x)+)+; "
-                "the sample was ended so as not to stall every other sample's steps"
-            )
+        if self.watch.too_slow is not None:
+            return f"{self.field}: {self.watch.reason()}"
         reason = f"{self.field}: the grammar allows no token at this position"
         goal = self.goal
         if goal is not None and self.generated < goal.min_tokens:
@@ -315,10 +293,10 @@ class GrammarMasks:
         # A closed state (its grammar ended, or refused a token, at the step before) belongs to a sample that ends
         # when that step is resolved: its row here is dropped, so it is not masked.
         rows = [i for i, state in enumerate(states) if state is not None and state.is_open]
-        # A row whose grammar got too slow to follow (`Constrained.too_slow`) is not filled: it allows nothing, so
+        # A row whose grammar got too slow to follow (`CpuWatch.too_slow`) is not filled: it allows nothing, so
         # its sample ends with an error at this step (`dead_end_reason`), and its cost stops here.
-        slow = [row for row in rows if states[row].too_slow is not None]
-        filled = [row for row in rows if states[row].too_slow is None] if slow else rows
+        slow = [row for row in rows if states[row].watch.too_slow is not None]
+        filled = [row for row in rows if states[row].watch.too_slow is None] if slow else rows
         words = (vocab_size + 31) // 32
         buffer = self._buffer
         if buffer is None or buffer.shape[0] < len(states) or buffer.shape[1] != words or buffer.is_pinned() != pinned:
@@ -344,9 +322,7 @@ class GrammarMasks:
                 start = time.thread_time()
                 goal, generated = state.goal, state.generated
                 prune_short_paths(state.matcher, vocab, goal, generated, words[row], MAX_ROW_FILLS, MAX_LOOK_AHEAD_S)
-                spent = time.thread_time() - start
-                if spent > MAX_LOOK_AHEAD_S and state.too_slow is None:  # its mask here is whole: ended next step
-                    state.too_slow = spent
+                state.watch.looked_ahead(time.thread_time() - start)  # past its bound: whole here, ended next step
         return bitmask, rows
 
     def release(self) -> None:
