@@ -18,6 +18,7 @@ from test_scheduler import prompt, sim
 
 from conftest import make_request
 from rollout.engine.scheduling.step_builder import EXPRESS_SCAN
+from rollout.engine.weights.commit_modes import recompute_in_flight
 
 
 def _from(client: str, request):
@@ -63,3 +64,35 @@ def test_one_client_queue_stays_in_arrival_order_when_the_lane_admits_past_its_h
     later = make_request("later", prompt(8), max_new_tokens=4)
     turns.queue(waiting, later)
     assert [request.request_id for request in waiting] == ["head", "second", "later"]
+
+
+def test_a_lane_sample_reset_by_a_recompute_update_is_readmitted_before_requests_sent_after_it():
+    """Client "b"'s two short requests run through the express lane beside "a"'s long groups (the lane leaves their
+    turns past the newest admitted: `ClientTurns.passed`); a weight update with commit mode "recompute" puts every
+    sample in flight back at the head of the queue, "oldest first, ahead of new requests" (commit_modes.py); then
+    client "c" sends a long request. The in-flight samples are readmitted first, in arrival order, so b's second
+    short request ends within a few steps. It went behind c's request (its turn was later than c's new one) and
+    waited for a's long groups to end: 407 steps against 2."""
+    runner = sim(
+        *(_from("a", make_request(f"a{i}", prompt(8, 10 + i), max_new_tokens=300)) for i in range(3)),
+        num_blocks=100,
+        block_size=4,
+        max_batch_tokens=256,
+    )
+    scheduler = runner.scheduler
+    runner.step()
+    shorts = [_from("b", make_request(f"s{i}", prompt(2, 60 + i), max_new_tokens=3)) for i in range(2)]
+    for short in shorts:
+        scheduler.add(short)
+    runner.step()
+    assert all(short.express_blocks for short in shorts)  # both through the lane, each with a token sampled
+    scheduler.abort(*(request.group_id for request in list(scheduler.waiting)))  # a's queue: only its running groups
+    in_flight = sorted(scheduler.running, key=lambda request: request.arrival)
+    recompute_in_flight(scheduler)
+    scheduler.add(_from("c", make_request("c0", prompt(8, 80), max_new_tokens=300)))
+    assert [request.request_id for request in scheduler.waiting] == [r.request_id for r in in_flight] + ["c0"]
+    steps = 0
+    while not all(short.request_id in runner.finished for short in shorts) and steps < 50:
+        runner.step()
+        steps += 1
+    assert all(short.request_id in runner.finished for short in shorts), "a reset lane sample waits for a long group"

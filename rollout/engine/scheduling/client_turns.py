@@ -65,6 +65,18 @@ class ClientTurns:
         """
         self.forget(waiting, {request.client})
 
+    def requeued(self, request: Request) -> None:
+        """A running request went back to the head of the waiting queue (preempted, or reset by a weight update's
+        "recompute" commit). Its turn becomes at most the newest admitted, as the queue's order needs (`queue` puts a
+        new request behind every one whose turn is not later than its own): one the express lane admitted keeps a turn
+        later than that (`passed`), and new requests would otherwise be put ahead of it, so that a short sample that
+        had sampled tokens waited for a long group queued after it.
+
+        Args:
+            request: the request put back at the head of the waiting queue.
+        """
+        request.turn = min(request.turn, self.admitted)
+
     def forget(self, waiting: Iterable[Request], clients: set[str]) -> None:
         """After requests of `clients` left the waiting queue unadmitted (aborted): each keeps the turn of its
         newest request still waiting, or none."""

@@ -112,6 +112,7 @@ class Scheduler:
         # kv_version_min stays until readmission: a sample that ends meanwhile (its last token was in flight) reports
         # the KV its tokens were computed on.
         request.status = RequestStatus.WAITING
+        self.turns.requeued(request)  # at the head: new requests queue behind it
         self.waiting.appendleft(request)
 
     def recompute(self, request: Request) -> None:
