@@ -19,7 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from rollout import ContinuousBatchingConfig, SamplingParams, generate_batch  # noqa: E402
 from rollout.config import FieldError  # noqa: E402
 from rollout.engine.engine import Engine  # noqa: E402
-from rollout.engine.grammar import constraints  # noqa: E402
+from rollout.engine.grammar import cpu_bounds  # noqa: E402
+from rollout.engine.grammar.constraints import Constrained  # noqa: E402
 from rollout.presets import tiny_model, tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -85,7 +86,7 @@ def test_a_grammar_too_slow_to_follow_ends_its_sample_and_not_the_others(monkeyp
     would take seconds each), and the other request of the batch runs to its length. The bound is lowered to a
     millisecond here, so that the test reaches it in about 40 tokens (at the engine's 20 ms it takes about 115, and 2 s
     of a core); a plain request's accepts stay far below even that."""
-    monkeypatch.setattr(constraints, "MAX_ACCEPT_S", 0.001)
+    monkeypatch.setattr(cpu_bounds, "MAX_ACCEPT_S", 0.001)
     engine = Engine(MODEL, ContinuousBatchingConfig(num_blocks=128, block_size=16), tokenizer=TOKENIZER)
     evil = SamplingParams(grammar=NESTED, logit_bias=((EOS, -100.0),), max_new_tokens=150, seed=0)
     engine.add_request("evil", PROMPT, evil)
@@ -137,3 +138,24 @@ def test_bans_that_take_every_token_the_grammar_allows_end_the_sample_naming_the
     for output in outputs.values():
         assert output.finish_reason == "error" and list(output.generated_tokens) == []
         assert "choice" in output.error and "bad_words_ids" in output.error
+
+
+def test_a_long_array_under_a_bounded_repetition_is_followed_to_its_end():
+    """`{"type": "array", "items": {"type": "integer"}, "maxItems": 100000}` and 6,000 integers (34,890 tokens of
+    the tiny tokenizer): xgrammar's matcher takes every token, in microseconds but for one accept each time the output
+    about doubled, which grows a buffer (100 ms at 32,000 tokens). The sample was ended with "following the grammar
+    took 26 ms of CPU at one step" after 8,300 tokens (a 2,000-item bound did it too): such an accept is a buffer's
+    growth, not a grammar too slow to follow, and the sample's state stays open to its end."""
+    tokenizer = TOKENIZER
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=1024)
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 100_000}
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    tokens = tokenizer(json.dumps(list(range(6000))), add_special_tokens=False)["input_ids"]
+    reference = xgrammar.GrammarMatcher(compiled)
+    assert all(reference.accept_token(token) for token in tokens)
+    assert reference.accept_token(tokenizer.eos_token_id) and reference.is_terminated()
+    state = Constrained("json", compiled)
+    for token in tokens:
+        state.accept(token)
+        assert state.watch.too_slow is None, f"ended after {state.generated} tokens: {state.dead_end_reason()}"
+    assert state.is_open and state.rejected is None
