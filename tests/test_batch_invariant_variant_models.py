@@ -18,7 +18,7 @@ import torch
 from test_batch_invariant import trl_batch_logprobs
 from transformers import AutoModelForCausalLM, FalconConfig, LlamaConfig
 
-from conftest import VOCAB, make_engine, make_prompts, run_to_completion
+from conftest import _COMMON, VOCAB, make_engine, make_prompts, run_to_completion
 from rollout import FieldError, SamplingParams
 from rollout.benchmarks.throughput.fidelity import scale_to_entropy
 from trainer_bridge import batch_invariant
@@ -29,13 +29,7 @@ LENGTH = 48  # the dynamic rotary's max_position_embeddings
 def dynamic_rope_model(dtype: torch.dtype) -> torch.nn.Module:
     """A tiny Llama with dynamic NTK RoPE (factor 2 past LENGTH tokens), scaled to about 1.5 nats of entropy."""
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH,
+        **{**_COMMON, "max_position_embeddings": LENGTH},
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
     )
     torch.manual_seed(1)
