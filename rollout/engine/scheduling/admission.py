@@ -24,7 +24,7 @@ same samples recomputed many times). These rules stop that:
   stopped early.
 - Victim: the running request with the fewest generated tokens (the newest among ties) is preempted, not simply the
   newest arrival: what it loses (its tokens not held by the prefix cache) is the least, and a readmitted request,
-  which keeps its output, is not taken again before fresher ones.
+  which keeps its output, is not taken again before fresher ones. The express lane's samples are taken last.
 """
 
 from __future__ import annotations
@@ -319,7 +319,10 @@ def cheapest_victim(
     """The preemption victim: among running requests this step neither computes nor samples (`scheduled` holds the
     ids of those it does), the one whose preemption loses the fewest computed tokens: its computed tokens beyond its
     leading blocks shared with another request (a GRPO group's prompt, which stays in the cache), then the fewest
-    generated tokens, then the newest arrival. A request that holds no block alone frees nothing: it comes last.
+    generated tokens, then the newest arrival. A request that holds no block alone frees nothing: it comes late. The
+    express lane's samples come last of all: a lane sample preempted comes back through the queue, not the lane
+    (`ExpressLane.eligible`), behind every request it passed, and would wait for them all (a short request's few
+    tokens lose the least, so it would be picked first); the lane's share is small, so sparing it costs little.
 
     Args:
         running: the running requests.
@@ -334,7 +337,8 @@ def cheapest_victim(
         shared = leading_shared_blocks(request, ref_counts)
         lost = request.num_computed_tokens - shared * block_size
         frees_nothing = not request.num_own_blocks  # every block it holds, another holds too
-        key = (frees_nothing, lost, len(request.token_ids) - request.num_prompt_tokens, -request.arrival)
+        generated = len(request.token_ids) - request.num_prompt_tokens
+        key = (request.express_blocks > 0, frees_nothing, lost, generated, -request.arrival)
         if best_key is None or key < best_key:
             best, best_key = request, key
     return best

@@ -19,8 +19,10 @@ others in the slots left, so the running set may exceed `max_num_seqs` by the la
 Admitted through the lane or not, a request is the same request: its tokens do not depend on how it was admitted.
 Its length does not teach the growth reserve (`AdmissionGate.finished`): the reserve's estimate is of the requests
 it admits. A preempted sample does not come back through the lane (it would be preempted again at once; a swapped
-one comes back through the gate, with no share), and the lane closes behind a request that may only be admitted
-once nothing runs (short requests passing it would keep something running for ever).
+one comes back through the gate, with no share), so the lane's samples are the last a preemption takes
+(`admission.cheapest_victim`), and the lane looks past the preempted samples at the queue's head (a big group's,
+by the hundred) for a short request behind them. The lane closes behind a request that may only be admitted once
+nothing runs (short requests passing it would keep something running for ever).
 """
 
 from __future__ import annotations

@@ -157,6 +157,7 @@ class StepBuilder:
         scheduler, batch = self.scheduler, self.batch
         manager, admission = scheduler.block_manager, scheduler.admission
         deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
+        scan_end = EXPRESS_SCAN  # the lane looks no further into the queue (moved past preempted samples it jumps)
         express_only = False  # a request did not fit: only the express lane admits for the rest of this step
         while not batch.num_preempted and self.budget > 0:
             # Every sequence slot of the step is taken: the lane may still admit into its own slots, for the next
@@ -173,8 +174,13 @@ class StepBuilder:
                 not lane.eligible(request)
                 or life_blocks(request, manager.block_size) > admission.express_room(scheduler.running)
             ):
-                deferred += 1  # not for the lane, or too long for its room: it waits for its turn
-                if deferred >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
+                # Not for the lane, or too long for its room: it waits for its turn. Preempted samples (they sampled:
+                # never the lane's) sit at the queue's head, a big group's by the hundred: the lane jumps the run of
+                # them and scans EXPRESS_SCAN requests past it, else a short request behind them waits for the group.
+                past = self._past_sampled(deferred) if request.num_output_tokens else deferred + 1
+                scan_end += past - deferred - 1
+                deferred = past
+                if deferred >= scan_end or not admission.express_room(scheduler.running):
                     return
                 continue
             _check_resolved(request)
@@ -203,7 +209,7 @@ class StepBuilder:
                 request, needed + reserve, scheduler.running, chunk_end, prefix_blocks
             ):
                 if not admission.admits_express(request, reserve, scheduler.running):
-                    if deferred + 1 >= EXPRESS_SCAN or not admission.express_room(scheduler.running):
+                    if deferred + 1 >= scan_end or not admission.express_room(scheduler.running):
                         return
                     if not express_only and lane.closes_behind(request):
                         return  # it may only go in once nothing runs: nothing passes it
@@ -239,6 +245,19 @@ class StepBuilder:
         if self.solo is None:
             return [r for r in running if id(r) not in suspects]
         return [r for r in running if id(r) in suspects and r.group_id == self.solo]
+
+    def _past_sampled(self, index: int) -> int:
+        """The queue index of the first waiting request, from `index` on, that has sampled nothing (the run of
+        preempted samples there jumped in one pass); `index + 1` outside an ordinary step (`_next_admissible` then
+        counts in a filtered queue)."""
+        scheduler = self.scheduler
+        if not scheduler.admitting or scheduler.suspects.requests:
+            return index + 1
+        for request in itertools.islice(scheduler.waiting, index, None):
+            if not request.num_output_tokens:
+                break
+            index += 1
+        return index
 
     def _next_admissible(self, skip: int) -> Request | None:
         """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
