@@ -322,7 +322,7 @@ class GrammarMasks:
                 start = time.thread_time()
                 goal, generated = state.goal, state.generated
                 prune_short_paths(state.matcher, vocab, goal, generated, words[row], MAX_ROW_FILLS, MAX_LOOK_AHEAD_S)
-                state.watch.looked_ahead(time.thread_time() - start)  # past its bound: whole here, ended next step
+                state.watch.looked_ahead(time.thread_time() - start, generated)  # past its bound: ended next step
         return bitmask, rows
 
     def release(self) -> None:

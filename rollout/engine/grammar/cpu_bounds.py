@@ -28,7 +28,9 @@ SPIKE_S_PER_TOKEN = 100e-6
 SPIKE_GROWTH = 1.25
 # The most CPU time one row's min_new_tokens look-ahead (`prune_short_paths`: at most MAX_ROW_FILLS mask fills, each
 # on a narrow mask, so about 0.1 ms on a large vocabulary) may take at one step: cut there, and its sample ended at
-# the next step, as past MAX_ACCEPT_S.
+# the next step, as past MAX_ACCEPT_S. The look-ahead accepts its candidate tokens on the sample's own matcher, so it,
+# not the sample's accept, pays a bounded repetition's buffer growth when one comes (95 ms at 32,500 tokens of a
+# `maxItems` array): such a look-ahead is let through as such an accept is, under the same allowance.
 MAX_LOOK_AHEAD_S = 0.1
 
 
@@ -38,7 +40,7 @@ class CpuWatch:
     def __init__(self) -> None:
         # CPU seconds of the accept past MAX_ACCEPT_S, or look-ahead past MAX_LOOK_AHEAD_S (None: none was).
         self.too_slow: float | None = None
-        self.spiked = 0  # tokens generated at the last accept past MAX_ACCEPT_S let through as a buffer's growth
+        self.spiked = 0  # tokens generated at the last accept or look-ahead past its bound let through as a growth
 
     def accepted(self, seconds: float, generated: int) -> None:
         """One token's accept took `seconds` of this thread's CPU.
@@ -47,20 +49,25 @@ class CpuWatch:
             seconds: its CPU time.
             generated: the tokens the matcher had advanced past before it.
         """
-        if seconds <= MAX_ACCEPT_S or self.too_slow is not None:
-            return
-        if seconds <= SPIKE_S_PER_TOKEN * generated and generated >= SPIKE_GROWTH * self.spiked:
-            self.spiked = generated  # a buffer's growth (SPIKE_S_PER_TOKEN), not a grammar too slow to follow
-        else:
-            self.too_slow = seconds
+        self._took(seconds, MAX_ACCEPT_S, generated)
 
-    def looked_ahead(self, seconds: float) -> None:
+    def looked_ahead(self, seconds: float, generated: int) -> None:
         """One step's min_new_tokens look-ahead for the sample took `seconds` of this thread's CPU.
 
         Args:
             seconds: its CPU time.
+            generated: the tokens the matcher had advanced past (the look-ahead tries the next one).
         """
-        if seconds > MAX_LOOK_AHEAD_S and self.too_slow is None:
+        self._took(seconds, MAX_LOOK_AHEAD_S, generated)
+
+    def _took(self, seconds: float, bound: float, generated: int) -> None:
+        """Something of the grammar's took `seconds` where `bound` is the most it may: past it, the grammar is too
+        slow to follow, unless it is a buffer's growth (SPIKE_S_PER_TOKEN), which either may pay."""
+        if seconds <= bound or self.too_slow is not None:
+            return
+        if seconds <= SPIKE_S_PER_TOKEN * generated and generated >= SPIKE_GROWTH * self.spiked:
+            self.spiked = generated  # a buffer's growth (SPIKE_S_PER_TOKEN), not a grammar too slow to follow
+        else:
             self.too_slow = seconds
 
     def reason(self) -> str:

@@ -26,9 +26,11 @@ only proposals: the verification draws every token from the current weights).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from rollout.engine.grammar import cpu_bounds
 from rollout.engine.requests.request import Request
 from rollout.engine.sampling.ban_lists import always_banned
 from rollout.engine.speculative.suffix_pool import DraftPool
@@ -247,14 +249,22 @@ class SuffixDrafter:
 
 
 def _grammar_allows(constraint, draft: tuple[int, ...]) -> int:  # noqa: ANN001 - a grammar.constraints.Constrained
-    """How many of the draft's first tokens the sample's grammar accepts in a row (its matcher is left as found)."""
-    if not constraint.is_open or constraint.ahead:
+    """How many of the draft's first tokens the sample's grammar accepts in a row (its matcher is left as found).
+
+    The check's accepts are the sample's own accepts done ahead (untimed by its `CpuWatch`), on states further along,
+    so it stops once it took MAX_ACCEPT_S of CPU (the draft cut there: a shorter proposal, the same tokens drawn), and
+    proposes nothing for a grammar found too slow to follow: its sample ends at its next step, and a check of K drafts
+    of such a grammar cost K of its slow accepts on top."""
+    if not constraint.is_open or constraint.ahead or constraint.watch.too_slow is not None:
         return 0
     matcher, accepted = constraint.matcher, 0
+    deadline = time.thread_time() + cpu_bounds.MAX_ACCEPT_S  # (read here: the bound may be changed at run time)
     for token in draft:
         if not matcher.accept_token(token):
             break
         accepted += 1
+        if time.thread_time() > deadline:
+            break
     if accepted:
         matcher.rollback(accepted)
     return accepted
