@@ -82,14 +82,19 @@ class ExpressLane:
         self.block_size = block_size
         self.num_blocks = num_blocks
 
-    @staticmethod
-    def used(running: Iterable[Request]) -> int:
-        """The blocks the lane's running samples may hold (the sum of their shares).
+    def used(self, running: Iterable[Request]) -> int:
+        """The blocks the lane's running samples may hold (the sum of their shares), a lane leader's samples not yet
+        forked counted too (`fork_share` each): a prompt chunked over several steps forks them only at its end, and
+        their shares, left out meanwhile, would let the lane admit past its capacity.
 
         Args:
             running: the running requests.
         """
-        return sum(request.express_blocks for request in running)
+        return sum(
+            request.express_blocks + request.num_forks * fork_share(request, self.block_size)
+            for request in running
+            if request.express_blocks
+        )
 
     @staticmethod
     def sequences(running: Iterable[Request]) -> int:
