@@ -68,6 +68,9 @@ class Dispatcher:
             ValueError: a key that cannot be loaded.
         """
         self._context = zmq.Context()
+        # Sockets linger 0 unless their close says otherwise, libzmq's monitor sockets included (`term()` must not
+        # wait for the events of a monitor closed first: the worker's context does the same).
+        self._context.set(zmq.BLOCKY, False)
         self._keys = keys
         try:
             self.workers = [WorkerLink(self._context, address, keys) for address in addresses]

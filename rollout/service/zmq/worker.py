@@ -84,6 +84,10 @@ class RolloutWorker:
         # Long lists are refused from their length, before their items are looked at.
         self._max_lengths = {"prompt_ids": self.max_prompt_len, "pieces": MAX_PIECES, "tensors": MAX_TENSORS}
         self._context = auth.context if auth is not None else zmq.Context()
+        # Every socket lingers 0 unless its close says otherwise (the ROUTER's does: its last results go out), libzmq's
+        # own monitor socket included: with events pending for a monitor closed first, `term()` may otherwise block
+        # for ever, and a worker that was asked to stop would never exit.
+        self._context.set(zmq.BLOCKY, False)
         self._auth = auth
         self._security_log = SecurityLog(logger)
         self._socket = self._context.socket(zmq.ROUTER)
