@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rollout.schema_support import unsupported_schema_part
+from rollout.json_schema.support import unsupported_schema_part
 from rollout.validation import FieldError
 
 CONSTRAINT_FIELDS = ("regex", "json", "choice", "grammar", "json_object")
@@ -28,7 +28,7 @@ def normalized_constraint(fields: dict[str, Any]) -> dict[str, Any]:
         fields: the five fields by name (None, and False for `json_object`, when not set).
     Raises:
         FieldError: several set at once (naming them), one malformed (naming it), or a JSON schema using what the
-            grammar engine cannot enforce (`rollout.schema_support`).
+            grammar engine cannot enforce (`rollout.json_schema`).
     """
     given = [name for name in CONSTRAINT_FIELDS if is_set(name, fields[name])]
     if len(given) > 1:

@@ -161,6 +161,9 @@ MOVED_MODULES: dict[str, str] = {
     "rollout.batch_config_flags": "rollout.cli.batch_config_flags",
     "rollout.extras": "rollout.cli.extras",
     "rollout.hub": "rollout.cli.hub",
+    # what of a JSON schema the grammar engine enforces
+    "rollout.schema_support": "rollout.json_schema.support",
+    "rollout.schema_branches": "rollout.json_schema.branches",
 }
 
 

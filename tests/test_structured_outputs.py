@@ -209,7 +209,7 @@ def nested(depth: int) -> dict:
 
 # Each keyword xgrammar 0.2.8 compiles but does not enforce, with an instance that violates it (xgrammar's matcher
 # accepts the instance to its end). The engine refuses these schemas by name; when a new xgrammar starts enforcing
-# one, its case here fails: lift the refusal (rollout/schema_support.py).
+# one, its case here fails: lift the refusal (rollout/json_schema/).
 UNENFORCED = {
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]"),
     "not": ({"not": {"type": "integer"}}, "1"),

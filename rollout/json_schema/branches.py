@@ -1,6 +1,6 @@
 """References and `oneOf` branches in a JSON schema, as the grammar engine (xgrammar) reads them: where a `$ref`
 points, and whether a `oneOf`'s branches are told apart (xgrammar enforces `oneOf` as `anyOf`, which is the same only
-when no instance can match two branches). `schema_support` decides with these what it refuses.
+when no instance can match two branches). `support.py` decides with these what it refuses.
 """
 
 from __future__ import annotations

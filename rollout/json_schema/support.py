@@ -11,7 +11,7 @@ Checked against xgrammar 0.2.8 and 0.2.9 (each refusal was seen to accept a viol
   nothing beside it, so a second of them, or any other assertion beside one (`type`, `properties`, `required`,
   `maxLength`, ...), is refused; annotations may stand beside (`title`, `description`, `default`, pydantic's
   `discriminator`, ...), and a `type` beside `const` / `enum` that every value has;
-- `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `schema_branches.overlap`;
+- `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `branches.py`'s `overlap`;
 - a lookahead (`(?=...)`, `(?!...)`) in a `pattern` or a `patternProperties` name: xgrammar drops it there (its
   `regex` constraint refuses one), so `"pattern": "^(?!foo).*$"` would let "foobar" through.
 Every part is checked, those that references point to included, wherever they are. `then` and `else` without `if`
@@ -22,21 +22,16 @@ with depth).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from rollout.schema_branches import ANNOTATIONS, constant_values, overlap, pointed
+from rollout.json_schema.branches import ANNOTATIONS, constant_values, overlap, pointed
+from rollout.json_schema.multiples import MAX_MULTIPLE, MAX_MULTIPLE_SPAN, is_number, unenforced_multiple
+from rollout.json_schema.patterns import KNOWN_FORMATS, beside_string_shape, lookahead
+
+# The public names (those of `patterns.py` and `multiples.py` too, as `rollout.schema_support` had them all).
+__all__ = ["KNOWN_FORMATS", "MAX_MULTIPLE", "MAX_MULTIPLE_SPAN", "MAX_SCHEMA_DEPTH", "unsupported_schema_part"]
 
 MAX_SCHEMA_DEPTH = 32
-MAX_MULTIPLE = 1024  # xgrammar ignores a larger multipleOf (it logs so)
-MAX_MULTIPLE_SPAN = 9999  # nor one whose integer bounds are further apart
-# String formats xgrammar enforces (others are annotations); beside one it drops minLength, maxLength and pattern.
-KNOWN_FORMATS = frozenset(
-    {
-        "email", "uuid", "date", "date-time", "time", "duration", "uri", "uri-reference", "uri-template", "ipv4",
-        "ipv6", "hostname", "json-pointer", "relative-json-pointer",
-    }
-)  # fmt: skip
 # Keywords whose value is a map of names to subschemas / a subschema / a list of subschemas.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_VALUES = (
@@ -88,19 +83,13 @@ _ASSERTIONS = frozenset(
 )
 _IS_TYPE = {  # a JSON value (as json.loads gives it) has the type; a bool is an int to Python, never to JSON
     "string": lambda value: isinstance(value, str),
-    "integer": lambda value: _is_number(value) and (isinstance(value, int) or value.is_integer()),
-    "number": lambda value: _is_number(value),
+    "integer": lambda value: is_number(value) and (isinstance(value, int) or value.is_integer()),
+    "number": lambda value: is_number(value),
     "boolean": lambda value: isinstance(value, bool),
     "null": lambda value: value is None,
     "array": lambda value: isinstance(value, list),
     "object": lambda value: isinstance(value, dict),
 }
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def unsupported_schema_part(schema: Any) -> tuple[str, str] | None:
@@ -151,14 +140,14 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         return f"{where}.if", "(with then / else) is not enforced by the grammar engine"
     found = (
         _beside_deciding(schema, where)
-        or _beside_string_shape(schema, where)
+        or beside_string_shape(schema, where)
         or _bad_count(schema, where)
-        or _lookahead(schema, where)
+        or lookahead(schema, where)
     )
     if found:
         return found
     if "multipleOf" in schema:
-        why = _unenforced_multiple(schema)
+        why = unenforced_multiple(schema)
         if why:
             return f"{where}.multipleOf", why
     reference = schema.get("$ref")
@@ -199,39 +188,6 @@ def _bad_count(schema: dict, where: str) -> tuple[str, str] | None:
     return None
 
 
-def _lookahead(schema: dict, where: str) -> tuple[str, str] | None:
-    """A lookahead in the schema's `pattern` or in a `patternProperties` name (xgrammar drops it: what it guards is
-    let through)."""
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str) and _has_lookahead(pattern):
-        return f"{where}.pattern", "has a lookahead ((?=...) or (?!...)), which the grammar engine does not enforce"
-    names = schema.get("patternProperties")
-    for name in names if isinstance(names, dict) else ():
-        if isinstance(name, str) and _has_lookahead(name):
-            return (
-                f"{where}.patternProperties.{name}",
-                "has a lookahead ((?=...) or (?!...)), which the grammar engine does not enforce",
-            )
-    return None
-
-
-def _has_lookahead(pattern: str) -> bool:
-    """Whether a regex has a `(?=` or `(?!` group: not escaped, not inside a character class."""
-    escaped = in_class = False
-    for index, char in enumerate(pattern):
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif in_class:
-            in_class = char != "]"
-        elif char == "[":
-            in_class = True
-        elif char == "(" and pattern[index + 1 : index + 3] in ("?=", "?!"):
-            return True
-    return False
-
-
 def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:
     """A second deciding keyword, or an assertion, beside the one xgrammar follows (a `type` every constant has may
     stand beside `const` / `enum`)."""
@@ -248,22 +204,6 @@ def _beside_deciding(schema: dict, where: str) -> tuple[str, str] | None:
     return None
 
 
-def _beside_string_shape(schema: dict, where: str) -> tuple[str, str] | None:
-    """A string's length bound beside its `pattern` or a `format` xgrammar knows, or a `pattern` beside such a
-    format: xgrammar follows the pattern, or the format, alone."""
-    known_format = isinstance(schema.get("format"), str) and schema["format"] in KNOWN_FORMATS
-    shape = "format" if known_format else "pattern" if "pattern" in schema else None
-    if shape is None:
-        return None
-    for keyword in ("minLength", "maxLength", "pattern"):
-        if keyword in schema and keyword != shape:
-            return (
-                f"{where}.{keyword}",
-                f"beside {shape} is not enforced by the grammar engine (it follows {shape} alone)",
-            )
-    return None
-
-
 def _every_value_meets(schema: dict, keyword: str) -> bool:
     """Whether every `const` / `enum` value meets `keyword` beside it (what xgrammar enforces is then the same); a
     `format` there is an annotation of the values (OpenAPI's int32)."""
@@ -275,7 +215,7 @@ def _every_value_meets(schema: dict, keyword: str) -> bool:
         checks = [_IS_TYPE[name] for name in kinds if isinstance(name, str) and name in _IS_TYPE]
         return bool(checks) and all(any(check(value) for check in checks) for value in values)
     meets = _VALUE_CHECKS.get(keyword)
-    if meets is None or not _is_number(bound):  # a pattern is not run here: a regex can take exponential time
+    if meets is None or not is_number(bound):  # a pattern is not run here: a regex can take exponential time
         return False
     try:
         return all(meets(value, bound) for value in values)
@@ -287,11 +227,11 @@ def _every_value_meets(schema: dict, keyword: str) -> bool:
 _VALUE_CHECKS = {
     "minLength": lambda value, bound: not isinstance(value, str) or len(value) >= bound,
     "maxLength": lambda value, bound: not isinstance(value, str) or len(value) <= bound,
-    "minimum": lambda value, bound: not _is_number(value) or value >= bound,
-    "maximum": lambda value, bound: not _is_number(value) or value <= bound,
-    "exclusiveMinimum": lambda value, bound: not _is_number(value) or value > bound,
-    "exclusiveMaximum": lambda value, bound: not _is_number(value) or value < bound,
-    "multipleOf": lambda value, bound: not _is_number(value) or bound > 0 and (value / bound).is_integer(),
+    "minimum": lambda value, bound: not is_number(value) or value >= bound,
+    "maximum": lambda value, bound: not is_number(value) or value <= bound,
+    "exclusiveMinimum": lambda value, bound: not is_number(value) or value > bound,
+    "exclusiveMaximum": lambda value, bound: not is_number(value) or value < bound,
+    "multipleOf": lambda value, bound: not is_number(value) or bound > 0 and (value / bound).is_integer(),
 }
 
 
@@ -315,47 +255,3 @@ def _check_children(schema: dict, where: str, root: Any, references: list[str]) 
                 if found:
                     return found
     return None
-
-
-def _unenforced_multiple(schema: dict) -> str | None:
-    """Why xgrammar would not enforce the schema's `multipleOf`, or None: it does on a type of integers (null allowed
-    beside), by a whole number in [1, 1024], with no bound or with integer bounds at most 9,999 apart (with one
-    bound, or further apart, it drops it)."""
-    kind = schema.get("type")
-    kinds = (
-        {kind}
-        if isinstance(kind, str)
-        else {k for k in kind if isinstance(k, str)}
-        if isinstance(kind, list)
-        else set()
-    )
-    multiple = schema["multipleOf"]
-    whole = isinstance(multiple, int) or (isinstance(multiple, float) and multiple.is_integer())
-    if not ("integer" in kinds and kinds <= {"integer", "null"} and whole and not isinstance(multiple, bool)):
-        return f"is enforced by the grammar engine only on integers, by a whole number from 1 to {MAX_MULTIPLE}"
-    if not 1 <= multiple <= MAX_MULTIPLE:
-        return f"is enforced by the grammar engine only on integers, by a whole number from 1 to {MAX_MULTIPLE}"
-    low, high = _bound(schema, "minimum", "exclusiveMinimum", 1), _bound(schema, "maximum", "exclusiveMaximum", -1)
-    if low is None and high is None:
-        return None
-    if low is None or high is None or high - low > MAX_MULTIPLE_SPAN:
-        return (
-            "is enforced by the grammar engine with no bound, or with a lower and an upper bound at most "
-            f"{MAX_MULTIPLE_SPAN:,} apart"
-        )
-    return None
-
-
-def _bound(schema: dict, inclusive: str, exclusive: str, upward: int) -> int | None:
-    """The tightest integer bound one side's inclusive and exclusive keywords give (`upward` 1: the lowest integer
-    allowed, -1: the highest), or None where neither is a finite number."""
-    bounds = []
-    value = schema.get(inclusive)
-    if _is_number(value):
-        bounds.append(math.ceil(value) if upward > 0 else math.floor(value))
-    value = schema.get(exclusive)
-    if _is_number(value):
-        bounds.append(math.floor(value) + 1 if upward > 0 else math.ceil(value) - 1)
-    if not bounds:
-        return None
-    return max(bounds) if upward > 0 else min(bounds)
