@@ -77,8 +77,10 @@ class DistSender(Sender):
                     self.store, fields["group"], 0, fields["world_size"], push.dist_backend, push.timeout
                 )
                 outcome.append(group)
-            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
-                outcome.append(error)
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, as its text: the error's
+                # traceback holds this thread's frames, the store among their locals, and they hold `outcome`: a
+                # cycle that would keep the store's sockets and thread open until a garbage collection.
+                outcome.append(str(error) or type(error).__name__)
 
         # Not a daemon: a join abandoned by a refused push runs until its own deadline (`timeout`), and an interpreter
         # that exits meanwhile waits for it; a daemon thread inside torch's rendezvous at exit aborts the process.
@@ -88,7 +90,7 @@ class DistSender(Sender):
         while thread.is_alive() and time.monotonic() < deadline:
             push.watch_replies(0.05)
         thread.join(max(0.0, deadline - time.monotonic()))
-        if not outcome or isinstance(outcome[0], BaseException):
+        if not outcome or isinstance(outcome[0], str):
             reason = outcome[0] if outcome else f"no rendezvous within {push.timeout:g} s"
             raise UpdateRejected("dist", None, f"the workers did not join the torch.distributed group: {reason}")
         self.group = outcome[0]

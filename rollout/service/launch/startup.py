@@ -9,6 +9,7 @@ import argparse
 import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,10 @@ def start_worker(
     worker.compiles.start(server=args.preload_compiles)  # else the first new spec starts the compile processes
     metrics = None
     if args.metrics_port is not None:
-        metrics = WorkerMetrics(worker.stats)
+        # The worker is held weakly: the manager holds the metrics (its step observer), and a bound `worker.stats`
+        # would close the cycle manager -> metrics -> worker -> manager, which only a garbage collection frees.
+        served = weakref.proxy(worker)
+        metrics = WorkerMetrics(lambda: served.stats())
         manager.step_observer = metrics.observe_step
         try:
             port = metrics.serve(args.metrics_port, args.metrics_host)

@@ -56,6 +56,35 @@ def give_freed_buffers_back() -> None:
         logger.warning("could not set glibc's mmap threshold: freed request bodies may stay resident")
 
 
+# FastAPI (0.165, and some releases before it) classifies each endpoint and dependency callable once, in module caches
+# keyed by the callable itself (up to 4,096 of each): our endpoints are closures over the manager, its engine, the
+# model and the tokenizer, so every app ever built would keep its whole engine, the model's weights included,
+# reachable from there long after its server stopped.
+_FASTAPI_CALLABLE_CACHES = ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached")
+
+
+def release_app(app: Any) -> None:
+    """Let go of what a stopped app holds of the worker, at once. A FastAPI app and its router refer to each other (a
+    cycle only the garbage collector frees), and FastAPI's own caches keep every endpoint callable: the routes (their
+    closures hold the manager, its engine, the model and the tokenizer) and the app's state are dropped from the app,
+    and those caches emptied (no-op on a FastAPI without them). Other apps in the process lose nothing but cached
+    classifications, made again at their next request.
+
+    Args:
+        app: the FastAPI application `build_app` made, its server stopped.
+    """
+    app.router.routes.clear()
+    app.state = type(app.state)()
+    try:
+        from fastapi.dependencies import models
+    except ImportError:
+        return
+    for name in _FASTAPI_CALLABLE_CACHES:
+        cache_clear = getattr(getattr(models, name, None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+
+
 class HttpServer:
     """The HTTP front end of one worker."""
 
@@ -92,7 +121,7 @@ class HttpServer:
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
         app = build_app(manager, tokenizer, settings, counters, compiles, new_base)
-        self._close_app = app.state.close
+        self._app, self._close_app = app, app.state.close
         if observe is not None:
             app = RequestMetrics(app, observe, ENDPOINTS)
         # No cap on connections as a whole (uvicorn's limit_concurrency): idle sockets would take the API down.
@@ -127,6 +156,7 @@ class HttpServer:
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()  # nothing of a server that did not start stays: its thread, the app's threads, the app
                 raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
             time.sleep(0.02)
         sockets = [s for server in self._server.servers for s in server.sockets]
@@ -141,10 +171,12 @@ class HttpServer:
         return f"http://{host}:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop serving (open streams are closed; their groups cancelled) and wait for the thread."""
+        """Stop serving (open streams are closed; their groups cancelled) and wait for the thread; then release the
+        app: its compile and parse threads, and what it holds of the worker (`release_app`). Safe to call again."""
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("the HTTP server did not stop within %.0f s", timeout)
         self._close_app()
+        release_app(self._app)

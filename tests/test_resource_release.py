@@ -1,0 +1,143 @@
+"""Resources are released when their owner closes, never left to a garbage collection: each test runs its owner with
+the collector off and checks that what it held (the manager behind an HTTP app, a worker with metrics, the rendezvous
+store of a refused torch.distributed push) is gone once the owner stopped. Engines and models are not checked: this
+suite's conftest keeps every engine a test builds (`no_leaked_blocks`); the manager is what holds them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import tiny_model
+from rollout import ContinuousBatchingConfig, init_continuous_batching
+from rollout.presets import tiny_model as preset_model
+from rollout.presets import tiny_tokenizer
+from rollout.service.launch.cli import build_parser
+from rollout.service.launch.startup import start_worker
+from trainer_bridge import RolloutClient, RolloutError
+from trainer_bridge.weights.weight_sync import push_weights
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    """No garbage collection while the test runs: what a reference cycle holds stays held."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def open_sockets() -> int:
+    """This process's open socket descriptors."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+        except OSError:  # closed while listed
+            pass
+    return count
+
+
+def serve_in_process(*flags: str):
+    """An in-process rollout-worker on the tiny model (a free loopback port) serving on a thread: (its
+    `RunningWorker`, the thread)."""
+    parser = build_parser()
+    argv = ["--bind", "tcp://127.0.0.1:*", "--num-blocks", "32", "--device", "cpu", "--log-level", "ERROR", *flags]
+    running = start_worker(parser, parser.parse_args(argv))
+    serving = threading.Thread(target=running.serve)
+    serving.start()
+    return running, serving
+
+
+def stop_serving(running, serving: threading.Thread) -> None:
+    running.worker.shutdown()
+    serving.join(60)
+    assert not serving.is_alive()
+
+
+def test_a_stopped_http_server_lets_its_manager_go(collector_off):
+    """FastAPI keeps every endpoint callable in process-wide caches, and its app and router refer to each other:
+    the routes' closures (the manager, its engine, the model) must be let go by `stop`, not by a collection."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from rollout.service.http.serving.server import HttpServer
+    from rollout.service.http.serving.settings import HttpSettings
+
+    config = ContinuousBatchingConfig(num_blocks=16)
+    manager = init_continuous_batching(preset_model(0), continuous_batching_config=config, tokenizer=tiny_tokenizer())
+    manager.start()
+    settings = HttpSettings(host="127.0.0.1", port=0, model_name="tiny")
+    server = HttpServer(manager, manager.engine.intake.tokenizer, settings).start()
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 2, "ignore_eos": True, "return_token_ids": True}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200 and len(answer.json()["choices"][0]["token_ids"]) == 2
+    server.stop()
+    server.stop()  # twice: nothing more to do
+    manager.stop()
+    held = weakref.ref(manager)
+    del server, manager
+    assert held() is None
+
+
+# uvicorn ends its thread with SystemExit when it cannot listen (what `start` reports as a RuntimeError).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_http_server_that_cannot_listen_leaves_nothing(collector_off):
+    """A taken port: `start` raises, and neither its thread nor the app (holding the manager) stays behind."""
+    pytest.importorskip("fastapi")
+    from rollout.service.http.serving.server import HttpServer
+    from rollout.service.http.serving.settings import HttpSettings
+
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=16))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        settings = HttpSettings(host="127.0.0.1", port=taken.getsockname()[1], model_name="tiny")
+        with pytest.raises(RuntimeError, match="did not start"):
+            HttpServer(manager, None, settings).start()
+    assert not [thread for thread in threading.enumerate() if thread.name == "rollout-http"]
+    manager.destroy()
+    held = weakref.ref(manager)
+    del manager
+    assert held() is None
+
+
+def test_a_worker_with_metrics_leaves_no_cycle(collector_off):
+    """`--metrics-port`: the manager holds the metrics (its step observer), which must not hold the worker back."""
+    running, serving = serve_in_process("--metrics-port", "0")
+    stop_serving(running, serving)
+    held = weakref.ref(running.manager), weakref.ref(running.worker)
+    del running
+    assert [ref() is None for ref in held] == [True, True]
+
+
+def test_a_refused_torch_distributed_push_closes_its_store(collector_off):
+    """A push refused at weights_begin (version not above the worker's): its rendezvous store (a listening socket,
+    its connections, a thread) is closed once the abandoned join ends, not at a collection."""
+    running, serving = serve_in_process()
+    try:
+        weights = {name: tensor.detach().clone() for name, tensor in running.model.state_dict().items()}
+        with RolloutClient(running.worker.address, timeout=30) as client:
+            push_weights(client, weights, version=5, transport="frames")
+            client.wait_connected()
+            before = open_sockets()
+            for _ in range(3):
+                with pytest.raises(RolloutError, match="must exceed the current version 5"):
+                    push_weights(client, weights, version=5, transport="torch.distributed", timeout=1.0)
+            deadline = time.monotonic() + 30
+            while any(thread.name == "rollout-weights-join" for thread in threading.enumerate()):
+                assert time.monotonic() < deadline, "the abandoned joins did not end at their timeout"
+                time.sleep(0.05)
+            # Each store held about 8 sockets; a few may differ for other reasons (the client's own connection).
+            assert open_sockets() - before <= 3
+    finally:
+        stop_serving(running, serving)
