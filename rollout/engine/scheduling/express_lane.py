@@ -64,7 +64,9 @@ class ExpressLane:
 
     Each sample admitted through the lane carries its share (`Request.express_blocks`: the leader its life but for
     its forks', each fork `fork_share`), so the lane's use is a sum over the running samples: a preempted sample
-    leaves it by leaving the running ones, and one readmitted otherwise carries none.
+    leaves it by leaving the running ones, and one readmitted otherwise carries none. The prompt's full blocks are in
+    the leader's share, but every fork holds them too: they stay counted while any lane sample of the group runs
+    (`used`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, fraction: float = EXPRESS_FRACTION):
@@ -87,14 +89,27 @@ class ExpressLane:
         forked counted too (`fork_share` each): a prompt chunked over several steps forks them only at its end, and
         their shares, left out meanwhile, would let the lane admit past its capacity.
 
+        Invariant: the blocks the lane's running samples hold never exceed this sum (so never the lane's capacity).
+        The forks hold their leader's full prompt blocks, which only the leader's share counts: a leader that ends
+        (or is preempted) first takes its share away while they still hold those blocks, and the lane would admit
+        past its capacity by as many. So a group's full prompt blocks count once while any of its lane forks runs
+        without its lane leader, until the last of them leaves.
+
         Args:
             running: the running requests.
         """
-        return sum(
-            request.express_blocks + request.num_forks * fork_share(request, self.block_size)
-            for request in running
-            if request.express_blocks
-        )
+        block_size = self.block_size
+        total = 0
+        led: set[str] = set()  # groups whose lane leader runs (its share counts their prompt's full blocks)
+        orphaned: dict[str, int] = {}  # groups with running lane forks: their prompt's full blocks
+        for request in running:
+            if request.express_blocks:
+                total += request.express_blocks + request.num_forks * fork_share(request, block_size)
+                if request.sample_index == 0:
+                    led.add(request.group_id)
+                else:
+                    orphaned[request.group_id] = request.num_prompt_tokens // block_size
+        return total + sum(blocks for group, blocks in orphaned.items() if group not in led)
 
     @staticmethod
     def sequences(running: Iterable[Request]) -> int:
