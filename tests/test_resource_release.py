@@ -1,7 +1,9 @@
 """Resources are released when their owner closes, never left to a garbage collection: each test runs its owner with
 the collector off and checks that what it held (the manager behind an HTTP app, a worker with metrics, the rendezvous
-store of a refused torch.distributed push) is gone once the owner stopped. Engines and models are not checked: this
-suite's conftest keeps every engine a test builds (`no_leaked_blocks`); the manager is what holds them."""
+store of a refused torch.distributed push) is gone once the owner stopped. Engines and models are mostly not checked:
+this suite's conftest keeps every engine a test builds (`no_leaked_blocks`); the manager is what holds them. The one
+owner that is the model itself (the engine `generate_batch(..., persistent_manager=True)` keeps) lets them go with it,
+to a collection: it is released at once only by `release_cached_engine`."""
 
 from __future__ import annotations
 
@@ -141,3 +143,36 @@ def test_a_refused_torch_distributed_push_closes_its_store(collector_off):
             assert open_sockets() - before <= 3
     finally:
         stop_serving(running, serving)
+
+
+def test_a_dropped_model_frees_the_engine_generate_batch_kept_for_it(no_leaked_blocks):
+    """transformers keeps its manager on the model; ours is kept on it too, so a model the caller drops is freed with
+    its engine (KV cache, graphs) by the next collection. It was never freed: a table keyed weakly by the model held
+    the engine, and the engine held the model. A deep copy of the model carries no engine."""
+    import copy
+
+    from rollout import SamplingParams, generate_batch
+    from rollout.engine.generate import cached_engine
+
+    sampling = SamplingParams(max_new_tokens=2, stop_token_ids=())
+    config = ContinuousBatchingConfig(num_blocks=64, block_size=16)
+    models, engines = [], []
+    for seed in range(3):
+        model = tiny_model(seed=seed)
+        generate_batch(model, [[1, 2, 3]], sampling=sampling, continuous_batching_config=config,
+                       persistent_manager=True, progress_bar=False)  # fmt: skip
+        engine = cached_engine(model)
+        assert engine is not None
+        duplicate = copy.deepcopy(model)
+        assert cached_engine(duplicate) is None  # no engine copied with the model
+        del duplicate
+        models.append(weakref.ref(model))
+        engines.append(weakref.ref(engine))
+        del model, engine
+    for built in no_leaked_blocks:  # the conftest's own check, then its hold on the engines let go
+        built.block_manager.check_all_free()
+    del built
+    no_leaked_blocks.clear()
+    gc.collect()
+    assert [ref() for ref in models] == [None] * 3
+    assert [ref() for ref in engines] == [None] * 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
 from typing import Any
 
 import torch
@@ -19,9 +18,32 @@ from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.runner.model_checks import refuse_model_name
 from rollout.peft_adapters import is_peft_model
 
-# Engines kept by `generate_batch(..., persistent_manager=True)`, by model (not an attribute of the model, so that
-# copying the model copies no engine): (what it was built from, the engine).
-_CACHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Engine]] = weakref.WeakKeyDictionary()
+# The attribute of a model that holds the engine `generate_batch(..., persistent_manager=True)` keeps for it.
+CACHED_ENGINE_ATTRIBUTE = "_rollout_cached_engine"
+
+
+class _EngineSlot:
+    """The engine kept for one model, held in the model's own attribute (`CACHED_ENGINE_ATTRIBUTE`), as transformers
+    keeps its continuous-batching manager on the model: the engine refers to its model, so a table keyed weakly by
+    the model would never let either go (the value keeps its key alive), where a model dropped with its slot is one
+    cycle that the garbage collector frees. A copy or a pickle of the model carries an empty slot: no engine is
+    copied, and a shallow copy's shared slot answers only the model it was made for."""
+
+    def __init__(self, model: torch.nn.Module | None = None, key: Any = None, engine: Engine | None = None) -> None:
+        self.model_id = id(model) if model is not None else None  # the engine keeps the model (so its id) alive
+        self.key, self.engine = key, engine
+
+    def __deepcopy__(self, memo: dict) -> _EngineSlot:
+        return _EngineSlot()
+
+    def __reduce__(self) -> tuple:
+        return (_EngineSlot, ())
+
+
+def _slot(model: torch.nn.Module) -> _EngineSlot | None:
+    """The model's filled slot, if it holds one made for this very model."""
+    slot = model.__dict__.get(CACHED_ENGINE_ATTRIBUTE)
+    return slot if isinstance(slot, _EngineSlot) and slot.engine is not None and slot.model_id == id(model) else None
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -67,7 +89,8 @@ def generate_batch(
             same configs (and the same model generation config and parameter storage) instead of building one per
             call; between calls the model is the caller's (its attention implementation and training mode back),
             and each call starts with an empty prefix cache, since weights may change in place in between.
-            `release_cached_engine(model)` frees it.
+            `release_cached_engine(model)` frees it at once; a model dropped with it is freed with its engine at
+            the next garbage collection.
         warmup: capture the decode CUDA graphs and run a short request before the prompts (once per engine).
         tokenizer: the model's tokenizer, needed for stop strings (`SamplingParams.stop`, or a GenerationConfig's
             `stop_strings`), as `generate(..., stop_strings=..., tokenizer=...)` needs one.
@@ -151,7 +174,7 @@ def generate_batch(
         peft_off.close()
         if not persistent_manager:
             engine.close()
-        elif model in _CACHED:
+        elif _slot(model) is not None:
             engine.runner.suspend()  # the model is the caller's again until the next call
     return {request_id: results[request_id] for request_id in order}
 
@@ -227,16 +250,16 @@ def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persist
         getattr(model, "generation_config", None),
         [p.data_ptr() for p in model.parameters()],
     )
-    cached = _CACHED.get(model)
-    if persistent and cached is not None and cached[0] == key:
-        engine = cached[1]
+    cached = _slot(model)
+    if persistent and cached is not None and cached.key == key:
+        engine = cached.engine
         engine.runner.resume()
         engine.block_manager.reset_prefix_cache()  # the weights may have changed in place since
         return engine, engine.warmed_up
     release_cached_engine(model)
     engine = Engine(model, config, generation_config)
     if persistent:
-        _CACHED[model] = (copy.deepcopy(key), engine)
+        model.__dict__[CACHED_ENGINE_ATTRIBUTE] = _EngineSlot(model, copy.deepcopy(key), engine)
     return engine, False
 
 
@@ -246,8 +269,8 @@ def cached_engine(model: torch.nn.Module) -> Engine | None:
     Args:
         model: the model given to `generate_batch`.
     """
-    cached = _CACHED.get(model)
-    return None if cached is None else cached[1]
+    cached = _slot(model)
+    return None if cached is None else cached.engine
 
 
 def release_cached_engine(model: torch.nn.Module) -> None:
@@ -256,6 +279,7 @@ def release_cached_engine(model: torch.nn.Module) -> None:
     Args:
         model: the model given to `generate_batch`.
     """
-    cached = _CACHED.pop(model, None)
+    cached = _slot(model)
     if cached is not None:
-        cached[1].close()
+        del model.__dict__[CACHED_ENGINE_ATTRIBUTE]
+        cached.engine.close()
