@@ -122,6 +122,21 @@ def test_a_worker_with_metrics_leaves_no_cycle(collector_off):
     assert [ref() is None for ref in held] == [True, True]
 
 
+def test_a_worker_whose_http_front_fails_to_start_leaves_no_metrics_server(monkeypatch):
+    """--http that cannot listen once the model loaded (its port taken meanwhile: a usage error, SystemExit), after
+    --metrics-port started: the metrics server must not stay up, answering every scrape with a 500 (it reads the
+    worker's stats through a weak proxy, and the worker is gone with the failed start)."""
+    import rollout.service.launch.startup as startup
+
+    def taken(parser, *args, **kwargs):
+        parser.error("--http 127.0.0.1:1: the HTTP server did not start on 127.0.0.1:1")
+
+    monkeypatch.setattr(startup, "start_http", taken)
+    with pytest.raises(SystemExit):
+        serve_in_process("--metrics-port", "0", "--http", "127.0.0.1:0")
+    assert not [thread for thread in threading.enumerate() if thread.name == "rollout-metrics"]
+
+
 def test_a_refused_torch_distributed_push_closes_its_store(collector_off):
     """A push refused at weights_begin (version not above the worker's): its rendezvous store (a listening socket,
     its connections, a thread) is closed once the abandoned join ends, not at a collection."""

@@ -156,7 +156,12 @@ def start_worker(
     http = None
     if http_address is not None:
         observe = metrics.observe_http if metrics is not None else None
-        http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
+        try:
+            http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
+        except BaseException:  # (a usage error: SystemExit) the metrics read a worker that goes with this start
+            if metrics is not None:
+                metrics.close()
+            raise
     if configure_tracing():
         logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
     ready = (
