@@ -131,10 +131,39 @@ def test_a_worker_whose_http_front_fails_to_start_leaves_no_metrics_server(monke
     def taken(parser, *args, **kwargs):
         parser.error("--http 127.0.0.1:1: the HTTP server did not start on 127.0.0.1:1")
 
+    built = []
+    worker_class = startup.RolloutWorker
+
+    def recorded(*args, **kwargs):
+        built.append(worker_class(*args, **kwargs))
+        return built[-1]
+
     monkeypatch.setattr(startup, "start_http", taken)
+    monkeypatch.setattr(startup, "RolloutWorker", recorded)
+    sockets = open_sockets()
     with pytest.raises(SystemExit):
         serve_in_process("--metrics-port", "0", "--http", "127.0.0.1:0")
     assert not [thread for thread in threading.enumerate() if thread.name == "rollout-metrics"]
+    # ... nor the worker's bound socket or its ZeroMQ context (its I/O threads' sockets)
+    (worker,) = built
+    assert worker._socket.closed and worker._context.closed
+    assert open_sockets() <= sockets
+    with pytest.raises(RuntimeError, match="it is closed"):
+        worker.serve()
+
+
+def test_a_worker_closed_before_serving_releases_its_socket():
+    """`RolloutWorker.close()` on a worker that never served: its address is free again at once (bound anew)."""
+    from rollout.service.zmq.worker import RolloutWorker
+
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=8))
+    worker = RolloutWorker(manager, "tcp://127.0.0.1:*", "tiny")
+    address = worker.address
+    worker.close()
+    worker.close()  # again: nothing left to do
+    again = RolloutWorker(manager, address, "tiny")  # the same port: refused (EADDRINUSE) while the first held it
+    again.close()
+    assert again.address == address
 
 
 def test_a_refused_torch_distributed_push_closes_its_store(collector_off):

@@ -114,15 +114,43 @@ def start_worker(
         manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
         parser.error(parser.flag_message(error))
+    try:  # a start that fails from here (a usage error is SystemExit) releases what it built: in-process (a Ray
+        # actor, a test) nothing else would, and a GPU's engine holds most of its memory
+        worker, metrics, http = _serve_parts(
+            parser, args, manager, keys, limits, http_address, tokenizer, tokenizer_name
+        )
+    except BaseException:
+        manager.destroy()
+        raise
+    if configure_tracing():
+        logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
+    ready = (
+        f"rollout-worker ready on {worker.address}: model {args.model} on {device} ({next(model.parameters()).dtype}), "
+        f"{manager.engine.num_blocks} KV blocks of {config.block_size} tokens",
+        cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len),
+    )
+    return RunningWorker(worker, manager, model, http, metrics, ready)
+
+
+def _serve_parts(
+    parser: CliParser,
+    args: argparse.Namespace,
+    manager: ContinuousBatchingManager,
+    keys: WorkerKeys | None,
+    limits: WorkerLimits,
+    http_address: tuple[str, int] | None,
+    tokenizer: Any,
+    tokenizer_name: str | None,
+) -> tuple[RolloutWorker, WorkerMetrics | None, Any]:
+    """Load the start adapters, warm the engine up, then bind the worker's socket and start the metrics and HTTP
+    servers; a failure (a usage error: SystemExit) closes those already started, and the caller the manager."""
     serve_start_adapters(parser, args.lora, manager.engine, args.model)
     context = manager.engine.max_model_len
     if args.max_prompt_len is not None and args.max_prompt_len > context:  # it would be capped there, silently
-        manager.destroy()
         parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
     try:
         manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     except RuntimeError as error:  # the model's forward fails: no request could be served
-        manager.destroy()
         parser.error(f"--model {args.model}: {error}")
     auth = None
     if keys is not None:
@@ -139,37 +167,31 @@ def start_worker(
         check_finite=args.check_finite,
         tokenizer_name=tokenizer_name,
     )
-    worker.compiles.start(server=args.preload_compiles)  # else the first new spec starts the compile processes
     metrics = None
-    if args.metrics_port is not None:
-        # The worker is held weakly: the manager holds the metrics (its step observer), and a bound `worker.stats`
-        # would close the cycle manager -> metrics -> worker -> manager, which only a garbage collection frees.
-        served = weakref.proxy(worker)
-        metrics = WorkerMetrics(lambda: served.stats())
-        manager.step_observer = metrics.observe_step
-        try:
-            port = metrics.serve(args.metrics_port, args.metrics_host)
-        except OSError as error:
-            parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
-        host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # an IPv6 address
-        logger.info("metrics at http://%s:%d/metrics", host, port)
-    http = None
-    if http_address is not None:
-        observe = metrics.observe_http if metrics is not None else None
-        try:
+    try:
+        worker.compiles.start(server=args.preload_compiles)  # else the first new spec starts the compile processes
+        if args.metrics_port is not None:
+            # The worker is held weakly: the manager holds the metrics (its step observer), and a bound `worker.stats`
+            # would close the cycle manager -> metrics -> worker -> manager, which only a garbage collection frees.
+            served = weakref.proxy(worker)
+            metrics = WorkerMetrics(lambda: served.stats())
+            manager.step_observer = metrics.observe_step
+            try:
+                port = metrics.serve(args.metrics_port, args.metrics_host)
+            except OSError as error:
+                parser.error(f"--metrics-port {args.metrics_port}: cannot listen ({error})")
+            host = f"[{args.metrics_host}]" if ":" in args.metrics_host else args.metrics_host  # an IPv6 address
+            logger.info("metrics at http://%s:%d/metrics", host, port)
+        http = None
+        if http_address is not None:
+            observe = metrics.observe_http if metrics is not None else None
             http = start_http(parser, args, http_address, manager, worker, tokenizer, limits, observe)
-        except BaseException:  # (a usage error: SystemExit) the metrics read a worker that goes with this start
-            if metrics is not None:
-                metrics.close()
-            raise
-    if configure_tracing():
-        logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
-    ready = (
-        f"rollout-worker ready on {worker.address}: model {args.model} on {device} ({next(model.parameters()).dtype}), "
-        f"{manager.engine.num_blocks} KV blocks of {config.block_size} tokens",
-        cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len),
-    )
-    return RunningWorker(worker, manager, model, http, metrics, ready)
+    except BaseException:  # the metrics read the worker, whose compile processes and socket go with this start
+        if metrics is not None:
+            metrics.close()
+        worker.close()
+        raise
+    return worker, metrics, http
 
 
 def check_flags(

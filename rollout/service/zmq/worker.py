@@ -102,7 +102,15 @@ class RolloutWorker:
         owner, limits = weakref.proxy(self), self.limits
         lost = lambda identity, reason: owner._client_lost(identity, reason)  # noqa: E731 - one callback, named
         self._links = ClientLinks(self._socket, limits.max_pending_bytes, limits.client_timeout_s, lost)
-        self._socket.bind(bind)
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError:  # e.g. the address was taken since it was checked: nothing of this worker stays open
+            self._links.close()
+            self._socket.close(linger=0)
+            if auth is not None:
+                auth.stop()
+            self._context.term()
+            raise
         # One weight bucket's frames (a header and one frame per piece) are the most a message may hold.
         self._reader = MessageReader(
             self._socket, 1 + MAX_PIECES, self.limits.max_message_bytes, max_header_bytes=p.MAX_HEADER_BYTES
@@ -112,6 +120,8 @@ class RolloutWorker:
         # (no busy polling, which would steal the GIL from the engine).
         self._waker = Waker()
         self._stop = threading.Event()
+        self._state_lock = threading.Lock()
+        self._state = "built"  # then "serving" (serve) and "closed" (once released)
         self._tracer = tracer or Tracer()
         # Counters (stats(), /metrics), shared with the HTTP front end.
         self.counters = GroupCounters()
@@ -146,43 +156,74 @@ class RolloutWorker:
         self._updates.base_id = base_id
 
     def serve(self) -> None:
-        """Start the engine and serve until `shutdown()`; then abort what is in flight and tell its clients."""
-        self.manager.start()
+        """Start the engine and serve until `shutdown()`; then abort what is in flight, tell its clients and release
+        everything the worker holds (as `close`). A worker serves once.
+
+        Raises:
+            RuntimeError: the worker was closed, or already served.
+        """
+        with self._state_lock:
+            if self._state != "built":
+                raise RuntimeError(f"this worker cannot serve: it is {self._state} (build a new RolloutWorker)")
+            self._state = "serving"
+        try:
+            self.manager.start()
+            self._serve_loop()
+        finally:
+            self._release()
+
+    def _serve_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._waker.reader, zmq.POLLIN)
         poller.register(self._links.monitor, zmq.POLLIN)
-        try:
-            while not self._stop.is_set() and self.manager.is_running():
-                # No wait while a message is part read or a large reply is part encoded: both go on at once.
-                ready = dict(poller.poll(0 if self._reader.busy or self._links.encoding else 100))
-                # Closed connections first: their descriptors may already serve new clients whose messages wait
-                # on the socket (a closed connection's event is queued before its descriptor is released).
-                if self._links.monitor in ready:
-                    self._links.on_monitor_events()
-                if self._socket in ready or self._reader.busy:
-                    self._receive_all()
-                if ready:
-                    self._waker.drain()
-                self._desk.admit_compiled(self._send)  # after the drain: a compile finished since wakes the next poll
-                self._updates.conclude()
-                self._desk.flush(self._send)
-                self._links.flush()
-                self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
-                self._updates.expire(time.monotonic())
-        finally:
-            self.compiles.close()  # every compile ends (their processes with them) before the groups are answered
-            self._desk.close(self._send)
-            self.manager.stop(block=True, timeout=30)
-            self._updates.close()
+        while not self._stop.is_set() and self.manager.is_running():
+            # No wait while a message is part read or a large reply is part encoded: both go on at once.
+            ready = dict(poller.poll(0 if self._reader.busy or self._links.encoding else 100))
+            # Closed connections first: their descriptors may already serve new clients whose messages wait
+            # on the socket (a closed connection's event is queued before its descriptor is released).
+            if self._links.monitor in ready:
+                self._links.on_monitor_events()
+            if self._socket in ready or self._reader.busy:
+                self._receive_all()
+            if ready:
+                self._waker.drain()
+            self._desk.admit_compiled(self._send)  # after the drain: a compile finished since wakes the next poll
+            self._updates.conclude()
             self._desk.flush(self._send)
-            self._links.flush(encode_s=None)  # the last results are encoded whole: nothing is served after them
-            self._links.close()
-            self._socket.close(linger=2000)  # let the final abort results reach their clients
-            if self._auth is not None:
-                self._auth.stop()
-            self._context.term()
-            self._waker.close()
+            self._links.flush()
+            self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
+            self._updates.expire(time.monotonic())
+
+    def close(self) -> None:
+        """Release a worker that is not serving: its compile processes, engine thread, weight staging, socket and
+        ZeroMQ context (e.g. one built in-process whose start failed before `serve`). While `serve` runs (on
+        another thread) this only asks it to stop, and `serve` releases them as it returns. Safe to call again."""
+        with self._state_lock:
+            serving = self._state == "serving"
+        if serving:
+            self.shutdown()
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        """Abort what is in flight, answer its clients and release everything (once; `serve`'s end or `close`)."""
+        with self._state_lock:
+            if self._state == "closed":
+                return
+            self._state = "closed"
+        self.compiles.close()  # every compile ends (their processes with them) before the groups are answered
+        self._desk.close(self._send)
+        self.manager.stop(block=True, timeout=30)
+        self._updates.close()
+        self._desk.flush(self._send)
+        self._links.flush(encode_s=None)  # the last results are encoded whole: nothing is served after them
+        self._links.close()
+        self._socket.close(linger=2000)  # let the final abort results reach their clients
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
+        self._waker.close()
 
     def shutdown(self) -> None:
         """Ask `serve` to return (safe from signal handlers and other threads)."""
