@@ -49,6 +49,7 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
         assert abs(figures["step"] - figures["sampling_kernels"] - figures["host"]) <= 0.002
         assert all(figures[phase] > 0 for phase in ("schedule", "inputs", "sampling", "update"))
     assert report["engine host time per step, 256 running"].value == host["256"]
+    assert 0 <= report["of it sampling, 256 running"].value < host["256"]  # the sampler's share of the host's time
     fidelity = report["logprob |rollout - teacher-forced| mean, fp32_logits"]
     floor = details["fp32_logits"]["floor_abs_diff_mean"]
     assert fidelity.value == details["fp32_logits"]["logprob_abs_diff_mean"] and fidelity.goal.target == floor
