@@ -106,6 +106,36 @@ def test_a_client_without_keys_cannot_connect(worker):
     assert error.value.code == "no_workers" and worker.address in str(error.value)
 
 
+def test_a_keys_connections_are_one_client(keys):
+    """--max-groups-per-client 1 with keys: a second connection of a key with a group in flight is refused "busy";
+    another key's is not (the worker hands each message's CurveZMQ key to its group desk)."""
+    public = keys / "own" / "worker.key"
+    client_key, trainer_key = keys / "clients" / "client.key_secret", keys / "trainers" / "trainer.key_secret"
+    server = Worker(
+        *("--curve-secret-key", str(keys / "own" / "worker.key_secret"), "--authorized-keys", str(keys / "clients")),
+        *("--trainer-keys", str(keys / "trainers"), "--max-groups-per-client", "1"),
+        secure=(client_key, public),
+    )
+    short = {"max_new_tokens": 2}
+    try:
+        first, second, other = (
+            Client(server.address, (client_key, public)),
+            Client(server.address, (client_key, public)),
+            Client(server.address, (trainer_key, public)),
+        )
+        first.send(p.Generate("long", [4, 5, 6], sampling={"max_new_tokens": 2000, "stop_token_ids": []}, stream=True))
+        assert isinstance(first.receive(), p.Delta)  # in flight
+        refused = second.ask(p.Generate("more", [4, 5, 6], sampling=short))
+        assert isinstance(refused, p.Error) and refused.code == "busy", refused
+        assert "--max-groups-per-client" in refused.message
+        other.send(p.Generate("theirs", [4, 5, 6], sampling=short))
+        assert isinstance(other.until_result("theirs")[1], p.GroupResult)
+        first.send(p.Cancel("long"))
+        assert isinstance(first.until_result("long")[1], p.GroupResult)
+    finally:
+        server.close()
+
+
 def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys):
     prompt = PromptGroup([4, 5, 6, 7], sampling=GREEDY)
     changed = tiny_model()

@@ -105,3 +105,36 @@ def test_sessions_of_one_connection_share_its_admission_turns():
         desk.generate(b"\x01one-connection", message, lambda identity, reply: None)
     assert {spec.client for spec in manager.specs} == {b"\x01one-connection".hex()}
     assert [spec.session for spec in manager.specs] == ["session-0", "session-1", "session-2"]
+
+
+def test_with_keys_a_key_is_one_client_however_many_connections_it_opens():
+    """With CurveZMQ keys, the key is the client: a trainer's connections share its admission turns and its
+    --max-groups-per-client (a key holder opening a thousand connections no longer takes a thousand turns); without
+    keys, each connection is a client."""
+    from rollout.service.group_counters import GroupCounters
+    from rollout.service.observability.tracing import Tracer
+    from rollout.service.zmq.group_desk import GroupDesk
+    from rollout.service.zmq.limits import WorkerLimits
+
+    class Manager:  # records what the desk hands the engine; its groups never end
+        def __init__(self):
+            self.specs = []
+
+        def add_groups(self, specs):
+            self.specs += specs
+
+        def register_result_handler(self, group_id, handler):
+            pass
+
+    manager, replies = Manager(), []
+    desk = GroupDesk(manager, WorkerLimits(max_groups_per_client=2), GroupCounters(), Tracer(), lambda: None, None)
+    answer = lambda identity, reply: replies.append((identity, reply))  # noqa: E731
+    sent = [(b"\x01first", "trainer-key"), (b"\x01second", "trainer-key"), (b"\x01third", "trainer-key")]
+    sent += [(b"\x01fourth", "other-key"), (b"\x01fifth", None), (b"\x01sixth", None)]
+    for index, (connection, key) in enumerate(sent):
+        desk.generate(connection, p.Generate(f"g{index}", PROMPT, 1, SAMPLING), answer, key)
+    ((refused_to, refusal),) = replies  # the third connection of the key: its two groups are in flight
+    assert refused_to == b"\x01third" and refusal.code == "busy" and "--max-groups-per-client" in refusal.message
+    clients = [spec.client for spec in manager.specs]
+    assert clients[:2] == ["key:trainer-key"] * 2 and clients[2] == "key:other-key"
+    assert clients[3:] == [b"\x01fifth".hex(), b"\x01sixth".hex()]

@@ -25,6 +25,7 @@ class GroupInFlight:
     prompt_ids: list[int]
     n: int
     stream: bool
+    key: str | None = None  # the client's CurveZMQ public key (z85), when the worker checks keys
     span: Any = None  # its OpenTelemetry span (tracing.py), or None
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[float]] = field(default_factory=dict)
@@ -41,6 +42,12 @@ class GroupInFlight:
     # The samples of a group share their prompt's lists (the engine scores the prompt once): one PromptScores each.
     shared_prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # by id() of its logprobs list
     cancel_requested: bool = False  # its client cancelled it (or was lost): a group still compiling is never run
+
+    @property
+    def client(self) -> str:
+        """Who sent the group, as turns, limits and drafts count clients: its key when the worker checks keys (one
+        trainer's many connections are one client), else its connection."""
+        return f"key:{self.key}" if self.key is not None else self.identity.hex()
 
     @property
     def engine_id(self) -> str:
@@ -165,9 +172,7 @@ class PromptScores:
             None if top is None else reply_frames.top_arrays(top[1:]),
         )
 
-    def put(
-        self, message: p.SampleArrays, frames: list[bytes], entries: dict[int, tuple] | None = None
-    ) -> None:
+    def put(self, message: p.SampleArrays, frames: list[bytes], entries: dict[int, tuple] | None = None) -> None:
         """Set them on a completion or delta as frames.
 
         Args:

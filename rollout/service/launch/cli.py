@@ -195,7 +195,8 @@ def build_parser() -> CliParser:
         "--max-groups-per-client",
         type=int,
         default=limits.max_groups_per_client,
-        help="most groups one client may have in flight; more are answered 'busy'; 0: no limit",
+        help="most groups one client (with keys: one key, however many connections; else one connection) may have "
+        "in flight; more are answered 'busy'; 0: no limit",
     )
     add(
         "--max-pending-bytes",

@@ -60,18 +60,27 @@ class GroupDesk:
         self._outbox: queue.SimpleQueue[tuple[bytes, p.Message]] = queue.SimpleQueue()
         # engine id -> group; the serving thread adds, the engine thread removes
         self._groups: dict[str, GroupInFlight] = {}
-        self._per_client: dict[bytes, int] = {}
+        self._per_client: dict[bytes, int] = {}  # connection -> its groups in flight (the connections watched)
+        self._per_key: dict[str, int] = {}  # client (`GroupInFlight.client`) -> its groups in flight (the limit)
         self._lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._compiles = compiles
         self._compiling: dict[str, CompileJob] = {}  # engine id -> its compile (serving thread only)
         self._compiled: queue.SimpleQueue[tuple[CompileJob, BaseException | None]] = queue.SimpleQueue()
 
     # ---- serving thread ---------------------------------------------------------------------------------------
-    def generate(self, identity: bytes, message: p.Generate, send: Send) -> None:
-        """Admit a generate request, or refuse it by name (`send` answers on the serving thread)."""
-        group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream)
+    def generate(self, identity: bytes, message: p.Generate, send: Send, key: str | None = None) -> None:
+        """Admit a generate request, or refuse it by name (`send` answers on the serving thread).
+
+        Args:
+            identity: the connection it came over (its replies go there).
+            message: the request.
+            send: answers on the serving thread.
+            key: the sender's CurveZMQ public key when the worker checks keys: then the key, not the connection, is
+                the client that takes turns, holds at most --max-groups-per-client groups and shares drafts.
+        """
+        group = GroupInFlight(identity, message.group_id, message.prompt_ids, message.n, message.stream, key)
         running = group.engine_id in self._groups
-        reply_error = generate_refusal(self.limits, message, running, self._per_client.get(identity, 0))
+        reply_error = generate_refusal(self.limits, message, running, self._per_key.get(group.client, 0))
         if reply_error is not None:
             self.counters.group_refused()
             send(identity, reply_error)
@@ -84,7 +93,7 @@ class GroupDesk:
         if constraint_of(sampling) is None:
             return self._admit(group, message, sampling, send)
         try:  # compiled off the loop, in turn with other clients: `admit_compiled`
-            job = self._compiles.submit(identity, sampling, self._on_compiled, (group, message, sampling))
+            job = self._compiles.submit(group.client, sampling, self._on_compiled, (group, message, sampling))
         except QueueFullError as error:
             return self._admit(group, message, None, send, error)
         if job.state != "finished":  # (a spec refused before is answered at once, through `_compiled`)
@@ -141,7 +150,7 @@ class GroupDesk:
                 raise error
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
             # Admission takes turns between clients; drafts stay within one client and one session (`Generate`).
-            fields.update(client=identity.hex(), session=message.session)
+            fields.update(client=group.client, session=message.session)
             self.manager.add_groups([GroupSpec(group.engine_id, message.prompt_ids, **fields)])
         except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)
@@ -229,6 +238,7 @@ class GroupDesk:
         with self._lock:
             self._groups[group.engine_id] = group
             self._per_client[group.identity] = self._per_client.get(group.identity, 0) + 1
+            self._per_key[group.client] = self._per_key.get(group.client, 0) + 1
 
     def _remove(self, group: GroupInFlight) -> None:
         """Forget a finished or refused group (serving or engine thread)."""
@@ -236,11 +246,8 @@ class GroupDesk:
             if self._groups.get(group.engine_id) is not group:
                 return
             del self._groups[group.engine_id]
-            left = self._per_client[group.identity] - 1
-            if left:
-                self._per_client[group.identity] = left
-            else:
-                del self._per_client[group.identity]
+            _count_down(self._per_client, group.identity)
+            _count_down(self._per_key, group.client)
 
 
 def _refusal(error: BaseException, group_id: str) -> p.Error:
@@ -251,3 +258,12 @@ def _refusal(error: BaseException, group_id: str) -> p.Error:
         name = f"sampling.{error.field}" if error.field in SAMPLING_FIELDS else error.field
         return p.Error("bad_request", f"{name}: {error.reason}", name, group_id)
     return p.Error("internal", f"{type(error).__name__}: {error}", None, group_id)
+
+
+def _count_down(counts: dict, who: bytes | str) -> None:
+    """One group fewer for `who`; forgotten at none."""
+    left = counts[who] - 1
+    if left:
+        counts[who] = left
+    else:
+        del counts[who]

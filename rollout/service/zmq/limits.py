@@ -27,7 +27,8 @@ class WorkerLimits:
         max_prompt_len: longest prompt, in tokens (None: the model's context length). Checked from the list's
             length before any element is looked at.
         max_n: most samples per group.
-        max_groups_per_client: most groups one client may have in flight (0: no limit); past it, "busy".
+        max_groups_per_client: most groups one client (with keys: one key, over all its connections) may have in
+            flight (0: no limit); past it, "busy".
         max_pending_bytes: most bytes of replies queued for a client that does not read them; past it the client is
             dropped and its groups cancelled.
         max_update_phase_s: longest `timeout_s` a weight update may ask for (the most one update can hold the update

@@ -296,7 +296,8 @@ class RolloutWorker:
             if not self._updates.on_malformed(identity, error.update_id, reply, error.kind):
                 self._send(identity, reply)
             return
-        if self._auth is not None and not self._auth.may(frame_property(frames[0], "User-Id"), message.TYPE):
+        key = frame_property(frames[0], "User-Id") if self._auth is not None else None  # its z85 public key
+        if self._auth is not None and not self._auth.may(key, message.TYPE):
             ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
             self._refuse_role(identity, message.TYPE, *ids)  # a header the glance could not read, or a second "type"
             return
@@ -304,7 +305,7 @@ class RolloutWorker:
             if isinstance(message, WEIGHT_MESSAGES):
                 self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
             else:
-                self._handle(identity, message)
+                self._handle(identity, message, key)
         except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
             logger.exception("request %s failed", message.TYPE)
             group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
@@ -319,9 +320,9 @@ class RolloutWorker:
             self._security_log.warn("refused weight update %s: the client's key is not in --trainer-keys", update_id)
         self._send(identity, p.Error("unauthorized", reason, "type", group_id, update_id))
 
-    def _handle(self, identity: bytes, message: p.Message) -> None:
-        if isinstance(message, p.Generate):
-            self._desk.generate(identity, message, self._send)
+    def _handle(self, identity: bytes, message: p.Message, key: str | None) -> None:
+        if isinstance(message, p.Generate):  # with keys on, the key is the client (turns, limits, drafts)
+            self._desk.generate(identity, message, self._send, key)
         elif isinstance(message, p.Cancel):
             self._desk.cancel(identity, message.group_id, self._send)
         elif isinstance(message, p.Ping):
