@@ -27,7 +27,6 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import SecurityLog, WorkerAuth
-from rollout.protocol.header_glance import glance, glance_ids, oversized
 from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property, is_ipv6_literal
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
@@ -36,6 +35,7 @@ from rollout.service.weights.update_slot import WEIGHT_MESSAGES, UpdateSlot
 from rollout.service.zmq.clients import ClientLinks
 from rollout.service.zmq.group_desk import GroupDesk
 from rollout.service.zmq.limits import WorkerLimits
+from rollout.service.zmq.message_checks import MessageChecks
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,6 @@ class RolloutWorker:
         # for ever, and a worker that was asked to stop would never exit.
         self._context.set(zmq.BLOCKY, False)
         self._auth = auth
-        self._security_log = SecurityLog(logger)
         self._socket = self._context.socket(zmq.ROUTER)
         if auth is not None:
             auth.secure(self._socket)
@@ -137,6 +136,13 @@ class RolloutWorker:
             tracer=self._tracer,
             keep_staging=keep_staging,
             check_finite=check_finite,
+        )
+        self._checks = MessageChecks(
+            self._max_lengths,
+            auth,
+            self._updates,
+            lambda identity, message: owner._send(identity, message),
+            SecurityLog(logger),
         )
 
     @property
@@ -248,59 +254,18 @@ class RolloutWorker:
             self._links.seen(identity, frame_fd(frames[0]) if frames else None)
             try:
                 if inbound.refused is not None:
-                    self._refuse_cut(identity, frames, inbound.refused)
+                    self._checks.refuse_cut(identity, frames, inbound.refused)
                 else:
                     self._receive(identity, frames)
             except Exception as error:  # noqa: BLE001 - nothing one message does may end the serving loop
                 logger.exception("a message from client %s failed", identity.hex())
                 self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
 
-    def _refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
-        """Answer a message that had more frames or bytes than any may have (its header names its ids: a glance
-        at its first entries, or else a decode)."""
-        seen = glance_ids(frames[0]) if frames else None
-        if seen is not None:
-            group_id, update_id, kind = seen.get("group_id"), seen.get("update_id"), seen.get("type")
-        else:
-            group_id = update_id = kind = None
-            try:
-                message = p.decode(frames[:1], max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
-                group_id, update_id = getattr(message, "group_id", None), getattr(message, "update_id", None)
-                kind = message.TYPE
-            except p.ProtocolError as error:
-                group_id, update_id, kind = error.group_id, error.update_id, error.kind
-        reply = p.Error("bad_request", reason, "frames", group_id, update_id)
-        if not self._updates.on_malformed(identity, update_id, reply, kind):
-            self._send(identity, reply)
-
     def _receive(self, identity: bytes, frames: list) -> None:
-        if self._auth is not None and frames:  # a role's refusal costs no decode (a weights_begin may be 22 MB)
-            seen = glance_ids(frames[0])
-            if seen is not None and not self._auth.may(frame_property(frames[0], "User-Id"), seen["type"]):
-                self._refuse_role(identity, seen["type"], seen.get("group_id"), seen.get("update_id"))
-                return
-        try:
-            junk = oversized(frames[0]) if frames else None
-            if junk is not None:
-                raise p.ProtocolError("header", junk)
-            message = p.decode(frames, max_lengths=self._max_lengths, accept=p.REQUEST_TYPES)
-            if len(frames) > 1 and not isinstance(message, p.WeightsBucket):
-                raise p.ProtocolError("frames", f"a {message.TYPE} message carries no data frames")
-        except p.ProtocolError as error:
-            if error.group_id is None and error.update_id is None and frames:  # refused before its ids were built
-                seen = glance(frames[0])  # (a string over the limit): the first entries may still name them
-                error.group_id, error.update_id = seen.get("group_id"), seen.get("update_id")
-                error.kind = error.kind or seen.get("type")
-            reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
-            # a malformed weight message drops its update (`UpdateSlot.on_malformed`)
-            if not self._updates.on_malformed(identity, error.update_id, reply, error.kind):
-                self._send(identity, reply)
+        checked = self._checks.decode(identity, frames)  # None: refused, and answered
+        if checked is None:
             return
-        key = frame_property(frames[0], "User-Id") if self._auth is not None else None  # its z85 public key
-        if self._auth is not None and not self._auth.may(key, message.TYPE):
-            ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
-            self._refuse_role(identity, message.TYPE, *ids)  # a header the glance could not read, or a second "type"
-            return
+        message, key = checked
         try:
             if isinstance(message, WEIGHT_MESSAGES):
                 self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
@@ -312,13 +277,6 @@ class RolloutWorker:
             reply = p.Error("internal", f"{type(error).__name__}: {error}", None, group_id, update_id)
             if not self._updates.on_malformed(identity, update_id, reply, message.TYPE):
                 self._send(identity, reply)
-
-    def _refuse_role(self, identity: bytes, kind: str, group_id: str | None, update_id: str | None) -> None:
-        reason = f"{kind} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
-        if kind == p.WeightsBegin.TYPE:  # an update refused: counted and logged as the slot's refusals are
-            self._updates.num_rejected += 1
-            self._security_log.warn("refused weight update %s: the client's key is not in --trainer-keys", update_id)
-        self._send(identity, p.Error("unauthorized", reason, "type", group_id, update_id))
 
     def _handle(self, identity: bytes, message: p.Message, key: str | None) -> None:
         if isinstance(message, p.Generate):  # with keys on, the key is the client (turns, limits, drafts)
