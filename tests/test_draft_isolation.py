@@ -63,6 +63,19 @@ def accepted_drafts(address: str, reader: str) -> int:
         return ask(sock, p.Stats(), p.StatsReply).stats["accepted_draft_tokens"]
 
 
+class RecordingManager:
+    """Stands for the engine's manager behind a `GroupDesk`: records the groups handed to it, which never end."""
+
+    def __init__(self):
+        self.specs = []
+
+    def add_groups(self, specs):
+        self.specs += specs
+
+    def register_result_handler(self, group_id, handler):
+        pass
+
+
 def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(worker):
     """Groups of one routing id, as a client and then an intruder that took its id over would send them (one
     connection here: to the worker, a reconnection presenting the same id is the same client)."""
@@ -88,17 +101,7 @@ def test_sessions_of_one_connection_share_its_admission_turns():
     from rollout.service.zmq.group_desk import GroupDesk
     from rollout.service.zmq.limits import WorkerLimits
 
-    class Manager:  # records what the desk hands the engine
-        def __init__(self):
-            self.specs = []
-
-        def add_groups(self, specs):
-            self.specs += specs
-
-        def register_result_handler(self, group_id, handler):
-            pass
-
-    manager = Manager()
+    manager = RecordingManager()
     desk = GroupDesk(manager, WorkerLimits(), GroupCounters(), Tracer(), lambda: None, compiles=None)
     for index in range(3):
         message = p.Generate(f"g{index}", PROMPT, 1, SAMPLING, session=f"session-{index}")
@@ -116,17 +119,7 @@ def test_with_keys_a_key_is_one_client_however_many_connections_it_opens():
     from rollout.service.zmq.group_desk import GroupDesk
     from rollout.service.zmq.limits import WorkerLimits
 
-    class Manager:  # records what the desk hands the engine; its groups never end
-        def __init__(self):
-            self.specs = []
-
-        def add_groups(self, specs):
-            self.specs += specs
-
-        def register_result_handler(self, group_id, handler):
-            pass
-
-    manager, replies = Manager(), []
+    manager, replies = RecordingManager(), []
     desk = GroupDesk(manager, WorkerLimits(max_groups_per_client=2), GroupCounters(), Tracer(), lambda: None, None)
     answer = lambda identity, reply: replies.append((identity, reply))  # noqa: E731
     sent = [(b"\x01first", "trainer-key"), (b"\x01second", "trainer-key"), (b"\x01third", "trainer-key")]
