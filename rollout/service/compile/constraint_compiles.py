@@ -93,7 +93,8 @@ class ConstraintCompiles:
         worker stops (CompilesClosed) or cannot compile (CompilesUnavailable).
 
         Args:
-            client: who sent it: its turn in the queue (the HTTP client's address, the ZeroMQ identity).
+            client: who sent it: its turn in the queue (the HTTP client's address; over ZeroMQ its key with keys
+                on, else its connection: `GroupInFlight.client`).
             sampling: the request's SamplingParams (it has a constraint).
             done: called with the job and its outcome.
             item: carried in the job for the caller.
