@@ -76,6 +76,39 @@ def test_stopped_manager_refuses_requests_and_never_blocks():
         list(manager.request_id_iter("late"))  # the add was refused: a typo'd id is named, not an empty iteration
 
 
+def test_stop_without_hard_stop_finishes_what_was_added_as_transformers_does():
+    """transformers' `stop()` flushes: the requests added run to their end, then the thread stops. rollout's default
+    ends them with "abort"; `hard_stop=False` flushes as transformers does, its tokens those of `generate`, and
+    refuses what comes after; `keep_for_next_session` is refused by name (a manager does not restart)."""
+    model = tiny_model()
+    prompts = make_prompts(3, 4, 9, seed=2)
+    manager = manager_for(model).start()
+    for index, prompt in enumerate(prompts):
+        manager.add_request(prompt, request_id=f"r{index}", sampling=GREEDY, max_new_tokens=24)
+    with pytest.raises(ValueError, match="keep_for_next_session: not supported"):
+        manager.stop(keep_for_next_session=True)
+    manager.stop(block=True, timeout=30, hard_stop=False)
+    assert not manager.is_running()
+    with pytest.raises(RuntimeError, match="stopped"):
+        manager.add_request([1, 2, 3], request_id="late", sampling=GREEDY)
+    outputs = {}
+    while (output := manager.get_result(timeout=0)) is not None:
+        outputs[output.request_id] = output
+    assert sorted(outputs) == ["r0", "r1", "r2"]
+    for index, prompt in enumerate(prompts):
+        assert outputs[f"r{index}"].finish_reason == "length"
+        assert outputs[f"r{index}"].generated_tokens == greedy_reference(model, prompt, 24)
+    with pytest.raises(RuntimeError, match="stopped"):
+        manager.start()
+
+
+def test_a_hard_stop_ends_what_runs_with_abort():
+    manager = manager_for().start()
+    manager.add_request([1, 2, 3], request_id="long", sampling=GREEDY, max_new_tokens=1000)
+    manager.stop(block=True, timeout=30, hard_stop=True)
+    assert manager.get_result("long", timeout=TIMEOUT).finish_reason == "abort"
+
+
 def test_handler_registered_after_outputs_queued_receives_them():
     """Outputs that arrived before register_result_handler go to the handler, not lost in the queue."""
     received, done = [], threading.Event()

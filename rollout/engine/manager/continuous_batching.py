@@ -83,19 +83,44 @@ class ContinuousBatchingManager(ResultReading):
         """True while the engine thread runs."""
         return self._loop.is_running()
 
-    def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the engine thread; unfinished requests end with finish_reason "abort". New requests are refused.
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = True,
+    ) -> None:
+        """Stop the engine thread; new requests are refused at once.
 
         Args:
             block: wait for the thread to finish.
             timeout: most seconds to wait when blocking.
+            keep_for_next_session: refused when True (transformers caches its manager on the model for the next
+                `generate_batch`; rollout keeps an engine with `generate_batch(..., persistent_manager=True)`).
+            hard_stop: True (rollout's default): unfinished requests end at once with finish_reason "abort".
+                False (transformers' default): the requests already added run to their end first, then the thread
+                stops (at once, as with True, while a `pause_generation` holds).
+        Raises:
+            ValueError: keep_for_next_session is True.
+            RuntimeError: called from inside this manager's `pause()`.
         """
+        if keep_for_next_session:
+            raise ValueError(
+                "keep_for_next_session: not supported; a manager does not restart. To keep an engine between "
+                "calls, use generate_batch(..., persistent_manager=True)"
+            )
         if self._pauses.held_here():
             raise RuntimeError(
                 "cannot stop the manager from inside its pause: the loop waits for the pause to end, so this would "
                 "wait forever; leave the `with manager.pause():` block first"
             )
-        self._loop.stop(block, timeout)
+        if hard_stop:
+            self._loop.stop(block, timeout)
+            return
+        self._requests.close()
+        self._loop.flush_and_stop()
+        if block and not self._loop.on_thread():
+            self._loop.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine thread to end (after `stop`)."""

@@ -77,6 +77,9 @@ class EngineLoop:
         self.lock = lock
         self.deliver = deliver
         self.stopping = threading.Event()  # set when the manager stops: the loop ends after its current step
+        # Set by `stop(hard_stop=False)`: no group is added any more, and the loop ends once every group added before
+        # has finished (or at once while a generation pause holds: then as `stopping`).
+        self.flushing = threading.Event()
         self.generation = generation
         self._thread: threading.Thread | None = None
 
@@ -87,7 +90,7 @@ class EngineLoop:
         Raises:
             RuntimeError: the loop was stopped (a manager does not restart).
         """
-        if self.stopping.is_set():
+        if self.stopping.is_set() or self.flushing.is_set():
             raise RuntimeError("this manager was stopped; create a new one with init_continuous_batching")
         self._thread = threading.Thread(target=_run, args=(self, keep_alive), name="rollout-engine", daemon=True)
         self._thread.start()
@@ -119,6 +122,8 @@ class EngineLoop:
         owner, engine = self.owner, self.engine
         try:
             while not self.stopping.is_set():
+                if self.flushing.is_set() and (self.generation.holds or self._flushed()):
+                    break
                 idle = self.generation.holds or not engine.has_unfinished()
                 self._drain_commands(block=idle and self.updates.pending is None)
                 self.updates.try_apply()
@@ -134,6 +139,17 @@ class EngineLoop:
             owner.error = error
         finally:
             self.shutdown(reason=None if owner.error is None else f"engine thread failed: {owner.error!r}")
+
+    def flush_and_stop(self) -> None:
+        """End the loop once the groups added so far have finished (the manager refuses new ones already)."""
+        self.flushing.set()
+        self.commands.put(Wake())
+        if self._thread is None:
+            self.shutdown()
+
+    def _flushed(self) -> bool:
+        """Every group added was taken by the engine and has finished (engine thread)."""
+        return self.requests.num_queued == 0 and self.commands.empty() and not self.engine.has_unfinished()
 
     def shutdown(self, reason: str | None = None) -> None:
         """Refuse new requests, end everything still queued or running, release the model."""
