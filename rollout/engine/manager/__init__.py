@@ -2,6 +2,7 @@
 
 - `continuous_batching.py`: the manager (the public face of what it holds) and `init_continuous_batching`;
 - `parts.py`: what it holds, built around one mailbox and one lock (weak references back to the manager);
+- `request_adding.py`: the manager's methods that queue requests (`add_request`, `add_groups`, `cancel_request`);
 - `request_desk.py`: groups checked on the caller's thread and posted to the engine thread, all or none;
 - `commands.py`: what other threads put in the engine thread's mailbox; `weight_queue.py`: weight updates on their
   way there; `pause.py`: the manager's pause; `generation_pause.py`: vLLM's pause of generation, across calls;
