@@ -21,8 +21,6 @@ from rollout.cli.extras import MissingExtra, require_extra
 from rollout.cli.hub import HubUnreachable
 from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.engine import Engine
-from rollout.engine.lora.adapter_weights import load_peft_dir
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager, init_continuous_batching
 from rollout.presets.models import MODEL_DTYPES
 from rollout.protocol.auth import WorkerAuth, WorkerKeys
@@ -32,6 +30,7 @@ from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
 from rollout.service.launch.flags import check_settings
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
+from rollout.service.launch.start_adapters import lora_specs, serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
 from rollout.service.observability.tracing import configure_tracing
 from rollout.service.zmq.limits import WorkerLimits
@@ -314,47 +313,3 @@ def warn_open_secret(path: str) -> None:
             path,
             mode,
         )
-
-
-def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
-    """The `--lora NAME=PATH` flags as (name, path) pairs; a usage error names a malformed one, a name given twice
-    or one that is the served model's (`--model`, which requests name to mean the base model).
-
-    Args:
-        parser: rollout-worker's parser.
-        specs: the --lora values.
-        model_name: the served model's name (--model).
-    """
-    pairs: dict[str, str] = {}
-    for spec in specs:
-        name, separator, path = spec.partition("=")
-        if not separator or not name or not path:
-            parser.error(f"--lora {spec}: expected NAME=PATH")
-        if name in pairs:
-            parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
-        if name == model_name:
-            parser.error(f"--lora {spec}: {name!r} is the served model's name (--model): give the adapter another one")
-        pairs[name] = path
-    for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
-        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
-    return list(pairs.items())
-
-
-def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine, model_name: str) -> None:
-    """Serve the `--lora NAME=PATH` adapters from the start (a usage error names a bad one); from then on no adapter
-    may take the served model's name (`AdapterTable.reserved_names`), pushed or loaded.
-
-    Args:
-        parser: rollout-worker's parser.
-        specs: the --lora values.
-        engine: the worker's engine.
-        model_name: the served model's name (--model).
-    """
-    engine.runner.adapters.reserved_names.add(model_name)
-    for name, path in lora_specs(parser, specs, model_name):
-        try:
-            engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path)))
-        except ValueError as error:
-            parser.error(f"--lora {name}={path}: {error}")
-        logger.info("serving LoRA adapter %s from %s", name, path)
