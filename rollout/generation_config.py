@@ -169,7 +169,7 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
     for name, target in HONOURED.items():
         value = values[name][1] if name in values else TRANSFORMERS_DEFAULTS.get(name)
         if value is not None:
-            sampling[target] = [value] if name == "eos_token_id" and not isinstance(value, (list, tuple)) else value
+            sampling[target] = eos_ids(value) if name == "eos_token_id" else value
     try:
         params = SamplingParams(**sampling)
     except FieldError as error:  # name the GenerationConfig field and its config, not the SamplingParams field
@@ -189,6 +189,19 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
         and values[name][1] != TRANSFORMERS_DEFAULTS.get(name)
     }  # fmt: skip
     return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None), caller)
+
+
+def eos_ids(eos_token_id: Any) -> Any:
+    """transformers' `eos_token_id` (an id or a list) as a list of stop token ids, negative ids dropped: transformers'
+    continuous batching reads them as "no EOS" (its `init_continuous_batching` writes -1 into a GenerationConfig that
+    has none, its own `model.generation_config` included) and `generate` never matches them. Anything that is not
+    an int is kept for SamplingParams' validation to name.
+
+    Args:
+        eos_token_id: an int, a list / tuple of ints, or anything else (returned in a list, unchecked).
+    """
+    ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    return [i for i in ids if not (isinstance(i, int) and not isinstance(i, bool) and i < 0)]
 
 
 @functools.cache

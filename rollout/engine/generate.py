@@ -65,8 +65,8 @@ def generate_batch(
     inputs: list[list[int]],
     generation_config: Any = None,
     continuous_batching_config: Any = None,
-    progress_bar: bool = True,
     record_timestamps: bool = False,
+    progress_bar: bool = True,
     persistent_manager: bool = False,
     warmup: bool = True,
     tokenizer: Any = None,
@@ -74,7 +74,8 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate completions for a list of prompts with continuous batching and return them all.
 
-    Runs the engine loop in the calling thread (no background thread, no queue limit).
+    Runs the engine loop in the calling thread (no background thread, no queue limit). The arguments after `model`
+    come in the order of transformers' `model.generate_batch`, so positional calls carry over.
 
     Args:
         model: a transformers causal LM.
@@ -83,8 +84,8 @@ def generate_batch(
         generation_config: a `transformers.GenerationConfig` for default sampling settings (merged with the model's).
         continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
             `Engine`), or None for the defaults.
-        progress_bar: show a tqdm bar of finished samples.
         record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+        progress_bar: show a tqdm bar of finished samples (transformers' default is False).
         persistent_manager: keep the engine (its KV cache and CUDA graphs) on the model for the next call with the
             same configs (and the same model generation config and parameter storage) instead of building one per
             call; between calls the model is the caller's (its attention implementation and training mode back),

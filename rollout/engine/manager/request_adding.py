@@ -26,25 +26,26 @@ class RequestAdding:
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
-        n: int | None = None,
-        sampling: SamplingParams | None = None,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        n: int | None = None,
+        sampling: SamplingParams | None = None,
         adapter: str | None = None,
         **sampling_fields: Any,
     ) -> str:
-        """Queue a prompt for `n` samples; they share the prompt's KV.
+        """Queue a prompt for `n` samples; they share the prompt's KV. The arguments up to `eos_token_id` come in the
+        order of transformers' `add_request`, so positional calls carry over.
 
         Args:
             input_ids: prompt token ids (a list, or a 1-D / (1, L) tensor).
             request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id `"<id>#<i>"`.
             max_new_tokens: overrides the sampling / generation config value.
             streaming: deliver a delta (new tokens only) after every token instead of one final output.
+            record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
+            eos_token_id: this request's stop token(s), as in transformers' `add_request` (negative ids: none).
             n: number of samples (a GRPO group; None: the GenerationConfig's num_return_sequences, else 1); sample
                 i is seeded from (seed, i).
             sampling: per-request SamplingParams (copied at once); None fields come from the generation config.
-            record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
-            eos_token_id: this request's stop token(s), as in transformers' `add_request`.
             adapter: the LoRA adapter to sample with (`load_adapter`); None: the base model.
             **sampling_fields: SamplingParams fields for this request (`temperature=0.7, top_k=10`, ...), applied
                 over `sampling` (or the generation config's defaults), as transformers' per-request processor
@@ -56,8 +57,10 @@ class RequestAdding:
             QueueFullError: `max_queue_size` requests already wait. RuntimeError: the manager was stopped.
         """
         self.engine.intake.say_dropped(sampling)
-        fields = (max_new_tokens, streaming, n, sampling, record_timestamps, eos_token_id, adapter)
-        spec = self._spec(input_ids, request_id, *fields, **sampling_fields)
+        fields = dict(
+            n=n, sampling=sampling, record_timestamps=record_timestamps, eos_token_id=eos_token_id, adapter=adapter
+        )
+        spec = self._spec(input_ids, request_id, max_new_tokens, streaming, **fields, **sampling_fields)
         self._add([spec])
         return spec.group_id
 

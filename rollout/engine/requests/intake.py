@@ -21,7 +21,7 @@ from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
-from rollout.generation_config import GenerationDefaults
+from rollout.generation_config import GenerationDefaults, eos_ids
 from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.sampling_warping import warping_fields
 from rollout.validation import all_plain_ints, in_range
@@ -315,7 +315,7 @@ class RequestIntake:
 
         Args:
             sampling: the request's SamplingParams, or None.
-            eos_token_id: the request's stop token(s), or None.
+            eos_token_id: the request's stop token(s), or None; negative ids stand for none (transformers' -1).
             fields: SamplingParams fields by name.
         Raises:
             FieldError: `sampling` is no SamplingParams, a keyword is no SamplingParams field, or one that shapes the
@@ -329,8 +329,8 @@ class RequestIntake:
         unknown = sorted(set(fields) - SAMPLING_FIELDS)
         if unknown:
             raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
-        if eos_token_id is not None:
-            fields["stop_token_ids"] = eos_token_id
+        if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
+            fields["stop_token_ids"] = eos_ids(eos_token_id)
         merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
         # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
         warping = warping_fields(fields)

@@ -1,0 +1,117 @@
+"""Code written for transformers' continuous batching carries over unchanged: positional arguments of
+`generate_batch` and `add_request` mean what they mean in transformers, and transformers' "no EOS" (`eos_token_id=-1`,
+which its `init_continuous_batching` writes into a GenerationConfig that has none) is honoured as `generate` honours
+it, not refused. References are transformers' own signatures, its manager and `model.generate`."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager as TheirManager
+from transformers.generation.utils import GenerationMixin
+
+from conftest import reference_copy, tiny_model
+from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch, init_continuous_batching
+
+CACHE = ContinuousBatchingConfig(num_blocks=64, block_size=4)
+PROMPT = [1, 2, 3, 4]
+
+
+def _greedy_reference(model: torch.nn.Module, max_new_tokens: int, eos_token_id) -> list[int]:
+    """transformers' `generate`, greedy, on an independent copy."""
+    reference = reference_copy(model)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([PROMPT]), generation_config=config, pad_token_id=0)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def _positional_names(function, skip: int, stop: str) -> list[str]:
+    names = [p.name for p in inspect.signature(function).parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    names = names[skip:]
+    return names[: names.index(stop) + 1]
+
+
+def test_generate_batch_positional_arguments_mean_what_they_mean_in_transformers():
+    """`model.generate_batch(inputs, gc, cbc, record_timestamps, progress_bar, ...)` is rollout's
+    `generate_batch(model, inputs, gc, cbc, record_timestamps, progress_bar, ...)`: a True fourth argument after the
+    inputs records timestamps in both."""
+    theirs = _positional_names(GenerationMixin.generate_batch, 1, "warmup")  # after self
+    ours = _positional_names(generate_batch, 1, "warmup")  # after model
+    assert ours == theirs
+    model = tiny_model()
+    config = GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=None)
+    outputs = generate_batch(model, [PROMPT], config, CACHE, True, False)
+    output = outputs["req_0"]
+    assert output.timestamps is not None and len(output.timestamps) == len(output.generated_tokens) == 3
+
+
+def test_add_request_positional_arguments_mean_what_they_mean_in_transformers():
+    """transformers' `add_request(input_ids, request_id, max_new_tokens, streaming, record_timestamps,
+    eos_token_id)`: the same positions here, so `add_request(ids, None, 3, False, True)` records timestamps."""
+    assert _positional_names(TheirManager.add_request, 1, "eos_token_id") == [
+        "input_ids",
+        "request_id",
+        "max_new_tokens",
+        "streaming",
+        "record_timestamps",
+        "eos_token_id",
+    ]
+    ours = _positional_names(ContinuousBatchingManager.add_request, 1, "eos_token_id")
+    assert ours == _positional_names(TheirManager.add_request, 1, "eos_token_id")
+    model = tiny_model()
+    config = GenerationConfig(do_sample=False, eos_token_id=None)
+    expected = _greedy_reference(model, 3, None)
+    with init_continuous_batching(model, config, CACHE) as manager:
+        request_id = manager.add_request(PROMPT, None, 3, False, True)
+        output = manager.get_result(request_id, timeout=60)
+    assert output.generated_tokens == expected
+    assert output.timestamps is not None and len(output.timestamps) == 3
+
+
+@pytest.mark.parametrize("eos", [-1, [-1]], ids=["int", "list"])
+def test_negative_eos_token_id_means_no_eos_as_in_transformers(eos):
+    """A GenerationConfig with transformers' "no EOS" (-1) generates to max_new_tokens as `generate` does, both in
+    `generate_batch` and in a manager, instead of being refused."""
+    model = tiny_model()
+    model.generation_config.eos_token_id = _greedy_reference(model, 3, None)[1]  # a model EOS that -1 must replace
+    expected = _greedy_reference(model, 6, eos)
+    assert len(expected) == 6
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=eos)
+    outputs = generate_batch(model, [PROMPT], config, CACHE, progress_bar=False)
+    assert outputs["req_0"].generated_tokens == expected
+    with init_continuous_batching(model, config, CACHE) as manager:
+        output = manager.get_result(manager.add_request(PROMPT), timeout=60)
+    assert output.generated_tokens == expected
+
+
+def test_config_left_by_transformers_manager_is_accepted():
+    """transformers' `init_continuous_batching` on a model without an EOS writes -1 into its generation config; the
+    same model then serves rollout as it served transformers."""
+    model = tiny_model()
+    model.generation_config.eos_token_id = None
+    model.generation_config.do_sample = False
+    reference = reference_copy(model)
+    reference.init_continuous_batching(continuous_batching_config=None)  # built, never started
+    assert reference.generation_config.eos_token_id == -1
+    model.generation_config = reference.generation_config
+    outputs = generate_batch(model, [PROMPT], max_new_tokens=4, continuous_batching_config=CACHE, progress_bar=False)
+    assert outputs["req_0"].generated_tokens == _greedy_reference(model, 4, None)
+
+
+def test_add_request_eos_with_a_negative_id_stops_only_at_the_others():
+    """`add_request(..., eos_token_id=[-1, t])` stops at t, as transformers' request (which drops negative ids) and
+    `generate` do."""
+    model = tiny_model()
+    stop = _greedy_reference(model, 4, None)[2]
+    expected = _greedy_reference(model, 8, [-1, stop])
+    assert expected[-1] == stop and len(expected) < 8
+    config = GenerationConfig(do_sample=False, eos_token_id=None)
+    with init_continuous_batching(model, config, CACHE) as manager:
+        single = manager.get_result(manager.add_request(PROMPT, max_new_tokens=8, eos_token_id=-1), timeout=60)
+        mixed = manager.get_result(manager.add_request(PROMPT, max_new_tokens=8, eos_token_id=[-1, stop]), timeout=60)
+    assert mixed.generated_tokens == expected and mixed.finish_reason == "stop"
+    assert single.generated_tokens == _greedy_reference(model, 8, -1)
