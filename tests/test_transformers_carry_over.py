@@ -14,7 +14,13 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.utils import GenerationMixin
 
 from conftest import reference_copy, tiny_model
-from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, generate_batch, init_continuous_batching
+from rollout import (
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    FieldError,
+    generate_batch,
+    init_continuous_batching,
+)
 
 CACHE = ContinuousBatchingConfig(num_blocks=64, block_size=4)
 PROMPT = [1, 2, 3, 4]
@@ -115,3 +121,26 @@ def test_add_request_eos_with_a_negative_id_stops_only_at_the_others():
         mixed = manager.get_result(manager.add_request(PROMPT, max_new_tokens=8, eos_token_id=[-1, stop]), timeout=60)
     assert mixed.generated_tokens == expected and mixed.finish_reason == "stop"
     assert single.generated_tokens == _greedy_reference(model, 8, -1)
+
+
+@pytest.mark.parametrize("eos", [True, 2.0, "2", 10**7, [2, 10**7]], ids=["bool", "float", "str", "huge", "list"])
+def test_a_bad_add_request_eos_token_id_is_named_as_given(eos):
+    """A bad `eos_token_id` is refused naming `eos_token_id`, the argument the caller gave (it became
+    `stop_token_ids` inside and was refused under that name, which the caller never wrote)."""
+    with init_continuous_batching(tiny_model(), GenerationConfig(do_sample=False), CACHE) as manager:
+        with pytest.raises(FieldError) as refused:
+            manager.add_request(PROMPT, None, 3, False, False, eos)
+    assert refused.value.field == "eos_token_id"
+
+
+def test_add_request_eos_token_id_with_stop_token_ids_is_refused_not_dropped():
+    """`eos_token_id` and the `stop_token_ids` keyword both set the request's stop tokens: given together, one was
+    silently dropped (the request ran past a stop token it was given). Refused by name instead."""
+    model = tiny_model()
+    stop = _greedy_reference(model, 4, None)[2]  # a token greedy decoding reaches
+    with init_continuous_batching(model, GenerationConfig(do_sample=False, eos_token_id=None), CACHE) as manager:
+        with pytest.raises(FieldError, match="stop_token_ids") as refused:
+            manager.add_request(PROMPT, max_new_tokens=8, eos_token_id=-1, stop_token_ids=[stop])
+        alone = manager.get_result(manager.add_request(PROMPT, max_new_tokens=8, stop_token_ids=[stop]), timeout=60)
+    assert refused.value.field == "eos_token_id"
+    assert alone.generated_tokens == _greedy_reference(model, 8, stop)  # stop_token_ids alone: transformers' eos

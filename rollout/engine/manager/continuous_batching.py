@@ -81,6 +81,9 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
         """True while the engine thread runs."""
         return self._loop.is_running()
 
+    def _on_engine_thread(self) -> bool:
+        return self._loop.on_thread()
+
     def stop(
         self,
         block: bool = True,
@@ -190,8 +193,10 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
         Raises:
             ValueError: a bad update, naming the field or tensor (nothing changed).
             TimeoutError: not applied in time (the old weights keep serving).
-            RuntimeError: the manager is stopped, or this thread holds its pause.
+            RuntimeError: the manager is stopped, or this thread holds its pause, or is the engine thread (a result
+                handler: the update waits for that thread; `weight_updates.submit` does not).
         """
+        self._refuse_waiting_for_update("update_weights")
         return self.weight_updates.apply(tensors, version, mode, partial, timeout)
 
     def load_adapter(
@@ -215,7 +220,15 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
             TimeoutError: as for `update_weights`.
             RuntimeError: as for `update_weights`.
         """
+        self._refuse_waiting_for_update("load_adapter")
         return self.weight_updates.apply_adapter(name, adapter, version, mode, timeout)
+
+    def _refuse_waiting_for_update(self, what: str) -> None:
+        if self._loop.on_thread():  # the engine thread applies it, between two steps: it would wait on itself
+            raise RuntimeError(
+                f"{what} cannot wait on the engine thread (inside a result handler), which applies it; queue it with "
+                "weight_updates.submit instead"
+            )
 
     # ---- introspection ----------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

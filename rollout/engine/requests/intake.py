@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numbers
 import random
+import reprlib
 import time
 import warnings
 from collections.abc import Callable
@@ -330,7 +331,7 @@ class RequestIntake:
         if unknown:
             raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
         if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
-            fields["stop_token_ids"] = eos_ids(eos_token_id)
+            fields["stop_token_ids"] = self._eos_stops(eos_token_id, fields)
         merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
         # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
         warping = warping_fields(fields)
@@ -340,3 +341,18 @@ class RequestIntake:
             )
             raise FieldError(warping[0], f"has no effect while do_sample is False ({origin}): pass do_sample=True too")
         return merged
+
+    def _eos_stops(self, eos_token_id: Any, fields: dict[str, Any]) -> list[int]:
+        """`add_request`'s `eos_token_id` as stop token ids, checked under the name the caller gave.
+
+        Raises:
+            FieldError: (eos_token_id) not token ids of this model, or given with `stop_token_ids`, which would
+                silently replace one another.
+        """
+        if "stop_token_ids" in fields:
+            raise FieldError("eos_token_id", "and stop_token_ids both set this request's stop tokens: pass one")
+        stops = eos_ids(eos_token_id)
+        if not all(_is_token(token, self.vocab_size) for token in stops):
+            reason = f"a token id in [0, {self.vocab_size}) or a list of them (negative ids: no EOS)"
+            raise FieldError("eos_token_id", f"{reprlib.repr(eos_token_id)} is invalid: must be {reason}")
+        return stops
