@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numbers
 import random
-import reprlib
 import time
 import warnings
 from collections.abc import Callable
@@ -20,10 +19,10 @@ from rollout.detokenizer import OutputText
 from rollout.engine.grammar.constraints import Constrained, Grammars
 from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.engine.requests.group_spec import GroupSpec
+from rollout.engine.requests.keyword_fields import is_token, sampling_with_fields
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
-from rollout.generation_config import GenerationDefaults, eos_ids
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.generation_config import GenerationDefaults
 from rollout.sampling_warping import warping_fields
 from rollout.validation import all_plain_ints, in_range
 
@@ -32,10 +31,6 @@ MAX_GROUP_SIZE = 4096
 # The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
 # and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
 TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
-
-
-def _is_token(value: object, vocab_size: int) -> bool:
-    return type(value) is int and 0 <= value < vocab_size
 
 
 def as_prompt(prompt_ids: Any) -> list[int]:
@@ -111,7 +106,7 @@ class RequestIntake:
             raise FieldError("prompt_ids", "the prompt must be a non-empty list of token ids")
         fine = all_plain_ints(prompt_ids) and in_range(prompt_ids, 0, self.vocab_size)  # C speed
         for position, token in enumerate([] if fine else prompt_ids):
-            if not _is_token(token, self.vocab_size):
+            if not is_token(token, self.vocab_size):
                 reason = f"{token!r} at position {position} is not a token id in [0, {self.vocab_size})"
                 raise FieldError("prompt_ids", reason)
         if self.media_tokens and not self.media_tokens.keys().isdisjoint(prompt_ids):
@@ -312,47 +307,11 @@ class RequestIntake:
         self, sampling: SamplingParams | None, eos_token_id: Any, fields: dict[str, Any]
     ) -> SamplingParams | None:
         """`sampling` (or the generation config's defaults) with per-request keyword fields applied (the manager's
-        `add_request(..., temperature=0.7, eos_token_id=...)`).
+        `add_request(..., temperature=0.7, eos_token_id=...)`); see `keyword_fields.sampling_with_fields`.
 
         Args:
             sampling: the request's SamplingParams, or None.
             eos_token_id: the request's stop token(s), or None; negative ids stand for none (transformers' -1).
             fields: SamplingParams fields by name.
-        Raises:
-            FieldError: `sampling` is no SamplingParams, a keyword is no SamplingParams field, or one that shapes the
-                sampled distribution (temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff) is given
-                where do_sample is False.
         """
-        if eos_token_id is None and not fields:
-            return sampling
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
-        unknown = sorted(set(fields) - SAMPLING_FIELDS)
-        if unknown:
-            raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
-        if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
-            fields["stop_token_ids"] = self._eos_stops(eos_token_id, fields)
-        merged = (sampling if sampling is not None else self.default_sampling).merged(**fields)
-        # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
-        warping = warping_fields(fields)
-        if warping and not merged.do_sample:
-            origin = (
-                "asked for here" if "do_sample" in fields else "sampling's" if sampling else "the generation config's"
-            )
-            raise FieldError(warping[0], f"has no effect while do_sample is False ({origin}): pass do_sample=True too")
-        return merged
-
-    def _eos_stops(self, eos_token_id: Any, fields: dict[str, Any]) -> list[int]:
-        """`add_request`'s `eos_token_id` as stop token ids, checked under the name the caller gave.
-
-        Raises:
-            FieldError: (eos_token_id) not token ids of this model, or given with `stop_token_ids`, which would
-                silently replace one another.
-        """
-        if "stop_token_ids" in fields:
-            raise FieldError("eos_token_id", "and stop_token_ids both set this request's stop tokens: pass one")
-        stops = eos_ids(eos_token_id)
-        if not all(_is_token(token, self.vocab_size) for token in stops):
-            reason = f"a token id in [0, {self.vocab_size}) or a list of them (negative ids: no EOS)"
-            raise FieldError("eos_token_id", f"{reprlib.repr(eos_token_id)} is invalid: must be {reason}")
-        return stops
+        return sampling_with_fields(self.default_sampling, self.vocab_size, sampling, eos_token_id, fields)
