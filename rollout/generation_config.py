@@ -129,12 +129,16 @@ class GenerationDefaults:
     caller_sampling: dict[str, Any] = field(default_factory=dict)
 
 
-def resolve(generation_config: Any = None, model_generation_config: Any = None) -> GenerationDefaults:
+def resolve(
+    generation_config: Any = None, model_generation_config: Any = None, vocab_size: int | None = None
+) -> GenerationDefaults:
     """The request defaults of `generation_config` over `model_generation_config`, as `generate` resolves them.
 
     Args:
         generation_config: the caller's `transformers.GenerationConfig` (or None).
         model_generation_config: the model's own (`model.generation_config`, or None).
+        vocab_size: the model's vocabulary size: token ids the configs give (`eos_token_id`, `suppress_tokens`,
+            `begin_suppress_tokens`, `bad_words_ids`) must be below it (None: not checked here).
     Raises:
         FieldError: a field set to a value rollout cannot honour, named "generation_config.<field>" or
             "model.generation_config.<field>" after the config it came from.
@@ -175,6 +179,11 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
     except FieldError as error:  # name the GenerationConfig field and its config, not the SamplingParams field
         source = next((name for name, target in HONOURED.items() if target == error.field), error.field)
         raise named(source, error.reason) from None
+    if vocab_size is not None:  # refused here, by the config's name, not at each request under SamplingParams'
+        for name, tokens in _token_fields(params).items():
+            outside = sorted({t for t in tokens if t >= vocab_size})
+            if outside:
+                raise named(name, f"{outside} outside the model's vocabulary [0, {vocab_size})")
     n = _value(values, "num_return_sequences", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise named("num_return_sequences", f"{n!r} is invalid: must be an integer >= 1")
@@ -189,6 +198,16 @@ def resolve(generation_config: Any = None, model_generation_config: Any = None) 
         and values[name][1] != TRANSFORMERS_DEFAULTS.get(name)
     }  # fmt: skip
     return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None), caller)
+
+
+def _token_fields(params: SamplingParams) -> dict[str, list[int]]:
+    """The token ids `params` took from a GenerationConfig, by the GenerationConfig field that gave them."""
+    return {
+        "eos_token_id": list(params.stop_token_ids or ()),
+        "suppress_tokens": list(params.suppress_tokens),
+        "begin_suppress_tokens": list(params.begin_suppress_tokens),
+        "bad_words_ids": [token for word in params.bad_words_ids for token in word],
+    }
 
 
 def eos_ids(eos_token_id: Any) -> Any:

@@ -149,6 +149,30 @@ def test_the_models_own_config_is_checked_and_named():
     assert len(out.generated_tokens) == 2
 
 
+@pytest.mark.parametrize(
+    "source, fields, field",
+    [
+        ("generation_config", dict(eos_token_id=10**7), "eos_token_id"),
+        ("generation_config", dict(eos_token_id=[1, 10**7]), "eos_token_id"),
+        ("generation_config", dict(bad_words_ids=[[3, 10**7]]), "bad_words_ids"),
+        ("model.generation_config", dict(suppress_tokens=[10**7]), "suppress_tokens"),
+        ("model.generation_config", dict(begin_suppress_tokens=[10**7]), "begin_suppress_tokens"),
+    ],
+)
+def test_a_configs_token_ids_outside_the_vocabulary_are_refused_at_init_by_the_configs_name(source, fields, field):
+    """Refused when the manager is made, naming the config's own field, not at each request under the
+    SamplingParams name (`stop_token_ids`) the caller never wrote."""
+    model = tiny_model("qwen3")
+    config = GenerationConfig(**fields) if source == "generation_config" else None
+    if config is None:
+        for name, value in fields.items():
+            setattr(model.generation_config, name, value)
+    with pytest.raises(FieldError) as raised:
+        init_continuous_batching(model, config, ContinuousBatchingConfig(num_blocks=16, block_size=4))
+    assert raised.value.field == f"{source}.{field}"
+    assert "vocabulary" in raised.value.reason
+
+
 def test_fields_without_effect_and_defaults_are_accepted():
     config = GenerationConfig(
         num_beams=1,
