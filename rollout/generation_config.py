@@ -13,6 +13,7 @@ that are no GenerationConfig field at all (a checkpoint's custom keys such as `c
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,8 @@ def resolve(
         value = values[name][1] if name in values else TRANSFORMERS_DEFAULTS.get(name)
         if value is not None:
             sampling[target] = eos_ids(value) if name == "eos_token_id" else value
+    if vocab_size is not None and values.get("eos_token_id", ("",))[0] == "model.generation_config":
+        sampling["stop_token_ids"] = _reachable_eos(sampling["stop_token_ids"], vocab_size)
     try:
         params = SamplingParams(**sampling)
     except FieldError as error:  # name the GenerationConfig field and its config, not the SamplingParams field
@@ -198,6 +201,23 @@ def resolve(
         and values[name][1] != TRANSFORMERS_DEFAULTS.get(name)
     }  # fmt: skip
     return GenerationDefaults(params, n, max_length, _value(values, "continuous_batching_config", None), caller)
+
+
+def _reachable_eos(stops: Any, vocab_size: int) -> Any:
+    """A model's own EOS ids without those outside its vocabulary, with a warning: no token can ever match them, so
+    `generate` runs such a model (a tiny one built from a config with a vocabulary smaller than its EOS, say) as if
+    they were not set, and only warns. A caller's own GenerationConfig is refused instead (a likely mistake)."""
+    if not isinstance(stops, list) or not all(isinstance(token, int) for token in stops):
+        return stops  # SamplingParams names what is wrong
+    outside = [token for token in stops if token >= vocab_size]
+    if outside:
+        warnings.warn(
+            f"model.generation_config.eos_token_id {outside} is outside the model's vocabulary [0, {vocab_size}): "
+            "no token can match it, so it does not end any sample (as in generate)",
+            UserWarning,
+            stacklevel=4,
+        )
+    return [token for token in stops if token < vocab_size]
 
 
 def _token_fields(params: SamplingParams) -> dict[str, list[int]]:

@@ -173,6 +173,19 @@ def test_a_configs_token_ids_outside_the_vocabulary_are_refused_at_init_by_the_c
     assert "vocabulary" in raised.value.reason
 
 
+def test_a_models_own_eos_outside_its_vocabulary_ends_nothing_as_in_generate():
+    """A tiny model built from a config keeps the config's default EOS (GPT-2's 50256) beyond its small vocabulary:
+    `generate` warns and runs it, no token ever matching; so does rollout (it refused every request)."""
+    model = tiny_model("qwen3")
+    model.generation_config.eos_token_id = [10**7]
+    model.generation_config.do_sample = False
+    with torch.no_grad():
+        reference = reference_copy(model).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, pad_token_id=0)
+    with pytest.warns(UserWarning, match="eos_token_id"):
+        outputs = generate_batch(model, [[1, 2, 3]], max_new_tokens=5, progress_bar=False)
+    assert outputs["req_0"].generated_tokens == reference[0, 3:].tolist()
+
+
 def test_fields_without_effect_and_defaults_are_accepted():
     config = GenerationConfig(
         num_beams=1,
