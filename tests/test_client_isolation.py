@@ -317,7 +317,8 @@ def test_a_turn_of_the_serving_loop_ends_after_its_time_budget():
     worker = object.__new__(RolloutWorker)  # only the turn's own parts: reader, links, dispatch
     queued = [SimpleNamespace(identity=b"flood", frames=[b"x"], refused=None) for _ in range(50)]
     worker._reader = SimpleNamespace(read=lambda: queued.pop(0) if queued else None, busy=False)
-    worker._links = SimpleNamespace(seen=lambda identity, fd: None)
+    worker._auth = None  # no keys: a message's key is not read
+    worker._links = SimpleNamespace(seen=lambda identity, fd, key: None)
     handled = []
     worker._receive = lambda identity, frames: time.sleep(0.004) or handled.append(identity)
     worker._receive_all()

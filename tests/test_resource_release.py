@@ -166,6 +166,18 @@ def test_a_worker_closed_before_serving_releases_its_socket():
     assert again.address == address
 
 
+def test_a_bind_that_fails_once_the_model_loaded_is_a_usage_error_leaving_nothing(capsys):
+    """--bind passes the checks made before the model loads (an ipc:// path in a missing directory; likewise a port
+    taken since it was probed) but cannot bind after: a usage error naming --bind, not a ZMQError traceback, and
+    the start leaves no engine thread and no socket."""
+    sockets = open_sockets()
+    with pytest.raises(SystemExit):
+        serve_in_process("--bind", "ipc:///nonexistent-rollout-dir/worker.sock")
+    assert "--bind ipc:///nonexistent-rollout-dir/worker.sock: cannot bind" in capsys.readouterr().err
+    assert not [thread for thread in threading.enumerate() if thread.name == "rollout-engine"]
+    assert open_sockets() <= sockets
+
+
 def test_a_refused_torch_distributed_push_closes_its_store(collector_off):
     """A push refused at weights_begin (version not above the worker's): its rendezvous store (a listening socket,
     its connections, a thread) is closed once the abandoned join ends, not at a collection."""

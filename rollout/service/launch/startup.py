@@ -156,16 +156,20 @@ def _serve_parts(
         auth = WorkerAuth(zmq.Context(), keys)
     elif args.insecure and not is_loopback(args.bind):
         logger.warning("--insecure: %s accepts anyone who can reach it, weight updates included", args.bind)
-    worker = RolloutWorker(
-        manager,
-        args.bind,
-        args.model,
-        limits=limits,
-        keep_staging=not args.release_staging,
-        auth=auth,
-        check_finite=args.check_finite,
-        tokenizer_name=tokenizer_name,
-    )
+    try:
+        worker = RolloutWorker(
+            manager,
+            args.bind,
+            args.model,
+            limits=limits,
+            keep_staging=not args.release_staging,
+            auth=auth,
+            check_finite=args.check_finite,
+            tokenizer_name=tokenizer_name,
+        )
+    except zmq.ZMQError as error:  # (the worker closed what it opened) e.g. the port was taken since it was probed,
+        # or an ipc:// path in a missing directory: a usage error naming the flag, not a traceback
+        parser.error(f"--bind {args.bind}: cannot bind ({error.strerror})")
     metrics = None
     try:
         worker.compiles.start(server=args.preload_compiles)  # else the first new spec starts the compile processes

@@ -12,6 +12,11 @@ sent data may go unacknowledged, close connections to peers that vanished withou
 partition, a powered-off host); a peer that stops reading is dropped by the byte cap on its replies. Each loss is handled once: its groups are cancelled once and it is logged once;
 replies still due to it are dropped quietly until it speaks again.
 
+With CurveZMQ keys a routing id belongs to the key that last spoke over it: a client may choose its routing id, and
+once its connection closed another key may connect with the same one, to which ZeroMQ then routes every reply. A
+message over it with another key is a loss of the previous holder (its groups and update end, its backlog is
+dropped), and a reply sent for a key (`send`'s `key`) reaches the routing id only while that key holds it.
+
 No ZeroMQ (ZMTP) heartbeats: with them, libzmq 4.3.5 (pyzmq's, the latest release) aborts the whole process on an
 assertion (`!_io_error`, stream_engine_base.cpp) when a heartbeat falls due on a connection that failed while its
 inbound queue was full, which one client flooding requests it never reads the replies of brings about in seconds
@@ -96,6 +101,9 @@ class ClientLinks:
         # revive it (`seen`) and lose it again; that is one loss, logged once, not one line per message.
         self._lost_at: dict[bytes, float] = {}
         self._fds: dict[bytes, int] = {}  # identity -> the descriptor its last message came over
+        # identity -> (the CurveZMQ key of its last message, when): kept while it is watched and FORGET_GONE_AFTER_S
+        # after, longer than any reply made for the previous holder can wait to go out
+        self._keys: dict[bytes, tuple[str, float]] = {}
         self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
         self._last_probe = 0.0
         self._pending_total = 0
@@ -112,9 +120,22 @@ class ClientLinks:
         """Bytes of replies waiting in backlogs (safe to read from any thread)."""
         return self._pending_total
 
-    def seen(self, identity: bytes, fd: int | None = None) -> None:
-        """A message came from `identity` (over descriptor `fd`, when known): it is alive (again)."""
-        self._last_seen[identity] = time.monotonic()
+    def seen(self, identity: bytes, fd: int | None = None, key: str | None = None) -> None:
+        """A message came from `identity` (over descriptor `fd`, when known): it is alive (again).
+
+        Args:
+            identity: the connection's routing id.
+            fd: the descriptor it came over (None: unknown).
+            key: its sender's CurveZMQ key (None: keys are off); another key than its last message's means the
+                routing id changed hands: the previous holder is lost.
+        """
+        now = time.monotonic()
+        if key is not None:
+            held = self._keys.get(identity)
+            if held is not None and held[0] != key:
+                self.lose(identity, "its routing id now speaks with another key", unreachable=True)
+            self._keys[identity] = (key, now)
+        self._last_seen[identity] = now
         self._gone.pop(identity, None)
         if fd is not None:
             self._fds[identity] = fd
@@ -125,11 +146,19 @@ class ClientLinks:
         message comes (one behind replies ZeroMQ refused waits for them: no work until the client reads)."""
         return any(backlog and isinstance(backlog[0], Encoding) for backlog in self._backlog.values())
 
-    def send(self, identity: bytes, message: p.Message) -> None:
+    def send(self, identity: bytes, message: p.Message, key: str | None = None) -> None:
         """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full (a large group result
         is encoded there, a few milliseconds per `flush`). Never blocks and never raises: an unencodable reply
-        becomes an "internal" error reply, an unreachable client is lost."""
+        becomes an "internal" error reply, an unreachable client is lost.
+
+        Args:
+            identity: the connection's routing id.
+            message: the reply.
+            key: the CurveZMQ key it is for (a group's): dropped when another key holds the routing id now.
+        """
         if identity in self._gone:
+            return
+        if key is not None and self._keys.get(identity, (key,))[0] != key:
             return
         if is_large(message):
             entry = Encoding(message, p.encode_steps(message))
@@ -317,6 +346,9 @@ class ClientLinks:
                     del self._suspects[identity]
                 elif identity not in self._backlog:
                     self.send(identity, probe)
+        for identity in [i for i, (_, when) in self._keys.items() if now - when > FORGET_GONE_AFTER_S]:
+            if identity not in busy:
+                del self._keys[identity]
         for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
             del self._gone[identity]
         for identity in [i for i, when in self._lost_at.items() if now - when > SAME_LOSS_S]:

@@ -28,7 +28,9 @@ from rollout.service.group_counters import GroupCounters
 from rollout.service.observability.tracing import Tracer
 from rollout.service.zmq.limits import WorkerLimits, generate_refusal
 
-Send = Callable[[bytes, p.Message], None]
+# (the connection, the reply, and for a group's reply its key: `ClientLinks.send` drops it when another key holds the
+# connection's routing id now)
+Send = Callable[..., None]
 
 
 class GroupDesk:
@@ -57,7 +59,7 @@ class GroupDesk:
         self.counters = counters
         self._tracer = tracer
         self._wake = wake
-        self._outbox: queue.SimpleQueue[tuple[bytes, p.Message]] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, str | None, p.Message]] = queue.SimpleQueue()
         # engine id -> group; the serving thread adds, the engine thread removes
         self._groups: dict[str, GroupInFlight] = {}
         self._per_client: dict[bytes, int] = {}  # connection -> its groups in flight (the connections watched)
@@ -133,7 +135,7 @@ class GroupDesk:
         completions = [p.Completion(index, [], [], "abort", None, [], version) for index in range(message.n)]
         result = p.GroupResult(message.group_id, message.prompt_ids, completions)
         result.data_frames = []
-        send(group.identity, result)
+        send(group.identity, result, group.key)
 
     def _admit(
         self,
@@ -155,7 +157,7 @@ class GroupDesk:
         except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)
             self.counters.group_refused()
-            send(identity, _refusal(refused, message.group_id))
+            send(identity, _refusal(refused, message.group_id), group.key)
             return
         self.counters.group_received()
         group.span = self._tracer.group_started(message.group_id, identity.hex(), message.n, len(message.prompt_ids))
@@ -195,8 +197,8 @@ class GroupDesk:
 
     def flush(self, send: Send) -> None:
         """Send the replies the engine thread left."""
-        for identity, message in drain(self._outbox):
-            send(identity, message)
+        for identity, key, message in drain(self._outbox):
+            send(identity, message, key)
 
     def close(self, send: Send) -> None:
         """Answer the groups whose compile ended with the worker's compile slots (closed first: every compile has
@@ -212,7 +214,7 @@ class GroupDesk:
         group, message, _ = job.item
         if self._groups.get(group.engine_id) is group:
             self._remove(group)
-            send(group.identity, p.Error("busy", "the worker is stopping; retry", None, message.group_id))
+            send(group.identity, p.Error("busy", "the worker is stopping; retry", None, message.group_id), group.key)
 
     # ---- engine thread ----------------------------------------------------------------------------------------
     def _on_output(self, group: GroupInFlight, output: GenerationOutput) -> None:
@@ -223,13 +225,13 @@ class GroupDesk:
         if output.is_finished:
             self.counters.sample_finished(output.finish_reason)
         if delta is not None:
-            self._outbox.put((group.identity, delta))
+            self._outbox.put((group.identity, group.key, delta))
         if result is not None:
             # Forget the group before its result can reach the client, which may then reuse the id at once.
             self._remove(group)
             self.counters.group_finished()
             self._tracer.group_finished(group.span, result.completions)
-            self._outbox.put((group.identity, result))
+            self._outbox.put((group.identity, group.key, result))
         if delta is not None or result is not None:
             self._wake()
 

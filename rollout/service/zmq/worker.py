@@ -251,7 +251,8 @@ class RolloutWorker:
                     continue
                 return
             identity, frames = inbound.identity, inbound.frames
-            self._links.seen(identity, frame_fd(frames[0]) if frames else None)
+            key = frame_property(frames[0], "User-Id") if self._auth is not None and frames else None
+            self._links.seen(identity, frame_fd(frames[0]) if frames else None, key)
             try:
                 if inbound.refused is not None:
                     self._checks.refuse_cut(identity, frames, inbound.refused)
@@ -312,8 +313,8 @@ class RolloutWorker:
             watched.append(self._updates.update.identity)
         return watched
 
-    def _send(self, identity: bytes, message: p.Message) -> None:
-        self._links.send(identity, message)
+    def _send(self, identity: bytes, message: p.Message, key: str | None = None) -> None:
+        self._links.send(identity, message, key)
 
     def _client_lost(self, identity: bytes, reason: str) -> None:
         """A client is gone (ClientLinks tells once per loss): cancel its groups and drop its open update."""

@@ -1,0 +1,85 @@
+"""With CurveZMQ keys a client is its key, but a ROUTER routes replies by the connection's routing id, which a client
+may choose (`zmq.ROUTING_ID`). A routing id that another key takes over once its holder left must not carry the
+previous holder's groups to the new one: their deltas and results (prompt and tokens) are that key's alone."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from rollout import protocol as p
+from rollout.protocol.auth import keygen_main, secure_client_socket
+from service_helpers import Client, Worker
+
+pytestmark = pytest.mark.timeout(180)
+
+ATTEMPTS = 3  # the takeover races the worker noticing the closed connection: each attempt is one more chance
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keys")
+    for name, folder in (("worker", "own"), ("victim", "clients"), ("intruder", "clients")):
+        assert keygen_main([str(root / folder), name]) == 0
+    return root
+
+
+class NamedClient(Client):
+    """A raw client whose connection has the routing id it chose."""
+
+    def __init__(self, address: str, secure: tuple, routing_id: bytes):
+        """
+        Args:
+            address: the worker's address.
+            secure: (this client's .key_secret file, the worker's .key file).
+            routing_id: the routing id the worker sees for this connection.
+        """
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTING_ID, routing_id)
+        secure_client_socket(self.socket, *secure)
+        self.socket.connect(address)
+
+
+def _everything(client: Client, quiet_s: float) -> list[p.Message]:
+    """What `client` receives until nothing comes for `quiet_s`."""
+    received = []
+    while True:
+        try:
+            received.append(client.receive(quiet_s))
+        except TimeoutError:
+            return received
+
+
+def test_a_routing_id_taken_over_by_another_key_gets_none_of_the_previous_keys_groups(keys):
+    public = keys / "own" / "worker.key"
+    victim_key, intruder_key = keys / "clients" / "victim.key_secret", keys / "clients" / "intruder.key_secret"
+    server = Worker(
+        *("--curve-secret-key", str(keys / "own" / "worker.key_secret"), "--authorized-keys", str(keys / "clients")),
+        secure=(victim_key, public),
+    )
+    long = {"max_new_tokens": 1500, "stop_token_ids": []}
+    try:
+        for attempt in range(ATTEMPTS):
+            routing_id = f"trainer-{attempt}".encode()
+            victim = NamedClient(server.address, (victim_key, public), routing_id)
+            victim.send(p.Generate("secret", [11, 12, 13], sampling=long, stream=True))
+            assert isinstance(victim.receive(), p.Delta)  # in flight
+            victim.close()
+            intruder = NamedClient(server.address, (intruder_key, public), routing_id)
+            try:
+                for nonce in range(3):
+                    intruder.send(p.Ping(nonce))
+                received = _everything(intruder, 3.0)
+            finally:
+                intruder.close()
+            leaked = [type(message).__name__ for message in received if getattr(message, "group_id", None)]
+            assert leaked == [], f"attempt {attempt}: another key's connection received {leaked}"
+        # The worker still serves the key that lost its connection (its groups ended with the connection).
+        again = Client(server.address, (victim_key, public))
+        try:
+            assert isinstance(again.ask(p.Ping(9)), p.Pong)
+        finally:
+            again.close()
+    finally:
+        server.close()
