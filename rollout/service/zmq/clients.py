@@ -12,10 +12,7 @@ sent data may go unacknowledged, close connections to peers that vanished withou
 partition, a powered-off host); a peer that stops reading is dropped by the byte cap on its replies. Each loss is handled once: its groups are cancelled once and it is logged once;
 replies still due to it are dropped quietly until it speaks again.
 
-With CurveZMQ keys a routing id belongs to the key that last spoke over it: a client may choose its routing id, and
-once its connection closed another key may connect with the same one, to which ZeroMQ then routes every reply. A
-message over it with another key is a loss of the previous holder (its groups and update end, its backlog is
-dropped), and a reply sent for a key (`send`'s `key`) reaches the routing id only while that key holds it.
+With CurveZMQ keys a routing id belongs to the key that last spoke over it (`routing_keys.py`).
 
 No ZeroMQ (ZMTP) heartbeats: with them, libzmq 4.3.5 (pyzmq's, the latest release) aborts the whole process on an
 assertion (`!_io_error`, stream_engine_base.cpp) when a heartbeat falls due on a connection that failed while its
@@ -35,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rollout import protocol as p
 from rollout.service.zmq.large_replies import ENCODE_TURN_S, Encoding, is_large, unencodable_reply
+from rollout.service.zmq.routing_keys import RoutingKeys
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +99,7 @@ class ClientLinks:
         # revive it (`seen`) and lose it again; that is one loss, logged once, not one line per message.
         self._lost_at: dict[bytes, float] = {}
         self._fds: dict[bytes, int] = {}  # identity -> the descriptor its last message came over
-        # identity -> (the CurveZMQ key of its last message, when): kept while it is watched and FORGET_GONE_AFTER_S
-        # after, longer than any reply made for the previous holder can wait to go out
-        self._keys: dict[bytes, tuple[str, float]] = {}
+        self._keys = RoutingKeys(FORGET_GONE_AFTER_S)
         self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
         self._last_probe = 0.0
         self._pending_total = 0
@@ -130,11 +126,8 @@ class ClientLinks:
                 routing id changed hands: the previous holder is lost.
         """
         now = time.monotonic()
-        if key is not None:
-            held = self._keys.get(identity)
-            if held is not None and held[0] != key:
-                self.lose(identity, "its routing id now speaks with another key", unreachable=True)
-            self._keys[identity] = (key, now)
+        if key is not None and self._keys.claim(identity, key):
+            self.lose(identity, "its routing id now speaks with another key", unreachable=True)
         self._last_seen[identity] = now
         self._gone.pop(identity, None)
         if fd is not None:
@@ -158,7 +151,7 @@ class ClientLinks:
         """
         if identity in self._gone:
             return
-        if key is not None and self._keys.get(identity, (key,))[0] != key:
+        if key is not None and not self._keys.holds(identity, key):
             return
         if is_large(message):
             entry = Encoding(message, p.encode_steps(message))
@@ -346,9 +339,7 @@ class ClientLinks:
                     del self._suspects[identity]
                 elif identity not in self._backlog:
                     self.send(identity, probe)
-        for identity in [i for i, (_, when) in self._keys.items() if now - when > FORGET_GONE_AFTER_S]:
-            if identity not in busy:
-                del self._keys[identity]
+        self._keys.forget_idle(busy)
         for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
             del self._gone[identity]
         for identity in [i for i, when in self._lost_at.items() if now - when > SAME_LOSS_S]:
