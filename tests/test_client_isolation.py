@@ -320,6 +320,6 @@ def test_a_turn_of_the_serving_loop_ends_after_its_time_budget():
     worker._auth = None  # no keys: a message's key is not read
     worker._links = SimpleNamespace(seen=lambda identity, fd, key: None)
     handled = []
-    worker._receive = lambda identity, frames: time.sleep(0.004) or handled.append(identity)
+    worker._receive = lambda identity, frames, key: time.sleep(0.004) or handled.append(identity)
     worker._receive_all()
     assert 1 <= len(handled) <= RECEIVE_TURN_S / 0.004 + 1 and len(queued) == 50 - len(handled)

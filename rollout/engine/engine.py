@@ -57,8 +57,9 @@ class Engine:
         """
         model_config = servable_text_config(model)
         self.vocab_size = model_config.vocab_size
-        model_generation_config = getattr(model, "generation_config", None)
-        defaults = resolve_generation_config(generation_config, model_generation_config, self.vocab_size)
+        defaults = resolve_generation_config(
+            generation_config, getattr(model, "generation_config", None), self.vocab_size
+        )
         self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
         self.model = model
         self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)

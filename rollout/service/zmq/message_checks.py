@@ -13,7 +13,6 @@ from collections.abc import Callable
 from rollout import protocol as p
 from rollout.protocol.auth import SecurityLog, WorkerAuth
 from rollout.protocol.header_glance import glance, glance_ids, oversized
-from rollout.protocol.sockets import frame_property
 from rollout.service.weights.update_slot import UpdateSlot
 
 
@@ -39,12 +38,18 @@ class MessageChecks:
         self.max_lengths, self.auth, self.updates, self.send = max_lengths, auth, updates, send
         self.security_log = security_log
 
-    def decode(self, identity: bytes, frames: list) -> tuple[p.Message, str | None] | None:
-        """(the message, its sender's key: its z85 CurveZMQ public key with keys on, else None), or None when it was
-        refused (and answered): malformed, over a limit, or of a kind the sender's key may not send."""
+    def decode(self, identity: bytes, frames: list, key: str | None) -> p.Message | None:
+        """The message, or None when it was refused (and answered): malformed, over a limit, or of a kind the
+        sender's key may not send.
+
+        Args:
+            identity: its sender's routing id.
+            frames: the message's frames (its header first).
+            key: its sender's z85 CurveZMQ public key with keys on (the "User-Id" property), else None.
+        """
         if self.auth is not None and frames:  # a role's refusal costs no decode (a weights_begin may be 22 MB)
             seen = glance_ids(frames[0])
-            if seen is not None and not self.auth.may(frame_property(frames[0], "User-Id"), seen["type"]):
+            if seen is not None and not self.auth.may(key, seen["type"]):
                 self._refuse_role(identity, seen["type"], seen.get("group_id"), seen.get("update_id"))
                 return None
         try:
@@ -62,12 +67,11 @@ class MessageChecks:
             reply = p.Error("bad_request", str(error), error.field, error.group_id, error.update_id)
             self._answer(identity, reply, error.update_id, error.kind)
             return None
-        key = frame_property(frames[0], "User-Id") if self.auth is not None else None
         if self.auth is not None and not self.auth.may(key, message.TYPE):
             ids = getattr(message, "group_id", None), getattr(message, "update_id", None)
             self._refuse_role(identity, message.TYPE, *ids)  # a header the glance could not read, or a second "type"
             return None
-        return message, key
+        return message
 
     def refuse_cut(self, identity: bytes, frames: list, reason: str) -> None:
         """Answer a message that had more frames or bytes than any may have (its header names its ids: a glance

@@ -257,16 +257,15 @@ class RolloutWorker:
                 if inbound.refused is not None:
                     self._checks.refuse_cut(identity, frames, inbound.refused)
                 else:
-                    self._receive(identity, frames)
+                    self._receive(identity, frames, key)
             except Exception as error:  # noqa: BLE001 - nothing one message does may end the serving loop
                 logger.exception("a message from client %s failed", identity.hex())
                 self._send(identity, p.Error("internal", f"{type(error).__name__}: {error}", None))
 
-    def _receive(self, identity: bytes, frames: list) -> None:
-        checked = self._checks.decode(identity, frames)  # None: refused, and answered
-        if checked is None:
+    def _receive(self, identity: bytes, frames: list, key: str | None) -> None:
+        message = self._checks.decode(identity, frames, key)  # None: refused, and answered
+        if message is None:
             return
-        message, key = checked
         try:
             if isinstance(message, WEIGHT_MESSAGES):
                 self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
