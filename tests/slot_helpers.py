@@ -25,8 +25,14 @@ def open_slot() -> Iterator[UpdateSlot]:
     )
     sent: list[p.Message] = []
     woken = threading.Event()
-    update_slot = UpdateSlot(manager, lambda identity, message: sent.append(message), woken.set, 600.0)
-    update_slot.sent = sent
+    keys: list[str | None] = []  # the key each reply was sent for (None: none)
+
+    def send(identity: bytes, message: p.Message, key: str | None = None) -> None:
+        sent.append(message)
+        keys.append(key)
+
+    update_slot = UpdateSlot(manager, send, woken.set, 600.0)
+    update_slot.sent, update_slot.sent_keys = sent, keys
     try:
         yield update_slot
     finally:

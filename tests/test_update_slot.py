@@ -134,3 +134,22 @@ def test_rendezvous_threads_are_bounded_when_stores_never_answer(monkeypatch):
     finally:
         receiver.close()
         listener.close()
+
+
+def test_an_updates_later_replies_are_sent_for_its_clients_key(slot):
+    """With CurveZMQ keys, replies an update sends later (a bucket's ack, the commit, a rejection found on the job
+    thread) carry the key that began it, so the client links deliver them only while that key holds the routing id
+    (another key may take a closed connection's routing id over: `test_auth_routing_ids.py`)."""
+    data = torch.full((64,), 3.0).view(torch.uint8)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"trainer", p.WeightsBegin("u", spec, version=3, partial=True), [], None, "K1")
+    bucket = p.WeightsBucket("u", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
+    slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None, "K1")
+    slot.handle(b"trainer", p.WeightsCommit("u"), [], None, "K1")
+    ready, ack, committed = replies(slot, 3)
+    assert isinstance(ack, p.WeightsAck) and isinstance(committed, p.WeightsCommitted), (ack, committed)
+    assert slot.sent_keys[1:] == ["K1", "K1"]
+    slot.handle(b"trainer", p.WeightsBegin("bad", spec, partial=True), [], None, "K2")
+    slot.handle(b"trainer", p.WeightsBucket("bad", bucket.pieces, bucket.checksum ^ 1), [data.numpy().tobytes()], None)
+    error = replies(slot, 5)[-1]
+    assert isinstance(error, p.Error) and error.field == "checksum" and slot.sent_keys[-1] == "K2"

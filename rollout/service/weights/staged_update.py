@@ -47,6 +47,7 @@ class StagedUpdate:
         peer: str | None = None,
         max_phase_s: float = 600.0,
         base_id: str | None = None,
+        key: str | None = None,
     ):
         """Validate the announcement (its staging area is taken later: `take_staging`).
 
@@ -59,11 +60,13 @@ class StagedUpdate:
             peer: the address the weights_begin came from (None: ipc or inproc, this machine).
             max_phase_s: the longest phase deadline (`timeout_s`) allowed.
             base_id: the base weights the worker serves (an adapter update must be for them).
+            key: the client's CurveZMQ key (None: keys off): replies sent later go to `identity` only while it holds it.
         Raises:
             UpdateRejected: a bad field or tensor, named.
         """
         self.begin = begin
         self.identity = identity
+        self.key = key
         self.update_id = begin.update_id
         self.committing = False
         self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work

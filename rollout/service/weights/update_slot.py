@@ -46,7 +46,7 @@ class UpdateSlot:
     def __init__(
         self,
         manager: ContinuousBatchingManager,
-        send: Callable[[bytes, p.Message], None],
+        send: Callable[..., None],
         wake: Callable[[], None],
         max_phase_s: float,
         keep_staging: bool = True,
@@ -56,7 +56,7 @@ class UpdateSlot:
         """
         Args:
             manager: the engine manager the updates go into.
-            send: how a reply reaches a client (identity, message).
+            send: how a reply reaches a client (identity, message, and the key an update's later replies are for).
             wake: wakes the serving thread after another thread finished a step.
             max_phase_s: the longest phase deadline (`timeout_s`) an update may ask for.
             keep_staging: keep the host staging area for the next update.
@@ -91,7 +91,9 @@ class UpdateSlot:
     def policy_version(self) -> int:
         return self.manager.engine.policy_version
 
-    def handle(self, identity: bytes, message: p.Message, data_frames: list, peer: str | None) -> None:
+    def handle(
+        self, identity: bytes, message: p.Message, data_frames: list, peer: str | None, key: str | None = None
+    ) -> None:
         """Serve one weight-update message.
 
         Args:
@@ -99,6 +101,7 @@ class UpdateSlot:
             message: one of WEIGHT_MESSAGES.
             data_frames: raw frames after the header (a frames bucket's bytes).
             peer: the sender's IP address, when ZeroMQ knows it (TCP).
+            key: the sender's CurveZMQ key (None: keys off); a begun update's later replies go only to it.
         """
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
@@ -116,7 +119,7 @@ class UpdateSlot:
         if isinstance(message, p.WeightsBegin):
             if update is not None and not self._vacate(identity, message):
                 return
-            self._begin(identity, message, peer)
+            self._begin(identity, message, peer, key)
             return
         if update is None or update.update_id != update_id or update.identity != identity:
             self._send(identity, p.Error("unknown_update", "no such open update", "update_id", None, update_id))
@@ -163,7 +166,7 @@ class UpdateSlot:
         self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
         return False
 
-    def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None) -> None:
+    def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None, key: str | None) -> None:
         try:
             update = StagedUpdate(
                 message,
@@ -174,6 +177,7 @@ class UpdateSlot:
                 peer,
                 self.max_phase_s,
                 self.base_id,
+                key,
             )
         except UpdateRejected as error:
             self.num_rejected += 1
@@ -279,7 +283,7 @@ class UpdateSlot:
                     reply.pause_ms,
                     reply.copy_ms,
                 )
-            self._send(update.identity, reply)
+            self._send(update.identity, reply, update.key)
 
     def on_malformed(self, identity: bytes, update_id: str | None, reply: p.Error, kind: str | None) -> bool:
         """A malformed weight message naming the open update drops it (True: handled, the client was told); a
@@ -310,7 +314,7 @@ class UpdateSlot:
         logger.warning("weight update %s rejected: %s", update.update_id, error.message)
         self._end_uncleanly()
         error.update_id = update.update_id
-        self._send(update.identity, error)
+        self._send(update.identity, error, update.key)
 
     def client_lost(self, identity: bytes) -> None:
         """Drop the open update of a client that is gone (unless the engine is already applying it)."""

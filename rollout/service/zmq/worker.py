@@ -130,7 +130,7 @@ class RolloutWorker:
         self._desk = GroupDesk(manager, self.limits, self.counters, self._tracer, self._waker.wake, self.compiles)
         self._updates = UpdateSlot(
             manager,
-            lambda identity, message: owner._send(identity, message),
+            lambda identity, message, key=None: owner._send(identity, message, key),
             self._waker.wake,
             self.limits.max_update_phase_s,
             tracer=self._tracer,
@@ -141,7 +141,7 @@ class RolloutWorker:
             self._max_lengths,
             auth,
             self._updates,
-            lambda identity, message: owner._send(identity, message),
+            lambda identity, message, key=None: owner._send(identity, message, key),
             SecurityLog(logger),
         )
 
@@ -268,7 +268,7 @@ class RolloutWorker:
             return
         try:
             if isinstance(message, WEIGHT_MESSAGES):
-                self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"))
+                self._updates.handle(identity, message, frames[1:], frame_property(frames[0], "Peer-Address"), key)
             else:
                 self._handle(identity, message, key)
         except Exception as error:  # noqa: BLE001 - one bad request must not stop the worker
