@@ -32,20 +32,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rollout import protocol as p
 from rollout.service.zmq.large_replies import ENCODE_TURN_S, Encoding, is_large, unencodable_reply
+from rollout.service.zmq.router_options import configure_router
 from rollout.service.zmq.routing_keys import RoutingKeys
 
 logger = logging.getLogger(__name__)
 
-# Replies ZeroMQ may queue per client before they wait in our own (byte-counted) backlog.
-SEND_HWM = 256
-# TCP keepalive (module docstring: not ZeroMQ heartbeats): a connection idle this many seconds is probed every
-# KEEPALIVE_INTERVAL_S, and closed after KEEPALIVE_PROBES unanswered probes (a vanished host: about 20 s). Keepalive
-# waits while sent data is unacknowledged (a busy client's host died mid-reply): TCP_MAXRT (TCP_USER_TIMEOUT) closes
-# such a connection once its data has gone unacknowledged that long, instead of after minutes of retransmissions.
-KEEPALIVE_IDLE_S = 10
-KEEPALIVE_INTERVAL_S = 2
-KEEPALIVE_PROBES = 5
-UNACKNOWLEDGED_MS = 20_000
 # Unread replies all clients together may leave in the worker, as a multiple of the per-client cap: many sockets
 # each under the cap must not exhaust the worker's memory. Past it, the client whose backlog has gone longest without
 # a reply taken from it is dropped (by progress, not size: a large backlog read slowly outlives a small unread one).
@@ -79,13 +70,7 @@ class ClientLinks:
         self.max_pending_bytes = max_pending_bytes
         self.client_timeout_s = client_timeout_s
         self._on_lost = on_lost
-        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises instead of dropping
-        socket.setsockopt(zmq.SNDHWM, SEND_HWM)  # past it: EAGAIN, and the reply waits in our backlog
-        socket.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        socket.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
-        socket.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
-        socket.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
-        socket.setsockopt(zmq.TCP_MAXRT, UNACKNOWLEDGED_MS)
+        configure_router(socket)
         # Only DISCONNECTED: it is queued before the descriptor is released, so no new client can hold that descriptor
         # yet (CLOSED comes after the close, when a new connection may already reuse it).
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
