@@ -23,6 +23,7 @@ WAITING_CALLS: dict[str, Callable[[Any], Any]] = {
     "get_result": lambda manager: manager.get_result("other", timeout=None),
     "request_id_iter": lambda manager: next(iter(manager.request_id_iter("other"))),
     "iteration": lambda manager: next(iter(manager)),
+    "join": lambda manager: manager.join(timeout=None),
     "update_weights": lambda manager: manager.update_weights(
         {name: tensor.clone() for name, tensor in MODEL.state_dict().items()}, timeout=None
     ),

@@ -124,7 +124,18 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
             self._loop.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the engine thread to end (after `stop`)."""
+        """Wait for the engine thread to end (after `stop`).
+
+        Args:
+            timeout: most seconds to wait; None waits until it ends.
+        Raises:
+            RuntimeError: called from a result handler, which runs on the engine thread: it would wait on itself.
+        """
+        if self._loop.on_thread():
+            raise RuntimeError(
+                "join() cannot wait on the engine thread from inside a result handler, which runs on it; call "
+                "stop(block=False) there, and join() from another thread"
+            )
         self._loop.join(timeout)
 
     def __enter__(self) -> ContinuousBatchingManager:
