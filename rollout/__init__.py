@@ -29,6 +29,7 @@ _EXPORTS = {
     "GroupSpec": "rollout.engine.requests.group_spec",
     "generate_batch": "rollout.engine.generate",
     "init_continuous_batching": "rollout.engine.manager.continuous_batching",
+    "continuous_batching_context_manager": "rollout.engine.manager.context_manager",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -144,3 +144,42 @@ def test_add_request_eos_token_id_with_stop_token_ids_is_refused_not_dropped():
         alone = manager.get_result(manager.add_request(PROMPT, max_new_tokens=8, stop_token_ids=[stop]), timeout=60)
     assert refused.value.field == "eos_token_id"
     assert alone.generated_tokens == _greedy_reference(model, 8, stop)  # stop_token_ids alone: transformers' eos
+
+
+def test_the_context_manager_takes_transformers_positions_and_finishes_the_requests_on_exit():
+    """`model.continuous_batching_context_manager(gc, block, timeout, cbc, persistent_manager, warmup)` is
+    `continuous_batching_context_manager(model, gc, block, timeout, cbc, persistent_manager, warmup)`, and its exit is
+    transformers': a request added and never read runs to its end (transformers' `stop()` flushes), where rollout's
+    `with init_continuous_batching(...)` ends it with "abort"."""
+    from rollout import continuous_batching_context_manager
+
+    theirs = _positional_names(GenerationMixin.continuous_batching_context_manager, 1, "warmup")
+    assert _positional_names(continuous_batching_context_manager, 1, "warmup") == theirs
+    model = tiny_model()
+    config = GenerationConfig(do_sample=False, eos_token_id=None)
+    expected = _greedy_reference(model, 40, None)
+    with continuous_batching_context_manager(model, config, True, 60, CACHE, False, False) as manager:
+        request_id = manager.add_request(PROMPT, max_new_tokens=40)
+    output = manager.get_result(request_id, timeout=0)
+    assert output is not None and output.finish_reason == "length"
+    assert output.generated_tokens == expected
+
+
+def test_the_context_manager_ends_the_requests_when_the_block_raises_and_refuses_a_persistent_manager():
+    """An exception in the block ends the requests at once (nothing waits on a long tail after an error); a
+    persistent manager, which rollout does not keep, is refused by name before anything is built."""
+    from rollout import continuous_batching_context_manager
+
+    model = tiny_model()
+    config = GenerationConfig(do_sample=False, eos_token_id=None)
+    with pytest.raises(KeyError):
+        with continuous_batching_context_manager(model, config, continuous_batching_config=CACHE) as manager:
+            with manager.pause():  # raised while paused: the request cannot finish before the exception
+                request_id = manager.add_request(PROMPT, max_new_tokens=200)
+                raise KeyError("the caller's own error")
+    assert not manager.is_running()
+    output = manager.get_result(request_id, timeout=0)
+    assert output is not None and output.finish_reason == "abort"
+    with pytest.raises(ValueError, match="persistent_manager"):
+        with continuous_batching_context_manager(model, persistent_manager=True):
+            pass

@@ -2,9 +2,9 @@
 
 Source: huggingface/transformers `tests/generation/test_continuous_batching.py` (commit 02166fe6df77), whose tests
 call `model.generate_batch`, `model.init_continuous_batching` and `model.continuous_batching_context_manager`. Here
-`cb(model)` wraps a model so that those calls go to `rollout.generate_batch(model, ...)` /
-`rollout.init_continuous_batching(model, ...)` (per test: transformers' classes are never patched). References are
-transformers itself (`model.generate`, its logits processors), never rollout's own output. Every change from the
+`cb(model)` wraps a model so that those calls go to `rollout.generate_batch(model, ...)`,
+`rollout.init_continuous_batching(model, ...)` and `rollout.continuous_batching_context_manager(model, ...)` (per
+test: transformers' classes are never patched). References are transformers itself (`model.generate`, its logits processors), never rollout's own output. Every change from the
 source is marked `# adapted: ...`. Test names are the source's.
 
 Not applicable (transformers internals, no counterpart in rollout):
@@ -43,7 +43,6 @@ import asyncio
 import copy
 import threading
 import time
-from contextlib import contextmanager
 from typing import Any
 from unittest.mock import patch
 
@@ -110,19 +109,8 @@ class cb:  # noqa: N801 - reads like the method calls it stands for: cb(model).g
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None):
         return rollout.init_continuous_batching(self.model, generation_config, continuous_batching_config)
 
-    @contextmanager
-    def continuous_batching_context_manager(
-        self, generation_config=None, block=True, timeout=None, continuous_batching_config=None, warmup=True
-    ):
-        """transformers' context manager: init, warm up, start; stop on exit."""
-        manager = self.init_continuous_batching(generation_config, continuous_batching_config)
-        if warmup:
-            manager.warmup()
-        manager.start()
-        try:
-            yield manager
-        finally:
-            manager.stop(block=block, timeout=timeout)
+    def continuous_batching_context_manager(self, *args, **kwargs):
+        return rollout.continuous_batching_context_manager(self.model, *args, **kwargs)
 
 
 def load_model(kind: str = "llama", attn_implementation: str | None = None, eos: bool = True) -> torch.nn.Module:

@@ -1,6 +1,7 @@
 """`ContinuousBatchingManager`: the engine on a background thread, as transformers' continuous batching has it.
 
 - `continuous_batching.py`: the manager (the public face of what it holds) and `init_continuous_batching`;
+  `context_manager.py`: transformers' `continuous_batching_context_manager`, as a function of the model;
 - `parts.py`: what it holds, built around one mailbox and one lock (weak references back to the manager);
 - `request_adding.py`: the manager's methods that queue requests (`add_request`, `add_groups`, `cancel_request`);
 - `request_desk.py`: groups checked on the caller's thread and posted to the engine thread, all or none;
@@ -13,10 +14,16 @@
 - `exit_stop.py`: managers still running at interpreter exit are stopped first.
 """
 
+from rollout.engine.manager.context_manager import continuous_batching_context_manager
 from rollout.engine.manager.continuous_batching import (
     ContinuousBatchingManager,
     QueueFullError,
     init_continuous_batching,
 )
 
-__all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
+__all__ = [
+    "ContinuousBatchingManager",
+    "QueueFullError",
+    "continuous_batching_context_manager",
+    "init_continuous_batching",
+]
