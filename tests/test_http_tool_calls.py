@@ -28,13 +28,14 @@ TOOLS = [{"type": "function", "function": {"name": "count_letters", "parameters"
 MESSAGES = [{"role": "user", "content": "count the letters of abc"}]
 
 
-def scripted_tool_caller(call: str = json.dumps(CALL)):
+def scripted_tool_caller(call: str = json.dumps(CALL), then: tuple[str, ...] = ()):
     """A tokenizer with three added words (`<tool_call>`, the call's JSON `call`, `</tool_call>`) and a Qwen3 model
     whose layers add nothing (each position's output is its own token's embedding), so its next token is a function
-    of the current one: greedy decoding after the chat template's "assistant\\n" spells the call, then ends the turn."""
+    of the current one: greedy decoding after the chat template's "assistant\\n" spells the call, then ends the turn
+    (after the added words `then`, if any: a second call written as one word, say)."""
     tokenizer = tiny_tokenizer()
-    tokenizer.add_tokens(["<tool_call>", call, "</tool_call>"])
-    chain = [tokenizer.convert_tokens_to_ids(t) for t in ("\n", "<tool_call>", call, "</tool_call>")]
+    tokenizer.add_tokens(["<tool_call>", call, "</tool_call>", *then])
+    chain = [tokenizer.convert_tokens_to_ids(t) for t in ("\n", "<tool_call>", call, "</tool_call>", *then)]
     chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     torch.manual_seed(0)
     config = Qwen3Config(**{**TINY_MODEL_CONFIG, "vocab_size": len(tokenizer)}, tie_word_embeddings=False)
@@ -159,3 +160,28 @@ def test_a_call_whose_arguments_json_cannot_hold_is_content(number):
         choice = answer.choices[0]
         assert choice.finish_reason == "stop" and not choice.message.tool_calls
         assert choice.message.content == f"<tool_call>{call}</tool_call>"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_as_vllm():
+    """`parallel_tool_calls: false` is honoured as vLLM honours it (`maybe_filter_parallel_tool_calls`): of the calls
+    the model wrote, only the first comes back, whole and streamed; true or absent, every call does (it was
+    accepted and had no effect: two calls came back)."""
+    second = {"name": "count_letters", "arguments": {"text": "de"}}
+    then = (f"<tool_call>{json.dumps(second)}</tool_call>",)
+    with serving(*scripted_tool_caller(then=then)) as http:
+        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            for parallel, expected in ((None, [CALL, second]), (True, [CALL, second]), (False, [CALL])):
+                fields = {} if parallel is None else {"parallel_tool_calls": parallel}
+                request = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=0, n=2, **fields)
+                answer = client.chat.completions.create(**request)
+                state = ChatCompletionStreamState()
+                with client.chat.completions.create(**request, stream=True) as stream:
+                    for chunk in stream:
+                        state.handle_chunk(chunk)
+                for choice in [*answer.choices, *state.get_final_completion().choices]:
+                    calls = [
+                        {"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                        for c in choice.message.tool_calls
+                    ]
+                    assert calls == expected, (parallel, calls)
+                    assert choice.finish_reason == "tool_calls" and not choice.message.content

@@ -20,6 +20,10 @@ OPENAI_NAMES = {
     "stop_token_ids": "stop_token_ids",
     "return_routes": "return_routed_experts",
 }
+# Most characters of an error's message and param: what a client sent is quoted in part (a 16 MB field name or model
+# name came back whole, twice for a field name, in a reply encoded on the event loop that streams every answer).
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = 256
 
 
 @dataclass
@@ -41,8 +45,22 @@ class APIError(Exception):
     code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        """The JSON body of the reply."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """The JSON body of the reply (message and param clipped in their middle: `clip`)."""
+        message, param = clip(self.message, MAX_MESSAGE_CHARS), self.param and clip(self.param, MAX_PARAM_CHARS)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
+
+
+def clip(text: str, most: int) -> str:
+    """`text`, or its beginning and end around "..." when it is longer than `most` characters.
+
+    Args:
+        text: an error's text.
+        most: the most characters kept.
+    """
+    if len(text) <= most:
+        return text
+    half = (most - 3) // 2
+    return f"{text[:half]}...{text[len(text) - half :]}"
 
 
 def bad_field(param: str, reason: str) -> APIError:

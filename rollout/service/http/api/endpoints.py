@@ -90,7 +90,8 @@ class OpenAIEndpoints:
         adapter = requested_adapter(model, self.model_name, self.manager.engine.runner.adapters.refs)
         prompt_field = "messages" if chat else "prompt"
         n = fields.integer(body, "n", 1, 1, self.max_n)
-        tools = tool_calling(tool_spec(body), self.tool_call_parser) if chat else None
+        parallel = body.get("parallel_tool_calls") is not False  # (a boolean or null: checked by check_fields)
+        tools = tool_calling(tool_spec(body), self.tool_call_parser, parallel) if chat else None
         if chat:
             prompts = [chat_prompt(body, self.tokenizer, self.limits)]
         else:

@@ -124,7 +124,7 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
             raise bad_field(name, why)
-    for name in ("parallel_tool_calls", "store"):  # no constraint to apply, or nothing to store
+    for name in ("parallel_tool_calls", "store"):  # the first call only when false (chat_tools), or nothing to store
         flag(body, name)
     for name, kind in (
         ("user", str),

@@ -99,7 +99,8 @@ def build_app(
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> SafeJSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return SafeJSONResponse(APIError(error.status_code, str(error.detail), None, kind).body(), error.status_code)
+        body = APIError(error.status_code, str(error.detail), None, kind).body()
+        return SafeJSONResponse(body, error.status_code, headers=error.headers)  # a 405's Allow (RFC 9110)
 
     app.add_middleware(
         RequestGuard,
