@@ -4,7 +4,7 @@
   frequencies from the longest position of each forward (and keeps them), so transformers' own forward gives a short
   row other logits beside a long one. The engine refuses it with a max_model_len beyond that length, the trainer's
   block a forward that reaches past it; within it the engine's log-probs are the trainer's bit for bit.
-- A model whose attention transformers will not switch (Falcon, MPT, Bloom, GPT-Neo: transformers only warns and
+- A model whose attention transformers will not switch (GPT-Neo, MPT, Bloom: transformers only warns and
   keeps their own attention): `batch_invariant(model)` refuses it by name, as the engine does, and leaves it as it
   was.
 """
@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 from test_batch_invariant import trl_batch_logprobs
-from transformers import AutoModelForCausalLM, FalconConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GPTNeoConfig, LlamaConfig
 
 from conftest import _COMMON, VOCAB, make_engine, make_prompts, run_to_completion
 from rollout import FieldError, SamplingParams
@@ -87,16 +87,16 @@ def test_dynamic_rope_within_its_length_is_bit_for_bit(dtype):
         assert torch.equal(torch.tensor(ours), scores.gather(1, torch.tensor(completion)[:, None])[:, 0])
 
 
-def falcon() -> torch.nn.Module:
-    """A tiny Falcon (its attention does not go through transformers' AttentionInterface)."""
-    config = FalconConfig(
+def gpt_neo() -> torch.nn.Module:
+    """A tiny GPT-Neo (its attention does not go through transformers' AttentionInterface; Falcon's does since
+    transformers 5.25)."""
+    config = GPTNeoConfig(
         vocab_size=VOCAB,
         hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-        alibi=False,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global"], 2]],
+        max_position_embeddings=128,
     )
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config).eval()
@@ -104,14 +104,14 @@ def falcon() -> torch.nn.Module:
 
 @torch.no_grad()
 def test_a_model_whose_attention_transformers_will_not_switch_is_refused_by_the_trainers_block():
-    model = falcon()
+    model = gpt_neo()
     ids = torch.tensor([make_prompts(1, 12, 12, seed=5)[0]])
     before = model(ids).logits
     implementation = model.config._attn_implementation
-    with pytest.raises(FieldError, match="batch_invariant: transformers would not switch FalconForCausalLM's"):
+    with pytest.raises(FieldError, match="batch_invariant: transformers would not switch GPTNeoForCausalLM's"):
         with batch_invariant(model):
             pass
     assert model.config._attn_implementation == implementation
     assert torch.equal(model(ids).logits, before)  # nothing left swapped or hooked
-    with pytest.raises(FieldError, match="would not switch FalconForCausalLM's attention"):
+    with pytest.raises(FieldError, match="would not switch GPTNeoForCausalLM's attention"):
         make_engine(model, batch_invariant=True)  # as the engine refuses it

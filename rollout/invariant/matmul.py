@@ -57,7 +57,10 @@ class InvariantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)  # in the dtype the forward computed in (autocast's, cast before)
-        return tiled_matmul(rows, weight)
+        # Detached: `tiled_matmul` returns a view (its padded rows sliced), and autograd refuses an in-place change
+        # of a custom Function's output that is a view (OLMo's `q_proj(x).clamp_()` under clip_qkv), which
+        # F.linear's output takes.
+        return tiled_matmul(rows, weight).detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rollout.invariant.activations import invariant_function
 from rollout.invariant.attention import ATTENTION_NAME, register_invariant_attention
 from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
@@ -46,18 +47,23 @@ from rollout.validation import FieldError
 
 
 class InvariantLinearMode(TorchFunctionMode):
-    """Runs `torch.nn.functional.linear` as `invariant_linear`, and a last-axis mean or log_softmax of a CUDA tensor
-    as `invariant_mean` / `invariant_log_softmax` (reductions.py); every other function as it is."""
+    """Runs `torch.nn.functional.linear` as `invariant_linear`, a functional sigmoid or SiLU as activations.py's, and
+    a last-axis mean or log_softmax of a CUDA tensor as `invariant_mean` / `invariant_log_softmax` (reductions.py);
+    every other function as it is."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.linear_calls = 0  # the F.linear calls it routed (swaps.ModeNeed reads it)
+        self.routed_calls = 0  # the F.linear, sigmoid and SiLU calls it routed (swaps.ModeNeed reads it)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
-            self.linear_calls += 1
+            self.routed_calls += 1
             return invariant_linear(*args, **kwargs)
+        activated = invariant_function(func, args, kwargs)
+        if activated is not None:
+            self.routed_calls += 1
+            return activated
         reduced = invariant_reduction(func, args, kwargs)
         return func(*args, **kwargs) if reduced is None else reduced
 
@@ -164,7 +170,7 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         ValueError: the model has no `config` with an attention implementation to switch, checkpoints its layers
             with reentrant gradient checkpointing, or is of a kind the mode cannot make bit for bit (a FieldError
             naming batch_invariant: LongRoPE, GPT-2's Conv1D layers, DeepSeek's latent attention, an attention
-            transformers will not switch (Falcon, MPT, Bloom, GPT-Neo), a forward past a dynamic NTK RoPE's
+            transformers will not switch (GPT-Neo, Bloom, MPT), a forward past a dynamic NTK RoPE's
             length).
         RowInvarianceError: (a ValueError) on a CPU whose matmuls are not row-invariant for the model's shapes with
             this process's thread count (`cpu_check.py`).

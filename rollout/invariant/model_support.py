@@ -8,6 +8,10 @@
   products, whose split of the reduction depends on the number of rows;
 - multi-head latent attention (`kv_lora_rank`: DeepSeek-V2/V3): keys and values of different head sizes, which the
   invariant attention does not take (the engine's paged cache refuses such models in any mode);
+- layers other than full or sliding attention (`config.layer_types`: Qwen3-Next's and MiniMax's linear attention,
+  Llama 4's chunked attention, hybrid Mamba models): they do not go through the invariant attention, and their own
+  arithmetic (a recurrence, chunks counted from a padded row's first column) depends on the layout (measured: Qwen3-Next
+  0.06 nats in bf16 between a padded batch and a row alone; the engine refuses them in any mode);
 - dynamic NTK RoPE (`rope_type: "dynamic"`) past the length it was trained for: transformers recomputes its rotary
   frequencies from the largest position of a forward once it passes the rotary's `original_max_seq_len` (the
   config's max_position_embeddings), and keeps them, so a token's logits depend on the rest of the call. Within
@@ -24,6 +28,8 @@ from typing import Any
 import torch
 
 from rollout.validation import FieldError
+
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}  # the layer types the invariant attention computes
 
 
 def rope_types(config: Any) -> set[str]:
@@ -59,6 +65,12 @@ def invariance_refusal(model: torch.nn.Module) -> str | None:
         return (
             "LongRoPE (rope_type 'longrope') picks its rotary factors from the longest position of each forward, so "
             "a token's logits depend on the rest of the batch: not batch-invariant"
+        )
+    other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if other_layers:
+        return (
+            f"layer types {other_layers} (config.layer_types) do not go through the invariant attention (only "
+            f"{sorted(ATTENTION_LAYER_TYPES)} do): not batch-invariant"
         )
     if text is not None and getattr(text, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3's MLA) is not served by the invariant mode"

@@ -5,9 +5,10 @@ without a `TorchFunctionMode`.
 `InvariantLinearMode` (mode.py) sees every torch call of a forward, at about 4 us each on a CPU: on a tiny model that
 was a third of an invariant engine's time. A swapped `forward` costs one thread-local read per module instead. What
 a swap cannot see still needs the mode: an `F.linear` called outside an `nn.Linear` (an MoE model's eager experts, a
-custom layer) and, on a GPU, the last-axis means and log_softmax that the mode sends to Triton kernels.
-`ModeNeed` finds out which a model needs from its first forward, run under the mode, which counts the `F.linear` calls
-it routes: with every `nn.Linear` swapped, any it sees came from elsewhere.
+custom layer), a functional sigmoid or SiLU (Qwen2-MoE's shared-expert gate, sigmoid routers) and, on a GPU, the
+last-axis means and log_softmax that the mode sends to Triton kernels. `ModeNeed` finds out which a model needs from
+its first forward, run under the mode, which counts the calls it routes: with every `nn.Linear` and activation module
+swapped, any it sees came from elsewhere.
 
 A swap is an entry `forward` in the instance dictionary of each plain `nn.Linear` (one whose class's forward is
 torch's own) and each activation module activations.py knows, never over an instance `forward` of someone else's
@@ -116,7 +117,7 @@ def swapped_forwards(model: torch.nn.Module) -> Iterator[None]:
 class ModeNeed:
     """Whether a model's forwards still need `InvariantLinearMode` beside `swapped_forwards`, per device type and dtype
     of its parameters: unknown until a forward there completed under the mode; then yes on a kernel device (its
-    reductions) or when the mode routed any `F.linear`."""
+    reductions) or when the mode routed any `F.linear`, sigmoid or SiLU call."""
 
     def __init__(self) -> None:
         self._learnt: dict[tuple[str, torch.dtype], bool] = {}
@@ -129,10 +130,10 @@ class ModeNeed:
         """Record what one completed forward under `mode` (an `InvariantLinearMode`) showed.
 
         Args:
-            mode: the mode the forward ran under (its `linear_calls` counted).
+            mode: the mode the forward ran under (its `routed_calls` counted).
             sample: one of the model's parameters.
         """
-        self._learnt.setdefault((sample.device.type, sample.dtype), on_kernel_device(sample) or mode.linear_calls > 0)
+        self._learnt.setdefault((sample.device.type, sample.dtype), on_kernel_device(sample) or mode.routed_calls > 0)
 
 
 _NEEDS: weakref.WeakKeyDictionary[torch.nn.Module, ModeNeed] = weakref.WeakKeyDictionary()
