@@ -140,3 +140,29 @@ def test_ctrl_c_while_the_worker_starts_is_one_line_and_status_130(monkeypatch, 
     monkeypatch.setattr(startup, "start_worker", interrupted)
     assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 130
     assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
+
+
+def test_ctrl_c_that_an_import_turns_into_another_error_is_still_one_line_and_status_130(monkeypatch, capsys):
+    """A SIGINT that lands inside an import leaves a module half-initialised, and the next import fails with an
+    unrelated error: Ctrl-C while the worker started printed transformers' "Could not import module
+    'AttentionInterface'" traceback (over numpy's RecursionError) and exited 1. C extensions may also wrap it
+    (pydantic's SchemaError)."""
+    import os
+    import signal
+    import time
+
+    from rollout.service.launch import cli, startup
+
+    def interrupted_inside_an_import(parser, args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10)  # the SIGINT handler raises here
+        except KeyboardInterrupt:
+            pass  # what a half-done import does with it: the error that follows is another one
+        raise ModuleNotFoundError("Could not import module 'AttentionInterface'")
+
+    handler = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(startup, "start_worker", interrupted_inside_an_import)
+    assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 130
+    assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
+    assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back

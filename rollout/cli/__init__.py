@@ -6,6 +6,7 @@ engine starts, in the order a command line passes through it:
 - `batch_config_flags.py`: `--batch-config KEY=VALUE ...` read into a `ContinuousBatchingConfig`;
 - `extras.py`: the optional extras, and the one-line error naming the pip command when a feature's extra is missing;
 - `hub.py`: a model or dataset id checked against a hub the machine may not reach, before it loads.
+- `interrupts.py`: Ctrl-C while a command imports torch or loads a model, reported in one line.
 
 Nothing here imports torch; importing this package imports none of its modules.
 """

@@ -17,6 +17,7 @@ import argparse
 import math
 import sys
 
+from rollout.cli.interrupts import deferring_sigint, recording_sigint
 from rollout.cli.parser import CliParser
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
@@ -162,23 +163,31 @@ def check_flags(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run rollout-eval; returns the exit status (0; 2 on an error the user can fix; 130 when interrupted)."""
     args = build_parser().parse_args(argv)
-    try:
-        check_flags(args)
-        from rollout.eval.session import evaluate  # torch and transformers load here, after the cheap checks
+    with recording_sigint() as interrupted:  # what an interrupt turned into is the interrupt: cli/interrupts.py
+        try:
+            check_flags(args)
+            with deferring_sigint():  # torch and transformers load here, after the cheap checks
+                from rollout.eval.session import evaluate
 
-        summary, lines = evaluate(args, lambda rows: write_rows(args.output, rows))
-        if args.compare_with_generate > summary["prompts"]:
-            lines.append(
-                f"(--compare-with-generate {args.compare_with_generate}: the dataset has {summary['prompts']} prompts)"
-            )
-        print("\n".join(lines), flush=True)
-        if args.output is not None:
-            written = write_summary(args.output, summary)
-            print(f"rows: {args.output} ({summary['samples']}), summary: {written}", flush=True)
-    except EvalError as error:
-        print(f"rollout-eval: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as interrupt:
-        print(f"rollout-eval: {str(interrupt) or 'interrupted'}", file=sys.stderr)
-        return 130
+            summary, lines = evaluate(args, lambda rows: write_rows(args.output, rows))
+            if args.compare_with_generate > summary["prompts"]:
+                lines.append(
+                    f"(--compare-with-generate {args.compare_with_generate}: "
+                    f"the dataset has {summary['prompts']} prompts)"
+                )
+            print("\n".join(lines), flush=True)
+            if args.output is not None:
+                written = write_summary(args.output, summary)
+                print(f"rows: {args.output} ({summary['samples']}), summary: {written}", flush=True)
+        except EvalError as error:
+            print(f"rollout-eval: error: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as interrupt:
+            print(f"rollout-eval: {str(interrupt) or 'interrupted'}", file=sys.stderr)
+            return 130
+        except Exception:
+            if not interrupted:
+                raise
+            print("rollout-eval: interrupted", file=sys.stderr)
+            return 130
     return 0

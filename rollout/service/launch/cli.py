@@ -12,6 +12,7 @@ import sys
 
 # Only light modules here: the parser builds, and --help and flag errors answer, before torch, transformers and the
 # engine load (startup.py loads them, once the flags parse and the settings check).
+from rollout.cli.interrupts import deferring_sigint, recording_sigint
 from rollout.cli.parser import CliParser
 from rollout.config import ATTENTION_BACKENDS, MODEL_DTYPE_NAMES, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.presets.catalog import PRESETS
@@ -320,16 +321,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_settings(parser, args)  # a bad setting is a usage error now, not after the imports below
-    try:  # Ctrl-C while torch imports or the model loads: one line, not the traceback of wherever it landed
-        from rollout.service.launch.startup import (
-            start_worker,  # torch, transformers, the engine: only once the flags parse
-        )
+    # Ctrl-C while torch imports or the model loads: one line, not the traceback of wherever it landed, nor of the
+    # error a half-done import turned it into (rollout/cli/interrupts.py)
+    with recording_sigint() as interrupted:
+        try:
+            with deferring_sigint():
+                from rollout.service.launch.startup import (
+                    start_worker,  # torch, transformers, the engine: only once the flags parse
+                )
 
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        running = start_worker(parser, args)
-    except KeyboardInterrupt:
-        print("rollout-worker: interrupted while starting", file=sys.stderr)
-        return 130  # the shell's status for SIGINT
+            logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            running = start_worker(parser, args)
+        except BaseException as error:
+            if not (isinstance(error, KeyboardInterrupt) or interrupted):
+                raise
+            print("rollout-worker: interrupted while starting", file=sys.stderr)
+            return 130  # the shell's status for SIGINT
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: running.worker.shutdown())
     return running.serve()

@@ -4,6 +4,7 @@ id) and its tokenizer."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -42,6 +43,30 @@ def torch_device(spec: str, flag: str) -> torch.device:
     return device
 
 
+def check_model_directory(name: str) -> None:
+    """Refuse a local path that is no model directory, before `from_pretrained` takes a file for a hub id (a minute
+    of retries offline, then an error about JSON or pickles) or asks for a `model_type` of a missing config.json.
+
+    Args:
+        name: what `--model` names (a hub id or a preset passes).
+    Raises:
+        ValueError: a file (naming the directory to pass instead), or a directory without config.json.
+    """
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        folder = os.path.dirname(path) or "."
+        raise ValueError(
+            f"a file, not a model directory: pass the directory that holds config.json and the weights ({folder}?)"
+        )
+    # a PEFT adapter directory (adapter_config.json, its base named there) is left to from_pretrained, as before
+    held = ("config.json", "adapter_config.json")
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, file)) for file in held):
+        raise ValueError(
+            "no config.json there, so not a Hugging Face model directory (save_pretrained(DIR) writes "
+            "config.json beside the weights)"
+        )
+
+
 def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> torch.nn.Module:
     """A preset, or `from_pretrained` of a local directory / hub id as a causal LM, refusing a checkpoint that
     lacks some of its weights: `from_pretrained` would initialize them at random (a base model saved without its LM
@@ -64,6 +89,7 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
     from transformers import AutoModelForCausalLM
 
     missing_local_path(name, "--model")
+    check_model_directory(name)
     cached_only = False if is_local_path(name) else check_hub_source(name, "--model")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(

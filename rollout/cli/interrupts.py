@@ -1,0 +1,53 @@
+"""Ctrl-C while a command starts: never a traceback of wherever it landed, nor a process aborted by it.
+
+A KeyboardInterrupt raised inside an import leaves a module half-initialised, and a later import fails with an
+unrelated error (numpy's RecursionError, surfacing as transformers' "Could not import module 'AttentionInterface'");
+one raised inside a C++ extension's module init aborts the process ("terminate called after throwing an instance
+of 'pybind11::error_already_set'"). So the imports of torch and transformers run under `deferring_sigint` (the
+interrupt waits for them, seconds), and what runs after them under `recording_sigint`, whose record tells an error
+that an interrupt caused from a real failure. A SIGINT ignored on entry (a background job of a non-interactive
+shell) stays ignored under both, and a command run from a thread other than the main one (which may not set a
+handler) keeps the handler it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def _sigint_recorded(raise_at_once: bool) -> Iterator[list[int]]:
+    """Within the block, a SIGINT is recorded, then raises KeyboardInterrupt now (`raise_at_once`) or at the block's
+    end; the previous handler is back on exit."""
+    received: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or threading.current_thread() is not threading.main_thread():
+        yield received  # only the main thread may set a handler; a command run from another thread keeps its own
+        return
+
+    def record(signum: int, frame: object) -> None:
+        received.append(signum)
+        if raise_at_once:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received and not raise_at_once:
+        raise KeyboardInterrupt
+
+
+def recording_sigint() -> contextlib.AbstractContextManager[list[int]]:
+    """SIGINT raises KeyboardInterrupt as Python's default handler does, and is recorded first: the list yielded
+    holds the signal's number once one arrived, so that any error after it is reported as the interrupt."""
+    return _sigint_recorded(raise_at_once=True)
+
+
+def deferring_sigint() -> contextlib.AbstractContextManager[list[int]]:
+    """SIGINT is recorded and raised as KeyboardInterrupt when the block ends (its imports complete), not inside it."""
+    return _sigint_recorded(raise_at_once=False)
