@@ -91,6 +91,12 @@ def test_what_is_no_causal_lm_or_no_list_of_prompts_is_named():
         assert error.value.field == "inputs"
     with pytest.raises(FieldError, match="prompt 2 of the batch") as error:
         generate_batch(model, [[1, 2], [3, 4], [], [5]], progress_bar=False, warmup=False)
+    with pytest.raises(TypeError, match=r"\(temperature, top_k: SamplingParams settings, so pass sampling=") as error:
+        generate_batch(model, [[1, 2, 3]], progress_bar=False, temperature=0.5, top_k=3, verbose=True)
+    assert "['temperature', 'top_k', 'verbose']" in str(error.value)  # every unknown one named, the hint for two
+    assert str(error.value).endswith("pass sampling=SamplingParams(temperature=0.5, top_k=3))")
+    hinted = SamplingParams(temperature=0.5, top_k=3)  # what it says to pass works as it is
+    assert len(generate_batch(model, [[1, 2, 3]], progress_bar=False, max_new_tokens=2, sampling=hinted)) == 1
 
 
 def test_sampling_settings_a_requests_own_sampling_params_leaves_out_are_said():

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from rollout.config import FieldError
+from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import from_peft_model
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
@@ -58,6 +59,16 @@ class GenerationInterrupted(KeyboardInterrupt):
         """
         super().__init__()  # no message, as a plain Ctrl-C's
         self.outputs = outputs
+
+
+def _sampling_hint(unexpected: dict[str, Any]) -> str:
+    """How to pass what are `SamplingParams` fields, when some of `unexpected` are (empty otherwise)."""
+    fields = {field.name for field in dataclasses.fields(SamplingParams)}
+    named = {name: value for name, value in sorted(unexpected.items()) if name in fields}
+    if not named:
+        return ""
+    settings = ", ".join(f"{name}={value!r}" for name, value in named.items())
+    return f" ({', '.join(named)}: SamplingParams settings, so pass sampling=SamplingParams({settings}))"
 
 
 def generate_batch(
@@ -116,7 +127,7 @@ def generate_batch(
     n = kwargs.pop("n", None)
     adapters = kwargs.pop("adapter", None)
     if kwargs:
-        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}")
+        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}{_sampling_hint(kwargs)}")
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
     if len(per_prompt) != len(inputs):
         raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
