@@ -502,8 +502,8 @@ def test_a_warm_up_whose_request_fails_says_why():
     def broken(*args, **kwargs):
         raise NotImplementedError("this forward is not served")
 
+    engine = make_engine(model)  # built whole: the forward breaks afterwards (a forward failing already is refused)
     model.model.forward = broken
-    engine = make_engine(model)
     try:
         with pytest.raises(RuntimeError, match="warm-up request failed: .*this forward is not served"):
             engine.warmup()

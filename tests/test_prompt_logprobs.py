@@ -172,12 +172,12 @@ def test_peak_logits_are_bounded_by_the_slice(monkeypatch):
     reference = reference_copy(model)
     rows_per_slice = 64
     monkeypatch.setattr(prompt_logprobs, "MAX_SLICE_ELEMENTS", rows_per_slice * VOCAB)
-    calls: list[int] = []
+    prompt = make_prompts(1, 4096, 4096, seed=9)[0]
+    engine = make_engine(model, block_size=16, num_blocks=260, max_batch_tokens=4096)
+    calls: list[int] = []  # from here: the engine's build runs one probe forward of its own (attention_probe.py)
     model.get_output_embeddings().register_forward_hook(
         lambda module, inputs, output: calls.append(output.shape[:-1].numel())
     )
-    prompt = make_prompts(1, 4096, 4096, seed=9)[0]
-    engine = make_engine(model, block_size=16, num_blocks=260, max_batch_tokens=4096)
     output = score(engine, "long", prompt, 1, max_new_tokens=0)
     assert max(calls) <= rows_per_slice, max(calls)
     # Every position once, plus the sampled row twice: the model's own head call and the scorer's one-time check.

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
-from rollout.engine.attention.paged import register_paged_attention
-from rollout.engine.kv.kv_cache import PagedKVCache
+from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
+from rollout.engine.runner.attention_probe import check_attention_calls, record_attention_calls
+from rollout.engine.runner.model_lease import is_leased
 from rollout.invariant.model_support import rope_types
 
 logger = logging.getLogger(__name__)
@@ -96,22 +97,25 @@ def servable_text_config(model: torch.nn.Module) -> Any:
 
 
 def _refuse_own_attention(model: torch.nn.Module) -> None:
-    """Refuse a model whose attention implementation transformers will not switch (GPT-Neo, Bloom: their attention
-    does not go through AttentionInterface; a class whose source transformers cannot read), tried and undone here,
-    before anything is built."""
-    previous = model.config._attn_implementation
-    name = register_paged_attention()
-    model.set_attn_implementation(name)
-    kept = model.config._attn_implementation
-    model.set_attn_implementation(previous)
-    if kept != name:
+    """Refuse a model whose attention the paged cache cannot serve, from one probe forward (attention_probe.py): one
+    whose implementation transformers will not switch (GPT-Neo, Bloom: their attention does not go through
+    AttentionInterface; a class whose source transformers cannot read), one whose layers drop the keyword arguments,
+    or whose keys are not the heads the config gives; before anything is built. A model another engine holds passed
+    this when that engine was built, and is not probed again: the probe switches its attention, which would pull it
+    from under that engine's running steps."""
+    if is_leased(model):
+        return
+    calls = record_attention_calls(model)
+    if calls is None:
         raise FieldError(
             "model",
-            f"transformers would not switch {type(model).__name__}'s attention (it kept {kept!r}), so rollout's paged "
-            "attention cannot serve it: its attention does not go through transformers' AttentionInterface, or its "
-            "class was defined where transformers cannot read its source (a notebook cell, stdin; define it in a "
-            "module file)",
+            f"transformers would not switch {type(model).__name__}'s attention (it kept "
+            f"{model.config._attn_implementation!r}), so rollout's paged attention cannot serve it: its attention does "
+            "not go through transformers' AttentionInterface, or its class was defined where transformers cannot "
+            "read its source (a notebook cell, stdin; define it in a module file)",
         )
+    shape = KVCacheShape.from_model_config(model.config)
+    check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim)
 
 
 # Config fields naming a multimodal model's placeholder tokens (where its images, video or audio would go).

@@ -83,6 +83,11 @@ def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
         )
 
 
+def is_leased(model: torch.nn.Module) -> bool:
+    """Whether an engine holds `model` now (its attention is switched to the paged one and must stay so)."""
+    return model in _HOLDERS
+
+
 def release(model: torch.nn.Module) -> None:
     """Let go of the model for one engine; the last one gives everything back as it was."""
     holder = _HOLDERS[model]

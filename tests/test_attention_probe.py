@@ -1,0 +1,97 @@
+"""Models whose attention the paged cache cannot serve, refused when the engine is built (one probe forward) instead of
+accepted and then failing every request at its first step, as a model sweep found them on transformers 5.25:
+StableLM, Nemotron and Falcon call their attention function without their forward's keyword arguments; JetMoE's
+attention gives keys of more heads than the config's `num_key_value_heads`. A model the probe passes is served as
+transformers' `generate` decodes it, and the probe leaves the model as it was (attention implementation, training
+mode, no gradient)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, FalconConfig, JetMoeConfig, PersimmonConfig, StableLmConfig
+
+from conftest import VOCAB, make_engine, make_prompts, run_to_completion
+from rollout import SamplingParams
+from rollout.config import FieldError
+
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+def build(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "config, refusal",
+    [
+        (StableLmConfig(**SIZES, num_key_value_heads=2), "StableLmAttention calls its attention function without"),
+        (
+            FalconConfig(
+                **{k: SIZES[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")},
+                new_decoder_architecture=True,
+                num_kv_heads=2,
+            ),
+            "FalconAttention calls its attention function without|transformers would not switch FalconForCausalLM",
+        ),  # transformers before 5.25: Falcon's own attention
+        (
+            JetMoeConfig(**SIZES, num_key_value_heads=2),
+            r"JetMoeAttention gives its attention 4 key heads of 128 .*2 of",
+        ),
+    ],
+    ids=["stablelm", "falcon", "jetmoe"],
+)
+def test_an_attention_the_paged_cache_cannot_serve_is_refused_when_the_engine_is_built(config, refusal):
+    model = build(config).train()
+    implementation = model.config._attn_implementation
+    with pytest.raises(FieldError, match=refusal) as refused:
+        make_engine(model)
+    assert refused.value.field == "model"
+    assert model.config._attn_implementation == implementation and model.training  # left as it was
+    assert all(parameter.grad is None for parameter in model.parameters())
+
+
+def test_a_model_the_probe_passes_decodes_as_generate():
+    """Persimmon (no grouped-query attention: its config has no num_key_value_heads) is served, token for token."""
+    model = build(PersimmonConfig(**SIZES)).eval()
+    prompts = make_prompts(3, 4, 10, seed=2)
+    engine = make_engine(model)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, SamplingParams(do_sample=False, stop_token_ids=[]), max_new_tokens=6)
+    outputs = run_to_completion(engine)
+    engine.close()
+    for index, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(prompt) :]
+        assert outputs[f"r{index}"].generated_tokens == expected.tolist()
+
+
+def test_a_model_an_engine_holds_is_not_probed_again(monkeypatch):
+    """A second engine on a model the first one is serving must not switch its attention (the probe would, for one
+    forward, under the first engine's running steps): the model passed the probe when the first engine was built."""
+    model = build(PersimmonConfig(**SIZES)).eval()
+    first = make_engine(model)
+    switches = []
+    original = type(model).set_attn_implementation
+    monkeypatch.setattr(
+        type(model), "set_attn_implementation", lambda self, name: switches.append(name) or original(self, name)
+    )
+    second = make_engine(model)
+    assert switches == [] and model.config._attn_implementation == "rollout_paged"
+    second.close()
+    first.close()
+    monkeypatch.undo()
+    assert model.config._attn_implementation != "rollout_paged"
+
+
+def test_a_forward_that_fails_is_refused_when_the_engine_is_built_with_its_error():
+    model = build(PersimmonConfig(**SIZES))
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("this forward is not served")
+
+    model.model.forward = broken
+    with pytest.raises(FieldError, match="PersimmonForCausalLM's forward failed .*NotImplementedError: this forward"):
+        make_engine(model)
+    assert model.config._attn_implementation != "rollout_probe"
