@@ -44,11 +44,14 @@ def build(config) -> torch.nn.Module:
 )
 def test_an_attention_the_paged_cache_cannot_serve_is_refused_when_the_engine_is_built(config, refusal):
     model = build(config).train()
+    model.get_input_embeddings().eval()  # a part the trainer keeps in eval mode (frozen embeddings)
+    flags = [module.training for module in model.modules()]
     implementation = model.config._attn_implementation
     with pytest.raises(FieldError, match=refusal) as refused:
         make_engine(model)
     assert refused.value.field == "model"
-    assert model.config._attn_implementation == implementation and model.training  # left as it was
+    assert model.config._attn_implementation == implementation  # left as it was
+    assert [module.training for module in model.modules()] == flags
     assert all(parameter.grad is None for parameter in model.parameters())
 
 

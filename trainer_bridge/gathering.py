@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from rollout.engine.runner.sharded_params import is_dtensor, is_zero3
+
 
 @dataclass
 class Entry:
@@ -23,31 +25,10 @@ class Entry:
     fetch: Callable[[], torch.Tensor]  # gathers if needed: every rank must call it, in the same order
 
 
-def _is_zero3(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id")
-
-
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(tensor, DTensor) or isinstance(getattr(tensor, "data", None), DTensor)
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether some parameter of `model` is a shard (DeepSpeed ZeRO-3, FSDP2): pushing it needs every rank.
-
-    Args:
-        model: the trainer's model, as prepared.
-    """
-    return any(_is_zero3(param) or is_dtensor(param) for param in model.parameters())
-
-
 @contextlib.contextmanager
 def gathered(params: list[torch.Tensor]) -> Iterator[None]:
     """Make ZeRO-3-partitioned `params` whole for the duration (a collective: every rank enters it)."""
-    partitioned = [param for param in params if _is_zero3(param)]
+    partitioned = [param for param in params if is_zero3(param)]
     if not partitioned:
         yield
         return
@@ -61,14 +42,14 @@ def full_copy(param: torch.Tensor) -> torch.Tensor:
     """A whole, detached copy of one parameter or buffer (gathered if sharded)."""
     if is_dtensor(param):
         return param.full_tensor().detach()
-    if _is_zero3(param):
+    if is_zero3(param):
         with gathered([param]):
             return param.data.detach().clone()
     return param.detach()
 
 
 def shape_of(param: torch.Tensor) -> tuple[int, ...]:
-    return tuple(param.ds_shape) if _is_zero3(param) else tuple(param.shape)
+    return tuple(param.ds_shape) if is_zero3(param) else tuple(param.shape)
 
 
 def unwrapped(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:

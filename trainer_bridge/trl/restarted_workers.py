@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from rollout.engine.runner.sharded_params import is_sharded
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
-from trainer_bridge.gathering import is_sharded
 from trainer_bridge.weights.weight_sync import push_weights
 
 logger = logging.getLogger("trainer_bridge.trl")

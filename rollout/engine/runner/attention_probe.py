@@ -58,20 +58,29 @@ def _recording_attention(
     return query.new_zeros(batch, length, heads, value.shape[-1]), None
 
 
-def record_attention_calls(model: torch.nn.Module) -> list[AttentionCall] | None:
+def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list[AttentionCall] | None:
     """The attention calls of one two-token forward of `model` in the engine's form; None when transformers would not
     switch the model's attention to a registered function (the caller refuses that by name).
 
     Args:
         model: a transformers causal LM.
+        forward: run the forward; False: only try the switch (and record nothing), for a model whose parameters
+            are shards until a round gathers them.
+    Raises:
+        FieldError: ("model") the forward failed.
     """
     AttentionInterface.register(PROBE_NAME, _recording_attention)
     AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
-    previous, training = model.config._attn_implementation, model.training
+    previous = model.config._attn_implementation
+    # Every submodule's own flag: a trainer may keep parts in eval mode (frozen embeddings), which model.train(True)
+    # would switch on again.
+    training = [(module, module.training) for module in model.modules()]
     model.set_attn_implementation(PROBE_NAME)
     try:
         if model.config._attn_implementation != PROBE_NAME:
             return None
+        if not forward:
+            return []
         device = next(model.parameters()).device
         _RECORD.calls = calls = []
         model.eval()
@@ -93,7 +102,8 @@ def record_attention_calls(model: torch.nn.Module) -> list[AttentionCall] | None
         return calls
     finally:
         _RECORD.calls = None
-        model.train(training)
+        for module, flag in training:
+            module.training = flag
         model.set_attn_implementation(previous)
 
 

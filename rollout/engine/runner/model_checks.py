@@ -13,6 +13,7 @@ from rollout.config import FieldError
 from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
 from rollout.engine.runner.attention_probe import check_attention_calls, record_attention_calls
 from rollout.engine.runner.model_lease import is_leased
+from rollout.engine.runner.sharded_params import is_sharded
 from rollout.invariant.model_support import rope_types
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,10 @@ def _refuse_own_attention(model: torch.nn.Module) -> None:
     from under that engine's running steps."""
     if is_leased(model):
         return
-    calls = record_attention_calls(model)
+    # ZeRO-3 or FSDP2 shards (a colocated trainer's model) are whole only within a round: no forward before then,
+    # so only the switch is tried, and a layer the probe would refuse fails its requests with an error naming it.
+    sharded = is_sharded(model)
+    calls = record_attention_calls(model, forward=not sharded)
     if calls is None:
         raise FieldError(
             "model",
@@ -114,6 +118,8 @@ def _refuse_own_attention(model: torch.nn.Module) -> None:
             "not go through transformers' AttentionInterface, or its class was defined where transformers cannot "
             "read its source (a notebook cell, stdin; define it in a module file)",
         )
+    if sharded:
+        return
     shape = KVCacheShape.from_model_config(model.config)
     check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim)
 
