@@ -48,6 +48,22 @@ def all_plain_ints(values: list | tuple) -> bool:
     return set(map(type, values)) <= {int}
 
 
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in `text` (JSON's "\\ud800" escapes make them: no tokenizer encodes one, no UTF-8
+    file or message holds one), or None when `text` is valid Unicode. Runs at C speed on valid text.
+
+    Args:
+        text: the string to check.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return text[error.start]
+    return None
+
+
 def in_range(values: list | tuple, low: int, high: int) -> bool:
     """True when plain ints `values` all lie in [low, high) (C speed; empty: True)."""
     return not values or (low <= min(values) and max(values) < high)

@@ -4,6 +4,7 @@ template and full decodes."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -365,6 +366,28 @@ def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, sta
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"], error
+
+
+@pytest.mark.parametrize(
+    "path, body, param, says",
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt", r"prompt: holds a lone surrogate \(\\ud800\)"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udfff"}]}',
+            "messages",
+            r"message 1's content holds a lone surrogate \(\\udfff\)",
+        ),
+    ],
+    ids=["prompt", "chat"],
+)
+def test_a_lone_surrogate_is_named_where_it_is(worker, path, body, param, says):
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which no tokenizer encodes: the 400 says so and where (the
+    chat answer said only that the template failed)."""
+    response = httpx.post(f"{worker.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(says, error["message"]), error
 
 
 def test_what_the_openai_client_sends_as_null_or_echoes_back_is_accepted(api):

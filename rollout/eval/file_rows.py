@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 from rollout.cli.hub import first_line
 from rollout.eval.files import BOM, FileRefused, open_for_reading, read_lines
+from rollout.validation import lone_surrogate
 
 # The flag that raises the limit on a line's length, named in its error.
 LIMIT_FLAG = "--max-line-chars"
@@ -115,15 +116,15 @@ def _check_text(dataset: str, where: str, value: Any) -> None:
     while pending:  # not recursive: a deeply nested line must not exhaust the stack
         field, item = pending.pop()
         if isinstance(item, str):
-            if not _is_text(item):
-                refused = next(char for char in item if 0xD800 <= ord(char) <= 0xDFFF)
+            refused = lone_surrogate(item)
+            if refused is not None:
                 raise DatasetError(
                     f"--dataset {dataset}: {where}, field {field or '(the value itself)'}: holds a lone surrogate "
                     f"({ascii(refused)[1:-1]}), which is not text a tokenizer can read; fix or drop that \\u escape"
                 )
         elif isinstance(item, dict):
             for key, child in item.items():
-                if not _is_text(key):
+                if lone_surrogate(key) is not None:
                     raise DatasetError(
                         f"--dataset {dataset}: {where}: the field name {ascii(key)} holds a lone surrogate, which is "
                         "not text; fix or drop that \\u escape"
@@ -131,17 +132,6 @@ def _check_text(dataset: str, where: str, value: Any) -> None:
                 pending.append((f"{field}.{key}" if field else key, child))
         elif isinstance(item, list):
             pending.extend((f"{field}[{index}]", child) for index, child in enumerate(item))
-
-
-def _is_text(value: str) -> bool:
-    """Whether a string is valid Unicode text (encodes as UTF-8: no lone surrogates)."""
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _read_csv(dataset: str, lines: Iterable[tuple[int, str]], max_chars: int) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ from typing import Any
 from rollout.service.http.api.template_inputs import check_rendered_size, template_variables
 from rollout.service.http.errors import APIError, bad_field
 from rollout.service.http.tools.tool_calls import ToolsError, ToolSpec, check_tools
-from rollout.validation import all_plain_ints
+from rollout.validation import all_plain_ints, lone_surrogate
 
 MAX_BATCH = 1024  # prompts in one /v1/completions request
 MAX_TOOLS = 128  # tools in one chat request (OpenAI's own limit)
@@ -145,12 +145,15 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         message = {**message, "content": "".join(part["text"] for part in content)}
     elif content is not None and not isinstance(content, str):
         raise bad_field("messages", f"message {index}: content must be a string or a list of text parts")
+    if isinstance(message.get("content"), str):
+        _refuse_lone_surrogate("messages", message["content"], f"message {index}'s content ")
     return message
 
 
 def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
     if len(text) > limits.max_chars:
         _too_long("prompt", len(text), limits)
+    _refuse_lone_surrogate("prompt", text)
     try:
         ids = list(tokenizer(text)["input_ids"])
     except Exception as error:  # noqa: BLE001 - text the tokenizer cannot take (a lone surrogate, ...)
@@ -160,6 +163,16 @@ def _encode(tokenizer: Any, text: str, limits: PromptLimits) -> list[int]:
     if not ids:
         raise bad_field("prompt", "encodes to no tokens")
     return _capped(ids, limits)
+
+
+def _refuse_lone_surrogate(field: str, text: str, where: str = "") -> None:
+    """A 400 naming `field` when `text` holds a lone surrogate (a JSON "\\ud800" escape), which no tokenizer encodes."""
+    refused = lone_surrogate(text)
+    if refused is not None:
+        raise bad_field(
+            field,
+            f"{where}holds a lone surrogate ({ascii(refused)[1:-1]}), which is not text; fix or drop that \\u escape",
+        )
 
 
 def _capped(ids: list[int], limits: PromptLimits) -> list[int]:
