@@ -7,6 +7,8 @@
 - A model whose attention transformers will not switch (GPT-Neo, MPT, Bloom: transformers only warns and
   keeps their own attention): `batch_invariant(model)` refuses it by name, as the engine does, and leaves it as it
   was.
+- GPT-OSS's attention sinks, which the invariant attention does not compute: refused when the block is entered (it
+  was at the first forward); Doge's own float mask: the first forward's error names the attention class.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import copy
 import pytest
 import torch
 from test_batch_invariant import trl_batch_logprobs
-from transformers import AutoModelForCausalLM, GPTNeoConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, DogeConfig, GPTNeoConfig, GptOssConfig, LlamaConfig
 
 from conftest import _COMMON, VOCAB, make_engine, make_prompts, run_to_completion
 from rollout import FieldError, SamplingParams
@@ -115,3 +117,26 @@ def test_a_model_whose_attention_transformers_will_not_switch_is_refused_by_the_
     assert torch.equal(model(ids).logits, before)  # nothing left swapped or hooked
     with pytest.raises(FieldError, match="would not switch GPTNeoForCausalLM's attention"):
         make_engine(model, batch_invariant=True)  # as the engine refuses it
+
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+
+
+def test_attention_sinks_are_refused_when_the_trainers_block_is_entered():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        GptOssConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    )
+    implementation = model.config._attn_implementation
+    with pytest.raises(FieldError, match=r"batch_invariant: attention sinks \(GPT-OSS's; first: model.layers.0"):
+        with batch_invariant(model):
+            raise AssertionError("the block was entered")
+    assert model.config._attn_implementation == implementation
+
+
+def test_a_float_mask_of_the_models_own_is_refused_naming_its_attention():
+    """Doge adds its dynamic mask to the attention mask: not a mask the invariant attention computes bit for bit."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(DogeConfig(**SMALL, num_key_value_heads=2))
+    with batch_invariant(model), pytest.raises(ValueError, match="DogeAttention hands the batch-invariant attention"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 3, dtype=torch.long))

@@ -74,6 +74,11 @@ def invariant_attention_forward(
         raise ValueError(f"batch-invariant attention cannot apply attention dropout ({dropout}) while training")
     if kwargs.get("s_aux") is not None:
         raise ValueError("batch-invariant attention does not support attention sinks (s_aux)")
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"{type(module).__name__} hands the batch-invariant attention a {attention_mask.dtype} mask (an additive "
+            "mask of its own, as Doge's dynamic mask): only transformers' boolean masks are computed bit for bit"
+        )
     allowed = allowed_keys(attention_mask, query.shape[2], key.shape[2], query.device)
     allowed = allowed.expand(query.shape[0], 1, query.shape[2], key.shape[2])
     # A row's keys start at the first key any of its queries sees: its first unmasked token.

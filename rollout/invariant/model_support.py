@@ -6,6 +6,8 @@
   (an engine step's other sequences; the trainer's whole completion);
 - transformers' `Conv1D` layers (GPT-2, its descendants): they compute with `torch.addmm`, outside the invariant
   products, whose split of the reduction depends on the number of rows;
+- attention sinks (GPT-OSS's `sinks` parameters), which the invariant attention does not compute (the engine's paged
+  attention refuses them in any mode);
 - multi-head latent attention (`kv_lora_rank`: DeepSeek-V2/V3): keys and values of different head sizes, which the
   invariant attention does not take (the engine's paged cache refuses such models in any mode);
 - layers other than full or sliding attention (`config.layer_types`: Qwen3-Next's and MiniMax's linear attention,
@@ -74,6 +76,9 @@ def invariance_refusal(model: torch.nn.Module) -> str | None:
         )
     if text is not None and getattr(text, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3's MLA) is not served by the invariant mode"
+    sinks = next((name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"), None)
+    if sinks is not None:
+        return f"attention sinks (GPT-OSS's; first: {sinks}) are not computed by the invariant attention"
     from transformers.pytorch_utils import Conv1D
 
     for name, module in model.named_modules():
