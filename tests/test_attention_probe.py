@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, FalconConfig, JetMoeConfig, PersimmonConfig, StableLmConfig
+from transformers import (
+    AutoModelForCausalLM,
+    BartConfig,
+    BertConfig,
+    DiffLlamaConfig,
+    ErgoConfig,
+    FalconConfig,
+    JetMoeConfig,
+    MoshiConfig,
+    PersimmonConfig,
+    RobertaConfig,
+    StableLmConfig,
+    xLSTMConfig,
+)
 
 from conftest import VOCAB, make_engine, make_prompts, run_to_completion
 from rollout import SamplingParams
@@ -39,8 +52,30 @@ def build(config) -> torch.nn.Module:
             JetMoeConfig(**SIZES, num_key_value_heads=2),
             r"JetMoeAttention gives its attention 4 key heads of 128 .*2 of",
         ),
+        (DiffLlamaConfig(**SIZES, num_key_value_heads=2), "DiffLlamaAttention calls its attention function 2 times"),
+        (
+            BartConfig(
+                vocab_size=VOCAB,
+                d_model=64,
+                decoder_layers=2,
+                encoder_layers=2,
+                decoder_attention_heads=4,
+                encoder_attention_heads=4,
+                decoder_ffn_dim=128,
+                encoder_ffn_dim=128,
+                forced_eos_token_id=None,
+            ),
+            "BartAttention gives one token at one position different keys",
+        ),  # its decoder numbers its tokens from the input's own length, ignoring position_ids
+        (BertConfig(**SIZES, is_decoder=False), r"BertSelfAttention is not causal \(is_causal=False"),
+        (
+            MoshiConfig(**SIZES, num_key_value_heads=2, ffn_dim=128, sliding_window=8),
+            r"MoshiAttention \(layer 0\) is a sliding-window layer \(config sliding_window=8\) but does not pass",
+        ),  # its window is only in transformers' cache and mask
+        (RobertaConfig(**SIZES, is_decoder=True), r"RobertaForCausalLM numbers its positions from padding_idx \+ 1"),
+        (xLSTMConfig(vocab_size=VOCAB, hidden_size=64, num_blocks=2, num_heads=4), "config gives no attention shape"),
     ],
-    ids=["stablelm", "falcon", "jetmoe"],
+    ids=["stablelm", "falcon", "jetmoe", "diffllama", "bart", "bert-bidirectional", "moshi", "roberta", "xlstm"],
 )
 def test_an_attention_the_paged_cache_cannot_serve_is_refused_when_the_engine_is_built(config, refusal):
     model = build(config).train()
@@ -98,3 +133,27 @@ def test_a_forward_that_fails_is_refused_when_the_engine_is_built_with_its_error
     with pytest.raises(FieldError, match="PersimmonForCausalLM's forward failed .*NotImplementedError: this forward"):
         make_engine(model)
     assert model.config._attn_implementation != "rollout_probe"
+
+
+def test_a_router_that_scores_through_a_linear_of_its_own_decodes_as_generate():
+    """Ergo's router keeps its weight in a `linear` submodule (the engine's MoE route taps read `router.weight`)."""
+    config = ErgoConfig(
+        **SIZES,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_dense_intermediate_size=128,
+        shared_intermediate_size=32,
+    )
+    model = build(config).eval()
+    prompts = make_prompts(2, 4, 10, seed=2)
+    engine = make_engine(model)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"r{index}", prompt, SamplingParams(do_sample=False, stop_token_ids=[]), max_new_tokens=6)
+    outputs = run_to_completion(engine)
+    engine.close()
+    for index, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(prompt) :]
+        assert outputs[f"r{index}"].generated_tokens == expected.tolist()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rollout.attention_settings import AttentionSettings
 from rollout.invariant.activations import invariant_function
 from rollout.invariant.attention import ATTENTION_NAME, register_invariant_attention
 from rollout.invariant.cpu_check import check_cpu_products
@@ -182,14 +183,14 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     check_cpu_products(model)  # on the CPU, once per shape and thread count
     need = mode_need_of(model)
     checkpointing = _checkpointing_with_the_mode(model, need)
-    previous = config._attn_implementation
+    previous = AttentionSettings.of(model)
     experts = None
     try:
         experts = eager_experts(model)
         model.set_attn_implementation(register_invariant_attention())
         if config._attn_implementation != ATTENTION_NAME:  # transformers kept the model's own (it only warns)
             kept = config._attn_implementation
-            model.set_attn_implementation(previous)
+            previous.restore()
             raise FieldError(
                 "batch_invariant",
                 f"transformers would not switch {type(model).__name__}'s attention (it kept {kept!r}): its attention "
@@ -213,7 +214,7 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         finally:
             for hook in hooks:
                 hook.remove()
-            model.set_attn_implementation(previous)
+            previous.restore()
     finally:
         if experts is not None:
             model.set_experts_implementation(experts)

@@ -30,13 +30,34 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 
+def router_weight(router: torch.nn.Module) -> torch.Tensor | None:
+    """A router's 2-D scoring weight (experts x hidden): its own `weight`, else that of the first submodule holding
+    one (Ergo's router scores through a `linear` of its own); None when it has neither.
+
+    Args:
+        router: a module `find_routers` returned.
+    """
+    for module in router.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return weight
+    return None
+
+
 def num_experts(router: torch.nn.Module) -> int:
-    """Experts a router chooses among (its `num_experts`, else its weight's rows)."""
+    """Experts a router chooses among (its `num_experts`, else its scoring weight's rows).
+
+    Raises:
+        ValueError: the router names no expert count and holds no 2-D weight (named).
+    """
     for name in ("num_experts", "n_routed_experts", "num_local_experts"):
         value = getattr(router, name, None)
         if isinstance(value, int):
             return value
-    return int(router.weight.shape[0])
+    weight = router_weight(router)
+    if weight is None:
+        raise ValueError(f"{type(router).__name__} names no expert count (num_experts) and holds no 2-D weight")
+    return int(weight.shape[0])
 
 
 class RouterTopK(TorchFunctionMode):
@@ -68,15 +89,15 @@ _PICKS_WITH_TOPK: dict[type, bool] = {}  # router class -> whether its forward c
 def picks_with_topk(router: torch.nn.Module) -> bool | None:
     """Whether the router's forward chooses its experts with `torch.topk` (k == top_k over its experts), as taps
     need: its forward run once per class on two tokens of zeros. None where that probe cannot run it (no 2-D
-    `weight`, or a forward taking other arguments).
+    weight, `router_weight`, or a forward taking other arguments).
 
     Args:
         router: a module `find_routers` returned.
     """
     kind = type(router)
     if kind not in _PICKS_WITH_TOPK:
-        weight = getattr(router, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        weight = router_weight(router)
+        if weight is None:
             return None
         seen: list[bool] = []
         try:  # the forward itself, not the module's call: no hook, so no tap, sees the probe

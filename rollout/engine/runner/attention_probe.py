@@ -1,16 +1,14 @@
 """One forward of two tokens before an engine is built, through an attention function that only records what each
-attention layer hands it, so that a model whose attention the paged cache cannot serve is refused by name when the
-engine is built, instead of every request ending in an error at its first step:
-
-- a layer that calls its attention function without its forward's keyword arguments (StableLM, Nemotron, Falcon
-  from transformers 5.25): the paged metadata (`rollout_metadata`) would never reach it;
-- keys or values of other heads or sizes than the config gives (JetMoE's mixture of attention heads; a config whose
-  `num_key_value_heads` the model does not use): the cache is sized from the config, and would not hold them.
-- a forward that fails outright in the engine's form: every request's first step would fail the same way.
+attention layer hands it (`AttentionCall`), so that a model whose attention the paged cache cannot serve is refused
+by name when the engine is built (`attention_call_checks.py`), instead of failing every request at its first step or,
+worse, answering wrongly.
 
 The forward is the one the engine runs (`input_ids`, `position_ids`, a ready-made mask, `use_cache=False`, the extra
-keyword argument), in eval mode and without gradients; the recording function returns zeros, so no layer's arithmetic
-matters. The model's attention implementation and training mode are restored whatever happens.
+keyword argument), in eval mode and without gradients. Its two tokens are one ordinary token twice, both at
+position 1: a layer that numbers its tokens by where they stand in the input, not by `position_ids`, gives them
+different keys. The recording function returns zeros, so every row stays what its token and position make it. A
+forward that fails outright is refused: every request's first step would fail the same way. The model's attention
+implementations (every config's own) and training flags are restored whatever happens.
 """
 
 from __future__ import annotations
@@ -23,10 +21,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from rollout.attention_settings import AttentionSettings
 from rollout.config import FieldError
 
 PROBE_NAME = "rollout_probe"
 PROBE_KWARG = "rollout_probe_mark"  # what the probe forward passes where the engine passes `rollout_metadata`
+PROBE_POSITION = 1  # both probe tokens' position
 _RECORD = threading.local()  # `calls`: the list the probe forward running in this thread appends to
 
 
@@ -35,10 +35,21 @@ class AttentionCall:
     """What one attention layer handed its attention function."""
 
     layer: str  # the attention module's class
+    module_id: int  # which module called (a layer that calls more than once per forward is seen so)
+    layer_idx: int | None  # the module's `layer_idx`
     kwargs_passed: bool  # the forward's keyword arguments reached it
     kv_heads: int
     key_dim: int
     value_dim: int
+    sliding_window: int | None  # the window it passed, if any
+    causal: bool  # the module's `is_causal` (True when it has none)
+    rows_alike: bool  # the two probe tokens (one token, one position) got the same keys
+
+
+def _alike(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two rows of keys are equal up to rounding (one token at one position, computed in one batch)."""
+    first, second = first.float(), second.float()
+    return bool((first - second).abs().max() <= 1e-3 * first.abs().max() + 1e-6)
 
 
 def _recording_attention(
@@ -52,10 +63,36 @@ def _recording_attention(
     """The "rollout_probe" attention function: records the call, returns zeros of the attention output's shape."""
     calls = getattr(_RECORD, "calls", None)
     if calls is not None:
-        passed = kwargs.get(PROBE_KWARG) is True
-        calls.append(AttentionCall(type(module).__name__, passed, key.shape[1], key.shape[-1], value.shape[-1]))
+        window = kwargs.get("sliding_window")
+        calls.append(
+            AttentionCall(
+                layer=type(module).__name__,
+                module_id=id(module),
+                layer_idx=getattr(module, "layer_idx", None),
+                kwargs_passed=kwargs.get(PROBE_KWARG) is True,
+                kv_heads=key.shape[1],
+                key_dim=key.shape[-1],
+                value_dim=value.shape[-1],
+                sliding_window=window if isinstance(window, int) and window > 0 else None,
+                causal=getattr(module, "is_causal", True) is not False,
+                rows_alike=key.shape[2] < 2 or _alike(key[0, :, 0], key[0, :, 1]),
+            )
+        )
     batch, heads, length, _ = query.shape
     return query.new_zeros(batch, length, heads, value.shape[-1]), None
+
+
+def _ordinary_token(model: torch.nn.Module) -> int:
+    """A token id that is none of the config's special ones (padding's embedding may be zeros, hiding positions)."""
+    special: set[int] = set()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
+    for config in (model.config, text, getattr(model, "generation_config", None)):
+        for name, value in vars(config or object()).items():
+            if name.endswith(("token_id", "token_ids", "token_index", "token_indices")):
+                special.update(
+                    v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
+                )
+    return next(token for token in range(1, 1 << 20) if token not in special)
 
 
 def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list[AttentionCall] | None:
@@ -71,12 +108,12 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
     """
     AttentionInterface.register(PROBE_NAME, _recording_attention)
     AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
-    previous = model.config._attn_implementation
+    previous = AttentionSettings.of(model)
     # Every submodule's own flag: a trainer may keep parts in eval mode (frozen embeddings), which model.train(True)
     # would switch on again.
     training = [(module, module.training) for module in model.modules()]
-    model.set_attn_implementation(PROBE_NAME)
     try:
+        model.set_attn_implementation(PROBE_NAME)
         if model.config._attn_implementation != PROBE_NAME:
             return None
         if not forward:
@@ -87,8 +124,8 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
         try:
             with torch.no_grad():
                 model(
-                    input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
-                    position_ids=torch.arange(2, device=device)[None],
+                    input_ids=torch.full((1, 2), _ordinary_token(model), dtype=torch.long, device=device),
+                    position_ids=torch.full((1, 2), PROBE_POSITION, dtype=torch.long, device=device),
                     attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
                     use_cache=False,
                     **{PROBE_KWARG: True},
@@ -104,37 +141,4 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
         _RECORD.calls = None
         for module, flag in training:
             module.training = flag
-        model.set_attn_implementation(previous)
-
-
-def check_attention_calls(calls: list[AttentionCall], model: torch.nn.Module, kv_heads: int, head_dim: int) -> None:
-    """Refuse a model whose attention layers the paged cache cannot serve, from what `record_attention_calls` saw.
-
-    Args:
-        calls: the recorded calls.
-        model: the model (named in the message).
-        kv_heads, head_dim: the cache's shape, as read from the config.
-    Raises:
-        FieldError: ("model") no layer called an attention function, one dropped the keyword arguments, or one's
-            keys or values are not `kv_heads` heads of `head_dim`.
-    """
-    kind = type(model).__name__
-    if not calls:
-        raise FieldError(
-            "model", f"{kind}'s forward called no attention function: rollout's paged attention would not run"
-        )
-    for call in calls:
-        if not call.kwargs_passed:
-            raise FieldError(
-                "model",
-                f"{call.layer} calls its attention function without the keyword arguments its forward was given, so "
-                "rollout's paged attention would not get its metadata: pass **kwargs through to the attention "
-                "function, as transformers' own attention classes do",
-            )
-        if (call.kv_heads, call.key_dim, call.value_dim) != (kv_heads, head_dim, head_dim):
-            raise FieldError(
-                "model",
-                f"{call.layer} gives its attention {call.kv_heads} key heads of {call.key_dim} (values of "
-                f"{call.value_dim}), where the config gives {kv_heads} of {head_dim} (num_key_value_heads, head_dim): "
-                "the paged cache, sized from the config, would not hold them",
-            )
+        previous.restore()

@@ -11,7 +11,8 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
-from rollout.engine.runner.attention_probe import check_attention_calls, record_attention_calls
+from rollout.engine.runner.attention_call_checks import check_attention_calls, sliding_windows
+from rollout.engine.runner.attention_probe import record_attention_calls
 from rollout.engine.runner.model_lease import is_leased
 from rollout.engine.runner.sharded_params import is_sharded
 from rollout.invariant.model_support import rope_types
@@ -79,6 +80,7 @@ def servable_text_config(model: torch.nn.Module) -> Any:
         )
     if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in model.named_parameters()):
         raise FieldError("model", "attention sinks (GPT-OSS's sinks) are not served by rollout's paged attention")
+    _refuse_own_positions(model)
     _refuse_own_attention(model)
     if "longrope" in rope_types(config):
         logger.warning(
@@ -97,13 +99,26 @@ def servable_text_config(model: torch.nn.Module) -> Any:
     return config
 
 
+def _refuse_own_positions(model: torch.nn.Module) -> None:
+    """Refuse a model whose learned positions start past 0 (RoBERTa's: padding_idx + 1, when it numbers them itself,
+    as under `generate`): the engine's `position_ids` count from 0, so every position would be off."""
+    for name, module in model.named_modules():
+        if hasattr(module, "create_position_ids_from_input_ids"):
+            raise FieldError(
+                "model",
+                f"{type(model).__name__} numbers its positions from padding_idx + 1 (RoBERTa's convention, in "
+                f"{name or 'the model'}): rollout's position_ids count from 0, so every position would be off",
+            )
+
+
 def _refuse_own_attention(model: torch.nn.Module) -> None:
     """Refuse a model whose attention the paged cache cannot serve, from one probe forward (attention_probe.py): one
     whose implementation transformers will not switch (GPT-Neo, Bloom: their attention does not go through
     AttentionInterface; a class whose source transformers cannot read), one whose layers drop the keyword arguments,
-    or whose keys are not the heads the config gives; before anything is built. A model another engine holds passed
+    or whose calls show what the paged cache cannot serve (attention_call_checks.py); before anything is built. A model another engine holds passed
     this when that engine was built, and is not probed again: the probe switches its attention, which would pull it
     from under that engine's running steps."""
+    shape = cache_shape(model)
     if is_leased(model):
         return
     # ZeRO-3 or FSDP2 shards (a colocated trainer's model) are whole only within a round: no forward before then,
@@ -120,8 +135,24 @@ def _refuse_own_attention(model: torch.nn.Module) -> None:
         )
     if sharded:
         return
-    shape = KVCacheShape.from_model_config(model.config)
-    check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim)
+    check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim, sliding_windows(text_config(model)))
+
+
+def cache_shape(model: torch.nn.Module) -> KVCacheShape:
+    """The paged cache's shape read from the model's config.
+
+    Raises:
+        FieldError: ("model") the config gives no attention heads or head size to size it from (a recurrent model
+            such as xLSTM; Gemma 4's per-layer head sizes).
+    """
+    try:
+        return KVCacheShape.from_model_config(model.config)
+    except Exception as error:  # noqa: BLE001 - a config without the fields, or one that holds them per layer
+        raise FieldError(
+            "model",
+            f"{type(model).__name__}'s config gives no attention shape the paged cache can be sized from "
+            f"(num_attention_heads, num_key_value_heads, head_dim: {type(error).__name__}: {str(error)[:200]})",
+        ) from None
 
 
 # Config fields naming a multimodal model's placeholder tokens (where its images, video or audio would go).

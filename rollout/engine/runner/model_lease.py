@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.attention_settings import AttentionSettings
 from rollout.engine.attention.paged import register_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class _Holder:
     """What the engines sharing one model must give back when the last one closes."""
 
     engines: int
-    attn_implementation: str
+    attention: AttentionSettings  # every config's own attention implementation, as found
     # Every submodule's own training flag: a trainer may keep parts in eval mode (frozen embeddings, say), which
     # model.train(True) would switch on again.
     training_flags: list[tuple[torch.nn.Module, bool]]
@@ -58,7 +59,7 @@ def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS
     holder = _HOLDERS.get(model)
     if holder is None:
         flags = [(module, module.training) for module in model.modules()]
-        holder = _Holder(0, model.config._attn_implementation, flags, experts_choices=experts)
+        holder = _Holder(0, AttentionSettings.of(model), flags, experts_choices=experts)
         holder.experts_implementation = _switch_experts(model, experts)
         model.set_attn_implementation(register_paged_attention())
         model.eval()
@@ -94,7 +95,7 @@ def release(model: torch.nn.Module) -> None:
     holder.engines -= 1
     if holder.engines == 0:
         del _HOLDERS[model]
-        model.set_attn_implementation(holder.attn_implementation)
+        holder.attention.restore()
         if holder.experts_implementation is not None:
             model.set_experts_implementation(holder.experts_implementation)
         for module, training in holder.training_flags:
