@@ -92,7 +92,11 @@ def test_an_attention_the_paged_cache_cannot_serve_is_refused_when_the_engine_is
 
 def test_a_model_the_probe_passes_decodes_as_generate():
     """Persimmon (no grouped-query attention: its config has no num_key_value_heads) is served, token for token."""
-    model = build(PersimmonConfig(**SIZES)).eval()
+    assert_decodes_as_generate(build(PersimmonConfig(**SIZES)).eval())
+
+
+def assert_decodes_as_generate(model: torch.nn.Module) -> None:
+    """Three greedy requests through an engine give `model.generate`'s tokens."""
     prompts = make_prompts(3, 4, 10, seed=2)
     engine = make_engine(model)
     for index, prompt in enumerate(prompts):
@@ -146,14 +150,4 @@ def test_a_router_that_scores_through_a_linear_of_its_own_decodes_as_generate():
         first_dense_intermediate_size=128,
         shared_intermediate_size=32,
     )
-    model = build(config).eval()
-    prompts = make_prompts(2, 4, 10, seed=2)
-    engine = make_engine(model)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(f"r{index}", prompt, SamplingParams(do_sample=False, stop_token_ids=[]), max_new_tokens=6)
-    outputs = run_to_completion(engine)
-    engine.close()
-    for index, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt])
-        expected = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(prompt) :]
-        assert outputs[f"r{index}"].generated_tokens == expected.tolist()
+    assert_decodes_as_generate(build(config).eval())
