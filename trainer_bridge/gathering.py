@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.runner.sharded_params import is_dtensor, is_zero3
+from rollout.sharded_params import is_dtensor, is_zero3
 
 
 @dataclass

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from rollout.engine.runner.sharded_params import is_sharded
+from rollout.sharded_params import is_sharded
 from trainer_bridge.client import GroupResult, PromptGroup, RolloutError
 from trainer_bridge.weights.weight_sync import push_weights
 

@@ -3,7 +3,6 @@
 - `model_checks.py`: which models a runner accepts, and how it runs attention;
 - `attention_probe.py`: one two-token forward at build showing what each attention layer hands its function;
 - `attention_call_checks.py`: what those calls must show for the paged cache to serve the model;
-- `sharded_params.py`: whether the parameters are ZeRO-3 or FSDP2 shards (no probe forward on those);
 - `model_lease.py`: the model lent to the engines that use it (paged attention, eval mode) and given back;
 - `model_runner.py`: one step's tensors, the forward and its logits;
 - `step_inputs.py`: the step's packed input ids and the rows whose logits it keeps;

@@ -14,8 +14,8 @@ from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
 from rollout.engine.runner.attention_call_checks import check_attention_calls, sliding_windows
 from rollout.engine.runner.attention_probe import record_attention_calls
 from rollout.engine.runner.model_lease import is_leased
-from rollout.engine.runner.sharded_params import is_sharded
 from rollout.invariant.model_support import rope_types
+from rollout.sharded_params import is_sharded
 
 logger = logging.getLogger(__name__)
 
