@@ -135,6 +135,31 @@ def lora_layers(model: Any) -> Any:
     return ((name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer))
 
 
+def adapter_submodules(model: Any) -> set[int]:
+    """The ids of the modules peft added for its adapters (a LoRA layer's `lora_A`, `lora_B`, dropout, ...; the copies
+    `modules_to_save` trains): not the base model's layers, whose shapes bound what an adapter may take.
+
+    Args:
+        model: a model, peft-injected or not (then the set is empty).
+    """
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return set()
+    added: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            children = [child for name, child in module.named_children() if name != "base_layer"]
+        elif isinstance(module, ModulesToSaveWrapper):
+            children = [child for name, child in module.named_children() if name != "original_module"]
+        else:
+            continue
+        for child in children:
+            added.update(id(submodule) for submodule in child.modules())
+    return added
+
+
 def holds_adapter(layer: Any, name: str) -> bool:
     """Whether a peft `LoraLayer` holds adapter `name`: as `lora_A` (Linear and convolution layers) or, on an
     embedding, as `lora_embedding_A` (one not looked for there would be left out of a push silently).

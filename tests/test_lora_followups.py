@@ -172,6 +172,31 @@ def test_generate_batch_with_a_merged_adapter_leaves_it_merged():
         assert torch.allclose(parameter, weights[name], atol=1e-6, rtol=0), name
 
 
+# ---- 3b. peft's own layers do not bound max_lora_rank -------------------------------------------------------------
+def test_a_peft_gpt2_is_served_with_its_lora_layers_as_peft_runs_them():
+    """GPT-2's layers are Conv1D: a PeftModel of it has no Linear layers but peft's own lora_A/lora_B (rank 4). They
+    bounded max_lora_rank (16 by default), so every call was refused; the model now decodes as peft's `generate`, and
+    naming its adapter is refused by name (LoRA on a Conv1D is not served unmerged)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=0))
+    model = trained(base.eval(), target_modules=["c_attn", "c_fc"], fan_in_fan_out=True).eval()
+    prompt = make_prompts(1, 7, 7, seed=3, vocab=128)[0]
+    ids = torch.tensor([prompt])
+    adapted = model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    with model.disable_adapter():
+        plain = model.generate(input_ids=ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert adapted.tolist() != plain.tolist()
+    config = ContinuousBatchingConfig(num_blocks=32, block_size=4)
+    outputs = generate_batch(
+        model, [prompt], sampling=ENGINE_GREEDY, max_new_tokens=NEW, continuous_batching_config=config
+    )
+    assert outputs["req_0"].generated_tokens == adapted[0, len(prompt) :].tolist()
+    with pytest.raises(FieldError, match="LoRA on a Conv1D is not served unmerged"):
+        generate_batch(model, [prompt], max_new_tokens=NEW, adapter="default", continuous_batching_config=config)
+
+
 # ---- 4. an adapter load that fails with new base weights changes nothing ------------------------------------------
 def test_an_adapter_that_fails_to_load_leaves_the_old_base_and_adapters_serving(monkeypatch):
     """The base travels with the adapter (an adapter push to a worker without the trainer's base): when the

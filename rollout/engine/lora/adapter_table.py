@@ -42,7 +42,7 @@ from rollout.engine.lora.bounds import check_magnitudes, check_rank_limit, check
 from rollout.engine.lora.layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
 from rollout.engine.lora.saved_modules import SavedModules
 from rollout.engine.requests.adapter_ref import AdapterRef, AdapterUnloaded, check_adapter_name
-from rollout.peft_adapters import SAVED_MARKER
+from rollout.peft_adapters import SAVED_MARKER, adapter_submodules
 
 
 class AdapterTable:
@@ -75,11 +75,14 @@ class AdapterTable:
         self.max_loras = max_loras
         self.max_rank = max_rank
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        # By the base model's module names; in a peft-injected model a LoRA layer's Linear is its `base_layer`.
+        # By the base model's module names; in a peft-injected model a LoRA layer's Linear is its `base_layer`, and
+        # peft's own layers (lora_A, lora_B, saved copies) are no targets: their rank-wide shapes would bound
+        # max_lora_rank (a PEFT GPT-2, whose base layers are Conv1D, was refused at its LoRA's rank).
+        added = adapter_submodules(model)
         self._linears = {
             name.removesuffix(".base_layer"): module
             for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module is not head
+            if isinstance(module, torch.nn.Linear) and module is not head and id(module) not in added
         }
         self._head_names = {name for name, module in model.named_modules() if module is head and head is not None}
         self._device = next(model.parameters()).device
