@@ -183,3 +183,31 @@ def test_the_context_manager_ends_the_requests_when_the_block_raises_and_refuses
     with pytest.raises(ValueError, match="persistent_manager"):
         with continuous_batching_context_manager(model, persistent_manager=True):
             pass
+
+
+def test_torch_manual_seed_repeats_sampled_generate_batch_as_it_repeats_transformers_sampling():
+    """transformers samples from torch's default generator, so `torch.manual_seed` (or `set_seed`) before a call
+    repeats its samples; rollout's generate_batch draws unseeded requests' seeds from that generator (it drew fresh
+    randomness from the system: the same script sampled other tokens on every run)."""
+    model = tiny_model("qwen3", seed=0)
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6)
+
+    def theirs(seed: int) -> list[int]:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return model.generate(torch.tensor([PROMPT]), generation_config=config, pad_token_id=0)[0].tolist()
+
+    def ours(seed: int) -> list[list[int]]:
+        torch.manual_seed(seed)
+        outputs = generate_batch(model, [PROMPT, PROMPT], config, CACHE, progress_bar=False)
+        return [output.generated_tokens for output in outputs.values()]
+
+    assert theirs(1) == theirs(1) != theirs(2)
+    first = ours(1)
+    assert first[0] != first[1]  # each request its own seed
+    assert ours(1) == first != ours(2)
+    seeded = ContinuousBatchingConfig(num_blocks=64, block_size=4, seed=7)  # the config's seed still decides
+    torch.manual_seed(1)
+    assert generate_batch(model, [PROMPT], config, seeded, progress_bar=False)["req_0"].generated_tokens == (
+        generate_batch(model, [PROMPT], config, seeded, progress_bar=False)["req_0"].generated_tokens
+    )

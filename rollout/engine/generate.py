@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import from_peft_model
-from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
+from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES, TorchSeeds
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.runner.model_checks import refuse_model_name
 from rollout.peft_adapters import is_peft_model
@@ -106,7 +106,9 @@ def generate_batch(
         warmup: capture the decode CUDA graphs and run a short request before the prompts (once per engine).
         tokenizer: the model's tokenizer, needed for stop strings (`SamplingParams.stop`, or a GenerationConfig's
             `stop_strings`), as `generate(..., stop_strings=..., tokenizer=...)` needs one.
-        **kwargs: `sampling` (one SamplingParams, or one per prompt), `max_new_tokens`, `n` (samples per prompt;
+        **kwargs: `sampling` (one SamplingParams, or one per prompt; a sampled request without a `seed` takes one
+            from torch's default generator unless the config has a `seed`, so `torch.manual_seed` repeats a call, as
+            it repeats transformers' sampling), `max_new_tokens`, `n` (samples per prompt;
             default: the GenerationConfig's num_return_sequences, else 1), `adapter` (with a `peft.PeftModel`: the
             name of its LoRA adapter to sample with, or one name per prompt, None for the base model; the adapters
             are served unmerged, side by side in one batch, and the model is left as it was: adapters merged into its
@@ -150,6 +152,8 @@ def generate_batch(
         peft_off.close()
         raise
     engine.intake.tokenizer = tokenizer  # this call's (a kept engine may have served another tokenizer's)
+    if engine.config.seed is None:  # unseeded samples repeat after torch.manual_seed, as transformers' sampling
+        engine.intake.seed_source = TorchSeeds()
     results: dict[str, GenerationOutput] = {}
     order: list[str] = []
     try:

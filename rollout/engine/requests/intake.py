@@ -57,6 +57,21 @@ def as_prompt(prompt_ids: Any) -> list[int]:
     return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
 
 
+class TorchSeeds:
+    """Request seeds drawn from torch's default generator: after `torch.manual_seed(s)` (or transformers'
+    `set_seed`) the same calls draw the same seeds, as transformers' `generate` and `generate_batch` draw their
+    tokens from it. Only for a caller's own process: a worker keeps fresh randomness (forked processes share this
+    generator's state)."""
+
+    def getrandbits(self, bits: int) -> int:
+        """A seed of at most `bits` bits (at most 63), one draw from torch's default generator.
+
+        Args:
+            bits: the width of the seed.
+        """
+        return int(torch.randint(0, (1 << bits) - 1, ()))
+
+
 class RequestIntake:
     """Checks and resolves requests for one model: its vocabulary, context length and generation defaults."""
 
@@ -97,8 +112,11 @@ class RequestIntake:
         self._said_dropped = False
         self.default_n = defaults.n  # num_return_sequences
         self.default_max_length = defaults.max_length  # prompt + output, when no max_new_tokens is set anywhere
-        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness.
-        self._seed_source = random.SystemRandom() if config.seed is None else random.Random(config.seed)
+        # Seeds for requests that bring none: reproducible from config.seed, else fresh randomness (`generate_batch`
+        # sets `TorchSeeds()` for its calls, so that torch.manual_seed repeats them as it does transformers' sampling).
+        self.seed_source: random.Random | TorchSeeds = (
+            random.SystemRandom() if config.seed is None else random.Random(config.seed)
+        )
 
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
         """Raise FieldError naming the field when a request can never be served by this model."""
@@ -211,7 +229,7 @@ class RequestIntake:
             sampling=sampling,
             max_new_tokens=max(max_new, 1),
             stop_token_ids=frozenset(sampling.stop_token_ids or ()),
-            seed=sampling.seed if sampling.seed is not None else self._seed_source.getrandbits(63),
+            seed=sampling.seed if sampling.seed is not None else self.seed_source.getrandbits(63),
             arrival=0,
             num_forks=n - 1,
             streaming=spec.streaming,
