@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from conftest import VOCAB, make_engine, make_prompts, run_to_completion
-from rollout import SamplingParams
+from rollout import SamplingParams, generate_batch
 from rollout.config import FieldError
 
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
@@ -137,6 +137,17 @@ def test_a_forward_that_fails_is_refused_when_the_engine_is_built_with_its_error
     with pytest.raises(FieldError, match="PersimmonForCausalLM's forward failed .*NotImplementedError: this forward"):
         make_engine(model)
     assert model.config._attn_implementation != "rollout_probe"
+
+
+def test_a_model_on_the_meta_device_is_refused_as_not_loaded_and_strings_as_not_tokenized():
+    """A model built on the meta device (no weights yet) and text given for token ids: each refused saying what to do
+    (the forward's own error spoke of Tensor.item(); the prompt's of a str only)."""
+    with torch.device("meta"):
+        model = build(PersimmonConfig(**SIZES))
+    with pytest.raises(FieldError, match="on the meta device, without values: load its weights first"):
+        make_engine(model)
+    with pytest.raises(FieldError, match=r"input_ids: .*got str: tokenize it first"):
+        generate_batch(build(PersimmonConfig(**SIZES)), ["some text"], max_new_tokens=2, progress_bar=False)
 
 
 def test_a_router_that_scores_through_a_linear_of_its_own_decodes_as_generate():

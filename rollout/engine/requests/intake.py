@@ -50,7 +50,8 @@ def as_prompt(prompt_ids: Any) -> list[int]:
             )
         return array.tolist()
     if not isinstance(prompt_ids, (list, tuple)):
-        raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}")
+        hint = ": tokenize it first, e.g. tokenizer(texts)['input_ids']" if isinstance(prompt_ids, str) else ""
+        raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}{hint}")
     if all_plain_ints(prompt_ids):  # the common case, at C speed
         return list(prompt_ids)
     # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.

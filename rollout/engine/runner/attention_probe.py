@@ -119,6 +119,12 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
         if not forward:
             return []
         device = next(model.parameters()).device
+        if device.type == "meta":
+            raise FieldError(
+                "model",
+                f"{type(model).__name__}'s parameters are on the meta device, without values: load its weights first "
+                "(from_pretrained, or load_state_dict(..., assign=True))",
+            )
         _RECORD.calls = calls = []
         model.eval()
         try:
