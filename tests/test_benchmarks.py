@@ -237,7 +237,8 @@ def test_a_profile_names_where_the_time_went():
     first = summary["top"][0]
     assert (first["name"], first["calls"]) == ("aten::mm", 20) and first["share"] > 0.5
     assert {"aten::add"} <= {entry["name"] for entry in summary["top"]} and len(summary["top"]) <= 3
-    assert 0 < summary["busy_ms"] <= summary["wall_ms"] and summary["busy_fraction"] <= 1
+    # two clocks (the profiler's, perf_counter): operators run back to back may sum a little past the wall time
+    assert 0 < summary["busy_ms"] <= 1.05 * summary["wall_ms"] and summary["busy_fraction"] <= 1
     lines = format_profile("rollout", summary)
     assert lines[0].startswith("rollout profile:") and "aten::mm" in lines[1]
 
