@@ -150,6 +150,16 @@ def test_a_model_on_the_meta_device_is_refused_as_not_loaded_and_strings_as_not_
         generate_batch(build(PersimmonConfig(**SIZES)), ["some text"], max_new_tokens=2, progress_bar=False)
 
 
+def test_a_model_without_a_generation_config_is_probed_and_served():
+    """A causal LM outside GenerationMixin (custom code) may have no generation_config: the probe's choice of token
+    read it and failed ("vars() argument must have __dict__"), refusing the model as if its forward had failed."""
+    model = build(PersimmonConfig(**SIZES))
+    model.generation_config = None
+    engine = make_engine(model)
+    assert engine.runner.model is model
+    engine.close()
+
+
 def test_a_router_that_scores_through_a_linear_of_its_own_decodes_as_generate():
     """Ergo's router keeps its weight in a `linear` submodule (the engine's MoE route taps read `router.weight`)."""
     config = ErgoConfig(

@@ -206,6 +206,9 @@ def test_torch_manual_seed_repeats_sampled_generate_batch_as_it_repeats_transfor
     first = ours(1)
     assert first[0] != first[1]  # each request its own seed
     assert ours(1) == first != ours(2)
+    state = torch.get_rng_state()  # a greedy call draws nothing, as transformers' greedy generate
+    generate_batch(model, [PROMPT], GenerationConfig(do_sample=False, max_new_tokens=2), CACHE, progress_bar=False)
+    assert torch.equal(state, torch.get_rng_state())
     seeded = ContinuousBatchingConfig(num_blocks=64, block_size=4, seed=7)  # the config's seed still decides
     torch.manual_seed(1)
     assert generate_batch(model, [PROMPT], config, seeded, progress_bar=False)["req_0"].generated_tokens == (

@@ -119,6 +119,15 @@ class RequestIntake:
             random.SystemRandom() if config.seed is None else random.Random(config.seed)
         )
 
+    def _seed(self, sampling: SamplingParams) -> int:
+        """The request's seed: its own, else one from `seed_source`; a greedy request under `TorchSeeds` takes 0 and
+        draws nothing (transformers' greedy `generate` leaves torch's generator where it was)."""
+        if sampling.seed is not None:
+            return sampling.seed
+        if sampling.greedy and isinstance(self.seed_source, TorchSeeds):
+            return 0
+        return self.seed_source.getrandbits(63)
+
     def validate(self, prompt_ids: list[int], sampling: SamplingParams, max_new_tokens: int) -> None:
         """Raise FieldError naming the field when a request can never be served by this model."""
         if not prompt_ids:
@@ -230,7 +239,7 @@ class RequestIntake:
             sampling=sampling,
             max_new_tokens=max(max_new, 1),
             stop_token_ids=frozenset(sampling.stop_token_ids or ()),
-            seed=sampling.seed if sampling.seed is not None else self.seed_source.getrandbits(63),
+            seed=self._seed(sampling),
             arrival=0,
             num_forks=n - 1,
             streaming=spec.streaming,

@@ -87,7 +87,8 @@ def _ordinary_token(model: torch.nn.Module) -> int:
     special: set[int] = set()
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
     for config in (model.config, text, getattr(model, "generation_config", None)):
-        for name, value in vars(config or object()).items():
+        # A model outside GenerationMixin (custom code) may have no generation_config.
+        for name, value in (vars(config) if config is not None else {}).items():
             if name.endswith(("token_id", "token_ids", "token_index", "token_indices")):
                 special.update(
                     v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
