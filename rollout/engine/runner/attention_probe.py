@@ -8,7 +8,7 @@ keyword argument), in eval mode and without gradients. Its two tokens are one or
 position 1: a layer that numbers its tokens by where they stand in the input, not by `position_ids`, gives them
 different keys. The recording function returns zeros, so every row stays what its token and position make it. A
 forward that fails outright is refused: every request's first step would fail the same way. The model's attention
-implementations (every config's own) and training flags are restored whatever happens.
+implementations (every config's own) and training mode (`training_mode.py`) are restored whatever happens.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rollout.attention_settings import AttentionSettings
 from rollout.config import FieldError
+from rollout.engine.runner.training_mode import TrainingMode
 
 PROBE_NAME = "rollout_probe"
 PROBE_KWARG = "rollout_probe_mark"  # what the probe forward passes where the engine passes `rollout_metadata`
@@ -110,9 +111,7 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
     AttentionInterface.register(PROBE_NAME, _recording_attention)
     AttentionMaskInterface.register(PROBE_NAME, sdpa_mask)
     previous = AttentionSettings.of(model)
-    # Every submodule's own flag: a trainer may keep parts in eval mode (frozen embeddings), which model.train(True)
-    # would switch on again.
-    training = [(module, module.training) for module in model.modules()]
+    training = TrainingMode.of(model)
     try:
         model.set_attn_implementation(PROBE_NAME)
         if model.config._attn_implementation != PROBE_NAME:
@@ -146,6 +145,5 @@ def record_attention_calls(model: torch.nn.Module, forward: bool = True) -> list
         return calls
     finally:
         _RECORD.calls = None
-        for module, flag in training:
-            module.training = flag
+        training.restore()
         previous.restore()

@@ -13,7 +13,7 @@ from rollout.config import FieldError
 from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache
 from rollout.engine.runner.attention_call_checks import check_attention_calls, sliding_windows
 from rollout.engine.runner.attention_probe import record_attention_calls
-from rollout.engine.runner.model_lease import is_leased
+from rollout.engine.runner.model_lease import LEASE_LOCK, is_leased
 from rollout.invariant.model_support import rope_types
 from rollout.sharded_params import is_sharded
 
@@ -119,6 +119,11 @@ def _refuse_own_attention(model: torch.nn.Module) -> None:
     this when that engine was built, and is not probed again: the probe switches its attention, which would pull it
     from under that engine's running steps."""
     shape = cache_shape(model)
+    with LEASE_LOCK:  # no engine takes the model between the check and the probe (several built at once)
+        _probe_attention(model, shape)
+
+
+def _probe_attention(model: torch.nn.Module, shape: KVCacheShape) -> None:
     if is_leased(model):
         return
     # ZeRO-3 or FSDP2 shards (a colocated trainer's model) are whole only within a round: no forward before then,

@@ -7,11 +7,16 @@ graphs. While lent, such a model runs transformers' own "grouped_mm" experts (on
 read), or "batched_mm" where grouped_mm cannot dispatch. An engine with `batch_invariant` asks for "eager" instead:
 one `F.linear` per expert, which the invariant mode tiles, as the trainer's `batch_invariant` block runs them (a
 grouped product's bits for a token depend on how many tokens its expert got, and differ from the trainer's).
+
+A lease belongs to the transformers model itself: a peft model holds the same one (`get_base_model()`), shares its
+config and its switch, so it shares its lease, whichever of the two an engine was given. `LEASE_LOCK` serializes the
+lease and the build-time probe, so engines built at once from several threads see one another.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -19,6 +24,7 @@ import torch
 
 from rollout.attention_settings import AttentionSettings
 from rollout.engine.attention.paged import register_paged_attention
+from rollout.engine.runner.training_mode import TrainingMode
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +40,25 @@ class _Holder:
 
     engines: int
     attention: AttentionSettings  # every config's own attention implementation, as found
-    # Every submodule's own training flag: a trainer may keep parts in eval mode (frozen embeddings, say), which
-    # model.train(True) would switch on again.
-    training_flags: list[tuple[torch.nn.Module, bool]]
+    training: TrainingMode  # every submodule's training flag (and kernels mode), as found
     experts_implementation: dict | None = None  # the model's own, when the lease switched it
     experts_choices: tuple[str, ...] = SYNC_FREE_EXPERTS  # what the engines holding it asked for
 
 
 _HOLDERS: weakref.WeakKeyDictionary[torch.nn.Module, _Holder] = weakref.WeakKeyDictionary()
+# Held around a lease's change and around the probe with its "is it leased?" check (model_checks.py): reentrant, as
+# the probe's caller may hold it while it asks.
+LEASE_LOCK = threading.RLock()
+
+
+def leased_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a lease belongs to: a peft model's base transformers model, else `model` itself.
+
+    Args:
+        model: what an engine was given.
+    """
+    get_base_model = getattr(model, "get_base_model", None)  # peft's PeftModel (transformers' models have none)
+    return get_base_model() if callable(get_base_model) else model
 
 
 def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS) -> None:
@@ -56,17 +73,18 @@ def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS
         ValueError: another engine holds the model with other experts (a batch-invariant engine beside an ordinary
             one on one MoE model).
     """
-    holder = _HOLDERS.get(model)
-    if holder is None:
-        flags = [(module, module.training) for module in model.modules()]
-        holder = _Holder(0, AttentionSettings.of(model), flags, experts_choices=experts)
-        holder.experts_implementation = _switch_experts(model, experts)
-        model.set_attn_implementation(register_paged_attention())
-        model.eval()
-        _HOLDERS[model] = holder
-    else:
-        check_lease(model, experts)
-    holder.engines += 1
+    with LEASE_LOCK:
+        model = leased_model(model)
+        holder = _HOLDERS.get(model)
+        if holder is None:
+            holder = _Holder(0, AttentionSettings.of(model), TrainingMode.of(model), experts_choices=experts)
+            holder.experts_implementation = _switch_experts(model, experts)
+            model.set_attn_implementation(register_paged_attention())
+            model.eval()
+            _HOLDERS[model] = holder
+        else:
+            check_lease(model, experts)
+        holder.engines += 1
 
 
 def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
@@ -76,6 +94,7 @@ def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
     Raises:
         ValueError: a batch-invariant engine beside an ordinary one on one MoE model (named).
     """
+    model = leased_model(model)
     holder = _HOLDERS.get(model)
     if holder is not None and holder.experts_choices != experts and _has_experts(model):
         raise ValueError(
@@ -85,21 +104,23 @@ def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
 
 
 def is_leased(model: torch.nn.Module) -> bool:
-    """Whether an engine holds `model` now (its attention is switched to the paged one and must stay so)."""
-    return model in _HOLDERS
+    """Whether an engine holds `model` now, or the model a peft model wraps (its attention is switched to the paged
+    one and must stay so)."""
+    return leased_model(model) in _HOLDERS
 
 
 def release(model: torch.nn.Module) -> None:
     """Let go of the model for one engine; the last one gives everything back as it was."""
-    holder = _HOLDERS[model]
-    holder.engines -= 1
-    if holder.engines == 0:
-        del _HOLDERS[model]
-        holder.attention.restore()
-        if holder.experts_implementation is not None:
-            model.set_experts_implementation(holder.experts_implementation)
-        for module, training in holder.training_flags:
-            module.training = training
+    with LEASE_LOCK:
+        model = leased_model(model)
+        holder = _HOLDERS[model]
+        holder.engines -= 1
+        if holder.engines == 0:
+            del _HOLDERS[model]
+            holder.attention.restore()
+            if holder.experts_implementation is not None:
+                model.set_experts_implementation(holder.experts_implementation)
+            holder.training.restore()
 
 
 def _has_experts(model: torch.nn.Module) -> bool:
