@@ -92,3 +92,24 @@ def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_pat
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert f"rollout-worker: error: --model {folder}: its checkpoint lacks 1 weight(s) of Qwen3ForCausalLM" in error
+
+
+def test_a_model_directory_without_tokenizer_files_serves_token_ids_not_an_empty_tokenizer(caplog, tmp_path):
+    """transformers builds GPT-2's tokenizer from a directory without tokenizer files, with one token: every text
+    encodes to no ids. The worker served it (/tokenize answered 0 tokens); it now serves token ids only, as with
+    --tokenizer none, saying so, and a --tokenizer directory without those files is refused by name."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rollout.service.launch.loading import load_tokenizer
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    empty = AutoTokenizer.from_pretrained(tmp_path)  # the reference: what transformers gives such a directory
+    assert len(empty) == 1 and empty("hello world")["input_ids"] == []
+    with caplog.at_level("WARNING"):
+        assert load_tokenizer(str(tmp_path), None) == (None, None)
+    assert f"--model {tmp_path} holds no tokenizer files" in caplog.text
+    with pytest.raises(ValueError, match=r"the directory holds no tokenizer files \(tokenizer.json, "):
+        load_tokenizer("tiny", str(tmp_path))
+    tiny_tokenizer().save_pretrained(tmp_path)
+    tokenizer, name = load_tokenizer(str(tmp_path), None)
+    assert name == str(tmp_path) and len(tokenizer) == len(tiny_tokenizer())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from rollout.eval.metrics import Metric, MetricError, load_metric
 from rollout.eval.run import PromptError, tokenize_prompts
 from rollout.presets.models import MODEL_DTYPES
 from rollout.presets.names import is_preset
-from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
+from rollout.service.launch.loading import lacks_tokenizer_files, load_model, load_tokenizer, torch_device
 
 
 @dataclass
@@ -109,12 +108,6 @@ def _is_nan(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def _tokenizer_files(folder: str) -> list[str]:
-    """The files one of which a model directory holds when its tokenizer was saved with it."""
-    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
-    return [os.path.join(folder, name) for name in names]
-
-
 def _load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """The model on its device and its tokenizer, or an EvalError naming the flag."""
     try:
@@ -122,8 +115,7 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
     except (ValueError, OSError) as error:  # HubUnreachable and a missing path name --model themselves
         message = first_line(error)
         raise EvalError(message if message.startswith("--model") else f"--model {args.model}: {message}") from None
-    folder = os.path.expanduser(args.model)
-    if os.path.isdir(folder) and not any(map(os.path.exists, _tokenizer_files(folder))):
+    if lacks_tokenizer_files(args.model):
         raise EvalError(
             f"--model {args.model}: no tokenizer files were found with it, and rollout-eval reads text prompts; save "
             "the model's tokenizer into its directory (tokenizer.save_pretrained(DIR))"

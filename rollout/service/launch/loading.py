@@ -109,6 +109,21 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
     return model.to(device).eval()
 
 
+# The files one of which a directory holds when a tokenizer was saved into it (tokenizer.save_pretrained).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+def lacks_tokenizer_files(name: str) -> bool:
+    """Whether `name` is a local directory holding none of `TOKENIZER_FILES`: transformers' AutoTokenizer then builds
+    an empty tokenizer for some models (GPT-2's: one token, every text encodes to no ids) instead of failing.
+
+    Args:
+        name: a --model or --tokenizer value (a directory, a hub id or a preset).
+    """
+    folder = os.path.expanduser(name)
+    return os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, file)) for file in TOKENIZER_FILES)
+
+
 def load_tokenizer(model: str, tokenizer: str | None) -> tuple[object | None, str | None]:
     """(the tokenizer, where it came from) for `--model model --tokenizer tokenizer`; (None, None) without one.
 
@@ -123,11 +138,24 @@ def load_tokenizer(model: str, tokenizer: str | None) -> tuple[object | None, st
         preset = tokenizer_for(tokenizer)
         if preset is not None:
             return preset, tokenizer
+        if lacks_tokenizer_files(tokenizer):
+            raise ValueError(
+                f"the directory holds no tokenizer files ({', '.join(TOKENIZER_FILES)}): save one there with "
+                "tokenizer.save_pretrained(DIR)"
+            )
         cached_only = False if is_local_path(tokenizer) else check_hub_source(tokenizer, "--tokenizer")
         return AutoTokenizer.from_pretrained(tokenizer, local_files_only=cached_only), tokenizer
     preset = tokenizer_for(model)
     if preset is not None:
         return preset, model
+    if lacks_tokenizer_files(model):
+        logger.warning(
+            "--model %s holds no tokenizer files (%s): it serves token ids only (stop strings and text endpoints are "
+            "off); pass --tokenizer, or save the tokenizer into the directory (tokenizer.save_pretrained)",
+            model,
+            ", ".join(TOKENIZER_FILES),
+        )
+        return None, None
     try:
         cached_only = False if is_local_path(model) else check_hub_source(model, "--model")
         return AutoTokenizer.from_pretrained(model, local_files_only=cached_only), model
