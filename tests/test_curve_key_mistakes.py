@@ -73,3 +73,36 @@ def test_key_directories_without_keys_are_named(keys, tmp_path):
         WorkerKeys.read(keys / "worker.key_secret", authorized_keys=tmp_path / "empty")
     message = str(error.value)
     assert message.startswith("--authorized-keys") and str(tmp_path / "empty") in message
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("../evil", "NAME '../evil' holds a path separator"),
+        ("sub/x", "NAME 'sub/x' holds a path separator"),
+        ("", "NAME is empty"),
+        (".key", "NAME '.key' starts with a dot: the key files would be hidden"),
+    ],
+)
+def test_keygen_refuses_a_name_that_is_not_a_file_name_stem_and_writes_nothing(capsys, tmp_path, name, message):
+    """`rollout-keygen DIR ../evil` wrote the pair beside DIR, then said it existed; `sub/x` ended in a traceback;
+    "" wrote hidden `.key` files."""
+    folder = tmp_path / "keys"
+    with pytest.raises(SystemExit) as exited:
+        keygen_main([str(folder), name])
+    assert exited.value.code == 2
+    assert f"rollout-keygen: error: {message}" in capsys.readouterr().err
+    assert list(tmp_path.rglob("*")) == []
+
+
+def test_keygen_refuses_a_folder_it_cannot_use_by_name(capsys, tmp_path):
+    """A file given as DIR, and a DIR that cannot be created (under a file), ended in tracebacks."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for folder, message in ((a_file, f"DIR {a_file} is not a directory"), (a_file / "x", f"DIR {a_file / 'x'}")):
+        with pytest.raises(SystemExit) as exited:
+            keygen_main([str(folder), "worker"])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"rollout-keygen: error: {message}" in err and "Traceback" not in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]

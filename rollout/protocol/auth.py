@@ -216,8 +216,34 @@ def build_keygen_parser() -> CliParser:
         "as server_public_key) and DIR/NAME.key_secret (keep it private).",
     )
     parser.add_argument("directory", help="where to write the two files (created if missing)")
-    parser.add_argument("name", help="file name stem, e.g. worker, trainer or client1")
+    parser.add_argument(
+        "name", help="file name stem, e.g. worker, trainer or client1 (no path separator, not starting with a dot)"
+    )
     return parser
+
+
+def _name_refusal(name: str) -> str | None:
+    """Why `name` cannot be a key pair's file name stem (None: it can): the pair goes into DIR, as two visible files."""
+    if not name:
+        return "NAME is empty: give a file name stem, e.g. worker"
+    if "/" in name or (os.altsep and os.altsep in name) or os.sep in name or "\0" in name:
+        return f"NAME {name!r} holds a path separator: give a file name stem and put the folder in DIR"
+    if name.startswith("."):
+        return f"NAME {name!r} starts with a dot: the key files would be hidden (give e.g. worker)"
+    return None
+
+
+def _make_directory(directory: Path) -> str | None:
+    """Create DIR if missing; why it cannot hold the key pair, or None."""
+    if directory.exists() and not directory.is_dir():
+        return f"DIR {directory} is not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"DIR {directory} cannot be created ({error.strerror or error})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"DIR {directory} is not writable"
+    return None
 
 
 def _place(made: str | os.PathLike, path: Path) -> None:
@@ -247,10 +273,15 @@ def keygen_main(argv: list[str] | None = None) -> int:
     parser = build_keygen_parser()
     args = parser.parse_args(argv)
     directory = Path(args.directory)
+    refusal = _name_refusal(args.name)
+    if refusal is not None:
+        parser.error(refusal)
     secret_path = directory / f"{args.name}.key_secret"
     if secret_path.exists():
         parser.error(f"{secret_path} exists; refusing to overwrite a key")
-    directory.mkdir(parents=True, exist_ok=True)
+    refusal = _make_directory(directory)
+    if refusal is not None:
+        parser.error(refusal)
     # pyzmq writes both files with the process's umask, opening them without O_EXCL. So they are written into a
     # private folder made beside them (0700, on the same file system), with the umask tightened (the secret is
     # owner-only from its creation), then linked into place: a link never replaces a file, so one another user
