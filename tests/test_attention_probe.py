@@ -19,10 +19,12 @@ from transformers import (
     JetMoeConfig,
     MoshiConfig,
     PersimmonConfig,
+    Qwen3Config,
     RobertaConfig,
     StableLmConfig,
     xLSTMConfig,
 )
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, apply_rotary_pos_emb, eager_attention_forward
 
 from conftest import VOCAB, make_engine, make_prompts, run_to_completion
 from rollout import SamplingParams, generate_batch
@@ -172,3 +174,56 @@ def test_a_router_that_scores_through_a_linear_of_its_own_decodes_as_generate():
         shared_intermediate_size=32,
     )
     assert_decodes_as_generate(build(config).eval())
+
+
+class SelfComputingAttention(Qwen3Attention):
+    """Qwen3's attention computing its scores itself (transformers' eager function called directly, not through
+    the attention interface the engine switches): `generate` runs it right, the paged cache never sees it."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        query = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        key = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        output, weights = eager_attention_forward(self, query, key, value, attention_mask, scaling=self.scaling)
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+def attention_of(model: torch.nn.Module, layer: int) -> torch.nn.Module:
+    return model.model.layers[layer].self_attn
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        (
+            lambda model: setattr(attention_of(model, 1), "__class__", SelfComputingAttention),
+            r"Qwen3ForCausalLM's layers 1 \(of num_hidden_layers=2\) called no attention function",
+        ),
+        (
+            lambda model: setattr(attention_of(model, 1), "layer_idx", 0),
+            r"Qwen3Attention and Qwen3Attention are two attention modules with one layer_idx \(0\)",
+        ),
+        (
+            lambda model: setattr(attention_of(model, 1), "layer_idx", None),
+            r"Qwen3Attention has layer_idx=None, not one of the config's 2 layers",
+        ),
+        (
+            lambda model: setattr(attention_of(model, 1), "layer_idx", 2),
+            r"Qwen3Attention has layer_idx=2, not one of the config's 2 layers",
+        ),
+    ],
+    ids=["computes-its-own-attention", "shared-layer-idx", "no-layer-idx", "layer-idx-out-of-range"],
+)
+def test_a_layer_the_paged_cache_would_not_see_or_would_overwrite_is_refused(change, refusal):
+    """Each layer of the config calls the attention function once, through a module with its own layer_idx: a
+    layer computing its attention itself was served with the step's tokens alone as its keys (wrong tokens), two
+    modules with one layer_idx overwrote each other's keys, and a module without one failed every first step."""
+    model = build(Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=16))
+    change(model)
+    with pytest.raises(FieldError, match=refusal):
+        make_engine(model)
+    assert model.config._attn_implementation != "rollout_probe"

@@ -8,6 +8,10 @@ built:
   gives others): the cache is sized from the config;
 - one call per attention module per forward (DiffLlama's two attention halves, HRM's and Dory's layers run several
   times over): the cache holds one set of keys per layer, and a second call's write would replace the first's;
+- one call per layer of the config (`num_hidden_layers`), each with its own `layer_idx`: the cache is indexed by
+  it, so two modules sharing an index would overwrite each other's keys, a module without one has no cache layer,
+  and a layer that called nothing computes its attention some other way (itself, or through transformers' cache),
+  which the paged cache would not serve;
 - causal attention (a BERT-style LM head with `is_decoder=False` attends both ways under `generate`);
 - positions from `position_ids` (BART-style decoders number their tokens from the input's own length: packed
   sequences would get wrong positions);
@@ -43,7 +47,12 @@ def sliding_windows(config: Any) -> dict[int, int]:
 
 
 def check_attention_calls(
-    calls: list[AttentionCall], model: torch.nn.Module, kv_heads: int, head_dim: int, windows: dict[int, int]
+    calls: list[AttentionCall],
+    model: torch.nn.Module,
+    kv_heads: int,
+    head_dim: int,
+    windows: dict[int, int],
+    num_layers: int,
 ) -> None:
     """Refuse a model whose attention layers the paged cache cannot serve (module docstring).
 
@@ -52,6 +61,7 @@ def check_attention_calls(
         model: the model (named in the messages).
         kv_heads, head_dim: the cache's shape, as read from the config.
         windows: the sliding-window layers and their windows (`sliding_windows`).
+        num_layers: the cache's layers (the config's `num_hidden_layers`).
     Raises:
         FieldError: ("model") naming the layer's class and what it does.
     """
@@ -63,6 +73,35 @@ def check_attention_calls(
     per_module = Counter(call.module_id for call in calls)
     for call in calls:
         _check_call(call, per_module[call.module_id], kv_heads, head_dim, windows)
+    _check_layers(calls, model, num_layers)
+
+
+def _check_layers(calls: list[AttentionCall], model: torch.nn.Module, num_layers: int) -> None:
+    """One call per cache layer, each module with a layer_idx of its own in range (module docstring)."""
+    by_layer: dict[int, AttentionCall] = {}
+    for call in calls:
+        if not isinstance(call.layer_idx, int) or not 0 <= call.layer_idx < num_layers:
+            _refuse(
+                call,
+                f"has layer_idx={call.layer_idx!r}, not one of the config's {num_layers} layers (num_hidden_layers): "
+                "the paged cache finds a layer's keys and values by its layer_idx",
+            )
+        first = by_layer.setdefault(call.layer_idx, call)
+        if first.module_id != call.module_id:
+            _refuse(
+                call,
+                f"and {first.layer} are two attention modules with one layer_idx ({call.layer_idx}): the paged cache "
+                "keeps one set of keys and values per layer_idx, and each module's would overwrite the other's",
+            )
+    silent = sorted(set(range(num_layers)) - set(by_layer))
+    if silent:
+        shown = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
+        raise FieldError(
+            "model",
+            f"{type(model).__name__}'s layers {shown} (of num_hidden_layers={num_layers}) called no attention "
+            "function: they compute their attention some other way (inside the layer, or through transformers' own "
+            "cache), or are layers of another kind, which rollout's paged attention would not serve",
+        )
 
 
 def _refuse(call: AttentionCall, what: str) -> None:

@@ -140,7 +140,8 @@ def _probe_attention(model: torch.nn.Module, shape: KVCacheShape) -> None:
         )
     if sharded:
         return
-    check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim, sliding_windows(text_config(model)))
+    windows = sliding_windows(text_config(model))
+    check_attention_calls(calls, model, shape.num_kv_heads, shape.head_dim, windows, shape.num_layers)
 
 
 def cache_shape(model: torch.nn.Module) -> KVCacheShape:
