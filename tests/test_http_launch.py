@@ -10,6 +10,7 @@ import pytest
 from rollout.service.address_checks import check_metrics_address
 from rollout.service.http.serving.launch import check_http_address
 from rollout.service.launch.cli import build_parser
+from rollout.service.launch.flags import check_settings
 
 
 def parsed(*flags: str):
@@ -102,3 +103,33 @@ def test_control_routes_open_to_the_generation_key_are_warned_about(monkeypatch,
     parser, args = parsed(*flags, str(tmp_path))
     check_http_address(parser, args)
     assert args.control_api_key == "operator" and not caplog.records
+
+
+def test_served_model_name_is_the_name_clients_use_over_http_and_zeromq(capsys):
+    """vLLM's --served-model-name: /v1/models lists it and requests name it (the official openai client); --model's
+    own value is then not a served name; the ZeroMQ hello reports it; an empty one is a usage error."""
+    import openai
+
+    from rollout import protocol as p
+    from service_helpers import Client, Worker, free_port
+
+    port = free_port()
+    server = Worker("--http", f"127.0.0.1:{port}", "--served-model-name", "my-policy")
+    client = Client(server.address)
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert [model.id for model in api.models.list()] == ["my-policy"]
+        answer = api.completions.create(model="my-policy", prompt="Hello", max_tokens=2, temperature=0)
+        assert answer.model == "my-policy" and answer.choices[0].text is not None
+        with pytest.raises(
+            openai.NotFoundError, match="the model `tiny` does not exist: this worker serves `my-policy`"
+        ):
+            api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert client.ask(p.Hello()).model == "my-policy"
+    finally:
+        client.close()
+        server.close()
+    parser, args = parsed("--served-model-name", " ")
+    with pytest.raises(SystemExit):
+        check_settings(parser, args)
+    assert "--served-model-name: empty" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`rollout-worker`: serve a model over ZeroMQ for trainers.
+"""`rollout-worker`: serve a model over ZeroMQ for trainers and, with --http, over the OpenAI-compatible HTTP API.
 
 Every option can also come from an environment variable ROLLOUT_<OPTION> (upper case, dashes as underscores, e.g.
 ROLLOUT_BIND, ROLLOUT_MAX_BATCH_TOKENS); a flag given on the command line wins over the environment.
@@ -17,13 +17,7 @@ from rollout.cli.parser import CliParser
 from rollout.config import ATTENTION_BACKENDS, MODEL_DTYPE_NAMES, SCHEDULER_TYPES, ContinuousBatchingConfig
 from rollout.presets.catalog import PRESETS
 from rollout.service.http.control.flags import add_control_arguments
-from rollout.service.http.serving.settings import (
-    DEFAULT_MAX_ANSWER_LOGPROBS,
-    HEAD_TIMEOUT_S,
-    KEEP_ALIVE_TIMEOUT_S,
-    MAX_WAITING_CONNECTIONS,
-    TOOL_CALL_PARSER_NAMES,
-)
+from rollout.service.http.serving.flags import add_http_arguments
 from rollout.service.launch.flags import AUTO_ON_OFF, FIELD_FLAGS, OTHER_TOOLS_FLAGS, check_settings, percent
 from rollout.service.launch.speculative_flags import add_speculative_arguments
 from rollout.service.zmq.limits import WorkerLimits
@@ -53,6 +47,13 @@ def build_parser() -> CliParser:
         "answer in text whatever the prompt; 'none' serves without one: ZeroMQ token ids only, the text endpoints "
         "answer 400 (default: the preset's built-in tokenizer, else the model directory's, if any)",
     )
+    add(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the OpenAI API (/v1/models, and what a request's `model` must be) and in the "
+        "ZeroMQ hello, as vLLM's flag (default: --model as given, a directory's whole path included)",
+    )
     place = parser.add_mutually_exclusive_group()
     place.add_argument("--gpu", type=int, default=None, help="CUDA device index to serve on (default: none, --device)")
     place.add_argument("--device", default=None, help="torch device, e.g. cpu (default: cpu unless --gpu)")
@@ -63,81 +64,7 @@ def build_parser() -> CliParser:
         help="parameter dtype (auto: the checkpoint's, fp32 presets)",
     )
     add("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ address to bind")
-    add(
-        "--http",
-        default=None,
-        metavar="HOST:PORT",
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-        "/tokenize, /detokenize, /health) on this address, over the same engine (needs pip install 'rollout[http]'; "
-        "port 0 picks a free one; default: off)",
-    )
-    add(
-        "--http-max-body-bytes",
-        type=int,
-        default=16 << 20,
-        help="largest HTTP request body; larger ones are answered 413 (default: 16 MiB)",
-    )
-    add(
-        "--http-max-receiving-bytes",
-        type=int,
-        default=None,
-        help="most bytes of HTTP request bodies held at once (being received or parsed: a body's bytes plus 40 per "
-        "JSON value and 32 more per string, what they take once parsed) for all clients; past it a request is "
-        "answered 503 (default: twice the per-client share)",
-    )
-    add(
-        "--http-max-receiving-bytes-per-client",
-        type=int,
-        default=None,
-        help="the same for one client address; past it, 429 (default: what the largest body may take, about 180 "
-        "MB; behind a proxy every client has the proxy's address: raise it)",
-    )
-    add(
-        "--http-max-answer-logprobs",
-        type=int,
-        default=DEFAULT_MAX_ANSWER_LOGPROBS,
-        help="most log-prob entries a whole (not streamed) answer may hold; a request that could exceed it is "
-        "answered 400 before it starts",
-    )
-    add(
-        "--http-head-timeout",
-        type=float,
-        default=HEAD_TIMEOUT_S,
-        help="seconds an HTTP connection may take to send a complete request head; slower ones are closed",
-    )
-    add(
-        "--http-keep-alive-timeout",
-        type=float,
-        default=KEEP_ALIVE_TIMEOUT_S,
-        help="seconds an idle HTTP keep-alive connection stays open",
-    )
-    add(
-        "--http-max-waiting-connections",
-        type=int,
-        default=MAX_WAITING_CONNECTIONS,
-        help="most new HTTP connections that have not sent their first request head; past it the one that waited "
-        "longest is closed (connections with a request in progress, or kept alive between requests, never count)",
-    )
-    add(
-        "--tool-call-parser",
-        choices=TOOL_CALL_PARSER_NAMES,
-        default=None,
-        help="read tool calls out of chat answers in this format (hermes: Qwen/Hermes <tool_call>{json}</tool_call>; "
-        "llama3_json: Llama 3.1/3.2 JSON) into message.tool_calls; without it, chat requests that ask for tool "
-        "calls are refused (default: none)",
-    )
-    add(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let HTTP requests bring their own chat template (chat_template_kwargs.chat_template): a template is "
-        "code the worker runs, so only when every client is trusted",
-    )
-    add(
-        "--api-key",
-        default=None,
-        help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
-        "needs it or --insecure (default: the ROLLOUT_API_KEY environment variable, which keeps the key out of ps)",
-    )
+    add_http_arguments(add)
     add_control_arguments(add)
     engine = ContinuousBatchingConfig()  # the engine's defaults are the flags' (one source of truth)
     add("--block-size", type=int, default=engine.block_size, help="tokens per KV block")

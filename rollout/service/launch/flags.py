@@ -90,6 +90,8 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
         parser.error(parser.flag_message(error))
     if args.model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
         parser.error(f"--model {args.model}: no such model directory")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        parser.error("--served-model-name: empty; give the name clients use, or leave it out to use --model's")
     if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
         parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
     try:
@@ -97,6 +99,15 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
     except ValueError as error:
         parser.error(parser.flag_message(error))
     return limits, config
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model's name in the OpenAI API and the ZeroMQ hello: --served-model-name, else --model as given.
+
+    Args:
+        args: rollout-worker's parsed flags.
+    """
+    return args.served_model_name or args.model
 
 
 def check_http_only_flags(parser: CliParser, args: argparse.Namespace) -> None:

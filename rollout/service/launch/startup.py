@@ -28,7 +28,7 @@ from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
-from rollout.service.launch.flags import check_settings
+from rollout.service.launch.flags import check_settings, served_model_name
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
 from rollout.service.launch.start_adapters import lora_specs, serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
@@ -124,11 +124,16 @@ def start_worker(
     if configure_tracing():
         logger.info("exporting OpenTelemetry traces (OTEL_* environment variables)")
     ready = (
-        f"rollout-worker ready on {worker.address}: model {args.model} on {device} ({next(model.parameters()).dtype}), "
+        f"rollout-worker ready on {worker.address}: model {args.model}{_served_as(args)} on {device} ({next(model.parameters()).dtype}), "
         f"{manager.engine.num_blocks} KV blocks of {config.block_size} tokens",
         cache_capacity(manager.engine.num_blocks, config.block_size, manager.engine.max_model_len),
     )
     return RunningWorker(worker, manager, model, http, metrics, ready)
+
+
+def _served_as(args: argparse.Namespace) -> str:
+    """The ready line's note of the served name, when --served-model-name gives one."""
+    return f" (served as {args.served_model_name})" if args.served_model_name else ""
 
 
 def _serve_parts(
@@ -143,7 +148,7 @@ def _serve_parts(
 ) -> tuple[RolloutWorker, WorkerMetrics | None, Any]:
     """Load the start adapters, warm the engine up, then bind the worker's socket and start the metrics and HTTP
     servers; a failure (a usage error: SystemExit) closes those already started, and the caller the manager."""
-    serve_start_adapters(parser, args.lora, manager.engine, args.model)
+    serve_start_adapters(parser, args.lora, manager.engine, served_model_name(args))
     context = manager.engine.max_model_len
     if args.max_prompt_len is not None and args.max_prompt_len > context:  # it would be capped there, silently
         parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
@@ -160,7 +165,7 @@ def _serve_parts(
         worker = RolloutWorker(
             manager,
             args.bind,
-            args.model,
+            served_model_name(args),
             limits=limits,
             keep_staging=not args.release_staging,
             auth=auth,
@@ -228,7 +233,7 @@ def check_flags(
             require_extra("lora", f"--lora {args.lora[0]}")
         except MissingExtra as error:
             parser.error(str(error))
-        lora_specs(parser, args.lora, args.model)
+        lora_specs(parser, args.lora, served_model_name(args))
     if args.max_memory_percent is not None and args.max_memory_percent <= 1:
         logger.warning(
             "--max-memory-percent %g gives the KV cache %g%% of free memory (it takes a percent: 90 means 90%%)",

@@ -93,7 +93,7 @@ def start_http(
     cannot listen).
 
     Args:
-        parser, args: rollout-worker's parser and arguments (--model names the served model).
+        parser, args: rollout-worker's parser and arguments.
         address: (host, port) from `check_http_address`.
         manager, worker, tokenizer, limits: what the worker serves, and its limits.
         observe: records each HTTP request in the worker's metrics (None: no --metrics-port).
@@ -104,7 +104,7 @@ def start_http(
         settings = HttpSettings(
             host=address[0],
             port=address[1],
-            model_name=args.model,
+            model_name=worker.model_name,  # --served-model-name, else --model
             max_n=limits.max_n,
             max_prompt_len=worker.max_prompt_len,
             max_body_bytes=args.http_max_body_bytes,
