@@ -166,3 +166,25 @@ def test_ctrl_c_that_an_import_turns_into_another_error_is_still_one_line_and_st
     assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 130
     assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
     assert signal.getsignal(signal.SIGINT) is handler  # the caller's handler is back
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("ROLLOUT_METRICS_HOST", "0.0.0.0", "ROLLOUT_METRICS_HOST (--metrics-host) 0.0.0.0: has no effect without"),
+        ("ROLLOUT_SPECULATIVE_INDEX_TOKENS", "5", "ROLLOUT_SPECULATIVE_INDEX_TOKENS (--speculative-index-tokens): has"),
+        ("ROLLOUT_MAX_BATCH_TOKENS", "0", "ROLLOUT_MAX_BATCH_TOKENS (--max-batch-tokens): 0 is invalid"),
+    ],
+)
+def test_a_usage_error_a_variable_caused_names_the_variable(monkeypatch, capsys, variable, value, message):
+    """The user set the variable, not the flag: the error named only the flag, which appears nowhere they typed.
+    Typed on the command line, the same value's error names the flag alone."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit):
+        check(["--bind", "tcp://127.0.0.1:*"])
+    assert f"rollout-worker: error: {message}" in capsys.readouterr().err
+    flag = "--" + variable.removeprefix("ROLLOUT_").lower().replace("_", "-")
+    with pytest.raises(SystemExit):
+        check(["--bind", "tcp://127.0.0.1:*", flag, value])
+    err = capsys.readouterr().err
+    assert f"rollout-worker: error: {flag}" in err and variable not in err

@@ -101,6 +101,7 @@ class CliParser(argparse.ArgumentParser):
         # repeatable flags' values read from the environment: the command line's, when it gives some, replace them
         self._environment_lists: dict[str, int] = {}
         self._warned: set[str] = set()  # warnings already said (checks may run twice: before and after imports)
+        self._variables: dict[str, str] = {}  # each flag whose default an environment variable set -> the variable
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
@@ -165,7 +166,17 @@ class CliParser(argparse.ArgumentParser):
         flags are missing because one was mistyped (`--modle`), the closest known flag is suggested too."""
         if message.startswith("the following arguments are required"):
             message += self._typo_hint(getattr(self, "_given", []))
+        message = self._name_variable(message)
         self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for every flag and its default.\n")
+
+    def _name_variable(self, message: str) -> str:
+        """A message that begins with a flag whose value came from its environment variable (not typed) names the
+        variable first, as the user set that ("ROLLOUT_METRICS_HOST (--metrics-host) ..."), unless it names it."""
+        flag = re.match(r"--[\w-]+", message)
+        variable = self._variables.get(flag.group()) if flag else None
+        if variable is None or variable in message or self.typed(flag.group()):
+            return message
+        return f"{variable} ({flag.group()}){message[flag.end() :]}"
 
     def _typo_hint(self, given: list[str]) -> str:
         """ "; did you mean X (for Y)?" for the given flags this parser does not know, where a known one is close."""
@@ -203,6 +214,7 @@ class CliParser(argparse.ArgumentParser):
             value = os.environ.get(variable)
             if value is None:
                 continue
+            self._variables.update(dict.fromkeys(action.option_strings, variable))
             if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001 - argparse has no public name
                 if value.lower() not in ("1", "true", "yes", "0", "false", "no", ""):
                     self.error(f"{variable}={value!r} is not a valid value for {action.option_strings[0]}")
