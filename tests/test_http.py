@@ -604,3 +604,20 @@ def test_later_turns_report_the_prompt_tokens_the_cache_gave(api, zmq_client):
     assert second.usage.prompt_tokens_details.cached_tokens == 32  # the first turn's two full blocks, once
     result = zmq_client.generate(PromptGroup(later + [10], n=2, sampling={"max_new_tokens": 2, "stop_token_ids": []}))
     assert [c.cached_prompt_tokens for c in result.completions] == [32, 32]
+
+
+def test_a_route_switched_off_answers_404_naming_the_flag_that_serves_it(worker):
+    """vLLM's control routes and /tokenizer_info are off by default: their 404 said only "Not Found", like a mistyped
+    path; it names the flag now. An unknown path keeps the plain answer."""
+    for method, path, flag in (
+        ("POST", "/pause", "--enable-control-routes"),
+        ("GET", "/server_info", "--enable-control-routes"),
+        ("GET", "/tokenizer_info", "--enable-tokenizer-info-endpoint"),
+    ):
+        answer = httpx.request(method, f"{worker.url}{path}", timeout=30)
+        assert answer.status_code == 404
+        error = answer.json()["error"]
+        assert error["type"] == "not_found_error"
+        assert error["message"] == f"{path} is off on this worker: it is served when rollout-worker starts with {flag}"
+    unknown = httpx.get(f"{worker.url}/no_such_route", timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "Not Found"

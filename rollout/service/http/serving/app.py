@@ -96,10 +96,19 @@ def build_app(
     async def api_error(_: Request, error: APIError) -> SafeJSONResponse:
         return SafeJSONResponse(error.body(), status_code=error.status)
 
+    # Routes this worker would serve with a flag: their 404 names it (a bare "Not Found" read like a wrong path).
+    switched_off = {} if settings.enable_control_routes else dict.fromkeys(CONTROL_PATHS, "--enable-control-routes")
+    if not settings.enable_tokenizer_info_endpoint:
+        switched_off["/tokenizer_info"] = "--enable-tokenizer-info-endpoint"
+
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> SafeJSONResponse:
+    async def http_error(request: Request, error: HTTPException) -> SafeJSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        body = APIError(error.status_code, str(error.detail), None, kind).body()
+        message = str(error.detail)
+        flag = switched_off.get(request.url.path) if error.status_code == 404 else None
+        if flag is not None:
+            message = f"{request.url.path} is off on this worker: it is served when rollout-worker starts with {flag}"
+        body = APIError(error.status_code, message, None, kind).body()
         return SafeJSONResponse(body, error.status_code, headers=error.headers)  # a 405's Allow (RFC 9110)
 
     app.add_middleware(
