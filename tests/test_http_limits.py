@@ -44,6 +44,9 @@ def test_a_full_queue_answers_503_busy(server):
         with pytest.raises(openai.InternalServerError) as raised:
             client.completions.create(model="tiny", prompt="hello")
     assert raised.value.status_code == 503 and raised.value.body["code"] == "busy"
+    assert raised.value.body["message"] == (
+        "queue full: max_queue_size=1 requests are already waiting; retry later (the worker's --max-queue-size)"
+    )
 
 
 def test_the_api_key_is_required_except_for_health(server):

@@ -77,7 +77,14 @@ def from_field_error(error: FieldError, prompt_field: str = "prompt") -> APIErro
 
 
 def busy(reason: str) -> APIError:
-    """A 503: the worker's queue is full; retry later."""
+    """A 503: the worker's queue is full; retry later. The engine's own "queue full" (its `max_queue_size`) names
+    the worker's flag that sets it too, as an operator reads a client's error.
+
+    Args:
+        reason: why (the engine's QueueFullError message, or the worker stopping).
+    """
+    if reason.startswith("queue full: max_queue_size="):
+        reason += "; retry later (the worker's --max-queue-size)"
     return APIError(503, reason, None, "service_unavailable_error", "busy")
 
 
