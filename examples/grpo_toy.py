@@ -44,7 +44,7 @@ from transformers.trainer_callback import ProgressCallback  # noqa: E402
 from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout.cli.extras import MissingExtra, require_extra  # noqa: E402
 from rollout.presets import letter_reward, tiny_model, tiny_tokenizer, toy_grpo_config, toy_prompts  # noqa: E402
-from trainer_bridge import RolloutClient  # noqa: E402
+from trainer_bridge import RolloutClient, RolloutError  # noqa: E402
 from trainer_bridge.trl import RolloutGRPOTrainer  # noqa: E402
 
 TOKENIZER = tiny_tokenizer()
@@ -63,15 +63,20 @@ def start_worker(address: str, model: str = "tiny", flags: tuple[str, ...] = ())
     # One compute thread for the tiny worker: on a 2-core machine the trainer needs the other core.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("ROLLOUT_WORKER_THREADS", "1")}
     worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"], env=env)
-    with RolloutClient(address, timeout=120) as client:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.stats(timeout=2)
-                return worker
-            except Exception:  # noqa: BLE001 - not up yet
-                if worker.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the rollout-worker did not start") from None
+    try:
+        with RolloutClient(address, timeout=120) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    client.stats(timeout=2)
+                    return worker
+                except Exception:  # noqa: BLE001 - not up yet
+                    if worker.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the rollout-worker did not start") from None
+    except BaseException:  # Ctrl-C while it starts, too: the worker does not outlive the example
+        worker.terminate()
+        worker.wait(30)
+        raise
 
 
 class RewardLog(ProgressCallback):
@@ -233,4 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RolloutError as error:  # no worker at --worker, say: the message says what to check
+        sys.exit(f"grpo_toy: {error}")
+    except KeyboardInterrupt:  # Ctrl-C: the worker it started was stopped on the way out; no traceback
+        sys.exit(130)

@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from rollout.presets import tiny_tokenizer
-from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient
+from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,4 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except RolloutError as error:  # no worker at --worker, say: the message says what to check
+        sys.exit(f"stream_client: {error}")
+    except KeyboardInterrupt:  # Ctrl-C: no traceback
+        sys.exit(130)

@@ -449,3 +449,44 @@ def test_sampling_values_no_run_could_honour_are_refused_by_name(fields, field, 
     assert SamplingParams(seed=2**70).seed == 2**70  # in-process, any integer seeds (the engine hashes it)
     with pytest.raises(FieldError, match=re.escape("at most max_new_tokens (16, the generation config's)")):
         SamplingParams(min_new_tokens=100).with_defaults(SamplingParams(max_new_tokens=16))
+
+
+@pytest.mark.parametrize("script", ["stream_client.py", "grpo_toy.py"])
+def test_ctrl_c_in_an_example_waiting_for_a_worker_ends_without_a_traceback(script):
+    """Both examples wait for a worker (the stream client for one at --worker, the GRPO example for the one it
+    starts); Ctrl-C there printed a KeyboardInterrupt traceback through the client's internals."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from service_helpers import free_port
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    argv = ["--worker", f"tcp://127.0.0.1:{free_port()}"] if script == "stream_client.py" else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, str(examples / script), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # the signal goes to this process group only, as a terminal's Ctrl-C does
+    )
+    try:
+        if script == "stream_client.py":
+            assert "tiny model" in process.stdout.readline()  # past its imports, waiting for the worker
+        else:  # past its imports once it has started its worker (accelerate, which TRL needs, brings psutil)
+            import psutil
+
+            deadline = time.monotonic() + 120
+            while not psutil.Process(process.pid).children() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1)  # the worker loading
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "Traceback" not in err, err
+    assert process.returncode == 130
