@@ -107,9 +107,28 @@ def test_a_model_directory_without_tokenizer_files_serves_token_ids_not_an_empty
     assert len(empty) == 1 and empty("hello world")["input_ids"] == []
     with caplog.at_level("WARNING"):
         assert load_tokenizer(str(tmp_path), None) == (None, None)
-    assert f"--model {tmp_path} holds no tokenizer files" in caplog.text
-    with pytest.raises(ValueError, match=r"the directory holds no tokenizer files \(tokenizer.json, "):
+    assert f"--model {tmp_path} has no tokenizer (transformers built an empty tokenizer from" in caplog.text
+    with pytest.raises(ValueError, match=r"transformers built an empty tokenizer from .*: it holds no tokenizer files"):
         load_tokenizer("tiny", str(tmp_path))
     tiny_tokenizer().save_pretrained(tmp_path)
     tokenizer, name = load_tokenizer(str(tmp_path), None)
     assert name == str(tmp_path) and len(tokenizer) == len(tiny_tokenizer())
+
+
+def test_a_tokenizer_saved_only_as_a_tiktoken_model_is_loaded(tmp_path):
+    """A directory whose tokenizer is `tiktoken.model` alone, which AutoTokenizer loads: a list of tokenizer file
+    names (tokenizer.json, vocab.json ...) would have served it without one."""
+    import base64
+
+    from transformers import Qwen3ForCausalLM
+
+    from rollout.service.launch.loading import load_tokenizer
+
+    Qwen3ForCausalLM(Qwen3Config(**SMALL)).save_pretrained(tmp_path)
+    ranks = [bytes([byte]) for byte in range(256)] + [b"he", b"ll", b"hell", b"hello"]
+    lines = [f"{base64.b64encode(token).decode()} {rank}" for rank, token in enumerate(ranks)]
+    (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    reference = AutoTokenizer.from_pretrained(tmp_path)  # what transformers makes of it
+    tokenizer, name = load_tokenizer(str(tmp_path), None)
+    assert name == str(tmp_path) and tokenizer("hello")["input_ids"] == reference("hello")["input_ids"]
+    assert len(tokenizer) > 256

@@ -21,7 +21,13 @@ from rollout.eval.metrics import Metric, MetricError, load_metric
 from rollout.eval.run import PromptError, tokenize_prompts
 from rollout.presets.models import MODEL_DTYPES
 from rollout.presets.names import is_preset
-from rollout.service.launch.loading import lacks_tokenizer_files, load_model, load_tokenizer, torch_device
+from rollout.service.launch.loading import (
+    EmptyTokenizer,
+    holds_no_tokenizer_files,
+    load_model,
+    load_tokenizer,
+    torch_device,
+)
 
 
 @dataclass
@@ -115,14 +121,14 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
     except (ValueError, OSError) as error:  # HubUnreachable and a missing path name --model themselves
         message = first_line(error)
         raise EvalError(message if message.startswith("--model") else f"--model {args.model}: {message}") from None
-    if lacks_tokenizer_files(args.model):
-        raise EvalError(
-            f"--model {args.model}: no tokenizer files were found with it, and rollout-eval reads text prompts; save "
-            "the model's tokenizer into its directory (tokenizer.save_pretrained(DIR))"
-        )
     try:  # named explicitly, so that tokenizer files that cannot be read say why (not "no tokenizer files")
         tokenizer, _ = load_tokenizer(args.model, args.model)
     except (ValueError, OSError) as error:
+        if isinstance(error, EmptyTokenizer) or holds_no_tokenizer_files(args.model):
+            raise EvalError(
+                f"--model {args.model}: no tokenizer files were found with it, and rollout-eval reads text prompts; "
+                "save the model's tokenizer into its directory (tokenizer.save_pretrained(DIR))"
+            ) from None
         raise EvalError(f"--model {args.model}: its tokenizer cannot be loaded ({first_line(error)})") from None
     if tokenizer is None:
         raise EvalError(f"--model {args.model}: it has no tokenizer, and rollout-eval reads text prompts")

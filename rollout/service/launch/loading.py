@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from typing import Any
 
 import torch
 
@@ -109,19 +111,34 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
     return model.to(device).eval()
 
 
-# The files one of which a directory holds when a tokenizer was saved into it (tokenizer.save_pretrained).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+class EmptyTokenizer(ValueError):
+    """transformers built a tokenizer of at most one token: what AutoTokenizer gives a directory without tokenizer
+    files for some models (GPT-2's), where every text encodes to no ids."""
 
 
-def lacks_tokenizer_files(name: str) -> bool:
-    """Whether `name` is a local directory holding none of `TOKENIZER_FILES`: transformers' AutoTokenizer then builds
-    an empty tokenizer for some models (GPT-2's: one token, every text encodes to no ids) instead of failing.
+# What a file a tokenizer was saved in may be named (transformers' vocabulary files, sentencepiece and tiktoken
+# models, Mistral's tekken): only to choose what to say when loading failed, never to refuse a directory.
+_TOKENIZER_FILE = re.compile(r"token|vocab|merges|spiece|sentencepiece|spm|tekken|\.model$", re.IGNORECASE)
+
+
+def holds_no_tokenizer_files(name: str) -> bool:
+    """Whether `name` is a local directory with no file that looks like a saved tokenizer's.
 
     Args:
         name: a --model or --tokenizer value (a directory, a hub id or a preset).
     """
     folder = os.path.expanduser(name)
-    return os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, file)) for file in TOKENIZER_FILES)
+    return os.path.isdir(folder) and not any(_TOKENIZER_FILE.search(file) for file in os.listdir(folder))
+
+
+def _usable(tokenizer: Any, name: str) -> Any:
+    """`tokenizer`, unless it is empty (`EmptyTokenizer`, naming `name`)."""
+    if len(tokenizer) <= 1:
+        raise EmptyTokenizer(
+            f"transformers built an empty tokenizer from {name} ({len(tokenizer)} token, every text encodes to no "
+            "ids): it holds no tokenizer files; save one there with tokenizer.save_pretrained(DIR)"
+        )
+    return tokenizer
 
 
 def load_tokenizer(model: str, tokenizer: str | None) -> tuple[object | None, str | None]:
@@ -138,27 +155,19 @@ def load_tokenizer(model: str, tokenizer: str | None) -> tuple[object | None, st
         preset = tokenizer_for(tokenizer)
         if preset is not None:
             return preset, tokenizer
-        if lacks_tokenizer_files(tokenizer):
-            raise ValueError(
-                f"the directory holds no tokenizer files ({', '.join(TOKENIZER_FILES)}): save one there with "
-                "tokenizer.save_pretrained(DIR)"
-            )
         cached_only = False if is_local_path(tokenizer) else check_hub_source(tokenizer, "--tokenizer")
-        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=cached_only), tokenizer
+        return _usable(AutoTokenizer.from_pretrained(tokenizer, local_files_only=cached_only), tokenizer), tokenizer
     preset = tokenizer_for(model)
     if preset is not None:
         return preset, model
-    if lacks_tokenizer_files(model):
-        logger.warning(
-            "--model %s holds no tokenizer files (%s): it serves token ids only (stop strings and text endpoints are "
-            "off); pass --tokenizer, or save the tokenizer into the directory (tokenizer.save_pretrained)",
-            model,
-            ", ".join(TOKENIZER_FILES),
-        )
-        return None, None
     try:
         cached_only = False if is_local_path(model) else check_hub_source(model, "--model")
-        return AutoTokenizer.from_pretrained(model, local_files_only=cached_only), model
+        return _usable(AutoTokenizer.from_pretrained(model, local_files_only=cached_only), model), model
     except (ValueError, OSError) as error:  # a model without a tokenizer still serves token ids
-        logger.warning("--model %s has no tokenizer (%s): stop strings and text endpoints are off", model, error)
+        logger.warning(
+            "--model %s has no tokenizer (%s): it serves token ids only (stop strings and text endpoints are off); "
+            "pass --tokenizer, or save the tokenizer into its directory",
+            model,
+            error,
+        )
         return None, None
