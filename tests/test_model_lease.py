@@ -35,12 +35,16 @@ def generate_tokens(model, prompts: list[list[int]], new: int = 5) -> list[list[
 def test_a_peft_model_around_a_model_an_engine_holds_shares_its_lease():
     """An engine on a peft model whose base another engine serves: not probed again (the probe would switch the
     attention under the first engine's steps), and closing the first engine leaves it running (the lease was keyed
-    on the wrapper, so the first close gave the shared config its own attention back under the second engine)."""
+    on the wrapper, so the first close gave the shared config its own attention back under the second engine). The
+    adapter layers peft added meanwhile are served in eval mode (their dropout off) and given back in train mode."""
     base = tiny_model().eval()
     implementation = base.config._attn_implementation
     first = make_engine(base)
     torch.manual_seed(1)
-    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.5, init_lora_weights=False)
+    peft = get_peft_model(base, lora)
+    added = [(module, module.training) for module in peft.modules()]
+    assert any(flag for _, flag in added)  # peft makes its layers in train mode (dropout on)
     second = make_engine(peft)
     first.close()
     assert base.config._attn_implementation == PAGED  # the second engine still holds it
@@ -48,7 +52,20 @@ def test_a_peft_model_around_a_model_an_engine_holds_shares_its_lease():
     tokens = greedy_tokens(second, prompts)
     second.close()
     assert base.config._attn_implementation == implementation
-    assert tokens == generate_tokens(peft, prompts)  # peft's own forward, LoRA applied
+    assert [module.training for module, _ in added] == [flag for _, flag in added]
+    assert tokens == generate_tokens(peft.eval(), prompts)  # peft's own forward, LoRA applied, no dropout
+
+
+def test_an_engine_on_a_peft_model_whose_adapter_was_deleted_still_gives_the_model_back():
+    """peft's get_base_model() reads the active adapter's config, which delete_adapter removes: closing the engine
+    raised KeyError and left the model on the paged attention for good (the runner counted itself closed)."""
+    base = tiny_model().eval()
+    implementation = base.config._attn_implementation
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = make_engine(peft)
+    peft.delete_adapter("default")
+    engine.close()
+    assert base.config._attn_implementation == implementation
 
 
 def test_engines_built_at_once_on_one_model_leave_it_as_it_was(monkeypatch):
@@ -108,3 +125,15 @@ def test_a_kernelized_model_in_training_is_given_back_kernelized_for_training():
     assert model.kernels_mode == kernels.Mode.INFERENCE  # served in eval mode
     engine.close()
     assert model.training and model.kernels_mode == kernels.Mode.TRAINING
+
+
+def test_a_kernelized_model_inside_a_peft_model_is_given_back_kernelized_for_training():
+    """peft forwards `kernels_mode` to the model it wraps: read and set on the wrapper, the mode was put on the
+    wrapper's own attributes and the model inside stayed kernelized for inference."""
+    kernels = pytest.importorskip("kernels")
+    base = tiny_model().train()
+    base.set_use_kernels(True)
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    make_engine(peft).close()
+    assert base.training and base.kernels_mode == kernels.Mode.TRAINING
+    assert "kernels_mode" not in vars(peft)

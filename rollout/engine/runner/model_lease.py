@@ -40,7 +40,7 @@ class _Holder:
 
     engines: int
     attention: AttentionSettings  # every config's own attention implementation, as found
-    training: TrainingMode  # every submodule's training flag (and kernels mode), as found
+    training: TrainingMode  # every submodule's training flag (and kernels mode), as found, of each model lent
     experts_implementation: dict | None = None  # the model's own, when the lease switched it
     experts_choices: tuple[str, ...] = SYNC_FREE_EXPERTS  # what the engines holding it asked for
 
@@ -58,15 +58,23 @@ def leased_model(model: torch.nn.Module) -> torch.nn.Module:
         model: what an engine was given.
     """
     get_base_model = getattr(model, "get_base_model", None)  # peft's PeftModel (transformers' models have none)
-    return get_base_model() if callable(get_base_model) else model
+    if not callable(get_base_model):
+        return model
+    try:
+        return get_base_model()
+    except Exception:  # noqa: BLE001 - its active adapter deleted since (get_base_model reads that adapter's config)
+        tuner = model.base_model  # a LoRA tuner around the model, or the model itself (prompt learning)
+        return getattr(tuner, "model", tuner)
 
 
-def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS) -> None:
+def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS) -> torch.nn.Module:
     """Take the model for one more engine (the first one switches it, an MoE model's experts to the first of
-    `experts` that dispatches included; later ones share the switch).
+    `experts` that dispatches included; later ones share the switch, and put in eval mode what the first one did
+    not hold: a peft model's wrappers and adapter layers). Returns the leased model, for `release` (a peft model's
+    base: the wrapper may change meanwhile).
 
     Args:
-        model: a transformers causal LM.
+        model: a transformers causal LM, or a peft model around one.
         experts: the experts implementations an MoE model may run while lent, in order of preference
             (`SYNC_FREE_EXPERTS`, or `INVARIANT_EXPERTS` for a batch-invariant engine).
     Raises:
@@ -74,17 +82,19 @@ def acquire(model: torch.nn.Module, experts: tuple[str, ...] = SYNC_FREE_EXPERTS
             one on one MoE model).
     """
     with LEASE_LOCK:
-        model = leased_model(model)
-        holder = _HOLDERS.get(model)
+        leased = leased_model(model)
+        holder = _HOLDERS.get(leased)
         if holder is None:
-            holder = _Holder(0, AttentionSettings.of(model), TrainingMode.of(model), experts_choices=experts)
-            holder.experts_implementation = _switch_experts(model, experts)
-            model.set_attn_implementation(register_paged_attention())
-            model.eval()
-            _HOLDERS[model] = holder
+            holder = _Holder(0, AttentionSettings.of(leased), TrainingMode.of(model), experts_choices=experts)
+            holder.experts_implementation = _switch_experts(leased, experts)
+            leased.set_attn_implementation(register_paged_attention())
+            _HOLDERS[leased] = holder
         else:
-            check_lease(model, experts)
+            check_lease(leased, experts)
+            holder.training = holder.training.including(model)
+        model.eval()
         holder.engines += 1
+        return leased
 
 
 def check_lease(model: torch.nn.Module, experts: tuple[str, ...]) -> None:
@@ -110,9 +120,12 @@ def is_leased(model: torch.nn.Module) -> bool:
 
 
 def release(model: torch.nn.Module) -> None:
-    """Let go of the model for one engine; the last one gives everything back as it was."""
+    """Let go of the model for one engine; the last one gives everything back as it was.
+
+    Args:
+        model: what `acquire` returned.
+    """
     with LEASE_LOCK:
-        model = leased_model(model)
         holder = _HOLDERS[model]
         holder.engines -= 1
         if holder.engines == 0:

@@ -118,7 +118,7 @@ class ModelRunner:
             model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
         )
         self.route_results: PendingRoutes | None = None
-        acquire(model, self._experts)
+        self._leased = acquire(model, self._experts)  # what release() gives back (a peft model's base)
 
     def routes_refusal(self) -> str | None:
         """Why this runner cannot record MoE routes (None: it can)."""
@@ -205,7 +205,7 @@ class ModelRunner:
             self.graphs.close()  # frees the graphs and their memory pools
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
             if not self._suspended:
-                release(self.model)
+                release(self._leased)
 
     @property
     def closed(self) -> bool:
@@ -221,7 +221,7 @@ class ModelRunner:
         and CUDA graphs; `resume()` takes it again. Idempotent."""
         if not self._closed and not self._suspended:
             self._suspended = True
-            release(self.model)
+            release(self._leased)
 
     def resume(self) -> None:
         """Take the model again after `suspend()` (paged attention, eval mode).
@@ -231,7 +231,7 @@ class ModelRunner:
                 suspended, holding nothing).
         """
         if self._suspended:
-            acquire(self.model, self._experts)  # first: a refusal leaves the runner suspended
+            self._leased = acquire(self.model, self._experts)  # first: a refusal leaves the runner suspended
             self._suspended = False
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 

@@ -18,11 +18,11 @@ import torch
 
 @dataclass(frozen=True)
 class TrainingMode:
-    """Each submodule's training flag, and the kernels mode (None when the model is not kernelized)."""
+    """Each submodule's training flag, and each kernelized transformers model's kernels mode (read on that model
+    itself, wherever it sits: a peft model around it only forwards the attribute)."""
 
-    model: torch.nn.Module
     flags: tuple[tuple[torch.nn.Module, bool], ...]
-    kernels_mode: Any = None
+    kernels: tuple[tuple[torch.nn.Module, Any], ...] = ()
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> TrainingMode:
@@ -31,13 +31,32 @@ class TrainingMode:
         Args:
             model: a torch module (a transformers model, or a peft model around one).
         """
-        flags = tuple((module, module.training) for module in model.modules())
-        kernelized = getattr(model, "use_kernels", False) is True
-        return cls(model, flags, getattr(model, "kernels_mode", None) if kernelized else None)
+        modules = list(model.modules())
+        kernels = tuple((module, module.kernels_mode) for module in modules if _kernelized(module))
+        return cls(tuple((module, module.training) for module in modules), kernels)
+
+    def including(self, model: torch.nn.Module) -> TrainingMode:
+        """This mode, with the modules of `model` it has not seen yet as they are now (a peft model built around a
+        model already held adds its wrappers and adapter layers).
+
+        Args:
+            model: a module sharing some of its submodules with the recorded one.
+        """
+        seen = {id(module) for module, _ in self.flags}
+        new = TrainingMode.of(model)
+        flags = self.flags + tuple((module, flag) for module, flag in new.flags if id(module) not in seen)
+        known = {id(module) for module, _ in self.kernels}
+        return TrainingMode(flags, self.kernels + tuple(pair for pair in new.kernels if id(pair[0]) not in known))
 
     def restore(self) -> None:
-        """Put every flag back, and the kernels mode when the switch changed it (kernelizing the layers again)."""
+        """Put every flag back, and a kernels mode the switch changed (kernelizing those layers again)."""
         for module, flag in self.flags:
             module.training = flag
-        if self.kernels_mode is not None and getattr(self.model, "kernels_mode", None) != self.kernels_mode:
-            self.model.kernels_mode = self.kernels_mode
+        for module, mode in self.kernels:
+            if module.kernels_mode != mode:
+                module.kernels_mode = mode
+
+
+def _kernelized(module: torch.nn.Module) -> bool:
+    """A transformers model kernelized by the `kernels` library (its class defines `kernels_mode`)."""
+    return isinstance(getattr(type(module), "kernels_mode", None), property) and module.use_kernels is True
