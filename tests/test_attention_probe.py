@@ -227,3 +227,12 @@ def test_a_layer_the_paged_cache_would_not_see_or_would_overwrite_is_refused(cha
     with pytest.raises(FieldError, match=refusal):
         make_engine(model)
     assert model.config._attn_implementation != "rollout_probe"
+
+
+def test_a_model_cut_short_of_its_config_decodes_as_generate():
+    """A model whose last layers were removed (pruned, or a self-draft's first layers) while its config still counts
+    them: no module holds those indices, so they are unused cache layers, not layers the cache would miss."""
+    model = build(Qwen3Config(**{**SIZES, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16)).eval()
+    model.model.layers = model.model.layers[:2]
+    assert model.config.num_hidden_layers == 4
+    assert_decodes_as_generate(model)

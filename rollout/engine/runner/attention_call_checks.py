@@ -93,7 +93,12 @@ def _check_layers(calls: list[AttentionCall], model: torch.nn.Module, num_layers
                 f"and {first.layer} are two attention modules with one layer_idx ({call.layer_idx}): the paged cache "
                 "keeps one set of keys and values per layer_idx, and each module's would overwrite the other's",
             )
-    silent = sorted(set(range(num_layers)) - set(by_layer))
+    # Indices past the last one called that no module holds: a model cut short of its config (a pruned model, a
+    # self-draft's first layers), whose cache layers stay unused. Any other index that called nothing is a layer
+    # the cache would not serve.
+    held = {module.layer_idx for module in model.modules() if isinstance(getattr(module, "layer_idx", None), int)}
+    cut = {index for index in range(max(by_layer, default=-1) + 1, num_layers) if index not in held}
+    silent = sorted(set(range(num_layers)) - set(by_layer) - cut)
     if silent:
         shown = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
         raise FieldError(
