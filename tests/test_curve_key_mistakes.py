@@ -82,11 +82,13 @@ def test_key_directories_without_keys_are_named(keys, tmp_path):
         ("sub/x", "NAME 'sub/x' holds a path separator"),
         ("", "NAME is empty"),
         (".key", "NAME '.key' starts with a dot: the key files would be hidden"),
+        ("  ", "NAME is empty"),
+        ("k" * 300, f"NAME {'k' * 40!r}... is too long"),
     ],
 )
 def test_keygen_refuses_a_name_that_is_not_a_file_name_stem_and_writes_nothing(capsys, tmp_path, name, message):
     """`rollout-keygen DIR ../evil` wrote the pair beside DIR, then said it existed; `sub/x` ended in a traceback;
-    "" wrote hidden `.key` files."""
+    "" wrote hidden `.key` files; a name too long for the file system ended in a traceback."""
     folder = tmp_path / "keys"
     with pytest.raises(SystemExit) as exited:
         keygen_main([str(folder), name])

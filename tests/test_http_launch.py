@@ -107,14 +107,16 @@ def test_control_routes_open_to_the_generation_key_are_warned_about(monkeypatch,
 
 def test_served_model_name_is_the_name_clients_use_over_http_and_zeromq(capsys):
     """vLLM's --served-model-name: /v1/models lists it and requests name it (the official openai client); --model's
-    own value is then not a served name; the ZeroMQ hello reports it; an empty one is a usage error."""
+    own value is then not a served name; the ZeroMQ hello reports it, /server_info both; an empty one is a usage
+    error."""
+    import httpx
     import openai
 
     from rollout import protocol as p
     from service_helpers import Client, Worker, free_port
 
     port = free_port()
-    server = Worker("--http", f"127.0.0.1:{port}", "--served-model-name", "my-policy")
+    server = Worker("--http", f"127.0.0.1:{port}", "--served-model-name", "my-policy", "--enable-control-routes")
     client = Client(server.address)
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -126,6 +128,9 @@ def test_served_model_name_is_the_name_clients_use_over_http_and_zeromq(capsys):
         ):
             api.completions.create(model="tiny", prompt="Hello", max_tokens=2)
         assert client.ask(p.Hello()).model == "my-policy"
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info", params={"config_format": "json"}, timeout=30).json()
+        model_config = info["vllm_config"]["model_config"]  # vLLM's: the path in `model`, the name beside it
+        assert (model_config["model"], model_config["served_model_name"]) == ("tiny", "my-policy")
     finally:
         client.close()
         server.close()

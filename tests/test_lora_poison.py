@@ -260,7 +260,10 @@ def test_an_adapter_whose_layers_do_not_fit_free_memory_is_refused(engine, monke
     "flags, message",
     [
         (["--lora", "a=/x", "--lora", "a=/y"], "--lora a=/y: the adapter name 'a' is given twice"),
-        (["--lora", "tiny=/x"], "--lora tiny=/x: 'tiny' is the served model's name (--model)"),
+        (
+            ["--lora", "tiny=/x"],
+            "--lora tiny=/x: 'tiny' is the served model's name (--served-model-name, else --model)",
+        ),
         (["--max-lora-rank", "100000000", "--num-blocks", "16"], "--max-lora-rank: 100000000 is above 256"),
     ],
 )

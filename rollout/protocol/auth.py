@@ -224,12 +224,14 @@ def build_keygen_parser() -> CliParser:
 
 def _name_refusal(name: str) -> str | None:
     """Why `name` cannot be a key pair's file name stem (None: it can): the pair goes into DIR, as two visible files."""
-    if not name:
+    if not name.strip():
         return "NAME is empty: give a file name stem, e.g. worker"
     if "/" in name or (os.altsep and os.altsep in name) or os.sep in name or "\0" in name:
         return f"NAME {name!r} holds a path separator: give a file name stem and put the folder in DIR"
     if name.startswith("."):
         return f"NAME {name!r} starts with a dot: the key files would be hidden (give e.g. worker)"
+    if len(os.fsencode(f"{name}.key_secret")) > 255:  # most file systems' limit on a file name
+        return f"NAME {name[:40]!r}... is too long: a key file's name holds at most 255 bytes"
     return None
 
 

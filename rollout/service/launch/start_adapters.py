@@ -21,7 +21,7 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
     Args:
         parser: rollout-worker's parser.
         specs: the --lora values.
-        model_name: the served model's name (--model).
+        model_name: the served model's name (--served-model-name, else --model).
     """
     pairs: dict[str, str] = {}
     for spec in specs:
@@ -31,7 +31,9 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
         if name in pairs:
             parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
         if name == model_name:
-            parser.error(f"--lora {spec}: {name!r} is the served model's name (--model): give the adapter another one")
+            parser.error(
+                f"--lora {spec}: {name!r} is the served model's name (--served-model-name, else --model): give the adapter another one"
+            )
         pairs[name] = path
     for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
         if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
@@ -47,7 +49,7 @@ def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engi
         parser: rollout-worker's parser.
         specs: the --lora values.
         engine: the worker's engine.
-        model_name: the served model's name (--model).
+        model_name: the served model's name (--served-model-name, else --model).
     """
     engine.runner.adapters.reserved_names.add(model_name)
     for name, path in lora_specs(parser, specs, model_name):

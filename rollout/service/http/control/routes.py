@@ -86,6 +86,7 @@ def add_control_routes(
     adapters: AdapterRoutes,
     new_base: Callable[[str], None] | None = None,
     check_finite: bool = False,
+    model_path: str | None = None,
 ) -> None:
     """Add the control routes to `app`.
 
@@ -93,6 +94,7 @@ def add_control_routes(
         app: the worker's FastAPI application.
         manager: the worker's engine manager.
         model_name: the served model's name.
+        model_path: where the model came from (--model as given), for /server_info; None: `model_name`.
         bodies: reads request bodies within the worker's limits.
         answers: the HTTP requests in progress, by their answers' ids (/abort_requests).
         allowed: the directories checkpoints and adapters may be read from.
@@ -173,7 +175,7 @@ def add_control_routes(
     async def get_server_info(request: Request) -> SafeJSONResponse:
         _query_only(request, "config_format")
         config_format = _query_choice(request, "config_format", "text", ("text", "json"))
-        return SafeJSONResponse(server_info(manager, model_name, config_format))
+        return SafeJSONResponse(server_info(manager, model_name, config_format, model_path))
 
     @app.get("/get_world_size")
     async def get_world_size(request: Request) -> SafeJSONResponse:

@@ -22,14 +22,20 @@ VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
 REPORTED_ENVIRONMENT_PREFIXES = ("ROLLOUT_", "VLLM_")
 
 
-def engine_config(manager: ContinuousBatchingManager, model_name: str) -> dict[str, Any]:
-    """vLLM's `vllm_config`, as JSON, for the worker's engine (one process, one device: every parallel size is 1)."""
+def engine_config(manager: ContinuousBatchingManager, model_name: str, model_path: str | None = None) -> dict[str, Any]:
+    """vLLM's `vllm_config`, as JSON, for the worker's engine (one process, one device: every parallel size is 1).
+
+    Args:
+        manager: the worker's engine manager.
+        model_name: the served name (`served_model_name`).
+        model_path: where the model came from (`model`, as vLLM's: --model as given); None: the served name.
+    """
     engine, config = manager.engine, manager.config
     model = engine.model
     mode = engine.intake.default_sampling.logprob_mode
     return {
         "model_config": {
-            "model": model_name,
+            "model": model_path or model_name,
             "served_model_name": model_name,
             "architectures": list(getattr(model.config, "architectures", None) or [type(model).__name__]),
             "dtype": dtype_name(next(model.parameters()).dtype),
@@ -60,10 +66,13 @@ def engine_config(manager: ContinuousBatchingManager, model_name: str) -> dict[s
     }
 
 
-def server_info(manager: ContinuousBatchingManager, model_name: str, config_format: str) -> dict[str, Any]:
+def server_info(
+    manager: ContinuousBatchingManager, model_name: str, config_format: str, model_path: str | None = None
+) -> dict[str, Any]:
     """The body of `GET /server_info`: `vllm_config` (an object for config_format "json", its text for "text"),
-    `vllm_env`, `system_env`, and the weights' `policy_version`."""
-    config = engine_config(manager, model_name)
+    `vllm_env`, `system_env`, and the weights' `policy_version`. Arguments as `engine_config`'s, and
+    `config_format` ("json" or "text")."""
+    config = engine_config(manager, model_name, model_path)
     return {
         "vllm_config": config if config_format == "json" else str(config),
         "vllm_env": {

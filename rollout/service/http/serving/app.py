@@ -122,7 +122,16 @@ def build_app(
     adapters = AdapterRoutes(manager, AllowedDirs(settings.control_allowed_dirs))
     if settings.enable_control_routes:
         add_control_routes(
-            app, manager, model_name, bodies, live, adapters.allowed, adapters, new_base, settings.check_finite
+            app,
+            manager,
+            model_name,
+            bodies,
+            live,
+            adapters.allowed,
+            adapters,
+            new_base,
+            settings.check_finite,
+            model_path=settings.model_path,
         )
 
     @app.exception_handler(ClientGone)

@@ -105,6 +105,7 @@ def start_http(
             host=address[0],
             port=address[1],
             model_name=worker.model_name,  # --served-model-name, else --model
+            model_path=args.model,
             max_n=limits.max_n,
             max_prompt_len=worker.max_prompt_len,
             max_body_bytes=args.http_max_body_bytes,

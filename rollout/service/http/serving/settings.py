@@ -44,6 +44,8 @@ class HttpSettings:
         host: address to listen on (a loopback address answers only loopback Host headers).
         port: TCP port (0 picks a free one).
         model_name: the name /v1/models reports and requests' `model` must match.
+        model_path: where the model came from (--model as given), reported by /server_info as vLLM reports its
+            path; None: `model_name`.
         max_n: most samples per request (`n` times the number of prompts).
         max_prompt_len: longest prompt, in tokens.
         max_body_bytes: largest request body (larger ones are answered 413).
@@ -76,6 +78,7 @@ class HttpSettings:
     host: str = "127.0.0.1"
     port: int = 0
     model_name: str = "tiny"
+    model_path: str | None = None
     max_n: int = 1024
     max_prompt_len: int = 1 << 20
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
