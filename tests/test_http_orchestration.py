@@ -37,6 +37,7 @@ def shared(tmp_path_factory):
 def server(shared):
     port = free_port()
     flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
+    flags += ["--log-level", "INFO"]  # the weight updates' log lines
     server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared), "--check-finite")
     server.url = f"http://127.0.0.1:{port}"
     yield server
@@ -67,7 +68,7 @@ def stream_versions(url: str, prompt: str, started: threading.Event, into: list)
                 started.set()
 
 
-def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resume(url, shared):
+def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resume(server, url, shared):
     new_model = tiny_model(seed=7)
     new_model.save_pretrained(shared / "step-1")
     prompt = "the quick brown fox"
@@ -97,6 +98,8 @@ def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resum
     versions = [version for _, runs in chunks for version, _ in runs]
     assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
     assert sum(len(ids) for ids, _ in chunks) == 128
+    # Logged as a ZeroMQ update is (it was not logged at all).
+    assert f"weight update from {shared / 'step-1'} committed: version 1, pause" in server.output()
 
 
 def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, shared):

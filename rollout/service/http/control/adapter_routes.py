@@ -5,6 +5,7 @@ base weights untouched), or no longer served. Success bodies are vLLM's plain te
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi.responses import PlainTextResponse
@@ -17,6 +18,7 @@ from rollout.service.http.errors import APIError, bad_field
 
 LOAD_FIELDS = {"lora_name", "lora_path", "load_inplace"}
 UNLOAD_FIELDS = {"lora_name", "lora_int_id"}
+logger = logging.getLogger("rollout.worker")
 
 
 class AdapterRoutes:
@@ -67,6 +69,7 @@ class AdapterRoutes:
                 field = {"lora": "lora_path", "adapter": "lora_name"}.get(error.field, error.field)
                 raise APIError(400, f"{field}: {error.reason}", field) from None
             self.roots[name] = path
+        logger.info("LoRA adapter %r loaded from %s (POST /v1/load_lora_adapter)", name, directory)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, body: Any) -> PlainTextResponse:
@@ -89,6 +92,7 @@ class AdapterRoutes:
             except FieldError as error:  # unloaded meanwhile by another way in
                 raise APIError(404, f"lora_name: {error.reason}", "lora_name", "not_found_error") from None
             self.roots.pop(name, None)
+        logger.info("LoRA adapter %r unloaded (POST /v1/unload_lora_adapter)", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ from rollout.service.http.control.allowed_dirs import AllowedDirs
 from rollout.service.http.control.checkpoint_dir import read_checkpoint, refused_update
 from rollout.service.http.control.server_info import server_info
 from rollout.service.http.errors import APIError, SafeJSONResponse, bad_field
+
+logger = logging.getLogger("rollout.worker")
 
 if TYPE_CHECKING:  # the server (serving/) builds the intake and adds these routes: no import back
     from rollout.service.http.serving.bodies import BodyIntake
@@ -246,10 +249,16 @@ async def _no_sleep() -> SafeJSONResponse:
 def _update_from(
     manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str, check_finite: bool
 ) -> Any:
-    """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while)."""
+    """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while); logged as
+    the ZeroMQ updates are."""
     tensors = read_checkpoint(directory, manager.engine.weight_table.specs(), check_finite)
+    logger.info("weight update from %s (POST /update_weights): %d tensors, mode %s", directory, len(tensors), mode)
     try:
-        return manager.update_weights(tensors, version=version, mode=mode)
+        result = manager.update_weights(tensors, version=version, mode=mode)
+        logger.info(
+            "weight update from %s committed: version %d, pause %.1f ms", directory, result.version, result.pause_ms
+        )
+        return result
     except FieldError as error:
         if error.field in ("version", "mode"):
             raise bad_field(error.field, error.reason) from None
