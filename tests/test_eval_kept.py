@@ -6,6 +6,8 @@ and a CSV header naming a field twice refused by name (a dict would keep only it
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -64,9 +66,11 @@ def test_samples_the_engine_fails_keep_the_others_rows(model_dir, tmp_path, caps
     assert not Path(f"{output}.summary.json").exists()
 
 
-def test_ctrl_c_while_generating_keeps_the_finished_samples(model_dir, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_while_generating_keeps_the_finished_samples(model_dir, tmp_path, capsys, monkeypatch, signum, status):
     """Ctrl-C once the first prompt (which stops early at its eos) is done: exit status 130, a message saying where its
-    row is, and that row holds generate's tokens."""
+    row is, and that row holds generate's tokens. SIGTERM (a scheduler's stop) the same, with status 143 (it ended
+    the run with no row written)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.generation_config.eos_token_id = greedy(model_dir, PROMPTS[0], 3)[-1]  # the first prompt stops early
     stopping = tmp_path / "model"
@@ -76,9 +80,9 @@ def test_ctrl_c_while_generating_keeps_the_finished_samples(model_dir, tmp_path,
     assert len(short) <= 3
     step, finished = Engine.step, []
 
-    def interrupted_step(self):  # Ctrl-C at the step after the first prompt's last
+    def interrupted_step(self):  # the signal at the step after the first prompt's last
         if finished:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
         outputs = step(self)
         finished.extend(o for o in outputs if o.request_id == "req_0" and len(o.prompt_ids) > 1)  # not the warm-up's
         return outputs
@@ -86,7 +90,7 @@ def test_ctrl_c_while_generating_keeps_the_finished_samples(model_dir, tmp_path,
     monkeypatch.setattr(Engine, "step", interrupted_step)
     dataset, output = write_jsonl(tmp_path / "rows.jsonl", [PROMPTS[0], PROMPTS[2]]), tmp_path / "out.jsonl"
     flags = ["--model", stopping, "--dataset", dataset, "--max-new-tokens", "64", "--device", "cpu", "--output", output]
-    assert main([str(flag) for flag in flags]) == 130
+    assert main([str(flag) for flag in flags]) == status
     err = capsys.readouterr().err
     assert f"interrupted while generating; the 1 of 2 samples finished, unscored, are in {output}" in err
     (row,) = rows_of(output)

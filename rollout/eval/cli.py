@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 
 from rollout.cli.interrupts import deferring_sigint, recording_sigint
@@ -160,13 +161,21 @@ def check_flags(args: argparse.Namespace) -> None:
         check_output(args.output, args.dataset)
 
 
+def _stopped_by(received: list[int]) -> str:
+    """What stopped the run, as the message says it."""
+    return "terminated (SIGTERM)" if received and received[0] == signal.SIGTERM else "interrupted"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run rollout-eval; returns the exit status (0; 2 on an error the user can fix; 130 when interrupted)."""
+    """Run rollout-eval; returns the exit status (0; 2 on an error the user can fix; 130 when interrupted, 143 when
+    terminated: the rows so far are written either way)."""
     args = build_parser().parse_args(argv)
-    with recording_sigint() as interrupted:  # what an interrupt turned into is the interrupt: cli/interrupts.py
+    # What an interrupt turned into is the interrupt (cli/interrupts.py); SIGTERM (a job scheduler's stop, `kill`)
+    # stops the run as Ctrl-C does, keeping the rows it has.
+    with recording_sigint(terminate=True) as interrupted:
         try:
             check_flags(args)
-            with deferring_sigint():  # torch and transformers load here, after the cheap checks
+            with deferring_sigint(terminate=True):  # torch and transformers load here, after the cheap checks
                 from rollout.eval.session import evaluate
 
             summary, lines = evaluate(args, lambda rows: write_rows(args.output, rows))
@@ -183,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout-eval: error: {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as interrupt:
-            print(f"rollout-eval: {str(interrupt) or 'interrupted'}", file=sys.stderr)
-            return 130
+            print(f"rollout-eval: {str(interrupt) or _stopped_by(interrupted)}", file=sys.stderr)
+            return 128 + (interrupted[0] if interrupted else signal.SIGINT)
         except Exception:
             if not interrupted:
                 raise
-            print("rollout-eval: interrupted", file=sys.stderr)
-            return 130
+            print(f"rollout-eval: {_stopped_by(interrupted)}", file=sys.stderr)
+            return 128 + interrupted[0]
     return 0
