@@ -4,6 +4,8 @@ before it would reach the engine."""
 
 from __future__ import annotations
 
+import time
+
 import httpx2 as httpx  # the HTTP library the openai client is built on
 import openai
 import pytest
@@ -80,3 +82,22 @@ def test_text_endpoints_without_a_tokenizer_say_so(manager):
             assert response.status_code == 400 and "tokenizer" in response.json()["error"]["message"]
     finally:
         http.stop()
+
+
+def test_a_body_still_arriving_when_the_server_stops_is_answered_503(manager):
+    """SIGTERM while a client was half-way through its body: the read held the shutdown for its grace period, then
+    was cancelled, and uvicorn printed a 60-line CancelledError traceback. The client is told to send it again."""
+    import socket
+
+    http = serve(manager, tiny_tokenizer())
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{http.port}\r\nContent-Type: application/json\r\n"
+        "Content-Length: 4000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", http.port), timeout=30) as client:
+        client.sendall(head.encode() + b'{"prompt": "' + b"a" * 100)
+        time.sleep(0.5)  # the body's first bytes are being read
+        http.stop()
+        answer = client.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 503"), answer
+    assert "the worker is stopping: send the request again" in answer

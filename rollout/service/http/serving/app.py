@@ -87,6 +87,7 @@ def build_app(
         bodies.close()
 
     app.state.close = close
+    app.state.stop_reading = bodies.stop_reading  # the server stopping: bodies still arriving are answered 503
     engine = manager.engine
     tokens = TokenizeEndpoints(
         tokenizer, model_name, engine.vocab_size, engine.max_model_len, endpoints.limits, engine.runner.adapters.refs

@@ -16,6 +16,7 @@ longer than any context could reach.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections import Counter
@@ -176,6 +177,11 @@ class BodyIntake:
         self.max_body_bytes = max_body_bytes
         self.budget = budget
         self._big = ThreadPoolExecutor(1, thread_name_prefix="rollout-http-parse")
+        # Set when the server stops (`stop_reading`, from another thread): bodies still arriving are answered 503 at
+        # once, instead of holding the shutdown for its grace period and then being cancelled mid-read.
+        self._stopping: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_requested = False
 
     @asynccontextmanager
     async def body(self, request: Request) -> AsyncIterator[Any]:
@@ -227,7 +233,7 @@ class BodyIntake:
                 if len(head) > most:
                     return
 
-        await _in_time(read())
+        await self._in_time(read())
         return bytes(head)
 
     async def _read(self, request: Request, hold: Callable[[int], None]) -> bytearray:
@@ -240,7 +246,7 @@ class BodyIntake:
                 hold(len(chunk) + shape.feed(chunk))
                 body.extend(chunk)
 
-        await _in_time(read())
+        await self._in_time(read())
         return body  # (json.loads takes a bytearray: no copy)
 
     async def _parse(self, raw: bytearray) -> Any:
@@ -248,20 +254,44 @@ class BodyIntake:
             return await asyncio.to_thread(parse_json, raw)
         return await asyncio.get_running_loop().run_in_executor(self._big, parse_json, raw)
 
+    def stop_reading(self) -> None:
+        """Answer the bodies still arriving 503 (the server is stopping); from any thread, any number of times."""
+        self._stop_requested = True
+        if self._loop is not None and self._stopping is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._stopping.set)
+            except RuntimeError:  # the loop has closed: nothing is reading
+                pass
+
     def close(self) -> None:
         """Stop the parse thread (a parse in progress finishes first)."""
         self._big.shutdown(wait=True, cancel_futures=True)
 
+    async def _in_time(self, reading: Coroutine[Any, Any, None]) -> None:
+        """Await a body's reading within `BODY_TIMEOUT_S`, unless the server stops first.
 
-async def _in_time(reading: Coroutine[Any, Any, None]) -> None:
-    """Await a body's reading within `BODY_TIMEOUT_S`.
-
-    Raises:
-        APIError: (408) it did not arrive in time. ClientGone: the client left while sending it.
-    """
-    try:
-        await asyncio.wait_for(reading, BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
-    except ClientDisconnect:
-        raise ClientGone from None
+        Raises:
+            APIError: (408) it did not arrive in time; (503) the server is stopping. ClientGone: the client left
+                while sending it.
+        """
+        if self._stopping is None:  # the first body: the server's loop is this one
+            self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+            if self._stop_requested:
+                self._stopping.set()
+        read = asyncio.ensure_future(asyncio.wait_for(reading, BODY_TIMEOUT_S))
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (read, stop):
+                task.cancel()
+        if not read.done() or read.cancelled():
+            with contextlib.suppress(asyncio.CancelledError):
+                await read
+            raise APIError(503, "the worker is stopping: send the request again", None, "service_unavailable_error")
+        try:
+            read.result()
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        except ClientDisconnect:
+            raise ClientGone from None

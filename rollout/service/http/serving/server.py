@@ -173,6 +173,7 @@ class HttpServer:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving (open streams are closed; their groups cancelled) and wait for the thread; then release the
         app: its compile and parse threads, and what it holds of the worker (`release_app`). Safe to call again."""
+        self._app.state.stop_reading()  # a body still arriving would hold the shutdown for its grace period
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
