@@ -229,6 +229,13 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
             ["--num-speculative-tokens", "4"],
             "rollout-worker: error: --num-speculative-tokens: has no effect without speculative",
         ),
+        (  # these came after torch and transformers loaded (5 s on 2 cores)
+            ["--http", "127.0.0.1:0", "--http-max-body-bytes", "10"],
+            "rollout-worker: error: --http-max-body-bytes 10: must be at least 1024",
+        ),
+        (["--http", "abc"], "rollout-worker: error: --http abc: expected HOST:PORT"),
+        (["--lora", "x=/no/such/adapter"], "rollout-worker: error: --lora x=/no/such/adapter: no such directory"),
+        (["--lora", "tiny=/x"], "rollout-worker: error: --lora tiny=/x: 'tiny' is the served model's name"),
     ],
 )
 def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):

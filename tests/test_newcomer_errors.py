@@ -138,8 +138,12 @@ def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
     manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=8))
     parser = build_parser()
     args = parser.parse_args(["--http", "127.0.0.1:0", "--model", "my-base-model"])
-    worker = types.SimpleNamespace(
-        max_prompt_len=64, counters=GroupCounters(), compiles=None, base_changed=lambda base_id: None
+    worker = types.SimpleNamespace(  # what start_http reads of a RolloutWorker
+        max_prompt_len=64,
+        counters=GroupCounters(),
+        compiles=None,
+        base_changed=lambda base_id: None,
+        model_name="my-base-model",
     )
     caplog.set_level(logging.WARNING, logger="rollout.worker")
     http = start_http(parser, args, ("127.0.0.1", 0), manager, worker, tokenizer, WorkerLimits())

@@ -11,6 +11,7 @@ import os
 
 from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
+from rollout.service.http.serving.flags import check_http_flags
 from rollout.service.launch.speculative_flags import speculative_settings
 from rollout.service.zmq.limits import WorkerLimits
 
@@ -84,6 +85,9 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
         args: the parsed flags.
     """
     check_http_only_flags(parser, args)
+    if args.http is not None:
+        check_http_flags(parser, args)
+    lora_specs(parser, args.lora, served_model_name(args))
     try:
         limits = worker_limits(args)
     except ValueError as error:  # a FieldError: reported naming the flag, not the field
@@ -99,6 +103,34 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
     except ValueError as error:
         parser.error(parser.flag_message(error))
     return limits, config
+
+
+def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
+    """The `--lora NAME=PATH` flags as (name, path) pairs; a usage error names a malformed one, a name given twice
+    or one that is the served model's (`--model`, which requests name to mean the base model).
+
+    Args:
+        parser: rollout-worker's parser.
+        specs: the --lora values.
+        model_name: the served model's name (--served-model-name, else --model).
+    """
+    pairs: dict[str, str] = {}
+    for spec in specs:
+        name, separator, path = spec.partition("=")
+        if not separator or not name or not path:
+            parser.error(f"--lora {spec}: expected NAME=PATH")
+        if name in pairs:
+            parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
+        if name == model_name:
+            parser.error(
+                f"--lora {spec}: {name!r} is the served model's name (--served-model-name, else --model): give the "
+                "adapter another one"
+            )
+        pairs[name] = path
+    for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
+        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
+    return list(pairs.items())
 
 
 def served_model_name(args: argparse.Namespace) -> str:

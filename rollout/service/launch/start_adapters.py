@@ -1,6 +1,6 @@
-"""The LoRA adapters a worker serves from its start (`rollout-worker --lora NAME=PATH`): the flags checked before
-the model loads (a usage error names a malformed one, a name given twice or the served model's), then each adapter
-read from its PEFT directory and served; from then on no adapter may take the served model's name."""
+"""The LoRA adapters a worker serves from its start (`rollout-worker --lora NAME=PATH`), checked before torch loads
+(`flags.lora_specs`: a usage error names a malformed one, a name given twice or the served model's), each read from
+its PEFT directory and served; from then on no adapter may take the served model's name."""
 
 from __future__ import annotations
 
@@ -10,35 +10,9 @@ import os
 
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import load_peft_dir
+from rollout.service.launch.flags import lora_specs
 
 logger = logging.getLogger("rollout.worker")
-
-
-def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: str) -> list[tuple[str, str]]:
-    """The `--lora NAME=PATH` flags as (name, path) pairs; a usage error names a malformed one, a name given twice
-    or one that is the served model's (`--model`, which requests name to mean the base model).
-
-    Args:
-        parser: rollout-worker's parser.
-        specs: the --lora values.
-        model_name: the served model's name (--served-model-name, else --model).
-    """
-    pairs: dict[str, str] = {}
-    for spec in specs:
-        name, separator, path = spec.partition("=")
-        if not separator or not name or not path:
-            parser.error(f"--lora {spec}: expected NAME=PATH")
-        if name in pairs:
-            parser.error(f"--lora {spec}: the adapter name {name!r} is given twice (also --lora {name}={pairs[name]})")
-        if name == model_name:
-            parser.error(
-                f"--lora {spec}: {name!r} is the served model's name (--served-model-name, else --model): give the adapter another one"
-            )
-        pairs[name] = path
-    for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
-        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
-            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
-    return list(pairs.items())
 
 
 def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engine: Engine, model_name: str) -> None:

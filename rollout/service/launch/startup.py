@@ -28,9 +28,9 @@ from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
-from rollout.service.launch.flags import check_settings, served_model_name
+from rollout.service.launch.flags import check_settings, lora_specs, served_model_name
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
-from rollout.service.launch.start_adapters import lora_specs, serve_start_adapters
+from rollout.service.launch.start_adapters import serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
 from rollout.service.observability.tracing import configure_tracing
 from rollout.service.zmq.limits import WorkerLimits

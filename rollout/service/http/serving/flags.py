@@ -4,6 +4,8 @@ flags are `rollout.service.http.control.flags`."""
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +16,10 @@ from rollout.service.http.serving.settings import (
     MAX_WAITING_CONNECTIONS,
     TOOL_CALL_PARSER_NAMES,
 )
+
+# The environment variable --api-key's default is read from (as every flag's from its ROLLOUT_* one; it keeps the key
+# out of `ps`).
+API_KEY_VARIABLE = "ROLLOUT_API_KEY"
 
 
 def add_http_arguments(add: Callable[..., Any]) -> None:
@@ -93,3 +99,43 @@ def add_http_arguments(add: Callable[..., Any]) -> None:
         help="HTTP clients must send Authorization: Bearer <key> (every path but /health); a non-loopback --http "
         "needs it or --insecure (default: the ROLLOUT_API_KEY environment variable, which keeps the key out of ps)",
     )
+
+
+def check_http_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str]:
+    """--http's HOST:PORT and the HTTP limits checked, each a usage error naming its flag; needs nothing imported, so
+    `rollout-worker` runs it before torch loads (and again, with the rest, in `check_http_address`).
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags (with --http given).
+    Returns:
+        (host, port) as given, the host without IPv6 brackets.
+    """
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    host = host.strip("[]")
+    if args.http_max_body_bytes < 1024:
+        parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
+    if args.api_key == "":
+        parser.error(f"--api-key (or {API_KEY_VARIABLE}): must not be empty")
+    for flag, value in (
+        ("--http-head-timeout", args.http_head_timeout),
+        ("--http-keep-alive-timeout", args.http_keep_alive_timeout),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} {value}: must be a number of seconds > 0")
+    for flag, value in (
+        ("--http-max-receiving-bytes-per-client", args.http_max_receiving_bytes_per_client),
+        ("--http-max-receiving-bytes", args.http_max_receiving_bytes),
+    ):
+        if value is not None and value < args.http_max_body_bytes:
+            parser.error(f"{flag} {value}: must be at least --http-max-body-bytes ({args.http_max_body_bytes})")
+    total, per_client = args.http_max_receiving_bytes, args.http_max_receiving_bytes_per_client
+    if total is not None and per_client is not None and total < per_client:
+        parser.error(f"--http-max-receiving-bytes {total}: must be at least --http-max-receiving-bytes-per-client")
+    if args.http_max_answer_logprobs < 1:
+        parser.error(f"--http-max-answer-logprobs {args.http_max_answer_logprobs}: must be at least 1")
+    if args.http_max_waiting_connections < 1:
+        parser.error(f"--http-max-waiting-connections {args.http_max_waiting_connections}: must be at least 1")
+    return host, port

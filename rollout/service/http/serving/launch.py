@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,6 +14,7 @@ from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind
 from rollout.service.http.control.flags import check_control_flags
+from rollout.service.http.serving.flags import API_KEY_VARIABLE, check_http_flags
 from rollout.service.http.serving.settings import HttpSettings
 from rollout.service.zmq.limits import WorkerLimits
 
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rollout.worker")
 # The environment variable the HTTP API key is read from when --api-key is not given.
-API_KEY_VARIABLE = "ROLLOUT_API_KEY"
 
 
 def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
@@ -36,37 +35,11 @@ def check_http_address(parser: argparse.ArgumentParser, args: argparse.Namespace
             given = f"{API_KEY_VARIABLE} (--api-key)" if os.environ.get(API_KEY_VARIABLE) else "--api-key"
             parser.error(f"{given} protects the HTTP API: give --http HOST:PORT too, or unset it")
         return None
-    host, _, port = args.http.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        parser.error(f"--http {args.http}: expected HOST:PORT, e.g. 127.0.0.1:8000")
-    host = host.strip("[]")
+    host, port = check_http_flags(parser, args)
     try:  # FastAPI and uvicorn load only once the model has; their absence is found now
         require_extra("http", f"--http {args.http}")
     except MissingExtra as error:
         parser.error(str(error))
-    if args.http_max_body_bytes < 1024:
-        parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
-    if args.api_key == "":
-        parser.error(f"--api-key (or {API_KEY_VARIABLE}): must not be empty")
-    for flag, value in (
-        ("--http-head-timeout", args.http_head_timeout),
-        ("--http-keep-alive-timeout", args.http_keep_alive_timeout),
-    ):
-        if not (math.isfinite(value) and value > 0):
-            parser.error(f"{flag} {value}: must be a number of seconds > 0")
-    for flag, value in (
-        ("--http-max-receiving-bytes-per-client", args.http_max_receiving_bytes_per_client),
-        ("--http-max-receiving-bytes", args.http_max_receiving_bytes),
-    ):
-        if value is not None and value < args.http_max_body_bytes:
-            parser.error(f"{flag} {value}: must be at least --http-max-body-bytes ({args.http_max_body_bytes})")
-    total, per_client = args.http_max_receiving_bytes, args.http_max_receiving_bytes_per_client
-    if total is not None and per_client is not None and total < per_client:
-        parser.error(f"--http-max-receiving-bytes {total}: must be at least --http-max-receiving-bytes-per-client")
-    if args.http_max_answer_logprobs < 1:
-        parser.error(f"--http-max-answer-logprobs {args.http_max_answer_logprobs}: must be at least 1")
-    if args.http_max_waiting_connections < 1:
-        parser.error(f"--http-max-waiting-connections {args.http_max_waiting_connections}: must be at least 1")
     if not is_loopback(f"tcp://{host}:{port}") and args.api_key is None:
         if not args.insecure:
             parser.error(
