@@ -50,6 +50,7 @@ class Submission:
         adapter: str | None = None,
         tracer: Tracer | None = None,
         streamed: bool = False,
+        client: str = "http",
     ):
         """
         Args:
@@ -64,7 +65,10 @@ class Submission:
             tracer: a `rollout.group` span per prompt's group, as for ZeroMQ groups (None: none).
             streamed: the answer is streamed: a client that leaves its outputs unread cancels it. A whole answer is
                 never cancelled so: its size is bounded before it starts, and what waits is the event loop's lag.
+            client: who takes admission turns and shares speculative drafts (`GroupSpec.client`): the caller's
+                address, so that one HTTP caller's flood of requests queues behind its own turns, not everyone's.
         """
+        self._client = client
         self._adapter = adapter
         self._tracer = tracer
         self._spans: list[Any] = []  # per group: its span, and what its outputs added up to (`_GroupTotals`)
@@ -114,8 +118,9 @@ class Submission:
         self._loop = loop
         try:
             group_ids = [f"http-{uuid.uuid4().hex}" for _ in self._prompts]
-            # One client as far as speculative drafts and admission turns go: every HTTP caller holds the worker's one API key.
-            settings = dict(sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter, client="http")
+            settings = dict(
+                sampling=self._sampling, n=self._n, streaming=True, adapter=self._adapter, client=self._client
+            )
             self._manager.add_groups(  # all or none
                 [GroupSpec(group_id, prompt, **settings) for group_id, prompt in zip(group_ids, self._prompts)]
             )

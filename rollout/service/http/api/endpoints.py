@@ -77,9 +77,14 @@ class OpenAIEndpoints:
         self.compiles = ConstraintCompiles(manager.engine.intake) if compiles is None else compiles
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    def prepare(self, body: Any, chat: bool) -> Answer:
+    def prepare(self, body: Any, chat: bool, client: str = "http") -> Answer:
         """Check a body and tokenize its prompts (slow work: call it off the event loop); `Answer.start` then adds
         its groups to the engine.
+
+        Args:
+            body: the parsed request body.
+            chat: a /v1/chat/completions body (else /v1/completions).
+            client: who the request's groups take admission turns as (`Submission`'s `client`).
 
         Raises:
             APIError: anything wrong with it, naming the field.
@@ -144,7 +149,17 @@ class OpenAIEndpoints:
         check_answer_size(request, chat, self.max_answer_logprobs)
         named_stops = frozenset(body.get("stop_token_ids") or ())  # checked as token ids by sampling_from
         submission = Submission(
-            self.manager, prompts, sampling, n, self.tokenizer, self.counters, named_stops, adapter, self.tracer, stream
+            self.manager,
+            prompts,
+            sampling,
+            n,
+            self.tokenizer,
+            self.counters,
+            named_stops,
+            adapter,
+            self.tracer,
+            stream,
+            client,
         )
         prefix = "chatcmpl" if chat else "cmpl"
         answer_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -23,6 +23,7 @@ from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.api.answers import Answer
 from rollout.service.http.api.bridge import ClientGone
+from rollout.service.http.api.constraint_wait import client_address
 from rollout.service.http.api.endpoints import OpenAIEndpoints
 from rollout.service.http.api.live_answers import LiveAnswers
 from rollout.service.http.api.served_models import model_entry, model_list
@@ -167,7 +168,8 @@ def build_app(
         loop = asyncio.get_running_loop()
         try:  # parsing, tokenizing and checking are slow work (worker threads); a constraint compiles on its own
             async with bodies.body(request) as body:
-                answer = await asyncio.to_thread(endpoints.prepare, body, chat)
+                # Each caller's address takes its own admission turns (as its constraint compiles do).
+                answer = await asyncio.to_thread(endpoints.prepare, body, chat, f"http {client_address(request)}")
                 del body  # the parsed body leaves the budget: nothing may hold it after (the answer keeps its own)
             await endpoints.compile(answer, request)
         except APIError:
