@@ -6,7 +6,6 @@ ROLLOUT_BIND, ROLLOUT_MAX_BATCH_TOKENS); a flag given on the command line wins o
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import sys
@@ -267,11 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             return 130  # the shell's status for SIGINT
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: running.worker.shutdown())
-    status = running.serve()  # everything it holds is released when it returns
-    # The interpreter's final collection walks every object torch, transformers and FastAPI made (about 400k): a
-    # second after "stopped" before the process ends. Nothing left needs it, so they are frozen out of it.
-    gc.freeze()
-    return status
+    return running.serve()
 
 
 if __name__ == "__main__":
