@@ -274,8 +274,9 @@ class BodyIntake:
             APIError: (408) it did not arrive in time; (503) the server is stopping. ClientGone: the client left
                 while sending it.
         """
-        if self._stopping is None:  # the first body: the server's loop is this one
-            self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._stopping is None:  # the first body read on this loop (the server's)
+            self._loop, self._stopping = loop, asyncio.Event()
             if self._stop_requested:
                 self._stopping.set()
         read = asyncio.ensure_future(asyncio.wait_for(reading, BODY_TIMEOUT_S))

@@ -122,6 +122,7 @@ class HttpServer:
             ) from None
         app = build_app(manager, tokenizer, settings, counters, compiles, new_base)
         self._app, self._close_app = app, app.state.close
+        self._stop_reading = app.state.stop_reading  # (dropped by `stop`, as the app is)
         if observe is not None:
             app = RequestMetrics(app, observe, ENDPOINTS)
         # No cap on connections as a whole (uvicorn's limit_concurrency): idle sockets would take the API down.
@@ -173,7 +174,8 @@ class HttpServer:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving (open streams are closed; their groups cancelled) and wait for the thread; then release the
         app: its compile and parse threads, and what it holds of the worker (`release_app`). Safe to call again."""
-        self._app.state.stop_reading()  # a body still arriving would hold the shutdown for its grace period
+        self._stop_reading()  # a body still arriving would hold the shutdown for its grace period
+        self._stop_reading = _nothing_to_stop
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
@@ -181,3 +183,7 @@ class HttpServer:
                 logger.warning("the HTTP server did not stop within %.0f s", timeout)
         self._close_app()
         release_app(self._app)
+
+
+def _nothing_to_stop() -> None:
+    """What a stopped server's `stop_reading` is: its app's bodies are gone."""
