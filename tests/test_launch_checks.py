@@ -34,6 +34,8 @@ def test_one_port_for_two_servers_is_a_usage_error_naming_both(argv, message, ca
         pytest.importorskip("fastapi")
     port = free_port()  # free now (a fixed one may be another test's worker's, the other process's)
     argv, message = [arg.format(p=port) for arg in argv], message.format(p=port)
+    if "--bind" not in argv:  # not the default 5555, which another process may hold
+        argv += ["--bind", "tcp://127.0.0.1:*"]
     with pytest.raises(SystemExit) as exited:
         check(argv)
     assert exited.value.code == 2
