@@ -62,7 +62,9 @@ def start_worker(address: str, model: str = "tiny", flags: tuple[str, ...] = ())
     command += ["--bind", address, *flags]
     # One compute thread for the tiny worker: on a 2-core machine the trainer needs the other core.
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("ROLLOUT_WORKER_THREADS", "1")}
-    worker = subprocess.Popen([*command, "--num-blocks", "512", "--log-level", "WARNING"], env=env)
+    # Its own session: a terminal's Ctrl-C reaches this script alone, which stops the worker on its way out.
+    flags = [*command, "--num-blocks", "512", "--log-level", "WARNING"]
+    worker = subprocess.Popen(flags, env=env, start_new_session=True)
     try:
         with RolloutClient(address, timeout=120) as client:
             deadline = time.monotonic() + 120
@@ -74,9 +76,18 @@ def start_worker(address: str, model: str = "tiny", flags: tuple[str, ...] = ())
                     if worker.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError("the rollout-worker did not start") from None
     except BaseException:  # Ctrl-C while it starts, too: the worker does not outlive the example
-        worker.terminate()
-        worker.wait(30)
+        stop_worker(worker)
         raise
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    """SIGTERM, and SIGKILL if it has not stopped within 30 s."""
+    worker.terminate()
+    try:
+        worker.wait(30)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
 
 
 class RewardLog(ProgressCallback):
@@ -200,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()  # its client, or its colocated engine
     finally:
         if worker is not None:
-            worker.terminate()
-            worker.wait(30)
+            stop_worker(worker)
     elapsed = time.perf_counter() - started
     rewards = [r["reward"] for r in log.rows]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])

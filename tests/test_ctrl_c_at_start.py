@@ -61,3 +61,18 @@ def test_a_sigint_during_the_imports_waits_for_them_to_end_then_interrupts():
             steps.append("import done")
     assert steps == ["import done"]
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_sigterm_during_the_imports_is_recorded_in_the_enclosing_record():
+    """rollout-eval stops on SIGTERM as on Ctrl-C, saying which came (status 143): one that arrived while torch
+    imported was recorded only by the inner block, and reported as an interrupt (130)."""
+    from rollout.cli.interrupts import deferring_sigint, recording_sigint
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with recording_sigint(terminate=True) as received:
+            with deferring_sigint(terminate=True, into=received):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # an import's work, not interrupted
+    assert received == [signal.SIGTERM]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers

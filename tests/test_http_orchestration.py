@@ -99,7 +99,7 @@ def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resum
     assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
     assert sum(len(ids) for ids, _ in chunks) == 128
     # Logged as a ZeroMQ update is (it was not logged at all).
-    assert f"weight update from {shared / 'step-1'} committed: version 1, pause" in server.output()
+    assert f"weight update from {str(shared / 'step-1')!r} committed: version 1, pause" in server.output()
 
 
 def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, shared):

@@ -190,3 +190,15 @@ def test_a_usage_error_a_variable_caused_names_the_variable(monkeypatch, capsys,
         check(["--bind", "tcp://127.0.0.1:*", flag, value])
     err = capsys.readouterr().err
     assert f"rollout-worker: error: {flag}" in err and variable not in err
+
+
+def test_a_variable_named_later_in_a_message_is_named_too(monkeypatch, capsys):
+    """Only a flag opening the message was named with its variable: here the user typed one flag and set the
+    other by a variable, which the message named by its flag alone."""
+    monkeypatch.setenv("ROLLOUT_HTTP_MAX_BODY_BYTES", "100000")
+    with pytest.raises(SystemExit):
+        check(["--bind", "tcp://127.0.0.1:*", "--http", "127.0.0.1:0", "--http-max-receiving-bytes-per-client", "2000"])
+    assert (
+        "--http-max-receiving-bytes-per-client 2000: must be at least ROLLOUT_HTTP_MAX_BODY_BYTES "
+        "(--http-max-body-bytes) (100000)"
+    ) in capsys.readouterr().err

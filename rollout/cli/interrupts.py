@@ -20,10 +20,14 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def _sigint_recorded(raise_at_once: bool, terminate: bool = False) -> Iterator[list[int]]:
-    """Within the block, a SIGINT (and a SIGTERM with `terminate`) is recorded, then raises KeyboardInterrupt now
-    (`raise_at_once`) or at the block's end; the previous handlers are back on exit."""
-    received: list[int] = []
+def _sigint_recorded(
+    raise_at_once: bool, terminate: bool = False, into: list[int] | None = None
+) -> Iterator[list[int]]:
+    """Within the block, a SIGINT (and a SIGTERM with `terminate`) is recorded (in `into` when given: an outer
+    block's record), then raises KeyboardInterrupt now (`raise_at_once`) or at the block's end; the previous
+    handlers are back on exit."""
+    received: list[int] = [] if into is None else into
+    recorded = len(received)
     if threading.current_thread() is not threading.main_thread():
         yield received  # only the main thread may set a handler; a command run from another thread keeps its own
         return
@@ -43,7 +47,7 @@ def _sigint_recorded(raise_at_once: bool, terminate: bool = False) -> Iterator[l
     finally:
         for signum in caught:
             signal.signal(signum, previous[signum])
-    if received and not raise_at_once:
+    if len(received) > recorded and not raise_at_once:
         raise KeyboardInterrupt
 
 
@@ -57,10 +61,13 @@ def recording_sigint(terminate: bool = False) -> contextlib.AbstractContextManag
     return _sigint_recorded(raise_at_once=True, terminate=terminate)
 
 
-def deferring_sigint(terminate: bool = False) -> contextlib.AbstractContextManager[list[int]]:
+def deferring_sigint(
+    terminate: bool = False, into: list[int] | None = None
+) -> contextlib.AbstractContextManager[list[int]]:
     """SIGINT is recorded and raised as KeyboardInterrupt when the block ends (its imports complete), not inside it.
 
     Args:
         terminate: SIGTERM too.
+        into: record the signal there (the list of an enclosing `recording_sigint`, which says which one came).
     """
-    return _sigint_recorded(raise_at_once=False, terminate=terminate)
+    return _sigint_recorded(raise_at_once=False, terminate=terminate, into=into)

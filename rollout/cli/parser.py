@@ -170,13 +170,19 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for every flag and its default.\n")
 
     def _name_variable(self, message: str) -> str:
-        """A message that begins with a flag whose value came from its environment variable (not typed) names the
-        variable first, as the user set that ("ROLLOUT_METRICS_HOST (--metrics-host) ..."), unless it names it."""
-        flag = re.match(r"--[\w-]+", message)
-        variable = self._variables.get(flag.group()) if flag else None
-        if variable is None or variable in message or self.typed(flag.group()):
-            return message
-        return f"{variable} ({flag.group()}){message[flag.end() :]}"
+        """Each flag a message names whose value came from its environment variable (not typed) is named with the
+        variable, as the user set that ("ROLLOUT_METRICS_HOST (--metrics-host) ..."), unless the message names it."""
+        named: set[str] = set()
+
+        def with_variable(match: re.Match) -> str:
+            flag = match.group()
+            variable = self._variables.get(flag)
+            if variable is None or flag in named or variable in message or self.typed(flag):
+                return flag
+            named.add(flag)
+            return f"{variable} ({flag})"
+
+        return re.sub(r"--[\w-]+", with_variable, message)
 
     def _typo_hint(self, given: list[str]) -> str:
         """ "; did you mean X (for Y)?" for the given flags this parser does not know, where a known one is close."""

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     with recording_sigint(terminate=True) as interrupted:
         try:
             check_flags(args)
-            with deferring_sigint(terminate=True):  # torch and transformers load here, after the cheap checks
+            with deferring_sigint(terminate=True, into=interrupted):  # torch and transformers load here
                 from rollout.eval.session import evaluate
 
             summary, lines = evaluate(args, lambda rows: write_rows(args.output, rows))

@@ -69,7 +69,7 @@ class AdapterRoutes:
                 field = {"lora": "lora_path", "adapter": "lora_name"}.get(error.field, error.field)
                 raise APIError(400, f"{field}: {error.reason}", field) from None
             self.roots[name] = path
-        logger.info("LoRA adapter %r loaded from %s (POST /v1/load_lora_adapter)", name, directory)
+        logger.info("LoRA adapter %r loaded from %r (POST /v1/load_lora_adapter)", name, str(directory))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(self, body: Any) -> PlainTextResponse:

@@ -252,11 +252,14 @@ def _update_from(
     """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while); logged as
     the ZeroMQ updates are."""
     tensors = read_checkpoint(directory, manager.engine.weight_table.specs(), check_finite)
-    logger.info("weight update from %s (POST /update_weights): %d tensors, mode %s", directory, len(tensors), mode)
+    logger.info("weight update from %r (POST /update_weights): %d tensors, mode %s", str(directory), len(tensors), mode)
     try:
         result = manager.update_weights(tensors, version=version, mode=mode)
         logger.info(
-            "weight update from %s committed: version %d, pause %.1f ms", directory, result.version, result.pause_ms
+            "weight update from %r committed: version %d, pause %.1f ms",
+            str(directory),
+            result.version,
+            result.pause_ms,
         )
         return result
     except FieldError as error:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import re
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -179,8 +180,10 @@ class BodyIntake:
         self._big = ThreadPoolExecutor(1, thread_name_prefix="rollout-http-parse")
         # Set when the server stops (`stop_reading`, from another thread): bodies still arriving are answered 503 at
         # once, instead of holding the shutdown for its grace period and then being cancelled mid-read.
-        self._stopping: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # One event per loop that reads bodies (the server's; tests may run others), each set from the stopping thread.
+        self._stopping: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
+            weakref.WeakKeyDictionary()
+        )
         self._stop_requested = False
 
     @asynccontextmanager
@@ -257,9 +260,9 @@ class BodyIntake:
     def stop_reading(self) -> None:
         """Answer the bodies still arriving 503 (the server is stopping); from any thread, any number of times."""
         self._stop_requested = True
-        if self._loop is not None and self._stopping is not None:
+        for loop, stopping in list(self._stopping.items()):
             try:
-                self._loop.call_soon_threadsafe(self._stopping.set)
+                loop.call_soon_threadsafe(stopping.set)
             except RuntimeError:  # the loop has closed: nothing is reading
                 pass
 
@@ -275,12 +278,13 @@ class BodyIntake:
                 while sending it.
         """
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._stopping is None:  # the first body read on this loop (the server's)
-            self._loop, self._stopping = loop, asyncio.Event()
+        stopping = self._stopping.get(loop)
+        if stopping is None:  # the first body read on this loop
+            stopping = self._stopping[loop] = asyncio.Event()
             if self._stop_requested:
-                self._stopping.set()
+                stopping.set()
         read = asyncio.ensure_future(asyncio.wait_for(reading, BODY_TIMEOUT_S))
-        stop = asyncio.ensure_future(self._stopping.wait())
+        stop = asyncio.ensure_future(stopping.wait())
         try:
             await asyncio.wait((read, stop), return_when=asyncio.FIRST_COMPLETED)
         finally:
