@@ -75,6 +75,21 @@ def test_a_routing_id_taken_over_by_another_key_gets_none_of_the_previous_keys_g
                 intruder.close()
             leaked = [type(message).__name__ for message in received if getattr(message, "group_id", None)]
             assert leaked == [], f"attempt {attempt}: another key's connection received {leaked}"
+        # A connection that takes the routing id and says nothing: ZeroMQ would route the victim's group to it, and
+        # no message shows its key. Replies for a closed connection's routing id wait for one, unless a probe finds
+        # the connection gone first (the victim is then lost, as the attempts above).
+        routing_id = b"trainer-silent"
+        victim = NamedClient(server.address, (victim_key, public), routing_id)
+        victim.send(p.Generate("secret-2", [11, 12, 13], sampling=long, stream=True))
+        assert isinstance(victim.receive(), p.Delta)
+        victim.close()
+        silent = NamedClient(server.address, (intruder_key, public), routing_id)
+        try:
+            received = _everything(silent, 3.0)
+        finally:
+            silent.close()
+        leaked = [type(message).__name__ for message in received if getattr(message, "group_id", None)]
+        assert leaked == [], f"a silent connection of another key received {leaked}"
         # The worker still serves the key that lost its connection (its groups ended with the connection).
         again = Client(server.address, (victim_key, public))
         try:

@@ -136,8 +136,10 @@ class ClientLinks:
         """
         if identity in self._gone:
             return
-        if key is not None and not self._keys.holds(identity, key):
-            return
+        if key is not None:
+            self.on_monitor_events()  # a connection closed by now holds its routing id before this reply goes
+            if not self._keys.holds(identity, key):
+                return
         if is_large(message):
             entry = Encoding(message, p.encode_steps(message))
             backlog = self._open_backlog(identity)
@@ -151,7 +153,8 @@ class ClientLinks:
         except Exception as error:  # noqa: BLE001 - a reply that cannot be encoded must not end the serving loop
             frames = unencodable_reply(message, error)
         frames = [identity, *frames]
-        if identity in self._backlog:  # keep the order: nothing overtakes what already waits
+        # Keep the order (nothing overtakes what already waits); a held routing id's replies wait (routing_keys.py).
+        if identity in self._backlog or identity in self._keys.held:
             self._queue(identity, frames)
         else:
             self._try_send(identity, frames)
@@ -220,6 +223,8 @@ class ClientLinks:
         """
         ends = None if encode_s is None else time.monotonic() + encode_s
         for identity in list(self._backlog):
+            if identity in self._keys.held:
+                continue  # its replies wait for a message over its routing id (routing_keys.py)
             backlog = self._backlog.get(identity)
             while backlog and identity in self._backlog:
                 head = backlog[0]
@@ -276,6 +281,7 @@ class ClientLinks:
         self._last_seen.pop(identity, None)
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
+        self._keys.drop(identity)
         dropped = self._backlog.pop(identity, ())
         self._pending_total -= self._backlog_bytes.pop(identity, 0)
         self._progress_at.pop(identity, None)
@@ -300,6 +306,7 @@ class ClientLinks:
             until = time.monotonic() + PROBE_WINDOW_S
             for identity in [i for i, known in self._fds.items() if known == fd]:
                 self._suspects[identity] = until
+                self._keys.hold(identity)
 
     def watch(self, busy: Iterable[bytes], probe: p.Message) -> None:
         """Once per loop: expire silent busy clients, probe busy ones after a closed connection, forget old losses.
@@ -322,6 +329,8 @@ class ClientLinks:
             for identity, until in list(self._suspects.items()):
                 if now > until or identity not in busy:
                     del self._suspects[identity]
+                elif identity in self._keys.held:  # past its held replies: a gone connection is lost at once
+                    self._probe(identity, probe)
                 elif identity not in self._backlog:
                     self.send(identity, probe)
         self._keys.forget_idle(busy)
@@ -329,6 +338,16 @@ class ClientLinks:
             del self._gone[identity]
         for identity in [i for i, when in self._lost_at.items() if now - when > SAME_LOSS_S]:
             del self._lost_at[identity]
+
+    def _probe(self, identity: bytes, probe: p.Message) -> None:
+        """Send `probe` now, ahead of any backlog (clients ignore it): a vanished connection loses the client."""
+        try:
+            self._socket.send_multipart([identity, *p.encode(probe)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its queue is full: a connection is there
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                self.lose(identity, "its connection is closed", unreachable=True)
 
     def close(self) -> None:
         """Stop the socket monitor (before the socket closes)."""

@@ -2,7 +2,12 @@
 another key may connect with the same one, to which ZeroMQ then routes every reply. So with keys a routing id
 belongs to the key that last spoke over it: a message over it with another key is a loss of the previous holder
 (its groups and update end, its backlog is dropped), and a reply made for a key reaches the routing id only while
-that key holds it."""
+that key holds it.
+
+Between a connection's close and the next message over its routing id, ZeroMQ would route replies to whoever
+connects with that routing id next, before that peer has said a word (and so before its key is known). So a closed
+connection's routing id is held (`hold`): replies made for a key wait, until a message shows which key speaks over
+it now (the same key: they go out; another: its previous holder is lost, and they are dropped)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class RoutingKeys:
         """
         self.forget_after_s = forget_after_s
         self._keys: dict[bytes, tuple[str, float]] = {}  # identity -> (its key, when it last spoke)
+        self.held: set[bytes] = set()  # routing ids whose connection closed since their key last spoke
 
     def claim(self, identity: bytes, key: str) -> bool:
         """`identity` spoke with `key`; True when another key held it (the routing id changed hands).
@@ -31,7 +37,25 @@ class RoutingKeys:
         """
         held = self._keys.get(identity)
         self._keys[identity] = (key, time.monotonic())
+        self.held.discard(identity)
         return held is not None and held[0] != key
+
+    def hold(self, identity: bytes) -> None:
+        """`identity`'s connection closed: replies for its key wait until a message shows who speaks over it now.
+
+        Args:
+            identity: the connection's routing id (ignored when no key spoke over it).
+        """
+        if identity in self._keys:
+            self.held.add(identity)
+
+    def drop(self, identity: bytes) -> None:
+        """Its holder was lost: nothing waits for it any more.
+
+        Args:
+            identity: the connection's routing id.
+        """
+        self.held.discard(identity)
 
     def holds(self, identity: bytes, key: str) -> bool:
         """True when a reply made for `key` may go to `identity` (its holder, or no key is known for it).
@@ -52,3 +76,4 @@ class RoutingKeys:
         for identity in [i for i, (_, when) in self._keys.items() if now - when > self.forget_after_s]:
             if identity not in busy:
                 del self._keys[identity]
+                self.held.discard(identity)
