@@ -236,6 +236,7 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         (["--http", "abc"], "rollout-worker: error: --http abc: expected HOST:PORT"),
         (["--lora", "x=/no/such/adapter"], "rollout-worker: error: --lora x=/no/such/adapter: no such directory"),
         (["--lora", "tiny=/x"], "rollout-worker: error: --lora tiny=/x: 'tiny' is the served model's name"),
+        (["--cuda-graphs", "on"], "rollout-worker: error: --cuda-graphs on: CUDA graphs need a CUDA device"),
     ],
 )
 def test_a_bad_setting_names_its_flag_before_anything_loads(argv, message, capsys):
@@ -313,4 +314,4 @@ def test_a_flag_of_several_values_reads_them_from_its_variable_as_a_shell_splits
     monkeypatch.setenv("ROLLOUT_LORA", "unclosed='/p")
     with pytest.raises(SystemExit):
         parser_of("rollout-worker")
-    assert "ROLLOUT_LORA=\"unclosed='/p\": No closing quotation" in capsys.readouterr().err
+    assert 'ROLLOUT_LORA="unclosed=\'/p": No closing quotation' in capsys.readouterr().err

@@ -88,6 +88,8 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
     if args.http is not None:
         check_http_flags(parser, args)
     lora_specs(parser, args.lora, served_model_name(args))
+    if args.gpu is None and args.device in (None, "cpu"):  # a CPU worker, known before torch loads
+        check_cuda_only_flags(parser, args, "cpu")
     try:
         limits = worker_limits(args)
     except ValueError as error:  # a FieldError: reported naming the flag, not the field
@@ -131,6 +133,20 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
         if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
             parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
     return list(pairs.items())
+
+
+def check_cuda_only_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> None:
+    """Usage errors for flags that need a CUDA device, on a worker serving on `device` (not CUDA).
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+        device: where the worker serves, as the message says it (e.g. "cpu").
+    """
+    if args.cuda_graphs == "on":
+        parser.error(f"--cuda-graphs on: CUDA graphs need a CUDA device (--gpu N); this worker serves on {device}")
+    if args.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error(f"--attention-backend triton: the kernels run on CUDA (--gpu N); this worker serves on {device}")
 
 
 def served_model_name(args: argparse.Namespace) -> str:

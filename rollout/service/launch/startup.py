@@ -28,7 +28,7 @@ from rollout.protocol.sockets import is_loopback
 from rollout.service.address_checks import check_bind, check_metrics_address
 from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
-from rollout.service.launch.flags import check_settings, lora_specs, served_model_name
+from rollout.service.launch.flags import check_cuda_only_flags, check_settings, lora_specs, served_model_name
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
 from rollout.service.launch.start_adapters import serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
@@ -216,12 +216,7 @@ def check_flags(
     """
     device = _device(parser, args)
     if device.type != "cuda":  # found before the model loads, in the flags' own words
-        if args.cuda_graphs == "on":
-            parser.error(f"--cuda-graphs on: CUDA graphs need a CUDA device (--gpu N); this worker serves on {device}")
-        if args.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error(
-                f"--attention-backend triton: the kernels run on CUDA (--gpu N); this worker serves on {device}"
-            )
+        check_cuda_only_flags(parser, args, str(device))
     check_bind(parser, args.bind)
     _check_security(parser, args)
     check_metrics_address(parser, args)
