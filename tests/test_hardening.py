@@ -294,7 +294,7 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
     """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
     PENDING_TOTAL_FACTOR times that bound, the peers whose replies waited longest are dropped, so opening many
     sockets cannot exhaust the worker's memory; the others keep their backlogs."""
-    from rollout.service.zmq.clients import PENDING_TOTAL_FACTOR
+    from rollout.service.zmq.reply_backlogs import PENDING_TOTAL_FACTOR
 
     with _unread_peers(8) as (links, identities, _, lost):
         delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)

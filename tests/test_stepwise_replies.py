@@ -145,7 +145,7 @@ def refused_once(links) -> int:
     """Send "slow" replies it does not read until ZeroMQ refuses one (it waits in the backlog); how many were sent."""
     for sent in range(1, 5_000):
         links.send(b"slow", PAD)
-        if links._backlog.get(b"slow"):
+        if links._backlogs.get(b"slow"):
             return sent
     raise AssertionError("ZeroMQ took every reply")
 

@@ -1,11 +1,10 @@
 """The worker's links to its clients: every reply goes out through `ClientLinks.send`, which keeps a bounded backlog
 per client and notices clients that are gone.
 
-A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connection closed), when it lets more than
-`max_pending_bytes` of replies pile up unread (or, when all clients' unread replies pass `PENDING_TOTAL_FACTOR` times
-that, is the one whose backlog has gone longest without a reply taken from it: a client that reads, however slowly,
-keeps its place ahead of one that does not read at all), or (its groups only) when it has groups in flight and has been silent
-for `client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
+A client is gone when a send to it fails (ZeroMQ's ROUTER_MANDATORY: its connection closed), when its backlog of
+unread replies passes its caps (`reply_backlogs.py`: a client that reads, however slowly, keeps its place ahead of one
+that does not read at all), or (its groups only) when it has groups in flight and has been silent for
+`client_timeout_s`. Gone is noticed fast: the socket monitor reports every closed connection (by file
 descriptor), and the worker probes the clients whose messages came over that descriptor (an unsolicited pong, which
 clients ignore) for a second; a send to a closed connection fails at once. TCP keepalive, and a limit on how long
 sent data may go unacknowledged, close connections to peers that vanished without closing them (a network
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 import zmq
@@ -32,15 +30,12 @@ from zmq.utils.monitor import recv_monitor_message
 
 from rollout import protocol as p
 from rollout.service.zmq.large_replies import ENCODE_TURN_S, Encoding, is_large, unencodable_reply
+from rollout.service.zmq.reply_backlogs import ReplyBacklogs
 from rollout.service.zmq.router_options import configure_router
 from rollout.service.zmq.routing_keys import RoutingKeys
 
 logger = logging.getLogger(__name__)
 
-# Unread replies all clients together may leave in the worker, as a multiple of the per-client cap: many sockets
-# each under the cap must not exhaust the worker's memory. Past it, the client whose backlog has gone longest without
-# a reply taken from it is dropped (by progress, not size: a large backlog read slowly outlives a small unread one).
-PENDING_TOTAL_FACTOR = 4
 PROBE_WINDOW_S = 1.0  # after a connection closes, probe busy clients this long (a closed pipe may take a moment)
 PROBE_EVERY_S = 0.2
 FORGET_GONE_AFTER_S = 300.0
@@ -67,7 +62,6 @@ class ClientLinks:
             on_lost: called once per loss with (identity, reason): cancel its groups, drop its update.
         """
         self._socket = socket
-        self.max_pending_bytes = max_pending_bytes
         self.client_timeout_s = client_timeout_s
         self._on_lost = on_lost
         configure_router(socket)
@@ -75,10 +69,9 @@ class ClientLinks:
         # yet (CLOSED comes after the close, when a new connection may already reuse it).
         self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._last_seen: dict[bytes, float] = {}
-        # Replies ZeroMQ did not take yet, in order; an `Encoding` stands for one still being encoded.
-        self._backlog: dict[bytes, deque[list[bytes] | Encoding]] = {}
-        self._backlog_bytes: dict[bytes, int] = {}
-        self._progress_at: dict[bytes, float] = {}  # identity -> when its backlog began, or last had a reply taken
+        self._backlogs = ReplyBacklogs(
+            max_pending_bytes, on_over_cap=lambda identity, reason: self.lose(identity, reason, unreachable=True)
+        )
         self._gone: dict[bytes, float] = {}  # identity -> when it was lost
         # identity -> when its loss was logged and counted: the messages a client queued before it left each
         # revive it (`seen`) and lose it again; that is one loss, logged once, not one line per message.
@@ -87,9 +80,6 @@ class ClientLinks:
         self._keys = RoutingKeys(FORGET_GONE_AFTER_S)
         self._suspects: dict[bytes, float] = {}  # identity -> until when to probe it (its connection closed)
         self._last_probe = 0.0
-        self._pending_total = 0
-        self.peak_pending_bytes = 0
-        self.dropped_slow = 0
         self.num_lost = 0
 
     @property
@@ -99,7 +89,17 @@ class ClientLinks:
 
     def pending_bytes(self) -> int:
         """Bytes of replies waiting in backlogs (safe to read from any thread)."""
-        return self._pending_total
+        return self._backlogs.total
+
+    @property
+    def peak_pending_bytes(self) -> int:
+        """Most bytes of replies that waited in backlogs at once."""
+        return self._backlogs.peak
+
+    @property
+    def dropped_slow(self) -> int:
+        """Clients dropped for leaving replies unread."""
+        return self._backlogs.dropped_slow
 
     def seen(self, identity: bytes, fd: int | None = None, key: str | None = None) -> None:
         """A message came from `identity` (over descriptor `fd`, when known): it is alive (again).
@@ -122,7 +122,7 @@ class ClientLinks:
     def encoding(self) -> bool:
         """A large reply is being encoded at the head of a backlog: `flush` has work at once, whether or not a
         message comes (one behind replies ZeroMQ refused waits for them: no work until the client reads)."""
-        return any(backlog and isinstance(backlog[0], Encoding) for backlog in self._backlog.values())
+        return self._backlogs.encoding
 
     def send(self, identity: bytes, message: p.Message, key: str | None = None) -> None:
         """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full (a large group result
@@ -141,12 +141,7 @@ class ClientLinks:
             if not self._keys.holds(identity, key):
                 return
         if is_large(message):
-            entry = Encoding(message, p.encode_steps(message))
-            backlog = self._open_backlog(identity)
-            backlog.append(entry)
-            if len(backlog) > 1:  # behind replies the client has not read: counted now, as they are
-                entry.counted = entry.estimated_bytes()
-                self._count(identity, entry.counted)
+            self._backlogs.queue_encoding(identity, Encoding(message, p.encode_steps(message)))
             return
         try:
             frames = p.encode(message)
@@ -154,8 +149,8 @@ class ClientLinks:
             frames = unencodable_reply(message, error)
         frames = [identity, *frames]
         # Keep the order (nothing overtakes what already waits); a held routing id's replies wait (routing_keys.py).
-        if identity in self._backlog or identity in self._keys.held:
-            self._queue(identity, frames)
+        if identity in self._backlogs or identity in self._keys.held:
+            self._backlogs.queue(identity, frames)
         else:
             self._try_send(identity, frames)
 
@@ -164,56 +159,13 @@ class ClientLinks:
             self._socket.send_multipart(frames, zmq.NOBLOCK)
             return True
         except zmq.Again:  # ZeroMQ's queue to this client is full: it reads slowly, or not at all
-            self._queue(identity, frames)
+            self._backlogs.queue(identity, frames)
         except zmq.ZMQError as error:
             if error.errno == zmq.EHOSTUNREACH:
                 self.lose(identity, "its connection is closed", unreachable=True)
             else:
                 logger.error("cannot send to client %s: %s", identity.hex(), error)
         return False
-
-    def _queue(self, identity: bytes, frames: list[bytes]) -> None:
-        self._open_backlog(identity).append(frames)
-        self._count(identity, sum(len(frame) for frame in frames))
-
-    def _open_backlog(self, identity: bytes) -> deque[list[bytes] | Encoding]:
-        """The client's backlog, begun now (with its progress clock) if it has none."""
-        backlog = self._backlog.get(identity)
-        if backlog is None:
-            backlog = self._backlog[identity] = deque()
-            self._backlog_bytes[identity] = 0
-            self._progress_at[identity] = time.monotonic()
-        return backlog
-
-    def _count(self, identity: bytes, nbytes: int) -> None:
-        """Add bytes now waiting in `identity`'s backlog to its count: past `max_pending_bytes`, the client is lost
-        (negative: bytes that left it). A client without a backlog (lost meanwhile) counts nothing."""
-        if identity not in self._backlog:
-            return
-        size = self._backlog_bytes.get(identity, 0) + nbytes
-        self._backlog_bytes[identity] = size
-        self._pending_total += nbytes
-        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_total)
-        if size > self.max_pending_bytes:
-            self.dropped_slow += 1
-            self.lose(identity, f"it left more than {self.max_pending_bytes} bytes of replies unread", unreachable=True)
-        cap = PENDING_TOTAL_FACTOR * self.max_pending_bytes
-        while self._pending_total > cap and self._backlog_bytes:
-            stalest = self._stalest()
-            reason = (
-                f"all clients together left more than {cap} bytes of replies unread, and this one's have gone "
-                "longest without a reply read"
-            )
-            self.lose(stalest, reason, unreachable=True)
-            if stalest in self._backlog_bytes:  # not dropped (lost already): the count is not this loop's to fix
-                break
-            self.dropped_slow += 1
-
-    def _stalest(self) -> bytes:
-        """The client holding unread replies whose backlog has gone longest without a reply taken from it (the
-        largest backlog among equals)."""
-        holding = [identity for identity, size in self._backlog_bytes.items() if size > 0] or list(self._backlog_bytes)
-        return min(holding, key=lambda identity: (self._progress_at[identity], -self._backlog_bytes[identity]))
 
     def flush(self, encode_s: float | None = ENCODE_TURN_S) -> None:
         """Send what waits in backlogs, oldest first, while ZeroMQ takes it; go on encoding large replies.
@@ -222,34 +174,7 @@ class ClientLinks:
             encode_s: most seconds spent encoding in this call (None: finish every encoding, as when closing).
         """
         ends = None if encode_s is None else time.monotonic() + encode_s
-        for identity in list(self._backlog):
-            if identity in self._keys.held:
-                continue  # its replies wait for a message over its routing id (routing_keys.py)
-            backlog = self._backlog.get(identity)
-            while backlog and identity in self._backlog:
-                head = backlog[0]
-                if isinstance(head, Encoding):
-                    encoded = head.encoded(ends)
-                    if encoded is None:  # this turn's encoding time is spent
-                        break
-                    self._count(identity, -head.counted)
-                    head = backlog[0] = [identity, *encoded]
-                    if not self._sent(identity, head):  # refused: it waits like any reply, counted
-                        if identity in self._backlog:  # (not when the send lost the client: its backlog is gone)
-                            self._count(identity, sum(len(frame) for frame in head))
-                        break
-                    backlog.popleft()
-                    self._progress_at[identity] = time.monotonic()
-                    continue
-                if not self._sent(identity, head):
-                    break
-                backlog.popleft()
-                self._progress_at[identity] = time.monotonic()
-                self._count(identity, -sum(len(frame) for frame in head))
-            if not backlog and identity in self._backlog:
-                del self._backlog[identity]
-                del self._backlog_bytes[identity]
-                del self._progress_at[identity]
+        self._backlogs.drain(self._sent, skip=self._keys.held, ends=ends)
 
     def _sent(self, identity: bytes, frames: list[bytes]) -> bool:
         """Whether ZeroMQ took `frames` now (a closed connection loses the client)."""
@@ -282,15 +207,9 @@ class ClientLinks:
         self._fds.pop(identity, None)
         self._suspects.pop(identity, None)
         self._keys.drop(identity)
-        dropped = self._backlog.pop(identity, ())
-        self._pending_total -= self._backlog_bytes.pop(identity, 0)
-        self._progress_at.pop(identity, None)
-        encoding = deque(entry for entry in dropped if isinstance(entry, Encoding))
-        if encoding and not unreachable:  # results made before it fell silent: they go out as they would have
-            for entry in encoding:
-                entry.counted = 0
-            self._backlog[identity], self._backlog_bytes[identity] = encoding, 0
-            self._progress_at[identity] = time.monotonic()
+        dropped = self._backlogs.pop(identity)
+        if not unreachable:  # results made before it fell silent: they go out as they would have
+            self._backlogs.keep_encodings(identity, dropped)
         if unreachable:
             self._gone[identity] = time.monotonic()
         self._on_lost(identity, reason)
@@ -317,7 +236,7 @@ class ClientLinks:
         """
         now = time.monotonic()
         busy = set(busy)
-        for identity in [i for i in self._last_seen if i not in busy and i not in self._backlog]:
+        for identity in [i for i in self._last_seen if i not in busy and i not in self._backlogs]:
             del self._last_seen[identity]
             self._fds.pop(identity, None)
         for identity in busy:
@@ -331,7 +250,7 @@ class ClientLinks:
                     del self._suspects[identity]
                 elif identity in self._keys.held:  # past its held replies: a gone connection is lost at once
                     self._probe(identity, probe)
-                elif identity not in self._backlog:
+                elif identity not in self._backlogs:
                     self.send(identity, probe)
         self._keys.forget_idle(busy)
         for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
