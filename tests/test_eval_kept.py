@@ -92,7 +92,8 @@ def test_ctrl_c_while_generating_keeps_the_finished_samples(model_dir, tmp_path,
     flags = ["--model", stopping, "--dataset", dataset, "--max-new-tokens", "64", "--device", "cpu", "--output", output]
     assert main([str(flag) for flag in flags]) == status
     err = capsys.readouterr().err
-    assert f"interrupted while generating; the 1 of 2 samples finished, unscored, are in {output}" in err
+    stopped = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert f"rollout-eval: {stopped} while generating; the 1 of 2 samples finished, unscored, are in {output}" in err
     (row,) = rows_of(output)
     assert (row["prompt_index"], row["finish_reason"], row["token_ids"]) == (0, "stop", short)
 

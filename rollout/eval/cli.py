@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout-eval: error: {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as interrupt:
-            print(f"rollout-eval: {str(interrupt) or _stopped_by(interrupted)}", file=sys.stderr)
+            where = str(interrupt).removeprefix("interrupted")  # e.g. " while generating; the rows are in ..."
+            print(f"rollout-eval: {_stopped_by(interrupted)}{where}", file=sys.stderr)
             return 128 + (interrupted[0] if interrupted else signal.SIGINT)
         except Exception:
             if not interrupted:
