@@ -239,7 +239,11 @@ def test_a_dataset_directory_laid_out_as_on_the_hub(tmp_path, capsys):
 
 
 def test_python_dash_m_runs_the_same_command(capsys, monkeypatch, tmp_path):
-    """`python -m rollout.eval` is rollout-eval (the built-in tiny model; chat template applied)."""
+    """`python -m rollout.eval` is rollout-eval (the built-in tiny model; chat template applied). The process's
+    ending (`exit_now`, tests/test_process_exit.py) is this test's: its status is raised as SystemExit."""
+    from rollout.cli import process_exit
+
+    monkeypatch.setattr(process_exit, "exit_now", sys.exit)
     output = tmp_path / "rows.jsonl"
     argv = ["rollout.eval", "--model", "tiny", "--dataset", str(REPO_DATASET), "--prompt-field", "question"]
     monkeypatch.setattr(

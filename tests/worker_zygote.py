@@ -244,6 +244,6 @@ def close() -> None:
 if __name__ == "__main__":
     worker_request = serve(Path(sys.argv[1]))
     if worker_request is not None:
-        from rollout.service.launch.cli import main
+        from rollout.service.launch.cli import console_main
 
-        sys.exit(main(worker_request["argv"]))
+        console_main(worker_request["argv"])

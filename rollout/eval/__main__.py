@@ -1,7 +1,5 @@
 """`python -m rollout.eval`: the same as the `rollout-eval` command."""
 
-import sys
+from rollout.eval.cli import console_main
 
-from rollout.eval.cli import main
-
-sys.exit(main())
+console_main()

@@ -17,9 +17,11 @@ import argparse
 import math
 import signal
 import sys
+from typing import NoReturn
 
 from rollout.cli.interrupts import deferring_sigint, recording_sigint
 from rollout.cli.parser import CliParser
+from rollout.cli.process_exit import run_console_script
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
 from rollout.eval.errors import EvalError
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
@@ -201,3 +203,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout-eval: {_stopped_by(interrupted)}", file=sys.stderr)
             return 128 + interrupted[0]
     return 0
+
+
+def console_main(argv: list[str] | None = None) -> NoReturn:
+    """The `rollout-eval` console script: `main`, then the process ends at once (`exit_now`: its threads joined and
+    exit hooks run, without the interpreter's seconds-long teardown of every object).
+
+    Args:
+        argv: the arguments (None: the command line's).
+    """
+    run_console_script(main, argv)
+
+
+if __name__ == "__main__":
+    console_main()
