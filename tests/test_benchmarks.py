@@ -291,3 +291,22 @@ def test_fairness_benchmark_refuses_a_bad_flag_by_name(capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["fairness", *flags])
         assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_a_usage_error(capsys):
+    """`--device cuda` where torch sees no CUDA device is one line naming the flag (exit status 2), for every
+    subcommand that takes --device; it had been each system's traceback, and exit status 0."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for command in (["grpo"], ["grpo-step", "--steps", "1"], ["fleet"], ["weights"], ["long-tail"], ["structured"]):
+        for device in ("cuda", "cuda:1"):
+            if device == "cuda:1" and command[0] not in ("weights",):
+                continue  # the others take "cpu" or "cuda" only (argparse's choices)
+            with pytest.raises(SystemExit) as exit_info:
+                cli.main([*command, "--device", device])
+            err = capsys.readouterr().err
+            assert exit_info.value.code == 2, (command, err)
+            assert f"--device {device}: no CUDA device is available" in err, (command, err)

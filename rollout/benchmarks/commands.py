@@ -32,6 +32,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         raise SystemExit(gpu_report.main(args, parser))
     if isinstance(parser, CliParser):  # the subcommand's errors point at its own --help
         parser = parser.subcommand_parser(args)
+    device = getattr(args, "device", None)
+    if isinstance(device, str) and device.startswith("cuda"):  # one line now, not each system's traceback
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "" if torch.version.cuda else f"; torch {torch.__version__} is a build without CUDA"
+            parser.error(f"--device {device}: no CUDA device is available{build}")
     for flag in ("system_timeout", "time_budget"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value > 0):
