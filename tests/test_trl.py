@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import trl  # noqa: E402
 import trl_worker  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollout.config import SamplingParams  # noqa: E402
@@ -138,6 +138,46 @@ def test_rollout_grpo_trainer_refuses_use_vllm(tmp_path):
         RolloutGRPOTrainer(model=tiny_model(0), reward_funcs=id_reward, args=config, rollout_workers="tcp://x:1")
     with pytest.raises(ValueError, match="use_vllm"):  # GRPOConfig as GRPOTrainer's third positional argument
         RolloutGRPOTrainer(tiny_model(0), id_reward, config, rollout_workers="tcp://x:1")
+
+
+def test_a_kl_term_on_a_model_built_in_code_is_refused_naming_beta(tmp_path):
+    """With beta > 0, TRL loads its reference model from the policy's path, which a model built in code lacks: TRL's
+    own GRPOTrainer fails in the hub client on the empty path; RolloutGRPOTrainer refuses it first, naming beta and
+    both ways out. A model loaded from a directory has that path, and a PEFT policy its own reference."""
+    from trainer_bridge.trl.settings import check_reference_model
+
+    config = grpo_config(tmp_path, beta=0.04)
+    with pytest.raises(OSError, match="Repo id"):  # TRL's own trainer, on the same model and config
+        GRPOTrainer(model=tiny_model(0), reward_funcs=id_reward, args=config, train_dataset=dataset())
+    with pytest.raises(ValueError, match=r"beta=0.04\) needs a reference model.*save_pretrained.*beta=0.0"):
+        RolloutGRPOTrainer(model=tiny_model(0), reward_funcs=id_reward, args=config, rollout_workers="tcp://x:1")
+    saved = tiny_model(0)
+    saved.save_pretrained(tmp_path / "policy")
+    check_reference_model(AutoModelForCausalLM.from_pretrained(tmp_path / "policy"), config, None)
+    check_reference_model(str(tmp_path / "policy"), config, None)
+    check_reference_model(tiny_model(0), grpo_config(tmp_path), None)  # beta 0: no reference model
+
+
+def test_a_policy_the_workers_could_not_take_is_refused_when_the_trainer_is_built(tmp_path):
+    """A trained module tied to another (modules_to_save=["lm_head"] on a model whose head is its input embedding)
+    is refused before a client connects, naming the modules as the user named them: it had been refused at the
+    first push, inside train(), with peft's internal parameter name."""
+    from peft import LoraConfig
+    from transformers import Qwen3Config
+
+    from rollout.presets.models import TINY_MODEL_CONFIG, random_model
+
+    tied = random_model(Qwen3Config(**{**TINY_MODEL_CONFIG, "tie_word_embeddings": True}), 0, torch.float32)
+    with pytest.raises(ValueError, match="model: lm_head is trained .* tied to model.embed_tokens"):
+        RolloutGRPOTrainer(
+            model=tied,
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            rollout_workers="tcp://127.0.0.1:1",  # never reached
+        )
 
 
 @pytest.mark.timeout(180)

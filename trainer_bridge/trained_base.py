@@ -41,9 +41,19 @@ def tied_to_a_trained_module(model: Any) -> str | None:
         if len(names) > 1 and trained:
             others = [name for name in names if name not in trained] or trained[1:]  # (both sides trained)
             return (
-                f"{trained[0]} is trained (LoRA or modules_to_save) but its weight is tied to {others[0]}: "
+                f"{_module_of(trained[0])} is trained (LoRA or modules_to_save) but its weight is tied to "
+                f"{_module_of(others[0])}: "
                 "the trainer changes one of the two, a worker's tied model would change both. Untie the embeddings "
                 "(tie_word_embeddings=False) before training, or leave the tied modules out of target_modules and "
                 "modules_to_save"
             )
     return None
+
+
+def _module_of(parameter: str) -> str:
+    """The module a parameter of a PEFT model's base belongs to, as the user names it in `target_modules` or
+    `modules_to_save` ("lm_head.original_module.weight" -> "lm_head")."""
+    module = parameter.rsplit(".", 1)[0]
+    for wrapped in (".original_module", ".base_layer"):
+        module = module.split(wrapped)[0]
+    return module

@@ -183,6 +183,21 @@ def check_batch_invariant(batch_invariant: Any) -> None:
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
 
 
+def check_push(model: Any, push_kwargs: dict[str, Any] | None, accelerator: Any) -> None:
+    """What the first push of `model` would refuse (a trained module tied to another, an adapter that can neither be
+    served unmerged nor merged, an unknown `adapters` mode) is refused when the trainer is built, not at its first
+    generation round.
+
+    Args:
+        model: the trainer's model (possibly wrapped).
+        push_kwargs: `rollout_push_kwargs`.
+        accelerator: the trainer's accelerator.
+    Raises:
+        ValueError: what `push_weights` would refuse, named.
+    """
+    push_mode(model, (push_kwargs or {}).get("adapters", "auto"), accelerator, warn=False)
+
+
 def check_invariant_push(model: Any, push_kwargs: dict[str, Any] | None, accelerator: Any) -> None:
     """With batch_invariant in server mode, a PEFT policy's adapter must reach the workers adapter-only: merged
     weights (base + LoRA delta) compute other bits than the trainer's unmerged forward.
@@ -206,4 +221,31 @@ def check_invariant_push(model: Any, push_kwargs: dict[str, Any] | None, acceler
         raise ValueError(
             f"batch_invariant=True: the PEFT policy would be pushed merged (rollout_push_kwargs adapters={adapters!r})"
             f"{why}, whose weights compute other bits than the trainer's unmerged forward; push it adapter-only"
+        )
+
+
+def check_reference_model(model: Any, config: Any, peft_config: Any) -> None:
+    """A policy TRL could not load its reference model for is refused by name, before TRL tries.
+
+    With `beta` > 0, TRL's GRPOTrainer loads the reference model of its KL term from the policy's path
+    (`model.config._name_or_path`), unless the policy is a PEFT model (its adapter disabled is the reference). A
+    model built in code has no path, which TRL fails on deep in the hub client ("Repo id must use alphanumeric
+    chars ...: ''").
+
+    Args:
+        model: GRPOTrainer's `model` (a name or path, or a model).
+        config: its `args` (a GRPOConfig, or None: TRL's defaults, beta 0).
+        peft_config: its `peft_config` (a PEFT policy brings its own reference).
+    Raises:
+        ValueError: beta > 0 with a non-PEFT model that has no path, naming both ways out.
+    """
+    beta = getattr(config, "beta", 0.0)
+    if not beta or model is None or isinstance(model, str) or peft_config is not None or hasattr(model, "peft_config"):
+        return
+    if not getattr(getattr(model, "config", None), "_name_or_path", ""):
+        raise ValueError(
+            f"GRPOConfig(beta={beta}) needs a reference model, which TRL loads from the policy's path "
+            "(model.config._name_or_path), and this model was built in code: it has none. Save it first "
+            "(model.save_pretrained(DIR), then pass model=DIR or a model loaded from DIR), or set beta=0.0 (TRL's "
+            "default: no KL term, no reference model)"
         )

@@ -54,6 +54,8 @@ from trainer_bridge.trl.settings import (
     check_keywords,
     check_mode,
     check_off_policy,
+    check_push,
+    check_reference_model,
     check_staleness,
     check_temperature,
     check_tool_loop,
@@ -182,6 +184,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
         check_temperature(config)
+        check_reference_model(kwargs.get("model", args[0] if args else None), config, kwargs.get("peft_config"))
         check_mode(
             rollout_mode,
             rollout_workers,
@@ -217,6 +220,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
                 self, rollout_engine_config, sleep_between_rounds, batch_invariant
             )
         else:
+            check_push(self.model, rollout_push_kwargs, self.accelerator)  # before a client connects
             if batch_invariant:
                 check_invariant_push(self.model, rollout_push_kwargs, self.accelerator)
             try:
