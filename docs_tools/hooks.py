@@ -1,12 +1,18 @@
 """MkDocs hooks: the reference tables are generated from the code, so the documentation cannot drift from it.
 
-A page asks for a table with a marker on a line of its own:
+A page holds a table between a marker and `<!-- end generated -->`, each on a line of its own:
 
     <!-- generated: options rollout-worker -->        every flag of a command, from its argparse parser
     <!-- generated: fields SamplingParams -->          every field of a dataclass: type, default, the comment above it
     <!-- generated: docstring rollout.protocol -->   a module's docstring, verbatim (a specification)
 
-An unknown marker fails the build (`mkdocs build --strict` is part of the test suite).
+The table is committed with the page, so that it reads the same in the repository as on the site; the site's build
+generates it afresh, and tests/test_docs.py fails while a committed table differs from the code's. After changing a
+flag, a field or the protocol's docstring:
+
+    python docs_tools/hooks.py          # rewrites the tables of every page under docs/
+
+An unknown marker fails the build (`mkdocs build --strict` runs in CI).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 
 from rollout.cli.parser import default_text
 
-MARKER = re.compile(r"^<!-- generated: (\w+) ([\w.-]+) -->$", re.M)
+BLOCK = re.compile(r"^<!-- generated: (\w+) ([\w.-]+) -->\n.*?^<!-- end generated -->$", re.M | re.S)
+END = "<!-- end generated -->"
 # Command -> (module, function building its parser).
 PARSERS = {
     "rollout-worker": ("rollout.service.launch.cli", "build_parser"),
@@ -40,8 +47,17 @@ DATACLASSES = {
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Replace each marker of the page with its generated table."""
-    return MARKER.sub(lambda match: render(match.group(1), match.group(2)), markdown)
+    """Replace each generated block of the page with its table, made now."""
+    return BLOCK.sub(lambda match: render(match.group(1), match.group(2)), markdown)
+
+
+def refreshed(markdown: str) -> str:
+    """A page's text with each generated block's table made afresh between its marker and its end."""
+    return BLOCK.sub(
+        lambda match: f"<!-- generated: {match.group(1)} {match.group(2)} -->\n"
+        f"{render(match.group(1), match.group(2)).rstrip()}\n{END}",
+        markdown,
+    )
 
 
 def render(kind: str, name: str) -> str:
@@ -76,7 +92,7 @@ def options_markdown(parser: argparse.ArgumentParser, heading: str = "###") -> s
         if isinstance(action, argparse._SubParsersAction):
             for command, subparser in action.choices.items():
                 # The description's own lines: its paragraphs and lists stay paragraphs and lists.
-                sections.append(f"{heading} `{parser.prog} {command}`\n\n{_prose(subparser.description or '')}\n\n")
+                sections.append(f"{heading} `{parser.prog} {command}`\n\n{_description(subparser.description)}\n\n")
                 sections.append(options_markdown(subparser, heading + "#"))
             continue
         if isinstance(action, argparse._HelpAction):
@@ -129,6 +145,18 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
+def _description(text: str | None) -> str:
+    """A subcommand's description as markdown: its paragraphs and lists as they are (`_prose`), and a block indented
+    under a blank line (a list laid out in columns, as `--help` prints it) as a text block, kept as laid out."""
+    blocks = []
+    for block in re.split(r"\n\s*\n", text or ""):
+        if block.startswith((" ", "\t")):
+            blocks.append("```text\n" + inspect.cleandoc("x\n" + block)[2:] + "\n```")
+        else:
+            blocks.append(_prose(block))
+    return "\n\n".join(blocks)
+
+
 def _prose(text: str) -> str:
     """Help or description text as markdown: `<`, `>` and `&` outside backtick spans as HTML entities (Markdown
     would take `<MB>` for a tag and drop it); inside code spans they show as written."""
@@ -145,3 +173,24 @@ def _code(text: str) -> str:
     """Inline code for a table cell: a `|` inside backticks would still split the cell, so it is an HTML entity in an
     HTML code element."""
     return f"<code>{html.escape(' '.join(text.split())).replace('|', '&#124;')}</code>"
+
+
+def main() -> None:
+    """Rewrite the generated tables of every page under docs/ from the code, naming the pages that changed."""
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+    for folder, _, names in sorted(os.walk(docs)):
+        for name in sorted(names):
+            if not name.endswith(".md"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as page:
+                text = page.read()
+            fresh = refreshed(text)
+            if fresh != text:
+                with open(path, "w", encoding="utf-8") as page:
+                    page.write(fresh)
+                print(f"rewrote {os.path.relpath(path)}")
+
+
+if __name__ == "__main__":
+    main()

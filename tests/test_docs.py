@@ -60,3 +60,18 @@ def test_option_tables_show_the_codes_defaults_not_the_shells(monkeypatch):
     monkeypatch.setenv("ROLLOUT_API_KEY", "sekrit-123")
     assert "sekrit-123" not in hooks().render("options", "rollout-worker")
     assert os.environ["ROLLOUT_API_KEY"] == "sekrit-123"  # restored
+
+
+def test_the_committed_tables_are_the_codes():
+    """The reference pages hold their generated tables in the repository (a reader of docs/ sees every flag and
+    field, not a marker), and those tables are what the code makes now."""
+    module = hooks()
+    pages = [path for path in sorted(DOCS.rglob("*.md")) if "<!-- generated:" in path.read_text()]
+    assert {path.name for path in pages} >= {"cli.md", "config.md", "protocol.md"}
+    for path in pages:
+        text = path.read_text()
+        assert text.count("<!-- generated:") == text.count(module.END), f"{path}: a marker without its end"
+        assert module.refreshed(text) == text, (
+            f"{path.relative_to(ROOT)} holds tables that differ from the code: run `python docs_tools/hooks.py`"
+        )
+    assert "| `--max-batch-tokens` |" in (DOCS / "reference" / "cli.md").read_text()

@@ -4,8 +4,9 @@ Every prompt (100-1000 tokens, uniform) is sampled n times; each sample gets its
 median and sigma, capped at --max-tokens, and generates exactly that many tokens: every sample is its own request (n=1,
 its group's prompt) with max_new_tokens at the cap, as a trainer sends it, and ends with a stop token at its length
 (the stop token is banned until then through min_new_tokens, and biased by +100 from there on through logit_bias). So
-the scheduler knows no sample's length in advance, as with a real model's EOS. The
-prefix cache still shares a group's prompt blocks between its samples once one of them computed them (samples admitted
+the scheduler knows no sample's length in advance, as with a real model's EOS.
+
+The prefix cache still shares a group's prompt blocks between its samples once one of them computed them (samples admitted
 in the same step as the first compute the prompt themselves; `first_admission_prefix_hit_tokens` says how much was
 shared). The cache gets `--cache-fraction` of the peak demand, defined as the sum over samples of each sample's own
 blocks, ceil((prompt + length) / block_size) (a group's prompt counted once per sample). So preemption (recompute, or

@@ -6,7 +6,8 @@
   "grammar_mask" figure is what xgrammar's matchers take to fill the rows' token bitmasks (and apply them);
   "grammar_accept" what they take to follow the drawn tokens. The goal: at 256 rows the constraint adds at most
   1 ms to a step's host time. The mask is filled after the step's forward is queued, so on a GPU it runs while the
-  forward does. "json_min_new_tokens" is the same grammar with `min_new_tokens` past the timed steps: each step's
+  forward does.
+- **The same with `min_new_tokens`**: "json_min_new_tokens" is the same grammar with `min_new_tokens` past the timed steps: each step's
   masks also keep the rows off branches that end too soon (`grammar/length_goal.py`), a search wherever a row's
   grammar allows few tokens (between the array's items here), what `added_by_min_new_tokens_ms` measures.
 - **Compile time** of a typical tool-call JSON schema and a regex: the tokenizer's one-off preparation, a cold
