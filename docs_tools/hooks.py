@@ -54,8 +54,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 def refreshed(markdown: str) -> str:
     """A page's text with each generated block's table made afresh between its marker and its end."""
     return BLOCK.sub(
-        lambda match: f"<!-- generated: {match.group(1)} {match.group(2)} -->\n"
-        f"{render(match.group(1), match.group(2)).rstrip()}\n{END}",
+        lambda match: (
+            f"<!-- generated: {match.group(1)} {match.group(2)} -->\n"
+            f"{render(match.group(1), match.group(2)).rstrip()}\n{END}"
+        ),
         markdown,
     )
 

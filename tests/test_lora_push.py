@@ -309,8 +309,14 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
     tied_safe = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
     assert push_mode(tied_safe, "auto") == "adapter"
     for lora, named in (  # named as the user names them, not by peft's wrappers' parameters
-        (LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), "model.embed_tokens is trained .* tied to lm_head:"),
-        (LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "lm_head is trained .* tied to model"),
+        (
+            LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]),
+            "model.embed_tokens is trained .* tied to lm_head:",
+        ),
+        (
+            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            "lm_head is trained .* tied to model",
+        ),
     ):
         tied = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
         for mode in ("auto", "adapter", "merged"):
