@@ -351,7 +351,7 @@ BAD_REQUESTS = {
     "negative max_new_tokens": ("max_new_tokens", dict(input_ids=[1], max_new_tokens=-1)),
     "n=0": ("n", dict(input_ids=[1], n=0)),
     "n not an int": ("n", dict(input_ids=[1], n=2.0)),
-    "sampling as dict": ("sampling", dict(input_ids=[1], sampling={"temperature": 0.5})),
+    "sampling as a list": ("sampling", dict(input_ids=[1], sampling=[0.5])),
     "top_k over vocab": ("top_k", dict(input_ids=[1], max_new_tokens=2, sampling=SamplingParams(top_k=VOCAB + 1))),
     "stop token over vocab": (
         "stop_token_ids",

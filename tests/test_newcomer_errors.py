@@ -455,6 +455,53 @@ def test_sampling_values_no_run_could_honour_are_refused_by_name(fields, field, 
         SamplingParams(min_new_tokens=100).with_defaults(SamplingParams(max_new_tokens=16))
 
 
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("max_tokens", "vLLM's name; rollout's is 'max_new_tokens'"),
+        ("ignore_eos", "stop_token_ids=[] (no stop tokens) generates past the EOS"),
+        ("temprature", "did you mean 'temperature'?"),
+    ],
+)
+def test_another_tools_name_or_a_typo_for_a_sampling_field_is_answered_with_ours(name, hint):
+    """Over the wire (SamplingParams.from_fields), in-process (generate_batch, a dict or keywords) and over HTTP (the
+    same words, the OpenAI fields as candidates), an unknown field names the one it stands for."""
+    from rollout import SamplingParams, generate_batch
+    from rollout.presets import tiny_model
+    from rollout.service.http.api.openai_fields import check_fields
+    from rollout.service.http.errors import APIError
+
+    with pytest.raises(FieldError, match=re.escape(hint)) as refused:
+        SamplingParams.from_fields({name: 1})
+    assert refused.value.field == f"sampling.{name}"
+    with pytest.raises(FieldError, match=re.escape(hint)):
+        generate_batch(tiny_model(0), [[1, 2, 3]], sampling={name: 1}, max_new_tokens=2, progress_bar=False)
+    with pytest.raises(APIError, match=re.escape("did you mean 'max_tokens'?")):
+        check_fields({"max_token": 3}, {"model", "messages", "max_tokens"})
+
+
+def test_generate_batch_takes_sampling_fields_as_a_dict_over_the_generation_config():
+    """A dict of SamplingParams fields (as a RolloutClient takes them) is applied over the model's generation config,
+    as keyword fields are; the tokens equal those of the SamplingParams it makes."""
+    from transformers import GenerationConfig
+
+    from rollout import SamplingParams, generate_batch
+    from rollout.presets import tiny_model
+
+    model = tiny_model(0)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=5, max_new_tokens=6)
+    fields = {"temperature": 0.7, "seed": 3}
+    as_dict = generate_batch(model, [[1, 2, 3], [4, 5]], sampling=fields, progress_bar=False)
+    made = SamplingParams(do_sample=True, top_k=5, max_new_tokens=6, **fields)
+    as_params = generate_batch(model, [[1, 2, 3], [4, 5]], sampling=made, progress_bar=False)
+    assert [o.generated_tokens for o in as_dict.values()] == [o.generated_tokens for o in as_params.values()]
+    assert all(len(o.generated_tokens) == 6 for o in as_dict.values())
+    plain = generate_batch(
+        model, [[1, 2, 3]], sampling=SamplingParams(temperature=0.7, seed=3, max_new_tokens=6), progress_bar=False
+    )
+    assert plain["req_0"].generated_tokens != as_dict["req_0"].generated_tokens  # top_k=5 came from the config
+
+
 @pytest.mark.parametrize("script", ["stream_client.py", "grpo_toy.py"])
 def test_ctrl_c_in_an_example_waiting_for_a_worker_ends_without_a_traceback(script):
     """Both examples wait for a worker (the stream client for one at --worker, the GRPO example for the one it
@@ -493,4 +540,4 @@ def test_ctrl_c_in_an_example_waiting_for_a_worker_ends_without_a_traceback(scri
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert "Traceback" not in err, err
-    assert process.returncode == 130
+    assert process.returncode == 130 and err.endswith(f"{script.removesuffix('.py')}: interrupted\n"), err

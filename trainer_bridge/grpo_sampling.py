@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.config import FieldError, SamplingParams
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_params import SAMPLING_FIELDS, VLLM_SPELLINGS
 
 # GRPOConfig fields the workers' sampling follows.
 HONOURED = (
@@ -51,8 +51,6 @@ REFUSED = {
     "use_transformers_continuous_batching": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
     "use_transformers_paged": (False, "RolloutGRPOTrainer generates with rollout, not transformers"),
 }
-# vLLM SamplingParams spellings in generation_kwargs -> rollout's.
-VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # vLLM options about detokenization: the workers return token ids, so they change nothing.
 NO_EFFECT_KWARGS = ("spaces_between_special_tokens", "detokenize", "include_stop_str_in_output")
 

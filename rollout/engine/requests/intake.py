@@ -297,13 +297,19 @@ class RequestIntake:
             sampling.min_new_tokens,
         )
 
-    def resolve_sampling(self, sampling: SamplingParams | None) -> SamplingParams:
+    def resolve_sampling(self, sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         """A private copy of `sampling` (so later changes by the caller cannot reach a queued request), with stop
-        tokens and max_new_tokens taken from the generation config where it leaves them None."""
+        tokens and max_new_tokens taken from the generation config where it leaves them None; a dict of
+        SamplingParams fields is applied over the generation config's settings, as keyword fields are."""
         if sampling is None:
             sampling = self.default_sampling
+        if isinstance(sampling, dict):  # SamplingParams fields by name (as a RolloutClient takes them), applied over
+            # the generation config's defaults as keywords are
+            sampling = self.with_fields(None, None, dict(sampling)) or self.default_sampling
         if not isinstance(sampling, SamplingParams):
-            raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+            raise FieldError(
+                "sampling", f"expected SamplingParams or a dict of its fields, got {type(sampling).__name__}"
+            )
         return sampling.with_defaults(self.default_sampling)
 
     def say_dropped(self, sampling: SamplingParams | None) -> None:

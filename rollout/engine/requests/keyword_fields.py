@@ -9,7 +9,7 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.generation_config import eos_ids
-from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_params import SAMPLING_FIELDS, unknown_field_reason
 from rollout.sampling_warping import warping_fields
 
 
@@ -35,7 +35,7 @@ def sampling_with_fields(
     Args:
         defaults: the generation config's sampling defaults (used when `sampling` is None).
         vocab_size: the model's vocabulary size (`eos_token_id` must name its tokens).
-        sampling: the request's SamplingParams, or None.
+        sampling: the request's SamplingParams, a dict of its fields (applied as keywords are), or None.
         eos_token_id: the request's stop token(s), or None; negative ids stand for none (transformers' -1).
         fields: SamplingParams fields by name.
     Raises:
@@ -44,13 +44,15 @@ def sampling_with_fields(
             (temperature, top_k, top_p, min_p, typical_p, epsilon_cutoff, eta_cutoff) is given where do_sample is
             False.
     """
+    if isinstance(sampling, dict):  # SamplingParams fields by name (as a RolloutClient takes them): keywords
+        fields, sampling = {**sampling, **fields}, None
     if eos_token_id is None and not fields:
         return sampling
     if sampling is not None and not isinstance(sampling, SamplingParams):
-        raise FieldError("sampling", f"expected SamplingParams, got {type(sampling).__name__}")
+        raise FieldError("sampling", f"expected SamplingParams or a dict of its fields, got {type(sampling).__name__}")
     unknown = sorted(set(fields) - SAMPLING_FIELDS)
     if unknown:
-        raise FieldError(unknown[0], f"is not a SamplingParams field (add_request got {unknown})")
+        raise FieldError(unknown[0], unknown_field_reason(unknown[0]))
     if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
         fields["stop_token_ids"] = _eos_stops(eos_token_id, fields, vocab_size)
     merged = (sampling if sampling is not None else defaults).merged(**fields)

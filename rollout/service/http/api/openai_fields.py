@@ -7,6 +7,7 @@ fields rollout does not serve.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +120,9 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
     refuse_legacy_fields(body)
     unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_field(unknown[0], "unknown field (rollout refuses fields it would otherwise ignore)")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise bad_field(unknown[0], f"unknown field (rollout refuses fields it would otherwise ignore){hint}")
     for name, (harmless, why) in REFUSED.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
