@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         rollout["partial_rollouts"] = True
     if args.batch_invariant:
         rollout["batch_invariant"] = True
+    trainer = None
     try:
         prompts = toy_prompts(256, seed=0)
         config = toy_grpo_config(str(output), args.steps)  # the same dtype on both sides: logprobs match (sampling/*)
@@ -208,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.remove_callback(ProgressCallback)  # RewardLog is the progress bar
         trainer.add_callback(log)
         trainer.train()
-        trainer.close()  # its client, or its colocated engine
-    finally:
+    finally:  # the trainer's client first: a worker stopping under it would be reported lost
+        if trainer is not None:
+            trainer.close()  # its client, or its colocated engine
         if worker is not None:
             stop_worker(worker)
     elapsed = time.perf_counter() - started
@@ -253,4 +255,5 @@ if __name__ == "__main__":
     except RolloutError as error:  # no worker at --worker, say: the message says what to check
         sys.exit(f"grpo_toy: {error}")
     except KeyboardInterrupt:  # Ctrl-C: the worker it started was stopped on the way out; no traceback
+        print("grpo_toy: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -52,4 +52,5 @@ if __name__ == "__main__":
     except RolloutError as error:  # no worker at --worker, say: the message says what to check
         sys.exit(f"stream_client: {error}")
     except KeyboardInterrupt:  # Ctrl-C: no traceback
+        print("stream_client: interrupted", file=sys.stderr)
         sys.exit(130)
