@@ -59,3 +59,21 @@ def test_gpu_and_device_both_typed_are_refused_even_at_rollout_gpus_value(monkey
         check_flags(parser, args)
     assert exited.value.code == 2
     assert "--gpu and --device exclude each other" in capsys.readouterr().err
+
+
+def test_every_console_script_says_its_version(capsys):
+    """`--version` on each command prints its name and the installed rollout's version (the package metadata's,
+    which pip wrote from pyproject.toml), then exits 0."""
+    from importlib.metadata import version
+
+    from rollout.benchmarks.cli import build_parser as bench_parser
+    from rollout.eval.cli import build_parser as eval_parser
+    from rollout.protocol.auth import build_keygen_parser
+    from rollout.service.launch.cli import build_parser as worker_parser
+
+    for build in (worker_parser, eval_parser, bench_parser, build_keygen_parser):
+        parser = build()
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["--version"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out == f"{parser.prog} {version('rollout')}\n"

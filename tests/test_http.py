@@ -619,5 +619,7 @@ def test_a_route_switched_off_answers_404_naming_the_flag_that_serves_it(worker)
         error = answer.json()["error"]
         assert error["type"] == "not_found_error"
         assert error["message"] == f"{path} is off on this worker: it is served when rollout-worker starts with {flag}"
+    metrics = httpx.get(f"{worker.url}/metrics", timeout=30)  # vLLM's place for it: ours is another port
+    assert metrics.status_code == 404 and "--metrics-port" in metrics.json()["error"]["message"]
     unknown = httpx.get(f"{worker.url}/no_such_route", timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "Not Found"

@@ -26,6 +26,7 @@ from rollout.protocol.transports import WEIGHT_TRANSPORTS
 def build_parser() -> CliParser:
     """Every subcommand and its flags."""
     parser = CliParser(prog="rollout-bench", description=__doc__)
+    parser.add_version_flag()
     commands = parser.add_subparsers(dest="command", required=True)
     tp = commands.add_parser(
         "throughput",

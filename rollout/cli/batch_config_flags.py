@@ -4,6 +4,7 @@ field's type, each key and value checked by the config itself (a bad one is a `F
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from rollout.config import SPECULATIVE_SETTINGS, ContinuousBatchingConfig, FieldError
@@ -34,8 +35,12 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
         if not equals or not key:
             raise FieldError(pair, "expected KEY=VALUE, e.g. num_blocks=512")
         if key not in fields or key in NOT_FROM_COMMAND_LINE:
-            known = ", ".join(name for name in fields if name not in NOT_FROM_COMMAND_LINE)
-            raise FieldError(key, f"is not a ContinuousBatchingConfig field settable here; those are: {known}")
+            settable = [name for name in fields if name not in NOT_FROM_COMMAND_LINE]
+            close = difflib.get_close_matches(key, settable, n=1)
+            guess = f"did you mean {close[0]}? " if close else ""
+            raise FieldError(
+                key, f"is not a ContinuousBatchingConfig field settable here; {guess}those are: {', '.join(settable)}"
+            )
         if key in given:
             raise FieldError(key, "is given twice; give each field once")
         given.add(key)

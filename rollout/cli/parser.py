@@ -23,6 +23,10 @@ __all__ = ["CliParser", "DefaultsHelpFormatter", "default_text", "shows_default"
 # A config field's name inside an error's text: lower-case words joined by underscores (max_memory_percent).
 _FIELD_NAME = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
+# Other tools' names for torch dtypes (vLLM's --dtype half and float, the common short forms) -> torch's, for the
+# suggestion a --dtype choice gets.
+DTYPE_SPELLINGS = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written (they hold examples and lists); each flag's help ends with "(default: X)".
@@ -73,6 +77,16 @@ def default_text(value: Any) -> str:
     return str(value)
 
 
+def installed_version() -> str:
+    """rollout's version, as installed (its package metadata), or "unknown" when it runs from a bare checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollout")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class CliParser(argparse.ArgumentParser):
     """An `argparse.ArgumentParser` whose errors are one line and a hint, with suggestions, naming flags.
 
@@ -102,6 +116,10 @@ class CliParser(argparse.ArgumentParser):
         self._environment_lists: dict[str, int] = {}
         self._warned: set[str] = set()  # warnings already said (checks may run twice: before and after imports)
         self._variables: dict[str, str] = {}  # each flag whose default an environment variable set -> the variable
+
+    def add_version_flag(self) -> None:
+        """`--version`: prints the command's name and rollout's version, then exits."""
+        self.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As `argparse.ArgumentParser.parse_args`, but an unknown flag's error suggests the closest known one (the
@@ -288,6 +306,7 @@ class CliParser(argparse.ArgumentParser):
             names = [str(choice) for choice in action.choices or ()]
             close = difflib.get_close_matches(str(value), names, n=1)
             close = close or [name for name in names if name.lower() == str(value).lower()]  # "info" for INFO
+            close = close or [name for name in names if name == DTYPE_SPELLINGS.get(str(value).lower())]
             if not close:
                 raise
             raise argparse.ArgumentError(action, f"{error.message}; did you mean {close[0]}?") from None

@@ -34,6 +34,7 @@ SAMPLED_TEMPERATURE = 1.0  # --n above 1 without --temperature: samples that dif
 def build_parser() -> CliParser:
     """rollout-eval's flags."""
     parser = CliParser(prog="rollout-eval", description=__doc__)
+    parser.add_version_flag()
     add = parser.add_argument
     add(
         "--model",

@@ -215,6 +215,7 @@ def build_keygen_parser() -> CliParser:
         "key: copy it into a worker's --authorized-keys or --trainer-keys directory, or give a worker's to clients "
         "as server_public_key) and DIR/NAME.key_secret (keep it private).",
     )
+    parser.add_version_flag()
     parser.add_argument("directory", help="where to write the two files (created if missing)")
     parser.add_argument(
         "name", help="file name stem, e.g. worker, trainer or client1 (no path separator, not starting with a dot)"

@@ -34,6 +34,7 @@ def build_parser() -> CliParser:
     parser = CliParser(
         prog="rollout-worker", description=__doc__, field_flags=FIELD_FLAGS, other_tools_flags=OTHER_TOOLS_FLAGS
     )
+    parser.add_version_flag()
     add = parser.add_argument
     add(
         "--model",

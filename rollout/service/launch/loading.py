@@ -3,6 +3,7 @@ id) and its tokenizer."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -10,7 +11,8 @@ from typing import Any
 
 import torch
 
-from rollout.cli.hub import check_hub_source, first_line, is_local_path, missing_local_path
+from rollout.cli.hub import HubUnreachable, check_hub_source, first_line, is_local_path, missing_local_path
+from rollout.presets.catalog import PRESETS
 from rollout.presets.names import model_from_preset, tokenizer_for
 
 logger = logging.getLogger("rollout.worker")
@@ -92,7 +94,13 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
 
     missing_local_path(name, "--model")
     check_model_directory(name)
-    cached_only = False if is_local_path(name) else check_hub_source(name, "--model")
+    try:
+        cached_only = False if is_local_path(name) else check_hub_source(name, "--model")
+    except HubUnreachable as error:  # a typo of a built-in model's name reads as a hub id: say which it is close to
+        close = difflib.get_close_matches(name, [preset for preset in PRESETS if ":" not in preset], n=1)
+        if not close:
+            raise
+        raise HubUnreachable(f"{error}; or did you mean the built-in model {close[0]!r}?") from None
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype or "auto", local_files_only=cached_only, output_loading_info=True

@@ -110,6 +110,8 @@ def build_app(
         flag = switched_off.get(request.url.path) if error.status_code == 404 else None
         if flag is not None:
             message = f"{request.url.path} is off on this worker: it is served when rollout-worker starts with {flag}"
+        elif error.status_code == 404 and request.url.path == "/metrics":  # vLLM serves it on its API's port
+            message = "/metrics is not on the API's port: rollout-worker serves Prometheus metrics on --metrics-port"
         body = APIError(error.status_code, message, None, kind).body()
         return SafeJSONResponse(body, error.status_code, headers=error.headers)  # a 405's Allow (RFC 9110)
 
