@@ -541,3 +541,24 @@ def test_ctrl_c_in_an_example_waiting_for_a_worker_ends_without_a_traceback(scri
             os.killpg(process.pid, signal.SIGKILL)
     assert "Traceback" not in err, err
     assert process.returncode == 130 and err.endswith(f"{script.removesuffix('.py')}: interrupted\n"), err
+
+
+def test_a_near_miss_of_a_name_we_know_is_answered_with_it(capsys, unreachable_hub):
+    """torch's name for another tool's dtype spelling, the built-in model a typo'd --model is close to (after the hub
+    error it gets, as a hub id), the --batch-config field a key is close to."""
+    from rollout.cli.batch_config_flags import batch_config_from_pairs
+    from rollout.cli.hub import HubUnreachable
+    from rollout.service.launch.cli import build_parser
+    from rollout.service.launch.loading import load_model
+
+    for typed, meant in (("fp16", "float16"), ("half", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--dtype", typed])
+        assert f"invalid choice: '{typed}'" in (err := capsys.readouterr().err) and f"did you mean {meant}?" in err
+    with pytest.raises(HubUnreachable, match="cannot be reached.*; or did you mean the built-in model 'tiny-moe'"):
+        load_model("tiny-mo", torch.float32, "cpu")
+    with pytest.raises(HubUnreachable) as far:  # nothing close: the hub's error alone
+        load_model("someone/some-model", torch.float32, "cpu")
+    assert "did you mean" not in str(far.value)
+    with pytest.raises(FieldError, match="num_block: is not .* field settable here; did you mean num_blocks?"):
+        batch_config_from_pairs(["num_block=64"])
