@@ -158,6 +158,28 @@ def test_a_kl_term_on_a_model_built_in_code_is_refused_naming_beta(tmp_path):
     check_reference_model(tiny_model(0), grpo_config(tmp_path), None)  # beta 0: no reference model
 
 
+def test_workers_computing_in_another_dtype_than_the_trainer_are_said():
+    """A bf16 worker under an fp32 trainer (no autocast) samples log-probs that TRL's correction reads as off-policy:
+    the trainer says so, naming the flag; under bf16 autocast (GRPOConfig(bf16=True)) the dtypes agree."""
+    from types import SimpleNamespace
+
+    from trainer_bridge.trl.settings import dtype_mismatch
+
+    def trainer(mixed: str, dtypes: set[str]) -> SimpleNamespace:
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(mixed_precision=mixed),
+            model=tiny_model(0),
+            rollout=SimpleNamespace(dtypes=dtypes),
+        )
+
+    said = dtype_mismatch(trainer("no", {"bfloat16"}))
+    assert said.startswith("the rollout workers compute in bfloat16, the trainer in float32")
+    assert said.endswith("rollout-worker --dtype float32 for log-probs that match")
+    assert dtype_mismatch(trainer("no", {"float32"})) is None
+    assert dtype_mismatch(trainer("bf16", {"bfloat16"})) is None
+    assert "the trainer in bfloat16" in dtype_mismatch(trainer("bf16", {"float32"}))
+
+
 def test_a_policy_the_workers_could_not_take_is_refused_when_the_trainer_is_built(tmp_path):
     """A trained module tied to another (modules_to_save=["lm_head"] on a model whose head is its input embedding)
     is refused before a client connects, naming the modules as the user named them: it had been refused at the

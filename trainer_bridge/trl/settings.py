@@ -249,3 +249,23 @@ def check_reference_model(model: Any, config: Any, peft_config: Any) -> None:
             "(model.save_pretrained(DIR), then pass model=DIR or a model loaded from DIR), or set beta=0.0 (TRL's "
             "default: no KL term, no reference model)"
         )
+
+
+def dtype_mismatch(trainer: Any) -> str | None:
+    """Why the workers' log-probs round otherwise than the trainer's: they compute in another dtype than the trainer
+    does (its parameters', or its mixed-precision autocast's). None: the same dtype.
+
+    Args:
+        trainer: a RolloutGRPOTrainer in server mode, its workers' dtypes read (`rollout.dtypes`).
+    """
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
+    computes = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed)
+    computes = computes or str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    others = sorted(set(trainer.rollout.dtypes) - {computes, "unknown"})
+    if not others:
+        return None
+    return (
+        f"the rollout workers compute in {', '.join(others)}, the trainer in {computes}: their log-probs differ by "
+        "rounding, which TRL's importance-sampling correction takes for off-policy samples; start the workers with "
+        f"rollout-worker --dtype {computes} for log-probs that match"
+    )

@@ -34,6 +34,7 @@ tokens); every turn's tokens carry their logprobs and versions, and TRL masks th
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import trl
@@ -59,7 +60,10 @@ from trainer_bridge.trl.settings import (
     check_staleness,
     check_temperature,
     check_tool_loop,
+    dtype_mismatch,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED_TRL", "RolloutGRPOTrainer", "RolloutGeneration", "RolloutRows", "check_trl_internals"]
 
@@ -230,6 +234,9 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
                     self.rollout_client.close()
                 raise
             self.rollout.devices, self.rollout.dtypes = (set(values) for values in self._worker_placement)
+            mismatch = dtype_mismatch(self)
+            if mismatch is not None and self.accelerator.is_main_process:
+                logger.warning(mismatch)
         # Route TRL through its vLLM code path (its server-mode branch: each rank calls generate for its own rows),
         # with rollout as the backend.
         self.use_vllm = True
