@@ -301,7 +301,14 @@ def test_a_cuda_device_on_a_machine_without_one_is_a_usage_error(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    for command in (["grpo"], ["grpo-step", "--steps", "1"], ["fleet"], ["weights"], ["long-tail"], ["structured"]):
+    for command in (
+        ["grpo"],
+        ["grpo-step", "--steps", "1"],
+        ["fleet"],
+        ["weights"],
+        ["long-tail", "--model", "tiny"],
+        ["structured"],
+    ):
         for device in ("cuda", "cuda:1"):
             if device == "cuda:1" and command[0] not in ("weights",):
                 continue  # the others take "cpu" or "cuda" only (argparse's choices)

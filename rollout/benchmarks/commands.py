@@ -32,6 +32,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         raise SystemExit(gpu_report.main(args, parser))
     if isinstance(parser, CliParser):  # the subcommand's errors point at its own --help
         parser = parser.subcommand_parser(args)
+    if args.command == "long-tail":  # its flags' combinations first: they are wrong on any machine
+        check_long_tail(parser, args)
+    elif args.command == "structured":
+        check_structured(parser, args)
     device = getattr(args, "device", None)
     if isinstance(device, str) and device.startswith("cuda"):  # one line now, not each system's traceback
         import torch
@@ -108,12 +112,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         load.check_arguments(parser, args)
         summary = load.run(args)
     elif args.command == "long-tail":
-        check_long_tail(parser, args)
         # The budget counts from this process's start, as throughput's: its imports took some of it.
         args.time_budget = max(1.0, args.time_budget - process_age_s())
         summary = long_tail.run(args)
     elif args.command == "structured":
-        check_structured(parser, args)
         summary = structured.run(
             tuple(args.rows), args.vocab_size, args.steps, args.repeats, args.num_prompts, args.device
         )

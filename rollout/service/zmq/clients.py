@@ -269,7 +269,8 @@ class ClientLinks:
                 self.lose(identity, "its connection is closed", unreachable=True)
 
     def close(self) -> None:
-        """Stop the socket monitor (before the socket closes)."""
+        """Stop the socket monitor (before the socket closes) and drop the replies still waiting."""
+        self._backlogs.close()
         try:
             self._socket.disable_monitor()
         except zmq.ZMQError:

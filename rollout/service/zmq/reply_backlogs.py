@@ -160,3 +160,16 @@ class ReplyBacklogs:
             entry.counted = 0
         self._entries[identity], self._bytes[identity] = encodings, 0
         self._progress_at[identity] = time.monotonic()
+
+    def close(self) -> None:
+        """Forget every backlog and the caller's callback (which holds the caller: the two would otherwise wait for
+        the garbage collector)."""
+        self._entries.clear()
+        self._bytes.clear()
+        self._progress_at.clear()
+        self.total = 0
+        self._on_over_cap = _dropped_after_close
+
+
+def _dropped_after_close(identity: bytes, reason: str) -> None:
+    """What a closed ReplyBacklogs calls: nothing is kept after close, so nothing is over a cap."""
