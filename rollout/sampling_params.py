@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from rollout.constraints import CONSTRAINT_FIELDS, normalized_constraint
+from rollout.sampling_spellings import unknown_field_reason
 from rollout.sampling_warping import warping_fields
 from rollout.validation import (
     FieldError,
@@ -309,7 +309,7 @@ class SamplingParams:
         """
         unknown = sorted(set(fields) - {item.name for item in dataclasses.fields(cls)})
         if unknown:
-            raise FieldError(f"sampling.{unknown[0]}", unknown_field_reason(unknown[0]))
+            raise FieldError(f"sampling.{unknown[0]}", unknown_field_reason(unknown[0], SAMPLING_FIELDS))
         try:
             sampling = cls(**fields)
         except FieldError as error:
@@ -348,23 +348,3 @@ def served_logprobs_refusal(top_logprobs: Any) -> str | None:
     if isinstance(top_logprobs, int) and not isinstance(top_logprobs, bool) and top_logprobs > MAX_SERVED_LOGPROBS:
         return f"must be at most {MAX_SERVED_LOGPROBS} from a worker (vLLM's max_logprobs), got {top_logprobs}"
     return None
-
-
-# vLLM's SamplingParams names (TRL recipes and vLLM users write them) -> rollout's.
-VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-
-
-def unknown_field_reason(name: str) -> str:
-    """Why `name` is refused as a sampling field, with rollout's name for it where it is another tool's (vLLM's
-    `max_tokens`, `ignore_eos`) or a close spelling of a field.
-
-    Args:
-        name: the unknown field's name.
-    """
-    reason = f"unknown sampling field {name!r}"
-    if name in VLLM_SPELLINGS:
-        return f"{reason}: vLLM's name; rollout's is {VLLM_SPELLINGS[name]!r}"
-    if name == "ignore_eos":
-        return f"{reason}: vLLM's; in rollout, stop_token_ids=[] (no stop tokens) generates past the EOS"
-    close = difflib.get_close_matches(name, sorted(SAMPLING_FIELDS), n=1)
-    return f"{reason}; did you mean {close[0]!r}?" if close else reason

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.config import FieldError, SamplingParams
-from rollout.sampling_params import SAMPLING_FIELDS, VLLM_SPELLINGS
+from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_spellings import VLLM_SPELLINGS
 
 # GRPOConfig fields the workers' sampling follows.
 HONOURED = (

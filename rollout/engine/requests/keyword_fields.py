@@ -9,7 +9,8 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.generation_config import eos_ids
-from rollout.sampling_params import SAMPLING_FIELDS, unknown_field_reason
+from rollout.sampling_params import SAMPLING_FIELDS
+from rollout.sampling_spellings import unknown_field_reason
 from rollout.sampling_warping import warping_fields
 
 
@@ -52,7 +53,7 @@ def sampling_with_fields(
         raise FieldError("sampling", f"expected SamplingParams or a dict of its fields, got {type(sampling).__name__}")
     unknown = sorted(set(fields) - SAMPLING_FIELDS)
     if unknown:
-        raise FieldError(unknown[0], unknown_field_reason(unknown[0]))
+        raise FieldError(unknown[0], unknown_field_reason(unknown[0], SAMPLING_FIELDS))
     if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
         fields["stop_token_ids"] = _eos_stops(eos_token_id, fields, vocab_size)
     merged = (sampling if sampling is not None else defaults).merged(**fields)
