@@ -210,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer.add_callback(log)
         trainer.train()
     finally:  # the trainer's client first: a worker stopping under it would be reported lost
-        if trainer is not None:
-            trainer.close()  # its client, or its colocated engine
-        if worker is not None:
-            stop_worker(worker)
+        try:
+            if trainer is not None:
+                trainer.close()  # its client, or its colocated engine
+        finally:  # (a second Ctrl-C during close still stops the worker)
+            if worker is not None:
+                stop_worker(worker)
     elapsed = time.perf_counter() - started
     rewards = [r["reward"] for r in log.rows]
     first, last = sum(rewards[:5]) / len(rewards[:5]), sum(rewards[-5:]) / len(rewards[-5:])

@@ -307,7 +307,7 @@ class SamplingParams:
         Raises:
             FieldError: an unknown or bad field, named "sampling.<field>".
         """
-        unknown = sorted(set(fields) - {item.name for item in dataclasses.fields(cls)})
+        unknown = sorted(set(fields) - {item.name for item in dataclasses.fields(cls)}, key=repr)  # (any keys)
         if unknown:
             raise FieldError(f"sampling.{unknown[0]}", unknown_field_reason(unknown[0], SAMPLING_FIELDS))
         try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Collection
+from typing import Any
 
 # vLLM's SamplingParams names (TRL recipes and vLLM users write them) -> rollout's.
 VLLM_SPELLINGS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
 
-def unknown_field_reason(name: str, known: Collection[str]) -> str:
+def unknown_field_reason(name: Any, known: Collection[str]) -> str:
     """Why `name` is refused as a sampling field, with rollout's name for it where it is another tool's (vLLM's
     `max_tokens`, `ignore_eos`) or a close spelling of a known field.
 
@@ -18,6 +19,8 @@ def unknown_field_reason(name: str, known: Collection[str]) -> str:
         name: the unknown field's name.
         known: the sampling fields there are.
     """
+    if not isinstance(name, str):
+        return f"a sampling field's name is a string, got {name!r}"
     reason = f"unknown sampling field {name!r}"
     if name in VLLM_SPELLINGS:
         return f"{reason}: vLLM's name; rollout's is {VLLM_SPELLINGS[name]!r}"

@@ -476,6 +476,8 @@ def test_another_tools_name_or_a_typo_for_a_sampling_field_is_answered_with_ours
     assert refused.value.field == f"sampling.{name}"
     with pytest.raises(FieldError, match=re.escape(hint)):
         generate_batch(tiny_model(0), [[1, 2, 3]], sampling={name: 1}, max_new_tokens=2, progress_bar=False)
+    with pytest.raises(FieldError, match="a sampling field's name is a string, got 1"):  # a msgpack map's key
+        SamplingParams.from_fields({1: 2, 2: 3})
     with pytest.raises(APIError, match=re.escape("did you mean 'max_tokens'?")):
         check_fields({"max_token": 3}, {"model", "messages", "max_tokens"})
 
@@ -551,7 +553,7 @@ def test_a_near_miss_of_a_name_we_know_is_answered_with_it(capsys, unreachable_h
     from rollout.service.launch.cli import build_parser
     from rollout.service.launch.loading import load_model
 
-    for typed, meant in (("fp16", "float16"), ("half", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")):
+    for typed, meant in (("fp16", "float16"), ("half", "float16"), ("bf16", "bfloat16"), ("float64", "float32")):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--dtype", typed])
         assert f"invalid choice: '{typed}'" in (err := capsys.readouterr().err) and f"did you mean {meant}?" in err

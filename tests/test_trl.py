@@ -151,6 +151,22 @@ def test_a_kl_term_on_a_model_built_in_code_is_refused_naming_beta(tmp_path):
         GRPOTrainer(model=tiny_model(0), reward_funcs=id_reward, args=config, train_dataset=dataset())
     with pytest.raises(ValueError, match=r"beta=0.04\) needs a reference model.*save_pretrained.*beta=0.0"):
         RolloutGRPOTrainer(model=tiny_model(0), reward_funcs=id_reward, args=config, rollout_workers="tcp://x:1")
+    from peft import LoraConfig
+
+    import trainer_bridge.trl.trainer as trainer_module
+
+    class PastTheCheck(Exception):
+        pass
+
+    def past_the_check(*_args, **_kwargs):
+        raise PastTheCheck
+
+    with pytest.MonkeyPatch.context() as patch:  # the check after it: the refusal did not come
+        patch.setattr(trainer_module, "check_mode", past_the_check)
+        lora = LoraConfig(r=4, target_modules=["q_proj"])
+        positional = (None,) * 7 + (lora,)  # GRPOTrainer's peft_config, its 11th argument, given positionally
+        with pytest.raises(PastTheCheck):
+            RolloutGRPOTrainer(tiny_model(0), id_reward, config, *positional, rollout_workers="tcp://x:1")
     saved = tiny_model(0)
     saved.save_pretrained(tmp_path / "policy")
     check_reference_model(AutoModelForCausalLM.from_pretrained(tmp_path / "policy"), config, None)

@@ -25,7 +25,11 @@ _FIELD_NAME = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
 # Other tools' names for torch dtypes (vLLM's --dtype half and float, the common short forms) -> torch's, for the
 # suggestion a --dtype choice gets.
-DTYPE_SPELLINGS = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+DTYPE_SPELLINGS = {
+    **{name: "float16" for name in ("fp16", "half")},
+    **{name: "bfloat16" for name in ("bf16", "bfloat")},
+    **{name: "float32" for name in ("fp32", "float", "float64", "fp64", "double")},  # (no float64: the next best)
+}
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -304,9 +308,9 @@ class CliParser(argparse.ArgumentParser):
             super()._check_value(action, value)
         except argparse.ArgumentError as error:
             names = [str(choice) for choice in action.choices or ()]
-            close = difflib.get_close_matches(str(value), names, n=1)
+            close = [name for name in names if name == DTYPE_SPELLINGS.get(str(value).lower())]
+            close = close or difflib.get_close_matches(str(value), names, n=1)
             close = close or [name for name in names if name.lower() == str(value).lower()]  # "info" for INFO
-            close = close or [name for name in names if name == DTYPE_SPELLINGS.get(str(value).lower())]
             if not close:
                 raise
             raise argparse.ArgumentError(action, f"{error.message}; did you mean {close[0]}?") from None

@@ -26,11 +26,13 @@ def exit_now(status: int) -> NoReturn:
     Args:
         status: the exit status.
     """
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's exit does first: wake the idle workers of open thread pools (the hooks
+    # `threading._register_atexit` keeps, not `atexit`'s), then join every non-daemon thread.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # started with that stream closed
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can reach it
@@ -51,4 +53,7 @@ def run_console_script(main: Callable[[list[str] | None], int], argv: list[str] 
         if isinstance(error.code, str):
             print(error.code, file=sys.stderr)
         status = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+    except BrokenPipeError:  # whoever read its output stopped reading (`| head`): as a shell tool ends, quietly
+        sys.stdout = None  # nothing more can reach it (the flush at exit would fail again)
+        status = 1
     exit_now(status)

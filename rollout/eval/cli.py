@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"(--compare-with-generate {args.compare_with_generate}: "
                     f"the dataset has {summary['prompts']} prompts)"
                 )
+            written = None if args.output is None else write_summary(args.output, summary)  # before any print:
+            # a reader of the output that went away (`| head`) must not cost the file
             print("\n".join(lines), flush=True)
-            if args.output is not None:
-                written = write_summary(args.output, summary)
+            if written is not None:
                 print(f"rows: {args.output} ({summary['samples']}), summary: {written}", flush=True)
         except EvalError as error:
             print(f"rollout-eval: error: {error}", file=sys.stderr)

@@ -184,11 +184,13 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         check_keywords(kwargs, RolloutGRPOTrainer.__init__)
         check_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
-        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        # GRPOTrainer's arguments by name, however they were passed (its `args`, a GRPOConfig, is the third)
+        given = inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments
+        config = given.get("args")
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
         check_temperature(config)
-        check_reference_model(kwargs.get("model", args[0] if args else None), config, kwargs.get("peft_config"))
+        check_reference_model(given.get("model"), config, given.get("peft_config"))
         check_mode(
             rollout_mode,
             rollout_workers,

@@ -51,9 +51,9 @@ def sampling_with_fields(
         return sampling
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise FieldError("sampling", f"expected SamplingParams or a dict of its fields, got {type(sampling).__name__}")
-    unknown = sorted(set(fields) - SAMPLING_FIELDS)
+    unknown = sorted(set(fields) - SAMPLING_FIELDS, key=repr)  # (a dict's keys may be of any type)
     if unknown:
-        raise FieldError(unknown[0], unknown_field_reason(unknown[0], SAMPLING_FIELDS))
+        raise FieldError(str(unknown[0]), unknown_field_reason(unknown[0], SAMPLING_FIELDS))
     if eos_token_id is not None:  # transformers' stop token(s): negative ids mean none, as there
         fields["stop_token_ids"] = _eos_stops(eos_token_id, fields, vocab_size)
     merged = (sampling if sampling is not None else defaults).merged(**fields)
