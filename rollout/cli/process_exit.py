@@ -4,9 +4,10 @@ A process that imported torch and transformers holds hundreds of thousands of Py
 exit walks them all in a last garbage collection and frees them one by one: 1.5-3 s after a worker logged
 "stopped", time a supervisor (systemd, Kubernetes, a Ray fleet) or a test waits for nothing. Once the command has
 closed what it owns (sockets, servers, the engine, files), `exit_now` does what the interpreter's exit does that
-anyone can see (joins the threads still running, runs the exit hooks: logging's flush, OpenTelemetry's export,
-flushes standard output and error) and ends the process with its status; the memory goes back to the system whole.
-A command that raises ends as Python ends it, with its traceback.
+anyone can see (wakes open thread pools and joins the threads still running, runs the exit hooks: logging's flush,
+OpenTelemetry's export; flushes standard output and error) and ends the process with its status; the memory goes
+back to the system whole. A command that raises ends as Python ends it, with its traceback; one whose reader of
+standard output went away (`| head`) ends quietly with status 1.
 """
 
 from __future__ import annotations
