@@ -7,6 +7,7 @@ import importlib.util
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 # Only modules free of torch here: the parser builds, and --help and flag errors answer, at once. The benchmarks
 # themselves load in commands.py, imported once the flags parse.
@@ -18,6 +19,7 @@ from rollout.benchmarks.harness.choices import GRPO_NUM_PROMPTS, SERVICE_PATHS, 
 from rollout.benchmarks.harness.workloads import WORKLOADS
 from rollout.benchmarks.structured.structured_flags import add_arguments as add_structured_arguments
 from rollout.cli.parser import CliParser
+from rollout.cli.process_exit import run_console_script
 from rollout.config import MODEL_DTYPE_NAMES
 from rollout.process_groups import interrupt_on_signals
 from rollout.protocol.transports import WEIGHT_TRANSPORTS
@@ -294,5 +296,16 @@ def _docstring(module: str) -> str | None:
         return ast.get_docstring(ast.parse(source.read()), clean=False)
 
 
+def console_main(argv: list[str] | None = None) -> NoReturn:
+    """The `rollout-bench` console script (and `python -m rollout.benchmarks.cli`, how gpu-report runs each section):
+    `main`, then the process ends at once (`exit_now`: its threads joined and exit hooks run, without the
+    interpreter's seconds-long teardown of every object torch made).
+
+    Args:
+        argv: the arguments (None: the command line's).
+    """
+    run_console_script(lambda args: main(args) or 0, argv)
+
+
 if __name__ == "__main__":
-    main()
+    console_main()
