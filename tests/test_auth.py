@@ -95,6 +95,8 @@ def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
             stranger.generate(PromptGroup([1, 2, 3], sampling=GREEDY))
         assert stranger.live_workers() == []
     assert error.value.code == "no_workers" and "refused this client's key" in str(error.value)
+    assert "every rollout worker refused this client" in str(error.value)
+    assert "Is rollout-worker running" not in str(error.value)  # it is: it answered, and refused the key
     assert time.monotonic() - started < 15
     assert "refused a connection: DENIED" in worker.output()  # the worker's log says so too (pyzmq: at debug)
 

@@ -184,7 +184,8 @@ def test_bad_adapters_are_refused_whole_and_the_old_one_keeps_serving(fp32_pair)
         engine.load_adapter("policy", high_rank)
     with pytest.raises(FieldError) as error:
         engine.load_adapter("third", good)
-    assert error.value.field == "max_loras"
+    assert error.value.field == "max_loras" and "--max-loras" in str(error.value)  # and the ways out
+    assert "/v1/unload_lora_adapter" in str(error.value) and "push under one of those names" in str(error.value)
     nan = {**good, name: LoraModule(good[name].lora_A * float("nan"), good[name].lora_B, 2.0)}
     with pytest.raises(FieldError) as error:
         engine.load_adapter("policy", nan, check_finite=True)

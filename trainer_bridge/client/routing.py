@@ -112,6 +112,8 @@ class CallRouter:
             f"{worker.address}: {worker.refused or worker.unverified or f'no answer within {self.connect_timeout:g} s'}"
             for worker in workers
         ]
+        if all(worker.refused for worker in workers):  # each answered, and refused this client: its keys say why
+            return "every rollout worker refused this client (" + "; ".join(reasons) + ")"
         return (
             "no rollout worker answered (" + "; ".join(reasons) + "). Is rollout-worker running at that address "
             "and port? If it is still starting, give RolloutClient a larger connect_timeout."

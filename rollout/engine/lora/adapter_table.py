@@ -129,7 +129,12 @@ class AdapterTable:
         if name in self.reserved_names:
             raise FieldError("adapter", f"{name!r} is the served model's name: give the adapter another one")
         if name not in self.refs and len(self.refs) >= self.max_loras:
-            raise FieldError("max_loras", f"{len(self.refs)} adapters are served already ({sorted(self.refs)})")
+            raise FieldError(
+                "max_loras",
+                f"{len(self.refs)} adapters are served already ({sorted(self.refs)}): push under one of those names "
+                "(it replaces that adapter), start the worker with a larger --max-loras, or unload one (the HTTP "
+                "control route /v1/unload_lora_adapter, or Engine.unload_adapter in process)",
+            )
         ranks: dict[str, dict[str, int]] = {}
         saved = {}
         for wire_name, (dtype, shape) in specs.items():

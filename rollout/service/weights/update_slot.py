@@ -160,8 +160,8 @@ class UpdateSlot:
             self.reject(p.Error("update_preempted", "another trainer took the update slot over (preempt)", None))
             return True
         reason = (
-            f"update {update.update_id!r} of another client is still open (one at a time; weights_begin with "
-            "preempt=true takes the slot over)"
+            f"update {update.update_id!r} of another client is still open (one at a time: push again once it "
+            "ends, or take the slot over with push_weights(..., preempt=True), the protocol's weights_begin preempt)"
         )
         self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
         return False
