@@ -88,6 +88,17 @@ def test_keygen_writes_the_secret_owner_only_from_its_creation(tmp_path, monkeyp
     assert (tmp_path / "fresh.key_secret").stat().st_mode & 0o777 == 0o600
 
 
+def test_the_workers_secret_key_file_is_refused_as_a_clients_server_key(keys):
+    """zmq's certificate loader takes a public key from a secret file too: a client configured with the worker's
+    secret file would work, and spread the secret to every client machine. Refused, naming the public file."""
+    with pytest.raises(ValueError, match=r"is the worker's secret key file: give its public one \(worker.key\)"):
+        RolloutClient(
+            "tcp://127.0.0.1:1",
+            curve_secret_key=keys / "clients" / "client.key_secret",
+            server_public_key=keys / "own" / "worker.key_secret",
+        )
+
+
 def test_an_unknown_key_cannot_connect_and_is_told_so(worker, keys):
     started = time.monotonic()
     with _client(worker, keys, "stranger", "strangers") as stranger:

@@ -373,3 +373,18 @@ def test_a_fleet_left_running_at_exit_is_shut_down(tmp_path):
 def test_threads_left():
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("rollout-fleet")]
     assert not leftover, leftover
+
+
+def test_a_scale_down_removes_workers_that_do_not_serve_first():
+    """Dead or restarting workers (not joined) go first, then those behind the newest weights, then the newest: a
+    scale-down had removed the newest whatever the state, keeping a killed worker and dropping the only current one."""
+    from rollout.ray.fleet import _least_serving_first
+    from rollout.ray.membership import Slot
+
+    old, killed, behind, new = (Slot(actor=name, group=None, bundle=0, joined=name) for name in "abcd")
+    killed.joined = None
+    behind.behind_since = 1.0
+    assert [slot.actor for slot in _least_serving_first([old, killed, behind, new])] == ["b", "c", "d", "a"]
+    dead = Slot(actor="e", group=None, bundle=0, joined="e", dead="gone")
+    assert _least_serving_first([old, new, dead])[0] is dead
+    assert _least_serving_first([old, new], silent={id(old)})[0] is old  # no answer just now: killed, restarting

@@ -200,7 +200,19 @@ class _DenialsWarned(logging.LoggerAdapter):
 def secure_client_socket(
     socket: zmq.Socket, secret_key: str | os.PathLike | bytes, server_public_key: str | os.PathLike | bytes
 ) -> None:
-    """Make a client socket (before it connects) a CURVE client of the server whose public key is given."""
+    """Make a client socket (before it connects) a CURVE client of the server whose public key is given.
+
+    Raises:
+        ValueError: a key that cannot be loaded, or a server key given as the server's secret key file (a client
+            needs only the public one: handing clients the worker's secret lets anyone who holds it pose as it).
+    """
+    if not isinstance(server_public_key, bytes) and Path(os.fsdecode(server_public_key)).is_file():
+        path = Path(os.fsdecode(server_public_key))
+        if zmq.auth.load_certificate(path)[1] is not None:
+            raise ValueError(
+                f"server_public_key {path} is the worker's secret key file: give its public one "
+                f"({path.with_suffix('.key').name}); the secret stays with the worker"
+            )
     public, secret = load_key_pair(secret_key)
     socket.curve_secretkey = secret
     socket.curve_publickey = public

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from rollout.protocol.auth import load_public_key
 from rollout.ray.actor import check_worker_args
 from rollout.ray.keys import FleetKeys
 from rollout.ray.membership import Membership, Slot
@@ -38,6 +39,9 @@ from trainer_bridge.client import RolloutClient
 logger = logging.getLogger("rollout.ray")
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# A scale-down asks every worker for its state first, waiting this long for the answers: one killed a moment ago is
+# seen gone (not serving), and removed before a healthy one.
+SCALE_DOWN_POLL_S = 2.0
 
 
 class RolloutFleet:
@@ -174,7 +178,7 @@ class RolloutFleet:
             client = RolloutClient(
                 addresses,
                 curve_secret_key=self._files.trainer_secret,
-                server_public_key=self._files.worker_secret,
+                server_public_key=load_public_key(self._files.worker_secret),  # (the public half, as bytes)
                 **kwargs,
             )
             client.min_policy_version = self._membership.newest()
@@ -184,7 +188,8 @@ class RolloutFleet:
 
     def scale(self, num_workers: int) -> None:
         """Grow the fleet to `num_workers` (returns once the new workers serve, with the newest weights) or shrink
-        it (the newest workers go first; their unfinished groups are resubmitted to the others, nothing is lost).
+        it (workers that do not serve go first: dead or restarting ones, then those behind the newest weights; among
+        equals the newest workers; their unfinished groups are resubmitted to the others, nothing is lost).
 
         Args:
             num_workers: the new size, at least 1.
@@ -199,7 +204,8 @@ class RolloutFleet:
             if num_workers > len(current):
                 self._add(num_workers - len(current))
             elif num_workers < len(current):
-                self._remove(current[num_workers:])
+                silent = _not_answering(current, SCALE_DOWN_POLL_S)  # a worker killed a moment ago among them
+                self._remove(_least_serving_first(current, silent)[: len(current) - num_workers])
 
     def shutdown(self) -> None:
         """Stop every worker (in-flight groups are aborted), remove the actors and placement groups, close the clients
@@ -240,6 +246,37 @@ class RolloutFleet:
     def _remove(self, slots: list[Slot]) -> None:
         """Take the slots' workers out of the clients and stop them (in-flight groups are resubmitted)."""
         self._membership.remove(slots, graceful_s=30)
+
+
+def _not_answering(slots: list[Slot], wait_s: float) -> set[int]:
+    """The `id`s of the slots whose serving process does not answer a fresh call within `wait_s` (dead, or restarted:
+    a new process answers), asked here, apart from the monitor's own calls (whose answers may predate a kill)."""
+    calls = {id(slot): (slot, slot.actor.info.remote()) for slot in slots}
+    ready = set(ray.wait([call for _, call in calls.values()], num_returns=len(calls), timeout=wait_s)[0])
+    silent = set()
+    for key, (slot, call) in calls.items():
+        try:
+            info = ray.get(call) if call in ready else None
+        except Exception:  # noqa: BLE001 - a dead or restarting actor: not serving
+            info = None
+        if info is None or slot.incarnation != (info["pid"], info["started_at"]):
+            silent.add(key)
+    return silent
+
+
+def _least_serving_first(slots: list[Slot], silent: set[int] = frozenset()) -> list[Slot]:
+    """The slots in the order a scale-down removes them: not serving (dead, restarting: not joined; or silent, the
+    `id` of a slot whose worker did not answer just now), then behind the newest weights, then the rest; the newest
+    (last started) first among equals."""
+    order = {id(slot): index for index, slot in enumerate(slots)}
+    return sorted(
+        slots,
+        key=lambda slot: (
+            slot.dead is None and slot.joined is not None and id(slot) not in silent,  # False (not serving) first
+            slot.behind_since is None,  # behind the newest first
+            -order[id(slot)],  # newest first
+        ),
+    )
 
 
 def _shut_down(membership: Membership, key_dir: str) -> None:

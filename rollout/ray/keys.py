@@ -56,6 +56,6 @@ class FleetKeys:
 class KeyFiles:
     """Where `FleetKeys.write` put the certificates."""
 
-    worker_secret: str  # rollout-worker --curve-secret-key; also the clients' server_public_key (it holds the public)
+    worker_secret: str  # rollout-worker --curve-secret-key; the clients' server_public_key is its public half
     trainer_keys: str  # rollout-worker --trainer-keys
     trainer_secret: str  # RolloutClient(curve_secret_key=...)
