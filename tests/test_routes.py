@@ -290,6 +290,26 @@ def test_a_replay_that_raises_inside_a_recorded_router_leaves_no_mode_behind(moe
     engine.close()
 
 
+def test_generate_batch_refuses_routes_it_cannot_record_before_its_warm_up(moe, monkeypatch):
+    """generate_batch on a compiled decode forward: return_routes is refused before the warm-up compiles (about
+    25 s on a CPU), not after it."""
+    from transformers import CompileConfig
+
+    from rollout import ContinuousBatchingConfig, generate_batch
+    from rollout.engine.engine import Engine
+
+    def no_warm_up(self, num_tokens=8):
+        raise AssertionError("the warm-up ran before the refusal")
+
+    monkeypatch.setattr(Engine, "warmup", no_warm_up)
+    config = ContinuousBatchingConfig(num_blocks=64, decode_compile_config=CompileConfig(mode="default"))
+    for sampling in (ROUTED, {"return_routes": True}):
+        with pytest.raises(FieldError, match="torch.compile") as error:
+            generate_batch(copy.deepcopy(moe), [[1, 2, 3]], sampling=sampling, max_new_tokens=2, progress_bar=False,
+                           continuous_batching_config=config)  # fmt: skip
+        assert error.value.field == "return_routes"
+
+
 def test_route_rows_keep_what_each_sample_used_and_bad_wire_routes_are_refused():
     """A leader that recomputes its prompt after forking rewrites its own copy (its forks keep the routes of the KV
     they used); a swapped-out request offers no block; a worker's routes that do not fit the message are refused."""

@@ -161,6 +161,12 @@ def generate_batch(
             peft_off.enter_context(peft_model.disable_adapter())
         for name in sorted({name for name in adapters if name is not None}):
             engine.load_adapter(name, from_peft_model(peft_model, name))
+        routes_asked = any(
+            params.get("return_routes") if isinstance(params, dict) else getattr(params, "return_routes", False)
+            for params in per_prompt
+        )
+        if routes_asked and engine.intake.routes_refusal is not None:  # before the warm-up's compile, not after it
+            raise FieldError("return_routes", engine.intake.routes_refusal)
         if warmup and not warm:
             engine.warmup()
         for index, (prompt, params) in enumerate(zip(inputs, per_prompt)):
