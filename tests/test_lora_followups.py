@@ -198,7 +198,7 @@ def test_a_peft_gpt2_is_served_with_its_lora_layers_as_peft_runs_them():
 
 
 # ---- 4. an adapter load that fails with new base weights changes nothing ------------------------------------------
-def test_an_adapter_that_fails_to_load_leaves_the_old_base_and_adapters_serving(monkeypatch):
+def test_an_adapter_that_fails_to_load_leaves_the_old_base_and_adapters_serving(monkeypatch, caplog):
     """The base travels with the adapter (an adapter push to a worker without the trainer's base): when the
     adapter's layers cannot be allocated, the old base and adapter serve on, at the old version, tokens as before."""
     engine = make_engine(tiny_model("qwen3", seed=0))
@@ -225,6 +225,9 @@ def test_an_adapter_that_fails_to_load_leaves_the_old_base_and_adapters_serving(
     assert answers() == before
     assert "adapter 'b'" in str(error.value) and "nothing changed" in str(error.value)
     monkeypatch.undo()
+    assert "came with new base weights" not in caplog.text  # (refused: nothing changed)
     engine.load_adapter("b", new, base=other_base)  # the same update, with memory: the new base serves
     assert engine.policy_version == version + 1
     assert answers()["None"] != before["None"]
+    # adapter "a" now computes over the new base: its trainer may not have trained it there, so the log says so
+    assert "adapter 'b' came with new base weights: the adapters ['a'] served beside it now compute" in caplog.text

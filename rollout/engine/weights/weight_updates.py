@@ -5,6 +5,7 @@ bump the policy version, forget cached prefixes, then apply the commit mode to t
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
 if TYPE_CHECKING:  # the engine builds both and hands them over (the step loop is the engine's, above this folder)
     from rollout.engine.runner.model_runner import ModelRunner
     from rollout.engine.step_loop import StepLoop
+
+logger = logging.getLogger(__name__)
 
 
 class WeightUpdates:
@@ -88,7 +91,16 @@ class WeightUpdates:
         def affects(request: Request) -> bool:
             return request.adapter is not None and request.adapter.name == name
 
-        return self.commit(copy, new_version, mode, started, None if base is not None else affects)
+        result = self.commit(copy, new_version, mode, started, None if base is not None else affects)
+        others = sorted(set(self.runner.adapters.refs) - {name}) if base is not None else []
+        if others:  # they stay served, over a base their trainers may not have trained them on: said, once per push
+            logger.warning(
+                "adapter %r came with new base weights: the adapters %s served beside it now compute over that base "
+                "(if their trainers trained them over another, push them again, or serve each base on its own worker)",
+                name,
+                others,
+            )
+        return result
 
     def unload_adapter(self, name: str) -> list[GenerationOutput]:
         """End every group sampling with adapter `name` (queued or running; finish_reason "abort"), then stop serving
