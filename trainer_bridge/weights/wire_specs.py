@@ -66,9 +66,11 @@ def _wire_spec(entry: Entry, reference: dict[str, tuple[str, tuple[int, ...]]], 
         raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
     dtype_wire, shape = target
     if tuple(shape) != tuple(entry.shape):
-        raise RolloutError(
-            "bad_update", f"shape {list(entry.shape)} does not match the workers' {list(shape)}", entry.name
+        reason = (
+            f"shape {list(entry.shape)} does not match the workers' {list(shape)}: the workers serve a model of "
+            "another size or architecture than this one (for an adapter, than the base it was trained over)"
         )
+        raise RolloutError("bad_update", reason, entry.name)
     if not (entry.dtype.is_floating_point and DTYPES[dtype_wire].is_floating_point):
         dtype_wire = dtype_name(entry.dtype)  # never cast integers: a mismatch is for the worker to name
     return p.TensorSpec(entry.name, dtype_wire, list(entry.shape))
