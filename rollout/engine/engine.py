@@ -150,8 +150,7 @@ class Engine:
         Args:
             group_id: unique id of the group (must not be running already).
             prompt_ids: prompt token ids (a list, or a 1-D / (1, L) tensor or array).
-            sampling: sampling parameters (copied; None fields come from the generation config), or a dict of
-                SamplingParams fields, applied over the generation config's settings.
+            sampling: a SamplingParams (copied; None fields from the generation config) or a dict of its fields.
             n: samples in the group (None: the GenerationConfig's num_return_sequences, else 1).
             max_new_tokens: overrides `sampling.max_new_tokens`.
             streaming: emit a delta after every token (else one output per sample when it finishes).

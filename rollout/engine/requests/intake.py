@@ -4,7 +4,6 @@ mutable state, so any thread may prepare a request; the engine thread queues it 
 
 from __future__ import annotations
 
-import numbers
 import random
 import time
 import warnings
@@ -20,6 +19,7 @@ from rollout.engine.grammar.constraints import Constrained, Grammars
 from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.keyword_fields import is_token, sampling_with_fields
+from rollout.engine.requests.prompt_ids import as_prompt
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.requests.route_rows import RouteRows
 from rollout.generation_config import GenerationDefaults
@@ -31,31 +31,6 @@ MAX_GROUP_SIZE = 4096
 # The engine and the wire protocol say prompt_ids and group_id; transformers' API, which ContinuousBatchingManager
 # and generate_batch mirror, says input_ids and request_id. Errors are renamed once, at that surface.
 TRANSFORMERS_FIELD_NAMES = {"prompt_ids": "input_ids", "group_id": "request_id"}
-
-
-def as_prompt(prompt_ids: Any) -> list[int]:
-    """One prompt as a fresh list of ints: from a list/tuple, or a 1-D or (1, L) tensor or numpy array.
-
-    Raises:
-        ValueError: anything else, naming prompt_ids.
-    """
-    if isinstance(prompt_ids, torch.Tensor) or type(prompt_ids).__module__ == "numpy":
-        array = torch.as_tensor(prompt_ids)
-        if array.dim() == 2 and array.shape[0] == 1:
-            array = array[0]
-        if array.dim() != 1 or array.is_floating_point():
-            raise FieldError(
-                "prompt_ids",
-                f"expected one prompt of integer ids (1-D or (1, L)), got {array.dtype} of shape {tuple(array.shape)}",
-            )
-        return array.tolist()
-    if not isinstance(prompt_ids, (list, tuple)):
-        hint = ": tokenize it first, e.g. tokenizer(texts)['input_ids']" if isinstance(prompt_ids, str) else ""
-        raise FieldError("prompt_ids", f"expected a list of token ids, got {type(prompt_ids).__name__}{hint}")
-    if all_plain_ints(prompt_ids):  # the common case, at C speed
-        return list(prompt_ids)
-    # numpy / torch integer scalars become plain ints; anything else is left for validate() to name.
-    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt_ids]
 
 
 class TorchSeeds:
