@@ -14,7 +14,7 @@ from rollout.presets import tiny_model
 from rollout.protocol.auth import keygen_main
 from rollout.service.launch import cli, startup
 from service_helpers import Client, Worker, free_port
-from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights, unload_adapter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,6 +170,18 @@ def test_a_generate_only_key_cannot_push_weights_a_trainer_key_can(worker, keys)
     with _client(worker, keys, "trainer", "trainers") as trainer:
         assert push_weights(trainer, changed).version == 1
         assert trainer.generate(prompt).completions[0].token_ids != before
+
+
+def test_a_generate_only_key_cannot_unload_an_adapter(worker, keys):
+    """adapter_unload is a trainer's (it ends other clients' groups): refused by role before the engine looks."""
+    with _client(worker, keys, "client", "clients") as client:
+        with pytest.raises(RolloutError) as error:
+            unload_adapter(client, "any")
+        assert error.value.code == "unauthorized" and "adapter_unload needs a trainer key" in str(error.value)
+    with _client(worker, keys, "trainer", "trainers") as trainer:  # a trainer's reaches the engine: none served
+        with pytest.raises(RolloutError) as error:
+            unload_adapter(trainer, "any")
+        assert (error.value.code, error.value.field) == ("bad_request", "adapter_name")
 
 
 def test_a_refused_weight_message_names_its_update_whatever_its_id(worker, keys):

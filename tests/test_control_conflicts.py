@@ -17,6 +17,7 @@ from control_helpers import Stream, saved_adapter
 
 from conftest import reference_copy
 from rollout import ContinuousBatchingConfig, SamplingParams, init_continuous_batching
+from rollout.config import FieldError
 from rollout.engine.manager.generation_pause import PauseOvertaken
 from rollout.presets import tiny_model
 from service_helpers import Worker, free_port
@@ -63,6 +64,33 @@ def test_a_request_queued_for_an_adapter_unloaded_meanwhile_never_runs(manager, 
     assert "unloaded" in late.error
     manager.add_request([5, 6, 7, 8], request_id="bob", max_new_tokens=6, sampling=GREEDY, adapter="bob")
     assert len(final(manager, "bob").generated_tokens) == 6
+
+
+def test_an_unload_nobody_waits_for_answers_once_on_every_path(manager, tmp_path):
+    """`submit_unload_adapter` (the ZeroMQ worker's: its serving thread never waits): the count of samples it ended,
+    from the engine thread; an unknown name's FieldError; before the engine thread starts, carried out at once; after
+    the manager stopped, refused."""
+    manager.load_adapter("alice", saved_adapter(tmp_path / "alice", seed=1))
+    manager.add_request([5, 6, 7, 8], request_id="long", max_new_tokens=500, sampling=GREEDY, adapter="alice", n=2)
+    answers: list = []
+    answered = threading.Event()
+    manager.control.submit_unload_adapter("alice", lambda outcome: (answers.append(outcome), answered.set()))
+    assert answered.wait(TIMEOUT) and answers == [2]
+    assert [final(manager, f"long#{index}").finish_reason for index in range(2)] == ["abort", "abort"]
+    manager.control.submit_unload_adapter("alice", answers.append)  # served no more
+    deadline = time.monotonic() + TIMEOUT
+    while len(answers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(answers[1], FieldError) and answers[1].field == "adapter"
+    idle = init_continuous_batching(tiny_model(), None, ContinuousBatchingConfig(num_blocks=64, block_size=4))
+    idle.load_adapter("bob", saved_adapter(tmp_path / "bob", seed=2))
+    here: list = []
+    idle.control.submit_unload_adapter("bob", here.append)  # not started: done before the call returns
+    assert here == [0] and not idle.engine.runner.adapters.refs
+    idle.stop(block=True, timeout=TIMEOUT)
+    with pytest.raises(RuntimeError, match="stopped"):
+        idle.control.submit_unload_adapter("bob", here.append)
+    assert here == [0]
 
 
 def shifted(model: torch.nn.Module, shift: float) -> dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ EXAMPLES = [
     p.WeightsCommit("u1"),
     p.WeightsCommitted("u1", 7, 12.5, 10.0, 0.0, 1, 2),
     p.WeightsAbort("u1"),
+    p.AdapterUnload("u2", "policy"),
+    p.AdapterUnloaded("u2", "policy", 3),
     p.Error("bad_update", "a: shape [2] does not match the model's [2, 3]", "a", None, "u1"),
 ]
 

@@ -38,6 +38,8 @@ Messages (client -> worker, then what the worker answers):
 | weights_abort  | update_id: str                                                       | weights_ack (state "aborted"),  |
 |                |                                                                      | or error (unknown_update,       |
 |                |                                                                      | update_committing)              |
+| adapter_unload | update_id: str (any id: the answer carries it), adapter: str (a      | adapter_unloaded, or error      |
+|                | served LoRA adapter: its groups end with finish_reason "abort")      | ("bad_request", field adapter)  |
 
 Worker -> client:
 
@@ -56,6 +58,7 @@ Worker -> client:
 | weights_ack        | update_id: str, received_bytes: int, state: "staging" or "aborted"                         |
 | weights_committed  | update_id: str, version: int, pause_ms: float, copy_ms: float, drain_ms: float,            |
 |                    | aborted: int, recomputed: int                                                              |
+| adapter_unloaded   | update_id: str, adapter: str, aborted: int (its samples that ended with "abort")           |
 | error              | code: str, message: str, field: str or nil, group_id: str or nil, update_id: str or nil    |
 
 Liveness: a worker cancels the groups of a client that has groups in flight and has sent nothing for its
@@ -66,14 +69,14 @@ unsolicited `pong` with nonce -1 (`PROBE_NONCE`): clients ignore pongs they did 
 
 Limits (`rollout-worker --max-...`, answered by name): header lists hold at most 2**20 items, maps 2**16 entries,
 strings 2**20 bytes (longer ones are refused before they are built), and a header at most 2**17 lists and maps in
-all and 32 MiB (64 KiB for ping, stats, hello, cancel, weights_spec, weights_commit and weights_abort); a
+all and 32 MiB (64 KiB for ping, stats, hello, cancel, weights_spec, weights_commit, weights_abort and adapter_unload); a
 group_id or update_id at most 1024 characters; a prompt is at most `--max-prompt-len` tokens (checked from its length first); `n` at most
 `--max-n`; at most `--max-groups-per-client` groups in flight ("busy" past it); frames at most
 `--max-message-bytes` (a larger one drops the connection), and a message's frames after its header as much
 together.
 
 Security: with `--curve-secret-key` every connection is CurveZMQ-encrypted and only listed keys connect; weight
-updates (weights_begin/bucket/commit/abort) need a key of `--trainer-keys`, others get "unauthorized".
+updates (weights_begin/bucket/commit/abort) and adapter_unload need a key of `--trainer-keys`, others get "unauthorized".
 
 A Completion map: sample_index: int, token_ids: [int], logprobs: [float], finish_reason: "stop" | "length" |
 "abort" | "error", error: str or nil, policy_versions: [[version, index of the first token it sampled], ...]
@@ -115,7 +118,7 @@ Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry 
 "duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),
 "update_timeout", "update_in_progress", "update_committing", "update_preempted", "unknown_update", "base_mismatch"
 (a LoRA adapter meant for another base); "unauthorized"
-(the client's key may not do this: weight updates need a trainer key).
+(the client's key may not do this: weight updates and adapter unloads need a trainer key).
 """
 
 from rollout.protocol.message_base import (
@@ -151,6 +154,8 @@ from rollout.protocol.messages import (
 )
 from rollout.protocol.transports import WEIGHT_TRANSPORTS
 from rollout.protocol.weight_messages import (
+    AdapterUnload,
+    AdapterUnloaded,
     TensorPiece,
     TensorSpec,
     WeightsAbort,
@@ -166,6 +171,8 @@ from rollout.protocol.weight_messages import (
 
 __all__ = [
     "decode",
+    "AdapterUnload",
+    "AdapterUnloaded",
     "encode",
     "encode_steps",
     "Cancel",

@@ -4,7 +4,7 @@ through `zmq.auth`) with two roles.
 Keys are `zmq.auth` certificate files: `NAME.key` holds a public key, `NAME.key_secret` the pair. `rollout-keygen DIR
 NAME` writes both. A worker started with `--curve-secret-key worker.key_secret` only accepts clients whose public
 key file lies in `--authorized-keys DIR` (generate, stream, cancel, ping, stats, hello, weights_spec) or in
-`--trainer-keys DIR` (all of that, and weight updates). Every connection is encrypted. Clients give
+`--trainer-keys DIR` (all of that, and weight updates and adapter unloads). Every connection is encrypted. Clients give
 `RolloutClient(..., curve_secret_key="client.key_secret", server_public_key="worker.key")`.
 
 Without keys a worker trusts everyone who can reach it, so it refuses to bind a non-loopback address unless
@@ -32,7 +32,7 @@ from rollout.cli.parser import CliParser
 logger = logging.getLogger(__name__)
 
 # Message types only a trainer key may send (when authentication is on).
-TRAINER_ONLY = frozenset({"weights_begin", "weights_bucket", "weights_commit", "weights_abort"})
+TRAINER_ONLY = frozenset({"weights_begin", "weights_bucket", "weights_commit", "weights_abort", "adapter_unload"})
 
 
 def load_key_pair(source: str | os.PathLike | bytes) -> tuple[bytes, bytes]:

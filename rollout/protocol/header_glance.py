@@ -63,7 +63,9 @@ def glance_ids(frame: Any) -> dict[str, str] | None:
 
 
 # Message types whose every legal header is small (ids, a nonce): one far larger carries junk, refused unread.
-SMALL_TYPES = frozenset({"ping", "stats", "hello", "cancel", "weights_spec", "weights_commit", "weights_abort"})
+SMALL_TYPES = frozenset(
+    {"ping", "stats", "hello", "cancel", "weights_spec", "weights_commit", "weights_abort", "adapter_unload"}
+)
 SMALL_HEADER_BYTES = 64 << 10
 
 

@@ -1,5 +1,6 @@
 """The weight update's messages: the trainer announces tensors (`weights_begin`), sends their bytes in buckets, then
 commits or aborts; the worker answers each step. How the bytes travel is the transport's (`rollout.protocol.transports`).
+A served LoRA adapter is removed by `adapter_unload` (no bytes travel).
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ class WeightsAbort(ClientMessage):
     update_id: str
 
 
+@dataclass
+class AdapterUnload(ClientMessage):
+    """Stop serving LoRA adapter `adapter`: its groups, queued or running, end with finish_reason "abort", then its
+    slot is freed. Not a transaction of the update slot: it runs between two engine steps even while an update is
+    open (one that then commits an adapter of that name serves it again)."""
+
+    TYPE: ClassVar[str] = "adapter_unload"
+    update_id: str  # any id the client chose: the answer carries it
+    adapter: str
+
+
 # ---- worker -> client --------------------------------------------------------------------------------------------
 @dataclass
 class WeightsSpecReply(WorkerMessage):
@@ -134,3 +146,13 @@ class WeightsCommitted(WorkerMessage):
     drain_ms: float = 0.0  # mode "wait": how long in-flight samples ran before the update
     aborted: int = 0
     recomputed: int = 0
+
+
+@dataclass
+class AdapterUnloaded(WorkerMessage):
+    """Answer to adapter_unload: the adapter is no longer served."""
+
+    TYPE: ClassVar[str] = "adapter_unloaded"
+    update_id: str
+    adapter: str
+    aborted: int = 0  # samples of its groups that ended with finish_reason "abort"

@@ -3,4 +3,4 @@ that pushes after each step), `weight_sync.py` (`push_weights`), `adapter_mode.p
 merged; `trainer_bridge.trained_base`: what of its base trains beside the adapter), `trainer_bridge.gathering` (the trainer's tensors gathered: ZeRO-3, FSDP2, PEFT), `lora_push.py` (an adapter's
 tensors), `wire_specs.py` (the tensors a push announces, checked against the workers'), `push.py` (one push: begin,
 buckets, commit, over a transport), `push_links.py` (its links to the workers), over the client's update channel
-(`trainer_bridge.client.update_channel`)."""
+(`trainer_bridge.client.update_channel`); `adapter_unload.py` (`unload_adapter`: a pushed adapter stops serving)."""

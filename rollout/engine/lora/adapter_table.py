@@ -132,8 +132,9 @@ class AdapterTable:
             raise FieldError(
                 "max_loras",
                 f"{len(self.refs)} adapters are served already ({sorted(self.refs)}): push under one of those names "
-                "(it replaces that adapter), start the worker with a larger --max-loras, or unload one (the HTTP "
-                "control route /v1/unload_lora_adapter, or Engine.unload_adapter in process)",
+                "(it replaces that adapter), start the worker with a larger --max-loras, or unload one "
+                "(trainer_bridge.unload_adapter, the HTTP control route /v1/unload_lora_adapter, or "
+                "Engine.unload_adapter in process)",
             )
         ranks: dict[str, dict[str, int]] = {}
         saved = {}

@@ -70,13 +70,25 @@ class ApplyWeights:
     update: PendingUpdate
 
 
+class AnswerTo:
+    """An `EngineCall`'s reply handed to a callback, for a caller that must not wait for it (the ZeroMQ worker's
+    serving thread). The callback runs on the engine thread, once: it must be quick and must not raise."""
+
+    def __init__(self, callback: Callable[[Any], None]):
+        """
+        Args:
+            callback: gets the call's result, or the exception it raised (RuntimeError: the manager stopped first).
+        """
+        self.put = callback
+
+
 @dataclass
 class EngineCall:
     """Run `function(engine)` on the engine thread between two steps (the step in flight finished first); its
-    result, or the exception it raised, goes to `reply`."""
+    result, or the exception it raised, goes to `reply` (a queue its caller waits on, or an `AnswerTo`)."""
 
     function: Callable[[Any], Any]
-    reply: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    reply: queue.SimpleQueue | AnswerTo = field(default_factory=queue.SimpleQueue)
 
 
 @dataclass

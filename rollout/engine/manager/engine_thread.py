@@ -214,9 +214,10 @@ class EngineLoop:
         elif isinstance(command, EngineCall):
             try:
                 self.deliver(self.engine.flush())
-                command.reply.put(command.function(self.engine))
+                answer = command.function(self.engine)
             except Exception as error:  # noqa: BLE001 - the caller hears of it; the loop goes on
-                command.reply.put(error)
+                answer = error
+            command.reply.put(answer)  # once (an `AnswerTo` calls back)
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""

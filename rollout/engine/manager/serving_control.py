@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.engine.engine import Engine
-from rollout.engine.manager.commands import Command, EngineCall
+from rollout.engine.manager.commands import AnswerTo, Command, EngineCall
 from rollout.engine.manager.generation_pause import (
     GenerationPause,
     GenerationPauseCommand,
@@ -130,10 +130,31 @@ class ServingControl:
             FieldError: ("adapter") no adapter of that name is served. TimeoutError, RuntimeError: as `call`.
         """
 
-        def unload(engine: Engine) -> None:
-            self._deliver(engine.unload_adapter(name))
+        self.call(self._unload(name), timeout)
 
-        self.call(unload, timeout)
+    def submit_unload_adapter(self, name: str, done: Callable[[int | BaseException], None]) -> None:
+        """`unload_adapter` without waiting (the ZeroMQ worker's `adapter_unload`: its serving thread never waits on
+        the engine thread).
+
+        Args:
+            name: a served adapter's name.
+            done: gets how many samples the unload ended (finish_reason "abort"), or the exception (FieldError
+                "adapter": no adapter of that name is served; RuntimeError: the manager stopped first). It runs once,
+                on the engine thread (here, when that thread has not started): it must be quick and must not raise.
+        Raises:
+            RuntimeError: the manager stopped (`done` is not called).
+        """
+        self._send(EngineCall(self._unload(name), AnswerTo(done)), self._run_here)
+
+    def _unload(self, name: str) -> Callable[[Engine], int]:
+        """What the engine thread runs to unload adapter `name`: delivers the ended samples, returns how many."""
+
+        def unload(engine: Engine) -> int:
+            outputs = engine.unload_adapter(name)
+            self._deliver(outputs)
+            return sum(1 for output in outputs if output.finish_reason == "abort")
+
+        return unload
 
     def call(self, function: Callable[[Engine], Any], timeout: float | None = None) -> Any:
         """Run `function(engine)` between two steps (the step in flight finished first) and return its result.
@@ -142,13 +163,16 @@ class ServingControl:
             What `function` raised; TimeoutError when the engine thread did not run it in time (it may still run
             it later); RuntimeError when the manager stopped first.
         """
-        command = EngineCall(function)
+        return self._ask(EngineCall(function), self._run_here, timeout)
 
-        def run_here(call: EngineCall) -> None:
+    def _run_here(self, call: EngineCall) -> None:
+        """Carry out `call` on the caller's thread (the engine thread has not started), as that thread would."""
+        try:
             self._deliver(self._engine.flush())
-            call.reply.put(call.function(self._engine))
-
-        return self._ask(command, run_here, timeout)
+            answer = call.function(self._engine)
+        except Exception as error:  # noqa: BLE001 - the caller hears of it, as from the engine thread
+            answer = error
+        call.reply.put(answer)
 
     def _send(self, command: GenerationPauseCommand | EngineCall, run_here: Callable) -> None:
         """Hand `command` to the engine thread, or carry it out here when the thread has not started.

@@ -14,6 +14,7 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.lora.adapter_weights import AdapterModules
+from rollout.peft_adapters import BASE_NAME
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import Request
 from rollout.engine.weights.commit_modes import abort_in_flight, recompute_in_flight
@@ -106,6 +107,8 @@ class WeightUpdates:
         """End every group sampling with adapter `name` (queued or running; finish_reason "abort"), then stop serving
         it (see `Engine.unload_adapter`). Returns their outputs (the drained step's first)."""
         loop = self.loop
+        if name == BASE_NAME:
+            raise FieldError("adapter", f"{BASE_NAME!r} is the base model, which is never unloaded")
         self.runner.adapters.ref(name)  # an unknown name is refused before anything ends
         loop.drain()
         scheduler = loop.scheduler

@@ -8,7 +8,8 @@ Group ids are per client: the engine sees "<client identity>/<group id>", so two
 A client that is gone (clients.py: its connection closed, it stopped reading, or it has groups in flight and went
 silent) has its groups cancelled, which frees their KV blocks. Groups are admitted and answered by the group desk
 (group_desk.py; a structured-output constraint is compiled off this loop); weight updates go through one slot
-(updates.py).
+(`rollout.service.weights.update_slot`), adapter unloads beside it (`adapter_unloads.py` there); what the worker says
+about itself is worker_report.py's.
 
 Per-message work on the serving thread is bounded: headers are decoded under the limits of `WorkerLimits` (list
 lengths checked before elements), and everything a message raises becomes an error reply to it.
@@ -16,7 +17,6 @@ lengths checked before elements), and everything a message raises becomes an err
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -31,11 +31,13 @@ from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_prope
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.observability.tracing import Tracer
+from rollout.service.weights.adapter_unloads import AdapterUnloads
 from rollout.service.weights.update_slot import WEIGHT_MESSAGES, UpdateSlot
 from rollout.service.zmq.clients import ClientLinks
 from rollout.service.zmq.group_desk import GroupDesk
 from rollout.service.zmq.limits import WorkerLimits
 from rollout.service.zmq.message_checks import MessageChecks
+from rollout.service.zmq.worker_report import hello_reply, worker_stats
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,9 @@ class RolloutWorker:
             keep_staging=keep_staging,
             check_finite=check_finite,
         )
+        self._unloads = AdapterUnloads(
+            manager, lambda identity, message, key=None: owner._send(identity, message, key), self._waker.wake
+        )
         self._checks = MessageChecks(
             self._max_lengths,
             auth,
@@ -196,6 +201,7 @@ class RolloutWorker:
                 self._waker.drain()
             self._desk.admit_compiled(self._send)  # after the drain: a compile finished since wakes the next poll
             self._updates.conclude()
+            self._unloads.conclude()
             self._desk.flush(self._send)
             self._links.flush()
             self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
@@ -222,6 +228,7 @@ class RolloutWorker:
         self._desk.close(self._send)
         self.manager.stop(block=True, timeout=30)
         self._updates.close()
+        self._unloads.conclude()  # unloads the stopped engine never ran are answered ("internal", it stopped)
         self._desk.flush(self._send)
         self._links.flush(encode_s=None)  # the last results are encoded whole: nothing is served after them
         self._links.close()
@@ -286,19 +293,9 @@ class RolloutWorker:
         elif isinstance(message, p.Ping):
             self._send(identity, p.Pong(message.nonce, self.policy_version))
         elif isinstance(message, p.Hello):
-            engine = self.manager.engine
-            config = dataclasses.asdict(self.manager.config)
-            self._send(
-                identity,
-                p.HelloReply(
-                    self.model_name,
-                    engine.vocab_size,
-                    engine.max_model_len,
-                    self.policy_version,
-                    config,
-                    self.tokenizer_name,
-                ),
-            )
+            self._send(identity, hello_reply(self.manager, self.model_name, self.tokenizer_name))
+        elif isinstance(message, p.AdapterUnload):  # a trainer's (MessageChecks refused other keys)
+            self._unloads.handle(identity, message, key)
         elif isinstance(message, p.Stats):
             self._send(identity, p.StatsReply(self.stats()))
         else:
@@ -321,30 +318,5 @@ class RolloutWorker:
         self._updates.client_lost(identity)
 
     def stats(self) -> dict:
-        """The manager's counters plus this worker's: policy version, groups received / refused / in flight /
-        finished, samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for
-        slow clients, weight updates rejected, their bytes and pauses, tokens/s since start, and whether the engine
-        runs batch-invariant and with fp32 logits, on which device ("cpu", "cuda") and in which dtype ("bfloat16", ...). Safe from any thread (the /metrics scrape reads it)."""
-        stats = self.manager.stats()
-        uptime = max(stats["uptime_s"], 1e-9)
-        stats.update(
-            policy_version=self.policy_version,
-            clients=self._links.num_clients,
-            clients_lost=self._links.num_lost,
-            pending_reply_bytes=self._links.pending_bytes(),
-            peak_pending_reply_bytes=self._links.peak_pending_bytes,
-            clients_dropped_unread=self._links.dropped_slow,
-            **self.counters.snapshot(),
-            weight_updates_rejected=self._updates.num_rejected,
-            weight_update_bytes=self._updates.bytes_committed,
-            weight_update_pause_ms=self._updates.pause_ms_total,
-            tokens_per_s=stats["generated_tokens"] / uptime,
-            tokenizer=self.tokenizer_name,
-            adapters=self.manager.engine.runner.adapters.stats(),
-            base_id=self.base_id,
-            batch_invariant=self.manager.engine.config.batch_invariant,
-            fp32_logits=self.manager.engine.config.fp32_logits,
-            device=self.manager.engine.kv_cache.kv.device.type,
-            dtype=str(self.manager.engine.kv_cache.kv.dtype).removeprefix("torch."),
-        )
-        return stats
+        """The worker's counters (`worker_report.worker_stats`). Safe from any thread (the /metrics scrape reads it)."""
+        return worker_stats(self.manager, self._links, self.counters, self._updates, self.tokenizer_name)
