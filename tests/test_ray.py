@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 from rollout.presets import tiny_model  # noqa: E402
 from rollout.ray import RolloutFleet  # noqa: E402
-from trainer_bridge import PromptGroup, RolloutClient, push_weights  # noqa: E402
+from trainer_bridge import PromptGroup, RolloutClient, push_weights, unload_adapter  # noqa: E402
 
 CPU_WORKER = ["--device", "cpu", "--num-blocks", "128", "--log-level", "WARNING"]
 PROMPTS = [[(13 * i + 7 * j + 5) % 997 + 4 for j in range(9 + i)] for i in range(12)]
@@ -296,15 +296,21 @@ def test_rollout_grpo_trainer_takes_the_fleet(fleet, tmp_path):
 
 
 def test_a_worker_that_missed_a_push_catches_up_from_its_peer(fleet, client):
-    """A push through a client that left one worker out: the fleet copies the newest weights to that worker from its
-    peer within seconds (no further push), and it serves them."""
+    """A push and an adapter unload through a client that left one worker out: the fleet copies the newest weights to
+    that worker from its peer within seconds (no further push), unloading the adapter its peer serves no more, and
+    it serves them."""
     behind = fleet.addresses[1]
+    version = max(entry["policy_version"] for entry in client.stats()) + 1
+    push_weights(client, lora_policy(), version=version, adapter_name="extra")  # on both workers
+    client.adapter = None
     solo = fleet.client(timeout=60)
     solo.remove_worker(behind)
-    version = max(entry["policy_version"] for entry in client.stats()) + 1
-    push_weights(solo, tiny_model(3), version=version)
+    assert unload_adapter(solo, "extra") == 0
+    push_weights(solo, tiny_model(3), version=version + 1)
     solo.close()
+    version += 1
     wait_until(lambda: worker_stats(client).get(behind, {}).get("policy_version") == version, 30, "the catch-up")
+    assert "extra" not in worker_stats(client)[behind]["adapters"]
     before = worker_stats(client)[behind]["generated_tokens"]
     submitted = groups(range(8))
     check_results(list(client.generate_many(submitted)), submitted, seed=3, version=version)

@@ -1,6 +1,6 @@
 """The peer weight copy's plan (`rollout.ray.weight_copy.plan_copy`): which transactions bring a restarted or lagging
-fleet worker to exactly what its peer serves, base and LoRA adapters, each at its version. The copies themselves run
-against real workers in test_ray.py."""
+fleet worker to exactly what its peer serves, base and LoRA adapters, each at its version (unloading what the peer
+serves no more). The copies themselves run against real workers in test_ray.py."""
 
 from __future__ import annotations
 
@@ -45,5 +45,17 @@ def test_a_copy_that_cannot_give_the_peers_adapters_exactly_is_refused():
         plan_copy(8, "B", {"policy": 8, "ref": 4}, 8, "B", {"policy": 8})
     with pytest.raises(ValueError, match="lacks adapters"):  # a stale peer never rolls a newer adapter back
         plan_copy(9, "B", {"policy": 9, "ref": 4}, 7, "B", {"policy": 7, "ref": 6})
-    with pytest.raises(ValueError, match=r"adapters its peer does not \(\['old'\]\)"):
-        plan_copy(8, "B", {"policy": 8}, 5, None, {"old": 3, "policy": 5})
+
+
+def test_an_adapter_the_peer_serves_no_more_is_unloaded_first():
+    # "old" was unloaded across the fleet (unload_adapter) while the target was down; its slot is freed before the
+    # adapters the target lacks arrive.
+    assert plan_copy(8, "B", {"policy": 8}, 5, None, {"old": 3, "policy": 5}) == [
+        CopyStep(5, "old", with_base=False, unload=True),
+        CopyStep(8, "policy", with_base=True),
+    ]
+    assert plan_copy(8, None, {}, 5, None, {"old": 3}) == [
+        CopyStep(5, "old", with_base=False, unload=True),
+        CopyStep(8, None, with_base=True),
+    ]
+    assert plan_copy(5, None, {}, 8, None, {"new": 7}) == []  # a target newer than its peer keeps what it serves

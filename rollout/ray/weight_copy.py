@@ -7,11 +7,13 @@ version order, planned by `plan_copy` from what both workers say they serve:
   tags its tokens as the peer does ((name, version) names one push's tensors); the base travels with the first one
   unless the target already holds the peer's named base (`base_id`);
 - a last transaction of the whole base brings the target to the peer's version when no adapter did (a plain
-  fleet, or a whole push after the adapters).
+  fleet, or a whole push after the adapters);
+- before all that, an adapter the target serves and the peer does not is unloaded (`adapter_unload`: one unloaded
+  across the fleet while the target was down, say).
 An adapter is never copied over another base than the peer's: the base goes first or with it. A copy that cannot
 give the target exactly the peer's adapters is refused, naming why: an adapter the target lacks at a version no
-higher than its own (versions only grow: it missed that push while taking later ones), or one the target serves
-and the peer does not. The fleet then tries another peer, or the worker waits for the trainer's next push.
+higher than its own (versions only grow: it missed that push while taking later ones). The fleet then tries another
+peer, or the worker waits for the trainer's next push.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class CopyStep:
-    """One transaction of a copy: `adapter` (None: the whole base) at `version`, with the base when `with_base`."""
+    """One transaction of a copy: `adapter` (None: the whole base) at `version`, with the base when `with_base`; with
+    `unload`, adapter `adapter` stops serving instead (the version does not change)."""
 
     version: int
     adapter: str | None
     with_base: bool
+    unload: bool = False
 
 
 def plan_copy(
@@ -47,14 +51,10 @@ def plan_copy(
         target_base_id: the target's named base.
         target_adapters: the target's adapters and their versions.
     Returns:
-        The steps, in order; empty when the target is not behind.
+        The steps, in order (unloads first); empty when the target is not behind.
     Raises:
-        ValueError: the target lacks an adapter at a version no higher than its own, or serves one the peer does
-            not (named).
+        ValueError: the target lacks an adapter at a version no higher than its own (named).
     """
-    extra = sorted(set(target_adapters) - set(peer_adapters))
-    if extra:
-        raise ValueError(f"the worker serves adapters its peer does not ({extra}); a copy cannot remove them")
     missing = sorted((v, name) for name, v in peer_adapters.items() if target_adapters.get(name) != v)
     stale = [f"{name}@{v}" for v, name in missing if v <= target_version]
     if stale:
@@ -65,8 +65,10 @@ def plan_copy(
     if target_version >= peer_version:
         return []
     same_base = peer_base_id is not None and target_base_id == peer_base_id
-    steps = [CopyStep(v, name, with_base=index == 0 and not same_base) for index, (v, name) in enumerate(missing)]
-    if not steps or steps[-1].version < peer_version:
+    extra = sorted(set(target_adapters) - set(peer_adapters))  # the peer, newer, serves them no more
+    steps = [CopyStep(target_version, name, with_base=False, unload=True) for name in extra]
+    steps += [CopyStep(v, name, with_base=index == 0 and not same_base) for index, (v, name) in enumerate(missing)]
+    if not missing or steps[-1].version < peer_version:
         steps.append(CopyStep(peer_version, None, with_base=True))
     return steps
 
@@ -86,6 +88,7 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
     """
     from rollout.engine.lora.adapter_weights import to_named_tensors
     from trainer_bridge.gathering import Entry, entries_of
+    from trainer_bridge.weights.adapter_unload import unload_adapter
     from trainer_bridge.weights.lora_push import AdapterPush
     from trainer_bridge.weights.weight_sync import push_weights
 
@@ -101,6 +104,9 @@ def copy_weights(worker: Any, model: Any, client: Any, timeout: float) -> int:
     served = {name: entry["version"] for name, entry in target.get("adapters", {}).items()}
     plan = plan_copy(version, base_id, adapters, target["policy_version"], target.get("base_id"), served)
     for step in plan:
+        if step.unload:
+            unload_adapter(client, step.adapter, timeout)
+            continue
         if step.adapter is None:
             push_weights(client, model, version=step.version, timeout=timeout)
             continue
