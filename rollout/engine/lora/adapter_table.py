@@ -30,19 +30,13 @@ import torch
 
 from rollout.config import FieldError, dtype_name
 from rollout.engine.kv.transfer import to_device
-from rollout.engine.lora.adapter_weights import (
-    WIRE_SUFFIXES,
-    AdapterModules,
-    LoraModule,
-    SavedModule,
-    saved_parameter,
-    to_named_tensors,
-)
+from rollout.engine.lora.adapter_specs import check_tensor_specs
+from rollout.engine.lora.adapter_weights import AdapterModules, LoraModule, SavedModule, to_named_tensors
 from rollout.engine.lora.bounds import check_magnitudes, check_rank_limit, check_room
-from rollout.engine.lora.layers import ADAPTER_DTYPES, LoraLayer, LoraStepState
+from rollout.engine.lora.layers import LoraLayer, LoraStepState
 from rollout.engine.lora.saved_modules import SavedModules
 from rollout.engine.requests.adapter_ref import AdapterRef, AdapterUnloaded, check_adapter_name
-from rollout.peft_adapters import SAVED_MARKER, adapter_submodules
+from rollout.peft_adapters import adapter_submodules
 
 
 class AdapterTable:
@@ -136,62 +130,11 @@ class AdapterTable:
                 "(trainer_bridge.unload_adapter, the HTTP control route /v1/unload_lora_adapter, or "
                 "Engine.unload_adapter in process)",
             )
-        ranks: dict[str, dict[str, int]] = {}
-        saved = {}
-        for wire_name, (dtype, shape) in specs.items():
-            if (module_and_parameter := saved_parameter(wire_name)) is not None:
-                saved[wire_name] = (*module_and_parameter, dtype, shape)
-                continue
-            if SAVED_MARKER in wire_name:  # "<module>.modules_to_save.<child>.<p>": a module with submodules
-                module = wire_name.split(SAVED_MARKER)[0]
-                raise FieldError(
-                    wire_name,
-                    f"modules_to_save of {module!r}, a module with submodules, is not served unmerged (a Linear, an "
-                    "Embedding, or a norm over the hidden states)",
-                )
-            suffix = next((s for s in WIRE_SUFFIXES if wire_name.endswith(s)), None)
-            if suffix is None:
-                raise FieldError(
-                    wire_name,
-                    "an adapter tensor is named '<module>.lora_A', '<module>.lora_B' or '<module>.modules_to_save.<p>'",
-                )
-            module = self._target(wire_name[: -len(suffix)], wire_name)
-            if dtype not in ADAPTER_DTYPES:
-                raise FieldError(wire_name, f"dtype {dtype}: adapters come in {sorted(ADAPTER_DTYPES)}")
-            if len(shape) != 2:
-                raise FieldError(wire_name, f"shape {list(shape)}: expected 2 dimensions")
-            rank, expected = (
-                (shape[0], [shape[0], module.in_features])
-                if suffix == ".lora_A"
-                else (
-                    shape[1],
-                    [module.out_features, shape[1]],
-                )
-            )
-            if list(shape) != expected:
-                raise FieldError(wire_name, f"shape {list(shape)} does not fit the module: expected {expected}")
-            if not 1 <= rank <= self.max_rank:
-                raise FieldError(wire_name, f"rank {rank} is outside [1, max_lora_rank={self.max_rank}]")
-            ranks.setdefault(wire_name[: -len(suffix)], {})[suffix[1:]] = rank
-        for module, pair in ranks.items():
-            if len(pair) != 2:
-                missing = "lora_B" if "lora_A" in pair else "lora_A"
-                raise FieldError(f"{module}.{missing}", "missing: every module brings both lora_A and lora_B")
-            if pair["lora_A"] != pair["lora_B"]:
-                reason = f"rank {pair['lora_B']} differs from its lora_A's {pair['lora_A']}"
-                raise FieldError(f"{module}.lora_B", reason)
+        ranks, saved = check_tensor_specs(specs, self._linears, self._head_names, self.max_rank)
         self.saved.check_specs(saved)
         for module_name, *_ in saved.values():
             if module_name in ranks:
                 raise FieldError(f"{module_name}.lora_A", "a module the adapter also saves whole (modules_to_save)")
-
-    def _target(self, module_name: str, field: str) -> torch.nn.Linear:
-        module = self._linears.get(module_name)
-        if module is not None:
-            return module
-        if module_name in self._head_names:
-            raise FieldError(field, "LoRA on the output head is not served unmerged; push with adapters='merged'")
-        raise FieldError(field, f"the model has no Linear layer named {module_name!r}")
 
     def check(self, name: str, modules: AdapterModules, check_finite: bool = False) -> None:
         """Check a whole adapter before anything changes: names, shapes and ranks (`check_specs`), magnitudes that
