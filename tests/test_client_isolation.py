@@ -189,6 +189,29 @@ def test_stalled_uploads_hold_a_bounded_number_of_bytes(worker, http, watch):
         pytest.fail("the bytes of closed uploads were not given back")
 
 
+def test_a_body_refused_while_it_arrives_closes_its_connection(worker):
+    """A refusal before the body was read whole (429 past the address's share) says `Connection: close`: the rest of
+    the body is never read, so the connection cannot carry another request. A keep-alive client then opens a new
+    connection for its next request; before, that request was lost ("Server disconnected without sending a
+    response")."""
+    raw = b'{"prompt": [' + b",".join([b"1"] * 2_900_000) + b"]}"  # 5.8 MB, about 120 MB once parsed
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    )
+    stalled = socket.create_connection(("127.0.0.1", worker.port))  # holds half of the address's share
+    try:
+        stalled.sendall(head.encode() + raw[: len(raw) // 2])
+        time.sleep(1.0)
+        with httpx.Client(base_url=worker.url, headers=HEADERS, timeout=60) as client:
+            for _ in range(4):
+                response = client.post("/v1/completions", content=raw)
+                assert "per client address" in error_of(response, 429)
+                assert response.headers["connection"] == "close"
+    finally:
+        stalled.close()
+
+
 def test_an_answer_that_would_copy_prompt_logprobs_into_every_choice_is_refused(worker, http, watch):
     body = {"prompt": [7] * 2000, "prompt_logprobs": 20, "echo": True, "logprobs": 20, "n": 128, "max_tokens": 1}
     start_watch, watch = watch, watch()

@@ -238,27 +238,32 @@ def test_custom_entries_of_a_checkpoint_config_are_ignored_as_generate_ignores_t
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_sample_with_every_token_banned_ends_with_an_error_not_a_token(overlap):
-    """Bans that leave nothing to draw end that sample with finish_reason "error" and its tokens so far (transformers
-    would draw token 0 greedily, or raise when sampling); the other samples in the batch are untouched."""
+    """Bans that leave nothing to draw first are refused at intake, naming a field (transformers would draw token 0
+    greedily, or raise when sampling); bans that run out later (no_repeat_ngram_size) end that sample with
+    finish_reason "error" and its tokens so far; the other samples in the batch are untouched."""
     model = tiny_model("qwen3")
     reference = reference_copy(model)
     prompts = make_prompts(2, 4, 8, seed=9)
     everything = tuple(range(256))
+    config = ContinuousBatchingConfig(num_blocks=512, block_size=4, overlap_scheduling=overlap)
     banned = SamplingParams(do_sample=False, stop_token_ids=(), begin_suppress_tokens=everything)
+    with pytest.raises(FieldError) as refused:
+        generate_batch(model, [prompts[0]], sampling=banned, continuous_batching_config=config, progress_bar=False)
+    assert refused.value.field == "begin_suppress_tokens" and "ban all 256 tokens" in str(refused.value)
     late = SamplingParams(do_sample=True, seed=1, stop_token_ids=(), no_repeat_ngram_size=1)  # runs out of tokens
     plain = SamplingParams(do_sample=False, stop_token_ids=())
     outputs = generate_batch(
         model,
-        [prompts[0], prompts[1], prompts[1]],
-        sampling=[banned, late, plain],
+        [prompts[1], prompts[1]],
+        sampling=[late, plain],
         max_new_tokens=300,
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=512, block_size=4, overlap_scheduling=overlap),
+        continuous_batching_config=config,
         progress_bar=False,
     )
-    first, exhausted, untouched = outputs["req_0"], outputs["req_1"], outputs["req_2"]
-    assert (first.finish_reason, first.generated_tokens) == ("error", []) and "banned" in first.error
+    exhausted, untouched = outputs["req_0"], outputs["req_1"]
     # n = 1: every token seen is banned, so after the prompt's distinct tokens and 256 - those, nothing is left.
-    assert exhausted.finish_reason == "error" and len(exhausted.generated_tokens) == 256 - len(set(prompts[1]))
+    assert exhausted.finish_reason == "error" and "banned" in exhausted.error
+    assert len(exhausted.generated_tokens) == 256 - len(set(prompts[1]))
     assert len(set(exhausted.generated_tokens)) == len(exhausted.generated_tokens)
     assert untouched.generated_tokens == reference_greedy(reference, prompts[1], max_new_tokens=300)
 

@@ -376,7 +376,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, sta
             "/v1/chat/completions",
             b'{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udfff"}]}',
             "messages",
-            r"message 1's content holds a lone surrogate \(\\udfff\)",
+            r"messages\[1\]\.content: holds a lone surrogate \(\\udfff\)",
         ),
     ],
     ids=["prompt", "chat"],

@@ -112,7 +112,7 @@ def test_a_seed_past_64_bits_is_read_as_the_integer_sent(api):
     invalid")."""
     import json
 
-    from rollout.service.http.serving.bodies import parse_json
+    from rollout.service.http.serving.json_body import parse_json
 
     for body in (
         b'{"seed": 18446744073709551616, "temperature": 1.5, "prompt": "12345678901234567890123"}',

@@ -17,6 +17,7 @@ from rollout.constraints import constraint_of
 from rollout.detokenizer import OutputText
 from rollout.engine.grammar.constraints import Constrained, Grammars
 from rollout.engine.requests.adapter_ref import AdapterRef
+from rollout.engine.requests.bans import check_first_token
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.keyword_fields import is_token, sampling_with_fields
 from rollout.engine.requests.prompt_ids import as_prompt
@@ -229,6 +230,8 @@ class RequestIntake:
             client=spec.client,
             session=spec.session,
         )
+        if not request.score_only:
+            check_first_token(request, self.vocab_size)
         if sampling.return_routes:
             request.routes = RouteRows(len(prompt), request)
         request.constraint = self.constraint(sampling)

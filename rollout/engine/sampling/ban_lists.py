@@ -1,13 +1,13 @@
 """What each sample bans, in the sampling pipeline (`Sampler`): tokens it may not generate next (transformers' semantics
 of `no_repeat_ngram_size`, `bad_words_ids`, `suppress_tokens` and `begin_suppress_tokens`), as the lists the per-slot
 tables are built from (`rollout.engine.sampling.slot_state`; the masks: `rollout.engine.sampling.ban_masks`).
-`SamplingParams` bounds every list, so no request can make steps slow.
+`SamplingParams` bounds every list, so no request can make steps slow. What a request never generates, and what it
+may not generate first, are the request's own (`rollout.engine.requests.bans`).
 """
 
 from __future__ import annotations
 
 from rollout.config import SamplingParams
-from rollout.engine.requests.request import Request
 
 
 def has_bans(params: SamplingParams) -> bool:
@@ -20,14 +20,6 @@ def has_bans(params: SamplingParams) -> bool:
 def has_history(params: SamplingParams) -> bool:
     """True when the request's bans read its latest tokens (no_repeat_ngram_size, multi-token bad words)."""
     return bool(params.no_repeat_ngram_size) or any(len(word) > 1 for word in params.bad_words_ids)
-
-
-def always_banned(request: Request) -> list[int]:
-    """Sorted token ids the request never generates: suppress_tokens and single-token bad words, except that a
-    single-token bad word that is a stop token is kept allowed, as transformers does."""
-    params = request.sampling
-    single = [w[0] for w in params.bad_words_ids if len(w) == 1 and w[0] not in request.stop_token_ids]
-    return sorted(set(params.suppress_tokens).union(single))
 
 
 def multi_token_words(params: SamplingParams) -> list[tuple[int, ...]]:

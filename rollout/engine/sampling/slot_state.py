@@ -29,8 +29,9 @@ from collections import Counter
 import torch
 
 from rollout.engine.kv.transfer import to_device
+from rollout.engine.requests.bans import always_banned
 from rollout.engine.requests.request import Request
-from rollout.engine.sampling.ban_lists import always_banned, has_history, multi_token_words
+from rollout.engine.sampling.ban_lists import has_history, multi_token_words
 from rollout.engine.sampling.slot_columns import SlotColumns
 
 LISTS = ("always", "first", "stops")  # token-list tables, in the order the ban mask reads them

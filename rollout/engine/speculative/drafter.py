@@ -31,8 +31,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from rollout.engine.grammar import cpu_bounds
+from rollout.engine.requests.bans import always_banned
 from rollout.engine.requests.request import Request
-from rollout.engine.sampling.ban_lists import always_banned
 from rollout.engine.speculative.suffix_pool import DraftPool
 
 MIN_ACCEPTANCE = 0.3  # a row, or a match length, drafting below this acceptance rate pauses

@@ -14,11 +14,11 @@ import torch
 
 from rollout.config import FieldError
 from rollout.engine.lora.adapter_weights import AdapterModules
-from rollout.peft_adapters import BASE_NAME
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import Request
 from rollout.engine.weights.commit_modes import abort_in_flight, recompute_in_flight
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
+from rollout.peft_adapters import BASE_NAME
 
 if TYPE_CHECKING:  # the engine builds both and hands them over (the step loop is the engine's, above this folder)
     from rollout.engine.runner.model_runner import ModelRunner

@@ -36,6 +36,8 @@ class APIError(Exception):
         param: the request field at fault (None: the request as a whole).
         type: OpenAI's error type ("invalid_request_error", "not_found_error", ...).
         code: a short machine-readable code ("model_not_found", "busy", ...), or None.
+        close_connection: the reply says `Connection: close` (the request's body was not read whole: the connection
+            cannot carry another request, and a keep-alive client must not send one over it).
     """
 
     status: int
@@ -43,6 +45,7 @@ class APIError(Exception):
     param: str | None = None
     type: str = "invalid_request_error"
     code: str | None = None
+    close_connection: bool = False
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the reply (message and param clipped in their middle: `clip`)."""

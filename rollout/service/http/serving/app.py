@@ -96,7 +96,8 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> SafeJSONResponse:
-        return SafeJSONResponse(error.body(), status_code=error.status)
+        headers = {"Connection": "close"} if error.close_connection else None
+        return SafeJSONResponse(error.body(), status_code=error.status, headers=headers)
 
     # Routes this worker would serve with a flag: their 404 names it (a bare "Not Found" read like a wrong path).
     switched_off = {} if settings.enable_control_routes else dict.fromkeys(CONTROL_PATHS, "--enable-control-routes")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import re
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -27,12 +25,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from rollout.service.http.api.bridge import ClientGone
 from rollout.service.http.errors import APIError
+from rollout.service.http.serving.json_body import BIG_BODY_BYTES, parse_json
 from rollout.service.http.serving.settings import (
     MAX_BODY_CONTAINERS,
     MAX_BODY_ELEMENTS,
@@ -43,8 +41,6 @@ from rollout.service.http.serving.settings import (
 
 # Most seconds a client may take to send its request body.
 BODY_TIMEOUT_S = 30.0
-# Bodies over this size are parsed one at a time on their own thread (smaller ones parse in well under 0.1 s).
-BIG_BODY_BYTES = 1 << 20
 
 
 @dataclass
@@ -119,50 +115,32 @@ class ReceiveBudget:
             del self.by_client[client]
 
 
-# The digits an integer past 64 bits needs (2**64 has 20; -2**63 - 1 a minus and 19), which orjson reads as a float.
-_LONG_DIGITS = re.compile(rb"\d{20,}|-\d{19}")
-_HUGE = 2.0**63
+def check_headers(headers: Any, max_body_bytes: int) -> None:
+    """Refuse, before reading it, a body this worker would not read as sent: not JSON, encoded (`Content-Encoding`),
+    in another charset than UTF-8, or declared larger than `max_body_bytes`.
 
-
-def _holds_a_huge_whole_float(value: Any) -> bool:
-    """Whether a parsed JSON value holds a float that is a whole number of magnitude 2**63 or more (what orjson
-    makes of an integer past 64 bits), anywhere inside."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, float):
-            if abs(item) >= _HUGE and item.is_integer():
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
-
-
-def parse_json(raw: bytes | bytearray) -> Any:
-    """A JSON body (400 when it is not JSON, or nested too deeply to parse).
-
-    orjson parses it: on every kind of value at most about 0.15 microseconds each, where `json.loads` takes up to
-    1.4 and msgspec up to 12 (on `1e300`), all while holding the interpreter lock. What orjson refuses in a small body
-    is parsed again by `json.loads`, which decides as it always did (it takes NaN and lone surrogate escapes, which
-    orjson refuses; fields then name them); a big body orjson refuses is refused. orjson reads an integer past 64
-    bits as a float (`2**64` as 1.8446744073709552e+19): where the body has the digits of one (20 or more, or a minus
-    and 19) and orjson's answer holds a whole float that large, `json.loads` parses it again, keeping the integer (a
-    field then names it as sent). Digits in a string (a prompt's) cost a walk of the answer, not a second parse.
+    Args:
+        headers: the request's headers.
+        max_body_bytes: the largest body taken.
+    Raises:
+        APIError: 415 naming the header; 413 a declared size over the limit.
     """
-    try:
-        parsed = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        if len(raw) >= BIG_BODY_BYTES:
-            raise APIError(400, f"the request body is not valid JSON: {error}"[:500]) from None
-    else:
-        if _LONG_DIGITS.search(raw) is None or not _holds_a_huge_whole_float(parsed):
-            return parsed
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
+    kind, _, parameters = headers.get("content-type", "").partition(";")
+    kind = kind.strip().lower()
+    if kind != "application/json":
+        reason = f"the request body must be JSON (Content-Type: application/json), got {kind or 'none'!r}"
+        raise APIError(415, reason)
+    for parameter in parameters.split(";"):
+        name, _, value = parameter.partition("=")
+        charset = value.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset.replace("-", "") != "utf8":
+            raise APIError(415, f"Content-Type: the body is read as UTF-8 (JSON's encoding), not charset {charset!r}")
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise APIError(415, f"Content-Encoding {encoding!r}: this worker reads request bodies as sent, not encoded")
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {max_body_bytes}")
 
 
 class BodyIntake:
@@ -191,18 +169,12 @@ class BodyIntake:
         """The request's JSON body, parsed; its bytes count against the budget until the block ends.
 
         Raises:
-            APIError: not declared as JSON (415), over the size or shape limits (413), too slow (408), over the
-                client's share of the budget (429) or the worker's (503), not JSON (400).
+            APIError: a query parameter (400: the fields are the body's), not declared as JSON or encoded (415),
+                over the size or shape limits (413), too slow (408), over the client's share of the budget (429) or
+                the worker's (503), not JSON or a key given twice (400). One raised before the body was read whole
+                closes the connection.
             ClientGone: the client left while sending it.
         """
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":
-            reason = f"the request body must be JSON (Content-Type: application/json), got {kind or 'none'!r}"
-            raise APIError(415, reason)
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is {declared} bytes; this worker takes at most {limit}")
         client = request.client.host if request.client is not None else ""
         held = [0]  # bytes reserved for this body so far
 
@@ -211,7 +183,15 @@ class BodyIntake:
             held[0] += size
 
         try:
-            raw = await self._read(request, hold)
+            try:
+                for name in request.query_params:  # a route that reads a JSON body takes its fields from there alone
+                    reason = f"unknown query parameter ({request.url.path} reads its fields from the JSON body)"
+                    raise APIError(400, f"query.{name}: {reason}", f"query.{name}")
+                check_headers(request.headers, self.max_body_bytes)
+                raw = await self._read(request, hold)
+            except APIError as refused:  # the rest of the body stays unread: no request may follow on this connection
+                refused.close_connection = True
+                raise
             parsed = await self._parse(raw)
             del raw  # (the parsed body is what the handler holds, and must drop at the end of the block)
             yield parsed

@@ -61,9 +61,10 @@ class RequestGuard:
                     403, "cross-site requests from a web page are refused (its Origin is not this server)", None
                 )
             elif scope["path"] not in OPEN_PATHS:
-                error = self._key_error(scope["path"], headers.get(b"authorization", b""))
+                error = self._key_error(scope["path"], _bearer(headers.get(b"authorization", b"")))
             if error is not None:
-                await SafeJSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                challenge = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None  # RFC 9110 11.6.1
+                await SafeJSONResponse(error.body(), status_code=error.status, headers=challenge)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -83,6 +84,12 @@ class RequestGuard:
         if self.expected is None or control or hmac.compare_digest(given, self.expected):
             return None
         return APIError(401, "a valid API key is required (Authorization: Bearer ...)", None, "authentication_error")
+
+
+def _bearer(given: bytes) -> bytes:
+    """The Authorization header with its scheme spelled "Bearer" (schemes are case-insensitive, RFC 9110 11.1)."""
+    scheme, space, token = given.partition(b" ")
+    return b"Bearer " + token if space and scheme.lower() == b"bearer" else given
 
 
 def _cross_site(headers: dict[bytes, bytes]) -> bool:
