@@ -126,3 +126,8 @@ def test_bans_that_leave_no_first_token_are_a_400_before_generation(http):
     # One token left to draw: served.
     response = http.post("/v1/completions", json={**ORDINARY, "min_tokens": 1, "stop_token_ids": everything[1:]})
     assert response.status_code == 200, response.text
+
+
+def test_a_refused_prompt_of_a_batch_is_named_by_its_place(http):
+    response = http.post("/v1/completions", json={"prompt": ["hi", ""], "max_tokens": 2})
+    assert refused(response, 400, "prompt") == "prompt: item 1 of the batch: encodes to no tokens"

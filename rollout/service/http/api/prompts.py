@@ -60,7 +60,11 @@ def completion_prompts(body: dict[str, Any], tokenizer: Any, limits: PromptLimit
     # before the rest are tokenized.
     for index, item in enumerate(prompt):
         if isinstance(item, str):
-            prompts.append(_encode(tokenizer, item, limits))
+            try:
+                prompts.append(_encode(tokenizer, item, limits))
+            except APIError as error:  # which prompt of the batch it was
+                error.message = f"prompt: item {index} of the batch: {error.message.removeprefix('prompt: ')}"
+                raise
         elif isinstance(item, list) and item and all_plain_ints(_capped(item, limits)):
             prompts.append(list(item))
         else:
