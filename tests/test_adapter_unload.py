@@ -9,11 +9,9 @@ import threading
 
 import msgpack
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
+from lora_models import lora_model, peft_greedy
 
 from rollout import protocol as p
-from rollout.presets import tiny_model
 from service_helpers import Client, Worker
 from trainer_bridge import Delta, PromptGroup, RolloutClient, RolloutError, push_weights, unload_adapter
 
@@ -38,24 +36,6 @@ def client(worker):
     with RolloutClient(worker.address, timeout=60) as cleanup:  # the next test starts with the slot free
         for name in cleanup.stats()[0]["adapters"]:
             unload_adapter(cleanup, name)
-
-
-def lora_model(seed: int) -> torch.nn.Module:
-    """A PeftModel over the worker's own start model (tiny seed 0) with a random, non-zero adapter."""
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    model = get_peft_model(tiny_model(0), config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn_like(parameter) * 0.1)
-    return model.eval()
-
-
-def peft_greedy(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        output = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    return output[0, len(prompt) :].tolist()
 
 
 def test_an_unloaded_adapters_slot_serves_another(client):

@@ -12,6 +12,7 @@ import uuid
 import openai
 import pytest
 import torch
+from lora_models import lora_model, peft_greedy
 from peft import LoraConfig, get_peft_model
 
 from rollout import protocol as p
@@ -38,24 +39,6 @@ def worker():
 def client(worker):
     with RolloutClient(worker.address, timeout=60) as connection:
         yield connection
-
-
-def lora_model(seed: int, **config) -> torch.nn.Module:
-    """A PeftModel over the worker's own start model (tiny seed 0) with a random, non-zero adapter."""
-    torch.manual_seed(seed)
-    settings = dict(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False) | config
-    model = get_peft_model(tiny_model(0), LoraConfig(**settings))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn_like(parameter) * 0.1)
-    return model.eval()
-
-
-def peft_greedy(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        output = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    return output[0, len(prompt) :].tolist()
 
 
 def test_base_once_then_adapter_only_and_tokens_match_peft(client):
