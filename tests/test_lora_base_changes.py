@@ -63,3 +63,36 @@ def test_a_base_changed_in_place_travels_again():
             assert served() == peft_greedy(restarted)
     finally:
         worker.close()
+
+
+def test_two_trainers_of_one_checkpoint_send_the_base_once_each_and_disturb_no_adapter():
+    """Two trainers start from one checkpoint (two model objects, equal weights): the second one's base is found
+    equal to the one served, so it is not copied, adapter "a" is not disturbed and no warning says it was; from then
+    on neither trainer's pushes bring the base. A base that differs does change the weights, and is said to."""
+    worker = Worker("--max-loras", "2", "--max-lora-rank", "8")
+    try:
+        with RolloutClient(worker.address, timeout=60) as first, RolloutClient(worker.address, timeout=60) as second:
+
+            def served(client, adapter: str) -> list[int]:
+                group = PromptGroup(PROMPT, sampling=GREEDY, adapter=adapter)
+                return list(client.generate(group).completions[0].token_ids)
+
+            a = random_lora(get_peft_model(tiny_model(0), LoraConfig(**LORA)), 1)
+            b = random_lora(get_peft_model(tiny_model(0), LoraConfig(**LORA)), 2)
+            assert push_weights(first, a, adapter_name="a").base_included
+            assert push_weights(second, b, adapter_name="b").base_included  # its worker's base has another name
+            assert served(first, "a") == peft_greedy(a) and served(second, "b") == peft_greedy(b)
+            for model, client, name, seed in ((a, first, "a", 3), (b, second, "b", 4), (a, first, "a", 5)):
+                random_lora(model, seed)  # a training step each
+                assert push_weights(client, model, adapter_name=name).base_included is False
+                assert served(client, name) == peft_greedy(model)
+            assert "came with new base weights" not in worker.output()
+
+            other = random_lora(get_peft_model(tiny_model(5), LoraConfig(**LORA)), 6)  # another checkpoint
+            assert push_weights(second, other, adapter_name="b").base_included
+            assert served(second, "b") == peft_greedy(other)
+            assert "adapter 'b' came with new base weights: the adapters ['a']" in worker.output()
+            assert push_weights(first, a, adapter_name="a").base_included  # its base must travel again
+            assert served(first, "a") == peft_greedy(a)
+    finally:
+        worker.close()

@@ -53,7 +53,8 @@ Worker -> client:
 | pong               | nonce: int, policy_version: int                                                            |
 | stats_reply        | stats: {str: any} (policy_version, weight_updates, last_weight_update_at, queue, KV, ...)  |
 | weights_spec_reply | update_id: str, tensors: [TensorSpec], policy_version: int, base_id: str or nil,           |
-|                    | adapters: {str: int} (served LoRA adapters and their versions)                             |
+|                    | adapters: {str: int} (served LoRA adapters and their versions), base_aliases: [str] (other |
+|                    | names of the same base, bit for bit: an adapter update naming one needs no base)           |
 | weights_ready      | update_id: str, staging_bytes: int, shm_name: str or nil                                   |
 | weights_ack        | update_id: str, received_bytes: int, state: "staging" or "aborted"                         |
 | weights_committed  | update_id: str, version: int, pause_ms: float, copy_ms: float, drain_ms: float,            |

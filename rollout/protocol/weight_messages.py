@@ -112,6 +112,9 @@ class WeightsSpecReply(WorkerMessage):
     policy_version: int
     base_id: str | None = None  # the base weights served, as the last whole update named them (nil: unnamed)
     adapters: dict[str, int] = field(default_factory=dict)  # served LoRA adapters and their versions
+    # Other names of the same base weights, bit for bit: those of adapter updates that brought them while they were
+    # served (two trainers of one checkpoint). An adapter update naming one of them needs no base.
+    base_aliases: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -121,7 +121,7 @@ class WeightPush:
                 )
         adapter_names: set[str] = set()
         if self.adapter is not None:  # the base travels along where a worker does not hold it
-            self.entries = self.adapter.choose(any(link.base_id != self.adapter.base_id for link in self.links))
+            self.entries = self.adapter.choose(any(not link.holds_base(self.adapter.base_id) for link in self.links))
             self.base_included = bool(self.adapter.base_included)
             adapter_names = {entry.name for entry in self.adapter.entries}
         return wire_specs(self.entries, reference, adapter_names)

@@ -18,12 +18,17 @@ class PushLink:
     transport: str = "frames"
     specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
     base_id: str | None = None  # the base weights it serves, as named by the last whole push (None: unnamed)
+    base_aliases: list[str] = field(default_factory=list)  # other names of the same weights, bit for bit
     policy_version: int = 0  # the version it serves (its weights_spec_reply's)
     ready: p.WeightsReady | None = None
     committed: p.WeightsCommitted | None = None
     open: bool = False  # begun, neither committed nor rejected
     attached: bool = False  # its transport reached the worker's staging (`Sender.attach`) since its last begin
     pending: deque = field(default_factory=deque)  # buckets sent, not acknowledged (their data kept alive)
+
+    def holds_base(self, base_id: str | None) -> bool:
+        """Whether its worker serves the base named `base_id` (under that name or another of the same weights)."""
+        return base_id == self.base_id or base_id in self.base_aliases
 
     def take(self, message: p.WorkerMessage) -> None:
         """Record its worker's reply to the push.
@@ -39,6 +44,7 @@ class PushLink:
         if isinstance(message, p.WeightsSpecReply):
             self.specs = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in message.tensors}
             self.base_id, self.policy_version = message.base_id, message.policy_version
+            self.base_aliases = list(message.base_aliases)
         elif isinstance(message, p.WeightsReady):
             self.ready = message
         elif isinstance(message, p.WeightsAck):

@@ -24,6 +24,8 @@ class WeightUpdateResult:
         drain_ms: for mode "wait", how long in-flight samples ran before the update (admission was paused).
         aborted: samples ended with finish_reason "abort" (mode "abort").
         recomputed: samples whose KV is recomputed under the new weights.
+        base_unchanged: an adapter update's base weights were those served, bit for bit (not copied: another trainer
+            of the same checkpoint, say); the adapters served beside it are untouched.
         outputs: the outputs of the step that was in flight, then the final outputs of the aborted samples (the
             caller delivers them).
     """
@@ -35,6 +37,7 @@ class WeightUpdateResult:
     drain_ms: float = 0.0
     aborted: int = 0
     recomputed: int = 0
+    base_unchanged: bool = False
     outputs: list[GenerationOutput] = field(default_factory=list, repr=False)
 
 
@@ -119,6 +122,16 @@ class WeightTable:
                 f"got {version!r}",
             )
         return new_version
+
+    def holds(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether the model's own tensors equal `tensors` (checked ones), bit for bit: one tensor at a time is
+        brought to the model's device to be compared (a GPU's memory holds one more of them at most)."""
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                target = self._weights[name]
+                if not torch.equal(target, tensor.to(target.device, non_blocking=True)):
+                    return False
+        return True
 
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors into the model's own, in place (non-blocking from pinned memory; waited for)."""

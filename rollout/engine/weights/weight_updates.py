@@ -65,10 +65,16 @@ class WeightUpdates:
     ) -> WeightUpdateResult:
         """Check, then commit, a LoRA adapter, with new base weights when given (see `Engine.load_adapter`)."""
         started = time.perf_counter()
+        unchanged = False
         new_version = self.table.check_version(version, mode, self.policy_version)
         self.runner.adapters.check(name, modules, check_finite)
         if base is not None:
             self.table.check_update(base, new_version, mode, False, self.policy_version)
+            # The base served already (another trainer of the same checkpoint): nothing of it is copied, and the
+            # adapters served beside this one compute as before. Between two steps, so no other update intervenes.
+            if self.table.holds(base):
+                base = None
+                unchanged = True
 
         def copy() -> None:
             # One transaction: the adapter first, since only it allocates (new stacked layers, saved-module copies;
@@ -93,6 +99,7 @@ class WeightUpdates:
             return request.adapter is not None and request.adapter.name == name
 
         result = self.commit(copy, new_version, mode, started, None if base is not None else affects)
+        result.base_unchanged = unchanged
         others = sorted(set(self.runner.adapters.refs) - {name}) if base is not None else []
         if others:  # they stay served, over a base their trainers may not have trained them on: said, once per push
             logger.warning(

@@ -17,13 +17,21 @@ class BaseMismatch(FieldError):
     """An adapter update for base weights the worker does not serve (error code "base_mismatch")."""
 
 
-def check_adapter_fields(begin: p.WeightsBegin, engine: Engine, base_id: str | None) -> None:
+def brings_base(begin: p.WeightsBegin) -> bool:
+    """Whether an adapter update brings base weights beside its own tensors (the whole base, in its transaction)."""
+    return any(not is_adapter_tensor(spec.name, begin.scalings) for spec in begin.tensors)
+
+
+def check_adapter_fields(
+    begin: p.WeightsBegin, engine: Engine, base_id: str | None, base_names: frozenset[str | None] = frozenset()
+) -> None:
     """Check an adapter update's announcement.
 
     Args:
         begin: the weights_begin (its `adapter` is set).
         engine: the worker's engine (its adapter table is read, not changed).
         base_id: the base weights the worker serves (None: unnamed, e.g. as loaded at start).
+        base_names: every name of the same weights (`ServedBase.names`: an adapter update naming one needs no base).
     Raises:
         BaseMismatch: ("base_id") the update is for another base, or names none while the worker's base is named.
         FieldError: a bad name, scaling, tensor (named), `partial`, `max_loras` or `max_lora_rank`.
@@ -34,7 +42,7 @@ def check_adapter_fields(begin: p.WeightsBegin, engine: Engine, base_id: str | N
     base = {spec.name: (spec.dtype, tuple(spec.shape)) for spec in begin.tensors if spec.name not in names}
     if base:  # the whole base travels with the adapter, in the same transaction
         engine.weight_table.check_specs(base, partial=False)
-    elif begin.base_id != base_id:
+    elif begin.base_id != base_id and begin.base_id not in base_names:
         raise BaseMismatch(
             "base_id",
             f"the adapter is for base {begin.base_id!r} but this worker serves base {base_id!r}: send the base "

@@ -28,7 +28,7 @@ from rollout.protocol.staging import (
 )
 from rollout.protocol.transports import TRANSPORTS
 from rollout.protocol.transports.base import Receiver, UpdateRejected
-from rollout.service.weights.adapter_checks import BaseMismatch, check_adapter_fields
+from rollout.service.weights.adapter_checks import BaseMismatch, brings_base, check_adapter_fields
 from rollout.service.weights.jobs import SerialJobs
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class StagedUpdate:
         max_phase_s: float = 600.0,
         base_id: str | None = None,
         key: str | None = None,
+        base_names: frozenset[str | None] = frozenset(),
     ):
         """Validate the announcement (its staging area is taken later: `take_staging`).
 
@@ -61,6 +62,7 @@ class StagedUpdate:
             max_phase_s: the longest phase deadline (`timeout_s`) allowed.
             base_id: the base weights the worker serves (an adapter update must be for them).
             key: the client's CurveZMQ key (None: keys off): replies sent later go to `identity` only while it holds it.
+            base_names: other names of the base the worker serves (`ServedBase.names`).
         Raises:
             UpdateRejected: a bad field or tensor, named.
         """
@@ -71,10 +73,13 @@ class StagedUpdate:
         self.committing = False
         self.ended = False  # rejected, aborted or committed: queued jobs of the update skip their work
         self.closed = False  # its staging area went back (`close`)
+        self.base_unchanged = False  # committed: the base it brought was the one served, bit for bit (engine thread)
+        # An adapter update that brings base weights beside its own tensors (a whole update is all base).
+        self.brings_base = begin.adapter is None or brings_base(begin)
         self.receiver = self._check_fields(begin, engine, max_phase_s, receivers, peer)
         if begin.adapter is not None:
             try:
-                check_adapter_fields(begin, engine, base_id)
+                check_adapter_fields(begin, engine, base_id, base_names)
             except FieldError as error:
                 code = "base_mismatch" if isinstance(error, BaseMismatch) else "bad_update"
                 raise UpdateRejected(code, error.field, error.reason) from None

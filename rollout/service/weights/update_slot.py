@@ -23,13 +23,14 @@ from rollout.engine.manager.commands import AdapterUpdate
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.engine.weights.weight_table import WeightUpdateResult
 from rollout.mailbox import drain
-from rollout.protocol.codec import to_plain
 from rollout.protocol.staging import StagingPool
 from rollout.protocol.transports import transport_named
 from rollout.protocol.transports.base import Receiver
 from rollout.service.observability.tracing import Tracer
 from rollout.service.weights.commit_reply import commit_reply
 from rollout.service.weights.preparing import StagingPreparer
+from rollout.service.weights.served_base import ServedBase
+from rollout.service.weights.spec_answers import SpecAnswers
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 
 logger = logging.getLogger(__name__)
@@ -75,13 +76,11 @@ class UpdateSlot:
         self._receivers: dict[str, Receiver] = {}  # each transport's receiver, made at its first update
         self._device = next(manager.engine.model.parameters()).device
         self._staging = StagingPool(keep=keep_staging, pin_device=self._device if self._device.type == "cuda" else None)
-        # weights_spec's answer: the model's tensors and their codec form (any client may ask, often).
-        self._spec_table: tuple[list[p.TensorSpec], list[dict[str, Any]]] | None = None
+        self._spec_answers = SpecAnswers(manager.engine)  # weights_spec's (any client may ask, often)
         self._preparer = StagingPreparer()  # staging areas: on job threads, one at a time
         self.num_rejected = 0
-        # The base weights served, as the last whole update named them (None: the weights loaded at start, or an
-        # update that named none): adapter updates for another base are refused.
-        self.base_id: str | None = None
+        # The names of the base weights served: adapter updates for another base are refused.
+        self.base = ServedBase()
         self.bytes_committed = 0
         self.pause_ms_total = 0.0
         self._tracer = tracer or Tracer()
@@ -105,15 +104,7 @@ class UpdateSlot:
         """
         update_id = message.update_id
         if isinstance(message, p.WeightsSpec):
-            engine = self.manager.engine
-            if self._spec_table is None:  # names, dtypes and shapes never change: built once, sent as built
-                specs = [p.TensorSpec(n, d, list(s)) for n, (d, s) in engine.weight_table.specs().items()]
-                self._spec_table = specs, to_plain(specs)
-            specs, plain_specs = self._spec_table
-            adapters = {name: ref.version for name, ref in list(engine.runner.adapters.refs.items())}
-            reply = p.WeightsSpecReply(update_id, specs, self.policy_version, self.base_id, adapters)
-            reply.plain_fields = {"tensors": plain_specs}  # a 20k-tensor MoE model's specs: 40 ms to convert each time
-            self._send(identity, reply)
+            self._send(identity, self._spec_answers.reply(update_id, self.base))
             return
         update = self.update
         if isinstance(message, p.WeightsBegin):
@@ -176,8 +167,9 @@ class UpdateSlot:
                 self._receiver,
                 peer,
                 self.max_phase_s,
-                self.base_id,
+                self.base.base_id,
                 key,
+                self.base.names(),
             )
         except UpdateRejected as error:
             self.num_rejected += 1
@@ -235,6 +227,7 @@ class UpdateSlot:
         begin = update.begin
 
         def applied(outcome: WeightUpdateResult | BaseException) -> None:  # on the engine thread
+            update.base_unchanged = isinstance(outcome, WeightUpdateResult) and outcome.base_unchanged
             self._report(update, commit_reply(update.update_id, outcome))
 
         def job() -> None:
@@ -270,8 +263,7 @@ class UpdateSlot:
                 self.update = None
                 update.end(clean=True)
                 update.receiver.ended(update.begin, clean=True)
-                if update.begin.adapter is None or update.begin.base_id != self.base_id:  # new base weights
-                    self.base_id = update.begin.base_id
+                self.base.committed(update.begin, update.brings_base, update.base_unchanged)
                 self.bytes_committed += update.staging_bytes
                 self.pause_ms_total += reply.pause_ms
                 self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)

@@ -158,13 +158,13 @@ class RolloutWorker:
     @property
     def base_id(self) -> str | None:
         """The base weights served, as the last whole update named them (None: unnamed, e.g. as loaded at start)."""
-        return self._updates.base_id
+        return self._updates.base.base_id
 
     # ---- serving loop -----------------------------------------------------------------------------------------
     def base_changed(self, base_id: str) -> None:
         """The base weights were replaced outside a ZeroMQ update (the HTTP API's /update_weights from a directory):
         from now on adapter pushes made for the weights before are refused (`BaseMismatch`)."""
-        self._updates.base_id = base_id
+        self._updates.base.set(base_id)
 
     def serve(self) -> None:
         """Start the engine and serve until `shutdown()`; then abort what is in flight, tell its clients and release

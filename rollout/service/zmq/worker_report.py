@@ -65,7 +65,7 @@ def worker_stats(
         tokens_per_s=stats["generated_tokens"] / uptime,
         tokenizer=tokenizer_name,
         adapters=engine.runner.adapters.stats(),
-        base_id=updates.base_id,
+        base_id=updates.base.base_id,
         batch_invariant=engine.config.batch_invariant,
         fp32_logits=engine.config.fp32_logits,
         device=engine.kv_cache.kv.device.type,
