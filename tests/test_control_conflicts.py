@@ -7,6 +7,7 @@ cross-site POST to a keyless worker."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -20,6 +21,8 @@ from rollout import ContinuousBatchingConfig, SamplingParams, init_continuous_ba
 from rollout.config import FieldError
 from rollout.engine.manager.generation_pause import PauseOvertaken
 from rollout.presets import tiny_model
+from rollout.service.http.control.adapter_routes import AdapterRoutes
+from rollout.service.http.control.allowed_dirs import AllowedDirs
 from service_helpers import Worker, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -91,6 +94,22 @@ def test_an_unload_nobody_waits_for_answers_once_on_every_path(manager, tmp_path
     with pytest.raises(RuntimeError, match="stopped"):
         idle.control.submit_unload_adapter("bob", here.append)
     assert here == [0]
+
+
+def test_models_name_a_path_only_for_the_adapter_loaded_from_it(manager, tmp_path):
+    """/v1/models' `root` is the directory /v1/load_lora_adapter read an adapter from, while that adapter is served:
+    once replaced under its name (a push, or a load in process) or unloaded another way (ZeroMQ's adapter_unload),
+    it is not from there, and its root is its name again (it had kept the old path)."""
+    routes = AdapterRoutes(manager, AllowedDirs([str(tmp_path)]))
+    path = saved_adapter(tmp_path / "alice", seed=1)
+    asyncio.run(routes.load({"lora_name": "alice", "lora_path": path}))
+    assert routes.roots() == {"alice": path}
+    manager.load_adapter("alice", saved_adapter(tmp_path / "other", seed=2))  # replaced under its name
+    assert routes.roots() == {}
+    asyncio.run(routes.load({"lora_name": "alice", "lora_path": path, "load_inplace": True}))
+    assert routes.roots() == {"alice": path}
+    manager.control.unload_adapter("alice", timeout=TIMEOUT)  # as adapter_unload does
+    assert routes.roots() == {}
 
 
 def shifted(model: torch.nn.Module, shift: float) -> dict[str, torch.Tensor]:

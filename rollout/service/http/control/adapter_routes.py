@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse
 
 from rollout.config import FieldError
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
+from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.peft_adapters import check_adapter_name
 from rollout.service.http.control.allowed_dirs import AllowedDirs
 from rollout.service.http.errors import APIError, bad_field
@@ -33,8 +34,20 @@ class AdapterRoutes:
         """
         self.manager = manager
         self.allowed = allowed
-        self.roots: dict[str, str] = {}  # adapter name -> the path it was loaded from
+        # Adapter name -> (its served reference, version, the path it was loaded from): a path names only the
+        # adapter this route loaded (one pushed or loaded since under the name, or unloaded meanwhile over ZeroMQ,
+        # is not from there).
+        self._loaded: dict[str, tuple[AdapterRef, int, str]] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time: "already loaded" is decided against the last
+
+    def roots(self) -> dict[str, str]:
+        """Each served adapter this route loaded, and the path it came from (what /v1/models lists as its `root`)."""
+        refs = self.manager.engine.runner.adapters.refs
+        return {
+            name: path
+            for name, (ref, version, path) in list(self._loaded.items())
+            if refs.get(name) is ref and ref.version == version
+        }
 
     async def load(self, body: Any) -> PlainTextResponse:
         """Serve the adapter at `lora_path` as `lora_name` (`load_inplace`: replace one of that name).
@@ -68,7 +81,9 @@ class AdapterRoutes:
             except FieldError as error:
                 field = {"lora": "lora_path", "adapter": "lora_name"}.get(error.field, error.field)
                 raise APIError(400, f"{field}: {error.reason}", field) from None
-            self.roots[name] = path
+            ref = self.manager.engine.runner.adapters.refs.get(name)
+            if ref is not None:
+                self._loaded[name] = (ref, ref.version, path)
         logger.info("LoRA adapter %r loaded from %r (POST /v1/load_lora_adapter)", name, str(directory))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -91,7 +106,7 @@ class AdapterRoutes:
                 await asyncio.to_thread(self.manager.control.unload_adapter, name)
             except FieldError as error:  # unloaded meanwhile by another way in
                 raise APIError(404, f"lora_name: {error.reason}", "lora_name", "not_found_error") from None
-            self.roots.pop(name, None)
+            self._loaded.pop(name, None)
         logger.info("LoRA adapter %r unloaded (POST /v1/unload_lora_adapter)", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -153,7 +153,7 @@ def build_app(
     async def models() -> dict[str, Any]:
         engine = manager.engine
         refs = engine.runner.adapters.refs
-        return model_list(model_name, engine.max_model_len, engine.policy_version, refs, adapters.roots)
+        return model_list(model_name, engine.max_model_len, engine.policy_version, refs, adapters.roots())
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (an id may hold slashes: "Qwen/Qwen3-0.6B")
     async def model(model_id: str) -> dict[str, Any]:
