@@ -5,7 +5,10 @@ go on; the policy version does not move; what cannot be unloaded is refused by n
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import msgpack
 import pytest
@@ -109,3 +112,36 @@ def test_what_cannot_be_unloaded_is_refused_by_name(client, worker):
     with pytest.raises(RolloutError) as error:
         unload_adapter(client, "dave")
     assert error.value.code == "closed"
+
+
+def test_an_unload_a_stopped_worker_cannot_answer_ends_in_time_and_is_carried_out_later(worker, client):
+    """The worker stopped (SIGSTOP): the unload times out naming it, and one whose client is closed meanwhile says so
+    at once (it waited out its timeout); once the worker goes on, it carries the unload out (as documented)."""
+    push_weights(client, lora_model(5), adapter_name="frank")
+    os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RolloutError) as error:
+            unload_adapter(client, "frank", timeout=1)
+        assert error.value.code == "timeout" and worker.address in str(error.value)
+        outcome: dict = {}
+
+        def unload() -> None:
+            started = time.monotonic()
+            try:
+                unload_adapter(client, "frank", timeout=30)
+            except RolloutError as failure:
+                outcome.update(code=failure.code, seconds=time.monotonic() - started)
+
+        thread = threading.Thread(target=unload)
+        thread.start()
+        time.sleep(0.3)
+        client.close()
+        thread.join(10)
+        assert outcome["code"] == "closed" and outcome["seconds"] < 3, outcome
+    finally:
+        os.kill(worker.process.pid, signal.SIGCONT)
+    with RolloutClient(worker.address, timeout=60) as later:
+        deadline = time.monotonic() + 30
+        while "frank" in later.stats()[0]["adapters"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "frank" not in later.stats()[0]["adapters"]

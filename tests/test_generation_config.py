@@ -268,6 +268,48 @@ def test_a_sample_with_every_token_banned_ends_with_an_error_not_a_token(overlap
     assert untouched.generated_tokens == reference_greedy(reference, prompts[1], max_new_tokens=300)
 
 
+@pytest.mark.parametrize(
+    "prompt, bans, refused",
+    [
+        ([5, 6, 7], {"no_repeat_ngram_size": 1}, "no_repeat_ngram_size"),  # 7 is in the prompt
+        ([6, 7, 5, 6], {"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),  # (6, 7) was seen: 7 may not follow 6
+        ([6, 8, 5, 6], {"no_repeat_ngram_size": 2}, None),
+        ([1, 5, 6], {"bad_words_ids": [[5, 6, 7]]}, "bad_words_ids"),  # the prompt ends with the word's beginning
+        ([1, 5, 8], {"bad_words_ids": [[5, 6, 7]]}, None),
+    ],
+)
+def test_bans_over_the_prompt_that_leave_no_first_token_are_refused_at_intake(prompt, bans, refused):
+    """Every token but 7 suppressed: the prompt's n-grams or a bad word's beginning banning 7 leaves nothing to draw
+    first, which the intake refuses, naming the fields; where 7 stays drawable it is the first token."""
+    model = tiny_model("qwen3")
+    others = tuple(token for token in range(256) if token != 7)
+    sampling = SamplingParams(do_sample=False, stop_token_ids=(), suppress_tokens=others, **bans)
+    run = dict(sampling=sampling, max_new_tokens=1, progress_bar=False)
+    if refused is None:
+        assert generate_batch(model, [prompt], **run)["req_0"].generated_tokens == [7]
+        return
+    with pytest.raises(FieldError) as error:
+        generate_batch(model, [prompt], **run)
+    assert f"suppress_tokens, {refused} together ban all 256 tokens" in str(error.value)
+
+
+def test_a_score_only_request_is_not_failed_by_bans_it_never_draws_under():
+    """max_new_tokens 0 with prompt_logprobs scores the prompt and draws nothing: bans over the whole vocabulary
+    change nothing of it (it ended with an error, "no token can be drawn")."""
+    model = tiny_model("qwen3")
+    everything = tuple(range(256))
+    outputs = generate_batch(
+        model,
+        [[5, 6, 7, 8]] * 2,
+        sampling=[SamplingParams(prompt_logprobs=1, suppress_tokens=everything), SamplingParams(prompt_logprobs=1)],
+        max_new_tokens=0,
+        progress_bar=False,
+    )
+    banned, free = outputs["req_0"], outputs["req_1"]
+    assert (banned.finish_reason, banned.error, banned.generated_tokens) == ("length", None, [])
+    assert banned.prompt_logprobs[0] is None and banned.prompt_logprobs[1:] == pytest.approx(free.prompt_logprobs[1:])
+
+
 def test_a_requests_private_sampling_copy_is_checked_again_only_when_a_field_was_set_since(monkeypatch):
     """The intake's private copy (`SamplingParams.with_defaults`) takes the generation config's stop tokens and
     max_new_tokens where the request leaves them None; a caller's later change reaches neither the copy nor, unchecked,

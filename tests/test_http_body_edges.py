@@ -81,8 +81,14 @@ def test_an_encoded_body_or_another_charset_is_refused_naming_the_header(http):
     response = http.post(
         "/v1/completions", content='{"prompt": "caf\u00e9", "max_tokens": 2}'.encode("latin-1"), headers=latin
     )
-    assert "not charset 'latin-1'" in refused(response, 415, None)
-    for header in ("application/json; charset=utf-8", 'application/json; charset="UTF-8"'):
+    assert "not as charset 'latin-1'" in refused(response, 415, None)
+    utf16 = json.dumps(ORDINARY).encode("utf-16")  # json.loads alone would detect it and read it
+    assert "UnicodeDecodeError" in refused(http.post("/v1/completions", content=utf16, headers=JSON), 400, None)
+    for header in (
+        "application/json; charset=utf-8",
+        'application/json; charset="UTF-8"',
+        "application/json; charset=us-ascii",
+    ):
         assert http.post("/v1/completions", content=plain, headers={"Content-Type": header}).status_code == 200
     assert (
         http.post("/v1/completions", content=plain, headers=JSON | {"Content-Encoding": "identity"}).status_code == 200

@@ -288,10 +288,12 @@ def test_the_generation_key_opens_no_control_route(server_url):
     assert not is_paused(server_url)
     refused = httpx.get(f"{server_url}/is_paused")
     assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"  # RFC 9110's challenge
+    assert refused.headers["connection"] == "close"  # its body, if any, is never read
     # The control key opens the generation routes too (the operator's), its scheme in any case (RFC 9110 11.1).
     assert httpx.get(f"{server_url}/v1/models", headers=CONTROL).status_code == 200
-    lower = {"Authorization": CONTROL["Authorization"].replace("Bearer", "bearer")}
-    assert httpx.get(f"{server_url}/is_paused", headers=lower).status_code == 200
+    for spelled in ("bearer ", "BEARER   "):
+        key = {"Authorization": CONTROL["Authorization"].replace("Bearer ", spelled)}
+        assert httpx.get(f"{server_url}/is_paused", headers=key).status_code == 200
 
 
 def test_abort_requests_by_id_and_all(server_url):

@@ -59,3 +59,5 @@ def test_an_adapter_the_peer_serves_no_more_is_unloaded_first():
         CopyStep(8, None, with_base=True),
     ]
     assert plan_copy(5, None, {}, 8, None, {"new": 7}) == []  # a target newer than its peer keeps what it serves
+    # An unload changes no version: at the peer's version, the adapter is unloaded alone.
+    assert plan_copy(5, "B", {}, 5, "B", {"old": 3}) == [CopyStep(5, "old", with_base=False, unload=True)]

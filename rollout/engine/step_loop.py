@@ -263,7 +263,7 @@ class StepLoop:
         failed = end_broken(self.scheduler, self.block_manager, step.batch.samples, sampled.broken_rows)
         for index in sampled.dead_rows:  # nothing was drawable: end the sample, keep no meaningless token
             request = step.batch.samples[index][0]
-            if not request.is_finished:
+            if not request.is_finished and not request.score_only:  # (a score-only one keeps no token anyway)
                 request.drop_placeholder()
                 reason = NOTHING_TO_DRAW
                 if request.constraint is not None:

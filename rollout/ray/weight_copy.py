@@ -51,7 +51,7 @@ def plan_copy(
         target_base_id: the target's named base.
         target_adapters: the target's adapters and their versions.
     Returns:
-        The steps, in order (unloads first); empty when the target is not behind.
+        The steps, in order (unloads first); empty when the target serves a newer version, or the same weights.
     Raises:
         ValueError: the target lacks an adapter at a version no higher than its own (named).
     """
@@ -62,11 +62,14 @@ def plan_copy(
             f"the worker at version {target_version} lacks adapters {stale}: a copy can bring an adapter only at its "
             "own version, above the worker's (push them again)"
         )
-    if target_version >= peer_version:
-        return []
-    same_base = peer_base_id is not None and target_base_id == peer_base_id
-    extra = sorted(set(target_adapters) - set(peer_adapters))  # the peer, newer, serves them no more
+    if target_version > peer_version:
+        return []  # the target is the newer one: it keeps what it serves
+    # Adapters the peer serves no more (an unload changes no version: at equal versions too).
+    extra = sorted(set(target_adapters) - set(peer_adapters))
     steps = [CopyStep(target_version, name, with_base=False, unload=True) for name in extra]
+    if target_version == peer_version:
+        return steps
+    same_base = peer_base_id is not None and target_base_id == peer_base_id
     steps += [CopyStep(v, name, with_base=index == 0 and not same_base) for index, (v, name) in enumerate(missing)]
     if not missing or steps[-1].version < peer_version:
         steps.append(CopyStep(peer_version, None, with_base=True))

@@ -18,7 +18,11 @@ def unload_adapter(client: RolloutClient, adapter_name: str, timeout: float = 60
     """Stop serving LoRA adapter `adapter_name` on every live worker of `client`. Its groups, queued or running, end
     with finish_reason "abort" (a call waiting on one gets that result), then its slot is freed. The policy version
     does not change. When it was the adapter `client` samples with by default (its last push's), the client's groups
-    that name none sample with the base model again. A worker that was down meanwhile still serves it when it comes back: unload again then.
+    that name none sample with the base model again.
+
+    A worker that was down meanwhile still serves it when it comes back: unload again then. An unload that timed out
+    may still be carried out by a worker that answers late (one stopped meanwhile, say): `client.stats()` says which
+    adapters each worker serves.
 
     Args:
         client: the `RolloutClient` whose workers serve the adapter (with keys on, its key must be a trainer's).
@@ -30,7 +34,7 @@ def unload_adapter(client: RolloutClient, adapter_name: str, timeout: float = 60
     Raises:
         RolloutError: "bad_request" (field "adapter_name") a name that is not a non-empty string, or one that no
             worker serves; "no_workers" no live worker; "unauthorized" the client's key is not a trainer's;
-            "timeout" a worker did not answer in time (named); "closed" the client is closed.
+            "timeout" a worker did not answer in time (named); "closed" the client is closed, or was closed meanwhile.
     """
     if not isinstance(adapter_name, str) or not adapter_name:
         raise RolloutError(
@@ -57,7 +61,11 @@ def unload_adapter(client: RolloutClient, adapter_name: str, timeout: float = 60
                 )
             try:
                 index, message = channel.receive(min(remaining, POLL_S))
-            except RolloutError:  # nothing within the poll: look at the deadline again
+            except RolloutError:  # nothing within the poll: look at the deadline, and the client, again
+                if client.closed:
+                    raise RolloutError(
+                        "closed", f"the client was closed during the unload of {adapter_name!r}"
+                    ) from None
                 continue
             address = waiting.pop(index, None)
             if address is None or isinstance(message, WorkerLost):

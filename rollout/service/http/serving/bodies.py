@@ -133,8 +133,10 @@ def check_headers(headers: Any, max_body_bytes: int) -> None:
     for parameter in parameters.split(";"):
         name, _, value = parameter.partition("=")
         charset = value.strip().strip('"').lower()
-        if name.strip().lower() == "charset" and charset.replace("-", "") != "utf8":
-            raise APIError(415, f"Content-Type: the body is read as UTF-8 (JSON's encoding), not charset {charset!r}")
+        if name.strip().lower() == "charset" and charset.replace("-", "") not in ("utf8", "usascii", "ascii"):
+            raise APIError(
+                415, f"Content-Type: the body is read as UTF-8 (JSON's encoding), not as charset {charset!r}"
+            )
     encoding = headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise APIError(415, f"Content-Encoding {encoding!r}: this worker reads request bodies as sent, not encoded")

@@ -63,8 +63,10 @@ class RequestGuard:
             elif scope["path"] not in OPEN_PATHS:
                 error = self._key_error(scope["path"], _bearer(headers.get(b"authorization", b"")))
             if error is not None:
-                challenge = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None  # RFC 9110 11.6.1
-                await SafeJSONResponse(error.body(), status_code=error.status, headers=challenge)(scope, receive, send)
+                # The body is never read: the connection cannot carry another request (a keep-alive client opens a
+                # new one). A 401 names the scheme it takes (RFC 9110 11.6.1).
+                headers = {"Connection": "close"} | ({"WWW-Authenticate": "Bearer"} if error.status == 401 else {})
+                await SafeJSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -87,9 +89,10 @@ class RequestGuard:
 
 
 def _bearer(given: bytes) -> bytes:
-    """The Authorization header with its scheme spelled "Bearer" (schemes are case-insensitive, RFC 9110 11.1)."""
+    """The Authorization header with its scheme spelled "Bearer" and one space after it (schemes are case-insensitive,
+    and one or more spaces may follow them: RFC 9110 11.1, 11.4)."""
     scheme, space, token = given.partition(b" ")
-    return b"Bearer " + token if space and scheme.lower() == b"bearer" else given
+    return b"Bearer " + token.lstrip(b" ") if space and scheme.lower() == b"bearer" else given
 
 
 def _cross_site(headers: dict[bytes, bytes]) -> bool:

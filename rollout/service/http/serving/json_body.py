@@ -62,8 +62,8 @@ def parse_json(raw: bytes | bytearray) -> Any:
         if _LONG_DIGITS.search(raw) is None or not _holds_a_huge_whole_float(parsed):
             check_unique_keys(raw)
             return parsed
-    try:
-        parsed = json.loads(raw, object_pairs_hook=_refuse_duplicates)
+    try:  # decoded first: json.loads would take UTF-16 and UTF-32 bytes too (JSON's encoding is UTF-8)
+        parsed = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except _DuplicateKey as duplicate:
         raise _duplicate_error(duplicate.key) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -103,11 +103,6 @@ def _surrogate_reason(found: str) -> str:
     return f"holds a lone surrogate ({ascii(found)[1:-1]}), which is not text; fix or drop that \\u escape"
 
 
-# A long array of numbers (a prompt's token ids), which holds no object: the duplicate-key check skips its values
-# (the shortest such run worth skipping; shorter ones, in a string too, are parsed as they are).
-_NUMBER_ARRAY = re.compile(rb"\[[-0-9.eE+,\s]{64,}\]")
-
-
 class _DuplicateKey(ValueError):
     """A key given twice in one JSON object (`key`)."""
 
@@ -127,14 +122,15 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def check_unique_keys(raw: bytes | bytearray) -> None:
     """Refuse a JSON body (valid JSON) holding an object with a key given twice, anywhere. It is parsed again by
-    `json.loads` with an object hook, long arrays of numbers first cut out: at most about orjson's own time on any
-    body a worker reads (measured on 4-16 MB of token ids, floats, strings, messages).
+    `json.loads` with an object hook, its numbers left unconverted (`len` of their text: converting a float such as
+    `1.2345678901234567e-300` is what makes `json.loads` slow): about orjson's own time on the bodies a worker
+    reads (6-16 MB of token ids, floats of every spelling, strings; at most 1.6 times on 200,000 chat messages).
 
     Raises:
         APIError: 400 naming the key.
     """
     try:
-        json.loads(_NUMBER_ARRAY.sub(b"[]", raw), object_pairs_hook=_refuse_duplicates)
+        json.loads(raw, object_pairs_hook=_refuse_duplicates, parse_float=len, parse_int=len)
     except _DuplicateKey as duplicate:
         raise _duplicate_error(duplicate.key) from None
     except (ValueError, RecursionError) as error:  # deeper than json.loads goes (orjson parsed it)
