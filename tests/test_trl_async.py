@@ -112,11 +112,22 @@ def test_rounds_ahead_follow_the_steps_a_round_spans(tmp_path, client, config, m
         assert all(version - base >= step - max_staleness for runs in row_versions for version, _ in runs)
 
 
-def test_a_failing_step_stops_the_prefetch(tmp_path, client, worker):
-    failing_reward = reward_failing_on_call(2)
+def test_a_failing_step_stops_the_prefetch_and_leaves_no_metric_to_the_next_run(tmp_path, client, worker):
+    """The failed step's metrics (its policy lag among them) were never logged: a next `train()` must not average
+    them into its first step's (a per-token lag max of 0.5 was logged)."""
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=reward_failing_on_call(2),
+        args=grpo_config(tmp_path, max_steps=STEPS),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=client,
+        max_staleness=2,
+    )
     with pytest.raises(RuntimeError, match="reward server down"):
-        train(tmp_path, client, 2, reward=failing_reward)
+        trainer.train()
     assert wait_no_groups(worker)["groups_in_flight"] == 0
+    assert not any(trainer._metrics["train"].values()), dict(trainer._metrics["train"])
 
 
 @pytest.mark.parametrize(

@@ -252,12 +252,17 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         """`GRPOTrainer.train`, syncing at its first generation round even when the step count starts where an
         earlier `train()` left off it (TRL syncs only when the step changed: a second run would sample, or push,
         nothing new). When it returns or raises, what was sent ahead (max_staleness) is cancelled, and a colocated
-        engine's KV cache and graphs are freed (the next round allocates them again)."""
+        engine's KV cache and graphs are freed (the next round allocates them again); when it raises, the metrics
+        gathered for the step that failed are dropped (a next `train()` would average them into its first step's)."""
         if self.max_staleness and (kwargs.get("resume_from_checkpoint") or (args and args[0])):
             raise ValueError("resuming from a checkpoint with max_staleness > 0 is not supported yet")
         self._last_loaded_step = -1
         try:
             return super().train(*args, **kwargs)
+        except BaseException:  # the step that failed logged nothing: its metrics must not reach the next train()'s
+            for metrics in self._metrics.values():
+                metrics.clear()
+            raise
         finally:
             try:
                 self.close_routing_replay()
