@@ -113,7 +113,8 @@ until in-flight samples finish, at most `timeout_s`).
 
 A generate whose sampling has a structured-output constraint (regex, json, choice, grammar, json_object) is compiled
 off the serving loop first: its refusal (a bad spec: "bad_request" naming `sampling.<field>`) or its outputs may come
-after the replies to messages sent after it; every such reply carries its group_id.
+after the replies to messages sent after it; every such reply carries its group_id. So may the answer to an
+adapter_unload (the engine carries it out between two steps): it carries its update_id.
 
 Error codes: "bad_request" (a field is wrong), "busy" (the queue is full: retry later), "unknown_group",
 "duplicate_group", "internal"; for weight updates: "bad_update" (`field` names the tensor or setting),

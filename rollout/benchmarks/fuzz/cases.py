@@ -31,6 +31,8 @@ class FuzzCase:
         group_id: of a generate the codec accepts (its group_result answers it), else None.
         cancels: of a cancel the codec accepts, the group id: when an accepted generate of that id is in flight on
             the same client, the cancel is answered by that group's (aborted) result.
+        unloads: of an adapter_unload the codec accepts, its update_id: the engine thread answers it, maybe after
+            the replies to cases sent after it.
     """
 
     seed: int
@@ -45,6 +47,7 @@ class FuzzCase:
     intended_malformed: bool = True
     group_id: str | None = None
     cancels: str | None = None  # of a cancel the codec accepts: the group (answered by that group's result)
+    unloads: str | None = None  # of an adapter_unload the codec accepts: its update_id (its answer carries it)
     nonce: int | None = None  # of a ping the codec accepts
     max_items: int = 1_000_000
 
@@ -102,6 +105,8 @@ def _classify(case: FuzzCase) -> None:
         case.expect = "error"
         return
     case.expect = "reply"
+    if isinstance(message, p.AdapterUnload):
+        case.unloads = message.update_id  # answered by the engine thread, maybe after the sentinel
     if isinstance(message, p.Generate):
         case.group_id = message.group_id
     elif isinstance(message, p.Cancel):

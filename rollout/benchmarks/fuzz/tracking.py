@@ -1,5 +1,6 @@
 """Bookkeeping of `send_fuzz`: each DEALER socket and the cases in flight on it, attributing every reply to its case
-(sentinel pongs, deferred group_results, cancels answered by their group's result, unsolicited pongs), concluding
+(sentinel pongs, deferred group_results and adapter unloads, cancels answered by their group's result, unsolicited
+pongs), concluding
 cases into the `FuzzReport`, stalls and liveness pings, and retired sockets still owed group_results."""
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class _Socket:
         self.retired_at = 0.0
         self.deferred: dict[str, deque[_Tracked]] = {}  # group id -> accepted generates awaiting their result
         self.cancelling: dict[str, list[_Tracked]] = {}  # group id -> cancels answered by that group's result
+        self.unloading: dict[str, _Tracked] = {}  # update id -> an accepted adapter_unload awaiting its answer
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -67,12 +69,19 @@ def _attribute(sock: _Socket, message: p.Message, report: FuzzReport, latencies:
             latencies.append((tracked.done_at - tracked.sent_at, tracked.case))
             if not tracked.replies and tracked.case.group_id is not None:
                 sock.deferred.setdefault(tracked.case.group_id, deque()).append(tracked)
+            elif not tracked.replies and tracked.case.unloads is not None:
+                sock.unloading[tracked.case.unloads] = tracked
             elif not tracked.replies and tracked.case.cancels in sock.deferred:
                 sock.cancelling.setdefault(tracked.case.cancels, []).append(tracked)
             else:
                 _conclude(tracked, report)
             if tracked.sentinel == message.nonce:
                 return
+        return
+    unloaded = sock.unloading.pop(getattr(message, "update_id", None), None)
+    if unloaded is not None:  # the engine thread's answer to an adapter_unload, after its sentinel
+        unloaded.replies.append(message)
+        _conclude(unloaded, report)
         return
     group_id = getattr(message, "group_id", None)
     answers_group = isinstance(message, (p.GroupResult, p.Delta)) or _compile_refusal(sock, message)
@@ -189,9 +198,9 @@ def _poll_retired(
     `deferred_timeout_s`: what they still owed is unanswered). Returns the ones still open."""
     still = []
     for sock in retired:
-        if sock.deferred:
+        if sock.deferred or sock.unloading:
             _receive(sock, report, latencies, wait_s / max(1, len(retired)))
-        if sock.deferred and time.monotonic() - sock.retired_at < deferred_timeout_s:
+        if (sock.deferred or sock.unloading) and time.monotonic() - sock.retired_at < deferred_timeout_s:
             still.append(sock)
             continue
         _conclude_deferred(sock, report)
@@ -200,11 +209,12 @@ def _poll_retired(
 
 
 def _conclude_deferred(sock: _Socket, report: FuzzReport) -> None:
-    for waiting in [*sock.deferred.values(), *sock.cancelling.values()]:
+    for waiting in [*sock.deferred.values(), *sock.cancelling.values(), [*sock.unloading.values()]]:
         for tracked in waiting:
             _conclude(tracked, report)
     sock.deferred.clear()
     sock.cancelling.clear()
+    sock.unloading.clear()
 
 
 def _pings(context: zmq.Context, address: str, timeout_s: float) -> bool:
