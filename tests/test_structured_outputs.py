@@ -248,6 +248,30 @@ UNENFORCED = {
         '{"a": 1, "b": 5}',
     ),
     "multipleOf": ({"type": "number", "multipleOf": 0.5}, "1.3"),
+    # Object keywords whose keys may take another schema, or come twice (rollout/json_schema/objects.py).
+    "propertyNames": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+            "propertyNames": {"enum": ["a", "b"]},
+        },
+        '{"a": "x"}',
+    ),
+    "patternProperties": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "patternProperties": {"^[ab]$": {"type": "string"}},
+            "additionalProperties": False,
+        },
+        '{"a": "x"}',
+    ),
+    "minProperties": (
+        {"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 2},
+        '{"p": true, "p": false}',
+    ),
+    "anyOf": ({"anyOf": []}, ""),
     "dependencies": (
         {
             "type": "object",
@@ -269,6 +293,39 @@ def test_schema_keywords_xgrammar_does_not_enforce_are_refused_by_name(keyword):
     assert matcher.is_terminated()  # xgrammar lets the violating instance finish
     with pytest.raises(FieldError, match=f"json: schema.{re.escape(keyword)}"):
         SamplingParams(json=schema)
+
+
+def test_two_patterns_are_refused_and_closed_objects_keep_their_counts():
+    """Two patterns a key may both match take either schema in xgrammar (JSON Schema asks for both); an object whose
+    keys are only its declared properties cannot repeat one, and xgrammar enforces its counts there."""
+    two = {
+        "type": "object",
+        "patternProperties": {"^x": {"type": "string"}, "^xa": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    matcher = xgrammar.GrammarMatcher(compiled("json", two))
+    assert matcher.accept_string('{"xa": 5}') and matcher.accept_token(TOKENIZER.eos_token_id)
+    with pytest.raises(FieldError, match="json: schema.patternProperties with more than one pattern"):
+        SamplingParams(json=two)
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "minProperties": 1}
+    matcher = xgrammar.GrammarMatcher(compiled("json", closed))
+    assert not (matcher.accept_string("{}") and matcher.accept_token(TOKENIZER.eos_token_id))
+    SamplingParams(json=closed)  # accepted
+
+
+def test_special_tokens_never_spell_a_constraints_text():
+    """The tiny tokenizer's special tokens decode to their own text (`<eos>`, `<|im_end|>`), which xgrammar takes
+    for text: a regex `<[a-z|_]{3,9}>[0-9]` was matched by them, then the text came back without them. Every token a
+    sample generates is now an ordinary one, but the stop token that ends it."""
+    special = set(TOKENIZER.all_special_ids)
+    regex = r"<[a-z|_]{3,9}>[0-9]"
+    sampling = [SamplingParams(regex=regex, do_sample=True, seed=seed) for seed in range(8)]
+    for output in run(sampling, prompts=PROMPTS[:1] * 8):
+        tokens = output.generated_tokens
+        assert output.finish_reason == "stop" and not special & set(tokens[:-1]), TOKENIZER.convert_ids_to_tokens(
+            tokens
+        )
+        assert re.fullmatch(regex, TOKENIZER.decode(tokens[:-1]))
 
 
 def test_a_multiple_above_what_xgrammar_enforces_is_refused_by_name():

@@ -6,6 +6,7 @@ passes through it:
   included) and the refusals of one part's keywords (ignored ones, those beside the one keyword xgrammar follows);
 - `patterns.py`: a string's `pattern` and `format`, followed alone, and lookaheads, which xgrammar drops;
 - `multiples.py`: the `multipleOf` xgrammar enforces (on integers, by a small whole number, within close bounds);
+- `objects.py`: object keywords whose keys xgrammar lets take another schema, or come twice;
 - `branches.py`: where a `$ref` points, and whether a `oneOf`'s branches are told apart.
 
 `rollout/constraints.py` (a `SamplingParams`' constraint fields) asks `support.py`; the engine's side is

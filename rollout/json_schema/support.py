@@ -13,7 +13,9 @@ Checked against xgrammar 0.2.8 and 0.2.9 (each refusal was seen to accept a viol
   `discriminator`, ...), and a `type` beside `const` / `enum` that every value has;
 - `oneOf` whose branches are not told apart (xgrammar enforces it as `anyOf`): `branches.py`'s `overlap`;
 - a lookahead (`(?=...)`, `(?!...)`) in a `pattern` or a `patternProperties` name: xgrammar drops it there (its
-  `regex` constraint refuses one), so `"pattern": "^(?!foo).*$"` would let "foobar" through.
+  `regex` constraint refuses one), so `"pattern": "^(?!foo).*$"` would let "foobar" through;
+- object keywords whose keys may take another schema, or come twice: `objects.py`;
+- an empty `anyOf`, `oneOf` or `allOf`: no value matches it (xgrammar let an empty output finish).
 Every part is checked, those that references point to included, wherever they are. `then` and `else` without `if`
 mean nothing, as in the specification. `format` values it does not know are annotations, as the JSON Schema
 specification makes them by default. Nesting deeper than `MAX_SCHEMA_DEPTH` is refused (compile time grows steeply
@@ -26,6 +28,7 @@ from typing import Any
 
 from rollout.json_schema.branches import ANNOTATIONS, constant_values, overlap, pointed
 from rollout.json_schema.multiples import MAX_MULTIPLE, MAX_MULTIPLE_SPAN, is_number, unenforced_multiple
+from rollout.json_schema.objects import unenforced_object_part
 from rollout.json_schema.patterns import KNOWN_FORMATS, beside_string_shape, lookahead
 
 # The public names (those of `patterns.py` and `multiples.py` too, as `rollout.schema_support` had them all).
@@ -143,6 +146,7 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         or beside_string_shape(schema, where)
         or _bad_count(schema, where)
         or lookahead(schema, where)
+        or unenforced_object_part(schema, where)
     )
     if found:
         return found
@@ -155,6 +159,9 @@ def _check(schema: Any, where: str, root: Any, references: list[str]) -> tuple[s
         if not (isinstance(reference, str) and (reference == "#" or reference.startswith("#/"))):
             return f"{where}.$ref", f"only JSON-pointer references (#/...) are supported, got {reference!r}"
         references.append(reference)
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        if schema.get(keyword) == []:
+            return f"{where}.{keyword}", "is empty: no value can match it"
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"{where}.allOf", "with more than one schema is not enforced by the grammar engine (merge them)"

@@ -20,6 +20,7 @@ from rollout.engine.grammar.cache import CheckedGrammar, GrammarCache
 from rollout.engine.grammar.checks import first_step_refusal, too_short_refusal
 from rollout.engine.grammar.cpu_bounds import MAX_LOOK_AHEAD_S, CpuWatch
 from rollout.engine.grammar.length_goal import MAX_ROW_FILLS, LengthGoal, prune_short_paths
+from rollout.engine.grammar.vocabulary import grammar_tokenizer_info
 from rollout.validation import FieldError
 
 try:
@@ -73,7 +74,7 @@ class _TokenizerGrammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer = tokenizer  # kept: its id stays unique while this entry lives
-        self.info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.info = grammar_tokenizer_info(tokenizer, vocab_size)  # its special tokens never match text
         # xgrammar's own cache is off: the cache below holds what any compile made, checks included.
         self.compiler = xgrammar.GrammarCompiler(self.info, cache_enabled=False)
         self.cache = GrammarCache(CACHE_LIMIT_BYTES)
