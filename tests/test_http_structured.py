@@ -195,3 +195,19 @@ def test_200_random_valid_and_invalid_constraints_keep_the_worker_serving(http_w
     assert not failed
     assert {kind for kind, _ in results} == {"plain", "invalid", "valid"}
     assert httpx.get(f"{http_worker.url}/health").status_code == 200
+
+
+def test_a_grammar_the_request_makes_impossible_mid_output_is_a_400_not_a_500(http_worker):
+    """`min_tokens` past every output of a small regex that admission cannot decide (its search is bounded): the
+    samples reach a dead end while generating. That is the request's doing, the same on every retry: a 400 naming
+    the grammar and min_tokens, whole or streamed (a 500, which clients retry, before); the server serves on."""
+    body = {"prompt": "x", "max_tokens": 80, "min_tokens": 60, "structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}
+    response = httpx.post(f"{http_worker.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "min_tokens" in error["message"], error
+    with httpx.stream("POST", f"{http_worker.url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: {")]
+    assert '"invalid_request_error"' in events[-1] and "min_tokens" in events[-1], events[-1]
+    plain = httpx.post(f"{http_worker.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert plain.status_code == 200

@@ -268,7 +268,7 @@ class StepLoop:
                 reason = NOTHING_TO_DRAW
                 if request.constraint is not None:
                     reason = request.constraint.dead_end_reason()
-                failed += self.scheduler.fail(request, reason)
+                failed += self.scheduler.fail(request, reason, request_fault=True)
         if sampled.top_logprobs is not None:
             for index, (request, _) in enumerate(step.batch.samples):
                 if request.status != RequestStatus.FINISHED and request.sampling.top_logprobs:

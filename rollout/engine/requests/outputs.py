@@ -86,6 +86,8 @@ class GenerationOutput:
             the last; set on a sample's first output only (as prompt_logprobs).
         cached_prompt_tokens: prompt tokens whose KV the prefix cache gave the sample when it was first admitted
             (OpenAI's `usage.prompt_tokens_details.cached_tokens`); None before that.
+        request_fault: with finish_reason "error", the error is what the request asked for (bans or a grammar that
+            left no token to draw), not a failure of the engine.
     """
 
     request_id: str
@@ -112,6 +114,7 @@ class GenerationOutput:
     routes: np.ndarray | None = None
     prompt_routes: np.ndarray | None = None
     cached_prompt_tokens: int | None = None
+    request_fault: bool = False
 
     def __post_init__(self) -> None:
         if self.group_id is None:
@@ -152,6 +155,7 @@ def progress_output(request: Request) -> GenerationOutput:
         policy_versions=_versions_from(request.token_versions, start, request.num_output_tokens),
         kv_version_min=request.oldest_kv_version,
         cached_prompt_tokens=request.cached_prompt_tokens,
+        request_fault=request.request_fault,
     )
     if request.adapter is not None:
         output.adapter, output.adapter_version = request.adapter.name, request.adapter.version

@@ -93,6 +93,9 @@ class Request:
     score_only: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    # The error is the request's own doing (what it asked for cannot be followed: bans or a grammar that leave no
+    # token to draw), not a failure of the engine: an HTTP answer is then a 4xx.
+    request_fault: bool = False
     # Row of the model runner's persistent block tables that holds this request's block ids (-1: none yet, and once
     # it finished).
     block_table_row: int = -1

@@ -142,9 +142,11 @@ class Scheduler:
                 ended += self.finish(request, "abort")
         return ended
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> list[Request]:
+    def finish(
+        self, request: Request, reason: str, error: str | None = None, request_fault: bool = False
+    ) -> list[Request]:
         """Mark finished and free blocks. A leader whose samples were never forked ends them too, so a group always
-        yields all n outputs."""
+        yields all n outputs (`request_fault`: the error is what the request asked for, `Request.request_fault`)."""
         ended = [request]
         for index in range(1, request.num_forks + 1):
             child = request.fork(index, sample_id(request.group_id, index), request.arrival)
@@ -155,7 +157,7 @@ class Scheduler:
                 self.block_manager.free(r)
             r.status = RequestStatus.FINISHED
             r.finish_reason = reason
-            r.error = error
+            r.error, r.request_fault = error, request_fault
         return ended
 
     # ---- scheduling -------------------------------------------------------------------------------------------
@@ -260,10 +262,11 @@ class Scheduler:
                 self.finish(request, request.finish_reason, request.error)  # it forked already: it ends alone
         return resolved
 
-    def fail(self, request: Request, error: str) -> list[Request]:
-        """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples)."""
+    def fail(self, request: Request, error: str, request_fault: bool = False) -> list[Request]:
+        """End one sample with finish_reason "error" wherever it is queued; returns it (with unforked samples).
+        `request_fault`: the error is what the request asked for (`Request.request_fault`), not the engine's."""
         self._dequeue(request)
-        return self.finish(request, "error", error)
+        return self.finish(request, "error", error, request_fault)
 
     def _dequeue(self, request: Request) -> None:
         """Take a request out of whichever queue holds it (it may have been preempted since it was sampled)."""

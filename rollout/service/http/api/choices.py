@@ -50,6 +50,7 @@ class Choice:
     policy_versions: list[list[int]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    request_fault: bool = False  # the error is what the request asked for (`GenerationOutput.request_fault`)
     kv_version_min: int | None = None
     # With prompt log-probs (echo, prompt_logprobs): per prompt position (None at 0) the prompt token's log-prob, the
     # top pairs and its rank, from the sample's first output.
@@ -90,6 +91,7 @@ class Choice:
         text = "".join([self.text.add(token) for token in tokens])
         if output.is_finished:
             self.finish_reason, self.error = output.finish_reason, output.error
+            self.request_fault = output.request_fault
             self.kv_version_min = output.kv_version_min
             text += self.text.finish()
         return ChoiceDelta(text, start, len(self.token_ids), bool(output.is_finished))
