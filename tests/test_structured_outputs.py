@@ -311,6 +311,12 @@ def test_two_patterns_are_refused_and_closed_objects_keep_their_counts():
     matcher = xgrammar.GrammarMatcher(compiled("json", closed))
     assert not (matcher.accept_string("{}") and matcher.accept_token(TOKENIZER.eos_token_id))
     SamplingParams(json=closed)  # accepted
+    # A repeated key only lowers the count: pydantic's dict[str, int] with min_length=1 or max_length holds.
+    for bound, violating in (({"minProperties": 1}, "{}"), ({"maxProperties": 2}, '{"a": 1, "b": 2, "c": 3}')):
+        open_map = {"type": "object", "additionalProperties": {"type": "integer"}, **bound}
+        matcher = xgrammar.GrammarMatcher(compiled("json", open_map))
+        assert not (matcher.accept_string(violating) and matcher.accept_token(TOKENIZER.eos_token_id))
+        SamplingParams(json=open_map)  # accepted
 
 
 def test_special_tokens_never_spell_a_constraints_text():

@@ -4,8 +4,9 @@
   schema (`{"a": "x"}` for an integer `a`);
 - `patternProperties` beside `properties`, or with more than one pattern: a key both name may take either schema
   (the engine treats them as alternatives, JSON Schema asks for both);
-- `minProperties` / `maxProperties` where keys beyond the declared ones are allowed: a key may then come twice
-  (`{"p": true, "p": false}`), which a parser reads as one property, below the least count.
+- `minProperties` of 2 or more where keys beyond the declared ones are allowed: a key may then come twice
+  (`{"p": true, "p": false}`), which a parser reads as one property, below the least count (a repeated key only
+  lowers the count: `maxProperties`, and `minProperties` 1, hold).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def unenforced_object_part(schema: dict, where: str) -> tuple[str, str] | None:
             "with more than one pattern is not enforced by the grammar engine (a key two patterns match may take "
             "either schema)",
         )
-    for keyword in ("minProperties", "maxProperties"):
-        if keyword in schema and _other_keys_allowed(schema, patterns):
-            return (
-                f"{where}.{keyword}",
-                "is not enforced by the grammar engine where keys beyond the declared properties are allowed (a key "
-                "may come twice)",
-            )
+    least = schema.get("minProperties")
+    if isinstance(least, int) and least >= 2 and _other_keys_allowed(schema, patterns):
+        return (
+            f"{where}.minProperties",
+            "of 2 or more is not enforced by the grammar engine where keys beyond the declared properties are allowed "
+            "(a key may come twice, and counts once)",
+        )
     return None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rollout import protocol as p
 
-MAX_BASE_ALIASES = 16  # other names kept (one per trainer of the same checkpoint)
+MAX_BASE_ALIASES = 64  # other names kept (one per trainer of the same checkpoint; past it the oldest is forgotten)
 
 
 class ServedBase:

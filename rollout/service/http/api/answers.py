@@ -200,8 +200,8 @@ def _ended_by_error(choice: Choice, unread: bool) -> bool:
 
 def _ended_early(choice: Choice, unread: bool = False) -> APIError:
     """The error for a choice `_ended_by_error`: what the request asked for could not be followed (400: bans or a
-    grammar that left no token to draw, named in the message; retrying the same request fails the same way), a
-    failure of the engine (500), or a stream its client did not read (408)."""
+    grammar that left no token to draw, named in the message: the request's own doing), a failure of the engine
+    (500), or a stream its client did not read (408)."""
     if choice.finish_reason == "error" and choice.request_fault:
         return APIError(400, f"generation failed: {choice.error}", None, "invalid_request_error", "nothing_to_draw")
     if choice.finish_reason == "error":
