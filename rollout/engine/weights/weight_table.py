@@ -41,6 +41,10 @@ class WeightUpdateResult:
     outputs: list[GenerationOutput] = field(default_factory=list, repr=False)
 
 
+# An integer dtype of each float width: a float tensor viewed as one compares bit for bit.
+_SAME_WIDTH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class WeightTable:
     """Every name of one model's state_dict a weight update may target."""
 
@@ -128,8 +132,11 @@ class WeightTable:
         brought to the model's device to be compared (a GPU's memory holds one more of them at most)."""
         with torch.no_grad():
             for name, tensor in tensors.items():
-                target = self._weights[name]
-                if not torch.equal(target, tensor.to(target.device, non_blocking=True)):
+                target, arrived = self._weights[name], tensor.to(self._weights[name].device, non_blocking=True)
+                if target.dtype == arrived.dtype and target.is_floating_point():  # bits: -0.0 is not 0.0, NaN is NaN
+                    bits = _SAME_WIDTH_INTS[target.element_size()]
+                    target, arrived = target.view(bits), arrived.view(bits)
+                if not torch.equal(target, arrived):
                     return False
         return True
 
