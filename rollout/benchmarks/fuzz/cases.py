@@ -48,6 +48,7 @@ class FuzzCase:
     group_id: str | None = None
     cancels: str | None = None  # of a cancel the codec accepts: the group (answered by that group's result)
     unloads: str | None = None  # of an adapter_unload the codec accepts: its update_id (its answer carries it)
+    update_id: str | None = None  # of any request the codec accepts that carries one
     nonce: int | None = None  # of a ping the codec accepts
     max_items: int = 1_000_000
 
@@ -105,6 +106,7 @@ def _classify(case: FuzzCase) -> None:
         case.expect = "error"
         return
     case.expect = "reply"
+    case.update_id = getattr(message, "update_id", None)
     if isinstance(message, p.AdapterUnload):
         case.unloads = message.update_id  # answered by the engine thread, maybe after the sentinel
     if isinstance(message, p.Generate):

@@ -78,7 +78,11 @@ def _attribute(sock: _Socket, message: p.Message, report: FuzzReport, latencies:
             if tracked.sentinel == message.nonce:
                 return
         return
-    unloaded = sock.unloading.pop(getattr(message, "update_id", None), None)
+    update_id = getattr(message, "update_id", None)
+    # The case in flight is answered before its sentinel: a reply naming its id is its own, not an earlier unload's
+    # of the same id (fuzzed ids repeat) whose answer is still to come.
+    in_flight = bool(sock.pending) and sock.pending[0].case.update_id == update_id
+    unloaded = None if in_flight and not isinstance(message, p.AdapterUnloaded) else sock.unloading.pop(update_id, None)
     if unloaded is not None:  # the engine thread's answer to an adapter_unload, after its sentinel
         unloaded.replies.append(message)
         _conclude(unloaded, report)
