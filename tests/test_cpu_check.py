@@ -1,8 +1,9 @@
 """`check_cpu_products`: before a batch-invariant engine or trainer forward relies on this machine's matmuls being
 row-invariant, the model's own shapes are run here against one thread's bits; a BLAS that computes some rows
 otherwise is refused by name ("batch_invariant"), and nothing is left held. The failing BLAS is the real one told to
-issue products of any row count (`MIN_ROWS` 1): MKL takes a matrix-vector kernel for a single row, which sums in
-another order (measured on an Intel and an AMD machine: 1e-5 off)."""
+issue products of any row count (`MIN_ROWS` 1, no larger bound to try): MKL takes a matrix-vector kernel for a
+single row, which sums in another order (measured on two Intel machines and an AMD one: 1e-5 off). Given larger
+bounds to try, the check raises the bound in use to the first that holds on this machine."""
 
 from __future__ import annotations
 
@@ -11,19 +12,27 @@ import torch
 
 from conftest import make_engine, tiny_model
 from rollout import FieldError
-from rollout.invariant import matmul
+from rollout.invariant import cpu_attention, matmul
 from rollout.invariant.cpu_check import RowInvarianceError, check_cpu_products, clear_checks
 from trainer_bridge import batch_invariant
 
 
 @pytest.fixture
-def fresh_checks():
-    """Every shape checked anew, the thread count and the row bound restored after."""
+def fresh_checks(monkeypatch):
+    """Every shape checked anew, the thread count and the row bounds restored after."""
     threads = torch.get_num_threads()
+    monkeypatch.setattr(matmul, "MIN_ROWS", matmul.MIN_ROWS)
+    monkeypatch.setattr(cpu_attention, "MIN_QUERY_ROWS", cpu_attention.MIN_QUERY_ROWS)
     clear_checks()
     yield
     torch.set_num_threads(threads)
     clear_checks()
+
+
+def _no_bound_but(monkeypatch, bound: int) -> None:
+    """The products padded to a multiple of `bound` rows, and no larger bound to raise it to."""
+    monkeypatch.setattr(matmul, "MIN_ROWS", bound)
+    monkeypatch.setattr(matmul, "ROW_MULTIPLES", (bound,))
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 16])
@@ -34,24 +43,50 @@ def test_the_tiny_models_products_are_row_invariant_here(fresh_checks, num_threa
 
 
 def test_a_product_of_single_rows_is_refused_naming_the_linear_and_the_threads(fresh_checks, monkeypatch):
-    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    _no_bound_but(monkeypatch, 1)
     torch.set_num_threads(2)
-    with pytest.raises(RowInvarianceError, match=r"linear of \d+ -> \d+ features computed 1 row alone with 2 threads"):
+    with pytest.raises(
+        RowInvarianceError,
+        match=r"linear of \d+ -> \d+ features computed 1 row alone with 2 threads .* padded to a multiple of 1,",
+    ):
         check_cpu_products(tiny_model())
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_bound_rises_to_the_first_that_holds_here_and_never_falls(fresh_checks, monkeypatch, num_threads):
+    """From single rows (which no measured BLAS sums as among others), the check raises the linears' bound to a
+    multiple that holds on this machine; under it a row alone has the bits it has among 96 with one thread, in
+    the model's own head shape. A later check that needs less leaves the bound where it is."""
+    torch.set_num_threads(num_threads)
+    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    monkeypatch.setattr(matmul, "ROW_MULTIPLES", (1, 2, 4, 8, 16, 32))
+    model = tiny_model()
+    check_cpu_products(model)
+    bound = matmul.MIN_ROWS
+    assert bound > 1
+    head = model.get_output_embeddings().weight.detach()
+    rows = torch.randn(96, head.shape[1], generator=torch.Generator().manual_seed(1))
+    torch.set_num_threads(1)
+    among = matmul.tiled_matmul(rows, head)
+    torch.set_num_threads(num_threads)
+    for count in (1, 3, bound + 1):
+        assert torch.equal(matmul.tiled_matmul(rows[:count], head), among[:count])
+    check_cpu_products(tiny_model().to(torch.bfloat16))  # its fp32 head's shape was checked under this bound
+    assert matmul.MIN_ROWS == bound
 
 
 def test_an_engine_and_a_trainer_forward_refuse_the_mode_where_it_cannot_hold(fresh_checks, monkeypatch):
     model = tiny_model()
-    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    _no_bound_but(monkeypatch, 1)
     with pytest.raises(FieldError) as refused:
         make_engine(model, batch_invariant=True)
     assert refused.value.field == "batch_invariant" and "bit for bit" in refused.value.reason
     with pytest.raises(RowInvarianceError), batch_invariant(model):
         pass
     assert model.config._attn_implementation != "rollout_invariant"  # the block never took the model
-    monkeypatch.setattr(matmul, "MIN_ROWS", 4)
+    monkeypatch.setattr(matmul, "ROW_MULTIPLES", (1, 4, 8, 16, 32))
     clear_checks()
-    engine = make_engine(model, batch_invariant=True)  # the same model, served once the products hold
+    engine = make_engine(model, batch_invariant=True)  # the same model, served once a bound holds
     engine.close()
 
 
@@ -65,7 +100,7 @@ def test_the_check_is_the_same_under_autocast_and_on_zero_weights(fresh_checks, 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         check_cpu_products(model)  # passes inside autocast
     check_cpu_products(model)  # and outside, from the same cache
-    monkeypatch.setattr(matmul, "MIN_ROWS", 1)
+    _no_bound_but(monkeypatch, 1)
     clear_checks()
     with pytest.raises(RowInvarianceError, match="1 row alone"), torch.autocast("cpu", dtype=torch.bfloat16):
         check_cpu_products(model)

@@ -3,13 +3,14 @@ GPU kernel's (`attention.py` says what is invariant and why).
 
 On the CPU an fp32 matmul computes each output element from its row and its column alone, in an order that depends
 on the reduction's length only, whatever the numbers of rows and columns and threads, as long as the rows are a
-multiple of `MIN_QUERY_ROWS` and the reduction is at most 64 long (measured on two machines' MKL: scores over
-head_dim slices of 64 against query rows and 64 to 4096 keys, weighted values over a `KEY_BLOCK` of keys against
-head dims of 16 to 256, either operand transposed or strided; on an AMD EPYC (AVX-512), multiples of 4 rows up to
-1,024 with 1 to 32 threads gave the bits of one thread). Other row counts may take other kernels, and which ones
-depends on the processor and the thread count: on an Intel machine 1 and 2 rows did; on the AMD EPYC 1 to 3 rows
-with any thread count, also 5-7 and 9-11 with two threads and 17-19 and 25-27 with sixteen. So every product is laid
-out the same way, queries on the rows, zero rows added up to a multiple of `MIN_QUERY_ROWS` (the linears' rule):
+multiple of `MIN_QUERY_ROWS` (the machine's bound, checked) and the reduction is at most 64 long (measured on three
+machines' MKL: scores over head_dim slices of 64 against query rows and 64 to 4096 keys, weighted values over a
+`KEY_BLOCK` of keys against head dims of 16 to 256, either operand transposed or strided; on an AMD EPYC (AVX-512),
+multiples of 4 rows up to 1,024 with 1 to 32 threads gave the bits of one thread; on an Intel Sapphire Rapids too).
+Other row counts may take other kernels, and which ones depends on the processor and the thread count: on an Intel
+machine 1 and 2 rows did; on the AMD EPYC 1 to 3 rows with any thread count, also 5-7 and 9-11 with two threads and
+17-19 and 25-27 with sixteen. So every product is laid out the same way, queries on the rows, zero rows added up to
+a multiple of `MIN_QUERY_ROWS` (the linears' rule):
 
 - the scores: (queries, `SCORE_SLICE`) x (`SCORE_SLICE`, keys) per slice of head_dim, the slices added in order. A
   decode step (one query per head) takes the queries of the heads sharing a key head as its rows (the zero rows'
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from rollout.invariant.matmul import MIN_ROWS
+from rollout.invariant.matmul import ROW_MULTIPLES
 
 KEY_BLOCK = 64
 SCORE_SLICE = 64  # head_dim reduced in slices of this length
-MIN_QUERY_ROWS = MIN_ROWS  # every product has a multiple of this many rows (matmul.MIN_ROWS says why)
+# Every product has a multiple of this many rows, the machine's bound as the linears' `matmul.MIN_ROWS` is (it says
+# why), raised by `cpu_check.check_cpu_products` to the first of `ROW_MULTIPLES` under which the attention holds.
+MIN_QUERY_ROWS = ROW_MULTIPLES[0]
 FEW_ROWS = 64  # up to this many rows, a step's weighted values are one product over every key block (faster)
 EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above fp32's smallest normal number
 HIDDEN_SCORE = 3e38  # subtracted from a hidden key's score (finite: a row that sees nothing gets weights 0 x finite)
@@ -44,14 +47,17 @@ def attend_in_torch(
     start: torch.Tensor | None,
     scaling: float,
     softcap: float | None = None,
+    row_multiple: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant attention in PyTorch (module docstring; `attention.attend_invariant` for the arguments, here
-    with `scaling` given). Keys and values laid out key head first underneath ((B, Hkv, L, D) views of (Hkv, B, L, D)
-    tensors, as `paged._gather_heads` gives them) are read where they are when `start` is None and L a whole number
-    of key blocks."""
+    with `scaling` given, and `row_multiple` the products' row multiple, by default `MIN_QUERY_ROWS`: the check tries
+    others). Keys and values laid out key head first underneath ((B, Hkv, L, D) views of (Hkv, B, L, D) tensors, as
+    `paged._gather_heads` gives them) are read where they are when `start` is None and L a whole number of key
+    blocks."""
     if torch.is_autocast_enabled(query.device.type):  # every product in fp32, as the engine computes them
         with torch.autocast(query.device.type, enabled=False):
-            return attend_in_torch(query, key, value, allowed, start, scaling, softcap)
+            return attend_in_torch(query, key, value, allowed, start, scaling, softcap, row_multiple)
+    multiple = MIN_QUERY_ROWS if row_multiple is None else row_multiple
     dtype = query.dtype
     batch, heads, queries, head_dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
@@ -75,7 +81,7 @@ def attend_in_torch(
 
     query = query.float().unflatten(1, (kv_heads, group)).transpose(0, 1)  # (kv_heads, batch, group, queries, D)
     rows = group * queries
-    scores = _scores(query.reshape(kv_heads, batch, rows, head_dim), key)
+    scores = _scores(query.reshape(kv_heads, batch, rows, head_dim), key, multiple)
     scores = scores.view(kv_heads, batch, group, queries, blocks, KEY_BLOCK)
     seen = allowed.to(torch.float32).view(1, batch, 1, queries, blocks, KEY_BLOCK)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
@@ -93,7 +99,7 @@ def attend_in_torch(
         peak = scores.amax(dim=(4, 5), keepdim=True)
         weights = scores.sub_(peak).clamp_(min=EXP_FLOOR).exp_().mul_(seen)
     totals = weights.sum(dim=-1).view(kv_heads, batch, rows, blocks)
-    out = _weighted_values(weights.view(kv_heads, batch, rows, aligned), value)
+    out = _weighted_values(weights.view(kv_heads, batch, rows, aligned), value, multiple)
     total = totals.cumsum(-1)[..., -1:]
     out = out / total.clamp(min=torch.finfo(torch.float32).tiny)
     if out.requires_grad:
@@ -103,13 +109,13 @@ def attend_in_torch(
     return out.reshape(batch, queries, heads, head_dim).to(dtype).transpose(1, 2)
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def _scores(query: torch.Tensor, key: torch.Tensor, multiple: int) -> torch.Tensor:
     """Every query's score with every key: (kv_heads, batch, rows, aligned); one product per `SCORE_SLICE` of
-    head_dim, added in order, of a multiple of `MIN_QUERY_ROWS` rows (zero rows added, their scores dropped: the
-    softmax then runs over the real rows only)."""
+    head_dim, added in order, of a multiple of `multiple` rows (zero rows added, their scores dropped: the softmax
+    then runs over the real rows only)."""
     rows = query.shape[2]
-    if rows % MIN_QUERY_ROWS:
-        return _scores(torch.nn.functional.pad(query, (0, 0, 0, (-rows) % MIN_QUERY_ROWS)), key)[:, :, :rows]
+    if rows % multiple:
+        return _scores(torch.nn.functional.pad(query, (0, 0, 0, (-rows) % multiple)), key, multiple)[:, :, :rows]
     scores = None
     for first in range(0, query.shape[-1], SCORE_SLICE):
         product = torch.matmul(
@@ -119,12 +125,12 @@ def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return scores
 
 
-def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _weighted_values(weights: torch.Tensor, value: torch.Tensor, multiple: int) -> torch.Tensor:
     """Each query's weighted sum of values, key block by key block, the blocks added in order in float64:
-    (kv_heads, batch, rows, head_dim); products of a multiple of `MIN_QUERY_ROWS` rows (zero rows added, dropped)."""
+    (kv_heads, batch, rows, head_dim); products of a multiple of `multiple` rows (zero rows added, dropped)."""
     kv_heads, batch, rows, aligned = weights.shape
     blocks = aligned // KEY_BLOCK
-    padded = torch.nn.functional.pad(weights, (0, 0, 0, (-rows) % MIN_QUERY_ROWS)) if rows % MIN_QUERY_ROWS else weights
+    padded = torch.nn.functional.pad(weights, (0, 0, 0, (-rows) % multiple)) if rows % multiple else weights
     if rows <= FEW_ROWS:  # one product over every block (the same products), the blocks added as cumsum adds them
         w = padded.view(kv_heads, batch, padded.shape[2], blocks, KEY_BLOCK).transpose(2, 3)
         parts = torch.matmul(w, value.view(kv_heads, batch, blocks, KEY_BLOCK, -1))[:, :, :, :rows]

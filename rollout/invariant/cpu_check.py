@@ -2,12 +2,15 @@
 upon.
 
 On the CPU the invariant linears and attention issue torch matmuls laid out so that MKL computes a row's bits the
-same way whatever the number of rows and threads (`matmul.py`, `cpu_attention.py`). That is a property of the
-library's kernels on a given processor, measured, not promised: one machine's MKL took other kernels for 1 to 3
-rows, another's also for 17-19 rows with sixteen threads. So, once per process for each shape and thread count,
-the model's shapes are run here: a linear's first rows alone (`CHECKED_ROWS`) against the same rows among
+same way whatever the number of rows and threads (`matmul.py`, `cpu_attention.py`): rows padded with zeros to a
+multiple of a bound. That is a property of the library's kernels on a given processor, measured, not promised: one
+machine's MKL took other kernels for 1 to 3 rows, another's also for 17-19 rows with sixteen threads, a third summed
+4 and 8 rows of a 256-long reduction otherwise. So, once per process for each shape, thread count and bound, the
+model's shapes are run here: a linear's first rows alone (`CHECKED_ROWS`) against the same rows among
 `REFERENCE_ROWS` computed with one thread, and the last 1 to `CHECKED_QUERIES` queries of a prefill attended alone
-against the whole prefill. A mismatch raises `RowInvarianceError` naming the product, the rows and the thread count,
+against the whole prefill. The linears' bound (`matmul.MIN_ROWS`) and the attention's
+(`cpu_attention.MIN_QUERY_ROWS`) are each raised to the first of `matmul.ROW_MULTIPLES` under which every one of the
+model's products holds. Where none does, `RowInvarianceError` names the product, the rows and the thread count,
 instead of log-probs that silently differ from the trainer's by a few ulps.
 """
 
@@ -17,6 +20,7 @@ import threading
 
 import torch
 
+from rollout.invariant import cpu_attention, matmul
 from rollout.invariant.cpu_attention import attend_in_torch
 from rollout.invariant.matmul import tiled_matmul
 from rollout.invariant.reductions import on_kernel_device
@@ -32,7 +36,8 @@ CHECKED_QUERIES = 9
 # alike): 16,384 of 151,936 take 0.2 s here instead of 4.
 MAX_CHECKED_FEATURES = 16384
 _THREADS_LOCK = threading.Lock()  # the reference products flip the process's thread count to one
-_CHECKED: dict[tuple, str | None] = {}  # (shape..., threads) -> the mismatch found, None for none
+_BOUNDS_LOCK = threading.Lock()  # two checks at once raise the bounds one after the other
+_CHECKED: dict[tuple, str | None] = {}  # (shape..., threads, bound) -> the mismatch found, None for none
 
 
 class RowInvarianceError(FieldError):
@@ -45,15 +50,17 @@ class RowInvarianceError(FieldError):
 
 def check_cpu_products(model: torch.nn.Module) -> None:
     """Check, with this process's thread count, that the batch-invariant CPU products of `model`'s shapes give each
-    row the bits it gets among other rows with one thread (module docstring): each `nn.Linear`'s in its dtype (the
-    output head also in fp32, as `fp32_logits` computes it), on seeded random weights of its shape (at most
-    `MAX_CHECKED_FEATURES` output features), and the attention's. Once per process, shape and thread count; autocast
-    off, as the products it checks run. Nothing to check for a model off the CPU (or on the Triton kernels).
+    row the bits it gets among other rows with one thread (module docstring), raising the linears' and the
+    attention's row bounds to the first of `matmul.ROW_MULTIPLES` under which they do: each `nn.Linear`'s in its
+    dtype (the output head also in fp32, as `fp32_logits` computes it), on seeded random weights of its shape (at
+    most `MAX_CHECKED_FEATURES` output features), and the attention's. Once per process, shape, thread count and
+    bound; autocast off, as the products it checks run. Nothing to check for a model off the CPU (or on the Triton
+    kernels).
 
     Args:
         model: the model a batch-invariant forward will run (its linears' shapes and dtypes, its attention's heads).
     Raises:
-        RowInvarianceError: a product whose rows differ, named with the rows and the thread count.
+        RowInvarianceError: a product whose rows differ under every bound, named with the rows and the thread count.
     """
     sample = next(model.parameters(), None)
     if sample is None or sample.device.type != "cpu" or on_kernel_device(sample):  # the Triton kernels' own promise
@@ -67,37 +74,49 @@ def check_cpu_products(model: torch.nn.Module) -> None:
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        for out_features, in_features, dtype in sorted(shapes, key=str):
-            key = (out_features, in_features, dtype, threads)
-            if key not in _CHECKED:
-                _CHECKED[key] = _linear_mismatch(out_features, in_features, dtype, threads)
-            _raise(_CHECKED[key])
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), _BOUNDS_LOCK:
+        linears = [("linear", *shape) for shape in sorted(shapes, key=str)]
+        matmul.MIN_ROWS = _first_bound_that_holds(linears, matmul.MIN_ROWS, threads)
         if heads:
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            key = ("attention", heads, kv_heads, head_dim, threads)
-            if key not in _CHECKED:
-                _CHECKED[key] = _attention_mismatch(heads, kv_heads, head_dim, threads)
-            _raise(_CHECKED[key])
+            attention = [("attention", heads, kv_heads, head_dim)]
+            cpu_attention.MIN_QUERY_ROWS = _first_bound_that_holds(attention, cpu_attention.MIN_QUERY_ROWS, threads)
 
 
 def clear_checks() -> None:
     """Forget what was checked (the next `check_cpu_products` runs every shape again): after a change of the
-    BLAS's own settings, and in tests."""
+    BLAS's own settings, and in tests. The bounds in use stay (a bound never falls: an engine may be running)."""
     _CHECKED.clear()
+
+
+def _first_bound_that_holds(products: list[tuple], in_use: int, threads: int) -> int:
+    """The first bound, from the one in use up through `matmul.ROW_MULTIPLES` (multiples of it only), under which
+    every one of `products` holds with `threads` threads; raises naming the last bound's first mismatch."""
+    bounds = [in_use] + [b for b in matmul.ROW_MULTIPLES if b > in_use and b % in_use == 0]
+    mismatch = None
+    for bound in bounds:
+        mismatch = next(filter(None, (_mismatch(product, threads, bound) for product in products)), None)
+        if mismatch is None:
+            return bound
+    tried = " or ".join(str(b) for b in bounds)
+    raise RowInvarianceError(
+        f"on this CPU {mismatch}, with rows padded to a multiple of {tried}, so log-probs would not equal the "
+        "trainer's bit for bit; another torch.set_num_threads count may hold (or run the mode on a GPU)"
+    )
+
+
+def _mismatch(product: tuple, threads: int, bound: int) -> str | None:
+    key = (*product, threads, bound)
+    if key not in _CHECKED:
+        kind, *shape = product
+        find = _linear_mismatch if kind == "linear" else _attention_mismatch
+        _CHECKED[key] = find(*shape, threads, bound)
+    return _CHECKED[key]
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
-
-
-def _raise(mismatch: str | None) -> None:
-    if mismatch is not None:
-        raise RowInvarianceError(
-            f"on this CPU {mismatch}, so log-probs would not equal the trainer's bit for bit; "
-            "another torch.set_num_threads count may hold (or run the mode on a GPU)"
-        )
 
 
 def _rows(count: int, one: str = "row", many: str = "rows") -> str:
@@ -116,15 +135,16 @@ def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
             torch.set_num_threads(before)
 
 
-def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> str | None:
-    """How a linear's rows alone differ from the same rows among REFERENCE_ROWS with one thread (None: they don't).
-    Seeded random weights: a model's own may be zeros (a fresh LoRA B), which any order sums alike."""
+def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, threads: int, bound: int) -> str | None:
+    """How a linear's rows alone differ from the same rows among REFERENCE_ROWS with one thread, fp32 rows padded to
+    a multiple of `bound` (None: they don't). Seeded random weights: a model's own may be zeros (a fresh LoRA B),
+    which any order sums alike."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(min(out_features, MAX_CHECKED_FEATURES), in_features, generator=generator).to(dtype)
     rows = torch.randn(REFERENCE_ROWS, in_features, generator=generator).to(dtype)
-    whole = _one_thread(lambda: tiled_matmul(rows, weight))
+    whole = _one_thread(lambda: tiled_matmul(rows, weight, bound))
     for count in CHECKED_ROWS:
-        alone = tiled_matmul(rows[:count], weight)
+        alone = tiled_matmul(rows[:count], weight, bound)
         if not torch.equal(alone, whole[:count]):
             difference = (alone.float() - whole[:count].float()).abs().max().item()
             return (
@@ -135,18 +155,18 @@ def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, th
     return None
 
 
-def _attention_mismatch(heads: int, kv_heads: int, head_dim: int, threads: int) -> str | None:
-    """How a prefill's last queries attended alone differ from the whole prefill with one thread (None: they
-    don't)."""
+def _attention_mismatch(heads: int, kv_heads: int, head_dim: int, threads: int, bound: int) -> str | None:
+    """How a prefill's last queries attended alone differ from the whole prefill with one thread, products of a
+    multiple of `bound` rows (None: they don't)."""
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, heads, PREFILL_QUERIES, head_dim, generator=generator)
     key, value = (torch.randn(1, kv_heads, PREFILL_QUERIES, head_dim, generator=generator) for _ in range(2))
     positions = torch.arange(PREFILL_QUERIES)
     causal = (positions[None, :] <= positions[:, None])[None, None]
     scaling = head_dim**-0.5
-    whole = _one_thread(lambda: attend_in_torch(query, key, value, causal, None, scaling))
+    whole = _one_thread(lambda: attend_in_torch(query, key, value, causal, None, scaling, row_multiple=bound))
     for last in range(1, CHECKED_QUERIES + 1):
-        alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, scaling)
+        alone = attend_in_torch(query[:, :, -last:], key, value, causal[:, :, -last:], None, scaling, None, bound)
         if not torch.equal(alone, whole[:, :, -last:]):
             difference = (alone - whole[:, :, -last:]).abs().max().item()
             return (

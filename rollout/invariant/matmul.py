@@ -2,14 +2,14 @@
 
 torch's CPU matmul picks its kernel and its split of the reduction by the matrix's shape and the thread count, so a
 row's result can depend on how many rows share the call (measured: up to 2e-6 in fp32 between 1 and 300 rows, and
-0.25 in bf16). What was measured to hold (MKL / oneDNN on two machines, 1 to 32 threads, 4 to 4096 rows): in fp32,
-a reduction of at most `K_CHUNK` is summed in one order whatever the numbers of columns and threads, as long as the
-rows are a multiple of `MIN_ROWS` (other counts may take other kernels for some rows: matrix-vector, small-matrix,
-or a thread's remainder). So in fp32 every row takes part in one matmul per `K_CHUNK`-wide slice of the reduction,
-zero rows added up to a multiple of `MIN_ROWS`, and the slices' products are added in order. Lower precisions are reduced in
-one call per tile of `ROW_TILE` rows (the last one padded with zeros), each tile a matmul of the same shape, which
-accumulates in fp32 inside the kernel as a plain `F.linear` does. On a GPU the same promise is kept by one Triton
-kernel of fixed tiles (`triton_matmul.py`).
+0.25 in bf16). What was measured to hold (MKL / oneDNN on three machines, 1 to 32 threads, 4 to 4096 rows): in
+fp32, a reduction of at most `K_CHUNK` is summed in one order whatever the numbers of columns and threads, as long
+as the rows are a multiple of a bound of the machine's, `MIN_ROWS` (other counts may take other kernels for some
+rows: matrix-vector, small-matrix, or a thread's remainder). So in fp32 every row takes part in one matmul per
+`K_CHUNK`-wide slice of the reduction, zero rows added up to a multiple of `MIN_ROWS`, and the slices' products are
+added in order. Lower precisions are reduced in one call per tile of `ROW_TILE` rows (the last one padded with
+zeros), each tile a matmul of the same shape, which accumulates in fp32 inside the kernel as a plain `F.linear`
+does. On a GPU the same promise is kept by one Triton kernel of fixed tiles (`triton_matmul.py`).
 """
 
 from __future__ import annotations
@@ -22,16 +22,28 @@ from rollout.invariant.reductions import on_kernel_device
 
 ROW_TILE = 16
 K_CHUNK = 256
-# fp32 products have a multiple of this many rows (zero rows added): fewer take other kernels (matrix-vector,
+# fp32 products have a multiple of `MIN_ROWS` rows (zero rows added): fewer take other kernels (matrix-vector,
 # small-matrix), and other counts are split among threads with a remainder that does (on an AMD EPYC, 1-3 rows with
 # one thread, 5-7 and 9-11 with two, 17-19 and 25-27 with sixteen summed otherwise). Multiples of 4 from 4 to 1,024
-# rows gave one thread's bits with 1 to 32 threads there, for the linears' products and the attention's; 16 rows, the
-# bound before, cost a decode step's attention (2 real rows of a key head's 2 query heads) 4 times the work.
-MIN_ROWS = 4
+# rows gave one thread's bits with 1 to 32 threads there, for the linears' products and the attention's; an Intel
+# Xeon with AVX-512 FP16 (Sapphire Rapids) summed 4 and 8 rows of a 256-long reduction otherwise, 16 held. So the
+# bound is the machine's: `cpu_check.check_cpu_products` raises `MIN_ROWS` to the first of `ROW_MULTIPLES` under
+# which the model's products hold here (each candidate a multiple of the one before, so a bound raised for one
+# model holds for the models checked under a smaller one). It is never lowered; its rows' bits are the same under
+# any bound that holds (those of the products among many rows), so two processes that chose different bounds agree.
+ROW_MULTIPLES = (4, 8, 16, 32)
+MIN_ROWS = ROW_MULTIPLES[0]  # the row multiple in use in this process
 
 
-def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`rows @ weight.t()` for 2-D `rows`, row-invariant (module docstring)."""
+def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor, row_multiple: int | None = None) -> torch.Tensor:
+    """`rows @ weight.t()` for 2-D `rows`, row-invariant (module docstring).
+
+    Args:
+        rows: (count, in_features).
+        weight: (out_features, in_features).
+        row_multiple: fp32 rows are padded to a multiple of this (default `MIN_ROWS`, the one in use; the check
+            tries others).
+    """
     count, features = rows.shape
     if count == 0:  # a step that keeps no row's logits
         return rows.new_empty(0, weight.shape[0])
@@ -41,7 +53,8 @@ def tiled_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return invariant_matmul(rows, weight)
     transposed = weight.t()
     if rows.dtype == torch.float32:
-        padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % MIN_ROWS)) if count % MIN_ROWS else rows
+        multiple = MIN_ROWS if row_multiple is None else row_multiple
+        padded = torch.nn.functional.pad(rows, (0, 0, 0, (-count) % multiple)) if count % multiple else rows
         out = torch.mm(padded[:, :K_CHUNK], transposed[:K_CHUNK])
         for start in range(K_CHUNK, features, K_CHUNK):
             out.add_(torch.mm(padded[:, start : start + K_CHUNK], transposed[start : start + K_CHUNK]))
