@@ -138,3 +138,23 @@ def test_a_bad_stop_token_id_is_named_as_sent(api, sent):
         api.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"stop_token_ids": [7, sent]})
     assert refused.value.body["param"] == "stop_token_ids"
     assert refused.value.body["message"].endswith(f"got {sent!r} in it"), refused.value.body["message"]
+
+
+def test_a_whole_answer_is_refused_with_its_gravest_choice_error():
+    """n > 1, not streamed: one choice's request fault (400) came first, a later choice's engine failure (500) is
+    what the answer says, as it would be alone; an answer with no error is no error."""
+    from rollout.detokenizer import OutputText
+    from rollout.service.http.api.answers import answer_error
+    from rollout.service.http.api.choices import Choice
+
+    def choice(index: int, finish_reason: str, error: str | None = None, request_fault: bool = False) -> Choice:
+        text = OutputText(TOKENIZER, [1, 2])
+        return Choice(index, [1, 2], text, finish_reason=finish_reason, error=error, request_fault=request_fault)
+
+    banned = choice(0, "error", "every token is banned", request_fault=True)
+    failed = choice(1, "error", "RuntimeError: out of memory")
+    assert answer_error([banned, failed], unread=False).status == 500
+    assert answer_error([failed, banned], unread=False).status == 500
+    assert answer_error([banned, choice(1, "stop")], unread=False).code == "nothing_to_draw"
+    assert answer_error([choice(0, "length"), choice(1, "abort")], unread=False) is None
+    assert answer_error([banned, choice(1, "abort")], unread=True).status == 408

@@ -59,9 +59,9 @@ class AnswerWriter:
         and encoded on a worker thread (a thousand choices with top log-probs are tens of megabytes)."""
         async for _ in answer.submission.deltas(disconnected):
             pass
-        for choice in answer.submission.choices:
-            if _ended_by_error(choice, answer.submission.overflowed):
-                raise _ended_early(choice, answer.submission.overflowed)
+        error = answer_error(answer.submission.choices, answer.submission.overflowed)
+        if error is not None:
+            raise error
         return await asyncio.to_thread(lambda: json_bytes(self._whole(answer)))
 
     def _whole(self, answer: Answer) -> dict[str, Any]:
@@ -189,6 +189,19 @@ class AnswerWriter:
         if scoring is None or not scoring.echo:
             return ""
         return scoring.prompt_text(choice.index // answer.request.n, choice.prompt_ids, self.tokenizer)
+
+
+def answer_error(choices: list[Choice], unread: bool) -> APIError | None:
+    """The error a whole (non-streamed) answer is refused with when some of its choices ended in one: the gravest
+    (an engine's failure, 500, over an unread stream's 408 over a request's own fault, 400, whichever choice came
+    first), or None when every choice is an answer.
+
+    Args:
+        choices: the answer's choices, finished.
+        unread: the request was cancelled because its client left its stream unread.
+    """
+    errors = [_ended_early(choice, unread) for choice in choices if _ended_by_error(choice, unread)]
+    return max(errors, key=lambda error: error.status, default=None)
 
 
 def _ended_by_error(choice: Choice, unread: bool) -> bool:
