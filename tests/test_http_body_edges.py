@@ -45,25 +45,29 @@ def refused(response, status: int, param: str | None) -> str:
 
 def test_a_key_given_twice_is_refused_naming_it(http):
     tokens = ",".join(["5"] * 100)  # a long token-id prompt: its numbers are skipped by the check, not its keys
-    for body, key in (
+    for body, key, path in (
         (
             '{"prompt": "hi", "max_tokens": 3, "max_tokens": 9}',
             "max_tokens",
+            "max_tokens",
         ),
-        ('{"prompt": "hi", "max_tokens": 2, "logit_bias": {"50": 100, "50": -100}}', "50"),
+        ('{"prompt": "hi", "max_tokens": 2, "logit_bias": {"50": 100, "50": -100}}', "50", "logit_bias.50"),
         (
-            '{"messages": [{"role": "user", "content": "a", "content": "b"}], "max_tokens": 2}',
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "a", "content": "b"}], '
+            '"max_tokens": 2}',
             "content",
+            "messages[1].content",
         ),
-        (f'{{"prompt": [{tokens}], "max_tokens": 2, "n": 1, "n": 2}}', "n"),
+        (f'{{"prompt": [{tokens}], "max_tokens": 2, "n": 1, "n": 2}}', "n", "n"),
         (
             '{"prompt": "hi", "max_tokens": 2, "seed": NaN, "seed": 1}',  # json.loads' path (orjson refuses NaN)
             "seed",
+            "seed",
         ),
     ):
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        message = refused(http.post(path, content=body, headers=JSON), 400, key)
-        assert f"{key!r} is given twice in one JSON object" in message
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        message = refused(http.post(route, content=body, headers=JSON), 400, path)
+        assert f"{key!r} is given twice in one JSON object ({path})" in message
     # The same key in two objects is no duplicate.
     body = '{"prompt": "hi", "max_tokens": 2, "response_format": {"type": "json_object"}, "type": "x"}'
     assert "type: unknown field" in refused(http.post("/v1/completions", content=body, headers=JSON), 400, "type")

@@ -64,8 +64,8 @@ def parse_json(raw: bytes | bytearray) -> Any:
             return parsed
     try:  # decoded first: json.loads would take UTF-16 and UTF-32 bytes too (JSON's encoding is UTF-8)
         parsed = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_refuse_duplicates)
-    except _DuplicateKey as duplicate:
-        raise _duplicate_error(duplicate.key) from None
+    except _DuplicateKey:
+        raise _duplicate_error(raw) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
     _refuse_lone_surrogates(parsed)  # (only json.loads takes them: orjson refuses a body holding one)
@@ -104,20 +104,19 @@ def _surrogate_reason(found: str) -> str:
 
 
 class _DuplicateKey(ValueError):
-    """A key given twice in one JSON object (`key`)."""
-
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
+    """A key given twice in one JSON object."""
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """`json.loads`' object hook: the object, unless a key comes twice."""
     built = dict(pairs)
     if len(built) != len(pairs):
-        seen: set[str] = set()
-        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+        raise _DuplicateKey
     return built
+
+
+class _Pairs(list):
+    """A JSON object kept as its (key, value) pairs, in order (`_duplicate_path`)."""
 
 
 def check_unique_keys(raw: bytes | bytearray) -> None:
@@ -131,11 +130,35 @@ def check_unique_keys(raw: bytes | bytearray) -> None:
     """
     try:
         json.loads(raw, object_pairs_hook=_refuse_duplicates, parse_float=len, parse_int=len)
-    except _DuplicateKey as duplicate:
-        raise _duplicate_error(duplicate.key) from None
+    except _DuplicateKey:
+        raise _duplicate_error(raw) from None
     except (ValueError, RecursionError) as error:  # deeper than json.loads goes (orjson parsed it)
         raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
 
 
-def _duplicate_error(key: str) -> APIError:
-    return APIError(400, f"{key!r} is given twice in one JSON object: send each field once", key)
+def _duplicate_error(raw: bytes | bytearray) -> APIError:
+    """The 400 for a body (valid JSON) with a key given twice, naming the first such key by its path
+    (`logit_bias.50`, `messages[0].content`). Only a refused body pays for the second parse that finds it."""
+    try:
+        key, path = _duplicate_path(json.loads(raw, object_pairs_hook=_Pairs, parse_float=len, parse_int=len))
+    except RecursionError:  # nested deeper after the duplicate than json.loads goes
+        return APIError(400, "a key is given twice in one JSON object: send each field once")
+    return APIError(400, f"{key!r} is given twice in one JSON object ({path}): send each field once", path)
+
+
+def _duplicate_path(body: Any) -> tuple[str, str]:
+    """The first key given twice in `body` (objects as `_Pairs`), outer objects first, and its path."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, _Pairs):
+            inside = [(f"{where}.{key}" if where else key, key, item) for key, item in value]
+            seen: set[str] = set()
+            for path, key, _ in inside:
+                if key in seen:
+                    return key, path
+                seen.add(key)
+            stack.extend((path, item) for path, _, item in reversed(inside))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{index}]", item) for index, item in reversed(list(enumerate(value))))
+    raise AssertionError("no key given twice")  # only called for a body json.loads refused for one
