@@ -142,3 +142,30 @@ def test_versions_that_do_not_grow_are_refused_and_change_nothing(worker, client
                 push_weights(fresh, tiny_model(seed=7), version=version, timeout=10)
         assert refused.value.field == "version"
         assert served(client) == before
+
+
+@pytest.mark.parametrize("when", ["before_a_bucket", "before_commit"])
+def test_a_truncated_segment_is_refused_and_the_worker_serves_on(worker, client, when):
+    """A process on the worker's host that shrinks an update's shared segment (a trainer's bug) gets the update
+    refused naming "transport", where reading the segment's pages had ended the worker with SIGBUS."""
+    before = served(client)
+    state = tiny_model(seed=next(SEEDS)).state_dict()
+    raw = Client(worker.address)
+    update_id = f"truncated-{when}"
+    try:
+        names, ready = open_update(raw, state, "shm", update_id)
+        if when == "before_commit":
+            send_buckets(raw, state, names, len(names), "shm", ready, update_id)
+        os.truncate(f"/dev/shm/{ready.shm_name}", 0)
+        if when == "before_a_bucket":
+            data = state[names[0]].contiguous().view(-1).view(torch.uint8)
+            raw.send(p.WeightsBucket(update_id, [p.TensorPiece(0, 0, data.numel())], bucket_checksum([data])))
+        else:
+            raw.send(p.WeightsCommit(update_id))
+        refused = raw.receive()
+        assert isinstance(refused, p.Error) and refused.field == "transport", refused
+        assert "shrank to 0 bytes" in refused.message, refused
+    finally:
+        raw.close()
+    assert worker.process.poll() is None
+    assert served(client) == before

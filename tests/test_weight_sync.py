@@ -329,7 +329,7 @@ def _begin_fields(case: str, served: Served) -> tuple[dict, str]:
         "wrong dtype": ({"tensors": replaced(dtype="float16")}, NAME),
         "unknown dtype": ({"tensors": replaced(dtype="complex64")}, NAME),
         "wrong shape": ({"tensors": replaced(shape=[512, 255])}, NAME),
-        "negative size": ({"tensors": replaced(shape=[-512, -256])}, f"tensors[{index}].shape"),
+        "negative size": ({"tensors": replaced(shape=[-512, -256])}, NAME),
         "unknown name": ({"tensors": specs + [p.TensorSpec("model.nope", "float32", [4])]}, "model.nope"),
         "announced twice": ({"tensors": specs + [specs[index]]}, NAME),
         "missing parameter": ({"tensors": [s for s in specs if s.name != MISSING]}, MISSING),

@@ -98,7 +98,9 @@ class ShmReceiver(Receiver):
     def take_bytes(
         self, area: StagingArea, begin: WeightsBegin, pieces: list[TensorPiece], frames: list, checksum: int | None
     ) -> None:
-        """The trainer wrote the pieces in place: check them against the checksum and count them."""
+        """The trainer wrote the pieces in place: check them against the checksum and count them (the segment's size
+        first: reading a truncated segment's pages would end the worker)."""
+        area.check_segment()
         area.verify(pieces, area.staging_views(pieces), checksum)
         area.mark_received(pieces)
 

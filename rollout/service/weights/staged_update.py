@@ -9,6 +9,7 @@ The wire contract both ends share (dtype names, staging layout, checksums) is in
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from multiprocessing import shared_memory
@@ -138,14 +139,14 @@ class StagedUpdate:
         if not begin.tensors:
             raise UpdateRejected("bad_update", "tensors", "an update must announce at least one tensor")
         seen: set[str] = set()
-        for index, spec in enumerate(begin.tensors):
+        for spec in begin.tensors:
             if spec.name in seen:
                 raise UpdateRejected("bad_update", spec.name, "announced twice")
             seen.add(spec.name)
             if spec.dtype not in DTYPES:
                 raise UpdateRejected("bad_update", spec.name, f"unknown dtype {spec.dtype!r}")
             if any(size < 0 for size in spec.shape):
-                raise UpdateRejected("bad_update", f"tensors[{index}].shape", "sizes must be >= 0")
+                raise UpdateRejected("bad_update", spec.name, f"shape {spec.shape}: sizes must be >= 0")
         if begin.adapter is not None:
             return receiver  # the adapter's tensors are checked against the adapter table (check_adapter_fields)
         try:
@@ -222,6 +223,26 @@ class StagedUpdate:
             views.append(self.staging[start : start + piece.nbytes])
         return views
 
+    def check_segment(self) -> None:
+        """Refuse the update when its shared segment (transport "shm") no longer holds the staging area: a segment
+        truncated by another process would end the worker with SIGBUS at the next read of its pages. Called before
+        the worker reads them (each bucket's check, the commit). A process that truncates it in the instant between
+        this check and the read is beyond it: over "shm" the worker trusts the processes of its user on its host.
+
+        Raises:
+            UpdateRejected: field "transport", naming the segment's size.
+        """
+        if self.shm is None:
+            return
+        size = os.fstat(self.shm._fd).st_size  # noqa: SLF001 - SharedMemory keeps its descriptor open on POSIX
+        if size < self.staging_bytes:
+            raise UpdateRejected(
+                "bad_update",
+                "transport",
+                f"the shared-memory segment {self.shm.name} shrank to {size} bytes, under the update's "
+                f"{self.staging_bytes}: another process truncated it",
+            )
+
     def mark_received(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces whose bytes landed in the staging area."""
         for piece in pieces:
@@ -267,6 +288,7 @@ class StagedUpdate:
         for spec, size, got in zip(self.specs, self.sizes, self.received):
             if got != size:
                 raise UpdateRejected("bad_update", spec.name, f"incomplete: {got} of {size} bytes arrived")
+        self.check_segment()
         tensors = {
             spec.name: self.staging[offset : offset + size].view(DTYPES[spec.dtype]).view(spec.shape)
             for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
