@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_engine, tiny_model
 from rollout import FieldError
-from rollout.invariant import cpu_attention, matmul
+from rollout.invariant import cpu_attention, cpu_check, matmul
 from rollout.invariant.cpu_check import RowInvarianceError, check_cpu_products, clear_checks
 from trainer_bridge import batch_invariant
 
@@ -27,6 +27,11 @@ def fresh_checks(monkeypatch):
     yield
     torch.set_num_threads(threads)
     clear_checks()
+
+
+@pytest.fixture
+def threads_two():
+    torch.set_num_threads(2)  # fresh_checks restores the count
 
 
 def _no_bound_but(monkeypatch, bound: int) -> None:
@@ -104,3 +109,51 @@ def test_the_check_is_the_same_under_autocast_and_on_zero_weights(fresh_checks, 
     clear_checks()
     with pytest.raises(RowInvarianceError, match="1 row alone"), torch.autocast("cpu", dtype=torch.bfloat16):
         check_cpu_products(model)
+
+
+def test_the_bound_holds_with_one_thread_too(fresh_checks, threads_two):
+    """A thread that first runs torch while a reference product holds the process at one thread keeps one: the
+    bound chosen with two threads must give one thread's rows the same bits (on a Sapphire Rapids an 896-wide fp32
+    linear held 4 rows with two threads, not with one, which needs 16)."""
+    linear = torch.nn.Linear(896, 896, bias=False)
+    check_cpu_products(linear)
+    rows = torch.randn(96, 896, generator=torch.Generator().manual_seed(2))
+    weight = linear.weight.detach()
+    torch.set_num_threads(1)
+    among = matmul.tiled_matmul(rows, weight)
+    for count in range(1, 2 * matmul.MIN_ROWS + 1):
+        assert torch.equal(matmul.tiled_matmul(rows[:count], weight), among[:count]), count
+
+
+def test_a_raised_bound_is_checked_on_the_products_passed_before(fresh_checks, monkeypatch):
+    """Model A's product passed at 4; model B's needs 16; at 16 A's fails (a BLAS whose failing row counts are not
+    the smallest: counts checked at 4 were not all multiples of 16), so the bound goes on to 32, where both hold.
+    The BLAS is a stand-in here: a real one's failures on the machines measured were at the smallest counts."""
+    fails = {(64, 300): {16}, (64, 200): {4, 8}}  # (out, in) -> the bounds under which its rows differ
+
+    def stand_in(out_features, in_features, dtype, threads, bound):
+        return f"rows of {in_features} under {bound}" if bound in fails[(out_features, in_features)] else None
+
+    monkeypatch.setattr(cpu_check, "_linear_mismatch", stand_in)
+    check_cpu_products(torch.nn.Linear(300, 64, bias=False))
+    assert matmul.MIN_ROWS == 4
+    check_cpu_products(torch.nn.Linear(200, 64, bias=False))
+    assert matmul.MIN_ROWS == 32
+
+
+def test_an_moe_models_expert_projections_are_checked(fresh_checks, monkeypatch):
+    """The eager experts' products (one F.linear per expert, of each 3-D weight's last two dimensions) are checked
+    beside the nn.Linear layers' (they had been left out)."""
+    asked = []
+    real = cpu_check._linear_mismatch
+
+    def recording(out_features, in_features, dtype, threads, bound):
+        asked.append((out_features, in_features))
+        return real(out_features, in_features, dtype, threads, bound)
+
+    monkeypatch.setattr(cpu_check, "_linear_mismatch", recording)
+    model = tiny_model("qwen3_moe")
+    check_cpu_products(model)
+    experts = model.model.layers[0].mlp.experts
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        assert tuple(weight.shape[1:]) in asked

@@ -8,10 +8,12 @@ machine's MKL took other kernels for 1 to 3 rows, another's also for 17-19 rows 
 4 and 8 rows of a 256-long reduction otherwise. So, once per process for each shape, thread count and bound, the
 model's shapes are run here: a linear's first rows alone (`CHECKED_ROWS`) against the same rows among
 `REFERENCE_ROWS` computed with one thread, and the last 1 to `CHECKED_QUERIES` queries of a prefill attended alone
-against the whole prefill. The linears' bound (`matmul.MIN_ROWS`) and the attention's
-(`cpu_attention.MIN_QUERY_ROWS`) are each raised to the first of `matmul.ROW_MULTIPLES` under which every one of the
-model's products holds. Where none does, `RowInvarianceError` names the product, the rows and the thread count,
-instead of log-probs that silently differ from the trainer's by a few ulps.
+against the whole prefill, with this process's thread count and with one (a thread may run with one: `_one_thread`).
+The linears' bound (`matmul.MIN_ROWS`) and the attention's (`cpu_attention.MIN_QUERY_ROWS`) are each raised to the
+first of `matmul.ROW_MULTIPLES` under which every one of the model's products holds, and every product passed before
+in the process (the row counts checked under a smaller bound were not all multiples of the new one). Where none
+does, `RowInvarianceError` names the product, the rows and the thread count, instead of log-probs that silently
+differ from the trainer's by a few ulps.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ CHECKED_QUERIES = 9
 # A vocabulary-wide head is checked on this many output features (its products' columns are split among threads
 # alike): 16,384 of 151,936 take 0.2 s here instead of 4.
 MAX_CHECKED_FEATURES = 16384
-_THREADS_LOCK = threading.Lock()  # the reference products flip the process's thread count to one
+_THREADS_LOCK = threading.RLock()  # the reference products flip the process's thread count to one
 _BOUNDS_LOCK = threading.Lock()  # two checks at once raise the bounds one after the other
-_CHECKED: dict[tuple, str | None] = {}  # (shape..., threads, bound) -> the mismatch found, None for none
+_CHECKED: dict[tuple, str | None] = {}  # (kind, shape..., threads, bound) -> the mismatch found, None for none
+# Every product a check passed in this process, by kind: a raised bound must hold for them too (the row counts
+# checked under a smaller bound were not its multiples).
+_PASSED: dict[str, set[tuple]] = {"linear": set(), "attention": set()}
 
 
 class RowInvarianceError(FieldError):
@@ -52,9 +57,9 @@ def check_cpu_products(model: torch.nn.Module) -> None:
     """Check, with this process's thread count, that the batch-invariant CPU products of `model`'s shapes give each
     row the bits it gets among other rows with one thread (module docstring), raising the linears' and the
     attention's row bounds to the first of `matmul.ROW_MULTIPLES` under which they do: each `nn.Linear`'s in its
-    dtype (the output head also in fp32, as `fp32_logits` computes it), on seeded random weights of its shape (at
-    most `MAX_CHECKED_FEATURES` output features), and the attention's. Once per process, shape, thread count and
-    bound; autocast off, as the products it checks run. Nothing to check for a model off the CPU (or on the Triton
+    dtype (the output head also in fp32, as `fp32_logits` computes it) and each MoE expert projection's, on seeded
+    random weights of its shape (at most `MAX_CHECKED_FEATURES` output features), and the attention's. Once per
+    process, shape, thread count and bound; autocast off, as the products it checks run. Nothing to check for a model off the CPU (or on the Triton
     kernels).
 
     Args:
@@ -67,6 +72,7 @@ def check_cpu_products(model: torch.nn.Module) -> None:
         return
     threads = torch.get_num_threads()
     shapes = {(m.out_features, m.in_features, m.weight.dtype) for m in model.modules() if _plain_linear(m)}
+    shapes |= _expert_shapes(model)
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if _plain_linear(head):
@@ -75,12 +81,12 @@ def check_cpu_products(model: torch.nn.Module) -> None:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_attention_heads", None)
     with torch.no_grad(), torch.autocast("cpu", enabled=False), _BOUNDS_LOCK:
-        linears = [("linear", *shape) for shape in sorted(shapes, key=str)]
+        linears = {("linear", *shape) for shape in shapes}
         matmul.MIN_ROWS = _first_bound_that_holds(linears, matmul.MIN_ROWS, threads)
         if heads:
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-            attention = [("attention", heads, kv_heads, head_dim)]
+            attention = {("attention", heads, kv_heads, head_dim)}
             cpu_attention.MIN_QUERY_ROWS = _first_bound_that_holds(attention, cpu_attention.MIN_QUERY_ROWS, threads)
 
 
@@ -88,16 +94,24 @@ def clear_checks() -> None:
     """Forget what was checked (the next `check_cpu_products` runs every shape again): after a change of the
     BLAS's own settings, and in tests. The bounds in use stay (a bound never falls: an engine may be running)."""
     _CHECKED.clear()
+    for passed in _PASSED.values():
+        passed.clear()
 
 
-def _first_bound_that_holds(products: list[tuple], in_use: int, threads: int) -> int:
+def _first_bound_that_holds(products: set[tuple], in_use: int, threads: int) -> int:
     """The first bound, from the one in use up through `matmul.ROW_MULTIPLES` (multiples of it only), under which
-    every one of `products` holds with `threads` threads; raises naming the last bound's first mismatch."""
+    every one of `products` and of those passed before holds with `threads` threads and with one (a thread that
+    first runs torch while a reference product holds the count at one keeps one: `_one_thread`); raises naming the
+    last bound's first mismatch."""
+    kind = next(iter(products))[0]
+    every = sorted(products | _PASSED[kind], key=str)
     bounds = [in_use] + [b for b in matmul.ROW_MULTIPLES if b > in_use and b % in_use == 0]
     mismatch = None
     for bound in bounds:
-        mismatch = next(filter(None, (_mismatch(product, threads, bound) for product in products)), None)
+        found = (_mismatch(product, count, bound) for product in every for count in dict.fromkeys((threads, 1)))
+        mismatch = next(filter(None, found), None)
         if mismatch is None:
+            _PASSED[kind].update(products)
             return bound
     tried = " or ".join(str(b) for b in bounds)
     raise RowInvarianceError(
@@ -107,12 +121,33 @@ def _first_bound_that_holds(products: list[tuple], in_use: int, threads: int) ->
 
 
 def _mismatch(product: tuple, threads: int, bound: int) -> str | None:
+    """How `product`'s rows alone with `threads` threads (this process's count, or one) differ from one thread's
+    reference under `bound` (cached)."""
     key = (*product, threads, bound)
     if key not in _CHECKED:
         kind, *shape = product
         find = _linear_mismatch if kind == "linear" else _attention_mismatch
-        _CHECKED[key] = find(*shape, threads, bound)
+        if threads == torch.get_num_threads():
+            _CHECKED[key] = find(*shape, threads, bound)
+        else:
+            _CHECKED[key] = _one_thread(lambda: find(*shape, threads, bound))
     return _CHECKED[key]
+
+
+def _expert_shapes(model: torch.nn.Module) -> set[tuple[int, int, torch.dtype]]:
+    """(out_features, in_features, dtype) of each product an MoE model's eager experts issue: transformers' experts
+    modules (`is_transposed` set by `use_experts_implementation`) hold one 3-D weight per projection, an expert's
+    weight in its last two dimensions ((out, in); (in, out) when transposed)."""
+    shapes = set()
+    for module in model.modules():
+        transposed = getattr(module, "is_transposed", None)
+        if not isinstance(transposed, bool):
+            continue
+        for weight in module.parameters(recurse=False):
+            if weight.dim() == 3 and weight.is_floating_point() and weight.device.type == "cpu":
+                out_features, in_features = weight.shape[1:][::-1] if transposed else weight.shape[1:]
+                shapes.add((out_features, in_features, weight.dtype))
+    return shapes
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
@@ -123,9 +158,14 @@ def _rows(count: int, one: str = "row", many: str = "rows") -> str:
     return f"{count} {one if count == 1 else many}"
 
 
+def _threads(count: int) -> str:
+    return _rows(count, "thread", "threads")
+
+
 def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
     """`compute()` with one intra-op thread (the thread count restored after). The count is the process's: a thread
-    that first runs a torch operation meanwhile starts with one thread (slower, never other bits)."""
+    that first runs a torch operation meanwhile starts with one thread (slower; a bound must hold with one thread
+    too, so never other bits)."""
     with _THREADS_LOCK:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -149,7 +189,7 @@ def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, th
             difference = (alone.float() - whole[:count].float()).abs().max().item()
             return (
                 f"a {dtype} linear of {in_features} -> {out_features} features computed {_rows(count)} alone with "
-                f"{threads} threads otherwise than among {REFERENCE_ROWS} rows with one (max |difference| "
+                f"{_threads(threads)} otherwise than among {REFERENCE_ROWS} rows with one (max |difference| "
                 f"{difference:.3g})"
             )
     return None
@@ -171,7 +211,7 @@ def _attention_mismatch(heads: int, kv_heads: int, head_dim: int, threads: int, 
             difference = (alone - whole[:, :, -last:]).abs().max().item()
             return (
                 f"the attention ({heads} heads, {kv_heads} key heads of {head_dim}) computed the last "
-                f"{_rows(last, 'query', 'queries')} of a prefill alone with {threads} threads otherwise than the "
+                f"{_rows(last, 'query', 'queries')} of a prefill alone with {_threads(threads)} otherwise than the "
                 f"whole prefill with one (max |difference| {difference:.3g})"
             )
     return None
