@@ -61,6 +61,15 @@ def test_a_base_changed_in_place_travels_again():
                 restarted.get_base_model().model.embed_tokens.weight.mul_(1.5)
             assert push_weights(client, restarted).base_included
             assert served() == peft_greedy(restarted)
+
+            embeddings = restarted.get_base_model().model.embed_tokens.weight
+            with torch.no_grad():  # rows of one value each, multiples of 1/8: sums exact in any order
+                embeddings.copy_(((torch.arange(embeddings.shape[0]) % 7 - 3) * 0.125)[:, None].expand_as(embeddings))
+            assert push_weights(client, restarted).base_included
+            with torch.no_grad():  # two rows swapped: the tensor's sum is the same bits (it was all that was named)
+                embeddings[[PROMPT[0], PROMPT[1]]] = embeddings[[PROMPT[1], PROMPT[0]]].clone()
+            assert push_weights(client, restarted).base_included
+            assert served() == peft_greedy(restarted)
     finally:
         worker.close()
 

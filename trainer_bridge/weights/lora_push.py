@@ -81,16 +81,20 @@ def base_id_of(model: Any) -> str:
 
 @torch.no_grad()
 def _base_contents(base: torch.nn.Module) -> str:
-    """A fingerprint of the base weights this process holds (its shard, under ZeRO-3 or FSDP2): each tensor's sum,
-    accumulated in fp32 without a copy, which any merge or scaling moves (one read of the weights: a few ms on a
-    GPU). The adapters' own tensors (lora_*, modules_to_save copies), trained every step, are left out."""
+    """A fingerprint of the base weights this process holds (its shard, under ZeRO-3 or FSDP2): each tensor's row
+    sums, accumulated in fp32 without a copy, then their total and their total weighted by the row's index, which
+    any merge or scaling moves, and a swap of rows too (one read of the weights: a few ms on a GPU). The adapters'
+    own tensors (lora_*, modules_to_save copies), trained every step, are left out."""
     sums: dict[torch.device, list[torch.Tensor]] = {}  # per device: a model placed on several (a device_map)
     for name, param in base.named_parameters():
         if "lora_" in name or SAVED_MARKER in name:
             continue
         local = param.to_local() if hasattr(param, "to_local") else getattr(param, "ds_tensor", param)
         if local.numel():
-            sums.setdefault(local.device, []).append(local.detach().sum(dtype=torch.float32))
+            local = local.detach()
+            rows = local.sum(dim=-1, dtype=torch.float32).flatten() if local.dim() > 1 else local.float()
+            places = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.float32)
+            sums.setdefault(local.device, []).extend((rows.sum(), torch.dot(rows, places)))
     digest = xxhash.xxh3_64()
     for each in sums.values():  # (one device-to-host copy per device)
         digest.update(torch.stack(each).cpu().numpy().tobytes())
