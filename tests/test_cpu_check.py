@@ -157,3 +157,10 @@ def test_an_moe_models_expert_projections_are_checked(fresh_checks, monkeypatch)
     experts = model.model.layers[0].mlp.experts
     for weight in (experts.gate_up_proj, experts.down_proj):
         assert tuple(weight.shape[1:]) in asked
+
+
+def test_a_model_with_no_plain_linear_has_nothing_to_check(fresh_checks):
+    """(A set of no products had raised StopIteration.)"""
+    bound = matmul.MIN_ROWS
+    check_cpu_products(torch.nn.Sequential(torch.nn.Embedding(4, 4)))
+    assert matmul.MIN_ROWS == bound

@@ -103,6 +103,8 @@ def _first_bound_that_holds(products: set[tuple], in_use: int, threads: int) -> 
     every one of `products` and of those passed before holds with `threads` threads and with one (a thread that
     first runs torch while a reference product holds the count at one keeps one: `_one_thread`); raises naming the
     last bound's first mismatch."""
+    if not products:  # a model without such products (no plain linear on the CPU)
+        return in_use
     kind = next(iter(products))[0]
     every = sorted(products | _PASSED[kind], key=str)
     bounds = [in_use] + [b for b in matmul.ROW_MULTIPLES if b > in_use and b % in_use == 0]
