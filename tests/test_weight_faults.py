@@ -6,6 +6,7 @@ segment is unlinked and no update thread is left behind."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import time
@@ -57,11 +58,13 @@ def eventually(condition, timeout_s: float = 10.0) -> bool:
     return condition()
 
 
-def open_update(raw: Client, state: dict, transport: str, update_id: str) -> tuple[list[str], p.WeightsReady]:
+def open_update(
+    raw: Client, state: dict, transport: str, update_id: str, mode: str = "keep"
+) -> tuple[list[str], p.WeightsReady]:
     """weights_begin announcing every tensor of `state`; returns the names in order and weights_ready."""
     names = list(state)
     specs = [p.TensorSpec(name, "float32", list(state[name].shape)) for name in names]
-    raw.send(p.WeightsBegin(update_id, specs, None, "keep", transport, False, 30.0, {}, False))
+    raw.send(p.WeightsBegin(update_id, specs, None, mode, transport, False, 30.0, {}, False))
     ready = raw.receive()
     assert isinstance(ready, p.WeightsReady), ready
     return names, ready
@@ -165,6 +168,32 @@ def test_a_truncated_segment_is_refused_and_the_worker_serves_on(worker, client,
         refused = raw.receive()
         assert isinstance(refused, p.Error) and refused.field == "transport", refused
         assert "shrank to 0 bytes" in refused.message, refused
+    finally:
+        raw.close()
+    assert worker.process.poll() is None
+    assert served(client) == before
+
+
+def test_a_segment_truncated_while_a_wait_update_drains_is_refused_before_the_copy(worker, client):
+    """A "wait" commit is checked, then drains the samples in flight for as long as they run: a segment shrunk
+    meanwhile is refused on the engine thread right before its copy (it ended the worker with SIGBUS there)."""
+    before = served(client)
+    state = tiny_model(seed=next(SEEDS)).state_dict()
+    raw = Client(worker.address)
+    long_group = PromptGroup(PROMPT, sampling={"do_sample": False, "stop_token_ids": [], "max_new_tokens": 1500})
+    try:
+        names, ready = open_update(raw, state, "shm", "truncated-draining", mode="wait")
+        send_buckets(raw, state, names, len(names), "shm", ready, "truncated-draining")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, long_group, 60)
+            time.sleep(0.3)  # the long sample is running
+            raw.send(p.WeightsCommit("truncated-draining"))
+            time.sleep(0.3)  # the commit was checked and waits for the sample
+            os.truncate(f"/dev/shm/{ready.shm_name}", 0)
+            refused = raw.receive()
+            assert isinstance(refused, p.Error) and refused.field == "transport", refused
+            assert "shrank to 0 bytes" in refused.message, refused
+            assert len(pending.result(timeout=60).completions[0].token_ids) == 1500  # served on, whole
     finally:
         raw.close()
     assert worker.process.poll() is None

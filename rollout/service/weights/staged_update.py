@@ -243,6 +243,21 @@ class StagedUpdate:
                 f"{self.staging_bytes}: another process truncated it",
             )
 
+    def segment_check_before_copy(self) -> Callable[[], None] | None:
+        """`check_segment` for the engine thread, right before it copies the tensors (raising a `FieldError` the
+        commit's reply names): a "wait" update may drain for minutes after its commit was checked. None without a
+        shared segment."""
+        if self.shm is None:
+            return None
+
+        def check() -> None:
+            try:
+                self.check_segment()
+            except UpdateRejected as rejected:
+                raise FieldError("transport", rejected.reason) from None
+
+        return check
+
     def mark_received(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces whose bytes landed in the staging area."""
         for piece in pieces:
