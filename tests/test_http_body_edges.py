@@ -141,3 +141,24 @@ def test_bans_that_leave_no_first_token_are_a_400_before_generation(http):
 def test_a_refused_prompt_of_a_batch_is_named_by_its_place(http):
     response = http.post("/v1/completions", json={"prompt": ["hi", ""], "max_tokens": 2})
     assert refused(response, 400, "prompt") == "prompt: item 1 of the batch: encodes to no tokens"
+
+
+def test_naming_a_key_given_twice_costs_no_more_than_the_body():
+    """The path of the key given twice is written out alone: a long key above a long array, then the duplicate,
+    had made every array item a copy of the long path (gigabytes from a 300 KB body; a 400 in the end)."""
+    import tracemalloc
+
+    from rollout.service.http.errors import APIError
+    from rollout.service.http.serving.json_body import parse_json
+
+    long_key = "k" * 40_000
+    body = json.dumps({"prompt": "hi", "x": {long_key: [0] * 100_000}}).encode()[:-1] + b', "y": {"n": 1, "n": 2}}'
+    tracemalloc.start()
+    try:
+        with pytest.raises(APIError) as refused:
+            parse_json(body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (refused.value.status, refused.value.param) == (400, "y.n")
+    assert peak < 200 * len(body), peak  # about 70 times: the parse; 4 GB before

@@ -147,18 +147,31 @@ def _duplicate_error(raw: bytes | bytearray) -> APIError:
 
 
 def _duplicate_path(body: Any) -> tuple[str, str]:
-    """The first key given twice in `body` (objects as `_Pairs`), outer objects first, and its path."""
-    stack: list[tuple[str, Any]] = [("", body)]
+    """The first key given twice in `body` (objects as `_Pairs`) in a depth-first walk, and its path. Each place is
+    kept as (its parent's place, its key or index) and only the path found is written out: writing every place's
+    path would copy its parent's for each item (a long key above a long array made gigabytes)."""
+    stack: list[tuple[tuple | None, Any]] = [(None, body)]
     while stack:
-        where, value = stack.pop()
+        place, value = stack.pop()
         if isinstance(value, _Pairs):
-            inside = [(f"{where}.{key}" if where else key, key, item) for key, item in value]
             seen: set[str] = set()
-            for path, key, _ in inside:
+            for key, _ in value:
                 if key in seen:
-                    return key, path
+                    return key, _path((place, key))
                 seen.add(key)
-            stack.extend((path, item) for path, _, item in reversed(inside))
+            stack.extend(((place, key), item) for key, item in reversed(value))
         elif isinstance(value, list):
-            stack.extend((f"{where}[{index}]", item) for index, item in reversed(list(enumerate(value))))
+            stack.extend(((place, index), item) for index, item in reversed(list(enumerate(value))))
     raise AssertionError("no key given twice")  # only called for a body json.loads refused for one
+
+
+def _path(place: tuple) -> str:
+    """`logit_bias.50`, `messages[1].content`: a place (parent place, key or index) written out."""
+    steps: list[str | int] = []
+    while place is not None:
+        place, step = place
+        steps.append(step)
+    steps.reverse()
+    return "".join(
+        f"[{step}]" if isinstance(step, int) else f".{step}" if index else step for index, step in enumerate(steps)
+    )
