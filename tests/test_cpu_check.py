@@ -164,3 +164,21 @@ def test_a_model_with_no_plain_linear_has_nothing_to_check(fresh_checks):
     bound = matmul.MIN_ROWS
     check_cpu_products(torch.nn.Sequential(torch.nn.Embedding(4, 4)))
     assert matmul.MIN_ROWS == bound
+
+
+def test_a_raised_bound_is_checked_with_the_thread_count_each_product_passed_with(fresh_checks, monkeypatch):
+    """A passed at 4 with two threads; B, checked with three, needs 8; A's rows differ at 8 with two threads only
+    (a stand-in BLAS again), so the bound goes on to 16 rather than serve A's two-thread engine unchecked."""
+
+    def stand_in(out_features, in_features, dtype, threads, bound):
+        if in_features == 200 and bound < 8 or (in_features, threads, bound) == (300, 2, 8):
+            return f"rows of {in_features} with {threads} threads under {bound}"
+        return None
+
+    monkeypatch.setattr(cpu_check, "_linear_mismatch", stand_in)
+    torch.set_num_threads(2)
+    check_cpu_products(torch.nn.Linear(300, 64, bias=False))
+    assert matmul.MIN_ROWS == 4
+    torch.set_num_threads(3)
+    check_cpu_products(torch.nn.Linear(200, 64, bias=False))
+    assert matmul.MIN_ROWS == 16

@@ -40,9 +40,9 @@ MAX_CHECKED_FEATURES = 16384
 _THREADS_LOCK = threading.RLock()  # the reference products flip the process's thread count to one
 _BOUNDS_LOCK = threading.Lock()  # two checks at once raise the bounds one after the other
 _CHECKED: dict[tuple, str | None] = {}  # (kind, shape..., threads, bound) -> the mismatch found, None for none
-# Every product a check passed in this process, by kind: a raised bound must hold for them too (the row counts
-# checked under a smaller bound were not its multiples).
-_PASSED: dict[str, set[tuple]] = {"linear": set(), "attention": set()}
+# Every product a check passed in this process, by kind, with the thread count it passed with: a raised bound must
+# hold for them too, with their own counts (the row counts checked under a smaller bound were not its multiples).
+_PASSED: dict[str, set[tuple[tuple, int]]] = {"linear": set(), "attention": set()}
 
 
 class RowInvarianceError(FieldError):
@@ -100,20 +100,21 @@ def clear_checks() -> None:
 
 def _first_bound_that_holds(products: set[tuple], in_use: int, threads: int) -> int:
     """The first bound, from the one in use up through `matmul.ROW_MULTIPLES` (multiples of it only), under which
-    every one of `products` and of those passed before holds with `threads` threads and with one (a thread that
-    first runs torch while a reference product holds the count at one keeps one: `_one_thread`); raises naming the
-    last bound's first mismatch."""
+    every one of `products` holds with `threads` threads and with one (a thread that first runs torch while a
+    reference product holds the count at one keeps one: `_one_thread`), and every product passed before with its
+    own thread count and with one; raises naming the last bound's first mismatch."""
     if not products:  # a model without such products (no plain linear on the CPU)
         return in_use
     kind = next(iter(products))[0]
-    every = sorted(products | _PASSED[kind], key=str)
+    before = sorted(_PASSED[kind], key=str)
+    every = [(product, count) for product in sorted(products, key=str) for count in (threads, 1)]
+    every += [(product, count) for product, threads_then in before for count in (threads_then, 1)]
     bounds = [in_use] + [b for b in matmul.ROW_MULTIPLES if b > in_use and b % in_use == 0]
     mismatch = None
     for bound in bounds:
-        found = (_mismatch(product, count, bound) for product in every for count in dict.fromkeys((threads, 1)))
-        mismatch = next(filter(None, found), None)
+        mismatch = next(filter(None, (_mismatch(product, count, bound) for product, count in every)), None)
         if mismatch is None:
-            _PASSED[kind].update(products)
+            _PASSED[kind].update((product, threads) for product in products)
             return bound
     tried = " or ".join(str(b) for b in bounds)
     raise RowInvarianceError(
