@@ -5,6 +5,7 @@ A page holds a table between a marker and `<!-- end generated -->`, each on a li
     <!-- generated: options rollout-worker -->        every flag of a command, from its argparse parser
     <!-- generated: fields SamplingParams -->          every field of a dataclass: type, default, the comment above it
     <!-- generated: docstring rollout.protocol -->   a module's docstring, verbatim (a specification)
+    <!-- generated: prose rollout.service.observability.metrics -->   a module's docstring as markdown (its tables)
 
 The table is committed with the page, so that it reads the same in the repository as on the site; the site's build
 generates it afresh, and tests/test_docs.py fails while a committed table differs from the code's. After changing a
@@ -39,6 +40,8 @@ PARSERS = {
 }
 # Modules whose docstring is a specification a page shows verbatim.
 SPECIFICATIONS = {"rollout.protocol"}
+# Modules whose docstring a page shows as markdown (a reference table written there, beside the code it describes).
+PROSE = {"rollout.service.observability.metrics"}
 # Dataclass -> its module.
 DATACLASSES = {
     "SamplingParams": "rollout.sampling_params",
@@ -81,6 +84,8 @@ def render(kind: str, name: str) -> str:
         return fields_markdown(getattr(importlib.import_module(DATACLASSES[name]), name))
     if kind == "docstring" and name in SPECIFICATIONS:
         return "```text\n" + inspect.getdoc(importlib.import_module(name)) + "\n```\n"
+    if kind == "prose" and name in PROSE:
+        return inspect.getdoc(importlib.import_module(name)) + "\n"
     raise ValueError(f"unknown generated marker: {kind} {name}")
 
 
