@@ -219,3 +219,25 @@ def test_an_otlp_endpoint_without_the_extra_is_warned_about_by_its_name(monkeypa
     assert [r.getMessage() for r in caplog.records] == [
         f'{variable} is set but rollout[otel] is not installed (pip install "rollout[otel]"): no traces'
     ]
+
+
+def test_silent_connections_in_every_slot_do_not_keep_a_scrape_out():
+    """Sixteen connections that send nothing held every slot, so each scrape was closed for up to 10 s, again and
+    again for anyone who reconnects them: the connection open longest now makes way for a new one."""
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from rollout.service.observability import metrics_server
+
+    server = metrics_server.MetricsServer(CollectorRegistry(), 0)
+    silent = [
+        socket.create_connection(("127.0.0.1", server.port)) for _ in range(metrics_server.MAX_CONCURRENT_SCRAPES)
+    ]
+    try:
+        for _ in range(3):
+            assert urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5).status == 200
+    finally:
+        for connection in silent:
+            connection.close()
+        server.close()

@@ -16,7 +16,7 @@ from rollout.protocol.sockets import is_loopback
 from rollout.service.loopback_hosts import is_loopback_host
 
 # Seconds a scrape connection may take in all (a client that never finishes its request is closed), and scrapes
-# served at once (each takes a thread; more are closed at once: a flood must not take the worker's threads).
+# served at once (each takes a thread: a flood must not take the worker's threads; one more shuts the oldest).
 SCRAPE_TIMEOUT_S = 10.0
 MAX_CONCURRENT_SCRAPES = 16
 
@@ -46,9 +46,20 @@ class _BoundedServer(ThreadingWSGIServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed, the scraper retries at its next interval
-            return
+            # Every slot taken: the connection open longest makes way (silent ones would otherwise keep every
+            # scrape out until their deadline, again and again), as the HTTP API drops the one that waited longest.
+            # A connection whose slot does not free within a second is closed: the scraper retries.
+            self._shut_oldest()
+            if not self._slots.acquire(timeout=1.0):
+                self.shutdown_request(request)
+                return
         super().process_request(request, client_address)
+
+    def _shut_oldest(self) -> None:
+        with self._deadlines_lock:
+            oldest = min(self._deadlines, key=self._deadlines.__getitem__, default=None)
+        if oldest is not None:
+            _shut(oldest)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self._deadlines_lock:
