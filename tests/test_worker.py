@@ -104,10 +104,15 @@ def test_cancel_mid_stream_returns_partial_output(client):
     ],
 )
 def test_bad_input_gets_an_error_naming_the_field(client, frames, field):
+    """Refused by name, and a refused generate request is counted in groups_refused whichever check refused it
+    (one over a decoding limit, such as a prompt past the context, had not been)."""
+    refused_before = client.ask(p.Stats()).stats["groups_refused"]
     client.socket.send_multipart(frames)
     reply = client.receive()
     assert isinstance(reply, p.Error) and reply.field == field and reply.code == "bad_request", reply
     assert isinstance(client.ask(p.Ping(9)), p.Pong)
+    generate = b"generate" in frames[0]
+    assert client.ask(p.Stats()).stats["groups_refused"] == refused_before + generate
 
 
 def test_fuzzed_messages_all_get_replies_and_worker_keeps_serving(client):

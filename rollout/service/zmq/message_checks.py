@@ -26,6 +26,7 @@ class MessageChecks:
         updates: UpdateSlot,
         send: Callable[[bytes, p.Message], None],
         security_log: SecurityLog,
+        group_refused: Callable[[], None] = lambda: None,
     ):
         """
         Args:
@@ -34,9 +35,11 @@ class MessageChecks:
             updates: the weight-update slot, told of malformed weight messages (their update is dropped).
             send: answers a client (its identity, the reply).
             security_log: where refused weight updates are logged, rate-limited.
+            group_refused: counts a generate request refused here (as the group desk counts its own refusals).
         """
         self.max_lengths, self.auth, self.updates, self.send = max_lengths, auth, updates, send
         self.security_log = security_log
+        self.group_refused = group_refused
 
     def decode(self, identity: bytes, frames: list, key: str | None) -> p.Message | None:
         """The message, or None when it was refused (and answered): malformed, over a limit, or of a kind the
@@ -96,7 +99,10 @@ class MessageChecks:
         self._answer(identity, p.Error("bad_request", reason, "frames", group_id, update_id), update_id, kind)
 
     def _answer(self, identity: bytes, reply: p.Error, update_id: str | None, kind: str | None) -> None:
-        """A refusal: a malformed weight message drops its update, whose owner the slot answers; else `reply`."""
+        """A refusal: a malformed weight message drops its update, whose owner the slot answers; else `reply` (a
+        generate request's counted as refused, whichever check refused it)."""
+        if kind == p.Generate.TYPE:
+            self.group_refused()
         if not self.updates.on_malformed(identity, update_id, reply, kind):
             self.send(identity, reply)
 
@@ -105,4 +111,6 @@ class MessageChecks:
         if kind == p.WeightsBegin.TYPE:  # an update refused: counted and logged as the slot's refusals are
             self.updates.num_rejected += 1
             self.security_log.warn("refused weight update %s: the client's key is not in --trainer-keys", update_id)
+        elif kind == p.Generate.TYPE:
+            self.group_refused()
         self.send(identity, p.Error("unauthorized", reason, "type", group_id, update_id))

@@ -148,6 +148,7 @@ class RolloutWorker:
             self._updates,
             lambda identity, message, key=None: owner._send(identity, message, key),
             SecurityLog(logger),
+            self.counters.group_refused,
         )
 
     @property
