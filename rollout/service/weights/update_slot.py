@@ -32,6 +32,7 @@ from rollout.service.weights.preparing import StagingPreparer
 from rollout.service.weights.served_base import ServedBase
 from rollout.service.weights.spec_answers import SpecAnswers
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
+from rollout.service.weights.update_counts import UpdateCounts
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,9 @@ class UpdateSlot:
         self._staging = StagingPool(keep=keep_staging, pin_device=self._device if self._device.type == "cuda" else None)
         self._spec_answers = SpecAnswers(manager.engine)  # weights_spec's (any client may ask, often)
         self._preparer = StagingPreparer()  # staging areas: on job threads, one at a time
-        self.num_rejected = 0
+        self.counts = UpdateCounts()  # refused, committed bytes and pauses (stats())
         # The names of the base weights served: adapter updates for another base are refused.
         self.base = ServedBase()
-        self.bytes_committed = 0
-        self.pause_ms_total = 0.0
         self._tracer = tracer or Tracer()
         self._span: Any = None
 
@@ -172,7 +171,8 @@ class UpdateSlot:
                 self.base.names(),
             )
         except UpdateRejected as error:
-            self.num_rejected += 1
+            self.counts.refused()
+            logger.warning("weight update %s refused at its begin: %s", message.update_id, error)
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
             return
         self.update = self._last = update
@@ -265,8 +265,7 @@ class UpdateSlot:
                 update.end(clean=True)
                 update.receiver.ended(update.begin, clean=True)
                 self.base.committed(update.begin, update.brings_base, update.base_unchanged)
-                self.bytes_committed += update.staging_bytes
-                self.pause_ms_total += reply.pause_ms
+                self.counts.committed(update.staging_bytes, reply.pause_ms)
                 self._tracer.update_ended(self._span, "committed", reply.version, reply.pause_ms)
                 self._span = None
                 logger.info(
@@ -301,7 +300,7 @@ class UpdateSlot:
         update = self.update
         if update is None:
             return
-        self.num_rejected += 1
+        self.counts.refused()
         self._tracer.update_ended(self._span, error.code)
         self._span = None
         logger.warning("weight update %s rejected: %s", update.update_id, error.message)

@@ -109,7 +109,7 @@ class MessageChecks:
     def _refuse_role(self, identity: bytes, kind: str, group_id: str | None, update_id: str | None) -> None:
         reason = f"{kind} needs a trainer key (this client's key is not in the worker's --trainer-keys)"
         if kind == p.WeightsBegin.TYPE:  # an update refused: counted and logged as the slot's refusals are
-            self.updates.num_rejected += 1
+            self.updates.counts.refused()
             self.security_log.warn("refused weight update %s: the client's key is not in --trainer-keys", update_id)
         elif kind == p.Generate.TYPE:
             self.group_refused()

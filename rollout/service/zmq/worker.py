@@ -167,6 +167,10 @@ class RolloutWorker:
         from now on adapter pushes made for the weights before are refused (`BaseMismatch`)."""
         self._updates.base.set(base_id)
 
+    def update_refused(self) -> None:
+        """A weight update was refused outside ZeroMQ (the HTTP API's /update_weights): counted with the others."""
+        self._updates.counts.refused()
+
     def serve(self) -> None:
         """Start the engine and serve until `shutdown()`; then abort what is in flight, tell its clients and release
         everything the worker holds (as `close`). A worker serves once.

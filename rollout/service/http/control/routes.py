@@ -90,6 +90,7 @@ def add_control_routes(
     new_base: Callable[[str], None] | None = None,
     check_finite: bool = False,
     model_path: str | None = None,
+    update_refused: Callable[[], None] | None = None,
 ) -> None:
     """Add the control routes to `app`.
 
@@ -105,6 +106,8 @@ def add_control_routes(
         new_base: told the checkpoint directory's path once its weights are served (the worker's ZeroMQ side then
             refuses adapter pushes made for the weights before).
         check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
+        update_refused: told of each /update_weights refused (the worker counts it with the ZeroMQ updates it
+            refuses: `weight_updates_rejected`).
     """
     control = manager.control
     # One checkpoint read and commit at a time: each queued update would hold a worker thread (the completions
@@ -188,6 +191,15 @@ def add_control_routes(
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> SafeJSONResponse:
+        try:
+            return await _update_weights(request)
+        except APIError as refused:  # counted and logged as a refused ZeroMQ update is
+            if update_refused is not None:
+                update_refused()
+            logger.warning("weight update refused (POST /update_weights): %s", refused.message)
+            raise
+
+    async def _update_weights(request: Request) -> SafeJSONResponse:
         _query_only(request)
         async with bodies.body(request) as body:
             fields = dict(body) if isinstance(body, dict) else None

@@ -51,6 +51,7 @@ def build_app(
     counters: GroupCounters | None = None,
     compiles: ConstraintCompiles | None = None,
     new_base: Callable[[str], None] | None = None,
+    update_refused: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The application.
 
@@ -62,6 +63,7 @@ def build_app(
         compiles: the worker's structured-output compile slots (its ZeroMQ clients take turns with HTTP ones);
             None: the app's own.
         new_base: told a checkpoint directory's path once /update_weights serves its weights (None: nobody).
+        update_refused: told of each /update_weights refused (None: nobody).
     """
     counters = GroupCounters() if counters is None else counters
     app = FastAPI(
@@ -137,6 +139,7 @@ def build_app(
             new_base,
             settings.check_finite,
             model_path=settings.model_path,
+            update_refused=update_refused,
         )
 
     @app.exception_handler(ClientGone)

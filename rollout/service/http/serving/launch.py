@@ -97,7 +97,16 @@ def start_http(
             control_allowed_dirs=tuple(args.control_allowed_dirs),
             check_finite=args.check_finite,
         )
-        http = HttpServer(manager, tokenizer, settings, worker.counters, observe, worker.compiles, worker.base_changed)
+        http = HttpServer(
+            manager,
+            tokenizer,
+            settings,
+            worker.counters,
+            observe,
+            worker.compiles,
+            worker.base_changed,
+            worker.update_refused,
+        )
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:
         parser.error(f"--http {args.http}: {error}")

@@ -97,6 +97,7 @@ class HttpServer:
         observe: Callable[[str, int, float], None] | None = None,
         compiles: Any = None,
         new_base: Callable[[str], None] | None = None,
+        update_refused: Callable[[], None] | None = None,
     ):
         """
         Args:
@@ -109,6 +110,7 @@ class HttpServer:
                 observe_http`); None: not observed.
             compiles: the worker's structured-output compile slots (ConstraintCompiles; None: the app's own).
             new_base: told a checkpoint directory's path once /update_weights serves its weights.
+            update_refused: told of each /update_weights refused.
         """
         try:
             import uvicorn
@@ -120,7 +122,7 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        app = build_app(manager, tokenizer, settings, counters, compiles, new_base)
+        app = build_app(manager, tokenizer, settings, counters, compiles, new_base, update_refused)
         self._app, self._close_app = app, app.state.close
         self._stop_reading = app.state.stop_reading  # (dropped by `stop`, as the app is)
         if observe is not None:
