@@ -202,3 +202,23 @@ def test_a_variable_named_later_in_a_message_is_named_too(monkeypatch, capsys):
         "--http-max-receiving-bytes-per-client 2000: must be at least ROLLOUT_HTTP_MAX_BODY_BYTES "
         "(--http-max-body-bytes) (100000)"
     ) in capsys.readouterr().err
+
+
+def test_sigterm_while_the_worker_starts_is_one_line_and_status_143(monkeypatch, capsys):
+    """A SIGTERM while the model loaded killed the process with no word of why: it now stops as Ctrl-C does, with
+    the shell's status for SIGTERM, and the caller's handler is back."""
+    import os
+    import signal
+    import time
+
+    from rollout.service.launch import cli, startup
+
+    def terminated(parser, args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises here
+
+    handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(startup, "start_worker", terminated)
+    assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 143
+    assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
+    assert signal.getsignal(signal.SIGTERM) is handler

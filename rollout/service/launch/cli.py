@@ -251,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_settings(parser, args)  # a bad setting is a usage error now, not after the imports below
-    # Ctrl-C while torch imports or the model loads: one line, not the traceback of wherever it landed, nor of the
-    # error a half-done import turned it into (rollout/cli/interrupts.py)
-    with recording_sigint() as interrupted:
+    # Ctrl-C or SIGTERM while torch imports or the model loads: one line, not the traceback of wherever it landed,
+    # nor of the error a half-done import turned it into (rollout/cli/interrupts.py); SIGTERM had killed the process
+    # with no word of why.
+    with recording_sigint(terminate=True) as interrupted:
         try:
-            with deferring_sigint():
+            with deferring_sigint(terminate=True, into=interrupted):
                 from rollout.service.launch.startup import (
                     start_worker,  # torch, transformers, the engine: only once the flags parse
                 )
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (isinstance(error, KeyboardInterrupt) or interrupted):
                 raise
             print("rollout-worker: interrupted while starting", file=sys.stderr)
-            return 130  # the shell's status for SIGINT
+            return 128 + (interrupted[-1] if interrupted else signal.SIGINT)  # the shell's status for the signal
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: running.worker.shutdown())
     return running.serve()
