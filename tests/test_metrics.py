@@ -241,3 +241,20 @@ def test_silent_connections_in_every_slot_do_not_keep_a_scrape_out():
         for connection in silent:
             connection.close()
         server.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_tokens_are_every_prompt_token_one_token_chunks_too(overlap):
+    """prefill_tokens counts prompt tokens however they are chunked: a one-token prompt, and a prompt whose chunked
+    prefill ends with one token, had been counted as decodes (every one-token chunk was), 3 of 13 here."""
+    from conftest import make_engine, tiny_model
+
+    engine = make_engine(tiny_model(), max_batch_tokens=4, overlap_scheduling=overlap, allow_block_sharing=False)
+    try:
+        for group_id, prompt in (("one", [7]), ("nine", list(range(3, 12))), ("three", [5, 6, 9])):
+            engine.add_request(group_id, prompt, {"do_sample": False, "stop_token_ids": []}, max_new_tokens=5)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.stats()["prefill_tokens"] == 1 + 9 + 3
+    finally:
+        engine.close()

@@ -16,7 +16,7 @@ class StepCounters:
 
     generated_tokens: int = 0  # tokens sampled and kept
     computed_tokens: int = 0  # tokens run through the model (prefix hits and forks skip theirs; drafts included)
-    prefill_tokens: int = 0  # of which in chunks of more than one token (prompts, recomputes)
+    prefill_tokens: int = 0  # of which prompt or recompute tokens (all but the sampled tokens decodes compute)
     steps: int = 0
     # Verification rounds of drafted steps that drew on the device, each a round trip to it (speculative decoding;
     # samples whose draws read none of their tokens draw all positions with their step: `verify.sample_drafted`).
@@ -32,11 +32,12 @@ class StepCounters:
     drafted_wait_s: float = 0.0
     weight_updates: int = 0
 
-    def count_step(self, chunks: list[int], draft_tokens: int = 0) -> None:
-        """Count a launched step of these chunk sizes (a chunk of one token is a decode, longer ones prefill), and
-        the draft tokens its drafted decodes computed beside (speculative decoding; not in `chunks`)."""
+    def count_step(self, chunks: list[int], decodes: int, draft_tokens: int = 0) -> None:
+        """Count a launched step of these chunk sizes, `decodes` of them one sampled token's (the rest prefill:
+        prompt or recompute chunks), and the draft tokens its drafted decodes computed beside (speculative
+        decoding; not in `chunks`)."""
         self.computed_tokens += sum(chunks) + draft_tokens
-        self.prefill_tokens += sum(chunks) - chunks.count(1)
+        self.prefill_tokens += sum(chunks) - decodes
         self.steps += 1
         self.drafted_steps += bool(draft_tokens)
 

@@ -172,7 +172,10 @@ class StepLoop:
         else:
             samples, ahead, ahead_rows = self.sampler.sample(logits, batch.samples, self.return_logprobs), None, {}
         chunks = [seq.num_tokens - len(seq.draft) if drafts else seq.num_tokens for seq in batch.sequences]
-        self.counters.count_step(chunks, drafts)
+        # A decode computes one sampled token; a one-token chunk of a prompt (a one-token prompt, a prefix-cache hit
+        # but one token, a chunked prefill's last) is prefill.
+        decodes = sum(n == 1 and seq.start >= seq.request.num_prompt_tokens for n, seq in zip(chunks, batch.sequences))
+        self.counters.count_step(chunks, decodes, drafts)
         return InFlightStep(
             batch,
             samples,
