@@ -135,6 +135,7 @@ def test_a_raised_bound_is_checked_on_the_products_passed_before(fresh_checks, m
         return f"rows of {in_features} under {bound}" if bound in fails[(out_features, in_features)] else None
 
     monkeypatch.setattr(cpu_check, "_linear_mismatch", stand_in)
+    monkeypatch.setattr(matmul, "MIN_ROWS", 4)  # whatever an earlier test's check raised it to
     check_cpu_products(torch.nn.Linear(300, 64, bias=False))
     assert matmul.MIN_ROWS == 4
     check_cpu_products(torch.nn.Linear(200, 64, bias=False))
@@ -176,6 +177,7 @@ def test_a_raised_bound_is_checked_with_the_thread_count_each_product_passed_wit
         return None
 
     monkeypatch.setattr(cpu_check, "_linear_mismatch", stand_in)
+    monkeypatch.setattr(matmul, "MIN_ROWS", 4)  # whatever an earlier test's check raised it to
     torch.set_num_threads(2)
     check_cpu_products(torch.nn.Linear(300, 64, bias=False))
     assert matmul.MIN_ROWS == 4

@@ -377,9 +377,11 @@ def test_waiting_pauses_hold_no_thread_the_other_routes_need(server_url):
 def test_a_refused_update_weights_is_counted_with_the_refused_updates(server_url, shared):
     """A checkpoint refused by /update_weights adds to rollout_weight_updates_rejected_total, as a refused ZeroMQ
     push does (it had been answered 400 and counted nowhere)."""
+    checkpoint = shared / "checkpoint"  # a directory of its own: other tests leave links in `shared`
+    checkpoint.mkdir(exist_ok=True)
     before = metric("rollout_weight_updates_rejected_total ")
     response = httpx.post(
-        f"{server_url}/update_weights", json={"weight_dir": str(shared), "mode": "sometimes"}, headers=CONTROL
+        f"{server_url}/update_weights", json={"weight_dir": str(checkpoint), "mode": "sometimes"}, headers=CONTROL
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "mode"
     assert metric("rollout_weight_updates_rejected_total ") == before + 1

@@ -143,6 +143,7 @@ def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
         counters=GroupCounters(),
         compiles=None,
         base_changed=lambda base_id: None,
+        update_refused=lambda: None,
         model_name="my-base-model",
     )
     caplog.set_level(logging.WARNING, logger="rollout.worker")
