@@ -124,16 +124,13 @@ def _first_bound_that_holds(products: set[tuple], in_use: int, threads: int) -> 
 
 
 def _mismatch(product: tuple, threads: int, bound: int) -> str | None:
-    """How `product`'s rows alone with `threads` threads (this process's count, or one) differ from one thread's
-    reference under `bound` (cached)."""
+    """How `product`'s rows alone with `threads` threads (run with that many: this process's count, one, or the count
+    an earlier check passed it with) differ from one thread's reference under `bound` (cached)."""
     key = (*product, threads, bound)
     if key not in _CHECKED:
         kind, *shape = product
         find = _linear_mismatch if kind == "linear" else _attention_mismatch
-        if threads == torch.get_num_threads():
-            _CHECKED[key] = find(*shape, threads, bound)
-        else:
-            _CHECKED[key] = _one_thread(lambda: find(*shape, threads, bound))
+        _CHECKED[key] = _with_threads(threads, lambda: find(*shape, threads, bound))
     return _CHECKED[key]
 
 
@@ -165,17 +162,24 @@ def _threads(count: int) -> str:
     return _rows(count, "thread", "threads")
 
 
-def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
-    """`compute()` with one intra-op thread (the thread count restored after). The count is the process's: a thread
-    that first runs a torch operation meanwhile starts with one thread (slower; a bound must hold with one thread
-    too, so never other bits)."""
+def _with_threads(count: int, compute):  # noqa: ANN001, ANN202 - a thunk and its result
+    """`compute()` with `count` intra-op threads (the thread count restored after). The count is the process's: a
+    thread that first runs a torch operation meanwhile starts with that count (with one: slower; a bound must hold
+    with one thread too, so never other bits)."""
     with _THREADS_LOCK:
         before = torch.get_num_threads()
-        torch.set_num_threads(1)
+        if count == before:
+            return compute()
+        torch.set_num_threads(count)
         try:
             return compute()
         finally:
             torch.set_num_threads(before)
+
+
+def _one_thread(compute):  # noqa: ANN001, ANN202 - a thunk and its tensor
+    """`compute()` with one intra-op thread (`_with_threads`)."""
+    return _with_threads(1, compute)
 
 
 def _linear_mismatch(out_features: int, in_features: int, dtype: torch.dtype, threads: int, bound: int) -> str | None:
