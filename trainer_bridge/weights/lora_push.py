@@ -21,6 +21,7 @@ from trainer_bridge.gathering import Entry, full_copy, peft_entries, shape_of
 from trainer_bridge.weights.adapter_mode import check_servable, push_mode
 
 _BASE_IDS: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+FINGERPRINT_ROW = 1024  # a 1-D tensor's (a ZeRO-3 shard's) elements per row of the base fingerprint
 
 
 @dataclass
@@ -82,23 +83,34 @@ def base_id_of(model: Any) -> str:
 @torch.no_grad()
 def _base_contents(base: torch.nn.Module) -> str:
     """A fingerprint of the base weights this process holds (its shard, under ZeRO-3 or FSDP2): each tensor's row
-    sums, accumulated in fp32 without a copy, then their total and their total weighted by the row's index, which
-    any merge or scaling moves, and a swap of rows too (one read of the weights: a few ms on a GPU). The adapters'
-    own tensors (lora_*, modules_to_save copies), trained every step, are left out."""
+    sums (a 1-D tensor's, of rows of `FINGERPRINT_ROW` elements), accumulated in fp32 without a copy, then their
+    total and their total weighted by the row's place, both in fp64 (exact places, and a swap of two rows moves the
+    weighted total by their sums' difference, above its rounding), which any merge or scaling moves, and a swap of
+    rows too (one read of the weights: a few ms on a GPU). The adapters' own tensors (lora_*, modules_to_save
+    copies), trained every step, are left out."""
     sums: dict[torch.device, list[torch.Tensor]] = {}  # per device: a model placed on several (a device_map)
     for name, param in base.named_parameters():
         if "lora_" in name or SAVED_MARKER in name:
             continue
         local = param.to_local() if hasattr(param, "to_local") else getattr(param, "ds_tensor", param)
         if local.numel():
-            local = local.detach()
-            rows = local.sum(dim=-1, dtype=torch.float32).flatten() if local.dim() > 1 else local.float()
-            places = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.float32)
+            rows = _row_sums(local.detach()).double()
+            places = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.float64)
             sums.setdefault(local.device, []).extend((rows.sum(), torch.dot(rows, places)))
     digest = xxhash.xxh3_64()
     for each in sums.values():  # (one device-to-host copy per device)
         digest.update(torch.stack(each).cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _row_sums(weights: torch.Tensor) -> torch.Tensor:
+    """The fp32 sums of a tensor's rows (its last dimension), or of a 1-D tensor's runs of `FINGERPRINT_ROW` elements
+    and its tail: no copy of the tensor (a ZeRO-3 shard is 1-D and may be hundreds of MB)."""
+    if weights.dim() > 1:
+        return weights.sum(dim=-1, dtype=torch.float32).flatten()
+    whole = weights.numel() // FINGERPRINT_ROW * FINGERPRINT_ROW
+    head = weights[:whole].view(-1, FINGERPRINT_ROW).sum(dim=-1, dtype=torch.float32)
+    return torch.cat((head, weights[whole:].float()))
 
 
 def adapter_push(
