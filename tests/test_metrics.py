@@ -258,3 +258,41 @@ def test_prefill_tokens_are_every_prompt_token_one_token_chunks_too(overlap):
         assert engine.stats()["prefill_tokens"] == 1 + 9 + 3
     finally:
         engine.close()
+
+
+def test_a_scrape_being_answered_is_never_the_one_that_makes_way():
+    """A slow scrape (a collector that takes a second) is the oldest connection when twenty silent ones follow it:
+    the silent ones make way for each other, the scrape is answered whole (it had been cut)."""
+    import socket
+    import time
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import GaugeMetricFamily
+
+    from rollout.service.observability import metrics_server
+
+    class Slow:
+        def collect(self):
+            time.sleep(1.0)
+            yield GaugeMetricFamily("slow", "a slow collector", value=1.0)
+
+    registry = CollectorRegistry()
+    registry.register(Slow())
+    server = metrics_server.MetricsServer(registry, 0)
+    answered: list[str] = []
+    scrape = threading.Thread(
+        target=lambda: answered.append(
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read().decode()
+        )
+    )
+    silent = []
+    try:
+        scrape.start()
+        time.sleep(0.3)  # its head was read; it is being answered
+        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+        scrape.join(10)
+        assert answered and "slow 1.0" in answered[0]
+    finally:
+        for connection in silent:
+            connection.close()
+        server.close()

@@ -16,13 +16,21 @@ from rollout.protocol.sockets import is_loopback
 from rollout.service.loopback_hosts import is_loopback_host
 
 # Seconds a scrape connection may take in all (a client that never finishes its request is closed), and scrapes
-# served at once (each takes a thread: a flood must not take the worker's threads; one more shuts the oldest).
+# served at once (each takes a thread: a flood must not take the worker's threads; one more shuts the oldest
+# connection that has not sent its request).
 SCRAPE_TIMEOUT_S = 10.0
 MAX_CONCURRENT_SCRAPES = 16
 
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = SCRAPE_TIMEOUT_S  # socketserver applies it to the connection's socket
+
+    def parse_request(self) -> bool:
+        """Read the request head; once it is whole, the scrape is being answered and no newcomer evicts it."""
+        parsed = super().parse_request()
+        if parsed:
+            self.server.answering(self.request)
+        return parsed
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         """Scrapes are not logged."""
@@ -38,6 +46,7 @@ class _BoundedServer(ThreadingWSGIServer):
         # A whole scrape within SCRAPE_TIMEOUT_S (the handler's timeout is per read: a byte every few seconds would
         # hold a slot for ever): one watchdog thread shuts down the connections past their deadline.
         self._deadlines: dict[Any, float] = {}
+        self._answering: set[Any] = set()  # connections whose request head came: scrapes, never evicted
         self._deadlines_lock = threading.Lock()
         self._closing = threading.Event()
         super().__init__(*args, **kwargs)
@@ -46,20 +55,29 @@ class _BoundedServer(ThreadingWSGIServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            # Every slot taken: the connection open longest makes way (silent ones would otherwise keep every
-            # scrape out until their deadline, again and again), as the HTTP API drops the one that waited longest.
-            # A connection whose slot does not free within a second is closed: the scraper retries.
-            self._shut_oldest()
-            if not self._slots.acquire(timeout=1.0):
+            # Every slot taken: the connection open longest that has not sent its request head makes way (silent
+            # ones would otherwise keep every scrape out until their deadline, again and again), as the HTTP API
+            # drops the one that waited longest; a scrape being answered is never cut. With none such, or a slot
+            # that does not free within a second, the newcomer is closed: the scraper retries.
+            if not self._shut_oldest_idle() or not self._slots.acquire(timeout=1.0):
                 self.shutdown_request(request)
                 return
         super().process_request(request, client_address)
 
-    def _shut_oldest(self) -> None:
+    def answering(self, request: Any) -> None:
+        """`request`'s head came whole (the handler's thread)."""
         with self._deadlines_lock:
-            oldest = min(self._deadlines, key=self._deadlines.__getitem__, default=None)
+            self._answering.add(request)
+
+    def _shut_oldest_idle(self) -> bool:
+        with self._deadlines_lock:
+            idle = {
+                request: deadline for request, deadline in self._deadlines.items() if request not in self._answering
+            }
+        oldest = min(idle, key=idle.__getitem__, default=None)
         if oldest is not None:
             _shut(oldest)
+        return oldest is not None
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         with self._deadlines_lock:
@@ -69,6 +87,7 @@ class _BoundedServer(ThreadingWSGIServer):
         finally:
             with self._deadlines_lock:
                 self._deadlines.pop(request, None)
+                self._answering.discard(request)
             self._slots.release()
 
     def _watch(self) -> None:
