@@ -254,7 +254,7 @@ class StagedUpdate:
             try:
                 self.check_segment()
             except UpdateRejected as rejected:
-                raise FieldError("transport", rejected.reason) from None
+                raise FieldError("transport", f"{rejected.reason} (found right before the copy)") from None
 
         return check
 

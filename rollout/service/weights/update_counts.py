@@ -1,5 +1,6 @@
 """`UpdateCounts`: what a worker's weight updates added up to (`stats()`'s weight_updates_rejected,
-weight_update_bytes and weight_update_pause_ms), counted from the serving thread and the HTTP API's threads."""
+weight_update_bytes and weight_update_pause_ms): updates refused over ZeroMQ or by the HTTP API's /update_weights
+(counted from its threads too), the bytes and pauses of those committed over ZeroMQ."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ class UpdateCounts:
         self.pause_ms_total = 0.0
 
     def refused(self) -> None:
-        """An update was refused or dropped (at its begin, mid-way, at commit; over ZeroMQ or HTTP)."""
+        """An update was refused or dropped (at its begin, mid-way, at commit; over ZeroMQ or /update_weights)."""
         with self._lock:
             self.rejected += 1
 
     def committed(self, nbytes: int, pause_ms: float) -> None:
-        """An update of `nbytes` bytes was committed, the engine paused `pause_ms` for it."""
+        """An update of `nbytes` bytes was committed over ZeroMQ, the engine paused `pause_ms` for it."""
         with self._lock:
             self.bytes_committed += nbytes
             self.pause_ms_total += pause_ms

@@ -191,15 +191,6 @@ def add_control_routes(
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> SafeJSONResponse:
-        try:
-            return await _update_weights(request)
-        except APIError as refused:  # counted and logged as a refused ZeroMQ update is
-            if update_refused is not None:
-                update_refused()
-            logger.warning("weight update refused (POST /update_weights): %s", refused.message)
-            raise
-
-    async def _update_weights(request: Request) -> SafeJSONResponse:
         _query_only(request)
         async with bodies.body(request) as body:
             fields = dict(body) if isinstance(body, dict) else None
@@ -210,14 +201,20 @@ def add_control_routes(
         for field in fields:
             if field not in UPDATE_FIELDS:
                 raise bad_field(field, f"unknown field (this route takes {sorted(UPDATE_FIELDS)})")
-        directory = allowed.directory(fields.get("weight_dir"), "weight_dir")
-        mode = fields.get("mode", "keep")
-        if mode not in WEIGHT_UPDATE_MODES:
-            raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
-        async with one_update:
-            result = await asyncio.to_thread(
-                _update_from, manager, directory, fields.get("version"), mode, check_finite
-            )
+        try:  # a well-formed request for an update: its refusal is counted and logged as a ZeroMQ update's is
+            directory = allowed.directory(fields.get("weight_dir"), "weight_dir")
+            mode = fields.get("mode", "keep")
+            if mode not in WEIGHT_UPDATE_MODES:
+                raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
+            async with one_update:
+                result = await asyncio.to_thread(
+                    _update_from, manager, directory, fields.get("version"), mode, check_finite
+                )
+        except APIError as refused:
+            if update_refused is not None:
+                update_refused()
+            logger.warning("weight update refused (POST /update_weights): %r", refused.message[:300])
+            raise
         if new_base is not None:
             new_base(str(directory))
         return SafeJSONResponse(
