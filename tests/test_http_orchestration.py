@@ -19,13 +19,14 @@ import httpx
 import pytest
 import torch
 from control_helpers import Stream
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from rollout.presets import tiny_model, tiny_tokenizer
 from service_helpers import Worker, free_port
 
 CONTROL = {"Authorization": "Bearer operator"}
 TOKENIZER = tiny_tokenizer()
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def shared(tmp_path_factory):
 def server(shared):
     port = free_port()
     flags = ["--http", f"127.0.0.1:{port}", "--enable-control-routes", "--enable-tokenizer-info-endpoint"]
-    flags += ["--log-level", "INFO"]  # the weight updates' log lines
+    flags += ["--log-level", "INFO", "--metrics-port", str(METRICS_PORT)]  # the weight updates' log lines, counts
     server = Worker(*flags, "--control-api-key", "operator", "--control-allowed-dirs", str(shared), "--check-finite")
     server.url = f"http://127.0.0.1:{port}"
     yield server
@@ -68,9 +69,18 @@ def stream_versions(url: str, prompt: str, started: threading.Event, into: list)
                 started.set()
 
 
+def metric(name: str) -> float:
+    """One sample of the worker's Prometheus metrics."""
+    lines = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics").text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(f"{name} ")))
+
+
 def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resume(server, url, shared):
     new_model = tiny_model(seed=7)
     new_model.save_pretrained(shared / "step-1")
+    checkpoint_bytes = sum(tensor.nbytes for tensor in load_file(shared / "step-1" / "model.safetensors").values())
+    bytes_before = metric("rollout_weight_update_bytes_total")
+    pause_before = metric("rollout_weight_update_pause_seconds_total")
     prompt = "the quick brown fox"
     prompt_ids = TOKENIZER(prompt)["input_ids"]
     with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
@@ -98,8 +108,11 @@ def test_an_httpx_orchestration_loop_updates_the_weights_between_pause_and_resum
     versions = [version for _, runs in chunks for version, _ in runs]
     assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
     assert sum(len(ids) for ids, _ in chunks) == 128
-    # Logged as a ZeroMQ update is (it was not logged at all).
+    # Logged and counted as a ZeroMQ update is (it was not logged at all, then not counted).
     assert f"weight update from {str(shared / 'step-1')!r} committed: version 1, pause" in server.output()
+    assert metric("rollout_weight_update_bytes_total") == bytes_before + checkpoint_bytes
+    paused = metric("rollout_weight_update_pause_seconds_total") - pause_before
+    assert paused == pytest.approx(update.json()["pause_ms"] / 1e3, abs=1e-6) and paused > 0
 
 
 def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, shared):

@@ -85,6 +85,11 @@ def test_recompute_figure_matches_an_independent_count(workload, tight):
     # Each readmission recomputes what the prefix cache no longer holds (its last token would be a decode anyway).
     readmitted = tight["readmission_tokens"] - tight["readmission_prefix_hit_tokens"]
     assert readmitted - tight["readmissions"] <= recomputed
+    # The engine's prefill_tokens: every prompt and recomputed token, and a readmission's last token where its chunk
+    # was longer (a chunk of one, the last token alone, is a decode); a recompute chunk of one token that was not the
+    # last had been counted as a decode.
+    prefilled = tight["first_admission_prompt_tokens"] + recomputed
+    assert prefilled <= tight["prefill_tokens"] <= prefilled + tight["readmissions"]
     # A cache that holds every sample at once: nothing preempted, nothing recomputed, the same tokens generated.
     roomy = measure(*workload, cache_fraction=1.0, progress=False)
     assert roomy["preemptions"] == 0 and roomy["readmissions"] == 0

@@ -142,7 +142,7 @@ def test_http_chat_with_a_tokenizer_without_a_chat_template(caplog):
         max_prompt_len=64,
         counters=GroupCounters(),
         compiles=None,
-        base_changed=lambda base_id: None,
+        update_committed=lambda directory, nbytes, pause_ms: None,
         update_refused=lambda: None,
         model_name="my-base-model",
     )

@@ -172,9 +172,13 @@ class StepLoop:
         else:
             samples, ahead, ahead_rows = self.sampler.sample(logits, batch.samples, self.return_logprobs), None, {}
         chunks = [seq.num_tokens - len(seq.draft) if drafts else seq.num_tokens for seq in batch.sequences]
-        # A decode computes one sampled token; a one-token chunk of a prompt (a one-token prompt, a prefix-cache hit
-        # but one token, a chunked prefill's last) is prefill.
-        decodes = sum(n == 1 and seq.start >= seq.request.num_prompt_tokens for n, seq in zip(chunks, batch.sequences))
+        # A decode computes one sampled token, the request's last (this step's placeholder is not added yet); a
+        # one-token chunk of a prompt (a one-token prompt, a prefix-cache hit but one token, a chunked prefill's
+        # last) or of a recompute that is not its last is prefill.
+        decodes = sum(
+            n == 1 and seq.request.num_prompt_tokens <= seq.start == len(seq.request.token_ids) - 1
+            for n, seq in zip(chunks, batch.sequences)
+        )
         self.counters.count_step(chunks, decodes, drafts)
         return InFlightStep(
             batch,

@@ -1,6 +1,6 @@
 """`UpdateCounts`: what a worker's weight updates added up to (`stats()`'s weight_updates_rejected,
 weight_update_bytes and weight_update_pause_ms): updates refused over ZeroMQ or by the HTTP API's /update_weights
-(counted from its threads too), the bytes and pauses of those committed over ZeroMQ."""
+(counted from its threads too), the bytes and pauses of those committed either way."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ class UpdateCounts:
             self.rejected += 1
 
     def committed(self, nbytes: int, pause_ms: float) -> None:
-        """An update of `nbytes` bytes was committed over ZeroMQ, the engine paused `pause_ms` for it."""
+        """An update of `nbytes` bytes was committed (over ZeroMQ or /update_weights), the engine paused `pause_ms`
+        for it."""
         with self._lock:
             self.bytes_committed += nbytes
             self.pause_ms_total += pause_ms

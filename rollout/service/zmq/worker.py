@@ -162,10 +162,12 @@ class RolloutWorker:
         return self._updates.base.base_id
 
     # ---- serving loop -----------------------------------------------------------------------------------------
-    def base_changed(self, base_id: str) -> None:
-        """The base weights were replaced outside a ZeroMQ update (the HTTP API's /update_weights from a directory):
-        from now on adapter pushes made for the weights before are refused (`BaseMismatch`)."""
-        self._updates.base.set(base_id)
+    def update_committed(self, directory: str, nbytes: int, pause_ms: float) -> None:
+        """Weights were committed outside a ZeroMQ update (the HTTP API's /update_weights from a checkpoint
+        directory): counted with the others (`weight_update_bytes`, `weight_update_pause_ms`), and the base is now
+        named `directory`, so adapter pushes made for the weights before are refused (`BaseMismatch`)."""
+        self._updates.base.set(directory)
+        self._updates.counts.committed(nbytes, pause_ms)
 
     def update_refused(self) -> None:
         """A weight update was refused outside ZeroMQ (the HTTP API's /update_weights): counted with the others."""

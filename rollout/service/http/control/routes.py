@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -76,6 +75,20 @@ CONTROL_PATHS = frozenset(
     }
 )
 UPDATE_FIELDS = {"weight_dir", "version", "mode"}
+
+
+class UpdateListener(Protocol):
+    """What the worker is told of the updates /update_weights makes (its ZeroMQ side keeps one account of the
+    updates, whichever way they came: `RolloutWorker` is one)."""
+
+    def update_committed(self, directory: str, nbytes: int, pause_ms: float) -> None:
+        """A checkpoint's weights are served: the base weights are now named `directory` (adapter pushes made for
+        the weights before are refused), `nbytes` of tensors committed, the engine paused `pause_ms` for them."""
+
+    def update_refused(self) -> None:
+        """A well-formed update was refused (counted with the ZeroMQ updates refused)."""
+
+
 EMPTY_BODY_BYTES = 64  # a body-less route reads this much of a body at most: `{}` with whitespace fits
 
 
@@ -87,10 +100,9 @@ def add_control_routes(
     answers: LiveAnswers,
     allowed: AllowedDirs,
     adapters: AdapterRoutes,
-    new_base: Callable[[str], None] | None = None,
+    updates: UpdateListener | None = None,
     check_finite: bool = False,
     model_path: str | None = None,
-    update_refused: Callable[[], None] | None = None,
 ) -> None:
     """Add the control routes to `app`.
 
@@ -103,11 +115,8 @@ def add_control_routes(
         answers: the HTTP requests in progress, by their answers' ids (/abort_requests).
         allowed: the directories checkpoints and adapters may be read from.
         adapters: the LoRA routes' state.
-        new_base: told the checkpoint directory's path once its weights are served (the worker's ZeroMQ side then
-            refuses adapter pushes made for the weights before).
+        updates: told of each /update_weights committed or refused (`UpdateListener`; None: nobody).
         check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
-        update_refused: told of each /update_weights refused (the worker counts it with the ZeroMQ updates it
-            refuses: `weight_updates_rejected`).
     """
     control = manager.control
     # One checkpoint read and commit at a time: each queued update would hold a worker thread (the completions
@@ -207,16 +216,16 @@ def add_control_routes(
             if mode not in WEIGHT_UPDATE_MODES:
                 raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
             async with one_update:
-                result = await asyncio.to_thread(
+                result, nbytes = await asyncio.to_thread(
                     _update_from, manager, directory, fields.get("version"), mode, check_finite
                 )
         except APIError as refused:
-            if update_refused is not None:
-                update_refused()
+            if updates is not None:
+                updates.update_refused()
             logger.warning("weight update refused (POST /update_weights): %r", refused.message[:300])
             raise
-        if new_base is not None:
-            new_base(str(directory))
+        if updates is not None:
+            updates.update_committed(str(directory), nbytes, result.pause_ms)
         return SafeJSONResponse(
             {
                 "message": "Weights updated",
@@ -257,10 +266,11 @@ async def _no_sleep() -> SafeJSONResponse:
 
 def _update_from(
     manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str, check_finite: bool
-) -> Any:
+) -> tuple[Any, int]:
     """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while); logged as
-    the ZeroMQ updates are."""
+    the ZeroMQ updates are. Returns the update's result and its tensors' bytes (as served: cast)."""
     tensors = read_checkpoint(directory, manager.engine.weight_table.specs(), check_finite)
+    nbytes = sum(tensor.nbytes for tensor in tensors.values())
     logger.info("weight update from %r (POST /update_weights): %d tensors, mode %s", str(directory), len(tensors), mode)
     try:
         result = manager.update_weights(tensors, version=version, mode=mode)
@@ -270,7 +280,7 @@ def _update_from(
             result.version,
             result.pause_ms,
         )
-        return result
+        return result, nbytes
     except FieldError as error:
         if error.field in ("version", "mode"):
             raise bad_field(error.field, error.reason) from None

@@ -11,7 +11,7 @@ every answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,7 +31,7 @@ from rollout.service.http.api.tokenize import TokenizeEndpoints
 from rollout.service.http.api.tokenizer_info import tokenizer_info
 from rollout.service.http.control.adapter_routes import AdapterRoutes
 from rollout.service.http.control.allowed_dirs import AllowedDirs
-from rollout.service.http.control.routes import CONTROL_PATHS, add_control_routes
+from rollout.service.http.control.routes import CONTROL_PATHS, UpdateListener, add_control_routes
 from rollout.service.http.errors import APIError, SafeJSONResponse
 from rollout.service.http.serving.bodies import BodyIntake, ReceiveBudget
 from rollout.service.http.serving.guard import RequestGuard
@@ -50,8 +50,7 @@ def build_app(
     settings: HttpSettings,
     counters: GroupCounters | None = None,
     compiles: ConstraintCompiles | None = None,
-    new_base: Callable[[str], None] | None = None,
-    update_refused: Callable[[], None] | None = None,
+    updates: UpdateListener | None = None,
 ) -> FastAPI:
     """The application.
 
@@ -62,8 +61,7 @@ def build_app(
         counters: the worker's group counters (HTTP groups count as ZeroMQ ones do); None: a fresh set.
         compiles: the worker's structured-output compile slots (its ZeroMQ clients take turns with HTTP ones);
             None: the app's own.
-        new_base: told a checkpoint directory's path once /update_weights serves its weights (None: nobody).
-        update_refused: told of each /update_weights refused (None: nobody).
+        updates: told of each /update_weights committed or refused (`UpdateListener`; None: nobody).
     """
     counters = GroupCounters() if counters is None else counters
     app = FastAPI(
@@ -136,10 +134,9 @@ def build_app(
             live,
             adapters.allowed,
             adapters,
-            new_base,
+            updates,
             settings.check_finite,
             model_path=settings.model_path,
-            update_refused=update_refused,
         )
 
     @app.exception_handler(ClientGone)

@@ -104,8 +104,7 @@ def start_http(
             worker.counters,
             observe,
             worker.compiles,
-            worker.base_changed,
-            worker.update_refused,
+            worker,
         )
         http.start()
     except (ImportError, RuntimeError, ValueError) as error:

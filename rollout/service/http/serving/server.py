@@ -10,11 +10,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.service.group_counters import GroupCounters
 from rollout.service.http.serving.settings import HttpSettings
+
+if TYPE_CHECKING:  # (the routes import FastAPI, which this module loads without)
+    from rollout.service.http.control.routes import UpdateListener
 
 logger = logging.getLogger(__name__)
 # Seconds open requests get to finish when the worker stops; streams still open then are closed.
@@ -96,8 +99,7 @@ class HttpServer:
         counters: GroupCounters | None = None,
         observe: Callable[[str, int, float], None] | None = None,
         compiles: Any = None,
-        new_base: Callable[[str], None] | None = None,
-        update_refused: Callable[[], None] | None = None,
+        updates: UpdateListener | None = None,
     ):
         """
         Args:
@@ -109,8 +111,7 @@ class HttpServer:
             observe: called with (endpoint, status, seconds) for every request answered (`WorkerMetrics.
                 observe_http`); None: not observed.
             compiles: the worker's structured-output compile slots (ConstraintCompiles; None: the app's own).
-            new_base: told a checkpoint directory's path once /update_weights serves its weights.
-            update_refused: told of each /update_weights refused.
+            updates: told of each /update_weights committed or refused (`UpdateListener`).
         """
         try:
             import uvicorn
@@ -122,7 +123,7 @@ class HttpServer:
             raise ImportError(
                 f"rollout-worker --http needs FastAPI and uvicorn: pip install 'rollout[http]' ({error})"
             ) from None
-        app = build_app(manager, tokenizer, settings, counters, compiles, new_base, update_refused)
+        app = build_app(manager, tokenizer, settings, counters, compiles, updates)
         self._app, self._close_app = app, app.state.close
         self._stop_reading = app.state.stop_reading  # (dropped by `stop`, as the app is)
         if observe is not None:
