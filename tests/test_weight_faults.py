@@ -59,12 +59,13 @@ def eventually(condition, timeout_s: float = 10.0) -> bool:
 
 
 def open_update(
-    raw: Client, state: dict, transport: str, update_id: str, mode: str = "keep"
+    raw: Client, state: dict, transport: str, update_id: str, mode: str = "keep", timeout_s: float = 30.0
 ) -> tuple[list[str], p.WeightsReady]:
-    """weights_begin announcing every tensor of `state`; returns the names in order and weights_ready."""
+    """weights_begin announcing every tensor of `state` (`timeout_s`: each phase's deadline, a "wait" drain's too);
+    returns the names in order and weights_ready."""
     names = list(state)
     specs = [p.TensorSpec(name, "float32", list(state[name].shape)) for name in names]
-    raw.send(p.WeightsBegin(update_id, specs, None, mode, transport, False, 30.0, {}, False))
+    raw.send(p.WeightsBegin(update_id, specs, None, mode, transport, False, timeout_s, {}, False))
     ready = raw.receive()
     assert isinstance(ready, p.WeightsReady), ready
     return names, ready
@@ -180,12 +181,12 @@ def test_a_segment_truncated_while_a_wait_update_drains_is_refused_before_the_co
     before = served(client)
     state = tiny_model(seed=next(SEEDS)).state_dict()
     raw = Client(worker.address)
-    long_group = PromptGroup(PROMPT, sampling={"do_sample": False, "stop_token_ids": [], "max_new_tokens": 1500})
-    try:
-        names, ready = open_update(raw, state, "shm", "truncated-draining", mode="wait")
+    long_group = PromptGroup(PROMPT, sampling={"do_sample": False, "stop_token_ids": [], "max_new_tokens": 800})
+    try:  # (the worker's longest drain deadline: a loaded machine's 800 tokens stay within it)
+        names, ready = open_update(raw, state, "shm", "truncated-draining", mode="wait", timeout_s=60.0)
         send_buckets(raw, state, names, len(names), "shm", ready, "truncated-draining")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(client.generate, long_group, 60)
+            pending = pool.submit(client.generate, long_group, 240)
             time.sleep(0.3)  # the long sample is running
             raw.send(p.WeightsCommit("truncated-draining"))
             time.sleep(0.8)  # the commit was checked and waits for the sample
@@ -193,7 +194,7 @@ def test_a_segment_truncated_while_a_wait_update_drains_is_refused_before_the_co
             refused = raw.receive()
             assert isinstance(refused, p.Error) and refused.field == "transport", refused
             assert "shrank to 0 bytes" in refused.message and "right before the copy" in refused.message, refused
-            assert len(pending.result(timeout=60).completions[0].token_ids) == 1500  # served on, whole
+            assert len(pending.result(timeout=240).completions[0].token_ids) == 800  # served on, whole
     finally:
         raw.close()
     assert worker.process.poll() is None
