@@ -5,13 +5,14 @@ old base: greedy tokens unlike peft's own `generate`, with no error. The referen
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from rollout.presets import tiny_model
-from service_helpers import Worker
-from trainer_bridge import PromptGroup, RolloutClient, push_weights
+from service_helpers import Worker, free_port
+from trainer_bridge import PromptGroup, RolloutClient, RolloutError, push_weights
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,8 +78,11 @@ def test_a_base_changed_in_place_travels_again():
 def test_two_trainers_of_one_checkpoint_send_the_base_once_each_and_disturb_no_adapter():
     """Two trainers start from one checkpoint (two model objects, equal weights): the second one's base is found
     equal to the one served, so it is not copied, adapter "a" is not disturbed and no warning says it was; from then
-    on neither trainer's pushes bring the base. A base that differs does change the weights, and is said to."""
-    worker = Worker("--max-loras", "2", "--max-lora-rank", "8")
+    on neither trainer's pushes bring the base. A base that differs does change the weights, and the adapter pushed
+    for the weights before is no longer served (it computed over the new base, with a warning only): a request
+    naming it is refused, saying why, until its trainer pushes it again, with its base."""
+    port = free_port()
+    worker = Worker("--max-loras", "2", "--max-lora-rank", "8", "--http", f"127.0.0.1:{port}")
     try:
         with RolloutClient(worker.address, timeout=60) as first, RolloutClient(worker.address, timeout=60) as second:
 
@@ -95,13 +99,23 @@ def test_two_trainers_of_one_checkpoint_send_the_base_once_each_and_disturb_no_a
                 random_lora(model, seed)  # a training step each
                 assert push_weights(client, model, adapter_name=name).base_included is False
                 assert served(client, name) == peft_greedy(model)
-            assert "came with new base weights" not in worker.output()
+            assert "came with other base weights" not in worker.output()
 
             other = random_lora(get_peft_model(tiny_model(5), LoraConfig(**LORA)), 6)  # another checkpoint
             assert push_weights(second, other, adapter_name="b").base_included
             assert served(second, "b") == peft_greedy(other)
-            assert "adapter 'b' came with new base weights: the adapters ['a']" in worker.output()
+            assert "adapter 'b' came with other base weights: the adapters ['a']" in worker.output()
+            with pytest.raises(RolloutError) as refused:
+                served(first, "a")
+            assert refused.value.field == "adapter" and "adapter 'a' is no longer served: adapter 'b' came" in str(
+                refused.value
+            )
+            body = {"model": "a", "prompt": PROMPT, "max_tokens": 2}  # over HTTP: not found, and why
+            answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 404 and "adapter 'a' is no longer served" in answer.json()["error"]["message"]
             assert push_weights(first, a, adapter_name="a").base_included  # its base must travel again
             assert served(first, "a") == peft_greedy(a)
+            with pytest.raises(RolloutError, match="adapter 'b' is no longer served: adapter 'a' came"):
+                served(second, "b")
     finally:
         worker.close()

@@ -225,9 +225,22 @@ def test_an_adapter_that_fails_to_load_leaves_the_old_base_and_adapters_serving(
     assert answers() == before
     assert "adapter 'b'" in str(error.value) and "nothing changed" in str(error.value)
     monkeypatch.undo()
-    assert "came with new base weights" not in caplog.text  # (refused: nothing changed)
-    engine.load_adapter("b", new, base=other_base)  # the same update, with memory: the new base serves
-    assert engine.policy_version == version + 1
-    assert answers()["None"] != before["None"]
-    # adapter "a" now computes over the new base: its trainer may not have trained it there, so the log says so
-    assert "adapter 'b' came with new base weights: the adapters ['a'] served beside it now compute" in caplog.text
+    assert "came with other base weights" not in caplog.text  # (refused: nothing changed)
+    # The same update, with memory, while a group of adapter "a" runs: the new base serves, and adapter "a", pushed
+    # for the weights before, is no longer served (it computed over the new base, a warning said so): its group
+    # ends with an error saying why, as does a request naming it later, until it is pushed again with its base.
+    engine.add_request("running", prompt, ENGINE_GREEDY, max_new_tokens=NEW, adapter="a")
+    engine.step()
+    result = engine.load_adapter("b", new, base=other_base)
+    assert engine.policy_version == version + 1 and "a" not in engine.runner.adapters.refs
+    ended = [output for output in result.outputs if output.is_finished]
+    why = "adapter 'a' is no longer served: adapter 'b' came with other base weights than the ones 'a' was pushed for"
+    assert [(output.request_id, output.finish_reason) for output in ended] == [("running", "error")]
+    assert why in ended[0].error
+    with pytest.raises(FieldError, match=why):
+        engine.add_request("later", prompt, ENGINE_GREEDY, max_new_tokens=NEW, adapter="a")
+    engine.add_request("None", prompt, ENGINE_GREEDY, max_new_tokens=NEW)
+    assert run_to_completion(engine)["None"].generated_tokens != before["None"]
+    assert "adapter 'b' came with other base weights: the adapters ['a'], pushed for the weights before" in caplog.text
+    engine.load_adapter("a", old, base=tiny_model("qwen3", seed=0).state_dict())  # pushed again, with its base
+    assert answers() == before and "b" not in engine.runner.adapters.refs

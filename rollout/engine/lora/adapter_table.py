@@ -38,6 +38,8 @@ from rollout.engine.lora.saved_modules import SavedModules
 from rollout.engine.requests.adapter_ref import AdapterRef, AdapterUnloaded, check_adapter_name
 from rollout.peft_adapters import adapter_submodules
 
+MAX_RETIRED = 64  # adapters whose reason for no longer being served is kept (past it the oldest is forgotten)
+
 
 class AdapterTable:
     """The adapters one engine serves, by name, and their stacked weights."""
@@ -91,6 +93,8 @@ class AdapterTable:
         self.saved = SavedModules(model, head, self._head_names, self.state, head_fp32)
         self.refs: dict[str, AdapterRef] = {}
         self._ranks: dict[str, dict[str, int]] = {}  # each adapter's modules and their ranks
+        # Adapters no longer served for a reason a request naming one is told (`unload`'s), newest last.
+        self.retired: dict[str, str] = {}
         self.layout_version = 0
 
     @property
@@ -107,6 +111,8 @@ class AdapterTable:
         ref = self.refs.get(name)
         if ref is None:
             check_adapter_name(name)
+            if name in self.retired:
+                raise FieldError("adapter", self.retired[name])
             served = sorted(self.refs) or "none"
             raise FieldError("adapter", f"no adapter named {name!r} is served (served: {served})")
         return ref
@@ -178,7 +184,8 @@ class AdapterTable:
             AdapterUnloaded: ("adapter") it is no longer the one served under its name.
         """
         if self.refs.get(ref.name) is not ref:
-            raise AdapterUnloaded("adapter", f"adapter {ref.name!r} was unloaded after this request was accepted")
+            unloaded = f"adapter {ref.name!r} was unloaded after this request was accepted"
+            raise AdapterUnloaded("adapter", self.retired.get(ref.name, unloaded))
 
     def load(self, name: str, modules: dict[str, LoraModule], version: int) -> AdapterRef:
         """Serve `modules` as adapter `name` (replacing one of that name in its slot); the caller ran `check` first,
@@ -206,14 +213,19 @@ class AdapterTable:
             self.layout_version += 1
         if ref is None:
             ref = self.refs[name] = AdapterRef(name, slot, version)
+            self.retired.pop(name, None)
         ref.version = version
         self._ranks[name] = {module: pair.rank for module, pair in pairs.items()}
         return ref
 
-    def unload(self, name: str) -> None:
+    def unload(self, name: str, reason: str | None = None) -> None:
         """Stop serving adapter `name`: its slot's weights are zeroed and the slot is free again; the caller ended
         its requests first (`Engine.unload_adapter`, between two steps).
 
+        Args:
+            name: the adapter.
+            reason: why, for the requests that name it from now on until it is served again (None: the name is
+                just unknown; the last `MAX_RETIRED` reasons are kept).
         Raises:
             FieldError: ("adapter") an unknown name.
         """
@@ -224,6 +236,11 @@ class AdapterTable:
         if self.saved.install(slot, {}, {}):
             self.layout_version += 1
         del self.refs[name], self._ranks[name]
+        self.retired.pop(name, None)
+        if reason is not None:
+            self.retired[name] = reason
+            if len(self.retired) > MAX_RETIRED:
+                del self.retired[next(iter(self.retired))]
 
     def modules_of(self, name: str) -> AdapterModules:
         """A copy of a served adapter's weights (as served: LoRA in fp32, saved modules in the model's dtype), e.g. to

@@ -120,10 +120,12 @@ class Scheduler:
         self.running.remove(request)
         self.reset_for_recompute(request)
 
-    def abort(self, *group_ids: str) -> list[Request]:
-        """End every sample of these groups with finish_reason "abort"; returns them (unforked samples included).
-        One pass over each queue, whatever the number of groups (thousands of cancels at once stay linear)."""
+    def abort(self, *group_ids: str, error: str | None = None) -> list[Request]:
+        """End every sample of these groups with finish_reason "abort", or "error" saying `error` when given;
+        returns them (unforked samples included). One pass over each queue, whatever the number of groups
+        (thousands of cancels at once stay linear)."""
         wanted = set(group_ids)
+        reason = "abort" if error is None else "error"
         ended: list[Request] = []
         for queue in (self.waiting, self.swapped):
             aborted = [r for r in queue if r.group_id in wanted]
@@ -132,14 +134,14 @@ class Scheduler:
                 queue.clear()
                 queue.extend(kept)
                 for request in aborted:
-                    ended += self.finish(request, "abort")
+                    ended += self.finish(request, reason, error)
                 if queue is self.waiting:  # from the list kept: one walk of the queue for every group aborted
                     self.turns.forget(kept, {request.client for request in aborted})
         aborted = [r for r in self.running if r.group_id in wanted]
         if aborted:
             self.running[:] = [r for r in self.running if r.group_id not in wanted]
             for request in aborted:
-                ended += self.finish(request, "abort")
+                ended += self.finish(request, reason, error)
         return ended
 
     def finish(

@@ -75,6 +75,8 @@ class WeightUpdates:
             if self.table.holds(base):
                 base = None
                 unchanged = True
+        # Other base weights: the adapters served beside this one were pushed for the weights before.
+        retiring = sorted(set(self.runner.adapters.refs) - {name}) if base is not None else []
 
         def copy() -> None:
             # One transaction: the adapter first, since only it allocates (new stacked layers, saved-module copies;
@@ -94,21 +96,39 @@ class WeightUpdates:
                 ) from error
             if base is not None:
                 self.table.copy_in(base)
+                self._retire(retiring, name, new_version)
 
         def affects(request: Request) -> bool:
             return request.adapter is not None and request.adapter.name == name
 
         result = self.commit(copy, new_version, mode, started, None if base is not None else affects)
         result.base_unchanged = unchanged
-        others = sorted(set(self.runner.adapters.refs) - {name}) if base is not None else []
-        if others:  # they stay served, over a base their trainers may not have trained them on: said, once per push
-            logger.warning(
-                "adapter %r came with new base weights: the adapters %s served beside it now compute over that base "
-                "(if their trainers trained them over another, push them again, or serve each base on its own worker)",
-                name,
-                others,
-            )
         return result
+
+    def _retire(self, names: list[str], name: str, version: int) -> None:
+        """Stop serving the adapters `names`, pushed for the base weights adapter `name` brought others in place
+        of (another trainer's base; or this trainer's, changed in place): served on, they would compute over weights
+        their trainers did not train them on, with no error. Their groups end with an error saying so, as do the
+        requests naming them until they are pushed again (with their base). Between two steps, the engine drained."""
+        loop, adapters = self.loop, self.runner.adapters
+        scheduler = loop.scheduler
+        for other in names:
+            reason = (
+                f"adapter {other!r} is no longer served: adapter {name!r} came with other base weights than the ones "
+                f"{other!r} was pushed for (policy version {version}); push {other!r} again, with its base"
+            )
+            queued = (*scheduler.waiting, *scheduler.running, *scheduler.swapped)
+            groups = {r.group_id for r in queued if r.adapter is not None and r.adapter.name == other}
+            if groups:
+                loop.undelivered += loop.outputs(scheduler.abort(*sorted(groups), error=reason))
+            adapters.unload(other, reason)
+        if names:
+            logger.warning(
+                "adapter %r came with other base weights: the adapters %s, pushed for the weights before, are no "
+                "longer served (their trainers push them again with their base; serve each base on its own worker)",
+                name,
+                names,
+            )
 
     def unload_adapter(self, name: str) -> list[GenerationOutput]:
         """End every group sampling with adapter `name` (queued or running; finish_reason "abort"), then stop serving

@@ -92,7 +92,8 @@ class OpenAIEndpoints:
         body = fields.check_fields(body, fields.CHAT_FIELDS if chat else fields.COMPLETION_FIELDS)
         needs_tokenizer(self.tokenizer, "/v1/chat/completions" if chat else "/v1/completions")
         model = body.get("model")
-        adapter = requested_adapter(model, self.model_name, self.manager.engine.runner.adapters.refs)
+        adapters = self.manager.engine.runner.adapters
+        adapter = requested_adapter(model, self.model_name, adapters.refs, adapters.retired)
         prompt_field = "messages" if chat else "prompt"
         n = fields.integer(body, "n", 1, 1, self.max_n)
         parallel = body.get("parallel_tool_calls") is not False  # (a boolean or null: checked by check_fields)

@@ -11,25 +11,33 @@ from rollout.engine.requests.adapter_ref import AdapterRef
 from rollout.service.http.errors import APIError
 
 
-def requested_adapter(model: Any, model_name: str, adapters: Mapping[str, AdapterRef]) -> str | None:
+def requested_adapter(
+    model: Any, model_name: str, adapters: Mapping[str, AdapterRef], retired: Mapping[str, str] | None = None
+) -> str | None:
     """The adapter a request's `model` field names: None for the worker's model (or no `model`).
 
+    Args:
+        model: the request's `model` field.
+        model_name: the worker's model's name.
+        adapters: the adapters served, by name.
+        retired: adapters no longer served, with the reason a request naming one is told (`AdapterTable.retired`).
     Raises:
-        APIError: 404 model_not_found for anything else, listing what is served.
+        APIError: 404 model_not_found for anything else, listing what is served (and why, for a retired adapter).
     """
     if model is None or model == model_name:
         return None
     if isinstance(model, str) and model in adapters:
         return model
-    raise _not_found(model, model_name, adapters)
+    raise _not_found(model, model_name, adapters, retired or {})
 
 
-def _not_found(model: Any, model_name: str, adapters: Mapping[str, Any]) -> APIError:
+def _not_found(model: Any, model_name: str, adapters: Mapping[str, Any], retired: Mapping[str, str]) -> APIError:
     """404 model_not_found, listing what is served."""
     served = ", ".join(f"`{name}`" for name in [model_name, *sorted(adapters)])
+    why = f"{retired[model]}; " if isinstance(model, str) and model in retired else ""
     return APIError(
         404,
-        f"the model `{model}` does not exist: this worker serves {served}",
+        f"the model `{model}` does not exist: {why}this worker serves {served}",
         "model",
         "not_found_error",
         "model_not_found",
@@ -66,4 +74,4 @@ def model_entry(model_id: str, listed: dict) -> dict:
         if entry["id"] == model_id:
             return entry
     names = [entry["id"] for entry in listed["data"]]
-    raise _not_found(model_id, names[0], dict.fromkeys(names[1:]))
+    raise _not_found(model_id, names[0], dict.fromkeys(names[1:]), {})
