@@ -81,7 +81,8 @@ def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(
     connection here: to the worker, a reconnection presenting the same id is the same client)."""
     counts = {}
     with dealer(worker.address, b"\x01taken-over-id") as taken:  # guessed (libzmq's ids are a counter) or chosen
-        for group, session in (("owner", "own"), ("owner-again", "own"), ("intruder", "other"), ("no-session", "")):
+        groups = [("owner", "own"), ("owner-again", "own"), ("intruder", "other"), ("no-session", "")]
+        for group, session in [*groups, ("no-session-again", "")]:
             before = accepted_drafts(worker.address, f"{group}-before")
             ask(taken, p.Generate(group, PROMPT, 1, SAMPLING, session=session), p.GroupResult)
             counts[group] = accepted_drafts(worker.address, f"{group}-after") - before
@@ -90,6 +91,9 @@ def test_a_connection_taking_over_a_gone_clients_id_draws_on_none_of_its_drafts(
     # only on its own sample's tokens, as the owner's first group did.
     assert counts["owner-again"] >= 20, counts
     assert max(counts["intruder"], counts["no-session"]) < counts["owner-again"] / 4, counts
+    # A group with no session shares drafts with no other group: a client that sends none (not a RolloutClient) is
+    # not drawn on by a later connection that took its id over and sends none either (it was).
+    assert counts["no-session-again"] < counts["owner-again"] / 4, counts
     assert refused.field == "session" and "64 characters" in refused.message
 
 

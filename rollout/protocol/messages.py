@@ -32,7 +32,8 @@ class Generate(ClientMessage):
     adapter: str | None = None  # the served LoRA adapter to sample with; nil: the base model
     # A secret the client draws once (RolloutClient: 128 random bits, hex): speculative decoding's drafts are shared
     # only among groups of one connection and one session, so a connection that takes over a gone client's routing
-    # id (ZeroMQ lets a client choose its own) draws on none of its drafts. At most 64 characters; "": none.
+    # id (ZeroMQ lets a client choose its own) draws on none of its drafts. At most 64 characters; "": none (the
+    # group shares drafts with no other group).
     session: str = ""
 
 

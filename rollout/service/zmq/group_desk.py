@@ -10,6 +10,7 @@ replies in an outbox that the serving thread drains; a compile slot only hands a
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 from collections.abc import Callable
 
@@ -151,8 +152,10 @@ class GroupDesk:
             if error is not None:
                 raise error
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
-            # Admission takes turns between clients; drafts stay within one client and one session (`Generate`).
-            fields.update(client=group.client, session=message.session)
+            # Admission takes turns between clients; drafts stay within one client and one session (`Generate`). A
+            # group with no session is a session of its own: over its routing id alone, a connection that took a gone
+            # client's id over would draw on that client's drafts.
+            fields.update(client=group.client, session=message.session or f"group:{secrets.token_hex(16)}")
             self.manager.add_groups([GroupSpec(group.engine_id, message.prompt_ids, **fields)])
         except Exception as refused:  # noqa: BLE001 - the group is forgotten and its client told, whatever it was
             self._remove(group)
