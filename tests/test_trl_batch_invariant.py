@@ -249,6 +249,19 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         with_dropout = SimpleNamespace(**{**vars(fresh), "model": dropping, "_metrics": metrics})
         assert recorded_old_logps(with_dropout, dropping, ids, mask, 3) is None
         assert recorded_old_logps(with_dropout, dropping.eval(), ids, mask, 3) is not None  # no mask drawn in eval
+        # Routers that draw at random in training mode, with no dropout module (transformers' own configs): kept.
+        from transformers import MixtralConfig, PhimoeConfig
+
+        for config in (MixtralConfig(router_jitter_noise=0.1), PhimoeConfig()):
+            routed = torch.nn.Linear(1, 1).train()
+            routed.config = config
+            random_router = SimpleNamespace(**{**vars(fresh), "model": routed, "_metrics": metrics})
+            assert recorded_old_logps(random_router, routed, ids, mask, 3) is None, config.model_type
+            assert recorded_old_logps(random_router, routed.eval(), ids, mask, 3) is not None  # none drawn in eval
+        plain = torch.nn.Linear(1, 1).train()
+        plain.config = MixtralConfig(router_jitter_noise=0.0)
+        unjittered = SimpleNamespace(**{**vars(fresh), "model": plain, "_metrics": metrics})
+        assert recorded_old_logps(unjittered, plain, ids, mask, 3) is not None
     assert recorded_old_logps(fresh, policy, ids, mask, 3) is None  # with grad: the loss's forward
     assert fresh._metrics["train"]["rollout/old_logps_forward_skipped"] == [1.0, 0.0]
     # A round sampled with generation_kwargs that change the log-probs (another mode or temperature) is not recorded.

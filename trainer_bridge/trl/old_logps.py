@@ -107,6 +107,8 @@ def _unverified(trainer: Any, device: str) -> str | None:
         isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 for module in trainer.model.modules()
     ):
         return "a dropout (lora_dropout, say) draws random masks in the trainer's forwards, not in the rollout's"
+    if trainer.model.training and (random := _random_routing(trainer.model)) is not None:
+        return random
     if getattr(trainer.accelerator, "mixed_precision", "no") != "no":
         return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast, the rollout does not"
     rollout = trainer.rollout
@@ -117,6 +119,22 @@ def _unverified(trainer: Any, device: str) -> str | None:
     others = sorted(set(getattr(rollout, "dtypes", ())) - {dtype})
     if others:
         return f"the rollout computes in {', '.join(others)}, the trainer in {dtype}"
+    return None
+
+
+def _random_routing(model: Any) -> str | None:
+    """Why a training-mode MoE router of `model` draws at random, with no dropout module to show it (None: it
+    does not): PhiMoE's sparsemixer samples its experts, a router jitter multiplies its input by noise."""
+    config = getattr(model, "config", None)
+    for each in (config, getattr(config, "text_config", None)):
+        if each is None:
+            continue
+        if getattr(each, "model_type", None) == "phimoe":
+            return "PhiMoE's router (sparsemixer) draws its experts at random in training mode"
+        for name in ("router_jitter_noise", "input_jitter_noise"):
+            noise = getattr(each, name, 0.0)
+            if isinstance(noise, (int, float)) and noise > 0:
+                return f"{name}={noise} puts random noise into the router in training mode"
     return None
 
 
