@@ -280,7 +280,9 @@ def test_a_batch_of_over_long_prompts_is_refused_at_its_first(http):
     start = time.monotonic()
     response = http.post("/v1/completions", json={"prompt": ["y" * 60_000] * 200, "max_tokens": 1})
     assert assert_openai_error(response, 400, "prompt")["code"] == "context_length_exceeded"
-    assert time.monotonic() - start < 1.0
+    # Tokenizing the 200 prompts takes about 12 s on 2 cores; sending and parsing the 12 MB body took up to 1.2 s on a
+    # loaded CI machine, so the bound is loose enough for that and still fails a worker that encodes them all.
+    assert time.monotonic() - start < 6.0
 
 
 @pytest.mark.parametrize(
