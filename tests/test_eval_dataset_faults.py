@@ -11,7 +11,10 @@ occurred while generating the dataset)", which names nothing; the message now ca
 wrong (its error's cause).
 
 A .json file that is one JSON object over several lines (`json.dump(..., indent=2)` of a dict) was refused as "line 1
-is not JSON", of a file that `json.load` reads; the message now says what a .json dataset must hold."""
+is not JSON", of a file that `json.load` reads; the message now says what a .json dataset must hold.
+
+A directory with no data files (`--dataset ~`, a checkout) went to `datasets.load_dataset`, which globbed its whole
+tree for minutes; it is refused at once, after a bounded scan of where the hub layout puts data files."""
 
 from __future__ import annotations
 
@@ -101,3 +104,62 @@ def test_a_json_object_over_several_lines_says_what_a_json_dataset_holds(capsys,
         f"--dataset {path}: line 1 is not JSON (Expecting property name enclosed in double quotes); a .json dataset "
         "is a JSON array of rows, or one row object per line"
     )
+
+
+def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(capsys, tmp_path, monkeypatch):
+    """A directory with no data file where a dataset directory holds them (a checkout, a home directory) is refused
+    at once, naming --dataset and what was looked for: `datasets.load_dataset` would glob its whole tree (minutes on a
+    home directory) and read whatever it found. The scan is bounded: a data file deeper than the hub layout puts
+    one is not looked for, and a flat folder of many entries is looked at only up to MAX_SCANNED of them."""
+    import datasets
+
+    from rollout.eval import dataset_folder
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("datasets.load_dataset was called")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_load)
+    checkout = tmp_path / "checkout"
+    (checkout / "src" / "pkg" / "deep" / "deeper").mkdir(parents=True)
+    (checkout / "src" / "pkg" / "module.py").write_text("x = 1\n")
+    (checkout / "README.md").write_text("# a project\n")
+    (checkout / "pyproject.toml").write_text("[project]\n")
+    (checkout / ".git").mkdir()
+    (checkout / ".git" / "train.jsonl").write_text('{"question": "hidden"}\n')  # hidden: datasets skips it too
+    (checkout / "src" / "pkg" / "deep" / "deeper" / "train.jsonl").write_text('{"question": "too deep"}\n')
+    message = error_of(capsys, checkout)
+    assert message.startswith(f"--dataset {checkout}: a directory with no data file (.jsonl, .json, ")
+    assert "top level, in a folder one level down (train/, data/) or in data/*/;" in message
+
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for index in range(30):
+        (crowded / f"note{index}.md").write_text("")
+    (crowded / "zz").mkdir()
+    (crowded / "zz" / "train.jsonl").write_text('{"question": "after the bound"}\n')
+    monkeypatch.setattr(dataset_folder, "MAX_SCANNED", 20)
+    assert "(it stopped after 20 entries)" in error_of(capsys, crowded)
+
+
+@pytest.mark.parametrize(
+    "place", ["test.jsonl", "train/part.parquet", "data/train-00000-of-00001.parquet", "data/test/rows.csv.gz"]
+)
+def test_a_dataset_directory_with_data_files_where_the_hub_puts_them_is_read(capsys, tmp_path, place):
+    """A data file at the top level, in a split folder, in data/ or in data/<split>/ (compressed too) passes the
+    check and is read by `datasets` (its own split naming: a "test" file is the test split)."""
+    import gzip
+
+    folder = tmp_path / "dataset"
+    path = folder / place
+    path.parent.mkdir(parents=True)
+    rows = [{"question": "What is 2+2?", "answer": "4"}, {"question": "What is 3+3?", "answer": "6"}]
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".gz":
+        path.write_bytes(gzip.compress(b"question,answer\nWhat is 2+2?,4\nWhat is 3+3?,6\n"))
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    from rollout.eval.dataset import load_rows
+
+    split = "test" if "test" in place else "train"
+    assert [row["question"] for row in load_rows(str(folder), split, None)] == [row["question"] for row in rows]

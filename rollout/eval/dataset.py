@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rollout.cli.hub import check_hub_source, first_line, is_local_path
+from rollout.eval.dataset_folder import check_dataset_folder
 from rollout.eval.file_rows import DatasetError, read_file_rows
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS, FileRefused, check_regular
 
@@ -42,12 +43,13 @@ def load_rows(
         max_line_chars: the longest line of a local JSONL or CSV file read, in characters (a longer one is refused
             at once, naming its line).
     Raises:
-        DatasetError: no such file, a path that is not a regular file (a FIFO, a device), an unknown file type, a
+        DatasetError: no such file, a directory with no data file where a dataset directory holds them, a path that is not a regular file (a FIFO, a device), an unknown file type, a
             malformed or over-long line, an unknown split, no rows, or a hub dataset this machine cannot get.
     """
     folder, _, folder_config = dataset.partition(":")
     path = os.path.expanduser(dataset)
     if os.path.isdir(os.path.expanduser(folder)):  # e.g. what `hf download --repo-type dataset` fetched
+        check_dataset_folder(os.path.expanduser(folder), dataset)  # datasets would glob its whole tree
         rows = _load_with_datasets(dataset, dict(path=os.path.expanduser(folder), name=folder_config or None), split)
     elif is_local_path(dataset) or os.path.splitext(dataset)[1].lower() in FILE_LIKE:
         try:
