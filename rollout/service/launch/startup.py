@@ -30,6 +30,7 @@ from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
 from rollout.service.launch.flags import check_cuda_only_flags, check_settings, lora_specs, served_model_name
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
+from rollout.service.launch.preload_checks import check_before_load
 from rollout.service.launch.start_adapters import serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
 from rollout.service.observability.tracing import configure_tracing
@@ -99,16 +100,17 @@ def start_worker(
         warn_open_secret(args.curve_secret_key)
     if keys_read is not None:
         keys_read()
+    check_before_load(parser, args, config)  # what the model's config and the adapters' configs tell
+    if args.tokenizer is not None:  # a --tokenizer of its own: seconds to load, so a bad one is found before the model
+        tokenizer, tokenizer_name = _tokenizer(parser, args)
     try:
         model = load_model(args.model, MODEL_DTYPES[args.dtype], device)
     except HubUnreachable as error:  # names --model itself, and says what to do
         parser.error(str(error))
     except (ValueError, OSError) as error:
         parser.error(f"--model {args.model}: {error}")
-    try:
-        tokenizer, tokenizer_name = load_tokenizer(args.model, args.tokenizer)
-    except (ValueError, OSError) as error:
-        parser.error(f"--tokenizer {args.tokenizer}: {error}")
+    if args.tokenizer is None:  # the model's own (after it: a model that cannot load is the news)
+        tokenizer, tokenizer_name = _tokenizer(parser, args)
     try:
         manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=tokenizer)
     except ValueError as error:  # e.g. a kernel backend this machine cannot run, a cache that holds no block
@@ -131,6 +133,14 @@ def start_worker(
     return RunningWorker(worker, manager, model, http, metrics, ready)
 
 
+def _tokenizer(parser: CliParser, args: argparse.Namespace) -> tuple[Any, str | None]:
+    """`load_tokenizer` for the flags, a usage error naming --tokenizer when it cannot be loaded."""
+    try:
+        return load_tokenizer(args.model, args.tokenizer)
+    except (ValueError, OSError) as error:
+        parser.error(f"--tokenizer {args.tokenizer}: {error}")
+
+
 def _served_as(args: argparse.Namespace) -> str:
     """The ready line's note of the served name, when --served-model-name gives one."""
     return f" (served as {args.served_model_name})" if args.served_model_name else ""
@@ -149,7 +159,7 @@ def _serve_parts(
     """Load the start adapters, warm the engine up, then bind the worker's socket and start the metrics and HTTP
     servers; a failure (a usage error: SystemExit) closes those already started, and the caller the manager."""
     serve_start_adapters(parser, args.lora, manager.engine, served_model_name(args))
-    context = manager.engine.max_model_len
+    context = manager.engine.max_model_len  # (a built-in model, or a config found only by loading: not checked before)
     if args.max_prompt_len is not None and args.max_prompt_len > context:  # it would be capped there, silently
         parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
     try:

@@ -1,0 +1,83 @@
+"""`rollout-worker`'s checks that read small files, made before the model loads (minutes for a large one): the
+model's config (its context, for `--max-prompt-len`) and each `--lora` adapter's adapter_config.json (its rank, for
+`--max-lora-rank`). Each refusal is the usage error the same mistake gets after loading; what these files cannot
+tell (a config transformers cannot read, an adapter's tensors) is still checked after loading."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from rollout.cli.hub import HubUnreachable, check_hub_source, is_local_path
+from rollout.config import ContinuousBatchingConfig
+from rollout.presets.catalog import is_preset
+from rollout.service.launch.flags import lora_specs, served_model_name
+
+__all__ = ["check_before_load", "model_context"]
+
+
+def check_before_load(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, config: ContinuousBatchingConfig
+) -> None:
+    """Usage errors (`parser.error`) for flags the model's config or an adapter's config refutes: a
+    `--max-prompt-len` above the model's context, a `--lora` adapter whose rank is above `--max-lora-rank`.
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+        config: the engine settings the flags give (`flags.check_settings`).
+    """
+    if args.max_prompt_len is not None:
+        context = config.max_model_len or model_context(args.model)
+        if context is not None and args.max_prompt_len > context:
+            parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
+    for name, path in lora_specs(parser, args.lora, served_model_name(args)):
+        rank = adapter_rank(os.path.expanduser(path))
+        if rank is not None and rank > config.max_lora_rank:
+            parser.error(
+                f"--lora {name}={path}: rank {rank} is outside [1, max_lora_rank={config.max_lora_rank}] (its "
+                f"adapter_config.json); raise --max-lora-rank to {rank}"
+            )
+
+
+def model_context(model: str) -> int | None:
+    """The longest sequence `model` runs (its text config's max_position_embeddings), read from its config alone;
+    None for a built-in model, or a config that cannot be read here (loading the model says why).
+
+    Args:
+        model: `--model` as given: a local directory or a hub id.
+    """
+    if is_preset(model):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        cached_only = False if is_local_path(model) else check_hub_source(model, "--model")
+        model_config: Any = AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
+    except (HubUnreachable, ValueError, OSError, KeyError):
+        return None
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    context = getattr(text, "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+
+
+def adapter_rank(path: str) -> int | None:
+    """The highest LoRA rank a PEFT adapter directory declares (`r`, and its `rank_pattern`'s), from its
+    adapter_config.json; None when there is none to read (loading the adapter says why).
+
+    Args:
+        path: the adapter's directory.
+    """
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as file:
+            settings = json.load(file)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(settings, dict):
+        return None
+    pattern = settings.get("rank_pattern")
+    ranks = [settings.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
+    ranks = [rank for rank in ranks if isinstance(rank, int) and not isinstance(rank, bool)]
+    return max(ranks) if ranks else None

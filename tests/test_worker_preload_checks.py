@@ -1,0 +1,80 @@
+"""`rollout-worker` refuses flags that the model's config, an adapter's adapter_config.json or a `--tokenizer`
+directory refute before it loads the model (minutes for a large one): a `--max-prompt-len` above the model's context,
+a `--tokenizer` directory holding no tokenizer, a `--lora` adapter whose rank is above `--max-lora-rank`. Each was
+found only after loading. The model directories here hold a config.json and no weights: loading them fails with an
+error naming --model, so seeing the flag's own error proves it came first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import GPT2Config, Qwen3Config, Qwen3ForCausalLM
+
+from rollout.presets.catalog import TINY_MODEL_CONFIG
+from rollout.service.launch import cli
+
+SMALL = {**TINY_MODEL_CONFIG, "num_hidden_layers": 1, "pad_token_id": 0}
+
+
+def worker_error(capsys, *argv: str) -> str:
+    """rollout-worker's one usage error line (prefix dropped), checked: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv, "--device", "cpu", "--bind", "tcp://127.0.0.1:*"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("rollout-worker: error: ")]
+    assert len(lines) == 1, err
+    return lines[0].removeprefix("rollout-worker: error: ")
+
+
+@pytest.fixture
+def no_weights(tmp_path) -> Path:
+    """A model directory of a 64-token context holding its config.json alone: loading it fails naming --model."""
+    folder = tmp_path / "model"
+    Qwen3Config(**{**SMALL, "max_position_embeddings": 64}).save_pretrained(folder)
+    return folder
+
+
+def test_the_model_directory_alone_fails_loading_naming_model(capsys, no_weights):
+    """The reference for the tests below: without a refuted flag, the error is loading's, naming --model."""
+    assert worker_error(capsys, "--model", str(no_weights), "--max-prompt-len", "64").startswith(
+        f"--model {no_weights}: "
+    )
+
+
+def test_a_max_prompt_len_above_the_context_is_refused_before_the_model_loads(capsys, no_weights):
+    message = worker_error(capsys, "--model", str(no_weights), "--max-prompt-len", "65")
+    assert message == "--max-prompt-len 65: above the model's context of 64 tokens"
+
+
+def test_a_tokenizer_directory_without_a_tokenizer_is_refused_before_the_model_loads(capsys, tmp_path, no_weights):
+    """GPT-2's config alone: transformers builds an empty tokenizer from it (refused by name, as after loading)."""
+    from rollout.service.launch.loading import load_tokenizer
+
+    empty = tmp_path / "tokenizer"
+    GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2).save_pretrained(empty)
+    with pytest.raises(ValueError) as reference:
+        load_tokenizer(str(no_weights), str(empty))
+    message = worker_error(capsys, "--model", str(no_weights), "--tokenizer", str(empty))
+    assert message == f"--tokenizer {empty}: {str(reference.value).splitlines()[0]}"
+    assert "it holds no tokenizer files" in message
+
+
+@pytest.mark.parametrize("pattern", [False, True])
+def test_a_lora_adapter_above_the_rank_limit_is_refused_before_the_model_loads(capsys, tmp_path, no_weights, pattern):
+    """The adapter's rank from its adapter_config.json: `r`, or a higher one in its `rank_pattern`."""
+    from peft import LoraConfig, get_peft_model
+
+    rank = dict(r=4, rank_pattern={"q_proj": 32}) if pattern else dict(r=32)
+    adapter = tmp_path / "adapter"
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL))
+    get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], **rank)).save_pretrained(adapter)
+    message = worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}")
+    assert message == (
+        f"--lora a={adapter}: rank 32 is outside [1, max_lora_rank=16] (its adapter_config.json); raise "
+        "--max-lora-rank to 32"
+    )
+    within = worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}", "--max-lora-rank", "32")
+    assert within.startswith(f"--model {no_weights}: ")  # within the limit: on to loading
