@@ -159,7 +159,7 @@ def test_input_is_checked_in_the_callers_thread(client):
     assert len(result.completions[0].token_ids) == 10
     for group, field in [
         (PromptGroup([1.0, 2.0], sampling=GREEDY), "prompt_ids"),
-        (PromptGroup([1, 2], sampling={"seed": {1, 2}}), "sampling"),
+        (PromptGroup([1, 2], sampling={"seed": {1, 2}}), "sampling.seed"),  # the key msgpack cannot write
         (PromptGroup([1, 2], n="2", sampling=GREEDY), "n"),
     ]:
         with pytest.raises(RolloutError) as raised:

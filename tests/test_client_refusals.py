@@ -148,3 +148,31 @@ def test_weight_sync_callback_refuses_bad_settings_when_built(kwargs, error, mes
         WeightSyncCallback(None, **kwargs)
     good = WeightSyncCallback(None, every=2, mode="wait", transport="frames", bucket_bytes=1 << 20, timeout=5.0)
     assert good.push_kwargs == {"mode": "wait", "transport": "frames", "bucket_bytes": 1 << 20, "timeout": 5.0}
+
+
+@pytest.mark.parametrize(
+    "sampling, field, message",
+    [
+        (
+            {"seed": 2**70},
+            "sampling.seed",
+            f"sampling.seed: must be an integer in [-2**63, 2**64) on the wire, got {2**70}",
+        ),
+        ({"seed": -(2**64)}, "sampling.seed", "sampling.seed: must be an integer in [-2**63, 2**64) on the wire, got "),
+        (
+            {"max_new_tokens": 4, "stop_token_ids": [1, 2**70]},
+            "sampling.stop_token_ids",
+            "sampling.stop_token_ids: holds an integer outside [-2**63, 2**64), the integers the wire carries",
+        ),
+        ({"temperature": 2**70}, "sampling.temperature", f"sampling.temperature: {2**70} is outside [-2**63, 2**64)"),
+    ],
+)
+def test_an_integer_the_wire_cannot_carry_is_refused_naming_its_sampling_field(client, sampling, field, message):
+    """msgpack cannot write an integer outside [-2**63, 2**64): the client refused any such value as "sampling values
+    must be plain numbers/strings/lists: int too big to convert" with field `sampling`; it names the value's key as
+    the worker names sampling fields (`sampling.seed`), with the range (the seed in the worker's own words)."""
+    with pytest.raises(RolloutError) as refused:
+        client.generate(PromptGroup([1, 2], 1, sampling), timeout=10)
+    assert refused.value.code == "bad_request" and refused.value.field == field
+    assert f"bad_request: {message}" in str(refused.value)
+    assert client.generate(PromptGroup([1, 2], 1, {"seed": 2**64 - 1, "max_new_tokens": 2}), timeout=30).completions

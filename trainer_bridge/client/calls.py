@@ -207,6 +207,47 @@ def _plain(value: Any) -> Any:
     return value
 
 
+_UNPACKABLE = (TypeError, ValueError, OverflowError, RuntimeError)
+
+
+def _packable(fields: dict[Any, Any]) -> dict[Any, Any]:
+    """`fields` as plain Python values that msgpack writes; a value it cannot write is refused naming its key
+    (`sampling.<key>`, as the worker names sampling fields), an integer too large for the wire with the range.
+
+    Args:
+        fields: a PromptGroup's sampling dict.
+    Raises:
+        RolloutError: code "bad_request", naming the field.
+    """
+    sampling = {}
+    for key, value in fields.items():
+        field = f"sampling.{key}"
+        try:
+            sampling[key] = _plain(value)
+            msgpack.packb(sampling[key])
+        except OverflowError:
+            try:  # the worker's own words for the field, where it has them (seed)
+                SamplingParams.from_fields({key: sampling[key]})
+            except FieldError as error:
+                raise RolloutError("bad_request", str(error), error.field) from None
+            except Exception:  # noqa: BLE001 - the worker's check fails otherwise on it: the general reason below
+                pass
+            plain = sampling[key]
+            what = f"{plain} is" if isinstance(plain, int) else "holds an integer"
+            reason = f"{field}: {what} outside [-2**63, 2**64), the integers the wire carries"
+            raise RolloutError("bad_request", reason, field) from None
+        except _UNPACKABLE as error:
+            reason = f"{field}: sampling values must be plain numbers/strings/lists: {error}"
+            raise RolloutError("bad_request", reason, field) from None
+    try:  # (a key msgpack cannot write)
+        msgpack.packb(sampling)
+    except _UNPACKABLE as error:
+        raise RolloutError(
+            "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
+        ) from None
+    return sampling
+
+
 def checked_group(
     group: PromptGroup, new_seed: Callable[[], int], new_group_id: Callable[[], str], adapter: str | None = None
 ) -> PromptGroup:
@@ -249,13 +290,7 @@ def checked_group(
     if isinstance(group.sampling, SamplingParams):
         sampling = group.sampling.changed_fields()
     elif isinstance(group.sampling, dict):
-        try:
-            sampling = {key: _plain(value) for key, value in group.sampling.items()}
-            msgpack.packb(sampling)
-        except (TypeError, ValueError, OverflowError, RuntimeError) as error:
-            raise RolloutError(
-                "bad_request", f"sampling values must be plain numbers/strings/lists: {error}", "sampling"
-            ) from None
+        sampling = _packable(group.sampling)
     else:
         raise RolloutError("bad_request", "sampling must be a SamplingParams or a dict of its fields", "sampling")
     try:  # the worker's own check, here in the caller's thread
