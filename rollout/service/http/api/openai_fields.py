@@ -68,6 +68,7 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template",  # vLLM's: the request's own template (with --trust-request-chat-template)
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",

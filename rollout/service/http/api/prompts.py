@@ -28,7 +28,8 @@ class PromptLimits:
 
     Attributes:
         max_prompt_len: longest prompt in tokens (text longer than MAX_CHARS_PER_TOKEN times it is refused unread).
-        trust_request_chat_template: a request may bring its own chat template (`chat_template_kwargs`).
+        trust_request_chat_template: a request may bring its own chat template (`chat_template`, or in
+            `chat_template_kwargs`).
     """
 
     max_prompt_len: int
@@ -84,7 +85,8 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
         raise bad_field("messages", "must be a non-empty list of messages")
     rendered = [_message(index, message) for index, message in enumerate(messages)]
     tools = tool_spec(body).tools or None
-    kwargs = template_variables(body.get("chat_template_kwargs"), tokenizer, limits.trust_request_chat_template)
+    trusted = limits.trust_request_chat_template
+    kwargs = template_variables(body.get("chat_template_kwargs"), tokenizer, trusted, body.get("chat_template"))
     inputs = {"messages": rendered, "tools": tools, "chat_template_kwargs": kwargs}
     check_rendered_size(inputs, limits.max_chars, limits.max_prompt_len)
     add_generation_prompt = body.get("add_generation_prompt", True)

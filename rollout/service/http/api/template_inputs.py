@@ -26,7 +26,8 @@ TOP_LEVEL = {
     "add_generation_prompt": "add_generation_prompt",
     "continue_final_message": "continue_final_message",
 }
-# Parameters of apply_chat_template that are template inputs (chat_template only with --trust-request-chat-template).
+# Parameters of apply_chat_template that are template inputs (chat_template only with --trust-request-chat-template;
+# a request may also give it as its top-level `chat_template` field, as vLLM takes it).
 TEMPLATE_INPUTS = {"documents", "chat_template"}
 # Always refused, whatever the installed transformers' signature says (older ones took some as **kwargs).
 TOKENIZER_OPTIONS = {
@@ -46,17 +47,41 @@ TOKENIZER_OPTIONS = {
 }
 
 
-def template_variables(kwargs: Any, tokenizer: Any, trust_request_chat_template: bool) -> dict[str, Any]:
-    """The request's `chat_template_kwargs`, checked: template variables (and `documents`) only.
+UNTRUSTED = (
+    "a request's own chat template runs on the worker: refused unless it runs with --trust-request-chat-template"
+)
+
+
+def template_variables(
+    kwargs: Any, tokenizer: Any, trust_request_chat_template: bool, chat_template: Any = None
+) -> dict[str, Any]:
+    """The request's `chat_template_kwargs`, checked: template variables (and `documents`) only; with the request's
+    top-level `chat_template` (vLLM's field) as its `chat_template`.
 
     Args:
         kwargs: the field's value (None: none).
         tokenizer: the worker's tokenizer (its `apply_chat_template` parameters are refused).
         trust_request_chat_template: a request may bring its own `chat_template` (code the worker runs).
+        chat_template: the request's top-level `chat_template` (None: none).
 
     Raises:
-        APIError: not an object, or naming the first tokenizer option, top-level field or untrusted template in it.
+        APIError: not an object, or naming the first tokenizer option, top-level field or untrusted template in it;
+            a top-level `chat_template` untrusted, not a string, or other than the one in `chat_template_kwargs`.
     """
+    kwargs = _checked_kwargs(kwargs, tokenizer, trust_request_chat_template)
+    if chat_template is None:
+        return kwargs
+    if not trust_request_chat_template:
+        raise bad_field("chat_template", UNTRUSTED)
+    if not isinstance(chat_template, str):
+        raise bad_field("chat_template", f"must be a string (a Jinja template), got {type(chat_template).__name__}")
+    if "chat_template" in kwargs and kwargs["chat_template"] != chat_template:
+        raise bad_field("chat_template", "differs from chat_template_kwargs.chat_template: give one of them")
+    return {**kwargs, "chat_template": chat_template}
+
+
+def _checked_kwargs(kwargs: Any, tokenizer: Any, trust_request_chat_template: bool) -> dict[str, Any]:
+    """`chat_template_kwargs` checked (`template_variables`, without the top-level template)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
@@ -72,8 +97,7 @@ def template_variables(kwargs: Any, tokenizer: Any, trust_request_chat_template:
             reason = "a tokenizer or rendering option, not a template variable (only template variables may pass)"
             raise _bad_key(name, reason)
     if "chat_template" in kwargs and not trust_request_chat_template:
-        reason = "a request's own chat template runs on the worker: refused unless it runs with --trust-request-chat-template"
-        raise _bad_key("chat_template", reason)
+        raise _bad_key("chat_template", UNTRUSTED)
     return kwargs
 
 

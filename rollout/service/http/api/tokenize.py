@@ -21,6 +21,7 @@ TOKENIZE_FIELDS = {
     "add_generation_prompt",
     "tools",
     "tool_choice",
+    "chat_template",
     "chat_template_kwargs",
     "continue_final_message",
 }

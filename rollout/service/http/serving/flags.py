@@ -90,8 +90,9 @@ def add_http_arguments(add: Callable[..., Any]) -> None:
     add(
         "--trust-request-chat-template",
         action="store_true",
-        help="let HTTP requests bring their own chat template (chat_template_kwargs.chat_template): a template is "
-        "code the worker runs, so only when every client is trusted",
+        help="let HTTP requests bring their own chat template (vLLM's top-level chat_template field, or "
+        "chat_template_kwargs.chat_template): a template is code the worker runs, so only when every client is "
+        "trusted",
     )
     add(
         "--api-key",
