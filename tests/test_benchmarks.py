@@ -16,16 +16,20 @@ def _report_rows(name: str, summary: dict) -> dict:
 
 
 def test_throughput_benchmark_runs_and_ends_with_json(capsys):
-    """Each system in its own process reports one JSON line as it finishes; the details (their own process) judge
+    """Each system in its own process reports one JSON line (on stderr) as it finishes; the details (their own process) judge
     the logprobs against the trainer's own floor on a model with realistic entropy."""
     quick = ["--num-prompts", "8"]  # the first 8 of cpu-small's 64 requests: the whole path, a third of the time
     cli.main(["throughput", "--workload", "cpu-small", "--systems", "rollout", "--repeats", "1", "--details", *quick])
-    lines = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
     summary = json.loads(lines[-1])
+    assert [line for line in lines if line.startswith("{")] == [lines[-1]]  # one JSON on stdout: the summary
     assert summary["benchmark"] == "throughput" and summary["num_prompts"] == 8
     rollout = summary["results"]["rollout"]
     assert rollout["status"] == "ok" and rollout["tokens_per_s"] > 0 and rollout["warmup_s"] > 0
-    first = json.loads(lines[0])  # the system's own line, printed as soon as it finished
+    system_lines = [line for line in captured.err.splitlines() if line.startswith('{"system": "rollout"')]
+    assert len(system_lines) == 1  # the system's own line, printed once, on stderr, as soon as it finished
+    first = json.loads(system_lines[0])
     assert first["system"] == "rollout" and first["tokens_per_s"] == rollout["tokens_per_s"]
     assert summary["kv_budget_bytes"] == 2304 * 64 * 1024  # cpu-small: 2304 blocks of 64 KiB, for every system
     assert any(line.startswith("rollout") for line in lines[:-1])  # the table row
@@ -317,3 +321,16 @@ def test_a_cuda_device_on_a_machine_without_one_is_a_usage_error(capsys):
             err = capsys.readouterr().err
             assert exit_info.value.code == 2, (command, err)
             assert f"--device {device}: no CUDA device is available" in err, (command, err)
+
+
+def test_an_unknown_device_is_refused_by_name_listing_the_forms(capsys):
+    """`rollout-bench weights --device tpu` (its --device is free text) ended in torch's traceback, which lists some
+    twenty device types rollout does not run on; it is one usage line naming the flag and the accepted forms."""
+    import pytest
+
+    for device in ("tpu", "cuda:x"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["weights", "--device", device])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err
+        assert f"--device {device}: not a device rollout runs on; give cpu, cuda or cuda:N" in err

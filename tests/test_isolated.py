@@ -1,5 +1,6 @@
 """Benchmark systems each run in a process of their own: a system that crashes or runs past its limit is reported as
-such (its processes killed), the others still report, and every result is one JSON line printed as it finishes."""
+such (its processes killed), the others still report, and every result is one JSON line printed as it finishes, on
+stderr and once (stdout is the benchmark's summary's alone)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,13 @@ def test_each_system_reports_one_json_line_as_it_finishes(fake_benchmark, tmp_pa
     assert hang["status"] == "timeout" and hang["seconds"] >= 3
     assert _gone(int(pid_file.read_text()))  # killed with everything it started
     assert after["status"] == "ok"  # a failed or timed-out system does not stop the next
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    captured = capsys.readouterr()
+    # stdout is left to the benchmark's summary, which holds every result: printed there too, each came twice
+    assert captured.out == ""
+    lines = [json.loads(line) for line in captured.err.splitlines() if line.startswith("{")]
     assert [line["system"] for line in lines] == ["fast", "crash", "hang", "after"]
+    assert '| {"system": ' not in captured.err  # the child's own result line is not echoed: each result once
+    assert "fake_systems_measure-fast | progress that is not a result" in captured.err
     assert "progress that is not a result" in (tmp_path / "logs" / "fake_systems_measure-fast.log").read_text()
 
 

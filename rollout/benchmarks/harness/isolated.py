@@ -1,6 +1,8 @@
 """Each benchmark system in a process of its own: nothing one system allocates, compiles or leaves behind (a KV cache,
 CUDA graphs, a warm allocator, a crashed thread) reaches the next, each has its own time limit, and each system's
-result is printed as one JSON line, flushed, as soon as it finishes, so a run stopped later keeps what it measured.
+result is printed as one JSON line, flushed, as soon as it finishes, so a run stopped later keeps what it measured:
+on stderr, with the progress (stdout holds the benchmark's summary alone, where each result is again; it was printed
+on stdout too, every result twice there).
 
 Parent side: `run_system(benchmark, system, options, timeout_s)`. Child side (`python -m
 rollout.benchmarks.harness.isolated BENCHMARK SYSTEM OPTIONS_JSON`): calls the benchmark's measure function, registered
@@ -39,7 +41,8 @@ def run_system(
     stream: TextIO | None = None,
     log_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Measure one system in a fresh process; print its result as one JSON line, flushed, on stdout.
+    """Measure one system in a fresh process; print its result as one JSON line, flushed, on stderr (the child's own
+    result line is not echoed: the result is printed once).
 
     Args:
         benchmark: a key of `MEASURES` (or "module:function", see `measure_here`).
@@ -59,7 +62,7 @@ def run_system(
     with tempfile.TemporaryDirectory() as scratch:
         folder = log_dir or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        result = run_section(section, folder, stream or sys.stderr)
+        result = run_section(section, folder, _ProgressOnly(stream or sys.stderr))
     if result.data.get("system") == system and (result.ok or result.status == "timeout"):
         # A system killed at its limit after its result line was printed (it hung on its way out) measured all the
         # same: its figures stand (a baseline cut short says so in its own `cut_short`).
@@ -69,8 +72,22 @@ def run_system(
         line = {"system": system, "status": result.status if not result.ok else "failed"}
         line.update(seconds=round(result.seconds, 1), error=error[-ERROR_CHARS:])
     line["measured"] = benchmark  # a section killed later keeps this line by it (sections.py)
-    print(json.dumps(line), flush=True)
+    print(json.dumps(line), file=sys.stderr, flush=True)
     return line
+
+
+class _ProgressOnly:
+    """The console stream of a system's output (`section_run._tee` writes "  NAME | LINE") without the child's
+    result line, which `run_system` prints itself, with its status."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write `text` unless it is the child's result line."""
+        if text.partition(" | ")[2].startswith('{"system": '):
+            return 0
+        return self.stream.write(text)
 
 
 def measure_here(benchmark: str, system: str, options: dict[str, Any]) -> dict[str, Any]:
