@@ -186,6 +186,7 @@ def test_numpy_bools_are_verdicts(capsys, metric_folder):
         (["--temperature", "inf"], "--temperature inf: must be 0 (greedy) or a finite number"),
         (["--device", "mps"], "--device mps: rollout runs on cpu or cuda devices, not mps"),
         (["--device", "meta"], "--device meta: rollout runs on cpu or cuda devices, not meta"),
+        (["--device", "tpu"], "--device tpu: not a device rollout runs on; give cpu, cuda or cuda:N (N: a CUDA"),
         (["--output", ""], "--output '': name a file to write the rows to"),
         (["--output", "/tmp"], "--output '/tmp': name a file to write the rows to"),
         (["--output", str(REPO_DATASET)], f"--output {REPO_DATASET} is the dataset itself"),

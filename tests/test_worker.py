@@ -289,7 +289,7 @@ def test_a_version_beyond_int64_is_refused_at_begin(client, version):
         (["--bind", "tcp://127.0.0.1"], "has no port"),
         (["--num-blocks", "0"], "--num-blocks: 0 is invalid"),
         (["--model", "/nonexistent/model"], "no such model directory"),
-        (["--device", "bogus"], "--device bogus"),
+        (["--device", "bogus"], "--device bogus: not a device rollout runs on; give cpu, cuda or cuda:N"),
         (["--api-key", "k"], "--api-key protects the HTTP API"),
         (["--http", "8000"], "expected HOST:PORT"),
         (["--http", "0.0.0.0:8000"], "needs --api-key"),

@@ -16,6 +16,7 @@ from rollout.benchmarks.service import agentic, fairness, fleet, lora_push, serv
 from rollout.benchmarks.structured import structured
 from rollout.benchmarks.structured.structured_flags import check_arguments as check_structured
 from rollout.benchmarks.throughput import throughput
+from rollout.cli.device_names import check_device_name
 from rollout.cli.extras import require_extra
 from rollout.cli.parser import CliParser
 from rollout.process_groups import process_age_s
@@ -37,6 +38,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     elif args.command == "structured":
         check_structured(parser, args)
     device = getattr(args, "device", None)
+    if isinstance(device, str):  # (weights' --device is free text; the others' are argparse choices)
+        try:
+            check_device_name(device, f"--device {device}")
+        except ValueError as error:
+            parser.error(str(error))
     if isinstance(device, str) and device.startswith("cuda"):  # one line now, not each system's traceback
         import torch
 

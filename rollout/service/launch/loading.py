@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from rollout.cli.device_names import DEVICE_FORMS
 from rollout.cli.hub import HubUnreachable, check_hub_source, first_line, is_local_path, missing_local_path
 from rollout.presets.catalog import PRESETS
 from rollout.presets.names import model_from_preset, tokenizer_for
@@ -30,8 +31,8 @@ def torch_device(spec: str, flag: str) -> torch.device:
     """
     try:
         device = torch.device(spec)
-    except RuntimeError as error:
-        raise ValueError(f"{flag}: {error}") from None
+    except RuntimeError:  # a name torch does not know (tpu): its message lists devices rollout does not run on
+        raise ValueError(f"{flag}: not a device rollout runs on; give {DEVICE_FORMS}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{flag}: rollout runs on cpu or cuda devices, not {device.type}")
     if device.type == "cuda":
