@@ -6,7 +6,9 @@
 - `push_weights` refuses, before opening any update, a tensor whose dtype no transport carries (naming the tensor,
   its dtype and the dtypes carried), and a None client in a process that is not one rank of several;
 - `WeightSyncCallback` refuses a bad mode or transport, `version` and unknown keywords when it is built, not at the
-  first push after a training step.
+  first push after a training step;
+- a sampling value holding an integer the wire cannot carry (a seed of 2**70) is refused naming its key
+  (`sampling.seed`) and the range, not as "sampling values must be plain numbers" of field `sampling`.
 
 One rollout-worker subprocess (tiny CPU model) serves the module.
 """
