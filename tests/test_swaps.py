@@ -10,10 +10,11 @@ import threading
 
 import pytest
 import torch
+from transformers.activations import GELUActivation
 
 from conftest import make_engine, make_prompts, run_to_completion, tiny_model
 from rollout import SamplingParams
-from rollout.invariant.activations import invariant_gelu_tanh, invariant_silu
+from rollout.invariant.activations import invariant_gelu_erf, invariant_gelu_tanh, invariant_silu, invariant_softplus
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.swaps import ModeNeed, swapped_forwards
@@ -121,11 +122,18 @@ def test_swapped_activations_give_a_row_its_bits_wherever_it_sits(threads):
     rows = torch.randn(257, 300)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    F = torch.nn.functional
     try:
         torch_moved = 0
         for ours, theirs in (
             (invariant_silu, torch.nn.functional.silu),
             (invariant_gelu_tanh, functools.partial(torch.nn.functional.gelu, approximate="tanh")),
+            (invariant_gelu_erf, torch.nn.functional.gelu),
+            (invariant_softplus, torch.nn.functional.softplus),
+            (
+                functools.partial(invariant_softplus, beta=2.0, threshold=3.0),
+                functools.partial(F.softplus, beta=2.0, threshold=3.0),
+            ),
         ):
             together, by_torch = ours(rows), theirs(rows)
             for first in (0, 5, 100, 256):
@@ -135,7 +143,18 @@ def test_swapped_activations_give_a_row_its_bits_wherever_it_sits(threads):
         assert torch_moved > 0  # the comparison can fail: torch's own do move
     finally:
         torch.set_num_threads(previous)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.GELU(approximate="tanh"))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.GELU(approximate="tanh"), torch.nn.GELU(), GELUActivation()
+    )
     with swapped_forwards(model):
-        assert [type(m).__name__ for m in model.modules() if "forward" in m.__dict__] == ["Linear", "SiLU", "GELU"]
+        swapped = [type(m).__name__ for m in model.modules() if "forward" in m.__dict__]
+        assert swapped == ["Linear", "SiLU", "GELU", "GELU", "GELUActivation"]
     assert not [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_softplus_keeps_torchs_gradient_where_exp_overflows():
+    x = torch.tensor([-200.0, -3.0, 0.0, 5.0, 30.0, 200.0], requires_grad=True)
+    (grad,) = torch.autograd.grad(invariant_softplus(x).sum(), x)
+    (expected,) = torch.autograd.grad(torch.nn.functional.softplus(x).sum(), x)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, expected)

@@ -158,10 +158,15 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
             {"rollout_mode": "colocate", "rollout_engine_config": ContinuousBatchingConfig(fp32_logits=True)},
             "fp32_logits .True. must equal GRPOConfig.cast_lm_head_to_fp32 .False.",
         ),
+        (  # refused when built: the compiled graph would be refused at the first step's invariant forward
+            {"rollout_mode": "colocate", "config": {"torch_compile": True}},
+            "cannot run with GRPOConfig.torch_compile=True",
+        ),
     ],
 )
 def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
     settings = {"batch_invariant": True, **settings}
+    config = settings.pop("config", {})
     if settings.get("peft_config") == "lora":
         from peft import LoraConfig
 
@@ -170,7 +175,7 @@ def test_what_it_cannot_honour_is_refused_by_name(tmp_path, settings, message):
         RolloutGRPOTrainer(
             model=tiny_model(0),
             reward_funcs=id_reward,
-            args=grpo_config(tmp_path),
+            args=grpo_config(tmp_path, **config),
             train_dataset=dataset(),
             processing_class=TOKENIZER,
             **settings,
@@ -273,3 +278,35 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
     )
     assert stale._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
     assert on_cuda._metrics["train"]["rollout/old_logps_forward_skipped"] == [0.0]
+
+
+def test_a_setting_whose_bits_differ_is_a_warning_a_stale_row_is_not(caplog):
+    """Why the old-policy forward runs: a dropout drawing masks in the trainer's forwards means the rollout's log-probs
+    cannot be the trainer's, so the user hears it as a warning; rows sampled with older weights are ordinary (info)."""
+    import logging
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trainer_bridge.trl.old_logps import SampledRound, recorded_old_logps
+
+    ids, mask = torch.tensor([[5, 6, 1, 2, 3]]), torch.ones(1, 5, dtype=torch.long)
+    row = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5] * 3)
+
+    def decide(model: torch.nn.Module, lags: list[int]) -> list[logging.LogRecord]:
+        rollout = SimpleNamespace(
+            last_round=SampledRound.of([[5, 6]], [row], [lags]), devices={"cpu"}, dtypes={"float32"}
+        )
+        trainer = SimpleNamespace(
+            rollout=rollout, model=model, ref_model=None, beta=0.0, _metrics={"train": defaultdict(list)},
+            accelerator=SimpleNamespace(num_processes=1, mixed_precision="no"),
+        )  # fmt: skip
+        caplog.clear()
+        with torch.no_grad(), caplog.at_level(logging.INFO, logger=old_logps.__name__):
+            assert recorded_old_logps(trainer, model, ids, mask, 3) is None
+        return [record for record in caplog.records if "old-policy forward is run" in record.getMessage()]
+
+    dropping = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Dropout(0.05)).train()  # lora_dropout's kind
+    (said,) = decide(dropping, [0, 0, 0])
+    assert said.levelno == logging.WARNING and "dropout" in said.getMessage() and "bit for bit" in said.getMessage()
+    (said,) = decide(torch.nn.Linear(1, 1), [0, 1, 1])
+    assert said.levelno == logging.INFO and "not sampled with the current weights" in said.getMessage()

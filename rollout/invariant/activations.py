@@ -1,15 +1,16 @@
 """Activation functions whose value for an element does not depend on where the element sits in its tensor.
 
-torch's CPU kernels for SiLU and tanh-GELU run a SIMD loop and send the elements left over at the end of each
-thread's share through a scalar loop that rounds differently: a row's bits then depend on the tensor's size and the
-thread count (measured: a width of 300 at 1-5 threads, 3072 at 5, 11008 at 3). `exp`, `tanh` and the four arithmetic
-operations give every element the same bits wherever it sits, so these are written with them, in fp32, and cast back
-to the input's dtype as torch's kernels do. `swaps.py` runs a model's activation modules through them, and
-`InvariantLinearMode` (mode.py) the functional calls of sigmoid and SiLU a module swap cannot see (Qwen2-MoE's
-shared-expert gate, sigmoid routers): `invariant_function`.
+torch's CPU kernels for SiLU, sigmoid, GELU (tanh and erf) and softplus run a SIMD loop and send the elements left
+over at the end of each thread's share through a scalar loop that rounds differently: a row's bits then depend on the
+tensor's size and the thread count (measured: a width of 300 at 1-5 threads, 3072 at 5, 11008 at 3; the erf GELU of
+one element, softplus of 7-1001). `exp`, `log1p`, `tanh`, `erf` and the four arithmetic operations give every element
+the same bits wherever it sits (1-3 threads, 1-11008 elements, fp32 and bf16), so these are written with them, in
+fp32, and cast back to the input's dtype as torch's kernels do. `swaps.py` runs a model's activation modules through
+them, and `InvariantLinearMode` (mode.py) the functional calls a module swap cannot see (Qwen2-MoE's shared-expert
+gate, sigmoid routers, Laguna's softplus gate, an activation module behind accelerate's hooks): `invariant_function`.
 
-Their backward is torch's own (`silu_backward`, `sigmoid_backward`): the formulas' own autograd gives NaN where
-`exp(-x)` overflows (x below about -88: inf / inf), where torch's gives 0.
+The backward of SiLU, sigmoid and softplus is torch's own (`silu_backward`, `sigmoid_backward`,
+`softplus_backward`): the formulas' own autograd gives NaN where `exp` overflows (inf / inf), where torch's gives 0.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 GELU_TANH_SCALE = math.sqrt(2 / math.pi)
+INVERSE_SQRT2 = 1 / math.sqrt(2)
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +42,16 @@ def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _sigmoid_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(x))
+
+
+def _softplus(x: torch.Tensor, beta: float, threshold: float) -> torch.Tensor:
+    y = x.float()
+    scaled = y * beta
+    return torch.where(scaled > threshold, y, torch.log1p(torch.exp(scaled)) / beta).to(x.dtype)
+
+
+def _softplus_backward(grad: torch.Tensor, x: torch.Tensor, beta: float, threshold: float) -> torch.Tensor:
+    return torch.ops.aten.softplus_backward(grad, x, beta, threshold)
 
 
 class _TorchBackward(torch.autograd.Function):
@@ -78,6 +91,30 @@ def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return _sigmoid(x)
 
 
+def invariant_softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
+    """softplus(x) = log(1 + exp(beta x)) / beta, x itself where beta x > threshold (torch's), with `log1p` and `exp`
+    in fp32 (the backward torch's).
+
+    Args:
+        x: any floating-point tensor.
+        beta, threshold: as `F.softplus`'s.
+    """
+    forward = functools.partial(_softplus, beta=beta, threshold=threshold)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _TorchBackward.apply(x, forward, functools.partial(_softplus_backward, beta=beta, threshold=threshold))
+    return forward(x)
+
+
+def invariant_gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    """GELU, 0.5 x (1 + erf(x / sqrt(2))), in fp32.
+
+    Args:
+        x: any floating-point tensor.
+    """
+    y = x.float()
+    return (0.5 * y * (1 + torch.erf(y * INVERSE_SQRT2))).to(x.dtype)
+
+
 def invariant_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in fp32.
 
@@ -93,7 +130,12 @@ def _by_class() -> dict[type, Callable[[torch.Tensor], torch.Tensor]]:
     from transformers import activations
 
     table: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {torch.nn.SiLU: invariant_silu}
-    for name, function in (("SiLUActivation", invariant_silu), ("GELUTanh", invariant_gelu_tanh)):
+    named = (
+        ("SiLUActivation", invariant_silu),
+        ("GELUTanh", invariant_gelu_tanh),
+        ("GELUActivation", invariant_gelu_erf),
+    )
+    for name, function in named:
         cls = getattr(activations, name, None)
         if cls is not None:
             table[cls] = function
@@ -104,30 +146,43 @@ def invariant_activation(module: torch.nn.Module) -> Callable[[torch.Tensor], to
     """The position-invariant function that computes what `module` does (None: none here; it runs as it is).
 
     Args:
-        module: an activation module (transformers' `ACT2FN` entries: SiLU, tanh-GELU; `nn.GELU(approximate="tanh")`).
+        module: an activation module (transformers' `ACT2FN` entries: SiLU, GELU, tanh-GELU; `nn.GELU`).
     """
     if isinstance(module, torch.nn.GELU):
-        return invariant_gelu_tanh if module.approximate == "tanh" else None
-    function = _by_class().get(type(module))
-    return function if function is not None and "forward" not in module.__dict__ else None
+        return invariant_gelu_tanh if module.approximate == "tanh" else invariant_gelu_erf
+    return _by_class().get(type(module))
 
 
 SIGMOIDS = (torch.sigmoid, torch.Tensor.sigmoid, torch.special.expit)  # F.sigmoid calls Tensor.sigmoid
 
 
+GELUS = {"none": invariant_gelu_erf, "tanh": invariant_gelu_tanh}  # by F.gelu's `approximate`
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
 def invariant_function(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The position-invariant version of a functional sigmoid or SiLU call the batch-invariant mode sees; None for
-    anything else, and for the calls it leaves to torch (in place, into `out`, not a floating tensor).
+    """The position-invariant version of a functional sigmoid, SiLU, GELU or softplus call the batch-invariant mode
+    sees; None for anything else, and for the calls it leaves to torch (in place, into `out`, not a floating tensor).
 
     Args:
         func: the function called.
         args, kwargs: its arguments.
     """
-    if func not in SIGMOIDS and func is not torch.nn.functional.silu:
+    if func not in SIGMOIDS and func not in (F.silu, F.gelu, F.softplus):
         return None
-    x = args[0] if args else kwargs.get("input")
+    x = _argument(args, kwargs, 0, "input", None)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or kwargs.get("out") is not None:
         return None
-    if func is torch.nn.functional.silu:
-        return None if kwargs.get("inplace") or args[1:2] == (True,) else invariant_silu(x)
+    if func is F.silu:
+        return None if _argument(args, kwargs, 1, "inplace", False) else invariant_silu(x)
+    if func is F.gelu:
+        gelu = GELUS.get(_argument(args, kwargs, 1, "approximate", "none"))
+        return None if gelu is None else gelu(x)
+    if func is F.softplus:
+        return invariant_softplus(
+            x, _argument(args, kwargs, 1, "beta", 1.0), _argument(args, kwargs, 2, "threshold", 20.0)
+        )
     return invariant_sigmoid(x)

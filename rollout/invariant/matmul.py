@@ -78,8 +78,9 @@ class InvariantLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
+        with torch._C.DisableTorchFunction():  # ordinary products, not the mode's (`invariant_product`)
+            grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+            grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
         return grad_rows, grad_weight
 
 
@@ -108,3 +109,29 @@ def invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# The matrix products an MoE model's eager experts write as `tokens @ weight` (Aria's, Ergo's) rather than `F.linear`.
+# Not `torch.mm`: `tiled_matmul`'s own products are that, called under the mode from a swapped linear.
+MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+def invariant_product(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """`rows @ weight` as `invariant_linear(rows, weight.mT)` when the batch-invariant mode sees a matrix product by a
+    2-D weight (the rows' count varies with the batch: an expert's tokens); None for anything else (a batched product,
+    as the eager attention's scores, or one into `out`), which runs as it is.
+
+    Args:
+        func: the function called.
+        args, kwargs: its arguments.
+    """
+    if func not in MATMULS or len(args) != 2 or kwargs:
+        return None
+    rows, weight = args
+    if not (isinstance(rows, torch.Tensor) and isinstance(weight, torch.Tensor)) or weight.dim() != 2:
+        return None
+    if rows.dim() < 1 or rows.shape[-1] != weight.shape[0] or not rows.is_floating_point():
+        return None  # torch's own error, or an integer product
+    if rows.dtype != weight.dtype and not torch.is_autocast_enabled(rows.device.type):
+        return None  # torch's own error
+    return invariant_linear(rows, weight.mT)

@@ -4,7 +4,8 @@ out), and whatever the thread count.
 
 Inside the block:
 - the model attends with "rollout_invariant" (attention.py) instead of its own implementation;
-- a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py);
+- a call given `attention_mask` and no `position_ids` numbers each row from its first unmasked token (positions.py),
+  the model's and its decoder's;
 - every `nn.Linear` of the model (the output head included) computes as `invariant_linear` (matmul.py) on this
   thread, its forward swapped (swaps.py); around each forward of the model, a `TorchFunctionMode` sends any
   other `torch.nn.functional.linear` there too. The mode costs about 4 us per torch call on a CPU: it stays only
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +41,7 @@ from rollout.attention_settings import AttentionSettings
 from rollout.invariant.activations import invariant_function
 from rollout.invariant.attention import ATTENTION_NAME, register_invariant_attention
 from rollout.invariant.cpu_check import check_cpu_products
-from rollout.invariant.matmul import invariant_linear
+from rollout.invariant.matmul import invariant_linear, invariant_product
 from rollout.invariant.model_support import refuse_long_dynamic_rope, refuse_variant_model
 from rollout.invariant.positions import add_positions_from_mask
 from rollout.invariant.reductions import invariant_reduction, on_kernel_device
@@ -48,23 +50,25 @@ from rollout.validation import FieldError
 
 
 class InvariantLinearMode(TorchFunctionMode):
-    """Runs `torch.nn.functional.linear` as `invariant_linear`, a functional sigmoid or SiLU as activations.py's, and
-    a last-axis mean or log_softmax of a CUDA tensor as `invariant_mean` / `invariant_log_softmax` (reductions.py);
-    every other function as it is."""
+    """Runs `torch.nn.functional.linear` and a matrix product by a 2-D weight (`invariant_product`) as
+    `invariant_linear`, a functional sigmoid, SiLU, GELU or softplus as activations.py's, and a last-axis mean or
+    log_softmax of a CUDA tensor as `invariant_mean` / `invariant_log_softmax` (reductions.py); every other function
+    as it is."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.routed_calls = 0  # the F.linear, sigmoid and SiLU calls it routed (swaps.ModeNeed reads it)
+        self.routed_calls = 0  # the products and activations it routed (swaps.ModeNeed reads it)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.linear:
             self.routed_calls += 1
             return invariant_linear(*args, **kwargs)
-        activated = invariant_function(func, args, kwargs)
-        if activated is not None:
+        routed = invariant_function(func, args, kwargs)
+        routed = invariant_product(func, args, kwargs) if routed is None else routed
+        if routed is not None:
             self.routed_calls += 1
-            return activated
+            return routed
         reduced = invariant_reduction(func, args, kwargs)
         return func(*args, **kwargs) if reduced is None else reduced
 
@@ -158,6 +162,15 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
+def _numbering_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose calls get positions from the mask: the decoder, and the model itself when its forward takes
+    `position_ids` (Fuyu's numbers the positions itself, 0 from the first column, before calling its decoder)."""
+    decoder = _decoder(model)
+    if decoder is model or "position_ids" not in inspect.signature(model.forward).parameters:
+        return [decoder]
+    return [model, decoder]
+
+
 @contextlib.contextmanager
 def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run `model`'s forwards inside the block batch-invariantly (module docstring).
@@ -196,7 +209,10 @@ def batch_invariant(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
                 f"transformers would not switch {type(model).__name__}'s attention (it kept {kept!r}): its attention "
                 "does not go through transformers' AttentionInterface, so the invariant attention cannot replace it",
             )
-        hooks = [_decoder(model).register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)]
+        hooks = [
+            module.register_forward_pre_hook(add_positions_from_mask, with_kwargs=True)
+            for module in _numbering_modules(model)
+        ]
         hooks += refuse_long_dynamic_rope(model)
         # On a kernel device the mode covers the whole block, as the reductions the caller runs on the logits (a
         # log_softmax) must take the kernels too; elsewhere it surrounds the model's forwards while they need it.

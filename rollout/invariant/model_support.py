@@ -14,6 +14,11 @@
   Llama 4's chunked attention, hybrid Mamba models): they do not go through the invariant attention, and their own
   arithmetic (a recurrence, chunks counted from a padded row's first column) depends on the layout (measured: Qwen3-Next
   0.06 nats in bf16 between a padded batch and a row alone; the engine refuses them in any mode);
+- ALiBi (`config.alibi`: Falcon's), whose position biases come to the attention as a float mask of the model's own,
+  which the invariant attention does not compute;
+- a `torch.compile`d model (`torch.compile(model)`, `model.compile()`, a trainer's `torch_compile`): its compiled
+  graph runs inductor's fused kernels in place of the invariant operations (measured: 5.7e-6 in fp32 from the
+  engine);
 - dynamic NTK RoPE (`rope_type: "dynamic"`) past the length it was trained for: transformers recomputes its rotary
   frequencies from the largest position of a forward once it passes the rotary's `original_max_seq_len` (the
   config's max_position_embeddings), and keeps them, so a token's logits depend on the rest of the call. Within
@@ -74,6 +79,17 @@ def invariance_refusal(model: torch.nn.Module) -> str | None:
             f"layer types {other_layers} (config.layer_types) do not go through the invariant attention (only "
             f"{sorted(ATTENTION_LAYER_TYPES)} do): not batch-invariant"
         )
+    if text is not None and getattr(text, "alibi", False) is True:
+        return (
+            "ALiBi (config.alibi, Falcon's) adds its position biases to the attention as a float mask of the model's "
+            "own, which the invariant attention does not compute: not batch-invariant"
+        )
+    compiled = _compiled(model)
+    if compiled is not None:
+        return (
+            f"{compiled} is torch.compile'd: its compiled graph runs inductor's fused kernels, not the invariant "
+            "operations; pass the model uncompiled (a trainer: leave torch_compile off)"
+        )
     if text is not None and getattr(text, "kv_lora_rank", None):
         return "multi-head latent attention (kv_lora_rank: DeepSeek-V2/V3's MLA) is not served by the invariant mode"
     sinks = next((name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"), None)
@@ -87,6 +103,17 @@ def invariance_refusal(model: torch.nn.Module) -> str | None:
                 f"transformers' Conv1D layers (GPT-2's; first: {name}) compute with torch.addmm, outside the "
                 "invariant products: not batch-invariant"
             )
+    return None
+
+
+def _compiled(model: torch.nn.Module) -> str | None:
+    """Which of `model`'s modules runs compiled: "the model" for `torch.compile(model)`'s wrapper, or the first
+    module compiled in place (`nn.Module.compile`); None when none is."""
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":  # without importing torch._dynamo
+        return "the model"
+    for name, module in model.named_modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return f"module {name!r}" if name else "the model"
     return None
 
 

@@ -11,10 +11,11 @@ its first forward, run under the mode, which counts the calls it routes: with ev
 swapped, any it sees came from elsewhere.
 
 A swap is an entry `forward` in the instance dictionary of each plain `nn.Linear` (one whose class's forward is
-torch's own) and each activation module activations.py knows, never over an instance `forward` of someone else's
-(such as accelerate's hooks), put there while at least one forward on any thread runs with `swapped_forwards`, and
-removed when the last one ends: nothing is left on the model. A thread that did not ask gets the module's own
-forward from the swap.
+torch's own) and each activation module activations.py knows, put there while at least one forward on any thread runs
+with `swapped_forwards`, and removed when the last one ends: nothing is left on the model. Behind accelerate's hooks
+(`device_map`, offloading: an instance `forward` that runs the hook around the module's `_old_forward`) the swap
+takes the place of `_old_forward`, and gives the hook's back when the last forward ends; it never replaces any
+other instance `forward` of someone else's. A thread that did not ask gets the module's own forward from the swap.
 """
 
 from __future__ import annotations
@@ -50,10 +51,20 @@ def _swapped_activation(
     return type(module).forward(module, input)
 
 
+def _swap_slot(module: torch.nn.Module) -> str | None:
+    """The instance attribute a swap of `module` takes: "forward"; "_old_forward" behind accelerate's hook, when the
+    hook calls the module's own class forward; None behind any other instance forward (someone else's)."""
+    if "forward" not in module.__dict__:
+        return "forward"
+    hooked = module.__dict__.get("_old_forward")
+    if "_hf_hook" in module.__dict__ and getattr(hooked, "__self__", None) is module:
+        if getattr(hooked, "__func__", None) is type(module).forward:
+            return "_old_forward"
+    return None
+
+
 def _swapped(module: torch.nn.Module) -> functools.partial | None:
     """The forward to swap in for `module` (None: it keeps its own)."""
-    if "forward" in module.__dict__:  # someone else's
-        return None
     if type(module).forward is torch.nn.Linear.forward:
         return functools.partial(_swapped_linear, module)
     function = invariant_activation(module)
@@ -66,25 +77,31 @@ class _Swap:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.holders = 0
-        self.forwards: dict[torch.nn.Module, functools.partial] = {}
+        # module -> (the attribute swapped, the swap, what the attribute held before: None when absent)
+        self.swaps: dict[torch.nn.Module, tuple[str, functools.partial, object]] = {}
 
     def hold(self, model: torch.nn.Module) -> None:
         with self.lock:
             if self.holders == 0:  # the model's modules as they are now (a module may have been replaced since)
-                swaps = {module: _swapped(module) for module in model.modules()}
-                self.forwards = {module: forward for module, forward in swaps.items() if forward is not None}
-                for module, forward in self.forwards.items():
-                    module.__dict__["forward"] = forward
+                for module in model.modules():
+                    slot, forward = _swap_slot(module), _swapped(module)
+                    if slot is not None and forward is not None:
+                        self.swaps[module] = (slot, forward, module.__dict__.get(slot))
+                        module.__dict__[slot] = forward
             self.holders += 1
 
     def let_go(self) -> None:
         with self.lock:
             self.holders -= 1
             if self.holders == 0:
-                for module, forward in self.forwards.items():
-                    if module.__dict__.get("forward") is forward:
-                        del module.__dict__["forward"]
-                self.forwards = {}
+                for module, (slot, forward, before) in self.swaps.items():
+                    if module.__dict__.get(slot) is not forward:  # replaced since by someone else: theirs stays
+                        continue
+                    if before is None:
+                        del module.__dict__[slot]
+                    else:
+                        module.__dict__[slot] = before
+                self.swaps = {}
 
 
 _SWAPS: weakref.WeakKeyDictionary[torch.nn.Module, _Swap] = weakref.WeakKeyDictionary()

@@ -9,7 +9,7 @@ or cannot be told apart: a device where the equality is not verified (CUDA: docs
 another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0), a
 policy training with a dropout (`lora_dropout`).
 Each decision is logged as `rollout/old_logps_forward_skipped` (1 or 0), and the first skip and the first refusal
-are said in the log.
+are said in the log: a refusal for a setting whose bits differ (a dropout, an autocast, ...) as a warning.
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ def recorded_old_logps(
     if torch.is_grad_enabled() or compute_entropy or model is not trainer.model:
         return None  # the loss's forward, an entropy, or the reference model: computed
     found = _from_round(getattr(trainer.rollout, "last_round", None), input_ids, attention_mask, logits_to_keep)
-    reason = _unverified(trainer, input_ids.device.type)
+    reason = _unverified(trainer, input_ids.device.type)  # a setting whose bits differ, or may: said as a warning
+    differs = reason is not None
+    if reason is None and trainer.beta != 0.0 and trainer.ref_model is None:
+        # A PEFT policy's reference is the same model with its adapter off: a call this function cannot tell apart.
+        reason = "the reference log-probs come from the policy model (PEFT with beta != 0)"
     if reason is None and found is None:
         reason = "some rows were not sampled with the current weights as they are now"
     if reason is not None:
@@ -88,7 +92,13 @@ def recorded_old_logps(
     key = "kept" if found is None else "skipped"
     if key not in said:
         said.add(key)
-        if found is None:
+        if found is None and differs:
+            logger.warning(
+                "batch_invariant: the rollout's log-probs may not equal the trainer's bit for bit, so TRL's "
+                "old-policy forward is run: %s",
+                reason,
+            )
+        elif found is None:
             logger.info("batch_invariant: TRL's old-policy forward is run: %s", reason)
         else:
             logger.info(
@@ -99,10 +109,7 @@ def recorded_old_logps(
 
 
 def _unverified(trainer: Any, device: str) -> str | None:
-    """Why this trainer's old-policy forward cannot be vouched for by the rollout's log-probs (None: it can)."""
-    if trainer.beta != 0.0 and trainer.ref_model is None:
-        # A PEFT policy's reference is the same model with its adapter off: a call this function cannot tell apart.
-        return "the reference log-probs come from the policy model (PEFT with beta != 0)"
+    """Why the rollout's log-probs may differ from this trainer's old-policy forward (None: they are its bits)."""
     if trainer.model.training and any(
         isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 for module in trainer.model.modules()
     ):

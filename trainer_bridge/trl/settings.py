@@ -176,11 +176,22 @@ def check_temperature(config: Any) -> None:
         )
 
 
-def check_batch_invariant(batch_invariant: Any) -> None:
-    """`batch_invariant` is a bool. Whether server-mode workers run invariant is checked when the trainer connects to
-    them."""
+def check_batch_invariant(batch_invariant: Any, config: Any) -> None:
+    """`batch_invariant` is a bool, and not beside `GRPOConfig.torch_compile` (the compiled graph runs inductor's
+    kernels, not the invariant operations: refused at the first step otherwise). Whether server-mode workers run
+    invariant is checked when the trainer connects to them.
+
+    Args:
+        batch_invariant: the trainer's `batch_invariant`.
+        config: the trainer's `args` (a GRPOConfig, or None).
+    """
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+    if batch_invariant and getattr(config, "torch_compile", False):
+        raise ValueError(
+            "batch_invariant=True cannot run with GRPOConfig.torch_compile=True: the compiled graph runs inductor's "
+            "fused kernels, not the invariant operations; set torch_compile=False"
+        )
 
 
 def check_push(model: Any, push_kwargs: dict[str, Any] | None, accelerator: Any) -> None:

@@ -182,11 +182,11 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         """
         check_trl_internals()
         check_keywords(kwargs, RolloutGRPOTrainer.__init__)
-        check_batch_invariant(batch_invariant)
-        self.batch_invariant = batch_invariant
         # GRPOTrainer's arguments by name, however they were passed (its `args`, a GRPOConfig, is the third)
         given = inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments
         config = given.get("args")
+        check_batch_invariant(batch_invariant, config)
+        self.batch_invariant = batch_invariant
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
         check_temperature(config)
