@@ -208,7 +208,7 @@ def _cuda_specialization(kernel, args: tuple, kwargs: dict) -> tuple:
 
 @needs_triton_interpreter
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode-graphs"])
+@pytest.mark.parametrize("graphs", [False, True, "drafts"], ids=["eager", "decode-graphs", "speculative"])
 def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(monkeypatch, graphs):
     """The GPU's arithmetic on a CPU: with `KERNELS_ON_CPU` every invariant matmul, reduction and attention runs as
     its Triton kernel (in the interpreter); a bf16 engine's sampled log-probs (chunked prefill, shared prompts, two
@@ -217,7 +217,8 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     And on a GPU they would run the same compiled kernels: Triton's launcher specializes the engine's launches
     (decode steps of one query, its paged cache read in place) as it does the trainer's (a padded batch), which the
     interpreter's arithmetic cannot show (a decode's kernel once summed a key block's weights in another order on
-    an H200)."""
+    an H200). Speculative decoding's drafted steps (suffix drafts of a repeating prompt, verified eagerly beside the
+    decode graphs: a batch-invariant engine has no verify graphs) keep the same bits and kernels."""
     import copy
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -248,21 +249,36 @@ def test_the_engine_and_the_trainer_agree_bit_for_bit_through_the_gpu_kernels(mo
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     scale_to_entropy(model, [list(range(3, 40))])
     trainer = copy.deepcopy(model)
-    engine = Engine(model, ContinuousBatchingConfig(batch_invariant=True, num_blocks=64, max_batch_tokens=32))
-    replays = []
+    drafting = dict(speculative="suffix", num_speculative_tokens=3) if graphs == "drafts" else {}
+    settings = ContinuousBatchingConfig(batch_invariant=True, num_blocks=64, max_batch_tokens=32, **drafting)
+    engine = Engine(model, settings)
+    replays, drafted = [], []
     if graphs:
         decode_graphs = engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=False)
         run = decode_graphs.run
         monkeypatch.setattr(decode_graphs, "run", lambda *a, **k: replays.append(len(a[0])) or run(*a, **k))
-    for index, length in enumerate((30, 66)):
-        prompt = [(7 * j + index) % 128 for j in range(length)]
-        engine.add_request(f"r{index}", prompt, SamplingParams(temperature=1.0, seed=index), n=3, max_new_tokens=4)
-    outputs = run_to_completion(engine)
+    if graphs == "drafts":
+        from rollout.engine.speculative import drafter
+
+        monkeypatch.setattr(drafter, "MIN_ACCEPTANCE", 0.0)  # draft whatever matches: every verification path runs
+        assert engine.runner.verify_graphs is None
+        step = engine.runner.run
+        monkeypatch.setattr(engine.runner, "run", lambda b, *a: drafted.append(b.num_draft_tokens) or step(b, *a))
+    # With drafts, two rounds of one prompt: the second drafts from the first round's samples.
+    outputs = {}
+    for round_, lengths in enumerate([(66,), (66,)] if graphs == "drafts" else [(30, 66)]):
+        for index, length in enumerate(lengths):
+            prompt = [(7 * j + (length > 30)) % 128 for j in range(length)]
+            sampling = SamplingParams(temperature=1.0, seed=index + 10 * round_)
+            engine.add_request(f"r{round_}-{index}", prompt, sampling, n=3, max_new_tokens=4)
+        outputs.update(run_to_completion(engine))
     engine.close()
     samples = [(list(o.prompt_ids), list(o.generated_tokens), torch.tensor(o.logprobs)) for o in outputs.values()]
     assert len(samples) == 6 and max(len(p) + len(c) for p, c, _ in samples) > KEY_BLOCK
-    # Through the graphs: decode steps of 3 sequences, each padded to the bucket of 4 with a padding sequence.
-    assert replays == ([3, 3, 3] if graphs else [])
+    if graphs == "drafts":
+        assert max(drafted) > 0, "no step verified drafts"
+    else:  # Through the graphs: decode steps of 3 sequences, each padded to the bucket of 4 with a padding sequence.
+        assert replays == ([3, 3, 3] if graphs else [])
     phase[0] = "trainer"
     with batch_invariant(trainer):
         reference = padded_batch_logprobs(trainer, [p for p, _, _ in samples], [c for _, c, _ in samples], batch_size=4)
