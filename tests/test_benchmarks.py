@@ -27,9 +27,13 @@ def test_throughput_benchmark_runs_and_ends_with_json(capsys):
     assert summary["benchmark"] == "throughput" and summary["num_prompts"] == 8
     rollout = summary["results"]["rollout"]
     assert rollout["status"] == "ok" and rollout["tokens_per_s"] > 0 and rollout["warmup_s"] > 0
-    system_lines = [line for line in captured.err.splitlines() if line.startswith('{"system": "rollout"')]
-    assert len(system_lines) == 1  # the system's own line, printed once, on stderr, as soon as it finished
-    first = json.loads(system_lines[0])
+    system_lines = [json.loads(line) for line in captured.err.splitlines() if line.startswith('{"system": ')]
+    # the system's own line, printed once, on stderr, as soon as it finished (then the details' line)
+    assert [(line["system"], line["measured"]) for line in system_lines] == [
+        ("rollout", "throughput"),
+        ("rollout", "details"),
+    ]
+    first = system_lines[0]
     assert first["system"] == "rollout" and first["tokens_per_s"] == rollout["tokens_per_s"]
     assert summary["kv_budget_bytes"] == 2304 * 64 * 1024  # cpu-small: 2304 blocks of 64 KiB, for every system
     assert any(line.startswith("rollout") for line in lines[:-1])  # the table row
