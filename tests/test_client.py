@@ -4,6 +4,7 @@ errors with timeouts, thread safety, balancing, and failover when a worker is ki
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -496,3 +497,20 @@ def test_a_push_below_the_newest_version_pushed_through_the_client_is_refused():
             push_weights(client, tiny_model(), version=1)
         with pytest.raises(FieldError, match="adapter_name: must be a non-empty string"):  # "" became "default"
             push_weights(client, tiny_model(), adapter_name="")
+
+
+def test_a_worker_that_never_answered_is_said_once_by_the_error_or_by_a_warning(caplog):
+    """No worker at the address: a call fails with no_workers naming it, and the log does not say it a second time;
+    an idle client, which no error tells, warns once."""
+    silent = f"tcp://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING, logger="trainer_bridge.client.liveness"):
+        with RolloutClient(silent, timeout=30, heartbeat_s=0.2, connect_timeout=0.5) as client:
+            with pytest.raises(RolloutError, match=f"{silent}: no answer within 0.5 s") as refused:
+                client.generate(PromptGroup([1, 2, 3], sampling=GREEDY))
+            assert refused.value.code == "no_workers"
+            time.sleep(0.6)
+        assert "never answered" not in caplog.text
+        with RolloutClient(silent, timeout=30, heartbeat_s=0.2, connect_timeout=0.5):
+            time.sleep(1.2)
+    warnings = [record for record in caplog.records if "never answered" in record.getMessage()]
+    assert len(warnings) == 1 and silent in warnings[0].getMessage()

@@ -93,19 +93,20 @@ class Liveness:
         dead_after_s is declared dead and its groups move to the others. Fail parked calls once no worker can
         be reached."""
         now = time.monotonic()
-        self.router.fail_parked()
+        told = self.router.fail_parked()  # the failed callers' error names each silent worker: not said twice
         self.router.release_parked()
         for index, worker in enumerate(self.workers):
             if worker.retired:
                 continue
             if not worker.answered and not worker.warned and now - worker.added_at > self.connect_timeout:
                 worker.warned = True
-                logger.warning(
-                    "rollout worker %s never answered within %.0f s (%s)",
-                    worker.address,
-                    self.connect_timeout,
-                    worker.unverified or "not running, or a wrong address or port?",
-                )
+                if not told:
+                    logger.warning(
+                        "rollout worker %s never answered within %.0f s (%s)",
+                        worker.address,
+                        self.connect_timeout,
+                        worker.unverified or "not running, or a wrong address or port?",
+                    )
             if (
                 worker.alive
                 and worker.unanswered_since is not None

@@ -131,17 +131,20 @@ class CallRouter:
             self._stale_since = now
         return None if now - self._stale_since <= self.connect_timeout else reason
 
-    def fail_parked(self) -> None:
+    def fail_parked(self) -> bool:
+        """Fail the calls waiting for a worker when none can serve them (`unreachable`, `_stale`); whether any was
+        failed (the callers hold the reason, naming each worker)."""
         unreachable = self.unreachable()
         reason, code = (unreachable, "no_workers") if unreachable is not None else (self._stale(), "stale_workers")
         if reason is None or not self.parked:
-            return
+            return False
         self._stale_since = None
         parked, self.parked = self.parked, []
         for call in parked:
             if self.calls.get(call.group.group_id) is call:
                 self.finish(call)
                 call.events.put(RolloutError(code, reason))
+        return True
 
     def poll_ms(self) -> int:
         """How long the loop may sleep: half a heartbeat, or until parked calls' first-contact grace ends."""
