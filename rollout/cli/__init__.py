@@ -4,6 +4,7 @@ engine, in the order a command line passes through it:
 - `parser.py`: `CliParser`, the argparse parser of every script: one-line flag errors with the closest flag
   suggested, every default in `--help`, `ROLLOUT_<FLAG>` defaults, a `FieldError` named by its flag;
 - `batch_config_flags.py`: `--batch-config KEY=VALUE ...` read into a `ContinuousBatchingConfig`;
+- `device_names.py`: `--device` checked by name (cpu, cuda or cuda:N) before torch loads;
 - `extras.py`: the optional extras, and the one-line error naming the pip command when a feature's extra is missing;
 - `hub.py`: a model or dataset id checked against a hub the machine may not reach, before it loads;
 - `interrupts.py`: Ctrl-C while a command imports torch or loads a model, reported in one line;
