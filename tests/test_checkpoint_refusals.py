@@ -7,9 +7,11 @@ missing) and its own errors on the broken files."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification, Qwen3Model
 
 from rollout.eval.cli import main
@@ -82,8 +84,21 @@ def test_tokenizer_files_that_cannot_be_read_say_why(capsys, tmp_path):
     assert message == f"--model {folder}: its tokenizer cannot be loaded ({str(reference.value).splitlines()[0]})"
 
 
-def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_path):
-    """rollout-worker served such a model's random head (it loads models as rollout-eval does)."""
+@pytest.fixture
+def load_reports():
+    """The LOAD REPORT tables transformers' `from_pretrained` logs (at its own logger, whatever its handlers)."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    reporter = logging.getLogger("transformers.modeling_utils")
+    reporter.addHandler(handler)
+    yield said
+    reporter.removeHandler(handler)
+
+
+def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_path, load_reports):
+    """rollout-worker served such a model's random head (it loads models as rollout-eval does). The error is all it
+    says: transformers' LOAD REPORT table of the same missing weight is not printed before it."""
     from rollout.service.launch import cli
 
     folder = save(tmp_path, Qwen3Model(Qwen3Config(**SMALL)))
@@ -92,6 +107,24 @@ def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_pat
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert f"rollout-worker: error: --model {folder}: its checkpoint lacks 1 weight(s) of Qwen3ForCausalLM" in error
+    assert not [said for said in load_reports if "LOAD REPORT" in said]
+
+
+def test_a_checkpoint_with_weights_the_model_does_not_take_loads_with_transformers_report(tmp_path, load_reports):
+    """Unexpected weights are left out and the model serves: transformers' report of them is still said."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    from rollout.service.launch.loading import load_model
+
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL))
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({**weights, "extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path), None, torch.device("cpu"))
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    (report,) = [said for said in load_reports if "LOAD REPORT" in said]
+    assert "extra.weight" in report and "UNEXPECTED" in report
 
 
 def test_a_model_directory_without_tokenizer_files_serves_token_ids_not_an_empty_tokenizer(caplog, tmp_path):

@@ -102,14 +102,18 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
         if not close:
             raise
         raise HubUnreachable(f"{error}; or did you mean the built-in model {close[0]!r}?") from None
+    report = _HeldLoadReport()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             name, dtype=dtype or "auto", local_files_only=cached_only, output_loading_info=True
         )
     except (RuntimeError, SafetensorError) as error:  # a truncated file, a config its weights' shapes do not match
+        report.say()  # transformers' error may refer to the report ("look at the above report")
         raise ValueError(f"its checkpoint cannot be loaded ({type(error).__name__}: {first_line(error)})") from None
+    finally:
+        report.stop()
     missing = sorted(info.get("missing_keys") or ())
-    if missing:
+    if missing:  # refused, naming them: transformers' table of them is not said before the error
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         saved_as = ", ".join(getattr(model.config, "architectures", None) or ()) or "unknown"
         raise ValueError(
@@ -117,7 +121,37 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
             f"random; is it a causal LM (saved as {saved_as})? Save the model with its LM head (an "
             "AutoModelForCausalLM's save_pretrained) and pass that directory"
         )
+    report.say()  # unexpected weights, say: the model loads, and the user reads which were left out
     return model.to(device).eval()
+
+
+class _HeldLoadReport(logging.Filter):
+    """Holds back transformers' LOAD REPORT (its table of missing, unexpected and mismatched weights) while a model
+    loads, to be said (`say`) unless `load_model`'s own refusal names what it lists."""
+
+    LOGGER = "transformers.modeling_utils"  # where `from_pretrained` logs the report
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in str(record.msg):
+            self.held.append(record)
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Stop holding (what was held stays, for `say`)."""
+        logging.getLogger(self.LOGGER).removeFilter(self)
+
+    def say(self) -> None:
+        """Log what was held, as transformers would have, once."""
+        self.stop()
+        held, self.held = self.held, []
+        for record in held:
+            logging.getLogger(self.LOGGER).handle(record)
 
 
 class EmptyTokenizer(ValueError):
