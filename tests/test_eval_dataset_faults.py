@@ -129,7 +129,7 @@ def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(caps
     (checkout / "src" / "pkg" / "deep" / "deeper" / "train.jsonl").write_text('{"question": "too deep"}\n')
     message = error_of(capsys, checkout)
     assert message.startswith(f"--dataset {checkout}: a directory with no data file (.jsonl, .json, ")
-    assert "top level, in a folder one level down (train/, data/) or in data/*/;" in message
+    assert "top level, in a folder one level down (train/, data/), in data/*/ or */train/;" in message
 
     crowded = tmp_path / "crowded"
     crowded.mkdir()
@@ -142,7 +142,14 @@ def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(caps
 
 
 @pytest.mark.parametrize(
-    "place", ["test.jsonl", "train/part.parquet", "data/train-00000-of-00001.parquet", "data/test/rows.csv.gz"]
+    "place",
+    [
+        "test.jsonl",
+        "train/part.parquet",
+        "data/train-00000-of-00001.parquet",
+        "data/test/rows.csv.gz",
+        "default/train/0000.parquet",  # the hub's Parquet conversion (refs/convert/parquet)
+    ],
 )
 def test_a_dataset_directory_with_data_files_where_the_hub_puts_them_is_read(capsys, tmp_path, place):
     """A data file at the top level, in a split folder, in data/ or in data/<split>/ (compressed too) passes the

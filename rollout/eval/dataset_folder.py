@@ -5,7 +5,8 @@
 handing a directory over, a bounded scan looks for a data file of the kinds `datasets` reads as rows (JSON lines,
 JSON, CSV/TSV, Parquet, Arrow; compressed too) where `hf download --repo-type dataset` leaves them: at the top level,
 in a folder one level down (a split or config folder: `train/`, `main/`, `data/`), or in one below `data/`
-(`data/train/`). A README whose YAML header declares `configs` names its own files, and is trusted as written.
+(`data/train/`), or in a split folder within one (`default/train/`, the hub's Parquet conversion). A README whose
+YAML header declares `configs` names its own files, and is trusted as written.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ DATA_ENDINGS = (".jsonl", ".json", ".ndjson", ".csv", ".tsv", ".parquet", ".geop
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 # Files `datasets` never reads as rows (data_files.FILES_TO_IGNORE).
 NOT_DATA = {"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+# Folder names `datasets` reads as splits (its data_files.SPLIT_KEYWORDS), looked into one level deeper too.
+SPLIT_FOLDERS = {"train", "training", "validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation"}
 # The most directory entries the scan looks at before it gives up (a real dataset's first data file comes far sooner).
 MAX_SCANNED = 10_000
 README_HEAD_CHARS = 65_536
@@ -43,14 +46,14 @@ def check_dataset_folder(folder: str, dataset: str) -> None:
     cut = f" (it stopped after {MAX_SCANNED:,} entries)" if budget[0] < 0 else ""
     raise DatasetError(
         f"--dataset {dataset}: a directory with no data file ({', '.join(DATA_ENDINGS)}, compressed too) at its top "
-        f"level, in a folder one level down (train/, data/) or in data/*/{cut}; give a dataset directory (as "
+        f"level, in a folder one level down (train/, data/), in data/*/ or */train/{cut}; give a dataset directory (as "
         "`hf download --repo-type dataset` leaves it) or a data file"
     )
 
 
 def _has_data(folder: str, budget: list[int], depth: int, data_depth: int) -> bool:
-    """Whether `folder` holds a data file, or (within `depth` levels; `data_depth` under a folder named data) one of
-    its visible subfolders does. Each entry looked at spends one of `budget`."""
+    """Whether `folder` holds a data file, or (within `depth` levels; `data_depth` under a folder named data; a split's
+    folder always) one of its visible subfolders does. Each entry looked at spends one of `budget`."""
     subfolders = []
     try:
         with os.scandir(folder) as entries:
@@ -71,6 +74,8 @@ def _has_data(folder: str, budget: list[int], depth: int, data_depth: int) -> bo
         return False
     for entry in subfolders:
         levels = data_depth if entry.name == "data" else depth
+        if entry.name.lower() in SPLIT_FOLDERS:  # a split's folder in a config's (default/train/)
+            levels = max(levels, 1)
         if levels > 0 and _has_data(entry.path, budget, levels - 1, levels - 1):
             return True
     return False
