@@ -2,8 +2,9 @@
 engine's log-probs (`ContinuousBatchingConfig(batch_invariant=True)`) and the trainer's own forward under
 `trainer_bridge.batch_invariant` (the transformers model class, TRL's padded layout), on models scaled to realistic
 entropy: eager experts that multiply with `@` (Aria, Ergo), a softplus gate (Laguna), a model that numbers positions
-itself before its decoder (Fuyu), and modules behind accelerate's hooks. Each differed before (fp32 1.6e-6 to 4.5e-6,
-Fuyu 0.10 in bf16). What the mode cannot compute (ALiBi, a compiled model) is refused by name."""
+itself before its decoder (Fuyu), a Mish MLP, and modules behind accelerate's hooks. Each differed before (fp32 1.5e-7
+to 4.5e-6, Fuyu 0.10 in bf16). What the mode cannot compute (ALiBi, per-layer attention shapes, a compiled model) is
+refused by name."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ CONFIGS = {
         **SIZES, **ATTENTION, intermediate_size=128, num_hidden_layers=1, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16,
     ),
+    "mish": lambda: transformers.LlamaConfig(
+        **SIZES, hidden_size=128, intermediate_size=300, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, hidden_act="mish",
+    ),
     "fuyu": lambda: transformers.FuyuConfig(
         text_config=dict(
             model_type="persimmon", **SIZES, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -56,8 +61,14 @@ def realistic_kind(kind: str, dtype: torch.dtype) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("kind", "dtype"),
-    [("aria", torch.float32), ("ergo", torch.float32), ("laguna", torch.float32), ("fuyu", torch.bfloat16)],
-    ids=["aria-experts-matmul", "ergo-experts-matmul", "laguna-softplus-gate", "fuyu-own-positions"],
+    [
+        ("aria", torch.float32),
+        ("ergo", torch.float32),
+        ("laguna", torch.float32),
+        ("mish", torch.float32),
+        ("fuyu", torch.bfloat16),
+    ],
+    ids=["aria-experts-matmul", "ergo-experts-matmul", "laguna-softplus-gate", "llama-mish-mlp", "fuyu-own-positions"],
 )
 def test_the_engines_logprobs_are_the_trainers_forward(kind, dtype):
     model = realistic_kind(kind, dtype)
@@ -87,14 +98,22 @@ def test_modules_behind_accelerates_hooks_are_swapped(dtype):
     assert {name: module.__dict__["_old_forward"] for name, module in model.named_modules() if name in hooked} == hooked
 
 
-def test_alibi_and_a_compiled_model_are_refused_by_name():
-    """Refused when the block is entered, before the first forward (the engine serves neither in any mode)."""
+def test_alibi_per_layer_shapes_and_a_compiled_model_are_refused_by_name():
+    """Refused when the block is entered, before the first forward (the engine serves none of them in any mode)."""
     falcon = transformers.FalconConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True
     )
     model = transformers.AutoModelForCausalLM.from_config(falcon).eval()
     with pytest.raises(FieldError, match=r"batch_invariant: ALiBi \(config.alibi"):
         with batch_invariant(model):
+            pass
+    per_layer = transformers.AutoConfig.for_model(
+        "gemma4_text", **SIZES, **ATTENTION, intermediate_size=128, num_hidden_layers=2,
+        vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+    )  # fmt: skip
+    gemma4 = transformers.AutoModelForCausalLM.from_config(per_layer).eval()
+    with pytest.raises(FieldError, match="batch_invariant: Gemma4ForCausalLM's config gives no one attention shape"):
+        with batch_invariant(gemma4):
             pass
     plain = realistic("qwen3", torch.float32)
     with pytest.raises(FieldError, match="batch_invariant: the model is torch.compile'd"):

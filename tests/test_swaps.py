@@ -10,11 +10,17 @@ import threading
 
 import pytest
 import torch
-from transformers.activations import GELUActivation
+from transformers.activations import GELUActivation, MishActivation
 
 from conftest import make_engine, make_prompts, run_to_completion, tiny_model
 from rollout import SamplingParams
-from rollout.invariant.activations import invariant_gelu_erf, invariant_gelu_tanh, invariant_silu, invariant_softplus
+from rollout.invariant.activations import (
+    invariant_gelu_erf,
+    invariant_gelu_tanh,
+    invariant_mish,
+    invariant_silu,
+    invariant_softplus,
+)
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.swaps import ModeNeed, swapped_forwards
@@ -129,6 +135,7 @@ def test_swapped_activations_give_a_row_its_bits_wherever_it_sits(threads):
             (invariant_silu, torch.nn.functional.silu),
             (invariant_gelu_tanh, functools.partial(torch.nn.functional.gelu, approximate="tanh")),
             (invariant_gelu_erf, torch.nn.functional.gelu),
+            (invariant_mish, torch.nn.functional.mish),
             (invariant_softplus, torch.nn.functional.softplus),
             (
                 functools.partial(invariant_softplus, beta=2.0, threshold=3.0),
@@ -144,17 +151,23 @@ def test_swapped_activations_give_a_row_its_bits_wherever_it_sits(threads):
     finally:
         torch.set_num_threads(previous)
     model = torch.nn.Sequential(
-        torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.GELU(approximate="tanh"), torch.nn.GELU(), GELUActivation()
-    )
+        torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.GELU(approximate="tanh"), torch.nn.GELU(), GELUActivation(),
+        torch.nn.Mish(), MishActivation(),
+    )  # fmt: skip
     with swapped_forwards(model):
         swapped = [type(m).__name__ for m in model.modules() if "forward" in m.__dict__]
-        assert swapped == ["Linear", "SiLU", "GELU", "GELU", "GELUActivation"]
+        assert swapped == ["Linear", "SiLU", "GELU", "GELU", "GELUActivation", "Mish", "MishActivation"]
     assert not [m for m in model.modules() if "forward" in m.__dict__]
 
 
-def test_softplus_keeps_torchs_gradient_where_exp_overflows():
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(invariant_softplus, torch.nn.functional.softplus), (invariant_mish, torch.nn.functional.mish)],
+    ids=["softplus", "mish"],
+)
+def test_softplus_and_mish_keep_torchs_gradient_where_exp_overflows(ours, theirs):
     x = torch.tensor([-200.0, -3.0, 0.0, 5.0, 30.0, 200.0], requires_grad=True)
-    (grad,) = torch.autograd.grad(invariant_softplus(x).sum(), x)
-    (expected,) = torch.autograd.grad(torch.nn.functional.softplus(x).sum(), x)
+    (grad,) = torch.autograd.grad(ours(x).sum(), x)
+    (expected,) = torch.autograd.grad(theirs(x).sum(), x)
     assert torch.isfinite(grad).all()
     torch.testing.assert_close(grad, expected)

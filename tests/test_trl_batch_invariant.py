@@ -211,7 +211,7 @@ def test_the_grpo_toy_example_in_bf16_with_batch_invariant(tmp_path, capsys, mon
 def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for():
     """`recorded_old_logps` on TRL's layout: a lag-0 round gives each row's log-probs (0 past the completion); a row
     sampled with older weights, a row not in the round, a rollout on CUDA or in another dtype, a policy training with a
-    dropout, a trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward
+    dropout (a module, or a config's that its layers apply as a function: OPT's), a trainer under autocast, a reference that is the policy itself (PEFT, beta != 0), the loss's forward
     (with grad) or the reference model each keep the forward (None), and every decision on the policy is counted in
     TRL's metrics."""
     from collections import defaultdict
@@ -254,10 +254,17 @@ def test_the_old_policy_forward_is_kept_for_rows_or_devices_it_cannot_vouch_for(
         with_dropout = SimpleNamespace(**{**vars(fresh), "model": dropping, "_metrics": metrics})
         assert recorded_old_logps(with_dropout, dropping, ids, mask, 3) is None
         assert recorded_old_logps(with_dropout, dropping.eval(), ids, mask, 3) is not None  # no mask drawn in eval
-        # Routers that draw at random in training mode, with no dropout module (transformers' own configs): kept.
-        from transformers import MixtralConfig, PhimoeConfig
+        # Routers that draw at random in training mode, and dropouts layers apply as a function, with no dropout
+        # module (transformers' own configs): kept.
+        from transformers import MixtralConfig, OPTConfig, PhimoeConfig, Starcoder2Config
 
-        for config in (MixtralConfig(router_jitter_noise=0.1), PhimoeConfig()):
+        drawing = (
+            MixtralConfig(router_jitter_noise=0.1),
+            PhimoeConfig(),
+            OPTConfig(),
+            Starcoder2Config(residual_dropout=0.1),
+        )
+        for config in drawing:
             routed = torch.nn.Linear(1, 1).train()
             routed.config = config
             random_router = SimpleNamespace(**{**vars(fresh), "model": routed, "_metrics": metrics})

@@ -1,16 +1,18 @@
 """Activation functions whose value for an element does not depend on where the element sits in its tensor.
 
-torch's CPU kernels for SiLU, sigmoid, GELU (tanh and erf) and softplus run a SIMD loop and send the elements left
-over at the end of each thread's share through a scalar loop that rounds differently: a row's bits then depend on the
-tensor's size and the thread count (measured: a width of 300 at 1-5 threads, 3072 at 5, 11008 at 3; the erf GELU of
-one element, softplus of 7-1001). `exp`, `log1p`, `tanh`, `erf` and the four arithmetic operations give every element
-the same bits wherever it sits (1-3 threads, 1-11008 elements, fp32 and bf16), so these are written with them, in
-fp32, and cast back to the input's dtype as torch's kernels do. `swaps.py` runs a model's activation modules through
-them, and `InvariantLinearMode` (mode.py) the functional calls a module swap cannot see (Qwen2-MoE's shared-expert
-gate, sigmoid routers, Laguna's softplus gate, an activation module behind accelerate's hooks): `invariant_function`.
+torch's CPU kernels for SiLU, sigmoid, GELU (tanh and erf), softplus and Mish run a SIMD loop and send the elements
+left over at the end of each thread's share through a scalar loop that rounds differently: a row's bits then depend
+on the tensor's size and the thread count (measured: a width of 300 at 1-5 threads, 3072 at 5, 11008 at 3; the erf
+GELU of one element, softplus of 7-1001). `exp`, `log1p`, `tanh`, `erf` and the four arithmetic operations give every
+element the same bits wherever it sits (1-3 threads, 1-11008 elements, fp32 and bf16), so these are written with
+them, in fp32, and cast back to the input's dtype as torch's kernels do. `swaps.py` runs a model's activation modules
+through them, and `InvariantLinearMode` (mode.py) the functional calls a module swap cannot see (Qwen2-MoE's
+shared-expert gate, sigmoid routers, Laguna's softplus gate, an activation module behind accelerate's hooks):
+`invariant_function`.
 
-The backward of SiLU, sigmoid and softplus is torch's own (`silu_backward`, `sigmoid_backward`,
-`softplus_backward`): the formulas' own autograd gives NaN where `exp` overflows (inf / inf), where torch's gives 0.
+The backward of SiLU, sigmoid, softplus and Mish is torch's own (`silu_backward`, `sigmoid_backward`,
+`softplus_backward`, `mish_backward`): the formulas' own autograd gives NaN where `exp` overflows (inf / inf), where
+torch's gives 0.
 """
 
 from __future__ import annotations
@@ -105,6 +107,26 @@ def invariant_softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20
     return forward(x)
 
 
+def _mish(x: torch.Tensor) -> torch.Tensor:
+    y = x.float()
+    return (y * torch.tanh(_softplus(y, 1.0, 20.0))).to(x.dtype)
+
+
+def _mish_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.mish_backward(grad, x)
+
+
+def invariant_mish(x: torch.Tensor) -> torch.Tensor:
+    """Mish, x tanh(softplus(x)), in fp32 (the backward torch's).
+
+    Args:
+        x: any floating-point tensor.
+    """
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _TorchBackward.apply(x, _mish, _mish_backward)
+    return _mish(x)
+
+
 def invariant_gelu_erf(x: torch.Tensor) -> torch.Tensor:
     """GELU, 0.5 x (1 + erf(x / sqrt(2))), in fp32.
 
@@ -129,11 +151,15 @@ def invariant_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def _by_class() -> dict[type, Callable[[torch.Tensor], torch.Tensor]]:
     from transformers import activations
 
-    table: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {torch.nn.SiLU: invariant_silu}
+    table: dict[type, Callable[[torch.Tensor], torch.Tensor]] = {
+        torch.nn.SiLU: invariant_silu,
+        torch.nn.Mish: invariant_mish,
+    }
     named = (
         ("SiLUActivation", invariant_silu),
         ("GELUTanh", invariant_gelu_tanh),
         ("GELUActivation", invariant_gelu_erf),
+        ("MishActivation", invariant_mish),
     )
     for name, function in named:
         cls = getattr(activations, name, None)
@@ -146,7 +172,7 @@ def invariant_activation(module: torch.nn.Module) -> Callable[[torch.Tensor], to
     """The position-invariant function that computes what `module` does (None: none here; it runs as it is).
 
     Args:
-        module: an activation module (transformers' `ACT2FN` entries: SiLU, GELU, tanh-GELU; `nn.GELU`).
+        module: an activation module (transformers' `ACT2FN` entries: SiLU, GELU, tanh-GELU, Mish; `nn.GELU`).
     """
     if isinstance(module, torch.nn.GELU):
         return invariant_gelu_tanh if module.approximate == "tanh" else invariant_gelu_erf
@@ -164,20 +190,22 @@ def _argument(args: tuple, kwargs: dict, index: int, name: str, default: Any) ->
 
 
 def invariant_function(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The position-invariant version of a functional sigmoid, SiLU, GELU or softplus call the batch-invariant mode
-    sees; None for anything else, and for the calls it leaves to torch (in place, into `out`, not a floating tensor).
+    """The position-invariant version of a functional sigmoid, SiLU, GELU, softplus or Mish call the batch-invariant
+    mode sees; None for anything else, and for the calls it leaves to torch (in place, into `out`, not a floating
+    tensor).
 
     Args:
         func: the function called.
         args, kwargs: its arguments.
     """
-    if func not in SIGMOIDS and func not in (F.silu, F.gelu, F.softplus):
+    if func not in SIGMOIDS and func not in (F.silu, F.gelu, F.softplus, F.mish):
         return None
     x = _argument(args, kwargs, 0, "input", None)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or kwargs.get("out") is not None:
         return None
-    if func is F.silu:
-        return None if _argument(args, kwargs, 1, "inplace", False) else invariant_silu(x)
+    if func in (F.silu, F.mish):
+        function = invariant_silu if func is F.silu else invariant_mish
+        return None if _argument(args, kwargs, 1, "inplace", False) else function(x)
     if func is F.gelu:
         gelu = GELUS.get(_argument(args, kwargs, 1, "approximate", "none"))
         return None if gelu is None else gelu(x)

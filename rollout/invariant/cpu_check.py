@@ -77,17 +77,35 @@ def check_cpu_products(model: torch.nn.Module) -> None:
     head = get_head() if callable(get_head) else None
     if _plain_linear(head):
         shapes.add((head.out_features, head.in_features, torch.float32))
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(config, "num_attention_heads", None)
+    heads, kv_heads, head_dim = _attention_shape(model)
     with torch.no_grad(), torch.autocast("cpu", enabled=False), _BOUNDS_LOCK:
         linears = {("linear", *shape) for shape in shapes}
         matmul.MIN_ROWS = _first_bound_that_holds(linears, matmul.MIN_ROWS, threads)
         if heads:
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
             attention = {("attention", heads, kv_heads, head_dim)}
             cpu_attention.MIN_QUERY_ROWS = _first_bound_that_holds(attention, cpu_attention.MIN_QUERY_ROWS, threads)
+
+
+def _attention_shape(model: torch.nn.Module) -> tuple[int | None, int | None, int | None]:
+    """(query heads, key/value heads, head size) from the model's text config; (None, None, None) without heads.
+
+    Raises:
+        FieldError: ("batch_invariant") a config that gives no one shape (Gemma 4's per-layer head sizes).
+    """
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        heads = getattr(config, "num_attention_heads", None)
+        if not heads:
+            return None, None, None
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+    except Exception as error:  # noqa: BLE001 - transformers raises its own kinds for per-layer attributes
+        raise FieldError(
+            "batch_invariant",
+            f"{type(model).__name__}'s config gives no one attention shape ({type(error).__name__}: "
+            f"{str(error)[:200]}): the invariant attention serves one shape for every layer",
+        ) from None
 
 
 def clear_checks() -> None:

@@ -7,7 +7,8 @@ and skips the forward. A row it cannot vouch for (sampled by older weights, chan
 tokens, not in the round) keeps the forward for the whole batch, on every rank. So does a setup whose bits differ
 or cannot be told apart: a device where the equality is not verified (CUDA: docs/concepts/logprobs.md), a rollout in
 another dtype, a trainer under autocast, a PEFT policy whose reference is itself with the adapter off (beta != 0), a
-policy training with a dropout (`lora_dropout`).
+policy training with a dropout (`lora_dropout`, a dropout module, or one a model's layers apply as a function: OPT's,
+Seed-OSS's) or a router that draws at random.
 Each decision is logged as `rollout/old_logps_forward_skipped` (1 or 0), and the first skip and the first refusal
 are said in the log: a refusal for a setting whose bits differ (a dropout, an autocast, ...) as a warning.
 """
@@ -114,7 +115,7 @@ def _unverified(trainer: Any, device: str) -> str | None:
         isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0 for module in trainer.model.modules()
     ):
         return "a dropout (lora_dropout, say) draws random masks in the trainer's forwards, not in the rollout's"
-    if trainer.model.training and (random := _random_routing(trainer.model)) is not None:
+    if trainer.model.training and (random := _random_in_training(trainer.model)) is not None:
         return random
     if getattr(trainer.accelerator, "mixed_precision", "no") != "no":
         return f"the trainer computes under {trainer.accelerator.mixed_precision} autocast, the rollout does not"
@@ -129,9 +130,18 @@ def _unverified(trainer: Any, device: str) -> str | None:
     return None
 
 
-def _random_routing(model: Any) -> str | None:
-    """Why a training-mode MoE router of `model` draws at random, with no dropout module to show it (None: it
-    does not): PhiMoE's sparsemixer samples its experts, a router jitter multiplies its input by noise."""
+# Dropout probabilities of configs whose layers call `F.dropout` themselves, with no dropout module to find: OPT's
+# `dropout`, Seed-OSS's and Starcoder2's `residual_dropout`, and the other names transformers' configs use.
+CONFIG_DROPOUTS = (
+    "dropout", "residual_dropout", "hidden_dropout", "hidden_dropout_prob", "embedding_dropout", "embd_pdrop",
+    "resid_pdrop", "activation_dropout", "ffn_dropout", "mlp_dropout",
+)  # fmt: skip
+
+
+def _random_in_training(model: Any) -> str | None:
+    """Why a training-mode forward of `model` draws at random with no dropout module to show it (None: it does
+    not): a dropout its layers apply as a function (its config's probability), PhiMoE's sparsemixer sampling its
+    experts, a router jitter multiplying its input by noise."""
     config = getattr(model, "config", None)
     for each in (config, getattr(config, "text_config", None)):
         if each is None:
@@ -139,10 +149,23 @@ def _random_routing(model: Any) -> str | None:
         if getattr(each, "model_type", None) == "phimoe":
             return "PhiMoE's router (sparsemixer) draws its experts at random in training mode"
         for name in ("router_jitter_noise", "input_jitter_noise"):
-            noise = getattr(each, name, 0.0)
-            if isinstance(noise, (int, float)) and noise > 0:
+            noise = _number(each, name)
+            if noise > 0:
                 return f"{name}={noise} puts random noise into the router in training mode"
+        for name in CONFIG_DROPOUTS:
+            probability = _number(each, name)
+            if probability > 0:
+                return f"config.{name}={probability}: a dropout draws random masks in the trainer's forwards"
     return None
+
+
+def _number(config: Any, name: str) -> float:
+    """`config.name` when it is a number (0 otherwise: absent, another type, or a per-layer attribute)."""
+    try:
+        value = getattr(config, name, 0.0)
+    except Exception:  # noqa: BLE001 - transformers raises for a per-layer attribute read as one (Gemma 4's)
+        return 0.0
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _from_round(
