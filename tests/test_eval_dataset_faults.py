@@ -19,6 +19,7 @@ tree for minutes; it is refused at once, after a bounded scan of where the hub l
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout.eval.cli import main
+from rollout.eval.file_rows import DatasetError
 
 FLAGS = ["--model", "tiny", "--prompt-field", "question", "--max-new-tokens", "2"]
 
@@ -106,11 +108,11 @@ def test_a_json_object_over_several_lines_says_what_a_json_dataset_holds(capsys,
     )
 
 
-def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(capsys, tmp_path, monkeypatch):
-    """A directory with no data file where a dataset directory holds them (a checkout, a home directory) is refused
-    at once, naming --dataset and what was looked for: `datasets.load_dataset` would glob its whole tree (minutes on a
-    home directory) and read whatever it found. The scan is bounded: a data file deeper than the hub layout puts
-    one is not looked for, and a flat folder of many entries is looked at only up to MAX_SCANNED of them."""
+def test_a_large_directory_with_no_data_files_is_refused_before_datasets_scans_it(capsys, tmp_path, monkeypatch):
+    """A large directory with no data file where a dataset directory holds them (a checkout, a home directory) is
+    refused at once, naming --dataset and what was looked for: `datasets.load_dataset` would glob its whole tree
+    (minutes on a home directory) and read whatever it found. The scan is bounded (here at 20 entries): a data file
+    deeper than dataset layouts put one is not looked for, nor one past the bound."""
     import datasets
 
     from rollout.eval import dataset_folder
@@ -119,17 +121,19 @@ def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(caps
         raise AssertionError("datasets.load_dataset was called")
 
     monkeypatch.setattr(datasets, "load_dataset", no_load)
+    monkeypatch.setattr(dataset_folder, "MAX_SCANNED", 20)
     checkout = tmp_path / "checkout"
     (checkout / "src" / "pkg" / "deep" / "deeper").mkdir(parents=True)
-    (checkout / "src" / "pkg" / "module.py").write_text("x = 1\n")
+    for index in range(25):
+        (checkout / "src" / "pkg" / f"module{index}.py").write_text("x = 1\n")
     (checkout / "README.md").write_text("# a project\n")
-    (checkout / "pyproject.toml").write_text("[project]\n")
+    (checkout / "requirements.txt").write_text("torch\n")  # text, but not named as a split
     (checkout / ".git").mkdir()
     (checkout / ".git" / "train.jsonl").write_text('{"question": "hidden"}\n')  # hidden: datasets skips it too
     (checkout / "src" / "pkg" / "deep" / "deeper" / "train.jsonl").write_text('{"question": "too deep"}\n')
     message = error_of(capsys, checkout)
-    assert message.startswith(f"--dataset {checkout}: a directory with no data file (.jsonl, .json, ")
-    assert "top level, in a folder one level down (train/, data/), in data/*/ or */train/;" in message
+    assert message.startswith(f"--dataset {checkout}: a directory of over 20 entries with no data file (.jsonl, ")
+    assert "top level, in a folder one level down (train/, data/), in data/*/ or */train/," in message
 
     crowded = tmp_path / "crowded"
     crowded.mkdir()
@@ -137,8 +141,36 @@ def test_a_directory_with_no_data_files_is_refused_before_datasets_scans_it(caps
         (crowded / f"note{index}.md").write_text("")
     (crowded / "zz").mkdir()
     (crowded / "zz" / "train.jsonl").write_text('{"question": "after the bound"}\n')
+    assert "a directory of over 20 entries" in error_of(capsys, crowded)
+
+
+def test_what_a_dataset_folder_holds_is_found_past_other_files(tmp_path, monkeypatch):
+    """The hub's data/ and split folders are looked in first (a folder of many images at the top spends no budget
+    there); a README that declares configs is trusted with a byte order mark too; a README that is a FIFO is not
+    read (it would block); a small tree is handed to `datasets` whatever its layout (nested splits, text files)."""
+    from rollout.eval import dataset_folder
+
     monkeypatch.setattr(dataset_folder, "MAX_SCANNED", 20)
-    assert "(it stopped after 20 entries)" in error_of(capsys, crowded)
+    images = tmp_path / "images"
+    (images / "data").mkdir(parents=True)
+    for index in range(30):
+        (images / f"{index}.png").write_bytes(b"")
+    (images / "data" / "train.jsonl").write_text('{"question": "q"}\n')
+    dataset_folder.check_dataset_folder(str(images), "images")
+    carded = tmp_path / "carded"
+    carded.mkdir()
+    for index in range(30):
+        (carded / f"{index}.bin").write_bytes(b"")
+    (carded / "README.md").write_bytes("\ufeff---\nconfigs:\n- config_name: default\n---\n".encode())
+    dataset_folder.check_dataset_folder(str(carded), "carded")
+    os.remove(carded / "README.md")
+    os.mkfifo(carded / "README.md")
+    with pytest.raises(DatasetError, match="over 20 entries"):
+        dataset_folder.check_dataset_folder(str(carded), "carded")
+    nested = tmp_path / "nested"
+    (nested / "train" / "en" / "2024").mkdir(parents=True)
+    (nested / "train" / "en" / "2024" / "a.txt").write_text("hello\n")
+    dataset_folder.check_dataset_folder(str(nested), "nested")  # a small tree: datasets reads it itself
 
 
 @pytest.mark.parametrize(
