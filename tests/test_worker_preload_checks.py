@@ -64,7 +64,8 @@ def test_a_tokenizer_directory_without_a_tokenizer_is_refused_before_the_model_l
 
 @pytest.mark.parametrize("pattern", [False, True])
 def test_a_lora_adapter_above_the_rank_limit_is_refused_before_the_model_loads(capsys, tmp_path, no_weights, pattern):
-    """The adapter's rank from its adapter_config.json: `r`, or a higher one in its `rank_pattern`."""
+    """The adapter's rank from its weights (the file's header): `r`, or a higher one its `rank_pattern` gives a
+    module."""
     from peft import LoraConfig, get_peft_model
 
     rank = dict(r=4, rank_pattern={"q_proj": 32}) if pattern else dict(r=32)
@@ -72,9 +73,23 @@ def test_a_lora_adapter_above_the_rank_limit_is_refused_before_the_model_loads(c
     model = Qwen3ForCausalLM(Qwen3Config(**SMALL))
     get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], **rank)).save_pretrained(adapter)
     message = worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}")
-    assert message == (
-        f"--lora a={adapter}: rank 32 is outside [1, max_lora_rank=16] (its adapter_config.json); raise "
-        "--max-lora-rank to 32"
-    )
+    assert message == f"--lora a={adapter}: rank 32 is outside [1, max_lora_rank=16]; raise --max-lora-rank to 32"
     within = worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}", "--max-lora-rank", "32")
     assert within.startswith(f"--model {no_weights}: ")  # within the limit: on to loading
+
+
+@pytest.mark.parametrize(
+    "pattern", [{"q_proj": 8, "v_proj": 8}, {"o_proj": 64}], ids=["every-target-lower", "untargeted"]
+)
+def test_a_rank_pattern_that_leaves_every_tensor_within_the_limit_is_not_refused(capsys, tmp_path, no_weights, pattern):
+    """`r` 32 with every targeted module patterned to 8, or `r` 8 with a pattern for a module it does not target: the
+    adapter's tensors are within the limit, so the worker goes on to load the model (it serves such adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = tmp_path / "adapter"
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL))
+    settings = LoraConfig(target_modules=["q_proj", "v_proj"], r=32 if "q_proj" in pattern else 8, rank_pattern=pattern)
+    get_peft_model(model, settings).save_pretrained(adapter)
+    assert worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}").startswith(
+        f"--model {no_weights}: "
+    )

@@ -1,6 +1,6 @@
 """`rollout-worker`'s checks that read small files, made before the model loads (minutes for a large one): the
-model's config (its context, for `--max-prompt-len`) and each `--lora` adapter's adapter_config.json (its rank, for
-`--max-lora-rank`). Each refusal is the usage error the same mistake gets after loading; what these files cannot
+model's config (its context, for `--max-prompt-len`) and each `--lora` adapter's rank (its weights file's header, or
+its adapter_config.json; for `--max-lora-rank`). Each refusal is the usage error the same mistake gets after loading; what these files cannot
 tell (a config transformers cannot read, an adapter's tensors) is still checked after loading."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def check_before_load(
         rank = adapter_rank(os.path.expanduser(path))
         if rank is not None and rank > config.max_lora_rank:
             parser.error(
-                f"--lora {name}={path}: rank {rank} is outside [1, max_lora_rank={config.max_lora_rank}] (its "
-                f"adapter_config.json); raise --max-lora-rank to {rank}"
+                f"--lora {name}={path}: rank {rank} is outside [1, max_lora_rank={config.max_lora_rank}]; raise "
+                f"--max-lora-rank to {rank}"
             )
 
 
@@ -64,20 +64,30 @@ def model_context(model: str) -> int | None:
 
 
 def adapter_rank(path: str) -> int | None:
-    """The highest LoRA rank a PEFT adapter directory declares (`r`, and its `rank_pattern`'s), from its
-    adapter_config.json; None when there is none to read (loading the adapter says why).
+    """The highest LoRA rank of a PEFT adapter directory: its `lora_A` tensors' rows, read from the header of its
+    adapter_model.safetensors (no tensor is loaded), else its adapter_config.json's `r` when no `rank_pattern` gives
+    some modules another (which ones, only the model's module names tell); None when neither says (loading the
+    adapter says why).
 
     Args:
         path: the adapter's directory.
     """
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(weights):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(weights, framework="numpy") as tensors:
+                ranks = [tensors.get_slice(name).get_shape()[0] for name in tensors.keys() if ".lora_A." in name]
+            return max(ranks) if ranks else None
+        except Exception:  # noqa: BLE001 - a file safetensors cannot read: loading the adapter says why
+            return None
     try:
         with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as file:
             settings = json.load(file)
     except (OSError, ValueError):
         return None
-    if not isinstance(settings, dict):
+    if not isinstance(settings, dict) or settings.get("rank_pattern"):
         return None
-    pattern = settings.get("rank_pattern")
-    ranks = [settings.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
-    ranks = [rank for rank in ranks if isinstance(rank, int) and not isinstance(rank, bool)]
-    return max(ranks) if ranks else None
+    rank = settings.get("r")
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
