@@ -165,3 +165,28 @@ def test_a_tokenizer_saved_only_as_a_tiktoken_model_is_loaded(tmp_path):
     tokenizer, name = load_tokenizer(str(tmp_path), None)
     assert name == str(tmp_path) and tokenizer("hello")["input_ids"] == reference("hello")["input_ids"]
     assert len(tokenizer) > 256
+
+
+def test_weights_saved_under_a_wrappers_prefix_are_named_with_what_is_missing(capsys, tmp_path):
+    """A checkpoint whose every weight carries DDP's 'module.' prefix lacks them all under their names: the error
+    names both sides, as transformers' report (held back) did."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3ForCausalLM
+
+    folder = save(tmp_path, Qwen3ForCausalLM(Qwen3Config(**SMALL)))
+    weights = load_file(folder / "model.safetensors")
+    save_file({f"module.{name}": tensor for name, tensor in weights.items()}, folder / "model.safetensors")
+    message = error_of(capsys, folder)
+    assert f"lacks {len(weights)} weight(s) of Qwen3ForCausalLM" in message
+    assert f"holds {len(weights)} it does not take (module." in message and "DDP's 'module.'" in message
+
+
+def test_a_config_field_of_the_wrong_type_is_one_error_line(capsys, tmp_path):
+    """transformers' config validation raises its own error kind (not a ValueError): named, with no traceback."""
+    from transformers import Qwen3ForCausalLM
+
+    folder = save(tmp_path, Qwen3ForCausalLM(Qwen3Config(**SMALL)))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": "512"}))
+    message = error_of(capsys, folder)
+    assert message.startswith(f"--model {folder}: its config.json cannot be read (StrictDataclassFieldValidationError")

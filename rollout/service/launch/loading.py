@@ -90,6 +90,7 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
     preset = model_from_preset(name, dtype=dtype or torch.float32, device=device)
     if preset is not None:
         return preset.to(device)
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -110,19 +111,33 @@ def load_model(name: str, dtype: torch.dtype | None, device: torch.device) -> to
     except (RuntimeError, SafetensorError) as error:  # a truncated file, a config its weights' shapes do not match
         report.say()  # transformers' error may refer to the report ("look at the above report")
         raise ValueError(f"its checkpoint cannot be loaded ({type(error).__name__}: {first_line(error)})") from None
+    except StrictDataclassError as error:  # a config.json field of the wrong type ("max_position_embeddings": "512")
+        raise ValueError(f"its config.json cannot be read ({type(error).__name__}: {first_line(error)})") from None
     finally:
         report.stop()
     missing = sorted(info.get("missing_keys") or ())
-    if missing:  # refused, naming them: transformers' table of them is not said before the error
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    if missing:  # refused, naming them (and what the checkpoint held instead): transformers' table is not said
         saved_as = ", ".join(getattr(model.config, "architectures", None) or ()) or "unknown"
+        unexpected = sorted(info.get("unexpected_keys") or ())
+        held = f", and holds {len(unexpected)} it does not take ({_few(unexpected)})" if unexpected else ""
+        if any(name.endswith("." + wanted) for name in unexpected for wanted in missing):  # the same, prefixed
+            hint = "saved under other names (a wrapper's prefix, such as DDP's 'module.')? Save the unwrapped model"
+        else:
+            hint = (
+                f"is it a causal LM (saved as {saved_as})? Save the model with its LM head (an AutoModelForCausalLM's "
+                "save_pretrained)"
+            )
         raise ValueError(
-            f"its checkpoint lacks {len(missing)} weight(s) of {type(model).__name__} ({shown}), which would be "
-            f"random; is it a causal LM (saved as {saved_as})? Save the model with its LM head (an "
-            "AutoModelForCausalLM's save_pretrained) and pass that directory"
+            f"its checkpoint lacks {len(missing)} weight(s) of {type(model).__name__} ({_few(missing)}), which would "
+            f"be random{held}; {hint} and pass that directory"
         )
     report.say()  # unexpected weights, say: the model loads, and the user reads which were left out
     return model.to(device).eval()
+
+
+def _few(names: list[str]) -> str:
+    """The first three names, and how many more."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 class _HeldLoadReport(logging.Filter):

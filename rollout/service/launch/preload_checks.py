@@ -51,12 +51,13 @@ def model_context(model: str) -> int | None:
     """
     if is_preset(model):
         return None
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         cached_only = False if is_local_path(model) else check_hub_source(model, "--model")
         model_config: Any = AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
-    except (HubUnreachable, ValueError, OSError, KeyError):
+    except (HubUnreachable, ValueError, OSError, KeyError, StrictDataclassError):
         return None
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     context = getattr(text, "max_position_embeddings", None)
