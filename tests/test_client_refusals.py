@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout import FieldError
+from rollout import FieldError, SamplingParams
 from service_helpers import Worker
 from trainer_bridge import Delta, GroupResult, PromptGroup, RolloutClient, RolloutError, push_weights
 
@@ -173,8 +173,9 @@ def test_an_integer_the_wire_cannot_carry_is_refused_naming_its_sampling_field(c
     """msgpack cannot write an integer outside [-2**63, 2**64): the client refused any such value as "sampling values
     must be plain numbers/strings/lists: int too big to convert" with field `sampling`; it names the value's key as
     the worker names sampling fields (`sampling.seed`), with the range (the seed in the worker's own words)."""
-    with pytest.raises(RolloutError) as refused:
-        client.generate(PromptGroup([1, 2], 1, sampling), timeout=10)
-    assert refused.value.code == "bad_request" and refused.value.field == field
-    assert f"bad_request: {message}" in str(refused.value)
+    for given in (sampling, SamplingParams(**sampling)):  # a dict, or the same fields as a SamplingParams
+        with pytest.raises(RolloutError) as refused:
+            client.generate(PromptGroup([1, 2], 1, given), timeout=10)
+        assert refused.value.code == "bad_request" and refused.value.field == field, given
+        assert f"bad_request: {message}" in str(refused.value)
     assert client.generate(PromptGroup([1, 2], 1, {"seed": 2**64 - 1, "max_new_tokens": 2}), timeout=30).completions

@@ -287,8 +287,8 @@ def checked_group(
         raise RolloutError("bad_request", reason, "group_id")
     if "#" in (group.group_id or ""):  # the worker's sample ids are group_id#index
         raise RolloutError("bad_request", "group_id must not contain '#' (sample ids use it)", "group_id")
-    if isinstance(group.sampling, SamplingParams):
-        sampling = group.sampling.changed_fields()
+    if isinstance(group.sampling, SamplingParams):  # (its values may be past what the wire carries: 2**70)
+        sampling = _packable(group.sampling.changed_fields())
     elif isinstance(group.sampling, dict):
         sampling = _packable(group.sampling)
     else:
