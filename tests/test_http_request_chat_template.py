@@ -83,3 +83,22 @@ def test_without_the_flag_a_top_level_chat_template_is_refused_naming_it_and_the
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "chat_template"
     assert refused.json()["error"]["message"] == f"chat_template: {UNTRUSTED}"
+
+
+def test_a_template_is_held_to_its_own_limit_not_to_the_prompts(trusted):
+    """A template is code, not prompt text: one longer than a prompt's character cap (here a 70,000-character Jinja
+    comment) renders as the short one does, in either field; an empty one, or one past 256,000 characters, is
+    refused naming the field it came in."""
+    long = TEMPLATE + "{# " + "x" * 70_000 + " #}"
+    expected = TOKENIZER.apply_chat_template(MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True)["input_ids"]
+    with client_of(trusted) as api:
+        assert prompt_ids(api, chat_template=long) == expected
+        assert prompt_ids(api, chat_template_kwargs={"chat_template": long}) == expected
+        for extra, param in (
+            ({"chat_template": " "}, "chat_template"),
+            ({"chat_template_kwargs": {"chat_template": ""}}, "chat_template_kwargs"),
+            ({"chat_template": "x" * 256_001}, "chat_template"),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                prompt_ids(api, **extra)
+            assert refused.value.param == param, extra

@@ -87,7 +87,9 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, limits: PromptLimits) -> l
     tools = tool_spec(body).tools or None
     trusted = limits.trust_request_chat_template
     kwargs = template_variables(body.get("chat_template_kwargs"), tokenizer, trusted, body.get("chat_template"))
-    inputs = {"messages": rendered, "tools": tools, "chat_template_kwargs": kwargs}
+    # The template itself is code, held to its own limit (`template_variables`), not counted as prompt text.
+    variables = {name: value for name, value in kwargs.items() if name != "chat_template"}
+    inputs = {"messages": rendered, "tools": tools, "chat_template_kwargs": variables}
     check_rendered_size(inputs, limits.max_chars, limits.max_prompt_len)
     add_generation_prompt = body.get("add_generation_prompt", True)
     continue_final = body.get("continue_final_message", False)

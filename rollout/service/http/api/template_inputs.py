@@ -47,6 +47,10 @@ TOKENIZER_OPTIONS = {
 }
 
 
+# The longest chat template a trusted request may bring (gpt-oss's is about 15,000 characters): a template is code,
+# not prompt text, so it is held to this rather than to the prompt's character cap.
+MAX_CHAT_TEMPLATE_CHARS = 256_000
+
 UNTRUSTED = (
     "a request's own chat template runs on the worker: refused unless it runs with --trust-request-chat-template"
 )
@@ -69,15 +73,33 @@ def template_variables(
             a top-level `chat_template` untrusted, not a string, or other than the one in `chat_template_kwargs`.
     """
     kwargs = _checked_kwargs(kwargs, tokenizer, trust_request_chat_template)
+    if "chat_template" in kwargs:
+        reason = _template_refusal(kwargs["chat_template"])
+        if reason is not None:
+            raise _bad_key("chat_template", reason)
     if chat_template is None:
         return kwargs
     if not trust_request_chat_template:
         raise bad_field("chat_template", UNTRUSTED)
-    if not isinstance(chat_template, str):
-        raise bad_field("chat_template", f"must be a string (a Jinja template), got {type(chat_template).__name__}")
+    reason = _template_refusal(chat_template)
+    if reason is not None:
+        raise bad_field("chat_template", reason)
     if "chat_template" in kwargs and kwargs["chat_template"] != chat_template:
         raise bad_field("chat_template", "differs from chat_template_kwargs.chat_template: give one of them")
     return {**kwargs, "chat_template": chat_template}
+
+
+def _template_refusal(template: Any) -> str | None:
+    """Why a request's chat template cannot be used (None: it can)."""
+    if not isinstance(template, str):
+        return f"must be a string (a Jinja template), got {type(template).__name__}"
+    if not template.strip():
+        return "is empty: give a Jinja template, or leave the field out for the tokenizer's own"
+    if len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        return (
+            f"is {len(template):,} characters; a request's chat template may hold at most {MAX_CHAT_TEMPLATE_CHARS:,}"
+        )
+    return None
 
 
 def _checked_kwargs(kwargs: Any, tokenizer: Any, trust_request_chat_template: bool) -> dict[str, Any]:
