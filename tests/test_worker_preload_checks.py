@@ -93,3 +93,13 @@ def test_a_rank_pattern_that_leaves_every_tensor_within_the_limit_is_not_refused
     assert worker_error(capsys, "--model", str(no_weights), "--lora", f"a={adapter}").startswith(
         f"--model {no_weights}: "
     )
+
+
+def test_a_tokenizer_hub_id_this_machine_cannot_get_is_named_once(capsys, no_weights, monkeypatch):
+    """Offline, a --tokenizer hub id the cache does not hold: the message names the flag once (it read
+    "--tokenizer X: --tokenizer X: not a local path...")."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    message = worker_error(capsys, "--model", str(no_weights), "--tokenizer", "nobody/no-such-tokenizer")
+    assert message.startswith("--tokenizer nobody/no-such-tokenizer: not a local path, offline mode is on")

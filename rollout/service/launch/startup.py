@@ -137,6 +137,8 @@ def _tokenizer(parser: CliParser, args: argparse.Namespace) -> tuple[Any, str | 
     """`load_tokenizer` for the flags, a usage error naming --tokenizer when it cannot be loaded."""
     try:
         return load_tokenizer(args.model, args.tokenizer)
+    except HubUnreachable as error:  # names the flag itself (--tokenizer, or --model for the model's own)
+        parser.error(str(error))
     except (ValueError, OSError) as error:
         parser.error(f"--tokenizer {args.tokenizer}: {error}")
 
