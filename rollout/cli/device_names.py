@@ -8,7 +8,7 @@ import re
 __all__ = ["DEVICE_FORMS", "check_device_name"]
 
 DEVICE_FORMS = "cpu, cuda or cuda:N (N: a CUDA device index, as nvidia-smi lists them)"
-_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+_DEVICE = re.compile(r"cpu(:0)?|cuda(:[0-9]+)?")  # (torch takes "cpu:0" for the one CPU device too)
 
 
 def check_device_name(spec: str, flag: str) -> None:

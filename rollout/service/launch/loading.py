@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rollout.cli.device_names import DEVICE_FORMS
+from rollout.cli.device_names import DEVICE_FORMS, check_device_name
 from rollout.cli.hub import HubUnreachable, check_hub_source, first_line, is_local_path, missing_local_path
 from rollout.presets.catalog import PRESETS
 from rollout.presets.names import model_from_preset, tokenizer_for
@@ -29,12 +29,11 @@ def torch_device(spec: str, flag: str) -> torch.device:
         ValueError: a malformed name, CUDA asked of a torch that has none, or a CUDA index not visible; the message
             says what to do.
     """
+    check_device_name(spec, flag)  # one answer in every command (meta, mps, "" and tpu alike)
     try:
         device = torch.device(spec)
     except RuntimeError:  # a name torch does not know (tpu): its message lists devices rollout does not run on
         raise ValueError(f"{flag}: not a device rollout runs on; give {DEVICE_FORMS}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{flag}: rollout runs on cpu or cuda devices, not {device.type}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
