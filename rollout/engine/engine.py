@@ -348,5 +348,7 @@ class Engine:
 
     def weights_changed(self) -> None:
         """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
-        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed."""
+        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed, and the cached
+        prefixes, whose keys and values the old weights made, are forgotten."""
         self.runner.weights_changed()
+        self.block_manager.reset_prefix_cache()
