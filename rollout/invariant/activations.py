@@ -71,15 +71,20 @@ class _TorchBackward(torch.autograd.Function):
         return ctx.backward(grad, x), None, None
 
 
+def _with_torchs_backward(x: torch.Tensor, forward: Callable, backward: Callable) -> torch.Tensor:
+    """`forward(x)`, differentiated with `backward` (torch's own) when autograd records it."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _TorchBackward.apply(x, forward, backward)
+    return forward(x)
+
+
 def invariant_silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x), as x / (1 + exp(-x)) in fp32 (the backward torch's).
 
     Args:
         x: any floating-point tensor.
     """
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _TorchBackward.apply(x, _silu, _silu_backward)
-    return _silu(x)
+    return _with_torchs_backward(x, _silu, _silu_backward)
 
 
 def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -88,9 +93,7 @@ def invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: any floating-point tensor.
     """
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _TorchBackward.apply(x, _sigmoid, _sigmoid_backward)
-    return _sigmoid(x)
+    return _with_torchs_backward(x, _sigmoid, _sigmoid_backward)
 
 
 def invariant_softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
@@ -102,9 +105,7 @@ def invariant_softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20
         beta, threshold: as `F.softplus`'s.
     """
     forward = functools.partial(_softplus, beta=beta, threshold=threshold)
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _TorchBackward.apply(x, forward, functools.partial(_softplus_backward, beta=beta, threshold=threshold))
-    return forward(x)
+    return _with_torchs_backward(x, forward, functools.partial(_softplus_backward, beta=beta, threshold=threshold))
 
 
 def _mish(x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +123,7 @@ def invariant_mish(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: any floating-point tensor.
     """
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _TorchBackward.apply(x, _mish, _mish_backward)
-    return _mish(x)
+    return _with_torchs_backward(x, _mish, _mish_backward)
 
 
 def invariant_gelu_erf(x: torch.Tensor) -> torch.Tensor:
