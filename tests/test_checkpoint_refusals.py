@@ -91,9 +91,12 @@ def load_reports():
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     reporter = logging.getLogger("transformers.modeling_utils")
+    level = reporter.level
+    reporter.setLevel(logging.WARNING)  # whatever verbosity an earlier test left transformers at
     reporter.addHandler(handler)
     yield said
     reporter.removeHandler(handler)
+    reporter.setLevel(level)
 
 
 def test_the_worker_refuses_a_checkpoint_without_its_lm_head_too(capsys, tmp_path, load_reports):
