@@ -14,7 +14,7 @@ import torch
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.counters import StepCounters, engine_stats, log_leaks
-from rollout.engine.kv.kv_cache import KVCacheShape, PagedKVCache, resolve_num_blocks
+from rollout.engine.kv.kv_cache import PagedKVCache
 from rollout.engine.lora.adapter_weights import AdapterModules
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import RequestIntake
@@ -66,22 +66,13 @@ class Engine:
         parameter = next(model.parameters())
         if self.config.batch_invariant:  # on the CPU, before anything is allocated
             check_cpu_products(model)
-        shape = KVCacheShape.from_model_config(model.config)
-        num_blocks = resolve_num_blocks(self.config, shape, parameter.dtype, parameter.device, self.max_model_len)
         # The invariant CPU attention reads one KV head's keys at a time (the Triton kernels read blocks as stored).
         heads_first = self.config.batch_invariant and not on_kernel_device(parameter)
-        self.kv_cache = PagedKVCache(
-            shape,
-            num_blocks,
-            self.config.block_size,
-            parameter.dtype,
-            parameter.device,
-            self.config.cpu_offload_space,
-            heads_first,
-        )
+        self.kv_cache = PagedKVCache.for_model(model, self.config, self.max_model_len, heads_first)
         self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.allow_block_sharing, self.kv_cache.num_swap_blocks
-        )
+            self.kv_cache.num_blocks, self.config.block_size, self.config.allow_block_sharing,
+            self.kv_cache.num_swap_blocks,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )

@@ -102,6 +102,34 @@ def resolve_num_blocks(
 class PagedKVCache:
     """K/V storage for every layer, addressed by block id and slot; optional CPU swap blocks."""
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, config: ContinuousBatchingConfig, max_model_len: int, heads_first: bool
+    ) -> PagedKVCache:
+        """The cache an engine over `model` holds: its shape from the model's config, in the dtype and on the device
+        of its parameters, of `resolve_num_blocks` blocks.
+
+        Args:
+            model: the served model.
+            config: the engine's settings (block size, number of blocks or memory share, CPU swap space).
+            max_model_len: the longest sequence (caps the blocks a memory share would give).
+            heads_first: as `__init__`'s.
+        Raises:
+            FieldError: as `resolve_num_blocks`.
+        """
+        parameter = next(model.parameters())
+        shape = KVCacheShape.from_model_config(model.config)
+        num_blocks = resolve_num_blocks(config, shape, parameter.dtype, parameter.device, max_model_len)
+        return cls(
+            shape,
+            num_blocks,
+            config.block_size,
+            parameter.dtype,
+            parameter.device,
+            config.cpu_offload_space,
+            heads_first,
+        )
+
     def __init__(
         self,
         shape: KVCacheShape,
