@@ -331,6 +331,35 @@ def test_a_hub_model_on_a_machine_without_network_is_one_line_at_once(capsys, mo
     assert "hf download someone/some-model" in err and "Traceback" not in err
 
 
+def test_an_unreachable_hub_is_waited_for_once_per_command(capsys, monkeypatch, tmp_path):
+    """`--max-prompt-len` reads the model's config before loading, and loading checks the hub again: a hub that did
+    not answer is not probed (and waited for) a second time."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from rollout.cli import hub
+    from rollout.service.launch import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "_unreachable_since", {})
+    probes = []
+
+    def refused(address, timeout=None):
+        probes.append(address)
+        raise ConnectionRefusedError(address)
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    with pytest.raises(SystemExit):
+        cli.main(["--model", "someone/some-model", "--max-prompt-len", "64", "--bind", "tcp://127.0.0.1:*"])
+    assert "127.0.0.1 cannot be reached" in capsys.readouterr().err
+    assert probes == [("127.0.0.1", 9)]
+    monkeypatch.setattr(hub.time, "monotonic", lambda: 1e12)  # the memory ends: the hub is asked again
+    assert not hub.hub_reachable() and len(probes) == 2
+
+
 def test_a_port_in_use_is_a_usage_error_before_the_model_loads(worker, capsys, monkeypatch):
     from rollout.service.launch import cli, startup
 

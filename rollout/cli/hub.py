@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from urllib.parse import urlsplit
 
 # How long the reachability probe waits for a TCP connection to the hub's endpoint.
 PROBE_TIMEOUT_S = 3.0
+# How long a failed probe is believed: one command checks several names (a worker's --model before and after its
+# preload checks, its --tokenizer), and each probe of an unreachable hub may wait PROBE_TIMEOUT_S.
+UNREACHABLE_MEMORY_S = 60.0
+_unreachable_since: dict[str, float] = {}  # endpoint -> monotonic time of its last failed probe
 
 
 class HubUnreachable(ValueError):
@@ -37,15 +42,26 @@ def is_local_path(name: str) -> bool:
 
 
 def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the hub's endpoint (`HF_ENDPOINT`, default https://huggingface.co) opens."""
+    """Whether a TCP connection to the hub's endpoint (`HF_ENDPOINT`, default https://huggingface.co) opens. A
+    failed probe is remembered for UNREACHABLE_MEMORY_S, so one command waits for it once.
+
+    Args:
+        timeout_s: how long to wait for the connection.
+    """
     from huggingface_hub import constants
 
-    parts = urlsplit(constants.ENDPOINT)
+    endpoint = constants.ENDPOINT
+    failed_at = _unreachable_since.get(endpoint)
+    if failed_at is not None and time.monotonic() - failed_at < UNREACHABLE_MEMORY_S:
+        return False
+    parts = urlsplit(endpoint)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
         with socket.create_connection((parts.hostname or "", port), timeout=timeout_s):
+            _unreachable_since.pop(endpoint, None)
             return True
     except OSError:
+        _unreachable_since[endpoint] = time.monotonic()
         return False
 
 
