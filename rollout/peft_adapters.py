@@ -42,6 +42,10 @@ UNSERVED_SETTINGS = {
 # `init_lora_weights` values peft serves through a LoRA variant whose forward is plain W0 x + s B(A x) (MiCA only
 # initializes A and B its own way, and freezes B): served unmerged. Any other such value is refused.
 VANILLA_INIT_VARIANTS = frozenset({"mica"})
+# `init_lora_weights` values with which peft rewrites the base weights as it builds the model (W - s B0 A0: PiSSA's
+# "pissa" and "pissa_niter_<n>", CorDA's "corda", "olora", "loftq", "lora_ga"). Their adapters add to that rewritten
+# base, not to the checkpoint's (measured: 0.64 to 1.15 nats off peft's forward when served over the original base).
+BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 def check_adapter_name(name: object, field: str = "adapter") -> str:
@@ -90,6 +94,18 @@ def check_peft_config(config: Any) -> None:
         raise FieldError(
             "init_lora_weights", f"the LoRA variant {init!r} is not served unmerged; push with adapters='merged'"
         )
+
+
+def base_rewriting_init(config: Any) -> str | None:
+    """The config's `init_lora_weights` when peft rewrote the base weights with it (`BASE_REWRITING_INITS`), else None.
+
+    Args:
+        config: a `peft.LoraConfig` (or anything with its attributes).
+    """
+    init = getattr(config, "init_lora_weights", None)
+    if isinstance(init, str) and any(init.lower().startswith(kind) for kind in BASE_REWRITING_INITS):
+        return init
+    return None
 
 
 def _unserved_settings(config: Any) -> dict[str, str]:

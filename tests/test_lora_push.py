@@ -310,6 +310,17 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
                 pass
 
 
+def test_an_adapter_whose_init_rewrote_the_base_travels_with_that_base(client):
+    """PiSSA rewrites the base weights as peft builds the model (W - s B0 A0): the worker's base (the checkpoint's)
+    is not the adapter's, so the push sends the rewritten one, and the worker's tokens are peft's own."""
+    model = lora_model(3, init_lora_weights="pissa")
+    pushed = push_weights(client, model)
+    assert pushed.base_included
+    completion = client.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0]
+    assert completion.token_ids == peft_greedy(model, PROMPT)
+    assert (completion.adapter, completion.adapter_version) == ("default", pushed.version)
+
+
 def test_a_restarted_worker_gets_the_base_once_again_and_no_adapter_group_before(client, worker):
     """The worker restarts mid-run (the module's last test: it replaces the module's worker). A group for the
     adapter, sent meanwhile, waits: the new process serves its start weights, not the trainer's base. The next push

@@ -23,6 +23,7 @@ from rollout.config import FieldError
 from rollout.peft_adapters import (
     SAVED_MARKER,
     active_adapter_name,
+    base_rewriting_init,
     check_peft_config,
     holds_adapter,
     lora_layers,
@@ -159,6 +160,15 @@ def load_peft_dir(path: str) -> AdapterModules:
     except Exception as error:  # noqa: BLE001 - a missing or broken directory, named
         raise FieldError("lora", f"cannot read the PEFT adapter at {path!r}: {error}") from None
     check_peft_config(config)
+    init = base_rewriting_init(config)
+    if init is not None:  # peft's from_pretrained runs the init again over the base; the directory holds no base
+        raise FieldError(
+            "init_lora_weights",
+            f"{init!r} rewrites the base weights when peft builds the model, and this adapter adds to that rewritten "
+            "base, which is not served: save it with save_pretrained(..., path_initial_model_for_weight_conversion="
+            "DIR) (peft turns it into a plain LoRA over the original base, of twice the rank), or push it with "
+            "push_weights (which sends the rewritten base)",
+        )
     tensors: dict[str, torch.Tensor] = {}
     saved = config.modules_to_save or ()
     saved = (saved,) if isinstance(saved, str) else tuple(saved)
@@ -247,6 +257,44 @@ def _dir_scaling(config: Any, name: str, rank: int) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise FieldError(alpha_field, f"must be a finite number, got {alpha!r}")
     return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+def check_served_base(model: Any, served: torch.nn.Module, adapter_name: str | None = None) -> None:
+    """Refuse a live PEFT model's adapter whose init rewrote the model's base weights (PiSSA, OLoRA, ...:
+    `base_rewriting_init`) for an engine whose model does not hold that rewritten base: the adapter adds to it.
+
+    Args:
+        model: a `peft.PeftModel` (or its LoRA-injected base).
+        served: the engine's model.
+        adapter_name: which adapter (None: the active one).
+    Raises:
+        FieldError: ("init_lora_weights") an adapted module whose served weight is not the PEFT model's base weight.
+    """
+    name = adapter_name or active_adapter_name(model)
+    config = (getattr(model, "peft_config", {}) or {}).get(name)
+    init = base_rewriting_init(config)
+    if init is None:
+        return
+    for key, layer in lora_layers(model):
+        if not holds_adapter(layer, name):
+            continue
+        target, base = module_name(key), layer.get_base_layer().weight
+        try:
+            module = served.get_submodule(target)
+        except AttributeError:
+            module = None  # from_peft_model's checks or the engine's name it
+        if module is None:
+            continue
+        weight = module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.weight
+        if weight is base:
+            continue
+        if weight.shape != base.shape or not torch.equal(weight, base.to(weight.device, weight.dtype)):
+            raise FieldError(
+                "init_lora_weights",
+                f"{init!r} rewrote the PEFT model's base weights, and its adapter adds to them, but the engine's "
+                f"{target} holds other weights: serve it from an engine over that model, or push it with push_weights "
+                "(which sends the rewritten base)",
+            )
 
 
 def from_peft_model(model: Any, adapter_name: str | None = None) -> AdapterModules:

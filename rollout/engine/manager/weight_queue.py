@@ -19,6 +19,7 @@ import torch
 from rollout.config import WEIGHT_UPDATE_MODES, FieldError
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import (
+    check_served_base,
     from_named_tensors,
     from_peft_model,
     load_peft_dir,
@@ -207,6 +208,8 @@ class WeightUpdateQueue:
         """Load an adapter (`adapter_update`'s forms) and wait for it, as `apply` (arguments as for
         `ContinuousBatchingManager.load_adapter`)."""
         self._refuse_inside_pause("an adapter")
+        if not isinstance(adapter, (str, dict)):
+            check_served_base(adapter, self.engine.model)
         tensors, update = adapter_update(name, adapter)
         return self.apply(tensors, version, mode, False, timeout, update)
 
