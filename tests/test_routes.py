@@ -220,8 +220,18 @@ def test_prefix_cached_blocks_keep_the_routes_they_were_computed_with(moe):
     hits = engine.block_manager.num_prefix_tokens_hit
     assert hits == 24
     engine.add_request("routed", shared + [9], ROUTED, max_new_tokens=3)  # their routes are unknown: recomputed
-    check_against_reference(reference_copy(moe), run_to_completion(engine)["routed"])
+    reference = reference_copy(moe)
+    check_against_reference(reference, run_to_completion(engine)["routed"])
     assert engine.block_manager.num_prefix_tokens_hit == hits
+    # The recomputed blocks now stand under the prefix's hashes, with their routes: the next requests for routes
+    # take them (each had computed the whole prefix again while the plain blocks stayed cached), plain ones too.
+    for request_id, sampling in (("routed again", ROUTED), ("plain again", SAMPLED)):
+        engine.add_request(request_id, shared + [5], sampling, max_new_tokens=3)
+        output = run_to_completion(engine)[request_id]
+        assert engine.block_manager.num_prefix_tokens_hit == hits + 24, request_id
+        hits = engine.block_manager.num_prefix_tokens_hit
+        if sampling is ROUTED:
+            check_against_reference(reference, output)
     engine.close()
     engine = make_engine(copy.deepcopy(moe), block_size=4)
     engine.add_request("first", shared + [1, 2, 3], ROUTED, max_new_tokens=4)

@@ -253,9 +253,21 @@ class BlockManager:
             block = request.block_ids[index]
             # (A quarantined block is never offered again: a fork that still holds it would hash it here, and once
             # freed it is zeroed while a lookup could still match it.)
-            if block_hash not in self.cached_blocks and self.block_hash[block] is None and block not in self._tainted:
-                self.cached_blocks[block_hash] = block
-                self.block_hash[block] = block_hash
+            if self.block_hash[block] is not None or block in self._tainted:
+                continue
+            registered = self.cached_blocks.get(block_hash)
+            if registered is not None and not self._routes_replace(request, block_hash, registered):
+                continue
+            if registered is not None:  # its owners keep it; it is no longer offered under the hash
+                self.block_hash[registered] = None
+            self.cached_blocks[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def _routes_replace(self, request: Request, block_hash: int, registered: int) -> bool:
+        """Whether a block a routes-recording request computed takes the hash of the block registered under it,
+        which has no kept routes (a request without `return_routes` computed it): else every later request for
+        routes would compute that prefix again, as this one did, while the block stays cached."""
+        return request.routes is not None and self.routed is not None and not self.routed.knows(block_hash, registered)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""
