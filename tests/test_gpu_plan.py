@@ -87,12 +87,14 @@ def test_the_plan_fits_the_window_by_its_own_json(capsys):
     download = plan["prepare"][1]
     for wheel in ("pyzmq", "trl", "datasets", "xgrammar", "pydantic", "pydantic-core", "annotated-types"):
         assert any(w.startswith(f"{wheel}==") for w in WHEELS) and f" {wheel}==" in download
-    # The rehearsal runs the first call's report command, on cpu-small, under a Python 3.12 with the image's versions.
+    # The rehearsal runs each call's report command, on cpu-small, under a Python 3.12 with the image's versions,
+    # the first call's report merged into the second's as on the device.
     rehearsal = plan["rehearsal"]
     assert rehearsal[0].startswith("python3.12 -m venv")
     assert all(f"{package}==" in rehearsal[1] for package in ("torch", "transformers", "triton", "numpy"))
-    first = calls[0]["command"].split("python3 -m rollout.benchmarks.cli ")[1]
-    assert rehearsal[-1].startswith("(export OUT=") and rehearsal[-1].endswith(f"{first} --workload cpu-small)")
+    first, second = (call["command"].split("python3 -m rollout.benchmarks.cli ")[1] for call in calls)
+    assert rehearsal[-1].startswith("(export OUT=") and rehearsal[-1].endswith(f"{second} --workload cpu-small)")
+    assert f"{first} --workload cpu-small; mkdir -p .gpu-report && cp $OUT/gpu-report/gpu_report.json" in rehearsal[-1]
 
 
 def test_plan_needs_no_gpu(capsys):

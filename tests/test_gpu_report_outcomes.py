@@ -89,8 +89,8 @@ def _junit_reference(path: Path, tmp_path: Path) -> dict[str, int]:
     return {key: sum(outcome == key for outcome in worst.values()) for key in order} | {"tests": len(worst)}
 
 
-def _run(tmp_path: Path, path: Path, timeout_s: float = 120) -> tuple[int, dict, str]:
-    section = gpu_report.Section("kernel-tests", "sample tests", _pytest(path), timeout_s, tests=True)
+def _run(tmp_path: Path, path: Path, timeout_s: float = 120, **section_fields) -> tuple[int, dict, str]:
+    section = gpu_report.Section("kernel-tests", "sample tests", _pytest(path), timeout_s, tests=True, **section_fields)
     out = tmp_path / "report"
     with open(os.devnull, "w") as devnull:
         status = gpu_report.run_report([section], out, MACHINE, devnull)
@@ -172,6 +172,27 @@ def test_a_finished_run_counts_as_pytests_junit_xml_does(tmp_path):
     assert int(suite.get("errors")) == section["data"]["errors"] + 1
     found = pytest_outcomes.read_outcomes(tmp_path / "report" / "kernel-tests.outcomes.jsonl")
     assert found["ended"] and found["running"] is None
+
+
+def test_a_section_whose_tests_all_skip_fails_unless_its_skips_are_expected(tmp_path):
+    """GPU tests on a CPU all skip: on the GPU that is a failure ("no test passed"); in a CPU rehearsal, whose
+    section says why they may, it is reported skipped with that reason. Each skip's reason is in the outcome log."""
+    path = tmp_path / "test_gpu_only.py"
+    path.write_text(
+        "import pytest\n"
+        "@pytest.mark.skip(reason='needs a CUDA device')\ndef test_one(): pass\n"
+        "def test_two(): pytest.skip('needs a CUDA device too')\n"
+    )
+    status, report, _ = _run(tmp_path, path)
+    section = report["sections"]["kernel-tests"]
+    assert status == 1 and section["status"] == "failed" and "no test passed (2 skipped)" in section["error"]
+    lines = (tmp_path / "report" / "kernel-tests.outcomes.jsonl").read_text().splitlines()
+    reasons = [json.loads(line)["message"] for line in lines if json.loads(line).get("event") == "finish"]
+    assert reasons == ["needs a CUDA device", "needs a CUDA device too"]
+    status, report, markdown = _run(tmp_path, path, skips_expected="a CPU rehearsal")
+    section = report["sections"]["kernel-tests"]
+    assert section["status"] == "skipped" and section["error"] == "not run: a CPU rehearsal"
+    assert section["data"]["skipped"] == section["data"]["tests"] == 2
 
 
 def test_the_outcome_log_skips_what_is_not_a_line_of_it(tmp_path):

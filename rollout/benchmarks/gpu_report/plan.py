@@ -13,8 +13,8 @@ them). Both together, machine starts included, fit `DEVICE_BUDGET_S`. Weight pus
 `--only`.
 
 The GPU image has Python 3.12, torch 2.11, transformers 5.17 and Triton 3.6, and lacks the wheels in `WHEELS`. The
-rehearsal (`rehearsal_commands`) runs the first call's command on the cpu-small workload in a Python 3.12 virtualenv
-with the image's versions, on a CPU, before any GPU second is spent.
+rehearsal (`rehearsal_commands`) runs each call's command on the cpu-small workload in a Python 3.12 virtualenv with
+the image's versions, on a CPU, before any GPU second is spent.
 """
 
 from __future__ import annotations
@@ -161,14 +161,19 @@ def call_command(call: DeviceCall, first: bool) -> str:
 
 def rehearsal_commands() -> list[str]:
     """The rehearsal, run here on a CPU from the checkout's root: a Python 3.12 virtualenv with the GPU image's
-    versions, the carried wheels installed as on the device, and the first call's command on the cpu-small workload
-    (everything but the GPU: the same code paths, imports and flags)."""
+    versions, the carried wheels installed as on the device, and each call's command on the cpu-small workload, the
+    first call's report merged into the next as on the device (everything but the GPU: the same code paths, imports
+    and flags; sections that need a GPU say so)."""
     python = f"{REHEARSAL_VENV}/bin/python3"
+    reports = [report_command(FIRST_CALL, True, python, "cpu-small")]
+    for call in CALLS[1:]:
+        copy = f"mkdir -p {EARLIER_DIR} && cp $OUT/gpu-report/gpu_report.json {EARLIER_DIR}/"
+        reports.append(f"{copy} && {report_command(call, False, python, 'cpu-small')}")
     return [
         f"python3.12 -m venv {REHEARSAL_VENV}",
         f"{python} -m pip install -q {' '.join(repr(p) if '<' in p else p for p in IMAGE_PACKAGES)}",
         # In a subshell: its exports and `exit` stay there, whatever shell it is pasted into.
-        f"(export OUT=$(mktemp -d); {install_command(python)}; {report_command(FIRST_CALL, True, python, 'cpu-small')})",
+        f"(export OUT=$(mktemp -d); {install_command(python)}; {'; '.join(reports)})",
     ]
 
 

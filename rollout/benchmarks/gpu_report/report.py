@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("nano", "cpu-small"),
         default="nano",
         help="nano (default): the GPU report; cpu-small: rehearse the same sections on a CPU, no GPU needed (the "
-        "plan's rehearsal runs the first call's command so)",
+        "plan's rehearsal runs each call's command so)",
     )
     parser.add_argument(
         "--fresh",

@@ -90,6 +90,7 @@ def sections(tests_dir: Path, python: str = sys.executable, workload: str = "nan
             150,
             tests=True,
             reserve_s=60,
+            skips_expected="a CPU rehearsal: every GPU test needs a CUDA device" if rehearsal else None,
         ),
         Section(
             "speculative",

@@ -72,7 +72,7 @@ class _OutcomeLog:
         if report.failed:
             outcome, message = ("failed" if report.when == "call" else "errors"), _message(report)
         elif report.skipped:  # skipped, or an expected failure (xfail): JUnit XML counts both as skipped
-            outcome = "skipped"
+            outcome, message = "skipped", _skip_reason(report)
         before, seconds, before_message = self.phases.get(report.nodeid, ("passed", 0.0, None))
         if ORDER.index(before) >= ORDER.index(outcome):
             outcome, message = before, before_message
@@ -93,6 +93,14 @@ def _message(report: Any) -> str:
     text = crash.message if crash is not None else str(report.longrepr)
     lines = text.strip().splitlines()
     return lines[0][:MESSAGE_CHARS] if lines else ""
+
+
+def _skip_reason(report: Any) -> str | None:
+    """Why a test was skipped (pytest's (file, line, reason) triple), or None for an expected failure."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")[:MESSAGE_CHARS]
+    return None
 
 
 def read_outcomes(path: Path) -> dict[str, Any]:
