@@ -65,6 +65,7 @@ class OutputText:
         self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # self._ids[prefix:read] was decoded already; its text is the base of the next
         self._read_offset = len(self._ids)
+        self._early = 0  # characters of the tokens waiting to complete a character, returned already
         self._released = 0  # characters of `text` handed out by add() / finish()
         self.text = ""
         self.stopped: str | None = None
@@ -114,13 +115,19 @@ class OutputText:
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(ids[self._prefix_offset :])
         pending = len(ids) - self._read_offset
+        start = len(prefix_text) + self._early  # the waiting tokens' whole characters handed out already
         if token_id is not None and full_text.endswith(INCOMPLETE) and pending < MAX_PENDING_TOKENS:
-            return ""
+            # The characters before the one still incomplete are whole: they count now (a stop string among them
+            # ends the completion at this token, as `generate` ends it), not once the character completes.
+            whole = full_text.rstrip(INCOMPLETE)
+            early = whole[start:] if len(whole) > start else ""
+            self._early += len(early)
+            return early
         # The decoded window moves on, also past tokens without text (special tokens left out): tokens before the
         # new prefix are never decoded again, so a token costs the same however long the completion.
         del ids[: self._read_offset]
-        self._prefix_offset, self._read_offset = 0, len(ids)
-        return full_text[len(prefix_text) :] if len(full_text) > len(prefix_text) else ""
+        self._prefix_offset, self._read_offset, self._early = 0, len(ids), 0
+        return full_text[start:] if len(full_text) > start else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""

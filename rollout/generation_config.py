@@ -175,6 +175,10 @@ def resolve(
         value = values[name][1] if name in values else TRANSFORMERS_DEFAULTS.get(name)
         if value is not None:
             sampling[target] = eos_ids(value) if name == "eos_token_id" else value
+    if sampling.get("stop"):
+        # generate's StopStringCriteria reads every token's text, special tokens' included: a special token between
+        # two pieces of a stop string keeps them apart there, and so here.
+        sampling["skip_special_tokens"] = False
     if vocab_size is not None and values.get("eos_token_id", ("",))[0] == "model.generation_config":
         sampling["stop_token_ids"] = _reachable_eos(sampling["stop_token_ids"], vocab_size)
     try:

@@ -97,6 +97,55 @@ def test_multibyte_characters_wait_for_their_last_token():
     assert "".join(cut.add(t) for t in ids[:2]) + cut.finish() == tokenizer.decode(ids[:2]) == "a\ufffd"
 
 
+def test_a_token_ending_inside_a_character_stops_where_generate_stops():
+    """A byte-level token of "a" and the first byte of "é": its "a" is whole, so a stop string "a" ends the
+    completion at that token, as transformers' `StopStringCriteria` ends it (it waited for the next token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, StopStringCriteria
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["a\u00c3"] = len(vocab)  # "a" merged with the first byte of "é" (0xC3, "Ã" in byte-level letters)
+    backend = Tokenizer(models.BPE(vocab, [("a", "\u00c3")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    prompt = tokenizer.encode("x", add_special_tokens=False)
+    ids = tokenizer.encode("aé", add_special_tokens=False)
+    assert ids[0] == vocab["a\u00c3"] and tokenizer.decode(ids[:1]) == "a\ufffd"
+    generate_stops = StopStringCriteria(tokenizer, ["a"])(torch.tensor([prompt + ids[:1]]), None)
+    text = OutputText(tokenizer, prompt, stop=("a",))
+    assert text.add(ids[0]) == "" and text.stopped == "a" and text.text == ""
+    assert bool(generate_stops[0])
+    plain = OutputText(tokenizer, prompt, stop=("é",))
+    assert [plain.add(t) for t in ids] == ["a", ""] and plain.stopped == "é" and plain.text == "a"
+
+
+def test_a_special_token_inside_a_generation_configs_stop_string_keeps_it_apart_as_generate_does():
+    """`generate` matches `stop_strings` in every token's text, special tokens' included: "G", <|im_start|>, "aj"
+    does not complete "Gaj" there. A GenerationConfig's stop strings are matched so (the special token was left out
+    of the text, and the completion stopped at "aj"); SamplingParams' `stop` keeps vLLM's rule."""
+    from transformers import StopStringCriteria
+
+    from rollout.generation_config import resolve
+
+    ids = [*TOKENIZER.encode("G", add_special_tokens=False), 100, *TOKENIZER.encode("aj", add_special_tokens=False)]
+    prompt = TOKENIZER.encode("x", add_special_tokens=False)
+    criteria = StopStringCriteria(TOKENIZER, ["Gaj"])
+    generate_stops = [bool(criteria(torch.tensor([prompt + ids[:fed]]), None)[0]) for fed in range(1, len(ids) + 1)]
+    assert not any(generate_stops)
+    sampling = resolve(GenerationConfig(stop_strings=["Gaj"])).sampling
+    assert sampling.skip_special_tokens is False
+    text = OutputText(TOKENIZER, prompt, sampling.skip_special_tokens, sampling.stop)
+    for token in ids:
+        text.add(token)
+    assert text.stopped is None
+    vllm_rule = OutputText(TOKENIZER, prompt, stop=("Gaj",))
+    for token in ids:
+        vllm_rule.add(token)
+    assert vllm_rule.stopped == "Gaj"
+
+
 def greedy_run(model, prompts, max_new_tokens=24, **fields):
     sampling = SamplingParams(temperature=0, stop_token_ids=(), **fields)
     outputs = generate_batch(
