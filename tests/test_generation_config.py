@@ -91,6 +91,10 @@ def test_max_length_bounds_prompt_plus_completion_as_generate():
     with pytest.raises(FieldError) as raised:
         generate_batch(model, [list(range(20))], generation_config=config, progress_bar=False)
     assert raised.value.field == "max_length"
+    past = GenerationConfig(do_sample=False, max_length=model.config.max_position_embeddings + 1)
+    with pytest.raises(FieldError, match="exceeds the model's context") as raised:  # it named max_new_tokens
+        generate_batch(model, [prompt], generation_config=past, progress_bar=False)
+    assert raised.value.field == "max_length"
 
 
 def test_a_generation_config_that_is_no_generation_config_is_refused_by_name():

@@ -213,8 +213,9 @@ def test_stop_strings_need_a_tokenizer(model):
         generate_batch(model, [[5, 6]], sampling=SamplingParams(stop=["a"]), progress_bar=False)
     assert raised.value.field == "stop" and "tokenizer" in raised.value.reason
     config = GenerationConfig(stop_strings=["a"], max_new_tokens=4)
-    with pytest.raises(FieldError, match="tokenizer"):
+    with pytest.raises(FieldError, match="tokenizer") as raised:
         generate_batch(model, [[5, 6]], generation_config=config, progress_bar=False)
+    assert raised.value.field == "stop_strings"  # the GenerationConfig's name for them
     outputs = generate_batch(model, [[5, 6]], generation_config=config, tokenizer=TOKENIZER, progress_bar=False)
     assert len(outputs) == 1
 

@@ -150,7 +150,8 @@ class RequestIntake:
                 "stop strings need a tokenizer: pass tokenizer= to generate_batch / init_continuous_batching, or "
                 "serve a model with one (rollout-worker --tokenizer)"
             )
-            raise FieldError("stop", reason)
+            from_config = bool(self.default_sampling.stop) and sampling.stop == self.default_sampling.stop
+            raise FieldError("stop_strings" if from_config else "stop", reason)  # as the caller named them
 
     def prepare(self, spec: GroupSpec) -> Request:
         """Validate a group and resolve its defaults without queueing it (reads no mutable engine state, so any
@@ -190,6 +191,9 @@ class RequestIntake:
             max_new = self.default_max_length - len(prompt)
             if max_new < 1:
                 reason = f"{self.default_max_length} leaves no room after the prompt ({len(prompt)} tokens)"
+                raise FieldError("max_length", reason)
+            if self.default_max_length > self.max_model_len:  # named as given, not as the max_new_tokens it makes
+                reason = f"{self.default_max_length} exceeds the model's context of {self.max_model_len} tokens"
                 raise FieldError("max_length", reason)
         if max_new is None:  # asked for nowhere: rollout's default, within what the context leaves (at least 1)
             max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, self.max_model_len - len(prompt)))
