@@ -282,9 +282,7 @@ def check_served_base(model: Any, served: torch.nn.Module, adapter_name: str | N
         try:
             module = served.get_submodule(target)
         except AttributeError:
-            module = None  # from_peft_model's checks or the engine's name it
-        if module is None:
-            continue
+            continue  # a module the engine does not have: loading the adapter names it
         weight = module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.weight
         if weight is base:
             continue
