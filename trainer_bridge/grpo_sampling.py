@@ -29,8 +29,8 @@ HONOURED = (
     "vllm_structured_outputs_regex",
 )
 # Settings of the vLLM engine (or server) that rollout replaces: they change no token. (In rollout_mode="colocate"
-# vllm_gpu_memory_utilization sizes the KV cache on CUDA and vllm_enable_sleep_mode turns sleep_between_rounds on:
-# see RolloutGRPOTrainer.)
+# vllm_gpu_memory_utilization sizes the KV cache on CUDA, vllm_enable_sleep_mode turns sleep_between_rounds on, and
+# vllm_max_model_length caps prompt + completion as vLLM's max_model_len does: see RolloutGRPOTrainer.)
 NO_EFFECT = (
     "vllm_mode",
     "vllm_server_base_url",
@@ -96,7 +96,7 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         "do_sample": True,
         "temperature": args.temperature,
         "top_p": args.top_p,
-        "top_k": args.top_k or 0,
+        "top_k": 0 if args.top_k in (None, -1) else args.top_k,  # -1: off, as TRL's vLLM backend reads it
         "min_p": args.min_p or 0.0,
         "repetition_penalty": args.repetition_penalty,
         "max_new_tokens": args.max_completion_length,

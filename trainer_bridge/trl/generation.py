@@ -177,7 +177,8 @@ class RolloutGeneration:
             if groups and groups[-1].prompt_ids == list(row):
                 groups[-1].n += 1
             else:
-                groups.append(PromptGroup(list(row), 1, self.seeded(settings), f"grpo-{next(self._group_ids)}"))
+                row_settings = self.seeded(self.settings_for(list(row), settings))
+                groups.append(PromptGroup(list(row), 1, row_settings, f"grpo-{next(self._group_ids)}"))
         results = {result.group_id: result for result in self._generate_groups(groups)}
         ordered = [completion for group in groups for completion in results[group.group_id].completions]
         for completion in ordered:
@@ -193,6 +194,11 @@ class RolloutGeneration:
             [c.policy_versions for c in ordered],
             [c.finish_reason for c in ordered],
         )
+
+    def settings_for(self, prompt_ids: list[int], settings: dict[str, Any]) -> dict[str, Any]:
+        """A group's sampling settings for its prompt: `settings` as they are (colocate mode caps them to
+        `vllm_max_model_length`)."""
+        return settings
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         """The groups' results as they finish, through the workers (`restarted_workers.generate_groups`: the step's

@@ -176,6 +176,25 @@ def check_temperature(config: Any) -> None:
         )
 
 
+def check_vespo_mode(config: Any) -> None:
+    """TRL's own check of VESPO's importance-sampling mode, which GRPOTrainer runs only on its vLLM path
+    (`use_vllm=True`): RolloutGRPOTrainer builds it with `use_vllm=False` and turns the vLLM path on afterwards, so
+    the check is repeated here, in TRL's words, before a round is generated.
+
+    Raises:
+        ValueError: `loss_type="vespo"` with the importance-sampling correction on and a mode other than
+            "token_truncate" or "token_mask".
+    """
+    if getattr(config, "loss_type", None) != "vespo" or not getattr(config, "vllm_importance_sampling_correction", 0):
+        return
+    mode = getattr(config, "vllm_importance_sampling_mode", None)
+    if mode not in ("token_truncate", "token_mask"):
+        raise ValueError(
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+            f"Got: {mode}."
+        )
+
+
 def check_batch_invariant(batch_invariant: Any, config: Any) -> None:
     """`batch_invariant` is a bool, and not beside `GRPOConfig.torch_compile` (the compiled graph runs inductor's
     kernels, not the invariant operations: refused at the first step otherwise). Whether server-mode workers run

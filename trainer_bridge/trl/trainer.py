@@ -60,6 +60,7 @@ from trainer_bridge.trl.settings import (
     check_staleness,
     check_temperature,
     check_tool_loop,
+    check_vespo_mode,
     dtype_mismatch,
 )
 
@@ -190,6 +191,7 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
         if isinstance(config, GRPOConfig) and config.use_vllm:
             raise ValueError("RolloutGRPOTrainer replaces vLLM: set GRPOConfig(use_vllm=False)")
         check_temperature(config)
+        check_vespo_mode(config)
         check_reference_model(given.get("model"), config, given.get("peft_config"))
         check_mode(
             rollout_mode,
@@ -199,14 +201,14 @@ class RolloutGRPOTrainer(RoutingReplayMixin, InvariantScoringMixin, GRPOTrainer)
             rollout_engine_config,
             sleep_between_rounds,
         )
-        check_staleness(max_staleness, stale_policy, rollout_mode, kwargs.get("rollout_func"), rollout_push_kwargs)
+        check_staleness(max_staleness, stale_policy, rollout_mode, given.get("rollout_func"), rollout_push_kwargs)
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         steps_per_round = 1.0
         if isinstance(config, GRPOConfig):
             steps_per_round = config.steps_per_generation * config.num_iterations / config.gradient_accumulation_steps
         check_partial(partial_rollouts, max_partial_rounds, partial_overprovision, max_staleness, steps_per_round)
         check_off_policy(max_staleness, stale_policy, config, steps_per_round)  # (partial's bound covers a round)
-        if partial_rollouts and (rollout_mode != "server" or kwargs.get("rollout_func") is not None):
+        if partial_rollouts and (rollout_mode != "server" or given.get("rollout_func") is not None):
             raise ValueError("partial_rollouts needs rollout_mode='server' and no rollout_func")
         self.partial_rollouts = partial_rollouts
         self._partial_settings = (

@@ -1,0 +1,132 @@
+"""GRPOConfig settings of TRL's vLLM path that RolloutGRPOTrainer takes over: honoured as TRL's vLLM backend honours
+them, or refused in TRL's own words.
+
+- `vllm_max_model_length` in colocate mode caps prompt + completion as vLLM's `max_model_len` does (TRL builds its
+  colocated `LLM(max_model_len=...)` from it): a completion ends with finish reason "length" where the two reach
+  the cap, with the tokens it had without the cap.
+- `loss_type="vespo"` with the importance-sampling correction needs a token-level mode: TRL's GRPOTrainer checks
+  this only when `use_vllm=True`, which RolloutGRPOTrainer is built without.
+- `top_k=-1`, vLLM's "no top-k" that TRL passes on to it, is no top-k (rollout's own spelling is 0).
+- `rollout_func` passed by position is refused beside `max_staleness` as by keyword.
+
+References: TRL's GRPOTrainer source (its VESPO check, its signature's argument order) and the tokenizer's own
+token counts of the dataset's prompts."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from agentic_helpers import agent, conversations, multiply_tool
+from trl import GRPOTrainer
+
+from rollout import ContinuousBatchingConfig
+from rollout.presets import tiny_model
+from test_trl import TOKENIZER
+from trainer_bridge.trl import RolloutGRPOTrainer
+from trl_helpers import dataset, grpo_config, id_reward
+
+ENGINE = ContinuousBatchingConfig(num_blocks=128, block_size=16)
+NO_EOS = {"logit_bias": {TOKENIZER.eos_token_id: -100.0}}  # every completion runs to its length limit
+
+
+def colocated(tmp_path, **config) -> RolloutGRPOTrainer:
+    return RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, max_steps=1, generation_kwargs=NO_EOS, **config),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=ENGINE,
+    )
+
+
+def sampled_rows(trainer: RolloutGRPOTrainer) -> list[tuple[list[int], list[int], str]]:
+    """(prompt, completion, finish reason) of every row the trainer's one step sampled."""
+    rows = []
+    generate_rows = trainer.rollout.generate_rows
+
+    def recording(prompt_ids, **sampling):
+        result = generate_rows(prompt_ids, **sampling)
+        rows.extend(zip(prompt_ids, result.completion_ids, result.finish_reasons))
+        return result
+
+    trainer.rollout.generate_rows = recording
+    trainer.train()
+    trainer.close()
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_vllm_max_model_length_caps_prompt_and_completion_in_colocate_mode(tmp_path):
+    """Completions end where prompt + completion reach the cap, with the tokens the uncapped run sampled (the
+    same seeds), and are otherwise left to max_completion_length; a prompt leaving no room is refused by name."""
+    prompt_tokens = len(TOKENIZER(dataset()["prompt"][0])["input_ids"])
+    cap = prompt_tokens + 5  # below prompt + max_completion_length (8)
+    uncapped = sampled_rows(colocated(tmp_path / "uncapped"))
+    capped = sampled_rows(colocated(tmp_path / "capped", vllm_max_model_length=cap))
+    assert [prompt for prompt, _, _ in capped] == [prompt for prompt, _, _ in uncapped]
+    for (prompt, full, full_reason), (_, cut, reason) in zip(uncapped, capped):
+        assert len(full) == 8 and full_reason == "length"
+        assert len(prompt) + len(cut) == cap and reason == "length"
+        assert cut == full[: len(cut)]
+    roomy = sampled_rows(colocated(tmp_path / "roomy", vllm_max_model_length=prompt_tokens + 50))
+    assert [completion for _, completion, _ in roomy] == [completion for _, completion, _ in uncapped]
+    tight = colocated(tmp_path / "tight", vllm_max_model_length=prompt_tokens)
+    with pytest.raises(ValueError, match=f"leaves no room .*vllm_max_model_length={prompt_tokens}"):
+        tight.train()
+    tight.close()
+
+
+@pytest.mark.timeout(120)
+def test_vllm_max_model_length_with_tools_is_refused_in_colocate_mode(tmp_path):
+    """TRL's tool loop drops a turn past the model's context (its colocated vLLM's max_model_len only with
+    vllm_mode="colocate", which this trainer is not): refused, not half honoured."""
+
+    model, tokenizer = agent(calls=[{"name": "multiply_tool", "arguments": {"a": 3}}])
+    with pytest.raises(ValueError, match="vllm_max_model_length with tools or environment_factory"):
+        RolloutGRPOTrainer(
+            model=model,
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path, vllm_max_model_length=64),
+            train_dataset=conversations(),
+            processing_class=tokenizer,
+            tools=[multiply_tool],
+            rollout_mode="colocate",
+        )
+
+
+def test_top_k_minus_one_is_no_top_k_as_trl_passes_it_to_vllm(tmp_path):
+    """TRL hands GRPOConfig.top_k to vLLM as is, where -1 turns top-k off: the same completions as top_k=0."""
+    off = sampled_rows(colocated(tmp_path / "zero", top_k=0))
+    assert sampled_rows(colocated(tmp_path / "minus_one", top_k=-1)) == off
+
+
+def test_vespo_needs_a_token_level_importance_sampling_mode_as_on_trls_vllm_path(tmp_path):
+    """TRL raises this on its vLLM path (GRPOTrainer's init, when use_vllm=True): the same words, before any round.
+    With a token-level mode, or without the correction, the trainer is built."""
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert 'self.loss_type == "vespo" and self.use_vllm and self.vllm_importance_sampling_correction' in source
+    assert "VESPO loss requires `vllm_importance_sampling_mode`" in source
+    with pytest.raises(ValueError, match="VESPO loss requires `vllm_importance_sampling_mode`.*Got: sequence_mask"):
+        colocated(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="sequence_mask")
+    for config in (
+        dict(vllm_importance_sampling_mode="token_mask"),
+        dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_correction=False),
+    ):
+        colocated(tmp_path, loss_type="vespo", **config).close()
+
+
+def test_rollout_func_by_position_is_refused_beside_max_staleness(tmp_path):
+    """GRPOTrainer takes rollout_func as its 14th argument: given there, max_staleness refuses it as by keyword."""
+
+    def rollout_func(prompts, trainer):
+        raise AssertionError("never called")
+
+    names = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+    given = dict(model=tiny_model(0), reward_funcs=id_reward, args=grpo_config(tmp_path), train_dataset=dataset())
+    given.update(processing_class=TOKENIZER, rollout_func=rollout_func)
+    positional = [given.get(name) for name in names[: names.index("rollout_func") + 1]]
+    with pytest.raises(ValueError, match="max_staleness > 0 does not apply to rollout_func"):
+        RolloutGRPOTrainer(*positional, rollout_workers=["tcp://127.0.0.1:1"], max_staleness=1)
