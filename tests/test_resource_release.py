@@ -113,6 +113,21 @@ def test_an_http_server_that_cannot_listen_leaves_nothing(collector_off):
     assert held() is None
 
 
+def test_a_manager_whose_weight_update_failed_goes_once_destroyed(collector_off):
+    """A refused weight update raises on the caller's thread: the error's traceback (the caller may keep it) holds
+    the frames that raised it, and must not hold itself in one of them (a cycle keeping the manager, its engine and
+    model until a collection)."""
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=16))
+    manager.start()
+    name, tensor = next(iter(manager.engine.model.state_dict().items()))
+    with pytest.raises(ValueError, match="shape"):
+        manager.update_weights({name: tensor.new_zeros(3)}, partial=True)
+    manager.destroy()
+    held = weakref.ref(manager)
+    del manager
+    assert held() is None
+
+
 def test_a_worker_with_metrics_leaves_no_cycle(collector_off):
     """`--metrics-port`: the manager holds the metrics (its step observer), which must not hold the worker back."""
     running, serving = serve_in_process("--metrics-port", "0")
@@ -197,6 +212,53 @@ def test_a_refused_torch_distributed_push_closes_its_store(collector_off):
                 time.sleep(0.05)
             # Each store held about 8 sockets; a few may differ for other reasons (the client's own connection).
             assert open_sockets() - before <= 3
+    finally:
+        stop_serving(running, serving)
+
+
+def test_a_closed_client_is_freed_without_a_collection_after_calls_that_failed(collector_off):
+    """A RolloutClient, once closed and dropped, is gone at once: after a generate answered, one that failed (no
+    worker: its RolloutError's traceback held the frame that raised it, and so the client), an asyncio call that
+    failed, and a stream cut by the close. Its I/O thread's liveness held the dispatcher's own send: a cycle too."""
+    import asyncio
+
+    from trainer_bridge import PromptGroup
+
+    group = PromptGroup([5, 9, 14], sampling={"max_new_tokens": 3, "seed": 0})
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+
+    def dropped(client: RolloutClient) -> tuple[weakref.ref, weakref.ref]:
+        client.close()
+        return weakref.ref(client), weakref.ref(client._io)  # the client, and its I/O thread's sockets and state
+
+    running, serving = serve_in_process()
+    try:
+        held = []
+        with RolloutClient(running.worker.address, timeout=30) as client:
+            assert client.generate(group).completions[0].finish_reason == "length"
+            stream = client.stream(PromptGroup([5, 9, 14], sampling={"max_new_tokens": 200, "seed": 0}))
+            next(stream)
+        with pytest.raises(RolloutError, match="closed"):
+            for _ in stream:
+                pass
+        del stream
+        held.append(dropped(client))
+        client = RolloutClient(nobody, connect_timeout=0.2, timeout=0.5)
+        with pytest.raises(RolloutError):
+            client.generate(group, timeout=0.5)
+        held.append(dropped(client))
+        client = RolloutClient(nobody, connect_timeout=0.2, timeout=0.5)
+
+        async def failing() -> None:  # caught in the task (asyncio's own task and traceback hold each other)
+            with pytest.raises(RolloutError):
+                await client.agenerate(group, timeout=0.5)
+
+        asyncio.run(failing())
+        held.append(dropped(client))
+        del client
+        assert [(client() is None, io() is None) for client, io in held] == [(True, True)] * 3
     finally:
         stop_serving(running, serving)
 

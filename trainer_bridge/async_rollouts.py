@@ -202,7 +202,10 @@ class AsyncRollouts:
                 f"cancelled): after the push, start new ones with base_version={self.base_version + self.step}."
             )
             raise RolloutError(error.code, message, error.field) from error
-        raise error
+        try:
+            raise error
+        finally:  # the traceback keeps this frame, not the error: no cycle to collect
+            error = None
 
     def close(self) -> None:
         """Cancel every group still in flight (also at the end of a `with` block, and on errors)."""
@@ -283,7 +286,10 @@ class AsyncRollouts:
         except queue.Empty:
             raise timed_out(f"no group finished within {self.timeout:g} s", self.client.outage()) from None
         if isinstance(event, RolloutError):
-            raise event
+            try:
+                raise event
+            finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                event = None
         self._in_flight.discard(event.group_id)
         index = self._slot_of.get(event.group_id)
         if index is None or (self.partial is not None and index not in self.partial):

@@ -136,7 +136,10 @@ class Caller:
                 except queue.Empty:
                     raise timed_out("no group finished in time", self._client.outage()) from None
                 if isinstance(event, RolloutError):
-                    raise event
+                    try:
+                        raise event
+                    finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
+                        event = None  # holding the closed client with its callers' frames)
                 pending.pop(event.group_id, None)
                 yield event
         finally:
@@ -149,7 +152,10 @@ class Caller:
         except queue.Empty:
             raise timed_out(f"group {call.group.group_id!r}: no answer in time", self._client.outage()) from None
         if isinstance(event, RolloutError):
-            raise event
+            try:
+                raise event
+            finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
+                event = None  # holding the closed client with its callers' frames)
         return event
 
     # ---- from asyncio: events come straight from the I/O thread into the event loop (no thread per call) ----------

@@ -174,7 +174,10 @@ class AsyncSink:
         except asyncio.TimeoutError:
             raise timed_out(f"group {group_id!r}: no answer in time", outage and outage()) from None
         if isinstance(event, RolloutError):
-            raise event
+            try:
+                raise event
+            finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
+                event = None  # holding the closed client with its callers' frames)
         return event
 
 

@@ -139,6 +139,9 @@ class Dispatcher:
                     worker.close()
             self._context.term()
             self._waker.close()
+            # Only this thread used it, and it holds this dispatcher's `_send`: a cycle that would keep the closed
+            # client's memory until a garbage collection.
+            del self.liveness
 
     def _run_commands(self) -> None:
         for command in drain(self._commands):

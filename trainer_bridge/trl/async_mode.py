@@ -222,7 +222,10 @@ class AsyncRolloutGeneration(RolloutGeneration):
         while any(group_id not in self._results for group_id in group_ids):
             event = self._next_event(self._sink)
             if isinstance(event, RolloutError):
-                raise event
+                try:
+                    raise event
+                finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                    event = None
             self._in_flight.discard(event.group_id)
             self._results[event.group_id] = event
         return [self._results.pop(group_id) for group_id in group_ids]

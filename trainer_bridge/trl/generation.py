@@ -247,6 +247,9 @@ def _raise_on_every_rank(accelerator: Any, failure: BaseException | None, what: 
     if accelerator.num_processes > 1:
         broadcast_object_list(outcome, from_process=0)
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:  # the traceback keeps this frame, not the error: no cycle to collect
+            failure = None
     if outcome[0] is not None:
         raise RolloutError("main_process_failed", f"the main process failed {what}: {outcome[0]}")

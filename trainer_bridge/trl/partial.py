@@ -188,7 +188,10 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
     def _collect_one(self) -> None:
         event = self._next_event(self._pool_sink)  # (pushes the step's weights again to restarted workers)
         if isinstance(event, RolloutError):
-            raise event
+            try:
+                raise event
+            finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                event = None
         key = self._key_of.get(event.group_id)
         if key is None:
             return  # a group sent again meanwhile: its first result is nobody's

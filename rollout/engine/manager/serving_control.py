@@ -192,7 +192,10 @@ class ServingControl:
     @staticmethod
     def _answered(answer: Any) -> Any:
         if isinstance(answer, BaseException):
-            raise answer
+            try:
+                raise answer
+            finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                answer = None
         return answer
 
     def _ask(self, command: GenerationPauseCommand | EngineCall, run_here: Callable, timeout: float | None) -> Any:

@@ -161,7 +161,10 @@ class WeightUpdateQueue:
             self._deliver(result.outputs)
         finally:
             self.engine.resume_admission()
-        update.callback(outcome)
+        try:
+            update.callback(outcome)
+        finally:  # a refused update's traceback keeps this frame: not the error too (a cycle holding the manager)
+            outcome = None
         return True
 
     def _apply(self, update: PendingUpdate) -> WeightUpdateResult:
@@ -199,7 +202,10 @@ class WeightUpdateQueue:
                     raise TimeoutError(f"the weight update was not applied within {timeout} s") from None
             outcome = done.get()  # being applied right now: a copy, so this returns promptly
         if isinstance(outcome, BaseException):
-            raise outcome
+            try:
+                raise outcome
+            finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                outcome = None
         return outcome
 
     def apply_adapter(

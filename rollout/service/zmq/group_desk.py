@@ -150,7 +150,10 @@ class GroupDesk:
         identity = group.identity
         try:
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                    error = None
             fields = dict(sampling=sampling, n=message.n, streaming=message.stream, adapter=message.adapter)
             # Admission takes turns between clients; drafts stay within one client and one session (`Generate`). A
             # group with no session is a session of its own: over its routing id alone, a connection that took a gone

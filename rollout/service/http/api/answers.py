@@ -61,7 +61,10 @@ class AnswerWriter:
             pass
         error = answer_error(answer.submission.choices, answer.submission.overflowed)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:  # the traceback keeps this frame, not the error: no cycle to collect
+                error = None
         return await asyncio.to_thread(lambda: json_bytes(self._whole(answer)))
 
     def _whole(self, answer: Answer) -> dict[str, Any]:
