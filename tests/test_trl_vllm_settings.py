@@ -4,6 +4,8 @@ them, or refused in TRL's own words.
 - `vllm_max_model_length` in colocate mode caps prompt + completion as vLLM's `max_model_len` does (TRL builds its
   colocated `LLM(max_model_len=...)` from it): a completion ends with finish reason "length" where the two reach
   the cap, with the tokens it had without the cap.
+- Without it, vLLM's `max_model_len` is the model's context: a `max_completion_length` past it ends there (it was
+  refused), and `max_completion_length=None` runs to it (TRL's vLLM path sends `max_tokens=None`), in both modes.
 - `loss_type="vespo"` with the importance-sampling correction needs a token-level mode: TRL's GRPOTrainer checks
   this only when `use_vllm=True`, which RolloutGRPOTrainer is built without.
 - `top_k=-1`, vLLM's "no top-k" that TRL passes on to it, is no top-k (rollout's own spelling is 0).
@@ -22,23 +24,43 @@ from trl import GRPOTrainer
 
 from rollout import ContinuousBatchingConfig
 from rollout.presets import tiny_model
+from service_helpers import Worker
 from test_trl import TOKENIZER
 from trainer_bridge.trl import RolloutGRPOTrainer
 from trl_helpers import dataset, grpo_config, id_reward
 
 ENGINE = ContinuousBatchingConfig(num_blocks=128, block_size=16)
+CONTEXT = 300  # a model context past the 256 tokens a request without a length used to get
 NO_EOS = {"logit_bias": {TOKENIZER.eos_token_id: -100.0}}  # every completion runs to its length limit
 
 
-def colocated(tmp_path, **config) -> RolloutGRPOTrainer:
+def short_context_model():
+    """The tiny model with a context of CONTEXT tokens."""
+    model = tiny_model(0)
+    model.config.max_position_embeddings = CONTEXT
+    return model
+
+
+def colocated(tmp_path, model=None, **config) -> RolloutGRPOTrainer:
     return RolloutGRPOTrainer(
-        model=tiny_model(0),
+        model=model or tiny_model(0),
         reward_funcs=id_reward,
         args=grpo_config(tmp_path, max_steps=1, generation_kwargs=NO_EOS, **config),
         train_dataset=dataset(),
         processing_class=TOKENIZER,
         rollout_mode="colocate",
         rollout_engine_config=ENGINE,
+    )
+
+
+def served(tmp_path, address: str, **config) -> RolloutGRPOTrainer:
+    return RolloutGRPOTrainer(
+        model=short_context_model(),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, max_steps=1, generation_kwargs=NO_EOS, **config),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=address,
     )
 
 
@@ -74,9 +96,38 @@ def test_vllm_max_model_length_caps_prompt_and_completion_in_colocate_mode(tmp_p
     roomy = sampled_rows(colocated(tmp_path / "roomy", vllm_max_model_length=prompt_tokens + 50))
     assert [completion for _, completion, _ in roomy] == [completion for _, completion, _ in uncapped]
     tight = colocated(tmp_path / "tight", vllm_max_model_length=prompt_tokens)
-    with pytest.raises(ValueError, match=f"leaves no room .*vllm_max_model_length={prompt_tokens}"):
+    with pytest.raises(ValueError, match=f"leaves no room .*vllm_max_model_length of {prompt_tokens} tokens"):
         tight.train()
     tight.close()
+
+
+@pytest.fixture(scope="module")
+def short_context_worker(tmp_path_factory):
+    """A worker serving the tiny model saved with a context of CONTEXT tokens."""
+    folder = tmp_path_factory.mktemp("short_context")
+    short_context_model().save_pretrained(folder)
+    TOKENIZER.save_pretrained(folder)
+    worker = Worker("--model", str(folder), "--num-blocks", "512")
+    yield worker
+    worker.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_completions_run_to_the_models_context_as_on_trls_vllm_path(tmp_path, short_context_worker, mode):
+    """Colocated, max_completion_length=None runs to the model's context; served, a max_completion_length past the
+    workers' context ends there (finish reason "length"), as vLLM's max_model_len (the model's context by default)
+    ends them. (Two rows each: the long completions are the cost.)"""
+    prompt_tokens = len(TOKENIZER(dataset()["prompt"][0])["input_ids"])
+    assert CONTEXT - prompt_tokens > 256  # (what a completion without a length got before)
+    two_rows = dict(per_device_train_batch_size=2, num_generations=2)
+    if mode == "colocate":
+        ran = sampled_rows(colocated(tmp_path, short_context_model(), max_completion_length=None, **two_rows))
+    else:
+        address = short_context_worker.address
+        ran = sampled_rows(served(tmp_path, address, max_completion_length=CONTEXT + 10, **two_rows))
+    assert {len(prompt) + len(completion) for prompt, completion, _ in ran} == {CONTEXT}
+    assert [reason for _, _, reason in ran] == ["length"] * 2
 
 
 @pytest.mark.timeout(120)

@@ -210,7 +210,7 @@ class AsyncRolloutGeneration(RolloutGeneration):
             if groups and groups[-1].prompt_ids == list(row):
                 groups[-1].n += 1
             else:
-                groups.append(PromptGroup(list(row), 1, self.seeded(self.sampling)))
+                groups.append(PromptGroup(list(row), 1, self.seeded(self.settings_for(list(row), self.sampling))))
         return groups
 
     def _send(self, group: PromptGroup) -> PromptGroup:

@@ -38,33 +38,16 @@ class ColocatedGeneration(RolloutGeneration):
         self.devices = {engine.engine.kv_cache.kv.device.type}
         self.dtypes = {str(engine.engine.kv_cache.kv.dtype).removeprefix("torch.")}
         self.sleep_between_rounds = sleep_between_rounds
-        # Prompt + completion tokens at most, as vLLM's max_model_len caps them in TRL's colocate mode (None: the
-        # model's context bounds them).
-        self.max_model_length: int | None = getattr(trainer.args, "vllm_max_model_length", None)
+        cap = getattr(trainer.args, "vllm_max_model_length", None)  # TRL builds its colocated LLM's max_model_len of it
+        if cap is None:
+            self.context = (engine.engine.max_model_len, "the model's context")
+        else:
+            self.context = (cap, "GRPOConfig.vllm_max_model_length")
 
     def sync_weights(self) -> None:
         """Nothing to send: the engine samples with the trainer's parameters; the next round is tagged with the
         global step."""
         self.engine.set_policy_version(self._next_version())
-
-    def settings_for(self, prompt_ids: list[int], settings: dict[str, Any]) -> dict[str, Any]:
-        """The group's settings with its completion ending where prompt + completion reach `vllm_max_model_length`
-        (finish reason "length"), as TRL's colocated vLLM ends it; without the cap, as they are.
-
-        Raises:
-            ValueError: a prompt that leaves no room for a completion within the cap, naming it.
-        """
-        cap = self.max_model_length
-        if cap is None:
-            return settings
-        room = cap - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"a prompt of {len(prompt_ids)} tokens leaves no room for a completion within "
-                f"GRPOConfig.vllm_max_model_length={cap} (prompt + completion tokens): raise it, or shorten the prompt"
-            )
-        asked = settings.get("max_new_tokens")
-        return settings if asked is not None and asked <= room else {**settings, "max_new_tokens": room}
 
     def close(self) -> None:
         """The end of a `train()` (returned or raised): free the engine's KV cache and decode graphs, whatever

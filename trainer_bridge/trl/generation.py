@@ -71,6 +71,10 @@ class RolloutGeneration:
         # model's).
         self.devices: set[str] = set()
         self.dtypes: set[str] = set()
+        # Prompt + completion tokens at most, and what sets it (server mode: the workers' smallest context; colocated:
+        # GRPOConfig.vllm_max_model_length, else the engine's): a completion ends there with finish reason "length",
+        # as vLLM's max_model_len ends it on TRL's vLLM path (None: no cap known, the workers refuse what overflows).
+        self.context: tuple[int, str] | None = None
 
     @property
     def last_version(self) -> int | None:
@@ -196,9 +200,27 @@ class RolloutGeneration:
         )
 
     def settings_for(self, prompt_ids: list[int], settings: dict[str, Any]) -> dict[str, Any]:
-        """A group's sampling settings for its prompt: `settings` as they are (colocate mode caps them to
-        `vllm_max_model_length`)."""
-        return settings
+        """A group's sampling settings for its prompt: its completion ends where prompt + completion reach the
+        `context`, and runs to it when the settings give no length (GRPOConfig.max_completion_length=None), as
+        vLLM ends and sizes it on TRL's vLLM path.
+
+        Args:
+            prompt_ids: the group's prompt.
+            settings: the round's sampling settings (a `SamplingParams` dict).
+        Raises:
+            ValueError: a prompt that leaves no room for a completion within the context, naming what sets it.
+        """
+        if self.context is None:
+            return settings
+        cap, named = self.context
+        room = cap - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room for a completion within {named} of {cap} "
+                "tokens (prompt + completion)"
+            )
+        asked = settings.get("max_new_tokens")
+        return settings if asked is not None and asked <= room else {**settings, "max_new_tokens": room}
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         """The groups' results as they finish, through the workers (`restarted_workers.generate_groups`: the step's

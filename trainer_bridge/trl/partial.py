@@ -157,7 +157,8 @@ class PartialRolloutGeneration(AsyncRolloutGeneration):
                 continue
             prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy([rows[0]["prompt"]]))  # noqa: SLF001
             self._rows[key] = rows
-            self._send_group(key, PromptGroup(list(prompt_ids[0]), n, self.seeded(self._group_sampling(rows))))
+            sampling = self.seeded(self.settings_for(list(prompt_ids[0]), self._group_sampling(rows)))
+            self._send_group(key, PromptGroup(list(prompt_ids[0]), n, sampling))
             pool.add(key, self._rounds)
         self._cursor = (epoch, index, group)
 

@@ -38,14 +38,16 @@ def server_generation(
     trainer.rollout_client = client
     # The workers may have served other weights before: version base + step is this run's weights at `step`.
     # (A collective here, at construction, never inside generate.)
-    # [version or error, a refusal of batch_invariant, the workers' devices, their dtypes]
-    current: list[Any] = [0, None, [], []]
+    # [version or error, a refusal of batch_invariant, the workers' devices, their dtypes, their smallest context]
+    current: list[Any] = [0, None, [], [], None]
     if trainer.accelerator.is_main_process:
         try:
             stats = client.stats()
             devices = sorted({str(s.get("device", "unknown")) for s in stats})
             dtypes = sorted({str(s.get("dtype", "unknown")) for s in stats})
-            current = [max((s["policy_version"] for s in stats), default=0), None, devices, dtypes]
+            contexts = [s["max_model_len"] for s in stats if isinstance(s.get("max_model_len"), int)]
+            context = min(contexts, default=None)
+            current = [max((s["policy_version"] for s in stats), default=0), None, devices, dtypes, context]
             plain = sum(1 for s in stats if not s.get("batch_invariant", False))
             fp32_head = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
             other_head = sum(1 for s in stats if bool(s.get("fp32_logits", False)) != fp32_head)
@@ -61,15 +63,22 @@ def server_generation(
                     f"cast_lm_head_to_fp32 is {fp32_head}"
                 )
         except Exception as error:  # noqa: BLE001 - handed to every rank
-            current = [f"cannot read the workers' policy version: {error}", None, [], []]
+            current = [f"cannot read the workers' policy version: {error}", None, [], [], None]
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(current, from_process=0)
     if isinstance(current[0], str):
         raise RolloutError("unreachable", current[0])
     if current[1] is not None:
         raise ValueError(current[1])
-    trainer._worker_placement = current[2:]  # where and in which dtype the workers compute log-probs (old_logps.py)
-    base_version = current[0] + 1
+    trainer._worker_placement = current[2:4]  # where and in which dtype the workers compute log-probs (old_logps.py)
+    generation = _generation(trainer, client, current[0] + 1, push_kwargs)
+    if current[4] is not None:
+        generation.context = (current[4], "the workers' context")
+    return generation
+
+
+def _generation(trainer: Any, client: RolloutClient, base_version: int, push_kwargs: dict[str, Any] | None) -> Any:
+    """The server-mode backend the trainer's settings call for: in order, sent ahead (max_staleness), or partial."""
     if not (trainer.partial_rollouts or trainer.max_staleness):
         return RolloutGeneration(trainer, client, base_version, **(push_kwargs or {}))
     ahead = dict(max_staleness=trainer.max_staleness, stale_policy=trainer.stale_policy, **(push_kwargs or {}))

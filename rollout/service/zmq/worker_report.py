@@ -38,7 +38,7 @@ def worker_stats(
     """The manager's counters plus the worker's: policy version, groups received / refused / in flight / finished,
     samples finished by reason, clients (seen, lost, dropped for not reading), reply bytes waiting for slow clients,
     weight updates rejected, their bytes and pauses, tokens/s since start, served adapters, and whether the engine
-    runs batch-invariant and with fp32 logits, on which device ("cpu", "cuda") and in which dtype ("bfloat16", ...).
+    runs batch-invariant and with fp32 logits, its context (`max_model_len`: prompt + completion tokens), on which device ("cpu", "cuda") and in which dtype ("bfloat16", ...).
     Safe from any thread (the /metrics scrape reads it).
 
     Args:
@@ -68,6 +68,7 @@ def worker_stats(
         base_id=updates.base.base_id,
         batch_invariant=engine.config.batch_invariant,
         fp32_logits=engine.config.fp32_logits,
+        max_model_len=engine.max_model_len,
         device=engine.kv_cache.kv.device.type,
         dtype=str(engine.kv_cache.kv.dtype).removeprefix("torch."),
     )
