@@ -26,6 +26,7 @@ from rollout import ContinuousBatchingConfig
 from rollout.presets import tiny_model
 from service_helpers import Worker
 from test_trl import TOKENIZER
+from trainer_bridge import ColocatedEngine
 from trainer_bridge.trl import RolloutGRPOTrainer
 from trl_helpers import dataset, grpo_config, id_reward
 
@@ -81,7 +82,7 @@ def sampled_rows(trainer: RolloutGRPOTrainer) -> list[tuple[list[int], list[int]
 
 
 @pytest.mark.timeout(300)
-def test_vllm_max_model_length_caps_prompt_and_completion_in_colocate_mode(tmp_path):
+def test_vllm_max_model_length_caps_prompt_and_completion_in_colocate_mode(tmp_path, monkeypatch):
     """Completions end where prompt + completion reach the cap, with the tokens the uncapped run sampled (the
     same seeds), and are otherwise left to max_completion_length; a prompt leaving no room is refused by name."""
     prompt_tokens = len(TOKENIZER(dataset()["prompt"][0])["input_ids"])
@@ -99,6 +100,14 @@ def test_vllm_max_model_length_caps_prompt_and_completion_in_colocate_mode(tmp_p
     with pytest.raises(ValueError, match=f"leaves no room .*vllm_max_model_length of {prompt_tokens} tokens"):
         tight.train()
     tight.close()
+    closed = []
+    monkeypatch.setattr(
+        ColocatedEngine, "close", lambda engine, close=ColocatedEngine.close: closed.append(close(engine))
+    )
+    for wrong in (2049, 0, 30.0):  # past the model's context of 2048 (vLLM refuses to build such an LLM), not a length
+        with pytest.raises(ValueError, match=f"vllm_max_model_length must be an integer from 2 to .* got {wrong!r}"):
+            colocated(tmp_path / "wrong", vllm_max_model_length=wrong)
+    assert len(closed) == 3  # the engine built for each refused trainer was closed, its KV cache freed
 
 
 @pytest.fixture(scope="module")

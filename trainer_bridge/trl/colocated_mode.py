@@ -39,8 +39,14 @@ class ColocatedGeneration(RolloutGeneration):
         self.dtypes = {str(engine.engine.kv_cache.kv.dtype).removeprefix("torch.")}
         self.sleep_between_rounds = sleep_between_rounds
         cap = getattr(trainer.args, "vllm_max_model_length", None)  # TRL builds its colocated LLM's max_model_len of it
+        context = engine.engine.max_model_len
         if cap is None:
-            self.context = (engine.engine.max_model_len, "the model's context")
+            self.context = (context, "the model's context")
+        elif not isinstance(cap, int) or isinstance(cap, bool) or not 2 <= cap <= context:
+            raise ValueError(
+                f"GRPOConfig.vllm_max_model_length must be an integer from 2 to the model's context ({context} "
+                f"tokens), got {cap!r}"
+            )
         else:
             self.context = (cap, "GRPOConfig.vllm_max_model_length")
 
@@ -116,4 +122,8 @@ def colocated_generation(
 
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # a processor's tokenizer
     engine = ColocatedEngine(model, engine_config, round_context=round_context, tokenizer=tokenizer)
-    return ColocatedGeneration(trainer, engine, args.vllm_enable_sleep_mode if sleep is None else sleep)
+    try:
+        return ColocatedGeneration(trainer, engine, args.vllm_enable_sleep_mode if sleep is None else sleep)
+    except BaseException:  # a setting refused against the engine: its KV cache is freed now, not at a collection
+        engine.close()
+        raise
