@@ -128,6 +128,49 @@ def test_a_manager_whose_weight_update_failed_goes_once_destroyed(collector_off)
     assert held() is None
 
 
+def test_a_manager_whose_step_or_control_call_failed_goes_once_destroyed(collector_off, monkeypatch):
+    """A forward that raises once (its step's requests end with the error, the engine goes on) and refused control
+    calls (on the engine thread, and before it started): the errors reach callers and outputs, and none holds itself
+    in a frame its traceback keeps (each frame keeps its callers: the engine thread's loop, the manager)."""
+    import logging
+
+    # The step's logged traceback would be kept by pytest's log capture (a handler that stores its records).
+    monkeypatch.setattr(logging.getLogger("rollout.engine.engine"), "propagate", False)
+
+    def failed_step(manager) -> None:
+        model, calls = manager.engine.model, []
+        forward = model.forward
+
+        def once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("forward failed once")
+            return forward(*args, **kwargs)
+
+        model.forward = once
+        first = manager.get_result(manager.add_request([5, 9, 14], max_new_tokens=3), timeout=60)
+        assert "forward failed once" in (first.error or "")
+        assert manager.get_result(manager.add_request([5, 9, 14], max_new_tokens=3), timeout=60).error is None
+        del model.forward
+
+    def refused_calls(manager) -> None:
+        with pytest.raises(ValueError):
+            manager.control.pause_generation(mode="bogus")
+        with pytest.raises(Exception, match="nope"):
+            manager.control.unload_adapter("nope", timeout=30)
+
+    for start, drive in ((True, failed_step), (True, refused_calls), (False, refused_calls)):
+        config = ContinuousBatchingConfig(num_blocks=16)
+        manager = init_continuous_batching(tiny_model(), continuous_batching_config=config)
+        if start:
+            manager.start()
+        drive(manager)
+        manager.destroy()
+        held = weakref.ref(manager)  # (not its engine: this suite's conftest keeps every engine built)
+        del manager
+        assert held() is None, (start, drive.__name__)
+
+
 def test_a_worker_with_metrics_leaves_no_cycle(collector_off):
     """`--metrics-port`: the manager holds the metrics (its step observer), which must not hold the worker back."""
     running, serving = serve_in_process("--metrics-port", "0")
@@ -251,14 +294,36 @@ def test_a_closed_client_is_freed_without_a_collection_after_calls_that_failed(c
         held.append(dropped(client))
         client = RolloutClient(nobody, connect_timeout=0.2, timeout=0.5)
 
-        async def failing() -> None:  # caught in the task (asyncio's own task and traceback hold each other)
-            with pytest.raises(RolloutError):
+        async def failing(client: RolloutClient) -> None:  # caught in the task (asyncio's task and traceback
+            with pytest.raises(RolloutError):  # hold each other)
                 await client.agenerate(group, timeout=0.5)
 
-        asyncio.run(failing())
+        asyncio.run(failing(client))
         held.append(dropped(client))
         del client
         assert [(client() is None, io() is None) for client, io in held] == [(True, True)] * 3
+    finally:
+        stop_serving(running, serving)
+
+
+def test_a_client_that_pushed_weights_is_freed_without_a_collection(collector_off):
+    """A push (its senders held the push, which held them: the client, its channel and the pushed entries stayed
+    until a collection), accepted or refused."""
+    running, serving = serve_in_process()
+    try:
+        weights = {name: tensor.detach().clone() for name, tensor in running.model.state_dict().items()}
+        held = []
+        for version in (None, 1):  # accepted; refused (not above the version the first push set)
+            client = RolloutClient(running.worker.address, timeout=30)
+            if version is None:
+                push_weights(client, weights, transport="frames")
+            else:
+                with pytest.raises(RolloutError, match="must exceed"):
+                    push_weights(client, weights, version=version, transport="frames")
+            client.close()
+            held += [weakref.ref(client), weakref.ref(client._io)]
+            del client
+        assert [ref() is None for ref in held] == [True] * 4
     finally:
         stop_serving(running, serving)
 

@@ -146,7 +146,10 @@ class StepLoop:
             self.in_flight = None
             outputs += self._resolve(previous)
         if failure is not None:
-            outputs += self.outputs(self.failures.after_failed_launch(batch, failure))
+            try:
+                outputs += self.outputs(self.failures.after_failed_launch(batch, failure))
+            finally:  # its traceback holds this frame: not the error too
+                failure = None
         elif launched is not None and self.scheduler.suspects.requests:
             self.scheduler.suspects.sampled(batch)
         if launched is not None and (not self.overlap_scheduling or launched.logits is not None):

@@ -162,7 +162,10 @@ class RolloutGeneration:
         # Every rank calls this at the same point. The broadcast makes the others wait until the workers serve the
         # new weights (else they would sample their rows with the previous step's), and makes them fail with the
         # main process when its push failed, instead of waiting for it forever.
-        _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
+        try:
+            _raise_on_every_rank(trainer.accelerator, failure, "pushing the weights")
+        finally:  # the raised failure's traceback holds this frame: not the failure too
+            failure = None
         if not main:  # the main process's client raised its floor with the push: this rank's learns it
             learn_pushed_version(self.client, version)
 

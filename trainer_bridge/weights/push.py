@@ -340,4 +340,5 @@ class WeightPush:
                     sender.close()
                 except Exception:  # noqa: BLE001 - the others are still released
                     logger.warning("closing the %s transport of update %s failed", name, self.update_id, exc_info=True)
+            self.senders.clear()  # each holds this push (and so the client, the entries): not a cycle
             self.channel.close()

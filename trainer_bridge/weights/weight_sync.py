@@ -200,7 +200,8 @@ def push_weights(
             _main_says(refusal is not None, accelerator)
     if refusal is not None:
         reason = str(refusal).removeprefix(f"{refusal.code}: ").removesuffix(f" (field {refusal.field})")
-        rank_refused(model_or_named_tensors, refusal.field, reason, accelerator)
+        field, refusal = refusal.field, None  # its traceback holds this frame: not the error too
+        rank_refused(model_or_named_tensors, field, reason, accelerator)
         return push_weights(client, model_or_named_tensors, preempt=preempt, **again)
     # The pushed policy is what the client samples from now: the adapter pushed, else the base it replaced (an
     # adapter pushed before would be sampled on top of other weights than it was trained with).

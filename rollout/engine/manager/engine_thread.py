@@ -217,7 +217,10 @@ class EngineLoop:
                 answer = command.function(self.engine)
             except Exception as error:  # noqa: BLE001 - the caller hears of it; the loop goes on
                 answer = error
-            command.reply.put(answer)  # once (an `AnswerTo` calls back)
+            try:
+                command.reply.put(answer)  # once (an `AnswerTo` calls back)
+            finally:  # a raised answer's traceback holds this frame: not the answer too
+                answer = None
 
     def _end_unstarted(self, request: Request, reason: str, error: str | None) -> None:
         """Final outputs for a group the engine never took (refused late, or the manager stopped first)."""
@@ -226,4 +229,7 @@ class EngineLoop:
 
 def _run(loop: EngineLoop, keep_alive: object) -> None:
     """The engine thread's target: the loop's body, with the manager held (`keep_alive`) while it runs."""
-    loop.run()
+    try:
+        loop.run()
+    finally:  # the manager's `error` (its traceback) holds this frame: not the manager too
+        del keep_alive

@@ -172,7 +172,10 @@ class ServingControl:
             answer = call.function(self._engine)
         except Exception as error:  # noqa: BLE001 - the caller hears of it, as from the engine thread
             answer = error
-        call.reply.put(answer)
+        try:
+            call.reply.put(answer)
+        finally:  # a raised answer's traceback holds this frame: not the answer too
+            answer = None
 
     def _send(self, command: GenerationPauseCommand | EngineCall, run_here: Callable) -> None:
         """Hand `command` to the engine thread, or carry it out here when the thread has not started.
@@ -212,4 +215,7 @@ class ServingControl:
             except queue.Empty:
                 if not self._is_running() and command.reply.empty():
                     raise RuntimeError("the manager stopped before it answered") from self._error()
-        return self._answered(answer)
+        try:
+            return self._answered(answer)
+        finally:  # the raised answer's traceback holds this frame: not the answer too
+            answer = None

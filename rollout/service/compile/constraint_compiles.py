@@ -264,7 +264,8 @@ class ConstraintCompiles:
 
     def _remember(self, job: CompileJob, refusal: FieldError) -> None:
         with self._changed:
-            self._refused[_digest(job.field, job.spec)] = refusal
+            # a copy: the refusal itself is raised by its caller, and its traceback would hold the caller's frames
+            self._refused[_digest(job.field, job.spec)] = FieldError(refusal.field, refusal.reason)
             while len(self._refused) > MAX_REFUSALS:
                 self._refused.popitem(last=False)
 

@@ -123,7 +123,10 @@ class GroupDesk:
             if group.cancel_requested or isinstance(error, CompileAbandoned):
                 self._abort(group, message, send)
             else:
-                self._admit(group, message, sampling, send, error)
+                try:
+                    self._admit(group, message, sampling, send, error)
+                finally:  # `_admit` raised it: its traceback holds this frame, not the error too
+                    error = None
 
     def _abort(self, group: GroupInFlight, message: p.Generate, send: Send) -> None:
         """End a group that never ran: every sample "abort", no tokens (as a cancelled running group ends)."""
