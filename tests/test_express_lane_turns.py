@@ -96,3 +96,28 @@ def test_a_lane_sample_reset_by_a_recompute_update_is_readmitted_before_requests
         runner.step()
         steps += 1
     assert all(short.request_id in runner.finished for short in shorts), "a reset lane sample waits for a long group"
+
+
+def test_a_new_clients_short_request_passes_the_queued_groups_of_more_clients_than_the_lane_scans():
+    """Isolation review, 2026-12-05: 40 clients each queue one long group (one turn each: a new client's group
+    queues behind every other client's next one), then a new client sends a short request. The lane looked only
+    EXPRESS_SCAN (32) waiting requests past the queue head that did not fit, so the short request waited for long
+    groups to end (8.8 s behind 40 ZeroMQ clients on a 2-core CPU, past the client's 120 s timeout behind 100).
+    It ends 4 steps after it was sent, as behind fewer clients; the long groups keep their turns."""
+    clients = 3 * EXPRESS_SCAN
+    long_groups = [
+        _from(f"c{i}", make_request(f"long{i}", prompt(8, 10 + i), max_new_tokens=300)) for i in range(clients)
+    ]
+    runner = sim(*long_groups, num_blocks=100, block_size=4, max_batch_tokens=256)
+    runner.step()
+    waiting_before = [request.request_id for request in runner.scheduler.waiting]
+    assert len(waiting_before) > EXPRESS_SCAN + 1  # the short request queues past what the lane used to scan
+    short = _from("new", make_request("short", prompt(3, 60), max_new_tokens=4))
+    runner.scheduler.add(short)
+    assert [request.request_id for request in runner.scheduler.waiting].index("short") > EXPRESS_SCAN
+    steps = 0
+    while "short" not in runner.finished and steps < 100:
+        runner.step()
+        steps += 1
+    assert steps == 4
+    assert [r.request_id for r in runner.scheduler.waiting] == waiting_before  # none of the long groups was admitted

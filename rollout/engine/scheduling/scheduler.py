@@ -60,6 +60,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._arrivals = 0
         self.turns = ClientTurns()  # clients take turns in the waiting queue
+        # New requests the express lane may take, in arrival order; some may have left the queue since
+        # (`lane_candidates` drops them). The lane finds one here without scanning a long queue.
+        self._lane_waiting: list[Request] = []
         self.num_preemptions = 0
         self.num_swaps = 0
         self.admission = AdmissionGate(block_manager, max_num_seqs, max_batch_tokens)
@@ -80,6 +83,17 @@ class Scheduler:
         """Queue a new request (a group leader brings its samples with it through `num_forks`)."""
         request.arrival = self.next_arrival()
         self.turns.queue(self.waiting, request)
+        if self.admission.express.eligible(request):
+            self._lane_waiting.append(request)
+            if len(self._lane_waiting) > 2 * len(self.waiting) + 64:  # those that left, dropped now and then
+                self.lane_candidates()
+
+    def lane_candidates(self) -> list[Request]:
+        """The waiting requests the express lane may take (queued new, nothing sampled yet), in arrival order."""
+        self._lane_waiting = [
+            r for r in self._lane_waiting if r.status == RequestStatus.WAITING and r.num_output_tokens == 0
+        ]
+        return self._lane_waiting
 
     @property
     def num_waiting(self) -> int:

@@ -27,6 +27,7 @@ from rollout.engine.scheduling.express_lane import fork_share, life_blocks
 from rollout.engine.scheduling.step_protocols import Drafter, SchedulerQueues
 
 EXPRESS_SCAN = 32  # waiting requests a step looks at, past one that did not fit, for one the express lane admits
+# (past them it jumps straight to the requests the lane may take, at most EXPRESS_SCAN times: `_lane_candidate`)
 
 
 class StepBuilder:
@@ -44,6 +45,7 @@ class StepBuilder:
         self.solo = solo
         self.batch = ScheduledBatch()
         self.budget = scheduler.max_batch_tokens  # tokens this step may still compute
+        self._lane_ids: set[int] | None = None  # the waiting requests the lane may take (`_lane_candidate`)
 
     def add_running(self) -> None:
         """Add the running requests' next tokens, preempting when blocks run out."""
@@ -158,6 +160,7 @@ class StepBuilder:
         manager, admission = scheduler.block_manager, scheduler.admission
         deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
         scan_end = EXPRESS_SCAN  # the lane looks no further into the queue (moved past preempted samples it jumps)
+        jumps = 0  # past the scan, to the requests the lane may take (`_lane_candidate`)
         express_only = False  # a request did not fit: only the express lane admits for the rest of this step
         while not batch.num_preempted and self.budget > 0:
             # Every sequence slot of the step is taken: the lane may still admit into its own slots, for the next
@@ -180,8 +183,12 @@ class StepBuilder:
                 past = self._past_sampled(deferred) if request.num_output_tokens else deferred + 1
                 scan_end += past - deferred - 1
                 deferred = past
-                if deferred >= scan_end or not admission.express_room(scheduler.running):
+                if not admission.express_room(scheduler.running):
                     return
+                if deferred >= scan_end:  # past the scan: on to the next request the lane may take, if any
+                    deferred, scan_end = self._lane_candidate(deferred, jumps := jumps + 1)
+                    if deferred is None:
+                        return
                 continue
             _check_resolved(request)
             # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
@@ -209,11 +216,15 @@ class StepBuilder:
                 request, needed + reserve, scheduler.running, chunk_end, prefix_blocks
             ):
                 if not admission.admits_express(request, reserve, scheduler.running):
-                    if deferred + 1 >= scan_end or not admission.express_room(scheduler.running):
+                    if not admission.express_room(scheduler.running):
                         return
                     if not express_only and lane.closes_behind(request):
                         return  # it may only go in once nothing runs: nothing passes it
                     express_only, deferred = True, deferred + 1  # a shorter request behind it may take the lane
+                    if deferred >= scan_end:
+                        deferred, scan_end = self._lane_candidate(deferred, jumps := jumps + 1)
+                        if deferred is None:
+                            return
                     continue
                 express_only = True  # its growth is the lane's, which the gate's sums for this step do not hold
             else:
@@ -258,6 +269,23 @@ class StepBuilder:
                 break
             index += 1
         return index
+
+    def _lane_candidate(self, start: int, jumps: int) -> tuple[int | None, int]:
+        """Past the requests the lane scanned: the queue index, from `start` on, of the first waiting request the lane
+        may take (the scheduler keeps them apart: no scan of a long queue of long groups, one per client, for it),
+        and the scan's new end (that request). None: none, or `EXPRESS_SCAN` jumps made this step, or a step
+        that is not an ordinary one (`_next_admissible` then counts in a filtered queue)."""
+        scheduler = self.scheduler
+        if jumps > EXPRESS_SCAN or not scheduler.admitting or scheduler.suspects.requests or self.solo is not None:
+            return None, start
+        if self._lane_ids is None:  # once a step
+            self._lane_ids = {id(request) for request in scheduler.lane_candidates()}
+        wanted = self._lane_ids
+        if wanted:
+            for index, request in enumerate(itertools.islice(scheduler.waiting, start, None), start):
+                if id(request) in wanted:
+                    return index, index + 1
+        return None, start
 
     def _next_admissible(self, skip: int) -> Request | None:
         """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
