@@ -9,6 +9,7 @@ import zmq
 
 from rollout import protocol as p
 from rollout.protocol.auth import keygen_main, secure_client_socket
+from rollout.protocol.sockets import frame_fd
 from service_helpers import Client, Worker
 
 pytestmark = pytest.mark.timeout(180)
@@ -105,3 +106,54 @@ def test_a_routing_id_taken_over_by_another_key_gets_none_of_the_previous_keys_g
             again.close()
     finally:
         server.close()
+
+
+def test_a_connection_on_a_reused_descriptor_is_not_held_for_the_closed_one_before_it():
+    """The worker's socket monitor reports a closed connection by its descriptor, which the OS gives the next
+    connection at once. If the serving loop reads the new connection's messages before it reads that event (the event
+    came while it was reading), the new client was taken for the closed one: its routing id held, every reply kept
+    back until it spoke again (a streamed group's first delta never came: seen once in the suite, under load). The
+    loop here reads as the worker's did in that race: the new client's message first, the monitor after it."""
+    from rollout.service.zmq.clients import ClientLinks
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    links = ClientLinks(router, max_pending_bytes=50_000, client_timeout_s=60, on_lost=lambda i, r: None)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peers = []
+
+    def peer(routing_id: bytes) -> zmq.Socket:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.ROUTING_ID, routing_id)
+        socket.connect(f"tcp://127.0.0.1:{port}")
+        peers.append(socket)
+        socket.send_multipart(p.encode(p.Ping(1)))
+        return socket
+
+    def read() -> tuple[bytes, int | None]:
+        assert router.poll(10_000), "no message"
+        frames = router.recv_multipart(copy=False)
+        return frames[0].bytes, frame_fd(frames[1])
+
+    try:
+        first = peer(b"first")
+        identity, first_fd = read()
+        links.seen(identity, first_fd, "key-1")
+        first.close()
+        assert links.monitor.poll(10_000), "no disconnect event"  # it waits there, unread
+        second = peer(b"second")
+        identity, second_fd = read()
+        if second_fd != first_fd:
+            pytest.skip("the OS gave the new connection another descriptor")
+        links.seen(identity, second_fd, "key-2")
+        links.on_monitor_events()  # the loop's next turn
+        links.send(b"second", p.Pong(7, 0), key="key-2")
+        assert second.poll(5_000), "the reply to the new connection was held back"
+        assert p.decode(second.recv_multipart()) == p.Pong(7, 0)
+    finally:
+        links.close()
+        for socket in peers:
+            socket.close(linger=0)
+        router.close(linger=0)
+        context.term()
