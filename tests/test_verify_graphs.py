@@ -76,7 +76,10 @@ def poison_past_the_end(engine, num_speculative_tokens: int) -> None:
 @needs_triton_interpreter
 @pytest.mark.usefixtures("every_draft")
 def test_drafted_steps_through_the_verify_graphs_give_the_plain_tokens():
-    (plain, _), (drafted, served) = run(None), run("suffix")
+    """Slots past a sequence's last position hold a previous owner's NaN (`poison`): the verify graphs' rows never
+    read them (a masked key's weight 0 times NaN is NaN), as the packed path's do not, so the tokens and log-probs
+    are the plain engine's."""
+    (plain, _), (drafted, served) = run(None), run("suffix", poison=True)
     assert served, "no drafted step went through the verify graphs"
     assert any(drafts > 0 for _, drafts in served)
     assert any(sequences not in (1, 2, 4, 8) for sequences, _ in served), "no step padded up to its bucket"
@@ -84,16 +87,6 @@ def test_drafted_steps_through_the_verify_graphs_give_the_plain_tokens():
     for key, (tokens, logprobs, reason) in plain.items():
         assert drafted[key][0] == tokens and drafted[key][2] == reason == "length", key
         assert max(abs(a - b) for a, b in zip(drafted[key][1], logprobs)) < 1e-4, key
-
-
-@needs_triton_interpreter
-@pytest.mark.usefixtures("every_draft")
-def test_no_row_reads_a_slot_past_its_sequences_end():
-    """Slots past a sequence's last position may hold a previous owner's NaN: the verify graphs' rows never read
-    them (a masked key's weight 0 times NaN is NaN), as the packed path's do not."""
-    outputs, served = run("suffix", poison=True)
-    assert served and any(drafts > 0 for _, drafts in served)
-    assert sorted(reason for _, _, reason in outputs.values()) == ["length"] * 6
 
 
 def test_the_layout_pads_each_sequence_to_the_width_and_keeps_the_real_rows():
