@@ -13,7 +13,7 @@ from test_scheduler import Sim, prompt
 
 from conftest import make_request, make_scheduler
 from rollout.engine.requests.request import Request, RequestStatus
-from rollout.engine.scheduling.step_builder import EXPRESS_SCAN
+from rollout.engine.scheduling.waiting_cursor import EXPRESS_SCAN
 
 BLOCK_SIZE = 4
 PROMPT = 40  # ten full blocks: all of them shared by the group's samples

@@ -17,7 +17,7 @@ from __future__ import annotations
 from test_scheduler import prompt, sim
 
 from conftest import make_request
-from rollout.engine.scheduling.step_builder import EXPRESS_SCAN
+from rollout.engine.scheduling.waiting_cursor import EXPRESS_SCAN
 from rollout.engine.weights.commit_modes import recompute_in_flight
 
 

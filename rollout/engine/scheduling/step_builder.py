@@ -16,7 +16,6 @@ row; a group leader that just computed its prompt forks its other samples then, 
 
 from __future__ import annotations
 
-import itertools
 import time
 
 from rollout.engine.requests.request import Request, RequestStatus, sample_id
@@ -25,9 +24,7 @@ from rollout.engine.scheduling.batch import ScheduledBatch, ScheduledSequence
 from rollout.engine.scheduling.block_manager import cdiv
 from rollout.engine.scheduling.express_lane import fork_share, life_blocks
 from rollout.engine.scheduling.step_protocols import Drafter, SchedulerQueues
-
-EXPRESS_SCAN = 32  # waiting requests a step looks at, past one that did not fit, for one the express lane admits
-# (past them it jumps straight to the requests the lane may take, at most EXPRESS_SCAN times: `_lane_candidate`)
+from rollout.engine.scheduling.waiting_cursor import WaitingCursor
 
 
 class StepBuilder:
@@ -45,7 +42,7 @@ class StepBuilder:
         self.solo = solo
         self.batch = ScheduledBatch()
         self.budget = scheduler.max_batch_tokens  # tokens this step may still compute
-        self._lane_ids: set[int] | None = None  # the waiting requests the lane may take (`_lane_candidate`)
+        self.cursor = WaitingCursor(scheduler, solo)  # where `add_waiting` reads the waiting queue
 
     def add_running(self) -> None:
         """Add the running requests' next tokens, preempting when blocks run out."""
@@ -158,9 +155,7 @@ class StepBuilder:
         """
         scheduler, batch = self.scheduler, self.batch
         manager, admission = scheduler.block_manager, scheduler.admission
-        deferred = 0  # waiting requests passed over this step (they wait for a block another request computes)
-        scan_end = EXPRESS_SCAN  # the lane looks no further into the queue (moved past preempted samples it jumps)
-        jumps = 0  # past the scan, to the requests the lane may take (`_lane_candidate`)
+        cursor = self.cursor
         express_only = False  # a request did not fit: only the express lane admits for the rest of this step
         while not batch.num_preempted and self.budget > 0:
             # Every sequence slot of the step is taken: the lane may still admit into its own slots, for the next
@@ -169,7 +164,7 @@ class StepBuilder:
             if not seated and not admission.express_room(scheduler.running):
                 return
             express_only = express_only or not seated
-            request = self._next_admissible(deferred)
+            request = cursor.next_admissible()
             if request is None:
                 return
             lane = admission.express
@@ -177,18 +172,11 @@ class StepBuilder:
                 not lane.eligible(request)
                 or life_blocks(request, manager.block_size) > admission.express_room(scheduler.running)
             ):
-                # Not for the lane, or too long for its room: it waits for its turn. Preempted samples (they sampled:
-                # never the lane's) sit at the queue's head, a big group's by the hundred: the lane jumps the run of
-                # them and scans EXPRESS_SCAN requests past it, else a short request behind them waits for the group.
-                past = self._past_sampled(deferred) if request.num_output_tokens else deferred + 1
-                scan_end += past - deferred - 1
-                deferred = past
-                if not admission.express_room(scheduler.running):
+                # Not for the lane, or too long for its room: it waits for its turn (`waiting_cursor.py`: how far the
+                # lane looks on behind it).
+                cursor.skip_for_lane(request)
+                if not admission.express_room(scheduler.running) or not cursor.within_scan():
                     return
-                if deferred >= scan_end:  # past the scan: on to the next request the lane may take, if any
-                    deferred, scan_end = self._lane_candidate(deferred, jumps := jumps + 1)
-                    if deferred is None:
-                        return
                 continue
             _check_resolved(request)
             # The last sampled token is never fed back, so a sample's KV holds at most prompt + max_new - 1 tokens.
@@ -205,7 +193,7 @@ class StepBuilder:
                 continue
             prefix_blocks, prefix_hashes = manager.match_prefix(request)
             if admission.waits_for_shared_prefill(request, len(prefix_blocks), scheduler.running):
-                deferred += 1
+                cursor.skip()
                 continue
             num_computed = len(prefix_blocks) * manager.block_size
             num_new = min(request.num_tokens - num_computed, self.budget)
@@ -220,11 +208,10 @@ class StepBuilder:
                         return
                     if not express_only and lane.closes_behind(request):
                         return  # it may only go in once nothing runs: nothing passes it
-                    express_only, deferred = True, deferred + 1  # a shorter request behind it may take the lane
-                    if deferred >= scan_end:
-                        deferred, scan_end = self._lane_candidate(deferred, jumps := jumps + 1)
-                        if deferred is None:
-                            return
+                    express_only = True  # a shorter request behind it may take the lane
+                    cursor.skip()
+                    if not cursor.within_scan():
+                        return
                     continue
                 express_only = True  # its growth is the lane's, which the gate's sums for this step do not hold
             else:
@@ -256,54 +243,6 @@ class StepBuilder:
         if self.solo is None:
             return [r for r in running if id(r) not in suspects]
         return [r for r in running if id(r) in suspects and r.group_id == self.solo]
-
-    def _past_sampled(self, index: int) -> int:
-        """The queue index of the first waiting request, from `index` on, that has sampled nothing (the run of
-        preempted samples there jumped in one pass); `index + 1` outside an ordinary step (`_next_admissible` then
-        counts in a filtered queue)."""
-        scheduler = self.scheduler
-        if not scheduler.admitting or scheduler.suspects.requests:
-            return index + 1
-        for request in itertools.islice(scheduler.waiting, index, None):
-            if not request.num_output_tokens:
-                break
-            index += 1
-        return index
-
-    def _lane_candidate(self, start: int, jumps: int) -> tuple[int | None, int]:
-        """Past the requests the lane scanned: the queue index, from `start` on, of the first waiting request the lane
-        may take (the scheduler keeps them apart: no scan of a long queue of long groups, one per client, for it),
-        and the scan's new end (that request). None: none, or `EXPRESS_SCAN` jumps made this step, or a step
-        that is not an ordinary one (`_next_admissible` then counts in a filtered queue)."""
-        scheduler = self.scheduler
-        if jumps > EXPRESS_SCAN or not scheduler.admitting or scheduler.suspects.requests or self.solo is not None:
-            return None, start
-        if self._lane_ids is None:  # once a step
-            self._lane_ids = {id(request) for request in scheduler.lane_candidates()}
-        wanted = self._lane_ids
-        if wanted:
-            for index, request in enumerate(itertools.islice(scheduler.waiting, start, None), start):
-                if id(request) in wanted:
-                    return index, index + 1
-        return None, start
-
-    def _next_admissible(self, skip: int) -> Request | None:
-        """The first waiting request that may be admitted now (while admission is paused: one that sampled), past
-        the first `skip` of them. While there are suspects, a solo step admits only its group's; an ordinary step
-        only the requests ahead of the first waiting one (it waits as a queue head that does not fit), and none while
-        a suspect group is part way through its own steps (the blocks it needs are not given to others)."""
-        scheduler = self.scheduler
-        waiting, suspects, admitting = scheduler.waiting, scheduler.suspects.requests, scheduler.admitting
-        if admitting and not suspects:
-            return waiting[skip] if skip < len(waiting) else None
-        admissible = (r for r in waiting if admitting or r.num_output_tokens > 0)
-        if self.solo is not None:
-            admissible = (r for r in admissible if id(r) in suspects and r.group_id == self.solo)
-        elif suspects:
-            if any(r.status == RequestStatus.RUNNING for r in suspects.values()):
-                return None
-            admissible = itertools.takewhile(lambda r: id(r) not in suspects, admissible)
-        return next(itertools.islice(admissible, skip, None), None)
 
     def _add_drafted(self, drafter: Drafter, request: Request, reserved: int) -> bool:
         """Schedule a decode with the draft tokens the drafter proposes for it, when it proposes some and their
