@@ -110,10 +110,12 @@ class ClientLinks:
             key: its sender's CurveZMQ key (None: keys are off); another key than its last message's means the
                 routing id changed hands: the previous holder is lost.
         """
-        # A closed connection's event first: it was queued before its descriptor was released, so before any message
-        # over that descriptor's next connection (this one's, maybe) could be read; read after it, it would take this
-        # client for the closed one (its routing id held, its replies kept back until it spoke again).
-        self.on_monitor_events()
+        # With keys, a closed connection's event first: it was queued before its descriptor was released, so before
+        # any message over that descriptor's next connection (this one's, maybe) could be read; read after it, it
+        # would take this client for the closed one (its routing id held, its replies kept back until it spoke
+        # again). Without keys nothing is held: such an event only has a live client probed for a second.
+        if key is not None:
+            self.on_monitor_events()
         now = time.monotonic()
         if key is not None and self._keys.claim(identity, key):
             self.lose(identity, "its routing id now speaks with another key", unreachable=True)
