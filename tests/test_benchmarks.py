@@ -125,12 +125,15 @@ def test_grpo_benchmark_shares_each_groups_prompt(capsys):
     assert report[computed].value == summary["prompt_tokens_computed"]
 
 
-def test_grpo_step_benchmark_splits_each_step(capsys):
+def test_grpo_step_benchmark_splits_each_step(capsys, monkeypatch, tmp_path):
     """rollout-bench grpo-step on CPU, one timed step each of the rollout systems: each step splits into
     generation + weight sync + training; colocated has nothing to push, server mode pushes every step; gpu-report's
-    grpo-step-nano rows read the plain and batch-invariant colocated steps and the invariant one's price."""
+    grpo-step-nano rows read the plain and batch-invariant colocated steps and the invariant one's price. The
+    trainers' temporary output directories are gone afterwards."""
     systems = ["rollout_colocate", "rollout_server", "rollout_colocate_invariant"]
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # each system's process makes its temporary files there
     cli.main(["grpo-step", "--device", "cpu", "--steps", "1", "--systems", *systems])
+    assert not list(tmp_path.glob("grpo_step_*")), "a trainer's output directory was left behind"
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["benchmark"] == "grpo-step" and summary["device"] == "cpu"

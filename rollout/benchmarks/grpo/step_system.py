@@ -117,10 +117,27 @@ def run_one(
     """Train `warmup + steps` GRPO steps with `system` in this process; the timed steps' medians and peak memory
     (`max_staleness`: rollout_server's bound; the timed steps' tokens per second and policy lag are added;
     rollout_colocate on CUDA: the memory each `sleep()` hands back to the training step; `partial`:
-    rollout_server with partial rollouts; `long_tail`: the long-tail lengths of `grpo_long_tail`)."""
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    rollout_server with partial rollouts; `long_tail`: the long-tail lengths of `grpo_long_tail`). The trainer's
+    output directory is a temporary one, removed when this returns or raises."""
     import tempfile
 
+    with tempfile.TemporaryDirectory(prefix="grpo_step_") as output:
+        return _run_in(output, system, device, steps, warmup, max_staleness, model_shape, partial, long_tail)
+
+
+def _run_in(
+    output: str,
+    system: str,
+    device: str,
+    steps: int,
+    warmup: int,
+    max_staleness: int,
+    model_shape: str,
+    partial: bool,
+    long_tail: bool,
+) -> dict:
+    """`run_one`, with the trainer's output directory `output`."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
     from datasets import Dataset
     from trl import GRPOTrainer
@@ -139,7 +156,6 @@ def run_one(
         shape = {**shape, "max_completion_length": CAP_TOKENS, "per_device_train_batch_size": 32}
     common = dict(reward_funcs=letter_reward, train_dataset=Dataset.from_dict({"prompt": toy_prompts(256, 0)}))
     common["processing_class"] = tiny_tokenizer()
-    output = tempfile.mkdtemp(prefix="grpo_step_")
     total = warmup + steps
     worker = None
     if system.startswith("rollout"):
