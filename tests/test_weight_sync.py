@@ -745,6 +745,7 @@ def test_torch_distributed_push_after_a_worker_restart(workers):
 def test_staging_pool_keeps_and_releases_areas():
     """The worker's staging pool hands the kept area back when it is large enough, a new one when not, and frees
     everything (the shared segment unlinked) when not keeping or on close."""
+    import os
     from multiprocessing import shared_memory
 
     from rollout.protocol.staging import StagingPool
@@ -765,6 +766,20 @@ def test_staging_pool_keeps_and_releases_areas():
     pool.close()
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=name)
+
+    # A kept segment another process shrank (reading it would end the worker) or unlinked (a trainer attaches by
+    # name) is replaced, not reused.
+    for spoil in (lambda name: os.truncate(f"/dev/shm/{name}", 0), lambda name: os.unlink(f"/dev/shm/{name}")):
+        pool = StagingPool(keep=True)
+        segment, view = pool.shared(4096)
+        name = segment.name
+        pool.give_back(None, (segment, view))
+        spoil(name)
+        fresh = pool.shared(4096)
+        assert fresh[0].name != name and os.path.getsize(f"/dev/shm/{fresh[0].name}") >= 4096
+        pool.give_back(None, fresh)
+        del segment, view, fresh
+        pool.close()
 
     dropping = StagingPool(keep=False)
     shared = dropping.shared(64)

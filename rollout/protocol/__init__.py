@@ -101,9 +101,9 @@ buckets carry TensorPiece maps (index: announced tensor, offset and nbytes: a by
 in order, without gaps), at most 4 of them waiting for their weights_ack at a time (a fifth drops the update: its
 one error answers for the buckets still waiting too); weights_commit checks that every announced byte arrived, then the engine copies the update
 into the model in place between two steps. The staging area lays the tensors out in order, each at an offset
-aligned to 64 bytes (`rollout.protocol.staging.staging_layout`); transport "shm" makes it a shared-memory segment
-(named in weights_ready) that the client writes into; "torch.distributed" broadcasts each piece of a bucket, in
-order, over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
+aligned to 64 bytes (`rollout.protocol.staging.staging_layout`); over transport "shm" the client writes each bucket
+into a shared-memory segment (named in weights_ready) at that layout, and the worker copies it out before checking
+it; "torch.distributed" broadcasts each piece of a bucket, in order, over the process group described by `dist` (host, port: the trainer's TCPStore; world_size; rank of this
 worker, >= 1; backend "gloo" or "nccl"; group: a key, reused while it does not change). Every phase must follow the
 previous one within `timeout_s`; a client that misses a deadline or disappears gets its update dropped, and the old
 weights keep serving. A malformed weight message naming the open update drops it (one error says why); a message

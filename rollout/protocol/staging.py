@@ -2,13 +2,13 @@
 
 Staging layout: the announced tensors one after the other, each at an offset aligned to `ALIGN` bytes, so a slice
 of the staging area viewed as the tensor's dtype is a valid tensor; both ends compute it with `staging_layout`. A
-bucket's checksum is `bucket_checksum` of its pieces' bytes. The area is a host buffer (pinned on GPU hosts) or a
-shared-memory segment the trainer writes into (page-locked on GPU hosts, `pin_segment`), kept from one update to the
-next (`StagingPool`). This module imports neither the engine nor transformers: `trainer_bridge` uses it."""
+bucket's checksum is `bucket_checksum` of its pieces' bytes. The area is a host buffer of the worker's own (pinned on
+GPU hosts); transport "shm" adds a shared-memory segment the trainer writes into, which the worker copies each bucket
+out of before checking it (so what it checked is what commits). Both are kept from one update to the next
+(`StagingPool`). This module imports neither the engine nor transformers: `trainer_bridge` uses it."""
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import uuid
@@ -21,10 +21,7 @@ import xxhash
 
 from rollout import protocol as p
 
-logger = logging.getLogger("rollout.protocol.staging")
-
 ALIGN = 64
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own stager asks
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
@@ -95,53 +92,6 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
         return segment
 
 
-# Address of each segment `pin_segment` registered -> the GPU it was registered on, until `release_segment`.
-_pinned: dict[int, torch.device] = {}
-_pinned_lock = threading.Lock()
-
-
-def pin_segment(view: torch.Tensor, device: torch.device) -> bool:
-    """Page-lock a shared-memory segment for the GPU's copies (`cudaHostRegister`, as torch's checkpoint stager does
-    with shared memory): copies between it and the GPU then go at the bus's speed, without the driver's bounce
-    buffer (the first H200 run: a 1.2 GB commit took 177 ms from an unpinned segment, 26 ms from a pinned buffer).
-    Returns whether it was pinned; where it cannot be, the copies still work, slower, and a warning says why.
-    `release_segment` unpins it.
-
-    Args:
-        view: a uint8 view of the whole segment.
-        device: the GPU whose copies read it. Registered with that device current: the thread's own current device
-            (0 unless set) would get a CUDA context of this process on another worker's GPU.
-    """
-    if view.numel() == 0 or not torch.cuda.is_available():
-        return False
-    try:
-        with torch.cuda.device(device):
-            code = int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), _HOST_REGISTER_PORTABLE))
-    except Exception as error:  # noqa: BLE001 - no usable CUDA runtime: the segment serves unlocked
-        logger.warning("could not page-lock a %d-byte staging segment (%s): copies go unpinned", view.numel(), error)
-        return False
-    if code != 0:
-        logger.warning(
-            "could not page-lock a %d-byte staging segment (cudaError %d): copies go unpinned", view.numel(), code
-        )
-        return False
-    with _pinned_lock:
-        _pinned[view.data_ptr()] = device
-    return True
-
-
-def _unpin_segment(address: int) -> None:
-    """Undo `pin_segment` for the segment at `address` (no-op unless it pinned it): before the segment is unmapped."""
-    with _pinned_lock:
-        device = _pinned.pop(address, None)
-    if device is None:
-        return
-    with torch.cuda.device(device):
-        code = int(torch.cuda.cudart().cudaHostUnregister(address))
-    if code != 0:
-        logger.warning("could not unpin a staging segment (cudaError %d)", code)
-
-
 class StagingPool:
     """Staging areas kept from one update to the next: allocating and faulting in an update-sized buffer (pinned,
     on GPU hosts) costs more than moving the bytes. With `keep=False` each update's area is freed when it ends."""
@@ -150,8 +100,8 @@ class StagingPool:
         """
         Args:
             keep: keep the last host buffer and shared segment for the next update.
-            pin_device: the GPU the model is on: host buffers and shared segments are page-locked for its copies
-                (faster, non-blocking); None: not locked.
+            pin_device: the GPU the model is on: host buffers are page-locked for its copies (faster, non-blocking);
+                None: not locked. Shared segments never are: the worker copies their bytes into its host buffer.
         """
         self.keep = keep
         self.pin_device = pin_device
@@ -177,7 +127,7 @@ class StagingPool:
         """
         with self._lock:
             kept, self._shm = self._shm, None
-        if kept is not None and kept[0].size >= nbytes:
+        if kept is not None and _intact(kept[0], nbytes):
             return kept
         if kept is not None:
             release_segment(*kept)
@@ -191,10 +141,7 @@ class StagingPool:
             segment.close()
             segment.unlink()
             raise
-        view = torch.frombuffer(segment.buf, dtype=torch.uint8)
-        if self.pin_device is not None:
-            pin_segment(view, self.pin_device)
-        return segment, view
+        return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
 
     def give_back(self, host: torch.Tensor | None, shm: tuple[shared_memory.SharedMemory, torch.Tensor] | None) -> None:
         """Keep an update's area for the next one (or free it when not keeping)."""
@@ -215,10 +162,18 @@ class StagingPool:
             release_segment(*kept)
 
 
+def _intact(segment: shared_memory.SharedMemory, nbytes: int) -> bool:
+    """Whether a kept segment can serve an update of `nbytes`: still named in /dev/shm (a trainer attaches by name)
+    and not shrunk by another process (reading its pages would end the worker)."""
+    try:
+        found = os.fstat(segment._fd)  # noqa: SLF001 - SharedMemory keeps its descriptor open on POSIX
+    except (AttributeError, OSError):
+        return False
+    return found.st_nlink > 0 and min(found.st_size, segment.size) >= nbytes
+
+
 def release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> None:
-    """Unlink a segment at once (unpinned first, if `pin_segment` pinned it); its memory goes when the last view of it
-    does."""
-    _unpin_segment(view.data_ptr())
+    """Unlink a segment at once; its memory goes when the last view of it does."""
     del view
     try:
         segment.unlink()

@@ -348,26 +348,24 @@ def test_colocated_sleep_returns_the_cache_and_graphs_come_back():
         assert model.training
 
 
-def test_a_gpu_workers_shared_staging_segment_is_page_locked_and_unlocked_on_release():
-    """The shm transport's segment on a GPU worker is registered with CUDA (`is_pinned`: copies to the model go at
-    the bus's speed), bytes from a CUDA tensor land in it and go back unchanged, and freeing it (unregistered
-    first) raises nothing; a second pool's segment is pinned in turn."""
+def test_a_gpu_workers_shm_update_stages_into_a_page_locked_buffer_of_its_own():
+    """Over shm a GPU worker copies each bucket out of the shared segment into its own host buffer, page-locked
+    (`is_pinned`: the commit's copy to the model goes at the bus's speed); bytes from a CUDA tensor written into the
+    segment land there and go to the GPU unchanged."""
     from rollout.protocol.staging import StagingPool
+    from rollout.protocol.transports.shm import ShmReceiver
 
     pool = StagingPool(keep=False, pin_device=torch.device("cuda", torch.cuda.current_device()))
-    segment, view = pool.shared(1 << 24)
-    assert view.is_pinned()
+    host, (segment, view) = ShmReceiver(torch.device("cuda")).staging(pool, 1 << 24)
+    assert host.is_pinned() and not view.is_pinned()
     source = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, device="cuda")
     view.copy_(source)  # what a trainer on this GPU does (`ShmSender.stage`)
-    back = torch.empty_like(source).copy_(view, non_blocking=True)  # what the commit does
+    host.copy_(view)  # what each bucket's job does (`StagedUpdate.copy_from_segment`)
+    back = torch.empty_like(source).copy_(host, non_blocking=True)  # what the commit does
     torch.cuda.synchronize()
     assert torch.equal(back, source)
-    pool.give_back(None, (segment, view))
+    pool.give_back(host, (segment, view))
     del segment, view
-    again = StagingPool(keep=False, pin_device=torch.device("cuda", torch.cuda.current_device()))
-    segment, view = again.shared(1 << 20)
-    assert view.is_pinned()
-    again.give_back(None, (segment, view))
 
 
 def test_the_shm_sender_stages_a_gpus_bytes_through_its_pinned_buffer():

@@ -58,9 +58,6 @@ class PendingUpdate:
     drain_deadline: float | None
     received: float = 0.0
     adapter: AdapterUpdate | None = None  # a LoRA adapter (Engine.load_adapter), else a whole-model update
-    # Called on the engine thread right before the tensors are read; raising refuses the update (a shared segment
-    # that shrank while a "wait" update drained: reading it would end the process).
-    check: Callable[[], None] | None = None
     # "pending" until the engine thread takes it ("applying"), or its waiter gave up first ("cancelled"); changed
     # only under the manager's lock, so an update is either applied and reported, or never applied.
     state: str = "pending"

@@ -80,12 +80,10 @@ class WeightUpdateQueue:
         drain_timeout: float | None,
         callback: Callable[[WeightUpdateResult | BaseException], None],
         adapter: AdapterUpdate | None = None,
-        check: Callable[[], None] | None = None,
     ) -> PendingUpdate | None:
         """Queue a weight update for the engine thread; `callback` gets the `WeightUpdateResult` or the exception
         (on the engine thread, or at once when the update is refused). Arguments as for `update_weights`; with
-        `adapter`, `tensors` are a LoRA adapter's, wire-named (`Engine.load_adapter`); `check` is called on the
-        engine thread right before the tensors are read (its exception refuses the update).
+        `adapter`, `tensors` are a LoRA adapter's, wire-named (`Engine.load_adapter`).
 
         Returns:
             The queued update (its `state` says whether it was applied), or None when it was refused at once.
@@ -94,7 +92,7 @@ class WeightUpdateQueue:
             callback(FieldError("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}"))
             return None
         deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
-        update = PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic(), adapter, check)
+        update = PendingUpdate(tensors, version, mode, partial, callback, deadline, time.monotonic(), adapter)
         with self._lock:
             if self._is_closed():
                 callback(RuntimeError("the manager is stopped"))
@@ -149,8 +147,6 @@ class WeightUpdateQueue:
         self.queued.popleft()
         drain_ms = (time.monotonic() - update.received) * 1000 if waits else 0.0
         try:
-            if update.check is not None:
-                update.check()
             result = self._apply(update)
         except Exception as error:  # noqa: BLE001 - a refused update goes back to its sender
             outcome: WeightUpdateResult | BaseException = error

@@ -49,6 +49,7 @@ class StagingArea(Protocol):
     def staging_views(self, pieces: list[TensorPiece]) -> list[torch.Tensor]: ...
     def verify(self, pieces: list[TensorPiece], chunks: list, checksum: int | None) -> None: ...
     def check_segment(self) -> None: ...
+    def copy_from_segment(self, pieces: list[TensorPiece]) -> list[torch.Tensor]: ...
     def stage(self, piece: TensorPiece, data: torch.Tensor) -> None: ...
     def mark_received(self, pieces: list[TensorPiece]) -> None: ...
 
@@ -147,9 +148,10 @@ class Receiver:
             UpdateRejected: naming the field.
         """
 
-    def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor | None, tuple[Any, torch.Tensor] | None]:
-        """The staging area of a new update, from the worker's `StagingPool`: (a host buffer, None) or (None, a
-        shared-memory segment and a uint8 view of it), at least `nbytes` long.
+    def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor, tuple[Any, torch.Tensor] | None]:
+        """The staging area of a new update, from the worker's `StagingPool`: a host buffer of the worker's own, and
+        for a transport whose client writes the bytes in place, a shared-memory segment and a uint8 view of it (else
+        None), each at least `nbytes` long.
 
         Raises:
             UpdateRejected: none can be made.

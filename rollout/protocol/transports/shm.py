@@ -1,7 +1,7 @@
-"""Transport "shm": the worker's staging area is a shared-memory segment (named in weights_ready, page-locked on a GPU
-worker) that the trainer writes each bucket into (from a GPU through one page-locked buffer), then sends the
-bucket's header; same host only. A trainer that cannot open the segment (another host) fails the push, or with
-transport "auto" falls back to frames."""
+"""Transport "shm": the worker makes a shared-memory segment (named in weights_ready) that the trainer writes each
+bucket into (from a GPU through one page-locked buffer), then sends the bucket's header; the worker copies the
+bucket out into its own staging buffer and checks it there. Same host only. A trainer that cannot open the segment
+(another host) fails the push, or with transport "auto" falls back to frames."""
 
 from __future__ import annotations
 
@@ -89,19 +89,26 @@ class ShmSender(Sender):
 
 
 class ShmReceiver(Receiver):
-    def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor | None, tuple[Any, torch.Tensor] | None]:
+    # The client writes into the segment only; the host buffer, which the update's jobs copy each bucket into, is the
+    # worker's own (an aborted update's segment is unlinked, never reused).
+    staging_reusable_after_abort = True
+
+    def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor, tuple[Any, torch.Tensor] | None]:
         try:
-            return None, pool.shared(nbytes)
+            shared = pool.shared(nbytes)
         except OSError as error:
             raise UpdateRejected("bad_update", "transport", f"cannot create a shared-memory segment: {error}") from None
+        return pool.host(nbytes), shared
 
     def take_bytes(
         self, area: StagingArea, begin: WeightsBegin, pieces: list[TensorPiece], frames: list, checksum: int | None
     ) -> None:
-        """The trainer wrote the pieces in place: check them against the checksum and count them (the segment's size
-        first: reading a truncated segment's pages would end the worker)."""
+        """The trainer wrote the pieces in place: copy them out of the segment into the worker's own memory, then
+        check that copy against the checksum and count it. What was checked is what commits: bytes written into the
+        segment after this copy change nothing (the segment's size is checked first: reading a truncated segment's
+        pages would end the worker)."""
         area.check_segment()
-        area.verify(pieces, area.staging_views(pieces), checksum)
+        area.verify(pieces, area.copy_from_segment(pieces), checksum)
         area.mark_received(pieces)
 
 

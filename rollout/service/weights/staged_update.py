@@ -1,7 +1,7 @@
 """A weight update on the worker, as a transaction: begin (announce names, dtypes, shapes) -> buckets of bytes ->
-commit. Everything is staged in host memory first and checked (every name, dtype and shape against the model at
-begin; every byte of every announced tensor at commit); only then does the engine copy it into the model, all at
-once, between two steps. A rejected update leaves nothing behind and the old weights keep serving.
+commit. Everything is staged in the worker's own host memory first and checked (every name, dtype and shape against
+the model at begin; every byte of every announced tensor at commit); only then does the engine copy it into the
+model, all at once, between two steps. A rejected update leaves nothing behind and the old weights keep serving.
 
 The wire contract both ends share (dtype names, staging layout, checksums) is in staging.py.
 """
@@ -96,7 +96,8 @@ class StagedUpdate:
         self._host: torch.Tensor | None = None
         self._shared: tuple[shared_memory.SharedMemory, torch.Tensor] | None = None
         self.shm: shared_memory.SharedMemory | None = None
-        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.staging = torch.empty(0, dtype=torch.uint8)  # the worker's own bytes: what is checked and committed
+        self.segment = torch.empty(0, dtype=torch.uint8)  # transport "shm": where the client writes (`shm`)
         self.prepared = False  # its staging area exists: jobs may use it, and its phase deadline runs
         self.deadline = 0.0
         self.touch()
@@ -173,11 +174,10 @@ class StagedUpdate:
             UpdateRejected: none can be made (e.g. /dev/shm too small for a shared segment), naming the transport.
         """
         host, shared = self.receiver.staging(self.pool, self.staging_bytes)
-        area = shared[1] if shared is not None else host
-        assert area is not None
         self._host, self._shared = host, shared
-        self.shm = shared[0] if shared is not None else None
-        self.staging = area[: self.staging_bytes]
+        self.staging = host[: self.staging_bytes]
+        if shared is not None:
+            self.shm, self.segment = shared[0], shared[1][: self.staging_bytes]
         self.touch()  # the worker's own time making it is not the client's
         self.prepared = True
 
@@ -224,10 +224,10 @@ class StagedUpdate:
         return views
 
     def check_segment(self) -> None:
-        """Refuse the update when its shared segment (transport "shm") no longer holds the staging area: a segment
+        """Refuse the update when its shared segment (transport "shm") no longer holds the staging layout: a segment
         truncated by another process would end the worker with SIGBUS at the next read of its pages. Called before
-        the worker reads them (each bucket's check, the commit). A process that truncates it in the instant between
-        this check and the read is beyond it: over "shm" the worker trusts the processes of its user on its host.
+        each bucket is copied out of it. A process that truncates it in the instant between this check and the copy
+        is beyond it: over "shm" the worker trusts the processes of its user on its host.
 
         Raises:
             UpdateRejected: field "transport", naming the segment's size.
@@ -243,20 +243,14 @@ class StagedUpdate:
                 f"{self.staging_bytes}: another process truncated it",
             )
 
-    def segment_check_before_copy(self) -> Callable[[], None] | None:
-        """`check_segment` for the engine thread, right before it copies the tensors (raising a `FieldError` the
-        commit's reply names): a "wait" update may drain for minutes after its commit was checked. None without a
-        shared segment."""
-        if self.shm is None:
-            return None
-
-        def check() -> None:
-            try:
-                self.check_segment()
-            except UpdateRejected as rejected:
-                raise FieldError("transport", f"{rejected.reason} (found right before the copy)") from None
-
-        return check
+    def copy_from_segment(self, pieces: list[p.TensorPiece]) -> list[torch.Tensor]:
+        """Copy the pieces' bytes from the shared segment (transport "shm") into their places in the staging area;
+        returns those places (the copy is what the checksum is checked on, and what commits)."""
+        views = self.staging_views(pieces)
+        for piece, view in zip(pieces, views):
+            start = self.offsets[piece.index] + piece.offset
+            view.copy_(self.segment[start : start + piece.nbytes])
+        return views
 
     def mark_received(self, pieces: list[p.TensorPiece]) -> None:
         """Count pieces whose bytes landed in the staging area."""
@@ -303,7 +297,6 @@ class StagedUpdate:
         for spec, size, got in zip(self.specs, self.sizes, self.received):
             if got != size:
                 raise UpdateRejected("bad_update", spec.name, f"incomplete: {got} of {size} bytes arrived")
-        self.check_segment()
         tensors = {
             spec.name: self.staging[offset : offset + size].view(DTYPES[spec.dtype]).view(spec.shape)
             for spec, offset, size in zip(self.specs, self.offsets, self.sizes)
@@ -339,7 +332,7 @@ class StagedUpdate:
         if self.closed:
             return
         self.closed = self.ended = True
-        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.staging = self.segment = torch.empty(0, dtype=torch.uint8)
         if clean or self.receiver.staging_reusable_after_abort:
             self.pool.give_back(self._host, self._shared if clean else None)
         if not clean and self._shared is not None:

@@ -239,9 +239,8 @@ class UpdateSlot:
                 self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
                 return
             adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
-            check = update.segment_check_before_copy()
             self.manager.weight_updates.submit(
-                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter, check
+                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
             )
 
         update.jobs.submit(job)
