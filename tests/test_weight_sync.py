@@ -819,7 +819,8 @@ def test_a_refused_dist_push_does_not_hold_up_the_next(workers):
 
 def test_a_commit_that_fails_on_one_worker_says_which_committed(workers):
     """mode="wait" with a long sample in flight on worker A only: B commits, A's drain runs out; the error says the
-    commit failed on A while B committed, with B's version, and each worker serves what it says."""
+    commit failed on A while B committed, with B's version, and each worker serves what it says. The pushing client
+    sends its groups to B from then on, never to A's older weights (they all went to A before)."""
     addresses = [worker.address for worker in workers]
     with RolloutClient(addresses, timeout=60) as both, RolloutClient(addresses[0], timeout=60) as only_a:
         start = max(map(version_of, addresses)) + 1
@@ -829,6 +830,12 @@ def test_a_commit_that_fails_on_one_worker_says_which_committed(workers):
         with pytest.raises(RolloutError) as partial:
             push_weights(both, tiny_model(2), version=start + 1, mode="wait", timeout=1.0, transport="frames")
         stream.close()
+        assert both.min_policy_version == start + 1
+        served = [
+            both.generate(PromptGroup(PROMPT, sampling=GREEDY), timeout=30).completions[0].policy_versions
+            for _ in range(6)
+        ]
+        assert served == [[[start + 1, 0]]] * 6, served
     assert partial.value.code == "partial_commit", partial.value
     assert addresses[1] in str(partial.value) and f"version {start + 1}" in str(partial.value)
     assert version_of(addresses[0]) == start and version_of(addresses[1]) == start + 1

@@ -248,12 +248,16 @@ class WeightPush:
         drain = self.timeout if self.mode == "wait" else 0.0
         deadline = time.monotonic() + self.timeout + drain
         failed: dict[int, p.Error] = {}
-        # Hear from every worker, even after a failure: the error must say which ones now serve the new weights.
-        while not all(link.committed is not None or link.index in failed for link in self.links):
-            try:
-                self._receive(deadline - time.monotonic(), "commit")
-            except WorkerFailed as failure:
-                failed[failure.link.index] = failure.error
+        try:
+            # Hear from every worker, even after a failure: the error must say which ones now serve the new weights.
+            while not all(link.committed is not None or link.index in failed for link in self.links):
+                try:
+                    self._receive(deadline - time.monotonic(), "commit")
+                except WorkerFailed as failure:
+                    failed[failure.link.index] = failure.error
+        finally:  # whatever went wrong elsewhere (a refusal, a timeout): groups go to the workers that committed
+            if committed_versions := [link.committed.version for link in self.links if link.committed is not None]:
+                self.client.min_policy_version = max(self.client.min_policy_version, *committed_versions)
         failed = {index: error for index, error in failed.items() if any(link.index == index for link in self.links)}
         if failed:  # (a worker that refused and was then lost counts as lost)
             first = next(link for link in self.links if link.index in failed)
@@ -266,7 +270,7 @@ class WeightPush:
             raise RolloutError(
                 "partial_commit",
                 f"the commit failed on some workers ({errors}) while {', '.join(committed)} committed: the workers "
-                "now serve different weights; push again",
+                "now serve different weights (this client sends its groups to those that committed); push again",
                 failed[first.index].field,
             )
         fields = ("version", "pause_ms", "copy_ms", "drain_ms", "aborted", "recomputed")
