@@ -9,6 +9,7 @@ from typing import Any
 
 from rollout.service.http.api.template_inputs import check_rendered_size, template_variables
 from rollout.service.http.errors import APIError, bad_field
+from rollout.service.http.tools.replayed_calls import ReplayedCallError, template_tool_calls
 from rollout.service.http.tools.tool_calls import ToolsError, ToolSpec, check_tools
 from rollout.validation import all_plain_ints, lone_surrogate
 
@@ -138,19 +139,28 @@ def needs_tokenizer(tokenizer: Any, what: str) -> None:
 
 
 def _message(index: int, message: Any) -> dict[str, Any]:
-    """A message for the template: text content parts joined into one string (OpenAI's list form). Its other fields
-    go to the template as they are, as vLLM passes them (a template may read its own: gpt-oss's `thinking`; a client
-    echoing an answer's message sends `refusal`, `parsed`, ...). A message of a role that speaks needs content (a
-    template would render a missing one as "None" or nothing)."""
+    """A message for the template, as vLLM hands it over: text content parts joined into one string with newlines
+    (OpenAI's list form), an assistant's replayed `tool_calls` with their arguments as mappings
+    (`template_tool_calls`). Its other fields go to the template as they are (a template may read its own: gpt-oss's
+    `thinking`; a client echoing an answer's message sends `refusal`, `parsed`, ...). A message of a role that speaks
+    needs content (a template would render a missing one as "None" or nothing). The request's body is not changed."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_field("messages", f"message {index} must be an object with a string role")
     content = message.get("content")
     if content is None and message["role"] in CONTENT_ROLES:
         raise bad_field("messages", f"message {index}: a {message['role']} message needs content")
+    if message["role"] == "assistant" and message.get("tool_calls") is not None:  # (null: as it came, as vLLM)
+        try:
+            calls = template_tool_calls(message["tool_calls"])
+        except ReplayedCallError as error:
+            raise bad_field("messages", f"message {index}: {error}") from None
+        message = {name: value for name, value in message.items() if name != "tool_calls"}
+        if calls is not None:
+            message["tool_calls"] = calls
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise bad_field("messages", f"message {index}: only text content parts are supported")
-        message = {**message, "content": "".join(part["text"] for part in content)}
+        message = {**message, "content": "\n".join(part["text"] for part in content)}
     elif content is not None and not isinstance(content, str):
         raise bad_field("messages", f"message {index}: content must be a string or a list of text parts")
     if isinstance(message.get("content"), str):
