@@ -77,6 +77,9 @@ def test_a_staging_area_that_cannot_be_made_rejects_the_begin_by_transport(slot,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(slot._staging, "shared", no_room)
+    made = []
+    host = slot._staging.host
+    monkeypatch.setattr(slot._staging, "host", lambda nbytes: made.append(host(nbytes)) or made[-1])
     spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
     slot.handle(b"trainer", p.WeightsBegin("shm", spec, partial=True, transport="shm"), [], None)
     error = replies(slot, 1)[0]
@@ -84,6 +87,8 @@ def test_a_staging_area_that_cannot_be_made_rejects_the_begin_by_transport(slot,
     assert "No space left" in error.message and slot.update is None
     slot.handle(b"trainer", p.WeightsBegin("frames", spec, partial=True), [], None)
     assert isinstance(replies(slot, 2)[-1], p.WeightsReady)
+    # The host buffer the shm update took went back to the pool: the frames update has it again.
+    assert len(made) == 2 and made[1].data_ptr() == made[0].data_ptr()
 
 
 def test_an_area_whose_allocation_raises_is_answered_and_frees_the_slot(slot, monkeypatch):

@@ -94,11 +94,13 @@ class ShmReceiver(Receiver):
     staging_reusable_after_abort = True
 
     def staging(self, pool: Any, nbytes: int) -> tuple[torch.Tensor, tuple[Any, torch.Tensor] | None]:
+        host = pool.host(nbytes)
         try:
             shared = pool.shared(nbytes)
         except OSError as error:
+            pool.give_back(host, None)  # written by no one yet: the next update may take it
             raise UpdateRejected("bad_update", "transport", f"cannot create a shared-memory segment: {error}") from None
-        return pool.host(nbytes), shared
+        return host, shared
 
     def take_bytes(
         self, area: StagingArea, begin: WeightsBegin, pieces: list[TensorPiece], frames: list, checksum: int | None
