@@ -5,6 +5,7 @@ beside a merged model, repeated replacement, and refusals."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -290,3 +291,33 @@ def test_a_peft_directory_served_from_the_start_matches_peft(tmp_path, fp32_pair
     with pytest.raises(FieldError) as error:
         load_peft_dir(str(tmp_path / "missing"))
     assert error.value.field == "lora"
+
+
+def test_an_adapter_directory_whose_files_are_not_regular_or_too_large_is_refused_unread(tmp_path):
+    """A FIFO in place of the adapter's weights blocked peft's reader for good, inside safetensors' native code that
+    holds Python's lock: the whole worker froze (its HTTP and ZeroMQ loops with it). A sparse config of gigabytes was
+    read and decoded whole. Both are refused by name before peft opens anything (the FIFO in a subprocess: the old
+    reader would hang the test's own process)."""
+    import subprocess
+    import sys
+
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    (fifo_dir / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}')
+    os.mkfifo(fifo_dir / "adapter_model.safetensors")
+    script = (
+        "import sys\nfrom rollout.config import FieldError\nfrom rollout.engine.lora.adapter_weights import load_peft_dir\n"
+        "try:\n    load_peft_dir(sys.argv[1])\nexcept FieldError as error:\n    print(error.field, error.reason)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(fifo_dir)], capture_output=True, text=True, timeout=90)
+    assert done.stdout.startswith("lora ") and "adapter_model.safetensors" in done.stdout, done.stdout + done.stderr
+    assert "not a regular file" in done.stdout
+
+    huge_dir = tmp_path / "huge"
+    huge_dir.mkdir()
+    with open(huge_dir / "adapter_config.json", "wb") as config:
+        config.truncate(2 << 30)  # sparse: 2 GiB read as zeros
+    with pytest.raises(FieldError) as refused:
+        load_peft_dir(str(huge_dir))
+    assert refused.value.field == "lora" and "adapter_config.json" in refused.value.reason
+    assert "at most 1048576" in refused.value.reason

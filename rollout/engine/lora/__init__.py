@@ -1,5 +1,6 @@
 """LoRA adapters served unmerged, several side by side in one batch:
 
+- `adapter_files.py`: an adapter directory's files, checked before peft reads them;
 - `adapter_weights.py`: one adapter's weights as the engine takes them (from peft or named tensors);
 - `adapter_specs.py`: which tensors an adapter may bring (names, dtypes, shapes, ranks);
 - `bounds.py`: how large adapters may be (rank, memory);

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
+from rollout.engine.lora.adapter_files import check_adapter_files
 from rollout.peft_adapters import (
     SAVED_MARKER,
     active_adapter_name,
@@ -154,6 +155,7 @@ def load_peft_dir(path: str) -> AdapterModules:
         from peft.utils import load_peft_weights
     except ImportError:
         raise FieldError("lora", "loading adapter directories needs peft: pip install 'rollout[lora]'") from None
+    check_adapter_files(path)
     try:
         config = LoraConfig.from_pretrained(path)
         state = load_peft_weights(path, device="cpu")

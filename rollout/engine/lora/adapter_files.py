@@ -1,0 +1,38 @@
+"""The files of a PEFT adapter directory that peft reads (`adapter_config.json`, `adapter_model.safetensors` or
+`.bin`), checked before it reads them: each a regular file, the config of a config's size. A FIFO in their place
+would block peft's reader forever inside safetensors' native code, which holds Python's lock, so every thread of
+the worker with it; a sparse config of gigabytes would be read and decoded whole."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from rollout.config import FieldError
+
+CONFIG_NAME = "adapter_config.json"  # peft.utils.CONFIG_NAME
+WEIGHTS_NAMES = ("adapter_model.safetensors", "adapter_model.bin")  # peft's SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+MAX_CONFIG_BYTES = 1 << 20  # a LoRA config is a few KB; its largest lists (target_modules, rank_pattern) stay far under
+
+
+def check_adapter_files(path: str) -> None:
+    """Refuse an adapter directory whose files peft would read are not regular files, or whose config is over
+    MAX_CONFIG_BYTES (a missing file is left to peft, whose error names it).
+
+    Args:
+        path: the adapter directory.
+    Raises:
+        FieldError: ("lora") naming the file.
+    """
+    for name in (CONFIG_NAME, *WEIGHTS_NAMES):
+        try:
+            found = os.stat(os.path.join(path, name))  # (through a link: what peft would open)
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise FieldError("lora", f"cannot read {name} in {path!r}: {error.strerror or error}") from None
+        if not stat.S_ISREG(found.st_mode):
+            raise FieldError("lora", f"{name} in {path!r} is not a regular file (a pipe, a device or a directory)")
+        if name == CONFIG_NAME and found.st_size > MAX_CONFIG_BYTES:
+            reason = f"{name} in {path!r} is {found.st_size} bytes; an adapter's config is at most {MAX_CONFIG_BYTES}"
+            raise FieldError("lora", reason)
