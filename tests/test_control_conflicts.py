@@ -249,11 +249,18 @@ def test_cross_site_posts_from_a_web_page_are_refused(keyless_url):
 
 def test_what_a_control_route_does_not_read_is_refused_by_name(keyless_url):
     """A body or a query parameter a route would ignore: a pause with {"mode": "keep"} as its body would run the
-    default, "abort"; a misspelt parameter would leave its default in force."""
+    default, "abort"; a misspelt parameter would leave its default in force; one given twice would be a guess."""
     stream = Stream(keyless_url, 256)
     cases = [
         ("/pause", {"json": {"mode": "keep"}}, None),
         ("/pause", {"params": {"mode": "keep", "bogus": "1"}}, "query.bogus"),
+        # Given twice, or twice over (the older spelling of mode=wait beside another mode): the last one had won.
+        ("/pause", {"params": [("mode", "abort"), ("mode", "keep")]}, "query.mode"),
+        (
+            "/pause",
+            {"params": {"mode": "keep", "wait_for_inflight_requests": "true"}},
+            "query.wait_for_inflight_requests",
+        ),
         ("/resume", {"json": {"mode": "keep"}}, None),
         ("/reset_prefix_cache", {"params": {"reset_running_request": "true"}}, "query.reset_running_request"),
         ("/abort_requests", {"params": {"request_ids": "cmpl-1"}}, "query.request_ids"),

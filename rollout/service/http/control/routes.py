@@ -128,6 +128,9 @@ def add_control_routes(
         _query_only(request, "mode", "wait_for_inflight_requests", "clear_cache")
         mode = _query_choice(request, "mode", "abort", GENERATION_PAUSE_MODES)
         if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
+            if request.query_params.get("mode", "wait") != "wait":
+                reason = f"wait_for_inflight_requests=true means mode=wait, and mode={mode} was given too: drop one"
+                raise bad_field("query.wait_for_inflight_requests", reason)
             mode = "wait"
         clear_cache = _query_bool(request, "clear_cache", True)
         await _no_body(request, bodies, "mode, clear_cache")
@@ -308,11 +311,14 @@ def _query_bool(request: Request, name: str, default: bool) -> bool:
 
 
 def _query_only(request: Request, *names: str) -> None:
-    """Refuse a query parameter the route does not take, naming it (a typo must not leave a default in force)."""
+    """Refuse a query parameter the route does not take, naming it (a typo must not leave a default in force), and
+    one given twice (`mode=abort&mode=keep`: which one holds would be a guess)."""
     for name in request.query_params:
         if name not in names:
             takes = f"it takes {', '.join(names)}" if names else "it takes none"
             raise bad_field(f"query.{name}", f"unknown query parameter ({request.url.path}: {takes})")
+        if len(given := request.query_params.getlist(name)) > 1:
+            raise bad_field(f"query.{name}", f"given {len(given)} times ({', '.join(map(repr, given))}): give it once")
 
 
 async def _no_body(request: Request, bodies: BodyIntake, parameters: str | None) -> None:
