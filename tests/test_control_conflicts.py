@@ -329,3 +329,56 @@ def test_a_body_less_routes_body_is_read_within_the_body_time_limit(monkeypatch)
     with pytest.raises(ClientGone):
         asyncio.run(intake.first_bytes(request([more, {"type": "http.disconnect"}]), 64))
     intake.close()
+
+
+def test_a_directory_swapped_for_a_link_while_its_read_waited_is_refused(manager, tmp_path):
+    """A load or a weight update checks its directory, then waits for the one before it to finish: a directory
+    replaced meanwhile by a link to one outside the allowed directories was read from there (an adapter served, a
+    checkpoint committed). Each checks again right before it reads, and a checkpoint each file as it opens it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rollout.service.http.control import routes as control_routes
+    from rollout.service.http.control.checkpoint_dir import read_checkpoint
+    from rollout.service.http.errors import APIError
+
+    root, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed = AllowedDirs([str(root)])
+    swapped = root / "adapter"
+    saved_adapter(outside / "adapter", seed=3)
+    saved_adapter(swapped, seed=4)
+
+    class SwappedMeanwhile:  # the wait for the load before: the directory is replaced by a link meanwhile
+        async def __aenter__(self):
+            shutil.rmtree(swapped)
+            swapped.symlink_to(outside / "adapter")
+
+        async def __aexit__(self, *exc_info):
+            return False
+
+    routes = AdapterRoutes(manager, allowed)
+    routes._lock = SwappedMeanwhile()
+    with pytest.raises(APIError) as refused:
+        asyncio.run(routes.load({"lora_name": "swapped", "lora_path": str(swapped)}))
+    assert (refused.value.status, refused.value.param) == (403, "lora_path"), refused.value
+    assert "swapped" not in manager.engine.runner.adapters.refs
+
+    state = {name: tensor.contiguous() for name, tensor in tiny_model(seed=5).state_dict().items()}
+    for directory in (root / "checkpoint", outside / "checkpoint"):
+        directory.mkdir(parents=True)
+        save_file(state, str(directory / "model.safetensors"))
+    version = manager.engine.policy_version
+    checked = allowed.directory(str(root / "checkpoint"), "weight_dir")  # the route's check, before its wait
+    shutil.rmtree(root / "checkpoint")
+    (root / "checkpoint").symlink_to(outside / "checkpoint")
+    with pytest.raises(APIError) as refused:
+        control_routes._update_from(manager, allowed, str(root / "checkpoint"), None, "keep", False)
+    assert (refused.value.status, refused.value.param) == (403, "weight_dir"), refused.value
+    assert manager.engine.policy_version == version
+    (root / "checkpoint").unlink()  # a file of the checked directory replaced by a link as it is read
+    (root / "checkpoint").mkdir()
+    (root / "checkpoint" / "model.safetensors").symlink_to(outside / "checkpoint" / "model.safetensors")
+    with pytest.raises(APIError) as refused:
+        read_checkpoint(checked, manager.engine.weight_table.specs())
+    assert refused.value.status == 403 and "now a link to a file outside it" in refused.value.message

@@ -70,6 +70,8 @@ class AdapterRoutes:
             raise bad_field("load_inplace", f"must be true or false, got {in_place!r}")
         directory = self.allowed.directory(path, "lora_path")
         async with self._lock:
+            # Checked again once the load before this one is done: a link could have replaced it meanwhile.
+            directory = self.allowed.directory(path, "lora_path")
             if name in self.manager.engine.runner.adapters.refs and not in_place:
                 message = (
                     f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "

@@ -5,6 +5,7 @@ transaction, between two steps, with a new policy version)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -42,6 +43,9 @@ def read_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for path in files:
+        if Path(os.path.realpath(path)).parent != directory:  # a link put in its place since the directory's check
+            reason = f"{path.name} in {str(directory)!r} is now a link to a file outside it"
+            raise APIError(403, f"weight_dir: {reason}", "weight_dir", "permission_error")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
                 for name in reader.keys():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -220,7 +219,7 @@ def add_control_routes(
                 raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
             async with one_update:
                 result, nbytes = await asyncio.to_thread(
-                    _update_from, manager, directory, fields.get("version"), mode, check_finite
+                    _update_from, manager, allowed, fields["weight_dir"], fields.get("version"), mode, check_finite
                 )
         except APIError as refused:
             if updates is not None:
@@ -268,10 +267,18 @@ async def _no_sleep() -> SafeJSONResponse:
 
 
 def _update_from(
-    manager: ContinuousBatchingManager, directory: Path, version: Any, mode: str, check_finite: bool
+    manager: ContinuousBatchingManager,
+    allowed: AllowedDirs,
+    weight_dir: str,
+    version: Any,
+    mode: str,
+    check_finite: bool,
 ) -> tuple[Any, int]:
-    """Read the checkpoint and commit it as one weight update (a worker thread: reading takes a while); logged as
-    the ZeroMQ updates are. Returns the update's result and its tensors' bytes (as served: cast)."""
+    """Read the checkpoint at `weight_dir` and commit it as one weight update (a worker thread: reading takes a
+    while); logged as the ZeroMQ updates are. Returns the update's result and its tensors' bytes (as served: cast).
+    The directory is checked again here, right before it is read: the route's own check came before its wait for
+    the update before it, long enough for a link to be put in its place."""
+    directory = allowed.directory(weight_dir, "weight_dir")
     tensors = read_checkpoint(directory, manager.engine.weight_table.specs(), check_finite)
     nbytes = sum(tensor.nbytes for tensor in tensors.values())
     logger.info("weight update from %r (POST /update_weights): %d tensors, mode %s", str(directory), len(tensors), mode)
