@@ -129,7 +129,7 @@ def test_a_large_directory_with_no_data_files_is_refused_before_datasets_scans_i
     (checkout / "README.md").write_text("# a project\n")
     (checkout / "requirements.txt").write_text("torch\n")  # text, but not named as a split
     (checkout / ".git").mkdir()
-    (checkout / ".git" / "train.jsonl").write_text('{"question": "hidden"}\n')  # hidden: datasets skips it too
+    (checkout / ".git" / "train.jsonl").write_text('{"question": "hidden"}\n')  # hidden: datasets leaves it out
     (checkout / "src" / "pkg" / "deep" / "deeper" / "train.jsonl").write_text('{"question": "too deep"}\n')
     message = error_of(capsys, checkout)
     assert message.startswith(f"--dataset {checkout}: a directory of over 20 entries with no data file (.jsonl, ")
@@ -142,6 +142,14 @@ def test_a_large_directory_with_no_data_files_is_refused_before_datasets_scans_i
     (crowded / "zz").mkdir()
     (crowded / "zz" / "train.jsonl").write_text('{"question": "after the bound"}\n')
     assert "a directory of over 20 entries" in error_of(capsys, crowded)
+
+    # A checkout whose bulk is hidden (the README's own .venv): `datasets` walks it before leaving its files out.
+    venv = tmp_path / "hidden_bulk" / ".venv" / "lib"
+    venv.mkdir(parents=True)
+    for index in range(30):
+        (venv / f"module{index}.py").write_text("")
+    (tmp_path / "hidden_bulk" / "README.md").write_text("# a project\n")
+    assert "a directory of over 20 entries" in error_of(capsys, tmp_path / "hidden_bulk")
 
 
 def test_what_a_dataset_folder_holds_is_found_past_other_files(tmp_path, monkeypatch):

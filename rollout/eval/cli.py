@@ -87,7 +87,12 @@ def build_parser() -> CliParser:
         help="sample from the k likeliest tokens; 0 is off (default: the model's generation config, else 50, as "
         "transformers' generate)",
     )
-    add("--seed", type=int, default=None, help="seed of the run's sampling, so a run repeats (default: fresh)")
+    add(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the run's sampling (above --temperature 0), so a run repeats (default: fresh)",
+    )
     add(
         "--metric",
         default=None,
@@ -153,6 +158,8 @@ def check_flags(args: argparse.Namespace) -> None:
         raise EvalError(f"--top-k {args.top_k}: must be 0 (off) or more")
     if greedy and args.top_k is not None:
         raise EvalError(f"--top-k {args.top_k} has no effect with greedy decoding: pass --temperature above 0")
+    if greedy and args.seed is not None:
+        raise EvalError(f"--seed {args.seed} has no effect with greedy decoding: pass --temperature above 0")
     if args.compare_with_generate and not greedy:
         raise EvalError(
             f"--compare-with-generate compares greedy decoding token by token, which sampling at temperature "

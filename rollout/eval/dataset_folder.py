@@ -98,15 +98,14 @@ def _has_data(folder: str, budget: list[int], depth: int, data_depth: int, in_sp
 
 
 def _fewer_entries_than(folder: str, limit: int) -> bool:
-    """Whether the tree under `folder` (hidden entries left out, as `datasets` leaves them) has fewer than `limit`
-    entries, counted breadth first and stopping at the limit (symbolic links to folders not followed)."""
+    """Whether the tree under `folder` has fewer than `limit` entries, counted breadth first and stopping at the
+    limit (symbolic links to folders not followed). Hidden entries count: `datasets` leaves their files out of the
+    dataset, but only after its glob walked them (a checkout's .venv and .git: minutes)."""
     pending, seen = [folder], 0
     while pending:
         try:
             with os.scandir(pending.pop()) as entries:
                 for entry in entries:
-                    if entry.name.startswith((".", "__")):
-                        continue
                     seen += 1
                     if seen >= limit:
                         return False
