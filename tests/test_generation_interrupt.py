@@ -8,7 +8,7 @@ import torch
 
 from rollout import SamplingParams, generate_batch
 from rollout.engine.engine import Engine
-from rollout.engine.generate import GenerationInterrupted, cached_engine
+from rollout.engine.generate import GenerationInterrupted, SamplesFailedWarning, cached_engine
 from rollout.presets import tiny_model
 
 
@@ -35,3 +35,19 @@ def test_ctrl_c_returns_the_finished_samples_with_the_interrupt(monkeypatch):
     assert list(caught.value.outputs) == ["req_0"]  # the second prompt was still generating
     assert caught.value.outputs["req_0"].generated_tokens == reference
     assert closed and cached_engine(model) is None
+
+
+def test_samples_that_failed_are_said_in_a_warning():
+    """A sample whose prompt and length can never fit the KV cache ends with finish_reason "error" and its reason;
+    a caller reading only the tokens got empty samples and no word of why. The others are generated as usual."""
+    from rollout import ContinuousBatchingConfig
+
+    model = tiny_model(seed=3).eval()
+    config = ContinuousBatchingConfig(num_blocks=8, block_size=4)
+    sampling = [SamplingParams(temperature=0, max_new_tokens=2), SamplingParams(temperature=0, max_new_tokens=200)]
+    with pytest.warns(SamplesFailedWarning, match=r"generate_batch: 1 of 2 samples failed .*; the first, req_1: request needs"):
+        results = generate_batch(
+            model, [[5, 6, 7], [8, 9]], sampling=sampling, continuous_batching_config=config, progress_bar=False
+        )
+    assert results["req_1"].finish_reason == "error" and results["req_1"].generated_tokens == []
+    assert len(results["req_0"].generated_tokens) == 2

@@ -107,6 +107,12 @@ def test_a_model_name_where_a_loaded_model_is_needed_says_how_to_load_it(entry):
         "model: 'Qwen/Qwen3-0.6B' is a model name, not a model: load it first, e.g. model = "
         "AutoModelForCausalLM.from_pretrained('Qwen/Qwen3-0.6B') (from transformers), and pass the model"
     )
+    # A built-in model's name (what `rollout-worker --model tiny` takes): from_pretrained would look for it on the hub.
+    with pytest.raises(FieldError) as refused:
+        getattr(rollout, entry)("tiny", *arguments)
+    hint = str(refused.value).split("e.g. ")[1].split(",")[0]
+    assert hint == "model = rollout.presets.model_from_preset('tiny')"
+    exec(hint, {"rollout": rollout})  # the hint runs as written
 
 
 def test_the_grpo_gpu_example_with_a_hub_model_and_no_network(capsys, monkeypatch, unreachable_hub):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -45,6 +46,10 @@ def _slot(model: torch.nn.Module) -> _EngineSlot | None:
     """The model's filled slot, if it holds one made for this very model."""
     slot = model.__dict__.get(CACHED_ENGINE_ATTRIBUTE)
     return slot if isinstance(slot, _EngineSlot) and slot.engine is not None and slot.model_id == id(model) else None
+
+
+class SamplesFailedWarning(UserWarning):
+    """`generate_batch` returned samples that ended with finish_reason "error" (their `error` says why)."""
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -119,6 +124,9 @@ def generate_batch(
         ValueError: bad input, naming the field (nothing is generated then); a model given by name says how to
             load it.
         GenerationInterrupted: Ctrl-C; its `outputs` are the samples finished by then.
+    Warns:
+        SamplesFailedWarning: some samples ended with finish_reason "error" (e.g. a prompt and length that can never
+            fit the KV cache), naming how many and the first one's reason; they are returned with the others.
     """
     refuse_model_name(model)
     if not isinstance(model, torch.nn.Module):
@@ -198,6 +206,14 @@ def generate_batch(
             engine.close()
         elif _slot(model) is not None:
             engine.runner.suspend()  # the model is the caller's again until the next call
+    failed = [results[request_id] for request_id in order if results[request_id].finish_reason == "error"]
+    if failed:  # a caller reading only the tokens would see empty samples and no reason
+        warnings.warn(
+            f"generate_batch: {len(failed)} of {len(order)} samples failed (finish_reason 'error', their `error` "
+            f"says why); the first, {failed[0].request_id}: {failed[0].error}",
+            SamplesFailedWarning,
+            stacklevel=2,
+        )
     return {request_id: results[request_id] for request_id in order}
 
 

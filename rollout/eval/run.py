@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rollout.engine.generate import GenerationInterrupted, cached_engine, generate_batch, release_cached_engine
+from rollout.engine.generate import (
+    GenerationInterrupted,
+    SamplesFailedWarning,
+    cached_engine,
+    generate_batch,
+    release_cached_engine,
+)
 from rollout.eval.metrics import Metric, score
 
 
@@ -160,7 +167,11 @@ def generate(
         _check_context(cached_engine(model).max_model_len, prompt_ids, generation_config.max_new_tokens)
         timed = time.perf_counter()
         try:  # (the warm-up's outputs, above, are no rows)
-            outputs = generate_batch(model, prompt_ids, n=n, progress_bar=progress_bar, tokenizer=tokenizer, **shared)
+            with warnings.catch_warnings():  # failed samples are this function's own error (SamplesFailed), below
+                warnings.simplefilter("ignore", SamplesFailedWarning)
+                outputs = generate_batch(
+                    model, prompt_ids, n=n, progress_bar=progress_bar, tokenizer=tokenizer, **shared
+                )
         except GenerationInterrupted as interrupt:  # the samples finished so far are kept
             raise SamplesInterrupted(_rows(tokenizer, interrupt.outputs.values()), len(prompt_ids) * n) from None
         done = time.perf_counter()

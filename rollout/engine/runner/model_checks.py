@@ -15,6 +15,7 @@ from rollout.engine.runner.attention_call_checks import check_attention_calls, s
 from rollout.engine.runner.attention_probe import record_attention_calls
 from rollout.engine.runner.model_lease import LEASE_LOCK, is_leased
 from rollout.invariant.model_support import rope_types
+from rollout.presets.catalog import is_preset
 from rollout.sharded_params import is_sharded
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,12 @@ def refuse_model_name(model: Any) -> None:
     """
     if isinstance(model, (str, os.PathLike)):
         name = os.fspath(model)
+        if is_preset(name):  # rollout-worker's built-in models: from_pretrained would look for them on the hub
+            raise FieldError(
+                "model",
+                f"{name!r} names a built-in model, not a model: build it first, e.g. model = "
+                f"rollout.presets.model_from_preset({name!r}), and pass the model",
+            )
         raise FieldError(
             "model",
             f"{name!r} is a model name, not a model: load it first, e.g. model = "
