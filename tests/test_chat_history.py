@@ -101,6 +101,8 @@ def test_an_empty_tool_calls_list_takes_the_plain_assistant_path():
         ([{"function": {"name": "f", "arguments": "{'a': 1}"}}], "tool_calls[0].function.arguments is not valid JSON"),
         ([{"function": {"name": "f", "arguments": "[1, 2]"}}], "must be a JSON object (or a string holding one)"),
         ([{"function": {"name": "f", "arguments": 42}}], "must be a JSON object (or a string holding one), got int"),
+        ([{"function": {"name": "f", "arguments": "[" * 100_000}}], "arguments is JSON nested too deeply to read"),
+        ([{"function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}], "arguments holds a lone surrogate"),
     ],
 )
 def test_a_tool_call_no_template_could_render_is_refused_naming_messages(tool_calls, reason):

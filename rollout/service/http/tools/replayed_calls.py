@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rollout.validation import lone_surrogate
+
 
 class ReplayedCallError(ValueError):
     """A replayed tool call that no template could render as the model wrote it; the message says which and why."""
@@ -49,10 +51,15 @@ def _call(position: int, call: Any) -> dict[str, Any]:
             parsed = json.loads(arguments)
         except json.JSONDecodeError as error:
             raise ReplayedCallError(f"{where}.function.arguments is not valid JSON ({error})") from None
+        except RecursionError:  # (the body's own nesting is bounded before it is parsed; a string's is not)
+            raise ReplayedCallError(f"{where}.function.arguments is JSON nested too deeply to read") from None
     else:
         parsed = arguments
     if not isinstance(parsed, dict):
         raise ReplayedCallError(
             f"{where}.function.arguments must be a JSON object (or a string holding one), got {type(parsed).__name__}"
         )
+    # A JSON "\ud800" escape makes a lone surrogate, which no tokenizer encodes (it failed inside the template).
+    if lone_surrogate(json.dumps(parsed, ensure_ascii=False)) is not None:
+        raise ReplayedCallError(f"{where}.function.arguments holds a lone surrogate, which is not text")
     return {**call, "function": {**function, "arguments": parsed}}
