@@ -8,6 +8,7 @@ forward."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -136,3 +137,17 @@ def test_a_script_that_ends_while_its_manager_generates_exits_cleanly():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "script end" in done.stdout and "terminate called" not in done.stderr
+
+
+def test_the_progress_bar_counts_tokens_while_no_sample_has_finished(capsys, monkeypatch):
+    """Samples run together finish together: the bar of finished samples alone sat at 0/2 until the end; its
+    postfix counts the generated tokens as they come, and ends at what the outputs hold."""
+    monkeypatch.setattr("rollout.engine.progress.REFRESH_S", 0.0)  # a redraw every step: no timing in the test
+    model = tiny_model("llama")
+    outputs = generate_batch(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=GREEDY, warmup=False)
+    drawn = re.split(r"[\r\n]", capsys.readouterr().err)
+    counted = [int(re.search(r"tokens=(\d+)", line).group(1)) for line in drawn if " 0/2 " in line and "tokens=" in line]
+    assert counted and counted == sorted(counted) and counted[-1] > 0  # it moved before any sample finished
+    generated = sum(len(output.generated_tokens) for output in outputs.values())
+    final = [line for line in drawn if " 2/2 " in line][-1]
+    assert f"tokens={generated}" in final and "tok/s=" in final

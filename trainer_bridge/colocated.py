@@ -10,10 +10,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rollout.config import FieldError
 from rollout.engine.engine import Engine
+from rollout.engine.progress import SampleProgress
 from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.reply_frames import unpack_message
 from trainer_bridge.client.calls import GroupResult, PromptGroup, as_integer
@@ -218,7 +218,7 @@ class ColocatedEngine:
         Args:
             groups: `PromptGroup`s (prompt ids, `n`, a `SamplingParams` or a dict of its fields, optional group id).
             policy_version: set the version first (`set_policy_version`); None keeps the current one.
-            progress_bar: show a tqdm bar of finished samples.
+            progress_bar: show a tqdm bar of finished samples, with the tokens generated so far and their rate.
         Returns:
             One `GroupResult` per group, in order; completions in sample order, each with its logprobs and
                 run-length encoded policy versions. A completion the engine ended with an error says so in its
@@ -240,16 +240,17 @@ class ColocatedEngine:
         in_flight = {r.group_id: GroupInFlight(b"", r.group_id, r.prompt_ids, r.num_forks + 1, False) for r in requests}
         samples = sum(r.num_forks + 1 for r in requests)
         results: dict[str, GroupResult] = {}
-        with self._round(), tqdm(total=samples, disable=not progress_bar, unit="seq") as bar:
+        with self._round(), SampleProgress(self.engine.counters, samples, progress_bar) as progress:
             for request in requests:
                 self.engine.submit(request)
             while self.engine.has_unfinished():
-                for output in self.engine.step():
+                outputs = self.engine.step()
+                for output in outputs:
                     _, result = in_flight[output.group_id].absorb(output, self.engine.policy_version)
-                    bar.update(int(output.is_finished))
                     if result is not None:
                         unpack_message(result, result.data_frames)  # MoE routes: arrays, as a client gets them
                         results[result.group_id] = GroupResult(result.group_id, result.prompt_ids, result.completions)
+                progress.after_step(sum(output.is_finished for output in outputs))
         self.num_rounds += 1
         return [results[request.group_id] for request in requests]
 

@@ -10,11 +10,11 @@ import warnings
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.lora.adapter_weights import from_peft_model
+from rollout.engine.progress import SampleProgress
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES, TorchSeeds
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.runner.model_checks import refuse_model_name
@@ -101,7 +101,8 @@ def generate_batch(
         continuous_batching_config: engine settings: rollout's or transformers' ContinuousBatchingConfig (see
             `Engine`), or None for the defaults.
         record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
-        progress_bar: show a tqdm bar of finished samples (transformers' default is False).
+        progress_bar: show a tqdm bar of finished samples, with the tokens generated so far and their rate
+            (transformers' default is False).
         persistent_manager: keep the engine (its KV cache and CUDA graphs) on the model for the next call with the
             same configs (and the same model generation config and parameter storage) instead of building one per
             call; between calls the model is the caller's (its attention implementation and training mode back),
@@ -188,11 +189,12 @@ def generate_batch(
                 if len(inputs) == 1:
                     raise error from None
                 raise FieldError(error.field, f"prompt {index} of the batch: {error.reason}") from None
-        with tqdm(total=len(order), disable=not progress_bar, desc="generate_batch", unit="seq") as bar:
+        with SampleProgress(engine.counters, len(order), progress_bar, desc="generate_batch") as progress:
             while engine.has_unfinished():
-                for output in engine.step():
+                finished = engine.step()
+                for output in finished:
                     results[output.request_id] = output
-                    bar.update(1)
+                progress.after_step(len(finished))
     except BaseException as error:
         if persistent_manager:
             release_cached_engine(model)  # an engine left mid-run is not reused
