@@ -28,3 +28,21 @@ def unknown_field_reason(name: Any, known: Collection[str]) -> str:
         return f"{reason}: vLLM's; in rollout, stop_token_ids=[] (no stop tokens) generates past the EOS"
     close = difflib.get_close_matches(name, sorted(known), n=1)
     return f"{reason}; did you mean {close[0]!r}?" if close else reason
+
+
+def spelling_hints(names: Collection[str], known: Collection[str]) -> str:
+    """The hint "; did you mean 'X' (for 'Y')?" for those of the unknown `names` a known name is close to (another
+    tool's spelling, as vLLM's `max_tokens`, or a typo), or "" when none is.
+
+    Args:
+        names: the unknown names, as the caller gave them.
+        known: the names there are.
+    """
+    guesses = []
+    for name in sorted(names):
+        close = (
+            [VLLM_SPELLINGS[name]] if name in VLLM_SPELLINGS else difflib.get_close_matches(name, sorted(known), n=1)
+        )
+        if close and close[0] in known:
+            guesses.append(f"{close[0]!r} (for {name!r})")
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""

@@ -97,6 +97,9 @@ def test_what_is_no_causal_lm_or_no_list_of_prompts_is_named():
     assert "['temperature', 'top_k', 'verbose']" in str(error.value)  # every unknown one named, the hint for two
     assert str(error.value).endswith("pass sampling=SamplingParams(temperature=0.5, top_k=3))")
     hinted = SamplingParams(temperature=0.5, top_k=3)  # what it says to pass works as it is
+    for typo, meant in [("max_new_token", "max_new_tokens"), ("max_tokens", "max_new_tokens"), ("progres_bar", "progress_bar"), ("temprature", "temperature")]:  # fmt: skip
+        with pytest.raises(TypeError, match=f"did you mean '{meant}' \\(for '{typo}'\\)\\?$"):
+            generate_batch(model, [[1, 2, 3]], progress_bar=False, **{typo: 2})
     assert len(generate_batch(model, [[1, 2, 3]], progress_bar=False, max_new_tokens=2, sampling=hinted)) == 1
 
 
@@ -146,7 +149,9 @@ def test_the_progress_bar_counts_tokens_while_no_sample_has_finished(capsys, mon
     model = tiny_model("llama")
     outputs = generate_batch(model, [[1, 2, 3], [4, 5]], max_new_tokens=6, sampling=GREEDY, warmup=False)
     drawn = re.split(r"[\r\n]", capsys.readouterr().err)
-    counted = [int(re.search(r"tokens=(\d+)", line).group(1)) for line in drawn if " 0/2 " in line and "tokens=" in line]
+    counted = [
+        int(re.search(r"tokens=(\d+)", line).group(1)) for line in drawn if " 0/2 " in line and "tokens=" in line
+    ]
     assert counted and counted == sorted(counted) and counted[-1] > 0  # it moved before any sample finished
     generated = sum(len(output.generated_tokens) for output in outputs.values())
     final = [line for line in drawn if " 2/2 " in line][-1]

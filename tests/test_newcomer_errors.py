@@ -442,6 +442,25 @@ def test_a_vllm_spelling_in_generation_kwargs_is_named_as_typed():
         grpo_sampling(args, [2])
 
 
+def test_a_misspelt_generation_kwargs_key_names_the_key_it_resembles():
+    """GRPOConfig(generation_kwargs={"max_new_token": 7, "repetiton_penalty": 1.1}): refused, with the keys meant."""
+    from types import SimpleNamespace
+
+    from trainer_bridge.grpo_sampling import grpo_sampling
+
+    typos = {"max_new_token": 7, "repetiton_penalty": 1.1, "ignore_eso": True, "zzz": 1}
+    args = SimpleNamespace(generation_kwargs=typos, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                           repetition_penalty=1.0, max_completion_length=16)  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"\['ignore_eso', 'max_new_token', 'repetiton_penalty', 'zzz'\] are not"
+    ) as error:
+        grpo_sampling(args, [2])
+    assert str(error.value).endswith(
+        "; did you mean 'ignore_eos' (for 'ignore_eso'), 'max_new_tokens' (for 'max_new_token'), "
+        "'repetition_penalty' (for 'repetiton_penalty')?"
+    )
+
+
 @pytest.mark.parametrize(
     ("fields", "field", "reason"),
     [

@@ -15,7 +15,7 @@ from typing import Any
 
 from rollout.config import FieldError, SamplingParams
 from rollout.sampling_params import SAMPLING_FIELDS
-from rollout.sampling_spellings import VLLM_SPELLINGS
+from rollout.sampling_spellings import VLLM_SPELLINGS, spelling_hints
 
 # GRPOConfig fields the workers' sampling follows.
 HONOURED = (
@@ -91,6 +91,7 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         raise ValueError(
             f"generation_kwargs {unknown} are not supported: give rollout SamplingParams fields, or the vLLM "
             f"spellings {sorted([*VLLM_SPELLINGS, 'ignore_eos', 'stop_token_ids'])}"
+            + spelling_hints(unknown, {*SAMPLING_FIELDS, *VLLM_SPELLINGS, "ignore_eos", *NO_EFFECT_KWARGS})
         )
     sampling = {
         "do_sample": True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import warnings
 from typing import Any
 
@@ -19,6 +20,7 @@ from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES, TorchSeeds
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.runner.model_checks import refuse_model_name
 from rollout.peft_adapters import is_peft_model
+from rollout.sampling_spellings import spelling_hints
 
 # The attribute of a model that holds the engine `generate_batch(..., persistent_manager=True)` keeps for it.
 CACHED_ENGINE_ATTRIBUTE = "_rollout_cached_engine"
@@ -66,14 +68,21 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.outputs = outputs
 
 
-def _sampling_hint(unexpected: dict[str, Any]) -> str:
-    """How to pass what are `SamplingParams` fields, when some of `unexpected` are (empty otherwise)."""
+# generate_batch's keyword arguments read from **kwargs (its signature names the others).
+KEYWORDS = ("sampling", "max_new_tokens", "n", "adapter")
+
+
+def _kwargs_hint(unexpected: dict[str, Any]) -> str:
+    """How to pass those of `unexpected` that are `SamplingParams` fields, and the closest keyword or field to the
+    others (a typo such as `max_new_token`); empty when there is nothing to say."""
     fields = {field.name for field in dataclasses.fields(SamplingParams)}
     named = {name: value for name, value in sorted(unexpected.items()) if name in fields}
+    own = [name for name in inspect.signature(generate_batch).parameters if name not in ("model", "inputs", "kwargs")]
+    hint = spelling_hints(set(unexpected) - fields, {*own, *KEYWORDS, *fields})
     if not named:
-        return ""
+        return hint
     settings = ", ".join(f"{name}={value!r}" for name, value in named.items())
-    return f" ({', '.join(named)}: SamplingParams settings, so pass sampling=SamplingParams({settings}))"
+    return f" ({', '.join(named)}: SamplingParams settings, so pass sampling=SamplingParams({settings})){hint}"
 
 
 def generate_batch(
@@ -138,7 +147,7 @@ def generate_batch(
     n = kwargs.pop("n", None)
     adapters = kwargs.pop("adapter", None)
     if kwargs:
-        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}{_sampling_hint(kwargs)}")
+        raise TypeError(f"generate_batch() got unexpected keyword arguments: {sorted(kwargs)}{_kwargs_hint(kwargs)}")
     per_prompt = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
     if len(per_prompt) != len(inputs):
         raise FieldError("sampling", f"got {len(per_prompt)} SamplingParams for {len(inputs)} prompts")
