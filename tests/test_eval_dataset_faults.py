@@ -103,7 +103,7 @@ def test_a_json_object_over_several_lines_says_what_a_json_dataset_holds(capsys,
     json.loads(path.read_text())  # valid JSON, though not rows
     message = error_of(capsys, path)
     assert message == (
-        f"--dataset {path}: line 1 is not JSON (Expecting property name enclosed in double quotes); a .json dataset "
+        f"--dataset {path}: line 1 (row 0) is not JSON (Expecting property name enclosed in double quotes); a .json dataset "
         "is a JSON array of rows, or one row object per line"
     )
 

@@ -209,14 +209,14 @@ BAD_DATASETS = {
     "blank.jsonl": ("\n\n", "no rows"),
     "header_only.csv": ("prompt,answer\n", "no rows"),
     "array.json": ("[]", "no rows"),
-    "not_json.jsonl": ('{"prompt": "a"}\n{"prompt": \n', "line 2 is not JSON (Expecting value)"),
-    "ragged.csv": ("prompt,answer\nhi,1,extra\nyo,2\n", "line 2 has 3 fields, the header 2"),
+    "not_json.jsonl": ('{"prompt": "a"}\n\n{"prompt": \n', "line 3 (row 1) is not JSON (Expecting value)"),  # as below
+    "ragged.csv": ("prompt,answer\nhi,1,extra\nyo,2\n", "line 2 (row 0) has 3 fields, the header 2"),
     "scalars.json": ("[1, 2]", "row 0 is a int, not an object of fields"),
     "no_answer.jsonl": ('{"prompt": "a", "answer": "5"}\n{"prompt": "b", "answer": null}\n', "row 1 has no answer"),
     "list_answer.jsonl": ('{"prompt": "a", "answer": ["5", "five"]}\n', "row 0 holds a list, not text or a number"),
     "dict_prompt.jsonl": ('{"prompt": {"role": "user", "content": "hi"}, "answer": "a"}\n', "row 0 holds a dict"),
     "list_prompt.jsonl": ('{"prompt": ["a", "b"], "answer": "a"}\n', "row 0 holds a list, not text; pass --chat"),
-    "missing_field.jsonl": ('{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n', "--prompt-field prompt: row 1 of"),
+    "missing_field.jsonl": ('{"prompt": "a", "answer": "1"}\n\n{"answer": "2"}\n', "--prompt-field prompt: row 1 of"),
 }
 
 

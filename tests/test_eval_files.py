@@ -95,14 +95,20 @@ def test_a_prompt_over_the_limit_from_a_file_read_whole_is_refused_before_tokeni
 NOT_TEXT = {
     "surrogate.jsonl": (
         '{"prompt": "2 + 2 ="}\n{"prompt": "\\ud800"}\n',
-        "line 2, field prompt: holds a lone surrogate",
+        "line 2 (row 1), field prompt: holds a lone surrogate",
     ),
-    "chat.jsonl": ('{"prompt": [{"role": "user", "content": "a\\udc00"}]}\n', "line 1, field prompt[0].content: holds"),
-    "key.jsonl": ('{"prompt": "a", "\\ud800": 1}\n', "line 1: the field name '\\ud800' holds a lone surrogate"),
+    "chat.jsonl": (
+        '{"prompt": [{"role": "user", "content": "a\\udc00"}]}\n',
+        "line 1 (row 0), field prompt[0].content: holds",
+    ),
+    "key.jsonl": ('{"prompt": "a", "\\ud800": 1}\n', "line 1 (row 0): the field name '\\ud800' holds a lone surrogate"),
     "surrogate.json": ('[{"prompt": "a"}, {"prompt": "\\udfff"}]', "row 1, field prompt: holds a lone surrogate"),
     "binary.jsonl": (b'{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n', "line 2 is not UTF-8 text"),
     "binary.csv": (b"prompt\nok\n\x89PNG\r\n\x1a\n", "line 3 is not UTF-8 text"),
-    "nested.jsonl": ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "line 1 is nested too deeply to read"),
+    "nested.jsonl": (
+        '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
+        "line 1 (row 0) is nested too deeply to read",
+    ),
 }
 
 

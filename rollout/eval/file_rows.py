@@ -58,7 +58,10 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
             lines = read_lines(file, max_line_chars, LIMIT_FLAG)
             # (a .json file may be one object written over many lines: valid JSON, but not a row per line)
             hint = "; a .json dataset is a JSON array of rows, or one row object per line" if ending == ".json" else ""
-            return _objects(dataset, [_json_line(dataset, n, line, hint) for n, line in lines if line.strip()])
+            texts = [(number, line) for number, line in lines if line.strip()]
+            return _objects(
+                dataset, [_json_line(dataset, number, row, line, hint) for row, (number, line) in enumerate(texts)]
+            )
     except DatasetError:
         raise
     except FileRefused as error:
@@ -92,16 +95,18 @@ def _objects(dataset: str, rows: list[Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _json_line(dataset: str, number: int, line: str, hint: str = "") -> Any:
-    """One JSONL line's value, its strings checked to be valid Unicode (`hint` ends the message of a line that is
-    not JSON)."""
+def _json_line(dataset: str, number: int, index: int, line: str, hint: str = "") -> Any:
+    """Line `number`'s value, row `index` of the dataset (rows count from 0 and skip blank lines, as the errors about
+    a row's fields and the output's `prompt_index` do: both are named), its strings checked to be valid Unicode
+    (`hint` ends the message of a line that is not JSON)."""
+    where = f"line {number} (row {index})"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
-        raise DatasetError(f"--dataset {dataset}: line {number} is not JSON ({error.msg}){hint}") from None
+        raise DatasetError(f"--dataset {dataset}: {where} is not JSON ({error.msg}){hint}") from None
     except RecursionError:
-        raise DatasetError(f"--dataset {dataset}: line {number} is nested too deeply to read") from None
-    _check_text(dataset, f"line {number}", row)
+        raise DatasetError(f"--dataset {dataset}: {where} is nested too deeply to read") from None
+    _check_text(dataset, where, row)
     return row
 
 
@@ -156,7 +161,7 @@ def _read_csv(dataset: str, lines: Iterable[tuple[int, str]], max_chars: int) ->
                     continue
                 if len(fields) != len(header):
                     raise DatasetError(
-                        f"--dataset {dataset}: line {reader.line_num} has {len(fields)} fields, the header "
+                        f"--dataset {dataset}: line {reader.line_num} (row {len(rows)}) has {len(fields)} fields, the header "
                         f"{len(header)}"
                     )
                 rows.append(dict(zip(header, fields)))
