@@ -33,6 +33,7 @@ def test_ctrl_c_returns_the_finished_samples_with_the_interrupt(monkeypatch):
         generate_batch(model, prompts, sampling=sampling, progress_bar=False, persistent_manager=True)
     assert isinstance(caught.value, GenerationInterrupted)
     assert list(caught.value.outputs) == ["req_0"]  # the second prompt was still generating
+    assert str(caught.value) == "generate_batch interrupted: 1 of 2 samples had finished (in its .outputs)"
     assert caught.value.outputs["req_0"].generated_tokens == reference
     assert closed and cached_engine(model) is None
 
@@ -45,7 +46,9 @@ def test_samples_that_failed_are_said_in_a_warning():
     model = tiny_model(seed=3).eval()
     config = ContinuousBatchingConfig(num_blocks=8, block_size=4)
     sampling = [SamplingParams(temperature=0, max_new_tokens=2), SamplingParams(temperature=0, max_new_tokens=200)]
-    with pytest.warns(SamplesFailedWarning, match=r"generate_batch: 1 of 2 samples failed .*; the first, req_1: request needs"):
+    with pytest.warns(
+        SamplesFailedWarning, match=r"generate_batch: 1 of 2 samples failed .*; the first, req_1: request needs"
+    ):
         results = generate_batch(
             model, [[5, 6, 7], [8, 9]], sampling=sampling, continuous_batching_config=config, progress_bar=False
         )

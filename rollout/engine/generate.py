@@ -59,13 +59,17 @@ class GenerationInterrupted(KeyboardInterrupt):
     closed as on any error, and `outputs` holds the samples that had finished, keyed and ordered as
     `generate_batch`'s return value (those not finished are left out)."""
 
-    def __init__(self, outputs: dict[str, GenerationOutput]) -> None:
+    def __init__(self, outputs: dict[str, GenerationOutput], total: int) -> None:
         """
         Args:
             outputs: the finished samples, request id -> output, in `generate_batch`'s order.
+            total: the samples the call asked for.
         """
-        super().__init__()  # no message, as a plain Ctrl-C's
+        super().__init__(
+            f"generate_batch interrupted: {len(outputs)} of {total} samples had finished (in its .outputs)"
+        )
         self.outputs = outputs
+        self.total = total
 
 
 # generate_batch's keyword arguments read from **kwargs (its signature names the others).
@@ -209,7 +213,7 @@ def generate_batch(
             release_cached_engine(model)  # an engine left mid-run is not reused
         if isinstance(error, KeyboardInterrupt) and not isinstance(error, GenerationInterrupted):
             finished = {request_id: results[request_id] for request_id in order if request_id in results}
-            raise GenerationInterrupted(finished) from error  # the samples already generated are not lost
+            raise GenerationInterrupted(finished, len(order)) from error  # the samples already generated are kept
         raise
     finally:
         peft_off.close()

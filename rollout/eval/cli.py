@@ -23,7 +23,7 @@ from rollout.cli.interrupts import deferring_sigint, recording_sigint
 from rollout.cli.parser import CliParser
 from rollout.cli.process_exit import run_console_script
 from rollout.config import MIN_TEMPERATURE, MODEL_DTYPE_NAMES
-from rollout.eval.errors import EvalError
+from rollout.eval.errors import EvalError, EvalInterrupted
 from rollout.eval.files import DEFAULT_MAX_LINE_CHARS
 from rollout.eval.output import check_output, write_rows, write_summary
 from rollout.presets.catalog import PRESETS
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rollout-eval: error: {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as interrupt:
-            where = str(interrupt).removeprefix("interrupted")  # e.g. " while generating; the rows are in ..."
+            # e.g. " while generating; the rows are in ..." (another interrupt's message is not this command's)
+            where = str(interrupt).removeprefix("interrupted") if isinstance(interrupt, EvalInterrupted) else ""
             print(f"rollout-eval: {_stopped_by(interrupted)}{where}", file=sys.stderr)
             return 128 + (interrupted[0] if interrupted else signal.SIGINT)
         except Exception:
