@@ -11,15 +11,13 @@ and statuses, over the worker's engine manager (`manager.control`, `manager.upda
 - `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (adapter_routes.py).
 
 Pause, resume and is_paused answer vLLM's flat bodies (`{"status": "paused"}`, `{"error": "..."}`); a bad parameter
-is a 400 in OpenAI's error format naming it (`query.mode`), as vLLM's validation errors are. A query parameter a
-route does not take, or a body on a route whose parameters go in the query string, is refused by name: a pause sent
-with `{"mode": "keep"}` as its body must not run vLLM's default, "abort".
+is a 400 in OpenAI's error format naming it (`query.mode`), as vLLM's validation errors are; what a route may be
+given beside its parameters is checked in `route_params.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +31,7 @@ from rollout.service.http.api.live_answers import LiveAnswers
 from rollout.service.http.control.adapter_routes import AdapterRoutes
 from rollout.service.http.control.allowed_dirs import AllowedDirs
 from rollout.service.http.control.checkpoint_dir import read_checkpoint, refused_update
+from rollout.service.http.control.route_params import no_body, query_bool, query_choice, query_only
 from rollout.service.http.control.server_info import server_info
 from rollout.service.http.errors import APIError, SafeJSONResponse, bad_field
 
@@ -88,9 +87,6 @@ class UpdateListener(Protocol):
         """A well-formed update was refused (counted with the ZeroMQ updates refused)."""
 
 
-EMPTY_BODY_BYTES = 64  # a body-less route reads this much of a body at most: `{}` with whitespace fits
-
-
 def add_control_routes(
     app: FastAPI,
     manager: ContinuousBatchingManager,
@@ -124,15 +120,15 @@ def add_control_routes(
 
     @app.post("/pause")
     async def pause(request: Request) -> SafeJSONResponse:
-        _query_only(request, "mode", "wait_for_inflight_requests", "clear_cache")
-        mode = _query_choice(request, "mode", "abort", GENERATION_PAUSE_MODES)
-        if _query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
+        query_only(request, "mode", "wait_for_inflight_requests", "clear_cache")
+        mode = query_choice(request, "mode", "abort", GENERATION_PAUSE_MODES)
+        if query_bool(request, "wait_for_inflight_requests", False):  # vLLM's older spelling of mode=wait
             if request.query_params.get("mode", "wait") != "wait":
                 reason = f"wait_for_inflight_requests=true means mode=wait, and mode={mode} was given too: drop one"
                 raise bad_field("query.wait_for_inflight_requests", reason)
             mode = "wait"
-        clear_cache = _query_bool(request, "clear_cache", True)
-        await _no_body(request, bodies, "mode, clear_cache")
+        clear_cache = query_bool(request, "clear_cache", True)
+        await no_body(request, bodies, "mode, clear_cache")
         try:
             await control.pause_generation_async(mode, clear_cache)  # holds no thread while "wait" drains
         except PauseOvertaken as error:  # another caller's /resume: a conflict, not a failure
@@ -143,8 +139,8 @@ def add_control_routes(
 
     @app.post("/resume")
     async def resume(request: Request) -> SafeJSONResponse:
-        _query_only(request)
-        await _no_body(request, bodies, None)
+        query_only(request)
+        await no_body(request, bodies, None)
         try:
             await asyncio.to_thread(control.resume_generation)
         except RuntimeError as error:
@@ -153,12 +149,12 @@ def add_control_routes(
 
     @app.get("/is_paused")
     async def is_paused(request: Request) -> SafeJSONResponse:
-        _query_only(request)
+        query_only(request)
         return SafeJSONResponse({"is_paused": control.is_paused})
 
     @app.post("/abort_requests")
     async def abort_requests(request: Request) -> SafeJSONResponse:
-        _query_only(request)
+        query_only(request)
         needed = 'the body must be a JSON object: {"request_ids": [...]}, or {} for every request'
         if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
             raise APIError(400, needed)  # as vLLM's: no body aborts nothing
@@ -181,28 +177,28 @@ def add_control_routes(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> SafeJSONResponse:
-        _query_only(request, "reset_running_requests", "reset_external")
-        await _no_body(request, bodies, "reset_running_requests, reset_external")
-        _query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
-        if _query_bool(request, "reset_external", False):
+        query_only(request, "reset_running_requests", "reset_external")
+        await no_body(request, bodies, "reset_running_requests, reset_external")
+        query_bool(request, "reset_running_requests", False)  # running requests' blocks are never reset here
+        if query_bool(request, "reset_external", False):
             raise bad_field("query.reset_external", "this worker has no external KV cache connector")
         return SafeJSONResponse({"success": await asyncio.to_thread(control.reset_prefix_cache)})
 
     @app.get("/server_info")
     async def get_server_info(request: Request) -> SafeJSONResponse:
-        _query_only(request, "config_format")
-        config_format = _query_choice(request, "config_format", "text", ("text", "json"))
+        query_only(request, "config_format")
+        config_format = query_choice(request, "config_format", "text", ("text", "json"))
         return SafeJSONResponse(server_info(manager, model_name, config_format, model_path))
 
     @app.get("/get_world_size")
     async def get_world_size(request: Request) -> SafeJSONResponse:
-        _query_only(request, "include_dp")
-        _query_bool(request, "include_dp", True)  # one process, no data parallelism: 1 either way
+        query_only(request, "include_dp")
+        query_bool(request, "include_dp", True)  # one process, no data parallelism: 1 either way
         return SafeJSONResponse({"world_size": 1})
 
     @app.post("/update_weights")
     async def update_weights(request: Request) -> SafeJSONResponse:
-        _query_only(request)
+        query_only(request)
         async with bodies.body(request) as body:
             fields = dict(body) if isinstance(body, dict) else None
         if fields is None:
@@ -245,14 +241,14 @@ def add_control_routes(
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        _query_only(request)
+        query_only(request)
         async with bodies.body(request) as body:
             fields = body
         return await adapters.load(fields)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        _query_only(request)
+        query_only(request)
         async with bodies.body(request) as body:
             fields = body
         return await adapters.unload(fields)
@@ -297,55 +293,3 @@ def _update_from(
         raise refused_update(error, directory) from None
     except TimeoutError as error:
         raise APIError(503, f"the weight update was not applied: {error}", None, "service_unavailable_error") from None
-
-
-def _query_choice(request: Request, name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = request.query_params.get(name, default)
-    if value not in choices:
-        raise bad_field(f"query.{name}", f"must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-def _query_bool(request: Request, name: str, default: bool) -> bool:
-    value = request.query_params.get(name)
-    if value is None:
-        return default
-    if value.lower() in ("true", "1", "yes", "on"):
-        return True
-    if value.lower() in ("false", "0", "no", "off"):
-        return False
-    raise bad_field(f"query.{name}", f"must be true or false, got {value!r}")
-
-
-def _query_only(request: Request, *names: str) -> None:
-    """Refuse a query parameter the route does not take, naming it (a typo must not leave a default in force), and
-    one given twice (`mode=abort&mode=keep`: which one holds would be a guess)."""
-    for name in request.query_params:
-        if name not in names:
-            takes = f"it takes {', '.join(names)}" if names else "it takes none"
-            raise bad_field(f"query.{name}", f"unknown query parameter ({request.url.path}: {takes})")
-        if len(given := request.query_params.getlist(name)) > 1:
-            raise bad_field(f"query.{name}", f"given {len(given)} times ({', '.join(map(repr, given))}): give it once")
-
-
-async def _no_body(request: Request, bodies: BodyIntake, parameters: str | None) -> None:
-    """Refuse a body that says something on a route that reads none (its parameters go in the query string); an
-    empty one (nothing, `{}`, `null`: what some vLLM clients send) says nothing and passes. Reads up to
-    `EMPTY_BODY_BYTES`: anything longer says something."""
-    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
-        return
-    if not _says_nothing(await bodies.first_bytes(request, EMPTY_BODY_BYTES)):
-        where = f"its parameters ({parameters}) go in the query string" if parameters else "it takes no parameters"
-        raise APIError(400, f"{request.url.path} takes no body: {where}", None)
-
-
-def _says_nothing(raw: bytes) -> bool:
-    """Whether a short body is empty: no bytes, or JSON `{}` or `null`."""
-    if len(raw) > EMPTY_BODY_BYTES:
-        return False
-    if not raw.strip():
-        return True
-    try:
-        return json.loads(raw) in ({}, None)
-    except ValueError:
-        return False
