@@ -62,13 +62,17 @@ def training_loss(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tens
     return loss.detach(), [param.grad.clone() for param in model.parameters()]
 
 
-def test_completions_equal_a_workers(worker):
+def test_completions_equal_a_workers(worker, capsys):
     """The same weights, prompts and seeds: the same tokens, finish reasons and policy versions as a worker, and
-    logprobs within 1e-5 (fp32; the batches differ, so the sums may round differently)."""
+    logprobs within 1e-5 (fp32; the batches differ, so the sums may round differently). The progress bar ends at
+    every sample and every token generated."""
     with RolloutClient(worker.address) as client:
         served = {result.group_id: result for result in client.generate_many(groups())}  # in finishing order
     with ColocatedEngine(tiny_model(0), CONFIG) as engine:
-        colocated = engine.generate(groups())
+        colocated = engine.generate(groups(), progress_bar=True)
+    tokens = sum(len(completion.token_ids) for result in colocated for completion in result.completions)
+    last = capsys.readouterr().err.strip().split("\r")[-1]
+    assert " 6/6 " in last and f"tokens={tokens}," in last
     assert [result.group_id for result in colocated] == ["greedy", "g", "top_p"]
     for ours in colocated:
         theirs = served[ours.group_id]
