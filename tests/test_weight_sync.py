@@ -236,6 +236,37 @@ def test_push_serves_the_new_weights(workers, client, raw, transport, seed, expe
     assert_serves(address, seed, result.version)
 
 
+def test_auto_falls_back_to_frames_only_when_the_segment_could_not_be_made(workers, client, raw, monkeypatch):
+    """transport="auto" began again over frames after any refusal before weights_ready: when another trainer took
+    the slot over (update_preempted) before the push heard its ready, a push with preempt=True took it straight
+    back. Only a refusal of the transport (field "transport": the worker could not make a segment) falls back now;
+    the preemption is the push's answer, and the other trainer keeps the slot."""
+    from trainer_bridge.weights import push, push_links
+
+    take, send_begin, begins, other = push_links.PushLink.take, push.WeightPush._send_begin, [], uuid.uuid4().hex
+
+    def other_trainer_preempts_before_ready(link, message):  # the race, made certain: its ready is not heard
+        if isinstance(message, p.WeightsReady) and len(begins) == 1:
+            taken = raw.ask(p.WeightsBegin(other, specs_of(weights(0))[:1], partial=True, timeout_s=30, preempt=True))
+            assert isinstance(taken, p.WeightsReady), taken
+            return
+        take(link, message)
+
+    def counted(self, link, specs, fields):
+        begins.append(link.transport)
+        send_begin(self, link, specs, fields)
+
+    monkeypatch.setattr(push_links.PushLink, "take", other_trainer_preempts_before_ready)
+    monkeypatch.setattr(push.WeightPush, "_send_begin", counted)
+    with pytest.raises(RolloutError) as refused:
+        push_weights(client, tiny_model(1), transport="auto", bucket_bytes=1 << 20, preempt=True, timeout=10)
+    monkeypatch.undo()
+    assert refused.value.code == "update_preempted" and begins == ["shm"], (refused.value, begins)
+    ack = raw.ask(p.WeightsAbort(other))  # still the other trainer's: never taken back
+    assert isinstance(ack, p.WeightsAck) and ack.state == "aborted", ack
+    assert_no_update_open(raw)
+
+
 def test_raw_transaction_by_hand(workers, raw, baseline):
     """The protocol alone, without push_weights: begin, one bucket per tensor (two frames each), commit."""
     state = weights(5)
@@ -838,6 +869,54 @@ def test_a_commit_that_fails_on_one_worker_says_which_committed(workers):
         assert served == [[[start + 1, 0]]] * 6, served
     assert partial.value.code == "partial_commit", partial.value
     assert addresses[1] in str(partial.value) and f"version {start + 1}" in str(partial.value)
+    assert version_of(addresses[0]) == start and version_of(addresses[1]) == start + 1
+
+
+def test_a_worker_lost_after_it_committed_still_counts_as_committed(workers, monkeypatch):
+    """As above, but B stalls (SIGSTOP) right after saying it committed, long enough to be declared lost before A's
+    drain runs out: the push said "rejected" (B left out of the account), the client's floor stayed, and once B
+    answered again groups went to both weights. Now it is a partial_commit naming B, and groups go to B alone."""
+    import os
+    import signal
+
+    from trainer_bridge.weights import push_links
+
+    addresses = [worker.address for worker in workers]
+    stalled = []
+    take = push_links.PushLink.take
+
+    def stall_b_after_its_commit(link, message):
+        take(link, message)
+        if isinstance(message, p.WeightsCommitted) and link.address == addresses[1] and not stalled:
+            stalled.append(workers[1].process.pid)
+            os.kill(stalled[0], signal.SIGSTOP)
+
+    with (
+        RolloutClient(addresses, timeout=60, heartbeat_s=0.2, dead_after_s=0.8) as both,
+        RolloutClient(addresses[0], timeout=60) as only_a,
+    ):
+        start = max(map(version_of, addresses)) + 1
+        push_weights(both, tiny_model(1), version=start, transport="frames")
+        stream = only_a.stream(PromptGroup(PROMPT, sampling={**GREEDY, "max_new_tokens": 2000}), timeout=60)
+        [next(stream) for _ in range(4)]
+        monkeypatch.setattr(push_links.PushLink, "take", stall_b_after_its_commit)
+        try:
+            with pytest.raises(RolloutError) as partial:
+                push_weights(both, tiny_model(2), version=start + 1, mode="wait", timeout=3.0, transport="frames")
+        finally:
+            for pid in stalled:
+                os.kill(pid, signal.SIGCONT)
+        monkeypatch.undo()
+        stream.close()
+        assert stalled and both.min_policy_version == start + 1
+        served = [
+            both.generate(PromptGroup(PROMPT, sampling=GREEDY), timeout=30).completions[0].policy_versions
+            for _ in range(4)
+        ]
+        assert served == [[[start + 1, 0]]] * 4, served
+    assert partial.value.code == "partial_commit", partial.value
+    assert f"{addresses[1]} (version {start + 1}) committed" in str(partial.value)
+    assert f"with no version or one above {start + 1}" in str(partial.value)
     assert version_of(addresses[0]) == start and version_of(addresses[1]) == start + 1
 
 

@@ -139,7 +139,9 @@ class WeightPush:
                 self._receive(deadline - time.monotonic(), "weights_ready")
             except WorkerFailed as failure:
                 link = failure.link
-                if self.transport != "auto" or link.transport != "shm":
+                # Only a staging area the worker could not make (field "transport") falls back: any other refusal
+                # (preempted by another trainer, a version, a role) is this push's answer, not a transport's.
+                if self.transport != "auto" or link.transport != "shm" or failure.error.field != "transport":
                     raise
                 link.transport, link.open = "frames", False  # the worker could not make a segment
                 self._send_begin(link, specs, {})
@@ -243,7 +245,8 @@ class WeightPush:
             sender.bucket_sent(bucket, offsets)
 
     def _commit(self) -> list[dict[str, Any]]:
-        for link in self.links:
+        sent = list(self.links)  # a worker lost after this may have committed: it still counts if it said so
+        for link in sent:
             self.channel.send(link.index, p.WeightsCommit(self.update_id))
         drain = self.timeout if self.mode == "wait" else 0.0
         deadline = time.monotonic() + self.timeout + drain
@@ -255,13 +258,14 @@ class WeightPush:
                     self._receive(deadline - time.monotonic(), "commit")
                 except WorkerFailed as failure:
                     failed[failure.link.index] = failure.error
-        finally:  # whatever went wrong elsewhere (a refusal, a timeout): groups go to the workers that committed
-            if committed_versions := [link.committed.version for link in self.links if link.committed is not None]:
+        finally:  # whatever went wrong elsewhere (a refusal, a timeout): groups go to the workers that committed,
+            # those lost after saying so included (one that answers again serves the new weights)
+            if committed_versions := [link.committed.version for link in sent if link.committed is not None]:
                 self.client.min_policy_version = max(self.client.min_policy_version, *committed_versions)
         failed = {index: error for index, error in failed.items() if any(link.index == index for link in self.links)}
         if failed:  # (a worker that refused and was then lost counts as lost)
             first = next(link for link in self.links if link.index in failed)
-            committed = [f"{link.address} (version {link.committed.version})" for link in self.links if link.committed]
+            committed = [f"{link.address} (version {link.committed.version})" for link in sent if link.committed]
             if not committed:
                 raise WorkerFailed(first, failed[first.index])
             errors = "; ".join(
@@ -270,12 +274,13 @@ class WeightPush:
             raise RolloutError(
                 "partial_commit",
                 f"the commit failed on some workers ({errors}) while {', '.join(committed)} committed: the workers "
-                "now serve different weights (this client sends its groups to those that committed); push again",
+                "now serve different weights (this client sends its groups to those that committed); push again, "
+                f"with no version or one above {self.version} (those that committed refuse {self.version} itself)",
                 failed[first.index].field,
             )
         fields = ("version", "pause_ms", "copy_ms", "drain_ms", "aborted", "recomputed")
         results = []
-        for link in self.links:
+        for link in [link for link in sent if link.committed is not None]:  # a worker lost after committing included
             done = {name: getattr(link.committed, name) for name in fields}
             results.append({"address": link.address, "transport": link.transport, **done})
         return results
