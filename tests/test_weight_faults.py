@@ -180,6 +180,31 @@ def test_a_truncated_segment_is_refused_and_the_worker_serves_on(worker, client,
         assert served(client)[2] == before[2] + 1
 
 
+def test_a_segment_truncated_under_the_trainer_fails_its_push_not_the_trainer(worker, client, monkeypatch):
+    """The segment shrunk after push_weights opened it: the trainer's next write into it ended the trainer with
+    SIGBUS (the worker refused and served on). Now the push fails naming "transport" and the worker's address, the
+    update is given up on the worker, and a push that follows lands."""
+    from rollout.protocol.transports import shm
+
+    attach = shm.ShmSender.attach
+
+    def attach_then_truncate(self, link, ready, specs):  # another process on the host truncates it
+        attach(self, link, ready, specs)
+        os.truncate(f"/dev/shm/{ready.shm_name}", 0)
+
+    before = served(client)
+    monkeypatch.setattr(shm.ShmSender, "attach", attach_then_truncate)
+    with pytest.raises(RolloutError) as refused:
+        push_weights(client, tiny_model(seed=next(SEEDS)), transport="shm", timeout=10)
+    monkeypatch.undo()
+    assert (refused.value.code, refused.value.field) == ("bad_update", "transport"), refused.value
+    assert f"{worker.address}'s shared-memory segment" in str(refused.value) and "shrank to 0 bytes" in str(
+        refused.value
+    )
+    assert served(client) == before and worker.process.poll() is None
+    assert push_weights(client, tiny_model(seed=next(SEEDS)), transport="shm", timeout=10).version == before[2] + 1
+
+
 def test_bytes_written_into_the_segment_after_their_check_change_nothing(worker, client):
     """The worker copies each bucket out of the shared segment before checking it, so NaN a trainer writes into the
     segment after its buckets were acknowledged, before and right after the commit, changes nothing: the model

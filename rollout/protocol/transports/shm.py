@@ -6,6 +6,7 @@ bucket out into its own staging buffer and checks it there. Same host only. A tr
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -39,14 +40,16 @@ class ShmSender(Sender):
         into its segment). Each bucket has its own place in the segments, so a bucket staged while earlier ones are
         still being checked by the worker overwrites nothing it reads."""
         live = [  # not a lost worker's, nor one that went over to frames after its segment was attached
-            self._segments[link.index][1]
+            (link.address, *self._segments[link.index])
             for link in self.push.links
             if link.transport == "shm" and link.index in self._segments
         ]
         if not live:
             return None
         sources = self._on_host([data for _, _, data in bucket])
-        for staging in live:
+        end = max(offsets[index] + offset + data.numel() for index, offset, data in bucket)
+        for address, segment, staging in live:
+            _check_size(address, segment, end)
             for (index, offset, _), source in zip(bucket, sources):
                 staging[offsets[index] + offset :][: source.numel()].copy_(source)
         return sources
@@ -86,6 +89,24 @@ class ShmSender(Sender):
             del view, kept  # the segment's buffer stays exported while a view of it lives
             with contextlib.suppress(BufferError):
                 segment.close()
+
+
+def _check_size(address: str, segment: Any, end: int) -> None:
+    """Refuse to write up to byte `end` of a worker's segment that no longer reaches it: writing past the end of a
+    truncated segment ends this process with SIGBUS. A process that truncates it in the instant between this check
+    and the copy is beyond it (as on the worker, over "shm" the processes of its user on the host are trusted).
+
+    Raises:
+        UpdateRejected: field "transport", naming the worker and the segment's size.
+    """
+    size = os.fstat(segment._fd).st_size  # noqa: SLF001 - SharedMemory keeps its descriptor open on POSIX
+    if size < end:
+        raise UpdateRejected(
+            "bad_update",
+            "transport",
+            f"{address}'s shared-memory segment {segment.name} shrank to {size} bytes, under the {end} this bucket "
+            "reaches: another process truncated it",
+        )
 
 
 class ShmReceiver(Receiver):
