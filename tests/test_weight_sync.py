@@ -920,6 +920,31 @@ def test_a_worker_lost_after_it_committed_still_counts_as_committed(workers, mon
     assert version_of(addresses[0]) == start and version_of(addresses[1]) == start + 1
 
 
+def test_a_trainer_opens_only_staging_segments():
+    """The trainer writes into the segment a worker's weights_ready names: a name that is no staging segment's (a
+    rogue or broken worker naming another program's shared memory of the same user) is refused unopened."""
+    from multiprocessing import shared_memory
+
+    from rollout.protocol.staging import StagingPool, attach_shared_memory, release_segment
+
+    other = shared_memory.SharedMemory(name=f"another-program-{uuid.uuid4().hex[:8]}", create=True, size=64)
+    try:
+        for name in (other.name, f"/{other.name}", "rollout-../../x", "rollout-0123", None):
+            with pytest.raises(OSError, match="is not a rollout staging segment's name"):
+                attach_shared_memory(name)
+    finally:
+        other.close()
+        other.unlink()
+    pool = StagingPool(keep=False)
+    segment, view = pool.shared(64)
+    try:
+        attached = attach_shared_memory(segment.name)  # a worker's own is opened
+        attached.close()
+    finally:
+        release_segment(segment, view)
+        pool.close()
+
+
 def test_a_shared_segment_that_cannot_be_reserved_is_refused(monkeypatch):
     """/dev/shm too small (posix_fallocate fails): the pool raises OSError (the worker then refuses transport "shm",
     and "auto" falls back to frames) and leaves no segment behind."""

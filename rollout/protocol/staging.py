@@ -10,6 +10,7 @@ out of before checking it (so what it checked is what commits). Both are kept fr
 from __future__ import annotations
 
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterable
@@ -40,6 +41,10 @@ DTYPES: dict[str, torch.dtype] = {
     )
     if hasattr(torch, name)
 }
+
+# A staging segment's name: the worker's prefix and 16 hex digits (what a trainer agrees to open and write into).
+SEGMENT_PREFIX = "rollout-"
+SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + "[0-9a-f]{16}")
 
 
 def tensor_nbytes(spec: p.TensorSpec) -> int:
@@ -83,7 +88,14 @@ def bucket_span(bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int])
 
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
-    it; Python < 3.13 would otherwise unlink it when this process exits)."""
+    it; Python < 3.13 would otherwise unlink it when this process exits).
+
+    Raises:
+        OSError: `name` is not a staging segment's (a worker's reply names only those: the trainer writes into what
+            it opens, so it opens nothing else of its user's shared memory).
+    """
+    if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
+        raise OSError(f"{name!r} is not a rollout staging segment's name")
     try:
         return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
     except TypeError:
@@ -131,7 +143,9 @@ class StagingPool:
             return kept
         if kept is not None:
             release_segment(*kept)
-        segment = shared_memory.SharedMemory(name=f"rollout-{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1))
+        segment = shared_memory.SharedMemory(
+            name=f"{SEGMENT_PREFIX}{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1)
+        )
         try:
             # tmpfs segments are sparse: reserve the pages now, so a too-small /dev/shm (64 MB in a default Docker
             # container) fails here, and the client falls back to frames, instead of a SIGBUS on first write.
