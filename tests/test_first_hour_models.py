@@ -156,3 +156,24 @@ def test_the_progress_bar_counts_tokens_while_no_sample_has_finished(capsys, mon
     generated = sum(len(output.generated_tokens) for output in outputs.values())
     final = [line for line in drawn if " 2/2 " in line][-1]
     assert f"tokens={generated}" in final and "tok/s=" in final
+
+
+def test_a_length_given_twice_for_one_prompt_is_refused_unless_the_same():
+    """`max_new_tokens=50` beside a prompt's own `SamplingParams(max_new_tokens=3)`: the call's 50 silently won
+    (and a manager's add_request did the same). Both are the request's own: differing, they are refused by name;
+    equal, or given once, they are honoured."""
+    model = tiny_model("llama")
+    short = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=3)
+    with pytest.raises(
+        FieldError, match=r"prompt 1 of the batch: 50 given beside the sampling's max_new_tokens=3"
+    ) as error:
+        generate_batch(model, [[1, 2], [3, 4]], max_new_tokens=50, sampling=[GREEDY, short], progress_bar=False)
+    assert error.value.field == "max_new_tokens"
+    outputs = generate_batch(model, [[1, 2], [3, 4]], max_new_tokens=3, sampling=[GREEDY, short], progress_bar=False)
+    assert [len(output.generated_tokens) for output in outputs.values()] == [3, 3]
+    manager = init_continuous_batching(model).start()
+    try:
+        with pytest.raises(FieldError, match="given beside the sampling's max_new_tokens=3"):
+            manager.add_request([1, 2], max_new_tokens=20, sampling=short)
+    finally:
+        manager.stop()

@@ -143,7 +143,7 @@ class Engine:
             prompt_ids: prompt token ids (a list, or a 1-D / (1, L) tensor or array).
             sampling: a SamplingParams (copied; None fields from the generation config) or a dict of its fields.
             n: samples in the group (None: the GenerationConfig's num_return_sequences, else 1).
-            max_new_tokens: overrides `sampling.max_new_tokens`.
+            max_new_tokens: the length (refused when `sampling.max_new_tokens` gives another).
             streaming: emit a delta after every token (else one output per sample when it finishes).
             record_timestamps: outputs carry the time each token reached the host.
             adapter: a LoRA adapter `load_adapter` loaded; None: the base model.

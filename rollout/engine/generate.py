@@ -127,7 +127,8 @@ def generate_batch(
             `stop_strings`), as `generate(..., stop_strings=..., tokenizer=...)` needs one.
         **kwargs: `sampling` (one SamplingParams or dict of its fields, or one per prompt; a sampled request
             without a `seed` takes one from torch's default generator unless the config has a `seed`, so
-            `torch.manual_seed` repeats a call, as it repeats transformers' sampling), `max_new_tokens`, `n` (samples per prompt;
+            `torch.manual_seed` repeats a call, as it repeats transformers' sampling), `max_new_tokens` (every prompt's
+            length; refused for a prompt whose SamplingParams gives another), `n` (samples per prompt;
             default: the GenerationConfig's num_return_sequences, else 1), `adapter` (with a `peft.PeftModel`: the
             name of its LoRA adapter to sample with, or one name per prompt, None for the base model; the adapters
             are served unmerged, side by side in one batch, and the model is left as it was: adapters merged into its

@@ -39,7 +39,7 @@ class RequestAdding:
         Args:
             input_ids: prompt token ids (a list, or a 1-D / (1, L) tensor).
             request_id: unique id (generated if None). With n > 1, sample i's outputs carry request_id `"<id>#<i>"`.
-            max_new_tokens: overrides the sampling / generation config value.
+            max_new_tokens: the length, over the generation config's (refused when `sampling` gives another).
             streaming: deliver a delta (new tokens only) after every token instead of one final output.
             record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
             eos_token_id: this request's stop token(s), as in transformers' `add_request` (negative ids: none).

@@ -20,7 +20,7 @@ class GroupSpec:
         sampling: sampling parameters (None fields come from the generation config).
         n: samples in the group (None: the GenerationConfig's num_return_sequences, else 1); sample i is seeded
             from (seed, i).
-        max_new_tokens: overrides `sampling.max_new_tokens`.
+        max_new_tokens: the length (refused when `sampling.max_new_tokens` gives another).
         streaming: emit a delta after every token (else one output per sample when it finishes).
         record_timestamps: outputs carry the time each token reached the host (`GenerationOutput.timestamps`).
         adapter: the LoRA adapter to sample with; None: the base model.

@@ -186,6 +186,10 @@ class RequestIntake:
         n = self.default_n if n is None else n
         if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
             raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
+        given = (max_new_tokens, sampling.max_new_tokens)
+        if None not in given and given[0] != given[1]:  # both the request's own: neither may silently lose
+            reason = f"{given[0]!r} given beside the sampling's max_new_tokens={given[1]!r}: give one of them"
+            raise FieldError("max_new_tokens", reason)
         max_new = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
         if max_new is None and self.default_max_length is not None:  # a GenerationConfig's max_length, as generate
             max_new = self.default_max_length - len(prompt)
