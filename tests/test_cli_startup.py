@@ -279,15 +279,21 @@ def test_a_subcommands_bad_combination_points_at_its_own_help(capsys):
     [
         (["--lora", "a=/no/such/adapter"], "--lora a=/no/such/adapter: no such directory"),  # before any cache
         (["--model", "sized:abc"], "--model sized:abc: expected sized:<megabytes>, e.g. sized:512"),  # said once
+        # A traceback (OverflowError), and a worker built until the out-of-memory killer ended it, unsaid:
+        (["--model", "sized:inf"], "--model sized:inf: megabytes must be a finite number > 0, got inf"),
+        (["--model", "sized:1e12"], "--model sized:1e12: 1e+12 MB of weights is more than the "),
     ],
 )
 def test_worker_settings_that_cannot_work_are_one_line_naming_the_flag_once(argv, message):
     # Any free port: the default 5555 may be held by the docs' examples running beside this file (its check comes first)
     child = run_python("-m", "rollout.service.launch.cli", "--device", "cpu", "--bind", "tcp://127.0.0.1:*", *argv)
     assert child.returncode == 2
-    assert child.stderr.splitlines()[0] == f"rollout-worker: error: {message}" + (
-        " (a PEFT adapter's, as save_pretrained writes it)" if "--lora" in argv else ""
-    )
+    first = child.stderr.splitlines()[0]
+    assert first.startswith(f"rollout-worker: error: {message}"), first
+    if "--lora" in argv:
+        assert first.endswith(" (a PEFT adapter's, as save_pretrained writes it)")
+    if "sized:1e12" in argv:
+        assert first.endswith(" MB available on cpu"), first
 
 
 def test_a_batch_config_pair_without_a_value_names_the_pair():

@@ -171,6 +171,11 @@ def test_a_length_given_twice_for_one_prompt_is_refused_unless_the_same():
     assert error.value.field == "max_new_tokens"
     outputs = generate_batch(model, [[1, 2], [3, 4]], max_new_tokens=3, sampling=[GREEDY, short], progress_bar=False)
     assert [len(output.generated_tokens) for output in outputs.values()] == [3, 3]
+    config = GenerationConfig(do_sample=False, max_new_tokens=8)  # a default, not the request's own: overridden
+    outputs = generate_batch(
+        model, [[1, 2]], config, max_new_tokens=2, sampling={"stop_token_ids": []}, progress_bar=False
+    )
+    assert len(outputs["req_0"].generated_tokens) == 2
     manager = init_continuous_batching(model).start()
     try:
         with pytest.raises(FieldError, match="given beside the sampling's max_new_tokens=3"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import string
 from typing import Any
 
@@ -11,6 +12,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 from rollout.config import MODEL_DTYPE_NAMES
+from rollout.engine.kv.kv_cache import free_memory_bytes
 from rollout.presets.catalog import TINY_MODEL_CONFIG  # re-exported: its callers import it from here
 
 # Parameter dtypes by the names `rollout-worker --dtype` and `rollout-bench weights --dtype` take ("auto": the
@@ -98,9 +100,16 @@ def sized_model(
         dtype: parameter dtype.
         device: where the weights are built and live (a GPU fills a gigabyte in well under a second, a CPU takes
             tens of seconds); the same seed gives the same weights on the same kind of device only.
+    Raises:
+        ValueError: a size that is not a finite positive number, or more than `device` has available.
     """
-    if not megabytes > 0:
-        raise ValueError(f"megabytes must be > 0, got {megabytes!r}")
+    if not (math.isfinite(megabytes) and megabytes > 0):
+        raise ValueError(f"megabytes must be a finite number > 0, got {megabytes!r}")
+    available = free_memory_bytes(torch.device(device))
+    if megabytes * 1e6 > available:  # it would be built until the out-of-memory killer ends the process, unsaid
+        raise ValueError(
+            f"{megabytes:g} MB of weights is more than the {available / 1e6:,.0f} MB available on {device}"
+        )
     h, f = SIZED_LAYER_CONFIG["hidden_size"], SIZED_LAYER_CONFIG["intermediate_size"]
     heads, kv_heads, head_dim = (
         SIZED_LAYER_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")

@@ -182,11 +182,14 @@ class RequestIntake:
             if not isinstance(getattr(spec, name), bool):
                 raise FieldError(name, f"must be True or False, got {getattr(spec, name)!r}")
         prompt = as_prompt(spec.prompt_ids)
-        sampling = self.resolve_sampling(sampling)
+        own = (
+            sampling.get("max_new_tokens") if isinstance(sampling, dict) else getattr(sampling, "max_new_tokens", None)
+        )
+        sampling = self.resolve_sampling(sampling)  # (its max_new_tokens may be the generation config's, below)
         n = self.default_n if n is None else n
         if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
             raise FieldError("n", f"must be an integer in [1, {MAX_GROUP_SIZE}], got {n!r}")
-        given = (max_new_tokens, sampling.max_new_tokens)
+        given = (max_new_tokens, own)
         if None not in given and given[0] != given[1]:  # both the request's own: neither may silently lose
             reason = f"{given[0]!r} given beside the sampling's max_new_tokens={given[1]!r}: give one of them"
             raise FieldError("max_new_tokens", reason)
