@@ -212,6 +212,15 @@ BAD_DATASETS = {
     "not_json.jsonl": ('{"prompt": "a"}\n\n{"prompt": \n', "line 3 (row 1) is not JSON (Expecting value)"),  # as below
     "ragged.csv": ("prompt,answer\nhi,1,extra\nyo,2\n", "line 2 (row 0) has 3 fields, the header 2"),
     "scalars.json": ("[1, 2]", "row 0 is a int, not an object of fields"),
+    # json.loads keeps a field's last value: "second" was evaluated without a word (a CSV header is refused alike)
+    "twice.jsonl": (
+        '{"prompt": "a"}\n{"prompt": "first", "prompt": "second"}\n',
+        "line 2 (row 1): an object names the field 'prompt' twice",
+    ),
+    "twice.json": (
+        '[{"prompt": [{"role": "user", "role": "system", "content": "a"}]}]',
+        "an object names the field 'role' twice",
+    ),
     "no_answer.jsonl": ('{"prompt": "a", "answer": "5"}\n{"prompt": "b", "answer": null}\n', "row 1 has no answer"),
     "list_answer.jsonl": ('{"prompt": "a", "answer": ["5", "five"]}\n', "row 0 holds a list, not text or a number"),
     "dict_prompt.jsonl": ('{"prompt": {"role": "user", "content": "hi"}, "answer": "a"}\n', "row 0 holds a dict"),

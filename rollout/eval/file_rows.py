@@ -50,7 +50,10 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
                 return _read_csv(dataset, read_lines(file, max_line_chars, LIMIT_FLAG), max_line_chars)
             if ending == ".json" and _first_byte(file) == b"[":  # a JSON array of rows: a regular file, held whole
                 file.seek(0)
-                rows = json.loads(file.read().decode("utf-8-sig"))
+                try:
+                    rows = json.loads(file.read().decode("utf-8-sig"), object_pairs_hook=_unique_fields)
+                except _FieldTwice as twice:
+                    raise DatasetError(f"--dataset {dataset}: {twice.where()}") from None
                 for index, row in enumerate(rows):
                     _check_text(dataset, f"row {index}", row)
                 return _objects(dataset, rows)
@@ -101,13 +104,35 @@ def _json_line(dataset: str, number: int, index: int, line: str, hint: str = "")
     (`hint` ends the message of a line that is not JSON)."""
     where = f"line {number} (row {index})"
     try:
-        row = json.loads(line)
+        row = json.loads(line, object_pairs_hook=_unique_fields)
+    except _FieldTwice as twice:
+        raise DatasetError(f"--dataset {dataset}: {where}: {twice.where()}") from None
     except json.JSONDecodeError as error:
         raise DatasetError(f"--dataset {dataset}: {where} is not JSON ({error.msg}){hint}") from None
     except RecursionError:
         raise DatasetError(f"--dataset {dataset}: {where} is nested too deeply to read") from None
     _check_text(dataset, where, row)
     return row
+
+
+class _FieldTwice(ValueError):
+    """A JSON object naming a field twice (`json.loads` would keep the last value without a word)."""
+
+    def __init__(self, field: str):
+        super().__init__(field)
+        self.field = field
+
+    def where(self) -> str:
+        return f"an object names the field {self.field!r} twice (only one value can be read); give each field once"
+
+
+def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object hook: the object, unless it names a field twice (as a CSV header may not)."""
+    built = dict(pairs)
+    if len(built) != len(pairs):
+        seen: set[str] = set()
+        raise _FieldTwice(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return built
 
 
 def _check_text(dataset: str, where: str, value: Any) -> None:
