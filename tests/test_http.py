@@ -378,12 +378,21 @@ def test_bad_requests_get_openai_errors_naming_the_field(worker, path, body, sta
             "messages",
             r"messages\[1\]\.content: holds a lone surrogate \(\\udfff\)",
         ),
+        # said as what SamplingParams takes (">= 0"), where the API takes -1 (vLLM's "disabled") too
+        ("/v1/completions", b'{"prompt": "x", "top_k": -2}', "top_k", r"must be -1 or 0 \(disabled\) or a positive"),
+        # Python's own message advised sys.set_int_max_str_digits(), which is the server's code, not the client's
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}",
+            None,
+            r"an integer of over 4,300 digits",
+        ),
     ],
-    ids=["prompt", "chat"],
+    ids=["prompt", "chat", "top_k", "huge_integer"],
 )
-def test_a_lone_surrogate_is_named_where_it_is(worker, path, body, param, says):
+def test_a_value_no_field_can_take_is_named_where_it_is(worker, path, body, param, says):
     """JSON's "\\ud800" escape decodes to a lone surrogate, which no tokenizer encodes: the 400 says so and where (the
-    chat answer said only that the template failed)."""
+    chat answer said only that the template failed). So are a top_k under -1 and an integer too long to read."""
     response = httpx.post(f"{worker.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -163,8 +163,11 @@ def sampling_from(
     fields: dict[str, Any] = {
         target: body[name] for name, target in OPENAI_SAMPLING_FIELDS.items() if body.get(name) is not None
     }
-    if fields.get("top_k") == -1:  # vLLM's "disabled"
+    top_k = fields.get("top_k")
+    if top_k == -1 and not isinstance(top_k, bool):  # vLLM's "disabled"
         fields["top_k"] = 0
+    elif isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < -1:  # SamplingParams would say ">= 0"
+        raise bad_field("top_k", f"must be -1 or 0 (disabled) or a positive integer, got {top_k}")
     ignore_eos = flag(body, "ignore_eos")
     extra_stops = body.get("stop_token_ids")
     extra_stops = [] if extra_stops is None else extra_stops

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import orjson
@@ -67,6 +68,11 @@ def parse_json(raw: bytes | bytearray) -> Any:
     except _DuplicateKey:
         raise _duplicate_error(raw) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        if "int_max_str_digits" in str(error):  # Python's own limit, whose advice is for the server's code
+            digits = f"{sys.get_int_max_str_digits():,}"
+            raise APIError(
+                400, f"the request body holds an integer of over {digits} digits: no field takes one"
+            ) from None
         raise APIError(400, f"the request body is not valid JSON: {type(error).__name__}: {error}"[:500]) from None
     _refuse_lone_surrogates(parsed)  # (only json.loads takes them: orjson refuses a body holding one)
     return parsed
