@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from rollout.config import FieldError
 from rollout.eval.compare import PromptAgreement, compare_with_generate
 from rollout.eval.errors import EvalError, EvalInterrupted
 from rollout.eval.inputs import load_inputs
@@ -15,6 +16,10 @@ from rollout.eval.run import Generated, PromptError, SamplesFailed, SamplesInter
 from rollout.eval.summary import format_summary, summarize
 
 # The JSONL row's field order: what a reader looks at first.
+# The sampling fields rollout-eval's flags set: an engine error about one names the flag.
+FIELD_FLAGS = {
+    name: f"--{name.replace('_', '-')}" for name in ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "n")
+}
 ROW_FIELDS = (
     "prompt_index",
     "sample_index",
@@ -59,7 +64,9 @@ def evaluate(
         where = write_rows(_finished(interrupt.rows, inputs.prompts)) if interrupt.rows else None
         kept = f"; the {len(interrupt.rows)} of {interrupt.total} samples finished, unscored, are in {where}"
         raise EvalInterrupted(f"interrupted while generating{kept if where else ''}") from None
-    except (PromptError, ValueError) as error:  # PromptError names the row; the engine's FieldErrors their field
+    except FieldError as error:  # the engine's: named by the flag that set the field, where one did
+        raise EvalError(str(error.renamed(FIELD_FLAGS))) from None
+    except (PromptError, ValueError) as error:  # PromptError names the row
         raise EvalError(str(error)) from None
     for row in generated.rows:
         row["prompt"] = inputs.prompts[row["prompt_index"]]
