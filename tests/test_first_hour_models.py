@@ -182,3 +182,11 @@ def test_a_length_given_twice_for_one_prompt_is_refused_unless_the_same():
             manager.add_request([1, 2], max_new_tokens=20, sampling=short)
     finally:
         manager.stop()
+    # A generation config's length is a default: transformers' calls override it (they were refused by a first cut).
+    with init_continuous_batching(model, GenerationConfig(max_new_tokens=20, do_sample=False)) as manager:
+        manager.add_request([5, 6, 7], "positional", 4, False, False, 1)  # transformers' order, with eos_token_id
+        manager.add_request([5, 6, 7], max_new_tokens=4, do_sample=True, temperature=0.7, seed=1)
+        manager.add_request([5, 6, 7], max_new_tokens=4, sampling={"do_sample": True, "seed": 2})
+        manager.add_requests([[5, 6, 7]], max_new_tokens=4, eos_token_id=1)
+        lengths = [len(manager.get_result(timeout=60).generated_tokens) for _ in range(4)]
+    assert lengths == [4] * 4

@@ -5,6 +5,7 @@ Every request is checked on the caller's thread, all or none, and queued through
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from rollout.config import FieldError, SamplingParams
@@ -99,7 +100,12 @@ class RequestAdding:
         **sampling_fields: Any,
     ) -> GroupSpec:
         """One request as the engine takes it (`add_request`'s arguments)."""
+        own_length = sampling_fields.get("max_new_tokens", _length_of(sampling))
         sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
+        if max_new_tokens is not None and own_length is None and sampling is not None:
+            # The merged settings carry the generation config's length, a default the call's own overrides (the
+            # intake refuses two lengths the request itself gave).
+            sampling = dataclasses.replace(sampling, max_new_tokens=None)
         request_id = self._requests.new_id() if request_id is None else request_id
         return GroupSpec(request_id, input_ids, sampling, n, max_new_tokens, streaming, record_timestamps, adapter)
 
@@ -141,3 +147,8 @@ class RequestAdding:
             request_id: the id returned by `add_request`, or one sample's id (`"<id>#<i>"`).
         """
         self._requests.cancel(request_id)
+
+
+def _length_of(sampling: Any) -> Any:
+    """The `max_new_tokens` a request's own sampling (a SamplingParams, a dict of its fields, or None) gives."""
+    return sampling.get("max_new_tokens") if isinstance(sampling, dict) else getattr(sampling, "max_new_tokens", None)
