@@ -216,11 +216,11 @@ BAD_DATASETS = {
     # json.loads keeps a field's last value: "second" was evaluated without a word (a CSV header is refused alike)
     "twice.jsonl": (
         '{"prompt": "a"}\n{"prompt": "first", "prompt": "second"}\n',
-        "line 2 (row 1): an object names the field 'prompt' twice",
+        "line 2 (row 1) names the field 'prompt' twice",
     ),
     "twice.json": (
-        '[{"prompt": [{"role": "user", "role": "system", "content": "a"}]}]',
-        "an object names the field 'role' twice",
+        '[{"prompt": "a", "meta": {"src": 1, "src": 2}}, {"prompt": "b", "prompt": "c"}]',  # (meta: read as json does)
+        "row 1 names the field 'prompt' twice",
     ),
     "no_answer.jsonl": ('{"prompt": "a", "answer": "5"}\n{"prompt": "b", "answer": null}\n', "row 1 has no answer"),
     "list_answer.jsonl": ('{"prompt": "a", "answer": ["5", "five"]}\n', "row 0 holds a list, not text or a number"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
 from rollout.cli.hub import first_line
@@ -50,11 +50,10 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
                 return _read_csv(dataset, read_lines(file, max_line_chars, LIMIT_FLAG), max_line_chars)
             if ending == ".json" and _first_byte(file) == b"[":  # a JSON array of rows: a regular file, held whole
                 file.seek(0)
-                try:
-                    rows = json.loads(file.read().decode("utf-8-sig"), object_pairs_hook=_unique_fields)
-                except _FieldTwice as twice:
-                    raise DatasetError(f"--dataset {dataset}: {twice.where()}") from None
+                named_twice: dict[int, str] = {}
+                rows = json.loads(file.read().decode("utf-8-sig"), object_pairs_hook=_noting_twice(named_twice))
                 for index, row in enumerate(rows):
+                    _check_fields_once(dataset, f"row {index}", row, named_twice)
                     _check_text(dataset, f"row {index}", row)
                 return _objects(dataset, rows)
             file.seek(0)
@@ -103,36 +102,40 @@ def _json_line(dataset: str, number: int, index: int, line: str, hint: str = "")
     a row's fields and the output's `prompt_index` do: both are named), its strings checked to be valid Unicode
     (`hint` ends the message of a line that is not JSON)."""
     where = f"line {number} (row {index})"
+    named_twice: dict[int, str] = {}
     try:
-        row = json.loads(line, object_pairs_hook=_unique_fields)
-    except _FieldTwice as twice:
-        raise DatasetError(f"--dataset {dataset}: {where}: {twice.where()}") from None
+        row = json.loads(line, object_pairs_hook=_noting_twice(named_twice))
     except json.JSONDecodeError as error:
         raise DatasetError(f"--dataset {dataset}: {where} is not JSON ({error.msg}){hint}") from None
     except RecursionError:
         raise DatasetError(f"--dataset {dataset}: {where} is nested too deeply to read") from None
+    _check_fields_once(dataset, where, row, named_twice)
     _check_text(dataset, where, row)
     return row
 
 
-class _FieldTwice(ValueError):
-    """A JSON object naming a field twice (`json.loads` would keep the last value without a word)."""
+def _noting_twice(named_twice: dict[int, str]) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A `json.loads` object hook that builds each object as `json.loads` does (the last value of a field named
+    twice) and notes, by the object's id, the first field it names twice."""
 
-    def __init__(self, field: str):
-        super().__init__(field)
-        self.field = field
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        built = dict(pairs)
+        if len(built) != len(pairs):
+            seen: set[str] = set()
+            named_twice[id(built)] = next(key for key, _ in pairs if key in seen or seen.add(key))
+        return built
 
-    def where(self) -> str:
-        return f"an object names the field {self.field!r} twice (only one value can be read); give each field once"
+    return hook
 
 
-def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """`json.loads`' object hook: the object, unless it names a field twice (as a CSV header may not)."""
-    built = dict(pairs)
-    if len(built) != len(pairs):
-        seen: set[str] = set()
-        raise _FieldTwice(next(key for key, _ in pairs if key in seen or seen.add(key)))
-    return built
+def _check_fields_once(dataset: str, where: str, row: Any, named_twice: dict[int, str]) -> None:
+    """A row (a top-level object) names each field once, as a CSV header must: one value of a field named twice would
+    be read without a word. Objects inside a row's fields are read as `json.loads` and `datasets` read them."""
+    if isinstance(row, dict) and id(row) in named_twice:
+        raise DatasetError(
+            f"--dataset {dataset}: {where} names the field {named_twice[id(row)]!r} twice (only one value can be "
+            "read); give each field once"
+        )
 
 
 def _check_text(dataset: str, where: str, value: Any) -> None:
