@@ -22,6 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from conftest import MODEL_CONFIGS, make_prompts, reference_copy, tiny_model
 from rollout import SamplingParams, generate_batch, init_continuous_batching
 from rollout.config import FieldError
+from rollout.engine.generate import cached_engine, release_cached_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -190,3 +191,15 @@ def test_a_length_given_twice_for_one_prompt_is_refused_unless_the_same():
         manager.add_requests([[5, 6, 7]], max_new_tokens=4, eos_token_id=1)
         lengths = [len(manager.get_result(timeout=60).generated_tokens) for _ in range(4)]
     assert lengths == [4] * 4
+
+
+def test_scoring_prompts_generates_no_tokens_on_the_bar_or_in_the_stats(capsys):
+    """Score-only samples (`max_new_tokens=0` with `prompt_logprobs`) draw one token the engine drops: the bar, and
+    the engine's `generated_tokens` it reads, counted it (4 tokens for 4 prompts that got none)."""
+    model = tiny_model("llama")
+    scoring = SamplingParams(do_sample=False, stop_token_ids=(), max_new_tokens=0, prompt_logprobs=1)
+    outputs = generate_batch(model, [[1, 2, 3]] * 4, sampling=scoring, persistent_manager=True, warmup=False)
+    assert all(output.generated_tokens == [] and output.prompt_logprobs for output in outputs.values())
+    assert "tokens=0," in re.split(r"[\r\n]", capsys.readouterr().err.strip())[-1]
+    assert cached_engine(model).stats()["generated_tokens"] == 0
+    release_cached_engine(model)

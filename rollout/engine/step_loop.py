@@ -284,7 +284,7 @@ class StepLoop:
                 if request.status != RequestStatus.FINISHED and request.sampling.top_logprobs:
                     request.top_logprobs.append(sampled.top_logprobs[index])
         resolved = self.scheduler.resolve(step.batch, sampled.token_ids, sampled.logprobs)
-        self.counters.generated_tokens += len(resolved)
+        self.counters.generated_tokens += sum(not r.score_only for r in resolved)  # (a score-only one keeps none)
         done = RequestStatus.FINISHED
         finished = [r for r in resolved if r.status == done]
         streaming = [r for r in resolved if r.streaming and r.status != done]
