@@ -12,7 +12,7 @@ from rollout.config import FieldError, SamplingParams
 from rollout.engine.engine import Engine
 from rollout.engine.manager.request_desk import RequestDesk
 from rollout.engine.requests.group_spec import GroupSpec
-from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES
+from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES, own_length
 
 
 class RequestAdding:
@@ -100,9 +100,9 @@ class RequestAdding:
         **sampling_fields: Any,
     ) -> GroupSpec:
         """One request as the engine takes it (`add_request`'s arguments)."""
-        own_length = sampling_fields.get("max_new_tokens", _length_of(sampling))
+        own = sampling_fields.get("max_new_tokens", own_length(sampling))
         sampling = self.engine.intake.with_fields(sampling, eos_token_id, sampling_fields)
-        if max_new_tokens is not None and own_length is None and sampling is not None:
+        if max_new_tokens is not None and own is None and sampling is not None:
             # The merged settings carry the generation config's length, a default the call's own overrides (the
             # intake refuses two lengths the request itself gave).
             sampling = dataclasses.replace(sampling, max_new_tokens=None)
@@ -147,8 +147,3 @@ class RequestAdding:
             request_id: the id returned by `add_request`, or one sample's id (`"<id>#<i>"`).
         """
         self._requests.cancel(request_id)
-
-
-def _length_of(sampling: Any) -> Any:
-    """The `max_new_tokens` a request's own sampling (a SamplingParams, a dict of its fields, or None) gives."""
-    return sampling.get("max_new_tokens") if isinstance(sampling, dict) else getattr(sampling, "max_new_tokens", None)

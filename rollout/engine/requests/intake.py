@@ -182,9 +182,7 @@ class RequestIntake:
             if not isinstance(getattr(spec, name), bool):
                 raise FieldError(name, f"must be True or False, got {getattr(spec, name)!r}")
         prompt = as_prompt(spec.prompt_ids)
-        own = (
-            sampling.get("max_new_tokens") if isinstance(sampling, dict) else getattr(sampling, "max_new_tokens", None)
-        )
+        own = own_length(sampling)
         sampling = self.resolve_sampling(sampling)  # (its max_new_tokens may be the generation config's, below)
         n = self.default_n if n is None else n
         if not _is_int(n) or not 1 <= n <= MAX_GROUP_SIZE:
@@ -338,3 +336,13 @@ class RequestIntake:
             fields: SamplingParams fields by name.
         """
         return sampling_with_fields(self.default_sampling, self.vocab_size, sampling, eos_token_id, fields)
+
+
+def own_length(sampling: Any) -> Any:
+    """The `max_new_tokens` a request's own sampling settings give (a SamplingParams, a dict of its fields, or None),
+    before any default fills it in.
+
+    Args:
+        sampling: the settings as the caller gave them.
+    """
+    return sampling.get("max_new_tokens") if isinstance(sampling, dict) else getattr(sampling, "max_new_tokens", None)
