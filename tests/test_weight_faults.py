@@ -232,3 +232,28 @@ def test_bytes_written_into_the_segment_after_their_check_change_nothing(worker,
     assert version == before[2] + 1 and versions == [[version, 0]] and tokens != before[0]
     push_weights(client, tiny_model(seed=seed), transport="frames", timeout=10)  # the same tensors, over frames
     assert served(client)[0] == tokens
+
+
+def test_a_bucket_over_shm_without_its_checksum_is_refused(worker, client):
+    """The worker reuses its shared segment from one update to the next, so a raw client's bucket header sent with
+    no checksum, for bytes it never wrote, would commit the last update's bytes as this update's (it did: the commit
+    landed, serving the old tensors under a new version). The checksum is required over shm; the old weights serve
+    on and the slot is free."""
+    first = tiny_model(seed=next(SEEDS)).state_dict()
+    raw = Client(worker.address)
+    try:
+        names, ready = open_update(raw, first, "shm", "written")
+        send_buckets(raw, first, names, len(names), "shm", ready, "written")
+        raw.send(p.WeightsCommit("written"))
+        assert isinstance(raw.receive(), p.WeightsCommitted)
+        before = served(client)
+        names, ready = open_update(raw, tiny_model(seed=next(SEEDS)).state_dict(), "shm", "unwritten")
+        nbytes = first[names[0]].numel() * first[names[0]].element_size()
+        raw.send(p.WeightsBucket("unwritten", [p.TensorPiece(0, 0, nbytes)], None))
+        refused = raw.receive()
+        assert isinstance(refused, p.Error) and refused.field == "checksum", refused
+        assert 'required over transport shm' in refused.message, refused
+    finally:
+        raw.close()
+    assert served(client) == before
+    assert push_weights(client, tiny_model(seed=next(SEEDS)), transport="shm", timeout=10).version == before[2] + 1

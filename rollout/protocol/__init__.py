@@ -32,8 +32,9 @@ Messages (client -> worker, then what the worker answers):
 |                | timeout_s: float = 60, dist: {str: any} = {}, preempt: bool = false, |                                 |
 |                | adapter: str or nil (a LoRA adapter's update), scalings: {str:       |                                 |
 |                | float} = {}, base_id: str or nil (the base weights it is for)        |                                 |
-| weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil; + one   | weights_ack, or error (the      |
-|                | raw frame per piece (transport "frames")                             | update is then dropped)         |
+| weights_bucket | update_id: str, pieces: [TensorPiece], checksum: int or nil (nil is  | weights_ack, or error (the      |
+|                | refused over transport "shm"); + one raw frame per piece (transport  | update is then dropped)         |
+|                | "frames")                                                            |                                 |
 | weights_commit | update_id: str                                                       | weights_committed, or error     |
 | weights_abort  | update_id: str                                                       | weights_ack (state "aborted"),  |
 |                |                                                                      | or error (unknown_update,       |

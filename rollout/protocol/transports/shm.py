@@ -129,7 +129,15 @@ class ShmReceiver(Receiver):
         """The trainer wrote the pieces in place: copy them out of the segment into the worker's own memory, then
         check that copy against the checksum and count it. What was checked is what commits: bytes written into the
         segment after this copy change nothing (the segment's size is checked first: reading a truncated segment's
-        pages would end the worker)."""
+        pages would end the worker). The checksum is required here: a segment is reused from one update to the next,
+        so without it a bucket whose bytes the client never wrote would commit the last update's bytes unnoticed."""
+        if checksum is None:
+            raise UpdateRejected(
+                "bad_update",
+                "checksum",
+                "required over transport shm: the shared segment still holds the last update's bytes, so only a "
+                "bucket's checksum shows that the client wrote this one's (push_weights always sends it)",
+            )
         area.check_segment()
         area.verify(pieces, area.copy_from_segment(pieces), checksum)
         area.mark_received(pieces)
