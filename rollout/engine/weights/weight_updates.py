@@ -156,6 +156,10 @@ class WeightUpdates:
             raise RuntimeError("adapters are served from the start only while the engine is idle: use load_adapter")
         self.runner.adapters.check(name, modules, check_finite=True)
         self.runner.adapters.load(name, modules, self.policy_version)
+        # At the same policy version, prefixes cached under an earlier adapter of this name (replaced here, or
+        # unloaded before) would serve their KV to the new one: cached prefixes hash the adapter's name and the
+        # version only. Idle, nothing is lost but the cache (empty at a real start).
+        self.loop.block_manager.reset_prefix_cache()
 
     def commit(
         self,
