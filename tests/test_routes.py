@@ -467,3 +467,31 @@ def test_a_router_rollout_does_not_read_is_named_not_called_dense():
     with pytest.raises(ValueError, match="routes experts with Llama4Router, which rollout does not read"):
         with routing_replay(model, torch.zeros(1, 3, 2, 1, dtype=torch.long)):
             pass
+
+
+def test_a_prefix_computed_again_after_the_weights_changed_in_place_lends_its_new_routes(moe):
+    """`weights_changed()` (a colocated trainer's step) resets the prefix cache; the same prompt computed again lands
+    under the same hash, here in the same blocks (a cache of 5), and a later request that takes them must get the
+    routes of the new weights, not those the route cache kept from before the reset."""
+    model = copy.deepcopy(moe)
+    engine = make_engine(model, num_blocks=5, block_size=4)
+    prompt = make_prompts(1, 13, 13, seed=2)[0]
+    routed = SamplingParams(do_sample=False, stop_token_ids=(), return_routes=True)
+
+    def prompt_routes(request_id: str) -> np.ndarray:
+        engine.add_request(request_id, prompt, routed, max_new_tokens=3)
+        return run_to_completion(engine)[request_id].prompt_routes
+
+    prompt_routes("before")
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for name, parameter in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                parameter.copy_(torch.randn_like(parameter))
+    engine.weights_changed()
+    expected = reference_routes(reference_copy(model), prompt)[: len(prompt) - 1]
+    assert np.array_equal(prompt_routes("computed"), expected)
+    hits = engine.block_manager.num_prefix_tokens_hit
+    assert np.array_equal(prompt_routes("cached"), expected)
+    assert engine.block_manager.num_prefix_tokens_hit > hits, "the last request should take the cached blocks"
+    engine.close()

@@ -139,6 +139,10 @@ class RouteCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def clear(self) -> None:
+        """Forget every block's routes (the prefix cache was reset: `BlockManager.reset_prefix_cache`)."""
+        self._rows.clear()
+
     def fill(self, request: Any, end: int) -> None:
         """Give a request that took cached blocks the routes of positions 0 .. end - 1 from them (block-aligned)."""
         size = self.block_size

@@ -270,9 +270,13 @@ class BlockManager:
         return request.routes is not None and self.routed is not None and not self.routed.knows(block_hash, registered)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their contents)."""
+        """Forget every cached prefix (blocks in use keep their contents), and the MoE routes kept for them: a
+        prefix computed again lands under the same hash (same tokens, same version), perhaps in the same block, where
+        the route cache would still lend the routes of the KV computed before the reset (other weights)."""
         self.cached_blocks.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.routed is not None:
+            self.routed.clear()
 
     # ---- blocks whose KV went bad ----------------------------------------------------------------------------
     def quarantine(self, request: Request) -> None:
