@@ -3,6 +3,7 @@ configuration dataclasses share. Free of torch."""
 
 from __future__ import annotations
 
+import math
 import reprlib
 from typing import Any
 
@@ -35,6 +36,19 @@ def _check(condition: bool, name: str, reason: str, value: Any) -> None:
     value must not make a huge error message)."""
     if not condition:
         raise FieldError(name, f"{_SHORT.repr(value)} is invalid: {reason}")
+
+
+def check_timeout(value: Any, name: str = "timeout") -> None:
+    """Refuse a wait's timeout that is not None or a number >= 0 (NaN passes no deadline comparison, and a wait
+    given NaN returns at once: a loop waiting on it would spin until whatever it waits for came, never timing out).
+
+    Raises:
+        FieldError: naming `name`.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise FieldError(name, f"must be None (no limit) or a number of seconds >= 0, got {_SHORT.repr(value)}")
 
 
 def _is_int(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -85,6 +86,9 @@ class ColocatedEngine:
                 round_context that is not callable, before any training step.
         """
         self.model = model
+        # Held by the thread whose round (or sleep, wake, close) uses the engine: one thread at a time, the others are
+        # refused by name (an engine is single-threaded: two rounds stepping it at once mix their requests' outputs).
+        self._busy = threading.RLock()
         self._round_context = round_context
         self._peft_merge = peft_merge
         # Checked now: a bad one would otherwise fail (or be taken as truthy) only at the first round, after setup.
@@ -124,17 +128,19 @@ class ColocatedEngine:
             FieldError: ("policy_version") not an integer, or below the current version (versions never go back),
                 or past int64.
         """
+        self._check_open()
         if as_integer(version) is None:  # numpy / torch integers too; never a bool
             raise FieldError("policy_version", f"must be an integer, got {version!r}")
         version = as_integer(version)
         if version == self.policy_version:
             return
         current = self.policy_version
-        try:
-            self.engine.update_weights({}, version=version, mode="keep", partial=True)
-        except FieldError as error:  # the same version is kept: what is refused is one below it
-            reason = error.reason.replace(f"above the current {current}", f"at least the current {current}")
-            raise FieldError("policy_version", reason) from None
+        with self._exclusive("set_policy_version"):
+            try:
+                self.engine.update_weights({}, version=version, mode="keep", partial=True)
+            except FieldError as error:  # the same version is kept: what is refused is one below it
+                reason = error.reason.replace(f"above the current {current}", f"at least the current {current}")
+                raise FieldError("policy_version", reason) from None
 
     @property
     def is_sleeping(self) -> bool:
@@ -157,22 +163,24 @@ class ColocatedEngine:
                 training run.
         """
         self._check_open()
-        self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
-        if not self.engine.kv_cache.is_released:
-            self._cache_address = self.engine.kv_cache.kv.data_ptr()
-        self.engine.kv_cache.release()
-        self.engine.sampler.release_graphs()  # captured again when sampling resumes: cheap, and memory for training
-        if graphs:
-            self._release_graphs()
+        with self._exclusive("sleep"):
+            self.engine.block_manager.reset_prefix_cache()  # cached prefixes point into the cache being freed
+            if not self.engine.kv_cache.is_released:
+                self._cache_address = self.engine.kv_cache.kv.data_ptr()
+            self.engine.kv_cache.release()
+            self.engine.sampler.release_graphs()  # captured again when sampling resumes: cheap, and memory for training
+            if graphs:
+                self._release_graphs()
 
     def wake(self) -> None:
         """Allocate the KV cache again (zeroed); when it lands elsewhere than before, the graphs are captured again
         as their batch sizes come. Idempotent."""
         self._check_open()
-        if self.engine.kv_cache.is_released:
-            self.engine.kv_cache.restore()
-            if self.engine.kv_cache.kv.data_ptr() != self._cache_address:
-                self._release_graphs()
+        with self._exclusive("wake"):
+            if self.engine.kv_cache.is_released:
+                self.engine.kv_cache.restore()
+                if self.engine.kv_cache.kv.data_ptr() != self._cache_address:
+                    self._release_graphs()
 
     def _release_graphs(self) -> None:
         # Every graph of the runner: speculative decoding's verify graphs read the cache and the parameters too.
@@ -196,8 +204,9 @@ class ColocatedEngine:
     def close(self) -> None:
         """Free the engine (KV cache, graphs, the fp32 projection hook). The model stays the caller's. Idempotent."""
         if not self._closed:
-            self._closed = True
-            self.engine.close()
+            with self._exclusive("close"):
+                self._closed = True
+                self.engine.close()
 
     def __enter__(self) -> ColocatedEngine:
         return self
@@ -227,11 +236,16 @@ class ColocatedEngine:
             FieldError: a bad group (named, with its position); nothing was generated. What a worker refuses is
                 refused here by the worker's field names: e.g. "groups[i].sampling.top_p", an `adapter` this engine
                 does not serve ("groups[i].adapter").
+            RuntimeError: the engine is closed, or another thread's round uses it now (one thread at a time).
         """
         self._check_open()
         if isinstance(groups, PromptGroup):
             raise FieldError("groups", "expected a list of PromptGroup, got one PromptGroup (wrap it in a list)")
-        groups = list(groups)
+        with self._exclusive("generate"):
+            return self._generate(list(groups), policy_version, progress_bar)
+
+    def _generate(self, groups: list[PromptGroup], policy_version: int | None, progress_bar: bool) -> list[GroupResult]:
+        """`generate`'s round, on the thread that holds the engine."""
         requests = prepare_requests(self.engine, self.model, groups, self._group_ids)  # nothing queued yet
         if policy_version is not None:
             self.set_policy_version(policy_version)
@@ -280,6 +294,24 @@ class ColocatedEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this ColocatedEngine is closed")
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """The engine is this thread's for the block (re-entrant: a round sets the version and wakes the cache).
+
+        Raises:
+            RuntimeError: another thread's round (or sleep, wake, close) uses the engine now.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"ColocatedEngine.{what}: another thread's round (generate, sleep, wake or close) uses the engine now; "
+                "a ColocatedEngine serves one thread at a time"
+            )
+        try:
+            self._check_open()
+            yield
+        finally:
+            self._busy.release()
 
 
 def _parameter_storage(model: torch.nn.Module) -> list[int]:

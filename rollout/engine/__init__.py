@@ -6,8 +6,8 @@
   commands (pause, results, weight updates on their way in);
 - `engine.py`: `Engine.step()`, schedule -> run -> sample -> update (`step_loop.py`; `step_failures.py`: what a
   failed step does to its samples); `warmup.py` and `counters.py` act on a whole
-  engine from outside its loop; `generate.py`: `generate_batch`, the one-call API over a cached engine (its bar of
-  samples and tokens: `progress.py`);
+  engine from outside its loop; `generate.py`: `generate_batch`, the one-call API over a cached engine (kept on the
+  model between calls: `kept_engines.py`; its bar of samples and tokens: `progress.py`);
 - `scheduling/`: which requests compute how many tokens (a `ScheduledBatch`) and their KV blocks (no torch);
 - `runner/`: a `ScheduledBatch` as tensors through the model, over the paged cache (`kv/`) and paged attention
   (`attention/`), with LoRA adapters (`lora/`) and MoE route recording (`moe/`) hooked into its layers;

@@ -77,35 +77,41 @@ class Engine:
             self.block_manager, self.config.max_batch_tokens, self.config.max_num_seqs, self.config.scheduler_type
         )
         self.runner = ModelRunner(model, self.kv_cache, self.config, self.max_model_len)
-        self.block_manager.zero_new_blocks = self.runner.heads_per_kv is None  # PyTorch attention reads whole blocks
-        self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
-        self.sampler = Sampler(self.vocab_size, parameter.device, self.config.batch_invariant)
-        if self.runner.decode_graphs is not None:  # where decode steps replay graphs, sampling passes do too
-            self.sampler.enable_graphs(self.runner.decode_graphs.buckets)
-        overlap = self.config.overlap_scheduling
-        overlap = parameter.device.type == "cuda" if overlap is None else overlap
-        self.loop = StepLoop(self.scheduler, self.runner, self.sampler, overlap, self.config.return_logprobs)
-        if self.config.speculative == "suffix":
-            self.scheduler.drafter = SuffixDrafter(
-                self.config.num_speculative_tokens,
-                self.config.speculative_disable_by_batch_size,
-                self.config.speculative_index_tokens,
+        try:  # the runner took the model: a construction that fails past here gives it back
+            # PyTorch attention reads whole blocks
+            self.block_manager.zero_new_blocks = self.runner.heads_per_kv is None
+            self.block_manager.routed = self.runner.routes.cache  # cached blocks whose MoE routes are known
+            self.sampler = Sampler(self.vocab_size, parameter.device, self.config.batch_invariant)
+            if self.runner.decode_graphs is not None:  # where decode steps replay graphs, sampling passes do too
+                self.sampler.enable_graphs(self.runner.decode_graphs.buckets)
+            overlap = self.config.overlap_scheduling
+            overlap = parameter.device.type == "cuda" if overlap is None else overlap
+            self.loop = StepLoop(self.scheduler, self.runner, self.sampler, overlap, self.config.return_logprobs)
+            if self.config.speculative == "suffix":
+                self.scheduler.drafter = SuffixDrafter(
+                    self.config.num_speculative_tokens,
+                    self.config.speculative_disable_by_batch_size,
+                    self.config.speculative_index_tokens,
+                )
+                self.loop.clear_drafts_on_update = self.config.speculative_clear_on_weight_update
+            self.counters: StepCounters = self.loop.counters
+            self.warmed_up = False  # warmup() ran
+            self.intake = RequestIntake(
+                self.vocab_size,
+                self.max_model_len,
+                self.config,
+                defaults,
+                tokenizer,
+                self.runner.adapters.ref,
+                routes_refusal=self.runner.routes_refusal(),
+                media_tokens=media_placeholder_tokens(model),
             )
-            self.loop.clear_drafts_on_update = self.config.speculative_clear_on_weight_update
-        self.counters: StepCounters = self.loop.counters
-        self.warmed_up = False  # warmup() ran
-        self.intake = RequestIntake(
-            self.vocab_size,
-            self.max_model_len,
-            self.config,
-            defaults,
-            tokenizer,
-            self.runner.adapters.ref,
-            routes_refusal=self.runner.routes_refusal(),
-            media_tokens=media_placeholder_tokens(model),
-        )
-        self.weight_table = WeightTable(model)
-        self.weight_updates = WeightUpdates(self.loop, self.runner, self.weight_table)
+            self.weight_table = WeightTable(model)
+            self.weight_updates = WeightUpdates(self.loop, self.runner, self.weight_table)
+        except BaseException:
+            self.runner.close()  # the model's attention implementation, training mode and hooks, as they were
+            self.kv_cache.release()
+            raise
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:

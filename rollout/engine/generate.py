@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import warnings
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError, SamplingParams
-from rollout.engine.engine import Engine
+from rollout.engine.kept_engines import cached_engine, done_with, engine_for, release_cached_engine
 from rollout.engine.lora.adapter_weights import from_peft_model
 from rollout.engine.progress import SampleProgress
 from rollout.engine.requests.intake import TRANSFORMERS_FIELD_NAMES, TorchSeeds
@@ -21,33 +20,6 @@ from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.runner.model_checks import refuse_model_name
 from rollout.peft_adapters import is_peft_model
 from rollout.sampling_spellings import spelling_hints
-
-# The attribute of a model that holds the engine `generate_batch(..., persistent_manager=True)` keeps for it.
-CACHED_ENGINE_ATTRIBUTE = "_rollout_cached_engine"
-
-
-class _EngineSlot:
-    """The engine kept for one model, held in the model's own attribute (`CACHED_ENGINE_ATTRIBUTE`), as transformers
-    keeps its continuous-batching manager on the model: the engine refers to its model, so a table keyed weakly by
-    the model would never let either go (the value keeps its key alive), where a model dropped with its slot is one
-    cycle that the garbage collector frees. A copy or a pickle of the model carries an empty slot: no engine is
-    copied, and a shallow copy's shared slot answers only the model it was made for."""
-
-    def __init__(self, model: torch.nn.Module | None = None, key: Any = None, engine: Engine | None = None) -> None:
-        self.model_id = id(model) if model is not None else None  # the engine keeps the model (so its id) alive
-        self.key, self.engine = key, engine
-
-    def __deepcopy__(self, memo: dict) -> _EngineSlot:
-        return _EngineSlot()
-
-    def __reduce__(self) -> tuple:
-        return (_EngineSlot, ())
-
-
-def _slot(model: torch.nn.Module) -> _EngineSlot | None:
-    """The model's filled slot, if it holds one made for this very model."""
-    slot = model.__dict__.get(CACHED_ENGINE_ATTRIBUTE)
-    return slot if isinstance(slot, _EngineSlot) and slot.engine is not None and slot.model_id == id(model) else None
 
 
 class SamplesFailedWarning(UserWarning):
@@ -170,7 +142,7 @@ def generate_batch(
         # base weights first; peft's disabled forward would unmerge it for good, `_merge_back` restores it.
         peft_off.callback(_merge_back, _unmerged(peft_model))
     try:
-        engine, warm = _engine(model, generation_config, continuous_batching_config, persistent_manager)
+        engine, warm = engine_for(model, generation_config, continuous_batching_config, persistent_manager)
     except BaseException:
         peft_off.close()
         raise
@@ -210,7 +182,7 @@ def generate_batch(
                     results[output.request_id] = output
                 progress.after_step(len(finished))
     except BaseException as error:
-        if persistent_manager:
+        if cached_engine(model) is engine:
             release_cached_engine(model)  # an engine left mid-run is not reused
         if isinstance(error, KeyboardInterrupt) and not isinstance(error, GenerationInterrupted):
             finished = {request_id: results[request_id] for request_id in order if request_id in results}
@@ -218,10 +190,11 @@ def generate_batch(
         raise
     finally:
         peft_off.close()
-        if not persistent_manager:
-            engine.close()
-        elif _slot(model) is not None:
+        if cached_engine(model) is engine:  # kept (persistent_manager) and still this call's
             engine.runner.suspend()  # the model is the caller's again until the next call
+            done_with(model)
+        else:
+            engine.close()
     failed = [results[request_id] for request_id in order if results[request_id].finish_reason == "error"]
     if failed:  # a caller reading only the tokens would see empty samples and no reason
         warnings.warn(
@@ -292,48 +265,3 @@ def _prompts(inputs: Any, pad: int | None = None) -> Any:
             raise FieldError("attention_mask", f"{len(mask)} rows for {len(inputs)} prompts")
         inputs = [[token for token, keep in zip(row, keeps) if keep] for row, keeps in zip(inputs, mask)]
     return inputs
-
-
-def _engine(model: torch.nn.Module, generation_config: Any, config: Any, persistent: bool) -> tuple[Engine, bool]:
-    """(engine, already warmed up): the model's cached engine when kept for these same configs, else a new one."""
-    # What the engine was built from: the configs (snapshots: one changed in place must not find this engine), the
-    # model's own generation config, and its parameters' storage (graphs and cache read them in place).
-    key = (
-        generation_config,
-        config,
-        getattr(model, "generation_config", None),
-        [p.data_ptr() for p in model.parameters()],
-    )
-    cached = _slot(model)
-    if persistent and cached is not None and cached.key == key:
-        engine = cached.engine
-        engine.runner.resume()
-        engine.block_manager.reset_prefix_cache()  # the weights may have changed in place since
-        return engine, engine.warmed_up
-    release_cached_engine(model)
-    engine = Engine(model, config, generation_config)
-    if persistent:
-        model.__dict__[CACHED_ENGINE_ATTRIBUTE] = _EngineSlot(model, copy.deepcopy(key), engine)
-    return engine, False
-
-
-def cached_engine(model: torch.nn.Module) -> Engine | None:
-    """The engine `generate_batch(..., persistent_manager=True)` keeps for `model`, if any.
-
-    Args:
-        model: the model given to `generate_batch`.
-    """
-    cached = _slot(model)
-    return None if cached is None else cached.engine
-
-
-def release_cached_engine(model: torch.nn.Module) -> None:
-    """Close and forget the engine `generate_batch(..., persistent_manager=True)` keeps for `model` (if any).
-
-    Args:
-        model: the model given to `generate_batch`.
-    """
-    cached = _slot(model)
-    if cached is not None:
-        del model.__dict__[CACHED_ENGINE_ATTRIBUTE]
-        cached.engine.close()

@@ -24,6 +24,7 @@ from rollout.engine.manager.request_adding import RequestAdding
 from rollout.engine.manager.request_desk import QueueFullError
 from rollout.engine.manager.result_reading import ResultReading
 from rollout.engine.weights.weight_table import WeightUpdateResult
+from rollout.validation import check_timeout
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
 
@@ -173,6 +174,7 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
                 this is the engine thread (a result handler). A thread already inside a pause may nest another.
             TimeoutError: the loop did not pause in time (it then does not pause at all).
         """
+        check_timeout(timeout)
         if self._loop.on_thread():
             raise RuntimeError("cannot pause from the engine thread (inside a result handler)")
         if not self.is_running():
@@ -207,6 +209,7 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
             RuntimeError: the manager is stopped, or this thread holds its pause, or is the engine thread (a result
                 handler: the update waits for that thread; `weight_updates.submit` does not).
         """
+        check_timeout(timeout)
         self._refuse_waiting_for_update("update_weights")
         return self.weight_updates.apply(tensors, version, mode, partial, timeout)
 
@@ -231,6 +234,7 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
             TimeoutError: as for `update_weights`.
             RuntimeError: as for `update_weights`.
         """
+        check_timeout(timeout)
         self._refuse_waiting_for_update("load_adapter")
         return self.weight_updates.apply_adapter(name, adapter, version, mode, timeout)
 

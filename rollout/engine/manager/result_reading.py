@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 from rollout.engine.manager.results import ResultRouter
 from rollout.engine.requests.outputs import GenerationOutput
+from rollout.validation import check_timeout
 
 
 class ResultReading:
@@ -56,7 +57,9 @@ class ResultReading:
             timeout: most seconds to wait (None: until an output arrives or the manager stops).
         Raises:
             RuntimeError: a timeout other than 0 inside a result handler (on the engine thread).
+            FieldError: ("timeout") not None or a number of seconds >= 0.
         """
+        check_timeout(timeout)
         if timeout != 0:
             self._refuse_waiting_here("get_result")
         return self._router.get(request_id, timeout, self.is_running)
@@ -72,7 +75,9 @@ class ResultReading:
             ValueError: (at the first output asked for) no output of `request_id` is left to read: never added, or
                 every one was read.
             RuntimeError: called inside a result handler (on the engine thread).
+            FieldError: ("timeout") not None or a number of seconds >= 0.
         """
+        check_timeout(timeout)
         self._refuse_waiting_here("request_id_iter")
         return self._router.iter_request(request_id, timeout, self.is_running)
 

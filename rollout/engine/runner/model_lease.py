@@ -11,6 +11,9 @@ grouped product's bits for a token depend on how many tokens its expert got, and
 A lease belongs to the transformers model itself: a peft model holds the same one (`get_base_model()`), shares its
 config and its switch, so it shares its lease, whichever of the two an engine was given. `LEASE_LOCK` serializes the
 lease and the build-time probe, so engines built at once from several threads see one another.
+
+`ModelHold` is one runner's share: what it put on the model, given back at its `close()`, or when it is freed
+unclosed (an engine never closed: a finalizer).
 """
 
 from __future__ import annotations
@@ -162,3 +165,38 @@ def _switch_experts(model: torch.nn.Module, choices: tuple[str, ...]) -> dict | 
         raise ValueError(f"batch_invariant: this MoE model's experts cannot run transformers' 'eager' loop ({own})")
     logger.warning("no sync-free experts implementation available (%s): MoE decode steps read the host", own)
     return None
+
+
+class ModelHold:
+    """What a `ModelRunner` put on its model: the parts that hook it (closed once) and its lease (None while
+    suspended or closed). Held weakly, so that the finalizer's hold on this object keeps no model alive: a model
+    dropped with its runner needs nothing given back."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = [weakref.ref(part) for part in parts]
+        self._leased: weakref.ref[torch.nn.Module] | None = None
+
+    @property
+    def leased(self) -> torch.nn.Module | None:
+        return None if self._leased is None else self._leased()
+
+    @leased.setter
+    def leased(self, model: torch.nn.Module | None) -> None:
+        self._leased = None if model is None else weakref.ref(model)
+
+    def close_parts(self) -> None:
+        parts, self.parts = self.parts, []
+        for ref in parts:
+            part = ref()
+            if part is not None:
+                part.close()
+
+    def release_lease(self) -> None:
+        leased, self.leased = self.leased, None
+        if leased is not None:
+            release(leased)
+
+    def give_back(self) -> None:
+        """Everything, for a runner freed without `close()`."""
+        self.close_parts()
+        self.release_lease()

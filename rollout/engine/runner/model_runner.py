@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -21,7 +22,7 @@ from rollout.engine.requests.request import Request
 from rollout.engine.runner.cuda_graphs import DecodeForward, DecodeGraphs
 from rollout.engine.runner.model_checks import resolve_attention_backend, text_config
 from rollout.engine.runner.model_forward import ModelForward
-from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, acquire, check_lease, release
+from rollout.engine.runner.model_lease import INVARIANT_EXPERTS, SYNC_FREE_EXPERTS, ModelHold, acquire, check_lease
 from rollout.engine.runner.step_graphs import StepGraphs
 from rollout.engine.runner.step_inputs import UnresolvedTokens, logits_rows, step_inputs
 from rollout.engine.sampling.fp32_head import Fp32Head, projection_of
@@ -118,7 +119,14 @@ class ModelRunner:
             model, max(config.max_batch_tokens, config.max_num_seqs), kv_cache.block_size, kv_cache.num_blocks
         )
         self.route_results: PendingRoutes | None = None
-        self._leased = acquire(model, self._experts)  # what release() gives back (a peft model's base)
+        # What the runner put on the model, given back by close(); a runner dropped unclosed (an Engine never closed,
+        # a manager never stopped) gives it back when it is freed, through a finalizer that holds `_hold`, not the
+        # runner: the model kept the paged attention, eval mode and the fp32 head's copy and hook for good otherwise.
+        parts = [self.fp32_head, self.prompt_scorer, self.adapters, self.routes]
+        self._hold = ModelHold([part for part in parts if part is not None])
+        self._hold.leased = acquire(model, self._experts)  # what release() gives back (a peft model's base)
+        self._finalizer = weakref.finalize(self, self._hold.give_back)
+        self._finalizer.atexit = False
 
     def routes_refusal(self) -> str | None:
         """Why this runner cannot record MoE routes (None: it can)."""
@@ -197,15 +205,11 @@ class ModelRunner:
         mode), the decode graphs and their memory pool, and the compiled forward. Idempotent."""
         if not self._closed:
             self._closed = True
-            if self.fp32_head is not None:
-                self.fp32_head.close()
-            self.prompt_scorer.close()
-            self.adapters.close()
-            self.routes.close()
+            self._finalizer.detach()
+            self._hold.close_parts()  # the fp32 head, the prompt scorer, the adapters' and routes' hooks
             self.graphs.close()  # frees the graphs and their memory pools
             self._decode_forward = self._forward  # a compiled forward holds its graphs and guards
-            if not self._suspended:
-                release(self._leased)
+            self._hold.release_lease()
 
     @property
     def closed(self) -> bool:
@@ -221,7 +225,7 @@ class ModelRunner:
         and CUDA graphs; `resume()` takes it again. Idempotent."""
         if not self._closed and not self._suspended:
             self._suspended = True
-            release(self._leased)
+            self._hold.release_lease()
 
     def resume(self) -> None:
         """Take the model again after `suspend()` (paged attention, eval mode).
@@ -229,9 +233,13 @@ class ModelRunner:
         Raises:
             ValueError: another engine holds the MoE model meanwhile with another `batch_invariant` (the runner stays
                 suspended, holding nothing).
+            RuntimeError: the runner is closed (a closed runner never takes the model again: nothing would give it
+                back).
         """
+        if self._closed:
+            raise RuntimeError("this engine is closed: it cannot take the model again; build a new one")
         if self._suspended:
-            self._leased = acquire(self.model, self._experts)  # first: a refusal leaves the runner suspended
+            self._hold.leased = acquire(self.model, self._experts)  # first: a refusal leaves the runner suspended
             self._suspended = False
             self.weights_changed()  # the caller may have trained or reloaded the model meanwhile
 
