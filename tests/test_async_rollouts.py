@@ -202,3 +202,41 @@ def test_one_staleness_rule_for_every_mode():
         gate.must_regenerate("old", result(2))
     kept = StalenessGate(oldest_allowed=3, stale_policy="is_correct")
     assert not kept.must_regenerate("old", result(0)) and not kept.regenerated
+
+
+def test_group_ids_that_come_again_each_epoch_keep_their_own_results(client, model, worker):
+    """A stable id per prompt, repeated each epoch: the client takes an id again once its group finished. A straggler
+    that finishes while the trainer trains keeps its result (the next epoch's group of its id does not take it), and
+    every group is trained once, none waited for in vain."""
+    lengths = [150, 4, 4, 4]  # prompt-0 straggles
+    prompts = [
+        PromptGroup([5 + i, 6, 7], n=2, group_id=f"prompt-{i}",
+                    sampling={"max_new_tokens": n, "stop_token_ids": [], "seed": i})
+        for _ in range(3) for i, n in enumerate(lengths)
+    ]  # fmt: skip
+    trained = []
+    with AsyncRollouts(client, prompts, 2, max_staleness=1, partial_rollouts=True, timeout=20) as rollouts:
+        for batch in rollouts:
+            trained += [(g.group_id, len(g.completions[0].token_ids)) for g in batch.groups]
+            push_weights(client, model, version=rollouts.version_after(batch.step))
+            deadline = time.monotonic() + 20
+            while worker.stats()["running"] and time.monotonic() < deadline:  # the straggler finishes meanwhile
+                time.sleep(0.05)
+    assert sorted(trained) == sorted((f"prompt-{i}", n) for _ in range(3) for i, n in enumerate(lengths))
+
+
+def test_the_default_base_version_is_what_every_group_is_sampled_with(worker, model):
+    """base_version defaults to the newest version a worker serves: the client then sends groups only to workers that
+    serve it, never to one behind it (restarted, or pushed to through another client): with max_staleness=0 nothing
+    is stale, nothing generated again."""
+    behind = Worker()
+    try:
+        with RolloutClient(worker.address, timeout=60) as ahead:
+            push_weights(ahead, model, version=ahead.stats()[0]["policy_version"] + 5)
+        with RolloutClient([worker.address, behind.address], timeout=60) as both:
+            assert len(both.stats()) == 2
+            with AsyncRollouts(both, groups(8), 8, max_staleness=0) as rollouts:  # spread over both workers
+                batch = next(rollouts)
+            assert batch.lags == [0] * 16 and batch.regenerated == 0
+    finally:
+        behind.close()

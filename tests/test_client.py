@@ -514,3 +514,66 @@ def test_a_worker_that_never_answered_is_said_once_by_the_error_or_by_a_warning(
             time.sleep(1.2)
     warnings = [record for record in caplog.records if "never answered" in record.getMessage()]
     assert len(warnings) == 1 and silent in warnings[0].getMessage()
+
+
+def test_stats_names_a_live_worker_that_does_not_answer(workers):
+    """One of two workers stopped (SIGSTOP), not declared dead yet: stats() names it, where it once said only "a
+    worker did not answer stats in time" (and AsyncRollouts, reading its base_version, "no live rollout worker")."""
+    answering, stopped = workers
+    with RolloutClient([w.address for w in workers], timeout=60, dead_after_s=60) as client:
+        assert len(client.stats()) == 2
+        stopped.process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RolloutError, match=f"no answer from {stopped.address} \\(live") as raised:
+                client.stats(timeout=2)
+            assert raised.value.code == "timeout" and answering.address not in str(raised.value)
+        finally:
+            stopped.process.send_signal(signal.SIGCONT)
+        assert len(client.stats()) == 2
+
+
+def test_a_cancelled_groups_waiter_gets_its_abort_when_no_worker_answers_the_cancel(workers):
+    """`cancel` promises the waiter the group aborted. A group waiting for a worker (every one behind the newest
+    weights), or whose worker stopped answering (SIGSTOP) before it answered the cancel, was dropped without a word:
+    its waiter waited out its whole timeout, even when the worker came back and answered the cancel."""
+    long = {**GREEDY, "max_new_tokens": 1500}
+
+    def waited(client: RolloutClient, group_id: str, cancel) -> tuple[float, list[str]]:
+        answer: list = []
+        group = PromptGroup([1, 2, 3], n=2, sampling=long, group_id=group_id)
+        waiter = threading.Thread(target=lambda: answer.append(client.generate(group)))
+        started = time.monotonic()
+        waiter.start()
+        cancel()
+        waiter.join(40)
+        return time.monotonic() - started, [c.finish_reason for result in answer for c in result.completions]
+
+    with RolloutClient([w.address for w in workers], timeout=30, heartbeat_s=0.2, dead_after_s=1.5) as client:
+        assert len(client.stats()) == 2
+        client.min_policy_version = 10**6  # parked: no worker serves the newest weights
+
+        def cancel_parked():
+            time.sleep(0.5)
+            client.cancel("parked")
+
+        seconds, reasons = waited(client, "parked", cancel_parked)
+        assert reasons == ["abort", "abort"] and seconds < 10
+        client.min_policy_version = 0
+        stopped = []
+
+        def cancel_on_a_stopped_worker():
+            deadline = time.monotonic() + 20
+            while not (busy := [s["address"] for s in client.stats() if s["running"]]):
+                assert time.monotonic() < deadline
+            stopped.append(next(w for w in workers if w.address == busy[0]))
+            stopped[0].process.send_signal(signal.SIGSTOP)
+            client.cancel("stopped")
+            time.sleep(3)
+            stopped[0].process.send_signal(signal.SIGCONT)  # back: it answers the cancel
+
+        try:
+            seconds, reasons = waited(client, "stopped", cancel_on_a_stopped_worker)
+        finally:
+            for worker in stopped:
+                worker.process.send_signal(signal.SIGCONT)
+        assert reasons == ["abort", "abort"] and seconds < 15

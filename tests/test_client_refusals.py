@@ -179,3 +179,54 @@ def test_an_integer_the_wire_cannot_carry_is_refused_naming_its_sampling_field(c
         assert refused.value.code == "bad_request" and refused.value.field == field, given
         assert f"bad_request: {message}" in str(refused.value)
     assert client.generate(PromptGroup([1, 2], 1, {"seed": 2**64 - 1, "max_new_tokens": 2}), timeout=30).completions
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"timeout": -1}, {"timeout": float("nan")}, {"timeout": "300"}, {"timeout": float("inf")}, {"heartbeat_s": 0},
+     {"heartbeat_s": -1}, {"dead_after_s": -1}, {"dead_after_s": "x"}, {"connect_timeout": "20"}],
+)  # fmt: skip
+def test_client_settings_that_cannot_work_are_refused_by_name(kwargs):
+    """A timeout of -1 once made every call fail at once ("no answer in time") from a live worker, "300" a TypeError at
+    the first call, and heartbeat_s=0 or -1 an idle client that pings its workers in a loop, a core busy."""
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=f"^{name}: must be a positive number of seconds"):
+        RolloutClient("tcp://127.0.0.1:9", **kwargs)
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, float("nan"), "10"])
+def test_a_calls_timeout_that_cannot_work_is_refused_by_name(client, timeout):
+    group = PromptGroup([1, 2, 3], sampling={"max_new_tokens": 4})
+    for call in (
+        lambda: client.generate(group, timeout=timeout),
+        lambda: list(client.stream(group, timeout=timeout)),
+        lambda: list(client.generate_many([group], timeout=timeout)),
+    ):
+        with pytest.raises(RolloutError) as refused:
+            call()
+        assert (refused.value.code, refused.value.field) == ("bad_request", "timeout")
+    assert client.generate(group).completions  # the client goes on
+
+
+def test_generate_many_yields_a_group_whose_id_came_again_after_the_first_finished(client, worker):
+    """A lazy iterable that repeats an id once the group holding it finished: the client takes the second group (its
+    id is free again); generate_many once ended at the first result of that id, so the second was never yielded,
+    never refused, and ran on for nobody."""
+
+    def finished() -> int:
+        return sum(worker.stats()["samples_finished"].values())
+
+    def groups():
+        before = finished()
+        yield PromptGroup([5, 6, 7], group_id="again", sampling={"max_new_tokens": 4, "stop_token_ids": []})
+        deadline = time.monotonic() + 30
+        while finished() == before and time.monotonic() < deadline:  # the first one finished
+            time.sleep(0.05)
+        while "again" in client._io.router.calls and time.monotonic() < deadline:  # and its result reached the client
+            time.sleep(0.01)
+        yield PromptGroup([6, 6, 7], group_id="again", sampling={"max_new_tokens": 200, "stop_token_ids": []})
+        yield PromptGroup([7, 6, 7], group_id="other", sampling={"max_new_tokens": 4, "stop_token_ids": []})
+
+    results = list(client.generate_many(groups(), timeout=60))
+    assert sorted(r.prompt_ids for r in results) == [[5, 6, 7], [6, 6, 7], [7, 6, 7]]
+    assert worker.stats()["groups_in_flight"] == 0

@@ -359,3 +359,18 @@ def test_a_dropped_model_frees_the_engine_generate_batch_kept_for_it(no_leaked_b
     gc.collect()
     assert [ref() for ref in models] == [None] * 3
     assert [ref() for ref in engines] == [None] * 3
+
+
+def test_a_client_dropped_without_close_stops_its_thread_and_closes_its_sockets(collector_off):
+    """A RolloutClient dropped unclosed (a trainer that forgot close()) once kept its I/O thread pinging its workers,
+    its sockets open, until the process exited."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    before = open_sockets()
+    client = RolloutClient(nobody, connect_timeout=0.2, timeout=0.5)
+    thread, io = client._io._thread, weakref.ref(client._io)
+    del client
+    thread.join(10)
+    assert not thread.is_alive() and io() is None
+    assert open_sockets() <= before

@@ -281,3 +281,18 @@ def test_partial_rollouts_train_whole_first_complete_groups(tmp_path, client):
                 assert [c.token_ids for c in again.completions] == [c.token_ids for c in completions[first : first + 4]]
                 checked += 1
     assert checked
+
+
+def test_tokens_older_than_max_staleness_kept_by_is_correct_are_in_the_lag_buckets():
+    """The policy "is_correct" keeps a group older than max_staleness: its tokens' lag is above it. The lag buckets
+    once stopped at max_staleness, so those tokens were in none (the fractions summed below 1)."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    rollout = object.__new__(AsyncRolloutGeneration)
+    rollout.max_staleness, rollout.stale_policy = 1, "is_correct"
+    rollout.trainer = SimpleNamespace(_metrics={"train": defaultdict(list)}, model=SimpleNamespace(training=True))
+    rollout._log_lag([[0, 0, 1, 1], [3, 3, 3, 3, 9, 9]])
+    logged = {name: values[-1] for name, values in rollout.trainer._metrics["train"].items()}
+    assert logged["rollout/policy_lag_3"] == 0.4 and logged["rollout/policy_lag_8+"] == 0.2
+    assert sum(value for name, value in logged.items() if name[len("rollout/policy_lag_") :][0].isdigit()) == 1.0

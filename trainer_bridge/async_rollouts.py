@@ -9,7 +9,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from trainer_bridge.client.calls import GroupResult, PromptGroup, RolloutError, sample_oldest_version, timed_out
+from trainer_bridge.client.calls import (
+    GroupResult,
+    PromptGroup,
+    RolloutError,
+    positive_seconds,
+    sample_oldest_version,
+    timed_out,
+)
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
 from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
 
@@ -106,6 +113,10 @@ class AsyncRollouts:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        if timeout is not None and not positive_seconds(timeout):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if base_version is not None and (not isinstance(base_version, int) or isinstance(base_version, bool)):
+            raise ValueError(f"base_version must be an integer (a policy version), got {base_version!r}")
         check_partial(partial_rollouts, max_partial_rounds, partial_overprovision, max_staleness, 1)
         self.partial: PartialRounds | None = None
         if partial_rollouts:
@@ -122,16 +133,22 @@ class AsyncRollouts:
             try:
                 base_version = max(stats["policy_version"] for stats in client.stats())
             except RolloutError as error:
-                message = f"no live rollout worker to read base_version from ({error}); give base_version"
+                message = f"could not read base_version from the rollout workers ({error}); give base_version"
                 raise RolloutError("no_workers", message) from error
+            # Step 0's weights: the client routes groups only to workers that serve them (not to one that restarted,
+            # or missed a push through another client, whose older weights every group would be too stale on).
+            client.min_policy_version = max(client.min_policy_version, base_version)
         self.base_version = base_version
         self._source: Iterator[PromptGroup] = iter(groups)
         self._exhausted = False
-        self._sink: queue.SimpleQueue = queue.SimpleQueue()  # GroupResults and RolloutErrors of submitted groups
+        # (slot, send, event): the GroupResults and RolloutErrors of submitted groups, each tagged with the slot and
+        # the send it answers (`_SlotSink`): ids alone cannot say which, since a group id may come again once the
+        # group holding it finished (a stable id per prompt, repeated each epoch).
+        self._sink: queue.SimpleQueue = queue.SimpleQueue()
         # Groups of the steps not yielded yet, by index in the prompt order (as checked by the client: id and seed set).
         self._slots: dict[int, PromptGroup] = {}
         self._num_taken = 0  # groups taken from `groups` so far
-        self._slot_of: dict[str, int] = {}  # group id -> index in the prompt order
+        self._sends: dict[int, object] = {}  # index in the prompt order -> its latest send (`_SlotSink.send`)
         self._results: dict[int, GroupResult] = {}
         self._in_flight: set[str] = set()
         self._closed = False
@@ -171,7 +188,7 @@ class AsyncRollouts:
             self._close_after(error)
         groups = [self._results.pop(i) for i in wanted]
         for index in wanted:  # done with: forget them (a long run must not keep every prompt)
-            del self._slot_of[self._slots.pop(index).group_id]
+            del self._slots[index], self._sends[index]
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
         batch = RolloutBatch(self.step, groups, lags, len(gate.regenerated), time.perf_counter() - started)
@@ -246,7 +263,7 @@ class AsyncRollouts:
             self._close_after(error)
         carried = sum(1 for _, _, round_sent in taken if round_sent < self.step)
         for index, _, _ in taken:
-            del self._slot_of[self._slots.pop(index).group_id]
+            del self._slots[index], self._sends[index]
         groups = [result for _, result, _ in taken]
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
@@ -282,7 +299,7 @@ class AsyncRollouts:
             RolloutError: a timeout, the client's error, or a sample that failed on its worker.
         """
         try:
-            event = self._sink.get(timeout=self.timeout)
+            index, send, event = self._sink.get(timeout=self.timeout)
         except queue.Empty:
             raise timed_out(f"no group finished within {self.timeout:g} s", self.client.outage()) from None
         if isinstance(event, RolloutError):
@@ -290,10 +307,11 @@ class AsyncRollouts:
                 raise event
             finally:  # the traceback keeps this frame, not the error: no cycle to collect
                 event = None
-        self._in_flight.discard(event.group_id)
-        index = self._slot_of.get(event.group_id)
-        if index is None or (self.partial is not None and index not in self.partial):
-            return None  # a group already trained on (never expected: the client delivers each result once)
+        current = self._sends.get(index)
+        if current is None or current is send:  # (not a newer send's id: the client may take an id again)
+            self._in_flight.discard(event.group_id)
+        if current is not send or (self.partial is not None and index not in self.partial):
+            return None  # a group already trained on, or sent again since (never expected: each result comes once)
         if any(c.finish_reason == "error" for c in event.completions):
             error = next(c.error for c in event.completions if c.finish_reason == "error")
             raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
@@ -330,9 +348,10 @@ class AsyncRollouts:
         return self._num_taken - 1
 
     def _send(self, index: int) -> None:
-        call = self.client._submit(self._slots[index], stream=False, sink=self._sink)  # noqa: SLF001 - same package
+        sink = _SlotSink(self._sink, index)
+        call = self.client._submit(self._slots[index], stream=False, sink=sink)  # noqa: SLF001 - same package
         self._slots[index] = call.group  # its id and seed, kept for a regeneration
-        self._slot_of[call.group.group_id] = index
+        self._sends[index] = sink.send
         self._in_flight.add(call.group.group_id)
 
     def _collect_until(self, wanted: range) -> None:
@@ -340,3 +359,15 @@ class AsyncRollouts:
             if (result := self._next_result()) is not None:
                 index, event = result
                 self._results[index] = event
+
+
+class _SlotSink:
+    """Where the client puts one send's events: into the rollouts' queue, tagged with its slot and the send."""
+
+    def __init__(self, sink: queue.SimpleQueue, index: int):
+        self._sink = sink
+        self._index = index
+        self.send = object()  # this send (a slot sent again, after an abort or when stale, gets a new one)
+
+    def put(self, event: Any) -> None:
+        self._sink.put((self._index, self.send, event))

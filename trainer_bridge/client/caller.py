@@ -24,6 +24,7 @@ from trainer_bridge.client.calls import (
     PromptGroup,
     RolloutError,
     checked_group,
+    positive_seconds,
     timed_out,
 )
 from trainer_bridge.client.commands import CancelCall, Submit
@@ -126,7 +127,7 @@ class Caller:
     def results(self, groups: Iterable[PromptGroup], timeout: float | None) -> Iterator[GroupResult]:
         """`RolloutClient.generate_many`: `timeout` bounds each wait."""
         finished: queue.SimpleQueue = queue.SimpleQueue()
-        pending: dict[str, Call] = {}  # group id -> this call's own submission of it
+        pending: dict[str, list[Call]] = {}  # group id -> this call's own submissions of it, oldest first
         try:
             for group in groups:  # a bad group raises here: those submitted before it are cancelled below
                 _own(pending, self._client._submit(group, stream=False, sink=finished))
@@ -140,11 +141,11 @@ class Caller:
                         raise event
                     finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
                         event = None  # holding the closed client with its callers' frames)
-                pending.pop(event.group_id, None)
+                _done(pending, event.group_id)
                 yield event
         finally:
-            for call in pending.values():  # an error, a timeout or an abandoned iterator
-                self._abandon(call)
+            for call in [call for calls in pending.values() for call in calls]:  # an error, a timeout, or an
+                self._abandon(call)  # abandoned iterator
 
     def _next(self, call: Call, timeout: float) -> Delta | GroupResult:
         try:
@@ -186,23 +187,38 @@ class Caller:
     async def aresults(self, groups: Iterable[PromptGroup], timeout: float | None) -> AsyncIterator[GroupResult]:
         """`RolloutClient.agenerate_many`."""
         sink = AsyncSink(asyncio.get_running_loop())
-        pending: dict[str, Call] = {}
+        pending: dict[str, list[Call]] = {}
         try:
             for group in groups:
                 _own(pending, self._client._submit(group, stream=False, sink=sink))
             while pending:
                 result = await sink.next(self._seconds(timeout), "any", self._client.outage)
-                pending.pop(result.group_id, None)
+                _done(pending, result.group_id)
                 yield result
         finally:
-            for call in pending.values():
+            for call in [call for calls in pending.values() for call in calls]:
                 self._abandon(call)
 
     def _seconds(self, timeout: float | None) -> float:
+        if timeout is not None and not positive_seconds(timeout):  # (the group is cancelled by the caller's finally)
+            raise RolloutError(
+                "bad_request", f"timeout must be a positive number of seconds, got {timeout!r}", "timeout"
+            )
         return self._client.timeout if timeout is None else timeout
 
 
-def _own(pending: dict[str, Call], call: Call) -> None:
-    """Count `call` among a generate_many's pending calls. A second group of the same id is refused (its error ends
-    the call) and holds nothing: the first one submitted stays the one cancelled when the call ends early."""
-    pending.setdefault(call.group.group_id, call)
+def _own(pending: dict[str, list[Call]], call: Call) -> None:
+    """Count `call` among a generate_many's pending calls. A group may take an id again once the group that held it
+    finished (the client refuses it only while that one runs: its error ends the call, and cancelling it, by its
+    owner, leaves the first alone): each submission is waited for, and its result yielded, once."""
+    pending.setdefault(call.group.group_id, []).append(call)
+
+
+def _done(pending: dict[str, list[Call]], group_id: str) -> None:
+    """A result of `group_id` came: its oldest submission is done (the same id is only taken again once the group
+    holding it finished, so its results come in submission order)."""
+    calls = pending.get(group_id)
+    if calls:
+        calls.pop(0)
+        if not calls:
+            del pending[group_id]

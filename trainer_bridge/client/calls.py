@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import operator
 import queue
 from collections.abc import Callable
@@ -43,6 +44,17 @@ class PromptGroup:
     group_id: str | None = None
     adapter: str | None = None
     session_id: str | None = None
+
+
+def aborted_result(group: PromptGroup) -> GroupResult:
+    """What the waiter of a group cancelled with `RolloutClient.cancel` gets when no worker can answer the cancel (the
+    group's worker was lost, or it was waiting for one): every sample aborted, without tokens.
+
+    Args:
+        group: the checked group (its id, prompt and n).
+    """
+    completions = [Completion(index, [], [], "abort") for index in range(group.n)]
+    return GroupResult(group.group_id, list(group.prompt_ids), completions)
 
 
 def sample_oldest_version(completion: Completion) -> int:
@@ -179,6 +191,18 @@ class AsyncSink:
             finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
                 event = None  # holding the closed client with its callers' frames)
         return event
+
+
+def positive_seconds(value: Any, allow_inf: bool = False) -> bool:
+    """Whether `value` is a positive number of seconds (finite unless `allow_inf`; no bool, no NaN).
+
+    Args:
+        value: what the caller gave.
+        allow_inf: whether math.inf counts (no deadline).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return 0 < value < math.inf or (allow_inf and value == math.inf)
 
 
 _INT64 = 1 << 63  # ids and counts travel as msgpack integers

@@ -23,7 +23,7 @@ from rollout import protocol as p
 from rollout.mailbox import drain
 from rollout.protocol.reply_frames import FrameError, unpack_message
 from rollout.protocol.sockets import Waker
-from trainer_bridge.client.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost
+from trainer_bridge.client.calls import Call, GroupResult, RolloutError, WorkerBusy, WorkerLost, aborted_result
 from trainer_bridge.client.commands import (
     AddWorker,
     AskStats,
@@ -186,10 +186,11 @@ class Dispatcher:
         call.cancelled = True
         if call.worker is not None:
             self._send(call.worker, p.Cancel(call.wire_id))
-        else:  # parked: nobody has it, so it ends here
+        else:  # parked: nobody has it, so it ends here, aborted (what a worker would have answered the cancel)
             router.calls.pop(group_id)
             router.by_wire.pop(call.wire_id, None)
             router.parked = [c for c in router.parked if c is not call]
+            call.events.put(aborted_result(call.group))
 
     def _watch(self, index: int) -> None:
         worker = self.workers[index]

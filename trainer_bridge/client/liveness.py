@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 
 from rollout import protocol as p
-from trainer_bridge.client.calls import WorkerLost
+from trainer_bridge.client.calls import WorkerLost, aborted_result
 from trainer_bridge.client.links import UNKNOWN_VERSION, WorkerLink
 from trainer_bridge.client.routing import CallRouter
 
@@ -152,8 +152,9 @@ class Liveness:
             worker.taken_away.add(call.wire_id)
             call.worker = None
             call.received = {}
-            if call.cancelled:  # its caller gave up: nobody waits for a resubmission
-                self.router.finish(call)
+            if call.cancelled:  # cancelled: nobody waits for a resubmission; the abort its cancel promised comes
+                self.router.finish(call)  # now, from no worker (the cancel's answer, should it come, is ignored)
+                call.events.put(aborted_result(call.group))
                 continue
             self.router.dispatch(call)
         while self.stats_sinks[index]:  # stats asked of it will not come: its callers count it as none (a later

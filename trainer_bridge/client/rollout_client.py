@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from rollout.protocol import Completion, Delta
 from rollout.protocol.sockets import check_address
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.caller import Caller
-from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
+from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, positive_seconds
 from trainer_bridge.client.commands import AddWorker, AskStats, AskVersions, OpenChannel, RemoveWorker
 from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.routing import stale_workers
@@ -76,8 +77,14 @@ class RolloutClient:
         """
         if (curve_secret_key is None) != (server_public_key is None):
             raise ValueError("curve_secret_key and server_public_key: give both (an authenticated worker) or neither")
-        if not connect_timeout > 0:
-            raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}")
+        for name, value, allow_inf in (
+            ("timeout", timeout, False),  # (every call has a timeout: an infinite one is refused by the queues too)
+            ("heartbeat_s", heartbeat_s, False),
+            ("dead_after_s", dead_after_s, False),
+            ("connect_timeout", connect_timeout, True),  # (inf: wait for a first answer as long as it takes)
+        ):
+            if not positive_seconds(value, allow_inf):
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
@@ -93,6 +100,9 @@ class RolloutClient:
         if affinity_slack is not None and not affinity_slack >= 0:
             raise ValueError(f"affinity_slack: must be >= 0 or None, got {affinity_slack!r}")
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
+        # A client dropped without close() stops its I/O thread (which holds the dispatcher, not the client) and closes
+        # its sockets, instead of pinging its workers until the process exits.
+        weakref.finalize(self, self._io.stop)
         self._io.router.affinity = None if affinity_slack is None else PrefixAffinity(affinity_slack)
         self._started = time.monotonic()
         self._closed = self._io.closed
@@ -159,7 +169,8 @@ class RolloutClient:
         Args:
             timeout: most seconds to wait for the answers (default: the client's timeout, at most 10).
         Raises:
-            RolloutError: "closed" at once on a closed client; "timeout" when no worker answered in time.
+            RolloutError: "closed" at once on a closed client; "timeout" when a worker did not answer in time
+                (naming each worker that did not).
         """
         if self._closed.is_set():  # nobody would ever answer: fail now, as generate does, not after the timeout
             raise RolloutError("closed", "the client is closed")
@@ -167,19 +178,28 @@ class RolloutClient:
         self.wait_connected(max(0.0, deadline - time.monotonic()))  # a new client: let its workers answer first
         replies: queue.SimpleQueue = queue.SimpleQueue()
         self._io.command(AskStats(replies))
+        answers: list[dict[str, Any] | None] = []
+        count = None
         try:
             count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
-            answers = [replies.get(timeout=max(0.0, deadline - time.monotonic())) for _ in range(count)]
+            while len(answers) < count:
+                answers.append(replies.get(timeout=max(0.0, deadline - time.monotonic())))
         except queue.Empty:
-            count = 0
-        if count:
+            pass
+        if count and len(answers) == count:
             return [answer for answer in answers if answer is not None]  # None: a worker lost or removed meanwhile
-        # No answer in time, or no live worker to ask (none connected within the deadline): never an empty list.
+        # No answer in time from a worker, or no live worker to ask (none connected within the deadline): never an
+        # empty list, nor the answers of some workers only (callers check every worker's settings).
         if self._closed.is_set():
             raise RolloutError("closed", "the client is closed")
-        silent = [worker.address for worker in self._io.workers if not worker.retired and not worker.alive]
+        answered = {answer["address"] for answer in answers if answer is not None}
+        workers = [worker for worker in self._io.workers if not worker.retired and worker.address not in answered]
+        silent = [worker.address for worker in workers if not worker.alive]
+        frozen = [worker.address for worker in workers if worker.alive]  # live, but silent for now (stopped, busy)
         where = f": no answer from {', '.join(silent)}. Is rollout-worker running at that address and port?"
-        raise RolloutError("timeout", f"a worker did not answer stats in time{where if silent else ''}")
+        if frozen:
+            where = f": no answer from {', '.join(frozen + silent)} (live, not declared dead yet: stopped or stalled?)"
+        raise RolloutError("timeout", f"a worker did not answer stats in time{where if silent or frozen else ''}")
 
     @property
     def closed(self) -> bool:

@@ -282,14 +282,17 @@ class AsyncRolloutGeneration(RolloutGeneration):
 
     def _log_lag(self, row_lags: list[list[int]]) -> None:
         super()._log_lag(row_lags)
-        names = [f"rollout/policy_lag_{lag}" for lag in range(min(self.max_staleness + 1, LAG_BUCKETS))]
-        if self.max_staleness >= LAG_BUCKETS:
+        # The oldest lag a token may have: max_staleness, unless "is_correct" keeps older groups (every bucket then,
+        # the same ones each round: a metric logged in some rounds only would be averaged over those alone).
+        oldest = self.max_staleness if self.stale_policy == "regenerate" else LAG_BUCKETS
+        names = [f"rollout/policy_lag_{lag}" for lag in range(min(oldest + 1, LAG_BUCKETS))]
+        if oldest >= LAG_BUCKETS:
             names.append(f"rollout/policy_lag_{LAG_BUCKETS}+")
         counts, total = [0] * len(names), 0
         for lag in (lag for row in row_lags for lag in row):
-            if 0 <= lag < LAG_BUCKETS and lag <= self.max_staleness:
+            if 0 <= lag < LAG_BUCKETS and lag <= oldest:
                 counts[lag] += 1
-            elif lag >= LAG_BUCKETS and self.max_staleness >= LAG_BUCKETS:
+            elif lag >= LAG_BUCKETS and oldest >= LAG_BUCKETS:
                 counts[-1] += 1
             total += 1
         if total:
