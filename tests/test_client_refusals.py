@@ -194,6 +194,13 @@ def test_client_settings_that_cannot_work_are_refused_by_name(kwargs):
         RolloutClient("tcp://127.0.0.1:9", **kwargs)
 
 
+@pytest.mark.parametrize("slack", ["4", True, -1, float("nan")])
+def test_an_affinity_slack_that_is_no_count_is_refused_by_name(slack):
+    """affinity_slack="4" was a TypeError from a comparison; a bool was taken as 0 or 1."""
+    with pytest.raises(ValueError, match="^affinity_slack: must be >= 0 or None"):
+        RolloutClient("tcp://127.0.0.1:9", affinity_slack=slack)
+
+
 @pytest.mark.parametrize("timeout", [-1, 0, float("nan"), "10"])
 def test_a_calls_timeout_that_cannot_work_is_refused_by_name(client, timeout):
     group = PromptGroup([1, 2, 3], sampling={"max_new_tokens": 4})

@@ -110,6 +110,7 @@ def test_bad_launch_arguments_are_named():
         ({"placement_strategy": "ANYWHERE"}, "placement_strategy"),
         ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker"),
         ({"max_restarts": -2}, "max_restarts"),
+        ({"http": "no"}, "http: True or False"),  # a string was taken as True: the fleet served the API
     ]:
         with pytest.raises(ValueError, match=name):
             RolloutFleet.launch(**{"num_workers": 1, **kwargs})

@@ -115,7 +115,9 @@ class RolloutFleet:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ValueError(f"{name}: a positive number of seconds, got {value!r}")
-        check_worker_args(worker_args, bool(http))  # before list(): a string would become its characters
+        if not isinstance(http, bool):  # "no" or 0.5 would have served the API
+            raise ValueError(f"http: True or False, got {http!r}")
+        check_worker_args(worker_args, http)  # before list(): a string would become its characters
         worker_args = list(worker_args)
         if resources.get("GPU", 0) > 0 and not any(arg.split("=")[0] in ("--gpu", "--device") for arg in worker_args):
             worker_args += ["--gpu", "0"]  # the GPU Ray assigned: CUDA_VISIBLE_DEVICES holds only it
@@ -125,7 +127,7 @@ class RolloutFleet:
             "argv": ["--model", model, *worker_args],
             "resources": resources,
             "strategy": placement_strategy,
-            "http": bool(http),
+            "http": http,
             "max_restarts": max_restarts,
             "placement_timeout": placement_timeout,
             "ready_timeout": ready_timeout,

@@ -97,7 +97,9 @@ class RolloutClient:
             if problem is not None:
                 raise ValueError(f"addresses: {problem}")
         keys = None if curve_secret_key is None else (curve_secret_key, server_public_key)
-        if affinity_slack is not None and not affinity_slack >= 0:
+        if affinity_slack is not None and (
+            isinstance(affinity_slack, bool) or not isinstance(affinity_slack, (int, float)) or not affinity_slack >= 0
+        ):
             raise ValueError(f"affinity_slack: must be >= 0 or None, got {affinity_slack!r}")
         self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
         # A client dropped without close() stops its I/O thread (which holds the dispatcher, not the client) and closes
