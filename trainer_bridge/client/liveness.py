@@ -102,7 +102,7 @@ class Liveness:
                 worker.warned = True
                 if not told:
                     logger.warning(
-                        "rollout worker %s never answered within %.0f s (%s)",
+                        "rollout worker %s never answered within %g s (%s)",
                         worker.address,
                         self.connect_timeout,
                         worker.unverified or "not running, or a wrong address or port?",
