@@ -38,16 +38,28 @@ def _check(condition: bool, name: str, reason: str, value: Any) -> None:
         raise FieldError(name, f"{_SHORT.repr(value)} is invalid: {reason}")
 
 
+def is_seconds(value: Any, zero: bool = False, inf: bool = False) -> bool:
+    """Whether `value` is a number of seconds: a real number (no bool, no NaN: it passes no deadline comparison, and a
+    wait given NaN returns at once), above 0, finite.
+
+    Args:
+        value: what the caller gave.
+        zero: 0 counts too (a wait that only looks).
+        inf: math.inf counts too (no deadline).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return False
+    return (value > 0 or (zero and value == 0)) and (inf or value < math.inf)
+
+
 def check_timeout(value: Any, name: str = "timeout") -> None:
-    """Refuse a wait's timeout that is not None or a number >= 0 (NaN passes no deadline comparison, and a wait
-    given NaN returns at once: a loop waiting on it would spin until whatever it waits for came, never timing out).
+    """Refuse a wait's timeout that is not None or a number of seconds >= 0 (`is_seconds`: a loop waiting on NaN
+    would spin until whatever it waits for came, never timing out).
 
     Raises:
         FieldError: naming `name`.
     """
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+    if value is not None and not is_seconds(value, zero=True, inf=True):
         raise FieldError(name, f"must be None (no limit) or a number of seconds >= 0, got {_SHORT.repr(value)}")
 
 

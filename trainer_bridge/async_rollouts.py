@@ -9,11 +9,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from rollout.validation import is_seconds
 from trainer_bridge.client.calls import (
     GroupResult,
     PromptGroup,
     RolloutError,
-    positive_seconds,
     sample_oldest_version,
     timed_out,
 )
@@ -113,7 +113,7 @@ class AsyncRollouts:
             raise ValueError(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
-        if timeout is not None and not positive_seconds(timeout):
+        if timeout is not None and not is_seconds(timeout):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if base_version is not None and (not isinstance(base_version, int) or isinstance(base_version, bool)):
             raise ValueError(f"base_version must be an integer (a policy version), got {base_version!r}")

@@ -34,6 +34,7 @@ from rollout.ray.actor import check_worker_args
 from rollout.ray.keys import FleetKeys
 from rollout.ray.membership import Membership, Slot
 from rollout.ray.placement import start_workers
+from rollout.validation import is_seconds
 from trainer_bridge.client import RolloutClient
 
 logger = logging.getLogger("rollout.ray")
@@ -113,7 +114,7 @@ class RolloutFleet:
             ("ready_timeout", ready_timeout),
             ("copy_timeout", copy_timeout),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+            if not is_seconds(value):
                 raise ValueError(f"{name}: a positive number of seconds, got {value!r}")
         if not isinstance(http, bool):  # "no" or 0.5 would have served the API
             raise ValueError(f"http: True or False, got {http!r}")

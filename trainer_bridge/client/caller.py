@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 from rollout.protocol import Delta
+from rollout.validation import is_seconds
 from trainer_bridge.client.calls import (
     AsyncSink,
     Call,
@@ -24,7 +25,6 @@ from trainer_bridge.client.calls import (
     PromptGroup,
     RolloutError,
     checked_group,
-    positive_seconds,
     timed_out,
 )
 from trainer_bridge.client.commands import CancelCall, Submit
@@ -200,7 +200,7 @@ class Caller:
                 self._abandon(call)
 
     def _seconds(self, timeout: float | None) -> float:
-        if timeout is not None and not positive_seconds(timeout):  # (the group is cancelled by the caller's finally)
+        if timeout is not None and not is_seconds(timeout):  # (the group is cancelled by the caller's finally)
             raise RolloutError(
                 "bad_request", f"timeout must be a positive number of seconds, got {timeout!r}", "timeout"
             )

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import operator
 import queue
 from collections.abc import Callable
@@ -191,18 +190,6 @@ class AsyncSink:
             finally:  # the traceback keeps this frame: not the error too (a cycle only a collection frees,
                 event = None  # holding the closed client with its callers' frames)
         return event
-
-
-def positive_seconds(value: Any, allow_inf: bool = False) -> bool:
-    """Whether `value` is a positive number of seconds (finite unless `allow_inf`; no bool, no NaN).
-
-    Args:
-        value: what the caller gave.
-        allow_inf: whether math.inf counts (no deadline).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return 0 < value < math.inf or (allow_inf and value == math.inf)
 
 
 _INT64 = 1 << 63  # ids and counts travel as msgpack integers

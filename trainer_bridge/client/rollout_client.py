@@ -27,9 +27,10 @@ from typing import Any
 
 from rollout.protocol import Completion, Delta
 from rollout.protocol.sockets import check_address
+from rollout.validation import is_seconds
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.caller import Caller
-from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy, positive_seconds
+from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
 from trainer_bridge.client.commands import AddWorker, AskStats, AskVersions, OpenChannel, RemoveWorker
 from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.routing import stale_workers
@@ -83,7 +84,7 @@ class RolloutClient:
             ("dead_after_s", dead_after_s, False),
             ("connect_timeout", connect_timeout, True),  # (inf: wait for a first answer as long as it takes)
         ):
-            if not positive_seconds(value, allow_inf):
+            if not is_seconds(value, inf=allow_inf):
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value!r}")
         self.timeout = timeout
         self.heartbeat_s = heartbeat_s
