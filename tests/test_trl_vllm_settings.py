@@ -190,3 +190,115 @@ def test_rollout_func_by_position_is_refused_beside_max_staleness(tmp_path):
     positional = [given.get(name) for name in names[: names.index("rollout_func") + 1]]
     with pytest.raises(ValueError, match="max_staleness > 0 does not apply to rollout_func"):
         RolloutGRPOTrainer(*positional, rollout_workers=["tcp://127.0.0.1:1"], max_staleness=1)
+
+
+@pytest.mark.timeout(120)
+def test_min_tokens_past_the_context_ends_there_as_vllm_ends_it(tmp_path):
+    """vLLM ends a completion at max_model_len ("length") before it looks at min_tokens: a generation_kwargs
+    min_tokens beyond the room the cap leaves ends at the cap too, instead of failing the round."""
+    prompt_tokens = len(TOKENIZER(dataset()["prompt"][0])["input_ids"])
+    cap = prompt_tokens + 3  # room for 3 tokens, below min_tokens and max_completion_length (8)
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(
+            tmp_path, max_steps=1, vllm_max_model_length=cap, generation_kwargs={**NO_EOS, "min_tokens": 5}
+        ),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=ENGINE,
+    )
+    ran = sampled_rows(trainer)
+    assert {len(prompt) + len(completion) for prompt, completion, _ in ran} == {cap}
+    assert {reason for _, _, reason in ran} == {"length"}
+
+
+def test_an_engine_context_below_the_models_with_tools_is_refused_in_colocate_mode(tmp_path):
+    """TRL's tool loop drops a turn past the model's context: an engine capped below it by rollout_engine_config
+    (max_model_len) would fail the round mid-training, naming "the model's context" for the cap. Refused by name, as
+    vllm_max_model_length is; without tools the cap is named as what set it."""
+    model, tokenizer = agent(calls=[{"name": "multiply_tool", "arguments": {"a": 3}}])
+    small = ContinuousBatchingConfig(num_blocks=64, block_size=16, max_model_len=512)
+    with pytest.raises(ValueError, match="rollout_engine_config.max_model_len=512 below the model's context"):
+        RolloutGRPOTrainer(
+            model=model,
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path),
+            train_dataset=conversations(),
+            processing_class=tokenizer,
+            tools=[multiply_tool],
+            rollout_mode="colocate",
+            rollout_engine_config=small,
+        )
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=small,
+    )
+    assert trainer.rollout.context == (512, "rollout_engine_config.max_model_len")
+    trainer.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(top_k=20, top_p=0.9, generation_kwargs={"do_sample": False}),  # the guide's greedy setting
+        dict(temperature=0.7, min_p=0.1, generation_kwargs={"do_sample": False}),
+        dict(top_p=0.9, generation_kwargs={"temperature": 0}),  # vLLM's greedy spelling: it resets top_p/top_k/min_p
+    ],
+)
+def test_greedy_rollouts_take_the_grpo_configs_sampling_settings(tmp_path, config):
+    """Greedy rollouts beside a GRPOConfig's top_k / top_p / min_p / temperature sample transformers' greedy tokens
+    (the round was refused by the engine: "has no effect while do_sample is False"), with log-probs at
+    GRPOConfig.temperature, what TRL's loss recomputes (importance ratio 1)."""
+    from test_trl import hf_greedy
+
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, max_steps=1, **config),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=ENGINE,
+    )
+    ran = sampled_rows(trainer)
+    prompts = [prompt for prompt, _, _ in ran]
+    assert [completion for _, completion, _ in ran] == hf_greedy(tiny_model(0), prompts)
+    (logs,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_warping_keys_beside_a_greedy_setting_are_refused_when_built(tmp_path):
+    with pytest.raises(ValueError, match=r"generation_kwargs \['top_k'\] have no effect with greedy rollouts"):
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path, generation_kwargs={"do_sample": False, "top_k": 5}),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_mode="colocate",
+            rollout_engine_config=ENGINE,
+        )
+
+
+def test_top_k_minus_one_in_generation_kwargs_is_no_top_k_as_vllm_reads_it(tmp_path):
+    """TRL's vLLM path updates its SamplingParams with generation_kwargs, where top_k=-1 is no top-k (it was refused:
+    "top_k: must be an integer >= 0"): the same completions as without it."""
+    off = sampled_rows(colocated(tmp_path / "zero"))
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path / "minus_one", max_steps=1, generation_kwargs={**NO_EOS, "top_k": -1}),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=ENGINE,
+    )
+    assert sampled_rows(trainer) == off

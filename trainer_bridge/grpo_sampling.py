@@ -16,6 +16,7 @@ from typing import Any
 from rollout.config import FieldError, SamplingParams
 from rollout.sampling_params import SAMPLING_FIELDS
 from rollout.sampling_spellings import VLLM_SPELLINGS, spelling_hints
+from rollout.sampling_warping import warping_fields
 
 # GRPOConfig fields the workers' sampling follows.
 HONOURED = (
@@ -78,6 +79,8 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
             spelled[name] = f"generation_kwargs[{vllm_name!r}] ({name})"
     for name in NO_EFFECT_KWARGS:
         extra.pop(name, None)
+    if extra.get("top_k") == -1 and not isinstance(extra["top_k"], bool):  # vLLM's "no top-k", as for GRPOConfig.top_k
+        extra["top_k"] = 0
     ignore_eos = extra.pop("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"generation_kwargs['ignore_eos'] must be a bool, got {ignore_eos!r}")
@@ -105,6 +108,7 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         "logprob_mode": "temperature_scaled",  # what TRL's loss recomputes: log_softmax(logits / T)
         **extra,
     }
+    _greedy(sampling, extra)
     regex = getattr(args, "vllm_structured_outputs_regex", None)
     if regex is not None:  # TRL's structured outputs: the completions match it (needs the workers' tokenizer)
         sampling["regex"] = regex
@@ -113,3 +117,33 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
     except FieldError as error:
         raise error.renamed(spelled) from None
     return sampling
+
+
+def _greedy(sampling: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Greedy rollouts (generation_kwargs `do_sample=False`, or vLLM's `temperature=0`) with the GRPOConfig's
+    sampling settings, in place: the workers refuse a map that asks for a greedy pick and a shaped distribution.
+
+    vLLM (TRL's vLLM path) samples greedily at temperature 0 whatever top_p, top_k and min_p say (it resets them), so
+    the GRPOConfig's are left out. `do_sample=False` at a temperature other than 1 (TRL's loss scores the log-probs at
+    GRPOConfig.temperature) picks greedily as top_k=1 at that temperature: the same tokens, and temperature_scaled
+    log-probs at the temperature TRL recomputes them at. Warping keys given in generation_kwargs beside a greedy
+    setting are refused by name here, not at the first round.
+    """
+    reason = "do_sample=False" if sampling.get("do_sample") is False else ""
+    reason = reason or ("temperature=0" if sampling.get("temperature") == 0 else "")
+    if not reason:
+        return
+    given = warping_fields({k: v for k, v in extra.items() if k not in ("temperature", "do_sample")})
+    if given:
+        raise ValueError(
+            f"generation_kwargs {given} have no effect with greedy rollouts (generation_kwargs {reason}): remove them"
+        )
+    sampling.update(top_k=0, top_p=1.0, min_p=0.0)  # the GRPOConfig's: vLLM resets them when greedy
+    if reason == "do_sample=False" and sampling.get("temperature") not in (0, 1):
+        if sampling.get("logprob_mode") != "temperature_scaled":
+            raise ValueError(
+                f"generation_kwargs do_sample=False at temperature {sampling['temperature']!r} "
+                f"(GRPOConfig.temperature, or generation_kwargs) with logprob_mode={sampling.get('logprob_mode')!r}: "
+                "a greedy pick has no temperature; use temperature=1.0"
+            )
+        sampling.update(do_sample=True, top_k=1)  # the argmax, its log-prob temperature_scaled at the temperature

@@ -40,8 +40,11 @@ class ColocatedGeneration(RolloutGeneration):
         self.sleep_between_rounds = sleep_between_rounds
         cap = getattr(trainer.args, "vllm_max_model_length", None)  # TRL builds its colocated LLM's max_model_len of it
         context = engine.engine.max_model_len
-        if cap is None:
-            self.context = (context, "the model's context")
+        if cap is None:  # the engine's context: the model's, unless rollout_engine_config.max_model_len set it
+            named = (
+                "rollout_engine_config.max_model_len" if engine.engine.config.max_model_len else "the model's context"
+            )
+            self.context = (context, named)
         elif not isinstance(cap, int) or isinstance(cap, bool) or not 2 <= cap <= context:
             raise ValueError(
                 f"GRPOConfig.vllm_max_model_length must be an integer from 2 to the model's context ({context} "
@@ -123,6 +126,15 @@ def colocated_generation(
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # a processor's tokenizer
     engine = ColocatedEngine(model, engine_config, round_context=round_context, tokenizer=tokenizer)
     try:
+        if tool_loop:  # TRL's tool loop drops a turn past the model's context (`_tool_call_loop`), not the engine's
+            text_config = model.config.get_text_config()
+            ceiling = getattr(text_config, "max_position_embeddings", None)
+            if ceiling is not None and engine.engine.max_model_len < ceiling:
+                raise ValueError(
+                    f"rollout_engine_config.max_model_len={engine.engine.max_model_len} below the model's context "
+                    f"({ceiling}) with tools or environment_factory is not supported in rollout_mode='colocate': "
+                    "TRL's tool loop drops a turn past the model's context, not past this cap; leave it None"
+                )
         return ColocatedGeneration(trainer, engine, args.vllm_enable_sleep_mode if sleep is None else sleep)
     except BaseException:  # a setting refused against the engine: its KV cache is freed now, not at a collection
         engine.close()

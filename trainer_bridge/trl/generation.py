@@ -223,7 +223,11 @@ class RolloutGeneration:
                 "tokens (prompt + completion)"
             )
         asked = settings.get("max_new_tokens")
-        return settings if asked is not None and asked <= room else {**settings, "max_new_tokens": room}
+        if asked is not None and asked <= room:
+            return settings
+        # The context ends the completion whatever min_new_tokens asks (vLLM checks max_model_len before min_tokens).
+        least = settings.get("min_new_tokens") or 0
+        return {**settings, "max_new_tokens": room, **({"min_new_tokens": room} if least > room else {})}
 
     def _generate_groups(self, groups: list[PromptGroup]) -> Iterable[GroupResult]:
         """The groups' results as they finish, through the workers (`restarted_workers.generate_groups`: the step's
