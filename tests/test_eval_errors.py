@@ -189,6 +189,9 @@ def test_numpy_bools_are_verdicts(capsys, metric_folder):
         (["--device", "mps"], "--device mps: not a device rollout runs on; give cpu, cuda or cuda:N (N: a CUDA"),
         (["--device", "meta"], "--device meta: not a device rollout runs on; give cpu, cuda or cuda:N (N: a CUDA"),
         (["--device", "tpu"], "--device tpu: not a device rollout runs on; give cpu, cuda or cuda:N (N: a CUDA"),
+        (["--device", ""], "--device '': empty; give a value"),  # was: the default device, silently
+        (["--split", ""], "--split '': empty; give a value"),  # was: train, silently
+        (["--answer-field", "answer", "--metric", ""], "--metric '': empty; give a value"),  # was: exact_match
         (["--output", ""], "--output '': name a file to write the rows to"),
         (["--output", "/tmp"], "--output '/tmp': name a file to write the rows to"),
         (["--output", str(REPO_DATASET)], f"--output {REPO_DATASET} is the dataset itself"),

@@ -222,3 +222,23 @@ def test_sigterm_while_the_worker_starts_is_one_line_and_status_143(monkeypatch,
     assert cli.main(["--bind", "tcp://127.0.0.1:*"]) == 143
     assert capsys.readouterr().err == "rollout-worker: interrupted while starting\n"
     assert signal.getsignal(signal.SIGTERM) is handler
+
+
+@pytest.mark.parametrize("argv", [["--device", ""], ["--device", " "], ["--device="]])
+def test_an_empty_device_is_a_usage_error_not_the_cpu(argv, capsys):
+    """`--device ''` read as unset: the worker served on the CPU without a word (an empty value is a mistake, e.g. an
+    unset shell variable: `--device $DEVICE`)."""
+    with pytest.raises(SystemExit) as exited:
+        check(["--bind", "tcp://127.0.0.1:*", *argv])
+    assert exited.value.code == 2
+    assert "rollout-worker: error: --device" in capsys.readouterr().err
+
+
+def test_an_empty_device_variable_is_named_and_a_typed_gpu_still_wins(monkeypatch, capsys):
+    monkeypatch.setenv("ROLLOUT_DEVICE", "")
+    with pytest.raises(SystemExit):
+        check(["--bind", "tcp://127.0.0.1:*"])
+    assert "rollout-worker: error: ROLLOUT_DEVICE (--device) '': empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (no CUDA here: refused for --gpu's own reason, not for the variable)
+        check(["--bind", "tcp://127.0.0.1:*", "--gpu", "0"])
+    assert "ROLLOUT_DEVICE" not in capsys.readouterr().err

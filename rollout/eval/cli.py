@@ -138,6 +138,10 @@ def check_flags(args: argparse.Namespace) -> None:
     for name, value in positive.items():
         if value is not None and value < 1:
             raise EvalError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    for name in ("device", "metric", "split"):  # typed empty, each read as unset: the default ran silently
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise EvalError(f"--{name} {value!r}: empty; give a value, or leave the flag out for its default")
     if args.compare_with_generate < 0:
         raise EvalError(f"--compare-with-generate {args.compare_with_generate}: must be 0 (off) or more")
     if args.temperature is None:  # n samples of one prompt are only worth drawing if they can differ

@@ -9,6 +9,7 @@ import argparse
 import math
 import os
 
+from rollout.cli.device_names import DEVICE_FORMS
 from rollout.cli.parser import CliParser
 from rollout.config import ContinuousBatchingConfig
 from rollout.service.http.serving.flags import check_http_flags
@@ -84,6 +85,10 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
         parser: rollout-worker's parser.
         args: the parsed flags.
     """
+    # (a typed --gpu wins over ROLLOUT_DEVICE, whatever it holds: startup._device)
+    device_given = parser.typed("--device") or not parser.typed("--gpu")
+    if device_given and args.device is not None and not args.device.strip():  # read as unset: served on the CPU
+        parser.error(f"--device {args.device!r}: empty; give {DEVICE_FORMS}, or leave it out (cpu unless --gpu)")
     check_http_only_flags(parser, args)
     if args.http is not None:
         check_http_flags(parser, args)
