@@ -214,6 +214,18 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
             "rollout-worker: error: --max-update-phase-s: must be a finite number, got nan",
         ),
         (["--client-timeout", "inf"], "rollout-worker: error: --client-timeout: must be a finite number, got inf"),
+        (  # past a C long: a traceback from ZeroMQ's setsockopt once the model had loaded
+            ["--max-message-bytes", str(2**63)],
+            "rollout-worker: error: --max-message-bytes: must be at most 4611686018427387904",
+        ),
+        (  # past a C long: every structured output was refused ("ended its compile process")
+            ["--max-compile-bytes", str(2**64 - 1)],
+            "rollout-worker: error: --max-compile-bytes: must be at most 4611686018427387904",
+        ),
+        (  # past a thread's wait: every structured output failed ("internal: OverflowError"), and the shutdown too
+            ["--max-compile-s", "1e300"],
+            "rollout-worker: error: --max-compile-s: must be at most 10000000 seconds",
+        ),
         (["--max-groups-per-client", "-1"], "rollout-worker: error: --max-groups-per-client: must be 0 (no limit) or"),
         (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
         (["--model", "./no/such/dir"], "rollout-worker: error: --model ./no/such/dir: no such model directory"),

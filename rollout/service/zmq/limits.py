@@ -14,6 +14,13 @@ from rollout.sampling_params import served_logprobs_refusal
 from rollout.service.compile.jobs import CompileBudget
 
 MAX_SESSION_CHARS = 64  # `Generate.session`: a client's secret, 32 hex characters from RolloutClient
+# The largest byte and seconds limits: past them a limit no longer fits where it is used (ZeroMQ's MAXMSGSIZE and
+# setrlimit take a C long; a thread's wait, a time_t), and the worker failed at its socket's bind with a traceback,
+# or on every structured output or compile wait, instead of refusing the flag.
+MAX_LIMIT_BYTES = 1 << 62  # 4 EiB
+MAX_LIMIT_SECONDS = 10**7  # about 116 days
+_BYTE_LIMITS = ("max_message_bytes", "max_pending_bytes", "max_compile_bytes")
+_SECONDS_LIMITS = ("max_update_phase_s", "client_timeout_s", "max_compile_s")
 
 
 @dataclass
@@ -65,6 +72,10 @@ class WorkerLimits:
                 raise FieldError(item.name, f"must be 0 (no limit) or more, got {value!r}")
             if value <= 0 and item.name != "max_groups_per_client":
                 raise FieldError(item.name, f"must be positive, got {value!r}")
+            if item.name in _BYTE_LIMITS and value > MAX_LIMIT_BYTES:
+                raise FieldError(item.name, f"must be at most {MAX_LIMIT_BYTES} (2**62 bytes), got {value!r}")
+            if item.name in _SECONDS_LIMITS and value > MAX_LIMIT_SECONDS:
+                raise FieldError(item.name, f"must be at most {MAX_LIMIT_SECONDS} seconds, got {value!r}")
         if self.max_message_bytes < 1 << 10:
             raise FieldError("max_message_bytes", f"must be at least 1024, got {self.max_message_bytes}")
 
