@@ -294,6 +294,17 @@ def test_fairness_benchmark_the_express_lane_lets_a_short_request_pass(capsys):
     assert "not finished" in lines[3]
 
 
+def test_agentic_service_benchmark_refuses_a_zero_by_name(capsys):
+    """`--workers 0` (or `--turns 0`, `--episodes 0`) ran the default (2 workers, 10 turns, 16 episodes) silently,
+    and its JSON reported the default: each is a usage error naming the flag and the value given."""
+    import pytest
+
+    for flag, least in (("--turns", 2), ("--episodes", 1), ("--workers", 1)):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["service", "--agentic", flag, "0"])
+        assert exit_info.value.code == 2 and f"{flag} must be >= {least}, got 0" in capsys.readouterr().err
+
+
 def test_fairness_benchmark_refuses_a_bad_flag_by_name(capsys):
     """A cap below one step, or an unknown scenario, is a usage error (exit status 2) naming the flag."""
     import pytest

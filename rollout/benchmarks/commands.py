@@ -143,9 +143,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     elif args.agentic:
         if args.path is not None:
             parser.error("--path measures the plain service benchmark: it has no effect with --agentic")
-        turns, episodes, workers = args.turns or 10, args.episodes or 16, args.workers or 2
-        if turns < 2 or episodes < 1 or workers < 1:
-            parser.error("--turns must be >= 2, --episodes and --workers >= 1")
+        # (`is None`, not `or`: a 0 given was the default, run silently)
+        turns, episodes, workers = (
+            default if value is None else value
+            for value, default in ((args.turns, 10), (args.episodes, 16), (args.workers, 2))
+        )
+        for flag, value, least in (("--turns", turns, 2), ("--episodes", episodes, 1), ("--workers", workers, 1)):
+            if value < least:
+                parser.error(f"{flag} must be >= {least}, got {value}")
         summary = agentic.run(turns, episodes, workers, seed=args.seed)
     else:
         given = [flag for flag in ("turns", "episodes", "workers") if getattr(args, flag) is not None]
