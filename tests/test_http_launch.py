@@ -74,7 +74,11 @@ def test_bad_connection_settings_are_usage_errors(monkeypatch, capsys, flags, me
     [
         (("--enable-control-routes",), "--enable-control-routes is for the HTTP API: give --http"),
         (("--enable-tokenizer-info-endpoint",), "--enable-tokenizer-info-endpoint is for the HTTP API"),
-        (("--http", "127.0.0.1:0", "--control-api-key", "k"), "add --enable-control-routes"),
+        (("--http", "127.0.0.1:0", "--control-api-key", "k"), "error: --control-api-key is for the control routes"),
+        (  # named alone, as given (the error named --control-api-key too, which nobody typed)
+            ("--http", "127.0.0.1:0", "--control-allowed-dirs", "/tmp"),
+            "error: --control-allowed-dirs is for the control routes: add --enable-control-routes",
+        ),
         (("--http", "127.0.0.1:0", "--enable-control-routes", "--control-api-key", ""), "must not be empty"),
         (
             ("--http", "127.0.0.1:0", "--enable-control-routes", "--control-allowed-dirs", "/no/such/dir"),

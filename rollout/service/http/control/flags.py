@@ -63,10 +63,10 @@ def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"{asked[0]} is for the HTTP API: give --http HOST:PORT too")
     if args.control_api_key == "":
         parser.error(f"--control-api-key (or {CONTROL_API_KEY_VARIABLE}): must not be empty")
-    if (args.control_api_key is not None or args.control_allowed_dirs) and not args.enable_control_routes:
-        parser.error(
-            "--control-api-key and --control-allowed-dirs are for the control routes: add --enable-control-routes"
-        )
+    routes_only = [flag for flag in asked if flag in ("--control-api-key", "--control-allowed-dirs")]
+    if routes_only and not args.enable_control_routes:  # (the flag given, not both whatever was given)
+        verb = "are" if len(routes_only) > 1 else "is"
+        parser.error(f"{' and '.join(routes_only)} {verb} for the control routes: add --enable-control-routes")
     for directory in args.control_allowed_dirs:
         if not os.path.isdir(os.path.expanduser(directory)):
             parser.error(f"--control-allowed-dirs {directory}: no such directory")
