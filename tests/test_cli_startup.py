@@ -247,6 +247,10 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         ),
         (["--http", "abc"], "rollout-worker: error: --http abc: expected HOST:PORT"),
         (["--lora", "x=/no/such/adapter"], "rollout-worker: error: --lora x=/no/such/adapter: no such directory"),
+        (  # a relative path, or a hub id: after the model loaded, peft's hub retries (25 s offline), then an error
+            ["--lora", "x=adapters/math"],
+            "rollout-worker: error: --lora x=adapters/math: no such directory",
+        ),
         (["--lora", "tiny=/x"], "rollout-worker: error: --lora tiny=/x: 'tiny' is the served model's name"),
         (["--cuda-graphs", "on"], "rollout-worker: error: --cuda-graphs on: CUDA graphs need a CUDA device"),
     ],

@@ -135,7 +135,9 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
             )
         pairs[name] = path
     for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
-        if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        # every PATH, not only one written as a path: a relative one (adapters/math) that is no directory went to
+        # peft as a hub id once the model had loaded, and offline took half a minute of retries to be refused
+        if not os.path.isdir(os.path.expanduser(path)):
             parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
     return list(pairs.items())
 
