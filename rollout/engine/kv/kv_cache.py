@@ -99,6 +99,37 @@ def resolve_num_blocks(
     return num_blocks
 
 
+def check_swap_space(
+    config: ContinuousBatchingConfig, shape: KVCacheShape, dtype: torch.dtype, device: torch.device, num_blocks: int
+) -> None:
+    """Refuse a `cpu_offload_space` that holds no block (it gave no swap, without a word) or that the host's
+    available RAM cannot hold (torch's allocation failed with a traceback, after the model had loaded).
+
+    Raises:
+        FieldError: ("cpu_offload_space") naming the size it needs or the RAM there is.
+    """
+    space = config.cpu_offload_space
+    if not space:
+        return
+    per_block = shape.bytes_per_block(config.block_size, dtype)
+    if int(space * GIB) < per_block:
+        raise FieldError(
+            "cpu_offload_space",
+            f"{space:g} GiB holds no KV block of {per_block} bytes: give at least {per_block / GIB:.6f} GiB, or 0 to "
+            "recompute preempted requests",
+        )
+    needed = int(space * GIB) // per_block * per_block
+    free = free_memory_bytes(torch.device("cpu"))
+    if device.type == "cpu":  # the cache itself comes out of the same RAM, first
+        free -= (num_blocks + 1) * per_block
+    if needed > free:
+        raise FieldError(
+            "cpu_offload_space",
+            f"{space:g} GiB of swap need {needed / GIB:.2f} GiB but the host has {max(free, 0) / GIB:.2f} GiB "
+            "available; lower cpu_offload_space",
+        )
+
+
 class PagedKVCache:
     """K/V storage for every layer, addressed by block id and slot; optional CPU swap blocks."""
 
@@ -120,6 +151,7 @@ class PagedKVCache:
         parameter = next(model.parameters())
         shape = KVCacheShape.from_model_config(model.config)
         num_blocks = resolve_num_blocks(config, shape, parameter.dtype, parameter.device, max_model_len)
+        check_swap_space(config, shape, parameter.dtype, parameter.device, num_blocks)
         return cls(
             shape,
             num_blocks,
