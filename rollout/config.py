@@ -50,6 +50,10 @@ def dtype_name(dtype: Any) -> str:
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_METHODS = (None, "suffix")
 MAX_SPECULATIVE_TOKENS = 64  # draft tokens per sample and step, at most
+# Most tokens (max_batch_tokens) and sequences (max_num_seqs) one step may compute: the engine sizes per-token
+# buffers by them when it is built, so a larger value failed there, after the model had loaded, with a traceback
+# (an overflow, or an allocation of tens of GB), not an error naming the field.
+MAX_STEP_ROWS = 1 << 24
 # The settings that take effect only with `speculative` on.
 SPECULATIVE_SETTINGS = (
     "num_speculative_tokens",
@@ -146,15 +150,15 @@ class ContinuousBatchingConfig:
                 self.num_blocks,
             )
         _check(
-            _is_int(self.max_batch_tokens) and self.max_batch_tokens >= 1,
+            _is_int(self.max_batch_tokens) and 1 <= self.max_batch_tokens <= MAX_STEP_ROWS,
             "max_batch_tokens",
-            "must be an integer >= 1",
+            f"must be an integer in [1, {MAX_STEP_ROWS}]",
             self.max_batch_tokens,
         )
         _check(
-            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            _is_int(self.max_num_seqs) and 1 <= self.max_num_seqs <= MAX_STEP_ROWS,
             "max_num_seqs",
-            "must be an integer >= 1",
+            f"must be an integer in [1, {MAX_STEP_ROWS}]",
             self.max_num_seqs,
         )
         for name in ("max_loras", "max_lora_rank"):

@@ -228,6 +228,14 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         ),
         (["--max-groups-per-client", "-1"], "rollout-worker: error: --max-groups-per-client: must be 0 (no limit) or"),
         (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
+        (  # sized the engine's per-token buffers: an overflow traceback once the model had loaded
+            ["--max-batch-tokens", str(10**20)],
+            "rollout-worker: error: --max-batch-tokens: 100000000000000000000 is invalid: must be an integer in [1,",
+        ),
+        (  # an allocation of 80 GB: a traceback once the model had loaded
+            ["--max-num-seqs", str(10**10)],
+            "rollout-worker: error: --max-num-seqs: 10000000000 is invalid: must be an integer in [1, 16777216]",
+        ),
         (["--model", "./no/such/dir"], "rollout-worker: error: --model ./no/such/dir: no such model directory"),
         (  # a speculative setting without speculation would be ignored: refused, naming both flags
             ["--num-speculative-tokens", "3"],
