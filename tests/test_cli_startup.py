@@ -228,6 +228,10 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         ),
         (["--max-groups-per-client", "-1"], "rollout-worker: error: --max-groups-per-client: must be 0 (no limit) or"),
         (["--max-batch-tokens", "0"], "rollout-worker: error: --max-batch-tokens: 0 is invalid"),
+        (  # the percent sized nothing: --num-blocks did, and the flag was ignored without a word
+            ["--num-blocks", "100", "--max-memory-percent", "50"],
+            "rollout-worker: error: --max-memory-percent 50: has no effect with --num-blocks 100",
+        ),
         (  # sized the engine's per-token buffers: an overflow traceback once the model had loaded
             ["--max-batch-tokens", str(10**20)],
             "rollout-worker: error: --max-batch-tokens: 100000000000000000000 is invalid: must be an integer in [1,",

@@ -35,6 +35,8 @@ def test_batch_config_pairs_read_as_their_fields_types():
     )
     with pytest.raises(FieldError, match="scheduler_type"):  # the config's own validation still applies
         batch_config_from_pairs(["scheduler_type=lifo"])
+    with pytest.raises(FieldError, match="max_memory_percent: has no effect with num_blocks"):  # (it was ignored)
+        batch_config_from_pairs(["num_blocks=64", "max_memory_percent=0.5"])
     with pytest.raises(FieldError, match="decode_compile_config: is not a ContinuousBatchingConfig field settable"):
         batch_config_from_pairs(["decode_compile_config=x"])
     # A retired field is refused by name, on the command line and in code.

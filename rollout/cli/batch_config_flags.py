@@ -45,6 +45,8 @@ def batch_config_from_pairs(pairs: list[str], **defaults: Any) -> ContinuousBatc
             raise FieldError(key, "is given twice; give each field once")
         given.add(key)
         values[key] = _read(key, text.strip(), fields[key])
+    if None not in (values.get("num_blocks"), values.get("max_memory_percent")):  # the percent would size nothing
+        raise FieldError("max_memory_percent", "has no effect with num_blocks (which sizes the KV cache itself)")
     for key in SPECULATIVE_SETTINGS:  # typed to take effect: told it would not (before the config warns of it)
         if key in given and values.get("speculative") is None:
             raise FieldError(key, "has no effect without speculative (speculative=suffix turns it on)")

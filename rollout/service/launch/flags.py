@@ -105,6 +105,11 @@ def check_settings(parser: CliParser, args: argparse.Namespace) -> tuple[WorkerL
         parser.error("--served-model-name: empty; give the name clients use, or leave it out to use --model's")
     if (args.tokenizer or "").startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.tokenizer)):
         parser.error(f"--tokenizer {args.tokenizer}: no such tokenizer directory")
+    if args.num_blocks is not None and args.max_memory_percent is not None:  # it would size nothing
+        parser.error(
+            f"--max-memory-percent {args.max_memory_percent:g}: has no effect with --num-blocks {args.num_blocks} "
+            "(which sizes the KV cache itself): give one of them"
+        )
     try:
         config = engine_config(args)
     except ValueError as error:
