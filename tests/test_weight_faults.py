@@ -252,7 +252,7 @@ def test_a_bucket_over_shm_without_its_checksum_is_refused(worker, client):
         raw.send(p.WeightsBucket("unwritten", [p.TensorPiece(0, 0, nbytes)], None))
         refused = raw.receive()
         assert isinstance(refused, p.Error) and refused.field == "checksum", refused
-        assert 'required over transport shm' in refused.message, refused
+        assert "required over transport shm" in refused.message, refused
     finally:
         raw.close()
     assert served(client) == before
