@@ -319,7 +319,7 @@ def test_worker_settings_that_cannot_work_are_one_line_naming_the_flag_once(argv
     first = child.stderr.splitlines()[0]
     assert first.startswith(f"rollout-worker: error: {message}"), first
     if "--lora" in argv:
-        assert first.endswith(" (a PEFT adapter's, as save_pretrained writes it)")
+        assert first.endswith("download it first, e.g. hf download ID --local-dir DIR)")
     if "sized:1e12" in argv:
         assert first.endswith(" MB available on cpu"), first
 

@@ -143,7 +143,10 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
         # every PATH, not only one written as a path: a relative one (adapters/math) that is no directory went to
         # peft as a hub id once the model had loaded, and offline took half a minute of retries to be refused
         if not os.path.isdir(os.path.expanduser(path)):
-            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
+            parser.error(
+                f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it; a hub "
+                "adapter is not fetched: download it first, e.g. hf download ID --local-dir DIR)"
+            )
     return list(pairs.items())
 
 
