@@ -4,6 +4,7 @@ configuration dataclasses share. Free of torch."""
 from __future__ import annotations
 
 import math
+import numbers
 import reprlib
 from typing import Any
 
@@ -47,7 +48,8 @@ def is_seconds(value: Any, zero: bool = False, inf: bool = False) -> bool:
         zero: 0 counts too (a wait that only looks).
         inf: math.inf counts too (no deadline).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    # numbers.Real: numpy scalars too (np.int64, np.float32), as queue.get and Event.wait take them
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         return False
     return (value > 0 or (zero and value == 0)) and (inf or value < math.inf)
 

@@ -150,3 +150,35 @@ def test_an_engine_dropped_unclosed_gives_the_model_back_when_freed(no_leaked_bl
         assert model.config._attn_implementation != "rollout_paged" and model.training and not head._forward_hooks
     finally:
         gc.enable()
+
+
+def test_numpy_seconds_are_seconds():
+    """A timeout given as a numpy number (a config read with numpy) is a number of seconds, as queue.get takes it: the
+    new checks had refused np.int64(30) for RolloutClient(timeout=...) and np.float32 for get_result's."""
+    import numpy as np
+
+    from rollout.validation import check_timeout, is_seconds
+
+    assert is_seconds(np.int64(30)) and is_seconds(np.float32(0.5))
+    check_timeout(np.float32(0.5))
+    assert not is_seconds(np.float32("nan")) and not is_seconds(np.int64(-1)) and not is_seconds(np.bool_(True))
+
+
+def test_a_plain_call_is_not_refused_when_another_thread_claims_the_kept_engine_meanwhile(monkeypatch):
+    """A plain call (persistent_manager=False) gets its own engine even when another thread claims the idle kept one
+    between the slot's check and its release (that claim failed the plain call with a RuntimeError)."""
+    from rollout.engine import kept_engines
+
+    model = tiny_model()
+    kwargs = dict(sampling=SHORT, continuous_batching_config=CONFIG, progress_bar=False)
+    generate_batch(model, [[5, 9, 14]], persistent_manager=True, **kwargs)
+    kept = kept_engines.cached_engine(model)
+    release = kept_engines.release_cached_engine
+
+    def claimed_first(held_model):  # another thread's persistent call claims the idle kept engine right now
+        kept_engines._slot(held_model).user = -1
+        return release(held_model)
+
+    monkeypatch.setattr(kept_engines, "release_cached_engine", claimed_first)
+    assert len(generate_batch(model, [[7, 7, 7]], **kwargs)) == 1
+    assert kept.runner.closed and kept_engines.cached_engine(model) is None  # the idle kept engine closed, as before

@@ -71,8 +71,12 @@ def engine_for(model: torch.nn.Module, generation_config: Any, config: Any, pers
         if cached is not None and cached.engine.runner.closed:  # closed by its holder (cached_engine(model).close())
             del model.__dict__[CACHED_ENGINE_ATTRIBUTE]
             cached = None
+        stale = None
         if persistent and cached is not None and cached.key == key:
             cached.user = threading.get_ident()
+        elif cached is not None:  # idle and not reused: taken out now, so that no other thread claims it meanwhile
+            del model.__dict__[CACHED_ENGINE_ATTRIBUTE]
+            stale, cached = cached, None
     if persistent and cached is not None and cached.user == threading.get_ident():
         engine = cached.engine
         try:
@@ -82,7 +86,8 @@ def engine_for(model: torch.nn.Module, generation_config: Any, config: Any, pers
             done_with(model)
             raise
         return engine, engine.warmed_up
-    release_cached_engine(model)
+    if stale is not None:
+        stale.engine.close()
     engine = Engine(model, config, generation_config)
     if persistent:
         slot = _EngineSlot(model, copy.deepcopy(key), engine)
