@@ -259,9 +259,9 @@ def test_a_bad_max_memory_percent_names_the_flag(value, capsys):
         ),
         (["--http", "abc"], "rollout-worker: error: --http abc: expected HOST:PORT"),
         (["--lora", "x=/no/such/adapter"], "rollout-worker: error: --lora x=/no/such/adapter: no such directory"),
-        (  # a relative path, or a hub id: after the model loaded, peft's hub retries (25 s offline), then an error
-            ["--lora", "x=adapters/math"],
-            "rollout-worker: error: --lora x=adapters/math: no such directory",
+        (  # a relative path (no hub id: org/name): after the model loaded, peft's hub retries, then an error
+            ["--lora", "x=adapters/math/v1"],
+            "rollout-worker: error: --lora x=adapters/math/v1: no such directory",
         ),
         (["--lora", "tiny=/x"], "rollout-worker: error: --lora tiny=/x: 'tiny' is the served model's name"),
         (["--cuda-graphs", "on"], "rollout-worker: error: --cuda-graphs on: CUDA graphs need a CUDA device"),
@@ -319,7 +319,7 @@ def test_worker_settings_that_cannot_work_are_one_line_naming_the_flag_once(argv
     first = child.stderr.splitlines()[0]
     assert first.startswith(f"rollout-worker: error: {message}"), first
     if "--lora" in argv:
-        assert first.endswith("download it first, e.g. hf download ID --local-dir DIR)")
+        assert first.endswith(" (a PEFT adapter's, as save_pretrained writes it)")
     if "sized:1e12" in argv:
         assert first.endswith(" MB available on cpu"), first
 

@@ -242,3 +242,35 @@ def test_an_empty_device_variable_is_named_and_a_typed_gpu_still_wins(monkeypatc
     with pytest.raises(SystemExit):  # (no CUDA here: refused for --gpu's own reason, not for the variable)
         check(["--bind", "tcp://127.0.0.1:*", "--gpu", "0"])
     assert "ROLLOUT_DEVICE" not in capsys.readouterr().err
+
+
+def test_a_lora_hub_id_is_fetched_online_and_read_from_the_cache_offline(tmp_path, monkeypatch):
+    """--lora NAME=org/name that is no directory is a hub id, which peft fetches (as --model's): accepted online,
+    and offline (HF_HUB_OFFLINE) only when its adapter is in the local cache, refused before anything loads
+    otherwise (peft's retries came after the model loaded). A path that is no hub id is refused either way."""
+    import argparse
+
+    import huggingface_hub.constants as constants
+
+    from rollout.service.launch.flags import lora_specs
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = tmp_path / "models--someorg--math-lora" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "adapter_config.json").write_text("{}")
+    (tmp_path / "models--someorg--math-lora" / "refs").mkdir()
+    (tmp_path / "models--someorg--math-lora" / "refs" / "main").write_text("0" * 40)
+    parser = argparse.ArgumentParser()
+    for offline, spec, accepted in [
+        (False, "math=someorg/not-cached", True),
+        (True, "math=someorg/math-lora", True),
+        (True, "math=someorg/not-cached", False),
+        (False, "math=adapters/math/v1", False),
+        (False, "math=./math", False),
+    ]:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        if accepted:
+            assert lora_specs(parser, [spec], "m") == [tuple(spec.split("="))]
+        else:
+            with pytest.raises(SystemExit):
+                lora_specs(parser, [spec], "m")

@@ -140,14 +140,39 @@ def lora_specs(parser: argparse.ArgumentParser, specs: list[str], model_name: st
             )
         pairs[name] = path
     for name, path in pairs.items():  # (after the names: a name given twice is the news, whatever its paths)
-        # every PATH, not only one written as a path: a relative one (adapters/math) that is no directory went to
-        # peft as a hub id once the model had loaded, and offline took half a minute of retries to be refused
-        if not os.path.isdir(os.path.expanduser(path)):
+        if os.path.isdir(os.path.expanduser(path)):
+            continue
+        if not _hub_id(path):
+            parser.error(f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it)")
+        if _offline() and not _cached_hub_adapter(path):  # peft would fail only once the model loaded
             parser.error(
-                f"--lora {name}={path}: no such directory (a PEFT adapter's, as save_pretrained writes it; a hub "
-                "adapter is not fetched: download it first, e.g. hf download ID --local-dir DIR)"
+                f"--lora {name}={path}: no such directory, and no hub adapter of that id in the local Hugging Face "
+                "cache (HF_HUB_OFFLINE is set): download it first, e.g. hf download ID --local-dir DIR"
             )
     return list(pairs.items())
+
+
+def _hub_id(path: str) -> bool:
+    """Whether a --lora PATH that is no directory may be a hub id (org/name), which peft fetches as for --model."""
+    return not path.startswith(("/", ".", "~")) and path.count("/") == 1 and all(path.split("/"))
+
+
+def _offline() -> bool:
+    """Whether the Hugging Face hub is not to be reached (HF_HUB_OFFLINE)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _cached_hub_adapter(path: str) -> bool:
+    """Whether the hub adapter `path` (org/name) has its adapter_config.json in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return isinstance(try_to_load_from_cache(path, "adapter_config.json"), str)
+    except HFValidationError:
+        return False
 
 
 def check_cuda_only_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, device: str) -> None:
