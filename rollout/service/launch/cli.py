@@ -94,8 +94,9 @@ def build_parser() -> CliParser:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="serve a PEFT LoRA adapter directory unmerged under NAME (repeatable); requests choose it by name "
-        "(needs pip install 'rollout[lora]'); trainers may add or replace adapters while serving (default: none)",
+        help="serve a PEFT LoRA adapter (a directory, or a hub id org/name) unmerged under NAME (repeatable); requests "
+        "choose it by name (needs pip install 'rollout[lora]'); trainers may add or replace adapters while serving "
+        "(default: none)",
     )
     add("--max-loras", type=int, default=engine.max_loras, help="most LoRA adapters served at once")
     add("--max-lora-rank", type=int, default=engine.max_lora_rank, help="highest LoRA rank accepted")
