@@ -244,3 +244,41 @@ def test_tokens_without_text_keep_each_step_cheap():
         text.add(special)
     assert len(text._ids) <= 2  # the decoded window did not grow with the text-less tokens
     assert text.add(TOKENIZER.convert_tokens_to_ids("a")) == "" and text.finish() == "a"
+
+
+class FailingTokenizer:
+    """The tiny tokenizer, whose decode raises on any text holding `bad` (a custom tokenizer's bug)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __getattr__(self, name: str):
+        return getattr(TOKENIZER, name)
+
+    def decode(self, ids, **kwargs):
+        if self.bad in list(ids):
+            raise RuntimeError("this tokenizer cannot decode that")
+        return TOKENIZER.decode(ids, **kwargs)
+
+
+def test_a_tokenizer_that_fails_on_an_output_fails_that_sample_not_the_manager(model):
+    """The stop strings of one request decode its output with the caller's tokenizer; one that raises there ended
+    the manager's engine thread, so every request ended with "engine thread failed". Now that request alone ends
+    with an error naming the tokenizer; the others finish, and the manager serves on."""
+    from rollout import init_continuous_batching
+
+    prompt = TOKENIZER.encode("hello there: ", add_special_tokens=False)
+    (full,), _ = greedy_run(model, [prompt])
+    greedy = SamplingParams(do_sample=False, stop_token_ids=())
+    manager = init_continuous_batching(model, tokenizer=FailingTokenizer(full[3]))
+    manager.start()
+    try:
+        failing = manager.add_request(prompt, max_new_tokens=8, sampling=greedy.merged(stop=["no such text"]))
+        plain = manager.add_request(prompt, max_new_tokens=8, sampling=greedy)
+        outputs = {request_id: manager.get_result(request_id, timeout=60) for request_id in (failing, plain)}
+        assert outputs[failing].finish_reason == "error" and "tokenizer failed" in outputs[failing].error
+        assert outputs[plain].finish_reason == "length" and list(outputs[plain].generated_tokens) == full[:8]
+        after = manager.add_request(prompt, max_new_tokens=4, sampling=greedy)
+        assert list(manager.get_result(after, timeout=60).generated_tokens) == full[:4]
+    finally:
+        manager.stop()

@@ -213,7 +213,12 @@ class Request:
         num_output_tokens = len(token_ids) - self.num_prompt_tokens
         stop_text = self.stop_text
         if stop_text is not None:
-            stop_text.add(token_id)
+            try:
+                stop_text.add(token_id)
+            except Exception as error:  # noqa: BLE001 - the caller's tokenizer failed: this sample, not the engine
+                self.finish_reason = "error"
+                self.error = f"stop: the tokenizer failed to decode the output (token {token_id}): {error!r}"
+                return
         constraint = self.constraint
         if constraint is not None:
             constraint.accept(token_id)
