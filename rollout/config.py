@@ -51,8 +51,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SPECULATIVE_METHODS = (None, "suffix")
 MAX_SPECULATIVE_TOKENS = 64  # draft tokens per sample and step, at most
 # Most tokens (max_batch_tokens) and sequences (max_num_seqs) one step may compute: the engine sizes per-token
-# buffers by them when it is built, so a larger value failed there, after the model had loaded, with a traceback
-# (an overflow, or an allocation of tens of GB), not an error naming the field.
+# buffers by them (adapter slots at the first adapter step, MoE routes at the first request asking, decode graphs), so a
+# larger value failed there, after the model had loaded, with a traceback (an overflow, or an allocation of tens of
+# GB), not an error naming the field.
 MAX_STEP_ROWS = 1 << 24
 # The settings that take effect only with `speculative` on.
 SPECULATIVE_SETTINGS = (

@@ -53,3 +53,26 @@ def test_an_adapter_served_again_from_the_start_gets_no_prefix_of_the_one_before
     engine.serve_adapter_from_start("a", new_weights())
     assert worst_error("served again") < 1e-4
     engine.close()
+
+
+def test_the_per_token_adapter_slots_are_allocated_at_the_first_adapter_step_not_when_built():
+    """An engine that never serves an adapter holds no per-token slot buffer (at max_batch_tokens 2**24 it was 128 MB
+    of longs, allocated when the engine was built); the first step with an adapter allocates it, and serves as peft."""
+    base = tiny_model("qwen3", seed=0)
+    engine = make_engine(copy.deepcopy(base), num_blocks=64, block_size=4, max_batch_tokens=1 << 22)
+    state = engine.runner.adapters.state
+    prompt = make_prompts(1, 12, 12, seed=5)[0]
+    engine.add_request("base", prompt, GREEDY, max_new_tokens=4)
+    run_to_completion(engine)
+    assert state.token_slots.numel() == 0
+    torch.manual_seed(2)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft = get_peft_model(reference_copy(base), config, adapter_name="a").eval()
+    engine.load_adapter("a", from_peft_model(peft, "a"))
+    engine.add_request("lora", prompt, GREEDY, max_new_tokens=4, adapter="a")
+    out = run_to_completion(engine)["lora"]
+    assert state.token_slots.numel() == 1 << 22
+    with torch.no_grad():
+        expected = peft.generate(input_ids=torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert list(out.generated_tokens) == expected[0, len(prompt) :].tolist()
+    engine.close()

@@ -276,7 +276,8 @@ class AdapterTable:
         for ref, length in zip(adapters, lengths):
             slots += [base if ref is None else ref.slot] * length
         if len(slots) > self.state.token_slots.numel():
-            grown = torch.full((len(slots),), base, dtype=torch.long, device=self._device)
+            size = max(len(slots), self.state.max_tokens)  # the first step with an adapter: room for every later one
+            grown = torch.full((size,), base, dtype=torch.long, device=self._device)
             self.state.token_slots = grown
             self.layout_version += 1
         if slots:  # queued, never waited for (a device-side copy from pinned memory)

@@ -37,7 +37,10 @@ class LoraStepState:
         self.batch_invariant = batch_invariant  # each slot's tokens computed apart, as the trainer (module docstring)
         self.linear = invariant_linear if batch_invariant else F.linear  # what saved Linear copies compute with
         self._rows: dict[int, torch.Tensor] | None = None  # batch_invariant: each served slot's token rows
-        self.token_slots = torch.full((max_tokens,), num_slots, dtype=torch.long, device=device)
+        # Each token's slot: allocated at the first step that serves an adapter (an engine that never serves one holds
+        # no per-token buffer), `max_tokens` long, grown past it if a step ever needs more.
+        self.max_tokens = max_tokens
+        self.token_slots = torch.empty(0, dtype=torch.long, device=device)
         # Column c of the stacked A belongs to slot c // max_rank.
         self.columns = torch.arange(num_slots * max_rank, device=device) // max_rank
         self._mask: torch.Tensor | None = None
