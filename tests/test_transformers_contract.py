@@ -268,3 +268,29 @@ def test_generate_batch_takes_what_a_tokenizer_returns():
         outputs = generate_batch(model, encoded, sampling=GREEDY, max_new_tokens=4, progress_bar=False)
         assert [o.prompt_ids for o in outputs.values()] == [o.prompt_ids for o in expected.values()]
         assert [o.generated_tokens for o in outputs.values()] == [o.generated_tokens for o in expected.values()]
+
+
+def test_join_takes_transformers_arguments(caplog):
+    """transformers' `join(stop_trigger_time, timeout)`: the time of the stop first (how long the thread took to end
+    is logged after it), the timeout second; a join whose timeout ends first says so. Neither may be NaN."""
+    import inspect
+
+    from transformers.generation.continuous_batching import ContinuousBatchingManager as TransformersManager
+
+    from rollout.config import FieldError
+
+    theirs = list(inspect.signature(TransformersManager.join).parameters)
+    manager = init_continuous_batching(tiny_model("qwen3"), continuous_batching_config=CACHE).start()
+    assert list(inspect.signature(manager.join).parameters) == theirs[1:]  # (self is bound)
+    with pytest.raises(FieldError, match="timeout"):
+        manager.join(timeout=float("nan"))
+    with pytest.raises(FieldError, match="stop_trigger_time"):
+        manager.join("now")
+    with caplog.at_level("WARNING", logger="rollout"):
+        manager.join(time.perf_counter(), 0.01)  # not stopped: still running after the timeout
+    assert "did not end within join's timeout" in caplog.text
+    stop_trigger_time = time.perf_counter()
+    manager.stop(block=False)
+    with caplog.at_level("INFO", logger="rollout"):
+        manager.join(stop_trigger_time, timeout=30)
+    assert not manager.is_running() and "engine thread stopped" in caplog.text

@@ -10,6 +10,7 @@ timeout, and a stopped manager answers at once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ from rollout.engine.manager.request_desk import QueueFullError
 from rollout.engine.manager.result_reading import ResultReading
 from rollout.engine.weights.weight_table import WeightUpdateResult
 from rollout.validation import check_timeout
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ContinuousBatchingManager", "QueueFullError", "init_continuous_batching"]
 
@@ -124,20 +127,31 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
         if block and not self._loop.on_thread():
             self._loop.join(timeout)
 
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the engine thread to end (after `stop`).
+    def join(self, stop_trigger_time: float | None = None, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (after `stop`). Transformers' signature: `join(stop_trigger_time,
+        timeout)`; pass a timeout by name (`join(timeout=5)`), a lone positional number is `stop_trigger_time`.
 
         Args:
-            timeout: most seconds to wait; None waits until it ends.
+            stop_trigger_time: the `time.perf_counter()` at which the stop was asked; when given, how long the thread
+                took to end after it is logged (info), as transformers does.
+            timeout: most seconds to wait; None waits until it ends. A thread still running after it is logged
+                (warning), as transformers does.
         Raises:
             RuntimeError: called from a result handler, which runs on the engine thread: it would wait on itself.
+            FieldError: a timeout or stop_trigger_time that is no number of seconds.
         """
+        check_timeout(timeout)
+        check_timeout(stop_trigger_time, "stop_trigger_time")
         if self._loop.on_thread():
             raise RuntimeError(
                 "join() cannot wait on the engine thread from inside a result handler, which runs on it; call "
                 "stop(block=False) there, and join() from another thread"
             )
         self._loop.join(timeout)
+        if self._loop.is_running():
+            logger.warning("the engine thread did not end within join's timeout (%ss)", timeout)
+        elif stop_trigger_time is not None:
+            logger.info("the engine thread stopped %.2fs after the stop", time.perf_counter() - stop_trigger_time)
 
     def __enter__(self) -> ContinuousBatchingManager:
         return self.start()

@@ -42,7 +42,7 @@ def _stop_started_managers() -> None:
             logger.exception("could not stop a running ContinuousBatchingManager at exit")
     deadline = time.monotonic() + EXIT_STOP_S
     for manager in stopping:
-        manager.join(max(deadline - time.monotonic(), 0.0))
+        manager.join(timeout=max(deadline - time.monotonic(), 0.0))
         if manager.is_running():
             logger.warning(
                 "a ContinuousBatchingManager still ran %g s after exit began (a pause held by another thread?)",
