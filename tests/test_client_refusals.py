@@ -88,6 +88,26 @@ def test_stats_on_a_closed_client_fails_at_once(worker):
     assert time.monotonic() - started < 1.0
 
 
+def test_wait_connected_on_a_closed_client_fails_at_once(worker):
+    """It returned [] (no live worker), as if none had answered."""
+    connection = RolloutClient(worker.address)
+    connection.close()
+    with pytest.raises(RolloutError) as refused:
+        connection.wait_connected()
+    assert refused.value.code == "closed"
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "10"])
+def test_a_waits_timeout_that_cannot_work_is_refused_by_name(client, timeout):
+    """wait_connected(timeout=nan) returned at once, as if timed out; stats(timeout=nan) failed with "timeout"
+    naming the worker; a string was a TypeError."""
+    for call in (lambda: client.wait_connected(timeout), lambda: client.stats(timeout)):
+        with pytest.raises(RolloutError) as refused:
+            call()
+        assert (refused.value.code, refused.value.field) == ("bad_request", "timeout")
+    assert client.wait_connected() == [0] and client.stats()
+
+
 def _no_update_opened(client: RolloutClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The update ids `client` opens a channel for from now on (a push's first step, before it sends anything)."""
     opened: list[str] = []

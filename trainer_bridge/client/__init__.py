@@ -1,5 +1,5 @@
 """`RolloutClient` and its machinery, in the order a call passes through them: `rollout_client.py` (the public
-`RolloutClient`, sync and asyncio), `caller.py` (a generation call in the caller's thread: the group checked, seeded,
+`RolloutClient`, sync and asyncio) with `membership.py` (which workers it uses, which answer), `caller.py` (a generation call in the caller's thread: the group checked, seeded,
 submitted, waited for, cancelled when the caller stops waiting), `calls.py` (a call's `PromptGroup`, its
 `GroupResult` or `PushResult`, the errors, the state kept per call), `commands.py` (what caller threads put in the
 I/O thread's mailbox), `dispatcher.py` (the I/O thread, the one owner of the sockets) with `stream_splice.py` (a

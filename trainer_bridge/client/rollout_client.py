@@ -26,28 +26,19 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from rollout.protocol import Completion, Delta
-from rollout.protocol.sockets import check_address
 from rollout.validation import is_seconds
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.caller import Caller
 from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
-from trainer_bridge.client.commands import AddWorker, AskStats, AskVersions, OpenChannel, RemoveWorker
+from trainer_bridge.client.commands import AskStats, AskVersions, OpenChannel
 from trainer_bridge.client.dispatcher import Dispatcher
-from trainer_bridge.client.routing import stale_workers
+from trainer_bridge.client.membership import WorkerMembership, check_wait, worker_address_problem
 from trainer_bridge.client.update_channel import UpdateChannel
 
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
 
-def _worker_address_problem(address: str) -> str | None:
-    """What is wrong with a worker address to connect to (None: nothing)."""
-    problem = check_address(address)
-    if problem is None and address.startswith("tcp://") and address.rpartition(":")[2] == "*":
-        problem = f"{address}: a worker's address names its port (* is for binding)"
-    return problem
-
-
-class RolloutClient:
+class RolloutClient(WorkerMembership):
     """Client of one or several rollout workers. Safe to use from several threads; use `close()` (or `with`)."""
 
     def __init__(
@@ -94,7 +85,7 @@ class RolloutClient:
         if not addresses:
             raise ValueError("addresses: give at least one worker address")
         for address in addresses:
-            problem = _worker_address_problem(address)
+            problem = worker_address_problem(address)
             if problem is not None:
                 raise ValueError(f"addresses: {problem}")
         keys = None if curve_secret_key is None else (curve_secret_key, server_public_key)
@@ -177,6 +168,7 @@ class RolloutClient:
         """
         if self._closed.is_set():  # nobody would ever answer: fail now, as generate does, not after the timeout
             raise RolloutError("closed", "the client is closed")
+        check_wait(timeout)
         deadline = time.monotonic() + (min(self.timeout, 10.0) if timeout is None else timeout)
         self.wait_connected(max(0.0, deadline - time.monotonic()))  # a new client: let its workers answer first
         replies: queue.SimpleQueue = queue.SimpleQueue()
@@ -240,93 +232,6 @@ class RolloutClient:
                 yield result
 
     # ---- weight updates (used by trainer_bridge.weights.weight_sync) ---------------------------------------------------
-    @property
-    def worker_addresses(self) -> list[str]:
-        """The address of every worker this client uses (removed ones left out), in the order they were given."""
-        return [worker.address for worker in self._io.workers if not worker.retired]
-
-    def worker_address(self, index: int) -> str:
-        """The address of worker `index` (an index of `live_workers()`; a removed worker keeps its index)."""
-        return self._io.workers[index].address
-
-    def add_worker(self, address: str, timeout: float = 10.0) -> None:
-        """Use one more worker (nothing when this client already uses one at `address`). It gets groups once it
-        answered and serves the newest weights pushed through this client.
-
-        Args:
-            address: the worker's address ("tcp://host:port"), with the same keys as the others.
-            timeout: most seconds to wait for the I/O thread to take it.
-        """
-        problem = _worker_address_problem(address)
-        if problem is not None:
-            raise ValueError(f"address: {problem}")
-        command = AddWorker(address, threading.Event())
-        self._membership(command, timeout)
-        if command.error is not None:
-            raise ValueError(f"address: {command.error}")
-
-    def remove_worker(self, address: str, timeout: float = 10.0) -> None:
-        """Stop using the worker at `address` (nothing when none): its unfinished groups are resubmitted to the
-        others (and cancelled on it), an open weight push goes on without it. Returns once it is out.
-
-        Args:
-            address: the worker's address, as given.
-            timeout: most seconds to wait for the I/O thread to take it out.
-        """
-        self._membership(RemoveWorker(address, threading.Event()), timeout)
-
-    def _membership(self, command: AddWorker | RemoveWorker, timeout: float) -> None:
-        if self._closed.is_set():
-            raise RolloutError("closed", "the client is closed")
-        self._io.command(command)
-        if not command.done.wait(timeout):
-            raise RolloutError("timeout", f"the client's I/O thread did not take {command.address} in time")
-
-    def wait_connected(self, timeout: float | None = None) -> list[int]:
-        """Wait until every worker answered once (or refused this client), at most until `connect_timeout` after
-        this client was made or `timeout` seconds; return `live_workers()`. Calls need not wait: groups wait for
-        a worker by themselves. `push_weights` waits, to reach every worker that is up.
-
-        Args:
-            timeout: most seconds to wait (default: what is left of connect_timeout).
-        """
-        added = [worker.added_at for worker in self._io.workers if not worker.retired]
-        deadline = min(
-            max(added, default=self._started) + self.connect_timeout,  # a worker added later gets its own time
-            time.monotonic() + (self.connect_timeout if timeout is None else timeout),
-        )
-        while time.monotonic() < deadline and not self._closed.is_set():
-            # Settled: refused, alive, or answered once and now down (no connection, or silent over one: frozen). A
-            # worker that is not up yet, or reconnected but has not answered yet, is waited for.
-            if all(
-                w.retired or w.refused or w.alive or (w.answered and (w.silent or not w.connected))
-                for w in self._io.workers
-            ):
-                break
-            time.sleep(0.005)
-        return self.live_workers()
-
-    def outage(self) -> str | None:
-        """Why no worker serves this client now, each worker named (None while one does): what a timeout adds to
-        its message, so that a trainer whose only worker died reads which one, and since when, and one whose live
-        workers all serve weights older than its last push reads which, at which versions (`stale_workers`)."""
-        workers = [worker for worker in self._io.workers if not worker.retired]
-        if any(worker.alive for worker in workers):  # (read from the caller's thread: a snapshot, as below)
-            return stale_workers(workers, self.min_policy_version)
-        now = time.monotonic()
-        states = []
-        for worker in workers:
-            if worker.lost is not None:
-                why, since = worker.lost
-                states.append(f"{worker.address}: lost {now - since:.0f} s ago ({why})")
-            else:
-                states.append(f"{worker.address}: {worker.refused or worker.unverified or 'never answered'}")
-        return "no rollout worker serves (" + "; ".join(states) + ")" if states else "the client has no worker"
-
-    def live_workers(self) -> list[int]:
-        """Indices of the workers that answered and are not declared dead."""
-        return [index for index, worker in enumerate(self._io.workers) if worker.alive]
-
     def open_update_channel(self, update_id: str) -> UpdateChannel:
         """A channel for one weight update: raw sends to chosen workers, and every reply carrying `update_id`.
         `push_weights` drives it; close it when done."""
