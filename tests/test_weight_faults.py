@@ -257,3 +257,21 @@ def test_a_bucket_over_shm_without_its_checksum_is_refused(worker, client):
         raw.close()
     assert served(client) == before
     assert push_weights(client, tiny_model(seed=next(SEEDS)), transport="shm", timeout=10).version == before[2] + 1
+
+
+def test_a_segment_attached_in_the_process_that_made_it_is_unlinked_without_a_resource_tracker_error():
+    """A worker and its trainer in one process (Python < 3.13): attaching took away the creator's registration, and
+    the creator's unlink then printed a KeyError traceback from the resource tracker."""
+    import subprocess
+    import sys
+
+    script = (
+        "from rollout.protocol.staging import StagingPool, attach_shared_memory\n"
+        "pool = StagingPool()\n"
+        "segment, view = pool.shared(64)\n"
+        "pool.give_back(None, (segment, view))\n"
+        "attach_shared_memory(segment.name).close()\n"
+        "pool.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr

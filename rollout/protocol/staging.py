@@ -45,6 +45,7 @@ DTYPES: dict[str, torch.dtype] = {
 # A staging segment's name: the worker's prefix and 16 hex digits (what a trainer agrees to open and write into).
 SEGMENT_PREFIX = "rollout-"
 SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + "[0-9a-f]{16}")
+_CREATED_HERE: set[str] = set()  # the staging segments this process created and has not unlinked yet
 
 
 def tensor_nbytes(spec: p.TensorSpec) -> int:
@@ -100,7 +101,11 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
         return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
     except TypeError:
         segment = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001 - the documented workaround
+        # The documented workaround; but a segment this very process created (a worker and its trainer in one
+        # process) keeps its one registration, its creator's: removing it made the creator's unlink a KeyError in
+        # the resource tracker.
+        if name not in _CREATED_HERE:
+            resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
         return segment
 
 
@@ -146,6 +151,7 @@ class StagingPool:
         segment = shared_memory.SharedMemory(
             name=f"{SEGMENT_PREFIX}{uuid.uuid4().hex[:16]}", create=True, size=max(nbytes, 1)
         )
+        _CREATED_HERE.add(segment.name)
         try:
             # tmpfs segments are sparse: reserve the pages now, so a too-small /dev/shm (64 MB in a default Docker
             # container) fails here, and the client falls back to frames, instead of a SIGBUS on first write.
@@ -193,6 +199,7 @@ def release_segment(segment: shared_memory.SharedMemory, view: torch.Tensor) -> 
         segment.unlink()
     except FileNotFoundError:
         pass
+    _CREATED_HERE.discard(segment.name)
     try:
         segment.close()
     except BufferError:  # a tensor view still exists somewhere; the mapping is freed with it
