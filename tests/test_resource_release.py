@@ -374,3 +374,21 @@ def test_a_client_dropped_without_close_stops_its_thread_and_closes_its_sockets(
     thread.join(10)
     assert not thread.is_alive() and io() is None
     assert open_sockets() <= before
+
+
+def test_a_progress_bar_leaves_no_thread_behind():
+    """generate_batch(progress_bar=True) left tqdm's monitor thread running for the process's life (the bar is
+    redrawn by the engine's steps; the monitor only redraws bars left waiting)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading\n"
+        "from rollout import generate_batch\n"
+        "from rollout.presets import tiny_model\n"
+        "generate_batch(tiny_model(), [[1, 2, 3]] * 2, max_new_tokens=2, progress_bar=True)\n"
+        "print(sorted(thread.name for thread in threading.enumerate()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['MainThread']"

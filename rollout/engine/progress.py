@@ -16,6 +16,13 @@ from rollout.engine.counters import StepCounters
 REFRESH_S = 0.5  # how often the tokens postfix is redrawn between finished samples
 
 
+class QuietBar(tqdm):
+    """tqdm without its monitor thread: that thread (which redraws bars left waiting) outlived the bar for the
+    process's life; the bars here are redrawn by their owner's steps."""
+
+    monitor_interval = 0
+
+
 class SampleProgress:
     """A tqdm bar of finished samples with a "tokens" and "tok/s" postfix; a context manager (closes the bar).
 
@@ -33,7 +40,7 @@ class SampleProgress:
         self._counters = counters
         self._start_tokens = counters.generated_tokens
         self._start = self._last_drawn = time.monotonic()
-        self.bar: Any = tqdm(total=total, disable=not enabled, desc=desc, unit="seq")
+        self.bar: Any = QuietBar(total=total, disable=not enabled, desc=desc, unit="seq")
 
     def after_step(self, finished: int) -> None:
         """Count `finished` samples; redraw the tokens postfix at most every `REFRESH_S` seconds."""

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+
+from rollout.engine.progress import QuietBar
 
 
 @dataclass
@@ -99,7 +100,7 @@ def compare_with_generate(
     generation_config = copy.deepcopy(generation_config)  # asked to return the scores too, the caller's untouched
     generation_config.update(output_logits=True, output_scores=True, return_dict_in_generate=True)
     agreements = []
-    bar = tqdm(prompts, disable=not progress_bar, desc="generate (reference)", unit="prompt")
+    bar = QuietBar(prompts, disable=not progress_bar, desc="generate (reference)", unit="prompt")
     for index, (prompt, ours) in enumerate(zip(bar, rollout_completions)):
         with torch.no_grad():
             output = model.generate(
