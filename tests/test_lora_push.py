@@ -273,7 +273,7 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     from rollout.config import FieldError
-    from trainer_bridge.colocated import peft_merged
+    from trainer_bridge.colocated_model import peft_merged
     from trainer_bridge.weights.adapter_mode import push_mode
 
     unfrozen = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"]))

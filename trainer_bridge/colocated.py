@@ -19,8 +19,8 @@ from rollout.protocol.group_folding import GroupInFlight
 from rollout.protocol.reply_frames import unpack_message
 from trainer_bridge.client.calls import GroupResult, PromptGroup, as_integer
 from trainer_bridge.colocated_groups import prepare_requests
+from trainer_bridge.colocated_model import fsdp2_unsharded, parameter_storage, peft_merged
 from trainer_bridge.gathering import gathered
-from trainer_bridge.trained_base import tied_to_a_trained_module
 
 __all__ = ["ColocatedEngine"]
 
@@ -104,7 +104,7 @@ class ColocatedEngine:
         self.engine = Engine(model, continuous_batching_config, generation_config, tokenizer)
         self.engine.runner.suspend()  # between rounds the model is the trainer's
         self._closed = False
-        self._storage = _parameter_storage(model)
+        self._storage = parameter_storage(model)
         self._cache_address = self.engine.kv_cache.kv.data_ptr()  # where the graphs read the cache
         self.graph_releases = 0  # times captured graphs were dropped (parameters or cache moved)
         self._group_ids = itertools.count()
@@ -275,7 +275,7 @@ class ColocatedEngine:
         context = self._round_context() if self._round_context else gathered(list(self.model.parameters()))
         merged = peft_merged(self.model) if self._peft_merge else contextlib.nullcontext()
         with context, fsdp2_unsharded(self.model), merged:
-            storage = _parameter_storage(self.model)
+            storage = parameter_storage(self.model)
             if storage != self._storage:  # parameters moved (a gather, a reload): graphs read the old ones
                 self._storage = storage
                 self._release_graphs()
@@ -312,58 +312,3 @@ class ColocatedEngine:
             yield
         finally:
             self._busy.release()
-
-
-def _parameter_storage(model: torch.nn.Module) -> list[int]:
-    """Where each parameter's data lives now."""
-    return [param.data_ptr() for param in model.parameters()]
-
-
-@contextlib.contextmanager
-def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
-    """The FSDP2 (`fully_shard`) modules of `model` unsharded once for a whole round (one all-gather each, every
-    rank taking part), with resharding after forward off so that the round's forwards gather nothing; afterwards
-    resharded, each module's setting as it was. A model without FSDP2 modules is left alone."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed
-        FSDPModule = ()  # noqa: N806
-    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    settings = [(module, _reshards_after_forward(module)) for module in modules]
-    for module in modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module, reshard in settings:
-            module.set_reshard_after_forward(reshard, recurse=False)
-            module.reshard()
-
-
-def _reshards_after_forward(module: Any) -> bool:
-    """An FSDP2 module's reshard_after_forward (FSDP2 has a setter but no getter: read from its parameter group)."""
-    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-    return group is None or getattr(group, "post_forward_mesh_info", True) is not None
-
-
-@contextlib.contextmanager
-def peft_merged(model: torch.nn.Module) -> Iterator[None]:
-    """A PEFT model's active adapters merged into its base weights for the duration; afterwards the adapters are
-    unmerged and every adapted base weight is copied back from a copy taken first, so the model is bit-identical."""
-    tied = tied_to_a_trained_module(model) if hasattr(model, "get_base_model") else None
-    if tied is not None:  # merged in place, the shared tensor would change the tied head too: not the trainer's model
-        raise ValueError(f"peft_merge: {tied}")
-    layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "get_base_layer") and not m.merged]
-    saved = [(layer.get_base_layer().weight, layer.get_base_layer().weight.detach().clone()) for layer in layers]
-    with torch.no_grad():
-        for layer in layers:
-            layer.merge()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for layer in layers:
-                layer.unmerge()
-            for weight, copy in saved:
-                weight.copy_(copy)
