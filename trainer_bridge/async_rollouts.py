@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -15,9 +14,9 @@ from trainer_bridge.client.calls import (
     PromptGroup,
     RolloutError,
     sample_oldest_version,
-    timed_out,
 )
 from trainer_bridge.partial_rounds import PartialRounds, check_partial
+from trainer_bridge.slots_in_flight import SlotsInFlight
 from trainer_bridge.staleness import STALE_POLICIES, StalenessGate
 
 logger = logging.getLogger(__name__)
@@ -139,18 +138,8 @@ class AsyncRollouts:
             # or missed a push through another client, whose older weights every group would be too stale on).
             client.min_policy_version = max(client.min_policy_version, base_version)
         self.base_version = base_version
-        self._source: Iterator[PromptGroup] = iter(groups)
-        self._exhausted = False
-        # (slot, send, event): the GroupResults and RolloutErrors of submitted groups, each tagged with the slot and
-        # the send it answers (`_SlotSink`): ids alone cannot say which, since a group id may come again once the
-        # group holding it finished (a stable id per prompt, repeated each epoch).
-        self._sink: queue.SimpleQueue = queue.SimpleQueue()
-        # Groups of the steps not yielded yet, by index in the prompt order (as checked by the client: id and seed set).
-        self._slots: dict[int, PromptGroup] = {}
-        self._num_taken = 0  # groups taken from `groups` so far
-        self._sends: dict[int, object] = {}  # index in the prompt order -> its latest send (`_SlotSink.send`)
+        self._flight = SlotsInFlight(client, groups, self.timeout)  # the groups of the steps not yielded yet
         self._results: dict[int, GroupResult] = {}
-        self._in_flight: set[str] = set()
         self._closed = False
 
     def __iter__(self) -> AsyncRollouts:
@@ -173,8 +162,8 @@ class AsyncRollouts:
             self._fill_window()
             first = self.step * self.groups_per_step
             wanted = range(first, first + self.groups_per_step)
-            if wanted.stop > self._num_taken:
-                self._end_short(self._num_taken - first)
+            if wanted.stop > self._flight.num_taken:
+                self._end_short(self._flight.num_taken - first)
             gate = self._staleness_gate()
             while True:
                 self._collect_until(wanted)
@@ -183,12 +172,12 @@ class AsyncRollouts:
                     break
                 for index in stale:  # generated again under newer weights, in the same slot (same prompt and seed)
                     del self._results[index]
-                    self._send(index)
+                    self._flight.send(index)
         except BaseException as error:
             self._close_after(error)
         groups = [self._results.pop(i) for i in wanted]
-        for index in wanted:  # done with: forget them (a long run must not keep every prompt)
-            del self._slots[index], self._sends[index]
+        for index in wanted:
+            self._flight.forget(index)
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
         batch = RolloutBatch(self.step, groups, lags, len(gate.regenerated), time.perf_counter() - started)
@@ -229,9 +218,7 @@ class AsyncRollouts:
         if self._closed:
             return
         self._closed = True
-        for group_id in list(self._in_flight):
-            self.client.cancel(group_id)
-        self._in_flight.clear()
+        self._flight.cancel_running()
 
     def __enter__(self) -> AsyncRollouts:
         return self
@@ -245,7 +232,7 @@ class AsyncRollouts:
         pool = self.partial
         assert pool is not None
         try:
-            while pool.room and (index := self._send_next()) is not None:  # new groups, sent in this step
+            while pool.room and (index := self._flight.send_next()) is not None:  # new groups, sent in this step
                 pool.add(index, self.step)
             if len(pool) < self.groups_per_step:
                 self._end_short(len(pool))
@@ -253,7 +240,7 @@ class AsyncRollouts:
             while True:
                 for index, result in pool.completed():
                     if gate.must_regenerate(index, result):
-                        self._send(index)
+                        self._flight.send(index)
                         pool.resent(index, self.step)
                 taken = pool.take(self.step)
                 if taken is not None:
@@ -263,7 +250,7 @@ class AsyncRollouts:
             self._close_after(error)
         carried = sum(1 for _, _, round_sent in taken if round_sent < self.step)
         for index, _, _ in taken:
-            del self._slots[index], self._sends[index]
+            self._flight.forget(index)
         groups = [result for _, result, _ in taken]
         now = self.base_version + self.step
         lags = [now - sample_oldest_version(c) for g in groups for c in g.completions]
@@ -298,25 +285,15 @@ class AsyncRollouts:
         Raises:
             RolloutError: a timeout, the client's error, or a sample that failed on its worker.
         """
-        try:
-            index, send, event = self._sink.get(timeout=self.timeout)
-        except queue.Empty:
-            raise timed_out(f"no group finished within {self.timeout:g} s", self.client.outage()) from None
-        if isinstance(event, RolloutError):
-            try:
-                raise event
-            finally:  # the traceback keeps this frame, not the error: no cycle to collect
-                event = None
-        current = self._sends.get(index)
-        if current is None or current is send:  # (not a newer send's id: the client may take an id again)
-            self._in_flight.discard(event.group_id)
-        if current is not send or (self.partial is not None and index not in self.partial):
-            return None  # a group already trained on, or sent again since (never expected: each result comes once)
+        answer = self._flight.next_result()
+        if answer is None or (self.partial is not None and answer[0] not in self.partial):
+            return None
+        index, event = answer
         if any(c.finish_reason == "error" for c in event.completions):
             error = next(c.error for c in event.completions if c.finish_reason == "error")
             raise RolloutError("error", f"group {event.group_id} failed on its worker: {error}")
         if any(c.finish_reason == "abort" for c in event.completions):
-            self._send(index)
+            self._flight.send(index)
             if self.partial is not None:
                 self.partial.resent(index, self.step)
             return None
@@ -330,44 +307,11 @@ class AsyncRollouts:
     def _fill_window(self) -> None:
         """Submit groups up to the end of step `step + max_staleness` (the window of steps allowed in flight)."""
         end = (self.step + self.max_staleness + 1) * self.groups_per_step
-        while self._num_taken < end and self._send_next() is not None:
+        while self._flight.num_taken < end and self._flight.send_next() is not None:
             pass
-
-    def _send_next(self) -> int | None:
-        """Take the next group from `groups` into the next slot and send it; its slot, or None when they ran out."""
-        if self._exhausted:
-            return None
-        try:
-            group = next(self._source)
-        except StopIteration:
-            self._exhausted = True
-            return None
-        self._slots[self._num_taken] = group
-        self._num_taken += 1
-        self._send(self._num_taken - 1)
-        return self._num_taken - 1
-
-    def _send(self, index: int) -> None:
-        sink = _SlotSink(self._sink, index)
-        call = self.client._submit(self._slots[index], stream=False, sink=sink)  # noqa: SLF001 - same package
-        self._slots[index] = call.group  # its id and seed, kept for a regeneration
-        self._sends[index] = sink.send
-        self._in_flight.add(call.group.group_id)
 
     def _collect_until(self, wanted: range) -> None:
         while any(i not in self._results for i in wanted):
             if (result := self._next_result()) is not None:
                 index, event = result
                 self._results[index] = event
-
-
-class _SlotSink:
-    """Where the client puts one send's events: into the rollouts' queue, tagged with its slot and the send."""
-
-    def __init__(self, sink: queue.SimpleQueue, index: int):
-        self._sink = sink
-        self._index = index
-        self.send = object()  # this send (a slot sent again, after an abort or when stale, gets a new one)
-
-    def put(self, event: Any) -> None:
-        self._sink.put((self._index, self.send, event))
