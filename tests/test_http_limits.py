@@ -51,6 +51,16 @@ def test_a_full_queue_answers_503_busy(server):
     )
 
 
+def test_a_batch_larger_than_the_queue_is_a_400_naming_the_prompt(server):
+    # A batch of more prompts than --max-queue-size could never be queued: "busy, retry later" would be retried
+    # forever (and its "1 requests are already waiting" is not why).
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model="tiny", prompt=["hello", "there"])
+    assert raised.value.status_code == 400 and raised.value.body["param"] == "prompt"
+    assert "2 prompts" in raised.value.body["message"] and "--max-queue-size" in raised.value.body["message"]
+
+
 def test_the_api_key_is_required_except_for_health(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):

@@ -106,6 +106,13 @@ class OpenAIEndpoints:
             reason = f"{len(prompts)} prompts x n={n} samples; this worker takes at most {self.max_n} per request"
             raise bad_field("n", reason)
         engine = self.manager.engine
+        queue_limit = engine.config.max_queue_size  # (a prompt is a group: a batch over it could never be queued)
+        if queue_limit and len(prompts) > queue_limit:
+            reason = (
+                f"{len(prompts)} prompts; this worker queues at most {queue_limit} at once (its --max-queue-size), "
+                f"so the batch could never be taken: send at most {queue_limit} prompts per request"
+            )
+            raise bad_field("prompt", reason)
         # A sample's tokens (but its last, never fed back) must fit the context and the whole KV cache: more is
         # refused here by name, never left to fail in the engine (a 500).
         kv_tokens = engine.num_blocks * self.manager.config.block_size
