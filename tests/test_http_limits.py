@@ -84,6 +84,19 @@ def test_a_body_over_the_limit_is_a_413(server):
     assert response.status_code == 413
 
 
+def test_a_body_over_the_client_budget_alone_is_a_413_not_a_retry_later(manager):
+    # A body whose parsed values alone take more than one client may hold: "429, wait for this client's other
+    # requests" (it had none) would be retried forever.
+    settings = HttpSettings(max_n=8, max_prompt_len=2048, max_body_bytes=4096, max_receiving_bytes_per_client=4096)
+    http = HttpServer(manager, tiny_tokenizer(), settings).start()
+    try:
+        response = httpx.post(f"{http.url}/v1/completions", json={"prompt": [5] * 1000})
+        assert response.status_code == 413, response.text
+        assert "--http-max-receiving-bytes-per-client" in response.json()["error"]["message"]
+    finally:
+        http.stop()
+
+
 def test_text_endpoints_without_a_tokenizer_say_so(manager):
     http = serve(manager, None)
     try:

@@ -172,15 +172,22 @@ class BodyIntake:
 
         Raises:
             APIError: a query parameter (400: the fields are the body's), not declared as JSON or encoded (415),
-                over the size or shape limits (413), too slow (408), over the client's share of the budget (429) or
-                the worker's (503), not JSON or a key given twice (400). One raised before the body was read whole
-                closes the connection.
+                over the size or shape limits, or alone over a client's share of the budget (413), too slow (408),
+                over the client's share of the budget (429) or the worker's (503), not JSON or a key given twice
+                (400). One raised before the body was read whole closes the connection.
             ClientGone: the client left while sending it.
         """
         client = request.client.host if request.client is not None else ""
         held = [0]  # bytes reserved for this body so far
 
         def hold(size: int) -> None:
+            if held[0] + size > self.budget.per_client_bytes:  # this body alone: no wait would let it in
+                reason = (
+                    "the request body, with what its JSON values take once parsed (40 bytes each, 32 more per "
+                    f"string), is over the {self.budget.per_client_bytes} bytes this worker holds for one client "
+                    "(its --http-max-receiving-bytes-per-client): send fewer values"
+                )
+                raise APIError(413, reason)
             self.budget.reserve(client, size)
             held[0] += size
 
