@@ -2,7 +2,7 @@
 and statuses, over the worker's engine manager (`manager.control`, `manager.update_weights`):
 
 - `POST /pause?mode=abort|wait|keep&clear_cache=true`, `POST /resume`, `GET /is_paused`: the generation pause;
-- `POST /abort_requests` (`{"request_ids": [...]}`; `{}`, null or []: every request, of every client);
+- `POST /abort_requests` (`{"request_ids": [...]}`; `{}`, or request_ids null or []: every request, of every client);
 - `POST /reset_prefix_cache`; `GET /server_info?config_format=text|json`; `GET /get_world_size`;
 - `POST /update_weights` with `{"weight_dir": PATH}`: a checkpoint directory committed as one weight update;
   vLLM's NCCL weight transfer (`update_info`, `/init_weight_transfer_engine`, `/start_weight_update`,
