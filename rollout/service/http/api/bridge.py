@@ -171,12 +171,16 @@ class Submission:
             delta = choice.absorb(output)
             if delta.finished:
                 self._unfinished -= 1
+                if choice.failed_here and not output.is_finished:  # its answer is an error: nothing more to draw
+                    self._cancel_groups()
             yield choice, delta
 
     def cancel(self) -> None:
         """Cancel the groups not finished yet (their KV blocks are freed; unknown or finished ones are ignored)."""
-        if self.finished:
-            return
+        if not self.finished:
+            self._cancel_groups()
+
+    def _cancel_groups(self) -> None:
         for group_id in self._group_ids:
             self._manager.cancel_request(group_id)
 

@@ -51,6 +51,7 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     request_fault: bool = False  # the error is what the request asked for (`GenerationOutput.request_fault`)
+    failed_here: bool = False  # ended by the front end: the tokenizer failed to decode its output (`absorb`)
     kv_version_min: int | None = None
     # With prompt log-probs (echo, prompt_logprobs): per prompt position (None at 0) the prompt token's log-prob, the
     # top pairs and its rank, from the sample's first output.
@@ -69,7 +70,10 @@ class Choice:
     prompt_chars: int | None = None
 
     def absorb(self, output: GenerationOutput) -> ChoiceDelta:
-        """Fold in one streamed output of this sample (its new tokens only)."""
+        """Fold in one streamed output of this sample (its new tokens only). A tokenizer that fails to decode them
+        ends the choice here, with an error naming it (`failed_here`; its later outputs change nothing)."""
+        if self.failed_here:
+            return ChoiceDelta("", len(self.token_ids), len(self.token_ids), False)
         if output.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = output.prompt_logprobs, output.prompt_top_logprobs
             self.prompt_ranks = output.prompt_logprob_ranks
@@ -88,12 +92,19 @@ class Choice:
         tokens = output.generated_tokens
         if output.is_finished and output.finish_reason == "stop" and tokens and tokens[-1] in self.silent_stops:
             tokens = tokens[:-1]  # a stop token's text is not returned (vLLM), though the token is
-        text = "".join([self.text.add(token) for token in tokens])
+        try:
+            text = "".join([self.text.add(token) for token in tokens])
+            if output.is_finished:
+                text += self.text.finish()
+        except Exception as error:  # noqa: BLE001 - the served tokenizer failed on this output: this choice fails
+            self.failed_here = True
+            self.finish_reason, self.request_fault = "error", False
+            self.error = f"the tokenizer failed to decode the output (tokens {tokens[:8]}): {error!r}"[:500]
+            return ChoiceDelta("", start, len(self.token_ids), True)
         if output.is_finished:
             self.finish_reason, self.error = output.finish_reason, output.error
             self.request_fault = output.request_fault
             self.kv_version_min = output.kv_version_min
-            text += self.text.finish()
         return ChoiceDelta(text, start, len(self.token_ids), bool(output.is_finished))
 
     @property
