@@ -96,3 +96,17 @@ def assert_generation_ends(manager) -> None:
         time.sleep(0.05)
     assert manager.stats()["running"] == 0
     assert manager.stats()["generated_tokens"] < 1000
+
+
+def test_ids_the_tokenizer_cannot_decode_are_a_400_naming_tokens():
+    """/detokenize, as /tokenize's text the tokenizer cannot encode: the client's ids, named (it was a bare 500)."""
+    from rollout.service.http.api.prompts import PromptLimits
+    from rollout.service.http.api.tokenize import TokenizeEndpoints
+    from rollout.service.http.errors import APIError
+
+    endpoints = TokenizeEndpoints(FailingTokenizer(5), "tiny", 1024, 2048, PromptLimits(2047))
+    assert endpoints.detokenize({"tokens": [6, 7]}) == TOKENIZER.decode([6, 7])
+    with pytest.raises(APIError) as raised:
+        endpoints.detokenize({"tokens": [6, 5]})
+    assert raised.value.status == 400 and raised.value.param == "tokens"
+    assert "cannot decode" in raised.value.message

@@ -103,7 +103,10 @@ class TokenizeEndpoints:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
         ):
             raise bad_field("tokens", f"must be a list of token ids in [0, {vocab})")
-        return self.tokenizer.decode(tokens)
+        try:
+            return self.tokenizer.decode(tokens)
+        except Exception as error:  # noqa: BLE001 - ids the tokenizer cannot take (as /tokenize's text it cannot)
+            raise bad_field("tokens", f"the tokenizer cannot decode them: {type(error).__name__}") from None
 
     def _body(self, body: Any, path: str, known: set[str]) -> dict[str, Any]:
         needs_tokenizer(self.tokenizer, path)
