@@ -162,3 +162,13 @@ def test_naming_a_key_given_twice_costs_no_more_than_the_body():
         tracemalloc.stop()
     assert (refused.value.status, refused.value.param) == (400, "y.n")
     assert peak < 200 * len(body), peak  # about 70 times: the parse; 4 GB before
+
+
+def test_the_messages_as_a_template_variable_are_named_where_they_were_sent(http):
+    """`chat_template_kwargs.messages` collides with the template's own `messages`: the 400 named `messages`, which
+    the client had sent right, and said only that the template failed."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "chat_template_kwargs": {"messages": messages}}
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        message = refused(http.post(path, json=body | extra), 400, "chat_template_kwargs")
+        assert message.startswith("chat_template_kwargs.messages: set it as the request's `messages` field"), message

@@ -19,9 +19,11 @@ from rollout.service.http.errors import APIError, bad_field
 # Template variables one request may set: chat templates read a handful (enable_thinking, ...); 200,000 of them
 # hold the interpreter lock for seconds while they are copied and measured.
 MAX_TEMPLATE_VARIABLES = 256
-# Parameters of apply_chat_template that a request sets through its own top-level fields.
+# Parameters of apply_chat_template (and the template's own `messages`) that a request sets through its own
+# top-level fields.
 TOP_LEVEL = {
     "conversation": "messages",
+    "messages": "messages",  # (not a parameter: what the template renders the conversation as)
     "tools": "tools",
     "add_generation_prompt": "add_generation_prompt",
     "continue_final_message": "continue_final_message",
