@@ -98,14 +98,14 @@ class AnswerWriter:
         submission = answer.submission
         base = {"id": answer.id, "object": _chunk_object(answer), "created": answer.created, "model": answer.model}
         try:
-            if (
-                answer.chat
-            ):  # as vLLM: each choice's role first, in index order (the openai client's stream state needs it)
+            if answer.chat:  # as vLLM: each choice's role first, in index order (the openai client's stream state
+                # needs it), with the prompt's ids at the top level (where a whole chat answer has them)
+                prompt_ids = {"prompt_token_ids": answer.request.prompts[0]} if answer.request.return_token_ids else {}
                 for choice in submission.choices:
                     entry = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
                     if answer.request.return_token_ids:
                         entry["token_ids"] = []
-                    yield _event({**base, "choices": [{**entry, "finish_reason": None}]})
+                    yield _event({**base, "choices": [{**entry, "finish_reason": None}], **prompt_ids})
             async for choice, delta in submission.deltas():
                 if _ended_by_error(choice, submission.overflowed):
                     error = _ended_early(choice, submission.overflowed)
@@ -160,7 +160,7 @@ class AnswerWriter:
         if delta.finished:
             entry["stop_reason"] = choice.stop_reason
         if answer.request.return_token_ids:
-            if delta.start == 0:
+            if delta.start == 0 and not answer.chat:  # (chat's: at the top level of its role chunks)
                 entry["prompt_token_ids"] = choice.prompt_ids
             entry["token_ids"] = choice.token_ids[delta.start : delta.end]
         entry.update(choice.rollout_fields(delta.start, delta.end))
