@@ -7,8 +7,10 @@ import logging
 
 import pytest
 
+from rollout.config import FieldError
 from rollout.service.address_checks import check_metrics_address
 from rollout.service.http.serving.launch import check_http_address
+from rollout.service.http.serving.settings import HttpSettings
 from rollout.service.launch.cli import build_parser
 from rollout.service.launch.flags import check_settings
 
@@ -142,3 +144,26 @@ def test_served_model_name_is_the_name_clients_use_over_http_and_zeromq(capsys):
     with pytest.raises(SystemExit):
         check_settings(parser, args)
     assert "--served-model-name: empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "key, shown", [("secret\n", "'\\n'"), (" secret", "' '"), ("sec\tret", "'\\t'"), ("sécret", "'é'")]
+)
+@pytest.mark.parametrize("flag, variable", [("--api-key", "ROLLOUT_API_KEY"), ("--control-api-key", None)])
+def test_a_key_no_http_client_can_send_is_a_usage_error(monkeypatch, capsys, key, shown, flag, variable):
+    """HTTP trims a header value's surrounding whitespace and carries no control characters, and the openai client
+    sends header values as ASCII: a key read with a trailing newline (a secret file's) was taken, and every request
+    was then answered 401."""
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    monkeypatch.delenv("ROLLOUT_CONTROL_API_KEY", raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, key)
+        parser, args = parsed("--http", "127.0.0.1:0", "--enable-control-routes")
+    else:
+        parser, args = parsed("--http", "127.0.0.1:0", "--enable-control-routes", flag, key)
+    with pytest.raises(SystemExit):
+        check_http_address(parser, args)
+    error = capsys.readouterr().err
+    assert f"{flag}" in error and shown in error and "no HTTP client can send" in error, error
+    with pytest.raises(FieldError, match="no HTTP client can send"):  # (the in-process server's settings too)
+        HttpSettings(**{flag.removeprefix("--").replace("-", "_"): key})

@@ -46,6 +46,18 @@ def add_control_arguments(add: Callable[..., Any]) -> None:
     )
 
 
+def key_refusal(key: str) -> str | None:
+    """Why an API key could never be sent (None: it can): HTTP trims a header value's surrounding whitespace and
+    carries no control characters, and the openai client sends header values as ASCII, so a key read with a trailing
+    newline (from a secret's file) would answer every request 401."""
+    odd = next((char for char in key if not " " <= char <= "~"), None)
+    if odd is None and key != key.strip():
+        odd = key[0] if key[0] == " " else key[-1]
+    if odd is None:
+        return None
+    return f"holds {odd!r}: no HTTP client can send it in an Authorization header (printable ASCII only, no space at either end)"
+
+
 def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors for control flags that cannot work (no --http, an empty key, a directory that does not exist);
     a warning when the control routes are open to every holder of the generation key on a reachable address."""
@@ -63,6 +75,8 @@ def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"{asked[0]} is for the HTTP API: give --http HOST:PORT too")
     if args.control_api_key == "":
         parser.error(f"--control-api-key (or {CONTROL_API_KEY_VARIABLE}): must not be empty")
+    if args.control_api_key is not None and key_refusal(args.control_api_key) is not None:
+        parser.error(f"--control-api-key (or {CONTROL_API_KEY_VARIABLE}): {key_refusal(args.control_api_key)}")
     routes_only = [flag for flag in asked if flag in ("--control-api-key", "--control-allowed-dirs")]
     if routes_only and not args.enable_control_routes:  # (the flag given, not both whatever was given)
         verb = "are" if len(routes_only) > 1 else "is"

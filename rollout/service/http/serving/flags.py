@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from rollout.service.http.control.flags import key_refusal
 from rollout.service.http.serving.settings import (
     DEFAULT_MAX_ANSWER_LOGPROBS,
     HEAD_TIMEOUT_S,
@@ -120,6 +121,8 @@ def check_http_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--http-max-body-bytes {args.http_max_body_bytes}: must be at least 1024")
     if args.api_key == "":
         parser.error(f"--api-key (or {API_KEY_VARIABLE}): must not be empty")
+    if args.api_key is not None and key_refusal(args.api_key) is not None:
+        parser.error(f"--api-key (or {API_KEY_VARIABLE}): {key_refusal(args.api_key)}")
     for flag, value in (
         ("--http-head-timeout", args.http_head_timeout),
         ("--http-keep-alive-timeout", args.http_keep_alive_timeout),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from rollout.config import FieldError
 from rollout.protocol.sockets import is_loopback
+from rollout.service.http.control.flags import key_refusal
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 # Most JSON arrays and objects in one body (an upper bound: brackets inside strings count too, so a long prompt of
@@ -135,6 +136,8 @@ class HttpSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise FieldError(name, "must be a non-empty string")
+            if value is not None and key_refusal(value) is not None:
+                raise FieldError(name, key_refusal(value))
         for name in ("enable_control_routes", "enable_tokenizer_info_endpoint", "check_finite"):
             if not isinstance(getattr(self, name), bool):
                 raise FieldError(name, f"must be a bool, got {getattr(self, name)!r}")
