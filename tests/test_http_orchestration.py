@@ -226,3 +226,21 @@ def test_a_zeromq_trainers_group_waits_out_an_http_pause_and_completes(server):
         assert http.post("/resume").status_code == 200
         waiting.join(60)
     assert [len(c.token_ids) for c in results[0].completions] == [5, 5]
+
+
+def test_reset_running_requests_is_refused_by_name_while_samples_hold_kv(url):
+    """vLLM's reset_running_requests=true preempts the running samples, whose KV is then recomputed (after a live
+    weight update, with the new weights). This worker's reset keeps their KV: with samples holding some, the flag is
+    refused by name (it had been read and ignored); with none, the reset is the same as vLLM's."""
+    stream = Stream(url, max_tokens=1500)
+    try:
+        assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=CONTROL).status_code == 200  # held
+        reset = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}, headers=CONTROL)
+        assert reset.status_code == 400 and reset.json()["error"]["param"] == "query.reset_running_requests"
+        assert "mode=recompute" in reset.json()["error"]["message"]
+    finally:
+        httpx.post(f"{url}/abort_requests", json={}, headers=CONTROL)
+        httpx.post(f"{url}/resume", headers=CONTROL)
+        stream.done.wait(30)
+    reset = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}, headers=CONTROL)
+    assert reset.status_code == 200 and reset.json() == {"success": True}
