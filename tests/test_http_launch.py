@@ -167,3 +167,21 @@ def test_a_key_no_http_client_can_send_is_a_usage_error(monkeypatch, capsys, key
     assert f"{flag}" in error and shown in error and "no HTTP client can send" in error, error
     with pytest.raises(FieldError, match="no HTTP client can send"):  # (the in-process server's settings too)
         HttpSettings(**{flag.removeprefix("--").replace("-", "_"): key})
+
+
+def test_server_info_reports_no_variable_whose_name_says_it_holds_a_secret():
+    """Only names holding KEY were left out: ROLLOUT_HF_TOKEN, VLLM_DB_PASSWORD... were reported to control clients."""
+    from rollout.service.http.control.server_info import reported_environment
+
+    environment = {
+        "ROLLOUT_LOG_LEVEL": "INFO",
+        "VLLM_USE_V1": "1",
+        "ROLLOUT_API_KEY": "k",
+        "ROLLOUT_HF_TOKEN": "t",
+        "VLLM_DB_PASSWORD": "p",
+        "ROLLOUT_CLIENT_SECRET": "s",
+        "VLLM_AUTH_HEADER": "a",
+        "ROLLOUT_gcs_credentials": "c",
+        "HOME": "/root",
+    }
+    assert reported_environment(environment) == {"ROLLOUT_LOG_LEVEL": "INFO", "VLLM_USE_V1": "1"}

@@ -18,8 +18,24 @@ from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 
 # The engine's log-prob modes (`SamplingParams.logprob_mode`) under vLLM's `--logprobs-mode` names.
 VLLM_LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
-# Environment variables reported (vLLM reports its VLLM_* ones), never one whose name holds KEY (a secret).
+# Environment variables reported (vLLM reports its VLLM_* ones), never one whose name says it holds a secret.
 REPORTED_ENVIRONMENT_PREFIXES = ("ROLLOUT_", "VLLM_")
+SECRET_NAME_PARTS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def reported_environment(environment: dict[str, str]) -> dict[str, str]:
+    """`vllm_env`: the ROLLOUT_* and VLLM_* variables of `environment`, sorted, less any whose name holds one of
+    `SECRET_NAME_PARTS` (a key, token, secret, password, credential).
+
+    Args:
+        environment: the process's environment (`os.environ`).
+    """
+    return {
+        name: value
+        for name, value in sorted(environment.items())
+        if name.startswith(REPORTED_ENVIRONMENT_PREFIXES)
+        and not any(part in name.upper() for part in SECRET_NAME_PARTS)
+    }
 
 
 def engine_config(manager: ContinuousBatchingManager, model_name: str, model_path: str | None = None) -> dict[str, Any]:
@@ -75,11 +91,7 @@ def server_info(
     config = engine_config(manager, model_name, model_path)
     return {
         "vllm_config": config if config_format == "json" else str(config),
-        "vllm_env": {
-            name: value
-            for name, value in sorted(os.environ.items())
-            if name.startswith(REPORTED_ENVIRONMENT_PREFIXES) and "KEY" not in name.upper()
-        },
+        "vllm_env": reported_environment(dict(os.environ)),
         "system_env": {
             "rollout_version": __version__,
             "torch_version": torch.__version__,
