@@ -124,3 +124,16 @@ def test_a_body_still_arriving_when_the_server_stops_is_answered_503(manager):
         answer = client.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 503"), answer
     assert "the worker is stopping: send the request again" in answer
+
+
+def test_models_report_the_context_the_kv_cache_holds_when_it_is_less_than_the_models(server, manager):
+    """64 blocks of 16 tokens hold 1,024 tokens (a sample's last token is never fed back: 1,025 in all), less than the
+    model's 2,048: /v1/models and /tokenize said 2,048, and clients that size prompts by it (lm-eval) were refused."""
+    assert manager.engine.max_model_len == 2048
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as client:
+        assert [model.model_extra["max_model_len"] for model in client.models.list()] == [1025]
+        with pytest.raises(openai.BadRequestError) as raised:  # the longest prompt it takes: 1,024 tokens
+            client.completions.create(model="tiny", prompt=[5] * 1025, max_tokens=1)
+    assert raised.value.body["code"] == "context_length_exceeded"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert tokens.json()["max_model_len"] == 1025

@@ -116,7 +116,7 @@ class OpenAIEndpoints:
         # A sample's tokens (but its last, never fed back) must fit the context and the whole KV cache: more is
         # refused here by name, never left to fail in the engine (a 500).
         kv_tokens = engine.num_blocks * self.manager.config.block_size
-        context = min(engine.max_model_len, kv_tokens + 1)
+        context = self.context_len
         # A prompt needs one token of room (a scored prompt's every token is written to the KV cache, as is a
         # sampled one's last prompt token): a longer one is the prompt's fault, never a max_tokens range of [1, -n].
         longest = min(self.max_prompt_len, context - 1)
@@ -192,6 +192,13 @@ class OpenAIEndpoints:
         await compile_constraint(
             self.compiles, answer.request.sampling, answer.constraint_param, client_address(request), disconnected
         )
+
+    @property
+    def context_len(self) -> int:
+        """The longest sample this worker runs, in tokens: its max_model_len, or what its whole KV cache holds (plus
+        the last sampled token, never fed back) when that is less. What /v1/models reports as `max_model_len`."""
+        engine = self.manager.engine
+        return min(engine.max_model_len, engine.num_blocks * self.manager.config.block_size + 1)
 
     def close(self) -> None:
         """Stop the compile slots, if they are these endpoints' own (a compile in this process is waited for)."""

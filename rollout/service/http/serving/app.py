@@ -153,7 +153,8 @@ def build_app(
     async def models() -> dict[str, Any]:
         engine = manager.engine
         refs = engine.runner.adapters.refs
-        return model_list(model_name, engine.max_model_len, engine.policy_version, refs, adapters.roots())
+        # (what the KV cache holds when less than the model's context: clients size their prompts by it)
+        return model_list(model_name, endpoints.context_len, engine.policy_version, refs, adapters.roots())
 
     @app.get("/v1/models/{model_id:path}")  # OpenAI's retrieve (an id may hold slashes: "Qwen/Qwen3-0.6B")
     async def model(model_id: str) -> dict[str, Any]:
@@ -214,7 +215,7 @@ def build_app(
     async def tokenize(request: Request) -> dict[str, Any]:
         async with bodies.body(request) as body:
             ids = await asyncio.to_thread(tokens.tokenize, body)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": endpoints.context_len, "tokens": ids}
 
     if settings.enable_tokenizer_info_endpoint:
 
