@@ -137,3 +137,19 @@ def test_models_report_the_context_the_kv_cache_holds_when_it_is_less_than_the_m
     assert raised.value.body["code"] == "context_length_exceeded"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {KEY}"})
     assert tokens.json()["max_model_len"] == 1025
+
+
+def test_an_unexpected_error_is_a_500_in_openais_error_shape(server, monkeypatch):
+    """A bug's 500 was a bare text "Internal Server Error", which the openai client could not read an error from."""
+    from rollout.service.http.serving import app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app, "model_list", broken)
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0) as client:
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.models.list()
+    assert raised.value.status_code == 500
+    assert raised.value.body["message"] == "internal error serving /v1/models: RuntimeError: a bug"
+    assert raised.value.body["type"] == "internal_server_error"

@@ -99,6 +99,13 @@ def build_app(
         headers = {"Connection": "close"} if error.close_connection else None
         return SafeJSONResponse(error.body(), status_code=error.status, headers=headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> SafeJSONResponse:
+        # A bug's 500 in OpenAI's error shape (clients read error.message; a bare text body failed their parsing),
+        # naming the route and the exception's type; Starlette logs the traceback after this answer.
+        message = f"internal error serving {request.url.path}: {type(error).__name__}: {error}"
+        return SafeJSONResponse(APIError(500, message, None, "internal_server_error").body(), status_code=500)
+
     # Routes this worker would serve with a flag: their 404 names it (a bare "Not Found" read like a wrong path).
     switched_off = {} if settings.enable_control_routes else dict.fromkeys(CONTROL_PATHS, "--enable-control-routes")
     if not settings.enable_tokenizer_info_endpoint:
