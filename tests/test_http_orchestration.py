@@ -228,19 +228,19 @@ def test_a_zeromq_trainers_group_waits_out_an_http_pause_and_completes(server):
     assert [len(c.token_ids) for c in results[0].completions] == [5, 5]
 
 
-def test_reset_running_requests_is_refused_by_name_while_samples_hold_kv(url):
-    """vLLM's reset_running_requests=true preempts the running samples, whose KV is then recomputed (after a live
-    weight update, with the new weights). This worker's reset keeps their KV: with samples holding some, the flag is
-    refused by name (it had been read and ignored); with none, the reset is the same as vLLM's."""
-    stream = Stream(url, max_tokens=1500)
+def test_reset_running_requests_has_held_samples_compute_their_kv_again(url):
+    """vLLM's reset_running_requests=true preempts the running samples, whose KV is then computed again (after a live
+    weight update, with the new weights; `tests/test_reset_running.py` checks those tokens against transformers).
+    It had been read and ignored: the held sample's context counts in the prefill tokens again once resumed."""
+    stream = Stream(url, max_tokens=60)
     try:
         assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=CONTROL).status_code == 200  # held
+        held = len(stream.chunks)
+        prefill_before = metric("rollout_prefill_tokens_total")
         reset = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}, headers=CONTROL)
-        assert reset.status_code == 400 and reset.json()["error"]["param"] == "query.reset_running_requests"
-        assert "mode=recompute" in reset.json()["error"]["message"]
+        assert reset.status_code == 200 and reset.json() == {"success": True}
     finally:
-        httpx.post(f"{url}/abort_requests", json={}, headers=CONTROL)
         httpx.post(f"{url}/resume", headers=CONTROL)
-        stream.done.wait(30)
-    reset = httpx.post(f"{url}/reset_prefix_cache", params={"reset_running_requests": "true"}, headers=CONTROL)
-    assert reset.status_code == 200 and reset.json() == {"success": True}
+        assert stream.done.wait(60)
+    assert stream.finish_reason == "length" and not stream.errors
+    assert metric("rollout_prefill_tokens_total") - prefill_before >= held  # the prompt and the tokens so far

@@ -28,6 +28,7 @@ from rollout.engine.scheduling.scheduler import Scheduler
 from rollout.engine.speculative.drafter import SuffixDrafter
 from rollout.engine.step_loop import StepLoop
 from rollout.engine.warmup import warm_up
+from rollout.engine.weights.commit_modes import recompute_in_flight
 from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
 from rollout.engine.weights.weight_updates import WeightUpdates
 from rollout.generation_config import resolve as resolve_generation_config
@@ -329,10 +330,23 @@ class Engine:
         """
         return self.weight_updates.unload_adapter(name)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`): later prompts are computed anew; blocks in use
-        keep their contents and their requests go on."""
+        keep their contents and their requests go on.
+
+        Args:
+            reset_running_requests: also drop the KV of every running and swapped sample and queue it to be computed
+                again from its tokens, ahead of new requests (vLLM's flag: after weights changed in place with mode
+                "keep", the samples go on under the new ones, as a "recompute" update would have had them).
+        Returns:
+            How many samples were reset (0 without `reset_running_requests`).
+        """
+        reset = 0
+        if reset_running_requests:
+            self.loop.drain()  # the step in flight ends first (its outputs wait for the next step)
+            reset = recompute_in_flight(self.scheduler)
         self.block_manager.reset_prefix_cache()
+        return reset
 
     def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
         """Serve an adapter from the engine's start, at the current policy version and outside any weight update

@@ -113,10 +113,15 @@ class ServingControl:
         return self.call(lambda engine: abort_open_groups(engine, self._deliver), timeout)
 
     # ---- the engine's caches and adapters -------------------------------------------------------------------
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix (blocks in use keep their contents and their samples go on). Returns True: the
-        reset never fails (vLLM's may, while requests run)."""
-        self.call(lambda engine: engine.reset_prefix_cache())
+        reset never fails (vLLM's may, while requests run).
+
+        Args:
+            reset_running_requests: also have every running and swapped sample compute its KV again from its tokens
+                (`Engine.reset_prefix_cache`), as vLLM's flag preempts them.
+        """
+        self.call(lambda engine: engine.reset_prefix_cache(bool(reset_running_requests)))
         return True
 
     def unload_adapter(self, name: str, timeout: float | None = None) -> None:

@@ -182,16 +182,8 @@ def add_control_routes(
         reset_running = query_bool(request, "reset_running_requests", False)
         if query_bool(request, "reset_external", False):
             raise bad_field("query.reset_external", "this worker has no external KV cache connector")
-        # vLLM's true preempts the running samples (their KV recomputed); this reset keeps theirs: with none, the same.
-        running = (await asyncio.to_thread(manager.stats))["running"] if reset_running else 0
-        if running:
-            reason = (
-                f"{running} samples hold KV, which this worker's reset keeps (it does not preempt them): to have "
-                "them recompute theirs under new weights, commit the update with /update_weights mode=recompute; "
-                "to end them, /pause?mode=abort first"
-            )
-            raise bad_field("query.reset_running_requests", reason)
-        return SafeJSONResponse({"success": await asyncio.to_thread(control.reset_prefix_cache)})
+        # As vLLM's: true has the running samples compute their KV again (under the weights served now).
+        return SafeJSONResponse({"success": await asyncio.to_thread(control.reset_prefix_cache, reset_running)})
 
     @app.get("/server_info")
     async def get_server_info(request: Request) -> SafeJSONResponse:
