@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import operator
 import queue
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +31,8 @@ class PromptGroup:
         sampling: a `rollout.SamplingParams`, or a dict of its field names (temperature, top_p, max_new_tokens,
             seed, ...). A group without a seed gets one, so a group resubmitted after a failover reproduces its
             tokens.
-        group_id: the group's id in results and `cancel` (non-empty, without '#'); None: the client makes one.
+        group_id: the group's id in results and `cancel` (non-empty, without '#', not ending with '~retry' and a
+            number: a resubmitted group's id); None: the client makes one.
         adapter: the served LoRA adapter to sample with. None: the adapter this client last pushed (`push_weights`
             of a PEFT model), else the base model; `"__base__"`: the base model in any case.
         session_id: groups of one session (an agent's conversation) go to the worker that served the session's
@@ -150,11 +153,30 @@ class Call:
     # the new worker resends from token 0 (same seed, same tokens); only positions >= delivered are passed on.
     delivered: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
-    # The id the current worker knows the group by: the group id at first, "<group id>~retry<k>" after a failover,
-    # so a resubmission never collides with the first run (still running on a worker that was only slow).
+    # The id the current worker knows the group by: the group id at first, `retry_wire_id` after a failover, so a
+    # resubmission never collides with the first run (still running on a worker that was only slow).
     wire_id: str = ""
     attempts: int = 0
     cancelled: bool = False  # the caller gave up on it (a failover finishes it instead of resubmitting)
+
+
+RETRY_MARK = "~retry"
+_RETRY_ENDING = re.compile(re.escape(RETRY_MARK) + r"[0-9]+\Z")
+
+
+def retry_wire_id(group_id: str, attempt: int) -> str:
+    """The id a group's `attempt`-th resubmission travels under: "<group id>~retry<attempt>", or a digest of the group
+    id in its place where that would pass the worker's id limit (`MAX_ID_LENGTH`). No group id a caller may give ends
+    like it (`checked_group`), so it is never the id of another group of the client.
+
+    Args:
+        group_id: the group's id.
+        attempt: 1 for its first resubmission, and so on.
+    """
+    suffix = f"{RETRY_MARK}{attempt}"
+    if len(group_id) + len(suffix) > MAX_ID_LENGTH:
+        group_id = hashlib.sha256(group_id.encode("utf-8")).hexdigest()
+    return group_id + suffix
 
 
 class AsyncSink:
@@ -301,6 +323,9 @@ def checked_group(
         raise RolloutError("bad_request", reason, "group_id")
     if "#" in (group.group_id or ""):  # the worker's sample ids are group_id#index
         raise RolloutError("bad_request", "group_id must not contain '#' (sample ids use it)", "group_id")
+    if _RETRY_ENDING.search(group.group_id or ""):  # a resubmitted group's wire id would be this group's id
+        reason = f"group_id must not end with {RETRY_MARK!r} and a number (resubmitted groups' ids end so)"
+        raise RolloutError("bad_request", reason, "group_id")
     if isinstance(group.sampling, SamplingParams):  # (its values may be past what the wire carries: 2**70)
         sampling = _packable(group.sampling.changed_fields())
     elif isinstance(group.sampling, dict):

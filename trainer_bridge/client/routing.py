@@ -18,7 +18,7 @@ import zmq
 
 from rollout import protocol as p
 from trainer_bridge.client.affinity import PrefixAffinity
-from trainer_bridge.client.calls import Call, RolloutError
+from trainer_bridge.client.calls import Call, RolloutError, retry_wire_id
 from trainer_bridge.client.links import UNKNOWN_VERSION, WorkerLink
 
 # Once the first worker answered, calls submitted before wait this long for the others to answer too.
@@ -74,7 +74,7 @@ class CallRouter:
         group = call.group
         self.by_wire.pop(call.wire_id, None)
         call.attempts += 1
-        call.wire_id = group.group_id if call.attempts == 1 else f"{group.group_id}~retry{call.attempts - 1}"
+        call.wire_id = group.group_id if call.attempts == 1 else retry_wire_id(group.group_id, call.attempts - 1)
         self.by_wire[call.wire_id] = call
         try:
             message = p.Generate(
