@@ -198,6 +198,7 @@ def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
     import zmq
 
     from rollout.service.zmq.clients import ClientLinks
+    from rollout.service.zmq.reply_backlogs import frames_size
 
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -218,7 +219,7 @@ def test_replies_kept_for_a_non_reader_are_bounded_in_bytes():
             links.send(identity, delta)
             links.flush()
         assert len(lost) == 1 and "unread" in lost[0]
-        assert 50_000 < links.peak_pending_bytes <= 50_000 + len(p.encode(delta)[0]) + len(identity)
+        assert 50_000 < links.peak_pending_bytes <= 50_000 + frames_size([identity, *p.encode(delta)])
         assert links.pending_bytes() == 0 and links.dropped_slow == 1
     finally:
         links.close()
@@ -294,11 +295,11 @@ def test_replies_kept_for_many_non_readers_are_bounded_together():
     """Eight peers that never read, each kept under the per-client bound: once their unread replies together pass
     PENDING_TOTAL_FACTOR times that bound, the peers whose replies waited longest are dropped, so opening many
     sockets cannot exhaust the worker's memory; the others keep their backlogs."""
-    from rollout.service.zmq.reply_backlogs import PENDING_TOTAL_FACTOR
+    from rollout.service.zmq.reply_backlogs import PENDING_TOTAL_FACTOR, frames_size
 
     with _unread_peers(8) as (links, identities, _, lost):
         delta = p.Delta("g", 0, list(range(100)), [0.5] * 100, 0)
-        size = len(p.encode(delta)[0]) + len(identities[0])
+        size = frames_size([identities[0], *p.encode(delta)])
         for _ in range(45_000 // size):  # about 45 kB each, under the per-client bound: 360 kB together
             for identity in identities:
                 links.send(identity, delta)

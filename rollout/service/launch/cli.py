@@ -134,8 +134,8 @@ def build_parser() -> CliParser:
         "--max-pending-bytes",
         type=int,
         default=limits.max_pending_bytes,
-        help="most bytes of replies kept for a client that does not read them; past it the client is dropped and "
-        "its groups cancelled",
+        help="most bytes of memory the replies kept for a client that does not read them may hold (their Python "
+        "objects counted); past it the client is dropped and its groups cancelled",
     )
     add(
         "--max-update-phase-s",

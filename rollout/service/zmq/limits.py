@@ -36,8 +36,8 @@ class WorkerLimits:
         max_n: most samples per group.
         max_groups_per_client: most groups one client (with keys: one key, over all its connections) may have in
             flight (0: no limit); past it, "busy".
-        max_pending_bytes: most bytes of replies queued for a client that does not read them; past it the client is
-            dropped and its groups cancelled.
+        max_pending_bytes: most bytes of memory the replies queued for a client that does not read them may hold
+            (their Python objects counted); past it the client is dropped and its groups cancelled.
         max_update_phase_s: longest `timeout_s` a weight update may ask for (the most one update can hold the update
             slot without a message).
         client_timeout_s: a client with groups in flight that sends nothing (not even ping) for this long is

@@ -2,13 +2,15 @@
 clients that read slowly or not at all is bounded here.
 
 A client's backlog may hold at most `max_pending_bytes`; all backlogs together at most `PENDING_TOTAL_FACTOR` times
-that. Past the first, the client is dropped; past the second, the one whose backlog has gone longest without a reply
+that. A reply counts the memory it holds there, its Python objects' too (`frames_size`): a pong's 50 bytes take
+about 200, and counting its bytes alone let a client that reads no pongs or deltas hold about four times its cap. Past the first, the client is dropped; past the second, the one whose backlog has gone longest without a reply
 taken from it (by progress, not size: a large backlog read slowly outlives a small unread one). Who is dropped is
 the caller's to handle (`on_over_cap`): it ends with `pop`.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -22,9 +24,15 @@ PENDING_TOTAL_FACTOR = 4
 Entry = list[bytes] | Encoding  # frames ready to send (routing id first), or a large reply still being encoded
 
 
+# What a queued reply holds besides its frames' bytes (CPython's sizes): its list and its slot in the backlog's deque,
+# and per frame its bytes object and its slot in the list.
+REPLY_OVERHEAD = sys.getsizeof([]) + 8
+FRAME_OVERHEAD = sys.getsizeof(b"") + 8
+
+
 def frames_size(frames: list[bytes]) -> int:
-    """Bytes of a reply's frames."""
-    return sum(len(frame) for frame in frames)
+    """Bytes of memory a queued reply's frames hold: their bytes, and the objects that hold them."""
+    return REPLY_OVERHEAD + sum(len(frame) + FRAME_OVERHEAD for frame in frames)
 
 
 class ReplyBacklogs:
