@@ -127,8 +127,9 @@ class ClientLinks:
     @property
     def encoding(self) -> bool:
         """A large reply is being encoded at the head of a backlog: `flush` has work at once, whether or not a
-        message comes (one behind replies ZeroMQ refused waits for them: no work until the client reads)."""
-        return self._backlogs.encoding
+        message comes (one behind replies ZeroMQ refused waits for them: no work until the client reads; so does one
+        for a held routing id, until a message shows who holds it)."""
+        return self._backlogs.encoding(skip=self._keys.held)
 
     def send(self, identity: bytes, message: p.Message, key: str | None = None) -> None:
         """Send a reply, or keep it in the client's backlog while ZeroMQ's queue to it is full (a large group result

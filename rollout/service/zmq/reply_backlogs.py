@@ -60,10 +60,17 @@ class ReplyBacklogs:
         """The client's backlog (None: it has none)."""
         return self._entries.get(identity)
 
-    @property
-    def encoding(self) -> bool:
-        """A large reply is being encoded at the head of a backlog."""
-        return any(backlog and isinstance(backlog[0], Encoding) for backlog in self._entries.values())
+    def encoding(self, skip: Collection[bytes] = ()) -> bool:
+        """A large reply is being encoded at the head of a backlog (of a client not in `skip`, whose replies wait).
+
+        Args:
+            skip: clients whose replies wait for now (`drain` leaves them alone: nothing to encode for them).
+        """
+        return any(
+            backlog and isinstance(backlog[0], Encoding)
+            for identity, backlog in self._entries.items()
+            if identity not in skip
+        )
 
     def open(self, identity: bytes) -> deque[Entry]:
         """The client's backlog, begun now (with its progress clock) if it has none."""
