@@ -194,6 +194,11 @@ class ClientLinks:
             self.lose(identity, "its connection is closed", unreachable=True)
             return False
 
+    def unreachable(self, identity: bytes) -> bool:
+        """Whether `identity` was lost as unreachable (its connection closed, or it left too much unread) and has not
+        spoken since; a client lost for its silence is not (it may still be connected)."""
+        return identity in self._gone
+
     def lose(self, identity: bytes, reason: str, unreachable: bool) -> None:
         """Handle a lost client once: log, forget its backlog, and let the worker cancel its groups.
 
@@ -234,16 +239,19 @@ class ClientLinks:
                 self._suspects[identity] = until
                 self._keys.hold(identity)
 
-    def watch(self, busy: Iterable[bytes], probe: p.Message) -> None:
-        """Once per loop: expire silent busy clients, probe busy ones after a closed connection, forget old losses.
+    def watch(self, busy: Iterable[bytes], probe: p.Message, updating: Iterable[bytes] = ()) -> None:
+        """Once per loop: expire silent busy clients, probe watched ones after a closed connection, forget old losses.
 
         Args:
-            busy: identities of the clients with groups in flight (the only ones watched).
+            busy: identities of the clients with groups in flight (watched for silence and closed connections).
             probe: the message to probe them with (an unsolicited pong, which clients ignore).
+            updating: the owner of the open weight update: watched for a closed connection only (its update's own
+                phase deadline, `timeout_s`, bounds its silence; `client_timeout_s` dropped it sooner).
         """
         now = time.monotonic()
         busy = set(busy)
-        for identity in [i for i in self._last_seen if i not in busy and i not in self._backlogs]:
+        watched = busy.union(updating)
+        for identity in [i for i in self._last_seen if i not in watched and i not in self._backlogs]:
             del self._last_seen[identity]
             self._fds.pop(identity, None)
         for identity in busy:
@@ -253,13 +261,13 @@ class ClientLinks:
         if self._suspects and now - self._last_probe >= PROBE_EVERY_S:
             self._last_probe = now
             for identity, until in list(self._suspects.items()):
-                if now > until or identity not in busy:
+                if now > until or identity not in watched:
                     del self._suspects[identity]
                 elif identity in self._keys.held:  # past its held replies: a gone connection is lost at once
                     self._probe(identity, probe)
                 elif identity not in self._backlogs:
                     self.send(identity, probe)
-        self._keys.forget_idle(busy)
+        self._keys.forget_idle(watched)
         for identity in [i for i, when in self._gone.items() if now - when > FORGET_GONE_AFTER_S]:
             del self._gone[identity]
         for identity in [i for i, when in self._lost_at.items() if now - when > SAME_LOSS_S]:

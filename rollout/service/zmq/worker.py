@@ -211,7 +211,7 @@ class RolloutWorker:
             self._unloads.conclude()
             self._desk.flush(self._send)
             self._links.flush()
-            self._links.watch(self._watched(), p.Pong(p.PROBE_NONCE, self.policy_version))
+            self._links.watch(self._desk.identities(), p.Pong(p.PROBE_NONCE, self.policy_version), self._updating())
             self._updates.expire(time.monotonic())
 
     def close(self) -> None:
@@ -308,21 +308,20 @@ class RolloutWorker:
         else:
             self._send(identity, p.Error("bad_request", f"{message.TYPE!r} is not a request", "type"))
 
-    def _watched(self) -> list[bytes]:
-        """Clients whose disappearance matters: those with groups in flight, and the owner of the open update (a
-        vanished trainer must not hold the update slot until its deadline)."""
-        watched = self._desk.identities()
-        if self._updates.update is not None:
-            watched.append(self._updates.update.identity)
-        return watched
+    def _updating(self) -> list[bytes]:
+        """The owner of the open update, watched for a closed connection (a vanished trainer must not hold the update
+        slot until its deadline) but not for silence (the update's phase deadline bounds that)."""
+        return [] if self._updates.update is None else [self._updates.update.identity]
 
     def _send(self, identity: bytes, message: p.Message, key: str | None = None) -> None:
         self._links.send(identity, message, key)
 
     def _client_lost(self, identity: bytes, reason: str) -> None:
-        """A client is gone (ClientLinks tells once per loss): cancel its groups and drop its open update."""
+        """A client is gone (ClientLinks tells once per loss): cancel its groups, and drop its open update when it is
+        unreachable (a client lost for its silence may still be connected: its update keeps its phase deadline)."""
         self._desk.client_lost(identity)
-        self._updates.client_lost(identity)
+        if self._links.unreachable(identity):
+            self._updates.client_lost(identity)
 
     def stats(self) -> dict:
         """The worker's counters (`worker_report.worker_stats`). Safe from any thread (the /metrics scrape reads it)."""
