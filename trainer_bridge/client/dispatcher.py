@@ -38,6 +38,7 @@ from trainer_bridge.client.commands import (
 )
 from trainer_bridge.client.links import WorkerLink
 from trainer_bridge.client.liveness import Liveness
+from trainer_bridge.client.reply_checks import reply_problem
 from trainer_bridge.client.routing import CallRouter
 from trainer_bridge.client.stream_splice import splice
 
@@ -290,6 +291,10 @@ class Dispatcher:
         call = self.router.by_wire.get(getattr(message, "group_id", None))
         if call is None or call.worker != index:
             return  # a pong, or a late answer from a worker the group was taken away from
+        problem = reply_problem(call.group, message)
+        if problem is not None:  # the call fails, naming why (and the worker is told to cancel the group)
+            reason = f"the worker's reply does not fit the group: {problem[0]}: {problem[1]}"
+            message = p.Error("bad_reply", reason, problem[0], message.group_id)
         group_id = call.group.group_id
         if isinstance(message, p.Delta):
             delta = splice(call, message)
