@@ -63,7 +63,9 @@ class GroupDesk:
         self._outbox: queue.SimpleQueue[tuple[bytes, str | None, p.Message]] = queue.SimpleQueue()
         # engine id -> group; the serving thread adds, the engine thread removes
         self._groups: dict[str, GroupInFlight] = {}
-        self._per_client: dict[bytes, int] = {}  # connection -> its groups in flight (the connections watched)
+        # connection -> its groups in flight, by engine id (the connections watched; a lost one's groups found
+        # without a pass over every group in flight)
+        self._per_client: dict[bytes, dict[str, GroupInFlight]] = {}
         self._per_key: dict[str, int] = {}  # client (`GroupInFlight.client`) -> its groups in flight (the limit)
         self._lock = threading.Lock()  # both maps change on the serving and the engine thread
         self._compiles = compiles
@@ -186,10 +188,11 @@ class GroupDesk:
 
     def client_lost(self, identity: bytes) -> None:
         """Cancel every group of a client that is gone (its compiles abandoned)."""
-        for group in list(self._groups.values()):
-            if group.identity == identity:
-                group.cancel_requested = True
-                self._cancel(group)
+        with self._lock:
+            groups = list(self._per_client.get(identity, {}).values())
+        for group in groups:
+            group.cancel_requested = True
+            self._cancel(group)
 
     def _cancel(self, group: GroupInFlight) -> None:
         job = self._compiling.get(group.engine_id)
@@ -248,7 +251,7 @@ class GroupDesk:
     def _add(self, group: GroupInFlight) -> None:
         with self._lock:
             self._groups[group.engine_id] = group
-            self._per_client[group.identity] = self._per_client.get(group.identity, 0) + 1
+            self._per_client.setdefault(group.identity, {})[group.engine_id] = group
             self._per_key[group.client] = self._per_key.get(group.client, 0) + 1
 
     def _remove(self, group: GroupInFlight) -> None:
@@ -257,7 +260,10 @@ class GroupDesk:
             if self._groups.get(group.engine_id) is not group:
                 return
             del self._groups[group.engine_id]
-            _count_down(self._per_client, group.identity)
+            of_client = self._per_client[group.identity]
+            del of_client[group.engine_id]
+            if not of_client:
+                del self._per_client[group.identity]
             _count_down(self._per_key, group.client)
 
 
