@@ -110,6 +110,8 @@ def test_bad_input_gets_an_error_naming_the_field(client, frames, field):
     client.socket.send_multipart(frames)
     reply = client.receive()
     assert isinstance(reply, p.Error) and reply.field == field and reply.code == "bad_request", reply
+    if field == "group_id":  # named as the client sent it, not as the id the worker makes of it (connection/id)
+        assert reply.message == "group_id: must not hold '#' (the ids of a group's samples use it)"
     assert isinstance(client.ask(p.Ping(9)), p.Pong)
     generate = b"generate" in frames[0]
     assert client.ask(p.Stats()).stats["groups_refused"] == refused_before + generate

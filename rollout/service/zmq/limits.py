@@ -93,6 +93,9 @@ def generate_refusal(limits: WorkerLimits, message: p.Generate, running: bool, c
         running: a group of this client with the same id is still running.
         client_groups: groups this client has in flight.
     """
+    if "#" in message.group_id:  # (the engine refuses it too, but naming the id it made of the client's)
+        reason = "group_id: must not hold '#' (the ids of a group's samples use it)"
+        return p.Error("bad_request", reason, "group_id", message.group_id)
     if running:
         reason = "a group of this client with this id is still in flight (running, or cancelled and not ended yet)"
         return p.Error("duplicate_group", reason, "group_id", message.group_id)
