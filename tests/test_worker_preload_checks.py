@@ -103,3 +103,28 @@ def test_a_tokenizer_hub_id_this_machine_cannot_get_is_named_once(capsys, no_wei
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     message = worker_error(capsys, "--model", str(no_weights), "--tokenizer", "nobody/no-such-tokenizer")
     assert message.startswith("--tokenizer nobody/no-such-tokenizer: not a local path, offline mode is on")
+
+
+def test_max_model_len_is_vllms_flag_and_is_checked_against_the_context(capsys, no_weights):
+    """`--max-model-len` (vLLM's flag; the worker had none, and the typo hint sent a vLLM user to --max-prompt-len, an
+    operator's limit on prompts alone) sets the engine's max_model_len; above the model's context it is refused
+    before loading, as vLLM refuses it, and a --max-prompt-len above it is refused naming it."""
+    from rollout.service.launch.flags import engine_config
+
+    assert engine_config(cli.build_parser().parse_args(["--max-model-len", "48"])).max_model_len == 48
+    assert engine_config(cli.build_parser().parse_args([])).max_model_len is None
+    message = worker_error(capsys, "--model", str(no_weights), "--max-model-len", "65")
+    assert message == "--max-model-len 65: above the model's context of 64 tokens"
+    message = worker_error(capsys, "--model", str(no_weights), "--max-model-len", "32", "--max-prompt-len", "33")
+    assert message == "--max-prompt-len 33: above --max-model-len 32"
+    within = worker_error(capsys, "--model", str(no_weights), "--max-model-len", "32", "--max-prompt-len", "32")
+    assert within.startswith(f"--model {no_weights}: ")  # within both: on to loading
+    assert worker_error(capsys, "--max-model-len", "1") == "--max-model-len: 1 is invalid: must be an integer >= 2"
+
+
+def test_max_model_len_above_a_built_in_models_context_is_refused_once_it_loads(capsys):
+    """A built-in model's context is known only once it is built (tiny: 2048)."""
+    assert (
+        worker_error(capsys, "--max-model-len", "2049")
+        == "--max-model-len 2049: above the model's context of 2048 tokens"
+    )

@@ -82,6 +82,13 @@ def build_parser() -> CliParser:
     )
     add("--max-batch-tokens", type=int, default=engine.max_batch_tokens, help="token budget per engine step")
     add("--max-num-seqs", type=int, default=engine.max_num_seqs, help="most sequences per engine step")
+    add(
+        "--max-model-len",
+        type=int,
+        default=engine.max_model_len,
+        help="longest prompt + completion a request may ask for, in tokens, as vLLM's flag (default: the model's "
+        "context, its max_position_embeddings)",
+    )
     add("--scheduler", choices=SCHEDULER_TYPES, default=engine.scheduler_type, help="scheduling policy")
     add(
         "--max-queue-size",

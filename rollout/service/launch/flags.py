@@ -250,6 +250,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         max_memory_percent=memory_fraction(args.max_memory_percent),
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
         scheduler_type=args.scheduler,
         max_queue_size=args.max_queue_size,
         cpu_offload_space=args.cpu_offload_space,

@@ -1,5 +1,5 @@
 """`rollout-worker`'s checks that read small files, made before the model loads (minutes for a large one): the
-model's config (its context, for `--max-prompt-len`) and each `--lora` adapter's rank (its weights file's header, or
+model's config (its context, for `--max-model-len` and `--max-prompt-len`) and each `--lora` adapter's rank (its weights file's header, or
 its adapter_config.json; for `--max-lora-rank`). Each refusal is the usage error the same mistake gets after loading; what these files cannot
 tell (a config transformers cannot read, an adapter's tensors) is still checked after loading."""
 
@@ -15,7 +15,7 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.presets.catalog import is_preset
 from rollout.service.launch.flags import lora_specs, served_model_name
 
-__all__ = ["check_before_load", "model_context"]
+__all__ = ["check_before_load", "check_context", "model_context", "model_context_of"]
 
 
 def check_before_load(
@@ -29,10 +29,8 @@ def check_before_load(
         args: the parsed flags.
         config: the engine settings the flags give (`flags.check_settings`).
     """
-    if args.max_prompt_len is not None:
-        context = config.max_model_len or model_context(args.model)
-        if context is not None and args.max_prompt_len > context:
-            parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
+    if args.max_prompt_len is not None or config.max_model_len is not None:
+        check_context(parser, args, config.max_model_len, model_context(args.model))
     for name, path in lora_specs(parser, args.lora, served_model_name(args)):
         rank = adapter_rank(os.path.expanduser(path))
         if rank is not None and rank > config.max_lora_rank:
@@ -40,6 +38,26 @@ def check_before_load(
                 f"--lora {name}={path}: rank {rank} is outside [1, max_lora_rank={config.max_lora_rank}]; raise "
                 f"--max-lora-rank to {rank}"
             )
+
+
+def check_context(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, max_model_len: int | None, context: int | None
+) -> None:
+    """Usage errors for a `--max-model-len` above the model's context (as vLLM refuses it: positions past it were
+    never trained), and a `--max-prompt-len` above the context the worker serves.
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+        max_model_len: the engine's `max_model_len` (`--max-model-len`), None for the model's context.
+        context: the model's context (its max_position_embeddings), None where it is not known yet.
+    """
+    if max_model_len is not None and context is not None and max_model_len > context:
+        parser.error(f"--max-model-len {max_model_len}: above the model's context of {context} tokens")
+    limit = max_model_len or context
+    if args.max_prompt_len is not None and limit is not None and args.max_prompt_len > limit:
+        what = f"--max-model-len {limit}" if max_model_len else f"the model's context of {limit} tokens"
+        parser.error(f"--max-prompt-len {args.max_prompt_len}: above {what}")
 
 
 def model_context(model: str) -> int | None:
@@ -59,6 +77,20 @@ def model_context(model: str) -> int | None:
         model_config: Any = AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
     except (HubUnreachable, ValueError, OSError, KeyError, StrictDataclassError):
         return None
+    return config_context(model_config)
+
+
+def model_context_of(model: Any) -> int | None:
+    """The context of a loaded model (its text config's max_position_embeddings); None where it gives none.
+
+    Args:
+        model: a transformers model.
+    """
+    return config_context(getattr(model, "config", None))
+
+
+def config_context(model_config: Any) -> int | None:
+    """A model config's max_position_embeddings (its text config's), None where it gives none."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     context = getattr(text, "max_position_embeddings", None)
     return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None

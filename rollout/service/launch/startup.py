@@ -30,7 +30,7 @@ from rollout.service.http.serving.launch import check_http_address, start_http
 from rollout.service.launch.cache_capacity import cache_capacity
 from rollout.service.launch.flags import check_cuda_only_flags, check_settings, lora_specs, served_model_name
 from rollout.service.launch.loading import load_model, load_tokenizer, torch_device
-from rollout.service.launch.preload_checks import check_before_load
+from rollout.service.launch.preload_checks import check_before_load, check_context, model_context_of
 from rollout.service.launch.start_adapters import serve_start_adapters
 from rollout.service.observability.metrics import WorkerMetrics
 from rollout.service.observability.tracing import configure_tracing
@@ -161,9 +161,9 @@ def _serve_parts(
     """Load the start adapters, warm the engine up, then bind the worker's socket and start the metrics and HTTP
     servers; a failure (a usage error: SystemExit) closes those already started, and the caller the manager."""
     serve_start_adapters(parser, args.lora, manager.engine, served_model_name(args))
-    context = manager.engine.max_model_len  # (a built-in model, or a config found only by loading: not checked before)
-    if args.max_prompt_len is not None and args.max_prompt_len > context:  # it would be capped there, silently
-        parser.error(f"--max-prompt-len {args.max_prompt_len}: above the model's context of {context} tokens")
+    # (a built-in model, or a config found only by loading: not checked before; a longer prompt would be capped there)
+    context = model_context_of(manager.engine.model) or (None if args.max_model_len else manager.engine.max_model_len)
+    check_context(parser, args, args.max_model_len, context)
     try:
         manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     except RuntimeError as error:  # the model's forward fails: no request could be served
