@@ -12,6 +12,7 @@ same architecture as the worker's `--model tiny` (seed 0) with other weights.
 from __future__ import annotations
 
 import functools
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -343,6 +344,11 @@ def test_bad_push_is_refused_naming_the_culprit(workers, client, raw, baseline, 
     assert (refused.value.code, refused.value.field) == ("bad_update", field), refused.value
     if case == "wrong shape":  # and what it likely means
         assert "the workers serve a model of another size or architecture" in str(refused.value)
+    if case == "unknown name":  # (a worker started without the trainer's --model: it serves the tiny preset)
+        assert re.search(r"did you mean 'model\.layers\.\d\.mlp\.up_proj\.weight'\?", str(refused.value))
+        assert "the workers serve a model of another architecture than this one (rollout-worker --model)" in str(
+            refused.value
+        )
     assert_unchanged(workers[0].address, raw, baseline, updates)
 
 

@@ -3,6 +3,7 @@ the dtype it travels in. Checked here, before anything is gathered or sent."""
 
 from __future__ import annotations
 
+import difflib
 import math
 
 import torch
@@ -63,7 +64,14 @@ def _wire_spec(entry: Entry, reference: dict[str, tuple[str, tuple[int, ...]]], 
         return p.TensorSpec(entry.name, dtype_name(entry.dtype), list(entry.shape))
     target = reference.get(entry.name)
     if target is None:
-        raise RolloutError("bad_update", "the workers' model has no tensor of this name", entry.name)
+        close = difflib.get_close_matches(entry.name, list(reference), n=1, cutoff=0.8)
+        reason = (
+            "the workers' model has no tensor of this name"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + ": the workers serve a model of another architecture than this one (rollout-worker --model), or name "
+            "its tensors otherwise"
+        )
+        raise RolloutError("bad_update", reason, entry.name)
     dtype_wire, shape = target
     if tuple(shape) != tuple(entry.shape):
         reason = (
