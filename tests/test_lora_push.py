@@ -265,9 +265,12 @@ def test_two_ranks_push_adapters_only_and_both_sample_with_them(tmp_path, worker
 
 def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
     """A base parameter unfrozen beside the adapter (an adapter push sends the base once: the workers kept its first
-    values) goes merged under "auto" and is refused under "adapter"; a trained module whose weight is tied to another
-    (LoRA on a tied embed_tokens: the trainer changes its input embedding, a worker's tied model would change its
-    head too) is refused in every mode, and by the colocated engine's in-place merge."""
+    values) goes merged under "auto" and is refused under "adapter"; a LoRA-trained module whose weight is tied to
+    another (LoRA on a tied embed_tokens: the trainer changes its input embedding, a worker's tied model would change
+    its head too) is refused in every mode, and by the colocated engine's in-place merge. A modules_to_save copy of a
+    tied module (peft trains it apart from the frozen tied weight) is refused only merged: adapter-only it is served
+    as peft computes it (`test_lora_saved_push.py`; it was refused in every mode, in server mode every TRL run of a
+    tied model with modules_to_save=["lm_head"])."""
     import warnings
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -291,23 +294,21 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
     )  # fmt: skip
     tied_safe = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules=["q_proj"]))
     assert push_mode(tied_safe, "auto") == "adapter"
-    for lora, named in (  # named as the user names them, not by peft's wrappers' parameters
-        (
-            LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]),
-            "model.embed_tokens is trained .* tied to lm_head:",
-        ),
-        (
-            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
-            "lm_head is trained .* tied to model",
-        ),
-    ):
-        tied = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
-        for mode in ("auto", "adapter", "merged"):
-            with pytest.raises(FieldError, match=f"model: {named}"):
-                push_mode(tied, mode)
-        with pytest.raises(ValueError, match="peft_merge: .* tied"):
-            with peft_merged(tied):
-                pass
+    lora = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"])
+    tied = get_peft_model(AutoModelForCausalLM.from_config(config), lora)
+    for mode in ("auto", "adapter", "merged"):  # named as the user names them, not by peft's wrappers' parameters
+        with pytest.raises(FieldError, match="model: model.embed_tokens is trained \\(LoRA\\) but .* tied to lm_head:"):
+            push_mode(tied, mode)
+    with pytest.raises(ValueError, match="peft_merge: .* tied"):
+        with peft_merged(tied):
+            pass
+    saved = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    tied = get_peft_model(AutoModelForCausalLM.from_config(config), saved)
+    assert push_mode(tied, "auto") == push_mode(tied, "adapter") == "adapter"
+    with pytest.raises(FieldError, match="model: lm_head is trained \\(modules_to_save\\) but .* tied to model"):
+        push_mode(tied, "merged")
+    with peft_merged(tied):  # nothing of the copy is merged in place
+        pass
 
 
 def test_an_adapter_whose_init_rewrote_the_base_travels_with_that_base(client):

@@ -169,3 +169,38 @@ def test_trl_falls_back_to_merged_pushes_once_warned(tmp_path, client):
     assert len([w for w in caught if FALLBACK in str(w.message)]) == 1
     assert trainer.rollout_client.adapter is None
     assert_ratio_is_one(trainer)
+
+
+@pytest.mark.parametrize("tying", [False, True], ids=["two-copies", "ensure_weight_tying"])
+def test_saved_copies_of_tied_embeddings_are_pushed_adapter_only_and_served_like_peft(tmp_path, tying):
+    """A tied model (most small checkpoints: Qwen2.5-0.5B, Qwen3-0.6B) with modules_to_save=["embed_tokens",
+    "lm_head"]: peft trains copies apart from the frozen tied weight, so the adapter-only push serves them beside the
+    tied base. It was refused in every push mode; after each of two pushes the worker's log-probs are peft's."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.presets import TINY_MODEL_CONFIG, random_model
+
+    random_model(Qwen3Config(**{**TINY_MODEL_CONFIG, "tie_word_embeddings": True}), 0, torch.float32).save_pretrained(
+        tmp_path / "tied"
+    )
+    server = Worker("--model", str(tmp_path / "tied"), "--tokenizer", "none")
+    lora = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=SAVED, ensure_weight_tying=tying)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "tied"), lora).eval()
+    sequence = [*PROMPT, 17, 33, 2, 99]
+    try:
+        with RolloutClient(server.address, timeout=60) as connection:
+            for push in range(2):
+                with torch.no_grad():  # a training step: the copies and the LoRA pair move
+                    for parameter in model.parameters():
+                        if parameter.requires_grad:
+                            parameter.add_(torch.randn_like(parameter) * 0.05)
+                result = push_weights(connection, model, adapters="adapter")
+                assert result.base_included == (push == 0) and connection.adapter == "default"
+                scoring = PromptGroup(sequence, sampling={"max_new_tokens": 0, "prompt_logprobs": 0})
+                served = torch.tensor(connection.generate(scoring).completions[0].prompt_logprobs)
+                with torch.inference_mode():
+                    logits = model(input_ids=torch.tensor([sequence])).logits[0, :-1].float()
+                reference = torch.log_softmax(logits, -1).gather(1, torch.tensor(sequence[1:]).unsqueeze(1))
+                assert torch.allclose(served, reference.squeeze(1), atol=1e-5, rtol=0)
+    finally:
+        server.close()

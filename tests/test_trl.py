@@ -197,25 +197,36 @@ def test_workers_computing_in_another_dtype_than_the_trainer_are_said():
 
 
 def test_a_policy_the_workers_could_not_take_is_refused_when_the_trainer_is_built(tmp_path):
-    """A trained module tied to another (modules_to_save=["lm_head"] on a model whose head is its input embedding)
-    is refused before a client connects, naming the modules as the user named them: it had been refused at the
-    first push, inside train(), with peft's internal parameter name."""
+    """A trained module tied to another (LoRA on the input embedding of a model whose head is that embedding, or a
+    merged push of modules_to_save=["lm_head"] there) is refused before a client connects, naming the modules as the
+    user named them: it had been refused at the first push, inside train(), with peft's internal parameter name.
+    (modules_to_save pushed adapter-only, the default, is served: test_lora_saved_push.py.)"""
     from peft import LoraConfig
     from transformers import Qwen3Config
 
     from rollout.presets.models import TINY_MODEL_CONFIG, random_model
 
-    tied = random_model(Qwen3Config(**{**TINY_MODEL_CONFIG, "tie_word_embeddings": True}), 0, torch.float32)
-    with pytest.raises(ValueError, match="model: lm_head is trained .* tied to model.embed_tokens"):
-        RolloutGRPOTrainer(
-            model=tied,
-            reward_funcs=id_reward,
-            args=grpo_config(tmp_path),
-            train_dataset=dataset(),
-            processing_class=TOKENIZER,
-            peft_config=LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
-            rollout_workers="tcp://127.0.0.1:1",  # never reached
-        )
+    config = Qwen3Config(**{**TINY_MODEL_CONFIG, "tie_word_embeddings": True})
+    cases = [
+        (LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]), {}, r"model.embed_tokens is trained \(LoRA\)"),
+        (
+            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            {"adapters": "merged"},
+            r"lm_head is trained \(modules_to_save\) .* tied to model.embed_tokens",
+        ),
+    ]
+    for peft_config, push_kwargs, message in cases:
+        with pytest.raises(ValueError, match=f"model: {message}"):
+            RolloutGRPOTrainer(
+                model=random_model(config, 0, torch.float32),  # (peft wraps a model in place: one per case)
+                reward_funcs=id_reward,
+                args=grpo_config(tmp_path),
+                train_dataset=dataset(),
+                processing_class=TOKENIZER,
+                peft_config=peft_config,
+                rollout_workers="tcp://127.0.0.1:1",  # never reached
+                rollout_push_kwargs=push_kwargs,
+            )
 
 
 @pytest.mark.timeout(180)

@@ -54,7 +54,8 @@ def _reshards_after_forward(module: Any) -> bool:
 def peft_merged(model: torch.nn.Module) -> Iterator[None]:
     """A PEFT model's active adapters merged into its base weights for the duration; afterwards the adapters are
     unmerged and every adapted base weight is copied back from a copy taken first, so the model is bit-identical."""
-    tied = tied_to_a_trained_module(model) if hasattr(model, "get_base_model") else None
+    # (modules_to_save copies are not merged: their wrapper picks the copy, the tied tensor stays as it is)
+    tied = tied_to_a_trained_module(model, saved_copies=False) if hasattr(model, "get_base_model") else None
     if tied is not None:  # merged in place, the shared tensor would change the tied head too: not the trainer's model
         raise ValueError(f"peft_merge: {tied}")
     layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "get_base_layer") and not m.merged]

@@ -111,10 +111,14 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     model = unwrapped(source, accelerator)
     if not is_peft_model(model):
         return "whole"
-    tied = tied_to_a_trained_module(model)
+    tied = tied_to_a_trained_module(model, saved_copies=False)  # LoRA on a tied module: never served right
     if tied is not None:
         raise FieldError("model", tied)
+    # modules_to_save on a tied module: its copy is served adapter-only, never merged into the tied tensor
+    tied_copy = tied_to_a_trained_module(model)
     if adapters == "merged" or (adapters == "auto" and model in _RANK_REFUSED):
+        if tied_copy is not None:
+            raise FieldError("model", tied_copy)
         return "merged"  # an adapter merge_refusal names is refused by peft_entries, before anything is sent
     name = active_adapter_name(model)
     unfrozen = unfrozen_base_parameters(model)
@@ -128,7 +132,7 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     except FieldError as refusal:
         if adapters == "adapter":
             raise
-        unmergeable = merge_refusal(model)
+        unmergeable = merge_refusal(model) or tied_copy
         if unmergeable is not None:
             reason = refusal.reason.split("; push with")[0]  # it cannot be: what follows says why
             raise FieldError(refusal.field, f"{reason}, and {unmergeable}") from None
