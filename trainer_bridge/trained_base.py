@@ -43,7 +43,8 @@ def tied_to_a_trained_module(model: Any, saved_copies: bool = True) -> str | Non
     for name, param in model.get_base_model().named_parameters(remove_duplicate=False):
         shared[id(param)].append(name)
     for names in shared.values():
-        trained = [name for name in names if any(mark in name for mark in marks)]
+        # (peft ties trainable tokens' rows itself: refused as an adapter neither served unmerged nor merged)
+        trained = [name for name in names if any(m in name for m in marks) and ".token_adapter." not in name]
         if len(names) > 1 and trained:
             others = [name for name in names if name not in trained] or trained[1:]  # (both sides trained)
             saved = ".original_module." in trained[0]
