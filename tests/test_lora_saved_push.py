@@ -72,8 +72,10 @@ def test_a_pushed_head_norm_and_embeddings_serve_a_mixed_batch_like_peft(client)
         (dict(modules_to_save=["q_norm"]), "q_norm: modules_to_save of a Qwen3RMSNorm is not served unmerged"),
         # peft keeps an embedding's LoRA as lora_embedding_A/B: it was left out of adapter-only pushes, silently
         (dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens: LoRA on a Embedding is not served unmerged"),
+        # the prompt's first tokens (PROMPT[:2]) trained: refused in every mode before ("only LoRA can be merged")
+        (dict(trainable_token_indices=[5, 42]), "trainable_token_indices: trainable tokens is not served unmerged"),
     ],
-    ids=["dora", "saved-q-norm", "lora-on-embeddings"],
+    ids=["dora", "saved-q-norm", "lora-on-embeddings", "trainable-tokens"],
 )
 def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_asked(client, settings, why):
     """DoRA, or a saved module workers cannot serve unmerged (a norm per attention head): "auto" pushes the merged
@@ -83,7 +85,7 @@ def test_unservable_adapters_push_merged_once_warned_unless_adapter_only_is_aske
     model = get_peft_model(tiny_model(0), LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **settings}))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
+            if "lora_" in name or "modules_to_save" in name or "trainable_tokens" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.1)
     model.eval()
     with pytest.raises(ValueError, match=why):

@@ -84,13 +84,13 @@ def _buffer_entries(model: torch.nn.Module, rename: Callable[[str], str | None] 
 
 
 def merge_refusal(model: torch.nn.Module) -> str | None:
-    """Why a PEFT model's weights cannot be merged on the fly (None: they can): an adapter other than LoRA, or a
-    trained LoRA bias on a layer without a bias."""
+    """Why a PEFT model's weights cannot be merged on the fly (None: they can): an adapter other than LoRA (or
+    LoRA's trainable tokens, `trainable_token_indices`), or a trained LoRA bias on a layer without a bias."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, module in model.get_base_model().named_modules():
-        if isinstance(module, BaseTunerLayer) and not isinstance(module, LoraLayer):
+        if isinstance(module, BaseTunerLayer) and not isinstance(module, (LoraLayer, *_token_layer_types())):
             return (
                 f"{name}: only LoRA adapters can be merged on the fly; merge_and_unload() the model into a plain one "
                 "to sync it"
@@ -117,6 +117,8 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
     prefix = getattr(model, "prefix", None) or getattr(model.base_model, "prefix", "lora_")
     modules = dict(base.named_modules())
     tuners = {key for key, module in modules.items() if isinstance(module, BaseTunerLayer)}
+    # trainable tokens (`trainable_token_indices`): `<embedding>.token_adapter.base_layer.weight` is the embedding's
+    tokens = {key for key, module in modules.items() if isinstance(module, _token_layer_types())}
     refusal = merge_refusal(model)
     if refusal is not None:
         raise NotImplementedError(refusal)
@@ -124,7 +126,7 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
     def base_name(name: str) -> str | None:
         """The base model's name of a PEFT model's tensor; None for adapter tensors and frozen originals."""
         parts = name.split(".")
-        if any(part.startswith(prefix) for part in parts):
+        if any(part.startswith(prefix) or part in TOKEN_ADAPTER_TENSORS for part in parts):
             return None  # adapter tensors
         if "original_module" in parts:  # the frozen original of a modules_to_save module
             wrapper = modules[".".join(parts[: parts.index("original_module")])]
@@ -143,7 +145,10 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
         # (`experts.base_layer.base_layer.down_proj`). A tuner never lies inside a modules_to_save wrapper (peft
         # refuses that), so the paths looked up here are the original ones.
         return ".".join(
-            part for at, part in enumerate(parts) if not (part == "base_layer" and ".".join(parts[:at]) in tuners)
+            part
+            for at, part in enumerate(parts)
+            if not (part == "base_layer" and ".".join(parts[:at]) in tuners)
+            and not (part == "token_adapter" and ".".join(parts[: at + 1]) in tokens)
         )
 
     entries = []
@@ -152,13 +157,43 @@ def peft_entries(model: torch.nn.Module, merged: bool = True) -> list[Entry]:
         if clean is None:
             continue
         weight_of, bias_of = _lora_layers_of(name, param, modules, tuners) if merged else ([], [])
-        if weight_of:
+        owner = name.rsplit(".base_layer.", 1)[0]  # (the trainable tokens' layer of an embedding's weight)
+        token_layer = modules[owner] if merged and owner in tokens else None
+        if token_layer is not None and token_layer.get_base_layer().weight is param:
+            entries.append(
+                Entry(clean, param.dtype, shape_of(param), lambda t=token_layer, w=param: _with_tokens(t, w))
+            )
+        elif weight_of:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=weight_of, w=param: _merged(lr, w)))
         elif bias_of:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda lr=bias_of, b=param: _merged_bias(lr, b)))
         else:
             entries.append(Entry(clean, param.dtype, shape_of(param), lambda param=param: full_copy(param)))
     return entries + _buffer_entries(base, base_name)
+
+
+# The tensors of LoRA's trainable tokens (peft's TrainableTokensLayer): the trained rows and their originals.
+TOKEN_ADAPTER_TENSORS = ("trainable_tokens_delta", "trainable_tokens_original")
+
+
+def _token_layer_types() -> tuple[type, ...]:
+    """peft's TrainableTokensLayer (none with a peft that has no trainable tokens)."""
+    try:
+        from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    except ImportError:
+        return ()
+    return (TrainableTokensLayer,)
+
+
+def _with_tokens(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+    """An embedding (or a head tied to it) with its active adapters' trainable token rows in place, as peft's
+    `get_merged_weights` computes it, on a copy (the model is not modified)."""
+    with gathered([weight, *layer.parameters()]), torch.no_grad():
+        merged = weight.detach().clone()
+        for adapter in (a for a in layer.active_adapters if a in layer.token_indices):
+            index = torch.tensor(layer.token_indices[adapter], device=merged.device)
+            merged.index_copy_(0, index, layer.trainable_tokens_delta[adapter].to(merged))
+        return merged.full_tensor() if is_dtensor(merged) else merged
 
 
 def _lora_layers_of(
