@@ -111,7 +111,7 @@ def test_each_setting_belongs_to_its_mode(tmp_path):
     common = dict(model=None, reward_funcs=id_reward, args=grpo_config(tmp_path))
     cases = [
         (dict(rollout_mode="vllm"), "rollout_mode must be one of"),
-        (dict(), 'rollout_mode="server" needs rollout_workers'),
+        (dict(), 'rollout_mode="server" \\(the default\\) needs rollout_workers: .* or rollout_mode="colocate"'),
         (dict(rollout_workers="tcp://x:1", sleep_between_rounds=True), "sleep_between_rounds has no effect"),
         (dict(rollout_workers="tcp://x:1", sleep_between_rounds=False), "sleep_between_rounds has no effect"),
         (dict(rollout_workers="tcp://x:1", rollout_engine_config={}), "rollout_engine_config has no effect"),

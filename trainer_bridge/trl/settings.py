@@ -59,7 +59,11 @@ def check_mode(mode: str, workers: Any, push: Any, client: Any, engine_config: A
     if mode not in ROLLOUT_MODES:
         raise ValueError(f"rollout_mode must be one of {list(ROLLOUT_MODES)}, got {mode!r}")
     if mode == "server" and workers is None:
-        raise ValueError('rollout_mode="server" needs rollout_workers (addresses or a RolloutClient)')
+        raise ValueError(
+            'rollout_mode="server" (the default) needs rollout_workers: the address of a running rollout-worker, '
+            'e.g. "tcp://127.0.0.1:5555", several, or a RolloutClient; or rollout_mode="colocate" to generate in the '
+            "trainer, with no worker"
+        )
     other_mode = {
         "server": {"rollout_engine_config": engine_config is not None, "sleep_between_rounds": sleep is not None},
         "colocate": {
