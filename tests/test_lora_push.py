@@ -277,7 +277,7 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
 
     from rollout.config import FieldError
     from trainer_bridge.colocated_model import peft_merged
-    from trainer_bridge.weights.adapter_mode import push_mode
+    from trainer_bridge.weights.adapter_mode import _RANK_REFUSED, push_mode
 
     unfrozen = get_peft_model(tiny_model(0), LoraConfig(r=4, target_modules=["q_proj"]))
     assert push_mode(unfrozen, "adapter") == "adapter"
@@ -309,6 +309,9 @@ def test_what_an_adapter_push_would_not_carry_is_pushed_merged_or_refused():
         push_mode(tied, "merged")
     with peft_merged(tied):  # nothing of the copy is merged in place
         pass
+    _RANK_REFUSED.add(tied)  # the workers refused its rank: "auto" would push it merged, which says why it cannot
+    with pytest.raises(FieldError, match="tied to model.* The workers refused the adapter for its rank: raise their"):
+        push_mode(tied, "auto")
     # trainable tokens (peft ties their rows itself): pushed merged, not refused as a tied trained module
     tokens = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[5, 6])
     tied = get_peft_model(AutoModelForCausalLM.from_config(config), tokens)

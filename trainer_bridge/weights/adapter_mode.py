@@ -118,7 +118,8 @@ def push_mode(source: Any, adapters: str = "auto", accelerator: Any = None, warn
     tied_copy = tied_to_a_trained_module(model)
     if adapters == "merged" or (adapters == "auto" and model in _RANK_REFUSED):
         if tied_copy is not None:
-            raise FieldError("model", tied_copy)
+            refused = " The workers refused the adapter for its rank: raise their --max-lora-rank to serve it."
+            raise FieldError("model", tied_copy + (refused if adapters == "auto" else ""))
         return "merged"  # an adapter merge_refusal names is refused by peft_entries, before anything is sent
     name = active_adapter_name(model)
     unfrozen = unfrozen_base_parameters(model)
