@@ -275,8 +275,11 @@ class AdapterTable:
         slots: list[int] = []
         for ref, length in zip(adapters, lengths):
             slots += [base if ref is None else ref.slot] * length
-        if len(slots) > self.state.token_slots.numel():
-            size = max(len(slots), self.state.max_tokens)  # the first step with an adapter: room for every later one
+        held = self.state.token_slots.numel()
+        # The first step with an adapter, or a graph capture (no sequence: its padding tokens, on the base, read the
+        # buffer's first rows; warmup captures after --lora adapters are served): room for every later step.
+        if len(slots) > held or (always and held == 0):
+            size = max(len(slots), self.state.max_tokens)
             grown = torch.full((size,), base, dtype=torch.long, device=self._device)
             self.state.token_slots = grown
             self.layout_version += 1
