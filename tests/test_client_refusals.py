@@ -108,6 +108,12 @@ def test_a_waits_timeout_that_cannot_work_is_refused_by_name(client, timeout):
     assert client.wait_connected() == [0] and client.stats()
 
 
+def test_wait_connected_for_ever_waits_as_long_as_connect_timeout_lets_it(client):
+    """math.inf had always waited until connect_timeout (its deadline bounds the wait): the timeout check refused it
+    as "no number of seconds", a trainer's wait_connected(math.inf) failing with bad_request."""
+    assert client.wait_connected(float("inf")) == [0]
+
+
 def _no_update_opened(client: RolloutClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The update ids `client` opens a channel for from now on (a push's first step, before it sends anything)."""
     opened: list[str] = []

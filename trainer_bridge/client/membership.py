@@ -27,16 +27,17 @@ def worker_address_problem(address: str) -> str | None:
     return problem
 
 
-def check_wait(timeout: Any) -> None:
+def check_wait(timeout: Any, inf: bool = False) -> None:
     """Refuse a wait's timeout that is not None or a number of seconds >= 0 (NaN passed no deadline: the wait
     returned at once as if it had timed out; a string failed with a TypeError).
 
     Args:
         timeout: what the caller gave.
+        inf: math.inf counts too (a wait bounded otherwise: wait_connected's connect_timeout).
     Raises:
         RolloutError: "bad_request", naming the field "timeout".
     """
-    if timeout is not None and not is_seconds(timeout, zero=True):
+    if timeout is not None and not is_seconds(timeout, zero=True, inf=inf):
         raise RolloutError(
             "bad_request", f"timeout must be None or a number of seconds >= 0, got {timeout!r}", "timeout"
         )
@@ -106,7 +107,7 @@ class WorkerMembership:
         """
         if self._closed.is_set():
             raise RolloutError("closed", "the client is closed")
-        check_wait(timeout)
+        check_wait(timeout, inf=True)  # (math.inf waits as long as connect_timeout lets it, as it always did)
         added = [worker.added_at for worker in self._io.workers if not worker.retired]
         deadline = min(
             max(added, default=self._started) + self.connect_timeout,  # a worker added later gets its own time
