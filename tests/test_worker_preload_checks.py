@@ -128,3 +128,18 @@ def test_max_model_len_above_a_built_in_models_context_is_refused_once_it_loads(
         worker_error(capsys, "--max-model-len", "2049")
         == "--max-model-len 2049: above the model's context of 2048 tokens"
     )
+
+
+def test_max_model_len_up_to_a_rope_scaled_context_passes_as_vllms(capsys, tmp_path):
+    """A YaRN-scaled model (Qwen's long-context setting: factor 4 over its original context) serves the scaled
+    context, as vLLM derives its max_model_len: `--max-model-len` up to it goes on to loading, past it is refused
+    naming the scaled context (it was refused past max_position_embeddings, vLLM's usual --max-model-len 131072
+    for such a model included)."""
+    folder = tmp_path / "yarn"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    Qwen3Config(**{**SMALL, "max_position_embeddings": 64, "rope_parameters": yarn}).save_pretrained(folder)
+    assert worker_error(capsys, "--model", str(folder), "--max-model-len", "256").startswith(f"--model {folder}: ")
+    message = worker_error(capsys, "--model", str(folder), "--max-model-len", "257")
+    assert message == "--max-model-len 257: above the model's context (RoPE-scaled) of 256 tokens"
+    message = worker_error(capsys, "--model", str(folder), "--max-prompt-len", "65")  # the engine's own: unscaled
+    assert message == "--max-prompt-len 65: above the model's context of 64 tokens"

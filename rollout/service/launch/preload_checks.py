@@ -30,7 +30,9 @@ def check_before_load(
         config: the engine settings the flags give (`flags.check_settings`).
     """
     if args.max_prompt_len is not None or config.max_model_len is not None:
-        check_context(parser, args, config.max_model_len, model_context(args.model))
+        model_config = _model_config(args.model)
+        context, ceiling = config_context(model_config), config_context(model_config, rope_scaled=True)
+        check_context(parser, args, config.max_model_len, context, ceiling)
     for name, path in lora_specs(parser, args.lora, served_model_name(args)):
         rank = adapter_rank(os.path.expanduser(path))
         if rank is not None and rank > config.max_lora_rank:
@@ -41,19 +43,27 @@ def check_before_load(
 
 
 def check_context(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, max_model_len: int | None, context: int | None
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    max_model_len: int | None,
+    context: int | None,
+    ceiling: int | None = None,
 ) -> None:
     """Usage errors for a `--max-model-len` above the model's context (as vLLM refuses it: positions past it were
-    never trained), and a `--max-prompt-len` above the context the worker serves.
+    never trained; a RoPE-scaled model's, YaRN's, is its scaled one, as vLLM derives it), and a `--max-prompt-len`
+    above the context the worker serves.
 
     Args:
         parser: rollout-worker's parser.
         args: the parsed flags.
         max_model_len: the engine's `max_model_len` (`--max-model-len`), None for the model's context.
         context: the model's context (its max_position_embeddings), None where it is not known yet.
+        ceiling: the most `--max-model-len` may be (`config_context(..., rope_scaled=True)`); None: `context`.
     """
-    if max_model_len is not None and context is not None and max_model_len > context:
-        parser.error(f"--max-model-len {max_model_len}: above the model's context of {context} tokens")
+    ceiling = ceiling or context
+    if max_model_len is not None and ceiling is not None and max_model_len > ceiling:
+        scaled = " (RoPE-scaled)" if ceiling != context else ""
+        parser.error(f"--max-model-len {max_model_len}: above the model's context{scaled} of {ceiling} tokens")
     limit = max_model_len or context
     if args.max_prompt_len is not None and limit is not None and args.max_prompt_len > limit:
         what = f"--max-model-len {limit}" if max_model_len else f"the model's context of {limit} tokens"
@@ -67,6 +77,11 @@ def model_context(model: str) -> int | None:
     Args:
         model: `--model` as given: a local directory or a hub id.
     """
+    return config_context(_model_config(model))
+
+
+def _model_config(model: str) -> Any:
+    """`model`'s config read alone (None for a built-in model, or one that cannot be read here)."""
     if is_preset(model):
         return None
     from huggingface_hub.errors import StrictDataclassError
@@ -74,26 +89,43 @@ def model_context(model: str) -> int | None:
 
     try:
         cached_only = False if is_local_path(model) else check_hub_source(model, "--model")
-        model_config: Any = AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
+        return AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
     except (HubUnreachable, ValueError, OSError, KeyError, StrictDataclassError):
         return None
-    return config_context(model_config)
 
 
-def model_context_of(model: Any) -> int | None:
+def model_context_of(model: Any, rope_scaled: bool = False) -> int | None:
     """The context of a loaded model (its text config's max_position_embeddings); None where it gives none.
 
     Args:
         model: a transformers model.
+        rope_scaled: as `config_context`.
     """
-    return config_context(getattr(model, "config", None))
+    return config_context(getattr(model, "config", None), rope_scaled)
 
 
-def config_context(model_config: Any) -> int | None:
-    """A model config's max_position_embeddings (its text config's), None where it gives none."""
+def config_context(model_config: Any, rope_scaled: bool = False) -> int | None:
+    """A model config's max_position_embeddings (its text config's), None where it gives none.
+
+    Args:
+        model_config: a transformers config (None: none).
+        rope_scaled: the context its RoPE scaling extends it to, as vLLM derives its max_model_len (YaRN's
+            original_max_position_embeddings times its factor; other types but su, longrope and llama3: the
+            context times the factor), a Qwen model's --max-model-len 131072 with YaRN factor 4.
+    """
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     context = getattr(text, "max_position_embeddings", None)
-    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
+    if not (isinstance(context, int) and not isinstance(context, bool) and context > 0):
+        return None
+    scaling = (getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)) if rope_scaled else None
+    if not isinstance(scaling, dict):
+        return context
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = scaling.get("factor")
+    if kind in (None, "default", "su", "longrope", "llama3") or not isinstance(factor, (int, float)) or factor <= 1:
+        return context
+    original = scaling.get("original_max_position_embeddings") if kind == "yarn" else None
+    return int((original if isinstance(original, int) and original > 0 else context) * factor)
 
 
 def adapter_rank(path: str) -> int | None:

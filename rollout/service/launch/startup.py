@@ -163,7 +163,7 @@ def _serve_parts(
     serve_start_adapters(parser, args.lora, manager.engine, served_model_name(args))
     # (a built-in model, or a config found only by loading: not checked before; a longer prompt would be capped there)
     context = model_context_of(manager.engine.model) or (None if args.max_model_len else manager.engine.max_model_len)
-    check_context(parser, args, args.max_model_len, context)
+    check_context(parser, args, args.max_model_len, context, model_context_of(manager.engine.model, rope_scaled=True))
     try:
         manager.warmup()  # kernels compiled and decode CUDA graphs captured before the first client arrives
     except RuntimeError as error:  # the model's forward fails: no request could be served
