@@ -294,3 +294,14 @@ def test_join_takes_transformers_arguments(caplog):
     with caplog.at_level("INFO", logger="rollout"):
         manager.join(stop_trigger_time, timeout=30)
     assert not manager.is_running() and "engine thread stopped" in caplog.text
+
+
+def test_the_uptime_stops_counting_when_the_manager_stops():
+    """uptime_s went on growing after stop(), so a stopped worker's tokens per second (tokens / uptime) decayed."""
+    manager = init_continuous_batching(tiny_model("qwen3"), continuous_batching_config=CACHE).start()
+    request_id = manager.add_request([1, 2, 3], max_new_tokens=2, sampling=GREEDY)
+    assert manager.get_result(request_id, timeout=30).is_finished()
+    manager.stop()
+    first = manager.stats()["uptime_s"]
+    time.sleep(0.05)
+    assert manager.stats()["uptime_s"] == first > 0

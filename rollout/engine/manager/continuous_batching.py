@@ -67,6 +67,7 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
         self.weight_updates = parts.weight_updates
         self.control = parts.control
         self.started_at: float | None = None
+        self.stopped_at: float | None = None  # (unix) when the engine thread ended: the uptime counts no further
         self.idle_s = 0.0  # seconds the engine thread waited with nothing to run (written by that thread only)
         # Called on the engine thread with each step's wall time in seconds (the worker's metrics histogram).
         self.step_observer: Callable[[float], None] | None = None
@@ -270,7 +271,7 @@ class ContinuousBatchingManager(RequestAdding, ResultReading):
         stats.update(
             last_weight_update_at=self.weight_updates.last_at,
             last_weight_update_pause_ms=None if last is None else last.pause_ms,
-            uptime_s=0.0 if self.started_at is None else time.time() - self.started_at,
+            uptime_s=0.0 if self.started_at is None else (self.stopped_at or time.time()) - self.started_at,
             idle_s=self.idle_s,
             generation_paused=self.control.is_paused,
         )

@@ -4,6 +4,7 @@ refuses what is still queued, ends what runs and gives the model back."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -41,6 +42,7 @@ class LoopOwner(Protocol):
 
     error: BaseException | None
     idle_s: float
+    stopped_at: float | None
     step_observer: Callable[[float], None] | None
 
 
@@ -153,6 +155,9 @@ class EngineLoop:
 
     def shutdown(self, reason: str | None = None) -> None:
         """Refuse new requests, end everything still queued or running, release the model."""
+        with contextlib.suppress(ReferenceError):  # (a manager dropped unstopped: nobody reads its uptime)
+            if self.owner.stopped_at is None:
+                self.owner.stopped_at = time.time()
         self.requests.close()
         self.updates.refuse_pending("the manager stopped before the weight update was applied")
         self.generation.refuse_waiting("the manager stopped before the in-flight samples finished")
