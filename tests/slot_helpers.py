@@ -7,6 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from conftest import tiny_model
 from rollout import protocol as p
@@ -18,10 +19,10 @@ SLOW_S = 1.0  # what a patched step costs: far above what the serving thread may
 
 
 @contextlib.contextmanager
-def open_slot() -> Iterator[UpdateSlot]:
-    """An update slot over a tiny model's engine; replies go to its `sent` list. Closed on exit."""
+def open_slot(model: Any = None) -> Iterator[UpdateSlot]:
+    """An update slot over a tiny model's engine (or `model`'s); replies go to its `sent` list. Closed on exit."""
     manager = init_continuous_batching(
-        tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=32, block_size=16)
+        model or tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=32, block_size=16)
     )
     sent: list[p.Message] = []
     woken = threading.Event()

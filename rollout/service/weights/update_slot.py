@@ -235,13 +235,15 @@ class UpdateSlot:
                 return  # rejected meanwhile, or it has no staging area (the error that says why is on its way)
             try:
                 tensors = update.tensors(self.check_finite)  # names an incomplete or NaN tensor
+                adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
+                self.manager.weight_updates.submit(
+                    tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
+                )
             except UpdateRejected as rejected:
                 self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
-                return
-            adapter = None if begin.adapter is None else AdapterUpdate(begin.adapter, begin.scalings)
-            self.manager.weight_updates.submit(
-                tensors, begin.version, begin.mode, begin.partial, begin.timeout_s, applied, adapter
-            )
+            except Exception as error:  # noqa: BLE001 - a committing update never expires: unanswered, it held the slot
+                reason = f"the commit's checks failed, nothing changed: {type(error).__name__}: {error}"
+                self._report(update, p.Error("internal", reason, None))
 
         update.jobs.submit(job)
 

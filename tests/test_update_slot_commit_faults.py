@@ -1,0 +1,41 @@
+"""A commit whose checks fail in a way no refusal foresaw still ends: the update is refused, naming why, and the slot
+is free for the next one (a commit never expires, so an unanswered one held the slot for the worker's life)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from slot_helpers import open_slot, replies
+
+from rollout import protocol as p
+from rollout.protocol.staging import bucket_checksum
+from rollout.service.weights import staged_update as weights_module
+
+pytestmark = pytest.mark.timeout(60)
+NORM = [p.TensorSpec("model.norm.weight", "float32", [64])]
+
+
+def push(slot, update_id: str, spec: p.TensorSpec, data: torch.Tensor, count: int) -> p.Message:
+    """A one-tensor partial update, begun, sent and committed; returns the commit's answer."""
+    slot.handle(b"trainer", p.WeightsBegin(update_id, [spec], partial=True), [], None)
+    assert isinstance(replies(slot, count + 1)[-1], p.WeightsReady), slot.sent
+    bucket = p.WeightsBucket(update_id, [p.TensorPiece(0, 0, data.numel())], bucket_checksum([data]))
+    slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
+    slot.handle(b"trainer", p.WeightsCommit(update_id), [], None)
+    return replies(slot, count + 3, timeout_s=5.0)[-1]
+
+
+def test_a_commit_whose_checks_raise_is_refused_and_frees_the_slot(monkeypatch):
+    def broken(self, check_finite=False):
+        raise MemoryError("no room for the check")
+
+    with open_slot() as slot:
+        before = slot.manager.engine.model.model.norm.weight.detach().clone()
+        monkeypatch.setattr(weights_module.StagedUpdate, "tensors", broken)
+        error = push(slot, "a", NORM[0], torch.full((64,), 2.0).view(torch.uint8), 0)
+        assert isinstance(error, p.Error) and error.code == "internal" and "MemoryError" in error.message, error
+        assert slot.update is None and slot.policy_version == 0
+        assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), before)
+        monkeypatch.undo()
+        committed = push(slot, "b", NORM[0], torch.full((64,), 2.0).view(torch.uint8), 3)
+        assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
