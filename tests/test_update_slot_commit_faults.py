@@ -1,5 +1,6 @@
 """A commit whose checks fail in a way no refusal foresaw still ends: the update is refused, naming why, and the slot
-is free for the next one (a commit never expires, so an unanswered one held the slot for the worker's life)."""
+is free for the next one (a commit never expires, so an unanswered one held the slot for the worker's life). The
+finiteness check (--check-finite) covers every floating dtype a tensor may come in, float8 too."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from slot_helpers import open_slot, replies
 
+from conftest import tiny_model
 from rollout import protocol as p
 from rollout.protocol.staging import bucket_checksum
 from rollout.service.weights import staged_update as weights_module
@@ -39,3 +41,21 @@ def test_a_commit_whose_checks_raise_is_refused_and_frees_the_slot(monkeypatch):
         monkeypatch.undo()
         committed = push(slot, "b", NORM[0], torch.full((64,), 2.0).view(torch.uint8), 3)
         assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+def test_the_finiteness_check_covers_float8_tensors():
+    model = tiny_model()
+    model.register_buffer("scale8", torch.zeros(8, dtype=torch.float8_e4m3fn))
+    spec = p.TensorSpec("scale8", "float8_e4m3fn", [8])
+    with open_slot(model) as slot:
+        slot.check_finite = True
+        nan = torch.zeros(8, dtype=torch.uint8)
+        nan[3] = 0x7F  # NaN in float8_e4m3fn (it has no Inf)
+        error = push(slot, "nan", spec, nan, 0)
+        assert isinstance(error, p.Error) and (error.code, error.field) == ("bad_update", "scale8"), error
+        assert "NaN" in error.message and slot.update is None and slot.policy_version == 0
+        fine = torch.full((8,), 0x38, dtype=torch.uint8)  # 1.0 in float8_e4m3fn
+        committed = push(slot, "fine", spec, fine, 3)
+        assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
+        assert torch.equal(model.scale8.view(torch.uint8), fine)
