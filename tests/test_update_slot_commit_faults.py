@@ -1,5 +1,6 @@
 """A commit whose checks fail in a way no refusal foresaw still ends: the update is refused, naming why, and the slot
-is free for the next one (a commit never expires, so an unanswered one held the slot for the worker's life). The
+is free for the next one (a commit never expires, so an unanswered one held the slot for the worker's life; a bucket's, until the
+client's phase deadline). The
 finiteness check (--check-finite) covers every floating dtype a tensor may come in, float8 too."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from slot_helpers import open_slot, replies
 from conftest import tiny_model
 from rollout import protocol as p
 from rollout.protocol.staging import bucket_checksum
+from rollout.protocol.transports.frames import FramesReceiver
 from rollout.service.weights import staged_update as weights_module
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,6 +42,24 @@ def test_a_commit_whose_checks_raise_is_refused_and_frees_the_slot(monkeypatch):
         assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), before)
         monkeypatch.undo()
         committed = push(slot, "b", NORM[0], torch.full((64,), 2.0).view(torch.uint8), 3)
+        assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
+
+
+def test_a_bucket_whose_staging_raises_is_refused_at_once_and_frees_the_slot(monkeypatch):
+    def broken(self, area, begin, pieces, frames, checksum):
+        raise MemoryError("no room for the bytes")
+
+    with open_slot() as slot:
+        data = torch.full((64,), 2.0).view(torch.uint8)
+        monkeypatch.setattr(FramesReceiver, "take_bytes", broken)
+        slot.handle(b"trainer", p.WeightsBegin("a", NORM, partial=True), [], None)
+        bucket = p.WeightsBucket("a", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
+        slot.handle(b"trainer", bucket, [data.numpy().tobytes()], None)
+        error = replies(slot, 2, timeout_s=5.0)[-1]
+        assert isinstance(error, p.Error) and error.code == "internal" and "MemoryError" in error.message, error
+        assert slot.update is None and slot.policy_version == 0
+        monkeypatch.undo()
+        committed = push(slot, "b", NORM[0], data, 2)
         assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
 
 

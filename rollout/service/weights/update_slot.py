@@ -215,6 +215,9 @@ class UpdateSlot:
                 take_bytes()
             except UpdateRejected as rejected:
                 self._report(update, p.Error(rejected.code, str(rejected), rejected.field))
+            except Exception as error:  # noqa: BLE001 - answered now: unanswered, the client waited out its deadline
+                reason = f"staging a bucket failed, nothing changed: {type(error).__name__}: {error}"
+                self._report(update, p.Error("internal", reason, None))
             else:
                 self._report(update, p.WeightsAck(update.update_id, update.received_bytes))
 
