@@ -79,3 +79,23 @@ def test_the_finiteness_check_covers_float8_tensors():
         committed = push(slot, "fine", spec, fine, 3)
         assert isinstance(committed, p.WeightsCommitted) and committed.version == 1, committed
         assert torch.equal(model.scale8.view(torch.uint8), fine)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="no float8 in this torch")
+def test_a_checkpoint_with_float8_tensors_is_checked_for_nan_too(tmp_path):
+    from safetensors.torch import save_file
+
+    from rollout.service.http.control.checkpoint_dir import read_checkpoint
+    from rollout.service.http.errors import APIError
+
+    fine = torch.full((8,), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    served = {"scale8": ("float8_e4m3fn", (8,))}
+    save_file({"scale8": fine}, str(tmp_path / "model.safetensors"))
+    assert torch.equal(
+        read_checkpoint(tmp_path, served, check_finite=True)["scale8"].view(torch.uint8), fine.view(torch.uint8)
+    )
+    nan = fine.view(torch.uint8).clone()
+    nan[5] = 0x7F
+    save_file({"scale8": nan.view(torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(APIError, match="holds NaN or Inf"):
+        read_checkpoint(tmp_path, served, check_finite=True)

@@ -87,6 +87,20 @@ def bucket_span(bucket: list[tuple[int, int, torch.Tensor]], offsets: list[int])
     return span
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds no NaN or Inf (what --check-finite checks). torch checks no float8 dtype but
+    e5m2 ("isfinite" is not implemented for float8_e4m3fn): those are widened first, one chunk at a time (every
+    float8 value is exact in float16, NaN stays NaN)."""
+    try:
+        return bool(torch.isfinite(tensor).all())
+    except (NotImplementedError, RuntimeError):
+        if tensor.element_size() != 1:
+            raise
+    flat = tensor.reshape(-1)
+    step = 1 << 24
+    return all(bool(torch.isfinite(flat[i : i + step].to(torch.float16)).all()) for i in range(0, flat.numel(), step))
+
+
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     """Open a worker's staging segment from another process without taking ownership of it (the worker unlinks
     it; Python < 3.13 would otherwise unlink it when this process exits).

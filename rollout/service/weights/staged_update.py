@@ -22,6 +22,7 @@ from rollout.engine.engine import Engine
 from rollout.protocol.staging import (
     DTYPES,
     StagingPool,
+    all_finite,
     bucket_checksum,
     release_segment,
     staging_layout,
@@ -303,7 +304,7 @@ class StagedUpdate:
         }
         if check_finite:
             for name, tensor in tensors.items():
-                if tensor.is_floating_point() and tensor.numel() and not _finite(tensor):
+                if tensor.is_floating_point() and tensor.numel() and not all_finite(tensor):
                     raise UpdateRejected(
                         "bad_update", name, "holds NaN or Inf values (the worker checks: --check-finite)"
                     )
@@ -338,17 +339,3 @@ class StagedUpdate:
         if not clean and self._shared is not None:
             release_segment(*self._shared)
         self._host = self._shared = None
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    """Whether a floating tensor holds no NaN or Inf. torch checks no float8 dtype but e5m2 ("isfinite" is not
-    implemented for float8_e4m3fn): those are widened first, one chunk at a time (every float8 value is exact in
-    float16, NaN stays NaN)."""
-    try:
-        return bool(torch.isfinite(tensor).all())
-    except (NotImplementedError, RuntimeError):
-        if tensor.element_size() != 1:
-            raise
-    flat = tensor.reshape(-1)
-    step = 1 << 24
-    return all(bool(torch.isfinite(flat[i : i + step].to(torch.float16)).all()) for i in range(0, flat.numel(), step))

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rollout.config import FieldError, dtype_name
+from rollout.protocol.staging import all_finite
 from rollout.service.http.errors import APIError
 
 # Most safetensors files one checkpoint may hold (sharded checkpoints of very large models have a few hundred).
@@ -67,7 +68,7 @@ def read_checkpoint(
 
 def _finite(tensor: torch.Tensor) -> bool:
     """Whether a floating tensor holds no NaN or Inf (other tensors always do)."""
-    return not tensor.is_floating_point() or not tensor.numel() or bool(torch.isfinite(tensor).all())
+    return not tensor.is_floating_point() or not tensor.numel() or all_finite(tensor)
 
 
 def _as_served(tensor: torch.Tensor, spec: tuple[str, tuple[int, ...]] | None) -> torch.Tensor:
