@@ -210,3 +210,20 @@ def test_a_dataset_directory_with_data_files_where_the_hub_puts_them_is_read(cap
 
     split = "test" if "test" in place else "train"
     assert [row["question"] for row in load_rows(str(folder), split, None)] == [row["question"] for row in rows]
+
+
+@pytest.mark.parametrize(
+    "split, expected",
+    [
+        ("train[1:]", "row 1 of {path} --split train[1:] has no such field"),
+        ("train[-1:]", "{path} --split train[-1:] has no such field; its fields are: question"),
+    ],
+)
+def test_a_missing_field_under_a_sliced_split_names_the_split_not_the_files_row(capsys, tmp_path, split, expected):
+    """A slice's row 1 is not the file's row 1 (whose answer is there), and the file has the field the slice's rows
+    lack: the message names the split whose rows it counts."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": "a", "answer": "1"}, {"question": "b", "answer": "1"}, {"question": "c"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    message = error_of(capsys, path, "--answer-field", "answer", "--split", split)
+    assert message == "--answer-field answer: " + expected.format(path=path)

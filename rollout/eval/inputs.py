@@ -69,7 +69,9 @@ def load_inputs(args: argparse.Namespace) -> EvalInputs:
         device_spec = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         device = torch_device(device_spec, f"--device {device_spec}")
         rows = load_rows(args.dataset, args.split, args.num_samples, args.max_line_chars)
-        check_fields(rows, args.dataset, prompt_field=args.prompt_field, answer_field=args.answer_field)
+        # a slice's rows are counted from its first, and hold the fields its rows hold: named as the split's
+        rows_of = args.dataset if args.split is None else f"{args.dataset} --split {args.split}"
+        check_fields(rows, rows_of, prompt_field=args.prompt_field, answer_field=args.answer_field)
     except FieldError as error:
         raise EvalError(f"--batch-config {error}") from None
     except (MetricError, DatasetError, ValueError) as error:  # each names its flag (torch_device's and the hub's too)
