@@ -22,7 +22,8 @@ def is_set(name: str, value: Any) -> bool:
 
 def normalized_constraint(fields: dict[str, Any]) -> dict[str, Any]:
     """The constraint fields of a SamplingParams, checked and in canonical form: `json` as a JSON string (a dict is
-    dumped with sorted keys, so equal schemas share a compiled grammar), `choice` as a tuple of strings.
+    dumped in its own key order: the grammar writes an object's properties in the order the schema declares them, as
+    vLLM and OpenAI do, so sorting them would reorder the output), `choice` as a tuple of strings.
 
     Args:
         fields: the five fields by name (None, and False for `json_object`, when not set).
@@ -83,7 +84,7 @@ def _schema_text(schema: Any) -> str:
         raise FieldError("json", f"the schema's JSON text is longer than {MAX_SPEC_CHARS} characters")
     try:
         if isinstance(schema, dict):
-            schema = json.dumps(schema, sort_keys=True, allow_nan=False)
+            schema = json.dumps(schema, allow_nan=False)  # never sort_keys: property order is the output's
         too_long = isinstance(schema, str) and len(schema) > MAX_SPEC_CHARS  # (a dict's count above is a lower bound)
         parsed = json.loads(schema) if isinstance(schema, str) and schema and not too_long else None
     except (ValueError, TypeError, RecursionError) as error:  # bytes or NaN in a dict, bad text, deep nesting

@@ -211,3 +211,15 @@ def test_a_grammar_the_request_makes_impossible_mid_output_is_a_400_not_a_500(ht
     assert '"invalid_request_error"' in events[-1] and "min_tokens" in events[-1], events[-1]
     plain = httpx.post(f"{http_worker.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
     assert plain.status_code == 200
+
+
+def test_properties_come_in_the_order_the_schema_declares_them(api):
+    """As OpenAI and vLLM write them: "size" declared first comes first (the schema's keys were sorted on the way)."""
+    schema = {**SCHEMA, "properties": {"size": SCHEMA["properties"]["size"], "color": SCHEMA["properties"]["color"]}}
+    answer = api.chat.completions.create(
+        model="tiny", messages=MESSAGES, n=4, seed=1, max_tokens=64, response_format=json_schema_format(schema)
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice
+        pairs = json.loads(choice.message.content, object_pairs_hook=list)
+        assert [key for key, _ in pairs] == ["size", "color"], choice.message.content

@@ -208,3 +208,28 @@ def allowed_next(matcher, vocab: int) -> list[int]:
     bitmask = xgrammar.allocate_token_bitmask(1, vocab)
     matcher.fill_next_token_bitmask(bitmask)
     return np.flatnonzero(np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")[:vocab]).tolist()
+
+
+def test_a_schema_dicts_properties_are_generated_in_the_order_it_declares_them():
+    """xgrammar (as vLLM and OpenAI) writes an object's properties in the schema's order: "reasoning" before "answer"
+    is what the schema asks, and a dict schema must not be reordered on its way (its keys were sorted)."""
+    schema = {
+        "type": "object",
+        "properties": {"reasoning": {"type": "string", "maxLength": 3}, "answer": {"type": "integer"}},
+        "required": ["reasoning", "answer"],
+        "additionalProperties": False,
+    }
+    outputs = generate_batch(
+        MODEL,
+        [PROMPT],
+        sampling=SamplingParams(json=schema, seed=0, max_new_tokens=60),
+        tokenizer=TOKENIZER,
+        n=3,
+        progress_bar=False,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, block_size=16),
+    )
+    finished = [o for o in outputs.values() if o.finish_reason == "stop"]
+    assert finished
+    for output in finished:
+        text = TOKENIZER.decode(output.generated_tokens, skip_special_tokens=True)
+        assert [key for key, _ in json.loads(text, object_pairs_hook=list)] == ["reasoning", "answer"], text
