@@ -37,3 +37,22 @@ def test_messages_ending_with_the_reply_are_refused(capsys, tmp_path):
 def test_a_few_shot_conversation_ending_with_the_question_runs(capsys, tmp_path):
     status, err = run(capsys, tmp_path, [QUESTION, REPLY, {"role": "user", "content": "And 3+3?"}])
     assert status == 0, err
+
+
+def test_a_user_or_system_message_without_content_is_a_missing_prompt(capsys, tmp_path):
+    """A null content (how a converted dataset writes a missing question) renders as an empty turn: the model was
+    asked nothing and scored anyway. Refused by name, as a missing text prompt is; an assistant turn that carried only
+    tool calls (content null) is not the question and still runs."""
+    rendered = tiny_tokenizer().apply_chat_template(
+        [{"role": "user", "content": None}], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"  # the question is gone
+    for messages, where in (
+        ([{"role": "user", "content": None}], "message 0 (user)"),
+        ([{"role": "system", "content": float("nan")}, QUESTION], "message 0 (system)"),
+    ):
+        status, err = run(capsys, tmp_path, messages)
+        assert status == 2 and "Traceback" not in err
+        assert f"rollout-eval: error: --prompt-field messages: row 0 {where} has no content" in err, err
+    status, err = run(capsys, tmp_path, [QUESTION, {"role": "assistant", "content": None}, QUESTION])
+    assert status == 0, err

@@ -109,6 +109,16 @@ def tokenize_prompts(
                     f"--prompt-field {prompt_field}: row {index} is a list but not of chat messages "
                     '({"role": ..., "content": ...} each)'
                 )
+            for number, message in enumerate(messages):  # null renders as an empty turn: the question is gone
+                content = message["content"]
+                if message["role"] != "assistant" and (
+                    content is None or (isinstance(content, float) and math.isnan(content))
+                ):  # (an assistant turn of tool calls alone has none)
+                    raise PromptError(
+                        f"--prompt-field {prompt_field}: row {index} message {number} ({message['role']}) has no "
+                        "content (a missing value), which the chat template would render as an empty turn; fill it "
+                        "in or leave the row out"
+                    )
             if messages[-1]["role"] == "assistant":  # (an SFT row's reply: often the very answer scored against)
                 raise PromptError(
                     f"--prompt-field {prompt_field}: row {index} ends with an assistant message, which the chat "
