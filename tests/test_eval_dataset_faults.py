@@ -227,3 +227,21 @@ def test_a_missing_field_under_a_sliced_split_names_the_split_not_the_files_row(
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     message = error_of(capsys, path, "--answer-field", "answer", "--split", split)
     assert message == "--answer-field answer: " + expected.format(path=path)
+
+
+def test_a_rows_fault_under_a_sliced_split_says_where_its_rows_count_from(capsys, tmp_path):
+    """An empty prompt or a missing answer names its row as the output's prompt_index, the slice's: row 1 of
+    train[1:] is the file's row 2, whose prompt is empty; the message says so. A file's own fault names its line."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": "a", "answer": "1"}, {"question": "b", "answer": "1"}, {"question": "", "answer": None}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    message = error_of(capsys, path, "--split", "train[1:]")
+    assert (
+        message == "--prompt-field question: row 1 has an empty prompt (rows count from the first of --split train[1:])"
+    )
+    message = error_of(capsys, path, "--answer-field", "answer", "--split", "train[1:]")
+    assert message.startswith("--answer-field answer: row 1 has no answer") and message.endswith(
+        "(rows count from the first of --split train[1:])"
+    )
+    path.write_text(path.read_text() + "{not json\n")
+    assert "(rows count" not in error_of(capsys, path, "--split", "train[1:]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import signal
 import sys
 from typing import NoReturn
@@ -175,6 +176,15 @@ def check_flags(args: argparse.Namespace) -> None:
         check_output(args.output, args.dataset)
 
 
+def _counted_in_split(args: argparse.Namespace, message: str) -> str:
+    """Where a message's row (the output's prompt_index) counts from under a sliced --split: the slice's first row,
+    not the file's (a file's reading errors name its own lines and rows, and say `--dataset` first)."""
+    sliced = args.split is not None and "[" in args.split
+    if not sliced or message.startswith("--dataset") or "--split" in message or not re.search(r"\brow \d", message):
+        return ""
+    return f" (rows count from the first of --split {args.split})"
+
+
 def _stopped_by(received: list[int]) -> str:
     """What stopped the run, as the message says it."""
     return "terminated (SIGTERM)" if received and received[0] == signal.SIGTERM else "interrupted"
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             if written is not None:
                 print(f"rows: {args.output} ({summary['samples']}), summary: {written}", flush=True)
         except EvalError as error:
-            print(f"rollout-eval: error: {error}", file=sys.stderr)
+            print(f"rollout-eval: error: {error}{_counted_in_split(args, str(error))}", file=sys.stderr)
             return 2
         except KeyboardInterrupt as interrupt:
             # e.g. " while generating; the rows are in ..." (another interrupt's message is not this command's)
