@@ -15,7 +15,6 @@ import torch
 from rollout.config import FieldError, SamplingParams
 from rollout.engine.counters import StepCounters, engine_stats, log_leaks
 from rollout.engine.kv.kv_cache import PagedKVCache
-from rollout.engine.lora.adapter_weights import AdapterModules
 from rollout.engine.requests.group_spec import GroupSpec
 from rollout.engine.requests.intake import RequestIntake
 from rollout.engine.requests.outputs import GenerationOutput
@@ -28,8 +27,8 @@ from rollout.engine.scheduling.scheduler import Scheduler
 from rollout.engine.speculative.drafter import SuffixDrafter
 from rollout.engine.step_loop import StepLoop
 from rollout.engine.warmup import warm_up
-from rollout.engine.weights.commit_modes import recompute_in_flight
-from rollout.engine.weights.weight_table import WeightTable, WeightUpdateResult
+from rollout.engine.weights.engine_weights import EngineWeights
+from rollout.engine.weights.weight_table import WeightTable
 from rollout.engine.weights.weight_updates import WeightUpdates
 from rollout.generation_config import resolve as resolve_generation_config
 from rollout.invariant.cpu_check import check_cpu_products
@@ -37,7 +36,7 @@ from rollout.invariant.reductions import on_kernel_device
 from rollout.transformers_configs import engine_config
 
 
-class Engine:
+class Engine(EngineWeights):
     """Continuous-batching engine over one transformers model: requests in, per-step outputs out."""
 
     def __init__(
@@ -253,113 +252,3 @@ class Engine:
     def overlap_scheduling(self) -> bool:
         """Whether step N+1 is scheduled before step N's tokens reach the host (the config's, or the device's)."""
         return self.loop.overlap_scheduling
-
-    # ---- weights (`WeightUpdates`) ----------------------------------------------------------------------------
-    @property
-    def policy_version(self) -> int:
-        """Version of the weights now served: 0 at start, then what each weight update set."""
-        return self.block_manager.policy_version
-
-    def num_in_flight(self) -> int:
-        """Samples that hold KV or sampled tokens, or whose step is still on the device (what a "wait" update
-        waits for)."""
-        return self.loop.num_in_flight()
-
-    def update_weights(
-        self, tensors: dict[str, torch.Tensor], version: int | None = None, mode: str = "keep", partial: bool = False
-    ) -> WeightUpdateResult:
-        """Copy new weights into the model in place, all at once, between two steps; bump the policy version.
-
-        Everything is validated first: a bad update changes nothing. In-place copies keep the model's tensors (and
-        anything captured against them) valid.
-
-        Args:
-            tensors: name (as in the model's state_dict) -> new value.
-            version: the new policy version (must exceed the current one); None adds one.
-            mode: what happens to in-flight samples: "keep" (continue on their old KV), "recompute" (re-prefill
-                prompt + tokens so far under the new weights), "abort" (end now with finish_reason "abort";
-                samples that have not sampled yet are recomputed instead), "wait" (only valid once nothing is in
-                flight: the manager pauses admission and drains first).
-            partial: allow updating a subset of the parameters.
-        Returns:
-            A `WeightUpdateResult`; its `outputs` are the aborted samples' final outputs, for the caller to deliver.
-        Raises:
-            FieldError: a bad mode, version or tensor (named); nothing was changed (a "wait" refused for samples in
-                flight has finished the step in flight first: its outputs come with the next `step()`).
-        """
-        return self.weight_updates.update_weights(tensors, version, mode, partial)
-
-    def load_adapter(
-        self,
-        name: str,
-        modules: AdapterModules,
-        version: int | None = None,
-        mode: str = "keep",
-        check_finite: bool = False,
-        base: dict[str, torch.Tensor] | None = None,
-    ) -> WeightUpdateResult:
-        """Serve a LoRA adapter unmerged under `name` (replacing the one of that name), between two steps: a weight
-        update like `update_weights`, with a policy version, that leaves the base weights untouched.
-
-        Args:
-            name: the adapter's name (requests choose it: `add_request(..., adapter=name)`).
-            modules: base module name -> `LoraModule` (lora_A, lora_B, scaling) for a Linear it adapts, or
-                `SavedModule` for a module it trains whole (modules_to_save); `lora_weights.load_peft_dir` reads a
-                PEFT adapter directory into this form.
-            version: the new policy version (must exceed the current one); None adds one.
-            mode: as for `update_weights`; "recompute" and "abort" act on this adapter's samples only.
-            check_finite: refuse tensors holding NaN or Inf.
-            base: whole new base weights (state_dict names) committed with the adapter, in the same transaction
-                (an adapter push to a worker that does not serve the trainer's base yet).
-        Returns:
-            A `WeightUpdateResult`.
-        Raises:
-            FieldError: a bad name, tensor (unknown module, shape, rank above max_lora_rank), mode or version, or
-                max_loras adapters served already (named); nothing was changed.
-        """
-        return self.weight_updates.load_adapter(name, modules, version, mode, check_finite, base)
-
-    def unload_adapter(self, name: str) -> list[GenerationOutput]:
-        """Stop serving LoRA adapter `name`, between two steps: its groups, queued or running, end first (finish_reason
-        "abort"), then its slot is zeroed and freed. The policy version does not change (no served weights did).
-
-        Returns:
-            The outputs to deliver: the step in flight's, then the ended samples' final ones.
-        Raises:
-            FieldError: ("adapter") no adapter of that name is served (nothing ended).
-        """
-        return self.weight_updates.unload_adapter(name)
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
-        """Forget every cached prefix (vLLM's `reset_prefix_cache`): later prompts are computed anew; blocks in use
-        keep their contents and their requests go on.
-
-        Args:
-            reset_running_requests: also drop the KV of every running and swapped sample and queue it to be computed
-                again from its tokens, ahead of new requests (vLLM's flag: after weights changed in place with mode
-                "keep", the samples go on under the new ones, as a "recompute" update would have had them).
-        Returns:
-            How many samples were reset (0 without `reset_running_requests`).
-        """
-        reset = 0
-        if reset_running_requests:
-            self.loop.drain()  # the step in flight ends first (its outputs wait for the next step)
-            reset = recompute_in_flight(self.scheduler)
-        self.block_manager.reset_prefix_cache()
-        return reset
-
-    def serve_adapter_from_start(self, name: str, modules: AdapterModules) -> None:
-        """Serve an adapter from the engine's start, at the current policy version and outside any weight update
-        (`rollout-worker --lora`): call it before the first request.
-
-        Raises:
-            FieldError: as `load_adapter`. RuntimeError: the engine already has requests.
-        """
-        self.weight_updates.serve_adapter_from_start(name, modules)
-
-    def weights_changed(self) -> None:
-        """Say that the model's weights were changed in place from outside the engine (while a manager was paused,
-        by a trainer's step): what the engine derives from them (the fp32 head's copy) is refreshed, and the cached
-        prefixes, whose keys and values the old weights made, are forgotten."""
-        self.runner.weights_changed()
-        self.block_manager.reset_prefix_cache()
