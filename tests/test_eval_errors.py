@@ -251,16 +251,18 @@ def test_chat_refuses_a_list_that_is_not_of_messages(capsys, tmp_path):
 
 
 def test_csv_fields_and_json_values_reach_the_metric_as_written(capsys, tmp_path, monkeypatch):
-    """CSV fields stay text ("007", "NA"), JSON numbers stay as written (5 beside 2.5 is not 5.0)."""
+    """CSV fields stay text ("007", "NA"), JSON numbers stay as written (5 beside 2.5 is not 5.0; 1.50 is not 1.5), in
+    JSON lines and in a JSON array."""
     (tmp_path / "seen.py").write_text(
         "SEEN = []\ndef score(completion, answer):\n    SEEN.append(answer)\n    return False\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "rows.csv").write_text("prompt,answer\nfirst,007\nsecond,NA\nthird,1.50\n")
     (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "answer": 5}\n{"prompt": "b", "answer": 2.5}\n')
+    (tmp_path / "rows.json").write_text('[{"prompt": "c", "answer": 1.50}, {"prompt": "d", "answer": 2E3}]')
     import seen
 
-    for dataset in ("rows.csv", "rows.jsonl"):
+    for dataset in ("rows.csv", "rows.jsonl", "rows.json"):
         flags = [
             "--model",
             "tiny",
@@ -272,7 +274,7 @@ def test_csv_fields_and_json_values_reach_the_metric_as_written(capsys, tmp_path
             "seen:score",
         ]
         assert main([*(str(flag) for flag in flags), "--max-new-tokens", "1"]) == 0
-    assert seen.SEEN == ["007", "NA", "1.50", "5", "2.5"]
+    assert seen.SEEN == ["007", "NA", "1.50", "5", "2.5", "1.50", "2E3"]
 
 
 def test_a_model_directory_without_tokenizer_files(capsys, tmp_path):

@@ -1,5 +1,5 @@
 """A local dataset file's rows, read as written: JSON values keep their types (an answer `5` stays 5, not 5.0 beside a
-2.5), CSV fields stay strings ("007" stays "007"; "NA" is text, not missing), Parquet values keep the file's schema.
+2.5; a number `1.50` is a float whose text stays "1.50", as `exact_match` compares it), CSV fields stay strings ("007" stays "007"; "NA" is text, not missing), Parquet values keep the file's schema.
 
 Only a regular file is read (a FIFO or /dev/zero is refused by name, never waited on), JSONL and CSV line by line
 with a limit on each line's length (`files.read_lines`: a 50 MB line is refused at the limit, never held whole), and
@@ -22,6 +22,22 @@ from rollout.validation import lone_surrogate
 # The flag that raises the limit on a line's length, named in its error.
 LIMIT_FLAG = "--max-line-chars"
 BOM_BYTES = BOM.encode("utf-8")
+
+
+class WrittenFloat(float):
+    """A JSON number with a fraction or exponent, as `json.loads` reads it, whose `str` is the text the file wrote:
+    `str(1.50)` is "1.5", and the answer "1.50" scored as "1.5" would fail a completion that wrote it as the file did.
+    It is a float everywhere else (arithmetic, comparisons, and `json.dumps`, which writes it as a float)."""
+
+    text: str
+
+    def __new__(cls, text: str) -> WrittenFloat:
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class DatasetError(ValueError):
@@ -51,7 +67,11 @@ def read_file_rows(dataset: str, path: str, ending: str, max_line_chars: int) ->
             if ending == ".json" and _first_byte(file) == b"[":  # a JSON array of rows: a regular file, held whole
                 file.seek(0)
                 named_twice: dict[int, str] = {}
-                rows = json.loads(file.read().decode("utf-8-sig"), object_pairs_hook=_noting_twice(named_twice))
+                rows = json.loads(
+                    file.read().decode("utf-8-sig"),
+                    object_pairs_hook=_noting_twice(named_twice),
+                    parse_float=WrittenFloat,
+                )
                 for index, row in enumerate(rows):
                     _check_fields_once(dataset, f"row {index}", row, named_twice)
                     _check_text(dataset, f"row {index}", row)
@@ -104,7 +124,7 @@ def _json_line(dataset: str, number: int, index: int, line: str, hint: str = "")
     where = f"line {number} (row {index})"
     named_twice: dict[int, str] = {}
     try:
-        row = json.loads(line, object_pairs_hook=_noting_twice(named_twice))
+        row = json.loads(line, object_pairs_hook=_noting_twice(named_twice), parse_float=WrittenFloat)
     except json.JSONDecodeError as error:
         raise DatasetError(f"--dataset {dataset}: {where} is not JSON ({error.msg}){hint}") from None
     except RecursionError:
