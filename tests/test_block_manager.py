@@ -339,3 +339,40 @@ def test_a_quarantined_block_a_fork_still_holds_is_never_offered_to_the_prefix_c
     blocks, _ = manager.match_prefix(make_request("h", list(range(10, 17)) + [1]))
     assert blocks == []
     manager.check_all_free()
+
+
+def test_prefix_hashes_are_keyed_by_the_process_secret():
+    """A block's prefix hash depends on the process's secret hash key (PYTHONHASHSEED, random by default): a hit
+    compares only hashes, so hashes anyone could compute off-line would let a client craft a block that collides
+    with another client's prefix and have its KV serve that client. The same process hashes alike (the cache
+    works); two keys hash the same blocks apart."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from rollout.engine.requests.request import Request\n"
+        "from rollout.engine.scheduling.block_manager import BlockManager\n"
+        "from rollout.sampling_params import SamplingParams\n"
+        "for adapter in (None, 'a'):\n"
+        "    manager = BlockManager(8, 4)\n"
+        "    request = Request('r', 'r', 0, list(range(100, 112)), 12, SamplingParams(), 8, frozenset(), 0, 0)\n"
+        "    if adapter:\n"
+        "        request.adapter = type('Adapter', (), {'name': adapter})()\n"
+        "    manager.allocate(request, 12)\n"
+        "    request.num_computed_tokens = 12\n"
+        "    manager.commit_hashes(request)\n"
+        "    print(request.block_hashes)\n"
+    )
+
+    def hashes(seed: str) -> str:
+        environment = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    first = hashes("1")
+    assert first == hashes("1") and len(set(first.split())) == 6
+    second = hashes("2")
+    for line_one, line_two in zip(first.splitlines(), second.splitlines(), strict=True):
+        assert set(line_one.strip("[]").split(", ")).isdisjoint(line_two.strip("[]").split(", "))

@@ -9,5 +9,6 @@
 - `suspects.py`: after a failed step, each of its groups' samples tried in steps of their own;
 - `future_peak.py`: with known lengths, the most blocks the running requests will hold at once;
 - `block_manager.py`: ref-counted KV blocks with chained prefix hashes and copy-on-write;
+- `block_hash.py`: a block's prefix hash, keyed so that no client can aim at another's prefix;
 - `block_holders.py`: who holds each block, so each request knows how many it holds alone.
 """

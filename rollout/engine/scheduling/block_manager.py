@@ -3,7 +3,8 @@
 Invariants:
 - A block is in `free_blocks` exactly when its ref count is 0. Free blocks may still hold a cached prefix (their hash
   stays in `cached_blocks`) until they are handed out again, oldest-freed first (LRU).
-- Only full blocks whose KV has been computed get a hash: hash(parent hash, the block's tokens, version), where the
+- Only full blocks whose KV has been computed get a hash (`block_hash.py`: keyed, so no client can aim at another's
+  prefix): hash(parent hash, the block's tokens, version), where the
   version is the oldest one behind the request's KV (`kv_version_min`), and lookups use the current version. So KV
   computed (even partly, across a "keep" update) under old weights never serves a request admitted after an update.
   A request's first block chains from its LoRA adapter's name (None for the base): adapters never share KV.
@@ -21,6 +22,7 @@ from collections import OrderedDict
 from typing import Any
 
 from rollout.engine.requests.request import Request
+from rollout.engine.scheduling.block_hash import prefix_block_hash
 from rollout.engine.scheduling.block_holders import BlockHolders
 
 
@@ -171,9 +173,6 @@ class BlockManager:
         return block
 
     # ---- prefix caching ---------------------------------------------------------------------------------------
-    def _hash_block(self, parent_hash: int | tuple[str, str] | None, tokens: list[int], version: int) -> int:
-        return hash((parent_hash, tuple(tokens), version))
-
     def match_prefix(self, request: Request) -> tuple[list[int], list[int]]:
         """Find cached blocks for the leading full blocks of a request that holds no blocks.
 
@@ -207,7 +206,7 @@ class BlockManager:
             index = len(hashes)
             parent = hashes[-1] if hashes else _first_parent(request)
             tokens = request.token_ids[index * size : (index + 1) * size]
-            hashes.append(self._hash_block(parent, tokens, self.policy_version))
+            hashes.append(prefix_block_hash(parent, tokens, self.policy_version))
         request.prefix_hash_memo = (self.policy_version, hashes)
         return hashes[:num_blocks]
 
@@ -248,7 +247,7 @@ class BlockManager:
             # "keep" update holds KV partly computed under the old weights and must never match a lookup made
             # under the new version (lookups always use the current version, which only grows).
             version = self.policy_version if request.kv_version_min is None else request.kv_version_min
-            block_hash = self._hash_block(parent, request.token_ids[index * size : (index + 1) * size], version)
+            block_hash = prefix_block_hash(parent, request.token_ids[index * size : (index + 1) * size], version)
             request.block_hashes.append(block_hash)
             block = request.block_ids[index]
             # (A quarantined block is never offered again: a fork that still holds it would hash it here, and once
