@@ -96,6 +96,39 @@ def check_peft_config(config: Any) -> None:
         )
 
 
+def base_model_mismatch(adapter_base: object, served: object) -> str | None:
+    """Why an adapter directory's `base_model_name_or_path` names another model than the one served, else None.
+
+    Names are compared by their last path component (a hub id "org/name" and a local copy
+    ".../name" or the hub cache's ".../models--org--name/snapshots/<hash>" are one model), case-insensitively.
+    An empty name on either side (a model built from a config, an adapter that names no base) is no mismatch: the
+    tensors' shapes are checked anyway. Only a warning is given, as LoRAX does (neither peft nor vLLM checks): an
+    adapter of another model of one architecture fits every shape, and is served over weights it was not trained on.
+
+    Args:
+        adapter_base: the adapter config's `base_model_name_or_path`.
+        served: the served model's `name_or_path` (its config's `_name_or_path`).
+    """
+    if not isinstance(adapter_base, str) or not isinstance(served, str) or not adapter_base or not served:
+        return None
+    if _model_id(adapter_base) == _model_id(served):
+        return None
+    return (
+        f"the adapter was trained on base_model_name_or_path={adapter_base!r}, but the served model is {served!r}: "
+        "it is served over weights it was not trained on"
+    )
+
+
+def _model_id(name: str) -> str:
+    """A model's name for `base_model_mismatch`: the last component of a path or hub id (of the hub cache's
+    "models--org--name" folder, its name), lower-cased."""
+    parts = [part for part in name.replace("\\", "/").split("/") if part]
+    cached = next((part for part in parts if part.startswith("models--")), None)
+    if cached is not None:
+        return cached.split("--")[-1].lower()
+    return parts[-1].lower() if parts else ""
+
+
 def base_rewriting_init(config: Any) -> str | None:
     """The config's `init_lora_weights` when peft rewrote the base weights with it (`BASE_REWRITING_INITS`), else None.
 

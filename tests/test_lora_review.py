@@ -158,3 +158,42 @@ def test_lora_on_moe_experts_parameters_is_refused_adapter_only():
     with pytest.raises(FieldError) as error:
         push_mode(model, "adapter")
     assert "target_parameters" in f"{error.value.field} {error.value.reason}"
+
+
+@pytest.mark.parametrize(
+    ("adapter_base", "served", "warned"),
+    [
+        ("org/other-model", "org/tiny-model", True),  # another model of the same architecture: every shape fits
+        ("org/tiny-model", "org/tiny-model-instruct", True),
+        ("org/tiny-model", "org/tiny-model", False),
+        ("org/tiny-model", "/data/checkpoints/tiny-model/", False),  # a local copy of the hub model
+        ("org/tiny-model", "/hf/hub/models--org--tiny-model/snapshots/0123abc", False),  # the hub cache's copy
+        (None, "org/tiny-model", False),  # the adapter names no base
+        ("org/other-model", "", False),  # a model built from a config has no name
+    ],
+)
+def test_an_adapter_of_another_base_model_is_served_with_a_warning_naming_both(
+    tmp_path, caplog, adapter_base, served, warned
+):
+    """An adapter whose base_model_name_or_path names another model than the served one loaded silently (its shapes
+    fit): it is served (neither peft nor vLLM refuses it; LoRAX warns) with a warning naming both models, through
+    the manager's load_adapter (the HTTP route's and the worker's path); served exactly as peft computes it."""
+    from rollout import ContinuousBatchingConfig, init_continuous_batching
+
+    base, model = trained(target_modules=["q_proj", "v_proj"])
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "base_model_name_or_path": adapter_base}))
+    served_model = copy.deepcopy(base)
+    served_model.name_or_path = served
+    manager = init_continuous_batching(served_model, None, ContinuousBatchingConfig(num_blocks=64, block_size=4))
+    try:
+        with caplog.at_level("WARNING", logger="rollout.engine.lora.adapter_weights"):
+            manager.load_adapter("a", str(tmp_path))
+    finally:
+        manager.stop(block=True, timeout=10)
+    warnings = [record.getMessage() for record in caplog.records if "base_model_name_or_path" in record.getMessage()]
+    assert len(warnings) == int(warned), warnings
+    if warned:
+        assert repr(adapter_base) in warnings[0] and repr(served) in warnings[0]
+    assert_served_as_peft(base, model, load_peft_dir(str(tmp_path)))

@@ -12,6 +12,7 @@ directory (adapter_config.json + adapter_model.safetensors) is read here too.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from rollout.engine.lora.adapter_files import check_adapter_files
 from rollout.peft_adapters import (
     SAVED_MARKER,
     active_adapter_name,
+    base_model_mismatch,
     base_rewriting_init,
     check_peft_config,
     holds_adapter,
@@ -33,6 +35,7 @@ from rollout.peft_adapters import (
 )
 
 WIRE_SUFFIXES = (".lora_A", ".lora_B")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,11 +143,13 @@ def to_named_tensors(modules: AdapterModules) -> tuple[dict[str, torch.Tensor], 
     return tensors, scalings
 
 
-def load_peft_dir(path: str) -> AdapterModules:
+def load_peft_dir(path: str, served_base: str | None = None) -> AdapterModules:
     """Read a PEFT LoRA adapter directory (as `PeftModel.save_pretrained` writes it), with peft's own loaders.
 
     Args:
         path: the directory.
+        served_base: the served model's `name_or_path`: an adapter whose `base_model_name_or_path` names another
+            model is served with a warning naming both (`base_model_mismatch`).
     Raises:
         FieldError: ("lora") a directory peft cannot read; a malformed adapter_config.json setting (named); a tensor
             that is neither a LoRA pair's nor a saved module's (LoRA on an embedding, base weights saved beside the
@@ -162,6 +167,9 @@ def load_peft_dir(path: str) -> AdapterModules:
     except Exception as error:  # noqa: BLE001 - a missing or broken directory, named
         raise FieldError("lora", f"cannot read the PEFT adapter at {path!r}: {error}") from None
     check_peft_config(config)
+    mismatch = base_model_mismatch(getattr(config, "base_model_name_or_path", None), served_base)
+    if mismatch is not None:
+        logger.warning("LoRA adapter at %r: %s", path, mismatch)
     init = base_rewriting_init(config)
     if init is not None:  # peft's from_pretrained runs the init again over the base; the directory holds no base
         raise FieldError(

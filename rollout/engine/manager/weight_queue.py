@@ -212,7 +212,7 @@ class WeightUpdateQueue:
         self._refuse_inside_pause("an adapter")
         if not isinstance(adapter, (str, dict)):
             check_served_base(adapter, self.engine.model)
-        tensors, update = adapter_update(name, adapter)
+        tensors, update = adapter_update(name, adapter, getattr(self.engine.model, "name_or_path", None))
         return self.apply(tensors, version, mode, False, timeout, update)
 
     def _refuse_inside_pause(self, what: str) -> None:
@@ -233,7 +233,9 @@ class WeightUpdateQueue:
             self.queued.popleft().callback(RuntimeError(reason))
 
 
-def adapter_update(name: str, adapter: Any) -> tuple[dict[str, torch.Tensor], AdapterUpdate]:
+def adapter_update(
+    name: str, adapter: Any, served_base: str | None = None
+) -> tuple[dict[str, torch.Tensor], AdapterUpdate]:
     """An adapter as `ContinuousBatchingManager.load_adapter` takes it, as wire-named tensors and the update's
     name and scalings.
 
@@ -241,12 +243,14 @@ def adapter_update(name: str, adapter: Any) -> tuple[dict[str, torch.Tensor], Ad
         name: the adapter's name (checked).
         adapter: a PEFT adapter directory, a `peft.PeftModel` (its active adapter; its tensors are copied now), or
             base module name -> `LoraModule` / `SavedModule`.
+        served_base: the served model's `name_or_path`, for a directory's `base_model_name_or_path` to be checked
+            against (`load_peft_dir`).
     Raises:
         FieldError: a bad name or adapter (named).
     """
     check_adapter_name(name, "name")
     if isinstance(adapter, str):
-        modules = load_peft_dir(adapter)
+        modules = load_peft_dir(adapter, served_base)
     elif isinstance(adapter, dict):
         modules = adapter
     else:

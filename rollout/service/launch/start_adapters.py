@@ -28,7 +28,8 @@ def serve_start_adapters(parser: argparse.ArgumentParser, specs: list[str], engi
     engine.runner.adapters.reserved_names.add(model_name)
     for name, path in lora_specs(parser, specs, model_name):
         try:
-            engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path)))
+            served_base = getattr(engine.model, "name_or_path", None)
+            engine.serve_adapter_from_start(name, load_peft_dir(os.path.expanduser(path), served_base))
         except ValueError as error:
             parser.error(f"--lora {name}={path}: {error}")
         logger.info("serving LoRA adapter %s from %s", name, path)
