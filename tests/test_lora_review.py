@@ -197,3 +197,21 @@ def test_an_adapter_of_another_base_model_is_served_with_a_warning_naming_both(
     if warned:
         assert repr(adapter_base) in warnings[0] and repr(served) in warnings[0]
     assert_served_as_peft(base, model, load_peft_dir(str(tmp_path)))
+
+
+def test_an_adapter_directory_missing_a_file_is_refused_naming_the_file(tmp_path):
+    """A directory without its weights file was read by peft as a hub repository id ("Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'"), which names neither the file nor what is wrong: both files are named."""
+    _, model = trained(target_modules=["q_proj"])
+    model.save_pretrained(tmp_path / "no_weights")
+    (tmp_path / "no_weights" / "adapter_model.safetensors").unlink()
+    with pytest.raises(FieldError) as refused:
+        load_peft_dir(str(tmp_path / "no_weights"))
+    assert refused.value.field == "lora"
+    assert "adapter_model.safetensors" in refused.value.reason and "Repo id" not in refused.value.reason
+    model.save_pretrained(tmp_path / "no_config")
+    (tmp_path / "no_config" / "adapter_config.json").unlink()
+    with pytest.raises(FieldError, match="no adapter_config.json in"):
+        load_peft_dir(str(tmp_path / "no_config"))
+    model.save_pretrained(tmp_path / "bin", safe_serialization=False)  # peft's other weights file: still read
+    assert set(load_peft_dir(str(tmp_path / "bin"))) == set(from_peft_model(model))

@@ -16,14 +16,17 @@ MAX_CONFIG_BYTES = 1 << 20  # a LoRA config is a few KB; its largest lists (targ
 
 
 def check_adapter_files(path: str) -> None:
-    """Refuse an adapter directory whose files peft would read are not regular files, or whose config is over
-    MAX_CONFIG_BYTES (a missing file is left to peft, whose error names it).
+    """Refuse an adapter directory whose files peft would read are missing or not regular files, or whose config is
+    over MAX_CONFIG_BYTES. A path that is no directory is left to peft (a hub id, or its error naming the path); in a
+    directory without weights peft would look for a hub repository of the directory's name ("Repo id must be in the
+    form ..."), so a missing file is named here.
 
     Args:
         path: the adapter directory.
     Raises:
         FieldError: ("lora") naming the file.
     """
+    present = set()
     for name in (CONFIG_NAME, *WEIGHTS_NAMES):
         try:
             found = os.stat(os.path.join(path, name))  # (through a link: what peft would open)
@@ -36,3 +39,9 @@ def check_adapter_files(path: str) -> None:
         if name == CONFIG_NAME and found.st_size > MAX_CONFIG_BYTES:
             reason = f"{name} in {path!r} is {found.st_size} bytes; an adapter's config is at most {MAX_CONFIG_BYTES}"
             raise FieldError("lora", reason)
+        present.add(name)
+    if os.path.isdir(path):
+        if CONFIG_NAME not in present:
+            raise FieldError("lora", f"no {CONFIG_NAME} in {path!r}: not a PEFT adapter directory (save_pretrained's)")
+        if not present & set(WEIGHTS_NAMES):
+            raise FieldError("lora", f"no {' or '.join(WEIGHTS_NAMES)} in {path!r}: the adapter's weights are missing")
