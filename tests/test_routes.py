@@ -152,6 +152,8 @@ def test_bad_routes_and_dense_models_are_refused_by_name(moe):
         (torch.arange(TOP_K).expand(2, 2, 2, TOP_K), r"\(2, 2\) tokens"),  # as many tokens, another batch shape
         (torch.zeros(1, 4, 2, TOP_K), "integer"),
         (torch.ones(1, 4, 2, TOP_K, dtype=torch.bool), "integer"),  # experts 0/1 as True/False: not ids
+        # one id given, the other -1: the router decided the whole token, dropping the given id silently
+        (torch.tensor([0, -1]).expand(1, 4, 2, TOP_K), "some expert ids -1"),
     ):
         with pytest.raises(ValueError, match=message), routing_replay(trainer, routes), torch.no_grad():
             trainer(input_ids=ids)

@@ -111,8 +111,8 @@ class RouteReplay:
         """Refuse routes that cannot fit the model.
 
         Raises:
-            ValueError: not an integer tensor (batch, sequence, layers, top_k), another layer count or top_k, or an
-                expert id out of range.
+            ValueError: not an integer tensor (batch, sequence, layers, top_k), another layer count or top_k, an
+                expert id out of range, or a token with some ids -1 and others given.
         """
         integer = isinstance(routes, torch.Tensor) and not routes.dtype.is_floating_point and routes.dtype != torch.bool
         if not integer or routes.dim() != 4 or routes.dtype.is_complex:
@@ -127,6 +127,11 @@ class RouteReplay:
                 raise ValueError(f"routing_replay: expert id {int(routes.max())} >= the {self.experts} experts")
             if routes.numel() and int(routes.min()) < -1:
                 raise ValueError("routing_replay: an expert id below -1 (-1: the router decides)")
+            if bool(((routes < 0).any(-1) & (routes >= 0).any(-1)).any()):  # its given ids would be dropped
+                raise ValueError(
+                    "routing_replay: a token with some expert ids -1 and others given: a token's top_k ids are all "
+                    "given, or all -1 (the router decides)"
+                )
             ordered = routes.sort(-1).values
             if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
                 raise ValueError("routing_replay: a token routed to the same expert twice")
