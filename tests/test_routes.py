@@ -497,3 +497,31 @@ def test_a_prefix_computed_again_after_the_weights_changed_in_place_lends_its_ne
     assert np.array_equal(prompt_routes("cached"), expected)
     assert engine.block_manager.num_prefix_tokens_hit > hits, "the last request should take the cached blocks"
     engine.close()
+
+
+def test_routes_refilled_in_place_between_forwards_are_checked_again(moe):
+    """A trainer that keeps one routes buffer and refills it for each forward (`RouteReplay` with a `current` that
+    returns it): routes were checked once per tensor object, so a refill routing a token twice to one expert, or to
+    an expert the model does not have, was replayed unchecked (silently wrong experts, or an index error inside
+    transformers' experts, a device-side assert on a GPU). Each change is checked again."""
+    from trainer_bridge.route_replay import RouteReplay
+
+    trainer = reference_copy(moe)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    buffer = torch.arange(TOP_K).repeat(1, 4, 2, 1)  # experts 0 and 1 for every token
+    replay = RouteReplay(trainer, lambda: buffer)
+    try:
+        with torch.no_grad():
+            trainer(input_ids=ids)  # checked, and fine
+            for refill, message in ((0, "same expert twice"), (99, "expert id 99")):
+                buffer[0, 1, 0, :] = refill
+                with pytest.raises(ValueError, match=message):
+                    trainer(input_ids=ids)
+                buffer.copy_(torch.arange(TOP_K).repeat(1, 4, 2, 1))
+                trainer(input_ids=ids)  # fine again
+    finally:
+        replay.close()
+    with torch.inference_mode():  # routes made in inference mode keep no version counter: checked once
+        made = torch.arange(TOP_K).repeat(1, 4, 2, 1)
+    with routing_replay(trainer, made), torch.no_grad():
+        trainer(input_ids=ids)

@@ -95,7 +95,9 @@ class RouteReplay:
         self.top_k = self.routers[0].top_k
         self.experts = min(num_experts(router) for router in self.routers)
         self.current = current
-        self._checked: torch.Tensor | None = None  # the last routes checked whole (one device read per tensor)
+        # The last routes checked whole, and their version counter then (one device read per tensor and change: a
+        # buffer refilled in place between forwards is checked again).
+        self._checked: tuple[torch.Tensor, int] | None = None
         # (batch, sequence) of the model's last forward on each thread: another thread's forward of the same model
         # (its routers left alone) must not change what this thread's routes are checked against.
         self._shapes = threading.local()
@@ -122,7 +124,8 @@ class RouteReplay:
                 f"routing_replay: routes have {routes.shape[2]} layers x top_k {routes.shape[3]}; the model has "
                 f"{len(self.routers)} MoE layers with top_k {self.top_k}"
             )
-        if routes is not self._checked:  # once per tensor (a device read)
+        version = -1 if routes.is_inference() else routes._version  # (an inference tensor keeps no version)
+        if self._checked is None or routes is not self._checked[0] or version != self._checked[1]:
             if routes.numel() and int(routes.max()) >= self.experts:
                 raise ValueError(f"routing_replay: expert id {int(routes.max())} >= the {self.experts} experts")
             if routes.numel() and int(routes.min()) < -1:
@@ -135,7 +138,7 @@ class RouteReplay:
             ordered = routes.sort(-1).values
             if bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()):
                 raise ValueError("routing_replay: a token routed to the same expert twice")
-            self._checked = routes
+            self._checked = (routes, version)
 
     @property
     def input_shape(self) -> tuple[int, ...] | None:
