@@ -1,6 +1,7 @@
 """Which `SamplingParams` fields shape the distribution a sample is drawn from, and the values that leave it as it
 is: under `do_sample=False` (a greedy pick) any other value would do nothing, so it is refused by name (a sampling
-map, a per-request keyword) instead of ignored.
+map, a per-request keyword) instead of ignored. The temperature is the exception under
+`logprob_mode="temperature_scaled"`: the returned log-probs are scaled by it, greedy or not.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ NEUTRAL_WARPING = {
 }
 
 
-def warping_fields(fields: dict[str, Any]) -> list[str]:
+def warping_fields(fields: dict[str, Any], logprob_mode: Any = None) -> list[str]:
     """The fields of `fields` that would shape the sampled distribution (sorted): what a greedy pick ignores.
 
     Args:
         fields: SamplingParams fields by name.
+        logprob_mode: the request's logprob_mode (None: the one in `fields`, if any); under "temperature_scaled"
+            the temperature scales the returned log-probs, so it is not among them.
     """
-    return sorted(name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name])
+    mode = fields.get("logprob_mode") if logprob_mode is None else logprob_mode
+    ignored = {name for name in set(fields) & set(NEUTRAL_WARPING) if fields[name] not in NEUTRAL_WARPING[name]}
+    return sorted(ignored - ({"temperature"} if mode == "temperature_scaled" else set()))

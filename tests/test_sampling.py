@@ -715,3 +715,8 @@ def test_a_sampling_map_asking_greedy_picks_and_a_shaped_distribution_is_refused
             SamplingParams.from_fields({"do_sample": False, field: value})
     assert not SamplingParams.from_fields({"do_sample": False, "temperature": 0.0, "top_p": 1.0}).do_sample
     assert SamplingParams.from_fields({"do_sample": True, "temperature": 5.0}).temperature == 5.0
+    # The temperature scales temperature_scaled log-probs, greedy or not (a do_sample=False row keeps it): accepted.
+    scaled = {"do_sample": False, "temperature": 0.5, "logprob_mode": "temperature_scaled"}
+    assert SamplingParams.from_fields(scaled).temperature == 0.5
+    with pytest.raises(FieldError, match="sampling.top_k: has no effect while do_sample is False"):
+        SamplingParams.from_fields({**scaled, "top_k": 3})

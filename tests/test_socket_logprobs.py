@@ -173,3 +173,26 @@ def test_more_top_logprobs_than_a_worker_serves_are_refused_by_name_colocated_to
         with pytest.raises(FieldError, match="at most 20") as local:
             engine.generate([group])
     assert local.value.field == "groups[0].sampling.top_logprobs"
+
+
+def test_a_greedy_group_with_temperature_scaled_logprobs_is_served_at_its_temperature(worker, reference):
+    """`SamplingParams(do_sample=False, temperature=0.5, logprob_mode="temperature_scaled")` picks the argmax and
+    scales its log-probs by the temperature in process (documented); over the wire the same settings were refused as
+    "temperature has no effect while do_sample is False". Against transformers' greedy `generate` and
+    log_softmax(logits / 0.5) of a teacher-forced forward."""
+    from transformers import GenerationConfig
+
+    from rollout.config import SamplingParams
+
+    sampling = SamplingParams(
+        do_sample=False, temperature=0.5, logprob_mode="temperature_scaled", max_new_tokens=6, stop_token_ids=()
+    )
+    with RolloutClient(worker.address) as client:
+        (completion,) = client.generate(PromptGroup(PROMPT, 1, sampling), timeout=60).completions
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    greedy = reference.generate(torch.tensor([PROMPT]), generation_config=config)[0, len(PROMPT) :].tolist()
+    assert completion.token_ids == greedy
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT + greedy])).logits[0, len(PROMPT) - 1 : -1].float()
+    scaled = torch.log_softmax(logits / 0.5, -1).gather(1, torch.tensor(greedy).unsqueeze(1))[:, 0]
+    assert torch.allclose(torch.tensor(completion.logprobs), scaled, atol=TOLERANCE)

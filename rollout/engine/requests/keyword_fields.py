@@ -58,7 +58,7 @@ def sampling_with_fields(
         fields["stop_token_ids"] = _eos_stops(eos_token_id, fields, vocab_size)
     merged = (sampling if sampling is not None else defaults).merged(**fields)
     # transformers only warns; a keyword asked for here that would shape a greedy pick does nothing: refused.
-    warping = warping_fields(fields)
+    warping = warping_fields(fields, merged.logprob_mode)
     if warping and not merged.do_sample:
         origin = "asked for here" if "do_sample" in fields else "sampling's" if sampling else "the generation config's"
         raise FieldError(warping[0], f"has no effect while do_sample is False ({origin}): pass do_sample=True too")
