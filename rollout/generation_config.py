@@ -179,6 +179,11 @@ def resolve(
         # generate's StopStringCriteria reads every token's text, special tokens' included: a special token between
         # two pieces of a stop string keeps them apart there, and so here.
         sampling["skip_special_tokens"] = False
+    top_k = sampling.get("top_k")
+    if vocab_size is not None and type(top_k) is int and top_k > vocab_size:
+        # generate's TopKLogitsWarper keeps min(top_k, vocabulary) tokens: transformers' default top_k=50 samples a
+        # model of a smaller vocabulary from all of it (SamplingParams refuses a top_k over the vocabulary)
+        sampling["top_k"] = vocab_size
     if vocab_size is not None and values.get("eos_token_id", ("",))[0] == "model.generation_config":
         sampling["stop_token_ids"] = _reachable_eos(sampling["stop_token_ids"], vocab_size)
     try:

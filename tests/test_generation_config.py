@@ -77,6 +77,31 @@ def test_num_return_sequences_samples_n_per_prompt():
         assert manager.get_result(single, timeout=30).request_id == single
 
 
+def test_the_default_top_k_samples_a_vocabulary_smaller_than_it_as_generate_does():
+    """transformers' default top_k=50 on a model of 32 tokens: `generate`'s TopKLogitsWarper keeps min(50, 32) tokens,
+    so it samples from the whole vocabulary. It was refused ("top_k: 50 exceeds the vocabulary size 32"); now each
+    sampled token's log-prob is log_softmax of transformers' TopKLogitsWarper(50) over a teacher-forced forward."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=32, num_key_value_heads=1, **small)).eval()
+    model.generation_config.eos_token_id = None
+    reference = reference_copy(model)
+    prompt = [1, 2, 3, 4]
+    config = GenerationConfig(do_sample=True, max_new_tokens=6)
+    (out,) = generate_batch(model, [prompt], config, progress_bar=False, sampling={"seed": 3}).values()
+    tokens = out.generated_tokens
+    assert len(tokens) == 6
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    warped = TopKLogitsWarper(50)(torch.tensor([prompt + tokens]), logits)
+    expected = torch.log_softmax(warped, -1).gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-5)
+    assert resolve(GenerationConfig(do_sample=True, top_k=100), vocab_size=32).sampling.top_k == 32
+
+
 def test_max_length_bounds_prompt_plus_completion_as_generate():
     """A GenerationConfig's max_length (Llama 3 ships one) counts the prompt, as in generate; max_new_tokens wins."""
     model = tiny_model("qwen3")
