@@ -582,6 +582,30 @@ def test_a_top_k_rows_top_logprobs_are_the_same_from_candidates_as_from_whole_ro
         assert all(close(a, b) for (_, a), (_, b) in zip(from_candidates, from_rows))
 
 
+def test_top_logprobs_over_a_small_vocabulary_are_refused_by_name_and_the_whole_vocabulary_is_served():
+    """A model of 32 tokens: top_logprobs=40 (in process up to 100) failed its sample mid-step with torch's "selected
+    index k out of range"; it is refused at intake naming top_logprobs. top_logprobs=32 ranks the whole vocabulary:
+    log_softmax of a teacher-forced forward of an untouched copy."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout import generate_batch
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=32, num_key_value_heads=1, **small)).eval()
+    reference = reference_copy(model)
+    prompt = [1, 2, 3]
+    with pytest.raises(FieldError, match="exceeds the vocabulary size 32") as refused:
+        generate_batch(model, [prompt], sampling=SamplingParams(top_logprobs=40, seed=1), progress_bar=False)
+    assert refused.value.field == "top_logprobs"
+    params = SamplingParams(top_logprobs=32, seed=1, stop_token_ids=())
+    (out,) = generate_batch(model, [prompt], sampling=params, max_new_tokens=3, progress_bar=False).values()
+    expected = torch.log_softmax(reference_logits(reference, prompt, out.generated_tokens), dim=-1)
+    for t, top in enumerate(out.top_logprobs):
+        assert sorted(token for token, _ in top) == list(range(32))
+        assert all(close(value, expected[t, token].item()) for token, value in top)
+
+
 # ---- counter-based randomness -------------------------------------------------------------------------------------
 def test_uniforms_are_splitmix64_streams():
     """A row's uniform number is the position-th output of a SplitMix64 stream started at its sample's stream id:

@@ -139,6 +139,8 @@ class RequestIntake:
                 raise FieldError(name, f"{outside} outside the vocabulary [0, {self.vocab_size})")
         if sampling.top_logprobs and not self.config.return_logprobs:
             raise FieldError("top_logprobs", "needs ContinuousBatchingConfig(return_logprobs=True)")
+        if sampling.top_logprobs > self.vocab_size:  # (the step's top-k would fail the sample with torch's words)
+            raise FieldError("top_logprobs", f"{sampling.top_logprobs} exceeds the vocabulary size {self.vocab_size}")
         if sampling.top_k > self.vocab_size:
             raise FieldError("top_k", f"{sampling.top_k} exceeds the vocabulary size {self.vocab_size}")
         if sampling.return_routes and self.routes_refusal is not None:
