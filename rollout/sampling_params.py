@@ -19,6 +19,7 @@ from rollout.validation import (
     _listed,
     _token_ids,
     logit_bias_pairs,
+    lone_surrogate,
 )
 
 # Which distribution a returned log-prob is taken under (SamplingParams.logprob_mode; the Sampler documents each).
@@ -188,6 +189,10 @@ class SamplingParams:
             self.stop,
         )
         self.stop = tuple(dict.fromkeys(self.stop))
+        broken = next((s for s in self.stop if lone_surrogate(s) is not None), None)
+        _check(  # no decoded text holds one: such a stop string could never end a completion
+            broken is None, "stop", "holds a lone surrogate (a JSON \\ud800 escape), which no text holds", broken
+        )
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
         _check(

@@ -230,6 +230,22 @@ def test_bad_stop_strings_are_refused_by_name(stop):
     assert raised.value.field == "stop"
 
 
+def test_a_stop_string_holding_a_lone_surrogate_is_refused_by_name_as_over_http(model):
+    """ "a\\ud800" (a JSON escape of half a character) is in no decoded text, so it could never end a completion: the
+    HTTP API refuses it naming `stop`; in process (and from a GenerationConfig) it was taken and silently never
+    matched. The tokenizer cannot even encode it."""
+    from rollout.generation_config import resolve
+
+    with pytest.raises(TypeError):
+        TOKENIZER.encode("a\ud800", add_special_tokens=False)
+    with pytest.raises(FieldError, match="lone surrogate") as raised:
+        generate_batch(model, [[5, 6]], sampling=SamplingParams(stop=["ok", "a\ud800"]), tokenizer=TOKENIZER)
+    assert raised.value.field == "stop"
+    with pytest.raises(FieldError, match="lone surrogate") as raised:
+        resolve(GenerationConfig(stop_strings=["\udc80"]))
+    assert raised.value.field == "generation_config.stop_strings"
+
+
 def test_text_released_within_min_tokens_is_never_taken_back():
     ids = TOKENIZER.encode("kkjsz", add_special_tokens=False)
     text = OutputText(TOKENIZER, [5], stop=("js",), min_tokens=2)
