@@ -145,3 +145,22 @@ def test_a_weight_update_while_drafts_run(mode):
         )
         assert split > 0 and tokens[:split] == plain_tokens[:split] and logprobs[:split] == plain_logprobs[:split]
     assert drafted["after"] == plain["after"]
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute", "abort"])
+def test_a_weight_update_with_clear_on_update_forgets_every_draft(mode):
+    """`speculative_clear_on_weight_update=True` forgets every draft at the update, in every mode: the samples an
+    "abort" update ends (drawn under the old weights) are no drafts afterwards either."""
+    served = engine("suffix", speculative_clear_on_weight_update=True)
+    served.add_request("pool", PROMPT, SamplingParams(**GREEDY, stop_token_ids=[]), max_new_tokens=24)
+    run_to_completion(served)
+    served.add_request("running", PROMPT, SamplingParams(temperature=1.0, seed=6, stop_token_ids=[]), n=2,
+                       max_new_tokens=24)  # fmt: skip
+    for _ in range(3):
+        served.step()
+    assert served.scheduler.drafter.num_pools == 1
+    weight = served.model.get_output_embeddings().weight
+    result = served.update_weights({"lm_head.weight": weight * 1.05}, mode=mode, partial=True)
+    assert [output.finish_reason for output in result.outputs] == (["abort", "abort"] if mode == "abort" else [])
+    assert served.scheduler.drafter.num_pools == 0
+    served.close()

@@ -194,8 +194,6 @@ class WeightUpdates:
         loop.block_manager.policy_version = new_version
         # Cached prefixes of old versions can never match again (the version is in their hash): let them go.
         loop.block_manager.reset_prefix_cache()
-        if loop.clear_drafts_on_update and loop.scheduler.drafter is not None:
-            loop.scheduler.drafter.clear()
         result = WeightUpdateResult(new_version, mode, 0.0, copy_ms)
         result.outputs, loop.undelivered = loop.undelivered, []
         if mode == "recompute":
@@ -205,6 +203,9 @@ class WeightUpdates:
             aborted = loop.outputs(ended)
             result.outputs += aborted
             result.aborted = sum(1 for output in aborted if output.finish_reason == "abort")
+        # After the aborts: an aborted sample's tokens (the old weights') join its pool as it finishes.
+        if loop.clear_drafts_on_update and loop.scheduler.drafter is not None:
+            loop.scheduler.drafter.clear()
         loop.counters.weight_updates += 1
         result.pause_ms = (time.perf_counter() - started) * 1000
         return result
