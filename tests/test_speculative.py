@@ -532,6 +532,21 @@ def test_the_kept_samples_stay_within_the_memory_bound():
     assert drafter.num_pools == 3
 
 
+def test_a_request_that_generated_nothing_keeps_no_pool():
+    """A score-only request (max_new_tokens=0: prompt log-probs only) has no sample to draft from: its long prompt
+    must not push a prompt's finished samples out of the memory bound."""
+    engine = Engine(copy.deepcopy(MODEL), ContinuousBatchingConfig(num_blocks=128, block_size=4, speculative="suffix",
+                    speculative_index_tokens=100), tokenizer=TOKENIZER)  # fmt: skip
+    prompt, scored = make_prompts(2, 8, 8, seed=1)
+    engine.add_request("g", prompt, SamplingParams(temperature=1.0, seed=0, stop_token_ids=[]), n=2, max_new_tokens=20)
+    run_to_completion(engine)
+    engine.add_request("scored", scored * 8, SamplingParams(prompt_logprobs=0), max_new_tokens=0)
+    assert len(run_to_completion(engine)["scored"].prompt_logprobs) == 64
+    pools = [key[-1] for key in engine.scheduler.drafter._pools]
+    engine.close()
+    assert pools == [tuple(prompt)]
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

@@ -186,7 +186,11 @@ class SuffixDrafter:
         return self._exploring or accepted >= MIN_ACCEPTANCE * proposed
 
     def finished(self, request: Request) -> None:
-        """Keep a finished sample's tokens for its prompt's later drafts (within the memory bound)."""
+        """Keep a finished sample's tokens for its prompt's later drafts (within the memory bound). One that
+        generated nothing (a score-only request, max_new_tokens=0; a sample cancelled before its first token) has
+        nothing to draft from: kept, its prompt would only push other prompts' samples out of the bound."""
+        if request.draft_row is None and not request.num_output_tokens:
+            return
         row = self._row(request)
         entry = self._pools.get(row.key)
         request.draft_row = None
