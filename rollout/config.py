@@ -136,7 +136,8 @@ class ContinuousBatchingConfig:
     speculative_disable_by_batch_size: int = 8
     # Tokens of finished samples kept to draft from, over all prompts (the least recently used prompts go first).
     speculative_index_tokens: int = 1 << 22
-    # Forget every draft at a weight update (drafts are only proposals: by default they outlive it).
+    # Forget the finished samples kept to draft from at a weight update (drafts are only proposals: by default
+    # they outlive it); samples still running under a keep or recompute update join the new pools as they finish.
     speculative_clear_on_weight_update: bool = False
 
     def __post_init__(self) -> None:
