@@ -2,8 +2,9 @@
 (split-K) and how many cache blocks each loop iteration reads. Host-side arithmetic only: no Triton here.
 
 Tiling: a program reads `keys_per_iteration` keys (64: four 16-token blocks, their table entries loaded together)
-per iteration rather than one block behind a dependent load of the block table each, and a step plans at least four
-programs per SM (split-K where the tiles alone are too few), whatever the GPU's SM count.
+per iteration rather than one block behind a dependent load of the block table each, and a step aims for four
+programs per SM, whatever the GPU's SM count: split-K where the tiles alone are too few, in at most 16 slices of at
+least 8 blocks each, so a step whose longest context is under 16 blocks is not split and may run fewer.
 """
 
 from __future__ import annotations
