@@ -99,3 +99,19 @@ def test_the_architecture_page_names_every_module():
     }
     assert sorted(modules - listed) == [], "modules the architecture page does not name"
     assert sorted(row for row in listed if not (ROOT / row).is_file()) == [], "rows naming no module"
+
+
+def test_the_settings_page_names_the_engine_fields_rollout_worker_has_no_flag_for(monkeypatch):
+    """docs/reference/config.md lists the `ContinuousBatchingConfig` fields a worker cannot set: exactly those its
+    flags do not reach (it listed `max_model_len` after `--max-model-len` came)."""
+    from rollout.service.launch import flags
+    from rollout.service.launch.cli import build_parser
+
+    set_by_flags: set[str] = set()
+    monkeypatch.setattr(flags, "ContinuousBatchingConfig", lambda **fields: set_by_flags.update(fields))
+    flags.engine_config(build_parser().parse_args([]))
+    fields = {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
+    assert set_by_flags and set_by_flags <= fields
+    text = (DOCS / "reference" / "config.md").read_text()
+    (sentence,) = re.findall(r"`rollout-worker` has no flag for (.*?):", text, re.S)
+    assert set(re.findall(r"`(\w+)`", sentence)) == fields - set_by_flags
