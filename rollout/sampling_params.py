@@ -68,7 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Stop tokens are masked until this many tokens were generated.
     min_new_tokens: int = 0
-    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS or what the
+    # Generation ends after this many tokens (None: GenerationConfig's, else DEFAULT_MAX_NEW_TOKENS, 256, or what the
     # model's context leaves after the prompt, if less); 0 (only with prompt_logprobs) scores the prompt only.
     max_new_tokens: int | None = None
     # Any of these ends generation (None: the GenerationConfig's eos_token_id; () never stops early).
@@ -94,8 +94,8 @@ class SamplingParams:
     begin_suppress_tokens: tuple[int, ...] = ()
     # Added to the logits of these tokens before any other processing (OpenAI / vLLM semantics). Given as a map
     # {token id: bias} (keys may be ints or strings of decimal digits, as JSON has them) or (token id, bias) pairs;
-    # kept as (token id, bias) pairs sorted by token id. At most MAX_LOGIT_BIAS_TOKENS tokens, biases finite
-    # numbers in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; None means none.
+    # kept as (token id, bias) pairs sorted by token id. At most MAX_LOGIT_BIAS_TOKENS (300) tokens, biases finite
+    # numbers in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], [-100, 100]; None means none.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Typical sampling: keep the locally typical tokens whose probability reaches typical_p; 1.0 disables.
     typical_p: float = 1.0
@@ -106,10 +106,12 @@ class SamplingParams:
     # "processed": log-prob under the distribution actually sampled from; "raw": log_softmax of the model's logits;
     # "temperature_scaled": log_softmax(logits / temperature), what TRL and verl recompute in their losses.
     logprob_mode: Literal["processed", "raw", "temperature_scaled"] = "processed"
-    # Also return the top-k log-probs (in the same mode) at every position; 0 disables.
+    # Also return the top-k log-probs (in the same mode) at every position; 0 disables. At most 100 in process, and
+    # MAX_SERVED_LOGPROBS (20) through a worker's ZeroMQ and HTTP APIs and a ColocatedEngine.
     top_logprobs: int = 0
     # Also return log p(prompt[i] | prompt[:i]) for every prompt position i >= 1 (raw log_softmax of the model's
-    # logits, as vLLM's prompt_logprobs), with this many top-k (token, log-prob) pairs per position; None disables.
+    # logits, as vLLM's prompt_logprobs), with this many top-k (token, log-prob) pairs per position, at most
+    # MAX_PROMPT_LOGPROBS (20); None disables.
     prompt_logprobs: int | None = None
     # Also return the experts an MoE model's routers chose for every token computed (routing replay): the completion's
     # `routes` and `prompt_routes`. Only for MoE models.

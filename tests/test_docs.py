@@ -115,3 +115,15 @@ def test_the_settings_page_names_the_engine_fields_rollout_worker_has_no_flag_fo
     text = (DOCS / "reference" / "config.md").read_text()
     (sentence,) = re.findall(r"`rollout-worker` has no flag for (.*?):", text, re.S)
     assert set(re.findall(r"`(\w+)`", sentence)) == fields - set_by_flags
+
+
+def test_the_settings_tables_give_the_values_of_the_constants_they_name():
+    """A field's meaning that names a code constant (DEFAULT_MAX_NEW_TOKENS, MAX_LOGIT_BIAS_TOKENS) gives its value
+    in the same row: a reader of the settings page cannot look the name up (the page showed names alone)."""
+    from rollout import sampling_params, validation
+
+    constants = {**vars(validation), **vars(sampling_params)}
+    for cls in (SamplingParams, ContinuousBatchingConfig):
+        for row in hooks().render("fields", cls.__name__).splitlines():
+            for name in set(re.findall(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b", row)) & set(constants):
+                assert f"{constants[name]:g}" in row, f"{row.split('|')[1]} names {name} without its value"
