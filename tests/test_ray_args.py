@@ -21,6 +21,10 @@ from rollout.ray import RolloutFleet  # noqa: E402
         (["--http-max-body-bytes", "4096"], "worker_args: --http-max-body-bytes: has no effect"),
         (["--tool-call-parser", "hermes"], "worker_args: --tool-call-parser: has no effect"),
         (["--help"], "worker_args: --help is not a worker setting"),  # printed the whole help, then "0"
+        # The control routes' flags: every worker failed at its start, once Ray had placed them all.
+        (["--enable-control-routes"], r"--enable-control-routes is for the HTTP API.*http=True"),
+        (["--enable-tokenizer-info-endpoint"], r"--enable-tokenizer-info-endpoint is for the HTTP API.*http=True"),
+        (["--control-allowed-dirs", "/tmp"], r"--control-allowed-dirs is for the HTTP API.*http=True"),
     ],
 )
 def test_what_a_worker_would_refuse_is_refused_before_ray_starts(worker_args, message):
@@ -51,3 +55,16 @@ def test_http_flags_pass_with_http():
     from rollout.ray.actor import check_worker_args
 
     check_worker_args(["--http-max-body-bytes", "4096", "--tool-call-parser", "hermes"], http=True)
+
+
+def test_control_flags_are_checked_on_the_driver_and_their_directories_on_the_node(tmp_path):
+    """With http=True the control flags' rules hold on the driver as on a worker; a directory is the node's to
+    check (the driver's filesystem is not the workers')."""
+    from rollout.ray.actor import check_worker_args
+
+    with pytest.raises(ValueError, match="worker_args: --control-api-key is for the control routes"):
+        check_worker_args(["--control-api-key", "operator"], http=True)
+    with pytest.raises(ValueError, match="worker_args: --control-api-key .*must not be empty"):
+        check_worker_args(["--enable-control-routes", "--control-api-key", ""], http=True)
+    elsewhere = str(tmp_path / "on-the-nodes-only")
+    check_worker_args(["--enable-control-routes", "--control-allowed-dirs", elsewhere], http=True)

@@ -88,8 +88,9 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def check_worker_args(worker_args: list[str], http: bool = False) -> None:
     """Refuse, naming it, a `worker_args` entry the fleet sets itself or `rollout-worker` would refuse: a flag it
-    does not know, a bad setting (`--max-n 0`), an HTTP API flag without `http` (it would do nothing). Checks that
-    need the worker's node (ports, directories, the device) are left to the worker.
+    does not know, a bad setting (`--max-n 0`), an HTTP API or control-route flag without `http` (it would do
+    nothing, or fail every worker's start). Checks that need the worker's node (ports, directories, the device) are
+    left to the worker.
 
     Args:
         worker_args: `RolloutFleet.launch`'s.
@@ -105,18 +106,21 @@ def check_worker_args(worker_args: list[str], http: bool = False) -> None:
             raise ValueError(f"worker_args: {flag} is set by the fleet (use RolloutFleet.launch's own arguments)")
         if flag in ("-h", "--help"):  # argparse would print the whole help here and exit
             raise ValueError(f"worker_args: {flag} is not a worker setting (rollout-worker --help lists them)")
+    from rollout.service.http.control.flags import check_control_flags
     from rollout.service.launch.flags import check_http_only_flags, engine_config, worker_limits
 
     parser = worker_parser()
     try:
         args = parser.parse_args([*worker_args, "--bind", "tcp://127.0.0.1:*", *(["--http", "127.0.0.1:0"] * http)])
         check_http_only_flags(parser, args)
+        check_control_flags(parser, args, on_this_host=False)
         if args.metrics_host is not None and args.metrics_port is None:
             raise _UsageError(f"--metrics-host {args.metrics_host}: has no effect without --metrics-port")
         worker_limits(args)
         engine_config(args)
     except _UsageError as error:
-        raise ValueError(f"worker_args: {error}") from None
+        hint = "; RolloutFleet.launch(..., http=True) gives each worker one" if "--http HOST:PORT" in str(error) else ""
+        raise ValueError(f"worker_args: {error}{hint}") from None
     except ValueError as error:  # a FieldError of the limits or the engine settings: named by its flag
         raise ValueError(f"worker_args: {parser.flag_message(error)}") from None
     except SystemExit as error:  # (argparse's other exits)

@@ -58,9 +58,16 @@ def key_refusal(key: str) -> str | None:
     return f"holds {odd!r}: no HTTP client can send it in an Authorization header (printable ASCII only, no space at either end)"
 
 
-def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, on_this_host: bool = True) -> None:
     """Usage errors for control flags that cannot work (no --http, an empty key, a directory that does not exist);
-    a warning when the control routes are open to every holder of the generation key on a reachable address."""
+    a warning when the control routes are open to every holder of the generation key on a reachable address.
+
+    Args:
+        parser: rollout-worker's parser.
+        args: the parsed flags.
+        on_this_host: whether the worker runs here; False (a fleet's driver checking its workers' flags) leaves the
+            directories and the warning to each worker's node.
+    """
     asked = [
         flag
         for flag, value in (
@@ -81,6 +88,8 @@ def check_control_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
     if routes_only and not args.enable_control_routes:  # (the flag given, not both whatever was given)
         verb = "are" if len(routes_only) > 1 else "is"
         parser.error(f"{' and '.join(routes_only)} {verb} for the control routes: add --enable-control-routes")
+    if not on_this_host:
+        return
     for directory in args.control_allowed_dirs:
         if not os.path.isdir(os.path.expanduser(directory)):
             parser.error(f"--control-allowed-dirs {directory}: no such directory")
