@@ -170,7 +170,7 @@ class ContinuousBatchingConfig:
             _check(
                 _is_number(self.max_memory_percent) and 0 < self.max_memory_percent <= 1,
                 "max_memory_percent",
-                "must be in (0, 1]",
+                "must be in (0, 1], a fraction: 0.9 for 90% (rollout-worker --max-memory-percent takes the percent)",
                 self.max_memory_percent,
             )
         _check(

@@ -35,6 +35,10 @@ def test_batch_config_pairs_read_as_their_fields_types():
     )
     with pytest.raises(FieldError, match="scheduler_type"):  # the config's own validation still applies
         batch_config_from_pairs(["scheduler_type=lifo"])
+    # The field is transformers' name for a fraction: a percent is refused saying so ("must be in (0, 1]" alone left
+    # a user who wrote 90, as rollout-worker --max-memory-percent takes it, to guess).
+    with pytest.raises(FieldError, match=r"max_memory_percent: 90.0 is invalid: .*a fraction: 0.9 for 90%"):
+        batch_config_from_pairs(["max_memory_percent=90"])
     with pytest.raises(FieldError, match="max_memory_percent: has no effect with num_blocks"):  # (it was ignored)
         batch_config_from_pairs(["num_blocks=64", "max_memory_percent=0.5"])
     with pytest.raises(FieldError, match="decode_compile_config: is not a ContinuousBatchingConfig field settable"):
