@@ -119,6 +119,33 @@ def test_top_k_1_samples_what_generate_picks_greedily(model_dir, tmp_path, capsy
     assert [row["completion"] for row in written] == [text for text in reference for _ in range(2)]
 
 
+def test_the_models_own_top_p_applies_without_the_flag(model_dir, tmp_path, capsys):
+    """Without --top-p (and --top-k), the model's generation config's apply, as in transformers' generate: a model
+    whose config keeps only the likeliest token samples its greedy completions at temperature 1."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    questions = [json.loads(line)["question"] for line in REPO_DATASET.read_text().splitlines()][:3]
+    reference = reference_completions(model_dir, questions)
+    narrow = tmp_path / "narrow"
+    shutil.copytree(model_dir, narrow)
+    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    config.do_sample, config.top_p, config.top_k = True, 1e-6, 0  # as Qwen3 ships its own top_p
+    config.save_pretrained(narrow)
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("".join(json.dumps(dict(question=question)) + "\n" for question in questions))
+    output = tmp_path / "rows.jsonl"
+    status, _, err = run(
+        capsys,
+        *("--model", narrow, "--dataset", dataset, "--prompt-field", "question", "--n", 2, "--temperature", 1.0),
+        *("--seed", 3, "--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
+    )
+    assert status == 0, err
+    written, _ = read_output(output)
+    assert [row["completion"] for row in written] == [text for text in reference for _ in range(2)]
+
+
 def brute_force_pass_at_k(flags: list[bool], k: int) -> float:
     """The fraction of k-subsets of a prompt's samples holding a correct one (pass@k by its definition)."""
     subsets = list(itertools.combinations(flags, k))

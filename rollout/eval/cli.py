@@ -80,7 +80,13 @@ def build_parser() -> CliParser:
         help=f"sampling temperature; 0 is greedy (default: 0 with --n 1, {SAMPLED_TEMPERATURE} with --n above 1, "
         "whose samples must differ)",
     )
-    add("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 is off")
+    add(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling threshold; 1 is off (default: the model's generation config, else 1, as transformers' "
+        "generate)",
+    )
     add(
         "--top-k",
         type=int,
@@ -149,7 +155,7 @@ def check_flags(args: argparse.Namespace) -> None:
         args.temperature = 0.0 if args.n == 1 else SAMPLED_TEMPERATURE
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature < math.inf):
         raise EvalError(f"--temperature {args.temperature}: must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         raise EvalError(f"--top-p {args.top_p}: must be in (0, 1]")
     greedy = args.temperature == 0
     if greedy and args.n > 1:
@@ -157,7 +163,7 @@ def check_flags(args: argparse.Namespace) -> None:
             f"--n {args.n} with greedy decoding (--temperature 0) gives {args.n} identical samples: pass "
             f"--temperature above 0 to sample (without --temperature, --n above 1 samples at {SAMPLED_TEMPERATURE})"
         )
-    if greedy and args.top_p < 1:
+    if greedy and args.top_p is not None and args.top_p < 1:
         raise EvalError(f"--top-p {args.top_p} has no effect with greedy decoding: pass --temperature above 0")
     if args.top_k is not None and args.top_k < 0:
         raise EvalError(f"--top-k {args.top_k}: must be 0 (off) or more")

@@ -104,8 +104,11 @@ def _generation_config(args: argparse.Namespace) -> Any:
 
     if args.temperature == 0:
         return GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
-    if args.top_k is not None:  # else the model's generation config's, or transformers' default (50)
+    sampling = dict(do_sample=True, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    # Unset, top_p and top_k are the model's generation config's, else transformers' defaults (1.0, 50).
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    if args.top_k is not None:
         sampling["top_k"] = args.top_k
     return GenerationConfig(**sampling)
 
