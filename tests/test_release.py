@@ -161,6 +161,27 @@ def test_a_closed_engine_refuses_work_by_name():
         engine.warmup()
 
 
+def test_a_closed_engine_refuses_weight_changes_and_leaves_the_model_alone():
+    """The model is the caller's again once its engine closed: an update must not write into it, nor an adapter
+    load or unload report success, and the policy version stays where it was."""
+    from rollout.engine.lora.adapter_weights import LoraModule
+
+    model = tiny_model()
+    engine = Engine(model, ContinuousBatchingConfig(**CONFIG, max_loras=1, max_lora_rank=4))
+    engine.close()
+    name = "model.layers.0.self_attn.q_proj"
+    weight = model.get_parameter(f"{name}.weight")
+    before = weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"update_weights\(\) of a closed engine"):
+        engine.update_weights({f"{name}.weight": torch.zeros_like(weight)}, partial=True)
+    lora = LoraModule(torch.zeros(4, weight.shape[1]), torch.zeros(weight.shape[0], 4), 1.0)
+    with pytest.raises(RuntimeError, match=r"load_adapter\(\) of a closed engine"):
+        engine.load_adapter("a", {name: lora})
+    with pytest.raises(RuntimeError, match=r"unload_adapter\(\) of a closed engine"):
+        engine.unload_adapter("a")
+    assert torch.equal(weight, before) and engine.policy_version == 0
+
+
 def test_a_colocated_engine_that_fails_to_build_leaves_nothing_on_the_model():
     model = tiny_model(dtype=torch.bfloat16)  # bf16: fp32_logits hooks an fp32 copy of the head onto it
     head = model.get_output_embeddings()

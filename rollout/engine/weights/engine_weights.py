@@ -61,7 +61,9 @@ class EngineWeights:
         Raises:
             FieldError: a bad mode, version or tensor (named); nothing was changed (a "wait" refused for samples in
                 flight has finished the step in flight first: its outputs come with the next `step()`).
+            RuntimeError: the engine is closed (the model is the caller's again: nothing is copied into it).
         """
+        self._refuse_closed("update_weights")
         return self.weight_updates.update_weights(tensors, version, mode, partial)
 
     def load_adapter(
@@ -91,7 +93,9 @@ class EngineWeights:
         Raises:
             FieldError: a bad name, tensor (unknown module, shape, rank above max_lora_rank), mode or version, or
                 max_loras adapters served already (named); nothing was changed.
+            RuntimeError: the engine is closed.
         """
+        self._refuse_closed("load_adapter")
         return self.weight_updates.load_adapter(name, modules, version, mode, check_finite, base)
 
     def unload_adapter(self, name: str) -> list[GenerationOutput]:
@@ -102,8 +106,16 @@ class EngineWeights:
             The outputs to deliver: the step in flight's, then the ended samples' final ones.
         Raises:
             FieldError: ("adapter") no adapter of that name is served (nothing ended).
+            RuntimeError: the engine is closed.
         """
+        self._refuse_closed("unload_adapter")
         return self.weight_updates.unload_adapter(name)
+
+    def _refuse_closed(self, what: str) -> None:
+        """Raise when the engine is closed: its model is the caller's again, so a weight change must not go through
+        (an update copied into the caller's model and bumped the version of an engine that serves nothing)."""
+        if self.runner.closed:
+            raise RuntimeError(f"{what}() of a closed engine: build a new one")
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
         """Forget every cached prefix (vLLM's `reset_prefix_cache`): later prompts are computed anew; blocks in use
@@ -128,8 +140,9 @@ class EngineWeights:
         (`rollout-worker --lora`): call it before the first request.
 
         Raises:
-            FieldError: as `load_adapter`. RuntimeError: the engine already has requests.
+            FieldError: as `load_adapter`. RuntimeError: the engine already has requests, or is closed.
         """
+        self._refuse_closed("serve_adapter_from_start")
         self.weight_updates.serve_adapter_from_start(name, modules)
 
     def weights_changed(self) -> None:
