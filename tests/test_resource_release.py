@@ -224,6 +224,29 @@ def test_a_worker_closed_before_serving_releases_its_socket():
     assert again.address == address
 
 
+def test_a_worker_bound_to_an_ipc_path_removes_its_socket_file(tmp_path):
+    """libzmq leaves the file of an ipc:// address it bound (closing the socket does not unlink it): the worker that
+    made it removes it when it stops serving, and when closed before serving. A file another worker took over since
+    (libzmq replaces it on bind) is that worker's: left alone."""
+    from rollout.service.zmq.worker import RolloutWorker
+
+    path = tmp_path / "worker.sock"
+    running, serving = serve_in_process("--bind", f"ipc://{path}")
+    assert path.is_socket()
+    stop_serving(running, serving)
+    assert not path.exists()
+    manager = init_continuous_batching(tiny_model(), continuous_batching_config=ContinuousBatchingConfig(num_blocks=8))
+    try:
+        first = RolloutWorker(manager, f"ipc://{path}", "tiny")
+        second = RolloutWorker(manager, f"ipc://{path}", "tiny")  # takes the path over (a new file)
+        first.close()
+        assert path.is_socket()  # the second worker's
+        second.close()
+        assert not path.exists()
+    finally:
+        manager.destroy()
+
+
 def test_a_bind_that_fails_once_the_model_loaded_is_a_usage_error_leaving_nothing(capsys):
     """--bind passes the checks made before the model loads (an ipc:// path in a missing directory; likewise a port
     taken since it was probed) but cannot bind after: a usage error naming --bind, not a ZMQError traceback, and

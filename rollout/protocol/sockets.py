@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,40 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # "*", an interface name or a host name: reachable from elsewhere
         return False
+
+
+def bound_ipc_file(endpoint: str) -> tuple[str, int] | None:
+    """The socket file an ipc:// endpoint just bound made (its path and inode), which libzmq leaves behind when the
+    socket closes; None for any other endpoint (tcp, inproc, an abstract ipc://@name) or when there is no such file.
+
+    Args:
+        endpoint: the bound socket's LAST_ENDPOINT.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    path = endpoint.removeprefix("ipc://")
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return (path, status.st_ino) if stat.S_ISSOCK(status.st_mode) else None
+
+
+def remove_ipc_file(bound: tuple[str, int] | None) -> None:
+    """Remove the socket file `bound_ipc_file` found, after its socket closed, unless it is gone or is another
+    socket's now (libzmq replaces the file of a path bound again: that file is the new binder's).
+
+    Args:
+        bound: what `bound_ipc_file` returned.
+    """
+    if bound is None:
+        return
+    path, inode = bound
+    try:
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:  # gone already (libzmq removes the files of ipc://* itself), or not ours to remove
+        pass
 
 
 class Waker:

@@ -27,7 +27,15 @@ import zmq
 from rollout import protocol as p
 from rollout.engine.manager.continuous_batching import ContinuousBatchingManager
 from rollout.protocol.auth import SecurityLog, WorkerAuth
-from rollout.protocol.sockets import MessageReader, Waker, frame_fd, frame_property, is_ipv6_literal
+from rollout.protocol.sockets import (
+    MessageReader,
+    Waker,
+    bound_ipc_file,
+    frame_fd,
+    frame_property,
+    is_ipv6_literal,
+    remove_ipc_file,
+)
 from rollout.service.compile.constraint_compiles import ConstraintCompiles
 from rollout.service.group_counters import GroupCounters
 from rollout.service.observability.tracing import Tracer
@@ -117,6 +125,7 @@ class RolloutWorker:
             self._socket, 1 + MAX_PIECES, self.limits.max_message_bytes, max_header_bytes=p.MAX_HEADER_BYTES
         )
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_file = bound_ipc_file(self.address)  # an ipc:// path's socket file, removed once released
         # The engine thread writes a byte here after filling the groups' outbox, waking the serving thread's poll
         # (no busy polling, which would steal the GIL from the engine).
         self._waker = Waker()
@@ -243,6 +252,7 @@ class RolloutWorker:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
+        remove_ipc_file(self._ipc_file)  # (libzmq leaves it behind)
         self._waker.close()
 
     def shutdown(self) -> None:
