@@ -16,6 +16,7 @@ One rollout-worker subprocess (tiny CPU model) serves the module.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -95,6 +96,32 @@ def test_wait_connected_on_a_closed_client_fails_at_once(worker):
     with pytest.raises(RolloutError) as refused:
         connection.wait_connected()
     assert refused.value.code == "closed"
+
+
+@pytest.mark.parametrize("call", ["wait_connected", "stats", "update_channel"])
+def test_a_wait_in_flight_when_the_client_closes_fails_with_closed_at_once(call):
+    """`close()` says calls still waiting fail with RolloutError: wait_connected returned [] as if no worker had
+    answered, and stats and a weight update's receive (push_weights) waited out their whole timeout, then said
+    "timeout". The workers here never answer (nothing listens at their ports)."""
+    from service_helpers import free_port
+
+    addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    connection = RolloutClient(addresses, connect_timeout=60)
+    waits = {
+        "wait_connected": lambda: connection.wait_connected(30),
+        "stats": lambda: connection.stats(30),
+        "update_channel": lambda: connection.open_update_channel("u1").receive(30),
+    }
+    timer = threading.Timer(0.3, connection.close)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RolloutError) as ended:
+            waits[call]()
+    finally:
+        timer.join()
+        connection.close()
+    assert ended.value.code == "closed" and time.monotonic() - started < 5
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan"), "10"])

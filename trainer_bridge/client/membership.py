@@ -102,7 +102,8 @@ class WorkerMembership:
         Args:
             timeout: most seconds to wait (default: what is left of connect_timeout).
         Raises:
-            RolloutError: "closed" on a closed client (no worker would ever answer it); "bad_request" for a timeout
+            RolloutError: "closed" on a closed client, or one closed while it waits (no worker would ever answer
+                it); "bad_request" for a timeout
                 that is no number of seconds >= 0.
         """
         if self._closed.is_set():
@@ -122,6 +123,8 @@ class WorkerMembership:
             ):
                 break
             time.sleep(0.005)
+        if self._closed.is_set():  # closed while waiting: no worker will answer (not "none answered")
+            raise RolloutError("closed", "the client was closed")
         return self.live_workers()
 
     def outage(self) -> str | None:

@@ -30,6 +30,7 @@ from rollout.validation import is_seconds
 from trainer_bridge.client.affinity import PrefixAffinity
 from trainer_bridge.client.caller import Caller
 from trainer_bridge.client.calls import Call, GroupResult, PromptGroup, RolloutError, WorkerBusy
+from trainer_bridge.client.closing_waits import get_unless_closed
 from trainer_bridge.client.commands import AskStats, AskVersions, OpenChannel
 from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.membership import WorkerMembership, check_wait, worker_address_problem
@@ -163,8 +164,8 @@ class RolloutClient(WorkerMembership):
         Args:
             timeout: most seconds to wait for the answers (default: the client's timeout, at most 10).
         Raises:
-            RolloutError: "closed" at once on a closed client; "timeout" when a worker did not answer in time
-                (naming each worker that did not).
+            RolloutError: "closed" at once on a closed client, or one closed while it waits; "timeout" when a
+                worker did not answer in time (naming each worker that did not).
         """
         if self._closed.is_set():  # nobody would ever answer: fail now, as generate does, not after the timeout
             raise RolloutError("closed", "the client is closed")
@@ -176,9 +177,9 @@ class RolloutClient(WorkerMembership):
         answers: list[dict[str, Any] | None] = []
         count = None
         try:
-            count = replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            count = get_unless_closed(replies, self._closed, deadline - time.monotonic())
             while len(answers) < count:
-                answers.append(replies.get(timeout=max(0.0, deadline - time.monotonic())))
+                answers.append(get_unless_closed(replies, self._closed, deadline - time.monotonic()))
         except queue.Empty:
             pass
         if count and len(answers) == count:
@@ -241,7 +242,7 @@ class RolloutClient(WorkerMembership):
         self._io.command(OpenChannel(update_id, replies))
         with self._updates_lock:
             self._open_updates.add(update_id)
-        return UpdateChannel(self._io.command, self._update_closed, update_id, replies)
+        return UpdateChannel(self._io.command, self._update_closed, update_id, replies, self._closed)
 
     @property
     def updating(self) -> bool:

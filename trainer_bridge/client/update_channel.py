@@ -4,11 +4,13 @@ carries the update's id (the push in push.py drives it)."""
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from rollout import protocol as p
 from trainer_bridge.client.calls import RolloutError
+from trainer_bridge.client.closing_waits import get_unless_closed
 from trainer_bridge.client.commands import CloseChannel, SendRaw
 
 
@@ -21,6 +23,7 @@ class UpdateChannel:
         closed: Callable[[str], None],
         update_id: str,
         replies: queue.SimpleQueue,
+        client_closed: threading.Event,
     ):
         """
         Args:
@@ -28,11 +31,13 @@ class UpdateChannel:
             closed: tells the client this update's channel is closed.
             update_id: the update whose replies the channel gets.
             replies: where the I/O thread puts them, as (worker index, message).
+            client_closed: set when the client closes (its I/O thread, which puts the replies, ends).
         """
         self._command = command
         self._closed = closed
         self.update_id = update_id
         self._replies = replies
+        self._client_closed = client_closed
 
     def send(self, worker: int, message: p.Message, data: list | None = None) -> None:
         """Send `message` (and raw data frames after its header) to worker `worker`."""
@@ -42,10 +47,10 @@ class UpdateChannel:
         """The next reply of any worker to this update, as (worker index, message).
 
         Raises:
-            RolloutError: code "timeout" when none came in time.
+            RolloutError: code "timeout" when none came in time; "closed" at once when the client closed.
         """
         try:
-            return self._replies.get(timeout=max(0.0, timeout))
+            return get_unless_closed(self._replies, self._client_closed, timeout)
         except queue.Empty:
             raise RolloutError("timeout", f"weight update {self.update_id}: no answer within {timeout:.1f} s") from None
 

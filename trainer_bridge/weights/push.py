@@ -307,7 +307,9 @@ class WeightPush:
     def _receive(self, timeout: float, what: str, quiet: bool = False) -> None:
         try:
             index, message = self.channel.receive(timeout)
-        except RolloutError:
+        except RolloutError as error:
+            if error.code == "closed":  # the client closed during the push: no answer will come
+                raise
             if quiet:
                 raise NoReply from None
             message = f"weight update: no {what} within {self.timeout:g} s"
