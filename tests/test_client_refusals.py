@@ -124,6 +124,26 @@ def test_a_wait_in_flight_when_the_client_closes_fails_with_closed_at_once(call)
     assert ended.value.code == "closed" and time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("call", ["add_worker", "remove_worker"])
+def test_a_membership_change_the_closing_client_never_took_fails_with_closed_at_once(call, monkeypatch):
+    """A change handed to the I/O thread just as the client closes is never taken (the thread ended): it waited out
+    its timeout, then said the I/O thread "did not take" the address. The lost hand-over is made certain here."""
+    from service_helpers import free_port
+
+    connection = RolloutClient(f"tcp://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(connection._io, "command", lambda command: None)  # the thread ends before taking it
+    timer = threading.Timer(0.3, connection.close)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RolloutError) as ended:
+            getattr(connection, call)(f"tcp://127.0.0.1:{free_port()}", timeout=30)
+    finally:
+        timer.join()
+        connection.close()
+    assert ended.value.code == "closed" and time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("timeout", [-1, float("nan"), "10"])
 def test_a_waits_timeout_that_cannot_work_is_refused_by_name(client, timeout):
     """wait_connected(timeout=nan) returned at once, as if timed out; stats(timeout=nan) failed with "timeout"

@@ -11,6 +11,7 @@ from typing import Any
 from rollout.protocol.sockets import check_address
 from rollout.validation import is_seconds
 from trainer_bridge.client.calls import RolloutError
+from trainer_bridge.client.closing_waits import SLICE_S
 from trainer_bridge.client.commands import AddWorker, RemoveWorker
 from trainer_bridge.client.routing import stale_workers
 
@@ -91,8 +92,12 @@ class WorkerMembership:
         if self._closed.is_set():
             raise RolloutError("closed", "the client is closed")
         self._io.command(command)
-        if not command.done.wait(timeout):
-            raise RolloutError("timeout", f"the client's I/O thread did not take {command.address} in time")
+        deadline = time.monotonic() + timeout
+        while not command.done.wait(min(SLICE_S, max(0.0, deadline - time.monotonic()))):
+            if self._closed.is_set():  # closed meanwhile: its I/O thread ended, maybe before taking the command
+                raise RolloutError("closed", "the client was closed")
+            if time.monotonic() >= deadline:
+                raise RolloutError("timeout", f"the client's I/O thread did not take {command.address} in time")
 
     def wait_connected(self, timeout: float | None = None) -> list[int]:
         """Wait until every worker answered once (or refused this client), at most until `connect_timeout` after
