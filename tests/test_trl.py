@@ -399,6 +399,30 @@ def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp
     assert len(set(uninterrupted)) == 2 and rollout.seeded({"seed": 7})["seed"] == 7
 
 
+def test_an_evaluation_round_does_not_move_the_training_rounds_seeds(fake_trainer, tmp_path):
+    """The Trainer evaluates (eval_steps) before it saves a checkpoint at a step: a run resumed from that checkpoint
+    evaluates nothing at its first step, so its training round must be seeded as the uninterrupted run's training
+    round was after its evaluation (the evaluation's groups had taken the step's first seeds)."""
+    trainer, _ = fake_trainer
+    rollout = trainer.rollout
+    trainer.state.global_step = 5
+    trainer.model.eval()
+    [rollout.seeded({})["seed"] for _ in range(2)]  # the uninterrupted run's evaluation at step 5
+    trainer.model.train()
+    uninterrupted = [rollout.seeded({})["seed"] for _ in range(2)]
+    resumed = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path / "resumed", temperature=0.7, max_completion_length=6),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=FakeClient(),
+    )
+    resumed.state.global_step = 5
+    resumed.model.train()
+    assert [resumed.rollout.seeded({})["seed"] for _ in range(2)] == uninterrupted
+
+
 def test_a_round_on_stale_workers_says_what_a_trl_user_can_do(fake_trainer, monkeypatch):
     """Workers still stale after the step's weights were pushed again (once, at the same version): the client's own
     advice (push again) is not a TRL user's to follow mid-train(), so the error says what is (resume, or

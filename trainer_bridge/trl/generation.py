@@ -60,7 +60,8 @@ class RolloutGeneration:
         self._last_version: int | None = None  # the version the last sync set
         self.push_kwargs = push_kwargs
         self._group_ids = itertools.count()
-        self._seeds = itertools.count()  # the groups seeded so far at `_seed_step` (`seeded`)
+        # The groups seeded so far at `_seed_step`, training and evaluation apart (`seeded`).
+        self._seeds = {"train": itertools.count(), "eval": itertools.count()}
         self._seed_step: int | None = None
         self.sampling: dict[str, Any] = grpo_sampling(trainer.args, list(trainer.eos_token_ids))
         # The last round's completions in row order when they carry MoE routes (routing replay), else None.
@@ -95,13 +96,18 @@ class RolloutGeneration:
         step and the groups seeded before it at that step (a `seed` the settings give, from generation_kwargs, is
         kept): two runs with the same seed sample the same completions, as TRL's own generation does, and a run
         resumed from a checkpoint samples its later steps as the uninterrupted run did (rounds generated ahead,
-        with max_staleness, are seeded by the step at which they are sent)."""
+        with max_staleness, are seeded by the step at which they are sent). Evaluation rounds draw their own seeds:
+        the Trainer evaluates a step before it saves its checkpoint, and a run resumed there evaluates nothing
+        before its first training round."""
         if settings.get("seed") is not None:
             return dict(settings)
         step = self.trainer.state.global_step
         if step != self._seed_step:
-            self._seed_step, self._seeds = step, itertools.count()
-        key = f"{self.trainer.args.seed}/{self.trainer.accelerator.process_index}/{step}/{next(self._seeds)}"
+            self._seed_step, self._seeds = step, {"train": itertools.count(), "eval": itertools.count()}
+        mode = "train" if self.trainer.model.training else "eval"
+        place = next(self._seeds[mode])
+        tail = str(place) if mode == "train" else f"eval/{place}"  # (training keys as before: the same samples)
+        key = f"{self.trainer.args.seed}/{self.trainer.accelerator.process_index}/{step}/{tail}"
         return {**settings, "seed": int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 2}
 
     def _wait_for_a_worker(self, deadline: float) -> None:
