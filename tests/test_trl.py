@@ -615,6 +615,21 @@ def test_vllm_spellings_in_generation_kwargs_are_mapped(fake_trainer):
             sampling(bad)
 
 
+def test_a_completion_of_no_tokens_is_refused_at_construction(tmp_path):
+    """vLLM refuses max_tokens=0 ("must be at least 1"); rollout takes max_new_tokens=0 beside prompt_logprobs (the
+    prompt scored only), whose empty completions TRL cannot score (an IndexError in its first training step).
+    (generation_kwargs max_new_tokens=0 is refused by TRL's own GenerationConfig.)"""
+    with pytest.raises(ValueError, match=r"generation_kwargs\['max_tokens'\].*at least 1"):
+        RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path, generation_kwargs={"max_tokens": 0, "prompt_logprobs": 0}),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_workers=FakeClient(),
+        )
+
+
 def test_refused_fields_fail_at_construction(tmp_path):
     with pytest.raises(ValueError, match="use_transformers_"):
         RolloutGRPOTrainer(

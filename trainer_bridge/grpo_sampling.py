@@ -116,6 +116,9 @@ def grpo_sampling(args: Any, eos_token_ids: list[int]) -> dict[str, Any]:
         SamplingParams(**sampling)  # fail at construction, naming the field as the user spelled it
     except FieldError as error:
         raise error.renamed(spelled) from None
+    if sampling["max_new_tokens"] == 0:  # rollout's prompt-only scoring (beside prompt_logprobs): TRL needs tokens
+        name = spelled.get("max_new_tokens", "generation_kwargs['max_new_tokens']")
+        raise ValueError(f"{name} must be at least 1 (as vLLM's max_tokens): TRL trains on the completions' tokens")
     return sampling
 
 
