@@ -109,8 +109,9 @@ class ContinuousBatchingConfig:
     # Paged attention kernels: "auto" (Triton on CUDA when it is installed and block_size is a power of two >= 16,
     # else PyTorch), "torch", or "triton" (on CPU only inside Triton's interpreter, TRITON_INTERPRET=1: for tests).
     attention_backend: str = "auto"
-    # Compute the final projection (lm_head) and the softmax in fp32 even for a bf16/fp16 model: logprobs closer to
-    # a trainer that does the same (TRL's cast_lm_head_to_fp32), for one fp32 copy of the lm_head weight per step.
+    # Compute the final projection (lm_head) and the softmax in fp32 even for a bf16/fp16 model, or under a trainer's
+    # mixed-precision autocast: logprobs closer to a trainer that does the same (TRL's cast_lm_head_to_fp32), for one
+    # fp32 copy of a bf16/fp16 lm_head weight per step.
     fp32_logits: bool = False
     # Compute each token's logits bit for bit as `trainer_bridge.batch_invariant` makes the trainer's forward compute
     # them, whatever else is in the step and however the prompt was chunked or cached (rollout.invariant). The mode

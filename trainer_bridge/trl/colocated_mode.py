@@ -111,6 +111,9 @@ def colocated_generation(
             raise FieldError(field, error.reason) from None
     if engine_config is None and next(model.parameters()).device.type == "cuda":
         engine_config = ContinuousBatchingConfig(max_memory_percent=args.vllm_gpu_memory_utilization)
+    if getattr(args, "cast_lm_head_to_fp32", False) and not getattr(engine_config, "fp32_logits", False):
+        # TRL scores with its head in fp32, outside the mixed precision's autocast: the rounds' head too
+        engine_config = dataclasses.replace(engine_config or ContinuousBatchingConfig(), fp32_logits=True)
     if batch_invariant:  # (transformers' config was converted to rollout's above)
         engine_config = dataclasses.replace(engine_config or ContinuousBatchingConfig(), batch_invariant=True)
         check_same_head(engine_config.fp32_logits, args)

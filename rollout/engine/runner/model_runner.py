@@ -69,7 +69,7 @@ class ModelRunner:
         self.tiling = Tiling.for_device(kv_cache.kv.device)
         self.device = next(model.parameters()).device
         self._closed = False
-        self.fp32_head: Fp32Head | None = None  # with fp32_logits on a bf16/fp16 model (fp32_head.py)
+        self.fp32_head: Fp32Head | None = None  # with fp32_logits (fp32_head.py)
         self._suspended = False  # the model was given back by suspend()
         # The model call is an object of its own, not a bound method: the decode graphs and the compiled forward
         # keep it, and a reference back to this runner would put the runner (the cache, the graphs) in a cycle that
@@ -109,7 +109,7 @@ class ModelRunner:
         # Last, once nothing above can fail: a runner that was not built leaves the model as it found it.
         # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
         # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
-        if head_fp32:
+        if head is not None:  # an fp32 head too: under a trainer's autocast its product is computed in bf16
             self.fp32_head = Fp32Head(head)
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
         self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state, config.batch_invariant)

@@ -1,5 +1,6 @@
 """`fp32_logits`: the output projection computed in fp32 inside the engine's steps, for a bf16/fp16 model (what TRL's
-`cast_lm_head_to_fp32` does in the trainer), through a forward hook on the model's output head.
+`cast_lm_head_to_fp32` does in the trainer), through a forward hook on the model's output head; and for an fp32 head
+under a trainer's mixed-precision autocast (a colocated round), outside the autocast, as TRL scores it.
 
 The head's weight is converted to fp32 once and kept: converting it at every step writes the whole fp32
 weight each time (622 MB for Qwen3-0.6B's head), more than a decode step's own reads. The copy is refreshed in place
@@ -54,7 +55,12 @@ class Fp32Head:
         self._hook = head.register_forward_hook(self._project)
 
     def refresh(self, head: torch.nn.Module) -> None:
-        """Copy the head's current weight (and bias) into the fp32 copy, in place when the shape still fits."""
+        """Copy the head's current weight (and bias) into the fp32 copy, in place when the shape still fits; an fp32
+        head is read as it is (no copy)."""
+        if head.weight.dtype == torch.float32:
+            self.weight = self.bias = None
+            self._seen = (head.weight.data_ptr(), head.weight._version)
+            return
         # Inference mode both times: a copy made under it (an engine built inside a trainer's inference_mode) is an
         # inference tensor, which only inference mode may update in place; the hook reads it inside a step.
         with torch.inference_mode():
@@ -79,7 +85,13 @@ class Fp32Head:
     def _project(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not self.active:
             return None
-        return torch.nn.functional.linear(inputs[0].float(), self.weight, self.bias)
+        device, weight, bias = inputs[0].device.type, self.weight, self.bias
+        if weight is None:  # an fp32 head: its own product is fp32 unless a trainer's autocast lowered it
+            if not torch.is_autocast_enabled(device):
+                return None
+            weight, bias = module.weight, module.bias
+        with torch.autocast(device, enabled=False):  # a trainer's mixed precision would compute it in bf16
+            return torch.nn.functional.linear(inputs[0].float(), weight, bias)
 
     def close(self) -> None:
         """Remove the hook and free the fp32 copy. Idempotent."""
