@@ -196,6 +196,34 @@ def test_workers_computing_in_another_dtype_than_the_trainer_are_said():
     assert "the trainer in bfloat16" in dtype_mismatch(trainer("bf16", {"float32"}))
 
 
+@pytest.mark.timeout(120)
+def test_bf16_workers_without_an_fp32_head_under_cast_lm_head_to_fp32_are_said(tmp_path, caplog):
+    """TRL scores the completions with its head in fp32 (cast_lm_head_to_fp32, outside the autocast); a bf16 worker
+    samples with its head in bf16 unless started with --fp32-logits: the trainer says so, naming the flag."""
+    from service_helpers import Worker
+
+    for flags, said in [((), True), (("--fp32-logits",), False)]:
+        worker = Worker("--dtype", "bfloat16", *flags)
+        try:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="trainer_bridge.trl"):
+                trainer = RolloutGRPOTrainer(
+                    model=tiny_model(0),
+                    reward_funcs=id_reward,
+                    args=grpo_config(tmp_path, bf16=True, cast_lm_head_to_fp32=True),
+                    train_dataset=dataset(),
+                    processing_class=TOKENIZER,
+                    rollout_workers=worker.address,
+                )
+            trainer.close()
+        finally:
+            worker.close()
+        warned = [r.getMessage() for r in caplog.records if "cast_lm_head_to_fp32" in r.getMessage()]
+        assert bool(warned) == said, warned
+        if said:
+            assert "compute theirs in bfloat16" in warned[0] and "rollout-worker --fp32-logits" in warned[0]
+
+
 def test_a_policy_the_workers_could_not_take_is_refused_when_the_trainer_is_built(tmp_path):
     """A trained module tied to another (LoRA on the input embedding of a model whose head is that embedding, or a
     merged push of modules_to_save=["lm_head"] there) is refused before a client connects, naming the modules as the

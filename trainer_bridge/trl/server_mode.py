@@ -5,12 +5,16 @@ log-probs), and the generation backend for the trainer's settings: `RolloutGener
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.trl.generation import RolloutGeneration
+
+logger = logging.getLogger("trainer_bridge.trl")
+LOW = ("bfloat16", "float16")  # dtypes whose head --fp32-logits computes in fp32
 
 
 def server_generation(
@@ -61,6 +65,14 @@ def server_generation(
                     f"batch_invariant=True: {other_head} of {len(stats)} workers compute their head "
                     f"{'without' if fp32_head else 'with'} --fp32-logits, the trainer's GRPOConfig."
                     f"cast_lm_head_to_fp32 is {fp32_head}"
+                )
+            low = sorted({str(s.get("dtype")) for s in stats if s.get("dtype") in LOW and not s.get("fp32_logits")})
+            if fp32_head and low:  # TRL scores with its head in fp32; these workers sample with theirs in bf16/fp16
+                logger.warning(
+                    "GRPOConfig.cast_lm_head_to_fp32 scores the completions with the head in float32, and rollout "
+                    "workers compute theirs in %s: their log-probs differ by rounding, which TRL's importance-sampling "
+                    "correction takes for off-policy samples; start them with rollout-worker --fp32-logits",
+                    ", ".join(low),
                 )
         except Exception as error:  # noqa: BLE001 - handed to every rank
             current = [f"cannot read the workers' policy version: {error}", None, [], [], None]
