@@ -244,6 +244,30 @@ def test_an_engine_context_below_the_models_with_tools_is_refused_in_colocate_mo
     trainer.close()
 
 
+def test_an_engine_context_above_the_models_is_refused_in_colocate_mode(tmp_path):
+    """vLLM refuses a max_model_len above the model's context, and so does rollout-worker's --max-model-len; the
+    colocated engine took rollout_engine_config.max_model_len=2049 on the tiny model (2048) and ran completions past
+    the positions the model has (a GPT-2's learned positions fail there with an IndexError)."""
+    above = ContinuousBatchingConfig(num_blocks=64, block_size=16, max_model_len=2049)
+    with pytest.raises(
+        ValueError, match="rollout_engine_config.max_model_len=2049 is above the model's context of 2048"
+    ):
+        colocated_with(tmp_path, above)
+    colocated_with(tmp_path, ContinuousBatchingConfig(num_blocks=64, block_size=16, max_model_len=2048)).close()
+
+
+def colocated_with(tmp_path, engine_config) -> RolloutGRPOTrainer:
+    return RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_mode="colocate",
+        rollout_engine_config=engine_config,
+    )
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "config",

@@ -12,6 +12,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from rollout.config import ContinuousBatchingConfig, FieldError
+from rollout.service.launch.preload_checks import model_context_of
 from rollout.transformers_configs import engine_config as to_engine_config
 from trainer_bridge.client import GroupResult, PromptGroup
 from trainer_bridge.colocated import ColocatedEngine
@@ -109,6 +110,13 @@ def colocated_generation(
         except FieldError as error:
             field = "rollout_engine_config" if error.field == "continuous_batching_config" else error.field
             raise FieldError(field, error.reason) from None
+    ceiling = model_context_of(model, rope_scaled=True)
+    asked = getattr(engine_config, "max_model_len", None)
+    if asked is not None and ceiling is not None and asked > ceiling:  # as vLLM (and rollout-worker) refuse it
+        raise ValueError(
+            f"rollout_engine_config.max_model_len={asked} is above the model's context of {ceiling} tokens: "
+            "completions would run past the positions it was trained for (or fail there)"
+        )
     if engine_config is None and next(model.parameters()).device.type == "cuda":
         engine_config = ContinuousBatchingConfig(max_memory_percent=args.vllm_gpu_memory_utilization)
     if getattr(args, "cast_lm_head_to_fp32", False) and not getattr(engine_config, "fp32_logits", False):
