@@ -142,6 +142,32 @@ def test_a_worker_started_with_batch_invariant_serves_the_trainers_bits(tmp_path
         plain.close()
 
 
+@pytest.mark.timeout(240)
+def test_an_fp32_worker_serves_the_bits_of_a_trainer_casting_its_head_to_fp32(tmp_path, monkeypatch):
+    """--fp32-logits changes only a bf16/fp16 worker's head: an fp32 worker computes its head in fp32 either way, so a
+    trainer under cast_lm_head_to_fp32 was refused ("workers compute their head without --fp32-logits") for bits it
+    gets. TRL's own old-policy forward (run: the skip made unverifiable) equals the worker's log-probs bit for bit."""
+    monkeypatch.setattr(old_logps, "BITWISE_DEVICES", ())
+    worker = Worker("--batch-invariant")
+    try:
+        trainer = RolloutGRPOTrainer(
+            model=tiny_model(0),
+            reward_funcs=id_reward,
+            args=grpo_config(tmp_path, max_steps=1, temperature=0.7, cast_lm_head_to_fp32=True),
+            train_dataset=dataset(),
+            processing_class=TOKENIZER,
+            rollout_workers=worker.address,
+            batch_invariant=True,
+        )
+        trainer.train()
+        trainer.close()
+    finally:
+        worker.close()
+    (entry,) = train_logs(trainer)
+    assert entry[SKIPPED] == 0.0 and entry[DIFFERENCE] == 0.0, entry
+    assert all(entry[name] == 1.0 for name in IS_METRICS), entry
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [

@@ -54,7 +54,8 @@ def server_generation(
             current = [max((s["policy_version"] for s in stats), default=0), None, devices, dtypes, context]
             plain = sum(1 for s in stats if not s.get("batch_invariant", False))
             fp32_head = bool(getattr(trainer.args, "cast_lm_head_to_fp32", False))
-            other_head = sum(1 for s in stats if bool(s.get("fp32_logits", False)) != fp32_head)
+            # (--fp32-logits changes only a bf16/fp16 worker's head: an fp32 worker's is fp32 either way)
+            other_head = sum(1 for s in stats if s.get("dtype") in LOW and bool(s.get("fp32_logits")) != fp32_head)
             if trainer.batch_invariant and plain:
                 current[1] = (
                     f"batch_invariant=True: {plain} of {len(stats)} workers do not run batch-invariant; start them "
