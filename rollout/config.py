@@ -118,7 +118,8 @@ class ContinuousBatchingConfig:
     # brings its own attention and, on a GPU, its own Triton kernels (decode steps still replay CUDA graphs over
     # them); no compiled decode, and not the engine's Triton paged attention (`attention_backend="triton"`).
     batch_invariant: bool = False
-    # Longest prompt + generation accepted; None uses the model's max_position_embeddings.
+    # Longest prompt + generation accepted; None uses the model's max_position_embeddings. Above it (RoPE scaling
+    # included, as vLLM derives max_model_len) is refused.
     max_model_len: int | None = None
     # Seed of the seeds given to requests that bring none (None: fresh randomness), so a whole run can repeat.
     seed: int | None = None

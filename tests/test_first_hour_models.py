@@ -203,3 +203,42 @@ def test_scoring_prompts_generates_no_tokens_on_the_bar_or_in_the_stats(capsys):
     assert "tokens=0," in re.split(r"[\r\n]", capsys.readouterr().err.strip())[-1]
     assert cached_engine(model).stats()["generated_tokens"] == 0
     release_cached_engine(model)
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused_as_generate_would_fail():
+    """An engine's max_model_len above the model's context (RoPE scaling included, as vLLM derives it) is refused
+    by name when the engine is built: a learned-position model's generate fails past its positions, and the engine
+    took the setting and failed the sample there. Up to the context, and up to a YaRN-scaled one, it serves as
+    transformers' generate does."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+
+    from rollout import ContinuousBatchingConfig
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2, vocab_size=96)).eval()
+    prompt = torch.randint(3, 96, (1, 40))
+    with pytest.raises(IndexError):  # transformers' own verdict on running past 64 positions
+        greedy_generate(gpt2, prompt, 30)
+
+    def run(model, config, new):
+        outputs = generate_batch(
+            model,
+            prompt.tolist(),
+            max_new_tokens=new,
+            sampling=GREEDY,
+            progress_bar=False,
+            warmup=False,
+            continuous_batching_config=config,
+        )
+        return [output.generated_tokens for output in outputs.values()]
+
+    with pytest.raises(FieldError, match=r"max_model_len: 128 is above the model's context of 64 tokens"):
+        run(gpt2, ContinuousBatchingConfig(max_model_len=128, num_blocks=32), 20)
+    assert run(gpt2, ContinuousBatchingConfig(max_model_len=64, num_blocks=32), 20) == greedy_generate(gpt2, prompt, 20)
+
+    yarn = MODEL_CONFIGS["llama"]()
+    yarn.max_position_embeddings = 64
+    yarn.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    yarn.rope_parameters["rope_theta"] = 10000.0
+    assert (
+        len(run(LlamaForCausalLM(yarn).eval(), ContinuousBatchingConfig(max_model_len=256, num_blocks=32), 2)[0]) == 2
+    )

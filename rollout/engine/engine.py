@@ -20,6 +20,7 @@ from rollout.engine.requests.intake import RequestIntake
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.engine.requests.request import Request, sample_id
 from rollout.engine.runner.model_checks import media_placeholder_tokens, servable_text_config
+from rollout.engine.runner.model_context import served_model_len
 from rollout.engine.runner.model_runner import ModelRunner
 from rollout.engine.sampling.sampler import Sampler
 from rollout.engine.scheduling.block_manager import BlockManager
@@ -62,7 +63,7 @@ class Engine(EngineWeights):
         )
         self.config = engine_config(config if config is not None else defaults.continuous_batching_config)
         self.model = model
-        self.max_model_len = self.config.max_model_len or getattr(model_config, "max_position_embeddings", 1 << 20)
+        self.max_model_len = served_model_len(model, self.config.max_model_len)
         parameter = next(model.parameters())
         if self.config.batch_invariant:  # on the CPU, before anything is allocated
             check_cpu_products(model)

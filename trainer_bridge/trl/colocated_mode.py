@@ -12,7 +12,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from rollout.config import ContinuousBatchingConfig, FieldError
-from rollout.service.launch.preload_checks import model_context_of
+from rollout.engine.runner.model_context import model_context_of
 from rollout.transformers_configs import engine_config as to_engine_config
 from trainer_bridge.client import GroupResult, PromptGroup
 from trainer_bridge.colocated import ColocatedEngine

@@ -1,6 +1,7 @@
 """The model runner: a `ScheduledBatch` as tensors through the model, out as the logits of the sampled positions.
 
 - `model_checks.py`: which models a runner accepts, and how it runs attention;
+- `model_context.py`: the longest sequence a model's positions serve (its context, RoPE-scaled);
 - `attention_probe.py`: one two-token forward at build showing what each attention layer hands its function;
 - `attention_call_checks.py`: what those calls must show for the paged cache to serve the model;
 - `model_lease.py`: the model lent to the engines that use it (paged attention, eval mode) and given back;

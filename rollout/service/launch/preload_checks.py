@@ -12,6 +12,7 @@ from typing import Any
 
 from rollout.cli.hub import HubUnreachable, check_hub_source, is_local_path
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.runner.model_context import config_context, model_context_of
 from rollout.presets.catalog import is_preset
 from rollout.service.launch.flags import lora_specs, served_model_name
 
@@ -92,40 +93,6 @@ def _model_config(model: str) -> Any:
         return AutoConfig.from_pretrained(os.path.expanduser(model), local_files_only=cached_only)
     except (HubUnreachable, ValueError, OSError, KeyError, StrictDataclassError):
         return None
-
-
-def model_context_of(model: Any, rope_scaled: bool = False) -> int | None:
-    """The context of a loaded model (its text config's max_position_embeddings); None where it gives none.
-
-    Args:
-        model: a transformers model.
-        rope_scaled: as `config_context`.
-    """
-    return config_context(getattr(model, "config", None), rope_scaled)
-
-
-def config_context(model_config: Any, rope_scaled: bool = False) -> int | None:
-    """A model config's max_position_embeddings (its text config's), None where it gives none.
-
-    Args:
-        model_config: a transformers config (None: none).
-        rope_scaled: the context its RoPE scaling extends it to, as vLLM derives its max_model_len (YaRN's
-            original_max_position_embeddings times its factor; other types but su, longrope and llama3: the
-            context times the factor), a Qwen model's --max-model-len 131072 with YaRN factor 4.
-    """
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    context = getattr(text, "max_position_embeddings", None)
-    if not (isinstance(context, int) and not isinstance(context, bool) and context > 0):
-        return None
-    scaling = (getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)) if rope_scaled else None
-    if not isinstance(scaling, dict):
-        return context
-    kind = scaling.get("rope_type", scaling.get("type"))
-    factor = scaling.get("factor")
-    if kind in (None, "default", "su", "longrope", "llama3") or not isinstance(factor, (int, float)) or factor <= 1:
-        return context
-    original = scaling.get("original_max_position_embeddings") if kind == "yarn" else None
-    return int((original if isinstance(original, int) and original > 0 else context) * factor)
 
 
 def adapter_rank(path: str) -> int | None:
