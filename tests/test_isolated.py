@@ -143,3 +143,30 @@ def test_sigint_ends_a_benchmark_started_with_it_ignored(tmp_path):
         bench.kill()
         bench.wait()
         bench.stderr.close()
+
+
+def test_workers_that_ignore_sigterm_are_killed_when_stopped():
+    """A benchmark's worker subprocesses are stopped together: SIGTERM, then SIGKILL for one that ignores it after
+    the time given (the service, agentic and grpo-step benchmarks waited, then raised TimeoutExpired and left it
+    running)."""
+    import subprocess
+    import sys
+    import time
+
+    from rollout.benchmarks.harness.worker_probe import stop_workers
+
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        for code in (stubborn, "import time; print(1, flush=True); time.sleep(60)")
+    ]
+    for process in processes:
+        process.stdout.readline()  # its signal handler is set
+    started = time.monotonic()
+    stop_workers(processes, timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert [process.returncode for process in processes] == [-9, -15]
+    for process in processes:
+        process.stdout.close()

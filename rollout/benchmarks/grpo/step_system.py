@@ -202,8 +202,9 @@ def _run_in(
         if getattr(trainer, "rollout_client", None) is not None:
             trainer.rollout_client.close()
         if worker is not None:
-            worker.terminate()
-            worker.wait(30)
+            from rollout.benchmarks.harness.worker_probe import stop_worker
+
+            stop_worker(worker, 30)
     timed = clock.steps[warmup:]
     medians = {name: statistics.median(step[name] for step in timed) for name in ("step", "generation", "weight_sync")}
     result = {

@@ -64,9 +64,23 @@ def wait_answering(address: str, timeout_s: float, exited: Callable[[], str | No
 
 def stop_worker(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """Stop a worker subprocess: SIGTERM (it aborts its groups and frees its cache), then SIGKILL after `timeout_s`."""
-    process.terminate()
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_workers([process], timeout_s)
+
+
+def stop_workers(processes: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    """Stop worker subprocesses together: SIGTERM to each, then SIGKILL to those still running after `timeout_s` (a
+    worker that ignores SIGTERM never outlives the benchmark, nor hides its error behind a `TimeoutExpired`).
+
+    Args:
+        processes: the workers.
+        timeout_s: seconds they have, together, to stop on SIGTERM.
+    """
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

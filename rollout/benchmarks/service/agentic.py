@@ -20,7 +20,7 @@ import subprocess
 import time
 from typing import Any
 
-from rollout.benchmarks.harness.worker_probe import free_port, wait_answering, worker_command
+from rollout.benchmarks.harness.worker_probe import free_port, stop_workers, wait_answering, worker_command
 
 GOAL = 1.2
 VOCAB = range(4, 1000)  # token ids of the tiny preset, its special tokens left out
@@ -57,10 +57,7 @@ def run(turns: int = 10, episodes: int = 16, workers: int = 2, system: int = 256
                 flush=True,
             )
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+        stop_workers(processes, 30)
     summary["passed"] = summary["with_affinity"]["ratio"] <= GOAL
     return summary
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from rollout.benchmarks.harness.worker_probe import free_port, wait_answering
+from rollout.benchmarks.harness.worker_probe import free_port, stop_worker, wait_answering
 from rollout.benchmarks.harness.workloads import WORKLOADS, make_workload
 from rollout.benchmarks.service import service_http
 from rollout.config import ContinuousBatchingConfig, SamplingParams
@@ -90,8 +90,7 @@ def run(seed: int = 0, path: str = "zmq") -> dict:
             if path != "http":
                 timings["socket_stream"] = _stream_all(client, groups, useful)
     finally:
-        worker.terminate()
-        worker.wait(60)
+        stop_worker(worker)
     summary = {
         "benchmark": "service",
         "workload": "cpu-small",
