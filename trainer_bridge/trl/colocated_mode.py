@@ -41,15 +41,13 @@ class ColocatedGeneration(RolloutGeneration):
         self.sleep_between_rounds = sleep_between_rounds
         cap = getattr(trainer.args, "vllm_max_model_length", None)  # TRL builds its colocated LLM's max_model_len of it
         context = engine.engine.max_model_len
-        if cap is None:  # the engine's context: the model's, unless rollout_engine_config.max_model_len set it
-            named = (
-                "rollout_engine_config.max_model_len" if engine.engine.config.max_model_len else "the model's context"
-            )
+        # The engine's context: the model's, unless rollout_engine_config.max_model_len set it.
+        named = "rollout_engine_config.max_model_len" if engine.engine.config.max_model_len else "the model's context"
+        if cap is None:
             self.context = (context, named)
         elif not isinstance(cap, int) or isinstance(cap, bool) or not 2 <= cap <= context:
             raise ValueError(
-                f"GRPOConfig.vllm_max_model_length must be an integer from 2 to the model's context ({context} "
-                f"tokens), got {cap!r}"
+                f"GRPOConfig.vllm_max_model_length must be an integer from 2 to {named} ({context} tokens), got {cap!r}"
             )
         else:
             self.context = (cap, "GRPOConfig.vllm_max_model_length")
