@@ -179,3 +179,22 @@ def test_the_fp32_head_computes_saved_heads_in_fp32():
     kept = engine.runner.adapters.modules_of("same")["lm_head"].params["weight"]
     assert kept.dtype == torch.float32 and torch.equal(kept, finer)
     engine.close()
+
+
+def test_under_a_trainers_autocast_an_fp32_models_saved_heads_are_computed_as_its_fp32_head():
+    """fp32_logits on an fp32 model under a trainer's bf16 autocast (a colocated round under TRL's
+    cast_lm_head_to_fp32): the base head is computed in fp32 outside the autocast, and so must an adapter's copy be: a
+    copy equal to the base head gives the base's log-probs bit for bit (it was computed in bf16 under the autocast)."""
+    base = tiny_model("qwen3", seed=5)
+    scale_to_entropy(base, make_prompts(4, 30, 60, seed=11))
+    engine = make_engine(copy.deepcopy(base), fp32_logits=True)
+    engine.load_adapter("same", {"lm_head": SavedModule({"weight": base.lm_head.weight.detach().clone()})})
+    prompt = make_prompts(1, 16, 16, seed=3)[0]
+    for adapter in (None, "same"):
+        engine.add_request(str(adapter), prompt, SCORED, max_new_tokens=MAX_NEW, adapter=adapter)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = finished(run_to_completion(engine))
+    engine.close()
+    assert outputs["same"].generated_tokens == outputs["None"].generated_tokens
+    assert outputs["same"].logprobs == outputs["None"].logprobs
+    assert outputs["same"].prompt_logprobs == outputs["None"].prompt_logprobs

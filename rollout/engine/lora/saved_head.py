@@ -17,6 +17,8 @@ the first load of an adapter saving the head), so the base rows it keeps are alr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rollout.engine.lora.layers import LoraStepState
@@ -51,11 +53,15 @@ class SavedHead:
         x = args[0]
         rows = output.numel() // output.shape[-1]  # (..., vocab): the head computed `rows` rows
         slots = self.state.head_slots(rows).view(*output.shape[:-1], 1)
+        # An fp32 base product (the fp32 head's, outside a trainer's autocast too): the copies' rows are computed
+        # in fp32 the same way, not lowered by that autocast.
+        fp32 = self.fp32 or output.dtype == torch.float32
         for slot, shadow in self.shadows.items():
             # Every row, the same shapes at every step (decode graphs capture it); rows of other slots are left out
             # by selection, so a copy's Inf or NaN never reaches them.
             # The Linear's computation over the copy (row-invariant with batch_invariant), in fp32 or the model's
             # dtype (peft's).
-            theirs = self.state.linear(x.float() if self.fp32 else x, shadow.weight, shadow.bias)
+            with torch.autocast(x.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+                theirs = self.state.linear(x.float() if fp32 else x, shadow.weight, shadow.bias)
             output = torch.where(slots == slot, theirs.to(output.dtype), output)
         return output
