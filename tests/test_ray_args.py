@@ -68,3 +68,16 @@ def test_control_flags_are_checked_on_the_driver_and_their_directories_on_the_no
         check_worker_args(["--enable-control-routes", "--control-api-key", ""], http=True)
     elsewhere = str(tmp_path / "on-the-nodes-only")
     check_worker_args(["--enable-control-routes", "--control-allowed-dirs", elsewhere], http=True)
+
+
+def test_the_drivers_control_variables_are_not_checked_as_worker_args(monkeypatch):
+    """ROLLOUT_CONTROL_API_KEY or ROLLOUT_ENABLE_CONTROL_ROUTES in the driver's environment (kept for workers started
+    by hand) is no worker_args entry: a fleet without http=True was refused ('--control-api-key is for the HTTP API')
+    though its workers read their own node's environment, as they do with rollout-worker's other variables."""
+    from rollout.ray.actor import check_worker_args
+
+    monkeypatch.setenv("ROLLOUT_CONTROL_API_KEY", "k" * 40)
+    monkeypatch.setenv("ROLLOUT_ENABLE_CONTROL_ROUTES", "1")
+    check_worker_args([])
+    with pytest.raises(ValueError, match="worker_args: --enable-control-routes is for the HTTP API"):
+        check_worker_args(["--enable-control-routes"])

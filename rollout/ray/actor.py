@@ -56,6 +56,15 @@ def worker_argv(argv: list[str], host: str, files: Any, http: bool, api_key: str
     return argv
 
 
+# The control routes' flags: (flag, dest, value when not given).
+_CONTROL_FLAGS = (
+    ("--enable-control-routes", "enable_control_routes", False),
+    ("--enable-tokenizer-info-endpoint", "enable_tokenizer_info_endpoint", False),
+    ("--control-api-key", "control_api_key", None),
+    ("--control-allowed-dirs", "control_allowed_dirs", []),
+)
+
+
 class _UsageError(ValueError):
     """A bad `rollout-worker` flag, raised instead of exiting the process."""
 
@@ -113,6 +122,10 @@ def check_worker_args(worker_args: list[str], http: bool = False) -> None:
     try:
         args = parser.parse_args([*worker_args, "--bind", "tcp://127.0.0.1:*", *(["--http", "127.0.0.1:0"] * http)])
         check_http_only_flags(parser, args)
+        # The driver's ROLLOUT_* variables are not the nodes': only the control flags worker_args give are checked.
+        for flag, dest, unset in _CONTROL_FLAGS:
+            if not parser.typed(flag):
+                setattr(args, dest, unset)
         check_control_flags(parser, args, on_this_host=False)
         if args.metrics_host is not None and args.metrics_port is None:
             raise _UsageError(f"--metrics-host {args.metrics_host}: has no effect without --metrics-port")
