@@ -9,7 +9,9 @@ The head differs from the other saved modules (`saved_modules.py`) in two ways:
   (`LoraStepState.head_rows`); each row takes its token's slot.
 - With `fp32_logits` on a bf16/fp16 model the engine computes the base head in fp32 (`fp32_head.py`); an adapter's
   copy is then held in fp32 and its rows computed in fp32 the same way (`linear(x.float(), W, b)`), so a copy pushed
-  in fp32 (a trainer that casts its head to fp32, as TRL's `cast_lm_head_to_fp32`) is served unrounded.
+  in fp32 (a trainer that casts its head to fp32, as TRL's `cast_lm_head_to_fp32`) is served unrounded. Wherever
+  the base rows are fp32 (an fp32 model's fp32 head under a trainer's bf16 autocast too), the copies' rows are
+  computed in fp32 outside that autocast, as the fp32 head computes the base's.
 
 Invariant: this hook runs after the fp32 head's (that one is registered when the model runner is built, this one at
 the first load of an adapter saving the head), so the base rows it keeps are already the engine's fp32 logits.
