@@ -7,7 +7,9 @@ every process and easy to invert (its rounds are bijections), so a client could 
 hash is the one of another client's prefix (a common system prompt), and its KV would then serve that client
 (vLLM's CVE-2025-25183 is the same flaw). `hash()` of bytes is SipHash under the process's secret key
 (`PYTHONHASHSEED`, random by default): without the key no one can aim at a hash, and blind collisions of 64 bits
-are too rare to matter. Packing a block's tokens into bytes costs ~0.6 us more per block than hashing a tuple.
+are too rare to matter. Packing a block's tokens into bytes costs more than hashing a tuple: 1.0 against 0.2 us
+for a 16-token block on the 2-core development machine; each block is hashed once (a request memoises its prefix's
+hashes), so a 32k-token prompt pays ~2 ms once.
 """
 
 from __future__ import annotations
