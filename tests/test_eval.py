@@ -102,8 +102,9 @@ def test_rows_and_accuracy_against_generate(model_dir, tmp_path, capsys):
     assert "pass_at_k" not in summary  # n == 1
 
 
-def test_top_k_1_samples_what_generate_picks_greedily(model_dir, tmp_path, capsys):
-    """--top-k reaches the sampler: with k = 1, samples at temperature 1 are transformers' greedy completions."""
+def samples_are_greedy(model_dir, tmp_path, capsys, model, *flags) -> None:
+    """Two samples of each of three questions at temperature 1 (with `flags`, from `model`) are transformers' greedy
+    completions of `model_dir`."""
     questions = [json.loads(line)["question"] for line in REPO_DATASET.read_text().splitlines()][:3]
     reference = reference_completions(model_dir, questions)
     dataset = tmp_path / "questions.jsonl"
@@ -111,12 +112,17 @@ def test_top_k_1_samples_what_generate_picks_greedily(model_dir, tmp_path, capsy
     output = tmp_path / "rows.jsonl"
     status, _, err = run(
         capsys,
-        *("--model", model_dir, "--dataset", dataset, "--prompt-field", "question", "--n", 2, "--temperature", 1.0),
-        *("--top-k", 1, "--seed", 3, "--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
+        *("--model", model, "--dataset", dataset, "--prompt-field", "question", "--n", 2, "--temperature", 1.0),
+        *(*flags, "--seed", 3, "--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
     )
     assert status == 0, err
     written, _ = read_output(output)
     assert [row["completion"] for row in written] == [text for text in reference for _ in range(2)]
+
+
+def test_top_k_1_samples_what_generate_picks_greedily(model_dir, tmp_path, capsys):
+    """--top-k reaches the sampler: with k = 1, samples at temperature 1 are transformers' greedy completions."""
+    samples_are_greedy(model_dir, tmp_path, capsys, model_dir, "--top-k", 1)
 
 
 def test_the_models_own_top_p_applies_without_the_flag(model_dir, tmp_path, capsys):
@@ -126,24 +132,12 @@ def test_the_models_own_top_p_applies_without_the_flag(model_dir, tmp_path, caps
 
     from transformers import GenerationConfig
 
-    questions = [json.loads(line)["question"] for line in REPO_DATASET.read_text().splitlines()][:3]
-    reference = reference_completions(model_dir, questions)
     narrow = tmp_path / "narrow"
     shutil.copytree(model_dir, narrow)
     config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
     config.do_sample, config.top_p, config.top_k = True, 1e-6, 0  # as Qwen3 ships its own top_p
     config.save_pretrained(narrow)
-    dataset = tmp_path / "questions.jsonl"
-    dataset.write_text("".join(json.dumps(dict(question=question)) + "\n" for question in questions))
-    output = tmp_path / "rows.jsonl"
-    status, _, err = run(
-        capsys,
-        *("--model", narrow, "--dataset", dataset, "--prompt-field", "question", "--n", 2, "--temperature", 1.0),
-        *("--seed", 3, "--max-new-tokens", MAX_NEW_TOKENS, "--output", output, "--device", "cpu"),
-    )
-    assert status == 0, err
-    written, _ = read_output(output)
-    assert [row["completion"] for row in written] == [text for text in reference for _ in range(2)]
+    samples_are_greedy(model_dir, tmp_path, capsys, narrow)
 
 
 def brute_force_pass_at_k(flags: list[bool], k: int) -> float:

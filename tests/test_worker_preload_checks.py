@@ -123,10 +123,10 @@ def test_max_model_len_is_vllms_flag_and_is_checked_against_the_context(capsys, 
 
 
 def test_max_model_len_above_a_built_in_models_context_is_refused_once_it_loads(capsys):
-    """A built-in model's context is known only once it is built (tiny: 2048)."""
-    assert (
-        worker_error(capsys, "--max-model-len", "2049")
-        == "--max-model-len 2049: above the model's context of 2048 tokens"
+    """A built-in model's context is known only once it is built (tiny: 2048): the engine refuses it."""
+    assert worker_error(capsys, "--max-model-len", "2049") == (
+        "--max-model-len: 2049 is above the model's context of 2048 tokens (its max_position_embeddings, RoPE "
+        "scaling included): completions would run past the positions it was trained for"
     )
 
 
