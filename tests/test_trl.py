@@ -405,6 +405,18 @@ def fake_trainer(tmp_path):
     return trainer, fake
 
 
+def resumed_trainer(tmp_path) -> RolloutGRPOTrainer:
+    """The trainer of a run resumed from a checkpoint (the fake_trainer's settings, its own output folder)."""
+    return RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path / "resumed", temperature=0.7, max_completion_length=6),
+        train_dataset=dataset(),
+        processing_class=TOKENIZER,
+        rollout_workers=FakeClient(),
+    )
+
+
 def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp_path):
     """A run resumed at step 5 seeds its groups as the uninterrupted run did at step 5 (the seed is drawn from
     GRPOConfig.seed, the rank, the step and the group's place in it), not from how many groups came before."""
@@ -414,14 +426,7 @@ def test_a_steps_group_seeds_do_not_depend_on_the_steps_before(fake_trainer, tmp
     [rollout.seeded({})["seed"] for _ in range(3)]  # the uninterrupted run's first step
     trainer.state.global_step = 5
     uninterrupted = [rollout.seeded({})["seed"] for _ in range(2)]
-    resumed = RolloutGRPOTrainer(
-        model=tiny_model(0),
-        reward_funcs=id_reward,
-        args=grpo_config(tmp_path / "resumed", temperature=0.7, max_completion_length=6),
-        train_dataset=dataset(),
-        processing_class=TOKENIZER,
-        rollout_workers=FakeClient(),
-    )
+    resumed = resumed_trainer(tmp_path)
     resumed.state.global_step = 5
     assert [resumed.rollout.seeded({})["seed"] for _ in range(2)] == uninterrupted
     assert len(set(uninterrupted)) == 2 and rollout.seeded({"seed": 7})["seed"] == 7
@@ -438,14 +443,7 @@ def test_an_evaluation_round_does_not_move_the_training_rounds_seeds(fake_traine
     [rollout.seeded({})["seed"] for _ in range(2)]  # the uninterrupted run's evaluation at step 5
     trainer.model.train()
     uninterrupted = [rollout.seeded({})["seed"] for _ in range(2)]
-    resumed = RolloutGRPOTrainer(
-        model=tiny_model(0),
-        reward_funcs=id_reward,
-        args=grpo_config(tmp_path / "resumed", temperature=0.7, max_completion_length=6),
-        train_dataset=dataset(),
-        processing_class=TOKENIZER,
-        rollout_workers=FakeClient(),
-    )
+    resumed = resumed_trainer(tmp_path)
     resumed.state.global_step = 5
     resumed.model.train()
     assert [resumed.rollout.seeded({})["seed"] for _ in range(2)] == uninterrupted
