@@ -231,15 +231,7 @@ def test_an_engine_context_below_the_models_with_tools_is_refused_in_colocate_mo
             rollout_mode="colocate",
             rollout_engine_config=small,
         )
-    trainer = RolloutGRPOTrainer(
-        model=tiny_model(0),
-        reward_funcs=id_reward,
-        args=grpo_config(tmp_path),
-        train_dataset=dataset(),
-        processing_class=TOKENIZER,
-        rollout_mode="colocate",
-        rollout_engine_config=small,
-    )
+    trainer = colocated_with(tmp_path, small)
     assert trainer.rollout.context == (512, "rollout_engine_config.max_model_len")
     trainer.close()
 
@@ -257,6 +249,7 @@ def test_an_engine_context_above_the_models_is_refused_in_colocate_mode(tmp_path
 
 
 def colocated_with(tmp_path, engine_config) -> RolloutGRPOTrainer:
+    """A colocated trainer of the tiny model on the plain dataset, its engine built with `engine_config`."""
     return RolloutGRPOTrainer(
         model=tiny_model(0),
         reward_funcs=id_reward,
