@@ -215,3 +215,19 @@ def test_an_adapter_directory_missing_a_file_is_refused_naming_the_file(tmp_path
         load_peft_dir(str(tmp_path / "no_config"))
     model.save_pretrained(tmp_path / "bin", safe_serialization=False)  # peft's other weights file: still read
     assert set(load_peft_dir(str(tmp_path / "bin"))) == set(from_peft_model(model))
+
+
+@pytest.mark.parametrize("value, refused", [(True, True), (0.5, True), ({"k": 1}, True), (None, False), (False, False)])
+def test_a_setting_of_a_newer_peft_is_refused_unless_off(tmp_path, value, refused):
+    """peft drops a config setting it does not know (a newer peft's LoRA variant flag) with only a Python warning,
+    and the adapter loaded as plain LoRA: a set one is refused by name; one left off is served as peft serves it."""
+    _, model = trained(target_modules=["q_proj"])
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "use_future_variant": value}))
+    if refused:
+        with pytest.raises(FieldError) as error:
+            load_peft_dir(str(tmp_path))
+        assert error.value.field == "use_future_variant" and "does not know" in error.value.reason
+    else:
+        assert set(load_peft_dir(str(tmp_path))) == set(from_peft_model(model))

@@ -1,12 +1,15 @@
 """The files of a PEFT adapter directory that peft reads (`adapter_config.json`, `adapter_model.safetensors` or
 `.bin`), checked before it reads them: each a regular file, the config of a config's size. A FIFO in their place
 would block peft's reader forever inside safetensors' native code, which holds Python's lock, so every thread of
-the worker with it; a sparse config of gigabytes would be read and decoded whole."""
+the worker with it; a sparse config of gigabytes would be read and decoded whole. The config's settings that the
+installed peft does not know are checked too (`check_known_settings`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+from collections.abc import Collection
 
 from rollout.config import FieldError
 
@@ -45,3 +48,35 @@ def check_adapter_files(path: str) -> None:
             raise FieldError("lora", f"no {CONFIG_NAME} in {path!r}: not a PEFT adapter directory (save_pretrained's)")
         if not present & set(WEIGHTS_NAMES):
             raise FieldError("lora", f"no {' or '.join(WEIGHTS_NAMES)} in {path!r}: the adapter's weights are missing")
+
+
+def check_known_settings(path: str, known: Collection[str], peft_version: str) -> None:
+    """Refuse a config setting the installed peft does not know (one a newer peft wrote), unless it is off.
+
+    peft drops such a setting with only a Python warning and builds a plain LoRA config, so a future LoRA variant's
+    flag would be served as plain LoRA: a wrong forward. A setting left at an "off" value (None, false, "", an empty
+    list or mapping) changes nothing and is let through. A config that is not a JSON object is left to peft's error.
+
+    Args:
+        path: the adapter directory (its files already checked by `check_adapter_files`).
+        known: the setting names of the installed peft's config class (`LoraConfig`'s fields).
+        peft_version: the installed peft's version, for the message.
+    Raises:
+        FieldError: (the setting) naming it, its value and what to do.
+    """
+    try:
+        with open(os.path.join(path, CONFIG_NAME), encoding="utf-8") as file:
+            settings = json.load(file)
+    except (OSError, ValueError):
+        return
+    if not isinstance(settings, dict):
+        return
+    for name, value in settings.items():
+        if name in known or value in (None, False, "") or (isinstance(value, (list, dict)) and not value):
+            continue
+        raise FieldError(
+            name,
+            f"{CONFIG_NAME} in {path!r} sets {name}={value!r}, which peft {peft_version} does not know (a newer "
+            "peft's setting): peft would drop it and the adapter would be served as plain LoRA; upgrade peft "
+            "(pip install -U peft) or push the model with adapters='merged'",
+        )

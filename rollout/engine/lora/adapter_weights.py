@@ -12,6 +12,7 @@ directory (adapter_config.json + adapter_model.safetensors) is read here too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from rollout.config import FieldError
-from rollout.engine.lora.adapter_files import check_adapter_files
+from rollout.engine.lora.adapter_files import check_adapter_files, check_known_settings
 from rollout.peft_adapters import (
     SAVED_MARKER,
     active_adapter_name,
@@ -157,10 +158,12 @@ def load_peft_dir(path: str, served_base: str | None = None) -> AdapterModules:
     """
     try:
         from peft import LoraConfig
+        from peft import __version__ as peft_version
         from peft.utils import load_peft_weights
     except ImportError:
         raise FieldError("lora", "loading adapter directories needs peft: pip install 'rollout[lora]'") from None
     check_adapter_files(path)
+    check_known_settings(path, {field.name for field in dataclasses.fields(LoraConfig)}, peft_version)
     try:
         config = LoraConfig.from_pretrained(path)
         state = load_peft_weights(path, device="cpu")
