@@ -112,6 +112,34 @@ def test_rounds_ahead_follow_the_steps_a_round_spans(tmp_path, client, config, m
         assert all(version - base >= step - max_staleness for runs in row_versions for version, _ in runs)
 
 
+def test_upcoming_rounds_of_equal_rows_are_each_sent_ahead(tmp_path, client):
+    """A dataset of one prompt: every round has the same rows. Each upcoming round is still sent ahead for its own
+    batch (keyed by rows alone, the two rounds ahead were sent as one, the second a step late)."""
+    from datasets import Dataset
+
+    trainer = RolloutGRPOTrainer(
+        model=tiny_model(0),
+        reward_funcs=id_reward,
+        args=grpo_config(tmp_path, max_steps=STEPS),
+        train_dataset=Dataset.from_dict({"prompt": ["q00 say: "] * 32}),
+        processing_class=TOKENIZER,
+        rollout_workers=client,
+        max_staleness=2,
+    )
+    sent_at_step: list[int] = []
+    send = trainer.rollout._send
+
+    def recorded(group):
+        sent_at_step.append(trainer.state.global_step)
+        return send(group)
+
+    trainer.rollout._send = recorded
+    trainer.train()
+    # Round 0 on demand and rounds 1, 2 ahead at step 0; round 3 at step 1 (a round is one group of 8 equal rows).
+    assert sent_at_step == [0, 0, 0, 1]
+    assert trainer.rollout.num_unmatched_rounds == 1
+
+
 def test_a_failing_step_stops_the_prefetch_and_leaves_no_metric_to_the_next_run(tmp_path, client, worker):
     """The failed step's metrics (its policy lag among them) were never logged: a next `train()` must not average
     them into its first step's (a per-token lag max of 0.5 was logged)."""

@@ -10,7 +10,8 @@ How far ahead: a round spans `steps_per_generation * num_iterations / gradient_a
 one, else the trainer is refused at construction); round j after the current one generates from batch `p + j *
 steps_per_generation * num_iterations` of the epoch's stream, `p` being the current round's; a round that would start
 at or past `max_steps` is not sent. When TRL asks for a training round's completions, the round sent ahead for the
-same rows is used (an evaluation round is generated when asked, with the weights as they are); a group whose oldest
+same batch of the stream is used, if its rows are the ones TRL asks for (an evaluation round is generated when asked,
+with the weights as they are; rounds of equal rows are each sent ahead, for their own batch); a group whose oldest
 weights (the version of its first token, or of its KV if older) are older than `global_step - k` at the step the
 round is generated for is generated again (`stale_policy="regenerate"`) or kept (`"is_correct"`: its logprobs are the
 behaviour policy's, so TRL's importance-sampling correction, `vllm_importance_sampling_correction=True`, which it
@@ -47,7 +48,10 @@ KEPT_YIELDED = 256  # yielded batches a Lookahead keeps (a trainer takes at most
 # old are logged together as `rollout/policy_lag_<LAG_BUCKETS>+` (one metric per possible lag would be thousands).
 LAG_BUCKETS = 8
 _END = object()
-RoundKey = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round
+RoundRows = tuple[tuple[tuple[int, ...], int], ...]  # (prompt ids, n) of each group of a round
+# A round sent ahead: the index of its batch in the epoch's stream, and its rows. Rows alone would send two upcoming
+# rounds of equal rows (a small dataset, repeated prompts) as one, the second only a round later.
+RoundKey = tuple[int, RoundRows]
 
 
 class Lookahead:
@@ -137,7 +141,7 @@ class AsyncRolloutGeneration(RolloutGeneration):
         self.lookahead: Lookahead | None = None  # the train dataloader's current iterator (see `start_epoch`)
         self._epoch_start_step = 0  # the trainer's micro-step count when that iterator began
         self._sink: queue.SimpleQueue = queue.SimpleQueue()
-        self._ahead: dict[RoundKey, list[PromptGroup]] = {}  # rounds sent ahead, by their rows
+        self._ahead: dict[RoundKey, list[PromptGroup]] = {}  # rounds sent ahead, by their batch and rows
         self._results: dict[str, GroupResult] = {}
         self._in_flight: set[str] = set()
         self.num_unmatched_rounds = 0  # training rounds TRL asked for that were not sent ahead (generated then)
@@ -147,7 +151,7 @@ class AsyncRolloutGeneration(RolloutGeneration):
         started = time.perf_counter()
         training = self.trainer.model.training
         # An evaluation round samples the policy as it is now, never a training round's rows sent ahead.
-        sent = self._ahead.pop(_key(groups), None) if training else None
+        sent = self._ahead.pop((self._stream_index(), _rows(groups)), None) if training else None
         if sent is None:
             self.num_unmatched_rounds += int(training)
             sent = [self._send(group) for group in groups]
@@ -168,8 +172,23 @@ class AsyncRolloutGeneration(RolloutGeneration):
 
     def start_epoch(self, iterator: Lookahead) -> None:
         """The trainer began iterating its dataloader (an epoch): read ahead from this iterator."""
+        self._cancel_ahead(lambda index: True)  # an earlier epoch's: their batch indexes count from its start
         self.lookahead = iterator
         self._epoch_start_step = self.trainer._step  # noqa: SLF001 - TRL's micro-step count
+
+    def _stream_index(self) -> int:
+        """The index in the epoch's stream of the batch the current round generates from (the trainer's micro-steps
+        since the epoch began)."""
+        return self.trainer._step - self._epoch_start_step  # noqa: SLF001 - TRL's micro-step count
+
+    def _cancel_ahead(self, gone: Callable[[int], bool]) -> None:
+        """Cancel the rounds sent ahead for the batches `gone(index)` says no round will ask for any more."""
+        for key in [key for key in self._ahead if gone(key[0])]:
+            for group in self._ahead.pop(key):
+                if group.group_id in self._in_flight:
+                    self._in_flight.discard(group.group_id)
+                    self.client.cancel(group.group_id)
+                self._results.pop(group.group_id, None)
 
     def close(self) -> None:
         """Cancel every group sent ahead and still in flight, and forget the dataloader's iterator."""
@@ -189,19 +208,21 @@ class AsyncRolloutGeneration(RolloutGeneration):
         if self.lookahead is None or self.trainer.environment_factories is not None:
             return  # environments: their reset() at the round writes its prompts (`check_tool_loop` warned)
         state, accumulation = self.trainer.state, self.trainer.args.gradient_accumulation_steps
-        current = self.trainer._step - self._epoch_start_step  # noqa: SLF001
+        current = self._stream_index()
+        self._cancel_ahead(lambda index: index <= current)  # sent for a batch whose round has come: not its rows
         for ahead in range(1, self.rounds_ahead + 1):
             if 0 < state.max_steps <= state.global_step + ahead * self.every // accumulation:
                 return  # a round no step of this run trains: nothing would take it
-            batch = self.lookahead.at(current + ahead * self.every)
+            index = current + ahead * self.every
+            if any(key[0] == index for key in self._ahead):
+                continue  # sent at an earlier round
+            batch = self.lookahead.at(index)
             if batch is None:
                 return
             prompts = [row["prompt"] for row in batch]
             prompt_ids, _, _ = self.trainer._tokenize_prompts(copy.deepcopy(prompts))  # noqa: SLF001 - TRL's own
             groups = self._groups(prompt_ids)
-            key = _key(groups)
-            if key not in self._ahead:
-                self._ahead[key] = [self._send(group) for group in groups]
+            self._ahead[(index, _rows(groups))] = [self._send(group) for group in groups]
 
     def _groups(self, prompt_ids: list[list[int]]) -> list[PromptGroup]:
         """Consecutive equal rows as one group of n, as `generate_rows` makes them."""
@@ -299,5 +320,5 @@ class AsyncRolloutGeneration(RolloutGeneration):
             self._log({name: count / total for name, count in zip(names, counts)})
 
 
-def _key(groups: list[PromptGroup]) -> RoundKey:
+def _rows(groups: list[PromptGroup]) -> RoundRows:
     return tuple((tuple(group.prompt_ids), group.n) for group in groups)
