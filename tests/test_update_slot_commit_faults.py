@@ -99,3 +99,23 @@ def test_a_checkpoint_with_float8_tensors_is_checked_for_nan_too(tmp_path):
     save_file({"scale8": nan.view(torch.float8_e4m3fn)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(APIError, match="holds NaN or Inf"):
         read_checkpoint(tmp_path, served, check_finite=True)
+
+
+def test_a_checkpoint_value_past_the_served_dtype_is_refused_by_name_not_served_as_inf(tmp_path):
+    """/update_weights casts a float32 checkpoint to a float16 worker's dtype: a finite 1e6 would become Inf and every
+    sample end in non-finite logits. It is refused naming the file and tensor, as `push_weights` refuses that cast
+    (`cast_for_wire`), with or without --check-finite; values within range are cast as before."""
+    from safetensors.torch import save_file
+
+    from rollout.service.http.control.checkpoint_dir import read_checkpoint
+    from rollout.service.http.errors import APIError
+
+    served = {"w": ("float16", (3,))}
+    save_file({"w": torch.tensor([1.0, -2.5, 6e4])}, str(tmp_path / "model.safetensors"))
+    read = read_checkpoint(tmp_path, served)["w"]
+    assert read.dtype == torch.float16 and torch.equal(read, torch.tensor([1.0, -2.5, 6e4]).half())
+    save_file({"w": torch.tensor([1.0, 1e6, float("inf")])}, str(tmp_path / "model.safetensors"))
+    for check_finite in (False, True):
+        with pytest.raises(APIError, match=r"model\.safetensors: tensor 'w'.*1e\+06.*float16") as refused:
+            read_checkpoint(tmp_path, served, check_finite=check_finite)
+        assert refused.value.status == 400 and refused.value.param == "weight_dir"

@@ -30,7 +30,8 @@ def read_checkpoint(
         check_finite: refuse a floating tensor holding NaN or Inf (the worker's `--check-finite`), as cast.
     Raises:
         APIError: 400 naming the file at fault (unreadable, not safetensors, a tensor name found in two files, a
-            tensor not finite under check_finite) or a directory that holds no safetensors file.
+            tensor not finite under check_finite, finite values the cast turns into Inf) or a directory that holds no
+            safetensors file.
     """
     from safetensors import safe_open
 
@@ -53,7 +54,11 @@ def read_checkpoint(
                     if name in tensors:
                         reason = f"tensor {name!r} is in both {origin[name]} and {path.name}"
                         raise APIError(400, f"weight_dir: {reason}", "weight_dir")
-                    tensors[name], origin[name] = _as_served(reader.get_tensor(name), served.get(name)), path.name
+                    read = reader.get_tensor(name)
+                    tensors[name], origin[name] = _as_served(read, served.get(name)), path.name
+                    overflow = _overflow(read, tensors[name])
+                    if overflow is not None:
+                        raise APIError(400, f"weight_dir: {path.name}: tensor {name!r} {overflow}", "weight_dir")
                     if check_finite and not _finite(tensors[name]):
                         reason = (
                             f"{path.name}: tensor {name!r} holds NaN or Inf values (the worker checks: --check-finite)"
@@ -69,6 +74,22 @@ def read_checkpoint(
 def _finite(tensor: torch.Tensor) -> bool:
     """Whether a floating tensor holds no NaN or Inf (other tensors always do)."""
     return not tensor.is_floating_point() or not tensor.numel() or all_finite(tensor)
+
+
+def _overflow(read: torch.Tensor, cast: torch.Tensor) -> str | None:
+    """Why a floating tensor cast to the served dtype cannot be served: the cast turned finite values into Inf (1e6
+    for a float16 model; every sample would end in non-finite logits), as `push_weights` refuses such a cast. None
+    when it turned none (a cast to a wider range, to a saturating float8, or no cast)."""
+    if cast.dtype == read.dtype or not cast.numel() or torch.finfo(cast.dtype).max >= torch.finfo(read.dtype).max:
+        return None
+    lost = int((torch.isinf(cast.float()) & torch.isfinite(read)).sum())
+    if not lost:
+        return None
+    largest = float(read[torch.isfinite(read)].abs().max())
+    return (
+        f"holds {lost} finite value(s) (largest magnitude {largest:.4g}) beyond the served dtype "
+        f"{dtype_name(cast.dtype)} (largest finite {torch.finfo(cast.dtype).max:.4g}), which would be served as Inf"
+    )
 
 
 def _as_served(tensor: torch.Tensor, spec: tuple[str, tuple[int, ...]] | None) -> torch.Tensor:
