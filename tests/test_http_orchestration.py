@@ -152,6 +152,48 @@ def test_a_bad_checkpoint_is_refused_by_name_and_the_old_weights_serve_on(url, s
         assert http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == served
 
 
+def test_one_weight_update_at_a_time_whichever_way_it_comes(server, url, shared):
+    """A ZeroMQ trainer's update is open: /update_weights is refused (409, update_in_progress) and the version stays
+    put (it committed beside the open push); once the push ends, it commits. And the other way: while /update_weights holds the slot, a ZeroMQ begin is refused naming
+    its directory, preempt or not (`UpdateSlot` in process)."""
+    from slot_helpers import open_slot, replies
+
+    from rollout import protocol as p
+    from service_helpers import Client
+
+    tiny_model(seed=11).save_pretrained(shared / "turns")
+    spec = [p.TensorSpec("model.norm.weight", "float32", [256])]  # the worker's preset
+    trainer = Client(server.address)
+    try:
+        with httpx.Client(base_url=url, headers=CONTROL, timeout=60) as http:
+            version = http.get("/server_info", params={"config_format": "json"}).json()["policy_version"]
+            assert isinstance(trainer.ask(p.WeightsBegin("open", spec, partial=True, timeout_s=20)), p.WeightsReady)
+            answer = http.post("/update_weights", json={"weight_dir": str(shared / "turns")})
+            assert answer.status_code == 409, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "update_in_progress" and "'open'" in error["message"], error
+            assert http.get("/server_info", params={"config_format": "json"}).json()["policy_version"] == version
+            assert isinstance(trainer.ask(p.WeightsAbort("open")), p.WeightsAck)
+            answer = http.post("/update_weights", json={"weight_dir": str(shared / "turns")})
+            assert answer.status_code == 200 and answer.json()["policy_version"] > version, answer.text
+    finally:
+        trainer.close()
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]  # the slot's test model
+    with open_slot() as slot:
+        assert slot.turn.take_outside("/ckpt/step-9", lambda: slot.update) is None
+        for preempt in (False, True):
+            slot.handle(b"trainer", p.WeightsBegin(f"z{preempt}", spec, partial=True, preempt=preempt), [], None)
+            error = replies(slot, 1 + preempt)[-1]
+            assert isinstance(error, p.Error) and error.code == "update_in_progress", error
+            assert "'/ckpt/step-9'" in error.message and slot.update is None
+        slot.turn.end_outside()
+        slot.handle(b"trainer", p.WeightsBegin("after", spec, partial=True), [], None)
+        assert isinstance(replies(slot, 3)[-1], p.WeightsReady)
+        assert (
+            slot.turn.take_outside("/ckpt/step-10", lambda: slot.update) is not None
+        )  # the ZeroMQ update holds it now
+
+
 def test_queued_weight_updates_hold_no_thread_the_other_routes_need(url, shared):
     """Updates that wait for a long sample to drain read and hold one checkpoint at a time: the worker's threads
     stay free, so /tokenize answers while the sample still runs, and every update then commits, in turn."""

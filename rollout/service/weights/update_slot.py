@@ -33,6 +33,7 @@ from rollout.service.weights.served_base import ServedBase
 from rollout.service.weights.spec_answers import SpecAnswers
 from rollout.service.weights.staged_update import StagedUpdate, UpdateRejected
 from rollout.service.weights.update_counts import UpdateCounts
+from rollout.service.weights.update_turn import UpdateTurn, begin_conflict
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class UpdateSlot:
         self.base = ServedBase()
         self._tracer = tracer or Tracer()
         self._span: Any = None
+        self.turn = UpdateTurn()  # one update at a time, with those committed outside ZeroMQ
 
     @property
     def policy_version(self) -> int:
@@ -109,7 +111,11 @@ class UpdateSlot:
         if isinstance(message, p.WeightsBegin):
             if update is not None and not self._vacate(identity, message):
                 return
-            self._begin(identity, message, peer, key)
+            with self.turn.inside() as outside:
+                if outside is None:
+                    self._begin(identity, message, peer, key)
+            if outside is not None:  # not preemptible: it is read and committed as one call
+                self._send(identity, p.Error("update_in_progress", outside, "update_id", None, message.update_id))
             return
         if update is None or update.update_id != update_id or update.identity != identity:
             self._send(identity, p.Error("unknown_update", "no such open update", "update_id", None, update_id))
@@ -137,24 +143,13 @@ class UpdateSlot:
 
     def _vacate(self, identity: bytes, message: p.WeightsBegin) -> bool:
         """Make room for a new begin while an update is open: True when the slot is now free."""
-        update = self.update
-        assert update is not None
-        if update.committing:
-            reason = f"update {update.update_id!r} is being committed; begin again once it is"
+        assert self.update is not None
+        takes_over, reason = begin_conflict(self.update, identity, message.preempt)
+        if takes_over:
+            self.reject(p.Error("update_preempted", reason, None))
+        else:
             self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
-            return False
-        if update.identity == identity:  # the same client begins again: it abandoned its open update
-            self.reject(p.Error("update_preempted", "replaced by a newer weights_begin of this client", None))
-            return True
-        if message.preempt:
-            self.reject(p.Error("update_preempted", "another trainer took the update slot over (preempt)", None))
-            return True
-        reason = (
-            f"update {update.update_id!r} of another client is still open (one at a time: push again once it "
-            "ends, or take the slot over with push_weights(..., preempt=True), the protocol's weights_begin preempt)"
-        )
-        self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
-        return False
+        return takes_over
 
     def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None, key: str | None) -> None:
         try:

@@ -182,6 +182,15 @@ class RolloutWorker:
         """A weight update was refused outside ZeroMQ (the HTTP API's /update_weights): counted with the others."""
         self._updates.counts.refused()
 
+    def take_update_turn(self, directory: str) -> str | None:
+        """Hold the worker's one weight-update slot for an update from `directory` outside ZeroMQ (the HTTP API's
+        /update_weights), until `end_update_turn`; returns why not instead when a ZeroMQ update is open."""
+        return self._updates.turn.take_outside(directory, lambda: self._updates.update)
+
+    def end_update_turn(self) -> None:
+        """Free the slot `take_update_turn` held."""
+        self._updates.turn.end_outside()
+
     def serve(self) -> None:
         """Start the engine and serve until `shutdown()`; then abort what is in flight, tell its clients and release
         everything the worker holds (as `close`). A worker serves once.

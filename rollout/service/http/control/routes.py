@@ -86,6 +86,13 @@ class UpdateListener(Protocol):
     def update_refused(self) -> None:
         """A well-formed update was refused (counted with the ZeroMQ updates refused)."""
 
+    def take_update_turn(self, directory: str) -> str | None:
+        """Hold the worker's one weight-update slot for the update from `directory` until `end_update_turn`: None,
+        or why it cannot (a ZeroMQ update is open)."""
+
+    def end_update_turn(self) -> None:
+        """Free the slot `take_update_turn` held."""
+
 
 def add_control_routes(
     app: FastAPI,
@@ -215,9 +222,16 @@ def add_control_routes(
             if mode not in WEIGHT_UPDATE_MODES:
                 raise bad_field("mode", f"must be one of {list(WEIGHT_UPDATE_MODES)}, got {mode!r}")
             async with one_update:
-                result, nbytes = await asyncio.to_thread(
-                    _update_from, manager, allowed, fields["weight_dir"], fields.get("version"), mode, check_finite
-                )
+                busy = updates.take_update_turn(str(directory)) if updates is not None else None
+                if busy is not None:
+                    raise APIError(409, busy, None, "conflict_error", "update_in_progress")
+                try:
+                    result, nbytes = await asyncio.to_thread(
+                        _update_from, manager, allowed, fields["weight_dir"], fields.get("version"), mode, check_finite
+                    )
+                finally:
+                    if updates is not None:
+                        updates.end_update_turn()
         except APIError as refused:
             if updates is not None:
                 updates.update_refused()
