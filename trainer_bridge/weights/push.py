@@ -21,6 +21,7 @@ from rollout.protocol.transports.base import Sender, UpdateRejected
 from trainer_bridge.client import RolloutClient, RolloutError
 from trainer_bridge.client.calls import PushResult, WorkerLost
 from trainer_bridge.gathering import Entry, as_wire_bytes
+from trainer_bridge.weights.commit_outcome import commit_results
 from trainer_bridge.weights.lora_push import AdapterPush
 from trainer_bridge.weights.push_links import NoReply, PushLink, WorkerFailed
 from trainer_bridge.weights.wire_specs import cast_for_wire, wire_specs
@@ -262,28 +263,8 @@ class WeightPush:
             # those lost after saying so included (one that answers again serves the new weights)
             if committed_versions := [link.committed.version for link in sent if link.committed is not None]:
                 self.client.min_policy_version = max(self.client.min_policy_version, *committed_versions)
-        failed = {index: error for index, error in failed.items() if any(link.index == index for link in self.links)}
-        if failed:  # (a worker that refused and was then lost counts as lost)
-            first = next(link for link in self.links if link.index in failed)
-            committed = [f"{link.address} (version {link.committed.version})" for link in sent if link.committed]
-            if not committed:
-                raise WorkerFailed(first, failed[first.index])
-            errors = "; ".join(
-                f"{link.address}: {failed[link.index].message}" for link in self.links if link.index in failed
-            )
-            raise RolloutError(
-                "partial_commit",
-                f"the commit failed on some workers ({errors}) while {', '.join(committed)} committed: the workers "
-                "now serve different weights (this client sends its groups to those that committed); push again, "
-                f"with no version or one above {self.version} (those that committed refuse {self.version} itself)",
-                failed[first.index].field,
-            )
-        fields = ("version", "pause_ms", "copy_ms", "drain_ms", "aborted", "recomputed")
-        results = []
-        for link in [link for link in sent if link.committed is not None]:  # a worker lost after committing included
-            done = {name: getattr(link.committed, name) for name in fields}
-            results.append({"address": link.address, "transport": link.transport, **done})
-        return results
+        assert self.version is not None  # chosen in _plan
+        return commit_results(sent, self.links, failed, self.version)
 
     # ---- replies ----------------------------------------------------------------------------------------------
     def _window_full(self, link: Any) -> list:
