@@ -10,10 +10,18 @@ Which tokens a stopped completion returns: every token up to and including the o
 string (the tokenizer may have merged the stop string's last characters with text after it into that token, so the
 token ids are never cut inside a token; their log-probs are those of exactly these tokens). The text ends just before
 the stop string, or just after it with `include_stop_str_in_output`, as in vLLM.
+
+`TokenBytes`: the UTF-8 bytes of one token, as OpenAI's chat log-probs carry them (`bytes`), so that a client joins
+the bytes of the tokens that split a character to read it back. A token that ends or starts inside a multi-byte
+character decodes on its own to U+FFFD, whose bytes (EF BF BD) are not the token's: its bytes are read from the
+vocabulary instead, for byte-level BPE tokenizers (GPT-2's alphabet: Qwen, Llama 3, ...) and SentencePiece
+byte-fallback pieces (`<0xC3>`: Llama 2, Mistral, Gemma). Every other token's bytes are its text's.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 # Prompt tokens decoded ahead of the first output token, so that its text is what it reads after the prompt (a
@@ -149,3 +157,60 @@ class OutputText:
             return ""
         released, self._released = self.text[self._released : upto], upto
         return released
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read back: the character a byte-level BPE vocabulary writes for each byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    kept += range(ord("\u00ae"), ord("\u00ff") + 1)
+    characters = {byte: byte for byte in kept}
+    for byte in range(256):
+        if byte not in characters:
+            characters[byte] = 256 + len(characters) - len(kept)
+    return {chr(character): byte for byte, character in characters.items()}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
+def _decoder_types(tokenizer: Any) -> set[str]:
+    """The types of a fast tokenizer's decoders ("ByteLevel", "ByteFallback", ...; none for any other tokenizer)."""
+    try:
+        state = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - a slow tokenizer, or one without a decoder: its tokens' bytes are their text's
+        return set()
+    found, pending = set(), [state]
+    while pending:
+        decoder = pending.pop()
+        if isinstance(decoder, dict):
+            found.add(decoder.get("type"))
+            pending.extend(decoder.get("decoders") or ())
+    return found
+
+
+class TokenBytes:
+    """The bytes of a tokenizer's tokens (`token_bytes(token_id, text)`, with `text` the token decoded alone)."""
+
+    def __init__(self, tokenizer: Any):
+        """
+        Args:
+            tokenizer: the served tokenizer.
+        """
+        self._tokenizer = tokenizer
+        types = _decoder_types(tokenizer)
+        self._byte_level = "ByteLevel" in types
+        self._byte_fallback = "ByteFallback" in types
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        """The token's bytes: its text's, unless its text holds U+FFFD where its piece spells its own bytes."""
+        if INCOMPLETE in text and (self._byte_level or self._byte_fallback) and token_id not in self._added:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and self._byte_fallback and _BYTE_PIECE.fullmatch(piece):
+                return [int(piece[3:5], 16)]
+            if isinstance(piece, str) and self._byte_level and piece and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+                return [BYTE_LEVEL_ALPHABET[c] for c in piece]
+        return list(text.encode("utf-8"))

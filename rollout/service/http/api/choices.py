@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.detokenizer import OutputText
+from rollout.detokenizer import OutputText, TokenBytes
 from rollout.engine.requests.outputs import GenerationOutput
 from rollout.protocol.group_folding import extend_version_runs
 
@@ -173,6 +173,8 @@ class LogprobFormat:
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes = TokenBytes(tokenizer)  # chat's `bytes`: a token's own, where it splits a character too
+        self._bytes_cache: dict[int, list[int]] = {}
 
     def token(self, token_id: int) -> str:
         """The text of one token on its own."""
@@ -276,4 +278,7 @@ class LogprobFormat:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token(token_id)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
+        raw = self._bytes_cache.get(token_id)
+        if raw is None:
+            raw = self._bytes_cache[token_id] = self._bytes(token_id, text)
+        return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
