@@ -73,6 +73,8 @@ class OpenAIEndpoints:
         self.tracer = Tracer()  # a rollout.group span per group, as ZeroMQ groups get (no-op without OpenTelemetry)
         self.tool_call_parser = tool_call_parser
         self.max_answer_logprobs = max_answer_logprobs
+        # The sampling settings of the model's generation_config.json, for requests that leave them out (as vLLM)
+        self.model_defaults = fields.model_sampling_defaults(manager.engine.model, manager.engine.vocab_size)
         self._own_compiles = compiles is None
         self.compiles = ConstraintCompiles(manager.engine.intake) if compiles is None else compiles
 
@@ -149,7 +151,13 @@ class OpenAIEndpoints:
         default_stops = self.manager.engine.intake.default_sampling.stop_token_ids or ()
         prompt_top = scoring.engine_top(logprobs, max_tokens) if scoring is not None else None
         sampling = fields.sampling_from(
-            body, tuple(default_stops), max_tokens, logprobs or 0, prompt_field, prompt_logprobs=prompt_top
+            body,
+            tuple(default_stops),
+            max_tokens,
+            logprobs or 0,
+            prompt_field,
+            prompt_logprobs=prompt_top,
+            model_defaults=self.model_defaults,
         )
         request = fields.GenerationRequest(
             prompts, sampling, n, stream, include_usage, logprobs, fields.flag(body, "return_token_ids"), scoring

@@ -32,6 +32,10 @@ OPENAI_SAMPLING_FIELDS = {
     "logit_bias": "logit_bias",  # token id (a JSON string key) -> bias in [-100, 100], at most 300 of them
     "return_routed_experts": "return_routes",  # MoE models: each choice's routed_experts (SGLang's and vLLM's name)
 }
+# Sampling fields a request that leaves them out takes from the model's own generation config (those it sets apart
+# from transformers' defaults: a checkpoint's generation_config.json), as vLLM's `--generation-config auto`, its
+# default, takes them; a field the model's config does not set keeps OpenAI's default.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # OpenAI request fields that carry no generation semantics: accepted, with no effect (docs/guides/openai.md).
 NO_EFFECT_FIELDS = {
     "user",  # an end-user id for the caller's own records
@@ -142,6 +146,22 @@ def check_fields(body: Any, known: set[str]) -> dict[str, Any]:
     return body
 
 
+def model_sampling_defaults(model: Any, vocab_size: int) -> dict[str, Any]:
+    """The `MODEL_DEFAULT_FIELDS` the model's generation config sets apart from transformers' defaults, by their
+    request names: what a request that leaves them out samples with (vLLM's `--generation-config auto`).
+
+    Args:
+        model: the served model (its `generation_config`; none: no defaults).
+        vocab_size: the model's vocabulary (a larger top_k keeps all of it, as `generate` keeps it).
+    """
+    config = getattr(model, "generation_config", None)
+    diff = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {}
+    defaults = {name: diff[name] for name in MODEL_DEFAULT_FIELDS if diff.get(name) is not None}
+    if type(defaults.get("top_k")) is int and defaults["top_k"] > vocab_size:
+        defaults["top_k"] = vocab_size
+    return defaults
+
+
 def sampling_from(
     body: dict[str, Any],
     default_stops: tuple[int, ...],
@@ -149,6 +169,7 @@ def sampling_from(
     top_logprobs: int,
     prompt_field: str,
     prompt_logprobs: int | None = None,
+    model_defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The SamplingParams of a body (a 400 naming the body's field when one is bad).
 
@@ -159,9 +180,11 @@ def sampling_from(
         top_logprobs: top log-probs per token to compute.
         prompt_field: "prompt" or "messages" (where prompt errors point).
         prompt_logprobs: top log-probs per prompt position to compute (None: the prompt is not scored).
+        model_defaults: what the request takes where it leaves a field out or null (`model_sampling_defaults`).
     """
+    given = {**(model_defaults or {}), **{name: value for name, value in body.items() if value is not None}}
     fields: dict[str, Any] = {
-        target: body[name] for name, target in OPENAI_SAMPLING_FIELDS.items() if body.get(name) is not None
+        target: given[name] for name, target in OPENAI_SAMPLING_FIELDS.items() if given.get(name) is not None
     }
     top_k = fields.get("top_k")
     if top_k == -1 and not isinstance(top_k, bool):  # vLLM's "disabled"
