@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 
-from rollout.config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig, FieldError
 from rollout.engine.manager.continuous_batching import init_continuous_batching
 from rollout.presets import tiny_model, tiny_tokenizer
 from rollout.service.http.serving.server import HttpServer
@@ -59,3 +59,20 @@ def test_fields_the_request_sends_win_over_the_models(api):
         model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, logprobs=0, seed=5, extra_body=extra
     )
     assert all(logprob < -1 for logprob in answer.choices[0].logprobs.token_logprobs)  # the whole vocabulary
+
+
+def test_generation_config_vllm_keeps_openais_defaults(model):
+    """`--generation-config vllm` (HttpSettings.generation_config): the model's config is not read; a request that
+    leaves the fields out samples the whole vocabulary at temperature 1 (OpenAI's defaults)."""
+    config = ContinuousBatchingConfig(num_blocks=16, block_size=16)
+    manager = init_continuous_batching(model, continuous_batching_config=config, tokenizer=TOKENIZER).start()
+    http = HttpServer(manager, TOKENIZER, HttpSettings(max_n=4, max_prompt_len=128, generation_config="vllm")).start()
+    try:
+        with openai.OpenAI(base_url=f"{http.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, logprobs=0, seed=5)
+    finally:
+        http.stop()
+        manager.stop()
+    assert all(logprob < -1 for logprob in answer.choices[0].logprobs.token_logprobs)  # not top_k 1's 0.0
+    with pytest.raises(FieldError, match="generation_config"):
+        HttpSettings(generation_config="model")

@@ -46,6 +46,7 @@ HTTP_ONLY_FLAGS = (
     "--http-max-waiting-connections",
     "--tool-call-parser",
     "--trust-request-chat-template",
+    "--generation-config",
 )
 
 # --cuda-graphs and --overlap -> the config's use_cuda_graph / overlap_scheduling (None: the device decides).

@@ -44,6 +44,7 @@ class OpenAIEndpoints:
         counters: GroupCounters | None = None,
         tool_call_parser: str | None = None,
         compiles: ConstraintCompiles | None = None,
+        model_defaults: bool = True,
     ):
         """
         Args:
@@ -60,6 +61,8 @@ class OpenAIEndpoints:
             max_answer_logprobs: most log-prob entries a whole answer may hold (`answer_size.check_answer_size`).
             compiles: the worker's compile slots, shared with its ZeroMQ socket (None: slots of these endpoints' own,
                 closed by `close`).
+            model_defaults: a request that leaves a sampling field out takes the model's generation config's value
+                (`openai_fields.MODEL_DEFAULT_FIELDS`, as vLLM's --generation-config auto); False: OpenAI's defaults.
         """
         self.manager = manager
         self.model_name = model_name
@@ -74,7 +77,8 @@ class OpenAIEndpoints:
         self.tool_call_parser = tool_call_parser
         self.max_answer_logprobs = max_answer_logprobs
         # The sampling settings of the model's generation_config.json, for requests that leave them out (as vLLM)
-        self.model_defaults = fields.model_sampling_defaults(manager.engine.model, manager.engine.vocab_size)
+        engine = manager.engine
+        self.model_defaults = fields.model_sampling_defaults(engine.model, engine.vocab_size) if model_defaults else {}
         self._own_compiles = compiles is None
         self.compiles = ConstraintCompiles(manager.engine.intake) if compiles is None else compiles
 

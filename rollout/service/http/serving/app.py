@@ -81,6 +81,7 @@ def build_app(
         counters,
         settings.tool_call_parser,
         compiles,
+        model_defaults=settings.generation_config == "auto",
     )
 
     def close() -> None:  # what the server calls once it stopped: the compile and parse threads

@@ -12,6 +12,7 @@ from typing import Any
 from rollout.service.http.control.flags import key_refusal
 from rollout.service.http.serving.settings import (
     DEFAULT_MAX_ANSWER_LOGPROBS,
+    GENERATION_CONFIG_MODES,
     HEAD_TIMEOUT_S,
     KEEP_ALIVE_TIMEOUT_S,
     MAX_WAITING_CONNECTIONS,
@@ -32,6 +33,14 @@ def add_http_arguments(add: Callable[..., Any]) -> None:
         help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
         "/tokenize, /detokenize, /health) on this address, over the same engine (needs pip install 'rollout[http]'; "
         "port 0 picks a free one; default: off)",
+    )
+    add(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        default="auto",
+        help="where an HTTP request's left-out temperature, top_p, top_k, min_p and repetition_penalty come from: "
+        "auto, the model's generation_config.json where it sets them (as vLLM's default), else OpenAI's defaults; "
+        "vllm, OpenAI's defaults alone (temperature 1, no truncation) (default: auto)",
     )
     add(
         "--http-max-body-bytes",

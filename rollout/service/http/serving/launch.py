@@ -96,6 +96,7 @@ def start_http(
             control_api_key=args.control_api_key,
             control_allowed_dirs=tuple(args.control_allowed_dirs),
             check_finite=args.check_finite,
+            generation_config=args.generation_config,
         )
         http = HttpServer(
             manager,

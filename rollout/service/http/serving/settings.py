@@ -37,6 +37,11 @@ KEEP_ALIVE_TIMEOUT_S = 5.0
 MAX_WAITING_CONNECTIONS = 256
 
 
+# Where a request's left-out sampling fields come from (`HttpSettings.generation_config`, vLLM's --generation-config
+# values without a folder): the model's generation config, or OpenAI's defaults alone.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
+
 @dataclass(frozen=True)
 class HttpSettings:
     """The HTTP front end's settings.
@@ -74,6 +79,9 @@ class HttpSettings:
         control_allowed_dirs: the directories /update_weights and /v1/load_lora_adapter may read (none: neither
             reads anything).
         check_finite: /update_weights refuses a checkpoint holding NaN or Inf (the worker's `--check-finite`).
+        generation_config: "auto": a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out
+            takes the model's generation config's value where it sets one (vLLM's default); "vllm": OpenAI's
+            defaults (temperature 1, no truncation), whatever the model's config says.
     """
 
     host: str = "127.0.0.1"
@@ -97,8 +105,12 @@ class HttpSettings:
     control_api_key: str | None = None
     control_allowed_dirs: tuple[str, ...] = ()
     check_finite: bool = False
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            reason = f"must be one of {list(GENERATION_CONFIG_MODES)}, got {self.generation_config!r}"
+            raise FieldError("generation_config", reason)
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise FieldError("port", f"must be in [0, 65535], got {self.port!r}")
         for name in ("max_n", "max_prompt_len", "max_waiting_connections", "max_answer_logprobs"):
