@@ -153,3 +153,31 @@ def test_an_updates_later_replies_are_sent_for_its_clients_key(slot):
     slot.handle(b"trainer", p.WeightsBucket("bad", bucket.pieces, bucket.checksum ^ 1), [data.numpy().tobytes()], None)
     error = replies(slot, 5)[-1]
     assert isinstance(error, p.Error) and error.field == "checksum" and slot.sent_keys[-1] == "K2"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"version": 0}, {"mode": "bogus"}, {"timeout_s": 0.0}],
+    ids=["version not above the current", "unknown mode", "no deadline"],
+)
+def test_a_refused_preempting_begin_leaves_the_open_update_of_another_trainer_alone(slot, fields):
+    """A second trainer's weights_begin with preempt=True that is refused (a bad version, mode or deadline) changes
+    nothing: it dropped the first trainer's open update before its own fields were checked, so one client's bad
+    announcement poisoned another's transaction. The first update still takes its bucket and commits."""
+    values = torch.full((64,), 2.0)
+    data = values.view(torch.uint8)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"first", p.WeightsBegin("kept", spec, version=4, partial=True), [], None)
+    assert isinstance(replies(slot, 1)[-1], p.WeightsReady)
+    intruder = {"version": 5, "partial": True, "preempt": True, **fields}
+    slot.handle(b"second", p.WeightsBegin("intruder", spec, **intruder), [], None)
+    refused = replies(slot, 2)[-1]
+    assert isinstance(refused, p.Error) and refused.update_id == "intruder", slot.sent
+    assert (refused.code, refused.field) == ("bad_update", next(iter(fields))), refused
+    assert slot.update is not None and slot.update.update_id == "kept"
+    bucket = p.WeightsBucket("kept", [p.TensorPiece(0, 0, 256)], bucket_checksum([data]))
+    slot.handle(b"first", bucket, [data.numpy().tobytes()], None)
+    slot.handle(b"first", p.WeightsCommit("kept"), [], None)
+    ack, committed = replies(slot, 4)[2:]
+    assert isinstance(ack, p.WeightsAck) and isinstance(committed, p.WeightsCommitted), slot.sent
+    assert committed.version == 4 and torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)

@@ -109,7 +109,7 @@ class UpdateSlot:
             return
         update = self.update
         if isinstance(message, p.WeightsBegin):
-            if update is not None and not self._vacate(identity, message):
+            if update is not None and not self._may_vacate(identity, message):
                 return
             with self.turn.inside() as outside:
                 if outside is None:
@@ -141,14 +141,17 @@ class UpdateSlot:
         except UpdateRejected as error:
             self.reject(p.Error(error.code, str(error), error.field, None, update_id))
 
-    def _vacate(self, identity: bytes, message: p.WeightsBegin) -> bool:
-        """Make room for a new begin while an update is open: True when the slot is now free."""
-        assert self.update is not None
-        takes_over, reason = begin_conflict(self.update, identity, message.preempt)
-        if takes_over:
-            self.reject(p.Error("update_preempted", reason, None))
-        else:
+    def _may_vacate(self, identity: bytes, message: p.WeightsBegin) -> bool:
+        """Whether a new begin may take the place of the open update (else it is answered "update_in_progress"). The
+        same client's begin drops it at once (it abandoned it); another's with `preempt` only once its own fields
+        passed their checks (`_begin`): a refused begin changes nothing."""
+        update = self.update
+        assert update is not None
+        takes_over, reason = begin_conflict(update, identity, message.preempt)
+        if not takes_over:
             self._send(identity, p.Error("update_in_progress", reason, "update_id", None, message.update_id))
+        elif update.identity == identity:
+            self.reject(p.Error("update_preempted", reason, None))
         return takes_over
 
     def _begin(self, identity: bytes, message: p.WeightsBegin, peer: str | None, key: str | None) -> None:
@@ -170,6 +173,8 @@ class UpdateSlot:
             logger.warning("weight update %s refused at its begin: %s", message.update_id, error)
             self._send(identity, p.Error(error.code, str(error), error.field, None, message.update_id))
             return
+        if self.update is not None:  # another client's, taken over by a preempting begin that passed its checks
+            self.reject(p.Error("update_preempted", "another trainer took the update slot over (preempt)", None))
         self.update = self._last = update
         self._span = self._tracer.update_started(
             update.update_id, len(update.specs), update.staging_bytes, message.transport, message.mode
