@@ -103,6 +103,31 @@ def test_more_buckets_than_may_wait_for_their_acks_reject_the_update(slot, monke
     assert errors and errors[0].field == "pieces" and "wait for their acks" in errors[0].message, slot.sent
 
 
+def test_four_buckets_sent_before_weights_ready_all_land(slot, monkeypatch):
+    """The protocol lets 4 buckets wait for their acks, and a bucket sent before weights_ready still lands: while
+    the staging area was still being made (seconds for a large model), that job counted as a waiting bucket, so the
+    fourth bucket dropped the update ("more than 4 buckets wait for their acks") with only 3 waiting."""
+    real_take = weights_module.StagedUpdate.take_staging
+
+    def slow_take(self):
+        time.sleep(SLOW_S)
+        real_take(self)
+
+    monkeypatch.setattr(weights_module.StagedUpdate, "take_staging", slow_take)
+    values = torch.arange(64, dtype=torch.float32)
+    data = values.view(torch.uint8)
+    spec = [p.TensorSpec("model.norm.weight", "float32", [64])]
+    slot.handle(b"trainer", p.WeightsBegin("early", spec, version=2, partial=True), [], None)
+    for index in range(4):
+        chunk = data[index * 64 : index * 64 + 64]
+        bucket = p.WeightsBucket("early", [p.TensorPiece(0, index * 64, 64)], bucket_checksum([chunk]))
+        slot.handle(b"trainer", bucket, [chunk.numpy().tobytes()], None)
+    slot.handle(b"trainer", p.WeightsCommit("early"), [], None)
+    sent = replies(slot, 6)
+    assert [type(m).__name__ for m in sent] == ["WeightsReady", *["WeightsAck"] * 4, "WeightsCommitted"], sent
+    assert torch.equal(slot.manager.engine.model.model.norm.weight.detach(), values)
+
+
 def test_rendezvous_threads_are_bounded_when_stores_never_answer(monkeypatch):
     """Ten joins aimed at a port that accepts connections but never speaks the store's protocol (a rendezvous
     that would block until its timeout): at most MAX_RENDEZVOUS threads run; joins cancelled while waiting their

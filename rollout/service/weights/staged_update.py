@@ -89,6 +89,7 @@ class StagedUpdate:
         self.sizes = [tensor_nbytes(spec) for spec in self.specs]
         self.offsets, self.staging_bytes = staging_layout(self.specs)
         self.num_buckets = 0
+        self.unacked = 0  # buckets taken whose weights_ack is not sent yet (the serving thread's count)
         self.announced = [0] * len(self.specs)  # bytes that bucket headers promised, per tensor
         self.named_empty: set[int] = set()  # zero-size tensors a bucket header named (each once: it carries no bytes)
         self.received = [0] * len(self.specs)  # bytes that landed in the staging area, per tensor

@@ -197,13 +197,15 @@ class UpdateSlot:
 
     def _receive_bucket(self, update: StagedUpdate, message: p.WeightsBucket, data_frames: list) -> None:
         """Check the bucket's structure here; its bytes are hashed, staged or received on the update's job thread,
-        which acks it (so the serving thread's work per bucket does not grow with its size)."""
-        if update.jobs.pending >= MAX_QUEUED_BUCKETS:
+        which acks it (so the serving thread's work per bucket does not grow with its size). Buckets waiting for
+        their acks are counted, not the update's jobs: its staging area's, still being made, is none."""
+        if update.unacked >= MAX_QUEUED_BUCKETS:
             raise UpdateRejected(
                 "bad_update", "pieces", f"more than {MAX_QUEUED_BUCKETS} buckets wait for their acks (wait for them)"
             )
         pieces, receiver = message.pieces, update.receiver
         receiver.accept_bucket(update, pieces, data_frames)
+        update.unacked += 1
 
         def take_bytes() -> None:
             receiver.take_bytes(update, update.begin, pieces, data_frames, message.checksum)
@@ -264,6 +266,8 @@ class UpdateSlot:
                 self.reject(reply)
                 continue
             update.touch()
+            if isinstance(reply, p.WeightsAck):
+                update.unacked -= 1
             if isinstance(reply, p.WeightsCommitted):
                 self.update = None
                 update.end(clean=True)
