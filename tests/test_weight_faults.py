@@ -275,3 +275,24 @@ def test_a_segment_attached_in_the_process_that_made_it_is_unlinked_without_a_re
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_bucket_over_the_workers_message_limit_fails_the_push_naming_the_limit():
+    """A frame over the worker's --max-message-bytes closes the connection (ZeroMQ's MAXMSGSIZE) before the worker
+    can answer: the push failed with "every worker was lost", which says nothing of the cause. Its error now names
+    the limit and the push's bucket_bytes; the old weights serve on, and a push within the limit succeeds."""
+    server = Worker("--max-message-bytes", "65536")
+    try:
+        with RolloutClient(server.address, timeout=30) as trainer:
+            with pytest.raises(RolloutError) as failed:
+                push_weights(trainer, tiny_model(seed=next(SEEDS)), version=2, transport="frames", timeout=20)
+            assert "--max-message-bytes" in str(failed.value) and "bucket_bytes" in str(failed.value), failed.value
+            # (a generate waits for the worker to be live again: the old weights serve)
+            assert trainer.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].policy_versions == [[0, 0]]
+            pushed = push_weights(
+                trainer, tiny_model(seed=next(SEEDS)), version=3, transport="frames", bucket_bytes=32768, timeout=20
+            )
+            assert pushed.version == 3
+            assert trainer.generate(PromptGroup(PROMPT, sampling=GREEDY)).completions[0].policy_versions == [[3, 0]]
+    finally:
+        server.close()

@@ -302,12 +302,16 @@ class WeightPush:
                 return  # not one of this push's workers (or already dropped)
             lost = next(link for link in self.links if link.index == index)
             transport = lost.transport if self.transport == "auto" else self.transport  # (before begin, too)
+            cause = lost.loss_cause(self.bucket_bytes)
             if not transport_named(transport).sender.survives_a_lost_worker:  # e.g. a process group needs every worker
-                raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update")
+                raise RolloutError("worker_lost", f"worker {message.address} was lost during the weight update{cause}")
             self.lost += [link for link in self.links if link.index == index]
             self.links = [link for link in self.links if link.index != index]
             if not self.links:
-                raise RolloutError("no_workers", f"every worker was lost during the weight update ({message.address})")
+                reason = f"every worker was lost during the weight update ({message.address}){cause}"
+                raise RolloutError("no_workers", reason)
+            if cause:
+                logger.warning("worker %s was lost during weight update %s%s", message.address, self.update_id, cause)
             return
         link = next((link for link in self.links if link.index == index), None)
         if link is not None:

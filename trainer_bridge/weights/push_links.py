@@ -54,6 +54,20 @@ class PushLink:
             self.committed = message
             self.open = False
 
+    def loss_cause(self, bucket_bytes: int) -> str:
+        """What a loss of its worker may come from, said in the push's error: with buckets in flight over frames, a
+        frame over the worker's --max-message-bytes, which closes the connection before the worker can answer.
+
+        Args:
+            bucket_bytes: the push's largest bucket (and frame).
+        """
+        if self.transport != "frames" or not self.pending:
+            return ""
+        return (
+            f"; its connection closed with buckets of this push in flight: a frame over the worker's "
+            f"--max-message-bytes closes it (this push's bucket_bytes is {bucket_bytes}: lower it, or raise the limit)"
+        )
+
 
 class NoReply(Exception):
     """No reply within a short poll."""
