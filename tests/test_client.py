@@ -577,3 +577,24 @@ def test_a_cancelled_groups_waiter_gets_its_abort_when_no_worker_answers_the_can
             for worker in stopped:
                 worker.process.send_signal(signal.SIGCONT)
         assert reasons == ["abort", "abort"] and seconds < 15
+
+
+def test_a_long_heartbeat_does_not_leave_groups_to_the_workers_client_timeout(monkeypatch):
+    """A worker cancels the groups of a client silent for its --client-timeout (30 s by default), and the client's
+    pings are all it sends while it waits: with heartbeat_s above that, every long group came back "abort", with no
+    error. The client pings at least every MAX_PING_GAP_S (5 s; 0.5 here, against a worker's timeout of 1.5 s)
+    whatever heartbeat_s says."""
+    from trainer_bridge.client import rollout_client
+
+    monkeypatch.setattr(rollout_client, "MAX_PING_GAP_S", 0.5, raising=False)
+    silence = 1.5  # (the client's loop wakes every half gap: a ping may come that much late)
+    server = Worker("--client-timeout", str(silence))
+    try:
+        with RolloutClient(server.address, timeout=120, heartbeat_s=60, dead_after_s=120) as client:
+            started = time.monotonic()
+            sampling = {"max_new_tokens": 1000, "stop_token_ids": [], "seed": 1}
+            completion = client.generate(PromptGroup([1, 2, 3], sampling=sampling)).completions[0]
+            assert time.monotonic() - started > silence, "the group ended before the worker's timeout"
+            assert (completion.finish_reason, len(completion.token_ids)) == ("length", 1000), completion.finish_reason
+    finally:
+        server.close()

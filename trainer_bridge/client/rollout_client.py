@@ -36,6 +36,10 @@ from trainer_bridge.client.dispatcher import Dispatcher
 from trainer_bridge.client.membership import WorkerMembership, check_wait, worker_address_problem
 from trainer_bridge.client.update_channel import UpdateChannel
 
+# The most seconds between two pings to a worker, whatever `heartbeat_s` says: a worker cancels the groups of a client
+# that sends nothing for its --client-timeout (30 s by default), and pings are all a client waiting on them sends.
+MAX_PING_GAP_S = 5.0
+
 __all__ = ["Completion", "Delta", "GroupResult", "PromptGroup", "RolloutClient", "RolloutError", "WorkerBusy"]
 
 
@@ -57,7 +61,8 @@ class RolloutClient(WorkerMembership):
         Args:
             addresses: one worker address ("tcp://host:port") or a list of them.
             timeout: default seconds any call waits for its answer.
-            heartbeat_s: seconds between pings to each worker.
+            heartbeat_s: seconds between pings to each worker; at most MAX_PING_GAP_S (5 s) are used, so that a
+                worker never takes this client for gone (its --client-timeout) while it waits on long groups.
             dead_after_s: a worker silent this long is dead; its groups go to the others.
             connect_timeout: seconds to wait for the first answer of any worker; when none answered by then, calls
                 fail with code "no_workers" naming the addresses (raise it for workers that take long to start).
@@ -94,7 +99,7 @@ class RolloutClient(WorkerMembership):
             isinstance(affinity_slack, bool) or not isinstance(affinity_slack, (int, float)) or not affinity_slack >= 0
         ):
             raise ValueError(f"affinity_slack: must be >= 0 or None, got {affinity_slack!r}")
-        self._io = Dispatcher(addresses, keys, heartbeat_s, dead_after_s, connect_timeout)
+        self._io = Dispatcher(addresses, keys, min(heartbeat_s, MAX_PING_GAP_S), dead_after_s, connect_timeout)
         # A client dropped without close() stops its I/O thread (which holds the dispatcher, not the client) and closes
         # its sockets, instead of pinging its workers until the process exits.
         weakref.finalize(self, self._io.stop)
