@@ -143,3 +143,28 @@ def test_a_block_size_that_does_not_divide_the_key_block_is_bit_for_bit_too(dtyp
     samples = sample_groups(engine, make_prompts(3, 2, 30, seed=1), "a")
     engine.close()
     assert largest_gap_to_trainer(trainer, samples) == 0.0
+
+
+def trl_fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` with TRL's `cast_lm_head_to_fp32`: the head's weight in fp32, its forward a functional
+    `F.linear` of fp32 hidden states (what `batch_invariant`'s mode computes in its tiles)."""
+    trainer = copy.deepcopy(model)
+    head = trainer.lm_head.float()
+    trainer.lm_head = head
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden.float(), head.weight.float())
+    return trainer
+
+
+def test_the_fp32_head_is_bit_for_bit_after_forwards_that_did_without_it():
+    """`fp32_logits` computes the head in the invariant tiles, as TRL's fp32 head under `batch_invariant`, also once
+    the model's forwards were found to need no `InvariantLinearMode` (an invariant engine without the fp32 head ran
+    first: its fp32 product ran as a plain `F.linear`, 2e-7 to 3e-2 nats from the trainer's, varying with the batch)."""
+    model = realistic("qwen3", torch.bfloat16)
+    trainer = trl_fp32_head(model)
+    plain = make_engine(model, batch_invariant=True)
+    sample_groups(plain, make_prompts(1, 5, 5, seed=3), "p", n=1)
+    plain.close()
+    engine = make_engine(model, batch_invariant=True, fp32_logits=True, **SMALL)
+    samples = sample_groups(engine, make_prompts(3, 2, 20, seed=4), "f")
+    engine.close()
+    assert largest_gap_to_trainer(trainer, samples) == 0.0

@@ -110,7 +110,7 @@ class ModelRunner:
         # The fp32 head's hook stays put for the runner's life (one added per call would invalidate compiled code)
         # and acts only inside a step; it is registered before any adapter's saved head (saved_head.py runs after).
         if head is not None:  # an fp32 head too: under a trainer's autocast its product is computed in bf16
-            self.fp32_head = Fp32Head(head)
+            self.fp32_head = Fp32Head(head, config.batch_invariant)
         # Prompt log-probs of the last step run (prompt_logprobs.py), for the engine to deliver when it resolves it.
         self.prompt_scorer = PromptScorer(model, text_config(model), self.adapters.state, config.batch_invariant)
         self.prompt_results: PendingPromptLogprobs | None = None

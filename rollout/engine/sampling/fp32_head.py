@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout.invariant.matmul import invariant_linear
+
 
 def projection_of(model: torch.nn.Module) -> torch.nn.Module | None:
     """The module whose product the fp32 head computes: the model's output embeddings, or where peft wraps them (a
@@ -41,12 +43,16 @@ class Fp32Head:
     """The fp32 projection hook of one engine: active only inside the engine's own forwards (other users of the
     model, a trainer's forward say, are left alone)."""
 
-    def __init__(self, head: torch.nn.Module):
+    def __init__(self, head: torch.nn.Module, batch_invariant: bool = False):
         """
         Args:
             head: the model's output embeddings (a Linear-like module with `weight` and `bias`).
+            batch_invariant: compute the product as `invariant_linear`, as a trainer's fp32 head (an `F.linear`)
+                computes under `trainer_bridge.batch_invariant`: the engine's forward runs no `InvariantLinearMode`
+                once its first forward found every `nn.Linear` swapped, so a plain `F.linear` here would not be.
         """
         self.active = False
+        self.linear = invariant_linear if batch_invariant else torch.nn.functional.linear
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self._seen: tuple[int, int] | None = None  # (storage address, version) of the weight last copied
@@ -91,7 +97,7 @@ class Fp32Head:
                 return None
             weight, bias = module.weight, module.bias
         with torch.autocast(device, enabled=False):  # a trainer's mixed precision would compute it in bf16
-            return torch.nn.functional.linear(inputs[0].float(), weight, bias)
+            return self.linear(inputs[0].float(), weight, bias)
 
     def close(self) -> None:
         """Remove the hook and free the fp32 copy. Idempotent."""
