@@ -56,3 +56,36 @@ def test_a_user_or_system_message_without_content_is_a_missing_prompt(capsys, tm
         assert f"rollout-eval: error: --prompt-field messages: row 0 {where} has no content" in err, err
     status, err = run(capsys, tmp_path, [QUESTION, {"role": "assistant", "content": None}, QUESTION])
     assert status == 0, err
+
+
+def test_a_row_the_chat_template_refuses_is_named(capsys, tmp_path):
+    """A template that raises on a conversation it does not take (Mistral's and Llama 2's: "Conversation roles must
+    alternate", on a system message) stopped the run with jinja's traceback; it is one line naming the row, with the
+    template's own message (the reference: transformers' `apply_chat_template` raising it)."""
+    import jinja2
+    import pytest
+
+    from rollout.presets import tiny_model
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endfor %}"
+    )
+    system = {"role": "system", "content": "Be brief."}
+    with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
+        tokenizer.apply_chat_template([system, QUESTION], add_generation_prompt=True, tokenize=False)
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    dataset = tmp_path / "chat.jsonl"
+    dataset.write_text("".join(json.dumps({"messages": m}) + "\n" for m in ([QUESTION], [system, QUESTION])))
+    flags = ["--model", model_dir, "--dataset", dataset, "--prompt-field", "messages", "--chat", "--device", "cpu"]
+    status = main([*(str(flag) for flag in flags), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    assert (
+        "rollout-eval: error: --prompt-field messages: row 1: the tokenizer's chat template refused its messages "
+        "(Conversation roles must alternate user/assistant/user/assistant/...)" in err
+    ), err

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from rollout.cli.hub import first_line
 from rollout.engine.generate import (
     GenerationInterrupted,
     SamplesFailedWarning,
@@ -79,7 +80,8 @@ def tokenize_prompts(
             one is refused before the tokenizer spends minutes and gigabytes on it (None: no limit).
     Raises:
         PromptError: an empty or missing prompt, a list or object without --chat, a malformed message list or one
-            ending with an assistant message, a prompt over `max_chars`, or a prompt that encodes to no tokens.
+            ending with an assistant message, messages the chat template refuses (its message), a prompt over
+            `max_chars`, or a prompt that encodes to no tokens.
     """
     encoded = []
     for index, prompt in enumerate(prompts):
@@ -125,7 +127,13 @@ def tokenize_prompts(
                     "template would render into the prompt, for the model to read, before opening the turn it "
                     "answers in; leave the reply out of the prompt's messages"
                 )
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:  # a template may refuse a conversation (Mistral's: "roles must alternate") with its own message
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as error:
+                raise PromptError(
+                    f"--prompt-field {prompt_field}: row {index}: the tokenizer's chat template refused its messages "
+                    f"({first_line(error)}); fix or leave out such rows"
+                ) from None
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(str(prompt))["input_ids"]
