@@ -59,8 +59,9 @@ def test_the_generate_batch_example_with_a_hub_model_and_no_network(capsys, unre
 
 def test_a_hub_dataset_with_no_network(capsys, unreachable_hub):
     message = error_of(capsys, ["--model", "tiny", "--dataset", "someone/some-data:main", "--prompt-field", "q"])
-    assert message.startswith("--dataset someone/some-data: not a local path, 127.0.0.1 cannot be reached")
-    assert "--repo-type dataset" in message
+    assert message.startswith("--dataset someone/some-data:main: not a local path, 127.0.0.1 cannot be reached")
+    # the config goes with the downloaded directory (DIR alone: datasets' "Config name is missing")
+    assert "(`hf download someone/some-data --repo-type dataset --local-dir DIR`) and pass DIR:main," in message
 
 
 def test_a_hub_model_in_offline_mode_and_not_cached(capsys, unreachable_hub, monkeypatch):

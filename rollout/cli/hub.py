@@ -79,7 +79,7 @@ def in_hub_cache(repo_id: str, repo_type: str = "model") -> bool:
     return os.path.isdir(folder) and bool(os.listdir(folder))
 
 
-def check_hub_source(name: str, flag: str, repo_type: str = "model") -> bool:
+def check_hub_source(name: str, flag: str, repo_type: str = "model", config: str | None = None) -> bool:
     """Whether hub id `name` must be loaded from the local cache only (`local_files_only=True`): in offline mode, or
     when the hub cannot be reached but the cache holds it. Call it for a name that is not a local path.
 
@@ -87,6 +87,8 @@ def check_hub_source(name: str, flag: str, repo_type: str = "model") -> bool:
         name: the hub id as the user gave it.
         flag: how the user gave it, for the message (e.g. "--model").
         repo_type: "model" or "dataset".
+        config: a dataset's config as the user named it (`name:config`): named with it, and with the downloaded
+            directory the message says to pass (`DIR:config`; DIR alone would not pick the config).
     Raises:
         HubUnreachable: the hub cannot be reached and the cache does not hold `name`; the message says what to do.
     """
@@ -103,9 +105,11 @@ def check_hub_source(name: str, flag: str, repo_type: str = "model") -> bool:
         else f"{urlsplit(constants.ENDPOINT).hostname} cannot be reached from this machine (no network?)"
     )
     download = f"hf download {name}" + (" --repo-type dataset" if repo_type == "dataset" else "")
+    suffix = f":{config}" if config else ""
     raise HubUnreachable(
-        f"{flag} {name}: not a local path, {why}, and the Hugging Face cache does not hold it: download it where "
-        f"there is network (`{download} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it"
+        f"{flag} {name}{suffix}: not a local path, {why}, and the Hugging Face cache does not hold it: download it "
+        f"where there is network (`{download} --local-dir DIR`) and pass DIR{suffix}, or point HF_HOME at a cache "
+        "that holds it"
     )
 
 

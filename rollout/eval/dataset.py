@@ -65,7 +65,7 @@ def load_rows(
         rows = _slice(read_file_rows(dataset, path, ending, max_line_chars), split or DEFAULT_FILE_SPLIT, dataset)
     else:
         name, _, config = dataset.partition(":")
-        cached_only = check_hub_source(name, "--dataset", repo_type="dataset")
+        cached_only = check_hub_source(name, "--dataset", repo_type="dataset", config=config or None)
         with _offline(cached_only):
             rows = _load_with_datasets(dataset, dict(path=name, name=config or None), split or DEFAULT_HUB_SPLIT)
     if not rows:
