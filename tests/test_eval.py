@@ -140,6 +140,32 @@ def test_the_models_own_top_p_applies_without_the_flag(model_dir, tmp_path, caps
     samples_are_greedy(model_dir, tmp_path, capsys, narrow)
 
 
+def test_the_models_own_num_return_sequences_does_not_reach_the_comparison(model_dir, tmp_path, capsys):
+    """A model whose generation config samples several sequences (do_sample with num_return_sequences 2) is compared
+    greedily with generate all the same: --n is rollout-eval's own, and the model's count merged into generate's greedy
+    config made generate refuse it, a traceback after the rows were written. The reference: transformers' greedy
+    `generate` of one sequence."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    several = tmp_path / "several"
+    shutil.copytree(model_dir, several)
+    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    config.do_sample, config.num_return_sequences = True, 2
+    config.save_pretrained(several)
+    output = tmp_path / "rows.jsonl"
+    status, out, err = run(
+        capsys,
+        *("--model", several, "--dataset", REPO_DATASET, "--prompt-field", "question", "--num-samples", 2),
+        *("--max-new-tokens", MAX_NEW_TOKENS, "--compare-with-generate", 2, "--output", output, "--device", "cpu"),
+    )
+    assert status == 0, err
+    rows, summary = read_output(output)
+    assert [row["completion"] for row in rows] == reference_completions(model_dir, [row["prompt"] for row in rows])
+    assert summary["compare_with_generate"]["identical"] == 2
+
+
 def brute_force_pass_at_k(flags: list[bool], k: int) -> float:
     """The fraction of k-subsets of a prompt's samples holding a correct one (pass@k by its definition)."""
     subsets = list(itertools.combinations(flags, k))

@@ -99,12 +99,16 @@ def evaluate(
 
 def _generation_config(args: argparse.Namespace) -> Any:
     """The sampling settings as a transformers GenerationConfig: rollout and `generate` merge it with the model's
-    own generation config the same way, so both apply the same stop tokens and processors."""
+    own generation config the same way, so both apply the same stop tokens and processors. One sequence each: the
+    samples per prompt are --n's, and a model's own num_return_sequences would make `generate` refuse greedy
+    decoding (set explicitly, it is not replaced by the model's)."""
     from transformers import GenerationConfig
 
     if args.temperature == 0:
-        return GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens)
-    sampling = dict(do_sample=True, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+        return GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, num_return_sequences=1)
+    sampling = dict(
+        do_sample=True, temperature=args.temperature, max_new_tokens=args.max_new_tokens, num_return_sequences=1
+    )
     # Unset, top_p and top_k are the model's generation config's, else transformers' defaults (1.0, 50).
     if args.top_p is not None:
         sampling["top_p"] = args.top_p
