@@ -166,6 +166,38 @@ def test_the_models_own_num_return_sequences_does_not_reach_the_comparison(model
     assert summary["compare_with_generate"]["identical"] == 2
 
 
+def test_the_models_own_stop_strings_apply_in_the_comparison(model_dir, tmp_path, capsys):
+    """A model whose generation config has stop_strings: rollout stops on them (given the tokenizer), and so does the
+    comparison's generate, which needs the tokenizer too (without it generate refused, a traceback after the rows).
+    The reference: transformers' greedy `generate` with the same stop string and the tokenizer."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    question = json.loads(REPO_DATASET.read_text().splitlines()[0])["question"]
+    completion = reference_completions(model_dir, [question])[0]
+    stop = completion[4:6]  # met within the completion: it ends early
+    stopping = tmp_path / "stopping"
+    shutil.copytree(model_dir, stopping)
+    config = GenerationConfig.from_model_config(AutoModelForCausalLM.from_pretrained(model_dir).config)
+    config.stop_strings = [stop]
+    config.save_pretrained(stopping)
+    output = tmp_path / "rows.jsonl"
+    status, out, err = run(
+        capsys,
+        *("--model", stopping, "--dataset", REPO_DATASET, "--prompt-field", "question", "--num-samples", 1),
+        *("--max-new-tokens", MAX_NEW_TOKENS, "--compare-with-generate", 1, "--output", output, "--device", "cpu"),
+    )
+    assert status == 0, err
+    rows, summary = read_output(output)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(stopping).eval(), AutoTokenizer.from_pretrained(stopping)
+    prompt = tokenizer(question, return_tensors="pt")
+    expected = model.generate(**prompt, do_sample=False, max_new_tokens=MAX_NEW_TOKENS, tokenizer=tokenizer)
+    assert rows[0]["token_ids"] == expected[0, prompt["input_ids"].shape[1] :].tolist()
+    assert stop in rows[0]["completion"] and len(rows[0]["token_ids"]) < MAX_NEW_TOKENS
+    assert summary["compare_with_generate"]["identical"] == 1
+
+
 def brute_force_pass_at_k(flags: list[bool], k: int) -> float:
     """The fraction of k-subsets of a prompt's samples holding a correct one (pass@k by its definition)."""
     subsets = list(itertools.combinations(flags, k))

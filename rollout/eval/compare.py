@@ -83,6 +83,7 @@ def compare_with_generate(
     rollout_completions: Sequence[list[int]],
     generation_config: Any,
     progress_bar: bool = True,
+    tokenizer: Any = None,
 ) -> list[PromptAgreement]:
     """transformers' `generate`, one prompt at a time (no padding to differ by), greedy, with `generation_config`
     (the one rollout ran with, so the same max_new_tokens, stop tokens and processors apply), compared token by
@@ -94,6 +95,8 @@ def compare_with_generate(
         rollout_completions: rollout's completion of each prompt.
         generation_config: a `transformers.GenerationConfig` with do_sample=False.
         progress_bar: show a tqdm bar over the prompts.
+        tokenizer: the model's tokenizer, which `generate` needs for stop strings (the config's or the model's own
+            `stop_strings`), as rollout does.
     """
     device = next(model.parameters()).device
     stops = _stop_ids(generation_config, model)
@@ -107,6 +110,7 @@ def compare_with_generate(
                 torch.tensor([prompt], device=device),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                 generation_config=generation_config,
+                tokenizer=tokenizer,
             )
         tokens = output.sequences[0, len(prompt) :].tolist()
         end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))

@@ -88,7 +88,7 @@ def evaluate(
     agreements = None
     if args.compare_with_generate:
         try:
-            agreements = _compare(args, inputs.model, generated, config)
+            agreements = _compare(args, inputs.model, inputs.tokenizer, generated, config)
         except KeyboardInterrupt:
             raise EvalInterrupted(
                 f"interrupted while comparing with generate{f'; the rows are in {where}' if where else ''}"
@@ -117,11 +117,14 @@ def _generation_config(args: argparse.Namespace) -> Any:
     return GenerationConfig(**sampling)
 
 
-def _compare(args: argparse.Namespace, model: Any, generated: Generated, config: Any) -> list[PromptAgreement]:
+def _compare(
+    args: argparse.Namespace, model: Any, tokenizer: Any, generated: Generated, config: Any
+) -> list[PromptAgreement]:
     """transformers' generate on the first K prompts against rollout's first sample of each."""
     count = min(args.compare_with_generate, len(generated.prompt_ids))
     ours = {row["prompt_index"]: row["token_ids"] for row in generated.rows if row["sample_index"] == 0}
-    return compare_with_generate(model, generated.prompt_ids[:count], [ours[i] for i in range(count)], config)
+    firsts = [ours[i] for i in range(count)]
+    return compare_with_generate(model, generated.prompt_ids[:count], firsts, config, tokenizer=tokenizer)
 
 
 def _finished(rows: list[dict[str, Any]], prompts: list[Any]) -> list[dict[str, Any]]:
