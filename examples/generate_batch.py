@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per sample (default: 32)")
     args = parser.parse_args(argv)
+    for flag, count in (("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
+        if count < 1:
+            parser.error(f"{flag} {count}: must be at least 1")
     if args.model is None:
         model, tokenizer = tiny_model(), tiny_tokenizer()
         print(TINY_NOTE)

@@ -57,6 +57,23 @@ def test_the_generate_batch_example_with_a_hub_model_and_no_network(capsys, unre
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--samples", "--max-new-tokens"])
+def test_the_generate_batch_example_names_a_count_below_one(capsys, flag):
+    """examples/generate_batch.py --samples 0 (or --max-new-tokens 0) is a usage error naming the flag; it was the
+    engine's traceback naming its own fields (n, max_new_tokens)."""
+    import importlib.util
+
+    path = REPO_DATASET.parents[1] / "generate_batch.py"
+    spec = importlib.util.spec_from_file_location("generate_batch_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(SystemExit) as stop:
+        example.main([flag, "0"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} 0: must be at least 1" in err
+
+
 def test_a_hub_dataset_with_no_network(capsys, unreachable_hub):
     message = error_of(capsys, ["--model", "tiny", "--dataset", "someone/some-data:main", "--prompt-field", "q"])
     assert message.startswith("--dataset someone/some-data:main: not a local path, 127.0.0.1 cannot be reached")
