@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 
 import pytest
 import torch
@@ -156,7 +157,16 @@ def test_begin_and_abort_in_a_loop_makes_one_area_at_a_time(slot, monkeypatch):
     fake_os = type(os)("fake_os")
     fake_os.posix_fallocate = slow_fallocate
     monkeypatch.setattr(staging_module, "os", fake_os)
-    before = set(os.listdir("/dev/shm"))
+    made: list[str] = []  # this slot's segments (other tests' workers make their own in /dev/shm meanwhile)
+
+    class RecordedId:
+        def __init__(self) -> None:
+            self.hex = uuid.uuid4().hex
+            made.append(f"{staging_module.SEGMENT_PREFIX}{self.hex[:16]}")
+
+    fake_uuid = type(uuid)("fake_uuid")
+    fake_uuid.uuid4 = RecordedId
+    monkeypatch.setattr(staging_module, "uuid", fake_uuid)
     for index in range(20):
         slot.handle(b"trainer", p.WeightsBegin(f"u{index}", SPEC, partial=True, transport="shm"), [], None)
         time.sleep(0.05)
@@ -164,7 +174,7 @@ def test_begin_and_abort_in_a_loop_makes_one_area_at_a_time(slot, monkeypatch):
     _serve(slot, 2 * SLOW_S)
     assert live["peak"] == 1, live
     slot.close()
-    assert not {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("rollout-")}
+    assert made and not [name for name in made if os.path.exists(f"/dev/shm/{name}")]
 
 
 def test_a_dead_updates_late_area_leaves_the_live_torch_distributed_update_its_group(slot, monkeypatch):
