@@ -21,6 +21,7 @@ from rollout.invariant.activations import (
     invariant_silu,
     invariant_softplus,
 )
+from rollout.invariant.cpu_check import check_cpu_products
 from rollout.invariant.matmul import invariant_linear
 from rollout.invariant.mode import InvariantLinearMode
 from rollout.invariant.swaps import ModeNeed, swapped_forwards
@@ -36,6 +37,7 @@ def _fingerprint(layer: torch.nn.Linear, rows: torch.Tensor) -> tuple[torch.Tens
 def test_the_swap_acts_on_the_asking_thread_only_and_leaves_nothing_behind():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 300), torch.nn.ReLU(), torch.nn.Linear(300, 7))
+    check_cpu_products(model)  # the row bound this CPU needs (16 on an AVX-512 FP16 Xeon), as batch_invariant sets it
     rows = torch.randn(33, 512)
     seen_elsewhere = {}
 
@@ -73,17 +75,19 @@ def test_a_module_with_a_forward_of_someone_elses_is_left_alone():
 
 
 def test_the_mode_is_kept_when_the_first_forward_shows_a_linear_the_swap_cannot_see():
-    need = ModeNeed()
+    need, layer = ModeNeed(), torch.nn.Linear(3, 4)
     with InvariantLinearMode() as mode:
         torch.nn.functional.linear(torch.randn(2, 3), torch.randn(4, 3))  # a custom layer's own F.linear
-    need.learn(mode, torch.zeros(1))
-    assert need.needed(torch.zeros(1)) is True
-    assert need.needed(torch.zeros(1, dtype=torch.bfloat16)) is None  # learnt per device type and dtype
+    need.learn(mode, layer)
+    assert need.needed(layer) is True
+    assert need.needed(torch.nn.Linear(3, 4).bfloat16()) is None  # learnt per device type and dtype
     quiet = ModeNeed()
     with InvariantLinearMode() as mode:
         torch.randn(2, 3).sum()
-    quiet.learn(mode, torch.zeros(1))
-    assert quiet.needed(torch.zeros(1)) is False
+    quiet.learn(mode, layer)
+    assert quiet.needed(layer) is False
+    layer.forward = lambda x: torch.nn.functional.linear(x, layer.weight)  # e.g. TRL's fp32 head, set since
+    assert quiet.needed(layer) is None  # learnt again: the new forward may call what no swap sees
 
 
 def test_an_engine_drops_the_mode_for_a_dense_model_and_keeps_it_for_eager_experts():
@@ -92,7 +96,7 @@ def test_an_engine_drops_the_mode_for_a_dense_model_and_keeps_it_for_eager_exper
         engine = make_engine(tiny_model(kind), batch_invariant=True)
         engine.add_request("x", make_prompts(1, 9, 9)[0], greedy, max_new_tokens=3)
         run_to_completion(engine)
-        assert engine.runner._forward.mode_need.needed(next(engine.runner.model.parameters())) is needed, kind
+        assert engine.runner._forward.mode_need.needed(engine.runner.model) is needed, kind
         engine.close()
 
 
@@ -103,20 +107,19 @@ def test_a_forward_that_raised_teaches_nothing_and_a_kernel_device_keeps_the_mod
     from trainer_bridge import batch_invariant
 
     model = tiny_model("qwen3_moe")
-    parameter = next(model.parameters())
     with torch.no_grad(), batch_invariant(model):
         try:
             model(input_ids=torch.tensor([[10**6]]))
         except IndexError:
             pass
-        assert swaps.mode_need_of(model).needed(parameter) is None
+        assert swaps.mode_need_of(model).needed(model) is None
         model(input_ids=torch.tensor([[1, 2, 3]]))
-    assert swaps.mode_need_of(model).needed(parameter) is True
+    assert swaps.mode_need_of(model).needed(model) is True
     monkeypatch.setattr(swaps, "on_kernel_device", lambda x: True)
     engine = make_engine(tiny_model("qwen3"), batch_invariant=True)
     engine.add_request("x", make_prompts(1, 5, 5)[0], SamplingParams(do_sample=False), max_new_tokens=2)
     run_to_completion(engine)
-    assert engine.runner._forward.mode_need.needed(next(engine.runner.model.parameters())) is True
+    assert engine.runner._forward.mode_need.needed(engine.runner.model) is True
     engine.close()
 
 
