@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
-from test_batch_invariant import realistic, trl_batch_logprobs
+from test_batch_invariant import PAIRS, realistic, trl_batch_logprobs
 from transformers import CompileConfig
 
 from conftest import make_engine, make_prompts, run_to_completion
 from rollout import ContinuousBatchingConfig, FieldError, SamplingParams
+from rollout.invariant import mode as invariant_mode
 from trainer_bridge import batch_invariant
 
 # A small cache (preemption), a small token budget (chunked prefill, prefills beside decodes), 4-token blocks.
@@ -168,3 +169,27 @@ def test_the_fp32_head_is_bit_for_bit_after_forwards_that_did_without_it():
     samples = sample_groups(engine, make_prompts(3, 2, 20, seed=4), "f")
     engine.close()
     assert largest_gap_to_trainer(trainer, samples) == 0.0
+
+
+def test_the_trainers_fp32_head_set_after_an_invariant_forward_is_invariant_too(monkeypatch):
+    """TRL's `cast_lm_head_to_fp32` gives the head a forward calling `F.linear`, which no swap sees: set after a
+    `batch_invariant(model)` forward had found the model's forwards to need no `InvariantLinearMode` (an evaluation
+    before the trainer was built), the head ran as a plain product; the need is learnt again for the new forward,
+    and the trainer's log-probs equal an `fp32_logits` engine's bit for bit."""
+    model = realistic("qwen3", torch.bfloat16)
+    trainer = copy.deepcopy(model)
+    with torch.no_grad(), batch_invariant(trainer):
+        trl_batch_logprobs(trainer, PAIRS[:2])  # learnt: no mode needed
+    head = trainer.lm_head.float()
+    trainer.lm_head = head
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden.float(), head.weight.float())  # TRL's cast
+    routed = []  # the head's products computed as invariant_linear (this CPU's plain one happens to agree here)
+    linear = invariant_mode.invariant_linear
+    monkeypatch.setattr(
+        invariant_mode, "invariant_linear", lambda x, w, *a: routed.append(w is head.weight) or linear(x, w, *a)
+    )
+    engine = make_engine(model, batch_invariant=True, fp32_logits=True, **SMALL)
+    samples = sample_groups(engine, make_prompts(3, 2, 20, seed=4), "f")
+    engine.close()
+    assert largest_gap_to_trainer(trainer, samples) == 0.0
+    assert any(routed)

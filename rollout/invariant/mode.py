@@ -83,7 +83,7 @@ class _ModeAroundForwards:
         self.open = threading.local()  # `modes`: this thread's modes, one per forward running (None: not entered)
 
     def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        mode = None if self.need.needed(next(module.parameters())) is False else InvariantLinearMode()
+        mode = None if self.need.needed(module) is False else InvariantLinearMode()
         if mode is not None:
             mode.__enter__()
         self.open.__dict__.setdefault("modes", []).append(mode)
@@ -100,7 +100,7 @@ class _ModeAroundForwards:
         if mode is not None:
             mode.__exit__(None, None, None)
             if getattr(mode, "completed", False):
-                self.need.learn(mode, next(module.parameters()))
+                self.need.learn(mode, module)
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def _invariant_recomputation(model: torch.nn.Module, need: ModeNeed) -> Iterator
     """Around a checkpointed layer's recompute (in the backward, maybe after the block, maybe on autograd's thread):
     the swapped linears, and the mode unless the model is known not to need it."""
     with swapped_forwards(model):
-        if need.needed(next(model.parameters())) is False:
+        if need.needed(model) is False:
             yield
         else:
             with InvariantLinearMode():

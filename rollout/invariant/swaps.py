@@ -131,26 +131,45 @@ def swapped_forwards(model: torch.nn.Module) -> Iterator[None]:
         swap.let_go()
 
 
+def foreign_forwards(model: torch.nn.Module) -> frozenset[int]:
+    """The instance `forward`s of `model`'s modules that are not a swap's (someone else's: TRL's fp32 head under
+    `cast_lm_head_to_fp32` is a function calling `F.linear`, accelerate's hooks), by identity. One set after a
+    model's need was learnt may call what no swap sees, so the need is learnt again for it (`ModeNeed`)."""
+    return frozenset(
+        id(forward)
+        for module in model.modules()
+        if (forward := module.__dict__.get("forward")) is not None
+        and not (isinstance(forward, functools.partial) and forward.func in (_swapped_linear, _swapped_activation))
+    )
+
+
 class ModeNeed:
     """Whether a model's forwards still need `InvariantLinearMode` beside `swapped_forwards`, per device type and dtype
-    of its parameters: unknown until a forward there completed under the mode; then yes on a kernel device (its
-    reductions) or when the mode routed any `F.linear`, sigmoid or SiLU call."""
+    of its parameters and per set of its modules' foreign forwards (`foreign_forwards`): unknown until a forward
+    there completed under the mode; then yes on a kernel device (its reductions) or when the mode routed any
+    `F.linear`, sigmoid or SiLU call."""
 
     def __init__(self) -> None:
-        self._learnt: dict[tuple[str, torch.dtype], bool] = {}
+        self._learnt: dict[tuple[str, torch.dtype, frozenset[int]], bool] = {}
 
-    def needed(self, sample: torch.Tensor) -> bool | None:
-        """Whether the mode is needed where `sample` (one of the model's parameters) lives (None: not known yet)."""
-        return self._learnt.get((sample.device.type, sample.dtype))
+    def needed(self, model: torch.nn.Module) -> bool | None:
+        """Whether the mode is needed for `model`'s forwards as its modules are now (None: not known yet)."""
+        return self._learnt.get(_need_key(model))
 
-    def learn(self, mode: torch.overrides.TorchFunctionMode, sample: torch.Tensor) -> None:
-        """Record what one completed forward under `mode` (an `InvariantLinearMode`) showed.
+    def learn(self, mode: torch.overrides.TorchFunctionMode, model: torch.nn.Module) -> None:
+        """Record what one completed forward of `model` under `mode` (an `InvariantLinearMode`) showed.
 
         Args:
             mode: the mode the forward ran under (its `routed_calls` counted).
-            sample: one of the model's parameters.
+            model: the model (its parameters' device and dtype, its modules' foreign forwards).
         """
-        self._learnt.setdefault((sample.device.type, sample.dtype), on_kernel_device(sample) or mode.routed_calls > 0)
+        sample = next(model.parameters())
+        self._learnt.setdefault(_need_key(model), on_kernel_device(sample) or mode.routed_calls > 0)
+
+
+def _need_key(model: torch.nn.Module) -> tuple[str, torch.dtype, frozenset[int]]:
+    sample = next(model.parameters())
+    return sample.device.type, sample.dtype, foreign_forwards(model)
 
 
 _NEEDS: weakref.WeakKeyDictionary[torch.nn.Module, ModeNeed] = weakref.WeakKeyDictionary()

@@ -67,11 +67,10 @@ class ModelForward:
         if not self.batch_invariant:
             yield
             return
-        sample = next(self.model.parameters())
         with swapped_forwards(self.model):
-            if self.mode_need.needed(sample) is False:
+            if self.mode_need.needed(self.model) is False:
                 yield
                 return
             with InvariantLinearMode() as mode:
                 yield
-            self.mode_need.learn(mode, sample)  # not reached by a forward that raised
+            self.mode_need.learn(mode, self.model)  # not reached by a forward that raised
